@@ -1,0 +1,1 @@
+"""Waygate: resolver, certs, proxy and tunnel services, and the `waygate` command."""

@@ -1,0 +1,1 @@
+"""certs: the certificate authority that issues, rotates and publishes trust."""

@@ -1,0 +1,189 @@
+"""The `waygate` command: one entry point for every service and client command.
+
+Service commands (`waygate resolver serve`, ...) come from `components.py`;
+client commands are contributed by each service's `commands` module, which
+maps a command path to a function that adds its arguments and sets `func`.
+A command whose code has not landed yet says so plainly and exits 2: no
+pretend behaviour. Errors are one line on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from waygate.components import COMPONENTS, Component
+from waygate.core.clientcli import EXIT_USAGE_OR_UNREACHABLE, add_client_arguments, fail, run_client
+from waygate.core.errors import WaygateError
+from waygate.core.settings import SettingsError, add_settings_arguments, settings_from_args
+
+# Client commands: path -> (module that implements it, one-line help).
+CLIENT_COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
+    ("resolve",): ("waygate.resolver.commands", "resolve NS/NAME[:PORT] to its ready endpoints"),
+    ("routes",): ("waygate.resolver.commands", "list (or --watch) the routes the resolver serves"),
+    ("cert", "issue"): (
+        "waygate.certs.commands",
+        "generate a key locally and get a certificate for it",
+    ),
+    ("cert", "bundle"): ("waygate.certs.commands", "print the CA trust bundle"),
+    ("cert", "inspect"): (
+        "waygate.certs.commands",
+        "show a certificate file and how much life it has left",
+    ),
+    ("tunnel", "agents"): ("waygate.tunnel.commands", "list the agents a tunnel server holds"),
+}
+
+GROUP_HELP = {
+    "resolver": "the resolver service",
+    "certs": "the certificate authority service",
+    "proxy": "the HTTP/TLS reverse proxy",
+    "tunnel": "tunnel server and agent, and their client command",
+    "cert": "certificates: issue, bundle, inspect",
+}
+
+Configure = Callable[[argparse.ArgumentParser], None]
+
+
+def _not_implemented(what: str) -> Callable[[argparse.Namespace], int]:
+    def run(_args: argparse.Namespace) -> int:
+        return fail(f"`waygate {what}` is not implemented yet", EXIT_USAGE_OR_UNREACHABLE)
+
+    return run
+
+
+def _placeholder(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    parser.set_defaults(func=_not_implemented(what))
+
+
+def _client_configurer(path: tuple[str, ...]) -> Configure | None:
+    module_name, _ = CLIENT_COMMANDS[path]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise
+        return None
+    commands: dict[tuple[str, ...], Configure] = getattr(module, "COMMANDS", {})
+    return commands.get(path)
+
+
+def _serve(component: Component) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        from waygate.core.runtime import ServiceProcess
+
+        app = importlib.import_module(component.app_module)
+        try:
+            settings = settings_from_args(app.Settings, args)
+            process = ServiceProcess(component.name, settings)
+            return asyncio.run(process.run(lambda p: app.setup(p, settings)))
+        except (SettingsError, WaygateError) as exc:
+            return fail(f"{component.name}: {exc}")
+        except OSError as exc:
+            return fail(f"{component.name}: {exc.strerror or exc}")
+
+    return run
+
+
+def _health(args: argparse.Namespace) -> int:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from waygate.core.clientcli import channel_for
+
+    args.addr = args.address
+
+    async def body(settings: Any) -> int:
+        async with channel_for(args, settings) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            reply = await stub.Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=settings.timeout
+            )
+        status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        print(status)
+        return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+    return run_client(args, body)
+
+
+def _up(args: argparse.Namespace) -> int:
+    from waygate.supervisor import run_up
+
+    return run_up(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="waygate",
+        description="Waygate: traffic into, across and out of Kubernetes clusters.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    groups: dict[str, Any] = {}
+
+    def subparsers_for(path: tuple[str, ...]) -> Any:
+        """The subparsers object under which the last element of `path` goes."""
+        if len(path) == 1:
+            return commands
+        group = path[0]
+        if group not in groups:
+            group_parser = commands.add_parser(group, help=GROUP_HELP[group])
+            groups[group] = group_parser.add_subparsers(
+                dest=f"{group}_command", metavar="COMMAND", required=True
+            )
+        return groups[group]
+
+    from waygate.supervisor import UpSettings
+
+    up = commands.add_parser("up", help="run every service locally, each in its own process")
+    add_settings_arguments(up, UpSettings)
+    up.set_defaults(func=_up)
+
+    for component in COMPONENTS:
+        what = " ".join(component.command)
+        sub = subparsers_for(component.command).add_parser(
+            component.command[-1],
+            help=f"run the {component.name} process"
+            + ("" if component.implemented else " (not implemented yet)"),
+        )
+        if component.implemented:
+            app = importlib.import_module(component.app_module)
+            add_settings_arguments(sub, app.Settings)
+            sub.set_defaults(func=_serve(component))
+        else:
+            _placeholder(sub, what)
+
+    for path, (_, help_text) in CLIENT_COMMANDS.items():
+        configure = _client_configurer(path)
+        sub = subparsers_for(path).add_parser(
+            path[-1], help=help_text + ("" if configure else " (not implemented yet)")
+        )
+        if configure is None:
+            _placeholder(sub, " ".join(path))
+        else:
+            configure(sub)
+
+    health = commands.add_parser(
+        "health", help="ask a gRPC server's grpc.health.v1.Health whether it serves"
+    )
+    health.add_argument("address", help="host:port")
+    health.add_argument(
+        "service", nargs="?", default="", help="service name; empty: the whole server"
+    )
+    add_client_arguments(health, default_port=None)
+    health.set_defaults(func=_health)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

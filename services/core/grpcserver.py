@@ -1,0 +1,291 @@
+"""The gRPC server bootstrap every service uses.
+
+A `GrpcServer` is a `grpc.aio` server with:
+- `grpc.health.v1.Health`, NOT_SERVING for every service until the process
+  declares itself ready, and again from the moment it starts draining;
+- server reflection, so generic clients (grpcurl, Postman) can call it;
+- one boundary interceptor that opens the SERVER span (W3C context from the
+  metadata), counts the call in Prometheus, and maps domain errors
+  (`waygate.core.errors`) to status codes with their message. Any other
+  exception is logged with its traceback and becomes INTERNAL with a short
+  message and the trace id, never a bare UNKNOWN;
+- limits: concurrent RPCs, message size, keepalive enforcement.
+
+Servicers therefore raise domain errors and never call `context.abort` for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from prometheus_client import Counter, Histogram
+from waygate.core import tracing
+from waygate.core.errors import WaygateError
+from waygate.core.settings import GrpcServerSettings
+
+log = logging.getLogger(__name__)
+
+HANDLED = Counter(
+    "waygate_grpc_server_handled_total",
+    "gRPC calls completed by the server, by method and status code.",
+    ["grpc_service", "grpc_method", "grpc_code"],
+)
+HANDLING_SECONDS = Histogram(
+    "waygate_grpc_server_handling_seconds",
+    "Time from the start of a gRPC call to its end (whole stream for streaming calls).",
+    ["grpc_service", "grpc_method"],
+    buckets=(
+        0.0005,
+        0.001,
+        0.0025,
+        0.005,
+        0.01,
+        0.025,
+        0.05,
+        0.1,
+        0.25,
+        0.5,
+        1,
+        2.5,
+        5,
+        10,
+        30,
+        60,
+    ),
+)
+
+
+@dataclass(frozen=True)
+class ServiceRegistration:
+    """One servicer and the generated function that adds it to a server."""
+
+    name: str  # full service name, e.g. "waygate.resolver.v1.Resolver"
+    add_to_server: Callable[[Any, grpc.aio.Server], None]
+    servicer: Any
+
+
+def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
+    if isinstance(exc, WaygateError):
+        return getattr(grpc.StatusCode, exc.status), str(exc) or type(exc).__name__
+    return None
+
+
+class BoundaryInterceptor(grpc.aio.ServerInterceptor):
+    """Span, metrics and error mapping around every handler."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        full_method: str = handler_call_details.method
+        metadata = handler_call_details.invocation_metadata
+        service, method = tracing.split_method(full_method)
+
+        def start_span() -> trace.Span:
+            return tracing.tracer().start_span(
+                full_method.lstrip("/"),
+                context=tracing.extract_context(metadata),
+                kind=SpanKind.SERVER,
+                attributes=tracing.rpc_attributes(full_method),
+            )
+
+        def finish(
+            span: trace.Span, started: float, code: grpc.StatusCode, message: str = ""
+        ) -> None:
+            span.set_attribute("rpc.grpc.status_code", code.value[0])
+            if code != grpc.StatusCode.OK:
+                span.set_status(Status(StatusCode.ERROR, message or code.name))
+            span.end()
+            HANDLED.labels(service, method, code.name).inc()
+            HANDLING_SECONDS.labels(service, method).observe(time.perf_counter() - started)
+
+        async def fail(
+            context: grpc.aio.ServicerContext, span: trace.Span, started: float, exc: BaseException
+        ) -> None:
+            mapped = _status_of(exc)
+            if mapped is None:
+                trace_id = format(span.get_span_context().trace_id, "032x")
+                log.exception("unhandled error in %s", full_method, extra={"trace_id": trace_id})
+                mapped = (
+                    grpc.StatusCode.INTERNAL,
+                    f"internal error in {method}; see the server log (trace {trace_id})",
+                )
+            finish(span, started, *mapped)
+            await context.abort(*mapped)
+
+        def code_of(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+            code = context.code()
+            return code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.OK
+
+        if handler.unary_unary or handler.stream_unary:
+            behavior = handler.unary_unary or handler.stream_unary
+
+            async def unary_response(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                span, started = start_span(), time.perf_counter()
+                try:
+                    with trace.use_span(span, end_on_exit=False):
+                        response = await behavior(request, context)
+                except grpc.aio.AbortError:
+                    finish(span, started, code_of(context), context.details() or "")
+                    raise
+                except asyncio.CancelledError:
+                    finish(
+                        span,
+                        started,
+                        grpc.StatusCode.CANCELLED,
+                        "cancelled by the client or shutdown",
+                    )
+                    raise
+                except Exception as exc:
+                    await fail(context, span, started, exc)
+                    raise AssertionError("unreachable: context.abort raises") from exc
+                finish(span, started, code_of(context))
+                return response
+
+            factory = (
+                grpc.unary_unary_rpc_method_handler
+                if handler.unary_unary
+                else grpc.stream_unary_rpc_method_handler
+            )
+            return factory(
+                unary_response,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+
+        behavior = handler.unary_stream or handler.stream_stream
+
+        async def stream_response(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            span, started = start_span(), time.perf_counter()
+            try:
+                with trace.use_span(span, end_on_exit=False):
+                    if inspect.isasyncgenfunction(behavior):
+                        async for response in behavior(request, context):
+                            yield response
+                    else:
+                        await behavior(request, context)
+            except grpc.aio.AbortError:
+                finish(span, started, code_of(context), context.details() or "")
+                raise
+            except (GeneratorExit, asyncio.CancelledError):
+                finish(
+                    span, started, grpc.StatusCode.CANCELLED, "cancelled by the client or shutdown"
+                )
+                raise
+            except Exception as exc:
+                await fail(context, span, started, exc)
+                raise AssertionError("unreachable: context.abort raises") from exc
+            finish(span, started, code_of(context))
+
+        factory = (
+            grpc.unary_stream_rpc_method_handler
+            if handler.unary_stream
+            else grpc.stream_stream_rpc_method_handler
+        )
+        return factory(
+            stream_response,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+class GrpcServer:
+    """A grpc.aio server with health, reflection, limits and the boundary interceptor."""
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        registrations: Sequence[ServiceRegistration],
+        credentials: grpc.ServerCredentials | None = None,
+        max_concurrent_rpcs: int = 1000,
+        max_message_bytes: int = 4 * 1024 * 1024,
+        keepalive_time: float = 30.0,
+    ) -> None:
+        self._address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self._credentials = credentials
+        self.service_names = tuple(r.name for r in registrations)
+        self.health = health.aio.HealthServicer()
+        self._server = grpc.aio.server(
+            interceptors=[BoundaryInterceptor()],
+            maximum_concurrent_rpcs=max_concurrent_rpcs,
+            options=[
+                ("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.max_send_message_length", max_message_bytes),
+                ("grpc.keepalive_time_ms", int(keepalive_time * 1000)),
+                ("grpc.keepalive_timeout_ms", 10_000),
+                # Clients may ping idle connections every 10s, not more often.
+                ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.max_connection_age_grace_ms", 30_000),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        for registration in registrations:
+            registration.add_to_server(registration.servicer, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        reflection.enable_server_reflection(
+            (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
+        )
+        self.port = 0
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: GrpcServerSettings,
+        registrations: Sequence[ServiceRegistration],
+        credentials: grpc.ServerCredentials | None = None,
+        port: int | None = None,
+    ) -> GrpcServer:
+        return cls(
+            host=settings.host,
+            port=settings.grpc_port if port is None else port,
+            registrations=registrations,
+            credentials=credentials,
+            max_concurrent_rpcs=settings.max_concurrent_rpcs,
+            max_message_bytes=settings.max_message_bytes,
+            keepalive_time=settings.keepalive_time,
+        )
+
+    async def start(self) -> int:
+        """Bind and start; health says NOT_SERVING until `set_serving`. Returns the port."""
+        await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self._credentials is None:
+            self.port = self._server.add_insecure_port(self._address)
+        else:
+            self.port = self._server.add_secure_port(self._address, self._credentials)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {self._address}")
+        await self._server.start()
+        return self.port
+
+    async def set_serving(self) -> None:
+        await self._set_all(health_pb2.HealthCheckResponse.SERVING)
+
+    async def _set_all(self, status: int) -> None:
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float) -> None:
+        """NOT_SERVING at once, refuse new calls, let in-flight calls finish within grace."""
+        await self.health.enter_graceful_shutdown()
+        await self._server.stop(grace)
+
+    async def wait_for_termination(self) -> None:
+        await self._server.wait_for_termination()

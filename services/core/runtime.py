@@ -1,0 +1,132 @@
+"""The lifecycle of one service process.
+
+    configure logging and tracing -> admin HTTP up (/readyz 503 "starting")
+    -> the service's setup registers gRPC servers and background tasks
+    -> servers start, health NOT_SERVING -> the service calls mark_ready()
+    -> SIGTERM/SIGINT: /readyz 503 "draining", health NOT_SERVING, new calls
+       refused, in-flight calls get `shutdown_grace` to finish, background
+       tasks cancelled, cleanups run, traces flushed -> exit 0.
+
+A background task that dies with an exception stops the process with exit
+code 1: a supervisor (`waygate up`, Kubernetes) restarts it, rather than the
+process limping on without part of its job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+from waygate.core.admin import AdminServer, Readiness
+from waygate.core.grpcserver import GrpcServer
+from waygate.core.logs import configure_logging
+from waygate.core.settings import ProcessSettings
+from waygate.core.tracing import configure_tracing, shutdown_tracing
+
+log = logging.getLogger(__name__)
+
+Cleanup = Callable[[], Awaitable[None]]
+
+
+class ServiceProcess:
+    def __init__(self, service: str, settings: ProcessSettings) -> None:
+        configure_logging(service, settings.log_level)
+        configure_tracing(service, settings.otlp_endpoint)
+        self.service = service
+        self.settings = settings
+        self.readiness = Readiness()
+        self.admin = AdminServer(self.readiness)
+        self.grpc_servers: list[GrpcServer] = []
+        self._started: list[GrpcServer] = []
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._cleanups: list[Cleanup] = []
+        self._stop = asyncio.Event()
+        self._exit_code = 0
+
+    # -------------------------------------------------------- used by setup
+
+    def add_grpc_server(self, server: GrpcServer) -> GrpcServer:
+        self.grpc_servers.append(server)
+        return server
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        """Run background work for the life of the process; a crash stops the process."""
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def on_stop(self, cleanup: Cleanup) -> None:
+        """Run `cleanup` while stopping, after the servers; last registered runs first."""
+        self._cleanups.append(cleanup)
+
+    async def mark_ready(self) -> None:
+        """Health SERVING and /readyz 200; call once the service can answer correctly."""
+        if self._stop.is_set():
+            return
+        self.readiness.set_ready()
+        for server in self._started:
+            await server.set_serving()
+        log.info("ready")
+
+    def request_stop(self, exit_code: int = 0) -> None:
+        self._exit_code = max(self._exit_code, exit_code)
+        self._stop.set()
+
+    # -------------------------------------------------------- internals
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled() or self._stop.is_set():
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.error("background task %s failed; stopping", task.get_name(), exc_info=exc)
+            self.request_stop(exit_code=1)
+
+    async def run(self, setup: Callable[[ServiceProcess], Awaitable[None]]) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        try:
+            admin_port = await self.admin.start(self.settings.host, self.settings.admin_port)
+            await setup(self)
+            for server in self.grpc_servers:
+                await server.start()
+                self._started.append(server)
+                if self.readiness.ready:
+                    await server.set_serving()
+            log.info(
+                "listening",
+                extra={"grpc_ports": [s.port for s in self._started], "admin_port": admin_port},
+            )
+            await self._stop.wait()
+        finally:
+            await self._shutdown()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+        return self._exit_code
+
+    async def _shutdown(self) -> None:
+        grace = self.settings.shutdown_grace
+        self.readiness.set_not_ready("draining")
+        log.info("draining", extra={"grace_seconds": grace})
+        await asyncio.gather(
+            *(server.stop(grace) for server in self._started), return_exceptions=True
+        )
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for cleanup in reversed(self._cleanups):
+            try:
+                await cleanup()
+            except Exception:
+                log.exception("cleanup failed")
+        await self.admin.stop()
+        with contextlib.suppress(Exception):
+            shutdown_tracing()
+        log.info("stopped")

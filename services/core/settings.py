@@ -1,0 +1,365 @@
+"""Settings: one frozen, keyword-only dataclass per service, validated at start.
+
+Every field is declared with `setting(...)`, which records its help text, its
+environment variable and an optional check. `load_settings` builds an instance
+from three layers, highest first:
+
+    command-line flags  >  WAYGATE_* environment  >  YAML config file  >  default
+
+Invariants:
+- `os.environ` is read here and nowhere else in Waygate (callers may pass a
+  mapping instead, which is how tests stay hermetic).
+- A bad value stops start-up with one line naming the setting, the layer it
+  came from and what is wrong (`SettingsError`); nothing half-configured runs.
+- Instances are immutable; a service that needs different settings restarts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import ipaddress
+import os
+import re
+import types
+import typing
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+ENV_PREFIX = "WAYGATE_"
+CONFIG_ENV = "WAYGATE_CONFIG"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+S = TypeVar("S")
+Check = Callable[[Any], "str | None"]
+
+
+class SettingsError(ValueError):
+    """A setting is missing, malformed or inconsistent; the message is one line."""
+
+
+def setting(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str,
+    env: str | tuple[str, ...] | None = None,
+    check: Check | None = None,
+    parse: Callable[[str], Any] | None = None,
+    choices: tuple[str, ...] | None = None,
+) -> Any:
+    """Declare a settings field.
+
+    env:    environment variable name(s); default WAYGATE_<FIELD_NAME>.
+    check:  returns an error text for a bad (already typed) value, else None.
+    parse:  turns a string (flag, env, YAML string) into the field's type.
+    """
+    metadata = {"help": help, "env": env, "check": check, "parse": parse, "choices": choices}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+# ---------------------------------------------------------------- value parsing
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(text: str) -> float:
+    """'1h30m', '250ms', '24h' or a bare number of seconds -> seconds."""
+    text = text.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    pos, total = 0, 0.0
+    for match in _DURATION_PART.finditer(text):
+        if match.start() != pos:
+            break
+        total += float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+        pos = match.end()
+    if pos != len(text) or not text:
+        raise ValueError(f"not a duration: {text!r} (use e.g. 30s, 5m, 1h30m)")
+    return total
+
+
+def port_number(value: int) -> str | None:
+    return None if 0 <= value <= 65535 else f"must be a port number 0..65535, not {value}"
+
+
+def positive(value: float) -> str | None:
+    return None if value > 0 else f"must be greater than 0, not {value}"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {text!r} (use true or false)")
+
+
+def _strip_optional(tp: Any) -> tuple[Any, bool]:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _coerce(field: dataclasses.Field[Any], tp: Any, raw: Any) -> Any:
+    """Turn a raw value from any layer into the field's type, or raise ValueError."""
+    base, optional = _strip_optional(tp)
+    if raw is None or (optional and raw == ""):
+        if optional:
+            return None
+        raise ValueError("a value is required")
+    parse = field.metadata.get("parse")
+    if parse is not None:
+        return parse(raw) if isinstance(raw, str) else raw
+    if base is bool:
+        return raw if isinstance(raw, bool) else _parse_bool(str(raw))
+    if base is int:
+        if isinstance(raw, bool):
+            raise ValueError(f"not an integer: {raw!r}")
+        try:
+            return int(raw)
+        except (TypeError, ValueError):
+            raise ValueError(f"not an integer: {raw!r}") from None
+    if base is float:
+        try:
+            return float(raw)
+        except (TypeError, ValueError):
+            raise ValueError(f"not a number: {raw!r}") from None
+    if base is Path:
+        return Path(str(raw)).expanduser()
+    if typing.get_origin(base) is tuple:
+        items = raw.split(",") if isinstance(raw, str) else list(raw)
+        return tuple(str(i).strip() for i in items if str(i).strip())
+    if base is str:
+        if isinstance(raw, (dict, list)):
+            raise ValueError(f"not a string: {raw!r}")
+        return str(raw)
+    raise TypeError(f"settings field type {tp!r} is not supported")
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _env_names(field: dataclasses.Field[Any]) -> tuple[str, ...]:
+    env = field.metadata.get("env")
+    if env is None:
+        return (ENV_PREFIX + field.name.upper(),)
+    return (env,) if isinstance(env, str) else tuple(env)
+
+
+def _read_config_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SettingsError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise SettingsError(f"config file {path}{where} is not valid YAML") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise SettingsError(f"config file {path} must hold a mapping of setting: value")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def load_settings(
+    cls: type[S],
+    *,
+    flags: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    config_file: Path | None = None,
+) -> S:
+    """Build and validate `cls` from flags > environment > config file > defaults.
+
+    flags maps field names to values; None means "not given".
+    """
+    env = os.environ if env is None else env
+    flags = flags or {}
+    if config_file is None and env.get(CONFIG_ENV):
+        config_file = Path(env[CONFIG_ENV])
+    from_file = _read_config_file(config_file) if config_file else {}
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
+    unknown = sorted(set(from_file) - set(known))
+    if unknown:
+        raise SettingsError(f"unknown setting {unknown[0]!r} in config file {config_file}")
+    unknown_flags = sorted(k for k, v in flags.items() if v is not None and k not in known)
+    if unknown_flags:
+        raise SettingsError(f"unknown setting {unknown_flags[0]!r}")
+
+    values: dict[str, Any] = {}
+    for name, field in known.items():
+        layers: list[tuple[str, Any]] = []
+        if flags.get(name) is not None:
+            layers.append((f"--{name.replace('_', '-')}", flags[name]))
+        layers += [(var, env[var]) for var in _env_names(field) if var in env]
+        if name in from_file:
+            layers.append((f"{config_file}", from_file[name]))
+        if not layers:
+            if (
+                field.default is dataclasses.MISSING
+                and field.default_factory is dataclasses.MISSING
+            ):
+                raise SettingsError(
+                    f"setting {name} is required (--{name.replace('_', '-')} or {_env_names(field)[0]})"
+                )
+            continue
+        source, raw = layers[0]
+        try:
+            value = _coerce(field, hints[name], raw)
+        except ValueError as exc:
+            raise SettingsError(f"invalid setting {name} (from {source}): {exc}") from None
+        problem = _check_field(field, value)
+        if problem:
+            raise SettingsError(f"invalid setting {name} (from {source}): {problem}")
+        values[name] = value
+    return cls(**values)
+
+
+def _check_field(field: dataclasses.Field[Any], value: Any) -> str | None:
+    choices = field.metadata.get("choices")
+    if choices and value is not None and value not in choices:
+        return f"must be one of {', '.join(choices)}, not {value!r}"
+    check = field.metadata.get("check")
+    if check is not None and value is not None:
+        return typing.cast("str | None", check(value))
+    return None
+
+
+# ---------------------------------------------------------------- argparse
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser, cls: type[Any]) -> None:
+    """One `--flag` per field (default None = not given), plus --config."""
+    hints = typing.get_type_hints(cls)
+    group = parser.add_argument_group("settings (flags > WAYGATE_* env > --config file)")
+    group.add_argument(
+        "--config", type=Path, metavar="FILE", help=f"YAML config file (env {CONFIG_ENV})"
+    )
+    for field in dataclasses.fields(cls):
+        base, _ = _strip_optional(hints[field.name])
+        flag = "--" + field.name.replace("_", "-")
+        env_hint = _env_names(field)[0]
+        default = "" if field.default in (dataclasses.MISSING, None) else f" [{field.default}]"
+        help_text = f"{field.metadata.get('help', '')} (env {env_hint}){default}"
+        if base is bool:
+            group.add_argument(
+                flag,
+                dest=f"setting_{field.name}",
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=help_text,
+            )
+        else:
+            group.add_argument(
+                flag,
+                dest=f"setting_{field.name}",
+                default=None,
+                metavar=field.name.upper(),
+                help=help_text,
+            )
+
+
+def settings_from_args(
+    cls: type[S], args: argparse.Namespace, env: Mapping[str, str] | None = None
+) -> S:
+    flags = {
+        k.removeprefix("setting_"): v for k, v in vars(args).items() if k.startswith("setting_")
+    }
+    return load_settings(cls, flags=flags, env=env, config_file=getattr(args, "config", None))
+
+
+# ---------------------------------------------------------------- shared settings
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProcessSettings:
+    """What every Waygate process has: a listen host, an admin port, logs, traces."""
+
+    host: str = setting("127.0.0.1", help="address every listener of this process binds")
+    admin_port: int = setting(
+        0, help="admin HTTP port (/metrics /healthz /readyz)", check=port_number
+    )
+    log_level: str = setting("info", help="log level", choices=LOG_LEVELS)
+    otlp_endpoint: str | None = setting(
+        None,
+        help="OTLP/gRPC endpoint for traces (e.g. http://jaeger:4317); unset: no export",
+        env=("WAYGATE_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"),
+    )
+    shutdown_grace: float = setting(
+        10.0,
+        help="how long in-flight work may finish after SIGTERM",
+        parse=parse_duration,
+        check=positive,
+    )
+    insecure: bool = setting(False, help="allow plaintext listeners on a non-loopback host")
+    tls_cert_file: Path | None = setting(None, help="PEM serving certificate (chain)")
+    tls_key_file: Path | None = setting(None, help="PEM private key of the serving certificate")
+    tls_client_ca_file: Path | None = setting(
+        None, help="PEM CA bundle; when set, clients must present a certificate"
+    )
+
+    def __post_init__(self) -> None:
+        problem = self.validate()
+        if problem:
+            raise SettingsError(problem)
+
+    def validate(self) -> str | None:
+        """Cross-field checks; subclasses extend and call super()."""
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            return "invalid setting tls_cert_file/tls_key_file: give both or neither"
+        for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+            path = getattr(self, name)
+            if path is not None and not path.is_file():
+                return f"invalid setting {name}: {path} is not a readable file"
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            return "invalid setting tls_client_ca_file: client certificates need tls_cert_file and tls_key_file"
+        if not self.tls_enabled and not self.insecure and not is_loopback(self.host):
+            return (
+                f"invalid setting host: {self.host} is not a loopback address and no TLS is configured; "
+                "set tls_cert_file and tls_key_file, or pass --insecure to serve plaintext"
+            )
+        return None
+
+    @property
+    def tls_enabled(self) -> bool:
+        return self.tls_cert_file is not None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GrpcServerSettings(ProcessSettings):
+    """A process that serves gRPC: its port and the limits on that listener."""
+
+    grpc_port: int = setting(0, help="gRPC listen port", check=port_number)
+    max_concurrent_rpcs: int = setting(
+        1000, help="RPCs in flight before new ones get RESOURCE_EXHAUSTED", check=positive
+    )
+    max_message_bytes: int = setting(
+        4 * 1024 * 1024, help="largest gRPC message accepted", check=positive
+    )
+    keepalive_time: float = setting(
+        30.0,
+        help="interval of server keepalive pings on idle connections",
+        parse=parse_duration,
+        check=positive,
+    )

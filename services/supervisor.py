@@ -1,0 +1,258 @@
+"""`waygate up`: every implemented service on 127.0.0.1, each in its own process.
+
+Children start in `COMPONENTS` order, each waited for until its /readyz says
+ready (or a timeout passes), so certs is up before the processes that take
+their certificates from it. A child that exits on its own is restarted with
+exponential backoff (reset once it has run for a minute). SIGINT or SIGTERM
+stops every child with SIGTERM, then SIGKILL after the grace period; children
+also get SIGKILL from the kernel if `up` itself dies (PR_SET_PDEATHSIG), so no
+orphan outlives it.
+
+A component's app module may define `up_arguments(context) -> list[str]` for
+the extra flags it needs under `up` (its state directory, an example file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import dataclasses
+import importlib
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+from waygate.components import COMPONENTS, Component
+from waygate.core.backoff import Backoff
+from waygate.core.clientcli import EXIT_USAGE_OR_UNREACHABLE, fail
+from waygate.core.logs import configure_logging
+from waygate.core.settings import (
+    LOG_LEVELS,
+    SettingsError,
+    parse_duration,
+    positive,
+    setting,
+    settings_from_args,
+)
+
+log = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+STABLE_AFTER = 60.0  # a child that ran this long restarts with the initial backoff again
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class UpSettings:
+    state_dir: Path = setting(Path(".waygate"), help="where certificates, keys and state are kept")
+    port_offset: int = setting(
+        0, help="added to every default port (to run two copies side by side)"
+    )
+    ready_timeout: float = setting(
+        30.0,
+        help="how long to wait for each service's /readyz",
+        parse=parse_duration,
+        check=positive,
+    )
+    stop_grace: float = setting(
+        15.0,
+        help="how long children may take to stop before SIGKILL",
+        parse=parse_duration,
+        check=positive,
+    )
+    log_level: str = setting("info", help="log level of up itself", choices=LOG_LEVELS)
+
+    def __post_init__(self) -> None:
+        top = max(port for c in COMPONENTS for _, port in c.ports) + self.port_offset
+        if self.port_offset < 0 or top > 65535:
+            raise SettingsError(
+                f"invalid setting port_offset: {self.port_offset} puts ports outside 1..65535"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class UpContext:
+    """What a component's `up_arguments` may use."""
+
+    state_dir: Path
+    port_offset: int
+    host: str = HOST
+
+    def port(self, component_name: str, field: str) -> int:
+        component = next(c for c in COMPONENTS if c.name == component_name)
+        return component.port(field) + self.port_offset
+
+    def address(self, component_name: str, field: str = "grpc_port") -> str:
+        return f"{self.host}:{self.port(component_name, field)}"
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGKILL when the supervisor dies."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class Child:
+    def __init__(self, component: Component, argv: list[str]) -> None:
+        self.component = component
+        self.argv = argv
+        self.process: asyncio.subprocess.Process | None = None
+        self.started_at = 0.0
+        self.backoff = Backoff(initial=0.5, maximum=30.0)
+        self.restarts = 0
+
+    async def start(self) -> None:
+        self.process = await asyncio.create_subprocess_exec(*self.argv, preexec_fn=_die_with_parent)
+        self.started_at = time.monotonic()
+        log.info("started %s", self.component.name, extra={"pid": self.process.pid})
+
+    def signal(self, sig: int) -> None:
+        if self.process is not None and self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(sig)
+
+
+async def _ready(port: int, timeout: float) -> bool:
+    """Poll http://127.0.0.1:PORT/readyz until it answers 200 or the timeout passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, asyncio.TimeoutError):
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(HOST, port), 1.0)
+            try:
+                writer.write(b"GET /readyz HTTP/1.1\r\nHost: up\r\n\r\n")
+                status = await asyncio.wait_for(reader.readline(), 1.0)
+            finally:
+                writer.close()
+            if status.startswith(b"HTTP/1.1 200"):
+                return True
+        await asyncio.sleep(0.1)
+    return False
+
+
+class Supervisor:
+    def __init__(self, settings: UpSettings) -> None:
+        self.settings = settings
+        self.context = UpContext(settings.state_dir.resolve(), settings.port_offset)
+        self.children: list[Child] = []
+        self._stopping = asyncio.Event()
+
+    def _argv(self, component: Component) -> list[str]:
+        argv = [sys.executable, "-m", "waygate", *component.command, "--host", HOST]
+        for field, _ in component.ports:
+            argv += [f"--{field.replace('_', '-')}", str(self.context.port(component.name, field))]
+        app = importlib.import_module(component.app_module)
+        extra = getattr(app, "up_arguments", None)
+        if extra is not None:
+            argv += extra(self.context)
+        return argv
+
+    def print_addresses(self, implemented: list[Component], missing: list[Component]) -> None:
+        lines = ["waygate up: state in " + str(self.context.state_dir)]
+        for component in implemented:
+            for field, label in component.port_labels:
+                lines.append(
+                    f"  {component.name:<14} {self.context.host}:{self.context.port(component.name, field):<6} {label}"
+                )
+        if missing:
+            lines.append("  not implemented yet: " + ", ".join(c.name for c in missing))
+        print("\n".join(lines), flush=True)
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._stopping.set)
+        implemented = [c for c in COMPONENTS if c.implemented]
+        missing = [c for c in COMPONENTS if not c.implemented]
+        if not implemented:
+            return fail("no service is implemented yet; nothing to run", EXIT_USAGE_OR_UNREACHABLE)
+        self.context.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.print_addresses(implemented, missing)
+        watchers = []
+        try:
+            for component in implemented:
+                child = Child(component, self._argv(component))
+                self.children.append(child)
+                await child.start()
+                watchers.append(asyncio.create_task(self._watch(child)))
+                ready = asyncio.create_task(
+                    _ready(
+                        self.context.port(component.name, "admin_port"), self.settings.ready_timeout
+                    )
+                )
+                stop = asyncio.create_task(self._stopping.wait())
+                await asyncio.wait({ready, stop}, return_when=asyncio.FIRST_COMPLETED)
+                stop.cancel()
+                ready.cancel()
+                if self._stopping.is_set():
+                    break
+                if not ready.result():
+                    log.warning(
+                        "%s is not ready after %.0fs; going on",
+                        component.name,
+                        self.settings.ready_timeout,
+                    )
+            if not self._stopping.is_set():
+                print("waygate up: all services started; Ctrl-C stops them", flush=True)
+            await self._stopping.wait()
+        finally:
+            await self._stop_all()
+            for watcher in watchers:
+                watcher.cancel()
+            await asyncio.gather(*watchers, return_exceptions=True)
+        print("waygate up: stopped", flush=True)
+        return 0
+
+    async def _watch(self, child: Child) -> None:
+        while True:
+            assert child.process is not None
+            code = await child.process.wait()
+            if self._stopping.is_set():
+                return
+            if time.monotonic() - child.started_at > STABLE_AFTER:
+                child.backoff.reset()
+            delay = child.backoff.next_delay()
+            child.restarts += 1
+            log.warning(
+                "%s exited with code %s; restarting in %.1fs",
+                child.component.name,
+                code,
+                delay,
+                extra={"restarts": child.restarts},
+            )
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), delay)
+            if self._stopping.is_set():
+                return
+            await child.start()
+
+    async def _stop_all(self) -> None:
+        self._stopping.set()
+        for child in reversed(self.children):
+            child.signal(signal.SIGTERM)
+        running = [c.process.wait() for c in self.children if c.process is not None]
+        try:
+            await asyncio.wait_for(asyncio.gather(*running), self.settings.stop_grace)
+        except TimeoutError:
+            for child in self.children:
+                if child.process is not None and child.process.returncode is None:
+                    log.warning(
+                        "%s did not stop within %.0fs; killing it",
+                        child.component.name,
+                        self.settings.stop_grace,
+                    )
+                    child.signal(signal.SIGKILL)
+            await asyncio.gather(
+                *(c.process.wait() for c in self.children if c.process is not None)
+            )
+
+
+def run_up(args: argparse.Namespace) -> int:
+    try:
+        settings = settings_from_args(UpSettings, args)
+    except SettingsError as exc:
+        return fail(str(exc), EXIT_USAGE_OR_UNREACHABLE)
+    configure_logging("up", settings.log_level)
+    return asyncio.run(Supervisor(settings).run())

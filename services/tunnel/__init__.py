@@ -1,0 +1,1 @@
+"""tunnel: servers that edge agents dial out to, and the agents themselves."""
