@@ -91,6 +91,7 @@ def _serve(component: Component) -> Callable[[argparse.Namespace], int]:
 
 def _health(args: argparse.Namespace) -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     from waygate.core.clientcli import channel_for
 
     args.addr = args.address

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
+
 from waygate.core.grpcclient import ClientTLS, open_channel
 from waygate.core.logs import configure_logging
 from waygate.core.settings import (

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+
 from waygate.core import tracing
 
 RETRY_SERVICE_CONFIG = json.dumps(

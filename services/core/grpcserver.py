@@ -30,6 +30,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import Counter, Histogram
+
 from waygate.core import tracing
 from waygate.core.errors import WaygateError
 from waygate.core.settings import GrpcServerSettings

@@ -21,6 +21,8 @@ import signal
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+import grpc
+
 from waygate.core.admin import AdminServer, Readiness
 from waygate.core.grpcserver import GrpcServer
 from waygate.core.logs import configure_logging
@@ -63,6 +65,23 @@ class ServiceProcess:
     def on_stop(self, cleanup: Cleanup) -> None:
         """Run `cleanup` while stopping, after the servers; last registered runs first."""
         self._cleanups.append(cleanup)
+
+    async def server_credentials(self, *, client_auth: bool) -> grpc.ServerCredentials | None:
+        """TLS credentials for this process's gRPC listeners, from its settings.
+
+        None means plaintext (allowed only on loopback or with --insecure, which
+        the settings already enforce). With `client_auth`, clients must present
+        a certificate that chains to the configured client CA.
+        """
+        settings = self.settings
+        if settings.tls_cert_file is None or settings.tls_key_file is None:
+            return None
+        client_ca = settings.tls_client_ca_file
+        return grpc.ssl_server_credentials(
+            [(settings.tls_key_file.read_bytes(), settings.tls_cert_file.read_bytes())],
+            root_certificates=client_ca.read_bytes() if client_ca is not None else None,
+            require_client_auth=client_auth and client_ca is not None,
+        )
 
     async def mark_ready(self) -> None:
         """Health SERVING and /readyz 200; call once the service can answer correctly."""

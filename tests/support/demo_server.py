@@ -19,6 +19,7 @@ import sys
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from waygate.core import errors
 from waygate.core.grpcclient import open_channel
 from waygate.core.grpcserver import GrpcServer, ServiceRegistration
