@@ -66,12 +66,13 @@ def generate() -> None:
             shutil.copyfile(src, dest)
 
 
-def check() -> int:
+def check(package_root: Path = PACKAGE_ROOT) -> int:
+    """0 when the generated files under package_root match protos/, else 1 (and says why)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         _run_protoc(out)
         fresh = _generated(out / "waygate")
-        checked_in = _generated(PACKAGE_ROOT)
+        checked_in = _generated(package_root)
         problems = [f"missing: services/{rel}" for rel in sorted(set(fresh) - set(checked_in))]
         problems += [f"not generated from protos/: services/{rel}" for rel in sorted(set(checked_in) - set(fresh))]
         problems += [

@@ -12,6 +12,7 @@ Invariants:
 - A bad value stops start-up with one line naming the setting, the layer it
   came from and what is wrong (`SettingsError`); nothing half-configured runs.
 - Instances are immutable; a service that needs different settings restarts.
+- Every field named `*_port` is checked to be a port number (0 = any free port).
 """
 
 from __future__ import annotations
@@ -237,6 +238,12 @@ def load_settings(
 
 
 def _check_field(field: dataclasses.Field[Any], value: Any) -> str | None:
+    # Every `*_port` field is a port number, even when a subclass redeclares it
+    # with a new default and forgets the check.
+    if field.name.endswith("_port") and isinstance(value, int):
+        problem = port_number(value)
+        if problem:
+            return problem
     choices = field.metadata.get("choices")
     if choices and value is not None and value not in choices:
         return f"must be one of {', '.join(choices)}, not {value!r}"
