@@ -1,0 +1,217 @@
+"""The resolver's domain objects: services, endpoints, routes, tunnel presence.
+
+Plain frozen dataclasses mirroring `waygate.resolver.v1` (the proto side lives
+in `convert.py`), so sources (file, Kubernetes), the store and the servers share
+one vocabulary without importing grpc or protobuf.
+
+Invariants:
+- Every object is immutable and hashable-by-value; equality is what the store
+  uses to tell an effective change from a no-op write.
+- Collections are tuples, never lists, so an object cannot change after the
+  store has accepted it.
+- Each kind has a `key`; it is unique within the store for that kind.
+- Durations are float seconds, or None for "the consumer's default".
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")
+PROTOCOLS = ("TCP", "UDP", "SCTP")
+
+ServiceKey = tuple[str, str]  # (namespace, name)
+EndpointKey = tuple[str, str, str]  # (namespace, service, address)
+RouteKey = tuple[str, str]  # (namespace, name)
+
+
+class Kind(enum.Enum):
+    """The four kinds of object the store holds (ResourceKind in the proto)."""
+
+    SERVICES = "services"
+    ENDPOINTS = "endpoints"
+    ROUTES = "routes"
+    TUNNELS = "tunnels"
+
+
+# ---------------------------------------------------------------- services
+
+
+@dataclass(frozen=True)
+class ServicePort:
+    name: str
+    port: int
+    # The endpoint port this maps to: a number ("8080") or an endpoint port name.
+    target_port: str
+    protocol: str = "TCP"
+    node_port: int = 0
+
+
+@dataclass(frozen=True)
+class Service:
+    namespace: str
+    name: str
+    type: str = "ClusterIP"
+    cluster_ips: tuple[str, ...] = ()
+    headless: bool = False
+    external_name: str = ""
+    ports: tuple[ServicePort, ...] = ()
+
+    @property
+    def key(self) -> ServiceKey:
+        return (self.namespace, self.name)
+
+
+# ---------------------------------------------------------------- endpoints
+
+
+@dataclass(frozen=True)
+class EndpointPort:
+    name: str
+    port: int
+    protocol: str = "TCP"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    namespace: str
+    service: str
+    address: str
+    ports: tuple[EndpointPort, ...] = ()
+    ready: bool = True
+    serving: bool = True
+    terminating: bool = False
+    zone: str = ""
+    node_name: str = ""
+    # Only reachable through a tunnel to node_name (an edge node behind NAT).
+    tunnel: bool = False
+    hostname: str = ""
+
+    @property
+    def key(self) -> EndpointKey:
+        return (self.namespace, self.service, self.address)
+
+    @property
+    def service_key(self) -> ServiceKey:
+        return (self.namespace, self.service)
+
+    @property
+    def usable(self) -> bool:
+        """Ready for traffic: a terminating endpoint never is, even while serving."""
+        return self.ready and not self.terminating
+
+
+# ---------------------------------------------------------------- routes
+
+
+class TLSTermination(enum.Enum):
+    EDGE = "edge"
+    PASSTHROUGH = "passthrough"
+    REENCRYPT = "reencrypt"
+
+
+class InsecureEdgePolicy(enum.Enum):
+    # UNSPECIFIED in the proto means NONE, as an empty field does in OpenShift.
+    NONE = "None"
+    ALLOW = "Allow"
+    REDIRECT = "Redirect"
+
+
+class BalancePolicy(enum.Enum):
+    # UNSPECIFIED: the proxy's default (leastconn, or source for passthrough).
+    DEFAULT = ""
+    RANDOM = "random"
+    ROUND_ROBIN = "roundrobin"
+    LEAST_CONN = "leastconn"
+    SOURCE = "source"
+
+
+@dataclass(frozen=True)
+class RouteBackend:
+    service: str
+    weight: int = 100
+
+
+@dataclass(frozen=True)
+class RouteTLS:
+    termination: TLSTermination
+    certificate: str = ""
+    key: str = ""
+    ca_certificate: str = ""
+    destination_ca_certificate: str = ""
+    insecure_edge_termination_policy: InsecureEdgePolicy = InsecureEdgePolicy.NONE
+
+
+@dataclass(frozen=True)
+class StickySessions:
+    disable_cookies: bool = False
+    cookie_name: str = ""
+
+
+@dataclass(frozen=True)
+class RouteTimeouts:
+    connect: float | None = None
+    client: float | None = None
+    server: float | None = None
+    http_request: float | None = None
+    tunnel: float | None = None
+
+
+@dataclass(frozen=True)
+class Route:
+    namespace: str
+    name: str
+    host: str
+    path: str = "/"
+    # The first backend is the route's "to"; the rest are alternate backends.
+    backends: tuple[RouteBackend, ...] = ()
+    target_port: str = ""
+    # None: a plain HTTP route.
+    tls: RouteTLS | None = None
+    balance: BalancePolicy = BalancePolicy.DEFAULT
+    sticky: StickySessions = field(default_factory=StickySessions)
+    timeouts: RouteTimeouts = field(default_factory=RouteTimeouts)
+    auth_proxy_headers: bool = False
+
+    @property
+    def key(self) -> RouteKey:
+        return (self.namespace, self.name)
+
+
+# ---------------------------------------------------------------- tunnel presence
+
+
+@dataclass(frozen=True)
+class TunnelServer:
+    # Stable replica identity (e.g. the pod name) and its dialer-facing address.
+    id: str
+    address: str
+
+
+@dataclass(frozen=True)
+class TunnelPresence:
+    node: str
+    servers: tuple[TunnelServer, ...] = ()
+
+    @property
+    def key(self) -> str:
+        return self.node
+
+
+# ---------------------------------------------------------------- changes
+
+Object = Service | Endpoint | Route | TunnelPresence
+
+
+@dataclass(frozen=True)
+class Change:
+    """One effective change: `value` is the new state, or None when `key` was deleted."""
+
+    kind: Kind
+    key: tuple[str, ...] | str
+    value: Object | None
+
+    @property
+    def deleted(self) -> bool:
+        return self.value is None

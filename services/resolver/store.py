@@ -1,0 +1,484 @@
+"""The resolver's versioned in-memory view, and the subscriptions that stream it.
+
+Sources (the YAML file, Kubernetes, tunnel reports) write here; the gRPC
+boundary reads snapshots and subscribes to changes.
+
+Invariants:
+- `version` bumps by exactly one per effective mutation call; a write that
+  changes nothing (same value again) does not bump it. A multi-object call
+  (`replace_source`, `set_endpoints`) is one version with many changes.
+- Once the store has applied a deletion, no read and no subscription ever
+  returns the deleted object again (the anchors' "stale endpoint" failure).
+- `replace_source` makes a kind exactly what one source contributes now:
+  whatever that source had before and is absent now is deleted in the same
+  version, so a relist or reload leaves nothing stale behind.
+- Each object has one owning source (the last writer). A source deletes only
+  what it owns, so a file reload cannot delete what Kubernetes contributed.
+- History is bounded (`history_limit` changes); a resume from a version older
+  than the history gets a full snapshot instead.
+- A subscription never queues without bound: pending changes are coalesced to
+  the latest state per key, and past `max_pending` keys the subscriber is
+  given a fresh snapshot instead.
+- The first version is derived from the wall clock (microseconds), so a
+  client resuming with a version from a previous resolver process is older
+  than this process's history and gets a snapshot, not someone else's deltas.
+
+Mutations are synchronous and must be called from the event loop's thread;
+subscriptions wake their consumer with an asyncio.Event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from waygate.resolver.model import (
+    Change,
+    Endpoint,
+    EndpointKey,
+    Kind,
+    Route,
+    RouteKey,
+    Service,
+    ServiceKey,
+    TunnelPresence,
+    TunnelServer,
+)
+
+log = logging.getLogger(__name__)
+
+ALL_KINDS = frozenset(Kind)
+DEFAULT_HISTORY_LIMIT = 10_000
+DEFAULT_MAX_PENDING = 100_000
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Changes taking the view from `from_version` to `version`, in order."""
+
+    from_version: int
+    version: int
+    changes: tuple[Change, ...]
+    # True when older states of some keys were dropped (latest state per key kept).
+    coalesced: bool = False
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    version: int
+    services: tuple[Service, ...] = ()
+    endpoints: tuple[Endpoint, ...] = ()
+    routes: tuple[Route, ...] = ()
+    tunnels: tuple[TunnelPresence, ...] = ()
+
+
+class Subscription:
+    """One consumer's position in the change stream, with a bounded backlog.
+
+    `next()` returns a Snapshot first when the consumer needs one (a new
+    watch, a resume from a version outside the history, or a backlog that
+    outgrew `max_pending`), then Batches. A consumer that reads slower than
+    the store changes gets one coalesced Batch covering everything it missed.
+    """
+
+    def __init__(self, store: Store, kinds: frozenset[Kind], max_pending: int) -> None:
+        self._store = store
+        self.kinds = kinds
+        self._max_pending = max_pending
+        # Version of the last Snapshot or Batch handed out (what the consumer holds).
+        self.version = 0
+        self._needs_snapshot = True
+        self._pending: dict[tuple[Kind, Any], Change] = {}
+        self._coalesced = False
+        self._wakeup = asyncio.Event()
+        self._wakeup.set()
+        self.closed = False
+
+    def _offer(self, batch: Batch) -> None:
+        if self._needs_snapshot:
+            return
+        pending = self._pending
+        for change in batch.changes:
+            if change.kind not in self.kinds:
+                continue
+            slot = (change.kind, change.key)
+            if slot in pending:
+                # Keep the latest state only, and move it to the end so the
+                # order of the backlog is the order of the last changes.
+                del pending[slot]
+                self._coalesced = True
+            pending[slot] = change
+        if len(pending) > self._max_pending:
+            log.info(
+                "watch backlog over %d keys; the subscriber gets a fresh snapshot",
+                self._max_pending,
+            )
+            pending.clear()
+            self._coalesced = False
+            self._needs_snapshot = True
+        if pending or self._needs_snapshot:
+            self._wakeup.set()
+
+    def _resume(self, batches: list[Batch], from_version: int) -> None:
+        self._needs_snapshot = False
+        self.version = from_version
+        for batch in batches:
+            self._offer(batch)
+
+    def ready(self) -> bool:
+        """True when `next()` would return without waiting."""
+        return self._needs_snapshot or bool(self._pending)
+
+    def take(self) -> Snapshot | Batch | None:
+        """The next item if one is ready, else None (never waits)."""
+        if self.closed:
+            raise RuntimeError("subscription is closed")
+        if self._needs_snapshot:
+            snapshot = self._store.snapshot(self.kinds)
+            self._needs_snapshot = False
+            self._pending.clear()
+            self._coalesced = False
+            self.version = snapshot.version
+            return snapshot
+        if not self._pending:
+            return None
+        batch = Batch(
+            from_version=self.version,
+            version=self._store.version,
+            changes=tuple(self._pending.values()),
+            coalesced=self._coalesced,
+        )
+        self._pending = {}
+        self._coalesced = False
+        self.version = batch.version
+        return batch
+
+    async def next(self) -> Snapshot | Batch:
+        while True:
+            item = self.take()
+            if item is not None:
+                return item
+            self._wakeup.clear()
+            await self._wakeup.wait()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._pending.clear()
+            self._store._subscriptions.discard(self)
+
+    def __enter__(self) -> Subscription:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class Store:
+    """Versioned services, endpoints, routes and tunnel presence."""
+
+    def __init__(
+        self,
+        *,
+        history_limit: int = DEFAULT_HISTORY_LIMIT,
+        initial_version: int | None = None,
+    ) -> None:
+        if history_limit < 1:
+            raise ValueError("history_limit must be at least 1")
+        self.version = time.time_ns() // 1000 if initial_version is None else initial_version
+        self._history: deque[Batch] = deque()
+        self._history_changes = 0
+        self._history_limit = history_limit
+        # The oldest version a consumer can resume from with deltas alone.
+        self._history_floor = self.version
+        self._services: dict[ServiceKey, Service] = {}
+        self._endpoints: dict[ServiceKey, dict[str, Endpoint]] = {}
+        self._routes: dict[RouteKey, Route] = {}
+        self._tunnels: dict[str, TunnelPresence] = {}
+        self._owners: dict[Kind, dict[Any, str]] = {
+            Kind.SERVICES: {},
+            Kind.ENDPOINTS: {},
+            Kind.ROUTES: {},
+        }
+        self._sources: list[str] = []
+        self._synced: dict[str, datetime] = {}
+        self._subscriptions: set[Subscription] = set()
+
+    # ------------------------------------------------------------ reads
+
+    def get_service(self, namespace: str, name: str) -> Service | None:
+        return self._services.get((namespace, name))
+
+    def endpoints_of(self, namespace: str, service: str) -> tuple[Endpoint, ...]:
+        return tuple(self._endpoints.get((namespace, service), {}).values())
+
+    def get_route(self, namespace: str, name: str) -> Route | None:
+        return self._routes.get((namespace, name))
+
+    def routes(self, namespace: str = "") -> list[Route]:
+        """Routes sorted by (namespace, name); empty namespace: every namespace."""
+        return sorted(
+            (r for r in self._routes.values() if not namespace or r.namespace == namespace),
+            key=lambda r: r.key,
+        )
+
+    def route_owner(self, namespace: str, name: str) -> str | None:
+        return self._owners[Kind.ROUTES].get((namespace, name))
+
+    def tunnel_presence(self, node: str) -> TunnelPresence | None:
+        return self._tunnels.get(node)
+
+    def counts(self) -> dict[Kind, int]:
+        return {
+            Kind.SERVICES: len(self._services),
+            Kind.ENDPOINTS: sum(len(e) for e in self._endpoints.values()),
+            Kind.ROUTES: len(self._routes),
+            Kind.TUNNELS: len(self._tunnels),
+        }
+
+    def snapshot(self, kinds: Iterable[Kind] | None = None) -> Snapshot:
+        wanted = ALL_KINDS if kinds is None else frozenset(kinds)
+        return Snapshot(
+            version=self.version,
+            services=tuple(sorted(self._services.values(), key=lambda s: s.key))
+            if Kind.SERVICES in wanted
+            else (),
+            endpoints=tuple(
+                endpoint
+                for key in sorted(self._endpoints)
+                for endpoint in self._endpoints[key].values()
+            )
+            if Kind.ENDPOINTS in wanted
+            else (),
+            routes=tuple(self.routes()) if Kind.ROUTES in wanted else (),
+            tunnels=tuple(self._tunnels[node] for node in sorted(self._tunnels))
+            if Kind.TUNNELS in wanted
+            else (),
+        )
+
+    def changes_since(self, version: int) -> list[Batch] | None:
+        """The batches after `version`, or None when the history no longer reaches it."""
+        if version < self._history_floor or version > self.version:
+            return None
+        return [batch for batch in self._history if batch.from_version >= version]
+
+    def last_sync(self) -> tuple[str, datetime | None]:
+        """(the sources, comma-separated; the oldest of their last-sync times).
+
+        The time is None while any source has not completed a sync: the view is
+        then of unknown freshness, and consumers are told so.
+        """
+        if not self._sources:
+            return ("", None)
+        times = [self._synced.get(source) for source in self._sources]
+        oldest = None if any(t is None for t in times) else min(t for t in times if t)
+        return (",".join(self._sources), oldest)
+
+    # ------------------------------------------------------------ subscriptions
+
+    def subscribe(
+        self,
+        kinds: Iterable[Kind] | None = None,
+        *,
+        resume_from: int = 0,
+        max_pending: int = DEFAULT_MAX_PENDING,
+    ) -> Subscription:
+        """A new subscription: a snapshot first, or deltas after `resume_from` when
+        the history still reaches back that far. Close it (or use `with`) when done."""
+        wanted = frozenset(kinds) if kinds else ALL_KINDS
+        subscription = Subscription(self, wanted, max_pending)
+        if resume_from:
+            batches = self.changes_since(resume_from)
+            if batches is not None:
+                subscription._resume(batches, resume_from)
+        self._subscriptions.add(subscription)
+        return subscription
+
+    @property
+    def subscriber_count(self) -> int:
+        return len(self._subscriptions)
+
+    # ------------------------------------------------------------ writes
+
+    def mark_synced(self, source: str, when: datetime | None = None) -> None:
+        """Record that `source` confirmed its data at `when` (default: now)."""
+        self._note_source(source)
+        self._synced[source] = when or datetime.now(UTC)
+
+    def upsert_service(self, svc: Service, *, source: str) -> None:
+        changes: list[Change] = []
+        self._put_service(svc, source, changes)
+        self._commit(changes, source)
+
+    def delete_service(self, namespace: str, name: str, *, source: str) -> None:
+        changes: list[Change] = []
+        self._drop_service((namespace, name), source, changes)
+        self._commit(changes, source)
+
+    def set_endpoints(
+        self, namespace: str, service: str, endpoints: Iterable[Endpoint], *, source: str
+    ) -> None:
+        """Make `source`'s endpoints of that service exactly `endpoints`."""
+        wanted: dict[str, Endpoint] = {}
+        for endpoint in endpoints:
+            if endpoint.service_key != (namespace, service):
+                raise ValueError(
+                    f"endpoint {endpoint.key} does not belong to service {namespace}/{service}"
+                )
+            wanted[endpoint.address] = endpoint
+        changes: list[Change] = []
+        owners = self._owners[Kind.ENDPOINTS]
+        for address in list(self._endpoints.get((namespace, service), {})):
+            if address not in wanted and owners.get((namespace, service, address)) == source:
+                self._drop_endpoint((namespace, service, address), source, changes)
+        for endpoint in wanted.values():
+            self._put_endpoint(endpoint, source, changes)
+        self._commit(changes, source)
+
+    def upsert_route(self, route: Route, *, source: str) -> None:
+        changes: list[Change] = []
+        self._put_route(route, source, changes)
+        self._commit(changes, source)
+
+    def delete_route(self, namespace: str, name: str, *, source: str) -> None:
+        changes: list[Change] = []
+        self._drop_route((namespace, name), source, changes)
+        self._commit(changes, source)
+
+    def set_tunnel_presence(self, node: str, servers: Iterable[TunnelServer]) -> None:
+        """Replace which tunnel servers hold `node`; no servers: the node is gone."""
+        unique = {server.id: server for server in servers}
+        presence = TunnelPresence(node, tuple(unique[i] for i in sorted(unique)))
+        old = self._tunnels.get(node)
+        changes: list[Change] = []
+        if presence.servers:
+            if old != presence:
+                self._tunnels[node] = presence
+                changes.append(Change(Kind.TUNNELS, node, presence))
+        elif old is not None:
+            del self._tunnels[node]
+            changes.append(Change(Kind.TUNNELS, node, None))
+        self._commit(changes, None)
+
+    def replace_source(
+        self,
+        source: str,
+        *,
+        services: Iterable[Service] | None = None,
+        endpoints: Iterable[Endpoint] | None = None,
+        routes: Iterable[Route] | None = None,
+    ) -> None:
+        """Make each given kind exactly what `source` contributes (None: leave it).
+
+        Whatever `source` owned before and is absent now is deleted; all of it
+        lands in one version.
+        """
+        changes: list[Change] = []
+        if services is not None:
+            new_services = {svc.key: svc for svc in services}
+            for key in self._owned(Kind.SERVICES, source):
+                if key not in new_services:
+                    self._drop_service(key, source, changes)
+            for svc in new_services.values():
+                self._put_service(svc, source, changes)
+        if endpoints is not None:
+            new_endpoints = {ep.key: ep for ep in endpoints}
+            for key in self._owned(Kind.ENDPOINTS, source):
+                if key not in new_endpoints:
+                    self._drop_endpoint(key, source, changes)
+            for endpoint in new_endpoints.values():
+                self._put_endpoint(endpoint, source, changes)
+        if routes is not None:
+            new_routes = {route.key: route for route in routes}
+            for key in self._owned(Kind.ROUTES, source):
+                if key not in new_routes:
+                    self._drop_route(key, source, changes)
+            for route in new_routes.values():
+                self._put_route(route, source, changes)
+        self._note_source(source)
+        self._commit(changes, source)
+
+    # ------------------------------------------------------------ internals
+
+    def _owned(self, kind: Kind, source: str) -> list[Any]:
+        return [key for key, owner in self._owners[kind].items() if owner == source]
+
+    def _note_source(self, source: str) -> None:
+        if source not in self._sources:
+            self._sources.append(source)
+            self._sources.sort()
+
+    def _put_service(self, svc: Service, source: str, changes: list[Change]) -> None:
+        self._owners[Kind.SERVICES][svc.key] = source
+        if self._services.get(svc.key) != svc:
+            self._services[svc.key] = svc
+            changes.append(Change(Kind.SERVICES, svc.key, svc))
+
+    def _drop_service(self, key: ServiceKey, source: str, changes: list[Change]) -> None:
+        if not self._may_delete(Kind.SERVICES, key, source):
+            return
+        del self._owners[Kind.SERVICES][key]
+        del self._services[key]
+        changes.append(Change(Kind.SERVICES, key, None))
+
+    def _put_endpoint(self, endpoint: Endpoint, source: str, changes: list[Change]) -> None:
+        self._owners[Kind.ENDPOINTS][endpoint.key] = source
+        by_address = self._endpoints.setdefault(endpoint.service_key, {})
+        if by_address.get(endpoint.address) != endpoint:
+            by_address[endpoint.address] = endpoint
+            changes.append(Change(Kind.ENDPOINTS, endpoint.key, endpoint))
+
+    def _drop_endpoint(self, key: EndpointKey, source: str, changes: list[Change]) -> None:
+        if not self._may_delete(Kind.ENDPOINTS, key, source):
+            return
+        del self._owners[Kind.ENDPOINTS][key]
+        service_key = (key[0], key[1])
+        by_address = self._endpoints[service_key]
+        del by_address[key[2]]
+        if not by_address:
+            del self._endpoints[service_key]
+        changes.append(Change(Kind.ENDPOINTS, key, None))
+
+    def _put_route(self, route: Route, source: str, changes: list[Change]) -> None:
+        self._owners[Kind.ROUTES][route.key] = source
+        if self._routes.get(route.key) != route:
+            self._routes[route.key] = route
+            changes.append(Change(Kind.ROUTES, route.key, route))
+
+    def _drop_route(self, key: RouteKey, source: str, changes: list[Change]) -> None:
+        if not self._may_delete(Kind.ROUTES, key, source):
+            return
+        del self._owners[Kind.ROUTES][key]
+        del self._routes[key]
+        changes.append(Change(Kind.ROUTES, key, None))
+
+    def _may_delete(self, kind: Kind, key: Any, source: str) -> bool:
+        owner = self._owners[kind].get(key)
+        if owner is None:
+            return False
+        if owner != source:
+            log.debug("%s %s belongs to %s; %s may not delete it", kind.value, key, owner, source)
+            return False
+        return True
+
+    def _commit(self, changes: list[Change], source: str | None) -> None:
+        if source is not None:
+            self._note_source(source)
+        if not changes:
+            return
+        batch = Batch(self.version, self.version + 1, tuple(changes))
+        self.version = batch.version
+        self._history.append(batch)
+        self._history_changes += len(batch.changes)
+        while self._history_changes > self._history_limit and len(self._history) > 1:
+            dropped = self._history.popleft()
+            self._history_changes -= len(dropped.changes)
+            self._history_floor = dropped.version
+        for subscription in list(self._subscriptions):
+            subscription._offer(batch)
