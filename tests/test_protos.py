@@ -13,7 +13,9 @@ import generate  # noqa: E402  (protos/generate.py, not a package)
 
 
 def test_checked_in_code_matches_protos():
-    result = subprocess.run([sys.executable, "protos/generate.py", "check"], cwd=ROOT, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "protos/generate.py", "check"], cwd=ROOT, capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr
     assert "generated files match protos/" in result.stdout
 

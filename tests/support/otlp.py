@@ -36,7 +36,7 @@ class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
     def __init__(self, spans: list[ReceivedSpan], arrived: asyncio.Event) -> None:
         self._spans, self._arrived = spans, arrived
 
-    async def Export(self, request, context):  # noqa: N802 (generated name)
+    async def Export(self, request, context):
         for resource_spans in request.resource_spans:
             attrs = {a.key: _attr_value(a.value) for a in resource_spans.resource.attributes}
             service = str(attrs.get("service.name", ""))

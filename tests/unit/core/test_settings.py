@@ -37,7 +37,9 @@ def test_defaults_when_nothing_is_given():
 def test_flag_beats_env_beats_file_beats_default(tmp_path):
     config = write(tmp_path, "grpc_port: 7100\nadmin-port: 9100\nlog_level: debug\n")
     env = {"WAYGATE_GRPC_PORT": "7200", "WAYGATE_ADMIN_PORT": "9200"}
-    s = load_settings(DemoSettings, flags={"grpc_port": "7300", "admin_port": None}, env=env, config_file=config)
+    s = load_settings(
+        DemoSettings, flags={"grpc_port": "7300", "admin_port": None}, env=env, config_file=config
+    )
     assert s.grpc_port == 7300  # flag
     assert s.admin_port == 9200  # env (flag not given)
     assert s.log_level == "debug"  # file
@@ -60,11 +62,31 @@ def test_settings_are_frozen():
 @pytest.mark.parametrize(
     ("flags", "env", "expected"),
     [
-        ({"grpc_port": "seventy"}, {}, "invalid setting grpc_port (from --grpc-port): not an integer: 'seventy'"),
-        ({}, {"WAYGATE_GRPC_PORT": "70000"}, "invalid setting grpc_port (from WAYGATE_GRPC_PORT): must be a port number"),
-        ({}, {"WAYGATE_LOG_LEVEL": "loud"}, "invalid setting log_level (from WAYGATE_LOG_LEVEL): must be one of"),
-        ({"shutdown_grace": "soon"}, {}, "invalid setting shutdown_grace (from --shutdown-grace): not a duration"),
-        ({"shutdown_grace": "0s"}, {}, "invalid setting shutdown_grace (from --shutdown-grace): must be greater than 0"),
+        (
+            {"grpc_port": "seventy"},
+            {},
+            "invalid setting grpc_port (from --grpc-port): not an integer: 'seventy'",
+        ),
+        (
+            {},
+            {"WAYGATE_GRPC_PORT": "70000"},
+            "invalid setting grpc_port (from WAYGATE_GRPC_PORT): must be a port number",
+        ),
+        (
+            {},
+            {"WAYGATE_LOG_LEVEL": "loud"},
+            "invalid setting log_level (from WAYGATE_LOG_LEVEL): must be one of",
+        ),
+        (
+            {"shutdown_grace": "soon"},
+            {},
+            "invalid setting shutdown_grace (from --shutdown-grace): not a duration",
+        ),
+        (
+            {"shutdown_grace": "0s"},
+            {},
+            "invalid setting shutdown_grace (from --shutdown-grace): must be greater than 0",
+        ),
         ({"insecure": "maybe"}, {}, "invalid setting insecure (from --insecure): not a boolean"),
     ],
 )
@@ -94,7 +116,9 @@ def test_missing_config_file_is_a_clear_error(tmp_path):
 
 
 def test_non_loopback_listener_needs_tls_or_insecure():
-    with pytest.raises(SettingsError, match="invalid setting host: 0.0.0.0 is not a loopback address"):
+    with pytest.raises(
+        SettingsError, match="invalid setting host: 0.0.0.0 is not a loopback address"
+    ):
         load_settings(DemoSettings, flags={"host": "0.0.0.0"}, env={})
     assert load_settings(DemoSettings, flags={"host": "0.0.0.0", "insecure": True}, env={}).insecure
     assert load_settings(DemoSettings, flags={"host": "::1"}, env={}).host == "::1"
@@ -106,7 +130,11 @@ def test_tls_files_must_come_in_pairs_and_exist(tmp_path):
     with pytest.raises(SettingsError, match="give both or neither"):
         load_settings(DemoSettings, flags={"tls_cert_file": str(cert)}, env={})
     with pytest.raises(SettingsError, match="tls_key_file: .*missing.pem is not a readable file"):
-        load_settings(DemoSettings, flags={"tls_cert_file": str(cert), "tls_key_file": str(tmp_path / "missing.pem")}, env={})
+        load_settings(
+            DemoSettings,
+            flags={"tls_cert_file": str(cert), "tls_key_file": str(tmp_path / "missing.pem")},
+            env={},
+        )
 
 
 def test_otlp_endpoint_reads_the_standard_variable_and_ours_wins():
@@ -118,7 +146,14 @@ def test_otlp_endpoint_reads_the_standard_variable_and_ours_wins():
 
 @pytest.mark.parametrize(
     ("text", "seconds"),
-    [("30", 30.0), ("250ms", 0.25), ("1h30m", 5400.0), ("24h", 86400.0), ("1d", 86400.0), ("1.5s", 1.5)],
+    [
+        ("30", 30.0),
+        ("250ms", 0.25),
+        ("1h30m", 5400.0),
+        ("24h", 86400.0),
+        ("1d", 86400.0),
+        ("1.5s", 1.5),
+    ],
 )
 def test_parse_duration(text, seconds):
     assert parse_duration(text) == seconds
