@@ -56,8 +56,9 @@ def _not_implemented(what: str) -> Callable[[argparse.Namespace], int]:
 
 
 def _placeholder(parser: argparse.ArgumentParser, what: str) -> None:
-    parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    parser.set_defaults(func=_not_implemented(what))
+    # Whatever arguments follow are accepted: the answer is "not implemented yet"
+    # whichever flags the finished command will take.
+    parser.set_defaults(func=_not_implemented(what), accepts_any_arguments=True)
 
 
 def _client_configurer(path: tuple[str, ...]) -> Configure | None:
@@ -179,7 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "accepts_any_arguments", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return int(args.func(args))
     except KeyboardInterrupt:
