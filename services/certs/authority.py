@@ -1,0 +1,743 @@
+"""The certificate authority: CA keys, leaf signing, trust bundle, CA rotation.
+
+No grpc and no sockets here; the clock is injected (`now`), so rotation is
+tested by moving time rather than sleeping.
+
+CA life cycle (one rotation at a time):
+
+    ACTIVE ──RotateCA──> ACTIVE (old) + STAGED (new)     both published
+           ──switch_at──> RETIRING (old) + ACTIVE (new)   new signs leaves
+           ──last old leaf expired──> ACTIVE (new)        old leaves the bundle
+
+Invariants:
+- every CA that signed a leaf still valid is in the published bundle: a CA is
+  published before it signs (STAGED for the propagation delay) and stays
+  published until `retire_after`, the latest not_after of any leaf it signed;
+- a leaf never outlives its CA: not_after is capped at the signing CA's
+  not_after (the CA not_after gauge shows the cap coming);
+- the latest not_after per CA is persisted as a bound that is always >= the
+  true value (it is moved `leaf_bound_step` ahead whenever a leaf passes it),
+  so the store is written about once an hour rather than on every issue, and
+  a restart can only keep an old CA longer, never drop it early;
+- errors raise domain errors before anything is signed, recorded or written;
+- the bundle version increases with every change and survives restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import enum
+import hashlib
+import json
+import logging
+import secrets
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from waygate.certs.store import CAStore
+from waygate.core.errors import FailedPrecondition, InvalidArgument
+
+log = logging.getLogger(__name__)
+
+KEY_ALGORITHMS = ("ecdsa-p256", "rsa-2048", "rsa-3072", "ed25519")
+STATE_FILE = "state.json"
+STATE_FORMAT = 1
+#: Leaves kept in memory for ListIssued (oldest dropped first).
+ISSUED_RECORDS = 100_000
+
+PrivateKey = ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey | ed25519.Ed25519PrivateKey
+
+
+class CAState(enum.Enum):
+    STAGED = "STAGED"
+    ACTIVE = "ACTIVE"
+    RETIRING = "RETIRING"
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+def generate_key(algorithm: str) -> PrivateKey:
+    if algorithm == "ecdsa-p256":
+        return ec.generate_private_key(ec.SECP256R1())
+    if algorithm == "rsa-2048":
+        return rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    if algorithm == "rsa-3072":
+        return rsa.generate_private_key(public_exponent=65537, key_size=3072)
+    if algorithm == "ed25519":
+        return ed25519.Ed25519PrivateKey.generate()
+    raise InvalidArgument(
+        f"key algorithm must be one of {', '.join(KEY_ALGORITHMS)}, not {algorithm!r}"
+    )
+
+
+def _signature_hash(key: PrivateKey) -> hashes.SHA256 | None:
+    return None if isinstance(key, ed25519.Ed25519PrivateKey) else hashes.SHA256()
+
+
+def fingerprint(cert: x509.Certificate) -> str:
+    return hashlib.sha256(cert.public_bytes(serialization.Encoding.DER)).hexdigest()
+
+
+def _whole_seconds(moment: datetime) -> datetime:
+    # Certificates carry whole seconds; keep every computed time comparable.
+    return moment.replace(microsecond=0)
+
+
+def _iso(moment: datetime | None) -> str | None:
+    return None if moment is None else moment.isoformat()
+
+
+def _parse_iso(text: str | None) -> datetime | None:
+    return None if text is None else datetime.fromisoformat(text)
+
+
+@dataclasses.dataclass(frozen=True)
+class AuthorityConfig:
+    trust_domain: str = "waygate.local"
+    organization: str = "Waygate"
+    key_algorithm: str = "ecdsa-p256"
+    ca_lifetime: timedelta = timedelta(days=365)
+    default_lifetime: timedelta = timedelta(hours=24)
+    max_lifetime: timedelta = timedelta(days=7)
+    #: not_before is this far in the past, so peers with a slow clock accept the leaf.
+    backdate: timedelta = timedelta(minutes=5)
+    #: RotateCA's default wait between publishing a new CA and signing with it.
+    propagation_delay: timedelta = timedelta(hours=1)
+    leaf_bound_step: timedelta = timedelta(hours=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Issued:
+    leaf: x509.Certificate
+    chain: tuple[x509.Certificate, ...]  # intermediates, leaf's issuer first; empty for a root
+    valid_until: datetime
+    serial: str
+
+
+@dataclasses.dataclass(frozen=True)
+class IssuedRecord:
+    serial: str
+    identity: str
+    dns_names: tuple[str, ...]
+    uris: tuple[str, ...]
+    ip_addresses: tuple[str, ...]
+    not_before: datetime
+    not_after: datetime
+    issuer_fingerprint: str
+    requested_by: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CAView:
+    certificate: x509.Certificate
+    state: CAState
+    fingerprint: str
+    not_after: datetime
+
+    @property
+    def pem(self) -> str:
+        return self.certificate.public_bytes(serialization.Encoding.PEM).decode()
+
+
+@dataclasses.dataclass(frozen=True)
+class TrustBundleView:
+    version: int
+    authorities: tuple[CAView, ...]
+
+    @property
+    def pem(self) -> str:
+        return "".join(a.pem for a in self.authorities)
+
+    @property
+    def certificates(self) -> tuple[x509.Certificate, ...]:
+        return tuple(a.certificate for a in self.authorities)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rotation:
+    new_authority: CAView
+    signing_switch_at: datetime
+    old_retire_after: datetime  # at the latest: the old CA may sign until the switch
+    bundle: TrustBundleView
+
+
+@dataclasses.dataclass
+class _CA:
+    name: str  # file stem in the store, "ca-<generation>"
+    key: PrivateKey
+    cert: x509.Certificate
+    state: CAState
+    activate_at: datetime | None = None  # STAGED: when it starts signing
+    retire_after: datetime | None = None  # RETIRING: when it leaves the bundle
+    leaf_bound: datetime | None = None  # persisted, >= every leaf's not_after
+    leaf_max: datetime | None = None  # in memory: latest leaf not_after known
+    fingerprint: str = ""
+    ski: x509.SubjectKeyIdentifier | None = None
+
+    def __post_init__(self) -> None:
+        self.fingerprint = fingerprint(self.cert)
+        self.ski = self.cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
+
+    def view(self) -> CAView:
+        return CAView(self.cert, self.state, self.fingerprint, self.cert.not_valid_after_utc)
+
+
+class Authority:
+    """Signs leaves with the active CA and keeps the trust bundle, persisted in a CAStore."""
+
+    def __init__(
+        self,
+        store: CAStore,
+        config: AuthorityConfig,
+        cas: list[_CA],
+        *,
+        version: int,
+        generation: int,
+        now: Callable[[], datetime],
+    ) -> None:
+        self.store = store
+        self.config = config
+        self._now = now
+        self._cas = cas
+        self._version = version
+        self._generation = generation
+        self._issued: collections.deque[IssuedRecord] = collections.deque(maxlen=ISSUED_RECORDS)
+        self._listeners: list[Callable[[TrustBundleView], None]] = []
+        self._changed: asyncio.Event | None = None
+
+    # ------------------------------------------------------------ opening
+
+    @classmethod
+    def open(
+        cls,
+        store: CAStore,
+        config: AuthorityConfig | None = None,
+        *,
+        now: Callable[[], datetime] = utc_now,
+    ) -> Authority:
+        """Load the CA from `store`, or create and save one on first start.
+
+        Raises FailedPrecondition when what is stored cannot be used (unsafe or
+        unreadable key, key and certificate that do not match, bad state).
+        """
+        config = config or AuthorityConfig()
+        files = store.load()
+        if files is None:
+            authority = cls(store, config, [], version=0, generation=0, now=now)
+            ca = authority._new_ca(config.ca_lifetime, CAState.ACTIVE)
+            authority._cas.append(ca)
+            authority._version = 1
+            authority._save()
+            log.info(
+                "created CA",
+                extra={"store": store.description, "fingerprint": ca.fingerprint},
+            )
+            return authority
+        authority = cls._from_files(store, config, files, now)
+        authority.advance()
+        log.info(
+            "loaded CA",
+            extra={
+                "store": store.description,
+                "authorities": [(c.name, c.state.value, c.fingerprint) for c in authority._cas],
+            },
+        )
+        return authority
+
+    @classmethod
+    def _from_files(
+        cls,
+        store: CAStore,
+        config: AuthorityConfig,
+        files: dict[str, bytes],
+        now: Callable[[], datetime],
+    ) -> Authority:
+        where = store.description
+        if STATE_FILE not in files:
+            raise FailedPrecondition(
+                f"CA store {where} holds files but no {STATE_FILE}; refusing to create a new CA over it"
+            )
+        try:
+            state = json.loads(files[STATE_FILE])
+            if state.get("format") != STATE_FORMAT:
+                raise ValueError(f"unknown format {state.get('format')!r}")
+            entries = state["authorities"]
+            version, generation = int(state["version"]), int(state["generation"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise FailedPrecondition(
+                f"CA state {STATE_FILE} in {where} is unreadable: {exc}"
+            ) from None
+        cas: list[_CA] = []
+        for entry in entries:
+            name = entry["name"]
+            key_name, cert_name = f"{name}.key.pem", f"{name}.cert.pem"
+            if key_name not in files or cert_name not in files:
+                raise FailedPrecondition(f"CA store {where} lacks {key_name} or {cert_name}")
+            try:
+                key = serialization.load_pem_private_key(files[key_name], password=None)
+            except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
+                raise FailedPrecondition(
+                    f"CA key {key_name} in {where} is unreadable: {exc}"
+                ) from None
+            try:
+                cert = x509.load_pem_x509_certificate(files[cert_name])
+            except ValueError as exc:
+                raise FailedPrecondition(
+                    f"CA certificate {cert_name} in {where} is unreadable: {exc}"
+                ) from None
+            if not isinstance(key, PrivateKey):
+                raise FailedPrecondition(f"CA key {key_name} in {where} is of an unsupported type")
+            public = serialization.PublicFormat.SubjectPublicKeyInfo
+            if key.public_key().public_bytes(
+                serialization.Encoding.DER, public
+            ) != cert.public_key().public_bytes(serialization.Encoding.DER, public):
+                raise FailedPrecondition(f"CA key {key_name} does not match {cert_name} in {where}")
+            bound = _parse_iso(entry.get("leaf_bound"))
+            cas.append(
+                _CA(
+                    name=name,
+                    key=key,
+                    cert=cert,
+                    state=CAState(entry["state"]),
+                    activate_at=_parse_iso(entry.get("activate_at")),
+                    retire_after=_parse_iso(entry.get("retire_after")),
+                    leaf_bound=bound,
+                    leaf_max=bound,
+                )
+            )
+        if sum(1 for c in cas if c.state is CAState.ACTIVE) != 1:
+            raise FailedPrecondition(f"CA state in {where} must have exactly one ACTIVE CA")
+        return cls(store, config, cas, version=version, generation=generation, now=now)
+
+    # ------------------------------------------------------------ persistence
+
+    def _files(self) -> dict[str, bytes]:
+        files: dict[str, bytes] = {}
+        entries = []
+        for ca in self._cas:
+            files[f"{ca.name}.key.pem"] = ca.key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+            files[f"{ca.name}.cert.pem"] = ca.cert.public_bytes(serialization.Encoding.PEM)
+            entries.append(
+                {
+                    "name": ca.name,
+                    "state": ca.state.value,
+                    "fingerprint_sha256": ca.fingerprint,
+                    "activate_at": _iso(ca.activate_at),
+                    "retire_after": _iso(ca.retire_after),
+                    "leaf_bound": _iso(ca.leaf_bound),
+                }
+            )
+        state = {
+            "format": STATE_FORMAT,
+            "version": self._version,
+            "generation": self._generation,
+            "authorities": entries,
+        }
+        files[STATE_FILE] = json.dumps(state, indent=2).encode() + b"\n"
+        return files
+
+    def _save(self) -> None:
+        try:
+            self.store.save(self._files())
+        except OSError as exc:
+            raise FailedPrecondition(
+                f"cannot save the CA to {self.store.description}: {exc.strerror or exc}"
+            ) from None
+
+    # ------------------------------------------------------------ CA creation
+
+    def _new_ca(self, lifetime: timedelta, state: CAState) -> _CA:
+        self._generation += 1
+        now = _whole_seconds(self._now())
+        key = generate_key(self.config.key_algorithm)
+        name = x509.Name(
+            [
+                x509.NameAttribute(NameOID.ORGANIZATION_NAME, self.config.organization),
+                # A distinct name per generation: old and new CA never share a subject.
+                x509.NameAttribute(
+                    NameOID.COMMON_NAME,
+                    f"{self.config.trust_domain} CA {self._generation}",
+                ),
+            ]
+        )
+        ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(name)
+            .public_key(key.public_key())
+            .serial_number(_random_serial())
+            .not_valid_before(now - self.config.backdate)
+            .not_valid_after(now + lifetime)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=False,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
+            .add_extension(ski, critical=False)
+            .add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski),
+                critical=False,
+            )
+            .sign(key, _signature_hash(key))
+        )
+        return _CA(name=f"ca-{self._generation}", key=key, cert=cert, state=state)
+
+    # ------------------------------------------------------------ time
+
+    def advance(self) -> bool:
+        """Apply the transitions due by now (switch, retirement); True when the bundle changed.
+
+        Persists and notifies on change. Called by every public operation and
+        by the server's timer, so watchers see a change when it is due.
+        """
+        now = self._now()
+        changed = False
+        staged = self._find(CAState.STAGED)
+        if staged is not None and staged.activate_at is not None and now >= staged.activate_at:
+            active = self._find(CAState.ACTIVE)
+            if active is not None:
+                active.state = CAState.RETIRING
+                # Nothing signed by the old CA outlives its latest leaf; no leaf: retire now.
+                active.retire_after = active.leaf_max or _whole_seconds(now)
+            staged.state, staged.activate_at = CAState.ACTIVE, None
+            changed = True
+            log.info("CA rotation: new CA signs", extra={"fingerprint": staged.fingerprint})
+        for ca in list(self._cas):
+            if (
+                ca.state is CAState.RETIRING
+                and ca.retire_after is not None
+                and now > ca.retire_after
+            ):
+                self._cas.remove(ca)
+                changed = True
+                log.info("CA rotation: old CA retired", extra={"fingerprint": ca.fingerprint})
+        if changed:
+            self._version += 1
+            self._save()
+            self._notify()
+        return changed
+
+    def next_transition(self) -> datetime | None:
+        """When `advance` will next change something, if anything is pending."""
+        moments = [c.activate_at for c in self._cas if c.state is CAState.STAGED]
+        moments += [
+            c.retire_after + timedelta(seconds=1)
+            for c in self._cas
+            if c.state is CAState.RETIRING and c.retire_after is not None
+        ]
+        return min((m for m in moments if m is not None), default=None)
+
+    def _find(self, state: CAState) -> _CA | None:
+        return next((c for c in self._cas if c.state is state), None)
+
+    def _active(self) -> _CA:
+        active = self._find(CAState.ACTIVE)
+        if active is None:  # _from_files and advance keep exactly one
+            raise FailedPrecondition("the CA has no active signing key")
+        return active
+
+    # ------------------------------------------------------------ signing
+
+    def issue(
+        self,
+        csr: x509.CertificateSigningRequest,
+        *,
+        identity: str,
+        requested_by: str,
+        lifetime: timedelta | None = None,
+    ) -> Issued:
+        """Sign `csr` with the active CA. Policy checks are the caller's (see policy.py)."""
+        if lifetime is None:
+            lifetime = self.config.default_lifetime
+        if lifetime <= timedelta(0):
+            raise InvalidArgument(f"lifetime must be positive, not {lifetime}")
+        if lifetime > self.config.max_lifetime:
+            raise InvalidArgument(
+                f"lifetime {_human(lifetime)} exceeds the maximum {_human(self.config.max_lifetime)}"
+            )
+        check_csr(csr)
+        names = _csr_names(csr)
+        self.advance()
+        ca = self._active()
+        now = _whole_seconds(self._now())
+        not_after = min(now + lifetime, ca.cert.not_valid_after_utc)
+        if not_after <= now:
+            raise FailedPrecondition("the active CA has expired; rotate the CA")
+        not_before = max(now - self.config.backdate, ca.cert.not_valid_before_utc)
+        public_key = csr.public_key()
+        serial = _random_serial()
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([]))
+            .issuer_name(ca.cert.subject)
+            .public_key(public_key)
+            .serial_number(serial)
+            .not_valid_before(not_before)
+            .not_valid_after(not_after)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    content_commitment=False,
+                    key_encipherment=isinstance(public_key, rsa.RSAPublicKey),
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=False,
+                    crl_sign=False,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
+            .add_extension(
+                x509.ExtendedKeyUsage(
+                    [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+                ),
+                critical=False,
+            )
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False)
+            .add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca.ski),  # type: ignore[arg-type]
+                critical=False,
+            )
+            # The subject is empty (identities live in the SANs), so RFC 5280 makes the SAN critical.
+            .add_extension(x509.SubjectAlternativeName(names.general_names), critical=True)
+        )
+        leaf = builder.sign(ca.key, _signature_hash(ca.key))
+        if ca.leaf_bound is None or not_after > ca.leaf_bound:
+            previous = ca.leaf_bound
+            ca.leaf_bound = not_after + self.config.leaf_bound_step
+            try:
+                self._save()
+            except FailedPrecondition:
+                ca.leaf_bound = previous
+                raise
+        if ca.leaf_max is None or not_after > ca.leaf_max:
+            ca.leaf_max = not_after
+        serial_hex = format(serial, "x")
+        self._issued.append(
+            IssuedRecord(
+                serial=serial_hex,
+                identity=identity,
+                dns_names=names.dns,
+                uris=names.uris,
+                ip_addresses=names.ips,
+                not_before=not_before,
+                not_after=not_after,
+                issuer_fingerprint=ca.fingerprint,
+                requested_by=requested_by,
+            )
+        )
+        return Issued(leaf=leaf, chain=(), valid_until=not_after, serial=serial_hex)
+
+    def list_issued(
+        self, *, identity: str = "", include_expired: bool = False
+    ) -> list[IssuedRecord]:
+        now = self._now()
+        return [
+            r
+            for r in self._issued
+            if (not identity or r.identity == identity) and (include_expired or r.not_after >= now)
+        ]
+
+    # ------------------------------------------------------------ bundle and rotation
+
+    def trust_bundle(self) -> TrustBundleView:
+        self.advance()
+        return self._bundle()
+
+    def _bundle(self) -> TrustBundleView:
+        return TrustBundleView(self._version, tuple(ca.view() for ca in self._cas))
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def active_authority(self) -> CAView:
+        return self._active().view()
+
+    def rotate(
+        self,
+        *,
+        propagation_delay: timedelta | None = None,
+        ca_lifetime: timedelta | None = None,
+    ) -> Rotation:
+        """Stage a new CA; FailedPrecondition while an earlier rotation has not finished."""
+        self.advance()
+        delay = self.config.propagation_delay if propagation_delay is None else propagation_delay
+        lifetime = self.config.ca_lifetime if ca_lifetime is None else ca_lifetime
+        if delay < timedelta(0):
+            raise InvalidArgument(f"propagation delay must not be negative, not {delay}")
+        if lifetime <= self.config.max_lifetime:
+            raise InvalidArgument(
+                f"CA lifetime {_human(lifetime)} must exceed the maximum leaf lifetime "
+                f"{_human(self.config.max_lifetime)}"
+            )
+        busy = next((c for c in self._cas if c.state is not CAState.ACTIVE), None)
+        if busy is not None:
+            when = busy.activate_at if busy.state is CAState.STAGED else busy.retire_after
+            raise FailedPrecondition(
+                f"a CA rotation is still in progress: {busy.name} is {busy.state.value} "
+                f"until {_iso(when)}"
+            )
+        old = self._active()
+        saved_generation = self._generation
+        new = self._new_ca(lifetime, CAState.STAGED)
+        switch_at = _whole_seconds(self._now()) + delay
+        new.activate_at = switch_at
+        self._cas.append(new)
+        self._version += 1
+        try:
+            self._save()
+        except FailedPrecondition:
+            self._cas.remove(new)
+            self._version -= 1
+            self._generation = saved_generation
+            raise
+        self._notify()
+        latest_old_leaf = min(switch_at + self.config.max_lifetime, old.cert.not_valid_after_utc)
+        old_retire_after = max(latest_old_leaf, old.leaf_max or latest_old_leaf)
+        log.info(
+            "CA rotation: new CA staged",
+            extra={"fingerprint": new.fingerprint, "signing_switch_at": _iso(switch_at)},
+        )
+        # An immediate switch (delay 0) happens here, so the reply shows it.
+        self.advance()
+        return Rotation(new.view(), switch_at, old_retire_after, self._bundle())
+
+    # ------------------------------------------------------------ change notification
+
+    def add_listener(self, listener: Callable[[TrustBundleView], None]) -> None:
+        """Call `listener(bundle)` after every bundle change (e.g. to rewrite ca.pem)."""
+        self._listeners.append(listener)
+
+    async def wait_for_change(self, version: int) -> TrustBundleView:
+        """Return the bundle once its version is above `version` (at once if it already is)."""
+        while self._version <= version:
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            await self._changed.wait()
+        return self._bundle()
+
+    def _notify(self) -> None:
+        bundle = self._bundle()
+        for listener in self._listeners:
+            try:
+                listener(bundle)
+            except Exception:
+                log.exception("trust bundle listener failed")
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+
+# ---------------------------------------------------------------- CSR handling
+
+
+@dataclasses.dataclass(frozen=True)
+class _Names:
+    general_names: tuple[x509.GeneralName, ...]
+    dns: tuple[str, ...]
+    uris: tuple[str, ...]
+    ips: tuple[str, ...]
+
+
+def _csr_names(csr: x509.CertificateSigningRequest) -> _Names:
+    try:
+        extension = csr.extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    except x509.ExtensionNotFound:
+        raise InvalidArgument("the CSR asks for no subject alternative names") from None
+    general = tuple(extension.value)
+    allowed_types = (x509.DNSName, x509.UniformResourceIdentifier, x509.IPAddress)
+    for name in general:
+        if not isinstance(name, allowed_types):
+            raise InvalidArgument(f"the CSR asks for an unsupported name: {name}")
+    if not general:
+        raise InvalidArgument("the CSR asks for no subject alternative names")
+    return _Names(
+        general_names=general,
+        dns=tuple(n.value for n in general if isinstance(n, x509.DNSName)),
+        uris=tuple(n.value for n in general if isinstance(n, x509.UniformResourceIdentifier)),
+        ips=tuple(str(n.value) for n in general if isinstance(n, x509.IPAddress)),
+    )
+
+
+def load_csr(der: bytes) -> x509.CertificateSigningRequest:
+    """Parse a DER CSR (PEM accepted too); InvalidArgument when it is not one."""
+    if not der:
+        raise InvalidArgument("certificate_signing_request is empty")
+    try:
+        if der.lstrip().startswith(b"-----BEGIN"):
+            return x509.load_pem_x509_csr(der)
+        return x509.load_der_x509_csr(der)
+    except ValueError as exc:
+        raise InvalidArgument(f"certificate_signing_request is not a PKCS#10 CSR: {exc}") from None
+
+
+def check_csr(csr: x509.CertificateSigningRequest) -> None:
+    """The CSR's key type is one Waygate signs and its self-signature verifies."""
+    try:
+        key = csr.public_key()
+    except (ValueError, UnsupportedAlgorithm) as exc:
+        raise InvalidArgument(f"the CSR's public key is not supported: {exc}") from None
+    if isinstance(key, rsa.RSAPublicKey):
+        if key.key_size < 2048:
+            raise InvalidArgument(
+                f"the CSR's RSA key has {key.key_size} bits; at least 2048 needed"
+            )
+    elif isinstance(key, ec.EllipticCurvePublicKey):
+        if not isinstance(key.curve, ec.SECP256R1 | ec.SECP384R1):
+            raise InvalidArgument(
+                f"the CSR's curve {key.curve.name} is not supported (P-256, P-384)"
+            )
+    elif not isinstance(key, ed25519.Ed25519PublicKey):
+        raise InvalidArgument(
+            "the CSR's key type is not supported (ECDSA P-256/P-384, RSA >= 2048, Ed25519)"
+        )
+    try:
+        valid = csr.is_signature_valid
+    except (InvalidSignature, ValueError, UnsupportedAlgorithm):
+        valid = False
+    if not valid:
+        raise InvalidArgument("the CSR's signature does not verify with its own public key")
+
+
+def _random_serial() -> int:
+    # 128 random bits, positive and non-zero (RFC 5280 4.1.2.2).
+    while True:
+        serial = secrets.randbits(128)
+        if serial:
+            return serial
+
+
+def _human(delta: timedelta) -> str:
+    seconds = int(delta.total_seconds())
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"

@@ -1,0 +1,133 @@
+"""Where the CA keeps its keys, certificates and rotation state.
+
+A `CAStore` holds one flat mapping of file name -> bytes (PEM keys and
+certificates, rotation state as JSON). The authority serialises everything it
+must remember into that mapping and saves it whole, so a store only has to
+replace a set of files atomically.
+
+`DirectoryCAStore` keeps the set in a directory. Invariants:
+- the directory is 0700 and every file 0600 (private keys among them);
+- a save writes every file to a temporary name, fsyncs, then renames, so a
+  crash leaves either the old file or the new one, never half of one; files
+  no longer in the set are removed afterwards;
+- a load refuses (FailedPrecondition, naming the file) a key file that group
+  or others may read, or one that cannot be read at all: the CA never signs
+  with a key that may have leaked, and never silently makes a new CA over an
+  existing one it failed to read.
+
+`SecretCAStore` (Kubernetes) lives in `waygate.certs.kube_store`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import stat
+from pathlib import Path
+from typing import Protocol
+
+from waygate.core.errors import FailedPrecondition
+
+log = logging.getLogger(__name__)
+
+DIRECTORY_MODE = 0o700
+FILE_MODE = 0o600
+_TEMP_SUFFIX = ".tmp"
+
+
+class CAStore(Protocol):
+    #: Human description of where the CA lives, e.g. "directory /x/ca".
+    description: str
+
+    def load(self) -> dict[str, bytes] | None:
+        """The stored set, or None when nothing is stored yet (first start)."""
+        ...
+
+    def save(self, files: dict[str, bytes]) -> None:
+        """Replace the whole stored set atomically."""
+        ...
+
+
+def _is_key_file(name: str) -> bool:
+    return name.endswith(".key") or name.endswith("key.pem")
+
+
+def _valid_name(name: str) -> bool:
+    return bool(name) and "/" not in name and name not in (".", "..") and not name.startswith(".")
+
+
+class DirectoryCAStore:
+    """A CA file set in a private directory (embedded mode)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.description = f"directory {self.path}"
+
+    def load(self) -> dict[str, bytes] | None:
+        if not self.path.exists():
+            return None
+        if not self.path.is_dir():
+            raise FailedPrecondition(f"CA store {self.path} is not a directory")
+        files: dict[str, bytes] = {}
+        try:
+            entries = sorted(self.path.iterdir())
+        except OSError as exc:
+            raise FailedPrecondition(
+                f"cannot read CA directory {self.path}: {exc.strerror}"
+            ) from None
+        for entry in entries:
+            if not entry.is_file() or not _valid_name(entry.name):
+                continue
+            if entry.name.endswith(_TEMP_SUFFIX):
+                continue  # left by a save that crashed before its rename
+            if _is_key_file(entry.name):
+                mode = stat.S_IMODE(entry.stat().st_mode)
+                if mode & 0o077:
+                    raise FailedPrecondition(
+                        f"CA key file {entry} has mode {mode:04o}: it must be readable by its "
+                        f"owner only; fix it with `chmod 600 {entry}` (and consider the key leaked "
+                        "if others could read it)"
+                    )
+            try:
+                files[entry.name] = entry.read_bytes()
+            except OSError as exc:
+                raise FailedPrecondition(f"cannot read CA file {entry}: {exc.strerror}") from None
+        return files or None
+
+    def save(self, files: dict[str, bytes]) -> None:
+        for name in files:
+            if not _valid_name(name) or name.endswith(_TEMP_SUFFIX):
+                raise ValueError(f"not a CA store file name: {name!r}")
+        self.path.mkdir(mode=DIRECTORY_MODE, parents=True, exist_ok=True)
+        os.chmod(self.path, DIRECTORY_MODE)
+        written: list[tuple[Path, Path]] = []
+        try:
+            for name, data in files.items():
+                final = self.path / name
+                temp = self.path / (name + _TEMP_SUFFIX)
+                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+                with os.fdopen(fd, "wb") as handle:
+                    os.fchmod(handle.fileno(), FILE_MODE)
+                    handle.write(data)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                written.append((temp, final))
+        except BaseException:
+            for temp, _ in written:
+                with contextlib.suppress(OSError):
+                    temp.unlink()
+            raise
+        # Renames come last so a failure above leaves the previous set untouched.
+        for temp, final in written:
+            os.replace(temp, final)
+        for entry in self.path.iterdir():
+            if entry.is_file() and entry.name not in files:
+                with contextlib.suppress(OSError):
+                    entry.unlink()
+        dir_fd = os.open(self.path, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        log.debug("CA store saved", extra={"store": self.description, "files": len(files)})
