@@ -1,0 +1,347 @@
+"""Validation of routes, services and endpoints, shared by every way in.
+
+The YAML file source, `ApplyRoute` and the Kubernetes Route custom resource
+all pass objects through here before they reach the store, so the proxy only
+ever sees routes it can serve.
+
+Invariants:
+- A valid object comes back normalised (host lower-cased, empty path -> "/");
+  an invalid one raises `InvalidArgument` whose message names the object and
+  the offending field, e.g. `route default/web: tls.key: does not match ...`.
+- Rules follow OpenShift Routes: RFC 1123 host (a leading "*." for wildcard
+  routes), path starting with "/", weights 0..256 (all zero is allowed: the
+  proxy answers 503), at most 3 alternate backends, TLS PEM that parses and a
+  key that matches its certificate, and per-termination rules (passthrough
+  carries no certificate, key, CA or path, and cannot set cookies).
+- Pure functions of their input: no I/O, no clock except certificate parsing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import re
+
+from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.hazmat.primitives import serialization
+
+from waygate.core.errors import InvalidArgument
+from waygate.resolver.model import (
+    PROTOCOLS,
+    SERVICE_TYPES,
+    Endpoint,
+    EndpointPort,
+    InsecureEdgePolicy,
+    Route,
+    RouteTLS,
+    Service,
+    ServicePort,
+    TLSTermination,
+)
+
+MAX_WEIGHT = 256
+MAX_ALTERNATE_BACKENDS = 3
+MAX_HOST_LENGTH = 253
+# A month is longer than any sensible proxy timeout; more is almost surely a unit mistake.
+MAX_TIMEOUT_SECONDS = 30 * 86400.0
+
+_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+# IANA service name, as Kubernetes port names: 1-15 chars, a letter, no "--".
+_PORT_NAME = re.compile(r"^(?=.*[a-z])[a-z0-9]([a-z0-9-]{0,13}[a-z0-9])?$")
+_COOKIE_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,256}$")
+_NODE_NAME = _SUBDOMAIN
+
+
+def _fail(what: str, field: str, reason: str) -> InvalidArgument:
+    return InvalidArgument(f"{what}: {field}: {reason}")
+
+
+# ---------------------------------------------------------------- names
+
+
+def check_label(value: str, what: str, field: str) -> None:
+    """A DNS-1123 label (namespace, service name)."""
+    if not value:
+        raise _fail(what, field, "is required")
+    if not _LABEL.match(value):
+        raise _fail(
+            what,
+            field,
+            f"{value!r} is not a DNS-1123 label (lower-case letters, digits and '-', "
+            "at most 63, starting and ending with a letter or digit)",
+        )
+
+
+def check_name(value: str, what: str, field: str) -> None:
+    """A DNS-1123 subdomain (object names such as a route's)."""
+    if not value:
+        raise _fail(what, field, "is required")
+    if len(value) > MAX_HOST_LENGTH or not _SUBDOMAIN.match(value):
+        raise _fail(
+            what,
+            field,
+            f"{value!r} is not a DNS-1123 subdomain (lower-case letters, digits, '-' and '.')",
+        )
+
+
+def normalize_host(host: str, what: str, field: str = "host") -> str:
+    """RFC 1123 host name, lower-cased; a leading "*." makes it a wildcard."""
+    if not host:
+        raise _fail(what, field, "is required")
+    lowered = host.strip().lower().rstrip(".")
+    name = lowered[2:] if lowered.startswith("*.") else lowered
+    if len(lowered) > MAX_HOST_LENGTH:
+        raise _fail(what, field, f"{host!r} is longer than {MAX_HOST_LENGTH} characters")
+    if "*" in name:
+        raise _fail(what, field, f"{host!r}: a wildcard is only allowed as a leading '*.'")
+    labels = name.split(".")
+    if lowered.startswith("*.") and len(labels) < 2:
+        raise _fail(what, field, f"{host!r}: a wildcard needs at least two labels after '*.'")
+    for label in labels:
+        if not _LABEL.match(label):
+            raise _fail(
+                what,
+                field,
+                f"{host!r} is not an RFC 1123 host name (label {label!r}: letters, digits "
+                "and '-', 1-63 characters, not starting or ending with '-')",
+            )
+    with_ip = name.replace(".", "")
+    if with_ip.isdigit():
+        raise _fail(what, field, f"{host!r} is an IP address; routes need a host name")
+    return lowered
+
+
+def check_port_ref(value: str, what: str, field: str) -> None:
+    """A port given by number (1..65535) or by IANA-style name; empty is allowed."""
+    if not value:
+        return
+    if value.isdigit():
+        if not 1 <= int(value) <= 65535:
+            raise _fail(what, field, f"port {value} is outside 1..65535")
+        return
+    if not _PORT_NAME.match(value) or "--" in value:
+        raise _fail(
+            what,
+            field,
+            f"{value!r} is neither a port number nor a port name "
+            "(1-15 lower-case letters, digits and '-')",
+        )
+
+
+def _check_port_number(value: int, what: str, field: str, *, allow_zero: bool = False) -> None:
+    low = 0 if allow_zero else 1
+    if not low <= value <= 65535:
+        raise _fail(what, field, f"{value} is outside {low}..65535")
+
+
+# ---------------------------------------------------------------- routes
+
+
+def validate_route(route: Route) -> Route:
+    """The route normalised, or InvalidArgument naming the field that is wrong."""
+    what = f"route {route.namespace or '?'}/{route.name or '?'}"
+    check_label(route.namespace, what, "namespace")
+    check_name(route.name, what, "name")
+    host = normalize_host(route.host, what)
+    path = route.path or "/"
+    if not path.startswith("/"):
+        raise _fail(what, "path", f"{route.path!r} must start with '/'")
+    if any(c.isspace() for c in path) or "#" in path or "?" in path:
+        raise _fail(what, "path", f"{route.path!r}: a path prefix has no spaces, '?' or '#'")
+    if not route.backends:
+        raise _fail(what, "backends", "at least one backend (the route's service) is required")
+    if len(route.backends) > 1 + MAX_ALTERNATE_BACKENDS:
+        raise _fail(
+            what,
+            "backends",
+            f"{len(route.backends) - 1} alternate backends; at most {MAX_ALTERNATE_BACKENDS}",
+        )
+    seen: set[str] = set()
+    for index, backend in enumerate(route.backends):
+        field = f"backends[{index}]"
+        check_label(backend.service, what, f"{field}.service")
+        if backend.service in seen:
+            raise _fail(what, f"{field}.service", f"{backend.service!r} is listed twice")
+        seen.add(backend.service)
+        if not 0 <= backend.weight <= MAX_WEIGHT:
+            raise _fail(what, f"{field}.weight", f"{backend.weight} is outside 0..{MAX_WEIGHT}")
+    check_port_ref(route.target_port, what, "target_port")
+    tls = _validate_tls(route.tls, what, path) if route.tls is not None else None
+    passthrough = tls is not None and tls.termination is TLSTermination.PASSTHROUGH
+    if route.sticky.cookie_name:
+        if passthrough:
+            raise _fail(what, "sticky.cookie_name", "passthrough routes cannot set cookies")
+        if not _COOKIE_NAME.match(route.sticky.cookie_name):
+            raise _fail(
+                what,
+                "sticky.cookie_name",
+                f"{route.sticky.cookie_name!r} is not a valid cookie name",
+            )
+    for timeout_field in dataclasses.fields(route.timeouts):
+        value = getattr(route.timeouts, timeout_field.name)
+        if value is None:
+            continue
+        if not 0 < value <= MAX_TIMEOUT_SECONDS:
+            raise _fail(
+                what,
+                f"timeouts.{timeout_field.name}",
+                f"{value}s must be more than 0 and at most {MAX_TIMEOUT_SECONDS:.0f}s",
+            )
+    return dataclasses.replace(route, host=host, path=path, tls=tls)
+
+
+def _validate_tls(tls: RouteTLS, what: str, path: str) -> RouteTLS:
+    termination = tls.termination
+    if termination is TLSTermination.PASSTHROUGH:
+        for field in ("certificate", "key", "ca_certificate", "destination_ca_certificate"):
+            if getattr(tls, field):
+                raise _fail(
+                    what,
+                    f"tls.{field}",
+                    "passthrough routes forward TLS untouched and take no certificate material",
+                )
+        if tls.insecure_edge_termination_policy is InsecureEdgePolicy.ALLOW:
+            raise _fail(
+                what,
+                "tls.insecure_edge_termination_policy",
+                "passthrough routes allow only None or Redirect",
+            )
+        if path != "/":
+            raise _fail(what, "path", "passthrough routes route by SNI and cannot have a path")
+        return tls
+    if termination is TLSTermination.EDGE and tls.destination_ca_certificate:
+        raise _fail(
+            what,
+            "tls.destination_ca_certificate",
+            "only reencrypt routes verify a backend certificate",
+        )
+    if bool(tls.certificate) != bool(tls.key):
+        missing = "key" if tls.certificate else "certificate"
+        raise _fail(
+            what,
+            f"tls.{missing}",
+            "give the certificate and its key together, or neither (the proxy's default)",
+        )
+    if tls.certificate:
+        certificates = _parse_certificates(tls.certificate, what, "tls.certificate")
+        key = _parse_private_key(tls.key, what)
+        if _public_bytes(key.public_key()) != _public_bytes(certificates[0].public_key()):
+            raise _fail(
+                what,
+                "tls.key",
+                "does not match the public key of tls.certificate's first certificate",
+            )
+    if tls.ca_certificate:
+        _parse_certificates(tls.ca_certificate, what, "tls.ca_certificate")
+    if tls.destination_ca_certificate:
+        _parse_certificates(tls.destination_ca_certificate, what, "tls.destination_ca_certificate")
+    return tls
+
+
+def _parse_certificates(pem: str, what: str, field: str) -> list[x509.Certificate]:
+    try:
+        certificates = x509.load_pem_x509_certificates(pem.encode())
+    except ValueError as exc:
+        raise _fail(what, field, f"is not PEM certificate data ({exc})") from None
+    if not certificates:
+        raise _fail(what, field, "contains no PEM certificate")
+    return certificates
+
+
+def _parse_private_key(pem: str, what: str) -> object:
+    try:
+        return serialization.load_pem_private_key(pem.encode(), password=None)
+    except TypeError:
+        raise _fail(what, "tls.key", "is encrypted; give an unencrypted PEM key") from None
+    except (ValueError, UnsupportedAlgorithm) as exc:
+        raise _fail(what, "tls.key", f"is not a PEM private key ({exc})") from None
+
+
+def _public_bytes(public_key: object) -> bytes:
+    return public_key.public_bytes(  # type: ignore[attr-defined,no-any-return]
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+
+
+# ---------------------------------------------------------------- services and endpoints
+
+
+def validate_service(service: Service) -> Service:
+    what = f"service {service.namespace or '?'}/{service.name or '?'}"
+    check_label(service.namespace, what, "namespace")
+    check_label(service.name, what, "name")
+    if service.type not in SERVICE_TYPES:
+        raise _fail(what, "type", f"{service.type!r} is not one of {', '.join(SERVICE_TYPES)}")
+    if service.type == "ExternalName":
+        if not service.external_name:
+            raise _fail(what, "external_name", "an ExternalName service needs external_name")
+        normalize_host(service.external_name, what, "external_name")
+    elif service.external_name:
+        raise _fail(what, "external_name", "only ExternalName services have one")
+    if service.headless and service.cluster_ips:
+        raise _fail(what, "cluster_ips", "a headless service has no cluster IPs")
+    for index, ip in enumerate(service.cluster_ips):
+        try:
+            ipaddress.ip_address(ip)
+        except ValueError:
+            raise _fail(what, f"cluster_ips[{index}]", f"{ip!r} is not an IP address") from None
+    names: set[str] = set()
+    for index, port in enumerate(service.ports):
+        _check_service_port(port, what, f"ports[{index}]", service.type)
+        if port.name in names:
+            raise _fail(what, f"ports[{index}].name", f"{port.name!r} is used twice")
+        names.add(port.name)
+    if len(service.ports) > 1 and "" in names:
+        raise _fail(what, "ports", "every port needs a name when a service has several")
+    return service
+
+
+def _check_service_port(port: ServicePort, what: str, field: str, service_type: str) -> None:
+    if port.name:
+        check_port_ref(port.name, what, f"{field}.name")
+        if port.name.isdigit():
+            raise _fail(what, f"{field}.name", "a port name cannot be a number")
+    _check_port_number(port.port, what, f"{field}.port")
+    if not port.target_port:
+        raise _fail(what, f"{field}.target_port", "is required (a number or a port name)")
+    check_port_ref(port.target_port, what, f"{field}.target_port")
+    if port.protocol not in PROTOCOLS:
+        raise _fail(what, f"{field}.protocol", f"{port.protocol!r} is not one of {PROTOCOLS}")
+    _check_port_number(port.node_port, what, f"{field}.node_port", allow_zero=True)
+    if port.node_port and service_type not in ("NodePort", "LoadBalancer"):
+        raise _fail(what, f"{field}.node_port", "only NodePort and LoadBalancer services have one")
+
+
+def validate_endpoint(endpoint: Endpoint) -> Endpoint:
+    what = (
+        f"endpoint {endpoint.namespace or '?'}/{endpoint.service or '?'}/{endpoint.address or '?'}"
+    )
+    check_label(endpoint.namespace, what, "namespace")
+    check_label(endpoint.service, what, "service")
+    if not endpoint.address:
+        raise _fail(what, "address", "is required")
+    try:
+        ipaddress.ip_address(endpoint.address)
+    except ValueError:
+        normalize_host(endpoint.address, what, "address")
+    if endpoint.tunnel and not endpoint.node_name:
+        raise _fail(what, "node_name", "a tunnel endpoint needs the node whose tunnel reaches it")
+    if endpoint.node_name and not _NODE_NAME.match(endpoint.node_name):
+        raise _fail(what, "node_name", f"{endpoint.node_name!r} is not a DNS-1123 subdomain")
+    names: set[str] = set()
+    for index, port in enumerate(endpoint.ports):
+        _check_endpoint_port(port, what, f"ports[{index}]")
+        if port.name in names:
+            raise _fail(what, f"ports[{index}].name", f"{port.name!r} is used twice")
+        names.add(port.name)
+    return endpoint
+
+
+def _check_endpoint_port(port: EndpointPort, what: str, field: str) -> None:
+    if port.name:
+        check_port_ref(port.name, what, f"{field}.name")
+    _check_port_number(port.port, what, f"{field}.port")
+    if port.protocol not in PROTOCOLS:
+        raise _fail(what, f"{field}.protocol", f"{port.protocol!r} is not one of {PROTOCOLS}")
