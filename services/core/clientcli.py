@@ -15,8 +15,9 @@ import argparse
 import asyncio
 import dataclasses
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -98,7 +99,7 @@ def fail(message: str, code: int = EXIT_FAILED) -> int:
     return code
 
 
-def run_client(args: argparse.Namespace, body: Callable[[ClientSettings], Awaitable[int]]) -> int:
+def run_client(args: argparse.Namespace, body: Callable[[ClientSettings], Coroutine[Any, Any, int]]) -> int:
     """Run one client command: settings, tracing, the call, errors as one line."""
     try:
         settings = client_settings(args)

@@ -134,7 +134,8 @@ class BoundaryInterceptor(grpc.aio.ServerInterceptor):
             return code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.OK
 
         if handler.unary_unary or handler.stream_unary:
-            behavior = handler.unary_unary or handler.stream_unary
+            # The handler's declared types are grpc's sync ones; under grpc.aio they are coroutines.
+            behavior: Any = handler.unary_unary or handler.stream_unary
 
             async def unary_response(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 span, started = start_span(), time.perf_counter()
@@ -169,7 +170,7 @@ class BoundaryInterceptor(grpc.aio.ServerInterceptor):
                 response_serializer=handler.response_serializer,
             )
 
-        behavior = handler.unary_stream or handler.stream_stream
+        behavior = handler.unary_stream or handler.stream_stream  # async generator or coroutine
 
         async def stream_response(request: Any, context: grpc.aio.ServicerContext) -> Any:
             span, started = start_span(), time.perf_counter()
