@@ -1,0 +1,776 @@
+"""The YAML routes file: services, their endpoints and routes, reloaded on change.
+
+The file (the embedded default of `waygate up`) looks like this; every key is
+optional unless marked, unknown keys are errors (a typo must not silently
+become a default):
+
+    services:
+      - namespace: demo            # default "default"
+        name: hello                # required
+        type: ClusterIP            # ClusterIP | NodePort | LoadBalancer | ExternalName
+        clusterIPs: [10.96.0.10]
+        headless: false
+        externalName: ""           # ExternalName services only
+        ports:
+          - {name: http, port: 80, targetPort: 8080, protocol: TCP, nodePort: 0}
+        endpoints:
+          - address: 127.0.0.1     # required
+            ports: [{name: http, port: 8080}]   # default: the service ports' numeric targets
+            ready: true            # also: serving, terminating, zone, nodeName, tunnel, hostname
+    routes:
+      - namespace: demo
+        name: hello                # required
+        host: hello.localtest.me   # required
+        path: /
+        to: hello                  # shorthand for backends: [{service: hello, weight: 100}]
+        backends: [{service: hello, weight: 100}]
+        targetPort: http
+        tls: {termination: edge, certificate: PEM, key: PEM, caCertificate: PEM,
+              destinationCACertificate: PEM, insecureEdgeTerminationPolicy: Redirect}
+        balance: roundrobin        # random | roundrobin | leastconn | source
+        sticky: {disableCookies: false, cookieName: ""}
+        timeouts: {connect: 5s, client: 30s, server: 30s, httpRequest: 10s, tunnel: 1h}
+        authProxyHeaders: false
+
+Invariants:
+- The store holds exactly the last file content that parsed and validated as a
+  whole (`replace_source`, one version): an edit with any error is rejected
+  entirely, with `path:line: reason` logged and kept in `last_error`, and the
+  last good state stays.
+- Changes are noticed by polling size + mtime and confirmed by content hash,
+  so an editor's save-by-rename and a touch without change both behave.
+- `apply_route` / `delete_route` write the whole file back atomically
+  (temporary file + fsync + rename, mode kept) and then load it, so the store
+  and the file never disagree and the change survives a restart. Writing back
+  re-emits the YAML: comments in the file are not preserved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from waygate.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from waygate.core.settings import SettingsError, parse_duration
+from waygate.resolver.model import (
+    BalancePolicy,
+    Endpoint,
+    EndpointPort,
+    InsecureEdgePolicy,
+    Route,
+    RouteBackend,
+    RouteTimeouts,
+    RouteTLS,
+    Service,
+    ServicePort,
+    StickySessions,
+    TLSTermination,
+)
+from waygate.resolver.store import Store
+from waygate.resolver.validation import validate_endpoint, validate_route, validate_service
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# The example file shipped inside the package (so it exists in an installed
+# wheel too); `waygate up` starts from a copy of it.
+EXAMPLE_ROUTES = Path(__file__).parent / "examples" / "routes.yaml"
+
+
+class FileError(Exception):
+    """The routes file is unusable; the message is `path:line: reason`."""
+
+    def __init__(self, path: Path, line: int | None, reason: str) -> None:
+        self.path, self.line, self.reason = path, line, reason
+        where = f"{path}:{line}" if line is not None else str(path)
+        super().__init__(f"{where}: {reason}")
+
+
+@dataclasses.dataclass(frozen=True)
+class FileContent:
+    services: tuple[Service, ...]
+    endpoints: tuple[Endpoint, ...]
+    routes: tuple[Route, ...]
+
+
+# ---------------------------------------------------------------- parsing
+
+
+class _Parser:
+    """Walks the composed YAML nodes so every error can name its line."""
+
+    def __init__(self, path: Path, text: str) -> None:
+        self.path = path
+        self.loader = yaml.SafeLoader(text)
+
+    def error(self, node: yaml.Node | None, reason: str) -> FileError:
+        return FileError(self.path, node.start_mark.line + 1 if node is not None else None, reason)
+
+    def root(self) -> yaml.Node | None:
+        try:
+            return self.loader.get_single_node()
+        except yaml.MarkedYAMLError as exc:
+            mark = exc.problem_mark or exc.context_mark
+            line = mark.line + 1 if mark is not None else None
+            raise FileError(self.path, line, f"not valid YAML: {exc.problem or exc}") from None
+        except yaml.YAMLError as exc:
+            raise FileError(self.path, None, f"not valid YAML: {exc}") from None
+        finally:
+            self.loader.dispose()
+
+    def mapping(self, node: yaml.Node, what: str, allowed: tuple[str, ...]) -> dict[str, yaml.Node]:
+        if not isinstance(node, yaml.MappingNode):
+            raise self.error(node, f"{what} must be a mapping")
+        fields: dict[str, yaml.Node] = {}
+        for key_node, value_node in node.value:
+            key = self.scalar(key_node)
+            if not isinstance(key, str):
+                raise self.error(key_node, f"{what}: keys must be strings")
+            if key not in allowed:
+                raise self.error(
+                    key_node, f"{what}: unknown key {key!r} (allowed: {', '.join(allowed)})"
+                )
+            if key in fields:
+                raise self.error(key_node, f"{what}: key {key!r} appears twice")
+            fields[key] = value_node
+        return fields
+
+    def sequence(self, node: yaml.Node, what: str) -> list[yaml.Node]:
+        if isinstance(node, yaml.ScalarNode) and self.scalar(node) is None:
+            return []
+        if not isinstance(node, yaml.SequenceNode):
+            raise self.error(node, f"{what} must be a list")
+        return list(node.value)
+
+    def scalar(self, node: yaml.Node) -> Any:
+        if not isinstance(node, yaml.ScalarNode):
+            raise self.error(node, "expected a single value, not a list or mapping")
+        try:
+            return self.loader.construct_object(node, deep=True)
+        except yaml.YAMLError as exc:
+            raise self.error(node, f"bad value: {exc}") from None
+
+    def typed(
+        self, fields: dict[str, yaml.Node], key: str, kind: type[T], default: T, what: str
+    ) -> T:
+        node = fields.get(key)
+        if node is None:
+            return default
+        value = self.scalar(node)
+        if value is None:
+            return default
+        # bool is an int in Python; a port of `true` is a mistake, not 1.
+        if kind is int and isinstance(value, bool):
+            raise self.error(node, f"{what}.{key} must be a whole number, not {value!r}")
+        if kind is str and isinstance(value, int | float) and not isinstance(value, bool):
+            value = str(value)
+        if not isinstance(value, kind):
+            raise self.error(node, f"{what}.{key} must be a {kind.__name__}, not {value!r}")
+        return value
+
+    def duration(self, fields: dict[str, yaml.Node], key: str, what: str) -> float | None:
+        node = fields.get(key)
+        if node is None:
+            return None
+        value = self.scalar(node)
+        if value is None:
+            return None
+        if isinstance(value, bool):
+            raise self.error(node, f"{what}.{key} must be a duration such as 5s, not {value!r}")
+        if isinstance(value, int | float):
+            return float(value)
+        try:
+            return parse_duration(str(value))
+        except (SettingsError, ValueError) as exc:
+            raise self.error(node, f"{what}.{key}: {exc}") from None
+
+    def enum(
+        self,
+        fields: dict[str, yaml.Node],
+        key: str,
+        parse: Callable[[str], T],
+        default: T,
+        what: str,
+        allowed: str,
+    ) -> T:
+        node = fields.get(key)
+        text = self.typed(fields, key, str, "", what)
+        if not text:
+            return default
+        try:
+            return parse(text)
+        except ValueError:
+            raise self.error(node, f"{what}.{key}: {text!r} is not one of {allowed}") from None
+
+
+_SERVICE_KEYS = (
+    "namespace",
+    "name",
+    "type",
+    "clusterIPs",
+    "headless",
+    "externalName",
+    "ports",
+    "endpoints",
+)
+_SERVICE_PORT_KEYS = ("name", "port", "targetPort", "protocol", "nodePort")
+_ENDPOINT_KEYS = (
+    "address",
+    "ports",
+    "ready",
+    "serving",
+    "terminating",
+    "zone",
+    "nodeName",
+    "tunnel",
+    "hostname",
+)
+_ENDPOINT_PORT_KEYS = ("name", "port", "protocol")
+_ROUTE_KEYS = (
+    "namespace",
+    "name",
+    "host",
+    "path",
+    "to",
+    "backends",
+    "targetPort",
+    "tls",
+    "balance",
+    "sticky",
+    "timeouts",
+    "authProxyHeaders",
+)
+_BACKEND_KEYS = ("service", "weight")
+_TLS_KEYS = (
+    "termination",
+    "certificate",
+    "key",
+    "caCertificate",
+    "destinationCACertificate",
+    "insecureEdgeTerminationPolicy",
+)
+_STICKY_KEYS = ("disableCookies", "cookieName")
+_TIMEOUT_KEYS = {
+    "connect": "connect",
+    "client": "client",
+    "server": "server",
+    "httpRequest": "http_request",
+    "tunnel": "tunnel",
+}
+
+
+def parse_routes_file(path: Path, text: str) -> FileContent:
+    """Parse and validate the whole file; FileError (with its line) on the first problem."""
+    parser = _Parser(path, text)
+    root = parser.root()
+    if root is None:
+        return FileContent((), (), ())
+    top = parser.mapping(root, "the file", ("services", "routes"))
+    services: list[Service] = []
+    endpoints: list[Endpoint] = []
+    routes: list[Route] = []
+    seen_services: dict[tuple[str, str], int] = {}
+    for node in parser.sequence(top["services"], "services") if "services" in top else []:
+        service, service_endpoints = _parse_service(parser, node)
+        line = node.start_mark.line + 1
+        if service.key in seen_services:
+            raise parser.error(
+                node,
+                f"service {service.namespace}/{service.name} is already defined on line "
+                f"{seen_services[service.key]}",
+            )
+        seen_services[service.key] = line
+        services.append(service)
+        endpoints.extend(service_endpoints)
+    seen_routes: dict[tuple[str, str], int] = {}
+    for node in parser.sequence(top["routes"], "routes") if "routes" in top else []:
+        route = _parse_route(parser, node)
+        if route.key in seen_routes:
+            raise parser.error(
+                node,
+                f"route {route.namespace}/{route.name} is already defined on line "
+                f"{seen_routes[route.key]}",
+            )
+        seen_routes[route.key] = node.start_mark.line + 1
+        routes.append(route)
+    return FileContent(tuple(services), tuple(endpoints), tuple(routes))
+
+
+def _validated(parser: _Parser, node: yaml.Node, check: Callable[[T], T], value: T) -> T:
+    try:
+        return check(value)
+    except InvalidArgument as exc:
+        raise parser.error(node, str(exc)) from None
+
+
+def _parse_service(parser: _Parser, node: yaml.Node) -> tuple[Service, list[Endpoint]]:
+    fields = parser.mapping(node, "service", _SERVICE_KEYS)
+    namespace = parser.typed(fields, "namespace", str, "default", "service")
+    name = parser.typed(fields, "name", str, "", "service")
+    what = f"service {namespace}/{name or '?'}"
+    ports = []
+    for port_node in (
+        parser.sequence(fields["ports"], f"{what}: ports") if "ports" in fields else []
+    ):
+        port_fields = parser.mapping(port_node, f"{what}: port", _SERVICE_PORT_KEYS)
+        number = parser.typed(port_fields, "port", int, 0, f"{what}: port")
+        ports.append(
+            ServicePort(
+                name=parser.typed(port_fields, "name", str, "", f"{what}: port"),
+                port=number,
+                target_port=parser.typed(
+                    port_fields, "targetPort", str, str(number) if number else "", f"{what}: port"
+                ),
+                protocol=parser.typed(port_fields, "protocol", str, "TCP", f"{what}: port"),
+                node_port=parser.typed(port_fields, "nodePort", int, 0, f"{what}: port"),
+            )
+        )
+    cluster_ips: list[str] = []
+    if "clusterIPs" in fields:
+        for ip_node in parser.sequence(fields["clusterIPs"], f"{what}: clusterIPs"):
+            ip = parser.scalar(ip_node)
+            if not isinstance(ip, str):
+                raise parser.error(ip_node, f"{what}: clusterIPs entries must be strings")
+            cluster_ips.append(ip)
+    service = Service(
+        namespace=namespace,
+        name=name,
+        type=parser.typed(fields, "type", str, "ClusterIP", "service"),
+        cluster_ips=tuple(cluster_ips),
+        headless=parser.typed(fields, "headless", bool, False, "service"),
+        external_name=parser.typed(fields, "externalName", str, "", "service"),
+        ports=tuple(ports),
+    )
+    service = _validated(parser, node, validate_service, service)
+    # Endpoints without ports get the service ports' numeric targets, which is
+    # what a static file almost always means.
+    default_ports = tuple(
+        EndpointPort(p.name, int(p.target_port), p.protocol)
+        for p in service.ports
+        if p.target_port.isdigit()
+    )
+    endpoints: list[Endpoint] = []
+    seen: dict[str, int] = {}
+    endpoint_nodes = (
+        parser.sequence(fields["endpoints"], f"{what}: endpoints") if "endpoints" in fields else []
+    )
+    for endpoint_node in endpoint_nodes:
+        endpoint = _parse_endpoint(parser, endpoint_node, service, default_ports)
+        if endpoint.address in seen:
+            raise parser.error(
+                endpoint_node,
+                f"{what}: endpoint {endpoint.address} is already listed on line "
+                f"{seen[endpoint.address]}",
+            )
+        seen[endpoint.address] = endpoint_node.start_mark.line + 1
+        endpoints.append(endpoint)
+    return service, endpoints
+
+
+def _parse_endpoint(
+    parser: _Parser, node: yaml.Node, service: Service, default_ports: tuple[EndpointPort, ...]
+) -> Endpoint:
+    what = f"endpoint of {service.namespace}/{service.name}"
+    fields = parser.mapping(node, what, _ENDPOINT_KEYS)
+    ports = default_ports
+    if "ports" in fields:
+        parsed = []
+        for port_node in parser.sequence(fields["ports"], f"{what}: ports"):
+            port_fields = parser.mapping(port_node, f"{what}: port", _ENDPOINT_PORT_KEYS)
+            parsed.append(
+                EndpointPort(
+                    name=parser.typed(port_fields, "name", str, "", f"{what}: port"),
+                    port=parser.typed(port_fields, "port", int, 0, f"{what}: port"),
+                    protocol=parser.typed(port_fields, "protocol", str, "TCP", f"{what}: port"),
+                )
+            )
+        ports = tuple(parsed)
+    terminating = parser.typed(fields, "terminating", bool, False, what)
+    endpoint = Endpoint(
+        namespace=service.namespace,
+        service=service.name,
+        address=parser.typed(fields, "address", str, "", what),
+        ports=ports,
+        ready=parser.typed(fields, "ready", bool, True, what),
+        serving=parser.typed(fields, "serving", bool, True, what),
+        terminating=terminating,
+        zone=parser.typed(fields, "zone", str, "", what),
+        node_name=parser.typed(fields, "nodeName", str, "", what),
+        tunnel=parser.typed(fields, "tunnel", bool, False, what),
+        hostname=parser.typed(fields, "hostname", str, "", what),
+    )
+    return _validated(parser, node, validate_endpoint, endpoint)
+
+
+def _parse_route(parser: _Parser, node: yaml.Node) -> Route:
+    fields = parser.mapping(node, "route", _ROUTE_KEYS)
+    namespace = parser.typed(fields, "namespace", str, "default", "route")
+    name = parser.typed(fields, "name", str, "", "route")
+    what = f"route {namespace}/{name or '?'}"
+    if "to" in fields and "backends" in fields:
+        raise parser.error(fields["to"], f"{what}: give either 'to' or 'backends', not both")
+    backends: list[RouteBackend] = []
+    if "to" in fields:
+        backends.append(RouteBackend(parser.typed(fields, "to", str, "", what), 100))
+    for backend_node in (
+        parser.sequence(fields["backends"], f"{what}: backends") if "backends" in fields else []
+    ):
+        backend_fields = parser.mapping(backend_node, f"{what}: backend", _BACKEND_KEYS)
+        backends.append(
+            RouteBackend(
+                parser.typed(backend_fields, "service", str, "", f"{what}: backend"),
+                parser.typed(backend_fields, "weight", int, 100, f"{what}: backend"),
+            )
+        )
+    tls = None
+    if "tls" in fields:
+        tls_fields = parser.mapping(fields["tls"], f"{what}: tls", _TLS_KEYS)
+        if "termination" not in tls_fields:
+            raise parser.error(fields["tls"], f"{what}: tls.termination is required")
+        tls = RouteTLS(
+            termination=parser.enum(
+                tls_fields,
+                "termination",
+                TLSTermination,
+                TLSTermination.EDGE,
+                f"{what}: tls",
+                "edge, passthrough, reencrypt",
+            ),
+            certificate=parser.typed(tls_fields, "certificate", str, "", f"{what}: tls"),
+            key=parser.typed(tls_fields, "key", str, "", f"{what}: tls"),
+            ca_certificate=parser.typed(tls_fields, "caCertificate", str, "", f"{what}: tls"),
+            destination_ca_certificate=parser.typed(
+                tls_fields, "destinationCACertificate", str, "", f"{what}: tls"
+            ),
+            insecure_edge_termination_policy=parser.enum(
+                tls_fields,
+                "insecureEdgeTerminationPolicy",
+                InsecureEdgePolicy,
+                InsecureEdgePolicy.NONE,
+                f"{what}: tls",
+                "None, Allow, Redirect",
+            ),
+        )
+    sticky = StickySessions()
+    if "sticky" in fields:
+        sticky_fields = parser.mapping(fields["sticky"], f"{what}: sticky", _STICKY_KEYS)
+        sticky = StickySessions(
+            disable_cookies=parser.typed(
+                sticky_fields, "disableCookies", bool, False, f"{what}: sticky"
+            ),
+            cookie_name=parser.typed(sticky_fields, "cookieName", str, "", f"{what}: sticky"),
+        )
+    timeouts = RouteTimeouts()
+    if "timeouts" in fields:
+        timeout_fields = parser.mapping(
+            fields["timeouts"], f"{what}: timeouts", tuple(_TIMEOUT_KEYS)
+        )
+        timeouts = RouteTimeouts(
+            **{
+                attr: parser.duration(timeout_fields, key, f"{what}: timeouts")
+                for key, attr in _TIMEOUT_KEYS.items()
+            }
+        )
+    route = Route(
+        namespace=namespace,
+        name=name,
+        host=parser.typed(fields, "host", str, "", what),
+        path=parser.typed(fields, "path", str, "/", what),
+        backends=tuple(backends),
+        target_port=parser.typed(fields, "targetPort", str, "", what),
+        tls=tls,
+        balance=parser.enum(
+            fields,
+            "balance",
+            BalancePolicy,
+            BalancePolicy.DEFAULT,
+            what,
+            "random, roundrobin, leastconn, source",
+        ),
+        sticky=sticky,
+        timeouts=timeouts,
+        auth_proxy_headers=parser.typed(fields, "authProxyHeaders", bool, False, what),
+    )
+    return _validated(parser, node, validate_route, route)
+
+
+# ---------------------------------------------------------------- writing
+
+
+def _format_duration(seconds: float) -> str:
+    if seconds >= 1 and float(seconds).is_integer():
+        return f"{int(seconds)}s"
+    return f"{round(seconds * 1000)}ms"
+
+
+def route_to_document(route: Route) -> dict[str, Any]:
+    """A route as the file spells it (the inverse of the parser)."""
+    doc: dict[str, Any] = {"namespace": route.namespace, "name": route.name, "host": route.host}
+    if route.path != "/":
+        doc["path"] = route.path
+    if len(route.backends) == 1 and route.backends[0].weight == 100:
+        doc["to"] = route.backends[0].service
+    else:
+        doc["backends"] = [{"service": b.service, "weight": b.weight} for b in route.backends]
+    if route.target_port:
+        doc["targetPort"] = route.target_port
+    if route.tls is not None:
+        tls: dict[str, Any] = {"termination": route.tls.termination.value}
+        for attr, key in (
+            ("certificate", "certificate"),
+            ("key", "key"),
+            ("ca_certificate", "caCertificate"),
+            ("destination_ca_certificate", "destinationCACertificate"),
+        ):
+            if getattr(route.tls, attr):
+                tls[key] = getattr(route.tls, attr)
+        if route.tls.insecure_edge_termination_policy is not InsecureEdgePolicy.NONE:
+            tls["insecureEdgeTerminationPolicy"] = route.tls.insecure_edge_termination_policy.value
+        doc["tls"] = tls
+    if route.balance is not BalancePolicy.DEFAULT:
+        doc["balance"] = route.balance.value
+    if route.sticky != StickySessions():
+        doc["sticky"] = {
+            "disableCookies": route.sticky.disable_cookies,
+            "cookieName": route.sticky.cookie_name,
+        }
+    timeouts = {
+        key: _format_duration(getattr(route.timeouts, attr))
+        for key, attr in _TIMEOUT_KEYS.items()
+        if getattr(route.timeouts, attr) is not None
+    }
+    if timeouts:
+        doc["timeouts"] = timeouts
+    if route.auth_proxy_headers:
+        doc["authProxyHeaders"] = True
+    return doc
+
+
+class _LiteralDumper(yaml.SafeDumper):
+    """Multi-line strings (PEM) as readable `|` blocks."""
+
+
+def _represent_str(dumper: yaml.SafeDumper, data: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in data else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
+
+
+_LiteralDumper.add_representer(str, _represent_str)
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` so readers see the old or the new file, never half."""
+    try:
+        mode = path.stat().st_mode & 0o777
+    except FileNotFoundError:
+        mode = 0o644
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp_name, mode)
+        os.replace(tmp_name, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp_name)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+# ---------------------------------------------------------------- the source
+
+
+class FileSource:
+    """Feeds the store from one YAML file and writes route changes back to it."""
+
+    def __init__(self, store: Store, path: Path, *, poll_interval: float = 1.0) -> None:
+        self.store = store
+        self.path = path.absolute()
+        self.source = f"file:{self.path}"
+        self.poll_interval = poll_interval
+        # The last load's error as `path:line: reason`; None after a good load.
+        self.last_error: str | None = None
+        self.loaded = False
+        self._stat: tuple[int, int] | None = None
+        self._digest: bytes | None = None
+
+    # ------------------------------------------------------------ loading
+
+    def _stat_key(self) -> tuple[int, int] | None:
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            return None
+        return (st.st_mtime_ns, st.st_size)
+
+    def load(self) -> bool:
+        """Read, parse and validate the file; apply it to the store if it is good.
+
+        Returns True when the store now reflects the file. On any error the
+        store keeps the last good state, and the error is logged and kept.
+        """
+        self._stat = self._stat_key()
+        try:
+            data = self.path.read_bytes()
+        except OSError as exc:
+            return self._reject(FileError(self.path, None, f"cannot read: {exc.strerror or exc}"))
+        digest = hashlib.sha256(data).digest()
+        if digest == self._digest:
+            if self.last_error is None:
+                self.store.mark_synced(self.source)
+            return self.last_error is None
+        self._digest = digest
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return self._reject(FileError(self.path, None, f"not UTF-8 text ({exc.reason})"))
+        try:
+            content = parse_routes_file(self.path, text)
+        except FileError as exc:
+            return self._reject(exc)
+        before = self.store.version
+        self.store.replace_source(
+            self.source,
+            services=content.services,
+            endpoints=content.endpoints,
+            routes=content.routes,
+        )
+        self.store.mark_synced(self.source)
+        if self.last_error is not None:
+            log.info("routes file is valid again", extra={"path": str(self.path)})
+        self.last_error = None
+        self.loaded = True
+        log.info(
+            "routes file loaded",
+            extra={
+                "path": str(self.path),
+                "services": len(content.services),
+                "endpoints": len(content.endpoints),
+                "routes": len(content.routes),
+                "version": self.store.version,
+                "changed": self.store.version != before,
+            },
+        )
+        return True
+
+    def _reject(self, error: FileError) -> bool:
+        message = str(error)
+        if message != self.last_error:
+            log.error(
+                "routes file rejected; keeping the last good state: %s",
+                message,
+                extra={"path": str(self.path), "line": error.line, "reason": error.reason},
+            )
+        self.last_error = message
+        return False
+
+    def poll(self) -> None:
+        """Reload when the file's size or mtime changed; else confirm freshness."""
+        if self._stat_key() != self._stat:
+            self.load()
+        elif self.last_error is None and self.loaded:
+            self.store.mark_synced(self.source)
+
+    async def run(self) -> None:
+        """Poll for the life of the process."""
+        while True:
+            await asyncio.sleep(self.poll_interval)
+            self.poll()
+
+    # ------------------------------------------------------------ writing routes
+
+    def _current_document(self) -> dict[str, Any]:
+        try:
+            text = self.path.read_text("utf-8")
+        except FileNotFoundError:
+            return {}
+        except (OSError, UnicodeDecodeError) as exc:
+            raise FailedPrecondition(f"cannot read the routes file {self.path}: {exc}") from None
+        try:
+            parse_routes_file(self.path, text)
+        except FileError as exc:
+            raise FailedPrecondition(
+                f"the routes file has an error; fix it before changing routes: {exc}"
+            ) from None
+        document = yaml.safe_load(text) or {}
+        return document if isinstance(document, dict) else {}
+
+    def _check_writable(self, namespace: str, name: str) -> None:
+        owner = self.store.route_owner(namespace, name)
+        if owner is not None and owner != self.source:
+            raise FailedPrecondition(
+                f"route {namespace}/{name} comes from {owner}, which is read-only here"
+            )
+
+    def apply_route(self, route: Route) -> Route:
+        """Validate, write into the file, load: the stored route, normalised.
+
+        Synchronous on purpose: no other store writer can interleave between
+        reading the file, writing it and loading it back.
+        """
+        route = validate_route(route)
+        self._check_writable(route.namespace, route.name)
+        document = self._current_document()
+        routes = [r for r in document.get("routes") or [] if isinstance(r, dict)]
+        entry = route_to_document(route)
+        for index, existing in enumerate(routes):
+            if (existing.get("namespace", "default"), existing.get("name")) == route.key:
+                routes[index] = entry
+                break
+        else:
+            routes.append(entry)
+        document["routes"] = routes
+        self._write(document)
+        stored = self.store.get_route(route.namespace, route.name)
+        assert stored is not None, "a route just written and loaded is in the store"
+        return stored
+
+    def delete_route(self, namespace: str, name: str) -> None:
+        self._check_writable(namespace, name)
+        if self.store.get_route(namespace, name) is None:
+            raise NotFound(f"route {namespace}/{name} not found")
+        document = self._current_document()
+        document["routes"] = [
+            r
+            for r in document.get("routes") or []
+            if isinstance(r, dict)
+            and (r.get("namespace", "default"), r.get("name")) != (namespace, name)
+        ]
+        self._write(document)
+
+    def _write(self, document: dict[str, Any]) -> None:
+        data = yaml.dump(
+            document, Dumper=_LiteralDumper, sort_keys=False, default_flow_style=False
+        ).encode()
+        # Parse what is about to be written: the file must stay loadable.
+        try:
+            parse_routes_file(self.path, data.decode())
+        except FileError as exc:
+            raise InvalidArgument(str(exc)) from None
+        try:
+            write_atomically(self.path, data)
+        except OSError as exc:
+            raise FailedPrecondition(
+                f"cannot write the routes file {self.path}: {exc.strerror or exc}"
+            ) from None
+        if not self.load():
+            raise FailedPrecondition(
+                f"the routes file did not load after writing: {self.last_error}"
+            )
