@@ -19,7 +19,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -28,6 +28,9 @@ from waygate.core.grpcserver import GrpcServer
 from waygate.core.logs import configure_logging
 from waygate.core.settings import ProcessSettings
 from waygate.core.tracing import configure_tracing, shutdown_tracing
+
+if TYPE_CHECKING:
+    from waygate.core.tls import ProcessCertificates, RotatingChannel
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,10 @@ class ServiceProcess:
         self._cleanups: list[Cleanup] = []
         self._stop = asyncio.Event()
         self._exit_code = 0
+        # Certificates from the certs service, started by the first listener or
+        # client that needs them (see `certificates`).
+        self._certificates: ProcessCertificates | None = None
+        self._certificates_lock = asyncio.Lock()
 
     # -------------------------------------------------------- used by setup
 
@@ -66,14 +73,35 @@ class ServiceProcess:
         """Run `cleanup` while stopping, after the servers; last registered runs first."""
         self._cleanups.append(cleanup)
 
+    async def certificates(self) -> ProcessCertificates | None:
+        """This process's certificate from certs (None without `certs_address`).
+
+        The first call obtains it (start-up fails with certs' message if it is
+        refused) and spawns its renewal and trust-bundle watch; later calls share it.
+        """
+        if self.settings.certs_address is None:
+            return None
+        async with self._certificates_lock:
+            if self._certificates is None:
+                from waygate.core.tls import ProcessCertificates
+
+                self._certificates = await ProcessCertificates.start(self.settings, self.spawn)
+        return self._certificates
+
     async def server_credentials(self, *, client_auth: bool) -> grpc.ServerCredentials | None:
         """TLS credentials for this process's gRPC listeners, from its settings.
 
         None means plaintext (allowed only on loopback or with --insecure, which
-        the settings already enforce). With `client_auth`, clients must present
-        a certificate that chains to the configured client CA.
+        the settings already enforce). With `certs_address`, the certificate
+        comes from certs and is swapped in place on every renewal; with
+        `client_auth`, clients must present a certificate chaining to certs'
+        current trust bundle. With static tls_* files and `client_auth`, clients
+        must present a certificate that chains to the configured client CA.
         """
         settings = self.settings
+        certificates = await self.certificates()
+        if certificates is not None:
+            return certificates.server_credentials(client_auth=client_auth)
         if settings.tls_cert_file is None or settings.tls_key_file is None:
             return None
         client_ca = settings.tls_client_ca_file
@@ -82,6 +110,35 @@ class ServiceProcess:
             root_certificates=client_ca.read_bytes() if client_ca is not None else None,
             require_client_auth=client_auth and client_ca is not None,
         )
+
+    async def client_channel(
+        self, address: str, *, server_name: str | None = None
+    ) -> RotatingChannel:
+        """A channel to another Waygate service; call its `channel()` for every call or stream.
+
+        With `certs_address` it is mTLS with this process's current certificate
+        (a new channel after each renewal); with static tls_* files it presents
+        tls_cert_file and verifies against tls_client_ca_file; otherwise plaintext.
+        Closed when the process stops.
+        """
+        from waygate.core.grpcclient import ClientTLS
+        from waygate.core.tls import static_client_channel
+
+        certificates = await self.certificates()
+        if certificates is not None:
+            channel = certificates.client_channel(address, server_name=server_name)
+        elif self.settings.tls_client_ca_file is not None:
+            tls = ClientTLS(
+                self.settings.tls_client_ca_file,
+                self.settings.tls_cert_file,
+                self.settings.tls_key_file,
+                server_name,
+            )
+            channel = static_client_channel(address, tls.credentials(), server_name)
+        else:
+            channel = static_client_channel(address, None, server_name)
+        self.on_stop(channel.close)
+        return channel
 
     async def mark_ready(self) -> None:
         """Health SERVING and /readyz 200; call once the service can answer correctly."""

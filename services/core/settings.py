@@ -325,6 +325,28 @@ class ProcessSettings:
     tls_client_ca_file: Path | None = setting(
         None, help="PEM CA bundle; when set, clients must present a certificate"
     )
+    # Certificates from the certs service (`waygate up` sets these): the process
+    # makes its key itself, sends only a CSR, and renews before expiry.
+    certs_address: str | None = setting(
+        None, help="host:port of the certs service; when set, TLS certificates come from it"
+    )
+    certs_token_file: Path | None = setting(
+        None, help="file holding the bearer token that authenticates this process to certs"
+    )
+    certs_ca_file: Path | None = setting(
+        None, help="PEM trust bundle to verify certs with (kept fresh from certs afterwards)"
+    )
+    cert_identity: str | None = setting(
+        None, help="identity to ask certs for: spiffe://DOMAIN/ns/NS/sa/SA or a DNS name"
+    )
+    cert_sans: tuple[str, ...] = setting(
+        (), help="more names for the certificate, comma-separated: dns:NAME, uri:URI, ip:ADDRESS"
+    )
+    cert_renew_fraction: float = setting(
+        0.7,
+        help="renew when this fraction of the certificate's lifetime has passed (+-5% jitter)",
+        check=lambda v: None if 0.1 <= v <= 0.9 else f"must be between 0.1 and 0.9, not {v}",
+    )
 
     def __post_init__(self) -> None:
         problem = self.validate()
@@ -341,6 +363,9 @@ class ProcessSettings:
                 return f"invalid setting {name}: {path} is not a readable file"
         if self.tls_client_ca_file is not None and self.tls_cert_file is None:
             return "invalid setting tls_client_ca_file: client certificates need tls_cert_file and tls_key_file"
+        problem = self._validate_certs_client()
+        if problem:
+            return problem
         if not self.tls_enabled and not self.insecure and not is_loopback(self.host):
             return (
                 f"invalid setting host: {self.host} is not a loopback address and no TLS is configured; "
@@ -348,9 +373,34 @@ class ProcessSettings:
             )
         return None
 
+    def _validate_certs_client(self) -> str | None:
+        if self.certs_address is None:
+            for name in ("certs_token_file", "certs_ca_file", "cert_identity"):
+                if getattr(self, name) is not None:
+                    return f"invalid setting {name}: it needs certs_address"
+            return None
+        if self.tls_cert_file is not None:
+            return "invalid setting certs_address: give certs_address or tls_cert_file, not both"
+        for name in ("certs_token_file", "certs_ca_file", "cert_identity"):
+            if getattr(self, name) is None:
+                return f"invalid setting {name}: required with certs_address"
+        for name in ("certs_token_file", "certs_ca_file"):
+            path = getattr(self, name)
+            if not path.is_file():
+                return f"invalid setting {name}: {path} is not a readable file"
+        # Imported here so settings stays free of cryptography for processes without certs.
+        from waygate.core.errors import InvalidArgument
+        from waygate.core.rotation import sans_for
+
+        try:
+            sans_for(self.cert_identity, self.cert_sans)
+        except InvalidArgument as exc:
+            return f"invalid setting cert_sans: {exc}"
+        return None
+
     @property
     def tls_enabled(self) -> bool:
-        return self.tls_cert_file is not None
+        return self.tls_cert_file is not None or self.certs_address is not None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
