@@ -52,6 +52,23 @@ def requested_names(csr: x509.CertificateSigningRequest) -> list[str]:
     return names
 
 
+def general_name(name: str) -> x509.GeneralName:
+    """A "kind:value" name -> a GeneralName (InvalidArgument when malformed)."""
+    kind, sep, value = name.partition(":")
+    if not sep or not value:
+        raise InvalidArgument(f"name {name!r} must be dns:NAME, uri:URI or ip:ADDRESS")
+    if kind == "dns":
+        return x509.DNSName(value)
+    if kind == "uri":
+        return x509.UniformResourceIdentifier(value)
+    if kind == "ip":
+        try:
+            return x509.IPAddress(ipaddress.ip_address(value))
+        except ValueError:
+            raise InvalidArgument(f"name {name!r}: {value!r} is not an IP address") from None
+    raise InvalidArgument(f"name {name!r}: kind must be dns, uri or ip, not {kind!r}")
+
+
 def identity_name(identity: str) -> str:
     """The SAN an identity must appear as: spiffe:// -> uri, an address -> ip, else dns."""
     if identity.startswith("spiffe://"):

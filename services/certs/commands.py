@@ -1,0 +1,274 @@
+"""Client commands: `waygate cert issue`, `waygate cert bundle`, `waygate cert inspect`.
+
+`cert issue` generates the private key here and sends only a CSR; the key is
+written 0600 and never leaves this machine. Files are written only after the
+CA answered, each atomically, so a failed call leaves the output directory as
+it was.
+
+`cert inspect` reads a local file (PEM or DER) and needs no server. Its exit
+status says how usable the certificate is: 0 fine, 1 expired (or the file is
+not a certificate), 2 under 20% of its lifetime left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519
+
+from waygate.certs.authority import KEY_ALGORITHMS, generate_key
+from waygate.certs.policy import general_name, identity_name
+from waygate.certs.v1 import certs_pb2, certs_pb2_grpc
+from waygate.core.clientcli import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE_OR_UNREACHABLE,
+    ClientSettings,
+    add_client_arguments,
+    channel_for,
+    fail,
+    run_client,
+)
+from waygate.core.errors import InvalidArgument
+from waygate.core.settings import parse_duration
+
+DEFAULT_PORT = 7002
+#: `cert inspect` exits 2 when less than this fraction of the lifetime remains.
+LOW_LIFE_FRACTION = 0.2
+
+
+# ---------------------------------------------------------------- files
+
+
+def _write(path: Path, data: bytes, mode: int) -> None:
+    temp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "wb") as handle:
+        os.fchmod(handle.fileno(), mode)
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temp, path)
+
+
+def _pem(der: bytes) -> bytes:
+    return x509.load_der_x509_certificate(der).public_bytes(serialization.Encoding.PEM)
+
+
+# ---------------------------------------------------------------- cert issue
+
+
+def _csr_names(args: argparse.Namespace) -> list[str]:
+    names = [identity_name(args.identity)]
+    for kind, values in (("dns", args.dns), ("uri", args.uri), ("ip", args.ip)):
+        for value in values:
+            name = f"{kind}:{value}"
+            if name not in names:
+                names.append(name)
+    return names
+
+
+def _issue(args: argparse.Namespace) -> int:
+    try:
+        lifetime = parse_duration(args.lifetime) if args.lifetime else None
+        token = args.token
+        if args.token_file is not None:
+            token = Path(args.token_file).read_text().strip()
+        if not token:
+            return fail("give --token or --token-file", EXIT_USAGE_OR_UNREACHABLE)
+        names = [general_name(n) for n in _csr_names(args)]
+    except (ValueError, InvalidArgument) as exc:
+        return fail(str(exc), EXIT_USAGE_OR_UNREACHABLE)
+    except OSError as exc:
+        return fail(f"cannot read token file {args.token_file}: {exc.strerror}")
+    out = Path(args.out)
+
+    async def body(settings: ClientSettings) -> int:
+        key = generate_key(args.key_algorithm)
+        csr = (
+            x509.CertificateSigningRequestBuilder()
+            .subject_name(x509.Name([]))
+            .add_extension(x509.SubjectAlternativeName(names), critical=True)
+            .sign(key, None if isinstance(key, ed25519.Ed25519PrivateKey) else hashes.SHA256())
+        )
+        request = certs_pb2.CertifyRequest(
+            identity=args.identity,
+            token=token,
+            certificate_signing_request=csr.public_bytes(serialization.Encoding.DER),
+        )
+        if lifetime is not None:
+            request.lifetime.FromTimedelta(timedelta(seconds=lifetime))
+        async with channel_for(args, settings) as channel:
+            stub = certs_pb2_grpc.CertsStub(channel)
+            reply = await stub.Certify(request, timeout=settings.timeout)
+            bundle = await stub.GetTrustBundle(
+                certs_pb2.GetTrustBundleRequest(), timeout=settings.timeout
+            )
+        leaf_pem = _pem(reply.leaf_certificate)
+        chain_pem = leaf_pem + b"".join(_pem(d) for d in reply.intermediate_certificates)
+        out.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _write(
+            out / "key.pem",
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            ),
+            0o600,
+        )
+        _write(out / "cert.pem", leaf_pem, 0o644)
+        _write(out / "chain.pem", chain_pem, 0o644)
+        _write(out / "ca.pem", bundle.pem.encode(), 0o644)
+        valid_until = reply.valid_until.ToDatetime(tzinfo=UTC)
+        print(
+            f"issued {reply.serial} for {args.identity}, valid until {valid_until.isoformat()}; "
+            f"wrote key.pem (0600), cert.pem, chain.pem, ca.pem to {out}"
+        )
+        return EXIT_OK
+
+    return run_client(args, body)
+
+
+def configure_issue(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--identity", required=True, help="spiffe:// ID, DNS name or node name")
+    tokens = parser.add_mutually_exclusive_group(required=True)
+    tokens.add_argument("--token", help="bearer token that authenticates you to the CA")
+    tokens.add_argument("--token-file", help="file holding the token")
+    parser.add_argument(
+        "--out", required=True, help="directory for key.pem, cert.pem, chain.pem, ca.pem"
+    )
+    parser.add_argument("--dns", action="append", default=[], metavar="NAME", help="extra DNS SAN")
+    parser.add_argument("--uri", action="append", default=[], metavar="URI", help="extra URI SAN")
+    parser.add_argument("--ip", action="append", default=[], metavar="IP", help="extra IP SAN")
+    parser.add_argument("--lifetime", help="requested lifetime, e.g. 24h (default: the CA's)")
+    parser.add_argument(
+        "--key-algorithm", default="ecdsa-p256", choices=KEY_ALGORITHMS, help="[%(default)s]"
+    )
+    add_client_arguments(parser, DEFAULT_PORT)
+    parser.set_defaults(func=_issue)
+
+
+# ---------------------------------------------------------------- cert bundle
+
+
+def _bundle(args: argparse.Namespace) -> int:
+    async def body(settings: ClientSettings) -> int:
+        async with channel_for(args, settings) as channel:
+            bundle = await certs_pb2_grpc.CertsStub(channel).GetTrustBundle(
+                certs_pb2.GetTrustBundleRequest(), timeout=settings.timeout
+            )
+        if args.out:
+            _write(Path(args.out), bundle.pem.encode(), 0o644)
+            print(
+                f"wrote {len(bundle.authorities)} CA certificate(s), version {bundle.version}, to {args.out}"
+            )
+        else:
+            print(bundle.pem, end="")
+        return EXIT_OK
+
+    return run_client(args, body)
+
+
+def configure_bundle(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", metavar="FILE", help="write the PEM bundle here instead of stdout")
+    add_client_arguments(parser, DEFAULT_PORT)
+    parser.set_defaults(func=_bundle)
+
+
+# ---------------------------------------------------------------- cert inspect
+
+
+def _load_certificates(data: bytes) -> list[x509.Certificate]:
+    if b"-----BEGIN CERTIFICATE-----" in data:
+        return x509.load_pem_x509_certificates(data)
+    return [x509.load_der_x509_certificate(data)]
+
+
+_KIND: dict[type, str] = {
+    x509.DNSName: "dns",
+    x509.UniformResourceIdentifier: "uri",
+    x509.IPAddress: "ip",
+}
+
+
+def _names(cert: x509.Certificate) -> list[str]:
+    try:
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return []
+    return [f"{_KIND.get(type(n), type(n).__name__)}:{n.value}" for n in sans]
+
+
+def _duration(delta: timedelta) -> str:
+    seconds = int(abs(delta.total_seconds()))
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, seconds = divmod(rest, 60)
+    if days:
+        return f"{days}d{hours}h"
+    if hours:
+        return f"{hours}h{minutes}m"
+    return f"{minutes}m{seconds}s"
+
+
+def inspect_certificate(cert: x509.Certificate, now: datetime) -> tuple[list[str], int]:
+    """Lines describing `cert` and the exit status it deserves at `now`."""
+    not_before, not_after = cert.not_valid_before_utc, cert.not_valid_after_utc
+    lifetime = not_after - not_before
+    remaining = not_after - now
+    fraction = remaining / lifetime if lifetime > timedelta(0) else 0.0
+    if remaining <= timedelta(0):
+        status, life = 1, f"EXPIRED {_duration(remaining)} ago"
+    elif fraction < LOW_LIFE_FRACTION:
+        status, life = 2, f"{_duration(remaining)} ({fraction:.0%} of its lifetime) - RENEW SOON"
+    else:
+        status, life = 0, f"{_duration(remaining)} ({fraction:.0%} of its lifetime)"
+    lines = [
+        f"subject:        {cert.subject.rfc4514_string() or '(empty)'}",
+        f"SANs:           {', '.join(_names(cert)) or '(none)'}",
+        f"issuer:         {cert.issuer.rfc4514_string()}",
+        f"serial:         {cert.serial_number:x}",
+        f"not_before:     {not_before.isoformat()}",
+        f"not_after:      {not_after.isoformat()}",
+        f"remaining life: {life}",
+    ]
+    return lines, status
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    path = Path(args.file)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        return fail(f"cannot read {path}: {exc.strerror}", EXIT_FAILED)
+    try:
+        certificates = _load_certificates(data)
+    except ValueError:
+        return fail(f"{path} holds no PEM or DER certificate", EXIT_FAILED)
+    now = datetime.now(UTC)
+    worst = EXIT_OK
+    for index, cert in enumerate(certificates):
+        lines, status = inspect_certificate(cert, now)
+        if len(certificates) > 1:
+            print(f"certificate {index + 1} of {len(certificates)}:")
+        print("\n".join(lines))
+        # Expired (1) is worse than low life (2).
+        worst = status if worst == EXIT_OK or status == 1 else worst
+    return worst
+
+
+def configure_inspect(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", metavar="FILE", help="PEM or DER certificate file")
+    parser.set_defaults(func=_inspect)
+
+
+COMMANDS = {
+    ("cert", "issue"): configure_issue,
+    ("cert", "bundle"): configure_bundle,
+    ("cert", "inspect"): configure_inspect,
+}

@@ -1,0 +1,141 @@
+"""The gRPC boundary of waygate.certs.v1.Certs: proto <-> domain, nothing else.
+
+Domain errors raised by `CertsService` become status codes in the shared
+boundary interceptor (`waygate.core.grpcserver`). Admin calls (RotateCA,
+ListIssued) carry their token in the `authorization` metadata as
+`Bearer <token>`; Certify carries it in the request, as the proto says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from datetime import datetime
+
+import grpc
+from cryptography.hazmat.primitives import serialization
+from google.protobuf import timestamp_pb2
+
+from waygate.certs.authority import CAView, IssuedRecord, TrustBundleView
+from waygate.certs.service import CertsService
+from waygate.certs.v1 import certs_pb2, certs_pb2_grpc
+from waygate.core.grpcserver import ServiceRegistration
+
+SERVICE_NAME = "waygate.certs.v1.Certs"
+_DER = serialization.Encoding.DER
+
+
+def _timestamp(moment: datetime) -> timestamp_pb2.Timestamp:
+    stamp = timestamp_pb2.Timestamp()
+    stamp.FromDatetime(moment)
+    return stamp
+
+
+def _authority(view: CAView) -> certs_pb2.CertificateAuthority:
+    return certs_pb2.CertificateAuthority(
+        certificate=view.certificate.public_bytes(_DER),
+        state=f"CA_STATE_{view.state.value}",
+        fingerprint_sha256=view.fingerprint,
+        not_after=_timestamp(view.not_after),
+    )
+
+
+def bundle_message(bundle: TrustBundleView) -> certs_pb2.TrustBundle:
+    return certs_pb2.TrustBundle(
+        version=bundle.version,
+        authorities=[_authority(a) for a in bundle.authorities],
+        pem=bundle.pem,
+    )
+
+
+def _issued(record: IssuedRecord) -> certs_pb2.IssuedCertificate:
+    return certs_pb2.IssuedCertificate(
+        serial=record.serial,
+        identity=record.identity,
+        dns_names=list(record.dns_names),
+        uris=list(record.uris),
+        not_before=_timestamp(record.not_before),
+        not_after=_timestamp(record.not_after),
+        issuer_fingerprint_sha256=record.issuer_fingerprint,
+        requested_by=record.requested_by,
+    )
+
+
+def bearer_token(context: grpc.aio.ServicerContext) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization" and isinstance(value, str):
+            scheme, _, token = value.partition(" ")
+            if scheme.lower() == "bearer":
+                return token.strip()
+    return ""
+
+
+class CertsServicer(certs_pb2_grpc.CertsServicer):
+    def __init__(self, service: CertsService) -> None:
+        self.service = service
+
+    async def Certify(
+        self, request: certs_pb2.CertifyRequest, context: grpc.aio.ServicerContext
+    ) -> certs_pb2.CertifyResponse:
+        issued = await self.service.certify(
+            token=request.token,
+            identity=request.identity,
+            csr_der=request.certificate_signing_request,
+            lifetime=request.lifetime.ToTimedelta() if request.HasField("lifetime") else None,
+        )
+        return certs_pb2.CertifyResponse(
+            leaf_certificate=issued.leaf.public_bytes(_DER),
+            intermediate_certificates=[c.public_bytes(_DER) for c in issued.chain],
+            valid_until=_timestamp(issued.valid_until),
+            serial=issued.serial,
+        )
+
+    async def GetTrustBundle(
+        self, request: certs_pb2.GetTrustBundleRequest, context: grpc.aio.ServicerContext
+    ) -> certs_pb2.TrustBundle:
+        return bundle_message(self.service.trust_bundle())
+
+    async def WatchTrustBundle(
+        self, request: certs_pb2.WatchTrustBundleRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[certs_pb2.TrustBundle]:
+        bundle = self.service.trust_bundle()
+        yield bundle_message(bundle)
+        while True:
+            bundle = await self.service.wait_for_change(bundle.version)
+            yield bundle_message(bundle)
+
+    async def RotateCA(
+        self, request: certs_pb2.RotateCARequest, context: grpc.aio.ServicerContext
+    ) -> certs_pb2.RotateCAResponse:
+        rotation = await self.service.rotate(
+            token=bearer_token(context),
+            propagation_delay=(
+                request.propagation_delay.ToTimedelta()
+                if request.HasField("propagation_delay")
+                else None
+            ),
+            ca_lifetime=request.ca_lifetime.ToTimedelta()
+            if request.HasField("ca_lifetime")
+            else None,
+        )
+        return certs_pb2.RotateCAResponse(
+            new_authority=_authority(rotation.new_authority),
+            signing_switch_at=_timestamp(rotation.signing_switch_at),
+            old_retire_after=_timestamp(rotation.old_retire_after),
+            bundle=bundle_message(rotation.bundle),
+        )
+
+    async def ListIssued(
+        self, request: certs_pb2.ListIssuedRequest, context: grpc.aio.ServicerContext
+    ) -> certs_pb2.ListIssuedResponse:
+        records = await self.service.list_issued(
+            token=bearer_token(context),
+            identity=request.identity,
+            include_expired=request.include_expired,
+        )
+        return certs_pb2.ListIssuedResponse(certificates=[_issued(r) for r in records])
+
+
+def registration(service: CertsService) -> ServiceRegistration:
+    return ServiceRegistration(
+        SERVICE_NAME, certs_pb2_grpc.add_CertsServicer_to_server, CertsServicer(service)
+    )
