@@ -34,7 +34,7 @@ import logging
 import os
 import ssl
 import tempfile
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from datetime import UTC, timedelta
 from pathlib import Path
 from typing import Any
@@ -227,7 +227,7 @@ def dynamic_server_credentials(
 # ---------------------------------------------------------------- HTTPS listeners
 
 
-def _load_chain(context: ssl.SSLContext, held: HeldCertificate) -> None:
+def load_certificate_chain(context: ssl.SSLContext, held: HeldCertificate) -> None:
     """Give OpenSSL the key through an anonymous in-memory file (it only reads paths)."""
     data = held.chain_pem() + held.key_pem()
     if hasattr(os, "memfd_create"):
@@ -258,7 +258,7 @@ def server_ssl_context(
     """A server context for one certificate: TLS 1.2+, optional required client certs."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
-    _load_chain(context, held)
+    load_certificate_chain(context, held)
     if client_auth:
         if trust is None:
             raise ValueError("client_auth needs a trust bundle")
@@ -342,8 +342,10 @@ class RotatingChannel:
         *,
         server_name: str | None = None,
         close_grace: float = 30.0,
+        options: Sequence[tuple[str, Any]] = (),
     ) -> None:
         self.address = address
+        self._options = tuple(options)
         self._credentials = credentials
         self._server_name = server_name
         self._close_grace = close_grace
@@ -362,7 +364,10 @@ class RotatingChannel:
     def channel(self) -> grpc.aio.Channel:
         if self._channel is None:
             self._channel = open_channel(
-                self.address, credentials=self._credentials(), server_name=self._server_name
+                self.address,
+                credentials=self._credentials(),
+                server_name=self._server_name,
+                options=self._options,
             )
             self.opened += 1
         return self._channel
@@ -482,6 +487,7 @@ __all__ = [
     "client_credentials",
     "domain_error",
     "dynamic_server_credentials",
+    "load_certificate_chain",
     "server_ssl_context",
     "static_client_channel",
 ]
