@@ -33,7 +33,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -353,17 +353,22 @@ class Store:
 
     def set_tunnel_presence(self, node: str, servers: Iterable[TunnelServer]) -> None:
         """Replace which tunnel servers hold `node`; no servers: the node is gone."""
-        unique = {server.id: server for server in servers}
-        presence = TunnelPresence(node, tuple(unique[i] for i in sorted(unique)))
-        old = self._tunnels.get(node)
+        self.set_tunnel_presences({node: servers})
+
+    def set_tunnel_presences(self, presences: Mapping[str, Iterable[TunnelServer]]) -> None:
+        """`set_tunnel_presence` for many nodes, in one version."""
         changes: list[Change] = []
-        if presence.servers:
-            if old != presence:
-                self._tunnels[node] = presence
-                changes.append(Change(Kind.TUNNELS, node, presence))
-        elif old is not None:
-            del self._tunnels[node]
-            changes.append(Change(Kind.TUNNELS, node, None))
+        for node in sorted(presences):
+            unique = {server.id: server for server in presences[node]}
+            presence = TunnelPresence(node, tuple(unique[i] for i in sorted(unique)))
+            old = self._tunnels.get(node)
+            if presence.servers:
+                if old != presence:
+                    self._tunnels[node] = presence
+                    changes.append(Change(Kind.TUNNELS, node, presence))
+            elif old is not None:
+                del self._tunnels[node]
+                changes.append(Change(Kind.TUNNELS, node, None))
         self._commit(changes, None)
 
     def replace_source(

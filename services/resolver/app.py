@@ -1,0 +1,147 @@
+"""`waygate resolver serve`: settings and wiring of the resolver process.
+
+The process holds one Store, fed by the routes file (when given) and by
+tunnel-server reports, and serves waygate.resolver.v1.Resolver on it. It is
+ready once its sources have loaded successfully: a resolver that would answer
+from an empty view while a file is merely invalid must not take traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from waygate.core.grpcserver import GrpcServer
+from waygate.core.runtime import ServiceProcess
+from waygate.core.settings import GrpcServerSettings, parse_duration, port_number, positive, setting
+from waygate.resolver.filesource import EXAMPLE_ROUTES, FileSource
+from waygate.resolver.server import ResolverServicer
+from waygate.resolver.store import DEFAULT_HISTORY_LIMIT, DEFAULT_MAX_PENDING, Store
+from waygate.resolver.tunnels import TunnelRegistry
+
+if TYPE_CHECKING:
+    from waygate.supervisor import UpContext
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Settings(GrpcServerSettings):
+    grpc_port: int = setting(7001, help="gRPC listen port", check=port_number)
+    admin_port: int = setting(
+        9001, help="admin HTTP port (/metrics /healthz /readyz)", check=port_number
+    )
+    routes_file: Path | None = setting(
+        None,
+        help="YAML file of services, endpoints and routes (reloaded on change); "
+        "unset: start empty, routes read-only",
+    )
+    routes_poll_interval: float = setting(
+        1.0,
+        help="how often the routes file is checked for changes",
+        parse=parse_duration,
+        check=positive,
+    )
+    watch_history: int = setting(
+        DEFAULT_HISTORY_LIMIT,
+        help="changes kept for Watch resumes; an older resume version gets a full snapshot",
+        check=positive,
+    )
+    watch_max_pending: int = setting(
+        DEFAULT_MAX_PENDING,
+        help="keys a slow Watch client may fall behind by before it gets a fresh snapshot",
+        check=positive,
+    )
+    tunnel_lease: float = setting(
+        30.0,
+        help="lease of a ReportTunnels report that does not ask for one",
+        parse=parse_duration,
+        check=positive,
+    )
+    tunnel_lease_min: float = setting(
+        5.0, help="shortest lease a tunnel server may ask for", parse=parse_duration, check=positive
+    )
+    tunnel_lease_max: float = setting(
+        300.0,
+        help="longest lease a tunnel server may ask for",
+        parse=parse_duration,
+        check=positive,
+    )
+
+    def validate(self) -> str | None:
+        problem = super().validate()
+        if problem:
+            return problem
+        if self.routes_file is not None and not self.routes_file.is_file():
+            return f"invalid setting routes_file: {self.routes_file} is not a readable file"
+        if not self.tunnel_lease_min <= self.tunnel_lease <= self.tunnel_lease_max:
+            return (
+                "invalid setting tunnel_lease: must lie between tunnel_lease_min "
+                f"({self.tunnel_lease_min}s) and tunnel_lease_max ({self.tunnel_lease_max}s)"
+            )
+        return None
+
+
+async def setup(process: ServiceProcess, settings: Settings) -> None:
+    store = Store(history_limit=settings.watch_history)
+    tunnels = TunnelRegistry(
+        store,
+        default_lease=settings.tunnel_lease,
+        min_lease=settings.tunnel_lease_min,
+        max_lease=settings.tunnel_lease_max,
+    )
+    file_source = None
+    if settings.routes_file is not None:
+        file_source = FileSource(
+            store, settings.routes_file, poll_interval=settings.routes_poll_interval
+        )
+    servicer = ResolverServicer(
+        store,
+        routes=file_source,
+        tunnels=tunnels,
+        watch_max_pending=settings.watch_max_pending,
+    )
+    process.add_grpc_server(
+        GrpcServer.from_settings(
+            settings,
+            [servicer.registration()],
+            credentials=await process.server_credentials(client_auth=True),
+        )
+    )
+
+    async def release_tunnels() -> None:
+        tunnels.close_all()
+
+    process.on_stop(release_tunnels)
+
+    if file_source is None:
+        await process.mark_ready()
+        return
+
+    async def watch_file(source: FileSource) -> None:
+        if not source.load():
+            process.readiness.set_not_ready(f"routes file: {source.last_error}")
+        while not source.loaded:
+            await asyncio.sleep(source.poll_interval)
+            source.poll()
+        await process.mark_ready()
+        await source.run()
+
+    process.spawn(watch_file(file_source), "routes-file")
+
+
+def up_arguments(context: UpContext) -> list[str]:
+    """`waygate up`: serve a copy of the example routes file kept in the state directory.
+
+    The copy (not the packaged file) is what ApplyRoute writes to, and it
+    survives restarts of `up`; delete it to start over from the example.
+    """
+    routes = context.state_dir / "routes.yaml"
+    if not routes.exists():
+        context.state_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(EXAMPLE_ROUTES, routes)
+    return ["--routes-file", str(routes)]

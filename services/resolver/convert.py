@@ -1,0 +1,328 @@
+"""Conversions between `waygate.resolver.v1` messages and the domain model.
+
+Used by the gRPC boundary (`server.py`) and by clients (`commands.py`).
+Invariants:
+- `*_from_proto` never accepts an enum value it does not know: it raises
+  InvalidArgument naming the field (a newer client must not be misread).
+- Proto -> domain -> proto is lossless for every field the proto has.
+- Change messages are cached by value: the same change sent to a hundred
+  watchers is converted once.
+"""
+
+from __future__ import annotations
+
+import functools
+from datetime import datetime
+
+from google.protobuf import duration_pb2, timestamp_pb2
+
+from waygate.core.errors import InvalidArgument
+from waygate.resolver import model
+from waygate.resolver.store import Batch, Snapshot
+from waygate.resolver.v1 import resolver_pb2 as pb
+
+SERVICE_TYPES = {
+    "ClusterIP": pb.SERVICE_TYPE_CLUSTER_IP,
+    "NodePort": pb.SERVICE_TYPE_NODE_PORT,
+    "LoadBalancer": pb.SERVICE_TYPE_LOAD_BALANCER,
+    "ExternalName": pb.SERVICE_TYPE_EXTERNAL_NAME,
+}
+SERVICE_TYPE_NAMES = {v: k for k, v in SERVICE_TYPES.items()}
+
+TERMINATIONS = {
+    model.TLSTermination.EDGE: pb.TLS_TERMINATION_EDGE,
+    model.TLSTermination.PASSTHROUGH: pb.TLS_TERMINATION_PASSTHROUGH,
+    model.TLSTermination.REENCRYPT: pb.TLS_TERMINATION_REENCRYPT,
+}
+TERMINATION_NAMES = {v: k for k, v in TERMINATIONS.items()}
+
+INSECURE_POLICIES = {
+    model.InsecureEdgePolicy.NONE: pb.INSECURE_EDGE_POLICY_NONE,
+    model.InsecureEdgePolicy.ALLOW: pb.INSECURE_EDGE_POLICY_ALLOW,
+    model.InsecureEdgePolicy.REDIRECT: pb.INSECURE_EDGE_POLICY_REDIRECT,
+}
+INSECURE_POLICY_NAMES = {v: k for k, v in INSECURE_POLICIES.items()}
+INSECURE_POLICY_NAMES[pb.INSECURE_EDGE_POLICY_UNSPECIFIED] = model.InsecureEdgePolicy.NONE
+
+BALANCE_POLICIES = {
+    model.BalancePolicy.DEFAULT: pb.BALANCE_POLICY_UNSPECIFIED,
+    model.BalancePolicy.RANDOM: pb.BALANCE_POLICY_RANDOM,
+    model.BalancePolicy.ROUND_ROBIN: pb.BALANCE_POLICY_ROUND_ROBIN,
+    model.BalancePolicy.LEAST_CONN: pb.BALANCE_POLICY_LEAST_CONN,
+    model.BalancePolicy.SOURCE: pb.BALANCE_POLICY_SOURCE,
+}
+BALANCE_POLICY_NAMES = {v: k for k, v in BALANCE_POLICIES.items()}
+
+KINDS = {
+    model.Kind.SERVICES: pb.RESOURCE_KIND_SERVICES,
+    model.Kind.ENDPOINTS: pb.RESOURCE_KIND_ENDPOINTS,
+    model.Kind.ROUTES: pb.RESOURCE_KIND_ROUTES,
+    model.Kind.TUNNELS: pb.RESOURCE_KIND_TUNNELS,
+}
+KIND_NAMES = {v: k for k, v in KINDS.items()}
+
+_TIMEOUT_FIELDS = ("connect", "client", "server", "http_request", "tunnel")
+
+
+def _enum(table: dict[int, object], value: int, field: str) -> object:
+    try:
+        return table[value]
+    except KeyError:
+        raise InvalidArgument(f"{field}: unknown value {value}") from None
+
+
+# ---------------------------------------------------------------- scalars
+
+
+def timestamp(when: datetime | None) -> timestamp_pb2.Timestamp | None:
+    if when is None:
+        return None
+    stamp = timestamp_pb2.Timestamp()
+    stamp.FromDatetime(when)
+    return stamp
+
+
+def duration(seconds: float | None) -> duration_pb2.Duration | None:
+    if seconds is None:
+        return None
+    message = duration_pb2.Duration()
+    message.FromNanoseconds(round(seconds * 1e9))
+    return message
+
+
+def seconds(message: duration_pb2.Duration) -> float:
+    return float(message.ToNanoseconds()) / 1e9
+
+
+# ---------------------------------------------------------------- services and endpoints
+
+
+def service_to_proto(service: model.Service) -> pb.Service:
+    return pb.Service(
+        namespace=service.namespace,
+        name=service.name,
+        type=SERVICE_TYPES.get(service.type, pb.SERVICE_TYPE_UNSPECIFIED),
+        cluster_ips=service.cluster_ips,
+        headless=service.headless,
+        external_name=service.external_name,
+        ports=[
+            pb.ServicePort(
+                name=p.name,
+                port=p.port,
+                target_port=p.target_port,
+                protocol=p.protocol,
+                node_port=p.node_port,
+            )
+            for p in service.ports
+        ],
+    )
+
+
+def service_from_proto(message: pb.Service) -> model.Service:
+    service_type = _enum(
+        dict(SERVICE_TYPE_NAMES) | {pb.SERVICE_TYPE_UNSPECIFIED: "ClusterIP"},
+        message.type,
+        "service.type",
+    )
+    return model.Service(
+        namespace=message.namespace,
+        name=message.name,
+        type=str(service_type),
+        cluster_ips=tuple(message.cluster_ips),
+        headless=message.headless,
+        external_name=message.external_name,
+        ports=tuple(
+            model.ServicePort(p.name, p.port, p.target_port, p.protocol or "TCP", p.node_port)
+            for p in message.ports
+        ),
+    )
+
+
+def endpoint_to_proto(endpoint: model.Endpoint) -> pb.Endpoint:
+    return pb.Endpoint(
+        namespace=endpoint.namespace,
+        service=endpoint.service,
+        address=endpoint.address,
+        ports=[
+            pb.EndpointPort(name=p.name, port=p.port, protocol=p.protocol) for p in endpoint.ports
+        ],
+        ready=endpoint.ready,
+        serving=endpoint.serving,
+        terminating=endpoint.terminating,
+        zone=endpoint.zone,
+        node_name=endpoint.node_name,
+        tunnel=endpoint.tunnel,
+        hostname=endpoint.hostname,
+    )
+
+
+def endpoint_from_proto(message: pb.Endpoint) -> model.Endpoint:
+    return model.Endpoint(
+        namespace=message.namespace,
+        service=message.service,
+        address=message.address,
+        ports=tuple(model.EndpointPort(p.name, p.port, p.protocol or "TCP") for p in message.ports),
+        ready=message.ready,
+        serving=message.serving,
+        terminating=message.terminating,
+        zone=message.zone,
+        node_name=message.node_name,
+        tunnel=message.tunnel,
+        hostname=message.hostname,
+    )
+
+
+# ---------------------------------------------------------------- routes
+
+
+def route_to_proto(route: model.Route) -> pb.Route:
+    message = pb.Route(
+        namespace=route.namespace,
+        name=route.name,
+        host=route.host,
+        path=route.path,
+        backends=[pb.RouteBackend(service=b.service, weight=b.weight) for b in route.backends],
+        target_port=route.target_port,
+        balance=BALANCE_POLICIES[route.balance],
+        sticky=pb.StickySessions(
+            disable_cookies=route.sticky.disable_cookies, cookie_name=route.sticky.cookie_name
+        ),
+        timeouts=pb.RouteTimeouts(
+            **{
+                name: duration(getattr(route.timeouts, name))
+                for name in _TIMEOUT_FIELDS
+                if getattr(route.timeouts, name) is not None
+            }
+        ),
+        auth_proxy_headers=route.auth_proxy_headers,
+    )
+    if route.tls is not None:
+        message.tls.CopyFrom(
+            pb.RouteTLS(
+                termination=TERMINATIONS[route.tls.termination],
+                certificate=route.tls.certificate,
+                key=route.tls.key,
+                ca_certificate=route.tls.ca_certificate,
+                destination_ca_certificate=route.tls.destination_ca_certificate,
+                insecure_edge_termination_policy=INSECURE_POLICIES[
+                    route.tls.insecure_edge_termination_policy
+                ],
+            )
+        )
+    return message
+
+
+def route_from_proto(message: pb.Route) -> model.Route:
+    """The domain route (not yet validated: see validation.validate_route)."""
+    tls = None
+    if message.HasField("tls") and message.tls.termination != pb.TLS_TERMINATION_UNSPECIFIED:
+        termination = _enum(TERMINATION_NAMES, message.tls.termination, "tls.termination")
+        policy = _enum(
+            INSECURE_POLICY_NAMES,
+            message.tls.insecure_edge_termination_policy,
+            "tls.insecure_edge_termination_policy",
+        )
+        tls = model.RouteTLS(
+            termination=termination,  # type: ignore[arg-type]
+            certificate=message.tls.certificate,
+            key=message.tls.key,
+            ca_certificate=message.tls.ca_certificate,
+            destination_ca_certificate=message.tls.destination_ca_certificate,
+            insecure_edge_termination_policy=policy,  # type: ignore[arg-type]
+        )
+    elif message.HasField("tls") and (
+        message.tls.certificate or message.tls.key or message.tls.destination_ca_certificate
+    ):
+        raise InvalidArgument(
+            "tls.termination: required when TLS certificate material is given "
+            "(edge, passthrough or reencrypt)"
+        )
+    timeouts = model.RouteTimeouts(
+        **{
+            name: seconds(getattr(message.timeouts, name))
+            if message.timeouts.HasField(name)
+            else None
+            for name in _TIMEOUT_FIELDS
+        }
+    )
+    return model.Route(
+        namespace=message.namespace,
+        name=message.name,
+        host=message.host,
+        path=message.path,
+        backends=tuple(model.RouteBackend(b.service, b.weight) for b in message.backends),
+        target_port=message.target_port,
+        tls=tls,
+        balance=_enum(BALANCE_POLICY_NAMES, message.balance, "balance"),  # type: ignore[arg-type]
+        sticky=model.StickySessions(message.sticky.disable_cookies, message.sticky.cookie_name),
+        timeouts=timeouts,
+        auth_proxy_headers=message.auth_proxy_headers,
+    )
+
+
+# ---------------------------------------------------------------- tunnels
+
+
+def tunnel_to_proto(presence: model.TunnelPresence) -> pb.TunnelPresence:
+    return pb.TunnelPresence(
+        node=presence.node,
+        servers=[pb.TunnelServer(id=s.id, address=s.address) for s in presence.servers],
+    )
+
+
+# ---------------------------------------------------------------- watch
+
+
+@functools.lru_cache(maxsize=8192)
+def change_to_proto(change: model.Change) -> pb.Change:
+    value, key = change.value, change.key
+    if change.kind is model.Kind.SERVICES:
+        if isinstance(value, model.Service):
+            return pb.Change(service_upserted=service_to_proto(value))
+        return pb.Change(service_deleted=pb.ServiceRef(namespace=key[0], name=key[1]))
+    if change.kind is model.Kind.ENDPOINTS:
+        if isinstance(value, model.Endpoint):
+            return pb.Change(endpoint_upserted=endpoint_to_proto(value))
+        return pb.Change(
+            endpoint_deleted=pb.EndpointRef(namespace=key[0], service=key[1], address=key[2])
+        )
+    if change.kind is model.Kind.ROUTES:
+        if isinstance(value, model.Route):
+            return pb.Change(route_upserted=route_to_proto(value))
+        return pb.Change(route_deleted=pb.RouteRef(namespace=key[0], name=key[1]))
+    if isinstance(value, model.TunnelPresence):
+        return pb.Change(tunnel_presence=tunnel_to_proto(value))
+    return pb.Change(tunnel_presence=pb.TunnelPresence(node=str(key)))
+
+
+def snapshot_to_proto(snapshot: Snapshot) -> pb.Snapshot:
+    return pb.Snapshot(
+        services=[service_to_proto(s) for s in snapshot.services],
+        endpoints=[endpoint_to_proto(e) for e in snapshot.endpoints],
+        routes=[route_to_proto(r) for r in snapshot.routes],
+        tunnels=[tunnel_to_proto(t) for t in snapshot.tunnels],
+    )
+
+
+def watch_event(item: Snapshot | Batch, source: str, last_sync: datetime | None) -> pb.WatchEvent:
+    event = pb.WatchEvent(version=item.version, source=source, last_sync=timestamp(last_sync))
+    if isinstance(item, Snapshot):
+        event.snapshot.CopyFrom(snapshot_to_proto(item))
+    else:
+        event.changes.CopyFrom(
+            pb.Changes(
+                from_version=item.from_version,
+                changes=[change_to_proto(c) for c in item.changes],
+                coalesced=item.coalesced,
+            )
+        )
+    return event
+
+
+def kinds_from_proto(kinds: list[int]) -> frozenset[model.Kind] | None:
+    wanted = set()
+    for value in kinds:
+        if value == pb.RESOURCE_KIND_UNSPECIFIED:
+            continue
+        wanted.add(_enum(KIND_NAMES, value, "kinds"))
+    return frozenset(wanted) or None  # type: ignore[arg-type]

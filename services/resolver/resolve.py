@@ -1,0 +1,173 @@
+"""Resolve one service port to its ready endpoints (kube-aggregator parity).
+
+Rules, in the order they are checked:
+- unknown service: NotFound;
+- ExternalName or headless service: FailedPrecondition (nothing to proxy to);
+- the port, by name or number; empty means the only port: NotFound when the
+  service has no such port, InvalidArgument when it is empty and ambiguous;
+- each endpoint's port: the endpoint port of the same name as the service
+  port (the aggregator's rule), else the target port number, else the
+  endpoint port named by target_port; an endpoint without a match is skipped;
+- only ready endpoints count, and a terminating endpoint is never ready:
+  none left -> Unavailable "no endpoints available for service NS/NAME".
+
+Invariant: everything is read from the store in one synchronous call, so a
+Resolution never mixes two versions and never contains an endpoint the store
+has deleted.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import itertools
+import random
+from dataclasses import dataclass
+from datetime import datetime
+
+from waygate.core.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from waygate.resolver.model import Endpoint, Service, ServicePort
+from waygate.resolver.store import Store
+
+MAX_ROUND_ROBIN_KEYS = 10_000
+
+
+class Pick(enum.Enum):
+    NONE = "none"
+    RANDOM = "random"
+    ROUND_ROBIN = "roundrobin"
+    HASH = "hash"
+
+
+@dataclass(frozen=True)
+class Target:
+    address: str
+    port: int
+    node_name: str = ""
+    zone: str = ""
+    tunnel: bool = False
+
+
+@dataclass(frozen=True)
+class Resolution:
+    service: Service
+    targets: tuple[Target, ...]
+    picked: Target | None
+    version: int
+    source: str
+    last_sync: datetime | None
+
+
+def select_port(service: Service, port: str) -> ServicePort:
+    name = f"{service.namespace}/{service.name}"
+    if not service.ports:
+        raise NotFound(f"service {name} has no ports")
+    if not port:
+        if len(service.ports) > 1:
+            names = ", ".join(p.name or str(p.port) for p in service.ports)
+            raise InvalidArgument(f"service {name} has several ports ({names}); name one")
+        return service.ports[0]
+    for candidate in service.ports:
+        if port == candidate.name or (port.isdigit() and int(port) == candidate.port):
+            return candidate
+    names = ", ".join(p.name or str(p.port) for p in service.ports)
+    raise NotFound(f"service {name} has no port {port!r} (it has: {names})")
+
+
+def endpoint_port(endpoint: Endpoint, service_port: ServicePort) -> int | None:
+    """The port on `endpoint` that `service_port` maps to, or None."""
+    for port in endpoint.ports:
+        if port.name == service_port.name:
+            return port.port
+    target = service_port.target_port
+    if target.isdigit():
+        number = int(target)
+        if not endpoint.ports or any(p.port == number for p in endpoint.ports):
+            return number
+        return None
+    for port in endpoint.ports:
+        if port.name == target:
+            return port.port
+    return None
+
+
+class Resolver:
+    """Resolve against a store; owns the round-robin positions."""
+
+    def __init__(self, store: Store, rng: random.Random | None = None) -> None:
+        self._store = store
+        self._rng = rng or random.Random()
+        self._round_robin: dict[tuple[str, str, str], itertools.count[int]] = {}
+
+    def resolve(
+        self,
+        namespace: str,
+        name: str,
+        port: str = "",
+        *,
+        pick: Pick = Pick.NONE,
+        hash_key: str = "",
+    ) -> Resolution:
+        if not namespace or not name:
+            raise InvalidArgument("namespace and name are required")
+        if pick is Pick.HASH and not hash_key:
+            raise InvalidArgument("hash_key is required with the HASH pick policy")
+        service = self._store.get_service(namespace, name)
+        if service is None:
+            raise NotFound(f"service {namespace}/{name} not found")
+        if service.type == "ExternalName":
+            raise FailedPrecondition(
+                f"service {namespace}/{name} is an ExternalName service "
+                f"({service.external_name}); it has no endpoints to resolve"
+            )
+        if service.headless:
+            raise FailedPrecondition(
+                f"service {namespace}/{name} is headless (no cluster IP); it cannot be proxied"
+            )
+        service_port = select_port(service, port)
+        targets = []
+        for endpoint in self._store.endpoints_of(namespace, name):
+            if not endpoint.usable:
+                continue
+            number = endpoint_port(endpoint, service_port)
+            if number is None:
+                continue
+            targets.append(
+                Target(endpoint.address, number, endpoint.node_name, endpoint.zone, endpoint.tunnel)
+            )
+        if not targets:
+            raise Unavailable(f"no endpoints available for service {namespace}/{name}")
+        targets.sort(key=lambda t: (t.address, t.port))
+        source, last_sync = self._store.last_sync()
+        return Resolution(
+            service=service,
+            targets=tuple(targets),
+            picked=self._pick(pick, (namespace, name, service_port.name), targets, hash_key),
+            version=self._store.version,
+            source=source,
+            last_sync=last_sync,
+        )
+
+    def _pick(
+        self, pick: Pick, key: tuple[str, str, str], targets: list[Target], hash_key: str
+    ) -> Target | None:
+        if pick is Pick.NONE:
+            return None
+        if pick is Pick.RANDOM:
+            return self._rng.choice(targets)
+        if pick is Pick.ROUND_ROBIN:
+            if key not in self._round_robin and len(self._round_robin) >= MAX_ROUND_ROBIN_KEYS:
+                # Positions of deleted services would otherwise pile up forever;
+                # starting over only shifts where each rotation begins.
+                self._round_robin.clear()
+            counter = self._round_robin.setdefault(key, itertools.count())
+            return targets[next(counter) % len(targets)]
+        # Rendezvous hashing: a key keeps its target when other targets come
+        # and go, and only the keys of a removed target move.
+        return max(targets, key=lambda t: _score(hash_key, t))
+
+
+def _score(hash_key: str, target: Target) -> bytes:
+    return hashlib.blake2b(
+        f"{hash_key}\x00{target.address}:{target.port}".encode(), digest_size=8
+    ).digest()

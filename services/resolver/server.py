@@ -1,0 +1,166 @@
+"""The gRPC boundary of waygate.resolver.v1.Resolver: proto <-> domain, nothing else.
+
+Domain errors raised below are mapped to status codes by the shared boundary
+interceptor (waygate.core.grpcserver). Invariant: a Watch or ReportTunnels
+stream that ends for any reason (client cancel, error, shutdown) releases
+its subscription or its tunnel presence in a `finally`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from waygate.core.errors import FailedPrecondition, InvalidArgument
+from waygate.core.grpcserver import ServiceRegistration
+from waygate.resolver import convert
+from waygate.resolver.filesource import FileSource
+from waygate.resolver.model import TunnelServer
+from waygate.resolver.resolve import Pick, Resolution, Resolver, Target
+from waygate.resolver.store import DEFAULT_MAX_PENDING, Store
+from waygate.resolver.tunnels import TunnelRegistry
+from waygate.resolver.v1 import resolver_pb2 as pb
+from waygate.resolver.v1 import resolver_pb2_grpc
+
+SERVICE_NAME = "waygate.resolver.v1.Resolver"
+
+_PICKS = {
+    pb.PICK_POLICY_UNSPECIFIED: Pick.NONE,
+    pb.PICK_POLICY_RANDOM: Pick.RANDOM,
+    pb.PICK_POLICY_ROUND_ROBIN: Pick.ROUND_ROBIN,
+    pb.PICK_POLICY_HASH: Pick.HASH,
+}
+
+
+def _target(target: Target) -> pb.Target:
+    return pb.Target(
+        address=target.address,
+        port=target.port,
+        node_name=target.node_name,
+        zone=target.zone,
+        tunnel=target.tunnel,
+    )
+
+
+def _resolution(resolution: Resolution) -> pb.ResolveResponse:
+    response = pb.ResolveResponse(
+        service=convert.service_to_proto(resolution.service),
+        targets=[_target(t) for t in resolution.targets],
+        version=resolution.version,
+        last_sync=convert.timestamp(resolution.last_sync),
+    )
+    if resolution.picked is not None:
+        response.picked.CopyFrom(_target(resolution.picked))
+    return response
+
+
+class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
+    def __init__(
+        self,
+        store: Store,
+        *,
+        resolver: Resolver | None = None,
+        routes: FileSource | None = None,
+        tunnels: TunnelRegistry | None = None,
+        watch_max_pending: int = DEFAULT_MAX_PENDING,
+    ) -> None:
+        self._store = store
+        self._resolver = resolver or Resolver(store)
+        # The writable route source; None: routes are read-only here.
+        self._routes = routes
+        self._tunnels = tunnels or TunnelRegistry(store)
+        self._watch_max_pending = watch_max_pending
+
+    def registration(self) -> ServiceRegistration:
+        return ServiceRegistration(
+            SERVICE_NAME, resolver_pb2_grpc.add_ResolverServicer_to_server, self
+        )
+
+    async def Resolve(
+        self, request: pb.ResolveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ResolveResponse:
+        pick = _PICKS.get(request.pick)
+        if pick is None:
+            raise InvalidArgument(f"pick: unknown value {request.pick}")
+        return _resolution(
+            self._resolver.resolve(
+                request.namespace,
+                request.name,
+                request.port,
+                pick=pick,
+                hash_key=request.hash_key,
+            )
+        )
+
+    async def Watch(
+        self, request: pb.WatchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.WatchEvent]:
+        kinds = convert.kinds_from_proto(list(request.kinds))
+        subscription = self._store.subscribe(
+            kinds,
+            resume_from=request.resume_from_version,
+            max_pending=self._watch_max_pending,
+        )
+        try:
+            while True:
+                item = await subscription.next()
+                source, last_sync = self._store.last_sync()
+                yield convert.watch_event(item, source, last_sync)
+        finally:
+            subscription.close()
+
+    async def ListRoutes(
+        self, request: pb.ListRoutesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListRoutesResponse:
+        return pb.ListRoutesResponse(
+            routes=[convert.route_to_proto(r) for r in self._store.routes(request.namespace)],
+            version=self._store.version,
+        )
+
+    def _writable_routes(self) -> FileSource:
+        if self._routes is None:
+            raise FailedPrecondition(
+                "routes are read-only on this resolver: it has no routes file "
+                "(routes come from Kubernetes, or start it with --routes-file)"
+            )
+        return self._routes
+
+    async def ApplyRoute(
+        self, request: pb.ApplyRouteRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ApplyRouteResponse:
+        routes = self._writable_routes()
+        if not request.HasField("route"):
+            raise InvalidArgument("route: required")
+        stored = routes.apply_route(convert.route_from_proto(request.route))
+        return pb.ApplyRouteResponse(
+            route=convert.route_to_proto(stored), version=self._store.version
+        )
+
+    async def DeleteRoute(
+        self, request: pb.DeleteRouteRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteRouteResponse:
+        routes = self._writable_routes()
+        if not request.ref.namespace or not request.ref.name:
+            raise InvalidArgument("ref: namespace and name are required")
+        routes.delete_route(request.ref.namespace, request.ref.name)
+        return pb.DeleteRouteResponse(version=self._store.version)
+
+    async def ReportTunnels(
+        self,
+        request_iterator: AsyncIterator[pb.TunnelReport],
+        context: grpc.aio.ServicerContext,
+    ) -> pb.ReportTunnelsResponse:
+        stream = self._tunnels.open()
+        try:
+            async for report in request_iterator:
+                lease = convert.seconds(report.lease) if report.HasField("lease") else None
+                self._tunnels.report(
+                    stream,
+                    TunnelServer(report.server.id, report.server.address),
+                    report.nodes,
+                    lease,
+                )
+        finally:
+            self._tunnels.close(stream)
+        return pb.ReportTunnelsResponse(version=self._store.version)
