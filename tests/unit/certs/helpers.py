@@ -1,0 +1,100 @@
+"""Helpers for the certs tests: CSRs of every key type, a movable clock, a CA in a temp dir."""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519
+
+from waygate.certs.auth import Caller
+from waygate.certs.authority import Authority, AuthorityConfig, generate_key
+from waygate.certs.store import DirectoryCAStore
+
+START = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
+TRUST_DOMAIN = "waygate.local"
+RESOLVER_ID = f"spiffe://{TRUST_DOMAIN}/ns/local/sa/resolver"
+RESOLVER_SANS = (f"uri:{RESOLVER_ID}", "dns:resolver.waygate.local", "ip:127.0.0.1")
+RESOLVER = Caller(name="resolver", allowed=RESOLVER_SANS)
+
+
+class Clock:
+    """A clock that moves only when the test moves it."""
+
+    def __init__(self, start: dt.datetime = START) -> None:
+        self.time = start
+
+    def __call__(self) -> dt.datetime:
+        return self.time
+
+    def advance(self, delta: dt.timedelta) -> None:
+        self.time += delta
+
+
+def general_names(names: tuple[str, ...] | list[str]) -> list[x509.GeneralName]:
+    result: list[x509.GeneralName] = []
+    for name in names:
+        kind, _, value = name.partition(":")
+        if kind == "dns":
+            result.append(x509.DNSName(value))
+        elif kind == "uri":
+            result.append(x509.UniformResourceIdentifier(value))
+        elif kind == "ip":
+            result.append(x509.IPAddress(ipaddress.ip_address(value)))
+        elif kind == "email":
+            result.append(x509.RFC822Name(value))
+        else:
+            raise ValueError(name)
+    return result
+
+
+def make_csr(
+    names: tuple[str, ...] | list[str] = RESOLVER_SANS,
+    key_algorithm: str = "ecdsa-p256",
+    key: object | None = None,
+) -> tuple[x509.CertificateSigningRequest, object]:
+    key = key or generate_key(key_algorithm)
+    builder = x509.CertificateSigningRequestBuilder().subject_name(x509.Name([]))
+    if names:
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName(general_names(names)), critical=True
+        )
+    algorithm = None if isinstance(key, ed25519.Ed25519PrivateKey) else hashes.SHA256()
+    return builder.sign(key, algorithm), key  # type: ignore[arg-type]
+
+
+def csr_der(
+    names: tuple[str, ...] | list[str] = RESOLVER_SANS, key_algorithm: str = "ecdsa-p256"
+) -> bytes:
+    return make_csr(names, key_algorithm)[0].public_bytes(serialization.Encoding.DER)
+
+
+def tampered_csr_der(names: tuple[str, ...] | list[str] = RESOLVER_SANS) -> bytes:
+    """A CSR whose signature does not verify: one byte of the signature flipped."""
+    der = bytearray(csr_der(names))
+    der[-5] ^= 0x01
+    return bytes(der)
+
+
+def open_authority(directory: Path, clock: Clock | None = None, **config: object) -> Authority:
+    return Authority.open(
+        DirectoryCAStore(directory),
+        AuthorityConfig(**config),  # type: ignore[arg-type]
+        now=clock or (lambda: dt.datetime.now(dt.UTC)),
+    )
+
+
+def pem(cert: x509.Certificate) -> bytes:
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def snapshot(directory: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under `directory` with its bytes and mtime_ns (to prove nothing was written)."""
+    return {
+        str(p.relative_to(directory)): (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }

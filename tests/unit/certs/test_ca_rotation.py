@@ -1,0 +1,173 @@
+"""CA rotation under a controllable clock: no valid leaf ever fails against the bundle.
+
+Time is walked in 30-minute steps through every phase (one CA; old ACTIVE +
+new STAGED; old RETIRING + new ACTIVE; new alone), issuing leaves of several
+lifetimes all along, restarting the authority from its store in the middle
+of each phase, and at every step every still-valid leaf is verified against
+the bundle published at that moment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.x509 import verification
+
+from tests.unit.certs.helpers import RESOLVER_ID, Clock, make_csr, open_authority
+from waygate.certs.authority import Authority, CAState
+from waygate.core.errors import FailedPrecondition, InvalidArgument
+
+HOUR = dt.timedelta(hours=1)
+STEP = dt.timedelta(minutes=30)
+CONFIG = {
+    "ca_lifetime": 30 * 24 * HOUR,
+    "default_lifetime": 24 * HOUR,
+    "max_lifetime": 48 * HOUR,
+    "propagation_delay": 6 * HOUR,
+}
+
+
+def verifies(leaf: x509.Certificate, bundle: tuple[x509.Certificate, ...], at: dt.datetime) -> bool:
+    builder = verification.PolicyBuilder().store(verification.Store(list(bundle))).time(at)
+    try:
+        builder.build_server_verifier(x509.DNSName("resolver.waygate.local")).verify(leaf, [])
+    except verification.VerificationError:
+        return False
+    return True
+
+
+def states(authority: Authority) -> list[str]:
+    return [a.state.value for a in authority.trust_bundle().authorities]
+
+
+def test_rotation_walk(tmp_path: Path) -> None:
+    clock = Clock()
+    authority = open_authority(tmp_path / "ca", clock, **CONFIG)
+    old_fingerprint = authority.active_authority().fingerprint
+    leaves: list[x509.Certificate] = []
+    versions = [authority.version]
+    phases_seen: set[tuple[str, ...]] = set()
+    rotation = None
+    restarted_in: set[tuple[str, ...]] = set()
+    lifetimes = [HOUR, 24 * HOUR, 48 * HOUR]
+
+    for step in range(int(5 * 24 * HOUR / STEP)):
+        if step == int(12 * HOUR / STEP):
+            rotation = authority.rotate()
+            assert rotation.signing_switch_at == clock() + 6 * HOUR
+            # The old CA may sign until the switch, with the longest lifetime at most.
+            assert rotation.old_retire_after == clock() + 6 * HOUR + 48 * HOUR
+            assert [a.state for a in rotation.bundle.authorities] == [
+                CAState.ACTIVE,
+                CAState.STAGED,
+            ]
+            with pytest.raises(FailedPrecondition, match="rotation is still in progress"):
+                authority.rotate()
+        # A leaf every hour, cycling through short, default and maximum lifetimes.
+        if step % 2 == 0:
+            csr, _ = make_csr()
+            lifetime = lifetimes[(step // 2) % len(lifetimes)]
+            leaves.append(
+                authority.issue(csr, identity=RESOLVER_ID, requested_by="r", lifetime=lifetime).leaf
+            )
+        phase = tuple(states(authority))
+        phases_seen.add(phase)
+        if phase not in restarted_in:
+            # A restart in every phase: the state, and the leaves' verification, survive it.
+            authority = open_authority(tmp_path / "ca", clock, **CONFIG)
+            assert tuple(states(authority)) == phase
+            restarted_in.add(phase)
+        bundle = authority.trust_bundle()
+        versions.append(bundle.version)
+        now = clock()
+        for leaf in leaves:
+            if leaf.not_valid_before_utc <= now <= leaf.not_valid_after_utc:
+                assert verifies(leaf, bundle.certificates, now), (
+                    f"valid leaf {leaf.serial_number:x} fails at {now} with bundle {phase}"
+                )
+        clock.advance(STEP)
+
+    assert phases_seen == {
+        ("ACTIVE",),
+        ("ACTIVE", "STAGED"),
+        ("RETIRING", "ACTIVE"),
+    }
+    assert versions == sorted(versions) and versions[-1] == versions[0] + 3
+    (final,) = authority.trust_bundle().authorities
+    assert final.state is CAState.ACTIVE and final.fingerprint != old_fingerprint
+    assert rotation is not None and final.fingerprint == rotation.new_authority.fingerprint
+
+    old_leaves = [c for c in leaves if c.issuer != final.certificate.subject]
+    new_leaves = [c for c in leaves if c.issuer == final.certificate.subject]
+    assert old_leaves and new_leaves
+    # Nothing was signed by the new CA before the switch, nor by the old one after it.
+    assert rotation is not None
+    switch = rotation.signing_switch_at
+    backdate = dt.timedelta(minutes=5)
+    assert all(c.not_valid_before_utc + backdate < switch for c in old_leaves)
+    assert all(c.not_valid_before_utc + backdate >= switch for c in new_leaves)
+
+
+def test_old_ca_leaves_the_bundle_only_after_its_last_leaf(tmp_path: Path) -> None:
+    clock = Clock()
+    authority = open_authority(tmp_path / "ca", clock, leaf_bound_step=dt.timedelta(0), **CONFIG)
+    csr, _ = make_csr()
+    last_old = authority.issue(csr, identity=RESOLVER_ID, requested_by="r", lifetime=48 * HOUR)
+    authority.rotate(propagation_delay=HOUR)
+    clock.advance(HOUR)
+    assert states(authority) == ["RETIRING", "ACTIVE"]
+    clock.time = last_old.valid_until
+    assert states(authority) == ["RETIRING", "ACTIVE"]  # the leaf is valid through not_after
+    clock.advance(dt.timedelta(seconds=1))
+    assert states(authority) == ["ACTIVE"]
+    assert open_authority(tmp_path / "ca", clock, **CONFIG).version == authority.version
+
+
+def test_rotation_with_no_delay_switches_at_once(tmp_path: Path) -> None:
+    clock = Clock()
+    authority = open_authority(tmp_path / "ca", clock, **CONFIG)
+    rotation = authority.rotate(propagation_delay=dt.timedelta(0))
+    # No leaf was ever signed by the old CA, so it is not needed any more either.
+    clock.advance(dt.timedelta(seconds=1))
+    assert states(authority) == ["ACTIVE"]
+    assert authority.active_authority().fingerprint == rotation.new_authority.fingerprint
+
+
+def test_next_transition_tells_the_timer_when_to_wake(tmp_path: Path) -> None:
+    clock = Clock()
+    authority = open_authority(tmp_path / "ca", clock, **CONFIG)
+    assert authority.next_transition() is None
+    authority.rotate(propagation_delay=2 * HOUR)
+    assert authority.next_transition() == clock() + 2 * HOUR
+
+
+def test_rotation_arguments_are_checked(tmp_path: Path) -> None:
+    authority = open_authority(tmp_path / "ca", Clock(), **CONFIG)
+    with pytest.raises(InvalidArgument, match="must exceed the maximum leaf lifetime"):
+        authority.rotate(ca_lifetime=24 * HOUR)
+    with pytest.raises(InvalidArgument, match="must not be negative"):
+        authority.rotate(propagation_delay=-HOUR)
+    assert states(authority) == ["ACTIVE"]
+
+
+async def test_watchers_wake_on_every_change(tmp_path: Path) -> None:
+    clock = Clock()
+    authority = open_authority(tmp_path / "ca", clock, **CONFIG)
+    heard: list[int] = []
+    authority.add_listener(lambda bundle: heard.append(bundle.version))
+    start = authority.version
+    already = await authority.wait_for_change(start - 1)
+    assert already.version == start
+    waiter = asyncio.ensure_future(authority.wait_for_change(start))
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    authority.rotate(propagation_delay=HOUR)
+    bundle = await asyncio.wait_for(waiter, 5)
+    assert bundle.version == start + 1 and len(bundle.authorities) == 2
+    clock.advance(HOUR)
+    authority.advance()
+    assert heard == [start + 1, start + 2]
