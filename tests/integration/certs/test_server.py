@@ -326,8 +326,10 @@ def _served_serial(port: int, bundle_pem: bytes) -> int:
     context = ssl.create_default_context(cadata=bundle_pem.decode())
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.set_alpn_protocols(["h2"])
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
-        with context.wrap_socket(raw, server_hostname="certs.waygate.local") as tls:
-            der = tls.getpeercert(binary_form=True)
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+        context.wrap_socket(raw, server_hostname="certs.waygate.local") as tls,
+    ):
+        der = tls.getpeercert(binary_form=True)
     assert der is not None
     return x509.load_der_x509_certificate(der).serial_number
