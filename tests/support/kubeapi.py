@@ -42,6 +42,8 @@ HTTP side (what a client can call):
   dict `{"username", "uid", "groups", "extra"}`; the answer is a TokenReview
   with `.status` filled in. Without a reviewer every token is refused.
 - `bearer_token`: when set, requests without `Authorization: Bearer <it>` get 401.
+- `unavailable`: while true, every request gets 503 ServiceUnavailable (an API
+  server that is down or overloaded); open watches are not touched.
 - Every write bumps one global resourceVersion counter (as etcd does); every
   object's `metadata.resourceVersion` is the version of its last write; `uid`,
   `creationTimestamp` and `generation` are set on create.
@@ -64,6 +66,7 @@ Test side (plain method calls from any thread; objects are dicts):
     await api.wait_watchers(n, kind=None, timeout=5.0)   # async poll until >= n
     api.requests                       # list of Request(method, path, query, watch)
     api.token_reviewer = fn; api.bearer_token = "t"; api.gone_as_http = True
+    api.unavailable = True             # 503 for every request until set back
 
 Kinds used without `register` are accepted: a collection path of an unknown
 resource is namespaced if the path says so, its kind is the plural without the
@@ -82,6 +85,7 @@ import http.server
 import json
 import logging
 import queue
+import select
 import socket
 import threading
 import time
@@ -97,6 +101,8 @@ JSON = dict[str, Any]
 
 #: Socket timeout for idle keep-alive connections and stalled writes.
 CONNECTION_TIMEOUT = 30.0
+#: How often an idle watch checks whether its client has gone away.
+IDLE_CHECK = 0.2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,6 +358,7 @@ class KubeAPI:
         self.token_reviewer: Callable[[str, list[str]], JSON | None] | None = None
         self.bearer_token: str | None = None
         self.gone_as_http = False
+        self.unavailable = False
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
         for api_version, kind, plural, namespaced in _BUILTIN:
@@ -363,7 +370,10 @@ class KubeAPI:
         self._server = _Server(("127.0.0.1", 0), _Handler)
         self._server.api = self
         self._thread = threading.Thread(
-            target=self._server.serve_forever, name="kubeapi-stand-in", daemon=True
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name="kubeapi-stand-in",
+            daemon=True,
         )
         self._thread.start()
         return self
@@ -642,6 +652,12 @@ class KubeAPI:
         with self._lock:
             self.requests.append(Request(method, parsed.path, query, watch))
         try:
+            if self.unavailable:
+                raise ApiError(
+                    503,
+                    "ServiceUnavailable",
+                    "the server is currently unable to handle the request",
+                )
             if self.bearer_token is not None:
                 auth = handler.headers.get("Authorization", "")
                 if auth != f"Bearer {self.bearer_token}":
@@ -853,9 +869,11 @@ class KubeAPI:
                 if remaining <= 0:
                     break
                 try:
-                    item = watcher.queue.get(timeout=remaining)
+                    item = watcher.queue.get(timeout=min(remaining, IDLE_CHECK))
                 except queue.Empty:
-                    break
+                    if _client_gone(handler.connection):
+                        return
+                    continue
                 if item is _CLOSE:
                     break
                 if item is _DROP:
@@ -870,6 +888,15 @@ class KubeAPI:
         except OSError:
             # The client went away; nothing to clean up beyond the watcher entry.
             return
+
+
+def _client_gone(connection: socket.socket) -> bool:
+    """True when the client closed its end (readable with nothing to read)."""
+    try:
+        readable, _, _ = select.select([connection], [], [], 0)
+        return bool(readable) and connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (OSError, ValueError):
+        return True
 
 
 def _require_object(body: Any) -> JSON:
