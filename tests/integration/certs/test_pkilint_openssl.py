@@ -126,7 +126,7 @@ async def test_leaf_and_ca_pass_pkilint_and_openssl(
 
 
 async def test_dns_and_ip_leaf_has_no_error_at_all(tmp_path: Path) -> None:
-    ca_file, leaf_file = issue_leaf(
+    _, leaf_file = issue_leaf(
         tmp_path, "ecdsa-p256", "ecdsa-p256", ("dns:resolver.waygate.local", "ip:127.0.0.1")
     )
     findings = await lint_cert(leaf_file)
