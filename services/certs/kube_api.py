@@ -105,6 +105,16 @@ def _server_message(status: int, body: bytes | str | None, fallback: str) -> str
     return f"{status} {fallback}"
 
 
+def _network_reason(exc: BaseException) -> str:
+    """The innermost cause of a urllib3 failure, without its pool and URL preamble."""
+    if isinstance(exc, urllib3.exceptions.MaxRetryError) and exc.reason is not None:
+        exc = exc.reason
+    text = str(exc)
+    if isinstance(exc, urllib3.exceptions.NewConnectionError):
+        text = text.rpartition("): ")[2] or text
+    return text
+
+
 class WatchStream:
     """One open watch response: `events()` yields parsed events until the server ends it.
 
@@ -197,7 +207,9 @@ class KubeAPI:
                 exc.status or 0, _server_message(exc.status or 0, exc.body, str(exc.reason))
             ) from None
         except (urllib3.exceptions.HTTPError, OSError) as exc:
-            raise KubeError(0, f"cannot reach the Kubernetes API at {self.host}: {exc}") from None
+            raise KubeError(
+                0, f"cannot reach the Kubernetes API at {self.host}: {_network_reason(exc)}"
+            ) from None
 
     def request(
         self,
