@@ -344,7 +344,7 @@ class ProcessSettings:
     )
     cert_renew_fraction: float = setting(
         0.7,
-        help="renew when this fraction of the certificate's lifetime has passed (+-5% jitter)",
+        help="renew when this fraction of the certificate's lifetime has passed (plus or minus 5 percent, at random)",
         check=lambda v: None if 0.1 <= v <= 0.9 else f"must be between 0.1 and 0.9, not {v}",
     )
 
