@@ -10,6 +10,20 @@ orphan outlives it.
 
 A component's app module may define `up_arguments(context) -> list[str]` for
 the extra flags it needs under `up` (its state directory, an example file).
+
+TLS everywhere (DESIGN.md, "Security between services"): before any child
+starts, `up` writes `<state>/tokens.yaml` (0600) for certs, with one random
+bootstrap token per process and one for the local user, and each token alone
+in `<state>/tokens/<name>.token` (0600), which is what that child is given
+(a file, never a flag: command lines are world-readable in /proc). Every child
+but certs gets `--certs-address`, `--certs-token-file`, `--certs-ca-file` and
+its identity `spiffe://waygate.local/ns/local/sa/<name>` with SANs
+`dns:<name>.waygate.local,ip:127.0.0.1`; it then makes its own key and takes
+its certificate from certs. Once certs is ready, `up` does the same for the
+local user (a key made here, identity .../sa/user) and keeps
+`<state>/client/{key.pem (0600),cert.pem}` renewed while it runs; certs itself
+keeps `<state>/ca.pem` equal to its trust bundle. Client commands find both
+there, so they work without flags.
 """
 
 from __future__ import annotations
@@ -21,15 +35,20 @@ import ctypes
 import dataclasses
 import importlib
 import logging
+import secrets
 import signal
 import sys
 import time
 from pathlib import Path
 
+import yaml
+
 from waygate.components import COMPONENTS, Component
 from waygate.core.backoff import Backoff
 from waygate.core.clientcli import EXIT_USAGE_OR_UNREACHABLE, fail
+from waygate.core.errors import WaygateError
 from waygate.core.logs import configure_logging
+from waygate.core.rotation import write_file_atomically
 from waygate.core.settings import (
     LOG_LEVELS,
     SettingsError,
@@ -43,6 +62,69 @@ log = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
 STABLE_AFTER = 60.0  # a child that ran this long restarts with the initial backoff again
+CERTS = "certs"  # the component every other one takes its certificate from
+TRUST_DOMAIN = "waygate.local"
+USER = "user"  # the local user's client certificate: .../sa/user
+
+
+def spiffe_id(name: str) -> str:
+    return f"spiffe://{TRUST_DOMAIN}/ns/local/sa/{name}"
+
+
+def process_sans(name: str) -> tuple[str, ...]:
+    """SANs of a process under `up`: clients connect to 127.0.0.1, so the IP is one.
+
+    Never a "localhost" DNS name: pkilint rejects it, and it names every machine.
+    """
+    return (f"dns:{name}.{TRUST_DOMAIN}", f"ip:{HOST}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Bootstrap:
+    """Who may ask certs for what under `up`: one random token per process and the user."""
+
+    state_dir: Path
+    names: tuple[str, ...]  # every process that takes a certificate from certs, and USER
+
+    @property
+    def tokens_file(self) -> Path:
+        return self.state_dir / "tokens.yaml"
+
+    def token_file(self, name: str) -> Path:
+        return self.state_dir / "tokens" / f"{name}.token"
+
+    def allowed(self, name: str) -> list[str]:
+        sans = () if name == USER else process_sans(name)
+        return [f"uri:{spiffe_id(name)}", *sans]
+
+    def write(self) -> None:
+        """Fresh tokens on every `up`: a token from an earlier run is worth nothing."""
+        tokens = {name: secrets.token_urlsafe(32) for name in self.names}
+        entries = [
+            {"token": tokens[name], "name": name, "allowed": self.allowed(name)}
+            for name in self.names
+        ]
+        (self.state_dir / "tokens").mkdir(mode=0o700, parents=True, exist_ok=True)
+        for name, token in tokens.items():
+            write_file_atomically(self.token_file(name), f"{token}\n".encode(), 0o600)
+        text = "# written by `waygate up`; certs reads it at start. Secret: keep 0600.\n"
+        write_file_atomically(
+            self.tokens_file, (text + yaml.safe_dump({"tokens": entries})).encode(), 0o600
+        )
+
+    def arguments(self, name: str, certs_address: str) -> list[str]:
+        return [
+            "--certs-address",
+            certs_address,
+            "--certs-token-file",
+            str(self.token_file(name)),
+            "--certs-ca-file",
+            str(self.state_dir / "ca.pem"),
+            "--cert-identity",
+            spiffe_id(name),
+            "--cert-sans",
+            ",".join(process_sans(name)),
+        ]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -138,6 +220,8 @@ class Supervisor:
         self.context = UpContext(settings.state_dir.resolve(), settings.port_offset)
         self.children: list[Child] = []
         self._stopping = asyncio.Event()
+        self.bootstrap: Bootstrap | None = None
+        self._client_renewal: asyncio.Task[None] | None = None
 
     def _argv(self, component: Component) -> list[str]:
         argv = [sys.executable, "-m", "waygate", *component.command, "--host", HOST]
@@ -147,7 +231,43 @@ class Supervisor:
         extra = getattr(app, "up_arguments", None)
         if extra is not None:
             argv += extra(self.context)
+        fields = {f.name for f in dataclasses.fields(app.Settings)}
+        if self.bootstrap is not None and component.name != CERTS and "certs_address" in fields:
+            argv += self.bootstrap.arguments(component.name, self.context.address(CERTS))
         return argv
+
+    async def _client_certificate(self) -> None:
+        """Get the local user's client certificate (key made here) and keep it renewed."""
+        from waygate.core.rotation import (
+            CertificateRotator,
+            TrustBundle,
+            TrustStore,
+            save_certificate,
+        )
+        from waygate.core.tls import GrpcIssuer
+
+        assert self.bootstrap is not None
+        state = self.context.state_dir
+        try:
+            trust = TrustStore(TrustBundle.from_pem((state / "ca.pem").read_bytes()))
+            rotator = CertificateRotator(
+                GrpcIssuer(self.context.address(CERTS), self.bootstrap.token_file(USER), trust),
+                spiffe_id(USER),
+            )
+            (state / "client").mkdir(mode=0o700, exist_ok=True)
+            rotator.subscribe(
+                lambda held: save_certificate(
+                    held, state / "client" / "key.pem", state / "client" / "cert.pem"
+                )
+            )
+            await rotator.obtain(timeout=self.settings.ready_timeout)
+        except (OSError, WaygateError) as exc:
+            log.error(
+                "no client certificate for the local user; client commands need TLS flags: %s",
+                exc,
+            )
+            return
+        self._client_renewal = asyncio.create_task(rotator.run(), name="client-certificate")
 
     def print_addresses(self, implemented: list[Component], missing: list[Component]) -> None:
         lines = ["waygate up: state in " + str(self.context.state_dir)]
@@ -169,6 +289,12 @@ class Supervisor:
         if not implemented:
             return fail("no service is implemented yet; nothing to run", EXIT_USAGE_OR_UNREACHABLE)
         self.context.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if any(c.name == CERTS for c in implemented):
+            self.bootstrap = Bootstrap(
+                self.context.state_dir,
+                (*(c.name for c in implemented if c.name != CERTS), USER),
+            )
+            self.bootstrap.write()
         self.print_addresses(implemented, missing)
         watchers = []
         try:
@@ -194,10 +320,15 @@ class Supervisor:
                         component.name,
                         self.settings.ready_timeout,
                     )
+                elif component.name == CERTS and self.bootstrap is not None:
+                    await self._client_certificate()
             if not self._stopping.is_set():
                 print("waygate up: all services started; Ctrl-C stops them", flush=True)
             await self._stopping.wait()
         finally:
+            if self._client_renewal is not None:
+                self._client_renewal.cancel()
+                await asyncio.gather(self._client_renewal, return_exceptions=True)
             await self._stop_all()
             for watcher in watchers:
                 watcher.cancel()
