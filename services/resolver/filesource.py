@@ -53,6 +53,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -307,11 +308,47 @@ def parse_routes_file(path: Path, text: str) -> FileContent:
     return FileContent(tuple(services), tuple(endpoints), tuple(routes))
 
 
+# Domain field names whose YAML key is not simply their camelCase.
+_YAML_KEYS = {
+    "cluster_ips": "clusterIPs",
+    "destination_ca_certificate": "destinationCACertificate",
+}
+_FIELD_PART = re.compile(r"([a-z_]+)((?:\[\d+\])*)")
+
+
+def _yaml_key(name: str) -> str:
+    if name in _YAML_KEYS:
+        return _YAML_KEYS[name]
+    head, *rest = name.split("_")
+    return head + "".join(part.capitalize() for part in rest)
+
+
+def _locate(node: yaml.Node, field: str) -> yaml.Node:
+    """The node of a dotted field path such as "backends[1].weight", or the
+    deepest node on the way there, so an error can name the closest line."""
+    for part in field.split("."):
+        match = _FIELD_PART.fullmatch(part)
+        if match is None or not isinstance(node, yaml.MappingNode):
+            return node
+        key = _yaml_key(match[1])
+        children = {k.value: v for k, v in node.value if isinstance(k, yaml.ScalarNode)}
+        if key == "backends" and key not in children:
+            key = "to"
+        if key not in children:
+            return node
+        node = children[key]
+        for index in re.findall(r"\[(\d+)\]", match[2]):
+            if isinstance(node, yaml.SequenceNode) and int(index) < len(node.value):
+                node = node.value[int(index)]
+    return node
+
+
 def _validated(parser: _Parser, node: yaml.Node, check: Callable[[T], T], value: T) -> T:
     try:
         return check(value)
     except InvalidArgument as exc:
-        raise parser.error(node, str(exc)) from None
+        field = getattr(exc, "field", None)
+        raise parser.error(_locate(node, field) if field else node, str(exc)) from None
 
 
 def _parse_service(parser: _Parser, node: yaml.Node) -> tuple[Service, list[Endpoint]]:

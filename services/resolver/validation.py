@@ -55,7 +55,11 @@ _NODE_NAME = _SUBDOMAIN
 
 
 def _fail(what: str, field: str, reason: str) -> InvalidArgument:
-    return InvalidArgument(f"{what}: {field}: {reason}")
+    error = InvalidArgument(f"{what}: {field}: {reason}")
+    # The dotted field path (e.g. "backends[1].weight"), for callers that can
+    # point at it, such as the file source naming the line.
+    error.field = field  # type: ignore[attr-defined]
+    return error
 
 
 # ---------------------------------------------------------------- names

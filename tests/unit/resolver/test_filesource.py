@@ -74,10 +74,10 @@ def test_parse_builds_services_endpoints_and_routes(routes_file: Path) -> None:
     ("text", "line", "reason"),
     [
         ("services:\n  - name: web\n    prots: []\n", 3, "unknown key 'prots'"),
-        ("routes:\n  - name: r\n    host: a.example.com\n    path: nope\n    to: web\n", 2, "path"),
+        ("routes:\n  - name: r\n    host: a.example.com\n    path: nope\n    to: web\n", 4, "path"),
         (
             "routes:\n  - name: r\n    host: a.example.com\n    backends: [{service: w, weight: 300}]\n",
-            2,
+            4,
             "backends[0].weight",
         ),
         ("services: [\n", 2, "not valid YAML"),
@@ -139,7 +139,7 @@ def test_bad_edit_keeps_last_good_state_and_reports_the_line(routes_file: Path) 
     assert store.version == version
     assert store.get_route("shop", "web") is not None
     assert source.last_error is not None
-    assert source.last_error.startswith(f"{routes_file}:12: route shop/web: host:")
+    assert source.last_error.startswith(f"{routes_file}:14: route shop/web: host:")
     synced = store.last_sync()[1]
     source.poll()
     assert store.last_sync()[1] == synced, "a rejected file does not count as fresh"

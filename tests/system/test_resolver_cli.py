@@ -1,0 +1,136 @@
+"""`waygate resolver serve` as a real process, driven by `waygate resolve` / `waygate routes`."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.processes import (
+    ROOT,
+    RunningService,
+    child_env,
+    http_get,
+    run_cli,
+    start_service,
+)
+from waygate.resolver.filesource import EXAMPLE_ROUTES
+
+pytestmark = pytest.mark.system
+
+
+@pytest.fixture
+async def resolver(tmp_path: Path):  # type: ignore[no-untyped-def]
+    routes = tmp_path / "routes.yaml"
+    shutil.copyfile(EXAMPLE_ROUTES, routes)
+    service = await start_service(
+        [
+            "waygate",
+            "resolver",
+            "serve",
+            "--grpc-port",
+            "0",
+            "--admin-port",
+            "0",
+            "--routes-file",
+            str(routes),
+            "--routes-poll-interval",
+            "100ms",
+        ]
+    )
+    try:
+        yield service, routes
+    finally:
+        assert await service.stop() == 0
+
+
+def cli(service: RunningService, *args: str) -> tuple[str, ...]:
+    return (*args, "--addr", service.grpc_address, "--plaintext")
+
+
+async def test_resolve_prints_endpoints_and_exit_codes(
+    resolver: tuple[RunningService, Path],
+) -> None:
+    service, _ = resolver
+    assert (await http_get(service.admin_port, "/readyz"))[0] == 200
+    code, out, err = await run_cli(*cli(service, "resolve", "demo/hello:http"))
+    assert code == 0, err
+    assert "service demo/hello (ClusterIP)" in out
+    assert "127.0.0.1  8090  edge-local  edge  yes" in out
+    code, out, err = await run_cli(*cli(service, "resolve", "demo/draining"))
+    assert (code, out) == (3, "")
+    assert err.strip() == "waygate: no endpoints available for service demo/draining"
+    code, _, err = await run_cli(*cli(service, "resolve", "demo/upstream"))
+    assert code == 1 and "FAILED_PRECONDITION" in err and "Traceback" not in err
+    code, _, err = await run_cli(*cli(service, "resolve", "demo/missing"))
+    assert code == 1 and "NOT_FOUND: service demo/missing not found" in err
+    code, _, err = await run_cli(*cli(service, "resolve", "not-a-reference"))
+    assert code == 2 and "NS/NAME" in err
+
+
+async def test_routes_lists_and_watch_follows_file_edits(
+    resolver: tuple[RunningService, Path],
+) -> None:
+    service, routes = resolver
+    code, out, err = await run_cli(*cli(service, "routes"))
+    assert code == 0, err
+    assert "hello-tls.localtest.me" in out and "edge/Redirect" in out
+    watcher = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "waygate",
+        *cli(service, "routes", "--watch"),
+        cwd=ROOT,
+        env=child_env(),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert watcher.stdout is not None
+        async with asyncio.timeout(20):
+            lines = [(await watcher.stdout.readline()).decode() for _ in range(4)]
+            assert lines[0].startswith("# version ")
+            assert "hello.localtest.me" in "".join(lines)
+            # An invalid edit is rejected: nothing reaches the watcher, the resolver says why.
+            text = routes.read_text()
+            routes.write_text(text.replace("host: hello.localtest.me", "host: HELLO_.localtest.me"))
+            while not any("rejected" in str(e.get("msg")) for e in service.logs):
+                await asyncio.sleep(0.05)
+            rejected = next(e for e in service.logs if "rejected" in str(e.get("msg")))
+            host_line = text.splitlines().index("    host: hello.localtest.me") + 1
+            assert rejected["line"] == host_line and "host:" in rejected["reason"]
+            routes.write_text(text.replace("host: hello.localtest.me", "host: hi.localtest.me"))
+            change = (await watcher.stdout.readline()).decode()
+            assert change.startswith("+ demo/hello  hi.localtest.me/ -> hello")
+    finally:
+        watcher.terminate()
+        await asyncio.wait_for(watcher.wait(), 10)
+    code, out, _ = await run_cli(*cli(service, "resolve", "demo/hello"))
+    assert code == 0, "the last good state kept serving throughout"
+
+
+async def test_bad_routes_file_path_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    code, _, err = await run_cli(
+        "resolver", "serve", "--grpc-port", "0", "--routes-file", str(tmp_path / "missing.yaml")
+    )
+    assert code == 1
+    assert err.strip().endswith("is not a readable file") and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_up_arguments_copy_the_example_once(tmp_path: Path) -> None:
+    from waygate.resolver.app import up_arguments
+    from waygate.supervisor import UpContext
+
+    context = UpContext(tmp_path / "state", 0)
+    args = up_arguments(context)
+    copied = Path(args[1])
+    assert args[0] == "--routes-file" and copied.read_bytes() == EXAMPLE_ROUTES.read_bytes()
+    copied.write_text("routes: []\n")
+    assert up_arguments(context) == args
+    assert copied.read_text() == "routes: []\n", "an existing (edited) copy is kept"
+    assert os.path.dirname(copied) == str(tmp_path / "state")
