@@ -1,0 +1,162 @@
+"""`waygate certs serve` as a real process, driven by `waygate cert ...` subprocesses.
+
+Covers: issue (key generated locally, 0600, cert/chain/ca written, openssl
+verifies), bundle (stdout and --out), inspect, a refusal that writes nothing,
+a restart that keeps the CA, a start refused for a key file others can read,
+and the self-issued serving TLS that `waygate up` uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import stat
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.support.processes import http_get, run_cli, start_service
+
+pytestmark = pytest.mark.system
+
+TOKEN = "cli-" + "t" * 40
+IDENTITY = "spiffe://waygate.local/ns/local/sa/user"
+
+
+def tokens_file(tmp_path: Path) -> Path:
+    path = tmp_path / "tokens.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "tokens": [
+                    {
+                        "token": TOKEN,
+                        "name": "user",
+                        "allowed": [f"uri:{IDENTITY}", "dns:user.waygate.local", "ip:127.0.0.1"],
+                    }
+                ]
+            }
+        )
+    )
+    path.chmod(0o600)
+    return path
+
+
+def serve_argv(tmp_path: Path, *extra: str) -> list[str]:
+    return [
+        "waygate", "certs", "serve", "--grpc-port", "0", "--admin-port", "0",
+        "--ca-dir", str(tmp_path / "ca"), "--tokens-file", str(tokens_file(tmp_path)),
+        "--bundle-file", str(tmp_path / "bundle.pem"), *extra,
+    ]  # fmt: skip
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+async def openssl_verify(ca: Path, leaf: Path, *check: str) -> tuple[int, str]:
+    process = await asyncio.create_subprocess_exec(
+        "openssl", "verify", "-CAfile", str(ca), *check, str(leaf),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    out, _ = await process.communicate()
+    return process.returncode or 0, out.decode()
+
+
+async def test_issue_bundle_inspect_restart(tmp_path: Path) -> None:
+    certs = await start_service(serve_argv(tmp_path))
+    try:
+        assert (await http_get(certs.admin_port, "/readyz"))[0] == 200
+        out_dir = tmp_path / "out"
+        code, out, err = await run_cli(
+            "cert", "issue", "--addr", certs.grpc_address, "--identity", IDENTITY,
+            "--token", TOKEN, "--out", str(out_dir), "--dns", "user.waygate.local",
+            "--ip", "127.0.0.1", "--lifetime", "2h", cwd=tmp_path,
+        )  # fmt: skip
+        assert code == 0, err
+        assert f"for {IDENTITY}" in out
+        assert mode(out_dir / "key.pem") == 0o600
+        assert (out_dir / "ca.pem").read_text() == (tmp_path / "bundle.pem").read_text()
+        assert (out_dir / "chain.pem").read_bytes().startswith((out_dir / "cert.pem").read_bytes())
+        verified = await openssl_verify(
+            out_dir / "ca.pem", out_dir / "cert.pem", "-purpose", "sslserver",
+            "-verify_hostname", "user.waygate.local",
+        )  # fmt: skip
+        assert verified[0] == 0, verified[1]
+
+        code, out, err = await run_cli("cert", "inspect", str(out_dir / "cert.pem"), cwd=tmp_path)
+        assert code == 0, err
+        assert f"uri:{IDENTITY}" in out and "dns:user.waygate.local" in out
+        assert "issuer:         CN=waygate.local CA 1,O=Waygate" in out
+        assert "remaining life: 1h59m" in out or "remaining life: 2h0m" in out
+
+        code, out, _ = await run_cli("cert", "bundle", "--addr", certs.grpc_address, cwd=tmp_path)
+        assert code == 0 and out == (tmp_path / "bundle.pem").read_text()
+        code, out, _ = await run_cli(
+            "cert", "bundle", "--addr", certs.grpc_address, "--out", str(tmp_path / "b.pem"),
+            cwd=tmp_path,
+        )  # fmt: skip
+        assert (
+            code == 0 and (tmp_path / "b.pem").read_text() == (tmp_path / "bundle.pem").read_text()
+        )
+
+        # A refusal: one line, exit 1, and nothing written.
+        code, out, err = await run_cli(
+            "cert", "issue", "--addr", certs.grpc_address, "--identity", IDENTITY,
+            "--token", "wrong-" + "x" * 40, "--out", str(tmp_path / "refused"), cwd=tmp_path,
+        )  # fmt: skip
+        assert code == 1
+        assert err.strip().splitlines() == [
+            "waygate: UNAUTHENTICATED: the token does not authenticate any caller"
+        ]
+        assert not (tmp_path / "refused").exists()
+    finally:
+        assert await certs.stop() == 0
+
+    bundle_before = (tmp_path / "bundle.pem").read_text()
+    again = await start_service(serve_argv(tmp_path))
+    try:
+        code, out, _ = await run_cli("cert", "bundle", "--addr", again.grpc_address, cwd=tmp_path)
+        assert code == 0 and out == bundle_before  # same CA after a restart
+    finally:
+        assert await again.stop() == 0
+
+
+async def test_start_is_refused_for_a_key_others_can_read(tmp_path: Path) -> None:
+    certs = await start_service(serve_argv(tmp_path))
+    assert await certs.stop() == 0
+    (key,) = (tmp_path / "ca").glob("*.key.pem")
+    key.chmod(0o644)
+    code, _, err = await run_cli(*serve_argv(tmp_path)[1:], cwd=tmp_path)
+    assert code == 1
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("waygate: certs: CA key file") and "mode 0644" in last
+    assert "Traceback" not in err
+
+
+async def test_self_issued_tls_serves_certify_and_the_cli_verifies_it(tmp_path: Path) -> None:
+    certs = await start_service(
+        serve_argv(
+            tmp_path,
+            "--serving-identity",
+            "spiffe://waygate.local/ns/local/sa/certs",
+            "--serving-sans",
+            "dns:certs.waygate.local,ip:127.0.0.1",
+        )  # fmt: skip
+    )
+    try:
+        bundle = tmp_path / "bundle.pem"
+        code, out, err = await run_cli(
+            "cert", "issue", "--addr", certs.grpc_address, "--identity", IDENTITY,
+            "--token", TOKEN, "--out", str(tmp_path / "out"), "--ca-file", str(bundle),
+            cwd=tmp_path,
+        )  # fmt: skip
+        assert code == 0, err
+        # Plaintext against the TLS listener fails, as one line, without a traceback.
+        code, _, err = await run_cli(
+            "cert", "bundle", "--addr", certs.grpc_address, "--plaintext", "--timeout", "3s",
+            cwd=tmp_path,
+        )  # fmt: skip
+        assert code == 2 and "Traceback" not in err and err.startswith("waygate: ")
+    finally:
+        assert await certs.stop() == 0
