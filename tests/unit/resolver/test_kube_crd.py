@@ -1,0 +1,120 @@
+"""The Route CRD (deploy/kustomize/base/crd-route.yaml) mirrors the proto Route and accepts
+exactly what the Kubernetes source can read: checked field by field against the proto
+descriptor, and with sample objects through the CRD's schema and the source's converter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from waygate.resolver.kube_convert import route_from
+from waygate.resolver.v1 import resolver_pb2
+
+CRD = Path(__file__).resolve().parents[3] / "deploy" / "kustomize" / "base" / "crd-route.yaml"
+
+
+@pytest.fixture(scope="module")
+def crd() -> dict:
+    return yaml.safe_load(CRD.read_text())
+
+
+@pytest.fixture(scope="module")
+def schema(crd) -> dict:
+    (version,) = crd["spec"]["versions"]
+    return version["schema"]["openAPIV3Schema"]
+
+
+def test_identity(crd):
+    assert crd["apiVersion"] == "apiextensions.k8s.io/v1"
+    assert crd["spec"]["group"] == "waygate.io" and crd["spec"]["scope"] == "Namespaced"
+    assert crd["spec"]["names"]["kind"] == "Route" and crd["spec"]["names"]["plural"] == "routes"
+    assert [v["name"] for v in crd["spec"]["versions"]] == ["v1"]
+
+
+def camel(descriptor) -> set[str]:
+    return {field.json_name for field in descriptor.fields}
+
+
+def test_every_proto_route_field_is_in_the_schema(schema):
+    spec = schema["properties"]["spec"]["properties"]
+    # namespace and name live in metadata; "to" is the file format's shorthand.
+    assert camel(resolver_pb2.Route.DESCRIPTOR) - {"namespace", "name"} == set(spec) - {"to"}
+    assert camel(resolver_pb2.RouteBackend.DESCRIPTOR) == set(
+        spec["backends"]["items"]["properties"]
+    )
+    tls = camel(resolver_pb2.RouteTLS.DESCRIPTOR)
+    # The proto spells it destinationCaCertificate in JSON; the CRD keeps OpenShift's spelling.
+    assert tls - {"destinationCaCertificate", "caCertificate"} | {
+        "destinationCACertificate",
+        "caCertificate",
+    } == set(spec["tls"]["properties"])
+    assert camel(resolver_pb2.StickySessions.DESCRIPTOR) == set(spec["sticky"]["properties"])
+    assert camel(resolver_pb2.RouteTimeouts.DESCRIPTOR) == set(spec["timeouts"]["properties"])
+
+
+GOOD = [
+    {"host": "web.example.com", "to": "web"},
+    {
+        "host": "*.apps.example.com",
+        "path": "/api",
+        "backends": [{"service": "api", "weight": 256}, {"service": "api-canary", "weight": 0}],
+        "targetPort": "https",
+        "tls": {"termination": "edge", "insecureEdgeTerminationPolicy": "Redirect"},
+        "balance": "roundrobin",
+        "sticky": {"cookieName": "route-a"},
+        "timeouts": {"connect": "5s", "tunnel": "1h", "httpRequest": "250ms"},
+        "authProxyHeaders": True,
+    },
+    {
+        "host": "db.example.com",
+        "to": "db",
+        "targetPort": 5432,
+        "tls": {"termination": "passthrough"},
+    },
+]
+
+BAD = [
+    {"to": "web"},  # no host
+    {"host": "a.example.com", "backends": [{"service": "web", "weight": 257}]},
+    {"host": "a.example.com", "to": "web", "tls": {"termination": "mirror"}},
+    {"host": "a.example.com", "to": "web", "balance": "fastest"},
+    {"host": "a.example.com", "to": "web", "path": "no-slash"},
+    {"host": "a.example.com", "to": "web", "timeouts": {"connect": "soon"}},
+    {"host": "a.example.com", "to": "web", "colour": "blue"},
+]
+
+
+def obj(spec: dict) -> dict:
+    return {
+        "apiVersion": "waygate.io/v1",
+        "kind": "Route",
+        "metadata": {"namespace": "default", "name": "r"},
+        "spec": spec,
+    }
+
+
+def strict(schema: dict) -> dict:
+    """The schema with unknown fields refused, as the API server prunes/rejects them."""
+    if isinstance(schema, dict):
+        out = {k: strict(v) for k, v in schema.items()}
+        if schema.get("type") == "object" and "properties" in schema:
+            out.setdefault("additionalProperties", False)
+        return out
+    if isinstance(schema, list):
+        return [strict(v) for v in schema]
+    return schema
+
+
+@pytest.mark.parametrize("spec", GOOD)
+def test_good_routes_pass_the_schema_and_the_converter(schema, spec):
+    jsonschema.validate(obj(spec), strict(schema))
+    assert route_from(obj(spec)).host == spec["host"]
+
+
+@pytest.mark.parametrize("spec", BAD)
+def test_bad_routes_fail_the_schema(schema, spec):
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(obj(spec), strict(schema))
