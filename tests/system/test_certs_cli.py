@@ -142,11 +142,11 @@ async def test_self_issued_tls_serves_certify_and_the_cli_verifies_it(tmp_path: 
             "spiffe://waygate.local/ns/local/sa/certs",
             "--serving-sans",
             "dns:certs.waygate.local,ip:127.0.0.1",
-        )  # fmt: skip
+        )
     )
     try:
         bundle = tmp_path / "bundle.pem"
-        code, out, err = await run_cli(
+        code, _, err = await run_cli(
             "cert", "issue", "--addr", certs.grpc_address, "--identity", IDENTITY,
             "--token", TOKEN, "--out", str(tmp_path / "out"), "--ca-file", str(bundle),
             cwd=tmp_path,
