@@ -393,7 +393,7 @@ class ProcessSettings:
         from waygate.core.rotation import sans_for
 
         try:
-            sans_for(self.cert_identity, self.cert_sans)
+            sans_for(self.cert_identity or "", self.cert_sans)
         except InvalidArgument as exc:
             return f"invalid setting cert_sans: {exc}"
         return None

@@ -220,7 +220,9 @@ def dynamic_server_credentials(
         return configuration()
 
     return grpc.dynamic_ssl_server_credentials(
-        configuration(), fetch, require_client_authentication=client_auth
+        configuration(),
+        fetch,  # type: ignore[arg-type]  # grpc documents None as "keep the current one"
+        require_client_authentication=client_auth,
     )
 
 

@@ -235,3 +235,31 @@ async def test_trust_bundle_watcher_reconnects_after_certs_restarts(certs, tasks
         while len(trust.current.certificates) < 2:
             await asyncio.sleep(0.02)
     assert watcher.received >= 2
+
+
+async def test_service_to_service_mtls_with_certificates_from_certs(certs, tasks) -> None:
+    """One process serves mTLS, another calls it through `client_channel`: both from certs."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    server_side = await ProcessCertificates.start(settings_for(certs), tasks)
+    client_side = await ProcessCertificates.start(settings_for(certs), tasks)
+    server = GrpcServer(
+        host="127.0.0.1",
+        port=0,
+        registrations=[],
+        credentials=server_side.server_credentials(client_auth=True),
+    )
+    await server.start()
+    await server.set_serving()
+    try:
+        async with client_side.client_channel(f"127.0.0.1:{server.port}") as channels:
+            for _ in range(2):
+                reply = await health_pb2_grpc.HealthStub(channels.channel()).Check(
+                    health_pb2.HealthCheckRequest(), timeout=5
+                )
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+                # Renew through certs: the next channel() presents the new certificate.
+                await client_side.rotator.renew_once()
+            assert channels.opened == 2
+    finally:
+        await server.stop(0)
