@@ -6,13 +6,17 @@ and 410, the /approval and /status subresources. The controller talks to it
 through the official `kubernetes` client, and signs with a real Authority
 (file-backed CA in a temporary directory). The stand-in has no admission, so
 the tests put spec.username/groups into the CSRs as the API server would.
-Every wait on the watch is bounded.
+The certificate written to status is checked with `openssl verify` and
+pkilint's chain linter, as a node would use it. Every wait on the watch is
+bounded.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import itertools
+import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -120,12 +124,21 @@ async def settled(standin: StandInAPI, name: str) -> dict[str, Any]:
             await asyncio.sleep(0.02)
 
 
+async def run(*argv: str) -> tuple[int, str]:
+    process = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
+    async with asyncio.timeout(60):
+        out, _ = await process.communicate()
+    return process.returncode or 0, out.decode()
+
+
 def ca_certificate(authority: Authority) -> x509.Certificate:
     return authority.trust_bundle().certificates[0]
 
 
 async def test_agent_csr_is_approved_and_signed_for_its_node(
-    standin: StandInAPI, authority: Authority, start: Callable[..., Any]
+    standin: StandInAPI, authority: Authority, start: Callable[..., Any], tmp_path: Path
 ) -> None:
     await start()
     before = datetime.now(UTC)
@@ -155,6 +168,22 @@ async def test_agent_csr_is_approved_and_signed_for_its_node(
     issued = authority.list_issued(identity="edge-1")
     assert len(issued) == 1
     assert "system:node:edge-1" in issued[0].requested_by
+
+    # What a node would do with status.certificate: check it with openssl and pkilint.
+    ca_file, leaf_file = tmp_path / "ca.pem", tmp_path / "leaf.pem"
+    ca_file.write_text(authority.trust_bundle().pem)
+    leaf_file.write_bytes(base64.b64decode(obj["status"]["certificate"]))
+    for purpose in ("sslclient", "sslserver"):
+        code, out = await run(
+            "openssl", "verify", "-CAfile", str(ca_file), "-purpose", purpose,
+            "-verify_hostname", "edge-1", str(leaf_file),
+        )  # fmt: skip
+        assert code == 0, out
+    code, out = await run(
+        str(Path(sys.executable).parent / "lint_pkix_signer_signee_cert_chain"),
+        "lint", str(ca_file), str(leaf_file),
+    )  # fmt: skip
+    assert code == 0, out
 
 
 async def test_expiration_seconds_beyond_the_maximum_is_clamped(
