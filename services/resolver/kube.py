@@ -53,6 +53,7 @@ import random
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import urllib3
 from kubernetes import client as k8s
 
 from waygate.core.backoff import Backoff
@@ -73,6 +74,9 @@ _END = object()  # the watch stream ended cleanly (server-side timeout)
 
 class _Gone(Exception):
     """The resourceVersion is too old for the API server: relist."""
+
+    #: Whether the watch that met it had applied events first (then relist at once).
+    progressed = False
 
 
 class _WatchFailed(Exception):
@@ -329,15 +333,18 @@ class KubernetesSource:
                 version, progressed = await self._watch(call, handler, version)
                 if progressed:
                     backoff.reset()
-                continue
-            except _Gone:
-                log.info("%s: resourceVersion %s expired; relisting", handler.name, version)
-                version = None
-                continue
-            except k8s.ApiException as exc:
-                if exc.status == 410:
+                    continue
+                # A watch that ended without a single event (not even a bookmark)
+                # is either an idle cluster or a server that ends watches at once;
+                # the backoff keeps the second from becoming a busy loop.
+            except (_Gone, k8s.ApiException) as exc:
+                if isinstance(exc, _Gone) or exc.status == 410:
                     log.info("%s: resourceVersion %s expired; relisting", handler.name, version)
                     version = None
+                    if isinstance(exc, _Gone) and exc.progressed:
+                        continue
+                    # 410 right after a list: relist, but not in a tight loop.
+                    await asyncio.sleep(backoff.next_delay())
                     continue
                 if exc.status == 404 and handler.optional:
                     log.warning(
@@ -350,12 +357,12 @@ class KubernetesSource:
                     version = None
                 else:
                     log.warning("%s: API error %s: %s", handler.name, exc.status, exc.reason)
-            except (_WatchFailed, OSError, ValueError) as exc:
+            except (_WatchFailed, urllib3.exceptions.HTTPError, OSError, ValueError) as exc:
+                # A cut or timed-out connection, or a garbled stream: reconnect.
                 log.warning("%s: watch failed: %s", handler.name, exc)
-            except Exception as exc:
-                # urllib3 reports a cut connection with several exception types
-                # (ProtocolError, ReadTimeoutError, ...); all of them mean "reconnect".
-                log.warning("%s: connection lost: %s", handler.name, exc)
+            except Exception:
+                # Unexpected, so with a traceback; the watch must outlive it all the same.
+                log.warning("%s: watch failed unexpectedly", handler.name, exc_info=True)
             await asyncio.sleep(backoff.next_delay())
 
     async def _list(self, call: Callable[..., Any], handler: _Handler) -> str:
@@ -412,7 +419,11 @@ class KubernetesSource:
                     return version, progressed
                 if isinstance(item, BaseException):
                     raise item
-                version = self._apply(handler, item, version)
+                try:
+                    version = self._apply(handler, item, version)
+                except _Gone as gone:
+                    gone.progressed = progressed
+                    raise
                 progressed = True
         finally:
             # Unblock the reader thread (it may sit in a socket read), let it finish,

@@ -61,6 +61,7 @@ Test side (plain method calls from any thread; objects are dicts):
     api.resource_version               # the current global version (int)
     api.expire_history()               # forget history: resumes from older versions get 410
     api.drop_watches()                 # cut every open watch connection mid-stream
+    api.stall_watches()                # open watches go silent but stay open (dead peer)
     api.bookmark()                     # a BOOKMARK to every watch that allowed them
     api.watchers(kind=None)            # number of open watch streams
     await api.wait_watchers(n, kind=None, timeout=5.0)   # async poll until >= n
@@ -70,7 +71,10 @@ Test side (plain method calls from any thread; objects are dicts):
 
 Kinds used without `register` are accepted: a collection path of an unknown
 resource is namespaced if the path says so, its kind is the plural without the
-final "s", capitalised. The common built-in kinds are pre-registered.
+final "s", capitalised. The common built-in kinds are pre-registered. With
+`KubeAPI(auto_register=False)` an unregistered resource path answers 404, as a
+real server does for a custom resource whose CRD is not installed; `register`
+it later to "install" it.
 """
 
 from __future__ import annotations
@@ -177,6 +181,7 @@ class _Event:
 
 _CLOSE = object()  # sentinel: end the watch cleanly
 _DROP = object()  # sentinel: cut the connection without a final chunk
+_STALL = object()  # sentinel: send nothing more, keep the connection open
 
 
 @dataclasses.dataclass(eq=False)
@@ -341,7 +346,9 @@ def _without_rv(obj: JSON) -> JSON:
 class KubeAPI:
     """The stand-in server. See the module docstring for its whole API."""
 
-    def __init__(self, history: int = 1000, default_watch_timeout: float = 300.0) -> None:
+    def __init__(
+        self, history: int = 1000, default_watch_timeout: float = 300.0, auto_register: bool = True
+    ) -> None:
         self._lock = threading.RLock()
         self._types: dict[tuple[str, str, str], ResourceType] = {}
         self._kinds: dict[tuple[str, str], ResourceType] = {}
@@ -354,6 +361,7 @@ class KubeAPI:
         self._watchers: list[_Watcher] = []
         self._connections: set[socket.socket] = set()
         self.default_watch_timeout = default_watch_timeout
+        self.auto_register = auto_register
         self.requests: list[Request] = []
         self.token_reviewer: Callable[[str, list[str]], JSON | None] | None = None
         self.bearer_token: str | None = None
@@ -481,6 +489,13 @@ class KubeAPI:
                 with contextlib.suppress(OSError):
                     watcher.connection.shutdown(socket.SHUT_RDWR)
 
+    def stall_watches(self) -> None:
+        """Make every open watch go silent without closing (a dead connection)."""
+        with self._lock:
+            watchers, self._watchers = self._watchers, []
+            for watcher in watchers:
+                watcher.queue.put(_STALL)
+
     def bookmark(self) -> None:
         """Send a BOOKMARK at the current version to every watch that allowed them."""
         with self._lock:
@@ -532,6 +547,8 @@ class KubeAPI:
     ) -> ResourceType:
         with self._lock:
             rtype = self._types.get((group, version, plural))
+            if rtype is None and not self.auto_register:
+                raise ApiError(404, "NotFound", "the server could not find the requested resource")
             if rtype is None:
                 kind = plural[:-1] if plural.endswith("s") else plural
                 self.register(
@@ -879,6 +896,11 @@ class KubeAPI:
                 if item is _DROP:
                     with contextlib.suppress(OSError):
                         handler.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if item is _STALL:
+                    # A dead peer: silent, never ending, until the client gives up.
+                    while not _client_gone(handler.connection):
+                        time.sleep(IDLE_CHECK)
                     return
                 data = json.dumps(item).encode() + b"\n"
                 handler.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))

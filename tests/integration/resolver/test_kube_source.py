@@ -85,13 +85,16 @@ def kubeapi():
 
 
 class Running:
-    def __init__(self, api: KubeAPI, **options) -> None:
+    def __init__(
+        self, api: KubeAPI, *, timeouts: Timeouts | None = None, watches: int = 3, **options
+    ) -> None:
         self.api = api
+        self.watches = watches
         self.store = Store()
         self.source = KubernetesSource(
             self.store,
             api.configuration(),
-            timeouts=Timeouts(watch=60, connect=2, request=5),
+            timeouts=timeouts or Timeouts(watch=60, connect=2, request=5),
             backoff_initial=0.02,
             backoff_maximum=0.1,
             rng=random.Random(4),
@@ -104,7 +107,7 @@ class Running:
         async with asyncio.timeout(WAIT):
             await self.source.wait_synced()
             # Every kind's watch is open, so later writes arrive as live events.
-            await self.api.wait_watchers(3)
+            await self.api.wait_watchers(self.watches)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -383,3 +386,31 @@ async def test_cancelling_the_source_closes_its_watches(kubeapi):
         assert kubeapi.watchers() == 3
     await until(lambda: kubeapi.watchers() == 0, "the watches to close")
     assert run.task.done()
+
+
+async def test_a_silent_dead_connection_is_noticed_by_the_read_timeout(kubeapi):
+    kubeapi.create(service("web"))
+    kubeapi.create(endpoint_slice("web-1", "web", [endpoint("10.0.0.1")]))
+    # Watches of 1 s and a read timeout of 1 s more: a stalled stream is given up
+    # after about 2 s, while a healthy one ends cleanly every second.
+    timeouts = Timeouts(watch=1, connect=1, request=1)
+    async with Running(kubeapi, timeouts=timeouts) as run:
+        kubeapi.stall_watches()  # connections stay open, nothing more arrives on them
+        kubeapi.replace(endpoint_slice("web-1", "web", [endpoint("10.0.0.2")]))
+        await until(
+            lambda: addresses(run.store, "web") == {"10.0.0.2"}, "the change after a reconnect"
+        )
+        assert run.lists("/endpointslices") == 1  # resumed, not relisted
+
+
+async def test_a_missing_route_crd_counts_as_no_routes_until_it_is_installed(caplog):
+    with KubeAPI(auto_register=False) as api:
+        api.create(service("web"))
+        with caplog.at_level(logging.WARNING, logger="waygate.resolver.kube"):
+            async with Running(api, watches=2) as run:
+                assert run.store.get_service("default", "web") is not None
+                assert run.store.routes() == []
+                assert "CRD" in caplog.text
+                api.register("waygate.io/v1", "Route", "routes", namespaced=True)
+                api.create(route("web", "web.example.com"))
+                await until(lambda: run.store.get_route("default", "web") is not None, "the route")
