@@ -268,6 +268,11 @@ class Supervisor:
             )
             return
         self._client_renewal = asyncio.create_task(rotator.run(), name="client-certificate")
+        print(
+            f"waygate up: TLS everywhere; trust bundle {state / 'ca.pem'}, "
+            f"your client certificate ({spiffe_id(USER)}) in {state / 'client'}",
+            flush=True,
+        )
 
     def print_addresses(self, implemented: list[Component], missing: list[Component]) -> None:
         lines = ["waygate up: state in " + str(self.context.state_dir)]

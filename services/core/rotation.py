@@ -68,6 +68,9 @@ RENEWALS = Counter(
     ["identity", "result"],
 )
 
+#: Longest single sleep of the renewal loop, so wall-clock jumps are noticed.
+MAX_SLEEP = 300.0
+
 # The issuer said no for a reason retrying cannot fix (at start we stop with
 # the message; once running we keep retrying, since an operator may fix it).
 PERMANENT_ERRORS: tuple[type[WaygateError], ...] = (
@@ -374,15 +377,22 @@ class CertificateRotator:
         while True:
             wait = (self.renew_at - self._now()).total_seconds()
             if wait > 0:
-                await self._sleep(wait)
+                # In slices: the wall clock may jump (suspend, NTP step) while
+                # asyncio's monotonic sleep would not notice.
+                await self._sleep(min(wait, MAX_SLEEP))
+                continue
             try:
                 await self.renew_once()
-            except WaygateError as exc:
+            except Exception as exc:
+                # Whatever went wrong, the current certificate is still the best
+                # we have: keep it and try again (a crash would drop the process).
+                if not isinstance(exc, WaygateError):
+                    log.exception("unexpected error while renewing the certificate")
                 await self._sleep(self._failure_delay(exc))
             else:
                 self._backoff.reset()
 
-    def _failure_delay(self, exc: WaygateError) -> float:
+    def _failure_delay(self, exc: Exception) -> float:
         held = self.current
         now = self._now()
         left = held.remaining_fraction(now)
@@ -465,10 +475,12 @@ class TrustStore:
         return self._subscribers.add(callback)
 
     def update(self, bundle: TrustBundle) -> bool:
-        """Take `bundle` unless it is older or the same; True when it changed."""
+        """Take `bundle` unless it holds the same CAs; True when it changed.
+
+        No version comparison: certs is the source of truth, and what its stream
+        says now is current even if its counter restarted.
+        """
         if bundle.certificates == self._bundle.certificates:
-            return False
-        if bundle.version and self._bundle.version and bundle.version < self._bundle.version:
             return False
         self._bundle = bundle
         log.info(

@@ -444,14 +444,6 @@ class ProcessCertificates:
         watcher = TrustBundleWatcher(address, trust)
         spawn(rotator.run(), "certificate-rotation")
         spawn(watcher.run(), "trust-bundle-watch")
-        log.info(
-            "certificate from certs",
-            extra={
-                "identity": identity,
-                "serial": rotator.current.serial,
-                "not_after": rotator.current.not_after.isoformat(),
-            },
-        )
         return cls(rotator, trust, watcher)
 
     def server_credentials(self, *, client_auth: bool) -> grpc.ServerCredentials:
