@@ -1,0 +1,133 @@
+"""`ServiceProcess.server_credentials` and `client_channel` through a whole process life.
+
+In-process `ServiceProcess.run` with a real gRPC listener on port 0: once with
+static tls_* files (what existed before certs), once with certificates from a
+running certs (`certs_address`). In both, a client presenting a certificate
+gets in through mTLS, a client without one is refused, and stopping the
+process closes its channels and background tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.unit.core.test_rotation_ca import LocalCA
+from waygate.core.grpcserver import GrpcServer
+from waygate.core.rotation import CertificateRotator, save_certificate
+from waygate.core.runtime import ServiceProcess
+from waygate.core.settings import GrpcServerSettings, load_settings
+
+from .test_rotation_certs import RESOLVER, Certs, settings_for
+
+
+async def run_process(settings: GrpcServerSettings, body) -> dict:
+    """Run a process whose setup serves Health with mTLS, call `body(process, port)`, stop."""
+    process = ServiceProcess("tls-test", settings)
+    result: dict = {}
+
+    async def setup(p: ServiceProcess) -> None:
+        server = GrpcServer.from_settings(
+            settings, [], credentials=await p.server_credentials(client_auth=True)
+        )
+        p.add_grpc_server(server)
+        await p.mark_ready()
+
+        async def drive() -> None:
+            while not server.port:
+                await asyncio.sleep(0.01)
+            try:
+                result.update(await body(p, server.port))
+            finally:
+                p.request_stop()
+
+        p.spawn(drive(), "drive")
+
+    assert await asyncio.wait_for(process.run(setup), 60) == 0
+    return result
+
+
+async def check(channel: grpc.aio.Channel) -> int:
+    reply = await health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(), timeout=5
+    )
+    return reply.status
+
+
+async def refused(port: int, ca_pem: bytes) -> bool:
+    credentials = grpc.ssl_channel_credentials(ca_pem)
+    async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
+        try:
+            await check(channel)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code() == grpc.StatusCode.UNAVAILABLE
+    return False
+
+
+async def test_static_tls_files_still_serve_mtls(tmp_path: Path) -> None:
+    ca = LocalCA()
+    held = await CertificateRotator(ca, "resolver.waygate.local", ["ip:127.0.0.1"]).obtain()
+    save_certificate(held, tmp_path / "key.pem", tmp_path / "cert.pem")
+    (tmp_path / "ca.pem").write_bytes(ca.pem)
+    settings = load_settings(
+        GrpcServerSettings,
+        flags={
+            "tls_cert_file": str(tmp_path / "cert.pem"),
+            "tls_key_file": str(tmp_path / "key.pem"),
+            "tls_client_ca_file": str(tmp_path / "ca.pem"),
+            "shutdown_grace": "1s",
+        },
+        env={},
+    )
+
+    async def body(process: ServiceProcess, port: int) -> dict:
+        channels = await process.client_channel(f"127.0.0.1:{port}")
+        return {
+            "with": await check(channels.channel()),
+            "refused": await refused(port, ca.pem),
+            "channel": channels.channel(),
+        }
+
+    result = await run_process(settings, body)
+    assert result["with"] == health_pb2.HealthCheckResponse.SERVING
+    assert result["refused"]
+    # Stopping the process closed the channel it handed out.
+    assert result["channel"].get_state() == grpc.ChannelConnectivity.SHUTDOWN
+
+
+@pytest.fixture
+async def certs(tmp_path):
+    running = Certs(tmp_path)
+    await running.start()
+    yield running
+    await running.stop()
+
+
+async def test_certificates_from_certs_serve_mtls_and_call_out(certs) -> None:
+    settings = settings_for(certs, shutdown_grace="1s")
+
+    async def body(process: ServiceProcess, port: int) -> dict:
+        first = await process.certificates()
+        assert first is not None and await process.certificates() is first  # one per process
+        channels = await process.client_channel(f"127.0.0.1:{port}")
+        statuses = [await check(channels.channel())]
+        await first.rotator.renew_once()  # the next channel presents the new certificate
+        statuses.append(await check(channels.channel()))
+        return {
+            "statuses": statuses,
+            "opened": channels.opened,
+            "refused": await refused(port, certs.bundle_file.read_bytes()),
+            "issued": len(certs.authority.list_issued(identity=RESOLVER, include_expired=False)),
+            "tasks": sorted(t.get_name() for t in process._tasks),
+        }
+
+    result = await run_process(settings, body)
+    assert result["statuses"] == [health_pb2.HealthCheckResponse.SERVING] * 2
+    assert result["opened"] == 2
+    assert result["refused"]
+    assert result["issued"] == 2
+    assert {"certificate-rotation", "trust-bundle-watch"} <= set(result["tasks"])
