@@ -59,7 +59,7 @@ from prometheus_client import Counter
 
 from waygate.certs.auth import Caller
 from waygate.certs.authority import Authority, check_csr, utc_now
-from waygate.certs.kube_api import JSON, KubeAPI, KubeError
+from waygate.certs.kube_api import JSON, KubeAPI, KubeError, WatchStream
 from waygate.certs.kube_auth import NODES_GROUP, caller_for_user
 from waygate.certs.policy import Policy, requested_names
 from waygate.core.backoff import Backoff
@@ -346,6 +346,8 @@ class CSRController:
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._queued: set[str] = set()
         self._retries: dict[str, tuple[Backoff, asyncio.TimerHandle]] = {}
+        # resourceVersion to resume the watch from; empty: list first.
+        self._version = ""
         self.synced = asyncio.Event()  # set after the first complete list
 
     async def run(self) -> None:
@@ -363,16 +365,15 @@ class CSRController:
 
     async def _watch_loop(self) -> None:
         backoff = self._list_backoff()
-        version = ""
         loop = asyncio.get_running_loop()
         while True:
             try:
-                if not version:
-                    items, version = await asyncio.to_thread(self._api.list, CSR_COLLECTION)
+                if not self._version:
+                    items, self._version = await asyncio.to_thread(self._api.list, CSR_COLLECTION)
                     self._relisted(items)
                     log.info("CSRs listed", extra={"count": len(self._objects)})
                 started = loop.time()
-                version, events = await self._watch(version)
+                events = await self._watch()
                 # A watch the server ends at once, without events, must not
                 # turn this into a busy loop.
                 if events or loop.time() - started > 1.0:
@@ -382,7 +383,7 @@ class CSRController:
             except KubeError as exc:
                 if exc.gone:
                     log.info("CSR watch expired (410); listing again")
-                    version = ""
+                    self._version = ""
                     continue
                 delay = backoff.next_delay()
                 log.warning(
@@ -393,21 +394,37 @@ class CSRController:
                 )
                 await asyncio.sleep(delay)
 
-    async def _watch(self, version: str) -> tuple[str, int]:
-        """Follow one watch stream to its end; returns the last version and event count."""
-        stream = await asyncio.to_thread(
-            self._api.watch, CSR_COLLECTION, version, timeout_seconds=self._watch_timeout
+    async def _watch(self) -> int:
+        """Follow one watch stream from `_version` to its end; returns the event count.
+
+        `_version` follows every event, so a stream that breaks resumes
+        after the last event handled.
+        """
+        opening = asyncio.ensure_future(
+            asyncio.to_thread(
+                self._api.watch,
+                CSR_COLLECTION,
+                self._version,
+                timeout_seconds=self._watch_timeout,
+            )
         )
+        try:
+            stream = await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            # Stopped while connecting: close the stream once it is open.
+            opening.add_done_callback(_close_opened_stream)
+            raise
         count = 0
         try:
             events = stream.events()
             while True:
                 event = await asyncio.to_thread(next, events, None)
                 if event is None:
-                    return version, count
+                    return count
                 count += 1
                 obj = event["object"]
-                version = str((obj.get("metadata") or {}).get("resourceVersion") or version)
+                metadata = obj.get("metadata") or {}
+                self._version = str(metadata.get("resourceVersion") or self._version)
                 self._observed(str(event.get("type")), obj)
         finally:
             # Also on cancellation: unblocks the worker thread reading the stream.
@@ -542,6 +559,11 @@ class CSRController:
     def _done(self, name: str, obj: JSON, signer: str, decision: str) -> None:
         self._finished[name] = _uid(obj)
         DECISIONS.labels(signer, decision).inc()
+
+
+def _close_opened_stream(opening: asyncio.Future[WatchStream]) -> None:
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result().close()
 
 
 def _ours(obj: JSON) -> bool:
