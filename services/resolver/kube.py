@@ -103,6 +103,11 @@ def kube_configuration(kubeconfig: str = "", context: str = "") -> k8s.Configura
     return configuration
 
 
+def parse_node_list(text: str) -> frozenset[str]:
+    """'edge-1, edge-2' (commas and/or spaces) -> {"edge-1", "edge-2"}."""
+    return frozenset(name for name in text.replace(",", " ").split() if name)
+
+
 # ---------------------------------------------------------------- per-kind handlers
 
 

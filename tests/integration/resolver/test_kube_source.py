@@ -12,7 +12,14 @@ from collections.abc import Callable
 import pytest
 
 from tests.support.kubeapi import KubeAPI
-from waygate.resolver.kube import SOURCE, KubernetesSource, Timeouts
+from waygate.core.settings import SettingsError
+from waygate.resolver.kube import (
+    SOURCE,
+    KubernetesSource,
+    Timeouts,
+    kube_configuration,
+    parse_node_list,
+)
 from waygate.resolver.store import Store
 
 WAIT = 10.0
@@ -414,3 +421,37 @@ async def test_a_missing_route_crd_counts_as_no_routes_until_it_is_installed(cap
                 api.register("waygate.io/v1", "Route", "routes", namespaced=True)
                 api.create(route("web", "web.example.com"))
                 await until(lambda: run.store.get_route("default", "web") is not None, "the route")
+
+
+async def test_a_kubeconfig_file_with_a_token_reaches_the_server(tmp_path):
+    with KubeAPI() as api:
+        api.bearer_token = "s3cret-token"
+        api.create(service("web"))
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(
+            f"""
+apiVersion: v1
+kind: Config
+clusters: [{{name: stand-in, cluster: {{server: "{api.url}"}}}}]
+users: [{{name: tester, user: {{token: s3cret-token}}}}]
+contexts: [{{name: test, context: {{cluster: stand-in, user: tester}}}}]
+current-context: test
+"""
+        )
+        store = Store()
+        source = KubernetesSource(store, kube_configuration(str(kubeconfig)), namespace="default")
+        task = asyncio.create_task(source.run())
+        try:
+            async with asyncio.timeout(WAIT):
+                await source.wait_synced()
+            assert store.get_service("default", "web") is not None
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+def test_an_unreadable_kubeconfig_is_a_one_line_settings_error(tmp_path):
+    with pytest.raises(SettingsError, match=r"kubernetes: cannot load kubeconfig .*missing") as exc:
+        kube_configuration(str(tmp_path / "missing"))
+    assert "\n" not in str(exc.value)
+    assert parse_node_list("edge-1, edge-2 edge-3,,") == {"edge-1", "edge-2", "edge-3"}
