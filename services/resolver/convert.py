@@ -305,18 +305,29 @@ def snapshot_to_proto(snapshot: Snapshot) -> pb.Snapshot:
 
 
 def watch_event(item: Snapshot | Batch, source: str, last_sync: datetime | None) -> pb.WatchEvent:
+    """The event for `item`. Callers must not modify the result: a batch shared
+    by many subscribers is converted once and the message reused."""
+    if isinstance(item, Batch):
+        return _changes_event(item, source, last_sync)
     event = pb.WatchEvent(version=item.version, source=source, last_sync=timestamp(last_sync))
-    if isinstance(item, Snapshot):
-        event.snapshot.CopyFrom(snapshot_to_proto(item))
-    else:
-        event.changes.CopyFrom(
-            pb.Changes(
-                from_version=item.from_version,
-                changes=[change_to_proto(c) for c in item.changes],
-                coalesced=item.coalesced,
-            )
-        )
+    event.snapshot.CopyFrom(snapshot_to_proto(item))
     return event
+
+
+# Keyed by the Batch's identity (it compares by identity); snapshots are not
+# cached, being per subscriber and large.
+@functools.lru_cache(maxsize=64)
+def _changes_event(batch: Batch, source: str, last_sync: datetime | None) -> pb.WatchEvent:
+    return pb.WatchEvent(
+        version=batch.version,
+        source=source,
+        last_sync=timestamp(last_sync),
+        changes=pb.Changes(
+            from_version=batch.from_version,
+            changes=[change_to_proto(c) for c in batch.changes],
+            coalesced=batch.coalesced,
+        ),
+    )
 
 
 def kinds_from_proto(kinds: list[int]) -> frozenset[model.Kind] | None:

@@ -58,7 +58,9 @@ DEFAULT_HISTORY_LIMIT = 10_000
 DEFAULT_MAX_PENDING = 100_000
 
 
-@dataclass(frozen=True)
+# Batches and snapshots compare by identity: one Batch object delivered to many
+# subscribers is recognisably the same, so its wire form is built once.
+@dataclass(frozen=True, eq=False)
 class Batch:
     """Changes taking the view from `from_version` to `version`, in order."""
 
@@ -69,7 +71,7 @@ class Batch:
     coalesced: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Snapshot:
     version: int
     services: tuple[Service, ...] = ()
@@ -96,6 +98,9 @@ class Subscription:
         self._needs_snapshot = True
         self._pending: dict[tuple[Kind, Any], Change] = {}
         self._coalesced = False
+        # The store's own Batch when the backlog is exactly that one batch: handed
+        # out as is, so every up-to-date subscriber shares one object.
+        self._whole: Batch | None = None
         self._wakeup = asyncio.Event()
         self._wakeup.set()
         self.closed = False
@@ -104,6 +109,13 @@ class Subscription:
         if self._needs_snapshot:
             return
         pending = self._pending
+        self._whole = (
+            batch
+            if not pending
+            and batch.from_version == self.version
+            and all(change.kind in self.kinds for change in batch.changes)
+            else None
+        )
         for change in batch.changes:
             if change.kind not in self.kinds:
                 continue
@@ -121,6 +133,7 @@ class Subscription:
             )
             pending.clear()
             self._coalesced = False
+            self._whole = None
             self._needs_snapshot = True
         if pending or self._needs_snapshot:
             self._wakeup.set()
@@ -144,10 +157,17 @@ class Subscription:
             self._needs_snapshot = False
             self._pending.clear()
             self._coalesced = False
+            self._whole = None
             self.version = snapshot.version
             return snapshot
         if not self._pending:
             return None
+        whole = self._whole
+        if whole is not None and whole.version == self._store.version:
+            self._pending = {}
+            self._whole = None
+            self.version = whole.version
+            return whole
         batch = Batch(
             from_version=self.version,
             version=self._store.version,
@@ -156,6 +176,7 @@ class Subscription:
         )
         self._pending = {}
         self._coalesced = False
+        self._whole = None
         self.version = batch.version
         return batch
 

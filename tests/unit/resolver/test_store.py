@@ -270,3 +270,21 @@ async def test_next_waits_for_a_change() -> None:
     batch = await asyncio.wait_for(waiter, 5)
     assert isinstance(batch, Batch) and batch.version == 1
     sub.close()
+
+
+def test_up_to_date_subscribers_share_the_store_batch_and_laggards_get_their_own() -> None:
+    store = Store(initial_version=0)
+    first, second, routes_only = store.subscribe(), store.subscribe(), store.subscribe([Kind.ROUTES])
+    for sub in (first, second, routes_only):
+        sub.take()
+    store.upsert_service(svc(), source=FILE)
+    a, b = first.take(), second.take()
+    assert isinstance(a, Batch) and a is b, "one object, so its wire form is built once"
+    assert routes_only.take() is None
+    store.upsert_route(route(), source=FILE)
+    store.upsert_service(svc("api"), source=FILE)
+    merged = first.take()
+    assert isinstance(merged, Batch) and merged is not second.take()
+    assert (merged.from_version, merged.version, len(merged.changes)) == (1, 3, 2)
+    only_route = routes_only.take()
+    assert isinstance(only_route, Batch) and [c.kind for c in only_route.changes] == [Kind.ROUTES]
