@@ -12,7 +12,9 @@ Invariants:
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from datetime import datetime
+from typing import Any, TypeVar
 
 from google.protobuf import duration_pb2, timestamp_pb2
 
@@ -61,10 +63,12 @@ KINDS = {
 }
 KIND_NAMES = {v: k for k, v in KINDS.items()}
 
+T = TypeVar("T")
+
 _TIMEOUT_FIELDS = ("connect", "client", "server", "http_request", "tunnel")
 
 
-def _enum(table: dict[int, object], value: int, field: str) -> object:
+def _enum(table: Mapping[Any, T], value: int, field: str) -> T:
     try:
         return table[value]
     except KeyError:
@@ -223,12 +227,12 @@ def route_from_proto(message: pb.Route) -> model.Route:
             "tls.insecure_edge_termination_policy",
         )
         tls = model.RouteTLS(
-            termination=termination,  # type: ignore[arg-type]
+            termination=termination,
             certificate=message.tls.certificate,
             key=message.tls.key,
             ca_certificate=message.tls.ca_certificate,
             destination_ca_certificate=message.tls.destination_ca_certificate,
-            insecure_edge_termination_policy=policy,  # type: ignore[arg-type]
+            insecure_edge_termination_policy=policy,
         )
     elif message.HasField("tls") and (
         message.tls.certificate or message.tls.key or message.tls.destination_ca_certificate
@@ -253,7 +257,7 @@ def route_from_proto(message: pb.Route) -> model.Route:
         backends=tuple(model.RouteBackend(b.service, b.weight) for b in message.backends),
         target_port=message.target_port,
         tls=tls,
-        balance=_enum(BALANCE_POLICY_NAMES, message.balance, "balance"),  # type: ignore[arg-type]
+        balance=_enum(BALANCE_POLICY_NAMES, message.balance, "balance"),
         sticky=model.StickySessions(message.sticky.disable_cookies, message.sticky.cookie_name),
         timeouts=timeouts,
         auth_proxy_headers=message.auth_proxy_headers,
@@ -336,4 +340,4 @@ def kinds_from_proto(kinds: list[int]) -> frozenset[model.Kind] | None:
         if value == pb.RESOURCE_KIND_UNSPECIFIED:
             continue
         wanted.add(_enum(KIND_NAMES, value, "kinds"))
-    return frozenset(wanted) or None  # type: ignore[arg-type]
+    return frozenset(wanted) or None

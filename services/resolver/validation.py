@@ -25,6 +25,7 @@ import re
 from cryptography import x509
 from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
 
 from waygate.core.errors import InvalidArgument
 from waygate.resolver.model import (
@@ -254,7 +255,7 @@ def _parse_certificates(pem: str, what: str, field: str) -> list[x509.Certificat
     return certificates
 
 
-def _parse_private_key(pem: str, what: str) -> object:
+def _parse_private_key(pem: str, what: str) -> PrivateKeyTypes:
     try:
         return serialization.load_pem_private_key(pem.encode(), password=None)
     except TypeError:

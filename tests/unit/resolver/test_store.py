@@ -274,7 +274,11 @@ async def test_next_waits_for_a_change() -> None:
 
 def test_up_to_date_subscribers_share_the_store_batch_and_laggards_get_their_own() -> None:
     store = Store(initial_version=0)
-    first, second, routes_only = store.subscribe(), store.subscribe(), store.subscribe([Kind.ROUTES])
+    first, second, routes_only = (
+        store.subscribe(),
+        store.subscribe(),
+        store.subscribe([Kind.ROUTES]),
+    )
     for sub in (first, second, routes_only):
         sub.take()
     store.upsert_service(svc(), source=FILE)
