@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from cryptography import x509
 from google.protobuf import duration_pb2
 
 from waygate.certs.v1 import certs_pb2, certs_pb2_grpc
@@ -137,9 +138,12 @@ class GrpcIssuer:
 def _bundle_of(message: certs_pb2.TrustBundle) -> TrustBundle:
     if message.pem:
         return TrustBundle.from_pem(message.pem.encode(), message.version)
-    from cryptography import x509
-
-    certificates = tuple(x509.load_der_x509_certificate(a.certificate) for a in message.authorities)
+    try:
+        certificates = tuple(
+            x509.load_der_x509_certificate(a.certificate) for a in message.authorities
+        )
+    except ValueError:
+        raise errors.InvalidArgument("certs sent a CA certificate that does not parse") from None
     if not certificates:
         raise errors.InvalidArgument("certs sent an empty trust bundle")
     return TrustBundle(version=message.version, certificates=certificates)
