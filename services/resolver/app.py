@@ -73,10 +73,37 @@ class Settings(GrpcServerSettings):
         check=positive,
     )
 
+    watch_heartbeat: float = setting(
+        30.0,
+        help="on a quiet Watch stream, send an empty Changes this often, carrying the "
+        "current last-sync time (0: never)",
+        parse=parse_duration,
+        check=lambda v: None if v >= 0 else f"must be 0 or more, not {v}",
+    )
+    kubernetes: bool = setting(
+        False,
+        help="watch Services, EndpointSlices and waygate.io Route objects in Kubernetes "
+        "(in-cluster credentials unless --kubeconfig); routes are then read-only",
+    )
+    kubeconfig: str = setting("", help="kubeconfig file for --kubernetes; empty: in-cluster")
+    kube_context: str = setting("", help="kubeconfig context; empty: the current one")
+    kube_namespace: str = setting("", help="only this namespace; empty: every namespace")
+    kube_edge_nodes: str = setting(
+        "",
+        help="nodes (comma-separated) whose endpoints are reachable only through a tunnel",
+    )
+
     def validate(self) -> str | None:
         problem = super().validate()
         if problem:
             return problem
+        if self.kubernetes and self.routes_file is not None:
+            return (
+                "invalid setting routes_file: with --kubernetes, services and routes come "
+                "from the cluster; give one source, not both"
+            )
+        if not self.kubernetes and (self.kubeconfig or self.kube_namespace or self.kube_edge_nodes):
+            return "invalid setting kubeconfig/kube_*: these need --kubernetes"
         if self.routes_file is not None and not self.routes_file.is_file():
             return f"invalid setting routes_file: {self.routes_file} is not a readable file"
         if not self.tunnel_lease_min <= self.tunnel_lease <= self.tunnel_lease_max:
@@ -100,11 +127,23 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         file_source = FileSource(
             store, settings.routes_file, poll_interval=settings.routes_poll_interval
         )
+    kube_source = None
+    if settings.kubernetes:
+        # Imported only in Kubernetes mode: the client library is heavy to load.
+        from waygate.resolver.kube import KubernetesSource, kube_configuration, parse_node_list
+
+        kube_source = KubernetesSource(
+            store,
+            kube_configuration(settings.kubeconfig, settings.kube_context),
+            namespace=settings.kube_namespace or None,
+            edge_nodes=parse_node_list(settings.kube_edge_nodes),
+        )
     servicer = ResolverServicer(
         store,
         routes=file_source,
         tunnels=tunnels,
         watch_max_pending=settings.watch_max_pending,
+        watch_heartbeat=settings.watch_heartbeat,
     )
     process.add_grpc_server(
         GrpcServer.from_settings(
@@ -119,24 +158,26 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
 
     process.on_stop(release_tunnels)
 
-    if file_source is None:
-        await process.mark_ready()
-        return
-
-    async def watch_file(source: FileSource) -> None:
-        if not source.load():
-            process.readiness.set_not_ready(f"routes file: {source.last_error}")
-        while not source.loaded:
-            await asyncio.sleep(source.poll_interval)
-            source.poll()
+    async def become_ready() -> None:
+        if file_source is not None:
+            if not file_source.load():
+                process.readiness.set_not_ready(f"routes file: {file_source.last_error}")
+            while not file_source.loaded:
+                await asyncio.sleep(file_source.poll_interval)
+                file_source.poll()
+            process.spawn(file_source.run(), "routes-file")
+        if kube_source is not None:
+            process.readiness.set_not_ready("waiting for the first list from Kubernetes")
+            await kube_source.wait_synced()
         await process.mark_ready()
         # The loaded view is long-lived and acyclic: keep it out of the cyclic
         # collector's full passes, which otherwise stall the loop for tens of
         # milliseconds with a large store (visible as Watch latency spikes).
         gc.freeze()
-        await source.run()
 
-    process.spawn(watch_file(file_source), "routes-file")
+    if kube_source is not None:
+        process.spawn(kube_source.run(), "kubernetes-source")
+    process.spawn(become_ready(), "become-ready")
 
 
 def up_arguments(context: UpContext) -> list[str]:

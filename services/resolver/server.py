@@ -8,6 +8,7 @@ its subscription or its tunnel presence in a `finally`.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -64,6 +65,7 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
         routes: FileSource | None = None,
         tunnels: TunnelRegistry | None = None,
         watch_max_pending: int = DEFAULT_MAX_PENDING,
+        watch_heartbeat: float = 0.0,
     ) -> None:
         self._store = store
         self._resolver = resolver or Resolver(store)
@@ -71,6 +73,8 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
         self._routes = routes
         self._tunnels = tunnels or TunnelRegistry(store)
         self._watch_max_pending = watch_max_pending
+        # Seconds of silence after which a Watch gets an empty Changes (0: never).
+        self._watch_heartbeat = watch_heartbeat or None
 
     def registration(self) -> ServiceRegistration:
         return ServiceRegistration(
@@ -104,7 +108,12 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
         )
         try:
             while True:
-                item = await subscription.next()
+                try:
+                    item = await asyncio.wait_for(subscription.next(), self._watch_heartbeat)
+                except TimeoutError:
+                    # Nothing changed: tell the consumer the view is still current
+                    # as of the sources' last sync.
+                    item = subscription.heartbeat()
                 source, last_sync = self._store.last_sync()
                 yield convert.watch_event(item, source, last_sync)
         finally:

@@ -180,6 +180,10 @@ class Subscription:
         self.version = batch.version
         return batch
 
+    def heartbeat(self) -> Batch:
+        """An empty Batch at the version the consumer holds (nothing new for it)."""
+        return Batch(self.version, self.version, ())
+
     async def next(self) -> Snapshot | Batch:
         while True:
             item = self.take()

@@ -103,6 +103,7 @@ async def start_resolver(
     routes: str | None = ROUTES,
     history_limit: int = 10_000,
     tunnels: dict[str, float] | None = None,
+    watch_heartbeat: float = 0.0,
 ) -> tuple[Resolver, GrpcServer, grpc.aio.Channel]:
     store = Store(history_limit=history_limit)
     file_source = None
@@ -112,7 +113,9 @@ async def start_resolver(
         file_source = FileSource(store, path)
         assert file_source.load(), file_source.last_error
     registry = TunnelRegistry(store, **(tunnels or {}))
-    servicer = ResolverServicer(store, routes=file_source, tunnels=registry)
+    servicer = ResolverServicer(
+        store, routes=file_source, tunnels=registry, watch_heartbeat=watch_heartbeat
+    )
     server = GrpcServer(host="127.0.0.1", port=0, registrations=[servicer.registration()])
     port = await server.start()
     await server.set_serving()

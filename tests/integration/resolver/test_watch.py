@@ -210,3 +210,26 @@ async def test_consumer_that_stops_reading_is_never_queued_without_bound(
         assert events < changes
     finally:
         call.cancel()
+
+
+async def test_quiet_stream_gets_heartbeats_with_the_last_sync_time(tmp_path: Path) -> None:
+    handle, server, channel = await start_resolver(tmp_path, watch_heartbeat=0.1)
+    call = handle.stub.Watch(pb.WatchRequest())
+    try:
+        snapshot = await next_event(call)
+        assert handle.file is not None
+        handle.file.poll()  # the file is unchanged: the source confirms it again
+        beat = await next_event(call)
+        assert beat.WhichOneof("event") == "changes" and not beat.changes.changes
+        assert beat.changes.from_version == beat.version == snapshot.version
+        assert beat.last_sync.ToDatetime() >= snapshot.last_sync.ToDatetime()
+        handle.store.set_endpoints(
+            "shop", "late", [Endpoint("shop", "late", "10.9.9.9")], source=SOURCE
+        )
+        while not (event := await next_event(call)).changes.changes:
+            pass
+        assert event.changes.from_version == snapshot.version
+    finally:
+        call.cancel()
+        await channel.close()
+        await server.stop(0)

@@ -1,0 +1,55 @@
+"""Resolver settings: defaults, cross-field checks, and what `waygate up` passes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from waygate.core.settings import SettingsError, load_settings
+from waygate.resolver.app import Settings
+
+
+def test_defaults_are_the_documented_ports() -> None:
+    settings = load_settings(Settings, env={})
+    assert (settings.grpc_port, settings.admin_port) == (7001, 9001)
+    assert settings.routes_file is None and not settings.kubernetes
+    assert (settings.tunnel_lease_min, settings.tunnel_lease, settings.tunnel_lease_max) == (
+        5.0,
+        30.0,
+        300.0,
+    )
+
+
+def test_env_and_flags(tmp_path: Path) -> None:
+    routes = tmp_path / "routes.yaml"
+    routes.write_text("routes: []\n")
+    settings = load_settings(
+        Settings,
+        flags={"tunnel_lease": "1m"},
+        env={"WAYGATE_ROUTES_FILE": str(routes), "WAYGATE_WATCH_HISTORY": "50"},
+    )
+    assert settings.routes_file == routes and settings.watch_history == 50
+    assert settings.tunnel_lease == 60.0
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"routes_file": "/nonexistent/routes.yaml"}, "is not a readable file"),
+        ({"tunnel_lease": "1s"}, "tunnel_lease: must lie between"),
+        ({"kubernetes": "true", "routes_file": "{routes}"}, "give one source, not both"),
+        ({"kube_namespace": "shop"}, "need --kubernetes"),
+        ({"watch_history": "0"}, "watch_history"),
+        ({"watch_heartbeat": "-1s"}, "watch_heartbeat"),
+    ],
+)
+def test_bad_settings_are_one_line_errors(
+    tmp_path: Path, flags: dict[str, str], message: str
+) -> None:
+    routes = tmp_path / "routes.yaml"
+    routes.write_text("routes: []\n")
+    flags = {k: v.format(routes=routes) for k, v in flags.items()}
+    with pytest.raises(SettingsError, match=message) as info:
+        load_settings(Settings, flags=flags, env={})
+    assert "\n" not in str(info.value)
