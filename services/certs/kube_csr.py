@@ -49,6 +49,7 @@ import binascii
 import dataclasses
 import enum
 import logging
+import random
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
@@ -400,12 +401,12 @@ class CSRController:
         `_version` follows every event, so a stream that breaks resumes
         after the last event handled.
         """
+        # Like client-go: a random timeout in [t, 2t), so many replicas' watches
+        # do not all end and reconnect together.
+        timeout = int(self._watch_timeout * random.uniform(1.0, 2.0))
         opening = asyncio.ensure_future(
             asyncio.to_thread(
-                self._api.watch,
-                CSR_COLLECTION,
-                self._version,
-                timeout_seconds=self._watch_timeout,
+                self._api.watch, CSR_COLLECTION, self._version, timeout_seconds=timeout
             )
         )
         try:
