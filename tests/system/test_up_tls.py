@@ -30,6 +30,8 @@ pytestmark = pytest.mark.system
 BY_NAME = {c.name: c for c in COMPONENTS if c.implemented}
 # Listeners that require a client certificate under `up` (DESIGN.md).
 MTLS = {"resolver", "tunnel-server"}
+# Port fields of gRPC listeners (the others are admin HTTP or proxy traffic).
+GRPC_PORTS = {"grpc_port", "dial_port"}
 
 
 class UpTLS:
@@ -43,8 +45,8 @@ class UpTLS:
     def state(self) -> Path:
         return self.directory / ".waygate"
 
-    def address(self, name: str) -> str:
-        return f"127.0.0.1:{BY_NAME[name].port('grpc_port') + self.offset}"
+    def address(self, name: str, field: str = "grpc_port") -> str:
+        return f"127.0.0.1:{BY_NAME[name].port(field) + self.offset}"
 
     async def start(self) -> None:
         self.process = await asyncio.create_subprocess_exec(
@@ -104,7 +106,9 @@ def mode(path: Path) -> int:
 async def test_up_serves_tls_everywhere_and_clients_need_no_flags(up) -> None:
     await up.start()
     assert up.process is not None
-    grpc_services = [name for name, c in BY_NAME.items() if "grpc_port" in dict(c.ports)]
+    listeners = [
+        (name, field) for name, c in BY_NAME.items() for field, _ in c.ports if field in GRPC_PORTS
+    ]
 
     # What `up` wrote for the clients, and the secrets it keeps private.
     assert (up.state / "ca.pem").is_file()
@@ -118,20 +122,20 @@ async def test_up_serves_tls_everywhere_and_clients_need_no_flags(up) -> None:
     )  # fmt: skip
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
-    for name in grpc_services:
-        address = up.address(name)
+    for name, field in listeners:
+        address = up.address(name, field)
         # No flags: ./.waygate/ca.pem and the client certificate are found.
         code, out, err = await up.waygate("health", address)
-        assert (code, out.strip()) == (0, "SERVING"), f"{name}: {err}"
+        assert (code, out.strip()) == (0, "SERVING"), f"{name} {field}: {err}"
         # A plaintext client gets nowhere on a TLS listener.
         code, _, err = await up.waygate("health", "--plaintext", address)
-        assert code == 2 and "UNAVAILABLE" in err, f"{name} answered plaintext: {err}"
+        assert code == 2 and "UNAVAILABLE" in err, f"{name} {field} answered plaintext: {err}"
         if name in MTLS:
             # Server verified, but no client certificate: refused.
             code, _, err = await up.waygate(
                 "health", "--ca-file", str(up.state / "ca.pem"), address
             )
-            assert code != 0, f"{name} accepted a client without a certificate"
+            assert code != 0, f"{name} {field} accepted a client without a certificate"
 
     children = children_of(up.process.pid)
     assert len(children) == len(BY_NAME)
