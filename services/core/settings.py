@@ -342,10 +342,12 @@ class ProcessSettings:
     cert_sans: tuple[str, ...] = setting(
         (), help="more names for the certificate, comma-separated: dns:NAME, uri:URI, ip:ADDRESS"
     )
+    # At most 0.75: with the 5% jitter every renewal is due before the last 20%
+    # of the life, so the "under 20%" warning always means renewal is failing.
     cert_renew_fraction: float = setting(
         0.7,
         help="renew when this fraction of the certificate's lifetime has passed (plus or minus 5 percent, at random)",
-        check=lambda v: None if 0.1 <= v <= 0.9 else f"must be between 0.1 and 0.9, not {v}",
+        check=lambda v: None if 0.1 <= v <= 0.75 else f"must be between 0.1 and 0.75, not {v}",
     )
 
     def __post_init__(self) -> None:

@@ -152,7 +152,7 @@ async def test_retries_with_backoff_while_the_issuer_is_down_and_keeps_the_certi
     assert rotator.current.not_after > first.not_after
 
 
-async def test_warns_only_once_under_twenty_percent_of_life(recorder) -> None:
+async def test_warns_when_under_twenty_percent_of_life_is_left(recorder) -> None:
     clock = FakeClock()
     ca = LocalCA(clock.now)
     rotator = make(clock, ca)
