@@ -13,6 +13,14 @@ TLS of the certs listener, in order of precedence:
   life without a restart. Server TLS only: Certify callers authenticate with
   a token, since they do not have a certificate yet;
 - neither: plaintext, allowed only on loopback (or with --insecure).
+
+Kubernetes (cluster mode), each part switched on by its own setting:
+`--ca-secret NS/NAME` keeps the CA in a Secret instead of `--ca-dir`;
+`--token-audience AUD` authenticates Certify tokens by TokenReview (static
+tokens, if also configured, are tried first); `--csr-controller` signs and
+approves certificates.k8s.io CSRs for Waygate's signer names. The API is
+reached through `--kubeconfig`, or the pod's ServiceAccount when unset. The
+Kubernetes modules are imported only when one of these is set.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import logging
 import os
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from waygate.certs.auth import Authenticator, Caller, StaticTokenAuthenticator, TokensFileError
 from waygate.certs.authority import KEY_ALGORITHMS, Authority, AuthorityConfig, TrustBundleView
@@ -31,7 +39,7 @@ from waygate.certs.policy import Policy, check_pattern, identity_name
 from waygate.certs.selftls import SelfServingCertificate
 from waygate.certs.server import registration
 from waygate.certs.service import CertsService
-from waygate.certs.store import DirectoryCAStore
+from waygate.certs.store import CAStore, DirectoryCAStore
 from waygate.core.errors import FailedPrecondition
 from waygate.core.grpcserver import GrpcServer
 from waygate.core.runtime import ServiceProcess
@@ -55,6 +63,13 @@ MAX_TIMER_SLEEP = 60.0
 
 def _non_negative(value: float) -> str | None:
     return None if value >= 0 else f"must not be negative, not {value}"
+
+
+def _namespaced_name(value: str) -> str | None:
+    namespace, sep, name = value.partition("/")
+    if not sep or not namespace or not name or "/" in name:
+        return f"{value!r} is not a reference of the form NAMESPACE/NAME"
+    return None
 
 
 def _patterns(value: tuple[str, ...]) -> str | None:
@@ -122,6 +137,42 @@ class Settings(GrpcServerSettings):
         check=_patterns,
     )
 
+    kubeconfig: Path | None = setting(
+        None,
+        help="kubeconfig for the Kubernetes API (Kubernetes features only); "
+        "unset: the pod's ServiceAccount",
+    )
+    ca_secret: str | None = setting(
+        None,
+        help="keep the CA in this Kubernetes Secret, NAMESPACE/NAME, instead of ca_dir",
+        check=_namespaced_name,
+    )
+    token_audience: str | None = setting(
+        None,
+        help="authenticate Certify tokens by Kubernetes TokenReview with this audience "
+        "(projected ServiceAccount tokens)",
+    )
+    csr_controller: bool = setting(
+        False,
+        help="sign and approve certificates.k8s.io CSRs for waygate.io/workload, "
+        "waygate.io/tunnel-agent and waygate.io/tunnel-server",
+    )
+    tunnel_server_account: str | None = setting(
+        None,
+        help="ServiceAccount NAMESPACE/NAME allowed to use the waygate.io/tunnel-server signer",
+        check=_namespaced_name,
+    )
+    tunnel_server_names: tuple[str, ...] = setting(
+        (),
+        help="SANs the tunnel server may get through its signer, comma separated "
+        "(dns:NAME, ip:ADDR, uri:URI)",
+        check=_patterns,
+    )
+
+    @property
+    def uses_kubernetes(self) -> bool:
+        return self.ca_secret is not None or self.token_audience is not None or self.csr_controller
+
     @property
     def tls_enabled(self) -> bool:
         return super().tls_enabled or self.serving_identity is not None
@@ -167,14 +218,73 @@ class _NoTokens:
         return None
 
 
-def build_authenticator(settings: Settings) -> Authenticator:
-    if settings.tokens_file is None:
-        log.warning("no tokens file: every Certify call will be UNAUTHENTICATED")
+class _FirstOf:
+    """Try several authenticators in order; the first that knows the token wins."""
+
+    def __init__(self, authenticators: list[Authenticator]) -> None:
+        self._authenticators = authenticators
+
+    async def authenticate(self, token: str) -> Caller | None:
+        for authenticator in self._authenticators:
+            caller = await authenticator.authenticate(token)
+            if caller is not None:
+                return caller
+        return None
+
+
+def build_authenticator(settings: Settings, kube_api: Any = None) -> Authenticator:
+    authenticators: list[Authenticator] = []
+    if settings.tokens_file is not None:
+        try:
+            authenticators.append(StaticTokenAuthenticator.from_file(settings.tokens_file))
+        except TokensFileError as exc:
+            raise FailedPrecondition(str(exc)) from None
+    if settings.token_audience is not None:
+        from waygate.certs.kube_auth import TokenReviewAuthenticator
+
+        authenticators.append(
+            TokenReviewAuthenticator(kube_api, audiences=(settings.token_audience,))
+        )
+    if not authenticators:
+        log.warning("no tokens file and no token audience: every Certify call is UNAUTHENTICATED")
         return _NoTokens()
-    try:
-        return StaticTokenAuthenticator.from_file(settings.tokens_file)
-    except TokensFileError as exc:
-        raise FailedPrecondition(str(exc)) from None
+    return authenticators[0] if len(authenticators) == 1 else _FirstOf(authenticators)
+
+
+def build_store(settings: Settings, kube_api: Any = None) -> CAStore:
+    if settings.ca_secret is None:
+        return DirectoryCAStore(settings.ca_dir)
+    from waygate.certs.kube_store import SecretCAStore
+
+    namespace, _, name = settings.ca_secret.partition("/")
+    return SecretCAStore(kube_api, namespace, name)
+
+
+def kube_api_for(settings: Settings) -> Any:
+    """The Kubernetes API client, when a Kubernetes feature is on; else None."""
+    if not settings.uses_kubernetes:
+        return None
+    from waygate.certs.kube_api import KubeAPI, load_api_client
+
+    return KubeAPI(load_api_client(settings.kubeconfig))
+
+
+def start_csr_controller(
+    process: ServiceProcess, settings: Settings, kube_api: Any, authority: Authority
+) -> None:
+    from waygate.certs.kube_csr import CSRController, SignerRules
+
+    account = None
+    if settings.tunnel_server_account is not None:
+        namespace, _, name = settings.tunnel_server_account.partition("/")
+        account = (namespace, name)
+    rules = SignerRules(
+        policy=Policy(settings.trust_domain),
+        max_lifetime=timedelta(seconds=settings.max_leaf_lifetime),
+        tunnel_server_account=account,
+        tunnel_server_names=settings.tunnel_server_names,
+    )
+    process.spawn(CSRController(kube_api, authority, rules).run(), "csr-controller")
 
 
 def write_bundle_file(path: Path, bundle: TrustBundleView) -> None:
@@ -201,11 +311,14 @@ async def run_transitions(authority: Authority) -> None:
 
 
 async def setup(process: ServiceProcess, settings: Settings) -> None:
-    service = CertsService(build_authenticator(settings), Policy(settings.trust_domain))
-    store = DirectoryCAStore(settings.ca_dir)
-    # Loading may generate an RSA key or touch the disk: keep the loop free meanwhile.
+    kube_api = kube_api_for(settings)
+    service = CertsService(build_authenticator(settings, kube_api), Policy(settings.trust_domain))
+    store = build_store(settings, kube_api)
+    # Loading may generate an RSA key, touch the disk or the API: keep the loop free meanwhile.
     authority = await asyncio.to_thread(Authority.open, store, settings.authority_config())
     service.attach(authority)
+    if settings.csr_controller:
+        start_csr_controller(process, settings, kube_api, authority)
     if settings.bundle_file is not None:
         bundle_file = settings.bundle_file
         write_bundle_file(bundle_file, authority.trust_bundle())

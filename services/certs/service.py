@@ -96,14 +96,14 @@ class CertsService:
         try:
             caller = await self._authenticate(token)
             csr = load_csr(csr_der)
-            check_csr(csr)
+            public_key = check_csr(csr)
             self.policy.authorize_csr(caller, identity, csr)
             issued = self.authority.issue(
                 csr,
                 identity=identity,
                 requested_by=caller.name,
                 lifetime=lifetime,
-                csr_checked=True,
+                public_key=public_key,
             )
         except Exception as exc:
             REFUSED.labels(getattr(exc, "status", "INTERNAL")).inc()
