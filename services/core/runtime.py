@@ -118,8 +118,8 @@ class ServiceProcess:
 
         With `certs_address` it is mTLS with this process's current certificate
         (a new channel after each renewal); with static tls_* files it presents
-        tls_cert_file and verifies against tls_client_ca_file; otherwise plaintext.
-        Closed when the process stops.
+        tls_cert_file and verifies the server against tls_client_ca_file (the
+        system roots when unset); otherwise plaintext. Closed when the process stops.
         """
         from waygate.core.grpcclient import ClientTLS
         from waygate.core.tls import static_client_channel
@@ -127,7 +127,7 @@ class ServiceProcess:
         certificates = await self.certificates()
         if certificates is not None:
             channel = certificates.client_channel(address, server_name=server_name)
-        elif self.settings.tls_client_ca_file is not None:
+        elif self.settings.tls_cert_file is not None:
             tls = ClientTLS(
                 self.settings.tls_client_ca_file,
                 self.settings.tls_cert_file,
