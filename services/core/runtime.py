@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import ssl
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Cleanup = Callable[[], Awaitable[None]]
+
+
+def _async(function: Callable[[], None]) -> Cleanup:
+    async def run() -> None:
+        function()
+
+    return run
 
 
 class ServiceProcess:
@@ -110,6 +118,36 @@ class ServiceProcess:
             root_certificates=client_ca.read_bytes() if client_ca is not None else None,
             require_client_auth=client_auth and client_ca is not None,
         )
+
+    async def server_ssl_context(
+        self, *, client_auth: bool = False, alpn_protocols: tuple[str, ...] = ()
+    ) -> ssl.SSLContext | None:
+        """An SSLContext for this process's HTTPS/TLS listeners (asyncio), TLS 1.2+.
+
+        With `certs_address` it always serves the current certificate (its SNI
+        callback switches each new connection to the newest one) and, with
+        `client_auth`, requires a client certificate chaining to the current
+        trust bundle. With static tls_* files it serves those. None: plaintext.
+        """
+        certificates = await self.certificates()
+        if certificates is not None:
+            contexts = certificates.ssl_contexts(
+                client_auth=client_auth, alpn_protocols=alpn_protocols
+            )
+            self.on_stop(_async(contexts.close))
+            return contexts.context
+        settings = self.settings
+        if settings.tls_cert_file is None or settings.tls_key_file is None:
+            return None
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.load_cert_chain(settings.tls_cert_file, settings.tls_key_file)
+        if client_auth and settings.tls_client_ca_file is not None:
+            context.load_verify_locations(settings.tls_client_ca_file)
+            context.verify_mode = ssl.CERT_REQUIRED
+        if alpn_protocols:
+            context.set_alpn_protocols(list(alpn_protocols))
+        return context
 
     async def client_channel(
         self, address: str, *, server_name: str | None = None

@@ -1,4 +1,5 @@
-"""`ServiceProcess.server_credentials` and `client_channel` through a whole process life.
+"""`ServiceProcess.server_credentials`, `server_ssl_context` and `client_channel`
+through a whole process life.
 
 In-process `ServiceProcess.run` with a real gRPC listener on port 0: once with
 static tls_* files (what existed before certs), once with certificates from a
@@ -10,10 +11,13 @@ process closes its channels and background tasks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ssl
 from pathlib import Path
 
 import grpc
 import pytest
+from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.unit.core.test_rotation_ca import LocalCA
@@ -131,3 +135,73 @@ async def test_certificates_from_certs_serve_mtls_and_call_out(certs) -> None:
     assert result["refused"]
     assert result["issued"] == 2
     assert {"certificate-rotation", "trust-bundle-watch"} <= set(result["tasks"])
+
+
+async def presented(port: int, ca_pem: bytes) -> str:
+    context = ssl.create_default_context(cadata=ca_pem.decode())
+    _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context)
+    try:
+        der = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+        return format(x509.load_der_x509_certificate(der).serial_number, "x")
+    finally:
+        writer.close()
+        with contextlib.suppress(ssl.SSLError, ConnectionError):
+            await writer.wait_closed()
+
+
+async def serve_tls(context: ssl.SSLContext) -> asyncio.Server:
+    async def hang_up(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.close()
+
+    return await asyncio.start_server(hang_up, "127.0.0.1", 0, ssl=context)
+
+
+async def test_https_listener_context_follows_the_certificate_from_certs(certs) -> None:
+    settings = settings_for(certs, shutdown_grace="1s")
+
+    async def body(process: ServiceProcess, _port: int) -> dict:
+        context = await process.server_ssl_context(alpn_protocols=("http/1.1",))
+        certificates = await process.certificates()
+        assert context is not None and certificates is not None
+        server = await serve_tls(context)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            bundle = certs.bundle_file.read_bytes()
+            seen = [await presented(port, bundle)]
+            renewed = await certificates.rotator.renew_once()
+            seen.append(await presented(port, bundle))
+        finally:
+            server.close()
+            await server.wait_closed()
+        return {"seen": seen, "renewed": renewed.serial, "minimum": context.minimum_version}
+
+    result = await run_process(settings, body)
+    assert result["seen"][1] == result["renewed"] != result["seen"][0]
+    assert result["minimum"] == ssl.TLSVersion.TLSv1_2
+
+
+async def test_https_listener_context_from_static_files(tmp_path: Path) -> None:
+    ca = LocalCA()
+    held = await CertificateRotator(ca, "proxy.waygate.local", ["ip:127.0.0.1"]).obtain()
+    save_certificate(held, tmp_path / "key.pem", tmp_path / "cert.pem")
+    settings = load_settings(
+        GrpcServerSettings,
+        flags={
+            "tls_cert_file": str(tmp_path / "cert.pem"),
+            "tls_key_file": str(tmp_path / "key.pem"),
+            "shutdown_grace": "1s",
+        },
+        env={},
+    )
+
+    async def body(process: ServiceProcess, _port: int) -> dict:
+        context = await process.server_ssl_context()
+        assert context is not None
+        server = await serve_tls(context)
+        try:
+            return {"seen": await presented(server.sockets[0].getsockname()[1], ca.pem)}
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    assert (await run_process(settings, body))["seen"] == held.serial
