@@ -208,14 +208,21 @@ class _CA:
     leaf_max: datetime | None = None  # in memory: latest leaf not_after known
     fingerprint: str = dataclasses.field(init=False)
     aki: x509.AuthorityKeyIdentifier = dataclasses.field(init=False)  # what its leaves carry
+    # Read once: each access to these on a certificate parses them anew.
+    subject: x509.Name = dataclasses.field(init=False)
+    not_before: datetime = dataclasses.field(init=False)
+    not_after: datetime = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         self.fingerprint = fingerprint(self.cert)
+        self.subject = self.cert.subject
+        self.not_before = self.cert.not_valid_before_utc
+        self.not_after = self.cert.not_valid_after_utc
         ski = self.cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
         self.aki = x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski)
 
     def view(self) -> CAView:
-        return CAView(self.cert, self.state, self.fingerprint, self.cert.not_valid_after_utc)
+        return CAView(self.cert, self.state, self.fingerprint, self.not_after)
 
 
 class Authority:
@@ -517,15 +524,15 @@ class Authority:
         self.advance()
         ca = self._active()
         now = _whole_seconds(self._now())
-        not_after = min(now + lifetime, ca.cert.not_valid_after_utc)
+        not_after = min(now + lifetime, ca.not_after)
         if not_after <= now:
             raise FailedPrecondition("the active CA has expired; rotate the CA")
-        not_before = max(now - self.config.backdate, ca.cert.not_valid_before_utc)
+        not_before = max(now - self.config.backdate, ca.not_before)
         serial = _random_serial()
         builder = (
             x509.CertificateBuilder()
             .subject_name(_EMPTY_NAME)
-            .issuer_name(ca.cert.subject)
+            .issuer_name(ca.subject)
             .public_key(public_key)
             .serial_number(serial)
             .not_valid_before(not_before)
@@ -635,7 +642,7 @@ class Authority:
             self._generation = saved_generation
             raise
         self._notify()
-        latest_old_leaf = min(switch_at + self.config.max_lifetime, old.cert.not_valid_after_utc)
+        latest_old_leaf = min(switch_at + self.config.max_lifetime, old.not_after)
         old_retire_after = max(latest_old_leaf, old.leaf_max or latest_old_leaf)
         log.info(
             "CA rotation: new CA staged",
