@@ -313,13 +313,21 @@ def watch_event(item: Snapshot | Batch, source: str, last_sync: datetime | None)
     by many subscribers is converted once and the message reused."""
     if isinstance(item, Batch):
         return _changes_event(item, source, last_sync)
-    event = pb.WatchEvent(version=item.version, source=source, last_sync=timestamp(last_sync))
-    event.snapshot.CopyFrom(snapshot_to_proto(item))
-    return event
+    return _snapshot_event(item, source, last_sync)
 
 
-# Keyed by the Batch's identity (it compares by identity); snapshots are not
-# cached, being per subscriber and large.
+# Both caches are keyed by identity (Batch and Snapshot compare by identity).
+# Few snapshots are kept: they are large, and one per version is shared.
+@functools.lru_cache(maxsize=4)
+def _snapshot_event(snapshot: Snapshot, source: str, last_sync: datetime | None) -> pb.WatchEvent:
+    return pb.WatchEvent(
+        version=snapshot.version,
+        source=source,
+        last_sync=timestamp(last_sync),
+        snapshot=snapshot_to_proto(snapshot),
+    )
+
+
 @functools.lru_cache(maxsize=64)
 def _changes_event(batch: Batch, source: str, last_sync: datetime | None) -> pb.WatchEvent:
     return pb.WatchEvent(

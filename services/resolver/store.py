@@ -234,6 +234,8 @@ class Store:
         self._sources: list[str] = []
         self._synced: dict[str, datetime] = {}
         self._subscriptions: set[Subscription] = set()
+        # Snapshots of the current version, by the kinds they hold.
+        self._snapshots: dict[frozenset[Kind], Snapshot] = {}
 
     # ------------------------------------------------------------ reads
 
@@ -268,7 +270,16 @@ class Store:
         }
 
     def snapshot(self, kinds: Iterable[Kind] | None = None) -> Snapshot:
+        """The view now. Subscribers that ask at the same version share one object
+        (e.g. every proxy reconnecting after a resolver restart), so its wire
+        form is built once."""
         wanted = ALL_KINDS if kinds is None else frozenset(kinds)
+        cached = self._snapshots.get(wanted)
+        if cached is None:
+            cached = self._snapshots[wanted] = self._build_snapshot(wanted)
+        return cached
+
+    def _build_snapshot(self, wanted: frozenset[Kind]) -> Snapshot:
         return Snapshot(
             version=self.version,
             services=tuple(sorted(self._services.values(), key=lambda s: s.key))
@@ -504,6 +515,7 @@ class Store:
             return
         batch = Batch(self.version, self.version + 1, tuple(changes))
         self.version = batch.version
+        self._snapshots.clear()
         self._history.append(batch)
         self._history_changes += len(batch.changes)
         while self._history_changes > self._history_limit and len(self._history) > 1:

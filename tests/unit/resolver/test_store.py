@@ -292,3 +292,15 @@ def test_up_to_date_subscribers_share_the_store_batch_and_laggards_get_their_own
     assert (merged.from_version, merged.version, len(merged.changes)) == (1, 3, 2)
     only_route = routes_only.take()
     assert isinstance(only_route, Batch) and [c.kind for c in only_route.changes] == [Kind.ROUTES]
+
+
+def test_snapshots_of_one_version_are_shared_and_a_change_makes_a_new_one() -> None:
+    store = Store(initial_version=0)
+    store.upsert_service(svc(), source=FILE)
+    first, second = store.subscribe(), store.subscribe()
+    a, b = first.take(), second.take()
+    assert isinstance(a, Snapshot) and a is b
+    assert store.snapshot([Kind.ROUTES]) is not a
+    store.upsert_service(svc("api"), source=FILE)
+    fresh = store.snapshot()
+    assert fresh is not a and len(fresh.services) == 2 and len(a.services) == 1
