@@ -84,6 +84,10 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# A routes file is hand-written or generated config, not a data store; past
+# this it is refused rather than parsed into memory.
+MAX_FILE_BYTES = 64 << 20
+
 # The example file shipped inside the package (so it exists in an installed
 # wheel too); `waygate up` starts from a copy of it.
 EXAMPLE_ROUTES = Path(__file__).parent / "examples" / "routes.yaml"
@@ -670,9 +674,15 @@ class FileSource:
         """
         self._stat = self._stat_key()
         try:
-            data = self.path.read_bytes()
+            with self.path.open("rb") as handle:
+                # One byte over the limit is enough to know it is too big.
+                data = handle.read(MAX_FILE_BYTES + 1)
         except OSError as exc:
             return self._reject(FileError(self.path, None, f"cannot read: {exc.strerror or exc}"))
+        if len(data) > MAX_FILE_BYTES:
+            return self._reject(
+                FileError(self.path, None, f"larger than {MAX_FILE_BYTES // (1 << 20)} MiB")
+            )
         digest = hashlib.sha256(data).digest()
         if digest == self._digest:
             if self.last_error is None:

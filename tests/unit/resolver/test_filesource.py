@@ -225,3 +225,18 @@ def test_the_shipped_example_file_is_valid() -> None:
     path = EXAMPLE_ROUTES
     content = parse_routes_file(path, path.read_text())
     assert content.routes and content.services
+
+
+def test_an_oversized_file_is_refused_and_state_kept(
+    routes_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from waygate.resolver import filesource
+
+    store = Store(initial_version=0)
+    source = FileSource(store, routes_file)
+    assert source.load()
+    monkeypatch.setattr(filesource, "MAX_FILE_BYTES", 100)
+    write(routes_file, GOOD + "# padding\n")
+    source.poll()
+    assert source.last_error is not None and "larger than" in source.last_error
+    assert store.get_route("shop", "web") is not None
