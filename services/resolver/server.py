@@ -8,7 +8,6 @@ its subscription or its tunnel presence in a `finally`.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -108,12 +107,9 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
         )
         try:
             while True:
-                try:
-                    item = await asyncio.wait_for(subscription.next(), self._watch_heartbeat)
-                except TimeoutError:
-                    # Nothing changed: tell the consumer the view is still current
-                    # as of the sources' last sync.
-                    item = subscription.heartbeat()
+                # After a quiet `heartbeat`, an empty Changes tells the consumer the
+                # view is still current as of the sources' last sync.
+                item = await subscription.next(self._watch_heartbeat)
                 source, last_sync = self._store.last_sync()
                 yield convert.watch_event(item, source, last_sync)
         finally:

@@ -184,13 +184,35 @@ class Subscription:
         """An empty Batch at the version the consumer holds (nothing new for it)."""
         return Batch(self.version, self.version, ())
 
-    async def next(self) -> Snapshot | Batch:
-        while True:
-            item = self.take()
-            if item is not None:
-                return item
-            self._wakeup.clear()
-            await self._wakeup.wait()
+    async def next(self, heartbeat: float | None = None) -> Snapshot | Batch:
+        """The next item; after `heartbeat` seconds with nothing new, an empty
+        Batch at the consumer's version (so it hears the view is still current)."""
+        item = self.take()
+        if item is not None:
+            return item
+        beat = False
+        timer = None
+        if heartbeat:
+
+            def due() -> None:
+                nonlocal beat
+                beat = True
+                self._wakeup.set()
+
+            # A timer, not asyncio.wait_for: no extra task per event on a busy stream.
+            timer = asyncio.get_running_loop().call_later(heartbeat, due)
+        try:
+            while True:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                item = self.take()
+                if item is not None:
+                    return item
+                if beat:
+                    return self.heartbeat()
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     def close(self) -> None:
         if not self.closed:

@@ -304,3 +304,18 @@ def test_snapshots_of_one_version_are_shared_and_a_change_makes_a_new_one() -> N
     store.upsert_service(svc("api"), source=FILE)
     fresh = store.snapshot()
     assert fresh is not a and len(fresh.services) == 2 and len(a.services) == 1
+
+
+async def test_next_with_heartbeat_returns_an_empty_batch_when_quiet() -> None:
+    store = Store(initial_version=0)
+    store.upsert_service(svc(), source=FILE)
+    sub = store.subscribe()
+    snapshot = await sub.next(heartbeat=0.05)
+    assert isinstance(snapshot, Snapshot)
+    beat = await asyncio.wait_for(sub.next(heartbeat=0.05), 5)
+    assert isinstance(beat, Batch) and beat.changes == ()
+    assert beat.from_version == beat.version == snapshot.version
+    store.upsert_route(route(), source=FILE)
+    real = await asyncio.wait_for(sub.next(heartbeat=0.05), 5)
+    assert isinstance(real, Batch) and len(real.changes) == 1
+    sub.close()
