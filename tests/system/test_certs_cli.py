@@ -3,7 +3,8 @@
 Covers: issue (key generated locally, 0600, cert/chain/ca written, openssl
 verifies), bundle (stdout and --out), inspect, a refusal that writes nothing,
 a restart that keeps the CA, a start refused for a key file others can read,
-and the self-issued serving TLS that `waygate up` uses.
+the self-issued serving TLS that `waygate up` uses, and a CA rotation that
+rewrites the bundle file and shows in /metrics.
 """
 
 from __future__ import annotations
@@ -12,10 +13,13 @@ import asyncio
 import stat
 from pathlib import Path
 
+import grpc
 import pytest
 import yaml
+from google.protobuf import duration_pb2
 
 from tests.support.processes import http_get, run_cli, start_service
+from waygate.certs.v1 import certs_pb2, certs_pb2_grpc
 
 pytestmark = pytest.mark.system
 
@@ -158,5 +162,42 @@ async def test_self_issued_tls_serves_certify_and_the_cli_verifies_it(tmp_path: 
             cwd=tmp_path,
         )  # fmt: skip
         assert code == 2 and "Traceback" not in err and err.startswith("waygate: ")
+    finally:
+        assert await certs.stop() == 0
+
+
+async def test_rotation_rewrites_the_bundle_file_and_metrics_show_the_cas(tmp_path: Path) -> None:
+    admin_token = "admin-" + "a" * 40
+    argv = serve_argv(tmp_path)
+    tokens = yaml.safe_load((tmp_path / "tokens.yaml").read_text())
+    tokens["tokens"].append({"token": admin_token, "name": "ops", "admin": True})
+    (tmp_path / "tokens.yaml").write_text(yaml.safe_dump(tokens))
+    certs = await start_service(argv)
+    try:
+        bundle = tmp_path / "bundle.pem"
+        assert mode(bundle) == 0o644 and bundle.read_text().count("BEGIN CERTIFICATE") == 1
+        code, _, err = await run_cli(
+            "cert", "issue", "--addr", certs.grpc_address, "--identity", IDENTITY,
+            "--token", TOKEN, "--out", str(tmp_path / "out"), cwd=tmp_path,
+        )  # fmt: skip
+        assert code == 0, err
+        async with grpc.aio.insecure_channel(certs.grpc_address) as channel:
+            reply = await certs_pb2_grpc.CertsStub(channel).RotateCA(
+                certs_pb2.RotateCARequest(propagation_delay=duration_pb2.Duration(seconds=3600)),
+                metadata=(("authorization", f"Bearer {admin_token}"),),
+                timeout=10,
+            )
+        assert reply.new_authority.state == certs_pb2.CA_STATE_STAGED
+        # The file is rewritten before RotateCA answers.
+        assert bundle.read_text().count("BEGIN CERTIFICATE") == 2 and mode(bundle) == 0o644
+        status, metrics = await http_get(certs.admin_port, "/metrics")
+        assert status == 200
+        not_after = [
+            line
+            for line in metrics.splitlines()
+            if line.startswith("waygate_certs_ca_not_after_timestamp_seconds{")
+        ]
+        assert len(not_after) == 2 and any('state="STAGED"' in line for line in not_after)
+        assert "waygate_certs_issued_total 1.0" in metrics
     finally:
         assert await certs.stop() == 0
