@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
 
 import grpc
@@ -38,12 +38,14 @@ class SelfServingCertificate:
         *,
         renew_fraction: float = 0.7,
         now: Callable[[], datetime] = utc_now,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.authority = authority
         self.identity = identity
         self.sans = sans
         self.renew_fraction = renew_fraction
         self._now = now
+        self._sleep = sleep
         self._config: grpc.ServerCertificateConfiguration | None = None
         self._fresh = False
         self.not_before: datetime | None = None
@@ -106,14 +108,14 @@ class SelfServingCertificate:
         """Renew at 70% of each certificate's life, for the life of the process."""
         while True:
             wait = (self.renew_at() - self._now()).total_seconds()
-            await asyncio.sleep(max(wait, 1.0))
+            await self._sleep(max(wait, 1.0))
             if self._now() >= self.renew_at():
                 try:
                     self.renew()
                 except Exception:
                     # The current certificate still has >= 30% of its life; retry soon.
                     log.exception("serving certificate renewal failed; retrying in 30s")
-                    await asyncio.sleep(min(30.0, _half(self.not_after, self._now())))
+                    await self._sleep(min(30.0, _half(self.not_after, self._now())))
 
 
 def _half(not_after: datetime | None, now: datetime) -> float:
