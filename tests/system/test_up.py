@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -22,8 +23,8 @@ IMPLEMENTED = [c for c in COMPONENTS if c.implemented]
 def children_of(pid: int) -> set[int]:
     found: set[int] = set()
     for task in Path(f"/proc/{pid}/task").iterdir():
-        text = (task / "children").read_text().split()
-        found |= {int(p) for p in text}
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # a thread may end meanwhile
+            found |= {int(p) for p in (task / "children").read_text().split()}
     return found
 
 
@@ -97,7 +98,8 @@ async def test_a_crashed_child_is_restarted(up):
     await up.start()
     component = IMPLEMENTED[0]
     before = children_of(up.process.pid)
-    victim = next(pid for pid in before if component.app_module.rsplit(".", 1)[0].split(".")[-1] in Path(f"/proc/{pid}/cmdline").read_text())
+    command = "\x00" + "\x00".join(component.command) + "\x00"
+    victim = next(pid for pid in before if command in Path(f"/proc/{pid}/cmdline").read_text())
     os.kill(victim, signal.SIGKILL)
     async with asyncio.timeout(60):
         while True:
@@ -105,7 +107,10 @@ async def test_a_crashed_child_is_restarted(up):
             if len(now) == len(before) and victim not in now:
                 break
             await asyncio.sleep(0.2)
-        while (await http_get(up.admin_port(component), "/readyz"))[0] != 200:
+        while True:
+            with contextlib.suppress(OSError):  # refused until the new child has bound
+                if (await http_get(up.admin_port(component), "/readyz"))[0] == 200:
+                    break
             await asyncio.sleep(0.2)
     up.process.send_signal(signal.SIGINT)
     assert await asyncio.wait_for(up.process.wait(), 60) == 0
