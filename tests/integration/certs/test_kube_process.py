@@ -11,7 +11,6 @@ the API server's token authenticator) and runs the CSR controller; the
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,18 +29,8 @@ from tests.support.kubeapi_certs import (
     node_user,
 )
 from tests.support.processes import run_cli, start_service
-from waygate.certs import app
 
-KUBE_SETTINGS = {"kubeconfig", "ca_secret", "token_audience", "csr_controller"}
-
-pytestmark = [
-    pytest.mark.system,
-    pytest.mark.skipif(
-        not {f.name for f in dataclasses.fields(app.Settings)} >= KUBE_SETTINGS,
-        reason="waygate.certs.app does not declare the Kubernetes settings yet "
-        "(kubeconfig, ca_secret, token_audience, csr_controller); the lead wires them",
-    ),
-]
+pytestmark = pytest.mark.system
 
 BEARER = "stand-in-bearer-token"
 PROJECTED = "projected-token-of-shop-web"
