@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from waygate.core.grpcserver import GrpcServer
 from waygate.core.runtime import ServiceProcess
 from waygate.core.settings import GrpcServerSettings, parse_duration, port_number, positive, setting
+from waygate.resolver import metrics
 from waygate.resolver.filesource import EXAMPLE_ROUTES, FileSource
 from waygate.resolver.server import ResolverServicer
 from waygate.resolver.store import DEFAULT_HISTORY_LIMIT, DEFAULT_MAX_PENDING, Store
@@ -138,6 +139,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
             namespace=settings.kube_namespace or None,
             edge_nodes=parse_node_list(settings.kube_edge_nodes),
         )
+    metrics.observe(store, file_source)
     servicer = ResolverServicer(
         store,
         routes=file_source,

@@ -57,6 +57,10 @@ async def test_resolve_prints_endpoints_and_exit_codes(
 ) -> None:
     service, _ = resolver
     assert (await http_get(service.admin_port, "/readyz"))[0] == 200
+    status, metrics = await http_get(service.admin_port, "/metrics")
+    assert status == 200
+    assert 'waygate_resolver_objects{kind="routes"} 2.0' in metrics
+    assert "waygate_resolver_routes_file_valid 1.0" in metrics
     code, out, err = await run_cli(*cli(service, "resolve", "demo/hello:http"))
     assert code == 0, err
     assert "service demo/hello (ClusterIP)" in out
