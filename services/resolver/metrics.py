@@ -7,6 +7,8 @@ sync is, and whether the routes file is currently rejected.
 
 from __future__ import annotations
 
+import functools
+
 from prometheus_client import Gauge
 
 from waygate.resolver.filesource import FileSource
@@ -26,11 +28,15 @@ ROUTES_FILE_VALID = Gauge(
 )
 
 
+def _count(store: Store, kind: Kind) -> float:
+    return store.counts()[kind]
+
+
 def observe(store: Store, file_source: FileSource | None) -> None:
     """Point the gauges at this store (the last call wins: one store per process)."""
     VERSION.set_function(lambda: store.version)
     for kind in Kind:
-        OBJECTS.labels(kind.value).set_function(lambda kind=kind: store.counts()[kind])
+        OBJECTS.labels(kind.value).set_function(functools.partial(_count, store, kind))
     WATCHERS.set_function(lambda: store.subscriber_count)
 
     def last_sync() -> float:
