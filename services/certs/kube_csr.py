@@ -69,6 +69,8 @@ from waygate.core.errors import InvalidArgument, PermissionDenied, WaygateError
 log = logging.getLogger(__name__)
 
 CSR_COLLECTION = "/apis/certificates.k8s.io/v1/certificatesigningrequests"
+CSR_API_VERSION = "certificates.k8s.io/v1"
+CSR_KIND = "CertificateSigningRequest"
 
 SIGNER_WORKLOAD = "waygate.io/workload"
 SIGNER_TUNNEL_AGENT = "waygate.io/tunnel-agent"
@@ -286,9 +288,14 @@ def _timestamp(moment: datetime) -> str:
     return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _for_update(obj: JSON) -> JSON:
+    """A shallow copy fit to send back: list items come without apiVersion and kind."""
+    return {"apiVersion": CSR_API_VERSION, "kind": CSR_KIND, **obj}
+
+
 def with_condition(obj: JSON, kind: str, reason: str, message: str, now: datetime) -> JSON:
     """A copy of `obj` with one more status condition."""
-    updated = dict(obj)
+    updated = _for_update(obj)
     status = dict(obj.get("status") or {})
     stamp = _timestamp(now)
     status["conditions"] = [
@@ -307,7 +314,7 @@ def with_condition(obj: JSON, kind: str, reason: str, message: str, now: datetim
 
 
 def with_certificate(obj: JSON, pem: bytes) -> JSON:
-    updated = dict(obj)
+    updated = _for_update(obj)
     updated["status"] = {
         **(obj.get("status") or {}),
         "certificate": base64.b64encode(pem).decode("ascii"),

@@ -314,3 +314,16 @@ def test_condition_and_certificate_edits_keep_the_rest_of_the_object() -> None:
     assert base64.b64decode(signed["status"]["certificate"]) == b"PEM"
     assert signed["status"]["conditions"] == obj["status"]["conditions"]
     assert signed["spec"] is obj["spec"]
+
+
+def test_edits_of_a_listed_object_carry_its_kind() -> None:
+    """List items come without apiVersion/kind; what is sent back names them."""
+    listed = agent_csr()
+    del listed["apiVersion"], listed["kind"]
+    moment = datetime(2030, 1, 2, tzinfo=UTC)
+    for edited in (
+        with_condition(listed, "Denied", "R", "m", moment),
+        with_certificate(listed, b"x"),
+    ):
+        assert edited["apiVersion"] == "certificates.k8s.io/v1"
+        assert edited["kind"] == "CertificateSigningRequest"
