@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# How soon after draining starts the open Watch streams are ended.
+DRAIN_CHECK_INTERVAL = 0.2
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Settings(GrpcServerSettings):
@@ -172,10 +175,21 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
             process.readiness.set_not_ready("waiting for the first list from Kubernetes")
             await kube_source.wait_synced()
         await process.mark_ready()
+        process.spawn(end_watches_when_draining(), "end-watches")
         # The loaded view is long-lived and acyclic: keep it out of the cyclic
         # collector's full passes, which otherwise stall the loop for tens of
         # milliseconds with a large store (visible as Watch latency spikes).
         gc.freeze()
+
+    async def end_watches_when_draining() -> None:
+        # Watch streams never finish by themselves, so the servers' graceful
+        # stop would wait its whole grace period for them. Once the process
+        # stops being ready (it only does so to drain), end them with
+        # UNAVAILABLE: consumers reconnect (elsewhere) and resume.
+        while process.readiness.ready:
+            await asyncio.sleep(DRAIN_CHECK_INTERVAL)
+        ended = store.end_subscriptions()
+        log.info("draining: ended watch streams", extra={"watches": ended})
 
     if kube_source is not None:
         process.spawn(kube_source.run(), "kubernetes-source")

@@ -12,13 +12,13 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from waygate.core.errors import FailedPrecondition, InvalidArgument
+from waygate.core.errors import FailedPrecondition, InvalidArgument, Unavailable
 from waygate.core.grpcserver import ServiceRegistration
 from waygate.resolver import convert
 from waygate.resolver.filesource import FileSource
 from waygate.resolver.model import TunnelServer
 from waygate.resolver.resolve import Pick, Resolution, Resolver, Target
-from waygate.resolver.store import DEFAULT_MAX_PENDING, Store
+from waygate.resolver.store import DEFAULT_MAX_PENDING, Store, SubscriptionEnded
 from waygate.resolver.tunnels import TunnelRegistry
 from waygate.resolver.v1 import resolver_pb2 as pb
 from waygate.resolver.v1 import resolver_pb2_grpc
@@ -109,7 +109,13 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
             while True:
                 # After a quiet `heartbeat`, an empty Changes tells the consumer the
                 # view is still current as of the sources' last sync.
-                item = await subscription.next(self._watch_heartbeat)
+                try:
+                    item = await subscription.next(self._watch_heartbeat)
+                except SubscriptionEnded:
+                    raise Unavailable(
+                        "the resolver is shutting down; reconnect and resume from version "
+                        f"{subscription.version}"
+                    ) from None
                 source, last_sync = self._store.last_sync()
                 yield convert.watch_event(item, source, last_sync)
         finally:

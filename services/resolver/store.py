@@ -80,6 +80,10 @@ class Snapshot:
     tunnels: tuple[TunnelPresence, ...] = ()
 
 
+class SubscriptionEnded(Exception):
+    """The store ended this subscription (the process is shutting down)."""
+
+
 class Subscription:
     """One consumer's position in the change stream, with a bounded backlog.
 
@@ -151,7 +155,7 @@ class Subscription:
     def take(self) -> Snapshot | Batch | None:
         """The next item if one is ready, else None (never waits)."""
         if self.closed:
-            raise RuntimeError("subscription is closed")
+            raise SubscriptionEnded("subscription is closed")
         if self._needs_snapshot:
             snapshot = self._store.snapshot(self.kinds)
             self._needs_snapshot = False
@@ -205,6 +209,7 @@ class Subscription:
             while True:
                 self._wakeup.clear()
                 await self._wakeup.wait()
+                # take() raises SubscriptionEnded once the store ended this subscription.
                 item = self.take()
                 if item is not None:
                     return item
@@ -215,10 +220,12 @@ class Subscription:
                 timer.cancel()
 
     def close(self) -> None:
+        """Stop receiving; a consumer waiting in `next()` gets SubscriptionEnded."""
         if not self.closed:
             self.closed = True
             self._pending.clear()
             self._store._subscriptions.discard(self)
+            self._wakeup.set()
 
     def __enter__(self) -> Subscription:
         return self
@@ -357,6 +364,14 @@ class Store:
                 subscription._resume(batches, resume_from)
         self._subscriptions.add(subscription)
         return subscription
+
+    def end_subscriptions(self) -> int:
+        """Close every subscription (shutdown): each waiting consumer wakes up with
+        SubscriptionEnded. Returns how many were open."""
+        subscriptions = list(self._subscriptions)
+        for subscription in subscriptions:
+            subscription.close()
+        return len(subscriptions)
 
     @property
     def subscriber_count(self) -> int:

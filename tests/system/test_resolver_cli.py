@@ -138,3 +138,53 @@ def test_up_arguments_copy_the_example_once(tmp_path: Path) -> None:
     assert up_arguments(context) == args
     assert copied.read_text() == "routes: []\n", "an existing (edited) copy is kept"
     assert os.path.dirname(copied) == str(tmp_path / "state")
+
+
+async def test_sigterm_ends_open_watches_so_shutdown_does_not_wait_for_them(
+    tmp_path: Path,
+) -> None:
+    """With a 120 s grace, a stop that waited for the never-ending Watch would run
+    into the test's time limit; instead the watcher is told to reconnect."""
+    routes = tmp_path / "routes.yaml"
+    shutil.copyfile(EXAMPLE_ROUTES, routes)
+    service = await start_service(
+        [
+            "waygate",
+            "resolver",
+            "serve",
+            "--grpc-port",
+            "0",
+            "--admin-port",
+            "0",
+            "--routes-file",
+            str(routes),
+            "--shutdown-grace",
+            "120s",
+        ]
+    )
+    watcher = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "waygate",
+        *cli(service, "routes", "--watch"),
+        cwd=ROOT,
+        env=child_env(),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert watcher.stdout is not None and watcher.stderr is not None
+        async with asyncio.timeout(20):
+            assert (await watcher.stdout.readline()).startswith(b"# version ")
+        assert await service.stop(timeout=60) == 0
+        async with asyncio.timeout(20):
+            err = (await watcher.stderr.read()).decode()
+            assert await watcher.wait() == 2
+        assert (
+            "UNAVAILABLE: the resolver is shutting down; reconnect and resume from version" in err
+        )
+        assert service.logged("draining: ended watch streams")
+    finally:
+        if watcher.returncode is None:
+            watcher.kill()
+            await watcher.wait()

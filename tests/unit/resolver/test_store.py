@@ -319,3 +319,17 @@ async def test_next_with_heartbeat_returns_an_empty_batch_when_quiet() -> None:
     real = await asyncio.wait_for(sub.next(heartbeat=0.05), 5)
     assert isinstance(real, Batch) and len(real.changes) == 1
     sub.close()
+
+
+async def test_end_subscriptions_wakes_waiting_consumers() -> None:
+    from waygate.resolver.store import SubscriptionEnded
+
+    store = Store(initial_version=0)
+    sub = store.subscribe()
+    await sub.next()
+    waiter = asyncio.ensure_future(sub.next(heartbeat=60))
+    await asyncio.sleep(0)
+    assert store.end_subscriptions() == 1
+    with pytest.raises(SubscriptionEnded):
+        await asyncio.wait_for(waiter, 5)
+    assert store.subscriber_count == 0
