@@ -182,14 +182,18 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         gc.freeze()
 
     async def end_watches_when_draining() -> None:
-        # Watch streams never finish by themselves, so the servers' graceful
+        # Watch and ReportTunnels streams never finish by themselves, so the servers' graceful
         # stop would wait its whole grace period for them. Once the process
         # stops being ready (it only does so to drain), end them with
         # UNAVAILABLE: consumers reconnect (elsewhere) and resume.
         while process.readiness.ready:
             await asyncio.sleep(DRAIN_CHECK_INTERVAL)
         ended = store.end_subscriptions()
-        log.info("draining: ended watch streams", extra={"watches": ended})
+        tunnels.end_streams()
+        log.info(
+            "draining: ended watch streams",
+            extra={"watches": ended, "tunnel_reports": tunnels.open_streams},
+        )
 
     if kube_source is not None:
         process.spawn(kube_source.run(), "kubernetes-source")

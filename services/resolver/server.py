@@ -8,6 +8,7 @@ its subscription or its tunnel presence in a `finally`.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -163,8 +164,9 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
         context: grpc.aio.ServicerContext,
     ) -> pb.ReportTunnelsResponse:
         stream = self._tunnels.open()
+        reports = aiter(request_iterator)
         try:
-            async for report in request_iterator:
+            while (report := await self._next_report(reports)) is not None:
                 lease = convert.seconds(report.lease) if report.HasField("lease") else None
                 self._tunnels.report(
                     stream,
@@ -175,3 +177,17 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
         finally:
             self._tunnels.close(stream)
         return pb.ReportTunnelsResponse(version=self._store.version)
+
+    async def _next_report(self, reports: AsyncIterator[pb.TunnelReport]) -> pb.TunnelReport | None:
+        """The next report, None at the end of the stream; Unavailable when draining."""
+        read = asyncio.ensure_future(anext(reports, None))
+        ending = asyncio.ensure_future(self._tunnels.ending.wait())
+        try:
+            await asyncio.wait({read, ending}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ending.cancel()
+            if not read.done():
+                read.cancel()
+        if not read.done() or read.cancelled():
+            raise Unavailable("the resolver is shutting down; report to another replica")
+        return read.result()

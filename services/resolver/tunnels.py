@@ -87,6 +87,9 @@ class TunnelRegistry:
         self.default_lease, self.min_lease, self.max_lease = default_lease, min_lease, max_lease
         self._streams: dict[int, ReportStream] = {}
         self._ids = itertools.count(1)
+        # Set when the process drains: report streams end so the stop need not
+        # wait out its grace period for them (tunnel servers reconnect elsewhere).
+        self.ending = asyncio.Event()
 
     def open(self) -> ReportStream:
         stream = ReportStream(next(self._ids))
@@ -126,6 +129,9 @@ class TunnelRegistry:
             stream.timer.cancel()
             stream.timer = None
         self._refresh(stream.nodes)
+
+    def end_streams(self) -> None:
+        self.ending.set()
 
     def close_all(self) -> None:
         for stream in list(self._streams.values()):

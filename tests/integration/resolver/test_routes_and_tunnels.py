@@ -260,3 +260,17 @@ async def test_a_stream_cannot_switch_server(resolver: Resolver) -> None:
         await asyncio.wait_for(call, 10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     await eventually(lambda: holders(resolver, "edge-1") == [])
+
+
+async def test_draining_ends_report_streams_with_unavailable(resolver: Resolver) -> None:
+    reporter = Reporter()
+    call = resolver.stub.ReportTunnels(reporter.requests())
+    reporter.send("ts-a", ["edge-1"])
+    await eventually(lambda: holders(resolver, "edge-1") == ["ts-a"])
+    resolver.tunnels.end_streams()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await asyncio.wait_for(call, 10)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "shutting down" in (info.value.details() or "")
+    assert holders(resolver, "edge-1") == []
+    assert resolver.tunnels.open_streams == 0
