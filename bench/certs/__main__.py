@@ -40,6 +40,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.machine import describe
 from waygate.certs.v1 import certs_pb2, certs_pb2_grpc
@@ -279,6 +280,18 @@ async def echo_rate(port: int, payload: bytes, seconds: float, pid: int) -> Meas
         return await rate(call, seconds, pids=[pid])
 
 
+async def health_rate(port: int, seconds: float, pid: int) -> Measured:
+    """grpc.health.v1 Check on the certs server: the shared GrpcServer's own cost per call."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        check = health_pb2_grpc.HealthStub(channel).Check
+        request = health_pb2.HealthCheckRequest()
+
+        async def call(i: int) -> None:
+            await check(request, timeout=30)
+
+        return await rate(call, seconds, pids=[pid])
+
+
 async def renew(port: int, count: int) -> float:
     """Seconds to renew `count` certificates: new key + CSR + Certify each, 8 callers."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -351,6 +364,7 @@ async def main(args: argparse.Namespace) -> str:
         certs_a, port_a = await start(certs_argv(Path(first)), "listening", log_dir)
         try:
             certify = await certify_rate([port_a], csrs, args.seconds, [certs_a.pid])
+            health = await health_rate(port_a, args.seconds, certs_a.pid)
             certify_clients_apart = await certify_rate_from_processes(port_a, args.seconds, 2)
             certs_b, port_b = await start(certs_argv(Path(second)), "listening", log_dir)
             try:
@@ -366,7 +380,7 @@ async def main(args: argparse.Namespace) -> str:
 
     serial = 1 / (1 / echo.rate + 1 / issue.rate)
     assert echo.server_cpu_us and issue.server_cpu_us and certify.server_cpu_us
-    assert certify_two.server_cpu_us
+    assert certify_two.server_cpu_us and health.server_cpu_us
     floor_us = echo.server_cpu_us + issue.server_cpu_us
     command = "python -m bench.certs"
     if args.seconds != 5:
@@ -391,6 +405,8 @@ async def main(args: argparse.Namespace) -> str:
         f"| **Certify**, 1 certs process, callers in 1 process | {certify.rate:,.0f} | **{certify.rate / serial:.2f}** | {certify.server_cpu_us:,.0f} us |",
         f"| Certify, 1 certs process, callers in 2 processes | {certify_clients_apart:,.0f} | {certify_clients_apart / serial:.2f} | |",
         f"| Certify, 2 certs processes, callers in 1 process | {certify_two.rate:,.0f} | {certify_two.rate / serial:.2f} | {certify_two.server_cpu_us:,.0f} us |",
+        f"| for reference: health Check on the certs server (GrpcServer: interceptor, span, metrics) | {health.rate:,.0f} | | {health.server_cpu_us:,.0f} us |",
+        "",
         "",
         "CPU ratio (less sensitive to other load than calls/s): the serial combination's CPU "
         f"per call over Certify's = {floor_us:,.0f} / {certify.server_cpu_us:,.0f} = "
