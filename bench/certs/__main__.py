@@ -407,7 +407,6 @@ async def main(args: argparse.Namespace) -> str:
         f"| Certify, 2 certs processes, callers in 1 process | {certify_two.rate:,.0f} | {certify_two.rate / serial:.2f} | {certify_two.server_cpu_us:,.0f} us |",
         f"| for reference: health Check on the certs server (GrpcServer: interceptor, span, metrics) | {health.rate:,.0f} | | {health.server_cpu_us:,.0f} us |",
         "",
-        "",
         "CPU ratio (less sensitive to other load than calls/s): the serial combination's CPU "
         f"per call over Certify's = {floor_us:,.0f} / {certify.server_cpu_us:,.0f} = "
         f"**{floor_us / certify.server_cpu_us:.2f}**.",
