@@ -1,5 +1,9 @@
 """Client commands of the resolver: `waygate resolve` and `waygate routes`.
 
+`waygate routes --watch` keeps going across resolver restarts: it resumes
+from the last version it printed (or reprints the table when the resolver
+answers with a fresh snapshot).
+
 Exit codes: 0 ok; 3 `resolve` found the service but no endpoint is available;
 2 usage error or resolver unreachable; 1 any other failure (one line on
 stderr, never a traceback).
@@ -8,11 +12,14 @@ stderr, never a traceback).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import re
+import sys
 from collections.abc import Callable, Sequence
 
 import grpc
 
+from waygate.core.backoff import Backoff
 from waygate.core.clientcli import (
     EXIT_USAGE_OR_UNREACHABLE,
     ClientSettings,
@@ -180,39 +187,61 @@ def _routes(args: argparse.Namespace) -> int:
                 )
                 print(format_routes(response.routes))
                 return 0
-            await _watch_routes(stub, args.namespace, print)
+            await _watch_routes(
+                stub, args.namespace, print, lambda text: print(text, file=sys.stderr, flush=True)
+            )
         return 0
 
     return run_client(args, body)
 
 
 async def _watch_routes(
-    stub: resolver_pb2_grpc.ResolverStub, namespace: str, emit: Callable[..., None]
+    stub: resolver_pb2_grpc.ResolverStub,
+    namespace: str,
+    emit: Callable[..., None],
+    warn: Callable[[str], None],
 ) -> None:
-    """Print the routes, then each change as it arrives (until the stream ends)."""
-    call = stub.Watch(pb.WatchRequest(kinds=[pb.RESOURCE_KIND_ROUTES]))
-    try:
-        async for event in call:
-            if event.HasField("snapshot"):
-                routes = [
-                    r for r in event.snapshot.routes if not namespace or r.namespace == namespace
-                ]
-                emit(f"# version {event.version}, {_sync_text(event)} ({event.source})")
-                emit(format_routes(routes), flush=True)
-                continue
-            for change in event.changes.changes:
-                ref = (
-                    change.route_upserted
-                    if change.HasField("route_upserted")
-                    else change.route_deleted
-                )
-                if namespace and ref.namespace != namespace:
-                    continue
-                line = format_route_change(change)
-                if line is not None:
-                    emit(line, flush=True)
-    finally:
-        call.cancel()
+    """Print the routes, then each change as it arrives, until interrupted.
+
+    Once connected, a lost stream (resolver restarting or draining) is resumed
+    from the last version seen, after a backoff; a failure before the first
+    event is an error (wrong address, no resolver there).
+    """
+    version = 0
+    backoff = Backoff(initial=0.5, maximum=10.0)
+    while True:
+        call = stub.Watch(
+            pb.WatchRequest(kinds=[pb.RESOURCE_KIND_ROUTES], resume_from_version=version)
+        )
+        try:
+            async for event in call:
+                backoff.reset()
+                version = event.version
+                _print_routes_event(event, namespace, emit)
+            return
+        except grpc.aio.AioRpcError as exc:
+            if version == 0 or exc.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            delay = backoff.next_delay()
+            warn(f"waygate: {exc.details()}; reconnecting in {delay:.1f}s")
+            await asyncio.sleep(delay)
+        finally:
+            call.cancel()
+
+
+def _print_routes_event(event: pb.WatchEvent, namespace: str, emit: Callable[..., None]) -> None:
+    if event.HasField("snapshot"):
+        routes = [r for r in event.snapshot.routes if not namespace or r.namespace == namespace]
+        emit(f"# version {event.version}, {_sync_text(event)} ({event.source})")
+        emit(format_routes(routes), flush=True)
+        return
+    for change in event.changes.changes:
+        ref = change.route_upserted if change.HasField("route_upserted") else change.route_deleted
+        if namespace and ref.namespace != namespace:
+            continue
+        line = format_route_change(change)
+        if line is not None:
+            emit(line, flush=True)
 
 
 COMMANDS: dict[tuple[str, ...], Callable[[argparse.ArgumentParser], None]] = {
