@@ -18,7 +18,8 @@ Kubernetes (cluster mode), each part switched on by its own setting:
 `--ca-secret NS/NAME` keeps the CA in a Secret instead of `--ca-dir`;
 `--token-audience AUD` authenticates Certify tokens by TokenReview (static
 tokens, if also configured, are tried first); `--csr-controller` signs and
-approves certificates.k8s.io CSRs for Waygate's signer names. The API is
+approves certificates.k8s.io CSRs for Waygate's signer names;
+`--bundle-configmap NS/NAME` publishes the trust bundle there. The API is
 reached through `--kubeconfig`, or the pod's ServiceAccount when unset. The
 Kubernetes modules are imported only when one of these is set.
 """
@@ -152,6 +153,12 @@ class Settings(GrpcServerSettings):
         help="authenticate Certify tokens by Kubernetes TokenReview with this audience "
         "(projected ServiceAccount tokens)",
     )
+    bundle_configmap: str | None = setting(
+        None,
+        help="publish the trust bundle as key ca.pem of this ConfigMap, NAMESPACE/NAME, "
+        "rewritten on every change",
+        check=_namespaced_name,
+    )
     csr_controller: bool = setting(
         False,
         help="sign and approve certificates.k8s.io CSRs for waygate.io/workload, "
@@ -171,7 +178,12 @@ class Settings(GrpcServerSettings):
 
     @property
     def uses_kubernetes(self) -> bool:
-        return self.ca_secret is not None or self.token_audience is not None or self.csr_controller
+        return (
+            self.ca_secret is not None
+            or self.token_audience is not None
+            or self.bundle_configmap is not None
+            or self.csr_controller
+        )
 
     @property
     def tls_enabled(self) -> bool:
@@ -319,6 +331,14 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     service.attach(authority)
     if settings.csr_controller:
         start_csr_controller(process, settings, kube_api, authority)
+    if settings.bundle_configmap is not None:
+        from waygate.certs.bundle_configmap import ConfigMapBundlePublisher
+
+        namespace, _, name = settings.bundle_configmap.partition("/")
+        publisher = ConfigMapBundlePublisher(kube_api, namespace, name)
+        authority.add_listener(publisher.changed)
+        publisher.changed(authority.trust_bundle())
+        process.spawn(publisher.run(), "bundle-configmap")
     if settings.bundle_file is not None:
         bundle_file = settings.bundle_file
         write_bundle_file(bundle_file, authority.trust_bundle())
