@@ -11,6 +11,10 @@ Rules, in the order they are checked:
 - only ready endpoints count, and a terminating endpoint is never ready:
   none left -> Unavailable "no endpoints available for service NS/NAME".
 
+Optional picks (RANDOM, ROUND_ROBIN, HASH of a key) use waygate.core.balancing,
+the same library the proxy balances with; a picker per service port keeps its
+round-robin position and hash ring while the endpoints stay the same.
+
 Invariant: everything is read from the store in one synchronous call, so a
 Resolution never mixes two versions and never contains an endpoint the store
 has deleted.
@@ -19,17 +23,16 @@ has deleted.
 from __future__ import annotations
 
 import enum
-import hashlib
-import itertools
 import random
 from dataclasses import dataclass
 from datetime import datetime
 
+from waygate.core.balancing import Picker, RandomPicker, RoundRobinPicker, SourceHashPicker
 from waygate.core.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from waygate.resolver.model import Endpoint, Service, ServicePort
 from waygate.resolver.store import Store
 
-MAX_ROUND_ROBIN_KEYS = 10_000
+MAX_PICKERS = 10_000
 
 
 class Pick(enum.Enum):
@@ -92,12 +95,13 @@ def endpoint_port(endpoint: Endpoint, service_port: ServicePort) -> int | None:
 
 
 class Resolver:
-    """Resolve against a store; owns the round-robin positions."""
+    """Resolve against a store; keeps one picker per service port and policy, so
+    round-robin positions survive endpoint changes (waygate.core.balancing)."""
 
     def __init__(self, store: Store, rng: random.Random | None = None) -> None:
         self._store = store
         self._rng = rng or random.Random()
-        self._round_robin: dict[tuple[str, str, str], itertools.count[int]] = {}
+        self._pickers: dict[tuple[str, str, str, Pick], Picker[Target]] = {}
 
     def resolve(
         self,
@@ -139,35 +143,36 @@ class Resolver:
             raise Unavailable(f"no endpoints available for service {namespace}/{name}")
         targets.sort(key=lambda t: (t.address, t.port))
         source, last_sync = self._store.last_sync()
+        picked = None
+        if pick is not Pick.NONE:
+            picker = self._picker((namespace, name, service_port.name, pick), targets)
+            picked = picker.pick(hash_key if pick is Pick.HASH else None)
         return Resolution(
             service=service,
             targets=tuple(targets),
-            picked=self._pick(pick, (namespace, name, service_port.name), targets, hash_key),
+            picked=picked,
             version=self._store.version,
             source=source,
             last_sync=last_sync,
         )
 
-    def _pick(
-        self, pick: Pick, key: tuple[str, str, str], targets: list[Target], hash_key: str
-    ) -> Target | None:
-        if pick is Pick.NONE:
-            return None
-        if pick is Pick.RANDOM:
-            return self._rng.choice(targets)
-        if pick is Pick.ROUND_ROBIN:
-            if key not in self._round_robin and len(self._round_robin) >= MAX_ROUND_ROBIN_KEYS:
-                # Positions of deleted services would otherwise pile up forever;
-                # starting over only shifts where each rotation begins.
-                self._round_robin.clear()
-            counter = self._round_robin.setdefault(key, itertools.count())
-            return targets[next(counter) % len(targets)]
-        # Rendezvous hashing: a key keeps its target when other targets come
-        # and go, and only the keys of a removed target move.
-        return max(targets, key=lambda t: _score(hash_key, t))
+    def _picker(self, key: tuple[str, str, str, Pick], targets: list[Target]) -> Picker[Target]:
+        picker = self._pickers.get(key)
+        if picker is None:
+            if len(self._pickers) >= MAX_PICKERS:
+                # Pickers of deleted services would otherwise pile up forever;
+                # starting over only resets where each rotation begins.
+                self._pickers.clear()
+            picker = self._pickers[key] = _new_picker(key[3], self._rng)
+        if picker.targets != tuple(targets):
+            # Only on a change: the hash ring is rebuilt here, not per call.
+            picker.update(targets)
+        return picker
 
 
-def _score(hash_key: str, target: Target) -> bytes:
-    return hashlib.blake2b(
-        f"{hash_key}\x00{target.address}:{target.port}".encode(), digest_size=8
-    ).digest()
+def _new_picker(pick: Pick, rng: random.Random) -> Picker[Target]:
+    if pick is Pick.HASH:
+        return SourceHashPicker(rng=rng, name=lambda t: f"{t.address}:{t.port}")
+    if pick is Pick.ROUND_ROBIN:
+        return RoundRobinPicker(rng=rng)
+    return RandomPicker(rng=rng)
