@@ -30,6 +30,7 @@ import collections
 import dataclasses
 import enum
 import hashlib
+import itertools
 import json
 import logging
 import secrets
@@ -50,8 +51,12 @@ log = logging.getLogger(__name__)
 KEY_ALGORITHMS = ("ecdsa-p256", "rsa-2048", "rsa-3072", "ed25519")
 STATE_FILE = "state.json"
 STATE_FORMAT = 1
-#: Leaves kept in memory for ListIssued (oldest dropped first).
+#: Leaves kept in memory for ListIssued (oldest dropped first); the records of
+#: this process's life, not persisted.
 ISSUED_RECORDS = 100_000
+#: Most records one ListIssued returns (the newest), so a reply stays far below
+#: the 4 MiB gRPC message limit.
+LIST_LIMIT = 10_000
 
 PrivateKey = ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey | ed25519.Ed25519PrivateKey
 CertificatePublicKey = ec.EllipticCurvePublicKey | rsa.RSAPublicKey | ed25519.Ed25519PublicKey
@@ -578,14 +583,16 @@ class Authority:
         return Issued(leaf=leaf, chain=(), valid_until=not_after, serial=serial_hex)
 
     def list_issued(
-        self, *, identity: str = "", include_expired: bool = False
+        self, *, identity: str = "", include_expired: bool = False, limit: int = LIST_LIMIT
     ) -> list[IssuedRecord]:
+        """Matching records, oldest first; at most the newest `limit` of them."""
         now = self._now()
-        return [
+        newest_first = (
             r
-            for r in self._issued
+            for r in reversed(self._issued)
             if (not identity or r.identity == identity) and (include_expired or r.not_after >= now)
-        ]
+        )
+        return list(reversed(list(itertools.islice(newest_first, limit))))
 
     # ------------------------------------------------------------ bundle and rotation
 

@@ -4,6 +4,8 @@ Domain errors raised by `CertsService` become status codes in the shared
 boundary interceptor (`waygate.core.grpcserver`). Admin calls (RotateCA,
 ListIssued) carry their token in the `authorization` metadata as
 `Bearer <token>`; Certify carries it in the request, as the proto says.
+ListIssued covers this process's life (records are kept in memory) and
+returns at most the newest 10,000 matching certificates.
 """
 
 from __future__ import annotations

@@ -217,3 +217,13 @@ def test_leaf_bound_is_saved_rarely(tmp_path: Path) -> None:
     clock.advance(HOUR)
     authority.issue(make_csr()[0], identity=RESOLVER_ID, requested_by="r")
     assert snapshot(tmp_path / "ca") != before
+
+
+def test_list_issued_returns_the_newest_within_the_limit(tmp_path: Path) -> None:
+    authority = open_authority(tmp_path / "ca")
+    serials = [
+        authority.issue(make_csr()[0], identity=RESOLVER_ID, requested_by="r").serial
+        for _ in range(5)
+    ]
+    assert [r.serial for r in authority.list_issued(limit=3)] == serials[2:]
+    assert [r.serial for r in authority.list_issued()] == serials
