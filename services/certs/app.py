@@ -41,7 +41,7 @@ from waygate.certs.selftls import SelfServingCertificate
 from waygate.certs.server import registration
 from waygate.certs.service import CertsService
 from waygate.certs.store import CAStore, DirectoryCAStore
-from waygate.core.errors import FailedPrecondition
+from waygate.core.errors import FailedPrecondition, WaygateError
 from waygate.core.grpcserver import GrpcServer
 from waygate.core.runtime import ServiceProcess
 from waygate.core.settings import (
@@ -319,7 +319,13 @@ async def run_transitions(authority: Authority) -> None:
         now = datetime.now(UTC)
         wait = MAX_TIMER_SLEEP if due is None else (due - now).total_seconds()
         await asyncio.sleep(min(max(wait, 0.2), MAX_TIMER_SLEEP))
-        authority.advance()
+        try:
+            authority.advance()
+        except WaygateError as exc:
+            # The store refused the new state (e.g. the API is down); the authority
+            # kept the old one, so the next tick tries the transition again.
+            log.warning("CA rotation step not saved, retrying: %s", exc)
+            await asyncio.sleep(5.0)
 
 
 async def setup(process: ServiceProcess, settings: Settings) -> None:

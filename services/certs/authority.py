@@ -451,10 +451,13 @@ class Authority:
         """Apply the transitions due by now (switch, retirement); True when the bundle changed.
 
         Persists and notifies on change. Called by every public operation and
-        by the server's timer, so watchers see a change when it is due.
+        by the server's timer, so watchers see a change when it is due. If the
+        store refuses the new state, memory is put back as it was and the error
+        raised: the transition is tried again on the next call.
         """
         now = self._now()
         changed = False
+        before = (list(self._cas), [(c.state, c.activate_at, c.retire_after) for c in self._cas])
         staged = self._find(CAState.STAGED)
         if staged is not None and staged.activate_at is not None and now >= staged.activate_at:
             active = self._find(CAState.ACTIVE)
@@ -476,7 +479,14 @@ class Authority:
                 log.info("CA rotation: old CA retired", extra={"fingerprint": ca.fingerprint})
         if changed:
             self._version += 1
-            self._save()
+            try:
+                self._save()
+            except BaseException:
+                self._version -= 1
+                self._cas = before[0]
+                for ca, (state, activate_at, retire_after) in zip(*before, strict=True):
+                    ca.state, ca.activate_at, ca.retire_after = state, activate_at, retire_after
+                raise
             self._notify()
         return changed
 

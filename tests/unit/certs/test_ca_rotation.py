@@ -18,7 +18,8 @@ from cryptography import x509
 from cryptography.x509 import verification
 
 from tests.unit.certs.helpers import RESOLVER_ID, Clock, make_csr, open_authority
-from waygate.certs.authority import Authority, CAState
+from waygate.certs.authority import Authority, AuthorityConfig, CAState
+from waygate.certs.store import DirectoryCAStore
 from waygate.core.errors import FailedPrecondition, InvalidArgument
 
 HOUR = dt.timedelta(hours=1)
@@ -171,3 +172,38 @@ async def test_watchers_wake_on_every_change(tmp_path: Path) -> None:
     clock.advance(HOUR)
     authority.advance()
     assert heard == [start + 1, start + 2]
+
+
+class FlakyStore:
+    """A real directory store that refuses saves while `down` is set."""
+
+    def __init__(self, directory: Path) -> None:
+        self.inner = DirectoryCAStore(directory)
+        self.description = self.inner.description
+        self.down = False
+
+    def load(self) -> dict[str, bytes] | None:
+        return self.inner.load()
+
+    def save(self, files: dict[str, bytes]) -> None:
+        if self.down:
+            raise FailedPrecondition("store is down")
+        self.inner.save(files)
+
+
+def test_a_transition_the_store_refuses_is_retried(tmp_path: Path) -> None:
+    clock = Clock()
+    store = FlakyStore(tmp_path / "ca")
+    authority = Authority.open(store, AuthorityConfig(**CONFIG), now=clock)  # type: ignore[arg-type]
+    authority.rotate(propagation_delay=HOUR)
+    version = authority.version
+    clock.advance(HOUR)
+    store.down = True
+    with pytest.raises(FailedPrecondition, match="store is down"):
+        authority.advance()
+    assert authority.version == version
+    assert [a.state.value for a in authority._bundle().authorities] == ["ACTIVE", "STAGED"]
+    store.down = False
+    assert authority.advance() is True
+    assert states(authority) == ["RETIRING", "ACTIVE"]
+    assert open_authority(tmp_path / "ca", clock, **CONFIG).version == version + 1
