@@ -174,13 +174,21 @@ class BoundaryInterceptor(grpc.aio.ServerInterceptor):
 
         async def stream_response(request: Any, context: grpc.aio.ServicerContext) -> Any:
             span, started = start_span(), time.perf_counter()
+            responses = behavior(request, context) if inspect.isasyncgenfunction(behavior) else None
             try:
-                with trace.use_span(span, end_on_exit=False):
-                    if inspect.isasyncgenfunction(behavior):
-                        async for response in behavior(request, context):
-                            yield response
-                    else:
+                if responses is None:
+                    with trace.use_span(span, end_on_exit=False):
                         await behavior(request, context)
+                # The span is current only while the handler runs a step, never
+                # across our own yield: a context attached in one step and
+                # detached in another (after a cancellation) is an error.
+                while responses is not None:
+                    with trace.use_span(span, end_on_exit=False):
+                        try:
+                            response = await responses.__anext__()
+                        except StopAsyncIteration:
+                            break
+                    yield response
             except grpc.aio.AbortError:
                 finish(span, started, code_of(context), context.details() or "")
                 raise
@@ -192,6 +200,9 @@ class BoundaryInterceptor(grpc.aio.ServerInterceptor):
             except Exception as exc:
                 await fail(context, span, started, exc)
                 raise AssertionError("unreachable: context.abort raises") from exc
+            finally:
+                if responses is not None:
+                    await responses.aclose()  # the handler's own cleanup runs now, not at GC
             finish(span, started, code_of(context))
 
         factory = (

@@ -7,7 +7,9 @@ It serves one test-only gRPC service, `waygate.test.Demo`, through the same
 - `Fail`: raises the domain error named in the request (b"NotFound", ...),
   or a plain RuntimeError for anything else;
 - `Call`: request = "host:port"; calls grpc.health.v1 Check there through
-  `open_channel`, so a trace spans two processes.
+  `open_channel`, so a trace spans two processes;
+- `Ticks`: a server stream of b"tick" every 10 ms until cancelled; each ended
+  stream bumps `STREAMS_CLOSED` from the handler's own `finally`.
 Raw bytes in and out: no proto needed. Run: python -m tests.support.demo_server --grpc-port N
 """
 
@@ -55,6 +57,19 @@ async def call(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status).encode()
 
 
+STREAMS_CLOSED = 0
+
+
+async def ticks(request: bytes, context: grpc.aio.ServicerContext):
+    global STREAMS_CLOSED
+    try:
+        while True:
+            yield b"tick"
+            await asyncio.sleep(0.01)
+    finally:
+        STREAMS_CLOSED += 1
+
+
 def _add(servicer: object, server: grpc.aio.Server) -> None:
     identity = lambda b: b  # noqa: E731
     handlers = {
@@ -63,6 +78,9 @@ def _add(servicer: object, server: grpc.aio.Server) -> None:
         )
         for name, fn in (("Sleep", sleep), ("Fail", fail), ("Call", call))
     }
+    handlers["Ticks"] = grpc.unary_stream_rpc_method_handler(
+        ticks, request_deserializer=identity, response_serializer=identity
+    )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
 
 

@@ -23,7 +23,8 @@ IMPLEMENTED = [c for c in COMPONENTS if c.implemented]
 def children_of(pid: int) -> set[int]:
     found: set[int] = set()
     for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # a thread may end meanwhile
+        # A thread may end between listing and reading.
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
             found |= {int(p) for p in (task / "children").read_text().split()}
     return found
 
@@ -45,9 +46,18 @@ class Up:
 
     async def start(self) -> None:
         self.process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "waygate", "up", "--port-offset", str(self.offset),
-            "--state-dir", str(self.state_dir), cwd=ROOT, env=child_env(),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+            sys.executable,
+            "-m",
+            "waygate",
+            "up",
+            "--port-offset",
+            str(self.offset),
+            "--state-dir",
+            str(self.state_dir),
+            cwd=ROOT,
+            env=child_env(),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
         )
         await self.wait_for_line("waygate up: all services started", timeout=90)
 

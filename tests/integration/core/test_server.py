@@ -94,6 +94,23 @@ async def test_a_bug_is_internal_with_a_pointer_to_the_log_never_unknown(channel
     )
 
 
+async def test_a_cancelled_stream_runs_the_handlers_cleanup_and_logs_no_error(
+    server, channel, caplog
+):
+    closed_before = demo_server.STREAMS_CLOSED
+    call = channel.unary_stream(f"/{demo_server.SERVICE}/Ticks")(b"")
+    received = [await call.read() for _ in range(3)]
+    assert received == [b"tick"] * 3
+    call.cancel()
+    async with asyncio.timeout(5):
+        while closed_before >= demo_server.STREAMS_CLOSED:
+            await asyncio.sleep(0.01)
+    await asyncio.sleep(0.1)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], [
+        r.getMessage() for r in caplog.records
+    ]
+
+
 async def test_unknown_method_is_unimplemented(channel):
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await channel.unary_unary(f"/{demo_server.SERVICE}/Nope")(b"", timeout=5)
