@@ -317,7 +317,16 @@ class Authority:
             ) from None
         cas: list[_CA] = []
         for entry in entries:
-            name = entry["name"]
+            try:
+                name = str(entry["name"])
+                state_of = CAState(entry["state"])
+                activate_at = _parse_iso(entry.get("activate_at"))
+                retire_after = _parse_iso(entry.get("retire_after"))
+                bound = _parse_iso(entry.get("leaf_bound"))
+            except (KeyError, ValueError, TypeError, AttributeError) as exc:
+                raise FailedPrecondition(
+                    f"CA state {STATE_FILE} in {where} has a bad entry {entry!r}: {exc}"
+                ) from None
             key_name, cert_name = f"{name}.key.pem", f"{name}.cert.pem"
             if key_name not in files or cert_name not in files:
                 raise FailedPrecondition(f"CA store {where} lacks {key_name} or {cert_name}")
@@ -340,15 +349,14 @@ class Authority:
                 serialization.Encoding.DER, public
             ) != cert.public_key().public_bytes(serialization.Encoding.DER, public):
                 raise FailedPrecondition(f"CA key {key_name} does not match {cert_name} in {where}")
-            bound = _parse_iso(entry.get("leaf_bound"))
             cas.append(
                 _CA(
                     name=name,
                     key=key,
                     cert=cert,
-                    state=CAState(entry["state"]),
-                    activate_at=_parse_iso(entry.get("activate_at")),
-                    retire_after=_parse_iso(entry.get("retire_after")),
+                    state=state_of,
+                    activate_at=activate_at,
+                    retire_after=retire_after,
                     leaf_bound=bound,
                     leaf_max=bound,
                 )

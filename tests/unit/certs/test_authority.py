@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 from pathlib import Path
 
 import pytest
@@ -227,3 +228,23 @@ def test_list_issued_returns_the_newest_within_the_limit(tmp_path: Path) -> None
     ]
     assert [r.serial for r in authority.list_issued(limit=3)] == serials[2:]
     assert [r.serial for r in authority.list_issued()] == serials
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda state: state.update(format=99),
+        lambda state: state["authorities"][0].update(state="SLEEPING"),
+        lambda state: state["authorities"][0].pop("name"),
+        lambda state: state["authorities"][0].update(activate_at="yesterday"),
+        lambda state: state["authorities"][0].update(state="RETIRING"),
+    ],
+)
+def test_a_damaged_state_file_refuses_to_start(tmp_path: Path, damage) -> None:  # type: ignore[no-untyped-def]
+    open_authority(tmp_path / "ca")
+    path = tmp_path / "ca" / "state.json"
+    state = json.loads(path.read_text())
+    damage(state)
+    path.write_text(json.dumps(state))
+    with pytest.raises(FailedPrecondition, match="state"):
+        open_authority(tmp_path / "ca")
