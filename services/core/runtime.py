@@ -57,6 +57,7 @@ class ServiceProcess:
         self._started: list[GrpcServer] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._cleanups: list[Cleanup] = []
+        self._drain_callbacks: list[Callable[[], None]] = []
         self._stop = asyncio.Event()
         self._exit_code = 0
         # Certificates from the certs service, started by the first listener or
@@ -76,6 +77,15 @@ class ServiceProcess:
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
         return task
+
+    def on_drain(self, callback: Callable[[], None]) -> None:
+        """Call `callback` the moment draining starts, before the servers stop.
+
+        Long-lived streams (watches, reports) never finish by themselves; ending
+        them here lets their clients reconnect elsewhere at once instead of the
+        stop waiting out its whole grace period.
+        """
+        self._drain_callbacks.append(callback)
 
     def on_stop(self, cleanup: Cleanup) -> None:
         """Run `cleanup` while stopping, after the servers; last registered runs first."""
@@ -229,6 +239,11 @@ class ServiceProcess:
         grace = self.settings.shutdown_grace
         self.readiness.set_not_ready("draining")
         log.info("draining", extra={"grace_seconds": grace})
+        for callback in self._drain_callbacks:
+            try:
+                callback()
+            except Exception:
+                log.exception("drain callback failed")
         await asyncio.gather(
             *(server.stop(grace) for server in self._started), return_exceptions=True
         )

@@ -30,9 +30,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# How soon after draining starts the open Watch streams are ended.
-DRAIN_CHECK_INTERVAL = 0.2
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Settings(GrpcServerSettings):
@@ -175,19 +172,15 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
             process.readiness.set_not_ready("waiting for the first list from Kubernetes")
             await kube_source.wait_synced()
         await process.mark_ready()
-        process.spawn(end_watches_when_draining(), "end-watches")
         # The loaded view is long-lived and acyclic: keep it out of the cyclic
         # collector's full passes, which otherwise stall the loop for tens of
         # milliseconds with a large store (visible as Watch latency spikes).
         gc.freeze()
 
-    async def end_watches_when_draining() -> None:
-        # Watch and ReportTunnels streams never finish by themselves, so the servers' graceful
-        # stop would wait its whole grace period for them. Once the process
-        # stops being ready (it only does so to drain), end them with
-        # UNAVAILABLE: consumers reconnect (elsewhere) and resume.
-        while process.readiness.ready:
-            await asyncio.sleep(DRAIN_CHECK_INTERVAL)
+    def end_streams() -> None:
+        # Watch and ReportTunnels streams never finish by themselves: end them
+        # with UNAVAILABLE when draining starts, so consumers reconnect
+        # (elsewhere) and resume, and the stop need not wait out its grace.
         ended = store.end_subscriptions()
         tunnels.end_streams()
         log.info(
@@ -195,6 +188,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
             extra={"watches": ended, "tunnel_reports": tunnels.open_streams},
         )
 
+    process.on_drain(end_streams)
     if kube_source is not None:
         process.spawn(kube_source.run(), "kubernetes-source")
     process.spawn(become_ready(), "become-ready")
