@@ -338,12 +338,12 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     if settings.csr_controller:
         start_csr_controller(process, settings, kube_api, authority)
     if settings.bundle_configmap is not None:
-        from waygate.certs.bundle_configmap import ConfigMapBundlePublisher
+        from waygate.certs.kube_bundle import BundlePublisher
 
         namespace, _, name = settings.bundle_configmap.partition("/")
-        publisher = ConfigMapBundlePublisher(kube_api, namespace, name)
-        authority.add_listener(publisher.changed)
-        publisher.changed(authority.trust_bundle())
+        publisher = BundlePublisher(kube_api, namespace, name)
+        authority.add_listener(lambda bundle: publisher.publish(bundle.pem))
+        publisher.publish(authority.trust_bundle().pem)
         process.spawn(publisher.run(), "bundle-configmap")
     if settings.bundle_file is not None:
         bundle_file = settings.bundle_file
