@@ -3,8 +3,9 @@
 Covers: issue (key generated locally, 0600, cert/chain/ca written, openssl
 verifies), bundle (stdout and --out), inspect, a refusal that writes nothing,
 a restart that keeps the CA, a start refused for a key file others can read,
-the self-issued serving TLS that `waygate up` uses, and a CA rotation that
-rewrites the bundle file and shows in /metrics.
+the self-issued serving TLS that `waygate up` uses, a CA rotation that
+rewrites the bundle file and shows in /metrics, and the bundle published to a
+ConfigMap of a stand-in Kubernetes API server.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 import yaml
 from google.protobuf import duration_pb2
 
+from tests.support.kubeapi import KubeAPI as StandInAPI
 from tests.support.processes import http_get, run_cli, start_service
 from waygate.certs.v1 import certs_pb2, certs_pb2_grpc
 
@@ -201,3 +203,39 @@ async def test_rotation_rewrites_the_bundle_file_and_metrics_show_the_cas(tmp_pa
         assert "waygate_certs_issued_total 1.0" in metrics
     finally:
         assert await certs.stop() == 0
+
+
+async def test_bundle_configmap_follows_the_bundle(tmp_path: Path) -> None:
+    """--bundle-configmap against a STAND-IN Kubernetes API server (none can run here),
+    reached through a real kubeconfig by the real `waygate certs serve` process."""
+    with StandInAPI() as standin:
+        standin.bearer_token = "stand-in-bearer"
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [{"name": "s", "cluster": {"server": standin.url}}],
+                    "users": [{"name": "u", "user": {"token": "stand-in-bearer"}}],
+                    "contexts": [{"name": "c", "context": {"cluster": "s", "user": "u"}}],
+                    "current-context": "c",
+                }
+            )
+        )
+        certs = await start_service(
+            serve_argv(
+                tmp_path, "--kubeconfig", str(kubeconfig), "--bundle-configmap", "waygate/trust"
+            )
+        )
+        try:
+            async with asyncio.timeout(20):
+                while True:
+                    try:
+                        configmap = standin.get("v1", "ConfigMap", "trust", namespace="waygate")
+                        break
+                    except Exception:
+                        await asyncio.sleep(0.05)
+            assert configmap["data"]["ca.pem"] == (tmp_path / "bundle.pem").read_text()
+        finally:
+            assert await certs.stop() == 0
