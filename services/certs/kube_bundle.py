@@ -10,7 +10,8 @@ Invariants:
 - Only the newest bundle is ever written; bundles that change faster than the
   API accepts them are skipped, never queued.
 - A write happens only when the ConfigMap's content differs (idempotent across
-  restarts and replicas); a conflict re-reads and tries again.
+  restarts and replicas); a conflict re-reads and tries again. Keys, labels
+  and annotations that others put on the ConfigMap are kept.
 - API calls run in a worker thread; a failure is logged and retried with
   backoff and never stops certs, which keeps serving the bundle over gRPC.
 """
@@ -26,6 +27,7 @@ from waygate.core.backoff import Backoff
 log = logging.getLogger(__name__)
 
 BUNDLE_KEY = "ca.pem"
+LABELS = {"app.kubernetes.io/part-of": "waygate", "app.kubernetes.io/component": "certs"}
 
 
 class BundlePublisher:
@@ -72,22 +74,18 @@ class BundlePublisher:
             log.info("trust bundle published", extra={"configmap": f"{self.namespace}/{self.name}"})
 
     def _body(self, pem: str, current: JSON | None) -> JSON:
-        metadata: JSON = {
-            "name": self.name,
-            "namespace": self.namespace,
-            "labels": {
-                "app.kubernetes.io/part-of": "waygate",
-                "app.kubernetes.io/component": "certs",
-            },
-        }
+        """The ConfigMap to write: `current` with our key and labels set, anything else kept."""
+        metadata: JSON = {"name": self.name, "namespace": self.namespace}
+        data: JSON = {}
         if current is not None:
-            metadata["resourceVersion"] = current["metadata"]["resourceVersion"]
-        return {
-            "apiVersion": "v1",
-            "kind": "ConfigMap",
-            "metadata": metadata,
-            "data": {BUNDLE_KEY: pem},
-        }
+            kept = current.get("metadata") or {}
+            metadata.update(
+                {k: kept[k] for k in ("labels", "annotations", "resourceVersion") if k in kept}
+            )
+            data.update(current.get("data") or {})
+        metadata["labels"] = {**(metadata.get("labels") or {}), **LABELS}
+        data[BUNDLE_KEY] = pem
+        return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata, "data": data}
 
     def _write(self, pem: str) -> None:
         for _ in range(3):

@@ -73,9 +73,14 @@ async def test_a_hand_edit_is_corrected_by_the_next_change(standin, publisher):
     await until(lambda: stored(standin) == "ONE\n")
     obj = standin.get("v1", "ConfigMap", "waygate-trust-bundle", namespace="waygate")
     obj["data"][BUNDLE_KEY] = "tampered"
+    obj["data"]["extra.pem"] = "someone else's"
+    obj["metadata"]["labels"]["team"] = "platform"
     standin.replace(obj)
     publisher.publish("TWO\n")
     await until(lambda: stored(standin) == "TWO\n")
+    obj = standin.get("v1", "ConfigMap", "waygate-trust-bundle", namespace="waygate")
+    assert obj["data"]["extra.pem"] == "someone else's"
+    assert obj["metadata"]["labels"]["team"] == "platform"
 
 
 async def test_an_unavailable_api_is_retried_until_it_works(standin, publisher):

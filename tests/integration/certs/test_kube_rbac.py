@@ -32,6 +32,7 @@ from tests.support.kubeapi_certs import (
 from waygate.certs.authority import Authority, AuthorityConfig
 from waygate.certs.kube_api import KubeAPI
 from waygate.certs.kube_auth import TokenReviewAuthenticator
+from waygate.certs.kube_bundle import BundlePublisher
 from waygate.certs.kube_csr import SIGNERS, CSRController, SignerRules
 from waygate.certs.kube_store import SecretCAStore
 from waygate.certs.policy import Policy
@@ -112,6 +113,18 @@ async def exercise(standin: StandInAPI, tmp_path: Path) -> None:
     standin.token_reviewer = lambda token, audiences: {"username": "u", "groups": []}
     await TokenReviewAuthenticator(api, audiences=("waygate-certs",)).authenticate("t")
 
+    publisher = BundlePublisher(api, NAMESPACE, "waygate-trust-bundle")
+    publishing = asyncio.create_task(publisher.run())
+    try:
+        for pem in ("ONE\n", "ONE\nTWO\n"):  # create, then get + update
+            publisher.publish(pem)
+            async with asyncio.timeout(10):
+                while publisher.published != pem:
+                    await asyncio.sleep(0.02)
+    finally:
+        publishing.cancel()
+        await asyncio.gather(publishing, return_exceptions=True)
+
     rules = SignerRules(policy=Policy("cluster.test"), max_lifetime=authority.config.max_lifetime)
     controller = CSRController(
         api, Authority.open(DirectoryCAStore(tmp_path / "ca"), AuthorityConfig()), rules
@@ -168,6 +181,9 @@ async def test_every_request_certs_makes_is_granted(standin: StandInAPI, tmp_pat
         ("secrets", "create"),
         ("secrets", "update"),
         ("tokenreviews", "create"),
+        ("configmaps", "get"),
+        ("configmaps", "create"),
+        ("configmaps", "update"),
         ("certificatesigningrequests", "list"),
         ("certificatesigningrequests", "watch"),
         ("certificatesigningrequests/approval", "update"),
