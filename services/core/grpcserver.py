@@ -82,99 +82,99 @@ def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
     return None
 
 
-class BoundaryInterceptor(grpc.aio.ServerInterceptor):
-    """Span, metrics and error mapping around every handler."""
+class _MethodBoundary:
+    """What the boundary needs for one method, computed once: names, attributes, metric children."""
 
-    async def intercept_service(
+    def __init__(self, full_method: str) -> None:
+        self.full_method = full_method
+        self.span_name = full_method.lstrip("/")
+        self.service, self.method = tracing.split_method(full_method)
+        self.attributes = tracing.rpc_attributes(full_method)
+        self.tracer = tracing.tracer()
+        self.seconds = HANDLING_SECONDS.labels(self.service, self.method)
+        self._handled: dict[grpc.StatusCode, Any] = {}
+
+    def start_span(self, context: grpc.aio.ServicerContext) -> trace.Span:
+        return self.tracer.start_span(
+            self.span_name,
+            context=tracing.extract_context(context.invocation_metadata()),
+            kind=SpanKind.SERVER,
+            attributes=self.attributes,
+        )
+
+    def finish(
+        self, span: trace.Span, started: float, code: grpc.StatusCode, message: str = ""
+    ) -> None:
+        span.set_attribute("rpc.grpc.status_code", code.value[0])
+        if code != grpc.StatusCode.OK:
+            span.set_status(Status(StatusCode.ERROR, message or code.name))
+        span.end()
+        handled = self._handled.get(code)
+        if handled is None:
+            handled = self._handled[code] = HANDLED.labels(self.service, self.method, code.name)
+        handled.inc()
+        self.seconds.observe(time.perf_counter() - started)
+
+    async def fail(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        full_method: str = handler_call_details.method
-        metadata = handler_call_details.invocation_metadata
-        service, method = tracing.split_method(full_method)
-
-        def start_span() -> trace.Span:
-            return tracing.tracer().start_span(
-                full_method.lstrip("/"),
-                context=tracing.extract_context(metadata),
-                kind=SpanKind.SERVER,
-                attributes=tracing.rpc_attributes(full_method),
+        context: grpc.aio.ServicerContext,
+        span: trace.Span,
+        started: float,
+        exc: BaseException,
+    ) -> None:
+        mapped = _status_of(exc)
+        if mapped is None:
+            trace_id = format(span.get_span_context().trace_id, "032x")
+            log.exception("unhandled error in %s", self.full_method, extra={"trace_id": trace_id})
+            mapped = (
+                grpc.StatusCode.INTERNAL,
+                f"internal error in {self.method}; see the server log (trace {trace_id})",
             )
+        self.finish(span, started, *mapped)
+        await context.abort(*mapped)
 
-        def finish(
-            span: trace.Span, started: float, code: grpc.StatusCode, message: str = ""
-        ) -> None:
-            span.set_attribute("rpc.grpc.status_code", code.value[0])
-            if code != grpc.StatusCode.OK:
-                span.set_status(Status(StatusCode.ERROR, message or code.name))
-            span.end()
-            HANDLED.labels(service, method, code.name).inc()
-            HANDLING_SECONDS.labels(service, method).observe(time.perf_counter() - started)
-
-        async def fail(
-            context: grpc.aio.ServicerContext, span: trace.Span, started: float, exc: BaseException
-        ) -> None:
-            mapped = _status_of(exc)
-            if mapped is None:
-                trace_id = format(span.get_span_context().trace_id, "032x")
-                log.exception("unhandled error in %s", full_method, extra={"trace_id": trace_id})
-                mapped = (
-                    grpc.StatusCode.INTERNAL,
-                    f"internal error in {method}; see the server log (trace {trace_id})",
-                )
-            finish(span, started, *mapped)
-            await context.abort(*mapped)
-
-        def code_of(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
-            code = context.code()
-            return code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.OK
+    def wrap(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """The same kind of handler, with span, metrics and error mapping around it."""
+        boundary = self
 
         if handler.unary_unary or handler.stream_unary:
             # The handler's declared types are grpc's sync ones; under grpc.aio they are coroutines.
             behavior: Any = handler.unary_unary or handler.stream_unary
 
             async def unary_response(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                span, started = start_span(), time.perf_counter()
+                span, started = boundary.start_span(context), time.perf_counter()
                 try:
                     with trace.use_span(span, end_on_exit=False):
                         response = await behavior(request, context)
                 except grpc.aio.AbortError:
-                    finish(span, started, code_of(context), context.details() or "")
+                    boundary.finish(span, started, _code_of(context), context.details() or "")
                     raise
                 except asyncio.CancelledError:
-                    finish(
-                        span,
-                        started,
-                        grpc.StatusCode.CANCELLED,
-                        "cancelled by the client or shutdown",
-                    )
+                    boundary.finish(span, started, grpc.StatusCode.CANCELLED, CANCELLED_MESSAGE)
                     raise
                 except Exception as exc:
-                    await fail(context, span, started, exc)
+                    await boundary.fail(context, span, started, exc)
                     raise AssertionError("unreachable: context.abort raises") from exc
-                finish(span, started, code_of(context))
+                boundary.finish(span, started, _code_of(context))
                 return response
 
-            factory = (
+            unary_factory = (
                 grpc.unary_unary_rpc_method_handler
                 if handler.unary_unary
                 else grpc.stream_unary_rpc_method_handler
             )
-            return factory(
+            return unary_factory(
                 unary_response,
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
 
         behavior = handler.unary_stream or handler.stream_stream  # async generator or coroutine
+        is_generator = inspect.isasyncgenfunction(behavior)
 
         async def stream_response(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            span, started = start_span(), time.perf_counter()
-            responses = behavior(request, context) if inspect.isasyncgenfunction(behavior) else None
+            span, started = boundary.start_span(context), time.perf_counter()
+            responses = behavior(request, context) if is_generator else None
             try:
                 if responses is None:
                     with trace.use_span(span, end_on_exit=False):
@@ -190,31 +190,64 @@ class BoundaryInterceptor(grpc.aio.ServerInterceptor):
                             break
                     yield response
             except grpc.aio.AbortError:
-                finish(span, started, code_of(context), context.details() or "")
+                boundary.finish(span, started, _code_of(context), context.details() or "")
                 raise
             except (GeneratorExit, asyncio.CancelledError):
-                finish(
-                    span, started, grpc.StatusCode.CANCELLED, "cancelled by the client or shutdown"
-                )
+                boundary.finish(span, started, grpc.StatusCode.CANCELLED, CANCELLED_MESSAGE)
                 raise
             except Exception as exc:
-                await fail(context, span, started, exc)
+                await boundary.fail(context, span, started, exc)
                 raise AssertionError("unreachable: context.abort raises") from exc
             finally:
                 if responses is not None:
                     await responses.aclose()  # the handler's own cleanup runs now, not at GC
-            finish(span, started, code_of(context))
+            boundary.finish(span, started, _code_of(context))
 
-        factory = (
+        stream_factory = (
             grpc.unary_stream_rpc_method_handler
             if handler.unary_stream
             else grpc.stream_stream_rpc_method_handler
         )
-        return factory(
+        return stream_factory(
             stream_response,
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
+
+
+CANCELLED_MESSAGE = "cancelled by the client or shutdown"
+
+
+def _code_of(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+    code = context.code()
+    return code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.OK
+
+
+class BoundaryInterceptor(grpc.aio.ServerInterceptor):
+    """Span, metrics and error mapping around every handler.
+
+    The wrapped handler of a method is built once and reused: per call, only
+    the span, the metric updates and the call itself remain.
+    """
+
+    def __init__(self) -> None:
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        full_method: str = handler_call_details.method
+        cached = self._wrapped.get(full_method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = _MethodBoundary(full_method).wrap(handler)
+        self._wrapped[full_method] = (handler, wrapped)
+        return wrapped
 
 
 class GrpcServer:
