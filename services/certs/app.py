@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from waygate.certs.auth import Authenticator, Caller, StaticTokenAuthenticator, TokensFileError
 from waygate.certs.authority import KEY_ALGORITHMS, Authority, AuthorityConfig, TrustBundleView
-from waygate.certs.policy import Policy, check_pattern, identity_name
+from waygate.certs.policy import Policy, check_pattern
 from waygate.certs.selftls import SelfServingCertificate
 from waygate.certs.server import registration
 from waygate.certs.service import CertsService
@@ -44,6 +44,7 @@ from waygate.certs.store import CAStore, DirectoryCAStore
 from waygate.core.errors import FailedPrecondition, WaygateError
 from waygate.core.grpcserver import GrpcServer
 from waygate.core.runtime import ServiceProcess
+from waygate.core.sans import identity_san
 from waygate.core.settings import (
     GrpcServerSettings,
     parse_duration,
@@ -200,7 +201,7 @@ class Settings(GrpcServerSettings):
         if self.serving_identity is not None and self.tls_cert_file is not None:
             return "invalid setting serving_identity: give it or tls_cert_file, not both"
         if self.serving_identity is not None:
-            problem = check_pattern(identity_name(self.serving_identity))
+            problem = check_pattern(identity_san(self.serving_identity))
             if problem:
                 return f"invalid setting serving_identity: {problem}"
         return None
@@ -218,7 +219,7 @@ class Settings(GrpcServerSettings):
 
     def serving_names(self) -> tuple[str, ...]:
         assert self.serving_identity is not None
-        names = [identity_name(self.serving_identity)]
+        names = [identity_san(self.serving_identity)]
         names += [n for n in self.serving_sans if n not in names]
         return tuple(names)
 

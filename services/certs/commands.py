@@ -22,7 +22,6 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from waygate.certs.authority import KEY_ALGORITHMS, generate_key
-from waygate.certs.policy import general_name, identity_name
 from waygate.certs.v1 import certs_pb2, certs_pb2_grpc
 from waygate.core.clientcli import (
     EXIT_FAILED,
@@ -35,6 +34,7 @@ from waygate.core.clientcli import (
     run_client,
 )
 from waygate.core.errors import InvalidArgument
+from waygate.core.sans import identity_san, parse_san
 from waygate.core.settings import parse_duration
 
 DEFAULT_PORT = 7002
@@ -64,7 +64,7 @@ def _pem(der: bytes) -> bytes:
 
 
 def _csr_names(args: argparse.Namespace) -> list[str]:
-    names = [identity_name(args.identity)]
+    names = [identity_san(args.identity)]
     for kind, values in (("dns", args.dns), ("uri", args.uri), ("ip", args.ip)):
         for value in values:
             name = f"{kind}:{value}"
@@ -81,7 +81,7 @@ def _issue(args: argparse.Namespace) -> int:
             token = Path(args.token_file).read_text().strip()
         if not token:
             return fail("give --token or --token-file", EXIT_USAGE_OR_UNREACHABLE)
-        names = [general_name(n) for n in _csr_names(args)]
+        names = [parse_san(n) for n in _csr_names(args)]
     except (ValueError, InvalidArgument) as exc:
         return fail(str(exc), EXIT_USAGE_OR_UNREACHABLE)
     except OSError as exc:

@@ -27,6 +27,7 @@ from cryptography import x509
 
 from waygate.certs.auth import Caller
 from waygate.core.errors import InvalidArgument, PermissionDenied
+from waygate.core.sans import identity_san
 
 KINDS = ("dns", "uri", "ip")
 
@@ -50,33 +51,6 @@ def requested_names(csr: x509.CertificateSigningRequest) -> list[str]:
         else:
             names.append(f"{type(general_name).__name__}:{general_name.value}")
     return names
-
-
-def general_name(name: str) -> x509.GeneralName:
-    """A "kind:value" name -> a GeneralName (InvalidArgument when malformed)."""
-    kind, sep, value = name.partition(":")
-    if not sep or not value:
-        raise InvalidArgument(f"name {name!r} must be dns:NAME, uri:URI or ip:ADDRESS")
-    if kind == "dns":
-        return x509.DNSName(value)
-    if kind == "uri":
-        return x509.UniformResourceIdentifier(value)
-    if kind == "ip":
-        try:
-            return x509.IPAddress(ipaddress.ip_address(value))
-        except ValueError:
-            raise InvalidArgument(f"name {name!r}: {value!r} is not an IP address") from None
-    raise InvalidArgument(f"name {name!r}: kind must be dns, uri or ip, not {kind!r}")
-
-
-def identity_name(identity: str) -> str:
-    """The SAN an identity must appear as: spiffe:// -> uri, an address -> ip, else dns."""
-    if identity.startswith("spiffe://"):
-        return f"uri:{identity}"
-    try:
-        return f"ip:{ipaddress.ip_address(identity)}"
-    except ValueError:
-        return f"dns:{identity}"
 
 
 def check_pattern(pattern: str) -> str | None:
@@ -151,7 +125,7 @@ class Policy:
             raise InvalidArgument("identity is required (a spiffe:// ID or a DNS name)")
         if not names:
             raise InvalidArgument("the CSR asks for no subject alternative names")
-        wanted = identity_name(identity)
+        wanted = identity_san(identity)
         if not any(_same_name(wanted, n) for n in names):
             raise InvalidArgument(
                 f"identity {identity!r} is not among the CSR's subject alternative names "

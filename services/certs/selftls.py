@@ -24,7 +24,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 
 from waygate.certs.authority import Authority, generate_key, utc_now
-from waygate.certs.policy import general_name
+from waygate.core.sans import parse_san
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class SelfServingCertificate:
 
     def renew(self) -> x509.Certificate:
         key = generate_key("ecdsa-p256")
-        names = [general_name(s) for s in self.sans]
+        names = [parse_san(s) for s in self.sans]
         csr = (
             x509.CertificateSigningRequestBuilder()
             .subject_name(x509.Name([]))

@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import ipaddress
 import logging
 import os
 import random
@@ -54,6 +53,7 @@ from waygate.core.errors import (
     Unavailable,
     WaygateError,
 )
+from waygate.core.sans import identity_san, parse_san
 
 log = logging.getLogger(__name__)
 
@@ -104,30 +104,6 @@ class Issuer(Protocol):
 
 
 # ---------------------------------------------------------------- names and CSRs
-
-
-def parse_san(text: str) -> x509.GeneralName:
-    """'dns:NAME', 'uri:URI' or 'ip:ADDRESS' -> a GeneralName (InvalidArgument otherwise)."""
-    kind, sep, value = text.partition(":")
-    kind = kind.strip().lower()
-    value = value.strip()
-    if not sep or not value:
-        raise InvalidArgument(f"SAN {text!r} must look like dns:NAME, uri:URI or ip:ADDRESS")
-    if kind == "dns":
-        return x509.DNSName(value)
-    if kind == "uri":
-        return x509.UniformResourceIdentifier(value)
-    if kind == "ip":
-        try:
-            return x509.IPAddress(ipaddress.ip_address(value))
-        except ValueError:
-            raise InvalidArgument(f"SAN {text!r}: {value!r} is not an IP address") from None
-    raise InvalidArgument(f"SAN {text!r}: kind must be dns, uri or ip, not {kind!r}")
-
-
-def identity_san(identity: str) -> str:
-    """The SAN that carries an identity: a URI for spiffe://..., else a DNS name."""
-    return f"uri:{identity}" if "://" in identity else f"dns:{identity}"
 
 
 def sans_for(identity: str, sans: Sequence[str]) -> tuple[x509.GeneralName, ...]:

@@ -77,7 +77,7 @@ def test_waygate_containers_use_real_flags_and_contract_ports(rendered):
             if not container["image"].startswith("waygate/waygate:"):
                 continue
             args = container["args"]
-            parsed, unknown = parser.parse_known_args(args)
+            _, unknown = parser.parse_known_args(args)
             assert not unknown, f"{deployment['metadata']['name']}: flags the CLI does not know: {unknown}"
             component = next(c for c in COMPONENTS if c.command == tuple(args[:2]))
             seen.add(component.name)

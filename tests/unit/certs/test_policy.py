@@ -6,8 +6,9 @@ import pytest
 
 from tests.unit.certs.helpers import RESOLVER, RESOLVER_ID, RESOLVER_SANS, make_csr
 from waygate.certs.auth import Caller
-from waygate.certs.policy import Policy, check_pattern, identity_name, pattern_matches
+from waygate.certs.policy import Policy, check_pattern, pattern_matches
 from waygate.core.errors import InvalidArgument, PermissionDenied
+from waygate.core.sans import identity_san
 
 POLICY = Policy("waygate.local")
 
@@ -43,9 +44,9 @@ def test_malformed_patterns_are_named(pattern: str) -> None:
 
 
 def test_identity_name_by_shape() -> None:
-    assert identity_name(RESOLVER_ID) == f"uri:{RESOLVER_ID}"
-    assert identity_name("node-1") == "dns:node-1"
-    assert identity_name("127.0.0.1") == "ip:127.0.0.1"
+    assert identity_san(RESOLVER_ID) == f"uri:{RESOLVER_ID}"
+    assert identity_san("node-1") == "dns:node-1"
+    assert identity_san("127.0.0.1") == "ip:127.0.0.1"
 
 
 def test_static_caller_gets_exactly_its_patterns() -> None:

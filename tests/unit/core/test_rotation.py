@@ -25,9 +25,9 @@ from waygate.core.rotation import (
     Issued,
     TrustBundle,
     TrustStore,
-    parse_san,
     save_certificate,
 )
+from waygate.core.sans import parse_san
 
 from .test_rotation_ca import START, FakeClock, LocalCA, TimeUp
 
@@ -284,7 +284,7 @@ async def test_saved_key_is_private_and_matches_the_certificate(tmp_path) -> Non
 
 @pytest.mark.parametrize(
     ("text", "problem"),
-    [("resolver", "must look like"), ("ip:300.1.1.1", "not an IP"), ("email:a@b", "kind must be")],
+    [("resolver", "must be dns:NAME"), ("ip:300.1.1.1", "not an IP"), ("email:a@b", "kind must be")],
 )
 def test_bad_sans_are_named(text: str, problem: str) -> None:
     with pytest.raises(errors.InvalidArgument, match=problem):

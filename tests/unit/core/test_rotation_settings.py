@@ -60,7 +60,7 @@ def test_a_missing_token_file_is_named(files, tmp_path) -> None:
 
 
 def test_a_bad_san_is_named(files) -> None:
-    with pytest.raises(SettingsError, match="invalid setting cert_sans: SAN 'ip:localhost'"):
+    with pytest.raises(SettingsError, match="invalid setting cert_sans: name 'ip:localhost'"):
         load(**files, cert_sans="ip:localhost")
 
 
