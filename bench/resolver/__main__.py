@@ -201,7 +201,7 @@ async def main(args: argparse.Namespace) -> str:
             ],
             "listening",
         )
-        echo, port_line = await start(["bench.resolver.echo"], "")
+        echo, port_line = await start(["bench.echo"], "")
         try:
             address = f"127.0.0.1:{json.loads(line)['grpc_ports'][0]}"
             echo_address = f"127.0.0.1:{int(port_line)}"

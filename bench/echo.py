@@ -1,7 +1,7 @@
-"""A bare grpc.aio unary echo server: the yardstick Resolve is compared against.
+"""A bare grpc.aio unary echo server: the yardstick the service benchmarks compare against.
 
-No interceptors, no health, no reflection: just a generic handler that returns
-the request bytes. Prints its port on stdout, then serves until stdin closes.
+No interceptors, no health, no reflection: a generic handler that returns the
+request bytes. Prints its port on stdout, then serves until stdin closes.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 
 import grpc
 
-METHOD_SERVICE = "bench.Echo"
+SERVICE = "bench.Echo"
 
 
 async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -25,7 +25,7 @@ async def main() -> None:
         echo, request_deserializer=identity, response_serializer=identity
     )
     server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(METHOD_SERVICE, {"Echo": handler}),)
+        (grpc.method_handlers_generic_handler(SERVICE, {"Echo": handler}),)
     )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
