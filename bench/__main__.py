@@ -17,14 +17,19 @@ def main(names: list[str]) -> int:
     available = sorted(p.name for p in HERE.iterdir() if (p / "__main__.py").is_file())
     unknown = sorted(set(names) - set(available))
     if unknown:
-        print(f"bench: no benchmark named {', '.join(unknown)}; have {', '.join(available)}", file=sys.stderr)
+        print(
+            f"bench: no benchmark named {', '.join(unknown)}; have {', '.join(available)}",
+            file=sys.stderr,
+        )
         return 2
     out_dir = HERE / "out"
     out_dir.mkdir(exist_ok=True)
     failed = []
     for name in names or available:
         print(f"== bench {name}", flush=True)
-        result = subprocess.run([sys.executable, "-m", f"bench.{name}"], cwd=HERE.parent, capture_output=True, text=True)
+        result = subprocess.run(
+            [sys.executable, "-m", f"bench.{name}"], cwd=HERE.parent, capture_output=True, text=True
+        )
         sys.stderr.write(result.stderr[-4000:])
         print(result.stdout, flush=True)
         (out_dir / f"{name}.md").write_text(result.stdout)

@@ -353,9 +353,7 @@ async def main(args: argparse.Namespace) -> str:
         tempfile.TemporaryDirectory() as second,
     ):
         log_dir = Path(logs)
-        echo_process, echo_port = await start(
-            [sys.executable, "-m", "bench.echo"], "port", log_dir
-        )
+        echo_process, echo_port = await start([sys.executable, "-m", "bench.echo"], "port", log_dir)
         try:
             echo = await echo_rate(echo_port, payload, args.seconds, echo_process.pid)
         finally:

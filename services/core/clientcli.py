@@ -99,7 +99,9 @@ def fail(message: str, code: int = EXIT_FAILED) -> int:
     return code
 
 
-def run_client(args: argparse.Namespace, body: Callable[[ClientSettings], Coroutine[Any, Any, int]]) -> int:
+def run_client(
+    args: argparse.Namespace, body: Callable[[ClientSettings], Coroutine[Any, Any, int]]
+) -> int:
     """Run one client command: settings, tracing, the call, errors as one line."""
     try:
         settings = client_settings(args)

@@ -24,7 +24,9 @@ def render(overlay: str) -> str:
     assert kubectl, "kubectl is needed to render the overlays (.ci/run installs it)"
     result = subprocess.run(
         [kubectl, "kustomize", str(ROOT / "deploy/kustomize/overlays" / overlay)],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 0, result.stderr
     return result.stdout
@@ -47,7 +49,9 @@ def test_passes_strict_schema_validation(rendered):
     validator = Path(sys.executable).parent / "kubernetes-validate"
     result = subprocess.run(
         [str(validator), "--strict", "-k", KUBERNETES_VERSION, str(path)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -78,7 +82,9 @@ def test_waygate_containers_use_real_flags_and_contract_ports(rendered):
                 continue
             args = container["args"]
             _, unknown = parser.parse_known_args(args)
-            assert not unknown, f"{deployment['metadata']['name']}: flags the CLI does not know: {unknown}"
+            assert not unknown, (
+                f"{deployment['metadata']['name']}: flags the CLI does not know: {unknown}"
+            )
             component = next(c for c in COMPONENTS if c.command == tuple(args[:2]))
             seen.add(component.name)
             assert component.implemented, component.name
@@ -86,7 +92,10 @@ def test_waygate_containers_use_real_flags_and_contract_ports(rendered):
             assert ports["admin"] == component.port("admin_port")
             assert ports["grpc"] == component.port("grpc_port")
             probe_port = container["readinessProbe"]["httpGet"]["port"]
-            assert probe_port == "admin" and container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+            assert (
+                probe_port == "admin"
+                and container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+            )
     assert {"certs", "resolver"} <= seen
 
 

@@ -24,7 +24,17 @@ def run(capsys, *argv):
 def test_help_lists_every_contract_command(capsys):
     code, out, _ = run(capsys, "--help")
     assert code == 0
-    for command in ("up", "resolver", "certs", "proxy", "tunnel", "resolve", "routes", "cert", "health"):
+    for command in (
+        "up",
+        "resolver",
+        "certs",
+        "proxy",
+        "tunnel",
+        "resolve",
+        "routes",
+        "cert",
+        "health",
+    ):
         assert f"    {command}" in out
 
 
@@ -35,7 +45,9 @@ def test_help_lists_every_contract_command(capsys):
 def test_commands_not_implemented_yet_say_so_and_fail(capsys, path):
     implemented = {c.command for c in COMPONENTS if c.implemented}
     if path in implemented:
-        pytest.skip(f"waygate {' '.join(path)} is implemented now; this placeholder test no longer applies")
+        pytest.skip(
+            f"waygate {' '.join(path)} is implemented now; this placeholder test no longer applies"
+        )
     code, out, err = run(capsys, *path, "--whatever")
     assert code == 2
     assert err == f"waygate: `waygate {' '.join(path)}` is not implemented yet\n"
@@ -66,7 +78,10 @@ def test_health_of_a_closed_port_is_one_line_and_exit_2(capsys):
 def test_bad_client_setting_is_exit_2(capsys):
     code, _, err = run(capsys, "health", "127.0.0.1:1", "--timeout", "soon")
     assert code == 2
-    assert err == "waygate: invalid setting timeout (from --timeout): not a duration: 'soon' (use e.g. 30s, 5m, 1h30m)\n"
+    assert (
+        err
+        == "waygate: invalid setting timeout (from --timeout): not a duration: 'soon' (use e.g. 30s, 5m, 1h30m)\n"
+    )
 
 
 def test_up_refuses_ports_outside_the_range(capsys):
@@ -83,8 +98,19 @@ def test_unknown_command_is_a_usage_error(capsys):
 
 def test_console_entry_point_prints_no_traceback():
     result = subprocess.run(
-        [sys.executable, "-m", "waygate", "health", "127.0.0.1:1", "--timeout", "1s", "--plaintext"],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "waygate",
+            "health",
+            "127.0.0.1:1",
+            "--timeout",
+            "1s",
+            "--plaintext",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 2
     assert "Traceback" not in result.stderr

@@ -284,7 +284,11 @@ async def test_saved_key_is_private_and_matches_the_certificate(tmp_path) -> Non
 
 @pytest.mark.parametrize(
     ("text", "problem"),
-    [("resolver", "must be dns:NAME"), ("ip:300.1.1.1", "not an IP"), ("email:a@b", "kind must be")],
+    [
+        ("resolver", "must be dns:NAME"),
+        ("ip:300.1.1.1", "not an IP"),
+        ("email:a@b", "kind must be"),
+    ],
 )
 def test_bad_sans_are_named(text: str, problem: str) -> None:
     with pytest.raises(errors.InvalidArgument, match=problem):
