@@ -12,7 +12,6 @@ import asyncio
 import dataclasses
 import gc
 import logging
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,7 +19,7 @@ from waygate.core.grpcserver import GrpcServer
 from waygate.core.runtime import ServiceProcess
 from waygate.core.settings import GrpcServerSettings, parse_duration, port_number, positive, setting
 from waygate.resolver import metrics
-from waygate.resolver.filesource import EXAMPLE_ROUTES, FileSource
+from waygate.resolver.filesource import EXAMPLE_ROUTES, FILE_MODE, FileSource, write_atomically
 from waygate.resolver.server import ResolverServicer
 from waygate.resolver.store import DEFAULT_HISTORY_LIMIT, DEFAULT_MAX_PENDING, Store
 from waygate.resolver.tunnels import TunnelRegistry
@@ -162,11 +161,11 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
 
     async def become_ready() -> None:
         if file_source is not None:
-            if not file_source.load():
+            if not await file_source.reload():
                 process.readiness.set_not_ready(f"routes file: {file_source.last_error}")
             while not file_source.loaded:
                 await asyncio.sleep(file_source.poll_interval)
-                file_source.poll()
+                await file_source.poll_async()
             process.spawn(file_source.run(), "routes-file")
         if kube_source is not None:
             process.readiness.set_not_ready("waiting for the first list from Kubernetes")
@@ -203,5 +202,6 @@ def up_arguments(context: UpContext) -> list[str]:
     routes = context.state_dir / "routes.yaml"
     if not routes.exists():
         context.state_dir.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(EXAMPLE_ROUTES, routes)
+        # 0600 from the start: ApplyRoute writes route TLS private keys into it.
+        write_atomically(routes, EXAMPLE_ROUTES.read_bytes(), FILE_MODE)
     return ["--routes-file", str(routes)]

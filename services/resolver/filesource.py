@@ -40,9 +40,13 @@ Invariants:
 - Changes are noticed by polling size + mtime and confirmed by content hash,
   so an editor's save-by-rename and a touch without change both behave.
 - `apply_route` / `delete_route` write the whole file back atomically
-  (temporary file + fsync + rename, mode kept) and then load it, so the store
-  and the file never disagree and the change survives a restart. Writing back
-  re-emits the YAML: comments in the file are not preserved.
+  (temporary file + fsync + rename) and apply exactly what they wrote, so the
+  store and the file never disagree and the change survives a restart.
+  Writing back re-emits the YAML: comments in the file are not preserved.
+- The file holds route TLS private keys: whenever it is written, it is
+  written mode 0600, whatever its mode was.
+- File I/O and parsing never run on the event loop while it serves (worker
+  thread); writers and reloads are serialised by one asyncio.Lock.
 """
 
 from __future__ import annotations
@@ -603,7 +607,13 @@ def route_to_document(route: Route) -> dict[str, Any]:
     return doc
 
 
-class _LiteralDumper(yaml.SafeDumper):
+# libyaml's emitter and loader when PyYAML has them: writing back and reading
+# the document to edit are then a fraction of the pure-Python cost.
+_BaseDumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+_DocumentLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class _LiteralDumper(_BaseDumper):  # type: ignore[misc,valid-type]
     """Multi-line strings (PEM) as readable `|` blocks."""
 
 
@@ -614,20 +624,21 @@ def _represent_str(dumper: yaml.SafeDumper, data: str) -> yaml.ScalarNode:
 
 _LiteralDumper.add_representer(str, _represent_str)
 
+# The file holds route TLS private keys: only the owner may read it.
+FILE_MODE = 0o600
 
-def write_atomically(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` so readers see the old or the new file, never half."""
-    try:
-        mode = path.stat().st_mode & 0o777
-    except FileNotFoundError:
-        mode = 0o644
+
+def write_atomically(path: Path, data: bytes, mode: int = FILE_MODE) -> None:
+    """Replace `path` with `data` (file mode `mode`) so readers see the old or the
+    new file, never half. The mode is set before the rename, so the new content
+    is never readable by others, not even for a moment."""
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
+            os.fchmod(handle.fileno(), mode)
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
-        os.chmod(tmp_name, mode)
         os.replace(tmp_name, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -643,8 +654,27 @@ def write_atomically(path: Path, data: bytes) -> None:
 # ---------------------------------------------------------------- the source
 
 
+@dataclasses.dataclass(frozen=True)
+class _Read:
+    """What one read of the file found (built off the event loop)."""
+
+    stat: tuple[int, int] | None
+    digest: bytes | None
+    # None with error None: the content is the one already applied (same digest).
+    content: FileContent | None
+    error: FileError | None
+
+
 class FileSource:
-    """Feeds the store from one YAML file and writes route changes back to it."""
+    """Feeds the store from one YAML file and writes route changes back to it.
+
+    Reading, parsing, dumping and writing the file run in a worker thread
+    (`asyncio.to_thread`): a large file must not stall the event loop and with
+    it every other RPC. Only applying the parsed result to the store runs on
+    the loop, as every store mutation must. One asyncio.Lock serialises the
+    writers and the reloads, so a reload never applies a file older than a
+    write that already returned.
+    """
 
     def __init__(self, store: Store, path: Path, *, poll_interval: float = 1.0) -> None:
         self.store = store
@@ -656,6 +686,7 @@ class FileSource:
         self.loaded = False
         self._stat: tuple[int, int] | None = None
         self._digest: bytes | None = None
+        self._lock = asyncio.Lock()
 
     # ------------------------------------------------------------ loading
 
@@ -666,37 +697,49 @@ class FileSource:
             return None
         return (st.st_mtime_ns, st.st_size)
 
-    def load(self) -> bool:
-        """Read, parse and validate the file; apply it to the store if it is good.
+    def _read(self, known_digest: bytes | None) -> _Read:
+        """Read and parse the file; thread-safe (touches no shared state).
 
-        Returns True when the store now reflects the file. On any error the
-        store keeps the last good state, and the error is logged and kept.
+        An unchanged digest skips the parse: a touch without change costs a hash.
         """
-        self._stat = self._stat_key()
+        stat = self._stat_key()
         try:
             with self.path.open("rb") as handle:
                 # One byte over the limit is enough to know it is too big.
                 data = handle.read(MAX_FILE_BYTES + 1)
         except OSError as exc:
-            return self._reject(FileError(self.path, None, f"cannot read: {exc.strerror or exc}"))
+            error = FileError(self.path, None, f"cannot read: {exc.strerror or exc}")
+            return _Read(stat, None, None, error)
         if len(data) > MAX_FILE_BYTES:
-            return self._reject(
-                FileError(self.path, None, f"larger than {MAX_FILE_BYTES // (1 << 20)} MiB")
-            )
+            error = FileError(self.path, None, f"larger than {MAX_FILE_BYTES // (1 << 20)} MiB")
+            return _Read(stat, None, None, error)
         digest = hashlib.sha256(data).digest()
-        if digest == self._digest:
-            if self.last_error is None:
-                self.store.mark_synced(self.source)
-            return self.last_error is None
-        self._digest = digest
+        if digest == known_digest:
+            return _Read(stat, digest, None, None)
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as exc:
-            return self._reject(FileError(self.path, None, f"not UTF-8 text ({exc.reason})"))
+            error = FileError(self.path, None, f"not UTF-8 text ({exc.reason})")
+            return _Read(stat, digest, None, error)
         try:
-            content = parse_routes_file(self.path, text)
+            return _Read(stat, digest, parse_routes_file(self.path, text), None)
         except FileError as exc:
-            return self._reject(exc)
+            return _Read(stat, digest, None, exc)
+
+    def _apply(self, read: _Read) -> bool:
+        """Make the store reflect `read` (on the event loop); True when it does."""
+        self._stat = read.stat
+        if read.error is None and read.content is None:
+            # The content this source already applied (or already rejected).
+            if self.last_error is None:
+                self.store.mark_synced(self.source)
+            return self.last_error is None
+        if read.digest is not None:
+            self._digest = read.digest
+        if read.error is not None:
+            return self._reject(read.error)
+        content = read.content
+        assert content is not None, "a read without error or known digest has content"
         before = self.store.version
         self.store.replace_source(
             self.source,
@@ -722,6 +765,21 @@ class FileSource:
         )
         return True
 
+    def load(self) -> bool:
+        """Read, parse and validate the file; apply it to the store if it is good.
+
+        Synchronous: for start-up and tests, before the loop serves anyone
+        (a serving process uses `reload`). Returns True when the store now
+        reflects the file. On any error the store keeps the last good state,
+        and the error is logged and kept.
+        """
+        return self._apply(self._read(self._digest))
+
+    async def reload(self) -> bool:
+        """`load`, with the reading and parsing in a worker thread."""
+        async with self._lock:
+            return self._apply(await asyncio.to_thread(self._read, self._digest))
+
     def _reject(self, error: FileError) -> bool:
         message = str(error)
         if message != self.last_error:
@@ -733,36 +791,31 @@ class FileSource:
         self.last_error = message
         return False
 
+    def _confirm(self) -> None:
+        if self.last_error is None and self.loaded:
+            self.store.mark_synced(self.source)
+
     def poll(self) -> None:
         """Reload when the file's size or mtime changed; else confirm freshness."""
         if self._stat_key() != self._stat:
             self.load()
-        elif self.last_error is None and self.loaded:
-            self.store.mark_synced(self.source)
+        else:
+            self._confirm()
+
+    async def poll_async(self) -> None:
+        """`poll` for a serving process: a changed file is reloaded in a worker thread."""
+        if self._stat_key() != self._stat:
+            await self.reload()
+        else:
+            self._confirm()
 
     async def run(self) -> None:
         """Poll for the life of the process."""
         while True:
             await asyncio.sleep(self.poll_interval)
-            self.poll()
+            await self.poll_async()
 
     # ------------------------------------------------------------ writing routes
-
-    def _current_document(self) -> dict[str, Any]:
-        try:
-            text = self.path.read_text("utf-8")
-        except FileNotFoundError:
-            return {}
-        except (OSError, UnicodeDecodeError) as exc:
-            raise FailedPrecondition(f"cannot read the routes file {self.path}: {exc}") from None
-        try:
-            parse_routes_file(self.path, text)
-        except FileError as exc:
-            raise FailedPrecondition(
-                f"the routes file has an error; fix it before changing routes: {exc}"
-            ) from None
-        document = yaml.safe_load(text) or {}
-        return document if isinstance(document, dict) else {}
 
     def _check_writable(self, namespace: str, name: str) -> None:
         owner = self.store.route_owner(namespace, name)
@@ -771,50 +824,75 @@ class FileSource:
                 f"route {namespace}/{name} comes from {owner}, which is read-only here"
             )
 
-    def apply_route(self, route: Route) -> Route:
-        """Validate, write into the file, load: the stored route, normalised.
-
-        Synchronous on purpose: no other store writer can interleave between
-        reading the file, writing it and loading it back.
-        """
+    async def apply_route(self, route: Route) -> Route:
+        """Validate, write into the file, load: the stored route, normalised."""
         route = validate_route(route)
-        self._check_writable(route.namespace, route.name)
-        document = self._current_document()
-        routes = [r for r in document.get("routes") or [] if isinstance(r, dict)]
         entry = route_to_document(route)
-        for index, existing in enumerate(routes):
-            if (existing.get("namespace", "default"), existing.get("name")) == route.key:
-                routes[index] = entry
-                break
-        else:
-            routes.append(entry)
-        document["routes"] = routes
-        self._write(document)
+
+        def edit(routes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            for index, existing in enumerate(routes):
+                if (existing.get("namespace", "default"), existing.get("name")) == route.key:
+                    return [*routes[:index], entry, *routes[index + 1 :]]
+            return [*routes, entry]
+
+        async with self._lock:
+            self._check_writable(route.namespace, route.name)
+            await self._rewrite(edit)
         stored = self.store.get_route(route.namespace, route.name)
-        assert stored is not None, "a route just written and loaded is in the store"
+        if stored is None:
+            # Another source took the key between the write and now; never a crash.
+            raise FailedPrecondition(f"route {route.namespace}/{route.name} was removed meanwhile")
         return stored
 
-    def delete_route(self, namespace: str, name: str) -> None:
-        self._check_writable(namespace, name)
-        if self.store.get_route(namespace, name) is None:
-            raise NotFound(f"route {namespace}/{name} not found")
-        document = self._current_document()
-        document["routes"] = [
-            r
-            for r in document.get("routes") or []
-            if isinstance(r, dict)
-            and (r.get("namespace", "default"), r.get("name")) != (namespace, name)
-        ]
-        self._write(document)
+    async def delete_route(self, namespace: str, name: str) -> None:
+        def edit(routes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            return [
+                r
+                for r in routes
+                if (r.get("namespace", "default"), r.get("name")) != (namespace, name)
+            ]
 
-    def _write(self, document: dict[str, Any]) -> None:
+        async with self._lock:
+            self._check_writable(namespace, name)
+            if self.store.get_route(namespace, name) is None:
+                raise NotFound(f"route {namespace}/{name} not found")
+            await self._rewrite(edit)
+
+    async def _rewrite(self, edit: Callable[[list[dict[str, Any]]], list[dict[str, Any]]]) -> None:
+        """Edit the file's routes in a worker thread, then apply what was written.
+
+        Called with the lock held. The written text is parsed exactly once, and
+        that parse is what the store gets: no second read of the file.
+        """
+        read = await asyncio.to_thread(self._edit_file, edit)
+        self._apply(read)
+
+    def _edit_file(self, edit: Callable[[list[dict[str, Any]]], list[dict[str, Any]]]) -> _Read:
+        """Read, edit, validate and write the file (thread-safe; no shared state)."""
+        try:
+            text = self.path.read_text("utf-8")
+        except FileNotFoundError:
+            text = ""
+        except (OSError, UnicodeDecodeError) as exc:
+            raise FailedPrecondition(f"cannot read the routes file {self.path}: {exc}") from None
+        try:
+            document = yaml.load(text, Loader=_DocumentLoader) or {}
+        except yaml.YAMLError:
+            document = None
+        if not isinstance(document, dict):
+            self._refuse_broken(text)
+            document = {}
+        routes = [r for r in document.get("routes") or [] if isinstance(r, dict)]
+        document["routes"] = edit(routes)
         data = yaml.dump(
             document, Dumper=_LiteralDumper, sort_keys=False, default_flow_style=False
         ).encode()
         # Parse what is about to be written: the file must stay loadable.
         try:
-            parse_routes_file(self.path, data.decode())
+            content = parse_routes_file(self.path, data.decode())
         except FileError as exc:
+            # The existing file's own error, or the new route's?
+            self._refuse_broken(text)
             raise InvalidArgument(str(exc)) from None
         try:
             write_atomically(self.path, data)
@@ -822,7 +900,13 @@ class FileSource:
             raise FailedPrecondition(
                 f"cannot write the routes file {self.path}: {exc.strerror or exc}"
             ) from None
-        if not self.load():
+        return _Read(self._stat_key(), hashlib.sha256(data).digest(), content, None)
+
+    def _refuse_broken(self, text: str) -> None:
+        """FailedPrecondition when the file as it stands does not load."""
+        try:
+            parse_routes_file(self.path, text)
+        except FileError as exc:
             raise FailedPrecondition(
-                f"the routes file did not load after writing: {self.last_error}"
-            )
+                f"the routes file has an error; fix it before changing routes: {exc}"
+            ) from None

@@ -144,7 +144,7 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
         routes = self._writable_routes()
         if not request.HasField("route"):
             raise InvalidArgument("route: required")
-        stored = routes.apply_route(convert.route_from_proto(request.route))
+        stored = await routes.apply_route(convert.route_from_proto(request.route))
         return pb.ApplyRouteResponse(
             route=convert.route_to_proto(stored), version=self._store.version
         )
@@ -155,7 +155,7 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
         routes = self._writable_routes()
         if not request.ref.namespace or not request.ref.name:
             raise InvalidArgument("ref: namespace and name are required")
-        routes.delete_route(request.ref.namespace, request.ref.name)
+        await routes.delete_route(request.ref.namespace, request.ref.name)
         return pb.DeleteRouteResponse(version=self._store.version)
 
     async def ReportTunnels(

@@ -160,12 +160,13 @@ def test_missing_file_is_an_error_that_keeps_state(routes_file: Path) -> None:
     assert store.get_service("shop", "web") is not None
 
 
-def test_apply_route_writes_the_file_and_survives_a_restart(routes_file: Path) -> None:
+async def test_apply_route_writes_the_file_and_survives_a_restart(routes_file: Path) -> None:
     cert, key = self_signed("api.example.com")
     store = Store(initial_version=0)
     source = FileSource(store, routes_file)
     source.load()
-    routes_file.chmod(0o600)
+    # As an editor or a plain copy may leave it: readable by everyone.
+    routes_file.chmod(0o644)
     route = Route(
         "shop",
         "api",
@@ -175,31 +176,33 @@ def test_apply_route_writes_the_file_and_survives_a_restart(routes_file: Path) -
         tls=RouteTLS(TLSTermination.EDGE, cert, key),
         timeouts=RouteTimeouts(server=0.25),
     )
-    stored = source.apply_route(route)
+    stored = await source.apply_route(route)
     assert stored.host == "api.example.com"
     assert store.get_route("shop", "api") == stored
-    assert routes_file.stat().st_mode & 0o777 == 0o600, "the rewrite keeps the file's mode"
+    assert routes_file.stat().st_mode & 0o777 == 0o600, "a file holding keys is written 0600"
     # A fresh process reading the same file sees the same routes.
     fresh = Store(initial_version=0)
     FileSource(fresh, routes_file).load()
     assert fresh.routes() == store.routes()
-    source.delete_route("shop", "api")
+    await source.delete_route("shop", "api")
     assert store.get_route("shop", "api") is None
     with pytest.raises(NotFound):
-        source.delete_route("shop", "api")
+        await source.delete_route("shop", "api")
 
 
-def test_apply_route_rejects_invalid_routes_without_touching_the_file(routes_file: Path) -> None:
+async def test_apply_route_rejects_invalid_routes_without_touching_the_file(
+    routes_file: Path,
+) -> None:
     store = Store(initial_version=0)
     source = FileSource(store, routes_file)
     source.load()
     before = routes_file.read_bytes()
     with pytest.raises(InvalidArgument, match="backends"):
-        source.apply_route(Route("shop", "bad", "a.example.com", "/", ()))
+        await source.apply_route(Route("shop", "bad", "a.example.com", "/", ()))
     assert routes_file.read_bytes() == before
 
 
-def test_routes_of_another_source_are_read_only(routes_file: Path) -> None:
+async def test_routes_of_another_source_are_read_only(routes_file: Path) -> None:
     store = Store(initial_version=0)
     source = FileSource(store, routes_file)
     source.load()
@@ -207,18 +210,52 @@ def test_routes_of_another_source_are_read_only(routes_file: Path) -> None:
         Route("shop", "kube", "k.example.com", "/", (RouteBackend("w"),)), source="kubernetes"
     )
     with pytest.raises(FailedPrecondition, match="kubernetes"):
-        source.apply_route(Route("shop", "kube", "k.example.com", "/", (RouteBackend("w"),)))
+        await source.apply_route(Route("shop", "kube", "k.example.com", "/", (RouteBackend("w"),)))
     with pytest.raises(FailedPrecondition):
-        source.delete_route("shop", "kube")
+        await source.delete_route("shop", "kube")
 
 
-def test_apply_route_refuses_while_the_file_has_an_error(routes_file: Path) -> None:
+async def test_apply_route_refuses_while_the_file_has_an_error(routes_file: Path) -> None:
     store = Store(initial_version=0)
     source = FileSource(store, routes_file)
     source.load()
     write(routes_file, "routes: [\n")
     with pytest.raises(FailedPrecondition, match="fix it"):
-        source.apply_route(Route("shop", "x", "x.example.com", "/", (RouteBackend("w"),)))
+        await source.apply_route(Route("shop", "x", "x.example.com", "/", (RouteBackend("w"),)))
+    # Valid YAML, invalid content: still the file's fault, not the new route's.
+    write(routes_file, GOOD.replace("host: Shop.Example.com", "host: shop_example.com"))
+    before = routes_file.read_bytes()
+    with pytest.raises(FailedPrecondition, match="fix it.*:14: route shop/web: host"):
+        await source.apply_route(Route("shop", "x", "x.example.com", "/", (RouteBackend("w"),)))
+    assert routes_file.read_bytes() == before
+
+
+async def test_apply_route_parses_the_file_once(
+    routes_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Validation of a large file is the expensive part: the text written is
+    parsed once and that parse is what the store gets (no reload from disk)."""
+    from waygate.resolver import filesource
+
+    store = Store(initial_version=0)
+    source = FileSource(store, routes_file)
+    assert source.load()
+    calls = []
+    real = filesource.parse_routes_file
+
+    def counting(path: Path, text: str) -> filesource.FileContent:
+        calls.append(path)
+        return real(path, text)
+
+    monkeypatch.setattr(filesource, "parse_routes_file", counting)
+    await source.apply_route(Route("shop", "x", "x.example.com", "/", (RouteBackend("web"),)))
+    assert len(calls) == 1
+    assert store.get_route("shop", "x") is not None
+    version = store.version
+    source.poll()
+    assert len(calls) == 1 and store.version == version, "the written file is already applied"
+    await source.delete_route("shop", "x")
+    assert len(calls) == 2 and store.get_route("shop", "x") is None
 
 
 def test_the_shipped_example_file_is_valid() -> None:
