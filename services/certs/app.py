@@ -314,14 +314,15 @@ def write_bundle_file(path: Path, bundle: TrustBundleView) -> None:
 
 
 async def run_transitions(authority: Authority) -> None:
-    """Apply CA-rotation transitions when due, so watchers hear of them without a call."""
+    """Apply CA-rotation transitions when due, so watchers hear of them without a call,
+    and rotate the CA by itself before it nears expiry."""
     while True:
         due = authority.next_transition()
         now = datetime.now(UTC)
         wait = MAX_TIMER_SLEEP if due is None else (due - now).total_seconds()
         await asyncio.sleep(min(max(wait, 0.2), MAX_TIMER_SLEEP))
         try:
-            authority.advance()
+            authority.rotate_if_expiring()
         except WaygateError as exc:
             # The store refused the new state (e.g. the API is down); the authority
             # kept the old one, so the next tick tries the transition again.
@@ -336,6 +337,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     # Loading may generate an RSA key, touch the disk or the API: keep the loop free meanwhile.
     authority = await asyncio.to_thread(Authority.open, store, settings.authority_config())
     service.attach(authority)
+    process.on_drain(service.end_watches)
     if settings.csr_controller:
         start_csr_controller(process, settings, kube_api, authority)
     if settings.bundle_configmap is not None:

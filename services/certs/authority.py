@@ -145,6 +145,13 @@ class AuthorityConfig:
     propagation_delay: timedelta = timedelta(hours=1)
     leaf_bound_step: timedelta = timedelta(hours=1)
 
+    @property
+    def auto_rotate_before(self) -> timedelta:
+        """Rotate by itself when the active CA has this much life left: room for the
+        propagation delay and for two full leaf lifetimes, so leaves never get shortened
+        by an expiring CA and the old CA can retire before it expires."""
+        return self.propagation_delay + 2 * self.max_lifetime
+
 
 @dataclasses.dataclass(frozen=True)
 class Issued:
@@ -498,9 +505,29 @@ class Authority:
             self._notify()
         return changed
 
+    def rotate_if_expiring(self) -> Rotation | None:
+        """Start a rotation when the active CA nears its end and none is in progress.
+
+        The CA rotates itself: nobody has to remember a yearly RotateCA, and an
+        expiring CA never shortens leaves or stops signing.
+        """
+        self.advance()
+        if len(self._cas) != 1:
+            return None
+        active = self._active()
+        if active.not_after - self._now() > self.config.auto_rotate_before:
+            return None
+        log.warning(
+            "CA expires soon; rotating it",
+            extra={"fingerprint": active.fingerprint, "not_after": _iso(active.not_after)},
+        )
+        return self.rotate()
+
     def next_transition(self) -> datetime | None:
-        """When `advance` will next change something, if anything is pending."""
+        """When `advance` (or `rotate_if_expiring`) will next change something."""
         moments = [c.activate_at for c in self._cas if c.state is CAState.STAGED]
+        if len(self._cas) == 1:
+            moments.append(self._cas[0].not_after - self.config.auto_rotate_before)
         moments += [
             c.retire_after + timedelta(seconds=1)
             for c in self._cas
@@ -653,9 +680,14 @@ class Authority:
                 f"until {_iso(when)}"
             )
         old = self._active()
+        switch_at = _whole_seconds(self._now()) + delay
+        if switch_at >= old.not_after:
+            raise InvalidArgument(
+                f"propagation delay {_human(delay)} ends after the active CA expires "
+                f"({_iso(old.not_after)}): signing would stop"
+            )
         saved_generation = self._generation
         new = self._new_ca(lifetime, CAState.STAGED)
-        switch_at = _whole_seconds(self._now()) + delay
         new.activate_at = switch_at
         self._cas.append(new)
         self._version += 1
@@ -719,6 +751,8 @@ def _csr_names(csr: x509.CertificateSigningRequest) -> _Names:
         extension = csr.extensions.get_extension_for_class(x509.SubjectAlternativeName)
     except x509.ExtensionNotFound:
         raise InvalidArgument("the CSR asks for no subject alternative names") from None
+    except (ValueError, x509.DuplicateExtension) as exc:
+        raise InvalidArgument(f"the CSR's extensions do not parse: {exc}") from None
     general = tuple(extension.value)
     allowed_types = (x509.DNSName, x509.UniformResourceIdentifier, x509.IPAddress)
     for name in general:

@@ -155,6 +155,8 @@ def review(obj: JSON, rules: SignerRules) -> Verdict:
         return Verdict(Action.FAIL, csr.reason, csr.message)
     try:
         check_csr(csr)
+        # Extensions that do not parse make a malformed request, not a policy question.
+        requested_names(csr)
     except InvalidArgument as exc:
         return Verdict(Action.FAIL, "InvalidRequest", str(exc))
 

@@ -38,7 +38,7 @@ def requested_names(csr: x509.CertificateSigningRequest) -> list[str]:
         extension = csr.extensions.get_extension_for_class(x509.SubjectAlternativeName)
     except x509.ExtensionNotFound:
         return []
-    except ValueError as exc:
+    except (ValueError, x509.DuplicateExtension) as exc:
         raise InvalidArgument(f"the CSR's extensions do not parse: {exc}") from None
     names: list[str] = []
     for general_name in extension.value:

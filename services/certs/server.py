@@ -11,7 +11,8 @@ returns at most the newest 10,000 matching certificates.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from datetime import datetime
+from datetime import datetime, timedelta
+from typing import Any
 
 import grpc
 from cryptography.hazmat.primitives import serialization
@@ -20,6 +21,7 @@ from google.protobuf import timestamp_pb2
 from waygate.certs.authority import CAView, IssuedRecord, TrustBundleView
 from waygate.certs.service import CertsService
 from waygate.certs.v1 import certs_pb2, certs_pb2_grpc
+from waygate.core.errors import InvalidArgument
 from waygate.core.grpcserver import ServiceRegistration
 
 SERVICE_NAME = "waygate.certs.v1.Certs"
@@ -62,6 +64,20 @@ def _issued(record: IssuedRecord) -> certs_pb2.IssuedCertificate:
     )
 
 
+#: Longer than any duration a caller can mean; beyond it datetime arithmetic overflows.
+MAX_DURATION = timedelta(days=100 * 365)
+
+
+def _duration(message: Any, field: str) -> timedelta | None:
+    """An optional Duration field as a timedelta; out-of-range values are INVALID_ARGUMENT."""
+    if not message.HasField(field):
+        return None
+    value = getattr(message, field)
+    if not 0 <= value.seconds <= MAX_DURATION.total_seconds():
+        raise InvalidArgument(f"{field} must be between 0 and 100 years, not {value.seconds}s")
+    return value.ToTimedelta()
+
+
 def bearer_token(context: grpc.aio.ServicerContext) -> str:
     for key, value in context.invocation_metadata() or ():
         if key == "authorization" and isinstance(value, str):
@@ -82,7 +98,7 @@ class CertsServicer(certs_pb2_grpc.CertsServicer):
             token=request.token,
             identity=request.identity,
             csr_der=request.certificate_signing_request,
-            lifetime=request.lifetime.ToTimedelta() if request.HasField("lifetime") else None,
+            lifetime=_duration(request, "lifetime"),
         )
         return certs_pb2.CertifyResponse(
             leaf_certificate=issued.leaf.public_bytes(_DER),
@@ -110,14 +126,8 @@ class CertsServicer(certs_pb2_grpc.CertsServicer):
     ) -> certs_pb2.RotateCAResponse:
         rotation = await self.service.rotate(
             token=bearer_token(context),
-            propagation_delay=(
-                request.propagation_delay.ToTimedelta()
-                if request.HasField("propagation_delay")
-                else None
-            ),
-            ca_lifetime=request.ca_lifetime.ToTimedelta()
-            if request.HasField("ca_lifetime")
-            else None,
+            propagation_delay=_duration(request, "propagation_delay"),
+            ca_lifetime=_duration(request, "ca_lifetime"),
         )
         return certs_pb2.RotateCAResponse(
             new_authority=_authority(rotation.new_authority),

@@ -18,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from datetime import timedelta
 
@@ -34,7 +35,7 @@ from waygate.certs.authority import (
     load_csr,
 )
 from waygate.certs.policy import Policy
-from waygate.core.errors import FailedPrecondition, PermissionDenied, Unauthenticated
+from waygate.core.errors import FailedPrecondition, PermissionDenied, Unauthenticated, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class CertsService:
         self.policy = policy
         self._authority: Authority | None = None
         self._unavailable = "the CA is not loaded yet"
+        self._draining = asyncio.Event()
 
     # ------------------------------------------------------------ authority
 
@@ -131,7 +133,23 @@ class CertsService:
         return self.authority.trust_bundle()
 
     async def wait_for_change(self, version: int) -> TrustBundleView:
-        return await self.authority.wait_for_change(version)
+        """The next bundle after `version`; Unavailable once the process drains, so
+        WatchTrustBundle streams end (their clients reconnect) instead of holding the
+        shutdown for its whole grace period."""
+        change = asyncio.ensure_future(self.authority.wait_for_change(version))
+        draining = asyncio.ensure_future(self._draining.wait())
+        try:
+            await asyncio.wait({change, draining}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            change.cancel()
+            draining.cancel()
+        if change.done() and not change.cancelled():
+            return change.result()
+        raise Unavailable("certs is shutting down; reconnect to watch the trust bundle")
+
+    def end_watches(self) -> None:
+        """Draining: every trust-bundle watch ends now."""
+        self._draining.set()
 
     async def rotate(
         self,

@@ -24,7 +24,14 @@ from cryptography.x509 import verification
 from google.protobuf import duration_pb2
 from prometheus_client import REGISTRY
 
-from tests.unit.certs.helpers import RESOLVER_ID, RESOLVER_SANS, csr_der, snapshot, tampered_csr_der
+from tests.unit.certs.helpers import (
+    RESOLVER_ID,
+    RESOLVER_SANS,
+    csr_der,
+    duplicate_san_csr_der,
+    snapshot,
+    tampered_csr_der,
+)
 from waygate.certs.auth import StaticTokenAuthenticator
 from waygate.certs.authority import Authority, AuthorityConfig
 from waygate.certs.policy import Policy
@@ -333,3 +340,70 @@ def _served_serial(port: int, bundle_pem: bytes) -> int:
         der = tls.getpeercert(binary_form=True)
     assert der is not None
     return x509.load_der_x509_certificate(der).serial_number
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "message"),
+    [
+        pytest.param(
+            {"certificate_signing_request": duplicate_san_csr_der()},
+            "the CSR's extensions do not parse",
+            id="duplicate-san-extension",
+        ),
+        pytest.param(
+            {"lifetime": duration_pb2.Duration(seconds=2**62)},
+            "lifetime must be between 0 and 100 years",
+            id="lifetime-overflow",
+        ),
+        pytest.param(
+            {"lifetime": duration_pb2.Duration(seconds=-60)},
+            "lifetime must be between 0 and 100 years",
+            id="negative-lifetime",
+        ),
+    ],
+)
+async def test_odd_requests_are_invalid_argument_never_internal(
+    tmp_path: Path, request_fields: dict, message: str
+) -> None:
+    async with certs_server(tmp_path) as certs:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await certs.stub.Certify(certify_request(**request_fields), timeout=10)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in (caught.value.details() or "")
+
+
+@pytest.mark.parametrize(
+    ("rotate_fields", "message"),
+    [
+        ({"propagation_delay": duration_pb2.Duration(seconds=2**40)}, "between 0 and 100 years"),
+        ({"ca_lifetime": duration_pb2.Duration(seconds=2**40)}, "between 0 and 100 years"),
+        (
+            {"propagation_delay": duration_pb2.Duration(seconds=400 * 86400)},
+            "ends after the active CA expires",
+        ),
+    ],
+)
+async def test_rotation_durations_out_of_range_are_refused(
+    tmp_path: Path, rotate_fields: dict, message: str
+) -> None:
+    async with certs_server(tmp_path) as certs:
+        before = (await certs.stub.GetTrustBundle(certs_pb2.GetTrustBundleRequest())).version
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await certs.stub.RotateCA(
+                certs_pb2.RotateCARequest(**rotate_fields), metadata=ADMIN, timeout=10
+            )
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in (caught.value.details() or "")
+        after = await certs.stub.GetTrustBundle(certs_pb2.GetTrustBundleRequest())
+        assert after.version == before and len(after.authorities) == 1
+
+
+async def test_draining_ends_trust_bundle_watches_with_unavailable(tmp_path: Path) -> None:
+    async with certs_server(tmp_path) as certs:
+        watch = certs.stub.WatchTrustBundle(certs_pb2.WatchTrustBundleRequest())
+        await asyncio.wait_for(watch.read(), 10)
+        certs.service.end_watches()
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await asyncio.wait_for(watch.read(), 10)
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "shutting down; reconnect" in (caught.value.details() or "")

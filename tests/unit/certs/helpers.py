@@ -98,3 +98,41 @@ def snapshot(directory: Path) -> dict[str, tuple[bytes, int]]:
         for p in sorted(directory.rglob("*"))
         if p.is_file()
     }
+
+
+def duplicate_san_csr_der(san: x509.GeneralName | None = None) -> bytes:
+    """A correctly signed CSR whose extension list holds the SAN extension twice.
+
+    `cryptography` refuses to build one, so the DER is edited with pyasn1 (a
+    pkilint dependency) and signed again with the CSR's own key.
+    """
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from pyasn1.codec.der import decoder, encoder
+    from pyasn1.type import univ
+    from pyasn1_alt_modules import rfc2986, rfc5280
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    csr = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(x509.Name([]))
+        .add_extension(
+            x509.SubjectAlternativeName([san or x509.UniformResourceIdentifier(RESOLVER_ID)]),
+            critical=False,
+        )
+        .sign(key, hashes.SHA256())
+    )
+    request, _ = decoder.decode(
+        csr.public_bytes(serialization.Encoding.DER), asn1Spec=rfc2986.CertificationRequest()
+    )
+    info = request["certificationRequestInfo"]
+    attribute = info["attributes"][0]
+    extensions, _ = decoder.decode(bytes(attribute["values"][0]), asn1Spec=rfc5280.Extensions())
+    extensions.append(extensions[0])
+    attribute["values"][0] = univ.Any(encoder.encode(extensions))
+    request["signature"] = univ.BitString.fromOctetString(
+        key.sign(encoder.encode(info), ec.ECDSA(hashes.SHA256()))
+    )
+    der = encoder.encode(request)
+    assert x509.load_der_x509_csr(der).is_signature_valid
+    return der

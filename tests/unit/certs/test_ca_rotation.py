@@ -141,9 +141,43 @@ def test_rotation_with_no_delay_switches_at_once(tmp_path: Path) -> None:
 def test_next_transition_tells_the_timer_when_to_wake(tmp_path: Path) -> None:
     clock = Clock()
     authority = open_authority(tmp_path / "ca", clock, **CONFIG)
-    assert authority.next_transition() is None
+    # With one CA, the next moment is when it must start rotating itself.
+    not_after = authority.active_authority().not_after
+    assert authority.next_transition() == not_after - authority.config.auto_rotate_before
     authority.rotate(propagation_delay=2 * HOUR)
     assert authority.next_transition() == clock() + 2 * HOUR
+
+
+def test_the_ca_rotates_itself_and_no_leaf_is_ever_shortened_or_refused(tmp_path: Path) -> None:
+    """Three CA lifetimes on a controllable clock, the timer's call every 6 hours,
+    a maximum-lifetime leaf every step: every leaf gets its full lifetime, and every
+    valid leaf verifies against the bundle at every step."""
+    clock = Clock()
+    authority = open_authority(tmp_path / "ca", clock, **CONFIG)
+    fingerprints = {authority.active_authority().fingerprint}
+    leaves: list[x509.Certificate] = []
+    step = 6 * HOUR
+    for _ in range(int(3 * CONFIG["ca_lifetime"] / step)):
+        authority.rotate_if_expiring()
+        csr, _ = make_csr()
+        issued = authority.issue(csr, identity=RESOLVER_ID, requested_by="r", lifetime=48 * HOUR)
+        assert issued.valid_until == clock().replace(microsecond=0) + 48 * HOUR
+        leaves.append(issued.leaf)
+        fingerprints.add(authority.active_authority().fingerprint)
+        bundle = authority.trust_bundle().certificates
+        now = clock()
+        for leaf in leaves[-10:]:
+            if leaf.not_valid_before_utc <= now <= leaf.not_valid_after_utc:
+                assert verifies(leaf, bundle, now)
+        clock.advance(step)
+    assert len(fingerprints) >= 3  # it rotated at least twice, with nobody asking
+
+
+def test_a_propagation_delay_past_the_cas_expiry_is_refused(tmp_path: Path) -> None:
+    authority = open_authority(tmp_path / "ca", Clock(), **CONFIG)
+    with pytest.raises(InvalidArgument, match="ends after the active CA expires"):
+        authority.rotate(propagation_delay=CONFIG["ca_lifetime"])
+    assert states(authority) == ["ACTIVE"]
 
 
 def test_rotation_arguments_are_checked(tmp_path: Path) -> None:

@@ -6,6 +6,8 @@ import base64
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
 from tests.support.kubeapi_certs import (
     csr_object,
@@ -13,6 +15,7 @@ from tests.support.kubeapi_certs import (
     node_user,
     service_account_user,
 )
+from tests.unit.certs.helpers import duplicate_san_csr_der
 from waygate.certs.kube_csr import (
     SIGNER_TUNNEL_AGENT,
     SIGNER_TUNNEL_SERVER,
@@ -327,3 +330,12 @@ def test_edits_of_a_listed_object_carry_its_kind() -> None:
     ):
         assert edited["apiVersion"] == "certificates.k8s.io/v1"
         assert edited["kind"] == "CertificateSigningRequest"
+
+
+def test_a_csr_with_a_duplicate_extension_fails_instead_of_being_retried() -> None:
+    der = duplicate_san_csr_der(x509.DNSName("edge-1"))
+    pem = x509.load_der_x509_csr(der).public_bytes(serialization.Encoding.PEM)
+    obj = csr_object("dup", signer=SIGNER_TUNNEL_AGENT, request=pem, user=node_user("edge-1"))
+    verdict = review(obj, RULES)
+    assert verdict.action is Action.FAIL
+    assert "extensions do not parse" in verdict.message
