@@ -86,7 +86,11 @@ async def test_a_hand_edit_is_corrected_by_the_next_change(standin, publisher):
 async def test_an_unavailable_api_is_retried_until_it_works(standin, publisher):
     standin.unavailable = True
     publisher.publish("LATER\n")
-    await asyncio.sleep(0.3)
-    assert stored(standin) is None
+
+    def attempts() -> int:
+        return sum("/configmaps" in r.path for r in standin.requests)
+
+    await until(lambda: attempts() >= 3)  # refused, and tried again with backoff
+    assert stored(standin) is None and publisher.published is None
     standin.unavailable = False
     await until(lambda: stored(standin) == "LATER\n")
