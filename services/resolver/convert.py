@@ -5,6 +5,8 @@ Invariants:
 - `*_from_proto` never accepts an enum value it does not know: it raises
   InvalidArgument naming the field (a newer client must not be misread).
 - Proto -> domain -> proto is lossless for every field the proto has.
+- A route's TLS private key leaves the process only in Watch events (the
+  proxy needs it); route replies for people (ListRoutes, ApplyRoute) omit it.
 - Change messages are cached by value: the same change sent to a hundred
   watchers is converted once.
 """
@@ -179,7 +181,12 @@ def endpoint_from_proto(message: pb.Endpoint) -> model.Endpoint:
 # ---------------------------------------------------------------- routes
 
 
-def route_to_proto(route: model.Route) -> pb.Route:
+def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
+    """The route message; `with_key=False` leaves tls.key empty.
+
+    Only the proxy's Watch needs the private key; any reply that merely shows
+    routes (ListRoutes, ApplyRoute) must not hand it to whoever asks.
+    """
     message = pb.Route(
         namespace=route.namespace,
         name=route.name,
@@ -205,7 +212,7 @@ def route_to_proto(route: model.Route) -> pb.Route:
             pb.RouteTLS(
                 termination=TERMINATIONS[route.tls.termination],
                 certificate=route.tls.certificate,
-                key=route.tls.key,
+                key=route.tls.key if with_key else "",
                 ca_certificate=route.tls.ca_certificate,
                 destination_ca_certificate=route.tls.destination_ca_certificate,
                 insecure_edge_termination_policy=INSECURE_POLICIES[

@@ -126,7 +126,10 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
         self, request: pb.ListRoutesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListRoutesResponse:
         return pb.ListRoutesResponse(
-            routes=[convert.route_to_proto(r) for r in self._store.routes(request.namespace)],
+            routes=[
+                convert.route_to_proto(r, with_key=False)
+                for r in self._store.routes(request.namespace)
+            ],
             version=self._store.version,
         )
 
@@ -146,7 +149,7 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
             raise InvalidArgument("route: required")
         stored = await routes.apply_route(convert.route_from_proto(request.route))
         return pb.ApplyRouteResponse(
-            route=convert.route_to_proto(stored), version=self._store.version
+            route=convert.route_to_proto(stored, with_key=False), version=self._store.version
         )
 
     async def DeleteRoute(

@@ -92,6 +92,8 @@ class ResolverServicer:
     def ListRoutes(self, request, context):
         """Routes of the file-backed store. ApplyRoute and DeleteRoute answer
         FAILED_PRECONDITION when routes come from a read-only source (Kubernetes).
+        ListRoutes and ApplyRoute never return a route's private key: tls.key is
+        empty in their replies (Watch, which the proxy serves from, carries it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -63,6 +63,7 @@ async def test_apply_list_delete_round_trip_persists_in_the_file(resolver: Resol
     assert FileSource(fresh, resolver.file.path).load()
     stored = fresh.get_route("shop", "api")
     assert stored is not None and stored.timeouts.server == 45.0 and stored.tls is not None
+    assert stored.tls.key == key
     await resolver.stub.DeleteRoute(
         pb.DeleteRouteRequest(ref=pb.RouteRef(namespace="shop", name="api")), timeout=5
     )
@@ -274,3 +275,34 @@ async def test_draining_ends_report_streams_with_unavailable(resolver: Resolver)
     assert "shutting down" in (info.value.details() or "")
     assert holders(resolver, "edge-1") == []
     assert resolver.tunnels.open_streams == 0
+
+
+# ---------------------------------------------------------------- route keys
+
+
+async def test_route_private_keys_go_to_watch_only_and_the_file_is_0600(
+    resolver: Resolver,
+) -> None:
+    """Any client may list routes; only the proxy's Watch needs the key. The file
+    that holds the key is written 0600 even when it was world-readable."""
+    assert resolver.file is not None
+    resolver.file.path.chmod(0o644)
+    cert, key = self_signed("api.example.com")
+    tls = pb.RouteTLS(termination=pb.TLS_TERMINATION_EDGE, certificate=cert, key=key)
+    applied = await resolver.stub.ApplyRoute(pb.ApplyRouteRequest(route=route(tls=tls)), timeout=5)
+    assert applied.route.tls.certificate == cert and applied.route.tls.key == ""
+    listed = await resolver.stub.ListRoutes(pb.ListRoutesRequest(), timeout=5)
+    (api,) = [r for r in listed.routes if r.name == "api"]
+    assert api.tls.certificate == cert and api.tls.termination == pb.TLS_TERMINATION_EDGE
+    assert api.tls.key == ""
+    assert all(r.tls.key == "" for r in listed.routes)
+    assert resolver.file.path.stat().st_mode & 0o777 == 0o600
+    assert key.splitlines()[1] in resolver.file.path.read_text(), "the file keeps the key"
+
+    call = resolver.stub.Watch(pb.WatchRequest(kinds=[pb.RESOURCE_KIND_ROUTES]))
+    try:
+        event = await asyncio.wait_for(call.read(), 10)
+        (watched,) = [r for r in event.snapshot.routes if r.name == "api"]
+        assert watched.tls.key == key
+    finally:
+        call.cancel()

@@ -53,3 +53,16 @@ def test_bad_settings_are_one_line_errors(
     with pytest.raises(SettingsError, match=message) as info:
         load_settings(Settings, flags=flags, env={})
     assert "\n" not in str(info.value)
+
+
+def test_up_copies_the_example_routes_file_0600(tmp_path: Path) -> None:
+    """The copy is what ApplyRoute writes route TLS private keys into."""
+    from waygate.resolver.app import up_arguments
+    from waygate.resolver.filesource import EXAMPLE_ROUTES
+    from waygate.supervisor import UpContext
+
+    argv = up_arguments(UpContext(state_dir=tmp_path / "state", port_offset=0))
+    routes = tmp_path / "state" / "routes.yaml"
+    assert argv[argv.index("--routes-file") + 1] == str(routes)
+    assert routes.read_bytes() == EXAMPLE_ROUTES.read_bytes()
+    assert routes.stat().st_mode & 0o777 == 0o600
