@@ -19,6 +19,7 @@ from waygate.core.grpcserver import GrpcServer
 from waygate.core.runtime import ServiceProcess
 from waygate.core.settings import GrpcServerSettings, parse_duration, port_number, positive, setting
 from waygate.resolver import metrics
+from waygate.resolver.access import WriteAccess, patterns_problem
 from waygate.resolver.filesource import EXAMPLE_ROUTES, FILE_MODE, FileSource, write_atomically
 from waygate.resolver.server import ResolverServicer
 from waygate.resolver.store import DEFAULT_HISTORY_LIMIT, DEFAULT_MAX_PENDING, Store
@@ -80,6 +81,18 @@ class Settings(GrpcServerSettings):
         parse=parse_duration,
         check=lambda v: None if v >= 0 else f"must be 0 or more, not {v}",
     )
+    tunnel_reporters: tuple[str, ...] = setting(
+        (),
+        help="client identities allowed to call ReportTunnels, comma-separated: SPIFFE IDs "
+        "(a trailing * matches any rest) or DNS names; empty: nobody (with mTLS)",
+        check=patterns_problem,
+    )
+    route_admins: tuple[str, ...] = setting(
+        (),
+        help="client identities allowed to call ApplyRoute and DeleteRoute, comma-separated: "
+        "SPIFFE IDs (a trailing * matches any rest) or DNS names; empty: nobody (with mTLS)",
+        check=patterns_problem,
+    )
     kubernetes: bool = setting(
         False,
         help="watch Services, EndpointSlices and waygate.io Route objects in Kubernetes "
@@ -139,10 +152,27 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
             edge_nodes=parse_node_list(settings.kube_edge_nodes),
         )
     metrics.observe(store, file_source)
+    access = WriteAccess(
+        tunnel_reporters=settings.tunnel_reporters,
+        route_admins=settings.route_admins,
+        # Client certificates are asked for exactly in these two cases
+        # (ServiceProcess.server_credentials); otherwise there is no identity.
+        authenticated=settings.certs_address is not None or settings.tls_client_ca_file is not None,
+    )
+    if access.unauthenticated_warning:
+        log.warning(access.unauthenticated_warning)
+    else:
+        for name, allowed in (
+            ("tunnel_reporters", access.tunnel_reporters),
+            ("route_admins", access.route_admins),
+        ):
+            if not allowed:
+                log.warning("%s is empty: its write RPCs are refused to every client", name)
     servicer = ResolverServicer(
         store,
         routes=file_source,
         tunnels=tunnels,
+        access=access,
         watch_max_pending=settings.watch_max_pending,
         watch_heartbeat=settings.watch_heartbeat,
     )
@@ -198,10 +228,21 @@ def up_arguments(context: UpContext) -> list[str]:
 
     The copy (not the packaged file) is what ApplyRoute writes to, and it
     survives restarts of `up`; delete it to start over from the example.
+    Only the tunnel server may report tunnels, and only the local user (the
+    client certificate `up` makes) may change routes.
     """
+    from waygate.supervisor import USER, spiffe_id
+
     routes = context.state_dir / "routes.yaml"
     if not routes.exists():
         context.state_dir.mkdir(parents=True, exist_ok=True)
         # 0600 from the start: ApplyRoute writes route TLS private keys into it.
         write_atomically(routes, EXAMPLE_ROUTES.read_bytes(), FILE_MODE)
-    return ["--routes-file", str(routes)]
+    return [
+        "--routes-file",
+        str(routes),
+        "--tunnel-reporters",
+        spiffe_id("tunnel-server"),
+        "--route-admins",
+        spiffe_id(USER),
+    ]

@@ -12,10 +12,12 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
+from cryptography import x509
 
 from waygate.core.errors import FailedPrecondition, InvalidArgument, Unavailable
 from waygate.core.grpcserver import ServiceRegistration
 from waygate.resolver import convert
+from waygate.resolver.access import WriteAccess
 from waygate.resolver.filesource import FileSource
 from waygate.resolver.model import TunnelServer
 from waygate.resolver.resolve import Pick, Resolution, Resolver, Target
@@ -56,6 +58,26 @@ def _resolution(resolution: Resolution) -> pb.ResolveResponse:
     return response
 
 
+def peer_identities(context: grpc.aio.ServicerContext) -> tuple[str, ...]:
+    """The client certificate's URI SANs (SPIFFE IDs) and DNS SANs; () without one.
+
+    Read from the certificate itself: gRPC's own SAN property does not carry
+    URI SANs in every version.
+    """
+    pems = context.auth_context().get("x509_pem_cert")
+    if not pems:
+        return ()
+    try:
+        certificate = x509.load_pem_x509_certificate(pems[0])
+        names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (ValueError, x509.ExtensionNotFound):
+        return ()
+    return (
+        *names.get_values_for_type(x509.UniformResourceIdentifier),
+        *names.get_values_for_type(x509.DNSName),
+    )
+
+
 class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
     def __init__(
         self,
@@ -64,6 +86,7 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
         resolver: Resolver | None = None,
         routes: FileSource | None = None,
         tunnels: TunnelRegistry | None = None,
+        access: WriteAccess | None = None,
         watch_max_pending: int = DEFAULT_MAX_PENDING,
         watch_heartbeat: float = 0.0,
     ) -> None:
@@ -72,6 +95,8 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
         # The writable route source; None: routes are read-only here.
         self._routes = routes
         self._tunnels = tunnels or TunnelRegistry(store)
+        # Default: a listener without client certificates (writes unchecked).
+        self._access = access or WriteAccess()
         self._watch_max_pending = watch_max_pending
         # Seconds of silence after which a Watch gets an empty Changes (0: never).
         self._watch_heartbeat = watch_heartbeat or None
@@ -144,6 +169,7 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
     async def ApplyRoute(
         self, request: pb.ApplyRouteRequest, context: grpc.aio.ServicerContext
     ) -> pb.ApplyRouteResponse:
+        self._access.check_route_admin("ApplyRoute", peer_identities(context))
         routes = self._writable_routes()
         if not request.HasField("route"):
             raise InvalidArgument("route: required")
@@ -155,6 +181,7 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
     async def DeleteRoute(
         self, request: pb.DeleteRouteRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteRouteResponse:
+        self._access.check_route_admin("DeleteRoute", peer_identities(context))
         routes = self._writable_routes()
         if not request.ref.namespace or not request.ref.name:
             raise InvalidArgument("ref: namespace and name are required")
@@ -166,6 +193,7 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
         request_iterator: AsyncIterator[pb.TunnelReport],
         context: grpc.aio.ServicerContext,
     ) -> pb.ReportTunnelsResponse:
+        self._access.check_tunnel_reporter(peer_identities(context))
         stream = self._tunnels.open()
         reports = aiter(request_iterator)
         try:

@@ -94,6 +94,8 @@ class ResolverServicer:
         FAILED_PRECONDITION when routes come from a read-only source (Kubernetes).
         ListRoutes and ApplyRoute never return a route's private key: tls.key is
         empty in their replies (Watch, which the proxy serves from, carries it).
+        Over mTLS, ApplyRoute and DeleteRoute answer PERMISSION_DENIED to a client
+        whose certificate identity is not one of the resolver's route admins.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -114,7 +116,8 @@ class ResolverServicer:
     def ReportTunnels(self, request_iterator, context):
         """Tunnel servers stream the set of edge nodes whose agents they hold. The
         presence a stream reported disappears when the stream ends or when no
-        report arrives within the lease.
+        report arrives within the lease. Over mTLS, a client whose certificate
+        identity is not an allowed tunnel reporter gets PERMISSION_DENIED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

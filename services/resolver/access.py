@@ -1,0 +1,106 @@
+"""Who may call the resolver's write RPCs: ReportTunnels, ApplyRoute, DeleteRoute.
+
+Reads (Resolve, Watch, ListRoutes) are open to every client the listener
+accepts. Writes change where traffic goes, so each is limited to a list of
+client identities, taken from the client certificate by the gRPC boundary:
+its URI SANs (SPIFFE IDs) and DNS SANs.
+
+An allowed identity is written as
+- a SPIFFE ID, `spiffe://DOMAIN/ns/NS/sa/SA`, matched exactly, or with one
+  trailing `*` matching any rest (`spiffe://waygate.local/ns/local/sa/tunnel-*`);
+- a DNS name, matched exactly and case-insensitively (no wildcards).
+
+Invariants:
+- On a listener that asks for client certificates (mTLS), a write is allowed
+  only when one of the peer's identities matches the list for that RPC; an
+  empty list refuses everyone (fail closed), a peer without identities too.
+- On a listener without client certificates (plaintext loopback development,
+  or TLS without a client CA) there is no identity to check: writes are
+  allowed, and `WriteAccess.unauthenticated_warning` says so for the start log.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from waygate.core.errors import PermissionDenied
+
+_SPIFFE = re.compile(r"spiffe://[a-z0-9._-]+(/[A-Za-z0-9._~%!$&'()+,;=:@-]+)*/?")
+_DNS_LABEL = re.compile(r"(?!-)[a-z0-9-]{1,63}(?<!-)")
+
+
+def pattern_problem(pattern: str) -> str | None:
+    """Why `pattern` is not a valid allowed identity, or None when it is."""
+    if pattern.startswith("spiffe://"):
+        body = pattern[:-1] if pattern.endswith("*") else pattern
+        if "*" in body:
+            return f"{pattern!r}: '*' is allowed only at the end"
+        if not _SPIFFE.fullmatch(body) and not (pattern.endswith("*") and body == "spiffe://"):
+            return f"{pattern!r} is not a SPIFFE ID (spiffe://DOMAIN/ns/NS/sa/SA)"
+        return None
+    if "://" in pattern or ":" in pattern:
+        return f"{pattern!r}: only spiffe:// URIs or DNS names are identities"
+    name = pattern.lower().rstrip(".")
+    if not name or len(name) > 253 or not all(_DNS_LABEL.fullmatch(p) for p in name.split(".")):
+        return f"{pattern!r} is neither a SPIFFE ID (spiffe://...) nor a DNS name"
+    return None
+
+
+def patterns_problem(patterns: Iterable[str]) -> str | None:
+    """Settings check for a list of allowed identities."""
+    for pattern in patterns:
+        problem = pattern_problem(pattern)
+        if problem:
+            return problem
+    return None
+
+
+def matches(pattern: str, identity: str) -> bool:
+    if pattern.startswith("spiffe://"):
+        if pattern.endswith("*"):
+            return identity.startswith(pattern[:-1])
+        return identity == pattern
+    if identity.startswith("spiffe://"):
+        return False
+    return identity.lower().rstrip(".") == pattern.lower().rstrip(".")
+
+
+@dataclass(frozen=True)
+class WriteAccess:
+    """The write RPCs' allow lists, and whether the listener has identities at all."""
+
+    tunnel_reporters: tuple[str, ...] = ()
+    route_admins: tuple[str, ...] = ()
+    # False: the listener takes no client certificates, so nobody can be checked.
+    authenticated: bool = False
+
+    @property
+    def unauthenticated_warning(self) -> str | None:
+        if self.authenticated:
+            return None
+        return (
+            "the gRPC listener takes no client certificates: ReportTunnels, ApplyRoute "
+            "and DeleteRoute are open to every client (tunnel_reporters and route_admins "
+            "apply only with mTLS)"
+        )
+
+    def check_tunnel_reporter(self, identities: tuple[str, ...]) -> None:
+        self._check("ReportTunnels", "tunnel_reporters", self.tunnel_reporters, identities)
+
+    def check_route_admin(self, method: str, identities: tuple[str, ...]) -> None:
+        self._check(method, "route_admins", self.route_admins, identities)
+
+    def _check(
+        self, method: str, setting: str, allowed: tuple[str, ...], identities: tuple[str, ...]
+    ) -> None:
+        if not self.authenticated:
+            return
+        if any(matches(p, identity) for p in allowed for identity in identities):
+            return
+        who = ", ".join(identities) if identities else "a client certificate without identities"
+        flag = "--" + setting.replace("_", "-")
+        raise PermissionDenied(
+            f"{method}: {who} may not call it; allowed identities are set with {flag}"
+        )

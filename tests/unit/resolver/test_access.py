@@ -1,0 +1,87 @@
+"""Who may call the write RPCs: identity patterns, matching, fail-closed lists."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from waygate.core.errors import PermissionDenied
+from waygate.core.settings import SettingsError, load_settings
+from waygate.resolver.access import WriteAccess, matches, pattern_problem
+from waygate.resolver.app import Settings
+
+SA = "spiffe://waygate.local/ns/local/sa/"
+
+
+@pytest.mark.parametrize(
+    ("pattern", "identity", "expected"),
+    [
+        (SA + "user", SA + "user", True),
+        (SA + "user", SA + "user2", False),
+        (SA + "tunnel-*", SA + "tunnel-server", True),
+        (SA + "tunnel-*", SA + "proxy", False),
+        ("spiffe://waygate.local/ns/local/*", SA + "anything", True),
+        ("spiffe://waygate.local/ns/local/*", "spiffe://waygate.local/ns/other/sa/x", False),
+        ("ops.example.com", "OPS.Example.com", True),
+        ("ops.example.com", "ops.example.com.evil.test", False),
+        ("ops.example.com", "spiffe://ops.example.com", False),
+    ],
+)
+def test_matching(pattern: str, identity: str, expected: bool) -> None:
+    assert pattern_problem(pattern) is None
+    assert matches(pattern, identity) is expected
+
+
+@pytest.mark.parametrize(
+    ("pattern", "reason"),
+    [
+        ("spiffe://waygate.local/*/sa/user", "only at the end"),
+        ("https://example.com/user", "only spiffe://"),
+        ("*.example.com", "neither"),
+        ("bad_name", "neither"),
+        ("spiffe://Bad Domain/x", "not a SPIFFE ID"),
+    ],
+)
+def test_bad_patterns_are_named(pattern: str, reason: str) -> None:
+    problem = pattern_problem(pattern)
+    assert problem is not None and reason in problem and repr(pattern) in problem
+
+
+def test_without_client_certificates_writes_are_open_and_said_so() -> None:
+    access = WriteAccess()
+    access.check_route_admin("ApplyRoute", ())
+    access.check_tunnel_reporter(())
+    assert access.unauthenticated_warning and "ApplyRoute" in access.unauthenticated_warning
+
+
+def test_with_mtls_an_empty_list_refuses_everyone() -> None:
+    access = WriteAccess(route_admins=(SA + "user",), authenticated=True)
+    access.check_route_admin("ApplyRoute", (SA + "user",))
+    assert access.unauthenticated_warning is None
+    with pytest.raises(PermissionDenied, match=f"ReportTunnels: {SA}user may not"):
+        access.check_tunnel_reporter((SA + "user",))
+    with pytest.raises(PermissionDenied, match="without identities"):
+        access.check_route_admin("DeleteRoute", ())
+
+
+def test_settings_read_comma_separated_identities(tmp_path: Path) -> None:
+    settings = load_settings(
+        Settings,
+        flags={"route_admins": f"{SA}user, ops.example.com"},
+        env={"WAYGATE_TUNNEL_REPORTERS": SA + "tunnel-*"},
+    )
+    assert settings.route_admins == (SA + "user", "ops.example.com")
+    assert settings.tunnel_reporters == (SA + "tunnel-*",)
+    with pytest.raises(SettingsError, match="route_admins") as info:
+        load_settings(Settings, flags={"route_admins": "https://x.example.com/"}, env={})
+    assert "\n" not in str(info.value)
+
+
+def test_up_limits_writes_to_the_tunnel_server_and_the_user(tmp_path: Path) -> None:
+    from waygate.resolver.app import up_arguments
+    from waygate.supervisor import UpContext
+
+    argv = up_arguments(UpContext(state_dir=tmp_path, port_offset=0))
+    assert argv[argv.index("--tunnel-reporters") + 1] == SA + "tunnel-server"
+    assert argv[argv.index("--route-admins") + 1] == SA + "user"
