@@ -17,7 +17,10 @@ round-robin position and hash ring while the endpoints stay the same.
 
 Invariant: everything is read from the store in one synchronous call, so a
 Resolution never mixes two versions and never contains an endpoint the store
-has deleted.
+has deleted. The sorted targets of a service port are cached under the
+store's `service_revision` of that service, which changes with any change to
+the service or its endpoints: a cached answer is never older than the store.
+Repeated answers for an unchanged service port share one targets tuple.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from waygate.resolver.model import Endpoint, Service, ServicePort
 from waygate.resolver.store import Store
 
 MAX_PICKERS = 10_000
+# Service ports whose targets are kept; past this the cache starts over.
+MAX_CACHED_PORTS = 10_000
 
 
 class Pick(enum.Enum):
@@ -101,7 +106,12 @@ class Resolver:
     def __init__(self, store: Store, rng: random.Random | None = None) -> None:
         self._store = store
         self._rng = rng or random.Random()
-        self._pickers: dict[tuple[str, str, str, Pick], Picker[Target]] = {}
+        # Each picker with the targets tuple it was last given (identity check first).
+        self._pickers: dict[
+            tuple[str, str, str, Pick], tuple[Picker[Target], tuple[Target, ...]]
+        ] = {}
+        # (namespace, name, requested port) -> (service revision, port, sorted targets).
+        self._targets: dict[tuple[str, str, str], tuple[int, ServicePort, tuple[Target, ...]]] = {}
 
     def resolve(
         self,
@@ -128,9 +138,35 @@ class Resolver:
             raise FailedPrecondition(
                 f"service {namespace}/{name} is headless (no cluster IP); it cannot be proxied"
             )
+        service_port, targets = self._service_targets(service, port)
+        if not targets:
+            raise Unavailable(f"no endpoints available for service {namespace}/{name}")
+        source, last_sync = self._store.last_sync()
+        picked = None
+        if pick is not Pick.NONE:
+            picker = self._picker((namespace, name, service_port.name, pick), targets)
+            picked = picker.pick(hash_key if pick is Pick.HASH else None)
+        return Resolution(
+            service=service,
+            targets=targets,
+            picked=picked,
+            version=self._store.version,
+            source=source,
+            last_sync=last_sync,
+        )
+
+    def _service_targets(
+        self, service: Service, port: str
+    ) -> tuple[ServicePort, tuple[Target, ...]]:
+        """The service port and its usable targets, sorted; cached per revision."""
+        key = (service.namespace, service.name, port)
+        revision = self._store.service_revision(service.namespace, service.name)
+        cached = self._targets.get(key)
+        if cached is not None and cached[0] == revision:
+            return cached[1], cached[2]
         service_port = select_port(service, port)
         targets = []
-        for endpoint in self._store.endpoints_of(namespace, name):
+        for endpoint in self._store.endpoints_of(service.namespace, service.name):
             if not endpoint.usable:
                 continue
             number = endpoint_port(endpoint, service_port)
@@ -139,34 +175,32 @@ class Resolver:
             targets.append(
                 Target(endpoint.address, number, endpoint.node_name, endpoint.zone, endpoint.tunnel)
             )
-        if not targets:
-            raise Unavailable(f"no endpoints available for service {namespace}/{name}")
         targets.sort(key=lambda t: (t.address, t.port))
-        source, last_sync = self._store.last_sync()
-        picked = None
-        if pick is not Pick.NONE:
-            picker = self._picker((namespace, name, service_port.name, pick), targets)
-            picked = picker.pick(hash_key if pick is Pick.HASH else None)
-        return Resolution(
-            service=service,
-            targets=tuple(targets),
-            picked=picked,
-            version=self._store.version,
-            source=source,
-            last_sync=last_sync,
-        )
+        if len(self._targets) >= MAX_CACHED_PORTS and key not in self._targets:
+            # Entries of deleted services would otherwise pile up forever.
+            self._targets.clear()
+        self._targets[key] = (revision, service_port, tuple(targets))
+        return service_port, self._targets[key][2]
 
-    def _picker(self, key: tuple[str, str, str, Pick], targets: list[Target]) -> Picker[Target]:
-        picker = self._pickers.get(key)
-        if picker is None:
+    def _picker(
+        self, key: tuple[str, str, str, Pick], targets: tuple[Target, ...]
+    ) -> Picker[Target]:
+        entry = self._pickers.get(key)
+        if entry is None:
             if len(self._pickers) >= MAX_PICKERS:
                 # Pickers of deleted services would otherwise pile up forever;
                 # starting over only resets where each rotation begins.
                 self._pickers.clear()
-            picker = self._pickers[key] = _new_picker(key[3], self._rng)
-        if picker.targets != tuple(targets):
-            # Only on a change: the hash ring is rebuilt here, not per call.
+            picker = _new_picker(key[3], self._rng)
             picker.update(targets)
+            self._pickers[key] = (picker, targets)
+            return picker
+        picker, given = entry
+        if given is not targets:
+            if picker.targets != targets:
+                # Only on a change: the hash ring is rebuilt here, not per call.
+                picker.update(targets)
+            self._pickers[key] = (picker, targets)
         return picker
 
 

@@ -14,6 +14,8 @@ Invariants:
   version, so a relist or reload leaves nothing stale behind.
 - Each object has one owning source (the last writer). A source deletes only
   what it owns, so a file reload cannot delete what Kubernetes contributed.
+- `service_revision` changes whenever a service or any of its endpoints
+  changes (resolve caches per service port under it).
 - History is bounded (`history_limit` changes); a resume from a version older
   than the history gets a full snapshot instead.
 - A subscription never queues without bound: pending changes are coalesced to
@@ -265,6 +267,8 @@ class Store:
         self._subscriptions: set[Subscription] = set()
         # Snapshots of the current version, by the kinds they hold.
         self._snapshots: dict[frozenset[Kind], Snapshot] = {}
+        # Version of the last change to each service or to its endpoints.
+        self._service_revisions: dict[ServiceKey, int] = {}
 
     # ------------------------------------------------------------ reads
 
@@ -273,6 +277,12 @@ class Store:
 
     def endpoints_of(self, namespace: str, service: str) -> tuple[Endpoint, ...]:
         return tuple(self._endpoints.get((namespace, service), {}).values())
+
+    def service_revision(self, namespace: str, name: str) -> int:
+        """The version of the last change to this service or any of its endpoints
+        (0: none known). Equal revisions mean equal service and endpoints, so a
+        reader may cache what it derives from them under the revision."""
+        return self._service_revisions.get((namespace, name), 0)
 
     def get_route(self, namespace: str, name: str) -> Route | None:
         return self._routes.get((namespace, name))
@@ -553,6 +563,16 @@ class Store:
         batch = Batch(self.version, self.version + 1, tuple(changes))
         self.version = batch.version
         self._snapshots.clear()
+        revisions = self._service_revisions
+        for change in changes:
+            if change.kind is Kind.SERVICES or change.kind is Kind.ENDPOINTS:
+                service_key = (change.key[0], change.key[1])
+                if service_key in self._services or service_key in self._endpoints:
+                    revisions[service_key] = batch.version
+                else:
+                    # Gone entirely: a service made again later gets a newer
+                    # version, so nothing derived from the old one is reused.
+                    revisions.pop(service_key, None)
         self._history.append(batch)
         self._history_changes += len(batch.changes)
         while self._history_changes > self._history_limit and len(self._history) > 1:

@@ -140,3 +140,25 @@ async def test_hash_pick_is_stable_per_key_and_random_pick_is_a_target(resolver:
     assert keys == {"10.1.0.1", "10.1.0.2"}, "different keys spread over the targets"
     random_pick = await resolve(resolver, "web", "http", pick=pb.PICK_POLICY_RANDOM)
     assert random_pick.picked in list(random_pick.targets)
+
+
+async def test_a_removed_endpoint_is_never_resolved_again(resolver: Resolver) -> None:
+    """Answers are cached per service port; a change to the endpoints must show at once."""
+    first = await resolve(resolver, "web", "http")
+    assert [t.address for t in first.targets] == ["10.1.0.1", "10.1.0.2"]
+    again = await resolve(resolver, "web", "http")
+    assert again == first
+    source = resolver.file.source  # type: ignore[union-attr]
+    kept = [e for e in resolver.store.endpoints_of("shop", "web") if e.address != "10.1.0.1"]
+    resolver.store.set_endpoints("shop", "web", kept, source=source)
+    after = await resolve(resolver, "web", "http")
+    assert [t.address for t in after.targets] == ["10.1.0.2"]
+    assert after.version == resolver.store.version > first.version
+    resolver.store.set_endpoints(
+        "shop",
+        "web",
+        [*kept, Endpoint("shop", "web", "10.1.0.9", (EndpointPort("http", 8080),))],
+        source=source,
+    )
+    latest = await resolve(resolver, "web", "http")
+    assert [t.address for t in latest.targets] == ["10.1.0.2", "10.1.0.9"]

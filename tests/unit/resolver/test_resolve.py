@@ -129,3 +129,59 @@ def test_random_pick_is_one_of_the_targets_and_seeded() -> None:
     assert picks_a == picks_b
     result = Resolver(store).resolve("ns", "svc", pick=Pick.RANDOM)
     assert result.picked in result.targets
+
+
+# ---------------------------------------------------------------- the per-port cache
+
+
+def addresses(resolver: Resolver, port: str = "http") -> list[str]:
+    return [t.address for t in resolver.resolve("ns", "svc", port).targets]
+
+
+def test_an_unchanged_service_port_is_answered_from_the_cache() -> None:
+    store = store_with(service(), [endpoint("10.0.0.1"), endpoint("10.0.0.2")])
+    resolver = Resolver(store)
+    first = resolver.resolve("ns", "svc", "http")
+    # Unrelated changes leave this service's entry alone.
+    store.set_endpoints("ns", "other", [Endpoint("ns", "other", "10.9.0.1")], source=SRC)
+    again = resolver.resolve("ns", "svc", "http")
+    assert again.targets is first.targets, "the sorted targets are built once"
+    assert again.version == store.version
+
+
+def test_cache_follows_every_change_to_the_service_and_its_endpoints() -> None:
+    store = store_with(service(), [endpoint("10.0.0.1"), endpoint("10.0.0.2")])
+    resolver = Resolver(store)
+    assert addresses(resolver) == ["10.0.0.1", "10.0.0.2"]
+    # A removed endpoint is never returned again.
+    store.set_endpoints("ns", "svc", [endpoint("10.0.0.2")], source=SRC)
+    assert addresses(resolver) == ["10.0.0.2"]
+    # An endpoint that stops being ready goes; a new one comes.
+    store.set_endpoints(
+        "ns", "svc", [endpoint("10.0.0.2", ready=False), endpoint("10.0.0.3")], source=SRC
+    )
+    assert addresses(resolver) == ["10.0.0.3"]
+    # The service's port mapping changes: the cached port numbers must not stay.
+    store.upsert_service(service(ServicePort("http", 80, "9090")), source=SRC)
+    assert [t.port for t in resolver.resolve("ns", "svc", "http").targets] == [9090]
+    # A whole-source replace drops the last endpoint: Unavailable, not a stale target.
+    store.replace_source(SRC, endpoints=[])
+    with pytest.raises(Unavailable):
+        resolver.resolve("ns", "svc", "http")
+    # Deleted, then made again with other endpoints: nothing of the old one remains.
+    store.delete_service("ns", "svc", source=SRC)
+    with pytest.raises(NotFound):
+        resolver.resolve("ns", "svc", "http")
+    store.upsert_service(service(), source=SRC)
+    store.set_endpoints("ns", "svc", [endpoint("10.0.0.7")], source=SRC)
+    assert addresses(resolver) == ["10.0.0.7"]
+
+
+def test_picks_follow_the_cached_targets() -> None:
+    store = store_with(service(), [endpoint("10.0.0.1"), endpoint("10.0.0.2")])
+    resolver = Resolver(store, rng=random.Random(1))
+    picks = {resolver.resolve("ns", "svc", pick=Pick.ROUND_ROBIN).picked for _ in range(4)}
+    assert {p.address for p in picks if p} == {"10.0.0.1", "10.0.0.2"}
+    store.set_endpoints("ns", "svc", [endpoint("10.0.0.2")], source=SRC)
+    picks = {resolver.resolve("ns", "svc", pick=Pick.ROUND_ROBIN).picked for _ in range(4)}
+    assert {p.address for p in picks if p} == {"10.0.0.2"}
