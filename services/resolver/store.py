@@ -150,6 +150,11 @@ class Subscription:
         for batch in batches:
             self._offer(batch)
 
+    @property
+    def backlog(self) -> int:
+        """Keys waiting for the consumer (never more than `max_pending`)."""
+        return len(self._pending)
+
     def ready(self) -> bool:
         """True when `next()` would return without waiting."""
         return self._needs_snapshot or bool(self._pending)

@@ -14,7 +14,7 @@ import pytest
 from waygate.core.grpcserver import GrpcServer
 from waygate.resolver.filesource import FileSource
 from waygate.resolver.server import ResolverServicer
-from waygate.resolver.store import Store
+from waygate.resolver.store import DEFAULT_MAX_PENDING, Store
 from waygate.resolver.tunnels import TunnelRegistry
 from waygate.resolver.v1 import resolver_pb2_grpc
 
@@ -104,6 +104,7 @@ async def start_resolver(
     history_limit: int = 10_000,
     tunnels: dict[str, float] | None = None,
     watch_heartbeat: float = 0.0,
+    watch_max_pending: int = DEFAULT_MAX_PENDING,
 ) -> tuple[Resolver, GrpcServer, grpc.aio.Channel]:
     store = Store(history_limit=history_limit)
     file_source = None
@@ -114,7 +115,11 @@ async def start_resolver(
         assert file_source.load(), file_source.last_error
     registry = TunnelRegistry(store, **(tunnels or {}))
     servicer = ResolverServicer(
-        store, routes=file_source, tunnels=registry, watch_heartbeat=watch_heartbeat
+        store,
+        routes=file_source,
+        tunnels=registry,
+        watch_heartbeat=watch_heartbeat,
+        watch_max_pending=watch_max_pending,
     )
     server = GrpcServer(host="127.0.0.1", port=0, registrations=[servicer.registration()])
     port = await server.start()

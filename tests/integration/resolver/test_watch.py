@@ -177,39 +177,58 @@ async def test_bad_kind_is_invalid_argument(resolver: Resolver) -> None:
     assert resolver.store.subscriber_count == 0
 
 
-async def test_consumer_that_stops_reading_is_never_queued_without_bound(
-    resolver: Resolver,
-) -> None:
+async def test_consumer_that_stops_reading_is_never_queued_without_bound(tmp_path: Path) -> None:
     """The client reads nothing while the server keeps running and changing: HTTP/2
-    flow control stalls the stream, the backlog coalesces, and the consumer
-    catches up with far fewer events than changes, ending at the latest state."""
-    store = resolver.store
-    call = resolver.stub.Watch(pb.WatchRequest(kinds=[pb.RESOURCE_KIND_ENDPOINTS]))
+    flow control stalls the stream and the backlog grows. It never holds more
+    than `watch_max_pending` keys: past that the consumer gets a fresh snapshot,
+    and catching up ends at exactly the store's state."""
+    max_pending, keys, changes = 100, 300, 3000
+    handle, server, channel = await start_resolver(tmp_path, watch_max_pending=max_pending)
+    store = handle.store
+    call = handle.stub.Watch(pb.WatchRequest(kinds=[pb.RESOURCE_KIND_ENDPOINTS]))
     try:
-        await next_event(call)
-        changes = 3000
+        first = await next_event(call)
+        (subscription,) = store._subscriptions
+        largest_backlog = 0
         for i in range(changes):
+            key = i % keys
             store.set_endpoints(
                 "shop",
-                "hot",
-                [Endpoint("shop", "hot", "10.6.0.1", hostname="h" * 60, zone=f"z{i}")],
+                f"hot-{key}",
+                [Endpoint("shop", f"hot-{key}", "10.6.0.1", hostname="h" * 60, zone=f"z{i}")],
                 source=SOURCE,
             )
+            largest_backlog = max(largest_backlog, subscription.backlog)
             await asyncio.sleep(0)
-        events, coalesced, zone = 0, False, ""
+        assert largest_backlog <= max_pending
+
+        # Replay what the consumer receives onto its own copy of the view.
+        view = {(e.service, e.address): e.zone for e in first.snapshot.endpoints}
+        events = snapshots = 0
         while True:
             event = await next_event(call)
             events += 1
-            coalesced |= event.changes.coalesced
+            if event.WhichOneof("event") == "snapshot":
+                snapshots += 1
+                view = {(e.service, e.address): e.zone for e in event.snapshot.endpoints}
             for change in event.changes.changes:
-                zone = change.endpoint_upserted.zone
+                upserted = change.endpoint_upserted
+                view[(upserted.service, upserted.address)] = upserted.zone
             if event.version == store.version:
                 break
-        assert zone == f"z{changes - 1}"
-        assert coalesced
+        assert snapshots >= 1, "a backlog past the bound is replaced by a snapshot"
         assert events < changes
+        expected = {
+            (e.service, e.address): e.zone
+            for key in range(keys)
+            for e in store.endpoints_of("shop", f"hot-{key}")
+        }
+        assert {k: v for k, v in view.items() if k[0].startswith("hot-")} == expected
+        assert expected[("hot-299", "10.6.0.1")] == f"z{changes - 1}"
     finally:
         call.cancel()
+        await channel.close()
+        await server.stop(0)
 
 
 async def test_quiet_stream_gets_heartbeats_with_the_last_sync_time(tmp_path: Path) -> None:
