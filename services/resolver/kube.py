@@ -402,7 +402,7 @@ class KubernetesSource:
         """Watch from `version` until the stream ends; (last version, any event seen)."""
         loop = asyncio.get_running_loop()
         duration = int(self._timeouts.watch * (1 + self._rng.random() / 2))
-        response = await loop.run_in_executor(
+        opening = loop.run_in_executor(
             self._executor,
             functools.partial(
                 call,
@@ -414,6 +414,14 @@ class KubernetesSource:
                 _request_timeout=(self._timeouts.connect, duration + self._timeouts.request),
             ),
         )
+        try:
+            # Shielded: cancelling the await must not drop a response the
+            # thread is about to return, with its connection left open.
+            response = await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            # Stopped while connecting: close the response once it is open.
+            opening.add_done_callback(_close_opened_response)
+            raise
         events: asyncio.Queue[Any] = asyncio.Queue()
         reader = loop.run_in_executor(self._executor, _read_stream, response, loop, events)
         progressed = False
@@ -456,6 +464,15 @@ class KubernetesSource:
         else:
             log.warning("%s: ignoring watch event of type %r", handler.name, event_type)
         return new_version
+
+
+def _close_opened_response(opening: asyncio.Future[Any]) -> None:
+    if opening.cancelled() or opening.exception() is not None:
+        return
+    response = opening.result()
+    with contextlib.suppress(OSError, ValueError, RuntimeError):
+        response.close()
+        response.release_conn()
 
 
 def _read_stream(
