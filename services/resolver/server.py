@@ -1,9 +1,14 @@
 """The gRPC boundary of waygate.resolver.v1.Resolver: proto <-> domain, nothing else.
 
 Domain errors raised below are mapped to status codes by the shared boundary
-interceptor (waygate.core.grpcserver). Invariant: a Watch or ReportTunnels
-stream that ends for any reason (client cancel, error, shutdown) releases
-its subscription or its tunnel presence in a `finally`.
+interceptor (waygate.core.grpcserver). Invariants:
+- A Watch or ReportTunnels stream that ends for any reason (client cancel,
+  error, shutdown) releases its subscription or its tunnel presence in a
+  `finally`.
+- Write RPCs are checked against the peer's certificate identities before
+  anything else (the rules live in waygate.resolver.access; only reading the
+  identities off the connection is done here).
+- Replies that show routes (ListRoutes, ApplyRoute) never carry tls.key.
 """
 
 from __future__ import annotations
