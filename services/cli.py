@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import importlib.util
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -116,7 +117,20 @@ def _up(args: argparse.Namespace) -> int:
     return run_up(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The whole command tree. With `argv`, only the command it names imports its
+    service's code: one service failing to import never breaks the others' commands."""
+
+    def wanted(path: tuple[str, ...]) -> bool:
+        return argv is None or tuple(argv[: len(path)]) == path
+
     parser = argparse.ArgumentParser(
         prog="waygate",
         description="Waygate: traffic into, across and out of Kubernetes clusters.",
@@ -149,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"run the {component.name} process"
             + ("" if component.implemented else " (not implemented yet)"),
         )
+        if not wanted(component.command):
+            continue
         if component.implemented:
             app = importlib.import_module(component.app_module)
             add_settings_arguments(sub, app.Settings)
@@ -156,7 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             _placeholder(sub, what)
 
-    for path, (_, help_text) in CLIENT_COMMANDS.items():
+    for path, (module_name, help_text) in CLIENT_COMMANDS.items():
+        if not wanted(path):
+            missing = "" if _module_exists(module_name) else " (not implemented yet)"
+            subparsers_for(path).add_parser(path[-1], help=help_text + missing)
+            continue
         configure = _client_configurer(path)
         sub = subparsers_for(path).add_parser(
             path[-1], help=help_text + ("" if configure else " (not implemented yet)")
@@ -179,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)
     args, unknown = parser.parse_known_args(argv)
     if unknown and not getattr(args, "accepts_any_arguments", False):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")

@@ -35,11 +35,14 @@ import ctypes
 import dataclasses
 import importlib
 import logging
+import os
 import secrets
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar
 
 import yaml
 
@@ -129,6 +132,8 @@ class Bootstrap:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class UpSettings:
+    CONFIG_ENV: ClassVar[str] = "WAYGATE_UP_CONFIG"
+
     state_dir: Path = setting(Path(".waygate"), help="where certificates, keys and state are kept")
     port_offset: int = setting(
         0, help="added to every default port (to run two copies side by side)"
@@ -171,10 +176,25 @@ class UpContext:
         return f"{self.host}:{self.port(component_name, field)}"
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGKILL when the supervisor dies."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+# Looked up once, here: between fork and exec (where `_die_with_parent` runs, in
+# a process that has threads) only the bare call is safe, not a library load.
+try:
+    _prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+except (OSError, AttributeError):  # not glibc Linux: children rely on the clean stop only
+    _prctl = None
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> Callable[[], None]:
+    """For the child, before exec: get SIGKILL when the supervisor dies."""
+
+    def arrange() -> None:
+        if _prctl is not None:
+            _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            if os.getppid() != parent:  # the supervisor died before prctl took effect
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    return arrange
 
 
 class Child:
@@ -187,7 +207,9 @@ class Child:
         self.restarts = 0
 
     async def start(self) -> None:
-        self.process = await asyncio.create_subprocess_exec(*self.argv, preexec_fn=_die_with_parent)
+        self.process = await asyncio.create_subprocess_exec(
+            *self.argv, preexec_fn=_die_with_parent(os.getpid())
+        )
         self.started_at = time.monotonic()
         log.info("started %s", self.component.name, extra={"pid": self.process.pid})
 
@@ -343,8 +365,7 @@ class Supervisor:
 
     async def _watch(self, child: Child) -> None:
         while True:
-            assert child.process is not None
-            code = await child.process.wait()
+            code = None if child.process is None else await child.process.wait()
             if self._stopping.is_set():
                 return
             if time.monotonic() - child.started_at > STABLE_AFTER:
@@ -362,7 +383,13 @@ class Supervisor:
                 await asyncio.wait_for(self._stopping.wait(), delay)
             if self._stopping.is_set():
                 return
-            await child.start()
+            try:
+                await child.start()
+            except OSError as exc:
+                # Could not even start it (fork failed, interpreter gone): keep trying.
+                log.error("cannot restart %s: %s", child.component.name, exc)
+                child.started_at = time.monotonic()
+                child.process = None
 
     async def _stop_all(self) -> None:
         self._stopping.set()
@@ -391,4 +418,10 @@ def run_up(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         return fail(str(exc), EXIT_USAGE_OR_UNREACHABLE)
     configure_logging("up", settings.log_level)
-    return asyncio.run(Supervisor(settings).run())
+    try:
+        return asyncio.run(Supervisor(settings).run())
+    except OSError as exc:
+        where = f": {exc.filename}" if exc.filename else ""
+        return fail(f"up: {exc.strerror or exc}{where}")
+    except WaygateError as exc:
+        return fail(f"up: {exc}")

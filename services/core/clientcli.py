@@ -17,7 +17,7 @@ import dataclasses
 import sys
 from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
 
@@ -40,6 +40,8 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE_OR_UNREACHABLE = 0, 1, 2
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ClientSettings:
+    CONFIG_ENV: ClassVar[str] = "WAYGATE_CLIENT_CONFIG"
+
     state_dir: Path = setting(Path(".waygate"), help="state directory written by `waygate up`")
     ca_file: Path | None = setting(None, help="PEM CA bundle to verify the server with")
     cert_file: Path | None = setting(None, help="PEM client certificate (mTLS)")
@@ -56,10 +58,15 @@ class ClientSettings:
         env=("WAYGATE_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"),
     )
 
+    def __post_init__(self) -> None:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise SettingsError("invalid setting cert_file/key_file: give both or neither")
+
     def tls(self) -> ClientTLS | None:
         if self.plaintext:
             return None
-        if self.ca_file is not None:
+        if self.ca_file is not None or self.cert_file is not None:
+            # An explicit CA or client certificate: exactly that (system roots when no CA).
             return ClientTLS(self.ca_file, self.cert_file, self.key_file, self.server_name)
         bundle = self.state_dir / "ca.pem"
         if not bundle.is_file():

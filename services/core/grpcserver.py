@@ -144,7 +144,12 @@ class _MethodBoundary:
             async def unary_response(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 span, started = boundary.start_span(context), time.perf_counter()
                 try:
-                    with trace.use_span(span, end_on_exit=False):
+                    with trace.use_span(
+                        span,
+                        end_on_exit=False,
+                        record_exception=False,
+                        set_status_on_exception=False,
+                    ):
                         response = await behavior(request, context)
                 except grpc.aio.AbortError:
                     boundary.finish(span, started, _code_of(context), context.details() or "")
@@ -177,13 +182,23 @@ class _MethodBoundary:
             responses = behavior(request, context) if is_generator else None
             try:
                 if responses is None:
-                    with trace.use_span(span, end_on_exit=False):
+                    with trace.use_span(
+                        span,
+                        end_on_exit=False,
+                        record_exception=False,
+                        set_status_on_exception=False,
+                    ):
                         await behavior(request, context)
                 # The span is current only while the handler runs a step, never
                 # across our own yield: a context attached in one step and
                 # detached in another (after a cancellation) is an error.
                 while responses is not None:
-                    with trace.use_span(span, end_on_exit=False):
+                    with trace.use_span(
+                        span,
+                        end_on_exit=False,
+                        record_exception=False,
+                        set_status_on_exception=False,
+                    ):
                         try:
                             response = await responses.__anext__()
                         except StopAsyncIteration:
@@ -312,12 +327,16 @@ class GrpcServer:
     async def start(self) -> int:
         """Bind and start; health says NOT_SERVING until `set_serving`. Returns the port."""
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
-        if self._credentials is None:
-            self.port = self._server.add_insecure_port(self._address)
-        else:
-            self.port = self._server.add_secure_port(self._address, self._credentials)
-        if self.port == 0:
-            raise OSError(f"cannot listen on {self._address}")
+        try:
+            if self._credentials is None:
+                self.port = self._server.add_insecure_port(self._address)
+            else:
+                self.port = self._server.add_secure_port(self._address, self._credentials)
+        except RuntimeError as exc:  # grpcio's way of saying the bind failed
+            raise OSError(
+                f"cannot listen on {self._address} (address in use, not permitted, "
+                f"or unusable TLS settings): {exc}"
+            ) from None
         await self._server.start()
         return self.port
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from waygate.core.admin import AdminServer, Readiness
+from waygate.core.errors import FailedPrecondition
 from waygate.core.grpcserver import GrpcServer
 from waygate.core.logs import configure_logging
 from waygate.core.settings import ProcessSettings
@@ -123,10 +124,16 @@ class ServiceProcess:
         if settings.tls_cert_file is None or settings.tls_key_file is None:
             return None
         client_ca = settings.tls_client_ca_file
+        if client_auth and client_ca is None:
+            # Never silently serve without the client authentication this service requires.
+            raise FailedPrecondition(
+                f"{self.service} requires client certificates: set tls_client_ca_file "
+                "to the CA that signs its clients' certificates"
+            )
         return grpc.ssl_server_credentials(
             [(settings.tls_key_file.read_bytes(), settings.tls_cert_file.read_bytes())],
             root_certificates=client_ca.read_bytes() if client_ca is not None else None,
-            require_client_auth=client_auth and client_ca is not None,
+            require_client_auth=client_auth,
         )
 
     async def server_ssl_context(
@@ -218,7 +225,16 @@ class ServiceProcess:
             loop.add_signal_handler(sig, self.request_stop)
         try:
             admin_port = await self.admin.start(self.settings.host, self.settings.admin_port)
-            await setup(self)
+            # A stop requested while setup still runs (it may wait for certs) wins.
+            setting_up = asyncio.ensure_future(setup(self))
+            stopped = asyncio.ensure_future(self._stop.wait())
+            await asyncio.wait({setting_up, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            stopped.cancel()
+            if not setting_up.done():
+                setting_up.cancel()
+                await asyncio.gather(setting_up, return_exceptions=True)
+                return self._exit_code
+            setting_up.result()
             for server in self.grpc_servers:
                 await server.start()
                 self._started.append(server)

@@ -13,6 +13,10 @@ Invariants:
   came from and what is wrong (`SettingsError`); nothing half-configured runs.
 - Instances are immutable; a service that needs different settings restarts.
 - Every field named `*_port` is checked to be a port number (0 = any free port).
+- The config file comes from `--config` or, for services, WAYGATE_CONFIG; a
+  settings class may name its own variable in a `CONFIG_ENV` class attribute
+  (client commands: WAYGATE_CLIENT_CONFIG, `waygate up`: WAYGATE_UP_CONFIG), so a
+  service's file in the environment never breaks a client command beside it.
 """
 
 from __future__ import annotations
@@ -128,7 +132,11 @@ def _coerce(field: dataclasses.Field[Any], tp: Any, raw: Any) -> Any:
         raise ValueError("a value is required")
     parse = field.metadata.get("parse")
     if parse is not None:
-        return parse(raw) if isinstance(raw, str) else raw
+        if isinstance(raw, str):
+            return parse(raw)
+        if isinstance(raw, bool) or not isinstance(raw, int | float):
+            raise ValueError(f"not a valid value: {raw!r}")
+        return raw
     if base is bool:
         return raw if isinstance(raw, bool) else _parse_bool(str(raw))
     if base is int:
@@ -196,8 +204,9 @@ def load_settings(
     """
     env = os.environ if env is None else env
     flags = flags or {}
-    if config_file is None and env.get(CONFIG_ENV):
-        config_file = Path(env[CONFIG_ENV])
+    config_env = getattr(cls, "CONFIG_ENV", CONFIG_ENV)
+    if config_file is None and env.get(config_env):
+        config_file = Path(env[config_env])
     from_file = _read_config_file(config_file) if config_file else {}
     hints = typing.get_type_hints(cls)
     known = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
@@ -261,7 +270,10 @@ def add_settings_arguments(parser: argparse.ArgumentParser, cls: type[Any]) -> N
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group("settings (flags > WAYGATE_* env > --config file)")
     group.add_argument(
-        "--config", type=Path, metavar="FILE", help=f"YAML config file (env {CONFIG_ENV})"
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help=f"YAML config file (env {getattr(cls, 'CONFIG_ENV', CONFIG_ENV)})",
     )
     for field in dataclasses.fields(cls):
         base, _ = _strip_optional(hints[field.name])

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Mapping, MutableMapping
+from collections.abc import Iterable, MutableMapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -47,7 +47,8 @@ def configure_tracing(service: str, otlp_endpoint: str | None) -> TracerProvider
         # Imported lazily: the exporter pulls in its own grpc channel machinery.
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-        insecure = urlsplit(otlp_endpoint).scheme in ("http", "")
+        # Only an explicit https:// endpoint is TLS; "host:4317" and http:// are plaintext.
+        insecure = urlsplit(otlp_endpoint).scheme != "https"
         provider.add_span_processor(
             BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint, insecure=insecure))
         )
@@ -87,11 +88,6 @@ def inject_context(
     carrier: MutableMapping[str, str], ctx: otel_context.Context | None = None
 ) -> None:
     propagate.inject(carrier, context=ctx)
-
-
-def carrier_from(mapping: Mapping[str, str]) -> otel_context.Context:
-    """Context from a plain mapping (HTTP headers, tunnel dial metadata)."""
-    return propagate.extract(dict(mapping))
 
 
 # ---------------------------------------------------------------- client spans

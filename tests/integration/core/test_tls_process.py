@@ -21,6 +21,7 @@ from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.unit.core.test_rotation_ca import LocalCA
+from waygate.core.errors import FailedPrecondition
 from waygate.core.grpcserver import GrpcServer
 from waygate.core.rotation import CertificateRotator, save_certificate
 from waygate.core.runtime import ServiceProcess
@@ -184,11 +185,13 @@ async def test_https_listener_context_from_static_files(tmp_path: Path) -> None:
     ca = LocalCA()
     held = await CertificateRotator(ca, "proxy.waygate.local", ["ip:127.0.0.1"]).obtain()
     save_certificate(held, tmp_path / "key.pem", tmp_path / "cert.pem")
+    (tmp_path / "ca.pem").write_bytes(ca.pem)
     settings = load_settings(
         GrpcServerSettings,
         flags={
             "tls_cert_file": str(tmp_path / "cert.pem"),
             "tls_key_file": str(tmp_path / "key.pem"),
+            "tls_client_ca_file": str(tmp_path / "ca.pem"),
             "shutdown_grace": "1s",
         },
         env={},
@@ -205,3 +208,28 @@ async def test_https_listener_context_from_static_files(tmp_path: Path) -> None:
             await server.wait_closed()
 
     assert (await run_process(settings, body))["seen"] == held.serial
+
+
+async def test_static_tls_without_a_client_ca_refuses_to_serve_a_client_auth_service(
+    tmp_path: Path,
+) -> None:
+    """mTLS is never dropped silently: a service that requires client certificates
+    and has no CA to check them against does not start."""
+    ca = LocalCA()
+    held = await CertificateRotator(ca, "resolver.waygate.local", ["ip:127.0.0.1"]).obtain()
+    save_certificate(held, tmp_path / "key.pem", tmp_path / "cert.pem")
+    settings = load_settings(
+        GrpcServerSettings,
+        flags={
+            "tls_cert_file": str(tmp_path / "cert.pem"),
+            "tls_key_file": str(tmp_path / "key.pem"),
+        },
+        env={},
+    )
+    process = ServiceProcess("resolver", settings)
+
+    async def setup(p: ServiceProcess) -> None:
+        await p.server_credentials(client_auth=True)
+
+    with pytest.raises(FailedPrecondition, match="resolver requires client certificates"):
+        await asyncio.wait_for(process.run(setup), 30)

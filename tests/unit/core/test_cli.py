@@ -115,3 +115,34 @@ def test_console_entry_point_prints_no_traceback():
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert result.stderr.startswith("waygate: cannot reach 127.0.0.1:1")
+
+
+def test_a_port_in_use_is_one_line_not_a_traceback():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "waygate", "resolver", "serve", "--grpc-port", str(port)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"waygate: resolver: cannot listen on 127.0.0.1:{port}")
+    assert "Traceback" not in result.stderr
+
+
+def test_client_certificate_without_its_key_is_a_settings_error(capsys, tmp_path):
+    cert = tmp_path / "cert.pem"
+    cert.write_text("x")
+    code, _, err = run(capsys, "health", "127.0.0.1:1", "--cert-file", str(cert))
+    assert code == 2
+    assert err == "waygate: invalid setting cert_file/key_file: give both or neither\n"
+
+
+def test_up_with_an_unusable_state_directory_is_one_line(capsys, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    code, _, err = run(capsys, "up", "--state-dir", str(blocker / "state"))
+    assert code == 1
+    assert err.startswith("waygate: up: Not a directory")

@@ -163,3 +163,29 @@ def test_parse_duration(text, seconds):
 def test_parse_duration_rejects(text):
     with pytest.raises(ValueError, match="not a duration"):
         parse_duration(text)
+
+
+@pytest.mark.parametrize(
+    "text", ["shutdown_grace: [1]\n", "shutdown_grace: {a: 1}\n", "shutdown_grace: true\n"]
+)
+def test_a_yaml_value_of_the_wrong_shape_is_a_settings_error(tmp_path, text):
+    with pytest.raises(SettingsError, match="invalid setting shutdown_grace .*not a valid value"):
+        load_settings(DemoSettings, env={}, config_file=write(tmp_path, text))
+
+
+def test_client_commands_and_up_read_their_own_config_variable(tmp_path):
+    from waygate.core.clientcli import ClientSettings
+    from waygate.supervisor import UpSettings
+
+    service_file = write(tmp_path, "grpc_port: 7100\n")
+    env = {"WAYGATE_CONFIG": str(service_file)}
+    # A service's file in the environment does not break the client or up...
+    assert load_settings(ClientSettings, env=env).timeout == 10.0
+    assert load_settings(UpSettings, env=env).port_offset == 0
+    # ...which read theirs from their own variables.
+    client_file = tmp_path / "client.yaml"
+    client_file.write_text("timeout: 3s\n")
+    assert (
+        load_settings(ClientSettings, env={"WAYGATE_CLIENT_CONFIG": str(client_file)}).timeout
+        == 3.0
+    )
