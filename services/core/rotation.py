@@ -366,7 +366,18 @@ class CertificateRotator:
                     log.exception("unexpected error while renewing the certificate")
                 await self._sleep(self._failure_delay(exc))
             else:
-                self._backoff.reset()
+                if self.renew_at > self._now():
+                    self._backoff.reset()
+                else:
+                    # Due again on arrival (certs capped it at an expiring CA, say):
+                    # renewing at once, again and again, would hammer certs. Space
+                    # the attempts out as after a failure.
+                    held = self.current
+                    await self._sleep(
+                        min(
+                            self._backoff.next_delay(), max(held.lifetime.total_seconds() / 50, 1.0)
+                        )
+                    )
 
     def _failure_delay(self, exc: Exception) -> float:
         held = self.current

@@ -298,3 +298,26 @@ def test_bad_sans_are_named(text: str, problem: str) -> None:
 def test_renew_fraction_outside_the_lifetime_is_refused() -> None:
     with pytest.raises(ValueError, match="renew_fraction"):
         CertificateRotator(LocalCA(), IDENTITY, renew_fraction=0.98)
+
+
+async def test_a_certificate_due_on_arrival_does_not_renew_in_a_tight_loop() -> None:
+    """certs may cap a leaf at an expiring CA, so it arrives already past its
+    renewal point: the rotator must space its attempts out, not hammer certs."""
+    clock = FakeClock(until=START + dt.timedelta(minutes=10))
+    ca = LocalCA(clock.now, lifetime=dt.timedelta(minutes=10), backdate=dt.timedelta(hours=1))
+    calls: list[dt.datetime] = []
+    certify = ca.certify
+
+    async def counting(csr_der: bytes, identity: str) -> Issued:
+        calls.append(clock.now())
+        if calls.count(clock.now()) > 3:
+            raise AssertionError("renewing again and again at the same instant")
+        return await certify(csr_der, identity)
+
+    ca.certify = counting  # type: ignore[method-assign]
+    rotator = make(clock, ca)
+    with pytest.raises(TimeUp):
+        await rotator.run()
+    assert 3 <= len(calls) <= 20
+    gaps = [(b - a).total_seconds() for a, b in itertools.pairwise(calls[1:])]
+    assert all(gap > 0 for gap in gaps)
