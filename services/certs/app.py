@@ -41,6 +41,7 @@ from waygate.certs.selftls import SelfServingCertificate
 from waygate.certs.server import registration
 from waygate.certs.service import CertsService
 from waygate.certs.store import CAStore, DirectoryCAStore
+from waygate.components import by_command
 from waygate.core.errors import FailedPrecondition, WaygateError
 from waygate.core.grpcserver import GrpcServer
 from waygate.core.runtime import ServiceProcess
@@ -57,6 +58,8 @@ if TYPE_CHECKING:
     from waygate.supervisor import UpContext
 
 log = logging.getLogger(__name__)
+
+CERTS = by_command(("certs", "serve"))
 
 TRUST_DOMAIN = "waygate.local"
 #: Longest sleep of the CA-rotation timer; transitions are also applied on every call.
@@ -84,9 +87,11 @@ def _patterns(value: tuple[str, ...]) -> str | None:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Settings(GrpcServerSettings):
-    grpc_port: int = setting(7002, help="gRPC listen port", check=port_number)
+    grpc_port: int = setting(CERTS.port("grpc_port"), help="gRPC listen port", check=port_number)
     admin_port: int = setting(
-        9002, help="admin HTTP port (/metrics /healthz /readyz)", check=port_number
+        CERTS.port("admin_port"),
+        help="admin HTTP port (/metrics /healthz /readyz)",
+        check=port_number,
     )
     ca_dir: Path = setting(
         Path(".waygate/certs"),

@@ -23,6 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from waygate.certs.authority import KEY_ALGORITHMS, generate_key
 from waygate.certs.v1 import certs_pb2, certs_pb2_grpc
+from waygate.components import by_command
 from waygate.core.clientcli import (
     EXIT_FAILED,
     EXIT_OK,
@@ -37,7 +38,7 @@ from waygate.core.errors import InvalidArgument
 from waygate.core.sans import identity_san, parse_san
 from waygate.core.settings import parse_duration
 
-DEFAULT_PORT = 7002
+DEFAULT_PORT = by_command(("certs", "serve")).port("grpc_port")
 #: `cert inspect` exits 2 when less than this fraction of the lifetime remains.
 LOW_LIFE_FRACTION = 0.2
 

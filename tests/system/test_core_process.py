@@ -19,7 +19,7 @@ DEMO = ("tests.support.demo_server",)
 
 
 async def test_not_ready_until_declared_then_sigterm_drains_an_in_flight_call():
-    service = await start_service([*DEMO, "--ready-delay", "1", "--shutdown-grace", "10"])
+    service = await start_service([*DEMO, "--ready-delay", "4", "--shutdown-grace", "10"])
     try:
         assert (await http_get(service.admin_port, "/readyz"))[0] == 503
         code, out, _ = await run_cli("health", service.grpc_address)

@@ -39,7 +39,9 @@ def alive(pid: int) -> bool:
 
 class Up:
     def __init__(self, tmp_path: Path) -> None:
-        self.offset = random.randrange(20000, 40000, 100)
+        # Ports 17001..32005: above the defaults, below Linux's ephemeral range
+        # (32768+), so no outgoing connection can be holding one of them.
+        self.offset = random.randrange(10000, 22900, 100)
         self.state_dir = tmp_path / "state"
         self.lines: list[str] = []
         self.process: asyncio.subprocess.Process | None = None
