@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from waygate.certs.auth import Authenticator, Caller, StaticTokenAuthenticator, TokensFileError
 from waygate.certs.authority import KEY_ALGORITHMS, Authority, AuthorityConfig, TrustBundleView
 from waygate.certs.policy import Policy, check_pattern
-from waygate.certs.selftls import SelfServingCertificate
+from waygate.certs.selftls import serving_certificate
 from waygate.certs.server import registration
 from waygate.certs.service import CertsService
 from waygate.certs.store import CAStore, DirectoryCAStore
@@ -222,12 +222,6 @@ class Settings(GrpcServerSettings):
             propagation_delay=timedelta(seconds=self.propagation_delay),
         )
 
-    def serving_names(self) -> tuple[str, ...]:
-        assert self.serving_identity is not None
-        names = [identity_san(self.serving_identity)]
-        names += [n for n in self.serving_sans if n not in names]
-        return tuple(names)
-
 
 class _NoTokens:
     """The authenticator when no tokens file is configured: nobody authenticates."""
@@ -360,11 +354,10 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
 
     credentials = None
     if settings.serving_identity is not None:
-        serving = SelfServingCertificate(
-            authority, settings.serving_identity, settings.serving_names()
+        rotator, credentials = await serving_certificate(
+            authority, settings.serving_identity, settings.serving_sans
         )
-        credentials = serving.credentials()
-        process.spawn(serving.run(), "serving-certificate")
+        process.spawn(rotator.run(), "serving-certificate")
     else:
         credentials = await process.server_credentials(client_auth=False)
 

@@ -35,7 +35,7 @@ from tests.unit.certs.helpers import (
 from waygate.certs.auth import StaticTokenAuthenticator
 from waygate.certs.authority import Authority, AuthorityConfig
 from waygate.certs.policy import Policy
-from waygate.certs.selftls import SelfServingCertificate
+from waygate.certs.selftls import serving_certificate
 from waygate.certs.server import registration
 from waygate.certs.service import CertsService
 from waygate.certs.store import DirectoryCAStore
@@ -294,12 +294,11 @@ async def test_watch_rotate_and_cancel(tmp_path: Path) -> None:
 
 async def test_self_issued_serving_certificate_is_renewed_in_place(tmp_path: Path) -> None:
     authority = Authority.open(DirectoryCAStore(tmp_path / "ca"))
-    serving = SelfServingCertificate(
+    serving, credentials = await serving_certificate(
         authority,
         "spiffe://waygate.local/ns/local/sa/certs",
-        ("uri:spiffe://waygate.local/ns/local/sa/certs", "dns:certs.waygate.local", "ip:127.0.0.1"),
+        ("dns:certs.waygate.local", "ip:127.0.0.1"),
     )
-    credentials = serving.credentials()
     authenticator = StaticTokenAuthenticator.from_file(write_tokens(tmp_path / "tokens.yaml"))
     service = CertsService(authenticator, Policy("waygate.local"))
     service.attach(authority)
@@ -317,10 +316,10 @@ async def test_self_issued_serving_certificate_is_renewed_in_place(tmp_path: Pat
             assert reply.serial
 
             first_serial = await asyncio.to_thread(_served_serial, port, bundle_pem)
-            assert first_serial == serving.certificate.serial_number  # type: ignore[union-attr]
-            serving.renew()
+            assert first_serial == serving.current.leaf.serial_number
+            await serving.renew_once()
             second_serial = await asyncio.to_thread(_served_serial, port, bundle_pem)
-            assert second_serial == serving.certificate.serial_number  # type: ignore[union-attr]
+            assert second_serial == serving.current.leaf.serial_number
             assert second_serial != first_serial
             # The connection opened before the renewal still works.
             await stub.GetTrustBundle(certs_pb2.GetTrustBundleRequest(), timeout=10)

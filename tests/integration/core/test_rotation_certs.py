@@ -20,7 +20,7 @@ from cryptography import x509
 from waygate.certs.auth import StaticTokenAuthenticator
 from waygate.certs.authority import Authority, AuthorityConfig
 from waygate.certs.policy import Policy
-from waygate.certs.selftls import SelfServingCertificate
+from waygate.certs.selftls import serving_certificate
 from waygate.certs.server import registration
 from waygate.certs.service import CertsService
 from waygate.certs.store import DirectoryCAStore
@@ -76,14 +76,14 @@ class Certs:
     async def start(self, port: int = 0) -> None:
         service = CertsService(StaticTokenAuthenticator.from_file(self.tokens_file), Policy(DOMAIN))
         service.attach(self.authority)
-        serving = SelfServingCertificate(
+        _, credentials = await serving_certificate(
             self.authority, f"spiffe://{DOMAIN}/ns/local/sa/certs", ("ip:127.0.0.1",)
         )
         self.server = GrpcServer(
             host="127.0.0.1",
             port=port,
             registrations=[registration(service)],
-            credentials=serving.credentials(),
+            credentials=credentials,
         )
         await self.server.start()
         await self.server.set_serving()

@@ -54,7 +54,6 @@ def test_self_issued_tls_counts_as_tls_for_non_loopback_hosts() -> None:
         env={},
     )
     assert settings.tls_enabled
-    assert settings.serving_names() == ("uri:spiffe://waygate.local/ns/x/sa/certs",)
 
 
 def test_up_arguments(tmp_path: Path) -> None:

@@ -1,53 +1,64 @@
-"""certs' own serving certificate: issued by its CA, renewed at 70% of its life."""
+"""certs' own serving certificate: its CA answers the shared rotation client in-process."""
 
 from __future__ import annotations
 
 import datetime as dt
+import random
 from pathlib import Path
 
 import pytest
 from cryptography import x509
 
 from tests.unit.certs.helpers import Clock, open_authority
-from waygate.certs.selftls import SelfServingCertificate
+from waygate.certs.selftls import AuthorityIssuer, serving_certificate
 
 IDENTITY = "spiffe://waygate.local/ns/local/sa/certs"
-NAMES = (f"uri:{IDENTITY}", "dns:certs.waygate.local", "ip:127.0.0.1")
+SANS = ("dns:certs.waygate.local", "ip:127.0.0.1")
 
 
 class Stop(Exception):
     pass
 
 
-async def test_renews_at_seventy_percent_and_serves_the_new_one(tmp_path: Path) -> None:
+async def test_certs_signs_its_own_certificate_and_records_it(tmp_path: Path) -> None:
+    authority = open_authority(tmp_path / "ca", Clock())
+    rotator, credentials = await serving_certificate(authority, IDENTITY, SANS)
+    assert credentials is not None
+    leaf = rotator.current.leaf
+    sans = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert sans.get_values_for_type(x509.UniformResourceIdentifier) == [IDENTITY]
+    assert sans.get_values_for_type(x509.DNSName) == ["certs.waygate.local"]
+    assert leaf.issuer == authority.active_authority().certificate.subject
+    (record,) = authority.list_issued()
+    assert (record.identity, record.requested_by) == (IDENTITY, "certs")
+
+
+async def test_renews_through_the_authority_at_about_seventy_percent(tmp_path: Path) -> None:
     clock = Clock()
     authority = open_authority(tmp_path / "ca", clock)
     waits: list[float] = []
 
     async def sleep(seconds: float) -> None:
         waits.append(seconds)
-        if len(waits) > 1:  # the second wait: one renewal is enough
+        if len(authority.list_issued()) >= 2:  # one renewal is enough
             raise Stop
         clock.advance(dt.timedelta(seconds=seconds))
 
-    serving = SelfServingCertificate(authority, IDENTITY, NAMES, now=clock, sleep=sleep)
-    serving.credentials()
-    first = serving.certificate
-    assert first is not None
-    sans = first.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert sans.get_values_for_type(x509.DNSName) == ["certs.waygate.local"]
-    lifetime = first.not_valid_after_utc - first.not_valid_before_utc
-    assert serving.renew_at() == first.not_valid_before_utc + lifetime * 0.7
-    # Nothing new to hand to gRPC until a renewal happened.
-    assert serving._fetch() is None
-
-    started, renew_at = clock(), serving.renew_at()
+    rotator, _ = await serving_certificate(
+        authority, IDENTITY, SANS, now=clock, sleep=sleep, rng=random.Random(3)
+    )
+    first = rotator.current
     with pytest.raises(Stop):
-        await serving.run()
-    # It slept exactly until 70% of the first certificate's life, then renewed.
-    assert waits[0] == (renew_at - started).total_seconds()
-    second = serving.certificate
-    assert second is not None and second.serial_number != first.serial_number
-    assert second.not_valid_before_utc == renew_at - dt.timedelta(minutes=5)  # backdated
-    # gRPC's next handshake gets the new certificate, once.
-    assert serving._fetch() is not None and serving._fetch() is None
+        await rotator.run()
+    second = rotator.current
+    assert second.serial != first.serial and second.key is not first.key
+    elapsed = (clock() - first.not_before) / first.lifetime
+    assert 0.65 <= elapsed <= 0.75
+
+
+async def test_the_issuer_refuses_what_the_authority_refuses(tmp_path: Path) -> None:
+    from waygate.core.errors import InvalidArgument
+
+    issuer = AuthorityIssuer(open_authority(tmp_path / "ca", Clock()))
+    with pytest.raises(InvalidArgument, match="not a PKCS#10 CSR"):
+        await issuer.certify(b"not a csr", IDENTITY)
