@@ -6,7 +6,6 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-PROTOS := $(shell find protos -name '*.proto' | sort)
 PYTEST_ARGS ?=
 
 .PHONY: run test test-fast lint typecheck protos protos-check bench deploy-check clean

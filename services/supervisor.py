@@ -50,8 +50,8 @@ from waygate.components import COMPONENTS, Component
 from waygate.core.backoff import Backoff
 from waygate.core.clientcli import EXIT_USAGE_OR_UNREACHABLE, fail
 from waygate.core.errors import WaygateError
+from waygate.core.files import write_file_atomically
 from waygate.core.logs import configure_logging
-from waygate.core.rotation import write_file_atomically
 from waygate.core.settings import (
     LOG_LEVELS,
     SettingsError,

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,6 +42,7 @@ from waygate.certs.service import CertsService
 from waygate.certs.store import CAStore, DirectoryCAStore
 from waygate.components import by_command
 from waygate.core.errors import FailedPrecondition, WaygateError
+from waygate.core.files import write_file_atomically
 from waygate.core.grpcserver import GrpcServer
 from waygate.core.runtime import ServiceProcess
 from waygate.core.sans import identity_san
@@ -301,15 +301,7 @@ def start_csr_controller(
 
 def write_bundle_file(path: Path, bundle: TrustBundleView) -> None:
     """Atomically replace `path` with the bundle PEM, mode 0644 (public data)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    with os.fdopen(fd, "w") as handle:
-        os.fchmod(handle.fileno(), 0o644)
-        handle.write(bundle.pem)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temp, path)
+    write_file_atomically(path, bundle.pem.encode(), 0o644)
 
 
 async def run_transitions(authority: Authority) -> None:

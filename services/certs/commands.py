@@ -13,7 +13,6 @@ not a certificate), 2 under 20% of its lifetime left.
 from __future__ import annotations
 
 import argparse
-import os
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from waygate.core.clientcli import (
     run_client,
 )
 from waygate.core.errors import InvalidArgument
+from waygate.core.files import write_file_atomically
 from waygate.core.sans import identity_san, parse_san
 from waygate.core.settings import parse_duration
 
@@ -44,17 +44,6 @@ LOW_LIFE_FRACTION = 0.2
 
 
 # ---------------------------------------------------------------- files
-
-
-def _write(path: Path, data: bytes, mode: int) -> None:
-    temp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "wb") as handle:
-        os.fchmod(handle.fileno(), mode)
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temp, path)
 
 
 def _pem(der: bytes) -> bytes:
@@ -113,7 +102,7 @@ def _issue(args: argparse.Namespace) -> int:
         leaf_pem = _pem(reply.leaf_certificate)
         chain_pem = leaf_pem + b"".join(_pem(d) for d in reply.intermediate_certificates)
         out.mkdir(mode=0o700, parents=True, exist_ok=True)
-        _write(
+        write_file_atomically(
             out / "key.pem",
             key.private_bytes(
                 serialization.Encoding.PEM,
@@ -122,9 +111,9 @@ def _issue(args: argparse.Namespace) -> int:
             ),
             0o600,
         )
-        _write(out / "cert.pem", leaf_pem, 0o644)
-        _write(out / "chain.pem", chain_pem, 0o644)
-        _write(out / "ca.pem", bundle.pem.encode(), 0o644)
+        write_file_atomically(out / "cert.pem", leaf_pem, 0o644)
+        write_file_atomically(out / "chain.pem", chain_pem, 0o644)
+        write_file_atomically(out / "ca.pem", bundle.pem.encode(), 0o644)
         valid_until = reply.valid_until.ToDatetime(tzinfo=UTC)
         print(
             f"issued {reply.serial} for {args.identity}, valid until {valid_until.isoformat()}; "
@@ -164,7 +153,7 @@ def _bundle(args: argparse.Namespace) -> int:
                 certs_pb2.GetTrustBundleRequest(), timeout=settings.timeout
             )
         if args.out:
-            _write(Path(args.out), bundle.pem.encode(), 0o644)
+            write_file_atomically(Path(args.out), bundle.pem.encode(), 0o644)
             print(
                 f"wrote {len(bundle.authorities)} CA certificate(s), version {bundle.version}, to {args.out}"
             )

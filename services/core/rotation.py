@@ -28,12 +28,9 @@ No grpc here: the RPC lives behind the `Issuer` protocol.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
-import os
 import random
-import tempfile
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -53,6 +50,7 @@ from waygate.core.errors import (
     Unavailable,
     WaygateError,
 )
+from waygate.core.files import write_file_atomically
 from waygate.core.sans import identity_san, parse_san
 
 log = logging.getLogger(__name__)
@@ -479,21 +477,6 @@ class TrustStore:
 
 
 # ---------------------------------------------------------------- files
-
-
-def write_file_atomically(path: Path, data: bytes, mode: int) -> None:
-    """Write via a temporary file in the same directory and rename: readers never see half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        os.fchmod(fd, mode)  # before any byte is written: a key is never world-readable
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
 
 
 def save_certificate(held: HeldCertificate, key_path: Path, cert_path: Path) -> None:
