@@ -15,12 +15,13 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from waygate.core.files import write_file_atomically
 from waygate.core.grpcserver import GrpcServer
 from waygate.core.runtime import ServiceProcess
 from waygate.core.settings import GrpcServerSettings, parse_duration, port_number, positive, setting
 from waygate.resolver import metrics
 from waygate.resolver.access import WriteAccess, patterns_problem
-from waygate.resolver.filesource import EXAMPLE_ROUTES, FILE_MODE, FileSource, write_atomically
+from waygate.resolver.filesource import EXAMPLE_ROUTES, FILE_MODE, FileSource
 from waygate.resolver.server import ResolverServicer
 from waygate.resolver.store import DEFAULT_HISTORY_LIMIT, DEFAULT_MAX_PENDING, Store
 from waygate.resolver.tunnels import TunnelRegistry
@@ -237,7 +238,7 @@ def up_arguments(context: UpContext) -> list[str]:
     if not routes.exists():
         context.state_dir.mkdir(parents=True, exist_ok=True)
         # 0600 from the start: ApplyRoute writes route TLS private keys into it.
-        write_atomically(routes, EXAMPLE_ROUTES.read_bytes(), FILE_MODE)
+        write_file_atomically(routes, EXAMPLE_ROUTES.read_bytes(), FILE_MODE)
     return [
         "--routes-file",
         str(routes),

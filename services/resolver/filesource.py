@@ -52,13 +52,10 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import hashlib
 import logging
-import os
 import re
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -66,6 +63,7 @@ from typing import Any, TypeVar
 import yaml
 
 from waygate.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from waygate.core.files import write_file_atomically
 from waygate.core.settings import SettingsError, parse_duration
 from waygate.resolver.model import (
     BalancePolicy,
@@ -628,29 +626,6 @@ _LiteralDumper.add_representer(str, _represent_str)
 FILE_MODE = 0o600
 
 
-def write_atomically(path: Path, data: bytes, mode: int = FILE_MODE) -> None:
-    """Replace `path` with `data` (file mode `mode`) so readers see the old or the
-    new file, never half. The mode is set before the rename, so the new content
-    is never readable by others, not even for a moment."""
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            os.fchmod(handle.fileno(), mode)
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp_name)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
 # ---------------------------------------------------------------- the source
 
 
@@ -895,7 +870,7 @@ class FileSource:
             self._refuse_broken(text)
             raise InvalidArgument(str(exc)) from None
         try:
-            write_atomically(self.path, data)
+            write_file_atomically(self.path, data, FILE_MODE)
         except OSError as exc:
             raise FailedPrecondition(
                 f"cannot write the routes file {self.path}: {exc.strerror or exc}"
