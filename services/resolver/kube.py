@@ -24,9 +24,11 @@ Invariants:
 - A dead connection is noticed: every watch carries `timeoutSeconds`
   (`watch_timeout`, with jitter so replicas do not reconnect together) and a
   client-side read timeout a little longer than that.
-- Freshness: `mark_synced("kubernetes")` once every kind has listed, then
-  after every successful list and on every bookmark; `synced` is set at the
-  first of those (readiness).
+- Freshness is per kind: a list, a bookmark or any event confirms that kind
+  up to that moment, and the store's last-sync time for "kubernetes" is the
+  OLDEST of the kinds' confirmations, so a failing EndpointSlice watch is not
+  hidden by fresh Service bookmarks. `synced` is set once every kind has
+  listed (readiness).
 - Bad objects never stop the watch: an object that fails validation is
   logged with the reason and left out (a modified object that became invalid
   is removed, so the store never keeps a state the API no longer has).
@@ -51,6 +53,7 @@ import json
 import logging
 import random
 from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
 from typing import Any
 
 import urllib3
@@ -303,6 +306,8 @@ class KubernetesSource:
             _Routes(store),
         ]
         self._listed: set[str] = set()
+        #: When each kind last proved its view current (list, bookmark or event).
+        self._confirmed: dict[str, datetime] = {}
         #: Set once every kind has been listed (the resolver's readiness).
         self.synced = asyncio.Event()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -392,9 +397,15 @@ class KubernetesSource:
 
     def _note_listed(self, handler: _Handler) -> None:
         self._listed.add(handler.name)
+        self._confirm(handler)
         if len(self._listed) == len(self._handlers):
-            self._store.mark_synced(SOURCE)
             self.synced.set()
+
+    def _confirm(self, handler: _Handler) -> None:
+        """`handler`'s kind is current as of now; the source as of its stalest kind."""
+        self._confirmed[handler.name] = datetime.now(UTC)
+        if len(self._confirmed) == len(self._handlers):
+            self._store.mark_synced(SOURCE, min(self._confirmed.values()))
 
     async def _watch(
         self, call: Callable[..., Any], handler: _Handler, version: str
@@ -456,11 +467,11 @@ class KubernetesSource:
             raise _WatchFailed(f"{obj.get('code')} {obj.get('reason')}: {obj.get('message')}")
         new_version = str((obj.get("metadata") or {}).get("resourceVersion") or version)
         if event_type == "BOOKMARK":
-            if self.synced.is_set():
-                self._store.mark_synced(SOURCE)
+            self._confirm(handler)
             return new_version
         if event_type in ("ADDED", "MODIFIED", "DELETED"):
             handler.apply(event_type, obj)
+            self._confirm(handler)
         else:
             log.warning("%s: ignoring watch event of type %r", handler.name, event_type)
         return new_version

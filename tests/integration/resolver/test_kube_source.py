@@ -8,6 +8,7 @@ import asyncio
 import logging
 import random
 from collections.abc import Callable
+from datetime import UTC, datetime
 
 import pytest
 
@@ -497,3 +498,19 @@ async def test_a_watch_cancelled_while_opening_closes_its_response_once_open(kub
     finally:
         release.set()
         source._executor.shutdown(wait=True)
+
+
+async def test_freshness_is_that_of_the_stalest_kind(kubeapi):
+    """Fresh news about Services and Routes must not make stale endpoints look current."""
+    async with Running(kubeapi) as running:
+        assert running.store.last_sync()[1] is not None
+        await asyncio.sleep(0.05)
+        before = datetime.now(UTC)
+        kubeapi.create(service("moved"))
+        kubeapi.create(route("r1", "a.example.com"))
+        await until(lambda: running.store.get_service("default", "moved"), "the service")
+        await until(lambda: running.store.get_route("default", "r1"), "the route")
+        # EndpointSlices were last confirmed before `before`: so is the whole source.
+        assert running.store.last_sync()[1] < before
+        kubeapi.create(endpoint_slice("s1", "moved", [endpoint("10.0.0.1")]))
+        await until(lambda: running.store.last_sync()[1] >= before, "every kind confirmed")
