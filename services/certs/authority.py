@@ -34,7 +34,7 @@ import itertools
 import json
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 
 from cryptography import x509
@@ -554,11 +554,14 @@ class Authority:
         requested_by: str,
         lifetime: timedelta | None = None,
         public_key: CertificatePublicKey | None = None,
+        extended_usages: Sequence[x509.ObjectIdentifier] = (),
     ) -> Issued:
         """Sign `csr` with the active CA. Policy checks are the caller's (see policy.py).
 
         `public_key`: what `check_csr(csr)` returned, when the caller already ran
         it (parsing and verifying the key twice is a third of the signing cost).
+        `extended_usages`: the leaf's extended key usages; empty: serverAuth and
+        clientAuth, what every Waygate process needs.
         """
         if lifetime is None:
             lifetime = self.config.default_lifetime
@@ -594,7 +597,12 @@ class Authority:
                 else _LEAF_KEY_USAGE,
                 critical=True,
             )
-            .add_extension(_LEAF_EXTENDED_KEY_USAGE, critical=False)
+            .add_extension(
+                x509.ExtendedKeyUsage(list(extended_usages))
+                if extended_usages
+                else _LEAF_EXTENDED_KEY_USAGE,
+                critical=False,
+            )
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False)
             .add_extension(ca.aki, critical=False)
             # The subject is empty (identities live in the SANs), so RFC 5280 makes the SAN critical.

@@ -56,6 +56,7 @@ from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
+from cryptography.x509.oid import ExtendedKeyUsageOID
 from prometheus_client import Counter
 
 from waygate.certs.auth import Caller
@@ -77,7 +78,18 @@ SIGNER_TUNNEL_AGENT = "waygate.io/tunnel-agent"
 SIGNER_TUNNEL_SERVER = "waygate.io/tunnel-server"
 SIGNERS = (SIGNER_WORKLOAD, SIGNER_TUNNEL_AGENT, SIGNER_TUNNEL_SERVER)
 
-ALLOWED_USAGES = ("digital signature", "key encipherment", "server auth", "client auth")
+#: What each signer may put in a certificate: an agent only dials out (client), a
+#: tunnel server serves agents and reports to the resolver, a workload may do both.
+SIGNER_USAGES = {
+    SIGNER_WORKLOAD: ("digital signature", "key encipherment", "server auth", "client auth"),
+    SIGNER_TUNNEL_AGENT: ("digital signature", "key encipherment", "client auth"),
+    SIGNER_TUNNEL_SERVER: ("digital signature", "key encipherment", "server auth", "client auth"),
+}
+#: Kubernetes usage names -> the extended key usages the leaf carries.
+EXTENDED_USAGES = {
+    "server auth": ExtendedKeyUsageOID.SERVER_AUTH,
+    "client auth": ExtendedKeyUsageOID.CLIENT_AUTH,
+}
 #: The API server refuses a shorter spec.expirationSeconds; never issue below it.
 MIN_LIFETIME = timedelta(seconds=600)
 
@@ -104,6 +116,8 @@ class Verdict:
     csr: x509.CertificateSigningRequest | None = None
     identity: str = ""
     lifetime: timedelta | None = None
+    #: The leaf's extended key usages: exactly the requested server/client auth.
+    extended_usages: tuple[x509.ObjectIdentifier, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +192,9 @@ def review(obj: JSON, rules: SignerRules) -> Verdict:
         csr=csr,
         identity=judged,
         lifetime=_lifetime(spec.get("expirationSeconds"), rules.max_lifetime),
+        extended_usages=tuple(
+            oid for usage, oid in EXTENDED_USAGES.items() if usage in (spec.get("usages") or ())
+        ),
     )
 
 
@@ -203,13 +220,18 @@ def _judge(
 ) -> str | _Refusal:
     """The identity to issue for, or why not."""
     usages = spec.get("usages") or []
+    allowed_usages = SIGNER_USAGES[signer]
     for usage in usages:
-        if usage not in ALLOWED_USAGES:
+        if usage not in allowed_usages:
             return _Refusal(
                 "ForbiddenUsage",
                 f"usage {usage!r} is not allowed by {signer} "
-                f"(allowed: {', '.join(ALLOWED_USAGES)})",
+                f"(allowed: {', '.join(allowed_usages)})",
             )
+    if not any(usage in EXTENDED_USAGES for usage in usages):
+        return _Refusal(
+            "ForbiddenUsage", "the CSR asks for neither 'server auth' nor 'client auth'"
+        )
     username = spec.get("username")
     if not isinstance(username, str) or not username:
         return _Refusal("UnknownRequester", "spec.username is empty: the requester is unknown")
@@ -548,6 +570,7 @@ class CSRController:
                 identity=verdict.identity,
                 requested_by=f"{(obj.get('spec') or {}).get('username')} (CSR {name})",
                 lifetime=verdict.lifetime,
+                extended_usages=verdict.extended_usages,
             )
         except (InvalidArgument, PermissionDenied) as exc:
             # The CA refuses this request for good; retrying cannot help.

@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
+from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from tests.support.kubeapi_certs import (
     csr_object,
@@ -217,8 +218,9 @@ def test_tunnel_server_signer_refuses_other_service_accounts() -> None:
     assert review(obj, unconfigured).action is Action.DENY
 
 
-@pytest.mark.parametrize("usage", ["cert sign", "crl sign", "any", "code signing"])
+@pytest.mark.parametrize("usage", ["cert sign", "crl sign", "any", "code signing", "server auth"])
 def test_forbidden_usage_is_denied_naming_it(usage: str) -> None:
+    """An agent only dials out: even "server auth" is refused to it."""
     verdict = review(agent_csr(usages=("digital signature", usage)), RULES)
     assert verdict.action is Action.DENY
     assert verdict.reason == "ForbiddenUsage"
@@ -339,3 +341,25 @@ def test_a_csr_with_a_duplicate_extension_fails_instead_of_being_retried() -> No
     verdict = review(obj, RULES)
     assert verdict.action is Action.FAIL
     assert "extensions do not parse" in verdict.message
+
+
+def test_the_leaf_carries_exactly_the_requested_auth_usages() -> None:
+    agent = review(agent_csr(usages=("digital signature", "client auth")), RULES)
+    assert agent.action is Action.APPROVE
+    assert agent.extended_usages == (ExtendedKeyUsageOID.CLIENT_AUTH,)
+    workload = csr_object(
+        "web",
+        signer=SIGNER_WORKLOAD,
+        request=make_csr("uri:spiffe://cluster.test/ns/shop/sa/web", "dns:web.shop.svc"),
+        user=service_account_user("shop", "web"),
+        usages=("digital signature", "server auth"),
+    )
+    verdict = review(workload, RULES)
+    assert verdict.action is Action.APPROVE
+    assert verdict.extended_usages == (ExtendedKeyUsageOID.SERVER_AUTH,)
+
+
+def test_a_csr_without_server_or_client_auth_is_denied() -> None:
+    verdict = review(agent_csr(usages=("digital signature",)), RULES)
+    assert verdict.action is Action.DENY
+    assert "neither 'server auth' nor 'client auth'" in verdict.message
