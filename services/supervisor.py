@@ -178,6 +178,7 @@ class UpContext:
 
 # Looked up once, here: between fork and exec (where `_die_with_parent` runs, in
 # a process that has threads) only the bare call is safe, not a library load.
+_prctl: Callable[..., int] | None
 try:
     _prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
 except (OSError, AttributeError):  # not glibc Linux: children rely on the clean stop only

@@ -93,7 +93,7 @@ def peer_identities(context: grpc.aio.ServicerContext) -> tuple[str, ...]:
     Read from the certificate itself: gRPC's own SAN property does not carry
     URI SANs in every version.
     """
-    pems = context.auth_context().get("x509_pem_cert")
+    pems = list(context.auth_context().get("x509_pem_cert") or ())
     if not pems:
         return ()
     try:
