@@ -4,7 +4,7 @@ A `GrpcServer` is a `grpc.aio` server with:
 - `grpc.health.v1.Health`, NOT_SERVING for every service until the process
   declares itself ready, and again from the moment it starts draining;
 - server reflection, so generic clients (grpcurl, Postman) can call it;
-- one boundary interceptor that opens the SERVER span (W3C context from the
+- one boundary around every handler (wrapped once, at registration) that opens the SERVER span (W3C context from the
   metadata), counts the call in Prometheus, and maps domain errors
   (`waygate.core.errors`) to status codes with their message. Any other
   exception is logged with its traceback and becomes INTERNAL with a short
@@ -20,13 +20,13 @@ import asyncio
 import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import Counter, Histogram
@@ -238,31 +238,50 @@ def _code_of(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
     return code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.OK
 
 
-class BoundaryInterceptor(grpc.aio.ServerInterceptor):
-    """Span, metrics and error mapping around every handler.
+class _BoundaryGenericHandler(grpc.GenericRpcHandler):
+    """A generic handler whose methods come wrapped in the boundary (built once per method)."""
 
-    The wrapped handler of a method is built once and reused: per call, only
-    the span, the metric updates and the call itself remain.
-    """
-
-    def __init__(self) -> None:
+    def __init__(self, inner: grpc.GenericRpcHandler) -> None:
+        self._inner = inner
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
-        handler_call_details: grpc.HandlerCallDetails,
+    def service(
+        self, handler_call_details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler | None:
-        handler = await continuation(handler_call_details)
+        handler = self._inner.service(handler_call_details)
         if handler is None:
             return None
-        full_method: str = handler_call_details.method
-        cached = self._wrapped.get(full_method)
-        if cached is not None and cached[0] is handler:
-            return cached[1]
-        wrapped = _MethodBoundary(full_method).wrap(handler)
-        self._wrapped[full_method] = (handler, wrapped)
-        return wrapped
+        method: str = handler_call_details.method
+        cached = self._wrapped.get(method)
+        if cached is None or cached[0] is not handler:
+            cached = self._wrapped[method] = (handler, _MethodBoundary(method).wrap(handler))
+        return cached[1]
+
+
+class _BoundaryRegistrar:
+    """Stands in for the server while servicers register, wrapping every handler once.
+
+    Wrapping at registration rather than with a grpc.aio ServerInterceptor keeps
+    grpc's fast path: an interceptor makes grpc.aio run its interceptor pipeline
+    (extra awaits and tasks) on every call, measured at a third of a small call.
+    """
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self._server = server
+
+    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
+        self._server.add_generic_rpc_handlers(tuple(_BoundaryGenericHandler(h) for h in handlers))
+
+    def add_registered_method_handlers(
+        self, service: str, handlers: dict[str, grpc.RpcMethodHandler]
+    ) -> None:
+        self._server.add_registered_method_handlers(
+            service,
+            {name: _MethodBoundary(f"/{service}/{name}").wrap(h) for name, h in handlers.items()},
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._server, name)
 
 
 class GrpcServer:
@@ -284,7 +303,6 @@ class GrpcServer:
         self.service_names = tuple(r.name for r in registrations)
         self.health = health.aio.HealthServicer()
         self._server = grpc.aio.server(
-            interceptors=[BoundaryInterceptor()],
             maximum_concurrent_rpcs=max_concurrent_rpcs,
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
@@ -298,11 +316,17 @@ class GrpcServer:
                 ("grpc.so_reuseport", 0),
             ],
         )
+        registrar: Any = _BoundaryRegistrar(self._server)
         for registration in registrations:
-            registration.add_to_server(registration.servicer, self._server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        reflection.enable_server_reflection(
-            (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
+            registration.add_to_server(registration.servicer, registrar)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, registrar)
+        # What enable_server_reflection does for an aio server (it cannot tell the
+        # registrar is one).
+        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+            reflection.aio.ReflectionServicer(
+                (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)
+            ),
+            registrar,
         )
         self.port = 0
 
