@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tests.unit.core.test_rotation_ca import LocalCA
 from waygate.core.errors import FailedPrecondition
 from waygate.core.grpcserver import GrpcServer
-from waygate.core.rotation import CertificateRotator, save_certificate
+from waygate.core.rotation import CertificateRotator, HeldCertificate, save_certificate
 from waygate.core.runtime import ServiceProcess
 from waygate.core.settings import GrpcServerSettings, load_settings
 
@@ -73,21 +73,26 @@ async def refused(port: int, ca_pem: bytes) -> bool:
     return False
 
 
-async def test_static_tls_files_still_serve_mtls(tmp_path: Path) -> None:
+async def static_tls(
+    tmp_path: Path, identity: str, *, client_ca: bool = True
+) -> tuple[LocalCA, HeldCertificate, GrpcServerSettings]:
+    """A CA, a certificate from it in key.pem/cert.pem, and settings serving them."""
     ca = LocalCA()
-    held = await CertificateRotator(ca, "resolver.waygate.local", ["ip:127.0.0.1"]).obtain()
+    held = await CertificateRotator(ca, identity, ["ip:127.0.0.1"]).obtain()
     save_certificate(held, tmp_path / "key.pem", tmp_path / "cert.pem")
     (tmp_path / "ca.pem").write_bytes(ca.pem)
-    settings = load_settings(
-        GrpcServerSettings,
-        flags={
-            "tls_cert_file": str(tmp_path / "cert.pem"),
-            "tls_key_file": str(tmp_path / "key.pem"),
-            "tls_client_ca_file": str(tmp_path / "ca.pem"),
-            "shutdown_grace": "1s",
-        },
-        env={},
-    )
+    flags = {
+        "tls_cert_file": str(tmp_path / "cert.pem"),
+        "tls_key_file": str(tmp_path / "key.pem"),
+        "shutdown_grace": "1s",
+    }
+    if client_ca:
+        flags["tls_client_ca_file"] = str(tmp_path / "ca.pem")
+    return ca, held, load_settings(GrpcServerSettings, flags=flags, env={})
+
+
+async def test_static_tls_files_still_serve_mtls(tmp_path: Path) -> None:
+    ca, _, settings = await static_tls(tmp_path, "resolver.waygate.local")
 
     async def body(process: ServiceProcess, port: int) -> dict:
         channels = await process.client_channel(f"127.0.0.1:{port}")
@@ -182,20 +187,7 @@ async def test_https_listener_context_follows_the_certificate_from_certs(certs) 
 
 
 async def test_https_listener_context_from_static_files(tmp_path: Path) -> None:
-    ca = LocalCA()
-    held = await CertificateRotator(ca, "proxy.waygate.local", ["ip:127.0.0.1"]).obtain()
-    save_certificate(held, tmp_path / "key.pem", tmp_path / "cert.pem")
-    (tmp_path / "ca.pem").write_bytes(ca.pem)
-    settings = load_settings(
-        GrpcServerSettings,
-        flags={
-            "tls_cert_file": str(tmp_path / "cert.pem"),
-            "tls_key_file": str(tmp_path / "key.pem"),
-            "tls_client_ca_file": str(tmp_path / "ca.pem"),
-            "shutdown_grace": "1s",
-        },
-        env={},
-    )
+    ca, held, settings = await static_tls(tmp_path, "proxy.waygate.local")
 
     async def body(process: ServiceProcess, _port: int) -> dict:
         context = await process.server_ssl_context()
@@ -215,17 +207,7 @@ async def test_static_tls_without_a_client_ca_refuses_to_serve_a_client_auth_ser
 ) -> None:
     """mTLS is never dropped silently: a service that requires client certificates
     and has no CA to check them against does not start."""
-    ca = LocalCA()
-    held = await CertificateRotator(ca, "resolver.waygate.local", ["ip:127.0.0.1"]).obtain()
-    save_certificate(held, tmp_path / "key.pem", tmp_path / "cert.pem")
-    settings = load_settings(
-        GrpcServerSettings,
-        flags={
-            "tls_cert_file": str(tmp_path / "cert.pem"),
-            "tls_key_file": str(tmp_path / "key.pem"),
-        },
-        env={},
-    )
+    _, _, settings = await static_tls(tmp_path, "resolver.waygate.local", client_ca=False)
     process = ServiceProcess("resolver", settings)
 
     async def setup(p: ServiceProcess) -> None:
