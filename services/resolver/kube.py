@@ -146,14 +146,30 @@ class _Services(_Handler):
         self.store.replace_source(SOURCE, services=_valid(convert.service_from, items))
 
     def apply(self, event_type: str, obj: JSON) -> None:
-        namespace, name = convert.object_key(obj)
-        if event_type != "DELETED":
-            try:
-                self.store.upsert_service(convert.service_from(obj), source=SOURCE)
-                return
-            except InvalidArgument as exc:
-                log.warning("skipping invalid Service: %s", exc)
-        self.store.delete_service(namespace, name, source=SOURCE)
+        _upsert_or_delete(
+            event_type, obj, "Service", convert.service_from,
+            self.store.upsert_service, self.store.delete_service,
+        )  # fmt: skip
+
+
+def _upsert_or_delete(
+    event_type: str,
+    obj: JSON,
+    kind: str,
+    convert_object: Callable[[JSON], Any],
+    upsert: Callable[..., None],
+    delete: Callable[..., None],
+) -> None:
+    """Apply one watch event for a keyed kind. An object that became invalid is
+    removed, so the store never keeps a state the API no longer has."""
+    namespace, name = convert.object_key(obj)
+    if event_type != "DELETED":
+        try:
+            upsert(convert_object(obj), source=SOURCE)
+            return
+        except InvalidArgument as exc:
+            log.warning("skipping invalid %s: %s", kind, exc)
+    delete(namespace, name, source=SOURCE)
 
 
 class _Routes(_Handler):
@@ -178,14 +194,10 @@ class _Routes(_Handler):
         self.store.replace_source(SOURCE, routes=_valid(convert.route_from, items))
 
     def apply(self, event_type: str, obj: JSON) -> None:
-        namespace, name = convert.object_key(obj)
-        if event_type != "DELETED":
-            try:
-                self.store.upsert_route(convert.route_from(obj), source=SOURCE)
-                return
-            except InvalidArgument as exc:
-                log.warning("skipping invalid Route: %s", exc)
-        self.store.delete_route(namespace, name, source=SOURCE)
+        _upsert_or_delete(
+            event_type, obj, "Route", convert.route_from,
+            self.store.upsert_route, self.store.delete_route,
+        )  # fmt: skip
 
 
 class _EndpointSlices(_Handler):
