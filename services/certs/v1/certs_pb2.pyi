@@ -97,12 +97,16 @@ class RotateCAResponse(_message.Message):
     def __init__(self, new_authority: _Optional[_Union[CertificateAuthority, _Mapping]] = ..., signing_switch_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., old_retire_after: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., bundle: _Optional[_Union[TrustBundle, _Mapping]] = ...) -> None: ...
 
 class ListIssuedRequest(_message.Message):
-    __slots__ = ("identity", "include_expired")
+    __slots__ = ("identity", "include_expired", "page_size", "page_token")
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     identity: str
     include_expired: bool
-    def __init__(self, identity: _Optional[str] = ..., include_expired: _Optional[bool] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    def __init__(self, identity: _Optional[str] = ..., include_expired: _Optional[bool] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class IssuedCertificate(_message.Message):
     __slots__ = ("serial", "identity", "dns_names", "uris", "not_before", "not_after", "issuer_fingerprint_sha256", "requested_by")
@@ -125,7 +129,11 @@ class IssuedCertificate(_message.Message):
     def __init__(self, serial: _Optional[str] = ..., identity: _Optional[str] = ..., dns_names: _Optional[_Iterable[str]] = ..., uris: _Optional[_Iterable[str]] = ..., not_before: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., not_after: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., issuer_fingerprint_sha256: _Optional[str] = ..., requested_by: _Optional[str] = ...) -> None: ...
 
 class ListIssuedResponse(_message.Message):
-    __slots__ = ("certificates",)
+    __slots__ = ("certificates", "next_page_token", "replica")
     CERTIFICATES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     certificates: _containers.RepeatedCompositeFieldContainer[IssuedCertificate]
-    def __init__(self, certificates: _Optional[_Iterable[_Union[IssuedCertificate, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    replica: str
+    def __init__(self, certificates: _Optional[_Iterable[_Union[IssuedCertificate, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., replica: _Optional[str] = ...) -> None: ...

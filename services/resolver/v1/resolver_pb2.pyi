@@ -41,6 +41,21 @@ class BalancePolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BALANCE_POLICY_LEAST_CONN: _ClassVar[BalancePolicy]
     BALANCE_POLICY_SOURCE: _ClassVar[BalancePolicy]
 
+class SameSite(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SAME_SITE_UNSPECIFIED: _ClassVar[SameSite]
+    SAME_SITE_LAX: _ClassVar[SameSite]
+    SAME_SITE_STRICT: _ClassVar[SameSite]
+    SAME_SITE_NONE: _ClassVar[SameSite]
+
+class ForwardedHeadersMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FORWARDED_HEADERS_MODE_UNSPECIFIED: _ClassVar[ForwardedHeadersMode]
+    FORWARDED_HEADERS_MODE_APPEND: _ClassVar[ForwardedHeadersMode]
+    FORWARDED_HEADERS_MODE_REPLACE: _ClassVar[ForwardedHeadersMode]
+    FORWARDED_HEADERS_MODE_IF_NONE: _ClassVar[ForwardedHeadersMode]
+    FORWARDED_HEADERS_MODE_NEVER: _ClassVar[ForwardedHeadersMode]
+
 class PickPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PICK_POLICY_UNSPECIFIED: _ClassVar[PickPolicy]
@@ -73,6 +88,15 @@ BALANCE_POLICY_RANDOM: BalancePolicy
 BALANCE_POLICY_ROUND_ROBIN: BalancePolicy
 BALANCE_POLICY_LEAST_CONN: BalancePolicy
 BALANCE_POLICY_SOURCE: BalancePolicy
+SAME_SITE_UNSPECIFIED: SameSite
+SAME_SITE_LAX: SameSite
+SAME_SITE_STRICT: SameSite
+SAME_SITE_NONE: SameSite
+FORWARDED_HEADERS_MODE_UNSPECIFIED: ForwardedHeadersMode
+FORWARDED_HEADERS_MODE_APPEND: ForwardedHeadersMode
+FORWARDED_HEADERS_MODE_REPLACE: ForwardedHeadersMode
+FORWARDED_HEADERS_MODE_IF_NONE: ForwardedHeadersMode
+FORWARDED_HEADERS_MODE_NEVER: ForwardedHeadersMode
 PICK_POLICY_UNSPECIFIED: PickPolicy
 PICK_POLICY_RANDOM: PickPolicy
 PICK_POLICY_ROUND_ROBIN: PickPolicy
@@ -178,45 +202,67 @@ class RouteBackend(_message.Message):
     def __init__(self, service: _Optional[str] = ..., weight: _Optional[int] = ...) -> None: ...
 
 class RouteTLS(_message.Message):
-    __slots__ = ("termination", "certificate", "key", "ca_certificate", "destination_ca_certificate", "insecure_edge_termination_policy")
+    __slots__ = ("termination", "certificate", "key", "ca_certificate", "destination_ca_certificate", "insecure_edge_termination_policy", "hsts", "client_ca_certificate", "destination_server_name", "present_client_certificate")
     TERMINATION_FIELD_NUMBER: _ClassVar[int]
     CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     CA_CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_CA_CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     INSECURE_EDGE_TERMINATION_POLICY_FIELD_NUMBER: _ClassVar[int]
+    HSTS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_CA_CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_SERVER_NAME_FIELD_NUMBER: _ClassVar[int]
+    PRESENT_CLIENT_CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     termination: TLSTermination
     certificate: str
     key: str
     ca_certificate: str
     destination_ca_certificate: str
     insecure_edge_termination_policy: InsecureEdgePolicy
-    def __init__(self, termination: _Optional[_Union[TLSTermination, str]] = ..., certificate: _Optional[str] = ..., key: _Optional[str] = ..., ca_certificate: _Optional[str] = ..., destination_ca_certificate: _Optional[str] = ..., insecure_edge_termination_policy: _Optional[_Union[InsecureEdgePolicy, str]] = ...) -> None: ...
+    hsts: HSTS
+    client_ca_certificate: str
+    destination_server_name: str
+    present_client_certificate: bool
+    def __init__(self, termination: _Optional[_Union[TLSTermination, str]] = ..., certificate: _Optional[str] = ..., key: _Optional[str] = ..., ca_certificate: _Optional[str] = ..., destination_ca_certificate: _Optional[str] = ..., insecure_edge_termination_policy: _Optional[_Union[InsecureEdgePolicy, str]] = ..., hsts: _Optional[_Union[HSTS, _Mapping]] = ..., client_ca_certificate: _Optional[str] = ..., destination_server_name: _Optional[str] = ..., present_client_certificate: _Optional[bool] = ...) -> None: ...
+
+class HSTS(_message.Message):
+    __slots__ = ("max_age", "include_subdomains", "preload")
+    MAX_AGE_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_SUBDOMAINS_FIELD_NUMBER: _ClassVar[int]
+    PRELOAD_FIELD_NUMBER: _ClassVar[int]
+    max_age: _duration_pb2.Duration
+    include_subdomains: bool
+    preload: bool
+    def __init__(self, max_age: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., include_subdomains: _Optional[bool] = ..., preload: _Optional[bool] = ...) -> None: ...
 
 class StickySessions(_message.Message):
-    __slots__ = ("disable_cookies", "cookie_name")
+    __slots__ = ("disable_cookies", "cookie_name", "same_site")
     DISABLE_COOKIES_FIELD_NUMBER: _ClassVar[int]
     COOKIE_NAME_FIELD_NUMBER: _ClassVar[int]
+    SAME_SITE_FIELD_NUMBER: _ClassVar[int]
     disable_cookies: bool
     cookie_name: str
-    def __init__(self, disable_cookies: _Optional[bool] = ..., cookie_name: _Optional[str] = ...) -> None: ...
+    same_site: SameSite
+    def __init__(self, disable_cookies: _Optional[bool] = ..., cookie_name: _Optional[str] = ..., same_site: _Optional[_Union[SameSite, str]] = ...) -> None: ...
 
 class RouteTimeouts(_message.Message):
-    __slots__ = ("connect", "client", "server", "http_request", "tunnel")
+    __slots__ = ("connect", "client", "server", "http_request", "tunnel", "keep_alive")
     CONNECT_FIELD_NUMBER: _ClassVar[int]
     CLIENT_FIELD_NUMBER: _ClassVar[int]
     SERVER_FIELD_NUMBER: _ClassVar[int]
     HTTP_REQUEST_FIELD_NUMBER: _ClassVar[int]
     TUNNEL_FIELD_NUMBER: _ClassVar[int]
+    KEEP_ALIVE_FIELD_NUMBER: _ClassVar[int]
     connect: _duration_pb2.Duration
     client: _duration_pb2.Duration
     server: _duration_pb2.Duration
     http_request: _duration_pb2.Duration
     tunnel: _duration_pb2.Duration
-    def __init__(self, connect: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., client: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., server: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., http_request: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tunnel: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    keep_alive: _duration_pb2.Duration
+    def __init__(self, connect: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., client: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., server: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., http_request: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tunnel: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., keep_alive: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class Route(_message.Message):
-    __slots__ = ("namespace", "name", "host", "path", "backends", "target_port", "tls", "balance", "sticky", "timeouts", "auth_proxy_headers")
+    __slots__ = ("namespace", "name", "host", "path", "backends", "target_port", "tls", "balance", "sticky", "timeouts", "auth_proxy_headers", "forwarded_headers")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -228,6 +274,7 @@ class Route(_message.Message):
     STICKY_FIELD_NUMBER: _ClassVar[int]
     TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
     AUTH_PROXY_HEADERS_FIELD_NUMBER: _ClassVar[int]
+    FORWARDED_HEADERS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     name: str
     host: str
@@ -239,7 +286,8 @@ class Route(_message.Message):
     sticky: StickySessions
     timeouts: RouteTimeouts
     auth_proxy_headers: bool
-    def __init__(self, namespace: _Optional[str] = ..., name: _Optional[str] = ..., host: _Optional[str] = ..., path: _Optional[str] = ..., backends: _Optional[_Iterable[_Union[RouteBackend, _Mapping]]] = ..., target_port: _Optional[str] = ..., tls: _Optional[_Union[RouteTLS, _Mapping]] = ..., balance: _Optional[_Union[BalancePolicy, str]] = ..., sticky: _Optional[_Union[StickySessions, _Mapping]] = ..., timeouts: _Optional[_Union[RouteTimeouts, _Mapping]] = ..., auth_proxy_headers: _Optional[bool] = ...) -> None: ...
+    forwarded_headers: ForwardedHeadersMode
+    def __init__(self, namespace: _Optional[str] = ..., name: _Optional[str] = ..., host: _Optional[str] = ..., path: _Optional[str] = ..., backends: _Optional[_Iterable[_Union[RouteBackend, _Mapping]]] = ..., target_port: _Optional[str] = ..., tls: _Optional[_Union[RouteTLS, _Mapping]] = ..., balance: _Optional[_Union[BalancePolicy, str]] = ..., sticky: _Optional[_Union[StickySessions, _Mapping]] = ..., timeouts: _Optional[_Union[RouteTimeouts, _Mapping]] = ..., auth_proxy_headers: _Optional[bool] = ..., forwarded_headers: _Optional[_Union[ForwardedHeadersMode, str]] = ...) -> None: ...
 
 class RouteRef(_message.Message):
     __slots__ = ("namespace", "name")
@@ -308,24 +356,28 @@ class ResolveResponse(_message.Message):
     def __init__(self, service: _Optional[_Union[Service, _Mapping]] = ..., targets: _Optional[_Iterable[_Union[Target, _Mapping]]] = ..., picked: _Optional[_Union[Target, _Mapping]] = ..., version: _Optional[int] = ..., last_sync: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ("resume_from_version", "kinds")
+    __slots__ = ("resume_from_version", "kinds", "resume_epoch")
     RESUME_FROM_VERSION_FIELD_NUMBER: _ClassVar[int]
     KINDS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_EPOCH_FIELD_NUMBER: _ClassVar[int]
     resume_from_version: int
     kinds: _containers.RepeatedScalarFieldContainer[ResourceKind]
-    def __init__(self, resume_from_version: _Optional[int] = ..., kinds: _Optional[_Iterable[_Union[ResourceKind, str]]] = ...) -> None: ...
+    resume_epoch: int
+    def __init__(self, resume_from_version: _Optional[int] = ..., kinds: _Optional[_Iterable[_Union[ResourceKind, str]]] = ..., resume_epoch: _Optional[int] = ...) -> None: ...
 
 class Snapshot(_message.Message):
-    __slots__ = ("services", "endpoints", "routes", "tunnels")
+    __slots__ = ("services", "endpoints", "routes", "tunnels", "more")
     SERVICES_FIELD_NUMBER: _ClassVar[int]
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     ROUTES_FIELD_NUMBER: _ClassVar[int]
     TUNNELS_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     services: _containers.RepeatedCompositeFieldContainer[Service]
     endpoints: _containers.RepeatedCompositeFieldContainer[Endpoint]
     routes: _containers.RepeatedCompositeFieldContainer[Route]
     tunnels: _containers.RepeatedCompositeFieldContainer[TunnelPresence]
-    def __init__(self, services: _Optional[_Iterable[_Union[Service, _Mapping]]] = ..., endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ..., routes: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., tunnels: _Optional[_Iterable[_Union[TunnelPresence, _Mapping]]] = ...) -> None: ...
+    more: bool
+    def __init__(self, services: _Optional[_Iterable[_Union[Service, _Mapping]]] = ..., endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ..., routes: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., tunnels: _Optional[_Iterable[_Union[TunnelPresence, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class Change(_message.Message):
     __slots__ = ("service_upserted", "service_deleted", "endpoint_upserted", "endpoint_deleted", "route_upserted", "route_deleted", "tunnel_presence")
@@ -356,32 +408,40 @@ class Changes(_message.Message):
     def __init__(self, from_version: _Optional[int] = ..., changes: _Optional[_Iterable[_Union[Change, _Mapping]]] = ..., coalesced: _Optional[bool] = ...) -> None: ...
 
 class WatchEvent(_message.Message):
-    __slots__ = ("version", "last_sync", "source", "snapshot", "changes")
+    __slots__ = ("version", "last_sync", "source", "snapshot", "changes", "epoch")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LAST_SYNC_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     CHANGES_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     version: int
     last_sync: _timestamp_pb2.Timestamp
     source: str
     snapshot: Snapshot
     changes: Changes
-    def __init__(self, version: _Optional[int] = ..., last_sync: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., source: _Optional[str] = ..., snapshot: _Optional[_Union[Snapshot, _Mapping]] = ..., changes: _Optional[_Union[Changes, _Mapping]] = ...) -> None: ...
+    epoch: int
+    def __init__(self, version: _Optional[int] = ..., last_sync: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., source: _Optional[str] = ..., snapshot: _Optional[_Union[Snapshot, _Mapping]] = ..., changes: _Optional[_Union[Changes, _Mapping]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ListRoutesRequest(_message.Message):
-    __slots__ = ("namespace",)
+    __slots__ = ("namespace", "page_size", "page_token")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     namespace: str
-    def __init__(self, namespace: _Optional[str] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    def __init__(self, namespace: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListRoutesResponse(_message.Message):
-    __slots__ = ("routes", "version")
+    __slots__ = ("routes", "version", "next_page_token")
     ROUTES_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     routes: _containers.RepeatedCompositeFieldContainer[Route]
     version: int
-    def __init__(self, routes: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., version: _Optional[int] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, routes: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., version: _Optional[int] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class ApplyRouteRequest(_message.Message):
     __slots__ = ("route",)

@@ -83,7 +83,11 @@ class ResolverServicer:
     def Watch(self, request, context):
         """Stream the whole view: one Snapshot first, then ordered Changes. A client
         that falls behind receives coalesced Changes (latest state per key), and a
-        client whose resume version is too old receives a fresh Snapshot.
+        client whose resume version is too old, or whose resume epoch is not this
+        replica's, receives a fresh Snapshot. A snapshot of any size is sent as a
+        sequence of bounded Snapshot events (see Snapshot.more). Clients whose
+        certificate identity is not a route reader receive routes with tls.key
+        empty (redacted), as every plaintext client does.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
