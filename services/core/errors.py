@@ -49,3 +49,23 @@ class ResourceExhausted(WaygateError):
 
 class DeadlineExceeded(WaygateError):
     status = "DEADLINE_EXCEEDED"
+
+
+#: How much of a caller-supplied value a log line or an error message repeats.
+EXCERPT_LIMIT = 64
+
+
+def excerpt(value: str | bytes, limit: int = EXCERPT_LIMIT) -> str:
+    """A caller-supplied value made safe to repeat in a log line or an error message.
+
+    Hostile callers send megabytes under a name field and control characters
+    that forge log lines; what we repeat is a quoted prefix of at most `limit`
+    characters (escapes included), with the full length when it was cut.
+    """
+    text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+    head = repr(text[:limit])
+    if len(head) > limit + 2:
+        head = head[: limit + 1] + head[0]
+    if len(text) > limit:
+        return f"{head}... ({len(text)} characters)"
+    return head
