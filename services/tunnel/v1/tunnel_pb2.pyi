@@ -21,6 +21,17 @@ class PacketType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CLOSE_RSP: _ClassVar[PacketType]
     DRAIN: _ClassVar[PacketType]
     WINDOW_UPDATE: _ClassVar[PacketType]
+    SERVER_INFO: _ClassVar[PacketType]
+
+class RefusalReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REFUSAL_REASON_UNSPECIFIED: _ClassVar[RefusalReason]
+    NOT_ALLOWED: _ClassVar[RefusalReason]
+    UNREACHABLE: _ClassVar[RefusalReason]
+    NO_AGENT: _ClassVar[RefusalReason]
+    TIMEOUT: _ClassVar[RefusalReason]
+    DRAINING: _ClassVar[RefusalReason]
+    INVALID: _ClassVar[RefusalReason]
 PACKET_TYPE_UNSPECIFIED: PacketType
 DIAL_REQ: PacketType
 DIAL_RSP: PacketType
@@ -29,9 +40,17 @@ CLOSE_REQ: PacketType
 CLOSE_RSP: PacketType
 DRAIN: PacketType
 WINDOW_UPDATE: PacketType
+SERVER_INFO: PacketType
+REFUSAL_REASON_UNSPECIFIED: RefusalReason
+NOT_ALLOWED: RefusalReason
+UNREACHABLE: RefusalReason
+NO_AGENT: RefusalReason
+TIMEOUT: RefusalReason
+DRAINING: RefusalReason
+INVALID: RefusalReason
 
 class Packet(_message.Message):
-    __slots__ = ("type", "dial_request", "dial_response", "data", "close_request", "close_response", "drain", "window_update")
+    __slots__ = ("type", "dial_request", "dial_response", "data", "close_request", "close_response", "drain", "window_update", "server_info")
     TYPE_FIELD_NUMBER: _ClassVar[int]
     DIAL_REQUEST_FIELD_NUMBER: _ClassVar[int]
     DIAL_RESPONSE_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +59,7 @@ class Packet(_message.Message):
     CLOSE_RESPONSE_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
     WINDOW_UPDATE_FIELD_NUMBER: _ClassVar[int]
+    SERVER_INFO_FIELD_NUMBER: _ClassVar[int]
     type: PacketType
     dial_request: DialRequest
     dial_response: DialResponse
@@ -48,7 +68,8 @@ class Packet(_message.Message):
     close_response: CloseResponse
     drain: Drain
     window_update: WindowUpdate
-    def __init__(self, type: _Optional[_Union[PacketType, str]] = ..., dial_request: _Optional[_Union[DialRequest, _Mapping]] = ..., dial_response: _Optional[_Union[DialResponse, _Mapping]] = ..., data: _Optional[_Union[Data, _Mapping]] = ..., close_request: _Optional[_Union[CloseRequest, _Mapping]] = ..., close_response: _Optional[_Union[CloseResponse, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., window_update: _Optional[_Union[WindowUpdate, _Mapping]] = ...) -> None: ...
+    server_info: ServerInfo
+    def __init__(self, type: _Optional[_Union[PacketType, str]] = ..., dial_request: _Optional[_Union[DialRequest, _Mapping]] = ..., dial_response: _Optional[_Union[DialResponse, _Mapping]] = ..., data: _Optional[_Union[Data, _Mapping]] = ..., close_request: _Optional[_Union[CloseRequest, _Mapping]] = ..., close_response: _Optional[_Union[CloseResponse, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., window_update: _Optional[_Union[WindowUpdate, _Mapping]] = ..., server_info: _Optional[_Union[ServerInfo, _Mapping]] = ...) -> None: ...
 
 class DialRequest(_message.Message):
     __slots__ = ("protocol", "address", "random", "timeout", "initial_window", "trace_context")
@@ -74,16 +95,18 @@ class DialRequest(_message.Message):
     def __init__(self, protocol: _Optional[str] = ..., address: _Optional[str] = ..., random: _Optional[int] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., initial_window: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class DialResponse(_message.Message):
-    __slots__ = ("random", "connect_id", "error", "initial_window")
+    __slots__ = ("random", "connect_id", "error", "initial_window", "reason")
     RANDOM_FIELD_NUMBER: _ClassVar[int]
     CONNECT_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     INITIAL_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     random: int
     connect_id: int
     error: str
     initial_window: int
-    def __init__(self, random: _Optional[int] = ..., connect_id: _Optional[int] = ..., error: _Optional[str] = ..., initial_window: _Optional[int] = ...) -> None: ...
+    reason: RefusalReason
+    def __init__(self, random: _Optional[int] = ..., connect_id: _Optional[int] = ..., error: _Optional[str] = ..., initial_window: _Optional[int] = ..., reason: _Optional[_Union[RefusalReason, str]] = ...) -> None: ...
 
 class Data(_message.Message):
     __slots__ = ("connect_id", "data", "eof")
@@ -112,10 +135,20 @@ class CloseResponse(_message.Message):
     def __init__(self, connect_id: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class Drain(_message.Message):
-    __slots__ = ("reason",)
+    __slots__ = ("reason", "grace")
     REASON_FIELD_NUMBER: _ClassVar[int]
+    GRACE_FIELD_NUMBER: _ClassVar[int]
     reason: str
-    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+    grace: _duration_pb2.Duration
+    def __init__(self, reason: _Optional[str] = ..., grace: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class ServerInfo(_message.Message):
+    __slots__ = ("server_id", "replica_ids")
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]
+    server_id: str
+    replica_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, server_id: _Optional[str] = ..., replica_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WindowUpdate(_message.Message):
     __slots__ = ("connect_id", "increment")
@@ -138,22 +171,38 @@ class DialTarget(_message.Message):
     def __init__(self, node: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., connect_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class DialAccepted(_message.Message):
-    __slots__ = ("server_id", "agent_id")
+    __slots__ = ("server_id", "agent_id", "connect_id")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    CONNECT_ID_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     agent_id: str
-    def __init__(self, server_id: _Optional[str] = ..., agent_id: _Optional[str] = ...) -> None: ...
+    connect_id: int
+    def __init__(self, server_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., connect_id: _Optional[int] = ...) -> None: ...
+
+class DialRefused(_message.Message):
+    __slots__ = ("reason", "message", "server_id")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    reason: RefusalReason
+    message: str
+    server_id: str
+    def __init__(self, reason: _Optional[_Union[RefusalReason, str]] = ..., message: _Optional[str] = ..., server_id: _Optional[str] = ...) -> None: ...
 
 class DialFrame(_message.Message):
-    __slots__ = ("target", "accepted", "data")
+    __slots__ = ("target", "accepted", "data", "eof", "refused")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    EOF_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     target: DialTarget
     accepted: DialAccepted
     data: bytes
-    def __init__(self, target: _Optional[_Union[DialTarget, _Mapping]] = ..., accepted: _Optional[_Union[DialAccepted, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    eof: bool
+    refused: DialRefused
+    def __init__(self, target: _Optional[_Union[DialTarget, _Mapping]] = ..., accepted: _Optional[_Union[DialAccepted, _Mapping]] = ..., data: _Optional[bytes] = ..., eof: _Optional[bool] = ..., refused: _Optional[_Union[DialRefused, _Mapping]] = ...) -> None: ...
 
 class ListAgentsRequest(_message.Message):
     __slots__ = ("node",)

@@ -46,10 +46,16 @@ class AgentTunnelServicer:
 
     def Connect(self, request_iterator, context):
         """Opened by an agent; the agent's node name comes from its client
-        certificate, never from what it claims. The server sends DIAL_REQ, the
-        agent answers DIAL_RSP, and both sides then exchange DATA, WINDOW_UPDATE
-        and CLOSE_REQ/CLOSE_RSP for that connection id. DRAIN from either side:
-        no new dials on this stream, existing connections finish.
+        certificate, never from what it claims, and its instance id from the
+        "waygate-agent-id" metadata (random per agent process). The server's
+        first packet is SERVER_INFO (its replica id and the current set of
+        replicas; sent again whenever the set changes). A second stream from the
+        same agent instance to the same replica is closed with ALREADY_EXISTS.
+        The server sends DIAL_REQ, the agent answers DIAL_RSP, and both sides
+        then exchange DATA, WINDOW_UPDATE and CLOSE_REQ/CLOSE_RSP for that
+        connection id. DRAIN from the server: no new dials on this stream,
+        existing connections get Drain.grace, and the agent should connect
+        to the other replicas (it reconnects to this one with backoff).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -130,9 +136,14 @@ class TunnelServicer:
         """One TCP connection to an address on an edge node. The caller's first
         frame is a DialTarget; the server answers DialAccepted once the agent has
         connected, then both sides send bytes. The caller closing its send side
-        half-closes the remote connection. Errors: NOT_FOUND no agent for the
-        node, UNAVAILABLE the agent could not connect, DEADLINE_EXCEEDED the dial
-        timed out, INVALID_ARGUMENT a malformed first frame.
+        (or sending eof) half-closes the remote connection; the remote side's
+        half-close arrives as a frame with eof. A refused dial gets one
+        DialRefused frame (its reason tells whether another replica could do
+        better), then the stream ends with the matching status: NOT_FOUND no
+        agent for the node on this replica, PERMISSION_DENIED not allowed,
+        UNAVAILABLE unreachable from the agent or this replica draining,
+        DEADLINE_EXCEEDED the dial timed out, INVALID_ARGUMENT a malformed first
+        frame. Callers must be allowed by the server's dialer policy.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
