@@ -36,6 +36,10 @@ CLIENT_COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "show a certificate file and how much life it has left",
     ),
     ("tunnel", "agents"): ("waygate.tunnel.commands", "list the agents a tunnel server holds"),
+    ("tunnel", "iptables"): (
+        "waygate.tunnel.iptables",
+        "print (or --apply, until Ctrl-C) DNAT rules steering node traffic to the tunnel front",
+    ),
 }
 
 GROUP_HELP = {
