@@ -201,7 +201,7 @@ def test_restart_refuses_a_key_that_does_not_parse(tmp_path: Path) -> None:
 
 def test_files_without_state_are_not_overwritten(tmp_path: Path) -> None:
     (tmp_path / "ca").mkdir(mode=0o700)
-    (tmp_path / "ca" / "something.cert.pem").write_bytes(b"x")
+    (tmp_path / "ca" / "ca-1.cert.pem").write_bytes(b"x")
     with pytest.raises(FailedPrecondition, match="refusing to create a new CA over it"):
         open_authority(tmp_path / "ca")
 
