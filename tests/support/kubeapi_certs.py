@@ -10,12 +10,13 @@ from the creator's credentials. The stand-in API server
 from __future__ import annotations
 
 import base64
-import ipaddress
 from typing import Any
 
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+
+from tests.support import pki
 
 CSR_API_VERSION = "certificates.k8s.io/v1"
 CSR_KIND = "CertificateSigningRequest"
@@ -23,24 +24,8 @@ CSR_KIND = "CertificateSigningRequest"
 
 def make_csr(*names: str, key: ec.EllipticCurvePrivateKey | None = None) -> bytes:
     """A PEM CSR signed by a new P-256 key (or `key`) asking for "kind:value" SANs."""
-    key = key or ec.generate_private_key(ec.SECP256R1())
-    general: list[x509.GeneralName] = []
-    for name in names:
-        kind, _, value = name.partition(":")
-        if kind == "dns":
-            general.append(x509.DNSName(value))
-        elif kind == "uri":
-            general.append(x509.UniformResourceIdentifier(value))
-        elif kind == "ip":
-            general.append(x509.IPAddress(ipaddress.ip_address(value)))
-        elif kind == "email":
-            general.append(x509.RFC822Name(value))
-        else:
-            raise ValueError(f"unknown SAN kind in {name!r}")
-    builder = x509.CertificateSigningRequestBuilder().subject_name(x509.Name([]))
-    if general:
-        builder = builder.add_extension(x509.SubjectAlternativeName(general), critical=False)
-    return builder.sign(key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
+    csr, _ = pki.make_csr(names, key, critical=False)
+    return csr.public_bytes(serialization.Encoding.PEM)
 
 
 def node_user(node: str) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import signal
 import grpc
 import pytest
 
-from tests.unit.resolver.pki import self_signed
+from tests.support.pki import self_signed
 from waygate.resolver.v1 import resolver_pb2 as pb
 from waygate.resolver.v1 import resolver_pb2_grpc
 

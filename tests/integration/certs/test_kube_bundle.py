@@ -10,6 +10,7 @@ from kubernetes import client
 
 from tests.support.kubeapi import ApiError
 from tests.support.kubeapi import KubeAPI as StandIn
+from tests.support.poll import until
 from waygate.certs.kube_api import KubeAPI
 from waygate.certs.kube_bundle import BUNDLE_KEY, BundlePublisher
 from waygate.core.backoff import Backoff
@@ -31,12 +32,6 @@ async def publisher(standin):
     yield pub
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-
-
-async def until(predicate, timeout=5.0):
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.02)
 
 
 def stored(standin):

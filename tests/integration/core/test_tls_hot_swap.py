@@ -21,7 +21,7 @@ import pytest
 from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.unit.core.test_rotation_ca import LocalCA
+from tests.support.pki import LocalCA
 from waygate.core.grpcserver import GrpcServer, ServiceRegistration
 from waygate.core.rotation import CertificateRotator, HeldCertificate, TrustBundle, TrustStore
 from waygate.core.tls import (

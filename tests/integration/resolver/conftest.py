@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import textwrap
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,16 +84,6 @@ class Resolver:
     tunnels: TunnelRegistry
     stub: resolver_pb2_grpc.ResolverStub
     address: str
-
-
-async def eventually(check: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Wait until `check()` holds, failing after `timeout` seconds (never a hang)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not check():
-        if loop.time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
 
 
 async def start_resolver(

@@ -7,12 +7,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Callable
 from datetime import UTC, datetime
 
 import pytest
 
 from tests.support.kubeapi import KubeAPI
+from tests.support.poll import until
 from waygate.core.settings import SettingsError
 from waygate.resolver.kube import (
     SOURCE,
@@ -24,15 +24,6 @@ from waygate.resolver.kube import (
 from waygate.resolver.store import Store
 
 WAIT = 10.0
-
-
-async def until(predicate: Callable[[], object], what: str, timeout: float = WAIT) -> None:
-    try:
-        async with asyncio.timeout(timeout):
-            while not predicate():
-                await asyncio.sleep(0.01)
-    except TimeoutError:
-        raise AssertionError(f"timed out waiting for {what}") from None
 
 
 def service(name, namespace="default", **spec) -> dict:

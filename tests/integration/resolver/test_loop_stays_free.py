@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.resolver.conftest import eventually, start_resolver
+from tests.integration.resolver.conftest import start_resolver
+from tests.support.poll import until as eventually
 from waygate.resolver import filesource
 from waygate.resolver.v1 import resolver_pb2 as pb
 

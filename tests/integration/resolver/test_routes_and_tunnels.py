@@ -10,8 +10,9 @@ import grpc
 import pytest
 from google.protobuf import duration_pb2
 
-from tests.integration.resolver.conftest import Resolver, eventually, start_resolver
-from tests.unit.resolver.pki import self_signed
+from tests.integration.resolver.conftest import Resolver, start_resolver
+from tests.support.pki import self_signed
+from tests.support.poll import until as eventually
 from waygate.resolver.filesource import FileSource
 from waygate.resolver.store import Store
 from waygate.resolver.v1 import resolver_pb2 as pb

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import grpc
 
-from tests.integration.resolver.conftest import Resolver, eventually, start_resolver
+from tests.integration.resolver.conftest import Resolver, start_resolver
+from tests.support.poll import until as eventually
 from waygate.resolver.model import Endpoint, EndpointPort, Route, RouteBackend, Service, ServicePort
 from waygate.resolver.v1 import resolver_pb2 as pb
 

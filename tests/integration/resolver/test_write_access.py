@@ -1,6 +1,6 @@
 """Write RPCs over real mTLS: only the configured client identities may write.
 
-A real CA (tests.unit.resolver.pki.TestCA, signing with `cryptography`) issues
+A real CA (tests.support.pki.LocalCA, signing with `cryptography`) issues
 the resolver's serving certificate and one client certificate per identity;
 the listener requires client certificates, as `waygate up` and a cluster do.
 """
@@ -14,9 +14,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.integration.resolver.conftest import ROUTES, eventually
+from tests.integration.resolver.conftest import ROUTES
 from tests.integration.resolver.test_routes_and_tunnels import Reporter, route
-from tests.unit.resolver.pki import TestCA
+from tests.support.pki import LocalCA
+from tests.support.poll import until as eventually
 from waygate.core.grpcserver import GrpcServer
 from waygate.resolver.access import WriteAccess
 from waygate.resolver.filesource import FileSource
@@ -37,7 +38,7 @@ class Cluster:
     """A resolver behind an mTLS listener, and clients with chosen identities."""
 
     def __init__(self, tmp_path: Path) -> None:
-        self.ca = TestCA()
+        self.ca = LocalCA()
         self.store = Store()
         path = tmp_path / "routes.yaml"
         path.write_text(ROUTES)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import datetime as dt
-import ipaddress
 from pathlib import Path
 
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ed25519
+from cryptography.hazmat.primitives import serialization
 
+from tests.support import pki
 from waygate.certs.auth import Caller
 from waygate.certs.authority import Authority, AuthorityConfig, generate_key
 from waygate.certs.store import DirectoryCAStore
@@ -34,36 +33,12 @@ class Clock:
         self.time += delta
 
 
-def general_names(names: tuple[str, ...] | list[str]) -> list[x509.GeneralName]:
-    result: list[x509.GeneralName] = []
-    for name in names:
-        kind, _, value = name.partition(":")
-        if kind == "dns":
-            result.append(x509.DNSName(value))
-        elif kind == "uri":
-            result.append(x509.UniformResourceIdentifier(value))
-        elif kind == "ip":
-            result.append(x509.IPAddress(ipaddress.ip_address(value)))
-        elif kind == "email":
-            result.append(x509.RFC822Name(value))
-        else:
-            raise ValueError(name)
-    return result
-
-
 def make_csr(
     names: tuple[str, ...] | list[str] = RESOLVER_SANS,
     key_algorithm: str = "ecdsa-p256",
     key: object | None = None,
 ) -> tuple[x509.CertificateSigningRequest, object]:
-    key = key or generate_key(key_algorithm)
-    builder = x509.CertificateSigningRequestBuilder().subject_name(x509.Name([]))
-    if names:
-        builder = builder.add_extension(
-            x509.SubjectAlternativeName(general_names(names)), critical=True
-        )
-    algorithm = None if isinstance(key, ed25519.Ed25519PrivateKey) else hashes.SHA256()
-    return builder.sign(key, algorithm), key  # type: ignore[arg-type]
+    return pki.make_csr(names, key or generate_key(key_algorithm))
 
 
 def csr_der(

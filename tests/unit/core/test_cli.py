@@ -122,8 +122,10 @@ def test_a_port_in_use_is_one_line_not_a_traceback():
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
+        # The admin port is 0 too: a test never binds a default port (9001 may be busy).
         result = subprocess.run(
-            [sys.executable, "-m", "waygate", "resolver", "serve", "--grpc-port", str(port)],
+            [sys.executable, "-m", "waygate", "resolver", "serve", "--grpc-port", str(port),
+             "--admin-port", "0"],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
     assert result.returncode == 1

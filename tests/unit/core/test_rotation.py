@@ -17,6 +17,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import Encoding
 from prometheus_client import REGISTRY
 
+from tests.support.pki import LocalCA
 from waygate.core import errors
 from waygate.core.backoff import Backoff
 from waygate.core.rotation import (
@@ -29,7 +30,7 @@ from waygate.core.rotation import (
 )
 from waygate.core.sans import parse_san
 
-from .test_rotation_ca import START, FakeClock, LocalCA, TimeUp
+from .test_rotation_ca import START, FakeClock, TimeUp
 
 DAY = dt.timedelta(hours=24)
 IDENTITY = "spiffe://waygate.local/ns/local/sa/resolver"

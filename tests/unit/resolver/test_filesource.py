@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.resolver.pki import self_signed
+from tests.support.pki import self_signed
 from waygate.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from waygate.resolver.filesource import EXAMPLE_ROUTES, FileError, FileSource, parse_routes_file
 from waygate.resolver.model import (

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from tests.unit.resolver.pki import self_signed
+from tests.support.pki import self_signed
 from waygate.core.errors import InvalidArgument
 from waygate.resolver.model import (
     Endpoint,

@@ -1,0 +1,83 @@
+"""The shared test helpers do what they promise: PKI that really chains and handshakes,
+poll-until that fails (never hangs) when its condition never holds."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import stat
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+
+from tests.support.pki import LocalCA, make_csr, self_signed
+from tests.support.poll import until, until_blocking
+
+
+async def test_issued_files_serve_and_verify_a_real_tls_handshake(tmp_path: Path) -> None:
+    ca = LocalCA()
+    server = ca.write_files(tmp_path, dns=("svc.test",), ips=("127.0.0.1",))
+    assert stat.S_IMODE(server.key.stat().st_mode) == 0o600
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_context.load_cert_chain(server.cert, server.key)
+
+    async def hello(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"hi")
+        await writer.drain()
+        writer.close()
+
+    listener = await asyncio.start_server(hello, "127.0.0.1", 0, ssl=server_context)
+    port = listener.sockets[0].getsockname()[1]
+    try:
+        client = ssl.create_default_context(cafile=str(server.ca))
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection("127.0.0.1", port, ssl=client, server_hostname="svc.test"), 5
+        )
+        assert await asyncio.wait_for(reader.read(), 5) == b"hi"
+        writer.close()
+        # A CA the client does not trust fails the handshake.
+        stranger = ssl.create_default_context(cadata=LocalCA(name="other").pem.decode())
+        with pytest.raises(ssl.SSLCertVerificationError):
+            await asyncio.wait_for(
+                asyncio.open_connection(
+                    "127.0.0.1", port, ssl=stranger, server_hostname="svc.test"
+                ),
+                5,
+            )
+    finally:
+        listener.close()
+        await listener.wait_closed()
+
+
+def test_signed_csr_carries_its_names_and_self_signed_names_its_host() -> None:
+    ca = LocalCA()
+    csr, _ = make_csr(["uri:spiffe://waygate.local/ns/a/sa/b", "ip:127.0.0.1"])
+    leaf = ca.sign(csr)
+    leaf.verify_directly_issued_by(ca.certificate)
+    sans = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert sans.get_values_for_type(x509.UniformResourceIdentifier) == [
+        "spiffe://waygate.local/ns/a/sa/b"
+    ]
+    cert, key = self_signed("api.example.com")
+    parsed = x509.load_pem_x509_certificate(cert.encode())
+    assert parsed.extensions.get_extension_for_class(
+        x509.SubjectAlternativeName
+    ).value.get_values_for_type(x509.DNSName) == ["api.example.com"]
+    assert key.startswith("-----BEGIN PRIVATE KEY-----")
+    with pytest.raises(ValueError, match="unknown SAN kind"):
+        make_csr(["smtp:x"])
+
+
+async def test_until_returns_once_true_and_fails_with_what_it_waited_for() -> None:
+    flips = iter([False, False, True])
+    await until(lambda: next(flips), timeout=5)
+    with pytest.raises(AssertionError, match="waiting for the moon"):
+        await until(lambda: False, "the moon", timeout=0.1)
+
+
+def test_until_blocking_fails_after_its_timeout() -> None:
+    flips = iter([False, True])
+    until_blocking(lambda: next(flips), timeout=5)
+    with pytest.raises(AssertionError, match="timed out after 0.1s"):
+        until_blocking(lambda: False, timeout=0.1)
