@@ -36,9 +36,10 @@ Invariants:
   for one CSR within a process (finished CSRs are remembered by uid).
 - Lifetime honours spec.expirationSeconds, clamped to [600 s, the CA's maximum].
 - The event loop never waits on the API: every request runs in a worker
-  thread. List+watch resumes from the last resourceVersion, lists again on
-  410 Gone, and backs off with jitter on errors; one CSR that fails
-  transiently is retried with its own backoff without holding up the others.
+  thread. List+watch is the shared `waygate.core.kube.Reflector` (resume
+  from the last resourceVersion, list again on 410 Gone, back off with
+  jitter); one CSR that fails transiently is retried with its own backoff
+  without holding up the others.
 """
 
 from __future__ import annotations
@@ -49,7 +50,6 @@ import binascii
 import dataclasses
 import enum
 import logging
-import random
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
@@ -61,11 +61,11 @@ from prometheus_client import Counter
 
 from waygate.certs.auth import Caller
 from waygate.certs.authority import Authority, check_csr, utc_now
-from waygate.certs.kube_api import JSON, KubeAPI, KubeError, WatchStream
 from waygate.certs.kube_auth import NODES_GROUP, caller_for_user
 from waygate.certs.policy import Policy, requested_names
 from waygate.core.backoff import Backoff
 from waygate.core.errors import InvalidArgument, PermissionDenied, WaygateError
+from waygate.core.kube import JSON, KubeAPI, KubeError, Reflector
 
 log = logging.getLogger(__name__)
 
@@ -378,15 +378,22 @@ class CSRController:
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._queued: set[str] = set()
         self._retries: dict[str, tuple[Backoff, asyncio.TimerHandle]] = {}
-        # resourceVersion to resume the watch from; empty: list first.
-        self._version = ""
         self.synced = asyncio.Event()  # set after the first complete list
 
     async def run(self) -> None:
         """Watch and act until cancelled."""
+        reflector = Reflector(
+            self._api,
+            CSR_COLLECTION,
+            name="certificatesigningrequests",
+            on_list=self._relisted,
+            on_event=self._observed,
+            watch_timeout=self._watch_timeout,
+            backoff=self._list_backoff,
+        )
         try:
             async with asyncio.TaskGroup() as group:
-                group.create_task(self._watch_loop(), name="csr-watch")
+                group.create_task(reflector.run(), name="csr-watch")
                 group.create_task(self._work_loop(), name="csr-work")
         finally:
             for _, handle in self._retries.values():
@@ -395,75 +402,9 @@ class CSRController:
 
     # ------------------------------------------------------------ watching
 
-    async def _watch_loop(self) -> None:
-        backoff = self._list_backoff()
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                if not self._version:
-                    items, self._version = await asyncio.to_thread(self._api.list, CSR_COLLECTION)
-                    self._relisted(items)
-                    log.info("CSRs listed", extra={"count": len(self._objects)})
-                started = loop.time()
-                events = await self._watch()
-                # A watch the server ends at once, without events, must not
-                # turn this into a busy loop.
-                if events or loop.time() - started > 1.0:
-                    backoff.reset()
-                else:
-                    await asyncio.sleep(backoff.next_delay())
-            except KubeError as exc:
-                if exc.gone:
-                    log.info("CSR watch expired (410); listing again")
-                    self._version = ""
-                    continue
-                delay = backoff.next_delay()
-                log.warning(
-                    "CSR list/watch failed; retrying in %.1fs: %s",
-                    delay,
-                    exc.message,
-                    extra={"status": exc.status},
-                )
-                await asyncio.sleep(delay)
-
-    async def _watch(self) -> int:
-        """Follow one watch stream from `_version` to its end; returns the event count.
-
-        `_version` follows every event, so a stream that breaks resumes
-        after the last event handled.
-        """
-        # Like client-go: a random timeout in [t, 2t), so many replicas' watches
-        # do not all end and reconnect together.
-        timeout = int(self._watch_timeout * random.uniform(1.0, 2.0))
-        opening = asyncio.ensure_future(
-            asyncio.to_thread(
-                self._api.watch, CSR_COLLECTION, self._version, timeout_seconds=timeout
-            )
-        )
-        try:
-            stream = await asyncio.shield(opening)
-        except asyncio.CancelledError:
-            # Stopped while connecting: close the stream once it is open.
-            opening.add_done_callback(_close_opened_stream)
-            raise
-        count = 0
-        try:
-            events = stream.events()
-            while True:
-                event = await asyncio.to_thread(next, events, None)
-                if event is None:
-                    return count
-                count += 1
-                obj = event["object"]
-                metadata = obj.get("metadata") or {}
-                self._version = str(metadata.get("resourceVersion") or self._version)
-                self._observed(str(event.get("type")), obj)
-        finally:
-            # Also on cancellation: unblocks the worker thread reading the stream.
-            stream.close()
-
     def _relisted(self, items: list[JSON]) -> None:
         ours = {_name(i): i for i in items if _ours(i)}
+        log.info("CSRs listed", extra={"count": len(ours)})
         for name in set(self._objects) - set(ours):
             self._forget(name)
         self._objects = ours
@@ -472,7 +413,7 @@ class CSRController:
         self.synced.set()
 
     def _observed(self, kind: str, obj: JSON) -> None:
-        if kind == "BOOKMARK" or not _ours(obj):
+        if not _ours(obj):
             return
         name = _name(obj)
         if kind == "DELETED":
@@ -592,11 +533,6 @@ class CSRController:
     def _done(self, name: str, obj: JSON, signer: str, decision: str) -> None:
         self._finished[name] = _uid(obj)
         DECISIONS.labels(signer, decision).inc()
-
-
-def _close_opened_stream(opening: asyncio.Future[WatchStream]) -> None:
-    if not opening.cancelled() and opening.exception() is None:
-        opening.result().close()
 
 
 def _ours(obj: JSON) -> bool:

@@ -3,10 +3,16 @@
 Real HTTP/1.1 on 127.0.0.1, port 0, served by `http.server` threads, so the
 official `kubernetes` client talks to it exactly as it would to a cluster. It
 keeps arbitrary objects as JSON dicts and implements the parts of the API
-machinery that clients depend on. It has no admission, no defaulting, no
-validation beyond what is listed, no discovery and no pagination (`limit` is
-ignored; a list is always complete). Nothing in it is specific to a Waygate
+machinery that clients depend on. Nothing in it is specific to a Waygate
 service.
+
+What it still lacks (tests must not rely on these): admission, defaulting,
+validation beyond what is listed, discovery, set-based label selectors
+(`in`, `notin`), consistent paging (later pages of a `limit`ed list read the
+current objects, not a snapshot at the first page's version, and a continue
+token never expires), server-side apply, protobuf, RBAC (every authenticated
+request may do everything), Lease-specific validation (a Lease is a plain
+object; its `resourceVersion` conflicts are the generic ones), and finalizers.
 
 HTTP side (what a client can call):
 - Paths: `/api/v1/...` (core) and `/apis/GROUP/VERSION/...`; namespaced
@@ -14,6 +20,8 @@ HTTP side (what a client can call):
   (`.../PLURAL[/NAME]`; for a namespaced kind that lists every namespace).
 - GET collection: a list `{"kind": KIND+"List", "metadata": {"resourceVersion"},
   "items": [...]}`, items without kind/apiVersion like the real server.
+  `limit=N` pages it: at most N items and `metadata.continue` while more remain;
+  `continue=TOKEN` returns the next page (400 for a token it did not issue).
 - GET collection with `watch=true` (also `True`, `1`): a chunked stream of watch
   events, one JSON object per line. `resourceVersion` absent or "0": synthetic
   ADDED events for the current objects first. `resourceVersion=N`: every event
@@ -44,6 +52,15 @@ HTTP side (what a client can call):
 - `bearer_token`: when set, requests without `Authorization: Bearer <it>` get 401.
 - `unavailable`: while true, every request gets 503 ServiceUnavailable (an API
   server that is down or overloaded); open watches are not touched.
+- `write_delay`: seconds every write (POST, PUT, PATCH, DELETE) waits before it
+  is applied and answered (a slow etcd); reads are not delayed.
+- `partitioned`: bearer tokens cut off from the server, as by a network
+  partition: a request carrying one has its connection closed unanswered, and
+  `partition(token)` also cuts that token's open watches. Give each client its
+  own token (see `kubeconfig()`) to partition one of several.
+- Leases (`coordination.k8s.io/v1`, namespaced) are stored like any object, so
+  a PUT with a stale `metadata.resourceVersion` gets 409: what leader election
+  relies on.
 - Every write bumps one global resourceVersion counter (as etcd does); every
   object's `metadata.resourceVersion` is the version of its last write; `uid`,
   `creationTimestamp` and `generation` are set on create.
@@ -68,6 +85,9 @@ Test side (plain method calls from any thread; objects are dicts):
     api.requests                       # list of Request(method, path, query, watch)
     api.token_reviewer = fn; api.bearer_token = "t"; api.gone_as_http = True
     api.unavailable = True             # 503 for every request until set back
+    api.write_delay = 5.0              # every write answered 5 s late
+    api.partition(token) / api.heal(token)   # cut one client off, and back
+    api.kubeconfig(path, token)        # write a kubeconfig for this server and token
 
 Kinds used without `register` are accepted: a collection path of an unknown
 resource is namespaced if the path says so, its kind is the plural without the
@@ -192,6 +212,7 @@ class _Watcher:
     fields: list[tuple[str, str, str]]
     bookmarks: bool
     connection: socket.socket
+    token: str = ""
     queue: queue.SimpleQueue[Any] = dataclasses.field(default_factory=queue.SimpleQueue)
 
     def matches(self, obj: JSON | None) -> bool:
@@ -367,6 +388,8 @@ class KubeAPI:
         self.bearer_token: str | None = None
         self.gone_as_http = False
         self.unavailable = False
+        self.write_delay = 0.0
+        self.partitioned: set[str] = set()
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
         for api_version, kind, plural, namespaced in _BUILTIN:
@@ -473,6 +496,35 @@ class KubeAPI:
                 for (ns, _), obj in sorted(self._objects[rtype].items())
                 if namespace is None or ns == namespace
             ]
+
+    def partition(self, token: str) -> None:
+        """Cut the client using `token` off: its requests and open watches fail."""
+        with self._lock:
+            self.partitioned.add(token)
+            for watcher in [w for w in self._watchers if w.token == token]:
+                self._watchers.remove(watcher)
+                watcher.queue.put(_DROP)
+                with contextlib.suppress(OSError):
+                    watcher.connection.shutdown(socket.SHUT_RDWR)
+
+    def heal(self, token: str) -> None:
+        with self._lock:
+            self.partitioned.discard(token)
+
+    def kubeconfig(self, path: Any, token: str) -> Any:
+        """Write a kubeconfig for this server with bearer `token` to `path`; returns path."""
+        from pathlib import Path
+
+        target = Path(path)
+        target.write_text(
+            "apiVersion: v1\nkind: Config\n"
+            f'clusters: [{{name: stand-in, cluster: {{server: "{self.url}"}}}}]\n'
+            f"users: [{{name: user, user: {{token: {token}}}}}]\n"
+            "contexts: [{name: c, context: {cluster: stand-in, user: user}}]\n"
+            "current-context: c\n"
+        )
+        target.chmod(0o600)
+        return target
 
     def expire_history(self) -> None:
         """Forget every past event: a watch resuming from an older version gets 410."""
@@ -668,6 +720,16 @@ class KubeAPI:
         watch = query.get("watch", "").lower() in ("true", "1")
         with self._lock:
             self.requests.append(Request(method, parsed.path, query, watch))
+        auth = handler.headers.get("Authorization", "")
+        token = auth[len("Bearer ") :] if auth.startswith("Bearer ") else ""
+        if token and token in self.partitioned:
+            # A partition: the request never gets an answer.
+            handler.close_connection = True
+            with contextlib.suppress(OSError):
+                handler.connection.shutdown(socket.SHUT_RDWR)
+            return
+        if method != "GET" and self.write_delay > 0:
+            time.sleep(self.write_delay)
         try:
             if self.unavailable:
                 raise ApiError(
@@ -675,10 +737,8 @@ class KubeAPI:
                     "ServiceUnavailable",
                     "the server is currently unable to handle the request",
                 )
-            if self.bearer_token is not None:
-                auth = handler.headers.get("Authorization", "")
-                if auth != f"Bearer {self.bearer_token}":
-                    raise ApiError(401, "Unauthorized", "Unauthorized")
+            if self.bearer_token is not None and auth != f"Bearer {self.bearer_token}":
+                raise ApiError(401, "Unauthorized", "Unauthorized")
             body = self._read_body(handler)
             self._route(handler, method, parsed.path, query, watch, body)
         except ApiError as err:
@@ -799,10 +859,36 @@ class KubeAPI:
                 item.pop("apiVersion", None)
                 item.pop("kind", None)
                 items.append(item)
+            metadata: JSON = {"resourceVersion": str(self._rv)}
+            token = query.get("continue", "")
+            if token:
+                try:
+                    state = json.loads(base64.urlsafe_b64decode(token.encode()))
+                    list_rv, after = str(state["rv"]), tuple(state["after"])
+                except (ValueError, KeyError, TypeError) as err:
+                    raise ApiError(400, "BadRequest", f"invalid continue token {token!r}") from err
+                metadata["resourceVersion"] = list_rv
+                items = [
+                    i
+                    for i in items
+                    if (i["metadata"].get("namespace", ""), i["metadata"]["name"]) > after
+                ]
+            limit = int(query.get("limit") or 0)
+            if limit > 0 and len(items) > limit:
+                items = items[:limit]
+                last = items[-1]["metadata"]
+                metadata["continue"] = base64.urlsafe_b64encode(
+                    json.dumps(
+                        {
+                            "rv": metadata["resourceVersion"],
+                            "after": [last.get("namespace", ""), last["name"]],
+                        }
+                    ).encode()
+                ).decode()
             return {
                 "kind": rtype.kind + "List",
                 "apiVersion": rtype.api_version,
-                "metadata": {"resourceVersion": str(self._rv)},
+                "metadata": metadata,
                 "items": items,
             }
 
@@ -826,8 +912,14 @@ class KubeAPI:
         }
 
     def _watch(
-        self, handler: _Handler, rtype: ResourceType, namespace: str | None, query: dict[str, str]
+        self,
+        handler: _Handler,
+        rtype: ResourceType,
+        namespace: str | None,
+        query: dict[str, str],
     ) -> None:
+        auth = handler.headers.get("Authorization", "")
+        token = auth[len("Bearer ") :] if auth.startswith("Bearer ") else ""
         timeout = float(query.get("timeoutSeconds") or self.default_watch_timeout)
         watcher = _Watcher(
             rtype=rtype,
@@ -836,6 +928,7 @@ class KubeAPI:
             fields=_parse_fields(query.get("fieldSelector", "")),
             bookmarks=query.get("allowWatchBookmarks", "").lower() in ("true", "1"),
             connection=handler.connection,
+            token=token,
         )
         since = query.get("resourceVersion", "")
         with self._lock:
