@@ -5,8 +5,21 @@ only when the process has declared itself ready and is not draining, else 503
 with the reason in the body: Kubernetes stops routing to a draining pod.
 
 A deliberately tiny HTTP/1.1 server: GET/HEAD only, one request per
-connection, the request head must arrive within `head_timeout` and fit in 8 KiB,
-and at most `max_connections` are open at once (more are closed at once).
+connection, the request head must arrive within `head_timeout` and fit in 8 KiB.
+
+Probes keep answering while slow or hostile clients hold connections
+(a reconnecting slowloris must never turn /healthz into 503s, or Kubernetes
+kills the pod again and again). The room is shared like this:
+- at most `max_connections` are open at once;
+- connections still sending their head may use all but `probe_reserve` of
+  them; the reserve is only for connections whose head has arrived, so slow
+  heads can never take it;
+- each source IP may have at most `max_connections_per_source` heads pending;
+- when a new connection finds its source's share or the head room full, the
+  OLDEST pending head (of that source, else of anyone) is dropped to make room:
+  a probe sends its head at once, so it is always among the newest and the
+  one that has dawdled longest goes. Only when nothing can be dropped is the
+  new connection answered 503.
 """
 
 from __future__ import annotations
@@ -14,12 +27,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from typing import TYPE_CHECKING
 
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    generate_latest,
+)
+
+if TYPE_CHECKING:
+    from waygate.core.settings import ProcessSettings
 
 log = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 8192
+
+DROPPED = Counter(
+    "waygate_admin_connections_dropped_total",
+    "Admin HTTP connections closed by a limit, by reason.",
+    ["reason"],
+)
 
 
 class Readiness:
@@ -53,22 +83,51 @@ def _response(
     return head if head_only else head + body
 
 
+class _Pending:
+    """A connection whose request head has not arrived yet."""
+
+    __slots__ = ("source", "started", "transport")
+
+    def __init__(self, source: str, transport: asyncio.BaseTransport) -> None:
+        self.source = source
+        self.transport = transport
+        self.started = time.monotonic()
+
+
 class AdminServer:
     def __init__(
         self,
         readiness: Readiness,
         *,
         registry: CollectorRegistry = REGISTRY,
-        head_timeout: float = 5.0,
+        head_timeout: float = 2.0,
         max_connections: int = 64,
+        max_connections_per_source: int = 8,
+        probe_reserve: int = 16,
     ) -> None:
         self._readiness = readiness
         self._registry = registry
         self._head_timeout = head_timeout
         self._max_connections = max_connections
+        # Small test servers keep at least one slot for heads.
+        self._max_pending = max(1, max_connections - probe_reserve)
+        self._max_per_source = max_connections_per_source
         self._open = 0
+        # Insertion order is age order: the first entry is the oldest pending head.
+        self._pending: dict[asyncio.StreamWriter, _Pending] = {}
+        self._pending_by_source: dict[str, int] = {}
         self._server: asyncio.Server | None = None
         self.port = 0
+
+    @classmethod
+    def from_settings(cls, readiness: Readiness, settings: ProcessSettings) -> AdminServer:
+        return cls(
+            readiness,
+            head_timeout=settings.admin_head_timeout,
+            max_connections=settings.admin_max_connections,
+            max_connections_per_source=settings.admin_max_connections_per_source,
+            probe_reserve=settings.admin_probe_reserve,
+        )
 
     async def start(self, host: str, port: int) -> int:
         self._server = await asyncio.start_server(self._handle, host, port, limit=MAX_HEAD_BYTES)
@@ -103,10 +162,49 @@ class AdminServer:
             "404 Not Found", b"not found; try /metrics /healthz /readyz\n", head_only=head_only
         )
 
+    # -------------------------------------------------------- room sharing
+
+    def _drop_oldest_pending(self, source: str | None, reason: str) -> bool:
+        """Abort the oldest pending head (of `source`, or of anyone); False if there is none."""
+        for writer, pending in self._pending.items():
+            if source is None or pending.source == source:
+                self._forget(writer)
+                pending.transport.abort()  # its handler sees the reset and ends
+                DROPPED.labels(reason).inc()
+                return True
+        return False
+
+    def _admit(self, writer: asyncio.StreamWriter, source: str) -> bool:
+        """Make room for a new connection's head; False when there is none to make."""
+        if self._pending_by_source.get(source, 0) >= self._max_per_source:
+            self._drop_oldest_pending(source, "source_limit")
+        if len(self._pending) >= self._max_pending:
+            self._drop_oldest_pending(None, "head_room_full")
+        if self._open > self._max_connections and not self._drop_oldest_pending(
+            None, "connection_limit"
+        ):
+            return False
+        self._pending[writer] = _Pending(source, writer.transport)
+        self._pending_by_source[source] = self._pending_by_source.get(source, 0) + 1
+        return True
+
+    def _forget(self, writer: asyncio.StreamWriter) -> None:
+        pending = self._pending.pop(writer, None)
+        if pending is None:
+            return
+        left = self._pending_by_source[pending.source] - 1
+        if left:
+            self._pending_by_source[pending.source] = left
+        else:
+            del self._pending_by_source[pending.source]
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._open += 1
+        peer = writer.get_extra_info("peername")
+        source = str(peer[0]) if isinstance(peer, tuple) else "local"
         try:
-            if self._open > self._max_connections:
+            if not self._admit(writer, source):
+                DROPPED.labels("connection_limit").inc()
                 writer.write(_response("503 Service Unavailable", b"too many admin connections\n"))
                 return
             try:
@@ -121,6 +219,8 @@ class AdminServer:
                     _response("400 Bad Request", b"incomplete, oversized or slow request head\n")
                 )
                 return
+            finally:
+                self._forget(writer)
             parts = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
             if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
                 writer.write(_response("400 Bad Request", b"malformed request line\n"))
@@ -128,8 +228,8 @@ class AdminServer:
             writer.write(self._route(parts[0], parts[1]))
         finally:
             self._open -= 1
-            with contextlib.suppress(ConnectionError):
+            with contextlib.suppress(ConnectionError, TimeoutError):
                 await asyncio.wait_for(writer.drain(), self._head_timeout)
             writer.close()
-            with contextlib.suppress(ConnectionError, asyncio.TimeoutError):
+            with contextlib.suppress(ConnectionError, TimeoutError):
                 await asyncio.wait_for(writer.wait_closed(), 1.0)

@@ -9,7 +9,20 @@ A `GrpcServer` is a `grpc.aio` server with:
   (`waygate.core.errors`) to status codes with their message. Any other
   exception is logged with its traceback and becomes INTERNAL with a short
   message and the trace id, never a bare UNKNOWN;
-- limits: concurrent RPCs, message size, keepalive enforcement.
+- fair limits, so that no client can starve another (see `CallLimits`):
+  * every streaming method is a long-lived call (watches and reports never end
+    by themselves). They are capped per peer - the verified client-certificate
+    identity, else the peer IP, with a lower cap for peers without a
+    certificate - and in total; a call over a cap gets RESOURCE_EXHAUSTED
+    naming the cap and its setting, before the handler runs;
+  * unary calls have their own budget, which streams never use, so 1,000 open
+    watches cannot make a Certify, a Resolve or a health check fail;
+  * per connection: HTTP/2 MAX_CONCURRENT_STREAMS, an idle timeout and a
+    maximum age with a grace period (GOAWAY; clients reconnect), a handshake
+    timeout; grpc core's own `maximum_concurrent_rpcs` stays as an outer bound
+    far above the two budgets. Plus message size and keepalive enforcement.
+  A registration may name streaming methods it bounds itself (`uncapped_streams`,
+  e.g. a data stream per proxied connection); those skip the stream caps.
 
 Servicers therefore raise domain errors and never call `context.abort` for them.
 """
@@ -21,8 +34,9 @@ import inspect
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import unquote
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -32,7 +46,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import Counter, Histogram
 
 from waygate.core import tracing
-from waygate.core.errors import WaygateError
+from waygate.core.errors import WaygateError, excerpt
 from waygate.core.settings import GrpcServerSettings
 
 log = logging.getLogger(__name__)
@@ -67,6 +81,15 @@ HANDLING_SECONDS = Histogram(
 )
 
 
+REFUSED = Counter(
+    "waygate_grpc_server_refused_total",
+    "gRPC calls refused with RESOURCE_EXHAUSTED by a fair-share limit, by limit.",
+    ["limit"],
+)
+#: At most one warning per limit this often; the rest are only counted.
+REFUSAL_LOG_INTERVAL = 10.0
+
+
 @dataclass(frozen=True)
 class ServiceRegistration:
     """One servicer and the generated function that adds it to a server."""
@@ -74,6 +97,116 @@ class ServiceRegistration:
     name: str  # full service name, e.g. "waygate.resolver.v1.Resolver"
     add_to_server: Callable[[Any, grpc.aio.Server], None]
     servicer: Any
+    # Streaming methods (short names, e.g. "Dial") this service bounds itself:
+    # they skip the per-peer and total stream caps (never the per-connection limit).
+    uncapped_streams: frozenset[str] = field(default_factory=frozenset)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CallLimits:
+    """The fair-share budgets of one server; the names are the settings that set them."""
+
+    max_concurrent_unary: int = 1000
+    max_streams: int = 4000
+    max_streams_per_peer: int = 512
+    max_streams_per_unauthenticated_peer: int = 64
+
+
+def peer_of(context: grpc.aio.ServicerContext) -> tuple[str, bool]:
+    """Who is calling, as (key, authenticated): the verified certificate identity
+    (its spiffe:// URI when it has one), else the peer's IP address without the port."""
+    identities = context.peer_identities()
+    if identities:
+        names = [i.decode(errors="replace") for i in identities]
+        return next((n for n in names if n.startswith("spiffe://")), names[0]), True
+    peer = unquote(context.peer() or "")
+    if peer.startswith("ipv4:"):
+        return peer[5:].rsplit(":", 1)[0], False
+    if peer.startswith("ipv6:"):
+        return peer[5:].rsplit(":", 1)[0].strip("[]"), False
+    return peer, False  # unix sockets: one peer
+
+
+class _Admission:
+    """Counts the calls in flight of one server against its `CallLimits`.
+
+    Runs on the event loop only, so plain counters need no lock. Every admit
+    that returns None is paired with exactly one release.
+    """
+
+    def __init__(self, limits: CallLimits) -> None:
+        self.limits = limits
+        self.unary = 0
+        self.streams = 0
+        self.streams_by_peer: dict[str, int] = {}
+        self._logged_at: dict[str, float] = {}
+        self._unlogged: dict[str, int] = {}
+
+    def admit_unary(self) -> str | None:
+        if self.unary >= self.limits.max_concurrent_unary:
+            return self._refuse(
+                "max_concurrent_unary",
+                f"too many unary calls in flight on this server: the cap is "
+                f"{self.limits.max_concurrent_unary} (setting max_concurrent_unary, "
+                "--max-concurrent-unary); retry with backoff",
+            )
+        self.unary += 1
+        return None
+
+    def release_unary(self) -> None:
+        self.unary -= 1
+
+    def admit_stream(self, peer: str, authenticated: bool) -> str | None:
+        limits = self.limits
+        held = self.streams_by_peer.get(peer, 0)
+        if authenticated and held >= limits.max_streams_per_peer:
+            return self._refuse(
+                "max_streams_per_peer",
+                f"too many long-lived streams from {excerpt(peer)}: the cap is "
+                f"{limits.max_streams_per_peer} per client identity (setting "
+                "max_streams_per_peer, --max-streams-per-peer); close streams you no longer need",
+            )
+        if not authenticated and held >= limits.max_streams_per_unauthenticated_peer:
+            return self._refuse(
+                "max_streams_per_unauthenticated_peer",
+                f"too many long-lived streams from {peer} without a client certificate: the cap "
+                f"is {limits.max_streams_per_unauthenticated_peer} per address (setting "
+                "max_streams_per_unauthenticated_peer, --max-streams-per-unauthenticated-peer)",
+            )
+        if self.streams >= limits.max_streams:
+            return self._refuse(
+                "max_streams",
+                f"too many long-lived streams on this server: the cap is {limits.max_streams} "
+                "for all clients together (setting max_streams, --max-streams); retry with backoff",
+            )
+        self.streams += 1
+        self.streams_by_peer[peer] = held + 1
+        return None
+
+    def release_stream(self, peer: str) -> None:
+        self.streams -= 1
+        held = self.streams_by_peer[peer] - 1
+        if held:
+            self.streams_by_peer[peer] = held
+        else:
+            del self.streams_by_peer[peer]
+
+    def _refuse(self, limit: str, message: str) -> str:
+        REFUSED.labels(limit).inc()
+        now = time.monotonic()
+        if now - self._logged_at.get(limit, -REFUSAL_LOG_INTERVAL) >= REFUSAL_LOG_INTERVAL:
+            log.warning(
+                "refusing calls over a limit",
+                extra={
+                    "limit": limit,
+                    "detail": message,
+                    "refused_since_last_warning": self._unlogged.pop(limit, 0) + 1,
+                },
+            )
+            self._logged_at[limit] = now
+        else:
+            self._unlogged[limit] = self._unlogged.get(limit, 0) + 1
+        return message
 
 
 def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
@@ -85,8 +218,10 @@ def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
 class _MethodBoundary:
     """What the boundary needs for one method, computed once: names, attributes, metric children."""
 
-    def __init__(self, full_method: str) -> None:
+    def __init__(self, full_method: str, admission: _Admission, capped: bool = True) -> None:
         self.full_method = full_method
+        self.admission = admission
+        self.capped = capped
         self.span_name = full_method.lstrip("/")
         self.service, self.method = tracing.split_method(full_method)
         self.attributes = tracing.rpc_attributes(full_method)
@@ -133,6 +268,35 @@ class _MethodBoundary:
         self.finish(span, started, *mapped)
         await context.abort(*mapped)
 
+    async def refuse(self, context: grpc.aio.ServicerContext, message: str) -> None:
+        """End a call a limit refused, before its handler ran (no span: it did nothing)."""
+        code = grpc.StatusCode.RESOURCE_EXHAUSTED
+        handled = self._handled.get(code)
+        if handled is None:
+            handled = self._handled[code] = HANDLED.labels(self.service, self.method, code.name)
+        handled.inc()
+        await context.abort(code, message)
+
+    async def admit(self, context: grpc.aio.ServicerContext, long_lived: bool) -> str | None:
+        """Take a place in the call's budget; returns the stream's peer key to release."""
+        admission = self.admission
+        if not long_lived:
+            refusal = admission.admit_unary()
+            if refusal is not None:
+                await self.refuse(context, refusal)
+            return None
+        peer, authenticated = peer_of(context)
+        refusal = admission.admit_stream(peer, authenticated)
+        if refusal is not None:
+            await self.refuse(context, refusal)
+        return peer
+
+    def release(self, peer: str | None) -> None:
+        if peer is None:
+            self.admission.release_unary()
+        else:
+            self.admission.release_stream(peer)
+
     def wrap(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         """The same kind of handler, with span, metrics and error mapping around it."""
         boundary = self
@@ -140,28 +304,18 @@ class _MethodBoundary:
         if handler.unary_unary or handler.stream_unary:
             # The handler's declared types are grpc's sync ones; under grpc.aio they are coroutines.
             behavior: Any = handler.unary_unary or handler.stream_unary
+            # A client stream is long-lived (it ends when the client says so).
+            unary_long_lived = handler.stream_unary is not None
+            unary_uncapped = unary_long_lived and not self.capped
 
             async def unary_response(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                span, started = boundary.start_span(context), time.perf_counter()
+                if unary_uncapped:
+                    return await boundary.run_unary(behavior, request, context)
+                peer = await boundary.admit(context, unary_long_lived)
                 try:
-                    with trace.use_span(
-                        span,
-                        end_on_exit=False,
-                        record_exception=False,
-                        set_status_on_exception=False,
-                    ):
-                        response = await behavior(request, context)
-                except grpc.aio.AbortError:
-                    boundary.finish(span, started, _code_of(context), context.details() or "")
-                    raise
-                except asyncio.CancelledError:
-                    boundary.finish(span, started, grpc.StatusCode.CANCELLED, CANCELLED_MESSAGE)
-                    raise
-                except Exception as exc:
-                    await boundary.fail(context, span, started, exc)
-                    raise AssertionError("unreachable: context.abort raises") from exc
-                boundary.finish(span, started, _code_of(context))
-                return response
+                    return await boundary.run_unary(behavior, request, context)
+                finally:
+                    boundary.release(peer)
 
             unary_factory = (
                 grpc.unary_unary_rpc_method_handler
@@ -174,10 +328,45 @@ class _MethodBoundary:
                 response_serializer=handler.response_serializer,
             )
 
-        behavior = handler.unary_stream or handler.stream_stream  # async generator or coroutine
-        is_generator = inspect.isasyncgenfunction(behavior)
+        return self._wrap_stream(handler)
 
+    async def run_unary(
+        self, behavior: Any, request: Any, context: grpc.aio.ServicerContext
+    ) -> Any:
+        """One call of a single-response handler inside the span, metrics and error mapping."""
+        span, started = self.start_span(context), time.perf_counter()
+        try:
+            with trace.use_span(
+                span,
+                end_on_exit=False,
+                record_exception=False,
+                set_status_on_exception=False,
+            ):
+                response = await behavior(request, context)
+        except grpc.aio.AbortError:
+            self.finish(span, started, _code_of(context), context.details() or "")
+            raise
+        except asyncio.CancelledError:
+            self.finish(span, started, grpc.StatusCode.CANCELLED, CANCELLED_MESSAGE)
+            raise
+        except Exception as exc:
+            await self.fail(context, span, started, exc)
+            raise AssertionError("unreachable: context.abort raises") from exc
+        self.finish(span, started, _code_of(context))
+        return response
+
+    def _wrap_stream(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        boundary = self
+        behavior: Any = (
+            handler.unary_stream or handler.stream_stream
+        )  # async generator or coroutine
+        is_generator = inspect.isasyncgenfunction(behavior)
+        capped = self.capped
+
+        # One generator (not one wrapping another): closing it runs the handler's
+        # cleanup and releases the stream's place at once, never at GC.
         async def stream_response(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            peer = await boundary.admit(context, long_lived=True) if capped else None
             span, started = boundary.start_span(context), time.perf_counter()
             responses = behavior(request, context) if is_generator else None
             try:
@@ -214,8 +403,12 @@ class _MethodBoundary:
                 await boundary.fail(context, span, started, exc)
                 raise AssertionError("unreachable: context.abort raises") from exc
             finally:
-                if responses is not None:
-                    await responses.aclose()  # the handler's own cleanup runs now, not at GC
+                try:
+                    if responses is not None:
+                        await responses.aclose()  # the handler's own cleanup runs now, not at GC
+                finally:
+                    if capped:
+                        boundary.release(peer)
             boundary.finish(span, started, _code_of(context))
 
         stream_factory = (
@@ -241,8 +434,12 @@ def _code_of(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
 class _BoundaryGenericHandler(grpc.GenericRpcHandler):
     """A generic handler whose methods come wrapped in the boundary (built once per method)."""
 
-    def __init__(self, inner: grpc.GenericRpcHandler) -> None:
+    def __init__(
+        self, inner: grpc.GenericRpcHandler, admission: _Admission, uncapped: frozenset[str]
+    ) -> None:
         self._inner = inner
+        self._admission = admission
+        self._uncapped = uncapped
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     def service(
@@ -254,7 +451,10 @@ class _BoundaryGenericHandler(grpc.GenericRpcHandler):
         method: str = handler_call_details.method
         cached = self._wrapped.get(method)
         if cached is None or cached[0] is not handler:
-            cached = self._wrapped[method] = (handler, _MethodBoundary(method).wrap(handler))
+            boundary = _MethodBoundary(
+                method, self._admission, method.rsplit("/", 1)[-1] not in self._uncapped
+            )
+            cached = self._wrapped[method] = (handler, boundary.wrap(handler))
         return cached[1]
 
 
@@ -266,18 +466,32 @@ class _BoundaryRegistrar:
     (extra awaits and tasks) on every call, measured at a third of a small call.
     """
 
-    def __init__(self, server: grpc.aio.Server) -> None:
+    def __init__(
+        self,
+        server: grpc.aio.Server,
+        admission: _Admission,
+        uncapped: frozenset[str] = frozenset(),
+    ) -> None:
         self._server = server
+        self._admission = admission
+        self._uncapped = uncapped
 
     def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
-        self._server.add_generic_rpc_handlers(tuple(_BoundaryGenericHandler(h) for h in handlers))
+        self._server.add_generic_rpc_handlers(
+            tuple(_BoundaryGenericHandler(h, self._admission, self._uncapped) for h in handlers)
+        )
 
     def add_registered_method_handlers(
         self, service: str, handlers: dict[str, grpc.RpcMethodHandler]
     ) -> None:
         self._server.add_registered_method_handlers(
             service,
-            {name: _MethodBoundary(f"/{service}/{name}").wrap(h) for name, h in handlers.items()},
+            {
+                name: _MethodBoundary(
+                    f"/{service}/{name}", self._admission, name not in self._uncapped
+                ).wrap(h)
+                for name, h in handlers.items()
+            },
         )
 
     def __getattr__(self, name: str) -> Any:
@@ -294,15 +508,24 @@ class GrpcServer:
         port: int,
         registrations: Sequence[ServiceRegistration],
         credentials: grpc.ServerCredentials | None = None,
-        max_concurrent_rpcs: int = 1000,
+        max_concurrent_rpcs: int = 10_000,
         max_message_bytes: int = 4 * 1024 * 1024,
         keepalive_time: float = 30.0,
+        limits: CallLimits | None = None,
+        max_concurrent_streams: int = 100,
+        max_connection_idle: float = 120.0,
+        max_connection_age: float = 1800.0,
+        max_connection_age_grace: float = 30.0,
+        handshake_timeout: float = 10.0,
     ) -> None:
         self._address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self._credentials = credentials
         self.service_names = tuple(r.name for r in registrations)
         self.health = health.aio.HealthServicer()
+        self.admission = _Admission(limits or CallLimits())
         self._server = grpc.aio.server(
+            # Only an outer bound: the fair budgets are enforced in the boundary,
+            # where a refusal can say which cap was hit and how to raise it.
             maximum_concurrent_rpcs=max_concurrent_rpcs,
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
@@ -312,13 +535,22 @@ class GrpcServer:
                 # Clients may ping idle connections every 10s, not more often.
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
                 ("grpc.keepalive_permit_without_calls", 1),
-                ("grpc.max_connection_age_grace_ms", 30_000),
+                ("grpc.max_concurrent_streams", max_concurrent_streams),
+                ("grpc.max_connection_idle_ms", int(max_connection_idle * 1000)),
+                ("grpc.max_connection_age_ms", int(max_connection_age * 1000)),
+                ("grpc.max_connection_age_grace_ms", int(max_connection_age_grace * 1000)),
+                ("grpc.server_handshake_timeout_ms", int(handshake_timeout * 1000)),
                 ("grpc.so_reuseport", 0),
             ],
         )
-        registrar: Any = _BoundaryRegistrar(self._server)
+        registrar: Any
         for registration in registrations:
+            # Wrapped at registration, each with the streams its service bounds itself.
+            registrar = _BoundaryRegistrar(
+                self._server, self.admission, registration.uncapped_streams
+            )
             registration.add_to_server(registration.servicer, registrar)
+        registrar = _BoundaryRegistrar(self._server, self.admission)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, registrar)
         # What enable_server_reflection does for an aio server (it cannot tell the
         # registrar is one).
@@ -346,6 +578,17 @@ class GrpcServer:
             max_concurrent_rpcs=settings.max_concurrent_rpcs,
             max_message_bytes=settings.max_message_bytes,
             keepalive_time=settings.keepalive_time,
+            limits=CallLimits(
+                max_concurrent_unary=settings.max_concurrent_unary,
+                max_streams=settings.max_streams,
+                max_streams_per_peer=settings.max_streams_per_peer,
+                max_streams_per_unauthenticated_peer=settings.max_streams_per_unauthenticated_peer,
+            ),
+            max_concurrent_streams=settings.max_concurrent_streams,
+            max_connection_idle=settings.max_connection_idle,
+            max_connection_age=settings.max_connection_age,
+            max_connection_age_grace=settings.max_connection_age_grace,
+            handshake_timeout=settings.handshake_timeout,
         )
 
     async def start(self) -> int:

@@ -53,7 +53,7 @@ class ServiceProcess:
         self.service = service
         self.settings = settings
         self.readiness = Readiness()
-        self.admin = AdminServer(self.readiness)
+        self.admin = AdminServer.from_settings(self.readiness, settings)
         self.grpc_servers: list[GrpcServer] = []
         self._started: list[GrpcServer] = []
         self._tasks: set[asyncio.Task[Any]] = set()

@@ -37,6 +37,7 @@ import yaml
 ENV_PREFIX = "WAYGATE_"
 CONFIG_ENV = "WAYGATE_CONFIG"
 LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("auto", "json", "text")
 
 S = TypeVar("S")
 Check = Callable[[Any], "str | None"]
@@ -320,6 +321,33 @@ class ProcessSettings:
         0, help="admin HTTP port (/metrics /healthz /readyz)", check=port_number
     )
     log_level: str = setting("info", help="log level", choices=LOG_LEVELS)
+    log_format: str = setting(
+        "auto",
+        help="log line format: json, text (one readable line), or auto (text on a terminal, else json)",
+        choices=LOG_FORMATS,
+    )
+    # The admin port must keep answering kubelet's probes while slow or hostile
+    # clients hold connections (see waygate.core.admin for how the room is shared).
+    admin_max_connections: int = setting(
+        64, help="admin HTTP connections open at once", check=positive
+    )
+    admin_max_connections_per_source: int = setting(
+        8,
+        help="admin HTTP connections still sending their request head, per source IP",
+        check=positive,
+    )
+    admin_probe_reserve: int = setting(
+        16,
+        help="admin HTTP connections kept for requests whose head has arrived (probes); "
+        "slow heads never use them",
+        check=lambda v: None if v >= 1 else f"must be at least 1, not {v}",
+    )
+    admin_head_timeout: float = setting(
+        2.0,
+        help="time a client has to send a whole admin HTTP request head",
+        parse=parse_duration,
+        check=positive,
+    )
     otlp_endpoint: str | None = setting(
         None,
         help="OTLP/gRPC endpoint for traces (e.g. http://jaeger:4317); unset: no export",
@@ -369,6 +397,11 @@ class ProcessSettings:
 
     def validate(self) -> str | None:
         """Cross-field checks; subclasses extend and call super()."""
+        if self.admin_probe_reserve >= self.admin_max_connections:
+            return (
+                f"invalid setting admin_probe_reserve: {self.admin_probe_reserve} leaves no room "
+                f"for request heads within admin_max_connections {self.admin_max_connections}"
+            )
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             return "invalid setting tls_cert_file/tls_key_file: give both or neither"
         for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
@@ -419,11 +452,71 @@ class ProcessSettings:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GrpcServerSettings(ProcessSettings):
-    """A process that serves gRPC: its port and the limits on that listener."""
+    """A process that serves gRPC: its port and the limits on that listener.
+
+    Fair limits (see waygate.core.grpcserver): long-lived streams (every
+    streaming method) are capped per peer (the verified client-certificate
+    identity, else the peer IP) and in total, and unary calls have a budget of
+    their own that streams can never use up. On loopback every plaintext
+    client is the one peer 127.0.0.1: the per-IP default leaves room for a
+    proxy, a `routes --watch` and tests side by side.
+    """
 
     grpc_port: int = setting(0, help="gRPC listen port", check=port_number)
     max_concurrent_rpcs: int = setting(
-        1000, help="RPCs in flight before new ones get RESOURCE_EXHAUSTED", check=positive
+        10_000,
+        help="outer bound on calls in flight (grpc core), above the stream and unary budgets",
+        check=positive,
+    )
+    max_concurrent_unary: int = setting(
+        1000,
+        help="unary calls in flight before new ones get RESOURCE_EXHAUSTED; streams never use these",
+        check=positive,
+    )
+    max_streams: int = setting(
+        4000,
+        help="long-lived (streaming) calls open at once, all peers together",
+        check=positive,
+    )
+    max_streams_per_peer: int = setting(
+        512,
+        help="long-lived calls open at once per peer with a verified client certificate "
+        "(identity), e.g. all replicas of one ServiceAccount",
+        check=positive,
+    )
+    max_streams_per_unauthenticated_peer: int = setting(
+        64,
+        help="long-lived calls open at once per peer IP without a client certificate",
+        check=positive,
+    )
+    max_concurrent_streams: int = setting(
+        100,
+        help="HTTP/2 MAX_CONCURRENT_STREAMS: calls at once on one connection (more wait client-side)",
+        check=positive,
+    )
+    max_connection_idle: float = setting(
+        120.0,
+        help="close a connection with no call in progress for this long (GOAWAY; clients reconnect)",
+        parse=parse_duration,
+        check=positive,
+    )
+    max_connection_age: float = setting(
+        1800.0,
+        help="close every connection after this long (GOAWAY), spreading clients over replicas",
+        parse=parse_duration,
+        check=positive,
+    )
+    max_connection_age_grace: float = setting(
+        30.0,
+        help="how long calls on a connection past max_connection_age may still run",
+        parse=parse_duration,
+        check=positive,
+    )
+    handshake_timeout: float = setting(
+        10.0,
+        help="time a new connection has for its TLS and HTTP/2 handshake",
+        parse=parse_duration,
+        check=positive,
     )
     max_message_bytes: int = setting(
         4 * 1024 * 1024, help="largest gRPC message accepted", check=positive
@@ -434,3 +527,21 @@ class GrpcServerSettings(ProcessSettings):
         parse=parse_duration,
         check=positive,
     )
+
+    def validate(self) -> str | None:
+        problem = super().validate()
+        if problem:
+            return problem
+        if self.max_streams_per_unauthenticated_peer > self.max_streams_per_peer:
+            return (
+                "invalid setting max_streams_per_unauthenticated_peer: "
+                f"{self.max_streams_per_unauthenticated_peer} is above max_streams_per_peer "
+                f"{self.max_streams_per_peer}; unauthenticated peers get the lower cap"
+            )
+        budgets = self.max_streams + self.max_concurrent_unary
+        if self.max_concurrent_rpcs < budgets:
+            return (
+                f"invalid setting max_concurrent_rpcs: {self.max_concurrent_rpcs} is below "
+                f"max_streams + max_concurrent_unary ({budgets}); it is only the outer bound"
+            )
+        return None

@@ -43,7 +43,7 @@ def test_flag_beats_env_beats_file_beats_default(tmp_path):
     assert s.grpc_port == 7300  # flag
     assert s.admin_port == 9200  # env (flag not given)
     assert s.log_level == "debug"  # file
-    assert s.max_concurrent_rpcs == 1000  # default
+    assert s.max_concurrent_unary == 1000  # default
 
 
 def test_config_file_from_env(tmp_path):
