@@ -1,0 +1,509 @@
+"""The tunnel agent: holds one Connect stream to every server replica and dials for them.
+
+- `Agent`: reaches the servers through one address (a load balancer, a node
+  port) and keeps connecting until it holds a stream to every replica id the
+  servers report in SERVER_INFO, no more: a stream that lands on a replica it
+  already holds is closed at once (and the server closes a second stream
+  from the same agent instance itself). Attempts back off exponentially with
+  jitter; a new replica gained resets the backoff. Each attempt opens its own
+  channel with a local subchannel pool, so it is a new TCP connection the
+  balancer may send elsewhere.
+- `AgentStream`: one Connect stream: a writer task drains the outbox, the
+  caller's task reads packets and dispatches them.
+- `AgentConnection`: one dialled TCP connection, an asyncio Protocol (no
+  task per connection or per chunk): it sends only while it holds credit and
+  pauses reading when it runs out; it grants the server more once bytes are
+  written and the socket's buffer is below its high-water mark.
+
+Dials are checked against the allow-list (`waygate.tunnel.allow`) after
+resolution; a refused destination answers DIAL_RSP with NOT_ALLOWED.
+A dial carries the caller's W3C trace context: the agent's span is its child.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import os
+import secrets
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from waygate.core import tracing
+from waygate.core.backoff import Backoff
+from waygate.core.grpcclient import KEEPALIVE_OPTIONS
+from waygate.tunnel import mux
+from waygate.tunnel.allow import AllowList
+from waygate.tunnel.mux import MAX_CHUNK
+from waygate.tunnel.v1 import tunnel_pb2 as pb
+from waygate.tunnel.v1 import tunnel_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+_STREAM_END = pb.Packet()
+
+
+class AgentConnection(asyncio.Protocol):
+    """One TCP connection the agent dialled, multiplexed on an `AgentStream`."""
+
+    def __init__(self, stream: AgentStream, connect_id: int, send_window: int) -> None:
+        self.stream = stream
+        self.connect_id = connect_id
+        self.window = stream.window  # what the server may send us before a grant
+        self.credit = send_window  # what we may still send the server
+        self.unacked = 0
+        self.owed = 0
+        self.pending: bytes | None = None
+        self.eof_pending = False
+        self.local_eof = False  # the destination half-closed
+        self.remote_eof = False  # the dialer half-closed
+        self.write_paused = False
+        self.closed_by_server = False
+        self.transport: asyncio.Transport | None = None
+
+    # ----------------------------------------------------- destination side
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        transport.set_write_buffer_limits(high=self.window >> 1)
+
+    def data_received(self, data: bytes) -> None:
+        if self.pending is not None:
+            self.pending += data
+            return
+        size = len(data)
+        if size <= self.credit and size <= MAX_CHUNK:
+            self.credit -= size
+            self.stream.send(mux.data_packet(self.connect_id, data))
+            return
+        self._send_what_credit_allows(data)
+
+    def _send_what_credit_allows(self, data: bytes) -> None:
+        view = memoryview(data)
+        credit = self.credit
+        send, connect_id = self.stream.send, self.connect_id
+        while view and credit > 0:
+            chunk = bytes(view[: min(MAX_CHUNK, credit)])
+            credit -= len(chunk)
+            send(mux.data_packet(connect_id, chunk))
+            view = view[len(chunk) :]
+        self.credit = credit
+        if view:
+            self.pending = bytes(view)
+            assert self.transport is not None
+            self.transport.pause_reading()
+
+    def eof_received(self) -> bool:
+        self.local_eof = True
+        if self.pending is not None:
+            self.eof_pending = True
+        else:
+            self.stream.send(mux.eof_packet(self.connect_id))
+            self._close_if_done()
+        return True  # keep the write side open: TCP half-close
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self.owed:
+            self._grant()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.stream.connections.pop(self.connect_id, None)
+        if not self.closed_by_server:
+            self.stream.send(mux.close_request(self.connect_id, str(exc) if exc else ""))
+
+    def _close_if_done(self) -> None:
+        if self.local_eof and self.remote_eof and self.transport is not None:
+            self.transport.close()
+
+    # ----------------------------------------------------- server side
+
+    def on_data(self, data: pb.Data) -> None:
+        transport = self.transport
+        assert transport is not None
+        payload = data.data
+        if payload:
+            size = len(payload)
+            self.unacked += size
+            if self.unacked > self.window:
+                self.closed_by_server = True
+                self.stream.send(mux.close_request(self.connect_id, "flow control window exceeded"))
+                transport.abort()
+                return
+            transport.write(payload)
+            self.owed += size
+            if not self.write_paused and self.owed >= self.window >> 2:
+                self._grant()
+        if data.eof:
+            self.remote_eof = True
+            if transport.can_write_eof():
+                transport.write_eof()
+            self._close_if_done()
+
+    def _grant(self) -> None:
+        owed = self.owed
+        self.unacked -= owed
+        self.owed = 0
+        self.stream.send(mux.window_update(self.connect_id, owed))
+
+    def on_window_update(self, increment: int) -> None:
+        self.credit += increment
+        pending = self.pending
+        if pending is None:
+            return
+        self.pending = None
+        self._send_what_credit_allows(pending)
+        if self.pending is None and self.transport is not None:
+            self.transport.resume_reading()
+            if self.eof_pending:
+                self.eof_pending = False
+                self.stream.send(mux.eof_packet(self.connect_id))
+                self._close_if_done()
+
+    def on_close(self) -> None:
+        self.closed_by_server = True
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class AgentStream:
+    """One Connect stream to one server replica."""
+
+    def __init__(self, agent: Agent, call: Any, channel: grpc.aio.Channel) -> None:
+        self.agent = agent
+        self.window = agent.window
+        self.connections: dict[int, AgentConnection] = {}
+        self.server_id = ""
+        self.draining = False
+        self._call = call
+        self._channel = channel
+        self._outbox: collections.deque[pb.Packet] = collections.deque()
+        self._outbox_ready: asyncio.Future[None] | None = None
+        self._ids = itertools.count(1)
+        self._dials: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    def send(self, packet: pb.Packet) -> None:
+        if self._closed:
+            return
+        self._outbox.append(packet)
+        ready = self._outbox_ready
+        if ready is not None and not ready.done():
+            ready.set_result(None)
+
+    async def write_loop(self) -> None:
+        outbox, call = self._outbox, self._call
+        while True:
+            while not outbox:
+                self._outbox_ready = asyncio.get_running_loop().create_future()
+                try:
+                    await self._outbox_ready
+                finally:
+                    self._outbox_ready = None
+            packet = outbox.popleft()
+            if packet is _STREAM_END:
+                return
+            await call.write(packet)
+
+    async def read_loop(self) -> None:
+        call, connections = self._call, self.connections
+        while True:
+            packet = await call.read()
+            if packet is grpc.aio.EOF:
+                return
+            kind = packet.type
+            if kind == pb.DATA:
+                connection = connections.get(packet.data.connect_id)
+                if connection is not None:
+                    connection.on_data(packet.data)
+            elif kind == pb.WINDOW_UPDATE:
+                connection = connections.get(packet.window_update.connect_id)
+                if connection is not None:
+                    connection.on_window_update(packet.window_update.increment)
+            elif kind == pb.CLOSE_REQ:
+                connection = connections.pop(packet.close_request.connect_id, None)
+                if connection is not None:
+                    connection.on_close()
+            elif kind == pb.DIAL_REQ:
+                task = asyncio.ensure_future(self._dial(packet.dial_request))
+                self._dials.add(task)
+                task.add_done_callback(self._dials.discard)
+            elif kind == pb.SERVER_INFO:
+                self.agent.learn_replicas(packet.server_info.replica_ids)
+            elif kind == pb.DRAIN:
+                self.draining = True
+                log.info(
+                    "server replica is draining; connecting to the others",
+                    extra={"server_id": self.server_id},
+                )
+                self.agent.stream_draining(self)
+
+    async def _dial(self, request: pb.DialRequest) -> None:
+        parent = tracing.extract_context(request.trace_context.items())
+        with tracing.tracer().start_as_current_span(
+            "waygate.tunnel.agent/Dial",
+            context=parent,
+            kind=SpanKind.CLIENT,
+            record_exception=False,
+            set_status_on_exception=False,
+        ) as span:
+            span.set_attribute("waygate.tunnel.node", self.agent.node)
+            span.set_attribute("waygate.tunnel.replica", self.server_id)
+            span.set_attribute("waygate.tunnel.address", request.address)
+            response = await self._connect(request)
+            if response.connect_id:
+                span.set_attribute("waygate.tunnel.connection_id", response.connect_id)
+            else:
+                span.set_status(Status(StatusCode.ERROR, response.error))
+                span.set_attribute("waygate.tunnel.refusal", mux.reason_name(response.reason))
+        self.send(pb.Packet(type=pb.DIAL_RSP, dial_response=response))
+
+    async def _connect(self, request: pb.DialRequest) -> pb.DialResponse:
+        refuse = pb.DialResponse
+        host, sep, port_text = request.address.rpartition(":")
+        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        if not sep or not port_text.isdigit() or not 0 < int(port_text) < 65536 or not host:
+            return refuse(random=request.random, error="malformed address", reason=pb.INVALID)
+        port = int(port_text)
+        timeout = request.timeout.ToNanoseconds() / 1e9 or self.agent.dial_timeout
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(timeout):
+                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                allowed = [i for i in infos if self.agent.allow.allows(str(i[4][0]), port)]
+                if not allowed:
+                    return refuse(
+                        random=request.random,
+                        error=f"destination {request.address} is not in the agent's allow-list",
+                        reason=pb.NOT_ALLOWED,
+                    )
+                connect_id = next(self._ids)
+                family, _type, proto, _name, sockaddr = allowed[0]
+                sock = socket.socket(family, socket.SOCK_STREAM, proto)
+                try:
+                    sock.setblocking(False)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    await loop.sock_connect(sock, sockaddr)
+                except BaseException:
+                    sock.close()
+                    raise
+        except TimeoutError:
+            return refuse(
+                random=request.random,
+                error=f"connecting to {request.address} timed out",
+                reason=pb.TIMEOUT,
+            )
+        except OSError as exc:
+            return refuse(
+                random=request.random,
+                error=f"connecting to {request.address}: "
+                + (os.strerror(exc.errno) if exc.errno else str(exc)).lower(),
+                reason=pb.UNREACHABLE,
+            )
+        window = request.initial_window or self.window
+        if self._closed:
+            sock.close()
+            return refuse(random=request.random, error="stream closed", reason=pb.DRAINING)
+        connection = AgentConnection(self, connect_id, window)
+        self.connections[connect_id] = connection
+        try:
+            await loop.connect_accepted_socket(lambda: connection, sock)
+        except OSError as exc:
+            self.connections.pop(connect_id, None)
+            sock.close()
+            return refuse(random=request.random, error=str(exc), reason=pb.UNREACHABLE)
+        return pb.DialResponse(
+            random=request.random, connect_id=connect_id, initial_window=self.window
+        )
+
+    async def close(self) -> None:
+        """End the stream: every connection on it is aborted, pending dials cancelled."""
+        self._closed = True
+        self._outbox.clear()
+        self._outbox.append(_STREAM_END)
+        ready = self._outbox_ready
+        if ready is not None and not ready.done():
+            ready.set_result(None)
+        for task in list(self._dials):
+            task.cancel()
+        await asyncio.gather(*self._dials, return_exceptions=True)
+        for connection in list(self.connections.values()):
+            connection.on_close()
+        self.connections.clear()
+        self._call.cancel()
+        await self._channel.close()
+
+
+Credentials = Callable[[], grpc.ChannelCredentials | None]
+
+
+class Agent:
+    """Holds a stream to every server replica; reconnects with backoff and jitter."""
+
+    def __init__(
+        self,
+        *,
+        node: str,
+        server_address: str,
+        credentials: Credentials,
+        allow: AllowList,
+        server_name: str | None = None,
+        window: int = mux.DEFAULT_WINDOW,
+        dial_timeout: float = 10.0,
+        backoff: Backoff | None = None,
+        agent_id: str | None = None,
+    ) -> None:
+        self.node = node
+        self.server_address = server_address
+        self.allow = allow
+        self.window = window
+        self.dial_timeout = dial_timeout
+        self.agent_id = agent_id or secrets.token_hex(8)
+        self._credentials = credentials
+        self._server_name = server_name
+        self._backoff = backoff or Backoff(initial=0.2, maximum=10.0)
+        self.streams: dict[str, AgentStream] = {}  # server id -> stream
+        self.replicas: frozenset[str] = frozenset()
+        self._changed = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.connected = asyncio.Event()  # set once the first stream is held
+
+    def learn_replicas(self, replica_ids: Any) -> None:
+        replicas = frozenset(replica_ids)
+        if replicas != self.replicas:
+            self.replicas = replicas
+            self._changed.set()
+
+    def stream_draining(self, _stream: AgentStream) -> None:
+        self._changed.set()
+
+    def wants_stream(self) -> bool:
+        """True while a reported replica has no stream, or no live stream is held at all."""
+        if not any(not stream.draining for stream in self.streams.values()):
+            return True
+        return bool(self.replicas - self.streams.keys())
+
+    async def run(self) -> None:
+        try:
+            while True:
+                if not self.wants_stream():
+                    self._changed.clear()
+                    await self._changed.wait()
+                    continue
+                if await self.attempt():
+                    self._backoff.reset()
+                    continue
+                await asyncio.sleep(self._backoff.next_delay())
+        finally:
+            await self.close()
+
+    def _open_channel(self) -> grpc.aio.Channel:
+        options: list[tuple[str, Any]] = [
+            *KEEPALIVE_OPTIONS,
+            ("grpc.use_local_subchannel_pool", 1),
+            ("grpc.enable_retries", 0),
+            ("grpc.max_receive_message_length", 4 * 1024 * 1024),
+        ]
+        if self._server_name:
+            options.append(("grpc.ssl_target_name_override", self._server_name))
+        credentials = self._credentials()
+        if credentials is None:
+            return grpc.aio.insecure_channel(self.server_address, options=options)
+        return grpc.aio.secure_channel(self.server_address, credentials, options=options)
+
+    async def attempt(self) -> bool:
+        """One new stream through the servers' address; True when it gained a replica."""
+        channel = self._open_channel()
+        metadata = [(mux.AGENT_ID_METADATA, self.agent_id)]
+        if self._credentials() is None:
+            metadata.append(("waygate-node", self.node))
+        call = tunnel_pb2_grpc.AgentTunnelStub(channel).Connect(metadata=tuple(metadata))
+        stream = AgentStream(self, call, channel)
+        try:
+            first = await asyncio.wait_for(call.read(), 10.0)
+        except (grpc.aio.AioRpcError, TimeoutError) as exc:
+            detail = (
+                f"{exc.code().name}: {exc.details()}"
+                if isinstance(exc, grpc.aio.AioRpcError)
+                else "no answer within 10s"
+            )
+            log.warning(
+                "cannot connect to the tunnel server",
+                extra={"server": self.server_address, "error": detail},
+            )
+            await stream.close()
+            return False
+        except asyncio.CancelledError:
+            await stream.close()
+            raise
+        if first is grpc.aio.EOF or first.type != pb.SERVER_INFO:
+            log.warning("tunnel server did not introduce itself; closing the stream")
+            await stream.close()
+            return False
+        server_id = first.server_info.server_id
+        self.learn_replicas(first.server_info.replica_ids)
+        held = self.streams.get(server_id)
+        if held is not None and not held.draining:
+            await stream.close()  # the balancer sent us to a replica we hold
+            return False
+        stream.server_id = server_id
+        if held is not None:
+            # A draining stream to the same id (a restarted replica): the new one serves.
+            self.streams.pop(server_id, None)
+        self.streams[server_id] = stream
+        log.info(
+            "holding a stream to tunnel server replica",
+            extra={"server_id": server_id, "replicas": sorted(self.replicas)},
+        )
+        task = asyncio.ensure_future(self._serve(stream))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        self.connected.set()
+        return True
+
+    async def _serve(self, stream: AgentStream) -> None:
+        writer = asyncio.ensure_future(stream.write_loop())
+        reader = asyncio.ensure_future(stream.read_loop())
+        try:
+            await asyncio.wait({writer, reader}, return_when=asyncio.FIRST_COMPLETED)
+            for task in (reader, writer):
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    exc = task.exception()
+                    detail = (
+                        f"{exc.code().name}: {exc.details()}"
+                        if isinstance(exc, grpc.aio.AioRpcError)
+                        else repr(exc)
+                    )
+                    log.warning(
+                        "stream to tunnel server replica ended",
+                        extra={"server_id": stream.server_id, "error": detail},
+                    )
+        finally:
+            reader.cancel()
+            writer.cancel()
+            await asyncio.gather(reader, writer, return_exceptions=True)
+            if self.streams.get(stream.server_id) is stream:
+                del self.streams[stream.server_id]
+            await stream.close()
+            self._changed.set()
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for stream in list(self.streams.values()):
+            await stream.close()
+        self.streams.clear()
+
+    def open_connections(self) -> int:
+        return sum(len(s.connections) for s in self.streams.values())

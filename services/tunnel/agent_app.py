@@ -1,0 +1,150 @@
+"""`waygate tunnel agent`: settings and wiring of an edge agent.
+
+The agent dials out to `server_address` (one address for every replica: a
+LoadBalancer, a node port, HAProxy) and holds a stream to each replica the
+servers report (`waygate.tunnel.agent`). Its node name is the DNS name its
+certificate is issued for (`cert_identity`, e.g. `edge-1`; under Kubernetes
+certs issues `dns:NODE` only for the node named by the pod's ServiceAccount
+token), or `node` with static certificates. It dials only what `allow`
+permits. Ready (/readyz) once it holds its first stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING
+
+import grpc
+
+from waygate.core.grpcclient import ClientTLS
+from waygate.core.runtime import ServiceProcess
+from waygate.core.settings import ProcessSettings, parse_duration, port_number, positive, setting
+from waygate.tunnel import mux
+from waygate.tunnel.agent import Agent
+from waygate.tunnel.allow import DEFAULT_ALLOW, AllowList, entries_problem
+
+if TYPE_CHECKING:
+    from waygate.supervisor import UpContext
+
+log = logging.getLogger(__name__)
+
+# The demo backend `waygate up` runs behind the local agent.
+UP_DEMO_DESTINATION = "127.0.0.1:8090"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Settings(ProcessSettings):
+    admin_port: int = setting(
+        9005, help="admin HTTP port (/metrics /healthz /readyz)", check=port_number
+    )
+    server_address: str = setting(
+        help="host:port through which every tunnel-server replica is reached (agents' port)"
+    )
+    server_name: str | None = setting(
+        None, help="name to verify in the servers' certificates when it differs from the host"
+    )
+    node: str = setting(
+        "", help="node name (static certificates only; with certs it is the cert identity)"
+    )
+    allow: tuple[str, ...] = setting(
+        DEFAULT_ALLOW,
+        help="destinations the agent may dial, comma-separated NET:PORTS (NET: CIDR, address "
+        "or 'node' for this host's addresses; PORTS: port, PORT+PORT or *)",
+        check=entries_problem,
+    )
+    window: int = setting(
+        mux.DEFAULT_WINDOW,
+        help="per-connection flow-control window in bytes",
+        check=lambda v: (
+            None
+            if 4 * mux.MAX_CHUNK <= v <= 64 * 1024 * 1024
+            else f"must lie between {4 * mux.MAX_CHUNK} and {64 * 1024 * 1024}, not {v}"
+        ),
+    )
+    dial_timeout: float = setting(
+        10.0,
+        help="longest connect when the server sets none",
+        parse=parse_duration,
+        check=positive,
+    )
+    reconnect_max: float = setting(
+        10.0,
+        help="longest pause between connection attempts (exponential backoff with jitter)",
+        parse=parse_duration,
+        check=positive,
+    )
+
+    @property
+    def node_name(self) -> str:
+        if self.cert_identity and "://" not in self.cert_identity:
+            return self.cert_identity.lower()
+        return self.node
+
+    def validate(self) -> str | None:
+        problem = super().validate()
+        if problem:
+            return problem
+        if not self.node_name:
+            return (
+                "invalid setting node: give the node name (or a DNS cert_identity, which "
+                "names the node)"
+            )
+        if self.node and self.certs_address is not None and self.node != self.node_name:
+            return "invalid setting node: with certs the node is the cert identity"
+        return None
+
+
+async def setup(process: ServiceProcess, settings: Settings) -> None:
+    from waygate.core.backoff import Backoff
+
+    certificates = await process.certificates()
+    if certificates is not None:
+        from waygate.core.tls import client_credentials
+
+        def credentials() -> grpc.ChannelCredentials | None:
+            # Read at every connection attempt: a renewed certificate is used for new
+            # streams while the open ones keep theirs.
+            return client_credentials(certificates.rotator, certificates.trust)
+
+    elif settings.tls_cert_file is not None:
+        static = ClientTLS(
+            settings.tls_client_ca_file, settings.tls_cert_file, settings.tls_key_file
+        ).credentials()
+
+        def credentials() -> grpc.ChannelCredentials | None:
+            return static
+
+    else:
+        log.warning("no TLS: the agent connects in plaintext and names its node in metadata")
+
+        def credentials() -> grpc.ChannelCredentials | None:
+            return None
+
+    agent = Agent(
+        node=settings.node_name,
+        server_address=settings.server_address,
+        credentials=credentials,
+        allow=AllowList(settings.allow),
+        server_name=settings.server_name,
+        window=settings.window,
+        dial_timeout=settings.dial_timeout,
+        backoff=Backoff(initial=0.2, maximum=settings.reconnect_max),
+    )
+    process.spawn(agent.run(), "tunnel-agent")
+
+    async def become_ready() -> None:
+        await agent.connected.wait()
+        await process.mark_ready()
+
+    process.spawn(become_ready(), "tunnel-agent-ready")
+
+
+def up_arguments(context: UpContext) -> list[str]:
+    """Under `up`: the local tunnel server, and the demo backend allowed beside the kubelet port."""
+    return [
+        "--server-address",
+        context.address("tunnel-server"),
+        "--allow",
+        ",".join((*DEFAULT_ALLOW, UP_DEMO_DESTINATION)),
+    ]

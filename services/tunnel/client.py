@@ -1,0 +1,459 @@
+"""The dial client: a byte stream to a port on an edge node, through a replica that holds it.
+
+    client = TunnelClient(presence, credentials=lambda: creds)
+    stream = await client.dial("edge-1", 10250)           # host defaults to the agent's 127.0.0.1
+    await stream.write(b"GET / HTTP/1.1\\r\\n...");  await stream.write_eof()
+    data = await stream.read()                             # b"" once the remote side half-closed
+    await stream.aclose()
+
+- Where: `presence` maps a node to the dialer addresses of the replicas that
+  hold it (`ResolverPresence` follows the resolver's Watch of tunnel
+  presence; `StaticPresence` is a fixed list, for `waygate tunnel dial
+  --server`). Replicas are tried in random order.
+- Retries: a dial is retried on the next replica only when the refusal says
+  another replica could answer (NO_AGENT, DRAINING, or the replica did not
+  answer at all) and no byte was sent; NOT_ALLOWED, UNREACHABLE, TIMEOUT and
+  INVALID are final (`DialFailed.reason`).
+- Cost per stream: the Dial calls go over channels without the tracing
+  interceptors (grpc.aio runs an interceptor pipeline, and our client
+  interceptor a task, per call: measured in bench/tunnel); the W3C context
+  is put in the call's metadata here instead, from the caller's span or the
+  `trace_context` given.
+- `socket_connect` adapts the client to the proxy's upstream-connect step: it
+  returns one end of a socketpair whose other end is bridged to the stream
+  (`SocketBridge`, one task each way per connection, bounded buffers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import random
+import socket
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import grpc
+from google.protobuf import duration_pb2
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from waygate.core import tracing
+from waygate.core.backoff import Backoff
+from waygate.core.grpcclient import KEEPALIVE_OPTIONS
+from waygate.tunnel import mux
+from waygate.tunnel.mux import MAX_CHUNK
+from waygate.tunnel.v1 import tunnel_pb2 as pb
+from waygate.tunnel.v1 import tunnel_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+Credentials = Callable[[], grpc.ChannelCredentials | None]
+_EOF_FRAME = pb.DialFrame(eof=True)
+
+
+class DialFailed(Exception):
+    """No replica opened the stream; `reason` is a RefusalReason (0: no replica answered)."""
+
+    def __init__(self, message: str, reason: int = 0, *, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.retryable = retryable  # True: nothing reached the node; another target may do
+
+
+class StaticPresence:
+    """The same dialer addresses for every node."""
+
+    def __init__(self, addresses: Sequence[str]) -> None:
+        self._addresses = list(addresses)
+
+    def servers_for(self, node: str) -> list[str]:
+        return list(self._addresses)
+
+
+class TunnelStream:
+    """One open tunnelled connection. Not safe for concurrent writers (or readers)."""
+
+    def __init__(self, call: Any, server_id: str, connect_id: int) -> None:
+        self._call = call
+        self.server_id = server_id
+        self.connect_id = connect_id
+        self._remote_eof = False
+
+    async def read(self) -> bytes:
+        """The next bytes; b"" once the remote side half-closed or the stream ended."""
+        if self._remote_eof:
+            return b""
+        while True:
+            frame = await self._call.read()
+            if frame is grpc.aio.EOF:
+                self._remote_eof = True
+                return b""
+            which = frame.WhichOneof("frame")
+            if which == "data":
+                return frame.data  # type: ignore[no-any-return]
+            if which == "eof":
+                self._remote_eof = True
+                return b""
+
+    async def write(self, data: bytes) -> None:
+        if len(data) <= MAX_CHUNK:
+            await self._call.write(pb.DialFrame(data=data))
+            return
+        view = memoryview(data)
+        while view:
+            await self._call.write(pb.DialFrame(data=bytes(view[:MAX_CHUNK])))
+            view = view[MAX_CHUNK:]
+
+    async def write_eof(self) -> None:
+        """Half-close: the remote side reads EOF; reading here goes on."""
+        await self._call.done_writing()
+
+    async def wait_closed(self) -> grpc.StatusCode:
+        """The stream's final status (OK for a clean close)."""
+        return await self._call.code()  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        """Abort the connection at once (the agent closes its socket)."""
+        self._call.cancel()
+
+    async def aclose(self) -> None:
+        self._call.cancel()
+
+
+class TunnelClient:
+    def __init__(
+        self,
+        presence: Any,
+        *,
+        credentials: Credentials,
+        server_name: str | None = None,
+        dial_timeout: float = 10.0,
+    ) -> None:
+        self._presence = presence
+        self._credentials = credentials
+        self._server_name = server_name
+        self.dial_timeout = dial_timeout
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._tracer = tracing.tracer()
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            options: list[tuple[str, Any]] = [*KEEPALIVE_OPTIONS, ("grpc.enable_retries", 0)]
+            if self._server_name:
+                options.append(("grpc.ssl_target_name_override", self._server_name))
+            credentials = self._credentials()
+            channel = (
+                grpc.aio.insecure_channel(address, options=options)
+                if credentials is None
+                else grpc.aio.secure_channel(address, credentials, options=options)
+            )
+            self._channels[address] = channel
+        return channel
+
+    def renew_channels(self) -> None:
+        """After a certificate renewal: new streams use new channels; open ones keep theirs."""
+        old, self._channels = self._channels, {}
+        for channel in old.values():
+            # Closing a channel cuts its streams: let open ones finish (grace) first.
+            asyncio.ensure_future(channel.close(grace=3600.0))
+
+    async def dial(
+        self,
+        node: str,
+        port: int,
+        host: str = "",
+        *,
+        timeout: float | None = None,
+        trace_context: str | None = None,
+    ) -> TunnelStream:
+        timeout = self.dial_timeout if timeout is None else timeout
+        servers = self._presence.servers_for(node)
+        if not servers:
+            raise DialFailed(
+                f"no tunnel server holds an agent for node {node}", pb.NO_AGENT, retryable=True
+            )
+        random.shuffle(servers)
+        if trace_context is not None:
+            parent = tracing.extract_context((("traceparent", trace_context),))
+        else:
+            parent = None
+        span = self._tracer.start_span(
+            "waygate.tunnel.v1.Tunnel/Dial", context=parent, kind=SpanKind.CLIENT
+        )
+        span.set_attribute("waygate.tunnel.node", node)
+        carrier: dict[str, str] = {}
+        tracing.inject_context(carrier, trace.set_span_in_context(span))
+        metadata = tuple(carrier.items())
+        target = pb.DialTarget(node=node, host=host, port=port)
+        target.connect_timeout.CopyFrom(
+            duration_pb2.Duration(seconds=int(timeout), nanos=int(timeout % 1 * 1e9))
+        )
+        first = pb.DialFrame(target=target)
+        last: DialFailed | None = None
+        try:
+            for address in servers:
+                try:
+                    stream = await self._dial_one(address, first, metadata, timeout)
+                except DialFailed as failed:
+                    last = failed
+                    if failed.reason and failed.reason not in mux.RETRYABLE_ELSEWHERE:
+                        break
+                    continue
+                span.set_attribute("waygate.tunnel.replica", stream.server_id)
+                span.set_attribute("waygate.tunnel.connection_id", stream.connect_id)
+                return stream
+            assert last is not None
+            span.set_status(Status(StatusCode.ERROR, str(last)))
+            raise last
+        finally:
+            span.end()
+
+    async def _dial_one(
+        self, address: str, first: pb.DialFrame, metadata: Any, timeout: float
+    ) -> TunnelStream:
+        call = tunnel_pb2_grpc.TunnelStub(self.channel(address)).Dial(metadata=metadata)
+        try:
+            async with asyncio.timeout(timeout + 2.0):
+                await call.write(first)
+                frame = await call.read()
+        except TimeoutError:
+            call.cancel()
+            raise DialFailed(
+                f"tunnel server {address} did not answer within {timeout:g}s", pb.TIMEOUT
+            ) from None
+        except grpc.aio.AioRpcError as exc:
+            call.cancel()
+            # The replica never took the dial (down, draining, refused the TLS handshake).
+            raise DialFailed(
+                f"tunnel server {address}: {exc.code().name}: {exc.details()}", retryable=True
+            ) from None
+        except BaseException:
+            call.cancel()
+            raise
+        if frame is grpc.aio.EOF:
+            code = await call.code()
+            details = await call.details()
+            final = code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT)
+            raise DialFailed(
+                f"tunnel server {address}: {code.name}: {details}",
+                pb.NOT_ALLOWED if code == grpc.StatusCode.PERMISSION_DENIED else 0,
+                retryable=not final,
+            )
+        which = frame.WhichOneof("frame")
+        if which == "refused":
+            refused = frame.refused
+            call.cancel()
+            raise DialFailed(
+                refused.message or mux.reason_name(refused.reason),
+                refused.reason,
+                retryable=refused.reason in mux.RETRYABLE_ELSEWHERE,
+            )
+        if which != "accepted":
+            call.cancel()
+            raise DialFailed(f"tunnel server {address} answered a dial with {which}", pb.INVALID)
+        return TunnelStream(call, frame.accepted.server_id, frame.accepted.connect_id)
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close()
+
+
+# ---------------------------------------------------------------- presence from the resolver
+
+
+class ResolverPresence:
+    """node -> dialer addresses, from the resolver's Watch of tunnel presence.
+
+    `run()` follows the stream (resuming by version, reconnecting with backoff);
+    `servers_for` reads the current view without I/O.
+    """
+
+    def __init__(self, channel: Callable[[], grpc.aio.Channel]) -> None:
+        self._channel = channel
+        self._view: dict[str, list[str]] = {}
+        self._pending: dict[str, list[str]] = {}
+        self.synced = asyncio.Event()
+        self._backoff = Backoff(initial=0.2, maximum=10.0)
+
+    def servers_for(self, node: str) -> list[str]:
+        return list(self._view.get(node, ()))
+
+    def _apply(self, presences: Iterable[Any], into: dict[str, list[str]]) -> None:
+        for presence in presences:
+            addresses = [s.address for s in presence.servers]
+            if addresses:
+                into[presence.node] = addresses
+            else:
+                into.pop(presence.node, None)
+
+    async def run(self) -> None:
+        from waygate.resolver.v1 import resolver_pb2, resolver_pb2_grpc
+
+        while True:
+            try:
+                request = resolver_pb2.WatchRequest(kinds=[resolver_pb2.RESOURCE_KIND_TUNNELS])
+                stream = resolver_pb2_grpc.ResolverStub(self._channel()).Watch(request)
+                async for event in stream:
+                    which = event.WhichOneof("event")
+                    if which == "snapshot":
+                        self._apply(event.snapshot.tunnels, self._pending)
+                        if not event.snapshot.more:
+                            self._view, self._pending = self._pending, {}
+                            self.synced.set()
+                    elif which == "changes":
+                        updated = dict(self._view)
+                        self._apply(
+                            (
+                                c.tunnel_presence
+                                for c in event.changes.changes
+                                if c.WhichOneof("change") == "tunnel_presence"
+                            ),
+                            updated,
+                        )
+                        self._view = updated
+                    self._backoff.reset()
+            except grpc.aio.AioRpcError as exc:
+                log.warning(
+                    "tunnel presence watch failed",
+                    extra={"error": f"{exc.code().name}: {exc.details()}"},
+                )
+            self._pending = {}
+            await asyncio.sleep(self._backoff.next_delay())
+
+
+# ---------------------------------------------------------------- a socket for the proxy
+
+
+class SocketBridge(asyncio.Protocol):
+    """Bridges one end of a socketpair to a TunnelStream, both ways, with bounded buffers."""
+
+    HIGH_WATER = 4 * MAX_CHUNK
+
+    def __init__(self, stream: TunnelStream) -> None:
+        self.stream = stream
+        self.transport: asyncio.Transport | None = None
+        self._outgoing: collections.deque[bytes] = collections.deque()
+        self._outgoing_bytes = 0
+        self._local_eof = False
+        self._wakeup: asyncio.Future[None] | None = None
+        self._writable: asyncio.Future[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.done = asyncio.get_running_loop().create_future()
+
+    def start(self) -> None:
+        self._tasks = [
+            asyncio.ensure_future(self._to_stream()),
+            asyncio.ensure_future(self._from_stream()),
+        ]
+        for task in self._tasks:
+            task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is not None:
+            self._abort()
+        elif all(t.done() for t in self._tasks):
+            if self.transport is not None:
+                self.transport.close()
+            self.stream.close()
+            if not self.done.done():
+                self.done.set_result(None)
+
+    def _abort(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self.transport is not None:
+            self.transport.abort()
+        self.stream.close()
+        if not self.done.done():
+            self.done.set_result(None)
+
+    # socket side
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        transport.set_write_buffer_limits(high=self.HIGH_WATER)
+
+    def data_received(self, data: bytes) -> None:
+        self._outgoing.append(data)
+        self._outgoing_bytes += len(data)
+        if self._outgoing_bytes >= self.HIGH_WATER and self.transport is not None:
+            self.transport.pause_reading()
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self._local_eof = True
+        self._wake()
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if exc is not None or not self._local_eof:
+            self._local_eof = True
+            self._abort()
+
+    def pause_writing(self) -> None:
+        self._writable = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        writable, self._writable = self._writable, None
+        if writable is not None and not writable.done():
+            writable.set_result(None)
+
+    def _wake(self) -> None:
+        wakeup = self._wakeup
+        if wakeup is not None and not wakeup.done():
+            wakeup.set_result(None)
+
+    async def _to_stream(self) -> None:
+        outgoing = self._outgoing
+        while True:
+            while not outgoing and not self._local_eof:
+                self._wakeup = asyncio.get_running_loop().create_future()
+                try:
+                    await self._wakeup
+                finally:
+                    self._wakeup = None
+            if outgoing:
+                data = outgoing.popleft()
+                self._outgoing_bytes -= len(data)
+                if self._outgoing_bytes < self.HIGH_WATER and self.transport is not None:
+                    self.transport.resume_reading()
+                await self.stream.write(data)
+                continue
+            await self.stream.write_eof()
+            return
+
+    async def _from_stream(self) -> None:
+        while True:
+            data = await self.stream.read()
+            transport = self.transport
+            if transport is None or transport.is_closing():
+                return
+            if not data:
+                if transport.can_write_eof():
+                    transport.write_eof()
+                return
+            transport.write(data)
+            writable = self._writable
+            if writable is not None:
+                await writable
+
+
+async def bridged_socket(stream: TunnelStream) -> socket.socket:
+    """One end of a socketpair; the other end is bridged to `stream` until both sides close."""
+    ours, theirs = socket.socketpair()
+    try:
+        ours.setblocking(False)
+        theirs.setblocking(False)
+        bridge = SocketBridge(stream)
+        await asyncio.get_running_loop().connect_accepted_socket(lambda: bridge, ours)
+    except BaseException:
+        ours.close()
+        theirs.close()
+        stream.close()
+        raise
+    bridge.start()
+    return theirs

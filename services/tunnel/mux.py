@@ -1,0 +1,120 @@
+"""What both ends of an agent stream share: limits, credit, refusals, identities.
+
+The design (chosen for v1, stated once here):
+
+- One long-lived `AgentTunnel.Connect` stream per (agent, server replica)
+  carries many TCP connections as `Packet`s (konnectivity's design); one
+  `Tunnel.Dial` stream per tunnelled connection faces the dialer, so gRPC's
+  own per-stream flow control backs up a slow dialer into its own stream only.
+- On the agent stream every connection has a credit window in each
+  direction: a side sends DATA only while it holds credit, and the receiver
+  grants more (WINDOW_UPDATE) once it has handed the bytes on (written to the
+  dialer stream, or to the destination socket without crossing the socket's
+  high-water mark). Every queue is therefore bounded by the window: a slow
+  destination or a slow dialer stalls its own connection, never the stream.
+  A peer that sends beyond its credit loses that connection.
+- Chunks are at most `MAX_CHUNK` bytes; grants are batched (a quarter
+  window) so WINDOW_UPDATE costs a fraction of the DATA packets.
+
+Invariants: `Credit` has one waiter at most (one sender per direction);
+`close()` wakes it with `ConnectionClosed`, so no sender hangs on a dead
+connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from waygate.core import errors
+from waygate.tunnel.v1 import tunnel_pb2 as pb
+
+MAX_CHUNK = 64 * 1024
+DEFAULT_WINDOW = 1024 * 1024
+AGENT_ID_METADATA = "waygate-agent-id"
+
+
+class ConnectionClosed(Exception):
+    """The tunnelled connection is gone; whoever waited on it stops."""
+
+
+class Credit:
+    """Bytes one side may still send on one connection; `take` waits for a grant."""
+
+    __slots__ = ("available", "_waiter", "_closed")
+
+    def __init__(self, initial: int) -> None:
+        self.available = initial
+        self._waiter: asyncio.Future[None] | None = None
+        self._closed = False
+
+    async def take(self, size: int) -> None:
+        while self.available < size:
+            if self._closed:
+                raise ConnectionClosed
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        if self._closed:
+            raise ConnectionClosed
+        self.available -= size
+
+    def grant(self, size: int) -> None:
+        self.available += size
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def close(self) -> None:
+        self._closed = True
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class Refused(errors.WaygateError):
+    """A dial refused for `reason` (a `RefusalReason`); the status follows the reason."""
+
+    def __init__(self, reason: int, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.status = REFUSAL_STATUS.get(reason, "UNAVAILABLE")
+
+
+REFUSAL_STATUS = {
+    pb.NOT_ALLOWED: "PERMISSION_DENIED",
+    pb.UNREACHABLE: "UNAVAILABLE",
+    pb.NO_AGENT: "NOT_FOUND",
+    pb.TIMEOUT: "DEADLINE_EXCEEDED",
+    pb.DRAINING: "UNAVAILABLE",
+    pb.INVALID: "INVALID_ARGUMENT",
+}
+
+# Reasons another replica could answer differently: the caller may retry there.
+RETRYABLE_ELSEWHERE = frozenset({pb.NO_AGENT, pb.DRAINING})
+
+
+def reason_name(reason: int) -> str:
+    return pb.RefusalReason.Name(reason) if reason in pb.RefusalReason.values() else str(reason)
+
+
+def window_update(connect_id: int, increment: int) -> pb.Packet:
+    return pb.Packet(
+        type=pb.WINDOW_UPDATE,
+        window_update=pb.WindowUpdate(connect_id=connect_id, increment=increment),
+    )
+
+
+def close_request(connect_id: int, reason: str = "") -> pb.Packet:
+    return pb.Packet(
+        type=pb.CLOSE_REQ, close_request=pb.CloseRequest(connect_id=connect_id, reason=reason)
+    )
+
+
+def data_packet(connect_id: int, data: bytes) -> pb.Packet:
+    return pb.Packet(type=pb.DATA, data=pb.Data(connect_id=connect_id, data=data))
+
+
+def eof_packet(connect_id: int) -> pb.Packet:
+    return pb.Packet(type=pb.DATA, data=pb.Data(connect_id=connect_id, eof=True))

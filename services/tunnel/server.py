@@ -1,0 +1,616 @@
+"""The tunnel server: agents' Connect streams, dialers' Dial streams, and the hub between them.
+
+- `Hub`: the agents this replica holds (node -> `AgentSession`), whether it
+  is draining, and the replica set it tells agents about. Presence reporting
+  (`waygate.tunnel.presence`) subscribes to its changes.
+- `AgentSession`: one agent's Connect stream. One writer task drains its
+  outbox (packets for the agent); the handler reads packets and dispatches
+  them to the connections. Everything queued is bounded by the connections'
+  credit windows (see `waygate.tunnel.mux`).
+- `ServerConnection`: one tunnelled TCP connection: credit towards the agent,
+  a queue of frames towards the dialer (bounded by the window it granted).
+- `AgentTunnelServicer` (port 7003) and `TunnelServicer` (port 7004): the
+  gRPC faces. The agent's node comes from its client certificate (exactly
+  one DNS SAN), never from what it says; a dialer must match `dialers`.
+
+Lifecycle invariants: a connection is removed from its session in exactly one
+place (`ServerConnection.finish`), which also wakes whoever waits on it;
+a session ending (agent gone, stream cancelled) finishes every connection on
+it, and a Dial stream ending (cancelled dialer) sends CLOSE_REQ to the agent.
+Per chunk: no logging, no f-strings, no task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import random
+from collections.abc import AsyncIterator, Callable, Iterable
+from datetime import UTC, datetime
+from typing import Any
+
+import grpc
+from cryptography import x509
+from google.protobuf import duration_pb2
+from opentelemetry import trace
+
+from waygate.core import errors, tracing
+from waygate.resolver.access import matches
+from waygate.tunnel import mux
+from waygate.tunnel.mux import MAX_CHUNK, ConnectionClosed, Credit, Refused
+from waygate.tunnel.v1 import tunnel_pb2 as pb
+from waygate.tunnel.v1 import tunnel_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+# Frames on a connection's queue towards the dialer besides bytes.
+_EOF = object()
+_CLOSED = object()  # the agent closed the connection (CLOSE_REQ)
+_LOST = object()  # the agent stream ended, or the agent broke the protocol
+_STREAM_END = pb.Packet()
+
+
+def peer_certificate_names(context: grpc.aio.ServicerContext) -> tuple[list[str], list[str]]:
+    """(URI SANs, DNS SANs) of the client certificate; empty lists without one."""
+    pems = list(context.auth_context().get("x509_pem_cert") or ())
+    if not pems:
+        return [], []
+    try:
+        certificate = x509.load_pem_x509_certificate(pems[0])
+        names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (ValueError, x509.ExtensionNotFound):
+        return [], []
+    return (
+        list(names.get_values_for_type(x509.UniformResourceIdentifier)),
+        list(names.get_values_for_type(x509.DNSName)),
+    )
+
+
+class ServerConnection:
+    """One tunnelled TCP connection as the server sees it."""
+
+    __slots__ = (
+        "connect_id",
+        "session",
+        "send_credit",
+        "to_dialer",
+        "_ready",
+        "unacked",
+        "owed",
+        "window",
+        "finished",
+        "close_reason",
+    )
+
+    def __init__(self, session: AgentSession, connect_id: int, send_window: int) -> None:
+        self.connect_id = connect_id
+        self.session = session
+        self.send_credit = Credit(send_window)  # bytes we may still send to the agent
+        self.window = session.hub.window  # bytes the agent may send us before a grant
+        self.unacked = 0  # received and not yet granted back
+        self.owed = 0  # delivered to the dialer and not yet granted back
+        self.to_dialer: collections.deque[Any] = collections.deque()
+        self._ready: asyncio.Future[None] | None = None
+        self.finished = False
+        self.close_reason = ""
+
+    # ----------------------------------------------------- from the agent
+
+    def on_data(self, data: pb.Data) -> None:
+        payload = data.data
+        if payload:
+            self.unacked += len(payload)
+            if self.unacked > self.window:
+                self.session.send(
+                    mux.close_request(self.connect_id, "flow control window exceeded")
+                )
+                self.finish(_LOST, "the agent sent beyond its flow-control window")
+                return
+            self._push(payload)
+        if data.eof:
+            self._push(_EOF)
+
+    def _push(self, item: Any) -> None:
+        self.to_dialer.append(item)
+        ready = self._ready
+        if ready is not None and not ready.done():
+            ready.set_result(None)
+
+    async def next_for_dialer(self) -> Any:
+        while not self.to_dialer:
+            self._ready = asyncio.get_running_loop().create_future()
+            try:
+                await self._ready
+            finally:
+                self._ready = None
+        return self.to_dialer.popleft()
+
+    def delivered(self, size: int) -> None:
+        """`size` bytes reached the dialer stream: grant the agent more, a quarter window at a time."""
+        owed = self.owed + size
+        if owed >= self.window >> 2:
+            self.unacked -= owed
+            self.owed = 0
+            self.session.send(mux.window_update(self.connect_id, owed))
+        else:
+            self.owed = owed
+
+    # ----------------------------------------------------- towards the agent
+
+    async def send(self, data: bytes) -> None:
+        size = len(data)
+        if size <= MAX_CHUNK:
+            await self.send_credit.take(size)
+            self.session.send(mux.data_packet(self.connect_id, data))
+            return
+        view = memoryview(data)
+        while view:
+            chunk = view[:MAX_CHUNK]
+            await self.send_credit.take(len(chunk))
+            self.session.send(mux.data_packet(self.connect_id, bytes(chunk)))
+            view = view[MAX_CHUNK:]
+
+    def send_eof(self) -> None:
+        if not self.finished:
+            self.session.send(mux.eof_packet(self.connect_id))
+
+    def finish(self, how: Any, reason: str = "") -> None:
+        """Forget the connection (exactly once) and wake its dialer side."""
+        if self.finished:
+            return
+        self.finished = True
+        self.close_reason = reason
+        self.session.connections.pop(self.connect_id, None)
+        self.send_credit.close()
+        self._push(how)
+
+
+class AgentSession:
+    """One agent's Connect stream on this replica."""
+
+    def __init__(
+        self,
+        hub: Hub,
+        node: str,
+        agent_id: str,
+        remote: str,
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        self.hub = hub
+        self.node = node
+        self.agent_id = agent_id
+        self.remote = remote
+        self.connected_since = datetime.now(UTC)
+        self.connections: dict[int, ServerConnection] = {}
+        self.draining = False
+        self.closed = False
+        self._context = context
+        self._outbox: collections.deque[pb.Packet] = collections.deque()
+        self._outbox_ready: asyncio.Future[None] | None = None
+        self._dials: dict[int, asyncio.Future[pb.DialResponse]] = {}
+        self._randoms = itertools.count(random.randrange(1, 1 << 40))
+        self.ended = asyncio.Event()
+
+    # ----------------------------------------------------- packets out
+
+    def send(self, packet: pb.Packet) -> None:
+        if self.closed:
+            return
+        self._outbox.append(packet)
+        ready = self._outbox_ready
+        if ready is not None and not ready.done():
+            ready.set_result(None)
+
+    async def write_loop(self) -> None:
+        outbox, context = self._outbox, self._context
+        while True:
+            while not outbox:
+                self._outbox_ready = asyncio.get_running_loop().create_future()
+                try:
+                    await self._outbox_ready
+                finally:
+                    self._outbox_ready = None
+            packet = outbox.popleft()
+            if packet is _STREAM_END:
+                return
+            await context.write(packet)
+
+    # ----------------------------------------------------- packets in
+
+    async def read_loop(self) -> None:
+        context = self._context
+        connections = self.connections
+        while True:
+            packet = await context.read()
+            if packet is grpc.aio.EOF:
+                return
+            kind = packet.type
+            if kind == pb.DATA:
+                data = packet.data
+                connection = connections.get(data.connect_id)
+                if connection is not None:
+                    connection.on_data(data)
+            elif kind == pb.WINDOW_UPDATE:
+                update = packet.window_update
+                connection = connections.get(update.connect_id)
+                if connection is not None:
+                    connection.send_credit.grant(update.increment)
+            elif kind == pb.CLOSE_REQ or kind == pb.CLOSE_RSP:
+                connect_id = (
+                    packet.close_request.connect_id
+                    if kind == pb.CLOSE_REQ
+                    else packet.close_response.connect_id
+                )
+                connection = connections.get(connect_id)
+                if connection is not None:
+                    connection.finish(
+                        _CLOSED, packet.close_request.reason if kind == pb.CLOSE_REQ else ""
+                    )
+            elif kind == pb.DIAL_RSP:
+                response = packet.dial_response
+                waiter = self._dials.pop(response.random, None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(response)
+                elif response.connect_id:
+                    # The dial timed out here already: the agent must not keep it.
+                    self.send(mux.close_request(response.connect_id, "dial timed out"))
+            elif kind == pb.DRAIN:
+                self.draining = True
+                self.hub.changed()
+
+    # ----------------------------------------------------- dials
+
+    async def dial(
+        self, address: str, timeout: float, trace_context: dict[str, str]
+    ) -> ServerConnection:
+        if self.draining or self.closed:
+            raise Refused(pb.DRAINING, f"the agent for node {self.node} is moving off this replica")
+        random_id = next(self._randoms)
+        waiter: asyncio.Future[pb.DialResponse] = asyncio.get_running_loop().create_future()
+        self._dials[random_id] = waiter
+        self.send(
+            pb.Packet(
+                type=pb.DIAL_REQ,
+                dial_request=pb.DialRequest(
+                    protocol="tcp",
+                    address=address,
+                    random=random_id,
+                    timeout=duration_pb2.Duration(
+                        seconds=int(timeout), nanos=int((timeout % 1) * 1e9)
+                    ),
+                    initial_window=self.hub.window,
+                    trace_context=trace_context,
+                ),
+            )
+        )
+        try:
+            response = await asyncio.wait_for(waiter, timeout + 1.0)
+        except TimeoutError:
+            raise Refused(
+                pb.TIMEOUT, f"node {self.node} did not connect to {address} within {timeout:g}s"
+            ) from None
+        finally:
+            self._dials.pop(random_id, None)
+        if not response.connect_id:
+            reason = response.reason or pb.UNREACHABLE
+            raise Refused(reason, f"node {self.node}: {response.error or 'dial failed'}")
+        if self.closed:
+            raise Refused(pb.DRAINING, f"the agent for node {self.node} went away")
+        connection = ServerConnection(self, response.connect_id, response.initial_window)
+        self.connections[response.connect_id] = connection
+        return connection
+
+    def end(self) -> None:
+        """The stream is over: every connection and pending dial on it ends now."""
+        if self.closed:
+            return
+        self.closed = True
+        self._outbox.clear()
+        self._outbox.append(_STREAM_END)
+        ready = self._outbox_ready
+        if ready is not None and not ready.done():
+            ready.set_result(None)
+        for waiter in self._dials.values():
+            if not waiter.done():
+                waiter.set_result(pb.DialResponse(error="the agent went away", reason=pb.DRAINING))
+        self._dials.clear()
+        for connection in list(self.connections.values()):
+            connection.finish(_LOST, f"the agent stream of node {self.node} ended")
+        self.ended.set()
+
+    def drain(self, grace: float) -> None:
+        self.draining = True
+        drain = pb.Drain(reason="server shutting down")
+        drain.grace.FromNanoseconds(int(grace * 1e9))
+        self.send(pb.Packet(type=pb.DRAIN, drain=drain))
+
+    def info(self) -> pb.Agent:
+        agent = pb.Agent(
+            node=self.node,
+            agent_id=self.agent_id,
+            remote_address=self.remote,
+            open_connections=len(self.connections),
+            draining=self.draining,
+        )
+        agent.connected_since.FromDatetime(self.connected_since)
+        return agent
+
+
+class Hub:
+    """The agents this replica holds, and what it tells agents and presence about itself."""
+
+    def __init__(
+        self,
+        server_id: str,
+        *,
+        replicas: Iterable[str] = (),
+        window: int = mux.DEFAULT_WINDOW,
+        dial_timeout: float = 10.0,
+    ) -> None:
+        self.server_id = server_id
+        self.replicas = tuple(sorted({server_id, *replicas}))
+        self.window = window
+        self.dial_timeout = dial_timeout
+        self.draining = False
+        self.sessions: dict[str, AgentSession] = {}  # node -> the session that serves dials
+        self._by_agent: dict[tuple[str, str], AgentSession] = {}
+        self._listeners: list[Callable[[], None]] = []
+
+    def subscribe(self, listener: Callable[[], None]) -> None:
+        self._listeners.append(listener)
+
+    def changed(self) -> None:
+        for listener in self._listeners:
+            listener()
+
+    def nodes(self) -> list[str]:
+        return sorted(n for n, s in self.sessions.items() if not s.draining)
+
+    def server_info(self) -> pb.Packet:
+        return pb.Packet(
+            type=pb.SERVER_INFO,
+            server_info=pb.ServerInfo(server_id=self.server_id, replica_ids=self.replicas),
+        )
+
+    def set_replicas(self, replicas: Iterable[str]) -> None:
+        updated = tuple(sorted({self.server_id, *replicas}))
+        if updated == self.replicas:
+            return
+        self.replicas = updated
+        for session in list(self._by_agent.values()):
+            session.send(self.server_info())
+
+    def register(self, session: AgentSession) -> None:
+        key = (session.node, session.agent_id)
+        if key in self._by_agent:
+            raise errors.AlreadyExists(
+                f"agent {session.agent_id} for node {session.node} already holds a stream to "
+                f"replica {self.server_id}; connect to another replica"
+            )
+        self._by_agent[key] = session
+        # The newest agent instance for a node serves new dials (a restarted agent
+        # replaces its predecessor, whose stream dies with its process).
+        self.sessions[session.node] = session
+        self.changed()
+
+    def unregister(self, session: AgentSession) -> None:
+        key = (session.node, session.agent_id)
+        if self._by_agent.get(key) is session:
+            del self._by_agent[key]
+        if self.sessions.get(session.node) is session:
+            del self.sessions[session.node]
+            for other in self._by_agent.values():
+                if other.node == session.node:
+                    self.sessions[session.node] = other
+        self.changed()
+
+    def session_for(self, node: str) -> AgentSession:
+        if self.draining:
+            raise Refused(pb.DRAINING, f"tunnel server {self.server_id} is draining")
+        session = self.sessions.get(node)
+        if session is None or session.closed:
+            raise Refused(pb.NO_AGENT, f"no agent for node {node} on replica {self.server_id}")
+        if session.draining:
+            raise Refused(
+                pb.DRAINING, f"the agent for node {node} is moving off replica {self.server_id}"
+            )
+        return session
+
+    def drain(self, grace: float) -> None:
+        """No new dials; every agent is told to move; open connections get `grace`."""
+        self.draining = True
+        for session in list(self._by_agent.values()):
+            session.drain(grace)
+        self.changed()
+
+    def agents(self, node: str = "") -> list[pb.Agent]:
+        return [s.info() for s in self._by_agent.values() if not node or s.node == node]
+
+
+# ---------------------------------------------------------------- gRPC faces
+
+
+class AgentTunnelServicer(tunnel_pb2_grpc.AgentTunnelServicer):
+    def __init__(self, hub: Hub, *, require_certificate: bool = True) -> None:
+        self._hub = hub
+        self._require_certificate = require_certificate
+
+    def _node_of(self, context: grpc.aio.ServicerContext) -> str:
+        _uris, dns_names = peer_certificate_names(context)
+        if len(dns_names) == 1:
+            return dns_names[0].lower().rstrip(".")
+        if not dns_names and not self._require_certificate:
+            for key, value in context.invocation_metadata() or ():
+                if key == "waygate-node" and isinstance(value, str) and value:
+                    return value
+        raise errors.PermissionDenied(
+            "an agent's client certificate must name exactly one node (one DNS name); "
+            f"this one names {len(dns_names)}"
+        )
+
+    async def Connect(  # noqa: N802  (gRPC method name)
+        self, request_iterator: AsyncIterator[pb.Packet], context: grpc.aio.ServicerContext
+    ) -> None:
+        hub = self._hub
+        node = self._node_of(context)
+        agent_id = ""
+        for key, value in context.invocation_metadata() or ():
+            if key == mux.AGENT_ID_METADATA and isinstance(value, str):
+                agent_id = value[:64]
+        if not agent_id:
+            raise errors.InvalidArgument(f"the {mux.AGENT_ID_METADATA} metadata is required")
+        if hub.draining:
+            raise errors.Unavailable(f"tunnel server {hub.server_id} is draining")
+        session = AgentSession(hub, node, agent_id, context.peer(), context)
+        hub.register(session)
+        trace.get_current_span().set_attributes(
+            {"waygate.tunnel.node": node, "waygate.tunnel.replica": hub.server_id}
+        )
+        log.info("agent connected", extra={"node": node, "agent_id": agent_id})
+        session.send(hub.server_info())
+        writer = asyncio.ensure_future(session.write_loop())
+        reader = asyncio.ensure_future(session.read_loop())
+        try:
+            await asyncio.wait({writer, reader}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            session.end()
+            hub.unregister(session)
+            for task in (reader, writer):
+                task.cancel()
+            await asyncio.gather(reader, writer, return_exceptions=True)
+            log.info("agent disconnected", extra={"node": node, "agent_id": agent_id})
+
+
+class TunnelServicer(tunnel_pb2_grpc.TunnelServicer):
+    def __init__(
+        self,
+        hub: Hub,
+        *,
+        dialers: tuple[str, ...] = (),
+        check_dialers: bool = True,
+    ) -> None:
+        self._hub = hub
+        self._dialers = dialers
+        self._check_dialers = check_dialers
+
+    def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        if not self._check_dialers:
+            return
+        uris, dns_names = peer_certificate_names(context)
+        identities = (*uris, *dns_names)
+        if any(matches(p, i) for p in self._dialers for i in identities):
+            return
+        shown = identities[0] if identities else "a client without a certificate"
+        raise Refused(
+            pb.NOT_ALLOWED,
+            f"{errors.excerpt(shown)} is not an allowed dialer of this tunnel server",
+        )
+
+    async def Dial(  # noqa: N802
+        self, request_iterator: AsyncIterator[pb.DialFrame], context: grpc.aio.ServicerContext
+    ) -> None:
+        hub = self._hub
+        span = trace.get_current_span()
+        try:
+            self._authorize(context)
+            first = await asyncio.wait_for(context.read(), hub.dial_timeout)
+            if first is grpc.aio.EOF or first.WhichOneof("frame") != "target":
+                raise Refused(pb.INVALID, "the first frame of a Dial must be a target")
+            target = first.target
+            if not target.node or not 0 < target.port < 65536:
+                raise Refused(pb.INVALID, "a dial target needs a node and a port 1..65535")
+            host = target.host or "127.0.0.1"
+            address = f"[{host}]:{target.port}" if ":" in host else f"{host}:{target.port}"
+            timeout = hub.dial_timeout
+            if target.HasField("connect_timeout"):
+                asked = target.connect_timeout.ToNanoseconds() / 1e9
+                if asked > 0:
+                    timeout = min(asked, timeout)
+            span.set_attributes(
+                {
+                    "waygate.tunnel.node": target.node,
+                    "waygate.tunnel.replica": hub.server_id,
+                    "waygate.tunnel.address": address,
+                }
+            )
+            session = hub.session_for(target.node)
+            carrier: dict[str, str] = {}
+            tracing.inject_context(carrier)
+            connection = await session.dial(address, timeout, carrier)
+        except Refused as refused:
+            await context.write(
+                pb.DialFrame(
+                    refused=pb.DialRefused(
+                        reason=refused.reason, message=str(refused), server_id=hub.server_id
+                    )
+                )
+            )
+            raise
+        except TimeoutError:
+            raise Refused(pb.INVALID, "no dial target within the dial timeout") from None
+        span.set_attribute("waygate.tunnel.connection_id", connection.connect_id)
+        await context.write(
+            pb.DialFrame(
+                accepted=pb.DialAccepted(
+                    server_id=hub.server_id,
+                    agent_id=session.agent_id,
+                    connect_id=connection.connect_id,
+                )
+            )
+        )
+        reader = asyncio.ensure_future(_from_dialer(connection, context))
+        try:
+            how = await _to_dialer(connection, context)
+        finally:
+            if not connection.finished:
+                session.send(mux.close_request(connection.connect_id, "dialer went away"))
+                connection.finish(_CLOSED)
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+        if how is _LOST or connection.close_reason:
+            raise errors.Unavailable(
+                f"tunnelled connection to {address} on node {target.node} ended: "
+                f"{connection.close_reason or 'lost'}"
+            )
+
+    async def ListAgents(  # noqa: N802
+        self, request: pb.ListAgentsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListAgentsResponse:
+        self._authorize(context)
+        return pb.ListAgentsResponse(
+            server_id=self._hub.server_id, agents=self._hub.agents(request.node)
+        )
+
+
+async def _from_dialer(connection: ServerConnection, context: grpc.aio.ServicerContext) -> None:
+    """Dialer -> agent, credit permitting; ends at the dialer's half-close or the connection's end."""
+    while not connection.finished:
+        frame = await context.read()
+        if frame is grpc.aio.EOF:
+            connection.send_eof()
+            return
+        which = frame.WhichOneof("frame")
+        if which == "data":
+            try:
+                await connection.send(frame.data)
+            except ConnectionClosed:
+                return
+        elif which == "eof":
+            connection.send_eof()
+            return
+
+
+async def _to_dialer(connection: ServerConnection, context: grpc.aio.ServicerContext) -> object:
+    """Agent -> dialer until the connection ends; returns how it ended (_CLOSED or _LOST)."""
+    eof_frame = pb.DialFrame(eof=True)
+    while True:
+        item = await connection.next_for_dialer()
+        if item is _CLOSED or item is _LOST:
+            return item
+        if item is _EOF:
+            await context.write(eof_frame)
+            continue
+        await context.write(pb.DialFrame(data=item))
+        connection.delivered(len(item))

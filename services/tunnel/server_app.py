@@ -1,0 +1,161 @@
+"""`waygate tunnel serve`: settings and wiring of a tunnel-server replica.
+
+Two mTLS gRPC listeners: agents on `grpc_port` (7003; node name from the
+client certificate), dialers on `dial_port` (7004; identities in `dialers`).
+With `resolver_address` the replica reports the nodes it holds to the
+resolver (`waygate.tunnel.presence`). SIGTERM: the hub stops taking dials,
+tells every agent to move (Drain with the grace), and the listeners give open
+connections `shutdown_grace` before they are cut.
+
+The replica set agents are told about is this replica plus `replicas`
+(ids, e.g. the StatefulSet's pod names); agents hold one stream per id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import socket
+from typing import TYPE_CHECKING
+
+from waygate.core.grpcserver import GrpcServer, ServiceRegistration
+from waygate.core.runtime import ServiceProcess
+from waygate.core.settings import GrpcServerSettings, parse_duration, port_number, positive, setting
+from waygate.resolver.access import patterns_problem
+from waygate.tunnel import mux
+from waygate.tunnel.server import AgentTunnelServicer, Hub, TunnelServicer
+from waygate.tunnel.v1 import tunnel_pb2_grpc
+
+if TYPE_CHECKING:
+    from waygate.supervisor import UpContext
+
+log = logging.getLogger(__name__)
+
+
+def _window_check(value: int) -> str | None:
+    low, high = 4 * mux.MAX_CHUNK, 64 * 1024 * 1024
+    return None if low <= value <= high else f"must lie between {low} and {high} bytes, not {value}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Settings(GrpcServerSettings):
+    grpc_port: int = setting(7003, help="agents' gRPC port (AgentTunnel)", check=port_number)
+    dial_port: int = setting(7004, help="dialers' gRPC port (Tunnel)", check=port_number)
+    admin_port: int = setting(
+        9003, help="admin HTTP port (/metrics /healthz /readyz)", check=port_number
+    )
+    server_id: str = setting("", help="this replica's id (e.g. the pod name); empty: the host name")
+    replicas: tuple[str, ...] = setting(
+        (),
+        help="ids of the other replicas agents must also connect to, comma-separated; "
+        "empty: this replica is the only one",
+    )
+    advertise_address: str = setting(
+        "", help="dialer-facing host:port reported to the resolver; empty: HOST:DIAL_PORT"
+    )
+    dialers: tuple[str, ...] = setting(
+        (),
+        help="client identities allowed to dial, comma-separated: SPIFFE IDs (trailing * "
+        "matches any rest) or DNS names; empty: nobody (with mTLS)",
+        check=patterns_problem,
+    )
+    dial_timeout: float = setting(
+        10.0, help="longest time a dial may take", parse=parse_duration, check=positive
+    )
+    window: int = setting(
+        mux.DEFAULT_WINDOW,
+        help="per-connection flow-control window in bytes, each direction",
+        check=_window_check,
+    )
+    resolver_address: str | None = setting(
+        None, help="host:port of the resolver to report presence to; unset: no reports"
+    )
+    presence_lease: float = setting(
+        15.0,
+        help="lease asked for on presence reports (a dead replica's presence ends within it)",
+        parse=parse_duration,
+        check=positive,
+    )
+
+    @property
+    def replica_id(self) -> str:
+        return self.server_id or socket.gethostname().lower()
+
+
+async def setup(process: ServiceProcess, settings: Settings) -> None:
+    hub = Hub(
+        settings.replica_id,
+        replicas=settings.replicas,
+        window=settings.window,
+        dial_timeout=settings.dial_timeout,
+    )
+    authenticated = settings.certs_address is not None or settings.tls_client_ca_file is not None
+    if not authenticated:
+        log.warning(
+            "no client certificates on this tunnel server: agents name their node in "
+            "metadata and every dialer is allowed (development only)"
+        )
+    credentials = await process.server_credentials(client_auth=True)
+    process.add_grpc_server(
+        GrpcServer.from_settings(
+            settings,
+            [
+                ServiceRegistration(
+                    "waygate.tunnel.v1.AgentTunnel",
+                    tunnel_pb2_grpc.add_AgentTunnelServicer_to_server,
+                    AgentTunnelServicer(hub, require_certificate=authenticated),
+                )
+            ],
+            credentials=credentials,
+        )
+    )
+    dial_server = process.add_grpc_server(
+        GrpcServer.from_settings(
+            settings,
+            [
+                ServiceRegistration(
+                    "waygate.tunnel.v1.Tunnel",
+                    tunnel_pb2_grpc.add_TunnelServicer_to_server,
+                    TunnelServicer(hub, dialers=settings.dialers, check_dialers=authenticated),
+                )
+            ],
+            credentials=credentials,
+            port=settings.dial_port,
+        )
+    )
+    process.on_drain(lambda: hub.drain(settings.shutdown_grace))
+
+    if settings.resolver_address is not None:
+        from waygate.tunnel.presence import PresenceReporter
+
+        channel = await process.client_channel(settings.resolver_address)
+        host = settings.host if settings.host not in ("0.0.0.0", "::") else socket.gethostname()
+
+        async def report() -> None:
+            # The dial port is known once the listener is bound (port 0 in tests).
+            while not dial_server.port:
+                await asyncio.sleep(0.05)
+            address = settings.advertise_address or (
+                f"[{host}]:{dial_server.port}" if ":" in host else f"{host}:{dial_server.port}"
+            )
+            await PresenceReporter(
+                hub, channel, address=address, lease=settings.presence_lease
+            ).run()
+
+        process.spawn(report(), "tunnel-presence")
+    await process.mark_ready()
+
+
+def up_arguments(context: UpContext) -> list[str]:
+    """Under `up`: report to the local resolver; the proxy and the local user may dial."""
+    from waygate.supervisor import USER, spiffe_id
+
+    return [
+        "--server-id",
+        "tunnel-server-0",
+        "--resolver-address",
+        context.address("resolver"),
+        "--dialers",
+        ",".join((spiffe_id("proxy"), spiffe_id(USER))),
+    ]

@@ -1,0 +1,151 @@
+"""An in-process tunnel for tests: real TLS, real gRPC, real sockets.
+
+`Tunnel` starts a tunnel server's two listeners (mTLS against a `LocalCA`),
+an agent for node `edge-1` holding a stream to it, and hands out dial clients
+with the identities a test asks for. Everything stops in `close()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+
+from tests.support.pki import IdentityFiles, LocalCA
+from tests.support.poll import until
+from waygate.core.grpcclient import ClientTLS
+from waygate.core.grpcserver import GrpcServer, ServiceRegistration
+from waygate.tunnel.agent import Agent
+from waygate.tunnel.allow import AllowList
+from waygate.tunnel.client import StaticPresence, TunnelClient
+from waygate.tunnel.server import AgentTunnelServicer, Hub, TunnelServicer
+from waygate.tunnel.v1 import tunnel_pb2_grpc
+
+DIALER = "spiffe://waygate.test/ns/t/sa/proxy"
+NODE = "edge-1"
+
+
+def credentials(files: IdentityFiles) -> grpc.ChannelCredentials:
+    return ClientTLS(files.ca, files.cert, files.key).credentials()
+
+
+class Tunnel:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        server_id: str = "replica-a",
+        replicas: tuple[str, ...] = (),
+        window: int = 256 * 1024,
+        allow: tuple[str, ...] = ("127.0.0.0/8:*",),
+        ca: LocalCA | None = None,
+    ) -> None:
+        self.directory = directory
+        self.ca = ca or LocalCA()
+        self.server_files = self.ca.write_files(
+            directory, dns=["tunnel-server"], ips=["127.0.0.1"], prefix=f"{server_id}-"
+        )
+        self.agent_files = self.ca.write_files(directory, dns=[NODE], prefix="agent-")
+        self.dialer_files = self.ca.write_files(directory, uris=[DIALER], prefix="dialer-")
+        self.hub = Hub(server_id, replicas=replicas, window=window, dial_timeout=5.0)
+        self.allow = allow
+        self.window = window
+        self.servers: list[GrpcServer] = []
+        self.agents: list[Agent] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self.clients: list[TunnelClient] = []
+        self.agent_port = 0
+        self.dial_port = 0
+
+    async def start_server(self) -> None:
+        creds = grpc.ssl_server_credentials(
+            [(self.server_files.key.read_bytes(), self.server_files.cert.read_bytes())],
+            root_certificates=self.ca.pem,
+            require_client_auth=True,
+        )
+        agents = GrpcServer(
+            host="127.0.0.1",
+            port=self.agent_port,
+            registrations=[
+                ServiceRegistration(
+                    "waygate.tunnel.v1.AgentTunnel",
+                    tunnel_pb2_grpc.add_AgentTunnelServicer_to_server,
+                    AgentTunnelServicer(self.hub),
+                )
+            ],
+            credentials=creds,
+        )
+        dialers = GrpcServer(
+            host="127.0.0.1",
+            port=self.dial_port,
+            registrations=[
+                ServiceRegistration(
+                    "waygate.tunnel.v1.Tunnel",
+                    tunnel_pb2_grpc.add_TunnelServicer_to_server,
+                    TunnelServicer(self.hub, dialers=(DIALER,)),
+                )
+            ],
+            credentials=creds,
+        )
+        self.agent_port = await agents.start()
+        self.dial_port = await dialers.start()
+        self.servers = [agents, dialers]
+
+    async def start_agent(self, *, wait: bool = True) -> Agent:
+        agent = Agent(
+            node=NODE,
+            server_address=f"127.0.0.1:{self.agent_port}",
+            credentials=lambda: credentials(self.agent_files),
+            allow=AllowList(self.allow, own=()),
+            window=self.window,
+        )
+        self.agents.append(agent)
+        self._tasks.append(asyncio.ensure_future(agent.run()))
+        if wait:
+            await until(lambda: NODE in self.hub.sessions, "the agent's stream")
+        return agent
+
+    async def stop_agent(self, agent: Agent) -> None:
+        index = self.agents.index(agent)
+        task = self._tasks.pop(index)
+        self.agents.pop(index)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    def client(self, files: IdentityFiles | None = None) -> TunnelClient:
+        client = TunnelClient(
+            StaticPresence([f"127.0.0.1:{self.dial_port}"]),
+            credentials=lambda: credentials(files or self.dialer_files),
+            server_name="tunnel-server",
+        )
+        self.clients.append(client)
+        return client
+
+    async def close(self) -> None:
+        for client in self.clients:
+            await client.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for server in self.servers:
+            await server.stop(0)
+
+
+async def echo_server() -> tuple[asyncio.Server, int]:
+    """A TCP echo server that half-closes after echoing everything the peer sent."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+            writer.write_eof()
+            await writer.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]

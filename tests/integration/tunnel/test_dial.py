@@ -1,0 +1,89 @@
+"""Dials through a real tunnel (server + agent + client in one loop, real mTLS)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.tunnel.harness import NODE, Tunnel, echo_server
+from tests.support.poll import until
+from waygate.tunnel.client import DialFailed
+from waygate.tunnel.v1 import tunnel_pb2 as pb
+
+
+@pytest.fixture
+async def tunnel(tmp_path: Path) -> AsyncIterator[Tunnel]:
+    t = Tunnel(tmp_path)
+    await t.start_server()
+    await t.start_agent()
+    try:
+        yield t
+    finally:
+        await t.close()
+
+
+async def test_bytes_both_ways_with_half_close(tunnel: Tunnel) -> None:
+    server, port = await echo_server()
+    async with server:
+        stream = await tunnel.client().dial(NODE, port)
+        payload = os.urandom(3 * 1024 * 1024 + 17)  # many windows' worth
+        received = bytearray()
+
+        async def reader() -> None:
+            while data := await stream.read():
+                received.extend(data)
+
+        reading = asyncio.ensure_future(reader())
+        await stream.write(payload)
+        await stream.write_eof()
+        await asyncio.wait_for(reading, 20)
+        assert bytes(received) == payload
+        assert await asyncio.wait_for(stream.wait_closed(), 5) == __import__("grpc").StatusCode.OK
+    await until(lambda: not tunnel.hub.sessions[NODE].connections, "the connection to be released")
+    assert not tunnel.agents[0].open_connections()
+
+
+async def test_no_agent_for_node_is_refused_with_its_reason(tunnel: Tunnel) -> None:
+    with pytest.raises(DialFailed) as failed:
+        await tunnel.client().dial("edge-unknown", 80)
+    assert failed.value.reason == pb.NO_AGENT
+    assert "no agent for node edge-unknown" in str(failed.value)
+
+
+async def test_destination_outside_the_allow_list_is_not_allowed(tmp_path: Path) -> None:
+    t = Tunnel(tmp_path, allow=("127.0.0.1/32:1",))
+    await t.start_server()
+    await t.start_agent()
+    try:
+        server, port = await echo_server()
+        async with server:
+            with pytest.raises(DialFailed) as failed:
+                await t.client().dial(NODE, port)
+        assert failed.value.reason == pb.NOT_ALLOWED
+        assert not failed.value.retryable
+    finally:
+        await t.close()
+
+
+async def test_unreachable_destination(tunnel: Tunnel) -> None:
+    server, port = await echo_server()
+    server.close()
+    await server.wait_closed()
+    with pytest.raises(DialFailed) as failed:
+        await tunnel.client().dial(NODE, port)
+    assert failed.value.reason == pb.UNREACHABLE
+    assert "refused" in str(failed.value).lower()
+
+
+async def test_dialer_not_allowed_by_policy(tunnel: Tunnel) -> None:
+    stranger = tunnel.ca.write_files(
+        tunnel.directory, uris=["spiffe://waygate.test/ns/t/sa/stranger"], prefix="stranger-"
+    )
+    with pytest.raises(DialFailed) as failed:
+        await tunnel.client(stranger).dial(NODE, 80)
+    assert failed.value.reason == pb.NOT_ALLOWED
+    assert "stranger" in str(failed.value)
