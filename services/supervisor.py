@@ -51,8 +51,9 @@ from waygate.core.backoff import Backoff
 from waygate.core.clientcli import EXIT_USAGE_OR_UNREACHABLE, fail
 from waygate.core.errors import WaygateError
 from waygate.core.files import write_file_atomically
-from waygate.core.logs import configure_logging
+from waygate.core.logs import configure_logging, resolved_format
 from waygate.core.settings import (
+    LOG_FORMATS,
     LOG_LEVELS,
     SettingsError,
     parse_duration,
@@ -151,6 +152,12 @@ class UpSettings:
         check=positive,
     )
     log_level: str = setting("info", help="log level of up itself", choices=LOG_LEVELS)
+    log_format: str = setting(
+        "auto",
+        help="log format of up and every child: json, text, or auto (text when up's stderr "
+        "is a terminal; children get what up decided, their stderr being a pipe)",
+        choices=LOG_FORMATS,
+    )
 
     def __post_init__(self) -> None:
         top = max(port for c in COMPONENTS for _, port in c.ports) + self.port_offset
@@ -248,6 +255,7 @@ class Supervisor:
 
     def _argv(self, component: Component) -> list[str]:
         argv = [sys.executable, "-m", "waygate", *component.command, "--host", HOST]
+        argv += ["--log-format", resolved_format(self.settings.log_format)]
         for field, _ in component.ports:
             argv += [f"--{field.replace('_', '-')}", str(self.context.port(component.name, field))]
         app = importlib.import_module(component.app_module)
@@ -418,7 +426,7 @@ def run_up(args: argparse.Namespace) -> int:
         settings = settings_from_args(UpSettings, args)
     except SettingsError as exc:
         return fail(str(exc), EXIT_USAGE_OR_UNREACHABLE)
-    configure_logging("up", settings.log_level)
+    configure_logging("up", settings.log_level, settings.log_format)
     try:
         return asyncio.run(Supervisor(settings).run())
     except OSError as exc:

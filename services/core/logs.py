@@ -1,8 +1,19 @@
-"""Logging: JSON lines on stderr, configured once per process.
+"""Logging: one line per record on stderr, configured once per process.
 
 Modules log through `logging.getLogger(__name__)` and never configure handlers
 themselves. Each line carries the service name and, inside a span, the trace
 and span ids, so a log line can be found from a trace in Jaeger and back.
+
+Format (`log_format`): `json` (one JSON object per line, for collectors),
+`text` (one readable line: time, level, service, message, key=value fields),
+or `auto`: text when stderr is a terminal, JSON otherwise. `waygate up`
+decides for its children from its own stderr (theirs is a pipe).
+
+gRPC core (C) writes its own log lines (absl format, e.g. one per failed TLS
+handshake) straight to stderr. `waygate.core.settings.quiet_grpc_core` keeps
+those below ERROR off stderr; grpc reads that setting once, when it is
+imported, so the `waygate` package calls it first thing (waygate/__init__.py),
+and child processes inherit it through the environment.
 """
 
 from __future__ import annotations
@@ -51,15 +62,61 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
-def configure_logging(service: str, level: str = "info") -> None:
-    """Send every logger's records to stderr as JSON. Later calls only adjust the level."""
+class TextFormatter(logging.Formatter):
+    """One readable line per record: `12:00:01.250 INFO    resolver  ready  key=value`."""
+
+    def __init__(self, service: str) -> None:
+        super().__init__()
+        self._service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        stamp = time.strftime("%H:%M:%S", time.localtime(record.created))
+        fields = [
+            f"{key}={value}"
+            for key, value in vars(record).items()
+            if key not in _STANDARD_ATTRS and not key.startswith("_")
+        ]
+        context = trace.get_current_span().get_span_context()
+        if context.is_valid:
+            fields.append(f"trace_id={context.trace_id:032x}")
+        line = (
+            f"{stamp}.{int(record.msecs):03d} {record.levelname:<7} {self._service}  "
+            f"{record.getMessage()}"
+        )
+        if fields:
+            line += "  " + " ".join(fields)
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def text_wanted(log_format: str, stream: Any = None) -> bool:
+    """Whether `log_format` (auto|json|text) means text lines on `stream` (default stderr)."""
+    if log_format == "auto":
+        stream = sys.stderr if stream is None else stream
+        try:
+            return bool(stream.isatty())
+        except (AttributeError, ValueError):
+            return False
+    return log_format == "text"
+
+
+def resolved_format(log_format: str) -> str:
+    """`log_format` with auto decided for this process's stderr: json or text."""
+    return "text" if text_wanted(log_format) else "json"
+
+
+def configure_logging(service: str, level: str = "info", log_format: str = "auto") -> None:
+    """Send every logger's records to stderr, one line each. Later calls only adjust the level."""
     global _configured
     root = logging.getLogger()
     root.setLevel(level.upper())
     if _configured:
         return
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter(service))
+    handler.setFormatter(
+        TextFormatter(service) if text_wanted(log_format) else JsonFormatter(service)
+    )
     root.handlers[:] = [handler]
     # grpc's and urllib3's own chatter is only useful when debugging them.
     for noisy in ("grpc", "urllib3", "kubernetes"):

@@ -7,6 +7,11 @@
        refused, in-flight calls get `shutdown_grace` to finish, background
        tasks cancelled, cleanups run, traces flushed -> exit 0.
 
+Listeners other than gRPC (the proxy's HTTP port) register a `Listener`:
+started after setup like the gRPC servers; on SIGTERM they stop accepting at
+once, then `drain(grace)` lets in-flight requests finish within the grace
+period and closes idle keep-alive connections, alongside the gRPC drain.
+
 A background task that dies with an exception stops the process with exit
 code 1: a supervisor (`waygate up`, Kubernetes) restarts it, rather than the
 process limping on without part of its job.
@@ -20,7 +25,7 @@ import logging
 import signal
 import ssl
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
@@ -39,6 +44,20 @@ log = logging.getLogger(__name__)
 Cleanup = Callable[[], Awaitable[None]]
 
 
+class Listener(Protocol):
+    """A non-gRPC listener the process starts and drains (e.g. the proxy's HTTP port)."""
+
+    async def start(self) -> None:
+        """Bind and accept; called after setup, before the process is marked ready."""
+
+    def stop_accepting(self) -> None:
+        """Close the listening sockets; connections already accepted carry on."""
+
+    async def drain(self, grace: float) -> None:
+        """Let in-flight requests finish within `grace` seconds, close idle
+        keep-alive connections now, then close whatever is left."""
+
+
 def _async(function: Callable[[], None]) -> Cleanup:
     async def run() -> None:
         function()
@@ -48,13 +67,15 @@ def _async(function: Callable[[], None]) -> Cleanup:
 
 class ServiceProcess:
     def __init__(self, service: str, settings: ProcessSettings) -> None:
-        configure_logging(service, settings.log_level)
+        configure_logging(service, settings.log_level, settings.log_format)
         configure_tracing(service, settings.otlp_endpoint)
         self.service = service
         self.settings = settings
         self.readiness = Readiness()
         self.admin = AdminServer.from_settings(self.readiness, settings)
         self.grpc_servers: list[GrpcServer] = []
+        self.listeners: list[Listener] = []
+        self._started_listeners: list[Listener] = []
         self._started: list[GrpcServer] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._cleanups: list[Cleanup] = []
@@ -71,6 +92,10 @@ class ServiceProcess:
     def add_grpc_server(self, server: GrpcServer) -> GrpcServer:
         self.grpc_servers.append(server)
         return server
+
+    def add_listener(self, listener: Listener) -> Listener:
+        self.listeners.append(listener)
+        return listener
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         """Run background work for the life of the process; a crash stops the process."""
@@ -240,6 +265,9 @@ class ServiceProcess:
                 self._started.append(server)
                 if self.readiness.ready:
                     await server.set_serving()
+            for listener in self.listeners:
+                await listener.start()
+                self._started_listeners.append(listener)
             log.info(
                 "listening",
                 extra={"grpc_ports": [s.port for s in self._started], "admin_port": admin_port},
@@ -260,8 +288,12 @@ class ServiceProcess:
                 callback()
             except Exception:
                 log.exception("drain callback failed")
+        for listener in self._started_listeners:
+            listener.stop_accepting()
         await asyncio.gather(
-            *(server.stop(grace) for server in self._started), return_exceptions=True
+            *(server.stop(grace) for server in self._started),
+            *(listener.drain(grace) for listener in self._started_listeners),
+            return_exceptions=True,
         )
         for task in list(self._tasks):
             task.cancel()

@@ -66,6 +66,22 @@ def setting(
     return dataclasses.field(default=default, metadata=metadata)
 
 
+#: gRPC core's own log threshold (GRPC_VERBOSITY); a value the user set wins.
+GRPC_CORE_VERBOSITY = "ERROR"
+
+
+def quiet_grpc_core(environ: typing.MutableMapping[str, str] | None = None) -> None:
+    """Keep grpc core's own (non-JSON, absl format) log lines below ERROR off stderr.
+
+    grpc reads GRPC_VERBOSITY once, when it is imported: the `waygate` package
+    calls this first thing, and the variable stays in the environment, so every
+    child process (`waygate up`'s) inherits it. A failed TLS handshake is an
+    INFO line there, so a TLS scan no longer writes one line per connection.
+    """
+    environ = os.environ if environ is None else environ
+    environ.setdefault("GRPC_VERBOSITY", GRPC_CORE_VERBOSITY)
+
+
 # ---------------------------------------------------------------- value parsing
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
