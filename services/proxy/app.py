@@ -1,0 +1,250 @@
+"""`waygate proxy serve`: settings and wiring of the HTTP proxy process.
+
+The process watches the resolver (`waygate.resolver.client.ResolverWatch`,
+one stream, no RPC per request), rebuilds its routing table inside the
+watch's `on_view` callback (so a change applies to the next request), and
+serves HTTP/1.1 on `http_port` through `waygate.proxy.server`. It is ready
+once the first complete resolver snapshot has been applied; while the
+resolver is away it keeps serving the last table. SIGTERM drains: the
+listener stops accepting, in-flight exchanges get `shutdown_grace`, idle
+keep-alive connections close at once (`waygate.core.runtime.Listener`).
+
+`https_port` is reserved for TLS (edge, passthrough, reencrypt) and not
+bound yet. `--workers N` runs N processes on the same port
+(SO_REUSEPORT): the parent forks the workers before anything binds; each
+worker has its own resolver watch and listener; the parent keeps the admin
+port and merges every worker's metrics into its /metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import REGISTRY
+
+from waygate.core.errors import FailedPrecondition, Unavailable
+from waygate.core.runtime import ServiceProcess
+from waygate.core.settings import (
+    ProcessSettings,
+    parse_duration,
+    port_number,
+    positive,
+    setting,
+)
+from waygate.proxy.metrics import ProxyCollector, ProxyMetrics
+from waygate.proxy.routing import Defaults, build_table
+from waygate.proxy.server import ProxyServer
+from waygate.proxy.upstream import Dialer
+
+log = logging.getLogger(__name__)
+
+FORWARDED_MODES = ("append", "replace", "if-none", "never")
+
+
+def _at_least_one(value: int) -> str | None:
+    return None if value >= 1 else f"must be at least 1, not {value}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Settings(ProcessSettings):
+    """Flags of `waygate proxy serve` (each also WAYGATE_<NAME> or a YAML key).
+
+    Per-route overrides of the timeouts come from the route's `timeouts`
+    (connect, client, server, httpRequest, keepAlive, tunnel) and its
+    `forwardedHeaders` mode; these flags are the defaults.
+    """
+
+    http_port: int = setting(8080, help="HTTP listen port", check=port_number)
+    https_port: int = setting(
+        8443, help="HTTPS listen port (reserved for TLS routes; not bound yet)", check=port_number
+    )
+    admin_port: int = setting(
+        9004, help="admin HTTP port (/metrics /healthz /readyz)", check=port_number
+    )
+    resolver_address: str = setting(
+        "127.0.0.1:7001", help="host:port of the resolver whose routes this proxy serves"
+    )
+    resolver_server_name: str | None = setting(
+        None, help="name to verify in the resolver's certificate when it differs from the host"
+    )
+    workers: int = setting(
+        1, help="processes serving the HTTP port together (SO_REUSEPORT)", check=_at_least_one
+    )
+    max_connections: int = setting(
+        10000, help="client connections open at once per worker; more are closed", check=positive
+    )
+    connect_timeout: float = setting(
+        5.0, help="upstream connect timeout", parse=parse_duration, check=positive
+    )
+    client_timeout: float = setting(
+        30.0,
+        help="client inactivity while sending a request body",
+        parse=parse_duration,
+        check=positive,
+    )
+    server_timeout: float = setting(
+        30.0,
+        help="upstream inactivity before and during a response (504 before it starts)",
+        parse=parse_duration,
+        check=positive,
+    )
+    http_request_timeout: float = setting(
+        10.0,
+        help="time to receive a whole request head (408)",
+        parse=parse_duration,
+        check=positive,
+    )
+    keep_alive_timeout: float = setting(
+        300.0,
+        help="idle client keep-alive connections are closed after this",
+        parse=parse_duration,
+        check=positive,
+    )
+    tunnel_timeout: float = setting(
+        3600.0,
+        help="inactivity of an upgraded (WebSocket, SPDY) connection",
+        parse=parse_duration,
+        check=positive,
+    )
+    forwarded_headers: str = setting(
+        "append",
+        help="default X-Forwarded-*/Forwarded mode of routes that set none",
+        choices=FORWARDED_MODES,
+    )
+    upstream_max_idle: int = setting(
+        64, help="idle keep-alive connections kept per endpoint", check=positive
+    )
+    upstream_idle_timeout: float = setting(
+        15.0,
+        help="idle upstream connections are closed after this",
+        parse=parse_duration,
+        check=positive,
+    )
+    unavailable_page: Path | None = setting(
+        None,
+        help="HTML file served with 503 when no route matches or no endpoint is ready; "
+        "{reason} in it is replaced by the reason",
+    )
+    sticky_key_file: Path | None = setting(
+        None,
+        help="file with the secret that keys sticky-cookie values (shared by replicas so "
+        "a cookie survives a restart); unset: a random key per process group",
+    )
+
+    def validate(self) -> str | None:
+        problem = super().validate()
+        if problem:
+            return problem
+        if self.unavailable_page is not None and not self.unavailable_page.is_file():
+            return (
+                f"invalid setting unavailable_page: {self.unavailable_page} is not a readable file"
+            )
+        if self.sticky_key_file is not None and not self.sticky_key_file.is_file():
+            return f"invalid setting sticky_key_file: {self.sticky_key_file} is not a readable file"
+        return None
+
+    def defaults(self) -> Defaults:
+        return Defaults(
+            connect_timeout=self.connect_timeout,
+            client_timeout=self.client_timeout,
+            server_timeout=self.server_timeout,
+            http_request_timeout=self.http_request_timeout,
+            keep_alive_timeout=self.keep_alive_timeout,
+            tunnel_timeout=self.tunnel_timeout,
+            forwarded_mode=self.forwarded_headers,
+        )
+
+
+class HttpListener:
+    """The proxy's HTTP port as a runtime Listener (started after setup, drained on SIGTERM)."""
+
+    def __init__(self, server: ProxyServer, host: str, port: int, reuse_port: bool) -> None:
+        self.server = server
+        self.host = host
+        self.port = port
+        self.reuse_port = reuse_port
+        self.bound_port = 0
+
+    async def start(self) -> None:
+        self.bound_port = await self.server.start(self.host, self.port, reuse_port=self.reuse_port)
+        log.info("proxy listening", extra={"http_port": self.bound_port})
+
+    def stop_accepting(self) -> None:
+        self.server.stop_accepting()
+
+    async def drain(self, grace: float) -> None:
+        await self.server.drain(grace)
+
+
+def _unregister(metrics: ProxyMetrics) -> Any:
+    async def run() -> None:
+        for collector in list(REGISTRY._collector_to_names):
+            if isinstance(collector, ProxyCollector):
+                REGISTRY.unregister(collector)
+
+    return run
+
+
+def _sticky_key(settings: Settings) -> bytes:
+    if settings.sticky_key_file is not None:
+        key = settings.sticky_key_file.read_bytes().strip()
+        if len(key) < 16:
+            raise FailedPrecondition("sticky_key_file must hold at least 16 bytes of secret")
+        return key[:64]
+    return secrets.token_bytes(32)
+
+
+async def setup(process: ServiceProcess, settings: Settings) -> None:
+    from waygate.resolver.client import ResolverWatch
+
+    metrics = ProxyMetrics()
+    page = settings.unavailable_page.read_bytes() if settings.unavailable_page else b""
+    cookie_key = _sticky_key(settings)
+    defaults = settings.defaults()
+    server = ProxyServer(
+        defaults=defaults,
+        dialer=Dialer(),
+        metrics=metrics,
+        cookie_key=cookie_key,
+        max_connections=settings.max_connections,
+        max_idle_per_endpoint=settings.upstream_max_idle,
+        pool_idle_timeout=settings.upstream_idle_timeout,
+        unavailable_page=page,
+        listen_port=settings.http_port,
+    )
+    REGISTRY.register(ProxyCollector(metrics.snapshot))
+    process.on_stop(_unregister(metrics))
+
+    def on_view(view: Any) -> None:
+        server.set_table(
+            build_table(
+                view.routes,
+                view.endpoints,
+                view.services,
+                defaults=defaults,
+                cookie_key=cookie_key,
+                previous=server.table,
+            )
+        )
+
+    channel = await process.client_channel(
+        settings.resolver_address, server_name=settings.resolver_server_name
+    )
+    watch = ResolverWatch(channel.channel, on_view=on_view)
+    process.spawn(watch.run(), "resolver-watch")
+    process.add_listener(HttpListener(server, settings.host, settings.http_port, reuse_port=False))
+
+    async def ready_when_synced() -> None:
+        while True:
+            try:
+                await watch.wait_synced(30.0)
+                break
+            except Unavailable:
+                log.warning("still waiting for the resolver at %s", settings.resolver_address)
+        await process.mark_ready()
+
+    process.spawn(ready_when_synced(), "proxy-ready")

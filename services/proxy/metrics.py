@@ -1,0 +1,183 @@
+"""The proxy's Prometheus metrics, counted in plain dicts and exported at scrape time.
+
+The request path only bumps integers in dicts (no prometheus_client child
+lookups or locks per request); a custom collector turns them into metric
+families when /metrics is scraped. With `--workers`, each worker sends its
+`snapshot()` to the parent, which merges them (`merge`) into one /metrics.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+STATUS_CLASSES = ("1xx", "2xx", "3xx", "4xx", "5xx")
+_METHODS = {
+    m: m.decode()
+    for m in (b"GET", b"HEAD", b"POST", b"PUT", b"DELETE", b"PATCH", b"OPTIONS", b"TRACE")
+}
+
+
+def method_label(method: bytes) -> str:
+    return _METHODS.get(method, "OTHER")
+
+
+class ProxyMetrics:
+    def __init__(self) -> None:
+        # (route, method, status class) -> count
+        self.requests: dict[tuple[str, str, str], int] = {}
+        self.connect_errors: dict[str, int] = {}
+        self.refused: dict[str, int] = {}  # local 4xx/5xx answers by reason kind
+        self.latency_counts = [0] * (len(LATENCY_BUCKETS) + 1)
+        self.latency_sum = 0.0
+        self.client_connections = 0
+        self.upstream_connections = 0
+        self.upstream_opened = 0
+        self.pool_reused = 0
+        self.bytes_in = 0  # from clients
+        self.bytes_out = 0  # to clients
+        self.passive_health_skipped = 0
+        self.redispatches = 0
+
+    def request(self, route: str, method: bytes, status: int) -> None:
+        key = (route, _METHODS.get(method, "OTHER"), STATUS_CLASSES[min(status // 100, 5) - 1])
+        self.requests[key] = self.requests.get(key, 0) + 1
+
+    def latency(self, seconds: float) -> None:
+        self.latency_counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        self.latency_sum += seconds
+
+    def connect_error(self, kind: str) -> None:
+        self.connect_errors[kind] = self.connect_errors.get(kind, 0) + 1
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "requests": [[*k, v] for k, v in self.requests.items()],
+            "connect_errors": dict(self.connect_errors),
+            "refused": dict(self.refused),
+            "latency_counts": list(self.latency_counts),
+            "latency_sum": self.latency_sum,
+            "client_connections": self.client_connections,
+            "upstream_connections": self.upstream_connections,
+            "upstream_opened": self.upstream_opened,
+            "pool_reused": self.pool_reused,
+            "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out,
+            "passive_health_skipped": self.passive_health_skipped,
+            "redispatches": self.redispatches,
+        }
+
+
+def merge(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
+    total: dict[str, Any] = ProxyMetrics().snapshot()
+    requests: dict[tuple[str, str, str], int] = {}
+    for snap in snapshots:
+        for route, method, cls, count in snap["requests"]:
+            requests[(route, method, cls)] = requests.get((route, method, cls), 0) + count
+        for field in ("connect_errors", "refused"):
+            for key, count in snap[field].items():
+                total[field][key] = total[field].get(key, 0) + count
+        total["latency_counts"] = [
+            a + b for a, b in zip(total["latency_counts"], snap["latency_counts"], strict=True)
+        ]
+        for field in (
+            "latency_sum",
+            "client_connections",
+            "upstream_connections",
+            "upstream_opened",
+            "pool_reused",
+            "bytes_in",
+            "bytes_out",
+            "passive_health_skipped",
+            "redispatches",
+        ):
+            total[field] += snap[field]
+    total["requests"] = [[*k, v] for k, v in requests.items()]
+    return total
+
+
+class ProxyCollector(Collector):
+    """Exports snapshots from `source()` (this process, or every worker merged)."""
+
+    def __init__(self, source: Any) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Any]:
+        snap = self._source()
+        requests = CounterMetricFamily(
+            "waygate_proxy_requests",
+            "HTTP requests answered, by route, method and status class",
+            labels=["route", "method", "code"],
+        )
+        for route, method, cls, count in snap["requests"]:
+            requests.add_metric([route, method, cls], count)
+        yield requests
+        errors = CounterMetricFamily(
+            "waygate_proxy_upstream_connect_errors",
+            "failed upstream connects, by reason",
+            labels=["reason"],
+        )
+        for reason, count in snap["connect_errors"].items():
+            errors.add_metric([reason], count)
+        yield errors
+        refused = CounterMetricFamily(
+            "waygate_proxy_local_responses",
+            "requests the proxy answered itself (refused, no route, no endpoint, timeouts)",
+            labels=["reason"],
+        )
+        for reason, count in snap["refused"].items():
+            refused.add_metric([reason], count)
+        yield refused
+        buckets = []
+        running = 0
+        for bound, count in zip(
+            [*map(str, LATENCY_BUCKETS), "+Inf"], snap["latency_counts"], strict=True
+        ):
+            running += count
+            buckets.append((bound, running))
+        histogram = HistogramMetricFamily(
+            "waygate_proxy_upstream_latency_seconds",
+            "time from the request head sent upstream to the response head received",
+            buckets=buckets,
+            sum_value=snap["latency_sum"],
+        )
+        yield histogram
+        for name, help_text, field in (
+            ("waygate_proxy_client_connections", "open client connections", "client_connections"),
+            (
+                "waygate_proxy_upstream_connections",
+                "open upstream connections (busy and idle)",
+                "upstream_connections",
+            ),
+            (
+                "waygate_proxy_passive_health_skipped_endpoints",
+                "endpoints skipped for now because their connects kept failing",
+                "passive_health_skipped",
+            ),
+        ):
+            yield GaugeMetricFamily(name, help_text, value=snap[field])
+        for name, help_text, field in (
+            ("waygate_proxy_upstream_connections_opened", "upstream connects", "upstream_opened"),
+            (
+                "waygate_proxy_pool_reused",
+                "requests sent on a pooled keep-alive connection",
+                "pool_reused",
+            ),
+            ("waygate_proxy_client_received_bytes", "bytes received from clients", "bytes_in"),
+            ("waygate_proxy_client_sent_bytes", "bytes sent to clients", "bytes_out"),
+            (
+                "waygate_proxy_redispatches",
+                "requests sent to another endpoint after a failed connect",
+                "redispatches",
+            ),
+        ):
+            yield CounterMetricFamily(name, help_text, value=snap[field])

@@ -1,0 +1,374 @@
+"""Routing decisions, sans-IO: which route a request matches and which endpoint serves it.
+
+A `RouteTable` is built from one resolver `View` and never changes after; the
+proxy swaps in a new table inside the resolver client's `on_view` callback, so
+the next request sees the change with no reload, a request in flight keeps the
+`Target` it started with, and an endpoint whose removal has been seen is never
+picked again (its picker no longer holds it).
+
+Rules:
+- Host: lower-cased, port stripped (done by the parser). Exact hosts before
+  wildcard routes; `*.example.com` matches exactly one more label
+  (`a.example.com`, not `example.com` nor `a.b.example.com`).
+- Path: the longest route path that is a prefix of the request path on a
+  segment boundary (`/api` matches `/api` and `/api/x`, not `/apix`).
+- Backends: picked by weight (0..256, smooth weighted round robin, weight 0
+  never), then the endpoint by the route's policy (waygate.core.balancing;
+  default leastconn) among the backend's usable endpoints.
+- Sticky sessions (unless the route disables cookies): the cookie value is a
+  keyed BLAKE2b of the endpoint's address and port, so it reveals no address;
+  a cookie naming a live endpoint of the route wins over the policy.
+- Passive health: each failed connect to an endpoint makes the balancer skip
+  it for a period that doubles with each consecutive failure (0.5 s up to
+  30 s); a success resets it. When every endpoint is being skipped, the
+  policy's pick is tried anyway (a failing attempt beats a certain 503).
+
+Pickers are carried from one table to the next per (route, backend), so
+leastconn in-flight counts and round-robin positions survive updates.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NamedTuple
+
+from waygate.core.balancing import Picker, RoundRobinPicker, new_picker
+from waygate.resolver.model import Endpoint, Route, Service
+
+DEFAULT_POLICY = "leastconn"
+FAILURE_BASE_SECONDS = 0.5
+FAILURE_MAX_SECONDS = 30.0
+
+
+class Target(NamedTuple):
+    """One upstream endpoint: what the connect step receives."""
+
+    address: str
+    port: int
+    tunnel: bool = False
+    node: str = ""
+    namespace: str = ""
+    service: str = ""
+
+
+class RouteOptions(NamedTuple):
+    """A route's per-request settings, resolved once per table build."""
+
+    name: str  # "namespace/name", the metrics label
+    forwarded_mode: str
+    connect_timeout: float
+    server_timeout: float
+    client_timeout: float
+    http_request_timeout: float
+    keep_alive_timeout: float
+    tunnel_timeout: float
+    cookie_name: bytes  # b"": no sticky cookie
+    cookie_attributes: bytes
+
+
+class Defaults(NamedTuple):
+    connect_timeout: float = 5.0
+    client_timeout: float = 30.0
+    server_timeout: float = 30.0
+    http_request_timeout: float = 10.0
+    keep_alive_timeout: float = 300.0
+    tunnel_timeout: float = 3600.0
+    forwarded_mode: str = "append"
+
+
+def _value(item: Any) -> Any:
+    return item.value if isinstance(item, enum.Enum) else item
+
+
+class PassiveHealth:
+    """Connect failures per endpoint and the period each is skipped for."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._failures: dict[Target, tuple[int, float]] = {}
+        self.on_change: Callable[[int], None] | None = None
+
+    def failed(self, target: Target) -> None:
+        count = self._failures.get(target, (0, 0.0))[0] + 1
+        period = min(FAILURE_MAX_SECONDS, FAILURE_BASE_SECONDS * (2 ** (count - 1)))
+        self._failures[target] = (count, self._clock() + period)
+        if self.on_change is not None:
+            self.on_change(len(self._failures))
+
+    def succeeded(self, target: Target) -> None:
+        if self._failures and self._failures.pop(target, None) is not None:
+            if self.on_change is not None:
+                self.on_change(len(self._failures))
+
+    def skipped(self, target: Target) -> bool:
+        entry = self._failures.get(target) if self._failures else None
+        return entry is not None and entry[1] > self._clock()
+
+    def forget_except(self, alive: set[Target]) -> None:
+        for target in [t for t in self._failures if t not in alive]:
+            del self._failures[target]
+
+
+class Backend:
+    """One backend service of a route: its endpoints and their picker."""
+
+    __slots__ = ("by_target", "cookies", "picker", "service")
+
+    def __init__(self, service: str, picker: Picker[Target], cookie_key: bytes) -> None:
+        self.service = service
+        self.picker = picker
+        self.cookies: dict[bytes, Target] = {}
+        self.by_target: dict[Target, bytes] = {}
+        for target in picker.targets:
+            value = sticky_value(cookie_key, target)
+            self.cookies[value] = target
+            self.by_target[target] = value
+
+
+class RouteEntry:
+    __slots__ = ("backend_picker", "backends", "options", "path", "policy", "route")
+
+    def __init__(
+        self,
+        route: Route,
+        path: bytes,
+        options: RouteOptions,
+        backends: list[Backend],
+        weights: list[int],
+        policy: str,
+    ) -> None:
+        self.route = route
+        self.path = path
+        self.options = options
+        self.backends = backends
+        self.policy = policy
+        self.backend_picker: RoundRobinPicker[int] | None = None
+        if len(backends) > 1:
+            self.backend_picker = RoundRobinPicker(list(range(len(backends))), weights)
+        elif backends and weights[0] == 0:
+            self.backends = []
+
+    def matches(self, path: bytes) -> bool:
+        prefix = self.path
+        if prefix == b"/" or path == prefix:
+            return True
+        return path.startswith(prefix) and (
+            prefix[-1:] == b"/" or path[len(prefix) : len(prefix) + 1] in (b"/", b"?")
+        )
+
+    def pick(
+        self, client_key: bytes, cookie: bytes | None, health: PassiveHealth, exclude: Target | None
+    ) -> tuple[Target | None, Backend | None]:
+        """The endpoint for one request (None when no endpoint is ready)."""
+        backends = self.backends
+        if not backends:
+            return None, None
+        if cookie is not None:
+            for backend in backends:
+                target = backend.cookies.get(cookie)
+                if target is not None and target != exclude and not health.skipped(target):
+                    return target, backend
+        if self.backend_picker is None:
+            backend = backends[0]
+        else:
+            index = self.backend_picker.pick()
+            if index is None:
+                return None, None
+            backend = backends[index]
+        picker = backend.picker
+        key = client_key if self.policy == "source" else None
+        first = picker.pick(key)
+        if first is None:
+            return None, backend
+        target = first
+        tries = len(picker)
+        while (target == exclude or health.skipped(target)) and tries > 1:
+            tries -= 1
+            candidate = picker.pick(key)
+            if candidate is None:
+                break
+            target = candidate
+        if target == exclude:
+            return None, backend
+        return target, backend
+
+
+class RouteTable:
+    """Host -> routes sorted by path length, built once from a resolver view."""
+
+    def __init__(
+        self,
+        exact: dict[bytes, list[RouteEntry]],
+        wildcard: dict[bytes, list[RouteEntry]],
+        targets: set[Target],
+    ) -> None:
+        self._exact = exact
+        self._wildcard = wildcard
+        self.targets = targets
+
+    @classmethod
+    def empty(cls) -> RouteTable:
+        return cls({}, {}, set())
+
+    def lookup(self, host: bytes, path: bytes) -> RouteEntry | None:
+        entries = self._exact.get(host)
+        if entries is not None:
+            for entry in entries:
+                if entry.matches(path):
+                    return entry
+        dot = host.find(b".")
+        if dot > 0:
+            entries = self._wildcard.get(host[dot + 1 :])
+            if entries is not None:
+                for entry in entries:
+                    if entry.matches(path):
+                        return entry
+        return None
+
+    def entries(self) -> Iterable[RouteEntry]:
+        for entries in self._exact.values():
+            yield from entries
+        for entries in self._wildcard.values():
+            yield from entries
+
+
+def sticky_value(key: bytes, target: Target) -> bytes:
+    digest = hashlib.blake2b(
+        f"{target.address}|{target.port}".encode(), key=key, digest_size=12
+    ).hexdigest()
+    return digest.encode()
+
+
+def endpoint_port(endpoint: Endpoint, target_port: str, service: Service | None) -> int | None:
+    """The endpoint port a route's target_port names (None: the endpoint lacks it)."""
+    ports = endpoint.ports
+    if not ports:
+        return None
+    if not target_port:
+        return ports[0].port
+    if target_port.isdigit():
+        number = int(target_port)
+        if any(p.port == number for p in ports):
+            return number
+        if service is not None:
+            for service_port in service.ports:
+                if service_port.port == number:
+                    return endpoint_port(endpoint, service_port.target_port, None) or number
+        return number
+    for port in ports:
+        if port.name == target_port:
+            return port.port
+    if service is not None:
+        for service_port in service.ports:
+            if service_port.name == target_port:
+                return endpoint_port(endpoint, service_port.target_port, None)
+    return None
+
+
+def _route_options(route: Route, defaults: Defaults) -> RouteOptions:
+    timeouts = route.timeouts
+    sticky = route.sticky
+
+    def pick(value: float | None, default: float) -> float:
+        return default if value is None or value <= 0 else value
+
+    mode = _value(getattr(route, "forwarded_headers", None)) or defaults.forwarded_mode
+    mode = str(mode).lower().replace("_", "-")
+    if mode not in ("append", "replace", "if-none", "never"):
+        mode = defaults.forwarded_mode
+    cookie_name = b""
+    attributes = b""
+    if not sticky.disable_cookies:
+        name = sticky.cookie_name or _default_cookie_name(route)
+        cookie_name = name.encode()
+        same_site = str(_value(getattr(sticky, "same_site", "")) or "").capitalize()
+        if same_site not in ("Strict", "Lax", "None"):
+            same_site = "Lax"
+        attributes = b"; Path=/; HttpOnly; SameSite=" + same_site.encode()
+        if same_site == "None":
+            attributes += b"; Secure"
+    return RouteOptions(
+        name=f"{route.namespace}/{route.name}",
+        forwarded_mode=mode,
+        connect_timeout=pick(timeouts.connect, defaults.connect_timeout),
+        server_timeout=pick(timeouts.server, defaults.server_timeout),
+        client_timeout=pick(timeouts.client, defaults.client_timeout),
+        http_request_timeout=pick(timeouts.http_request, defaults.http_request_timeout),
+        keep_alive_timeout=pick(getattr(timeouts, "keep_alive", None), defaults.keep_alive_timeout),
+        tunnel_timeout=pick(timeouts.tunnel, defaults.tunnel_timeout),
+        cookie_name=cookie_name,
+        cookie_attributes=attributes,
+    )
+
+
+def _default_cookie_name(route: Route) -> str:
+    # OpenShift names the cookie after a hash of the route, so it reveals nothing.
+    return hashlib.blake2b(f"{route.namespace}/{route.name}".encode(), digest_size=8).hexdigest()
+
+
+def build_table(
+    routes: Mapping[Any, Route],
+    endpoints: Mapping[tuple[str, str], tuple[Endpoint, ...]],
+    services: Mapping[tuple[str, str], Service],
+    *,
+    defaults: Defaults,
+    cookie_key: bytes,
+    previous: RouteTable | None = None,
+) -> RouteTable:
+    """A new table; pickers of routes and backends that stay are carried over."""
+    carried: dict[tuple[str, str, str], Picker[Target]] = {}
+    if previous is not None:
+        for entry in previous.entries():
+            for backend in entry.backends:
+                carried[(entry.route.namespace, entry.route.name, backend.service)] = backend.picker
+    exact: dict[bytes, list[RouteEntry]] = {}
+    wildcard: dict[bytes, list[RouteEntry]] = {}
+    alive: set[Target] = set()
+    for route in routes.values():
+        if route.tls is not None and _value(route.tls.termination) == "passthrough":
+            continue  # TLS passthrough is served by the HTTPS listener (next issue)
+        policy = str(_value(route.balance) or DEFAULT_POLICY)
+        backends: list[Backend] = []
+        weights: list[int] = []
+        for route_backend in route.backends:
+            key = (route.namespace, route_backend.service)
+            service = services.get(key)
+            targets: list[Target] = []
+            for endpoint in endpoints.get(key, ()):
+                if not endpoint.usable:
+                    continue
+                port = endpoint_port(endpoint, route.target_port, service)
+                if port is None:
+                    continue
+                target = Target(
+                    endpoint.address,
+                    port,
+                    endpoint.tunnel,
+                    endpoint.node_name,
+                    endpoint.namespace,
+                    endpoint.service,
+                )
+                if target not in targets:
+                    targets.append(target)
+            alive.update(targets)
+            picker = carried.get((route.namespace, route.name, route_backend.service))
+            if picker is None or picker.policy != policy:
+                picker = new_picker(policy, targets)
+            else:
+                picker.update(targets)
+            backends.append(Backend(route_backend.service, picker, cookie_key))
+            weights.append(max(0, min(256, route_backend.weight)))
+        options = _route_options(route, defaults)
+        entry = RouteEntry(route, (route.path or "/").encode(), options, backends, weights, policy)
+        host = route.host.lower()
+        if host.startswith("*."):
+            wildcard.setdefault(host[2:].encode(), []).append(entry)
+        else:
+            exact.setdefault(host.encode(), []).append(entry)
+    for table in (exact, wildcard):
+        for entries in table.values():
+            entries.sort(key=lambda e: len(e.path), reverse=True)
+    return RouteTable(exact, wildcard, alive)

@@ -1,0 +1,1106 @@
+"""The proxy's connections: thin asyncio Protocols over the sans-IO rules.
+
+`ClientConnection` (one per accepted connection) finds request heads, lets
+`http1` parse and check them, lets `routing` pick the endpoint, and streams
+the body; `UpstreamConnection` (one per upstream TCP connection, pooled per
+endpoint) parses the response head with `http1` and streams the body back.
+No task exists per request: everything runs in protocol callbacks, except
+the connect of a new upstream connection (one task per connect).
+
+Invariants:
+- One exchange at a time per client connection; pipelined requests wait in
+  a bounded buffer (reading pauses past the high-water mark) and are answered
+  in order.
+- Reading pauses at the high-water mark in both directions: a slow client
+  pauses its upstream, a slow upstream pauses its client.
+- An upstream connection goes back to the pool only when its response was
+  framed cleanly (length or chunked, fully read, nothing extra), the whole
+  request was sent, and neither side asked to close; otherwise it is closed.
+- Redispatch: only after a connect failed before anything was sent (refused,
+  timed out, unreachable). A request already sent is retried only when it
+  went out on a reused keep-alive connection that closed before any response
+  byte and the request is idempotent without a body (the RFC 9112 section 9.3.1
+  race), never a sent POST.
+- Every timer is cancelled and every upstream released when the client
+  connection goes away; tests count fds and tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from typing import Any
+
+from waygate.proxy import http1
+from waygate.proxy.http1 import (
+    FRAMING_CHUNKED,
+    FRAMING_CLOSE,
+    FRAMING_LENGTH,
+    FRAMING_NONE,
+    BadMessage,
+    ChunkedReader,
+    ForwardedContext,
+    RequestHead,
+    ResponseHead,
+)
+from waygate.proxy.metrics import ProxyMetrics
+from waygate.proxy.routing import (
+    Backend,
+    Defaults,
+    PassiveHealth,
+    RouteEntry,
+    RouteTable,
+    Target,
+)
+from waygate.proxy.upstream import ConnectError, Dialer, Pool
+
+log = logging.getLogger(__name__)
+
+HIGH_WATER = 256 * 1024
+LOW_WATER = 64 * 1024
+MAX_CONNECT_ATTEMPTS = 3
+
+_IDEMPOTENT = frozenset((b"GET", b"HEAD", b"OPTIONS", b"PUT", b"DELETE", b"TRACE"))
+
+# Why a client connection's reading is paused (bits).
+_PAUSE_UPSTREAM = 1  # the upstream's write buffer is full
+_PAUSE_PIPELINE = 2  # pipelined requests wait behind the current exchange
+_PAUSE_CONNECTING = 4  # body buffered while the upstream connect runs
+
+# Client timer kinds.
+_T_NONE, _T_IDLE, _T_HEAD, _T_EXCHANGE, _T_RELAY = range(5)
+
+
+class ProxyServer:
+    """Shared state of one proxy process's HTTP listener."""
+
+    def __init__(
+        self,
+        *,
+        defaults: Defaults,
+        dialer: Dialer,
+        metrics: ProxyMetrics,
+        cookie_key: bytes,
+        max_connections: int,
+        max_idle_per_endpoint: int = 64,
+        pool_idle_timeout: float = 15.0,
+        unavailable_page: bytes = b"",
+        listen_port: int = 0,
+    ) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.defaults = defaults
+        self.dialer = dialer
+        self.metrics = metrics
+        self.cookie_key = cookie_key
+        self.max_connections = max_connections
+        self.unavailable_page = unavailable_page
+        self.listen_port = listen_port
+        self.table = RouteTable.empty()
+        self.health = PassiveHealth(self.loop.time)
+        self.health.on_change = self._health_changed
+        self.pool = Pool(
+            max_idle=max_idle_per_endpoint, idle_timeout=pool_idle_timeout, clock=self.loop.time
+        )
+        self.connections: set[ClientConnection] = set()
+        self.upstreams: set[UpstreamConnection] = set()
+        self.draining = False
+        self._servers: list[asyncio.AbstractServer] = []
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._drained = asyncio.Event()
+
+    # ------------------------------------------------------------ routing table
+
+    def set_table(self, table: RouteTable) -> None:
+        """Swap the routing table (called on the loop; the next request uses it)."""
+        self.table = table
+        self.pool.keep_only(table.targets)
+        self.health.forget_except(table.targets)
+
+    def _health_changed(self, count: int) -> None:
+        self.metrics.passive_health_skipped = count
+
+    # ------------------------------------------------------------ listener
+
+    async def start(self, host: str, port: int, *, reuse_port: bool = False) -> int:
+        server = await self.loop.create_server(
+            lambda: ClientConnection(self),
+            host,
+            port,
+            reuse_port=reuse_port or None,
+            backlog=1024,
+        )
+        self._servers.append(server)
+        bound = server.sockets[0].getsockname()[1]
+        if not self.listen_port:
+            self.listen_port = bound
+        self._schedule_sweep()
+        return int(bound)
+
+    def _schedule_sweep(self) -> None:
+        self._sweeper = self.loop.call_later(1.0, self._sweep)
+
+    def _sweep(self) -> None:
+        self.pool.sweep()
+        self._schedule_sweep()
+
+    def stop_accepting(self) -> None:
+        for server in self._servers:
+            server.close()
+
+    async def drain(self, grace: float) -> None:
+        """Stop accepting, let exchanges finish within `grace`, close idle keep-alives."""
+        self.draining = True
+        self.stop_accepting()
+        for connection in list(self.connections):
+            connection.drain()
+        if self.connections:
+            self._drained.clear()
+            try:
+                await asyncio.wait_for(self._drained.wait(), grace)
+            except TimeoutError:
+                pass
+        for connection in list(self.connections):
+            connection.abort()
+        self.close()
+
+    def close(self) -> None:
+        self.stop_accepting()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        self.pool.close_all()
+        for upstream in list(self.upstreams):
+            upstream.abort()
+
+    def connection_closed(self, connection: ClientConnection) -> None:
+        self.connections.discard(connection)
+        self.metrics.client_connections = len(self.connections)
+        if self.draining and not self.connections:
+            self._drained.set()
+
+
+class ClientConnection(asyncio.Protocol):
+    """One client connection: request heads in, responses out, in order."""
+
+    __slots__ = (
+        "_connect_task",
+        "_first",
+        "_pauses",
+        "_relay",
+        "_timer",
+        "_timer_kind",
+        "_write_paused",
+        "backend",
+        "body_reader",
+        "body_remaining",
+        "buf",
+        "client_key",
+        "client_key",
+        "closed",
+        "context",
+        "context",
+        "entry",
+        "last_client",
+        "last_up",
+        "loop",
+        "pending_body",
+        "pending_size",
+        "req",
+        "req_complete",
+        "response_started",
+        "retried",
+        "server",
+        "started",
+        "status",
+        "target",
+        "transport",
+        "upstream",
+        "upstream_head",
+    )
+
+    def __init__(self, server: ProxyServer) -> None:
+        self.server = server
+        self.loop = server.loop
+        self.transport: asyncio.Transport | None = None
+        self.buf = b""
+        self.closed = False
+        self.req: RequestHead | None = None
+        self.entry: RouteEntry | None = None
+        self.target: Target | None = None
+        self.backend: Backend | None = None
+        self.upstream: UpstreamConnection | None = None
+        self.body_remaining = 0
+        self.body_reader: ChunkedReader | None = None
+        self.req_complete = True
+        self.pending_body: list[bytes] = []
+        self.pending_size = 0
+        self.response_started = False
+        self.upstream_head = b""
+        self.retried = False
+        self.last_client = 0.0
+        self.last_up = 0.0
+        self.started = 0.0
+        self.status = 0
+        self._pauses = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_kind = _T_NONE
+        self._connect_task: asyncio.Task[None] | None = None
+        self._relay = False
+        self._write_paused = False
+        self._first = True
+
+    # ------------------------------------------------------------ asyncio.Protocol
+
+    def connection_made(self, transport: Any) -> None:
+        server = self.server
+        self.transport = transport
+        if len(server.connections) >= server.max_connections or server.draining:
+            self.closed = True
+            transport.abort()
+            return
+        server.connections.add(self)
+        server.metrics.client_connections = len(server.connections)
+        peer = transport.get_extra_info("peername")
+        address = peer[0] if peer else "unknown"
+        self.context = ForwardedContext(address, server.listen_port)
+        self.client_key = address.encode()
+        transport.set_write_buffer_limits(high=HIGH_WATER, low=LOW_WATER)
+        self._arm(server.defaults.http_request_timeout, _T_HEAD)
+
+    def data_received(self, data: bytes) -> None:
+        self.server.metrics.bytes_in += len(data)
+        if self._relay:
+            upstream = self.upstream
+            if upstream is not None:
+                self.last_client = self.loop.time()
+                upstream.transport.write(data)  # type: ignore[union-attr]
+            return
+        if self.req is not None:
+            if not self.req_complete:
+                self.last_client = self.loop.time()
+                rest = self._feed_body(data)
+                if rest:
+                    self._hold(rest)
+            else:
+                self._hold(data)
+            return
+        self._process(self.buf + data if self.buf else data)
+
+    def eof_received(self) -> bool | None:
+        if self._relay and self.upstream is not None:
+            upstream_transport = self.upstream.transport
+            if upstream_transport is not None and upstream_transport.can_write_eof():
+                upstream_transport.write_eof()
+                return True
+        if self.req is not None and self.req_complete:
+            # A client may half-close after its request; answer it, then close.
+            return True
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._cancel_timer()
+        if self._connect_task is not None:
+            self._connect_task.cancel()
+            self._connect_task = None
+        upstream = self.upstream
+        if upstream is not None:
+            self.upstream = None
+            upstream.client = None
+            upstream.abort()
+        self._release_pick()
+        self.pending_body = []
+        self.server.connection_closed(self)
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+        upstream = self.upstream
+        if upstream is not None and upstream.transport is not None:
+            upstream.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        upstream = self.upstream
+        if upstream is not None and upstream.transport is not None:
+            upstream.transport.resume_reading()
+
+    # ------------------------------------------------------------ requests
+
+    def _process(self, data: bytes) -> None:
+        """Parse heads from `data`; answer local ones; start at most one exchange."""
+        while True:
+            try:
+                end = http1.find_head_end(data)
+            except BadMessage as exc:
+                self._refuse(exc)
+                return
+            if end < 0:
+                self.buf = data
+                if data and self._timer_kind == _T_IDLE:
+                    self._arm(self._head_timeout(), _T_HEAD)
+                return
+            if end == len(data):
+                head, data = data, b""
+            else:
+                head, data = data[:end], data[end:]
+            self.buf = b""
+            if not self._on_head(head):
+                return  # closed
+            if self.req is not None:
+                # An exchange started: the body follows, then pipelined requests wait.
+                if data and not self.req_complete:
+                    data = self._feed_body(data)
+                if data:
+                    self._hold(data)
+                return
+            if not data:
+                self._arm(self._idle_timeout(), _T_IDLE)
+                return
+
+    def _hold(self, data: bytes) -> None:
+        """Keep bytes of later (pipelined) requests until the current exchange ends."""
+        self.buf = self.buf + data if self.buf else data
+        if len(self.buf) > HIGH_WATER:
+            self._pause(_PAUSE_PIPELINE)
+
+    def _on_head(self, head: bytes) -> bool:
+        """Handle one request head; False when the connection is now closing."""
+        server = self.server
+        try:
+            req = http1.parse_request_head(head)
+        except BadMessage as exc:
+            self._refuse(exc)
+            return False
+        self._first = False
+        target = req.target
+        if target == http1.HEALTHZ_PATH:
+            return self._local(req, http1.HEALTHZ_RESPONSE, 200, "healthz")
+        query = target.find(b"?")
+        path = target if query < 0 else target[:query]
+        entry = server.table.lookup(req.host, path)
+        if entry is None:
+            reason = "no route for host " + req.host.decode("ascii", "replace")
+            return self._unavailable(req, reason, "no_route")
+        cookie = self._sticky_cookie(req, entry) if req.cookie else None
+        picked, backend = entry.pick(self.client_key, cookie, server.health, None)
+        if picked is None or backend is None:
+            reason = "no endpoint ready for route " + entry.options.name
+            return self._unavailable(req, reason, "no_endpoint")
+        self._arm(entry.options.server_timeout, _T_EXCHANGE)
+        self.req = req
+        self.entry = entry
+        self.status = 0
+        self.started = self.last_up = self.last_client = self.loop.time()
+        self.response_started = False
+        self.retried = False
+        self._set_pick(picked, backend)
+        if req.chunked:
+            self.body_reader = ChunkedReader()
+            self.req_complete = False
+        elif req.content_length > 0:
+            self.body_remaining = req.content_length
+            self.body_reader = None
+            self.req_complete = False
+        else:
+            self.req_complete = True
+        self.upstream_head = http1.build_upstream_head(
+            req, self.context, entry.options.forwarded_mode, req.traceparent
+        )
+        upstream = server.pool.take(picked)
+        if upstream is not None:
+            server.metrics.pool_reused += 1
+            self._attach(upstream, reused=True)
+        else:
+            self._connect_task = self.loop.create_task(self._connect(picked))
+        return True
+
+    def _sticky_cookie(self, req: RequestHead, entry: RouteEntry) -> bytes | None:
+        name = entry.options.cookie_name
+        if not name:
+            return None
+        prefix = name + b"="
+        for value in req.cookie:
+            for part in value.split(b";"):
+                part = part.strip()
+                if part.startswith(prefix):
+                    return part[len(prefix) :]
+        return None
+
+    def _set_pick(self, target: Target, backend: Backend) -> None:
+        self.target = target
+        self.backend = backend
+        backend.picker.acquire(target)
+
+    def _release_pick(self) -> None:
+        if self.backend is not None and self.target is not None:
+            self.backend.picker.release(self.target)
+        self.backend = None
+        self.target = None
+
+    def _feed_body(self, data: bytes) -> bytes:
+        """Forward request body bytes; returns what follows the body (next request)."""
+        reader = self.body_reader
+        rest = b""
+        if reader is None:
+            remaining = self.body_remaining
+            if len(data) > remaining:
+                data, rest = data[:remaining], data[remaining:]
+            self.body_remaining = remaining - len(data)
+            out = [data]
+            if self.body_remaining == 0:
+                self.req_complete = True
+        else:
+            try:
+                out, used = reader.feed(data)
+            except BadMessage as exc:
+                if self.response_started:
+                    self.abort()
+                else:
+                    self._refuse(exc)
+                return b""
+            if used < len(data):
+                rest = data[used:]
+            if reader.done:
+                self.req_complete = True
+        upstream = self.upstream
+        if upstream is not None and upstream.transport is not None:
+            upstream.transport.writelines(out)
+        else:
+            self.pending_body.extend(out)
+            self.pending_size += len(data)
+            if self.pending_size > HIGH_WATER:
+                self._pause(_PAUSE_CONNECTING)
+        return rest
+
+    # ------------------------------------------------------------ upstream side
+
+    async def _connect(self, target: Target) -> None:
+        server = self.server
+        entry = self.entry
+        assert entry is not None
+        options = entry.options
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                sock = await server.dialer.connect(target, options.connect_timeout, None)
+            except ConnectError as exc:
+                server.metrics.connect_error(exc.kind)
+                server.health.failed(target)
+                if exc.retryable and attempts < MAX_CONNECT_ATTEMPTS and not self.closed:
+                    again, backend = entry.pick(self.client_key, None, server.health, target)
+                    if again is not None and backend is not None:
+                        server.metrics.redispatches += 1
+                        self._release_pick()
+                        self._set_pick(again, backend)
+                        target = again
+                        continue
+                self._connect_task = None
+                self._fail(502, exc.reason, "connect_" + exc.kind)
+                return
+            try:
+                _, upstream = await self.loop.create_connection(
+                    lambda: UpstreamConnection(server, target), sock=sock
+                )
+            except OSError as exc:
+                sock.close()
+                self._connect_task = None
+                self._fail(502, "upstream connection failed: " + str(exc), "connect_error")
+                return
+            break
+        self._connect_task = None
+        server.health.succeeded(target)
+        server.metrics.upstream_opened += 1
+        if self.closed or self.req is None:
+            upstream.close()
+            return
+        self._attach(upstream, reused=False)
+
+    def _attach(self, upstream: UpstreamConnection, *, reused: bool) -> None:
+        self.upstream = upstream
+        upstream.begin(self, reused)
+        transport = upstream.transport
+        assert transport is not None
+        if self.pending_body:
+            transport.writelines([self.upstream_head, *self.pending_body])
+            self.pending_body = []
+            self.pending_size = 0
+            self._unpause(_PAUSE_CONNECTING)
+        else:
+            transport.write(self.upstream_head)
+        if self._write_paused:
+            transport.pause_reading()
+
+    def retry_after_reuse_race(self) -> bool:
+        """The reused upstream closed before answering: resend once if that is safe."""
+        req = self.req
+        if (
+            req is None
+            or self.retried
+            or self.closed
+            or req.method not in _IDEMPOTENT
+            or req.has_body
+            or self.response_started
+        ):
+            return False
+        self.retried = True
+        self.upstream = None
+        target = self.target
+        assert target is not None
+        self._connect_task = self.loop.create_task(self._connect(target))
+        return True
+
+    # ------------------------------------------------------------ responses
+
+    def response_head(self, head: bytes, status: int) -> None:
+        """Called by the upstream with the client-bound head of the final response."""
+        self.response_started = True
+        self.status = status
+        transport = self.transport
+        assert transport is not None
+        transport.write(head)
+
+    def exchange_done(self, keep_alive: bool) -> None:
+        """The response is complete; the next request (if any) may start."""
+        server = self.server
+        entry = self.entry
+        req = self.req
+        if entry is not None and req is not None:
+            server.metrics.request(entry.options.name, req.method, self.status or 502)
+        idle_timeout = self._idle_timeout()
+        self.upstream = None
+        self._release_pick()
+        self.req = None
+        self.entry = None
+        self.body_reader = None
+        if not keep_alive or not self.req_complete or server.draining or self.closed:
+            self._close()
+            return
+        self._unpause(_PAUSE_PIPELINE | _PAUSE_UPSTREAM)
+        self._arm(idle_timeout, _T_IDLE)
+        if self.buf:
+            data, self.buf = self.buf, b""
+            self._process(data)
+
+    def start_relay(self, rest_from_upstream: bytes) -> None:
+        """After the upstream's 101: bytes flow both ways untouched."""
+        self._relay = True
+        self.response_started = True
+        self.status = 101
+        entry = self.entry
+        self._arm(entry.options.tunnel_timeout if entry else 3600.0, _T_RELAY)
+        self.last_client = self.last_up = self.loop.time()
+        transport = self.transport
+        assert transport is not None
+        if rest_from_upstream:
+            transport.write(rest_from_upstream)
+        if self.buf and self.upstream is not None and self.upstream.transport is not None:
+            self.upstream.transport.write(self.buf)
+            self.buf = b""
+        self._unpause(_PAUSE_PIPELINE)
+
+    def relay_closed(self) -> None:
+        entry = self.entry
+        req = self.req
+        if entry is not None and req is not None:
+            self.server.metrics.request(entry.options.name, req.method, 101)
+            self.req = None
+        self.upstream = None
+        self._release_pick()
+        self._close()
+
+    def upstream_failed(self, status: int, reason: str, kind: str) -> None:
+        """The upstream broke before or during the response."""
+        self.upstream = None
+        if self.response_started or self.closed:
+            self.abort()
+            return
+        self._fail(status, reason, kind)
+
+    # ------------------------------------------------------------ local answers
+
+    def _local(self, req: RequestHead, response: bytes, status: int, kind: str) -> bool:
+        transport = self.transport
+        assert transport is not None
+        if req.has_body or not req.keep_alive or self.server.draining:
+            # The body is not read: close after answering, so it cannot be
+            # taken for the next request.
+            if response is http1.HEALTHZ_RESPONSE:
+                response = response.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n", 1)
+            transport.write(response)
+            self._close()
+            return False
+        transport.write(response)
+        return True
+
+    def _unavailable(self, req: RequestHead, reason: str, kind: str) -> bool:
+        metrics = self.server.metrics
+        metrics.refused[kind] = metrics.refused.get(kind, 0) + 1
+        metrics.request("", req.method, 503)
+        close = req.has_body or not req.keep_alive or self.server.draining
+        response = http1.error_response(
+            503,
+            reason,
+            close=close,
+            head_only=req.method == b"HEAD",
+            body=self.server.unavailable_page.replace(b"{reason}", reason.encode())
+            if self.server.unavailable_page
+            else b"",
+        )
+        return self._local(req, response, 503, kind)
+
+    def _refuse(self, exc: BadMessage) -> None:
+        """A refused request: the status with the rule it broke, then close."""
+        metrics = self.server.metrics
+        metrics.refused["bad_request"] = metrics.refused.get("bad_request", 0) + 1
+        transport = self.transport
+        if transport is not None and not self.closed:
+            transport.write(http1.error_response(exc.status, exc.reason))
+        self._abandon_upstream()
+        self._close()
+
+    def _fail(self, status: int, reason: str, kind: str) -> None:
+        metrics = self.server.metrics
+        metrics.refused[kind] = metrics.refused.get(kind, 0) + 1
+        entry = self.entry
+        req = self.req
+        if entry is not None and req is not None:
+            metrics.request(entry.options.name, req.method, status)
+        self._abandon_upstream()
+        transport = self.transport
+        if self.closed or transport is None:
+            return
+        if self.response_started:
+            self.abort()
+            return
+        head_only = req is not None and req.method == b"HEAD"
+        transport.write(http1.error_response(status, reason, head_only=head_only))
+        self.req = None
+        self._close()
+
+    def _abandon_upstream(self) -> None:
+        upstream = self.upstream
+        self.upstream = None
+        if upstream is not None:
+            upstream.client = None
+            upstream.abort()
+        if self._connect_task is not None:
+            self._connect_task.cancel()
+            self._connect_task = None
+
+    # ------------------------------------------------------------ timers
+
+    def _head_timeout(self) -> float:
+        return self.server.defaults.http_request_timeout
+
+    def _idle_timeout(self) -> float:
+        entry = self.entry
+        if entry is not None:
+            return entry.options.keep_alive_timeout
+        return self.server.defaults.keep_alive_timeout
+
+    def _arm(self, delay: float, kind: int) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self.loop.call_later(delay, self._on_timer)
+        self._timer_kind = kind
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_kind = _T_NONE
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        kind = self._timer_kind
+        if self.closed:
+            return
+        if kind == _T_IDLE:
+            self._close()
+        elif kind == _T_HEAD:
+            if self.buf:
+                self._fail(
+                    408, "request head not received within the http-request timeout", "timeout"
+                )
+            else:
+                self._close()
+        elif kind == _T_EXCHANGE:
+            self._exchange_timer()
+        elif kind == _T_RELAY:
+            entry = self.entry
+            limit = entry.options.tunnel_timeout if entry else 3600.0
+            idle = self.loop.time() - max(self.last_client, self.last_up)
+            if idle >= limit:
+                self.abort()
+            else:
+                self._arm(limit - idle, _T_RELAY)
+
+    def _exchange_timer(self) -> None:
+        entry = self.entry
+        assert entry is not None
+        options = entry.options
+        now = self.loop.time()
+        up_idle = now - self.last_up
+        if up_idle >= options.server_timeout:
+            if self.response_started:
+                self.abort()
+            else:
+                self._fail(
+                    504,
+                    "upstream did not answer within %gs" % options.server_timeout,
+                    "server_timeout",
+                )
+            return
+        wait = options.server_timeout - up_idle
+        if not self.req_complete:
+            client_idle = now - self.last_client
+            if client_idle >= options.client_timeout:
+                if self.response_started:
+                    self.abort()
+                else:
+                    self._fail(
+                        408,
+                        "request body stalled for %gs" % options.client_timeout,
+                        "client_timeout",
+                    )
+                return
+            wait = min(wait, options.client_timeout - client_idle)
+        self._arm(wait, _T_EXCHANGE)
+
+    # ------------------------------------------------------------ flow control
+
+    def _pause(self, reason: int) -> None:
+        if not self._pauses and self.transport is not None:
+            self.transport.pause_reading()
+        self._pauses |= reason
+
+    def _unpause(self, reason: int) -> None:
+        if self._pauses & reason:
+            self._pauses &= ~reason
+            if not self._pauses and self.transport is not None and not self.closed:
+                self.transport.resume_reading()
+
+    def upstream_paused(self, paused: bool) -> None:
+        if paused:
+            self._pause(_PAUSE_UPSTREAM)
+        else:
+            self._unpause(_PAUSE_UPSTREAM)
+
+    # ------------------------------------------------------------ closing
+
+    def drain(self) -> None:
+        """Draining: close now if idle; otherwise after the current response."""
+        if self.req is None and not self.buf:
+            self._close()
+
+    def _close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+        self._cancel_timer()
+
+    def abort(self) -> None:
+        self._abandon_upstream()
+        self._cancel_timer()
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class UpstreamConnection(asyncio.Protocol):
+    """One connection to an endpoint; carries one exchange at a time."""
+
+    __slots__ = (
+        "buf",
+        "client",
+        "client_keep_alive",
+        "closed",
+        "framing",
+        "got_bytes",
+        "idle_since",
+        "reader",
+        "relay",
+        "remaining",
+        "response",
+        "reused",
+        "sent_at",
+        "server",
+        "target",
+        "transport",
+    )
+
+    def __init__(self, server: ProxyServer, target: Target) -> None:
+        self.server = server
+        self.target = target
+        self.transport: asyncio.Transport | None = None
+        self.client: ClientConnection | None = None
+        self.idle_since = 0.0
+        self.buf = b""
+        self.response: ResponseHead | None = None
+        self.framing = FRAMING_NONE
+        self.remaining = 0
+        self.reader: ChunkedReader | None = None
+        self.reused = False
+        self.got_bytes = False
+        self.client_keep_alive = True
+        self.closed = False
+        self.relay = False
+        self.sent_at = 0.0
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        transport.set_write_buffer_limits(high=HIGH_WATER, low=LOW_WATER)
+        self.server.upstreams.add(self)
+        self.server.metrics.upstream_connections = len(self.server.upstreams)
+
+    def usable_idle(self) -> bool:
+        return not self.closed and self.transport is not None and not self.transport.is_closing()
+
+    def begin(self, client: ClientConnection, reused: bool) -> None:
+        self.client = client
+        self.reused = reused
+        self.got_bytes = False
+        self.buf = b""
+        self.response = None
+        self.sent_at = client.loop.time()
+
+    # ------------------------------------------------------------ protocol
+
+    def data_received(self, data: bytes) -> None:
+        client = self.client
+        if client is None:
+            # Bytes on an idle connection: the framing is off; never reuse it.
+            self.abort()
+            return
+        self.got_bytes = True
+        client.last_up = client.loop.time()
+        if self.relay:
+            client.server.metrics.bytes_out += len(data)
+            client.transport.write(data)  # type: ignore[union-attr]
+            return
+        if self.response is None:
+            data = self.buf + data if self.buf else data
+            self.buf = b""
+            data = self._head(client, data)
+            if data is None or self.client is None:
+                return
+            if self.response is None:
+                return
+        self._body(client, data)
+
+    def _head(self, client: ClientConnection, data: bytes) -> bytes | None:
+        """Parse response heads (skipping 1xx) and send the final one on; returns the rest."""
+        while True:
+            try:
+                end = http1.find_head_end(data)
+            except BadMessage:
+                self._broken(client, "upstream sent an oversized response head")
+                return None
+            if end < 0:
+                self.buf = data
+                return None
+            head, data = data[:end], data[end:]
+            try:
+                response = http1.parse_response_head(head)
+            except BadMessage as exc:
+                self._broken(client, exc.reason)
+                return None
+            status = response.status
+            req = client.req
+            assert req is not None
+            if status < 200:
+                if status == 101:
+                    if req.upgrade:
+                        self._switch(client, response, data)
+                        return None
+                    self._broken(client, "upstream switched protocols without an upgrade request")
+                    return None
+                if status == 100 and req.expect_continue and client.transport is not None:
+                    client.transport.write(http1.CONTINUE_100)
+                continue  # other 1xx: informational, dropped
+            self._final_head(client, req, response)
+            return data
+
+    def _final_head(
+        self, client: ClientConnection, req: RequestHead, response: ResponseHead
+    ) -> None:
+        self.server.metrics.latency(client.loop.time() - self.sent_at)
+        framing = http1.response_framing(req.method, response)
+        keep_alive = req.keep_alive and not self.server.draining
+        out_framing = framing
+        length = response.content_length
+        self.reader = None
+        if framing == FRAMING_LENGTH:
+            self.remaining = length
+        elif framing == FRAMING_CHUNKED:
+            if req.http10:
+                self.reader = ChunkedReader(rechunk=False, status=502)
+                out_framing = FRAMING_CLOSE
+                keep_alive = False
+            else:
+                self.reader = ChunkedReader(status=502)
+        elif framing == FRAMING_CLOSE:
+            keep_alive = False
+        elif response.status != 204 and response.status >= 200:
+            # HEAD and 304 carry the length the body would have had.
+            if length >= 0:
+                out_framing = FRAMING_LENGTH
+            elif response.chunked and not req.http10:
+                out_framing = FRAMING_CHUNKED
+        self.response = response
+        self.framing = framing
+        self.client_keep_alive = keep_alive
+        extra = b""
+        entry = client.entry
+        if entry is not None and entry.options.cookie_name and client.backend is not None:
+            value = client.backend.by_target.get(self.target)
+            if value is not None and client._sticky_cookie(req, entry) != value:
+                extra = (
+                    b"Set-Cookie: "
+                    + entry.options.cookie_name
+                    + b"="
+                    + value
+                    + entry.options.cookie_attributes
+                    + b"\r\n"
+                )
+        client.response_head(
+            http1.build_client_head(response, out_framing, length, keep_alive, extra),
+            response.status,
+        )
+        if framing == FRAMING_NONE or (framing == FRAMING_LENGTH and length == 0):
+            self._done(client, clean=True)
+
+    def _body(self, client: ClientConnection, data: bytes) -> None:
+        if not data:
+            return
+        framing = self.framing
+        transport = client.transport
+        assert transport is not None
+        metrics = self.server.metrics
+        if framing == FRAMING_LENGTH:
+            remaining = self.remaining
+            if len(data) > remaining:
+                # More than the announced length: the framing is not clean.
+                data = data[:remaining]
+                self.remaining = 0
+                metrics.bytes_out += len(data)
+                transport.write(data)
+                self._done(client, clean=False)
+                return
+            self.remaining = remaining - len(data)
+            metrics.bytes_out += len(data)
+            transport.write(data)
+            if self.remaining == 0:
+                self._done(client, clean=True)
+        elif framing == FRAMING_CHUNKED:
+            reader = self.reader
+            assert reader is not None
+            try:
+                out, used = reader.feed(data)
+            except BadMessage:
+                self.abort()
+                client.upstream_failed(
+                    502, "upstream sent malformed chunked framing", "bad_response"
+                )
+                return
+            transport.writelines(out)
+            metrics.bytes_out += used
+            if reader.done:
+                self._done(client, clean=used == len(data))
+        elif framing == FRAMING_CLOSE:
+            metrics.bytes_out += len(data)
+            transport.write(data)
+        else:
+            # Bytes after a bodiless response: the upstream's framing is off.
+            self.abort()
+
+    def _done(self, client: ClientConnection, *, clean: bool) -> None:
+        """The response is complete: pool or close this connection, free the client."""
+        response = self.response
+        self.client = None
+        self.response = None
+        reusable = (
+            clean
+            and client.req_complete
+            and self.framing != FRAMING_CLOSE
+            and response is not None
+            and response.keep_alive
+            and not self.server.draining
+            and not self.closed
+        )
+        keep_alive = self.client_keep_alive
+        if reusable and self.transport is not None:
+            self.transport.resume_reading()
+            if not self.server.pool.put(self):
+                self.close()
+        else:
+            self.close()
+        client.exchange_done(keep_alive)
+
+    def _broken(self, client: ClientConnection, reason: str) -> None:
+        self.abort()
+        client.upstream_failed(502, reason, "bad_response")
+
+    def _switch(self, client: ClientConnection, response: ResponseHead, rest: bytes) -> None:
+        req = client.req
+        assert req is not None
+        parts = [b"HTTP/1.1 101 Switching Protocols\r\n"]
+        for name, value in response.headers:
+            parts += (name, b": ", value, b"\r\n")
+        parts.append(b"Connection: Upgrade\r\nUpgrade: " + (response.upgrade or req.upgrade))
+        parts.append(b"\r\n\r\n")
+        client.transport.write(b"".join(parts))  # type: ignore[union-attr]
+        self.relay = True
+        client.start_relay(rest)
+
+    def eof_received(self) -> bool | None:
+        client = self.client
+        if self.relay and client is not None and client.transport is not None:
+            if client.transport.can_write_eof():
+                client.transport.write_eof()
+                return True
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        server = self.server
+        server.upstreams.discard(self)
+        server.metrics.upstream_connections = len(server.upstreams)
+        client = self.client
+        self.client = None
+        if client is None:
+            server.pool.discard(self)
+            return
+        if self.relay:
+            client.relay_closed()
+        elif self.response is not None and self.framing == FRAMING_CLOSE:
+            client.exchange_done(False)
+        elif self.response is not None:
+            client.upstream_failed(502, "upstream closed mid-response", "upstream_closed")
+        elif not self.got_bytes and self.reused and client.retry_after_reuse_race():
+            return
+        else:
+            client.upstream_failed(
+                502, "upstream closed the connection before answering", "upstream_closed"
+            )
+
+    def pause_writing(self) -> None:
+        if self.client is not None:
+            self.client.upstream_paused(True)
+
+    def resume_writing(self) -> None:
+        if self.client is not None:
+            self.client.upstream_paused(False)
+
+    def close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    def abort(self) -> None:
+        self.client = None
+        if self.transport is not None:
+            self.transport.abort()
+
+
+def set_nodelay(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -1,0 +1,188 @@
+"""The upstream-connect step and the per-endpoint connection pool.
+
+The connect step is one interface, so the TLS issue (reencrypt) and the
+tunnel's dial client replace it without touching the data path:
+
+    async def connect(target: Target, timeout: float, trace_context: str | None)
+        -> socket.socket
+
+It returns a connected, non-blocking socket (a tunnel dialer may hand back one
+end of a `socket.socketpair()` whose other end it bridges to its stream) and
+raises `ConnectError` with a short reason and a `retryable` flag: True only
+when nothing at all reached the endpoint (refused, timed out, unreachable),
+which is what allows a redispatch to another endpoint. `trace_context` is the
+W3C traceparent of the request's span, or None when unsampled.
+
+`Dialer` chooses the step per target: endpoints the resolver marks `tunnel`
+go through `Dialer.tunnel` (None until the tunnel lands: such a request gets
+502 with the reason); every other endpoint through `Dialer.direct`.
+
+`Pool` keeps idle keep-alive connections per endpoint: at most `max_idle`
+each, closed after `idle_timeout` (swept once a second, so the request path
+only reads the clock) and dropped at once when the endpoint leaves the
+routing table. A connection goes back only when its response framing was
+clean (see server.py); one the peer closes while idle removes itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import socket
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Protocol
+
+from waygate.proxy.routing import Target
+
+if TYPE_CHECKING:
+    from waygate.proxy.server import UpstreamConnection
+
+
+class ConnectError(Exception):
+    """The connect step failed; `reason` is short and safe to show a client."""
+
+    def __init__(self, reason: str, kind: str, *, retryable: bool) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.kind = kind  # metric label: refused, timeout, unreachable, tunnel, error
+        self.retryable = retryable
+
+
+class Connect(Protocol):
+    def __call__(
+        self, target: Target, timeout: float, trace_context: str | None
+    ) -> Awaitable[socket.socket]: ...
+
+
+async def tcp_connect(target: Target, timeout: float, trace_context: str | None) -> socket.socket:
+    """A direct TCP connection (TCP_NODELAY), within `timeout` seconds."""
+    loop = asyncio.get_running_loop()
+    family = socket.AF_INET6 if ":" in target.address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    where = f"{target.address}:{target.port}"
+    try:
+        async with asyncio.timeout(timeout):
+            await loop.sock_connect(sock, (target.address, target.port))
+    except TimeoutError:
+        sock.close()
+        raise ConnectError(
+            f"connect to {where} timed out after {timeout:g}s", "timeout", retryable=True
+        ) from None
+    except ConnectionRefusedError:
+        sock.close()
+        raise ConnectError(f"connection refused by {where}", "refused", retryable=True) from None
+    except OSError as exc:
+        sock.close()
+        unreachable = exc.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EADDRNOTAVAIL)
+        raise ConnectError(
+            f"cannot connect to {where}: {exc.strerror or exc}",
+            "unreachable" if unreachable else "error",
+            retryable=unreachable,
+        ) from None
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class Dialer:
+    """Direct connects, or the tunnel dialer for endpoints marked `tunnel`."""
+
+    def __init__(self, direct: Connect = tcp_connect, tunnel: Connect | None = None) -> None:
+        self.direct = direct
+        self.tunnel = tunnel
+
+    async def connect(
+        self, target: Target, timeout: float, trace_context: str | None
+    ) -> socket.socket:
+        if target.tunnel:
+            if self.tunnel is None:
+                raise ConnectError(
+                    f"endpoint {target.address}:{target.port} is on edge node "
+                    f"{target.node or '?'} and reachable only through a tunnel, "
+                    "which this proxy has no dialer for yet",
+                    "tunnel",
+                    retryable=False,
+                )
+            return await self.tunnel(target, timeout, trace_context)
+        return await self.direct(target, timeout, trace_context)
+
+
+class Pool:
+    """Idle upstream connections per endpoint."""
+
+    def __init__(
+        self,
+        *,
+        max_idle: int,
+        idle_timeout: float,
+        clock: Callable[[], float],
+        on_reuse: Callable[[], None] | None = None,
+    ) -> None:
+        self.max_idle = max_idle
+        self.idle_timeout = idle_timeout
+        self._clock = clock
+        self._idle: dict[Target, list[UpstreamConnection]] = {}
+        self._on_reuse = on_reuse
+        self.reused = 0
+        self.opened = 0
+
+    def take(self, target: Target) -> UpstreamConnection | None:
+        idle = self._idle.get(target)
+        while idle:
+            connection = idle.pop()
+            if connection.usable_idle():
+                self.reused += 1
+                return connection
+        return None
+
+    def put(self, connection: UpstreamConnection) -> bool:
+        """Keep `connection` idle; False (the caller closes it) when the pool is full."""
+        target = connection.target
+        idle = self._idle.get(target)
+        if idle is None:
+            idle = self._idle[target] = []
+        if len(idle) >= self.max_idle:
+            return False
+        connection.idle_since = self._clock()
+        idle.append(connection)
+        return True
+
+    def discard(self, connection: UpstreamConnection) -> None:
+        idle = self._idle.get(connection.target)
+        if idle is not None:
+            try:
+                idle.remove(connection)
+            except ValueError:
+                pass
+            if not idle:
+                del self._idle[connection.target]
+
+    def idle_count(self) -> int:
+        return sum(len(v) for v in self._idle.values())
+
+    def sweep(self) -> None:
+        """Close connections idle past the timeout."""
+        deadline = self._clock() - self.idle_timeout
+        for target in list(self._idle):
+            idle = self._idle[target]
+            stale = [c for c in idle if c.idle_since <= deadline]
+            for connection in stale:
+                idle.remove(connection)
+                connection.close()
+            if not idle:
+                del self._idle[target]
+
+    def keep_only(self, alive: set[Target]) -> None:
+        """Close idle connections to endpoints that left the routing table."""
+        for target in [t for t in self._idle if t not in alive]:
+            for connection in self._idle.pop(target):
+                connection.close()
+
+    def close_all(self) -> None:
+        for idle in self._idle.values():
+            for connection in idle:
+                connection.close()
+        self._idle.clear()
