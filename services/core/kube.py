@@ -121,7 +121,7 @@ def load_configuration(kubeconfig: Path | str | None, *, context: str | None = N
         where = f"kubeconfig {kubeconfig}" if kubeconfig else "the in-cluster ServiceAccount"
         hint = "" if kubeconfig else " (outside a cluster, set kubeconfig)"
         raise FailedPrecondition(
-            f"cannot configure the Kubernetes client from {where}: {exc}{hint}"
+            f"cannot configure the Kubernetes client: cannot load {where}: {exc}{hint}"
         ) from None
     return configuration
 

@@ -17,13 +17,13 @@ Invariants:
   (410) the relist goes through `Store.replace_source`, which deletes whatever
   this source contributed before and is absent now (endpoints deleted while
   disconnected included).
-- The store is only touched from the event loop; the `kubernetes` client's
-  blocking calls and the watch stream reads run on this source's own threads
-  (never the loop's default executor), and their results cross back as queued
-  items, so the loop never blocks on the network.
+- List, watch, resume, 410 and backoff are the shared reflector's
+  (`waygate.core.kube.Reflector`, one per kind): the store is only touched
+  from the event loop, in its callbacks, while the blocking calls and stream
+  reads run on the reflector's own threads.
 - A dead connection is noticed: every watch carries `timeoutSeconds`
-  (`watch_timeout`, with jitter so replicas do not reconnect together) and a
-  client-side read timeout a little longer than that.
+  (`Timeouts.watch`, with jitter so replicas do not reconnect together) and a
+  client-side read timeout `Timeouts.request` longer than that.
 - Freshness is per kind: a list, a bookmark or any event confirms that kind
   up to that moment, and the store's last-sync time for "kubernetes" is the
   OLDEST of the kinds' confirmations, so a failing EndpointSlice watch is not
@@ -45,22 +45,18 @@ configured `edge_nodes`. See `kube_convert` for the object mapping.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextlib
 import dataclasses
-import functools
-import json
 import logging
 import random
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from typing import Any
 
-import urllib3
 from kubernetes import client as k8s
 
 from waygate.core.backoff import Backoff
-from waygate.core.errors import InvalidArgument
+from waygate.core.errors import FailedPrecondition, InvalidArgument
+from waygate.core.kube import KubeAPI, Reflector, load_configuration
 from waygate.core.settings import SettingsError
 from waygate.resolver import kube_convert as convert
 from waygate.resolver.model import Endpoint
@@ -72,38 +68,16 @@ SOURCE = "kubernetes"
 ROUTE_GROUP, ROUTE_VERSION, ROUTE_PLURAL = "waygate.io", "v1", "routes"
 
 JSON = dict[str, Any]
-_END = object()  # the watch stream ended cleanly (server-side timeout)
-
-
-class _Gone(Exception):
-    """The resourceVersion is too old for the API server: relist."""
-
-    #: Whether the watch that met it had applied events first (then relist at once).
-    progressed = False
-
-
-class _WatchFailed(Exception):
-    """The watch answered with an ERROR event other than 410."""
 
 
 def kube_configuration(kubeconfig: str = "", context: str = "") -> k8s.Configuration:
     """Client configuration from a kubeconfig file, or the in-cluster service account."""
-    from kubernetes import config
-
-    configuration = k8s.Configuration()
     try:
-        if kubeconfig:
-            config.load_kube_config(
-                config_file=kubeconfig,
-                context=context or None,
-                client_configuration=configuration,
-            )
-        else:
-            config.load_incluster_config(client_configuration=configuration)
-    except (config.ConfigException, OSError, ValueError, TypeError) as exc:
-        where = f"kubeconfig {kubeconfig}" if kubeconfig else "the in-cluster configuration"
-        raise SettingsError(f"kubernetes: cannot load {where}: {exc}") from None
-    return configuration
+        return load_configuration(kubeconfig, context=context or None)
+    except FailedPrecondition as exc:
+        # "kubernetes: cannot load kubeconfig FILE: why", one line.
+        reason = str(exc).partition("cannot configure the Kubernetes client: ")[2] or str(exc)
+        raise SettingsError(f"kubernetes: {reason}") from None
 
 
 def parse_node_list(text: str) -> frozenset[str]:
@@ -123,7 +97,7 @@ class _Handler:
     def __init__(self, store: Store) -> None:
         self.store = store
 
-    def call(self, api: k8s.ApiClient, namespace: str | None) -> Callable[..., Any]:
+    def path(self, namespace: str | None) -> str:
         raise NotImplementedError
 
     def relist(self, items: list[JSON]) -> None:
@@ -136,11 +110,8 @@ class _Handler:
 class _Services(_Handler):
     name = "services"
 
-    def call(self, api: k8s.ApiClient, namespace: str | None) -> Callable[..., Any]:
-        core = k8s.CoreV1Api(api)
-        if namespace:
-            return functools.partial(core.list_namespaced_service, namespace)
-        return core.list_service_for_all_namespaces
+    def path(self, namespace: str | None) -> str:
+        return _collection("/api/v1", "services", namespace)
 
     def relist(self, items: list[JSON]) -> None:
         self.store.replace_source(SOURCE, services=_valid(convert.service_from, items))
@@ -176,19 +147,8 @@ class _Routes(_Handler):
     name = "routes"
     optional = True
 
-    def call(self, api: k8s.ApiClient, namespace: str | None) -> Callable[..., Any]:
-        custom = k8s.CustomObjectsApi(api)
-        if namespace:
-            return functools.partial(
-                custom.list_namespaced_custom_object,
-                ROUTE_GROUP,
-                ROUTE_VERSION,
-                namespace,
-                ROUTE_PLURAL,
-            )
-        return functools.partial(
-            custom.list_cluster_custom_object, ROUTE_GROUP, ROUTE_VERSION, ROUTE_PLURAL
-        )
+    def path(self, namespace: str | None) -> str:
+        return _collection(f"/apis/{ROUTE_GROUP}/{ROUTE_VERSION}", ROUTE_PLURAL, namespace)
 
     def relist(self, items: list[JSON]) -> None:
         self.store.replace_source(SOURCE, routes=_valid(convert.route_from, items))
@@ -213,11 +173,8 @@ class _EndpointSlices(_Handler):
         # slice (namespace, name) -> the service it belonged to when last seen
         self._owner: dict[tuple[str, str], tuple[str, str]] = {}
 
-    def call(self, api: k8s.ApiClient, namespace: str | None) -> Callable[..., Any]:
-        discovery = k8s.DiscoveryV1Api(api)
-        if namespace:
-            return functools.partial(discovery.list_namespaced_endpoint_slice, namespace)
-        return discovery.list_endpoint_slice_for_all_namespaces
+    def path(self, namespace: str | None) -> str:
+        return _collection("/apis/discovery.k8s.io/v1", "endpointslices", namespace)
 
     def _endpoints(self, obj: JSON) -> list[Endpoint]:
         problems: list[str] = []
@@ -268,6 +225,10 @@ class _EndpointSlices(_Handler):
                 self.store.set_endpoints(*service, self._merged(service), source=SOURCE)
 
 
+def _collection(prefix: str, plural: str, namespace: str | None) -> str:
+    return f"{prefix}/namespaces/{namespace}/{plural}" if namespace else f"{prefix}/{plural}"
+
+
 def _valid(parse: Callable[[JSON], Any], items: Iterable[JSON]) -> list[Any]:
     valid = []
     for obj in items:
@@ -283,7 +244,7 @@ def _valid(parse: Callable[[JSON], Any], items: Iterable[JSON]) -> list[Any]:
 
 @dataclasses.dataclass(frozen=True)
 class Timeouts:
-    #: Server-side watch duration (timeoutSeconds); each watch adds up to 50% jitter.
+    #: Server-side watch duration (timeoutSeconds); each watch draws from [watch, 2 x watch).
     watch: float = 300.0
     #: TCP connect to the API server.
     connect: float = 10.0
@@ -322,90 +283,53 @@ class KubernetesSource:
         self._confirmed: dict[str, datetime] = {}
         #: Set once every kind has been listed (the resolver's readiness).
         self.synced = asyncio.Event()
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
     async def wait_synced(self) -> None:
         await self.synced.wait()
 
     async def run(self) -> None:
-        # Two threads per kind: its list/watch call and its stream reader.
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=2 * len(self._handlers), thread_name_prefix="kube"
+        api = KubeAPI(
+            k8s.ApiClient(self._configuration),
+            timeout=self._timeouts.request,
+            connect_timeout=self._timeouts.connect,
+            watch_read_margin=self._timeouts.request,
         )
-        api = k8s.ApiClient(self._configuration)
         try:
             async with asyncio.TaskGroup() as group:
                 for handler in self._handlers:
-                    group.create_task(self._run_kind(api, handler), name=f"kube-{handler.name}")
+                    group.create_task(
+                        self.reflector(api, handler).run(), name=f"kube-{handler.name}"
+                    )
         finally:
-            self._executor.shutdown(wait=False, cancel_futures=True)
             api.close()
 
-    # ------------------------------------------------------------ one kind
+    def reflector(self, api: KubeAPI, handler: _Handler) -> Reflector:
+        """The list + watch of one kind, feeding `handler`."""
 
-    async def _run_kind(self, api: k8s.ApiClient, handler: _Handler) -> None:
-        backoff = Backoff(*self._backoff, rng=self._rng)
-        call = handler.call(api, self._namespace)
-        version: str | None = None
-        while True:
-            try:
-                if version is None:
-                    version = await self._list(call, handler)
-                    backoff.reset()
-                version, progressed = await self._watch(call, handler, version)
-                if progressed:
-                    backoff.reset()
-                    continue
-                # A watch that ended without a single event (not even a bookmark)
-                # is either an idle cluster or a server that ends watches at once;
-                # the backoff keeps the second from becoming a busy loop.
-            except (_Gone, k8s.ApiException) as exc:
-                if isinstance(exc, _Gone) or exc.status == 410:
-                    log.info("%s: resourceVersion %s expired; relisting", handler.name, version)
-                    version = None
-                    if isinstance(exc, _Gone) and exc.progressed:
-                        continue
-                    # 410 right after a list: relist, but not in a tight loop.
-                    await asyncio.sleep(backoff.next_delay())
-                    continue
-                if exc.status == 404 and handler.optional:
-                    log.warning(
-                        "%s: not served by the API server (is the CRD installed?); "
-                        "treating as none and retrying",
-                        handler.name,
-                    )
-                    handler.relist([])
-                    self._note_listed(handler)
-                    version = None
-                else:
-                    log.warning("%s: API error %s: %s", handler.name, exc.status, exc.reason)
-            except (_WatchFailed, urllib3.exceptions.HTTPError, OSError, ValueError) as exc:
-                # A cut or timed-out connection, or a garbled stream: reconnect.
-                log.warning("%s: watch failed: %s", handler.name, exc)
-            except Exception:
-                # Unexpected, so with a traceback; the watch must outlive it all the same.
-                log.warning("%s: watch failed unexpectedly", handler.name, exc_info=True)
-            await asyncio.sleep(backoff.next_delay())
+        def relisted(items: list[JSON]) -> None:
+            handler.relist(items)
+            self._note_listed(handler)
 
-    async def _list(self, call: Callable[..., Any], handler: _Handler) -> str:
-        loop = asyncio.get_running_loop()
-        body = await loop.run_in_executor(
-            self._executor,
-            functools.partial(self._list_blocking, call),
+        def changed(event_type: str, obj: JSON) -> None:
+            handler.apply(event_type, obj)
+            self._confirm(handler)
+
+        def missing() -> None:
+            handler.relist([])
+            self._note_listed(handler)
+
+        return Reflector(
+            api,
+            handler.path(self._namespace),
+            name=handler.name,
+            on_list=relisted,
+            on_event=changed,
+            on_bookmark=lambda: self._confirm(handler),
+            on_missing=missing if handler.optional else None,
+            watch_timeout=self._timeouts.watch,
+            backoff=lambda: Backoff(*self._backoff, rng=self._rng),
+            rng=self._rng,
         )
-        handler.relist(body.get("items") or [])
-        self._note_listed(handler)
-        return str((body.get("metadata") or {}).get("resourceVersion") or "")
-
-    def _list_blocking(self, call: Callable[..., Any]) -> JSON:
-        response = call(
-            _preload_content=False,
-            _request_timeout=(self._timeouts.connect, self._timeouts.request),
-        )
-        try:
-            return json.loads(response.data)
-        finally:
-            response.release_conn()
 
     def _note_listed(self, handler: _Handler) -> None:
         self._listed.add(handler.name)
@@ -418,110 +342,3 @@ class KubernetesSource:
         self._confirmed[handler.name] = datetime.now(UTC)
         if len(self._confirmed) == len(self._handlers):
             self._store.mark_synced(SOURCE, min(self._confirmed.values()))
-
-    async def _watch(
-        self, call: Callable[..., Any], handler: _Handler, version: str
-    ) -> tuple[str, bool]:
-        """Watch from `version` until the stream ends; (last version, any event seen)."""
-        loop = asyncio.get_running_loop()
-        duration = int(self._timeouts.watch * (1 + self._rng.random() / 2))
-        opening = loop.run_in_executor(
-            self._executor,
-            functools.partial(
-                call,
-                watch=True,
-                resource_version=version,
-                timeout_seconds=duration,
-                allow_watch_bookmarks=True,
-                _preload_content=False,
-                _request_timeout=(self._timeouts.connect, duration + self._timeouts.request),
-            ),
-        )
-        try:
-            # Shielded: cancelling the await must not drop a response the
-            # thread is about to return, with its connection left open.
-            response = await asyncio.shield(opening)
-        except asyncio.CancelledError:
-            # Stopped while connecting: close the response once it is open.
-            opening.add_done_callback(_close_opened_response)
-            raise
-        events: asyncio.Queue[Any] = asyncio.Queue()
-        reader = loop.run_in_executor(self._executor, _read_stream, response, loop, events)
-        progressed = False
-        try:
-            while True:
-                item = await events.get()
-                if item is _END:
-                    return version, progressed
-                if isinstance(item, BaseException):
-                    raise item
-                try:
-                    version = self._apply(handler, item, version)
-                except _Gone as gone:
-                    gone.progressed = progressed
-                    raise
-                progressed = True
-        finally:
-            # Unblock the reader thread (it may sit in a socket read), let it finish,
-            # then close the connection: a watch connection is never reused.
-            with contextlib.suppress(OSError, ValueError, RuntimeError):
-                response.shutdown()
-            await asyncio.wait([reader], timeout=self._timeouts.connect)
-            response.close()
-            response.release_conn()
-
-    def _apply(self, handler: _Handler, event: JSON, version: str) -> str:
-        event_type = event.get("type")
-        obj = event.get("object") or {}
-        if event_type == "ERROR":
-            if obj.get("code") == 410:
-                raise _Gone()
-            raise _WatchFailed(f"{obj.get('code')} {obj.get('reason')}: {obj.get('message')}")
-        new_version = str((obj.get("metadata") or {}).get("resourceVersion") or version)
-        if event_type == "BOOKMARK":
-            self._confirm(handler)
-            return new_version
-        if event_type in ("ADDED", "MODIFIED", "DELETED"):
-            handler.apply(event_type, obj)
-            self._confirm(handler)
-        else:
-            log.warning("%s: ignoring watch event of type %r", handler.name, event_type)
-        return new_version
-
-
-def _close_opened_response(opening: asyncio.Future[Any]) -> None:
-    if opening.cancelled() or opening.exception() is not None:
-        return
-    response = opening.result()
-    with contextlib.suppress(OSError, ValueError, RuntimeError):
-        response.close()
-        response.release_conn()
-
-
-def _read_stream(
-    response: Any, loop: asyncio.AbstractEventLoop, events: asyncio.Queue[Any]
-) -> None:
-    """Runs on a source thread: decode watch lines and hand them to the loop.
-
-    The queue is unbounded, but only by what one watch connection can carry
-    before the loop applies it; the loop applies an event in microseconds.
-    """
-
-    def deliver(item: Any) -> None:
-        # A closed loop raises RuntimeError: nobody is waiting any more.
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(events.put_nowait, item)
-
-    buffer = b""
-    try:
-        for chunk in response.stream(decode_content=False):
-            buffer += chunk
-            while b"\n" in buffer:
-                line, buffer = buffer.split(b"\n", 1)
-                if line.strip():
-                    deliver(json.loads(line))
-        if buffer.strip():
-            deliver(json.loads(buffer))
-        deliver(_END)
-    except Exception as exc:
-        deliver(exc)

@@ -449,48 +449,6 @@ def test_an_unreadable_kubeconfig_is_a_one_line_settings_error(tmp_path):
     assert parse_node_list("edge-1, edge-2 edge-3,,") == {"edge-1", "edge-2", "edge-3"}
 
 
-async def test_a_watch_cancelled_while_opening_closes_its_response_once_open(kubeapi):
-    """STAND-IN for the watch request: a callable that blocks in the source's worker
-    thread (as the client does while connecting) until released, then returns a
-    response object that records being closed. The stand-in API server cannot
-    hold a watch's response headers, which is the moment this is about."""
-    import concurrent.futures
-    import threading
-
-    class Response:
-        closed = released = False
-
-        def close(self) -> None:
-            self.closed = True
-
-        def release_conn(self) -> None:
-            self.released = True
-
-    entered, release = threading.Event(), threading.Event()
-    response = Response()
-
-    def opening_call(**kwargs: object) -> Response:
-        assert kwargs["watch"] is True
-        entered.set()
-        release.wait(WAIT)
-        return response
-
-    source = KubernetesSource(Store(), kubeapi.configuration(), timeouts=Timeouts(watch=60))
-    source._executor = concurrent.futures.ThreadPoolExecutor(max_workers=2)
-    try:
-        handler = source._handlers[0]
-        watching = asyncio.create_task(source._watch(opening_call, handler, "1"))
-        await until(entered.is_set, "the watch request to start opening")
-        watching.cancel()
-        await asyncio.gather(watching, return_exceptions=True)
-        assert watching.cancelled()
-        release.set()  # the request completes after its caller is gone
-        await until(lambda: response.closed and response.released, "the response to be closed")
-    finally:
-        release.set()
-        source._executor.shutdown(wait=True)
-
-
 async def test_freshness_is_that_of_the_stalest_kind(kubeapi):
     """Fresh news about Services and Routes must not make stale endpoints look current."""
     async with Running(kubeapi) as running:
