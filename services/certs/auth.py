@@ -30,6 +30,9 @@ from typing import Any, Protocol
 import yaml
 
 MIN_TOKEN_LENGTH = 32
+#: Longest token a caller may present (a projected ServiceAccount token is ~1 KiB);
+#: longer is INVALID_ARGUMENT before any comparison or TokenReview.
+MAX_TOKEN_LENGTH = 16 * 1024
 #: Group a static caller belongs to when its entry says `admin: true`.
 ADMIN_GROUP = "waygate:admins"
 

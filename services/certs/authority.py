@@ -20,22 +20,35 @@ Invariants:
   so the store is written about once an hour rather than on every issue, and
   a restart can only keep an old CA longer, never drop it early;
 - errors raise domain errors before anything is signed, recorded or written;
-- the bundle version increases with every change and survives restarts.
+- the bundle version increases with every change and survives restarts;
+- a CSR is bounded before it costs anything: at most `max_sans` SANs, each
+  DNS name at most 253 characters and each URI at most 2048, RSA keys of
+  2048..4096 bits, ECDSA P-256/P-384 or Ed25519 and nothing else;
+- what ListIssued shows is all that is kept of an issued leaf (no certificate,
+  no CSR), in `IssuedRecords`, bounded by count and by bytes;
+- the authority is thread-safe: signing runs in worker threads (the service's
+  executor) while the event loop serves bundles; every public method holds
+  one lock, and bundle listeners and watchers are called on the event loop
+  given to `deliver_changes_on`, whichever thread made the change.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import dataclasses
 import enum
+import functools
 import hashlib
 import itertools
 import json
 import logging
 import secrets
+import threading
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
+from typing import Concatenate, ParamSpec, TypeVar
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
@@ -44,22 +57,51 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from waygate.certs.store import CAStore
-from waygate.core.errors import FailedPrecondition, InvalidArgument
+from waygate.core.errors import FailedPrecondition, InvalidArgument, excerpt
 
 log = logging.getLogger(__name__)
 
 KEY_ALGORITHMS = ("ecdsa-p256", "rsa-2048", "rsa-3072", "ed25519")
 STATE_FILE = "state.json"
 STATE_FORMAT = 1
-#: Leaves kept in memory for ListIssued (oldest dropped first); the records of
-#: this process's life, not persisted.
+#: Records of issued leaves kept in memory for ListIssued (this process's life, not
+#: persisted), by count and by estimated bytes; past either, expired ones go first.
 ISSUED_RECORDS = 100_000
-#: Most records one ListIssued returns (the newest), so a reply stays far below
-#: the 4 MiB gRPC message limit.
+ISSUED_RECORDS_BYTES = 64 * 1024 * 1024
+#: What `list_issued` returns without a limit (the newest matching records).
 LIST_LIMIT = 10_000
+#: Most subject alternative names one CSR may ask for (setting max_sans_per_csr).
+MAX_SANS = 100
+#: RSA key sizes a CSR may carry: below is weak; above costs every peer's handshake and
+#: certs' signature check for nothing (an 8192-bit key verifies ~4x slower than 4096).
+MIN_RSA_BITS = 2048
+MAX_RSA_BITS = 4096
+#: Longest DNS name SAN (RFC 1035) and URI SAN (the SPIFFE ID maximum), in characters.
+MAX_DNS_NAME_LENGTH = 253
+MAX_URI_LENGTH = 2048
+#: What a record costs beyond its strings (objects, tuples, datetimes), for the byte bound.
+_RECORD_OVERHEAD = 512
+_STRING_OVERHEAD = 64
 
 PrivateKey = ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey | ed25519.Ed25519PrivateKey
 CertificatePublicKey = ec.EllipticCurvePublicKey | rsa.RSAPublicKey | ed25519.Ed25519PublicKey
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _locked(
+    method: Callable[Concatenate[Authority, _P], _R],
+) -> Callable[Concatenate[Authority, _P], _R]:
+    """Run an Authority method under its lock."""
+
+    @functools.wraps(method)
+    def locked(self: Authority, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
 
 
 def _leaf_key_usage(*, key_encipherment: bool) -> x509.KeyUsage:
@@ -144,6 +186,11 @@ class AuthorityConfig:
     #: RotateCA's default wait between publishing a new CA and signing with it.
     propagation_delay: timedelta = timedelta(hours=1)
     leaf_bound_step: timedelta = timedelta(hours=1)
+    #: Most SANs one CSR may ask for; more is INVALID_ARGUMENT naming this bound.
+    max_sans: int = MAX_SANS
+    #: Bounds of the in-memory ListIssued records (count, estimated bytes).
+    issued_records: int = ISSUED_RECORDS
+    issued_records_bytes: int = ISSUED_RECORDS_BYTES
 
     @property
     def auto_rotate_before(self) -> timedelta:
@@ -161,17 +208,139 @@ class Issued:
     serial: str
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class IssuedRecord:
+    """What ListIssued shows of one issued leaf, and nothing more."""
+
+    #: Issue order within this process (1, 2, ...): page tokens point at it.
+    sequence: int
     serial: str
     identity: str
     dns_names: tuple[str, ...]
     uris: tuple[str, ...]
-    ip_addresses: tuple[str, ...]
     not_before: datetime
     not_after: datetime
     issuer_fingerprint: str
     requested_by: str
+    #: Estimated bytes, in memory and in a reply (an over-estimate of both).
+    size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class IssuedPage:
+    records: tuple[IssuedRecord, ...]
+    #: Sequence of the last record returned when more may follow; None: the last page.
+    next_after: int | None
+
+
+class IssuedRecords:
+    """Records of issued leaves, oldest first, bounded by count and by estimated bytes.
+
+    Past a bound, every expired record is dropped first; if that is not enough,
+    the oldest records go, down to 90% of the bound, so room is made rarely
+    rather than one O(n) sweep per issue. Not thread-safe: the authority's lock
+    guards it.
+    """
+
+    def __init__(self, max_count: int, max_bytes: int) -> None:
+        self.max_count = max_count
+        self.max_bytes = max_bytes
+        self._records: collections.deque[IssuedRecord] = collections.deque()
+        self._bytes = 0
+        self._sequence = 0
+        #: <= the earliest not_after held: no record has expired before it.
+        self._earliest: datetime | None = None
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
+
+    def add(
+        self,
+        *,
+        serial: str,
+        identity: str,
+        dns_names: tuple[str, ...],
+        uris: tuple[str, ...],
+        not_before: datetime,
+        not_after: datetime,
+        issuer_fingerprint: str,
+        requested_by: str,
+        now: datetime,
+    ) -> IssuedRecord:
+        strings = (serial, identity, *dns_names, *uris, issuer_fingerprint, requested_by)
+        size = _RECORD_OVERHEAD + sum(len(text) + _STRING_OVERHEAD for text in strings)
+        self._sequence += 1
+        record = IssuedRecord(
+            sequence=self._sequence,
+            serial=serial,
+            identity=identity,
+            dns_names=dns_names,
+            uris=uris,
+            not_before=not_before,
+            not_after=not_after,
+            issuer_fingerprint=issuer_fingerprint,
+            requested_by=requested_by,
+            size=size,
+        )
+        self._records.append(record)
+        self._bytes += size
+        if self._earliest is None or not_after < self._earliest:
+            self._earliest = not_after
+        if len(self._records) > self.max_count or self._bytes > self.max_bytes:
+            self._make_room(now)
+        return record
+
+    def _make_room(self, now: datetime) -> None:
+        if self._earliest is not None and self._earliest < now:
+            kept = [r for r in self._records if r.not_after >= now]
+            self._records = collections.deque(kept)
+            self._bytes = sum(r.size for r in kept)
+            self._earliest = min((r.not_after for r in kept), default=None)
+        if len(self._records) > self.max_count or self._bytes > self.max_bytes:
+            count_goal, bytes_goal = self.max_count * 9 // 10, self.max_bytes * 9 // 10
+            while self._records and (len(self._records) > count_goal or self._bytes > bytes_goal):
+                self._bytes -= self._records.popleft().size
+
+    def newest(
+        self, *, identity: str, include_expired: bool, limit: int, now: datetime
+    ) -> list[IssuedRecord]:
+        """Matching records, oldest first; at most the newest `limit` of them."""
+        newest_first = (
+            r
+            for r in reversed(self._records)
+            if (not identity or r.identity == identity) and (include_expired or r.not_after >= now)
+        )
+        return list(reversed(list(itertools.islice(newest_first, limit))))
+
+    def page(
+        self,
+        *,
+        identity: str,
+        include_expired: bool,
+        after: int,
+        size: int,
+        max_bytes: int,
+        now: datetime,
+    ) -> IssuedPage:
+        """Matching records issued after sequence `after`, oldest first: at most `size`
+        of them and at most `max_bytes` (estimated; at least one record per page)."""
+        start = bisect.bisect_right(self._records, after, key=lambda r: r.sequence)
+        records: list[IssuedRecord] = []
+        used = 0
+        for record in itertools.islice(self._records, start, None):
+            if identity and record.identity != identity:
+                continue
+            if not include_expired and record.not_after < now:
+                continue
+            if records and (len(records) >= size or used + record.size > max_bytes):
+                return IssuedPage(tuple(records), records[-1].sequence)
+            records.append(record)
+            used += record.size
+        return IssuedPage(tuple(records), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,9 +425,13 @@ class Authority:
         self._cas = cas
         self._version = version
         self._generation = generation
-        self._issued: collections.deque[IssuedRecord] = collections.deque(maxlen=ISSUED_RECORDS)
+        self._issued = IssuedRecords(config.issued_records, config.issued_records_bytes)
         self._listeners: list[Callable[[TrustBundleView], None]] = []
         self._changed: asyncio.Event | None = None
+        # Every public method holds it: signing runs in worker threads.
+        self._lock = threading.RLock()
+        # Where listeners and watchers hear of changes made in worker threads.
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # ------------------------------------------------------------ opening
 
@@ -462,6 +635,7 @@ class Authority:
 
     # ------------------------------------------------------------ time
 
+    @_locked
     def advance(self) -> bool:
         """Apply the transitions due by now (switch, retirement); True when the bundle changed.
 
@@ -505,6 +679,7 @@ class Authority:
             self._notify()
         return changed
 
+    @_locked
     def rotate_if_expiring(self) -> Rotation | None:
         """Start a rotation when the active CA nears its end and none is in progress.
 
@@ -523,6 +698,7 @@ class Authority:
         )
         return self.rotate()
 
+    @_locked
     def next_transition(self) -> datetime | None:
         """When `advance` (or `rotate_if_expiring`) will next change something."""
         moments = [c.activate_at for c in self._cas if c.state is CAState.STAGED]
@@ -546,6 +722,7 @@ class Authority:
 
     # ------------------------------------------------------------ signing
 
+    @_locked
     def issue(
         self,
         csr: x509.CertificateSigningRequest,
@@ -572,8 +749,8 @@ class Authority:
                 f"lifetime {_human(lifetime)} exceeds the maximum {_human(self.config.max_lifetime)}"
             )
         if public_key is None:
-            public_key = check_csr(csr)
-        names = _csr_names(csr)
+            public_key = check_csr(csr, max_sans=self.config.max_sans)
+        names = _csr_names(csr, self.config.max_sans)
         self.advance()
         ca = self._active()
         now = _whole_seconds(self._now())
@@ -620,35 +797,49 @@ class Authority:
         if ca.leaf_max is None or not_after > ca.leaf_max:
             ca.leaf_max = not_after
         serial_hex = format(serial, "x")
-        self._issued.append(
-            IssuedRecord(
-                serial=serial_hex,
-                identity=identity,
-                dns_names=names.dns,
-                uris=names.uris,
-                ip_addresses=names.ips,
-                not_before=not_before,
-                not_after=not_after,
-                issuer_fingerprint=ca.fingerprint,
-                requested_by=requested_by,
-            )
+        self._issued.add(
+            serial=serial_hex,
+            identity=identity,
+            dns_names=names.dns,
+            uris=names.uris,
+            not_before=not_before,
+            not_after=not_after,
+            issuer_fingerprint=ca.fingerprint,
+            requested_by=requested_by,
+            now=now,
         )
         return Issued(leaf=leaf, chain=(), valid_until=not_after, serial=serial_hex)
 
+    @_locked
     def list_issued(
         self, *, identity: str = "", include_expired: bool = False, limit: int = LIST_LIMIT
     ) -> list[IssuedRecord]:
         """Matching records, oldest first; at most the newest `limit` of them."""
-        now = self._now()
-        newest_first = (
-            r
-            for r in reversed(self._issued)
-            if (not identity or r.identity == identity) and (include_expired or r.not_after >= now)
+        return self._issued.newest(
+            identity=identity, include_expired=include_expired, limit=limit, now=self._now()
         )
-        return list(reversed(list(itertools.islice(newest_first, limit))))
+
+    @_locked
+    def issued_page(
+        self, *, identity: str, include_expired: bool, after: int, size: int, max_bytes: int
+    ) -> IssuedPage:
+        """One page of ListIssued: see `IssuedRecords.page`."""
+        return self._issued.page(
+            identity=identity,
+            include_expired=include_expired,
+            after=after,
+            size=size,
+            max_bytes=max_bytes,
+            now=self._now(),
+        )
+
+    @property
+    def issued_records(self) -> IssuedRecords:
+        return self._issued
 
     # ------------------------------------------------------------ bundle and rotation
 
+    @_locked
     def trust_bundle(self) -> TrustBundleView:
         self.advance()
         return self._bundle()
@@ -660,9 +851,11 @@ class Authority:
     def version(self) -> int:
         return self._version
 
+    @_locked
     def active_authority(self) -> CAView:
         return self._active().view()
 
+    @_locked
     def rotate(
         self,
         *,
@@ -719,9 +912,14 @@ class Authority:
 
     # ------------------------------------------------------------ change notification
 
+    @_locked
     def add_listener(self, listener: Callable[[TrustBundleView], None]) -> None:
         """Call `listener(bundle)` after every bundle change (e.g. to rewrite ca.pem)."""
         self._listeners.append(listener)
+
+    def deliver_changes_on(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Call listeners and wake watchers on `loop`, also for changes made in threads."""
+        self._loop = loop
 
     async def wait_for_change(self, version: int) -> TrustBundleView:
         """Return the bundle once its version is above `version` (at once if it already is)."""
@@ -729,10 +927,18 @@ class Authority:
             if self._changed is None:
                 self._changed = asyncio.Event()
             await self._changed.wait()
-        return self._bundle()
+        with self._lock:
+            return self._bundle()
 
     def _notify(self) -> None:
         bundle = self._bundle()
+        loop = self._loop
+        if loop is not None and not loop.is_closed() and not _running_on(loop):
+            loop.call_soon_threadsafe(self._deliver, bundle)
+        else:
+            self._deliver(bundle)
+
+    def _deliver(self, bundle: TrustBundleView) -> None:
         for listener in self._listeners:
             try:
                 listener(bundle)
@@ -754,18 +960,49 @@ class _Names:
     ips: tuple[str, ...]
 
 
-def _csr_names(csr: x509.CertificateSigningRequest) -> _Names:
+def _san_extension(csr: x509.CertificateSigningRequest) -> x509.SubjectAlternativeName | None:
     try:
-        extension = csr.extensions.get_extension_for_class(x509.SubjectAlternativeName)
+        return csr.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except x509.ExtensionNotFound:
-        raise InvalidArgument("the CSR asks for no subject alternative names") from None
+        return None
     except (ValueError, x509.DuplicateExtension) as exc:
-        raise InvalidArgument(f"the CSR's extensions do not parse: {exc}") from None
-    general = tuple(extension.value)
+        raise InvalidArgument(f"the CSR's extensions do not parse: {excerpt(str(exc))}") from None
+
+
+def check_names(csr: x509.CertificateSigningRequest, max_sans: int = MAX_SANS) -> None:
+    """The CSR asks for at most `max_sans` SANs, each within its length bound."""
+    extension = _san_extension(csr)
+    if extension is None:
+        return
+    count = len(extension)
+    if count > max_sans:
+        raise InvalidArgument(
+            f"the CSR asks for {count} subject alternative names; at most {max_sans} "
+            "are allowed per certificate (max_sans_per_csr)"
+        )
+    for name in extension:
+        value = name.value
+        if isinstance(name, x509.DNSName):
+            kind, bound = "DNS name", MAX_DNS_NAME_LENGTH
+        else:
+            kind, bound = "name", MAX_URI_LENGTH
+        text = value if isinstance(value, str) else str(value)
+        if len(text) > bound:
+            raise InvalidArgument(
+                f"the CSR's {kind} {excerpt(text)} is longer than {bound} characters"
+            )
+
+
+def _csr_names(csr: x509.CertificateSigningRequest, max_sans: int = MAX_SANS) -> _Names:
+    check_names(csr, max_sans)
+    extension = _san_extension(csr)
+    if extension is None:
+        raise InvalidArgument("the CSR asks for no subject alternative names")
+    general = tuple(extension)
     allowed_types = (x509.DNSName, x509.UniformResourceIdentifier, x509.IPAddress)
     for name in general:
         if not isinstance(name, allowed_types):
-            raise InvalidArgument(f"the CSR asks for an unsupported name: {name}")
+            raise InvalidArgument(f"the CSR asks for an unsupported name: {excerpt(str(name))}")
     if not general:
         raise InvalidArgument("the CSR asks for no subject alternative names")
     return _Names(
@@ -785,29 +1022,42 @@ def load_csr(der: bytes) -> x509.CertificateSigningRequest:
             return x509.load_pem_x509_csr(der)
         return x509.load_der_x509_csr(der)
     except ValueError as exc:
-        raise InvalidArgument(f"certificate_signing_request is not a PKCS#10 CSR: {exc}") from None
+        raise InvalidArgument(
+            f"certificate_signing_request is not a PKCS#10 CSR: {excerpt(str(exc))}"
+        ) from None
 
 
-def check_csr(csr: x509.CertificateSigningRequest) -> CertificatePublicKey:
-    """The CSR's key type is one Waygate signs and its self-signature verifies; returns the key."""
+SUPPORTED_KEYS = f"ECDSA P-256/P-384, RSA {MIN_RSA_BITS}..{MAX_RSA_BITS} bits, Ed25519"
+
+
+def check_csr(
+    csr: x509.CertificateSigningRequest, *, max_sans: int = MAX_SANS
+) -> CertificatePublicKey:
+    """The CSR's key is one Waygate signs, its SANs are within bounds (`check_names`)
+    and its self-signature verifies; returns the key."""
     try:
         key = csr.public_key()
     except (ValueError, UnsupportedAlgorithm) as exc:
-        raise InvalidArgument(f"the CSR's public key is not supported: {exc}") from None
+        raise InvalidArgument(
+            f"the CSR's public key is not supported ({SUPPORTED_KEYS}): {excerpt(str(exc))}"
+        ) from None
     if isinstance(key, rsa.RSAPublicKey):
-        if key.key_size < 2048:
+        if not MIN_RSA_BITS <= key.key_size <= MAX_RSA_BITS:
             raise InvalidArgument(
-                f"the CSR's RSA key has {key.key_size} bits; at least 2048 needed"
+                f"the CSR's RSA key has {key.key_size} bits; RSA keys must have "
+                f"{MIN_RSA_BITS} to {MAX_RSA_BITS} bits"
             )
     elif isinstance(key, ec.EllipticCurvePublicKey):
         if not isinstance(key.curve, ec.SECP256R1 | ec.SECP384R1):
             raise InvalidArgument(
-                f"the CSR's curve {key.curve.name} is not supported (P-256, P-384)"
+                f"the CSR's curve {key.curve.name} is not supported ({SUPPORTED_KEYS})"
             )
     elif not isinstance(key, ed25519.Ed25519PublicKey):
         raise InvalidArgument(
-            "the CSR's key type is not supported (ECDSA P-256/P-384, RSA >= 2048, Ed25519)"
+            f"the CSR's key type {type(key).__name__.lstrip('_')} is not supported "
+            f"({SUPPORTED_KEYS})"
         )
+    check_names(csr, max_sans)
     try:
         valid = csr.is_signature_valid
     except (InvalidSignature, ValueError, UnsupportedAlgorithm):
@@ -815,6 +1065,13 @@ def check_csr(csr: x509.CertificateSigningRequest) -> CertificatePublicKey:
     if not valid:
         raise InvalidArgument("the CSR's signature does not verify with its own public key")
     return key
+
+
+def _running_on(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
 
 
 def _random_serial() -> int:

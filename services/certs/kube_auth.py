@@ -20,6 +20,12 @@ Invariants:
   the 10-minute minimum lifetime of a projected token), and the cache is
   bounded; a revoked token stops working within the TTL.
 - The review runs in a worker thread; the event loop never waits on it.
+
+`KubeServiceDirectory` reads the Services the policy's per-workload name rule
+needs (`GET /api/v1/namespaces/NS/services/NAME`) in a worker thread, each
+read bounded by `timeout`, with a short bounded cache (`cache_ttl`, 5 s) so a
+renewing workload does not cost one API read per Certify; an annotation
+removed from a Service stops granting its name within that TTL.
 """
 
 from __future__ import annotations
@@ -31,8 +37,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
-from waygate.certs.auth import Caller
+from waygate.certs.auth import MAX_TOKEN_LENGTH, Caller
 from waygate.certs.kube_api import JSON, KubeAPI, KubeError
+from waygate.certs.policy import SERVING_ACCOUNT_ANNOTATION, ServiceInfo
 from waygate.core.errors import FailedPrecondition, Unavailable
 
 log = logging.getLogger(__name__)
@@ -42,7 +49,7 @@ SERVICE_ACCOUNT_PREFIX = "system:serviceaccount:"
 NODE_PREFIX = "system:node:"
 NODES_GROUP = "system:nodes"
 #: Longer "tokens" are refused without asking the API server.
-MAX_TOKEN_BYTES = 16 * 1024
+MAX_TOKEN_BYTES = MAX_TOKEN_LENGTH
 
 
 def caller_for_user(username: str, groups: Iterable[str] = ()) -> Caller:
@@ -147,3 +154,69 @@ class TokenReviewAuthenticator:
                 return None
         groups = [g for g in user.get("groups") or () if isinstance(g, str)]
         return caller_for_user(username, groups)
+
+
+class KubeServiceDirectory:
+    """The policy's `ServiceDirectory` over the Kubernetes API (needs `get` on services)."""
+
+    def __init__(
+        self,
+        api: KubeAPI,
+        *,
+        timeout: float = 5.0,
+        cache_ttl: float = 5.0,
+        cache_size: int = 1024,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._api = api
+        self._timeout = timeout
+        self._cache_ttl = cache_ttl
+        self._cache_size = cache_size
+        self._clock = clock
+        self._cache: OrderedDict[tuple[str, str], tuple[float, ServiceInfo | None]] = OrderedDict()
+
+    async def service(self, namespace: str, name: str) -> ServiceInfo | None:
+        key = (namespace, name)
+        cached = self._cache.get(key)
+        if cached is not None:
+            if cached[0] > self._clock():
+                return cached[1]
+            del self._cache[key]
+        path = f"/api/v1/namespaces/{namespace}/services/{name}"
+        try:
+            # The read itself has the client's timeout too; this one bounds the caller's wait.
+            obj = await asyncio.wait_for(asyncio.to_thread(self._get, path), self._timeout)
+        except TimeoutError:
+            raise Unavailable(
+                f"cannot read Service {namespace}/{name}: the Kubernetes API did not answer "
+                f"within {self._timeout:g}s"
+            ) from None
+        info = None if obj is None else _service_info(namespace, name, obj)
+        if self._cache_ttl > 0:
+            self._cache[key] = (self._clock() + self._cache_ttl, info)
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return info
+
+    def _get(self, path: str) -> JSON | None:
+        try:
+            return self._api.get(path)
+        except KubeError as exc:
+            if exc.not_found:
+                return None
+            log.warning("reading a Service failed: %s", exc.message)
+            if exc.status in (401, 403):
+                raise FailedPrecondition(
+                    f"certs may not read Services ({exc.message}); check the certs ClusterRole"
+                ) from None
+            raise Unavailable(f"cannot read a Service from Kubernetes: {exc.message}") from None
+
+
+def _service_info(namespace: str, name: str, obj: JSON) -> ServiceInfo:
+    annotations = (obj.get("metadata") or {}).get("annotations") or {}
+    account = annotations.get(SERVING_ACCOUNT_ANNOTATION) if isinstance(annotations, dict) else None
+    return ServiceInfo(
+        namespace=namespace,
+        name=name,
+        serving_account=account if isinstance(account, str) else None,
+    )

@@ -8,7 +8,14 @@ Rules, by kind of caller:
   suffix stand for the trailing star; "ip:" matches the same address.
 - ServiceAccount caller (namespace + service_account): uri
   spiffe://TRUST_DOMAIN/ns/NS/sa/SA, and dns NAME.NS.svc and
-  NAME.NS.svc.cluster.local for any single-label NAME.
+  NAME.NS.svc.cluster.local only for a Service NAME in its own namespace NS
+  that serves as it (per-workload names, `SERVICE_NAME_RULE`): the Service's
+  annotation `waygate.io/serving-service-account` names SA, or the Service
+  has no such annotation and NAME equals SA. An annotation naming another
+  ServiceAccount wins over a matching name: the Service's owner said who
+  serves it. Services are read through a `ServiceDirectory` (the Kubernetes
+  API); `authorize` checks the name's shape, `check_service_names` (async)
+  the Service itself, at most `MAX_SERVICES_PER_CSR` of them per request.
 - node caller (node): dns NODE.
 
 The identity asked for (a spiffe:// URI, a DNS or node name, or an IP
@@ -20,16 +27,63 @@ same way. The Kubernetes CSR approver uses the same checks.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
+import re
 from collections.abc import Iterable
+from typing import Protocol
 
 from cryptography import x509
 
 from waygate.certs.auth import Caller
-from waygate.core.errors import InvalidArgument, PermissionDenied
+from waygate.core.errors import InvalidArgument, PermissionDenied, excerpt
 from waygate.core.sans import identity_san
 
 KINDS = ("dns", "uri", "ip")
+#: The Service annotation naming the ServiceAccount that serves the Service.
+SERVING_ACCOUNT_ANNOTATION = "waygate.io/serving-service-account"
+SERVICE_NAME_RULE = (
+    "a ServiceAccount gets dns:NAME.NS.svc[.cluster.local] only for a Service NAME in its "
+    f"own namespace annotated {SERVING_ACCOUNT_ANNOTATION}: <its name>, or, without that "
+    "annotation, named like the ServiceAccount"
+)
+#: Most distinct Services one request may name (each costs a Kubernetes API read).
+MAX_SERVICES_PER_CSR = 16
+_SERVICE_SUFFIXES = (".svc", ".svc.cluster.local")
+#: A Service name (RFC 1035 label, as Kubernetes requires of Service names).
+_DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServiceInfo:
+    """What the policy needs of one Service."""
+
+    namespace: str
+    name: str
+    #: The `waygate.io/serving-service-account` annotation; None when absent.
+    serving_account: str | None
+
+    def served_by(self, service_account: str) -> bool:
+        if self.serving_account is not None:
+            return self.serving_account == service_account
+        return self.name == service_account
+
+    def why_not(self, service_account: str) -> str:
+        if self.serving_account is not None:
+            return (
+                f"Service {self.namespace}/{self.name} names ServiceAccount "
+                f"{excerpt(self.serving_account)} in {SERVING_ACCOUNT_ANNOTATION}"
+            )
+        return (
+            f"Service {self.namespace}/{self.name} has no {SERVING_ACCOUNT_ANNOTATION} "
+            f"annotation and is not named {service_account}"
+        )
+
+
+class ServiceDirectory(Protocol):
+    async def service(self, namespace: str, name: str) -> ServiceInfo | None:
+        """The Service, or None when it does not exist; Unavailable when it cannot be read."""
+        ...
 
 
 def requested_names(csr: x509.CertificateSigningRequest) -> list[str]:
@@ -97,10 +151,13 @@ def pattern_matches(pattern: str, name: str) -> bool:
 class Policy:
     """Decides identities and SANs for callers within one trust domain."""
 
-    def __init__(self, trust_domain: str) -> None:
+    def __init__(self, trust_domain: str, services: ServiceDirectory | None = None) -> None:
         self.trust_domain = trust_domain
+        self.services = services
 
     def allowed_patterns(self, caller: Caller) -> tuple[str, ...]:
+        """The shapes of names `caller` may get; Service names are confirmed by
+        `check_service_names`."""
         if caller.namespace is not None and caller.service_account is not None:
             ns, sa = caller.namespace, caller.service_account
             return (
@@ -127,13 +184,17 @@ class Policy:
             raise InvalidArgument("the CSR asks for no subject alternative names")
         wanted = identity_san(identity)
         if not any(_same_name(wanted, n) for n in names):
+            listed = ", ".join(excerpt(n) for n in names[:5])
+            more = f" and {len(names) - 5} more" if len(names) > 5 else ""
             raise InvalidArgument(
-                f"identity {identity!r} is not among the CSR's subject alternative names "
-                f"({', '.join(names)})"
+                f"identity {excerpt(identity)} is not among the CSR's subject alternative names "
+                f"({listed}{more})"
             )
         for name in names:
             if not self.is_allowed(caller, name):
-                raise PermissionDenied(f"{caller.name} may not get a certificate for {name}")
+                raise PermissionDenied(
+                    f"{caller.name} may not get a certificate for {excerpt(name)}"
+                )
 
     def authorize_csr(
         self, caller: Caller, identity: str, csr: x509.CertificateSigningRequest
@@ -142,6 +203,59 @@ class Policy:
         names = requested_names(csr)
         self.authorize(caller, identity, names)
         return names
+
+    def service_name(self, caller: Caller, name: str) -> str | None:
+        """The Service NAME that the SAN `name` (dns:NAME.NS.svc[.cluster.local]) stands
+        for when `caller` is a ServiceAccount of namespace NS; else None."""
+        if caller.namespace is None or caller.service_account is None:
+            return None
+        kind, _, value = name.partition(":")
+        if kind != "dns":
+            return None
+        value = value.lower().rstrip(".")
+        for suffix in _SERVICE_SUFFIXES:
+            label, dot, rest = value.partition(".")
+            if dot and label and "*" not in label and rest == f"{caller.namespace}{suffix}":
+                return label
+        return None
+
+    async def check_service_names(self, caller: Caller, names: Iterable[str]) -> None:
+        """PermissionDenied unless every Service name among `names` serves as `caller`
+        (`SERVICE_NAME_RULE`); Unavailable when a Service cannot be read."""
+        wanted: dict[str, str] = {}
+        for name in names:
+            service = self.service_name(caller, name)
+            if service is not None:
+                wanted.setdefault(service, name)
+        if not wanted:
+            return
+        assert caller.namespace is not None and caller.service_account is not None
+        if len(wanted) > MAX_SERVICES_PER_CSR:
+            raise InvalidArgument(
+                f"the CSR names {len(wanted)} Services; at most {MAX_SERVICES_PER_CSR} "
+                "per certificate"
+            )
+        for service, name in wanted.items():
+            if not _DNS_LABEL.fullmatch(service):
+                raise PermissionDenied(
+                    f"{caller.name} may not get a certificate for {excerpt(name)}: "
+                    f"{excerpt(service)} is not a Service name"
+                )
+            if self.services is None:
+                why = "certs reads no Services (it runs without Kubernetes)"
+            else:
+                info = await self.services.service(caller.namespace, service)
+                if info is not None and info.served_by(caller.service_account):
+                    continue
+                why = (
+                    f"Service {caller.namespace}/{service} does not exist"
+                    if info is None
+                    else info.why_not(caller.service_account)
+                )
+            raise PermissionDenied(
+                f"{caller.name} may not get a certificate for {excerpt(name)}: "
+                f"{SERVICE_NAME_RULE}; {why}"
+            )
 
 
 def _same_name(a: str, b: str) -> bool:

@@ -4,8 +4,9 @@ Domain errors raised by `CertsService` become status codes in the shared
 boundary interceptor (`waygate.core.grpcserver`). Admin calls (RotateCA,
 ListIssued) carry their token in the `authorization` metadata as
 `Bearer <token>`; Certify carries it in the request, as the proto says.
-ListIssued covers this process's life (records are kept in memory) and
-returns at most the newest 10,000 matching certificates.
+ListIssued covers this replica's life (records are kept in memory, bounded)
+and is paged: `next_page_token` leads to the next page, `replica` names the
+process whose records these are.
 """
 
 from __future__ import annotations
@@ -139,12 +140,18 @@ class CertsServicer(certs_pb2_grpc.CertsServicer):
     async def ListIssued(
         self, request: certs_pb2.ListIssuedRequest, context: grpc.aio.ServicerContext
     ) -> certs_pb2.ListIssuedResponse:
-        records = await self.service.list_issued(
+        listing = await self.service.list_issued(
             token=bearer_token(context),
             identity=request.identity,
             include_expired=request.include_expired,
+            page_size=request.page_size,
+            page_token=request.page_token,
         )
-        return certs_pb2.ListIssuedResponse(certificates=[_issued(r) for r in records])
+        return certs_pb2.ListIssuedResponse(
+            certificates=[_issued(r) for r in listing.records],
+            next_page_token=listing.next_page_token,
+            replica=listing.replica,
+        )
 
 
 def registration(service: CertsService) -> ServiceRegistration:

@@ -5,12 +5,22 @@
 rotation). The gRPC boundary (`server.py`) only converts messages.
 
 Invariants:
-- checks run in a fixed order: token authenticates (UNAUTHENTICATED, before
-  any work is done for the caller), CSR parses and its signature verifies
-  (INVALID_ARGUMENT), identity and SANs are allowed
-  (PERMISSION_DENIED), lifetime within the maximum (INVALID_ARGUMENT), CA can
-  sign (FAILED_PRECONDITION); nothing is signed, recorded or written before
-  every check has passed;
+- checks run in a fixed order: every request field within its bound
+  (INVALID_ARGUMENT: identity at most 2048 characters, token at most 16 KiB),
+  token authenticates (UNAUTHENTICATED, before any work is done for the
+  caller), CSR parses, its key is one we sign, its SANs are within bounds
+  and its signature verifies (INVALID_ARGUMENT), identity and SANs are
+  allowed, Service names included (PERMISSION_DENIED), lifetime within the
+  maximum (INVALID_ARGUMENT), CA can sign (FAILED_PRECONDITION); nothing is
+  signed, recorded or written before every check has passed;
+- CSR checks and signing run in a bounded thread pool (`SigningExecutor`), so
+  one slow CSR never holds the event loop that serves everyone else's
+  GetTrustBundle; past its queue bound Certify is RESOURCE_EXHAUSTED at once;
+- a caller-supplied value is repeated in a log line or an error only through
+  `excerpt` (a short quoted prefix), so no caller can flood the log;
+- ListIssued is paged (`page_size` default 500, at most 1,000, and at most
+  about 1 MiB per page) with an opaque page token that only this replica
+  (`replica`: host name / pid) accepts;
 - while the CA is not loaded (start-up, or it could not be read) every call
   is FAILED_PRECONDITION with the reason, never a half answer;
 - admin calls (RotateCA, ListIssued) need a token whose caller is an admin.
@@ -19,14 +29,29 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import concurrent.futures
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import json
 import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
 from datetime import timedelta
+from typing import TypeVar
 
+from cryptography import x509
 from prometheus_client import Counter, Gauge
 
-from waygate.certs.auth import Authenticator, Caller
+from waygate.certs.auth import MAX_TOKEN_LENGTH, Authenticator, Caller
 from waygate.certs.authority import (
     Authority,
+    CertificatePublicKey,
     Issued,
     IssuedRecord,
     Rotation,
@@ -35,9 +60,31 @@ from waygate.certs.authority import (
     load_csr,
 )
 from waygate.certs.policy import Policy
-from waygate.core.errors import FailedPrecondition, PermissionDenied, Unauthenticated, Unavailable
+from waygate.core.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+    excerpt,
+)
 
 log = logging.getLogger(__name__)
+
+#: Longest identity a Certify request may ask for (the SPIFFE ID maximum).
+MAX_IDENTITY_LENGTH = 2048
+#: ListIssued page sizes: the default, the cap, and the estimated bytes a page may hold
+#: (a quarter of gRPC's default 4 MiB message limit).
+PAGE_SIZE = 500
+MAX_PAGE_SIZE = 1000
+MAX_PAGE_BYTES = 1024 * 1024
+_MAX_PAGE_TOKEN_LENGTH = 512
+#: Signing thread pool defaults (settings signing_workers, signing_queue).
+SIGNING_WORKERS = 2
+SIGNING_QUEUE = 256
+
+_T = TypeVar("_T")
 
 ISSUED = Counter(
     "waygate_certs_issued_total",
@@ -56,12 +103,95 @@ CA_NOT_AFTER = Gauge(
 BUNDLE_VERSION = Gauge(
     "waygate_certs_trust_bundle_version", "Version of the published trust bundle."
 )
+SIGNING_BACKLOG = Gauge(
+    "waygate_certs_signing_backlog",
+    "Certify calls being checked or signed, or waiting for a signing thread.",
+)
+
+
+def replica_name() -> str:
+    """This process, as ListIssued names it: host name (a pod's name) and pid."""
+    return f"{socket.gethostname()}/{os.getpid()}"
+
+
+class SigningExecutor:
+    """A thread pool for CSR checks and signing with a bounded queue.
+
+    At most `workers` jobs run at once and at most `queue` more wait; past that
+    `run` raises ResourceExhausted at once rather than letting a burst of
+    expensive CSRs pile up. A job holds its slot until its thread finishes, even
+    when its caller gave up, so cancelled calls cannot overfill the pool.
+    """
+
+    def __init__(self, workers: int = SIGNING_WORKERS, queue: int = SIGNING_QUEUE) -> None:
+        self.workers = workers
+        self.queue = queue
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=workers, thread_name_prefix="certs-sign"
+        )
+        self._slots = threading.BoundedSemaphore(workers + queue)
+        self._backlog = 0
+        self._backlog_lock = threading.Lock()
+
+    async def run(self, function: Callable[..., _T], *args: object, **kwargs: object) -> _T:
+        if not self._slots.acquire(blocking=False):
+            raise ResourceExhausted(
+                f"certs is already checking or signing {self.workers + self.queue} requests "
+                f"(signing_workers {self.workers} + signing_queue {self.queue}); retry shortly"
+            )
+        self._moved(1)
+        try:
+            future = self._pool.submit(functools.partial(function, *args, **kwargs))
+        except BaseException:
+            self._release(None)
+            raise
+        future.add_done_callback(self._release)
+        return await asyncio.wrap_future(future)
+
+    def _release(self, _: object) -> None:
+        self._moved(-1)
+        self._slots.release()
+
+    def _moved(self, delta: int) -> None:
+        with self._backlog_lock:
+            self._backlog += delta
+            SIGNING_BACKLOG.set(self._backlog)
+
+    def close(self) -> None:
+        """Let running jobs finish; queued ones are cancelled."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class IssuedListing:
+    """One page of ListIssued."""
+
+    records: tuple[IssuedRecord, ...]
+    #: Empty on the last page.
+    next_page_token: str
+    replica: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Checked:
+    csr: x509.CertificateSigningRequest
+    public_key: CertificatePublicKey
+    names: list[str]
 
 
 class CertsService:
-    def __init__(self, authenticator: Authenticator, policy: Policy) -> None:
+    def __init__(
+        self,
+        authenticator: Authenticator,
+        policy: Policy,
+        *,
+        replica: str | None = None,
+        executor: SigningExecutor | None = None,
+    ) -> None:
         self.authenticator = authenticator
         self.policy = policy
+        self.replica = replica or replica_name()
+        self.executor = executor or SigningExecutor()
         self._authority: Authority | None = None
         self._unavailable = "the CA is not loaded yet"
         self._draining = asyncio.Event()
@@ -71,6 +201,9 @@ class CertsService:
     def attach(self, authority: Authority) -> None:
         """Serve with `authority` from now on; the bundle gauges follow its changes."""
         self._authority = authority
+        # No loop (a synchronous test): changes are delivered where they happen.
+        with contextlib.suppress(RuntimeError):
+            authority.deliver_changes_on(asyncio.get_running_loop())
         authority.add_listener(publish_metrics)
         publish_metrics(authority.trust_bundle())
 
@@ -96,23 +229,34 @@ class CertsService:
         lifetime: timedelta | None,
     ) -> Issued:
         try:
+            _check_length("identity", identity, MAX_IDENTITY_LENGTH)
+            _check_length("token", token, MAX_TOKEN_LENGTH)
             caller = await self._authenticate(token)
-            csr = load_csr(csr_der)
-            public_key = check_csr(csr)
-            self.policy.authorize_csr(caller, identity, csr)
-            issued = self.authority.issue(
-                csr,
+            authority = self.authority
+            checked = await self.executor.run(
+                self._check, caller, identity, csr_der, authority.config.max_sans
+            )
+            await self.policy.check_service_names(caller, checked.names)
+            issued = await self.executor.run(
+                authority.issue,
+                checked.csr,
                 identity=identity,
                 requested_by=caller.name,
                 lifetime=lifetime,
-                public_key=public_key,
+                public_key=checked.public_key,
             )
         except Exception as exc:
             reason = getattr(exc, "status", "INTERNAL")
             REFUSED.labels(reason).inc()
-            # Refusals are rare and worth seeing (a wrong token, a forbidden name).
+            # Refusals are rare and worth seeing (a wrong token, a forbidden name); what
+            # the caller sent is repeated only as a short excerpt.
             log.info(
-                "certify refused", extra={"identity": identity, "reason": reason, "error": str(exc)}
+                "certify refused",
+                extra={
+                    "identity": excerpt(identity),
+                    "reason": reason,
+                    "error": excerpt(str(exc), 512),
+                },
             )
             raise
         ISSUED.inc()
@@ -128,6 +272,14 @@ class CertsService:
             },
         )
         return issued
+
+    def _check(self, caller: Caller, identity: str, csr_der: bytes, max_sans: int) -> _Checked:
+        """The CPU-bound checks of a CSR (in a signing thread): parse, key, bounds,
+        signature, then the caller's policy."""
+        csr = load_csr(csr_der)
+        public_key = check_csr(csr, max_sans=max_sans)
+        names = self.policy.authorize_csr(caller, identity, csr)
+        return _Checked(csr, public_key, names)
 
     def trust_bundle(self) -> TrustBundleView:
         return self.authority.trust_bundle()
@@ -159,8 +311,13 @@ class CertsService:
         ca_lifetime: timedelta | None,
     ) -> Rotation:
         caller = await self._require_admin(token, "RotateCA")
-        rotation = self.authority.rotate(
-            propagation_delay=propagation_delay, ca_lifetime=ca_lifetime
+        # A new CA key (RSA) takes a while to make: off the event loop.
+        rotation = await asyncio.to_thread(
+            functools.partial(
+                self.authority.rotate,
+                propagation_delay=propagation_delay,
+                ca_lifetime=ca_lifetime,
+            )
         )
         log.warning(
             "CA rotation started",
@@ -173,12 +330,60 @@ class CertsService:
         return rotation
 
     async def list_issued(
-        self, *, token: str, identity: str, include_expired: bool
-    ) -> list[IssuedRecord]:
+        self,
+        *,
+        token: str,
+        identity: str,
+        include_expired: bool,
+        page_size: int = 0,
+        page_token: str = "",
+    ) -> IssuedListing:
+        """One page of the records of certificates this replica issued, oldest first."""
+        _check_length("token", token, MAX_TOKEN_LENGTH)
+        _check_length("identity", identity, MAX_IDENTITY_LENGTH)
+        _check_length("page_token", page_token, _MAX_PAGE_TOKEN_LENGTH)
         await self._require_admin(token, "ListIssued")
-        return self.authority.list_issued(identity=identity, include_expired=include_expired)
+        query = _query_digest(identity, include_expired)
+        after = self._page_start(page_token, query) if page_token else 0
+        size = min(page_size, MAX_PAGE_SIZE) if page_size > 0 else PAGE_SIZE
+        page = self.authority.issued_page(
+            identity=identity,
+            include_expired=include_expired,
+            after=after,
+            size=size,
+            max_bytes=MAX_PAGE_BYTES,
+        )
+        next_token = "" if page.next_after is None else self._page_token(page.next_after, query)
+        return IssuedListing(page.records, next_token, self.replica)
+
+    def _page_token(self, after: int, query: str) -> str:
+        body = json.dumps({"r": self.replica, "a": after, "q": query}, separators=(",", ":"))
+        return base64.urlsafe_b64encode(body.encode()).decode("ascii")
+
+    def _page_start(self, token: str, query: str) -> int:
+        try:
+            body = json.loads(base64.urlsafe_b64decode(token.encode("ascii")))
+            replica, after, token_query = body["r"], body["a"], body["q"]
+        except (ValueError, UnicodeError, binascii.Error, KeyError, TypeError):
+            raise InvalidArgument(
+                "page_token is not a next_page_token this server gave out"
+            ) from None
+        if replica != self.replica:
+            raise InvalidArgument(
+                f"page_token comes from another certs replica ({excerpt(str(replica))}); "
+                f"this is {self.replica}, and each replica pages its own records"
+            )
+        if token_query != query or not isinstance(after, int) or after < 0:
+            raise InvalidArgument(
+                "page_token belongs to a different query (identity or include_expired "
+                "changed between pages)"
+            )
+        return after
 
     # ------------------------------------------------------------ callers
+
+    def close(self) -> None:
+        self.executor.close()
 
     async def _authenticate(self, token: str) -> Caller:
         if not token:
@@ -193,6 +398,19 @@ class CertsService:
         if not caller.is_admin:
             raise PermissionDenied(f"{what} is an admin call and {caller.name} is not an admin")
         return caller
+
+
+def _check_length(field: str, value: str, limit: int) -> None:
+    if len(value) > limit:
+        # Not even an excerpt: the field may be a secret (token).
+        raise InvalidArgument(
+            f"{field} is {len(value)} characters long; at most {limit} are allowed"
+        )
+
+
+def _query_digest(identity: str, include_expired: bool) -> str:
+    digest = hashlib.sha256(f"{int(include_expired)}:{identity}".encode())
+    return digest.hexdigest()[:16]
 
 
 def publish_metrics(bundle: TrustBundleView) -> None:

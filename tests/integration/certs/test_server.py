@@ -159,7 +159,7 @@ BAD_INPUT = [
     pytest.param(
         {"certificate_signing_request": csr_der((f"uri:{RESOLVER_ID}", "dns:proxy.waygate.local"))},
         "PERMISSION_DENIED",
-        "resolver may not get a certificate for dns:proxy.waygate.local",
+        "resolver may not get a certificate for 'dns:proxy.waygate.local'",
         id="forbidden-san",
     ),
     pytest.param(

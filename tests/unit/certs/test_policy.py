@@ -56,7 +56,7 @@ def test_static_caller_gets_exactly_its_patterns() -> None:
 
 def test_first_forbidden_san_is_named() -> None:
     csr, _ = make_csr((f"uri:{RESOLVER_ID}", "dns:proxy.waygate.local", "dns:evil.example"))
-    with pytest.raises(PermissionDenied, match=r"resolver may not .* dns:proxy\.waygate\.local"):
+    with pytest.raises(PermissionDenied, match=r"resolver may not .* 'dns:proxy\.waygate\.local'"):
         POLICY.authorize_csr(RESOLVER, RESOLVER_ID, csr)
 
 
