@@ -34,11 +34,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from waygate.certs.auth import Authenticator, Caller, StaticTokenAuthenticator, TokensFileError
-from waygate.certs.authority import KEY_ALGORITHMS, Authority, AuthorityConfig, TrustBundleView
+from waygate.certs.authority import (
+    ISSUED_RECORDS,
+    ISSUED_RECORDS_BYTES,
+    KEY_ALGORITHMS,
+    MAX_SANS,
+    Authority,
+    AuthorityConfig,
+    TrustBundleView,
+)
 from waygate.certs.policy import Policy, check_pattern
 from waygate.certs.selftls import serving_certificate
 from waygate.certs.server import registration
-from waygate.certs.service import CertsService
+from waygate.certs.service import SIGNING_QUEUE, SIGNING_WORKERS, CertsService, SigningExecutor
 from waygate.certs.store import CAStore, DirectoryCAStore
 from waygate.components import by_command
 from waygate.core.errors import FailedPrecondition, WaygateError
@@ -133,6 +141,30 @@ class Settings(GrpcServerSettings):
     bundle_file: Path | None = setting(
         None, help="write the trust bundle PEM here (0644), rewritten on every change"
     )
+    max_sans_per_csr: int = setting(
+        MAX_SANS,
+        help="most subject alternative names one CSR may ask for (more: INVALID_ARGUMENT)",
+        check=positive,
+    )
+    issued_records: int = setting(
+        ISSUED_RECORDS,
+        help="records of issued certificates kept in memory for ListIssued "
+        "(past it, expired records go first, then the oldest)",
+        check=positive,
+    )
+    issued_records_bytes: int = setting(
+        ISSUED_RECORDS_BYTES,
+        help="estimated bytes the ListIssued records may take (same dropping rule)",
+        check=positive,
+    )
+    signing_workers: int = setting(
+        SIGNING_WORKERS, help="threads that check and sign CSRs, off the event loop", check=positive
+    )
+    signing_queue: int = setting(
+        SIGNING_QUEUE,
+        help="Certify calls that may wait for a signing thread (more: RESOURCE_EXHAUSTED)",
+        check=_non_negative,
+    )
     serving_identity: str | None = setting(
         None,
         help="identity of certs' own serving certificate, signed by its CA and renewed in place "
@@ -220,6 +252,9 @@ class Settings(GrpcServerSettings):
             max_lifetime=timedelta(seconds=self.max_leaf_lifetime),
             backdate=timedelta(seconds=self.clock_skew),
             propagation_delay=timedelta(seconds=self.propagation_delay),
+            max_sans=self.max_sans_per_csr,
+            issued_records=self.issued_records,
+            issued_records_bytes=self.issued_records_bytes,
         )
 
 
@@ -263,6 +298,16 @@ def build_authenticator(settings: Settings, kube_api: Any = None) -> Authenticat
     return authenticators[0] if len(authenticators) == 1 else _FirstOf(authenticators)
 
 
+def build_policy(settings: Settings, kube_api: Any = None) -> Policy:
+    """The policy; with Kubernetes, ServiceAccounts' Service names are checked against
+    the Services the API server holds (per-workload names)."""
+    if kube_api is None:
+        return Policy(settings.trust_domain)
+    from waygate.certs.kube_auth import KubeServiceDirectory
+
+    return Policy(settings.trust_domain, services=KubeServiceDirectory(kube_api))
+
+
 def build_store(settings: Settings, kube_api: Any = None) -> CAStore:
     if settings.ca_secret is None:
         return DirectoryCAStore(settings.ca_dir)
@@ -291,7 +336,7 @@ def start_csr_controller(
         namespace, _, name = settings.tunnel_server_account.partition("/")
         account = (namespace, name)
     rules = SignerRules(
-        policy=Policy(settings.trust_domain),
+        policy=build_policy(settings, kube_api),
         max_lifetime=timedelta(seconds=settings.max_leaf_lifetime),
         tunnel_server_account=account,
         tunnel_server_names=settings.tunnel_server_names,
@@ -323,7 +368,11 @@ async def run_transitions(authority: Authority) -> None:
 
 async def setup(process: ServiceProcess, settings: Settings) -> None:
     kube_api = kube_api_for(settings)
-    service = CertsService(build_authenticator(settings, kube_api), Policy(settings.trust_domain))
+    service = CertsService(
+        build_authenticator(settings, kube_api),
+        build_policy(settings, kube_api),
+        executor=SigningExecutor(settings.signing_workers, settings.signing_queue),
+    )
     store = build_store(settings, kube_api)
     # Loading may generate an RSA key, touch the disk or the API: keep the loop free meanwhile.
     authority = await asyncio.to_thread(Authority.open, store, settings.authority_config())
