@@ -24,6 +24,7 @@ from waygate.core.runtime import ServiceProcess
 from waygate.core.settings import GrpcServerSettings, parse_duration, port_number, positive, setting
 from waygate.resolver.access import patterns_problem
 from waygate.tunnel import mux
+from waygate.tunnel.front import FrontSettings, start_front
 from waygate.tunnel.server import AgentTunnelServicer, Hub, TunnelServicer
 from waygate.tunnel.v1 import tunnel_pb2_grpc
 
@@ -39,7 +40,7 @@ def _window_check(value: int) -> str | None:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Settings(GrpcServerSettings):
+class Settings(FrontSettings, GrpcServerSettings):  # front_*: the HTTPS front (front.py)
     grpc_port: int = setting(7003, help="agents' gRPC port (AgentTunnel)", check=port_number)
     dial_port: int = setting(7004, help="dialers' gRPC port (Tunnel)", check=port_number)
     admin_port: int = setting(
@@ -144,6 +145,8 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
             ).run()
 
         process.spawn(report(), "tunnel-presence")
+    # The HTTPS front (yurttunnel parity): requests to NODE-ADDRESS:PORT through the hub.
+    await start_front(process, settings, hub)
     await process.mark_ready()
 
 

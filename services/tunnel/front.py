@@ -1,0 +1,694 @@
+"""The tunnel server's HTTPS front (yurttunnel parity): HTTP requests to edge nodes.
+
+A cloud-side client (the kube-apiserver fetching logs from an edge kubelet,
+`curl`, anything speaking HTTP/1.1 over TLS) connects to `front_port`
+(10263, as yurttunnel's) either directly or because `waygate tunnel
+iptables` rewrote its connection to NODE-IP:10250. The front:
+
+1. terminates TLS and requires a client certificate from `front_client_ca_file`
+   (default: the CA this process trusts for its own clients: certs' bundle
+   or `tls_client_ca_file`);
+2. reads the request head (at most `MAX_HEAD` bytes, within `front_head_timeout`)
+   and takes the target from the absolute-form request target or the Host
+   header, which must name HOST:PORT;
+3. maps HOST to an edge node: an IP address through `front_node_addresses`
+   (ADDR=NODE pairs: the node-address map, chosen over the resolver's
+   endpoints because a node's own address, the kubelet's, is not an endpoint
+   of any Service), or a DNS name naming the node itself (then the agent dials
+   its default host, 127.0.0.1, as a Dial without a host does);
+4. dials it through this replica's hub (the in-process side of the server's
+   Dial), with the request's W3C trace context;
+5. writes the head (hop-by-hop and client-supplied identity headers removed,
+   `Connection: close`, or `Connection: Upgrade` for an upgrade) and then
+   relays bytes both ways until either side closes: bodies, responses and,
+   after a 101, the upgraded protocol (exec, attach, port-forward, WebSocket).
+
+One request per client connection: the upstream is asked to close after the
+response, so a connection never carries a request for another node to the
+node of the first. Upstreams are reached as the request was made to the
+front's client side, in plain HTTP over the tunnel.
+
+Errors are an HTTP status with a one-line reason, then close: 400 malformed
+request or unknown target, 408 head too slow, 431 head too large, 403 the
+agent's allow-list refused, 502 unreachable, 503 no agent / draining / too
+many connections, 504 dial timeout.
+
+Invariants: every buffer is bounded (the head by MAX_HEAD; client-to-node
+bytes by HIGH_WATER, after which reading the client pauses until the
+tunnel's credit lets them through; node-to-client bytes by the client
+transport's write buffer, whose high-water mark delays the credit granted back
+to the agent); each connection costs two tasks (one per direction), nothing
+per chunk; a connection idle for `front_idle_timeout` is closed by one sweep
+task; a closed client, a closed tunnel connection or a stop releases
+everything the connection held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import ipaddress
+import logging
+import ssl
+import time
+from collections import deque
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httptools
+from opentelemetry import trace
+
+from waygate.core import errors, tracing
+from waygate.core.settings import parse_duration, port_number, positive, setting
+from waygate.tunnel import mux
+from waygate.tunnel import server as tunnel_server
+from waygate.tunnel.mux import ConnectionClosed, Refused
+from waygate.tunnel.v1 import tunnel_pb2 as pb
+
+if TYPE_CHECKING:
+    from waygate.core.runtime import ServiceProcess
+    from waygate.tunnel.server import Hub, ServerConnection
+
+log = logging.getLogger(__name__)
+
+DEFAULT_FRONT_PORT = 10263
+MAX_HEAD = 64 * 1024
+HIGH_WATER = 256 * 1024  # client bytes buffered before reading the client pauses
+DEFAULT_DIAL_HOST = "127.0.0.1"  # what a Dial without a host reaches on the agent
+
+# Hop-by-hop headers (RFC 9110 7.6.1) and headers that would let a client claim
+# an identity a backend might trust: never forwarded.
+_DROPPED = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"upgrade",
+        b"x-remote-user",
+        b"x-remote-group",
+        b"x-forwarded-client-cert",
+        b"x-client-cert",
+        b"x-ssl-client-cert",
+    }
+)
+_DROPPED_PREFIXES = (b"x-remote-extra-", b"impersonate-", b"x-waygate-")
+
+
+def _check_node_addresses(pairs: tuple[str, ...]) -> str | None:
+    try:
+        node_address_map(pairs)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FrontSettings:
+    """The front's settings, mixed into the tunnel server's Settings."""
+
+    front_port: int = setting(
+        DEFAULT_FRONT_PORT,
+        help="HTTPS front: requests to NODE-ADDRESS:PORT forwarded through the tunnel (mTLS)",
+        check=port_number,
+    )
+    front_client_ca_file: Path | None = setting(
+        None,
+        help="PEM CA whose certificates the front accepts from clients (e.g. the cluster CA "
+        "that signs the kube-apiserver's kubelet client certificate); unset: the CA this "
+        "server trusts for its own clients",
+    )
+    front_node_addresses: tuple[str, ...] = setting(
+        (),
+        help="which node an address belongs to, comma-separated ADDR=NODE pairs "
+        "(a Host naming the node itself needs no entry)",
+        check=_check_node_addresses,
+    )
+    front_max_connections: int = setting(
+        1000, help="client connections the front holds at once (more get 503)", check=positive
+    )
+    front_head_timeout: float = setting(
+        10.0,
+        help="time a client has to send its request head",
+        parse=parse_duration,
+        check=positive,
+    )
+    front_idle_timeout: float = setting(
+        3600.0,
+        help="a relayed connection with no byte either way for this long is closed",
+        parse=parse_duration,
+        check=positive,
+    )
+
+
+# ---------------------------------------------------------------- sans-IO: requests
+
+
+class BadRequest(ValueError):
+    """The request cannot be forwarded; `status` and the message go back to the client."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def node_address_map(pairs: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """'10.0.0.5=edge-1' pairs -> {canonical address: node}; ValueError names a bad pair."""
+    mapping: dict[str, str] = {}
+    for pair in pairs:
+        address, sep, node = pair.partition("=")
+        try:
+            canonical = str(ipaddress.ip_address(address.strip()))
+        except ValueError:
+            raise ValueError(f"{pair!r} is not ADDR=NODE with an IP address") from None
+        node = node.strip().lower().rstrip(".")
+        if not sep or not node:
+            raise ValueError(f"{pair!r} is not ADDR=NODE: the node is missing")
+        mapping[canonical] = node
+    return mapping
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestHead:
+    method: bytes
+    target: bytes  # origin-form (/path?query), or '*'
+    version: str
+    headers: tuple[tuple[bytes, bytes], ...]
+    upgrade: bool
+    host: str  # lower case, no brackets
+    port: int
+
+
+class _HeadCallbacks:
+    __slots__ = ("complete", "headers", "url")
+
+    def __init__(self) -> None:
+        self.url = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.complete = False
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.complete = True
+
+
+def split_authority(authority: bytes) -> tuple[str, int]:
+    """b'10.0.0.5:10250' / b'[fd00::5]:10250' / b'edge-1:10250' -> (host, port)."""
+    text = authority.decode("ascii", "replace").strip()
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else ""
+    else:
+        host, _, port_text = text.rpartition(":")
+        if not _:
+            host, port_text = text, ""
+    if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise BadRequest(
+            400, f"the request must name its target as HOST:PORT, not {errors.excerpt(text)}"
+        )
+    return host.lower().rstrip("."), int(port_text)
+
+
+def parse_head(head: bytes) -> RequestHead:
+    """Parse one request head (up to and including the blank line)."""
+    callbacks = _HeadCallbacks()
+    parser = httptools.HttpRequestParser(callbacks)
+    try:
+        parser.feed_data(head)
+    except httptools.HttpParserUpgrade:
+        pass
+    except httptools.HttpParserError as exc:
+        raise BadRequest(400, f"malformed request: {exc}") from None
+    if not callbacks.complete:
+        raise BadRequest(400, "malformed request: incomplete head")
+    url = callbacks.url
+    target = url
+    authority = b""
+    if not url.startswith(b"/") and url != b"*":
+        try:
+            parsed = httptools.parse_url(url)
+        except httptools.HttpParserInvalidURLError:
+            raise BadRequest(400, "malformed request target") from None
+        if parsed.host is None:
+            raise BadRequest(400, "malformed request target")
+        host = parsed.host
+        authority = b"[" + host + b"]" if b":" in host else host
+        if parsed.port:
+            authority += b":" + str(parsed.port).encode()
+        target = (parsed.path or b"/") + (b"?" + parsed.query if parsed.query else b"")
+    hosts = [v for n, v in callbacks.headers if n.lower() == b"host"]
+    if len(hosts) > 1:
+        raise BadRequest(400, "more than one Host header")
+    if not authority:
+        if not hosts:
+            raise BadRequest(400, "the request names no target: no Host header")
+        authority = hosts[0]
+    host, port = split_authority(authority)
+    return RequestHead(
+        method=parser.get_method(),
+        target=target,
+        version=parser.get_http_version(),
+        headers=tuple(callbacks.headers),
+        upgrade=parser.should_upgrade(),
+        host=host,
+        port=port,
+    )
+
+
+def upstream_head(head: RequestHead) -> bytes:
+    """The head sent through the tunnel: origin-form, only end-to-end headers, one request."""
+    lines = [head.method + b" " + head.target + b" HTTP/" + head.version.encode()]
+    upgrade_to = b""
+    for name, value in head.headers:
+        lowered = name.lower()
+        if lowered == b"upgrade":
+            upgrade_to = value
+        if lowered in _DROPPED or lowered.startswith(_DROPPED_PREFIXES):
+            continue
+        lines.append(name + b": " + value)
+    if head.upgrade and upgrade_to:
+        lines += [b"Connection: Upgrade", b"Upgrade: " + upgrade_to]
+    else:
+        lines.append(b"Connection: close")
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class Destination:
+    node: str
+    address: str  # host:port as the agent dials it
+
+
+def destination(head: RequestHead, addresses: dict[str, str]) -> Destination:
+    """Which node and address a request goes to, or BadRequest."""
+    try:
+        ip = ipaddress.ip_address(head.host)
+    except ValueError:
+        ip = None
+    if ip is not None:
+        node = addresses.get(str(ip))
+        if node is None:
+            raise BadRequest(
+                400, f"no edge node is known for address {ip} (the front's node-address map)"
+            )
+        host = f"[{ip}]" if ip.version == 6 else str(ip)
+        return Destination(node, f"{host}:{head.port}")
+    return Destination(head.host, f"{DEFAULT_DIAL_HOST}:{head.port}")
+
+
+_REASONS = {
+    400: "Bad Request",
+    403: "Forbidden",
+    408: "Request Timeout",
+    431: "Request Header Fields Too Large",
+    502: "Bad Gateway",
+    503: "Service Unavailable",
+    504: "Gateway Timeout",
+}
+
+REFUSAL_HTTP = {
+    pb.NOT_ALLOWED: 403,
+    pb.UNREACHABLE: 502,
+    pb.NO_AGENT: 503,
+    pb.TIMEOUT: 504,
+    pb.DRAINING: 503,
+    pb.INVALID: 400,
+}
+
+
+def error_response(status: int, message: str) -> bytes:
+    body = (message.replace("\r", " ").replace("\n", " ") + "\n").encode("utf-8", "replace")
+    return (
+        f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\n"
+        f"Content-Type: text/plain; charset=utf-8\r\nContent-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode() + body
+
+
+# ---------------------------------------------------------------- the tunnel side
+
+
+class _Upstream:
+    """A tunnelled connection from this replica's hub, as the front uses it.
+
+    The one place the front touches the server's connection internals (the
+    frame markers of `waygate.tunnel.server`): read() gives bytes, b"" at the
+    node's half-close, and raises ConnectionClosed once the connection ended.
+    """
+
+    __slots__ = ("connection",)
+
+    def __init__(self, connection: ServerConnection) -> None:
+        self.connection = connection
+
+    async def read(self) -> bytes:
+        item = await self.connection.next_for_dialer()
+        if type(item) is bytes:
+            return item
+        if item is tunnel_server._EOF:
+            return b""
+        raise ConnectionClosed
+
+    def delivered(self, size: int) -> None:
+        self.connection.delivered(size)
+
+    async def write(self, data: bytes) -> None:
+        await self.connection.send(data)
+
+    def write_eof(self) -> None:
+        self.connection.send_eof()
+
+    def close(self, reason: str) -> None:
+        connection = self.connection
+        if not connection.finished:
+            connection.session.send(mux.close_request(connection.connect_id, reason))
+            connection.finish(tunnel_server._CLOSED)
+
+
+# ---------------------------------------------------------------- the listener
+
+
+class Front:
+    """The listener's shared state: settings, hub, open connections."""
+
+    def __init__(self, hub: Hub, settings: FrontSettings, dial_timeout: float) -> None:
+        self.hub = hub
+        self.addresses = node_address_map(settings.front_node_addresses)
+        self.max_connections = settings.front_max_connections
+        self.head_timeout = settings.front_head_timeout
+        self.idle_timeout = settings.front_idle_timeout
+        self.dial_timeout = dial_timeout
+        self.connections: set[FrontConnection] = set()
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.server: asyncio.Server | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+
+    async def start(self, host: str, port: int, context: ssl.SSLContext) -> int:
+        loop = asyncio.get_running_loop()
+        self.server = await loop.create_server(
+            lambda: FrontConnection(self),
+            host,
+            port,
+            ssl=context,
+            ssl_handshake_timeout=self.head_timeout,
+            backlog=1024,
+        )
+        self._sweeper = loop.create_task(self._sweep(), name="tunnel-front-sweep")
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def _sweep(self) -> None:
+        """Close connections idle past the timeout (one task for all of them)."""
+        period = min(self.head_timeout, self.idle_timeout) / 2
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for connection in list(self.connections):
+                connection.check_timeouts(now)
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for connection in list(self.connections):
+            connection.abort("the tunnel server is stopping")
+        tasks = [*self.tasks, *([self._sweeper] if self._sweeper is not None else [])]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.server is not None:
+            await self.server.wait_closed()
+
+
+_HEAD, _DIALING, _RELAY, _DONE = range(4)
+
+
+class FrontConnection(asyncio.Protocol):
+    """One client connection: read a head, dial, relay."""
+
+    def __init__(self, front: Front) -> None:
+        self.front = front
+        self.transport: asyncio.Transport | None = None
+        self.state = _HEAD
+        self.buffer = bytearray()
+        self.started = self.last_activity = time.monotonic()
+        # Client -> node bytes waiting for tunnel credit.
+        self.pending: deque[bytes] = deque()
+        self.pending_bytes = 0
+        self.client_eof = False
+        self._pending_ready: asyncio.Future[None] | None = None
+        self._writable: asyncio.Future[None] | None = None
+        self.paused_writing = False
+        self.upstream: _Upstream | None = None
+
+    # ------------------------------------------------- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        if len(self.front.connections) >= self.front.max_connections:
+            self.reply(503, "the tunnel front is at its connection limit; retry later")
+            return
+        self.front.connections.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        self.last_activity = time.monotonic()
+        if self.state == _RELAY or self.state == _DIALING:
+            self.pending.append(data)
+            self.pending_bytes += len(data)
+            if self.pending_bytes > HIGH_WATER and self.transport is not None:
+                self.transport.pause_reading()
+            self._wake_sender()
+            return
+        if self.state != _HEAD:
+            return
+        self.buffer += data
+        end = self.buffer.find(b"\r\n\r\n")
+        if end < 0:
+            if len(self.buffer) > MAX_HEAD:
+                self.reply(431, f"the request head is larger than {MAX_HEAD} bytes")
+            return
+        if end + 4 > MAX_HEAD:
+            self.reply(431, f"the request head is larger than {MAX_HEAD} bytes")
+            return
+        head, rest = bytes(self.buffer[: end + 4]), bytes(self.buffer[end + 4 :])
+        self.buffer = bytearray()
+        try:
+            request = parse_head(head)
+            target = destination(request, self.front.addresses)
+        except BadRequest as exc:
+            self.reply(exc.status, str(exc))
+            return
+        self.state = _DIALING
+        if rest:
+            self.pending.append(rest)
+            self.pending_bytes += len(rest)
+        task = asyncio.get_running_loop().create_task(self._forward(request, target))
+        self.front.tasks.add(task)
+        task.add_done_callback(self.front.tasks.discard)
+
+    def eof_received(self) -> bool:
+        self.client_eof = True
+        self._wake_sender()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.front.connections.discard(self)
+        self.client_eof = True
+        self._finish("the front's client went away")
+        self._wake_sender()
+        writable = self._writable
+        if writable is not None and not writable.done():
+            writable.set_result(None)
+
+    def pause_writing(self) -> None:
+        self.paused_writing = True
+
+    def resume_writing(self) -> None:
+        self.paused_writing = False
+        writable = self._writable
+        if writable is not None and not writable.done():
+            writable.set_result(None)
+
+    # ------------------------------------------------- helpers
+
+    def reply(self, status: int, message: str) -> None:
+        """An error response, then close (only before the relay started)."""
+        self.state = _DONE
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.write(error_response(status, message))
+            transport.close()
+
+    def abort(self, reason: str) -> None:
+        self._finish(reason)
+        if self.transport is not None:
+            self.transport.abort()
+
+    def check_timeouts(self, now: float) -> None:
+        if self.state == _HEAD and now - self.started > self.front.head_timeout:
+            self.reply(408, f"no complete request head within {self.front.head_timeout:g}s")
+        elif self.state == _RELAY and now - self.last_activity > self.front.idle_timeout:
+            self.abort("idle")
+
+    def _finish(self, reason: str) -> None:
+        self.state = _DONE
+        upstream, self.upstream = self.upstream, None
+        if upstream is not None:
+            upstream.close(reason)
+
+    def _wake_sender(self) -> None:
+        ready = self._pending_ready
+        if ready is not None and not ready.done():
+            ready.set_result(None)
+
+    # ------------------------------------------------- the forwarding task
+
+    async def _forward(self, request: RequestHead, target: Destination) -> None:
+        front = self.front
+        carrier = {
+            k.decode("latin-1").lower(): v.decode("latin-1")
+            for k, v in request.headers
+            if k.lower() in (b"traceparent", b"tracestate")
+        }
+        span_name = "tunnel front " + request.method.decode("ascii", "replace")
+        with tracing.tracer().start_as_current_span(
+            span_name,
+            context=tracing.extract_context(carrier.items()),
+            kind=trace.SpanKind.SERVER,
+            attributes={
+                "waygate.tunnel.node": target.node,
+                "waygate.tunnel.address": target.address,
+                "waygate.tunnel.replica": front.hub.server_id,
+            },
+        ) as span:
+            try:
+                session = front.hub.session_for(target.node)
+                outgoing: dict[str, str] = {}
+                tracing.inject_context(outgoing)
+                connection = await session.dial(target.address, front.dial_timeout, outgoing)
+            except Refused as refused:
+                span.set_attribute("waygate.tunnel.refusal", mux.reason_name(refused.reason))
+                self.reply(REFUSAL_HTTP.get(refused.reason, 502), str(refused))
+                return
+            span.set_attribute("waygate.tunnel.connection_id", connection.connect_id)
+            upstream = _Upstream(connection)
+            if self.state != _DIALING:  # the client went away while dialing
+                upstream.close("the front's client went away")
+                return
+            self.upstream = upstream
+            self.state = _RELAY
+            sender = asyncio.get_running_loop().create_task(
+                self._client_to_node(upstream, upstream_head(request))
+            )
+            try:
+                await self._node_to_client(upstream)
+            finally:
+                sender.cancel()
+                await asyncio.gather(sender, return_exceptions=True)
+                self._finish("done")
+                if self.transport is not None:
+                    self.transport.close()
+
+    async def _client_to_node(self, upstream: _Upstream, head: bytes) -> None:
+        try:
+            await upstream.write(head)
+            while True:
+                while self.pending:
+                    data = self.pending.popleft()
+                    self.pending_bytes -= len(data)
+                    await upstream.write(data)
+                    if self.pending_bytes <= HIGH_WATER // 2 and self.transport is not None:
+                        self.transport.resume_reading()
+                if self.client_eof:
+                    upstream.write_eof()
+                    return
+                self._pending_ready = asyncio.get_running_loop().create_future()
+                try:
+                    await self._pending_ready
+                finally:
+                    self._pending_ready = None
+        except ConnectionClosed:
+            return
+
+    async def _node_to_client(self, upstream: _Upstream) -> None:
+        transport = self.transport
+        assert transport is not None
+        while True:
+            try:
+                data = await upstream.read()
+            except ConnectionClosed:
+                return
+            if not data:  # the node half-closed: a TLS client cannot be half-closed
+                return
+            if transport.is_closing():
+                return
+            self.last_activity = time.monotonic()
+            transport.write(data)
+            if self.paused_writing:
+                self._writable = asyncio.get_running_loop().create_future()
+                try:
+                    await self._writable
+                finally:
+                    self._writable = None
+                if transport.is_closing():
+                    return
+            upstream.delivered(len(data))
+
+
+# ---------------------------------------------------------------- wiring
+
+
+async def start_front(process: ServiceProcess, settings: Any, hub: Hub) -> int | None:
+    """Start the front on `settings.front_port` when the server has TLS; its port, or None."""
+    if not settings.tls_enabled:
+        log.warning("tunnel front off: it serves HTTPS with client certificates only, and "
+                    "this server has no TLS settings")  # fmt: skip
+        return None
+    context = await _front_ssl_context(process, settings)
+    front = Front(hub, settings, settings.dial_timeout)
+    port = await front.start(settings.host, settings.front_port, context)
+    process.on_stop(front.stop)
+    log.info("tunnel front listening", extra={"front_port": port})
+    return port
+
+
+async def _front_ssl_context(process: ServiceProcess, settings: Any) -> ssl.SSLContext:
+    client_ca: Path | None = settings.front_client_ca_file
+    if client_ca is None:
+        if settings.certs_address is None and settings.tls_client_ca_file is None:
+            raise errors.FailedPrecondition(
+                "the tunnel front requires client certificates: set front_client_ca_file "
+                "(or tls_client_ca_file)"
+            )
+        context = await process.server_ssl_context(client_auth=True, alpn_protocols=("http/1.1",))
+        assert context is not None
+        return context
+    if not client_ca.is_file():
+        raise errors.FailedPrecondition(f"front_client_ca_file {client_ca} is not a readable file")
+    certificates = await process.certificates()
+    if certificates is not None:
+        from waygate.core.rotation import TrustBundle, TrustStore
+        from waygate.core.tls import ServerSSLContexts
+
+        contexts = ServerSSLContexts(
+            certificates.rotator,
+            TrustStore(TrustBundle.from_pem(client_ca.read_bytes())),
+            client_auth=True,
+            alpn_protocols=("http/1.1",),
+        )
+
+        async def close() -> None:
+            contexts.close()
+
+        process.on_stop(close)
+        return contexts.context
+    context = await process.server_ssl_context(alpn_protocols=("http/1.1",))
+    assert context is not None
+    context.load_verify_locations(client_ca)
+    context.verify_mode = ssl.CERT_REQUIRED
+    return context
