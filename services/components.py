@@ -55,7 +55,12 @@ COMPONENTS: tuple[Component, ...] = (
         "tunnel-server",
         ("tunnel", "serve"),
         "waygate.tunnel.server_app",
-        ports=(("grpc_port", 7003), ("dial_port", 7004), ("front_port", 10263), ("admin_port", 9003)),
+        ports=(
+            ("grpc_port", 7003),
+            ("dial_port", 7004),
+            ("front_port", 10263),
+            ("admin_port", 9003),
+        ),
         port_labels=(
             ("grpc_port", "gRPC waygate.tunnel.v1.AgentTunnel (agents)"),
             ("dial_port", "gRPC waygate.tunnel.v1.Tunnel (dialers)"),
