@@ -285,9 +285,8 @@ def _check_request(request: RequestHead) -> None:
     else:
         request.host = host.partition(b":")[0].lower()
     target = request.target
-    if target[:1] != b"/":
-        if not (target == b"*" and request.method == b"OPTIONS"):
-            raise BadMessage("request target must be origin-form, /path (RFC 9112 section 3.2)")
+    if target[:1] != b"/" and not (target == b"*" and request.method == b"OPTIONS"):
+        raise BadMessage("request target must be origin-form, /path (RFC 9112 section 3.2)")
     if request.method == b"CONNECT":
         raise BadMessage("CONNECT is not served (reverse proxy)", 405)
     if request._te:
@@ -633,6 +632,10 @@ class ChunkedReader:
                     limit = MAX_CHUNK_LINE if state == self._SIZE else MAX_TRAILER_BYTES
                     if len(self._line) > limit:
                         raise BadMessage("chunk size line or trailer too long", self._status)
+                    if b"\n" in self._line:
+                        raise BadMessage(
+                            "bare LF in chunked framing (RFC 9112 section 7.1)", self._status
+                        )
                     break
                 line = self._line + data[pos:end] if self._line else data[pos:end]
                 self._line = b""

@@ -28,6 +28,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 from typing import Any
@@ -156,10 +157,8 @@ class ProxyServer:
             connection.drain()
         if self.connections:
             self._drained.clear()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._drained.wait(), grace)
-            except TimeoutError:
-                pass
         for connection in list(self.connections):
             connection.abort()
         self.close()
@@ -348,9 +347,13 @@ class ClientConnection(asyncio.Protocol):
             if not self._on_head(head):
                 return  # closed
             if self.req is not None:
-                # An exchange started: the body follows, then pipelined requests wait.
+                # An exchange started: the body bytes already here are checked
+                # before anything is sent upstream, then pipelined requests wait.
                 if data and not self.req_complete:
                     data = self._feed_body(data)
+                    if self.closed or self.req is None:
+                        return
+                self._dispatch()
                 if data:
                     self._hold(data)
                 return
@@ -407,13 +410,19 @@ class ClientConnection(asyncio.Protocol):
         self.upstream_head = http1.build_upstream_head(
             req, self.context, entry.options.forwarded_mode, req.traceparent
         )
-        upstream = server.pool.take(picked)
+        return True
+
+    def _dispatch(self) -> None:
+        """Send the request upstream: a pooled connection, or a new connect."""
+        target = self.target
+        assert target is not None
+        server = self.server
+        upstream = server.pool.take(target)
         if upstream is not None:
             server.metrics.pool_reused += 1
             self._attach(upstream, reused=True)
         else:
-            self._connect_task = self.loop.create_task(self._connect(picked))
-        return True
+            self._connect_task = self.loop.create_task(self._connect(target))
 
     def _sticky_cookie(self, req: RequestHead, entry: RouteEntry) -> bytes | None:
         name = entry.options.cookie_name
@@ -501,7 +510,7 @@ class ClientConnection(asyncio.Protocol):
                 return
             try:
                 _, upstream = await self.loop.create_connection(
-                    lambda: UpstreamConnection(server, target), sock=sock
+                    lambda t=target: UpstreamConnection(server, t), sock=sock
                 )
             except OSError as exc:
                 sock.close()
@@ -658,6 +667,7 @@ class ClientConnection(asyncio.Protocol):
         if transport is not None and not self.closed:
             transport.write(http1.error_response(exc.status, exc.reason))
         self._abandon_upstream()
+        self.req = None
         self._close()
 
     def _fail(self, status: int, reason: str, kind: str) -> None:
@@ -749,7 +759,7 @@ class ClientConnection(asyncio.Protocol):
             else:
                 self._fail(
                     504,
-                    "upstream did not answer within %gs" % options.server_timeout,
+                    f"upstream did not answer within {options.server_timeout:g}s",
                     "server_timeout",
                 )
             return
@@ -762,7 +772,7 @@ class ClientConnection(asyncio.Protocol):
                 else:
                     self._fail(
                         408,
-                        "request body stalled for %gs" % options.client_timeout,
+                        f"request body stalled for {options.client_timeout:g}s",
                         "client_timeout",
                     )
                 return
@@ -796,6 +806,7 @@ class ClientConnection(asyncio.Protocol):
             self._close()
 
     def _close(self) -> None:
+        self.closed = True
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
         self._cancel_timer()

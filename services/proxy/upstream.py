@@ -27,6 +27,7 @@ clean (see server.py); one the peer closes while idle removes itself.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import socket
 from collections.abc import Awaitable, Callable
@@ -153,10 +154,8 @@ class Pool:
     def discard(self, connection: UpstreamConnection) -> None:
         idle = self._idle.get(connection.target)
         if idle is not None:
-            try:
+            with contextlib.suppress(ValueError):
                 idle.remove(connection)
-            except ValueError:
-                pass
             if not idle:
                 del self._idle[connection.target]
 
