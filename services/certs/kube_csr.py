@@ -198,6 +198,25 @@ def review(obj: JSON, rules: SignerRules) -> Verdict:
     )
 
 
+async def confirm_service_names(verdict: Verdict, obj: JSON, rules: SignerRules) -> Verdict:
+    """`review`'s verdict, with a workload's Service names checked against the Services
+    themselves (the policy's per-workload rule reads the API, so it is not in `review`)."""
+    spec = obj.get("spec") or {}
+    allowed = verdict.action in (Action.APPROVE, Action.SIGN)
+    if not allowed or verdict.csr is None or spec.get("signerName") != SIGNER_WORKLOAD:
+        return verdict
+    groups = [g for g in spec.get("groups") or () if isinstance(g, str)]
+    caller = caller_for_user(str(spec.get("username") or ""), groups)
+    try:
+        await rules.policy.check_service_names(caller, requested_names(verdict.csr))
+    except (PermissionDenied, InvalidArgument) as exc:
+        if verdict.action is Action.SIGN:
+            message = f"approved, but {SIGNER_WORKLOAD} will not sign: {exc}"
+            return Verdict(Action.FAIL, "SignerPolicy", message)
+        return Verdict(Action.DENY, "ForbiddenName", f"{exc} from {SIGNER_WORKLOAD}")
+    return verdict
+
+
 def _parse_request(request: Any) -> x509.CertificateSigningRequest | _Refusal:
     if not isinstance(request, str) or not request:
         return _Refusal("InvalidRequest", "spec.request is empty")
@@ -479,7 +498,7 @@ class CSRController:
 
     async def _reconcile(self, obj: JSON) -> None:
         name, signer = _name(obj), (obj.get("spec") or {}).get("signerName", "")
-        verdict = review(obj, self._rules)
+        verdict = await confirm_service_names(review(obj, self._rules), obj, self._rules)
         if verdict.action is Action.SKIP:
             if _uid(obj):
                 self._finished[name] = _uid(obj)

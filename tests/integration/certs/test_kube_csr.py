@@ -39,6 +39,7 @@ from tests.support.kubeapi_certs import (
 )
 from waygate.certs.authority import Authority, AuthorityConfig
 from waygate.certs.kube_api import KubeAPI
+from waygate.certs.kube_auth import KubeServiceDirectory
 from waygate.certs.kube_csr import (
     CSR_COLLECTION,
     SIGNER_TUNNEL_AGENT,
@@ -87,7 +88,13 @@ async def start(standin: StandInAPI, authority: Authority) -> AsyncIterator[Call
 
     async def start_controller(configuration: client.Configuration | None = None) -> Running:
         rules = SignerRules(
-            policy=Policy("cluster.test"),
+            # Services for per-workload names come from the same stand-in API server.
+            policy=Policy(
+                "cluster.test",
+                services=KubeServiceDirectory(
+                    kube_api(configuration or standin.configuration()), cache_ttl=0
+                ),
+            ),
             max_lifetime=MAX_LIFETIME,
             tunnel_server_account=("waygate", "tunnel-server"),
             tunnel_server_names=("dns:tunnel.waygate.svc",),
@@ -211,6 +218,10 @@ async def test_workload_csr_of_a_service_account_is_signed_with_its_spiffe_id(
 ) -> None:
     await start()
     spiffe = "spiffe://cluster.test/ns/shop/sa/web"
+    # dns:web.shop.svc: Service "web" is named like the ServiceAccount (per-workload names).
+    standin.create(
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "shop"}}
+    )
     standin.create(
         csr_object(
             "web",
