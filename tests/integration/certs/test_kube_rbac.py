@@ -31,7 +31,7 @@ from tests.support.kubeapi_certs import (
 )
 from waygate.certs.authority import Authority, AuthorityConfig
 from waygate.certs.kube_api import KubeAPI
-from waygate.certs.kube_auth import TokenReviewAuthenticator
+from waygate.certs.kube_auth import KubeServiceDirectory, TokenReviewAuthenticator
 from waygate.certs.kube_bundle import BundlePublisher
 from waygate.certs.kube_csr import SIGNERS, CSRController, SignerRules
 from waygate.certs.kube_store import SecretCAStore
@@ -112,6 +112,7 @@ async def exercise(standin: StandInAPI, tmp_path: Path) -> None:
 
     standin.token_reviewer = lambda token, audiences: {"username": "u", "groups": []}
     await TokenReviewAuthenticator(api, audiences=("waygate-certs",)).authenticate("t")
+    await KubeServiceDirectory(api).service("shop", "web")  # per-workload names: get
 
     publisher = BundlePublisher(api, NAMESPACE, "waygate-trust-bundle")
     publishing = asyncio.create_task(publisher.run())
@@ -181,6 +182,7 @@ async def test_every_request_certs_makes_is_granted(standin: StandInAPI, tmp_pat
         ("secrets", "create"),
         ("secrets", "update"),
         ("tokenreviews", "create"),
+        ("services", "get"),
         ("configmaps", "get"),
         ("configmaps", "create"),
         ("configmaps", "update"),
