@@ -10,8 +10,16 @@ orphan outlives it.
 
 A component's app module may define `up_arguments(context) -> list[str]` for
 the extra flags it needs under `up` (its state directory, an example file).
+Every component whose settings have `resolver_address` (the proxy, the tunnel
+server) is pointed at the local resolver, unless its `up_arguments` says
+otherwise; with certs running, that connection is mTLS like every other.
 
-TLS everywhere (DESIGN.md, "Security between services"): before any child
+Beside the services, `up` runs the demo backend (`python -m waygate.demo`,
+waygate.demo.echo) on 127.0.0.1:8090 plus the offset: the endpoint of the
+example route demo/echo, answering every request with what it received. It is
+supervised like the services (restarted when it exits, stopped with them).
+
+TLS everywhere (docs/architecture.md, "Security between services"): before any child
 starts, `up` writes `<state>/tokens.yaml` (0600) for certs, with one random
 bootstrap token per process and one for the local user, and each token alone
 in `<state>/tokens/<name>.token` (0600), which is what that child is given
@@ -69,6 +77,11 @@ STABLE_AFTER = 60.0  # a child that ran this long restarts with the initial back
 CERTS = "certs"  # the component every other one takes its certificate from
 TRUST_DOMAIN = "waygate.local"
 USER = "user"  # the local user's client certificate: .../sa/user
+RESOLVER = "resolver"  # the component other processes watch routes and endpoints from
+DEMO = "demo-backend"  # the demo echo backend's name in `up` output and logs
+DEMO_PORT = 8090  # plus the port offset; the example route demo/echo points here
+TUNNEL_AGENT = "tunnel-agent"  # its certificate names the edge node it serves, nothing else
+EDGE_NODE = "edge-local"  # the node of the example route demo/hello's endpoint
 
 
 def spiffe_id(name: str) -> str:
@@ -98,6 +111,8 @@ class Bootstrap:
         return self.state_dir / "tokens" / f"{name}.token"
 
     def allowed(self, name: str) -> list[str]:
+        if name == TUNNEL_AGENT:
+            return [f"dns:{EDGE_NODE}"]
         sans = () if name == USER else process_sans(name)
         return [f"uri:{spiffe_id(name)}", *sans]
 
@@ -117,6 +132,9 @@ class Bootstrap:
         )
 
     def arguments(self, name: str, certs_address: str) -> list[str]:
+        # The tunnel agent's identity is its node's name: the tunnel server takes
+        # the node from the certificate's one DNS name.
+        agent = name == TUNNEL_AGENT
         return [
             "--certs-address",
             certs_address,
@@ -125,9 +143,9 @@ class Bootstrap:
             "--certs-ca-file",
             str(self.state_dir / "ca.pem"),
             "--cert-identity",
-            spiffe_id(name),
+            EDGE_NODE if agent else spiffe_id(name),
             "--cert-sans",
-            ",".join(process_sans(name)),
+            "" if agent else ",".join(process_sans(name)),
         ]
 
 
@@ -160,7 +178,8 @@ class UpSettings:
     )
 
     def __post_init__(self) -> None:
-        top = max(port for c in COMPONENTS for _, port in c.ports) + self.port_offset
+        top = max(DEMO_PORT, *(port for c in COMPONENTS for _, port in c.ports))
+        top += self.port_offset
         if self.port_offset < 0 or top > 65535:
             raise SettingsError(
                 f"invalid setting port_offset: {self.port_offset} puts ports outside 1..65535"
@@ -181,6 +200,11 @@ class UpContext:
 
     def address(self, component_name: str, field: str = "grpc_port") -> str:
         return f"{self.host}:{self.port(component_name, field)}"
+
+    @property
+    def demo_port(self) -> int:
+        """The demo backend's HTTP port (the example route demo/echo's endpoint)."""
+        return DEMO_PORT + self.port_offset
 
 
 # Looked up once, here: between fork and exec (where `_die_with_parent` runs, in
@@ -206,9 +230,12 @@ def _die_with_parent(parent: int) -> Callable[[], None]:
 
 
 class Child:
-    def __init__(self, component: Component, argv: list[str]) -> None:
-        self.component = component
+    """One supervised process: a service component, or the demo backend."""
+
+    def __init__(self, name: str, argv: list[str], ready_port: int) -> None:
+        self.name = name
         self.argv = argv
+        self.ready_port = ready_port  # GET /readyz there answers 200 once it serves
         self.process: asyncio.subprocess.Process | None = None
         self.started_at = 0.0
         self.backoff = Backoff(initial=0.5, maximum=30.0)
@@ -219,7 +246,7 @@ class Child:
             *self.argv, preexec_fn=_die_with_parent(os.getpid())
         )
         self.started_at = time.monotonic()
-        log.info("started %s", self.component.name, extra={"pid": self.process.pid})
+        log.info("started %s", self.name, extra={"pid": self.process.pid})
 
     def signal(self, sig: int) -> None:
         if self.process is not None and self.process.returncode is None:
@@ -263,9 +290,26 @@ class Supervisor:
         if extra is not None:
             argv += extra(self.context)
         fields = {f.name for f in dataclasses.fields(app.Settings)}
+        if (
+            "resolver_address" in fields
+            and component.name != RESOLVER
+            and "--resolver-address" not in argv
+        ):
+            argv += ["--resolver-address", self.context.address(RESOLVER)]
         if self.bootstrap is not None and component.name != CERTS and "certs_address" in fields:
             argv += self.bootstrap.arguments(component.name, self.context.address(CERTS))
         return argv
+
+    def _demo_argv(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "waygate.demo",
+            "--host",
+            HOST,
+            "--http-port",
+            str(self.context.demo_port),
+        ]
 
     async def _client_certificate(self) -> None:
         """Get the local user's client certificate (key made here) and keep it renewed."""
@@ -312,6 +356,10 @@ class Supervisor:
                 lines.append(
                     f"  {component.name:<14} {self.context.host}:{self.context.port(component.name, field):<6} {label}"
                 )
+        lines.append(
+            f"  {DEMO:<14} {self.context.host}:{self.context.demo_port:<6} "
+            "HTTP demo backend (echoes requests; route demo/echo)"
+        )
         if missing:
             lines.append("  not implemented yet: " + ", ".join(c.name for c in missing))
         print("\n".join(lines), flush=True)
@@ -332,18 +380,19 @@ class Supervisor:
             )
             self.bootstrap.write()
         self.print_addresses(implemented, missing)
+        children = [
+            Child(c.name, self._argv(c), self.context.port(c.name, "admin_port"))
+            for c in implemented
+        ]
+        # The demo backend last: it depends on nothing, and nothing waits for it.
+        children.append(Child(DEMO, self._demo_argv(), self.context.demo_port))
         watchers = []
         try:
-            for component in implemented:
-                child = Child(component, self._argv(component))
+            for child in children:
                 self.children.append(child)
                 await child.start()
                 watchers.append(asyncio.create_task(self._watch(child)))
-                ready = asyncio.create_task(
-                    _ready(
-                        self.context.port(component.name, "admin_port"), self.settings.ready_timeout
-                    )
-                )
+                ready = asyncio.create_task(_ready(child.ready_port, self.settings.ready_timeout))
                 stop = asyncio.create_task(self._stopping.wait())
                 await asyncio.wait({ready, stop}, return_when=asyncio.FIRST_COMPLETED)
                 stop.cancel()
@@ -353,10 +402,10 @@ class Supervisor:
                 if not ready.result():
                     log.warning(
                         "%s is not ready after %.0fs; going on",
-                        component.name,
+                        child.name,
                         self.settings.ready_timeout,
                     )
-                elif component.name == CERTS and self.bootstrap is not None:
+                elif child.name == CERTS and self.bootstrap is not None:
                     await self._client_certificate()
             if not self._stopping.is_set():
                 print("waygate up: all services started; Ctrl-C stops them", flush=True)
@@ -383,7 +432,7 @@ class Supervisor:
             child.restarts += 1
             log.warning(
                 "%s exited with code %s; restarting in %.1fs",
-                child.component.name,
+                child.name,
                 code,
                 delay,
                 extra={"restarts": child.restarts},
@@ -396,7 +445,7 @@ class Supervisor:
                 await child.start()
             except OSError as exc:
                 # Could not even start it (fork failed, interpreter gone): keep trying.
-                log.error("cannot restart %s: %s", child.component.name, exc)
+                log.error("cannot restart %s: %s", child.name, exc)
                 child.started_at = time.monotonic()
                 child.process = None
 
@@ -412,7 +461,7 @@ class Supervisor:
                 if child.process is not None and child.process.returncode is None:
                     log.warning(
                         "%s did not stop within %.0fs; killing it",
-                        child.component.name,
+                        child.name,
                         self.settings.stop_grace,
                     )
                     child.signal(signal.SIGKILL)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import random
 import signal
@@ -14,6 +15,7 @@ import pytest
 
 from tests.support.processes import ROOT, child_env, http_get
 from waygate.components import COMPONENTS
+from waygate.supervisor import DEMO_PORT
 
 pytestmark = pytest.mark.system
 
@@ -97,9 +99,18 @@ async def test_up_prints_addresses_serves_and_stops_with_no_child_left(up):
     missing = [c.name for c in COMPONENTS if not c.implemented]
     if missing:
         assert "not implemented yet: " + ", ".join(missing) in output
+    # The demo backend runs beside the services and echoes what it received.
+    demo_port = DEMO_PORT + up.offset
+    assert f"demo-backend   127.0.0.1:{demo_port}" in output
+    reader, writer = await asyncio.open_connection("127.0.0.1", demo_port)
+    writer.write(b"GET /hello?x=1 HTTP/1.1\r\nHost: demo\r\nConnection: close\r\n\r\n")
+    answer = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ") and json.loads(body)["path"] == "/hello"
 
     children = children_of(up.process.pid)
-    assert len(children) == len(IMPLEMENTED)
+    assert len(children) == len(IMPLEMENTED) + 1  # the services and the demo backend
     up.process.send_signal(signal.SIGTERM)
     await up.wait_for_line("waygate up: stopped", timeout=60)
     assert await asyncio.wait_for(up.process.wait(), 30) == 0

@@ -1,0 +1,1 @@
+"""Demo pieces `waygate up` runs beside the services (not part of any service)."""
