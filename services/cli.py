@@ -36,6 +36,10 @@ CLIENT_COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "show a certificate file and how much life it has left",
     ),
     ("tunnel", "agents"): ("waygate.tunnel.commands", "list the agents a tunnel server holds"),
+    ("tunnel", "dial"): (
+        "waygate.tunnel.commands",
+        "bridge stdin/stdout to NODE[/HOST]:PORT through the tunnel, like nc",
+    ),
     ("tunnel", "iptables"): (
         "waygate.tunnel.iptables",
         "print (or --apply, until Ctrl-C) DNAT rules steering node traffic to the tunnel front",
@@ -86,13 +90,24 @@ def _serve(component: Component) -> Callable[[argparse.Namespace], int]:
         try:
             settings = settings_from_args(app.Settings, args)
             process = ServiceProcess(component.name, settings)
-            return asyncio.run(process.run(lambda p: app.setup(p, settings)))
+            with asyncio.Runner(loop_factory=new_event_loop) as runner:
+                return runner.run(process.run(lambda p: app.setup(p, settings)))
         except (SettingsError, WaygateError) as exc:
             return fail(f"{component.name}: {exc}")
         except OSError as exc:
             return fail(f"{component.name}: {exc.strerror or exc}")
 
     return run
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """The one event loop factory of every service process: uvloop (libuv), the
+    data plane's speed depends on it; plain asyncio where uvloop is missing."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
 
 
 def _health(args: argparse.Namespace) -> int:

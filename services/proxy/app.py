@@ -235,6 +235,14 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         settings.resolver_address, server_name=settings.resolver_server_name
     )
     watch = ResolverWatch(channel.channel, on_view=on_view)
+    # Endpoints marked `tunnel` are dialled through a tunnel-server replica that
+    # holds their node (presence from this same watch).
+    from waygate.proxy.upstream import ConnectError
+    from waygate.tunnel.client import ViewPresence, process_client, socket_dialer
+
+    server.dialer.tunnel = socket_dialer(
+        await process_client(process, ViewPresence(watch)), ConnectError
+    )
     process.spawn(watch.run(), "resolver-watch")
     process.add_listener(HttpListener(server, settings.host, settings.http_port, reuse_port=False))
 

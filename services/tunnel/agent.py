@@ -70,8 +70,8 @@ class AgentConnection(asyncio.Protocol):
     # ----------------------------------------------------- destination side
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports are not asyncio.Transport subclasses: no isinstance check.
+        self.transport = transport  # type: ignore[assignment]
         transport.set_write_buffer_limits(high=self.window >> 1)
 
     def data_received(self, data: bytes) -> None:
@@ -260,7 +260,13 @@ class AgentStream:
             span.set_attribute("waygate.tunnel.node", self.agent.node)
             span.set_attribute("waygate.tunnel.replica", self.server_id)
             span.set_attribute("waygate.tunnel.address", request.address)
-            response = await self._connect(request)
+            try:
+                response = await self._connect(request)
+            except Exception as exc:  # a bug must cost this dial, never the stream
+                log.exception("dial failed unexpectedly", extra={"address": request.address})
+                response = pb.DialResponse(
+                    random=request.random, error=f"agent error: {exc!r}", reason=pb.UNREACHABLE
+                )
             if response.connect_id:
                 span.set_attribute("waygate.tunnel.connection_id", response.connect_id)
             else:

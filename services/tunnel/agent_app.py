@@ -29,9 +29,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# The demo backend `waygate up` runs behind the local agent.
-UP_DEMO_DESTINATION = "127.0.0.1:8090"
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Settings(ProcessSettings):
@@ -146,5 +143,5 @@ def up_arguments(context: UpContext) -> list[str]:
         "--server-address",
         context.address("tunnel-server"),
         "--allow",
-        ",".join((*DEFAULT_ALLOW, UP_DEMO_DESTINATION)),
+        ",".join((*DEFAULT_ALLOW, f"{context.host}:{context.demo_port}")),
     ]

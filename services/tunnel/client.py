@@ -7,9 +7,9 @@
     await stream.aclose()
 
 - Where: `presence` maps a node to the dialer addresses of the replicas that
-  hold it (`ResolverPresence` follows the resolver's Watch of tunnel
-  presence; `StaticPresence` is a fixed list, for `waygate tunnel dial
-  --server`). Replicas are tried in random order.
+  hold it (`ViewPresence` reads the resolver's tunnel presence from a
+  `ResolverWatch`; `StaticPresence` is a fixed list, for `waygate tunnel
+  dial --addr`). Replicas are tried in random order.
 - Retries: a dial is retried on the next replica only when the refusal says
   another replica could answer (NO_AGENT, DRAINING, or the replica did not
   answer at all) and no byte was sent; NOT_ALLOWED, UNREACHABLE, TIMEOUT and
@@ -31,7 +31,7 @@ import collections
 import logging
 import random
 import socket
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -40,7 +40,6 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from waygate.core import tracing
-from waygate.core.backoff import Backoff
 from waygate.core.grpcclient import KEEPALIVE_OPTIONS
 from waygate.tunnel import mux
 from waygate.tunnel.mux import MAX_CHUNK
@@ -136,6 +135,9 @@ class TunnelClient:
         self._server_name = server_name
         self.dial_timeout = dial_timeout
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._streams: dict[grpc.aio.Channel, int] = {}  # open Dial calls per channel
+        self._retired: set[grpc.aio.Channel] = set()  # replaced, closed at their last stream
+        self._closing: set[asyncio.Task[None]] = set()
         self._tracer = tracing.tracer()
 
     def channel(self, address: str) -> grpc.aio.Channel:
@@ -154,11 +156,36 @@ class TunnelClient:
         return channel
 
     def renew_channels(self) -> None:
-        """After a certificate renewal: new streams use new channels; open ones keep theirs."""
+        """After a certificate renewal: new streams use new channels; open ones keep theirs.
+
+        A replaced channel is closed once its last stream has ended (never
+        under an open stream: that would cut a long-lived connection).
+        """
         old, self._channels = self._channels, {}
         for channel in old.values():
-            # Closing a channel cuts its streams: let open ones finish (grace) first.
-            asyncio.ensure_future(channel.close(grace=3600.0))
+            if self._streams.get(channel):
+                self._retired.add(channel)
+            else:
+                self._close_later(channel)
+
+    def _close_later(self, channel: grpc.aio.Channel) -> None:
+        task = asyncio.ensure_future(channel.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    def _stream_started(self, channel: grpc.aio.Channel, call: Any) -> None:
+        self._streams[channel] = self._streams.get(channel, 0) + 1
+        call.add_done_callback(lambda _call: self._stream_ended(channel))
+
+    def _stream_ended(self, channel: grpc.aio.Channel) -> None:
+        left = self._streams[channel] - 1
+        if left:
+            self._streams[channel] = left
+            return
+        del self._streams[channel]
+        if channel in self._retired:
+            self._retired.discard(channel)
+            self._close_later(channel)
 
     async def dial(
         self,
@@ -214,7 +241,9 @@ class TunnelClient:
     async def _dial_one(
         self, address: str, first: pb.DialFrame, metadata: Any, timeout: float
     ) -> TunnelStream:
-        call = tunnel_pb2_grpc.TunnelStub(self.channel(address)).Dial(metadata=metadata)
+        channel = self.channel(address)
+        call = tunnel_pb2_grpc.TunnelStub(channel).Dial(metadata=metadata)
+        self._stream_started(channel, call)
         try:
             async with asyncio.timeout(timeout + 2.0):
                 await call.write(first)
@@ -257,72 +286,33 @@ class TunnelClient:
         return TunnelStream(call, frame.accepted.server_id, frame.accepted.connect_id)
 
     async def close(self) -> None:
-        channels, self._channels = list(self._channels.values()), {}
+        channels = [*self._channels.values(), *self._retired]
+        self._channels, self._retired = {}, set()
         for channel in channels:
             await channel.close()
+        await asyncio.gather(*self._closing, return_exceptions=True)
 
 
 # ---------------------------------------------------------------- presence from the resolver
 
 
-class ResolverPresence:
-    """node -> dialer addresses, from the resolver's Watch of tunnel presence.
+class ViewPresence:
+    """node -> dialer addresses, read from a `waygate.resolver.client.ResolverWatch`'s view.
 
-    `run()` follows the stream (resuming by version, reconnecting with backoff);
-    `servers_for` reads the current view without I/O.
+    The proxy passes the watch it already runs (its view carries tunnel
+    presence); `waygate tunnel dial --resolver` runs one for tunnels only.
+    Reading needs no I/O: the watch keeps the view current.
     """
 
-    def __init__(self, channel: Callable[[], grpc.aio.Channel]) -> None:
-        self._channel = channel
-        self._view: dict[str, list[str]] = {}
-        self._pending: dict[str, list[str]] = {}
-        self.synced = asyncio.Event()
-        self._backoff = Backoff(initial=0.2, maximum=10.0)
+    def __init__(self, watch: Any) -> None:
+        self._watch = watch
 
     def servers_for(self, node: str) -> list[str]:
-        return list(self._view.get(node, ()))
-
-    def _apply(self, presences: Iterable[Any], into: dict[str, list[str]]) -> None:
-        for presence in presences:
-            addresses = [s.address for s in presence.servers]
-            if addresses:
-                into[presence.node] = addresses
-            else:
-                into.pop(presence.node, None)
-
-    async def run(self) -> None:
-        from waygate.resolver.v1 import resolver_pb2, resolver_pb2_grpc
-
-        while True:
-            try:
-                request = resolver_pb2.WatchRequest(kinds=[resolver_pb2.RESOURCE_KIND_TUNNELS])
-                stream = resolver_pb2_grpc.ResolverStub(self._channel()).Watch(request)
-                async for event in stream:
-                    which = event.WhichOneof("event")
-                    if which == "snapshot":
-                        self._apply(event.snapshot.tunnels, self._pending)
-                        if not event.snapshot.more:
-                            self._view, self._pending = self._pending, {}
-                            self.synced.set()
-                    elif which == "changes":
-                        updated = dict(self._view)
-                        self._apply(
-                            (
-                                c.tunnel_presence
-                                for c in event.changes.changes
-                                if c.WhichOneof("change") == "tunnel_presence"
-                            ),
-                            updated,
-                        )
-                        self._view = updated
-                    self._backoff.reset()
-            except grpc.aio.AioRpcError as exc:
-                log.warning(
-                    "tunnel presence watch failed",
-                    extra={"error": f"{exc.code().name}: {exc.details()}"},
-                )
-            self._pending = {}
-            await asyncio.sleep(self._backoff.next_delay())
+        view = self._watch.view
+        if view is None:
+            return []
+        presence = view.tunnels.get(node)
+        return [] if presence is None else [server.address for server in presence.servers]
 
 
 # ---------------------------------------------------------------- a socket for the proxy
@@ -373,8 +363,8 @@ class SocketBridge(asyncio.Protocol):
 
     # socket side
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports are not asyncio.Transport subclasses: no isinstance check.
+        self.transport = transport  # type: ignore[assignment]
         transport.set_write_buffer_limits(high=self.HIGH_WATER)
 
     def data_received(self, data: bytes) -> None:
@@ -457,3 +447,73 @@ async def bridged_socket(stream: TunnelStream) -> socket.socket:
         raise
     bridge.start()
     return theirs
+
+
+# ---------------------------------------------------------------- wiring for a process
+
+
+def socket_dialer(client: TunnelClient, error: Callable[..., Exception]) -> Callable[..., Any]:
+    """The proxy's upstream-connect step for tunnel endpoints (waygate.proxy.upstream.Connect).
+
+    `error(reason, kind, retryable=...)` builds the proxy's ConnectError, so this
+    module needs nothing from the proxy. The endpoint's address is the host the
+    agent connects to, its node the node whose agent does it.
+    """
+
+    async def connect(target: Any, timeout: float, trace_context: str | None) -> socket.socket:
+        try:
+            stream = await client.dial(
+                target.node,
+                target.port,
+                target.address,
+                timeout=timeout,
+                trace_context=trace_context,
+            )
+        except DialFailed as failed:
+            raise error(str(failed), "tunnel", retryable=failed.retryable) from None
+        return await bridged_socket(stream)
+
+    return connect
+
+
+async def process_client(
+    process: Any, presence: Any, *, server_name: str | None = None
+) -> TunnelClient:
+    """A TunnelClient with a ServiceProcess's TLS: its certificate from certs (channels
+    renewed after each rotation), static tls_* files, or plaintext. Closed at stop."""
+    from waygate.core.grpcclient import ClientTLS
+
+    settings = process.settings
+    certificates = await process.certificates()
+    if certificates is not None:
+        from waygate.core.tls import client_credentials
+
+        def credentials() -> grpc.ChannelCredentials | None:
+            return client_credentials(certificates.rotator, certificates.trust)
+
+    elif settings.tls_cert_file is not None:
+        static = ClientTLS(
+            settings.tls_client_ca_file, settings.tls_cert_file, settings.tls_key_file
+        ).credentials()
+
+        def credentials() -> grpc.ChannelCredentials | None:
+            return static
+
+    else:
+
+        def credentials() -> grpc.ChannelCredentials | None:
+            return None
+
+    client = TunnelClient(presence, credentials=credentials, server_name=server_name)
+    if certificates is not None:
+        for subscribe in (certificates.rotator.subscribe, certificates.trust.subscribe):
+            process.on_stop(_async_call(subscribe(lambda _changed: client.renew_channels())))
+    process.on_stop(client.close)
+    return client
+
+
+def _async_call(function: Callable[[], Any]) -> Callable[[], Any]:
+    async def run() -> None:
+        function()
+
+    return run

@@ -40,7 +40,7 @@ class ConnectionClosed(Exception):
 class Credit:
     """Bytes one side may still send on one connection; `take` waits for a grant."""
 
-    __slots__ = ("available", "_waiter", "_closed")
+    __slots__ = ("_closed", "_waiter", "available")
 
     def __init__(self, initial: int) -> None:
         self.available = initial

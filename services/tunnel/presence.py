@@ -10,6 +10,7 @@ reconnects with backoff and jitter when it ends.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 
@@ -58,10 +59,8 @@ class PresenceReporter:
             )
             self.reports += 1
             self._backoff.reset()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), self._lease / 3)
-            except TimeoutError:
-                pass
 
     async def report_once(self) -> None:
         try:

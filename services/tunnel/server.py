@@ -72,16 +72,16 @@ class ServerConnection:
     """One tunnelled TCP connection as the server sees it."""
 
     __slots__ = (
-        "connect_id",
-        "session",
-        "send_credit",
-        "to_dialer",
         "_ready",
-        "unacked",
-        "owed",
-        "window",
-        "finished",
         "close_reason",
+        "connect_id",
+        "finished",
+        "owed",
+        "send_credit",
+        "session",
+        "to_dialer",
+        "unacked",
+        "window",
     )
 
     def __init__(self, session: AgentSession, connect_id: int, send_window: int) -> None:
@@ -450,7 +450,7 @@ class AgentTunnelServicer(tunnel_pb2_grpc.AgentTunnelServicer):
             f"this one names {len(dns_names)}"
         )
 
-    async def Connect(  # noqa: N802  (gRPC method name)
+    async def Connect(
         self, request_iterator: AsyncIterator[pb.Packet], context: grpc.aio.ServicerContext
     ) -> None:
         hub = self._hub
@@ -508,7 +508,7 @@ class TunnelServicer(tunnel_pb2_grpc.TunnelServicer):
             f"{errors.excerpt(shown)} is not an allowed dialer of this tunnel server",
         )
 
-    async def Dial(  # noqa: N802
+    async def Dial(
         self, request_iterator: AsyncIterator[pb.DialFrame], context: grpc.aio.ServicerContext
     ) -> None:
         hub = self._hub
@@ -575,7 +575,7 @@ class TunnelServicer(tunnel_pb2_grpc.TunnelServicer):
                 f"{connection.close_reason or 'lost'}"
             )
 
-    async def ListAgents(  # noqa: N802
+    async def ListAgents(
         self, request: pb.ListAgentsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListAgentsResponse:
         self._authorize(context)

@@ -97,7 +97,6 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
             "no client certificates on this tunnel server: agents name their node in "
             "metadata and every dialer is allowed (development only)"
         )
-    credentials = await process.server_credentials(client_auth=True)
     process.add_grpc_server(
         GrpcServer.from_settings(
             settings,
@@ -108,7 +107,8 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
                     AgentTunnelServicer(hub, require_certificate=authenticated),
                 )
             ],
-            credentials=credentials,
+            # One credentials object per listener: gRPC refuses to share a dynamic one.
+            credentials=await process.server_credentials(client_auth=True),
         )
     )
     dial_server = process.add_grpc_server(
@@ -121,7 +121,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
                     TunnelServicer(hub, dialers=settings.dialers, check_dialers=authenticated),
                 )
             ],
-            credentials=credentials,
+            credentials=await process.server_credentials(client_auth=True),
             port=settings.dial_port,
         )
     )
