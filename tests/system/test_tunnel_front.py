@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,6 +20,7 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.asyncio.server import serve as ws_serve
 
 from tests.support.pki import IdentityFiles, LocalCA
+from tests.support.poll import until
 from tests.support.processes import RunningService, http_get, start_service
 from tests.support.tunnel_processes import NODE, SERVER_NAME, TunnelPKI, agent_argv, start_server
 
@@ -90,6 +92,7 @@ class Setup:
         (tmp_path / "front-ca.pem").write_bytes(self.front_ca.pem)
         self.front_ca_file = tmp_path / "front-ca.pem"
         self.context = client_context(self.pki.ca_file, self.front_client)
+        self.pids: tuple[int, int] = (0, 0)  # server, agent
 
 
 @pytest.fixture
@@ -132,6 +135,7 @@ async def front(tmp_path: Path) -> AsyncIterator[tuple[Setup, int, int, list[byt
                 await asyncio.sleep(0.1)
 
         await asyncio.wait_for(poll(), 20)
+        setup.pids = (server.service.process.pid, agent.process.pid)
         yield setup, server.front_port, backend_port, heads, ws_port
     finally:
         if agent is not None:
@@ -247,3 +251,44 @@ async def test_a_head_over_64_kib_gets_431(front) -> None:
     )
     assert response.startswith(b"HTTP/1.1 431 ")
     assert heads == []
+
+
+def open_descriptors(pids: tuple[int, ...]) -> list[int]:
+    return [len(os.listdir(f"/proc/{pid}/fd")) for pid in pids]
+
+
+async def test_finished_and_abandoned_connections_release_their_descriptors(front) -> None:
+    setup, front_port, backend_port, _, ws_port = front
+    request = f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{backend_port}\r\n\r\n".encode()
+    await https_request(front_port, setup.context, request)  # warm-up: channels, caches
+    baseline = open_descriptors(setup.pids)
+    for _ in range(20):
+        assert (await https_request(front_port, setup.context, request)).startswith(b"HTTP/1.1 200")
+    for _ in range(10):  # clients that vanish in the middle of a body
+        _reader, writer = await asyncio.open_connection(
+            "127.0.0.1", front_port, ssl=setup.context, server_hostname=SERVER_NAME
+        )
+        writer.write(
+            f"POST / HTTP/1.1\r\nHost: 127.0.0.1:{backend_port}\r\nContent-Length: 100000\r\n\r\n".encode()
+            + b"x" * 5000
+        )
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.transport.abort()
+    for _ in range(5):  # upgraded sessions dropped without a close frame
+        session = await ws_connect(
+            f"wss://127.0.0.1:{ws_port}/exec",
+            host="127.0.0.1",
+            port=front_port,
+            ssl=setup.context,
+            server_hostname=SERVER_NAME,
+            open_timeout=10,
+        )
+        await session.send("x")
+        await asyncio.wait_for(session.recv(), 10)
+        session.transport.abort()
+    await until(
+        lambda: all(n <= b for n, b in zip(open_descriptors(setup.pids), baseline, strict=True)),
+        f"server and agent descriptors back to {baseline}",
+        timeout=15,
+    )
