@@ -1,9 +1,12 @@
-"""Who may call the resolver's write RPCs: ReportTunnels, ApplyRoute, DeleteRoute.
+"""Who may call the resolver's write RPCs (ReportTunnels, ApplyRoute, DeleteRoute),
+and who may read route private keys.
 
 Reads (Resolve, Watch, ListRoutes) are open to every client the listener
 accepts. Writes change where traffic goes, so each is limited to a list of
 client identities, taken from the client certificate by the gRPC boundary:
-its URI SANs (SPIFFE IDs) and DNS SANs.
+its URI SANs (SPIFFE IDs) and DNS SANs. Route private keys (tls.key) go out
+over Watch only to route readers (the proxy): everyone else, and every client
+of a listener without client certificates, gets them redacted.
 
 An allowed identity is written as
 - a SPIFFE ID, `spiffe://DOMAIN/ns/NS/sa/SA`, matched exactly, or with one
@@ -17,6 +20,8 @@ Invariants:
 - On a listener without client certificates (plaintext loopback development,
   or TLS without a client CA) there is no identity to check: writes are
   allowed, and `WriteAccess.unauthenticated_warning` says so for the start log.
+  Route keys, on the contrary, are never sent there: without an identity
+  nobody is a route reader (fail closed for secrets).
 """
 
 from __future__ import annotations
@@ -73,6 +78,8 @@ class WriteAccess:
 
     tunnel_reporters: tuple[str, ...] = ()
     route_admins: tuple[str, ...] = ()
+    # Identities that receive route private keys over Watch.
+    route_readers: tuple[str, ...] = ()
     # False: the listener takes no client certificates, so nobody can be checked.
     authenticated: bool = False
 
@@ -84,6 +91,12 @@ class WriteAccess:
             "the gRPC listener takes no client certificates: ReportTunnels, ApplyRoute "
             "and DeleteRoute are open to every client (tunnel_reporters and route_admins "
             "apply only with mTLS)"
+        )
+
+    def may_read_route_keys(self, identities: tuple[str, ...]) -> bool:
+        """True when a peer with these identities gets routes' tls.key over Watch."""
+        return self.authenticated and any(
+            matches(p, identity) for p in self.route_readers for identity in identities
         )
 
     def check_tunnel_reporter(self, identities: tuple[str, ...]) -> None:

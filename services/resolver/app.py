@@ -21,6 +21,7 @@ from waygate.core.runtime import ServiceProcess
 from waygate.core.settings import GrpcServerSettings, parse_duration, port_number, positive, setting
 from waygate.resolver import metrics
 from waygate.resolver.access import WriteAccess, patterns_problem
+from waygate.resolver.convert import DEFAULT_CHUNK_BYTES
 from waygate.resolver.filesource import EXAMPLE_ROUTES, FILE_MODE, FileSource
 from waygate.resolver.server import ResolverServicer
 from waygate.resolver.store import DEFAULT_HISTORY_LIMIT, DEFAULT_MAX_PENDING, Store
@@ -94,6 +95,13 @@ class Settings(GrpcServerSettings):
         "SPIFFE IDs (a trailing * matches any rest) or DNS names; empty: nobody (with mTLS)",
         check=patterns_problem,
     )
+    route_readers: tuple[str, ...] = setting(
+        (),
+        help="client identities that receive route private keys (tls.key) over Watch, "
+        "comma-separated, same forms as --route-admins (the proxy's); everyone else and "
+        "every client without a certificate gets them redacted",
+        check=patterns_problem,
+    )
     kubernetes: bool = setting(
         False,
         help="watch Services, EndpointSlices and waygate.io Route objects in Kubernetes "
@@ -156,6 +164,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     access = WriteAccess(
         tunnel_reporters=settings.tunnel_reporters,
         route_admins=settings.route_admins,
+        route_readers=settings.route_readers,
         # Client certificates are asked for exactly in these two cases
         # (ServiceProcess.server_credentials); otherwise there is no identity.
         authenticated=settings.certs_address is not None or settings.tls_client_ca_file is not None,
@@ -176,6 +185,10 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         access=access,
         watch_max_pending=settings.watch_max_pending,
         watch_heartbeat=settings.watch_heartbeat,
+        # Snapshot chunks well under the message limit; a Changes event may use
+        # most of it (what is larger becomes a chunked snapshot).
+        watch_chunk_bytes=min(DEFAULT_CHUNK_BYTES, settings.max_message_bytes // 4),
+        max_event_bytes=settings.max_message_bytes - settings.max_message_bytes // 8,
     )
     process.add_grpc_server(
         GrpcServer.from_settings(
@@ -229,8 +242,9 @@ def up_arguments(context: UpContext) -> list[str]:
 
     The copy (not the packaged file) is what ApplyRoute writes to, and it
     survives restarts of `up`; delete it to start over from the example.
-    Only the tunnel server may report tunnels, and only the local user (the
-    client certificate `up` makes) may change routes.
+    Only the tunnel server may report tunnels, only the local user (the
+    client certificate `up` makes) may change routes, and only the proxy
+    receives route private keys.
     """
     from waygate.supervisor import USER, spiffe_id
 
@@ -246,4 +260,6 @@ def up_arguments(context: UpContext) -> list[str]:
         spiffe_id("tunnel-server"),
         "--route-admins",
         spiffe_id(USER),
+        "--route-readers",
+        spiffe_id("proxy"),
     ]

@@ -5,10 +5,14 @@ Invariants:
 - `*_from_proto` never accepts an enum value it does not know: it raises
   InvalidArgument naming the field (a newer client must not be misread).
 - Proto -> domain -> proto is lossless for every field the proto has.
-- A route's TLS private key leaves the process only in Watch events (the
-  proxy needs it); route replies for people (ListRoutes, ApplyRoute) omit it.
+- A route's TLS private key leaves the process only in Watch events to route
+  readers (the proxy needs it); every other reply omits it.
 - Change messages are cached by value: the same change sent to a hundred
   watchers is converted once.
+- A snapshot goes out as a sequence of WatchEvents, each at most `chunk_bytes`
+  serialized (a single object larger than that travels alone), all but the
+  last with `snapshot.more = true`; a Changes event larger than
+  `max_event_bytes` is not sent at all (the caller sends a snapshot instead).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any, TypeVar
 
 from google.protobuf import duration_pb2, timestamp_pb2
 
-from waygate.core.errors import InvalidArgument
+from waygate.core.errors import InvalidArgument, ResourceExhausted
 from waygate.resolver import model
 from waygate.resolver.store import Batch, Snapshot
 from waygate.resolver.v1 import resolver_pb2 as pb
@@ -57,6 +61,23 @@ BALANCE_POLICIES = {
 }
 BALANCE_POLICY_NAMES = {v: k for k, v in BALANCE_POLICIES.items()}
 
+SAME_SITES = {
+    model.SameSite.LAX: pb.SAME_SITE_LAX,
+    model.SameSite.STRICT: pb.SAME_SITE_STRICT,
+    model.SameSite.NONE: pb.SAME_SITE_NONE,
+}
+SAME_SITE_NAMES = {v: k for k, v in SAME_SITES.items()}
+SAME_SITE_NAMES[pb.SAME_SITE_UNSPECIFIED] = model.SameSite.LAX
+
+FORWARDED_MODES = {
+    model.ForwardedHeadersMode.APPEND: pb.FORWARDED_HEADERS_MODE_APPEND,
+    model.ForwardedHeadersMode.REPLACE: pb.FORWARDED_HEADERS_MODE_REPLACE,
+    model.ForwardedHeadersMode.IF_NONE: pb.FORWARDED_HEADERS_MODE_IF_NONE,
+    model.ForwardedHeadersMode.NEVER: pb.FORWARDED_HEADERS_MODE_NEVER,
+}
+FORWARDED_MODE_NAMES = {v: k for k, v in FORWARDED_MODES.items()}
+FORWARDED_MODE_NAMES[pb.FORWARDED_HEADERS_MODE_UNSPECIFIED] = model.ForwardedHeadersMode.APPEND
+
 KINDS = {
     model.Kind.SERVICES: pb.RESOURCE_KIND_SERVICES,
     model.Kind.ENDPOINTS: pb.RESOURCE_KIND_ENDPOINTS,
@@ -67,7 +88,14 @@ KIND_NAMES = {v: k for k, v in KINDS.items()}
 
 T = TypeVar("T")
 
-_TIMEOUT_FIELDS = ("connect", "client", "server", "http_request", "tunnel")
+#: Bound of one snapshot chunk (serialized WatchEvent), well under gRPC's 4 MiB default.
+DEFAULT_CHUNK_BYTES = 1024 * 1024
+#: Largest Changes event sent as such; a larger batch is replaced by a chunked snapshot.
+DEFAULT_MAX_EVENT_BYTES = 3 * 1024 * 1024
+# Per-field overhead of a repeated message inside Snapshot: tag plus length varint.
+_FIELD_OVERHEAD = 6
+
+_TIMEOUT_FIELDS = ("connect", "client", "server", "http_request", "tunnel", "keep_alive")
 
 
 def _enum(table: Mapping[Any, T], value: int, field: str) -> T:
@@ -196,7 +224,9 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
         target_port=route.target_port,
         balance=BALANCE_POLICIES[route.balance],
         sticky=pb.StickySessions(
-            disable_cookies=route.sticky.disable_cookies, cookie_name=route.sticky.cookie_name
+            disable_cookies=route.sticky.disable_cookies,
+            cookie_name=route.sticky.cookie_name,
+            same_site=SAME_SITES[route.sticky.same_site],
         ),
         timeouts=pb.RouteTimeouts(
             **{
@@ -206,8 +236,10 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
             }
         ),
         auth_proxy_headers=route.auth_proxy_headers,
+        forwarded_headers=FORWARDED_MODES[route.forwarded_headers],
     )
     if route.tls is not None:
+        hsts = route.tls.hsts
         message.tls.CopyFrom(
             pb.RouteTLS(
                 termination=TERMINATIONS[route.tls.termination],
@@ -218,6 +250,16 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
                 insecure_edge_termination_policy=INSECURE_POLICIES[
                     route.tls.insecure_edge_termination_policy
                 ],
+                hsts=None
+                if hsts is None
+                else pb.HSTS(
+                    max_age=duration(hsts.max_age),
+                    include_subdomains=hsts.include_subdomains,
+                    preload=hsts.preload,
+                ),
+                client_ca_certificate=route.tls.client_ca_certificate,
+                destination_server_name=route.tls.destination_server_name,
+                present_client_certificate=route.tls.present_client_certificate,
             )
         )
     return message
@@ -240,12 +282,28 @@ def route_from_proto(message: pb.Route) -> model.Route:
             ca_certificate=message.tls.ca_certificate,
             destination_ca_certificate=message.tls.destination_ca_certificate,
             insecure_edge_termination_policy=policy,
+            hsts=model.HSTS(
+                max_age=seconds(message.tls.hsts.max_age),
+                include_subdomains=message.tls.hsts.include_subdomains,
+                preload=message.tls.hsts.preload,
+            )
+            if message.tls.HasField("hsts")
+            else None,
+            client_ca_certificate=message.tls.client_ca_certificate,
+            destination_server_name=message.tls.destination_server_name,
+            present_client_certificate=message.tls.present_client_certificate,
         )
     elif message.HasField("tls") and (
-        message.tls.certificate or message.tls.key or message.tls.destination_ca_certificate
+        message.tls.certificate
+        or message.tls.key
+        or message.tls.destination_ca_certificate
+        or message.tls.client_ca_certificate
+        or message.tls.destination_server_name
+        or message.tls.present_client_certificate
+        or message.tls.HasField("hsts")
     ):
         raise InvalidArgument(
-            "tls.termination: required when TLS certificate material is given "
+            "tls.termination: required when any TLS setting is given "
             "(edge, passthrough or reencrypt)"
         )
     timeouts = model.RouteTimeouts(
@@ -265,9 +323,16 @@ def route_from_proto(message: pb.Route) -> model.Route:
         target_port=message.target_port,
         tls=tls,
         balance=_enum(BALANCE_POLICY_NAMES, message.balance, "balance"),
-        sticky=model.StickySessions(message.sticky.disable_cookies, message.sticky.cookie_name),
+        sticky=model.StickySessions(
+            message.sticky.disable_cookies,
+            message.sticky.cookie_name,
+            _enum(SAME_SITE_NAMES, message.sticky.same_site, "sticky.same_site"),
+        ),
         timeouts=timeouts,
         auth_proxy_headers=message.auth_proxy_headers,
+        forwarded_headers=_enum(
+            FORWARDED_MODE_NAMES, message.forwarded_headers, "forwarded_headers"
+        ),
     )
 
 
@@ -281,11 +346,18 @@ def tunnel_to_proto(presence: model.TunnelPresence) -> pb.TunnelPresence:
     )
 
 
+def tunnel_from_proto(message: pb.TunnelPresence) -> model.TunnelPresence:
+    return model.TunnelPresence(
+        node=message.node,
+        servers=tuple(model.TunnelServer(s.id, s.address) for s in message.servers),
+    )
+
+
 # ---------------------------------------------------------------- watch
 
 
 @functools.lru_cache(maxsize=8192)
-def change_to_proto(change: model.Change) -> pb.Change:
+def change_to_proto(change: model.Change, with_key: bool = True) -> pb.Change:
     value, key = change.value, change.key
     if change.kind is model.Kind.SERVICES:
         if isinstance(value, model.Service):
@@ -299,51 +371,112 @@ def change_to_proto(change: model.Change) -> pb.Change:
         )
     if change.kind is model.Kind.ROUTES:
         if isinstance(value, model.Route):
-            return pb.Change(route_upserted=route_to_proto(value))
+            return pb.Change(route_upserted=route_to_proto(value, with_key=with_key))
         return pb.Change(route_deleted=pb.RouteRef(namespace=key[0], name=key[1]))
     if isinstance(value, model.TunnelPresence):
         return pb.Change(tunnel_presence=tunnel_to_proto(value))
     return pb.Change(tunnel_presence=pb.TunnelPresence(node=str(key)))
 
 
-def snapshot_to_proto(snapshot: Snapshot) -> pb.Snapshot:
+def snapshot_to_proto(snapshot: Snapshot, *, with_keys: bool = True) -> pb.Snapshot:
+    """The whole snapshot as one message (tests and small views; Watch chunks it)."""
     return pb.Snapshot(
         services=[service_to_proto(s) for s in snapshot.services],
         endpoints=[endpoint_to_proto(e) for e in snapshot.endpoints],
-        routes=[route_to_proto(r) for r in snapshot.routes],
+        routes=[route_to_proto(r, with_key=with_keys) for r in snapshot.routes],
         tunnels=[tunnel_to_proto(t) for t in snapshot.tunnels],
     )
 
 
-def watch_event(item: Snapshot | Batch, source: str, last_sync: datetime | None) -> pb.WatchEvent:
-    """The event for `item`. Callers must not modify the result: a batch shared
-    by many subscribers is converted once and the message reused."""
+def watch_events(
+    item: Snapshot | Batch,
+    source: str,
+    last_sync: datetime | None,
+    epoch: int,
+    *,
+    with_keys: bool,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+) -> tuple[pb.WatchEvent, ...] | None:
+    """The events that carry `item`; None when `item` is a Batch too large to send
+    as one event (the caller gives that subscriber a snapshot instead).
+
+    Callers must not modify the result: what many subscribers share is converted
+    once and the messages reused.
+    """
     if isinstance(item, Batch):
-        return _changes_event(item, source, last_sync)
-    return _snapshot_event(item, source, last_sync)
+        event = _changes_event(item, source, last_sync, epoch, with_keys)
+        if event.ByteSize() > max_event_bytes:
+            return None
+        return (event,)
+    return _snapshot_events(item, source, last_sync, epoch, with_keys, chunk_bytes, max_event_bytes)
 
 
 # Both caches are keyed by identity (Batch and Snapshot compare by identity).
 # Few snapshots are kept: they are large, and one per version is shared.
 @functools.lru_cache(maxsize=4)
-def _snapshot_event(snapshot: Snapshot, source: str, last_sync: datetime | None) -> pb.WatchEvent:
-    return pb.WatchEvent(
-        version=snapshot.version,
-        source=source,
-        last_sync=timestamp(last_sync),
-        snapshot=snapshot_to_proto(snapshot),
+def _snapshot_events(
+    snapshot: Snapshot,
+    source: str,
+    last_sync: datetime | None,
+    epoch: int,
+    with_keys: bool,
+    chunk_bytes: int,
+    max_event_bytes: int,
+) -> tuple[pb.WatchEvent, ...]:
+    header = pb.WatchEvent(
+        version=snapshot.version, source=source, last_sync=timestamp(last_sync), epoch=epoch
     )
+    # Room left for objects once the header fields and the snapshot wrapper are paid.
+    budget = max(chunk_bytes - header.ByteSize() - 16, 1)
+
+    def new_event() -> pb.WatchEvent:
+        event = pb.WatchEvent()
+        event.CopyFrom(header)
+        event.snapshot.SetInParent()
+        return event
+
+    events = [new_event()]
+    size = 0
+    parts: tuple[tuple[str, list[Any]], ...] = (
+        ("services", [service_to_proto(s) for s in snapshot.services]),
+        ("endpoints", [endpoint_to_proto(e) for e in snapshot.endpoints]),
+        ("routes", [route_to_proto(r, with_key=with_keys) for r in snapshot.routes]),
+        ("tunnels", [tunnel_to_proto(t) for t in snapshot.tunnels]),
+    )
+    for field_name, messages in parts:
+        batch: list[Any] = []
+        for message in messages:
+            cost = message.ByteSize() + _FIELD_OVERHEAD
+            if cost > max_event_bytes:
+                raise ResourceExhausted(
+                    f"one of the view's {field_name} is {cost} bytes serialized, over the "
+                    f"{max_event_bytes}-byte limit of one Watch event; it cannot be sent"
+                )
+            if size and size + cost > budget:
+                getattr(events[-1].snapshot, field_name).extend(batch)
+                events.append(new_event())
+                batch, size = [], 0
+            batch.append(message)
+            size += cost
+        getattr(events[-1].snapshot, field_name).extend(batch)
+    for event in events[:-1]:
+        event.snapshot.more = True
+    return tuple(events)
 
 
 @functools.lru_cache(maxsize=64)
-def _changes_event(batch: Batch, source: str, last_sync: datetime | None) -> pb.WatchEvent:
+def _changes_event(
+    batch: Batch, source: str, last_sync: datetime | None, epoch: int, with_keys: bool
+) -> pb.WatchEvent:
     return pb.WatchEvent(
         version=batch.version,
         source=source,
         last_sync=timestamp(last_sync),
+        epoch=epoch,
         changes=pb.Changes(
             from_version=batch.from_version,
-            changes=[change_to_proto(c) for c in batch.changes],
+            changes=[change_to_proto(c, with_keys) for c in batch.changes],
             coalesced=batch.coalesced,
         ),
     )

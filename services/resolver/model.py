@@ -127,10 +127,37 @@ class BalancePolicy(enum.Enum):
     SOURCE = "source"
 
 
+class SameSite(enum.Enum):
+    """The sticky cookie's SameSite attribute (UNSPECIFIED in the proto means Lax)."""
+
+    LAX = "Lax"
+    STRICT = "Strict"
+    # The proxy adds Secure, as browsers require for SameSite=None.
+    NONE = "None"
+
+
+class ForwardedHeadersMode(enum.Enum):
+    """X-Forwarded-* and Forwarded handling (OpenShift's set-forwarded-headers)."""
+
+    APPEND = "append"
+    REPLACE = "replace"
+    IF_NONE = "if-none"
+    NEVER = "never"
+
+
 @dataclass(frozen=True)
 class RouteBackend:
     service: str
     weight: int = 100
+
+
+@dataclass(frozen=True)
+class HSTS:
+    """RFC 6797 Strict-Transport-Security sent on HTTPS responses."""
+
+    max_age: float
+    include_subdomains: bool = False
+    preload: bool = False
 
 
 @dataclass(frozen=True)
@@ -141,12 +168,22 @@ class RouteTLS:
     ca_certificate: str = ""
     destination_ca_certificate: str = ""
     insecure_edge_termination_policy: InsecureEdgePolicy = InsecureEdgePolicy.NONE
+    # None: no Strict-Transport-Security header.
+    hsts: HSTS | None = None
+    # PEM CA(s) a client certificate must chain to; set: a client certificate is required.
+    client_ca_certificate: str = ""
+    # Name the backend's certificate must carry and the SNI sent (reencrypt);
+    # empty: SERVICE.NAMESPACE.svc of the backend.
+    destination_server_name: str = ""
+    # Present the proxy's own client certificate to the backend.
+    present_client_certificate: bool = False
 
 
 @dataclass(frozen=True)
 class StickySessions:
     disable_cookies: bool = False
     cookie_name: str = ""
+    same_site: SameSite = SameSite.LAX
 
 
 @dataclass(frozen=True)
@@ -156,6 +193,7 @@ class RouteTimeouts:
     server: float | None = None
     http_request: float | None = None
     tunnel: float | None = None
+    keep_alive: float | None = None
 
 
 @dataclass(frozen=True)
@@ -173,6 +211,7 @@ class Route:
     sticky: StickySessions = field(default_factory=StickySessions)
     timeouts: RouteTimeouts = field(default_factory=RouteTimeouts)
     auth_proxy_headers: bool = False
+    forwarded_headers: ForwardedHeadersMode = ForwardedHeadersMode.APPEND
 
     @property
     def key(self) -> RouteKey:

@@ -8,18 +8,27 @@ interceptor (waygate.core.grpcserver). Invariants:
 - Write RPCs are checked against the peer's certificate identities before
   anything else (the rules live in waygate.resolver.access; only reading the
   identities off the connection is done here).
-- Replies that show routes (ListRoutes, ApplyRoute) never carry tls.key.
+- Replies that show routes (ListRoutes, ApplyRoute) never carry tls.key;
+  Watch carries it only to route readers (waygate.resolver.access).
+- No reply is ever larger than its bound: a Watch snapshot goes out in chunks
+  of `watch_chunk_bytes`, a Changes batch too large for one event becomes a
+  chunked snapshot for that subscriber, ListRoutes pages stop at
+  `LIST_PAGE_BYTES`; what cannot be bounded is RESOURCE_EXHAUSTED with a reason.
+- Every Watch event carries this replica's epoch; a resume naming another
+  epoch (another replica, a restarted one, or none) starts with a snapshot.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 from collections.abc import AsyncIterator
 
 import grpc
 from cryptography import x509
 
-from waygate.core.errors import FailedPrecondition, InvalidArgument, Unavailable
+from waygate.core.errors import FailedPrecondition, InvalidArgument, Unavailable, excerpt
 from waygate.core.grpcserver import ServiceRegistration
 from waygate.resolver import convert
 from waygate.resolver.access import WriteAccess
@@ -32,6 +41,12 @@ from waygate.resolver.v1 import resolver_pb2 as pb
 from waygate.resolver.v1 import resolver_pb2_grpc
 
 SERVICE_NAME = "waygate.resolver.v1.Resolver"
+
+#: ListRoutes page size when the request names none, and the most it may ask for.
+DEFAULT_PAGE_SIZE = 100
+MAX_PAGE_SIZE = 1000
+#: A page also ends once its routes reach this many serialized bytes.
+LIST_PAGE_BYTES = 1024 * 1024
 
 _PICKS = {
     pb.PICK_POLICY_UNSPECIFIED: Pick.NONE,
@@ -107,6 +122,22 @@ def peer_identities(context: grpc.aio.ServicerContext) -> tuple[str, ...]:
     )
 
 
+def _page_token(last: pb.Route) -> str:
+    """Opaque to clients: where the next page starts (after this route's key)."""
+    raw = f"{last.namespace}\n{last.name}".encode()
+    return base64.urlsafe_b64encode(raw).decode()
+
+
+def _page_position(token: str) -> tuple[str, str]:
+    try:
+        namespace, name = base64.urlsafe_b64decode(token.encode()).decode().split("\n")
+    except (binascii.Error, UnicodeError, ValueError):
+        raise InvalidArgument(
+            f"page_token: {excerpt(token)} is not a token from a ListRoutes reply"
+        ) from None
+    return (namespace, name)
+
+
 class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
     def __init__(
         self,
@@ -118,6 +149,8 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
         access: WriteAccess | None = None,
         watch_max_pending: int = DEFAULT_MAX_PENDING,
         watch_heartbeat: float = 0.0,
+        watch_chunk_bytes: int = convert.DEFAULT_CHUNK_BYTES,
+        max_event_bytes: int = convert.DEFAULT_MAX_EVENT_BYTES,
     ) -> None:
         self._store = store
         self._resolver = resolver or Resolver(store)
@@ -130,6 +163,8 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
         self._watch_max_pending = watch_max_pending
         # Seconds of silence after which a Watch gets an empty Changes (0: never).
         self._watch_heartbeat = watch_heartbeat or None
+        self._watch_chunk_bytes = watch_chunk_bytes
+        self._max_event_bytes = max_event_bytes
 
     def registration(self) -> ServiceRegistration:
         return ServiceRegistration(
@@ -157,9 +192,12 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
         self, request: pb.WatchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.WatchEvent]:
         kinds = convert.kinds_from_proto(list(request.kinds))
-        subscription = self._store.subscribe(
+        with_keys = self._access.may_read_route_keys(peer_identities(context))
+        store = self._store
+        subscription = store.subscribe(
             kinds,
             resume_from=request.resume_from_version,
+            resume_epoch=request.resume_epoch,
             max_pending=self._watch_max_pending,
         )
         try:
@@ -173,21 +211,42 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
                         "the resolver is shutting down; reconnect and resume from version "
                         f"{subscription.version}"
                     ) from None
-                source, last_sync = self._store.last_sync()
-                yield convert.watch_event(item, source, last_sync)
+                source, last_sync = store.last_sync()
+                events = convert.watch_events(
+                    item,
+                    source,
+                    last_sync,
+                    store.epoch,
+                    with_keys=with_keys,
+                    chunk_bytes=self._watch_chunk_bytes,
+                    max_event_bytes=self._max_event_bytes,
+                )
+                if events is None:
+                    # Too many changes for one bounded event: start this
+                    # subscriber over from a (chunked) snapshot instead.
+                    subscription.resync()
+                    continue
+                for event in events:
+                    yield event
         finally:
             subscription.close()
 
     async def ListRoutes(
         self, request: pb.ListRoutesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListRoutesResponse:
-        return pb.ListRoutesResponse(
-            routes=[
-                convert.route_to_proto(r, with_key=False)
-                for r in self._store.routes(request.namespace)
-            ],
-            version=self._store.version,
-        )
+        limit = min(request.page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+        after = _page_position(request.page_token) if request.page_token else None
+        response = pb.ListRoutesResponse(version=self._store.version)
+        size = 0
+        routes = self._store.routes(request.namespace)
+        for index, route in enumerate(r for r in routes if after is None or r.key > after):
+            if index == limit or (index and size >= LIST_PAGE_BYTES):
+                response.next_page_token = _page_token(response.routes[-1])
+                break
+            message = convert.route_to_proto(route, with_key=False)
+            size += message.ByteSize()
+            response.routes.append(message)
+        return response
 
     def _writable_routes(self) -> FileSource:
         if self._routes is None:

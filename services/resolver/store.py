@@ -24,6 +24,9 @@ Invariants:
 - The first version is derived from the wall clock (microseconds), so a
   client resuming with a version from a previous resolver process is older
   than this process's history and gets a snapshot, not someone else's deltas.
+- `epoch` is random per store (per process) and never 0: a resume is honoured
+  only when it names this epoch, so a client that moved to another replica
+  (whose versions may overlap this one's) always starts from a snapshot.
 
 Mutations are synchronous and must be called from the event loop's thread;
 subscriptions wake their consumer with an asyncio.Event.
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -191,6 +195,14 @@ class Subscription:
         self.version = batch.version
         return batch
 
+    def resync(self) -> None:
+        """Give the consumer a fresh snapshot next (what it holds cannot be continued)."""
+        self._needs_snapshot = True
+        self._pending.clear()
+        self._coalesced = False
+        self._whole = None
+        self._wakeup.set()
+
     def heartbeat(self) -> Batch:
         """An empty Batch at the version the consumer holds (nothing new for it)."""
         return Batch(self.version, self.version, ())
@@ -253,6 +265,8 @@ class Store:
         if history_limit < 1:
             raise ValueError("history_limit must be at least 1")
         self.version = time.time_ns() // 1000 if initial_version is None else initial_version
+        # This replica's version space: random, non-zero, fits a uint64.
+        self.epoch = secrets.randbits(63) | 1
         self._history: deque[Batch] = deque()
         self._history_changes = 0
         self._history_limit = history_limit
@@ -367,13 +381,16 @@ class Store:
         kinds: Iterable[Kind] | None = None,
         *,
         resume_from: int = 0,
+        resume_epoch: int | None = None,
         max_pending: int = DEFAULT_MAX_PENDING,
     ) -> Subscription:
         """A new subscription: a snapshot first, or deltas after `resume_from` when
-        the history still reaches back that far. Close it (or use `with`) when done."""
+        the history still reaches back that far and `resume_epoch` is this store's
+        (None: the caller vouches for the version space, as in-process readers do).
+        Close it (or use `with`) when done."""
         wanted = frozenset(kinds) if kinds else ALL_KINDS
         subscription = Subscription(self, wanted, max_pending)
-        if resume_from:
+        if resume_from and (resume_epoch is None or resume_epoch == self.epoch):
             batches = self.changes_since(resume_from)
             if batches is not None:
                 subscription._resume(batches, resume_from)

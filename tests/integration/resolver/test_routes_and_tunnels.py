@@ -281,11 +281,12 @@ async def test_draining_ends_report_streams_with_unavailable(resolver: Resolver)
 # ---------------------------------------------------------------- route keys
 
 
-async def test_route_private_keys_go_to_watch_only_and_the_file_is_0600(
+async def test_route_private_keys_never_go_to_plaintext_clients_and_the_file_is_0600(
     resolver: Resolver,
 ) -> None:
-    """Any client may list routes; only the proxy's Watch needs the key. The file
-    that holds the key is written 0600 even when it was world-readable."""
+    """Any client may list routes; only a route reader's Watch (over mTLS, see
+    test_route_readers) gets the key, never a plaintext client's. The file that
+    holds the key is written 0600 even when it was world-readable."""
     assert resolver.file is not None
     resolver.file.path.chmod(0o644)
     cert, key = self_signed("api.example.com")
@@ -304,6 +305,14 @@ async def test_route_private_keys_go_to_watch_only_and_the_file_is_0600(
     try:
         event = await asyncio.wait_for(call.read(), 10)
         (watched,) = [r for r in event.snapshot.routes if r.name == "api"]
-        assert watched.tls.key == key
+        assert watched.tls.certificate == cert and watched.tls.key == ""
+        resolver.store.delete_route("shop", "api", source=f"file:{resolver.file.path}")
+        await resolver.stub.ApplyRoute(pb.ApplyRouteRequest(route=route(tls=tls)), timeout=5)
+        while True:
+            change = await asyncio.wait_for(call.read(), 10)
+            upserts = [c.route_upserted for c in change.changes.changes if c.route_upserted.name]
+            if upserts:
+                break
+        assert upserts[0].tls.certificate == cert and upserts[0].tls.key == ""
     finally:
         call.cancel()

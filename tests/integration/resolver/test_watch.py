@@ -84,10 +84,13 @@ async def test_resume_from_a_version_gets_only_the_changes_after_it(resolver: Re
     resume = store.version
     store.set_endpoints("shop", "web2", [Endpoint("shop", "web2", "10.7.0.1")], source=SOURCE)
     store.set_endpoints("shop", "web2", [Endpoint("shop", "web2", "10.7.0.2")], source=SOURCE)
-    call = resolver.stub.Watch(pb.WatchRequest(resume_from_version=resume))
+    call = resolver.stub.Watch(
+        pb.WatchRequest(resume_from_version=resume, resume_epoch=store.epoch)
+    )
     try:
         event = await next_event(call)
         assert event.WhichOneof("event") == "changes"
+        assert event.epoch == store.epoch
         assert event.changes.from_version == resume and event.version == store.version
         got = [
             (c.WhichOneof("change"), c.endpoint_upserted.address or c.endpoint_deleted.address)
@@ -106,7 +109,9 @@ async def test_too_old_resume_gets_a_full_snapshot(tmp_path: Path) -> None:
             handle.store.set_endpoints(
                 "shop", "churn", [Endpoint("shop", "churn", f"10.8.0.{i}")], source=SOURCE
             )
-        call = handle.stub.Watch(pb.WatchRequest(resume_from_version=old))
+        call = handle.stub.Watch(
+            pb.WatchRequest(resume_from_version=old, resume_epoch=handle.store.epoch)
+        )
         event = await next_event(call)
         assert event.WhichOneof("event") == "snapshot"
         assert event.version == handle.store.version
@@ -114,12 +119,30 @@ async def test_too_old_resume_gets_a_full_snapshot(tmp_path: Path) -> None:
         assert churn == ["10.8.0.9"]
         # A version from another resolver process (smaller clock base) is too old as well.
         call.cancel()
-        call = handle.stub.Watch(pb.WatchRequest(resume_from_version=57))
+        call = handle.stub.Watch(
+            pb.WatchRequest(resume_from_version=57, resume_epoch=handle.store.epoch)
+        )
         assert (await next_event(call)).WhichOneof("event") == "snapshot"
         call.cancel()
     finally:
         await channel.close()
         await server.stop(0)
+
+
+async def test_resume_with_a_foreign_or_missing_epoch_gets_a_snapshot(resolver: Resolver) -> None:
+    """A version from another replica's version space is never continued with deltas,
+    even when it is inside this replica's history."""
+    store = resolver.store
+    resume = store.version
+    store.set_endpoints("shop", "web2", [Endpoint("shop", "web2", "10.7.0.1")], source=SOURCE)
+    for epoch in (0, store.epoch ^ 2):
+        call = resolver.stub.Watch(pb.WatchRequest(resume_from_version=resume, resume_epoch=epoch))
+        try:
+            event = await next_event(call)
+            assert event.WhichOneof("event") == "snapshot" and event.epoch == store.epoch
+            assert not event.snapshot.more
+        finally:
+            call.cancel()
 
 
 async def test_slow_consumer_gets_coalesced_latest_state(resolver: Resolver) -> None:

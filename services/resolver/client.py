@@ -1,0 +1,424 @@
+"""The resolver's client library: one Watch stream kept as a local, immutable View.
+
+Any consumer of the resolver's view (the proxy, `waygate routes --watch`)
+uses `ResolverWatch` instead of talking to the Watch RPC itself. It re-exports
+the domain model (`waygate.resolver.model`), so consumers import this module
+and nothing else of the resolver.
+
+Invariants:
+- A published `View` is never mutated: every applied event publishes a new
+  one (its mappings are read-only proxies over dicts no one else holds).
+- A snapshot is applied atomically: its chunks (`Snapshot.more`) are gathered
+  aside and replace the view only when the last one arrives; a stream that
+  breaks mid-snapshot leaves the previous view serving.
+- A stream resumes from the (version, epoch) of the view it holds; an event
+  that does not continue that view (another epoch, a gap in versions) is never
+  applied: the client reconnects asking for a fresh snapshot.
+- Every attempt uses a fresh channel from `channel_factory`, closed when the
+  attempt ends, and waits out a jittered backoff after a failure; a stream
+  silent for `stale_after` seconds (no event, no heartbeat) counts as failed.
+- While the resolver is away, the last view keeps serving; `staleness()` and
+  the `waygate_resolver_client_staleness_seconds` gauge say for how long.
+- Cancelling `run()` closes the channel and leaves no task behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import grpc
+from prometheus_client import Counter, Gauge
+
+from waygate.core.backoff import Backoff
+from waygate.core.errors import Unavailable, WaygateError, excerpt
+from waygate.resolver import convert
+from waygate.resolver.model import (
+    HSTS,
+    BalancePolicy,
+    Endpoint,
+    EndpointPort,
+    ForwardedHeadersMode,
+    InsecureEdgePolicy,
+    Kind,
+    Route,
+    RouteBackend,
+    RouteKey,
+    RouteTimeouts,
+    RouteTLS,
+    SameSite,
+    Service,
+    ServiceKey,
+    ServicePort,
+    StickySessions,
+    TLSTermination,
+    TunnelPresence,
+    TunnelServer,
+)
+from waygate.resolver.v1 import resolver_pb2 as pb
+from waygate.resolver.v1 import resolver_pb2_grpc
+
+__all__ = [
+    "HSTS",
+    "BalancePolicy",
+    "Endpoint",
+    "EndpointPort",
+    "ForwardedHeadersMode",
+    "InsecureEdgePolicy",
+    "Kind",
+    "ResolverWatch",
+    "Route",
+    "RouteBackend",
+    "RouteKey",
+    "RouteTLS",
+    "RouteTimeouts",
+    "SameSite",
+    "Service",
+    "ServiceKey",
+    "ServicePort",
+    "StickySessions",
+    "TLSTermination",
+    "TunnelPresence",
+    "TunnelServer",
+    "View",
+]
+
+log = logging.getLogger(__name__)
+
+#: Default silence after which a stream is considered dead: a little over two of
+#: the resolver's default 30 s heartbeats.
+DEFAULT_STALE_AFTER = 75.0
+
+STALENESS = Gauge(
+    "waygate_resolver_client_staleness_seconds",
+    "Seconds since the resolver last confirmed this process's view (an event or a "
+    "heartbeat); +Inf before the first complete snapshot.",
+)
+CONNECTED = Gauge(
+    "waygate_resolver_client_connected",
+    "1 while this process's resolver Watch stream is open and its view current.",
+)
+RECONNECTS = Counter(
+    "waygate_resolver_client_reconnects_total",
+    "Resolver Watch streams that ended and were reopened after a backoff.",
+)
+
+
+@dataclass(frozen=True)
+class View:
+    """One consistent, immutable state of the resolver's view (never mutated after publish)."""
+
+    version: int
+    epoch: int
+    source: str
+    last_sync: float | None  # unix seconds, from the server
+    services: Mapping[ServiceKey, Service]
+    # Grouped by service, ALL endpoints (consumers filter on `.usable`).
+    endpoints: Mapping[ServiceKey, tuple[Endpoint, ...]]
+    routes: Mapping[RouteKey, Route]
+    tunnels: Mapping[str, TunnelPresence]  # by node name
+    # True when this view replaced the previous one wholesale (a snapshot), not by
+    # changes applied on top of it.
+    from_snapshot: bool = False
+
+
+class _StreamBroken(Exception):
+    """The stream sent something that does not continue the view held."""
+
+
+class _Staging:
+    """Chunks of one snapshot being gathered, applied only once complete."""
+
+    def __init__(self, version: int, epoch: int) -> None:
+        self.version = version
+        self.epoch = epoch
+        self.services: dict[ServiceKey, Service] = {}
+        self.endpoints: dict[ServiceKey, dict[str, Endpoint]] = {}
+        self.routes: dict[RouteKey, Route] = {}
+        self.tunnels: dict[str, TunnelPresence] = {}
+
+    def add(self, snapshot: pb.Snapshot) -> None:
+        for message in snapshot.services:
+            service = convert.service_from_proto(message)
+            self.services[service.key] = service
+        endpoints = self.endpoints
+        for message in snapshot.endpoints:
+            endpoint = convert.endpoint_from_proto(message)
+            endpoints.setdefault(endpoint.service_key, {})[endpoint.address] = endpoint
+        for message in snapshot.routes:
+            route = convert.route_from_proto(message)
+            self.routes[route.key] = route
+        for message in snapshot.tunnels:
+            presence = convert.tunnel_from_proto(message)
+            if presence.servers:
+                self.tunnels[presence.node] = presence
+
+
+def _last_sync(event: pb.WatchEvent) -> float | None:
+    if not event.HasField("last_sync"):
+        return None
+    return event.last_sync.seconds + event.last_sync.nanos / 1e9
+
+
+class ResolverWatch:
+    """Keeps a local copy of the resolver's view over one Watch stream.
+
+    `channel_factory` builds a new channel for each attempt (with the process's
+    TLS settings, see `waygate.core.grpcclient.open_channel`); the watch closes
+    it. `on_view` is called on the event loop, synchronously, with each new
+    View (after every applied event that changed it; heartbeats refresh
+    `view.last_sync` and the staleness without a call). `on_disconnect` hears
+    (reason, seconds until the next attempt) for each lost stream; the default
+    logs a warning.
+    """
+
+    def __init__(
+        self,
+        channel_factory: Callable[[], grpc.aio.Channel],
+        *,
+        kinds: Sequence[Kind] = (),
+        on_view: Callable[[View], None] | None = None,
+        backoff: Backoff | None = None,
+        stale_after: float = DEFAULT_STALE_AFTER,
+        on_disconnect: Callable[[str, float], None] | None = None,
+    ) -> None:
+        if stale_after <= 0:
+            raise ValueError("stale_after must be positive")
+        self._channel_factory = channel_factory
+        self._kinds = [convert.KINDS[kind] for kind in kinds]
+        self._on_view = on_view
+        self._backoff = backoff or Backoff(initial=0.5, maximum=30.0)
+        self._stale_after = stale_after
+        self._on_disconnect = on_disconnect or self._log_disconnect
+        self._view: View | None = None
+        self._synced = asyncio.Event()
+        # Monotonic time the server last confirmed the view; None before sync.
+        self._confirmed: float | None = None
+        self._connected = False
+        self._last_error = "not connected yet"
+        # The view's working tables; the published View holds read-only copies.
+        self._services: dict[ServiceKey, Service] = {}
+        self._endpoints: dict[ServiceKey, dict[str, Endpoint]] = {}
+        self._endpoint_tuples: dict[ServiceKey, tuple[Endpoint, ...]] = {}
+        self._routes: dict[RouteKey, Route] = {}
+        self._tunnels: dict[str, TunnelPresence] = {}
+
+    # ------------------------------------------------------------ public surface
+
+    @property
+    def view(self) -> View | None:
+        """The latest applied view; None before the first complete snapshot."""
+        return self._view
+
+    @property
+    def connected(self) -> bool:
+        """True while a stream is open and its view complete."""
+        return self._connected
+
+    def staleness(self) -> float:
+        """Seconds since the server last confirmed the view (event or heartbeat); inf before sync."""
+        if self._confirmed is None:
+            return math.inf
+        return time.monotonic() - self._confirmed
+
+    async def wait_synced(self, timeout: float) -> View:
+        """The first complete view; Unavailable when none arrives within `timeout` seconds."""
+        try:
+            await asyncio.wait_for(self._synced.wait(), timeout)
+        except TimeoutError:
+            raise Unavailable(
+                f"no view from the resolver within {timeout:g}s: {self._last_error}"
+            ) from None
+        assert self._view is not None
+        return self._view
+
+    async def run(self) -> None:
+        """Watch forever: apply, resume, reconnect with backoff on a fresh channel.
+
+        Returns only by cancellation, which closes the current channel.
+        """
+        STALENESS.set_function(self.staleness)
+        CONNECTED.set_function(lambda: 1.0 if self._connected else 0.0)
+        while True:
+            channel = self._channel_factory()
+            try:
+                await self._stream(channel)
+                reason = "the resolver ended the Watch stream"
+            except grpc.aio.AioRpcError as exc:
+                reason = f"{exc.code().name}: {excerpt(exc.details() or '', 300)}"
+            except (_StreamBroken, WaygateError) as exc:
+                reason = str(exc)
+            finally:
+                self._connected = False
+                await channel.close()
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                # Cancelled while the stream was failing anyway: stop, do not retry.
+                raise asyncio.CancelledError
+            self._last_error = reason
+            delay = self._backoff.next_delay()
+            RECONNECTS.inc()
+            self._on_disconnect(reason, delay)
+            await asyncio.sleep(delay)
+
+    # ------------------------------------------------------------ the stream
+
+    @staticmethod
+    def _log_disconnect(reason: str, delay: float) -> None:
+        log.warning(
+            "resolver watch lost; reconnecting",
+            extra={"reason": reason, "retry_in_seconds": round(delay, 3)},
+        )
+
+    def _request(self) -> pb.WatchRequest:
+        view = self._view
+        return pb.WatchRequest(
+            kinds=self._kinds,
+            resume_from_version=view.version if view else 0,
+            resume_epoch=view.epoch if view else 0,
+        )
+
+    async def _stream(self, channel: grpc.aio.Channel) -> None:
+        stub = resolver_pb2_grpc.ResolverStub(channel)
+        call = stub.Watch(self._request())
+        staging: _Staging | None = None
+        loop = asyncio.get_running_loop()
+        try:
+            # One deadline, pushed forward by every event: a silent stream is dead.
+            # (asyncio.timeout, not wait_for: wait_for can swallow a cancellation
+            # that races with the read's own failure.)
+            async with asyncio.timeout(self._stale_after) as deadline:
+                while True:
+                    event = await call.read()
+                    if event is grpc.aio.EOF:
+                        return
+                    deadline.reschedule(loop.time() + self._stale_after)
+                    staging = self._on_event(event, staging)
+        except TimeoutError:
+            raise _StreamBroken(
+                f"no event or heartbeat from the resolver for {self._stale_after:g}s"
+            ) from None
+        finally:
+            call.cancel()
+
+    def _on_event(self, event: pb.WatchEvent, staging: _Staging | None) -> _Staging | None:
+        """Apply one event; returns the snapshot still being gathered, if any."""
+        kind = event.WhichOneof("event")
+        if kind == "snapshot":
+            if staging is None:
+                staging = _Staging(event.version, event.epoch)
+            elif (staging.version, staging.epoch) != (event.version, event.epoch):
+                raise _StreamBroken("a snapshot's chunks changed version mid-way")
+            staging.add(event.snapshot)
+            if event.snapshot.more:
+                return staging
+            self._apply_snapshot(staging, event)
+        elif kind == "changes":
+            if staging is not None:
+                raise _StreamBroken("changes arrived before the snapshot's last chunk")
+            self._apply_changes(event)
+        else:
+            raise _StreamBroken(f"unknown watch event {kind!r}")
+        self._confirmed = time.monotonic()
+        self._connected = True
+        self._backoff.reset()
+        return None
+
+    def _apply_snapshot(self, staging: _Staging, event: pb.WatchEvent) -> None:
+        self._services = staging.services
+        self._endpoints = staging.endpoints
+        self._endpoint_tuples = {key: tuple(eps.values()) for key, eps in staging.endpoints.items()}
+        self._routes = staging.routes
+        self._tunnels = staging.tunnels
+        self._publish(event, from_snapshot=True)
+
+    def _apply_changes(self, event: pb.WatchEvent) -> None:
+        view = self._view
+        changes = event.changes
+        if view is None or event.epoch != view.epoch or changes.from_version != view.version:
+            raise _StreamBroken(
+                f"changes from version {changes.from_version} (epoch {event.epoch}) do not "
+                f"continue the view held (version {view.version if view else 0}); resyncing"
+            )
+        if not changes.changes:
+            # A heartbeat: the view is current as of the source's last sync.
+            self._view = dataclasses.replace(view, last_sync=_last_sync(event), from_snapshot=False)
+            return
+        touched_services: set[ServiceKey] = set()
+        services, routes, tunnels = dict(self._services), dict(self._routes), dict(self._tunnels)
+        for change in changes.changes:
+            which = change.WhichOneof("change")
+            if which == "service_upserted":
+                service = convert.service_from_proto(change.service_upserted)
+                services[service.key] = service
+            elif which == "service_deleted":
+                services.pop((change.service_deleted.namespace, change.service_deleted.name), None)
+            elif which == "endpoint_upserted":
+                endpoint = convert.endpoint_from_proto(change.endpoint_upserted)
+                self._endpoint_table(endpoint.service_key, touched_services)[endpoint.address] = (
+                    endpoint
+                )
+            elif which == "endpoint_deleted":
+                ref = change.endpoint_deleted
+                key = (ref.namespace, ref.service)
+                if key in self._endpoints:
+                    self._endpoint_table(key, touched_services).pop(ref.address, None)
+            elif which == "route_upserted":
+                route = convert.route_from_proto(change.route_upserted)
+                routes[route.key] = route
+            elif which == "route_deleted":
+                routes.pop((change.route_deleted.namespace, change.route_deleted.name), None)
+            elif which == "tunnel_presence":
+                presence = convert.tunnel_from_proto(change.tunnel_presence)
+                if presence.servers:
+                    tunnels[presence.node] = presence
+                else:
+                    tunnels.pop(presence.node, None)
+            else:
+                raise _StreamBroken(f"unknown change {which!r}")
+        if touched_services:
+            tuples = dict(self._endpoint_tuples)
+            for key in touched_services:
+                table = self._endpoints.get(key)
+                if table:
+                    tuples[key] = tuple(table.values())
+                else:
+                    self._endpoints.pop(key, None)
+                    tuples.pop(key, None)
+            self._endpoint_tuples = tuples
+        self._services, self._routes, self._tunnels = services, routes, tunnels
+        self._publish(event, from_snapshot=False)
+
+    def _endpoint_table(self, key: ServiceKey, touched: set[ServiceKey]) -> dict[str, Endpoint]:
+        """The service's endpoint table, copied once per event (the old View keeps its own)."""
+        if key not in touched:
+            touched.add(key)
+            self._endpoints[key] = dict(self._endpoints.get(key, {}))
+        return self._endpoints[key]
+
+    def _publish(self, event: pb.WatchEvent, *, from_snapshot: bool) -> None:
+        view = View(
+            version=event.version,
+            epoch=event.epoch,
+            source=event.source,
+            last_sync=_last_sync(event),
+            services=MappingProxyType(self._services),
+            endpoints=MappingProxyType(self._endpoint_tuples),
+            routes=MappingProxyType(self._routes),
+            tunnels=MappingProxyType(self._tunnels),
+            from_snapshot=from_snapshot,
+        )
+        self._view = view
+        self._synced.set()
+        if self._on_view is not None:
+            try:
+                self._on_view(view)
+            except Exception:
+                # A consumer's bug must not stop the watch every consumer relies on.
+                log.exception("resolver watch: on_view failed")

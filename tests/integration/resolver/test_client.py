@@ -1,0 +1,306 @@
+"""waygate.resolver.client against a real resolver gRPC server (in-process, real sockets).
+
+Chunked snapshots of 100,000 endpoints, resume with (version, epoch), a fresh
+snapshot after a restart (new epoch), the last view kept while the resolver is
+away, and nothing left behind after cancellation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import random
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+import pytest
+
+from tests.support.poll import until as eventually
+from waygate.core.backoff import Backoff
+from waygate.core.errors import Unavailable
+from waygate.core.grpcserver import GrpcServer
+from waygate.resolver.client import Kind, ResolverWatch, Route, RouteBackend, View
+from waygate.resolver.model import Endpoint, EndpointPort, Service, ServicePort
+from waygate.resolver.server import ResolverServicer
+from waygate.resolver.store import Store
+from waygate.resolver.v1 import resolver_pb2 as pb
+from waygate.resolver.v1 import resolver_pb2_grpc
+
+SOURCE = "test"
+
+
+@dataclass
+class Running:
+    store: Store
+    server: GrpcServer
+    port: int
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+async def serve(store: Store, port: int = 0, heartbeat: float = 0.0) -> Running:
+    servicer = ResolverServicer(store, watch_heartbeat=heartbeat)
+    server = GrpcServer(host="127.0.0.1", port=port, registrations=[servicer.registration()])
+    bound = await server.start()
+    await server.set_serving()
+    return Running(store, server, bound)
+
+
+def seeded_store() -> Store:
+    store = Store()
+    store.upsert_service(
+        Service("shop", "web", ports=(ServicePort("http", 80, "8080"),)), source=SOURCE
+    )
+    store.set_endpoints(
+        "shop",
+        "web",
+        [Endpoint("shop", "web", "10.0.0.1", (EndpointPort("http", 8080),))],
+        source=SOURCE,
+    )
+    store.upsert_route(
+        Route("shop", "web", "shop.example.com", backends=(RouteBackend("web"),)), source=SOURCE
+    )
+    return store
+
+
+def factory(address: str) -> Callable[[], grpc.aio.Channel]:
+    return lambda: grpc.aio.insecure_channel(address)
+
+
+def quick_backoff() -> Backoff:
+    return Backoff(initial=0.05, maximum=0.2, rng=random.Random(1))
+
+
+@pytest.fixture
+async def running() -> AsyncIterator[Running]:
+    handle = await serve(seeded_store())
+    try:
+        yield handle
+    finally:
+        await handle.server.stop(0)
+
+
+async def start_watch(watch: ResolverWatch) -> asyncio.Task[None]:
+    task = asyncio.create_task(watch.run())
+    await watch.wait_synced(10)
+    return task
+
+
+async def stop_watch(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_first_view_then_changes_applied_in_place(running: Running) -> None:
+    views: list[View] = []
+    watch = ResolverWatch(factory(running.address), on_view=views.append, backoff=quick_backoff())
+    assert watch.view is None and math.isinf(watch.staleness())
+    task = await start_watch(watch)
+    try:
+        first = watch.view
+        assert first is not None and first.from_snapshot
+        assert first.epoch == running.store.epoch and first.version == running.store.version
+        assert [e.address for e in first.endpoints[("shop", "web")]] == ["10.0.0.1"]
+        assert first.routes[("shop", "web")].host == "shop.example.com"
+        running.store.set_endpoints("shop", "web", [], source=SOURCE)
+        await eventually(
+            lambda: watch.view is not first and ("shop", "web") not in watch.view.endpoints
+        )  # type: ignore[union-attr]
+        assert [e.address for e in first.endpoints[("shop", "web")]] == ["10.0.0.1"], (
+            "a published view never changes"
+        )
+        assert not views[-1].from_snapshot and views[-1].version == running.store.version
+        assert watch.staleness() < 5 and watch.connected
+    finally:
+        await stop_watch(task)
+
+
+async def test_100000_endpoints_arrive_in_bounded_chunks_and_apply_at_once(
+    running: Running,
+) -> None:
+    running.store.set_endpoints(
+        "big",
+        "svc",
+        [
+            Endpoint(
+                "big",
+                "svc",
+                f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}",
+                (EndpointPort("http", 8080),),
+                zone="zone-a",
+                node_name=f"node-{i % 500}",
+            )
+            for i in range(100_000)
+        ],
+        source=SOURCE,
+    )
+    # The raw stream: several events, each under the bound, all but the last with more.
+    channel = grpc.aio.insecure_channel(running.address)
+    try:
+        call = resolver_pb2_grpc.ResolverStub(channel).Watch(pb.WatchRequest())
+        events = []
+        while True:
+            event = await asyncio.wait_for(call.read(), 30)
+            events.append(event)
+            if not event.snapshot.more:
+                break
+        call.cancel()
+    finally:
+        await channel.close()
+    assert len(events) > 3
+    assert all(e.ByteSize() <= 1024 * 1024 for e in events)
+    assert {e.version for e in events} == {running.store.version}
+    assert sum(len(e.snapshot.endpoints) for e in events) == 100_001
+
+    views: list[View] = []
+    watch = ResolverWatch(factory(running.address), on_view=views.append, backoff=quick_backoff())
+    task = asyncio.create_task(watch.run())
+    try:
+        view = await watch.wait_synced(60)
+        assert len(views) == 1, "the chunks were applied as one view"
+        assert len(view.endpoints[("big", "svc")]) == 100_000
+        assert view.routes[("shop", "web")].host == "shop.example.com"
+    finally:
+        await stop_watch(task)
+
+
+async def test_resume_after_a_lost_stream_gets_only_the_changes(running: Running) -> None:
+    views: list[View] = []
+    reasons: list[str] = []
+    watch = ResolverWatch(
+        factory(running.address),
+        on_view=views.append,
+        backoff=quick_backoff(),
+        on_disconnect=lambda reason, delay: reasons.append(reason),
+    )
+    task = await start_watch(watch)
+    try:
+        # The server ends every stream (as when draining); a change lands meanwhile.
+        running.store.end_subscriptions()
+        running.store.upsert_route(
+            Route("shop", "api", "api.example.com", backends=(RouteBackend("web"),)), source=SOURCE
+        )
+        await eventually(lambda: watch.view is not None and ("shop", "api") in watch.view.routes)
+        assert reasons and "shutting down" in reasons[0]
+        assert not views[-1].from_snapshot, "resumed with deltas, not a fresh snapshot"
+        assert views[-1].epoch == views[0].epoch
+    finally:
+        await stop_watch(task)
+
+
+async def test_restarted_resolver_gives_a_fresh_snapshot_and_the_last_view_serves_meanwhile() -> (
+    None
+):
+    first = await serve(seeded_store())
+    watch = ResolverWatch(
+        factory(first.address),
+        backoff=quick_backoff(),
+        kinds=[Kind.ROUTES, Kind.ENDPOINTS],
+        on_disconnect=lambda r, d: None,
+    )
+    task = await start_watch(watch)
+    try:
+        before = watch.view
+        assert before is not None and not before.services, "only the kinds asked for"
+        await first.server.stop(0)
+        await eventually(lambda: not watch.connected)
+        await asyncio.sleep(0.3)
+        assert watch.view is before, "the last view keeps serving while the resolver is away"
+        assert watch.staleness() >= 0.3
+        # A new process on the same port: its own epoch and versions.
+        store = Store(initial_version=before.version + 5)
+        store.upsert_route(
+            Route("shop", "new", "new.example.com", backends=(RouteBackend("web"),)), source=SOURCE
+        )
+        second = await serve(store, port=first.port)
+        try:
+            await eventually(lambda: watch.view is not before, timeout=15)
+            after = watch.view
+            assert after is not None and after.from_snapshot
+            assert after.epoch == store.epoch != before.epoch
+            assert set(after.routes) == {("shop", "new")}, (
+                "nothing of the old replica's view survives"
+            )
+        finally:
+            await second.server.stop(0)
+    finally:
+        await stop_watch(task)
+
+
+async def test_unreachable_resolver_is_unavailable_with_the_reason() -> None:
+    watch = ResolverWatch(
+        factory("127.0.0.1:1"), backoff=quick_backoff(), on_disconnect=lambda r, d: None
+    )
+    task = asyncio.create_task(watch.run())
+    try:
+        with pytest.raises(Unavailable, match="no view from the resolver within"):
+            await watch.wait_synced(1.0)
+    finally:
+        await stop_watch(task)
+
+
+async def test_silent_stream_counts_as_lost(running: Running) -> None:
+    """No heartbeat within stale_after: the watch reconnects (and resumes) by itself."""
+    reasons: list[str] = []
+    watch = ResolverWatch(
+        factory(running.address),
+        backoff=quick_backoff(),
+        stale_after=0.3,
+        on_disconnect=lambda reason, delay: reasons.append(reason),
+    )
+    task = await start_watch(watch)
+    try:
+        await eventually(lambda: bool(reasons))
+        assert "no event or heartbeat" in reasons[0]
+    finally:
+        await stop_watch(task)
+
+
+async def test_heartbeats_keep_the_view_fresh() -> None:
+    handle = await serve(seeded_store(), heartbeat=0.1)
+    reasons: list[str] = []
+    watch = ResolverWatch(
+        factory(handle.address),
+        backoff=quick_backoff(),
+        stale_after=1.0,
+        on_disconnect=lambda reason, delay: reasons.append(reason),
+    )
+    task = await start_watch(watch)
+    try:
+        await asyncio.sleep(1.5)
+        assert not reasons, "heartbeats arrived, the stream was never taken for dead"
+        assert watch.staleness() < 1.0
+    finally:
+        await stop_watch(task)
+        await handle.server.stop(0)
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def test_cancel_leaves_no_task_or_channel_behind(running: Running) -> None:
+    # Warm up gRPC's own threads and sockets once, so the count compares like with like.
+    task = await start_watch(ResolverWatch(factory(running.address)))
+    await stop_watch(task)
+    await asyncio.sleep(0.2)
+    tasks_before, fds_before = len(asyncio.all_tasks()), open_fds()
+    for _ in range(5):
+        task = await start_watch(ResolverWatch(factory(running.address)))
+        await stop_watch(task)
+    # A watch cancelled while reconnecting to nobody, too.
+    task = asyncio.create_task(
+        ResolverWatch(
+            factory("127.0.0.1:1"), backoff=quick_backoff(), on_disconnect=lambda r, d: None
+        ).run()
+    )
+    await asyncio.sleep(0.3)
+    await stop_watch(task)
+    await asyncio.sleep(0.3)
+    assert len(asyncio.all_tasks()) == tasks_before
+    assert open_fds() <= fds_before + 1
