@@ -1,7 +1,10 @@
 """Client commands: `waygate cert issue`, `waygate cert bundle`, `waygate cert inspect`.
 
 `cert issue` generates the private key here and sends only a CSR; the key is
-written 0600 and never leaves this machine. Files are written only after the
+written 0600 and never leaves this machine. Its bearer token comes from
+`--token-file` or the WAYGATE_CERTS_TOKEN environment variable, never from the
+command line: command lines are readable by every local user (/proc/PID/cmdline),
+so `--token` is refused with a message saying where to put the token instead. Files are written only after the
 CA answered, each atomically, so a failed call leaves the output directory as
 it was.
 
@@ -13,8 +16,10 @@ not a certificate), 2 under 20% of its lifetime left.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import ClassVar
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -36,7 +41,7 @@ from waygate.core.clientcli import (
 from waygate.core.errors import InvalidArgument
 from waygate.core.files import write_file_atomically
 from waygate.core.sans import identity_san, parse_san
-from waygate.core.settings import parse_duration
+from waygate.core.settings import load_settings, parse_duration, setting
 
 DEFAULT_PORT = by_command(("certs", "serve")).port("grpc_port")
 #: `cert inspect` exits 2 when less than this fraction of the lifetime remains.
@@ -63,19 +68,50 @@ def _csr_names(args: argparse.Namespace) -> list[str]:
     return names
 
 
+TOKEN_ENV = "WAYGATE_CERTS_TOKEN"
+TOKEN_ON_COMMAND_LINE = (
+    "--token is not accepted: a command line is readable by every local user "
+    f"(/proc/PID/cmdline); put the token in a file (0600) and pass --token-file FILE, "
+    f"or set the {TOKEN_ENV} environment variable"
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class IssueToken:
+    """The token `cert issue` may take from the environment (never a flag, no config file)."""
+
+    CONFIG_ENV: ClassVar[str | None] = None
+
+    certs_token: str | None = setting(
+        None, help="bearer token that authenticates you to the CA", env=TOKEN_ENV
+    )
+
+
+def _token(args: argparse.Namespace) -> str:
+    """The bearer token from --token-file, else WAYGATE_CERTS_TOKEN; ValueError if neither."""
+    if args.token_file is not None:
+        try:
+            token = Path(args.token_file).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read token file {args.token_file}: {exc.strerror}") from None
+        if not token:
+            raise ValueError(f"token file {args.token_file} is empty")
+        return token
+    token = (load_settings(IssueToken).certs_token or "").strip()
+    if not token:
+        raise ValueError(f"give --token-file FILE or set {TOKEN_ENV} (never --token)")
+    return token
+
+
 def _issue(args: argparse.Namespace) -> int:
+    if args.token is not None:
+        return fail(TOKEN_ON_COMMAND_LINE, EXIT_USAGE_OR_UNREACHABLE)
     try:
         lifetime = parse_duration(args.lifetime) if args.lifetime else None
-        token = args.token
-        if args.token_file is not None:
-            token = Path(args.token_file).read_text().strip()
-        if not token:
-            return fail("give --token or --token-file", EXIT_USAGE_OR_UNREACHABLE)
+        token = _token(args)
         names = [parse_san(n) for n in _csr_names(args)]
-    except (ValueError, InvalidArgument) as exc:
+    except (ValueError, InvalidArgument) as exc:  # SettingsError is a ValueError
         return fail(str(exc), EXIT_USAGE_OR_UNREACHABLE)
-    except OSError as exc:
-        return fail(f"cannot read token file {args.token_file}: {exc.strerror}")
     out = Path(args.out)
 
     async def body(settings: ClientSettings) -> int:
@@ -126,9 +162,13 @@ def _issue(args: argparse.Namespace) -> int:
 
 def configure_issue(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--identity", required=True, help="spiffe:// ID, DNS name or node name")
-    tokens = parser.add_mutually_exclusive_group(required=True)
-    tokens.add_argument("--token", help="bearer token that authenticates you to the CA")
-    tokens.add_argument("--token-file", help="file holding the token")
+    parser.add_argument(
+        "--token-file",
+        help=f"file holding the bearer token that authenticates you to the CA (or set {TOKEN_ENV})",
+    )
+    # Still parsed, only to refuse it with the way out (a secret on a command line
+    # is readable by every local user).
+    parser.add_argument("--token", help=f"refused: use --token-file or {TOKEN_ENV}")
     parser.add_argument(
         "--out", required=True, help="directory for key.pem, cert.pem, chain.pem, ca.pem"
     )

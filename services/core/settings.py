@@ -221,8 +221,8 @@ def load_settings(
     """
     env = os.environ if env is None else env
     flags = flags or {}
-    config_env = getattr(cls, "CONFIG_ENV", CONFIG_ENV)
-    if config_file is None and env.get(config_env):
+    config_env = getattr(cls, "CONFIG_ENV", CONFIG_ENV)  # None: no config file at all
+    if config_file is None and config_env and env.get(config_env):
         config_file = Path(env[config_env])
     from_file = _read_config_file(config_file) if config_file else {}
     hints = typing.get_type_hints(cls)

@@ -76,8 +76,9 @@ async def test_issue_bundle_inspect_restart(tmp_path: Path) -> None:
         out_dir = tmp_path / "out"
         code, out, err = await run_cli(
             "cert", "issue", "--addr", certs.grpc_address, "--identity", IDENTITY,
-            "--token", TOKEN, "--out", str(out_dir), "--dns", "user.waygate.local",
+            "--out", str(out_dir), "--dns", "user.waygate.local",
             "--ip", "127.0.0.1", "--lifetime", "2h", cwd=tmp_path,
+            env={"WAYGATE_CERTS_TOKEN": TOKEN},
         )  # fmt: skip
         assert code == 0, err
         assert f"for {IDENTITY}" in out
@@ -109,7 +110,8 @@ async def test_issue_bundle_inspect_restart(tmp_path: Path) -> None:
         # A refusal: one line, exit 1, and nothing written.
         code, out, err = await run_cli(
             "cert", "issue", "--addr", certs.grpc_address, "--identity", IDENTITY,
-            "--token", "wrong-" + "x" * 40, "--out", str(tmp_path / "refused"), cwd=tmp_path,
+            "--out", str(tmp_path / "refused"), cwd=tmp_path,
+            env={"WAYGATE_CERTS_TOKEN": "wrong-" + "x" * 40},
         )  # fmt: skip
         assert code == 1
         assert err.strip().splitlines() == [
@@ -154,8 +156,9 @@ async def test_self_issued_tls_serves_certify_and_the_cli_verifies_it(tmp_path: 
         bundle = tmp_path / "bundle.pem"
         code, _, err = await run_cli(
             "cert", "issue", "--addr", certs.grpc_address, "--identity", IDENTITY,
-            "--token", TOKEN, "--out", str(tmp_path / "out"), "--ca-file", str(bundle),
+            "--out", str(tmp_path / "out"), "--ca-file", str(bundle),
             cwd=tmp_path,
+            env={"WAYGATE_CERTS_TOKEN": TOKEN},
         )  # fmt: skip
         assert code == 0, err
         # Plaintext against the TLS listener fails, as one line, without a traceback.
@@ -180,7 +183,8 @@ async def test_rotation_rewrites_the_bundle_file_and_metrics_show_the_cas(tmp_pa
         assert mode(bundle) == 0o644 and bundle.read_text().count("BEGIN CERTIFICATE") == 1
         code, _, err = await run_cli(
             "cert", "issue", "--addr", certs.grpc_address, "--identity", IDENTITY,
-            "--token", TOKEN, "--out", str(tmp_path / "out"), cwd=tmp_path,
+            "--out", str(tmp_path / "out"), cwd=tmp_path,
+            env={"WAYGATE_CERTS_TOKEN": TOKEN},
         )  # fmt: skip
         assert code == 0, err
         async with grpc.aio.insecure_channel(certs.grpc_address) as channel:

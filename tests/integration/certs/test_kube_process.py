@@ -122,7 +122,8 @@ async def test_cluster_mode_end_to_end(
         code, _, err = await run_cli(
             "cert", "issue", "--addr", certs.grpc_address,
             "--identity", "spiffe://cluster.test/ns/shop/sa/web",
-            "--token", PROJECTED, "--out", str(tmp_path / "web"),
+            "--out", str(tmp_path / "web"),
+            env={"WAYGATE_CERTS_TOKEN": PROJECTED},
         )  # fmt: skip
         assert code == 0, err
         assert (tmp_path / "web" / "cert.pem").is_file()
@@ -130,7 +131,8 @@ async def test_cluster_mode_end_to_end(
         code, _, err = await run_cli(
             "cert", "issue", "--addr", certs.grpc_address,
             "--identity", "spiffe://cluster.test/ns/shop/sa/web",
-            "--token", "not-a-projected-token", "--out", str(tmp_path / "nope"),
+            "--out", str(tmp_path / "nope"),
+            env={"WAYGATE_CERTS_TOKEN": "not-a-projected-token"},
         )  # fmt: skip
         assert code == 1
         assert "UNAUTHENTICATED" in err and "Traceback" not in err

@@ -1,0 +1,173 @@
+"""Fair limits of the core gRPC server, in-process on port 0 over real sockets and real TLS.
+
+Long-lived calls (every streaming method; here grpc.health.v1.Health/Watch) are
+capped per peer - the client-certificate identity, else the peer IP, with a
+lower cap without a certificate - and in total; unary calls have a budget of
+their own that streams never use. Each refusal is RESOURCE_EXHAUSTED naming the
+cap and its setting, and a closed stream gives its place back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.support import demo_server
+from tests.support.pki import LocalCA
+from tests.support.poll import until
+from waygate.core.grpcclient import ClientTLS, open_channel
+from waygate.core.grpcserver import CallLimits, GrpcServer, ServiceRegistration
+
+LIMITS = CallLimits(
+    max_concurrent_unary=50,
+    max_streams=6,
+    max_streams_per_peer=4,
+    max_streams_per_unauthenticated_peer=2,
+)
+
+
+def make_server(credentials: grpc.ServerCredentials | None = None) -> GrpcServer:
+    return GrpcServer(
+        host="127.0.0.1",
+        port=0,
+        registrations=[ServiceRegistration(demo_server.SERVICE, demo_server._add, None)],
+        credentials=credentials,
+        limits=LIMITS,
+    )
+
+
+class Watches:
+    """Health Watch streams held open by one client; each is open once its first reply came."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self._stub = health_pb2_grpc.HealthStub(channel)
+        self.calls: list[grpc.aio.UnaryStreamCall] = []
+
+    async def open(self) -> grpc.aio.UnaryStreamCall:
+        """A new stream, once the server has answered it (raises its refusal)."""
+        call = self._stub.Watch(health_pb2.HealthCheckRequest(), timeout=30)
+        self.calls.append(call)
+        await asyncio.wait_for(call.read(), 5)
+        return call
+
+    async def refusal(self) -> grpc.aio.AioRpcError:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await self.open()
+        return refused.value
+
+    def close(self) -> None:
+        for call in self.calls:
+            call.cancel()
+
+
+async def health_check(channel: grpc.aio.Channel) -> int:
+    reply = await health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(), timeout=5
+    )
+    return reply.status
+
+
+async def test_an_unauthenticated_peer_gets_its_cap_and_unary_calls_still_pass() -> None:
+    server = make_server()
+    port = await server.start()
+    async with open_channel(f"127.0.0.1:{port}", retry=False) as channel:
+        watches = Watches(channel)
+        try:
+            first = await watches.open()
+            await watches.open()
+            refused = await watches.refusal()
+            assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            details = refused.details() or ""
+            assert "127.0.0.1" in details and "is 2 per address" in details
+            assert "--max-streams-per-unauthenticated-peer" in details
+            # Unary calls have their own budget: the held streams cannot starve them.
+            assert await health_check(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
+            # A stream that ends gives its place back.
+            first.cancel()
+            await until(lambda: server.admission.streams == 1, "the cancelled stream's release")
+            await watches.open()
+            assert server.admission.streams_by_peer == {"127.0.0.1": 2}
+        finally:
+            watches.close()
+    await until(lambda: server.admission.streams == 0, "every stream released")
+    assert server.admission.unary == 0 and server.admission.streams_by_peer == {}
+    await server.stop(0)
+
+
+async def test_peers_with_a_certificate_are_counted_by_identity_with_the_higher_cap(
+    tmp_path: Path,
+) -> None:
+    ca = LocalCA()
+    server_files = ca.write_files(tmp_path / "server", ips=["127.0.0.1"])
+    alice = ca.write_files(tmp_path / "alice", uris=["spiffe://test/ns/a/sa/alice"])
+    bob = ca.write_files(tmp_path / "bob", uris=["spiffe://test/ns/b/sa/bob"])
+    credentials = grpc.ssl_server_credentials(
+        [(server_files.key.read_bytes(), server_files.cert.read_bytes())],
+        root_certificates=ca.pem,
+        require_client_auth=True,
+    )
+    server = make_server(credentials)
+    port = await server.start()
+    address = f"127.0.0.1:{port}"
+    async with (
+        open_channel(address, tls=ClientTLS(alice.ca, alice.cert, alice.key), retry=False) as a,
+        open_channel(address, tls=ClientTLS(bob.ca, bob.cert, bob.key), retry=False) as b,
+    ):
+        alice_watches, bob_watches = Watches(a), Watches(b)
+        try:
+            for _ in range(4):  # above the unauthenticated cap of 2
+                await alice_watches.open()
+            refused = await alice_watches.refusal()
+            assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "spiffe://test/ns/a/sa/alice" in (refused.details() or "")
+            assert "--max-streams-per-peer" in (refused.details() or "")
+            # Same IP, other identity: its own share, until the server's total (6) is reached.
+            await bob_watches.open()
+            await bob_watches.open()
+            total = await bob_watches.refusal()
+            assert total.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-streams" in (total.details() or "")
+            assert await health_check(b) == health_pb2.HealthCheckResponse.NOT_SERVING
+        finally:
+            alice_watches.close()
+            bob_watches.close()
+    await until(lambda: server.admission.streams == 0, "every stream released")
+    await server.stop(0)
+
+
+async def test_unary_calls_over_their_budget_are_refused_by_name() -> None:
+    limits = CallLimits(
+        max_concurrent_unary=3,
+        max_streams=6,
+        max_streams_per_peer=4,
+        max_streams_per_unauthenticated_peer=2,
+    )
+    server = GrpcServer(
+        host="127.0.0.1",
+        port=0,
+        registrations=[ServiceRegistration(demo_server.SERVICE, demo_server._add, None)],
+        limits=limits,
+    )
+    port = await server.start()
+    async with open_channel(f"127.0.0.1:{port}", retry=False) as channel:
+        # Three calls that sleep hold the three unary places.
+        sleep = channel.unary_unary(f"/{demo_server.SERVICE}/Sleep")
+        held = [asyncio.ensure_future(sleep(b"2", timeout=10)) for _ in range(3)]
+        try:
+            await until(lambda: server.admission.unary == 3, "three unary calls in flight")
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await health_check(channel)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-concurrent-unary" in (refused.value.details() or "")
+            # Streams do not use the unary budget.
+            watches = Watches(channel)
+            await watches.open()
+            watches.close()
+        finally:
+            assert await asyncio.gather(*held) == [b"slept"] * 3
+    assert server.admission.unary == 0
+    await server.stop(0)
