@@ -1,0 +1,266 @@
+"""Bounded CSRs and bounded ListIssued records (issue 8 item 4, certs side).
+
+CSRs: at most `max_sans` SANs, each within its length bound; RSA keys of
+2048..4096 bits; no other key type than ECDSA P-256/P-384 and Ed25519. Every
+refusal is INVALID_ARGUMENT with a short message naming the bound, and
+nothing is signed or recorded. Records: what ListIssued shows and nothing
+more, bounded by count and bytes, expired ones dropped first, paged.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import dsa, ec, ed448, rsa
+from pyasn1.codec.der import decoder, encoder
+from pyasn1_alt_modules import rfc2986
+
+from tests.unit.certs.helpers import RESOLVER_ID, RESOLVER_SANS, Clock, make_csr, open_authority
+from waygate.certs.authority import (
+    MAX_DNS_NAME_LENGTH,
+    MAX_URI_LENGTH,
+    IssuedRecord,
+    IssuedRecords,
+    check_csr,
+    load_csr,
+)
+from waygate.core.errors import InvalidArgument
+
+NOW = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
+HOUR = dt.timedelta(hours=1)
+
+
+def many_names(count: int) -> list[str]:
+    return [f"dns:n{index}.hostile.test" for index in range(count)]
+
+
+def test_sans_over_the_cap_are_refused_naming_it() -> None:
+    csr, _ = make_csr(many_names(101))
+    with pytest.raises(InvalidArgument) as refused:
+        check_csr(csr)
+    message = str(refused.value)
+    assert "101 subject alternative names" in message
+    assert "at most 100" in message and "max_sans_per_csr" in message
+    check_csr(make_csr(many_names(100))[0])  # the cap itself is allowed
+
+
+def test_the_authority_applies_its_configured_cap(tmp_path: Path) -> None:
+    authority = open_authority(tmp_path / "ca", max_sans=3)
+    names = [f"uri:{RESOLVER_ID}", "dns:a.test", "dns:b.test", "dns:c.test"]
+    with pytest.raises(InvalidArgument, match="at most 3"):
+        authority.issue(make_csr(names)[0], identity=RESOLVER_ID, requested_by="r")
+    assert authority.list_issued(include_expired=True) == []
+    authority.issue(make_csr(names[:3])[0], identity=RESOLVER_ID, requested_by="r")
+
+
+@pytest.mark.parametrize(
+    ("name", "bound"),
+    [
+        ("dns:" + "a" * 63 + "." + "b" * 63 + "." + "c" * 63 + "." + "d" * 63 + ".test", 253),
+        ("uri:spiffe://waygate.local/" + "x" * MAX_URI_LENGTH, MAX_URI_LENGTH),
+    ],
+)
+def test_a_san_over_its_length_is_refused_with_an_excerpt(name: str, bound: int) -> None:
+    assert MAX_DNS_NAME_LENGTH == 253
+    csr, _ = make_csr([name])
+    with pytest.raises(InvalidArgument) as refused:
+        check_csr(csr)
+    message = str(refused.value)
+    assert f"longer than {bound} characters" in message
+    assert len(message) < 250  # an excerpt of the name, not the name
+
+
+def csr_with_public_key(public_key: object) -> bytes:
+    """A CSR carrying `public_key` whose signature (by another key) cannot verify.
+
+    The key checks come before the signature check, so this is how a test asks
+    about key sizes nobody wants to generate (RSA-8192 takes seconds); the
+    system test generates a real one.
+    """
+    der = make_csr(RESOLVER_SANS)[0].public_bytes(serialization.Encoding.DER)
+    request, _ = decoder.decode(der, asn1Spec=rfc2986.CertificationRequest())
+    spki_der = public_key.public_bytes(  # type: ignore[attr-defined]
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    spki, _ = decoder.decode(spki_der, asn1Spec=rfc2986.SubjectPublicKeyInfo())
+    request["certificationRequestInfo"]["subjectPKInfo"] = spki
+    return bytes(encoder.encode(request))
+
+
+def big_rsa_public_key(bits: int) -> rsa.RSAPublicKey:
+    modulus = (1 << (bits - 1)) | 0xB5  # odd, exactly `bits` long: a modulus-shaped number
+    return rsa.RSAPublicNumbers(65537, modulus).public_key()
+
+
+def test_rsa_over_4096_bits_is_refused() -> None:
+    csr = load_csr(csr_with_public_key(big_rsa_public_key(8192)))
+    with pytest.raises(InvalidArgument, match="8192 bits; RSA keys must have 2048 to 4096 bits"):
+        check_csr(csr)
+
+
+def test_rsa_under_2048_bits_is_refused() -> None:
+    key = rsa.generate_private_key(public_exponent=65537, key_size=1024)
+    csr, _ = make_csr(RESOLVER_SANS, key=key)
+    with pytest.raises(InvalidArgument, match="1024 bits; RSA keys must have 2048 to 4096"):
+        check_csr(csr)
+
+
+@pytest.mark.parametrize(
+    ("key", "named"),
+    [
+        (ed448.Ed448PrivateKey.generate(), "Ed448PublicKey"),
+        (ec.generate_private_key(ec.SECP521R1()), "secp521r1"),
+        (ec.generate_private_key(ec.SECP256K1()), "secp256k1"),
+    ],
+)
+def test_other_key_types_are_refused_naming_them(key: object, named: str) -> None:
+    algorithm = None if isinstance(key, ed448.Ed448PrivateKey) else hashes.SHA256()
+    csr = (
+        x509.CertificateSigningRequestBuilder().subject_name(x509.Name([])).sign(key, algorithm)  # type: ignore[arg-type]
+    )
+    with pytest.raises(InvalidArgument) as refused:
+        check_csr(csr)
+    assert named in str(refused.value)
+    assert "ECDSA P-256/P-384, RSA 2048..4096 bits, Ed25519" in str(refused.value)
+
+
+def test_dsa_key_is_refused() -> None:
+    key = dsa.generate_private_key(key_size=1024)
+    csr = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(x509.Name([]))
+        .sign(key, hashes.SHA256())
+    )
+    with pytest.raises(InvalidArgument, match="DSAPublicKey is not supported"):
+        check_csr(csr)
+
+
+# ---------------------------------------------------------------- records
+
+
+def add(
+    records: IssuedRecords, identity: str, not_after: dt.datetime, sans: int = 0
+) -> IssuedRecord:
+    return records.add(
+        serial=f"{records_added(records):x}",
+        identity=identity,
+        dns_names=tuple(f"n{i}.test" for i in range(sans)),
+        uris=(),
+        not_before=not_after - HOUR,
+        not_after=not_after,
+        issuer_fingerprint="f" * 64,
+        requested_by="tester",
+        now=NOW,
+    )
+
+
+def records_added(records: IssuedRecords) -> int:
+    return records._sequence + 1
+
+
+def test_records_hold_only_what_list_issued_shows(tmp_path: Path) -> None:
+    authority = open_authority(tmp_path / "ca")
+    authority.issue(make_csr()[0], identity=RESOLVER_ID, requested_by="resolver")
+    (record,) = authority.list_issued()
+    fields = set(IssuedRecord.__slots__)
+    assert fields == {
+        "sequence",
+        "serial",
+        "identity",
+        "dns_names",
+        "uris",
+        "not_before",
+        "not_after",
+        "issuer_fingerprint",
+        "requested_by",
+        "size",
+    }
+    assert not hasattr(record, "__dict__")  # no room for a certificate or a CSR
+
+
+def test_past_the_count_expired_records_go_first() -> None:
+    records = IssuedRecords(max_count=10, max_bytes=10**9)
+    for _ in range(4):
+        add(records, "expired", NOW - HOUR)
+    fresh = [add(records, "fresh", NOW + HOUR) for _ in range(7)]  # 11 > 10: make room
+    kept = records.newest(identity="", include_expired=True, limit=100, now=NOW)
+    assert kept == fresh  # every expired record went, no fresh one
+
+
+def test_past_the_count_without_expired_the_oldest_go_to_nine_tenths() -> None:
+    records = IssuedRecords(max_count=10, max_bytes=10**9)
+    added = [add(records, "fresh", NOW + HOUR) for _ in range(11)]
+    kept = records.newest(identity="", include_expired=True, limit=100, now=NOW)
+    assert kept == added[-9:]
+    assert len(records) == 9
+
+
+def test_the_byte_bound_holds() -> None:
+    records = IssuedRecords(max_count=10**6, max_bytes=200_000)
+    for _ in range(100):
+        add(records, "big", NOW + HOUR, sans=100)
+    assert records.bytes <= 200_000
+    assert 0 < len(records) < 100
+
+
+def test_pages_follow_the_sequence_and_filters() -> None:
+    records = IssuedRecords(max_count=1000, max_bytes=10**9)
+    for index in range(25):
+        add(records, "a" if index % 2 else "b", NOW + (HOUR if index % 5 else -HOUR))
+    seen: list[IssuedRecord] = []
+    after = 0
+    while True:
+        page = records.page(
+            identity="a", include_expired=False, after=after, size=4, max_bytes=10**9, now=NOW
+        )
+        assert len(page.records) <= 4
+        seen += page.records
+        if page.next_after is None:
+            break
+        after = page.next_after
+    expected = [r for r in records.newest(identity="a", include_expired=False, limit=1000, now=NOW)]
+    assert seen == expected and len(expected) == 10
+    assert [r.sequence for r in seen] == sorted({r.sequence for r in seen})
+
+
+def test_a_page_stays_within_its_bytes_yet_holds_at_least_one_record() -> None:
+    records = IssuedRecords(max_count=1000, max_bytes=10**9)
+    big = [add(records, "big", NOW + HOUR, sans=100) for _ in range(5)]
+    page = records.page(
+        identity="", include_expired=True, after=0, size=100, max_bytes=big[0].size * 2, now=NOW
+    )
+    assert page.records == tuple(big[:2]) and page.next_after == big[1].sequence
+    tiny = records.page(identity="", include_expired=True, after=0, size=100, max_bytes=1, now=NOW)
+    assert tiny.records == (big[0],)
+
+
+def test_paging_survives_records_dropped_between_pages() -> None:
+    records = IssuedRecords(max_count=10, max_bytes=10**9)
+    first = [add(records, "x", NOW + HOUR) for _ in range(10)]
+    page = records.page(
+        identity="", include_expired=True, after=0, size=3, max_bytes=10**9, now=NOW
+    )
+    assert page.records == tuple(first[:3])
+    later = [add(records, "x", NOW + HOUR) for _ in range(5)]  # drops the oldest
+    assert page.next_after is not None
+    rest = records.page(
+        identity="", include_expired=True, after=page.next_after, size=100, max_bytes=10**9, now=NOW
+    )
+    survivors = [
+        r
+        for r in first[3:]
+        if r in records.newest(identity="", include_expired=True, limit=100, now=NOW)
+    ]
+    assert list(rest.records) == survivors + later
+
+
+def test_the_authority_keeps_its_configured_number_of_records(tmp_path: Path) -> None:
+    clock = Clock()
+    authority = open_authority(tmp_path / "ca", clock, issued_records=20)
+    for _ in range(30):
+        authority.issue(make_csr()[0], identity=RESOLVER_ID, requested_by="r")
+    assert len(authority.list_issued(include_expired=True)) <= 20
