@@ -1,5 +1,10 @@
 """The kustomize overlays render, pass strict schema validation, run hardened pods,
-and pass each container only flags that the real `waygate` CLI accepts."""
+and pass each container only flags that the real `waygate` CLI accepts.
+
+Workloads are Deployments and DaemonSets (the tunnel agent runs on every edge
+node). A workload exposes the contract ports of its component (components.py)
+under their names (grpc, dial, http, https, admin): a proxy has no gRPC port,
+an agent only an admin port; every one has admin, probed there."""
 
 from __future__ import annotations
 
@@ -40,8 +45,22 @@ def rendered(request, tmp_path_factory):
     return path, [doc for doc in yaml.safe_load_all(text) if doc]
 
 
-def deployments(objects):
-    return [o for o in objects if o["kind"] == "Deployment"]
+WORKLOADS = ("Deployment", "DaemonSet")
+
+
+def workloads(objects):
+    return [o for o in objects if o["kind"] in WORKLOADS]
+
+
+def named(objects, kind, name):
+    found = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert found, f"no {kind} {name}"
+    return found[0]
+
+
+def contract_ports(component) -> dict[str, int]:
+    """Port name in a manifest -> contract number: grpc_port -> grpc, dial_port -> dial..."""
+    return {field.removesuffix("_port"): port for field, port in component.ports}
 
 
 def test_passes_strict_schema_validation(rendered):
@@ -58,9 +77,10 @@ def test_passes_strict_schema_validation(rendered):
 
 def test_every_pod_is_hardened_and_probed(rendered):
     _, objects = rendered
-    for deployment in deployments(objects):
-        pod = deployment["spec"]["template"]["spec"]
-        name = deployment["metadata"]["name"]
+    assert any(o["kind"] == "Deployment" for o in workloads(objects))
+    for workload in workloads(objects):
+        pod = workload["spec"]["template"]["spec"]
+        name = f"{workload['kind']} {workload['metadata']['name']}"
         assert pod["securityContext"]["runAsNonRoot"] is True, name
         assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault", name
         for container in pod["containers"]:
@@ -74,29 +94,92 @@ def test_every_pod_is_hardened_and_probed(rendered):
 
 def test_waygate_containers_use_real_flags_and_contract_ports(rendered):
     _, objects = rendered
-    parser = build_parser()
     seen = set()
-    for deployment in deployments(objects):
-        for container in deployment["spec"]["template"]["spec"]["containers"]:
+    for workload in workloads(objects):
+        name = f"{workload['kind']} {workload['metadata']['name']}"
+        for container in workload["spec"]["template"]["spec"]["containers"]:
             if not container["image"].startswith("waygate/waygate:"):
                 continue
             args = container["args"]
-            _, unknown = parser.parse_known_args(args)
-            assert not unknown, (
-                f"{deployment['metadata']['name']}: flags the CLI does not know: {unknown}"
-            )
-            component = next(c for c in COMPONENTS if c.command == tuple(args[:2]))
+            component = next((c for c in COMPONENTS if c.command == tuple(args[:2])), None)
+            assert component is not None, f"{name}: not a waygate service command: {args[:2]}"
+            assert component.implemented, f"{name}: {component.name} is not implemented"
             seen.add(component.name)
-            assert component.implemented, component.name
-            ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-            assert ports["admin"] == component.port("admin_port")
-            assert ports["grpc"] == component.port("grpc_port")
-            probe_port = container["readinessProbe"]["httpGet"]["port"]
-            assert (
-                probe_port == "admin"
-                and container["readinessProbe"]["httpGet"]["path"] == "/readyz"
-            )
-    assert {"certs", "resolver"} <= seen
+            # A fresh parser per container: argparse keeps state from the last parse.
+            parsed, unknown = build_parser(args).parse_known_args(args)
+            assert not unknown, f"{name}: flags the CLI does not know: {unknown}"
+            assert not getattr(parsed, "accepts_any_arguments", False), name
+            contract = contract_ports(component)
+            ports = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
+            assert "admin" in ports, f"{name}: no admin port"
+            for port_name, number in ports.items():
+                if port_name in contract:
+                    assert number == contract[port_name], f"{name}: {port_name} {number}"
+            probe = container["readinessProbe"]["httpGet"]
+            assert probe["port"] == "admin" and probe["path"] == "/readyz", name
+            assert container["livenessProbe"]["httpGet"]["port"] == "admin", name
+    assert {"certs", "resolver", "proxy"} <= seen
+
+
+def test_contract_ports_tell_a_workload_without_grpc_from_one_with_it():
+    by_name = {c.name: c for c in COMPONENTS}
+    assert "grpc" not in contract_ports(by_name["proxy"])
+    assert contract_ports(by_name["proxy"]) == {"http": 8080, "https": 8443, "admin": 9004}
+    assert contract_ports(by_name["resolver"])["grpc"] == 7001
+
+
+def test_proxy_is_served_watches_the_resolver_over_tls_and_scales_in_ha():
+    for overlay in OVERLAYS:
+        objects = [doc for doc in yaml.safe_load_all(render(overlay)) if doc]
+        proxy = named(objects, "Deployment", "waygate-proxy")
+        args = proxy["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert "--resolver-address=waygate-resolver.waygate.svc:7001" in args
+        # TLS to the resolver: the proxy takes its client certificate from certs,
+        # under the identity the resolver sends route keys to.
+        assert any(a.startswith("--certs-address=") for a in args)
+        identity = "--cert-identity=spiffe://cluster.local/ns/waygate/sa/waygate-proxy"
+        assert identity in args
+        resolver = named(objects, "Deployment", "waygate-resolver")
+        resolver_args = resolver["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert any(
+            a.startswith("--route-readers=") and identity.split("=", 1)[1] in a
+            for a in resolver_args
+        )
+        service = named(objects, "Service", "waygate-proxy")
+        assert {p["targetPort"] for p in service["spec"]["ports"]} == {"http", "https"}
+    production = [doc for doc in yaml.safe_load_all(render("production")) if doc]
+    hpa = named(production, "HorizontalPodAutoscaler", "waygate-proxy")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "waygate-proxy"
+    assert hpa["spec"]["minReplicas"] >= 2
+    # The HPA owns the replica count: the Deployment must not reset it on apply.
+    assert "replicas" not in named(production, "Deployment", "waygate-proxy")["spec"]
+
+
+def test_network_policies_allow_the_proxy_flows_and_nothing_into_admin_but_monitoring():
+    objects = [doc for doc in yaml.safe_load_all(render("production")) if doc]
+    policy = named(objects, "NetworkPolicy", "waygate-proxy")["spec"]
+    open_ports = {
+        p["port"] for rule in policy["ingress"] if "from" not in rule for p in rule["ports"]
+    }
+    assert open_ports == {8080, 8443}
+    (admin,) = [rule for rule in policy["ingress"] if "from" in rule]
+    assert admin["ports"] == [{"port": 9004, "protocol": "TCP"}]
+    assert admin["from"] == [
+        {"namespaceSelector": {"matchLabels": {"waygate.io/monitoring": "true"}}}
+    ]
+    egress_ports = {p["port"] for rule in policy["egress"] for p in rule.get("ports", [])}
+    assert {7001, 7002, 53} <= egress_ports
+    blocks = [
+        t["ipBlock"] for rule in policy["egress"] for t in rule.get("to", []) if "ipBlock" in t
+    ]
+    assert blocks and all(b["except"] for b in blocks), "backends: all but the metadata service"
+    assert "169.254.169.254/32" in blocks[0]["except"]
+    # The proxy reaches the resolver through the resolver's own policy too.
+    resolver = named(objects, "NetworkPolicy", "waygate-resolver")["spec"]
+    grpc_rule = next(
+        r for r in resolver["ingress"] if {"port": 7001, "protocol": "TCP"} in r["ports"]
+    )
+    assert {"podSelector": {}} in grpc_rule["from"]
 
 
 def test_route_crd_and_rbac_are_part_of_every_overlay(rendered):
