@@ -37,7 +37,7 @@ import grpc
 from prometheus_client import Counter, Gauge
 
 from waygate.core.backoff import Backoff
-from waygate.core.errors import Unavailable, WaygateError, excerpt
+from waygate.core.errors import Unavailable, WaygateError
 from waygate.resolver import convert
 from waygate.resolver.model import (
     HSTS,
@@ -251,7 +251,8 @@ class ResolverWatch:
                 await self._stream(channel)
                 reason = "the resolver ended the Watch stream"
             except grpc.aio.AioRpcError as exc:
-                reason = f"{exc.code().name}: {excerpt(exc.details() or '', 300)}"
+                # The server's own words (cut: a message never floods a log line).
+                reason = (exc.details() or exc.code().name)[:300]
             except (_StreamBroken, WaygateError) as exc:
                 reason = str(exc)
             finally:

@@ -1,8 +1,9 @@
 """Client commands of the resolver: `waygate resolve` and `waygate routes`.
 
-`waygate routes --watch` keeps going across resolver restarts: it resumes
-from the last version it printed (or reprints the table when the resolver
-answers with a fresh snapshot).
+`waygate routes --watch` keeps going across resolver restarts through the
+resolver client (`waygate.resolver.client`): it resumes from the last version
+it printed, or reprints the table when the resolver answers with a fresh
+snapshot.
 
 Exit codes: 0 ok; 3 `resolve` found the service but no endpoint is available;
 2 usage error or resolver unreachable; 1 any other failure (one line on
@@ -15,6 +16,7 @@ import argparse
 import asyncio
 import re
 import sys
+import time
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -28,7 +30,9 @@ from waygate.core.clientcli import (
     fail,
     run_client,
 )
+from waygate.core.errors import Unavailable
 from waygate.resolver import convert
+from waygate.resolver.client import Kind, ResolverWatch, Route, RouteKey, View
 from waygate.resolver.v1 import resolver_pb2 as pb
 from waygate.resolver.v1 import resolver_pb2_grpc
 
@@ -168,80 +172,98 @@ def format_routes(routes: Sequence[pb.Route]) -> str:
     return table(ROUTE_HEADER, [_route_row(r) for r in routes])
 
 
-def format_route_change(change: pb.Change) -> str | None:
-    if change.HasField("route_upserted"):
-        r = change.route_upserted
-        return f"+ {r.namespace}/{r.name}  {r.host}{r.path or '/'} -> {_backends(r)}  tls={_tls(r)}"
-    if change.HasField("route_deleted"):
-        return f"- {change.route_deleted.namespace}/{change.route_deleted.name}"
-    return None
+def format_route_change(route: pb.Route) -> str:
+    return f"+ {route.namespace}/{route.name}  {route.host}{route.path or '/'} -> {_backends(route)}  tls={_tls(route)}"
 
 
 def _routes(args: argparse.Namespace) -> int:
     async def body(settings: ClientSettings) -> int:
+        if args.watch:
+            return await _watch_routes(
+                lambda: channel_for(args, settings),
+                args.namespace,
+                settings.timeout,
+                print,
+                lambda text: print(text, file=sys.stderr, flush=True),
+            )
         async with channel_for(args, settings) as channel:
             stub = resolver_pb2_grpc.ResolverStub(channel)
-            if not args.watch:
+            routes: list[pb.Route] = []
+            token = ""
+            while True:
                 response = await stub.ListRoutes(
-                    pb.ListRoutesRequest(namespace=args.namespace), timeout=settings.timeout
+                    pb.ListRoutesRequest(namespace=args.namespace, page_token=token),
+                    timeout=settings.timeout,
                 )
-                print(format_routes(response.routes))
-                return 0
-            await _watch_routes(
-                stub, args.namespace, print, lambda text: print(text, file=sys.stderr, flush=True)
-            )
+                routes += response.routes
+                token = response.next_page_token
+                if not token:
+                    break
+            print(format_routes(routes))
         return 0
 
     return run_client(args, body)
 
 
 async def _watch_routes(
-    stub: resolver_pb2_grpc.ResolverStub,
+    channel_factory: Callable[[], grpc.aio.Channel],
     namespace: str,
+    timeout: float,
     emit: Callable[..., None],
     warn: Callable[[str], None],
-) -> None:
+) -> int:
     """Print the routes, then each change as it arrives, until interrupted.
 
-    Once connected, a lost stream (resolver restarting or draining) is resumed
-    from the last version seen, after a backoff; a failure before the first
-    event is an error (wrong address, no resolver there).
+    The resolver client keeps the stream: a lost one is resumed from the last
+    version seen after a backoff, and a fresh snapshot (another replica, or a
+    restarted one) reprints the table. No view within `timeout` is an error
+    (wrong address, no resolver there).
     """
-    version = 0
-    backoff = Backoff(initial=0.5, maximum=10.0)
-    while True:
-        call = stub.Watch(
-            pb.WatchRequest(kinds=[pb.RESOURCE_KIND_ROUTES], resume_from_version=version)
-        )
+    shown: dict[RouteKey, Route] = {}
+
+    def on_view(view: View) -> None:
+        nonlocal shown
+        routes = {k: r for k, r in view.routes.items() if not namespace or k[0] == namespace}
+        if view.from_snapshot:
+            emit(f"# version {view.version}, {_view_sync_text(view)} ({view.source})")
+            emit(
+                format_routes([convert.route_to_proto(routes[k]) for k in sorted(routes)]),
+                flush=True,
+            )
+        else:
+            for key in sorted(routes):
+                if shown.get(key) != routes[key]:
+                    emit(format_route_change(convert.route_to_proto(routes[key])), flush=True)
+            for key in sorted(set(shown) - set(routes)):
+                emit(f"- {key[0]}/{key[1]}", flush=True)
+        shown = routes
+
+    watch = ResolverWatch(
+        channel_factory,
+        kinds=[Kind.ROUTES],
+        on_view=on_view,
+        backoff=Backoff(initial=0.5, maximum=10.0),
+        on_disconnect=lambda reason, delay: warn(
+            f"waygate: {reason}; reconnecting in {delay:.1f}s"
+        ),
+    )
+    task = asyncio.create_task(watch.run(), name="routes-watch")
+    try:
         try:
-            async for event in call:
-                backoff.reset()
-                version = event.version
-                _print_routes_event(event, namespace, emit)
-            return
-        except grpc.aio.AioRpcError as exc:
-            if version == 0 or exc.code() != grpc.StatusCode.UNAVAILABLE:
-                raise
-            delay = backoff.next_delay()
-            warn(f"waygate: {exc.details()}; reconnecting in {delay:.1f}s")
-            await asyncio.sleep(delay)
-        finally:
-            call.cancel()
+            await watch.wait_synced(timeout)
+        except Unavailable as exc:
+            return fail(str(exc), EXIT_USAGE_OR_UNREACHABLE)
+        await task
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    return 0
 
 
-def _print_routes_event(event: pb.WatchEvent, namespace: str, emit: Callable[..., None]) -> None:
-    if event.HasField("snapshot"):
-        routes = [r for r in event.snapshot.routes if not namespace or r.namespace == namespace]
-        emit(f"# version {event.version}, {_sync_text(event)} ({event.source})")
-        emit(format_routes(routes), flush=True)
-        return
-    for change in event.changes.changes:
-        ref = change.route_upserted if change.HasField("route_upserted") else change.route_deleted
-        if namespace and ref.namespace != namespace:
-            continue
-        line = format_route_change(change)
-        if line is not None:
-            emit(line, flush=True)
+def _view_sync_text(view: View) -> str:
+    if view.last_sync is None:
+        return "never synced"
+    return "synced " + time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(view.last_sync))
 
 
 COMMANDS: dict[tuple[str, ...], Callable[[argparse.ArgumentParser], None]] = {
