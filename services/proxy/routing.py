@@ -99,9 +99,12 @@ class PassiveHealth:
             self.on_change(len(self._failures))
 
     def succeeded(self, target: Target) -> None:
-        if self._failures and self._failures.pop(target, None) is not None:
-            if self.on_change is not None:
-                self.on_change(len(self._failures))
+        if (
+            self._failures
+            and self._failures.pop(target, None) is not None
+            and self.on_change is not None
+        ):
+            self.on_change(len(self._failures))
 
     def skipped(self, target: Target) -> bool:
         entry = self._failures.get(target) if self._failures else None

@@ -184,6 +184,7 @@ class ClientConnection(asyncio.Protocol):
 
     __slots__ = (
         "_connect_task",
+        "_eof",
         "_first",
         "_pauses",
         "_relay",
@@ -195,9 +196,7 @@ class ClientConnection(asyncio.Protocol):
         "body_remaining",
         "buf",
         "client_key",
-        "client_key",
         "closed",
-        "context",
         "context",
         "entry",
         "last_client",
@@ -248,6 +247,7 @@ class ClientConnection(asyncio.Protocol):
         self._relay = False
         self._write_paused = False
         self._first = True
+        self._eof = False
 
     # ------------------------------------------------------------ asyncio.Protocol
 
@@ -294,6 +294,7 @@ class ClientConnection(asyncio.Protocol):
                 return True
         if self.req is not None and self.req_complete:
             # A client may half-close after its request; answer it, then close.
+            self._eof = True
             return True
         return None
 
@@ -583,7 +584,7 @@ class ClientConnection(asyncio.Protocol):
         self.req = None
         self.entry = None
         self.body_reader = None
-        if not keep_alive or not self.req_complete or server.draining or self.closed:
+        if not keep_alive or not self.req_complete or server.draining or self.closed or self._eof:
             self._close()
             return
         self._unpause(_PAUSE_PIPELINE | _PAUSE_UPSTREAM)
@@ -1066,10 +1067,14 @@ class UpstreamConnection(asyncio.Protocol):
 
     def eof_received(self) -> bool | None:
         client = self.client
-        if self.relay and client is not None and client.transport is not None:
-            if client.transport.can_write_eof():
-                client.transport.write_eof()
-                return True
+        if (
+            self.relay
+            and client is not None
+            and client.transport is not None
+            and client.transport.can_write_eof()
+        ):
+            client.transport.write_eof()
+            return True
         return None
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -206,7 +206,8 @@ async def exchange(
     writer.write(data)
     await writer.drain()
     if half_close:
-        writer.write_eof()
+        with contextlib.suppress(OSError):
+            writer.write_eof()
     out = bytearray()
     try:
         async with asyncio.timeout(timeout):
