@@ -22,13 +22,22 @@ approves certificates.k8s.io CSRs for Waygate's signer names;
 `--bundle-configmap NS/NAME` publishes the trust bundle there. The API is
 reached through `--kubeconfig`, or the pod's ServiceAccount when unset. The
 Kubernetes modules are imported only when one of these is set.
+
+Replicas (cluster mode): with `--ca-secret`, replicas elect a leader over a
+Lease (`waygate.certs.leader`). Every replica serves Certify and the bundle
+from the Secret, which it watches (`SecretCAStore.follow`); only the leader
+writes CA state — rotation steps, the leaf-expiry bound (kept far enough
+ahead that Certify never writes it), the Secret, the bundle ConfigMap and the
+CSR controller's decisions — and those duties run only while it leads.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
+from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -213,6 +222,40 @@ class Settings(GrpcServerSettings):
         "(dns:NAME, ip:ADDR, uri:URI)",
         check=_patterns,
     )
+    leader_election: bool = setting(
+        True,
+        help="with ca_secret: elect a leader over a coordination.k8s.io Lease so several "
+        "replicas can serve (only the leader writes CA state); false: run one replica only",
+    )
+    leader_lease: str | None = setting(
+        None,
+        help="the leader-election Lease, NAMESPACE/NAME; unset: waygate-certs-leader in the "
+        "CA Secret's namespace",
+        check=_namespaced_name,
+    )
+    leader_identity: str | None = setting(
+        None,
+        help="this replica's holder identity in the Lease; unset: the host (pod) name and a "
+        "random suffix",
+    )
+    lease_duration: float = setting(
+        15.0,
+        help="how long followers wait after the leader's last renewal before taking the Lease",
+        parse=parse_duration,
+        check=positive,
+    )
+    renew_deadline: float = setting(
+        10.0,
+        help="a leader that has not renewed for this long stops writing (< lease_duration)",
+        parse=parse_duration,
+        check=positive,
+    )
+    retry_period: float = setting(
+        2.0,
+        help="how often the leader renews and followers try to take the Lease",
+        parse=parse_duration,
+        check=positive,
+    )
 
     @property
     def uses_kubernetes(self) -> bool:
@@ -237,6 +280,11 @@ class Settings(GrpcServerSettings):
             return "invalid setting max_leaf_lifetime: must be shorter than ca_lifetime"
         if self.serving_identity is not None and self.tls_cert_file is not None:
             return "invalid setting serving_identity: give it or tls_cert_file, not both"
+        if not 0 < self.retry_period < self.renew_deadline < self.lease_duration:
+            return (
+                "invalid setting renew_deadline: leader election needs "
+                "retry_period < renew_deadline < lease_duration"
+            )
         if self.serving_identity is not None:
             problem = check_pattern(identity_san(self.serving_identity))
             if problem:
@@ -308,13 +356,43 @@ def build_policy(settings: Settings, kube_api: Any = None) -> Policy:
     return Policy(settings.trust_domain, services=KubeServiceDirectory(kube_api))
 
 
-def build_store(settings: Settings, kube_api: Any = None) -> CAStore:
+def build_store(settings: Settings, kube_api: Any = None, elector: Any = None) -> CAStore:
     if settings.ca_secret is None:
         return DirectoryCAStore(settings.ca_dir)
     from waygate.certs.kube_store import SecretCAStore
 
     namespace, _, name = settings.ca_secret.partition("/")
-    return SecretCAStore(kube_api, namespace, name)
+    return SecretCAStore(kube_api, namespace, name, writer=elector)
+
+
+def build_elector(settings: Settings, kube_api: Any) -> Any:
+    """The Lease elector, in cluster mode with leader election on; else None."""
+    if settings.ca_secret is None or not settings.leader_election:
+        return None
+    from waygate.certs.leader import LeaderElector, LeaseTiming, default_identity
+
+    lease = settings.leader_lease or (
+        f"{settings.ca_secret.partition('/')[0]}/waygate-certs-leader"
+    )
+    namespace, _, name = lease.partition("/")
+    return LeaderElector(
+        kube_api,
+        namespace,
+        name,
+        identity=settings.leader_identity or default_identity(),
+        timing=LeaseTiming(settings.lease_duration, settings.renew_deadline, settings.retry_period),
+    )
+
+
+async def open_authority(settings: Settings, store: CAStore, elector: Any) -> Authority:
+    """Load the CA; with an elector, only the leader may create the first one."""
+    while True:
+        # Loading may generate a key, touch the disk or the API: keep the loop free meanwhile.
+        files = await asyncio.to_thread(store.load)
+        if files is not None or elector is None or elector.is_leader():
+            return await asyncio.to_thread(Authority.open, store, settings.authority_config())
+        log.info("no CA stored yet; waiting for the leader to create it")
+        await asyncio.sleep(settings.retry_period)
 
 
 def kube_api_for(settings: Settings) -> Any:
@@ -326,9 +404,7 @@ def kube_api_for(settings: Settings) -> Any:
     return KubeAPI(load_api_client(settings.kubeconfig))
 
 
-def start_csr_controller(
-    process: ServiceProcess, settings: Settings, kube_api: Any, authority: Authority
-) -> None:
+def csr_controller(settings: Settings, kube_api: Any, authority: Authority) -> Any:
     from waygate.certs.kube_csr import CSRController, SignerRules
 
     account = None
@@ -341,7 +417,7 @@ def start_csr_controller(
         tunnel_server_account=account,
         tunnel_server_names=settings.tunnel_server_names,
     )
-    process.spawn(CSRController(kube_api, authority, rules).run(), "csr-controller")
+    return CSRController(kube_api, authority, rules)
 
 
 def write_bundle_file(path: Path, bundle: TrustBundleView) -> None:
@@ -349,16 +425,20 @@ def write_bundle_file(path: Path, bundle: TrustBundleView) -> None:
     write_file_atomically(path, bundle.pem.encode(), 0o644)
 
 
-async def run_transitions(authority: Authority) -> None:
+async def run_transitions(authority: Authority, elector: Any = None) -> None:
     """Apply CA-rotation transitions when due, so watchers hear of them without a call,
-    and rotate the CA by itself before it nears expiry."""
+    and (the leader, or the only replica) rotate the CA by itself before it nears
+    expiry. In a worker thread: a step may write the store."""
     while True:
         due = authority.next_transition()
         now = datetime.now(UTC)
         wait = MAX_TIMER_SLEEP if due is None else (due - now).total_seconds()
         await asyncio.sleep(min(max(wait, 0.2), MAX_TIMER_SLEEP))
         try:
-            authority.rotate_if_expiring()
+            if elector is None or elector.is_leader():
+                await asyncio.to_thread(authority.rotate_if_expiring)
+            else:
+                await asyncio.to_thread(authority.advance)
         except WaygateError as exc:
             # The store refused the new state (e.g. the API is down); the authority
             # kept the old one, so the next tick tries the transition again.
@@ -373,13 +453,17 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         build_policy(settings, kube_api),
         executor=SigningExecutor(settings.signing_workers, settings.signing_queue),
     )
-    store = build_store(settings, kube_api)
-    # Loading may generate an RSA key, touch the disk or the API: keep the loop free meanwhile.
-    authority = await asyncio.to_thread(Authority.open, store, settings.authority_config())
+    elector = build_elector(settings, kube_api)
+    if elector is not None:
+        process.spawn(elector.run(), "leader-election")
+    store = build_store(settings, kube_api, elector)
+    authority = await open_authority(settings, store, elector)
     service.attach(authority)
     process.on_drain(service.end_watches)
+    # What only the writer of CA state does: the leader, or the only replica.
+    duties: list[Callable[[], Coroutine[Any, Any, None]]] = []
     if settings.csr_controller:
-        start_csr_controller(process, settings, kube_api, authority)
+        duties.append(csr_controller(settings, kube_api, authority).run)
     if settings.bundle_configmap is not None:
         from waygate.certs.kube_bundle import BundlePublisher
 
@@ -387,7 +471,21 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         publisher = BundlePublisher(kube_api, namespace, name)
         authority.add_listener(lambda bundle: publisher.publish(bundle.pem))
         publisher.publish(authority.trust_bundle().pem)
-        process.spawn(publisher.run(), "bundle-configmap")
+        duties.append(publisher.run)
+    if elector is None:
+        for duty in duties:
+            process.spawn(duty(), duty.__qualname__)
+    else:
+        from waygate.certs import leader
+
+        leading = [
+            functools.partial(leader.take_over, authority, store),
+            functools.partial(leader.keep_leaf_bounds, authority, store),
+            *duties,
+        ]
+        process.spawn(leader.while_leading(elector, leading), "leader-duties")
+        # Every replica follows the Secret: the leader's rotations reach its signer.
+        process.spawn(store.follow(authority.adopt), "ca-secret-watch")  # type: ignore[attr-defined]
     if settings.bundle_file is not None:
         bundle_file = settings.bundle_file
         write_bundle_file(bundle_file, authority.trust_bundle())
@@ -405,7 +503,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     process.add_grpc_server(
         GrpcServer.from_settings(settings, [registration(service)], credentials=credentials)
     )
-    process.spawn(run_transitions(authority), "ca-rotation-timer")
+    process.spawn(run_transitions(authority, elector), "ca-rotation-timer")
     active = authority.active_authority()
     log.info(
         "CA loaded",

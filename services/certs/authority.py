@@ -910,6 +910,60 @@ class Authority:
         self.advance()
         return Rotation(new.view(), switch_at, old_retire_after, self._bundle())
 
+    # ------------------------------------------------------------ replicas (cluster mode)
+
+    @_locked
+    def adopt(self, files: dict[str, bytes]) -> bool:
+        """Take the CA state another replica stored (the leader's, seen through the
+        store's watch); True when the bundle changed, and then listeners hear of it.
+
+        Issued records and the latest leaf not_after this replica knows are kept;
+        FailedPrecondition (and nothing changed) when the files cannot be used.
+        """
+        other = type(self)._from_files(self.store, self.config, files, self._now)
+        known = {ca.name: ca for ca in self._cas}
+        for ca in other._cas:
+            mine = known.get(ca.name)
+            if mine is not None and mine.leaf_max is not None:
+                ca.leaf_max = max(mine.leaf_max, ca.leaf_max or mine.leaf_max)
+        before = [(ca.name, ca.state) for ca in self._cas]
+        self._cas, self._generation = other._cas, other._generation
+        if [(ca.name, ca.state) for ca in self._cas] == before:
+            return False
+        self._version = max(self._version + 1, other._version)
+        self._notify()
+        return True
+
+    @_locked
+    def with_leaf_bounds(self, until: datetime) -> dict[str, bytes] | None:
+        """The files to store for every CA's leaf bound raised to at least `until`;
+        None when every bound already is. Memory is not changed: the leader saves
+        these files itself (off this lock, so Certify never waits on the write),
+        then calls `raise_leaf_bounds`."""
+        low = [ca for ca in self._cas if ca.leaf_bound is None or ca.leaf_bound < until]
+        if not low:
+            return None
+        saved = [(ca, ca.leaf_bound) for ca in low]
+        try:
+            for ca in low:
+                ca.leaf_bound = until
+            return self._files()
+        finally:
+            for ca, bound in saved:
+                ca.leaf_bound = bound
+
+    @_locked
+    def raise_leaf_bounds(self, until: datetime, *, stored: Callable[[], bool]) -> bool:
+        """Raise in-memory leaf bounds to `until` if `stored()` (checked under the
+        lock) says the files of `with_leaf_bounds(until)` are still what the store
+        holds; True when raised. A leaf up to the bound then needs no save."""
+        if not stored():
+            return False
+        for ca in self._cas:
+            if ca.leaf_bound is None or ca.leaf_bound < until:
+                ca.leaf_bound = until
+        return True
+
     # ------------------------------------------------------------ change notification
 
     @_locked

@@ -14,6 +14,7 @@ Invariants:
   and annotations that others put on the ConfigMap are kept.
 - API calls run in a worker thread; a failure is logged and retried with
   backoff and never stops certs, which keeps serving the bundle over gRPC.
+- With replicas only the leader runs it (`waygate.certs.leader.while_leading`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ class BundlePublisher:
         self._changed.set()
 
     async def run(self) -> None:
+        # (Re)started, e.g. by a replica that became the leader: compare with what
+        # the ConfigMap holds now, whatever was published before.
+        self.published = None
+        if self._wanted is not None:
+            self._changed.set()
         while True:
             await self._changed.wait()
             self._changed.clear()

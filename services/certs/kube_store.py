@@ -16,19 +16,41 @@ Invariants:
   save fails with FailedPrecondition and nothing is overwritten.
 - Labels and annotations that others put on the Secret are kept.
 - The calls block (with the API client's timeouts); the authority loads at
-  start and saves on CA changes, which are rare.
+  start and saves on CA changes, which are rare, never on the event loop (see
+  below for the one save that can be asked for there).
+
+Replicas (`writer` given, see `waygate.certs.leader`): only the leader writes.
+A save is one of three kinds, told apart by comparing it with what is stored:
+a new CA (a rotation, or the first CA), a raised leaf-expiry bound, or only
+state transitions (a staged CA starting to sign, a retired CA leaving) — these
+follow from the stored state and the clock, so every replica computes the same.
+- On a follower, a new CA or a raised bound raises Unavailable naming the
+  leader (RotateCA answers UNAVAILABLE; the leader keeps the bound far enough
+  ahead that Certify never needs it); a transition stays in memory only: the
+  leader stores the same one.
+- On the leader, a transition asked for on the event loop (GetTrustBundle
+  applying a due switch) is written by a background thread; everything else
+  is written in the caller's thread, which is never the loop's.
+- `follow()` watches the Secret (the shared reflector, by field selector) and
+  hands every version another writer stored to a callback, in a worker thread:
+  how a rotation by the leader reaches every replica within seconds.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import json
 import logging
 import re
-from typing import Any
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
 
-from waygate.certs.kube_api import JSON, KubeAPI, KubeError
+from waygate.certs.authority import STATE_FILE
 from waygate.core.errors import FailedPrecondition, Unavailable
+from waygate.core.kube import JSON, KubeAPI, KubeError, Reflector
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +59,48 @@ _DATA_KEY = re.compile(r"[-._a-zA-Z0-9]+")
 #: Kubernetes refuses Secrets above 1 MiB; leave room for metadata.
 MAX_DATA_BYTES = 900 * 1024
 LABELS = {"app.kubernetes.io/name": "waygate", "app.kubernetes.io/component": "certs"}
+
+
+#: Annotation naming the replica that wrote the Secret last (for people and tests).
+WRITTEN_BY = "waygate.io/written-by"
+
+
+class Writer(Protocol):
+    """Who may write: the leader elector (`waygate.certs.leader.LeaderElector`)."""
+
+    identity: str
+
+    def is_leader(self) -> bool: ...
+
+    def leader_description(self) -> str: ...
+
+
+def _bounds(files: dict[str, bytes] | None) -> dict[str, str]:
+    """CA name -> its leaf bound (ISO text), from a file set's state."""
+    if not files or STATE_FILE not in files:
+        return {}
+    try:
+        state = json.loads(files[STATE_FILE])
+        return {str(e["name"]): str(e.get("leaf_bound") or "") for e in state["authorities"]}
+    except (ValueError, KeyError, TypeError):
+        return {}
+
+
+def save_kind(stored: dict[str, bytes] | None, files: dict[str, bytes]) -> str:
+    """ "new-ca", "bound" or "transition": what a save changes, against what is stored."""
+    before, after = _bounds(stored), _bounds(files)
+    if stored is None or set(after) - set(before):
+        return "new-ca"
+    if any(after[name] > before.get(name, "") for name in after if after[name]):
+        return "bound"
+    return "transition"
+
+
+def _newer(version: str, than: str) -> bool:
+    try:
+        return int(version) > int(than)
+    except ValueError:
+        return version != than
 
 
 def parse_secret_reference(text: str) -> tuple[str, str]:
@@ -50,8 +114,15 @@ def parse_secret_reference(text: str) -> tuple[str, str]:
 class SecretCAStore:
     """A CA file set in one Opaque Secret, written with resourceVersion preconditions."""
 
-    def __init__(self, api: KubeAPI, namespace: str, name: str) -> None:
+    def __init__(
+        self, api: KubeAPI, namespace: str, name: str, *, writer: Writer | None = None
+    ) -> None:
         self._api = api
+        self._writer = writer
+        # Serialises writes (callers' threads and the write-behind thread).
+        self._write_lock = threading.RLock()
+        self._behind: dict[str, bytes] | None = None
+        self._stored: dict[str, bytes] | None = None
         self.namespace = namespace
         self.name = name
         self.description = f"secret {namespace}/{name}"
@@ -81,10 +152,67 @@ class SecretCAStore:
                 raise FailedPrecondition(
                     f"CA store {self.description}: data key {key!r} is not base64"
                 ) from None
-        self._seen = secret
+        with self._write_lock:
+            self._seen = secret
+            self._stored = files or None
         return files or None
 
+    @property
+    def version(self) -> str:
+        """resourceVersion of the Secret as last read or written; "" when absent."""
+        seen = self._seen
+        return str((seen.get("metadata") or {}).get("resourceVersion") or "") if seen else ""
+
     def save(self, files: dict[str, bytes]) -> None:
+        if self._writer is None:
+            self._write(files)
+            return
+        kind = save_kind(self._stored, files)
+        if not self._writer.is_leader():
+            if kind == "transition":
+                return  # in memory only; the leader stores the same transition
+            what = "a new CA" if kind == "new-ca" else "the leaf-expiry bound"
+            raise Unavailable(
+                f"this certs replica ({self._writer.identity}) is not the leader, and only "
+                f"the leader writes {what}; the leader is {self._writer.leader_description()}"
+            )
+        if kind == "transition" and _on_event_loop():
+            self._write_behind(files)
+            return
+        self._write(files)
+
+    def save_based_on(self, files: dict[str, bytes], version: str) -> str | None:
+        """Write `files` only if the Secret is still at `version` (as this process
+        last saw it); the new version, or None when it moved on (nothing written)."""
+        with self._write_lock:
+            if self.version != version:
+                return None
+            if self._writer is not None and not self._writer.is_leader():
+                return None
+            self._write(files)
+            return self.version
+
+    def _write_behind(self, files: dict[str, bytes]) -> None:
+        with self._write_lock:
+            start = self._behind is None
+            self._behind = files
+        if start:
+            threading.Thread(target=self._flush_behind, name="ca-write-behind", daemon=True).start()
+
+    def _flush_behind(self) -> None:
+        while True:
+            with self._write_lock:
+                files, self._behind = self._behind, None
+                if files is None:
+                    return
+                if self._writer is not None and not self._writer.is_leader():
+                    continue
+                try:
+                    self._write(files)
+                except (FailedPrecondition, Unavailable) as exc:
+                    log.warning("CA state transition not stored (the next step retries): %s", exc)
+
+    def _write(self, files: dict[str, bytes]) -> None:
         for key in files:
             if not _DATA_KEY.fullmatch(key):
                 raise ValueError(f"not a Secret data key: {key!r}")
@@ -94,6 +222,10 @@ class SecretCAStore:
                 f"CA store {self.description}: {size} bytes do not fit in a Secret "
                 f"(limit {MAX_DATA_BYTES})"
             )
+        with self._write_lock:
+            self._write_locked(files)
+
+    def _write_locked(self, files: dict[str, bytes]) -> None:
         body = self._body(files)
         try:
             if self._seen is None:
@@ -110,6 +242,7 @@ class SecretCAStore:
                 ) from None
             raise self._error("write", exc) from None
         self._seen = written
+        self._stored = dict(files)
         log.debug("CA store saved", extra={"store": self.description, "files": len(files)})
 
     def _body(self, files: dict[str, bytes]) -> JSON:
@@ -121,6 +254,11 @@ class SecretCAStore:
                     metadata[field] = seen[field]
             metadata["resourceVersion"] = seen.get("resourceVersion", "")
         metadata["labels"] = {**(metadata.get("labels") or {}), **LABELS}
+        if self._writer is not None:
+            metadata["annotations"] = {
+                **(metadata.get("annotations") or {}),
+                WRITTEN_BY: self._writer.identity,
+            }
         return {
             "apiVersion": "v1",
             "kind": "Secret",
@@ -138,3 +276,66 @@ class SecretCAStore:
         if exc.status == 0 or exc.status >= 500 or exc.status == 429:
             return Unavailable(f"cannot {action} CA {self.description}: {exc.message}")
         return FailedPrecondition(f"cannot {action} CA {self.description}: {exc.message}")
+
+    # ------------------------------------------------------------ replicas
+
+    def adopt_object(self, secret: JSON) -> dict[str, bytes] | None:
+        """Take a Secret seen by the watch as the stored state (blocking, a worker
+        thread); its files when another writer stored them, None when it is this
+        process's own write or older than what this process has seen."""
+        version = str((secret.get("metadata") or {}).get("resourceVersion") or "")
+        with self._write_lock:
+            if not version or not _newer(version, self.version):
+                return None
+            files: dict[str, bytes] = {}
+            for key, value in (secret.get("data") or {}).items():
+                try:
+                    files[key] = base64.b64decode(value or "", validate=True)
+                except (binascii.Error, TypeError):
+                    log.warning("CA store %s: data key %r is not base64", self.description, key)
+                    return None
+            self._seen = secret
+            self._stored = files or None
+            return files or None
+
+    async def follow(self, adopt: Callable[[dict[str, bytes]], object]) -> None:
+        """Watch the Secret until cancelled; `adopt(files)` runs in a worker thread for
+        every version another writer stored (newest only, never queued)."""
+        latest: list[JSON] = []
+        arrived = asyncio.Event()
+
+        def seen(secret: JSON) -> None:
+            latest[:] = [secret]
+            arrived.set()
+
+        reflector = Reflector(
+            self._api,
+            self._collection,
+            name="ca-secret",
+            field_selector=f"metadata.name={self.name}",
+            on_list=lambda items: [seen(item) for item in items[-1:]],
+            on_event=lambda kind, obj: seen(obj) if kind != "DELETED" else None,
+        )
+        watching = asyncio.ensure_future(reflector.run())
+        try:
+            while True:
+                await arrived.wait()
+                arrived.clear()
+                secret = latest[0]
+                try:
+                    files = await asyncio.to_thread(self.adopt_object, secret)
+                    if files is not None:
+                        await asyncio.to_thread(adopt, files)
+                except Exception as exc:
+                    log.warning("cannot take the CA state from %s: %s", self.description, exc)
+        finally:
+            watching.cancel()
+            await asyncio.gather(watching, return_exceptions=True)
+
+
+def _on_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
