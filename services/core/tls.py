@@ -19,7 +19,9 @@ use it without ever restarting:
 - `RotatingChannel`: grpc channel credentials are fixed when a channel opens,
   so this holder opens a new channel after every rotation and closes the old
   one after a grace period, letting calls in flight finish. Callers ask it for
-  `channel()` each time they start a call or a stream (never keep the channel).
+  `channel()` each time they start a call or a stream (never keep the channel);
+  a long-lived stream (a report, a tunnel) takes the channel with `hold()`
+  instead, and the old channel stays open until the last holder lets go.
 - `ProcessCertificates`: the above wired from a process's settings.
 
 Invariants: the private key is given to TLS libraries in memory (grpc takes
@@ -30,11 +32,12 @@ every TLS listener built here refuses anything older than TLS 1.2.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import ssl
 import tempfile
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from datetime import UTC, timedelta
 from pathlib import Path
 from typing import Any
@@ -337,7 +340,11 @@ class RotatingChannel:
 
     Call `channel()` for every call or stream. After a rotation it returns a
     new channel; the previous one gets `close_grace` seconds for its calls in
-    flight, then is closed.
+    flight, then is closed. A stream that lives longer than that takes its
+    channel with `async with rotating.hold() as channel:`; a held channel is
+    closed only after the grace and once every holder has let go, so a
+    rotation never cuts a long-lived stream (the connection keeps the
+    certificate it was authenticated with; the next stream uses the new one).
     """
 
     def __init__(
@@ -357,15 +364,46 @@ class RotatingChannel:
         self._close_grace = close_grace
         self._channel: grpc.aio.Channel | None = None
         self._closing: set[asyncio.Task[None]] = set()
+        # Holders per channel, and the event a stale channel waits on to close.
+        self._holders: dict[grpc.aio.Channel, int] = {}
+        self._released: dict[grpc.aio.Channel, asyncio.Event] = {}
         self._unsubscribe = [add(self._stale) for add in subscribe]
         self.opened = 0  # channels opened so far
 
     def _stale(self, _changed: Any) -> None:
         old, self._channel = self._channel, None
         if old is not None:
-            task = asyncio.get_running_loop().create_task(old.close(self._close_grace))
+            task = asyncio.get_running_loop().create_task(self._close_when_released(old))
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
+
+    async def _close_when_released(self, old: grpc.aio.Channel) -> None:
+        try:
+            await asyncio.sleep(self._close_grace)
+            while self._holders.get(old):
+                released = self._released.setdefault(old, asyncio.Event())
+                released.clear()
+                await released.wait()
+        finally:  # also when `close()` cancels the wait: the old channel is closed either way
+            self._released.pop(old, None)
+            await old.close()
+
+    @contextlib.asynccontextmanager
+    async def hold(self) -> AsyncIterator[grpc.aio.Channel]:
+        """The current channel, kept open across rotations until this block exits."""
+        channel = self.channel()
+        self._holders[channel] = self._holders.get(channel, 0) + 1
+        try:
+            yield channel
+        finally:
+            left = self._holders[channel] - 1
+            if left:
+                self._holders[channel] = left
+            else:
+                del self._holders[channel]
+                released = self._released.get(channel)
+                if released is not None:
+                    released.set()
 
     def channel(self) -> grpc.aio.Channel:
         if self._channel is None:

@@ -69,9 +69,9 @@ class AgentConnection(asyncio.Protocol):
 
     # ----------------------------------------------------- destination side
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+    def connection_made(self, transport: Any) -> None:
         # uvloop's transports are not asyncio.Transport subclasses: no isinstance check.
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = transport
         transport.set_write_buffer_limits(high=self.window >> 1)
 
     def data_received(self, data: bytes) -> None:

@@ -65,8 +65,8 @@ def parse_entry(text: str, own: Iterable[Address] = ()) -> AllowEntry:
     net, sep, ports_text = text.strip().rpartition(":")
     if not sep or not net:
         raise ValueError(f"{text!r}: write NET:PORTS, e.g. node:10250 or 10.0.0.0/8:*")
-    if net.startswith("[") and net.endswith("]"):
-        net = net[1:-1]
+    if net.startswith("["):  # [fd00::1] or [fd00::]/8
+        net = net.replace("[", "", 1).replace("]", "", 1)
     if net == "node":
         networks: tuple[Network, ...] = tuple(ipaddress.ip_network(a) for a in own)
     else:

@@ -362,9 +362,9 @@ class SocketBridge(asyncio.Protocol):
             self.done.set_result(None)
 
     # socket side
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+    def connection_made(self, transport: Any) -> None:
         # uvloop's transports are not asyncio.Transport subclasses: no isinstance check.
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = transport
         transport.set_write_buffer_limits(high=self.HIGH_WATER)
 
     def data_received(self, data: bytes) -> None:

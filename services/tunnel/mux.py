@@ -24,6 +24,7 @@ connection.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from waygate.core import errors
 from waygate.tunnel.v1 import tunnel_pb2 as pb
@@ -78,11 +79,11 @@ class Refused(errors.WaygateError):
 
     def __init__(self, reason: int, message: str) -> None:
         super().__init__(message)
-        self.reason = reason
+        self.reason: Any = reason  # a RefusalReason value (protobuf types it as its own enum)
         self.status = REFUSAL_STATUS.get(reason, "UNAVAILABLE")
 
 
-REFUSAL_STATUS = {
+REFUSAL_STATUS: dict[int, str] = {
     pb.NOT_ALLOWED: "PERMISSION_DENIED",
     pb.UNREACHABLE: "UNAVAILABLE",
     pb.NO_AGENT: "NOT_FOUND",
@@ -92,7 +93,7 @@ REFUSAL_STATUS = {
 }
 
 # Reasons another replica could answer differently: the caller may retry there.
-RETRYABLE_ELSEWHERE = frozenset({pb.NO_AGENT, pb.DRAINING})
+RETRYABLE_ELSEWHERE: frozenset[int] = frozenset({pb.NO_AGENT, pb.DRAINING})
 
 
 def reason_name(reason: int) -> str:

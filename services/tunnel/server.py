@@ -543,7 +543,9 @@ class TunnelServicer(tunnel_pb2_grpc.TunnelServicer):
             await context.write(
                 pb.DialFrame(
                     refused=pb.DialRefused(
-                        reason=refused.reason, message=str(refused), server_id=hub.server_id
+                        reason=refused.reason,
+                        message=str(refused),
+                        server_id=hub.server_id,
                     )
                 )
             )
