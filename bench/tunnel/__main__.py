@@ -29,7 +29,6 @@ import contextlib
 import os
 import shutil
 import socket
-import statistics
 import struct
 import subprocess
 import sys
