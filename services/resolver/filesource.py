@@ -25,12 +25,27 @@ become a default):
         to: hello                  # shorthand for backends: [{service: hello, weight: 100}]
         backends: [{service: hello, weight: 100}]
         targetPort: http
-        tls: {termination: edge, certificate: PEM, key: PEM, caCertificate: PEM,
-              destinationCACertificate: PEM, insecureEdgeTerminationPolicy: Redirect}
+        tls:
+          termination: edge        # required: edge | passthrough | reencrypt
+          certificate: PEM         # with key; empty: the proxy's default certificate
+          key: PEM
+          caCertificate: PEM       # chain served after the certificate
+          destinationCACertificate: PEM   # reencrypt: the backend's CA
+          destinationServerName: console.demo.svc  # reencrypt: name verified and sent as SNI
+          presentClientCertificate: false  # reencrypt: the proxy's client certificate
+          clientCACertificate: PEM # clients must present a certificate from this CA
+          insecureEdgeTerminationPolicy: Redirect  # None | Allow | Redirect
+          hsts: {maxAge: 365d, includeSubdomains: true, preload: false}  # maxAge <= 730d
         balance: roundrobin        # random | roundrobin | leastconn | source
-        sticky: {disableCookies: false, cookieName: ""}
-        timeouts: {connect: 5s, client: 30s, server: 30s, httpRequest: 10s, tunnel: 1h}
+        sticky: {disableCookies: false, cookieName: "", sameSite: Lax}  # Lax | Strict | None
+        timeouts: {connect: 5s, client: 30s, server: 30s, httpRequest: 10s, tunnel: 1h,
+                   keepAlive: 300s}
         authProxyHeaders: false
+        forwardedHeaders: append   # append | replace | if-none | never
+
+A route's path is a URL path prefix: at most 1024 characters, no dot-segments
+(also not percent-encoded), no control characters, spaces or backslashes;
+names and hosts at most 253 characters, each PEM field at most 64 KiB.
 
 Invariants:
 - The store holds exactly the last file content that parsed and validated as a
@@ -42,6 +57,10 @@ Invariants:
 - `apply_route` / `delete_route` write the whole file back atomically
   (temporary file + fsync + rename) and apply exactly what they wrote, so the
   store and the file never disagree and the change survives a restart.
+  They refuse (FailedPrecondition, saying why) while the file is missing or
+  holds an error, or before it was ever loaded: a write never starts from
+  a view the resolver did not load (a missing file read as empty would drop
+  every service and route).
   Writing back re-emits the YAML: comments in the file are not preserved.
 - The file holds route TLS private keys: whenever it is written, it is
   written mode 0600, whatever its mode was.
@@ -66,14 +85,17 @@ from waygate.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from waygate.core.files import write_file_atomically
 from waygate.core.settings import SettingsError, parse_duration
 from waygate.resolver.model import (
+    HSTS,
     BalancePolicy,
     Endpoint,
     EndpointPort,
+    ForwardedHeadersMode,
     InsecureEdgePolicy,
     Route,
     RouteBackend,
     RouteTimeouts,
     RouteTLS,
+    SameSite,
     Service,
     ServicePort,
     StickySessions,
@@ -262,6 +284,7 @@ _ROUTE_KEYS = (
     "sticky",
     "timeouts",
     "authProxyHeaders",
+    "forwardedHeaders",
 )
 _BACKEND_KEYS = ("service", "weight")
 _TLS_KEYS = (
@@ -271,14 +294,20 @@ _TLS_KEYS = (
     "caCertificate",
     "destinationCACertificate",
     "insecureEdgeTerminationPolicy",
+    "hsts",
+    "clientCACertificate",
+    "destinationServerName",
+    "presentClientCertificate",
 )
-_STICKY_KEYS = ("disableCookies", "cookieName")
+_HSTS_KEYS = ("maxAge", "includeSubdomains", "preload")
+_STICKY_KEYS = ("disableCookies", "cookieName", "sameSite")
 _TIMEOUT_KEYS = {
     "connect": "connect",
     "client": "client",
     "server": "server",
     "httpRequest": "http_request",
     "tunnel": "tunnel",
+    "keepAlive": "keep_alive",
 }
 
 
@@ -323,6 +352,7 @@ def parse_routes_file(path: Path, text: str) -> FileContent:
 _YAML_KEYS = {
     "cluster_ips": "clusterIPs",
     "destination_ca_certificate": "destinationCACertificate",
+    "client_ca_certificate": "clientCACertificate",
 }
 _FIELD_PART = re.compile(r"([a-z_]+)((?:\[\d+\])*)")
 
@@ -486,6 +516,19 @@ def _parse_route(parser: _Parser, node: yaml.Node) -> Route:
         tls_fields = parser.mapping(fields["tls"], f"{what}: tls", _TLS_KEYS)
         if "termination" not in tls_fields:
             raise parser.error(fields["tls"], f"{what}: tls.termination is required")
+        hsts = None
+        if "hsts" in tls_fields:
+            hsts_fields = parser.mapping(tls_fields["hsts"], f"{what}: tls.hsts", _HSTS_KEYS)
+            max_age = parser.duration(hsts_fields, "maxAge", f"{what}: tls.hsts")
+            if max_age is None:
+                raise parser.error(tls_fields["hsts"], f"{what}: tls.hsts.maxAge is required")
+            hsts = HSTS(
+                max_age=max_age,
+                include_subdomains=parser.typed(
+                    hsts_fields, "includeSubdomains", bool, False, f"{what}: tls.hsts"
+                ),
+                preload=parser.typed(hsts_fields, "preload", bool, False, f"{what}: tls.hsts"),
+            )
         tls = RouteTLS(
             termination=parser.enum(
                 tls_fields,
@@ -509,6 +552,16 @@ def _parse_route(parser: _Parser, node: yaml.Node) -> Route:
                 f"{what}: tls",
                 "None, Allow, Redirect",
             ),
+            hsts=hsts,
+            client_ca_certificate=parser.typed(
+                tls_fields, "clientCACertificate", str, "", f"{what}: tls"
+            ),
+            destination_server_name=parser.typed(
+                tls_fields, "destinationServerName", str, "", f"{what}: tls"
+            ),
+            present_client_certificate=parser.typed(
+                tls_fields, "presentClientCertificate", bool, False, f"{what}: tls"
+            ),
         )
     sticky = StickySessions()
     if "sticky" in fields:
@@ -518,6 +571,14 @@ def _parse_route(parser: _Parser, node: yaml.Node) -> Route:
                 sticky_fields, "disableCookies", bool, False, f"{what}: sticky"
             ),
             cookie_name=parser.typed(sticky_fields, "cookieName", str, "", f"{what}: sticky"),
+            same_site=parser.enum(
+                sticky_fields,
+                "sameSite",
+                SameSite,
+                SameSite.LAX,
+                f"{what}: sticky",
+                "Lax, Strict, None",
+            ),
         )
     timeouts = RouteTimeouts()
     if "timeouts" in fields:
@@ -549,6 +610,14 @@ def _parse_route(parser: _Parser, node: yaml.Node) -> Route:
         sticky=sticky,
         timeouts=timeouts,
         auth_proxy_headers=parser.typed(fields, "authProxyHeaders", bool, False, what),
+        forwarded_headers=parser.enum(
+            fields,
+            "forwardedHeaders",
+            ForwardedHeadersMode,
+            ForwardedHeadersMode.APPEND,
+            what,
+            "append, replace, if-none, never",
+        ),
     )
     return _validated(parser, node, validate_route, route)
 
@@ -557,7 +626,7 @@ def _parse_route(parser: _Parser, node: yaml.Node) -> Route:
 
 
 def _format_duration(seconds: float) -> str:
-    if seconds >= 1 and float(seconds).is_integer():
+    if seconds == 0 or (seconds >= 1 and float(seconds).is_integer()):
         return f"{int(seconds)}s"
     return f"{round(seconds * 1000)}ms"
 
@@ -580,11 +649,20 @@ def route_to_document(route: Route) -> dict[str, Any]:
             ("key", "key"),
             ("ca_certificate", "caCertificate"),
             ("destination_ca_certificate", "destinationCACertificate"),
+            ("client_ca_certificate", "clientCACertificate"),
+            ("destination_server_name", "destinationServerName"),
+            ("present_client_certificate", "presentClientCertificate"),
         ):
             if getattr(route.tls, attr):
                 tls[key] = getattr(route.tls, attr)
         if route.tls.insecure_edge_termination_policy is not InsecureEdgePolicy.NONE:
             tls["insecureEdgeTerminationPolicy"] = route.tls.insecure_edge_termination_policy.value
+        if route.tls.hsts is not None:
+            tls["hsts"] = {
+                "maxAge": _format_duration(route.tls.hsts.max_age),
+                "includeSubdomains": route.tls.hsts.include_subdomains,
+                "preload": route.tls.hsts.preload,
+            }
         doc["tls"] = tls
     if route.balance is not BalancePolicy.DEFAULT:
         doc["balance"] = route.balance.value
@@ -592,6 +670,7 @@ def route_to_document(route: Route) -> dict[str, Any]:
         doc["sticky"] = {
             "disableCookies": route.sticky.disable_cookies,
             "cookieName": route.sticky.cookie_name,
+            "sameSite": route.sticky.same_site.value,
         }
     timeouts = {
         key: _format_duration(getattr(route.timeouts, attr))
@@ -602,6 +681,8 @@ def route_to_document(route: Route) -> dict[str, Any]:
         doc["timeouts"] = timeouts
     if route.auth_proxy_headers:
         doc["authProxyHeaders"] = True
+    if route.forwarded_headers is not ForwardedHeadersMode.APPEND:
+        doc["forwardedHeaders"] = route.forwarded_headers.value
     return doc
 
 
@@ -792,6 +873,19 @@ class FileSource:
 
     # ------------------------------------------------------------ writing routes
 
+    def _check_loaded(self) -> None:
+        """FailedPrecondition unless the store holds what the file holds (called locked)."""
+        if not self.loaded:
+            raise FailedPrecondition(
+                f"the routes file {self.path} has not loaded yet; routes cannot change "
+                f"until it does ({self.last_error or 'not read yet'})"
+            )
+        if self.last_error is not None:
+            raise FailedPrecondition(
+                "the routes file has an error; fix it before changing routes "
+                "(the resolver keeps serving its last good state): " + self.last_error
+            )
+
     def _check_writable(self, namespace: str, name: str) -> None:
         owner = self.store.route_owner(namespace, name)
         if owner is not None and owner != self.source:
@@ -811,6 +905,7 @@ class FileSource:
             return [*routes, entry]
 
         async with self._lock:
+            self._check_loaded()
             self._check_writable(route.namespace, route.name)
             await self._rewrite(edit)
         stored = self.store.get_route(route.namespace, route.name)
@@ -828,6 +923,7 @@ class FileSource:
             ]
 
         async with self._lock:
+            self._check_loaded()
             self._check_writable(namespace, name)
             if self.store.get_route(namespace, name) is None:
                 raise NotFound(f"route {namespace}/{name} not found")
@@ -847,7 +943,10 @@ class FileSource:
         try:
             text = self.path.read_text("utf-8")
         except FileNotFoundError:
-            text = ""
+            raise FailedPrecondition(
+                f"the routes file {self.path} is missing; restore it before changing routes "
+                "(the resolver keeps serving its last good state)"
+            ) from None
         except (OSError, UnicodeDecodeError) as exc:
             raise FailedPrecondition(f"cannot read the routes file {self.path}: {exc}") from None
         try:

@@ -19,7 +19,8 @@ Invariants:
   when its `nodeName` is one of the configured edge nodes.
 - Route custom resources (waygate.io/v1, kind Route): `spec` uses the same
   field names as the routes file (host, path, to | backends, targetPort, tls,
-  balance, sticky, timeouts, authProxyHeaders); `metadata` gives namespace and
+  balance, sticky, timeouts, authProxyHeaders, forwardedHeaders); `metadata`
+  gives namespace and
   name. Everything goes through `validation`, so an invalid object raises
   InvalidArgument naming the object and the field, and never reaches the store.
 """
@@ -29,17 +30,20 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from waygate.core.errors import InvalidArgument
+from waygate.core.errors import InvalidArgument, excerpt
 from waygate.core.settings import parse_duration
 from waygate.resolver.model import (
+    HSTS,
     BalancePolicy,
     Endpoint,
     EndpointPort,
+    ForwardedHeadersMode,
     InsecureEdgePolicy,
     Route,
     RouteBackend,
     RouteTimeouts,
     RouteTLS,
+    SameSite,
     Service,
     ServicePort,
     StickySessions,
@@ -59,6 +63,7 @@ _TIMEOUT_FIELDS = {
     "server": "server",
     "httpRequest": "http_request",
     "tunnel": "tunnel",
+    "keepAlive": "keep_alive",
 }
 
 
@@ -85,7 +90,7 @@ def _text(fields: JSON, key: str, what: str, default: str = "") -> str:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, str | int):
-        raise InvalidArgument(f"{what}: {key}: must be a string, not {value!r}")
+        raise InvalidArgument(f"{what}: {key}: must be a string, not {excerpt(repr(value))}")
     return str(value)
 
 
@@ -286,6 +291,19 @@ def route_from(obj: JSON) -> Route:
     tls = None
     if spec.get("tls") is not None:
         tls_fields = _mapping(spec["tls"], what, "tls")
+        hsts = None
+        if tls_fields.get("hsts") is not None:
+            hsts_fields = _mapping(tls_fields["hsts"], what, "tls.hsts")
+            max_age = _duration(hsts_fields, "maxAge", f"{what}: tls.hsts")
+            if max_age is None:
+                raise InvalidArgument(f"{what}: tls.hsts.maxAge: is required")
+            hsts = HSTS(
+                max_age=max_age,
+                include_subdomains=_flag(
+                    hsts_fields, "includeSubdomains", f"{what}: tls.hsts", False
+                ),
+                preload=_flag(hsts_fields, "preload", f"{what}: tls.hsts", False),
+            )
         tls = RouteTLS(
             termination=_enum(tls_fields, "termination", TLSTermination, None, f"{what}: tls"),
             certificate=_text(tls_fields, "certificate", what),
@@ -298,6 +316,12 @@ def route_from(obj: JSON) -> Route:
                 InsecureEdgePolicy,
                 InsecureEdgePolicy.NONE,
                 f"{what}: tls",
+            ),
+            hsts=hsts,
+            client_ca_certificate=_text(tls_fields, "clientCACertificate", what),
+            destination_server_name=_text(tls_fields, "destinationServerName", what),
+            present_client_certificate=_flag(
+                tls_fields, "presentClientCertificate", f"{what}: tls", False
             ),
         )
     sticky_fields = _mapping(spec.get("sticky"), what, "sticky")
@@ -321,9 +345,19 @@ def route_from(obj: JSON) -> Route:
             sticky=StickySessions(
                 disable_cookies=_flag(sticky_fields, "disableCookies", f"{what}: sticky", False),
                 cookie_name=_text(sticky_fields, "cookieName", f"{what}: sticky"),
+                same_site=_enum(
+                    sticky_fields, "sameSite", SameSite, SameSite.LAX, f"{what}: sticky"
+                ),
             ),
             timeouts=timeouts,
             auth_proxy_headers=_flag(spec, "authProxyHeaders", what, False),
+            forwarded_headers=_enum(
+                spec,
+                "forwardedHeaders",
+                ForwardedHeadersMode,
+                ForwardedHeadersMode.APPEND,
+                what,
+            ),
         )
     )
 
@@ -338,7 +372,7 @@ def _enum(fields: JSON, key: str, enum: Any, default: Any, what: str) -> Any:
         return enum(text)
     except ValueError:
         allowed = ", ".join(member.value for member in enum if member.value)
-        raise InvalidArgument(f"{what}.{key}: {text!r} is not one of {allowed}") from None
+        raise InvalidArgument(f"{what}.{key}: {excerpt(text)} is not one of {allowed}") from None
 
 
 def _duration(fields: JSON, key: str, what: str) -> float | None:

@@ -13,6 +13,15 @@ Invariants:
   proxy answers 503), at most 3 alternate backends, TLS PEM that parses and a
   key that matches its certificate, and per-termination rules (passthrough
   carries no certificate, key, CA or path, and cannot set cookies).
+- Every string field is bounded (names and hosts 253, paths
+  `MAX_PATH_LENGTH`, PEM fields `MAX_PEM_LENGTH`), and an error repeats a
+  caller-supplied value only as `excerpt()` (quoted, escaped, cut), so a
+  hostile value can neither flood a log nor overflow a client's metadata.
+- Paths are RFC 3986 path characters only: no control characters, spaces,
+  backslashes or non-ASCII; no dot-segments, whether written `..` or
+  percent-encoded (`%2e%2e`); no encoded '/', '\\' or control characters.
+  Percent-escapes of unreserved characters are decoded and the rest
+  upper-cased, so two spellings of one path are one route.
 - Pure functions of their input: no I/O, no clock except certificate parsing.
 """
 
@@ -27,8 +36,9 @@ from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
 
-from waygate.core.errors import InvalidArgument
+from waygate.core.errors import EXCERPT_LIMIT, InvalidArgument, excerpt
 from waygate.resolver.model import (
+    HSTS,
     PROTOCOLS,
     SERVICE_TYPES,
     Endpoint,
@@ -36,6 +46,7 @@ from waygate.resolver.model import (
     InsecureEdgePolicy,
     Route,
     RouteTLS,
+    SameSite,
     Service,
     ServicePort,
     TLSTermination,
@@ -44,6 +55,12 @@ from waygate.resolver.model import (
 MAX_WEIGHT = 256
 MAX_ALTERNATE_BACKENDS = 3
 MAX_HOST_LENGTH = 253
+MAX_PATH_LENGTH = 1024
+# A certificate chain or CA bundle of a route; 64 KiB holds dozens of certificates.
+MAX_PEM_LENGTH = 64 * 1024
+# RFC 6797 max-age bound: two years (hstspreload.org asks for at least one).
+MAX_HSTS_MAX_AGE = 2 * 365 * 86400.0
+PRELOAD_MIN_MAX_AGE = 365 * 86400.0
 # A month is longer than any sensible proxy timeout; more is almost surely a unit mistake.
 MAX_TIMEOUT_SECONDS = 30 * 86400.0
 
@@ -53,6 +70,60 @@ _SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a
 _PORT_NAME = re.compile(r"^(?=.*[a-z])[a-z0-9]([a-z0-9-]{0,13}[a-z0-9])?$")
 _COOKIE_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,256}$")
 _NODE_NAME = _SUBDOMAIN
+
+
+_PATH_CHARS = re.compile(r"^[A-Za-z0-9\-._~!$&'()*+,;=:@/%]*$")
+_PERCENT = re.compile(r"%(..)?")
+_UNRESERVED = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
+
+
+def normalize_path(path: str, what: str, field: str = "path") -> str:
+    """A route path prefix, normalised (see the module docstring); "" means "/"."""
+    if not path:
+        return "/"
+    if len(path) > MAX_PATH_LENGTH:
+        raise _fail(what, field, f"{excerpt(path)} is longer than {MAX_PATH_LENGTH} characters")
+    if not path.startswith("/"):
+        raise _fail(what, field, f"{excerpt(path)} must start with '/'")
+    if not _PATH_CHARS.match(path):
+        raise _fail(
+            what,
+            field,
+            f"{excerpt(path)}: a path prefix holds only URL path characters (no spaces, "
+            "control characters, backslashes, quotes, '?', '#' or non-ASCII; "
+            "percent-encode them)",
+        )
+
+    def decode(match: re.Match[str]) -> str:
+        digits = match[1]
+        if digits is None or not all(c in "0123456789abcdefABCDEF" for c in digits):
+            raise _fail(what, field, f"{excerpt(path)}: '%' must start a %XX escape")
+        char = chr(int(digits, 16))
+        if char in _UNRESERVED:
+            return char
+        if char in "/\\" or ord(char) < 0x20 or ord(char) == 0x7F:
+            raise _fail(
+                what,
+                field,
+                f"{excerpt(path)}: an encoded '/', '\\' or control character (%{digits}) "
+                "is ambiguous in a route path",
+            )
+        return "%" + digits.upper()
+
+    normalised = _PERCENT.sub(decode, path)
+    if any(segment in (".", "..") for segment in normalised.split("/")):
+        raise _fail(
+            what,
+            field,
+            f"{excerpt(path)}: dot-segments ('.' or '..', also percent-encoded) are not "
+            "allowed in a route path",
+        )
+    return normalised
+
+
+def check_pem_length(value: str, what: str, field: str) -> None:
+    if len(value) > MAX_PEM_LENGTH:
+        raise _fail(what, field, f"{len(value)} characters; at most {MAX_PEM_LENGTH}")
 
 
 def _fail(what: str, field: str, reason: str) -> InvalidArgument:
@@ -74,7 +145,7 @@ def check_label(value: str, what: str, field: str) -> None:
         raise _fail(
             what,
             field,
-            f"{value!r} is not a DNS-1123 label (lower-case letters, digits and '-', "
+            f"{excerpt(value)} is not a DNS-1123 label (lower-case letters, digits and '-', "
             "at most 63, starting and ending with a letter or digit)",
         )
 
@@ -87,7 +158,7 @@ def check_name(value: str, what: str, field: str) -> None:
         raise _fail(
             what,
             field,
-            f"{value!r} is not a DNS-1123 subdomain (lower-case letters, digits, '-' and '.')",
+            f"{excerpt(value)} is not a DNS-1123 subdomain (lower-case letters, digits, '-' and '.')",
         )
 
 
@@ -98,23 +169,25 @@ def normalize_host(host: str, what: str, field: str = "host") -> str:
     lowered = host.strip().lower().rstrip(".")
     name = lowered[2:] if lowered.startswith("*.") else lowered
     if len(lowered) > MAX_HOST_LENGTH:
-        raise _fail(what, field, f"{host!r} is longer than {MAX_HOST_LENGTH} characters")
+        raise _fail(what, field, f"{excerpt(host)} is longer than {MAX_HOST_LENGTH} characters")
     if "*" in name:
-        raise _fail(what, field, f"{host!r}: a wildcard is only allowed as a leading '*.'")
+        raise _fail(what, field, f"{excerpt(host)}: a wildcard is only allowed as a leading '*.'")
     labels = name.split(".")
     if lowered.startswith("*.") and len(labels) < 2:
-        raise _fail(what, field, f"{host!r}: a wildcard needs at least two labels after '*.'")
+        raise _fail(
+            what, field, f"{excerpt(host)}: a wildcard needs at least two labels after '*.'"
+        )
     for label in labels:
         if not _LABEL.match(label):
             raise _fail(
                 what,
                 field,
-                f"{host!r} is not an RFC 1123 host name (label {label!r}: letters, digits "
+                f"{excerpt(host)} is not an RFC 1123 host name (label {excerpt(label)}: letters, digits "
                 "and '-', 1-63 characters, not starting or ending with '-')",
             )
     with_ip = name.replace(".", "")
     if with_ip.isdigit():
-        raise _fail(what, field, f"{host!r} is an IP address; routes need a host name")
+        raise _fail(what, field, f"{excerpt(host)} is an IP address; routes need a host name")
     return lowered
 
 
@@ -130,7 +203,7 @@ def check_port_ref(value: str, what: str, field: str) -> None:
         raise _fail(
             what,
             field,
-            f"{value!r} is neither a port number nor a port name "
+            f"{excerpt(value)} is neither a port number nor a port name "
             "(1-15 lower-case letters, digits and '-')",
         )
 
@@ -146,15 +219,11 @@ def _check_port_number(value: int, what: str, field: str, *, allow_zero: bool = 
 
 def validate_route(route: Route) -> Route:
     """The route normalised, or InvalidArgument naming the field that is wrong."""
-    what = f"route {route.namespace or '?'}/{route.name or '?'}"
+    what = f"route {_ref(route.namespace)}/{_ref(route.name)}"
     check_label(route.namespace, what, "namespace")
     check_name(route.name, what, "name")
     host = normalize_host(route.host, what)
-    path = route.path or "/"
-    if not path.startswith("/"):
-        raise _fail(what, "path", f"{route.path!r} must start with '/'")
-    if any(c.isspace() for c in path) or "#" in path or "?" in path:
-        raise _fail(what, "path", f"{route.path!r}: a path prefix has no spaces, '?' or '#'")
+    path = normalize_path(route.path, what)
     if not route.backends:
         raise _fail(what, "backends", "at least one backend (the route's service) is required")
     if len(route.backends) > 1 + MAX_ALTERNATE_BACKENDS:
@@ -168,7 +237,7 @@ def validate_route(route: Route) -> Route:
         field = f"backends[{index}]"
         check_label(backend.service, what, f"{field}.service")
         if backend.service in seen:
-            raise _fail(what, f"{field}.service", f"{backend.service!r} is listed twice")
+            raise _fail(what, f"{field}.service", f"{excerpt(backend.service)} is listed twice")
         seen.add(backend.service)
         if not 0 <= backend.weight <= MAX_WEIGHT:
             raise _fail(what, f"{field}.weight", f"{backend.weight} is outside 0..{MAX_WEIGHT}")
@@ -182,8 +251,10 @@ def validate_route(route: Route) -> Route:
             raise _fail(
                 what,
                 "sticky.cookie_name",
-                f"{route.sticky.cookie_name!r} is not a valid cookie name",
+                f"{excerpt(route.sticky.cookie_name)} is not a valid cookie name",
             )
+    if route.sticky.same_site is not SameSite.LAX and passthrough:
+        raise _fail(what, "sticky.same_site", "passthrough routes cannot set cookies")
     for timeout_field in dataclasses.fields(route.timeouts):
         value = getattr(route.timeouts, timeout_field.name)
         if value is None:
@@ -199,14 +270,25 @@ def validate_route(route: Route) -> Route:
 
 def _validate_tls(tls: RouteTLS, what: str, path: str) -> RouteTLS:
     termination = tls.termination
+    for field in _PEM_FIELDS:
+        check_pem_length(getattr(tls, field), what, f"tls.{field}")
     if termination is TLSTermination.PASSTHROUGH:
-        for field in ("certificate", "key", "ca_certificate", "destination_ca_certificate"):
+        for field in _PEM_FIELDS:
             if getattr(tls, field):
                 raise _fail(
                     what,
                     f"tls.{field}",
                     "passthrough routes forward TLS untouched and take no certificate material",
                 )
+        if tls.hsts is not None:
+            raise _fail(what, "tls.hsts", "passthrough routes cannot add response headers")
+        if tls.destination_server_name or tls.present_client_certificate:
+            field = (
+                "destination_server_name"
+                if tls.destination_server_name
+                else "present_client_certificate"
+            )
+            raise _fail(what, f"tls.{field}", "only reencrypt routes open TLS to the backend")
         if tls.insecure_edge_termination_policy is InsecureEdgePolicy.ALLOW:
             raise _fail(
                 what,
@@ -216,12 +298,25 @@ def _validate_tls(tls: RouteTLS, what: str, path: str) -> RouteTLS:
         if path != "/":
             raise _fail(what, "path", "passthrough routes route by SNI and cannot have a path")
         return tls
-    if termination is TLSTermination.EDGE and tls.destination_ca_certificate:
-        raise _fail(
-            what,
-            "tls.destination_ca_certificate",
-            "only reencrypt routes verify a backend certificate",
-        )
+    if termination is TLSTermination.EDGE:
+        for field in (
+            "destination_ca_certificate",
+            "destination_server_name",
+            "present_client_certificate",
+        ):
+            if getattr(tls, field):
+                raise _fail(what, f"tls.{field}", "only reencrypt routes open TLS to the backend")
+    if tls.hsts is not None:
+        _check_hsts(tls.hsts, what)
+    server_name = tls.destination_server_name
+    if server_name:
+        server_name = normalize_host(server_name, what, "tls.destination_server_name")
+        if server_name.startswith("*."):
+            raise _fail(
+                what, "tls.destination_server_name", "a server name to verify is not a wildcard"
+            )
+    if tls.client_ca_certificate:
+        _parse_certificates(tls.client_ca_certificate, what, "tls.client_ca_certificate")
     if bool(tls.certificate) != bool(tls.key):
         missing = "key" if tls.certificate else "certificate"
         raise _fail(
@@ -242,7 +337,41 @@ def _validate_tls(tls: RouteTLS, what: str, path: str) -> RouteTLS:
         _parse_certificates(tls.ca_certificate, what, "tls.ca_certificate")
     if tls.destination_ca_certificate:
         _parse_certificates(tls.destination_ca_certificate, what, "tls.destination_ca_certificate")
-    return tls
+    return dataclasses.replace(tls, destination_server_name=server_name)
+
+
+_PEM_FIELDS = (
+    "certificate",
+    "key",
+    "ca_certificate",
+    "destination_ca_certificate",
+    "client_ca_certificate",
+)
+
+
+def _check_hsts(hsts: HSTS, what: str) -> None:
+    if not 0 <= hsts.max_age <= MAX_HSTS_MAX_AGE:
+        raise _fail(
+            what,
+            "tls.hsts.max_age",
+            f"{hsts.max_age:g}s is outside 0..{MAX_HSTS_MAX_AGE:.0f}s (two years)",
+        )
+    if hsts.preload and (hsts.max_age < PRELOAD_MIN_MAX_AGE or not hsts.include_subdomains):
+        raise _fail(
+            what,
+            "tls.hsts.preload",
+            f"preload needs max_age of at least {PRELOAD_MIN_MAX_AGE:.0f}s (a year) and "
+            "include_subdomains, as browsers' preload lists require",
+        )
+
+
+def _ref(value: str) -> str:
+    """A namespace or name for `what`: as is when short and plain, else an excerpt."""
+    if not value:
+        return "?"
+    if len(value) <= EXCERPT_LIMIT and value.isprintable():
+        return value
+    return excerpt(value)
 
 
 def _parse_certificates(pem: str, what: str, field: str) -> list[x509.Certificate]:
@@ -274,11 +403,13 @@ def _public_bytes(public_key: object) -> bytes:
 
 
 def validate_service(service: Service) -> Service:
-    what = f"service {service.namespace or '?'}/{service.name or '?'}"
+    what = f"service {_ref(service.namespace)}/{_ref(service.name)}"
     check_label(service.namespace, what, "namespace")
     check_label(service.name, what, "name")
     if service.type not in SERVICE_TYPES:
-        raise _fail(what, "type", f"{service.type!r} is not one of {', '.join(SERVICE_TYPES)}")
+        raise _fail(
+            what, "type", f"{excerpt(service.type)} is not one of {', '.join(SERVICE_TYPES)}"
+        )
     if service.type == "ExternalName":
         if not service.external_name:
             raise _fail(what, "external_name", "an ExternalName service needs external_name")
@@ -291,12 +422,14 @@ def validate_service(service: Service) -> Service:
         try:
             ipaddress.ip_address(ip)
         except ValueError:
-            raise _fail(what, f"cluster_ips[{index}]", f"{ip!r} is not an IP address") from None
+            raise _fail(
+                what, f"cluster_ips[{index}]", f"{excerpt(ip)} is not an IP address"
+            ) from None
     names: set[str] = set()
     for index, port in enumerate(service.ports):
         _check_service_port(port, what, f"ports[{index}]", service.type)
         if port.name in names:
-            raise _fail(what, f"ports[{index}].name", f"{port.name!r} is used twice")
+            raise _fail(what, f"ports[{index}].name", f"{excerpt(port.name)} is used twice")
         names.add(port.name)
     if len(service.ports) > 1 and "" in names:
         raise _fail(what, "ports", "every port needs a name when a service has several")
@@ -313,16 +446,16 @@ def _check_service_port(port: ServicePort, what: str, field: str, service_type: 
         raise _fail(what, f"{field}.target_port", "is required (a number or a port name)")
     check_port_ref(port.target_port, what, f"{field}.target_port")
     if port.protocol not in PROTOCOLS:
-        raise _fail(what, f"{field}.protocol", f"{port.protocol!r} is not one of {PROTOCOLS}")
+        raise _fail(
+            what, f"{field}.protocol", f"{excerpt(port.protocol)} is not one of {PROTOCOLS}"
+        )
     _check_port_number(port.node_port, what, f"{field}.node_port", allow_zero=True)
     if port.node_port and service_type not in ("NodePort", "LoadBalancer"):
         raise _fail(what, f"{field}.node_port", "only NodePort and LoadBalancer services have one")
 
 
 def validate_endpoint(endpoint: Endpoint) -> Endpoint:
-    what = (
-        f"endpoint {endpoint.namespace or '?'}/{endpoint.service or '?'}/{endpoint.address or '?'}"
-    )
+    what = f"endpoint {_ref(endpoint.namespace)}/{_ref(endpoint.service)}/{_ref(endpoint.address)}"
     check_label(endpoint.namespace, what, "namespace")
     check_label(endpoint.service, what, "service")
     if not endpoint.address:
@@ -334,12 +467,12 @@ def validate_endpoint(endpoint: Endpoint) -> Endpoint:
     if endpoint.tunnel and not endpoint.node_name:
         raise _fail(what, "node_name", "a tunnel endpoint needs the node whose tunnel reaches it")
     if endpoint.node_name and not _NODE_NAME.match(endpoint.node_name):
-        raise _fail(what, "node_name", f"{endpoint.node_name!r} is not a DNS-1123 subdomain")
+        raise _fail(what, "node_name", f"{excerpt(endpoint.node_name)} is not a DNS-1123 subdomain")
     names: set[str] = set()
     for index, port in enumerate(endpoint.ports):
         _check_endpoint_port(port, what, f"ports[{index}]")
         if port.name in names:
-            raise _fail(what, f"ports[{index}].name", f"{port.name!r} is used twice")
+            raise _fail(what, f"ports[{index}].name", f"{excerpt(port.name)} is used twice")
         names.add(port.name)
     return endpoint
 
@@ -349,4 +482,6 @@ def _check_endpoint_port(port: EndpointPort, what: str, field: str) -> None:
         check_port_ref(port.name, what, f"{field}.name")
     _check_port_number(port.port, what, f"{field}.port")
     if port.protocol not in PROTOCOLS:
-        raise _fail(what, f"{field}.protocol", f"{port.protocol!r} is not one of {PROTOCOLS}")
+        raise _fail(
+            what, f"{field}.protocol", f"{excerpt(port.protocol)} is not one of {PROTOCOLS}"
+        )

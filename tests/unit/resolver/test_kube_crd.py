@@ -46,11 +46,14 @@ def test_every_proto_route_field_is_in_the_schema(schema):
         spec["backends"]["items"]["properties"]
     )
     tls = camel(resolver_pb2.RouteTLS.DESCRIPTOR)
-    # The proto spells it destinationCaCertificate in JSON; the CRD keeps OpenShift's spelling.
-    assert tls - {"destinationCaCertificate", "caCertificate"} | {
+    # The proto spells them *CaCertificate in JSON; the CRD keeps OpenShift's spelling.
+    assert tls - {"destinationCaCertificate", "clientCaCertificate"} | {
         "destinationCACertificate",
-        "caCertificate",
+        "clientCACertificate",
     } == set(spec["tls"]["properties"])
+    assert camel(resolver_pb2.HSTS.DESCRIPTOR) == set(
+        spec["tls"]["properties"]["hsts"]["properties"]
+    )
     assert camel(resolver_pb2.StickySessions.DESCRIPTOR) == set(spec["sticky"]["properties"])
     assert camel(resolver_pb2.RouteTimeouts.DESCRIPTOR) == set(spec["timeouts"]["properties"])
 
@@ -67,6 +70,19 @@ GOOD = [
         "sticky": {"cookieName": "route-a"},
         "timeouts": {"connect": "5s", "tunnel": "1h", "httpRequest": "250ms"},
         "authProxyHeaders": True,
+        "forwardedHeaders": "if-none",
+    },
+    {
+        "host": "console.example.com",
+        "to": "console",
+        "tls": {
+            "termination": "reencrypt",
+            "destinationServerName": "console.openshift-console.svc",
+            "presentClientCertificate": True,
+            "hsts": {"maxAge": "365d", "includeSubdomains": True, "preload": True},
+        },
+        "sticky": {"sameSite": "Strict"},
+        "timeouts": {"keepAlive": "300s"},
     },
     {
         "host": "db.example.com",
@@ -84,6 +100,34 @@ BAD = [
     {"host": "a.example.com", "to": "web", "path": "no-slash"},
     {"host": "a.example.com", "to": "web", "timeouts": {"connect": "soon"}},
     {"host": "a.example.com", "to": "web", "colour": "blue"},
+    {"host": "a.example.com", "to": "web", "path": "/a b"},
+    {"host": "a.example.com", "to": "web", "path": "/" + "a" * 1024},
+    {"host": "a.example.com", "to": "web", "forwardedHeaders": "sometimes"},
+    {"host": "a.example.com", "to": "web", "sticky": {"sameSite": "Lenient"}},
+    {"host": "a.example.com", "to": "web", "tls": {"termination": "edge", "hsts": {}}},
+    {"host": "a.example.com", "to": "web", "tls": {"termination": "edge", "key": "k" * 70000}},
+]
+
+
+CONVERTER_REFUSES = [
+    ({"host": "a.example.com", "to": "web", "path": "/%2e%2e/admin"}, "dot-segments"),
+    ({"host": "a.example.com", "to": "web", "path": "/a/../etc"}, "dot-segments"),
+    (
+        {
+            "host": "a.example.com",
+            "to": "web",
+            "tls": {"termination": "edge", "destinationServerName": "b.example.com"},
+        },
+        "only reencrypt",
+    ),
+    (
+        {
+            "host": "a.example.com",
+            "to": "web",
+            "tls": {"termination": "edge", "hsts": {"maxAge": "1h", "preload": True}},
+        },
+        "preload needs",
+    ),
 ]
 
 
@@ -112,6 +156,24 @@ def strict(schema: dict) -> dict:
 def test_good_routes_pass_the_schema_and_the_converter(schema, spec):
     jsonschema.validate(obj(spec), strict(schema))
     assert route_from(obj(spec)).host == spec["host"]
+
+
+def test_new_fields_reach_the_model(schema):
+    route = route_from(obj(GOOD[2]))
+    assert route.tls is not None and route.tls.hsts is not None
+    assert route.tls.hsts.max_age == 365 * 86400 and route.tls.hsts.preload
+    assert route.tls.destination_server_name == "console.openshift-console.svc"
+    assert route.tls.present_client_certificate
+    assert route.sticky.same_site.value == "Strict" and route.timeouts.keep_alive == 300
+    assert route_from(obj(GOOD[1])).forwarded_headers.value == "if-none"
+
+
+@pytest.mark.parametrize(("spec", "reason"), CONVERTER_REFUSES)
+def test_the_converter_refuses_what_the_schema_cannot_see(spec, reason):
+    from waygate.core.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match=reason):
+        route_from(obj(spec))
 
 
 @pytest.mark.parametrize("spec", BAD)
