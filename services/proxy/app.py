@@ -180,6 +180,19 @@ class HttpListener:
         await self.server.drain(grace)
 
 
+class _Borrowed:
+    """A shared channel lent to one stream: everything but `close` goes to it."""
+
+    def __init__(self, channel: Any) -> None:
+        self._channel = channel
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._channel, name)
+
+    async def close(self) -> None:
+        """The owner closes the channel, not the borrower."""
+
+
 def _unregister(metrics: ProxyMetrics) -> Any:
     async def run() -> None:
         for collector in list(REGISTRY._collector_to_names):
@@ -234,7 +247,10 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     channel = await process.client_channel(
         settings.resolver_address, server_name=settings.resolver_server_name
     )
-    watch = ResolverWatch(channel.channel, on_view=on_view)
+    # The watch closes the channel it was given after each stream; the process's
+    # rotating channel is shared (and closed when the process stops), so each
+    # stream borrows it.
+    watch = ResolverWatch(lambda: _Borrowed(channel.channel()), on_view=on_view)
     # Endpoints marked `tunnel` are dialled through a tunnel-server replica that
     # holds their node (presence from this same watch).
     from waygate.proxy.upstream import ConnectError
