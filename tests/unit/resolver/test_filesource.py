@@ -262,6 +262,15 @@ def test_the_shipped_example_file_is_valid() -> None:
     path = EXAMPLE_ROUTES
     content = parse_routes_file(path, path.read_text())
     assert content.routes and content.services
+    routes = {r.name: r for r in content.routes}
+    endpoints = {e.service: e for e in content.endpoints}
+    # A direct demo backend for the proxy, and the tunnelled one on edge-local.
+    assert (
+        routes["echo"].host == "echo.localtest.me" and routes["echo"].backends[0].service == "echo"
+    )
+    assert endpoints["echo"].address == "127.0.0.1" and not endpoints["echo"].tunnel
+    assert [p.port for p in endpoints["echo"].ports] == [8090]
+    assert endpoints["hello"].tunnel and endpoints["hello"].node_name == "edge-local"
 
 
 def test_an_oversized_file_is_refused_and_state_kept(
