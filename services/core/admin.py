@@ -88,7 +88,7 @@ class _Pending:
 
     __slots__ = ("source", "started", "transport")
 
-    def __init__(self, source: str, transport: asyncio.BaseTransport) -> None:
+    def __init__(self, source: str, transport: asyncio.WriteTransport) -> None:
         self.source = source
         self.transport = transport
         self.started = time.monotonic()
