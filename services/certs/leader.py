@@ -33,6 +33,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
+import math
 import secrets
 import socket
 import threading
@@ -247,7 +248,7 @@ class LeaderElector:
                 spec["leaseTransitions"] = 0
         spec.update(
             holderIdentity=self.identity,
-            leaseDurationSeconds=int(self.timing.lease_duration),
+            leaseDurationSeconds=math.ceil(self.timing.lease_duration),
             renewTime=stamp,
         )
         return {
