@@ -103,14 +103,15 @@ class AdminServer:
         head_timeout: float = 2.0,
         max_connections: int = 64,
         max_connections_per_source: int = 8,
-        probe_reserve: int = 16,
+        probe_reserve: int | None = None,
     ) -> None:
         self._readiness = readiness
         self._registry = registry
         self._head_timeout = head_timeout
         self._max_connections = max_connections
-        # Small test servers keep at least one slot for heads.
-        self._max_pending = max(1, max_connections - probe_reserve)
+        # Default: a quarter of the room is for probes; heads always keep one place.
+        reserve = max_connections // 4 if probe_reserve is None else probe_reserve
+        self._max_pending = max(1, max_connections - reserve)
         self._max_per_source = max_connections_per_source
         self._open = 0
         # Insertion order is age order: the first entry is the oldest pending head.
