@@ -45,7 +45,7 @@ def rendered(request, tmp_path_factory):
     return path, [doc for doc in yaml.safe_load_all(text) if doc]
 
 
-WORKLOADS = ("Deployment", "DaemonSet")
+WORKLOADS = ("Deployment", "DaemonSet", "StatefulSet")
 
 
 def workloads(objects):
@@ -118,7 +118,7 @@ def test_waygate_containers_use_real_flags_and_contract_ports(rendered):
             probe = container["readinessProbe"]["httpGet"]
             assert probe["port"] == "admin" and probe["path"] == "/readyz", name
             assert container["livenessProbe"]["httpGet"]["port"] == "admin", name
-    assert {"certs", "resolver", "proxy"} <= seen
+    assert {"certs", "resolver", "proxy", "tunnel-server", "tunnel-agent"} <= seen
 
 
 def test_contract_ports_tell_a_workload_without_grpc_from_one_with_it():
@@ -189,3 +189,80 @@ def test_route_crd_and_rbac_are_part_of_every_overlay(rendered):
     assert ("ClusterRole", "waygate-resolver") in kinds
     assert ("ClusterRole", "waygate-certs") in kinds
     assert all(o["metadata"].get("namespace") in (None, "waygate") for o in objects)
+
+
+def _flag(args, name):
+    values = [a.split("=", 1)[1] for a in args if a.startswith(f"--{name}=")]
+    assert len(values) == 1, f"--{name} given {len(values)} times"
+    return values[0]
+
+
+def test_tunnel_is_wired_agents_outside_dialers_inside_resolver_trusts_its_reports(rendered):
+    _, objects = rendered
+    server = named(objects, "StatefulSet", "waygate-tunnel-server")
+    server_args = server["spec"]["template"]["spec"]["containers"][0]["args"]
+    identity = _flag(server_args, "cert-identity")
+    assert identity == "spiffe://cluster.local/ns/waygate/sa/waygate-tunnel-server"
+    assert server["spec"]["template"]["spec"]["serviceAccountName"] == "waygate-tunnel-server"
+    # The replica ids agents are told to hold are exactly the StatefulSet's pod names.
+    replicas = server["spec"]["replicas"]
+    assert _flag(server_args, "replicas").split(",") == [
+        f"waygate-tunnel-server-{i}" for i in range(replicas)
+    ]
+    assert _flag(server_args, "server-id") == "$(POD_NAME)"
+    # The resolver accepts presence reports from the tunnel server's identity.
+    resolver = named(objects, "Deployment", "waygate-resolver")
+    resolver_args = resolver["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert identity in _flag(resolver_args, "tunnel-reporters").split(",")
+    # Only the proxy dials.
+    assert _flag(server_args, "dialers") == "spiffe://cluster.local/ns/waygate/sa/waygate-proxy"
+    # Agents' port outside the cluster; dialers' and the front inside.
+    outside = named(objects, "Service", "waygate-tunnel-agents")["spec"]
+    assert outside["type"] in ("LoadBalancer", "NodePort")
+    assert [p["port"] for p in outside["ports"]] == [7003]
+    inside = named(objects, "Service", "waygate-tunnel-server")["spec"]
+    assert inside.get("type", "ClusterIP") == "ClusterIP"
+    assert {p["port"] for p in inside["ports"]} == {7004, 10263}
+
+    agent = named(objects, "DaemonSet", "waygate-tunnel-agent")
+    pod = agent["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"waygate.io/edge": "true"}
+    assert not pod.get("hostNetwork"), "the agent runs under the restricted standard"
+    (container,) = pod["containers"]
+    agent_args = container["args"]
+    assert _flag(agent_args, "cert-identity") == "$(NODE_NAME)"
+    env = {e["name"]: e for e in container["env"]}
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    # The agent's projected token carries the audience certs checks.
+    certs = named(objects, "Deployment", "waygate-certs")
+    audience = _flag(certs["spec"]["template"]["spec"]["containers"][0]["args"], "token-audience")
+    (token,) = [
+        s["serviceAccountToken"]
+        for v in pod["volumes"]
+        for s in v.get("projected", {}).get("sources", [])
+        if "serviceAccountToken" in s
+    ]
+    assert token["audience"] == audience
+    assert token["path"] == _flag(agent_args, "certs-token-file").rsplit("/", 1)[1]
+    # The servers' certificate carries the name agents verify.
+    assert "dns:" + _flag(agent_args, "server-name") in _flag(server_args, "cert-sans").split(",")
+    edge = named(objects, "ConfigMap", "waygate-tunnel-edge")["data"]
+    assert edge["WAYGATE_SERVER_ADDRESS"].endswith(":7003")
+    for account in ("waygate-tunnel-server", "waygate-tunnel-agent"):
+        assert named(objects, "ServiceAccount", account)["automountServiceAccountToken"] is False
+
+
+def test_network_policies_let_agents_in_from_outside_and_dialers_from_inside():
+    objects = [doc for doc in yaml.safe_load_all(render("production")) if doc]
+    policy = named(objects, "NetworkPolicy", "waygate-tunnel-server")["spec"]
+    open_ports = {
+        p["port"] for rule in policy["ingress"] if "from" not in rule for p in rule["ports"]
+    }
+    assert open_ports == {7003, 10263}
+    dial = next(r for r in policy["ingress"] if {"port": 7004, "protocol": "TCP"} in r["ports"])
+    assert dial["from"] == [
+        {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "waygate-proxy"}}}
+    ]
+    agent = named(objects, "NetworkPolicy", "waygate-tunnel-agent")["spec"]
+    (admin,) = agent["ingress"]
+    assert admin["ports"] == [{"port": 9005, "protocol": "TCP"}]
