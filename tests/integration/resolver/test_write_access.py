@@ -52,6 +52,7 @@ class Cluster:
             access=WriteAccess(
                 tunnel_reporters=(SA + "tunnel-*",),
                 route_admins=(USER, OPERATOR_DNS),
+                route_readers=(PROXY,),
                 authenticated=True,
             ),
         )
@@ -166,3 +167,36 @@ async def test_only_tunnel_reporters_may_report_tunnels(cluster: Cluster) -> Non
     finally:
         call.cancel()
     await eventually(lambda: cluster.tunnels.open_streams == 0)
+
+
+async def test_route_keys_go_over_watch_to_route_readers_only(cluster: Cluster) -> None:
+    """Issue 8: any certificate certs signed could watch route keys; now only the proxy."""
+    from tests.support.pki import self_signed
+
+    cert, key = self_signed("api.example.com")
+    tls = pb.RouteTLS(termination=pb.TLS_TERMINATION_EDGE, certificate=cert, key=key)
+    admin = cluster.client(uris=(USER,))
+    await admin.ApplyRoute(pb.ApplyRouteRequest(route=route(tls=tls)), timeout=10)
+
+    async def watched_keys(stub: resolver_pb2_grpc.ResolverStub) -> tuple[str, str]:
+        """The key in the snapshot, and in the Changes of a re-applied route."""
+        call = stub.Watch(pb.WatchRequest(kinds=[pb.RESOURCE_KIND_ROUTES]))
+        try:
+            event = await asyncio.wait_for(call.read(), 10)
+            (api,) = [r for r in event.snapshot.routes if r.name == "api"]
+            other_cert, other_key = self_signed("api.example.com")
+            replaced = pb.RouteTLS(
+                termination=pb.TLS_TERMINATION_EDGE, certificate=other_cert, key=other_key
+            )
+            await admin.ApplyRoute(pb.ApplyRouteRequest(route=route(tls=replaced)), timeout=10)
+            change = await asyncio.wait_for(call.read(), 10)
+            (upserted,) = [c.route_upserted for c in change.changes.changes]
+            assert upserted.tls.certificate == other_cert
+            return api.tls.key, upserted.tls.key
+        finally:
+            call.cancel()
+
+    snapshot_key, change_key = await watched_keys(cluster.client(uris=(PROXY,)))
+    assert "PRIVATE KEY" in snapshot_key and "PRIVATE KEY" in change_key
+    for identities in ({"uris": (USER,)}, {"uris": (SA + "proxy-impostor",)}, {"dns": ("proxy",)}):
+        assert await watched_keys(cluster.client(**identities)) == ("", "")  # type: ignore[arg-type]
