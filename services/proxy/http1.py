@@ -361,7 +361,7 @@ def _explain_request_grammar(head: bytes) -> str:
 class ForwardedContext:
     """Per client connection: the bytes the forwarded headers add (built once)."""
 
-    __slots__ = ("client_ip", "forwarded_for", "port", "proto")
+    __slots__ = ("client_ip", "forwarded_for", "last_added", "last_host", "port", "proto")
 
     def __init__(self, client_ip: str, port: int, proto: bytes = b"http") -> None:
         self.client_ip = client_ip.encode()
@@ -371,6 +371,27 @@ class ForwardedContext:
         if b":" in node:
             node = b'"[' + node + b']"'
         self.forwarded_for = b"for=" + node
+        # The five added headers for the last Host seen (keep-alive reuses it).
+        self.last_host = b""
+        self.last_added = b""
+
+    def added(self, host: bytes) -> bytes:
+        if host != self.last_host:
+            self.last_host = host
+            self.last_added = (
+                b"X-Forwarded-Host: %s\r\nX-Forwarded-Port: %s\r\nX-Forwarded-Proto: %s\r\n"
+                b"X-Forwarded-For: %s\r\nForwarded: %s;host=%s;proto=%s\r\n"
+                % (
+                    host,
+                    self.port,
+                    self.proto,
+                    self.client_ip,
+                    self.forwarded_for,
+                    _quote(host),
+                    self.proto,
+                )
+            )
+        return self.last_added
 
 
 def build_upstream_head(
@@ -433,10 +454,12 @@ def _forwarded_headers(
     if mode == "append":
         for _, name, value in sent:
             parts += (name, b": ", value, b"\r\n")
-    present = {lname for lname, _, _ in sent} if mode == "if-none" else ()
-    if mode == "if-none":
-        for _, name, value in sent:
-            parts += (name, b": ", value, b"\r\n")
+    if mode != "if-none" or not sent:
+        parts.append(context.added(request.host))
+        return
+    present = {lname for lname, _, _ in sent}
+    for _, name, value in sent:
+        parts += (name, b": ", value, b"\r\n")
     host = request.host
     values = (
         host,

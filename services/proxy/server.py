@@ -567,9 +567,7 @@ class ClientConnection(asyncio.Protocol):
         """Called by the upstream with the client-bound head of the final response."""
         self.response_started = True
         self.status = status
-        transport = self.transport
-        assert transport is not None
-        transport.write(head)
+        self.transport.write(head)  # type: ignore[union-attr]
 
     def exchange_done(self, keep_alive: bool) -> None:
         """The response is complete; the next request (if any) may start."""
@@ -830,6 +828,7 @@ class UpstreamConnection(asyncio.Protocol):
         "framing",
         "got_bytes",
         "idle_since",
+        "pending_head",
         "reader",
         "relay",
         "remaining",
@@ -858,6 +857,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.closed = False
         self.relay = False
         self.sent_at = 0.0
+        self.pending_head = b""
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
@@ -975,19 +975,36 @@ class UpstreamConnection(asyncio.Protocol):
                     + entry.options.cookie_attributes
                     + b"\r\n"
                 )
-        client.response_head(
-            http1.build_client_head(response, out_framing, length, keep_alive, extra),
-            response.status,
-        )
+        head = http1.build_client_head(response, out_framing, length, keep_alive, extra)
+        client.response_started = True
+        client.status = response.status
         if framing == FRAMING_NONE or (framing == FRAMING_LENGTH and length == 0):
+            client.transport.write(head)  # type: ignore[union-attr]
             self._done(client, clean=True)
+        else:
+            # Written with the first body bytes: one send for a small response.
+            self.pending_head = head
 
     def _body(self, client: ClientConnection, data: bytes) -> None:
+        transport = client.transport
+        assert transport is not None
+        head = self.pending_head
+        if head:
+            self.pending_head = b""
+            if not data:
+                transport.write(head)
+                return
+            if self.framing == FRAMING_LENGTH and len(data) <= self.remaining < 65536:
+                self.remaining -= len(data)
+                self.server.metrics.bytes_out += len(data)
+                transport.write(head + data)
+                if self.remaining == 0:
+                    self._done(client, clean=True)
+                return
+            transport.write(head)
         if not data:
             return
         framing = self.framing
-        transport = client.transport
-        assert transport is not None
         metrics = self.server.metrics
         if framing == FRAMING_LENGTH:
             remaining = self.remaining
