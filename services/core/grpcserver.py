@@ -277,25 +277,13 @@ class _MethodBoundary:
         handled.inc()
         await context.abort(code, message)
 
-    async def admit(self, context: grpc.aio.ServicerContext, long_lived: bool) -> str | None:
-        """Take a place in the call's budget; returns the stream's peer key to release."""
-        admission = self.admission
-        if not long_lived:
-            refusal = admission.admit_unary()
-            if refusal is not None:
-                await self.refuse(context, refusal)
-            return None
+    async def admit_stream(self, context: grpc.aio.ServicerContext) -> str:
+        """Take a long-lived call's place (or end it with the refusal); returns its peer key."""
         peer, authenticated = peer_of(context)
-        refusal = admission.admit_stream(peer, authenticated)
+        refusal = self.admission.admit_stream(peer, authenticated)
         if refusal is not None:
             await self.refuse(context, refusal)
         return peer
-
-    def release(self, peer: str | None) -> None:
-        if peer is None:
-            self.admission.release_unary()
-        else:
-            self.admission.release_stream(peer)
 
     def wrap(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         """The same kind of handler, with span, metrics and error mapping around it."""
@@ -304,18 +292,27 @@ class _MethodBoundary:
         if handler.unary_unary or handler.stream_unary:
             # The handler's declared types are grpc's sync ones; under grpc.aio they are coroutines.
             behavior: Any = handler.unary_unary or handler.stream_unary
+            admission = self.admission
             # A client stream is long-lived (it ends when the client says so).
-            unary_long_lived = handler.stream_unary is not None
-            unary_uncapped = unary_long_lived and not self.capped
+            client_stream = handler.stream_unary is not None
+            capped = self.capped
 
             async def unary_response(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                if unary_uncapped:
-                    return await boundary.run_unary(behavior, request, context)
-                peer = await boundary.admit(context, unary_long_lived)
+                if client_stream:
+                    if not capped:
+                        return await boundary.run_unary(behavior, request, context)
+                    peer = await boundary.admit_stream(context)
+                    try:
+                        return await boundary.run_unary(behavior, request, context)
+                    finally:
+                        admission.release_stream(peer)
+                refusal = admission.admit_unary()  # no await on the path every call takes
+                if refusal is not None:
+                    await boundary.refuse(context, refusal)
                 try:
                     return await boundary.run_unary(behavior, request, context)
                 finally:
-                    boundary.release(peer)
+                    admission.release_unary()
 
             unary_factory = (
                 grpc.unary_unary_rpc_method_handler
@@ -357,16 +354,15 @@ class _MethodBoundary:
 
     def _wrap_stream(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         boundary = self
-        behavior: Any = (
-            handler.unary_stream or handler.stream_stream
-        )  # async generator or coroutine
+        # An async generator or a coroutine.
+        behavior: Any = handler.unary_stream or handler.stream_stream
         is_generator = inspect.isasyncgenfunction(behavior)
         capped = self.capped
 
         # One generator (not one wrapping another): closing it runs the handler's
         # cleanup and releases the stream's place at once, never at GC.
         async def stream_response(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            peer = await boundary.admit(context, long_lived=True) if capped else None
+            peer = await boundary.admit_stream(context) if capped else ""
             span, started = boundary.start_span(context), time.perf_counter()
             responses = behavior(request, context) if is_generator else None
             try:
@@ -408,7 +404,7 @@ class _MethodBoundary:
                         await responses.aclose()  # the handler's own cleanup runs now, not at GC
                 finally:
                     if capped:
-                        boundary.release(peer)
+                        boundary.admission.release_stream(peer)
             boundary.finish(span, started, _code_of(context))
 
         stream_factory = (

@@ -171,3 +171,35 @@ async def test_unary_calls_over_their_budget_are_refused_by_name() -> None:
             assert await asyncio.gather(*held) == [b"slept"] * 3
     assert server.admission.unary == 0
     await server.stop(0)
+
+
+async def test_a_registration_can_leave_its_own_streams_uncapped() -> None:
+    """A service that bounds a stream itself (the tunnel's Dial) names it in uncapped_streams."""
+    server = GrpcServer(
+        host="127.0.0.1",
+        port=0,
+        registrations=[
+            ServiceRegistration(
+                demo_server.SERVICE, demo_server._add, None, uncapped_streams=frozenset({"Ticks"})
+            )
+        ],
+        limits=LIMITS,
+    )
+    port = await server.start()
+    async with open_channel(f"127.0.0.1:{port}", retry=False) as channel:
+        ticks = channel.unary_stream(f"/{demo_server.SERVICE}/Ticks")
+        calls = [ticks(b"", timeout=30) for _ in range(5)]  # above every stream cap
+        try:
+            for call in calls:
+                assert await asyncio.wait_for(call.read(), 5) == b"tick"
+            assert server.admission.streams == 0  # not counted
+            # Other streaming methods of the same server are still capped.
+            watches = Watches(channel)
+            await watches.open()
+            await watches.open()
+            assert (await watches.refusal()).code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            watches.close()
+        finally:
+            for call in calls:
+                call.cancel()
+    await server.stop(0)
