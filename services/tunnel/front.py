@@ -238,8 +238,8 @@ def parse_head(head: bytes) -> RequestHead:
             raise BadRequest(400, "malformed request target") from None
         if parsed.host is None:
             raise BadRequest(400, "malformed request target")
-        host = parsed.host
-        authority = b"[" + host + b"]" if b":" in host else host
+        url_host: bytes = parsed.host
+        authority = b"[" + url_host + b"]" if b":" in url_host else url_host
         if parsed.port:
             authority += b":" + str(parsed.port).encode()
         target = (parsed.path or b"/") + (b"?" + parsed.query if parsed.query else b"")

@@ -47,7 +47,7 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10, check=check)
 
 
-def _used_addresses() -> set[ipaddress.IPv4Address]:
+def _used_addresses() -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
     out = _ip("-4", "-o", "addr", "show", check=False).stdout
     used = set()
     for line in out.splitlines():
@@ -133,7 +133,7 @@ class EdgeHost:
         _ip("netns", "del", self.name, check=False)
 
 
-def _pick(used: set[ipaddress.IPv4Address]) -> tuple[str, str, str]:
+def _pick(used: set[ipaddress.IPv4Address | ipaddress.IPv6Address]) -> tuple[str, str, str]:
     rng = random.Random()
     for _ in range(100):
         link = ipaddress.ip_network(
