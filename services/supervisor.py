@@ -309,6 +309,8 @@ class Supervisor:
             HOST,
             "--http-port",
             str(self.context.demo_port),
+            "--log-format",
+            resolved_format(self.settings.log_format),
         ]
 
     async def _client_certificate(self) -> None:

@@ -36,6 +36,7 @@ import httptools
 
 from waygate.core.logs import configure_logging
 from waygate.core.settings import (
+    LOG_FORMATS,
     LOG_LEVELS,
     SettingsError,
     add_settings_arguments,
@@ -81,6 +82,10 @@ class Settings:
         parse=parse_duration, check=positive, env="WAYGATE_DEMO_IDLE_TIMEOUT",
     )  # fmt: skip
     log_level: str = setting("info", help="log level", choices=LOG_LEVELS)
+    log_format: str = setting(
+        "auto", help="log line format: json, text, or auto (text on a terminal)",
+        choices=LOG_FORMATS,
+    )  # fmt: skip
 
 
 def _status_line(status: int, reason: str) -> bytes:
@@ -303,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"waygate demo: {exc}", file=sys.stderr)
         return 2
-    configure_logging(NAME, settings.log_level)
+    configure_logging(NAME, settings.log_level, settings.log_format)
     try:
         asyncio.run(serve(settings))
     except OSError as exc:
