@@ -246,13 +246,17 @@ def up_arguments(context: UpContext) -> list[str]:
     client certificate `up` makes) may change routes, and only the proxy
     receives route private keys.
     """
-    from waygate.supervisor import USER, spiffe_id
+    from waygate.supervisor import DEMO_PORT, USER, spiffe_id
 
     routes = context.state_dir / "routes.yaml"
     if not routes.exists():
         context.state_dir.mkdir(parents=True, exist_ok=True)
+        # The demo backend moves with --port-offset; so do the example's endpoints on it.
+        example = EXAMPLE_ROUTES.read_text().replace(
+            f"targetPort: {DEMO_PORT}", f"targetPort: {context.demo_port}"
+        )
         # 0600 from the start: ApplyRoute writes route TLS private keys into it.
-        write_file_atomically(routes, EXAMPLE_ROUTES.read_bytes(), FILE_MODE)
+        write_file_atomically(routes, example.encode(), FILE_MODE)
     return [
         "--routes-file",
         str(routes),
