@@ -54,6 +54,8 @@ DEFAULT_WEIGHT = 1
 RING_POINTS = 160
 DEFAULT_LOAD_FACTOR = 1.25
 
+#: The one list of policy names: route `balance` values (waygate.resolver.model
+#: BalancePolicy, the Route CRD) and Resolve's picks name these.
 POLICIES = ("random", "roundrobin", "leastconn", "source")
 
 
@@ -338,12 +340,19 @@ def new_picker(
     weights: Sequence[int] | None = None,
     *,
     rng: random.Random | None = None,
+    name: Callable[[T], str] | None = None,
 ) -> Picker[T]:
-    """A picker for one of POLICIES ("random", "roundrobin", "leastconn", "source")."""
+    """A picker for one of POLICIES ("random", "roundrobin", "leastconn", "source").
+
+    `name` labels targets on the source-hash ring (default `str`), so processes
+    that name targets alike agree on where a key goes.
+    """
     try:
         cls = _CLASSES[policy]
     except KeyError:
         raise ValueError(
             f"unknown balancing policy {policy!r} (one of: {', '.join(POLICIES)})"
         ) from None
+    if cls is SourceHashPicker and name is not None:
+        return SourceHashPicker(targets, weights, rng=rng, name=name)
     return cls(targets, weights, rng=rng)

@@ -648,9 +648,22 @@ class ChunkedReader:
                     if self.rechunk:
                         out.append(b"\r\n")
             elif state == self._SIZE or state == self._TRAILER:
-                end = data.find(b"\r\n", pos)
+                pending = self._line
+                if pending:
+                    # A line split across reads (possibly between CR and LF).
+                    joined = pending + data[pos:]
+                    end = joined.find(b"\r\n")
+                    if end >= 0:
+                        line = joined[:end]
+                        pos += end + 2 - len(pending)
+                        self._line = b""
+                else:
+                    end = data.find(b"\r\n", pos)
+                    if end >= 0:
+                        line = data[pos:end]
+                        pos = end + 2
                 if end < 0:
-                    self._line += data[pos:]
+                    self._line = pending + data[pos:]
                     pos = size
                     limit = MAX_CHUNK_LINE if state == self._SIZE else MAX_TRAILER_BYTES
                     if len(self._line) > limit:
@@ -660,9 +673,6 @@ class ChunkedReader:
                             "bare LF in chunked framing (RFC 9112 section 7.1)", self._status
                         )
                     break
-                line = self._line + data[pos:end] if self._line else data[pos:end]
-                self._line = b""
-                pos = end + 2
                 if state == self._SIZE:
                     match = _CHUNK_SIZE.fullmatch(line)
                     if match is None or b"\n" in line or b"\r" in line:

@@ -30,7 +30,7 @@ import random
 from dataclasses import dataclass
 from datetime import datetime
 
-from waygate.core.balancing import Picker, RandomPicker, RoundRobinPicker, SourceHashPicker
+from waygate.core.balancing import Picker, new_picker
 from waygate.core.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from waygate.resolver.model import Endpoint, Service, ServicePort
 from waygate.resolver.store import Store
@@ -204,9 +204,9 @@ class Resolver:
         return picker
 
 
+# Resolve's picks by their waygate.core.balancing policy name (HASH is "source").
+_PICK_POLICIES = {Pick.HASH: "source", Pick.ROUND_ROBIN: "roundrobin", Pick.RANDOM: "random"}
+
+
 def _new_picker(pick: Pick, rng: random.Random) -> Picker[Target]:
-    if pick is Pick.HASH:
-        return SourceHashPicker(rng=rng, name=lambda t: f"{t.address}:{t.port}")
-    if pick is Pick.ROUND_ROBIN:
-        return RoundRobinPicker(rng=rng)
-    return RandomPicker(rng=rng)
+    return new_picker(_PICK_POLICIES[pick], rng=rng, name=lambda t: f"{t.address}:{t.port}")

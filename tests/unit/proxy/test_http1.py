@@ -1,0 +1,149 @@
+"""The sans-IO HTTP/1.1 rules, driven without sockets."""
+
+from __future__ import annotations
+
+import pytest
+
+from waygate.proxy import http1
+from waygate.proxy.http1 import BadMessage, ChunkedReader, ForwardedContext
+
+
+def parse(head: bytes) -> http1.RequestHead:
+    return http1.parse_request_head(head)
+
+
+def test_request_head_fields_and_hygiene() -> None:
+    req = parse(
+        b"POST /a?b HTTP/1.1\r\nHost: Example.COM:8080\r\nContent-Length: 3\r\n"
+        b"Connection: keep-alive, X-Hop\r\nX-Hop: 1\r\nX-Remote-User: u\r\nX-SSL-Cert: c\r\n"
+        b"X-Remote-Extra-Foo: f\r\nX-Kept: k\r\nCookie: a=1\r\nExpect: 100-continue\r\n\r\n"
+    )
+    assert req.method == b"POST" and req.target == b"/a?b"
+    assert req.host == b"example.com"
+    assert req.content_length == 3 and not req.chunked and req.keep_alive
+    assert req.expect_continue
+    names = [name.lower() for name, _ in req.headers]
+    assert names == [b"host", b"x-kept", b"cookie", b"expect"]
+
+
+@pytest.mark.parametrize(
+    ("head", "reason"),
+    [
+        (b"GET / HTTP/1.1\nHost: a\n\n", "bare LF"),
+        (b"GET / HTTP/1.1\r\nHost: a\r\nX: a\r\n b\r\n\r\n", "obs-fold"),
+        (b"GET / HTTP/1.1\r\nHost : a\r\n\r\n", "whitespace between header name and colon"),
+        (b"GET / HTTP/1.1\r\nHost: a\x01\r\n\r\n", "control character"),
+        (b"GET / HTTP/1.1\r\n\r\n", "missing Host"),
+        (b"GET / HTTP/1.1\r\nHost: a\r\nHost: a\r\n\r\n", "more than one Host"),
+        (b"GET / HTTP/2.0\r\nHost: a\r\n\r\n", "unsupported HTTP version"),
+        (
+            b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 1\r\nContent-Length: 1\r\n\r\n",
+            "Content-Length",
+        ),
+        (b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip\r\n\r\n", "Transfer-Encoding"),
+        (b"GET http://a/ HTTP/1.1\r\nHost: a\r\n\r\n", "origin-form"),
+    ],
+)
+def test_refusals_name_their_rule(head: bytes, reason: str) -> None:
+    with pytest.raises(BadMessage) as caught:
+        parse(head)
+    assert reason.lower() in caught.value.reason.lower()
+
+
+def test_http10_closes_and_upgrade_needs_connection_token() -> None:
+    assert not parse(b"GET / HTTP/1.0\r\nHost: a\r\nConnection: keep-alive\r\n\r\n").keep_alive
+    assert parse(b"GET / HTTP/1.1\r\nHost: a\r\nUpgrade: websocket\r\n\r\n").upgrade == b""
+    upgrade = parse(
+        b"GET / HTTP/1.1\r\nHost: a\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
+    )
+    assert upgrade.upgrade == b"websocket"
+
+
+def test_find_head_end_limits() -> None:
+    assert http1.find_head_end(b"GET / HTTP/1.1\r\nHost: a\r\n") == -1
+    assert http1.find_head_end(b"GET / HTTP/1.1\r\nHost: a\r\n\r\nrest") == 27
+    with pytest.raises(BadMessage, match="request line"):
+        http1.find_head_end(b"GET /" + b"a" * 9000)
+    with pytest.raises(BadMessage, match="32 KiB"):
+        http1.find_head_end(b"GET / HTTP/1.1\r\n" + b"X: y\r\n" * 6000)
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        ("append", [b"X-Forwarded-For: 9.9.9.9", b"X-Forwarded-For: 10.0.0.1"]),
+        ("replace", [b"X-Forwarded-For: 10.0.0.1"]),
+        ("if-none", [b"X-Forwarded-For: 9.9.9.9"]),
+        ("never", [b"X-Forwarded-For: 9.9.9.9"]),
+    ],
+)
+def test_forwarded_modes(mode: str, expected: list[bytes]) -> None:
+    req = parse(b"GET / HTTP/1.1\r\nHost: a.test\r\nX-Forwarded-For: 9.9.9.9\r\n\r\n")
+    head = http1.build_upstream_head(req, ForwardedContext("10.0.0.1", 80), mode, b"")
+    lines = [line for line in head.split(b"\r\n") if line.startswith(b"X-Forwarded-For")]
+    assert lines == expected
+    if mode in ("append", "replace", "if-none"):
+        assert b"X-Forwarded-Host: a.test" in head
+        assert b"Forwarded: for=10.0.0.1;host=a.test;proto=http" in head or mode == "if-none"
+
+
+def test_forwarded_quotes_ipv6() -> None:
+    req = parse(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n")
+    head = http1.build_upstream_head(req, ForwardedContext("::1", 80), "append", b"")
+    assert b'Forwarded: for="[::1]";host=a;proto=http' in head
+
+
+def test_chunked_reader_rechunks_drops_extensions_and_trailers() -> None:
+    reader = ChunkedReader()
+    body = b"4;x=1\r\nwiki\r\n5\r\npedia\r\n0\r\nTrailer: t\r\n\r\nNEXT"
+    out: list[bytes] = []
+    consumed = 0
+    for i in range(len(body)):  # one byte at a time
+        if reader.done:
+            break
+        pieces, used = reader.feed(body[i : i + 1])
+        out += pieces
+        consumed += used
+    assert b"".join(out) == b"4\r\nwiki\r\n5\r\npedia\r\n0\r\n\r\n"
+    assert body[consumed:] == b"NEXT"
+    plain = ChunkedReader(rechunk=False)
+    pieces, _ = plain.feed(b"3\r\nabc\r\n0\r\n\r\n")
+    assert b"".join(pieces) == b"abc" and plain.done
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"zz\r\n", b"-1\r\n", b"5 \r\nhello\r\n", b"5\r\nhelloXX", b"5\nhello", b"1" * 2000],
+)
+def test_chunked_reader_refuses_bad_framing(body: bytes) -> None:
+    with pytest.raises(BadMessage):
+        ChunkedReader().feed(body)
+
+
+def test_response_head_rules() -> None:
+    ok = http1.parse_response_head(
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n"
+    )
+    assert ok.status == 200 and ok.content_length == 2 and not ok.keep_alive
+    assert http1.response_framing(b"HEAD", ok) == http1.FRAMING_NONE
+    assert http1.response_framing(b"GET", ok) == http1.FRAMING_LENGTH
+    for bad in (
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nX : y\r\n\r\n",
+        b"HTTP/1.1 2000 OK\r\n\r\n",
+        b"HTTP/1.1 200 OK\nX: y\n\n",
+    ):
+        with pytest.raises(BadMessage) as caught:
+            http1.parse_response_head(bad)
+        assert caught.value.status == 502
+    close = http1.parse_response_head(b"HTTP/1.1 200 OK\r\n\r\n")
+    assert http1.response_framing(b"GET", close) == http1.FRAMING_CLOSE
+    no_body = http1.parse_response_head(b"HTTP/1.1 304 Not Modified\r\n\r\n")
+    assert http1.response_framing(b"GET", no_body) == http1.FRAMING_NONE
+
+
+def test_error_response_carries_reason() -> None:
+    response = http1.error_response(503, "no route for host x")
+    assert response.startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
+    assert b"X-Waygate-Error: no route for host x\r\n" in response
+    assert response.endswith(b"\r\n\r\nno route for host x\n")
