@@ -31,7 +31,6 @@ def ep(service: str, address: str, port: int = 8080, **kw: object) -> Endpoint:
 def build(routes: list[Route], endpoints: list[Endpoint], services=(), previous=None):
     grouped: dict = {}
     for endpoint in endpoints:
-        grouped.setdefault(endpoint.service_key, ()).__add__
         grouped[endpoint.service_key] = (*grouped.get(endpoint.service_key, ()), endpoint)
     return build_table(
         {r.key: r for r in routes},
