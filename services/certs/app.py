@@ -504,6 +504,10 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         GrpcServer.from_settings(settings, [registration(service)], credentials=credentials)
     )
     process.spawn(run_transitions(authority, elector), "ca-rotation-timer")
+    if elector is not None:
+        from waygate.certs.leader import wait_for_leaf_bound
+
+        await wait_for_leaf_bound(authority, elector)
     active = authority.active_authority()
     log.info(
         "CA loaded",

@@ -384,3 +384,15 @@ async def take_over(authority: Any, store: Any) -> None:
     if files is not None:
         await asyncio.to_thread(authority.adopt, files)
     await asyncio.to_thread(authority.rotate_if_expiring)
+
+
+async def wait_for_leaf_bound(authority: Any, elector: LeaderElector) -> None:
+    """Before a follower reports ready: wait until the stored leaf-expiry bound
+    covers the longest leaf it may sign now (the leader's keeper raises it), so
+    its Certify never needs a write only the leader may make. The leader itself
+    may write the bound, so it need not wait."""
+    while not elector.is_leader():
+        longest = datetime.now(UTC) + authority.config.max_lifetime
+        if await asyncio.to_thread(authority.with_leaf_bounds, longest) is None:
+            return
+        await asyncio.sleep(0.2)
