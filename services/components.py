@@ -1,6 +1,6 @@
 """The processes Waygate is made of, their commands and default ports.
 
-DESIGN.md's port table lives here once; the CLI, `waygate up` and the tests
+The port table of docs/architecture.md lives here once; the CLI, `waygate up` and the tests
 read it from here. A component is implemented when its app module exists:
 that module defines `Settings` (a settings dataclass) and
 `async def setup(process, settings)`, which registers servers and tasks on a
@@ -18,7 +18,7 @@ class Component:
     name: str  # process name in logs and in `waygate up` output
     command: tuple[str, ...]  # the `waygate` subcommand that runs it
     app_module: str
-    # Settings field -> default port (DESIGN.md's table).
+    # Settings field -> default port (docs/architecture.md, "Contracts").
     ports: tuple[tuple[str, int], ...]
     # What each port is for, as shown by `waygate up`.
     port_labels: tuple[tuple[str, str], ...]

@@ -28,7 +28,7 @@ from .test_up import alive, children_of
 pytestmark = pytest.mark.system
 
 BY_NAME = {c.name: c for c in COMPONENTS if c.implemented}
-# Listeners that require a client certificate under `up` (DESIGN.md).
+# Listeners that require a client certificate under `up` (docs/architecture.md).
 MTLS = {"resolver", "tunnel-server"}
 # Port fields of gRPC listeners (the others are admin HTTP or proxy traffic).
 GRPC_PORTS = {"grpc_port", "dial_port"}
