@@ -10,10 +10,9 @@ listener stops accepting, in-flight exchanges get `shutdown_grace`, idle
 keep-alive connections close at once (`waygate.core.runtime.Listener`).
 
 `https_port` is reserved for TLS (edge, passthrough, reencrypt) and not
-bound yet. `--workers N` runs N processes on the same port
-(SO_REUSEPORT): the parent forks the workers before anything binds; each
-worker has its own resolver watch and listener; the parent keeps the admin
-port and merges every worker's metrics into its /metrics.
+bound yet. `--workers N` runs N processes on the same port (SO_REUSEPORT),
+each with its own resolver watch; the parent keeps the admin port and merges
+every worker's metrics into its /metrics (`waygate.proxy.workers`).
 """
 
 from __future__ import annotations
@@ -73,6 +72,11 @@ class Settings(ProcessSettings):
     )
     workers: int = setting(
         1, help="processes serving the HTTP port together (SO_REUSEPORT)", check=_at_least_one
+    )
+    worker: bool = setting(
+        False,
+        help="internal: run as one worker of a --workers group (SO_REUSEPORT listener, "
+        "metrics reported to the parent on stdout)",
     )
     max_connections: int = setting(
         10000, help="client connections open at once per worker; more are closed", check=positive
@@ -214,6 +218,11 @@ def _sticky_key(settings: Settings) -> bytes:
 async def setup(process: ServiceProcess, settings: Settings) -> None:
     from waygate.resolver.client import ResolverWatch
 
+    if settings.workers > 1 and not settings.worker:
+        from waygate.proxy.workers import WorkerGroup
+
+        await WorkerGroup(process, settings).start()
+        return
     metrics = ProxyMetrics()
     page = settings.unavailable_page.read_bytes() if settings.unavailable_page else b""
     cookie_key = _sticky_key(settings)
@@ -231,6 +240,12 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     )
     REGISTRY.register(ProxyCollector(metrics.snapshot))
     process.on_stop(_unregister(metrics))
+    if settings.worker:
+        from waygate.proxy.workers import report_forever
+
+        process.spawn(
+            report_forever(metrics, lambda: process.readiness.ready), "proxy-metrics-report"
+        )
 
     def on_view(view: Any) -> None:
         server.set_table(
@@ -260,7 +275,9 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         await process_client(process, ViewPresence(watch)), ConnectError
     )
     process.spawn(watch.run(), "resolver-watch")
-    process.add_listener(HttpListener(server, settings.host, settings.http_port, reuse_port=False))
+    process.add_listener(
+        HttpListener(server, settings.host, settings.http_port, reuse_port=settings.worker)
+    )
 
     async def ready_when_synced() -> None:
         while True:

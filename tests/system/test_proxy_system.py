@@ -243,3 +243,37 @@ async def test_one_gib_upload_and_download_stream_in_bounded_memory(tmp_path: Pa
         await proxy.stop()
         await resolver.stop()
         await upstream.stop()
+
+
+async def test_workers_share_the_port_and_one_metrics_endpoint(tmp_path: Path) -> None:
+    upstream = await RecordingUpstream().start()
+    routes_file = tmp_path / "routes.yaml"
+    routes_file.write_text(routes_yaml(upstream.port))
+    resolver = await start_resolver(routes_file)
+    proxy, port = await start_proxy(resolver.grpc_address, "--workers", "2")
+    try:
+        await wait_ready(proxy)
+        responses = await asyncio.gather(*(get(port) for _ in range(40)))
+        assert all(r.startswith(b"HTTP/1.1 200 ") for r in responses)
+
+        async def scraped_total() -> float:
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.admin_port)
+            writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            data = (await asyncio.wait_for(reader.read(), 5)).decode()
+            writer.close()
+            return sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in data.splitlines()
+                if line.startswith("waygate_proxy_requests_total{")
+            )
+
+        deadline = asyncio.get_running_loop().time() + 10
+        while await scraped_total() < 40:
+            assert asyncio.get_running_loop().time() < deadline, "merged metrics never reached 40"
+            await asyncio.sleep(0.2)
+        assert await proxy.stop() == 0
+    finally:
+        with contextlib.suppress(Exception):
+            await proxy.stop()
+        await resolver.stop()
+        await upstream.stop()
