@@ -436,7 +436,7 @@ def _parse_service(parser: _Parser, node: yaml.Node) -> tuple[Service, list[Endp
     default_ports = tuple(
         EndpointPort(p.name, int(p.target_port), p.protocol)
         for p in service.ports
-        if p.target_port.isdigit()
+        if p.target_port.isascii() and p.target_port.isdigit()
     )
     endpoints: list[Endpoint] = []
     seen: dict[str, int] = {}

@@ -76,7 +76,7 @@ def select_port(service: Service, port: str) -> ServicePort:
             raise InvalidArgument(f"service {name} has several ports ({names}); name one")
         return service.ports[0]
     for candidate in service.ports:
-        if port == candidate.name or (port.isdigit() and int(port) == candidate.port):
+        if port == candidate.name or (port.isascii() and port.isdigit() and int(port) == candidate.port):
             return candidate
     names = ", ".join(p.name or str(p.port) for p in service.ports)
     raise NotFound(f"service {name} has no port {port!r} (it has: {names})")
@@ -88,7 +88,7 @@ def endpoint_port(endpoint: Endpoint, service_port: ServicePort) -> int | None:
         if port.name == service_port.name:
             return port.port
     target = service_port.target_port
-    if target.isdigit():
+    if target.isascii() and target.isdigit():
         number = int(target)
         if not endpoint.ports or any(p.port == number for p in endpoint.ports):
             return number

@@ -46,7 +46,7 @@ def validate_server(server: TunnelServer) -> None:
         host_ok = ":" in host
     else:
         host_ok = bool(_HOST.match(host))
-    if not sep or not host_ok or not port.isdigit() or not 1 <= int(port) <= 65535:
+    if not sep or not host_ok or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
         raise InvalidArgument(f"server.address: {server.address!r} is not host:port")
 
 

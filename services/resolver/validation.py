@@ -195,7 +195,7 @@ def check_port_ref(value: str, what: str, field: str) -> None:
     """A port given by number (1..65535) or by IANA-style name; empty is allowed."""
     if not value:
         return
-    if value.isdigit():
+    if value.isascii() and value.isdigit():
         if not 1 <= int(value) <= 65535:
             raise _fail(what, field, f"port {value} is outside 1..65535")
         return
@@ -439,7 +439,7 @@ def validate_service(service: Service) -> Service:
 def _check_service_port(port: ServicePort, what: str, field: str, service_type: str) -> None:
     if port.name:
         check_port_ref(port.name, what, f"{field}.name")
-        if port.name.isdigit():
+        if port.name.isascii() and port.name.isdigit():
             raise _fail(what, f"{field}.name", "a port name cannot be a number")
     _check_port_number(port.port, what, f"{field}.port")
     if not port.target_port:

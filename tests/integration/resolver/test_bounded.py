@@ -102,6 +102,19 @@ async def test_paths_are_stored_normalised(resolver: Resolver) -> None:
     assert reply.route.path == "/~u/a%3A"
 
 
+async def test_non_ascii_digits_are_not_port_numbers(resolver: Resolver) -> None:
+    """str.isdigit() is true for "²", which int() refuses: that was an INTERNAL."""
+    error = await rpc_error(
+        resolver.stub.Resolve(pb.ResolveRequest(namespace="shop", name="web", port="²"))
+    )
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+    error = await rpc_error(
+        resolver.stub.ApplyRoute(pb.ApplyRouteRequest(route=api_route(target_port="٣")))
+    )
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    await still_serving(resolver.stub)
+
+
 # ---------------------------------------------------------------- the routes file
 
 
