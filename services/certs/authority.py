@@ -46,7 +46,7 @@ import json
 import logging
 import secrets
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Concatenate, ParamSpec, TypeVar
 
@@ -1067,10 +1067,20 @@ def _csr_names(csr: x509.CertificateSigningRequest, max_sans: int = MAX_SANS) ->
     )
 
 
-def load_csr(der: bytes) -> x509.CertificateSigningRequest:
-    """Parse a DER CSR (PEM accepted too); InvalidArgument when it is not one."""
+def load_csr(der: bytes, *, max_sans: int | None = None) -> x509.CertificateSigningRequest:
+    """Parse a DER CSR (PEM accepted too); InvalidArgument when it is not one.
+
+    With `max_sans`, a DER CSR asking for more SANs than that is refused before
+    it is parsed: a hostile 60,000-SAN CSR then costs a few header reads rather
+    than building 60,000 objects (`check_names` still checks the parsed CSR).
+    """
     if not der:
         raise InvalidArgument("certificate_signing_request is empty")
+    if max_sans is not None and (der_san_count(der, max_sans) or 0) > max_sans:
+        raise InvalidArgument(
+            f"the CSR asks for more than {max_sans} subject alternative names; at most "
+            f"{max_sans} are allowed per certificate (max_sans_per_csr)"
+        )
     try:
         if der.lstrip().startswith(b"-----BEGIN"):
             return x509.load_pem_x509_csr(der)
@@ -1079,6 +1089,80 @@ def load_csr(der: bytes) -> x509.CertificateSigningRequest:
         raise InvalidArgument(
             f"certificate_signing_request is not a PKCS#10 CSR: {excerpt(str(exc))}"
         ) from None
+
+
+# DER of the extensionRequest attribute type (PKCS#9, 1.2.840.113549.1.9.14) and of the
+# subjectAltName extension (2.5.29.17), each as an OBJECT IDENTIFIER element.
+_EXTENSION_REQUEST_OID = bytes.fromhex("06092a864886f70d01090e")
+_SAN_OID = bytes.fromhex("0603551d11")
+
+
+def _element(der: bytes, at: int, end: int) -> tuple[int, int, int] | None:
+    """(tag, value start, value end) of the DER element at `at`, or None if malformed."""
+    if at + 2 > end or der[at] & 0x1F == 0x1F:
+        return None
+    tag, first = der[at], der[at + 1]
+    at += 2
+    if first < 0x80:
+        length = first
+    else:
+        size = first & 0x7F
+        if not 1 <= size <= 4 or at + size > end:
+            return None
+        length = int.from_bytes(der[at : at + size], "big")
+        at += size
+    if at + length > end:
+        return None
+    return tag, at, at + length
+
+
+def _children(der: bytes, start: int, end: int) -> Iterator[tuple[int, int, int]]:
+    at = start
+    while at < end:
+        element = _element(der, at, end)
+        if element is None:
+            return
+        yield element
+        at = element[2]
+
+
+def der_san_count(der: bytes, limit: int) -> int | None:
+    """How many SANs a DER CSR asks for, counting no further than `limit + 1`; None
+    when the CSR is not DER-shaped as expected (the full parse then decides).
+
+    Reads only element headers: CertificationRequest > info > attributes [0] >
+    extensionRequest > Extensions > subjectAltName > GeneralNames.
+    """
+    outer = _element(der, 0, len(der))
+    if outer is None or outer[0] != 0x30:
+        return None
+    info = next(_children(der, outer[1], outer[2]), None)
+    if info is None or info[0] != 0x30:
+        return None
+    counted: int | None = None
+    for attributes in _children(der, info[1], info[2]):
+        if attributes[0] != 0xA0:
+            continue
+        for attribute in _children(der, attributes[1], attributes[2]):
+            parts = list(itertools.islice(_children(der, attribute[1], attribute[2]), 2))
+            if len(parts) != 2 or der[parts[0][1] - 2 : parts[0][2]] != _EXTENSION_REQUEST_OID:
+                continue
+            extensions = next(_children(der, parts[1][1], parts[1][2]), None)
+            if extensions is None:
+                continue
+            for extension in _children(der, extensions[1], extensions[2]):
+                fields = list(_children(der, extension[1], extension[2]))
+                if not fields or der[fields[0][1] - 2 : fields[0][2]] != _SAN_OID:
+                    continue
+                value = fields[-1]
+                names = _element(der, value[1], value[2]) if value[0] == 0x04 else None
+                if names is None:
+                    continue
+                count = sum(
+                    1 for _ in itertools.islice(_children(der, names[1], names[2]), limit + 1)
+                )
+                counted = max(counted or 0, count)
+    return counted
 
 
 SUPPORTED_KEYS = f"ECDSA P-256/P-384, RSA {MIN_RSA_BITS}..{MAX_RSA_BITS} bits, Ed25519"

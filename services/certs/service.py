@@ -276,7 +276,7 @@ class CertsService:
     def _check(self, caller: Caller, identity: str, csr_der: bytes, max_sans: int) -> _Checked:
         """The CPU-bound checks of a CSR (in a signing thread): parse, key, bounds,
         signature, then the caller's policy."""
-        csr = load_csr(csr_der)
+        csr = load_csr(csr_der, max_sans=max_sans)
         public_key = check_csr(csr, max_sans=max_sans)
         names = self.policy.authorize_csr(caller, identity, csr)
         return _Checked(csr, public_key, names)

@@ -16,6 +16,8 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import dsa, ec, ed448, rsa
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pyasn1.codec.der import decoder, encoder
 from pyasn1_alt_modules import rfc2986
 
@@ -26,6 +28,7 @@ from waygate.certs.authority import (
     IssuedRecord,
     IssuedRecords,
     check_csr,
+    der_san_count,
     load_csr,
 )
 from waygate.core.errors import InvalidArgument
@@ -264,3 +267,44 @@ def test_the_authority_keeps_its_configured_number_of_records(tmp_path: Path) ->
     for _ in range(30):
         authority.issue(make_csr()[0], identity=RESOLVER_ID, requested_by="r")
     assert len(authority.list_issued(include_expired=True)) <= 20
+
+
+# ---------------------------------------------------------------- counting SANs before parsing
+
+
+@pytest.mark.parametrize("count", [0, 1, 100, 101, 5000])
+def test_der_san_count_reads_only_up_to_the_cap(count: int) -> None:
+    csr = make_csr(many_names(count))[0] if count else make_csr([])[0]
+    der = csr.public_bytes(serialization.Encoding.DER)
+    expected = None if count == 0 else min(count, 101)
+    assert der_san_count(der, 100) == expected
+
+
+def test_load_csr_refuses_past_the_cap_before_parsing() -> None:
+    der = make_csr(many_names(5000))[0].public_bytes(serialization.Encoding.DER)
+    with pytest.raises(
+        InvalidArgument, match="more than 100 subject alternative names; at most 100"
+    ):
+        load_csr(der, max_sans=100)
+    assert (
+        len(load_csr(der).extensions.get_extension_for_class(x509.SubjectAlternativeName).value)
+        == 5000
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=600))
+def test_der_san_count_never_fails_on_garbage(data: bytes) -> None:
+    assert der_san_count(data, 100) in (None, *range(102))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_der_san_count_never_fails_on_damaged_csrs(data: st.DataObject) -> None:
+    der = bytearray(CSR_WITH_SANS)
+    for _ in range(data.draw(st.integers(1, 6))):
+        der[data.draw(st.integers(0, len(der) - 1))] = data.draw(st.integers(0, 255))
+    assert der_san_count(bytes(der), 3) in (None, 0, 1, 2, 3, 4)
+
+
+CSR_WITH_SANS = make_csr(many_names(3))[0].public_bytes(serialization.Encoding.DER)
