@@ -266,3 +266,20 @@ def test_network_policies_let_agents_in_from_outside_and_dialers_from_inside():
     agent = named(objects, "NetworkPolicy", "waygate-tunnel-agent")["spec"]
     (admin,) = agent["ingress"]
     assert admin["ports"] == [{"port": 9005, "protocol": "TCP"}]
+
+
+def test_certs_runs_two_replicas_with_a_budget_and_lease_rbac_in_ha():
+    objects = [doc for doc in yaml.safe_load_all(render("production")) if doc]
+    certs = named(objects, "Deployment", "waygate-certs")
+    assert certs["spec"]["replicas"] == 2
+    args = certs["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--leader-lease=waygate/waygate-certs-leader" in args
+    budget = named(objects, "PodDisruptionBudget", "waygate-certs")
+    assert budget["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "waygate-certs"}
+    role = named(objects, "Role", "waygate-certs-ca")
+    lease_rules = [r for r in role["rules"] if "coordination.k8s.io" in r["apiGroups"]]
+    assert any(
+        r.get("resourceNames") == ["waygate-certs-leader"] and {"get", "update"} <= set(r["verbs"])
+        for r in lease_rules
+    )
+    assert any("create" in r["verbs"] and not r.get("resourceNames") for r in lease_rules)

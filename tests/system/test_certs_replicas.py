@@ -289,7 +289,8 @@ async def test_writes_answered_5s_late_do_not_delay_certify(
     async with Replicas(
         standin, tmp_path, 2, "--bundle-configmap", "waygate/waygate-ca-bundle"
     ) as replicas:
-        # Lease renewals now take 5 s: use client-go's default timings for this one.
+        # Every write now takes 5 s, longer than the 1 s renew deadline: leadership
+        # is lost and contested meanwhile, and Certify must not notice any of it.
         standin.write_delay = 5.0
         await until(
             lambda: standin.requests and standin.requests[-1].method != "GET",

@@ -35,6 +35,7 @@ from waygate.certs.kube_auth import KubeServiceDirectory, TokenReviewAuthenticat
 from waygate.certs.kube_bundle import BundlePublisher
 from waygate.certs.kube_csr import SIGNERS, CSRController, SignerRules
 from waygate.certs.kube_store import SecretCAStore
+from waygate.certs.leader import LeaderElector
 from waygate.certs.policy import Policy
 from waygate.certs.store import DirectoryCAStore
 
@@ -61,7 +62,9 @@ def load_roles() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     return cluster_rules, namespace_rules
 
 
-def attributes(method: str, path: str, watch: bool) -> dict[str, Any]:
+def attributes(
+    method: str, path: str, watch: bool, query: dict[str, str] | None = None
+) -> dict[str, Any]:
     """RBAC request attributes of one API request."""
     parts = [p for p in path.split("/") if p]
     group, rest = ("", parts[2:]) if parts[0] == "api" else (parts[1], parts[3:])
@@ -77,6 +80,10 @@ def attributes(method: str, path: str, watch: bool) -> dict[str, Any]:
         "PATCH": "patch",
         "DELETE": "delete",
     }[method]
+    # The API server authorizes a list/watch narrowed to one name by that name.
+    selector = (query or {}).get("fieldSelector", "")
+    if name is None and selector.startswith("metadata.name=") and "," not in selector:
+        name = selector.partition("=")[2]
     return {
         "group": group,
         "resource": resource,
@@ -105,10 +112,18 @@ def standin() -> Iterator[StandInAPI]:
 async def exercise(standin: StandInAPI, tmp_path: Path) -> None:
     """Everything certs does in a cluster, once."""
     api = KubeAPI(client.ApiClient(standin.configuration()), timeout=5.0)
-    store = SecretCAStore(api, NAMESPACE, SECRET)
+    elector = LeaderElector(api, NAMESPACE, "waygate-certs-leader", identity="certs-0")
+    await asyncio.to_thread(elector._try_acquire_or_renew)  # lease get (absent), create
+    await asyncio.to_thread(elector._try_acquire_or_renew)  # lease get, update
+    assert elector.is_leader()
+    store = SecretCAStore(api, NAMESPACE, SECRET, writer=elector)
     Authority.open(store, AuthorityConfig())  # get (absent), create
     authority = Authority.open(store, AuthorityConfig())  # get
     store.save(store.load() or {})  # update
+    following = asyncio.create_task(store.follow(authority.adopt))  # list, watch by name
+    await standin.wait_watchers(1, kind="Secret")
+    following.cancel()
+    await asyncio.gather(following, return_exceptions=True)
 
     standin.token_reviewer = lambda token, audiences: {"username": "u", "groups": []}
     await TokenReviewAuthenticator(api, audiences=("waygate-certs",)).authenticate("t")
@@ -172,7 +187,7 @@ async def test_every_request_certs_makes_is_granted(standin: StandInAPI, tmp_pat
     await exercise(standin, tmp_path)
     seen = set()
     for request in standin.requests:
-        attrs = attributes(request.method, request.path, request.watch)
+        attrs = attributes(request.method, request.path, request.watch, request.query)
         seen.add((attrs["resource"], attrs["verb"]))
         rules = cluster_rules + (namespace_rules if attrs["namespace"] == NAMESPACE else [])
         assert allowed(rules, attrs), f"RBAC does not grant {request.method} {request.path}"
@@ -181,6 +196,11 @@ async def test_every_request_certs_makes_is_granted(standin: StandInAPI, tmp_pat
         ("secrets", "get"),
         ("secrets", "create"),
         ("secrets", "update"),
+        ("secrets", "list"),
+        ("secrets", "watch"),
+        ("leases", "get"),
+        ("leases", "create"),
+        ("leases", "update"),
         ("tokenreviews", "create"),
         ("services", "get"),
         ("configmaps", "get"),
@@ -216,10 +236,11 @@ def test_signers_may_be_approved_and_signed_only_for_waygate_names() -> None:
 
 def test_the_secret_is_reachable_only_by_name_except_for_create() -> None:
     _, namespace_rules = load_roles()
-    for verb in ("get", "update"):
+    for verb in ("get", "update", "list", "watch"):
         base = {"group": "", "resource": "secrets", "verb": verb}
         assert allowed(namespace_rules, {**base, "name": SECRET})
         assert not allowed(namespace_rules, {**base, "name": "someone-elses"})
-    for verb in ("list", "watch", "delete", "patch"):
+        assert not allowed(namespace_rules, {**base, "name": None})  # every Secret
+    for verb in ("delete", "patch"):
         request = {"group": "", "resource": "secrets", "verb": verb, "name": SECRET}
         assert not allowed(namespace_rules, request)
