@@ -134,6 +134,9 @@ def test_up_arguments_copy_the_example_once(tmp_path: Path) -> None:
     args = up_arguments(context)
     copied = Path(args[1])
     assert args[0] == "--routes-file" and copied.read_bytes() == EXAMPLE_ROUTES.read_bytes()
+    # Only the proxy receives route private keys over Watch.
+    readers = args[args.index("--route-readers") + 1]
+    assert readers == "spiffe://waygate.local/ns/local/sa/proxy"
     copied.write_text("routes: []\n")
     assert up_arguments(context) == args
     assert copied.read_text() == "routes: []\n", "an existing (edited) copy is kept"
