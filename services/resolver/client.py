@@ -144,18 +144,18 @@ class _Staging:
         self.tunnels: dict[str, TunnelPresence] = {}
 
     def add(self, snapshot: pb.Snapshot) -> None:
-        for message in snapshot.services:
-            service = convert.service_from_proto(message)
+        for service_message in snapshot.services:
+            service = convert.service_from_proto(service_message)
             self.services[service.key] = service
         endpoints = self.endpoints
-        for message in snapshot.endpoints:
-            endpoint = convert.endpoint_from_proto(message)
+        for endpoint_message in snapshot.endpoints:
+            endpoint = convert.endpoint_from_proto(endpoint_message)
             endpoints.setdefault(endpoint.service_key, {})[endpoint.address] = endpoint
-        for message in snapshot.routes:
-            route = convert.route_from_proto(message)
+        for route_message in snapshot.routes:
+            route = convert.route_from_proto(route_message)
             self.routes[route.key] = route
-        for message in snapshot.tunnels:
-            presence = convert.tunnel_from_proto(message)
+        for tunnel_message in snapshot.tunnels:
+            presence = convert.tunnel_from_proto(tunnel_message)
             if presence.servers:
                 self.tunnels[presence.node] = presence
 
