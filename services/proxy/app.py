@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import secrets
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from prometheus_client import REGISTRY
 
@@ -38,6 +38,9 @@ from waygate.proxy.metrics import ProxyCollector, ProxyMetrics
 from waygate.proxy.routing import Defaults, build_table
 from waygate.proxy.server import ProxyServer
 from waygate.proxy.upstream import Dialer
+
+if TYPE_CHECKING:
+    import grpc
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +268,9 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     # The watch closes the channel it was given after each stream; the process's
     # rotating channel is shared (and closed when the process stops), so each
     # stream borrows it.
-    watch = ResolverWatch(lambda: _Borrowed(channel.channel()), on_view=on_view)
+    watch = ResolverWatch(
+        lambda: cast("grpc.aio.Channel", _Borrowed(channel.channel())), on_view=on_view
+    )
     # Endpoints marked `tunnel` are dialled through a tunnel-server replica that
     # holds their node (presence from this same watch).
     from waygate.proxy.upstream import ConnectError

@@ -511,7 +511,7 @@ class ClientConnection(asyncio.Protocol):
                 return
             try:
                 _, upstream = await self.loop.create_connection(
-                    lambda t=target: UpstreamConnection(server, t), sock=sock
+                    functools.partial(UpstreamConnection, server, target), sock=sock
                 )
             except OSError as exc:
                 sock.close()
@@ -891,13 +891,10 @@ class UpstreamConnection(asyncio.Protocol):
             client.transport.write(data)  # type: ignore[union-attr]
             return
         if self.response is None:
-            data = self.buf + data if self.buf else data
-            self.buf = b""
-            data = self._head(client, data)
-            if data is None or self.client is None:
+            rest = self._head(client, self.buf + data if self.buf else data)
+            if rest is None or self.client is None or self.response is None:
                 return
-            if self.response is None:
-                return
+            data = rest
         self._body(client, data)
 
     def _head(self, client: ClientConnection, data: bytes) -> bytes | None:
