@@ -203,3 +203,45 @@ async def test_a_registration_can_leave_its_own_streams_uncapped() -> None:
             for call in calls:
                 call.cancel()
     await server.stop(0)
+
+
+async def test_connections_past_their_age_end_after_the_grace_and_clients_reconnect() -> None:
+    server = GrpcServer(
+        host="127.0.0.1",
+        port=0,
+        registrations=[ServiceRegistration(demo_server.SERVICE, demo_server._add, None)],
+        max_connection_age=1.0,
+        max_connection_age_grace=1.0,
+    )
+    port = await server.start()
+    async with open_channel(f"127.0.0.1:{port}", retry=False) as channel:
+        watches = Watches(channel)
+        call = await watches.open()
+        # The stream outlives neither the age (about 1 s, with grace's jitter) nor the grace.
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            await asyncio.wait_for(call.read(), 10)
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+        await until(lambda: server.admission.streams == 0, "the ended stream released")
+        # A new call simply opens a new connection.
+        assert await health_check(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
+    await server.stop(0)
+
+
+async def test_a_connection_that_never_handshakes_is_closed_after_the_handshake_timeout() -> None:
+    server = GrpcServer(
+        host="127.0.0.1",
+        port=0,
+        registrations=[ServiceRegistration(demo_server.SERVICE, demo_server._add, None)],
+        handshake_timeout=1.0,
+    )
+    port = await server.start()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)  # says nothing
+    try:
+        async with asyncio.timeout(10):
+            while await reader.read(65536):  # the server's SETTINGS, then EOF
+                pass
+    except ConnectionError:
+        pass  # a reset is a close too
+    finally:
+        writer.close()
+    await server.stop(0)
