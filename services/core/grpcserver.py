@@ -519,25 +519,29 @@ class GrpcServer:
         self.service_names = tuple(r.name for r in registrations)
         self.health = health.aio.HealthServicer()
         self.admission = _Admission(limits or CallLimits())
+        options: list[tuple[str, Any]] = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.keepalive_time_ms", int(keepalive_time * 1000)),
+            ("grpc.keepalive_timeout_ms", 10_000),
+            # Clients may ping idle connections every 10s, not more often.
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.max_concurrent_streams", max_concurrent_streams),
+            ("grpc.max_connection_age_grace_ms", int(max_connection_age_grace * 1000)),
+            ("grpc.server_handshake_timeout_ms", int(handshake_timeout * 1000)),
+            ("grpc.so_reuseport", 0),
+        ]
+        # 0 means never: grpc core's own default when the option is absent.
+        if max_connection_idle > 0:
+            options.append(("grpc.max_connection_idle_ms", int(max_connection_idle * 1000)))
+        if max_connection_age > 0:
+            options.append(("grpc.max_connection_age_ms", int(max_connection_age * 1000)))
         self._server = grpc.aio.server(
             # Only an outer bound: the fair budgets are enforced in the boundary,
             # where a refusal can say which cap was hit and how to raise it.
             maximum_concurrent_rpcs=max_concurrent_rpcs,
-            options=[
-                ("grpc.max_receive_message_length", max_message_bytes),
-                ("grpc.max_send_message_length", max_message_bytes),
-                ("grpc.keepalive_time_ms", int(keepalive_time * 1000)),
-                ("grpc.keepalive_timeout_ms", 10_000),
-                # Clients may ping idle connections every 10s, not more often.
-                ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-                ("grpc.keepalive_permit_without_calls", 1),
-                ("grpc.max_concurrent_streams", max_concurrent_streams),
-                ("grpc.max_connection_idle_ms", int(max_connection_idle * 1000)),
-                ("grpc.max_connection_age_ms", int(max_connection_age * 1000)),
-                ("grpc.max_connection_age_grace_ms", int(max_connection_age_grace * 1000)),
-                ("grpc.server_handshake_timeout_ms", int(handshake_timeout * 1000)),
-                ("grpc.so_reuseport", 0),
-            ],
+            options=options,
         )
         registrar: Any
         for registration in registrations:

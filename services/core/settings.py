@@ -114,6 +114,10 @@ def positive(value: float) -> str | None:
     return None if value > 0 else f"must be greater than 0, not {value}"
 
 
+def non_negative(value: float) -> str | None:
+    return None if value >= 0 else f"must be 0 or more, not {value}"
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -512,15 +516,17 @@ class GrpcServerSettings(ProcessSettings):
     )
     max_connection_idle: float = setting(
         120.0,
-        help="close a connection with no call in progress for this long (GOAWAY; clients reconnect)",
+        help="close a connection with no call in progress for this long (GOAWAY; clients "
+        "reconnect); 0: never",
         parse=parse_duration,
-        check=positive,
+        check=non_negative,
     )
     max_connection_age: float = setting(
         1800.0,
-        help="close every connection after this long (GOAWAY), spreading clients over replicas",
+        help="close every connection after this long (GOAWAY), spreading clients over replicas; "
+        "0: never (for streams that carry data, which the grace would cut)",
         parse=parse_duration,
-        check=positive,
+        check=non_negative,
     )
     max_connection_age_grace: float = setting(
         30.0,
