@@ -132,6 +132,10 @@ class _StreamBroken(Exception):
     """The stream sent something that does not continue the view held."""
 
 
+class _StreamSilent(Exception):
+    """No event or heartbeat within `stale_after`: the stream is taken for dead."""
+
+
 class _Staging:
     """Chunks of one snapshot being gathered, applied only once complete."""
 
@@ -202,6 +206,9 @@ class ResolverWatch:
         self._confirmed: float | None = None
         self._connected = False
         self._last_error = "not connected yet"
+        # Set when the stream sent something that does not continue the view
+        # held: the next attempt asks for a fresh snapshot instead of resuming.
+        self._resync = False
         # The view's working tables; the published View holds read-only copies.
         self._services: dict[ServiceKey, Service] = {}
         self._endpoints: dict[ServiceKey, dict[str, Endpoint]] = {}
@@ -253,8 +260,12 @@ class ResolverWatch:
             except grpc.aio.AioRpcError as exc:
                 # The server's own words (cut: a message never floods a log line).
                 reason = (exc.details() or exc.code().name)[:300]
-            except (_StreamBroken, WaygateError) as exc:
+            except _StreamSilent as exc:
                 reason = str(exc)
+            except (_StreamBroken, WaygateError) as exc:
+                # WaygateError: an event this client cannot read (convert refused it).
+                reason = str(exc)
+                self._resync = True
             finally:
                 self._connected = False
                 await channel.close()
@@ -278,7 +289,7 @@ class ResolverWatch:
         )
 
     def _request(self) -> pb.WatchRequest:
-        view = self._view
+        view = None if self._resync else self._view
         return pb.WatchRequest(
             kinds=self._kinds,
             resume_from_version=view.version if view else 0,
@@ -302,7 +313,7 @@ class ResolverWatch:
                     deadline.reschedule(loop.time() + self._stale_after)
                     staging = self._on_event(event, staging)
         except TimeoutError:
-            raise _StreamBroken(
+            raise _StreamSilent(
                 f"no event or heartbeat from the resolver for {self._stale_after:g}s"
             ) from None
         finally:
@@ -332,6 +343,7 @@ class ResolverWatch:
         return None
 
     def _apply_snapshot(self, staging: _Staging, event: pb.WatchEvent) -> None:
+        self._resync = False
         self._services = staging.services
         self._endpoints = staging.endpoints
         self._endpoint_tuples = {key: tuple(eps.values()) for key, eps in staging.endpoints.items()}

@@ -304,3 +304,71 @@ async def test_cancel_leaves_no_task_or_channel_behind(running: Running) -> None
     await asyncio.sleep(0.3)
     assert len(asyncio.all_tasks()) == tasks_before
     assert open_fds() <= fds_before + 1
+
+
+class MisbehavingServicer(ResolverServicer):
+    """A real gRPC resolver whose Watch can be told to break its promises."""
+
+    def __init__(self, store: Store) -> None:
+        super().__init__(store)
+        self.mode = "normal"
+        self.requests: list[pb.WatchRequest] = []
+
+    async def Watch(self, request, context):  # type: ignore[no-untyped-def,override]
+        self.requests.append(request)
+        store = self._store
+        if self.mode == "half-snapshot":
+            # The first chunk of a snapshot that never completes.
+            yield pb.WatchEvent(
+                version=store.version + 100,
+                epoch=store.epoch,
+                snapshot=pb.Snapshot(
+                    routes=[pb.Route(namespace="shop", name="partial", host="p.example.com")],
+                    more=True,
+                ),
+            )
+            raise Unavailable("gone mid-snapshot")
+        if self.mode == "gap":
+            yield pb.WatchEvent(
+                version=store.version + 7,
+                epoch=store.epoch,
+                changes=pb.Changes(from_version=store.version + 6),
+            )
+            raise Unavailable("sent a gap")
+        async for event in super().Watch(request, context):
+            yield event
+
+
+async def test_a_broken_snapshot_or_a_gap_never_reaches_the_view() -> None:
+    store = seeded_store()
+    servicer = MisbehavingServicer(store)
+    server = GrpcServer(host="127.0.0.1", port=0, registrations=[servicer.registration()])
+    port = await server.start()
+    await server.set_serving()
+    views: list[View] = []
+    reasons: list[str] = []
+    watch = ResolverWatch(
+        factory(f"127.0.0.1:{port}"),
+        on_view=views.append,
+        backoff=quick_backoff(),
+        on_disconnect=lambda reason, delay: reasons.append(reason),
+    )
+    task = await start_watch(watch)
+    try:
+        good = watch.view
+        assert good is not None
+        servicer.mode = "half-snapshot"
+        store.end_subscriptions()
+        await eventually(lambda: any("mid-snapshot" in r for r in reasons))
+        assert watch.view is good and len(views) == 1, "the partial snapshot was dropped"
+        servicer.mode = "gap"
+        await eventually(lambda: any("do not continue" in r for r in reasons))
+        assert watch.view is good and len(views) == 1, "the gap was not applied"
+        servicer.mode = "normal"
+        await eventually(lambda: len(views) == 2)
+        # After a gap the client asked for a fresh snapshot instead of resuming.
+        assert servicer.requests[-1].resume_from_version == 0
+        assert views[-1].from_snapshot and ("shop", "partial") not in views[-1].routes
+    finally:
+        await stop_watch(task)
+        await server.stop(0)
