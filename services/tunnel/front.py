@@ -49,6 +49,7 @@ import asyncio
 import dataclasses
 import ipaddress
 import logging
+import socket
 import ssl
 import time
 from collections import deque
@@ -426,6 +427,8 @@ class Front:
 
 
 _HEAD, _DIALING, _RELAY, _DONE = range(4)
+# Linux TCP states (tcp_states.h) of a socket whose peer has closed or reset it.
+_TCP_CLOSE, _TCP_CLOSE_WAIT = 7, 8
 
 
 class FrontConnection(asyncio.Protocol):
@@ -440,6 +443,7 @@ class FrontConnection(asyncio.Protocol):
         # Client -> node bytes waiting for tunnel credit.
         self.pending: deque[bytes] = deque()
         self.pending_bytes = 0
+        self.reading_paused = False
         self.client_eof = False
         self._pending_ready: asyncio.Future[None] | None = None
         self._writable: asyncio.Future[None] | None = None
@@ -462,6 +466,7 @@ class FrontConnection(asyncio.Protocol):
             self.pending_bytes += len(data)
             if self.pending_bytes > HIGH_WATER and self.transport is not None:
                 self.transport.pause_reading()
+                self.reading_paused = True
             self._wake_sender()
             return
         if self.state != _HEAD:
@@ -534,6 +539,20 @@ class FrontConnection(asyncio.Protocol):
             self.reply(408, f"no complete request head within {self.front.head_timeout:g}s")
         elif self.state == _RELAY and now - self.last_activity > self.front.idle_timeout:
             self.abort("idle")
+        elif self.reading_paused and self._peer_gone():
+            # While reading is paused (its bytes wait for tunnel credit) the loop
+            # cannot see the client's FIN or RST: ask the kernel.
+            self.abort("the front's client went away")
+
+    def _peer_gone(self) -> bool:
+        raw = self.transport.get_extra_info("socket") if self.transport is not None else None
+        if raw is None:
+            return False
+        try:
+            state = raw.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+        except OSError:
+            return True
+        return state in (_TCP_CLOSE, _TCP_CLOSE_WAIT)
 
     def _finish(self, reason: str) -> None:
         self.state = _DONE
@@ -602,7 +621,12 @@ class FrontConnection(asyncio.Protocol):
                     data = self.pending.popleft()
                     self.pending_bytes -= len(data)
                     await upstream.write(data)
-                    if self.pending_bytes <= HIGH_WATER // 2 and self.transport is not None:
+                    if (
+                        self.reading_paused
+                        and self.pending_bytes <= HIGH_WATER // 2
+                        and self.transport is not None
+                    ):
+                        self.reading_paused = False
                         self.transport.resume_reading()
                 if self.client_eof:
                     upstream.write_eof()

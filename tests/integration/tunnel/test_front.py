@@ -1,0 +1,160 @@
+"""The HTTPS front in one loop with a real hub and agent (real mTLS, real sockets).
+
+What the process tests cannot see from outside: a client that stops reading
+stalls only its own connection, with every buffer on the way bounded; and
+every task and tunnelled connection the front opened is gone afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+import struct
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.tunnel.harness import NODE, Tunnel
+from tests.support.poll import until
+from waygate.tunnel.front import HIGH_WATER, Front, FrontSettings
+
+RESPONSE_BYTES = 24 * 1024 * 1024
+
+
+async def big_response_backend() -> tuple[asyncio.Server, int]:
+    """Answers every request with RESPONSE_BYTES of body, as fast as the socket takes them."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % RESPONSE_BYTES)
+            chunk = b"z" * 65536
+            for _ in range(RESPONSE_BYTES // len(chunk)):
+                writer.write(chunk)
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+@pytest.fixture
+async def front(tmp_path: Path) -> AsyncIterator[tuple[Tunnel, Front, int, ssl.SSLContext]]:
+    tunnel = Tunnel(tmp_path)
+    await tunnel.start_server()
+    await tunnel.start_agent()
+    server_context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_context.minimum_version = ssl.TLSVersion.TLSv1_2
+    server_context.load_cert_chain(tunnel.server_files.cert, tunnel.server_files.key)
+    server_context.load_verify_locations(cadata=tunnel.ca.pem.decode())
+    server_context.verify_mode = ssl.CERT_REQUIRED
+    # A short head timeout makes the sweep (every half of it) quick.
+    settings = FrontSettings(front_node_addresses=(f"127.0.0.1={NODE}",), front_head_timeout=1.0)
+    front = Front(tunnel.hub, settings, dial_timeout=5.0)
+    port = await front.start("127.0.0.1", 0, server_context)
+    client_context = ssl.create_default_context(cafile=str(tunnel.dialer_files.ca))
+    client_context.load_cert_chain(tunnel.dialer_files.cert, tunnel.dialer_files.key)
+    client_context.check_hostname = False
+    try:
+        yield tunnel, front, port, client_context
+    finally:
+        await front.stop()
+        await tunnel.close()
+
+
+async def test_a_client_that_stops_reading_stalls_only_itself_with_bounded_buffers(front) -> None:
+    tunnel, front_listener, port, context = front
+    backend, backend_port = await big_response_backend()
+    async with backend:
+        baseline_tasks = len(asyncio.all_tasks())
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context)
+        # A small receive buffer makes "not reading" bite early.
+        writer.transport.get_extra_info("socket").setsockopt(
+            socket.SOL_SOCKET, socket.SO_RCVBUF, 65536
+        )
+        writer.write(f"GET /big HTTP/1.1\r\nHost: 127.0.0.1:{backend_port}\r\n\r\n".encode())
+        await until(lambda: front_listener.connections and tunnel.hub.sessions[NODE].connections,
+                    "the relay to start")  # fmt: skip
+        await asyncio.sleep(1.0)  # the backend pushes; nobody reads
+        (connection,) = front_listener.connections
+        transport = connection.transport
+        assert transport is not None
+        # The client transport's buffer stops near its high-water mark...
+        assert transport.get_write_buffer_size() <= 4 * 1024 * 1024
+        # ...the server's queue towards the front is bounded by the granted window...
+        (tunnelled,) = tunnel.hub.sessions[NODE].connections.values()
+        queued = sum(len(i) for i in tunnelled.to_dialer if isinstance(i, bytes))
+        assert queued <= tunnel.window
+        # ...and meanwhile another request through the same agent goes through at once.
+        other_reader, other_writer = await asyncio.open_connection("127.0.0.1", port, ssl=context)
+        other_writer.write(f"GET /x HTTP/1.1\r\nHost: 127.0.0.1:{backend_port}\r\n\r\n".encode())
+        head = await asyncio.wait_for(other_reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 200 OK")
+        other_writer.transport.abort()
+        # Reading resumes: every byte arrives.
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        received = 0
+        async with asyncio.timeout(60):
+            while received < RESPONSE_BYTES:
+                data = await reader.read(1 << 20)
+                assert data, f"ended after {received} bytes"
+                received += len(data)
+        assert received == RESPONSE_BYTES
+        writer.close()
+        await until(lambda: not front_listener.connections, "the front to let go")
+        await until(lambda: not tunnel.hub.sessions[NODE].connections, "tunnelled connections")
+        await until(lambda: not tunnel.agents[0].open_connections(), "the agent's sockets")
+        await until(lambda: len(asyncio.all_tasks()) <= baseline_tasks, "tasks back to baseline")
+        assert not front_listener.tasks
+
+
+async def test_client_bytes_wait_for_credit_without_unbounded_buffering(front) -> None:
+    tunnel, front_listener, port, context = front
+
+    # A backend that reads nothing: the request body cannot drain.
+    accepted: list[asyncio.StreamWriter] = []
+    finished = asyncio.Event()
+
+    async def sink(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)
+        writer.transport.pause_reading()
+        await finished.wait()
+
+    backend = await asyncio.start_server(sink, "127.0.0.1", 0)
+    backend_port = backend.sockets[0].getsockname()[1]
+    async with backend:
+        _reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context)
+        writer.write(
+            f"POST / HTTP/1.1\r\nHost: 127.0.0.1:{backend_port}\r\n"
+            f"Content-Length: {64 * 1024 * 1024}\r\n\r\n".encode()
+        )
+        chunk = b"b" * 65536
+        sent = 0
+        # Write until the front stops taking bytes (drain blocks) or 64 MiB went out.
+        try:
+            async with asyncio.timeout(3):
+                while sent < 64 * 1024 * 1024:
+                    writer.write(chunk)
+                    await writer.drain()
+                    sent += len(chunk)
+        except TimeoutError:
+            pass
+        assert sent < 64 * 1024 * 1024, "the front took everything: no backpressure"
+        (connection,) = front_listener.connections
+        assert connection.pending_bytes <= HIGH_WATER + 65536 * 4
+        # The client vanishes (RST: with a zero window its FIN would queue behind
+        # the unsent body) while its bytes wait for credit and reading is paused.
+        writer.transport.get_extra_info("socket").setsockopt(
+            socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+        )
+        writer.transport.abort()
+        await until(lambda: not front_listener.connections, "the front to let go")
+        await until(lambda: not tunnel.hub.sessions[NODE].connections, "tunnelled connections")
+        finished.set()
+        for peer in accepted:
+            peer.close()
