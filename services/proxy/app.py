@@ -131,6 +131,12 @@ class Settings(ProcessSettings):
         parse=parse_duration,
         check=positive,
     )
+    access_log_rate: int = setting(
+        100,
+        help="JSON access-log lines per second at most (the rest are counted in one "
+        "summary line per second); 0: none",
+        check=lambda v: None if v >= 0 else f"must be 0 or more, not {v}",
+    )
     unavailable_page: Path | None = setting(
         None,
         help="HTML file served with 503 when no route matches or no endpoint is ready; "
@@ -240,6 +246,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         pool_idle_timeout=settings.upstream_idle_timeout,
         unavailable_page=page,
         listen_port=settings.http_port,
+        access_log_rate=settings.access_log_rate,
     )
     REGISTRY.register(ProxyCollector(metrics.snapshot))
     process.on_stop(_unregister(metrics))

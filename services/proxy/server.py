@@ -31,9 +31,14 @@ import asyncio
 import contextlib
 import functools
 import logging
+import re
 import socket
 from typing import Any
 
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from waygate.core.tracing import tracer
 from waygate.proxy import http1
 from waygate.proxy.http1 import (
     FRAMING_CHUNKED,
@@ -58,6 +63,32 @@ from waygate.proxy.routing import (
 from waygate.proxy.upstream import ConnectError, Dialer, Pool
 
 log = logging.getLogger(__name__)
+access_log = logging.getLogger("waygate.proxy.access")
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+_TRACEPARENT = re.compile(rb"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+
+
+def _log_access(connection: ClientConnection, route: str, req: RequestHead, status: int) -> None:
+    """One JSON access-log line (within the per-second budget; see ProxyServer)."""
+    access_log.info(
+        "request",
+        extra={
+            "client": connection.context.client_ip.decode(),
+            "method": req.method.decode("ascii", "replace"),
+            "host": req.host.decode("ascii", "replace"),
+            "path": req.target.decode("ascii", "replace")[:256],
+            "status": status,
+            "route": route,
+            "upstream": f"{connection.target.address}:{connection.target.port}"
+            if connection.target is not None
+            else "",
+            "duration_ms": round((connection.loop.time() - connection.started) * 1000, 3)
+            if connection.started
+            else 0.0,
+        },
+    )
+
 
 HIGH_WATER = 256 * 1024
 LOW_WATER = 64 * 1024
@@ -89,6 +120,7 @@ class ProxyServer:
         pool_idle_timeout: float = 15.0,
         unavailable_page: bytes = b"",
         listen_port: int = 0,
+        access_log_rate: int = 100,
     ) -> None:
         self.loop = asyncio.get_running_loop()
         self.defaults = defaults
@@ -109,6 +141,10 @@ class ProxyServer:
         self.draining = False
         self._servers: list[asyncio.AbstractServer] = []
         self._sweeper: asyncio.TimerHandle | None = None
+        # Access-log lines allowed per second; the rest are counted and summarised.
+        self.access_log_rate = access_log_rate
+        self.access_log_budget = access_log_rate
+        self.access_log_suppressed = 0
         self._drained = asyncio.Event()
 
     # ------------------------------------------------------------ routing table
@@ -144,6 +180,16 @@ class ProxyServer:
 
     def _sweep(self) -> None:
         self.pool.sweep()
+        if self.access_log_suppressed:
+            access_log.info(
+                "access log lines suppressed",
+                extra={
+                    "suppressed": self.access_log_suppressed,
+                    "per_second": self.access_log_rate,
+                },
+            )
+            self.access_log_suppressed = 0
+        self.access_log_budget = self.access_log_rate
         self._schedule_sweep()
 
     def stop_accepting(self) -> None:
@@ -210,6 +256,7 @@ class ClientConnection(asyncio.Protocol):
         "response_started",
         "retried",
         "server",
+        "span",
         "started",
         "status",
         "target",
@@ -249,6 +296,7 @@ class ClientConnection(asyncio.Protocol):
         self._write_paused = False
         self._first = True
         self._eof = False
+        self.span: Any = None
 
     # ------------------------------------------------------------ asyncio.Protocol
 
@@ -312,6 +360,10 @@ class ClientConnection(asyncio.Protocol):
             upstream.abort()
         self._release_pick()
         self.pending_body = []
+        if self.span is not None:
+            self.span.set_status(Status(StatusCode.ERROR, "client connection lost"))
+            self.span.end()
+            self.span = None
         self.server.connection_closed(self)
 
     def pause_writing(self) -> None:
@@ -378,6 +430,7 @@ class ClientConnection(asyncio.Protocol):
             self._refuse(exc)
             return False
         self._first = False
+        self.started = self.loop.time()
         target = req.target
         if target == http1.HEALTHZ_PATH:
             return self._local(req, http1.HEALTHZ_RESPONSE, 200, "healthz")
@@ -396,7 +449,7 @@ class ClientConnection(asyncio.Protocol):
         self.req = req
         self.entry = entry
         self.status = 0
-        self.started = self.last_up = self.last_client = self.loop.time()
+        self.last_up = self.last_client = self.started
         self.response_started = False
         self.retried = False
         self._set_pick(picked, backend)
@@ -409,8 +462,12 @@ class ClientConnection(asyncio.Protocol):
             self.req_complete = False
         else:
             self.req_complete = True
+        traceparent = req.traceparent
+        if traceparent and traceparent[-3:] == b"-01" and _TRACEPARENT.fullmatch(traceparent):
+            # Sampled upstream of us (parent-based): a span, and its id goes on.
+            traceparent = self._start_span(req, entry)
         self.upstream_head = http1.build_upstream_head(
-            req, self.context, entry.options.forwarded_mode, req.traceparent
+            req, self.context, entry.options.forwarded_mode, traceparent
         )
         return True
 
@@ -576,7 +633,7 @@ class ClientConnection(asyncio.Protocol):
         entry = self.entry
         req = self.req
         if entry is not None and req is not None:
-            server.metrics.request(entry.options.name, req.method, self.status or 502)
+            self._record(entry.options.name, req, self.status or 502)
         idle_timeout = self._idle_timeout()
         self.upstream = None
         self._release_pick()
@@ -613,7 +670,7 @@ class ClientConnection(asyncio.Protocol):
         entry = self.entry
         req = self.req
         if entry is not None and req is not None:
-            self.server.metrics.request(entry.options.name, req.method, 101)
+            self._record(entry.options.name, req, 101)
             self.req = None
         self.upstream = None
         self._release_pick()
@@ -626,6 +683,44 @@ class ClientConnection(asyncio.Protocol):
             self.abort()
             return
         self._fail(status, reason, kind)
+
+    # ------------------------------------------------------------ records
+
+    def _record(self, route: str, req: RequestHead, status: int) -> None:
+        """Count one answered request; its access-log line and span when due."""
+        server = self.server
+        server.metrics.request(route, req.method, status)
+        if server.access_log_budget > 0:
+            server.access_log_budget -= 1
+            _log_access(self, route, req, status)
+        else:
+            server.access_log_suppressed += 1
+        span = self.span
+        if span is not None:
+            self.span = None
+            span.set_attribute("http.response.status_code", status)
+            if status >= 500:
+                span.set_status(Status(StatusCode.ERROR))
+            span.end()
+
+    def _start_span(self, req: RequestHead, entry: RouteEntry) -> bytes:
+        """A server span for a sampled request; returns the traceparent to send upstream."""
+        carrier = {"traceparent": req.traceparent.decode("ascii", "replace")}
+        parent = _PROPAGATOR.extract(carrier)
+        span = tracer().start_span(
+            "proxy " + entry.options.name,
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes={
+                "http.request.method": req.method.decode("ascii", "replace"),
+                "url.path": req.target.decode("ascii", "replace")[:256],
+                "server.address": req.host.decode("ascii", "replace"),
+                "waygate.route": entry.options.name,
+            },
+        )
+        self.span = span
+        context = span.get_span_context()
+        return b"00-%032x-%016x-01" % (context.trace_id, context.span_id)
 
     # ------------------------------------------------------------ local answers
 
@@ -646,7 +741,7 @@ class ClientConnection(asyncio.Protocol):
     def _unavailable(self, req: RequestHead, reason: str, kind: str) -> bool:
         metrics = self.server.metrics
         metrics.refused[kind] = metrics.refused.get(kind, 0) + 1
-        metrics.request("", req.method, 503)
+        self._record("", req, 503)
         close = req.has_body or not req.keep_alive or self.server.draining
         response = http1.error_response(
             503,
@@ -676,7 +771,7 @@ class ClientConnection(asyncio.Protocol):
         entry = self.entry
         req = self.req
         if entry is not None and req is not None:
-            metrics.request(entry.options.name, req.method, status)
+            self._record(entry.options.name, req, status)
         self._abandon_upstream()
         transport = self.transport
         if self.closed or transport is None:

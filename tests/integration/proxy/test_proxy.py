@@ -23,6 +23,7 @@ from tests.integration.proxy.harness import (
     running_proxy,
     table,
 )
+from waygate.core.tracing import configure_tracing
 from waygate.proxy.routing import Defaults
 from waygate.resolver.model import ForwardedHeadersMode, RouteTimeouts, StickySessions
 
@@ -121,6 +122,32 @@ async def test_traceparent_passes_through_unsampled(proxy):
     assert headers_of(body_json(response))["traceparent"] == [parent.decode()]
 
 
+async def test_sampled_traceparent_gets_a_child_span_id(proxy):
+    configure_tracing("proxy-test", None)  # the process's real provider, no exporter
+    _, port = proxy
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    parent = f"00-{trace_id}-b7ad6b7169203331-01".encode()
+    response = await exchange(
+        port, b"GET / HTTP/1.1\r\n" + H + b"traceparent: " + parent + b"\r\n\r\n"
+    )
+    (sent,) = headers_of(body_json(response))["traceparent"]
+    version, sent_trace, span_id, flags = sent.split("-")
+    assert (version, sent_trace, flags) == ("00", trace_id, "01")
+    assert span_id != "b7ad6b7169203331" and len(span_id) == 16
+
+
+async def test_access_log_lines_are_rate_limited(upstream, caplog):
+    routes = table([route("echo.test", [("echo", 1)])], [endpoint("echo", upstream.port)])
+    caplog.set_level("INFO", logger="waygate.proxy.access")
+    async with running_proxy(routes, access_log_rate=3) as (server, port):
+        for _ in range(6):
+            await exchange(port, b"GET /x HTTP/1.1\r\n" + H + b"\r\n")
+        lines = [r for r in caplog.records if r.name == "waygate.proxy.access"]
+        assert len(lines) == 3
+        assert lines[0].status == 200 and lines[0].route == "demo/r" and lines[0].path == "/x"
+        assert server.access_log_suppressed == 3
+
+
 # ---------------------------------------------------------------- routing
 
 
@@ -191,7 +218,7 @@ async def test_keep_alive_pipelining_in_order_and_upstream_reuse(proxy, upstream
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(burst)
     for i in range(20):
-        assert body_json(await read_response(reader))["target"] == "/%d" % i
+        assert body_json(await read_response(reader))["target"] == f"/{i}"
     writer.close()
     assert upstream.connections == 1
     assert server.metrics.pool_reused >= 19
@@ -396,11 +423,13 @@ async def test_websocket_session_through_the_proxy():
     async with websockets.serve(echo, "127.0.0.1", 0) as ws_server:
         ws_port = next(iter(ws_server.sockets)).getsockname()[1]
         routes = table([route("ws.test", [("ws", 1)])], [endpoint("ws", ws_port)])
-        async with running_proxy(routes) as (_, port):
-            async with websockets.connect("ws://ws.test/chat", host="127.0.0.1", port=port) as ws:
-                for i in range(10):
-                    await ws.send(f"m{i}")
-                    assert await asyncio.wait_for(ws.recv(), 5) == f"echo:m{i}"
+        async with (
+            running_proxy(routes) as (_, port),
+            websockets.connect("ws://ws.test/chat", host="127.0.0.1", port=port) as ws,
+        ):
+            for i in range(10):
+                await ws.send(f"m{i}")
+                assert await asyncio.wait_for(ws.recv(), 5) == f"echo:m{i}"
 
 
 async def test_upgrade_refused_by_upstream_is_a_normal_response(proxy):
