@@ -464,3 +464,42 @@ async def test_drain_finishes_in_flight_and_no_fds_or_tasks_leak(upstream):
     assert len(server.connections) == 0 and len(server.upstreams) == 0
     assert len(asyncio.all_tasks()) == tasks_before
     assert len(os.listdir("/proc/self/fd")) <= fds_before + 1
+
+
+async def test_max_connections_closes_the_extra_connection(upstream):
+    routes = table([route("echo.test", [("echo", 1)])], [endpoint("echo", upstream.port)])
+    async with running_proxy(routes, max_connections=2) as (_, port):
+        held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.1\r\n" + H + b"\r\n")
+        async with asyncio.timeout(5):
+            assert await reader.read() == b""
+        writer.close()
+        for _, held_writer in held:
+            held_writer.close()
+
+
+async def test_aborted_clients_and_upstreams_leak_nothing(upstream):
+    routes = table([route("echo.test", [("echo", 1)])], [endpoint("echo", upstream.port)])
+    fds_before = len(os.listdir("/proc/self/fd"))
+    tasks_before = len(asyncio.all_tasks())
+    async with running_proxy(routes) as (server, port):
+        for i in range(30):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            if i % 3 == 0:  # gone mid-body
+                writer.write(b"POST / HTTP/1.1\r\n" + H + b"Content-Length: 100000\r\n\r\nabc")
+            elif i % 3 == 1:  # gone mid-download
+                writer.write(b"GET /big?n=50000000 HTTP/1.1\r\n" + H + b"\r\n")
+                await reader.readexactly(1000)
+            else:  # gone while the upstream is still thinking
+                writer.write(b"GET /slow?s=0.2 HTTP/1.1\r\n" + H + b"\r\n")
+            await asyncio.sleep(0.01)
+            writer.transport.abort()
+        await asyncio.sleep(0.5)
+        assert len(server.connections) == 0
+        assert all(u.client is None for u in server.upstreams)
+    await asyncio.sleep(0.3)
+    assert len(server.upstreams) == 0
+    assert len(asyncio.all_tasks()) == tasks_before
+    assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
