@@ -249,6 +249,7 @@ class ClientConnection(asyncio.Protocol):
         "last_client",
         "last_up",
         "loop",
+        "path",
         "pending_body",
         "pending_size",
         "req",
@@ -296,6 +297,7 @@ class ClientConnection(asyncio.Protocol):
         self._write_paused = False
         self._first = True
         self._eof = False
+        self.path = b""
         self.span: Any = None
 
     # ------------------------------------------------------------ asyncio.Protocol
@@ -436,6 +438,7 @@ class ClientConnection(asyncio.Protocol):
             return self._local(req, http1.HEALTHZ_RESPONSE, 200, "healthz")
         query = target.find(b"?")
         path = target if query < 0 else target[:query]
+        self.path = path
         entry = server.table.lookup(req.host, path)
         if entry is None:
             reason = "no route for host " + req.host.decode("ascii", "replace")
@@ -557,7 +560,10 @@ class ClientConnection(asyncio.Protocol):
                 server.metrics.connect_error(exc.kind)
                 server.health.failed(target)
                 if exc.retryable and attempts < MAX_CONNECT_ATTEMPTS and not self.closed:
-                    again, backend = entry.pick(self.client_key, None, server.health, target)
+                    # The current table's entry: an endpoint removed meanwhile is not picked.
+                    current = server.table.lookup(self.req.host, self.path) if self.req else None
+                    current = current if current is not None else entry
+                    again, backend = current.pick(self.client_key, None, server.health, target)
                     if again is not None and backend is not None:
                         server.metrics.redispatches += 1
                         self._release_pick()
