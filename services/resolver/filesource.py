@@ -81,7 +81,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from waygate.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from waygate.core.errors import FailedPrecondition, InvalidArgument, NotFound, excerpt
 from waygate.core.files import write_file_atomically
 from waygate.core.settings import SettingsError, parse_duration
 from waygate.resolver.model import (
@@ -102,7 +102,12 @@ from waygate.resolver.model import (
     TLSTermination,
 )
 from waygate.resolver.store import Store
-from waygate.resolver.validation import validate_endpoint, validate_route, validate_service
+from waygate.resolver.validation import (
+    shown,
+    validate_endpoint,
+    validate_route,
+    validate_service,
+)
 
 log = logging.getLogger(__name__)
 
@@ -173,10 +178,10 @@ class _Parser:
                 raise self.error(key_node, f"{what}: keys must be strings")
             if key not in allowed:
                 raise self.error(
-                    key_node, f"{what}: unknown key {key!r} (allowed: {', '.join(allowed)})"
+                    key_node, f"{what}: unknown key {excerpt(key)} (allowed: {', '.join(allowed)})"
                 )
             if key in fields:
-                raise self.error(key_node, f"{what}: key {key!r} appears twice")
+                raise self.error(key_node, f"{what}: key {excerpt(key)} appears twice")
             fields[key] = value_node
         return fields
 
@@ -206,11 +211,15 @@ class _Parser:
             return default
         # bool is an int in Python; a port of `true` is a mistake, not 1.
         if kind is int and isinstance(value, bool):
-            raise self.error(node, f"{what}.{key} must be a whole number, not {value!r}")
+            raise self.error(
+                node, f"{what}.{key} must be a whole number, not {excerpt(repr(value))}"
+            )
         if kind is str and isinstance(value, int | float) and not isinstance(value, bool):
             value = str(value)
         if not isinstance(value, kind):
-            raise self.error(node, f"{what}.{key} must be a {kind.__name__}, not {value!r}")
+            raise self.error(
+                node, f"{what}.{key} must be a {kind.__name__}, not {excerpt(repr(value))}"
+            )
         return value
 
     def duration(self, fields: dict[str, yaml.Node], key: str, what: str) -> float | None:
@@ -221,7 +230,9 @@ class _Parser:
         if value is None:
             return None
         if isinstance(value, bool):
-            raise self.error(node, f"{what}.{key} must be a duration such as 5s, not {value!r}")
+            raise self.error(
+                node, f"{what}.{key} must be a duration such as 5s, not {excerpt(repr(value))}"
+            )
         if isinstance(value, int | float):
             return float(value)
         try:
@@ -245,7 +256,9 @@ class _Parser:
         try:
             return parse(text)
         except ValueError:
-            raise self.error(node, f"{what}.{key}: {text!r} is not one of {allowed}") from None
+            raise self.error(
+                node, f"{what}.{key}: {excerpt(text)} is not one of {allowed}"
+            ) from None
 
 
 _SERVICE_KEYS = (
@@ -396,7 +409,7 @@ def _parse_service(parser: _Parser, node: yaml.Node) -> tuple[Service, list[Endp
     fields = parser.mapping(node, "service", _SERVICE_KEYS)
     namespace = parser.typed(fields, "namespace", str, "default", "service")
     name = parser.typed(fields, "name", str, "", "service")
-    what = f"service {namespace}/{name or '?'}"
+    what = f"service {shown(namespace)}/{shown(name)}"
     ports = []
     for port_node in (
         parser.sequence(fields["ports"], f"{what}: ports") if "ports" in fields else []
@@ -459,7 +472,7 @@ def _parse_service(parser: _Parser, node: yaml.Node) -> tuple[Service, list[Endp
 def _parse_endpoint(
     parser: _Parser, node: yaml.Node, service: Service, default_ports: tuple[EndpointPort, ...]
 ) -> Endpoint:
-    what = f"endpoint of {service.namespace}/{service.name}"
+    what = f"endpoint of {shown(service.namespace)}/{shown(service.name)}"
     fields = parser.mapping(node, what, _ENDPOINT_KEYS)
     ports = default_ports
     if "ports" in fields:
@@ -495,7 +508,7 @@ def _parse_route(parser: _Parser, node: yaml.Node) -> Route:
     fields = parser.mapping(node, "route", _ROUTE_KEYS)
     namespace = parser.typed(fields, "namespace", str, "default", "route")
     name = parser.typed(fields, "name", str, "", "route")
-    what = f"route {namespace}/{name or '?'}"
+    what = f"route {shown(namespace)}/{shown(name)}"
     if "to" in fields and "backends" in fields:
         raise parser.error(fields["to"], f"{what}: give either 'to' or 'backends', not both")
     backends: list[RouteBackend] = []

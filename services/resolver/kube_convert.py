@@ -49,7 +49,12 @@ from waygate.resolver.model import (
     StickySessions,
     TLSTermination,
 )
-from waygate.resolver.validation import validate_endpoint, validate_route, validate_service
+from waygate.resolver.validation import (
+    shown,
+    validate_endpoint,
+    validate_route,
+    validate_service,
+)
 
 JSON = dict[str, Any]
 
@@ -74,7 +79,7 @@ def object_key(obj: JSON) -> tuple[str, str]:
 
 def _what(kind: str, obj: JSON) -> str:
     namespace, name = object_key(obj)
-    return f"{kind} {namespace}/{name}"
+    return f"{kind} {shown(namespace)}/{shown(name)}"
 
 
 def _mapping(value: Any, what: str, field: str) -> JSON:
@@ -99,7 +104,7 @@ def _integer(fields: JSON, key: str, what: str, default: int) -> int:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgument(f"{what}: {key}: must be an integer, not {value!r}")
+        raise InvalidArgument(f"{what}: {key}: must be an integer, not {excerpt(repr(value))}")
     return value
 
 
@@ -108,7 +113,7 @@ def _flag(fields: JSON, key: str, what: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise InvalidArgument(f"{what}: {key}: must be true or false, not {value!r}")
+        raise InvalidArgument(f"{what}: {key}: must be true or false, not {excerpt(repr(value))}")
     return value
 
 
@@ -380,7 +385,9 @@ def _duration(fields: JSON, key: str, what: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool):
-        raise InvalidArgument(f"{what}.{key}: must be a duration such as 5s, not {value!r}")
+        raise InvalidArgument(
+            f"{what}.{key}: must be a duration such as 5s, not {excerpt(repr(value))}"
+        )
     if isinstance(value, int | float):
         return float(value)
     try:

@@ -31,9 +31,10 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from waygate.core.balancing import Picker, new_picker
-from waygate.core.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from waygate.core.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable, excerpt
 from waygate.resolver.model import Endpoint, Service, ServicePort
 from waygate.resolver.store import Store
+from waygate.resolver.validation import shown
 
 MAX_PICKERS = 10_000
 # Service ports whose targets are kept; past this the cache starts over.
@@ -76,10 +77,12 @@ def select_port(service: Service, port: str) -> ServicePort:
             raise InvalidArgument(f"service {name} has several ports ({names}); name one")
         return service.ports[0]
     for candidate in service.ports:
-        if port == candidate.name or (port.isascii() and port.isdigit() and int(port) == candidate.port):
+        if port == candidate.name or (
+            port.isascii() and port.isdigit() and int(port) == candidate.port
+        ):
             return candidate
     names = ", ".join(p.name or str(p.port) for p in service.ports)
-    raise NotFound(f"service {name} has no port {port!r} (it has: {names})")
+    raise NotFound(f"service {name} has no port {excerpt(port)} (it has: {names})")
 
 
 def endpoint_port(endpoint: Endpoint, service_port: ServicePort) -> int | None:
@@ -128,7 +131,7 @@ class Resolver:
             raise InvalidArgument("hash_key is required with the HASH pick policy")
         service = self._store.get_service(namespace, name)
         if service is None:
-            raise NotFound(f"service {namespace}/{name} not found")
+            raise NotFound(f"service {shown(namespace)}/{shown(name)} not found")
         if service.type == "ExternalName":
             raise FailedPrecondition(
                 f"service {namespace}/{name} is an ExternalName service "

@@ -24,7 +24,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from waygate.core.errors import InvalidArgument
+from waygate.core.errors import InvalidArgument, excerpt
 from waygate.resolver.model import TunnelServer
 from waygate.resolver.store import Store
 
@@ -38,16 +38,19 @@ _HOST = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?$")
 def validate_server(server: TunnelServer) -> None:
     if not server.id or len(server.id) > 253 or not _SUBDOMAIN.match(server.id):
         raise InvalidArgument(
-            f"server.id: {server.id!r} is not a DNS-1123 subdomain (e.g. the pod name)"
+            f"server.id: {excerpt(server.id)} is not a DNS-1123 subdomain (e.g. the pod name)"
         )
+    if len(server.address) > 300:
+        raise InvalidArgument(f"server.address: {excerpt(server.address)} is not host:port")
     host, sep, port = server.address.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
         host_ok = ":" in host
     else:
         host_ok = bool(_HOST.match(host))
-    if not sep or not host_ok or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
-        raise InvalidArgument(f"server.address: {server.address!r} is not host:port")
+    port_ok = port.isascii() and port.isdigit() and 1 <= int(port) <= 65535
+    if not sep or not host_ok or not port_ok:
+        raise InvalidArgument(f"server.address: {excerpt(server.address)} is not host:port")
 
 
 def validate_nodes(nodes: Iterable[str]) -> frozenset[str]:
@@ -56,7 +59,7 @@ def validate_nodes(nodes: Iterable[str]) -> frozenset[str]:
         raise InvalidArgument(f"nodes: more than {MAX_NODES_PER_REPORT} in one report")
     for node in result:
         if not node or len(node) > 253 or not _SUBDOMAIN.match(node):
-            raise InvalidArgument(f"nodes: {node!r} is not a DNS-1123 subdomain")
+            raise InvalidArgument(f"nodes: {excerpt(node)} is not a DNS-1123 subdomain")
     return result
 
 
@@ -110,8 +113,8 @@ class TunnelRegistry:
         validate_server(server)
         if stream.server is not None and server.id != stream.server.id:
             raise InvalidArgument(
-                f"server.id: this stream reports for {stream.server.id!r}; "
-                f"open another stream for {server.id!r}"
+                f"server.id: this stream reports for {excerpt(stream.server.id)}; "
+                f"open another stream for {excerpt(server.id)}"
             )
         wanted = validate_nodes(nodes)
         touched = stream.nodes | wanted

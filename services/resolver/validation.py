@@ -191,7 +191,7 @@ def normalize_host(host: str, what: str, field: str = "host") -> str:
     return lowered
 
 
-def check_port_ref(value: str, what: str, field: str) -> None:
+def check_portshown(value: str, what: str, field: str) -> None:
     """A port given by number (1..65535) or by IANA-style name; empty is allowed."""
     if not value:
         return
@@ -219,7 +219,7 @@ def _check_port_number(value: int, what: str, field: str, *, allow_zero: bool = 
 
 def validate_route(route: Route) -> Route:
     """The route normalised, or InvalidArgument naming the field that is wrong."""
-    what = f"route {_ref(route.namespace)}/{_ref(route.name)}"
+    what = f"route {shown(route.namespace)}/{shown(route.name)}"
     check_label(route.namespace, what, "namespace")
     check_name(route.name, what, "name")
     host = normalize_host(route.host, what)
@@ -241,7 +241,7 @@ def validate_route(route: Route) -> Route:
         seen.add(backend.service)
         if not 0 <= backend.weight <= MAX_WEIGHT:
             raise _fail(what, f"{field}.weight", f"{backend.weight} is outside 0..{MAX_WEIGHT}")
-    check_port_ref(route.target_port, what, "target_port")
+    check_portshown(route.target_port, what, "target_port")
     tls = _validate_tls(route.tls, what, path) if route.tls is not None else None
     passthrough = tls is not None and tls.termination is TLSTermination.PASSTHROUGH
     if route.sticky.cookie_name:
@@ -365,7 +365,7 @@ def _check_hsts(hsts: HSTS, what: str) -> None:
         )
 
 
-def _ref(value: str) -> str:
+def shown(value: str) -> str:
     """A namespace or name for `what`: as is when short and plain, else an excerpt."""
     if not value:
         return "?"
@@ -403,7 +403,7 @@ def _public_bytes(public_key: object) -> bytes:
 
 
 def validate_service(service: Service) -> Service:
-    what = f"service {_ref(service.namespace)}/{_ref(service.name)}"
+    what = f"service {shown(service.namespace)}/{shown(service.name)}"
     check_label(service.namespace, what, "namespace")
     check_label(service.name, what, "name")
     if service.type not in SERVICE_TYPES:
@@ -438,13 +438,13 @@ def validate_service(service: Service) -> Service:
 
 def _check_service_port(port: ServicePort, what: str, field: str, service_type: str) -> None:
     if port.name:
-        check_port_ref(port.name, what, f"{field}.name")
+        check_portshown(port.name, what, f"{field}.name")
         if port.name.isascii() and port.name.isdigit():
             raise _fail(what, f"{field}.name", "a port name cannot be a number")
     _check_port_number(port.port, what, f"{field}.port")
     if not port.target_port:
         raise _fail(what, f"{field}.target_port", "is required (a number or a port name)")
-    check_port_ref(port.target_port, what, f"{field}.target_port")
+    check_portshown(port.target_port, what, f"{field}.target_port")
     if port.protocol not in PROTOCOLS:
         raise _fail(
             what, f"{field}.protocol", f"{excerpt(port.protocol)} is not one of {PROTOCOLS}"
@@ -455,7 +455,9 @@ def _check_service_port(port: ServicePort, what: str, field: str, service_type: 
 
 
 def validate_endpoint(endpoint: Endpoint) -> Endpoint:
-    what = f"endpoint {_ref(endpoint.namespace)}/{_ref(endpoint.service)}/{_ref(endpoint.address)}"
+    what = (
+        f"endpoint {shown(endpoint.namespace)}/{shown(endpoint.service)}/{shown(endpoint.address)}"
+    )
     check_label(endpoint.namespace, what, "namespace")
     check_label(endpoint.service, what, "service")
     if not endpoint.address:
@@ -479,7 +481,7 @@ def validate_endpoint(endpoint: Endpoint) -> Endpoint:
 
 def _check_endpoint_port(port: EndpointPort, what: str, field: str) -> None:
     if port.name:
-        check_port_ref(port.name, what, f"{field}.name")
+        check_portshown(port.name, what, f"{field}.name")
     _check_port_number(port.port, what, f"{field}.port")
     if port.protocol not in PROTOCOLS:
         raise _fail(

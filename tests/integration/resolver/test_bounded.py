@@ -102,6 +102,24 @@ async def test_paths_are_stored_normalised(resolver: Resolver) -> None:
     assert reply.route.path == "/~u/a%3A"
 
 
+@pytest.mark.parametrize(
+    "request_fields",
+    [
+        {"namespace": "shop", "name": "n" * (3 << 20)},
+        {"namespace": "\x1b[2J" * 1000, "name": "web"},
+        {"namespace": "shop", "name": "web", "port": "p" * (3 << 20)},
+    ],
+)
+async def test_resolve_errors_repeat_only_an_excerpt(
+    resolver: Resolver, request_fields: dict[str, str]
+) -> None:
+    """A 3 MB name echoed whole overflowed the client's metadata limit."""
+    error = await rpc_error(resolver.stub.Resolve(pb.ResolveRequest(**request_fields)))
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+    assert len(error.details() or "") < SHORT and "\x1b" not in (error.details() or "")
+    await still_serving(resolver.stub)
+
+
 async def test_non_ascii_digits_are_not_port_numbers(resolver: Resolver) -> None:
     """str.isdigit() is true for "²", which int() refuses: that was an INTERNAL."""
     error = await rpc_error(
