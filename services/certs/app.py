@@ -37,6 +37,8 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import os
+import sys
 from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -92,6 +94,10 @@ def _namespaced_name(value: str) -> str | None:
     if not sep or not namespace or not name or "/" in name:
         return f"{value!r} is not a reference of the form NAMESPACE/NAME"
     return None
+
+
+def _at_least_one(value: int) -> str | None:
+    return None if value >= 1 else f"must be at least 1, not {value}"
 
 
 def _patterns(value: tuple[str, ...]) -> str | None:
@@ -221,6 +227,17 @@ class Settings(GrpcServerSettings):
         help="SANs the tunnel server may get through its signer, comma separated "
         "(dns:NAME, ip:ADDR, uri:URI)",
         check=_patterns,
+    )
+    workers: int = setting(
+        1,
+        help="processes serving the gRPC port together (SO_REUSEPORT); this process then "
+        "writes CA state and serves the admin port for all of them",
+        check=_at_least_one,
+    )
+    worker: bool = setting(
+        False,
+        help="internal: run as one worker of a --workers group (follows the CA, never "
+        "writes it; metrics reported to the parent on stdout)",
     )
     leader_election: bool = setting(
         True,
@@ -447,19 +464,20 @@ async def run_transitions(authority: Authority, elector: Any = None) -> None:
 
 
 async def setup(process: ServiceProcess, settings: Settings) -> None:
+    if settings.worker:
+        await setup_worker(process, settings)
+        return
     kube_api = kube_api_for(settings)
-    service = CertsService(
-        build_authenticator(settings, kube_api),
-        build_policy(settings, kube_api),
-        executor=SigningExecutor(settings.signing_workers, settings.signing_queue),
-    )
     elector = build_elector(settings, kube_api)
     if elector is not None:
         process.spawn(elector.run(), "leader-election")
     store = build_store(settings, kube_api, elector)
+    if settings.workers > 1 and settings.ca_secret is None:
+        from waygate.certs.leader import VersionedStore
+
+        store = VersionedStore(store)
     authority = await open_authority(settings, store, elector)
-    service.attach(authority)
-    process.on_drain(service.end_watches)
+    authority.deliver_changes_on(asyncio.get_running_loop())
     # What only the writer of CA state does: the leader, or the only replica.
     duties: list[Callable[[], Coroutine[Any, Any, None]]] = []
     if settings.csr_controller:
@@ -473,8 +491,13 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         publisher.publish(authority.trust_bundle().pem)
         duties.append(publisher.run)
     if elector is None:
+        if settings.workers > 1:
+            from waygate.certs.leader import keep_leaf_bounds
+
+            # Workers follow and never write: keep the bound ahead of their leaves.
+            duties.append(functools.partial(keep_leaf_bounds, authority, store))
         for duty in duties:
-            process.spawn(duty(), duty.__qualname__)
+            process.spawn(duty(), getattr(duty, "__qualname__", "certs-duty"))
     else:
         from waygate.certs import leader
 
@@ -490,24 +513,28 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         bundle_file = settings.bundle_file
         write_bundle_file(bundle_file, authority.trust_bundle())
         authority.add_listener(lambda bundle: write_bundle_file(bundle_file, bundle))
-
-    credentials = None
-    if settings.serving_identity is not None:
-        rotator, credentials = await serving_certificate(
-            authority, settings.serving_identity, settings.serving_sans
-        )
-        process.spawn(rotator.run(), "serving-certificate")
-    else:
-        credentials = await process.server_credentials(client_auth=False)
-
-    process.add_grpc_server(
-        GrpcServer.from_settings(settings, [registration(service)], credentials=credentials)
-    )
     process.spawn(run_transitions(authority, elector), "ca-rotation-timer")
+    log_loaded(store, authority)
+    if settings.workers > 1:
+        await start_workers(process, settings)  # ready once every worker is
+        return
+
+    service = CertsService(
+        build_authenticator(settings, kube_api),
+        build_policy(settings, kube_api),
+        executor=SigningExecutor(settings.signing_workers, settings.signing_queue),
+    )
+    service.attach(authority)
+    process.on_drain(service.end_watches)
+    await serve(process, settings, service, authority)
     if elector is not None:
         from waygate.certs.leader import wait_for_leaf_bound
 
         await wait_for_leaf_bound(authority, elector)
+    await process.mark_ready()
+
+
+def log_loaded(store: CAStore, authority: Authority) -> None:
     active = authority.active_authority()
     log.info(
         "CA loaded",
@@ -517,6 +544,92 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
             "not_after": active.not_after.isoformat(),
         },
     )
+
+
+async def serve(
+    process: ServiceProcess,
+    settings: Settings,
+    service: CertsService,
+    authority: Authority,
+    *,
+    reuse_port: bool = False,
+) -> None:
+    """Add the gRPC server: certs' own serving certificate, static TLS or plaintext."""
+    if settings.serving_identity is not None:
+        rotator, credentials = await serving_certificate(
+            authority, settings.serving_identity, settings.serving_sans
+        )
+        process.spawn(rotator.run(), "serving-certificate")
+    else:
+        credentials = await process.server_credentials(client_auth=False)
+    process.add_grpc_server(
+        GrpcServer.from_settings(
+            settings, [registration(service)], credentials=credentials, reuse_port=reuse_port
+        )
+    )
+
+
+async def start_workers(process: ServiceProcess, settings: Settings) -> None:
+    """The parent of a --workers group: N workers serve the gRPC port, it writes CA state."""
+    from waygate.core.workers import WorkerGroup, reserve_port
+
+    reservation = reserve_port(settings.host, settings.grpc_port)
+    port = reservation.getsockname()[1]
+
+    async def release() -> None:
+        reservation.close()
+
+    process.on_stop(release)
+    argv = [
+        *sys.argv[1:],
+        "--worker",
+        "--workers",
+        "1",
+        "--grpc-port",
+        str(port),
+        "--admin-port",
+        "0",
+    ]
+    group = WorkerGroup(
+        process,
+        name="certs",
+        count=settings.workers,
+        argv=lambda index: argv,
+        shutdown_grace=settings.shutdown_grace,
+    )
+    await group.start()
+    log.info("certs workers listening", extra={"grpc_port": port, "workers": settings.workers})
+
+
+async def setup_worker(process: ServiceProcess, settings: Settings) -> None:
+    """One worker of a --workers group: serves Certify and the bundle, follows the
+    parent's CA state (the directory or the Secret), never writes it."""
+    from waygate.certs.leader import FollowingStore, ParentWrites, wait_for_leaf_bound
+    from waygate.core.workers import report_forever
+
+    kube_api = kube_api_for(settings)
+    writer = ParentWrites(os.getppid(), os.getpid())
+    store: Any
+    if settings.ca_secret is not None:
+        from waygate.certs.kube_store import SecretCAStore
+
+        namespace, _, name = settings.ca_secret.partition("/")
+        store = SecretCAStore(kube_api, namespace, name, writer=writer)
+    else:
+        store = FollowingStore(DirectoryCAStore(settings.ca_dir), writer)
+    authority = await asyncio.to_thread(Authority.open, store, settings.authority_config())
+    service = CertsService(
+        build_authenticator(settings, kube_api),
+        build_policy(settings, kube_api),
+        executor=SigningExecutor(settings.signing_workers, settings.signing_queue),
+    )
+    service.attach(authority)
+    process.on_drain(service.end_watches)
+    process.spawn(store.follow(authority.adopt), "ca-follow")
+    process.spawn(run_transitions(authority, writer), "ca-rotation-timer")
+    await serve(process, settings, service, authority, reuse_port=True)
+    process.spawn(report_forever(lambda: process.readiness.ready), "worker-report")
+    await wait_for_leaf_bound(authority, writer)
     await process.mark_ready()
 
 

@@ -44,7 +44,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge
 
-from waygate.core.errors import WaygateError
+from waygate.core.errors import Unavailable, WaygateError
 from waygate.core.kube import JSON, KubeAPI, KubeError
 
 log = logging.getLogger(__name__)
@@ -396,3 +396,106 @@ async def wait_for_leaf_bound(authority: Any, elector: LeaderElector) -> None:
         if await asyncio.to_thread(authority.with_leaf_bounds, longest) is None:
             return
         await asyncio.sleep(0.2)
+
+
+# ---------------------------------------------------------------- one writer, several processes
+
+
+class ParentWrites:
+    """The writer rule of a `--workers` worker: the parent process writes, never this one."""
+
+    def __init__(self, parent_pid: int, index: int) -> None:
+        self.identity = f"worker {index} of certs process {parent_pid}"
+        self._parent = parent_pid
+
+    def is_leader(self) -> bool:
+        return False
+
+    def leader_description(self) -> str:
+        return f"the parent certs process {self._parent}, which writes CA state for its workers"
+
+
+class FollowingStore:
+    """A worker's view of a CA directory: loads it, never writes it.
+
+    Like a follower's Secret store: a due state transition stays in memory
+    (the parent stores the same one); a new CA or a raised bound is the
+    writer's, so a save of one raises Unavailable naming it.
+    """
+
+    def __init__(self, inner: Any, writer: Any) -> None:
+        self._inner = inner
+        self._writer = writer
+        self.description = inner.description
+        self._stored: dict[str, bytes] | None = None
+
+    def load(self) -> dict[str, bytes] | None:
+        files = self._inner.load()
+        self._stored = files
+        return files
+
+    def save(self, files: dict[str, bytes]) -> None:
+        from waygate.certs.kube_store import save_kind
+
+        kind = save_kind(self._stored, files)
+        if kind == "transition":
+            return
+        what = "a new CA" if kind == "new-ca" else "the leaf-expiry bound"
+        raise Unavailable(
+            f"this {self._writer.identity} does not write {what}; "
+            f"{self._writer.leader_description()} does (retry on a new connection)"
+        )
+
+    async def follow(self, adopt: Callable[[dict[str, bytes]], object], every: float = 0.5) -> None:
+        """Poll the directory's state file; `adopt(files)` (a worker thread) on every change."""
+        path = getattr(self._inner, "path", None)
+        seen: tuple[float, int] | None = None
+        while True:
+            await asyncio.sleep(every)
+            try:
+                stat = await asyncio.to_thread((path / "state.json").stat) if path else None
+            except OSError:
+                continue
+            mark = (stat.st_mtime, stat.st_size) if stat else None
+            if mark == seen:
+                continue
+            seen = mark
+            try:
+                files = await asyncio.to_thread(self.load)
+                if files is not None:
+                    await asyncio.to_thread(adopt, files)
+            except WaygateError as exc:
+                log.warning("cannot take the CA state from %s: %s", self.description, exc)
+
+
+class VersionedStore:
+    """The parent's CA directory store with a version, for `keep_leaf_bounds`.
+
+    The version counts this process's saves (it is the only writer of the
+    directory); `save_based_on` writes only if no other save came between.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.description = inner.description
+        self._lock = threading.RLock()
+        self._saves = 0
+
+    @property
+    def version(self) -> str:
+        return str(self._saves)
+
+    def load(self) -> dict[str, bytes] | None:
+        return self._inner.load()  # type: ignore[no-any-return]
+
+    def save(self, files: dict[str, bytes]) -> None:
+        with self._lock:
+            self._inner.save(files)
+            self._saves += 1
+
+    def save_based_on(self, files: dict[str, bytes], version: str) -> str | None:
+        with self._lock:
+            if self.version != version:
+                return None
+            self.save(files)
+            return self.version

@@ -513,6 +513,7 @@ class GrpcServer:
         max_connection_age: float = 1800.0,
         max_connection_age_grace: float = 30.0,
         handshake_timeout: float = 10.0,
+        reuse_port: bool = False,
     ) -> None:
         self._address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self._credentials = credentials
@@ -530,7 +531,9 @@ class GrpcServer:
             ("grpc.max_concurrent_streams", max_concurrent_streams),
             ("grpc.max_connection_age_grace_ms", int(max_connection_age_grace * 1000)),
             ("grpc.server_handshake_timeout_ms", int(handshake_timeout * 1000)),
-            ("grpc.so_reuseport", 0),
+            # Only for a --workers group sharing one port; otherwise a second
+            # process on the port is an error, not a silent split.
+            ("grpc.so_reuseport", 1 if reuse_port else 0),
         ]
         # 0 means never: grpc core's own default when the option is absent.
         if max_connection_idle > 0:
@@ -569,6 +572,7 @@ class GrpcServer:
         registrations: Sequence[ServiceRegistration],
         credentials: grpc.ServerCredentials | None = None,
         port: int | None = None,
+        reuse_port: bool = False,
     ) -> GrpcServer:
         return cls(
             host=settings.host,
@@ -589,6 +593,7 @@ class GrpcServer:
             max_connection_age=settings.max_connection_age,
             max_connection_age_grace=settings.max_connection_age_grace,
             handshake_timeout=settings.handshake_timeout,
+            reuse_port=reuse_port,
         )
 
     async def start(self) -> int:
