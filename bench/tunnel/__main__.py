@@ -236,6 +236,33 @@ def wait_for_port(port: int, child: Child, timeout: float = 30) -> None:
 # ---------------------------------------------------------------- helpers
 
 
+def process_tree(root: int) -> list[int]:
+    """`root` and its descendants (sshd serves each session from a child)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo += children.get(pid, [])
+    return found
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU of this process and of `pids` so far (Linux /proc)."""
+    own = os.times()
+    total = own.user + own.system
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def best_of(runs: int, measure: Callable[[], float]) -> float:
     return min(measure() for _ in range(runs))
 
@@ -285,6 +312,7 @@ async def run(mib: int, dial_seconds: float) -> str:
         "",
     ]
     results: dict[str, float] = {}
+    cpu: dict[str, float] = {}  # CPU seconds per transfer, every process on the path
     with tempfile.TemporaryDirectory(prefix="bench-tunnel-") as tmp:
         directory = Path(tmp)
         ca = LocalCA()
@@ -308,26 +336,35 @@ async def run(mib: int, dial_seconds: float) -> str:
         try:
             bulk_port, http_port = (int(p) for p in sink.first_line().split())
             grpc_port = int(grpc_sink.first_line())
+            sink_pids = [sink.process.pid]
+            before = cpu_seconds(sink_pids)
             results["direct"] = best_of(2, lambda: push_tcp(bulk_port, total))
+            cpu["direct"] = (cpu_seconds(sink_pids) - before) / 2
             credentials = grpc.ssl_channel_credentials(
                 root_certificates=client_files.ca.read_bytes(),
                 private_key=client_files.key.read_bytes(),
                 certificate_chain=client_files.cert.read_bytes(),
             )
+            before = cpu_seconds([grpc_sink.process.pid])
             results["grpc"] = await best_of_async(
                 2, lambda: push_grpc(grpc_port, total, credentials)
             )
+            cpu["grpc"] = (cpu_seconds([grpc_sink.process.pid]) - before) / 2
             try:
                 ssh = SshForward(directory / "ssh", bulk_port)
                 forward = ssh.forward_port
+                ssh_pids = [*sink_pids, ssh.ssh.process.pid]
+                before = cpu_seconds([*ssh_pids, *process_tree(ssh.sshd.process.pid)])
                 results["ssh"] = best_of(2, lambda: push_tcp(forward, total))
+                after = cpu_seconds([*ssh_pids, *process_tree(ssh.sshd.process.pid)])
+                cpu["ssh"] = (after - before) / 2
             except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
                 lines.append(f"ssh -R not measured: {exc}")
             from bench.tunnel import tunnel
 
             tunnel_report = await tunnel.measure(
                 directory, ca, server_files, client_files, bulk_port, http_port, total,
-                dial_seconds,
+                dial_seconds, sink.process.pid,
             )  # fmt: skip
         finally:
             if ssh is not None:
@@ -336,9 +373,11 @@ async def run(mib: int, dial_seconds: float) -> str:
             grpc_sink.stop()
     if tunnel_report.bulk_seconds is not None:
         results["tunnel"] = tunnel_report.bulk_seconds
+    if tunnel_report.bulk_cpu is not None:
+        cpu["tunnel"] = tunnel_report.bulk_cpu
     lines += [
-        "| path | GB/s | tunnel as a ratio of it |",
-        "|---|---:|---:|",
+        "| path | GB/s | tunnel as a ratio of it | CPU s per GiB, all processes | CPU ratio |",
+        "|---|---:|---:|---:|---:|",
     ]
     names = {
         "direct": "(a) direct loopback TCP",
@@ -355,7 +394,16 @@ async def run(mib: int, dial_seconds: float) -> str:
             if tunnel_seconds is not None and key != "tunnel"
             else ""
         )
-        lines.append(f"| {label} | {gbps(total, results[key]):.2f} | {ratio} |")
+        gib = total / (1 << 30)
+        cpu_text = f"{cpu[key] / gib:.2f}" if key in cpu else ""
+        cpu_ratio = (
+            f"{cpu[key] / cpu['tunnel']:.2f}"
+            if key in cpu and "tunnel" in cpu and key != "tunnel"
+            else ""
+        )
+        lines.append(
+            f"| {label} | {gbps(total, results[key]):.2f} | {ratio} | {cpu_text} | {cpu_ratio} |"
+        )
     lines.append("")
     if tunnel_seconds is not None and "grpc" in results:
         share = results["grpc"] / tunnel_seconds
@@ -364,6 +412,12 @@ async def run(mib: int, dial_seconds: float) -> str:
         )
     if tunnel_seconds is not None and "ssh" in results:
         lines.append(f"Tunnel / ssh -R: **{results['ssh'] / tunnel_seconds:.2f}**.")
+    if "tunnel" in cpu and "grpc" in cpu:
+        lines.append(
+            f"CPU: the tunnel spends {cpu['tunnel'] / cpu['grpc']:.2f}x the CPU of (b) per byte "
+            "(two gRPC hops and three processes against one hop and two): on two cores its "
+            "throughput ratio is bounded near the CPU ratio."
+        )
     lines += ["", *tunnel_report.lines]
     return "\n".join(lines) + "\n"
 

@@ -36,6 +36,7 @@ HTTP_REQUEST = b"GET / HTTP/1.1\r\nHost: sink\r\nConnection: close\r\n\r\n"
 class TunnelReport:
     bulk_seconds: float | None
     lines: list[str]
+    bulk_cpu: float | None = None  # CPU seconds per transfer: driver, server, agent, sink
 
 
 def _log_entry(log: Path, message: str) -> dict | None:  # type: ignore[type-arg]
@@ -146,6 +147,7 @@ async def measure(
     http_port: int,
     total: int,
     dial_seconds: float,
+    sink_pid: int,
 ) -> TunnelReport:
     from bench.tunnel.__main__ import Child
 
@@ -163,7 +165,7 @@ async def measure(
     )  # fmt: skip
     agent: Child | None = None
     client: TunnelClient | None = None
-    lines = []
+    lines: list[str] = []
     try:
         listening = await _wait_log(server, "listening")
         agent_port, dial_port = listening["grpc_ports"][:2]
@@ -197,7 +199,22 @@ async def measure(
                     ) from None
                 await asyncio.sleep(0.2)
 
+        from bench.tunnel.__main__ import cpu_seconds
+
+        pids = [server.process.pid, agent.process.pid, sink_pid]
+        before = [cpu_seconds([p]) - cpu_seconds([]) for p in pids], cpu_seconds([])
         bulk = min([await _bulk(client, bulk_port, total) for _ in range(2)])
+        after = [cpu_seconds([p]) - cpu_seconds([]) for p in pids], cpu_seconds([])
+        split = [(a - b) / 2 for a, b in zip(after[0], before[0], strict=True)]
+        driver = (after[1] - before[1]) / 2
+        bulk_cpu = sum(split) + driver
+        gib = total / (1 << 30)
+        lines += [
+            "CPU per GiB through the tunnel, by process: dialer (dial client, in the driver) "
+            f"{driver / gib:.2f} s, server {split[0] / gib:.2f} s, agent {split[1] / gib:.2f} s, "
+            f"sink {split[2] / gib:.2f} s.",
+            "",
+        ]
         rate = await _dials_per_second(client, http_port, dial_seconds)
         direct = await _latencies(lambda: _direct_request(http_port), LATENCY_SAMPLES)
         tunnelled = await _latencies(lambda: _tunnel_request(client, http_port), LATENCY_SAMPLES)
@@ -222,7 +239,7 @@ async def measure(
             f"| RSS server / agent, {IDLE_CONNECTIONS:,} idle tunnelled connections | {rss_idle[0] / 1024:.0f} / {rss_idle[1] / 1024:.0f} MiB |",
             f"| per idle connection, server / agent (server run with --max-concurrent-streams and --max-streams-per-peer {2 * IDLE_CONNECTIONS}) | {(rss_idle[0] - rss_before[0]) / IDLE_CONNECTIONS:.1f} / {(rss_idle[1] - rss_before[1]) / IDLE_CONNECTIONS:.1f} KiB |",
         ]  # fmt: skip
-        return TunnelReport(bulk, lines)
+        return TunnelReport(bulk, lines, bulk_cpu)
     finally:
         if client is not None:
             await client.close()
