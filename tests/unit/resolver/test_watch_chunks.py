@@ -1,0 +1,144 @@
+"""Watch events of bounded size (convert.watch_events) and replica epochs (Store)."""
+
+from __future__ import annotations
+
+import pytest
+
+from waygate.core.errors import ResourceExhausted
+from waygate.resolver import convert
+from waygate.resolver.model import (
+    Endpoint,
+    EndpointPort,
+    Route,
+    RouteBackend,
+    RouteTLS,
+    Service,
+    ServicePort,
+    TLSTermination,
+)
+from waygate.resolver.store import Batch, Snapshot, Store
+
+SOURCE = "test"
+
+
+def filled_store(endpoints: int = 3000) -> Store:
+    store = Store(initial_version=1)
+    store.upsert_service(
+        Service("big", "svc", ports=(ServicePort("http", 80, "8080"),)), source=SOURCE
+    )
+    store.set_endpoints(
+        "big",
+        "svc",
+        [
+            Endpoint("big", "svc", f"10.0.{i >> 8}.{i & 255}", (EndpointPort("http", 8080),))
+            for i in range(endpoints)
+        ],
+        source=SOURCE,
+    )
+    store.upsert_route(
+        Route(
+            "big",
+            "r",
+            "r.example.com",
+            backends=(RouteBackend("svc"),),
+            tls=RouteTLS(TLSTermination.EDGE, certificate="CERT", key="SECRET KEY"),
+        ),
+        source=SOURCE,
+    )
+    return store
+
+
+@pytest.mark.parametrize("chunk_bytes", [512, 4096, 65536, 1 << 20])
+def test_chunks_are_bounded_ordered_and_complete(chunk_bytes: int) -> None:
+    store = filled_store()
+    snapshot = store.snapshot()
+    events = convert.watch_events(
+        snapshot, "file:x", None, store.epoch, with_keys=True, chunk_bytes=chunk_bytes
+    )
+    assert events is not None
+    assert all(e.ByteSize() <= chunk_bytes for e in events)
+    assert [e.snapshot.more for e in events] == [True] * (len(events) - 1) + [False]
+    assert {(e.version, e.epoch, e.source) for e in events} == {
+        (store.version, store.epoch, "file:x")
+    }
+    whole = convert.snapshot_to_proto(snapshot)
+    assert [a for e in events for a in e.snapshot.endpoints] == list(whole.endpoints)
+    assert [s for e in events for s in e.snapshot.services] == list(whole.services)
+    assert [r.tls.key for e in events for r in e.snapshot.routes] == ["SECRET KEY"]
+    if chunk_bytes >= 1 << 20:
+        assert len(events) == 1
+
+
+def test_an_empty_view_is_one_snapshot_event() -> None:
+    store = Store()
+    (event,) = convert.watch_events(store.snapshot(), "", None, store.epoch, with_keys=False)  # type: ignore[misc]
+    assert event.WhichOneof("event") == "snapshot" and not event.snapshot.more
+
+
+def test_keys_are_redacted_for_non_readers_in_snapshots_and_changes() -> None:
+    store = filled_store(1)
+    events = convert.watch_events(store.snapshot(), "", None, store.epoch, with_keys=False)
+    assert events is not None
+    assert [r.tls.key for e in events for r in e.snapshot.routes] == [""]
+    with store.subscribe(resume_from=store.version, resume_epoch=store.epoch) as subscription:
+        store.upsert_route(
+            Route(
+                "big",
+                "r",
+                "r.example.com",
+                backends=(RouteBackend("svc"),),
+                tls=RouteTLS(TLSTermination.EDGE, certificate="CERT2", key="KEY2"),
+            ),
+            source=SOURCE,
+        )
+        batch = subscription.take()
+        assert isinstance(batch, Batch)
+        for with_keys, key in ((False, ""), (True, "KEY2")):
+            (event,) = convert.watch_events(batch, "", None, store.epoch, with_keys=with_keys)  # type: ignore[misc]
+            assert event.changes.changes[0].route_upserted.tls.key == key
+
+
+def test_a_batch_over_the_event_limit_is_not_sent() -> None:
+    store = filled_store(10)
+    with store.subscribe(resume_from=store.version, resume_epoch=store.epoch) as subscription:
+        store.set_endpoints(
+            "big",
+            "svc",
+            [Endpoint("big", "svc", f"10.1.{i >> 8}.{i & 255}") for i in range(500)],
+            source=SOURCE,
+        )
+        batch = subscription.take()
+        assert isinstance(batch, Batch)
+        assert (
+            convert.watch_events(batch, "", None, 1, with_keys=True, max_event_bytes=1000) is None
+        )
+        assert convert.watch_events(batch, "", None, 1, with_keys=True) is not None
+        subscription.resync()
+        assert isinstance(subscription.take(), Snapshot)
+
+
+def test_one_object_over_the_event_limit_is_resource_exhausted() -> None:
+    store = Store()
+    store.upsert_route(
+        Route("a", "b", "b.example.com", tls=RouteTLS(TLSTermination.EDGE, certificate="C" * 5000)),
+        source=SOURCE,
+    )
+    with pytest.raises(ResourceExhausted, match="limit of one Watch event"):
+        convert.watch_events(
+            store.snapshot(), "", None, 1, with_keys=True, chunk_bytes=512, max_event_bytes=2000
+        )
+
+
+def test_epochs_are_random_nonzero_and_gate_resumes() -> None:
+    stores = [Store(initial_version=10) for _ in range(5)]
+    assert len({s.epoch for s in stores}) == 5 and all(0 < s.epoch < 2**63 for s in stores)
+    store = stores[0]
+    store.upsert_route(Route("a", "b", "b.example.com"), source=SOURCE)
+    for epoch, snapshot in (
+        (store.epoch, False),
+        (stores[1].epoch, True),
+        (0, True),
+        (None, False),
+    ):
+        with store.subscribe(resume_from=10, resume_epoch=epoch) as subscription:
+            assert isinstance(subscription.take(), Snapshot) is snapshot, epoch
