@@ -4,7 +4,8 @@ Real processes: `waygate up` in a scratch directory; a real mTLS client with
 the user's certificate that `up` wrote (identity .../sa/user). ApplyRoute
 succeeds for it, ReportTunnels (reserved to .../sa/tunnel-server) is
 PERMISSION_DENIED naming it, the routes file holding the new key is 0600,
-and ListRoutes does not return the key.
+and neither ListRoutes nor the user's Watch returns the key (only the
+proxy, the route reader, receives it).
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ async def test_up_lets_the_user_change_routes_but_not_report_tunnels(up) -> None
         listed = await stub.ListRoutes(pb.ListRoutesRequest(namespace="demo"), timeout=10)
         (api,) = [r for r in listed.routes if r.name == "api"]
         assert api.tls.certificate == cert and api.tls.key == ""
+        # Watch carries route keys to the proxy alone (--route-readers), not to the user.
+        call = stub.Watch(pb.WatchRequest(kinds=[pb.RESOURCE_KIND_ROUTES]))
+        event = await asyncio.wait_for(call.read(), 10)
+        call.cancel()
+        (watched,) = [r for r in event.snapshot.routes if r.name == "api"]
+        assert watched.tls.certificate == cert and watched.tls.key == ""
 
         async def reports():
             yield pb.TunnelReport(
