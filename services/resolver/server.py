@@ -28,7 +28,13 @@ from collections.abc import AsyncIterator
 import grpc
 from cryptography import x509
 
-from waygate.core.errors import FailedPrecondition, InvalidArgument, Unavailable, excerpt
+from waygate.core.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+    excerpt,
+)
 from waygate.core.grpcserver import ServiceRegistration
 from waygate.resolver import convert
 from waygate.resolver.access import WriteAccess
@@ -75,10 +81,11 @@ class _ResolveTemplates:
     per store revision), so an answer is never older than the store.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_bytes: int = convert.DEFAULT_MAX_EVENT_BYTES) -> None:
         self._templates: dict[
             tuple[str, str, str], tuple[Service, tuple[Target, ...], pb.ResolveResponse]
         ] = {}
+        self._max_bytes = max_bytes
 
     def response(self, port: str, resolution: Resolution) -> pb.ResolveResponse:
         service, targets = resolution.service, resolution.targets
@@ -91,6 +98,13 @@ class _ResolveTemplates:
                 service=convert.service_to_proto(service),
                 targets=[_target(t) for t in targets],
             )
+            if template.ByteSize() > self._max_bytes:
+                # Said here, as a status, rather than by gRPC failing the send.
+                raise ResourceExhausted(
+                    f"service {service.namespace}/{service.name} has {len(targets)} ready "
+                    f"endpoints: a {template.ByteSize()}-byte reply, over the "
+                    f"{self._max_bytes}-byte limit; Watch the endpoints instead"
+                )
             entry = self._templates[key] = (service, targets, template)
         response = pb.ResolveResponse()
         response.CopyFrom(entry[2])
@@ -154,7 +168,7 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
     ) -> None:
         self._store = store
         self._resolver = resolver or Resolver(store)
-        self._templates = _ResolveTemplates()
+        self._templates = _ResolveTemplates(max_event_bytes)
         # The writable route source; None: routes are read-only here.
         self._routes = routes
         self._tunnels = tunnels or TunnelRegistry(store)

@@ -24,6 +24,8 @@ from waygate.resolver.model import (
     Route,
     RouteBackend,
     RouteTLS,
+    Service,
+    ServicePort,
     TLSTermination,
 )
 from waygate.resolver.server import MAX_PAGE_SIZE, ResolverServicer
@@ -330,6 +332,26 @@ async def test_an_object_larger_than_any_event_is_resource_exhausted_not_a_trace
         await until(lambda: store.subscriber_count == 0, "the failed watch released")
         reply = await stub.ListRoutes(pb.ListRoutesRequest(), timeout=5)
         assert [r.name for r in reply.routes] == ["huge"]
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+async def test_a_resolve_reply_over_the_limit_is_resource_exhausted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = Store()
+    store.upsert_service(
+        Service("big", "svc", ports=(ServicePort("http", 80, "8080"),)), source=SOURCE
+    )
+    store.set_endpoints("big", "svc", endpoints(3000), source=SOURCE)
+    server, channel, stub = await serve(store, max_event_bytes=16384)
+    try:
+        with caplog.at_level(logging.INFO):
+            error = await rpc_error(stub.Resolve(pb.ResolveRequest(namespace="big", name="svc")))
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "3000 ready endpoints" in (error.details() or "")
+        assert not [r for r in caplog.records if r.exc_info], "no traceback in the log"
     finally:
         await channel.close()
         await server.stop(0)
