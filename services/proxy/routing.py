@@ -118,17 +118,31 @@ class PassiveHealth:
 class Backend:
     """One backend service of a route: its endpoints and their picker."""
 
-    __slots__ = ("by_target", "cookies", "picker", "service")
+    __slots__ = ("by_target", "cookies", "picker", "service", "set_cookie")
 
-    def __init__(self, service: str, picker: Picker[Target], cookie_key: bytes) -> None:
+    def __init__(
+        self, service: str, picker: Picker[Target], cookie_key: bytes, options: RouteOptions
+    ) -> None:
         self.service = service
         self.picker = picker
         self.cookies: dict[bytes, Target] = {}
         self.by_target: dict[Target, bytes] = {}
+        # The whole Set-Cookie line per endpoint, built once per table.
+        self.set_cookie: dict[Target, bytes] = {}
+        if not options.cookie_name:
+            return
         for target in picker.targets:
             value = sticky_value(cookie_key, target)
             self.cookies[value] = target
             self.by_target[target] = value
+            self.set_cookie[target] = (
+                b"Set-Cookie: "
+                + options.cookie_name
+                + b"="
+                + value
+                + options.cookie_attributes
+                + b"\r\n"
+            )
 
 
 class RouteEntry:
@@ -334,6 +348,7 @@ def build_table(
         if route.tls is not None and _value(route.tls.termination) == "passthrough":
             continue  # TLS passthrough is served by the HTTPS listener (next issue)
         policy = str(_value(route.balance) or DEFAULT_POLICY)
+        options = _route_options(route, defaults)
         backends: list[Backend] = []
         weights: list[int] = []
         for route_backend in route.backends:
@@ -362,9 +377,8 @@ def build_table(
                 picker = new_picker(policy, targets)
             else:
                 picker.update(targets)
-            backends.append(Backend(route_backend.service, picker, cookie_key))
+            backends.append(Backend(route_backend.service, picker, cookie_key, options))
             weights.append(max(0, min(256, route_backend.weight)))
-        options = _route_options(route, defaults)
         entry = RouteEntry(route, (route.path or "/").encode(), options, backends, weights, policy)
         host = route.host.lower()
         if host.startswith("*."):

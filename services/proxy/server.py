@@ -90,6 +90,9 @@ def _log_access(connection: ClientConnection, route: str, req: RequestHead, stat
     )
 
 
+# Timeouts are checked this often (so they fire up to one tick late).
+TICK = 0.1
+TICKS_PER_SECOND = 10
 HIGH_WATER = 256 * 1024
 LOW_WATER = 64 * 1024
 MAX_CONNECT_ATTEMPTS = 3
@@ -141,6 +144,7 @@ class ProxyServer:
         self.draining = False
         self._servers: list[asyncio.AbstractServer] = []
         self._sweeper: asyncio.TimerHandle | None = None
+        self._ticks = 0
         # Access-log lines allowed per second; the rest are counted and summarised.
         self.access_log_rate = access_log_rate
         self.access_log_budget = access_log_rate
@@ -176,9 +180,19 @@ class ProxyServer:
         return int(bound)
 
     def _schedule_sweep(self) -> None:
-        self._sweeper = self.loop.call_later(1.0, self._sweep)
+        self._sweeper = self.loop.call_later(TICK, self._sweep)
 
     def _sweep(self) -> None:
+        now = self.loop.time()
+        # Connection timeouts: one comparison per connection per tick instead of
+        # a timer armed and cancelled twice per request.
+        expired = [c for c in self.connections if c._timer_kind != _T_NONE and c._deadline <= now]
+        for connection in expired:
+            connection._on_timer()
+        self._ticks += 1
+        if self._ticks % TICKS_PER_SECOND:
+            self._schedule_sweep()
+            return
         self.pool.sweep()
         if self.access_log_suppressed:
             access_log.info(
@@ -231,11 +245,11 @@ class ClientConnection(asyncio.Protocol):
 
     __slots__ = (
         "_connect_task",
+        "_deadline",
         "_eof",
         "_first",
         "_pauses",
         "_relay",
-        "_timer",
         "_timer_kind",
         "_write_paused",
         "backend",
@@ -245,6 +259,7 @@ class ClientConnection(asyncio.Protocol):
         "client_key",
         "closed",
         "context",
+        "cookie",
         "entry",
         "last_client",
         "last_up",
@@ -290,7 +305,7 @@ class ClientConnection(asyncio.Protocol):
         self.started = 0.0
         self.status = 0
         self._pauses = 0
-        self._timer: asyncio.TimerHandle | None = None
+        self._deadline = 0.0
         self._timer_kind = _T_NONE
         self._connect_task: asyncio.Task[None] | None = None
         self._relay = False
@@ -298,6 +313,7 @@ class ClientConnection(asyncio.Protocol):
         self._first = True
         self._eof = False
         self.path = b""
+        self.cookie: bytes | None = None
         self.span: Any = None
 
     # ------------------------------------------------------------ asyncio.Protocol
@@ -444,6 +460,7 @@ class ClientConnection(asyncio.Protocol):
             reason = "no route for host " + req.host.decode("ascii", "replace")
             return self._unavailable(req, reason, "no_route")
         cookie = self._sticky_cookie(req, entry) if req.cookie else None
+        self.cookie = cookie
         picked, backend = entry.pick(self.client_key, cookie, server.health, None)
         if picked is None or backend is None:
             reason = "no endpoint ready for route " + entry.options.name
@@ -812,20 +829,16 @@ class ClientConnection(asyncio.Protocol):
         return self.server.defaults.keep_alive_timeout
 
     def _arm(self, delay: float, kind: int) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = self.loop.call_later(delay, self._on_timer)
+        # No timer object per request: the server's ticker compares deadlines.
+        self._deadline = self.loop.time() + delay
         self._timer_kind = kind
 
     def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
         self._timer_kind = _T_NONE
 
     def _on_timer(self) -> None:
-        self._timer = None
         kind = self._timer_kind
+        self._timer_kind = _T_NONE
         if self.closed:
             return
         if kind == _T_IDLE:
@@ -1062,18 +1075,11 @@ class UpstreamConnection(asyncio.Protocol):
         self.framing = framing
         self.client_keep_alive = keep_alive
         extra = b""
-        entry = client.entry
-        if entry is not None and entry.options.cookie_name and client.backend is not None:
-            value = client.backend.by_target.get(self.target)
-            if value is not None and client._sticky_cookie(req, entry) != value:
-                extra = (
-                    b"Set-Cookie: "
-                    + entry.options.cookie_name
-                    + b"="
-                    + value
-                    + entry.options.cookie_attributes
-                    + b"\r\n"
-                )
+        backend = client.backend
+        if backend is not None and backend.set_cookie:
+            target = self.target
+            if client.cookie != backend.by_target.get(target):
+                extra = backend.set_cookie.get(target, b"")
         head = http1.build_client_head(response, out_framing, length, keep_alive, extra)
         client.response_started = True
         client.status = response.status
