@@ -94,12 +94,16 @@ _R = TypeVar("_R")
 def _locked(
     method: Callable[Concatenate[Authority, _P], _R],
 ) -> Callable[Concatenate[Authority, _P], _R]:
-    """Run an Authority method under its lock."""
+    """Run an Authority method under its lock, then republish what `trust_bundle` reads
+    without it."""
 
     @functools.wraps(method)
     def locked(self: Authority, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         with self._lock:
-            return method(self, *args, **kwargs)
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self._publish()
 
     return locked
 
@@ -432,6 +436,9 @@ class Authority:
         self._lock = threading.RLock()
         # Where listeners and watchers hear of changes made in worker threads.
         self._loop: asyncio.AbstractEventLoop | None = None
+        # What `trust_bundle` returns without the lock until `_due` (a transition).
+        self._published = self._bundle()
+        self._due = self._advance_due()
 
     # ------------------------------------------------------------ opening
 
@@ -456,6 +463,7 @@ class Authority:
             authority._cas.append(ca)
             authority._version = 1
             authority._save()
+            authority._publish()
             log.info(
                 "created CA",
                 extra={"store": store.description, "fingerprint": ca.fingerprint},
@@ -839,10 +847,33 @@ class Authority:
 
     # ------------------------------------------------------------ bundle and rotation
 
-    @_locked
     def trust_bundle(self) -> TrustBundleView:
+        """The bundle now. Read without the lock until a transition falls due, so a
+        signing or a store write in progress never holds up a bundle reader."""
+        published, due = self._published, self._due
+        if due is None or self._now() < due:
+            return published
+        return self._advanced_bundle()
+
+    @_locked
+    def _advanced_bundle(self) -> TrustBundleView:
         self.advance()
         return self._bundle()
+
+    def _publish(self) -> None:
+        # Under the lock, after every locked call: the bundle and when it may next change.
+        self._published = self._bundle()
+        self._due = self._advance_due()
+
+    def _advance_due(self) -> datetime | None:
+        """When `advance` next changes the bundle (a switch or a retirement)."""
+        moments = [c.activate_at for c in self._cas if c.state is CAState.STAGED]
+        moments += [
+            c.retire_after + timedelta(seconds=1)
+            for c in self._cas
+            if c.state is CAState.RETIRING and c.retire_after is not None
+        ]
+        return min((m for m in moments if m is not None), default=None)
 
     def _bundle(self) -> TrustBundleView:
         return TrustBundleView(self._version, tuple(ca.view() for ca in self._cas))

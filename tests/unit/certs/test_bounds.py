@@ -10,6 +10,8 @@ more, bounded by count and bytes, expired ones dropped first, paged.
 from __future__ import annotations
 
 import datetime as dt
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -308,3 +310,40 @@ def test_der_san_count_never_fails_on_damaged_csrs(data: st.DataObject) -> None:
 
 
 CSR_WITH_SANS = make_csr(many_names(3))[0].public_bytes(serialization.Encoding.DER)
+
+
+# ---------------------------------------------------------------- bundle readers never wait
+
+
+def test_the_bundle_is_read_without_waiting_for_a_signing_in_progress(tmp_path: Path) -> None:
+    clock = Clock()
+    authority = open_authority(tmp_path / "ca", clock)
+    holding, release = threading.Event(), threading.Event()
+
+    def slow_store_write() -> None:
+        with authority._lock:  # what a signing thread holds while it saves the store
+            holding.set()
+            release.wait(10)
+
+    writer = threading.Thread(target=slow_store_write)
+    writer.start()
+    try:
+        assert holding.wait(5)
+        started = time.monotonic()
+        bundle = authority.trust_bundle()
+        assert time.monotonic() - started < 1.0
+        assert bundle.version == authority.version and len(bundle.authorities) == 1
+    finally:
+        release.set()
+        writer.join(5)
+
+
+def test_a_due_transition_still_shows_in_the_bundle(tmp_path: Path) -> None:
+    clock = Clock()
+    authority = open_authority(tmp_path / "ca", clock)
+    rotation = authority.rotate(propagation_delay=HOUR)
+    assert [a.state.value for a in authority.trust_bundle().authorities] == ["ACTIVE", "STAGED"]
+    clock.advance(HOUR)
+    states = [a.state.value for a in authority.trust_bundle().authorities]
+    assert states == ["RETIRING", "ACTIVE"]
+    assert authority.trust_bundle().version > rotation.bundle.version
