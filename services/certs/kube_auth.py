@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable
 from waygate.certs.auth import MAX_TOKEN_LENGTH, Caller
 from waygate.certs.kube_api import JSON, KubeAPI, KubeError
 from waygate.certs.policy import SERVING_ACCOUNT_ANNOTATION, ServiceInfo
-from waygate.core.errors import FailedPrecondition, Unavailable
+from waygate.core.errors import FailedPrecondition, Unavailable, excerpt
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class TokenReviewAuthenticator:
         if status.get("authenticated") is not True:
             log.info(
                 "token not authenticated by TokenReview: %s",
-                status.get("error") or "no reason given",
+                excerpt(str(status.get("error") or "no reason given"), 200),
             )
             return None
         user = status.get("user") or {}
