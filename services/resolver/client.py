@@ -237,7 +237,8 @@ class ResolverWatch:
     async def wait_synced(self, timeout: float) -> View:
         """The first complete view; Unavailable when none arrives within `timeout` seconds."""
         try:
-            await asyncio.wait_for(self._synced.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._synced.wait()
         except TimeoutError:
             raise Unavailable(
                 f"no view from the resolver within {timeout:g}s: {self._last_error}"
