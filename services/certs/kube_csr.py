@@ -49,6 +49,7 @@ import base64
 import binascii
 import dataclasses
 import enum
+import functools
 import logging
 from collections.abc import Callable
 from datetime import datetime, timedelta
@@ -525,12 +526,16 @@ class CSRController:
             log.info("CSR approved: %s", verdict.message, extra=extra)
         assert verdict.csr is not None
         try:
-            issued = self._authority.issue(
-                verdict.csr,
-                identity=verdict.identity,
-                requested_by=f"{(obj.get('spec') or {}).get('username')} (CSR {name})",
-                lifetime=verdict.lifetime,
-                extended_usages=verdict.extended_usages,
+            # Signing (and, rarely, a store write) in a worker thread: never on the loop.
+            issued = await asyncio.to_thread(
+                functools.partial(
+                    self._authority.issue,
+                    verdict.csr,
+                    identity=verdict.identity,
+                    requested_by=f"{(obj.get('spec') or {}).get('username')} (CSR {name})",
+                    lifetime=verdict.lifetime,
+                    extended_usages=verdict.extended_usages,
+                )
             )
         except (InvalidArgument, PermissionDenied) as exc:
             # The CA refuses this request for good; retrying cannot help.
