@@ -185,6 +185,28 @@ BAD_INPUT = [
         "lifetime 3d exceeds the maximum 2d",
         id="lifetime-above-max",
     ),
+    pytest.param(
+        {"identity": "spiffe://waygate.local/" + "i" * 3_000_000},
+        "INVALID_ARGUMENT",
+        "identity is 3000023 characters long; at most 2048 are allowed",
+        id="huge-identity",
+    ),
+    pytest.param(
+        {"token": "t" * 20_000},
+        "INVALID_ARGUMENT",
+        "token is 20000 characters long; at most 16384",
+        id="huge-token",
+    ),
+    pytest.param(
+        {
+            "certificate_signing_request": csr_der(
+                (f"uri:{RESOLVER_ID}", *(f"dns:n{i}.waygate.local" for i in range(200)))
+            )
+        },
+        "INVALID_ARGUMENT",
+        "more than 100 subject alternative names; at most 100",
+        id="too-many-sans",
+    ),
 ]
 
 
@@ -406,3 +428,33 @@ async def test_draining_ends_trust_bundle_watches_with_unavailable(tmp_path: Pat
             await asyncio.wait_for(watch.read(), 10)
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "shutting down; reconnect" in (caught.value.details() or "")
+
+
+async def test_list_issued_pages_name_the_replica(tmp_path: Path) -> None:
+    async with certs_server(tmp_path) as certs:
+        for _ in range(5):
+            await certs.stub.Certify(certify_request(), timeout=10)
+        serials: list[str] = []
+        token, pages, replicas = "", 0, set()
+        while True:
+            page = await certs.stub.ListIssued(
+                certs_pb2.ListIssuedRequest(page_size=2, page_token=token),
+                metadata=ADMIN,
+                timeout=10,
+            )
+            pages += 1
+            serials += [c.serial for c in page.certificates]
+            replicas.add(page.replica)
+            token = page.next_page_token
+            if not token:
+                break
+        assert pages == 3 and len(set(serials)) == 5
+        assert len(replicas) == 1 and replicas.pop() == certs.service.replica
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await certs.stub.ListIssued(
+                certs_pb2.ListIssuedRequest(page_token="bm90IGEgdG9rZW4="),
+                metadata=ADMIN,
+                timeout=10,
+            )
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a next_page_token" in (refused.value.details() or "")
