@@ -25,13 +25,15 @@ iptables` rewrote its connection to NODE-IP:10250. The front:
 
 One request per client connection: the upstream is asked to close after the
 response, so a connection never carries a request for another node to the
-node of the first. Upstreams are reached as the request was made to the
-front's client side, in plain HTTP over the tunnel.
+node of the first. On `front_upstream_tls_ports` (the kubelet's 10250) the
+front speaks TLS to the node inside the tunnelled connection (memory BIOs),
+presenting `front_upstream_cert_file` and verifying the node against
+`front_upstream_ca_file` when given; other ports get plain HTTP.
 
 Errors are an HTTP status with a one-line reason, then close: 400 malformed
 request or unknown target, 408 head too slow, 431 head too large, 403 the
-agent's allow-list refused, 502 unreachable, 503 no agent / draining / too
-many connections, 504 dial timeout.
+agent's allow-list refused, 502 unreachable or TLS with the node failed, 503
+no agent / draining / too many connections, 504 dial timeout.
 
 Invariants: every buffer is bounded (the head by MAX_HEAD; client-to-node
 bytes by HIGH_WATER, after which reading the client pauses until the
@@ -98,6 +100,13 @@ _DROPPED = frozenset(
 _DROPPED_PREFIXES = (b"x-remote-extra-", b"impersonate-", b"x-waygate-")
 
 
+def _check_ports(ports: tuple[str, ...]) -> str | None:
+    for port in ports:
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            return f"ports must be numbers 1..65535, not {port!r}"
+    return None
+
+
 def _check_node_addresses(pairs: tuple[str, ...]) -> str | None:
     try:
         node_address_map(pairs)
@@ -127,6 +136,24 @@ class FrontSettings:
         "(a Host naming the node itself needs no entry)",
         check=_check_node_addresses,
     )
+    front_upstream_tls_ports: tuple[str, ...] = setting(
+        ("10250",),
+        help="destination ports spoken to in TLS through the tunnel (the kubelet's), "
+        "comma-separated; other ports get plain HTTP",
+        check=_check_ports,
+    )
+    front_upstream_ca_file: Path | None = setting(
+        None,
+        help="PEM CA that signs the nodes' serving certificates on TLS ports (checked for the "
+        "address or node name); unset: not verified, as the kube-apiserver does without "
+        "--kubelet-certificate-authority",
+    )
+    front_upstream_cert_file: Path | None = setting(
+        None,
+        help="PEM client certificate the front presents on TLS ports (the kubelet authorizes "
+        "it, e.g. for nodes/proxy and nodes/log)",
+    )
+    front_upstream_key_file: Path | None = setting(None, help="PEM key of front_upstream_cert_file")
     front_max_connections: int = setting(
         1000, help="client connections the front holds at once (more get 503)", check=positive
     )
@@ -142,6 +169,22 @@ class FrontSettings:
         parse=parse_duration,
         check=positive,
     )
+
+
+def upstream_tls_context(settings: FrontSettings) -> ssl.SSLContext:
+    """The client context for TLS ports: TLS 1.2+, the front's client certificate, and
+    the nodes' CA when given (otherwise no verification, said once at start)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    if settings.front_upstream_ca_file is not None:
+        context.load_verify_locations(settings.front_upstream_ca_file)
+    else:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    if settings.front_upstream_cert_file is not None:
+        context.load_cert_chain(settings.front_upstream_cert_file, settings.front_upstream_key_file)
+    context.set_alpn_protocols(["http/1.1"])
+    return context
 
 
 # ---------------------------------------------------------------- sans-IO: requests
@@ -285,6 +328,8 @@ def upstream_head(head: RequestHead) -> bytes:
 class Destination:
     node: str
     address: str  # host:port as the agent dials it
+    server_name: str  # the name a TLS upstream's certificate must carry
+    port: int
 
 
 def destination(head: RequestHead, addresses: dict[str, str]) -> Destination:
@@ -300,8 +345,8 @@ def destination(head: RequestHead, addresses: dict[str, str]) -> Destination:
                 400, f"no edge node is known for address {ip} (the front's node-address map)"
             )
         host = f"[{ip}]" if ip.version == 6 else str(ip)
-        return Destination(node, f"{host}:{head.port}")
-    return Destination(head.host, f"{DEFAULT_DIAL_HOST}:{head.port}")
+        return Destination(node, f"{host}:{head.port}", str(ip), head.port)
+    return Destination(head.host, f"{DEFAULT_DIAL_HOST}:{head.port}", head.host, head.port)
 
 
 _REASONS = {
@@ -373,6 +418,88 @@ class _Upstream:
             connection.finish(tunnel_server._CLOSED)
 
 
+class _TlsUpstream:
+    """TLS to the node, spoken inside a tunnelled connection (memory BIOs, no socket).
+
+    Raw bytes from the agent are granted back (credit) as they are fed to
+    OpenSSL, which happens only when the plaintext is used up: at most one
+    chunk waits in the BIO. One lock serialises writes to the tunnel (the
+    reading side may owe the node a TLS record too).
+    """
+
+    __slots__ = ("_incoming", "_lock", "_outgoing", "inner", "tls")
+
+    def __init__(self, inner: _Upstream, context: ssl.SSLContext, server_name: str) -> None:
+        self.inner = inner
+        self._incoming = ssl.MemoryBIO()
+        self._outgoing = ssl.MemoryBIO()
+        self.tls = context.wrap_bio(
+            self._incoming, self._outgoing, server_side=False, server_hostname=server_name
+        )
+        self._lock = asyncio.Lock()
+
+    async def _flush(self) -> None:
+        async with self._lock:
+            data = self._outgoing.read()
+            if data:
+                await self.inner.write(data)
+
+    async def _fill(self) -> bool:
+        """Feed the next raw chunk to OpenSSL; False at the node's end of stream."""
+        raw = await self.inner.read()
+        if not raw:
+            self._incoming.write_eof()
+            return False
+        self._incoming.write(raw)
+        self.inner.delivered(len(raw))
+        return True
+
+    async def handshake(self, timeout: float) -> None:
+        async with asyncio.timeout(timeout):
+            while True:
+                try:
+                    self.tls.do_handshake()
+                    break
+                except ssl.SSLWantReadError:
+                    await self._flush()
+                    if not await self._fill():
+                        raise ConnectionClosed from None
+            await self._flush()
+
+    async def read(self) -> bytes:
+        while True:
+            try:
+                data = self.tls.read(mux.MAX_CHUNK)
+            except ssl.SSLWantReadError:
+                await self._flush()
+                if not await self._fill():
+                    return b""
+                continue
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                return b""
+            except ssl.SSLError:
+                raise ConnectionClosed from None
+            if self._outgoing.pending:
+                await self._flush()
+            return data
+
+    def delivered(self, size: int) -> None:
+        """Credit went back when the raw bytes were fed to OpenSSL."""
+
+    async def write(self, data: bytes) -> None:
+        try:
+            self.tls.write(data)
+        except ssl.SSLError:
+            raise ConnectionClosed from None
+        await self._flush()
+
+    def write_eof(self) -> None:
+        """TLS has no half-close short of close_notify, which ends the session: nothing."""
+
+    def close(self, reason: str) -> None:
+        self.inner.close(reason)
+
+
 # ---------------------------------------------------------------- the listener
 
 
@@ -386,6 +513,8 @@ class Front:
         self.head_timeout = settings.front_head_timeout
         self.idle_timeout = settings.front_idle_timeout
         self.dial_timeout = dial_timeout
+        self.tls_ports = frozenset(int(p) for p in settings.front_upstream_tls_ports)
+        self.upstream_context = upstream_tls_context(settings)
         self.connections: set[FrontConnection] = set()
         self.tasks: set[asyncio.Task[None]] = set()
         self.server: asyncio.Server | None = None
@@ -448,7 +577,7 @@ class FrontConnection(asyncio.Protocol):
         self._pending_ready: asyncio.Future[None] | None = None
         self._writable: asyncio.Future[None] | None = None
         self.paused_writing = False
-        self.upstream: _Upstream | None = None
+        self.upstream: _Upstream | _TlsUpstream | None = None
 
     # ------------------------------------------------- asyncio.Protocol
 
@@ -595,10 +724,28 @@ class FrontConnection(asyncio.Protocol):
                 self.reply(REFUSAL_HTTP.get(refused.reason, 502), str(refused))
                 return
             span.set_attribute("waygate.tunnel.connection_id", connection.connect_id)
-            upstream = _Upstream(connection)
+            plain = _Upstream(connection)
+            upstream: _Upstream | _TlsUpstream = plain
             if self.state != _DIALING:  # the client went away while dialing
-                upstream.close("the front's client went away")
+                plain.close("the front's client went away")
                 return
+            if target.port in front.tls_ports:
+                tls = _TlsUpstream(plain, front.upstream_context, target.server_name)
+                self.upstream = tls
+                try:
+                    await tls.handshake(front.dial_timeout)
+                except (ssl.SSLError, ConnectionClosed, TimeoutError) as exc:
+                    span.set_attribute("waygate.tunnel.refusal", "TLS")
+                    reason = getattr(exc, "reason", None) or type(exc).__name__
+                    self.reply(
+                        502, f"TLS with node {target.node} at {target.address} failed: {reason}"
+                    )
+                    tls.close("TLS handshake failed")
+                    return
+                if self.state != _DIALING:
+                    tls.close("the front's client went away")
+                    return
+                upstream = tls
             self.upstream = upstream
             self.state = _RELAY
             sender = asyncio.get_running_loop().create_task(
@@ -613,7 +760,7 @@ class FrontConnection(asyncio.Protocol):
                 if self.transport is not None:
                     self.transport.close()
 
-    async def _client_to_node(self, upstream: _Upstream, head: bytes) -> None:
+    async def _client_to_node(self, upstream: _Upstream | _TlsUpstream, head: bytes) -> None:
         try:
             await upstream.write(head)
             while True:
@@ -639,7 +786,7 @@ class FrontConnection(asyncio.Protocol):
         except ConnectionClosed:
             return
 
-    async def _node_to_client(self, upstream: _Upstream) -> None:
+    async def _node_to_client(self, upstream: _Upstream | _TlsUpstream) -> None:
         transport = self.transport
         assert transport is not None
         while True:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.tunnel.harness import NODE, Tunnel
+from tests.support.pki import LocalCA
 from tests.support.poll import until
 from waygate.tunnel.front import HIGH_WATER, Front, FrontSettings
 
@@ -158,3 +159,74 @@ async def test_client_bytes_wait_for_credit_without_unbounded_buffering(front) -
         finished.set()
         for peer in accepted:
             peer.close()
+
+
+async def tls_backend(tunnel: Tunnel, tmp_path: Path) -> tuple[asyncio.Server, int, list[str]]:
+    """A kubelet-like backend: HTTPS, requires a client certificate, says who called."""
+    files = tunnel.ca.write_files(tmp_path / "kubelet", ips=["127.0.0.1"], dns=[NODE])
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(files.cert, files.key)
+    context.load_verify_locations(files.ca)
+    context.verify_mode = ssl.CERT_REQUIRED
+    callers: list[str] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            peer = writer.get_extra_info("peercert")
+            callers.append(str(peer.get("subjectAltName")))
+            body = b"kubelet says hi"
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=context)
+    return server, server.sockets[0].getsockname()[1], callers
+
+
+@pytest.mark.parametrize("upstream_ca", ["the nodes' CA", "another CA"])
+async def test_tls_ports_are_spoken_to_in_tls_with_the_fronts_client_certificate(
+    front, tmp_path: Path, upstream_ca: str
+) -> None:
+    tunnel, _, _, context = front
+    backend, backend_port, callers = await tls_backend(tunnel, tmp_path)
+    client_files = tunnel.ca.write_files(
+        tmp_path / "front-client", uris=["spiffe://waygate.test/ns/t/sa/tunnel-front"]
+    )
+    ca_file = client_files.ca
+    if upstream_ca == "another CA":
+        ca_file = tmp_path / "other-ca.pem"
+        ca_file.write_bytes(LocalCA().pem)
+    settings = FrontSettings(
+        front_node_addresses=(f"127.0.0.1={NODE}",),
+        front_upstream_tls_ports=(str(backend_port),),
+        front_upstream_ca_file=ca_file,
+        front_upstream_cert_file=client_files.cert,
+        front_upstream_key_file=client_files.key,
+    )
+    tls_front = Front(tunnel.hub, settings, dial_timeout=5.0)
+    server_context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_context.load_cert_chain(tunnel.server_files.cert, tunnel.server_files.key)
+    server_context.load_verify_locations(cadata=tunnel.ca.pem.decode())
+    server_context.verify_mode = ssl.CERT_REQUIRED
+    port = await tls_front.start("127.0.0.1", 0, server_context)
+    try:
+        async with backend:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context)
+            writer.write(f"GET /pods HTTP/1.1\r\nHost: 127.0.0.1:{backend_port}\r\n\r\n".encode())
+            response = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+        if upstream_ca == "the nodes' CA":
+            assert response.startswith(b"HTTP/1.1 200 OK") and response.endswith(b"kubelet says hi")
+            assert callers == ["(('URI', 'spiffe://waygate.test/ns/t/sa/tunnel-front'),)"]
+        else:
+            assert response.startswith(b"HTTP/1.1 502 Bad Gateway")
+            assert b"TLS with node edge-1 at 127.0.0.1:" in response
+            assert callers == []
+        await until(lambda: not tls_front.connections, "the front to let go")
+        await until(lambda: not tunnel.hub.sessions[NODE].connections, "tunnelled connections")
+    finally:
+        await tls_front.stop()

@@ -20,18 +20,18 @@ NODES = node_address_map(("10.0.0.5=Edge-1", "fd00::5=edge-2"))
 def test_host_header_names_an_address_of_a_mapped_node() -> None:
     head = parse_head(b"GET /containerLogs/ns/pod/c HTTP/1.1\r\nHost: 10.0.0.5:10250\r\n\r\n")
     assert (head.host, head.port, head.target) == ("10.0.0.5", 10250, b"/containerLogs/ns/pod/c")
-    assert destination(head, NODES) == Destination("edge-1", "10.0.0.5:10250")
+    assert destination(head, NODES) == Destination("edge-1", "10.0.0.5:10250", "10.0.0.5", 10250)
 
 
 def test_absolute_form_wins_over_host_and_becomes_origin_form() -> None:
     head = parse_head(b"GET http://[fd00::5]:10250/stats?x=1 HTTP/1.1\r\nHost: other:1\r\n\r\n")
-    assert destination(head, NODES) == Destination("edge-2", "[fd00::5]:10250")
+    assert destination(head, NODES) == Destination("edge-2", "[fd00::5]:10250", "fd00::5", 10250)
     assert upstream_head(head).startswith(b"GET /stats?x=1 HTTP/1.1\r\n")
 
 
 def test_a_node_name_as_host_dials_the_agents_default_host() -> None:
     head = parse_head(b"GET / HTTP/1.1\r\nHost: Edge-1.:8090\r\n\r\n")
-    assert destination(head, NODES) == Destination("edge-1", "127.0.0.1:8090")
+    assert destination(head, NODES) == Destination("edge-1", "127.0.0.1:8090", "edge-1", 8090)
 
 
 @pytest.mark.parametrize(
