@@ -22,8 +22,10 @@ curl: GB/s and the proxy's peak RSS during the transfer (VmHWM reset before it,
 summed over the proxy's processes).
 
 Every proxy adds X-Forwarded-For (Waygate does by default; HAProxy `option
-forwardfor`, nginx `proxy_set_header`), keeps upstream connections alive, and
-logs nothing per request (Waygate's access log is sampled).
+forwardfor`, nginx `proxy_set_header`), keeps up to 512 idle upstream
+connections alive (Waygate `--upstream-max-idle 512`, nginx `keepalive 512`;
+HAProxy keeps them all), and logs nothing per request (Waygate's access log is
+sampled).
 """
 
 from __future__ import annotations
@@ -127,11 +129,15 @@ class Proxy:
                 stderr=subprocess.STDOUT if self.log else subprocess.DEVNULL,
             )
         )
-        deadline = time.monotonic() + 60
-        while http_status(self.port, "/64") != 200:
-            if self.processes[-1].poll() is not None or time.monotonic() > deadline:
+        deadline = time.monotonic() + 120  # a busy machine starts Python slowly
+        while (status := http_status(self.port, "/64")) != 200:
+            code = self.processes[-1].poll()
+            if code is not None or time.monotonic() > deadline:
                 tail = self.log.read_text()[-2000:] if self.log else ""
-                raise RuntimeError(f"{self.name} did not start serving /64:\n{tail}")
+                raise RuntimeError(
+                    f"{self.name} did not start serving /64 (last status {status}, "
+                    f"exit code {code}):\n{tail}"
+                )
             time.sleep(0.2)
 
     @property
@@ -348,6 +354,9 @@ def start_proxies(
         sys.executable, "-m", "waygate", "proxy", "serve", "--http-port", str(ports[0]),
         "--https-port", "0", "--admin-port", "0", "--resolver-address", resolver_address,
         "--workers", str(workers),
+        # Up to 512 idle upstream connections, as nginx's `keepalive 512` (HAProxy keeps
+        # every idle one): with the default 64, 200 clients churn upstream connections.
+        "--upstream-max-idle", "512",
     ]  # fmt: skip
     proxies = [
         Proxy(f"Waygate ({workers} worker{'s' * (workers > 1)})", waygate, ports[0], cores,
