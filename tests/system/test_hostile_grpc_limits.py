@@ -182,7 +182,7 @@ def open_fds(pid: int) -> int:
 
 
 async def test_idle_connections_are_closed_after_the_idle_limit(tmp_path: Path) -> None:
-    resolver = await start_resolver(tmp_path, "--max-connection-idle", "1s")
+    resolver = await start_resolver(tmp_path, "--max-connection-idle", "3s")
     pid = resolver.process.pid
     channels = attacker_channels(resolver.grpc_address, 100)
     try:
@@ -194,7 +194,7 @@ async def test_idle_connections_are_closed_after_the_idle_limit(tmp_path: Path) 
                 for ch in channels
             )
         )
-        assert open_fds(pid) >= before + 90  # the connections are really held
+        assert open_fds(pid) >= before + 90  # the connections are really held (idle < 3 s yet)
         await until(
             lambda: open_fds(pid) <= before + 5,
             "the server to close the idle connections (its fd count back to the start)",
