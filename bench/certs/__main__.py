@@ -1,21 +1,26 @@
-"""Certs benchmark: Certify throughput against its two unavoidable costs, and renewal time.
+"""Certs benchmark: Certify against its two unavoidable costs, per worker, beside cfssl.
 
-All in one run, on loopback, P-256 keys:
-- echo:    a bare grpc.aio unary echo server (separate process), 8 concurrent
-           callers sending a request the size of a CertifyRequest;
+All in one run, on loopback, P-256 keys, 8 concurrent callers:
+- echo:    a bare grpc.aio unary echo server (separate process) sending a
+           request the size of a CertifyRequest;
 - issue:   in-process CSR-to-leaf issuance with `cryptography` (parse the
            CSR, verify its signature, build and sign the leaf), one thread;
-- Certify: `waygate certs serve` (separate process, plaintext loopback,
-           static token), 8 concurrent callers, pre-made CSRs.
-Certify is reported as a ratio of the serial combination of the two costs,
-1 / (1/echo + 1/issue): what one process doing both, one after the other,
-could reach at best.
-- scaling: the same load on 2 certs processes (each with its own CA
-           directory; callers split evenly), and with the callers in 2
-           processes of their own;
-- renewal: the time to renew 10,000 certificates through Certify, each
-           renewal a fresh key and CSR made by the caller (as the rotation
-           client does), 8 concurrent callers.
+- Certify: `waygate certs serve` (plaintext loopback, static token) with
+           `--workers 1` (one process) and `--workers 2` (two processes on one
+           port), pre-made CSRs. Reported as a ratio of the serial combination
+           of the two costs, 1 / (1/echo + 1/issue): what one process doing
+           both, one after the other, could reach at best; per worker and as
+           the scaling from 1 to 2 workers;
+- cfssl:   Debian's golang-cfssl `cfssl serve` signing the same kind of CSR
+           (P-256, same SANs) over its HTTP API (/api/v1/cfssl/sign), the same
+           number of concurrent callers; rate and server CPU per certificate
+           beside Certify's (installed with apt-get when missing);
+- renewal: the time to renew 10,000 certificates right after a CA rotation
+           (the new CA signs, the old one is still trusted: every workload
+           renewing at once), each renewal a fresh key and CSR made by the
+           caller, at 1 and 2 workers;
+- latency: Certify p50/p99 at a steady 200 calls/s (open loop) for 10 s while
+           RotateCA (propagation delay 0) switches the signing CA mid-way.
 
 Run: .venv/bin/python -m bench.certs [--seconds 5] [--renewals 10000]
 """
@@ -29,11 +34,15 @@ import dataclasses
 import datetime as dt
 import json
 import os
+import shutil
+import socket
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import aiohttp
 import grpc
 import yaml
 from cryptography import x509
@@ -50,6 +59,7 @@ CONCURRENCY = 8
 IDENTITY = "spiffe://waygate.local/ns/bench/sa/client"
 SANS = [x509.UniformResourceIdentifier(IDENTITY), x509.DNSName("client.bench.svc")]
 TOKEN = "bench-" + "t" * 40
+ADMIN_TOKEN = "bench-admin-" + "a" * 40
 CSR_POOL = 256
 
 
@@ -104,7 +114,11 @@ class Process:
                         return int(line)
                     with contextlib.suppress(json.JSONDecodeError):
                         entry = json.loads(line)
-                        if isinstance(entry, dict) and entry.get("msg") == "listening":
+                        if not isinstance(entry, dict):
+                            continue
+                        if entry.get("msg") == "certs workers listening":
+                            return int(entry["grpc_port"])
+                        if entry.get("msg") == "listening" and entry.get("grpc_ports"):
                             return int(entry["grpc_ports"][0])
                 if self.process.returncode is not None:
                     raise RuntimeError(
@@ -137,7 +151,7 @@ async def stop(process: Process) -> None:
     await process.stop()
 
 
-def certs_argv(directory: Path) -> list[str]:
+def certs_argv(directory: Path, *extra: str) -> list[str]:
     tokens = directory / "tokens.yaml"
     tokens.write_text(
         yaml.safe_dump(
@@ -147,7 +161,8 @@ def certs_argv(directory: Path) -> list[str]:
                         "token": TOKEN,
                         "name": "bench",
                         "allowed": [f"uri:{IDENTITY}", "dns:client.bench.svc"],
-                    }
+                    },
+                    {"token": ADMIN_TOKEN, "name": "ops", "admin": True},
                 ]
             }
         )
@@ -156,6 +171,7 @@ def certs_argv(directory: Path) -> list[str]:
     return [
         sys.executable, "-m", "waygate", "certs", "serve", "--grpc-port", "0",
         "--admin-port", "0", "--ca-dir", str(directory / "ca"), "--tokens-file", str(tokens),
+        *extra,
     ]  # fmt: skip
 
 
@@ -292,22 +308,27 @@ async def health_rate(port: int, seconds: float, pid: int) -> Measured:
         return await rate(call, seconds, pids=[pid])
 
 
-async def renew(port: int, count: int) -> float:
-    """Seconds to renew `count` certificates: new key + CSR + Certify each, 8 callers."""
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = certs_pb2_grpc.CertsStub(channel)
-        remaining = count
+async def renew(port: int, count: int, channels: int = 1) -> float:
+    """Seconds to renew `count` certificates: new key + CSR + Certify each, 8 callers
+    over `channels` connections (with workers, the kernel spreads connections)."""
+    opened = [grpc.aio.insecure_channel(f"127.0.0.1:{port}") for _ in range(channels)]
+    stubs = [certs_pb2_grpc.CertsStub(c) for c in opened]
+    remaining = count
+    try:
 
-        async def caller() -> None:
+        async def caller(n: int) -> None:
             nonlocal remaining
             while remaining > 0:
                 remaining -= 1
-                reply = await stub.Certify(certify_request(make_csr()), timeout=30)
+                reply = await stubs[n % len(stubs)].Certify(certify_request(make_csr()), timeout=30)
                 assert reply.leaf_certificate
 
         started = time.perf_counter()
-        await asyncio.gather(*(caller() for _ in range(CONCURRENCY)))
+        await asyncio.gather(*(caller(n) for n in range(CONCURRENCY)))
         return time.perf_counter() - started
+    finally:
+        for channel in opened:
+            await channel.close()
 
 
 def client_process_main(port: int, seconds: float, concurrency: int) -> None:
@@ -341,44 +362,259 @@ async def certify_rate_from_processes(port: int, seconds: float, processes: int)
 # ---------------------------------------------------------------- report
 
 
+# ---------------------------------------------------------------- the run
+
+
+async def start_certs(directory: Path, log_dir: Path, workers: int) -> tuple[Process, int]:
+    """A certs group; returns once its admin port says ready (every worker ready)."""
+    process = Process(certs_argv(directory, "--workers", str(workers)), log_dir)
+    try:
+        port = await process.start_reporting_port("listening")
+        admin = 0
+        async with asyncio.timeout(60):
+            while not admin:
+                for line in process.log_path.read_text().splitlines():
+                    with contextlib.suppress(json.JSONDecodeError, TypeError, KeyError):
+                        entry = json.loads(line)
+                        if entry.get("msg") == "listening":
+                            admin = int(entry["admin_port"])
+                await asyncio.sleep(0.05)
+            async with aiohttp.ClientSession() as session:
+                while True:
+                    with contextlib.suppress(aiohttp.ClientError):
+                        async with session.get(f"http://127.0.0.1:{admin}/readyz") as reply:
+                            if reply.status == 200:
+                                return process, port
+                    await asyncio.sleep(0.1)
+    except BaseException:
+        await process.stop()
+        raise
+
+
+def group_pids(process: Process) -> list[int]:
+    """The parent and its worker children (Linux /proc)."""
+    children = Path(f"/proc/{process.pid}/task/{process.pid}/children")
+    with contextlib.suppress(OSError):
+        return [process.pid, *(int(p) for p in children.read_text().split())]
+    return [process.pid]
+
+
+def rotated_ca_dir(directory: Path) -> None:
+    """A CA directory right after a rotation: the new CA signs, the old one is still
+    trusted (as `RotateCA` with propagation delay 0 leaves it)."""
+    from waygate.certs.authority import Authority, AuthorityConfig
+    from waygate.certs.store import DirectoryCAStore
+
+    authority = Authority.open(DirectoryCAStore(directory / "ca"), AuthorityConfig())
+    # Workloads hold leaves of the old CA, so it stays trusted until they expire.
+    authority.issue(x509.load_der_x509_csr(make_csr()), identity=IDENTITY, requested_by="bench")
+    authority.rotate(propagation_delay=dt.timedelta(0))
+    assert len(authority.trust_bundle().authorities) == 2
+
+
+def ensure_cfssl() -> str:
+    found = shutil.which("cfssl")
+    if found:
+        return found
+    subprocess.run(["apt-get", "install", "-y", "golang-cfssl"], check=True, capture_output=True)
+    found = shutil.which("cfssl")
+    assert found, "golang-cfssl installed no cfssl binary"
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+async def cfssl_rate(directory: Path, log_dir: Path, csrs: list[bytes], seconds: float) -> Measured:
+    """cfssl serve signing the same CSRs (P-256 CA) over its HTTP API."""
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "bench cfssl CA")])
+    now = dt.datetime.now(dt.UTC)
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=365))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(True, False, False, False, False, True, True, False, False),
+            critical=True,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    (directory / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    key_file = directory / "ca-key.pem"
+    key_file.write_bytes(
+        ca_key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.TraditionalOpenSSL,
+            serialization.NoEncryption(),
+        )
+    )
+    key_file.chmod(0o600)
+    (directory / "config.json").write_text(
+        json.dumps(
+            {
+                "signing": {
+                    "default": {
+                        "expiry": "24h",
+                        "usages": ["digital signature", "server auth", "client auth"],
+                    }
+                }
+            }
+        )
+    )
+    port = free_port()
+    process = Process(
+        [
+            ensure_cfssl(), "serve", "-address", "127.0.0.1", "-port", str(port),
+            "-ca", str(directory / "ca.pem"), "-ca-key", str(key_file),
+            "-config", str(directory / "config.json"), "-loglevel", "4",
+        ],
+        log_dir,
+    )  # fmt: skip
+    with process.log_path.open("wb") as log:
+        process.process = await asyncio.create_subprocess_exec(
+            *process.argv, stdout=log, stderr=asyncio.subprocess.STDOUT
+        )
+    try:
+        bodies = [
+            json.dumps(
+                {
+                    "certificate_request": x509.load_der_x509_csr(d)
+                    .public_bytes(serialization.Encoding.PEM)
+                    .decode()
+                }
+            ).encode()
+            for d in csrs
+        ]
+        url = f"http://127.0.0.1:{port}/api/v1/cfssl/sign"
+        connector = aiohttp.TCPConnector(limit=CONCURRENCY)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            async with asyncio.timeout(30):
+                while True:
+                    with contextlib.suppress(aiohttp.ClientError):
+                        async with session.post(url, data=bodies[0]) as reply:
+                            if reply.status == 200:
+                                break
+                    await asyncio.sleep(0.1)
+
+            async def call(i: int) -> None:
+                async with session.post(url, data=bodies[i % len(bodies)]) as reply:
+                    answer = await reply.json(content_type=None)
+                    if reply.status != 200 or not answer.get("success"):
+                        raise RuntimeError(f"cfssl sign failed: {reply.status} {answer}")
+
+            return await rate(call, seconds, pids=[process.pid])
+    finally:
+        await process.stop()
+
+
+async def renew_after_rotation(directory: Path, log_dir: Path, workers: int, count: int) -> float:
+    rotated_ca_dir(directory)
+    certs, port = await start_certs(directory, log_dir, workers)
+    try:
+        return await renew(port, count, channels=2 * workers)
+    finally:
+        await stop(certs)
+
+
+async def latency_during_rotation(
+    directory: Path, log_dir: Path, csrs: list[bytes], per_second: int, seconds: float
+) -> tuple[float, float, int, int]:
+    """(p50 ms, p99 ms, calls, failures) of Certify at a fixed arrival rate while
+    RotateCA (delay 0) switches the signing CA half-way through."""
+    certs, port = await start_certs(directory, log_dir, 1)
+    latencies: list[float] = []
+    failures = 0
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = certs_pb2_grpc.CertsStub(channel)
+            requests = [certify_request(d) for d in csrs]
+            for request in requests[:20]:
+                await stub.Certify(request, timeout=30)
+
+            async def one(i: int) -> None:
+                nonlocal failures
+                started = time.perf_counter()
+                try:
+                    await stub.Certify(requests[i % len(requests)], timeout=30)
+                    latencies.append(time.perf_counter() - started)
+                except grpc.aio.AioRpcError:
+                    failures += 1
+
+            async def rotate_half_way() -> None:
+                await asyncio.sleep(seconds / 2)
+                await stub.RotateCA(
+                    certs_pb2.RotateCARequest(),
+                    metadata=(("authorization", f"Bearer {ADMIN_TOKEN}"),),
+                    timeout=30,
+                )
+
+            rotation = asyncio.ensure_future(rotate_half_way())
+            calls: list[asyncio.Task[None]] = []
+            started = time.perf_counter()
+            for i in range(int(per_second * seconds)):
+                delay = started + i / per_second - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                calls.append(asyncio.ensure_future(one(i)))
+            await asyncio.gather(*calls, rotation)
+    finally:
+        await stop(certs)
+    latencies.sort()
+    p50 = latencies[len(latencies) // 2] * 1000 if latencies else 0.0
+    p99 = latencies[int(len(latencies) * 0.99) - 1] * 1000 if latencies else 0.0
+    return p50, p99, len(latencies) + failures, failures
+
+
 async def main(args: argparse.Namespace) -> str:
     csrs = [make_csr() for _ in range(CSR_POOL)]
     payload = certify_request(csrs[0]).SerializeToString()
     load_before = os.getloadavg()[0]
     issue = issue_rate(csrs, args.seconds)
 
-    with (
-        tempfile.TemporaryDirectory() as logs,
-        tempfile.TemporaryDirectory() as first,
-        tempfile.TemporaryDirectory() as second,
-    ):
-        log_dir = Path(logs)
+    with tempfile.TemporaryDirectory() as scratch:
+        work = Path(scratch)
+        log_dir = work / "logs"
+        dirs = {n: work / n for n in ("w1", "w2", "cfssl", "r1", "r2", "lat")}
+        for d in (log_dir, *dirs.values()):
+            d.mkdir()
         echo_process, echo_port = await start([sys.executable, "-m", "bench.echo"], "port", log_dir)
         try:
             echo = await echo_rate(echo_port, payload, args.seconds, echo_process.pid)
         finally:
             await stop(echo_process)
 
-        certs_a, port_a = await start(certs_argv(Path(first)), "listening", log_dir)
-        try:
-            certify = await certify_rate([port_a], csrs, args.seconds, [certs_a.pid])
-            health = await health_rate(port_a, args.seconds, certs_a.pid)
-            certify_clients_apart = await certify_rate_from_processes(port_a, args.seconds, 2)
-            certs_b, port_b = await start(certs_argv(Path(second)), "listening", log_dir)
+        certify: dict[int, Measured] = {}
+        for workers in (1, 2):
+            certs, port = await start_certs(dirs[f"w{workers}"], log_dir, workers)
             try:
-                certify_two = await certify_rate(
-                    [port_a, port_b], csrs, args.seconds, [certs_a.pid, certs_b.pid]
+                # One channel per caller: with workers, the kernel spreads connections.
+                certify[workers] = await certify_rate(
+                    [port] * CONCURRENCY, csrs, args.seconds, group_pids(certs)
                 )
             finally:
-                await stop(certs_b)
-            renewal_seconds = await renew(port_a, args.renewals)
-        finally:
-            await stop(certs_a)
+                await stop(certs)
+        cfssl = await cfssl_rate(dirs["cfssl"], log_dir, csrs, args.seconds)
+        renewal = {
+            w: await renew_after_rotation(dirs[f"r{w}"], log_dir, w, args.renewals) for w in (1, 2)
+        }
+        p50, p99, calls, failures = await latency_during_rotation(
+            dirs["lat"], log_dir, csrs, 200, 10.0
+        )
     load_after = os.getloadavg()[0]
 
     serial = 1 / (1 / echo.rate + 1 / issue.rate)
-    assert echo.server_cpu_us and issue.server_cpu_us and certify.server_cpu_us
-    assert certify_two.server_cpu_us and health.server_cpu_us
+    one, two = certify[1], certify[2]
+    assert echo.server_cpu_us and issue.server_cpu_us and one.server_cpu_us
+    assert two.server_cpu_us and cfssl.server_cpu_us
     floor_us = echo.server_cpu_us + issue.server_cpu_us
     command = "python -m bench.certs"
     if args.seconds != 5:
@@ -386,7 +622,7 @@ async def main(args: argparse.Namespace) -> str:
     if args.renewals != 10000:
         command += f" --renewals {args.renewals}"
     lines = [
-        "# bench/certs: Certify throughput and renewal time",
+        "# bench/certs: Certify per worker, beside cfssl; renewals after a rotation",
         "",
         f"Command: `{command}`  ",
         f"Machine: {describe()}  ",
@@ -395,26 +631,34 @@ async def main(args: argparse.Namespace) -> str:
         "",
         f"P-256 everywhere; {CONCURRENCY} concurrent callers; {args.seconds:g} s per figure.",
         "",
-        "| measurement | calls/s | ratio | CPU per call in the serving process |",
+        "| measurement | calls/s | ratio to serial | CPU per call in the server |",
         "|---|---:|---:|---:|",
         f"| bare grpc.aio unary echo ({len(payload)}-byte request) | {echo.rate:,.0f} | | {echo.server_cpu_us:,.0f} us |",
         f"| in-process CSR -> leaf with cryptography (1 thread) | {issue.rate:,.0f} | | {issue.server_cpu_us:,.0f} us |",
         f"| serial combination 1/(1/echo + 1/issue) | {serial:,.0f} | 1.00 | {floor_us:,.0f} us |",
-        f"| **Certify**, 1 certs process, callers in 1 process | {certify.rate:,.0f} | **{certify.rate / serial:.2f}** | {certify.server_cpu_us:,.0f} us |",
-        f"| Certify, 1 certs process, callers in 2 processes | {certify_clients_apart:,.0f} | {certify_clients_apart / serial:.2f} | |",
-        f"| Certify, 2 certs processes, callers in 1 process | {certify_two.rate:,.0f} | {certify_two.rate / serial:.2f} | {certify_two.server_cpu_us:,.0f} us |",
-        f"| for reference: health Check on the certs server (GrpcServer: interceptor, span, metrics) | {health.rate:,.0f} | | {health.server_cpu_us:,.0f} us |",
+        f"| **Certify, --workers 1** | {one.rate:,.0f} | **{one.rate / serial:.2f}** | {one.server_cpu_us:,.0f} us |",
+        f"| **Certify, --workers 2** (one port) | {two.rate:,.0f} | **{two.rate / serial:.2f}** ({two.rate / serial / 2:.2f} per worker) | {two.server_cpu_us:,.0f} us |",
+        f"| cfssl serve, /api/v1/cfssl/sign over HTTP/1.1 | {cfssl.rate:,.0f} | {cfssl.rate / serial:.2f} | {cfssl.server_cpu_us:,.0f} us |",
         "",
-        "CPU ratio (less sensitive to other load than calls/s): the serial combination's CPU "
-        f"per call over Certify's = {floor_us:,.0f} / {certify.server_cpu_us:,.0f} = "
-        f"**{floor_us / certify.server_cpu_us:.2f}**.",
+        f"Scaling from 1 to 2 workers: {two.rate / one.rate:.2f}x (linear: 2.00x; within 20%: "
+        f"at least 1.60x). Certify / cfssl: {one.rate / cfssl.rate:.2f} at 1 worker, "
+        f"{two.rate / cfssl.rate:.2f} at 2; server CPU per certificate, Certify / cfssl: "
+        f"{one.server_cpu_us / cfssl.server_cpu_us:.2f}.",
         "",
-        f"Renewing {args.renewals:,} certificates through Certify (1 certs process; each renewal "
-        f"a new P-256 key and CSR made by the caller): **{renewal_seconds:.1f} s** "
-        f"({args.renewals / renewal_seconds:,.0f}/s).",
+        f"CPU ratio (less sensitive to other load than calls/s): the serial combination's CPU "
+        f"per call over Certify's = {floor_us:,.0f} / {one.server_cpu_us:,.0f} = "
+        f"**{floor_us / one.server_cpu_us:.2f}**.",
         "",
-        f"Cores on this machine: {os.cpu_count()}; the callers, the certs process(es) and the "
-        "echo server share them.",
+        f"Renewing {args.renewals:,} certificates right after a CA rotation (each a new P-256 "
+        f"key and CSR made by the caller, {CONCURRENCY} callers): "
+        f"**{renewal[1]:.1f} s** at 1 worker ({args.renewals / renewal[1]:,.0f}/s), "
+        f"**{renewal[2]:.1f} s** at 2 workers ({args.renewals / renewal[2]:,.0f}/s).",
+        "",
+        f"Certify at a steady 200 calls/s for 10 s with RotateCA (delay 0) half-way, 1 worker: "
+        f"p50 **{p50:.1f} ms**, p99 **{p99:.1f} ms**, {calls:,} calls, {failures} failed.",
+        "",
+        f"Cores on this machine: {os.cpu_count()}; the callers, the servers and the echo "
+        "server share them.",
     ]
     return "\n".join(lines) + "\n"
 
