@@ -501,7 +501,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     else:
         from waygate.certs import leader
 
-        leading = [
+        leading: list[Callable[[], Coroutine[Any, Any, None]]] = [
             functools.partial(leader.take_over, authority, store),
             functools.partial(leader.keep_leaf_bounds, authority, store),
             *duties,
@@ -555,6 +555,7 @@ async def serve(
     reuse_port: bool = False,
 ) -> None:
     """Add the gRPC server: certs' own serving certificate, static TLS or plaintext."""
+    credentials: Any
     if settings.serving_identity is not None:
         rotator, credentials = await serving_certificate(
             authority, settings.serving_identity, settings.serving_sans

@@ -308,12 +308,16 @@ class SecretCAStore:
             latest[:] = [secret]
             arrived.set()
 
+        def listed(items: list[JSON]) -> None:
+            for item in items[-1:]:
+                seen(item)
+
         reflector = Reflector(
             self._api,
             self._collection,
             name="ca-secret",
             field_selector=f"metadata.name={self.name}",
-            on_list=lambda items: [seen(item) for item in items[-1:]],
+            on_list=listed,
             on_event=lambda kind, obj: seen(obj) if kind != "DELETED" else None,
         )
         watching = asyncio.ensure_future(reflector.run())

@@ -386,7 +386,7 @@ async def take_over(authority: Any, store: Any) -> None:
     await asyncio.to_thread(authority.rotate_if_expiring)
 
 
-async def wait_for_leaf_bound(authority: Any, elector: LeaderElector) -> None:
+async def wait_for_leaf_bound(authority: Any, elector: Any) -> None:
     """Before a follower reports ready: wait until the stored leaf-expiry bound
     covers the longest leaf it may sign now (the leader's keeper raises it), so
     its Certify never needs a write only the leader may make. The leader itself

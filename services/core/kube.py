@@ -43,7 +43,7 @@ import contextlib
 import json
 import logging
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -305,7 +305,7 @@ class KubeAPI:
         return self.request("PUT", path, body=body)
 
     def list(
-        self, path: str, *, limit: int = 500, selectors: list[tuple[str, str]] | None = None
+        self, path: str, *, limit: int = 500, selectors: Sequence[tuple[str, str]] | None = None
     ) -> tuple[list[JSON], str]:
         """Every object at `path` (pages followed) and the list's resourceVersion.
 
@@ -330,7 +330,7 @@ class KubeAPI:
         resource_version: str,
         *,
         timeout_seconds: int,
-        selectors: list[tuple[str, str]] | None = None,
+        selectors: Sequence[tuple[str, str]] | None = None,
     ) -> WatchStream:
         """Open a watch from `resource_version`; the server ends it after `timeout_seconds`."""
         query: list[tuple[str, Any]] = [
