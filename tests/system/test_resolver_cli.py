@@ -59,7 +59,7 @@ async def test_resolve_prints_endpoints_and_exit_codes(
     assert (await http_get(service.admin_port, "/readyz"))[0] == 200
     status, metrics = await http_get(service.admin_port, "/metrics")
     assert status == 200
-    assert 'waygate_resolver_objects{kind="routes"} 2.0' in metrics
+    assert 'waygate_resolver_objects{kind="routes"} 3.0' in metrics
     assert "waygate_resolver_routes_file_valid 1.0" in metrics
     code, out, err = await run_cli(*cli(service, "resolve", "demo/hello:http"))
     assert code == 0, err
@@ -96,9 +96,11 @@ async def test_routes_lists_and_watch_follows_file_edits(
     try:
         assert watcher.stdout is not None
         async with asyncio.timeout(20):
-            lines = [(await watcher.stdout.readline()).decode() for _ in range(4)]
+            # "# version ...", the header, and the example's three routes.
+            lines = [(await watcher.stdout.readline()).decode() for _ in range(5)]
             assert lines[0].startswith("# version ")
             assert "hello.localtest.me" in "".join(lines)
+            assert "echo.localtest.me" in "".join(lines)
             # An invalid edit is rejected: nothing reaches the watcher, the resolver says why.
             text = routes.read_text()
             routes.write_text(text.replace("host: hello.localtest.me", "host: HELLO_.localtest.me"))
