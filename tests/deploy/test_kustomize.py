@@ -168,7 +168,9 @@ def test_network_policies_allow_the_proxy_flows_and_nothing_into_admin_but_monit
         {"namespaceSelector": {"matchLabels": {"waygate.io/monitoring": "true"}}}
     ]
     egress_ports = {p["port"] for rule in policy["egress"] for p in rule.get("ports", [])}
-    assert {7001, 7002, 53} <= egress_ports
+    assert {7001, 7002, 7004, 53} <= egress_ports
+    # Backends: every pod of the cluster, and outside addresses but the metadata service.
+    assert any({"namespaceSelector": {}} in rule.get("to", []) for rule in policy["egress"])
     blocks = [
         t["ipBlock"] for rule in policy["egress"] for t in rule.get("to", []) if "ipBlock" in t
     ]
