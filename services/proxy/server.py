@@ -21,7 +21,10 @@ Invariants:
   went out on a reused keep-alive connection that closed before any response
   byte and the request is idempotent without a body (the RFC 9112 section 9.3.1
   race), never a sent POST.
-- Every timer is cancelled and every upstream released when the client
+- Timeouts cost no timer object per request: a connection keeps one deadline
+  and its kind (head, idle keep-alive, exchange, relay), and the server's
+  100 ms ticker fires the expired ones (so a timeout may fire a tick late).
+- Every upstream is released and every deadline dropped when the client
   connection goes away; tests count fds and tasks.
 """
 
