@@ -63,6 +63,8 @@ class RecordingUpstream:
                 headers = [tuple(x.split(": ", 1)) for x in lines[1:] if x]
                 lower = {k.lower(): v for k, v in headers}
                 body = b""
+                if lower.get("expect", "").lower() == "100-continue":
+                    writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
                 if lower.get("transfer-encoding", "").lower() == "chunked":
                     while True:
                         size_line = await reader.readuntil(b"\r\n")
@@ -124,8 +126,6 @@ class RecordingUpstream:
                     writer.write(b"HTTP/1.1 204 No Content\r\n\r\n")
                 else:
                     extra = b""
-                    if lower.get("expect") == "100-continue":
-                        pass
                     writer.write(
                         b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                         b"Content-Length: %d\r\n%s\r\n" % (len(payload), extra)

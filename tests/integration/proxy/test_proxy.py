@@ -260,6 +260,9 @@ async def test_expect_100_continue(proxy):
     _, port = proxy
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"POST / HTTP/1.1\r\n" + H + b"Expect: 100-continue\r\nContent-Length: 5\r\n\r\n")
+    # The client waits for the upstream's 100 before it sends the body.
+    async with asyncio.timeout(5):
+        assert await reader.readuntil(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
     writer.write(b"hello")
     response = await read_response(reader)
     writer.close()
@@ -503,3 +506,21 @@ async def test_aborted_clients_and_upstreams_leak_nothing(upstream):
     assert len(server.upstreams) == 0
     assert len(asyncio.all_tasks()) == tasks_before
     assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
+
+
+async def test_pool_keeps_at_most_max_idle_and_closes_idle_connections(upstream):
+    routes = table([route("echo.test", [("echo", 1)])], [endpoint("echo", upstream.port)])
+    async with running_proxy(routes, max_idle_per_endpoint=2, pool_idle_timeout=0.3) as (
+        server,
+        port,
+    ):
+        await asyncio.gather(
+            *(exchange(port, b"GET /slow?s=0.2 HTTP/1.1\r\n" + H + b"\r\n") for _ in range(4))
+        )
+        assert upstream.connections == 4
+        assert server.pool.idle_count() == 2
+        deadline = asyncio.get_running_loop().time() + 5
+        while server.upstreams:
+            assert asyncio.get_running_loop().time() < deadline, "idle upstreams not closed"
+            await asyncio.sleep(0.05)
+        assert server.pool.idle_count() == 0
