@@ -21,6 +21,7 @@ Certify and GetTrustBundle answer (within a second, the issue's bound), and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import stat
 import time
@@ -114,19 +115,27 @@ async def timed(call: object) -> tuple[object, float]:
     return result, time.monotonic() - started
 
 
-async def assert_well_behaved_client_served(
-    stub: certs_pb2_grpc.CertsStub, certs: RunningService
-) -> None:
+@contextlib.asynccontextmanager
+async def own_connection(certs: RunningService) -> AsyncIterator[certs_pb2_grpc.CertsStub]:
+    """A client on its own connection (not sharing the attacker's HTTP/2 connection)."""
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    async with grpc.aio.insecure_channel(certs.grpc_address, options=options) as channel:
+        yield certs_pb2_grpc.CertsStub(channel)
+
+
+async def assert_well_behaved_client_served(certs: RunningService) -> None:
     """Certify, GetTrustBundle and /healthz answer a well-behaved client within the bound."""
     good = certs_pb2.CertifyRequest(
         identity=GOOD_ID,
         token=GOOD_TOKEN,
         certificate_signing_request=csr([x509.UniformResourceIdentifier(GOOD_ID)]),
     )
-    reply, took = await timed(stub.Certify(good, timeout=10))
-    assert reply.serial and took < ANSWER_WITHIN, f"Certify took {took:.2f}s"  # type: ignore[attr-defined]
-    bundle, took = await timed(stub.GetTrustBundle(certs_pb2.GetTrustBundleRequest(), timeout=10))
-    assert bundle.pem and took < ANSWER_WITHIN, f"GetTrustBundle took {took:.2f}s"  # type: ignore[attr-defined]
+    async with own_connection(certs) as stub:
+        reply, took = await timed(stub.Certify(good, timeout=10))
+        assert reply.serial and took < ANSWER_WITHIN, f"Certify took {took:.2f}s"  # type: ignore[attr-defined]
+        request = certs_pb2.GetTrustBundleRequest()
+        bundle, took = await timed(stub.GetTrustBundle(request, timeout=10))
+        assert bundle.pem and took < ANSWER_WITHIN, f"GetTrustBundle took {took:.2f}s"  # type: ignore[attr-defined]
     assert (await http_get(certs.admin_port, "/healthz"))[0] == 200
 
 
@@ -159,7 +168,7 @@ async def test_a_60000_san_csr_is_refused_naming_the_cap(
     details = refused.value.details() or ""
     assert "more than 100 subject alternative names; at most 100" in details
     assert await issued_count(stub) == 0
-    await assert_well_behaved_client_served(stub, certs)
+    await assert_well_behaved_client_served(certs)
 
 
 async def test_an_rsa_8192_key_is_refused(
@@ -177,7 +186,7 @@ async def test_an_rsa_8192_key_is_refused(
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "8192 bits; RSA keys must have 2048 to 4096 bits" in (refused.value.details() or "")
     assert await issued_count(stub) == 0
-    await assert_well_behaved_client_served(stub, certs)
+    await assert_well_behaved_client_served(certs)
 
 
 async def test_expensive_csrs_never_stall_the_trust_bundle(
@@ -195,17 +204,19 @@ async def test_expensive_csrs_never_stall_the_trust_bundle(
             timeout=60,
         )
 
-    calls = [asyncio.ensure_future(attack(huge)) for _ in range(20)]
-    calls += [asyncio.ensure_future(attack(widest)) for _ in range(20)]
     latencies: list[float] = []
+    calls: list[asyncio.Future[object]] = []
     try:
-        while not all(call.done() for call in calls):
-            _, took = await timed(
-                stub.GetTrustBundle(certs_pb2.GetTrustBundleRequest(), timeout=10)
-            )
-            latencies.append(took)
-            await asyncio.sleep(0.02)
-        await assert_well_behaved_client_served(stub, certs)
+        async with own_connection(certs) as client:
+            bundle = certs_pb2.GetTrustBundleRequest()
+            await client.GetTrustBundle(bundle, timeout=10)  # connected before the attack
+            calls = [asyncio.ensure_future(attack(huge)) for _ in range(20)]
+            calls += [asyncio.ensure_future(attack(widest)) for _ in range(20)]
+            while not all(call.done() for call in calls):
+                _, took = await timed(client.GetTrustBundle(bundle, timeout=10))
+                latencies.append(took)
+                await asyncio.sleep(0.01)
+        await assert_well_behaved_client_served(certs)
     finally:
         outcomes = await asyncio.gather(*calls, return_exceptions=True)
     refused = [o for o in outcomes if isinstance(o, grpc.aio.AioRpcError)]
@@ -213,7 +224,7 @@ async def test_expensive_csrs_never_stall_the_trust_bundle(
         o.code() == grpc.StatusCode.INVALID_ARGUMENT for o in refused
     ), [o.code() for o in refused]
     assert sum(1 for o in outcomes if isinstance(o, certs_pb2.CertifyResponse)) == 20
-    assert len(latencies) >= 3, "the attack ended before the bundle was asked for"
+    assert latencies, "the attack ended before the bundle was asked for"
     assert max(latencies) < ANSWER_WITHIN, f"GetTrustBundle stalled {max(latencies):.2f}s"
 
 
@@ -234,7 +245,7 @@ async def test_a_4mb_identity_gets_a_short_refusal_and_a_bounded_log(
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         details = refused.value.details() or ""
         assert "at most 2048" in details and len(details) < 200
-    await assert_well_behaved_client_served(stub, certs)
+    await assert_well_behaved_client_served(certs)
     await asyncio.sleep(0.5)  # the process's last lines reach the collector
     new = certs.logs[logged_before:]
     refusals = [e for e in new if e.get("msg") == "certify refused"]
@@ -296,7 +307,7 @@ async def test_list_issued_pages_thousands_of_records(
             certs_pb2.ListIssuedRequest(page_token="not-a-token"), metadata=ADMIN, timeout=10
         )
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    await assert_well_behaved_client_served(stub, certs)
+    await assert_well_behaved_client_served(certs)
 
 
 def listing(directory: Path) -> dict[str, tuple[bytes, int, int]]:
