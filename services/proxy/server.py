@@ -687,9 +687,14 @@ class ClientConnection(asyncio.Protocol):
         assert transport is not None
         if rest_from_upstream:
             transport.write(rest_from_upstream)
-        if self.buf and self.upstream is not None and self.upstream.transport is not None:
-            self.upstream.transport.write(self.buf)
-            self.buf = b""
+        upstream = self.upstream
+        if upstream is not None and upstream.transport is not None:
+            if self.buf:
+                upstream.transport.write(self.buf)
+                self.buf = b""
+            if self._eof and upstream.transport.can_write_eof():
+                # The client half-closed before the 101 arrived.
+                upstream.transport.write_eof()
         self._unpause(_PAUSE_PIPELINE)
 
     def relay_closed(self) -> None:

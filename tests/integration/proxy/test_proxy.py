@@ -524,3 +524,38 @@ async def test_pool_keeps_at_most_max_idle_and_closes_idle_connections(upstream)
             assert asyncio.get_running_loop().time() < deadline, "idle upstreams not closed"
             await asyncio.sleep(0.05)
         assert server.pool.idle_count() == 0
+
+
+async def test_unavailable_page_is_served_with_the_reason():
+    page = b"<html><body>Sorry: {reason}</body></html>"
+    async with running_proxy(table([], []), unavailable_page=page) as (_, port):
+        response = await exchange(port, b"GET / HTTP/1.1\r\nHost: nowhere.test\r\n\r\n")
+    assert response.startswith(b"HTTP/1.1 503 ")
+    assert b"Content-Type: text/html" in response
+    assert response.endswith(b"<html><body>Sorry: no route for host nowhere.test</body></html>")
+
+
+async def test_upgraded_connection_relays_raw_bytes_both_ways_and_half_closes():
+    async def raw_upgrade(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(
+            b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: x\r\n\r\n"
+        )
+        data = await reader.read()  # until the client's half-close reaches us
+        writer.write(b"got:" + data)
+        await writer.drain()
+        writer.close()
+
+    backend = await asyncio.start_server(raw_upgrade, "127.0.0.1", 0)
+    routes = table(
+        [route("up.test", [("u", 1)])], [endpoint("u", backend.sockets[0].getsockname()[1])]
+    )
+    async with running_proxy(routes) as (_, port):
+        response = await exchange(
+            port,
+            b"GET / HTTP/1.1\r\nHost: up.test\r\nConnection: Upgrade\r\nUpgrade: x\r\n\r\n"
+            b"\x00\x01binary\xff",
+        )
+    backend.close()
+    assert response.startswith(b"HTTP/1.1 101 ")
+    assert response.endswith(b"got:\x00\x01binary\xff")
