@@ -85,3 +85,19 @@ def test_up_limits_writes_to_the_tunnel_server_and_the_user(tmp_path: Path) -> N
     argv = up_arguments(UpContext(state_dir=tmp_path, port_offset=0))
     assert argv[argv.index("--tunnel-reporters") + 1] == SA + "tunnel-server"
     assert argv[argv.index("--route-admins") + 1] == SA + "user"
+
+
+def test_route_keys_only_to_route_readers_and_never_without_identities() -> None:
+    access = WriteAccess(route_readers=(SA + "proxy",), authenticated=True)
+    assert access.may_read_route_keys((SA + "proxy",))
+    assert not access.may_read_route_keys((SA + "user",))
+    assert not access.may_read_route_keys((SA + "proxy2",))
+    assert not access.may_read_route_keys(())
+    assert not WriteAccess(authenticated=True).may_read_route_keys((SA + "proxy",)), "empty: nobody"
+    # A listener without client certificates has no identities: keys stay home.
+    plaintext = WriteAccess(route_readers=(SA + "proxy",), authenticated=False)
+    assert not plaintext.may_read_route_keys((SA + "proxy",))
+    settings = load_settings(Settings, flags={"route_readers": SA + "proxy"}, env={})
+    assert settings.route_readers == (SA + "proxy",)
+    with pytest.raises(SettingsError, match="route_readers"):
+        load_settings(Settings, flags={"route_readers": "spiffe://x/*/y"}, env={})
