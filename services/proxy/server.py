@@ -389,12 +389,15 @@ class ClientConnection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._write_paused = True
+        # Inactivity is measured from here: the upstream is paused because of us.
+        self.last_up = self.loop.time()
         upstream = self.upstream
         if upstream is not None and upstream.transport is not None:
             upstream.transport.pause_reading()
 
     def resume_writing(self) -> None:
         self._write_paused = False
+        self.last_up = self.loop.time()
         upstream = self.upstream
         if upstream is not None and upstream.transport is not None:
             upstream.transport.resume_reading()
@@ -915,6 +918,7 @@ class ClientConnection(asyncio.Protocol):
                 self.transport.resume_reading()
 
     def upstream_paused(self, paused: bool) -> None:
+        self.last_client = self.loop.time()
         if paused:
             self._pause(_PAUSE_UPSTREAM)
         else:
