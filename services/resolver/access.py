@@ -90,7 +90,7 @@ class WriteAccess:
         return (
             "the gRPC listener takes no client certificates: ReportTunnels, ApplyRoute "
             "and DeleteRoute are open to every client (tunnel_reporters and route_admins "
-            "apply only with mTLS)"
+            "apply only with mTLS); route private keys go to no Watch client"
         )
 
     def may_read_route_keys(self, identities: tuple[str, ...]) -> bool:

@@ -178,6 +178,11 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         ):
             if not allowed:
                 log.warning("%s is empty: its write RPCs are refused to every client", name)
+        if not access.route_readers:
+            log.warning(
+                "route_readers is empty: no Watch client receives route private keys, "
+                "so the proxy cannot serve routes' own certificates"
+            )
     servicer = ResolverServicer(
         store,
         routes=file_source,
