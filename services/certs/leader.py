@@ -311,8 +311,10 @@ class LeaderElector:
 #: it is written about once per LEAF_BOUND_LEAD, and followers keep signing
 #: for at least that long without a leader.
 LEAF_BOUND_LEAD = timedelta(hours=1)
-#: How often the leader checks the bound.
-LEAF_BOUND_CHECK = 30.0
+#: How often the leader checks the bound: often, because a rotation adds a CA
+#: without one, and it must have one before it signs (the check is cheap when
+#: every bound is ahead: no files are built).
+LEAF_BOUND_CHECK = 1.0
 
 
 async def while_leading(
