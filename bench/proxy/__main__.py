@@ -448,7 +448,8 @@ def load() -> str:
     return f"{one:.1f} (1 min) / {five:.1f} (5 min)"
 
 
-def main(args: argparse.Namespace) -> str:
+def main(args: argparse.Namespace, failures: list[str]) -> str:
+    """The report; what could not be measured is named in it and added to `failures`."""
     install_peers()
     load_before = load()
     started = time.monotonic()
@@ -487,7 +488,18 @@ def main(args: argparse.Namespace) -> str:
             rounds = []
             for workers, proxy_cores, client_cores in ((1, PROXY_CORE, CLIENT_CORE),
                                                        (2, BOTH_CORES, BOTH_CORES)):  # fmt: skip
-                proxies = start_proxies(directory, upstream_port, address, workers, proxy_cores)
+                title = (
+                    "Round 1: one worker, proxy on core 0; wrk and upstream on core 1"
+                    if workers == 1
+                    else "Round 2: two workers / threads; every process on both cores"
+                )
+                try:
+                    proxies = start_proxies(directory, upstream_port, address, workers, proxy_cores)
+                except RuntimeError as exc:
+                    # One round failing to start keeps what the others measured.
+                    failures.append(f"{title}: {exc}")
+                    rounds += [f"## {title}", "", f"Not measured: {str(exc).splitlines()[0]}", ""]
+                    continue
                 try:
                     table = measure_round(proxies, args.duration, client_cores, upstream_port)
                     big_rows = []
@@ -498,11 +510,6 @@ def main(args: argparse.Namespace) -> str:
                 finally:
                     for proxy in proxies:
                         proxy.stop()
-                title = (
-                    "Round 1: one worker, proxy on core 0; wrk and upstream on core 1"
-                    if workers == 1
-                    else "Round 2: two workers / threads; every process on both cores"
-                )
                 if workers == 1:
                     rounds += headline(table)
                 rounds += render_round(title, table)
@@ -537,6 +544,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m bench.proxy")
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per figure")
     parser.add_argument("--skip-big", action="store_true", help="skip the 1 GiB transfers")
-    report = main(parser.parse_args())
+    failures: list[str] = []
+    report = main(parser.parse_args(), failures)
     (Path(__file__).parent / "RESULTS-latest.md").write_text(report + "\n")
     print(report)
+    for failure in failures:
+        print(f"bench.proxy: {failure}", file=sys.stderr)
+    sys.exit(1 if failures else 0)
