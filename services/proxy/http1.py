@@ -177,8 +177,8 @@ class RequestHead:
         self.method = b""
         self.target = b""
         self.version = b"1.1"
-        # Forwarded as they came (name as sent, value), in order.
-        self.headers: list[tuple[bytes, bytes]] = []
+        # Forwarded as they came, in order: whole lines b"Name: value\r\n".
+        self.headers: list[bytes] = []
         # X-Forwarded-* and Forwarded as the client sent them: (lname, name, value).
         self.forwarded: list[tuple[bytes, bytes, bytes]] = []
         self.host = b""  # lower-cased, port stripped
@@ -204,12 +204,12 @@ class RequestHead:
         if kind is None:
             if lname[:2] == b"x-" and _is_identity_header(lname):
                 return
-            self.headers.append((name, value))
+            self.headers.append(name + b": " + value + b"\r\n")
         elif kind == SPECIAL:
             if lname == b"host":
                 self._hosts += 1
                 self.host = value
-                self.headers.append((name, value))
+                self.headers.append(name + b": " + value + b"\r\n")
             elif lname == b"content-length":
                 if self.content_length >= 0:
                     raise BadMessage("more than one Content-Length (RFC 9112 section 6.3)")
@@ -220,12 +220,12 @@ class RequestHead:
                 if value.lower() != b"100-continue":
                     raise BadMessage("unsupported Expect (RFC 9110 section 10.1.1)", 417)
                 self.expect_continue = True
-                self.headers.append((name, value))
+                self.headers.append(name + b": " + value + b"\r\n")
             elif lname == b"traceparent":
                 self.traceparent = value
             else:  # cookie
                 self.cookie.append(value)
-                self.headers.append((name, value))
+                self.headers.append(name + b": " + value + b"\r\n")
         elif kind == FORWARDED_FAMILY:
             self.forwarded.append((lname, name, value))
         elif lname == b"connection":
@@ -294,7 +294,7 @@ def _check_request(request: RequestHead) -> None:
             raise BadMessage(
                 "Content-Length with Transfer-Encoding (RFC 9112 section 6.1: smuggling)"
             )
-        if request.http10:
+        if request.version == b"1.0":
             raise BadMessage("Transfer-Encoding in an HTTP/1.0 request (RFC 9112 section 6.1)")
         if len(request._te) != 1 or request._te[0].strip().lower() != b"chunked":
             raise BadMessage(
@@ -317,7 +317,9 @@ def _check_request(request: RequestHead) -> None:
         if named:
             # Headers named in Connection are hop-by-hop too (RFC 9110 section 7.6.1).
             drop = set(named)
-            request.headers = [h for h in request.headers if h[0].lower() not in drop]
+            request.headers = [
+                line for line in request.headers if line.split(b":", 1)[0].lower() not in drop
+            ]
             request.forwarded = [h for h in request.forwarded if h[0] not in drop]
             if b"cookie" in drop:
                 request.cookie = []
@@ -402,13 +404,8 @@ def build_upstream_head(
     extra: list[tuple[bytes, bytes]] | None = None,
 ) -> bytes:
     """The head sent upstream: always HTTP/1.1, keep-alive unless upgrading."""
-    parts = [request.method, b" ", request.target, b" HTTP/1.1\r\n"]
+    parts = [request.method, b" ", request.target, b" HTTP/1.1\r\n", *request.headers]
     append = parts.append
-    for name, value in request.headers:
-        append(name)
-        append(b": ")
-        append(value)
-        append(b"\r\n")
     if request.forwarded or mode != "never":
         _forwarded_headers(parts, request, context, mode)
     if traceparent:
@@ -499,7 +496,8 @@ class ResponseHead:
     def __init__(self) -> None:
         self.status = 0
         self.reason = b""
-        self.headers: list[tuple[bytes, bytes]] = []
+        # Forwarded as they came: whole lines b"Name: value\r\n".
+        self.headers: list[bytes] = []
         self.content_length = -1
         self.chunked = False
         self.keep_alive = True
@@ -513,7 +511,7 @@ class ResponseHead:
     def on_header(self, name: bytes, value: bytes) -> None:
         lname = name.lower()
         if lname not in _RESPONSE_DROP:
-            self.headers.append((name, value))
+            self.headers.append(name + b": " + value + b"\r\n")
         elif lname == b"content-length":
             if self.content_length >= 0 or not _DIGITS.fullmatch(value):
                 raise BadMessage("upstream sent a malformed or repeated Content-Length", 502)
@@ -521,7 +519,11 @@ class ResponseHead:
         elif lname == b"transfer-encoding":
             self._te.append(value)
         elif lname == b"connection":
-            self._connection.extend(t.strip().lower() for t in value.split(b","))
+            lowered = value.lower()
+            if b"," in lowered:
+                self._connection += [t.strip() for t in lowered.split(b",")]
+            else:
+                self._connection.append(lowered.strip())
         elif lname == b"upgrade":
             self.upgrade = value
 
@@ -556,13 +558,8 @@ def build_client_head(
     response: ResponseHead, framing: int, length: int, keep_alive: bool, extra: bytes = b""
 ) -> bytes:
     """The head sent to the client. `framing`: one of the FRAMING_* constants."""
-    parts = [_STATUS_LINES.get(response.status) or _status_line(response)]
+    parts = [_STATUS_LINES.get(response.status) or _status_line(response), *response.headers]
     append = parts.append
-    for name, value in response.headers:
-        append(name)
-        append(b": ")
-        append(value)
-        append(b"\r\n")
     if framing == FRAMING_LENGTH:
         append(b"Content-Length: ")
         append(b"%d" % length)

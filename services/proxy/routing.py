@@ -106,6 +106,11 @@ class PassiveHealth:
         ):
             self.on_change(len(self._failures))
 
+    @property
+    def failing(self) -> bool:
+        """Whether any endpoint has a recent connect failure (the fast path checks this)."""
+        return bool(self._failures)
+
     def skipped(self, target: Target) -> bool:
         entry = self._failures.get(target) if self._failures else None
         return entry is not None and entry[1] > self._clock()
@@ -201,6 +206,8 @@ class RouteEntry:
         if first is None:
             return None, backend
         target = first
+        if exclude is None and not health.failing:
+            return target, backend
         tries = len(picker)
         while (target == exclude or health.skipped(target)) and tries > 1:
             tries -= 1

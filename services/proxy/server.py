@@ -1191,8 +1191,7 @@ class UpstreamConnection(asyncio.Protocol):
         req = client.req
         assert req is not None
         parts = [b"HTTP/1.1 101 Switching Protocols\r\n"]
-        for name, value in response.headers:
-            parts += (name, b": ", value, b"\r\n")
+        parts += response.headers
         parts.append(b"Connection: Upgrade\r\nUpgrade: " + (response.upgrade or req.upgrade))
         parts.append(b"\r\n\r\n")
         client.transport.write(b"".join(parts))  # type: ignore[union-attr]

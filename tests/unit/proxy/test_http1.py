@@ -22,7 +22,7 @@ def test_request_head_fields_and_hygiene() -> None:
     assert req.host == b"example.com"
     assert req.content_length == 3 and not req.chunked and req.keep_alive
     assert req.expect_continue
-    names = [name.lower() for name, _ in req.headers]
+    names = [line.split(b":", 1)[0].lower() for line in req.headers]
     assert names == [b"host", b"x-kept", b"cookie", b"expect"]
 
 
