@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import datetime as dt
@@ -60,6 +61,8 @@ IDENTITY = "spiffe://waygate.local/ns/bench/sa/client"
 SANS = [x509.UniformResourceIdentifier(IDENTITY), x509.DNSName("client.bench.svc")]
 TOKEN = "bench-" + "t" * 40
 ADMIN_TOKEN = "bench-admin-" + "a" * 40
+#: Why Certify calls failed during the latency-with-rotation run (reported).
+ROTATION_FAILURES = ""
 CSR_POOL = 256
 
 
@@ -533,6 +536,7 @@ async def latency_during_rotation(
     certs, port = await start_certs(directory, log_dir, 1)
     latencies: list[float] = []
     failures = 0
+    reasons: collections.Counter[str] = collections.Counter()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = certs_pb2_grpc.CertsStub(channel)
@@ -546,8 +550,9 @@ async def latency_during_rotation(
                 try:
                     await stub.Certify(requests[i % len(requests)], timeout=30)
                     latencies.append(time.perf_counter() - started)
-                except grpc.aio.AioRpcError:
+                except grpc.aio.AioRpcError as exc:
                     failures += 1
+                    reasons[f"{exc.code().name}: {exc.details()}"[:120]] += 1
 
             async def rotate_half_way() -> None:
                 await asyncio.sleep(seconds / 2)
@@ -571,6 +576,8 @@ async def latency_during_rotation(
     latencies.sort()
     p50 = latencies[len(latencies) // 2] * 1000 if latencies else 0.0
     p99 = latencies[int(len(latencies) * 0.99) - 1] * 1000 if latencies else 0.0
+    global ROTATION_FAILURES
+    ROTATION_FAILURES = "; ".join(f"{n}x {reason}" for reason, n in reasons.most_common(3))
     return p50, p99, len(latencies) + failures, failures
 
 
@@ -655,7 +662,8 @@ async def main(args: argparse.Namespace) -> str:
         f"**{renewal[2]:.1f} s** at 2 workers ({args.renewals / renewal[2]:,.0f}/s).",
         "",
         f"Certify at a steady 200 calls/s for 10 s with RotateCA (delay 0) half-way, 1 worker: "
-        f"p50 **{p50:.1f} ms**, p99 **{p99:.1f} ms**, {calls:,} calls, {failures} failed.",
+        f"p50 **{p50:.1f} ms**, p99 **{p99:.1f} ms**, {calls:,} calls, {failures} failed"
+        + (f" ({ROTATION_FAILURES})." if ROTATION_FAILURES else "."),
         "",
         f"Cores on this machine: {os.cpu_count()}; the callers, the servers and the echo "
         "server share them.",
