@@ -72,7 +72,14 @@ class AgentConnection(asyncio.Protocol):
     def connection_made(self, transport: Any) -> None:
         # uvloop's transports are not asyncio.Transport subclasses: no isinstance check.
         self.transport = transport
+        # Nothing is read before DIAL_RSP is on the stream (`start`): DATA must
+        # never reach the server ahead of the connection's id.
+        transport.pause_reading()
         transport.set_write_buffer_limits(high=self.window >> 1)
+
+    def start(self) -> None:
+        if self.transport is not None and self.pending is None and not self.transport.is_closing():
+            self.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
         if self.pending is not None:
@@ -273,6 +280,9 @@ class AgentStream:
                 span.set_status(Status(StatusCode.ERROR, response.error))
                 span.set_attribute("waygate.tunnel.refusal", mux.reason_name(response.reason))
         self.send(pb.Packet(type=pb.DIAL_RSP, dial_response=response))
+        connection = self.connections.get(response.connect_id)
+        if connection is not None:
+            connection.start()
 
     async def _connect(self, request: pb.DialRequest) -> pb.DialResponse:
         refuse = pb.DialResponse

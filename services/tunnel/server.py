@@ -189,7 +189,7 @@ class AgentSession:
         self._context = context
         self._outbox: collections.deque[pb.Packet] = collections.deque()
         self._outbox_ready: asyncio.Future[None] | None = None
-        self._dials: dict[int, asyncio.Future[pb.DialResponse]] = {}
+        self._dials: dict[int, asyncio.Future[tuple[pb.DialResponse, ServerConnection | None]]] = {}
         self._randoms = itertools.count(random.randrange(1, 1 << 40))
         self.ended = asyncio.Event()
 
@@ -252,7 +252,15 @@ class AgentSession:
                 response = packet.dial_response
                 waiter = self._dials.pop(response.random, None)
                 if waiter is not None and not waiter.done():
-                    waiter.set_result(response)
+                    # Registered here, before the next packet is read: the agent's
+                    # first DATA may follow its DIAL_RSP in the same read burst.
+                    connection = None
+                    if response.connect_id:
+                        connection = ServerConnection(
+                            self, response.connect_id, response.initial_window
+                        )
+                        connections[response.connect_id] = connection
+                    waiter.set_result((response, connection))
                 elif response.connect_id:
                     # The dial timed out here already: the agent must not keep it.
                     self.send(mux.close_request(response.connect_id, "dial timed out"))
@@ -268,7 +276,9 @@ class AgentSession:
         if self.draining or self.closed:
             raise Refused(pb.DRAINING, f"the agent for node {self.node} is moving off this replica")
         random_id = next(self._randoms)
-        waiter: asyncio.Future[pb.DialResponse] = asyncio.get_running_loop().create_future()
+        waiter: asyncio.Future[tuple[pb.DialResponse, ServerConnection | None]] = (
+            asyncio.get_running_loop().create_future()
+        )
         self._dials[random_id] = waiter
         self.send(
             pb.Packet(
@@ -286,20 +296,25 @@ class AgentSession:
             )
         )
         try:
-            response = await asyncio.wait_for(waiter, timeout + 1.0)
+            response, connection = await asyncio.wait_for(waiter, timeout + 1.0)
         except TimeoutError:
             raise Refused(
                 pb.TIMEOUT, f"node {self.node} did not connect to {address} within {timeout:g}s"
             ) from None
+        except BaseException:
+            if waiter.done() and not waiter.cancelled():
+                _response, late = waiter.result()
+                if late is not None:  # answered as we gave up: the agent must not keep it
+                    self.send(mux.close_request(late.connect_id, "dialer went away"))
+                    late.finish(_CLOSED)
+            raise
         finally:
             self._dials.pop(random_id, None)
-        if not response.connect_id:
+        if connection is None:
             reason = response.reason or pb.UNREACHABLE
             raise Refused(reason, f"node {self.node}: {response.error or 'dial failed'}")
-        if self.closed:
+        if connection.finished:
             raise Refused(pb.DRAINING, f"the agent for node {self.node} went away")
-        connection = ServerConnection(self, response.connect_id, response.initial_window)
-        self.connections[response.connect_id] = connection
         return connection
 
     def end(self) -> None:

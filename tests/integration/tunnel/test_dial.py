@@ -87,3 +87,20 @@ async def test_dialer_not_allowed_by_policy(tunnel: Tunnel) -> None:
         await tunnel.client(stranger).dial(NODE, 80)
     assert failed.value.reason == pb.NOT_ALLOWED
     assert "stranger" in str(failed.value)
+
+
+async def test_a_destination_that_speaks_first_loses_nothing(tunnel: Tunnel) -> None:
+    async def greeter(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"220 hello\r\n" + b"." * 200_000)  # before the dial is even answered
+        writer.close()
+
+    server = await asyncio.start_server(greeter, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        for _ in range(20):
+            stream = await tunnel.client().dial(NODE, port)
+            await stream.write_eof()
+            data = b""
+            while chunk := await stream.read():
+                data += chunk
+            assert data == b"220 hello\r\n" + b"." * 200_000

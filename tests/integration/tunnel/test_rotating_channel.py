@@ -1,4 +1,4 @@
-"""A long-lived stream on a RotatingChannel survives rotations (core/tls.py `hold`)."""
+"""A long-lived stream on a RotatingChannel survives rotations (core/grpctls.py `hold`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from tests.integration.tunnel.harness import NODE, Tunnel, credentials, echo_server
 from tests.support.poll import until
-from waygate.core.tls import RotatingChannel
+from waygate.core.grpctls import RotatingChannel
 from waygate.tunnel.v1 import tunnel_pb2 as pb
 from waygate.tunnel.v1 import tunnel_pb2_grpc
 

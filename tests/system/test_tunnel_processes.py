@@ -1,0 +1,291 @@
+"""The tunnel as separate processes: certs, `waygate tunnel serve`, `waygate tunnel agent`.
+
+Server and agent take short-lived certificates from a real certs process and
+renew them while a long transfer runs through the tunnel; a WebSocket session
+runs over the dial client's socket bridge; the agent is killed and restarted;
+`waygate tunnel dial` is refused a destination outside the agent's
+allow-list and a dialer outside the server's policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import websockets
+import yaml
+
+from tests.support.poll import until
+from tests.support.processes import RunningService, run_cli, start_service
+from waygate.certs.client import GrpcIssuer
+from waygate.core.grpctls import client_credentials
+from waygate.core.rotation import CertificateRotator, TrustBundle, TrustStore, save_certificate
+from waygate.tunnel.client import DialFailed, StaticPresence, TunnelClient, bridged_socket
+from waygate.tunnel.v1 import tunnel_pb2 as pb
+
+pytestmark = pytest.mark.system
+
+NODE = "edge-1"
+SERVER_ID = "spiffe://waygate.test/ns/t/sa/tunnel-server"
+DIALER_ID = "spiffe://waygate.test/ns/t/sa/proxy"
+STRANGER_ID = "spiffe://waygate.test/ns/t/sa/stranger"
+TOKENS = {
+    "tunnel-server": (f"uri:{SERVER_ID}", "ip:127.0.0.1"),
+    "tunnel-agent": (f"dns:{NODE}",),
+    "dialer": (f"uri:{DIALER_ID}",),
+    "stranger": (f"uri:{STRANGER_ID}",),
+}
+
+
+@dataclass
+class Stack:
+    directory: Path
+    certs: RunningService
+    server: RunningService
+    agent: RunningService | None
+
+    @property
+    def bundle(self) -> Path:
+        return self.directory / "bundle.pem"
+
+    @property
+    def agent_port(self) -> int:
+        return self.server.grpc_ports[0]
+
+    @property
+    def dial_address(self) -> str:
+        return f"127.0.0.1:{self.server.grpc_ports[1]}"
+
+    def token(self, name: str) -> Path:
+        return self.directory / f"{name}.token"
+
+    async def start_agent(self, *extra: str) -> RunningService:
+        self.agent = await start_service(
+            [
+                "waygate", "tunnel", "agent", "--admin-port", "0",
+                "--server-address", f"127.0.0.1:{self.agent_port}",
+                "--certs-address", self.certs.grpc_address,
+                "--certs-token-file", str(self.token("tunnel-agent")),
+                "--certs-ca-file", str(self.bundle),
+                "--cert-identity", NODE, "--allow", "127.0.0.1/32:*",
+                "--reconnect-max", "1s", *extra,
+            ]
+        )  # fmt: skip
+        return self.agent
+
+    async def identity(self, name: str, identity: str) -> Path:
+        """A certificate for the test itself (key made here), as files under directory/name."""
+        trust = TrustStore(TrustBundle.from_pem(self.bundle.read_bytes()))
+        rotator = CertificateRotator(
+            GrpcIssuer(self.certs.grpc_address, self.token(name), trust), identity
+        )
+        held = await rotator.obtain()
+        folder = self.directory / name
+        folder.mkdir(exist_ok=True)
+        save_certificate(held, folder / "key.pem", folder / "cert.pem")
+        self._rotators[name] = (rotator, trust)
+        return folder
+
+    def client(self, name: str = "dialer") -> TunnelClient:
+        rotator, trust = self._rotators[name]
+        client = TunnelClient(
+            StaticPresence([self.dial_address]),
+            credentials=lambda: client_credentials(rotator, trust),
+        )
+        self._clients.append(client)
+        return client
+
+    def __post_init__(self) -> None:
+        self._rotators: dict[str, tuple[CertificateRotator, TrustStore]] = {}
+        self._clients: list[TunnelClient] = []
+
+    async def close(self) -> None:
+        for client in self._clients:
+            await client.close()
+        for service in (self.agent, self.server, self.certs):
+            if service is not None and service.process.returncode is None:
+                await service.stop()
+
+
+@pytest.fixture
+async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
+    tokens = []
+    for name, allowed in TOKENS.items():
+        secret = os.urandom(24).hex()
+        (tmp_path / f"{name}.token").write_text(secret + "\n")
+        (tmp_path / f"{name}.token").chmod(0o600)
+        tokens.append({"token": secret, "name": name, "allowed": list(allowed)})
+    tokens_file = tmp_path / "tokens.yaml"
+    tokens_file.write_text(yaml.safe_dump({"tokens": tokens}))
+    tokens_file.chmod(0o600)
+    certs = await start_service(
+        [
+            "waygate", "certs", "serve", "--grpc-port", "0", "--admin-port", "0",
+            "--ca-dir", str(tmp_path / "ca"), "--tokens-file", str(tokens_file),
+            "--bundle-file", str(tmp_path / "bundle.pem"), "--trust-domain", "waygate.test",
+            "--serving-identity", "spiffe://waygate.test/ns/t/sa/certs",
+            "--serving-sans", "ip:127.0.0.1",
+            # Short leaves, not backdated: server and agent renew every few seconds.
+            "--leaf-lifetime", "12s", "--clock-skew", "0",
+        ]
+    )  # fmt: skip
+    server = None
+    result: Stack | None = None
+    try:
+        server = await start_service(
+            [
+                "waygate", "tunnel", "serve", "--grpc-port", "0", "--dial-port", "0",
+                "--front-port", "0", "--admin-port", "0", "--server-id", "replica-a",
+                "--certs-address", certs.grpc_address,
+                "--certs-token-file", str(tmp_path / "tunnel-server.token"),
+                "--certs-ca-file", str(tmp_path / "bundle.pem"),
+                "--cert-identity", SERVER_ID, "--cert-sans", "ip:127.0.0.1",
+                "--dialers", DIALER_ID,
+            ]
+        )  # fmt: skip
+        result = Stack(tmp_path, certs, server, None)
+        await result.start_agent()
+        await result.identity("dialer", DIALER_ID)
+        await until(lambda: result.server.logged("agent connected"), "the agent's stream")
+        yield result
+    finally:
+        if result is not None:
+            await result.close()
+        else:
+            if server is not None:
+                await server.stop()
+            await certs.stop()
+
+
+def renewals(service: RunningService) -> int:
+    return sum(1 for entry in service.logs if entry.get("msg") == "new certificate")
+
+
+async def test_a_long_transfer_completes_across_certificate_renewals(stack: Stack) -> None:
+    assert stack.agent is not None
+    agent = stack.agent
+    server_before, agent_before = renewals(stack.server), renewals(agent)
+    digest = hashlib.sha256()
+    total = 0
+
+    def both_renewed() -> bool:
+        return renewals(stack.server) > server_before and renewals(agent) > agent_before
+
+    async def slow_source(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # Streams until server and agent have both renewed their certificates
+        # (12 s leaves: within about 10 s), and at least 8 MiB.
+        nonlocal total
+        chunk = os.urandom(64 * 1024)
+        async with asyncio.timeout(60):
+            while not both_renewed() or total < 8 * 1024 * 1024:
+                digest.update(chunk)
+                writer.write(chunk)
+                total += len(chunk)
+                await writer.drain()
+                await asyncio.sleep(0.02)
+        writer.close()
+
+    source = await asyncio.start_server(slow_source, "127.0.0.1", 0)
+    port = source.sockets[0].getsockname()[1]
+    async with source:
+        stream = await stack.client().dial(NODE, port)
+        await stream.write_eof()  # nothing to send: half-close at once, like `nc -N`
+        received = hashlib.sha256()
+        size = 0
+        async with asyncio.timeout(90):
+            while data := await stream.read():
+                received.update(data)
+                size += len(data)
+            assert await stream.wait_closed() == grpc.StatusCode.OK
+    assert both_renewed()
+    assert size == total, (size, total)
+    assert received.hexdigest() == digest.hexdigest()
+
+
+async def test_websocket_session_through_the_tunnel(stack: Stack) -> None:
+    async def echo(websocket: websockets.ServerConnection) -> None:
+        async for message in websocket:
+            await websocket.send(f"echo:{message}")
+
+    async with websockets.serve(echo, "127.0.0.1", 0) as backend:
+        port = backend.sockets[0].getsockname()[1]
+        stream = await stack.client().dial(NODE, port)
+        sock = await bridged_socket(stream)
+        async with websockets.connect(f"ws://edge-1:{port}/", sock=sock) as session:
+            for i in range(20):
+                await session.send(f"message {i}")
+                assert await asyncio.wait_for(session.recv(), 10) == f"echo:message {i}"
+
+
+async def test_agent_killed_and_restarted(stack: Stack) -> None:
+    async def hello(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"hello")
+        await writer.drain()
+        writer.close()
+
+    backend = await asyncio.start_server(hello, "127.0.0.1", 0)
+    port = backend.sockets[0].getsockname()[1]
+    client = stack.client()
+
+    async def greeting() -> bytes:
+        stream = await client.dial(NODE, port)
+        await stream.write_eof()
+        data = b""
+        while chunk := await stream.read():
+            data += chunk
+        return data
+
+    async with backend:
+        assert await greeting() == b"hello"
+        assert stack.agent is not None
+        await stack.agent.stop(signal.SIGKILL)
+        with pytest.raises(DialFailed) as refused:
+            async with asyncio.timeout(30):
+                while True:  # the server notices the dead stream (keepalive or RST)
+                    await greeting()
+                    await asyncio.sleep(0.2)
+        assert refused.value.reason == pb.NO_AGENT
+        await stack.start_agent()
+        async with asyncio.timeout(30):
+            while True:
+                try:
+                    assert await greeting() == b"hello"
+                    break
+                except DialFailed:
+                    await asyncio.sleep(0.2)
+
+
+async def test_refused_destination_and_dialer_not_allowed_by_policy(stack: Stack) -> None:
+    dialer = stack.directory / "dialer"
+    flags = [
+        "--addr", stack.dial_address, "--ca-file", str(stack.bundle),
+        "--cert-file", str(dialer / "cert.pem"), "--key-file", str(dialer / "key.pem"),
+    ]  # fmt: skip
+    code, _out, err = await run_cli("tunnel", "dial", f"{NODE}/10.0.0.1:22", *flags)
+    assert code == 1
+    assert "not in the agent's allow-list" in err
+
+    stranger = await stack.identity("stranger", STRANGER_ID)
+    flags = [
+        "--addr", stack.dial_address, "--ca-file", str(stack.bundle),
+        "--cert-file", str(stranger / "cert.pem"), "--key-file", str(stranger / "key.pem"),
+    ]  # fmt: skip
+    code, _out, err = await run_cli("tunnel", "dial", f"{NODE}:22", *flags)
+    assert code == 1
+    assert "not an allowed dialer" in err and STRANGER_ID in err
+    code, out, _err = await run_cli("tunnel", "agents", *flags)
+    assert code == 1
+
+    dialer_flags = [
+        "--addr", stack.dial_address, "--ca-file", str(stack.bundle),
+        "--cert-file", str(dialer / "cert.pem"), "--key-file", str(dialer / "key.pem"),
+    ]  # fmt: skip
+    code, out, _err = await run_cli("tunnel", "agents", *dialer_flags)
+    assert code == 0 and NODE in out
