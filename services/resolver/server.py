@@ -14,6 +14,8 @@ interceptor (waygate.core.grpcserver). Invariants:
   of `watch_chunk_bytes`, a Changes batch too large for one event becomes a
   chunked snapshot for that subscriber, ListRoutes pages stop at
   `LIST_PAGE_BYTES`; what cannot be bounded is RESOURCE_EXHAUSTED with a reason.
+- A large snapshot is converted off the event loop, once per (version,
+  redaction) however many watchers ask for it at the same time.
 - Every Watch event carries this replica's epoch; a resume naming another
   epoch (another replica, a restarted one, or none) starts with a snapshot.
 """
@@ -23,7 +25,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import functools
 from collections.abc import AsyncIterator
+from datetime import datetime
 
 import grpc
 from cryptography import x509
@@ -41,7 +45,7 @@ from waygate.resolver.access import WriteAccess
 from waygate.resolver.filesource import FileSource
 from waygate.resolver.model import Service, TunnelServer
 from waygate.resolver.resolve import MAX_CACHED_PORTS, Pick, Resolution, Resolver, Target
-from waygate.resolver.store import DEFAULT_MAX_PENDING, Store, SubscriptionEnded
+from waygate.resolver.store import DEFAULT_MAX_PENDING, Batch, Snapshot, Store, SubscriptionEnded
 from waygate.resolver.tunnels import TunnelRegistry
 from waygate.resolver.v1 import resolver_pb2 as pb
 from waygate.resolver.v1 import resolver_pb2_grpc
@@ -53,6 +57,10 @@ DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
 #: A page also ends once its routes reach this many serialized bytes.
 LIST_PAGE_BYTES = 1024 * 1024
+#: Snapshots with more objects than this are converted in a worker thread: a
+#: 100,000-endpoint view takes seconds to convert, and the loop must keep
+#: answering Resolve and health checks meanwhile.
+OFFLOAD_SNAPSHOT_OBJECTS = 5000
 
 _PICKS = {
     pb.PICK_POLICY_UNSPECIFIED: Pick.NONE,
@@ -152,6 +160,15 @@ def _page_position(token: str) -> tuple[str, str]:
     return (namespace, name)
 
 
+def _object_count(snapshot: Snapshot) -> int:
+    return (
+        len(snapshot.services)
+        + len(snapshot.endpoints)
+        + len(snapshot.routes)
+        + len(snapshot.tunnels)
+    )
+
+
 class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
     def __init__(
         self,
@@ -179,6 +196,11 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
         self._watch_heartbeat = watch_heartbeat or None
         self._watch_chunk_bytes = watch_chunk_bytes
         self._max_event_bytes = max_event_bytes
+        # Large snapshots being converted in a worker thread, shared by the
+        # watchers that wait for the same one.
+        self._converting: dict[
+            tuple[object, ...], asyncio.Future[tuple[pb.WatchEvent, ...] | None]
+        ] = {}
 
     def registration(self) -> ServiceRegistration:
         return ServiceRegistration(
@@ -226,15 +248,7 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
                         f"{subscription.version}"
                     ) from None
                 source, last_sync = store.last_sync()
-                events = convert.watch_events(
-                    item,
-                    source,
-                    last_sync,
-                    store.epoch,
-                    with_keys=with_keys,
-                    chunk_bytes=self._watch_chunk_bytes,
-                    max_event_bytes=self._max_event_bytes,
-                )
+                events = await self._events(item, source, last_sync, with_keys)
                 if events is None:
                     # Too many changes for one bounded event: start this
                     # subscriber over from a (chunked) snapshot instead.
@@ -244,6 +258,36 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
                     yield event
         finally:
             subscription.close()
+
+    async def _events(
+        self, item: Snapshot | Batch, source: str, last_sync: datetime | None, with_keys: bool
+    ) -> tuple[pb.WatchEvent, ...] | None:
+        convert_item = functools.partial(
+            convert.watch_events,
+            item,
+            source,
+            last_sync,
+            self._store.epoch,
+            with_keys=with_keys,
+            chunk_bytes=self._watch_chunk_bytes,
+            max_event_bytes=self._max_event_bytes,
+        )
+        if not isinstance(item, Snapshot) or _object_count(item) <= OFFLOAD_SNAPSHOT_OBJECTS:
+            return convert_item()
+        key = (item, source, last_sync, with_keys)
+        future = self._converting.get(key)
+        if future is None:
+            future = asyncio.ensure_future(asyncio.to_thread(convert_item))
+            self._converting[key] = future
+
+            def done(finished: asyncio.Future[tuple[pb.WatchEvent, ...] | None]) -> None:
+                self._converting.pop(key, None)
+                if not finished.cancelled():
+                    finished.exception()  # retrieved: every waiter may have gone
+
+            future.add_done_callback(done)
+        # Shielded: one watcher leaving must not cancel the others' conversion.
+        return await asyncio.shield(future)
 
     async def ListRoutes(
         self, request: pb.ListRoutesRequest, context: grpc.aio.ServicerContext

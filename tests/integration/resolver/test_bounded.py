@@ -29,7 +29,7 @@ from waygate.resolver.model import (
     TLSTermination,
 )
 from waygate.resolver.server import MAX_PAGE_SIZE, ResolverServicer
-from waygate.resolver.store import Store
+from waygate.resolver.store import Snapshot, Store
 from waygate.resolver.v1 import resolver_pb2 as pb
 from waygate.resolver.v1 import resolver_pb2_grpc
 
@@ -353,5 +353,56 @@ async def test_a_resolve_reply_over_the_limit_is_resource_exhausted(
         assert "3000 ready endpoints" in (error.details() or "")
         assert not [r for r in caplog.records if r.exc_info], "no traceback in the log"
     finally:
+        await channel.close()
+        await server.stop(0)
+
+
+async def test_a_large_snapshot_is_converted_off_the_loop_once_for_all_watchers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Converting 100,000 endpoints takes seconds; Resolve must be answered meanwhile.
+
+    The conversion is held at a gate until a Resolve has been answered: were it on
+    the event loop, that Resolve could not be answered first (the gate gives up
+    after 5 s, so a regression fails instead of hanging).
+    """
+    import threading
+
+    from waygate.resolver import convert
+
+    store = Store()
+    store.upsert_service(
+        Service("big", "svc", ports=(ServicePort("http", 80, "8080"),)), source=SOURCE
+    )
+    store.set_endpoints("big", "svc", endpoints(20_000), source=SOURCE)
+    entered, release = threading.Event(), threading.Event()
+    conversions: list[int] = []
+    real = convert.watch_events
+
+    def gated(item, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if isinstance(item, Snapshot):
+            conversions.append(1)
+            entered.set()
+            release.wait(5)
+        return real(item, *args, **kwargs)
+
+    monkeypatch.setattr(convert, "watch_events", gated)
+    server, channel, stub = await serve(store)
+    try:
+        calls = [stub.Watch(pb.WatchRequest()) for _ in range(3)]
+        firsts = [asyncio.ensure_future(call.read()) for call in calls]
+        await until(entered.is_set, "the conversion started")
+        reply = await stub.Resolve(
+            pb.ResolveRequest(namespace="big", name="svc", pick=pb.PICK_POLICY_RANDOM), timeout=5
+        )
+        assert reply.picked.address and not any(f.done() for f in firsts)
+        release.set()
+        events = await asyncio.wait_for(asyncio.gather(*firsts), 30)
+        assert all(e.WhichOneof("event") == "snapshot" for e in events)
+        assert len(conversions) == 1, "three watchers, one conversion"
+        for call in calls:
+            call.cancel()
+    finally:
+        release.set()
         await channel.close()
         await server.stop(0)
