@@ -46,6 +46,31 @@ class Settings(FrontSettings, GrpcServerSettings):  # front_*: the HTTPS front (
     admin_port: int = setting(
         9003, help="admin HTTP port (/metrics /healthz /readyz)", check=port_number
     )
+    # Every Dial is a stream for the life of its TCP connection, and one agent
+    # stream carries all of a node's: connections are never aged out (the grace
+    # would cut them) and a dialer (the proxy, one identity) may hold many.
+    max_connection_age: float = setting(
+        0.0,
+        help="close every connection after this long (GOAWAY); 0: never, since the "
+        "grace would cut tunnelled connections",
+        parse=parse_duration,
+        check=lambda v: None if v >= 0 else f"must be 0 or more, not {v}",
+    )
+    max_streams: int = setting(
+        100_000, help="streams (tunnelled connections and agents) at once", check=positive
+    )
+    max_streams_per_peer: int = setting(
+        50_000, help="streams at once per client identity (a dialer, an agent)", check=positive
+    )
+    max_concurrent_streams: int = setting(
+        10_000,
+        help="HTTP/2 MAX_CONCURRENT_STREAMS: tunnelled connections at once on one dialer "
+        "connection (more wait client-side)",
+        check=positive,
+    )
+    max_concurrent_rpcs: int = setting(
+        110_000, help="outer bound on calls in flight (grpc core)", check=positive
+    )
     server_id: str = setting("", help="this replica's id (e.g. the pod name); empty: the host name")
     replicas: tuple[str, ...] = setting(
         (),
