@@ -44,9 +44,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-FORWARDED_MODES = ("append", "replace", "if-none", "never")
-
-
 def _at_least_one(value: int) -> str | None:
     return None if value >= 1 else f"must be at least 1, not {value}"
 
@@ -56,8 +53,9 @@ class Settings(ProcessSettings):
     """Flags of `waygate proxy serve` (each also WAYGATE_<NAME> or a YAML key).
 
     Per-route overrides of the timeouts come from the route's `timeouts`
-    (connect, client, server, httpRequest, keepAlive, tunnel) and its
-    `forwardedHeaders` mode; these flags are the defaults.
+    (connect, client, server, httpRequest, keepAlive, tunnel); these flags are
+    the defaults. The X-Forwarded-*/Forwarded mode is the route's own
+    `forwardedHeaders` (append unless the route says otherwise).
     """
 
     http_port: int = setting(8080, help="HTTP listen port", check=port_number)
@@ -117,11 +115,6 @@ class Settings(ProcessSettings):
         parse=parse_duration,
         check=positive,
     )
-    forwarded_headers: str = setting(
-        "append",
-        help="default X-Forwarded-*/Forwarded mode of routes that set none",
-        choices=FORWARDED_MODES,
-    )
     upstream_max_idle: int = setting(
         64, help="idle keep-alive connections kept per endpoint", check=positive
     )
@@ -168,7 +161,6 @@ class Settings(ProcessSettings):
             http_request_timeout=self.http_request_timeout,
             keep_alive_timeout=self.keep_alive_timeout,
             tunnel_timeout=self.tunnel_timeout,
-            forwarded_mode=self.forwarded_headers,
         )
 
 
