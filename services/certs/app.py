@@ -125,6 +125,14 @@ class Settings(GrpcServerSettings):
         help="YAML file of static Certify tokens (mode 0600); unset: no static tokens",
     )
     trust_domain: str = setting(TRUST_DOMAIN, help="SPIFFE trust domain of issued identities")
+    node_agents: tuple[str, ...] = setting(
+        (),
+        help="ServiceAccounts (NS/SA, comma-separated; e.g. the tunnel agent DaemonSet's) whose "
+        "pod-bound tokens may also get dns:NODE for the pod's own node (TokenReview only)",
+        check=lambda v: next(
+            (f"{a!r} is not NS/SA" for a in v if a.count("/") != 1 or "" in a.split("/")), None
+        ),
+    )
     key_algorithm: str = setting("ecdsa-p256", help="key type of a new CA", choices=KEY_ALGORITHMS)
     ca_lifetime: float = setting(
         365 * 86400.0, help="lifetime of a new CA certificate", parse=parse_duration, check=positive
@@ -367,10 +375,14 @@ def build_policy(settings: Settings, kube_api: Any = None) -> Policy:
     """The policy; with Kubernetes, ServiceAccounts' Service names are checked against
     the Services the API server holds (per-workload names)."""
     if kube_api is None:
-        return Policy(settings.trust_domain)
+        return Policy(settings.trust_domain, node_agents=settings.node_agents)
     from waygate.certs.kube_auth import KubeServiceDirectory
 
-    return Policy(settings.trust_domain, services=KubeServiceDirectory(kube_api))
+    return Policy(
+        settings.trust_domain,
+        services=KubeServiceDirectory(kube_api),
+        node_agents=settings.node_agents,
+    )
 
 
 def build_store(settings: Settings, kube_api: Any = None, elector: Any = None) -> CAStore:

@@ -48,6 +48,10 @@ class Caller:
     service_account: str | None = None
     node: str | None = None
     groups: tuple[str, ...] = ()
+    # A ServiceAccount token bound to a pod: the pod's node (TokenReview extra
+    # authentication.kubernetes.io/node-name). Grants nothing by itself: see
+    # Policy's `node_agents`.
+    pod_node: str | None = None
     # SAN patterns this caller may get (static tokens): "dns:NAME", "uri:URI", "ip:ADDRESS".
     allowed: tuple[str, ...] = ()
 

@@ -7,6 +7,8 @@ controller for the user that created a CSR):
 
     system:serviceaccount:NS:SA              -> Caller(namespace=NS, service_account=SA)
     system:node:NODE, in group system:nodes  -> Caller(node=NODE)
+    a pod-bound ServiceAccount token's extra authentication.kubernetes.io/node-name
+                                             -> Caller(..., pod_node=NODE)
     anyone else                              -> Caller(name=USER), no names allowed
 
 Invariants:
@@ -31,6 +33,7 @@ removed from a Service stops granting its name within that TTL.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import time
@@ -48,6 +51,8 @@ TOKEN_REVIEWS = "/apis/authentication.k8s.io/v1/tokenreviews"
 SERVICE_ACCOUNT_PREFIX = "system:serviceaccount:"
 NODE_PREFIX = "system:node:"
 NODES_GROUP = "system:nodes"
+# Set by the API server for a projected token bound to a pod: the pod's node.
+NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
 #: Longer "tokens" are refused without asking the API server.
 MAX_TOKEN_BYTES = MAX_TOKEN_LENGTH
 
@@ -153,7 +158,13 @@ class TokenReviewAuthenticator:
                 )
                 return None
         groups = [g for g in user.get("groups") or () if isinstance(g, str)]
-        return caller_for_user(username, groups)
+        caller = caller_for_user(username, groups)
+        node_names = (user.get("extra") or {}).get(NODE_NAME_EXTRA) or ()
+        if caller.service_account is not None and isinstance(node_names, list):
+            names = [n for n in node_names if isinstance(n, str) and n and ":" not in n]
+            if len(names) == 1:
+                caller = dataclasses.replace(caller, pod_node=names[0])
+        return caller
 
 
 class KubeServiceDirectory:

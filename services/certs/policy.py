@@ -17,6 +17,9 @@ Rules, by kind of caller:
   API); `authorize` checks the name's shape, `check_service_names` (async)
   the Service itself, at most `MAX_SERVICES_PER_CSR` of them per request.
 - node caller (node): dns NODE.
+- a ServiceAccount listed in `node_agents` ("NS/SA", e.g. the tunnel agent's
+  DaemonSet) whose token is bound to a pod (`pod_node`): also dns NODE, the
+  name of that pod's own node and no other.
 
 The identity asked for (a spiffe:// URI, a DNS or node name, or an IP
 address) must be one of the CSR's SANs, and every SAN must be allowed. A
@@ -151,20 +154,30 @@ def pattern_matches(pattern: str, name: str) -> bool:
 class Policy:
     """Decides identities and SANs for callers within one trust domain."""
 
-    def __init__(self, trust_domain: str, services: ServiceDirectory | None = None) -> None:
+    def __init__(
+        self,
+        trust_domain: str,
+        services: ServiceDirectory | None = None,
+        *,
+        node_agents: Iterable[str] = (),
+    ) -> None:
         self.trust_domain = trust_domain
         self.services = services
+        self.node_agents = frozenset(node_agents)
 
     def allowed_patterns(self, caller: Caller) -> tuple[str, ...]:
         """The shapes of names `caller` may get; Service names are confirmed by
         `check_service_names`."""
         if caller.namespace is not None and caller.service_account is not None:
             ns, sa = caller.namespace, caller.service_account
-            return (
+            patterns = (
                 f"uri:spiffe://{self.trust_domain}/ns/{ns}/sa/{sa}",
                 f"dns:*.{ns}.svc",
                 f"dns:*.{ns}.svc.cluster.local",
             )
+            if caller.pod_node is not None and f"{ns}/{sa}" in self.node_agents:
+                return (*patterns, f"dns:{caller.pod_node}")
+            return patterns
         if caller.node is not None:
             return (f"dns:{caller.node}",)
         return caller.allowed
