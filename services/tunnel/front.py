@@ -174,11 +174,20 @@ class FrontSettings:
 def upstream_tls_context(settings: FrontSettings) -> ssl.SSLContext:
     """The client context for TLS ports: TLS 1.2+, the front's client certificate, and
     the nodes' CA when given (otherwise no verification, said once at start)."""
+    if (settings.front_upstream_cert_file is None) != (settings.front_upstream_key_file is None):
+        raise errors.FailedPrecondition(
+            "give front_upstream_cert_file and front_upstream_key_file together, or neither"
+        )
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     if settings.front_upstream_ca_file is not None:
         context.load_verify_locations(settings.front_upstream_ca_file)
     else:
+        if settings.front_upstream_tls_ports:
+            log.warning(
+                "tunnel front: nodes' certificates on TLS ports are not verified "
+                "(set front_upstream_ca_file)"
+            )
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
     if settings.front_upstream_cert_file is not None:
