@@ -89,7 +89,11 @@ def _serve(component: Component) -> Callable[[argparse.Namespace], int]:
         app = importlib.import_module(component.app_module)
         try:
             settings = settings_from_args(app.Settings, args)
-            process = ServiceProcess(component.name, settings)
+            from waygate.certs.client import start_process_certificates
+
+            process = ServiceProcess(
+                component.name, settings, certificate_source=start_process_certificates
+            )
             with asyncio.Runner(loop_factory=new_event_loop) as runner:
                 return runner.run(process.run(lambda p: app.setup(p, settings)))
         except (SettingsError, WaygateError) as exc:

@@ -88,11 +88,18 @@ def spiffe_id(name: str) -> str:
     return f"spiffe://{TRUST_DOMAIN}/ns/local/sa/{name}"
 
 
+# The proxy's default certificate serves the example routes' hosts on HTTPS.
+EXAMPLE_HOSTS = "*.localtest.me"
+
+
 def process_sans(name: str) -> tuple[str, ...]:
     """SANs of a process under `up`: clients connect to 127.0.0.1, so the IP is one.
 
     Never a "localhost" DNS name: pkilint rejects it, and it names every machine.
+    The proxy's also cover the example routes' hosts (its default HTTPS certificate).
     """
+    if name == "proxy":
+        return (f"dns:{name}.{TRUST_DOMAIN}", f"ip:{HOST}", f"dns:{EXAMPLE_HOSTS}")
     return (f"dns:{name}.{TRUST_DOMAIN}", f"ip:{HOST}")
 
 
@@ -315,13 +322,13 @@ class Supervisor:
 
     async def _client_certificate(self) -> None:
         """Get the local user's client certificate (key made here) and keep it renewed."""
+        from waygate.certs.client import GrpcIssuer
         from waygate.core.rotation import (
             CertificateRotator,
             TrustBundle,
             TrustStore,
             save_certificate,
         )
-        from waygate.core.tls import GrpcIssuer
 
         assert self.bootstrap is not None
         state = self.context.state_dir

@@ -3,7 +3,7 @@
 The certs listener cannot take its certificate from certs over the network (it
 is certs), so `AuthorityIssuer` answers the rotation client's CSRs from the
 in-process `Authority`. Everything else is what every other Waygate process
-gets from `waygate.core.rotation` and `waygate.core.tls`: a key made in memory
+gets from `waygate.core.rotation` and `waygate.core.grpctls`: a key made in memory
 and never written anywhere, renewal at ~70% of the lifetime with jitter,
 backoff, `waygate_certificate_expiry_timestamp_seconds` and the warning under
 20% of life, and gRPC dynamic credentials that serve a renewed certificate from
@@ -19,8 +19,8 @@ import grpc
 from cryptography.hazmat.primitives import serialization
 
 from waygate.certs.authority import Authority, load_csr
+from waygate.core.grpctls import dynamic_server_credentials
 from waygate.core.rotation import CertificateRotator, Issued
-from waygate.core.tls import dynamic_server_credentials
 
 _DER = serialization.Encoding.DER
 

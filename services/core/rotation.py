@@ -13,7 +13,7 @@ the certificate held right now expires, so an expiry is visible long before it
 happens.
 
 `TrustStore` holds the CA bundle peers are verified against; the trust-bundle
-watcher (`waygate.core.tls`) feeds it from `WatchTrustBundle`.
+watcher (`waygate.certs.client`) feeds it from `WatchTrustBundle`.
 
 Invariants:
 - The private key never leaves the process: it is held in memory, never put

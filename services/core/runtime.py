@@ -25,6 +25,7 @@ import logging
 import signal
 import ssl
 from collections.abc import Awaitable, Callable, Coroutine
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
@@ -37,11 +38,17 @@ from waygate.core.settings import ProcessSettings
 from waygate.core.tracing import configure_tracing, shutdown_tracing
 
 if TYPE_CHECKING:
-    from waygate.core.tls import ProcessCertificates, RotatingChannel
+    from waygate.core.grpctls import ProcessCertificates, RotatingChannel
 
 log = logging.getLogger(__name__)
 
 Cleanup = Callable[[], Awaitable[None]]
+# Starts a process's certificates from its settings (`waygate.certs.client.
+# start_process_certificates`, given by the CLI: core knows no service).
+CertificateSource = Callable[
+    [ProcessSettings, Callable[[Coroutine[Any, Any, Any], str], Any]],
+    Awaitable["ProcessCertificates"],
+]
 
 
 class Listener(Protocol):
@@ -66,7 +73,13 @@ def _async(function: Callable[[], None]) -> Cleanup:
 
 
 class ServiceProcess:
-    def __init__(self, service: str, settings: ProcessSettings) -> None:
+    def __init__(
+        self,
+        service: str,
+        settings: ProcessSettings,
+        *,
+        certificate_source: CertificateSource | None = None,
+    ) -> None:
         configure_logging(service, settings.log_level, settings.log_format)
         configure_tracing(service, settings.otlp_endpoint)
         self.service = service
@@ -85,6 +98,7 @@ class ServiceProcess:
         # Certificates from the certs service, started by the first listener or
         # client that needs them (see `certificates`).
         self._certificates: ProcessCertificates | None = None
+        self._certificate_source = certificate_source
         self._certificates_lock = asyncio.Lock()
 
     # -------------------------------------------------------- used by setup
@@ -127,9 +141,12 @@ class ServiceProcess:
             return None
         async with self._certificates_lock:
             if self._certificates is None:
-                from waygate.core.tls import ProcessCertificates
-
-                self._certificates = await ProcessCertificates.start(self.settings, self.spawn)
+                if self._certificate_source is None:
+                    raise FailedPrecondition(
+                        f"{self.service}: certs_address is set but this process was "
+                        "started without a certs client"
+                    )
+                self._certificates = await self._certificate_source(self.settings, self.spawn)
         return self._certificates
 
     async def server_credentials(self, *, client_auth: bool) -> grpc.ServerCredentials | None:
@@ -148,13 +165,7 @@ class ServiceProcess:
             return certificates.server_credentials(client_auth=client_auth)
         if settings.tls_cert_file is None or settings.tls_key_file is None:
             return None
-        client_ca = settings.tls_client_ca_file
-        if client_auth and client_ca is None:
-            # Never silently serve without the client authentication this service requires.
-            raise FailedPrecondition(
-                f"{self.service} requires client certificates: set tls_client_ca_file "
-                "to the CA that signs its clients' certificates"
-            )
+        client_ca = self._static_client_ca(client_auth)
         return grpc.ssl_server_credentials(
             [(settings.tls_key_file.read_bytes(), settings.tls_cert_file.read_bytes())],
             root_certificates=client_ca.read_bytes() if client_ca is not None else None,
@@ -181,15 +192,27 @@ class ServiceProcess:
         settings = self.settings
         if settings.tls_cert_file is None or settings.tls_key_file is None:
             return None
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        context.minimum_version = ssl.TLSVersion.TLSv1_2
-        context.load_cert_chain(settings.tls_cert_file, settings.tls_key_file)
-        if client_auth and settings.tls_client_ca_file is not None:
-            context.load_verify_locations(settings.tls_client_ca_file)
-            context.verify_mode = ssl.CERT_REQUIRED
-        if alpn_protocols:
-            context.set_alpn_protocols(list(alpn_protocols))
-        return context
+        from waygate.core.tls import server_context
+
+        client_ca = self._static_client_ca(client_auth)
+        return server_context(
+            chain_pem=settings.tls_cert_file.read_bytes(),
+            key_pem=settings.tls_key_file.read_bytes(),
+            client_ca_pem=client_ca.read_bytes() if client_auth and client_ca else None,
+            client_auth=client_auth,
+            alpn_protocols=alpn_protocols,
+        )
+
+    def _static_client_ca(self, client_auth: bool) -> Path | None:
+        """tls_client_ca_file; with `client_auth` it must be set (gRPC and HTTPS alike):
+        never silently serve without the client authentication this service requires."""
+        client_ca = self.settings.tls_client_ca_file
+        if client_auth and client_ca is None:
+            raise FailedPrecondition(
+                f"{self.service} requires client certificates: set tls_client_ca_file "
+                "to the CA that signs its clients' certificates"
+            )
+        return client_ca
 
     async def client_channel(
         self, address: str, *, server_name: str | None = None
@@ -202,7 +225,7 @@ class ServiceProcess:
         system roots when unset); otherwise plaintext. Closed when the process stops.
         """
         from waygate.core.grpcclient import ClientTLS
-        from waygate.core.tls import static_client_channel
+        from waygate.core.grpctls import static_client_channel
 
         certificates = await self.certificates()
         if certificates is not None:

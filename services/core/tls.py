@@ -1,244 +1,69 @@
-"""TLS that follows certificate rotation: gRPC servers, HTTPS listeners, clients.
+"""`ssl` server contexts: the one builder, and contexts that follow rotation.
 
-The pieces a process uses to take its certificate from the certs service and
-use it without ever restarting:
+This module knows `ssl` and the rotation client's certificate holders, nothing
+else: no grpc (gRPC credentials and channel rotation are in
+`waygate.core.grpctls`), no certs API (the certs client is `waygate.certs.client`).
 
-- `GrpcIssuer`: the `Issuer` of `waygate.core.rotation` over certs' `Certify`
-  RPC (server TLS verified against the current trust bundle, bearer token read
-  from a file on every call, so a rotated projected token is picked up).
-- `TrustBundleWatcher`: follows `WatchTrustBundle` into a `TrustStore`,
-  reconnecting with backoff; each reconnect trusts the newest bundle, so it
-  survives a CA rotation.
-- `dynamic_server_credentials`: grpc server credentials whose configuration
-  fetcher gRPC calls before every new handshake; it hands over a new
-  configuration only when the certificate or the bundle changed. Existing
-  connections are untouched: nothing is dropped.
+- `server_context`: THE builder of every server `ssl.SSLContext` in Waygate
+  (HTTPS listeners, the proxy's route and default certificates, the tunnel
+  front, static tls_* files). TLS 1.2+, Mozilla "intermediate" ciphers and
+  groups, session tickets on. It refuses client authentication without a CA
+  to check clients against: a service that requires client certificates never
+  silently serves without them.
 - `ServerSSLContexts`: an `ssl.SSLContext` for asyncio HTTPS listeners whose
   SNI callback (run for every ClientHello, with or without SNI) switches the
-  connection to the context built from the current certificate. TLS 1.2+.
-- `RotatingChannel`: grpc channel credentials are fixed when a channel opens,
-  so this holder opens a new channel after every rotation and closes the old
-  one after a grace period, letting calls in flight finish. Callers ask it for
-  `channel()` each time they start a call or a stream (never keep the channel);
-  a long-lived stream (a report, a tunnel) takes the channel with `hold()`
-  instead, and the old channel stays open until the last holder lets go.
-- `ProcessCertificates`: the above wired from a process's settings.
+  connection to the context built from the current certificate.
 
-Invariants: the private key is given to TLS libraries in memory (grpc takes
-bytes; OpenSSL's file API gets an anonymous memfd, never a file on disk), and
-every TLS listener built here refuses anything older than TLS 1.2.
+Session tickets: Python's `ssl` cannot set ticket keys. Every context gets its
+own random ticket key from OpenSSL when it is built, so ticket keys rotate with
+the context: `ServerSSLContexts` rebuilds on every renewal, and the proxy
+rebuilds its contexts periodically (`waygate.proxy.tls`). A ticket from an older
+context simply fails to decrypt and the client does a full handshake.
+
+Invariants: the private key is given to OpenSSL in memory (an anonymous memfd,
+never a file on disk), and every context built here refuses anything older
+than TLS 1.2.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import os
 import ssl
 import tempfile
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
-from datetime import UTC, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-import grpc
-from cryptography import x509
-from google.protobuf import duration_pb2
-
-from waygate.certs.v1 import certs_pb2, certs_pb2_grpc
-from waygate.core import errors
-from waygate.core.backoff import Backoff
-from waygate.core.grpcclient import open_channel
-from waygate.core.rotation import (
-    CertificateRotator,
-    HeldCertificate,
-    Issued,
-    TrustBundle,
-    TrustStore,
-)
-from waygate.core.settings import ProcessSettings
+from waygate.core.rotation import CertificateRotator, HeldCertificate, TrustStore
 
 log = logging.getLogger(__name__)
 
-Spawn = Callable[[Coroutine[Any, Any, Any], str], Any]
-
-
-def domain_error(exc: grpc.aio.AioRpcError, what: str) -> errors.WaygateError:
-    """An RPC failure as the domain error of the same meaning, with who said it."""
-    message = f"{what}: {exc.code().name}: {exc.details()}"
-    by_code: dict[grpc.StatusCode, type[errors.WaygateError]] = {
-        grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
-        grpc.StatusCode.UNAUTHENTICATED: errors.Unauthenticated,
-        grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDenied,
-        grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
-        grpc.StatusCode.NOT_FOUND: errors.NotFound,
-        grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
-        grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
-    }
-    # Anything else (UNAVAILABLE, INTERNAL, CANCELLED...) is worth retrying.
-    return by_code.get(exc.code(), errors.Unavailable)(message)
-
-
-def read_token(path: Path) -> str:
-    try:
-        token = path.read_text().strip()
-    except OSError as exc:
-        raise errors.Unauthenticated(f"cannot read token file {path}: {exc.strerror}") from None
-    if not token:
-        raise errors.Unauthenticated(f"token file {path} is empty")
-    return token
-
-
-# ---------------------------------------------------------------- talking to certs
-
-
-class GrpcIssuer:
-    """`Issuer` over the certs service's Certify RPC."""
-
-    def __init__(
-        self,
-        address: str,
-        token_file: Path,
-        trust: TrustStore,
-        *,
-        lifetime: timedelta | None = None,
-        timeout: float = 10.0,
-    ) -> None:
-        self._address = address
-        self._token_file = token_file
-        self._trust = trust
-        self._lifetime = lifetime
-        self._timeout = timeout
-
-    async def certify(self, csr_der: bytes, identity: str) -> Issued:
-        request = certs_pb2.CertifyRequest(
-            identity=identity,
-            token=read_token(self._token_file),
-            certificate_signing_request=csr_der,
-        )
-        if self._lifetime is not None:
-            request.lifetime.CopyFrom(
-                duration_pb2.Duration(seconds=int(self._lifetime.total_seconds()))
-            )
-        # A channel per call: renewals are hours apart, and each one then
-        # verifies certs against the newest trust bundle.
-        credentials = grpc.ssl_channel_credentials(self._trust.current.pem)
-        async with open_channel(self._address, credentials=credentials) as channel:
-            try:
-                reply = await certs_pb2_grpc.CertsStub(channel).Certify(
-                    request, timeout=self._timeout
-                )
-            except grpc.aio.AioRpcError as exc:
-                raise domain_error(exc, f"certs at {self._address}") from None
-        return Issued(
-            leaf_der=reply.leaf_certificate,
-            chain_der=tuple(reply.intermediate_certificates),
-            valid_until=reply.valid_until.ToDatetime(tzinfo=UTC),
-        )
-
-
-def _bundle_of(message: certs_pb2.TrustBundle) -> TrustBundle:
-    if message.pem:
-        return TrustBundle.from_pem(message.pem.encode(), message.version)
-    try:
-        certificates = tuple(
-            x509.load_der_x509_certificate(a.certificate) for a in message.authorities
-        )
-    except ValueError:
-        raise errors.InvalidArgument("certs sent a CA certificate that does not parse") from None
-    if not certificates:
-        raise errors.InvalidArgument("certs sent an empty trust bundle")
-    return TrustBundle(version=message.version, certificates=certificates)
-
-
-class TrustBundleWatcher:
-    """Keep a TrustStore equal to certs' bundle: WatchTrustBundle, reconnecting with backoff."""
-
-    def __init__(
-        self,
-        address: str,
-        trust: TrustStore,
-        *,
-        backoff: Backoff | None = None,
-        sleep: Callable[[float], Any] = asyncio.sleep,
-    ) -> None:
-        self._address = address
-        self._trust = trust
-        self._backoff = backoff or Backoff(initial=0.5, maximum=30.0)
-        self._sleep = sleep
-        self.received = 0  # bundles received, for tests and logs
-
-    async def run(self) -> None:
-        while True:
-            await self.watch_once()
-            delay = self._backoff.next_delay()
-            log.info("trust bundle stream ended; reconnecting", extra={"retry_in": round(delay, 2)})
-            await self._sleep(delay)
-
-    async def watch_once(self) -> None:
-        """One stream, until it ends or fails (errors are logged, never raised)."""
-        credentials = grpc.ssl_channel_credentials(self._trust.current.pem)
-        try:
-            async with open_channel(self._address, credentials=credentials, retry=False) as channel:
-                stream = certs_pb2_grpc.CertsStub(channel).WatchTrustBundle(
-                    certs_pb2.WatchTrustBundleRequest()
-                )
-                async for message in stream:
-                    self.received += 1
-                    self._trust.update(_bundle_of(message))
-                    self._backoff.reset()
-        except grpc.aio.AioRpcError as exc:
-            log.warning(
-                "trust bundle watch failed",
-                extra={"certs": self._address, "error": f"{exc.code().name}: {exc.details()}"},
-            )
-        except errors.WaygateError as exc:
-            log.warning("certs sent an unusable trust bundle", extra={"error": str(exc)})
-
-
-# ---------------------------------------------------------------- gRPC servers
-
-
-def dynamic_server_credentials(
-    rotator: CertificateRotator, trust: TrustStore | None, *, client_auth: bool
-) -> grpc.ServerCredentials:
-    """Server credentials that present the current certificate and, with client_auth,
-    require a client certificate chaining to the current trust bundle."""
-    if client_auth and trust is None:
-        raise ValueError("client_auth needs a trust store")
-    served: list[tuple[HeldCertificate, TrustBundle | None]] = []
-
-    def configuration() -> grpc.ServerCertificateConfiguration:
-        held = rotator.current
-        bundle = trust.current if (trust is not None and client_auth) else None
-        served[:] = [(held, bundle)]
-        return grpc.ssl_server_certificate_configuration(
-            [(held.key_pem(), held.chain_pem())],
-            root_certificates=bundle.pem if bundle is not None else None,
-        )
-
-    def fetch() -> grpc.ServerCertificateConfiguration | None:
-        # gRPC calls this before each new handshake: None keeps what it has.
-        held, bundle = served[0]
-        current_bundle = trust.current if (trust is not None and client_auth) else None
-        if rotator.current is held and current_bundle is bundle:
-            return None
-        return configuration()
-
-    return grpc.dynamic_ssl_server_credentials(
-        configuration(),
-        fetch,  # type: ignore[arg-type]  # grpc documents None as "keep the current one"
-        require_client_authentication=client_auth,
+# Mozilla's "intermediate" configuration (v5.7): TLS 1.2 suites, in order; TLS 1.3
+# suites are OpenSSL's defaults, which are exactly Mozilla's list.
+INTERMEDIATE_CIPHERS = ":".join(
+    (
+        "ECDHE-ECDSA-AES128-GCM-SHA256",
+        "ECDHE-RSA-AES128-GCM-SHA256",
+        "ECDHE-ECDSA-AES256-GCM-SHA384",
+        "ECDHE-RSA-AES256-GCM-SHA384",
+        "ECDHE-ECDSA-CHACHA20-POLY1305",
+        "ECDHE-RSA-CHACHA20-POLY1305",
+        "DHE-RSA-AES128-GCM-SHA256",
+        "DHE-RSA-AES256-GCM-SHA384",
+        "DHE-RSA-CHACHA20-POLY1305",
     )
+)
+# Mozilla intermediate groups: X25519, prime256v1, secp384r1. Python's ssl sets one
+# ECDH curve at most (`set_ecdh_curve`), which would disable the others; OpenSSL 3's
+# default group list is X25519, P-256, X448, P-384, P-521 plus FFDHE groups, which
+# Mozilla's checker accepts, so the default list is kept.
+
+ClientAuth = Literal["none", "optional", "required"]
 
 
-# ---------------------------------------------------------------- HTTPS listeners
-
-
-def load_certificate_chain(context: ssl.SSLContext, held: HeldCertificate) -> None:
-    """Give OpenSSL the key through an anonymous in-memory file (it only reads paths)."""
-    data = held.chain_pem() + held.key_pem()
+def load_pem_chain(context: ssl.SSLContext, chain_pem: bytes, key_pem: bytes) -> None:
+    """Give OpenSSL a key through an anonymous in-memory file (it only reads paths)."""
+    data = chain_pem + key_pem
     if hasattr(os, "memfd_create"):
         fd = os.memfd_create("waygate-tls", os.MFD_CLOEXEC)
         try:
@@ -257,25 +82,61 @@ def load_certificate_chain(context: ssl.SSLContext, held: HeldCertificate) -> No
         context.load_cert_chain(path)
 
 
+def load_certificate_chain(context: ssl.SSLContext, held: HeldCertificate) -> None:
+    load_pem_chain(context, held.chain_pem(), held.key_pem())
+
+
+def server_context(
+    *,
+    chain_pem: bytes,
+    key_pem: bytes,
+    client_ca_pem: bytes | None = None,
+    client_auth: ClientAuth | bool = "none",
+    alpn_protocols: tuple[str, ...] = (),
+) -> ssl.SSLContext:
+    """A server context for one certificate (the only builder of server contexts).
+
+    `client_auth` "required" (or True) demands a client certificate chaining to
+    `client_ca_pem`; "optional" asks for one and verifies it when sent (the proxy's
+    per-route client CAs decide afterwards). Either without a CA raises ValueError.
+    """
+    mode: ClientAuth = (
+        ("required" if client_auth else "none") if isinstance(client_auth, bool) else client_auth
+    )
+    if mode != "none" and not client_ca_pem:
+        raise ValueError("client authentication needs a client CA to verify clients against")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.set_ciphers(INTERMEDIATE_CIPHERS)
+    # The server picks the suite (Mozilla intermediate: client preference is fine too,
+    # but the server order puts AES-GCM and ECDSA first).
+    context.options |= ssl.OP_CIPHER_SERVER_PREFERENCE | ssl.OP_NO_COMPRESSION
+    context.options |= ssl.OP_NO_RENEGOTIATION
+    load_pem_chain(context, chain_pem, key_pem)
+    if mode != "none":
+        assert client_ca_pem is not None
+        context.load_verify_locations(cadata=client_ca_pem.decode())
+        context.verify_mode = ssl.CERT_REQUIRED if mode == "required" else ssl.CERT_OPTIONAL
+    if alpn_protocols:
+        context.set_alpn_protocols(list(alpn_protocols))
+    return context
+
+
 def server_ssl_context(
     held: HeldCertificate,
-    trust: TrustBundle | None = None,
+    client_ca_pem: bytes | None = None,
     *,
     client_auth: bool = False,
     alpn_protocols: tuple[str, ...] = (),
 ) -> ssl.SSLContext:
-    """A server context for one certificate: TLS 1.2+, optional required client certs."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    load_certificate_chain(context, held)
-    if client_auth:
-        if trust is None:
-            raise ValueError("client_auth needs a trust bundle")
-        context.load_verify_locations(cadata=trust.pem.decode())
-        context.verify_mode = ssl.CERT_REQUIRED
-    if alpn_protocols:
-        context.set_alpn_protocols(list(alpn_protocols))
-    return context
+    """`server_context` for a rotation client's certificate."""
+    return server_context(
+        chain_pem=held.chain_pem(),
+        key_pem=held.key_pem(),
+        client_ca_pem=client_ca_pem,
+        client_auth=client_auth,
+        alpn_protocols=alpn_protocols,
+    )
 
 
 class ServerSSLContexts:
@@ -318,7 +179,7 @@ class ServerSSLContexts:
     def _build(self) -> ssl.SSLContext:
         return server_ssl_context(
             self._rotator.current,
-            self._trust.current if self._trust is not None else None,
+            self._trust.current.pem if (self._trust is not None and self._client_auth) else None,
             client_auth=self._client_auth,
             alpn_protocols=self._alpn,
         )
@@ -332,198 +193,11 @@ class ServerSSLContexts:
         ssl_object.context = self._current
 
 
-# ---------------------------------------------------------------- clients
-
-
-class RotatingChannel:
-    """A grpc.aio channel to `address` that presents the current client certificate.
-
-    Call `channel()` for every call or stream. After a rotation it returns a
-    new channel; the previous one gets `close_grace` seconds for its calls in
-    flight, then is closed. A stream that lives longer than that takes its
-    channel with `async with rotating.hold() as channel:`; a held channel is
-    closed only after the grace and once every holder has let go, so a
-    rotation never cuts a long-lived stream (the connection keeps the
-    certificate it was authenticated with; the next stream uses the new one).
-    """
-
-    def __init__(
-        self,
-        address: str,
-        credentials: Callable[[], grpc.ChannelCredentials | None],
-        subscribe: tuple[Callable[[Callable[[Any], None]], Callable[[], None]], ...] = (),
-        *,
-        server_name: str | None = None,
-        close_grace: float = 30.0,
-        options: Sequence[tuple[str, Any]] = (),
-    ) -> None:
-        self.address = address
-        self._options = tuple(options)
-        self._credentials = credentials
-        self._server_name = server_name
-        self._close_grace = close_grace
-        self._channel: grpc.aio.Channel | None = None
-        self._closing: set[asyncio.Task[None]] = set()
-        # Holders per channel, and the event a stale channel waits on to close.
-        self._holders: dict[grpc.aio.Channel, int] = {}
-        self._released: dict[grpc.aio.Channel, asyncio.Event] = {}
-        self._unsubscribe = [add(self._stale) for add in subscribe]
-        self.opened = 0  # channels opened so far
-
-    def _stale(self, _changed: Any) -> None:
-        old, self._channel = self._channel, None
-        if old is not None:
-            task = asyncio.get_running_loop().create_task(self._close_when_released(old))
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
-
-    async def _close_when_released(self, old: grpc.aio.Channel) -> None:
-        try:
-            await asyncio.sleep(self._close_grace)
-            while self._holders.get(old):
-                released = self._released.setdefault(old, asyncio.Event())
-                released.clear()
-                await released.wait()
-        finally:  # also when `close()` cancels the wait: the old channel is closed either way
-            self._released.pop(old, None)
-            await old.close()
-
-    @contextlib.asynccontextmanager
-    async def hold(self) -> AsyncIterator[grpc.aio.Channel]:
-        """The current channel, kept open across rotations until this block exits."""
-        channel = self.channel()
-        self._holders[channel] = self._holders.get(channel, 0) + 1
-        try:
-            yield channel
-        finally:
-            left = self._holders[channel] - 1
-            if left:
-                self._holders[channel] = left
-            else:
-                del self._holders[channel]
-                released = self._released.get(channel)
-                if released is not None:
-                    released.set()
-
-    def channel(self) -> grpc.aio.Channel:
-        if self._channel is None:
-            self._channel = open_channel(
-                self.address,
-                credentials=self._credentials(),
-                server_name=self._server_name,
-                options=self._options,
-            )
-            self.opened += 1
-        return self._channel
-
-    async def close(self) -> None:
-        for unsubscribe in self._unsubscribe:
-            unsubscribe()
-        if self._channel is not None:
-            await self._channel.close()
-            self._channel = None
-        for task in list(self._closing):
-            task.cancel()
-        await asyncio.gather(*self._closing, return_exceptions=True)
-
-    async def __aenter__(self) -> RotatingChannel:
-        return self
-
-    async def __aexit__(self, *_exc: object) -> None:
-        await self.close()
-
-
-def client_credentials(rotator: CertificateRotator, trust: TrustStore) -> grpc.ChannelCredentials:
-    held = rotator.current
-    return grpc.ssl_channel_credentials(
-        root_certificates=trust.current.pem,
-        private_key=held.key_pem(),
-        certificate_chain=held.chain_pem(),
-    )
-
-
-# ---------------------------------------------------------------- wired from settings
-
-
-class ProcessCertificates:
-    """A process's certificate from certs, its trust bundle, and the TLS built on them."""
-
-    def __init__(
-        self, rotator: CertificateRotator, trust: TrustStore, watcher: TrustBundleWatcher | None
-    ) -> None:
-        self.rotator = rotator
-        self.trust = trust
-        self.watcher = watcher
-
-    @classmethod
-    async def start(cls, settings: ProcessSettings, spawn: Spawn) -> ProcessCertificates:
-        """Obtain the first certificate (start-up fails with certs' message if refused),
-        then keep it and the trust bundle fresh in background tasks."""
-        address, token_file, ca_file, identity = (
-            settings.certs_address,
-            settings.certs_token_file,
-            settings.certs_ca_file,
-            settings.cert_identity,
-        )
-        if address is None or token_file is None or ca_file is None or identity is None:
-            raise errors.FailedPrecondition(
-                "certs_address, certs_token_file, certs_ca_file and cert_identity are all needed"
-            )
-        try:
-            bundle = TrustBundle.from_pem(ca_file.read_bytes())
-        except OSError as exc:
-            raise errors.FailedPrecondition(
-                f"cannot read certs_ca_file {ca_file}: {exc.strerror}"
-            ) from None
-        trust = TrustStore(bundle)
-        rotator = CertificateRotator(
-            GrpcIssuer(address, token_file, trust),
-            identity,
-            settings.cert_sans,
-            renew_fraction=settings.cert_renew_fraction,
-        )
-        await rotator.obtain()
-        watcher = TrustBundleWatcher(address, trust)
-        spawn(rotator.run(), "certificate-rotation")
-        spawn(watcher.run(), "trust-bundle-watch")
-        return cls(rotator, trust, watcher)
-
-    def server_credentials(self, *, client_auth: bool) -> grpc.ServerCredentials:
-        return dynamic_server_credentials(self.rotator, self.trust, client_auth=client_auth)
-
-    def ssl_contexts(
-        self, *, client_auth: bool = False, alpn_protocols: tuple[str, ...] = ()
-    ) -> ServerSSLContexts:
-        return ServerSSLContexts(
-            self.rotator, self.trust, client_auth=client_auth, alpn_protocols=alpn_protocols
-        )
-
-    def client_channel(self, address: str, *, server_name: str | None = None) -> RotatingChannel:
-        return RotatingChannel(
-            address,
-            lambda: client_credentials(self.rotator, self.trust),
-            (self.rotator.subscribe, self.trust.subscribe),
-            server_name=server_name,
-        )
-
-
-def static_client_channel(
-    address: str, credentials: grpc.ChannelCredentials | None, server_name: str | None = None
-) -> RotatingChannel:
-    """A RotatingChannel that never rotates: fixed credentials (or plaintext)."""
-    return RotatingChannel(address, lambda: credentials, server_name=server_name)
-
-
 __all__ = [
-    "GrpcIssuer",
-    "ProcessCertificates",
-    "RotatingChannel",
+    "INTERMEDIATE_CIPHERS",
     "ServerSSLContexts",
-    "TrustBundleWatcher",
-    "client_credentials",
-    "domain_error",
-    "dynamic_server_credentials",
     "load_certificate_chain",
+    "load_pem_chain",
+    "server_context",
     "server_ssl_context",
-    "static_client_channel",
 ]

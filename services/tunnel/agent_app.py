@@ -97,7 +97,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
 
     certificates = await process.certificates()
     if certificates is not None:
-        from waygate.core.tls import client_credentials
+        from waygate.core.grpctls import client_credentials
 
         def credentials() -> grpc.ChannelCredentials | None:
             # Read at every connection attempt: a renewed certificate is used for new

@@ -486,7 +486,7 @@ async def process_client(
     settings = process.settings
     certificates = await process.certificates()
     if certificates is not None:
-        from waygate.core.tls import client_credentials
+        from waygate.core.grpctls import client_credentials
 
         def credentials() -> grpc.ChannelCredentials | None:
             return client_credentials(certificates.rotator, certificates.trust)

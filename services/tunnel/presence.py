@@ -18,7 +18,7 @@ import grpc
 from google.protobuf import duration_pb2
 
 from waygate.core.backoff import Backoff
-from waygate.core.tls import RotatingChannel
+from waygate.core.grpctls import RotatingChannel
 from waygate.resolver.v1 import resolver_pb2, resolver_pb2_grpc
 from waygate.tunnel.server import Hub
 

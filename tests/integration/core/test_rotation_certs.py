@@ -3,7 +3,7 @@
 certs here is the real thing: its Authority with a directory CA, static tokens
 from a 0600 file, its SAN policy, its gRPC boundary, and its self-issued
 serving certificate (server TLS). The client side is what every Waygate
-process runs: `ProcessCertificates` from settings, over real TLS sockets.
+process runs: `start_process_certificates` from settings, over real TLS sockets.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from cryptography import x509
 
 from waygate.certs.auth import StaticTokenAuthenticator
 from waygate.certs.authority import Authority, AuthorityConfig
+from waygate.certs.client import GrpcIssuer, TrustBundleWatcher, start_process_certificates
 from waygate.certs.policy import Policy
 from waygate.certs.selftls import serving_certificate
 from waygate.certs.server import registration
@@ -29,7 +30,6 @@ from waygate.core.backoff import Backoff
 from waygate.core.grpcserver import GrpcServer
 from waygate.core.rotation import CertificateRotator, TrustBundle, TrustStore
 from waygate.core.settings import GrpcServerSettings, load_settings
-from waygate.core.tls import GrpcIssuer, ProcessCertificates, TrustBundleWatcher
 
 DOMAIN = "waygate.local"
 RESOLVER = f"spiffe://{DOMAIN}/ns/local/sa/resolver"
@@ -140,7 +140,7 @@ async def tasks():
 async def test_process_gets_its_certificate_from_certify_and_serves_mtls_with_it(
     certs, tasks
 ) -> None:
-    process = await ProcessCertificates.start(settings_for(certs), tasks)
+    process = await start_process_certificates(settings_for(certs), tasks)
     held = process.rotator.current
     ca = x509.load_pem_x509_certificate(certs.bundle_file.read_bytes())
     held.leaf.verify_directly_issued_by(ca)
@@ -184,14 +184,14 @@ async def test_a_wrong_token_stops_start_up_with_certs_message(certs, tasks, tmp
     settings = settings_for(certs)
     (tmp_path / "resolver.token").write_text("not-a-token-that-certs-knows-about-at-all")
     with pytest.raises(errors.Unauthenticated, match=r"certs at 127\.0\.0\.1:\d+: UNAUTHENTICATED"):
-        await ProcessCertificates.start(settings, tasks)
+        await start_process_certificates(settings, tasks)
     assert tasks.tasks == []
 
 
 async def test_a_name_the_caller_may_not_have_is_permission_denied(certs, tasks) -> None:
     settings = settings_for(certs, cert_sans="dns:certs.waygate.local")
     with pytest.raises(errors.PermissionDenied, match="certs.waygate.local"):
-        await ProcessCertificates.start(settings, tasks)
+        await start_process_certificates(settings, tasks)
 
 
 async def test_unreachable_certs_is_retried_then_reported(certs) -> None:
@@ -206,7 +206,7 @@ async def test_unreachable_certs_is_retried_then_reported(certs) -> None:
 
 
 async def test_trust_bundle_watch_follows_a_ca_rotation(certs, tasks) -> None:
-    process = await ProcessCertificates.start(settings_for(certs), tasks)
+    process = await start_process_certificates(settings_for(certs), tasks)
     assert len(process.trust.current.certificates) == 1
     changed = asyncio.Event()
     process.trust.subscribe(lambda _bundle: changed.set())
@@ -241,8 +241,8 @@ async def test_service_to_service_mtls_with_certificates_from_certs(certs, tasks
     """One process serves mTLS, another calls it through `client_channel`: both from certs."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    server_side = await ProcessCertificates.start(settings_for(certs), tasks)
-    client_side = await ProcessCertificates.start(settings_for(certs), tasks)
+    server_side = await start_process_certificates(settings_for(certs), tasks)
+    client_side = await start_process_certificates(settings_for(certs), tasks)
     server = GrpcServer(
         host="127.0.0.1",
         port=0,

@@ -23,14 +23,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.support.pki import LocalCA
 from waygate.core.grpcserver import GrpcServer, ServiceRegistration
+from waygate.core.grpctls import RotatingChannel, client_credentials, dynamic_server_credentials
 from waygate.core.rotation import CertificateRotator, HeldCertificate, TrustBundle, TrustStore
-from waygate.core.tls import (
-    RotatingChannel,
-    ServerSSLContexts,
-    client_credentials,
-    dynamic_server_credentials,
-    load_certificate_chain,
-)
+from waygate.core.tls import ServerSSLContexts, load_certificate_chain
 
 SERVER_ID = "spiffe://waygate.local/ns/local/sa/resolver"
 CLIENT_ID = "spiffe://waygate.local/ns/local/sa/proxy"

@@ -21,6 +21,7 @@ from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.support.pki import LocalCA
+from waygate.certs.client import start_process_certificates
 from waygate.core.errors import FailedPrecondition
 from waygate.core.grpcserver import GrpcServer
 from waygate.core.rotation import CertificateRotator, HeldCertificate, save_certificate
@@ -32,7 +33,9 @@ from .test_rotation_certs import RESOLVER, Certs, settings_for
 
 async def run_process(settings: GrpcServerSettings, body) -> dict:
     """Run a process whose setup serves Health with mTLS, call `body(process, port)`, stop."""
-    process = ServiceProcess("tls-test", settings)
+    process = ServiceProcess(
+        "tls-test", settings, certificate_source=start_process_certificates
+    )
     result: dict = {}
 
     async def setup(p: ServiceProcess) -> None:
@@ -214,4 +217,17 @@ async def test_static_tls_without_a_client_ca_refuses_to_serve_a_client_auth_ser
         await p.server_credentials(client_auth=True)
 
     with pytest.raises(FailedPrecondition, match="resolver requires client certificates"):
+        await asyncio.wait_for(process.run(setup), 30)
+
+
+async def test_static_https_without_a_client_ca_refuses_like_grpc(tmp_path: Path) -> None:
+    """The HTTPS path refuses exactly as the gRPC path does (it used to serve
+    without client authentication when no client CA was set)."""
+    _, _, settings = await static_tls(tmp_path, "proxy.waygate.local", client_ca=False)
+    process = ServiceProcess("front", settings)
+
+    async def setup(p: ServiceProcess) -> None:
+        await p.server_ssl_context(client_auth=True)
+
+    with pytest.raises(FailedPrecondition, match="front requires client certificates"):
         await asyncio.wait_for(process.run(setup), 30)
