@@ -122,21 +122,24 @@ def _is_identity_header(lname: bytes) -> bool:
     return lname.startswith(b"x-ssl-") or lname.startswith(b"x-remote-extra-")
 
 
-def find_head_end(buffer: bytes | bytearray, limit: int = MAX_HEAD_BYTES) -> int:
+def find_head_end(buffer: bytes | bytearray, limit: int = MAX_HEAD_BYTES, start: int = 0) -> int:
     """Index just past the head's CRLF CRLF, or -1 while incomplete.
 
+    `start`: where to resume the search in a growing buffer (bytes before it
+    were already searched, less 3 for a terminator split across reads), so a
+    head trickled in byte by byte costs linear, not quadratic, time.
     Raises BadMessage when the head or its first line outgrows the limits, or
     when it ends with a bare LF (which the strict grammar refuses anyway: this
     just refuses it now rather than at the size limit).
     """
-    end = buffer.find(b"\r\n\r\n")
+    end = buffer.find(b"\r\n\r\n", start)
     if end < 0:
         line_end = buffer.find(b"\n")
         if (line_end < 0 and len(buffer) > MAX_REQUEST_LINE) or line_end > MAX_REQUEST_LINE:
             raise BadMessage("request line longer than 8 KiB", 414)
         if len(buffer) > limit:
             raise BadMessage("header block larger than 32 KiB", 431)
-        if b"\n\n" in buffer or b"\n\r\n" in buffer:
+        if buffer.find(b"\n\n", start) >= 0 or buffer.find(b"\n\r\n", start) >= 0:
             raise BadMessage("bare LF line ending (RFC 9112 section 2.2)")
         return -1
     end += 4

@@ -274,6 +274,7 @@ class ClientConnection(asyncio.Protocol):
         "req_complete",
         "response_started",
         "retried",
+        "scanned",
         "server",
         "span",
         "started",
@@ -288,7 +289,10 @@ class ClientConnection(asyncio.Protocol):
         self.server = server
         self.loop = server.loop
         self.transport: asyncio.Transport | None = None
-        self.buf = b""
+        # Bytes not yet handled: a head still arriving, or pipelined requests
+        # waiting behind the current exchange (bounded by the limits / HIGH_WATER).
+        self.buf = bytearray()
+        self.scanned = 0
         self.closed = False
         self.req: RequestHead | None = None
         self.entry: RouteEntry | None = None
@@ -354,7 +358,23 @@ class ClientConnection(asyncio.Protocol):
             else:
                 self._hold(data)
             return
-        self._process(self.buf + data if self.buf else data)
+        buf = self.buf
+        if buf:
+            # A head arriving in pieces: appended in place, searched from where
+            # the last search stopped (linear however it is trickled).
+            buf += data
+            try:
+                end = http1.find_head_end(buf, start=self.scanned)
+            except BadMessage as exc:
+                self._refuse(exc)
+                return
+            if end < 0:
+                self.scanned = max(0, len(buf) - 3)
+                return
+            data = bytes(buf)
+            buf.clear()
+            self.scanned = 0
+        self._process(data)
 
     def eof_received(self) -> bool | None:
         if self._relay and self.upstream is not None:
@@ -413,7 +433,8 @@ class ClientConnection(asyncio.Protocol):
                 self._refuse(exc)
                 return
             if end < 0:
-                self.buf = data
+                self.buf += data
+                self.scanned = max(0, len(data) - 3)
                 if data and self._timer_kind == _T_IDLE:
                     self._arm(self._head_timeout(), _T_HEAD)
                 return
@@ -421,7 +442,6 @@ class ClientConnection(asyncio.Protocol):
                 head, data = data, b""
             else:
                 head, data = data[:end], data[end:]
-            self.buf = b""
             if not self._on_head(head):
                 return  # closed
             if self.req is not None:
@@ -441,7 +461,7 @@ class ClientConnection(asyncio.Protocol):
 
     def _hold(self, data: bytes) -> None:
         """Keep bytes of later (pipelined) requests until the current exchange ends."""
-        self.buf = self.buf + data if self.buf else data
+        self.buf += data
         if len(self.buf) > HIGH_WATER:
             self._pause(_PAUSE_PIPELINE)
 
@@ -675,7 +695,9 @@ class ClientConnection(asyncio.Protocol):
         self._unpause(_PAUSE_PIPELINE | _PAUSE_UPSTREAM)
         self._arm(idle_timeout, _T_IDLE)
         if self.buf:
-            data, self.buf = self.buf, b""
+            data = bytes(self.buf)
+            self.buf.clear()
+            self.scanned = 0
             self._process(data)
 
     def start_relay(self, rest_from_upstream: bytes) -> None:
@@ -693,8 +715,8 @@ class ClientConnection(asyncio.Protocol):
         upstream = self.upstream
         if upstream is not None and upstream.transport is not None:
             if self.buf:
-                upstream.transport.write(self.buf)
-                self.buf = b""
+                upstream.transport.write(bytes(self.buf))
+                self.buf.clear()
             if self._eof and upstream.transport.can_write_eof():
                 # The client half-closed before the 101 arrived.
                 upstream.transport.write_eof()

@@ -559,3 +559,14 @@ async def test_upgraded_connection_relays_raw_bytes_both_ways_and_half_closes():
     backend.close()
     assert response.startswith(b"HTTP/1.1 101 ")
     assert response.endswith(b"got:\x00\x01binary\xff")
+
+
+async def test_head_trickled_byte_by_byte_is_parsed(proxy, upstream):
+    _, port = proxy
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    for byte in b"GET /trickle HTTP/1.1\r\n" + H + b"X-A: " + b"a" * 300 + b"\r\n\r\n":
+        writer.write(bytes([byte]))
+        await writer.drain()
+    response = await read_response(reader)
+    writer.close()
+    assert body_json(response)["target"] == "/trickle"
