@@ -88,8 +88,10 @@ def spiffe_id(name: str) -> str:
     return f"spiffe://{TRUST_DOMAIN}/ns/local/sa/{name}"
 
 
-# The proxy's default certificate serves the example routes' hosts on HTTPS.
-EXAMPLE_HOSTS = "*.localtest.me"
+# The proxy's default certificate serves the example routes' TLS hosts on HTTPS
+# (by name: certs' policy never issues a wildcard certificate, even to a token
+# allowed every name under it).
+EXAMPLE_TLS_HOSTS = ("echo-tls.localtest.me", "hello-tls.localtest.me")
 
 
 def process_sans(name: str) -> tuple[str, ...]:
@@ -99,7 +101,11 @@ def process_sans(name: str) -> tuple[str, ...]:
     The proxy's also cover the example routes' hosts (its default HTTPS certificate).
     """
     if name == "proxy":
-        return (f"dns:{name}.{TRUST_DOMAIN}", f"ip:{HOST}", f"dns:{EXAMPLE_HOSTS}")
+        return (
+            f"dns:{name}.{TRUST_DOMAIN}",
+            f"ip:{HOST}",
+            *(f"dns:{host}" for host in EXAMPLE_TLS_HOSTS),
+        )
     return (f"dns:{name}.{TRUST_DOMAIN}", f"ip:{HOST}")
 
 

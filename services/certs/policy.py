@@ -135,9 +135,6 @@ def pattern_matches(pattern: str, name: str) -> bool:
         return False
     if kind == "dns":
         value, pattern_value = value.lower().rstrip("."), pattern_value.lower().rstrip(".")
-        if value == pattern_value:
-            # Also a wildcard asked for by one allowed every name it covers.
-            return True
         if pattern_value.startswith("*."):
             label, dot, rest = value.partition(".")
             return bool(label) and bool(dot) and "*" not in label and rest == pattern_value[2:]
