@@ -436,9 +436,10 @@ class Authority:
         self._lock = threading.RLock()
         # Where listeners and watchers hear of changes made in worker threads.
         self._loop: asyncio.AbstractEventLoop | None = None
-        # What `trust_bundle` returns without the lock until `_due` (a transition).
-        self._published = self._bundle()
-        self._due = self._advance_due()
+        # What `trust_bundle` returns without the lock, and until when (the next
+        # transition): one tuple, replaced whole, so a reader never pairs a bundle
+        # with another bundle's deadline.
+        self._published = (self._bundle(), self._advance_due())
 
     # ------------------------------------------------------------ opening
 
@@ -850,7 +851,7 @@ class Authority:
     def trust_bundle(self) -> TrustBundleView:
         """The bundle now. Read without the lock until a transition falls due, so a
         signing or a store write in progress never holds up a bundle reader."""
-        published, due = self._published, self._due
+        published, due = self._published
         if due is None or self._now() < due:
             return published
         return self._advanced_bundle()
@@ -862,8 +863,7 @@ class Authority:
 
     def _publish(self) -> None:
         # Under the lock, after every locked call: the bundle and when it may next change.
-        self._published = self._bundle()
-        self._due = self._advance_due()
+        self._published = (self._bundle(), self._advance_due())
 
     def _advance_due(self) -> datetime | None:
         """When `advance` next changes the bundle (a switch or a retirement)."""
