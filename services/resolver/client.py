@@ -29,7 +29,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -91,6 +91,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+#: Objects of a snapshot chunk converted between two turns of the event loop.
+SLICE_OBJECTS = 1000
 #: Default silence after which a stream is considered dead: a little over two of
 #: the resolver's default 30 s heartbeats.
 DEFAULT_STALE_AFTER = 75.0
@@ -146,15 +148,25 @@ class _Staging:
         self.endpoints: dict[ServiceKey, dict[str, Endpoint]] = {}
         self.routes: dict[RouteKey, Route] = {}
         self.tunnels: dict[str, TunnelPresence] = {}
+        self._tuples: dict[ServiceKey, tuple[Endpoint, ...]] | None = None
 
-    def add(self, snapshot: pb.Snapshot) -> None:
+    def finish(self) -> dict[ServiceKey, tuple[Endpoint, ...]]:
+        """The endpoints grouped as the View holds them (built once)."""
+        if self._tuples is None:
+            self._tuples = {key: tuple(eps.values()) for key, eps in self.endpoints.items()}
+        return self._tuples
+
+    def add(self, snapshot: pb.Snapshot) -> Iterator[None]:
+        """Gather one chunk; yields after every `SLICE_OBJECTS` objects converted."""
         for service_message in snapshot.services:
             service = convert.service_from_proto(service_message)
             self.services[service.key] = service
         endpoints = self.endpoints
-        for endpoint_message in snapshot.endpoints:
+        for index, endpoint_message in enumerate(snapshot.endpoints, 1):
             endpoint = convert.endpoint_from_proto(endpoint_message)
             endpoints.setdefault(endpoint.service_key, {})[endpoint.address] = endpoint
+            if index % SLICE_OBJECTS == 0:
+                yield
         for route_message in snapshot.routes:
             route = convert.route_from_proto(route_message)
             self.routes[route.key] = route
@@ -312,7 +324,7 @@ class ResolverWatch:
                     if event is grpc.aio.EOF:
                         return
                     deadline.reschedule(loop.time() + self._stale_after)
-                    staging = self._on_event(event, staging)
+                    staging = await self._on_event(event, staging)
         except TimeoutError:
             raise _StreamSilent(
                 f"no event or heartbeat from the resolver for {self._stale_after:g}s"
@@ -320,7 +332,7 @@ class ResolverWatch:
         finally:
             call.cancel()
 
-    def _on_event(self, event: pb.WatchEvent, staging: _Staging | None) -> _Staging | None:
+    async def _on_event(self, event: pb.WatchEvent, staging: _Staging | None) -> _Staging | None:
         """Apply one event; returns the snapshot still being gathered, if any."""
         kind = event.WhichOneof("event")
         if kind == "snapshot":
@@ -328,8 +340,12 @@ class ResolverWatch:
                 staging = _Staging(event.version, event.epoch)
             elif (staging.version, staging.epoch) != (event.version, event.epoch):
                 raise _StreamBroken("a snapshot's chunks changed version mid-way")
-            staging.add(event.snapshot)
-            if event.snapshot.more:
+            chunk = event.snapshot
+            # Converting a 1 MiB chunk takes a good part of a second: in slices,
+            # letting the loop (maybe a proxy's data plane) run in between.
+            for _ in staging.add(chunk):
+                await asyncio.sleep(0)
+            if chunk.more:
                 return staging
             self._apply_snapshot(staging, event)
         elif kind == "changes":
@@ -347,7 +363,7 @@ class ResolverWatch:
         self._resync = False
         self._services = staging.services
         self._endpoints = staging.endpoints
-        self._endpoint_tuples = {key: tuple(eps.values()) for key, eps in staging.endpoints.items()}
+        self._endpoint_tuples = staging.finish()
         self._routes = staging.routes
         self._tunnels = staging.tunnels
         self._publish(event, from_snapshot=True)
