@@ -96,6 +96,9 @@ def _log_access(connection: ClientConnection, route: str, req: RequestHead, stat
 # Timeouts are checked this often (so they fire up to one tick late).
 TICK = 0.1
 TICKS_PER_SECOND = 10
+# A non-idempotent request reuses only connections idle for less than this:
+# upstreams' keep-alive timeouts are seconds (Node.js 5 s, nginx 75 s).
+SAFE_REUSE_IDLE = 2.0
 HIGH_WATER = 256 * 1024
 LOW_WATER = 64 * 1024
 MAX_CONNECT_ATTEMPTS = 3
@@ -522,7 +525,13 @@ class ClientConnection(asyncio.Protocol):
         target = self.target
         assert target is not None
         server = self.server
-        upstream = server.pool.take(target)
+        req = self.req
+        # A request that must never be re-sent only takes a recently used
+        # connection (see Pool.take); idempotent ones may be retried instead.
+        upstream = server.pool.take(
+            target,
+            idle_at_most=None if req is None or req.method in _IDEMPOTENT else SAFE_REUSE_IDLE,
+        )
         if upstream is not None:
             server.metrics.pool_reused += 1
             self._attach(upstream, reused=True)

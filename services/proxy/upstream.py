@@ -130,10 +130,21 @@ class Pool:
         self.reused = 0
         self.opened = 0
 
-    def take(self, target: Target) -> UpstreamConnection | None:
+    def take(
+        self, target: Target, *, idle_at_most: float | None = None
+    ) -> UpstreamConnection | None:
+        """The most recently used idle connection to `target`, or None.
+
+        `idle_at_most`: only a connection idle for less than that many seconds
+        (for requests that may not be re-sent: a connection idle for long is the
+        one an upstream's keep-alive timeout is about to close under us).
+        """
         idle = self._idle.get(target)
         while idle:
-            connection = idle.pop()
+            connection = idle[-1]
+            if idle_at_most is not None and self._clock() - connection.idle_since > idle_at_most:
+                return None
+            idle.pop()
             if connection.usable_idle():
                 self.reused += 1
                 return connection

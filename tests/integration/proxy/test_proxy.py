@@ -570,3 +570,19 @@ async def test_head_trickled_byte_by_byte_is_parsed(proxy, upstream):
     response = await read_response(reader)
     writer.close()
     assert body_json(response)["target"] == "/trickle"
+
+
+async def test_non_idempotent_request_avoids_a_long_idle_pooled_connection(
+    proxy, upstream, monkeypatch
+):
+    from waygate.proxy import server as server_module
+
+    monkeypatch.setattr(server_module, "SAFE_REUSE_IDLE", 0.2)
+    _, port = proxy
+    assert (await exchange(port, b"GET / HTTP/1.1\r\n" + H + b"\r\n")).startswith(b"HTTP/1.1 200")
+    await asyncio.sleep(0.4)
+    post = b"POST / HTTP/1.1\r\n" + H + b"Content-Length: 2\r\n\r\nhi"
+    assert (await exchange(port, post)).startswith(b"HTTP/1.1 200")
+    assert upstream.connections == 2  # the POST did not take the connection idle for 0.4 s
+    assert (await exchange(port, b"GET / HTTP/1.1\r\n" + H + b"\r\n")).startswith(b"HTTP/1.1 200")
+    assert upstream.connections == 2  # a GET may reuse it
