@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
 def _at_least_one(value: int) -> str | None:
     return None if value >= 1 else f"must be at least 1, not {value}"
 
