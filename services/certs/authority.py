@@ -276,7 +276,8 @@ class IssuedRecords:
         now: datetime,
     ) -> IssuedRecord:
         strings = (serial, identity, *dns_names, *uris, issuer_fingerprint, requested_by)
-        size = _RECORD_OVERHEAD + sum(len(text) + _STRING_OVERHEAD for text in strings)
+        # UTF-8 bytes, as a reply carries them (names are ASCII; requested_by may not be).
+        size = _RECORD_OVERHEAD + sum(len(text.encode()) + _STRING_OVERHEAD for text in strings)
         self._sequence += 1
         record = IssuedRecord(
             sequence=self._sequence,
