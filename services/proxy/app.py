@@ -9,8 +9,11 @@ resolver is away it keeps serving the last table. SIGTERM drains: the
 listener stops accepting, in-flight exchanges get `shutdown_grace`, idle
 keep-alive connections close at once (`waygate.core.runtime.Listener`).
 
-`https_port` is reserved for TLS (edge, passthrough, reencrypt) and not
-bound yet. `--workers N` runs N processes on the same port (SO_REUSEPORT),
+`https_port` serves TLS routes (`waygate.proxy.tls`: the certificate by SNI
+among the routes' own, else the proxy's default certificate, from certs or
+`--default-certificate/--default-key`); it is bound only when a default
+certificate exists. Reencrypt routes go through `waygate.proxy.upstream_tls`.
+`--workers N` runs N processes on the same port (SO_REUSEPORT),
 each with its own resolver watch; the parent keeps the admin port and merges
 every worker's metrics into its /metrics (`waygate.proxy.workers`).
 """
@@ -61,7 +64,18 @@ class Settings(ProcessSettings):
 
     http_port: int = setting(8080, help="HTTP listen port", check=port_number)
     https_port: int = setting(
-        8443, help="HTTPS listen port (reserved for TLS routes; not bound yet)", check=port_number
+        8443,
+        help="HTTPS listen port for TLS routes (bound when a default certificate exists: "
+        "from certs, or --default-certificate/--default-key)",
+        check=port_number,
+    )
+    default_certificate: Path | None = setting(
+        None,
+        help="PEM certificate chain served on HTTPS when no route certificate matches the "
+        "SNI (re-read when it changes); unset: the proxy's certificate from certs",
+    )
+    default_key: Path | None = setting(
+        None, help="PEM private key of --default-certificate (a 0600 file)"
     )
     admin_port: int = setting(
         9004, help="admin HTTP port (/metrics /healthz /readyz)", check=port_number
@@ -152,6 +166,14 @@ class Settings(ProcessSettings):
             )
         if self.sticky_key_file is not None and not self.sticky_key_file.is_file():
             return f"invalid setting sticky_key_file: {self.sticky_key_file} is not a readable file"
+        if (self.default_certificate is None) != (self.default_key is None):
+            return (
+                "invalid setting default_certificate: set both default_certificate and default_key"
+            )
+        for name in ("default_certificate", "default_key"):
+            path = getattr(self, name)
+            if path is not None and not path.is_file():
+                return f"invalid setting {name}: {path} is not a readable file"
         return None
 
     def defaults(self) -> Defaults:
@@ -217,6 +239,51 @@ def _sticky_key(settings: Settings) -> bytes:
     return secrets.token_bytes(32)
 
 
+async def _tls_setup(process: ServiceProcess, settings: Settings, server: ProxyServer) -> Any:
+    """The HTTPS listener and the reencrypt step; the SNI map (None without a default)."""
+    from waygate.proxy.tls import DefaultCertificate, EdgeCertificates, TlsListener
+    from waygate.proxy.upstream_tls import UpstreamTLS
+
+    certificates = await process.certificates()
+    default = None
+    if settings.default_certificate is not None and settings.default_key is not None:
+        default = DefaultCertificate.from_files(settings.default_certificate, settings.default_key)
+    elif certificates is not None:
+        default = DefaultCertificate.from_rotator(certificates.rotator)
+        process.on_stop(_closer(default.close))
+
+    def trust_pem() -> bytes | None:
+        return certificates.trust.current.pem if certificates is not None else None
+
+    def client_pem() -> tuple[bytes, bytes] | None:
+        if certificates is None:
+            return None
+        held = certificates.rotator.current
+        return held.chain_pem(), held.key_pem()
+
+    upstream_tls = UpstreamTLS(trust_pem, client_pem, server.dialer.connect)
+    if certificates is not None:
+        process.on_stop(_closer(certificates.rotator.subscribe(upstream_tls.invalidate)))
+        process.on_stop(_closer(certificates.trust.subscribe(upstream_tls.invalidate)))
+    server.upstream_tls = upstream_tls
+    if default is None:
+        log.info("no default certificate (no certs, no --default-certificate): HTTPS not served")
+        return None
+    default.start(process.spawn)
+    edge = EdgeCertificates(default)
+    process.add_listener(
+        TlsListener(server, edge, settings.host, settings.https_port, reuse_port=settings.worker)
+    )
+    return edge
+
+
+def _closer(close: Any) -> Any:
+    async def run() -> None:
+        close()
+
+    return run
+
+
 async def setup(process: ServiceProcess, settings: Settings) -> None:
     from waygate.resolver.client import ResolverWatch
 
@@ -250,7 +317,11 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
             report_forever(metrics, lambda: process.readiness.ready), "proxy-metrics-report"
         )
 
+    edge = await _tls_setup(process, settings, server)
+
     def on_view(view: Any) -> None:
+        if edge is not None:
+            edge.update(view.routes)
         server.set_table(
             build_table(
                 view.routes,

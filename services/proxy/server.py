@@ -42,7 +42,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from waygate.core.tracing import tracer
-from waygate.proxy import http1
+from waygate.proxy import http1, tls
 from waygate.proxy.http1 import (
     FRAMING_CHUNKED,
     FRAMING_CLOSE,
@@ -156,6 +156,10 @@ class ProxyServer:
         self.access_log_budget = access_log_rate
         self.access_log_suppressed = 0
         self._drained = asyncio.Event()
+        # TLS (waygate.proxy.tls, upstream_tls): the HTTPS port once bound (for
+        # redirects), and the reencrypt step (None: no route reencrypts).
+        self.https_port = 0
+        self.upstream_tls: Any = None
 
     # ------------------------------------------------------------ routing table
 
@@ -170,13 +174,17 @@ class ProxyServer:
 
     # ------------------------------------------------------------ listener
 
-    async def start(self, host: str, port: int, *, reuse_port: bool = False) -> int:
+    async def start(
+        self, host: str, port: int, *, reuse_port: bool = False, ssl: Any = None
+    ) -> int:
         server = await self.loop.create_server(
             lambda: ClientConnection(self),
             host,
             port,
             reuse_port=reuse_port or None,
             backlog=1024,
+            ssl=ssl,
+            ssl_handshake_timeout=self.defaults.http_request_timeout if ssl else None,
         )
         self._servers.append(server)
         bound = server.sockets[0].getsockname()[1]
@@ -267,6 +275,7 @@ class ClientConnection(asyncio.Protocol):
         "context",
         "cookie",
         "entry",
+        "hsts",
         "last_client",
         "last_up",
         "loop",
@@ -278,6 +287,7 @@ class ClientConnection(asyncio.Protocol):
         "response_started",
         "retried",
         "scanned",
+        "secure",
         "server",
         "span",
         "started",
@@ -325,6 +335,8 @@ class ClientConnection(asyncio.Protocol):
         self.path = b""
         self.cookie: bytes | None = None
         self.span: Any = None
+        self.secure = False
+        self.hsts = b""
 
     # ------------------------------------------------------------ asyncio.Protocol
 
@@ -339,7 +351,11 @@ class ClientConnection(asyncio.Protocol):
         server.metrics.client_connections = len(server.connections)
         peer = transport.get_extra_info("peername")
         address = peer[0] if peer else "unknown"
-        self.context = ForwardedContext(address, server.listen_port)
+        self.secure = transport.get_extra_info("ssl_object") is not None
+        if self.secure:
+            self.context = ForwardedContext(address, server.https_port, b"https")
+        else:
+            self.context = ForwardedContext(address, server.listen_port)
         self.client_key = address.encode()
         transport.set_write_buffer_limits(high=HIGH_WATER, low=LOW_WATER)
         self._arm(server.defaults.http_request_timeout, _T_HEAD)
@@ -488,6 +504,12 @@ class ClientConnection(asyncio.Protocol):
         if entry is None:
             reason = "no route for host " + req.host.decode("ascii", "replace")
             return self._unavailable(req, reason, "no_route")
+        self.hsts = b""
+        if entry.route.tls is not None:
+            if self.secure:
+                self.hsts = tls.hsts_line(entry.route)
+            elif (rule := tls.edge_rule(entry.route)) != tls.EDGE_ALLOW:
+                return self._insecure(req, entry, rule)
         cookie = self._sticky_cookie(req, entry) if req.cookie else None
         self.cookie = cookie
         picked, backend = entry.pick(self.client_key, cookie, server.health, None)
@@ -626,9 +648,26 @@ class ClientConnection(asyncio.Protocol):
                 self._fail(502, exc.reason, "connect_" + exc.kind)
                 return
             try:
-                _, upstream = await self.loop.create_connection(
-                    functools.partial(UpstreamConnection, server, target), sock=sock
-                )
+                factory = functools.partial(UpstreamConnection, server, target)
+                upstream_tls = server.upstream_tls
+                if upstream_tls is not None and upstream_tls.applies(entry.route):
+                    # Reencrypt: a failed handshake is a 502 that says why.
+                    upstream = await upstream_tls.open(
+                        self.loop,
+                        factory,
+                        sock,
+                        entry.route,
+                        target,
+                        options.connect_timeout,
+                        self.span,
+                    )
+                else:
+                    _, upstream = await self.loop.create_connection(factory, sock=sock)
+            except ConnectError as exc:
+                self._connect_task = None
+                server.metrics.connect_error(exc.kind)
+                self._fail(502, exc.reason, "connect_" + exc.kind)
+                return
             except OSError as exc:
                 sock.close()
                 self._connect_task = None
@@ -802,6 +841,17 @@ class ClientConnection(asyncio.Protocol):
             return False
         transport.write(response)
         return True
+
+    def _insecure(self, req: RequestHead, entry: RouteEntry, rule: int) -> bool:
+        """A TLS route asked for on plain HTTP: 302 to HTTPS, or no route on HTTP."""
+        if rule == tls.EDGE_REDIRECT:
+            self._record(entry.options.name, req, 302)
+            close = req.has_body or not req.keep_alive or self.server.draining
+            port = self.server.https_port or 443
+            response = tls.redirect_response(req.host, req.target, port, close=close)
+            return self._local(req, response, 302, "redirect")
+        reason = f"route {entry.options.name} is served on HTTPS only"
+        return self._unavailable(req, reason, "https_only")
 
     def _unavailable(self, req: RequestHead, reason: str, kind: str) -> bool:
         metrics = self.server.metrics
@@ -1123,6 +1173,8 @@ class UpstreamConnection(asyncio.Protocol):
             target = self.target
             if client.cookie != backend.by_target.get(target):
                 extra = backend.set_cookie.get(target, b"")
+        if client.hsts:
+            extra += client.hsts
         head = http1.build_client_head(response, out_framing, length, keep_alive, extra)
         client.response_started = True
         client.status = response.status

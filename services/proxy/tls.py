@@ -1,0 +1,418 @@
+"""The proxy's HTTPS side: certificates by SNI, the default certificate, edge rules.
+
+- `EdgeCertificates`: the listener's `ssl.SSLContext`. Its SNI callback (run
+  by OpenSSL for every ClientHello, with or without SNI) switches the
+  connection to the context of the route certificate for that name: exact
+  hosts first, then wildcards (`*.example.com` covers one label), else the
+  default certificate. `update(routes)` is called on every resolver view; a
+  context is built once per distinct certificate and reused while it stays,
+  so a swap costs nothing to connections in flight (they keep the context
+  their handshake chose).
+- A route certificate that does not cover its route's host, has expired or
+  does not load is refused: the host gets the default certificate, the
+  reason is logged once per certificate and counted in
+  `waygate_proxy_route_certificates_refused_total{route,reason}`. The expiry
+  of every served route certificate is exported
+  (`waygate_proxy_route_certificate_expiry_timestamp_seconds{route,host}`),
+  with a warning when under 20% of its life remains.
+- `DefaultCertificate`: the proxy's own certificate, from certs through the
+  rotation client (renewed in place), or `--default-certificate/--default-key`
+  files checked for changes every `FILE_POLL` seconds.
+- Session resumption without long-lived ticket keys: Python's `ssl` cannot
+  set or rotate ticket keys, and OpenSSL encrypts tickets with the key of the
+  listener's context (the one the asyncio server holds for its whole life,
+  whatever context the SNI callback switches to), generated once. A ticket
+  key that never rotates would undo forward secrecy for every resumed
+  session, so the listener sets OP_NO_TICKET: TLS 1.2 resumes by session id
+  and TLS 1.3 gets OpenSSL's stateful tickets, both from the listener's
+  in-memory session cache (OpenSSL's default expiry of 300 s).
+- `edge_rule`: what a TLS route answers on the plain HTTP port (its insecure
+  edge policy: Allow, Redirect with 302, or None) and the HSTS header line
+  it adds on HTTPS.
+
+Route private keys are only ever held here in memory (given to OpenSSL
+through an anonymous memfd by `waygate.core.tls`), never logged; a context
+whose route went is dropped with the map that held it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import ssl
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from cryptography import x509
+from prometheus_client import Counter, Gauge
+
+from waygate.core.rotation import CertificateRotator
+from waygate.core.tls import server_context
+from waygate.resolver.model import InsecureEdgePolicy, Route, TLSTermination
+
+log = logging.getLogger(__name__)
+
+ALPN = ("http/1.1",)
+FILE_POLL = 2.0
+WARN_FRACTION = 0.2
+
+ROUTE_CERT_EXPIRY = Gauge(
+    "waygate_proxy_route_certificate_expiry_timestamp_seconds",
+    "notAfter of each route certificate the HTTPS listener serves",
+    ["route", "host"],
+)
+ROUTE_CERT_REFUSED = Counter(
+    "waygate_proxy_route_certificates_refused_total",
+    "route certificates refused (the default certificate is served for the host instead)",
+    ["route", "reason"],
+)
+
+
+class RefusedCertificate(Exception):
+    """A route certificate the proxy will not serve; `kind` is the metric label."""
+
+    def __init__(self, reason: str, kind: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.kind = kind
+
+
+def covers(pattern: str, host: str) -> bool:
+    """RFC 6125 matching of one DNS SAN against a host (wildcard: one leftmost label)."""
+    pattern, host = pattern.lower().rstrip("."), host.lower().rstrip(".")
+    if pattern.startswith("*."):
+        label, _, rest = host.partition(".")
+        return bool(label) and rest == pattern[2:]
+    return pattern == host
+
+
+def dns_names(certificate: x509.Certificate) -> list[str]:
+    try:
+        sans = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    except x509.ExtensionNotFound:
+        return []
+    return list(sans.value.get_values_for_type(x509.DNSName))
+
+
+class ServedCertificate:
+    """One route certificate's context and the facts about it."""
+
+    __slots__ = ("context", "leaf", "not_after", "not_before")
+
+    def __init__(self, chain_pem: bytes, key_pem: bytes, client_ca_pem: bytes | None) -> None:
+        try:
+            self.leaf = x509.load_pem_x509_certificate(chain_pem)
+        except ValueError:
+            raise RefusedCertificate("the route's certificate does not parse", "invalid") from None
+        self.not_before = self.leaf.not_valid_before_utc
+        self.not_after = self.leaf.not_valid_after_utc
+        try:
+            self.context = server_context(
+                chain_pem=chain_pem,
+                key_pem=key_pem,
+                client_ca_pem=client_ca_pem,
+                # Per-route client CAs: asked for at the handshake, and verified
+                # against this route's CA by this (SNI-selected) context.
+                client_auth="optional" if client_ca_pem else "none",
+                alpn_protocols=ALPN,
+            )
+        except (ssl.SSLError, ValueError) as exc:
+            # The message names the OpenSSL failure only, never key material.
+            reason = getattr(exc, "reason", None) or type(exc).__name__
+            raise RefusedCertificate(
+                f"the route's certificate and key do not load ({reason})", "invalid"
+            ) from None
+
+
+def _digest(*parts: str) -> bytes:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.digest()
+
+
+class DefaultCertificate:
+    """The proxy's own certificate as a context: from certs (rotating) or from files."""
+
+    def __init__(self) -> None:
+        self.context: ssl.SSLContext | None = None
+        self.pem: tuple[bytes, bytes] = (b"", b"")
+        self.on_change: Callable[[], None] = lambda: None
+        self._unsubscribe: Callable[[], None] | None = None
+        # Files only: re-read them now if they changed (the watcher calls it).
+        self.check_files: Callable[[], None] = lambda: None
+
+    @classmethod
+    def from_rotator(cls, rotator: CertificateRotator) -> DefaultCertificate:
+        default = cls()
+
+        def build(_held: Any = None) -> None:
+            held = rotator.current
+            default.pem = (held.chain_pem(), held.key_pem())
+            default.context = server_context(
+                chain_pem=default.pem[0], key_pem=default.pem[1], alpn_protocols=ALPN
+            )
+            default.on_change()
+
+        build()
+        default._unsubscribe = rotator.subscribe(build)
+        return default
+
+    @classmethod
+    def from_files(cls, certificate: Path, key: Path) -> DefaultCertificate:
+        """Files read now (start-up fails when they do not load) and re-read when they change."""
+        default = cls()
+        seen: list[tuple[float, float]] = []
+
+        def load() -> None:
+            stamp = (certificate.stat().st_mtime, key.stat().st_mtime)
+            if seen and seen[0] == stamp:
+                return
+            pem = (certificate.read_bytes(), key.read_bytes())
+            context = server_context(chain_pem=pem[0], key_pem=pem[1], alpn_protocols=ALPN)
+            seen[:] = [stamp]
+            default.pem = pem
+            default.context = context
+            default.on_change()
+
+        async def watch() -> None:
+            while True:
+                await asyncio.sleep(FILE_POLL)
+                try:
+                    default.check_files()
+                except (OSError, ssl.SSLError, ValueError) as exc:
+                    # Keep serving the last good pair; a half-written pair is retried.
+                    log.warning(
+                        "default certificate files do not load; keeping the last good pair",
+                        extra={"certificate": str(certificate), "error": type(exc).__name__},
+                    )
+
+        load()
+        default.check_files = load
+        default._watch = watch  # type: ignore[attr-defined]
+        return default
+
+    def start(self, spawn: Callable[[Any, str], Any]) -> None:
+        watch = getattr(self, "_watch", None)
+        if watch is not None:
+            spawn(watch(), "default-certificate-files")
+
+    def close(self) -> None:
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+
+
+class EdgeCertificates:
+    """The HTTPS listener's context: a route certificate by SNI, else the default."""
+
+    def __init__(self, default: DefaultCertificate, *, now: Callable[[], datetime] | None = None):
+        self.default = default
+        self._now = now or (lambda: datetime.now(UTC))
+        self._exact: dict[str, ServedCertificate] = {}
+        self._wildcard: dict[str, ServedCertificate] = {}
+        self._cache: dict[bytes, ServedCertificate] = {}
+        self._refused: set[tuple[str, bytes]] = set()
+        self._routes: tuple[Route, ...] = ()
+        self._served_labels: set[tuple[str, str]] = set()
+        assert default.context is not None
+        # The listener's own context never serves a handshake past the SNI
+        # callback, but it must be a complete, valid server context.
+        self.context = self._listener_context()
+        default.on_change = self._default_changed
+
+    def _listener_context(self) -> ssl.SSLContext:
+        """The context the server holds: protocol versions, ciphers, ALPN and the
+        session cache apply from it to every connection; the certificate is
+        always the one the SNI callback switches to."""
+        chain_pem, key_pem = self.default.pem
+        context = server_context(chain_pem=chain_pem, key_pem=key_pem, alpn_protocols=ALPN)
+        context.options |= ssl.OP_NO_TICKET
+        context.sni_callback = self._on_client_hello
+        return context
+
+    def _default_changed(self) -> None:
+        """Nothing to swap: the SNI callback reads `default.context` on every handshake."""
+
+    # ------------------------------------------------------------ per handshake
+
+    def _on_client_hello(self, ssl_object: Any, server_name: str | None, _ctx: Any) -> None:
+        served = None
+        if server_name:
+            name = server_name.lower()
+            served = self._exact.get(name)
+            if served is None:
+                _, dot, parent = name.partition(".")
+                if dot:
+                    served = self._wildcard.get(parent)
+        ssl_object.context = served.context if served is not None else self.default.context
+
+    def context_for(self, server_name: str | None) -> ssl.SSLContext | None:
+        """The context a handshake with this SNI gets (tests and diagnostics)."""
+
+        class _Probe:
+            context: ssl.SSLContext | None = None
+
+        probe = _Probe()
+        self._on_client_hello(probe, server_name, None)
+        return probe.context
+
+    # ------------------------------------------------------------ per resolver view
+
+    def update(self, routes: Iterable[Route]) -> None:
+        """Rebuild the SNI maps from the routes (edge and reencrypt routes with a certificate)."""
+        routes = tuple(routes)
+        self._routes = routes
+        exact: dict[str, ServedCertificate] = {}
+        wildcard: dict[str, ServedCertificate] = {}
+        cache: dict[bytes, ServedCertificate] = {}
+        labels: set[tuple[str, str]] = set()
+        now = self._now()
+        for route in routes:
+            tls = route.tls
+            if tls is None or tls.termination == TLSTermination.PASSTHROUGH:
+                continue
+            if not tls.certificate and not tls.client_ca_certificate:
+                continue
+            label = f"{route.namespace}/{route.name}"
+            host = route.host.lower()
+            key = _digest(tls.certificate, tls.key, tls.client_ca_certificate)
+            try:
+                served = cache.get(key) or self._cache.get(key)
+                if served is None:
+                    if not tls.certificate:
+                        raise RefusedCertificate(
+                            "a client CA needs the route's own certificate", "missing"
+                        )
+                    served = ServedCertificate(
+                        tls.certificate.encode(),
+                        tls.key.encode(),
+                        tls.client_ca_certificate.encode() or None,
+                    )
+                self._check(served, host, now)
+            except RefusedCertificate as exc:
+                self._refuse(label, host, key, exc)
+                continue
+            cache[key] = served
+            if host.startswith("*."):
+                wildcard.setdefault(host[2:], served)
+            else:
+                exact.setdefault(host, served)
+            ROUTE_CERT_EXPIRY.labels(label, host).set(served.not_after.timestamp())
+            labels.add((label, host))
+            life = (served.not_after - served.not_before).total_seconds()
+            left = (served.not_after - now).total_seconds()
+            if life > 0 and left < WARN_FRACTION * life:
+                log.warning(
+                    "route certificate has under 20%% of its life left",
+                    extra={
+                        "route": label,
+                        "host": host,
+                        "not_after": served.not_after.isoformat(),
+                    },
+                )
+        for gone in self._served_labels - labels:
+            ROUTE_CERT_EXPIRY.remove(*gone)
+        self._served_labels = labels
+        # One assignment each: a handshake sees the old maps or the new ones.
+        self._exact, self._wildcard, self._cache = exact, wildcard, cache
+
+    @staticmethod
+    def _check(served: ServedCertificate, host: str, now: datetime) -> None:
+        if served.not_after <= now:
+            raise RefusedCertificate(
+                f"the route's certificate expired at {served.not_after:%Y-%m-%dT%H:%M:%SZ}",
+                "expired",
+            )
+        names = dns_names(served.leaf)
+        probe = host if not host.startswith("*.") else "wildcard-probe" + host[1:]
+        if not any(covers(name, probe) or name.lower() == host for name in names):
+            listed = ", ".join(names[:5]) or "no DNS names"
+            raise RefusedCertificate(
+                f"the route's certificate is for {listed}, not {host}", "host_mismatch"
+            )
+
+    def _refuse(self, label: str, host: str, key: bytes, exc: RefusedCertificate) -> None:
+        if (label, key) in self._refused:
+            return
+        self._refused.add((label, key))
+        ROUTE_CERT_REFUSED.labels(label, exc.kind).inc()
+        log.warning(
+            "route certificate refused; serving the default certificate for its host",
+            extra={"route": label, "host": host, "reason": exc.reason},
+        )
+
+
+# ---------------------------------------------------------------- plain HTTP and HSTS
+
+
+def hsts_line(route: Route) -> bytes:
+    """The Strict-Transport-Security header line a route adds on HTTPS (b"": none)."""
+    tls = route.tls
+    if tls is None or tls.hsts is None:
+        return b""
+    value = b"max-age=%d" % int(tls.hsts.max_age)
+    if tls.hsts.include_subdomains:
+        value += b"; includeSubDomains"
+    if tls.hsts.preload:
+        value += b"; preload"
+    return b"Strict-Transport-Security: " + value + b"\r\n"
+
+
+def redirect_response(host: bytes, target: bytes, https_port: int, *, close: bool) -> bytes:
+    """302 to the same URL over HTTPS, as OpenShift's router answers."""
+    authority = host if https_port == 443 else host + b":%d" % https_port
+    location = b"https://" + authority + target
+    return (
+        b"HTTP/1.1 302 Found\r\nLocation: %s\r\nContent-Length: 0\r\n"
+        b"Cache-Control: no-store\r\n%s\r\n"
+        % (location, b"Connection: close\r\n" if close else b"")
+    )
+
+
+# What a TLS route answers on the plain HTTP port.
+EDGE_ALLOW, EDGE_REDIRECT, EDGE_REFUSE = range(3)
+
+
+def edge_rule(route: Route) -> int:
+    tls = route.tls
+    if tls is None:
+        return EDGE_ALLOW
+    if tls.termination == TLSTermination.PASSTHROUGH:
+        return EDGE_REFUSE
+    policy = tls.insecure_edge_termination_policy
+    if policy == InsecureEdgePolicy.ALLOW:
+        return EDGE_ALLOW
+    if policy == InsecureEdgePolicy.REDIRECT:
+        return EDGE_REDIRECT
+    return EDGE_REFUSE
+
+
+class TlsListener:
+    """The HTTPS port as a runtime Listener, served by the same ProxyServer as HTTP."""
+
+    def __init__(
+        self, server: Any, certificates: EdgeCertificates, host: str, port: int, reuse_port: bool
+    ) -> None:
+        self.server = server
+        self.certificates = certificates
+        self.host = host
+        self.port = port
+        self.reuse_port = reuse_port
+        self.bound_port = 0
+
+    async def start(self) -> None:
+        self.bound_port = await self.server.start(
+            self.host, self.port, reuse_port=self.reuse_port, ssl=self.certificates.context
+        )
+        log.info("proxy listening", extra={"https_port": self.bound_port})
+
+    def stop_accepting(self) -> None:
+        self.server.stop_accepting()
+
+    async def drain(self, grace: float) -> None:
+        """The HTTP listener's drain covers every connection of the shared server."""

@@ -1,0 +1,253 @@
+"""Reencrypt: TLS from the proxy to the backend, and failures that explain themselves.
+
+`UpstreamTLS.open` replaces the plain `create_connection` of the upstream-
+connect step (`waygate.proxy.server`) for reencrypt routes: the connected
+socket from the dialer is wrapped in TLS, verified against the route's
+destination CA, or Waygate's trust bundle when the route names none, for the
+name `SERVICE.NAMESPACE.svc` of the backend unless the route sets
+`destinationServerName`; with `presentClientCertificate` the proxy's own
+client certificate goes with it. The resulting connection is an ordinary
+`UpstreamConnection`, pooled per endpoint like a plain one.
+
+When the handshake fails the client must learn why (seed 000: a bare 503 and
+`x509: certificate has expired or is not yet valid` in someone else's log).
+OpenSSL reports only a code, so on a verification failure a second,
+unverified handshake (bounded by the connect timeout, failures only) fetches
+the backend's certificate and the reason states the facts:
+
+    upstream certificate expired at 2021-10-30T13:47:51Z
+    upstream certificate is for a.demo.svc, not b.demo.svc
+    upstream certificate signed by an unknown authority (issuer CN=...)
+
+The same sentence goes to the client (502 body and X-Waygate-Error), the log
+line, the request's span (error status and `waygate.upstream_tls.*`
+attributes) and `waygate_proxy_upstream_tls_failures_total{route,reason}`.
+
+Not done: TLS session resumption to backends. asyncio (and uvloop) transports
+offer no way to hand a saved `ssl.SSLSession` to a new connection, so every
+new upstream connection is a full handshake; pooling keeps that rare.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import ssl
+from collections.abc import Callable
+from typing import Any
+
+from cryptography import x509
+from prometheus_client import Counter
+
+from waygate.core.tls import load_pem_chain
+from waygate.proxy.routing import Target
+from waygate.proxy.upstream import ConnectError
+from waygate.resolver.model import Route, TLSTermination
+
+log = logging.getLogger(__name__)
+
+UPSTREAM_TLS_FAILURES = Counter(
+    "waygate_proxy_upstream_tls_failures_total",
+    "TLS handshakes with a backend that failed, by route and reason",
+    ["route", "reason"],
+)
+
+# OpenSSL X509_V_ERR_* codes the explanations distinguish.
+_EXPIRED = 10
+_NOT_YET_VALID = 9
+_HOSTNAME_MISMATCH = 62
+_UNKNOWN_AUTHORITY = frozenset((2, 18, 19, 20, 21))
+_FACTS_TIMEOUT = 5.0
+
+
+def server_name(route: Route, target: Target) -> str:
+    """The name the backend's certificate must carry (and the SNI sent)."""
+    tls = route.tls
+    if tls is not None and tls.destination_server_name:
+        return tls.destination_server_name
+    return f"{target.service}.{target.namespace}.svc"
+
+
+def _when(moment: Any) -> str:
+    return f"{moment:%Y-%m-%dT%H:%M:%SZ}"
+
+
+def explain(exc: BaseException, name: str, leaf: x509.Certificate | None) -> tuple[str, str]:
+    """(reason sentence, metric label) for a failed upstream handshake."""
+    if isinstance(exc, TimeoutError):
+        return "upstream TLS handshake timed out", "timeout"
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        code = exc.verify_code
+        if code == _EXPIRED:
+            if leaf is not None:
+                return f"upstream certificate expired at {_when(leaf.not_valid_after_utc)}", (
+                    "expired"
+                )
+            return "upstream certificate expired", "expired"
+        if code == _NOT_YET_VALID:
+            if leaf is not None:
+                return (
+                    f"upstream certificate is not valid before {_when(leaf.not_valid_before_utc)}",
+                    "not_yet_valid",
+                )
+            return "upstream certificate is not yet valid", "not_yet_valid"
+        if code == _HOSTNAME_MISMATCH:
+            names = _names(leaf) if leaf is not None else ""
+            return (
+                f"upstream certificate is for {names or 'other names'}, not {name}",
+                "name_mismatch",
+            )
+        if code in _UNKNOWN_AUTHORITY:
+            issuer = leaf.issuer.rfc4514_string() if leaf is not None else "unknown"
+            return (
+                f"upstream certificate signed by an unknown authority (issuer {issuer[:200]})",
+                "unknown_authority",
+            )
+        return f"upstream certificate rejected: {exc.verify_message}", "rejected"
+    if isinstance(exc, ssl.SSLError):
+        return f"upstream TLS handshake failed: {exc.reason or type(exc).__name__}", "handshake"
+    if isinstance(exc, ConnectionError | EOFError):
+        return "upstream closed the connection during the TLS handshake", "closed"
+    return f"upstream TLS handshake failed: {type(exc).__name__}", "handshake"
+
+
+def _names(leaf: x509.Certificate) -> str:
+    try:
+        sans = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return ""
+    names = [*sans.get_values_for_type(x509.DNSName)]
+    names += [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)]
+    shown = ", ".join(names[:4])
+    return shown + (f" (+{len(names) - 4} more)" if len(names) > 4 else "")
+
+
+class UpstreamTLS:
+    """Client contexts per (destination CA, client certificate), rebuilt when either source changes.
+
+    `trust_pem()` is Waygate's current trust bundle (None: no bundle, so a route
+    without its own destination CA cannot be verified and fails with that reason);
+    `client_pem()` is the proxy's current (chain, key) or None.
+    """
+
+    def __init__(
+        self,
+        trust_pem: Callable[[], bytes | None],
+        client_pem: Callable[[], tuple[bytes, bytes] | None],
+        connect: Callable[..., Any],
+    ) -> None:
+        self._trust_pem = trust_pem
+        self._client_pem = client_pem
+        self._connect = connect  # the dialer's connect, for the facts handshake
+        self._contexts: dict[tuple[str, bool], ssl.SSLContext] = {}
+
+    def invalidate(self, *_changed: Any) -> None:
+        """The bundle or the proxy's certificate changed: build contexts anew."""
+        self._contexts = {}
+
+    def context(self, route: Route) -> ssl.SSLContext:
+        tls = route.tls
+        assert tls is not None
+        key = (tls.destination_ca_certificate, tls.present_client_certificate)
+        context = self._contexts.get(key)
+        if context is None:
+            context = self._build(*key)
+            self._contexts[key] = context
+        return context
+
+    def _build(self, destination_ca: str, present_client: bool) -> ssl.SSLContext:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.set_alpn_protocols(["http/1.1"])
+        cadata = destination_ca or (self._trust_pem() or b"").decode()
+        if cadata:
+            try:
+                context.load_verify_locations(cadata=cadata)
+            except ssl.SSLError:
+                raise ConnectError(
+                    "the route's destination CA does not parse", "tls_config", retryable=False
+                ) from None
+        if present_client:
+            pem = self._client_pem()
+            if pem is not None:
+                load_pem_chain(context, *pem)
+        return context
+
+    @staticmethod
+    def applies(route: Route) -> bool:
+        tls = route.tls
+        return tls is not None and tls.termination == TLSTermination.REENCRYPT
+
+    async def open(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        factory: Callable[[], asyncio.Protocol],
+        sock: socket.socket,
+        route: Route,
+        target: Target,
+        timeout: float,
+        span: Any = None,
+    ) -> Any:
+        """The TLS connection over `sock`, or ConnectError with the explained reason."""
+        name = server_name(route, target)
+        try:
+            context = self.context(route)
+            _, protocol = await loop.create_connection(
+                factory,
+                sock=sock,
+                ssl=context,
+                server_hostname=name,
+                ssl_handshake_timeout=timeout,
+            )
+            return protocol
+        except ConnectError:
+            sock.close()
+            raise
+        except (OSError, EOFError, TimeoutError) as exc:
+            sock.close()
+            leaf = None
+            if isinstance(exc, ssl.SSLCertVerificationError):
+                leaf = await self._peer_certificate(target, name, timeout)
+            reason, kind = explain(exc, name, leaf)
+            label = f"{route.namespace}/{route.name}"
+            UPSTREAM_TLS_FAILURES.labels(label, kind).inc()
+            log.warning(
+                "upstream TLS handshake failed",
+                extra={
+                    "route": label,
+                    "upstream": f"{target.address}:{target.port}",
+                    "server_name": name,
+                    "reason": reason,
+                },
+            )
+            if span is not None:
+                span.set_attribute("waygate.upstream_tls.reason", kind)
+                span.set_attribute("waygate.upstream_tls.error", reason)
+                span.set_attribute("waygate.upstream_tls.server_name", name)
+            raise ConnectError(reason, "tls_" + kind, retryable=False) from None
+
+    async def _peer_certificate(
+        self, target: Target, name: str, timeout: float
+    ) -> x509.Certificate | None:
+        """The backend's leaf certificate, from an unverified handshake (failures only)."""
+        probe = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        probe.check_hostname = False
+        probe.verify_mode = ssl.CERT_NONE
+        writer = None
+        try:
+            async with asyncio.timeout(min(timeout, _FACTS_TIMEOUT)):
+                sock = await self._connect(target, timeout, None)
+                _, writer = await asyncio.open_connection(
+                    sock=sock, ssl=probe, server_hostname=name
+                )
+                der = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+            return x509.load_der_x509_certificate(der) if der else None
+        except (OSError, EOFError, TimeoutError, ValueError, ConnectError):
+            return None
+        finally:
+            if writer is not None:
+                writer.transport.abort()
+                with contextlib.suppress(Exception):
+                    await writer.wait_closed()
