@@ -268,7 +268,9 @@ def parse_request_head(head: bytes) -> RequestHead:
     except httptools.HttpParserError as exc:
         raise BadMessage("malformed request: " + str(exc).lower()) from None
     request.method = parser.get_method()
-    request.version = parser.get_http_version().encode()
+    # The grammar checked the request line ends in "HTTP/1.0" or "HTTP/1.1".
+    line_end = head.find(b"\r\n")
+    request.version = head[line_end - 3 : line_end]
     _check_request(request)
     return request
 
