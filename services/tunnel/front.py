@@ -480,7 +480,7 @@ class _TlsUpstream:
             try:
                 data = self.tls.read(mux.MAX_CHUNK)
             except ssl.SSLWantReadError:
-                await self._flush()
+                await self._flush_if_idle()
                 if not await self._fill():
                     return b""
                 continue
@@ -488,9 +488,15 @@ class _TlsUpstream:
                 return b""
             except ssl.SSLError:
                 raise ConnectionClosed from None
-            if self._outgoing.pending:
-                await self._flush()
+            await self._flush_if_idle()
             return data
+
+    async def _flush_if_idle(self) -> None:
+        """Records reading produced (rare after the handshake), unless the writer is
+        mid-send: waiting for its credit here could stall the node's response behind
+        the request body, and the writer's next flush takes them anyway."""
+        if self._outgoing.pending and not self._lock.locked():
+            await self._flush()
 
     def delivered(self, size: int) -> None:
         """Credit went back when the raw bytes were fed to OpenSSL."""
