@@ -8,6 +8,7 @@ every task and tunnelled connection the front opened is gone afterwards.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import ssl
 import struct
@@ -230,3 +231,66 @@ async def test_tls_ports_are_spoken_to_in_tls_with_the_fronts_client_certificate
         await until(lambda: not tunnel.hub.sessions[NODE].connections, "tunnelled connections")
     finally:
         await tls_front.stop()
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+async def test_full_duplex_megabytes_both_ways_at_once(front, tmp_path: Path, tls: bool) -> None:
+    """A backend that echoes while it reads (like exec's streams): 4 MiB up and down at
+    once through the front, with neither direction waiting for the other to finish."""
+    tunnel, _, _, context = front
+    backend_context = None
+    if tls:
+        files = tunnel.ca.write_files(tmp_path / "echo", ips=["127.0.0.1"])
+        backend_context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        backend_context.load_cert_chain(files.cert, files.key)
+
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, ssl.SSLError):
+            pass
+        finally:
+            writer.close()
+
+    backend = await asyncio.start_server(echo, "127.0.0.1", 0, ssl=backend_context)
+    backend_port = backend.sockets[0].getsockname()[1]
+    settings = FrontSettings(
+        front_node_addresses=(f"127.0.0.1={NODE}",),
+        front_upstream_tls_ports=(str(backend_port),) if tls else (),
+    )
+    duplex_front = Front(tunnel.hub, settings, dial_timeout=5.0)
+    server_context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_context.load_cert_chain(tunnel.server_files.cert, tunnel.server_files.key)
+    server_context.load_verify_locations(cadata=tunnel.ca.pem.decode())
+    server_context.verify_mode = ssl.CERT_REQUIRED
+    port = await duplex_front.start("127.0.0.1", 0, server_context)
+    try:
+        async with backend:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context)
+            head = f"PUT /stream HTTP/1.1\r\nHost: 127.0.0.1:{backend_port}\r\n\r\n".encode()
+            body = os.urandom(4 * 1024 * 1024)
+
+            async def send() -> None:
+                writer.write(head)
+                for i in range(0, len(body), 65536):
+                    writer.write(body[i : i + 65536])
+                    await writer.drain()
+
+            async def receive() -> bytes:
+                received = bytearray()
+                while len(received) < len(head) + len(body):
+                    data = await reader.read(1 << 20)
+                    assert data, f"ended after {len(received)} bytes"
+                    received.extend(data)
+                return bytes(received)
+
+            _, echoed = await asyncio.wait_for(asyncio.gather(send(), receive()), 60)
+            writer.close()
+            assert echoed.endswith(body)
+            assert echoed.startswith(b"PUT /stream HTTP/1.1\r\n")
+        await until(lambda: not duplex_front.connections, "the front to let go")
+        await until(lambda: not tunnel.hub.sessions[NODE].connections, "tunnelled connections")
+    finally:
+        await duplex_front.stop()
