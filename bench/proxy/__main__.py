@@ -373,13 +373,11 @@ def start_proxies(
             Proxy(MINIMAL, [sys.executable, "-m", "bench.proxy.minimal",
                   str(ports[3]), str(upstream)], ports[3], cores)
         )  # fmt: skip
-    started: list[Proxy] = []
     try:
         for proxy in proxies:
             proxy.start()
-            started.append(proxy)
     except BaseException:
-        for proxy in started:
+        for proxy in proxies:  # the one that failed too: it may still be running
             proxy.stop()
         raise
     return proxies
