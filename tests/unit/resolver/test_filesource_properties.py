@@ -1,6 +1,8 @@
 """Property tests of the routes-file parser (issue 8 item 8): whatever the file holds,
 parsing ends in a FileContent or a clean FileError naming the problem, never in
 any other exception (which the resolver would turn into a crash or a traceback).
+The same for ApplyRoute's input: any Route message converts and validates to a
+route or to InvalidArgument, never to an INTERNAL.
 
 Documents are generated in the file's own shape (the real key names, nested as
 the format nests them) with hostile values, so the search reaches the
@@ -12,11 +14,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
+from google.protobuf import duration_pb2
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from waygate.resolver import filesource
+from waygate.core.errors import InvalidArgument
+from waygate.resolver import convert, filesource
 from waygate.resolver.filesource import FileContent, FileError, parse_routes_file
+from waygate.resolver.v1 import resolver_pb2 as pb
+from waygate.resolver.validation import validate_route
 
 PATH = Path("/routes.yaml")
 
@@ -160,3 +166,74 @@ def test_arbitrary_text_parses_or_fails_cleanly(text: str) -> None:
 )
 def test_yaml_shaped_fragments_parse_or_fail_cleanly(parts: list[str]) -> None:
     parses_cleanly("".join(parts))
+
+
+# ---------------------------------------------------------------- ApplyRoute's input
+
+
+def _duration(seconds: int, nanos: int) -> duration_pb2.Duration:
+    return duration_pb2.Duration(seconds=seconds, nanos=nanos)
+
+
+proto_durations = st.builds(
+    _duration, st.integers(-(10**11), 10**11), st.integers(-999_999_999, 999_999_999)
+)
+enums = st.integers(min_value=0, max_value=7)
+proto_routes = st.builds(
+    pb.Route,
+    namespace=texts,
+    name=texts,
+    host=texts,
+    path=texts,
+    backends=st.lists(
+        st.builds(pb.RouteBackend, service=texts, weight=st.integers(0, 2**32 - 1)), max_size=5
+    ),
+    target_port=texts,
+    tls=st.one_of(
+        st.none(),
+        st.builds(
+            pb.RouteTLS,
+            termination=enums,
+            certificate=texts,
+            key=texts,
+            ca_certificate=texts,
+            destination_ca_certificate=texts,
+            insecure_edge_termination_policy=enums,
+            hsts=st.one_of(
+                st.none(),
+                st.builds(
+                    pb.HSTS,
+                    max_age=proto_durations,
+                    include_subdomains=st.booleans(),
+                    preload=st.booleans(),
+                ),
+            ),
+            client_ca_certificate=texts,
+            destination_server_name=texts,
+            present_client_certificate=st.booleans(),
+        ),
+    ),
+    balance=enums,
+    sticky=st.builds(
+        pb.StickySessions, disable_cookies=st.booleans(), cookie_name=texts, same_site=enums
+    ),
+    timeouts=st.builds(
+        pb.RouteTimeouts,
+        connect=proto_durations,
+        keep_alive=st.one_of(st.none(), proto_durations),
+    ),
+    auth_proxy_headers=st.booleans(),
+    forwarded_headers=enums,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(proto_routes)
+def test_any_apply_route_message_is_a_valid_route_or_invalid_argument(message: pb.Route) -> None:
+    """What ApplyRoute does with its input before the file: never any other exception."""
+    try:
+        route = validate_route(convert.route_from_proto(message))
+    except InvalidArgument as error:
+        assert len(str(error)) < 2000
+    else:
+        assert route.path.startswith("/") and ".." not in route.path.split("/")
