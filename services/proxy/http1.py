@@ -411,7 +411,9 @@ def build_upstream_head(
     """The head sent upstream: always HTTP/1.1, keep-alive unless upgrading."""
     parts = [request.method, b" ", request.target, b" HTTP/1.1\r\n", *request.headers]
     append = parts.append
-    if request.forwarded or mode != "never":
+    if not request.forwarded and (mode == "append" or mode == "replace" or mode == "if-none"):
+        append(context.added(request.host))  # the common case, without a call more
+    elif request.forwarded or mode != "never":
         _forwarded_headers(parts, request, context, mode)
     if traceparent:
         append(b"traceparent: ")
@@ -510,9 +512,6 @@ class ResponseHead:
         self._te: list[bytes] = []
         self._connection: list[bytes] = []
 
-    def on_status(self, reason: bytes) -> None:
-        self.reason += reason
-
     def on_header(self, name: bytes, value: bytes) -> None:
         lname = name.lower()
         if lname not in _RESPONSE_DROP:
@@ -547,7 +546,11 @@ def parse_response_head(head: bytes, http10_upstream_ok: bool = True) -> Respons
         raise
     except httptools.HttpParserError as exc:
         raise BadMessage("upstream sent a malformed response: " + str(exc).lower(), 502) from None
-    response.status = parser.get_status_code()
+    response.status = status = parser.get_status_code()
+    if status not in _STATUS_LINES:
+        # The reason phrase is needed only for a status line not precomputed
+        # (no httptools callback per response for it).
+        response.reason = head[13 : head.find(b"\r\n")]
     if response._te:
         if response.content_length >= 0:
             raise BadMessage("upstream sent Content-Length with Transfer-Encoding", 502)
