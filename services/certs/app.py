@@ -247,6 +247,11 @@ class Settings(GrpcServerSettings):
         help="internal: run as one worker of a --workers group (follows the CA, never "
         "writes it; metrics reported to the parent on stdout)",
     )
+    writer_address: str | None = setting(
+        None,
+        help="internal: loopback host:port of the --workers parent, where a worker "
+        "forwards RotateCA",
+    )
     leader_election: bool = setting(
         True,
         help="with ca_secret: elect a leader over a coordination.k8s.io Lease so several "
@@ -527,10 +532,6 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         authority.add_listener(lambda bundle: write_bundle_file(bundle_file, bundle))
     process.spawn(run_transitions(authority, elector), "ca-rotation-timer")
     log_loaded(store, authority)
-    if settings.workers > 1:
-        await start_workers(process, settings)  # ready once every worker is
-        return
-
     service = CertsService(
         build_authenticator(settings, kube_api),
         build_policy(settings, kube_api),
@@ -538,6 +539,9 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     )
     service.attach(authority)
     process.on_drain(service.end_watches)
+    if settings.workers > 1:
+        await start_workers(process, settings, service)  # ready once every worker is
+        return
     await serve(process, settings, service, authority)
     if elector is not None:
         from waygate.certs.leader import wait_for_leaf_bound
@@ -565,8 +569,13 @@ async def serve(
     authority: Authority,
     *,
     reuse_port: bool = False,
+    writer: str | None = None,
 ) -> None:
-    """Add the gRPC server: certs' own serving certificate, static TLS or plaintext."""
+    """Add the gRPC server: certs' own serving certificate, static TLS or plaintext.
+
+    `writer`: in a --workers worker, the parent's loopback address; RotateCA is
+    forwarded there, with the caller's credentials, since only it writes.
+    """
     credentials: Any
     if settings.serving_identity is not None:
         rotator, credentials = await serving_certificate(
@@ -575,24 +584,86 @@ async def serve(
         process.spawn(rotator.run(), "serving-certificate")
     else:
         credentials = await process.server_credentials(client_auth=False)
+    served = registration(service)
+    if writer is not None:
+        forwarding = ForwardRotateCA(served.servicer, writer)
+        process.on_stop(forwarding.close)
+        served = dataclasses.replace(served, servicer=forwarding)
     process.add_grpc_server(
-        GrpcServer.from_settings(
-            settings, [registration(service)], credentials=credentials, reuse_port=reuse_port
-        )
+        GrpcServer.from_settings(settings, [served], credentials=credentials, reuse_port=reuse_port)
     )
 
 
-async def start_workers(process: ServiceProcess, settings: Settings) -> None:
-    """The parent of a --workers group: N workers serve the gRPC port, it writes CA state."""
+class ForwardRotateCA:
+    """A worker's Certs servicer: every call its own, but RotateCA forwarded to the
+    --workers parent (the writer) with the caller's authorization metadata; the
+    parent's refusal comes back as the same kind of error."""
+
+    def __init__(self, servicer: Any, writer: str) -> None:
+        import grpc
+
+        from waygate.certs.v1 import certs_pb2_grpc
+
+        self._servicer = servicer
+        self._channel = grpc.aio.insecure_channel(writer)
+        self._stub = certs_pb2_grpc.CertsStub(self._channel)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._servicer, name)
+
+    async def RotateCA(self, request: Any, context: Any) -> Any:
+        import grpc
+
+        from waygate.core import errors
+
+        metadata = [(k, v) for k, v in context.invocation_metadata() if k == "authorization"]
+        remaining = context.time_remaining()
+        try:
+            return await self._stub.RotateCA(
+                request, metadata=metadata, timeout=remaining if remaining else 60.0
+            )
+        except grpc.aio.AioRpcError as exc:
+            kinds = {
+                grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
+                grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
+                grpc.StatusCode.UNAUTHENTICATED: errors.Unauthenticated,
+                grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDenied,
+                grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
+            }
+            kind = kinds.get(exc.code(), errors.Unavailable)
+            raise kind(exc.details() or f"the writer process answered {exc.code().name}") from None
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+async def start_workers(process: ServiceProcess, settings: Settings, service: Any) -> None:
+    """The parent of a --workers group: N workers serve the gRPC port, it writes CA state.
+
+    It also serves Certs on a loopback port of its own (plaintext, never the
+    service port), where workers forward RotateCA: the one call only the
+    writer can answer.
+    """
     from waygate.core.workers import WorkerGroup, reserve_port
 
     reservation = reserve_port(settings.host, settings.grpc_port)
     port = reservation.getsockname()[1]
+    writer_reservation = reserve_port("127.0.0.1", 0)
+    writer_port = writer_reservation.getsockname()[1]
 
     async def release() -> None:
         reservation.close()
+        writer_reservation.close()
 
     process.on_stop(release)
+    process.add_grpc_server(
+        GrpcServer(
+            host="127.0.0.1",
+            port=writer_port,
+            registrations=[registration(service)],
+            reuse_port=True,
+        )
+    )
     argv = [
         *sys.argv[1:],
         "--worker",
@@ -602,6 +673,8 @@ async def start_workers(process: ServiceProcess, settings: Settings) -> None:
         str(port),
         "--admin-port",
         "0",
+        "--writer-address",
+        f"127.0.0.1:{writer_port}",
     ]
     group = WorkerGroup(
         process,
@@ -640,7 +713,9 @@ async def setup_worker(process: ServiceProcess, settings: Settings) -> None:
     process.on_drain(service.end_watches)
     process.spawn(store.follow(authority.adopt), "ca-follow")
     process.spawn(run_transitions(authority, writer), "ca-rotation-timer")
-    await serve(process, settings, service, authority, reuse_port=True)
+    await serve(
+        process, settings, service, authority, reuse_port=True, writer=settings.writer_address
+    )
     process.spawn(report_forever(lambda: process.readiness.ready), "worker-report")
     await wait_for_leaf_bound(authority, writer)
     await process.mark_ready()
