@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from tests.support.poll import until as eventually
 from waygate.core.backoff import Backoff
@@ -212,6 +213,9 @@ async def test_restarted_resolver_gives_a_fresh_snapshot_and_the_last_view_serve
         await asyncio.sleep(0.3)
         assert watch.view is before, "the last view keeps serving while the resolver is away"
         assert watch.staleness() >= 0.3
+        assert REGISTRY.get_sample_value("waygate_resolver_client_connected") == 0.0
+        stale = REGISTRY.get_sample_value("waygate_resolver_client_staleness_seconds")
+        assert stale is not None and stale >= 0.3
         # A new process on the same port: its own epoch and versions.
         store = Store(initial_version=before.version + 5)
         store.upsert_route(
@@ -226,6 +230,7 @@ async def test_restarted_resolver_gives_a_fresh_snapshot_and_the_last_view_serve
             assert set(after.routes) == {("shop", "new")}, (
                 "nothing of the old replica's view survives"
             )
+            assert REGISTRY.get_sample_value("waygate_resolver_client_connected") == 1.0
         finally:
             await second.server.stop(0)
     finally:
