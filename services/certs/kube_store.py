@@ -235,10 +235,14 @@ class SecretCAStore:
         except KubeError as exc:
             if exc.conflict:
                 action = "created" if self._seen is None else "changed"
+                then = (
+                    "this replica takes the stored CA from its watch of the Secret"
+                    if self._writer is not None
+                    else "restart certs to load the stored CA"
+                )
                 raise FailedPrecondition(
                     f"CA store {self.description} was {action} by another writer since this "
-                    "process read it (another certs replica?); not overwriting it. Restart "
-                    "certs to load the stored CA."
+                    f"process read it (another certs replica?); not overwriting it: {then}"
                 ) from None
             raise self._error("write", exc) from None
         self._seen = written
