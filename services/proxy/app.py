@@ -321,7 +321,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
 
     def on_view(view: Any) -> None:
         if edge is not None:
-            edge.update(view.routes)
+            edge.update(view.routes.values())
         server.set_table(
             build_table(
                 view.routes,

@@ -409,6 +409,7 @@ class TlsListener:
         self.bound_port = await self.server.start(
             self.host, self.port, reuse_port=self.reuse_port, ssl=self.certificates.context
         )
+        self.server.https_port = self.bound_port  # redirects and X-Forwarded-Port
         log.info("proxy listening", extra={"https_port": self.bound_port})
 
     def stop_accepting(self) -> None:
