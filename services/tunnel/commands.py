@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import re
 import stat
@@ -90,6 +91,12 @@ def _configure_dial(parser: argparse.ArgumentParser) -> None:
         metavar="ADDR",
         help="find the replicas holding NODE through this resolver instead of dialing --addr",
     )
+    parser.add_argument(
+        "--traceparent",
+        default=None,
+        metavar="W3C",
+        help="continue this W3C trace (00-TRACEID-SPANID-FLAGS); needs --otlp-endpoint to export",
+    )
     add_client_arguments(parser, DEFAULT_DIAL_PORT)
     parser.set_defaults(func=_dial)
 
@@ -131,7 +138,9 @@ def _dial(args: argparse.Namespace) -> int:
         )
         try:
             try:
-                stream = await client.dial(match["node"], int(match["port"]), host)
+                stream = await client.dial(
+                    match["node"], int(match["port"]), host, trace_context=args.traceparent
+                )
             except DialFailed as failed:
                 return fail(str(failed), EXIT_USAGE_OR_UNREACHABLE if failed.retryable else 1)
             return await _bridge_stdio(stream)
@@ -186,8 +195,12 @@ async def _bridge_stdio(stream: object) -> int:
         await download()
     finally:
         # stdin may stay open (a terminal): the remote side closing ends the command.
-        uploading.cancel()
-    code = await stream.wait_closed()
+        if not uploading.done():
+            uploading.cancel()
+            await asyncio.gather(uploading, return_exceptions=True)
+            with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
+                await stream.write_eof()
+    code = await asyncio.wait_for(stream.wait_closed(), 30)
     if code not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
         print(f"waygate: the tunnelled connection ended: {code.name}", file=sys.stderr)
         return 1

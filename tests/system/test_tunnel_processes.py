@@ -13,6 +13,7 @@ import asyncio
 import hashlib
 import os
 import signal
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +23,9 @@ import pytest
 import websockets
 import yaml
 
+from tests.support.otlp import OtlpReceiver
 from tests.support.poll import until
-from tests.support.processes import RunningService, run_cli, start_service
+from tests.support.processes import RunningService, child_env, run_cli, start_service
 from waygate.certs.client import GrpcIssuer
 from waygate.core.grpctls import client_credentials
 from waygate.core.rotation import CertificateRotator, TrustBundle, TrustStore, save_certificate
@@ -50,6 +52,7 @@ class Stack:
     certs: RunningService
     server: RunningService
     agent: RunningService | None
+    otlp: OtlpReceiver
 
     @property
     def bundle(self) -> Path:
@@ -75,7 +78,7 @@ class Stack:
                 "--certs-token-file", str(self.token("tunnel-agent")),
                 "--certs-ca-file", str(self.bundle),
                 "--cert-identity", NODE, "--allow", "127.0.0.1/32:*",
-                "--reconnect-max", "1s", *extra,
+                "--reconnect-max", "1s", "--otlp-endpoint", self.otlp.endpoint, *extra,
             ]
         )  # fmt: skip
         return self.agent
@@ -116,6 +119,8 @@ class Stack:
 
 @pytest.fixture
 async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
+    otlp = OtlpReceiver()
+    await otlp.start()
     tokens = []
     for name, allowed in TOKENS.items():
         secret = os.urandom(24).hex()
@@ -147,10 +152,10 @@ async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
                 "--certs-token-file", str(tmp_path / "tunnel-server.token"),
                 "--certs-ca-file", str(tmp_path / "bundle.pem"),
                 "--cert-identity", SERVER_ID, "--cert-sans", "ip:127.0.0.1",
-                "--dialers", DIALER_ID,
+                "--dialers", DIALER_ID, "--otlp-endpoint", otlp.endpoint,
             ]
         )  # fmt: skip
-        result = Stack(tmp_path, certs, server, None)
+        result = Stack(tmp_path, certs, server, None, otlp)
         await result.start_agent()
         await result.identity("dialer", DIALER_ID)
         await until(lambda: result.server.logged("agent connected"), "the agent's stream")
@@ -162,6 +167,7 @@ async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
             if server is not None:
                 await server.stop()
             await certs.stop()
+        await otlp.stop()
 
 
 def renewals(service: RunningService) -> int:
@@ -289,3 +295,57 @@ async def test_refused_destination_and_dialer_not_allowed_by_policy(stack: Stack
     ]  # fmt: skip
     code, out, _err = await run_cli("tunnel", "agents", *dialer_flags)
     assert code == 0 and NODE in out
+
+
+async def test_one_trace_from_the_dialer_through_server_and_agent(stack: Stack) -> None:
+    """`waygate tunnel dial` (its own process) -> tunnel server -> agent: one trace id,
+    each span the child of the one before, with node, replica and connection id."""
+    server = await asyncio.start_server(lambda _r, w: w.close(), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    dialer = stack.directory / "dialer"
+    trace_id = os.urandom(16).hex()
+    parent = os.urandom(8).hex()
+    async with server:
+        # stdin stays open (like a terminal): the dial ends because the backend closed.
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "waygate", "tunnel", "dial", f"{NODE}:{port}",
+            "--addr", stack.dial_address, "--ca-file", str(stack.bundle),
+            "--cert-file", str(dialer / "cert.pem"), "--key-file", str(dialer / "key.pem"),
+            "--otlp-endpoint", stack.otlp.endpoint,
+            "--traceparent", f"00-{trace_id}-{parent}-01",
+            stdin=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=child_env(),
+        )  # fmt: skip
+        assert process.stderr is not None
+        try:
+            code = await asyncio.wait_for(process.wait(), 30)
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+        err = (await process.stderr.read()).decode()
+    assert code == 0, err
+
+    def complete(spans: list) -> bool:
+        mine = [s for s in spans if s.trace_id == trace_id]
+        return {s.service for s in mine} >= {
+            "waygate-cli",
+            "waygate-tunnel-server",
+            "waygate-tunnel-agent",
+        }
+
+    spans = [s for s in await stack.otlp.wait_for(complete, 30) if s.trace_id == trace_id]
+    client = next(s for s in spans if s.service == "waygate-cli" and s.name.endswith("Tunnel/Dial"))
+    served = next(
+        s for s in spans if s.service == "waygate-tunnel-server" and s.name.endswith("Tunnel/Dial")
+    )
+    agent = next(s for s in spans if s.service == "waygate-tunnel-agent")
+    assert client.parent_span_id == parent
+    assert served.parent_span_id == client.span_id
+    assert agent.parent_span_id == served.span_id
+    for span in (served, agent):
+        assert span.attributes["waygate.tunnel.node"] == NODE
+        assert span.attributes["waygate.tunnel.replica"] == "replica-a"
+    assert (
+        served.attributes["waygate.tunnel.connection_id"]
+        == agent.attributes["waygate.tunnel.connection_id"]
+    )
