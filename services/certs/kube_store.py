@@ -28,9 +28,9 @@ follow from the stored state and the clock, so every replica computes the same.
   leader (RotateCA answers UNAVAILABLE; the leader keeps the bound far enough
   ahead that Certify never needs it); a transition stays in memory only: the
   leader stores the same one.
-- On the leader, a transition asked for on the event loop (GetTrustBundle
-  applying a due switch) is written by a background thread; everything else
-  is written in the caller's thread, which is never the loop's.
+- On the leader, a transition is written by a background thread (whoever
+  applied it, Certify included, never waits for the API); a new CA or a raised
+  bound is written in the caller's thread, which is never the loop's.
 - `follow()` watches the Secret (the shared reflector, by field selector) and
   hands every version another writer stored to a callback, in a worker thread:
   how a rotation by the leader reaches every replica within seconds.
@@ -176,7 +176,11 @@ class SecretCAStore:
                 f"this certs replica ({self._writer.identity}) is not the leader, and only "
                 f"the leader writes {what}; the leader is {self._writer.leader_description()}"
             )
-        if kind == "transition" and _on_event_loop():
+        if kind == "transition":
+            # Follows from the stored state and the clock, so it need not hold up
+            # the caller (GetTrustBundle on the loop, Certify or the timer under the
+            # authority's lock): a background thread stores it, and should that
+            # fail, the next write (the bound keeper's, within seconds) carries it.
             self._write_behind(files)
             return
         self._write(files)
@@ -209,8 +213,10 @@ class SecretCAStore:
                     continue
                 try:
                     self._write(files)
-                except (FailedPrecondition, Unavailable) as exc:
-                    log.warning("CA state transition not stored (the next step retries): %s", exc)
+                except Exception as exc:
+                    log.warning(
+                        "CA state transition not stored (the next write carries it): %s", exc
+                    )
 
     def _write(self, files: dict[str, bytes]) -> None:
         for key in files:
@@ -339,11 +345,3 @@ class SecretCAStore:
         finally:
             watching.cancel()
             await asyncio.gather(watching, return_exceptions=True)
-
-
-def _on_event_loop() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True

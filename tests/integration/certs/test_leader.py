@@ -176,7 +176,12 @@ async def test_only_the_leader_writes_the_ca_and_a_follower_names_it(standin: St
             rotation = await asyncio.to_thread(authority.rotate)
             async with asyncio.timeout(5):
                 await adopted.wait()
-            assert replica.active_authority().fingerprint == rotation.new_authority.fingerprint
+            # Staged, then (delay 0) switched: the switch is stored by a background
+            # thread and arrives as a second version.
+            new = rotation.new_authority.fingerprint
+            await until(
+                lambda: replica.active_authority().fingerprint == new, "the switch to reach it"
+            )
         finally:
             following.cancel()
             await asyncio.gather(following, return_exceptions=True)
