@@ -18,7 +18,9 @@ from tests.support.processes import (
     run_cli,
     start_service,
 )
-from waygate.resolver.filesource import EXAMPLE_ROUTES
+from waygate.resolver.filesource import EXAMPLE_ROUTES, parse_routes_file
+
+EXAMPLE = parse_routes_file(EXAMPLE_ROUTES, EXAMPLE_ROUTES.read_text())
 
 pytestmark = pytest.mark.system
 
@@ -59,7 +61,7 @@ async def test_resolve_prints_endpoints_and_exit_codes(
     assert (await http_get(service.admin_port, "/readyz"))[0] == 200
     status, metrics = await http_get(service.admin_port, "/metrics")
     assert status == 200
-    assert 'waygate_resolver_objects{kind="routes"} 3.0' in metrics
+    assert f'waygate_resolver_objects{{kind="routes"}} {len(EXAMPLE.routes)}.0' in metrics
     assert "waygate_resolver_routes_file_valid 1.0" in metrics
     code, out, err = await run_cli(*cli(service, "resolve", "demo/hello:http"))
     assert code == 0, err
@@ -96,8 +98,9 @@ async def test_routes_lists_and_watch_follows_file_edits(
     try:
         assert watcher.stdout is not None
         async with asyncio.timeout(20):
-            # "# version ...", the header, and the example's three routes.
-            lines = [(await watcher.stdout.readline()).decode() for _ in range(5)]
+            # "# version ...", the header, and the example's routes.
+            count = 2 + len(EXAMPLE.routes)
+            lines = [(await watcher.stdout.readline()).decode() for _ in range(count)]
             assert lines[0].startswith("# version ")
             assert "hello.localtest.me" in "".join(lines)
             assert "echo.localtest.me" in "".join(lines)
