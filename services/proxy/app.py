@@ -241,7 +241,8 @@ def _sticky_key(settings: Settings) -> bytes:
 
 async def _tls_setup(process: ServiceProcess, settings: Settings, server: ProxyServer) -> Any:
     """The HTTPS listener and the reencrypt step; the SNI map (None without a default)."""
-    from waygate.proxy.tls import DefaultCertificate, EdgeCertificates, TlsListener
+    from waygate.proxy.passthrough import TlsFront
+    from waygate.proxy.tls import DefaultCertificate, EdgeCertificates
     from waygate.proxy.upstream_tls import UpstreamTLS
 
     certificates = await process.certificates()
@@ -271,10 +272,9 @@ async def _tls_setup(process: ServiceProcess, settings: Settings, server: ProxyS
         return None
     default.start(process.spawn)
     edge = EdgeCertificates(default)
-    process.add_listener(
-        TlsListener(server, edge, settings.host, settings.https_port, reuse_port=settings.worker)
-    )
-    return edge
+    front = TlsFront(server, edge, settings.host, settings.https_port, reuse_port=settings.worker)
+    process.add_listener(front)
+    return front
 
 
 def _closer(close: Any) -> Any:
@@ -317,11 +317,23 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
             report_forever(metrics, lambda: process.readiness.ready), "proxy-metrics-report"
         )
 
-    edge = await _tls_setup(process, settings, server)
+    front = await _tls_setup(process, settings, server)
 
     def on_view(view: Any) -> None:
-        if edge is not None:
-            edge.update(view.routes.values())
+        if front is not None:
+            from waygate.proxy.passthrough import passthrough_table
+
+            front.certificates.update(view.routes.values())
+            front.set_table(
+                passthrough_table(
+                    view.routes,
+                    view.endpoints,
+                    view.services,
+                    defaults=defaults,
+                    cookie_key=cookie_key,
+                    previous=front.table,
+                )
+            )
         server.set_table(
             build_table(
                 view.routes,

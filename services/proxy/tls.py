@@ -390,30 +390,3 @@ def edge_rule(route: Route) -> int:
     if policy == InsecureEdgePolicy.REDIRECT:
         return EDGE_REDIRECT
     return EDGE_REFUSE
-
-
-class TlsListener:
-    """The HTTPS port as a runtime Listener, served by the same ProxyServer as HTTP."""
-
-    def __init__(
-        self, server: Any, certificates: EdgeCertificates, host: str, port: int, reuse_port: bool
-    ) -> None:
-        self.server = server
-        self.certificates = certificates
-        self.host = host
-        self.port = port
-        self.reuse_port = reuse_port
-        self.bound_port = 0
-
-    async def start(self) -> None:
-        self.bound_port = await self.server.start(
-            self.host, self.port, reuse_port=self.reuse_port, ssl=self.certificates.context
-        )
-        self.server.https_port = self.bound_port  # redirects and X-Forwarded-Port
-        log.info("proxy listening", extra={"https_port": self.bound_port})
-
-    def stop_accepting(self) -> None:
-        self.server.stop_accepting()
-
-    async def drain(self, grace: float) -> None:
-        """The HTTP listener's drain covers every connection of the shared server."""

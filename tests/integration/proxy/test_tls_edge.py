@@ -24,6 +24,7 @@ from tests.integration.proxy.harness import (
     table,
 )
 from tests.support.pki import LocalCA
+from waygate.proxy.passthrough import TlsFront
 from waygate.proxy.tls import ROUTE_CERT_REFUSED, DefaultCertificate, EdgeCertificates
 from waygate.resolver.model import HSTS, InsecureEdgePolicy, RouteTLS, TLSTermination
 
@@ -53,9 +54,12 @@ async def https_proxy(
     certificates.update(routes)
     endpoints = [endpoint("web", upstream.port)]
     async with running_proxy(table(routes, endpoints)) as (server, http_port):
-        https_port = await server.start("127.0.0.1", 0, ssl=certificates.context)
-        server.https_port = https_port
-        yield server, http_port, https_port, certificates, default
+        front = TlsFront(server, certificates, "127.0.0.1", 0)
+        await front.start()
+        try:
+            yield server, http_port, front.bound_port, certificates, default
+        finally:
+            await front.drain(1.0)
 
 
 def client_context(ca: LocalCA) -> ssl.SSLContext:

@@ -1,0 +1,373 @@
+"""The HTTPS port's front door: TLS passthrough by SNI, everything else terminated.
+
+Every connection to the HTTPS port is accepted here. Its ClientHello is
+peeked (MSG_PEEK: the kernel keeps the bytes) and parsed by the sans-IO
+`waygate.proxy.sni` until the server name is known, within
+`HELLO_TIMEOUT` and `sni.MAX_HELLO` bytes, however the ClientHello is split
+across records and reads. Then:
+
+- a name with a passthrough route: the connection is relayed, bytes
+  untouched (nothing is decrypted), to an endpoint of the route's backend,
+  picked by source address unless the route sets another policy. The client's
+  ClientHello is still in the socket, so the backend receives it first.
+- any other name, or none: the connection goes to the edge listener
+  (`waygate.proxy.tls`: the route's certificate by SNI, else the default).
+- not TLS, a ClientHello over the bound, or nothing within the timeout: closed.
+
+Each outcome is counted in `waygate_proxy_tls_connections_total{outcome}`.
+
+A relay pauses reading on one side while the other's write buffer is past
+its high-water mark, closes both sides when either closes, and closes after
+the route's tunnel timeout of inactivity; SIGTERM closes relays after the
+grace period. The peek adds one recv per connection; no task per chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+from prometheus_client import Counter
+
+from waygate.proxy import sni
+from waygate.proxy.routing import Defaults, RouteTable, build_table
+from waygate.proxy.upstream import ConnectError
+from waygate.resolver.model import BalancePolicy, Route, TLSTermination
+
+log = logging.getLogger(__name__)
+
+HELLO_TIMEOUT = 10.0
+_PEEK_RETRY = 0.005
+HIGH_WATER = 256 * 1024
+LOW_WATER = 64 * 1024
+
+TLS_CONNECTIONS = Counter(
+    "waygate_proxy_tls_connections_total",
+    "connections to the HTTPS port by what became of them: passthrough, terminated, "
+    "not_tls, too_large, timeout, no_endpoint, connect_failed",
+    ["outcome"],
+)
+
+
+def is_passthrough(route: Route) -> bool:
+    return route.tls is not None and route.tls.termination == TLSTermination.PASSTHROUGH
+
+
+def passthrough_table(
+    routes: Mapping[Any, Route],
+    endpoints: Any,
+    services: Any,
+    *,
+    defaults: Defaults,
+    cookie_key: bytes,
+    previous: RouteTable | None,
+) -> RouteTable:
+    """The passthrough routes as a routing table (host -> backends), balanced by source
+    unless the route says otherwise; the HTTP table leaves them out."""
+    chosen = {
+        key: dataclasses.replace(
+            route,
+            tls=None,
+            balance=route.balance
+            if route.balance != BalancePolicy.DEFAULT
+            else BalancePolicy.SOURCE,
+        )
+        for key, route in routes.items()
+        if is_passthrough(route)
+    }
+    return build_table(
+        chosen, endpoints, services, defaults=defaults, cookie_key=cookie_key, previous=previous
+    )
+
+
+class _Side(asyncio.Protocol):
+    """One side of a byte relay; `peer` is the other side."""
+
+    __slots__ = ("closed", "early", "eof", "peer", "relay", "transport")
+
+    def __init__(self, relay: Relay) -> None:
+        self.relay = relay
+        self.peer: _Side | None = None
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.eof = False
+        # Bytes the backend sent before the client side was attached (bounded).
+        self.early = b""
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        transport.set_write_buffer_limits(high=HIGH_WATER, low=LOW_WATER)
+        peer = self.peer
+        if peer is not None and peer.early:
+            transport.write(peer.early)
+            peer.early = b""
+
+    def data_received(self, data: bytes) -> None:
+        self.relay.last = self.relay.loop.time()
+        peer = self.peer
+        if peer is not None and peer.transport is not None:
+            peer.transport.write(data)
+        elif len(self.early) + len(data) <= HIGH_WATER:
+            self.early += data
+        else:
+            self.relay.close()
+
+    def eof_received(self) -> bool | None:
+        self.eof = True
+        peer = self.peer
+        if peer is None or peer.eof or peer.transport is None:
+            self.relay.close()  # both directions finished
+            return None
+        if peer.transport.can_write_eof():
+            peer.transport.write_eof()
+            return True  # half-close: the other direction carries on
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.relay.close()
+
+    def pause_writing(self) -> None:
+        peer = self.peer
+        if peer is not None and peer.transport is not None:
+            peer.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        peer = self.peer
+        if peer is not None and peer.transport is not None:
+            peer.transport.resume_reading()
+
+
+class Relay:
+    """Client <-> backend bytes for one passthrough connection."""
+
+    def __init__(self, front: TlsFront, timeout: float) -> None:
+        self.front = front
+        self.loop = front.loop
+        self.timeout = timeout
+        self.last = self.loop.time()
+        self.client = _Side(self)
+        self.backend = _Side(self)
+        self.client.peer = self.backend
+        self.backend.peer = self.client
+        self.done = False
+
+    def close(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.front.relays.discard(self)
+        for side in (self.client, self.backend):
+            if side.transport is not None and not side.closed:
+                side.transport.close()
+
+    def abort(self) -> None:
+        self.done = True
+        self.front.relays.discard(self)
+        for side in (self.client, self.backend):
+            if side.transport is not None:
+                side.transport.abort()
+
+
+class TlsFront:
+    """The HTTPS port as a runtime Listener: peek the SNI, relay or terminate."""
+
+    def __init__(
+        self,
+        server: Any,
+        certificates: Any,
+        host: str,
+        port: int,
+        *,
+        reuse_port: bool = False,
+    ) -> None:
+        self.server = server  # the ProxyServer that serves terminated connections
+        self.certificates = certificates  # waygate.proxy.tls.EdgeCertificates
+        self.host = host
+        self.port = port
+        self.reuse_port = reuse_port
+        self.loop = asyncio.get_running_loop()
+        self.table = RouteTable.empty()
+        self.relays: set[Relay] = set()
+        self.pending: set[asyncio.Task[None]] = set()
+        self.bound_port = 0
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._sweeper: asyncio.TimerHandle | None = None
+
+    def set_table(self, table: RouteTable) -> None:
+        self.table = table
+
+    # ------------------------------------------------------------ Listener
+
+    async def start(self) -> None:
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if self.reuse_port:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        listener.bind((self.host, self.port))
+        listener.listen(1024)
+        listener.setblocking(False)
+        self._listener = listener
+        self.bound_port = listener.getsockname()[1]
+        self.server.https_port = self.bound_port  # redirects and X-Forwarded-Port
+        self._accepting = self.loop.create_task(self._accept_forever(listener))
+        self._sweeper = self.loop.call_later(1.0, self._sweep)
+        log.info("proxy listening", extra={"https_port": self.bound_port})
+
+    def stop_accepting(self) -> None:
+        if self._accepting is not None:
+            self._accepting.cancel()
+            self._accepting = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+    async def drain(self, grace: float) -> None:
+        """Relays carry opaque bytes: they get the grace period, then are closed.
+        (Terminated connections are drained by the HTTP listener's ProxyServer.)"""
+        self.stop_accepting()
+        for task in list(self.pending):
+            task.cancel()
+        await asyncio.gather(*self.pending, return_exceptions=True)
+        deadline = self.loop.time() + grace
+        while self.relays and self.loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for relay in list(self.relays):
+            relay.abort()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+
+    # ------------------------------------------------------------ per connection
+
+    async def _accept_forever(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                conn, _ = await self.loop.sock_accept(listener)
+            except OSError as exc:
+                log.warning("HTTPS accept failed", extra={"error": exc.strerror or str(exc)})
+                await asyncio.sleep(0.1)
+                continue
+            if len(self.server.connections) + len(self.relays) >= self.server.max_connections:
+                conn.close()
+                continue
+            conn.setblocking(False)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            task = self.loop.create_task(self._route(conn))
+            self.pending.add(task)
+            task.add_done_callback(self.pending.discard)
+
+    async def _route(self, conn: socket.socket) -> None:
+        try:
+            outcome, name = await self._peek(conn)
+            if outcome != sni.FOUND:
+                label = {sni.NOT_TLS: "not_tls", sni.TOO_LARGE: "too_large"}.get(outcome, "timeout")
+                TLS_CONNECTIONS.labels(label).inc()
+                conn.close()
+                return
+            entry = self.table.lookup(name.encode(), b"/") if name else None
+            if entry is None:
+                TLS_CONNECTIONS.labels("terminated").inc()
+                await self.loop.connect_accepted_socket(
+                    self._client_protocol,
+                    conn,
+                    ssl=self.certificates.context,
+                    ssl_handshake_timeout=HELLO_TIMEOUT,
+                )
+                return
+            await self._relay(conn, entry)
+        except (OSError, EOFError, TimeoutError, ConnectionError):
+            # A client gone or a failed handshake: asyncio closed its transport.
+            conn.close()
+        except BaseException:
+            conn.close()
+            raise
+
+    def _client_protocol(self) -> asyncio.Protocol:
+        from waygate.proxy.server import ClientConnection
+
+        return ClientConnection(self.server)
+
+    async def _peek(self, conn: socket.socket) -> tuple[int, str]:
+        """Peek until the ClientHello's server name is known (bounded in time and size)."""
+        deadline = self.loop.time() + HELLO_TIMEOUT
+        seen = -1
+        while True:
+            try:
+                data = conn.recv(sni.MAX_HELLO + 64, socket.MSG_PEEK)
+            except BlockingIOError:
+                data = None
+            if data is not None:
+                if not data:
+                    return sni.NOT_TLS, ""  # closed before a ClientHello
+                status, name = sni.read_server_name(data)
+                if status != sni.NEED_MORE:
+                    return status, name
+                if len(data) >= sni.MAX_HELLO + 64:
+                    return sni.TOO_LARGE, ""
+            if self.loop.time() >= deadline:
+                return sni.NEED_MORE, ""
+            if data is None or len(data) == seen:
+                # Nothing new: a peeked socket stays readable, so wait a little
+                # instead of on readiness (only fragmented ClientHellos get here).
+                if data is None:
+                    await self._readable(conn, deadline)
+                else:
+                    await asyncio.sleep(_PEEK_RETRY)
+            seen = len(data) if data is not None else seen
+
+    async def _readable(self, conn: socket.socket, deadline: float) -> None:
+        ready = self.loop.create_future()
+        fd = conn.fileno()
+        self.loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, deadline - self.loop.time())):
+                    await ready
+        finally:
+            self.loop.remove_reader(fd)
+
+    async def _relay(self, conn: socket.socket, entry: Any) -> None:
+        peer = conn.getpeername()
+        client_key = (peer[0] if peer else "").encode()
+        target, _ = entry.pick(client_key, None, self.server.health, None)
+        if target is None:
+            TLS_CONNECTIONS.labels("no_endpoint").inc()
+            conn.close()
+            return
+        try:
+            upstream = await self.server.dialer.connect(target, entry.options.connect_timeout, None)
+        except ConnectError as exc:
+            self.server.health.failed(target)
+            TLS_CONNECTIONS.labels("connect_failed").inc()
+            log.warning(
+                "passthrough connect failed",
+                extra={"route": entry.options.name, "reason": exc.reason},
+            )
+            conn.close()
+            return
+        self.server.health.succeeded(target)
+        relay = Relay(self, entry.options.tunnel_timeout)
+        self.relays.add(relay)
+        try:
+            await self.loop.connect_accepted_socket(lambda: relay.backend, upstream)
+            await self.loop.connect_accepted_socket(lambda: relay.client, conn)
+        except BaseException:
+            relay.abort()
+            upstream.close()
+            conn.close()
+            raise
+        TLS_CONNECTIONS.labels("passthrough").inc()
+
+    def _sweep(self) -> None:
+        now = self.loop.time()
+        for relay in [r for r in self.relays if now - r.last > r.timeout]:
+            relay.close()
+        self._sweeper = self.loop.call_later(1.0, self._sweep)

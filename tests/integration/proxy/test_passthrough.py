@@ -1,0 +1,165 @@
+"""TLS passthrough over real sockets: the backend terminates TLS itself and its
+certificate reaches the client unchanged; a ClientHello split across records
+and reads still finds its route; other names are terminated with the default
+certificate; what is not TLS is closed and counted; nothing leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from tests.integration.proxy.harness import endpoint, route, running_proxy
+from tests.integration.proxy.test_reencrypt import TlsBackend
+from tests.support.pki import LocalCA
+from waygate.proxy.passthrough import TLS_CONNECTIONS, TlsFront, passthrough_table
+from waygate.proxy.routing import Defaults
+from waygate.proxy.tls import DefaultCertificate, EdgeCertificates
+from waygate.resolver.model import RouteTLS, TLSTermination
+
+PASSTHROUGH = RouteTLS(termination=TLSTermination.PASSTHROUGH)
+
+
+@contextlib.asynccontextmanager
+async def front_to(backend_port: int, tmp_path: Path, ca: LocalCA) -> AsyncIterator[TlsFront]:
+    routes = [route("pass.test", [("web", 100)], name="pass", tls=PASSTHROUGH)]
+    endpoints = [endpoint("web", backend_port)]
+    files = ca.write_files(tmp_path, dns=["proxy.waygate.local"], prefix="default-")
+    async with running_proxy() as (server, _):
+        front = TlsFront(
+            server,
+            EdgeCertificates(DefaultCertificate.from_files(files.cert, files.key)),
+            "127.0.0.1",
+            0,
+        )
+        grouped = {("demo", "web"): tuple(endpoints)}
+        front.set_table(
+            passthrough_table(
+                {r.key: r for r in routes},
+                grouped,
+                {},
+                defaults=Defaults(),
+                cookie_key=b"k" * 32,
+                previous=None,
+            )
+        )
+        await front.start()
+        try:
+            yield front
+        finally:
+            await front.drain(1.0)
+
+
+async def tls_get(port: int, name: str, cafile: bytes) -> tuple[bytes, bytes]:
+    """(the certificate presented, the response) of GET / over TLS with this SNI."""
+    context = ssl.create_default_context(cadata=cafile.decode())
+    reader, writer = await asyncio.open_connection(
+        "127.0.0.1", port, ssl=context, server_hostname=name
+    )
+    try:
+        der = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+        writer.write(b"GET / HTTP/1.1\r\nHost: " + name.encode() + b"\r\n\r\n")
+        async with asyncio.timeout(5):
+            head = await reader.readuntil(b"\r\n\r\n")
+            body = await reader.readexactly(8) if b"Content-Length: 8" in head else b""
+        return der, head + body
+    finally:
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
+
+
+def outcome(name: str) -> float:
+    return TLS_CONNECTIONS.labels(name)._value.get()
+
+
+async def test_passthrough_relays_the_backends_own_tls(tmp_path: Path) -> None:
+    backend_ca = LocalCA(name="Backend CA")
+    certificate = backend_ca.issue(dns=["pass.test"])
+    backend = await TlsBackend(certificate).start()
+    before = outcome("passthrough")
+    try:
+        async with front_to(backend.port, tmp_path, LocalCA()) as front:
+            der, response = await tls_get(front.bound_port, "pass.test", backend_ca.pem)
+            # Byte for byte the backend's certificate: the proxy decrypted nothing.
+            assert ssl.DER_cert_to_PEM_cert(der).encode() == certificate[0]
+            assert response.startswith(b"HTTP/1.1 200") and response.endswith(b"secured\n")
+            # The backend saw the request exactly as sent: no proxy headers added.
+            assert backend.requests == [b"GET / HTTP/1.1\r\nHost: pass.test\r\n\r\n"]
+            assert outcome("passthrough") == before + 1
+            await asyncio.sleep(0.1)
+            assert not front.relays  # the relay went with the connection
+    finally:
+        await backend.stop()
+
+
+async def test_a_fragmented_client_hello_still_reaches_its_route(tmp_path: Path) -> None:
+    backend_ca = LocalCA(name="Backend CA")
+    backend = await TlsBackend(backend_ca.issue(dns=["pass.test"])).start()
+    try:
+        async with front_to(backend.port, tmp_path, LocalCA()) as front:
+            context = ssl.create_default_context(cadata=backend_ca.pem.decode())
+            incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+            tls = context.wrap_bio(incoming, outgoing, server_hostname="pass.test")
+            with contextlib.suppress(ssl.SSLWantReadError):
+                tls.do_handshake()
+            hello = outgoing.read()
+            body = hello[5:]
+            records = b"".join(
+                b"\x16\x03\x01" + len(body[i : i + 40]).to_bytes(2, "big") + body[i : i + 40]
+                for i in range(0, len(body), 40)
+            )
+            reader, writer = await asyncio.open_connection("127.0.0.1", front.bound_port)
+            for i in range(0, len(records), 33):  # reads that do not line up with records
+                writer.write(records[i : i + 33])
+                await writer.drain()
+                await asyncio.sleep(0.01)
+            async with asyncio.timeout(10):
+                while True:
+                    try:
+                        tls.do_handshake()
+                        break
+                    except ssl.SSLWantReadError:
+                        if outgoing.pending:
+                            writer.write(outgoing.read())
+                        data = await reader.read(65536)
+                        assert data, "closed during the handshake"
+                        incoming.write(data)
+            if outgoing.pending:
+                writer.write(outgoing.read())
+            names = tls.getpeercert()["subjectAltName"]
+            assert names == (("DNS", "pass.test"),)
+            writer.close()
+    finally:
+        await backend.stop()
+
+
+async def test_other_names_are_terminated_and_what_is_not_tls_is_closed(tmp_path: Path) -> None:
+    proxy_ca = LocalCA()
+    backend = await TlsBackend(LocalCA().issue(dns=["pass.test"])).start()
+    terminated, not_tls = outcome("terminated"), outcome("not_tls")
+    try:
+        async with front_to(backend.port, tmp_path, proxy_ca) as front:
+            context = ssl.create_default_context(cadata=proxy_ca.pem.decode())
+            context.check_hostname = False
+            _, writer = await asyncio.open_connection(
+                "127.0.0.1", front.bound_port, ssl=context, server_hostname="other.test"
+            )
+            der = writer.get_extra_info("ssl_object").getpeercert()
+            assert der["subjectAltName"] == (("DNS", "proxy.waygate.local"),)
+            writer.close()
+            reader, writer = await asyncio.open_connection("127.0.0.1", front.bound_port)
+            writer.write(b"GET / HTTP/1.1\r\nHost: pass.test\r\n\r\n")
+            async with asyncio.timeout(5):
+                try:
+                    assert await reader.read() == b""
+                except ConnectionResetError:
+                    pass  # closed with our request unread: a reset is a close too
+            writer.close()
+        assert outcome("terminated") == terminated + 1
+        assert outcome("not_tls") == not_tls + 1
+        assert not backend.requests
+    finally:
+        await backend.stop()
