@@ -103,6 +103,13 @@ _REQUEST_CLASSES: Final[dict[bytes, int]] = {
     b"traceparent": SPECIAL,
     b"cookie": SPECIAL,
 }
+# The response headers the proxy reads and drops (re-adding framing itself),
+# each a whole line of the already-validated head.
+_RESPONSE_HOP_LINE: Final = re.compile(
+    rb"^(connection|keep-alive|proxy-connection|te|trailer|transfer-encoding|upgrade"
+    rb"|content-length):[\t ]*([^\r\n]*?)[\t ]*\r\n",
+    re.IGNORECASE | re.MULTILINE,
+)
 _RESPONSE_DROP: Final = frozenset(
     (
         b"connection",
@@ -486,7 +493,13 @@ def _quote(host: bytes) -> bytes:
 
 
 class ResponseHead:
-    """One parsed, validated response head (httptools' callback target)."""
+    """One parsed, validated response head.
+
+    httptools validates it and gives the status; it has no header callbacks
+    (none per header per response): the few headers the proxy must read or
+    drop are found by one regex pass over the raw block, and every other line
+    is forwarded byte for byte as one block.
+    """
 
     __slots__ = (
         "_connection",
@@ -512,11 +525,9 @@ class ResponseHead:
         self._te: list[bytes] = []
         self._connection: list[bytes] = []
 
-    def on_header(self, name: bytes, value: bytes) -> None:
-        lname = name.lower()
-        if lname not in _RESPONSE_DROP:
-            self.headers.append(name + b": " + value + b"\r\n")
-        elif lname == b"content-length":
+    def hop(self, lname: bytes, value: bytes) -> None:
+        """One header the proxy reads and does not forward as is (see _RESPONSE_HOP_LINE)."""
+        if lname == b"content-length":
             if self.content_length >= 0 or not _DIGITS.fullmatch(value):
                 raise BadMessage("upstream sent a malformed or repeated Content-Length", 502)
             self.content_length = int(value)
@@ -546,6 +557,14 @@ def parse_response_head(head: bytes, http10_upstream_ok: bool = True) -> Respons
         raise
     except httptools.HttpParserError as exc:
         raise BadMessage("upstream sent a malformed response: " + str(exc).lower(), 502) from None
+    block = head[head.find(b"\r\n") + 2 : -2]
+    hop = _RESPONSE_HOP_LINE.findall(block)
+    if hop:
+        response.headers = [_RESPONSE_HOP_LINE.sub(b"", block)]
+        for name, value in hop:
+            response.hop(name.lower(), value)
+    else:
+        response.headers = [block]
     response.status = status = parser.get_status_code()
     if status not in _STATUS_LINES:
         # The reason phrase is needed only for a status line not precomputed
@@ -727,6 +746,8 @@ class ChunkedReader:
 _REASONS: Final = {
     100: b"Continue",
     400: b"Bad Request",
+    401: b"Unauthorized",
+    403: b"Forbidden",
     405: b"Method Not Allowed",
     408: b"Request Timeout",
     413: b"Content Too Large",

@@ -147,3 +147,16 @@ def test_error_response_carries_reason() -> None:
     assert response.startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
     assert b"X-Waygate-Error: no route for host x\r\n" in response
     assert response.endswith(b"\r\n\r\nno route for host x\n")
+
+
+def test_response_hop_by_hop_lines_dropped_others_kept_verbatim() -> None:
+    response = http1.parse_response_head(
+        b"HTTP/1.1 200 OK\r\nServer: x\r\nKeep-Alive: timeout=5\r\nX-Te: 1\r\n"
+        b"Connection: keep-alive\r\nTrailer: X\r\nSet-Cookie: a=b;  Path=/\r\n"
+        b"Content-Length: 2\r\n\r\n"
+    )
+    head = http1.build_client_head(response, http1.FRAMING_LENGTH, 2, True)
+    assert head == (
+        b"HTTP/1.1 200 OK\r\nServer: x\r\nX-Te: 1\r\nSet-Cookie: a=b;  Path=/\r\n"
+        b"Content-Length: 2\r\n\r\n"
+    )
