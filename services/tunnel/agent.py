@@ -59,7 +59,8 @@ class AgentConnection(asyncio.Protocol):
         self.credit = send_window  # what we may still send the server
         self.unacked = 0
         self.owed = 0
-        self.pending: bytes | None = None
+        self.pending: bytes | None = None  # read, waiting for the start or for credit
+        self.started = False  # DIAL_RSP is queued: DATA may follow
         self.eof_pending = False
         self.local_eof = False  # the destination half-closed
         self.remote_eof = False  # the dialer half-closed
@@ -72,18 +73,22 @@ class AgentConnection(asyncio.Protocol):
     def connection_made(self, transport: Any) -> None:
         # uvloop's transports are not asyncio.Transport subclasses: no isinstance check.
         self.transport = transport
-        # Nothing is read before DIAL_RSP is on the stream (`start`): DATA must
-        # never reach the server ahead of the connection's id.
-        transport.pause_reading()
         transport.set_write_buffer_limits(high=self.window >> 1)
+        # Nothing goes to the server before DIAL_RSP is queued (`start`): DATA must
+        # never reach it ahead of the connection's id. Asking the loop to pause is
+        # not enough (uvloop starts reading after connection_made), so bytes that
+        # arrive early are held in `pending` and reading pauses after one read.
+        transport.pause_reading()
 
     def start(self) -> None:
-        if self.transport is not None and self.pending is None and not self.transport.is_closing():
-            self.transport.resume_reading()
+        self.started = True
+        self._flush()
 
     def data_received(self, data: bytes) -> None:
-        if self.pending is not None:
-            self.pending += data
+        if self.pending is not None or not self.started:
+            self.pending = data if self.pending is None else self.pending + data
+            assert self.transport is not None
+            self.transport.pause_reading()
             return
         size = len(data)
         if size <= self.credit and size <= MAX_CHUNK:
@@ -107,9 +112,24 @@ class AgentConnection(asyncio.Protocol):
             assert self.transport is not None
             self.transport.pause_reading()
 
+    def _flush(self) -> None:
+        """Send what waited (for the start or for credit); then read again, or pass on EOF."""
+        pending = self.pending
+        if pending is not None:
+            self.pending = None
+            self._send_what_credit_allows(pending)
+            if self.pending is not None:
+                return  # still short of credit: the next WINDOW_UPDATE flushes again
+        if self.eof_pending:
+            self.eof_pending = False
+            self.stream.send(mux.eof_packet(self.connect_id))
+            self._close_if_done()
+        elif self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+
     def eof_received(self) -> bool:
         self.local_eof = True
-        if self.pending is not None:
+        if self.pending is not None or not self.started:
             self.eof_pending = True
         else:
             self.stream.send(mux.eof_packet(self.connect_id))
@@ -165,17 +185,8 @@ class AgentConnection(asyncio.Protocol):
 
     def on_window_update(self, increment: int) -> None:
         self.credit += increment
-        pending = self.pending
-        if pending is None:
-            return
-        self.pending = None
-        self._send_what_credit_allows(pending)
-        if self.pending is None and self.transport is not None:
-            self.transport.resume_reading()
-            if self.eof_pending:
-                self.eof_pending = False
-                self.stream.send(mux.eof_packet(self.connect_id))
-                self._close_if_done()
+        if self.pending is not None and self.started:
+            self._flush()
 
     def on_close(self) -> None:
         self.closed_by_server = True

@@ -104,3 +104,20 @@ async def test_a_destination_that_speaks_first_loses_nothing(tunnel: Tunnel) -> 
             while chunk := await stream.read():
                 data += chunk
             assert data == b"220 hello\r\n" + b"." * 200_000
+
+
+def test_a_destination_that_speaks_first_loses_nothing_under_uvloop(tmp_path: Path) -> None:
+    """The processes run uvloop, which starts reading a socket after connection_made
+    whatever the protocol asked: early bytes must wait for DIAL_RSP, not vanish."""
+    import uvloop
+
+    async def scenario() -> None:
+        t = Tunnel(tmp_path)
+        await t.start_server()
+        await t.start_agent()
+        try:
+            await test_a_destination_that_speaks_first_loses_nothing(t)
+        finally:
+            await t.close()
+
+    uvloop.run(scenario())
