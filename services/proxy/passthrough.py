@@ -188,6 +188,7 @@ class TlsFront:
     ) -> None:
         self.server = server  # the ProxyServer that serves terminated connections
         self.certificates = certificates  # waygate.proxy.tls.EdgeCertificates
+        server.edge = certificates
         self.host = host
         self.port = port
         self.reuse_port = reuse_port

@@ -160,6 +160,7 @@ class ProxyServer:
         # redirects), and the reencrypt step (None: no route reencrypts).
         self.https_port = 0
         self.upstream_tls: Any = None
+        self.edge: Any = None  # waygate.proxy.tls.EdgeCertificates (client-CA routes)
 
     # ------------------------------------------------------------ routing table
 
@@ -505,9 +506,18 @@ class ClientConnection(asyncio.Protocol):
             reason = "no route for host " + req.host.decode("ascii", "replace")
             return self._unavailable(req, reason, "no_route")
         self.hsts = b""
+        identity = b""
         if entry.route.tls is not None:
             if self.secure:
                 self.hsts = tls.hsts_line(entry.route)
+                if entry.route.tls.client_ca_certificate:
+                    checked = server.edge.client_identity(
+                        self.transport.get_extra_info("ssl_object"),  # type: ignore[union-attr]
+                        entry.route,
+                    )
+                    if isinstance(checked, tuple):
+                        return self._refuse_client(req, entry, *checked)
+                    identity = checked
             elif (rule := tls.edge_rule(entry.route)) != tls.EDGE_ALLOW:
                 return self._insecure(req, entry, rule)
         cookie = self._sticky_cookie(req, entry) if req.cookie else None
@@ -540,6 +550,9 @@ class ClientConnection(asyncio.Protocol):
         self.upstream_head = http1.build_upstream_head(
             req, self.context, entry.options.forwarded_mode, traceparent
         )
+        if identity:
+            # Set from the verified certificate; the client's own copies were stripped.
+            self.upstream_head = self.upstream_head[:-2] + identity + b"\r\n"
         return True
 
     def _dispatch(self) -> None:
@@ -841,6 +854,14 @@ class ClientConnection(asyncio.Protocol):
             return False
         transport.write(response)
         return True
+
+    def _refuse_client(self, req: RequestHead, entry: RouteEntry, status: int, reason: str) -> bool:
+        """An auth-proxy route without the client certificate it requires: 401/403."""
+        self._record(entry.options.name, req, status)
+        metrics = self.server.metrics
+        metrics.refused["client_certificate"] = metrics.refused.get("client_certificate", 0) + 1
+        response = http1.error_response(status, reason, head_only=req.method == b"HEAD")
+        return self._local(req, response, status, "client_certificate")
 
     def _insecure(self, req: RequestHead, entry: RouteEntry, rule: int) -> bool:
         """A TLS route asked for on plain HTTP: 302 to HTTPS, or no route on HTTP."""

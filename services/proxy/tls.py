@@ -219,6 +219,8 @@ class EdgeCertificates:
         self._refused: set[tuple[str, bytes]] = set()
         self._routes: tuple[Route, ...] = ()
         self._served_labels: set[tuple[str, str]] = set()
+        # Route key -> the context that verifies its clients (client-CA routes only).
+        self._client_auth: dict[tuple[str, str], ssl.SSLContext] = {}
         assert default.context is not None
         # The listener's own context never serves a handshake past the SNI
         # callback, but it must be a complete, valid server context.
@@ -271,6 +273,7 @@ class EdgeCertificates:
         wildcard: dict[str, ServedCertificate] = {}
         cache: dict[bytes, ServedCertificate] = {}
         labels: set[tuple[str, str]] = set()
+        client_auth: dict[tuple[str, str], ssl.SSLContext] = {}
         now = self._now()
         for route in routes:
             tls = route.tls
@@ -298,6 +301,8 @@ class EdgeCertificates:
                 self._refuse(label, host, key, exc)
                 continue
             cache[key] = served
+            if tls.client_ca_certificate:
+                client_auth[(route.namespace, route.name)] = served.context
             if host.startswith("*."):
                 wildcard.setdefault(host[2:], served)
             else:
@@ -320,6 +325,12 @@ class EdgeCertificates:
         self._served_labels = labels
         # One assignment each: a handshake sees the old maps or the new ones.
         self._exact, self._wildcard, self._cache = exact, wildcard, cache
+        self._client_auth = client_auth
+        # OpenSSL keeps the verify mode the connection started with when the SNI
+        # callback switches contexts, so the listener asks for a client
+        # certificate (optionally) whenever a route needs one; the switched-to
+        # context's CA verifies it, and `client_identity` decides per request.
+        self.context.verify_mode = ssl.CERT_OPTIONAL if client_auth else ssl.CERT_NONE
 
     @staticmethod
     def _check(served: ServedCertificate, host: str, now: datetime) -> None:
@@ -345,6 +356,50 @@ class EdgeCertificates:
             "route certificate refused; serving the default certificate for its host",
             extra={"route": label, "host": host, "reason": exc.reason},
         )
+
+    def client_identity(self, ssl_object: Any, route: Route) -> tuple[int, str] | bytes:
+        """For a route with a client CA: the identity header lines from the verified
+        client certificate, or (401|403, reason) to answer instead."""
+        label = f"{route.namespace}/{route.name}"
+        expected = self._client_auth.get((route.namespace, route.name))
+        if expected is None:
+            return 403, f"route {label} requires a client certificate and has no usable one"
+        if ssl_object is None or ssl_object.context is not expected:
+            # Verified (if at all) by another host's CA: this route's CA never saw it.
+            return 403, (
+                f"route {label} requires a client certificate: connect with TLS server "
+                f"name {route.host}"
+            )
+        der = ssl_object.getpeercert(binary_form=True)
+        if not der:
+            return 401, f"route {label} requires a client certificate from its CA"
+        return identity_headers(x509.load_der_x509_certificate(der))
+
+
+def identity_headers(certificate: x509.Certificate) -> bytes:
+    """X-Remote-User (the SPIFFE ID, else the CN) and X-Remote-Group (each O)."""
+    user = ""
+    try:
+        sans = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        spiffe = [u for u in sans.get_values_for_type(x509.UniformResourceIdentifier)]
+        user = next((u for u in spiffe if u.startswith("spiffe://")), "")
+    except x509.ExtensionNotFound:
+        pass
+    subject = certificate.subject
+    if not user:
+        names = subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)
+        user = str(names[0].value) if names else ""
+    lines = b""
+    if user:
+        lines += b"X-Remote-User: " + _header_value(user) + b"\r\n"
+    for org in subject.get_attributes_for_oid(x509.NameOID.ORGANIZATION_NAME):
+        lines += b"X-Remote-Group: " + _header_value(str(org.value)) + b"\r\n"
+    return lines
+
+
+def _header_value(text: str) -> bytes:
+    """Printable ASCII only: a certificate field never injects a header line."""
+    return "".join(c if " " <= c <= "~" else "?" for c in text[:512]).encode()
 
 
 # ---------------------------------------------------------------- plain HTTP and HSTS

@@ -150,7 +150,9 @@ class UpstreamTLS:
     def context(self, route: Route) -> ssl.SSLContext:
         tls = route.tls
         assert tls is not None
-        key = (tls.destination_ca_certificate, tls.present_client_certificate)
+        # An auth-proxy route (client CA) presents the proxy's front-proxy certificate.
+        present = tls.present_client_certificate or bool(tls.client_ca_certificate)
+        key = (tls.destination_ca_certificate, present)
         context = self._contexts.get(key)
         if context is None:
             context = self._build(*key)
