@@ -139,7 +139,7 @@ async def test_up_serves_tls_everywhere_and_clients_need_no_flags(up) -> None:
             assert code != 0, f"{name} {field} accepted a client without a certificate"
 
     children = children_of(up.process.pid)
-    assert len(children) == len(BY_NAME)
+    assert len(children) == len(BY_NAME) + 1  # the services and the demo backend
     up.process.send_signal(signal.SIGTERM)
     assert await asyncio.wait_for(up.process.wait(), 60) == 0
     assert [pid for pid in children if alive(pid)] == []
