@@ -45,10 +45,12 @@ import json
 import logging
 import re
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from waygate.certs.authority import STATE_FILE
+from waygate.core.backoff import Backoff
 from waygate.core.errors import FailedPrecondition, Unavailable
 from waygate.core.kube import JSON, KubeAPI, KubeError, Reflector
 
@@ -204,6 +206,9 @@ class SecretCAStore:
             threading.Thread(target=self._flush_behind, name="ca-write-behind", daemon=True).start()
 
     def _flush_behind(self) -> None:
+        """Store the newest transition; retried with backoff while this replica
+        leads (a leader that stops leaves it to the next, which stores its own)."""
+        backoff = Backoff(0.5, 10.0)
         while True:
             with self._write_lock:
                 files, self._behind = self._behind, None
@@ -213,10 +218,21 @@ class SecretCAStore:
                     continue
                 try:
                     self._write(files)
+                    backoff.reset()
+                    continue
+                except FailedPrecondition as exc:
+                    # Someone else stored a newer state (a previous leader's late
+                    # write): the watch brings it, and applying it again from there
+                    # makes a new transition to store. Never overwrite it.
+                    log.warning("CA state transition not stored: %s", exc)
+                    continue
                 except Exception as exc:
-                    log.warning(
-                        "CA state transition not stored (the next write carries it): %s", exc
-                    )
+                    failure = exc
+                    if self._behind is None:
+                        self._behind = files  # nothing newer came meanwhile: retry this
+            delay = backoff.next_delay()
+            log.warning("CA state transition not stored, retrying in %.1fs: %s", delay, failure)
+            time.sleep(delay)
 
     def _write(self, files: dict[str, bytes]) -> None:
         for key in files:

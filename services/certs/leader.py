@@ -117,6 +117,9 @@ class LeaderElector:
         #: The holder as last seen ("" when none); this replica's identity when leading.
         self.holder = ""
         self._leading = False
+        # Set when run() ends: a renewal still in flight then counts for nothing,
+        # since the Lease is being released.
+        self._stopping = False
         self._changed: asyncio.Event | None = None
         self._callbacks: list[Callable[[bool], None]] = []
 
@@ -126,7 +129,8 @@ class LeaderElector:
         """True while this replica may write: within renew_deadline of its last renewal."""
         with self._lock:
             return (
-                self._renewed_at is not None
+                not self._stopping
+                and self._renewed_at is not None
                 and self._clock() < self._renewed_at + self.timing.renew_deadline
             )
 
@@ -168,6 +172,8 @@ class LeaderElector:
                 elapsed = self._clock() - started
                 await asyncio.sleep(max(0.0, self.timing.retry_period - elapsed))
         finally:
+            with self._lock:
+                self._stopping = True
             self._set_leading(False)
             executor.shutdown(wait=False, cancel_futures=True)
             await asyncio.to_thread(self._release)
@@ -272,6 +278,8 @@ class LeaderElector:
         self._observed_at = self._clock()
         self.holder = self.identity
         with self._lock:
+            if self._stopping:
+                return
             # Counted from before the request was sent: the lease can only run
             # out later than that on anyone's clock.
             self._renewed_at = attempt_started
