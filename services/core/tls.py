@@ -7,18 +7,21 @@ else: no grpc (gRPC credentials and channel rotation are in
 - `server_context`: THE builder of every server `ssl.SSLContext` in Waygate
   (HTTPS listeners, the proxy's route and default certificates, the tunnel
   front, static tls_* files). TLS 1.2+, Mozilla "intermediate" ciphers and
-  groups, session tickets on. It refuses client authentication without a CA
+  groups (X25519, P-256, P-384: set through OpenSSL's SSL_CTX_ctrl, which
+  Python's ssl does not expose). It refuses client authentication without a CA
   to check clients against: a service that requires client certificates never
   silently serves without them.
 - `ServerSSLContexts`: an `ssl.SSLContext` for asyncio HTTPS listeners whose
   SNI callback (run for every ClientHello, with or without SNI) switches the
   connection to the context built from the current certificate.
 
-Session tickets: Python's `ssl` cannot set ticket keys. Every context gets its
-own random ticket key from OpenSSL when it is built, so ticket keys rotate with
-the context: `ServerSSLContexts` rebuilds on every renewal, and the proxy
-rebuilds its contexts periodically (`waygate.proxy.tls`). A ticket from an older
-context simply fails to decrypt and the client does a full handshake.
+Session resumption without long-lived ticket keys: Python's `ssl` cannot set
+or rotate session-ticket keys, and OpenSSL encrypts tickets with a key of the
+listener's context, made once and kept for the listener's whole life (an SNI
+callback switching contexts does not change it). A ticket key that never
+rotates would undo forward secrecy for every resumed session, so every context
+built here sets OP_NO_TICKET: TLS 1.2 resumes by session id and TLS 1.3 gets
+OpenSSL's stateful tickets, both from the listener's in-memory session cache.
 
 Invariants: the private key is given to OpenSSL in memory (an anonymous memfd,
 never a file on disk), and every context built here refuses anything older
@@ -27,6 +30,7 @@ than TLS 1.2.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import ssl
@@ -53,10 +57,10 @@ INTERMEDIATE_CIPHERS = ":".join(
         "DHE-RSA-CHACHA20-POLY1305",
     )
 )
-# Mozilla intermediate groups: X25519, prime256v1, secp384r1. Python's ssl sets one
-# ECDH curve at most (`set_ecdh_curve`), which would disable the others; OpenSSL 3's
-# default group list is X25519, P-256, X448, P-384, P-521 plus FFDHE groups, which
-# Mozilla's checker accepts, so the default list is kept.
+# Mozilla intermediate groups. Python's ssl can set one ECDH curve at most
+# (`set_ecdh_curve`), so the list goes to OpenSSL directly (`_set_groups`).
+INTERMEDIATE_GROUPS = b"X25519:P-256:P-384"
+_SSL_CTRL_SET_GROUPS_LIST = 92
 
 ClientAuth = Literal["none", "optional", "required"]
 
@@ -80,6 +84,22 @@ def load_pem_chain(context: ssl.SSLContext, chain_pem: bytes, key_pem: bytes) ->
         with os.fdopen(descriptor, "wb") as handle:
             handle.write(data)
         context.load_cert_chain(path)
+
+
+def _set_groups(context: ssl.SSLContext, groups: bytes) -> bool:
+    """SSL_CTX_set1_groups_list on the context's SSL_CTX (CPython keeps the pointer
+    right after the object header). False, and OpenSSL's default groups, where that
+    is not possible."""
+    try:
+        libssl = ctypes.CDLL(ssl._ssl.__file__)  # type: ignore[attr-defined]
+        ctrl = libssl.SSL_CTX_ctrl
+        ctrl.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_char_p)
+        ctrl.restype = ctypes.c_long
+        header = ctypes.sizeof(ctypes.c_ssize_t) + ctypes.sizeof(ctypes.c_void_p)
+        ssl_ctx = ctypes.c_void_p.from_address(id(context) + header).value
+        return bool(ssl_ctx) and ctrl(ssl_ctx, _SSL_CTRL_SET_GROUPS_LIST, 0, groups) == 1
+    except (OSError, AttributeError, ValueError):
+        return False
 
 
 def load_certificate_chain(context: ssl.SSLContext, held: HeldCertificate) -> None:
@@ -111,7 +131,9 @@ def server_context(
     # The server picks the suite (Mozilla intermediate: client preference is fine too,
     # but the server order puts AES-GCM and ECDSA first).
     context.options |= ssl.OP_CIPHER_SERVER_PREFERENCE | ssl.OP_NO_COMPRESSION
-    context.options |= ssl.OP_NO_RENEGOTIATION
+    context.options |= ssl.OP_NO_RENEGOTIATION | ssl.OP_NO_TICKET
+    if not _set_groups(context, INTERMEDIATE_GROUPS):
+        log.debug("could not restrict TLS groups; OpenSSL's defaults apply")
     load_pem_chain(context, chain_pem, key_pem)
     if mode != "none":
         assert client_ca_pem is not None

@@ -23,7 +23,8 @@
   listener's context (the one the asyncio server holds for its whole life,
   whatever context the SNI callback switches to), generated once. A ticket
   key that never rotates would undo forward secrecy for every resumed
-  session, so the listener sets OP_NO_TICKET: TLS 1.2 resumes by session id
+  session, so the listener (like every context `waygate.core.tls` builds)
+  sets OP_NO_TICKET: TLS 1.2 resumes by session id
   and TLS 1.3 gets OpenSSL's stateful tickets, both from the listener's
   in-memory session cache (OpenSSL's default expiry of 300 s).
 - `edge_rule`: what a TLS route answers on the plain HTTP port (its insecure
@@ -233,7 +234,6 @@ class EdgeCertificates:
         always the one the SNI callback switches to."""
         chain_pem, key_pem = self.default.pem
         context = server_context(chain_pem=chain_pem, key_pem=key_pem, alpn_protocols=ALPN)
-        context.options |= ssl.OP_NO_TICKET
         context.sni_callback = self._on_client_hello
         return context
 
