@@ -327,7 +327,12 @@ class TlsFront:
     async def _readable(self, conn: socket.socket, deadline: float) -> None:
         ready = self.loop.create_future()
         fd = conn.fileno()
-        self.loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+
+        def wake() -> None:
+            if not ready.done():
+                ready.set_result(None)
+
+        self.loop.add_reader(fd, wake)
         try:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, deadline - self.loop.time())):

@@ -264,3 +264,61 @@ async def test_route_and_default_certificates_replaced_during_a_request_loop(
         # Both hosts saw several certificates: the swaps took effect.
         assert len(seen_serials) >= 6
         assert server.https_port == port
+
+
+async def test_the_proxys_own_certificate_renewed_during_a_request_loop(
+    upstream: RecordingUpstream,
+) -> None:
+    """The default certificate from the rotation client (certs' path): renewals
+    are served from the next handshake on, with zero failed requests."""
+    from waygate.core.rotation import CertificateRotator
+
+    ca = LocalCA()
+    rotator = CertificateRotator(
+        ca, "spiffe://waygate.local/ns/local/sa/proxy", ("dns:proxy.waygate.local",)
+    )
+    await rotator.obtain()
+    default = DefaultCertificate.from_rotator(rotator)
+    certificates = EdgeCertificates(default)
+    routes = [route("d.example.test", [("web", 100)], name="d", tls=edge())]
+    certificates.update(routes)
+    async with running_proxy(table(routes, [endpoint("web", upstream.port)])) as (server, _):
+        front = TlsFront(server, certificates, "127.0.0.1", 0)
+        await front.start()
+        stop = asyncio.Event()
+        results: list[bytes] = []
+        serials: set[int] = set()
+
+        async def loop() -> None:
+            while not stop.is_set():
+                results.append((await https_get(front.bound_port, "d.example.test", ca))[:12])
+                serials.add((await presented(front.bound_port, "d.example.test", ca)).serial_number)
+
+        running = asyncio.ensure_future(loop())
+        try:
+            for _ in range(3):
+                await asyncio.sleep(0.2)
+                await rotator.renew_once()
+            await asyncio.sleep(0.2)
+        finally:
+            stop.set()
+            await asyncio.wait_for(running, 20)
+            await front.drain(1.0)
+            default.close()
+    assert results and all(r == b"HTTP/1.1 200" for r in results), set(results)
+    assert len(serials) >= 3
+
+
+async def test_a_route_key_goes_with_its_route(tmp_path: Path, upstream: RecordingUpstream) -> None:
+    """Route keys live only in the SNI map's contexts: a removed route leaves none behind."""
+    ca = LocalCA()
+    routes = [
+        route(
+            "a.example.test", [("web", 100)], name="a", tls=edge(ca.issue(dns=["a.example.test"]))
+        )
+    ]
+    async with https_proxy(tmp_path, routes, upstream, ca) as (_, _, port, certificates, _):
+        assert names(await presented(port, "a.example.test", ca)) == ["a.example.test"]
+        certificates.update([])
+        assert not certificates._cache and not certificates._exact
+        assert names(await presented(port, "a.example.test", ca)) == ["proxy.waygate.local"]
