@@ -321,7 +321,7 @@ class ViewPresence:
 class SocketBridge(asyncio.Protocol):
     """Bridges one end of a socketpair to a TunnelStream, both ways, with bounded buffers."""
 
-    HIGH_WATER = 4 * MAX_CHUNK
+    HIGH_WATER = 256 * 1024
 
     def __init__(self, stream: TunnelStream) -> None:
         self.stream = stream

@@ -13,8 +13,10 @@ The design (chosen for v1, stated once here):
   high-water mark). Every queue is therefore bounded by the window: a slow
   destination or a slow dialer stalls its own connection, never the stream.
   A peer that sends beyond its credit loses that connection.
-- Chunks are at most `MAX_CHUNK` bytes; grants are batched (a quarter
-  window) so WINDOW_UPDATE costs a fraction of the DATA packets.
+- Chunks are at most `MAX_CHUNK` bytes (256 KiB: one uvloop socket read;
+  measured against 64 KiB, a third less CPU per byte, since grpc.aio's cost
+  is mostly per message); grants are batched (a quarter window) so
+  WINDOW_UPDATE costs a fraction of the DATA packets.
 
 Invariants: `Credit` has one waiter at most (one sender per direction);
 `close()` wakes it with `ConnectionClosed`, so no sender hangs on a dead
@@ -29,7 +31,7 @@ from typing import Any
 from waygate.core import errors
 from waygate.tunnel.v1 import tunnel_pb2 as pb
 
-MAX_CHUNK = 64 * 1024
+MAX_CHUNK = 256 * 1024
 DEFAULT_WINDOW = 1024 * 1024
 AGENT_ID_METADATA = "waygate-agent-id"
 

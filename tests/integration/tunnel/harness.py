@@ -37,7 +37,7 @@ class Tunnel:
         *,
         server_id: str = "replica-a",
         replicas: tuple[str, ...] = (),
-        window: int = 256 * 1024,
+        window: int = 1024 * 1024,
         allow: tuple[str, ...] = ("127.0.0.0/8:*",),
         ca: LocalCA | None = None,
     ) -> None:
