@@ -35,6 +35,8 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import bisect
 import collections
 import dataclasses
@@ -44,6 +46,7 @@ import hashlib
 import itertools
 import json
 import logging
+import re
 import secrets
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -1108,18 +1111,41 @@ def load_csr(der: bytes, *, max_sans: int | None = None) -> x509.CertificateSign
     """
     if not der:
         raise InvalidArgument("certificate_signing_request is empty")
+    if der.lstrip().startswith(b"-----BEGIN"):
+        # Decoded here so a PEM CSR gets the same cheap SAN count as DER does.
+        der = _pem_csr_body(der)
     if max_sans is not None and (der_san_count(der, max_sans) or 0) > max_sans:
         raise InvalidArgument(
             f"the CSR asks for more than {max_sans} subject alternative names; at most "
             f"{max_sans} are allowed per certificate (max_sans_per_csr)"
         )
     try:
-        if der.lstrip().startswith(b"-----BEGIN"):
-            return x509.load_pem_x509_csr(der)
         return x509.load_der_x509_csr(der)
     except ValueError as exc:
         raise InvalidArgument(
             f"certificate_signing_request is not a PKCS#10 CSR: {excerpt(str(exc))}"
+        ) from None
+
+
+_PEM_CSR = re.compile(
+    rb"-----BEGIN (?:NEW )?CERTIFICATE REQUEST-----(?P<body>[A-Za-z0-9+/=\s]*?)"
+    rb"-----END (?:NEW )?CERTIFICATE REQUEST-----"
+)
+
+
+def _pem_csr_body(pem: bytes) -> bytes:
+    """The DER inside a PEM CSR; InvalidArgument when it is not a PEM CSR."""
+    found = _PEM_CSR.search(pem)
+    if found is None:
+        raise InvalidArgument(
+            "certificate_signing_request is not a PKCS#10 CSR: PEM without a "
+            "CERTIFICATE REQUEST block"
+        )
+    try:
+        return base64.b64decode(b"".join(found.group("body").split()), validate=True)
+    except binascii.Error as exc:
+        raise InvalidArgument(
+            f"certificate_signing_request is not a PKCS#10 CSR: bad PEM base64 ({exc})"
         ) from None
 
 

@@ -73,7 +73,11 @@ def serve_argv(directory: Path, ca_dir: Path | None = None) -> list[str]:
     ]  # fmt: skip
 
 
-def csr(names: Sequence[x509.GeneralName], key: object | None = None) -> bytes:
+def csr(
+    names: Sequence[x509.GeneralName],
+    key: object | None = None,
+    encoding: serialization.Encoding = serialization.Encoding.DER,
+) -> bytes:
     key = key or ec.generate_private_key(ec.SECP256R1())
     request = (
         x509.CertificateSigningRequestBuilder()
@@ -81,7 +85,7 @@ def csr(names: Sequence[x509.GeneralName], key: object | None = None) -> bytes:
         .add_extension(x509.SubjectAlternativeName(names), critical=True)
         .sign(key, hashes.SHA256())  # type: ignore[arg-type]
     )
-    return request.public_bytes(serialization.Encoding.DER)
+    return request.public_bytes(encoding)
 
 
 def wild_names(count: int) -> list[x509.GeneralName]:
@@ -120,6 +124,8 @@ async def own_connection(certs: RunningService) -> AsyncIterator[certs_pb2_grpc.
     """A client on its own connection (not sharing the attacker's HTTP/2 connection)."""
     options = [("grpc.use_local_subchannel_pool", 1)]
     async with grpc.aio.insecure_channel(certs.grpc_address, options=options) as channel:
+        # Connected before anyone times a call: the bound is for answers, not set-up.
+        await asyncio.wait_for(channel.channel_ready(), 10)
         yield certs_pb2_grpc.CertsStub(channel)
 
 
@@ -153,10 +159,11 @@ async def issued_count(stub: certs_pb2_grpc.CertsStub) -> int:
             return count
 
 
+@pytest.mark.parametrize("encoding", [serialization.Encoding.DER, serialization.Encoding.PEM])
 async def test_a_60000_san_csr_is_refused_naming_the_cap(
-    certs: RunningService, stub: certs_pb2_grpc.CertsStub
+    certs: RunningService, stub: certs_pb2_grpc.CertsStub, encoding: serialization.Encoding
 ) -> None:
-    der = await asyncio.to_thread(csr, wild_names(60_000))
+    der = await asyncio.to_thread(csr, wild_names(60_000), None, encoding)
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await stub.Certify(
             certs_pb2.CertifyRequest(

@@ -347,3 +347,32 @@ def test_a_due_transition_still_shows_in_the_bundle(tmp_path: Path) -> None:
     states = [a.state.value for a in authority.trust_bundle().authorities]
     assert states == ["RETIRING", "ACTIVE"]
     assert authority.trust_bundle().version > rotation.bundle.version
+
+
+def test_load_csr_counts_the_sans_of_a_pem_csr_before_parsing_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pem = make_csr(many_names(5000))[0].public_bytes(serialization.Encoding.PEM)
+
+    def no_full_parse(data: bytes) -> x509.CertificateSigningRequest:
+        raise AssertionError("a CSR past the cap was parsed in full")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(x509, "load_der_x509_csr", no_full_parse)
+        patched.setattr(x509, "load_pem_x509_csr", no_full_parse)
+        with pytest.raises(InvalidArgument, match="more than 100 subject alternative names"):
+            load_csr(pem, max_sans=100)
+    assert load_csr(pem).public_bytes(serialization.Encoding.PEM) == pem
+
+
+@pytest.mark.parametrize(
+    "pem",
+    [
+        b"-----BEGIN CERTIFICATE REQUEST-----\n!!!!\n-----END CERTIFICATE REQUEST-----\n",
+        b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n",
+        b"-----BEGIN CERTIFICATE REQUEST-----\nAAAA",
+    ],
+)
+def test_a_bad_pem_csr_is_a_clear_invalid_argument(pem: bytes) -> None:
+    with pytest.raises(InvalidArgument, match="not a PKCS#10 CSR"):
+        load_csr(pem, max_sans=100)
