@@ -4,9 +4,10 @@ Real processes: `waygate up` (certs, resolver, proxy, ..., the demo backend)
 on a port offset. `curl -H 'Host: echo.localtest.me' http://127.0.0.1:8080/`
 is made here with a raw socket: the proxy, fed over mTLS by the resolver from
 the example routes file, forwards it to the demo backend, which answers with
-what it received. Also: the demo/hello route (a tunnel endpoint) answers 502
-with the reason while no tunnel carries it, a host without a route answers 503
-saying so, and SIGTERM leaves no child behind.
+what it received. Also: demo/hello reaches the same backend through up's
+tunnel (server and agent), a tunnel endpoint on a node no agent holds answers
+502 with the reason, a host without a route answers 503 saying so, and
+SIGTERM leaves no child behind.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.support.poll import until
 from waygate.components import COMPONENTS
@@ -80,13 +82,38 @@ async def test_the_readme_example_reaches_the_demo_backend_through_the_proxy(up:
     # Client-sent identity headers never reach a backend.
     assert "x-remote-user" not in received
 
-    # demo/hello lives behind a tunnel: without one carrying it the answer is a
-    # 502 that says why (once the tunnel carries it, the same demo backend answers).
-    status, headers, body = await get(proxy_port, "hello.localtest.me")
-    if status != 200:
-        assert status == 502 and body.strip() and headers.get("x-waygate-error")
+    # demo/hello lives behind the tunnel (node edge-local, held by up's agent): the
+    # same demo backend answers once the agent's presence has reached the proxy.
+    async with asyncio.timeout(30):
+        while (hello := await get(proxy_port, "hello.localtest.me"))[0] != 200:
+            await asyncio.sleep(0.2)
+    assert json.loads(hello[2])["headers"][0] == "Host: hello.localtest.me"
     status, _, body = await get(proxy_port, "nothing-here.localtest.me")
     assert status == 503 and b"nothing-here.localtest.me" in body
+
+    # A tunnel endpoint on a node no agent holds answers 502 with the reason. The
+    # route is added by editing up's routes file, which the resolver reloads.
+    routes_file = up.state_dir / "routes.yaml"
+    routes = yaml.safe_load(routes_file.read_text())
+    routes["services"].append(
+        {
+            "namespace": "demo",
+            "name": "offline",
+            "ports": [{"name": "http", "port": 80, "targetPort": 8090}],
+            "endpoints": [{"address": "127.0.0.1", "nodeName": "edge-gone", "tunnel": True}],
+        }
+    )
+    routes["routes"].append(
+        {"namespace": "demo", "name": "offline", "host": "offline.localtest.me",
+         "to": "offline", "targetPort": "http"}
+    )  # fmt: skip
+    routes_file.write_text(yaml.safe_dump(routes))
+    async with asyncio.timeout(30):
+        while (offline := await get(proxy_port, "offline.localtest.me"))[0] == 503:
+            await asyncio.sleep(0.2)
+    status, headers, body = offline
+    assert status == 502, (status, body)
+    assert "edge-gone" in headers["x-waygate-error"] and b"edge-gone" in body
 
     # The proxy watches the resolver of this `up`, with a certificate from its certs.
     assert up.process is not None
