@@ -21,6 +21,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from tests.support.poll import until
 from tests.support.processes import RunningService, start_service
 from tests.support.tunnel_processes import (
     NODE,
@@ -171,7 +172,12 @@ async def test_the_agent_holds_both_replicas_and_dials_survive_one_dying(
             agent_argv(pki, f"127.0.0.1:{haproxy.port}", allow=f"127.0.0.1/32:{backend_port}")
         )
         for replica, server in servers.items():
-            await _until_async(lambda s=server: holds_agent(pki, s), f"{replica} holding the agent")
+            await until(
+                lambda s=server: holds_agent(pki, s),
+                f"{replica} holding the agent",
+                timeout=30,
+                interval=0.2,
+            )
         # Both replicas carry dials.
         seen = {await round_trip(client, backend_port, b"ping %d" % i) for i in range(20)}
         assert seen == set(REPLICAS)
@@ -186,7 +192,12 @@ async def test_the_agent_holds_both_replicas_and_dials_survive_one_dying(
         servers[a] = replica_a = await start_server(
             pki, server_id=a, replicas=[b], agent_port=replica_a.agent_port
         )
-        await _until_async(lambda: holds_agent(pki, replica_a), "the agent back on replica-a")
+        await until(
+            lambda: holds_agent(pki, replica_a),
+            "the agent back on replica-a",
+            timeout=30,
+            interval=0.2,
+        )
         assert await holds_agent(pki, replica_b)
         (on_b,) = await agents_on(pki, replica_b)
         assert on_b.node == NODE
@@ -199,19 +210,3 @@ async def test_the_agent_holds_both_replicas_and_dials_survive_one_dying(
                 await server.service.stop()
         haproxy.stop()
         backend.close()
-
-
-async def _until_async(check, what: str, timeout: float = 30) -> None:  # type: ignore[no-untyped-def]
-    result = False
-
-    async def poll() -> None:
-        nonlocal result
-        while not result:
-            result = await check()
-            if not result:
-                await asyncio.sleep(0.2)
-
-    try:
-        await asyncio.wait_for(poll(), timeout)
-    except TimeoutError:
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}") from None

@@ -76,6 +76,24 @@ async def test_until_returns_once_true_and_fails_with_what_it_waited_for() -> No
         await until(lambda: False, "the moon", timeout=0.1)
 
 
+async def test_until_awaits_a_coroutine_check_and_bounds_a_hanging_one() -> None:
+    calls = []
+
+    async def check() -> bool:
+        calls.append(1)
+        return len(calls) == 3
+
+    await until(check, timeout=5)
+    assert len(calls) == 3
+
+    async def hangs() -> bool:
+        await asyncio.sleep(60)
+        return True
+
+    with pytest.raises(AssertionError, match="waiting for an answer"):
+        await until(hangs, "an answer", timeout=0.1)
+
+
 def test_until_blocking_fails_after_its_timeout() -> None:
     flips = iter([False, True])
     until_blocking(lambda: next(flips), timeout=5)
