@@ -519,6 +519,14 @@ def main(args: argparse.Namespace, failures: list[str]) -> str:
             resolver.stop()
             upstream.stop()
             big.unlink(missing_ok=True)
+    if not args.skip_tls:
+        from bench.proxy import tls  # HTTPS: Waygate's listener beside HAProxy's
+
+        try:
+            rounds += tls.main(args.duration).splitlines()
+        except (RuntimeError, OSError) as exc:
+            failures.append(f"HTTPS round: {exc}")
+            rounds += ["## HTTPS", "", f"Not measured: {str(exc).splitlines()[0]}", ""]
     lines += [
         "# proxy benchmark",
         "",
@@ -542,6 +550,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m bench.proxy")
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per figure")
     parser.add_argument("--skip-big", action="store_true", help="skip the 1 GiB transfers")
+    parser.add_argument("--skip-tls", action="store_true", help="skip the HTTPS round")
     failures: list[str] = []
     report = main(parser.parse_args(), failures)
     (Path(__file__).parent / "RESULTS-latest.md").write_text(report + "\n")
