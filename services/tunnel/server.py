@@ -329,7 +329,9 @@ class AgentSession:
             ready.set_result(None)
         for waiter in self._dials.values():
             if not waiter.done():
-                waiter.set_result(pb.DialResponse(error="the agent went away", reason=pb.DRAINING))
+                waiter.set_result(
+                    (pb.DialResponse(error="the agent went away", reason=pb.DRAINING), None)
+                )
         self._dials.clear()
         for connection in list(self.connections.values()):
             connection.finish(_LOST, f"the agent stream of node {self.node} ended")

@@ -121,3 +121,22 @@ def test_a_destination_that_speaks_first_loses_nothing_under_uvloop(tmp_path: Pa
             await t.close()
 
     uvloop.run(scenario())
+
+
+async def test_a_dial_pending_when_the_agent_goes_away_is_refused_as_retryable(
+    tunnel: Tunnel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from waygate.tunnel.agent import AgentStream
+
+    async def never_connects(self: AgentStream, request: pb.DialRequest) -> pb.DialResponse:
+        await asyncio.sleep(60)
+        raise AssertionError("unreachable")
+
+    monkeypatch.setattr(AgentStream, "_connect", never_connects)
+    dialing = asyncio.ensure_future(tunnel.client().dial(NODE, 9))
+    await until(lambda: tunnel.hub.sessions[NODE]._dials, "the dial to reach the agent")
+    await tunnel.stop_agent(tunnel.agents[0])
+    with pytest.raises(DialFailed) as refused:
+        await asyncio.wait_for(dialing, 10)
+    assert refused.value.reason == pb.DRAINING
+    assert refused.value.retryable
