@@ -1,5 +1,9 @@
-"""Presence: a tunnel server reports the nodes it holds to a real resolver, and a
-replica that dies (SIGKILL: no goodbye) loses its presence within its lease.
+"""Presence and draining, with real tunnel-server, agent and resolver processes.
+
+A tunnel server reports the nodes it holds to a real resolver, and a replica
+that dies (SIGKILL: no goodbye) loses its presence within its lease. SIGTERM
+drains: the agent is told to move, new dials are refused, open connections
+carry on through the grace period.
 
 Plaintext on loopback (development mode: the agent names its node in metadata,
 the resolver takes reports from anyone), which keeps this about presence alone;
@@ -82,3 +86,56 @@ async def test_presence_follows_the_agent_and_ends_within_the_lease(tmp_path: Pa
         for service in (agent, server, resolver):
             if service is not None:
                 await service.stop()
+
+
+async def test_sigterm_drains_open_connections_finish_new_dials_refused(tmp_path: Path) -> None:
+    """SIGTERM: the agent is told to move, new dials are refused, and a connection
+    already open keeps carrying bytes through the grace period."""
+    from waygate.tunnel.client import DialFailed, StaticPresence, TunnelClient
+
+    server = await start_service(
+        ["waygate", "tunnel", "serve", "--grpc-port", "0", "--dial-port", "0",
+         "--front-port", "0", "--admin-port", "0", "--server-id", "replica-a",
+         "--shutdown-grace", "20s"]
+    )  # fmt: skip
+    agent = await start_service(
+        ["waygate", "tunnel", "agent", "--admin-port", "0", "--node", "edge-9",
+         "--allow", "127.0.0.1/32:*", "--server-address", f"127.0.0.1:{server.grpc_ports[0]}"]
+    )  # fmt: skip
+    echoed: list[bytes] = []
+
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(65536):
+            echoed.append(data)
+            writer.write(data)
+        writer.close()
+
+    backend = await asyncio.start_server(echo, "127.0.0.1", 0)
+    port = backend.sockets[0].getsockname()[1]
+    client = TunnelClient(
+        StaticPresence([f"127.0.0.1:{server.grpc_ports[1]}"]), credentials=lambda: None
+    )
+    try:
+        async with asyncio.timeout(20):
+            while not server.logged("agent connected"):
+                await asyncio.sleep(0.05)
+        stream = await client.dial("edge-9", port)
+        await stream.write(b"before")
+        assert await stream.read() == b"before"
+        server.process.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(10):
+            while not agent.logged("server replica is draining; connecting to the others"):
+                await asyncio.sleep(0.05)
+        with pytest.raises(DialFailed) as refused:
+            await client.dial("edge-9", port)
+        assert refused.value.retryable  # another replica could take it
+        await stream.write(b"during the grace")
+        assert await stream.read() == b"during the grace"
+        await stream.write_eof()
+        assert await stream.read() == b""
+        assert await stream.wait_closed() == grpc.StatusCode.OK
+    finally:
+        await client.close()
+        backend.close()
+        await agent.stop()
+        await server.stop()
