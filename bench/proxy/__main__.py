@@ -17,7 +17,9 @@ process on both cores (a 2-core machine has no third core to keep apart).
 For each response size (64 B, 16 KiB) and connection count (50, 200), the
 proxies take turns (order rotated per cell), each with 1 s of warm-up before
 its measured run; req/s and p99 latency from wrk, and ratios to HAProxy (and
-Waygate to the minimal relay). Then one 1 GiB response through each proxy with
+Waygate to the minimal relay), plus each proxy's CPU time (user + system of all
+its processes, from /proc) per request, which other work on the machine moves
+much less than req/s. Then one 1 GiB response through each proxy with
 curl: GB/s and the proxy's peak RSS during the transfer (VmHWM reset before it,
 summed over the proxy's processes).
 
@@ -295,6 +297,18 @@ class Run:
     rps: float
     p99_ms: float
     errors: str
+    cpu_us: float = 0.0  # the proxy's CPU (user + system, all its processes) per request
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds used so far by these processes."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / ticks
 
 
 def _ms(text: str) -> float:
@@ -398,7 +412,11 @@ def measure_round(
             measured: dict[str, Run] = {}
             for proxy in rotated(proxies, turn):
                 wrk(proxy.port, path, connections, 1, client_cores)  # warm-up
-                measured[proxy.name] = wrk(proxy.port, path, connections, seconds, client_cores)
+                pids = tree(proxy.pid)
+                before = cpu_seconds(pids)
+                run = wrk(proxy.port, path, connections, seconds, client_cores)
+                run.cpu_us = (cpu_seconds(pids) - before) / max(run.rps * seconds, 1) * 1e6
+                measured[proxy.name] = run
             cell = {proxy.name: measured[proxy.name] for proxy in proxies}  # fixed row order
             wrk(upstream, path, connections, 1, client_cores)
             cell[DIRECT] = wrk(upstream, path, connections, seconds, client_cores)
@@ -409,8 +427,10 @@ def measure_round(
 
 
 def render_round(title: str, table: dict[tuple[str, int], dict[str, Run]]) -> list[str]:
-    lines = [f"## {title}", "", "| response | conns | proxy | req/s | p99 | / HAProxy | / minimal | errors |",
-             "|---|---:|---|---:|---:|---:|---:|---|"]  # fmt: skip
+    lines = [f"## {title}", "",
+             "| response | conns | proxy | req/s | p99 | / HAProxy | / minimal | CPU per request "
+             "| HAProxy's CPU / this | errors |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
     for (label, connections), cell in table.items():
         haproxy = next(run for name, run in cell.items() if name.startswith("HAProxy"))
         minimal = cell.get(MINIMAL)
@@ -420,9 +440,13 @@ def render_round(title: str, table: dict[tuple[str, int], dict[str, Run]]) -> li
             )
             bold = "**" if name.startswith("Waygate") else ""
             versus_haproxy = "" if name == DIRECT else f"{bold}{run.rps / haproxy.rps:.2f}{bold}"
+            cpu = f"{run.cpu_us:.0f} µs" if run.cpu_us else ""
+            cpu_ratio = (
+                f"{haproxy.cpu_us / run.cpu_us:.2f}" if run.cpu_us and haproxy.cpu_us else ""
+            )
             lines.append(
                 f"| {label} | {connections} | {bold}{name}{bold} | {run.rps:,.0f} | {run.p99_ms:.1f} ms"
-                f" | {versus_haproxy} | {versus_minimal} | {run.errors} |"
+                f" | {versus_haproxy} | {versus_minimal} | {cpu} | {cpu_ratio} | {run.errors} |"
             )  # fmt: skip
     return [*lines, ""]
 
@@ -436,7 +460,10 @@ def headline(table: dict[tuple[str, int], dict[str, Run]]) -> list[str]:
     return [
         f"**64 B, 50 connections, one worker: Waygate / HAProxy = {waygate.rps / haproxy.rps:.2f}** "
         f"(target at least 0.45, aim 0.55); minimal relay / HAProxy = "
-        f"{minimal.rps / haproxy.rps:.2f}; Waygate / minimal = {waygate.rps / minimal.rps:.2f}.",
+        f"{minimal.rps / haproxy.rps:.2f}; Waygate / minimal = {waygate.rps / minimal.rps:.2f}. "
+        f"By CPU per request (steadier on a busy machine): HAProxy's / Waygate's = "
+        f"{haproxy.cpu_us / max(waygate.cpu_us, 1e-9):.2f}, minimal's / Waygate's = "
+        f"{minimal.cpu_us / max(waygate.cpu_us, 1e-9):.2f}.",
         "",
     ]  # fmt: skip
 
