@@ -397,11 +397,11 @@ async def take_over(authority: Any, store: Any) -> None:
 
 
 async def wait_for_leaf_bound(authority: Any, elector: Any) -> None:
-    """Before a follower reports ready: wait until the stored leaf-expiry bound
-    covers the longest leaf it may sign now (the leader's keeper raises it), so
-    its Certify never needs a write only the leader may make. The leader itself
-    may write the bound, so it need not wait."""
-    while not elector.is_leader():
+    """Before a replica reports ready: wait until the leaf-expiry bound covers the
+    longest leaf it may sign now (the leader's keeper raises it, off the
+    authority's lock), so no Certify waits on a store write: a follower may not
+    make it, and the leader would hold every signer up while it does."""
+    while True:
         longest = datetime.now(UTC) + authority.config.max_lifetime
         if await asyncio.to_thread(authority.with_leaf_bounds, longest) is None:
             return

@@ -27,7 +27,7 @@ from google.protobuf import duration_pb2
 
 from tests.support.kubeapi import KubeAPI as StandInAPI
 from tests.support.poll import until
-from tests.support.processes import RunningService, start_service
+from tests.support.processes import RunningService, http_get, start_service
 from waygate.certs.v1 import certs_pb2, certs_pb2_grpc
 
 pytestmark = pytest.mark.system
@@ -98,6 +98,10 @@ class Replicas:
         self.by_name = dict(zip(names, started, strict=True))
         self._recorder.start()
         await until(lambda: self.leader() in self.by_name, "a leader", timeout=20)
+        async with asyncio.timeout(30):
+            for service in self.by_name.values():
+                while (await http_get(service.admin_port, "/readyz"))[0] != 200:
+                    await asyncio.sleep(0.1)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
