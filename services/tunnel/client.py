@@ -19,9 +19,15 @@
   interceptor a task, per call: measured in bench/tunnel); the W3C context
   is put in the call's metadata here instead, from the caller's span or the
   `trace_context` given.
-- `socket_connect` adapts the client to the proxy's upstream-connect step: it
+- Errors: `dial` raises `DialFailed` (`reason`, `retryable`); once open, a
+  connection the agent or server lost makes `read` raise grpc.aio.AioRpcError
+  (UNAVAILABLE, with the reason), and `wait_closed` returns the final status.
+  A clean end is: both sides half-close (`write_eof`, then `read` returns b"").
+- `socket_dialer` adapts the client to the proxy's upstream-connect step: it
   returns one end of a socketpair whose other end is bridged to the stream
-  (`SocketBridge`, one task each way per connection, bounded buffers).
+  (`SocketBridge`, one task each way per connection, bounded buffers);
+  `process_client` builds a client with a ServiceProcess's TLS, renewed with
+  its certificate.
 """
 
 from __future__ import annotations
