@@ -440,10 +440,14 @@ class Authority:
         self._lock = threading.RLock()
         # Where listeners and watchers hear of changes made in worker threads.
         self._loop: asyncio.AbstractEventLoop | None = None
-        # What `trust_bundle` returns without the lock, and until when (the next
-        # transition): one tuple, replaced whole, so a reader never pairs a bundle
-        # with another bundle's deadline.
-        self._published = (self._bundle(), self._advance_due())
+        # What the event loop reads without the lock (a signing thread holds it across
+        # signing and store writes): the bundle, until when it holds (the next
+        # bundle transition) and the next transition of any kind (the timer's). One
+        # tuple, replaced whole, so a reader never pairs a bundle with another's deadline.
+        self._published = self._snapshot()
+        # The newest bundle version listeners were told of: a change made in a thread
+        # is delivered later than one made on the loop, and must not overwrite it.
+        self._delivered_version = version
 
     # ------------------------------------------------------------ opening
 
@@ -711,9 +715,12 @@ class Authority:
         )
         return self.rotate()
 
-    @_locked
     def next_transition(self) -> datetime | None:
-        """When `advance` (or `rotate_if_expiring`) will next change something."""
+        """When `advance` (or `rotate_if_expiring`) will next change something; read
+        without the lock (the timer asks on the event loop)."""
+        return self._published[2]
+
+    def _next_transition(self) -> datetime | None:
         moments = [c.activate_at for c in self._cas if c.state is CAState.STAGED]
         if len(self._cas) == 1:
             moments.append(self._cas[0].not_after - self.config.auto_rotate_before)
@@ -853,10 +860,20 @@ class Authority:
     # ------------------------------------------------------------ bundle and rotation
 
     def trust_bundle(self) -> TrustBundleView:
-        """The bundle now. Read without the lock until a transition falls due, so a
-        signing or a store write in progress never holds up a bundle reader."""
-        published, due = self._published
+        """The bundle now, read without the lock so a signing or a store write in
+        progress never holds up a bundle reader.
+
+        On the event loop the published bundle is returned even once a transition
+        is due: the rotation timer applies it in a worker thread within moments,
+        and until then the stale bundle holds every CA the new one does (a switch
+        keeps both, a retirement only drops one). Elsewhere (a thread, a CLI) a
+        due transition is applied first.
+        """
+        published, due, _ = self._published
         if due is None or self._now() < due:
+            return published
+        loop = self._loop
+        if loop is not None and _running_on(loop):
             return published
         return self._advanced_bundle()
 
@@ -866,8 +883,11 @@ class Authority:
         return self._bundle()
 
     def _publish(self) -> None:
-        # Under the lock, after every locked call: the bundle and when it may next change.
-        self._published = (self._bundle(), self._advance_due())
+        # Under the lock, after every locked call and before every notification.
+        self._published = self._snapshot()
+
+    def _snapshot(self) -> tuple[TrustBundleView, datetime | None, datetime | None]:
+        return (self._bundle(), self._advance_due(), self._next_transition())
 
     def _advance_due(self) -> datetime | None:
         """When `advance` next changes the bundle (a switch or a retirement)."""
@@ -1011,16 +1031,18 @@ class Authority:
         self._loop = loop
 
     async def wait_for_change(self, version: int) -> TrustBundleView:
-        """Return the bundle once its version is above `version` (at once if it already is)."""
-        while self._version <= version:
+        """Return the bundle once its version is above `version` (at once if it already
+        is); the published one, so the event loop never waits for the lock."""
+        while (bundle := self._published[0]).version <= version:
             if self._changed is None:
                 self._changed = asyncio.Event()
             await self._changed.wait()
-        with self._lock:
-            return self._bundle()
+        return bundle
 
     def _notify(self) -> None:
-        bundle = self._bundle()
+        # Under the lock: published first, so whoever is woken reads this bundle.
+        self._publish()
+        bundle = self._published[0]
         loop = self._loop
         if loop is not None and not loop.is_closed() and not _running_on(loop):
             loop.call_soon_threadsafe(self._deliver, bundle)
@@ -1028,6 +1050,9 @@ class Authority:
             self._deliver(bundle)
 
     def _deliver(self, bundle: TrustBundleView) -> None:
+        if bundle.version <= self._delivered_version:
+            return  # a newer bundle was delivered first (made on the loop meanwhile)
+        self._delivered_version = bundle.version
         for listener in self._listeners:
             try:
                 listener(bundle)

@@ -346,7 +346,9 @@ class CertsService:
         query = _query_digest(identity, include_expired)
         after = self._page_start(page_token, query) if page_token else 0
         size = min(page_size, MAX_PAGE_SIZE) if page_size > 0 else PAGE_SIZE
-        page = self.authority.issued_page(
+        # In a thread: the authority's lock may be held by a signing across its store write.
+        page = await asyncio.to_thread(
+            self.authority.issued_page,
             identity=identity,
             include_expired=include_expired,
             after=after,

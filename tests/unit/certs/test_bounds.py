@@ -9,6 +9,7 @@ more, bounded by count and bytes, expired ones dropped first, paged.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import threading
 import time
@@ -347,6 +348,61 @@ def test_a_due_transition_still_shows_in_the_bundle(tmp_path: Path) -> None:
     states = [a.state.value for a in authority.trust_bundle().authorities]
     assert states == ["RETIRING", "ACTIVE"]
     assert authority.trust_bundle().version > rotation.bundle.version
+
+
+async def test_the_event_loop_never_waits_for_the_lock_even_when_a_transition_is_due(
+    tmp_path: Path,
+) -> None:
+    clock = Clock()
+    authority = open_authority(tmp_path / "ca", clock)
+    authority.deliver_changes_on(asyncio.get_running_loop())
+    rotation = authority.rotate(propagation_delay=HOUR)
+    clock.advance(HOUR)  # the switch is due: only the timer's thread applies it
+    holding, release = threading.Event(), threading.Event()
+
+    def slow_store_write() -> None:
+        with authority._lock:  # what a signing thread holds across sign and fsync
+            holding.set()
+            release.wait(10)
+
+    writer = threading.Thread(target=slow_store_write)
+    writer.start()
+    try:
+        assert holding.wait(5)
+        started = time.monotonic()
+        bundle = authority.trust_bundle()
+        due = authority.next_transition()
+        older = await asyncio.wait_for(authority.wait_for_change(bundle.version - 1), 5)
+        assert time.monotonic() - started < 1.0
+        assert bundle.version == rotation.bundle.version == older.version
+        assert due == rotation.signing_switch_at
+    finally:
+        release.set()
+        writer.join(5)
+    await asyncio.to_thread(authority.advance)  # the timer's step
+    changed = await asyncio.wait_for(authority.wait_for_change(bundle.version), 5)
+    assert [a.state.value for a in changed.authorities] == ["RETIRING", "ACTIVE"]
+    assert authority.trust_bundle() == changed
+
+
+async def test_listeners_never_hear_an_older_bundle_after_a_newer_one(tmp_path: Path) -> None:
+    clock = Clock()
+    authority = open_authority(tmp_path / "ca", clock)
+    authority.deliver_changes_on(asyncio.get_running_loop())
+    heard: list[int] = []
+    authority.add_listener(lambda bundle: heard.append(bundle.version))
+    # A change in a thread: its delivery is queued on the loop, which is busy here...
+    worker = threading.Thread(target=authority.rotate, kwargs={"propagation_delay": HOUR})
+    worker.start()
+    worker.join(10)
+    staged = authority.version
+    # ...and a change on the loop is delivered at once, before the queued one.
+    clock.advance(HOUR)
+    assert authority.advance()
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert heard == [staged + 1]
+    assert authority.trust_bundle().version == staged + 1
 
 
 def test_load_csr_counts_the_sans_of_a_pem_csr_before_parsing_too(
