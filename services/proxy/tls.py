@@ -313,7 +313,7 @@ class EdgeCertificates:
             left = (served.not_after - now).total_seconds()
             if life > 0 and left < WARN_FRACTION * life:
                 log.warning(
-                    "route certificate has under 20%% of its life left",
+                    "route certificate has under 20% of its life left",
                     extra={
                         "route": label,
                         "host": host,

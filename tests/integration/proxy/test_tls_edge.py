@@ -322,3 +322,31 @@ async def test_a_route_key_goes_with_its_route(tmp_path: Path, upstream: Recordi
         certificates.update([])
         assert not certificates._cache and not certificates._exact
         assert names(await presented(port, "a.example.test", ca)) == ["proxy.waygate.local"]
+
+
+def test_route_certificate_expiry_is_exported_and_warned_under_a_fifth_of_its_life(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from waygate.proxy.tls import ROUTE_CERT_EXPIRY
+
+    ca = LocalCA()  # leaves live 24 h from now
+    files = ca.write_files(tmp_path, dns=["proxy.waygate.local"])
+    cert = ca.issue(dns=["late.example.test"])
+    leaf = x509.load_pem_x509_certificate(cert[0])
+    late = leaf.not_valid_before_utc + (leaf.not_valid_after_utc - leaf.not_valid_before_utc) * 0.9
+    certificates = EdgeCertificates(
+        DefaultCertificate.from_files(files.cert, files.key), now=lambda: late
+    )
+    with caplog.at_level("WARNING", logger="waygate.proxy.tls"):
+        certificates.update(
+            [route("late.example.test", [("web", 100)], name="late", tls=edge(cert))]
+        )
+    gauge = ROUTE_CERT_EXPIRY.labels("demo/late", "late.example.test")._value.get()
+    assert gauge == leaf.not_valid_after_utc.timestamp()
+    assert any(
+        r.getMessage() == "route certificate has under 20% of its life left" for r in caplog.records
+    )
+    certificates.update([])  # the route gone: its series too
+    assert ("demo/late", "late.example.test") not in {
+        tuple(s.labels.values()) for m in ROUTE_CERT_EXPIRY.collect() for s in m.samples
+    }
