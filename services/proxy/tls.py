@@ -218,6 +218,8 @@ class EdgeCertificates:
         self._wildcard: dict[str, ServedCertificate] = {}
         self._cache: dict[bytes, ServedCertificate] = {}
         self._refused: set[tuple[str, bytes]] = set()
+        # (route, certificate) pairs already warned about: once each, not per view.
+        self._warned: set[tuple[str, bytes]] = set()
         self._routes: tuple[Route, ...] = ()
         self._served_labels: set[tuple[str, str]] = set()
         # Route key -> the context that verifies its clients (client-CA routes only).
@@ -311,7 +313,8 @@ class EdgeCertificates:
             labels.add((label, host))
             life = (served.not_after - served.not_before).total_seconds()
             left = (served.not_after - now).total_seconds()
-            if life > 0 and left < WARN_FRACTION * life:
+            if life > 0 and left < WARN_FRACTION * life and (label, key) not in self._warned:
+                self._warned.add((label, key))
                 log.warning(
                     "route certificate has under 20% of its life left",
                     extra={

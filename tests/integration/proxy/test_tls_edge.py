@@ -341,6 +341,9 @@ def test_route_certificate_expiry_is_exported_and_warned_under_a_fifth_of_its_li
         certificates.update(
             [route("late.example.test", [("web", 100)], name="late", tls=edge(cert))]
         )
+    warned = [r for r in caplog.records if "under 20%" in r.getMessage()]
+    certificates.update([route("late.example.test", [("web", 100)], name="late", tls=edge(cert))])
+    assert len([r for r in caplog.records if "under 20%" in r.getMessage()]) == len(warned) == 1
     gauge = ROUTE_CERT_EXPIRY.labels("demo/late", "late.example.test")._value.get()
     assert gauge == leaf.not_valid_after_utc.timestamp()
     assert any(
