@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import select
 import socket
 from collections.abc import Mapping
 from typing import Any
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 
 HELLO_TIMEOUT = 10.0
 _PEEK_RETRY = 0.005
+_PEEK_RETRY_MAX = 0.2
 HIGH_WATER = 256 * 1024
 LOW_WATER = 64 * 1024
 
@@ -82,6 +84,16 @@ def passthrough_table(
     }
     return build_table(
         chosen, endpoints, services, defaults=defaults, cookie_key=cookie_key, previous=previous
+    )
+
+
+def _peer_closed(conn: socket.socket) -> bool:
+    """Has the peer shut down its side (FIN or RST), whatever is still unread?"""
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLRDHUP)
+    return any(
+        events & (select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+        for _, events in poller.poll(0)
     )
 
 
@@ -256,7 +268,8 @@ class TlsFront:
                 log.warning("HTTPS accept failed", extra={"error": exc.strerror or str(exc)})
                 await asyncio.sleep(0.1)
                 continue
-            if len(self.server.connections) + len(self.relays) >= self.server.max_connections:
+            open_now = len(self.server.connections) + len(self.relays) + len(self.pending)
+            if open_now >= self.server.max_connections:
                 conn.close()
                 continue
             conn.setblocking(False)
@@ -300,6 +313,7 @@ class TlsFront:
         """Peek until the ClientHello's server name is known (bounded in time and size)."""
         deadline = self.loop.time() + HELLO_TIMEOUT
         seen = -1
+        delay = _PEEK_RETRY
         while True:
             try:
                 data = conn.recv(sni.MAX_HELLO + 64, socket.MSG_PEEK)
@@ -315,13 +329,17 @@ class TlsFront:
                     return sni.TOO_LARGE, ""
             if self.loop.time() >= deadline:
                 return sni.NEED_MORE, ""
-            if data is None or len(data) == seen:
-                # Nothing new: a peeked socket stays readable, so wait a little
-                # instead of on readiness (only fragmented ClientHellos get here).
-                if data is None:
-                    await self._readable(conn, deadline)
-                else:
-                    await asyncio.sleep(_PEEK_RETRY)
+            if data is None:
+                await self._readable(conn, deadline)
+            elif len(data) == seen:
+                # Nothing new: a peeked socket stays readable, so readiness says
+                # nothing. A client gone behind its partial ClientHello is seen by
+                # POLLRDHUP; otherwise wait, backing off (only split ClientHellos
+                # get here, and their next bytes usually follow within a few ms).
+                if _peer_closed(conn):
+                    return sni.NOT_TLS, ""
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _PEEK_RETRY_MAX)
             seen = len(data) if data is not None else seen
 
     async def _readable(self, conn: socket.socket, deadline: float) -> None:
