@@ -238,6 +238,7 @@ class UpstreamTLS:
         probe.check_hostname = False
         probe.verify_mode = ssl.CERT_NONE
         writer = None
+        sock: socket.socket | None = None
         try:
             async with asyncio.timeout(min(timeout, _FACTS_TIMEOUT)):
                 sock = await self._connect(target, timeout, None)
@@ -253,3 +254,5 @@ class UpstreamTLS:
                 writer.transport.abort()
                 with contextlib.suppress(Exception):
                     await writer.wait_closed()
+            elif sock is not None:
+                sock.close()  # the probe's handshake failed: the socket is still ours

@@ -194,3 +194,22 @@ async def test_a_backend_that_does_not_speak_tls_is_a_502_with_the_reason() -> N
         server.close()
     assert response.startswith(b"HTTP/1.1 502 ")
     assert b"X-Waygate-Error: upstream TLS handshake failed" in response
+
+
+async def test_failed_upstream_handshakes_leave_no_fd_or_task_behind() -> None:
+    import os
+
+    old = LocalCA(lambda: dt.datetime(2021, 10, 29, 13, 47, 51, tzinfo=dt.UTC))
+    backend = await TlsBackend(old.issue(dns=["web.demo.svc"])).start()
+    try:
+        async with proxy_to(backend, reencrypt(old.pem)) as port:
+            await get(port)
+            await asyncio.sleep(0.2)
+            fds, tasks = len(os.listdir("/proc/self/fd")), len(asyncio.all_tasks())
+            for _ in range(20):
+                assert (await get(port)).startswith(b"HTTP/1.1 502 ")
+            async with asyncio.timeout(10):
+                while len(os.listdir("/proc/self/fd")) > fds or len(asyncio.all_tasks()) > tasks:
+                    await asyncio.sleep(0.05)
+    finally:
+        await backend.stop()
