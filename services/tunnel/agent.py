@@ -47,6 +47,7 @@ from waygate.tunnel.v1 import tunnel_pb2_grpc
 log = logging.getLogger(__name__)
 
 _STREAM_END = pb.Packet()
+_HALF_CLOSE = pb.Packet()  # everything before it written: half-close the stream
 
 
 class AgentConnection(asyncio.Protocol):
@@ -148,6 +149,7 @@ class AgentConnection(asyncio.Protocol):
         self.stream.connections.pop(self.connect_id, None)
         if not self.closed_by_server:
             self.stream.send(mux.close_request(self.connect_id, str(exc) if exc else ""))
+        self.stream.leave_if_drained()
 
     def _close_if_done(self) -> None:
         if self.local_eof and self.remote_eof and self.transport is not None:
@@ -210,6 +212,7 @@ class AgentStream:
         self._ids = itertools.count(1)
         self._dials: set[asyncio.Task[None]] = set()
         self._closed = False
+        self._leaving = False
 
     def send(self, packet: pb.Packet) -> None:
         if self._closed:
@@ -230,6 +233,11 @@ class AgentStream:
                     self._outbox_ready = None
             packet = outbox.popleft()
             if packet is _STREAM_END:
+                return
+            if packet is _HALF_CLOSE:
+                # The server reads our CLOSE_REQs, then EOF, and ends the stream;
+                # the reader sees that end.
+                await call.done_writing()
                 return
             await call.write(packet)
 
@@ -265,6 +273,7 @@ class AgentStream:
                     extra={"server_id": self.server_id},
                 )
                 self.agent.stream_draining(self)
+                self.leave_if_drained()
 
     async def _dial(self, request: pb.DialRequest) -> None:
         parent = tracing.extract_context(request.trace_context.items())
@@ -353,6 +362,13 @@ class AgentStream:
             random=request.random, connect_id=connect_id, initial_window=self.window
         )
 
+    def leave_if_drained(self) -> None:
+        """A draining replica's stream ends once its last connection has: the server
+        need not wait out its grace for an idle agent stream."""
+        if self.draining and not self.connections and not self._dials and not self._leaving:
+            self._leaving = True
+            self.send(_HALF_CLOSE)
+
     async def close(self) -> None:
         """End the stream: every connection on it is aborted, pending dials cancelled."""
         self._closed = True
@@ -404,6 +420,8 @@ class Agent:
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self.connected = asyncio.Event()  # set once the first stream is held
+        # Called with the number of streams held whenever it changes (readiness).
+        self.on_streams: Callable[[int], None] | None = None
 
     def learn_replicas(self, replica_ids: Any) -> None:
         replicas = frozenset(replica_ids)
@@ -496,6 +514,8 @@ class Agent:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         self.connected.set()
+        if self.on_streams is not None:
+            self.on_streams(len(self.streams))
         return True
 
     async def _serve(self, stream: AgentStream) -> None:
@@ -503,6 +523,9 @@ class Agent:
         reader = asyncio.ensure_future(stream.read_loop())
         try:
             await asyncio.wait({writer, reader}, return_when=asyncio.FIRST_COMPLETED)
+            if writer.done() and not writer.cancelled() and writer.exception() is None:
+                # Half-closed after draining: the server's end of the stream follows.
+                await asyncio.wait({reader}, timeout=30.0)
             for task in (reader, writer):
                 if task.done() and not task.cancelled() and task.exception() is not None:
                     exc = task.exception()
@@ -523,6 +546,8 @@ class Agent:
                 del self.streams[stream.server_id]
             await stream.close()
             self._changed.set()
+            if self.on_streams is not None:
+                self.on_streams(len(self.streams))
 
     async def close(self) -> None:
         for task in list(self._tasks):

@@ -6,7 +6,7 @@ servers report (`waygate.tunnel.agent`). Its node name is the DNS name its
 certificate is issued for (`cert_identity`, e.g. `edge-1`; under Kubernetes
 certs issues `dns:NODE` only for the node named by the pod's ServiceAccount
 token), or `node` with static certificates. It dials only what `allow`
-permits. Ready (/readyz) once it holds its first stream.
+permits. Ready (/readyz) while it holds a stream to at least one replica.
 """
 
 from __future__ import annotations
@@ -128,6 +128,15 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         dial_timeout=settings.dial_timeout,
         backoff=Backoff(initial=0.2, maximum=settings.reconnect_max),
     )
+
+    def readiness(held: int) -> None:
+        # Ready while at least one server replica can reach this node.
+        if held:
+            process.readiness.set_ready()
+        else:
+            process.readiness.set_not_ready("no stream to any tunnel server replica")
+
+    agent.on_streams = readiness
     process.spawn(agent.run(), "tunnel-agent")
 
     async def become_ready() -> None:

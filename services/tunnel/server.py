@@ -531,8 +531,11 @@ class TunnelServicer(tunnel_pb2_grpc.TunnelServicer):
         hub = self._hub
         span = trace.get_current_span()
         try:
-            self._authorize(context)
+            # The target is read before the policy is applied, so a refusal never
+            # races the dialer's first write (an unread frame turns the refusal into
+            # a transport error on the client).
             first = await asyncio.wait_for(context.read(), hub.dial_timeout)
+            self._authorize(context)
             if first is grpc.aio.EOF or first.WhichOneof("frame") != "target":
                 raise Refused(pb.INVALID, "the first frame of a Dial must be a target")
             target = first.target

@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.support.processes import start_service
+from tests.support.processes import http_get, start_service
 from waygate.resolver.client import Kind, ResolverWatch
 
 pytestmark = pytest.mark.system
@@ -134,6 +134,11 @@ async def test_sigterm_drains_open_connections_finish_new_dials_refused(tmp_path
         await stream.write_eof()
         assert await stream.read() == b""
         assert await stream.wait_closed() == grpc.StatusCode.OK
+        assert (await http_get(agent.admin_port, "/readyz"))[0] == 200
+        await server.stop(None)
+        async with asyncio.timeout(10):  # no replica left: the agent is not ready
+            while (await http_get(agent.admin_port, "/readyz"))[0] != 503:
+                await asyncio.sleep(0.1)
     finally:
         await client.close()
         backend.close()
