@@ -23,9 +23,11 @@ The same sentence goes to the client (502 body and X-Waygate-Error), the log
 line, the request's span (error status and `waygate.upstream_tls.*`
 attributes) and `waygate_proxy_upstream_tls_failures_total{route,reason}`.
 
-Not done: TLS session resumption to backends. asyncio (and uvloop) transports
-offer no way to hand a saved `ssl.SSLSession` to a new connection, so every
-new upstream connection is a full handshake; pooling keeps that rare.
+Sessions are resumed: asyncio (and uvloop) transports take no `ssl.SSLSession`,
+but both build their `SSLObject` through the context's `wrap_bio`, so the
+client context (`_ResumingContext`) passes the session of the last connection
+to the same server name there. A session the backend no longer knows (another
+endpoint, a restart) just means a full handshake.
 """
 
 from __future__ import annotations
@@ -124,6 +126,27 @@ def _names(leaf: x509.Certificate) -> str:
     return shown + (f" (+{len(names) - 4} more)" if len(names) > 4 else "")
 
 
+class _ResumingContext(ssl.SSLContext):
+    """A client context that offers the last session it saw for a server name."""
+
+    last: dict[str, ssl.SSLObject]
+
+    def wrap_bio(  # type: ignore[override]
+        self,
+        incoming: ssl.MemoryBIO,
+        outgoing: ssl.MemoryBIO,
+        server_side: bool = False,
+        server_hostname: str | None = None,
+        session: ssl.SSLSession | None = None,
+    ) -> ssl.SSLObject:
+        if session is None and server_hostname is not None:
+            previous = self.last.get(server_hostname)
+            if previous is not None:
+                with contextlib.suppress(ValueError, AttributeError):
+                    session = previous.session
+        return super().wrap_bio(incoming, outgoing, server_side, server_hostname, session)
+
+
 class UpstreamTLS:
     """Client contexts per (destination CA, client certificate), rebuilt when either source changes.
 
@@ -160,7 +183,8 @@ class UpstreamTLS:
         return context
 
     def _build(self, destination_ca: str, present_client: bool) -> ssl.SSLContext:
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context = _ResumingContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.last = {}
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         context.set_alpn_protocols(["http/1.1"])
         cadata = destination_ca or (self._trust_pem() or b"").decode()
@@ -196,13 +220,18 @@ class UpstreamTLS:
         name = server_name(route, target)
         try:
             context = self.context(route)
-            _, protocol = await loop.create_connection(
+            transport, protocol = await loop.create_connection(
                 factory,
                 sock=sock,
                 ssl=context,
                 server_hostname=name,
                 ssl_handshake_timeout=timeout,
             )
+            ssl_object = transport.get_extra_info("ssl_object")
+            if isinstance(context, _ResumingContext) and ssl_object is not None:
+                # Its session (TLS 1.3: the ticket that follows the handshake) is
+                # offered to the next connection to this name.
+                context.last[name] = ssl_object
             return protocol
         except ConnectError:
             sock.close()

@@ -37,6 +37,7 @@ class TlsBackend:
     def __init__(self, certificate: tuple[bytes, bytes]) -> None:
         self.context = server_context(chain_pem=certificate[0], key_pem=certificate[1])
         self.requests: list[bytes] = []
+        self.resumed: list[bool] = []  # per connection: was its TLS session resumed?
         self.port = 0
         self._server: asyncio.AbstractServer | None = None
 
@@ -46,6 +47,7 @@ class TlsBackend:
         return self
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.resumed.append(writer.get_extra_info("ssl_object").session_reused)
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -75,9 +77,10 @@ def reencrypt(destination_ca: bytes, server_name: str = "") -> RouteTLS:
 
 
 @contextlib.asynccontextmanager
-async def proxy_to(backend: TlsBackend, tls: RouteTLS) -> AsyncIterator[int]:
+async def proxy_to(backend: TlsBackend, tls: RouteTLS, **kw: object) -> AsyncIterator[int]:
     routes = [route("secure.test", [("web", 100)], name="secure", tls=tls)]
-    async with running_proxy(table(routes, [endpoint("web", backend.port)])) as (server, port):
+    endpoints = [endpoint("web", backend.port)]
+    async with running_proxy(table(routes, endpoints), **kw) as (server, port):
         server.upstream_tls = UpstreamTLS(lambda: None, lambda: None, server.dialer.connect)
         yield port
 
@@ -211,5 +214,18 @@ async def test_failed_upstream_handshakes_leave_no_fd_or_task_behind() -> None:
             async with asyncio.timeout(10):
                 while len(os.listdir("/proc/self/fd")) > fds or len(asyncio.all_tasks()) > tasks:
                     await asyncio.sleep(0.05)
+    finally:
+        await backend.stop()
+
+
+async def test_upstream_tls_sessions_are_resumed() -> None:
+    """Each new upstream connection (no pooling here) resumes the last session."""
+    ca = LocalCA()
+    backend = await TlsBackend(ca.issue(dns=["web.demo.svc"])).start()
+    try:
+        async with proxy_to(backend, reencrypt(ca.pem), max_idle_per_endpoint=0) as port:
+            for _ in range(3):
+                assert (await get(port)).startswith(b"HTTP/1.1 200")
+        assert backend.resumed == [False, True, True]
     finally:
         await backend.stop()
