@@ -82,6 +82,7 @@ class WorkerGroup:
         self.snapshots: dict[int, dict[str, Any]] = {}
         self.children: list[asyncio.subprocess.Process] = []
         self._reservation: socket.socket | None = None
+        self._https_reservation: socket.socket | None = None
         self._key_dir: tempfile.TemporaryDirectory[str] | None = None
         self._stopping = False
 
@@ -97,6 +98,11 @@ class WorkerGroup:
         reservation.bind((settings.host, settings.http_port))
         self._reservation = reservation
         port = reservation.getsockname()[1]
+        # The HTTPS port likewise, so `--https-port 0` is one port for every worker.
+        https = socket.socket(reservation.family, socket.SOCK_STREAM)
+        https.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        https.bind((settings.host, settings.https_port))
+        self._https_reservation = https
         key_file = settings.sticky_key_file
         if key_file is None:
             self._key_dir = tempfile.TemporaryDirectory(prefix="waygate-proxy-")
@@ -109,6 +115,8 @@ class WorkerGroup:
             "1",
             "--http-port",
             str(port),
+            "--https-port",
+            str(https.getsockname()[1]),
             "--admin-port",
             "0",
             "--sticky-key-file",
@@ -169,5 +177,7 @@ class WorkerGroup:
                 REGISTRY.unregister(collector)
         if self._reservation is not None:
             self._reservation.close()
+        if self._https_reservation is not None:
+            self._https_reservation.close()
         if self._key_dir is not None:
             self._key_dir.cleanup()
