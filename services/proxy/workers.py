@@ -98,11 +98,15 @@ class WorkerGroup:
         reservation.bind((settings.host, settings.http_port))
         self._reservation = reservation
         port = reservation.getsockname()[1]
-        # The HTTPS port likewise, so `--https-port 0` is one port for every worker.
-        https = socket.socket(reservation.family, socket.SOCK_STREAM)
-        https.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        https.bind((settings.host, settings.https_port))
-        self._https_reservation = https
+        https_port = settings.https_port
+        if https_port == 0:
+            # `--https-port 0` likewise reserved: one port for every worker. (A fixed
+            # port is not: the workers bind it only when they have a certificate.)
+            https = socket.socket(reservation.family, socket.SOCK_STREAM)
+            https.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            https.bind((settings.host, 0))
+            self._https_reservation = https
+            https_port = https.getsockname()[1]
         key_file = settings.sticky_key_file
         if key_file is None:
             self._key_dir = tempfile.TemporaryDirectory(prefix="waygate-proxy-")
@@ -116,7 +120,7 @@ class WorkerGroup:
             "--http-port",
             str(port),
             "--https-port",
-            str(https.getsockname()[1]),
+            str(https_port),
             "--admin-port",
             "0",
             "--sticky-key-file",
