@@ -10,22 +10,22 @@ connection, the request head must arrive within `head_timeout` and fit in 8 KiB.
 Probes keep answering while slow or hostile clients hold connections
 (a reconnecting slowloris must never turn /healthz into 503s, or Kubernetes
 kills the pod again and again). The room is shared like this:
-- at most `max_connections` are open at once;
-- connections still sending their head may use all but `probe_reserve` of
-  them; the reserve is only for connections whose head has arrived, so slow
-  heads can never take it;
+- at most `max_connections` are open at once, counted from accept until the
+  socket is gone (a connection still sending its answer counts);
 - each source IP may have at most `max_connections_per_source` heads pending;
-- when a new connection finds its source's share or the head room full, the
-  OLDEST pending head (of that source, else of anyone) is dropped to make room:
-  a probe sends its head at once, so it is always among the newest and the
-  one that has dawdled longest goes. Only when nothing can be dropped is the
-  new connection answered 503.
+- when a new connection finds its source's share or the whole room full, the
+  OLDEST pending head (of that source, else of anyone) is aborted to make room
+  (its socket goes at once, so one newcomer costs one pending head): a probe
+  sends its head at once, so it is always among the newest and the one that
+  has dawdled longest goes. Only when nothing can be dropped (every place is
+  answering) is the new connection answered 503.
+- an answer the peer does not read within `head_timeout` is aborted: the socket
+  is released then, not when the peer finally reads.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -103,17 +103,14 @@ class AdminServer:
         head_timeout: float = 2.0,
         max_connections: int = 64,
         max_connections_per_source: int = 8,
-        probe_reserve: int | None = None,
     ) -> None:
         self._readiness = readiness
         self._registry = registry
         self._head_timeout = head_timeout
         self._max_connections = max_connections
-        # Default: a quarter of the room is for probes; heads always keep one place.
-        reserve = max_connections // 4 if probe_reserve is None else probe_reserve
-        self._max_pending = max(1, max_connections - reserve)
         self._max_per_source = max_connections_per_source
-        self._open = 0
+        # Connections holding a place: from admission until their socket is gone.
+        self._open: set[asyncio.StreamWriter] = set()
         # Insertion order is age order: the first entry is the oldest pending head.
         self._pending: dict[asyncio.StreamWriter, _Pending] = {}
         self._pending_by_source: dict[str, int] = {}
@@ -127,7 +124,6 @@ class AdminServer:
             head_timeout=settings.admin_head_timeout,
             max_connections=settings.admin_max_connections,
             max_connections_per_source=settings.admin_max_connections_per_source,
-            probe_reserve=settings.admin_probe_reserve,
         )
 
     async def start(self, host: str, port: int) -> int:
@@ -170,6 +166,7 @@ class AdminServer:
         for writer, pending in self._pending.items():
             if source is None or pending.source == source:
                 self._forget(writer)
+                self._open.discard(writer)  # its place is free now: abort drops the socket
                 pending.transport.abort()  # its handler sees the reset and ends
                 DROPPED.labels(reason).inc()
                 return True
@@ -179,12 +176,11 @@ class AdminServer:
         """Make room for a new connection's head; False when there is none to make."""
         if self._pending_by_source.get(source, 0) >= self._max_per_source:
             self._drop_oldest_pending(source, "source_limit")
-        if len(self._pending) >= self._max_pending:
-            self._drop_oldest_pending(None, "head_room_full")
-        if self._open > self._max_connections and not self._drop_oldest_pending(
+        if len(self._open) >= self._max_connections and not self._drop_oldest_pending(
             None, "connection_limit"
         ):
             return False
+        self._open.add(writer)
         self._pending[writer] = _Pending(source, writer.transport)
         self._pending_by_source[source] = self._pending_by_source.get(source, 0) + 1
         return True
@@ -200,7 +196,6 @@ class AdminServer:
             del self._pending_by_source[pending.source]
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._open += 1
         peer = writer.get_extra_info("peername")
         source = str(peer[0]) if isinstance(peer, tuple) else "local"
         try:
@@ -228,9 +223,17 @@ class AdminServer:
                 return
             writer.write(self._route(parts[0], parts[1]))
         finally:
-            self._open -= 1
-            with contextlib.suppress(ConnectionError, TimeoutError):
-                await asyncio.wait_for(writer.drain(), self._head_timeout)
+            try:
+                await self._close(writer)
+            finally:
+                self._open.discard(writer)
+
+    async def _close(self, writer: asyncio.StreamWriter) -> None:
+        """Send what was written, then close; abort a peer that does not read it in time
+        (close() alone would keep the socket until the peer reads)."""
+        try:
+            await asyncio.wait_for(writer.drain(), self._head_timeout)
             writer.close()
-            with contextlib.suppress(ConnectionError, TimeoutError):
-                await asyncio.wait_for(writer.wait_closed(), 1.0)
+            await asyncio.wait_for(writer.wait_closed(), 1.0)
+        except (ConnectionError, TimeoutError):
+            writer.transport.abort()

@@ -356,12 +356,6 @@ class ProcessSettings:
         help="admin HTTP connections still sending their request head, per source IP",
         check=positive,
     )
-    admin_probe_reserve: int = setting(
-        16,
-        help="admin HTTP connections kept for requests whose head has arrived (probes); "
-        "slow heads never use them",
-        check=lambda v: None if v >= 1 else f"must be at least 1, not {v}",
-    )
     admin_head_timeout: float = setting(
         2.0,
         help="time a client has to send a whole admin HTTP request head",
@@ -417,11 +411,6 @@ class ProcessSettings:
 
     def validate(self) -> str | None:
         """Cross-field checks; subclasses extend and call super()."""
-        if self.admin_probe_reserve >= self.admin_max_connections:
-            return (
-                f"invalid setting admin_probe_reserve: {self.admin_probe_reserve} leaves no room "
-                f"for request heads within admin_max_connections {self.admin_max_connections}"
-            )
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             return "invalid setting tls_cert_file/tls_key_file: give both or neither"
         for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):

@@ -1,16 +1,20 @@
 """How the admin listener shares its room, in-process on port 0 over real sockets.
 
-Slow request heads are limited per source address and in total (the rest of
-the room is kept for requests whose head has arrived); when a new connection
-finds no room, the OLDEST pending head is dropped, never the newcomer, so a
-probe that sends its head at once is always answered.
+Slow request heads are limited per source address and in total; when a new
+connection finds no room, the OLDEST pending head is dropped (one per newcomer),
+never the newcomer, so a probe that sends its head at once is always answered.
+A connection counts until its socket is gone, and an answer the peer does not
+read is aborted after the head timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 
 import pytest
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 from tests.support.poll import until
 from waygate.core.admin import AdminServer, Readiness
@@ -21,9 +25,8 @@ Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 @pytest.fixture
 async def admin():
     server = AdminServer(
-        Readiness(), head_timeout=10, max_connections=8, max_connections_per_source=2,
-        probe_reserve=2,
-    )  # fmt: skip
+        Readiness(), head_timeout=10, max_connections=8, max_connections_per_source=2
+    )
     await server.start("127.0.0.1", 0)
     yield server
     await server.stop()
@@ -78,14 +81,47 @@ async def test_a_source_over_its_share_loses_its_oldest_pending_head(admin: Admi
 async def test_when_the_head_room_is_full_the_oldest_pending_head_anywhere_goes(
     admin: AdminServer,
 ) -> None:
-    # Room for heads: 8 - 2 reserved = 6, from three sources (two each, their share).
-    connections = [await slow(admin, f"127.0.0.{3 + i // 2}") for i in range(6)]
-    await until(lambda: len(admin._pending) == 6, "six pending heads")
+    # The whole room (8) held by pending heads from four sources (two each, their share).
+    connections = [await slow(admin, f"127.0.0.{3 + i // 2}") for i in range(8)]
+    await until(lambda: len(admin._pending) == 8, "eight pending heads")
     newcomer = await slow(admin, "127.0.0.9")
     assert await dropped(connections[0])
     await asyncio.sleep(0.2)
+    # One newcomer costs exactly one pending head: the aborted one no longer counts.
     assert all(still_open(c) for c in connections[1:]) and still_open(newcomer)
+    assert len(admin._open) == 8
     assert await healthz(admin) == b"HTTP/1.1 200 OK"
-    for _, writer in (*connections[1:], newcomer):
+    assert await dropped(connections[1])  # the probe took the next-oldest head's place
+    assert all(still_open(c) for c in connections[2:])
+    for _, writer in (*connections[2:], newcomer):
         writer.close()
-    await until(lambda: not admin._pending, "every pending head forgotten")
+    await until(lambda: not admin._pending and not admin._open, "every connection forgotten")
+
+
+async def test_an_answer_nobody_reads_holds_its_place_then_is_aborted() -> None:
+    registry = CollectorRegistry()
+    big = Gauge("padding", "a large /metrics answer", ["label"], registry=registry)
+    for index in range(6_000):  # about 12 MB: more than the kernel's buffers hold (4 MB)
+        big.labels("x" * 2000 + str(index)).set(index)
+    server = AdminServer(
+        Readiness(), registry=registry, head_timeout=1.0, max_connections=2,
+        max_connections_per_source=2,
+    )  # fmt: skip
+    await server.start("127.0.0.1", 0)
+    try:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window
+        sock.connect(("127.0.0.1", server.port))
+        reader, writer = await asyncio.open_connection(sock=sock)
+        writer.write(b"GET /metrics HTTP/1.1\r\n\r\n")
+        await until(lambda: server._open and not server._pending, "the answer being sent")
+        assert len(server._open) == 1  # answering, not reading: it still holds a place
+        await until(lambda: not server._open, "the unread answer aborted", timeout=10)
+        received = b""
+        with contextlib.suppress(ConnectionError):
+            while chunk := await asyncio.wait_for(reader.read(1 << 20), 5):
+                received += chunk
+        assert len(received) < len(generate_latest(registry))  # cut off, not finished
+        writer.close()
+    finally:
+        await server.stop()
