@@ -33,9 +33,7 @@ from .test_rotation_certs import RESOLVER, Certs, settings_for
 
 async def run_process(settings: GrpcServerSettings, body) -> dict:
     """Run a process whose setup serves Health with mTLS, call `body(process, port)`, stop."""
-    process = ServiceProcess(
-        "tls-test", settings, certificate_source=start_process_certificates
-    )
+    process = ServiceProcess("tls-test", settings, certificate_source=start_process_certificates)
     result: dict = {}
 
     async def setup(p: ServiceProcess) -> None:

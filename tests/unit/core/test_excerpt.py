@@ -14,7 +14,7 @@ def test_long_values_are_cut_and_say_their_length() -> None:
 
 
 def test_control_characters_cannot_forge_a_log_line() -> None:
-    text = excerpt("ok\n{\"level\": \"INFO\"}\x00" * 10)
+    text = excerpt('ok\n{"level": "INFO"}\x00' * 10)
     assert "\n" not in text and "\x00" not in text
     assert len(text) < EXCERPT_LIMIT + 40
 
