@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any
 
 import grpc
 from prometheus_client import Counter, Gauge
@@ -93,6 +94,8 @@ log = logging.getLogger(__name__)
 
 #: Objects of a snapshot chunk converted between two turns of the event loop.
 SLICE_OBJECTS = 1000
+#: Changes of one Changes event converted between two turns of the event loop.
+CHANGES_SLICE = 1000
 #: Default silence after which a stream is considered dead: a little over two of
 #: the resolver's default 30 s heartbeats.
 DEFAULT_STALE_AFTER = 75.0
@@ -351,7 +354,7 @@ class ResolverWatch:
         elif kind == "changes":
             if staging is not None:
                 raise _StreamBroken("changes arrived before the snapshot's last chunk")
-            self._apply_changes(event)
+            await self._apply_changes(event)
         else:
             raise _StreamBroken(f"unknown watch event {kind!r}")
         self._confirmed = time.monotonic()
@@ -368,7 +371,7 @@ class ResolverWatch:
         self._tunnels = staging.tunnels
         self._publish(event, from_snapshot=True)
 
-    def _apply_changes(self, event: pb.WatchEvent) -> None:
+    async def _apply_changes(self, event: pb.WatchEvent) -> None:
         view = self._view
         changes = event.changes
         if view is None or event.epoch != view.epoch or changes.from_version != view.version:
@@ -380,38 +383,35 @@ class ResolverWatch:
             # A heartbeat: the view is current as of the source's last sync.
             self._view = dataclasses.replace(view, last_sync=_last_sync(event), from_snapshot=False)
             return
+        # Converting 100,000 changes takes seconds: in slices, letting the loop (maybe
+        # a proxy's data plane) run in between; then applied at once, so a stream
+        # that fails mid-way leaves the held state untouched.
+        decoded: list[tuple[str, Any]] = []
+        for index, change in enumerate(changes.changes):
+            if index and index % CHANGES_SLICE == 0:
+                await asyncio.sleep(0)
+            decoded.append(_decode_change(change))
         touched_services: set[ServiceKey] = set()
         services, routes, tunnels = dict(self._services), dict(self._routes), dict(self._tunnels)
-        for change in changes.changes:
-            which = change.WhichOneof("change")
+        for which, value in decoded:
             if which == "service_upserted":
-                service = convert.service_from_proto(change.service_upserted)
-                services[service.key] = service
+                services[value.key] = value
             elif which == "service_deleted":
-                services.pop((change.service_deleted.namespace, change.service_deleted.name), None)
+                services.pop(value, None)
             elif which == "endpoint_upserted":
-                endpoint = convert.endpoint_from_proto(change.endpoint_upserted)
-                self._endpoint_table(endpoint.service_key, touched_services)[endpoint.address] = (
-                    endpoint
-                )
+                self._endpoint_table(value.service_key, touched_services)[value.address] = value
             elif which == "endpoint_deleted":
-                ref = change.endpoint_deleted
-                key = (ref.namespace, ref.service)
+                key, address = value
                 if key in self._endpoints:
-                    self._endpoint_table(key, touched_services).pop(ref.address, None)
+                    self._endpoint_table(key, touched_services).pop(address, None)
             elif which == "route_upserted":
-                route = convert.route_from_proto(change.route_upserted)
-                routes[route.key] = route
+                routes[value.key] = value
             elif which == "route_deleted":
-                routes.pop((change.route_deleted.namespace, change.route_deleted.name), None)
-            elif which == "tunnel_presence":
-                presence = convert.tunnel_from_proto(change.tunnel_presence)
-                if presence.servers:
-                    tunnels[presence.node] = presence
-                else:
-                    tunnels.pop(presence.node, None)
+                routes.pop(value, None)
+            elif value.servers:
+                tunnels[value.node] = value
             else:
-                raise _StreamBroken(f"unknown change {which!r}")
+                tunnels.pop(value.node, None)
         if touched_services:
             tuples = dict(self._endpoint_tuples)
             for key in touched_services:
@@ -452,3 +452,24 @@ class ResolverWatch:
             except Exception:
                 # A consumer's bug must not stop the watch every consumer relies on.
                 log.exception("resolver watch: on_view failed")
+
+
+def _decode_change(change: pb.Change) -> tuple[str, Any]:
+    """One Change as (which, model object or key); _StreamBroken when unknown."""
+    which = change.WhichOneof("change")
+    if which == "service_upserted":
+        return which, convert.service_from_proto(change.service_upserted)
+    if which == "service_deleted":
+        return which, (change.service_deleted.namespace, change.service_deleted.name)
+    if which == "endpoint_upserted":
+        return which, convert.endpoint_from_proto(change.endpoint_upserted)
+    if which == "endpoint_deleted":
+        ref = change.endpoint_deleted
+        return which, ((ref.namespace, ref.service), ref.address)
+    if which == "route_upserted":
+        return which, convert.route_from_proto(change.route_upserted)
+    if which == "route_deleted":
+        return which, (change.route_deleted.namespace, change.route_deleted.name)
+    if which == "tunnel_presence":
+        return which, convert.tunnel_from_proto(change.tunnel_presence)
+    raise _StreamBroken(f"unknown change {which!r}")

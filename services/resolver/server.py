@@ -57,10 +57,14 @@ DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
 #: A page also ends once its routes reach this many serialized bytes.
 LIST_PAGE_BYTES = 1024 * 1024
-#: Snapshots with more objects than this are converted in a worker thread: a
+#: Snapshots and Changes batches with more objects than this are converted in a
+#: worker thread (one conversion shared by every watcher waiting for it): a
 #: 100,000-endpoint view takes seconds to convert, and the loop must keep
 #: answering Resolve and health checks meanwhile.
 OFFLOAD_SNAPSHOT_OBJECTS = 5000
+#: No serialized Change is smaller than this: a batch with more changes than the
+#: event bound divided by it cannot fit, and is not converted only to be discarded.
+MIN_CHANGE_BYTES = 20
 
 _PICKS = {
     pb.PICK_POLICY_UNSPECIFIED: Pick.NONE,
@@ -272,7 +276,13 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
             chunk_bytes=self._watch_chunk_bytes,
             max_event_bytes=self._max_event_bytes,
         )
-        if not isinstance(item, Snapshot) or _object_count(item) <= OFFLOAD_SNAPSHOT_OBJECTS:
+        if isinstance(item, Batch):
+            if len(item.changes) * MIN_CHANGE_BYTES > self._max_event_bytes:
+                return None  # too large for one event whatever its content: resync
+            objects = len(item.changes)
+        else:
+            objects = _object_count(item)
+        if objects <= OFFLOAD_SNAPSHOT_OBJECTS:
             return convert_item()
         key = (item, source, last_sync, with_keys)
         future = self._converting.get(key)

@@ -406,3 +406,85 @@ async def test_a_large_snapshot_is_converted_off_the_loop_once_for_all_watchers(
         release.set()
         await channel.close()
         await server.stop(0)
+
+
+async def test_a_large_changes_batch_to_a_connected_watcher_is_converted_off_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """20,000 endpoints land while a watcher is connected: the Changes event is
+    converted in a worker thread, so Resolve is answered meanwhile (the conversion
+    is held at a gate until then; the gate gives up after 5 s, so a regression
+    fails instead of hanging)."""
+    import threading
+
+    from waygate.resolver import convert
+    from waygate.resolver.store import Batch
+
+    store = Store()
+    store.upsert_service(
+        Service("big", "svc", ports=(ServicePort("http", 80, "8080"),)), source=SOURCE
+    )
+    store.set_endpoints("big", "svc", endpoints(1), source=SOURCE)
+    entered, release = threading.Event(), threading.Event()
+    real = convert.watch_events
+
+    def gated(item, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if isinstance(item, Batch) and len(item.changes) > 1000:
+            entered.set()
+            release.wait(5)
+        return real(item, *args, **kwargs)
+
+    monkeypatch.setattr(convert, "watch_events", gated)
+    server, channel, stub = await serve(store)
+    try:
+        call = stub.Watch(pb.WatchRequest())
+        await read_snapshot(call)
+        store.set_endpoints("big", "svc", endpoints(20_000, "10.1"), source=SOURCE)
+        changes = asyncio.ensure_future(call.read())
+        await until(entered.is_set, "the conversion started")
+        reply = await stub.Resolve(
+            pb.ResolveRequest(namespace="big", name="svc", pick=pb.PICK_POLICY_RANDOM), timeout=5
+        )
+        assert reply.picked.address and not changes.done()
+        release.set()
+        event = await asyncio.wait_for(changes, 30)
+        assert event.WhichOneof("event") == "changes"
+        assert len(event.changes.changes) == 20_001  # 20,000 added, one removed
+        call.cancel()
+    finally:
+        release.set()
+        await channel.close()
+        await server.stop(0)
+
+
+async def test_a_batch_that_cannot_fit_one_event_is_never_converted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """More changes than the event bound could hold even at their smallest: the
+    subscriber is resynced without converting the batch first (it would be thrown away)."""
+    from waygate.resolver import convert
+    from waygate.resolver.store import Batch
+
+    store = Store()
+    store.set_endpoints("big", "svc", endpoints(10), source=SOURCE)
+    converted: list[int] = []
+    real = convert.watch_events
+
+    def counting(item, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if isinstance(item, Batch):
+            converted.append(len(item.changes))
+        return real(item, *args, **kwargs)
+
+    monkeypatch.setattr(convert, "watch_events", counting)
+    server, channel, stub = await serve(store, watch_chunk_bytes=8192, max_event_bytes=16384)
+    try:
+        call = stub.Watch(pb.WatchRequest())
+        await read_snapshot(call)
+        store.set_endpoints("big", "svc", endpoints(2000, "10.1"), source=SOURCE)
+        chunks = await read_snapshot(call)
+        assert sum(len(c.snapshot.endpoints) for c in chunks) == 2000
+        assert converted == [], "the batch was converted only to be discarded"
+        call.cancel()
+    finally:
+        await channel.close()
+        await server.stop(0)

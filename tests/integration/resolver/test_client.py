@@ -377,3 +377,44 @@ async def test_a_broken_snapshot_or_a_gap_never_reaches_the_view() -> None:
     finally:
         await stop_watch(task)
         await server.stop(0)
+
+
+async def test_a_large_changes_event_is_converted_in_slices_then_applied_at_once(
+    running: Running, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """5,000 endpoint changes: the loop runs between slices of the conversion (a
+    callback scheduled at the first conversion runs before the last), and the view
+    changes once, after all of it."""
+    from waygate.resolver import client as client_module
+
+    views: list[View] = []
+    watch = ResolverWatch(factory(running.address), on_view=views.append, backoff=quick_backoff())
+    task = await start_watch(watch)
+    try:
+        first = watch.view
+        converted: list[int] = []
+        seen_meanwhile: list[tuple[int, View | None]] = []
+        real = client_module.convert.endpoint_from_proto
+
+        def counting(message: pb.Endpoint) -> Endpoint:
+            if not converted:
+                asyncio.get_running_loop().call_soon(
+                    lambda: seen_meanwhile.append((len(converted), watch.view))
+                )
+            converted.append(1)
+            return real(message)
+
+        monkeypatch.setattr(client_module.convert, "endpoint_from_proto", counting)
+        running.store.set_endpoints(
+            "shop",
+            "web",
+            [Endpoint("shop", "web", f"10.9.{i >> 8}.{i & 255}") for i in range(5000)],
+            source=SOURCE,
+        )
+        await eventually(lambda: len(views) == 2, timeout=30)
+        assert len(views[1].endpoints[("shop", "web")]) == 5000
+        assert seen_meanwhile, "the loop never ran during the conversion"
+        count, view = seen_meanwhile[0]
+        assert count < 5000 and view is first, "the loop ran mid-conversion, view untouched"
+    finally:
+        await stop_watch(task)
