@@ -297,6 +297,7 @@ class ClientConnection(asyncio.Protocol):
         "transport",
         "upstream",
         "upstream_head",
+        "upstream_traceparent",
     )
 
     def __init__(self, server: ProxyServer) -> None:
@@ -320,6 +321,9 @@ class ClientConnection(asyncio.Protocol):
         self.pending_size = 0
         self.response_started = False
         self.upstream_head = b""
+        # The proxy span's context when the request is sampled: the tunnel's dial
+        # spans become its children (None: unsampled, nothing to continue).
+        self.upstream_traceparent: str | None = None
         self.retried = False
         self.last_client = 0.0
         self.last_up = 0.0
@@ -544,9 +548,11 @@ class ClientConnection(asyncio.Protocol):
         else:
             self.req_complete = True
         traceparent = req.traceparent
+        self.upstream_traceparent = None
         if traceparent and traceparent[-3:] == b"-01" and _TRACEPARENT.fullmatch(traceparent):
             # Sampled upstream of us (parent-based): a span, and its id goes on.
             traceparent = self._start_span(req, entry)
+            self.upstream_traceparent = traceparent.decode("ascii")
         self.upstream_head = http1.build_upstream_head(
             req, self.context, entry.options.forwarded_mode, traceparent
         )
@@ -642,7 +648,9 @@ class ClientConnection(asyncio.Protocol):
         while True:
             attempts += 1
             try:
-                sock = await server.dialer.connect(target, options.connect_timeout, None)
+                sock = await server.dialer.connect(
+                    target, options.connect_timeout, self.upstream_traceparent
+                )
             except ConnectError as exc:
                 server.metrics.connect_error(exc.kind)
                 server.health.failed(target)
