@@ -776,6 +776,9 @@ class FileSource:
             with self.path.open("rb") as handle:
                 # One byte over the limit is enough to know it is too big.
                 data = handle.read(MAX_FILE_BYTES + 1)
+        except FileNotFoundError:
+            # Worded as the writers word it, whichever of them notices first.
+            return _Read(stat, None, None, FileError(self.path, None, "is missing"))
         except OSError as exc:
             error = FileError(self.path, None, f"cannot read: {exc.strerror or exc}")
             return _Read(stat, None, None, error)
@@ -803,7 +806,10 @@ class FileSource:
             if self.last_error is None:
                 self.store.mark_synced(self.source)
             return self.last_error is None
-        if read.digest is not None:
+        if read.digest is not None or read.error is not None:
+            # An unreadable (missing, oversized) file has no digest: forget the old
+            # one, or restoring the very same bytes would count as "already applied"
+            # and the error would never clear.
             self._digest = read.digest
         if read.error is not None:
             return self._reject(read.error)

@@ -156,8 +156,31 @@ def test_missing_file_is_an_error_that_keeps_state(routes_file: Path) -> None:
     assert source.load()
     routes_file.unlink()
     source.poll()
-    assert source.last_error is not None and "cannot read" in source.last_error
+    assert source.last_error is not None and "is missing" in source.last_error
     assert store.get_service("shop", "web") is not None
+
+
+async def test_restoring_the_same_bytes_after_a_deletion_clears_the_error(
+    routes_file: Path,
+) -> None:
+    """The missing file had no digest: the restored identical file was taken for
+    "already applied", so the error stayed and every write stayed refused."""
+    store = Store(initial_version=0)
+    source = FileSource(store, routes_file)
+    assert source.load()
+    saved = routes_file.read_bytes()
+    routes_file.unlink()
+    source.poll()
+    assert source.last_error is not None
+    routes_file.write_bytes(saved)
+    st = routes_file.stat()
+    os.utime(routes_file, ns=(st.st_atime_ns, st.st_mtime_ns + 2_000_000_000))
+    source.poll()
+    assert source.last_error is None
+    await source.apply_route(
+        Route("shop", "api", "api.example.com", backends=(RouteBackend("web"),))
+    )
+    assert store.get_route("shop", "api") is not None
 
 
 async def test_apply_route_writes_the_file_and_survives_a_restart(routes_file: Path) -> None:
