@@ -1,4 +1,5 @@
-"""`waygate up` serves demo/hello through proxy -> tunnel server -> agent -> demo backend.
+"""`waygate up` serves demo/hello through proxy -> tunnel server -> agent -> demo backend,
+and one sampled request is one trace across those processes.
 
 The example route's endpoint is on node `edge-local` and marked `tunnel`, so the
 proxy has no way to it but the tunnel. Ports are offset (as in test_up.py); the
@@ -9,6 +10,7 @@ backend's offset port, and the agent allows exactly that port.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import signal
 import sys
@@ -17,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.support.otlp import OtlpReceiver
 from tests.support.processes import ROOT, child_env
 from waygate.resolver.filesource import EXAMPLE_ROUTES
 from waygate.supervisor import DEMO_PORT
@@ -25,6 +28,9 @@ pytestmark = pytest.mark.system
 
 
 async def test_up_serves_the_edge_route_through_the_tunnel(tmp_path: Path) -> None:
+    otlp = OtlpReceiver()
+    await otlp.start()
+    trace_id, parent = os.urandom(16).hex(), os.urandom(8).hex()
     offset = random.randrange(10000, 22900, 100)
     state = tmp_path / "state"
     state.mkdir()
@@ -37,7 +43,8 @@ async def test_up_serves_the_edge_route_through_the_tunnel(tmp_path: Path) -> No
     (state / "routes.yaml").chmod(0o600)
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "waygate", "up", "--port-offset", str(offset),
-        "--state-dir", str(state), cwd=ROOT, env=child_env(),
+        "--state-dir", str(state), cwd=ROOT,
+        env=child_env({"WAYGATE_OTLP_ENDPOINT": otlp.endpoint}),
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
     )  # fmt: skip
     try:
@@ -50,12 +57,36 @@ async def test_up_serves_the_edge_route_through_the_tunnel(tmp_path: Path) -> No
                 except OSError:
                     continue
                 writer.write(b"GET /through-the-tunnel HTTP/1.1\r\nHost: hello.localtest.me\r\n"
-                             b"Connection: close\r\n\r\n")  # fmt: skip
+                             b"traceparent: 00-%s-%s-01\r\n"
+                             b"Connection: close\r\n\r\n" % (trace_id.encode(), parent.encode()))  # fmt: skip
                 data = await reader.read()
                 writer.close()
                 head, _, body = data.partition(b"\r\n\r\n")
                 status = int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/1.1 ") else 0
         assert b'"path": "/through-the-tunnel"' in body
+
+        # One trace: proxy (server span, then its dial client span) -> tunnel server ->
+        # agent, and the backend got the traceparent continued from the proxy's span.
+        def complete(spans: list) -> bool:
+            services = {s.service for s in spans if s.trace_id == trace_id}
+            return {"waygate-proxy", "waygate-tunnel-server", "waygate-tunnel-agent"} <= services
+
+        spans = [s for s in await otlp.wait_for(complete, 30) if s.trace_id == trace_id]
+        by_id = {s.span_id: s for s in spans}
+        agent = next(s for s in spans if s.service == "waygate-tunnel-agent")
+        served = by_id[agent.parent_span_id]
+        assert served.service == "waygate-tunnel-server"
+        assert served.name.endswith("Tunnel/Dial")
+        dialing = by_id[served.parent_span_id]
+        assert dialing.service == "waygate-proxy" and dialing.name.endswith("Tunnel/Dial")
+        proxy = by_id[dialing.parent_span_id]
+        assert proxy.service == "waygate-proxy" and proxy.parent_span_id == parent
+        for span in (served, agent):
+            assert span.attributes["waygate.tunnel.node"] == "edge-local"
+            assert span.attributes["waygate.tunnel.replica"] == "tunnel-server-0"
+            assert "waygate.tunnel.connection_id" in span.attributes
+        # The backend got the trace continued from the proxy's span.
+        assert f"00-{trace_id}-{proxy.span_id}-01".encode() in body
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -63,3 +94,4 @@ async def test_up_serves_the_edge_route_through_the_tunnel(tmp_path: Path) -> No
         except TimeoutError:
             process.kill()
             await process.wait()
+        await otlp.stop()
