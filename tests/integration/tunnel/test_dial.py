@@ -140,3 +140,23 @@ async def test_a_dial_pending_when_the_agent_goes_away_is_refused_as_retryable(
         await asyncio.wait_for(dialing, 10)
     assert refused.value.reason == pb.DRAINING
     assert refused.value.retryable
+
+
+async def test_a_dial_the_agent_does_not_answer_in_time_is_refused_with_timeout(
+    tunnel: Tunnel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from waygate.tunnel.agent import AgentStream
+
+    async def slow(self: AgentStream, request: pb.DialRequest) -> pb.DialResponse:
+        await asyncio.sleep(30)
+        raise AssertionError("unreachable")
+
+    monkeypatch.setattr(AgentStream, "_connect", slow)
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(DialFailed) as refused:
+        await tunnel.client().dial(NODE, 9, timeout=0.5)
+    assert refused.value.reason == pb.TIMEOUT
+    assert not refused.value.retryable
+    assert asyncio.get_running_loop().time() - started < 10
+    # The pending dial left nothing behind on the server.
+    await until(lambda: not tunnel.hub.sessions[NODE]._dials, "the pending dial to go")
