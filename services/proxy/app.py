@@ -77,6 +77,11 @@ class Settings(ProcessSettings):
     default_key: Path | None = setting(
         None, help="PEM private key of --default-certificate (a 0600 file)"
     )
+    remote_extra_fields: str = setting(
+        "",
+        help="client-certificate fields auth-proxy routes pass on as X-Remote-Extra-<Field>: "
+        "a comma list of ou, email, dns, uri, serial",
+    )
     admin_port: int = setting(
         9004, help="admin HTTP port (/metrics /healthz /readyz)", check=port_number
     )
@@ -170,11 +175,22 @@ class Settings(ProcessSettings):
             return (
                 "invalid setting default_certificate: set both default_certificate and default_key"
             )
+        from waygate.proxy.tls import EXTRA_FIELDS
+
+        unknown = set(self.extra_fields()) - set(EXTRA_FIELDS)
+        if unknown:
+            return (
+                f"invalid setting remote_extra_fields: {', '.join(sorted(unknown))} "
+                f"(known: {', '.join(EXTRA_FIELDS)})"
+            )
         for name in ("default_certificate", "default_key"):
             path = getattr(self, name)
             if path is not None and not path.is_file():
                 return f"invalid setting {name}: {path} is not a readable file"
         return None
+
+    def extra_fields(self) -> tuple[str, ...]:
+        return tuple(f.strip().lower() for f in self.remote_extra_fields.split(",") if f.strip())
 
     def defaults(self) -> Defaults:
         return Defaults(
@@ -271,7 +287,7 @@ async def _tls_setup(process: ServiceProcess, settings: Settings, server: ProxyS
         log.info("no default certificate (no certs, no --default-certificate): HTTPS not served")
         return None
     default.start(process.spawn)
-    edge = EdgeCertificates(default)
+    edge = EdgeCertificates(default, extra_fields=settings.extra_fields())
     front = TlsFront(server, edge, settings.host, settings.https_port, reuse_port=settings.worker)
     process.add_listener(front)
     return front

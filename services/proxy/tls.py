@@ -211,8 +211,16 @@ class DefaultCertificate:
 class EdgeCertificates:
     """The HTTPS listener's context: a route certificate by SNI, else the default."""
 
-    def __init__(self, default: DefaultCertificate, *, now: Callable[[], datetime] | None = None):
+    def __init__(
+        self,
+        default: DefaultCertificate,
+        *,
+        now: Callable[[], datetime] | None = None,
+        extra_fields: tuple[str, ...] = (),
+    ):
         self.default = default
+        # Certificate fields sent as X-Remote-Extra-<Field> on auth-proxy routes.
+        self.extra_fields = extra_fields
         self._now = now or (lambda: datetime.now(UTC))
         self._exact: dict[str, ServedCertificate] = {}
         self._wildcard: dict[str, ServedCertificate] = {}
@@ -376,11 +384,36 @@ class EdgeCertificates:
         der = ssl_object.getpeercert(binary_form=True)
         if not der:
             return 401, f"route {label} requires a client certificate from its CA"
-        return identity_headers(x509.load_der_x509_certificate(der))
+        return identity_headers(x509.load_der_x509_certificate(der), self.extra_fields)
 
 
-def identity_headers(certificate: x509.Certificate) -> bytes:
-    """X-Remote-User (the SPIFFE ID, else the CN) and X-Remote-Group (each O)."""
+# Certificate fields an auth-proxy route can pass on as X-Remote-Extra-<Header>.
+EXTRA_FIELDS: dict[str, tuple[bytes, Callable[[x509.Certificate], list[str]]]] = {
+    "ou": (
+        b"Ou",
+        lambda c: [
+            str(a.value)
+            for a in c.subject.get_attributes_for_oid(x509.NameOID.ORGANIZATIONAL_UNIT_NAME)
+        ],
+    ),
+    "email": (b"Email", lambda c: _sans(c, x509.RFC822Name)),
+    "dns": (b"Dns", lambda c: _sans(c, x509.DNSName)),
+    "uri": (b"Uri", lambda c: _sans(c, x509.UniformResourceIdentifier)),
+    "serial": (b"Serial", lambda c: [format(c.serial_number, "x")]),
+}
+
+
+def _sans(certificate: x509.Certificate, kind: Any) -> list[str]:
+    try:
+        sans = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return []
+    return [str(v) for v in sans.get_values_for_type(kind)]
+
+
+def identity_headers(certificate: x509.Certificate, extra_fields: tuple[str, ...] = ()) -> bytes:
+    """X-Remote-User (the SPIFFE ID, else the CN), X-Remote-Group (each O), and one
+    X-Remote-Extra-<Field> line per value of each configured extra field."""
     user = ""
     try:
         sans = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
@@ -397,6 +430,10 @@ def identity_headers(certificate: x509.Certificate) -> bytes:
         lines += b"X-Remote-User: " + _header_value(user) + b"\r\n"
     for org in subject.get_attributes_for_oid(x509.NameOID.ORGANIZATION_NAME):
         lines += b"X-Remote-Group: " + _header_value(str(org.value)) + b"\r\n"
+    for field in extra_fields:
+        header, values = EXTRA_FIELDS[field]
+        for value in values(certificate)[:16]:
+            lines += b"X-Remote-Extra-" + header + b": " + _header_value(value) + b"\r\n"
     return lines
 
 
