@@ -954,20 +954,39 @@ class FileSource:
         Called with the lock held. The written text is parsed exactly once, and
         that parse is what the store gets: no second read of the file.
         """
-        read = await asyncio.to_thread(self._edit_file, edit)
+        read = await asyncio.to_thread(self._edit_file, edit, self._digest)
         self._apply(read)
 
-    def _edit_file(self, edit: Callable[[list[dict[str, Any]]], list[dict[str, Any]]]) -> _Read:
-        """Read, edit, validate and write the file (thread-safe; no shared state)."""
+    def _edit_file(
+        self,
+        edit: Callable[[list[dict[str, Any]]], list[dict[str, Any]]],
+        loaded_digest: bytes | None,
+    ) -> _Read:
+        """Read, edit, validate and write the file (thread-safe; no shared state).
+
+        Only the bytes last loaded are edited (`loaded_digest`): a file changed
+        since (emptied, half-written by an editor) would otherwise be taken as
+        the view, and the write would replace what the store serves.
+        """
         try:
-            text = self.path.read_text("utf-8")
+            with self.path.open("rb") as handle:
+                data = handle.read(MAX_FILE_BYTES + 1)
         except FileNotFoundError:
             raise FailedPrecondition(
                 f"the routes file {self.path} is missing; restore it before changing routes "
                 "(the resolver keeps serving its last good state)"
             ) from None
-        except (OSError, UnicodeDecodeError) as exc:
+        except OSError as exc:
             raise FailedPrecondition(f"cannot read the routes file {self.path}: {exc}") from None
+        if len(data) > MAX_FILE_BYTES or hashlib.sha256(data).digest() != loaded_digest:
+            if len(data) <= MAX_FILE_BYTES:
+                # Say what is wrong with the new content when something is.
+                self._refuse_broken(data.decode("utf-8", errors="replace"))
+            raise FailedPrecondition(
+                f"the routes file {self.path} changed since it was loaded; retry "
+                "(once the resolver has loaded the new content)"
+            )
+        text = data.decode("utf-8")  # the loaded bytes, which were UTF-8
         try:
             document = yaml.load(text, Loader=_DocumentLoader) or {}
         except yaml.YAMLError:
@@ -980,6 +999,10 @@ class FileSource:
         data = yaml.dump(
             document, Dumper=_LiteralDumper, sort_keys=False, default_flow_style=False
         ).encode()
+        if len(data) > MAX_FILE_BYTES:
+            raise FailedPrecondition(
+                f"the routes file would grow over {MAX_FILE_BYTES // (1 << 20)} MiB; not written"
+            )
         # Parse what is about to be written: the file must stay loadable.
         try:
             content = parse_routes_file(self.path, data.decode())

@@ -309,3 +309,24 @@ def test_an_oversized_file_is_refused_and_state_kept(
     source.poll()
     assert source.last_error is not None and "larger than" in source.last_error
     assert store.get_route("shop", "web") is not None
+
+
+async def test_apply_route_refuses_a_file_changed_since_it_was_loaded(routes_file: Path) -> None:
+    """Emptied after the last poll: "" parsed as an empty view, and the write
+    replaced every service, endpoint and route with the one route applied."""
+    store = Store(initial_version=0)
+    source = FileSource(store, routes_file)
+    assert source.load()
+    routes_file.write_text("")
+    route = Route("shop", "api", "api.example.com", backends=(RouteBackend("web"),))
+    with pytest.raises(FailedPrecondition, match="changed since it was loaded; retry"):
+        await source.apply_route(route)
+    with pytest.raises(FailedPrecondition, match="changed since it was loaded"):
+        await source.delete_route("shop", "web")
+    assert routes_file.read_text() == "", "nothing written"
+    assert store.get_service("shop", "web") is not None
+    assert store.get_route("shop", "web") is not None
+    # Once the new content is loaded, writes go to it.
+    await source.reload()
+    await source.apply_route(route)
+    assert [r.name for r in store.routes()] == ["api"]
