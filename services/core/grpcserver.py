@@ -107,7 +107,14 @@ class CallLimits:
     """The fair-share budgets of one server; the names are the settings that set them."""
 
     max_concurrent_unary: int = 1000
+    # grpc.health.v1 Check has a budget of its own: health must answer even while
+    # slow unary calls (a Certify waiting for a TokenReview) hold every unary place.
+    max_concurrent_health: int = 100
     max_streams: int = 4000
+    # Streams without a client certificate, all addresses together: below
+    # max_streams, so authenticated peers always keep room (attackers from many
+    # IPs, or many clients behind one SNAT, cannot fill the whole pool).
+    max_unauthenticated_streams: int = 1000
     max_streams_per_peer: int = 512
     max_streams_per_unauthenticated_peer: int = 64
 
@@ -137,7 +144,9 @@ class _Admission:
     def __init__(self, limits: CallLimits) -> None:
         self.limits = limits
         self.unary = 0
+        self.health = 0
         self.streams = 0
+        self.unauthenticated_streams = 0
         self.streams_by_peer: dict[str, int] = {}
         self._logged_at: dict[str, float] = {}
         self._unlogged: dict[str, int] = {}
@@ -156,6 +165,20 @@ class _Admission:
     def release_unary(self) -> None:
         self.unary -= 1
 
+    def admit_health(self) -> str | None:
+        if self.health >= self.limits.max_concurrent_health:
+            return self._refuse(
+                "max_concurrent_health",
+                f"too many health checks in flight on this server: the cap is "
+                f"{self.limits.max_concurrent_health} (setting max_concurrent_health, "
+                "--max-concurrent-health)",
+            )
+        self.health += 1
+        return None
+
+    def release_health(self) -> None:
+        self.health -= 1
+
     def admit_stream(self, peer: str, authenticated: bool) -> str | None:
         limits = self.limits
         held = self.streams_by_peer.get(peer, 0)
@@ -173,6 +196,14 @@ class _Admission:
                 f"is {limits.max_streams_per_unauthenticated_peer} per address (setting "
                 "max_streams_per_unauthenticated_peer, --max-streams-per-unauthenticated-peer)",
             )
+        if not authenticated and self.unauthenticated_streams >= limits.max_unauthenticated_streams:
+            return self._refuse(
+                "max_unauthenticated_streams",
+                f"too many long-lived streams without a client certificate on this server: the "
+                f"cap is {limits.max_unauthenticated_streams} for all such clients together "
+                "(setting max_unauthenticated_streams, --max-unauthenticated-streams); "
+                "retry with backoff",
+            )
         if self.streams >= limits.max_streams:
             return self._refuse(
                 "max_streams",
@@ -180,11 +211,15 @@ class _Admission:
                 "for all clients together (setting max_streams, --max-streams); retry with backoff",
             )
         self.streams += 1
+        if not authenticated:
+            self.unauthenticated_streams += 1
         self.streams_by_peer[peer] = held + 1
         return None
 
-    def release_stream(self, peer: str) -> None:
+    def release_stream(self, peer: str, authenticated: bool) -> None:
         self.streams -= 1
+        if not authenticated:
+            self.unauthenticated_streams -= 1
         held = self.streams_by_peer[peer] - 1
         if held:
             self.streams_by_peer[peer] = held
@@ -277,13 +312,14 @@ class _MethodBoundary:
         handled.inc()
         await context.abort(code, message)
 
-    async def admit_stream(self, context: grpc.aio.ServicerContext) -> str:
-        """Take a long-lived call's place (or end it with the refusal); returns its peer key."""
+    async def admit_stream(self, context: grpc.aio.ServicerContext) -> tuple[str, bool]:
+        """Take a long-lived call's place (or end it with the refusal); returns its peer
+        key and whether it is authenticated (what `release_stream` needs)."""
         peer, authenticated = peer_of(context)
         refusal = self.admission.admit_stream(peer, authenticated)
         if refusal is not None:
             await self.refuse(context, refusal)
-        return peer
+        return peer, authenticated
 
     def wrap(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         """The same kind of handler, with span, metrics and error mapping around it."""
@@ -296,6 +332,10 @@ class _MethodBoundary:
             # A client stream is long-lived (it ends when the client says so).
             client_stream = handler.stream_unary is not None
             capped = self.capped
+            if self.service == "grpc.health.v1.Health":
+                admit, release = admission.admit_health, admission.release_health
+            else:
+                admit, release = admission.admit_unary, admission.release_unary
 
             async def unary_response(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 if client_stream:
@@ -305,14 +345,14 @@ class _MethodBoundary:
                     try:
                         return await boundary.run_unary(behavior, request, context)
                     finally:
-                        admission.release_stream(peer)
-                refusal = admission.admit_unary()  # no await on the path every call takes
+                        admission.release_stream(*peer)
+                refusal = admit()  # no await on the path every call takes
                 if refusal is not None:
                     await boundary.refuse(context, refusal)
                 try:
                     return await boundary.run_unary(behavior, request, context)
                 finally:
-                    admission.release_unary()
+                    release()
 
             unary_factory = (
                 grpc.unary_unary_rpc_method_handler
@@ -362,50 +402,52 @@ class _MethodBoundary:
         # One generator (not one wrapping another): closing it runs the handler's
         # cleanup and releases the stream's place at once, never at GC.
         async def stream_response(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            peer = await boundary.admit_stream(context) if capped else ""
-            span, started = boundary.start_span(context), time.perf_counter()
-            responses = behavior(request, context) if is_generator else None
+            peer = await boundary.admit_stream(context) if capped else ("", False)
+            # From here on the place is released whatever happens, even if the span or
+            # the handler's generator cannot be made.
             try:
-                if responses is None:
-                    with trace.use_span(
-                        span,
-                        end_on_exit=False,
-                        record_exception=False,
-                        set_status_on_exception=False,
-                    ):
-                        await behavior(request, context)
-                # The span is current only while the handler runs a step, never
-                # across our own yield: a context attached in one step and
-                # detached in another (after a cancellation) is an error.
-                while responses is not None:
-                    with trace.use_span(
-                        span,
-                        end_on_exit=False,
-                        record_exception=False,
-                        set_status_on_exception=False,
-                    ):
-                        try:
-                            response = await responses.__anext__()
-                        except StopAsyncIteration:
-                            break
-                    yield response
-            except grpc.aio.AbortError:
-                boundary.finish(span, started, _code_of(context), context.details() or "")
-                raise
-            except (GeneratorExit, asyncio.CancelledError):
-                boundary.finish(span, started, grpc.StatusCode.CANCELLED, CANCELLED_MESSAGE)
-                raise
-            except Exception as exc:
-                await boundary.fail(context, span, started, exc)
-                raise AssertionError("unreachable: context.abort raises") from exc
-            finally:
+                span, started = boundary.start_span(context), time.perf_counter()
+                responses = behavior(request, context) if is_generator else None
                 try:
+                    if responses is None:
+                        with trace.use_span(
+                            span,
+                            end_on_exit=False,
+                            record_exception=False,
+                            set_status_on_exception=False,
+                        ):
+                            await behavior(request, context)
+                    # The span is current only while the handler runs a step, never
+                    # across our own yield: a context attached in one step and
+                    # detached in another (after a cancellation) is an error.
+                    while responses is not None:
+                        with trace.use_span(
+                            span,
+                            end_on_exit=False,
+                            record_exception=False,
+                            set_status_on_exception=False,
+                        ):
+                            try:
+                                response = await responses.__anext__()
+                            except StopAsyncIteration:
+                                break
+                        yield response
+                except grpc.aio.AbortError:
+                    boundary.finish(span, started, _code_of(context), context.details() or "")
+                    raise
+                except (GeneratorExit, asyncio.CancelledError):
+                    boundary.finish(span, started, grpc.StatusCode.CANCELLED, CANCELLED_MESSAGE)
+                    raise
+                except Exception as exc:
+                    await boundary.fail(context, span, started, exc)
+                    raise AssertionError("unreachable: context.abort raises") from exc
+                finally:
                     if responses is not None:
                         await responses.aclose()  # the handler's own cleanup runs now, not at GC
-                finally:
-                    if capped:
-                        boundary.admission.release_stream(peer)
-            boundary.finish(span, started, _code_of(context))
+                boundary.finish(span, started, _code_of(context))
+            finally:
+                if capped:
+                    boundary.admission.release_stream(*peer)
 
         stream_factory = (
             grpc.unary_stream_rpc_method_handler
@@ -584,7 +626,9 @@ class GrpcServer:
             keepalive_time=settings.keepalive_time,
             limits=CallLimits(
                 max_concurrent_unary=settings.max_concurrent_unary,
+                max_concurrent_health=settings.max_concurrent_health,
                 max_streams=settings.max_streams,
+                max_unauthenticated_streams=settings.max_unauthenticated_streams,
                 max_streams_per_peer=settings.max_streams_per_peer,
                 max_streams_per_unauthenticated_peer=settings.max_streams_per_unauthenticated_peer,
             ),

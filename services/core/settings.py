@@ -482,9 +482,21 @@ class GrpcServerSettings(ProcessSettings):
         help="unary calls in flight before new ones get RESOURCE_EXHAUSTED; streams never use these",
         check=positive,
     )
+    max_concurrent_health: int = setting(
+        100,
+        help="grpc.health.v1 Check calls in flight (their own budget: health answers while "
+        "other unary calls hold theirs)",
+        check=positive,
+    )
     max_streams: int = setting(
         4000,
         help="long-lived (streaming) calls open at once, all peers together",
+        check=positive,
+    )
+    max_unauthenticated_streams: int = setting(
+        1000,
+        help="long-lived calls open at once from peers without a client certificate, all "
+        "together (below max_streams: peers with a certificate always keep room)",
         check=positive,
     )
     max_streams_per_peer: int = setting(
@@ -549,10 +561,16 @@ class GrpcServerSettings(ProcessSettings):
                 f"{self.max_streams_per_unauthenticated_peer} is above max_streams_per_peer "
                 f"{self.max_streams_per_peer}; unauthenticated peers get the lower cap"
             )
-        budgets = self.max_streams + self.max_concurrent_unary
+        if self.max_unauthenticated_streams > self.max_streams:
+            return (
+                "invalid setting max_unauthenticated_streams: "
+                f"{self.max_unauthenticated_streams} is above max_streams {self.max_streams}"
+            )
+        budgets = self.max_streams + self.max_concurrent_unary + self.max_concurrent_health
         if self.max_concurrent_rpcs < budgets:
             return (
                 f"invalid setting max_concurrent_rpcs: {self.max_concurrent_rpcs} is below "
-                f"max_streams + max_concurrent_unary ({budgets}); it is only the outer bound"
+                f"max_streams + max_concurrent_unary + max_concurrent_health ({budgets}); "
+                "it is only the outer bound"
             )
         return None
