@@ -539,6 +539,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     )
     service.attach(authority)
     process.on_drain(service.end_watches)
+    process.on_stop(service.shutdown)  # the signing pool's threads end with the process
     if settings.workers > 1:
         await start_workers(process, settings, service)  # ready once every worker is
         return
@@ -711,6 +712,7 @@ async def setup_worker(process: ServiceProcess, settings: Settings) -> None:
     )
     service.attach(authority)
     process.on_drain(service.end_watches)
+    process.on_stop(service.shutdown)  # the signing pool's threads end with the process
     process.spawn(store.follow(authority.adopt), "ca-follow")
     process.spawn(run_transitions(authority, writer), "ca-rotation-timer")
     await serve(

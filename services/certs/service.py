@@ -387,6 +387,10 @@ class CertsService:
     def close(self) -> None:
         self.executor.close()
 
+    async def shutdown(self) -> None:
+        """`close` as a process cleanup (runs after the servers have stopped)."""
+        self.close()
+
     async def _authenticate(self, token: str) -> Caller:
         if not token:
             raise Unauthenticated("a token is required")
