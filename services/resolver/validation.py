@@ -18,10 +18,12 @@ Invariants:
   caller-supplied value only as `excerpt()` (quoted, escaped, cut), so a
   hostile value can neither flood a log nor overflow a client's metadata.
 - Paths are RFC 3986 path characters only: no control characters, spaces,
-  backslashes or non-ASCII; no dot-segments, whether written `..` or
-  percent-encoded (`%2e%2e`); no encoded '/', '\\' or control characters.
-  Percent-escapes of unreserved characters are decoded and the rest
-  upper-cased, so two spellings of one path are one route.
+  backslashes or non-ASCII; no dot-segments, whether written `..`,
+  percent-encoded (`%2e%2e`) or followed by parameters (`..;x`); no empty
+  segments (`//`) but a trailing '/'; no encoded '/', '\\' or control
+  characters. Percent-escapes are put in one form (`waygate.core.paths`:
+  unreserved characters decoded, the rest upper-cased), the form the proxy
+  matches request paths in, so two spellings of one path are one route.
 - Pure functions of their input: no I/O, no clock except certificate parsing.
 """
 
@@ -37,6 +39,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
 
 from waygate.core.errors import EXCERPT_LIMIT, InvalidArgument, excerpt
+from waygate.core.paths import normalize_escapes
 from waygate.resolver.model import (
     HSTS,
     PROTOCOLS,
@@ -74,7 +77,6 @@ _NODE_NAME = _SUBDOMAIN
 
 _PATH_CHARS = re.compile(r"^[A-Za-z0-9\-._~!$&'()*+,;=:@/%]*$")
 _PERCENT = re.compile(r"%(..)?")
-_UNRESERVED = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
 
 
 def normalize_path(path: str, what: str, field: str = "path") -> str:
@@ -93,14 +95,11 @@ def normalize_path(path: str, what: str, field: str = "path") -> str:
             "control characters, backslashes, quotes, '?', '#' or non-ASCII; "
             "percent-encode them)",
         )
-
-    def decode(match: re.Match[str]) -> str:
+    for match in _PERCENT.finditer(path):
         digits = match[1]
         if digits is None or not all(c in "0123456789abcdefABCDEF" for c in digits):
             raise _fail(what, field, f"{excerpt(path)}: '%' must start a %XX escape")
         char = chr(int(digits, 16))
-        if char in _UNRESERVED:
-            return char
         if char in "/\\" or ord(char) < 0x20 or ord(char) == 0x7F:
             raise _fail(
                 what,
@@ -108,15 +107,23 @@ def normalize_path(path: str, what: str, field: str = "path") -> str:
                 f"{excerpt(path)}: an encoded '/', '\\' or control character (%{digits}) "
                 "is ambiguous in a route path",
             )
-        return "%" + digits.upper()
-
-    normalised = _PERCENT.sub(decode, path)
-    if any(segment in (".", "..") for segment in normalised.split("/")):
+    # The proxy puts request paths in the same form before matching them.
+    normalised = normalize_escapes(path)
+    segments = normalised.split("/")[1:]
+    # A segment's parameters (";...") do not hide it: "..;" is ".." to many servers.
+    if any(segment.partition(";")[0] in (".", "..") for segment in segments):
         raise _fail(
             what,
             field,
-            f"{excerpt(path)}: dot-segments ('.' or '..', also percent-encoded) are not "
-            "allowed in a route path",
+            f"{excerpt(path)}: dot-segments ('.' or '..', also percent-encoded or followed "
+            "by ';') are not allowed in a route path",
+        )
+    # Only the last segment may be empty (a prefix ending in '/').
+    if "" in segments[:-1]:
+        raise _fail(
+            what,
+            field,
+            f"{excerpt(path)}: empty segments ('//') are not allowed in a route path",
         )
     return normalised
 
