@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 from waygate.core.balancing import Picker, RoundRobinPicker, new_picker
+from waygate.core.paths import normalize_request_path
 from waygate.resolver.model import Endpoint, Route, Service
 
 DEFAULT_POLICY = "leastconn"
@@ -238,6 +239,9 @@ class RouteTable:
         return cls({}, {}, set())
 
     def lookup(self, host: bytes, path: bytes) -> RouteEntry | None:
+        if b"%" in path:
+            # Route paths are stored in this form (/%61dmin is /admin to both).
+            path = normalize_request_path(path)
         entries = self._exact.get(host)
         if entries is not None:
             for entry in entries:

@@ -172,3 +172,28 @@ def test_passive_health_skips_a_failing_endpoint() -> None:
     health.failed(Target("10.0.0.1", 8080, namespace="ns", service="a"))
     picks = {entry.pick(b"k", None, health, None)[0].address for _ in range(6)}
     assert picks == {"10.0.0.2"}
+
+
+def test_percent_escaped_request_paths_match_the_route_paths_the_resolver_stores() -> None:
+    """The resolver stores /%7Eu as /~u and upper-cases other escapes; a request
+    path is put in the same form before matching, so /%61dmin cannot skip /admin."""
+    from waygate.resolver.validation import normalize_path
+
+    stored = {p: normalize_path(p, "route") for p in ("/admin", "/%7Eu", "/a%3ab")}
+    table = build(
+        [
+            r("root", "a.test"),
+            r("admin", "a.test", stored["/admin"]),
+            r("home", "a.test", stored["/%7Eu"]),
+            r("colon", "a.test", stored["/a%3ab"]),
+        ],
+        [ep("a", "10.0.0.1")],
+    )
+    assert table.lookup(b"a.test", b"/%61dmin").route.name == "admin"
+    assert table.lookup(b"a.test", b"/%61dmin/users").route.name == "admin"
+    assert table.lookup(b"a.test", b"/%7eu/x").route.name == "home"
+    assert table.lookup(b"a.test", b"/~u").route.name == "home"
+    assert table.lookup(b"a.test", b"/a%3Ab").route.name == "colon"
+    assert table.lookup(b"a.test", b"/a%3ab").route.name == "colon"
+    assert table.lookup(b"a.test", b"/%2Fadmin").route.name == "root", "%2F stays encoded"
+    assert table.lookup(b"a.test", b"/admin%").route.name == "root", "a bare % is left as is"
