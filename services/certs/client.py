@@ -152,6 +152,7 @@ class TrustBundleWatcher:
     async def watch_once(self) -> None:
         """One stream, until it ends or fails (errors are logged, never raised)."""
         credentials = grpc.ssl_channel_credentials(self._trust.current.pem)
+        received = self.received
         try:
             async with open_channel(self._address, credentials=credentials, retry=False) as channel:
                 stream = certs_pb2_grpc.CertsStub(channel).WatchTrustBundle(
@@ -162,10 +163,15 @@ class TrustBundleWatcher:
                     self._trust.update(_bundle_of(message))
                     self._backoff.reset()
         except grpc.aio.AioRpcError as exc:
-            log.warning(
-                "trust bundle watch failed",
-                extra={"certs": self._address, "error": f"{exc.code().name}: {exc.details()}"},
-            )
+            error = f"{exc.code().name}: {exc.details()}"
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and self.received > received:
+                # A stream that worked and was cut: the server's connection age (GOAWAY,
+                # every 30 minutes by default) or a restart. Reconnecting is routine.
+                log.info("trust bundle stream cut", extra={"certs": self._address, "error": error})
+            else:
+                log.warning(
+                    "trust bundle watch failed", extra={"certs": self._address, "error": error}
+                )
         except errors.WaygateError as exc:
             log.warning("certs sent an unusable trust bundle", extra={"error": str(exc)})
 

@@ -9,6 +9,7 @@ process runs: `start_process_certificates` from settings, over real TLS sockets.
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 from pathlib import Path
 
@@ -73,7 +74,7 @@ class Certs:
         assert self.server is not None
         return f"127.0.0.1:{self.server.port}"
 
-    async def start(self, port: int = 0) -> None:
+    async def start(self, port: int = 0, **server_options: float) -> None:
         service = CertsService(StaticTokenAuthenticator.from_file(self.tokens_file), Policy(DOMAIN))
         service.attach(self.authority)
         _, credentials = await serving_certificate(
@@ -84,6 +85,7 @@ class Certs:
             port=port,
             registrations=[registration(service)],
             credentials=credentials,
+            **server_options,  # type: ignore[arg-type]
         )
         await self.server.start()
         await self.server.set_serving()
@@ -235,6 +237,24 @@ async def test_trust_bundle_watcher_reconnects_after_certs_restarts(certs, tasks
         while len(trust.current.certificates) < 2:
             await asyncio.sleep(0.02)
     assert watcher.received >= 2
+
+
+async def test_a_stream_cut_by_the_connection_age_is_an_info_reconnect_not_a_warning(
+    certs, tasks, caplog
+) -> None:
+    port = certs.server.port
+    await certs.stop()
+    await certs.start(port=port, max_connection_age=1.0, max_connection_age_grace=0.5)
+    trust = TrustStore(TrustBundle.from_pem(certs.bundle_file.read_bytes()))
+    watcher = TrustBundleWatcher(certs.address, trust, backoff=Backoff(initial=0.05, maximum=0.2))
+    caplog.set_level(logging.INFO, logger="waygate.certs.client")
+    tasks(watcher.run(), "watch")
+    async with asyncio.timeout(20):
+        while watcher.received < 3:  # two connections aged out, a third stream got its bundle
+            await asyncio.sleep(0.05)
+    mine = [r for r in caplog.records if r.name == "waygate.certs.client"]
+    assert not [r for r in mine if r.levelno >= logging.WARNING], [r.getMessage() for r in mine]
+    assert any("reconnect" in r.getMessage() for r in mine)
 
 
 async def test_service_to_service_mtls_with_certificates_from_certs(certs, tasks) -> None:
