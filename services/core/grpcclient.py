@@ -36,6 +36,10 @@ RETRY_SERVICE_CONFIG = json.dumps(
     }
 )
 
+#: The most a client channel receives in one message (gRPC's default, which these
+#: channels keep): servers size what they stream to clients under it.
+CLIENT_RECEIVE_BYTES = 4 * 1024 * 1024
+
 KEEPALIVE_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),

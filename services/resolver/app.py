@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from waygate.core.files import write_file_atomically
+from waygate.core.grpcclient import CLIENT_RECEIVE_BYTES
 from waygate.core.grpcserver import GrpcServer
 from waygate.core.runtime import ServiceProcess
 from waygate.core.settings import GrpcServerSettings, parse_duration, port_number, positive, setting
@@ -136,6 +137,18 @@ class Settings(GrpcServerSettings):
         return None
 
 
+def watch_bounds(max_message_bytes: int) -> tuple[int, int]:
+    """(snapshot chunk, Changes event) bounds for a server whose message limit
+    is `max_message_bytes`.
+
+    Capped at what clients receive (gRPC's default 4 MiB): a larger server limit
+    must not produce events no client can read. Chunks stay well under the cap; a
+    Changes event may use most of it (what is larger becomes a chunked snapshot).
+    """
+    limit = min(max_message_bytes, CLIENT_RECEIVE_BYTES)
+    return min(DEFAULT_CHUNK_BYTES, limit // 4), limit - limit // 8
+
+
 async def setup(process: ServiceProcess, settings: Settings) -> None:
     store = Store(history_limit=settings.watch_history)
     tunnels = TunnelRegistry(
@@ -183,6 +196,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
                 "route_readers is empty: no Watch client receives route private keys, "
                 "so the proxy cannot serve routes' own certificates"
             )
+    chunk_bytes, event_bytes = watch_bounds(settings.max_message_bytes)
     servicer = ResolverServicer(
         store,
         routes=file_source,
@@ -190,10 +204,8 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         access=access,
         watch_max_pending=settings.watch_max_pending,
         watch_heartbeat=settings.watch_heartbeat,
-        # Snapshot chunks well under the message limit; a Changes event may use
-        # most of it (what is larger becomes a chunked snapshot).
-        watch_chunk_bytes=min(DEFAULT_CHUNK_BYTES, settings.max_message_bytes // 4),
-        max_event_bytes=settings.max_message_bytes - settings.max_message_bytes // 8,
+        watch_chunk_bytes=chunk_bytes,
+        max_event_bytes=event_bytes,
     )
     process.add_grpc_server(
         GrpcServer.from_settings(

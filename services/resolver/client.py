@@ -276,6 +276,10 @@ class ResolverWatch:
             except grpc.aio.AioRpcError as exc:
                 # The server's own words (cut: a message never floods a log line).
                 reason = (exc.details() or exc.code().name)[:300]
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    # An event too large to receive: resuming would get the same
+                    # one again; a snapshot comes in bounded chunks.
+                    self._resync = True
             except _StreamSilent as exc:
                 reason = str(exc)
             except (_StreamBroken, WaygateError) as exc:

@@ -23,7 +23,14 @@ from waygate.core.backoff import Backoff
 from waygate.core.errors import Unavailable
 from waygate.core.grpcserver import GrpcServer
 from waygate.resolver.client import Kind, ResolverWatch, Route, RouteBackend, View
-from waygate.resolver.model import Endpoint, EndpointPort, Service, ServicePort
+from waygate.resolver.model import (
+    Endpoint,
+    EndpointPort,
+    RouteTLS,
+    Service,
+    ServicePort,
+    TLSTermination,
+)
 from waygate.resolver.server import ResolverServicer
 from waygate.resolver.store import Store
 from waygate.resolver.v1 import resolver_pb2 as pb
@@ -418,3 +425,43 @@ async def test_a_large_changes_event_is_converted_in_slices_then_applied_at_once
         assert count < 5000 and view is first, "the loop ran mid-conversion, view untouched"
     finally:
         await stop_watch(task)
+
+
+async def test_an_event_too_large_to_receive_resyncs_from_a_chunked_snapshot() -> None:
+    """A Changes event over the client's 4 MiB receive limit: RESOURCE_EXHAUSTED.
+    Resuming would be sent the same event forever; the client asks for a snapshot,
+    which comes in bounded chunks."""
+    store = seeded_store()
+    # A server whose event bound is above what its clients receive (as
+    # --max-message-bytes 16MiB made it before the bound was capped).
+    servicer = ResolverServicer(store, max_event_bytes=8 << 20)
+    server = GrpcServer(host="127.0.0.1", port=0, registrations=[servicer.registration()])
+    port = await server.start()
+    await server.set_serving()
+    reasons: list[str] = []
+    watch = ResolverWatch(
+        factory(f"127.0.0.1:{port}"),
+        backoff=quick_backoff(),
+        on_disconnect=lambda reason, delay: reasons.append(reason),
+    )
+    task = await start_watch(watch)
+    try:
+        routes = [
+            Route(
+                "big",
+                f"r{i}",
+                f"r{i}.example.com",
+                backends=(RouteBackend("web"),),
+                tls=RouteTLS(TLSTermination.EDGE, certificate="C" * 60_000),
+            )
+            for i in range(90)
+        ]
+        store.replace_source("bulk", services=(), endpoints=(), routes=routes)
+        await eventually(
+            lambda: watch.view is not None and len(watch.view.routes) == 91, timeout=20
+        )
+        assert reasons, "the oversized event was refused once"
+        assert watch.view is not None and watch.view.from_snapshot
+    finally:
+        await stop_watch(task)
+        await server.stop(0)

@@ -66,3 +66,14 @@ def test_up_copies_the_example_routes_file_0600(tmp_path: Path) -> None:
     assert argv[argv.index("--routes-file") + 1] == str(routes)
     assert routes.read_bytes() == EXAMPLE_ROUTES.read_bytes()
     assert routes.stat().st_mode & 0o777 == 0o600
+
+
+def test_watch_bounds_never_exceed_what_clients_receive() -> None:
+    """--max-message-bytes 16MiB made 14 MiB Changes events that clients, which
+    receive at most 4 MiB, refused again on every resume."""
+    from waygate.core.grpcclient import CLIENT_RECEIVE_BYTES
+    from waygate.resolver.app import watch_bounds
+
+    for limit in (1 << 20, 4 << 20, 16 << 20, 1 << 30):
+        chunk, event = watch_bounds(limit)
+        assert 0 < chunk < event < min(limit, CLIENT_RECEIVE_BYTES)
