@@ -43,10 +43,13 @@ class ConnectionClosed(Exception):
 class Credit:
     """Bytes one side may still send on one connection; `take` waits for a grant."""
 
-    __slots__ = ("_closed", "_waiter", "available")
+    __slots__ = ("_closed", "_waiter", "available", "limit")
 
-    def __init__(self, initial: int) -> None:
-        self.available = initial
+    def __init__(self, initial: int, limit: int | None = None) -> None:
+        # `limit` caps what a peer can grant: a peer that claims a huge window, or
+        # grants more than it received, cannot make us queue more than `limit`.
+        self.limit = initial if limit is None else limit
+        self.available = min(initial, self.limit)
         self._waiter: asyncio.Future[None] | None = None
         self._closed = False
 
@@ -64,7 +67,7 @@ class Credit:
         self.available -= size
 
     def grant(self, size: int) -> None:
-        self.available += size
+        self.available = min(self.available + size, self.limit)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)

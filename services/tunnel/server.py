@@ -87,8 +87,10 @@ class ServerConnection:
     def __init__(self, session: AgentSession, connect_id: int, send_window: int) -> None:
         self.connect_id = connect_id
         self.session = session
-        self.send_credit = Credit(send_window)  # bytes we may still send to the agent
         self.window = session.hub.window  # bytes the agent may send us before a grant
+        # Bytes we may still send to the agent: its window, never more than ours
+        # (what we queue for a slow agent is bounded by our own setting).
+        self.send_credit = Credit(send_window, self.window)
         self.unacked = 0  # received and not yet granted back
         self.owed = 0  # delivered to the dialer and not yet granted back
         self.to_dialer: collections.deque[Any] = collections.deque()
@@ -255,7 +257,12 @@ class AgentSession:
                     # Registered here, before the next packet is read: the agent's
                     # first DATA may follow its DIAL_RSP in the same read burst.
                     connection = None
-                    if response.connect_id:
+                    if response.connect_id in connections:
+                        # An id already in use would orphan that connection: refuse.
+                        response = pb.DialResponse(
+                            error="the agent reused a connection id", reason=pb.UNREACHABLE
+                        )
+                    elif response.connect_id:
                         connection = ServerConnection(
                             self, response.connect_id, response.initial_window
                         )

@@ -60,3 +60,10 @@ async def test_credit_waits_for_a_grant_and_wakes_on_close() -> None:
     credit.close()
     with pytest.raises(ConnectionClosed):
         await asyncio.wait_for(blocked, 1)
+
+
+def test_credit_never_exceeds_its_limit_whatever_the_peer_grants() -> None:
+    credit = Credit(10 * 1024 * 1024, limit=1024)  # a peer claiming a 10 MiB window
+    assert credit.available == 1024
+    credit.grant(1 << 40)  # and granting a terabyte
+    assert credit.available == 1024
