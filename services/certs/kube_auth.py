@@ -18,32 +18,43 @@ Invariants:
   create TokenReviews), so callers retry instead of giving up; each is logged
   on one line, and the token itself is never logged or kept: the cache is
   keyed by its SHA-256.
-- Only positive results are cached, for `cache_ttl` (default 60 s, far below
-  the 10-minute minimum lifetime of a projected token), and the cache is
-  bounded; a revoked token stops working within the TTL.
-- The review runs in a worker thread; the event loop never waits on it.
+- Positive results are cached for `cache_ttl` (default 60 s, far below
+  the 10-minute minimum lifetime of a projected token), refusals for
+  `refusal_ttl` (5 s: a caller retrying a bad token in a loop costs one review
+  per 5 s, not one per call); both caches are bounded (`TTLCache`); a revoked
+  token stops working within the TTL.
+- The review runs in a thread of its own small pool (`KubeCalls`), never on
+  the event loop nor in the default executor; at most `max_in_flight` reviews
+  at once, and a Certify finding them all busy gets RESOURCE_EXHAUSTED at once
+  instead of queueing behind a slow API server.
 
 `KubeServiceDirectory` reads the Services the policy's per-workload name rule
-needs (`GET /api/v1/namespaces/NS/services/NAME`) in a worker thread, each
-read bounded by `timeout`, with a short bounded cache (`cache_ttl`, 5 s) so a
-renewing workload does not cost one API read per Certify; an annotation
-removed from a Service stops granting its name within that TTL.
+needs (`GET /api/v1/namespaces/NS/services/NAME`) in its own bounded pool
+(`KubeCalls`, RESOURCE_EXHAUSTED when full), each read bounded by `timeout`
+(the policy reads one CSR's Services concurrently, so the whole check is too),
+with a short bounded cache (`cache_ttl`, 5 s) so a renewing workload does not
+cost one API read per Certify; an annotation removed from a Service stops
+granting its name within that TTL.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import dataclasses
+import functools
 import hashlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any, Generic, TypeVar
 
 from waygate.certs.auth import MAX_TOKEN_LENGTH, Caller
 from waygate.certs.kube_api import JSON, KubeAPI, KubeError
 from waygate.certs.policy import SERVING_ACCOUNT_ANNOTATION, ServiceInfo
-from waygate.core.errors import FailedPrecondition, Unavailable, excerpt
+from waygate.core.errors import FailedPrecondition, ResourceExhausted, Unavailable, excerpt
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +66,81 @@ NODES_GROUP = "system:nodes"
 NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
 #: Longer "tokens" are refused without asking the API server.
 MAX_TOKEN_BYTES = MAX_TOKEN_LENGTH
+
+
+_K = TypeVar("_K", bound=Hashable)
+_V = TypeVar("_V")
+_MISSING: Any = object()
+
+
+class TTLCache(Generic[_K, _V]):
+    """A bounded cache whose entries expire `ttl` after they were put (oldest evicted first)."""
+
+    def __init__(self, ttl: float, size: int, clock: Callable[[], float]) -> None:
+        self.ttl = ttl
+        self._size = size
+        self._clock = clock
+        self._entries: OrderedDict[_K, tuple[float, _V]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: _K, default: Any = _MISSING) -> Any:
+        """The live value for `key`, else `default` (expired entries are dropped)."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return default
+        if entry[0] > self._clock():
+            return entry[1]
+        del self._entries[key]
+        return default
+
+    def put(self, key: _K, value: _V) -> None:
+        if self.ttl <= 0:
+            return
+        self._entries.pop(key, None)
+        self._entries[key] = (self._clock() + self.ttl, value)
+        while len(self._entries) > self._size:
+            self._entries.popitem(last=False)
+
+
+class KubeCalls:
+    """Blocking Kubernetes API calls in a pool of their own, at most `limit` at once.
+
+    Used from the event loop only. A call finding every place taken raises
+    ResourceExhausted at once: a slow API server must not let Certify calls pile
+    up (each holding a unary place) behind it, nor fill the default executor.
+    """
+
+    def __init__(self, limit: int, what: str) -> None:
+        self.limit = limit
+        self.what = what
+        self.in_flight = 0
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=limit, thread_name_prefix=f"kube-{what.replace(' ', '-')}"
+        )
+
+    async def run(self, function: Callable[..., _V], *args: Any) -> _V:
+        if self.in_flight >= self.limit:
+            raise ResourceExhausted(
+                f"too many {self.what} in flight ({self.limit}); the Kubernetes API is slow "
+                "to answer: retry with backoff"
+            )
+        loop = asyncio.get_running_loop()
+        self.in_flight += 1
+        call = self._pool.submit(functools.partial(function, *args))
+        # The place is given back when the thread is done, not when a caller stops
+        # waiting (a timed-out read still occupies its thread).
+        call.add_done_callback(lambda _: _call_soon(loop, self._release))
+        return await asyncio.wrap_future(call, loop=loop)
+
+    def _release(self) -> None:
+        self.in_flight -= 1
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
+    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody counts any more
+        loop.call_soon_threadsafe(callback)
 
 
 def caller_for_user(username: str, groups: Iterable[str] = ()) -> Caller:
@@ -82,33 +168,31 @@ class TokenReviewAuthenticator:
         *,
         audiences: tuple[str, ...],
         cache_ttl: float = 60.0,
+        refusal_ttl: float = 5.0,
         cache_size: int = 4096,
+        max_in_flight: int = 16,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._api = api
         self.audiences = audiences
-        self._cache_ttl = cache_ttl
-        self._cache_size = cache_size
-        self._clock = clock
-        self._cache: OrderedDict[bytes, tuple[float, Caller]] = OrderedDict()
+        self._cache: TTLCache[bytes, Caller] = TTLCache(cache_ttl, cache_size, clock)
+        self._refused: TTLCache[bytes, bool] = TTLCache(refusal_ttl, cache_size, clock)
+        self._calls = KubeCalls(max_in_flight, "TokenReviews")
 
     async def authenticate(self, token: str) -> Caller | None:
         token = token.strip()
         if not token or len(token.encode()) > MAX_TOKEN_BYTES:
             return None
         key = hashlib.sha256(token.encode()).digest()
-        cached = self._cache.get(key)
-        now = self._clock()
-        if cached is not None:
-            if cached[0] > now:
-                return cached[1]
-            del self._cache[key]
-        review = await asyncio.to_thread(self._review, token)
+        cached: Caller | None = self._cache.get(key, None)
+        if cached is not None or self._refused.get(key, False):
+            return cached
+        review = await self._calls.run(self._review, token)
         caller = self._caller_from(review)
-        if caller is not None and self._cache_ttl > 0:
-            self._cache[key] = (self._clock() + self._cache_ttl, caller)
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+        if caller is None:
+            self._refused.put(key, True)
+        else:
+            self._cache.put(key, caller)
         return caller
 
     def _review(self, token: str) -> JSON:
@@ -177,36 +261,32 @@ class KubeServiceDirectory:
         timeout: float = 5.0,
         cache_ttl: float = 5.0,
         cache_size: int = 1024,
+        max_in_flight: int = 32,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._api = api
         self._timeout = timeout
-        self._cache_ttl = cache_ttl
-        self._cache_size = cache_size
-        self._clock = clock
-        self._cache: OrderedDict[tuple[str, str], tuple[float, ServiceInfo | None]] = OrderedDict()
+        self._cache: TTLCache[tuple[str, str], ServiceInfo | None] = TTLCache(
+            cache_ttl, cache_size, clock
+        )
+        self._calls = KubeCalls(max_in_flight, "Service reads")
 
     async def service(self, namespace: str, name: str) -> ServiceInfo | None:
         key = (namespace, name)
         cached = self._cache.get(key)
-        if cached is not None:
-            if cached[0] > self._clock():
-                return cached[1]
-            del self._cache[key]
+        if cached is not _MISSING:
+            return cached  # type: ignore[no-any-return]
         path = f"/api/v1/namespaces/{namespace}/services/{name}"
         try:
             # The read itself has the client's timeout too; this one bounds the caller's wait.
-            obj = await asyncio.wait_for(asyncio.to_thread(self._get, path), self._timeout)
+            obj = await asyncio.wait_for(self._calls.run(self._get, path), self._timeout)
         except TimeoutError:
             raise Unavailable(
                 f"cannot read Service {namespace}/{name}: the Kubernetes API did not answer "
                 f"within {self._timeout:g}s"
             ) from None
         info = None if obj is None else _service_info(namespace, name, obj)
-        if self._cache_ttl > 0:
-            self._cache[key] = (self._clock() + self._cache_ttl, info)
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+        self._cache.put(key, info)
         return info
 
     def _get(self, path: str) -> JSON | None:

@@ -140,9 +140,15 @@ async def test_positive_results_are_cached_for_the_ttl_only(
     assert len(reviewer.calls) == 2
 
 
-async def test_refusals_are_not_cached(standin: StandInAPI, reviewer: Reviewer) -> None:
-    auth = authenticator(standin)
+async def test_refusals_are_cached_briefly(standin: StandInAPI, reviewer: Reviewer) -> None:
+    """A caller retrying a bad token in a loop costs one review per 5 s, not one per call."""
+    clock = Clock()
+    auth = authenticator(standin, clock=clock)
     assert await auth.authenticate("unknown-token") is None
+    clock.now += 4
+    assert await auth.authenticate("unknown-token") is None
+    assert len(reviewer.calls) == 1
+    clock.now += 2
     assert await auth.authenticate("unknown-token") is None
     assert len(reviewer.calls) == 2
 
