@@ -94,6 +94,9 @@ DEFAULT_CHUNK_BYTES = 1024 * 1024
 DEFAULT_MAX_EVENT_BYTES = 3 * 1024 * 1024
 # Per-field overhead of a repeated message inside Snapshot: tag plus length varint.
 _FIELD_OVERHEAD = 6
+# Room for the source name (bounded by the sources' own names) and the sync time
+# stamped on a snapshot's last chunk after it was cut.
+_STAMP_BYTES = 1024
 
 _TIMEOUT_FIELDS = ("connect", "client", "server", "http_request", "tunnel", "keep_alive")
 
@@ -401,34 +404,82 @@ def watch_events(
     """The events that carry `item`; None when `item` is a Batch too large to send
     as one event (the caller gives that subscriber a snapshot instead).
 
-    Callers must not modify the result: what many subscribers share is converted
-    once and the messages reused.
+    The content is converted once per item, keys and bounds, whatever the
+    source's sync time (which moves with every poll): `source` and `last_sync`
+    go on the last event only (the one a client publishes its view with), on a
+    copy when the cached one carries other values. Callers must not modify the
+    result: what many subscribers share is reused.
     """
     if isinstance(item, Batch):
-        event = _changes_event(item, source, last_sync, epoch, with_keys)
-        if event.ByteSize() > max_event_bytes:
-            return None
-        return (event,)
-    return _snapshot_events(item, source, last_sync, epoch, with_keys, chunk_bytes, max_event_bytes)
+        if not item.changes:
+            # A heartbeat: one per subscriber, never worth a cache slot.
+            return restamp((_changes_event(item, epoch, with_keys),), source, last_sync)
+        build = _shared_changes if item.shared else _changes
+        stamps = build(item, epoch, with_keys, max_event_bytes)
+        return None if stamps is None else stamps.stamped(source, last_sync)
+    snapshot = _snapshot_events(item, epoch, with_keys, chunk_bytes, max_event_bytes)
+    return snapshot.stamped(source, last_sync)
 
 
-# Both caches are keyed by identity (Batch and Snapshot compare by identity).
+def restamp(
+    events: tuple[pb.WatchEvent, ...], source: str, last_sync: datetime | None
+) -> tuple[pb.WatchEvent, ...]:
+    """`events` with `source` and `last_sync` on the last one (a copy of that one
+    when it carries other values; the others are shared as they are)."""
+    last = events[-1]
+    stamp = timestamp(last_sync)
+    if _stamped_with(last, source, stamp):
+        return events
+    copy = pb.WatchEvent()
+    copy.CopyFrom(last)
+    copy.source = source
+    if stamp is None:
+        copy.ClearField("last_sync")
+    else:
+        copy.last_sync.CopyFrom(stamp)
+    return (*events[:-1], copy)
+
+
+def _stamped_with(event: pb.WatchEvent, source: str, stamp: timestamp_pb2.Timestamp | None) -> bool:
+    if event.source != source:
+        return False
+    if stamp is None:
+        return not event.HasField("last_sync")
+    return event.HasField("last_sync") and event.last_sync == stamp
+
+
+class _Stamps:
+    """Converted events and their latest stamped form, so the subscribers that
+    share one sync time share one copy too."""
+
+    __slots__ = ("_events", "_latest")
+
+    def __init__(self, events: tuple[pb.WatchEvent, ...]) -> None:
+        self._events = events
+        self._latest = events
+
+    def stamped(self, source: str, last_sync: datetime | None) -> tuple[pb.WatchEvent, ...]:
+        latest = restamp(self._latest, source, last_sync)
+        # A plain reference swap: safe against a worker thread stamping at once.
+        self._latest = latest
+        return latest
+
+
+# The caches are keyed by identity (Batch and Snapshot compare by identity).
 # Few snapshots are kept: they are large, and one per version is shared.
 @functools.lru_cache(maxsize=4)
 def _snapshot_events(
     snapshot: Snapshot,
-    source: str,
-    last_sync: datetime | None,
     epoch: int,
     with_keys: bool,
     chunk_bytes: int,
     max_event_bytes: int,
-) -> tuple[pb.WatchEvent, ...]:
-    header = pb.WatchEvent(
-        version=snapshot.version, source=source, last_sync=timestamp(last_sync), epoch=epoch
-    )
-    # Room left for objects once the header fields and the snapshot wrapper are paid.
-    budget = max(chunk_bytes - header.ByteSize() - 16, 1)
+) -> _Stamps:
+    header = pb.WatchEvent(version=snapshot.version, epoch=epoch)
+    # Room left for objects once the header fields and the snapshot wrapper are
+    # paid, the source and sync time the last chunk is stamped with included.
+    stamp_room = min(_STAMP_BYTES, chunk_bytes // 8)
+    budget = max(chunk_bytes - header.ByteSize() - stamp_room - 16, 1)
 
     def new_event() -> pb.WatchEvent:
         event = pb.WatchEvent()
@@ -462,17 +513,23 @@ def _snapshot_events(
         getattr(events[-1].snapshot, field_name).extend(batch)
     for event in events[:-1]:
         event.snapshot.more = True
-    return tuple(events)
+    return _Stamps(tuple(events))
 
 
-@functools.lru_cache(maxsize=64)
-def _changes_event(
-    batch: Batch, source: str, last_sync: datetime | None, epoch: int, with_keys: bool
-) -> pb.WatchEvent:
+def _changes(batch: Batch, epoch: int, with_keys: bool, max_event_bytes: int) -> _Stamps | None:
+    """A subscriber's own (coalesced, filtered) batch: converted for it alone."""
+    event = _changes_event(batch, epoch, with_keys)
+    return None if event.ByteSize() > max_event_bytes else _Stamps((event,))
+
+
+# Only the store's own batches, which every up-to-date subscriber shares; an
+# oversized one is kept as None (nothing large held for nothing).
+_shared_changes = functools.lru_cache(maxsize=64)(_changes)
+
+
+def _changes_event(batch: Batch, epoch: int, with_keys: bool) -> pb.WatchEvent:
     return pb.WatchEvent(
         version=batch.version,
-        source=source,
-        last_sync=timestamp(last_sync),
         epoch=epoch,
         changes=pb.Changes(
             from_version=batch.from_version,

@@ -284,7 +284,9 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
             objects = _object_count(item)
         if objects <= OFFLOAD_SNAPSHOT_OBJECTS:
             return convert_item()
-        key = (item, source, last_sync, with_keys)
+        # Not keyed by the sync time, which moves with every poll: watchers that
+        # arrive while one conversion runs share it and stamp their own copy.
+        key = (item, with_keys)
         future = self._converting.get(key)
         if future is None:
             future = asyncio.ensure_future(asyncio.to_thread(convert_item))
@@ -297,7 +299,8 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
 
             future.add_done_callback(done)
         # Shielded: one watcher leaving must not cancel the others' conversion.
-        return await asyncio.shield(future)
+        events = await asyncio.shield(future)
+        return None if events is None else convert.restamp(events, source, last_sync)
 
     async def ListRoutes(
         self, request: pb.ListRoutesRequest, context: grpc.aio.ServicerContext

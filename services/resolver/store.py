@@ -75,6 +75,9 @@ class Batch:
     changes: tuple[Change, ...]
     # True when older states of some keys were dropped (latest state per key kept).
     coalesced: bool = False
+    # The store's own batch, handed as is to every up-to-date subscriber (so its
+    # wire form is worth caching); False for one subscriber's coalesced backlog.
+    shared: bool = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -582,7 +585,7 @@ class Store:
             self._note_source(source)
         if not changes:
             return
-        batch = Batch(self.version, self.version + 1, tuple(changes))
+        batch = Batch(self.version, self.version + 1, tuple(changes), shared=True)
         self.version = batch.version
         self._snapshots.clear()
         revisions = self._service_revisions

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 import pytest
 
 from waygate.core.errors import ResourceExhausted
@@ -58,9 +60,10 @@ def test_chunks_are_bounded_ordered_and_complete(chunk_bytes: int) -> None:
     assert events is not None
     assert all(e.ByteSize() <= chunk_bytes for e in events)
     assert [e.snapshot.more for e in events] == [True] * (len(events) - 1) + [False]
-    assert {(e.version, e.epoch, e.source) for e in events} == {
-        (store.version, store.epoch, "file:x")
-    }
+    assert {(e.version, e.epoch) for e in events} == {(store.version, store.epoch)}
+    # The source and its sync time travel on the last chunk, which the view is
+    # published with.
+    assert events[-1].source == "file:x"
     whole = convert.snapshot_to_proto(snapshot)
     assert [a for e in events for a in e.snapshot.endpoints] == list(whole.endpoints)
     assert [s for e in events for s in e.snapshot.services] == list(whole.services)
@@ -142,3 +145,57 @@ def test_epochs_are_random_nonzero_and_gate_resumes() -> None:
     ):
         with store.subscribe(resume_from=10, resume_epoch=epoch) as subscription:
             assert isinstance(subscription.take(), Snapshot) is snapshot, epoch
+
+
+def test_a_view_is_converted_once_whatever_the_sync_time() -> None:
+    """The file source refreshes last_sync every poll: keyed on it, watchers that
+    arrived in different seconds each reconverted 100,000 endpoints."""
+    store = filled_store()
+    snapshot = store.snapshot()
+    first_sync = datetime(2026, 1, 1, tzinfo=UTC)
+    later_sync = datetime(2026, 1, 1, 0, 0, 5, tzinfo=UTC)
+    first = convert.watch_events(
+        snapshot, "file:x", first_sync, store.epoch, with_keys=True, chunk_bytes=512
+    )
+    later = convert.watch_events(
+        snapshot, "file:x", later_sync, store.epoch, with_keys=True, chunk_bytes=512
+    )
+    assert first is not None and later is not None and len(first) == len(later) > 1
+    assert all(a is b for a, b in zip(first[:-1], later[:-1], strict=True)), "shared chunks"
+    assert first[-1].last_sync.ToDatetime(tzinfo=UTC) == first_sync
+    assert later[-1].last_sync.ToDatetime(tzinfo=UTC) == later_sync
+    assert first[-1].snapshot == later[-1].snapshot
+    # Subscribers with the same sync time share the stamped copy as well.
+    again = convert.watch_events(
+        snapshot, "file:x", later_sync, store.epoch, with_keys=True, chunk_bytes=512
+    )
+    assert again is not None and again[-1] is later[-1]
+    # A store batch likewise: one conversion, each sync time stamped.
+    store.upsert_service(Service("shop", "extra"), source=SOURCE)
+    (batch,) = store.changes_since(store.version - 1) or []
+    (one,) = convert.watch_events(batch, "file:x", first_sync, store.epoch, with_keys=True) or ()
+    (two,) = convert.watch_events(batch, "file:x", later_sync, store.epoch, with_keys=True) or ()
+    assert one.changes == two.changes and one.last_sync != two.last_sync
+
+
+def test_only_the_stores_shared_batches_take_cache_slots() -> None:
+    """Per-subscriber (coalesced) batches and heartbeats evicted the batches every
+    subscriber shares, and an oversized event was held although never sent."""
+    store = filled_store()
+    convert._shared_changes.cache_clear()
+    mine = Batch(1, 2, (), coalesced=True)
+    heartbeat = Batch(store.version, store.version, ())
+    assert convert.watch_events(heartbeat, "s", None, 1, with_keys=True) is not None
+    store.upsert_service(Service("shop", "extra"), source=SOURCE)
+    (shared,) = store.changes_since(store.version - 1) or []
+    own = Batch(shared.from_version, shared.version, shared.changes, coalesced=True)
+    assert convert.watch_events(own, "s", None, 1, with_keys=True) is not None
+    assert convert.watch_events(mine, "s", None, 1, with_keys=True) is not None
+    assert convert._shared_changes.cache_info().currsize == 0
+    assert convert.watch_events(shared, "s", None, 1, with_keys=True) is not None
+    assert convert._shared_changes.cache_info().currsize == 1
+    # Oversized: refused, and what stays cached holds no event.
+    store.upsert_service(Service("shop", "more"), source=SOURCE)
+    (big,) = store.changes_since(store.version - 1) or []
+    assert convert.watch_events(big, "s", None, 1, with_keys=True, max_event_bytes=10) is None
+    assert convert._shared_changes(big, 1, True, 10) is None
