@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -95,6 +97,23 @@ async def start_service(
     service.grpc_ports = list(entry.get("grpc_ports", []))
     service.admin_port = int(entry.get("admin_port", 0))
     return service
+
+
+def certs_serve_argv(
+    directory: Path,
+    tokens: Sequence[dict[str, object]],
+    *extra: str,
+    ca_dir: Path | None = None,
+) -> list[str]:
+    """`waygate certs serve` on port 0 with a tokens file (0600) holding `tokens`
+    (entries of `name`, `token`, `allowed` or `admin`), its CA in DIRECTORY/ca."""
+    tokens_file = directory / "tokens.yaml"
+    tokens_file.write_text(yaml.safe_dump({"tokens": list(tokens)}))
+    tokens_file.chmod(0o600)
+    return [
+        "waygate", "certs", "serve", "--grpc-port", "0", "--admin-port", "0",
+        "--ca-dir", str(ca_dir or directory / "ca"), "--tokens-file", str(tokens_file), *extra,
+    ]  # fmt: skip
 
 
 async def run_cli(

@@ -30,12 +30,17 @@ from pathlib import Path
 
 import grpc
 import pytest
-import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
-from tests.support.processes import RunningService, http_get, run_cli, start_service
+from tests.support.processes import (
+    RunningService,
+    certs_serve_argv,
+    http_get,
+    run_cli,
+    start_service,
+)
 from waygate.certs.v1 import certs_pb2, certs_pb2_grpc
 
 pytestmark = pytest.mark.system
@@ -50,27 +55,19 @@ WILD_ID = "spiffe://waygate.local/ns/hostile/sa/wild"
 ANSWER_WITHIN = 1.0
 
 
-def tokens_file(directory: Path) -> Path:
-    path = directory / "tokens.yaml"
-    entries = [
-        {"token": GOOD_TOKEN, "name": "good", "allowed": [f"uri:{GOOD_ID}"]},
-        {
-            "token": WILD_TOKEN,
-            "name": "wild",
-            "allowed": ["dns:*.hostile.test", "uri:spiffe://waygate.local/ns/hostile/*"],
-        },
-        {"token": ADMIN_TOKEN, "name": "ops", "admin": True},
-    ]
-    path.write_text(yaml.safe_dump({"tokens": entries}))
-    path.chmod(0o600)
-    return path
+TOKENS = [
+    {"token": GOOD_TOKEN, "name": "good", "allowed": [f"uri:{GOOD_ID}"]},
+    {
+        "token": WILD_TOKEN,
+        "name": "wild",
+        "allowed": ["dns:*.hostile.test", "uri:spiffe://waygate.local/ns/hostile/*"],
+    },
+    {"token": ADMIN_TOKEN, "name": "ops", "admin": True},
+]
 
 
 def serve_argv(directory: Path, ca_dir: Path | None = None) -> list[str]:
-    return [
-        "waygate", "certs", "serve", "--grpc-port", "0", "--admin-port", "0",
-        "--ca-dir", str(ca_dir or directory / "ca"), "--tokens-file", str(tokens_file(directory)),
-    ]  # fmt: skip
+    return certs_serve_argv(directory, TOKENS, ca_dir=ca_dir)
 
 
 def csr(

@@ -11,9 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.support.processes import run_cli, start_service
+from tests.support.processes import certs_serve_argv, run_cli, start_service
 
 pytestmark = pytest.mark.system
 
@@ -22,18 +21,8 @@ IDENTITY = "spiffe://waygate.local/ns/local/sa/user"
 
 
 async def test_token_on_the_command_line_is_refused_and_file_or_env_work(tmp_path: Path) -> None:
-    tokens = tmp_path / "tokens.yaml"
-    tokens.write_text(
-        yaml.safe_dump(
-            {"tokens": [{"token": TOKEN, "name": "user", "allowed": [f"uri:{IDENTITY}"]}]}
-        )
-    )
-    tokens.chmod(0o600)
-    argv = [
-        "waygate", "certs", "serve", "--grpc-port", "0", "--admin-port", "0",
-        "--ca-dir", str(tmp_path / "ca"), "--tokens-file", str(tokens),
-    ]  # fmt: skip
-    certs = await start_service(argv)
+    user = {"token": TOKEN, "name": "user", "allowed": [f"uri:{IDENTITY}"]}
+    certs = await start_service(certs_serve_argv(tmp_path, [user]))
     try:
         issue = ("cert", "issue", "--addr", certs.grpc_address, "--identity", IDENTITY)
 

@@ -19,9 +19,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.support.processes import ROOT, child_env, start_service
+from tests.support.processes import ROOT, certs_serve_argv, child_env, start_service
 from waygate.resolver.filesource import EXAMPLE_ROUTES
 
 pytestmark = pytest.mark.system
@@ -46,15 +45,11 @@ async def test_a_tls_scan_writes_no_flood_of_unstructured_lines(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("GRPC_VERBOSITY", raising=False)
-    tokens = tmp_path / "tokens.yaml"
-    tokens.write_text(yaml.safe_dump({"tokens": []}))
-    tokens.chmod(0o600)
-    argv = [
-        "waygate", "certs", "serve", "--grpc-port", "0", "--admin-port", "0",
-        "--ca-dir", str(tmp_path / "ca"), "--tokens-file", str(tokens),
+    argv = certs_serve_argv(
+        tmp_path, [],
         "--serving-identity", "spiffe://waygate.local/ns/local/sa/certs",
         "--serving-sans", "ip:127.0.0.1",
-    ]  # fmt: skip
+    )  # fmt: skip
     certs = await start_service(argv)
     try:
         raw_before = sum(1 for e in certs.logs if e.get("level") == "raw")
