@@ -299,3 +299,31 @@ async def test_a_stream_whose_handler_cannot_start_gives_its_place_back(
             await Watches(channel).open()
         monkeypatch.undo()
         await until(lambda: server.admission.streams == 0, "the failed stream's release")
+
+
+async def test_a_connection_carries_at_most_max_concurrent_streams_calls_at_once() -> None:
+    """HTTP/2 MAX_CONCURRENT_STREAMS: a third call on one connection waits client-side."""
+    server = GrpcServer(
+        host="127.0.0.1",
+        port=0,
+        registrations=[ServiceRegistration(demo_server.SERVICE, demo_server._add, None)],
+        max_concurrent_streams=2,
+    )
+    async with running(server) as port, open_channel(f"127.0.0.1:{port}", retry=False) as channel:
+        watches = Watches(channel)
+        try:
+            first = await watches.open()
+            await watches.open()
+            stub = health_pb2_grpc.HealthStub(channel)
+            third = stub.Watch(health_pb2.HealthCheckRequest(), timeout=30)
+            watches.calls.append(third)
+            waiting = asyncio.ensure_future(third.read())
+            await asyncio.sleep(1.0)
+            assert not waiting.done()  # held by the client: the connection is full
+            assert server.admission.streams == 2
+            first.cancel()
+            await asyncio.wait_for(waiting, 10)  # a place on the connection came free
+            assert server.admission.streams == 2
+        finally:
+            watches.close()
+        await until(lambda: server.admission.streams == 0, "every stream released")
