@@ -268,9 +268,11 @@ class ResolverWatch:
         """
         STALENESS.set_function(self.staleness)
         CONNECTED.set_function(lambda: 1.0 if self._connected else 0.0)
+        logged_unexpected = False
         while True:
-            channel = self._channel_factory()
+            channel: grpc.aio.Channel | None = None
             try:
+                channel = self._channel_factory()
                 await self._stream(channel)
                 reason = "the resolver ended the Watch stream"
             except grpc.aio.AioRpcError as exc:
@@ -286,9 +288,18 @@ class ResolverWatch:
                 # WaygateError: an event this client cannot read (convert refused it).
                 reason = str(exc)
                 self._resync = True
+            except Exception as exc:
+                # A bug here or in gRPC (or a channel factory that failed) must not
+                # end the watch every consumer relies on: start over, with backoff.
+                reason = f"unexpected {type(exc).__name__}: {str(exc)[:300]}"
+                self._resync = True
+                if not logged_unexpected:
+                    logged_unexpected = True
+                    log.exception("resolver watch: unexpected error; retrying with backoff")
             finally:
                 self._connected = False
-                await channel.close()
+                if channel is not None:
+                    await channel.close()
             current = asyncio.current_task()
             if current is not None and current.cancelling():
                 # Cancelled while the stream was failing anyway: stop, do not retry.

@@ -465,3 +465,28 @@ async def test_an_event_too_large_to_receive_resyncs_from_a_chunked_snapshot() -
     finally:
         await stop_watch(task)
         await server.stop(0)
+
+
+async def test_an_unexpected_error_is_retried_with_backoff_not_the_end_of_the_watch(
+    running: Running,
+) -> None:
+    """A channel factory that raises once (as a bad certificate file being rewritten
+    might): the watch used to end for good."""
+    calls: list[int] = []
+    reasons: list[str] = []
+
+    def flaky() -> grpc.aio.Channel:
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("certificate file half-written")
+        return grpc.aio.insecure_channel(running.address)
+
+    watch = ResolverWatch(
+        flaky, backoff=quick_backoff(), on_disconnect=lambda reason, delay: reasons.append(reason)
+    )
+    task = await start_watch(watch)
+    try:
+        assert watch.connected and len(calls) == 2
+        assert reasons and "OSError" in reasons[0] and "half-written" in reasons[0]
+    finally:
+        await stop_watch(task)
