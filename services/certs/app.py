@@ -438,7 +438,9 @@ def kube_api_for(settings: Settings) -> Any:
     return KubeAPI(load_api_client(settings.kubeconfig))
 
 
-def csr_controller(settings: Settings, kube_api: Any, authority: Authority) -> Any:
+def csr_controller(
+    settings: Settings, kube_api: Any, authority: Authority, signing: SigningExecutor | None = None
+) -> Any:
     from waygate.certs.kube_csr import CSRController, SignerRules
 
     account = None
@@ -451,7 +453,7 @@ def csr_controller(settings: Settings, kube_api: Any, authority: Authority) -> A
         tunnel_server_account=account,
         tunnel_server_names=settings.tunnel_server_names,
     )
-    return CSRController(kube_api, authority, rules)
+    return CSRController(kube_api, authority, rules, signing=signing)
 
 
 def write_bundle_file(path: Path, bundle: TrustBundleView) -> None:
@@ -495,10 +497,12 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         store = VersionedStore(store)
     authority = await open_authority(settings, store, elector)
     authority.deliver_changes_on(asyncio.get_running_loop())
+    # One bounded pool for every signature: Certify's and the CSR controller's.
+    signing = SigningExecutor(settings.signing_workers, settings.signing_queue)
     # What only the writer of CA state does: the leader, or the only replica.
     duties: list[Callable[[], Coroutine[Any, Any, None]]] = []
     if settings.csr_controller:
-        duties.append(csr_controller(settings, kube_api, authority).run)
+        duties.append(csr_controller(settings, kube_api, authority, signing).run)
     if settings.bundle_configmap is not None:
         from waygate.certs.kube_bundle import BundlePublisher
 
@@ -533,9 +537,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     process.spawn(run_transitions(authority, elector), "ca-rotation-timer")
     log_loaded(store, authority)
     service = CertsService(
-        build_authenticator(settings, kube_api),
-        build_policy(settings, kube_api),
-        executor=SigningExecutor(settings.signing_workers, settings.signing_queue),
+        build_authenticator(settings, kube_api), build_policy(settings, kube_api), executor=signing
     )
     service.attach(authority)
     process.on_drain(service.end_watches)

@@ -51,9 +51,9 @@ import dataclasses
 import enum
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
@@ -61,12 +61,15 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from prometheus_client import Counter
 
 from waygate.certs.auth import Caller
-from waygate.certs.authority import Authority, check_csr, utc_now
+from waygate.certs.authority import Authority, Issued, check_csr, utc_now
 from waygate.certs.kube_auth import NODES_GROUP, caller_for_user
 from waygate.certs.policy import Policy, requested_names
 from waygate.core.backoff import Backoff
 from waygate.core.errors import InvalidArgument, PermissionDenied, WaygateError
 from waygate.core.kube import JSON, KubeAPI, KubeError, Reflector
+
+if TYPE_CHECKING:
+    from waygate.certs.service import SigningExecutor
 
 log = logging.getLogger(__name__)
 
@@ -382,9 +385,15 @@ class CSRController:
         now: Callable[[], datetime] = utc_now,
         list_backoff: Callable[[], Backoff] = lambda: Backoff(0.5, 30.0),
         retry_backoff: Callable[[], Backoff] = lambda: Backoff(1.0, 300.0),
+        signing: SigningExecutor | None = None,
     ) -> None:
         self._api = api
         self._authority = authority
+        # Signing shares certs' bounded pool with Certify (one bound for all
+        # signatures); a full pool is ResourceExhausted, and the CSR is retried.
+        self._sign: Callable[..., Awaitable[Issued]] = (
+            signing.run if signing is not None else asyncio.to_thread
+        )
         self._rules = rules
         self._watch_timeout = watch_timeout
         self._now = now
@@ -527,7 +536,7 @@ class CSRController:
         assert verdict.csr is not None
         try:
             # Signing (and, rarely, a store write) in a worker thread: never on the loop.
-            issued = await asyncio.to_thread(
+            issued = await self._sign(
                 functools.partial(
                     self._authority.issue,
                     verdict.csr,

@@ -17,6 +17,7 @@ import asyncio
 import base64
 import itertools
 import sys
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -49,6 +50,7 @@ from waygate.certs.kube_csr import (
     SignerRules,
 )
 from waygate.certs.policy import Policy
+from waygate.certs.service import SigningExecutor
 from waygate.certs.store import DirectoryCAStore
 from waygate.core.backoff import Backoff
 
@@ -86,7 +88,10 @@ class Running:
 async def start(standin: StandInAPI, authority: Authority) -> AsyncIterator[Callable[..., Any]]:
     running: list[Running] = []
 
-    async def start_controller(configuration: client.Configuration | None = None) -> Running:
+    async def start_controller(
+        configuration: client.Configuration | None = None,
+        signing: SigningExecutor | None = None,
+    ) -> Running:
         rules = SignerRules(
             # Services for per-workload names come from the same stand-in API server.
             policy=Policy(
@@ -106,6 +111,7 @@ async def start(standin: StandInAPI, authority: Authority) -> AsyncIterator[Call
             watch_timeout=30,
             list_backoff=lambda: Backoff(0.05, 0.2),
             retry_backoff=lambda: Backoff(0.05, 0.2),
+            signing=signing,
         )
         task = asyncio.create_task(controller.run())
         handle = Running(controller, task)
@@ -192,6 +198,34 @@ async def test_agent_csr_is_approved_and_signed_for_its_node(
         "lint", str(ca_file), str(leaf_file),
     )  # fmt: skip
     assert code == 0, out
+
+
+async def test_signing_shares_certs_bounded_pool_and_waits_while_it_is_full(
+    standin: StandInAPI, start: Callable[..., Any], authority: Authority
+) -> None:
+    signing = SigningExecutor(workers=1, queue=0)
+    release = threading.Event()
+    holder = asyncio.ensure_future(signing.run(release.wait, 30))  # Certify's, say
+    try:
+        await start(signing=signing)
+        standin.create(
+            csr_object(
+                "agent-edge-1",
+                signer=SIGNER_TUNNEL_AGENT,
+                request=make_csr("dns:edge-1"),
+                user=node_user("edge-1"),
+            )
+        )
+        await asyncio.sleep(1.0)
+        assert authority.list_issued(identity="edge-1") == []  # the pool is full: retried
+        release.set()
+        obj = await settled(standin, "agent-edge-1")
+        assert certificate_chain(obj)
+        assert len(authority.list_issued(identity="edge-1")) == 1
+    finally:
+        release.set()
+        await holder
+        signing.close()
 
 
 async def test_expiration_seconds_beyond_the_maximum_is_clamped(
