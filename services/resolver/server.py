@@ -240,12 +240,20 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
             resume_epoch=request.resume_epoch,
             max_pending=self._watch_max_pending,
         )
+        # A resume honoured with nothing new: an empty Changes at once, so the
+        # consumer knows its stream is live and its view current (else it would
+        # wait for the next change or heartbeat to hear so).
+        resumed = bool(request.resume_from_version) and not subscription.ready()
+        first: Batch | None = subscription.heartbeat() if resumed else None
         try:
             while True:
                 # After a quiet `heartbeat`, an empty Changes tells the consumer the
                 # view is still current as of the sources' last sync.
                 try:
-                    item = await subscription.next(self._watch_heartbeat)
+                    if first is not None:
+                        item, first = first, None
+                    else:
+                        item = await subscription.next(self._watch_heartbeat)
                 except SubscriptionEnded:
                     raise Unavailable(
                         "the resolver is shutting down; reconnect and resume from version "

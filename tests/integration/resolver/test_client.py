@@ -490,3 +490,25 @@ async def test_an_unexpected_error_is_retried_with_backoff_not_the_end_of_the_wa
         assert reasons and "OSError" in reasons[0] and "half-written" in reasons[0]
     finally:
         await stop_watch(task)
+
+
+async def test_a_resume_with_nothing_new_is_connected_at_once(running: Running) -> None:
+    """No heartbeats and nothing new after a resume: the healthy stream looked
+    disconnected (and ever staler) until the next change."""
+    reasons: list[str] = []
+    watch = ResolverWatch(
+        factory(running.address),
+        backoff=quick_backoff(),
+        on_disconnect=lambda reason, delay: reasons.append(reason),
+    )
+    task = await start_watch(watch)
+    try:
+        before = watch.view
+        running.store.end_subscriptions()
+        await eventually(lambda: bool(reasons))
+        await eventually(lambda: watch.connected, timeout=5)
+        assert watch.view is not None and watch.view.version == before.version  # type: ignore[union-attr]
+        assert not watch.view.from_snapshot, "resumed, not resynced"
+        assert watch.staleness() < 5
+    finally:
+        await stop_watch(task)
