@@ -30,7 +30,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from waygate.core.errors import PermissionDenied
+from waygate.core.errors import PermissionDenied, excerpt
 
 _SPIFFE = re.compile(r"spiffe://[a-z0-9._-]+(/[A-Za-z0-9._~%!$&'()+,;=:@-]+)*/?")
 _DNS_LABEL = re.compile(r"(?!-)[a-z0-9-]{1,63}(?<!-)")
@@ -112,7 +112,13 @@ class WriteAccess:
             return
         if any(matches(p, identity) for p in allowed for identity in identities):
             return
-        who = ", ".join(identities) if identities else "a client certificate without identities"
+        # Identities come from the peer's certificate: repeated only as an excerpt
+        # (a certificate may hold thousands of SANs).
+        who = (
+            excerpt(", ".join(identities))
+            if identities
+            else "a client certificate without identities"
+        )
         flag = "--" + setting.replace("_", "-")
         raise PermissionDenied(
             f"{method}: {who} may not call it; allowed identities are set with {flag}"

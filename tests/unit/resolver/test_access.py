@@ -59,7 +59,7 @@ def test_with_mtls_an_empty_list_refuses_everyone() -> None:
     access = WriteAccess(route_admins=(SA + "user",), authenticated=True)
     access.check_route_admin("ApplyRoute", (SA + "user",))
     assert access.unauthenticated_warning is None
-    with pytest.raises(PermissionDenied, match=f"ReportTunnels: {SA}user may not"):
+    with pytest.raises(PermissionDenied, match=f"ReportTunnels: '{SA}user' may not"):
         access.check_tunnel_reporter((SA + "user",))
     with pytest.raises(PermissionDenied, match="without identities"):
         access.check_route_admin("DeleteRoute", ())
@@ -101,3 +101,13 @@ def test_route_keys_only_to_route_readers_and_never_without_identities() -> None
     assert settings.route_readers == (SA + "proxy",)
     with pytest.raises(SettingsError, match="route_readers"):
         load_settings(Settings, flags={"route_readers": "spiffe://x/*/y"}, env={})
+
+
+def test_a_refusal_repeats_the_peer_identities_only_as_an_excerpt() -> None:
+    """A certificate with thousands of SANs: every one was echoed in the status."""
+    access = WriteAccess(route_admins=(SA + "admin",), authenticated=True)
+    many = tuple(f"spiffe://x/ns/n/sa/{'a' * 50}{i}" for i in range(5000))
+    with pytest.raises(PermissionDenied) as info:
+        access.check_route_admin("ApplyRoute", many)
+    assert len(str(info.value)) < 600
+    assert "characters)" in str(info.value)
