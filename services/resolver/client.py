@@ -395,8 +395,11 @@ class ResolverWatch:
                 f"continue the view held (version {view.version if view else 0}); resyncing"
             )
         if not changes.changes:
-            # A heartbeat: the view is current as of the source's last sync.
-            self._view = dataclasses.replace(view, last_sync=_last_sync(event), from_snapshot=False)
+            # A heartbeat: the view is current as of the source's last sync, at the
+            # server's version (changes of kinds not watched advance it).
+            self._view = dataclasses.replace(
+                view, version=event.version, last_sync=_last_sync(event), from_snapshot=False
+            )
             return
         # Converting 100,000 changes takes seconds: in slices, letting the loop (maybe
         # a proxy's data plane) run in between; then applied at once, so a stream

@@ -207,8 +207,13 @@ class Subscription:
         self._wakeup.set()
 
     def heartbeat(self) -> Batch:
-        """An empty Batch at the version the consumer holds (nothing new for it)."""
-        return Batch(self.version, self.version, ())
+        """An empty Batch taking the consumer to the store's version: nothing new
+        for it in between (only nothing is ready calls this). Changes of kinds it
+        did not ask for advance it too, so its version, and a resume from it, stay
+        within the store's history."""
+        batch = Batch(self.version, self._store.version, ())
+        self.version = batch.version
+        return batch
 
     async def next(self, heartbeat: float | None = None) -> Snapshot | Batch:
         """The next item; after `heartbeat` seconds with nothing new, an empty

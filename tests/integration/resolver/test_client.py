@@ -512,3 +512,31 @@ async def test_a_resume_with_nothing_new_is_connected_at_once(running: Running) 
         assert watch.staleness() < 5
     finally:
         await stop_watch(task)
+
+
+async def test_a_filtered_watch_follows_the_version_through_heartbeats() -> None:
+    """Routes only, while services change: heartbeats carry the client to the
+    server's version, so a resume stays within the history."""
+    handle = await serve(seeded_store(), heartbeat=0.1)
+    reasons: list[str] = []
+    watch = ResolverWatch(
+        factory(handle.address),
+        kinds=[Kind.ROUTES],
+        backoff=quick_backoff(),
+        on_disconnect=lambda reason, delay: reasons.append(reason),
+    )
+    task = await start_watch(watch)
+    try:
+        for index in range(5):
+            handle.store.upsert_service(
+                Service("shop", f"s{index}", ports=(ServicePort("http", 80, "8080"),)),
+                source=SOURCE,
+            )
+        await eventually(
+            lambda: watch.view is not None and watch.view.version == handle.store.version
+        )
+        await asyncio.sleep(0.3)
+        assert not reasons, "the heartbeats continued the view, no resync"
+    finally:
+        await stop_watch(task)
+        await handle.server.stop(0)

@@ -333,3 +333,21 @@ async def test_end_subscriptions_wakes_waiting_consumers() -> None:
     with pytest.raises(SubscriptionEnded):
         await asyncio.wait_for(waiter, 5)
     assert store.subscriber_count == 0
+
+
+async def test_a_kind_filtered_subscription_advances_past_changes_it_does_not_watch() -> None:
+    """Routes only; services change many times: the heartbeat used to report the
+    old version, and a resume from it fell out of the history into a snapshot."""
+    store = Store(initial_version=0, history_limit=5)
+    sub = store.subscribe([Kind.ROUTES])
+    snapshot = await sub.next()
+    assert isinstance(snapshot, Snapshot)
+    for index in range(10):
+        store.upsert_service(svc(f"s{index}"), source=FILE)
+    beat = await asyncio.wait_for(sub.next(heartbeat=0.05), 5)
+    assert isinstance(beat, Batch) and beat.changes == ()
+    assert (beat.from_version, beat.version) == (snapshot.version, store.version)
+    sub.close()
+    resumed = store.subscribe([Kind.ROUTES], resume_from=beat.version, resume_epoch=store.epoch)
+    assert resumed.take() is None, "resumed within history: nothing new, no snapshot"
+    resumed.close()
