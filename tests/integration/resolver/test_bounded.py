@@ -396,6 +396,9 @@ async def test_a_large_snapshot_is_converted_off_the_loop_once_for_all_watchers(
             pb.ResolveRequest(namespace="big", name="svc", pick=pb.PICK_POLICY_RANDOM), timeout=5
         )
         assert reply.picked.address and not any(f.done() for f in firsts)
+        # All three wait on the one conversion before it may finish (a late one
+        # would find it done and count as a second call).
+        await until(lambda: store.subscriber_count == 3, "every watcher subscribed")
         release.set()
         events = await asyncio.wait_for(asyncio.gather(*firsts), 30)
         assert all(e.WhichOneof("event") == "snapshot" for e in events)
