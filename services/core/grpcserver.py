@@ -13,10 +13,12 @@ A `GrpcServer` is a `grpc.aio` server with:
   * every streaming method is a long-lived call (watches and reports never end
     by themselves). They are capped per peer - the verified client-certificate
     identity, else the peer IP, with a lower cap for peers without a
-    certificate - and in total; a call over a cap gets RESOURCE_EXHAUSTED
-    naming the cap and its setting, before the handler runs;
+    certificate - in total, and, for peers without a certificate, in total
+    below that (so peers with one keep room); a call over a cap gets
+    RESOURCE_EXHAUSTED naming the cap and its setting, before the handler runs;
   * unary calls have their own budget, which streams never use, so 1,000 open
-    watches cannot make a Certify, a Resolve or a health check fail;
+    watches cannot make a Certify or a Resolve fail; grpc.health.v1 Check has
+    a small budget of its own, so slow unary calls cannot make health fail;
   * per connection: HTTP/2 MAX_CONCURRENT_STREAMS, an idle timeout and a
     maximum age with a grace period (GOAWAY; clients reconnect), a handshake
     timeout; grpc core's own `maximum_concurrent_rpcs` stays as an outer bound
