@@ -217,3 +217,29 @@ async def test_sigterm_ends_watches_at_once_and_watch_reconnects_to_a_new_resolv
             await watcher.wait()
         if service.process.returncode is None:
             await service.stop()
+
+
+async def test_routes_reads_every_page(resolver: tuple[RunningService, Path]) -> None:
+    """More routes than one ListRoutes page (100 by default): the CLI follows
+    next_page_token and prints each route once."""
+    service, routes = resolver
+    extra = "".join(
+        f"  - {{namespace: demo, name: paged-{i:03d}, host: paged-{i:03d}.localtest.me, "
+        "to: hello}\n"
+        for i in range(150)
+    )
+    text = routes.read_text()
+    assert text.rstrip().splitlines()[-1].startswith(" "), "routes: is the file's last section"
+    routes.write_text(text.rstrip("\n") + "\n" + extra)
+    expected = 150 + len(EXAMPLE.routes)
+    async with asyncio.timeout(20):
+        while True:
+            code, out, err = await run_cli(*cli(service, "routes"))
+            assert code == 0, err
+            hosts = [line for line in out.splitlines() if "paged-" in line]
+            if len(hosts) == 150:
+                break
+            await asyncio.sleep(0.2)
+    assert len({line.split()[1] for line in hosts}) == 150, "each route once"
+    assert "hello.localtest.me" in out
+    assert sum(1 for line in out.splitlines() if ".localtest.me" in line) >= expected
