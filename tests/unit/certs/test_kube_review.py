@@ -363,3 +363,22 @@ def test_a_csr_without_server_or_client_auth_is_denied() -> None:
     verdict = review(agent_csr(usages=("digital signature",)), RULES)
     assert verdict.action is Action.DENY
     assert "neither 'server auth' nor 'client auth'" in verdict.message
+
+
+def test_a_request_past_the_san_cap_fails_before_it_is_parsed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    names = [f"dns:n{index}.edge.test" for index in range(5000)]
+    obj = csr_object(
+        "wide", signer=SIGNER_TUNNEL_AGENT, request=make_csr(*names), user=node_user("n0")
+    )
+
+    def no_full_parse(data: bytes) -> x509.CertificateSigningRequest:
+        raise AssertionError("a CSR past the cap was parsed in full")
+
+    monkeypatch.setattr(x509, "load_der_x509_csr", no_full_parse)
+    monkeypatch.setattr(x509, "load_pem_x509_csr", no_full_parse)
+    verdict = review(obj, RULES)
+    assert verdict.action is Action.FAIL
+    assert verdict.reason == "InvalidRequest"
+    assert "more than 100 subject alternative names" in verdict.message
