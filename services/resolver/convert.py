@@ -98,8 +98,6 @@ _FIELD_OVERHEAD = 6
 # stamped on a snapshot's last chunk after it was cut.
 _STAMP_BYTES = 1024
 
-_TIMEOUT_FIELDS = ("connect", "client", "server", "http_request", "tunnel", "keep_alive")
-
 
 def _enum(table: Mapping[Any, T], value: int, field: str) -> T:
     try:
@@ -234,7 +232,7 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
         timeouts=pb.RouteTimeouts(
             **{
                 name: duration(getattr(route.timeouts, name))
-                for name in _TIMEOUT_FIELDS
+                for name in model.TIMEOUT_FIELDS
                 if getattr(route.timeouts, name) is not None
             }
         ),
@@ -314,7 +312,7 @@ def route_from_proto(message: pb.Route) -> model.Route:
             name: seconds(getattr(message.timeouts, name))
             if message.timeouts.HasField(name)
             else None
-            for name in _TIMEOUT_FIELDS
+            for name in model.TIMEOUT_FIELDS
         }
     )
     return model.Route(

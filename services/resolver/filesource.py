@@ -86,6 +86,7 @@ from waygate.core.files import write_file_atomically
 from waygate.core.settings import SettingsError, parse_duration
 from waygate.resolver.model import (
     HSTS,
+    TIMEOUT_KEYS,
     BalancePolicy,
     Endpoint,
     EndpointPort,
@@ -314,14 +315,6 @@ _TLS_KEYS = (
 )
 _HSTS_KEYS = ("maxAge", "includeSubdomains", "preload")
 _STICKY_KEYS = ("disableCookies", "cookieName", "sameSite")
-_TIMEOUT_KEYS = {
-    "connect": "connect",
-    "client": "client",
-    "server": "server",
-    "httpRequest": "http_request",
-    "tunnel": "tunnel",
-    "keepAlive": "keep_alive",
-}
 
 
 def parse_routes_file(path: Path, text: str) -> FileContent:
@@ -596,12 +589,12 @@ def _parse_route(parser: _Parser, node: yaml.Node) -> Route:
     timeouts = RouteTimeouts()
     if "timeouts" in fields:
         timeout_fields = parser.mapping(
-            fields["timeouts"], f"{what}: timeouts", tuple(_TIMEOUT_KEYS)
+            fields["timeouts"], f"{what}: timeouts", tuple(TIMEOUT_KEYS)
         )
         timeouts = RouteTimeouts(
             **{
                 attr: parser.duration(timeout_fields, key, f"{what}: timeouts")
-                for key, attr in _TIMEOUT_KEYS.items()
+                for key, attr in TIMEOUT_KEYS.items()
             }
         )
     route = Route(
@@ -687,7 +680,7 @@ def route_to_document(route: Route) -> dict[str, Any]:
         }
     timeouts = {
         key: _format_duration(getattr(route.timeouts, attr))
-        for key, attr in _TIMEOUT_KEYS.items()
+        for key, attr in TIMEOUT_KEYS.items()
         if getattr(route.timeouts, attr) is not None
     }
     if timeouts:

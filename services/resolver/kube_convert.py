@@ -34,6 +34,7 @@ from waygate.core.errors import InvalidArgument, excerpt
 from waygate.core.settings import parse_duration
 from waygate.resolver.model import (
     HSTS,
+    TIMEOUT_KEYS,
     BalancePolicy,
     Endpoint,
     EndpointPort,
@@ -61,15 +62,6 @@ JSON = dict[str, Any]
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 TUNNEL_LABEL = "waygate.io/tunnel"
 DEFAULT_WEIGHT = 100
-
-_TIMEOUT_FIELDS = {
-    "connect": "connect",
-    "client": "client",
-    "server": "server",
-    "httpRequest": "http_request",
-    "tunnel": "tunnel",
-    "keepAlive": "keep_alive",
-}
 
 
 def object_key(obj: JSON) -> tuple[str, str]:
@@ -334,7 +326,7 @@ def route_from(obj: JSON) -> Route:
     timeouts = RouteTimeouts(
         **{
             attr: _duration(timeout_fields, key, f"{what}: timeouts")
-            for key, attr in _TIMEOUT_FIELDS.items()
+            for key, attr in TIMEOUT_KEYS.items()
         }
     )
     return validate_route(

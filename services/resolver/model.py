@@ -15,8 +15,11 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")
 PROTOCOLS = ("TCP", "UDP", "SCTP")
@@ -194,6 +197,17 @@ class RouteTimeouts:
     http_request: float | None = None
     tunnel: float | None = None
     keep_alive: float | None = None
+
+
+#: RouteTimeouts' fields in order, and each by its camelCase key (the routes
+#: file's and the CRD's spelling): every converter reads these, none lists them.
+TIMEOUT_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RouteTimeouts))
+TIMEOUT_KEYS: Mapping[str, str] = MappingProxyType(
+    {
+        name.split("_")[0] + "".join(part.title() for part in name.split("_")[1:]): name
+        for name in TIMEOUT_FIELDS
+    }
+)
 
 
 @dataclass(frozen=True)

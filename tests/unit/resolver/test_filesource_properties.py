@@ -106,7 +106,7 @@ routes = shaped(
     backends=listed(shaped(filesource._BACKEND_KEYS)),
     tls=st.one_of(tls, anything),
     sticky=shaped(filesource._STICKY_KEYS),
-    timeouts=shaped(filesource._TIMEOUT_KEYS),
+    timeouts=shaped(filesource.TIMEOUT_KEYS),
 )
 documents = st.fixed_dictionaries(
     {}, optional={"services": listed(services), "routes": listed(routes), "extra": anything}

@@ -235,3 +235,19 @@ routes:
             tmp_path / "routes.yaml",
             text.replace("includeSubdomains: true}", "includeSubdomains: true, preload: true}"),
         )
+
+
+def test_every_timeout_field_survives_the_proto_and_the_routes_file(tmp_path: Path) -> None:
+    """The converters read the timeout fields from RouteTimeouts itself: a field
+    added there travels everywhere without another list to update."""
+    import dataclasses
+
+    import yaml
+
+    names = [f.name for f in dataclasses.fields(RouteTimeouts)]
+    timeouts = RouteTimeouts(**{name: float(i + 1) for i, name in enumerate(names)})
+    original = dataclasses.replace(full_route(), timeouts=timeouts)
+    assert convert.route_from_proto(convert.route_to_proto(original)).timeouts == timeouts
+    text = yaml.safe_dump({"routes": [route_to_document(original)]})
+    (parsed,) = parse_routes_file(tmp_path / "routes.yaml", text).routes
+    assert parsed.timeouts == timeouts
