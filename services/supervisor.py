@@ -109,6 +109,17 @@ def process_sans(name: str) -> tuple[str, ...]:
     return (f"dns:{name}.{TRUST_DOMAIN}", f"ip:{HOST}")
 
 
+def process_identity(name: str) -> tuple[str, tuple[str, ...]]:
+    """The identity and extra SANs a process asks certs for under `up`.
+
+    The tunnel agent's identity is its node's name and nothing else: the tunnel
+    server takes the node from the certificate's one DNS name.
+    """
+    if name == TUNNEL_AGENT:
+        return EDGE_NODE, ()
+    return spiffe_id(name), process_sans(name)
+
+
 @dataclasses.dataclass(frozen=True)
 class Bootstrap:
     """Who may ask certs for what under `up`: one random token per process and the user."""
@@ -124,10 +135,11 @@ class Bootstrap:
         return self.state_dir / "tokens" / f"{name}.token"
 
     def allowed(self, name: str) -> list[str]:
-        if name == TUNNEL_AGENT:
-            return [f"dns:{EDGE_NODE}"]
-        sans = () if name == USER else process_sans(name)
-        return [f"uri:{spiffe_id(name)}", *sans]
+        if name == USER:
+            return [f"uri:{spiffe_id(name)}"]
+        identity, sans = process_identity(name)
+        kind = "uri" if identity.startswith("spiffe://") else "dns"
+        return [f"{kind}:{identity}", *sans]
 
     def write(self) -> None:
         """Fresh tokens on every `up`: a token from an earlier run is worth nothing."""
@@ -145,9 +157,7 @@ class Bootstrap:
         )
 
     def arguments(self, name: str, certs_address: str) -> list[str]:
-        # The tunnel agent's identity is its node's name: the tunnel server takes
-        # the node from the certificate's one DNS name.
-        agent = name == TUNNEL_AGENT
+        identity, sans = process_identity(name)
         return [
             "--certs-address",
             certs_address,
@@ -156,9 +166,9 @@ class Bootstrap:
             "--certs-ca-file",
             str(self.state_dir / "ca.pem"),
             "--cert-identity",
-            EDGE_NODE if agent else spiffe_id(name),
+            identity,
             "--cert-sans",
-            "" if agent else ",".join(process_sans(name)),
+            ",".join(sans),
         ]
 
 

@@ -17,13 +17,13 @@ from waygate.certs.auth import StaticTokenAuthenticator
 from waygate.certs.policy import Policy
 from waygate.core.errors import PermissionDenied
 from waygate.core.rotation import build_csr, generate_key
-from waygate.supervisor import TRUST_DOMAIN, USER, Bootstrap, process_sans, spiffe_id
+from waygate.supervisor import TRUST_DOMAIN, USER, Bootstrap, process_identity, spiffe_id
 
 NAMES = ("resolver", "tunnel-server", "proxy", "tunnel-agent", USER)
 
 
-def csr_for(name: str, sans: tuple[str, ...]) -> x509.CertificateSigningRequest:
-    return x509.load_der_x509_csr(build_csr(generate_key(), spiffe_id(name), sans))
+def csr_for(identity: str, sans: tuple[str, ...]) -> x509.CertificateSigningRequest:
+    return x509.load_der_x509_csr(build_csr(generate_key(), identity, sans))
 
 
 async def test_each_token_gets_its_own_process_names_and_no_others(tmp_path) -> None:
@@ -40,11 +40,11 @@ async def test_each_token_gets_its_own_process_names_and_no_others(tmp_path) -> 
         tokens.add(token)
         caller = await authenticator.authenticate(token)
         assert caller is not None and caller.name == name
-        sans = () if name == USER else process_sans(name)
-        policy.authorize_csr(caller, spiffe_id(name), csr_for(name, sans))
-        other = "certs" if name != "resolver" else "proxy"
+        identity, sans = (spiffe_id(name), ()) if name == USER else process_identity(name)
+        policy.authorize_csr(caller, identity, csr_for(identity, sans))
+        other = spiffe_id("certs" if name != "resolver" else "proxy")
         with pytest.raises(PermissionDenied):
-            policy.authorize_csr(caller, spiffe_id(other), csr_for(other, ()))
+            policy.authorize_csr(caller, other, csr_for(other, ()))
     assert len(tokens) == len(NAMES)
 
 
