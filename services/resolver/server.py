@@ -40,7 +40,7 @@ from waygate.core.errors import (
     excerpt,
 )
 from waygate.core.grpcserver import ServiceRegistration
-from waygate.resolver import convert
+from waygate.resolver import convert, events
 from waygate.resolver.access import WriteAccess
 from waygate.resolver.filesource import FileSource
 from waygate.resolver.model import Service, TunnelServer
@@ -93,7 +93,7 @@ class _ResolveTemplates:
     per store revision), so an answer is never older than the store.
     """
 
-    def __init__(self, max_bytes: int = convert.DEFAULT_MAX_EVENT_BYTES) -> None:
+    def __init__(self, max_bytes: int = events.DEFAULT_MAX_EVENT_BYTES) -> None:
         self._templates: dict[
             tuple[str, str, str], tuple[Service, tuple[Target, ...], pb.ResolveResponse]
         ] = {}
@@ -184,8 +184,8 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
         access: WriteAccess | None = None,
         watch_max_pending: int = DEFAULT_MAX_PENDING,
         watch_heartbeat: float = 0.0,
-        watch_chunk_bytes: int = convert.DEFAULT_CHUNK_BYTES,
-        max_event_bytes: int = convert.DEFAULT_MAX_EVENT_BYTES,
+        watch_chunk_bytes: int = events.DEFAULT_CHUNK_BYTES,
+        max_event_bytes: int = events.DEFAULT_MAX_EVENT_BYTES,
     ) -> None:
         self._store = store
         self._resolver = resolver or Resolver(store)
@@ -260,13 +260,13 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
                         f"{subscription.version}"
                     ) from None
                 source, last_sync = store.last_sync()
-                events = await self._events(item, source, last_sync, with_keys)
-                if events is None:
+                outgoing = await self._events(item, source, last_sync, with_keys)
+                if outgoing is None:
                     # Too many changes for one bounded event: start this
                     # subscriber over from a (chunked) snapshot instead.
                     subscription.resync()
                     continue
-                for event in events:
+                for event in outgoing:
                     yield event
         finally:
             subscription.close()
@@ -275,7 +275,7 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
         self, item: Snapshot | Batch, source: str, last_sync: datetime | None, with_keys: bool
     ) -> tuple[pb.WatchEvent, ...] | None:
         convert_item = functools.partial(
-            convert.watch_events,
+            events.watch_events,
             item,
             source,
             last_sync,
@@ -307,8 +307,8 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
 
             future.add_done_callback(done)
         # Shielded: one watcher leaving must not cancel the others' conversion.
-        events = await asyncio.shield(future)
-        return None if events is None else convert.restamp(events, source, last_sync)
+        converted = await asyncio.shield(future)
+        return None if converted is None else events.restamp(converted, source, last_sync)
 
     async def ListRoutes(
         self, request: pb.ListRoutesRequest, context: grpc.aio.ServicerContext

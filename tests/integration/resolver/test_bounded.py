@@ -368,7 +368,7 @@ async def test_a_large_snapshot_is_converted_off_the_loop_once_for_all_watchers(
     """
     import threading
 
-    from waygate.resolver import convert
+    from waygate.resolver import events as wire
 
     store = Store()
     store.upsert_service(
@@ -377,7 +377,7 @@ async def test_a_large_snapshot_is_converted_off_the_loop_once_for_all_watchers(
     store.set_endpoints("big", "svc", endpoints(20_000), source=SOURCE)
     entered, release = threading.Event(), threading.Event()
     conversions: list[int] = []
-    real = convert.watch_events
+    real = wire.watch_events
 
     def gated(item, *args, **kwargs):  # type: ignore[no-untyped-def]
         if isinstance(item, Snapshot):
@@ -386,7 +386,7 @@ async def test_a_large_snapshot_is_converted_off_the_loop_once_for_all_watchers(
             release.wait(5)
         return real(item, *args, **kwargs)
 
-    monkeypatch.setattr(convert, "watch_events", gated)
+    monkeypatch.setattr(wire, "watch_events", gated)
     server, channel, stub = await serve(store)
     try:
         calls = [stub.Watch(pb.WatchRequest()) for _ in range(3)]
@@ -420,7 +420,7 @@ async def test_a_large_changes_batch_to_a_connected_watcher_is_converted_off_the
     fails instead of hanging)."""
     import threading
 
-    from waygate.resolver import convert
+    from waygate.resolver import events as wire
     from waygate.resolver.store import Batch
 
     store = Store()
@@ -429,7 +429,7 @@ async def test_a_large_changes_batch_to_a_connected_watcher_is_converted_off_the
     )
     store.set_endpoints("big", "svc", endpoints(1), source=SOURCE)
     entered, release = threading.Event(), threading.Event()
-    real = convert.watch_events
+    real = wire.watch_events
 
     def gated(item, *args, **kwargs):  # type: ignore[no-untyped-def]
         if isinstance(item, Batch) and len(item.changes) > 1000:
@@ -437,7 +437,7 @@ async def test_a_large_changes_batch_to_a_connected_watcher_is_converted_off_the
             release.wait(5)
         return real(item, *args, **kwargs)
 
-    monkeypatch.setattr(convert, "watch_events", gated)
+    monkeypatch.setattr(wire, "watch_events", gated)
     server, channel, stub = await serve(store)
     try:
         call = stub.Watch(pb.WatchRequest())
@@ -465,20 +465,20 @@ async def test_a_batch_that_cannot_fit_one_event_is_never_converted(
 ) -> None:
     """More changes than the event bound could hold even at their smallest: the
     subscriber is resynced without converting the batch first (it would be thrown away)."""
-    from waygate.resolver import convert
+    from waygate.resolver import events as wire
     from waygate.resolver.store import Batch
 
     store = Store()
     store.set_endpoints("big", "svc", endpoints(10), source=SOURCE)
     converted: list[int] = []
-    real = convert.watch_events
+    real = wire.watch_events
 
     def counting(item, *args, **kwargs):  # type: ignore[no-untyped-def]
         if isinstance(item, Batch):
             converted.append(len(item.changes))
         return real(item, *args, **kwargs)
 
-    monkeypatch.setattr(convert, "watch_events", counting)
+    monkeypatch.setattr(wire, "watch_events", counting)
     server, channel, stub = await serve(store, watch_chunk_bytes=8192, max_event_bytes=16384)
     try:
         call = stub.Watch(pb.WatchRequest())

@@ -1,4 +1,4 @@
-"""Watch events of bounded size (convert.watch_events) and replica epochs (Store)."""
+"""Watch events of bounded size (waygate.resolver.events) and replica epochs (Store)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 import pytest
 
 from waygate.core.errors import ResourceExhausted
-from waygate.resolver import convert
+from waygate.resolver import events as wire
 from waygate.resolver.model import (
     Endpoint,
     EndpointPort,
@@ -54,7 +54,7 @@ def filled_store(endpoints: int = 3000) -> Store:
 def test_chunks_are_bounded_ordered_and_complete(chunk_bytes: int) -> None:
     store = filled_store()
     snapshot = store.snapshot()
-    events = convert.watch_events(
+    events = wire.watch_events(
         snapshot, "file:x", None, store.epoch, with_keys=True, chunk_bytes=chunk_bytes
     )
     assert events is not None
@@ -64,7 +64,7 @@ def test_chunks_are_bounded_ordered_and_complete(chunk_bytes: int) -> None:
     # The source and its sync time travel on the last chunk, which the view is
     # published with.
     assert events[-1].source == "file:x"
-    whole = convert.snapshot_to_proto(snapshot)
+    whole = wire.snapshot_to_proto(snapshot)
     assert [a for e in events for a in e.snapshot.endpoints] == list(whole.endpoints)
     assert [s for e in events for s in e.snapshot.services] == list(whole.services)
     assert [r.tls.key for e in events for r in e.snapshot.routes] == ["SECRET KEY"]
@@ -74,13 +74,13 @@ def test_chunks_are_bounded_ordered_and_complete(chunk_bytes: int) -> None:
 
 def test_an_empty_view_is_one_snapshot_event() -> None:
     store = Store()
-    (event,) = convert.watch_events(store.snapshot(), "", None, store.epoch, with_keys=False)  # type: ignore[misc]
+    (event,) = wire.watch_events(store.snapshot(), "", None, store.epoch, with_keys=False)  # type: ignore[misc]
     assert event.WhichOneof("event") == "snapshot" and not event.snapshot.more
 
 
 def test_keys_are_redacted_for_non_readers_in_snapshots_and_changes() -> None:
     store = filled_store(1)
-    events = convert.watch_events(store.snapshot(), "", None, store.epoch, with_keys=False)
+    events = wire.watch_events(store.snapshot(), "", None, store.epoch, with_keys=False)
     assert events is not None
     assert [r.tls.key for e in events for r in e.snapshot.routes] == [""]
     with store.subscribe(resume_from=store.version, resume_epoch=store.epoch) as subscription:
@@ -97,7 +97,7 @@ def test_keys_are_redacted_for_non_readers_in_snapshots_and_changes() -> None:
         batch = subscription.take()
         assert isinstance(batch, Batch)
         for with_keys, key in ((False, ""), (True, "KEY2")):
-            (event,) = convert.watch_events(batch, "", None, store.epoch, with_keys=with_keys)  # type: ignore[misc]
+            (event,) = wire.watch_events(batch, "", None, store.epoch, with_keys=with_keys)  # type: ignore[misc]
             assert event.changes.changes[0].route_upserted.tls.key == key
 
 
@@ -112,10 +112,8 @@ def test_a_batch_over_the_event_limit_is_not_sent() -> None:
         )
         batch = subscription.take()
         assert isinstance(batch, Batch)
-        assert (
-            convert.watch_events(batch, "", None, 1, with_keys=True, max_event_bytes=1000) is None
-        )
-        assert convert.watch_events(batch, "", None, 1, with_keys=True) is not None
+        assert wire.watch_events(batch, "", None, 1, with_keys=True, max_event_bytes=1000) is None
+        assert wire.watch_events(batch, "", None, 1, with_keys=True) is not None
         subscription.resync()
         assert isinstance(subscription.take(), Snapshot)
 
@@ -127,7 +125,7 @@ def test_one_object_over_the_event_limit_is_resource_exhausted() -> None:
         source=SOURCE,
     )
     with pytest.raises(ResourceExhausted, match="limit of one Watch event"):
-        convert.watch_events(
+        wire.watch_events(
             store.snapshot(), "", None, 1, with_keys=True, chunk_bytes=512, max_event_bytes=2000
         )
 
@@ -154,10 +152,10 @@ def test_a_view_is_converted_once_whatever_the_sync_time() -> None:
     snapshot = store.snapshot()
     first_sync = datetime(2026, 1, 1, tzinfo=UTC)
     later_sync = datetime(2026, 1, 1, 0, 0, 5, tzinfo=UTC)
-    first = convert.watch_events(
+    first = wire.watch_events(
         snapshot, "file:x", first_sync, store.epoch, with_keys=True, chunk_bytes=512
     )
-    later = convert.watch_events(
+    later = wire.watch_events(
         snapshot, "file:x", later_sync, store.epoch, with_keys=True, chunk_bytes=512
     )
     assert first is not None and later is not None and len(first) == len(later) > 1
@@ -166,15 +164,15 @@ def test_a_view_is_converted_once_whatever_the_sync_time() -> None:
     assert later[-1].last_sync.ToDatetime(tzinfo=UTC) == later_sync
     assert first[-1].snapshot == later[-1].snapshot
     # Subscribers with the same sync time share the stamped copy as well.
-    again = convert.watch_events(
+    again = wire.watch_events(
         snapshot, "file:x", later_sync, store.epoch, with_keys=True, chunk_bytes=512
     )
     assert again is not None and again[-1] is later[-1]
     # A store batch likewise: one conversion, each sync time stamped.
     store.upsert_service(Service("shop", "extra"), source=SOURCE)
     (batch,) = store.changes_since(store.version - 1) or []
-    (one,) = convert.watch_events(batch, "file:x", first_sync, store.epoch, with_keys=True) or ()
-    (two,) = convert.watch_events(batch, "file:x", later_sync, store.epoch, with_keys=True) or ()
+    (one,) = wire.watch_events(batch, "file:x", first_sync, store.epoch, with_keys=True) or ()
+    (two,) = wire.watch_events(batch, "file:x", later_sync, store.epoch, with_keys=True) or ()
     assert one.changes == two.changes and one.last_sync != two.last_sync
 
 
@@ -182,20 +180,37 @@ def test_only_the_stores_shared_batches_take_cache_slots() -> None:
     """Per-subscriber (coalesced) batches and heartbeats evicted the batches every
     subscriber shares, and an oversized event was held although never sent."""
     store = filled_store()
-    convert._shared_changes.cache_clear()
+    wire._shared_changes.cache_clear()
     mine = Batch(1, 2, (), coalesced=True)
     heartbeat = Batch(store.version, store.version, ())
-    assert convert.watch_events(heartbeat, "s", None, 1, with_keys=True) is not None
+    assert wire.watch_events(heartbeat, "s", None, 1, with_keys=True) is not None
     store.upsert_service(Service("shop", "extra"), source=SOURCE)
     (shared,) = store.changes_since(store.version - 1) or []
     own = Batch(shared.from_version, shared.version, shared.changes, coalesced=True)
-    assert convert.watch_events(own, "s", None, 1, with_keys=True) is not None
-    assert convert.watch_events(mine, "s", None, 1, with_keys=True) is not None
-    assert convert._shared_changes.cache_info().currsize == 0
-    assert convert.watch_events(shared, "s", None, 1, with_keys=True) is not None
-    assert convert._shared_changes.cache_info().currsize == 1
+    assert wire.watch_events(own, "s", None, 1, with_keys=True) is not None
+    assert wire.watch_events(mine, "s", None, 1, with_keys=True) is not None
+    assert wire._shared_changes.cache_info().currsize == 0
+    assert wire.watch_events(shared, "s", None, 1, with_keys=True) is not None
+    assert wire._shared_changes.cache_info().currsize == 1
     # Oversized: refused, and what stays cached holds no event.
     store.upsert_service(Service("shop", "more"), source=SOURCE)
     (big,) = store.changes_since(store.version - 1) or []
-    assert convert.watch_events(big, "s", None, 1, with_keys=True, max_event_bytes=10) is None
-    assert convert._shared_changes(big, 1, True, 10) is None
+    assert wire.watch_events(big, "s", None, 1, with_keys=True, max_event_bytes=10) is None
+    assert wire._shared_changes(big, 1, True, 10) is None
+
+
+def test_the_client_imports_neither_the_store_nor_the_event_builders() -> None:
+    """Consumers import waygate.resolver.client; the server's store and Watch event
+    building are no part of what they load."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, waygate.resolver.client; "
+        "print(sorted(m for m in sys.modules if m.startswith('waygate.resolver')))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    assert "waygate.resolver.store" not in loaded and "waygate.resolver.events" not in loaded
+    assert "waygate.resolver.convert" in loaded
