@@ -8,10 +8,8 @@ its URI SANs (SPIFFE IDs) and DNS SANs. Route private keys (tls.key) go out
 over Watch only to route readers (the proxy): everyone else, and every client
 of a listener without client certificates, gets them redacted.
 
-An allowed identity is written as
-- a SPIFFE ID, `spiffe://DOMAIN/ns/NS/sa/SA`, matched exactly, or with one
-  trailing `*` matching any rest (`spiffe://waygate.local/ns/local/sa/tunnel-*`);
-- a DNS name, matched exactly and case-insensitively (no wildcards).
+An allowed identity is a pattern of `waygate.core.identity` (a SPIFFE ID,
+exact or with one trailing `*`, or a DNS name).
 
 Invariants:
 - On a listener that asks for client certificates (mTLS), a write is allowed
@@ -26,50 +24,10 @@ Invariants:
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from waygate.core.errors import PermissionDenied, excerpt
-
-_SPIFFE = re.compile(r"spiffe://[a-z0-9._-]+(/[A-Za-z0-9._~%!$&'()+,;=:@-]+)*/?")
-_DNS_LABEL = re.compile(r"(?!-)[a-z0-9-]{1,63}(?<!-)")
-
-
-def pattern_problem(pattern: str) -> str | None:
-    """Why `pattern` is not a valid allowed identity, or None when it is."""
-    if pattern.startswith("spiffe://"):
-        body = pattern[:-1] if pattern.endswith("*") else pattern
-        if "*" in body:
-            return f"{pattern!r}: '*' is allowed only at the end"
-        if not _SPIFFE.fullmatch(body) and not (pattern.endswith("*") and body == "spiffe://"):
-            return f"{pattern!r} is not a SPIFFE ID (spiffe://DOMAIN/ns/NS/sa/SA)"
-        return None
-    if "://" in pattern or ":" in pattern:
-        return f"{pattern!r}: only spiffe:// URIs or DNS names are identities"
-    name = pattern.lower().rstrip(".")
-    if not name or len(name) > 253 or not all(_DNS_LABEL.fullmatch(p) for p in name.split(".")):
-        return f"{pattern!r} is neither a SPIFFE ID (spiffe://...) nor a DNS name"
-    return None
-
-
-def patterns_problem(patterns: Iterable[str]) -> str | None:
-    """Settings check for a list of allowed identities."""
-    for pattern in patterns:
-        problem = pattern_problem(pattern)
-        if problem:
-            return problem
-    return None
-
-
-def matches(pattern: str, identity: str) -> bool:
-    if pattern.startswith("spiffe://"):
-        if pattern.endswith("*"):
-            return identity.startswith(pattern[:-1])
-        return identity == pattern
-    if identity.startswith("spiffe://"):
-        return False
-    return identity.lower().rstrip(".") == pattern.lower().rstrip(".")
+from waygate.core.identity import matches
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING
 from waygate.core.files import write_file_atomically
 from waygate.core.grpcclient import CLIENT_RECEIVE_BYTES
 from waygate.core.grpcserver import GrpcServer
+from waygate.core.identity import patterns_problem
 from waygate.core.runtime import ServiceProcess
 from waygate.core.settings import GrpcServerSettings, parse_duration, port_number, positive, setting
 from waygate.resolver import metrics
-from waygate.resolver.access import WriteAccess, patterns_problem
+from waygate.resolver.access import WriteAccess
 from waygate.resolver.events import DEFAULT_CHUNK_BYTES
 from waygate.resolver.filesource import EXAMPLE_ROUTES, FILE_MODE, FileSource
 from waygate.resolver.server import ResolverServicer

@@ -37,7 +37,7 @@ from google.protobuf import duration_pb2
 from opentelemetry import trace
 
 from waygate.core import errors, tracing
-from waygate.resolver.access import matches
+from waygate.core.identity import matches
 from waygate.tunnel import mux
 from waygate.tunnel.mux import MAX_CHUNK, ConnectionClosed, Credit, Refused
 from waygate.tunnel.v1 import tunnel_pb2 as pb

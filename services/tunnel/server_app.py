@@ -20,9 +20,9 @@ import socket
 from typing import TYPE_CHECKING
 
 from waygate.core.grpcserver import GrpcServer, ServiceRegistration
+from waygate.core.identity import patterns_problem
 from waygate.core.runtime import ServiceProcess
 from waygate.core.settings import GrpcServerSettings, parse_duration, port_number, positive, setting
-from waygate.resolver.access import patterns_problem
 from waygate.tunnel import mux
 from waygate.tunnel.front import FrontSettings, start_front
 from waygate.tunnel.server import AgentTunnelServicer, Hub, TunnelServicer

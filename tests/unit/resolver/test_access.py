@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from waygate.core.errors import PermissionDenied
+from waygate.core.identity import matches, pattern_problem
 from waygate.core.settings import SettingsError, load_settings
-from waygate.resolver.access import WriteAccess, matches, pattern_problem
+from waygate.resolver.access import WriteAccess
 from waygate.resolver.app import Settings
 
 SA = "spiffe://waygate.local/ns/local/sa/"
