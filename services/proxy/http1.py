@@ -115,7 +115,15 @@ _NO_CALLBACKS: Final = object()  # httptools calls no Python code for it
 
 
 def _is_identity_header(lname: bytes) -> bool:
-    """Client-sent identity headers: stripped on every route (front-proxy rule)."""
+    """Client-sent identity headers: stripped on every route (front-proxy rule).
+
+    Compared with '_' read as '-': WSGI/CGI backends map X_Remote_User and
+    X-Remote_User to the same HTTP_X_REMOTE_USER as X-Remote-User.
+    """
+    if b"_" in lname:
+        lname = lname.replace(b"_", b"-")
+        if lname == b"x-remote-user" or lname == b"x-remote-group":
+            return True
     return lname.startswith(b"x-ssl-") or lname.startswith(b"x-remote-extra-")
 
 
@@ -202,7 +210,7 @@ class RequestHead:
         lname = name.lower()
         kind = _REQUEST_CLASSES.get(lname)
         if kind is None:
-            if lname[:2] == b"x-" and _is_identity_header(lname):
+            if (lname[:2] == b"x-" or lname[:2] == b"x_") and _is_identity_header(lname):
                 return
             self.headers.append(name + b": " + value + b"\r\n")
         elif kind == SPECIAL:

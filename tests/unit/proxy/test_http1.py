@@ -160,3 +160,16 @@ def test_response_hop_by_hop_lines_dropped_others_kept_verbatim() -> None:
         b"HTTP/1.1 200 OK\r\nServer: x\r\nX-Te: 1\r\nSet-Cookie: a=b;  Path=/\r\n"
         b"Content-Length: 2\r\n\r\n"
     )
+
+
+@pytest.mark.parametrize(
+    "name",
+    [b"X_Remote_User", b"X-Remote_User", b"x_remote_group", b"X_SSL_Client_CN", b"X_Remote_Extra_A"],
+)
+def test_identity_header_lookalikes_with_underscores_are_dropped(name: bytes) -> None:
+    # WSGI/CGI backends map '_' and '-' alike (HTTP_X_REMOTE_USER): a lookalike
+    # would pass as the identity the proxy strips.
+    req = parse(b"GET / HTTP/1.1\r\nHost: a\r\n" + name + b": admin\r\nX_Other: k\r\n\r\n")
+    names = [line.split(b":", 1)[0] for line in req.headers]
+    assert names == [b"Host", b"X_Other"]
+
