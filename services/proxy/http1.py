@@ -323,9 +323,16 @@ def _check_request(request: RequestHead) -> None:
             pass
         else:
             request.upgrade = b""
-        named = [t for t in tokens if t not in (b"close", b"keep-alive", b"upgrade", b"")]
+        named = (
+            None
+            if tokens == [b"keep-alive"]  # the common case: nothing named
+            else [t for t in tokens if t not in (b"close", b"keep-alive", b"upgrade", b"")]
+        )
         if named:
-            # Headers named in Connection are hop-by-hop too (RFC 9110 section 7.6.1).
+            # Headers named in Connection are hop-by-hop too (RFC 9110 section 7.6.1);
+            # Host is not: dropping it would send upstream a request without one.
+            if b"host" in named:
+                raise BadMessage("Connection names Host, which is not hop-by-hop (RFC 9110 7.6.1)")
             drop = set(named)
             request.headers = [
                 line for line in request.headers if line.split(b":", 1)[0].lower() not in drop

@@ -173,3 +173,11 @@ def test_identity_header_lookalikes_with_underscores_are_dropped(name: bytes) ->
     names = [line.split(b":", 1)[0] for line in req.headers]
     assert names == [b"Host", b"X_Other"]
 
+
+def test_connection_naming_host_is_refused() -> None:
+    with pytest.raises(BadMessage) as caught:
+        parse(b"GET / HTTP/1.1\r\nHost: a\r\nConnection: keep-alive, Host\r\n\r\n")
+    assert "host" in caught.value.reason.lower()
+    kept = parse(b"GET / HTTP/1.1\r\nHost: a\r\nConnection: keep-alive\r\nX-A: 1\r\n\r\n")
+    assert [line.split(b":", 1)[0] for line in kept.headers] == [b"Host", b"X-A"]
+
