@@ -181,3 +181,12 @@ def test_connection_naming_host_is_refused() -> None:
     kept = parse(b"GET / HTTP/1.1\r\nHost: a\r\nConnection: keep-alive\r\nX-A: 1\r\n\r\n")
     assert [line.split(b":", 1)[0] for line in kept.headers] == [b"Host", b"X-A"]
 
+
+def test_response_headers_named_in_connection_are_dropped() -> None:
+    response = http1.parse_response_head(
+        b"HTTP/1.1 200 OK\r\nServer: x\r\nConnection: keep-alive, X-Internal, Set-Cookie2\r\n"
+        b"X-Internal: secret\r\nset-cookie2: a\r\nX-Kept: 1\r\nContent-Length: 0\r\n\r\n"
+    )
+    assert response.keep_alive
+    head = http1.build_client_head(response, http1.FRAMING_LENGTH, 0, True)
+    assert head == b"HTTP/1.1 200 OK\r\nServer: x\r\nX-Kept: 1\r\nContent-Length: 0\r\n\r\n"
