@@ -49,13 +49,17 @@ FORWARDED_MODES: Final = ("append", "replace", "if-none", "never")
 _TCHAR = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]"
 # A header field: token, colon, value of visible ASCII, obs-text, SP and HTAB
 # only. No CR or LF inside (so no bare LF and no obs-fold), no other control
-# characters, no whitespace between name and colon.
-_FIELD = _TCHAR + rb"+:[\t\x20-\x7e\x80-\xff]*\r\n"
+# characters, no whitespace between name and colon. Possessive repeats (`++`,
+# `*+`): each repeated class excludes what follows it (a token has no colon, a
+# value no CR, a field starts with a token and the head's end with CR), so
+# backtracking could never find another match; not recording the backtrack
+# points makes the gate about a quarter cheaper.
+_FIELD = _TCHAR + rb"++:[\t\x20-\x7e\x80-\xff]*+\r\n"
 _REQUEST_HEAD = re.compile(
-    _TCHAR + rb"+ [\x21-\x7e]+ HTTP/1\.[01]\r\n(?:" + _FIELD + rb")*\r\n", re.DOTALL
+    _TCHAR + rb"++ [\x21-\x7e]++ HTTP/1\.[01]\r\n(?:" + _FIELD + rb")*+\r\n", re.DOTALL
 )
 _RESPONSE_HEAD = re.compile(
-    rb"HTTP/1\.[01] [1-9][0-9][0-9] [\t\x20-\x7e\x80-\xff]*\r\n(?:" + _FIELD + rb")*\r\n",
+    rb"HTTP/1\.[01] [1-9][0-9][0-9] [\t\x20-\x7e\x80-\xff]*+\r\n(?:" + _FIELD + rb")*+\r\n",
     re.DOTALL,
 )
 _HOST = re.compile(rb"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-_~!$&'()*+,;=%]+)(?::[0-9]{1,5})?")
@@ -591,7 +595,20 @@ def parse_response_head(head: bytes, http10_upstream_ok: bool = True) -> Respons
         response.chunked = True
     if b"close" in response._connection or head[5:8] == b"1.0":
         response.keep_alive = b"keep-alive" in response._connection and head[5:8] != b"1.0"
+    if response._connection and response._connection != [b"keep-alive"]:
+        named = {
+            t for t in response._connection if t not in (b"close", b"keep-alive", b"upgrade", b"")
+        }
+        if named:
+            _drop_named_response_headers(response, named)
     return response
+
+
+def _drop_named_response_headers(response: ResponseHead, named: set[bytes]) -> None:
+    """Headers the upstream's Connection names are hop-by-hop (RFC 9110 section 7.6.1)."""
+    lines = b"".join(response.headers).split(b"\r\n")
+    kept = [line for line in lines[:-1] if line.split(b":", 1)[0].lower() not in named]
+    response.headers = [b"".join(line + b"\r\n" for line in kept)]
 
 
 def build_client_head(
