@@ -81,7 +81,8 @@ class Settings(GrpcServerSettings):
     watch_heartbeat: float = setting(
         30.0,
         help="on a quiet Watch stream, send an empty Changes this often, carrying the "
-        "current last-sync time (0: never)",
+        "current last-sync time (0: never). Keep it at most about 30s: waygate's own "
+        "clients take a stream silent for 75s as lost and reconnect",
         parse=parse_duration,
         check=lambda v: None if v >= 0 else f"must be 0 or more, not {v}",
     )
