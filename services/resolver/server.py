@@ -249,6 +249,7 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
             while True:
                 # After a quiet `heartbeat`, an empty Changes tells the consumer the
                 # view is still current as of the sources' last sync.
+                item: Snapshot | Batch
                 try:
                     if first is not None:
                         item, first = first, None
