@@ -26,7 +26,10 @@
   session, so the listener (like every context `waygate.core.tls` builds)
   sets OP_NO_TICKET: TLS 1.2 resumes by session id
   and TLS 1.3 gets OpenSSL's stateful tickets, both from the listener's
-  in-memory session cache (OpenSSL's default expiry of 300 s).
+  in-memory session cache (OpenSSL's default expiry of 300 s; tested for both
+  versions). That cache is shared by every SNI context, so a resumed session
+  may have been verified for another host: `client_identity` re-verifies its
+  client certificate against the route's CA.
 - `edge_rule`: what a TLS route answers on the plain HTTP port (its insecure
   edge policy: Allow, Redirect with 302, or None) and the HSTS header line
   it adds on HTTPS.
@@ -48,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from prometheus_client import Counter, Gauge
 
 from waygate.core.rotation import CertificateRotator
@@ -101,7 +105,7 @@ def dns_names(certificate: x509.Certificate) -> list[str]:
 class ServedCertificate:
     """One route certificate's context and the facts about it."""
 
-    __slots__ = ("context", "leaf", "not_after", "not_before")
+    __slots__ = ("client_cas", "context", "leaf", "not_after", "not_before")
 
     def __init__(self, chain_pem: bytes, key_pem: bytes, client_ca_pem: bytes | None) -> None:
         try:
@@ -111,6 +115,10 @@ class ServedCertificate:
         self.not_before = self.leaf.not_valid_before_utc
         self.not_after = self.leaf.not_valid_after_utc
         try:
+            # Kept to re-verify a resumed session's client certificate (client_identity).
+            self.client_cas = (
+                x509.load_pem_x509_certificates(client_ca_pem) if client_ca_pem else []
+            )
             self.context = server_context(
                 chain_pem=chain_pem,
                 key_pem=key_pem,
@@ -231,7 +239,7 @@ class EdgeCertificates:
         self._routes: tuple[Route, ...] = ()
         self._served_labels: set[tuple[str, str]] = set()
         # Route key -> the context that verifies its clients (client-CA routes only).
-        self._client_auth: dict[tuple[str, str], ssl.SSLContext] = {}
+        self._client_auth: dict[tuple[str, str], ServedCertificate] = {}
         assert default.context is not None
         # The listener's own context never serves a handshake past the SNI
         # callback, but it must be a complete, valid server context.
@@ -283,7 +291,7 @@ class EdgeCertificates:
         wildcard: dict[str, ServedCertificate] = {}
         cache: dict[bytes, ServedCertificate] = {}
         labels: set[tuple[str, str]] = set()
-        client_auth: dict[tuple[str, str], ssl.SSLContext] = {}
+        client_auth: dict[tuple[str, str], ServedCertificate] = {}
         now = self._now()
         for route in routes:
             tls = route.tls
@@ -312,7 +320,7 @@ class EdgeCertificates:
                 continue
             cache[key] = served
             if tls.client_ca_certificate:
-                client_auth[(route.namespace, route.name)] = served.context
+                client_auth[(route.namespace, route.name)] = served
             if host.startswith("*."):
                 wildcard.setdefault(host[2:], served)
             else:
@@ -372,10 +380,10 @@ class EdgeCertificates:
         """For a route with a client CA: the identity header lines from the verified
         client certificate, or (401|403, reason) to answer instead."""
         label = f"{route.namespace}/{route.name}"
-        expected = self._client_auth.get((route.namespace, route.name))
-        if expected is None:
+        served = self._client_auth.get((route.namespace, route.name))
+        if served is None:
             return 403, f"route {label} requires a client certificate and has no usable one"
-        if ssl_object is None or ssl_object.context is not expected:
+        if ssl_object is None or ssl_object.context is not served.context:
             # Verified (if at all) by another host's CA: this route's CA never saw it.
             return 403, (
                 f"route {label} requires a client certificate: connect with TLS server "
@@ -384,7 +392,30 @@ class EdgeCertificates:
         der = ssl_object.getpeercert(binary_form=True)
         if not der:
             return 401, f"route {label} requires a client certificate from its CA"
-        return identity_headers(x509.load_der_x509_certificate(der), self.extra_fields)
+        leaf = x509.load_der_x509_certificate(der)
+        if ssl_object.session_reused and not _issued_by(leaf, served.client_cas):
+            # Every context shares the listener's session cache (and CPython's one
+            # session id context), so a session verified for another host's CA can
+            # be resumed under this host's name: its certificate was never checked
+            # against this route's CA. Re-verify it (directly issued, in validity).
+            return 403, (
+                f"route {label} requires a client certificate from its CA: the resumed "
+                "TLS session's certificate is not; connect without resuming"
+            )
+        return identity_headers(leaf, self.extra_fields)
+
+
+def _issued_by(leaf: x509.Certificate, cas: list[x509.Certificate]) -> bool:
+    now = datetime.now(UTC)
+    if not leaf.not_valid_before_utc <= now <= leaf.not_valid_after_utc:
+        return False
+    for ca in cas:
+        try:
+            leaf.verify_directly_issued_by(ca)
+        except (ValueError, TypeError, InvalidSignature):
+            continue
+        return True
+    return False
 
 
 # Certificate fields an auth-proxy route can pass on as X-Remote-Extra-<Header>.
