@@ -19,7 +19,9 @@ from tests.integration.proxy.test_tls_edge import https_proxy
 from tests.support.pki import LocalCA
 
 
-def _client(ca: LocalCA, tmp_path: Path, client: LocalCA, version: ssl.TLSVersion) -> ssl.SSLContext:
+def _client(
+    ca: LocalCA, tmp_path: Path, client: LocalCA, version: ssl.TLSVersion
+) -> ssl.SSLContext:
     context = ssl.create_default_context(cadata=ca.pem.decode())
     context.check_hostname = False
     context.maximum_version = version
@@ -33,13 +35,15 @@ def _client(ca: LocalCA, tmp_path: Path, client: LocalCA, version: ssl.TLSVersio
 def _get(
     port: int, context: ssl.SSLContext, server_name: str, host: str, session: ssl.SSLSession | None
 ) -> tuple[bytes, ssl.SSLSession | None, bool]:
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
-        with context.wrap_socket(raw, server_hostname=server_name, session=session) as tls:
-            tls.sendall(f"GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
-            data = b""
-            while chunk := tls.recv(65536):
-                data += chunk
-            return data, tls.session, tls.session_reused
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=5) as raw,
+        context.wrap_socket(raw, server_hostname=server_name, session=session) as tls,
+    ):
+        tls.sendall(f"GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        data = b""
+        while chunk := tls.recv(65536):
+            data += chunk
+        return data, tls.session, tls.session_reused
 
 
 @pytest.fixture
