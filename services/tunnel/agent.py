@@ -99,8 +99,14 @@ class AgentConnection(asyncio.Protocol):
         self._send_what_credit_allows(data)
 
     def _send_what_credit_allows(self, data: bytes) -> None:
-        view = memoryview(data)
         credit = self.credit
+        if credit <= 0:
+            # Nothing can go: hold the chunk as it is (no copy) until credit comes.
+            self.pending = data
+            assert self.transport is not None
+            self.transport.pause_reading()
+            return
+        view = memoryview(data)
         send, connect_id = self.stream.send, self.connect_id
         while view and credit > 0:
             chunk = bytes(view[: min(MAX_CHUNK, credit)])

@@ -106,21 +106,24 @@ def reason_name(reason: int) -> str:
 
 
 def window_update(connect_id: int, increment: int) -> pb.Packet:
+    # Sub-messages are given as mappings: under upb, a nested message passed as a
+    # constructor argument is copied (for DATA, the whole chunk: ~500 us per 256 KiB
+    # against ~8 us for the mapping form).
     return pb.Packet(
         type=pb.WINDOW_UPDATE,
-        window_update=pb.WindowUpdate(connect_id=connect_id, increment=increment),
+        window_update={"connect_id": connect_id, "increment": increment},
     )
 
 
 def close_request(connect_id: int, reason: str = "") -> pb.Packet:
     return pb.Packet(
-        type=pb.CLOSE_REQ, close_request=pb.CloseRequest(connect_id=connect_id, reason=reason)
+        type=pb.CLOSE_REQ, close_request={"connect_id": connect_id, "reason": reason}
     )
 
 
 def data_packet(connect_id: int, data: bytes) -> pb.Packet:
-    return pb.Packet(type=pb.DATA, data=pb.Data(connect_id=connect_id, data=data))
+    return pb.Packet(type=pb.DATA, data={"connect_id": connect_id, "data": data})
 
 
 def eof_packet(connect_id: int) -> pb.Packet:
-    return pb.Packet(type=pb.DATA, data=pb.Data(connect_id=connect_id, eof=True))
+    return pb.Packet(type=pb.DATA, data={"connect_id": connect_id, "eof": True})
