@@ -105,7 +105,7 @@ def dns_names(certificate: x509.Certificate) -> list[str]:
 class ServedCertificate:
     """One route certificate's context and the facts about it."""
 
-    __slots__ = ("client_cas", "context", "leaf", "not_after", "not_before")
+    __slots__ = ("client_cas", "context", "leaf", "not_after", "not_before", "trusts")
 
     def __init__(self, chain_pem: bytes, key_pem: bytes, client_ca_pem: bytes | None) -> None:
         try:
@@ -119,6 +119,8 @@ class ServedCertificate:
             self.client_cas = (
                 x509.load_pem_x509_certificates(client_ca_pem) if client_ca_pem else []
             )
+            # Other routes' client CAs this context verifies with (no identity from them).
+            self.trusts: frozenset[bytes] = frozenset()
             self.context = server_context(
                 chain_pem=chain_pem,
                 key_pem=key_pem,
@@ -240,6 +242,8 @@ class EdgeCertificates:
         self._served_labels: set[tuple[str, str]] = set()
         # Route key -> the context that verifies its clients (client-CA routes only).
         self._client_auth: dict[tuple[str, str], ServedCertificate] = {}
+        # Every route's client CA (PEM): loaded into every other context (see update).
+        self._client_cas: frozenset[bytes] = frozenset()
         assert default.context is not None
         # The listener's own context never serves a handshake past the SNI
         # callback, but it must be a complete, valid server context.
@@ -256,7 +260,21 @@ class EdgeCertificates:
         return context
 
     def _default_changed(self) -> None:
-        """Nothing to swap: the SNI callback reads `default.context` on every handshake."""
+        """Nothing to swap (the SNI callback reads `default.context` on every
+        handshake), but a new default context must verify the routes' client CAs."""
+        self._trust_client_cas(self.default.context, frozenset(), self._client_cas)
+
+    @staticmethod
+    def _trust_client_cas(
+        context: ssl.SSLContext | None, trusted: frozenset[bytes], cas: frozenset[bytes]
+    ) -> frozenset[bytes]:
+        """Add the client CAs this context does not verify with yet (a store only grows:
+        a CA that went stays until the context is rebuilt, which is harmless, as a
+        certificate verified by a context without its own client CA gives no identity)."""
+        new = cas - trusted
+        if context is not None and new:
+            context.load_verify_locations(cadata=b"".join(sorted(new)).decode())
+        return trusted | new
 
     # ------------------------------------------------------------ per handshake
 
@@ -345,6 +363,24 @@ class EdgeCertificates:
         # One assignment each: a handshake sees the old maps or the new ones.
         self._exact, self._wildcard, self._cache = exact, wildcard, cache
         self._client_auth = client_auth
+        # The listener asks every client for a certificate while a client-CA route
+        # exists, and a connection switched to another route's (or the default)
+        # context verifies one against that context's store: empty, so a browser
+        # that has a certificate from a route's CA could reach no other host. Every
+        # context without a client CA of its own therefore verifies with all of the
+        # routes' client CAs (no identity ever comes from it: `client_identity`
+        # requires the route's own context). A certificate from a CA no route names
+        # still fails the handshake.
+        cas = frozenset(
+            route.tls.client_ca_certificate.encode()
+            for route in routes
+            if route.tls is not None and route.tls.client_ca_certificate
+        )
+        self._client_cas = cas
+        for served in cache.values():
+            if not served.client_cas:
+                served.trusts = self._trust_client_cas(served.context, served.trusts, cas)
+        self._trust_client_cas(self.default.context, frozenset(), cas)
         # OpenSSL keeps the verify mode the connection started with when the SNI
         # callback switches contexts, so the listener asks for a client
         # certificate (optionally) whenever a route needs one; the switched-to

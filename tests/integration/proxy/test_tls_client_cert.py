@@ -92,3 +92,26 @@ async def test_client_certificate_routes(tmp_path: Path, upstream: RecordingUpst
         crossed = await get(port, ca, tmp_path, "auth.test", "other-auth.test", client_ca)
         assert crossed.startswith(b"HTTP/1.1 403 Forbidden"), crossed[:100]
     assert upstream.received.count(b"GET ") == 1
+
+
+async def test_a_client_certificate_sent_to_an_ordinary_route_is_harmless(
+    tmp_path: Path, upstream: RecordingUpstream
+) -> None:
+    # While an auth-proxy route exists every client is asked for a certificate;
+    # one from that route's CA, sent to an ordinary route or to the default
+    # certificate's names, must not fail the handshake there (nor give identity).
+    ca, client_ca = LocalCA(), LocalCA(name="Front proxy clients")
+    cert, key = ca.issue(dns=["plain.test"])
+    plain = route(
+        "plain.test",
+        [("web", 100)],
+        name="plain",
+        tls=RouteTLS(termination=TLSTermination.EDGE, certificate=cert.decode(), key=key.decode()),
+    )
+    routes = [client_ca_route(ca, client_ca, "auth.test", "auth"), plain]
+    async with https_proxy(tmp_path, routes, upstream, ca) as (_, _, port, _, _):
+        ordinary = await get(port, ca, tmp_path, "plain.test", "plain.test", client_ca)
+        assert ordinary.startswith(b"HTTP/1.1 200"), ordinary[:100]
+        assert b"X-Remote-User" not in bytes(upstream.received)
+        default = await get(port, ca, tmp_path, "nothing.test", "nothing.test", client_ca)
+        assert default.startswith(b"HTTP/1.1 503"), default[:100]
