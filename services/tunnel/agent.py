@@ -53,10 +53,12 @@ _HALF_CLOSE = pb.Packet()  # everything before it written: half-close the stream
 class AgentConnection(asyncio.Protocol):
     """One TCP connection the agent dialled, multiplexed on an `AgentStream`."""
 
-    def __init__(self, stream: AgentStream, connect_id: int, send_window: int) -> None:
+    def __init__(
+        self, stream: AgentStream, connect_id: int, send_window: int, recv_window: int
+    ) -> None:
         self.stream = stream
         self.connect_id = connect_id
-        self.window = stream.window  # what the server may send us before a grant
+        self.window = recv_window  # what the server may send us before a grant
         self.credit = send_window  # what we may still send the server
         self.unacked = 0
         self.owed = 0
@@ -352,11 +354,15 @@ class AgentStream:
                 + (os.strerror(exc.errno) if exc.errno else str(exc)).lower(),
                 reason=pb.UNREACHABLE,
             )
-        window = request.initial_window or self.window
+        send_window = request.initial_window or self.window
+        # The server caps what it sends at its own window, and we grant once owed a
+        # quarter of ours: a window larger than the server's would never be granted
+        # (the connection stalls). Use and advertise the smaller of the two.
+        recv_window = min(self.window, send_window)
         if self._closed:
             sock.close()
             return refuse(random=request.random, error="stream closed", reason=pb.DRAINING)
-        connection = AgentConnection(self, connect_id, window)
+        connection = AgentConnection(self, connect_id, send_window, recv_window)
         self.connections[connect_id] = connection
         try:
             await loop.connect_accepted_socket(lambda: connection, sock)
@@ -365,7 +371,7 @@ class AgentStream:
             sock.close()
             return refuse(random=request.random, error=str(exc), reason=pb.UNREACHABLE)
         return pb.DialResponse(
-            random=request.random, connect_id=connect_id, initial_window=self.window
+            random=request.random, connect_id=connect_id, initial_window=recv_window
         )
 
     def leave_if_drained(self) -> None:

@@ -92,13 +92,13 @@ class Tunnel:
         self.dial_port = await dialers.start()
         self.servers = [agents, dialers]
 
-    async def start_agent(self, *, wait: bool = True) -> Agent:
+    async def start_agent(self, *, wait: bool = True, window: int | None = None) -> Agent:
         agent = Agent(
             node=NODE,
             server_address=f"127.0.0.1:{self.agent_port}",
             credentials=lambda: credentials(self.agent_files),
             allow=AllowList(self.allow, own=()),
-            window=self.window,
+            window=window or self.window,
         )
         self.agents.append(agent)
         self._tasks.append(asyncio.ensure_future(agent.run()))

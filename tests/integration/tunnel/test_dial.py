@@ -47,6 +47,32 @@ async def test_bytes_both_ways_with_half_close(tunnel: Tunnel) -> None:
     assert not tunnel.agents[0].open_connections()
 
 
+async def test_an_agent_window_larger_than_the_servers_does_not_stall(tmp_path: Path) -> None:
+    # The server sends at most its own window (1 MiB); an agent that granted only
+    # once owed a quarter of its own 8 MiB would never grant: the echo hung.
+    tunnel = Tunnel(tmp_path, window=1024 * 1024)
+    await tunnel.start_server()
+    await tunnel.start_agent(window=8 * 1024 * 1024)
+    try:
+        server, port = await echo_server()
+        async with server:
+            stream = await tunnel.client().dial(NODE, port)
+            payload = os.urandom(4 * 1024 * 1024)
+            received = bytearray()
+
+            async def reader() -> None:
+                while data := await stream.read():
+                    received.extend(data)
+
+            reading = asyncio.ensure_future(reader())
+            await asyncio.wait_for(stream.write(payload), 20)
+            await stream.write_eof()
+            await asyncio.wait_for(reading, 20)
+            assert bytes(received) == payload
+    finally:
+        await tunnel.close()
+
+
 async def test_no_agent_for_node_is_refused_with_its_reason(tunnel: Tunnel) -> None:
     with pytest.raises(DialFailed) as failed:
         await tunnel.client().dial("edge-unknown", 80)
