@@ -336,6 +336,8 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     front = await _tls_setup(process, settings, server)
 
     def on_view(view: Any) -> None:
+        if server.upstream_tls is not None:
+            server.upstream_tls.keep_only(view.routes.values())
         if front is not None:
             from waygate.proxy.passthrough import passthrough_table
 

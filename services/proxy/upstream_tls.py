@@ -12,8 +12,10 @@ client certificate goes with it. The resulting connection is an ordinary
 When the handshake fails the client must learn why (seed 000: a bare 503 and
 `x509: certificate has expired or is not yet valid` in someone else's log).
 OpenSSL reports only a code, so on a verification failure a second,
-unverified handshake (bounded by the connect timeout, failures only) fetches
-the backend's certificate and the reason states the facts:
+unverified handshake (bounded by the connect timeout, failures only, and
+reused for the same backend and name for `FACTS_TTL`, 10 s, so a failing
+backend costs one probe per 10 s, not one per request) fetches the backend's
+certificate and the reason states the facts:
 
     upstream certificate expired at 2021-10-30T13:47:51Z
     upstream certificate is for a.demo.svc, not b.demo.svc
@@ -37,7 +39,8 @@ import contextlib
 import logging
 import socket
 import ssl
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from cryptography import x509
@@ -62,6 +65,10 @@ _NOT_YET_VALID = 9
 _HOSTNAME_MISMATCH = 62
 _UNKNOWN_AUTHORITY = frozenset((2, 18, 19, 20, 21))
 _FACTS_TIMEOUT = 5.0
+# How long the facts of a failed verification (the backend's certificate, from a
+# second unverified handshake) are reused for the same backend and name.
+FACTS_TTL = 10.0
+_FACTS_MAX = 4096
 
 
 def server_name(route: Route, target: Target) -> str:
@@ -127,9 +134,16 @@ def _names(leaf: x509.Certificate) -> str:
 
 
 class _ResumingContext(ssl.SSLContext):
-    """A client context that offers the last session it saw for a server name."""
+    """A client context that offers the last session it saw for a server name.
 
-    last: dict[str, ssl.SSLObject]
+    `last` holds the session itself; only a TLS 1.3 connection is held as its
+    SSLObject until its ticket (which follows the handshake) has arrived, and
+    is replaced by the session as soon as it is read (`settle`): the next
+    connection to the name or the next resolver view. Names no route uses any
+    more are dropped on each view (`UpstreamTLS.keep_only`).
+    """
+
+    last: dict[str, ssl.SSLObject | ssl.SSLSession]
 
     def wrap_bio(  # type: ignore[override]
         self,
@@ -140,11 +154,34 @@ class _ResumingContext(ssl.SSLContext):
         session: ssl.SSLSession | None = None,
     ) -> ssl.SSLObject:
         if session is None and server_hostname is not None:
-            previous = self.last.get(server_hostname)
-            if previous is not None:
-                with contextlib.suppress(ValueError, AttributeError):
-                    session = previous.session
+            session = self.settle(server_hostname)
         return super().wrap_bio(incoming, outgoing, server_side, server_hostname, session)
+
+    def settle(self, name: str) -> ssl.SSLSession | None:
+        """The session to offer `name`, held from now on instead of its connection."""
+        previous = self.last.get(name)
+        if not isinstance(previous, ssl.SSLObject):
+            return previous
+        session = None
+        with contextlib.suppress(ValueError, AttributeError):
+            session = previous.session
+        if session is not None and session.has_ticket:
+            self.last[name] = session
+        return session
+
+    def remember(self, name: str, ssl_object: ssl.SSLObject) -> None:
+        if ssl_object.version() == "TLSv1.3":
+            self.last[name] = ssl_object  # its ticket is still to come: settle() later
+            return
+        session = ssl_object.session
+        if session is not None:
+            self.last[name] = session
+
+    def keep_only(self, names: set[str]) -> None:
+        for name in [name for name in self.last if name not in names]:
+            del self.last[name]
+        for name in list(self.last):
+            self.settle(name)
 
 
 class UpstreamTLS:
@@ -165,10 +202,31 @@ class UpstreamTLS:
         self._client_pem = client_pem
         self._connect = connect  # the dialer's connect, for the facts handshake
         self._contexts: dict[tuple[str, bool], ssl.SSLContext] = {}
+        # (address, port, server name) -> (valid until, the backend's leaf): a backend
+        # that keeps failing verification is probed once per FACTS_TTL, not per request.
+        self._facts: dict[tuple[str, int, str], tuple[float, x509.Certificate | None]] = {}
 
     def invalidate(self, *_changed: Any) -> None:
         """The bundle or the proxy's certificate changed: build contexts anew."""
         self._contexts = {}
+
+    def keep_only(self, routes: Iterable[Route]) -> None:
+        """A new resolver view: forget the sessions of server names no reencrypt route
+        uses any more (and of probes), so neither map grows with route churn."""
+        names: set[str] = set()
+        for route in routes:
+            if not self.applies(route):
+                continue
+            assert route.tls is not None
+            if route.tls.destination_server_name:
+                names.add(route.tls.destination_server_name)
+            else:
+                names.update(f"{b.service}.{route.namespace}.svc" for b in route.backends)
+        for context in self._contexts.values():
+            if isinstance(context, _ResumingContext):
+                context.keep_only(names)
+        now = time.monotonic()
+        self._facts = {key: fact for key, fact in self._facts.items() if fact[0] > now}
 
     def context(self, route: Route) -> ssl.SSLContext:
         tls = route.tls
@@ -231,7 +289,7 @@ class UpstreamTLS:
             if isinstance(context, _ResumingContext) and ssl_object is not None:
                 # Its session (TLS 1.3: the ticket that follows the handshake) is
                 # offered to the next connection to this name.
-                context.last[name] = ssl_object
+                context.remember(name, ssl_object)
             return protocol
         except ConnectError:
             sock.close()
@@ -240,7 +298,7 @@ class UpstreamTLS:
             sock.close()
             leaf = None
             if isinstance(exc, ssl.SSLCertVerificationError):
-                leaf = await self._peer_certificate(target, name, timeout)
+                leaf = await self._cached_peer_certificate(target, name, timeout)
             reason, kind = explain(exc, name, leaf)
             label = f"{route.namespace}/{route.name}"
             UPSTREAM_TLS_FAILURES.labels(label, kind).inc()
@@ -258,6 +316,22 @@ class UpstreamTLS:
                 span.set_attribute("waygate.upstream_tls.error", reason)
                 span.set_attribute("waygate.upstream_tls.server_name", name)
             raise ConnectError(reason, "tls_" + kind, retryable=False) from None
+
+    async def _cached_peer_certificate(
+        self, target: Target, name: str, timeout: float
+    ) -> x509.Certificate | None:
+        key = (target.address, target.port, name)
+        now = time.monotonic()
+        fact = self._facts.get(key)
+        if fact is not None and fact[0] > now:
+            return fact[1]
+        leaf = await self._peer_certificate(target, name, timeout)
+        if len(self._facts) >= _FACTS_MAX:
+            self._facts = {k: f for k, f in self._facts.items() if f[0] > now}
+            if len(self._facts) >= _FACTS_MAX:
+                self._facts.clear()
+        self._facts[key] = (time.monotonic() + FACTS_TTL, leaf)
+        return leaf
 
     async def _peer_certificate(
         self, target: Target, name: str, timeout: float
