@@ -201,7 +201,11 @@ class AgentConnection(asyncio.Protocol):
     def on_close(self) -> None:
         self.closed_by_server = True
         if self.transport is not None:
-            self.transport.abort()
+            if self.local_eof and self.remote_eof:
+                # Both sides ended cleanly: deliver what is still buffered, then close.
+                self.transport.close()
+            else:
+                self.transport.abort()
 
 
 class AgentStream:

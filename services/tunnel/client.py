@@ -328,6 +328,9 @@ class SocketBridge(asyncio.Protocol):
     """Bridges one end of a socketpair to a TunnelStream, both ways, with bounded buffers."""
 
     HIGH_WATER = 256 * 1024
+    # After both directions ended: how long the agent may take to deliver what it still
+    # holds for the destination before the stream is cancelled.
+    LINGER = 30.0
 
     def __init__(self, stream: TunnelStream) -> None:
         self.stream = stream
@@ -338,6 +341,7 @@ class SocketBridge(asyncio.Protocol):
         self._wakeup: asyncio.Future[None] | None = None
         self._writable: asyncio.Future[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._linger: asyncio.Task[None] | None = None
         self.done = asyncio.get_running_loop().create_future()
 
     def start(self) -> None:
@@ -354,6 +358,17 @@ class SocketBridge(asyncio.Protocol):
         elif all(t.done() for t in self._tasks):
             if self.transport is not None:
                 self.transport.close()
+            # Both directions ended cleanly, but our last bytes may still be on their
+            # way to a destination that reads slowly: cancelling now would make the
+            # agent drop them. Let the server end the call; cancel only after LINGER.
+            self._linger = asyncio.ensure_future(self._close_when_finished())
+
+    async def _close_when_finished(self) -> None:
+        try:
+            await asyncio.wait_for(self.stream.wait_closed(), self.LINGER)
+        except (TimeoutError, grpc.RpcError):
+            pass
+        finally:
             self.stream.close()
             if not self.done.done():
                 self.done.set_result(None)

@@ -11,7 +11,7 @@ import pytest
 
 from tests.integration.tunnel.harness import NODE, Tunnel, echo_server
 from tests.support.poll import until
-from waygate.tunnel.client import DialFailed
+from waygate.tunnel.client import DialFailed, bridged_socket
 from waygate.tunnel.v1 import tunnel_pb2 as pb
 
 
@@ -186,3 +186,39 @@ async def test_a_dial_the_agent_does_not_answer_in_time_is_refused_with_timeout(
     assert asyncio.get_running_loop().time() - started < 10
     # The pending dial left nothing behind on the server.
     await until(lambda: not tunnel.hub.sessions[NODE]._dials, "the pending dial to go")
+
+
+async def test_bridge_delivers_an_upload_to_a_destination_that_half_closed_first(
+    tunnel: Tunnel,
+) -> None:
+    # The destination half-closes at once and reads slowly: when the bridge has seen
+    # both directions end, megabytes are still buffered on the agent's side. They
+    # must all arrive (the bridge used to cancel the stream, the agent to abort).
+    received = 0
+    finished = asyncio.get_running_loop().create_future()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal received
+        writer.write_eof()
+        try:
+            while data := await reader.read(65536):
+                received += len(data)
+                await asyncio.sleep(0.005)
+        finally:
+            writer.close()
+            finished.set_result(None)
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        stream = await tunnel.client().dial(NODE, port)
+        sock = await bridged_socket(stream)
+        reader, writer = await asyncio.open_connection(sock=sock)
+        size = 8 * 1024 * 1024
+        writer.write(os.urandom(size))
+        await asyncio.wait_for(writer.drain(), 30)
+        writer.write_eof()
+        assert await asyncio.wait_for(reader.read(), 30) == b""
+        await asyncio.wait_for(finished, 30)
+        writer.close()
+        assert received == size
