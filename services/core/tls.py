@@ -31,9 +31,12 @@ than TLS 1.2.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import ssl
+import sys
+import sysconfig
 import tempfile
 from pathlib import Path
 from typing import Any, Literal
@@ -86,18 +89,56 @@ def load_pem_chain(context: ssl.SSLContext, chain_pem: bytes, key_pem: bytes) ->
         context.load_cert_chain(path)
 
 
-def _set_groups(context: ssl.SSLContext, groups: bytes) -> bool:
-    """SSL_CTX_set1_groups_list on the context's SSL_CTX (CPython keeps the pointer
-    right after the object header). False, and OpenSSL's default groups, where that
-    is not possible."""
+def _layout_is_known() -> bool:
+    """Whether an `ssl.SSLContext` object is laid out as `_set_groups` reads it:
+    CPython's PySSLContext is the object header (refcount, type) then the SSL_CTX
+    pointer. Free-threaded builds (Py_GIL_DISABLED) have a larger header, and
+    Py_TRACE_REFS builds (debug builds: sys.gettotalrefcount) two more pointers."""
+    return (
+        sys.implementation.name == "cpython"
+        and not sysconfig.get_config_var("Py_GIL_DISABLED")
+        and not hasattr(sys, "gettotalrefcount")
+    )
+
+
+@functools.cache
+def _ssl_ctx_functions() -> tuple[Any, Any] | None:
+    """SSL_CTX_ctrl and SSL_CTX_get_options from the libssl `_ssl` uses (looked up
+    once), or None where `_set_groups` must not read the object (see above)."""
+    if not _layout_is_known():
+        return None
     try:
         libssl = ctypes.CDLL(ssl._ssl.__file__)  # type: ignore[attr-defined]
         ctrl = libssl.SSL_CTX_ctrl
-        ctrl.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_char_p)
-        ctrl.restype = ctypes.c_long
+        get_options = libssl.SSL_CTX_get_options
+    except (OSError, AttributeError):
+        return None
+    ctrl.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_char_p)
+    ctrl.restype = ctypes.c_long
+    get_options.argtypes = (ctypes.c_void_p,)
+    get_options.restype = ctypes.c_uint64
+    return ctrl, get_options
+
+
+def _set_groups(context: ssl.SSLContext, groups: bytes) -> bool:
+    """SSL_CTX_set1_groups_list on the context's SSL_CTX (CPython keeps the pointer
+    right after the object header). False, and OpenSSL's default groups (sslyze
+    would then report the groups beyond Mozilla intermediate's), where that is not
+    possible: not CPython, a free-threaded or Py_TRACE_REFS build, no such symbols,
+    or a pointer whose SSL_CTX does not report the context's own options (a layout
+    this code does not know: nothing is written through it)."""
+    if type(context) is not ssl.SSLContext and not isinstance(context, ssl.SSLContext):
+        return False
+    functions = _ssl_ctx_functions()
+    if functions is None:
+        return False
+    ctrl, get_options = functions
+    try:
         header = ctypes.sizeof(ctypes.c_ssize_t) + ctypes.sizeof(ctypes.c_void_p)
         ssl_ctx = ctypes.c_void_p.from_address(id(context) + header).value
-        return bool(ssl_ctx) and ctrl(ssl_ctx, _SSL_CTRL_SET_GROUPS_LIST, 0, groups) == 1
+        if not ssl_ctx or get_options(ssl_ctx) != int(context.options):
+            return False
+        return bool(ctrl(ssl_ctx, _SSL_CTRL_SET_GROUPS_LIST, 0, groups) == 1)
     except (OSError, AttributeError, ValueError):
         return False
 
