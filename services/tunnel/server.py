@@ -579,25 +579,29 @@ class TunnelServicer(tunnel_pb2_grpc.TunnelServicer):
             raise
         except TimeoutError:
             raise Refused(pb.INVALID, "no dial target within the dial timeout") from None
-        span.set_attribute("waygate.tunnel.connection_id", connection.connect_id)
-        await context.write(
-            pb.DialFrame(
-                accepted=pb.DialAccepted(
-                    server_id=hub.server_id,
-                    agent_id=session.agent_id,
-                    connect_id=connection.connect_id,
+        reader: asyncio.Future[None] | None = None
+        # Everything from here is inside the try: a dialer that cancels while its
+        # DialAccepted is written must still release the agent's connection.
+        try:
+            span.set_attribute("waygate.tunnel.connection_id", connection.connect_id)
+            await context.write(
+                pb.DialFrame(
+                    accepted=pb.DialAccepted(
+                        server_id=hub.server_id,
+                        agent_id=session.agent_id,
+                        connect_id=connection.connect_id,
+                    )
                 )
             )
-        )
-        reader = asyncio.ensure_future(_from_dialer(connection, context))
-        try:
+            reader = asyncio.ensure_future(_from_dialer(connection, context))
             how = await _to_dialer(connection, context)
         finally:
             if not connection.finished:
                 session.send(mux.close_request(connection.connect_id, "dialer went away"))
                 connection.finish(_CLOSED)
-            reader.cancel()
-            await asyncio.gather(reader, return_exceptions=True)
+            if reader is not None:
+                reader.cancel()
+                await asyncio.gather(reader, return_exceptions=True)
         if how is _LOST or connection.close_reason:
             raise errors.Unavailable(
                 f"tunnelled connection to {address} on node {target.node} ended: "

@@ -222,3 +222,23 @@ async def test_bridge_delivers_an_upload_to_a_destination_that_half_closed_first
         await asyncio.wait_for(finished, 30)
         writer.close()
         assert received == size
+
+
+async def test_dialers_cancelling_around_the_accept_leave_no_connection(tunnel: Tunnel) -> None:
+    # Cancelled at every moment of the dial, the DialAccepted write included: each
+    # connection the agent opened must be released on both sides.
+    server, port = await echo_server()
+    async with server:
+        client = tunnel.client()
+        await (await client.dial(NODE, port)).aclose()  # channel up: the dials below race
+        for attempt in range(60):
+            dialing = asyncio.ensure_future(client.dial(NODE, port))
+            await asyncio.sleep(attempt * 0.0002)
+            dialing.cancel()
+            results = await asyncio.gather(dialing, return_exceptions=True)
+            if not isinstance(results[0], BaseException):
+                await results[0].aclose()
+        await until(
+            lambda: not tunnel.hub.sessions[NODE].connections, "the server's connections to go"
+        )
+        await until(lambda: not tunnel.agents[0].open_connections(), "the agent's to go")
