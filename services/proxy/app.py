@@ -14,8 +14,9 @@ among the routes' own, else the proxy's default certificate, from certs or
 `--default-certificate/--default-key`); it is bound only when a default
 certificate exists. Reencrypt routes go through `waygate.proxy.upstream_tls`.
 `--workers N` runs N processes on the same port (SO_REUSEPORT),
-each with its own resolver watch; the parent keeps the admin port and merges
-every worker's metrics into its /metrics (`waygate.proxy.workers`).
+each with its own resolver watch; the parent keeps the admin port and shows
+every worker's metrics on its /metrics, labelled `worker` (`waygate.core.workers`,
+the group every service's `--workers` uses).
 """
 
 from __future__ import annotations
@@ -293,6 +294,63 @@ async def _tls_setup(process: ServiceProcess, settings: Settings, server: ProxyS
     return front
 
 
+async def _start_workers(process: ServiceProcess, settings: Settings) -> None:
+    """The parent of a --workers group (`waygate.core.workers`): it keeps the admin
+    port and runs no listener. It reserves the HTTP port (and `--https-port 0`), so
+    port 0 gives every worker the same one, and writes one sticky-cookie key (0600)
+    so a cookie means the same endpoint in every worker."""
+    import sys
+    import tempfile
+
+    from waygate.core.files import write_file_atomically
+    from waygate.core.workers import WorkerGroup, reserve_port
+
+    reservations = [reserve_port(settings.host, settings.http_port)]
+    port = reservations[0].getsockname()[1]
+    https_port = settings.https_port
+    if https_port == 0:
+        # A fixed HTTPS port is not reserved: workers bind it only with a certificate.
+        reservations.append(reserve_port(settings.host, 0))
+        https_port = reservations[1].getsockname()[1]
+    key_dir: tempfile.TemporaryDirectory[str] | None = None
+    key_file = settings.sticky_key_file
+    if key_file is None:
+        key_dir = tempfile.TemporaryDirectory(prefix="waygate-proxy-")
+        key_file = Path(key_dir.name) / "sticky.key"
+        write_file_atomically(key_file, secrets.token_hex(32).encode(), 0o600)
+
+    async def release() -> None:
+        for reservation in reservations:
+            reservation.close()
+        if key_dir is not None:
+            key_dir.cleanup()
+
+    process.on_stop(release)
+    argv = [
+        *sys.argv[1:],
+        "--worker",
+        "--workers",
+        "1",
+        "--http-port",
+        str(port),
+        "--https-port",
+        str(https_port),
+        "--admin-port",
+        "0",
+        "--sticky-key-file",
+        str(key_file),
+    ]
+    group = WorkerGroup(
+        process,
+        name="proxy",
+        count=settings.workers,
+        argv=lambda index: argv,
+        shutdown_grace=settings.shutdown_grace,
+    )
+    await group.start()
+    log.info("proxy listening", extra={"http_port": port, "workers": settings.workers})
+
+
 def _closer(close: Any) -> Any:
     async def run() -> None:
         close()
@@ -304,9 +362,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     from waygate.resolver.client import ResolverWatch
 
     if settings.workers > 1 and not settings.worker:
-        from waygate.proxy.workers import WorkerGroup
-
-        await WorkerGroup(process, settings).start()
+        await _start_workers(process, settings)
         return
     metrics = ProxyMetrics()
     page = settings.unavailable_page.read_bytes() if settings.unavailable_page else b""
@@ -327,11 +383,9 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     REGISTRY.register(ProxyCollector(metrics.snapshot))
     process.on_stop(_unregister(metrics))
     if settings.worker:
-        from waygate.proxy.workers import report_forever
+        from waygate.core.workers import report_forever
 
-        process.spawn(
-            report_forever(metrics, lambda: process.readiness.ready), "proxy-metrics-report"
-        )
+        process.spawn(report_forever(lambda: process.readiness.ready), "proxy-metrics-report")
 
     front = await _tls_setup(process, settings, server)
 

@@ -2,8 +2,8 @@
 
 The request path only bumps integers in dicts (no prometheus_client child
 lookups or locks per request); a custom collector turns them into metric
-families when /metrics is scraped. With `--workers`, each worker sends its
-`snapshot()` to the parent, which merges them (`merge`) into one /metrics.
+families when /metrics is scraped. With `--workers`, each worker reports its
+whole registry to the parent (`waygate.core.workers`), labelled `worker`.
 """
 
 from __future__ import annotations
@@ -75,34 +75,6 @@ class ProxyMetrics:
             "passive_health_skipped": self.passive_health_skipped,
             "redispatches": self.redispatches,
         }
-
-
-def merge(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
-    total: dict[str, Any] = ProxyMetrics().snapshot()
-    requests: dict[tuple[str, str, str], int] = {}
-    for snap in snapshots:
-        for route, method, cls, count in snap["requests"]:
-            requests[(route, method, cls)] = requests.get((route, method, cls), 0) + count
-        for field in ("connect_errors", "refused"):
-            for key, count in snap[field].items():
-                total[field][key] = total[field].get(key, 0) + count
-        total["latency_counts"] = [
-            a + b for a, b in zip(total["latency_counts"], snap["latency_counts"], strict=True)
-        ]
-        for field in (
-            "latency_sum",
-            "client_connections",
-            "upstream_connections",
-            "upstream_opened",
-            "pool_reused",
-            "bytes_in",
-            "bytes_out",
-            "passive_health_skipped",
-            "redispatches",
-        ):
-            total[field] += snap[field]
-    total["requests"] = [[*k, v] for k, v in requests.items()]
-    return total
 
 
 class ProxyCollector(Collector):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import signal
 from pathlib import Path
 
@@ -256,21 +257,28 @@ async def test_workers_share_the_port_and_one_metrics_endpoint(tmp_path: Path) -
         responses = await asyncio.gather(*(get(port) for _ in range(40)))
         assert all(r.startswith(b"HTTP/1.1 200 ") for r in responses)
 
+        workers: set[str] = set()
+
         async def scraped_total() -> float:
             reader, writer = await asyncio.open_connection("127.0.0.1", proxy.admin_port)
             writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
             data = (await asyncio.wait_for(reader.read(), 5)).decode()
             writer.close()
-            return sum(
-                float(line.rsplit(" ", 1)[1])
+            lines = [
+                line
                 for line in data.splitlines()
                 if line.startswith("waygate_proxy_requests_total{")
-            )
+            ]
+            workers.update(re.findall(r'worker="(\w+)"', "\n".join(lines)))
+            return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
 
         deadline = asyncio.get_running_loop().time() + 10
         while await scraped_total() < 40:
             assert asyncio.get_running_loop().time() < deadline, "merged metrics never reached 40"
             await asyncio.sleep(0.2)
+        # One worker group for every service (waygate.core.workers): each worker's
+        # families, labelled by worker (the kernel may give one worker every request).
+        assert workers and workers <= {"0", "1"}, workers
         assert await proxy.stop() == 0
     finally:
         with contextlib.suppress(Exception):
