@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import re
 from typing import Final
+from urllib.parse import unquote_to_bytes
 
 import httptools
 
@@ -301,6 +302,8 @@ def _check_request(request: RequestHead) -> None:
     target = request.target
     if target[:1] != b"/" and not (target == b"*" and request.method == b"OPTIONS"):
         raise BadMessage("request target must be origin-form, /path (RFC 9112 section 3.2)")
+    if b"/." in target or b"%" in target:
+        _check_dot_segments(target)
     if request.method == b"CONNECT":
         raise BadMessage("CONNECT is not served (reverse proxy)", 405)
     if request._te:
@@ -347,6 +350,18 @@ def _check_request(request: RequestHead) -> None:
     else:
         request.upgrade = b""
     request.keep_alive = keep_alive
+
+
+def _check_dot_segments(target: bytes) -> None:
+    """Refuse a path with a '.' or '..' segment once percent-decoded (';' ends a
+    segment's name, as Tomcat and Jetty read /..;/): /public/../admin, /%2e%2e/admin
+    and /public/..;/admin would match a "/" or "/public" route here and reach /admin
+    once the backend resolves them. Stricter than HAProxy (which forwards them)."""
+    path = unquote_to_bytes(target.partition(b"?")[0])
+    for segment in path.split(b"/"):
+        name = segment.partition(b";")[0]
+        if name == b"." or name == b"..":
+            raise BadMessage("dot segment in the request path (RFC 3986 section 3.3)")
 
 
 def _explain_request_grammar(head: bytes) -> str:

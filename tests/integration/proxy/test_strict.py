@@ -95,6 +95,14 @@ MALFORMED = {
     "request_line_too_long": b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\n" + H + b"\r\n",
     "header_block_too_large": b"GET / HTTP/1.1\r\n" + H + b"X-Big: " + b"b" * 33000 + b"\r\n\r\n",
     "many_headers_too_large": b"GET / HTTP/1.1\r\n" + H + b"X-A: aaaaaaaaaa\r\n" * 2200 + b"\r\n",
+    # Dot segments would pass a "/" or "/public" route and reach /admin at the backend.
+    "dot_dot_segment": b"GET /public/../admin HTTP/1.1\r\n" + H + b"\r\n",
+    "dot_segment": b"GET /./admin HTTP/1.1\r\n" + H + b"\r\n",
+    "encoded_dot_dot": b"GET /%2e%2e/admin HTTP/1.1\r\n" + H + b"\r\n",
+    "encoded_dot_dot_upper": b"GET /public/%2E./admin HTTP/1.1\r\n" + H + b"\r\n",
+    "dot_dot_semicolon": b"GET /public/..;/admin HTTP/1.1\r\n" + H + b"\r\n",
+    "dot_dot_encoded_slash": b"GET /public%2f..%2fadmin HTTP/1.1\r\n" + H + b"\r\n",
+    "trailing_dot_dot": b"GET /public/.. HTTP/1.1\r\n" + H + b"\r\n",
 }
 
 
@@ -130,6 +138,17 @@ async def test_smuggled_second_request_after_refusal_is_not_forwarded(proxy_and_
     assert response.startswith(b"HTTP/1.1 400 ")
     assert response.count(b"HTTP/1.1") == 1
     assert upstream.received == b""
+
+
+@pytest.mark.parametrize(
+    "target", [b"/a.b/c", b"/.well-known/x", b"/a/...", b"/a..b", b"/x?p=/../y", b"/%2e%2e.txt"]
+)
+async def test_dots_that_are_not_dot_segments_pass(target, proxy_and_upstream):
+    port, upstream = proxy_and_upstream
+    request = b"GET " + target + b" HTTP/1.1\r\n" + H + b"Connection: close\r\n\r\n"
+    response = await exchange(port, request)
+    assert response.startswith(b"HTTP/1.1 200 "), response[:200]
+    assert upstream.received.startswith(b"GET " + target + b" HTTP/1.1\r\n")
 
 
 async def test_a_good_request_still_passes(proxy_and_upstream):
