@@ -462,7 +462,15 @@ class AgentTunnelServicer(tunnel_pb2_grpc.AgentTunnelServicer):
         self._require_certificate = require_certificate
 
     def _node_of(self, context: grpc.aio.ServicerContext) -> str:
-        _uris, dns_names = peer_certificate_names(context)
+        uris, dns_names = peer_certificate_names(context)
+        if uris:
+            # Agents' certificates carry dns:NODE and nothing else. Any ServiceAccount
+            # may be issued its SPIFFE URI together with dns:NAME.NS.svc: with a URI
+            # SAN present, that one DNS name is a workload's, not a node's.
+            raise errors.PermissionDenied(
+                "an agent's client certificate names its node only (one DNS name); "
+                "this one also carries a URI (a workload identity, not an agent's)"
+            )
         if len(dns_names) == 1:
             return dns_names[0].lower().rstrip(".")
         if not dns_names and not self._require_certificate:

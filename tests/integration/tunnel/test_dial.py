@@ -7,12 +7,15 @@ import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import grpc
 import pytest
 
-from tests.integration.tunnel.harness import NODE, Tunnel, echo_server
+from tests.integration.tunnel.harness import NODE, Tunnel, credentials, echo_server
 from tests.support.poll import until
 from waygate.tunnel.client import DialFailed, bridged_socket
+from waygate.tunnel import mux
 from waygate.tunnel.v1 import tunnel_pb2 as pb
+from waygate.tunnel.v1 import tunnel_pb2_grpc
 
 
 @pytest.fixture
@@ -42,7 +45,7 @@ async def test_bytes_both_ways_with_half_close(tunnel: Tunnel) -> None:
         await stream.write_eof()
         await asyncio.wait_for(reading, 20)
         assert bytes(received) == payload
-        assert await asyncio.wait_for(stream.wait_closed(), 5) == __import__("grpc").StatusCode.OK
+        assert await asyncio.wait_for(stream.wait_closed(), 5) == grpc.StatusCode.OK
     await until(lambda: not tunnel.hub.sessions[NODE].connections, "the connection to be released")
     assert not tunnel.agents[0].open_connections()
 
@@ -242,3 +245,30 @@ async def test_dialers_cancelling_around_the_accept_leave_no_connection(tunnel: 
             lambda: not tunnel.hub.sessions[NODE].connections, "the server's connections to go"
         )
         await until(lambda: not tunnel.agents[0].open_connections(), "the agent's to go")
+
+
+async def test_a_workload_certificate_cannot_register_as_an_agent(tunnel: Tunnel) -> None:
+    # Any ServiceAccount can be issued its SPIFFE URI plus dns:NAME.NS.svc: one DNS
+    # name, but a workload's. Agents carry dns:NODE only; a URI SAN is refused.
+    workload = tunnel.ca.write_files(
+        tunnel.directory,
+        uris=["spiffe://waygate.test/ns/t/sa/web"],
+        dns=["web.t.svc"],
+        prefix="workload-",
+    )
+    channel = grpc.aio.secure_channel(
+        f"127.0.0.1:{tunnel.agent_port}",
+        credentials(workload),
+        options=[("grpc.ssl_target_name_override", "tunnel-server")],
+    )
+    try:
+        call = tunnel_pb2_grpc.AgentTunnelStub(channel).Connect(
+            metadata=((mux.AGENT_ID_METADATA, "impostor"),)
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await asyncio.wait_for(call.read(), 10)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "URI" in (refused.value.details() or "")
+        assert "web.t.svc" not in tunnel.hub.sessions
+    finally:
+        await channel.close()
