@@ -232,8 +232,8 @@ class TunnelClient:
                     stream = await self._dial_one(address, first, metadata, timeout)
                 except DialFailed as failed:
                     last = failed
-                    if failed.reason and failed.reason not in mux.RETRYABLE_ELSEWHERE:
-                        break
+                    if not failed.retryable:
+                        break  # another replica would answer the same
                     continue
                 span.set_attribute("waygate.tunnel.replica", stream.server_id)
                 span.set_attribute("waygate.tunnel.connection_id", stream.connect_id)
@@ -256,8 +256,13 @@ class TunnelClient:
                 frame = await call.read()
         except TimeoutError:
             call.cancel()
+            # No first frame: the replica itself is stuck (the agent's own connect timeout
+            # would have been answered): another replica may serve. Each attempt has
+            # its own budget.
             raise DialFailed(
-                f"tunnel server {address} did not answer within {timeout:g}s", pb.TIMEOUT
+                f"tunnel server {address} did not answer within {timeout:g}s",
+                pb.TIMEOUT,
+                retryable=True,
             ) from None
         except grpc.aio.AioRpcError as exc:
             call.cancel()

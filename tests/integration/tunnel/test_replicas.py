@@ -136,3 +136,97 @@ async def test_drain_refuses_new_dials_and_keeps_open_connections(tmp_path: Path
             assert await stream.read() == b""
     finally:
         await t.close()
+
+
+class CountingListener:
+    """A TCP port that accepts and counts connections and never answers: a blackholed replica."""
+
+    def __init__(self) -> None:
+        self.accepted = 0
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> int:
+        async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            self.accepted += 1
+            self.writers.append(writer)
+
+        self.server = await asyncio.start_server(hold, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        for writer in self.writers:
+            writer.close()
+        self.server.close()
+        await self.server.wait_closed()
+
+
+@pytest.fixture
+def replicas_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The client shuffles replicas; these tests need to know which one comes first.
+    monkeypatch.setattr("waygate.tunnel.client.random.shuffle", lambda servers: None)
+
+
+@pytest.mark.usefixtures("replicas_in_order")
+async def test_a_refusal_another_replica_would_repeat_is_not_retried(tmp_path: Path) -> None:
+    tunnel = Tunnel(tmp_path)
+    await tunnel.start_server()
+    await tunnel.start_agent()
+    other = CountingListener()
+    other_port = await other.start()
+    stranger = tunnel.ca.write_files(
+        tmp_path, uris=["spiffe://waygate.test/ns/t/sa/stranger"], prefix="stranger-"
+    )
+    try:
+        for files, reason in ((tunnel.dialer_files, pb.UNREACHABLE), (stranger, pb.NOT_ALLOWED)):
+            client = TunnelClient(
+                StaticPresence([f"127.0.0.1:{tunnel.dial_port}", f"127.0.0.1:{other_port}"]),
+                credentials=lambda files=files: credentials(files),  # type: ignore[misc]
+                server_name="tunnel-server",
+            )
+            tunnel.clients.append(client)
+            closed = socket_port()
+            with pytest.raises(DialFailed) as failed:
+                await client.dial(NODE, closed, timeout=2.0)
+            assert failed.value.reason == reason
+            assert not failed.value.retryable
+        assert other.accepted == 0  # the second replica was never tried
+    finally:
+        await tunnel.close()
+        await other.close()
+
+
+@pytest.mark.usefixtures("replicas_in_order")
+async def test_a_blackholed_replica_is_passed_over_for_a_live_one(tmp_path: Path) -> None:
+    tunnel = Tunnel(tmp_path)
+    await tunnel.start_server()
+    await tunnel.start_agent()
+    blackhole = CountingListener()
+    blackhole_port = await blackhole.start()
+    server, port = await echo_server()
+    try:
+        async with server:
+            client = TunnelClient(
+                StaticPresence([f"127.0.0.1:{blackhole_port}", f"127.0.0.1:{tunnel.dial_port}"]),
+                credentials=lambda: credentials(tunnel.dialer_files),
+                server_name="tunnel-server",
+            )
+            tunnel.clients.append(client)
+            stream = await asyncio.wait_for(client.dial(NODE, port, timeout=1.0), 20)
+            assert stream.server_id == "replica-a"
+            await stream.write(b"ping")
+            await stream.write_eof()
+            assert await asyncio.wait_for(stream.read(), 5) == b"ping"
+            await stream.aclose()
+        assert blackhole.accepted >= 1  # it was tried first
+    finally:
+        await tunnel.close()
+        await blackhole.close()
+
+
+def socket_port() -> int:
+    """A port nothing listens on (bound, then released)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
