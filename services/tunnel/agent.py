@@ -155,7 +155,8 @@ class AgentConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.stream.connections.pop(self.connect_id, None)
-        if not self.closed_by_server:
+        # Before `start` the server does not know this id yet: the dial is refused instead.
+        if not self.closed_by_server and self.started:
             self.stream.send(mux.close_request(self.connect_id, str(exc) if exc else ""))
         self.stream.leave_if_drained()
 
@@ -311,6 +312,14 @@ class AgentStream:
             else:
                 span.set_status(Status(StatusCode.ERROR, response.error))
                 span.set_attribute("waygate.tunnel.refusal", mux.reason_name(response.reason))
+        if response.connect_id and response.connect_id not in self.connections:
+            # The destination went away before we answered (connection_lost ran): a
+            # successful answer would leave the server a connection nobody closes.
+            response = pb.DialResponse(
+                random=request.random,
+                error=f"{request.address} closed the connection at once",
+                reason=pb.UNREACHABLE,
+            )
         self.send(pb.Packet(type=pb.DIAL_RSP, dial_response=response))
         connection = self.connections.get(response.connect_id)
         if connection is not None:

@@ -272,3 +272,54 @@ async def test_a_workload_certificate_cannot_register_as_an_agent(tunnel: Tunnel
         assert "web.t.svc" not in tunnel.hub.sessions
     finally:
         await channel.close()
+
+
+def test_a_destination_that_resets_at_once_leaves_no_orphan_under_uvloop(tmp_path: Path) -> None:
+    """A destination that resets before the agent answered the dial: the agent must not
+    answer with a connection it already lost (the server would hold it forever)."""
+    import socket
+    import struct
+    import threading
+
+    import uvloop
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    port = listener.getsockname()[1]
+    stop = threading.Event()
+
+    def reset_every_connection() -> None:
+        # A thread of its own: the reset lands while the agent is still setting up.
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
+
+    async def scenario() -> None:
+        t = Tunnel(tmp_path)
+        await t.start_server()
+        await t.start_agent()
+        try:
+            client = t.client()
+            for _ in range(40):
+                try:
+                    stream = await client.dial(NODE, port)
+                except DialFailed:
+                    continue  # refused, or lost right after the answer: both fine
+                await asyncio.wait_for(stream.wait_closed(), 10)
+            await until(lambda: not t.hub.sessions[NODE].connections, "no connection left")
+            assert not t.agents[0].open_connections()
+        finally:
+            await t.close()
+
+    thread = threading.Thread(target=reset_every_connection, daemon=True)
+    thread.start()
+    try:
+        uvloop.run(scenario())
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()
