@@ -18,10 +18,14 @@ iptables` rewrote its connection to NODE-IP:10250. The front:
    its default host, 127.0.0.1, as a Dial without a host does);
 4. dials it through this replica's hub (the in-process side of the server's
    Dial), with the request's W3C trace context;
-5. writes the head (hop-by-hop and client-supplied identity headers removed,
-   `Connection: close`, or `Connection: Upgrade` for an upgrade) and then
-   relays bytes both ways until either side closes: bodies, responses and,
-   after a 101, the upgraded protocol (exec, attach, port-forward, WebSocket).
+5. writes the head (hop-by-hop headers, those the client's Connection names,
+   and client-supplied identity headers removed; `Connection: close`, or
+   `Connection: Upgrade` for an upgrade), then the request's body as httptools
+   frames it (Content-Length or chunked, re-chunked) and nothing after it: a
+   pipelined second request never reaches the node. The response relays back
+   until the node closes. For an upgrade, the client's bytes after the head are
+   held (bounded) until the node answers 101, then relayed both ways as they
+   are (exec, attach, port-forward, WebSocket); any other answer drops them.
 
 One request per client connection: the upstream is asked to close after the
 response, so a connection never carries a request for another node to the
@@ -234,22 +238,78 @@ class RequestHead:
     port: int
 
 
-class _HeadCallbacks:
-    __slots__ = ("complete", "headers", "url")
+class _RequestReader:
+    """httptools callbacks for the one request a front connection carries.
 
-    def __init__(self) -> None:
+    Only the first message counts: its URL and headers until its head ends, its
+    body (re-framed in chunks when it came chunked) until it ends; everything after
+    that (a pipelined second request) is never forwarded.
+    """
+
+    __slots__ = (
+        "body",
+        "body_bytes",
+        "chunked",
+        "complete",
+        "headers",
+        "message_complete",
+        "method",
+        "parser",
+        "upgrade",
+        "url",
+        "version",
+    )
+
+    def __init__(self, body: deque[bytes] | None = None) -> None:
         self.url = b""
         self.headers: list[tuple[bytes, bytes]] = []
-        self.complete = False
+        self.complete = False  # the first head ended
+        self.message_complete = False  # the first request ended
+        self.chunked = False
+        self.body = body  # where body bytes go (None: dropped, as parse_head does)
+        self.body_bytes = 0  # appended to `body` since the owner last looked
+        self.parser = httptools.HttpRequestParser(self)
+        # Read from the parser when the first head ends: later it describes later input.
+        self.method = b""
+        self.version = ""
+        self.upgrade = False
 
     def on_url(self, url: bytes) -> None:
-        self.url += url
+        if not self.complete:
+            self.url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
+        if not self.complete:
+            self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        self.complete = True
+        if not self.complete:
+            self.complete = True
+            self.chunked = any(n.lower() == b"transfer-encoding" for n, _ in self.headers)
+            parser = self.parser
+            self.method = parser.get_method()
+            self.version = parser.get_http_version()
+            self.upgrade = parser.should_upgrade()
+
+    def on_body(self, body: bytes) -> None:
+        if self.message_complete or self.body is None:
+            return
+        piece = bytes(body)
+        if self.chunked:  # httptools hands over the chunks' data: frame it again
+            piece = b"%x\r\n" % len(piece) + piece + b"\r\n"
+        self.body.append(piece)
+        self.body_bytes += len(piece)
+
+    def on_message_complete(self) -> None:
+        if self.message_complete:
+            return
+        self.message_complete = True
+        if self.chunked and self.body is not None:
+            self.body.append(_LAST_CHUNK)
+            self.body_bytes += len(_LAST_CHUNK)
+
+
+_LAST_CHUNK = b"0\r\n\r\n"
 
 
 def split_authority(authority: bytes) -> tuple[str, int]:
@@ -270,17 +330,22 @@ def split_authority(authority: bytes) -> tuple[str, int]:
 
 
 def parse_head(head: bytes) -> RequestHead:
-    """Parse one request head (up to and including the blank line)."""
-    callbacks = _HeadCallbacks()
-    parser = httptools.HttpRequestParser(callbacks)
+    """Parse one request head (up to and including the blank line; what follows is ignored)."""
+    callbacks = _RequestReader()
     try:
-        parser.feed_data(head)
+        callbacks.parser.feed_data(head)
     except httptools.HttpParserUpgrade:
         pass
     except httptools.HttpParserError as exc:
-        raise BadRequest(400, f"malformed request: {exc}") from None
+        if not callbacks.complete:
+            raise BadRequest(400, f"malformed request: {exc}") from None
     if not callbacks.complete:
         raise BadRequest(400, "malformed request: incomplete head")
+    return request_head(callbacks)
+
+
+def request_head(callbacks: _RequestReader) -> RequestHead:
+    """The first request's head as `callbacks` collected it."""
     url = callbacks.url
     target = url
     authority = b""
@@ -305,11 +370,11 @@ def parse_head(head: bytes) -> RequestHead:
         authority = hosts[0]
     host, port = split_authority(authority)
     return RequestHead(
-        method=parser.get_method(),
+        method=callbacks.method,
         target=target,
-        version=parser.get_http_version(),
+        version=callbacks.version,
         headers=tuple(callbacks.headers),
-        upgrade=parser.should_upgrade(),
+        upgrade=callbacks.upgrade,
         host=host,
         port=port,
     )
@@ -319,11 +384,20 @@ def upstream_head(head: RequestHead) -> bytes:
     """The head sent through the tunnel: origin-form, only end-to-end headers, one request."""
     lines = [head.method + b" " + head.target + b" HTTP/" + head.version.encode()]
     upgrade_to = b""
+    # Headers the client's Connection names are hop-by-hop too (RFC 9110 7.6.1); Host
+    # stays whatever Connection says (it names the target).
+    named = {
+        token.strip().lower()
+        for name, value in head.headers
+        if name.lower() == b"connection"
+        for token in value.split(b",")
+    }
+    named.discard(b"host")
     for name, value in head.headers:
         lowered = name.lower()
         if lowered == b"upgrade":
             upgrade_to = value
-        if lowered in _DROPPED or lowered.startswith(_DROPPED_PREFIXES):
+        if lowered in _DROPPED or lowered.startswith(_DROPPED_PREFIXES) or lowered in named:
             continue
         lines.append(name + b": " + value)
     if head.upgrade and upgrade_to:
@@ -582,10 +656,14 @@ class FrontConnection(asyncio.Protocol):
         self.front = front
         self.transport: asyncio.Transport | None = None
         self.state = _HEAD
-        self.buffer = bytearray()
-        self.started = self.last_activity = time.monotonic()
-        # Client -> node bytes waiting for tunnel credit.
+        # Client -> node bytes waiting for tunnel credit: the request's body (only its
+        # first request's), or after a 101 everything the client sends.
         self.pending: deque[bytes] = deque()
+        self.request = _RequestReader(self.pending)
+        self.head_bytes = 0  # fed to the parser before the head ended
+        self.raw = False  # after the node's 101: client bytes pass as they are
+        self.held: bytearray | None = None  # an upgrade's bytes, until the node answers
+        self.started = self.last_activity = time.monotonic()
         self.pending_bytes = 0
         self.reading_paused = False
         self.client_eof = False
@@ -605,40 +683,78 @@ class FrontConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.last_activity = time.monotonic()
-        if self.state == _RELAY or self.state == _DIALING:
-            self.pending.append(data)
-            self.pending_bytes += len(data)
+        if self.raw:
+            self._queue(data)
+            return
+        if self.state == _DONE:
+            return
+        held = self.held
+        if held is not None:  # an upgrade waiting for the node's 101
+            held += data
+            if len(held) > HIGH_WATER and self.transport is not None:
+                self.transport.pause_reading()
+                self.reading_paused = True
+            return
+        request = self.request
+        if request.message_complete:
+            return  # one request per connection: a pipelined one is never forwarded
+        heading = not request.complete
+        try:
+            request.parser.feed_data(data)
+        except httptools.HttpParserUpgrade as upgrade:
+            if heading and request.upgrade:  # (never a pipelined request's upgrade)
+                self.held = bytearray(data[upgrade.args[0] :] if upgrade.args else b"")
+        except httptools.HttpParserError as exc:
+            if heading and not request.complete:
+                self.reply(400, f"malformed request: {exc}")
+                return
+            # Bad framing after the head: forward what was sound, take no more.
+            request.message_complete = True
+        added, request.body_bytes = request.body_bytes, 0
+        if added:
+            self.pending_bytes += added
             if self.pending_bytes > HIGH_WATER and self.transport is not None:
                 self.transport.pause_reading()
                 self.reading_paused = True
             self._wake_sender()
+        if not heading:
             return
-        if self.state != _HEAD:
-            return
-        self.buffer += data
-        end = self.buffer.find(b"\r\n\r\n")
-        if end < 0:
-            if len(self.buffer) > MAX_HEAD:
+        if not request.complete:
+            self.head_bytes += len(data)
+            if self.head_bytes > MAX_HEAD:
                 self.reply(431, f"the request head is larger than {MAX_HEAD} bytes")
             return
-        if end + 4 > MAX_HEAD:
-            self.reply(431, f"the request head is larger than {MAX_HEAD} bytes")
-            return
-        head, rest = bytes(self.buffer[: end + 4]), bytes(self.buffer[end + 4 :])
-        self.buffer = bytearray()
         try:
-            request = parse_head(head)
-            target = destination(request, self.front.addresses)
+            head = request_head(request)
+            target = destination(head, self.front.addresses)
         except BadRequest as exc:
             self.reply(exc.status, str(exc))
             return
         self.state = _DIALING
-        if rest:
-            self.pending.append(rest)
-            self.pending_bytes += len(rest)
-        task = asyncio.get_running_loop().create_task(self._forward(request, target))
+        task = asyncio.get_running_loop().create_task(self._forward(head, target))
         self.front.tasks.add(task)
         task.add_done_callback(self.front.tasks.discard)
+
+    def _queue(self, data: bytes) -> None:
+        self.pending.append(data)
+        self.pending_bytes += len(data)
+        if self.pending_bytes > HIGH_WATER and self.transport is not None:
+            self.transport.pause_reading()
+            self.reading_paused = True
+        self._wake_sender()
+
+    def _upgrade_answered(self, response: bytes) -> None:
+        """The node's first bytes after an upgrade request: a 101 lets the held bytes go."""
+        held, self.held = self.held, None
+        if response.startswith((b"HTTP/1.1 101", b"HTTP/1.0 101")):
+            self.raw = True
+            if held:
+                self._queue(bytes(held))
+        else:
+            self.request.message_complete = True  # refused: nothing more goes up
+        if self.reading_paused and self.pending_bytes <= HIGH_WATER and self.transport is not None:
+            self.reading_paused = False
+            self.transport.resume_reading()
 
     def eof_received(self) -> bool:
         self.client_eof = True
@@ -813,6 +929,8 @@ class FrontConnection(asyncio.Protocol):
                 return
             if transport.is_closing():
                 return
+            if self.held is not None:
+                self._upgrade_answered(data)
             self.last_activity = time.monotonic()
             transport.write(data)
             if self.paused_writing:

@@ -269,8 +269,11 @@ async def test_full_duplex_megabytes_both_ways_at_once(front, tmp_path: Path, tl
     try:
         async with backend:
             reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context)
-            head = f"PUT /stream HTTP/1.1\r\nHost: 127.0.0.1:{backend_port}\r\n\r\n".encode()
             body = os.urandom(4 * 1024 * 1024)
+            head = (
+                f"PUT /stream HTTP/1.1\r\nHost: 127.0.0.1:{backend_port}\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n"
+            ).encode()
 
             async def send() -> None:
                 writer.write(head)
@@ -294,3 +297,121 @@ async def test_full_duplex_megabytes_both_ways_at_once(front, tmp_path: Path, tl
         await until(lambda: not tunnel.hub.sessions[NODE].connections, "tunnelled connections")
     finally:
         await duplex_front.stop()
+
+
+async def recording_backend(
+    answer: bytes, *, upgrade: bool = False
+) -> tuple[asyncio.Server, int, list[bytes]]:
+    """Reads a head, records what else arrives before and after answering `answer`."""
+    seen: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            seen.append(head)
+            before = b""
+            try:
+                async with asyncio.timeout(0.5):  # what arrives before we answer
+                    while data := await reader.read(65536):
+                        before += data
+                        if not upgrade and b"hello" in before:
+                            break
+            except TimeoutError:
+                pass
+            seen.append(before)
+            writer.write(answer)
+            await writer.drain()
+            after = b""
+            try:
+                async with asyncio.timeout(0.5):
+                    while data := await reader.read(65536):
+                        after += data
+            except TimeoutError:
+                pass
+            seen.append(after)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1], seen
+
+
+async def exchange(port: int, context: ssl.SSLContext, request: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context)
+    try:
+        writer.write(request)
+        response = b""
+        async with asyncio.timeout(10):
+            while data := await reader.read(65536):
+                response += data
+                if b"UPGRADED" in response:
+                    break
+        return response
+    finally:
+        writer.close()
+
+
+async def test_a_pipelined_second_request_never_reaches_the_node(front) -> None:
+    _tunnel, _front, port, context = front
+    backend, backend_port, seen = await recording_backend(
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    )
+    host = f"Host: 127.0.0.1:{backend_port}\r\n".encode()
+    async with backend:
+        response = await exchange(
+            port,
+            context,
+            b"POST /logs HTTP/1.1\r\n" + host + b"Content-Length: 5\r\n\r\nhello"
+            b"GET /admin HTTP/1.1\r\n" + host + b"\r\n",
+        )
+        assert response.startswith(b"HTTP/1.1 200 OK")
+        await until(lambda: len(seen) == 3, "the backend to finish")
+    head, before, after = seen
+    assert head.startswith(b"POST /logs ")
+    assert before == b"hello"
+    assert b"/admin" not in before + after and after == b""
+
+
+async def test_a_chunked_body_is_forwarded_and_the_request_ends_with_it(front) -> None:
+    _tunnel, _front, port, context = front
+    backend, backend_port, seen = await recording_backend(
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    )
+    async with backend:
+        await exchange(
+            port,
+            context,
+            f"POST /x HTTP/1.1\r\nHost: 127.0.0.1:{backend_port}\r\n".encode()
+            + b"Transfer-Encoding: chunked\r\n\r\n3\r\nhel\r\n2\r\nlo\r\n0\r\n\r\n"
+            + b"GET /admin HTTP/1.1\r\nHost: x:1\r\n\r\n",
+        )
+        await until(lambda: len(seen) == 3, "the backend to finish")
+    _head, before, after = seen
+    before += after
+    assert before.startswith(b"3\r\nhel\r\n2\r\nlo\r\n")
+    assert before.endswith(b"0\r\n\r\n") and b"/admin" not in before
+
+
+@pytest.mark.parametrize("answer", [b"101", b"400"])
+async def test_upgrade_bytes_wait_for_the_nodes_101(front, answer: bytes) -> None:
+    _tunnel, _front, port, context = front
+    response = (
+        b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
+        b"UPGRADED"
+        if answer == b"101"
+        else b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n"
+    )
+    backend, backend_port, seen = await recording_backend(response, upgrade=True)
+    async with backend:
+        await exchange(
+            port,
+            context,
+            f"GET /ws HTTP/1.1\r\nHost: 127.0.0.1:{backend_port}\r\n".encode()
+            + b"Connection: Upgrade\r\nUpgrade: websocket\r\n\r\nEARLY-FRAME",
+        )
+        await until(lambda: len(seen) == 3, "the backend to finish")
+    _head, before, after = seen
+    assert before == b""  # nothing passes before the node agreed
+    assert after == (b"EARLY-FRAME" if answer == b"101" else b"")

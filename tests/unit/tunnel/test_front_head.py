@@ -94,3 +94,22 @@ def test_error_response_is_one_line_with_its_length() -> None:
     assert head.startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
     assert body == b"no agent  for node x\n"
     assert f"Content-Length: {len(body)}".encode() in head and b"Connection: close" in head
+
+
+def test_headers_the_connection_header_names_are_dropped_but_never_host() -> None:
+    head = parse_head(
+        b"GET / HTTP/1.1\r\nHost: 10.0.0.5:10250\r\nConnection: X-Secret, host\r\n"
+        b"X-Secret: s\r\nAccept: */*\r\n\r\n"
+    )
+    assert upstream_head(head) == (
+        b"GET / HTTP/1.1\r\nHost: 10.0.0.5:10250\r\nAccept: */*\r\nConnection: close\r\n\r\n"
+    )
+
+
+def test_parse_head_reads_the_first_head_only() -> None:
+    head = parse_head(
+        b"GET /a HTTP/1.1\r\nHost: 10.0.0.5:10250\r\n\r\n"
+        b"POST /b HTTP/1.0\r\nHost: 10.0.0.6:1\r\nX-Second: 1\r\n\r\n"
+    )
+    assert (head.method, head.target, head.version) == (b"GET", b"/a", "1.1")
+    assert [n for n, _ in head.headers] == [b"Host"]
