@@ -116,9 +116,7 @@ def window_update(connect_id: int, increment: int) -> pb.Packet:
 
 
 def close_request(connect_id: int, reason: str = "") -> pb.Packet:
-    return pb.Packet(
-        type=pb.CLOSE_REQ, close_request={"connect_id": connect_id, "reason": reason}
-    )
+    return pb.Packet(type=pb.CLOSE_REQ, close_request={"connect_id": connect_id, "reason": reason})
 
 
 def data_packet(connect_id: int, data: bytes) -> pb.Packet:

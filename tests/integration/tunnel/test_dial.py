@@ -12,8 +12,8 @@ import pytest
 
 from tests.integration.tunnel.harness import NODE, Tunnel, credentials, echo_server
 from tests.support.poll import until
-from waygate.tunnel.client import DialFailed, bridged_socket
 from waygate.tunnel import mux
+from waygate.tunnel.client import DialFailed, bridged_socket
 from waygate.tunnel.v1 import tunnel_pb2 as pb
 from waygate.tunnel.v1 import tunnel_pb2_grpc
 
