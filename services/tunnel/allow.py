@@ -105,4 +105,7 @@ class AllowList:
             parsed = ipaddress.ip_address(address.split("%", 1)[0])
         except ValueError:
             return False
+        if isinstance(parsed, ipaddress.IPv6Address):
+            # ::ffff:127.0.0.1 is 127.0.0.1: judged by the IPv4 entries.
+            parsed = parsed.ipv4_mapped or parsed
         return any(entry.allows(parsed, port) for entry in self.entries)

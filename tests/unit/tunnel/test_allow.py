@@ -30,6 +30,12 @@ def test_cidrs_port_lists_and_any_port() -> None:
     assert allow.allows("fd12::1", 1)
 
 
+def test_ipv4_mapped_addresses_are_judged_as_ipv4() -> None:
+    allow = AllowList(["127.0.0.0/8:8090"], own=())
+    assert allow.allows("::ffff:127.0.0.1", 8090)
+    assert not allow.allows("::ffff:10.0.0.1", 8090)
+
+
 @pytest.mark.parametrize(
     "entry", ["10.0.0.0/8", "nonsense:80", "10.0.0.0/8:0", "10.0.0.0/8:http", ":80"]
 )
