@@ -338,32 +338,50 @@ def settings_plans(settings: IptablesSettings) -> list[RulePlan]:
     )
 
 
+_HOLD_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
+
+
+def wait_for_signal() -> int | None:
+    """The next SIGINT or SIGTERM (blocked by `hold`, so none slips in before the wait),
+    or None after a second (then `hold` checks what its handlers saw, if another
+    thread took the signal)."""
+    info = signal.sigtimedwait(_HOLD_SIGNALS, 1.0)
+    return None if info is None else info.si_signo
+
+
 def hold(
     plans: Sequence[RulePlan],
     runner: Runner = _run_command,
-    wait: Callable[[], None] = signal.pause,
+    wait: Callable[[], int | None] = wait_for_signal,
     on_applied: Callable[[], None] = lambda: None,
 ) -> list[str]:
     """Apply the rules, keep them until SIGINT or SIGTERM, then remove them.
 
-    The handlers are in place before the first rule goes in, so a signal that
-    arrives while applying still ends in removal. Returns what could not be
-    removed; raises RunError (with everything removed) when applying fails.
+    The signals are blocked and handled before the first rule goes in, so one
+    that arrives while applying, or between a check and the wait, still ends in
+    removal (a check-then-pause loop could miss it and hold forever). Returns
+    what could not be removed; raises RunError (with everything removed) when
+    applying fails.
     """
     received: list[int] = []
 
     def on_signal(signum: int, _frame: object) -> None:
         received.append(signum)
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, on_signal) for s in _HOLD_SIGNALS}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, _HOLD_SIGNALS)
     applied = Applied(plans, runner)
     try:
         applied.apply()
         on_applied()
         while not received:
-            wait()
+            signum = wait()
+            if signum is not None:
+                received.append(signum)
         return applied.remove()
     finally:
+        # Unblocked while our handler is still in place: a pending signal is absorbed.
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 

@@ -174,9 +174,12 @@ def test_hold_removes_the_rules_on_sigterm() -> None:
     table = NatTable()
     seen = []
 
-    def wait() -> None:
+    def wait() -> int | None:
         seen.append(dict(table.chains))
+        # Raised before the wait starts (the race a check-then-pause loop lost):
+        # blocked, it stays pending and the real wait still receives it.
         signal.raise_signal(signal.SIGTERM)
+        return iptables.wait_for_signal()
 
     before = signal.getsignal(signal.SIGTERM)
     problems = iptables.hold(plan(["10.0.0.5"], [10250], "10.96.0.9"), table, wait=wait)
