@@ -37,6 +37,7 @@ import collections
 import logging
 import random
 import socket
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -75,6 +76,9 @@ class StaticPresence:
 
     def servers_for(self, node: str) -> list[str]:
         return list(self._addresses)
+
+    def addresses(self) -> set[str]:
+        return set(self._addresses)
 
 
 class TunnelStream:
@@ -145,6 +149,7 @@ class TunnelClient:
         self._retired: set[grpc.aio.Channel] = set()  # replaced, closed at their last stream
         self._closing: set[asyncio.Task[None]] = set()
         self._tracer = tracing.tracer()
+        self._pruned_at = time.monotonic()
 
     def channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
@@ -160,6 +165,21 @@ class TunnelClient:
             )
             self._channels[address] = channel
         return channel
+
+    # How often a dial looks for channels to replicas that left presence.
+    PRUNE_INTERVAL = 30.0
+
+    def _prune_channels(self) -> None:
+        """Close idle channels to addresses no node's presence names any more
+        (replicas come and go: without this, one channel per address ever seen)."""
+        addresses = getattr(self._presence, "addresses", None)
+        if addresses is None:
+            return
+        known = addresses()
+        for address, channel in list(self._channels.items()):
+            if address not in known and not self._streams.get(channel):
+                del self._channels[address]
+                self._close_later(channel)
 
     def renew_channels(self) -> None:
         """After a certificate renewal: new streams use new channels; open ones keep theirs.
@@ -203,6 +223,10 @@ class TunnelClient:
         trace_context: str | None = None,
     ) -> TunnelStream:
         timeout = self.dial_timeout if timeout is None else timeout
+        now = time.monotonic()
+        if now - self._pruned_at >= self.PRUNE_INTERVAL:
+            self._pruned_at = now
+            self._prune_channels()
         servers = self._presence.servers_for(node)
         if not servers:
             raise DialFailed(
@@ -324,6 +348,13 @@ class ViewPresence:
             return []
         presence = view.tunnels.get(node)
         return [] if presence is None else [server.address for server in presence.servers]
+
+    def addresses(self) -> set[str]:
+        """Every replica address any node's presence names."""
+        view = self._watch.view
+        if view is None:
+            return set()
+        return {s.address for p in view.tunnels.values() for s in p.servers}
 
 
 # ---------------------------------------------------------------- a socket for the proxy

@@ -323,3 +323,43 @@ def test_a_destination_that_resets_at_once_leaves_no_orphan_under_uvloop(tmp_pat
         stop.set()
         thread.join(5)
         listener.close()
+
+
+class MovingPresence:
+    """Presence whose replica addresses a test changes."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        self.current = addresses
+
+    def servers_for(self, node: str) -> list[str]:
+        return list(self.current)
+
+    def addresses(self) -> set[str]:
+        return set(self.current)
+
+
+async def test_channels_to_replicas_that_left_presence_are_closed_when_idle(
+    tunnel: Tunnel,
+) -> None:
+    from waygate.tunnel.client import TunnelClient
+
+    server, port = await echo_server()
+    async with server:
+        presence = MovingPresence([f"127.0.0.1:{tunnel.dial_port}"])
+        client = TunnelClient(
+            presence,
+            credentials=lambda: credentials(tunnel.dialer_files),
+            server_name="tunnel-server",
+        )
+        tunnel.clients.append(client)
+        client.PRUNE_INTERVAL = 0.0
+        held = await client.dial(NODE, port)
+        presence.current = []
+        with pytest.raises(DialFailed):
+            await client.dial(NODE, port)
+        assert client._channels, "a channel under an open stream is kept"
+        await held.aclose()
+        await until(lambda: not client._streams, "the stream to end")
+        with pytest.raises(DialFailed):
+            await client.dial(NODE, port)
+        assert not client._channels
