@@ -36,6 +36,7 @@ import asyncio
 import collections
 import logging
 import random
+import select
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -374,6 +375,7 @@ class SocketBridge(asyncio.Protocol):
         self._outgoing: collections.deque[bytes] = collections.deque()
         self._outgoing_bytes = 0
         self._local_eof = False
+        self._wrote_eof = False
         self._wakeup: asyncio.Future[None] | None = None
         self._writable: asyncio.Future[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -433,8 +435,22 @@ class SocketBridge(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         self._local_eof = True
+        # While our side still writes, POLLHUP means the proxy closed its end (not a
+        # half-close): nobody will read the answer. (After our own EOF, POLLHUP only
+        # says both directions ended, which the clean path handles.)
+        if not self._wrote_eof and self._peer_closed():
+            self._abort()
+            return False
         self._wake()
         return True
+
+    def _peer_closed(self) -> bool:
+        raw = self.transport.get_extra_info("socket") if self.transport is not None else None
+        if raw is None:
+            return False
+        poller = select.poll()
+        poller.register(raw.fileno(), select.POLLIN)
+        return any(events & select.POLLHUP for _fd, events in poller.poll(0))
 
     def connection_lost(self, exc: Exception | None) -> None:
         if exc is not None or not self._local_eof:
@@ -481,6 +497,7 @@ class SocketBridge(asyncio.Protocol):
                 return
             if not data:
                 if transport.can_write_eof():
+                    self._wrote_eof = True
                     transport.write_eof()
                 return
             transport.write(data)

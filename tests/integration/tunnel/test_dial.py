@@ -363,3 +363,23 @@ async def test_channels_to_replicas_that_left_presence_are_closed_when_idle(
         with pytest.raises(DialFailed):
             await client.dial(NODE, port)
         assert not client._channels
+
+
+async def test_the_bridge_lets_go_when_the_proxy_closes_its_end(tunnel: Tunnel) -> None:
+    # A destination that never closes: only the proxy's close can end the connection.
+    held: list[asyncio.StreamWriter] = []
+
+    async def hold(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        stream = await tunnel.client().dial(NODE, port)
+        sock = await bridged_socket(stream)
+        await until(lambda: tunnel.agents[0].open_connections() == 1, "the connection")
+        sock.close()  # a full close, not a half-close
+        await until(lambda: not tunnel.hub.sessions[NODE].connections, "the server to let go")
+        await until(lambda: not tunnel.agents[0].open_connections(), "the agent to let go")
+        for writer in held:
+            writer.close()
