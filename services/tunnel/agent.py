@@ -453,6 +453,13 @@ class Agent:
         if replicas != self.replicas:
             self.replicas = replicas
             self._changed.set()
+            if replicas:
+                for server_id, stream in self.streams.items():
+                    if server_id not in replicas and not stream.draining:
+                        # That replica left the set: move off it as a drain does (its
+                        # stream ends once its last connection has).
+                        stream.draining = True
+                        stream.leave_if_drained()
 
     def stream_draining(self, _stream: AgentStream) -> None:
         self._changed.set()

@@ -8,7 +8,9 @@ tells every agent to move (Drain with the grace), and the listeners give open
 connections `shutdown_grace` before they are cut.
 
 The replica set agents are told about is this replica plus `replicas`
-(ids, e.g. the StatefulSet's pod names); agents hold one stream per id.
+(ids, e.g. the StatefulSet's pod names); agents hold one stream per id. The
+set is static (read at start): every replica must be given the same set, or
+agents told different sets by different replicas keep joining and leaving.
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ class Settings(FrontSettings, GrpcServerSettings):  # front_*: the HTTPS front (
     replicas: tuple[str, ...] = setting(
         (),
         help="ids of the other replicas agents must also connect to, comma-separated; "
-        "empty: this replica is the only one",
+        "every replica must list the same set (its own id aside), as the StatefulSet does; "
+        "read at start; empty: this replica is the only one",
     )
     advertise_address: str = setting(
         "", help="dialer-facing host:port reported to the resolver; empty: HOST:DIAL_PORT"

@@ -230,3 +230,27 @@ def socket_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+async def test_the_agent_leaves_a_replica_that_left_the_set(tmp_path: Path) -> None:
+    ca = LocalCA()
+    a = Tunnel(tmp_path / "a", server_id="replica-a", replicas=("replica-b",), ca=ca)
+    b = Tunnel(tmp_path / "b", server_id="replica-b", replicas=("replica-a",), ca=ca)
+    await a.start_server()
+    await b.start_server()
+    balancer, port, _accepted = await round_robin([a.agent_port, b.agent_port])
+    try:
+        a.agent_port = port
+        agent = await a.start_agent(wait=False)
+        await until(
+            lambda: NODE in a.hub.sessions and NODE in b.hub.sessions, "streams to both replicas"
+        )
+        a.hub.set_replicas(())  # replica-b is no longer part of the set
+        await until(lambda: agent.replicas == {"replica-a"}, "the agent to learn the new set")
+        await until(lambda: NODE not in b.hub.sessions, "the stream to replica-b to end")
+        await until(lambda: set(agent.streams) == {"replica-a"}, "the agent to forget it")
+        assert NODE in a.hub.sessions
+    finally:
+        balancer.close()
+        await a.close()
+        await b.close()
