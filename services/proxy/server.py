@@ -1118,7 +1118,9 @@ class UpstreamConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         client = self.client
         if client is None:
-            # Bytes on an idle connection: the framing is off; never reuse it.
+            # Bytes on an idle connection: the framing is off; never reuse it
+            # (out of the pool now, so no request can take it before it closes).
+            self.server.pool.discard(self)
             self.abort()
             return
         self.got_bytes = True
@@ -1164,11 +1166,13 @@ class UpstreamConnection(asyncio.Protocol):
                 if status == 100 and req.expect_continue and client.transport is not None:
                     client.transport.write(http1.CONTINUE_100)
                 continue  # other 1xx: informational, dropped
-            self._final_head(client, req, response)
+            # Bytes after a response without a body, in the same read: the
+            # upstream's framing is off, so the connection is not pooled.
+            self._final_head(client, req, response, trailing=bool(data))
             return data
 
     def _final_head(
-        self, client: ClientConnection, req: RequestHead, response: ResponseHead
+        self, client: ClientConnection, req: RequestHead, response: ResponseHead, *, trailing: bool
     ) -> None:
         self.server.metrics.latency(client.loop.time() - self.sent_at)
         framing = http1.response_framing(req.method, response)
@@ -1209,7 +1213,7 @@ class UpstreamConnection(asyncio.Protocol):
         client.status = response.status
         if framing == FRAMING_NONE or (framing == FRAMING_LENGTH and length == 0):
             client.transport.write(head)  # type: ignore[union-attr]
-            self._done(client, clean=True)
+            self._done(client, clean=not trailing)
         else:
             # Written with the first body bytes: one send for a small response.
             self.pending_head = head
