@@ -80,7 +80,7 @@ async def test_bytes_after_a_bodiless_response_are_never_the_next_response(
                     first = await reader.readuntil(b"\r\n\r\n")
                 assert first.startswith(bodiless[:12]), first
                 # Another client, at once: it must not get the stray response.
-                second, r2, w2 = await _get(port)
+                second, _, w2 = await _get(port)
                 w2.close()
                 assert second.endswith(b"\r\n\r\ngood"), second
                 assert upstream.connections == 2
