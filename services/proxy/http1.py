@@ -132,31 +132,38 @@ def _is_identity_header(lname: bytes) -> bool:
     return lname.startswith(b"x-ssl-") or lname.startswith(b"x-remote-extra-")
 
 
-def find_head_end(buffer: bytes | bytearray, limit: int = MAX_HEAD_BYTES, start: int = 0) -> int:
+def find_head_end(
+    buffer: bytes | bytearray, limit: int = MAX_HEAD_BYTES, start: int = 0, origin: int = 0
+) -> int:
     """Index just past the head's CRLF CRLF, or -1 while incomplete.
 
     `start`: where to resume the search in a growing buffer (bytes before it
     were already searched, less 3 for a terminator split across reads), so a
     head trickled in byte by byte costs linear, not quadratic, time.
+    `origin`: where the head starts in `buffer` (pipelined heads are walked in
+    place, never sliced off one by one); the limits count from there.
     Raises BadMessage when the head or its first line outgrows the limits, or
     when it ends with a bare LF (which the strict grammar refuses anyway: this
     just refuses it now rather than at the size limit).
     """
+    if start < origin:
+        start = origin
     end = buffer.find(b"\r\n\r\n", start)
     if end < 0:
-        line_end = buffer.find(b"\n")
-        if (line_end < 0 and len(buffer) > MAX_REQUEST_LINE) or line_end > MAX_REQUEST_LINE:
+        size = len(buffer) - origin
+        line_end = buffer.find(b"\n", origin)
+        if (line_end < 0 and size > MAX_REQUEST_LINE) or line_end - origin > MAX_REQUEST_LINE:
             raise BadMessage("request line longer than 8 KiB", 414)
-        if len(buffer) > limit:
+        if size > limit:
             raise BadMessage("header block larger than 32 KiB", 431)
         if buffer.find(b"\n\n", start) >= 0 or buffer.find(b"\n\r\n", start) >= 0:
             raise BadMessage("bare LF line ending (RFC 9112 section 2.2)")
         return -1
     end += 4
-    if end > limit:
+    if end - origin > limit:
         raise BadMessage("header block larger than 32 KiB", 431)
-    line_end = buffer.find(b"\r\n")
-    if line_end > MAX_REQUEST_LINE:
+    line_end = buffer.find(b"\r\n", origin)
+    if line_end - origin > MAX_REQUEST_LINE:
         raise BadMessage("request line longer than 8 KiB", 414)
     return end
 

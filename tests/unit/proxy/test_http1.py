@@ -164,7 +164,13 @@ def test_response_hop_by_hop_lines_dropped_others_kept_verbatim() -> None:
 
 @pytest.mark.parametrize(
     "name",
-    [b"X_Remote_User", b"X-Remote_User", b"x_remote_group", b"X_SSL_Client_CN", b"X_Remote_Extra_A"],
+    [
+        b"X_Remote_User",
+        b"X-Remote_User",
+        b"x_remote_group",
+        b"X_SSL_Client_CN",
+        b"X_Remote_Extra_A",
+    ],
 )
 def test_identity_header_lookalikes_with_underscores_are_dropped(name: bytes) -> None:
     # WSGI/CGI backends map '_' and '-' alike (HTTP_X_REMOTE_USER): a lookalike
@@ -190,3 +196,16 @@ def test_response_headers_named_in_connection_are_dropped() -> None:
     assert response.keep_alive
     head = http1.build_client_head(response, http1.FRAMING_LENGTH, 0, True)
     assert head == b"HTTP/1.1 200 OK\r\nServer: x\r\nX-Kept: 1\r\nContent-Length: 0\r\n\r\n"
+
+
+def test_find_head_end_walks_pipelined_heads_in_place() -> None:
+    head = b"GET / HTTP/1.1\r\nHost: a\r\n\r\n"
+    buffer = head * 3 + b"GET /partial HTTP/1.1\r\n"
+    assert http1.find_head_end(buffer, start=len(head), origin=len(head)) == 2 * len(head)
+    assert http1.find_head_end(buffer, start=3 * len(head), origin=3 * len(head)) == -1
+    # The limits count from the head's own start, not the buffer's.
+    long_line = b"GET /" + b"a" * (http1.MAX_REQUEST_LINE + 1) + b" HTTP/1.1\r\n\r\n"
+    with pytest.raises(BadMessage):
+        http1.find_head_end(head + long_line, start=len(head), origin=len(head))
+    big = head * (http1.MAX_HEAD_BYTES // len(head))
+    assert http1.find_head_end(big + head, start=len(big), origin=len(big)) == len(big) + len(head)
