@@ -152,6 +152,13 @@ class ProxyServer:
         self._servers: list[asyncio.AbstractServer] = []
         self._sweeper: asyncio.TimerHandle | None = None
         self._ticks = 0
+        # The timer sweep walks every connection once a second; the connections
+        # whose deadline falls before the next walk (`soon_until`) are listed in
+        # `soon` for the ticks in between (ClientConnection._arm adds those armed
+        # meanwhile), so 10,000 idle keep-alives cost one walk a second, not ten.
+        self._full_sweep_at = 0.0
+        self.soon_until = 0.0
+        self.soon: list[ClientConnection] = []
         # Access-log lines allowed per second; the rest are counted and summarised.
         self.access_log_rate = access_log_rate
         self.access_log_budget = access_log_rate
@@ -200,10 +207,17 @@ class ProxyServer:
 
     def _sweep(self) -> None:
         now = self.loop.time()
-        # Connection timeouts: one comparison per connection per tick instead of
-        # a timer armed and cancelled twice per request.
-        expired = [c for c in self.connections if c._timer_kind != _T_NONE and c._deadline <= now]
-        for connection in expired:
+        # Connection timeouts: deadlines compared by this ticker instead of a
+        # timer armed and cancelled twice per request; they fire up to one tick
+        # late, as before the walk became once a second.
+        if now >= self._full_sweep_at:
+            self._full_sweep_at = now + 1.0
+            self.soon_until = until = self._full_sweep_at + TICK
+            due = [c for c in self.connections if c._timer_kind != _T_NONE and c._deadline <= until]
+        else:
+            due = [c for c in dict.fromkeys(self.soon) if c._timer_kind != _T_NONE]
+        self.soon = [c for c in due if c._deadline > now]
+        for connection in [c for c in due if c._deadline <= now]:
             connection._on_timer()
         self._ticks += 1
         if self._ticks % TICKS_PER_SECOND:
@@ -992,9 +1006,13 @@ class ClientConnection(asyncio.Protocol):
         return self.server.defaults.keep_alive_timeout
 
     def _arm(self, delay: float, kind: int) -> None:
-        # No timer object per request: the server's ticker compares deadlines.
-        self._deadline = self.loop.time() + delay
+        # No timer object per request: the server's ticker compares deadlines
+        # (a deadline before its next full walk goes on its short list).
+        deadline = self._deadline = self.loop.time() + delay
         self._timer_kind = kind
+        server = self.server
+        if deadline <= server.soon_until:
+            server.soon.append(self)
 
     def _cancel_timer(self) -> None:
         self._timer_kind = _T_NONE
