@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 
 from waygate.core.balancing import Picker, RoundRobinPicker, new_picker
 from waygate.core.paths import normalize_request_path
+from waygate.proxy.tls import hsts_line
 from waygate.resolver.model import Endpoint, Route, Service
 
 DEFAULT_POLICY = "leastconn"
@@ -152,7 +153,7 @@ class Backend:
 
 
 class RouteEntry:
-    __slots__ = ("backend_picker", "backends", "options", "path", "policy", "route")
+    __slots__ = ("backend_picker", "backends", "hsts", "options", "path", "policy", "route")
 
     def __init__(
         self,
@@ -166,6 +167,8 @@ class RouteEntry:
         self.route = route
         self.path = path
         self.options = options
+        # The Strict-Transport-Security line it adds on HTTPS, built once (b"": none).
+        self.hsts = hsts_line(route)
         self.backends = backends
         self.policy = policy
         self.backend_picker: RoundRobinPicker[int] | None = None

@@ -163,6 +163,9 @@ class ProxyServer:
         self.access_log_rate = access_log_rate
         self.access_log_budget = access_log_rate
         self.access_log_suppressed = 0
+        # Whether the access logger logs INFO at all, checked once a second (not
+        # per request): while it is off no record is built.
+        self.access_log_on = access_log.isEnabledFor(logging.INFO)
         self._drained = asyncio.Event()
         # TLS (waygate.proxy.tls, upstream_tls): the HTTPS port once bound (for
         # redirects), and the reencrypt step (None: no route reencrypts).
@@ -234,6 +237,7 @@ class ProxyServer:
             )
             self.access_log_suppressed = 0
         self.access_log_budget = self.access_log_rate
+        self.access_log_on = access_log.isEnabledFor(logging.INFO)
         self._schedule_sweep()
 
     def stop_accepting(self) -> None:
@@ -278,6 +282,8 @@ class ClientConnection(asyncio.Protocol):
         "_deadline",
         "_eof",
         "_first",
+        "_identity",
+        "_identity_route",
         "_pauses",
         "_relay",
         "_timer_kind",
@@ -357,6 +363,11 @@ class ClientConnection(asyncio.Protocol):
         self.span: Any = None
         self.secure = False
         self.hsts = b""
+        # An auth-proxy route's answer for this connection's client certificate
+        # (identity header lines, or the refusal), per route: a connection's
+        # certificate never changes (no renegotiation), so it is read once.
+        self._identity_route: Any = None
+        self._identity: tuple[int, str] | bytes = b""
 
     # ------------------------------------------------------------ asyncio.Protocol
 
@@ -569,12 +580,17 @@ class ClientConnection(asyncio.Protocol):
         identity = b""
         if entry.route.tls is not None:
             if self.secure:
-                self.hsts = tls.hsts_line(entry.route)
+                self.hsts = entry.hsts
                 if entry.route.tls.client_ca_certificate:
-                    checked = server.edge.client_identity(
-                        self.transport.get_extra_info("ssl_object"),  # type: ignore[union-attr]
-                        entry.route,
-                    )
+                    if self._identity_route is entry.route:
+                        checked = self._identity
+                    else:
+                        checked = server.edge.client_identity(
+                            self.transport.get_extra_info("ssl_object"),  # type: ignore[union-attr]
+                            entry.route,
+                        )
+                        self._identity_route = entry.route
+                        self._identity = checked
                     if isinstance(checked, tuple):
                         return self._refuse_client(req, entry, *checked)
                     identity = checked
@@ -871,7 +887,9 @@ class ClientConnection(asyncio.Protocol):
         """Count one answered request; its access-log line and span when due."""
         server = self.server
         server.metrics.request(route, req.method, status)
-        if server.access_log_budget > 0:
+        if not server.access_log_on:
+            pass
+        elif server.access_log_budget > 0:
             server.access_log_budget -= 1
             _log_access(self, route, req, status)
         else:
