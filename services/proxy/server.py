@@ -522,7 +522,7 @@ class ClientConnection(asyncio.Protocol):
                 # An exchange started: the body bytes already here are checked
                 # before anything is sent upstream, then pipelined requests wait.
                 if pos < size and not self.req_complete:
-                    rest = self._feed_body(data[pos:])
+                    rest = self._feed_body(bytes(memoryview(data)[pos:]))
                     if self.closed or self.req is None:
                         return
                     self._dispatch()
