@@ -198,6 +198,13 @@ async def main(args: argparse.Namespace) -> str:
                 str(path),
                 "--log-level",
                 "info",
+                # Every watcher here is a plaintext client on 127.0.0.1, one peer to
+                # the per-peer stream caps (64 unauthenticated by default): give that
+                # one peer room (the unauthenticated cap may not exceed the other).
+                "--max-streams-per-peer",
+                "1000",
+                "--max-streams-per-unauthenticated-peer",
+                "1000",
             ],
             "listening",
         )
