@@ -23,7 +23,6 @@ A dial carries the caller's W3C trace context: the agent's span is its child.
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import logging
 import os
@@ -40,7 +39,7 @@ from waygate.core.backoff import Backoff
 from waygate.core.grpcclient import KEEPALIVE_OPTIONS
 from waygate.tunnel import mux
 from waygate.tunnel.allow import AllowList
-from waygate.tunnel.mux import MAX_CHUNK
+from waygate.tunnel.mux import MAX_CHUNK, Outbox
 from waygate.tunnel.v1 import tunnel_pb2 as pb
 from waygate.tunnel.v1 import tunnel_pb2_grpc
 
@@ -220,8 +219,7 @@ class AgentStream:
         self.draining = False
         self._call = call
         self._channel = channel
-        self._outbox: collections.deque[pb.Packet] = collections.deque()
-        self._outbox_ready: asyncio.Future[None] | None = None
+        self._outbox = Outbox()
         self._ids = itertools.count(1)
         self._dials: set[asyncio.Task[None]] = set()
         self._closed = False
@@ -230,21 +228,12 @@ class AgentStream:
     def send(self, packet: pb.Packet) -> None:
         if self._closed:
             return
-        self._outbox.append(packet)
-        ready = self._outbox_ready
-        if ready is not None and not ready.done():
-            ready.set_result(None)
+        self._outbox.put(packet)
 
     async def write_loop(self) -> None:
         outbox, call = self._outbox, self._call
         while True:
-            while not outbox:
-                self._outbox_ready = asyncio.get_running_loop().create_future()
-                try:
-                    await self._outbox_ready
-                finally:
-                    self._outbox_ready = None
-            packet = outbox.popleft()
+            packet = await outbox.next()
             if packet is _STREAM_END:
                 return
             if packet is _HALF_CLOSE:
@@ -397,11 +386,7 @@ class AgentStream:
     async def close(self) -> None:
         """End the stream: every connection on it is aborted, pending dials cancelled."""
         self._closed = True
-        self._outbox.clear()
-        self._outbox.append(_STREAM_END)
-        ready = self._outbox_ready
-        if ready is not None and not ready.done():
-            ready.set_result(None)
+        self._outbox.end(_STREAM_END)
         for task in list(self._dials):
             task.cancel()
         await asyncio.gather(*self._dials, return_exceptions=True)

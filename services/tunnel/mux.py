@@ -26,6 +26,7 @@ connection.
 from __future__ import annotations
 
 import asyncio
+import collections
 from typing import Any
 
 from waygate.core import errors
@@ -77,6 +78,42 @@ class Credit:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+
+class Outbox:
+    """The packets one agent stream has yet to write, in order, for its one writer.
+
+    Unbounded by itself on purpose: what goes in is bounded by the credit
+    windows (DATA) and by the connections (control packets). `end(marker)`
+    drops what is queued and makes `marker` the next packet, so a closing
+    stream stops writing at once.
+    """
+
+    __slots__ = ("_queue", "_ready")
+
+    def __init__(self) -> None:
+        self._queue: collections.deque[Any] = collections.deque()
+        self._ready: asyncio.Future[None] | None = None
+
+    def put(self, packet: Any) -> None:
+        self._queue.append(packet)
+        ready = self._ready
+        if ready is not None and not ready.done():
+            ready.set_result(None)
+
+    def end(self, marker: Any) -> None:
+        self._queue.clear()
+        self.put(marker)
+
+    async def next(self) -> Any:
+        queue = self._queue
+        while not queue:
+            self._ready = asyncio.get_running_loop().create_future()
+            try:
+                await self._ready
+            finally:
+                self._ready = None
+        return queue.popleft()
 
 
 class Refused(errors.WaygateError):

@@ -39,7 +39,7 @@ from opentelemetry import trace
 from waygate.core import errors, tracing
 from waygate.core.identity import matches
 from waygate.tunnel import mux
-from waygate.tunnel.mux import MAX_CHUNK, ConnectionClosed, Credit, Refused
+from waygate.tunnel.mux import MAX_CHUNK, ConnectionClosed, Credit, Outbox, Refused
 from waygate.tunnel.v1 import tunnel_pb2 as pb
 from waygate.tunnel.v1 import tunnel_pb2_grpc
 
@@ -189,8 +189,7 @@ class AgentSession:
         self.draining = False
         self.closed = False
         self._context = context
-        self._outbox: collections.deque[pb.Packet] = collections.deque()
-        self._outbox_ready: asyncio.Future[None] | None = None
+        self._outbox = Outbox()
         self._dials: dict[int, asyncio.Future[tuple[pb.DialResponse, ServerConnection | None]]] = {}
         self._randoms = itertools.count(random.randrange(1, 1 << 40))
         self.ended = asyncio.Event()
@@ -200,21 +199,12 @@ class AgentSession:
     def send(self, packet: pb.Packet) -> None:
         if self.closed:
             return
-        self._outbox.append(packet)
-        ready = self._outbox_ready
-        if ready is not None and not ready.done():
-            ready.set_result(None)
+        self._outbox.put(packet)
 
     async def write_loop(self) -> None:
         outbox, context = self._outbox, self._context
         while True:
-            while not outbox:
-                self._outbox_ready = asyncio.get_running_loop().create_future()
-                try:
-                    await self._outbox_ready
-                finally:
-                    self._outbox_ready = None
-            packet = outbox.popleft()
+            packet = await outbox.next()
             if packet is _STREAM_END:
                 return
             await context.write(packet)
@@ -329,11 +319,7 @@ class AgentSession:
         if self.closed:
             return
         self.closed = True
-        self._outbox.clear()
-        self._outbox.append(_STREAM_END)
-        ready = self._outbox_ready
-        if ready is not None and not ready.done():
-            ready.set_result(None)
+        self._outbox.end(_STREAM_END)
         for waiter in self._dials.values():
             if not waiter.done():
                 waiter.set_result(
