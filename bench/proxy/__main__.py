@@ -266,7 +266,14 @@ def haproxy_conf(directory: Path, port: int, upstream: int, threads: int) -> Pat
     return path
 
 
-def routes_file(path: Path, upstream: int) -> Path:
+def routes_file(path: Path, upstream: int, *, edge_tls: bool = False) -> Path:
+    """The benchmark's one route to the upstream; `edge_tls` makes it an edge route
+    that still serves plain HTTP (the HTTPS benchmark's)."""
+    tls = (
+        "    tls:\n      termination: edge\n      insecureEdgeTerminationPolicy: Allow\n"
+        if edge_tls
+        else ""
+    )
     path.write_text(
         textwrap.dedent(
             f"""\
@@ -285,6 +292,7 @@ def routes_file(path: Path, upstream: int) -> Path:
                 targetPort: http
             """
         )
+        + tls
     )
     return path
 

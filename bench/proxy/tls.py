@@ -43,6 +43,7 @@ from bench.proxy.__main__ import (
     install_peers,
     load,
     pinned,
+    routes_file,
     upstream_conf,
 )
 
@@ -104,32 +105,6 @@ def haproxy_tls_conf(directory: Path, port: int, upstream: int, combined: Path) 
               default_backend upstream
             backend upstream
               server up 127.0.0.1:{upstream}
-            """
-        )
-    )
-    return path
-
-
-def routes_file(path: Path, upstream: int) -> Path:
-    path.write_text(
-        textwrap.dedent(
-            f"""\
-            services:
-              - namespace: bench
-                name: upstream
-                ports:
-                  - {{name: http, port: 80, targetPort: {upstream}}}
-                endpoints:
-                  - address: 127.0.0.1
-            routes:
-              - namespace: bench
-                name: upstream
-                host: {HOST}
-                to: upstream
-                targetPort: http
-                tls:
-                  termination: edge
-                  insecureEdgeTerminationPolicy: Allow
             """
         )
     )
@@ -204,7 +179,7 @@ def main(duration: float) -> str:
         resolver_argv = [
             sys.executable, "-m", "waygate", "resolver", "serve", "--grpc-port",
             str(resolver_port), "--admin-port", "0", "--routes-file",
-            str(routes_file(directory / "routes.yaml", upstream_port)),
+            str(routes_file(directory / "routes.yaml", upstream_port, edge_tls=True)),
         ]  # fmt: skip
         resolver = subprocess.Popen(
             pinned(CLIENT_CORE, resolver_argv),
