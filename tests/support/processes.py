@@ -99,6 +99,14 @@ async def start_service(
     return service
 
 
+def resolver_serve_argv(routes: Path, *extra: str) -> list[str]:
+    """`waygate resolver serve` on port 0 over ROUTES, polled every 100 ms (tests edit it)."""
+    return [
+        "waygate", "resolver", "serve", "--grpc-port", "0", "--admin-port", "0",
+        "--routes-file", str(routes), "--routes-poll-interval", "100ms", *extra,
+    ]  # fmt: skip
+
+
 def certs_serve_argv(
     directory: Path,
     tokens: Sequence[dict[str, object]],

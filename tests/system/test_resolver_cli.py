@@ -15,6 +15,7 @@ from tests.support.processes import (
     RunningService,
     child_env,
     http_get,
+    resolver_serve_argv,
     run_cli,
     start_service,
 )
@@ -29,21 +30,7 @@ pytestmark = pytest.mark.system
 async def resolver(tmp_path: Path):  # type: ignore[no-untyped-def]
     routes = tmp_path / "routes.yaml"
     shutil.copyfile(EXAMPLE_ROUTES, routes)
-    service = await start_service(
-        [
-            "waygate",
-            "resolver",
-            "serve",
-            "--grpc-port",
-            "0",
-            "--admin-port",
-            "0",
-            "--routes-file",
-            str(routes),
-            "--routes-poll-interval",
-            "100ms",
-        ]
-    )
+    service = await start_service(resolver_serve_argv(routes))
     try:
         yield service, routes
     finally:

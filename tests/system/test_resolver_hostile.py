@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from tests.support.pki import self_signed
-from tests.support.processes import RunningService, start_service
+from tests.support.processes import RunningService, resolver_serve_argv, start_service
 from waygate.resolver.client import Kind, ResolverWatch
 from waygate.resolver.v1 import resolver_pb2 as pb
 from waygate.resolver.v1 import resolver_pb2_grpc
@@ -51,19 +51,7 @@ def big_routes_file(path: Path) -> None:
 
 async def serve(routes: Path) -> RunningService:
     service = await start_service(
-        [
-            "waygate",
-            "resolver",
-            "serve",
-            "--grpc-port",
-            "0",
-            "--admin-port",
-            "0",
-            "--routes-file",
-            str(routes),
-            "--routes-poll-interval",
-            "100ms",
-        ],
+        resolver_serve_argv(routes),
         timeout=120,
     )
     return service
