@@ -87,20 +87,6 @@ async def test_a_token_over_its_bound_is_refused_without_repeating_it(tmp_path: 
     assert "at most 16384" in str(refused.value)
 
 
-async def test_signing_runs_off_the_event_loop_thread(tmp_path: Path) -> None:
-    service = make_service(tmp_path)
-    threads: list[str] = []
-    issue = service.authority.issue
-
-    def recording_issue(*args: object, **kwargs: object) -> object:
-        threads.append(threading.current_thread().name)
-        return issue(*args, **kwargs)  # type: ignore[arg-type]
-
-    service.authority.issue = recording_issue  # type: ignore[method-assign]
-    await certify(service)
-    assert threads and threads[0].startswith("certs-sign")
-
-
 async def test_a_full_signing_pool_refuses_at_once_and_recovers() -> None:
     executor = SigningExecutor(workers=1, queue=1)
     release = threading.Event()
