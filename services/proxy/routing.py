@@ -153,7 +153,16 @@ class Backend:
 
 
 class RouteEntry:
-    __slots__ = ("backend_picker", "backends", "hsts", "options", "path", "policy", "route")
+    __slots__ = (
+        "backend_picker",
+        "backends",
+        "hsts",
+        "options",
+        "path",
+        "policy",
+        "route",
+        "single",
+    )
 
     def __init__(
         self,
@@ -176,6 +185,15 @@ class RouteEntry:
             self.backend_picker = RoundRobinPicker(list(range(len(backends))), weights)
         elif backends and weights[0] == 0:
             self.backends = []
+        # One backend with one endpoint (the common route): what pick() would
+        # answer for any request without a cookie or an endpoint to avoid, so
+        # the request path takes it without a call. Pickers change only when a
+        # table is built, and a new table builds new entries.
+        self.single: tuple[Target, Backend] | None = None
+        if len(self.backends) == 1:
+            only = self.backends[0].picker.targets
+            if len(only) == 1 and self.backends[0].picker.weight(only[0]) > 0:
+                self.single = (only[0], self.backends[0])
 
     def matches(self, path: bytes) -> bool:
         prefix = self.path

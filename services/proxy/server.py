@@ -100,6 +100,8 @@ TICKS_PER_SECOND = 10
 # upstreams' keep-alive timeouts are seconds (Node.js 5 s, nginx 75 s).
 SAFE_REUSE_IDLE = 2.0
 HIGH_WATER = 256 * 1024
+# A head shorter than this is within both head limits (request line, whole head).
+_SHORT_HEAD = http1.MAX_REQUEST_LINE - 4
 LOW_WATER = 64 * 1024
 MAX_CONNECT_ATTEMPTS = 3
 
@@ -281,7 +283,6 @@ class ClientConnection(asyncio.Protocol):
         "_connect_task",
         "_deadline",
         "_eof",
-        "_first",
         "_identity",
         "_identity_route",
         "_pauses",
@@ -356,7 +357,6 @@ class ClientConnection(asyncio.Protocol):
         self._connect_task: asyncio.Task[None] | None = None
         self._relay = False
         self._write_paused = False
-        self._first = True
         self._eof = False
         self.path = b""
         self.cookie: bytes | None = None
@@ -500,11 +500,15 @@ class ClientConnection(asyncio.Protocol):
                 self._pause(_PAUSE_WRITING)
                 self._arm(self._idle_timeout(), _T_IDLE)
                 return
-            try:
-                end = http1.find_head_end(data, start=pos, origin=pos)
-            except BadMessage as exc:
-                self._refuse(exc)
-                return
+            end = data.find(b"\r\n\r\n", pos)
+            if 0 <= end < pos + _SHORT_HEAD:
+                end += 4  # a short head is within every size limit: nothing to check
+            else:
+                try:
+                    end = http1.find_head_end(data, start=pos, origin=pos)
+                except BadMessage as exc:
+                    self._refuse(exc)
+                    return
             if end < 0:
                 self._keep(data, pos)
                 self.scanned = max(0, len(self.buf) - 3)
@@ -564,8 +568,7 @@ class ClientConnection(asyncio.Protocol):
         except BadMessage as exc:
             self._refuse(exc)
             return False
-        self._first = False
-        self.started = self.loop.time()
+        self.started = now = self.loop.time()
         target = req.target
         if target == http1.HEALTHZ_PATH:
             return self._local(req, http1.HEALTHZ_RESPONSE, 200, "healthz")
@@ -596,20 +599,34 @@ class ClientConnection(asyncio.Protocol):
                     identity = checked
             elif (rule := tls.edge_rule(entry.route)) != tls.EDGE_ALLOW:
                 return self._insecure(req, entry, rule)
-        cookie = self._sticky_cookie(req, entry) if req.cookie else None
-        self.cookie = cookie
-        picked, backend = entry.pick(self.client_key, cookie, server.health, None)
-        if picked is None or backend is None:
-            reason = "no endpoint ready for route " + entry.options.name
-            return self._unavailable(req, reason, "no_endpoint")
-        self._arm(entry.options.server_timeout, _T_EXCHANGE)
+        if req.cookie:
+            cookie = self.cookie = self._sticky_cookie(req, entry)
+        else:
+            cookie = self.cookie = None
+        single = entry.single
+        if single is not None and cookie is None:
+            picked, backend = single
+        else:
+            chosen, chosen_backend = entry.pick(self.client_key, cookie, server.health, None)
+            if chosen is None or chosen_backend is None:
+                reason = "no endpoint ready for route " + entry.options.name
+                return self._unavailable(req, reason, "no_endpoint")
+            picked, backend = chosen, chosen_backend
+        options = entry.options
+        # The exchange's deadline (see _arm), armed without a second clock read.
+        self._deadline = deadline = now + options.server_timeout
+        self._timer_kind = _T_EXCHANGE
+        if deadline <= server.soon_until:
+            server.soon.append(self)
         self.req = req
         self.entry = entry
         self.status = 0
-        self.last_up = self.last_client = self.started
+        self.last_up = self.last_client = now
         self.response_started = False
         self.retried = False
-        self._set_pick(picked, backend)
+        self.target = picked
+        self.backend = backend
+        backend.picker.acquire(picked)
         if req.chunked:
             self.body_reader = ChunkedReader()
             self.req_complete = False
@@ -620,17 +637,21 @@ class ClientConnection(asyncio.Protocol):
         else:
             self.req_complete = True
         traceparent = req.traceparent
-        self.upstream_traceparent = None
-        if traceparent and traceparent[-3:] == b"-01" and _TRACEPARENT.fullmatch(traceparent):
-            # Sampled upstream of us (parent-based): a span, and its id goes on.
-            traceparent = self._start_span(req, entry)
-            self.upstream_traceparent = traceparent.decode("ascii")
-        self.upstream_head = http1.build_upstream_head(
-            req, self.context, entry.options.forwarded_mode, traceparent
+        if traceparent:
+            self.upstream_traceparent = None
+            if traceparent[-3:] == b"-01" and _TRACEPARENT.fullmatch(traceparent):
+                # Sampled upstream of us (parent-based): a span, and its id goes on.
+                traceparent = self._start_span(req, entry)
+                self.upstream_traceparent = traceparent.decode("ascii")
+        elif self.upstream_traceparent is not None:
+            self.upstream_traceparent = None
+        upstream_head = http1.build_upstream_head(
+            req, self.context, options.forwarded_mode, traceparent
         )
         if identity:
             # Set from the verified certificate; the client's own copies were stripped.
-            self.upstream_head = self.upstream_head[:-2] + identity + b"\r\n"
+            upstream_head = upstream_head[:-2] + identity + b"\r\n"
+        self.upstream_head = upstream_head
         return True
 
     def _dispatch(self) -> None:
@@ -641,10 +662,10 @@ class ClientConnection(asyncio.Protocol):
         req = self.req
         # A request that must never be re-sent only takes a recently used
         # connection (see Pool.take); idempotent ones may be retried instead.
-        upstream = server.pool.take(
-            target,
-            idle_at_most=None if req is None or req.method in _IDEMPOTENT else SAFE_REUSE_IDLE,
-        )
+        if req is not None and req.method in _IDEMPOTENT:
+            upstream = server.pool.take(target)
+        else:
+            upstream = server.pool.take(target, idle_at_most=SAFE_REUSE_IDLE)
         if upstream is not None:
             server.metrics.pool_reused += 1
             self._attach(upstream, reused=True)
@@ -777,7 +798,13 @@ class ClientConnection(asyncio.Protocol):
 
     def _attach(self, upstream: UpstreamConnection, *, reused: bool) -> None:
         self.upstream = upstream
-        upstream.begin(self, reused)
+        # The upstream's exchange starts (see UpstreamConnection.__init__).
+        upstream.client = self
+        upstream.reused = reused
+        upstream.got_bytes = False
+        upstream.buf = b""
+        upstream.response = None
+        upstream.sent_at = self.started if reused else self.loop.time()
         transport = upstream.transport
         assert transport is not None
         if self.pending_body:
@@ -817,24 +844,39 @@ class ClientConnection(asyncio.Protocol):
         self.status = status
         self.transport.write(head)  # type: ignore[union-attr]
 
-    def exchange_done(self, keep_alive: bool) -> None:
+    def exchange_done(self, keep_alive: bool, now: float = 0.0) -> None:
         """The response is complete; the next request (if any) may start."""
         server = self.server
         entry = self.entry
         req = self.req
-        if entry is not None and req is not None:
-            self._record(entry.options.name, req, self.status or 502)
-        idle_timeout = self._idle_timeout()
+        if entry is not None:
+            options = entry.options
+            if req is not None:
+                self._record(options.name, req, self.status or 502)
+            idle_timeout = options.keep_alive_timeout
+        else:
+            idle_timeout = server.defaults.keep_alive_timeout
         self.upstream = None
-        self._release_pick()
+        backend = self.backend
+        if backend is not None:
+            target = self.target
+            if target is not None:
+                backend.picker.release(target)
+            self.backend = None
+        self.target = None
         self.req = None
         self.entry = None
         self.body_reader = None
         if not keep_alive or not self.req_complete or server.draining or self.closed or self._eof:
             self._close()
             return
-        self._unpause(_PAUSE_PIPELINE | _PAUSE_UPSTREAM)
-        self._arm(idle_timeout, _T_IDLE)
+        if self._pauses:
+            self._unpause(_PAUSE_PIPELINE | _PAUSE_UPSTREAM)
+        # The keep-alive deadline (see _arm), from the clock read of the response.
+        self._deadline = deadline = (now or self.loop.time()) + idle_timeout
+        self._timer_kind = _T_IDLE
+        if deadline <= server.soon_until:
+            server.soon.append(self)
         if self.buf:
             data = self.buf  # handed over, not copied: _process walks it in place
             self.buf = bytearray()
@@ -887,13 +929,12 @@ class ClientConnection(asyncio.Protocol):
         """Count one answered request; its access-log line and span when due."""
         server = self.server
         server.metrics.request(route, req.method, status)
-        if not server.access_log_on:
-            pass
-        elif server.access_log_budget > 0:
-            server.access_log_budget -= 1
-            _log_access(self, route, req, status)
-        else:
-            server.access_log_suppressed += 1
+        if server.access_log_on:
+            if server.access_log_budget > 0:
+                server.access_log_budget -= 1
+                _log_access(self, route, req, status)
+            else:
+                server.access_log_suppressed += 1
         span = self.span
         if span is not None:
             self.span = None
@@ -1183,14 +1224,6 @@ class UpstreamConnection(asyncio.Protocol):
     def usable_idle(self) -> bool:
         return not self.closed and self.transport is not None and not self.transport.is_closing()
 
-    def begin(self, client: ClientConnection, reused: bool) -> None:
-        self.client = client
-        self.reused = reused
-        self.got_bytes = False
-        self.buf = b""
-        self.response = None
-        self.sent_at = client.loop.time()
-
     # ------------------------------------------------------------ protocol
 
     def data_received(self, data: bytes) -> None:
@@ -1202,26 +1235,34 @@ class UpstreamConnection(asyncio.Protocol):
             self.abort()
             return
         self.got_bytes = True
-        client.last_up = client.loop.time()
+        client.last_up = now = client.loop.time()
         if self.relay:
             client.server.metrics.bytes_out += len(data)
             client.transport.write(data)  # type: ignore[union-attr]
             return
         if self.response is None:
-            rest = self._head(client, self.buf + data if self.buf else data)
+            if self.buf:
+                data = self.buf + data
+                self.buf = b""
+            rest = self._head(client, data, now)
             if rest is None or self.client is None or self.response is None:
                 return
             data = rest
         self._body(client, data)
 
-    def _head(self, client: ClientConnection, data: bytes) -> bytes | None:
-        """Parse response heads (skipping 1xx) and send the final one on; returns the rest."""
+    def _head(self, client: ClientConnection, data: bytes, now: float) -> bytes | None:
+        """Parse response heads (skipping 1xx) and send the final one on; returns the
+        rest (None: nothing more to do with `data`)."""
         while True:
-            try:
-                end = http1.find_head_end(data)
-            except BadMessage:
-                self._broken(client, "upstream sent an oversized response head")
-                return None
+            end = data.find(b"\r\n\r\n")
+            if 0 <= end < _SHORT_HEAD:
+                end += 4  # a short head is within every size limit: nothing to check
+            else:
+                try:
+                    end = http1.find_head_end(data)
+                except BadMessage:
+                    self._broken(client, "upstream sent an oversized response head")
+                    return None
             if end < 0:
                 self.buf = data
                 return None
@@ -1244,19 +1285,25 @@ class UpstreamConnection(asyncio.Protocol):
                 if status == 100 and req.expect_continue and client.transport is not None:
                     client.transport.write(http1.CONTINUE_100)
                 continue  # other 1xx: informational, dropped
-            # Bytes after a response without a body, in the same read: the
-            # upstream's framing is off, so the connection is not pooled.
-            self._final_head(client, req, response, trailing=bool(data))
-            return data
+            return self._final_head(client, req, response, data, now)
 
     def _final_head(
-        self, client: ClientConnection, req: RequestHead, response: ResponseHead, *, trailing: bool
-    ) -> None:
-        self.server.metrics.latency(client.loop.time() - self.sent_at)
+        self,
+        client: ClientConnection,
+        req: RequestHead,
+        response: ResponseHead,
+        rest: bytes,
+        now: float,
+    ) -> bytes | None:
+        """Send the final response head on; returns the bytes after it still to
+        handle as body (None: the response is complete, or nothing is left)."""
+        server = self.server
+        server.metrics.latency(now - self.sent_at)
         framing = http1.response_framing(req.method, response)
-        keep_alive = req.keep_alive and not self.server.draining
-        out_framing = framing
         length = response.content_length
+        status = response.status
+        keep_alive = req.keep_alive and not server.draining
+        out_framing = framing
         self.reader = None
         if framing == FRAMING_LENGTH:
             self.remaining = length
@@ -1288,13 +1335,23 @@ class UpstreamConnection(asyncio.Protocol):
             extra += client.hsts
         head = http1.build_client_head(response, out_framing, length, keep_alive, extra)
         client.response_started = True
-        client.status = response.status
+        client.status = status
+        if framing == FRAMING_LENGTH and len(rest) == length < 65536:
+            # The whole body came with the head (a small response): one send.
+            server.metrics.bytes_out += length
+            client.transport.write(head + rest)  # type: ignore[union-attr]
+            self.remaining = 0
+            self._done(client, clean=True, now=now)
+            return None
         if framing == FRAMING_NONE or (framing == FRAMING_LENGTH and length == 0):
             client.transport.write(head)  # type: ignore[union-attr]
-            self._done(client, clean=not trailing)
-        else:
-            # Written with the first body bytes: one send for a small response.
-            self.pending_head = head
+            # Bytes after a response without a body, in the same read: the
+            # upstream's framing is off, so the connection is not pooled.
+            self._done(client, clean=not rest, now=now)
+            return None
+        # Written with the first body bytes: one send for a small response.
+        self.pending_head = head
+        return rest
 
     def _body(self, client: ClientConnection, data: bytes) -> None:
         transport = client.transport
@@ -1354,28 +1411,29 @@ class UpstreamConnection(asyncio.Protocol):
             # Bytes after a bodiless response: the upstream's framing is off.
             self.abort()
 
-    def _done(self, client: ClientConnection, *, clean: bool) -> None:
+    def _done(self, client: ClientConnection, *, clean: bool, now: float = 0.0) -> None:
         """The response is complete: pool or close this connection, free the client."""
         response = self.response
         self.client = None
         self.response = None
-        reusable = (
+        server = self.server
+        transport = self.transport
+        if (
             clean
             and client.req_complete
             and self.framing != FRAMING_CLOSE
             and response is not None
             and response.keep_alive
-            and not self.server.draining
+            and not server.draining
             and not self.closed
-        )
-        keep_alive = self.client_keep_alive
-        if reusable and self.transport is not None:
-            self.transport.resume_reading()
-            if not self.server.pool.put(self):
+            and transport is not None
+        ):
+            transport.resume_reading()
+            if not server.pool.put(self, now):
                 self.close()
         else:
             self.close()
-        client.exchange_done(keep_alive)
+        client.exchange_done(self.client_keep_alive, now)
 
     def _broken(self, client: ClientConnection, reason: str) -> None:
         self.abort()
@@ -1384,11 +1442,10 @@ class UpstreamConnection(asyncio.Protocol):
     def _switch(self, client: ClientConnection, response: ResponseHead, rest: bytes) -> None:
         req = client.req
         assert req is not None
-        parts = [b"HTTP/1.1 101 Switching Protocols\r\n"]
-        parts += response.headers
-        parts.append(b"Connection: Upgrade\r\nUpgrade: " + (response.upgrade or req.upgrade))
-        parts.append(b"\r\n\r\n")
-        client.transport.write(b"".join(parts))  # type: ignore[union-attr]
+        client.transport.write(  # type: ignore[union-attr]
+            b"HTTP/1.1 101 Switching Protocols%s\r\nConnection: Upgrade\r\nUpgrade: %s\r\n\r\n"
+            % (response.fields, response.upgrade or req.upgrade)
+        )
         self.relay = True
         client.start_relay(rest)
 

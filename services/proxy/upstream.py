@@ -150,15 +150,18 @@ class Pool:
                 return connection
         return None
 
-    def put(self, connection: UpstreamConnection) -> bool:
-        """Keep `connection` idle; False (the caller closes it) when the pool is full."""
+    def put(self, connection: UpstreamConnection, now: float = 0.0) -> bool:
+        """Keep `connection` idle; False (the caller closes it) when the pool is full.
+
+        `now`: the clock's reading when the caller has one already.
+        """
         target = connection.target
         idle = self._idle.get(target)
         if idle is None:
             idle = self._idle[target] = []
         if len(idle) >= self.max_idle:
             return False
-        connection.idle_since = self._clock()
+        connection.idle_since = now or self._clock()
         idle.append(connection)
         return True
 

@@ -12,6 +12,11 @@ def parse(head: bytes) -> http1.RequestHead:
     return http1.parse_request_head(head)
 
 
+def forwarded_lines(req: http1.RequestHead) -> list[bytes]:
+    """The header lines the request forwards as they came, one per entry."""
+    return b"".join(req.headers).split(b"\r\n")[:-1]
+
+
 def test_request_head_fields_and_hygiene() -> None:
     req = parse(
         b"POST /a?b HTTP/1.1\r\nHost: Example.COM:8080\r\nContent-Length: 3\r\n"
@@ -22,7 +27,7 @@ def test_request_head_fields_and_hygiene() -> None:
     assert req.host == b"example.com"
     assert req.content_length == 3 and not req.chunked and req.keep_alive
     assert req.expect_continue
-    names = [line.split(b":", 1)[0].lower() for line in req.headers]
+    names = [line.split(b":", 1)[0].lower() for line in forwarded_lines(req)]
     assert names == [b"host", b"x-kept", b"cookie", b"expect"]
 
 
@@ -176,7 +181,7 @@ def test_identity_header_lookalikes_with_underscores_are_dropped(name: bytes) ->
     # WSGI/CGI backends map '_' and '-' alike (HTTP_X_REMOTE_USER): a lookalike
     # would pass as the identity the proxy strips.
     req = parse(b"GET / HTTP/1.1\r\nHost: a\r\n" + name + b": admin\r\nX_Other: k\r\n\r\n")
-    names = [line.split(b":", 1)[0] for line in req.headers]
+    names = [line.split(b":", 1)[0] for line in forwarded_lines(req)]
     assert names == [b"Host", b"X_Other"]
 
 
@@ -185,7 +190,7 @@ def test_connection_naming_host_is_refused() -> None:
         parse(b"GET / HTTP/1.1\r\nHost: a\r\nConnection: keep-alive, Host\r\n\r\n")
     assert "host" in caught.value.reason.lower()
     kept = parse(b"GET / HTTP/1.1\r\nHost: a\r\nConnection: keep-alive\r\nX-A: 1\r\n\r\n")
-    assert [line.split(b":", 1)[0] for line in kept.headers] == [b"Host", b"X-A"]
+    assert [line.split(b":", 1)[0] for line in forwarded_lines(kept)] == [b"Host", b"X-A"]
 
 
 def test_response_headers_named_in_connection_are_dropped() -> None:

@@ -1,0 +1,171 @@
+"""The proxy's Python work per request, without sockets: what the data plane costs itself.
+
+    python -m bench.proxy.hotpath [--requests N] [--profile]
+
+One `ProxyServer` with the benchmark's route, one client connection and one
+pooled upstream connection, both over in-memory transports that only keep
+what is written. Each request is the benchmark's keep-alive GET (as wrk sends
+it) handed to `ClientConnection.data_received`, and the upstream's 64-byte
+answer (as nginx sends it) to `UpstreamConnection.data_received`: every rule
+of the request path runs (head checks, routing, balancing, header rewriting,
+the response head's checks and rebuild, metrics, timers), but no syscall and
+no event-loop turn. So the figure is the floor the per-request Python code
+sets under the wrk benchmark's CPU per request, and the place to A/B a change
+to that code in seconds instead of minutes. `--profile` prints cProfile's
+view of the same loop (calls per request and where the time goes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+from typing import Any
+
+import uvloop
+
+from waygate.proxy.metrics import ProxyMetrics
+from waygate.proxy.routing import Defaults, Target, build_table
+from waygate.proxy.server import ClientConnection, ProxyServer, UpstreamConnection
+from waygate.proxy.upstream import Dialer
+from waygate.resolver.model import Endpoint, EndpointPort, Route, RouteBackend
+
+HOST = "bench.localtest.me"
+REQUEST = b"GET /64 HTTP/1.1\r\nHost: bench.localtest.me\r\n\r\n"
+RESPONSE = (
+    b"HTTP/1.1 200 OK\r\nServer: nginx/1.22.1\r\nDate: Mon, 23 Nov 2026 04:00:00 GMT\r\n"
+    b"Content-Type: application/octet-stream\r\nContent-Length: 64\r\n"
+    b"Last-Modified: Mon, 23 Nov 2026 03:00:00 GMT\r\nConnection: keep-alive\r\n"
+    b'ETag: "6741a0b0-40"\r\nAccept-Ranges: bytes\r\n\r\n' + b"x" * 63 + b"\n"
+)
+
+
+class MemoryTransport:
+    """Just enough of asyncio.Transport: remembers the bytes written."""
+
+    def __init__(self, peer: str = "127.0.0.1") -> None:
+        self.written = 0
+        self.last = b""
+        self._peer = (peer, 40000)
+        self._closing = False
+
+    def write(self, data: bytes) -> None:
+        self.written += len(data)
+        self.last = data
+
+    def writelines(self, pieces: Any) -> None:
+        for piece in pieces:
+            self.write(piece)
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._peer if name == "peername" else default
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return self._closing
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._closing = True
+
+    def abort(self) -> None:
+        self._closing = True
+
+
+async def build(upstream_port: int = 8091) -> tuple[ClientConnection, UpstreamConnection]:
+    """A server with the benchmark's route, a client connection and its pooled upstream."""
+    route = Route(
+        namespace="bench",
+        name="upstream",
+        host=HOST,
+        path="/",
+        backends=(RouteBackend(service="upstream", weight=100),),
+    )
+    endpoint = Endpoint(
+        namespace="bench",
+        service="upstream",
+        address="127.0.0.1",
+        ports=(EndpointPort(name="http", port=upstream_port),),
+    )
+    server = ProxyServer(
+        defaults=Defaults(),
+        dialer=Dialer(),
+        metrics=ProxyMetrics(),
+        cookie_key=b"k" * 32,
+        max_connections=1000,
+        listen_port=8080,
+    )
+    server.set_table(
+        build_table(
+            {route.key: route},
+            {endpoint.service_key: (endpoint,)},
+            {},
+            defaults=Defaults(),
+            cookie_key=b"k" * 32,
+        )
+    )
+    client = ClientConnection(server)
+    client.connection_made(MemoryTransport())
+    target = next(iter(server.table.targets))
+    assert isinstance(target, Target)
+    upstream = UpstreamConnection(server, target)
+    upstream.connection_made(MemoryTransport())
+    server.pool.put(upstream)
+    return client, upstream
+
+
+def one_request(client: ClientConnection, upstream: UpstreamConnection) -> None:
+    client.data_received(REQUEST)
+    upstream.data_received(RESPONSE)
+
+
+async def measure(requests: int, profile: bool) -> None:
+    client, upstream = await build()
+    one_request(client, upstream)
+    assert client.transport.last.startswith(b"HTTP/1.1 200 OK"), client.transport.last  # type: ignore[union-attr]
+    assert client.upstream is None and upstream in client.server.pool._idle[upstream.target]  # type: ignore[attr-defined]
+    for _ in range(2000):
+        one_request(client, upstream)
+    if profile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(requests):
+            one_request(client, upstream)
+        profiler.disable()
+        stats = pstats.Stats(profiler)
+        print(f"{stats.total_calls / requests:.1f} Python calls per request")  # type: ignore[attr-defined]
+        stats.sort_stats("tottime").print_stats(25)
+        return
+    best = float("inf")
+    for _ in range(5):
+        started = time.process_time()
+        for _ in range(requests):
+            one_request(client, upstream)
+        best = min(best, (time.process_time() - started) / requests)
+    print(f"{best * 1e6:.2f} µs of CPU per request (best of 5 x {requests})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=50_000)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    uvloop.run(measure(args.requests, args.profile))
+
+
+if __name__ == "__main__":
+    main()
