@@ -26,10 +26,15 @@ Invariants:
   2048..4096 bits, ECDSA P-256/P-384 or Ed25519 and nothing else;
 - what ListIssued shows is all that is kept of an issued leaf (no certificate,
   no CSR), in `IssuedRecords`, bounded by count and by bytes;
-- the authority is thread-safe: signing runs in worker threads (the service's
-  executor) while the event loop serves bundles; every public method holds
-  one lock, and bundle listeners and watchers are called on the event loop
-  given to `deliver_changes_on`, whichever thread made the change.
+- the authority is thread-safe: signing runs on the event loop when that is
+  quick and waits for nothing (`issue_at_once`), else in worker threads (the
+  service's executor), while the event loop serves bundles; every public
+  method holds one lock, except that a rotation makes its key and writes the
+  store without it (it holds the lock only to check and to swap the new CA
+  in); every store write is serialised by a second lock, taken inside the
+  first, and a rotation never writes files older than the last write; bundle
+  listeners and watchers are called on the event loop given to
+  `deliver_changes_on`, whichever thread made the change.
 """
 
 from __future__ import annotations
@@ -440,6 +445,13 @@ class Authority:
         self._changed: asyncio.Event | None = None
         # Every public method holds it: signing runs in worker threads.
         self._lock = threading.RLock()
+        # Every store write holds it (inside `_lock` where both are held, never the
+        # other way round), and `_saves` counts them: a rotation writes the store
+        # without `_lock` and needs to know whether another write came between.
+        self._store_lock = threading.Lock()
+        self._saves = 0
+        # One rotation at a time; taken before `_lock`, never while holding it.
+        self._rotating = threading.Lock()
         # Where listeners and watchers hear of changes made in worker threads.
         self._loop: asyncio.AbstractEventLoop | None = None
         # What the event loop reads without the lock (a signing thread holds it across
@@ -566,10 +578,18 @@ class Authority:
 
     # ------------------------------------------------------------ persistence
 
-    def _files(self) -> dict[str, bytes]:
+    def _files(
+        self,
+        cas: Sequence[_CA] | None = None,
+        *,
+        version: int | None = None,
+        generation: int | None = None,
+    ) -> dict[str, bytes]:
+        """The store's files for the state in memory, or for `cas` at `version` and
+        `generation` (a rotation's, before it is swapped in)."""
         files: dict[str, bytes] = {}
         entries = []
-        for ca in self._cas:
+        for ca in self._cas if cas is None else cas:
             files[f"{ca.name}.key.pem"] = ca.key.private_bytes(
                 serialization.Encoding.PEM,
                 serialization.PrivateFormat.PKCS8,
@@ -588,25 +608,40 @@ class Authority:
             )
         state = {
             "format": STATE_FORMAT,
-            "version": self._version,
-            "generation": self._generation,
+            "version": self._version if version is None else version,
+            "generation": self._generation if generation is None else generation,
             "authorities": entries,
         }
         files[STATE_FILE] = json.dumps(state, indent=2).encode() + b"\n"
         return files
 
     def _save(self) -> None:
+        """Write the state in memory (under `_lock`)."""
+        self._write(self._files())
+
+    def _write(self, files: dict[str, bytes]) -> int:
+        """Write `files` to the store; returns the number of this write."""
+        with self._store_lock:
+            return self._write_holding_store_lock(files)
+
+    def _write_holding_store_lock(self, files: dict[str, bytes]) -> int:
         try:
-            self.store.save(self._files())
+            self.store.save(files)
         except OSError as exc:
             raise FailedPrecondition(
                 f"cannot save the CA to {self.store.description}: {exc.strerror or exc}"
             ) from None
+        self._saves += 1
+        return self._saves
 
     # ------------------------------------------------------------ CA creation
 
     def _new_ca(self, lifetime: timedelta, state: CAState) -> _CA:
         self._generation += 1
+        return self._make_ca(self._generation, lifetime, state)
+
+    def _make_ca(self, generation: int, lifetime: timedelta, state: CAState) -> _CA:
+        """A new CA key and self-signed certificate; changes nothing (needs no lock)."""
         now = _whole_seconds(self._now())
         key = generate_key(self.config.key_algorithm)
         name = x509.Name(
@@ -615,7 +650,7 @@ class Authority:
                 # A distinct name per generation: old and new CA never share a subject.
                 x509.NameAttribute(
                     NameOID.COMMON_NAME,
-                    f"{self.config.trust_domain} CA {self._generation}",
+                    f"{self.config.trust_domain} CA {generation}",
                 ),
             ]
         )
@@ -650,7 +685,7 @@ class Authority:
             )
             .sign(key, _signature_hash(key))
         )
-        return _CA(name=f"ca-{self._generation}", key=key, cert=cert, state=state)
+        return _CA(name=f"ca-{generation}", key=key, cert=cert, state=state)
 
     # ------------------------------------------------------------ time
 
@@ -698,24 +733,38 @@ class Authority:
             self._notify()
         return changed
 
-    @_locked
     def rotate_if_expiring(self) -> Rotation | None:
         """Start a rotation when the active CA nears its end and none is in progress.
 
         The CA rotates itself: nobody has to remember a yearly RotateCA, and an
         expiring CA never shortens leaves or stops signing.
         """
+        if not self._expiring():
+            return None
+        try:
+            return self.rotate()
+        except FailedPrecondition:
+            if self._rotation_started():
+                return None  # a RotateCA came first
+            raise
+
+    @_locked
+    def _expiring(self) -> bool:
         self.advance()
         if len(self._cas) != 1:
-            return None
+            return False
         active = self._active()
         if active.not_after - self._now() > self.config.auto_rotate_before:
-            return None
+            return False
         log.warning(
             "CA expires soon; rotating it",
             extra={"fingerprint": active.fingerprint, "not_after": _iso(active.not_after)},
         )
-        return self.rotate()
+        return True
+
+    @_locked
+    def _rotation_started(self) -> bool:
+        return len(self._cas) != 1
 
     def next_transition(self) -> datetime | None:
         """When `advance` (or `rotate_if_expiring`) will next change something; read
@@ -978,14 +1027,39 @@ class Authority:
     def active_authority(self) -> CAView:
         return self._active().view()
 
-    @_locked
     def rotate(
         self,
         *,
         propagation_delay: timedelta | None = None,
         ca_lifetime: timedelta | None = None,
     ) -> Rotation:
-        """Stage a new CA; FailedPrecondition while an earlier rotation has not finished."""
+        """Stage a new CA; FailedPrecondition while an earlier rotation has not finished.
+
+        The slow parts hold no lock that signing needs: the new key and certificate
+        are made first, then the store is written with the new CA added (RSA key
+        generation takes seconds, a Secret write a round trip to the API server).
+        The lock is held only to check the rotation (again just before the write,
+        which must carry the state of the last write) and to swap the new CA in.
+        """
+        with self._rotating:
+            switch_at, lifetime, generation = self._plan_rotation(propagation_delay, ca_lifetime)
+            new = self._make_ca(generation, lifetime, CAState.STAGED)
+            new.activate_at = switch_at
+            while True:
+                files, saves = self._rotation_files(new, generation)
+                with self._store_lock:
+                    # Another write since the files were made would be undone by
+                    # these: make them again from the state it wrote.
+                    if saves == self._saves:
+                        written = self._write_holding_store_lock(files)
+                        break
+            return self._swap_in(new, generation, written)
+
+    @_locked
+    def _plan_rotation(
+        self, propagation_delay: timedelta | None, ca_lifetime: timedelta | None
+    ) -> tuple[datetime, timedelta, int]:
+        """Check a rotation can start: (switch_at, CA lifetime, new CA's generation)."""
         self.advance()
         delay = self.config.propagation_delay if propagation_delay is None else propagation_delay
         lifetime = self.config.ca_lifetime if ca_lifetime is None else ca_lifetime
@@ -996,13 +1070,7 @@ class Authority:
                 f"CA lifetime {_human(lifetime)} must exceed the maximum leaf lifetime "
                 f"{_human(self.config.max_lifetime)}"
             )
-        busy = next((c for c in self._cas if c.state is not CAState.ACTIVE), None)
-        if busy is not None:
-            when = busy.activate_at if busy.state is CAState.STAGED else busy.retire_after
-            raise FailedPrecondition(
-                f"a CA rotation is still in progress: {busy.name} is {busy.state.value} "
-                f"until {_iso(when)}"
-            )
+        self._check_no_rotation()
         old = self._active()
         switch_at = _whole_seconds(self._now()) + delay
         if switch_at >= old.not_after:
@@ -1010,19 +1078,58 @@ class Authority:
                 f"propagation delay {_human(delay)} ends after the active CA expires "
                 f"({_iso(old.not_after)}): signing would stop"
             )
-        saved_generation = self._generation
-        new = self._new_ca(lifetime, CAState.STAGED)
-        new.activate_at = switch_at
-        self._cas.append(new)
-        self._version += 1
-        try:
-            self._save()
-        except BaseException:
-            self._cas.remove(new)
-            self._version -= 1
-            self._generation = saved_generation
-            raise
-        self._notify()
+        return switch_at, lifetime, self._generation + 1
+
+    def _check_no_rotation(self) -> None:
+        busy = next((c for c in self._cas if c.state is not CAState.ACTIVE), None)
+        if busy is not None:
+            when = busy.activate_at if busy.state is CAState.STAGED else busy.retire_after
+            raise FailedPrecondition(
+                f"a CA rotation is still in progress: {busy.name} is {busy.state.value} "
+                f"until {_iso(when)}"
+            )
+
+    def _check_unchanged(self, generation: int) -> None:
+        """The state a rotation was planned on is still the one in memory."""
+        self._check_no_rotation()
+        if self._generation != generation - 1:
+            raise FailedPrecondition(
+                "the CA state changed while the new CA was made (another replica's "
+                "rotation?); retry RotateCA"
+            )
+
+    @_locked
+    def _rotation_files(self, new: _CA, generation: int) -> tuple[dict[str, bytes], int]:
+        """The files of the state in memory plus `new`, and the number of the last
+        write they follow."""
+        self._check_unchanged(generation)
+        files = self._files([*self._cas, new], version=self._version + 1, generation=generation)
+        return files, self._saves
+
+    @_locked
+    def _swap_in(self, new: _CA, generation: int, written: int) -> Rotation:
+        """Serve with `new` (stored as write number `written`) from now on."""
+        if any(ca.name == new.name for ca in self._cas):
+            # The store's watch brought our own write back first (`adopt`): it is in.
+            new = next(ca for ca in self._cas if ca.name == new.name)
+        else:
+            self._check_unchanged(generation)
+            saved = (self._generation, self._version)
+            self._cas.append(new)
+            self._generation = generation
+            self._version += 1
+            if self._saves != written:
+                # A write came between ours and this swap, made without the new CA.
+                try:
+                    self._save()
+                except BaseException:
+                    self._cas.remove(new)
+                    self._generation, self._version = saved
+                    raise
+            self._notify()
+        old = self._active()
+        assert new.activate_at is not None
+        switch_at = new.activate_at
         latest_old_leaf = min(switch_at + self.config.max_lifetime, old.not_after)
         old_retire_after = max(latest_old_leaf, old.leaf_max or latest_old_leaf)
         log.info(

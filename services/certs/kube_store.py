@@ -185,7 +185,12 @@ class SecretCAStore:
             # fail, the next write (the bound keeper's, within seconds) carries it.
             self._write_behind(files)
             return
-        self._write(files)
+        with self._write_lock:
+            # This set is the authority's state after any transition still waiting to
+            # be written behind (both are made under its lock, in order): the older
+            # one must not land after it and undo it (a new CA, a raised bound).
+            self._behind = None
+            self._write(files)
 
     def save_based_on(self, files: dict[str, bytes], version: str) -> str | None:
         """Write `files` only if the Secret is still at `version` (as this process

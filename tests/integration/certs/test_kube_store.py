@@ -170,3 +170,47 @@ def test_secret_reference_parses(text: str, expected: tuple[str, str]) -> None:
 def test_bad_secret_reference_is_refused(text: str) -> None:
     with pytest.raises(ValueError, match="NAMESPACE/NAME"):
         parse_secret_reference(text)
+
+
+class Leading:
+    identity = "replica-a"
+
+    def is_leader(self) -> bool:
+        return True
+
+    def leader_description(self) -> str:
+        return "replica-a"
+
+
+def _state(*bounds: tuple[str, str], version: int) -> dict[str, bytes]:
+    import json
+
+    entries = [{"name": name, "leaf_bound": bound} for name, bound in bounds]
+    files = {f"{name}.cert.pem": b"cert" for name, _ in bounds}
+    files["state.json"] = json.dumps({"version": version, "authorities": entries}).encode()
+    return files
+
+
+def test_a_transition_written_behind_never_lands_after_a_newer_save(
+    standin: StandInAPI,
+) -> None:
+    """A transition waits to be written behind; a new CA is saved meanwhile: the
+    Secret ends with the new CA, never with the older transition on top of it."""
+    import threading
+
+    api = KubeAPI(client.ApiClient(standin.configuration()), timeout=5.0)
+    ca = SecretCAStore(api, "waygate", "certs-ca", writer=Leading())
+    ca.load()
+    first = _state(("ca-1", "2026-03-02T12:00:00+00:00"), version=1)
+    ca.save(first)  # nothing stored: a new CA, written at once
+    transition = _state(("ca-1", "2026-03-02T12:00:00+00:00"), version=2)
+    new_ca = _state(
+        ("ca-1", "2026-03-02T12:00:00+00:00"), ("ca-2", "2026-03-02T12:00:00+00:00"), version=3
+    )
+    with ca._write_lock:  # the write-behind thread waits for it: its write is pending
+        ca.save(transition)
+        behind = [t for t in threading.enumerate() if t.name == "ca-write-behind"]
+        ca.save(new_ca)
+    for thread in behind:
+        thread.join(5)
+    assert {k: base64.b64decode(v) for k, v in stored_secret(standin)["data"].items()} == new_ca
