@@ -181,7 +181,10 @@ class Settings(GrpcServerSettings):
         check=positive,
     )
     signing_workers: int = setting(
-        SIGNING_WORKERS, help="threads that check and sign CSRs, off the event loop", check=positive
+        SIGNING_WORKERS,
+        help="threads that check and sign the slow CSRs (large, P-384, an RSA CA), off the "
+        "event loop",
+        check=positive,
     )
     signing_queue: int = setting(
         SIGNING_QUEUE,
