@@ -22,6 +22,7 @@ the group every service's `--workers` uses).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import secrets
 from pathlib import Path
@@ -447,5 +448,9 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
             except Unavailable:
                 log.warning("still waiting for the resolver at %s", settings.resolver_address)
         await process.mark_ready()
+        # Everything made while starting (modules, gRPC, TLS contexts, the first
+        # table) leaves the collector's generations: collecting the per-request
+        # garbage no longer walks it.
+        gc.freeze()
 
     process.spawn(ready_when_synced(), "proxy-ready")

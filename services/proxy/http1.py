@@ -190,8 +190,8 @@ class RequestHead:
     method = b""
     target = b""
     version = b"1.1"
-    # Forwarded as they came: pieces of whole lines b"Name: value\r\n".
-    headers: list[bytes]
+    # Forwarded as they came: whole lines b"Name: value\r\n", one block.
+    fields = b""
     # X-Forwarded-* and Forwarded as the client sent them: (lname, name, value).
     forwarded: Sequence[tuple[bytes, bytes, bytes]] = ()
     host = b""  # lower-cased, port stripped
@@ -230,6 +230,20 @@ def parse_request_head(head: bytes) -> RequestHead:
     request.target = target = head[space + 1 : line_end - 9]
     request.version = version = head[line_end - 3 : line_end]
     parts = _REQUEST_READ.split(head[line_end:-4])
+    if len(parts) == 4 and parts[1].lower() == b"host":
+        # The common head: Host is the only header the proxy reads.
+        host = parts[2].rstrip(b" \t")
+        kept = parts[0] + parts[3]
+        request.fields = (
+            b"%s: %s\r\n%s\r\n" % (parts[1], host, kept[2:])
+            if kept
+            else parts[1] + b": " + host + b"\r\n"
+        )
+        _check_target(request, host, method, target)
+        if version == b"1.0":
+            request.keep_alive = False
+        _second_parse(head)
+        return request
     host = b""
     hosts = 0
     host_line = b""
@@ -295,18 +309,7 @@ def parse_request_head(head: bytes) -> RequestHead:
             if hosts == 0
             else "more than one Host header (RFC 9112 section 3.2)"
         )
-    if not _HOST.fullmatch(host):
-        raise BadMessage("malformed Host header (RFC 9112 section 3.2)")
-    if host[:1] == b"[":
-        request.host = host[: host.index(b"]") + 1].lower()
-    else:
-        request.host = host.partition(b":")[0].lower()
-    if target[:1] != b"/" and not (target == b"*" and method == b"OPTIONS"):
-        raise BadMessage("request target must be origin-form, /path (RFC 9112 section 3.2)")
-    if b"/." in target or b"%" in target:
-        _check_dot_segments(target)
-    if method == b"CONNECT":
-        raise BadMessage("CONNECT is not served (reverse proxy)", 405)
+    _check_target(request, host, method, target)
     if content_length >= 0:
         request.content_length = content_length
     if te is not None:
@@ -324,22 +327,43 @@ def parse_request_head(head: bytes) -> RequestHead:
     # Every line the proxy does not read, as it came: Host first, the block, then
     # the read lines that are forwarded.
     block = parts[0] if len(parts) == 1 else b"".join(parts[::3])
-    headers = [host_line, block[2:], b"\r\n"] if block else [host_line]
+    fields = host_line + block[2:] + b"\r\n" if block else host_line
     if tail is not None:
-        headers += tail
-    request.headers = headers
+        fields += b"".join(tail)
+    request.fields = fields
     if connection is None:
         if version == b"1.0":
             request.keep_alive = False
     else:
         _connection_rules(request, connection, upgrade)
+    _second_parse(head)
+    return request
+
+
+def _check_target(request: RequestHead, host: bytes, method: bytes, target: bytes) -> None:
+    """The Host header's form (sets `request.host`) and the request target's rules."""
+    if not _HOST.fullmatch(host):
+        raise BadMessage("malformed Host header (RFC 9112 section 3.2)")
+    if host[:1] == b"[":
+        request.host = host[: host.index(b"]") + 1].lower()
+    else:
+        request.host = host.partition(b":")[0].lower()
+    if target[:1] != b"/" and not (target == b"*" and method == b"OPTIONS"):
+        raise BadMessage("request target must be origin-form, /path (RFC 9112 section 3.2)")
+    if b"/." in target or b"%" in target:
+        _check_dot_segments(target)
+    if method == b"CONNECT":
+        raise BadMessage("CONNECT is not served (reverse proxy)", 405)
+
+
+def _second_parse(head: bytes) -> None:
+    """httptools (llhttp) parses the head too: a second, independent check."""
     try:
         httptools.HttpRequestParser(_NO_CALLBACKS).feed_data(head)
     except httptools.HttpParserUpgrade:
         pass
     except httptools.HttpParserError as exc:
         raise BadMessage("malformed request: " + str(exc).lower()) from None
-    return request
 
 
 def _connection_rules(request: RequestHead, tokens: list[bytes], upgrade: bytes) -> None:
@@ -362,10 +386,10 @@ def _connection_rules(request: RequestHead, tokens: list[bytes], upgrade: bytes)
     if b"host" in named:
         raise BadMessage("Connection names Host, which is not hop-by-hop (RFC 9110 7.6.1)")
     drop = set(named)
-    lines = b"".join(request.headers).split(b"\r\n")[:-1]
-    request.headers = [
+    lines = request.fields.split(b"\r\n")[:-1]
+    request.fields = b"".join(
         line + b"\r\n" for line in lines if line.split(b":", 1)[0].lower() not in drop
-    ]
+    )
     if request.forwarded:
         request.forwarded = [h for h in request.forwarded if h[0] not in drop]
     if b"cookie" in drop:
@@ -460,7 +484,23 @@ def build_upstream_head(
     extra: list[tuple[bytes, bytes]] | None = None,
 ) -> bytes:
     """The head sent upstream: always HTTP/1.1, keep-alive unless upgrading."""
-    parts = [request.method, b" ", request.target, b" HTTP/1.1\r\n", *request.headers]
+    if (
+        not request.forwarded
+        and (mode == "append" or mode == "replace" or mode == "if-none")
+        and not traceparent
+        and request.content_length < 0
+        and not request.chunked
+        and not extra
+        and not request.upgrade
+    ):
+        # The common head (no body, no client forwarded headers, no trace): one format.
+        return b"%s %s HTTP/1.1\r\n%s%s\r\n" % (
+            request.method,
+            request.target,
+            request.fields,
+            context.added(request.host),
+        )
+    parts = [request.method, b" ", request.target, b" HTTP/1.1\r\n", request.fields]
     append = parts.append
     if not request.forwarded and (mode == "append" or mode == "replace" or mode == "if-none"):
         append(context.added(request.host))  # the common case, without a call more
@@ -562,7 +602,7 @@ def parse_response_head(head: bytes) -> ResponseHead:
     if _RESPONSE_HEAD.fullmatch(head) is None:
         raise BadMessage("upstream sent a malformed response head", 502)
     response = ResponseHead()
-    response.status = status = int(head[9:12])
+    response.status = status = _STATUS_CODES[head[9:12]]
     line_end = head.find(b"\r\n")
     if status not in _STATUS_LINES:
         # The reason phrase is needed only for a status line not precomputed.
@@ -578,27 +618,21 @@ def parse_response_head(head: bytes) -> ResponseHead:
     connection: list[bytes] | None = None
     for index in range(1, len(parts), 3):
         name = parts[index].lower()
+        value = parts[index + 1]
         if name == b"content-length":
-            value = parts[index + 1].rstrip(b" \t")
+            value = value.rstrip(b" \t")
             if response.content_length >= 0 or not _DIGITS.fullmatch(value):
                 raise BadMessage("upstream sent a malformed or repeated Content-Length", 502)
             response.content_length = int(value)
         elif name == b"connection":
-            lowered = parts[index + 1].lower()
-            tokens = (
-                [t.strip() for t in lowered.split(b",")] if b"," in lowered else [lowered.strip()]
-            )
-            if connection is None:
-                connection = tokens
-            else:
-                connection += tokens
+            value = value.lower().rstrip(b" \t")
+            if value != b"keep-alive":  # the common value says nothing new
+                tokens = [t.strip() for t in value.split(b",")]
+                connection = tokens if connection is None else connection + tokens
         elif name == b"transfer-encoding":
-            if te is None:
-                te = [parts[index + 1]]
-            else:
-                te.append(parts[index + 1])
+            te = [value] if te is None else [*te, value]
         elif name == b"upgrade":
-            response.upgrade = parts[index + 1].rstrip(b" \t")
+            response.upgrade = value.rstrip(b" \t")
     if te is not None:
         if response.content_length >= 0:
             raise BadMessage("upstream sent Content-Length with Transfer-Encoding", 502)
@@ -607,9 +641,9 @@ def parse_response_head(head: bytes) -> ResponseHead:
         response.chunked = True
     if head[5:8] == b"1.0":
         response.keep_alive = False
-    elif connection is not None and connection != [b"keep-alive"]:
+    elif connection is not None:
         if b"close" in connection:
-            response.keep_alive = b"keep-alive" in connection
+            response.keep_alive = False
         named = {t for t in connection if t not in (b"close", b"keep-alive", b"upgrade", b"")}
         if named:
             _drop_named_response_headers(response, named)
@@ -653,6 +687,8 @@ def _status_line(response: ResponseHead) -> bytes:
     return b"HTTP/1.1 %d %s" % (response.status, response.reason)
 
 
+# A status line's three digits (checked by the grammar) -> the status.
+_STATUS_CODES: Final = {b"%d" % code: code for code in range(100, 1000)}
 # Status lines without their CRLF (the header block starts with one).
 _STATUS_LINES: Final[dict[int, bytes]] = {
     200: b"HTTP/1.1 200 OK",

@@ -33,8 +33,9 @@ def method_label(method: bytes) -> str:
 
 class ProxyMetrics:
     def __init__(self) -> None:
-        # (route, method, status class) -> count
-        self.requests: dict[tuple[str, str, str], int] = {}
+        # (route, method as sent, status // 100) -> count; labelled when exported
+        # (snapshot), so a request costs one tuple and one dict update.
+        self.requests: dict[tuple[str, bytes, int], int] = {}
         self.connect_errors: dict[str, int] = {}
         self.refused: dict[str, int] = {}  # local 4xx/5xx answers by reason kind
         self.latency_counts = [0] * (len(LATENCY_BUCKETS) + 1)
@@ -49,7 +50,7 @@ class ProxyMetrics:
         self.redispatches = 0
 
     def request(self, route: str, method: bytes, status: int) -> None:
-        key = (route, _METHODS.get(method, "OTHER"), STATUS_CLASSES[min(status // 100, 5) - 1])
+        key = (route, method, status // 100)
         self.requests[key] = self.requests.get(key, 0) + 1
 
     def latency(self, seconds: float) -> None:
@@ -59,9 +60,21 @@ class ProxyMetrics:
     def connect_error(self, kind: str) -> None:
         self.connect_errors[kind] = self.connect_errors.get(kind, 0) + 1
 
+    def _labelled_requests(self) -> list[list[Any]]:
+        """[route, method label, status class, count] rows (unknown methods merged)."""
+        merged: dict[tuple[str, str, str], int] = {}
+        for (route, method, hundreds), count in self.requests.items():
+            key = (
+                route,
+                _METHODS.get(method, "OTHER"),
+                STATUS_CLASSES[min(max(hundreds, 1), 5) - 1],
+            )
+            merged[key] = merged.get(key, 0) + count
+        return [[*key, count] for key, count in merged.items()]
+
     def snapshot(self) -> dict[str, Any]:
         return {
-            "requests": [[*k, v] for k, v in self.requests.items()],
+            "requests": self._labelled_requests(),
             "connect_errors": dict(self.connect_errors),
             "refused": dict(self.refused),
             "latency_counts": list(self.latency_counts),

@@ -266,7 +266,7 @@ class RouteTable:
         entries = self._exact.get(host)
         if entries is not None:
             for entry in entries:
-                if entry.matches(path):
+                if entry.path == b"/" or entry.matches(path):  # "/" matches every path
                     return entry
         dot = host.find(b".")
         if dot > 0:

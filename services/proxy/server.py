@@ -409,6 +409,17 @@ class ClientConnection(asyncio.Protocol):
                 self._hold(data)
             return
         buf = self.buf
+        if not buf and not self._write_paused:
+            end = data.find(b"\r\n\r\n")
+            if end + 4 == len(data) and end < _SHORT_HEAD:
+                # Exactly one short head (a keep-alive client's next GET): what
+                # _process would do, without its walk.
+                if self._on_head(data):
+                    if self.req is not None:
+                        self._dispatch()
+                    else:
+                        self._arm(self._idle_timeout(), _T_IDLE)
+                return
         if buf:
             # A head arriving in pieces: appended in place, searched from where
             # the last search stopped (linear however it is trickled).
@@ -1220,9 +1231,6 @@ class UpstreamConnection(asyncio.Protocol):
         transport.set_write_buffer_limits(high=HIGH_WATER, low=LOW_WATER)
         self.server.upstreams.add(self)
         self.server.metrics.upstream_connections = len(self.server.upstreams)
-
-    def usable_idle(self) -> bool:
-        return not self.closed and self.transport is not None and not self.transport.is_closing()
 
     # ------------------------------------------------------------ protocol
 

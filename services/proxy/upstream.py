@@ -120,15 +120,11 @@ class Pool:
         max_idle: int,
         idle_timeout: float,
         clock: Callable[[], float],
-        on_reuse: Callable[[], None] | None = None,
     ) -> None:
         self.max_idle = max_idle
         self.idle_timeout = idle_timeout
         self._clock = clock
         self._idle: dict[Target, list[UpstreamConnection]] = {}
-        self._on_reuse = on_reuse
-        self.reused = 0
-        self.opened = 0
 
     def take(
         self, target: Target, *, idle_at_most: float | None = None
@@ -141,12 +137,11 @@ class Pool:
         """
         idle = self._idle.get(target)
         while idle:
-            connection = idle[-1]
-            if idle_at_most is not None and self._clock() - connection.idle_since > idle_at_most:
+            if idle_at_most is not None and self._clock() - idle[-1].idle_since > idle_at_most:
                 return None
-            idle.pop()
-            if connection.usable_idle():
-                self.reused += 1
+            connection = idle.pop()
+            transport = connection.transport
+            if not connection.closed and transport is not None and not transport.is_closing():
                 return connection
         return None
 

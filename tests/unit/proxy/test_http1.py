@@ -14,7 +14,7 @@ def parse(head: bytes) -> http1.RequestHead:
 
 def forwarded_lines(req: http1.RequestHead) -> list[bytes]:
     """The header lines the request forwards as they came, one per entry."""
-    return b"".join(req.headers).split(b"\r\n")[:-1]
+    return req.fields.split(b"\r\n")[:-1]
 
 
 def test_request_head_fields_and_hygiene() -> None:
@@ -214,3 +214,44 @@ def test_find_head_end_walks_pipelined_heads_in_place() -> None:
         http1.find_head_end(head + long_line, start=len(head), origin=len(head))
     big = head * (http1.MAX_HEAD_BYTES // len(head))
     assert http1.find_head_end(big + head, start=len(big), origin=len(big)) == len(big) + len(head)
+
+
+def test_read_headers_are_found_in_any_case_and_the_rest_forwarded_as_sent() -> None:
+    req = parse(
+        b"POST /u HTTP/1.1\r\nUser-Agent: t  \r\nHOST: A.test  \r\ncontent-LENGTH: 3 \r\n"
+        b"CONNECTION: close\r\nAccept: */*\r\n\r\n"
+    )
+    assert req.host == b"a.test" and req.content_length == 3 and not req.keep_alive
+    # Host first (as RFC 9112 asks of a client), then every other line byte for byte.
+    assert forwarded_lines(req) == [b"HOST: A.test", b"User-Agent: t  ", b"Accept: */*"]
+
+
+def test_underscore_spellings_of_forwarded_headers_are_dropped() -> None:
+    # WSGI maps X_Forwarded_For to the same HTTP_X_FORWARDED_FOR as the proxy's own.
+    req = parse(
+        b"GET / HTTP/1.1\r\nHost: a\r\nX_Forwarded_For: 6.6.6.6\r\n"
+        b"X-Forwarded_Proto: https\r\nX-Forwarded-For: 9.9.9.9\r\n\r\n"
+    )
+    assert forwarded_lines(req) == [b"Host: a"]
+    assert [name for _, name, _ in req.forwarded] == [b"X-Forwarded-For"]
+    head = http1.build_upstream_head(req, ForwardedContext("10.0.0.1", 80), "replace", b"")
+    assert b"6.6.6.6" not in head and b"X-Forwarded-Proto: http\r\n" in head
+
+
+def test_response_close_wins_over_keep_alive_and_case_is_kept() -> None:
+    response = http1.parse_response_head(
+        b"HTTP/1.1 200 OK\r\nconnection: Keep-Alive\r\nX-Case: MiXeD\r\n"
+        b"CONNECTION: close\r\nCONTENT-length: 0 \r\n\r\n"
+    )
+    assert not response.keep_alive and response.content_length == 0
+    head = http1.build_client_head(response, http1.FRAMING_LENGTH, 0, False)
+    assert head == (
+        b"HTTP/1.1 200 OK\r\nX-Case: MiXeD\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    )
+
+
+def test_unlisted_status_keeps_its_reason_phrase() -> None:
+    response = http1.parse_response_head(b"HTTP/1.1 418 I'm a teapot\r\nContent-Length: 0\r\n\r\n")
+    assert response.status == 418
+    head = http1.build_client_head(response, http1.FRAMING_LENGTH, 0, True)
+    assert head.startswith(b"HTTP/1.1 418 I'm a teapot\r\n")
