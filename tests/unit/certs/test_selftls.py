@@ -62,3 +62,40 @@ async def test_the_issuer_refuses_what_the_authority_refuses(tmp_path: Path) -> 
     issuer = AuthorityIssuer(open_authority(tmp_path / "ca", Clock()))
     with pytest.raises(InvalidArgument, match="not a PKCS#10 CSR"):
         await issuer.certify(b"not a csr", IDENTITY)
+
+
+async def test_a_renewal_behind_a_held_lock_waits_in_a_thread_not_on_the_loop(
+    tmp_path: Path,
+) -> None:
+    """A rotation or a store write holds the authority's lock: the renewal waits for it
+    off the event loop, which keeps running meanwhile."""
+    import asyncio
+    import threading
+
+    from tests.unit.certs.helpers import csr_der
+
+    authority = open_authority(tmp_path / "ca", Clock())
+    issuer = AuthorityIssuer(authority)
+    der = csr_der((f"uri:{IDENTITY}", *SANS))
+    await issuer.certify(der, IDENTITY)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with authority._lock:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(5)
+        renewal = asyncio.ensure_future(issuer.certify(der, IDENTITY))
+        for _ in range(10):
+            await asyncio.sleep(0.01)
+        assert not renewal.done()
+    finally:
+        release.set()
+        holder.join(5)
+    issued = await asyncio.wait_for(renewal, 5)
+    assert issued.leaf_der
+    assert len(authority.list_issued()) == 2
