@@ -186,11 +186,12 @@ class SecretCAStore:
             self._write_behind(files)
             return
         with self._write_lock:
+            self._write(files)
             # This set is the authority's state after any transition still waiting to
             # be written behind (both are made under its lock, in order): the older
-            # one must not land after it and undo it (a new CA, a raised bound).
+            # one must not land after it and undo it (a new CA, a raised bound). Kept
+            # if this write failed: then it is still the newest stored state to come.
             self._behind = None
-            self._write(files)
 
     def save_based_on(self, files: dict[str, bytes], version: str) -> str | None:
         """Write `files` only if the Secret is still at `version` (as this process
