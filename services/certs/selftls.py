@@ -36,11 +36,13 @@ class AuthorityIssuer:
     async def certify(self, csr_der: bytes, identity: str) -> Issued:
         csr = load_csr(csr_der)
         # On the loop only when that waits for nothing (see Authority.issue_at_once).
-        issued = self.authority.issue_at_once(
-            csr, identity=identity, requested_by="certs"
-        ) or await asyncio.to_thread(
-            functools.partial(self.authority.issue, csr, identity=identity, requested_by="certs")
-        )
+        issued = self.authority.issue_at_once(csr, identity=identity, requested_by="certs")
+        if issued is None:
+            issued = await asyncio.to_thread(
+                functools.partial(
+                    self.authority.issue, csr, identity=identity, requested_by="certs"
+                )
+            )
         return Issued(
             issued.leaf.public_bytes(_DER),
             [c.public_bytes(_DER) for c in issued.chain],
