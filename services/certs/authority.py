@@ -1045,6 +1045,10 @@ class Authority:
             switch_at, lifetime, generation = self._plan_rotation(propagation_delay, ca_lifetime)
             new = self._make_ca(generation, lifetime, CAState.STAGED)
             new.activate_at = switch_at
+            # Its bound already covers the leaves of its first `leaf_bound_step` of
+            # signing, so they (every workload renewing after an immediate switch) need
+            # no store write under the lock: this write, off the lock, carries it.
+            new.leaf_bound = switch_at + self.config.max_lifetime + self.config.leaf_bound_step
             while True:
                 files, saves = self._rotation_files(new, generation)
                 with self._store_lock:

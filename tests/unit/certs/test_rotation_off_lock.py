@@ -303,3 +303,22 @@ def test_a_write_after_the_rotations_files_were_made_makes_them_again(
     state = store.state()
     assert {e["name"] for e in state["authorities"]} == {"ca-1", "ca-2"}
     assert bound_of(state, "ca-1") == raised
+
+
+def test_the_first_leaves_of_a_new_ca_need_no_store_write(tmp_path: Path) -> None:
+    """Right after an immediate switch every workload renews: the rotation's own write
+    (off the lock) already stored a bound covering them, so none of them writes."""
+    clock = Clock()
+    authority, store = open_gated(tmp_path, clock)
+    issue(authority)
+    rotation = authority.rotate(propagation_delay=dt.timedelta(0))
+    assert authority.active_authority().fingerprint == rotation.new_authority.fingerprint
+    new_name = f"ca-{store.state()['generation']}"
+    before = (store.inner.path / "state.json").read_bytes()
+    leaves = []
+    for _ in range(3):
+        clock.advance(dt.timedelta(minutes=10))
+        leaves.append(issue(authority).leaf)
+    assert (store.inner.path / "state.json").read_bytes() == before
+    assert all(leaf.issuer == rotation.new_authority.certificate.subject for leaf in leaves)
+    assert bound_of(store.state(), new_name) >= max(leaf.not_valid_after_utc for leaf in leaves)
