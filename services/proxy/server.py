@@ -297,6 +297,7 @@ class ClientConnection(asyncio.Protocol):
         "closed",
         "context",
         "cookie",
+        "counted",
         "entry",
         "hsts",
         "last_client",
@@ -335,6 +336,9 @@ class ClientConnection(asyncio.Protocol):
         self.entry: RouteEntry | None = None
         self.target: Target | None = None
         self.backend: Backend | None = None
+        # Whether this request is counted in its picker's in-flight numbers (only
+        # a choice among endpoints reads them; a one-endpoint route skips both calls).
+        self.counted = False
         self.upstream: UpstreamConnection | None = None
         self.body_remaining = 0
         self.body_reader: ChunkedReader | None = None
@@ -617,12 +621,15 @@ class ClientConnection(asyncio.Protocol):
         single = entry.single
         if single is not None and cookie is None:
             picked, backend = single
+            self.counted = False
         else:
             chosen, chosen_backend = entry.pick(self.client_key, cookie, server.health, None)
             if chosen is None or chosen_backend is None:
                 reason = "no endpoint ready for route " + entry.options.name
                 return self._unavailable(req, reason, "no_endpoint")
             picked, backend = chosen, chosen_backend
+            backend.picker.acquire(picked)
+            self.counted = True
         options = entry.options
         # The exchange's deadline (see _arm), armed without a second clock read.
         self._deadline = deadline = now + options.server_timeout
@@ -637,7 +644,6 @@ class ClientConnection(asyncio.Protocol):
         self.retried = False
         self.target = picked
         self.backend = backend
-        backend.picker.acquire(picked)
         if req.chunked:
             self.body_reader = ChunkedReader()
             self.req_complete = False
@@ -699,10 +705,12 @@ class ClientConnection(asyncio.Protocol):
         self.target = target
         self.backend = backend
         backend.picker.acquire(target)
+        self.counted = True
 
     def _release_pick(self) -> None:
-        if self.backend is not None and self.target is not None:
+        if self.counted and self.backend is not None and self.target is not None:
             self.backend.picker.release(self.target)
+        self.counted = False
         self.backend = None
         self.target = None
 
@@ -868,12 +876,9 @@ class ClientConnection(asyncio.Protocol):
         else:
             idle_timeout = server.defaults.keep_alive_timeout
         self.upstream = None
-        backend = self.backend
-        if backend is not None:
-            target = self.target
-            if target is not None:
-                backend.picker.release(target)
-            self.backend = None
+        if self.counted:
+            self._release_pick()
+        self.backend = None
         self.target = None
         self.req = None
         self.entry = None

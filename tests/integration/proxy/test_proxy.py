@@ -588,3 +588,44 @@ async def test_non_idempotent_request_avoids_a_long_idle_pooled_connection(
     assert upstream.connections == 2  # the POST did not take the connection idle for 0.4 s
     assert (await exchange(port, b"GET / HTTP/1.1\r\n" + H + b"\r\n")).startswith(b"HTTP/1.1 200")
     assert upstream.connections == 2  # a GET may reuse it
+
+
+async def test_leastconn_counts_requests_in_flight_and_releases_them(upstream):
+    """A request in flight counts for its endpoint (least-connections reads it) and
+    is released when answered; a one-endpoint route has no choice to make and
+    counts nothing."""
+    other = await RecordingUpstream("other").start()
+    routes = table(
+        [
+            route("echo.test", [("echo", 1)], name="two"),
+            route("one.test", [("solo", 1)], name="one"),
+        ],
+        [
+            endpoint("echo", upstream.port),
+            endpoint("echo", other.port),
+            endpoint("solo", upstream.port),
+        ],
+    )
+    try:
+        async with running_proxy(routes) as (server, port):
+            two = server.table.lookup(b"echo.test", b"/")
+            one = server.table.lookup(b"one.test", b"/")
+            assert two is not None and one is not None and one.single is not None
+            picker = two.backends[0].picker
+            slow = asyncio.ensure_future(
+                exchange(port, b"GET /slow?s=0.5 HTTP/1.1\r\n" + H + b"\r\n")
+            )
+            async with asyncio.timeout(5):
+                while sum(picker.inflight(t) for t in picker.targets) != 1:
+                    await asyncio.sleep(0.01)
+            # The next request goes to the endpoint without one in flight.
+            response = await exchange(port, b"GET / HTTP/1.1\r\n" + H + b"\r\n")
+            busy = next(t for t in picker.targets if picker.inflight(t) == 1)
+            assert body_json(response)["upstream"] == ("up" if busy.port == other.port else "other")
+            assert (await slow).startswith(b"HTTP/1.1 200 ")
+            assert [picker.inflight(t) for t in picker.targets] == [0, 0]
+            await exchange(port, b"GET / HTTP/1.1\r\nHost: one.test\r\n\r\n")
+            solo = one.backends[0].picker
+            assert [solo.inflight(t) for t in solo.targets] == [0]
+    finally:
+        await other.stop()
