@@ -554,6 +554,19 @@ def main(args: argparse.Namespace, failures: list[str]) -> str:
             resolver.stop()
             upstream.stop()
             big.unlink(missing_ok=True)
+    # The Python work per request alone (bench/proxy/hotpath.py: no sockets, no loop).
+    hotpath = subprocess.run(
+        [sys.executable, "-m", "bench.proxy.hotpath", "--requests", "20000"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    rounds += [
+        "## Waygate's Python work per request, without sockets",
+        "",
+        "`python -m bench.proxy.hotpath` (the same GET and 64-byte nginx answer, handed to "
+        "the protocol objects over in-memory transports): "
+        + (hotpath.stdout.strip() or f"not measured ({hotpath.stderr.strip()[-200:]})"),
+        "",
+    ]
     if not args.skip_tls:
         from bench.proxy import tls  # HTTPS: Waygate's listener beside HAProxy's
 
