@@ -415,7 +415,7 @@ class ClientConnection(asyncio.Protocol):
         buf = self.buf
         if not buf and not self._write_paused:
             end = data.find(b"\r\n\r\n")
-            if end + 4 == len(data) and end < _SHORT_HEAD:
+            if 0 <= end < _SHORT_HEAD and end + 4 == len(data):
                 # Exactly one short head (a keep-alive client's next GET): what
                 # _process would do, without its walk.
                 if self._on_head(data):

@@ -574,6 +574,22 @@ async def test_head_trickled_byte_by_byte_is_parsed(proxy, upstream):
     assert body_json(response)["target"] == "/trickle"
 
 
+@pytest.mark.parametrize("first", [1, 3, 4, 20])
+async def test_head_split_anywhere_across_reads_is_parsed(proxy, upstream, first):
+    # A first read of exactly 3 bytes once passed the one-head fast path's length
+    # check (find() == -1, -1 + 4 == 3) and was refused as a malformed head.
+    _, port = proxy
+    head = b"GET /split HTTP/1.1\r\n" + H + b"\r\n"
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(head[:first])
+    await writer.drain()
+    await asyncio.sleep(0.05)  # a read of its own
+    writer.write(head[first:])
+    response = await read_response(reader)
+    writer.close()
+    assert body_json(response)["target"] == "/split"
+
+
 async def test_non_idempotent_request_avoids_a_long_idle_pooled_connection(
     proxy, upstream, monkeypatch
 ):
