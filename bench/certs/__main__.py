@@ -652,11 +652,6 @@ async def main(args: argparse.Namespace) -> str:
         f"{two.rate / cfssl.rate:.2f} at 2; server CPU per certificate, Certify / cfssl: "
         f"{one.server_cpu_us / cfssl.server_cpu_us:.2f}.",
         "",
-        f"CPU per call at 2 workers over 1: {two.server_cpu_us / one.server_cpu_us:.2f}: with "
-        "a core for each worker and the CPU per call as measured, 2 workers would serve "
-        f"{2 * one.server_cpu_us / two.server_cpu_us:.2f}x the rate of one (an estimate; here "
-        "the callers and other work share the cores).",
-        "",
         f"CPU ratio (less sensitive to other load than calls/s): the serial combination's CPU "
         f"per call over Certify's = {floor_us:,.0f} / {one.server_cpu_us:,.0f} = "
         f"**{floor_us / one.server_cpu_us:.2f}**.",
