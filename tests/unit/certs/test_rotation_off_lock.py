@@ -322,3 +322,27 @@ def test_the_first_leaves_of_a_new_ca_need_no_store_write(tmp_path: Path) -> Non
     assert (store.inner.path / "state.json").read_bytes() == before
     assert all(leaf.issuer == rotation.new_authority.certificate.subject for leaf in leaves)
     assert bound_of(store.state(), new_name) >= max(leaf.not_valid_after_utc for leaf in leaves)
+
+
+def test_a_rotation_whose_write_was_adopted_before_its_swap_is_in_once(tmp_path: Path) -> None:
+    """The store's watch may bring the rotation's own write back (`adopt`) before the
+    rotation swaps the new CA in: the new CA is then in once, and the rotation succeeds."""
+    clock = Clock()
+    authority, store = open_gated(tmp_path, clock)
+    issue(authority)
+    save = store.save
+
+    def save_then_adopt(files: dict[str, bytes]) -> None:
+        save(files)
+        if len(files) > 3:  # the rotation's write: two CAs
+            assert authority.adopt(files)
+
+    store.save = save_then_adopt  # type: ignore[method-assign]
+    rotation = authority.rotate()
+    names = [a.fingerprint for a in authority.trust_bundle().authorities]
+    assert len(names) == 2 and len(set(names)) == 2
+    assert rotation.new_authority.fingerprint == names[1]
+    assert [a.state for a in authority.trust_bundle().authorities] == [
+        CAState.ACTIVE,
+        CAState.STAGED,
+    ]
