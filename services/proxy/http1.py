@@ -6,12 +6,14 @@ decisions and bytes to write; unit tests drive it directly.
 What lives here:
 - `find_head_end`: where a message head ends (CRLF CRLF), with the size limits.
 - `parse_request_head`: a strict gate (one compiled regex over the raw head,
-  RFC 9112's grammar with no leniency) followed by httptools (llhttp, C) for
-  the parse itself, then the framing and hygiene rules. Any refusal raises
-  `BadMessage` with the rule it enforces; nothing of a refused request is
-  ever forwarded.
-- `parse_response_head`: the same for an upstream's response (`BadMessage`
-  there means 502 and the upstream connection discarded).
+  RFC 9112's grammar with no leniency); one case-insensitive regex split of
+  the header block on the headers the proxy reads (every other line is
+  forwarded as sent, as one block: no Python per header); the framing and
+  hygiene rules; then httptools (llhttp, C) parses the head as a second,
+  independent check. Any refusal raises `BadMessage` with the rule it
+  enforces; nothing of a refused request is ever forwarded.
+- `parse_response_head`: the gate and the split for an upstream's response
+  (`BadMessage` there means 502 and the upstream connection discarded).
 - `build_upstream_head` / `build_client_head`: the rewritten heads
   (hop-by-hop and Connection-named headers dropped, `Proxy` dropped, identity
   headers dropped, X-Forwarded-* and `Forwarded` per the route's mode).
@@ -26,7 +28,8 @@ discard trailer fields it does not understand; forwarding them would let a
 client smuggle fields (Host, Content-Length) past the header checks.
 
 Invariants:
-- Header names are compared lower-cased, computed once per header.
+- Header names are compared lower-cased, and only those of the headers the
+  proxy reads (the split finds them in any case).
 - A refused message raises before any byte of it has been handed to an
   upstream; the caller answers 400 (request) or 502 (response) and closes.
 - The per-request path does no logging, no f-strings and no dict copies.
