@@ -455,6 +455,7 @@ def csr_controller(
         max_lifetime=timedelta(seconds=settings.max_leaf_lifetime),
         tunnel_server_account=account,
         tunnel_server_names=settings.tunnel_server_names,
+        max_sans=settings.max_sans_per_csr,
     )
     return CSRController(kube_api, authority, rules, signing=signing)
 

@@ -135,6 +135,8 @@ class SignerRules:
     tunnel_server_account: tuple[str, str] | None = None
     #: SAN patterns the tunnel server may get ("dns:NAME", "ip:ADDRESS", ...).
     tunnel_server_names: tuple[str, ...] = ()
+    #: Most SANs one CSR may ask for: the same cap as Certify (max_sans_per_csr).
+    max_sans: int = MAX_SANS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,11 +170,11 @@ def review(obj: JSON, rules: SignerRules) -> Verdict:
         return Verdict(Action.SKIP, message="already issued")
     approved = "Approved" in conditions
 
-    csr = _parse_request(spec.get("request"))
+    csr = _parse_request(spec.get("request"), rules.max_sans)
     if isinstance(csr, _Refusal):
         return Verdict(Action.FAIL, csr.reason, csr.message)
     try:
-        check_csr(csr)
+        check_csr(csr, max_sans=rules.max_sans)
         # Extensions that do not parse make a malformed request, not a policy question.
         requested_names(csr)
     except InvalidArgument as exc:
@@ -221,7 +223,7 @@ async def confirm_service_names(verdict: Verdict, obj: JSON, rules: SignerRules)
     return verdict
 
 
-def _parse_request(request: Any) -> x509.CertificateSigningRequest | _Refusal:
+def _parse_request(request: Any, max_sans: int) -> x509.CertificateSigningRequest | _Refusal:
     if not isinstance(request, str) or not request:
         return _Refusal("InvalidRequest", "spec.request is empty")
     try:
@@ -235,7 +237,7 @@ def _parse_request(request: Any) -> x509.CertificateSigningRequest | _Refusal:
     try:
         # SANs past the cap are refused from the DER headers, before a full parse
         # (this runs on the event loop; a 60,000-SAN CSR would take most of a second).
-        return load_csr(pem, max_sans=MAX_SANS)
+        return load_csr(pem, max_sans=max_sans)
     except InvalidArgument as exc:
         return _Refusal("InvalidRequest", f"spec.request: {exc}")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -382,3 +383,17 @@ def test_a_request_past_the_san_cap_fails_before_it_is_parsed(
     assert verdict.action is Action.FAIL
     assert verdict.reason == "InvalidRequest"
     assert "more than 100 subject alternative names" in verdict.message
+
+
+def test_the_san_cap_is_the_configured_one_not_the_default() -> None:
+    # The controller applies the same max_sans_per_csr as Certify: a CSR within the
+    # default cap (100) but over a configured 3 fails as an invalid request.
+    names = [f"dns:edge-1.n{i}.example" for i in range(4)]
+    obj = csr_object(
+        "agent", signer=SIGNER_TUNNEL_AGENT, request=make_csr(*names), user=node_user("edge-1")
+    )
+    strict = dataclasses.replace(RULES, max_sans=3)
+    verdict = review(obj, strict)
+    assert verdict.action is Action.FAIL
+    assert verdict.reason == "InvalidRequest" and "at most 3" in verdict.message
+    assert review(obj, RULES).action is not Action.FAIL  # within the default cap
