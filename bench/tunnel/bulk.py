@@ -1,0 +1,131 @@
+"""The tunnel's bulk transfer alone, with CPU per GiB per process: the A/B probe for the data path.
+
+Runs the sink, `waygate tunnel serve` and `waygate tunnel agent` as in
+`python -m bench.tunnel` (mTLS on both hops), pushes `--mib` MiB through the
+dial client `--rounds` times, and prints the throughput and the CPU seconds per
+GiB of the dialer (this process), server, agent and sink. With `--profile DIR`
+the server and the agent are recorded with py-spy during the transfers
+(DIR/server.txt, DIR/agent.txt, collapsed stacks).
+
+Run: .venv/bin/python -m bench.tunnel.bulk [--mib 256] [--rounds 3] [--profile DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import uvloop
+
+from bench.tunnel.__main__ import Child, cpu_seconds, gbps
+from bench.tunnel.tunnel import DIALER, NODE, _bulk, _tunnel_request, _wait_log
+from tests.support.pki import LocalCA
+from waygate.tunnel.client import DialFailed, StaticPresence, TunnelClient
+
+
+async def run(mib: int, rounds: int, profile: Path | None) -> None:
+    total = mib * 1024 * 1024
+    with tempfile.TemporaryDirectory(prefix="bench-tunnel-bulk-") as tmp:
+        directory = Path(tmp)
+        ca = LocalCA()
+        server_files = ca.write_files(directory / "server", dns=["localhost"], ips=["127.0.0.1"])
+        client_files = ca.write_files(directory / "client", uris=[DIALER])
+        agent_files = ca.write_files(directory / "agent", dns=[NODE])
+        sink = Child([sys.executable, "-m", "bench.tunnel.peers", "sink", "127.0.0.1"],
+                     directory / "sink.log")  # fmt: skip
+        sink_port, http_port = (int(p) for p in sink.first_line().split())
+        server = Child(
+            [sys.executable, "-m", "waygate", "tunnel", "serve", "--grpc-port", "0",
+             "--dial-port", "0", "--front-port", "0", "--admin-port", "0", "--server-id", "b-0",
+             "--dialers", DIALER, "--tls-cert-file", str(server_files.cert),
+             "--tls-key-file", str(server_files.key), "--tls-client-ca-file", str(server_files.ca)],
+            directory / "server.log",
+        )  # fmt: skip
+        children = [sink, server]
+        spies: list[subprocess.Popen[bytes]] = []
+        client: TunnelClient | None = None
+        try:
+            agent_port, dial_port = (await _wait_log(server, "listening"))["grpc_ports"][:2]
+            agent = Child(
+                [sys.executable, "-m", "waygate", "tunnel", "agent", "--server-address",
+                 f"127.0.0.1:{agent_port}", "--server-name", "localhost", "--node", NODE,
+                 "--admin-port", "0", "--tls-cert-file", str(agent_files.cert),
+                 "--tls-key-file", str(agent_files.key),
+                 "--tls-client-ca-file", str(agent_files.ca), "--allow", "127.0.0.1/32:*"],
+                directory / "agent.log",
+            )  # fmt: skip
+            children.append(agent)
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=client_files.ca.read_bytes(),
+                private_key=client_files.key.read_bytes(),
+                certificate_chain=client_files.cert.read_bytes(),
+            )
+            client = TunnelClient(
+                StaticPresence([f"127.0.0.1:{dial_port}"]),
+                credentials=lambda: credentials,
+                server_name="localhost",
+            )
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    await _tunnel_request(client, http_port)
+                    break
+                except DialFailed:
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.2)
+            if profile is not None:
+                profile.mkdir(parents=True, exist_ok=True)
+                spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+                for name, child in (("server", server), ("agent", agent)):
+                    argv = [spy, "record", "--rate", "200", "--format", "raw", "--pid",
+                            str(child.process.pid), "--output", str(profile / f"{name}.txt")]  # fmt: skip
+                    spies.append(
+                        subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    )
+                await asyncio.sleep(1.0)
+            pids = [server.process.pid, agent.process.pid, sink.process.pid]
+            before = [cpu_seconds([p]) - cpu_seconds([]) for p in pids], cpu_seconds([])
+            load = os.getloadavg()[0]
+            times = [await _bulk(client, sink_port, total) for _ in range(rounds)]
+            after = [cpu_seconds([p]) - cpu_seconds([]) for p in pids], cpu_seconds([])
+            gib = total * rounds / (1 << 30)
+            split = [(a - b) / gib for a, b in zip(after[0], before[0], strict=True)]
+            dialer = (after[1] - before[1]) / gib
+            print(
+                f"{mib} MiB x {rounds}: best {gbps(total, min(times)):.3f} GB/s "
+                f"(all: {', '.join(f'{gbps(total, t):.3f}' for t in times)}); load {load:.1f}\n"
+                f"CPU s per GiB: dialer {dialer:.2f}, server {split[0]:.2f}, "
+                f"agent {split[1]:.2f}, sink {split[2]:.2f}; total {dialer + sum(split):.2f}"
+            )
+        finally:
+            for spy_process in spies:
+                spy_process.send_signal(2)
+            for spy_process in spies:
+                spy_process.wait(30)
+            if client is not None:
+                await client.close()
+            for child in reversed(children):
+                child.stop()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mib", type=int, default=256, help="MiB per transfer [256]")
+    parser.add_argument("--rounds", type=int, default=3, help="transfers [3]")
+    parser.add_argument("--profile", type=Path, help="record server and agent with py-spy here")
+    args = parser.parse_args()
+    uvloop.run(run(args.mib, args.rounds, args.profile))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
