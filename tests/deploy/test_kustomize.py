@@ -8,6 +8,7 @@ an agent only an admin port; every one has admin, probed there."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -285,3 +286,44 @@ def test_certs_runs_two_replicas_with_a_budget_and_lease_rbac_in_ha():
         for r in lease_rules
     )
     assert any("create" in r["verbs"] and not r.get("resourceNames") for r in lease_rules)
+
+
+def test_every_variable_a_container_refers_to_is_defined(rendered):
+    # Kubernetes leaves an undefined $(VAR) in args as it is: certs would take the
+    # literal "$(POD_NAME)" as its leader identity (what the tracing component's
+    # whole-list env patch once did to every replica in the dev overlay).
+    _, objects = rendered
+    for workload in workloads(objects):
+        namespace = workload["metadata"].get("namespace")
+        for container in workload["spec"]["template"]["spec"]["containers"]:
+            defined = {env["name"] for env in container.get("env", ())}
+            for source in container.get("envFrom", ()):
+                config_map = source["configMapRef"]["name"]
+                found = [
+                    o
+                    for o in objects
+                    if o["kind"] == "ConfigMap"
+                    and o["metadata"]["name"] == config_map
+                    and o["metadata"].get("namespace") == namespace
+                ]
+                assert found, f"no ConfigMap {config_map} for {workload['metadata']['name']}"
+                defined |= set(found[0].get("data", {}))
+            used = set(re.findall(r"\$\((\w+)\)", " ".join(container.get("args", ()))))
+            assert used <= defined, (workload["metadata"]["name"], used - defined)
+
+
+def test_dev_overlay_exports_traces_from_every_waygate_workload():
+    objects = [doc for doc in yaml.safe_load_all(render("dev")) if doc]
+    waygate = [
+        o
+        for o in workloads(objects)
+        if o["metadata"].get("labels", {}).get("app.kubernetes.io/part-of") == "waygate"
+    ]
+    assert {o["kind"] for o in waygate} == set(WORKLOADS)
+    for workload in waygate:
+        env = {
+            e["name"]: e.get("value")
+            for e in workload["spec"]["template"]["spec"]["containers"][0]["env"]
+        }
+        assert env["WAYGATE_OTLP_ENDPOINT"] == "http://waygate-jaeger:4317", workload["metadata"]
+        assert env["WAYGATE_LOG_LEVEL"] == "debug"
