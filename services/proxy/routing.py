@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 from waygate.core.balancing import Picker, RoundRobinPicker, new_picker
 from waygate.core.paths import normalize_request_path
 from waygate.proxy.tls import hsts_line
-from waygate.resolver.model import Endpoint, Route, Service
+from waygate.resolver.model import Endpoint, Route, Service, TLSTermination
 
 DEFAULT_POLICY = "leastconn"
 FAILURE_BASE_SECONDS = 0.5
@@ -162,6 +162,7 @@ class RouteEntry:
         "policy",
         "route",
         "single",
+        "upstream_scope",
     )
 
     def __init__(
@@ -178,6 +179,7 @@ class RouteEntry:
         self.options = options
         # The Strict-Transport-Security line it adds on HTTPS, built once (b"": none).
         self.hsts = hsts_line(route)
+        self.upstream_scope = upstream_scope(route)
         self.backends = backends
         self.policy = policy
         self.backend_picker: RoundRobinPicker[int] | None = None
@@ -282,6 +284,22 @@ class RouteTable:
             yield from entries
         for entries in self._wildcard.values():
             yield from entries
+
+
+def upstream_scope(route: Route) -> tuple[str, str, bool] | None:
+    """What an upstream connection for `route` promises beyond its endpoint: None for
+    a plain one; for reencrypt, the destination CA and server name it was verified
+    against and whether the proxy's client certificate went with it. Idle upstream
+    connections are pooled per (endpoint, scope), so a plain route never takes a TLS
+    connection and a reencrypt route only one verified and presented as it asks."""
+    tls = route.tls
+    if tls is None or tls.termination != TLSTermination.REENCRYPT:
+        return None
+    return (
+        tls.destination_ca_certificate,
+        tls.destination_server_name,
+        tls.present_client_certificate,
+    )
 
 
 def sticky_value(key: bytes, target: Target) -> bytes:

@@ -679,10 +679,15 @@ class ClientConnection(asyncio.Protocol):
         req = self.req
         # A request that must never be re-sent only takes a recently used
         # connection (see Pool.take); idempotent ones may be retried instead.
-        if req is not None and req.method in _IDEMPOTENT:
-            upstream = server.pool.take(target)
+        entry = self.entry
+        if entry is not None and entry.upstream_scope is not None:
+            key: Any = (target, entry.upstream_scope)  # see routing.upstream_scope
         else:
-            upstream = server.pool.take(target, idle_at_most=SAFE_REUSE_IDLE)
+            key = target
+        if req is not None and req.method in _IDEMPOTENT:
+            upstream = server.pool.take(key)
+        else:
+            upstream = server.pool.take(key, idle_at_most=SAFE_REUSE_IDLE)
         if upstream is not None:
             server.metrics.pool_reused += 1
             self._attach(upstream, reused=True)
@@ -808,6 +813,8 @@ class ClientConnection(asyncio.Protocol):
                 return
             break
         self._connect_task = None
+        if entry.upstream_scope is not None:
+            upstream.pool_key = (target, entry.upstream_scope)  # see routing.upstream_scope
         server.health.succeeded(target)
         server.metrics.upstream_opened += 1
         if self.closed or self.req is None:
@@ -1201,6 +1208,7 @@ class UpstreamConnection(asyncio.Protocol):
         "got_bytes",
         "idle_since",
         "pending_head",
+        "pool_key",
         "reader",
         "relay",
         "remaining",
@@ -1215,6 +1223,9 @@ class UpstreamConnection(asyncio.Protocol):
     def __init__(self, server: ProxyServer, target: Target) -> None:
         self.server = server
         self.target = target
+        # Where the pool keeps it when idle: the endpoint, with the route's
+        # upstream_scope for a reencrypt connection (set by the connect step).
+        self.pool_key: Any = target
         self.transport: asyncio.Transport | None = None
         self.client: ClientConnection | None = None
         self.idle_since = 0.0

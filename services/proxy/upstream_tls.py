@@ -47,9 +47,9 @@ from cryptography import x509
 from prometheus_client import Counter
 
 from waygate.core.tls import load_pem_chain
-from waygate.proxy.routing import Target
+from waygate.proxy.routing import Target, upstream_scope
 from waygate.proxy.upstream import ConnectError
-from waygate.resolver.model import Route, TLSTermination
+from waygate.resolver.model import Route
 
 log = logging.getLogger(__name__)
 
@@ -261,8 +261,7 @@ class UpstreamTLS:
 
     @staticmethod
     def applies(route: Route) -> bool:
-        tls = route.tls
-        return tls is not None and tls.termination == TLSTermination.REENCRYPT
+        return upstream_scope(route) is not None
 
     async def open(
         self,

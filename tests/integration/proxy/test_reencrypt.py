@@ -229,3 +229,45 @@ async def test_upstream_tls_sessions_are_resumed() -> None:
         assert backend.resumed == [False, True, True]
     finally:
         await backend.stop()
+
+
+async def test_pooled_tls_connections_serve_only_routes_that_ask_for_the_same_tls() -> None:
+    """Idle upstream connections are pooled per endpoint and per the TLS a route asks
+    for: a plain route to the same endpoint never takes a TLS connection, and a
+    reencrypt route naming another server name never takes one verified for the first
+    name (before, both reused the first route's connection: the plain route's request
+    went out encrypted, the second route's unverified for its name)."""
+    ca = LocalCA()
+    backend = await TlsBackend(ca.issue(dns=["web.demo.svc", "alias.test"])).start()
+    routes = [
+        route("secure.test", [("web", 100)], name="secure", tls=reencrypt(ca.pem)),
+        route("alias.test", [("web", 100)], name="alias", tls=reencrypt(ca.pem, "alias.test")),
+        route("plain.test", [("web", 100)], name="plain"),
+    ]
+    try:
+        async with running_proxy(table(routes, [endpoint("web", backend.port)])) as (
+            server,
+            port,
+        ):
+            server.upstream_tls = UpstreamTLS(lambda: None, lambda: None, server.dialer.connect)
+
+            async def get_host(host: str) -> bytes:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                try:
+                    writer.write(f"GET / HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+                    return await read_response(reader)
+                finally:
+                    writer.close()
+
+            assert (await get_host("secure.test")).startswith(b"HTTP/1.1 200 ")
+            assert (await get_host("secure.test")).startswith(b"HTTP/1.1 200 ")
+            assert len(backend.resumed) == 1  # the second request reused the first connection
+            assert (await get_host("alias.test")).startswith(b"HTTP/1.1 200 ")
+            assert len(backend.resumed) == 2  # its own connection, verified for alias.test
+            # Plain HTTP to a TLS port: a connection of its own, which the backend
+            # cannot read; never the pooled TLS connection.
+            plain = await get_host("plain.test")
+            assert not plain.startswith(b"HTTP/1.1 200 "), plain
+            assert len(backend.requests) == 3
+    finally:
+        await backend.stop()
