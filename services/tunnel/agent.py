@@ -95,7 +95,7 @@ class AgentConnection(asyncio.Protocol):
         size = len(data)
         if size <= self.credit and size <= MAX_CHUNK:
             self.credit -= size
-            self.stream.send(mux.data_packet(self.connect_id, data))
+            self.stream.send_data(self.connect_id, data)
             return
         self._send_what_credit_allows(data)
 
@@ -108,11 +108,11 @@ class AgentConnection(asyncio.Protocol):
             self.transport.pause_reading()
             return
         view = memoryview(data)
-        send, connect_id = self.stream.send, self.connect_id
+        send, connect_id = self.stream.send_data, self.connect_id
         while view and credit > 0:
             chunk = bytes(view[: min(MAX_CHUNK, credit)])
             credit -= len(chunk)
-            send(mux.data_packet(connect_id, chunk))
+            send(connect_id, chunk)
             view = view[len(chunk) :]
         self.credit = credit
         if view:
@@ -130,7 +130,7 @@ class AgentConnection(asyncio.Protocol):
                 return  # still short of credit: the next WINDOW_UPDATE flushes again
         if self.eof_pending:
             self.eof_pending = False
-            self.stream.send(mux.eof_packet(self.connect_id))
+            self.stream.send_eof(self.connect_id)
             self._close_if_done()
         elif self.transport is not None and not self.transport.is_closing():
             self.transport.resume_reading()
@@ -140,7 +140,7 @@ class AgentConnection(asyncio.Protocol):
         if self.pending is not None or not self.started:
             self.eof_pending = True
         else:
-            self.stream.send(mux.eof_packet(self.connect_id))
+            self.stream.send_eof(self.connect_id)
             self._close_if_done()
         return True  # keep the write side open: TCP half-close
 
@@ -229,6 +229,14 @@ class AgentStream:
         if self._closed:
             return
         self._outbox.put(packet)
+
+    def send_data(self, connect_id: int, data: bytes) -> None:
+        if not self._closed:
+            self._outbox.put_data(connect_id, data)
+
+    def send_eof(self, connect_id: int) -> None:
+        if not self._closed:
+            self._outbox.put_eof(connect_id)
 
     async def write_loop(self) -> None:
         outbox, call = self._outbox, self._call

@@ -50,7 +50,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from waygate.core import tracing
 from waygate.core.grpcclient import KEEPALIVE_OPTIONS
 from waygate.tunnel import mux
-from waygate.tunnel.mux import MAX_CHUNK
+from waygate.tunnel.mux import MAX_CHUNK, join_queued
 from waygate.tunnel.v1 import tunnel_pb2 as pb
 from waygate.tunnel.v1 import tunnel_pb2_grpc
 
@@ -481,6 +481,8 @@ class SocketBridge(asyncio.Protocol):
                     self._wakeup = None
             if outgoing:
                 data = outgoing.popleft()
+                if outgoing:
+                    data = join_queued(data, outgoing)
                 self._outgoing_bytes -= len(data)
                 if self._outgoing_bytes < self.HIGH_WATER and self.transport is not None:
                     self.transport.resume_reading()

@@ -121,13 +121,18 @@ class ServerConnection:
             ready.set_result(None)
 
     async def next_for_dialer(self) -> Any:
-        while not self.to_dialer:
+        """The next frame for the dialer: a marker, or the queued bytes joined up to `MAX_CHUNK`."""
+        queued = self.to_dialer
+        while not queued:
             self._ready = asyncio.get_running_loop().create_future()
             try:
                 await self._ready
             finally:
                 self._ready = None
-        return self.to_dialer.popleft()
+        item = queued.popleft()
+        if item.__class__ is not bytes or not queued:
+            return item
+        return mux.join_queued(item, queued)
 
     def delivered(self, size: int) -> None:
         """`size` bytes reached the dialer stream: grant the agent more, a quarter window at a time."""
@@ -145,18 +150,18 @@ class ServerConnection:
         size = len(data)
         if size <= MAX_CHUNK:
             await self.send_credit.take(size)
-            self.session.send(mux.data_packet(self.connect_id, data))
+            self.session.send_data(self.connect_id, data)
             return
         view = memoryview(data)
         while view:
             chunk = view[:MAX_CHUNK]
             await self.send_credit.take(len(chunk))
-            self.session.send(mux.data_packet(self.connect_id, bytes(chunk)))
+            self.session.send_data(self.connect_id, bytes(chunk))
             view = view[MAX_CHUNK:]
 
     def send_eof(self) -> None:
         if not self.finished:
-            self.session.send(mux.eof_packet(self.connect_id))
+            self.session.send_eof(self.connect_id)
 
     def finish(self, how: Any, reason: str = "") -> None:
         """Forget the connection (exactly once) and wake its dialer side."""
@@ -200,6 +205,14 @@ class AgentSession:
         if self.closed:
             return
         self._outbox.put(packet)
+
+    def send_data(self, connect_id: int, data: bytes) -> None:
+        if not self.closed:
+            self._outbox.put_data(connect_id, data)
+
+    def send_eof(self, connect_id: int) -> None:
+        if not self.closed:
+            self._outbox.put_eof(connect_id)
 
     async def write_loop(self) -> None:
         outbox, context = self._outbox, self._context

@@ -76,6 +76,51 @@ async def test_an_agent_window_larger_than_the_servers_does_not_stall(tmp_path: 
         await tunnel.close()
 
 
+async def test_coalesced_data_stays_within_the_credit_and_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Small windows (160 KiB) against 64 KiB writes: DATA packets on the agent
+    # stream are coalesced while they wait, yet none may exceed what the peer
+    # granted (the receiver would drop the connection), and the echo comes back
+    # whole and in order, its EOF after the data.
+    window = 160 * 1024
+    sizes: list[int] = []
+    next_packet = mux.Outbox.next
+
+    async def recording_next(self: mux.Outbox) -> object:
+        packet = await next_packet(self)
+        if isinstance(packet, pb.Packet) and packet.type == pb.DATA:
+            sizes.append(len(packet.data.data))
+        return packet
+
+    monkeypatch.setattr(mux.Outbox, "next", recording_next)
+    tunnel = Tunnel(tmp_path, window=window)
+    await tunnel.start_server()
+    await tunnel.start_agent(window=window)
+    try:
+        server, port = await echo_server()
+        async with server:
+            stream = await tunnel.client().dial(NODE, port)
+            chunks = [os.urandom(64 * 1024) for _ in range(48)]
+            received = bytearray()
+
+            async def reader() -> None:
+                while data := await stream.read():
+                    received.extend(data)
+
+            reading = asyncio.ensure_future(reader())
+            for chunk in chunks:
+                await asyncio.wait_for(stream.write(chunk), 20)
+            await stream.write_eof()
+            await asyncio.wait_for(reading, 20)
+            assert bytes(received) == b"".join(chunks)
+            assert await asyncio.wait_for(stream.wait_closed(), 5) == grpc.StatusCode.OK
+    finally:
+        await tunnel.close()
+    assert sum(sizes) == 2 * len(chunks) * 64 * 1024  # both directions, every byte once
+    assert max(sizes) <= min(window, mux.MAX_CHUNK)
+
+
 async def test_no_agent_for_node_is_refused_with_its_reason(tunnel: Tunnel) -> None:
     with pytest.raises(DialFailed) as failed:
         await tunnel.client().dial("edge-unknown", 80)
