@@ -62,15 +62,15 @@ async def _wait_log(child, message: str, timeout: float = 60) -> dict:  # type: 
     )
 
 
-async def _bulk(client: TunnelClient, port: int, total: int) -> float:
-    chunk = b"\x5a" * CHUNK
+async def _bulk(client: TunnelClient, port: int, total: int, chunk_size: int = CHUNK) -> float:
+    chunk = b"\x5a" * chunk_size
     started = time.perf_counter()
     stream = await client.dial(NODE, port)
     try:
         sent = 0
         while sent < total:
             await stream.write(chunk)
-            sent += CHUNK
+            sent += chunk_size
         await stream.write_eof()
         ack = b""
         while len(ack) < 8:
