@@ -39,7 +39,7 @@ from waygate.core.backoff import Backoff
 from waygate.core.grpcclient import KEEPALIVE_OPTIONS
 from waygate.tunnel import mux
 from waygate.tunnel.allow import AllowList
-from waygate.tunnel.mux import MAX_CHUNK, Outbox
+from waygate.tunnel.mux import GRANT_SHIFT, MAX_CHUNK, Outbox
 from waygate.tunnel.v1 import tunnel_pb2 as pb
 from waygate.tunnel.v1 import tunnel_pb2_grpc
 
@@ -179,7 +179,7 @@ class AgentConnection(asyncio.Protocol):
                 return
             transport.write(payload)
             self.owed += size
-            if not self.write_paused and self.owed >= self.window >> 2:
+            if not self.write_paused and self.owed >= self.window >> GRANT_SHIFT:
                 self._grant()
         if data.eof:
             self.remote_eof = True
@@ -365,8 +365,8 @@ class AgentStream:
                 reason=pb.UNREACHABLE,
             )
         send_window = request.initial_window or self.window
-        # The server caps what it sends at its own window, and we grant once owed a
-        # quarter of ours: a window larger than the server's would never be granted
+        # The server caps what it sends at its own window, and we grant once owed
+        # half of ours: a window larger than the server's would never be granted
         # (the connection stalls). Use and advertise the smaller of the two.
         recv_window = min(self.window, send_window)
         if self._closed:

@@ -39,7 +39,14 @@ from opentelemetry import trace
 from waygate.core import errors, tracing
 from waygate.core.identity import matches
 from waygate.tunnel import mux
-from waygate.tunnel.mux import MAX_CHUNK, ConnectionClosed, Credit, Outbox, Refused
+from waygate.tunnel.mux import (
+    GRANT_SHIFT,
+    MAX_CHUNK,
+    ConnectionClosed,
+    Credit,
+    Outbox,
+    Refused,
+)
 from waygate.tunnel.v1 import tunnel_pb2 as pb
 from waygate.tunnel.v1 import tunnel_pb2_grpc
 
@@ -135,9 +142,9 @@ class ServerConnection:
         return mux.join_queued(item, queued)
 
     def delivered(self, size: int) -> None:
-        """`size` bytes reached the dialer stream: grant the agent more, a quarter window at a time."""
+        """`size` bytes reached the dialer stream: grant the agent more, half a window at a time."""
         owed = self.owed + size
-        if owed >= self.window >> 2:
+        if owed >= self.window >> GRANT_SHIFT:
             self.unacked -= owed
             self.owed = 0
             self.session.send(mux.window_update(self.connect_id, owed))

@@ -52,7 +52,7 @@ async def test_bytes_both_ways_with_half_close(tunnel: Tunnel) -> None:
 
 async def test_an_agent_window_larger_than_the_servers_does_not_stall(tmp_path: Path) -> None:
     # The server sends at most its own window (1 MiB); an agent that granted only
-    # once owed a quarter of its own 8 MiB would never grant: the echo hung.
+    # once owed half of its own 8 MiB would never grant: the echo hung.
     tunnel = Tunnel(tmp_path, window=1024 * 1024)
     await tunnel.start_server()
     await tunnel.start_agent(window=8 * 1024 * 1024)
