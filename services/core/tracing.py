@@ -3,11 +3,6 @@
 `configure_tracing` installs one TracerProvider per process with
 `service.name = waygate-<service>`; spans are exported over OTLP/gRPC only when
 an endpoint is configured, but are always created so log lines carry trace ids.
-Without an endpoint a span that starts a trace is not recorded (it still has
-its trace and span ids, for logs and for the calls it makes): recording what
-nothing exports cost tens of microseconds per RPC. A span whose caller sampled
-the trace is recorded and keeps the sampled flag either way, so the services
-downstream that do export see the whole trace.
 Server spans are opened by the gRPC boundary interceptor in
 `waygate.core.grpcserver`; client spans by the interceptors here, which every
 channel from `waygate.core.grpcclient` carries. Trace context travels in gRPC
@@ -30,7 +25,6 @@ from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -48,12 +42,8 @@ def configure_tracing(service: str, otlp_endpoint: str | None) -> TracerProvider
     )
     if _provider is not None:
         return _provider
-    resource = Resource.create({"service.name": f"waygate-{service}"})
-    if not otlp_endpoint:
-        # Nothing exports: roots unrecorded, a sampled caller's trace still recorded.
-        provider = TracerProvider(resource=resource, sampler=ParentBased(root=ALWAYS_OFF))
-    else:
-        provider = TracerProvider(resource=resource)
+    provider = TracerProvider(resource=Resource.create({"service.name": f"waygate-{service}"}))
+    if otlp_endpoint:
         # Imported lazily: the exporter pulls in its own grpc channel machinery.
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
