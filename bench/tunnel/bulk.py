@@ -19,16 +19,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import grpc
 import uvloop
 
 from bench.tunnel.__main__ import Child, cpu_seconds, gbps
-from bench.tunnel.tunnel import DIALER, NODE, _bulk, _tunnel_request, _wait_log
+from bench.tunnel.tunnel import DIALER, RunningTunnel, _bulk, start_tunnel
 from tests.support.pki import LocalCA
-from waygate.tunnel.client import DialFailed, StaticPresence, TunnelClient
 
 
 async def run(
@@ -40,50 +37,16 @@ async def run(
         ca = LocalCA()
         server_files = ca.write_files(directory / "server", dns=["localhost"], ips=["127.0.0.1"])
         client_files = ca.write_files(directory / "client", uris=[DIALER])
-        agent_files = ca.write_files(directory / "agent", dns=[NODE])
         sink = Child([sys.executable, "-m", "bench.tunnel.peers", "sink", "127.0.0.1"],
                      directory / "sink.log")  # fmt: skip
-        sink_port, http_port = (int(p) for p in sink.first_line().split())
-        server = Child(
-            [sys.executable, "-m", "waygate", "tunnel", "serve", "--grpc-port", "0",
-             "--dial-port", "0", "--front-port", "0", "--admin-port", "0", "--server-id", "b-0",
-             "--dialers", DIALER, "--tls-cert-file", str(server_files.cert),
-             "--tls-key-file", str(server_files.key), "--tls-client-ca-file", str(server_files.ca)],
-            directory / "server.log",
-        )  # fmt: skip
-        children = [sink, server]
         spies: list[subprocess.Popen[bytes]] = []
-        client: TunnelClient | None = None
+        tunnel: RunningTunnel | None = None
         try:
-            agent_port, dial_port = (await _wait_log(server, "listening"))["grpc_ports"][:2]
-            agent = Child(
-                [sys.executable, "-m", "waygate", "tunnel", "agent", "--server-address",
-                 f"127.0.0.1:{agent_port}", "--server-name", "localhost", "--node", NODE,
-                 "--admin-port", "0", "--tls-cert-file", str(agent_files.cert),
-                 "--tls-key-file", str(agent_files.key),
-                 "--tls-client-ca-file", str(agent_files.ca), "--allow", "127.0.0.1/32:*"],
-                directory / "agent.log",
-            )  # fmt: skip
-            children.append(agent)
-            credentials = grpc.ssl_channel_credentials(
-                root_certificates=client_files.ca.read_bytes(),
-                private_key=client_files.key.read_bytes(),
-                certificate_chain=client_files.cert.read_bytes(),
+            sink_port, http_port = (int(p) for p in sink.first_line().split())
+            tunnel = await start_tunnel(
+                directory, ca, server_files, client_files, http_port, server_id="b-0"
             )
-            client = TunnelClient(
-                StaticPresence([f"127.0.0.1:{dial_port}"]),
-                credentials=lambda: credentials,
-                server_name="localhost",
-            )
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    await _tunnel_request(client, http_port)
-                    break
-                except DialFailed:
-                    if time.monotonic() > deadline:
-                        raise
-                    await asyncio.sleep(0.2)
+            server, agent, client = tunnel.server, tunnel.agent, tunnel.client
             if profile is not None:
                 profile.mkdir(parents=True, exist_ok=True)
                 spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
@@ -114,10 +77,9 @@ async def run(
                 spy_process.send_signal(2)
             for spy_process in spies:
                 spy_process.wait(30)
-            if client is not None:
-                await client.close()
-            for child in reversed(children):
-                child.stop()
+            if tunnel is not None:
+                await tunnel.stop()
+            sink.stop()
 
 
 def main() -> int:

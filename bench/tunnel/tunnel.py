@@ -19,6 +19,7 @@ import struct
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -175,30 +176,42 @@ async def _dials_per_second(client: TunnelClient, port: int, seconds: float) -> 
     return done / (time.perf_counter() - started)
 
 
-async def measure(
+@dataclasses.dataclass
+class RunningTunnel:
+    """`tunnel serve` and `tunnel agent` (mTLS both hops) and a dial client through them."""
+
+    server: Any  # bench.tunnel.__main__.Child
+    agent: Any
+    client: TunnelClient
+
+    async def stop(self) -> None:
+        await self.client.close()
+        self.agent.stop()
+        self.server.stop()
+
+
+async def start_tunnel(
     directory: Path,
     ca: LocalCA,
     server_files: IdentityFiles,
     client_files: IdentityFiles,
-    bulk_port: int,
     http_port: int,
-    total: int,
-    dial_seconds: float,
-    sink_pid: int,
-) -> TunnelReport:
+    server_id: str,
+) -> RunningTunnel:
+    """Start a tunnel server and an agent for NODE, and return once an HTTP request to
+    `http_port` on NODE goes through (the agent connected); stops what it started if not."""
     from bench.tunnel.__main__ import Child
 
     agent_files = ca.write_files(directory / "agent", dns=[NODE])
     server = Child(
         [sys.executable, "-m", "waygate", "tunnel", "serve", "--grpc-port", "0",
-         "--dial-port", "0", "--front-port", "0", "--admin-port", "0", "--server-id", "bench-0",
+         "--dial-port", "0", "--front-port", "0", "--admin-port", "0", "--server-id", server_id,
          "--dialers", DIALER, "--tls-cert-file", str(server_files.cert),
          "--tls-key-file", str(server_files.key), "--tls-client-ca-file", str(server_files.ca)],
         directory / "tunnel-server.log",
     )  # fmt: skip
-    agent: Child | None = None
-    client: TunnelClient | None = None
-    lines: list[str] = []
+    agent = None
+    client = None
     try:
         listening = await _wait_log(server, "listening")
         agent_port, dial_port = listening["grpc_ports"][:2]
@@ -224,14 +237,39 @@ async def measure(
         while True:
             try:
                 await _tunnel_request(client, http_port)
-                break
+                return RunningTunnel(server, agent, client)
             except DialFailed:
                 if time.monotonic() > deadline:
                     raise RuntimeError(
                         f"the agent never connected: {agent.log.read_text()[-2000:]}"
                     ) from None
                 await asyncio.sleep(0.2)
+    except BaseException:
+        if client is not None:
+            await client.close()
+        if agent is not None:
+            agent.stop()
+        server.stop()
+        raise
 
+
+async def measure(
+    directory: Path,
+    ca: LocalCA,
+    server_files: IdentityFiles,
+    client_files: IdentityFiles,
+    bulk_port: int,
+    http_port: int,
+    total: int,
+    dial_seconds: float,
+    sink_pid: int,
+) -> TunnelReport:
+    tunnel = await start_tunnel(
+        directory, ca, server_files, client_files, http_port, server_id="bench-0"
+    )
+    server, agent, client = tunnel.server, tunnel.agent, tunnel.client
+    lines: list[str] = []
+    try:
         from bench.tunnel.__main__ import cpu_seconds
 
         pids = [server.process.pid, agent.process.pid, sink_pid]
@@ -288,8 +326,4 @@ async def measure(
         ]  # fmt: skip
         return TunnelReport(bulk, lines, bulk_cpu, bridged, bridged_cpu)
     finally:
-        if client is not None:
-            await client.close()
-        if agent is not None:
-            agent.stop()
-        server.stop()
+        await tunnel.stop()
