@@ -12,9 +12,11 @@ rotation's write, and key generation is gated the same way.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -119,46 +121,12 @@ async def test_certify_is_answered_while_the_rotation_writes_the_store(tmp_path:
     service.close()
 
 
-def test_signing_goes_on_while_the_new_key_is_made(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    clock = Clock()
-    authority, _ = open_gated(tmp_path, clock)
-    issue(authority)
-    making, release = threading.Event(), threading.Event()
-    generate = authority_module.generate_key
-
-    def slow_generate(algorithm: str) -> Any:  # an RSA-3072 key takes seconds
-        making.set()
-        assert release.wait(WAIT)
-        return generate(algorithm)
-
-    monkeypatch.setattr(authority_module, "generate_key", slow_generate)
-    rotating = threading.Thread(target=authority.rotate)
-    rotating.start()
-    try:
-        assert making.wait(WAIT)
-        signed: list[object] = []
-        signer = threading.Thread(target=lambda: signed.append(issue(authority)))
-        signer.start()
-        signer.join(5)
-        assert signed, "signing waited for the rotation's key generation"
-    finally:
-        release.set()
-        rotating.join(WAIT)
-    assert [a.state for a in authority.trust_bundle().authorities] == [
-        CAState.ACTIVE,
-        CAState.STAGED,
-    ]
-
-
-def test_a_write_before_the_rotations_write_is_kept(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The leaf bound raised while the new key is made is in what the rotation writes."""
-    clock = Clock()
-    authority, store = open_gated(tmp_path, clock)
-    issue(authority)
+@contextlib.contextmanager
+def rotation_making_its_key(
+    authority: Authority, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[threading.Thread]:
+    """A rotation in a thread, held while it makes its new key (an RSA-3072 key takes
+    seconds); it goes on when the block ends, and has ended after it."""
     making, release = threading.Event(), threading.Event()
     generate = authority_module.generate_key
 
@@ -172,13 +140,42 @@ def test_a_write_before_the_rotations_write_is_kept(
     rotating.start()
     try:
         assert making.wait(WAIT)
+        yield rotating
+    finally:
+        release.set()
+        rotating.join(WAIT)
+
+
+def test_signing_goes_on_while_the_new_key_is_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = Clock()
+    authority, _ = open_gated(tmp_path, clock)
+    issue(authority)
+    with rotation_making_its_key(authority, monkeypatch):
+        signed: list[object] = []
+        signer = threading.Thread(target=lambda: signed.append(issue(authority)))
+        signer.start()
+        signer.join(5)
+        assert signed, "signing waited for the rotation's key generation"
+    assert [a.state for a in authority.trust_bundle().authorities] == [
+        CAState.ACTIVE,
+        CAState.STAGED,
+    ]
+
+
+def test_a_write_before_the_rotations_write_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The leaf bound raised while the new key is made is in what the rotation writes."""
+    clock = Clock()
+    authority, store = open_gated(tmp_path, clock)
+    issue(authority)
+    with rotation_making_its_key(authority, monkeypatch):
         clock.advance(dt.timedelta(hours=3))  # past the stored bound: this leaf writes it
         leaf = issue(authority).leaf
         raised = bound_of(store.state(), "ca-1")
         assert raised >= leaf.not_valid_after_utc
-    finally:
-        release.set()
-        rotating.join(WAIT)
     state = store.state()
     assert {e["name"] for e in state["authorities"]} == {"ca-1", "ca-2"}
     assert bound_of(state, "ca-1") == raised
