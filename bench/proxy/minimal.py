@@ -1,6 +1,6 @@
 """The floor under Waygate's proxy: a minimal uvloop + httptools HTTP pass-through.
 
-    python -m bench.proxy.minimal LISTEN_PORT UPSTREAM_PORT
+    python -m bench.proxy.minimal LISTEN_PORT UPSTREAM_PORT [BURN_US]
 
 Each client connection gets its own upstream connection (opened on accept,
 kept alive); request and response bytes are relayed as they arrive, with
@@ -8,13 +8,16 @@ httptools parsing both directions only to find where each message ends. No
 routing, no header rules, no pool, no limits or timeouts: the least any
 Python HTTP proxy does per request, so Waygate / minimal shows what the
 rules cost. Reading pauses when the other side's write buffer is full, so a
-1 GiB body streams through it too. Serves until stdin closes.
+1 GiB body streams through it too. Serves until stdin closes. With BURN_US
+(`bench/proxy/ab.py --burn-us`) it busy-waits that many microseconds per
+read, to show how the system time per request follows the Python time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import sys
+import time
 
 import httptools
 import uvloop
@@ -33,6 +36,10 @@ class Side(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        if BURN:
+            until = time.perf_counter() + BURN
+            while time.perf_counter() < until:
+                pass
         try:
             self.parser.feed_data(data)  # framing only: validates and finds message ends
         except httptools.HttpParserError:
@@ -93,6 +100,8 @@ async def main(listen_port: int, upstream_port: int) -> None:
     await loop.run_in_executor(None, sys.stdin.read)
     server.close()
 
+
+BURN = float(sys.argv[3]) / 1e6 if __name__ == "__main__" and len(sys.argv) > 3 else 0.0
 
 if __name__ == "__main__":
     uvloop.run(main(int(sys.argv[1]), int(sys.argv[2])))
