@@ -8,6 +8,7 @@ an agent only an admin port; every one has admin, probed there."""
 
 from __future__ import annotations
 
+import base64
 import re
 import shutil
 import subprocess
@@ -26,10 +27,12 @@ KUBERNETES_VERSION = "1.32"
 
 
 def render(overlay: str) -> str:
+    """An overlay's render; "base" renders the base itself."""
     kubectl = shutil.which("kubectl")
     assert kubectl, "kubectl is needed to render the overlays (.ci/run installs it)"
+    where = ROOT / "deploy/kustomize" / ("base" if overlay == "base" else f"overlays/{overlay}")
     result = subprocess.run(
-        [kubectl, "kustomize", str(ROOT / "deploy/kustomize/overlays" / overlay)],
+        [kubectl, "kustomize", str(where)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -327,3 +330,85 @@ def test_dev_overlay_exports_traces_from_every_waygate_workload():
         }
         assert env["WAYGATE_OTLP_ENDPOINT"] == "http://waygate-jaeger:4317", workload["metadata"]
         assert env["WAYGATE_LOG_LEVEL"] == "debug"
+
+
+# Kinds that live outside any namespace (Kubernetes' own; a custom kind's scope is
+# read from its CustomResourceDefinition in the same render).
+CLUSTER_SCOPED = {
+    "Namespace",
+    "CustomResourceDefinition",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "PriorityClass",
+    "StorageClass",
+    "IngressClass",
+    "GatewayClass",
+    "ValidatingWebhookConfiguration",
+    "MutatingWebhookConfiguration",
+    "ValidatingAdmissionPolicy",
+    "ValidatingAdmissionPolicyBinding",
+    "APIService",
+}
+
+
+@pytest.mark.parametrize("overlay", ["base", *OVERLAYS])
+def test_every_namespaced_object_is_in_the_waygate_namespace(overlay):
+    # kubectl apply -k puts an object without a namespace into the current
+    # context's namespace: the deny-all policy or a budget would land elsewhere.
+    objects = [doc for doc in yaml.safe_load_all(render(overlay)) if doc]
+    cluster_scoped = set(CLUSTER_SCOPED) | {
+        o["spec"]["names"]["kind"]
+        for o in objects
+        if o["kind"] == "CustomResourceDefinition" and o["spec"]["scope"] == "Cluster"
+    }
+    namespaced = [o for o in objects if o["kind"] not in cluster_scoped]
+    assert len(namespaced) > 10
+    outside = [
+        f"{o['kind']} {o['metadata']['name']}: {o['metadata'].get('namespace')}"
+        for o in namespaced
+        if o["metadata"].get("namespace") != "waygate"
+    ]
+    assert not outside, outside
+    for o in objects:
+        if o["kind"] in cluster_scoped:
+            assert "namespace" not in o["metadata"], f"{o['kind']} {o['metadata']['name']}"
+        for subject in o.get("subjects", ()):
+            if subject["kind"] == "ServiceAccount":
+                assert subject["namespace"] == "waygate", o["metadata"]["name"]
+
+
+def _sticky_secret_name(objects) -> str:
+    """The Secret the proxy's --sticky-key-file comes from (asserting the wiring on the way)."""
+    proxy = named(objects, "Deployment", "waygate-proxy")
+    pod = proxy["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    key_file = _flag(container["args"], "sticky-key-file")
+    directory, _, file_name = key_file.rpartition("/")
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == directory]
+    assert mount["readOnly"] is True
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    secret = volume["secret"]
+    assert secret.get("optional", False) is False, "a replica without the key would pick its own"
+    assert [item["path"] for item in secret["items"]] == [file_name]
+    # Readable by the proxy's group only, and the files get that group.
+    assert secret["defaultMode"] & 0o007 == 0
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]
+    return secret["secretName"]
+
+
+@pytest.mark.parametrize("overlay", ["base", "production"])
+def test_proxy_replicas_share_one_sticky_key_secret_that_is_not_in_git(overlay):
+    # Every replica (the HPA's too: they are pods of this one Deployment) mounts
+    # the same Secret, so a cookie set by one picks the same endpoint on all.
+    objects = [doc for doc in yaml.safe_load_all(render(overlay)) if doc]
+    assert _sticky_secret_name(objects) == "waygate-proxy-sticky"
+    # Created per cluster (base/proxy.yaml says how), never a key shipped in git.
+    assert not [o for o in objects if o["kind"] == "Secret"]
+
+
+def test_dev_overlay_generates_the_sticky_key_secret_the_proxy_mounts():
+    objects = [doc for doc in yaml.safe_load_all(render("dev")) if doc]
+    name = _sticky_secret_name(objects)
+    secret = named(objects, "Secret", name)
+    assert name.startswith("waygate-proxy-sticky")
+    assert len(base64.b64decode(secret["data"]["key"])) >= 16  # the proxy's minimum
