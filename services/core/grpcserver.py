@@ -16,6 +16,12 @@ A `GrpcServer` is a `grpc.aio` server with:
     certificate - in total, and, for peers without a certificate, in total
     below that (so peers with one keep room); a call over a cap gets
     RESOURCE_EXHAUSTED naming the cap and its setting, before the handler runs;
+  * the unauthenticated total is shared fairly among addresses: when it is
+    full, a new stream from an address holding less than its fair share (the
+    total divided by the addresses holding streams, itself included) ends the
+    oldest stream of the address holding the most, if that one holds more than
+    its share (RESOURCE_EXHAUSTED naming the fair share). So 20 addresses
+    filling the total cannot lock out a 21st (issue 18: certs' WatchTrustBundle);
   * unary calls have their own budget, which streams never use, so 1,000 open
     watches cannot make a Certify or a Resolve fail; grpc.health.v1 Check has
     a small budget of its own, so slow unary calls cannot make health fail;
@@ -136,11 +142,17 @@ def peer_of(context: grpc.aio.ServicerContext) -> tuple[str, bool]:
     return peer, False  # unix sockets: one peer
 
 
+Evict = Callable[[str], None]
+
+
 class _Admission:
     """Counts the calls in flight of one server against its `CallLimits`.
 
     Runs on the event loop only, so plain counters need no lock. Every admit
-    that returns None is paired with exactly one release.
+    that returns None is paired with exactly one release. An unauthenticated
+    stream admitted with a `ticket` and an `evict` callback may be evicted for
+    a newcomer (fair share): its place is released at once, on eviction, and
+    its own later release (same ticket) is then a no-op.
     """
 
     def __init__(self, limits: CallLimits) -> None:
@@ -150,6 +162,9 @@ class _Admission:
         self.streams = 0
         self.unauthenticated_streams = 0
         self.streams_by_peer: dict[str, int] = {}
+        # Unauthenticated streams that can be evicted, by address, oldest first
+        # (dicts keep insertion order): ticket -> evict callback.
+        self._evictable: dict[str, dict[object, Evict]] = {}
         self._logged_at: dict[str, float] = {}
         self._unlogged: dict[str, int] = {}
 
@@ -181,7 +196,13 @@ class _Admission:
     def release_health(self) -> None:
         self.health -= 1
 
-    def admit_stream(self, peer: str, authenticated: bool) -> str | None:
+    def admit_stream(
+        self,
+        peer: str,
+        authenticated: bool,
+        ticket: object = None,
+        evict: Evict | None = None,
+    ) -> str | None:
         limits = self.limits
         held = self.streams_by_peer.get(peer, 0)
         if authenticated and held >= limits.max_streams_per_peer:
@@ -198,7 +219,11 @@ class _Admission:
                 f"is {limits.max_streams_per_unauthenticated_peer} per address (setting "
                 "max_streams_per_unauthenticated_peer, --max-streams-per-unauthenticated-peer)",
             )
-        if not authenticated and self.unauthenticated_streams >= limits.max_unauthenticated_streams:
+        if (
+            not authenticated
+            and self.unauthenticated_streams >= limits.max_unauthenticated_streams
+            and not self._evict_for(peer, held)
+        ):
             return self._refuse(
                 "max_unauthenticated_streams",
                 f"too many long-lived streams without a client certificate on this server: the "
@@ -216,9 +241,46 @@ class _Admission:
         if not authenticated:
             self.unauthenticated_streams += 1
         self.streams_by_peer[peer] = held + 1
+        if not authenticated and ticket is not None and evict is not None:
+            self._evictable.setdefault(peer, {})[ticket] = evict
         return None
 
-    def release_stream(self, peer: str, authenticated: bool) -> None:
+    def fair_share(self, peer: str) -> int:
+        """The unauthenticated streams one address may keep when the total is full:
+        the total divided by the addresses holding streams, `peer` included."""
+        peers = len(self._evictable) + (peer not in self._evictable)
+        return max(1, self.limits.max_unauthenticated_streams // peers)
+
+    def _evict_for(self, peer: str, held: int) -> bool:
+        """Make room for one more stream of `peer` (below its fair share) by ending
+        the oldest stream of the address holding the most, when that one holds
+        more than the share. True when a place was freed."""
+        share = self.fair_share(peer)
+        if held >= share or not self._evictable:
+            return False
+        victim = max(self._evictable, key=lambda p: len(self._evictable[p]))
+        holders = self._evictable[victim]
+        if victim == peer or len(holders) <= share:
+            return False
+        ticket, evict = next(iter(holders.items()))
+        self.release_stream(victim, False, ticket)
+        REFUSED.labels("unauthenticated_fair_share").inc()
+        evict(
+            f"this stream was ended to make room for another address: without a client "
+            f"certificate, {excerpt(victim)} held {len(holders) + 1} of the "
+            f"{self.limits.max_unauthenticated_streams} long-lived streams this server allows "
+            f"all such clients together (setting max_unauthenticated_streams), over its fair "
+            f"share of {share}; reconnect with backoff, or poll the unary call instead"
+        )
+        return True
+
+    def release_stream(self, peer: str, authenticated: bool, ticket: object = None) -> None:
+        if ticket is not None and not authenticated:
+            holders = self._evictable.get(peer)
+            if holders is None or holders.pop(ticket, None) is None:
+                return  # evicted: its place was released then
+            if not holders:
+                del self._evictable[peer]
         self.streams -= 1
         if not authenticated:
             self.unauthenticated_streams -= 1
@@ -314,14 +376,19 @@ class _MethodBoundary:
         handled.inc()
         await context.abort(code, message)
 
-    async def admit_stream(self, context: grpc.aio.ServicerContext) -> tuple[str, bool]:
+    async def admit_stream(
+        self, context: grpc.aio.ServicerContext, eviction: _Eviction | None = None
+    ) -> tuple[str, bool, object]:
         """Take a long-lived call's place (or end it with the refusal); returns its peer
-        key and whether it is authenticated (what `release_stream` needs)."""
+        key, whether it is authenticated and its ticket (what `release_stream` needs).
+        With an `eviction`, the place may be taken back for a fairer share."""
         peer, authenticated = peer_of(context)
-        refusal = self.admission.admit_stream(peer, authenticated)
+        refusal = self.admission.admit_stream(
+            peer, authenticated, eviction, None if eviction is None else eviction.evict
+        )
         if refusal is not None:
             await self.refuse(context, refusal)
-        return peer, authenticated
+        return peer, authenticated, eviction
 
     def wrap(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         """The same kind of handler, with span, metrics and error mapping around it."""
@@ -404,7 +471,8 @@ class _MethodBoundary:
         # One generator (not one wrapping another): closing it runs the handler's
         # cleanup and releases the stream's place at once, never at GC.
         async def stream_response(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            peer = await boundary.admit_stream(context) if capped else ("", False)
+            eviction = _Eviction()
+            peer = await boundary.admit_stream(context, eviction) if capped else ("", False, None)
             # From here on the place is released whatever happens, even if the span or
             # the handler's generator cannot be made.
             try:
@@ -437,7 +505,15 @@ class _MethodBoundary:
                 except grpc.aio.AbortError:
                     boundary.finish(span, started, _code_of(context), context.details() or "")
                     raise
-                except (GeneratorExit, asyncio.CancelledError):
+                except asyncio.CancelledError:
+                    if eviction.message is None or not eviction.take_back():
+                        boundary.finish(span, started, grpc.StatusCode.CANCELLED, CANCELLED_MESSAGE)
+                        raise
+                    # Evicted for a fairer share: said to the client as such.
+                    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+                    boundary.finish(span, started, code, eviction.message)
+                    await context.abort(code, eviction.message)
+                except GeneratorExit:
                     boundary.finish(span, started, grpc.StatusCode.CANCELLED, CANCELLED_MESSAGE)
                     raise
                 except Exception as exc:
@@ -464,6 +540,31 @@ class _MethodBoundary:
 
 
 CANCELLED_MESSAGE = "cancelled by the client or shutdown"
+
+
+class _Eviction:
+    """How a long-lived call is ended to make room for a fairer share: its task is
+    cancelled, and the boundary turns that cancellation (its own, not the
+    client's) into RESOURCE_EXHAUSTED with `message`."""
+
+    __slots__ = ("_task", "message")
+
+    def __init__(self) -> None:
+        self._task = asyncio.current_task()
+        self.message: str | None = None
+
+    def evict(self, message: str) -> None:
+        if self.message is None and self._task is not None:
+            self.message = message
+            self._task.cancel()
+
+    def take_back(self) -> bool:
+        """Undo our own cancel of the task (True), so the call can end with a status."""
+        task = self._task
+        if task is None or task.cancelling() != 1:
+            return False  # someone else cancelled it too: let the cancellation win
+        task.uncancel()
+        return True
 
 
 def _code_of(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
