@@ -44,6 +44,8 @@ from urllib.parse import unquote_to_bytes
 
 import httptools
 
+from waygate.core import httpheaders
+
 MAX_REQUEST_LINE: Final = 8 * 1024
 MAX_HEAD_BYTES: Final = 32 * 1024
 MAX_CHUNK_LINE: Final = 1024
@@ -91,18 +93,7 @@ FORWARDED_FAMILY: Final = 2  # rewritten per the route's forwarded mode
 SPECIAL: Final = 3  # read by the proxy, then forwarded or dropped by rule
 
 _REQUEST_CLASSES: Final[dict[bytes, int]] = {
-    b"connection": DROP,
-    b"keep-alive": DROP,
-    b"proxy-connection": DROP,
-    b"proxy-authenticate": DROP,
-    b"proxy-authorization": DROP,
-    b"te": DROP,
-    b"trailer": DROP,
-    b"transfer-encoding": DROP,
-    b"upgrade": DROP,
-    b"proxy": DROP,  # httpoxy: never forwarded (CVE-2016-5385)
-    b"x-remote-user": DROP,
-    b"x-remote-group": DROP,
+    **dict.fromkeys(httpheaders.HOP_BY_HOP, DROP),
     b"x-forwarded-for": FORWARDED_FAMILY,
     b"x-forwarded-host": FORWARDED_FAMILY,
     b"x-forwarded-port": FORWARDED_FAMILY,
@@ -114,26 +105,17 @@ _REQUEST_CLASSES: Final[dict[bytes, int]] = {
     b"traceparent": SPECIAL,
     b"cookie": SPECIAL,
 }
-# Identity headers the client may not send (front-proxy rule), compared with
-# '_' read as '-': WSGI/CGI backends map X_Remote_User and X-Remote_User to the
-# same HTTP_X_REMOTE_USER as X-Remote-User, and X_Forwarded_For to the same
-# HTTP_X_FORWARDED_FOR (so the underscore spellings of the forwarded family are
-# dropped too: they would pass a client's address off as the proxy's word).
-_IDENTITY_NAMES: Final = (
-    rb"x[-_]remote[-_](?:user|group)|x[-_]ssl[-_]"
-    + _TCHAR
-    + rb"*+|x[-_]remote[-_]extra[-_]"
-    + _TCHAR
-    + rb"*+|x_forwarded[-_](?:for|host|port|proto)|x-forwarded_(?:for|host|port|proto)"
-)
 # The request header lines the proxy reads, found in one C pass over the
 # validated head's field block (each line starts after a CRLF, so a match is a
 # whole field name): split() yields [kept block, name, value, kept block, ...].
+# Headers a client may not set (the one rule book, waygate.core.httpheaders:
+# identity, impersonation, client certificate, `Proxy`, underscore spellings)
+# are found in the same pass and, not being classified above, dropped.
 _REQUEST_READ: Final = re.compile(
     rb"\r\n((?i:"
     + rb"|".join(re.escape(name) for name in _REQUEST_CLASSES)
     + rb"|"
-    + _IDENTITY_NAMES
+    + httpheaders.CLIENT_FORBIDDEN_PATTERN
     + rb")):[ \t]*+([^\r]*)"
 )
 # The response header lines the proxy reads and drops (re-adding framing itself),

@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING, Any
 import httptools
 from opentelemetry import trace
 
-from waygate.core import errors, tracing
+from waygate.core import errors, httpheaders, tracing
 from waygate.core.settings import parse_duration, port_number, positive, setting
 from waygate.tunnel import mux
 from waygate.tunnel import server as tunnel_server
@@ -83,25 +83,11 @@ MAX_HEAD = 64 * 1024
 HIGH_WATER = 256 * 1024  # client bytes buffered before reading the client pauses
 DEFAULT_DIAL_HOST = "127.0.0.1"  # what a Dial without a host reaches on the agent
 
-# Hop-by-hop headers (RFC 9110 7.6.1) and headers that would let a client claim
-# an identity a backend might trust: never forwarded.
-_DROPPED = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-connection",
-        b"proxy-authorization",
-        b"te",
-        b"trailer",
-        b"upgrade",
-        b"x-remote-user",
-        b"x-remote-group",
-        b"x-forwarded-client-cert",
-        b"x-client-cert",
-        b"x-ssl-client-cert",
-    }
-)
-_DROPPED_PREFIXES = (b"x-remote-extra-", b"impersonate-", b"x-waygate-")
+# Hop-by-hop headers (the one rule book, waygate.core.httpheaders) are never
+# forwarded, except Transfer-Encoding: the front sends the body chunked again as
+# httptools framed it. Headers a client may not set (identity, impersonation,
+# client certificate) are dropped by httpheaders.client_forbidden.
+_DROPPED = httpheaders.HOP_BY_HOP - {b"transfer-encoding"}
 
 
 def _check_ports(ports: tuple[str, ...]) -> str | None:
@@ -386,18 +372,15 @@ def upstream_head(head: RequestHead) -> bytes:
     upgrade_to = b""
     # Headers the client's Connection names are hop-by-hop too (RFC 9110 7.6.1); Host
     # stays whatever Connection says (it names the target).
-    named = {
-        token.strip().lower()
-        for name, value in head.headers
-        if name.lower() == b"connection"
-        for token in value.split(b",")
-    }
+    named = httpheaders.connection_named(
+        [value for name, value in head.headers if name.lower() == b"connection"]
+    )
     named.discard(b"host")
     for name, value in head.headers:
         lowered = name.lower()
         if lowered == b"upgrade":
             upgrade_to = value
-        if lowered in _DROPPED or lowered.startswith(_DROPPED_PREFIXES) or lowered in named:
+        if lowered in _DROPPED or lowered in named or httpheaders.client_forbidden(lowered):
             continue
         lines.append(name + b": " + value)
     if head.upgrade and upgrade_to:

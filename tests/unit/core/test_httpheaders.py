@@ -1,0 +1,46 @@
+"""The header rule book's names: every forbidden family in any case and either
+separator, and the look-alikes that stay allowed."""
+
+from __future__ import annotations
+
+import pytest
+
+from waygate.core import httpheaders
+
+
+@pytest.mark.parametrize("name", httpheaders.CLIENT_FORBIDDEN_EXAMPLES)
+def test_forbidden_names_in_any_case(name: bytes) -> None:
+    assert httpheaders.client_forbidden(name)
+    assert httpheaders.client_forbidden(name.lower())
+    assert httpheaders.client_forbidden(name.upper())
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        b"X-Forwarded-For",
+        b"Forwarded",
+        b"Proxy-Status",
+        b"X-Remote-Addr",
+        b"Authorization",
+        b"Impersonate",
+        b"X-Waygate",
+        b"Host",
+        b"X-Client",
+    ],
+)
+def test_look_alikes_stay_allowed(name: bytes) -> None:
+    assert not httpheaders.client_forbidden(name)
+
+
+def test_h2_connection_specific_fields() -> None:
+    assert httpheaders.h2_malformed_field(b"connection", b"keep-alive")
+    assert httpheaders.h2_malformed_field(b"te", b"gzip")
+    assert not httpheaders.h2_malformed_field(b"te", b"Trailers")
+    assert not httpheaders.h2_malformed_field(b"content-type", b"application/grpc")
+
+
+def test_connection_named_headers() -> None:
+    assert httpheaders.connection_named([b"keep-alive, X-Secret", b"close,Upgrade"]) == {
+        b"x-secret"
+    }
