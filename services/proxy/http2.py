@@ -1,0 +1,869 @@
+"""HTTP/2 on the proxy's client side: a thin asyncio Protocol over the `h2` state machine.
+
+`H2ClientConnection` serves one HTTP/2 connection: negotiated by ALPN `h2` on
+the HTTPS port, or HTTP/2 with prior knowledge (h2c) on the HTTP port, told
+apart from HTTP/1.1 by its first bytes (`ClientProtocol`, the factory both
+listeners use). `h2` (python-hyper) does the framing, HPACK and the stream
+state machine; this module moves bytes, applies the proxy's limits, and
+turns each request stream into an exchange:
+
+- a route whose backend speaks HTTP/1.1 (the default): the stream drives the
+  proxy's HTTP/1.1 exchange (`waygate.proxy.server.ClientConnection`) through
+  `_StreamBridge`, an in-memory transport. The request is written as the
+  HTTP/1.1 head it means (`request_head`) and passes the one header rule book
+  in `waygate.proxy.http1`; routing by :authority, balancing, sticky cookies,
+  timeouts, auth-proxy routes, the explained failures, metrics, spans and the
+  access log are that exchange's, unchanged. The answer comes back as
+  HTTP/1.1 bytes and leaves as HEADERS / DATA.
+- a route whose backend speaks HTTP/2 or gRPC: `waygate.proxy.h2upstream`.
+
+A local answer on a gRPC request (content-type application/grpc...) leaves as
+a gRPC status, trailers-only (`waygate.proxy.grpcstatus`), never an HTML page.
+
+Limits (every one a flag of `waygate proxy serve`, see `H2Limits`):
+- concurrent streams per connection (SETTINGS_MAX_CONCURRENT_STREAMS; h2
+  refuses one more), header list size (the HPACK decoder stops inflating past
+  it: an HPACK bomb costs at most that much), the compressed header block
+  (HEADERS + CONTINUATION bytes held before decoding: a CONTINUATION flood
+  stops there), stream and connection receive windows.
+- flood budgets, counted, not timed: control frames (PING, SETTINGS,
+  PRIORITY, WINDOW_UPDATE, empty DATA) beyond `control_frames` plus twice the
+  useful frames (streams opened, DATA with payload either way) end the
+  connection with GOAWAY ENHANCE_YOUR_CALM; so do streams the client resets
+  before their answer (rapid reset, CVE-2023-44487) once they pass
+  `premature_resets` and half of the streams opened.
+- response bytes held per stream while the client's window is closed:
+  `stream_buffer`; past it the upstream is paused (a client that never opens
+  its window holds at most that much per stream, until the exchange's
+  server timeout ends it). Request bytes are acknowledged (WINDOW_UPDATE)
+  only once handed to the upstream: a slow upstream closes the client's
+  window instead of growing a buffer.
+- the proxy stops reading a connection whose own writes back up (PING and
+  SETTINGS acknowledgements cannot pile up for a client that does not read).
+
+Draining (SIGTERM): GOAWAY with the last stream id seen; streams in flight
+finish within the grace period, then the connection closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from typing import Any, NamedTuple
+
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
+import h2.frame_buffer
+import h2.settings
+from h2.errors import ErrorCodes
+
+from waygate.core import httpheaders
+from waygate.proxy import grpcstatus, http1
+
+log = logging.getLogger(__name__)
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+HIGH_WATER = 256 * 1024
+LOW_WATER = 64 * 1024
+
+# Connection-level timer kinds, as `waygate.proxy.server` names them (the
+# server's ticker reads `_timer_kind`, `_deadline` and calls `_on_timer`).
+_T_NONE = 0
+_T_IDLE = 1
+
+
+class H2Limits(NamedTuple):
+    """HTTP/2 limits of the proxy's listeners (flags `--h2-*`, see app.Settings)."""
+
+    max_concurrent_streams: int = 100
+    # Receive windows: what a client may send ahead of the upstream reading it.
+    stream_window: int = 256 * 1024
+    connection_window: int = 1024 * 1024
+    # Decoded header list (names + values + 32 per field, RFC 9113 6.5.2); the
+    # same size as the HTTP/1.1 head limit.
+    max_header_list_size: int = http1.MAX_HEAD_BYTES
+    # Control frames allowed beyond twice the useful frames (see module doc).
+    control_frames: int = 1000
+    # Streams reset by the client before their answer, beyond which (and past
+    # half of the streams opened) the connection is refused more work.
+    premature_resets: int = 100
+    # Response bytes held per stream while the client's window is shut.
+    stream_buffer: int = 256 * 1024
+
+
+_HEADER_NAME = re.compile(rb"[!#$%&'*+\-.^_`|~0-9a-z]+")
+# Request headers RFC 9113 section 8.2.2 forbids (h2 refuses them too) and
+# pseudo-headers: none of them becomes an HTTP/1.1 line.
+_NOT_COPIED = frozenset((b"host", b"cookie", b"te", b"content-length"))
+
+
+class BadRequest(Exception):
+    """A request stream that cannot be an exchange; `reason` says why (400)."""
+
+    def __init__(self, reason: str, status: int = 400) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.status = status
+
+
+class Request(NamedTuple):
+    """One HTTP/2 request as the proxy reads it."""
+
+    method: bytes
+    authority: bytes
+    path: bytes
+    scheme: bytes
+    headers: list[tuple[bytes, bytes]]  # regular fields, names lower-case, cookies joined
+    content_length: int  # -1: none
+    grpc: bool
+
+
+def read_request(headers: list[tuple[bytes, bytes]], end_stream: bool) -> Request:
+    """The pseudo-headers and fields of one request block (h2 already refused
+    connection-specific fields, upper-case names and misplaced pseudo-headers).
+
+    Raises BadRequest for what would break the HTTP/1.1 rules: CONNECT, a
+    missing :authority and Host, the two disagreeing (RFC 9113 section 8.3.1),
+    a name or value that is not a field (CR, LF, NUL), a bad content-length.
+    """
+    method = authority = path = scheme = b""
+    host = b""
+    fields: list[tuple[bytes, bytes]] = []
+    cookies: list[bytes] = []
+    content_length = -1
+    grpc = False
+    for name, value in headers:
+        if name[:1] == b":":
+            if name == b":method":
+                method = value
+            elif name == b":path":
+                path = value
+            elif name == b":authority":
+                authority = value
+            elif name == b":scheme":
+                scheme = value
+            else:
+                raise BadRequest("unknown pseudo-header " + name.decode("ascii", "replace"))
+            continue
+        if name == b"host":
+            if host:
+                raise BadRequest("more than one Host header (RFC 9112 section 3.2)")
+            host = value
+        elif name == b"cookie":
+            cookies.append(value)
+        elif name == b"content-length":
+            if content_length >= 0 or not value.isdigit() or len(value) > 18:
+                raise BadRequest("malformed or repeated content-length (RFC 9110 section 8.6)")
+            content_length = int(value)
+        elif httpheaders.h2_malformed_field(name, value):
+            # h2 refuses these too; the rule book says so for every path.
+            raise BadRequest("connection-specific header field (RFC 9113 section 8.2.2)")
+        elif name == b"te":
+            continue  # "trailers" only: hop-by-hop
+        else:
+            if name == b"content-type" and value.startswith(b"application/grpc"):
+                grpc = True
+            fields.append((name, value))
+    if method == b"CONNECT":
+        raise BadRequest("CONNECT is not served (reverse proxy)", 405)
+    if not method or not path:
+        raise BadRequest("missing :method or :path (RFC 9113 section 8.3.1)")
+    if authority and host and authority.lower() != host.lower():
+        raise BadRequest(":authority and Host disagree (RFC 9113 section 8.3.1)")
+    if not authority:
+        if not host:
+            raise BadRequest("missing :authority and Host (RFC 9113 section 8.3.1)")
+        authority = host
+    if cookies:
+        fields.append((b"cookie", b"; ".join(cookies)))
+    if end_stream and content_length > 0:
+        raise BadRequest("content-length without a body (RFC 9113 section 8.1.1)")
+    return Request(method, authority, path, scheme, fields, content_length, grpc)
+
+
+def request_head(request: Request, chunked: bool) -> bytes:
+    """The HTTP/1.1 head the request means (then checked by `http1.parse_request_head`,
+    the rules every request passes). `Connection: close`: one exchange per stream."""
+    lines = [b"%s %s HTTP/1.1\r\nHost: %s\r\n" % (request.method, request.path, request.authority)]
+    for name, value in request.headers:
+        if not _HEADER_NAME.fullmatch(name):
+            raise BadRequest("malformed header name (RFC 9113 section 8.2.1)")
+        lines.append(b"%s: %s\r\n" % (name, value))
+    if request.content_length >= 0:
+        lines.append(b"Content-Length: %d\r\n" % request.content_length)
+    elif chunked:
+        lines.append(b"Transfer-Encoding: chunked\r\n")
+    lines.append(b"Connection: close\r\n\r\n")
+    head = b"".join(lines)
+    # A CR or LF inside a value would start a line of its own: one line per
+    # field (plus the request line, Host, framing, Connection and the end) or refused.
+    expected = len(request.headers) + 4 + (request.content_length >= 0 or chunked)
+    if head.count(b"\n") != expected or b"\x00" in head:
+        raise BadRequest("CR, LF or NUL in a header (RFC 9113 section 8.2.1)")
+    return head
+
+
+class _BoundedFrameBuffer(h2.frame_buffer.FrameBuffer):
+    """h2's frame buffer with the header block bounded in bytes, not only in
+    CONTINUATION frames (h2 holds up to 64 of 16 KiB each before decoding)."""
+
+    max_header_block = http1.MAX_HEAD_BYTES + 1024
+
+    def _update_header_buffer(self, f: Any) -> Any:
+        result = super()._update_header_buffer(f)
+        if self._headers_buffer:
+            held = sum(len(frame.data) for frame in self._headers_buffer)
+            if held > self.max_header_block:
+                raise h2.exceptions.DenialOfServiceError("header block too large")
+        return result
+
+
+def h2_connection(limits: H2Limits, *, client_side: bool) -> h2.connection.H2Connection:
+    """An h2 state machine with the proxy's settings (strict header validation)."""
+    config = h2.config.H2Configuration(
+        client_side=client_side,
+        header_encoding=None,
+        validate_inbound_headers=True,
+        normalize_inbound_headers=True,
+        validate_outbound_headers=False,
+        normalize_outbound_headers=False,
+    )
+    conn = h2.connection.H2Connection(config=config)
+    codes = h2.settings.SettingCodes
+    conn.local_settings = h2.settings.Settings(
+        client=client_side,
+        initial_values={
+            codes.MAX_CONCURRENT_STREAMS: limits.max_concurrent_streams,
+            codes.INITIAL_WINDOW_SIZE: limits.stream_window,
+            codes.MAX_HEADER_LIST_SIZE: limits.max_header_list_size,
+            codes.ENABLE_PUSH: 0,
+        },
+    )
+    conn.decoder.max_header_list_size = limits.max_header_list_size
+    buffer = _BoundedFrameBuffer(server=not client_side)
+    buffer.max_header_block = limits.max_header_list_size + 1024
+    conn.incoming_buffer = buffer
+    # The window manager was built for the default 65,535: ours hands out the
+    # stream window as h2 acknowledges data.
+    conn._inbound_flow_control_window_manager.max_window_size = limits.connection_window
+    return conn
+
+
+class H2Stats:
+    """Counters of the HTTP/2 listeners (exported by `waygate.proxy.metrics`'
+    collector through `snapshot`, and read by the attack tests)."""
+
+    def __init__(self) -> None:
+        self.connections = 0  # opened
+        self.streams = 0  # opened
+        self.goaway: dict[str, int] = {}  # connections ended by the proxy, by reason
+        self.held_bytes = 0  # response bytes held for closed client windows, now
+
+    def refused(self, reason: str) -> None:
+        self.goaway[reason] = self.goaway.get(reason, 0) + 1
+
+
+STATS = H2Stats()
+
+
+# ---------------------------------------------------------------- streams
+
+
+class Stream:
+    """One request stream: what the exchange behind it writes, and flow control.
+
+    The exchange (`_StreamBridge` or an h2 upstream stream) calls `respond`,
+    `send`, `finish` and `reset`; `paused` is its pause callback target.
+    """
+
+    __slots__ = (
+        "ack_held",
+        "closed",
+        "conn",
+        "ended",
+        "exchange",
+        "grpc",
+        "held",
+        "held_size",
+        "id",
+        "method",
+        "request_done",
+        "responded",
+        "source_paused",
+        "trailers",
+        "upload_paused",
+    )
+
+    def __init__(self, conn: H2ClientConnection, stream_id: int) -> None:
+        self.conn = conn
+        self.id = stream_id
+        self.exchange: Any = None
+        self.method = b""
+        self.grpc = False
+        self.responded = False
+        self.request_done = False
+        self.ended = False  # the response's end has been queued
+        self.closed = False
+        # Response bytes waiting for the client's window (bounded by stream_buffer).
+        self.held: list[bytes] = []
+        self.held_size = 0
+        self.trailers: list[tuple[bytes, bytes]] | None = None
+        self.source_paused = False
+        # Request bytes received but not acknowledged (the upstream is paused).
+        self.upload_paused = False
+        self.ack_held = 0
+
+    # What the exchange calls.
+
+    def respond(
+        self, status: int, headers: list[tuple[bytes, bytes]], *, end: bool = False
+    ) -> None:
+        if self.closed or self.responded:
+            return
+        self.responded = True
+        self.conn._send_headers(self, [(b":status", b"%d" % status), *headers], end)
+        if end:
+            self.ended = True
+
+    def send(self, data: bytes) -> None:
+        if self.closed or not data:
+            return
+        if self.held:
+            self._hold(data)
+            return
+        rest = self.conn._send_data(self, data)
+        if rest:
+            self._hold(rest)
+
+    def finish(self, trailers: list[tuple[bytes, bytes]] | None = None) -> None:
+        if self.closed or self.ended:
+            return
+        self.ended = True
+        self.trailers = trailers
+        if not self.held:
+            self.conn._end(self)
+
+    def reset(self, code: int = ErrorCodes.INTERNAL_ERROR) -> None:
+        if self.closed:
+            return
+        self.conn._reset(self, code)
+
+    def upload_resume(self) -> None:
+        self.upload_paused = False
+        if self.ack_held:
+            held, self.ack_held = self.ack_held, 0
+            self.conn._ack(self, held)
+
+    # Flow control of the response.
+
+    def _hold(self, data: bytes) -> None:
+        self.held.append(data)
+        self.held_size += len(data)
+        STATS.held_bytes += len(data)
+        self.conn.blocked.add(self)
+        if self.held_size > self.conn.limits.stream_buffer and not self.source_paused:
+            self.source_paused = True
+            exchange = self.exchange
+            if exchange is not None:
+                exchange.pause_source(True)
+
+    def _flush(self) -> None:
+        """The client's window opened: send what is held; resume the source below low water."""
+        conn = self.conn
+        while self.held:
+            data = self.held[0]
+            rest = conn._send_data(self, data)
+            sent = len(data) - len(rest)
+            self.held_size -= sent
+            STATS.held_bytes -= sent
+            if rest:
+                self.held[0] = rest
+                break
+            self.held.pop(0)
+        if not self.held:
+            conn.blocked.discard(self)
+            if self.ended:
+                conn._end(self)
+        if self.source_paused and self.held_size < LOW_WATER:
+            self.source_paused = False
+            exchange = self.exchange
+            if exchange is not None:
+                exchange.pause_source(False)
+
+    def _drop(self) -> None:
+        """The stream is gone: free what it holds."""
+        self.closed = True
+        STATS.held_bytes -= self.held_size
+        self.held = []
+        self.held_size = 0
+        self.conn.blocked.discard(self)
+
+
+class H2ClientConnection(asyncio.Protocol):
+    """One HTTP/2 client connection (h2 over TLS or h2c)."""
+
+    def __init__(self, server: Any, limits: H2Limits, *, secure: bool) -> None:
+        self.server = server
+        self.loop = server.loop
+        self.limits = limits
+        self.secure = secure
+        self.transport: asyncio.Transport | None = None
+        self.h2 = h2_connection(limits, client_side=False)
+        self.streams: dict[int, Stream] = {}
+        self.blocked: set[Stream] = set()
+        self.closed = False
+        self.goaway_sent = False
+        self.last_stream = 0
+        self.write_paused = False
+        self.read_paused = False
+        self.junk = 0
+        self.useful = 0
+        self.opened = 0
+        self.premature = 0
+        self.peer = "unknown"
+        # The server's ticker (see waygate.proxy.server.ProxyServer._sweep).
+        self._timer_kind = _T_NONE
+        self._deadline = 0.0
+
+    # ------------------------------------------------------------ asyncio.Protocol
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        server = self.server
+        if len(server.connections) >= server.max_connections or server.draining:
+            self.closed = True
+            transport.abort()
+            return
+        server.connections.add(self)
+        server.metrics.client_connections = len(server.connections)
+        STATS.connections += 1
+        peer = transport.get_extra_info("peername")
+        self.peer = peer[0] if peer else "unknown"
+        transport.set_write_buffer_limits(high=HIGH_WATER, low=LOW_WATER)
+        self.h2.initiate_connection()
+        increment = self.limits.connection_window - 65535
+        if increment > 0:
+            self.h2.increment_flow_control_window(increment)
+        self._flush_out()
+        self._arm_idle(server.defaults.http_request_timeout)
+
+    def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return
+        self.server.metrics.bytes_in += len(data)
+        try:
+            events = self.h2.receive_data(data)
+        except h2.exceptions.DenialOfServiceError as exc:
+            self._goaway_now(exc.error_code, "denial_of_service")
+            return
+        except h2.exceptions.ProtocolError as exc:
+            self._goaway_now(exc.error_code, "protocol_error")
+            return
+        for event in events:
+            self._event(event)
+            if self.closed:
+                return
+        self._check_floods()
+        self._flush_out()
+
+    def eof_received(self) -> bool | None:
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._timer_kind = _T_NONE
+        for stream in list(self.streams.values()):
+            self._abandon(stream)
+        self.streams.clear()
+        self.server.connection_closed(self)
+
+    def pause_writing(self) -> None:
+        # Our writes back up: read no more frames until the client reads (a PING
+        # or SETTINGS flood from a client that never reads grows nothing here).
+        self.write_paused = True
+        if self.transport is not None and not self.read_paused:
+            self.read_paused = True
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self.transport is not None and self.read_paused and not self.closed:
+            self.read_paused = False
+            self.transport.resume_reading()
+
+    # ------------------------------------------------------------ events
+
+    def _event(self, event: Any) -> None:
+        kind = type(event)
+        if kind is h2.events.RequestReceived:
+            self._request(event)
+        elif kind is h2.events.DataReceived:
+            self._data(event)
+        elif kind is h2.events.StreamEnded:
+            stream = self.streams.get(event.stream_id)
+            if stream is not None:
+                stream.request_done = True
+                if stream.exchange is not None:
+                    stream.exchange.request_end()
+        elif kind is h2.events.WindowUpdated:
+            self.junk += 1
+            self._window_opened(event.stream_id)
+        elif kind is h2.events.StreamReset:
+            stream = self.streams.pop(event.stream_id, None)
+            if stream is not None:
+                if not stream.ended:
+                    self.premature += 1
+                self._abandon(stream)
+        elif kind is h2.events.TrailersReceived:
+            stream = self.streams.get(event.stream_id)
+            if stream is not None and stream.exchange is not None:
+                stream.exchange.request_trailers(event.headers)
+        elif kind is h2.events.RemoteSettingsChanged:
+            self.junk += 1
+            if h2.settings.SettingCodes.INITIAL_WINDOW_SIZE in event.changed_settings:
+                self._window_opened(0)
+        elif kind is h2.events.ConnectionTerminated:
+            self._close()
+        else:
+            # PING, PRIORITY, SETTINGS acks, unknown frames: counted.
+            self.junk += 1
+
+    def _request(self, event: Any) -> None:
+        stream_id = event.stream_id
+        self.opened += 1
+        self.useful += 1
+        self.last_stream = stream_id
+        STATS.streams += 1
+        self._timer_kind = _T_NONE
+        stream = Stream(self, stream_id)
+        self.streams[stream_id] = stream
+        end_stream = event.stream_ended is not None
+        if self.goaway_sent:
+            stream.reset(ErrorCodes.REFUSED_STREAM)
+            return
+        try:
+            request = read_request(event.headers, end_stream)
+        except BadRequest as exc:
+            self._local_error(stream, exc.status, exc.reason, grpc=False)
+            return
+        stream.method = request.method
+        stream.grpc = request.grpc
+        stream.request_done = end_stream
+        from waygate.proxy.h2exchange import start_exchange
+
+        start_exchange(self, stream, request, end_stream)
+
+    def _data(self, event: Any) -> None:
+        stream = self.streams.get(event.stream_id)
+        size = event.flow_controlled_length
+        if event.data:
+            self.useful += 1
+        elif event.stream_ended is None:
+            self.junk += 1  # an empty DATA frame that ends nothing
+        if stream is None or stream.exchange is None or stream.closed:
+            if size:
+                self._ack(None, size, event.stream_id)
+            return
+        stream.exchange.request_data(event.data)
+        if stream.upload_paused:
+            stream.ack_held += size
+        elif size:
+            self._ack(stream, size)
+
+    def _ack(self, stream: Stream | None, size: int, stream_id: int = 0) -> None:
+        with contextlib.suppress(h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+            self.h2.acknowledge_received_data(size, stream.id if stream else stream_id)
+        if stream is not None:
+            self._flush_out()
+
+    def _window_opened(self, stream_id: int) -> None:
+        if stream_id:
+            stream = self.streams.get(stream_id)
+            if stream is not None and stream.held:
+                stream._flush()
+            return
+        for stream in list(self.blocked):
+            stream._flush()
+
+    def _check_floods(self) -> None:
+        limits = self.limits
+        if self.junk > limits.control_frames + 2 * self.useful:
+            self._goaway_now(ErrorCodes.ENHANCE_YOUR_CALM, "control_flood")
+        elif self.premature > limits.premature_resets and self.premature * 2 > self.opened:
+            self._goaway_now(ErrorCodes.ENHANCE_YOUR_CALM, "rapid_reset")
+
+    # ------------------------------------------------------------ what streams call
+
+    def _send_headers(self, stream: Stream, headers: list[tuple[bytes, bytes]], end: bool) -> None:
+        try:
+            self.h2.send_headers(stream.id, headers, end_stream=end)
+        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+            self._forget(stream)
+            return
+        if end:
+            self._forget(stream)
+        self._flush_out()
+
+    def _send_data(self, stream: Stream, data: bytes) -> bytes:
+        """Send what the windows allow; return the rest."""
+        h2conn = self.h2
+        try:
+            window = h2conn.local_flow_control_window(stream.id)
+        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+            self._forget(stream)
+            return b""
+        if window <= 0:
+            return data
+        frame = h2conn.max_outbound_frame_size
+        view = memoryview(data)
+        take = min(window, len(data))
+        pos = 0
+        while pos < take:
+            piece = view[pos : min(pos + frame, take)]
+            h2conn.send_data(stream.id, piece.tobytes())
+            self.useful += 1
+            pos += len(piece)
+        self.server.metrics.bytes_out += take
+        self._flush_out()
+        return data[take:] if take < len(data) else b""
+
+    def _end(self, stream: Stream) -> None:
+        try:
+            if stream.trailers:
+                self.h2.send_headers(stream.id, stream.trailers, end_stream=True)
+            else:
+                self.h2.end_stream(stream.id)
+        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+            pass
+        self._forget(stream)
+        self._flush_out()
+
+    def _reset(self, stream: Stream, code: int) -> None:
+        with contextlib.suppress(h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+            self.h2.reset_stream(stream.id, code)
+        self._forget(stream)
+        self._flush_out()
+
+    def _forget(self, stream: Stream) -> None:
+        """The stream's answer is complete (or it was reset): drop it."""
+        stream._drop()
+        self.streams.pop(stream.id, None)
+        if not self.streams:
+            if self.goaway_sent:
+                self._close()
+            else:
+                self._arm_idle(self.server.defaults.keep_alive_timeout)
+
+    def _abandon(self, stream: Stream) -> None:
+        """The client went or reset the stream: end its exchange."""
+        stream._drop()
+        exchange = stream.exchange
+        stream.exchange = None
+        if exchange is not None:
+            exchange.abandon()
+        if not self.streams and not self.closed:
+            if self.goaway_sent:
+                self._close()
+            else:
+                self._arm_idle(self.server.defaults.keep_alive_timeout)
+
+    def _local_error(self, stream: Stream, status: int, reason: str, *, grpc: bool) -> None:
+        """A local answer (the request broke a rule): the status, or a gRPC status."""
+        self.server.metrics.refused["bad_request"] = (
+            self.server.metrics.refused.get("bad_request", 0) + 1
+        )
+        if grpc:
+            stream.respond(200, grpcstatus.trailers_only(status, reason), end=True)
+            return
+        body = reason.encode("ascii", "replace") + b"\n"
+        stream.respond(
+            status,
+            [
+                (b"content-type", b"text/plain; charset=utf-8"),
+                (b"content-length", b"%d" % len(body)),
+                (b"cache-control", b"no-store"),
+                (b"x-waygate-error", reason.encode("ascii", "replace")),
+            ],
+        )
+        stream.send(body)
+        stream.finish()
+
+    # ------------------------------------------------------------ writing, closing
+
+    def _flush_out(self) -> None:
+        data = self.h2.data_to_send()
+        if data and self.transport is not None and not self.closed:
+            self.transport.write(data)
+
+    def _goaway_now(self, code: int, reason: str) -> None:
+        """A connection error: GOAWAY with the last stream we handled, then close."""
+        STATS.refused(reason)
+        log.debug("h2 connection refused", extra={"client": self.peer, "reason": reason})
+        with contextlib.suppress(h2.exceptions.ProtocolError):
+            self.h2.close_connection(error_code=code, last_stream_id=self.last_stream)
+        # Whatever h2 queued (its own GOAWAY after a protocol error included).
+        data = self.h2.data_to_send()
+        transport = self.transport
+        self.goaway_sent = True
+        if transport is not None and not self.closed:
+            if data:
+                transport.write(data)
+            self._close()
+
+    def _close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._timer_kind = _T_NONE
+        for stream in list(self.streams.values()):
+            self._abandon(stream)
+        self.streams.clear()
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    def _arm_idle(self, seconds: float) -> None:
+        server = self.server
+        self._deadline = deadline = self.loop.time() + seconds
+        self._timer_kind = _T_IDLE
+        if deadline <= server.soon_until:
+            server.soon.append(self)
+
+    def _on_timer(self) -> None:
+        """No stream for the idle timeout: GOAWAY and close."""
+        self._timer_kind = _T_NONE
+        if self.streams or self.closed:
+            return
+        with contextlib.suppress(h2.exceptions.ProtocolError):
+            self.h2.close_connection(
+                error_code=ErrorCodes.NO_ERROR, last_stream_id=self.last_stream
+            )
+        self._flush_out()
+        self._close()
+
+    # ------------------------------------------------------------ the server's calls
+
+    def drain(self) -> None:
+        """SIGTERM: GOAWAY (NO_ERROR, the last stream id seen); close once idle."""
+        if self.closed or self.goaway_sent:
+            return
+        self.goaway_sent = True
+        with contextlib.suppress(h2.exceptions.ProtocolError):
+            self.h2.close_connection(
+                error_code=ErrorCodes.NO_ERROR, last_stream_id=self.last_stream
+            )
+        self._flush_out()
+        if not self.streams:
+            self._close()
+
+    def abort(self) -> None:
+        self.closed = True
+        for stream in list(self.streams.values()):
+            self._abandon(stream)
+        self.streams.clear()
+        if self.transport is not None:
+            self.transport.abort()
+
+
+# ---------------------------------------------------------------- the listeners' factory
+
+
+def _not_http1(first: bytes) -> bool:
+    """A complete first line of three tokens whose last is no HTTP version
+    ("INVALID CONNECTION PREFACE"): not an HTTP/1 request line. Anything
+    else, malformed or not, is left to the HTTP/1.1 rules (and their 400)."""
+    end = first.find(b"\r\n")
+    if end < 0:
+        return False
+    parts = first[:end].split(b" ")
+    return len(parts) == 3 and parts[2][:5].upper() != b"HTTP/"
+
+
+class ClientProtocol(asyncio.Protocol):
+    """Every accepted connection starts here and becomes HTTP/1.1 or HTTP/2.
+
+    On TLS (after the handshake) ALPN decides: `h2` -> HTTP/2, else HTTP/1.1.
+    On plain TCP the HTTP/1.1 connection starts at once (counted, its head
+    timeout armed) and the first bytes decide: the HTTP/2 preface (h2c with
+    prior knowledge) hands the transport over to HTTP/2; anything else goes
+    to HTTP/1.1 untouched. The cost to HTTP/1.1: one call on the first read.
+    """
+
+    __slots__ = ("h1", "limits", "seen", "server", "transport")
+
+    def __init__(self, server: Any, limits: H2Limits | None = None) -> None:
+        self.server = server
+        self.limits = limits if limits is not None else getattr(server, "h2_limits", H2Limits())
+        self.h1: Any = None
+        self.transport: Any = None
+        self.seen = b""
+
+    def connection_made(self, transport: Any) -> None:
+        from waygate.proxy.server import ClientConnection
+
+        self.transport = transport
+        ssl_object = transport.get_extra_info("ssl_object")
+        if ssl_object is not None:
+            if ssl_object.selected_alpn_protocol() == "h2":
+                proto: asyncio.Protocol = H2ClientConnection(self.server, self.limits, secure=True)
+            else:
+                proto = ClientConnection(self.server)
+            transport.set_protocol(proto)
+            proto.connection_made(transport)
+            return
+        self.h1 = ClientConnection(self.server)
+        self.h1.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        # Only plain connections get here (TLS ones were handed over at once).
+        seen = self.seen + data if self.seen else data
+        if seen[:24] == PREFACE[: min(24, len(seen))]:
+            if len(seen) < 24:
+                self.seen = seen
+                return
+            self.seen = b""
+            h1 = self.h1
+            self.h1 = None
+            # The HTTP/1.1 connection was counted and timed: let it go quietly.
+            h1.transport = None
+            h1.connection_lost(None)
+            proto = H2ClientConnection(self.server, self.limits, secure=False)
+            self.transport.set_protocol(proto)
+            proto.connection_made(self.transport)
+            proto.data_received(seen)
+            return
+        self.seen = b""
+        h1 = self.h1
+        if _not_http1(seen):
+            # Neither an HTTP/2 preface nor an HTTP/1 request line: what a client
+            # with a broken preface expects is the connection closed, not a page.
+            h1.transport = None
+            h1.connection_lost(None)
+            self.h1 = None
+            self.server.metrics.refused["not_http"] = (
+                self.server.metrics.refused.get("not_http", 0) + 1
+            )
+            self.transport.close()
+            return
+        self.transport.set_protocol(h1)
+        h1.data_received(seen)
+
+    def eof_received(self) -> bool | None:
+        if self.h1 is not None:
+            return self.h1.eof_received()  # type: ignore[no-any-return]
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.h1 is not None:
+            self.h1.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self.h1 is not None:
+            self.h1.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.h1 is not None:
+            self.h1.resume_writing()

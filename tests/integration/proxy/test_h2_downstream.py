@@ -1,0 +1,184 @@
+"""HTTP/2 from clients (h2c with prior knowledge, one port with HTTP/1.1) to
+HTTP/1.1 backends: the HTTP/1.1 path's rules hold for every stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import pytest
+
+from tests.integration.proxy.h2harness import running_h2_proxy
+from tests.integration.proxy.harness import (
+    RecordingUpstream,
+    closed_port,
+    endpoint,
+    exchange,
+    route,
+    table,
+)
+from tests.support.h2client import H2Client, _Pending
+from waygate.proxy import http2
+
+
+@pytest.fixture
+async def upstream():
+    server = await RecordingUpstream().start()
+    yield server
+    await server.stop()
+
+
+@pytest.fixture
+async def proxy(upstream):
+    routes = table([route("echo.test", [("echo", 100)])], [endpoint("echo", upstream.port)])
+    async with running_h2_proxy(routes) as (server, port):
+        yield server, port
+
+
+@pytest.fixture
+async def client(proxy):
+    _, port = proxy
+    connection = await H2Client.connect(port)
+    yield connection
+    await connection.close()
+
+
+def received(response) -> dict:
+    return json.loads(response.body)
+
+
+def headers_of(record: dict) -> dict[str, list[str]]:
+    grouped: dict[str, list[str]] = {}
+    for name, value in record["headers"]:
+        grouped.setdefault(name.lower(), []).append(value)
+    return grouped
+
+
+async def test_h2c_and_http1_on_one_port(proxy, client):
+    _, port = proxy
+    response = await client.request("GET", "/a?b=1", "echo.test")
+    assert response.status == 200
+    record = received(response)
+    assert record["target"] == "/a?b=1"
+    assert headers_of(record)["host"] == ["echo.test"]
+    plain = await exchange(port, b"GET /h1 HTTP/1.1\r\nHost: echo.test\r\n\r\n")
+    assert plain.startswith(b"HTTP/1.1 200 ")
+
+
+async def test_concurrent_streams_each_answered(client):
+    ids = [client.start("GET", f"/s{i}", "echo.test") for i in range(30)]
+    responses = await asyncio.gather(*(client.wait(i) for i in ids))
+    assert [received(r)["target"] for r in responses] == [f"/s{i}" for i in range(30)]
+
+
+async def test_identity_headers_stripped_and_forwarded_added(client):
+    response = await client.request(
+        "GET",
+        "/",
+        "echo.test",
+        [("x-remote-user", "admin"), ("x_remote_group", "root"), ("proxy", "http://evil")],
+    )
+    sent = headers_of(received(response))
+    assert "x-remote-user" not in sent and "x_remote_group" not in sent and "proxy" not in sent
+    assert sent["x-forwarded-for"] == ["127.0.0.1"]
+    assert sent["x-forwarded-host"] == ["echo.test"]
+
+
+async def test_authority_and_host_must_agree(proxy, client, upstream):
+    response = await client.request("GET", "/", "echo.test", [("host", "other.test")])
+    # h2 refuses the block itself (a connection error); either way nothing goes on.
+    assert response.status == 400 or response.reset is not None
+    assert not upstream.requests
+    agreeing = await H2Client.connect(proxy[1])
+    try:
+        same = await agreeing.request("GET", "/", "echo.test", [("host", "echo.test")])
+        assert same.status == 200
+    finally:
+        await agreeing.close()
+
+
+async def test_crlf_in_a_value_is_refused_not_injected(client, upstream):
+    # h2 carries any bytes in a value; as an HTTP/1.1 line they would start a new one.
+    stream_id = client.h2.get_next_available_stream_id()
+    client.pending[stream_id] = _Pending()
+    client.h2.send_headers(
+        stream_id,
+        [
+            (b":method", b"GET"),
+            (b":scheme", b"http"),
+            (b":authority", b"echo.test"),
+            (b":path", b"/"),
+            (b"x-a", b"1\r\nx-remote-user: admin"),
+        ],
+        end_stream=True,
+    )
+    client.flush()
+    response = await client.wait(stream_id)
+    assert response.status == 400 or response.reset is not None
+    assert not upstream.requests
+
+
+async def test_no_route_is_503_with_reason(client):
+    response = await client.request("GET", "/", "nowhere.test")
+    assert response.status == 503
+    assert response.header(b"x-waygate-error") == b"no route for host nowhere.test"
+
+
+async def test_request_bodies_both_framings(client, upstream):
+    body = os.urandom(700_000)
+    response = await client.request("POST", "/up", "echo.test", body=body)
+    assert received(response)["body_length"] == len(body)
+    sized = await client.request(
+        "PUT", "/sized", "echo.test", [("content-length", "5")], body=b"hello"
+    )
+    assert received(sized)["body_length"] == 5
+
+
+async def test_large_response_respects_the_client_window(proxy, upstream):
+    _, port = proxy
+    client = await H2Client.connect(port, settings={4: 65535})
+    try:
+        response = await client.request("GET", "/big?n=3000000", "echo.test", timeout=30)
+        assert response.status == 200
+        assert len(response.body) == 3_000_000
+    finally:
+        await client.close()
+
+
+async def test_upstream_failure_explained(proxy):
+    server, port = proxy
+    server.set_table(
+        table([route("dead.test", [("dead", 100)])], [endpoint("dead", closed_port())])
+    )
+    client = await H2Client.connect(port)
+    try:
+        response = await client.request("GET", "/", "dead.test")
+        assert response.status == 502
+        assert b"refused" in (response.header(b"x-waygate-error") or b"")
+        grpc = await client.request(
+            "POST", "/pkg.Svc/Call", "dead.test", [("content-type", "application/grpc")], b""
+        )
+        assert grpc.status == 200
+        assert grpc.header(b"grpc-status") == b"14"
+        assert b"refused" in (grpc.header(b"grpc-message") or b"")
+        missing = await client.request(
+            "POST", "/pkg.Svc/Call", "none.test", [("content-type", "application/grpc")], b""
+        )
+        assert missing.header(b"grpc-status") == b"14"
+        assert missing.header(b"grpc-message") == b"no route for host none.test"
+    finally:
+        await client.close()
+
+
+async def test_streams_leave_no_exchange_behind(proxy, client):
+    server, _ = proxy
+    for _ in range(3):
+        await asyncio.gather(*(client.request("GET", "/", "echo.test") for _ in range(10)))
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    h2_connections = [c for c in server.connections if isinstance(c, http2.H2ClientConnection)]
+    assert len(h2_connections) == 1
+    assert len(server.connections) == 1  # the stream exchanges are gone
+    assert h2_connections[0].streams == {}
+    assert http2.STATS.held_bytes == 0

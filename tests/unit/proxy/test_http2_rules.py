@@ -1,0 +1,89 @@
+"""HTTP/2 requests as the HTTP/1.1 heads they mean, and gRPC statuses (sans-IO)."""
+
+from __future__ import annotations
+
+import pytest
+
+from waygate.proxy import grpcstatus, http1
+from waygate.proxy.http2 import BadRequest, read_request, request_head
+
+BASE = [(b":method", b"GET"), (b":scheme", b"https"), (b":path", b"/a?b=1")]
+
+
+def test_authority_becomes_host_and_cookies_are_joined():
+    request = read_request(
+        [*BASE, (b":authority", b"Echo.Test:8443"), (b"cookie", b"a=1"), (b"cookie", b"b=2")],
+        True,
+    )
+    head = request_head(request, chunked=False)
+    parsed = http1.parse_request_head(head)
+    assert parsed.host == b"echo.test"
+    assert parsed.target == b"/a?b=1"
+    assert list(parsed.cookie) == [b"a=1; b=2"]
+    assert parsed.keep_alive is False  # one exchange per stream
+
+
+def test_host_alone_serves_as_authority_and_both_must_agree():
+    assert read_request([*BASE, (b"host", b"echo.test")], True).authority == b"echo.test"
+    with pytest.raises(BadRequest, match="disagree"):
+        read_request([*BASE, (b":authority", b"a.test"), (b"host", b"b.test")], True)
+    with pytest.raises(BadRequest, match="missing :authority and Host"):
+        read_request(BASE, True)
+
+
+def test_connect_and_connection_specific_fields_are_refused():
+    with pytest.raises(BadRequest) as refused:
+        read_request([(b":method", b"CONNECT"), (b":authority", b"a:443")], True)
+    assert refused.value.status == 405
+    with pytest.raises(BadRequest, match="connection-specific"):
+        read_request([*BASE, (b":authority", b"a"), (b"upgrade", b"h2c")], True)
+
+
+@pytest.mark.parametrize("value", [b"1\r\nx-remote-user: admin", b"a\nb", b"a\x00b"])
+def test_line_breaks_and_nul_in_values_never_become_lines(value):
+    request = read_request([*BASE, (b":authority", b"a"), (b"x-a", value)], True)
+    with pytest.raises(BadRequest):
+        request_head(request, chunked=False)
+
+
+def test_body_framing_chosen_once():
+    streamed = read_request([*BASE, (b":authority", b"a")], False)
+    assert http1.parse_request_head(request_head(streamed, chunked=True)).chunked
+    sized = read_request([*BASE, (b":authority", b"a"), (b"content-length", b"5")], False)
+    assert http1.parse_request_head(request_head(sized, chunked=True)).content_length == 5
+    with pytest.raises(BadRequest):
+        read_request([*BASE, (b":authority", b"a"), (b"content-length", b"5")], True)
+
+
+def test_identity_headers_go_through_the_rule_book():
+    request = read_request([*BASE, (b":authority", b"a"), (b"impersonate-user", b"root")], True)
+    parsed = http1.parse_request_head(request_head(request, chunked=False))
+    assert b"impersonate" not in parsed.fields.lower()
+
+
+def test_grpc_status_of_local_answers():
+    assert grpcstatus.code_for(503) == grpcstatus.UNAVAILABLE
+    assert grpcstatus.code_for(502) == grpcstatus.UNAVAILABLE
+    assert grpcstatus.code_for(504) == grpcstatus.DEADLINE_EXCEEDED
+    assert grpcstatus.code_for(408) == grpcstatus.DEADLINE_EXCEEDED
+    assert grpcstatus.code_for(400) == grpcstatus.INTERNAL
+    fields = dict(grpcstatus.trailers_only(503, "no route for host a 100%"))
+    assert fields[b"grpc-status"] == b"14"
+    assert fields[b"grpc-message"] == b"no route for host a 100%25"
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [
+        (b"1S", 1.0),
+        (b"250m", 0.25),
+        (b"2M", 120.0),
+        (b"100000u", 0.1),
+        (b"x", None),
+        (b"123456789S", None),
+        (b"1s", None),
+    ],
+)
+def test_grpc_timeout(value, seconds):
+    parsed = grpcstatus.parse_timeout(value)
+    assert parsed == (pytest.approx(seconds) if seconds is not None else None)
