@@ -134,6 +134,7 @@ def service_to_proto(service: model.Service) -> pb.Service:
                 target_port=p.target_port,
                 protocol=p.protocol,
                 node_port=p.node_port,
+                app_protocol=p.app_protocol,
             )
             for p in service.ports
         ],
@@ -154,7 +155,9 @@ def service_from_proto(message: pb.Service) -> model.Service:
         headless=message.headless,
         external_name=message.external_name,
         ports=tuple(
-            model.ServicePort(p.name, p.port, p.target_port, p.protocol or "TCP", p.node_port)
+            model.ServicePort(
+                p.name, p.port, p.target_port, p.protocol or "TCP", p.node_port, p.app_protocol
+            )
             for p in message.ports
         ),
     )
@@ -225,6 +228,7 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
         ),
         auth_proxy_headers=route.auth_proxy_headers,
         forwarded_headers=FORWARDED_MODES[route.forwarded_headers],
+        upstream_protocol=route.upstream_protocol,
     )
     if route.tls is not None:
         hsts = route.tls.hsts
@@ -321,6 +325,7 @@ def route_from_proto(message: pb.Route) -> model.Route:
         forwarded_headers=_enum(
             FORWARDED_MODE_NAMES, message.forwarded_headers, "forwarded_headers"
         ),
+        upstream_protocol=message.upstream_protocol,
     )
 
 

@@ -12,7 +12,8 @@ become a default):
         headless: false
         externalName: ""           # ExternalName services only
         ports:
-          - {name: http, port: 80, targetPort: 8080, protocol: TCP, nodePort: 0}
+          - {name: http, port: 80, targetPort: 8080, protocol: TCP, nodePort: 0,
+             appProtocol: ""}   # kubernetes.io/h2c, h2c, h2, grpc: the proxy speaks HTTP/2
         endpoints:
           - address: 127.0.0.1     # required
             ports: [{name: http, port: 8080}]   # default: the service ports' numeric targets
@@ -42,6 +43,7 @@ become a default):
                    keepAlive: 300s}
         authProxyHeaders: false
         forwardedHeaders: append   # append | replace | if-none | never
+        upstreamProtocol: grpc     # http | h2c | h2 | grpc; unset: the service port's appProtocol
 
 A route's path is a URL path prefix: at most 1024 characters, no dot-segments
 (also not percent-encoded), no control characters, spaces or backslashes;
@@ -272,7 +274,7 @@ _SERVICE_KEYS = (
     "ports",
     "endpoints",
 )
-_SERVICE_PORT_KEYS = ("name", "port", "targetPort", "protocol", "nodePort")
+_SERVICE_PORT_KEYS = ("name", "port", "targetPort", "protocol", "nodePort", "appProtocol")
 _ENDPOINT_KEYS = (
     "address",
     "ports",
@@ -298,6 +300,7 @@ _ROUTE_KEYS = (
     "sticky",
     "timeouts",
     "authProxyHeaders",
+    "upstreamProtocol",
     "forwardedHeaders",
 )
 _BACKEND_KEYS = ("service", "weight")
@@ -418,6 +421,7 @@ def _parse_service(parser: _Parser, node: yaml.Node) -> tuple[Service, list[Endp
                 ),
                 protocol=parser.typed(port_fields, "protocol", str, "TCP", f"{what}: port"),
                 node_port=parser.typed(port_fields, "nodePort", int, 0, f"{what}: port"),
+                app_protocol=parser.typed(port_fields, "appProtocol", str, "", f"{what}: port"),
             )
         )
     cluster_ips: list[str] = []
@@ -624,6 +628,7 @@ def _parse_route(parser: _Parser, node: yaml.Node) -> Route:
             what,
             "append, replace, if-none, never",
         ),
+        upstream_protocol=parser.typed(fields, "upstreamProtocol", str, "", what),
     )
     return _validated(parser, node, validate_route, route)
 
@@ -689,6 +694,8 @@ def route_to_document(route: Route) -> dict[str, Any]:
         doc["authProxyHeaders"] = True
     if route.forwarded_headers is not ForwardedHeadersMode.APPEND:
         doc["forwardedHeaders"] = route.forwarded_headers.value
+    if route.upstream_protocol:
+        doc["upstreamProtocol"] = route.upstream_protocol
     return doc
 
 

@@ -132,6 +132,7 @@ def service_from(obj: JSON) -> Service:
                 target_port=_text(port, "targetPort", f"{what}: ports[{index}]", str(number)),
                 protocol=_text(port, "protocol", what, "TCP"),
                 node_port=_integer(port, "nodePort", f"{what}: ports[{index}]", 0),
+                app_protocol=_text(port, "appProtocol", f"{what}: ports[{index}]"),
             )
         )
     return validate_service(
@@ -355,6 +356,7 @@ def route_from(obj: JSON) -> Route:
                 ForwardedHeadersMode.APPEND,
                 what,
             ),
+            upstream_protocol=_text(spec, "upstreamProtocol", what),
         )
     )
 

@@ -20,6 +20,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Final
 
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")
 PROTOCOLS = ("TCP", "UDP", "SCTP")
@@ -49,6 +50,8 @@ class ServicePort:
     target_port: str
     protocol: str = "TCP"
     node_port: int = 0
+    # Kubernetes appProtocol; HTTP2_PROTOCOLS make the proxy speak HTTP/2 to it.
+    app_protocol: str = ""
 
 
 @dataclass(frozen=True)
@@ -226,6 +229,8 @@ class Route:
     timeouts: RouteTimeouts = field(default_factory=RouteTimeouts)
     auth_proxy_headers: bool = False
     forwarded_headers: ForwardedHeadersMode = ForwardedHeadersMode.APPEND
+    # "" (the service port's app_protocol decides), or one of UPSTREAM_PROTOCOLS.
+    upstream_protocol: str = ""
 
     @property
     def key(self) -> RouteKey:
@@ -268,3 +273,19 @@ class Change:
     @property
     def deleted(self) -> bool:
         return self.value is None
+
+
+# ---------------------------------------------------------------- upstream protocols
+
+# What a route's upstreamProtocol may say; "" leaves it to the service port.
+UPSTREAM_PROTOCOLS: Final = ("http", "h2c", "h2", "grpc")
+# The appProtocol / upstreamProtocol values that mean HTTP/2 to the backend
+# (Kubernetes' kubernetes.io/h2c, and the common h2c, h2, grpc).
+HTTP2_PROTOCOLS: Final = frozenset(("kubernetes.io/h2c", "h2c", "h2", "grpc"))
+
+
+def speaks_http2(route: Route, port: ServicePort | None) -> bool:
+    """Whether the proxy speaks HTTP/2 to this route's backend port."""
+    if route.upstream_protocol:
+        return route.upstream_protocol in HTTP2_PROTOCOLS
+    return port is not None and port.app_protocol.lower() in HTTP2_PROTOCOLS

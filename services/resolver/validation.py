@@ -52,6 +52,7 @@ from waygate.resolver.model import (
     SameSite,
     Service,
     ServicePort,
+    UPSTREAM_PROTOCOLS,
     TLSTermination,
 )
 
@@ -262,6 +263,15 @@ def validate_route(route: Route) -> Route:
             )
     if route.sticky.same_site is not SameSite.LAX and passthrough:
         raise _fail(what, "sticky.same_site", "passthrough routes cannot set cookies")
+    if route.upstream_protocol:
+        if route.upstream_protocol not in UPSTREAM_PROTOCOLS:
+            raise _fail(
+                what,
+                "upstream_protocol",
+                f"{excerpt(route.upstream_protocol)} is not one of {', '.join(UPSTREAM_PROTOCOLS)}",
+            )
+        if passthrough:
+            raise _fail(what, "upstream_protocol", "passthrough routes relay TLS untouched")
     for timeout_field in dataclasses.fields(route.timeouts):
         value = getattr(route.timeouts, timeout_field.name)
         if value is None:
@@ -459,6 +469,11 @@ def _check_service_port(port: ServicePort, what: str, field: str, service_type: 
     _check_port_number(port.node_port, what, f"{field}.node_port", allow_zero=True)
     if port.node_port and service_type not in ("NodePort", "LoadBalancer"):
         raise _fail(what, f"{field}.node_port", "only NodePort and LoadBalancer services have one")
+    if len(port.app_protocol) > 253 or not port.app_protocol.isprintable():
+        # Kubernetes: a label-style name, or a domain-prefixed one (kubernetes.io/h2c).
+        raise _fail(
+            what, f"{field}.app_protocol", f"{excerpt(port.app_protocol)} is not a protocol name"
+        )
 
 
 def validate_endpoint(endpoint: Endpoint) -> Endpoint:

@@ -116,18 +116,20 @@ class ServiceRef(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class ServicePort(_message.Message):
-    __slots__ = ("name", "port", "target_port", "protocol", "node_port")
+    __slots__ = ("name", "port", "target_port", "protocol", "node_port", "app_protocol")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     TARGET_PORT_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     NODE_PORT_FIELD_NUMBER: _ClassVar[int]
+    APP_PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     name: str
     port: int
     target_port: str
     protocol: str
     node_port: int
-    def __init__(self, name: _Optional[str] = ..., port: _Optional[int] = ..., target_port: _Optional[str] = ..., protocol: _Optional[str] = ..., node_port: _Optional[int] = ...) -> None: ...
+    app_protocol: str
+    def __init__(self, name: _Optional[str] = ..., port: _Optional[int] = ..., target_port: _Optional[str] = ..., protocol: _Optional[str] = ..., node_port: _Optional[int] = ..., app_protocol: _Optional[str] = ...) -> None: ...
 
 class Service(_message.Message):
     __slots__ = ("namespace", "name", "type", "cluster_ips", "headless", "external_name", "ports")
@@ -262,7 +264,7 @@ class RouteTimeouts(_message.Message):
     def __init__(self, connect: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., client: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., server: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., http_request: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tunnel: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., keep_alive: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class Route(_message.Message):
-    __slots__ = ("namespace", "name", "host", "path", "backends", "target_port", "tls", "balance", "sticky", "timeouts", "auth_proxy_headers", "forwarded_headers")
+    __slots__ = ("namespace", "name", "host", "path", "backends", "target_port", "tls", "balance", "sticky", "timeouts", "auth_proxy_headers", "forwarded_headers", "upstream_protocol")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -275,6 +277,7 @@ class Route(_message.Message):
     TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
     AUTH_PROXY_HEADERS_FIELD_NUMBER: _ClassVar[int]
     FORWARDED_HEADERS_FIELD_NUMBER: _ClassVar[int]
+    UPSTREAM_PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     name: str
     host: str
@@ -287,7 +290,8 @@ class Route(_message.Message):
     timeouts: RouteTimeouts
     auth_proxy_headers: bool
     forwarded_headers: ForwardedHeadersMode
-    def __init__(self, namespace: _Optional[str] = ..., name: _Optional[str] = ..., host: _Optional[str] = ..., path: _Optional[str] = ..., backends: _Optional[_Iterable[_Union[RouteBackend, _Mapping]]] = ..., target_port: _Optional[str] = ..., tls: _Optional[_Union[RouteTLS, _Mapping]] = ..., balance: _Optional[_Union[BalancePolicy, str]] = ..., sticky: _Optional[_Union[StickySessions, _Mapping]] = ..., timeouts: _Optional[_Union[RouteTimeouts, _Mapping]] = ..., auth_proxy_headers: _Optional[bool] = ..., forwarded_headers: _Optional[_Union[ForwardedHeadersMode, str]] = ...) -> None: ...
+    upstream_protocol: str
+    def __init__(self, namespace: _Optional[str] = ..., name: _Optional[str] = ..., host: _Optional[str] = ..., path: _Optional[str] = ..., backends: _Optional[_Iterable[_Union[RouteBackend, _Mapping]]] = ..., target_port: _Optional[str] = ..., tls: _Optional[_Union[RouteTLS, _Mapping]] = ..., balance: _Optional[_Union[BalancePolicy, str]] = ..., sticky: _Optional[_Union[StickySessions, _Mapping]] = ..., timeouts: _Optional[_Union[RouteTimeouts, _Mapping]] = ..., auth_proxy_headers: _Optional[bool] = ..., forwarded_headers: _Optional[_Union[ForwardedHeadersMode, str]] = ..., upstream_protocol: _Optional[str] = ...) -> None: ...
 
 class RouteRef(_message.Message):
     __slots__ = ("namespace", "name")
