@@ -44,6 +44,7 @@ from waygate.resolver.model import (
     HSTS,
     PROTOCOLS,
     SERVICE_TYPES,
+    UPSTREAM_PROTOCOLS,
     Endpoint,
     EndpointPort,
     InsecureEdgePolicy,
@@ -52,7 +53,6 @@ from waygate.resolver.model import (
     SameSite,
     Service,
     ServicePort,
-    UPSTREAM_PROTOCOLS,
     TLSTermination,
 )
 
