@@ -212,7 +212,10 @@ class ResolverWatch:
         self._channel_factory = channel_factory
         self._kinds = [convert.KINDS[kind] for kind in kinds]
         self._on_view = on_view
-        self._backoff = backoff or Backoff(initial=0.5, maximum=30.0)
+        # At most 5 s between attempts: a resolver that comes back is heard from
+        # within seconds (changes made while it was down must arrive soon after;
+        # issue 18), and a refused connect every 5 s per watcher costs it nothing.
+        self._backoff = backoff or Backoff(initial=0.5, maximum=5.0)
         self._stale_after = stale_after
         self._on_disconnect = on_disconnect or self._log_disconnect
         self._view: View | None = None
@@ -288,6 +291,15 @@ class ResolverWatch:
                 # WaygateError: an event this client cannot read (convert refused it).
                 reason = str(exc)
                 self._resync = True
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is None or current.cancelling():
+                    raise
+                # Not our task's cancellation: the channel was closed under the
+                # stream (a shared channel retired after a certificate renewal
+                # cancels its calls). Without this the watch task ended there,
+                # silently, and the view froze (issue 18 soak).
+                reason = "the channel was closed under the stream"
             except Exception as exc:
                 # A bug here or in gRPC (or a channel factory that failed) must not
                 # end the watch every consumer relies on: start over, with backoff.
