@@ -52,8 +52,7 @@ def _client_connection_class() -> Any:
 def start_exchange(conn: H2ClientConnection, stream: Stream, request: Request, end: bool) -> None:
     """Route the stream's request to the exchange that serves its route's backend."""
     upstreams = getattr(conn.server, "h2_upstreams", None)
-    if upstreams is not None and upstreams.serves(request):
-        upstreams.start(conn, stream, request, end)
+    if upstreams is not None and upstreams.try_start(conn, stream, request, end):
         return
     chunked = not end and request.content_length < 0
     try:

@@ -201,7 +201,7 @@ class UpstreamTLS:
         self._trust_pem = trust_pem
         self._client_pem = client_pem
         self._connect = connect  # the dialer's connect, for the facts handshake
-        self._contexts: dict[tuple[str, bool], ssl.SSLContext] = {}
+        self._contexts: dict[tuple[str, bool, bool], ssl.SSLContext] = {}
         # (address, port, server name) -> (valid until, the backend's leaf): a backend
         # that keeps failing verification is probed once per FACTS_TTL, not per request.
         self._facts: dict[tuple[str, int, str], tuple[float, x509.Certificate | None]] = {}
@@ -228,23 +228,24 @@ class UpstreamTLS:
         now = time.monotonic()
         self._facts = {key: fact for key, fact in self._facts.items() if fact[0] > now}
 
-    def context(self, route: Route) -> ssl.SSLContext:
+    def context(self, route: Route, http2: bool = False) -> ssl.SSLContext:
         tls = route.tls
         assert tls is not None
         # An auth-proxy route (client CA) presents the proxy's front-proxy certificate.
         present = tls.present_client_certificate or bool(tls.client_ca_certificate)
-        key = (tls.destination_ca_certificate, present)
+        key = (tls.destination_ca_certificate, present, http2)
         context = self._contexts.get(key)
         if context is None:
             context = self._build(*key)
             self._contexts[key] = context
         return context
 
-    def _build(self, destination_ca: str, present_client: bool) -> ssl.SSLContext:
+    def _build(self, destination_ca: str, present_client: bool, http2: bool) -> ssl.SSLContext:
         context = _ResumingContext(ssl.PROTOCOL_TLS_CLIENT)
         context.last = {}
         context.minimum_version = ssl.TLSVersion.TLSv1_2
-        context.set_alpn_protocols(["http/1.1"])
+        # HTTP/2 backends (waygate.proxy.h2upstream) get ALPN h2 only.
+        context.set_alpn_protocols(["h2"] if http2 else ["http/1.1"])
         cadata = destination_ca or (self._trust_pem() or b"").decode()
         if cadata:
             try:
@@ -272,11 +273,13 @@ class UpstreamTLS:
         target: Target,
         timeout: float,
         span: Any = None,
+        *,
+        http2: bool = False,
     ) -> Any:
         """The TLS connection over `sock`, or ConnectError with the explained reason."""
         name = server_name(route, target)
         try:
-            context = self.context(route)
+            context = self.context(route, http2)
             transport, protocol = await loop.create_connection(
                 factory,
                 sock=sock,
