@@ -8,8 +8,11 @@ sync is, and whether the routes file is currently rejected.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 
-from prometheus_client import Gauge
+from prometheus_client import REGISTRY, Gauge
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from waygate.resolver.filesource import FileSource
 from waygate.resolver.model import Kind
@@ -28,6 +31,38 @@ ROUTES_FILE_VALID = Gauge(
 )
 
 
+class RouteEndpoints(Collector):
+    """Ready endpoints behind each route (its backends with a weight above 0), so an
+    alert can name a route that answers 503 before any client tries it."""
+
+    def __init__(self) -> None:
+        self.store: Store | None = None
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "waygate_resolver_route_ready_endpoints",
+            "Ready endpoints of the services a route sends traffic to (weight above 0).",
+            labels=["route"],
+        )
+        store = self.store
+        if store is None:
+            yield family
+            return
+        for route in store.routes():
+            ready = sum(
+                endpoint.ready
+                for backend in route.backends
+                if backend.weight > 0
+                for endpoint in store.endpoints_of(route.namespace, backend.service)
+            )
+            family.add_metric([f"{route.namespace}/{route.name}"], ready)
+        yield family
+
+
+ROUTE_ENDPOINTS = RouteEndpoints()
+REGISTRY.register(ROUTE_ENDPOINTS)
+
+
 def _count(store: Store, kind: Kind) -> float:
     return store.counts()[kind]
 
@@ -38,6 +73,7 @@ def observe(store: Store, file_source: FileSource | None) -> None:
     for kind in Kind:
         OBJECTS.labels(kind.value).set_function(functools.partial(_count, store, kind))
     WATCHERS.set_function(lambda: store.subscriber_count)
+    ROUTE_ENDPOINTS.store = store
 
     def last_sync() -> float:
         when = store.last_sync()[1]

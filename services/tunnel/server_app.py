@@ -25,7 +25,7 @@ from waygate.core.grpcserver import GrpcServer, ServiceRegistration
 from waygate.core.identity import patterns_problem
 from waygate.core.runtime import ServiceProcess
 from waygate.core.settings import GrpcServerSettings, parse_duration, port_number, positive, setting
-from waygate.tunnel import mux
+from waygate.tunnel import metrics, mux
 from waygate.tunnel.front import FrontSettings, start_front
 from waygate.tunnel.server import AgentTunnelServicer, Hub, TunnelServicer
 from waygate.tunnel.v1 import tunnel_pb2_grpc
@@ -119,6 +119,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         window=settings.window,
         dial_timeout=settings.dial_timeout,
     )
+    metrics.observe(hub)
     authenticated = settings.certs_address is not None or settings.tls_client_ca_file is not None
     if not authenticated:
         log.warning(

@@ -351,11 +351,7 @@ CLUSTER_SCOPED = {
 }
 
 
-@pytest.mark.parametrize("overlay", ["base", *OVERLAYS])
-def test_every_namespaced_object_is_in_the_waygate_namespace(overlay):
-    # kubectl apply -k puts an object without a namespace into the current
-    # context's namespace: the deny-all policy or a budget would land elsewhere.
-    objects = [doc for doc in yaml.safe_load_all(render(overlay)) if doc]
+def assert_every_namespaced_object_in_waygate(objects) -> None:
     cluster_scoped = set(CLUSTER_SCOPED) | {
         o["spec"]["names"]["kind"]
         for o in objects
@@ -375,6 +371,15 @@ def test_every_namespaced_object_is_in_the_waygate_namespace(overlay):
         for subject in o.get("subjects", ()):
             if subject["kind"] == "ServiceAccount":
                 assert subject["namespace"] == "waygate", o["metadata"]["name"]
+
+
+@pytest.mark.parametrize("overlay", ["base", *OVERLAYS])
+def test_every_namespaced_object_is_in_the_waygate_namespace(overlay):
+    # kubectl apply -k puts an object without a namespace into the current
+    # context's namespace: the deny-all policy or a budget would land elsewhere.
+    assert_every_namespaced_object_in_waygate(
+        [doc for doc in yaml.safe_load_all(render(overlay)) if doc]
+    )
 
 
 def _sticky_secret_name(objects) -> str:
