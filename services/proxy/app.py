@@ -396,7 +396,10 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         if front is not None:
             from waygate.proxy.passthrough import passthrough_table
 
-            front.certificates.update(view.routes.values())
+            # A route another one's claim keeps out serves no certificate for its host.
+            front.certificates.update(
+                r for r in view.routes.values() if r.status is None or r.status.admitted
+            )
             front.set_table(
                 passthrough_table(
                     view.routes,

@@ -395,6 +395,8 @@ def build_table(
     wildcard: dict[bytes, list[RouteEntry]] = {}
     alive: set[Target] = set()
     for route in routes.values():
+        if route.status is not None and not route.status.admitted:
+            continue  # another, older route owns its host or host and path (resolver status)
         if route.tls is not None and _value(route.tls.termination) == "passthrough":
             continue  # TLS passthrough is served by the HTTPS listener (next issue)
         policy = str(_value(route.balance) or DEFAULT_POLICY)

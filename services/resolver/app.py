@@ -105,6 +105,12 @@ class Settings(GrpcServerSettings):
         "every client without a certificate gets them redacted",
         check=patterns_problem,
     )
+    route_host_sharing: bool = setting(
+        False,
+        help="let routes of different namespaces share a host (each host and path still "
+        "goes to its oldest route); default: a host belongs to the namespace of its oldest "
+        "route and other namespaces' routes for it are Conflicted, as in OpenShift",
+    )
     kubernetes: bool = setting(
         False,
         help="watch Services, EndpointSlices and waygate.io Route objects in Kubernetes "
@@ -152,7 +158,7 @@ def watch_bounds(max_message_bytes: int) -> tuple[int, int]:
 
 
 async def setup(process: ServiceProcess, settings: Settings) -> None:
-    store = Store(history_limit=settings.watch_history)
+    store = Store(history_limit=settings.watch_history, share_hosts=settings.route_host_sharing)
     tunnels = TunnelRegistry(
         store,
         default_lease=settings.tunnel_lease,

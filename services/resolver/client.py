@@ -50,13 +50,16 @@ from waygate.resolver.model import (
     Kind,
     Route,
     RouteBackend,
+    RouteCondition,
     RouteKey,
+    RouteStatus,
     RouteTimeouts,
     RouteTLS,
     SameSite,
     Service,
     ServiceKey,
     ServicePort,
+    SourceState,
     StickySessions,
     TLSTermination,
     TunnelPresence,
@@ -76,13 +79,16 @@ __all__ = [
     "ResolverWatch",
     "Route",
     "RouteBackend",
+    "RouteCondition",
     "RouteKey",
+    "RouteStatus",
     "RouteTLS",
     "RouteTimeouts",
     "SameSite",
     "Service",
     "ServiceKey",
     "ServicePort",
+    "SourceState",
     "StickySessions",
     "TLSTermination",
     "TunnelPresence",
@@ -131,6 +137,9 @@ class View:
     # True when this view replaced the previous one wholesale (a snapshot), not by
     # changes applied on top of it.
     from_snapshot: bool = False
+    # The route sources' own state (the routes file: valid, or its last error),
+    # as of the last event (heartbeats included).
+    sources: tuple[SourceState, ...] = ()
 
 
 class _StreamBroken(Exception):
@@ -177,6 +186,10 @@ class _Staging:
             presence = convert.tunnel_from_proto(tunnel_message)
             if presence.servers:
                 self.tunnels[presence.node] = presence
+
+
+def _sources(event: pb.WatchEvent) -> tuple[SourceState, ...]:
+    return tuple(convert.source_state_from_proto(s) for s in event.sources)
 
 
 def _last_sync(event: pb.WatchEvent) -> float | None:
@@ -410,7 +423,11 @@ class ResolverWatch:
             # A heartbeat: the view is current as of the source's last sync, at the
             # server's version (changes of kinds not watched advance it).
             self._view = dataclasses.replace(
-                view, version=event.version, last_sync=_last_sync(event), from_snapshot=False
+                view,
+                version=event.version,
+                last_sync=_last_sync(event),
+                from_snapshot=False,
+                sources=_sources(event),
             )
             return
         # Converting 100,000 changes takes seconds: in slices, letting the loop (maybe
@@ -473,6 +490,7 @@ class ResolverWatch:
             routes=MappingProxyType(self._routes),
             tunnels=MappingProxyType(self._tunnels),
             from_snapshot=from_snapshot,
+            sources=_sources(event),
         )
         self._view = view
         self._synced.set()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from google.protobuf import duration_pb2, timestamp_pb2
@@ -114,6 +114,14 @@ def duration(seconds: float | None) -> duration_pb2.Duration | None:
 
 def seconds(message: duration_pb2.Duration) -> float:
     return float(message.ToNanoseconds()) / 1e9
+
+
+def when(message: Any, field: str) -> datetime | None:
+    """An aware UTC datetime from a Timestamp field of `message`; None when unset."""
+    if not message.HasField(field):
+        return None
+    stamp: timestamp_pb2.Timestamp = getattr(message, field)
+    return stamp.ToDatetime(tzinfo=UTC)
 
 
 # ---------------------------------------------------------------- services and endpoints
@@ -229,6 +237,8 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
         auth_proxy_headers=route.auth_proxy_headers,
         forwarded_headers=FORWARDED_MODES[route.forwarded_headers],
         upstream_protocol=route.upstream_protocol,
+        status=None if route.status is None else route_status_to_proto(route.status),
+        creation_timestamp=timestamp(route.created),
     )
     if route.tls is not None:
         hsts = route.tls.hsts
@@ -326,6 +336,60 @@ def route_from_proto(message: pb.Route) -> model.Route:
             FORWARDED_MODE_NAMES, message.forwarded_headers, "forwarded_headers"
         ),
         upstream_protocol=message.upstream_protocol,
+        created=when(message, "creation_timestamp"),
+        status=route_status_from_proto(message.status) if message.HasField("status") else None,
+    )
+
+
+def route_status_to_proto(status: model.RouteStatus) -> pb.RouteStatus:
+    return pb.RouteStatus(
+        conditions=[
+            pb.RouteCondition(
+                type=c.type,
+                status=c.status,
+                reason=c.reason,
+                message=c.message,
+                last_transition_time=timestamp(c.last_transition),
+                observed_generation=c.observed_generation,
+            )
+            for c in status.conditions
+        ]
+    )
+
+
+def route_status_from_proto(message: pb.RouteStatus) -> model.RouteStatus:
+    return model.RouteStatus(
+        tuple(
+            model.RouteCondition(
+                type=c.type,
+                status=c.status,
+                reason=c.reason,
+                message=c.message,
+                last_transition=when(c, "last_transition_time"),
+                observed_generation=c.observed_generation,
+            )
+            for c in message.conditions
+        )
+    )
+
+
+def source_state_to_proto(state: model.SourceState) -> pb.RouteSourceState:
+    return pb.RouteSourceState(
+        source=state.source,
+        valid=state.valid,
+        last_error=state.error,
+        loaded_version=state.loaded_version,
+        loaded_at=timestamp(state.loaded_at),
+    )
+
+
+def source_state_from_proto(message: pb.RouteSourceState) -> model.SourceState:
+    return model.SourceState(
+        source=message.source,
+        valid=message.valid,
+        error=message.last_error,
+        loaded_version=message.loaded_version,
+        loaded_at=when(message, "loaded_at"),
     )
 
 

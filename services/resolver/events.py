@@ -8,8 +8,8 @@ Invariants:
   event larger than `max_event_bytes` is not sent at all (the caller sends a
   snapshot instead).
 - What many subscribers share is converted once per item, keys and bounds, not
-  per sync time: `source` and `last_sync` are stamped on (a copy of) the last
-  event only. Callers never modify what they get.
+  per sync time: `source`, `last_sync` and the route sources' states are
+  stamped on (a copy of) the last event only. Callers never modify what they get.
 - Only the store's own shared batches are cached; heartbeats and one
   subscriber's coalesced backlog are converted for it alone.
 """
@@ -28,9 +28,11 @@ from waygate.resolver.convert import (
     endpoint_to_proto,
     route_to_proto,
     service_to_proto,
+    source_state_to_proto,
     timestamp,
     tunnel_to_proto,
 )
+from waygate.resolver.model import SourceState
 from waygate.resolver.store import Batch, Snapshot
 from waygate.resolver.v1 import resolver_pb2 as pb
 
@@ -64,6 +66,7 @@ def watch_events(
     with_keys: bool,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+    states: tuple[SourceState, ...] = (),
 ) -> tuple[pb.WatchEvent, ...] | None:
     """The events that carry `item`; None when `item` is a Batch too large to send
     as one event (the caller gives that subscriber a snapshot instead).
@@ -77,22 +80,28 @@ def watch_events(
     if isinstance(item, Batch):
         if not item.changes:
             # A heartbeat: one per subscriber, never worth a cache slot.
-            return restamp((_changes_event(item, epoch, with_keys),), source, last_sync)
+            event = _changes_event(item, epoch, with_keys)
+            return restamp((event,), source, last_sync, states)
         build = _shared_changes if item.shared else _changes
         stamps = build(item, epoch, with_keys, max_event_bytes)
-        return None if stamps is None else stamps.stamped(source, last_sync)
+        return None if stamps is None else stamps.stamped(source, last_sync, states)
     snapshot = _snapshot_events(item, epoch, with_keys, chunk_bytes, max_event_bytes)
-    return snapshot.stamped(source, last_sync)
+    return snapshot.stamped(source, last_sync, states)
 
 
 def restamp(
-    events: tuple[pb.WatchEvent, ...], source: str, last_sync: datetime | None
+    events: tuple[pb.WatchEvent, ...],
+    source: str,
+    last_sync: datetime | None,
+    states: tuple[SourceState, ...] = (),
 ) -> tuple[pb.WatchEvent, ...]:
-    """`events` with `source` and `last_sync` on the last one (a copy of that one
-    when it carries other values; the others are shared as they are)."""
+    """`events` with `source`, `last_sync` and the sources' `states` on the last one
+    (a copy of that one when it carries other values; the others are shared as
+    they are)."""
     last = events[-1]
     stamp = timestamp(last_sync)
-    if _stamped_with(last, source, stamp):
+    state_messages = [source_state_to_proto(state) for state in states]
+    if _stamped_with(last, source, stamp, state_messages):
         return events
     copy = pb.WatchEvent()
     copy.CopyFrom(last)
@@ -101,11 +110,18 @@ def restamp(
         copy.ClearField("last_sync")
     else:
         copy.last_sync.CopyFrom(stamp)
+    del copy.sources[:]
+    copy.sources.extend(state_messages)
     return (*events[:-1], copy)
 
 
-def _stamped_with(event: pb.WatchEvent, source: str, stamp: timestamp_pb2.Timestamp | None) -> bool:
-    if event.source != source:
+def _stamped_with(
+    event: pb.WatchEvent,
+    source: str,
+    stamp: timestamp_pb2.Timestamp | None,
+    states: list[pb.RouteSourceState],
+) -> bool:
+    if event.source != source or list(event.sources) != states:
         return False
     if stamp is None:
         return not event.HasField("last_sync")
@@ -122,8 +138,10 @@ class _Stamps:
         self._events = events
         self._latest = events
 
-    def stamped(self, source: str, last_sync: datetime | None) -> tuple[pb.WatchEvent, ...]:
-        latest = restamp(self._latest, source, last_sync)
+    def stamped(
+        self, source: str, last_sync: datetime | None, states: tuple[SourceState, ...] = ()
+    ) -> tuple[pb.WatchEvent, ...]:
+        latest = restamp(self._latest, source, last_sync, states)
         # A plain reference swap: safe against a worker thread stamping at once.
         self._latest = latest
         return latest

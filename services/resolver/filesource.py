@@ -68,6 +68,9 @@ Invariants:
   written mode 0600, whatever its mode was.
 - File I/O and parsing never run on the event loop while it serves (worker
   thread); writers and reloads are serialised by one asyncio.Lock.
+- The file's own state (valid or its last error, the version and time of the
+  last good load) is recorded in the store after every load and rejection,
+  so ListRoutes and Watch tell clients what the resolver is serving from.
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ import hashlib
 import logging
 import re
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -101,6 +105,7 @@ from waygate.resolver.model import (
     SameSite,
     Service,
     ServicePort,
+    SourceState,
     StickySessions,
     TLSTermination,
 )
@@ -753,6 +758,9 @@ class FileSource:
         # The last load's error as `path:line: reason`; None after a good load.
         self.last_error: str | None = None
         self.loaded = False
+        # The store version and the time of the last good load.
+        self.loaded_version = 0
+        self.loaded_at: datetime | None = None
         self._stat: tuple[int, int] | None = None
         self._digest: bytes | None = None
         self._lock = asyncio.Lock()
@@ -827,6 +835,9 @@ class FileSource:
             log.info("routes file is valid again", extra={"path": str(self.path)})
         self.last_error = None
         self.loaded = True
+        self.loaded_version = self.store.version
+        self.loaded_at = datetime.now(UTC)
+        self._publish_state()
         log.info(
             "routes file loaded",
             extra={
@@ -864,7 +875,21 @@ class FileSource:
                 extra={"path": str(self.path), "line": error.line, "reason": error.reason},
             )
         self.last_error = message
+        self._publish_state()
         return False
+
+    def state(self) -> SourceState:
+        """What the resolver serves from this file, for clients to see."""
+        return SourceState(
+            source=self.source,
+            valid=self.last_error is None and self.loaded,
+            error=self.last_error or "",
+            loaded_version=self.loaded_version,
+            loaded_at=self.loaded_at,
+        )
+
+    def _publish_state(self) -> None:
+        self.store.set_source_state(self.state())
 
     def _confirm(self) -> None:
         if self.last_error is None and self.loaded:

@@ -28,6 +28,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+from datetime import UTC, datetime
 from typing import Any
 
 from waygate.core.errors import InvalidArgument, excerpt
@@ -357,8 +358,22 @@ def route_from(obj: JSON) -> Route:
                 what,
             ),
             upstream_protocol=_text(spec, "upstreamProtocol", what),
+            created=creation_time(obj),
         )
     )
+
+
+def creation_time(obj: JSON) -> datetime | None:
+    """metadata.creationTimestamp (RFC 3339, "Z"), which decides a route's age for
+    host claims; None when absent or unreadable (the resolver's first sight decides)."""
+    raw = (obj.get("metadata") or {}).get("creationTimestamp")
+    if not isinstance(raw, str):
+        return None
+    try:
+        parsed = datetime.fromisoformat(raw.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
 
 
 def _enum(fields: JSON, key: str, enum: Any, default: Any, what: str) -> Any:

@@ -19,6 +19,7 @@ import dataclasses
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from types import MappingProxyType
 from typing import Final
 
@@ -213,6 +214,83 @@ TIMEOUT_KEYS: Mapping[str, str] = MappingProxyType(
 )
 
 
+# ---------------------------------------------------------------- route status
+
+#: Condition types. Routes of the file and the Route CRD carry Admitted,
+#: ResolvedRefs and Conflicted; the Gateway API kinds say Accepted where
+#: OpenShift says Admitted (both mean "the proxy serves this route").
+ADMITTED = "Admitted"
+ACCEPTED = "Accepted"
+RESOLVED_REFS = "ResolvedRefs"
+CONFLICTED = "Conflicted"
+
+#: Condition status values, spelled as Kubernetes spells them.
+TRUE, FALSE, UNKNOWN = "True", "False", "Unknown"
+
+
+@dataclass(frozen=True)
+class RouteCondition:
+    """One condition of a route, as a Kubernetes condition (metav1.Condition)."""
+
+    type: str
+    status: str  # TRUE | FALSE | UNKNOWN
+    # CamelCase, machine-readable: why the condition has this status.
+    reason: str
+    # For people: what is wrong and with what ("service mine/ghost not found").
+    message: str = ""
+    # When `status` last changed (not reason or message), as in Kubernetes.
+    last_transition: datetime | None = None
+    # The source object's generation the condition was computed for (0: unknown).
+    observed_generation: int = 0
+
+
+@dataclass(frozen=True)
+class RouteStatus:
+    """What the resolver concluded about a route (computed, never read from a source)."""
+
+    conditions: tuple[RouteCondition, ...] = ()
+
+    def condition(self, type: str) -> RouteCondition | None:
+        for condition in self.conditions:
+            if condition.type == type:
+                return condition
+        return None
+
+    @property
+    def admitted(self) -> bool:
+        """False when an Admitted or Accepted condition says False: the proxy must
+        not serve the route (another route owns its host or host and path)."""
+        return not any(
+            c.type in (ADMITTED, ACCEPTED) and c.status == FALSE for c in self.conditions
+        )
+
+    def problem(self) -> str | None:
+        """The first thing wrong, for a person (a 503 page, `waygate routes`), or None."""
+        for condition in self.conditions:
+            bad = (
+                condition.status == TRUE
+                if condition.type == CONFLICTED
+                else condition.status == FALSE
+            )
+            if bad:
+                return condition.message or condition.reason
+        return None
+
+
+@dataclass(frozen=True)
+class SourceState:
+    """A route source's own health (the routes file: valid, or its last error)."""
+
+    source: str  # "file:PATH", "kubernetes"
+    valid: bool
+    # `path:line: reason` of the rejected content; empty while valid.
+    error: str = ""
+    # The store version that holds the source's last accepted content (0: never loaded).
+    loaded_version: int = 0
+    # When the last accepted content was loaded.
+    loaded_at: datetime | None = None
+
+
 @dataclass(frozen=True)
 class Route:
     namespace: str
@@ -231,6 +309,11 @@ class Route:
     forwarded_headers: ForwardedHeadersMode = ForwardedHeadersMode.APPEND
     # "" (the service port's app_protocol decides), or one of UPSTREAM_PROTOCOLS.
     upstream_protocol: str = ""
+    # When the source created it (the CRD's metadata.creationTimestamp); None: the
+    # store's first sight of it decides its age (routes-file order within a load).
+    created: datetime | None = None
+    # Computed by the resolver's store (waygate.resolver.status); sources leave it None.
+    status: RouteStatus | None = None
 
     @property
     def key(self) -> RouteKey:

@@ -275,6 +275,7 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
     async def _events(
         self, item: Snapshot | Batch, source: str, last_sync: datetime | None, with_keys: bool
     ) -> tuple[pb.WatchEvent, ...] | None:
+        states = self._store.source_states()
         convert_item = functools.partial(
             events.watch_events,
             item,
@@ -284,6 +285,7 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
             with_keys=with_keys,
             chunk_bytes=self._watch_chunk_bytes,
             max_event_bytes=self._max_event_bytes,
+            states=states,
         )
         if isinstance(item, Batch):
             if len(item.changes) * MIN_CHANGE_BYTES > self._max_event_bytes:
@@ -309,14 +311,17 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
             future.add_done_callback(done)
         # Shielded: one watcher leaving must not cancel the others' conversion.
         converted = await asyncio.shield(future)
-        return None if converted is None else events.restamp(converted, source, last_sync)
+        return None if converted is None else events.restamp(converted, source, last_sync, states)
 
     async def ListRoutes(
         self, request: pb.ListRoutesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListRoutesResponse:
         limit = min(request.page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
         after = _page_position(request.page_token) if request.page_token else None
-        response = pb.ListRoutesResponse(version=self._store.version)
+        response = pb.ListRoutesResponse(
+            version=self._store.version,
+            sources=[convert.source_state_to_proto(s) for s in self._store.source_states()],
+        )
         size = 0
         routes = self._store.routes(request.namespace)
         for index, route in enumerate(r for r in routes if after is None or r.key > after):

@@ -27,6 +27,11 @@ Invariants:
 - `epoch` is random per store (per process) and never 0: a resume is honoured
   only when it names this epoch, so a client that moved to another replica
   (whose versions may overlap this one's) always starts from a snapshot.
+- Every route read or streamed carries its status (waygate.resolver.status),
+  computed in the same version as the change that caused it: a route's own
+  change, or a change to a service or endpoints it uses, publishes the route
+  again when its status changed. Sources write routes without status; a
+  status they pass in is ignored.
 
 Mutations are synchronous and must be called from the event loop's thread;
 subscriptions wake their consumer with an asyncio.Event.
@@ -35,11 +40,12 @@ subscriptions wake their consumer with an asyncio.Event.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -53,9 +59,11 @@ from waygate.resolver.model import (
     RouteKey,
     Service,
     ServiceKey,
+    SourceState,
     TunnelPresence,
     TunnelServer,
 )
+from waygate.resolver.status import RouteStatusBook
 
 log = logging.getLogger(__name__)
 
@@ -269,6 +277,8 @@ class Store:
         *,
         history_limit: int = DEFAULT_HISTORY_LIMIT,
         initial_version: int | None = None,
+        share_hosts: bool = False,
+        clock: Callable[[], datetime] | None = None,
     ) -> None:
         if history_limit < 1:
             raise ValueError("history_limit must be at least 1")
@@ -282,7 +292,12 @@ class Store:
         self._history_floor = self.version
         self._services: dict[ServiceKey, Service] = {}
         self._endpoints: dict[ServiceKey, dict[str, Endpoint]] = {}
+        # Routes as their sources wrote them, and as served (with status).
         self._routes: dict[RouteKey, Route] = {}
+        self._served: dict[RouteKey, Route] = {}
+        self._status = RouteStatusBook(share_hosts=share_hosts)
+        self._clock = clock or (lambda: datetime.now(UTC))
+        self._source_states: dict[str, SourceState] = {}
         self._tunnels: dict[str, TunnelPresence] = {}
         self._owners: dict[Kind, dict[Any, str]] = {
             Kind.SERVICES: {},
@@ -312,14 +327,19 @@ class Store:
         return self._service_revisions.get((namespace, name), 0)
 
     def get_route(self, namespace: str, name: str) -> Route | None:
-        return self._routes.get((namespace, name))
+        """The route with its status."""
+        return self._served.get((namespace, name))
 
     def routes(self, namespace: str = "") -> list[Route]:
-        """Routes sorted by (namespace, name); empty namespace: every namespace."""
+        """Routes (with status) sorted by (namespace, name); empty namespace: every one."""
         return sorted(
-            (r for r in self._routes.values() if not namespace or r.namespace == namespace),
+            (r for r in self._served.values() if not namespace or r.namespace == namespace),
             key=lambda r: r.key,
         )
+
+    def source_states(self) -> tuple[SourceState, ...]:
+        """What each route source reported about itself, by source name."""
+        return tuple(self._source_states[name] for name in sorted(self._source_states))
 
     def route_owner(self, namespace: str, name: str) -> str | None:
         return self._owners[Kind.ROUTES].get((namespace, name))
@@ -418,6 +438,11 @@ class Store:
         return len(self._subscriptions)
 
     # ------------------------------------------------------------ writes
+
+    def set_source_state(self, state: SourceState) -> None:
+        """Record a source's own health (served beside the routes; no version bump:
+        it describes the source, not the view)."""
+        self._source_states[state.source] = state
 
     def mark_synced(self, source: str, when: datetime | None = None) -> None:
         """Record that `source` confirmed its data at `when` (default: now)."""
@@ -564,6 +589,8 @@ class Store:
         changes.append(Change(Kind.ENDPOINTS, key, None))
 
     def _put_route(self, route: Route, source: str, changes: list[Change]) -> None:
+        if route.status is not None:
+            route = dataclasses.replace(route, status=None)
         self._owners[Kind.ROUTES][route.key] = source
         if self._routes.get(route.key) != route:
             self._routes[route.key] = route
@@ -590,6 +617,7 @@ class Store:
             self._note_source(source)
         if not changes:
             return
+        changes = self._with_status(changes)
         batch = Batch(self.version, self.version + 1, tuple(changes), shared=True)
         self.version = batch.version
         self._snapshots.clear()
@@ -611,3 +639,41 @@ class Store:
             self._history_floor = dropped.version
         for subscription in list(self._subscriptions):
             subscription._offer(batch)
+
+    def _with_status(self, changes: list[Change]) -> list[Change]:
+        """`changes` with routes carrying their status, plus the routes whose status
+        these changes changed (published in the same version)."""
+        route_keys: list[RouteKey] = [
+            (c.key[0], c.key[1]) for c in changes if c.kind is Kind.ROUTES
+        ]
+        service_keys = {
+            (c.key[0], c.key[1]) for c in changes if c.kind in (Kind.SERVICES, Kind.ENDPOINTS)
+        }
+        if not route_keys and not service_keys:
+            return changes
+        updated = self._status.update(
+            self._routes,
+            self.get_service,
+            self.endpoints_of,
+            changed_routes=route_keys,
+            changed_services=service_keys,
+            now=self._clock(),
+        )
+        result: list[Change] = []
+        for change in changes:
+            if change.kind is Kind.ROUTES:
+                if isinstance(change.value, Route):
+                    change = Change(Kind.ROUTES, change.key, self._serve(change.value))
+                else:
+                    self._served.pop((change.key[0], change.key[1]), None)
+            result.append(change)
+        seen = set(route_keys)
+        for key in sorted(updated):
+            if key not in seen:
+                result.append(Change(Kind.ROUTES, key, self._serve(self._routes[key])))
+        return result
+
+    def _serve(self, route: Route) -> Route:
+        served = dataclasses.replace(route, status=self._status.status(route.key))
+        self._served[route.key] = served
+        return served

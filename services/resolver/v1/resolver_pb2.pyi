@@ -264,7 +264,7 @@ class RouteTimeouts(_message.Message):
     def __init__(self, connect: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., client: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., server: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., http_request: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tunnel: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., keep_alive: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class Route(_message.Message):
-    __slots__ = ("namespace", "name", "host", "path", "backends", "target_port", "tls", "balance", "sticky", "timeouts", "auth_proxy_headers", "forwarded_headers", "upstream_protocol")
+    __slots__ = ("namespace", "name", "host", "path", "backends", "target_port", "tls", "balance", "sticky", "timeouts", "auth_proxy_headers", "forwarded_headers", "upstream_protocol", "status", "creation_timestamp")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -278,6 +278,8 @@ class Route(_message.Message):
     AUTH_PROXY_HEADERS_FIELD_NUMBER: _ClassVar[int]
     FORWARDED_HEADERS_FIELD_NUMBER: _ClassVar[int]
     UPSTREAM_PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    CREATION_TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     name: str
     host: str
@@ -291,7 +293,45 @@ class Route(_message.Message):
     auth_proxy_headers: bool
     forwarded_headers: ForwardedHeadersMode
     upstream_protocol: str
-    def __init__(self, namespace: _Optional[str] = ..., name: _Optional[str] = ..., host: _Optional[str] = ..., path: _Optional[str] = ..., backends: _Optional[_Iterable[_Union[RouteBackend, _Mapping]]] = ..., target_port: _Optional[str] = ..., tls: _Optional[_Union[RouteTLS, _Mapping]] = ..., balance: _Optional[_Union[BalancePolicy, str]] = ..., sticky: _Optional[_Union[StickySessions, _Mapping]] = ..., timeouts: _Optional[_Union[RouteTimeouts, _Mapping]] = ..., auth_proxy_headers: _Optional[bool] = ..., forwarded_headers: _Optional[_Union[ForwardedHeadersMode, str]] = ..., upstream_protocol: _Optional[str] = ...) -> None: ...
+    status: RouteStatus
+    creation_timestamp: _timestamp_pb2.Timestamp
+    def __init__(self, namespace: _Optional[str] = ..., name: _Optional[str] = ..., host: _Optional[str] = ..., path: _Optional[str] = ..., backends: _Optional[_Iterable[_Union[RouteBackend, _Mapping]]] = ..., target_port: _Optional[str] = ..., tls: _Optional[_Union[RouteTLS, _Mapping]] = ..., balance: _Optional[_Union[BalancePolicy, str]] = ..., sticky: _Optional[_Union[StickySessions, _Mapping]] = ..., timeouts: _Optional[_Union[RouteTimeouts, _Mapping]] = ..., auth_proxy_headers: _Optional[bool] = ..., forwarded_headers: _Optional[_Union[ForwardedHeadersMode, str]] = ..., upstream_protocol: _Optional[str] = ..., status: _Optional[_Union[RouteStatus, _Mapping]] = ..., creation_timestamp: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class RouteCondition(_message.Message):
+    __slots__ = ("type", "status", "reason", "message", "last_transition_time", "observed_generation")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    LAST_TRANSITION_TIME_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    status: str
+    reason: str
+    message: str
+    last_transition_time: _timestamp_pb2.Timestamp
+    observed_generation: int
+    def __init__(self, type: _Optional[str] = ..., status: _Optional[str] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., last_transition_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., observed_generation: _Optional[int] = ...) -> None: ...
+
+class RouteStatus(_message.Message):
+    __slots__ = ("conditions",)
+    CONDITIONS_FIELD_NUMBER: _ClassVar[int]
+    conditions: _containers.RepeatedCompositeFieldContainer[RouteCondition]
+    def __init__(self, conditions: _Optional[_Iterable[_Union[RouteCondition, _Mapping]]] = ...) -> None: ...
+
+class RouteSourceState(_message.Message):
+    __slots__ = ("source", "valid", "last_error", "loaded_version", "loaded_at")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    VALID_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    LOADED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LOADED_AT_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    valid: bool
+    last_error: str
+    loaded_version: int
+    loaded_at: _timestamp_pb2.Timestamp
+    def __init__(self, source: _Optional[str] = ..., valid: _Optional[bool] = ..., last_error: _Optional[str] = ..., loaded_version: _Optional[int] = ..., loaded_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class RouteRef(_message.Message):
     __slots__ = ("namespace", "name")
@@ -412,20 +452,22 @@ class Changes(_message.Message):
     def __init__(self, from_version: _Optional[int] = ..., changes: _Optional[_Iterable[_Union[Change, _Mapping]]] = ..., coalesced: _Optional[bool] = ...) -> None: ...
 
 class WatchEvent(_message.Message):
-    __slots__ = ("version", "last_sync", "source", "snapshot", "changes", "epoch")
+    __slots__ = ("version", "last_sync", "source", "snapshot", "changes", "epoch", "sources")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LAST_SYNC_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     CHANGES_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
     version: int
     last_sync: _timestamp_pb2.Timestamp
     source: str
     snapshot: Snapshot
     changes: Changes
     epoch: int
-    def __init__(self, version: _Optional[int] = ..., last_sync: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., source: _Optional[str] = ..., snapshot: _Optional[_Union[Snapshot, _Mapping]] = ..., changes: _Optional[_Union[Changes, _Mapping]] = ..., epoch: _Optional[int] = ...) -> None: ...
+    sources: _containers.RepeatedCompositeFieldContainer[RouteSourceState]
+    def __init__(self, version: _Optional[int] = ..., last_sync: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., source: _Optional[str] = ..., snapshot: _Optional[_Union[Snapshot, _Mapping]] = ..., changes: _Optional[_Union[Changes, _Mapping]] = ..., epoch: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[RouteSourceState, _Mapping]]] = ...) -> None: ...
 
 class ListRoutesRequest(_message.Message):
     __slots__ = ("namespace", "page_size", "page_token")
@@ -438,14 +480,16 @@ class ListRoutesRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListRoutesResponse(_message.Message):
-    __slots__ = ("routes", "version", "next_page_token")
+    __slots__ = ("routes", "version", "next_page_token", "sources")
     ROUTES_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
     routes: _containers.RepeatedCompositeFieldContainer[Route]
     version: int
     next_page_token: str
-    def __init__(self, routes: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., version: _Optional[int] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+    sources: _containers.RepeatedCompositeFieldContainer[RouteSourceState]
+    def __init__(self, routes: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., version: _Optional[int] = ..., next_page_token: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[RouteSourceState, _Mapping]]] = ...) -> None: ...
 
 class ApplyRouteRequest(_message.Message):
     __slots__ = ("route",)

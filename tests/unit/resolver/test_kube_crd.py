@@ -40,8 +40,10 @@ def camel(descriptor) -> set[str]:
 
 def test_every_proto_route_field_is_in_the_schema(schema):
     spec = schema["properties"]["spec"]["properties"]
-    # namespace and name live in metadata; "to" is the file format's shorthand.
-    assert camel(resolver_pb2.Route.DESCRIPTOR) - {"namespace", "name"} == set(spec) - {"to"}
+    # namespace, name and creationTimestamp live in metadata, status in the status
+    # subresource; "to" is the file format's shorthand.
+    metadata = {"namespace", "name", "creationTimestamp", "status"}
+    assert camel(resolver_pb2.Route.DESCRIPTOR) - metadata == set(spec) - {"to"}
     assert camel(resolver_pb2.RouteBackend.DESCRIPTOR) == set(
         spec["backends"]["items"]["properties"]
     )

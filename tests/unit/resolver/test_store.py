@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from datetime import UTC, datetime
 
 import pytest
@@ -165,7 +166,9 @@ def test_subscription_snapshot_then_ordered_batches() -> None:
     batch = sub.take()
     assert isinstance(batch, Batch)
     assert (batch.from_version, batch.version, batch.coalesced) == (1, 2, False)
-    assert batch.changes[0].value == route()
+    published = batch.changes[0].value
+    assert dataclasses.replace(published, status=None) == route()
+    assert published.status is not None and published.status.admitted, "it travels with status"
     sub.close()
     assert store.subscriber_count == 0
 

@@ -1,0 +1,258 @@
+"""Route status: the conditions the resolver computes for every route it holds.
+
+Sans-IO domain logic (no grpc, no store): the store feeds `RouteStatusBook` the
+routes, services and endpoints that changed in one version and publishes the
+statuses that changed with that version, so they travel in Watch and ListRoutes
+like any other route change.
+
+Conditions, each with a reason, a message for people and the time its status
+last changed (a new reason or message with the same status keeps the time):
+- Admitted: True unless another route owns the route's host or host and path
+  (then False, reason HostAlreadyClaimed). The proxy serves admitted routes only.
+- ResolvedRefs: every backend service exists, has the route's target port, and
+  at least one backend of non-zero weight has a ready endpoint. Otherwise
+  False with ServiceNotFound, PortNotFound, NoReadyEndpoints or NoBackends.
+- Conflicted: True (reason HostAlreadyClaimed) exactly when Admitted is False.
+
+Claims, as the OpenShift router's defaults:
+- A host belongs to the namespace of the oldest route that claims it; a route
+  of another namespace for that host is Conflicted, unless `share_hosts`
+  (OpenShift's ROUTER_DISABLE_NAMESPACE_OWNERSHIP_CHECK) lets namespaces share.
+- Within what may share a host, one host and path is served by the oldest
+  route that claims it; younger routes for it are Conflicted.
+- Age: the source's creation time (the Route CRD's creationTimestamp) when it
+  has one, else when the store first saw the route; routes first seen in the
+  same load keep their order (the routes file: an earlier entry is older).
+  Equal ages fall back to namespace/name order, so the answer never depends on
+  dictionary order. A host's claims are recomputed whenever a route on it
+  changes; a route's references whenever one of its services or their
+  endpoints change.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Mapping
+from datetime import UTC, datetime
+
+from waygate.resolver.model import (
+    ADMITTED,
+    CONFLICTED,
+    FALSE,
+    RESOLVED_REFS,
+    TRUE,
+    Endpoint,
+    Route,
+    RouteCondition,
+    RouteKey,
+    RouteStatus,
+    Service,
+    ServiceKey,
+)
+
+HOST_ALREADY_CLAIMED = "HostAlreadyClaimed"
+SERVICE_NOT_FOUND = "ServiceNotFound"
+PORT_NOT_FOUND = "PortNotFound"
+NO_READY_ENDPOINTS = "NoReadyEndpoints"
+NO_BACKENDS = "NoBackends"
+
+_EPOCH = datetime.min.replace(tzinfo=UTC)
+
+# (creation time, order of first sight, namespace, name): smaller is older.
+Age = tuple[datetime, int, str, str]
+
+
+def route_references(
+    route: Route,
+    service: Callable[[str, str], Service | None],
+    endpoints: Callable[[str, str], tuple[Endpoint, ...]],
+) -> tuple[str, str]:
+    """(reason, message) of the ResolvedRefs condition; reason "" when resolved."""
+    if not route.backends or all(b.weight <= 0 for b in route.backends):
+        return NO_BACKENDS, "the route has no backend of non-zero weight"
+    ready = False
+    first_weighted = ""
+    for backend in route.backends:
+        found = service(route.namespace, backend.service)
+        name = f"{route.namespace}/{backend.service}"
+        if found is None:
+            return SERVICE_NOT_FOUND, f"service {name} not found"
+        backend_endpoints = endpoints(route.namespace, backend.service)
+        if route.target_port and not _has_port(found, backend_endpoints, route.target_port):
+            return PORT_NOT_FOUND, f"service {name} has no port {route.target_port!r}"
+        if backend.weight > 0:
+            first_weighted = first_weighted or name
+            ready = ready or any(e.usable for e in backend_endpoints)
+    if not ready:
+        return NO_READY_ENDPOINTS, f"service {first_weighted} has no ready endpoints"
+    return "", ""
+
+
+def _has_port(service: Service, endpoints: tuple[Endpoint, ...], port: str) -> bool:
+    """The route's target port names a port of the service (by name or number), or
+    one the endpoints carry (what the proxy also accepts); a service that declares
+    no ports at all cannot be judged, and passes."""
+    if not service.ports:
+        return True
+    if any(p.name == port or str(p.port) == port for p in service.ports):
+        return True
+    return any(p.name == port or str(p.port) == port for e in endpoints for p in e.ports)
+
+
+class RouteStatusBook:
+    """Every route's status, kept current from the changes of each store version."""
+
+    def __init__(self, *, share_hosts: bool = False) -> None:
+        self.share_hosts = share_hosts
+        self._status: dict[RouteKey, RouteStatus] = {}
+        self._age: dict[RouteKey, Age] = {}
+        self._host: dict[RouteKey, str] = {}
+        self._path: dict[RouteKey, str] = {}
+        self._by_host: dict[str, set[RouteKey]] = {}
+        self._services: dict[RouteKey, tuple[ServiceKey, ...]] = {}
+        self._by_service: dict[ServiceKey, set[RouteKey]] = {}
+        # Why a route is not admitted (None: it is).
+        self._conflict: dict[RouteKey, str | None] = {}
+        self._sightings = itertools.count()
+
+    def status(self, key: RouteKey) -> RouteStatus | None:
+        return self._status.get(key)
+
+    def update(
+        self,
+        routes: Mapping[RouteKey, Route],
+        service: Callable[[str, str], Service | None],
+        endpoints: Callable[[str, str], tuple[Endpoint, ...]],
+        *,
+        changed_routes: Iterable[RouteKey] = (),
+        changed_services: Iterable[ServiceKey] = (),
+        now: datetime,
+    ) -> dict[RouteKey, RouteStatus]:
+        """Recompute what the changes can affect; the statuses that changed
+        (every route new to the book included). `routes` is every route now."""
+        dirty: set[RouteKey] = set()
+        hosts: set[str] = set()
+        for key in changed_routes:
+            old_host = self._forget(key)
+            if old_host is not None:
+                hosts.add(old_host)
+            route = routes.get(key)
+            if route is None:
+                self._status.pop(key, None)
+                self._age.pop(key, None)
+                continue
+            self._index(route, now)
+            hosts.add(route.host)
+            dirty.add(key)
+        for host in hosts:
+            dirty |= self._claim(host)
+        for service_key in changed_services:
+            dirty |= self._by_service.get(service_key, set())
+        changed: dict[RouteKey, RouteStatus] = {}
+        for key in dirty:
+            route = routes.get(key)
+            if route is None:
+                continue
+            status = self._compute(route, service, endpoints, now)
+            if status != self._status.get(key):
+                self._status[key] = changed[key] = status
+        return changed
+
+    # ------------------------------------------------------------ internals
+
+    def _forget(self, key: RouteKey) -> str | None:
+        """Drop a route's index entries (its age stays while it exists); its old host.
+
+        Also called for a route that is only updated: `_index` adds it back."""
+        host = self._host.pop(key, None)
+        if host is not None:
+            claims = self._by_host[host]
+            claims.discard(key)
+            if not claims:
+                del self._by_host[host]
+        for service_key in self._services.pop(key, ()):
+            users = self._by_service[service_key]
+            users.discard(key)
+            if not users:
+                del self._by_service[service_key]
+        self._conflict.pop(key, None)
+        self._path.pop(key, None)
+        return host
+
+    def _index(self, route: Route, now: datetime) -> None:
+        key = route.key
+        created = route.created or self._age.get(key, (now,))[0]
+        sighting = self._age[key][1] if key in self._age else next(self._sightings)
+        self._age[key] = (created, sighting, route.namespace, route.name)
+        self._host[key] = route.host
+        self._path[key] = route.path or "/"
+        self._by_host.setdefault(route.host, set()).add(key)
+        services = tuple(dict.fromkeys((route.namespace, b.service) for b in route.backends))
+        self._services[key] = services
+        for service_key in services:
+            self._by_service.setdefault(service_key, set()).add(key)
+
+    def _claim(self, host: str) -> set[RouteKey]:
+        """Decide who is admitted on `host`; the routes whose verdict may have changed."""
+        claims = sorted(self._by_host.get(host, ()), key=self._age.__getitem__)
+        if not claims:
+            return set()
+        owner = claims[0]
+        taken: dict[str, RouteKey] = {}
+        for key in claims:
+            path = self._path[key]
+            if not self.share_hosts and key[0] != owner[0]:
+                verdict: str | None = (
+                    f"host {host} belongs to namespace {owner[0]} "
+                    f"(its route {owner[0]}/{owner[1]} claimed it first)"
+                )
+            elif path in taken:
+                winner = taken[path]
+                verdict = (
+                    f"host {host} path {path} is claimed by the older route {winner[0]}/{winner[1]}"
+                )
+            else:
+                taken[path] = key
+                verdict = None
+            self._conflict[key] = verdict
+        return set(claims)
+
+    def _compute(
+        self,
+        route: Route,
+        service: Callable[[str, str], Service | None],
+        endpoints: Callable[[str, str], tuple[Endpoint, ...]],
+        now: datetime,
+    ) -> RouteStatus:
+        previous = self._status.get(route.key)
+        conflict = self._conflict.get(route.key)
+        reason, message = route_references(route, service, endpoints)
+        conditions = (
+            RouteCondition(ADMITTED, TRUE, "Admitted")
+            if conflict is None
+            else RouteCondition(ADMITTED, FALSE, HOST_ALREADY_CLAIMED, conflict),
+            RouteCondition(RESOLVED_REFS, TRUE, "ResolvedRefs")
+            if not reason
+            else RouteCondition(RESOLVED_REFS, FALSE, reason, message),
+            RouteCondition(CONFLICTED, FALSE, "NoConflicts")
+            if conflict is None
+            else RouteCondition(CONFLICTED, TRUE, HOST_ALREADY_CLAIMED, conflict),
+        )
+        return RouteStatus(tuple(_stamped(c, previous, now) for c in conditions))
+
+
+def _stamped(
+    condition: RouteCondition, previous: RouteStatus | None, now: datetime
+) -> RouteCondition:
+    before = previous.condition(condition.type) if previous is not None else None
+    since = (
+        before.last_transition if before is not None and before.status == condition.status else now
+    )
+    return RouteCondition(
+        condition.type,
+        condition.status,
+        condition.reason,
+        condition.message,
+        since,
+        condition.observed_generation,
+    )
