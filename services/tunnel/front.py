@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING, Any
 import httptools
 from opentelemetry import trace
 
-from waygate.core import errors, httpheaders, tracing
+from waygate.core import errors, flow, httpheaders, tracing
 from waygate.core.settings import parse_duration, port_number, positive, setting
 from waygate.tunnel import mux
 from waygate.tunnel import server as tunnel_server
@@ -647,18 +647,27 @@ class FrontConnection(asyncio.Protocol):
         self.raw = False  # after the node's 101: client bytes pass as they are
         self.held: bytearray | None = None  # an upgrade's bytes, until the node answers
         self.started = self.last_activity = time.monotonic()
-        self.pending_bytes = 0
-        self.reading_paused = False
+        # Reading the client pauses while more than HIGH_WATER of its bytes wait
+        # (held for an upgrade's 101 or for tunnel credit), resumes at half that.
+        self.flow: flow.FlowControl | None = None
         self.client_eof = False
         self._pending_ready: asyncio.Future[None] | None = None
-        self._writable: asyncio.Future[None] | None = None
-        self.paused_writing = False
         self.upstream: _Upstream | _TlsUpstream | None = None
 
     # ------------------------------------------------- asyncio.Protocol
 
+    @property
+    def pending_bytes(self) -> int:
+        """Client bytes held for the node (an upgrade's, or waiting for credit)."""
+        return self.flow.buffered if self.flow is not None else 0
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.flow = flow.FlowControl(
+            transport,  # type: ignore[arg-type]
+            high=HIGH_WATER,
+            low=HIGH_WATER // 2,
+        )
         if len(self.front.connections) >= self.front.max_connections:
             self.reply(503, "the tunnel front is at its connection limit; retry later")
             return
@@ -674,9 +683,7 @@ class FrontConnection(asyncio.Protocol):
         held = self.held
         if held is not None:  # an upgrade waiting for the node's 101
             held += data
-            if len(held) > HIGH_WATER and self.transport is not None:
-                self.transport.pause_reading()
-                self.reading_paused = True
+            self.flow.queued(len(data))  # type: ignore[union-attr]
             return
         request = self.request
         if request.message_complete:
@@ -695,10 +702,7 @@ class FrontConnection(asyncio.Protocol):
             request.message_complete = True
         added, request.body_bytes = request.body_bytes, 0
         if added:
-            self.pending_bytes += added
-            if self.pending_bytes > HIGH_WATER and self.transport is not None:
-                self.transport.pause_reading()
-                self.reading_paused = True
+            self.flow.queued(added)  # type: ignore[union-attr]
             self._wake_sender()
         if not heading:
             return
@@ -720,10 +724,7 @@ class FrontConnection(asyncio.Protocol):
 
     def _queue(self, data: bytes) -> None:
         self.pending.append(data)
-        self.pending_bytes += len(data)
-        if self.pending_bytes > HIGH_WATER and self.transport is not None:
-            self.transport.pause_reading()
-            self.reading_paused = True
+        self.flow.queued(len(data))  # type: ignore[union-attr]
         self._wake_sender()
 
     def _upgrade_answered(self, response: bytes) -> None:
@@ -731,13 +732,13 @@ class FrontConnection(asyncio.Protocol):
         held, self.held = self.held, None
         if response.startswith((b"HTTP/1.1 101", b"HTTP/1.0 101")):
             self.raw = True
-            if held:
-                self._queue(bytes(held))
+            if held:  # already counted as held: they wait for credit now
+                self.pending.append(bytes(held))
+                self._wake_sender()
         else:
             self.request.message_complete = True  # refused: nothing more goes up
-        if self.reading_paused and self.pending_bytes <= HIGH_WATER and self.transport is not None:
-            self.reading_paused = False
-            self.transport.resume_reading()
+            if held:
+                self.flow.drained(len(held))  # type: ignore[union-attr]
 
     def eof_received(self) -> bool:
         self.client_eof = True
@@ -749,18 +750,14 @@ class FrontConnection(asyncio.Protocol):
         self.client_eof = True
         self._finish("the front's client went away")
         self._wake_sender()
-        writable = self._writable
-        if writable is not None and not writable.done():
-            writable.set_result(None)
+        if self.flow is not None:
+            self.flow.closed()
 
     def pause_writing(self) -> None:
-        self.paused_writing = True
+        self.flow.pause_writing()  # type: ignore[union-attr]
 
     def resume_writing(self) -> None:
-        self.paused_writing = False
-        writable = self._writable
-        if writable is not None and not writable.done():
-            writable.set_result(None)
+        self.flow.resume_writing()  # type: ignore[union-attr]
 
     # ------------------------------------------------- helpers
 
@@ -782,7 +779,7 @@ class FrontConnection(asyncio.Protocol):
             self.reply(408, f"no complete request head within {self.front.head_timeout:g}s")
         elif self.state == _RELAY and now - self.last_activity > self.front.idle_timeout:
             self.abort("idle")
-        elif self.reading_paused and self._peer_gone():
+        elif self.flow is not None and self.flow.reading_paused and self._peer_gone():
             # While reading is paused (its bytes wait for tunnel credit) the loop
             # cannot see the client's FIN or RST: ask the kernel.
             self.abort("the front's client went away")
@@ -880,15 +877,8 @@ class FrontConnection(asyncio.Protocol):
             while True:
                 while self.pending:
                     data = self.pending.popleft()
-                    self.pending_bytes -= len(data)
                     await upstream.write(data)
-                    if (
-                        self.reading_paused
-                        and self.pending_bytes <= HIGH_WATER // 2
-                        and self.transport is not None
-                    ):
-                        self.reading_paused = False
-                        self.transport.resume_reading()
+                    self.flow.drained(len(data))  # type: ignore[union-attr]
                 if self.client_eof:
                     upstream.write_eof()
                     return
@@ -916,12 +906,9 @@ class FrontConnection(asyncio.Protocol):
                 self._upgrade_answered(data)
             self.last_activity = time.monotonic()
             transport.write(data)
-            if self.paused_writing:
-                self._writable = asyncio.get_running_loop().create_future()
-                try:
-                    await self._writable
-                finally:
-                    self._writable = None
+            flow_control = self.flow
+            if flow_control is not None and flow_control.write_paused:
+                await flow_control.drain()
                 if transport.is_closing():
                     return
             upstream.delivered(len(data))
