@@ -26,8 +26,9 @@ from typing import Any
 import uvloop
 
 from waygate.proxy.metrics import ProxyMetrics
+from waygate.proxy.pool import UpstreamConnection
 from waygate.proxy.routing import Defaults, Target, build_table
-from waygate.proxy.server import ClientConnection, ProxyServer, UpstreamConnection
+from waygate.proxy.server import ClientConnection, ProxyServer
 from waygate.proxy.upstream import Dialer
 from waygate.resolver.model import Endpoint, EndpointPort, Route, RouteBackend
 
@@ -137,7 +138,9 @@ async def measure(requests: int, profile: bool) -> None:
     client, upstream = await build()
     one_request(client, upstream)
     assert client.transport.last.startswith(b"HTTP/1.1 200 OK"), client.transport.last  # type: ignore[union-attr]
-    assert client.upstream is None and upstream in client.server.pool._idle[upstream.target]  # type: ignore[attr-defined]
+    assert (
+        client.exchange.upstream is None and upstream in client.server.pool._idle[upstream.target]
+    )  # type: ignore[attr-defined]
     for _ in range(2000):
         one_request(client, upstream)
     if profile:

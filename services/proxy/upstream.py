@@ -17,28 +17,18 @@ W3C traceparent of the request's span, or None when unsampled.
 go through `Dialer.tunnel` (None until the tunnel lands: such a request gets
 502 with the reason); every other endpoint through `Dialer.direct`.
 
-`Pool` keeps idle keep-alive connections per endpoint (and, for reencrypt
-connections, per the TLS the route asked for: `routing.upstream_scope`, so a
-connection is only reused for what it was verified and presented as): at
-most `max_idle` each, closed after `idle_timeout` (swept once a second, so the request path
-only reads the clock) and dropped at once when the endpoint leaves the
-routing table. A connection goes back only when its response framing was
-clean (see server.py); one the peer closes while idle removes itself.
+The connections themselves, and the pool of idle ones, are in `pool.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import socket
-from collections.abc import Awaitable, Callable, Hashable
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Awaitable
+from typing import Protocol
 
 from waygate.proxy.routing import Target
-
-if TYPE_CHECKING:
-    from waygate.proxy.server import UpstreamConnection
 
 
 class ConnectError(Exception):
@@ -111,90 +101,3 @@ class Dialer:
                 )
             return await self.tunnel(target, timeout, trace_context)
         return await self.direct(target, timeout, trace_context)
-
-
-class Pool:
-    """Idle upstream connections per pool key (endpoint, or endpoint and TLS scope)."""
-
-    def __init__(
-        self,
-        *,
-        max_idle: int,
-        idle_timeout: float,
-        clock: Callable[[], float],
-    ) -> None:
-        self.max_idle = max_idle
-        self.idle_timeout = idle_timeout
-        self._clock = clock
-        # Idle connections per pool key: the endpoint (Target), or (Target, scope)
-        # for reencrypt connections (UpstreamConnection.pool_key).
-        self._idle: dict[Hashable, list[UpstreamConnection]] = {}
-
-    def take(
-        self, key: Hashable, *, idle_at_most: float | None = None
-    ) -> UpstreamConnection | None:
-        """The most recently used idle connection kept under `key`, or None.
-
-        `idle_at_most`: only a connection idle for less than that many seconds
-        (for requests that may not be re-sent: a connection idle for long is the
-        one an upstream's keep-alive timeout is about to close under us).
-        """
-        idle = self._idle.get(key)
-        while idle:
-            if idle_at_most is not None and self._clock() - idle[-1].idle_since > idle_at_most:
-                return None
-            connection = idle.pop()
-            transport = connection.transport
-            if not connection.closed and transport is not None and not transport.is_closing():
-                return connection
-        return None
-
-    def put(self, connection: UpstreamConnection, now: float = 0.0) -> bool:
-        """Keep `connection` idle; False (the caller closes it) when the pool is full.
-
-        `now`: the clock's reading when the caller has one already.
-        """
-        key = connection.pool_key
-        idle = self._idle.get(key)
-        if idle is None:
-            idle = self._idle[key] = []
-        if len(idle) >= self.max_idle:
-            return False
-        connection.idle_since = now or self._clock()
-        idle.append(connection)
-        return True
-
-    def discard(self, connection: UpstreamConnection) -> None:
-        idle = self._idle.get(connection.pool_key)
-        if idle is not None:
-            with contextlib.suppress(ValueError):
-                idle.remove(connection)
-            if not idle:
-                del self._idle[connection.pool_key]
-
-    def idle_count(self) -> int:
-        return sum(len(v) for v in self._idle.values())
-
-    def sweep(self) -> None:
-        """Close connections idle past the timeout."""
-        deadline = self._clock() - self.idle_timeout
-        for key in list(self._idle):
-            idle = self._idle[key]
-            stale = [c for c in idle if c.idle_since <= deadline]
-            for connection in stale:
-                idle.remove(connection)
-                connection.close()
-            if not idle:
-                del self._idle[key]
-
-    def keep_only(self, alive: set[Target]) -> None:
-        """Close idle connections to endpoints that left the routing table."""
-        for key in [k for k, idle in self._idle.items() if idle and idle[0].target not in alive]:
-            for connection in self._idle.pop(key):
-                connection.close()
-
-    def close_all(self) -> None:
-        for idle in self._idle.values():
-            for connection in idle:
-                connection.close()
-        self._idle.clear()

@@ -503,7 +503,7 @@ async def test_aborted_clients_and_upstreams_leak_nothing(upstream):
             writer.transport.abort()
         await asyncio.sleep(0.5)
         assert len(server.connections) == 0
-        assert all(u.client is None for u in server.upstreams)
+        assert all(u.exchange is None for u in server.upstreams)
     await asyncio.sleep(0.3)
     assert len(server.upstreams) == 0
     assert len(asyncio.all_tasks()) == tasks_before
@@ -593,9 +593,9 @@ async def test_head_split_anywhere_across_reads_is_parsed(proxy, upstream, first
 async def test_non_idempotent_request_avoids_a_long_idle_pooled_connection(
     proxy, upstream, monkeypatch
 ):
-    from waygate.proxy import server as server_module
+    from waygate.proxy import exchange as exchange_module
 
-    monkeypatch.setattr(server_module, "SAFE_REUSE_IDLE", 0.2)
+    monkeypatch.setattr(exchange_module, "SAFE_REUSE_IDLE", 0.2)
     _, port = proxy
     assert (await exchange(port, b"GET / HTTP/1.1\r\n" + H + b"\r\n")).startswith(b"HTTP/1.1 200")
     await asyncio.sleep(0.4)

@@ -1,0 +1,932 @@
+"""One proxied exchange (a request and its response): the rules, without the sockets.
+
+An `Exchange` is what an HTTP/1.1 client connection (`server.ClientConnection`)
+and an HTTP/2 stream both drive. It owns the request's state and every rule
+between the request's head and the response's last byte; it never touches a
+socket. The two sides it talks to:
+
+- downstream, the *driver* (the client side), through the `Downstream`
+  interface below: the driver hands the Exchange parsed request heads and body
+  bytes, and the Exchange hands back the response (head, body pieces, local
+  answers) and its end;
+- upstream, a `pool.UpstreamConnection` (one HTTP/1.1 connection to the
+  endpoint), through its methods only: `begin`, `write`, `writelines`,
+  `release`, `abort`, `pause_reading`/`resume_reading`. The upstream connection
+  calls back `response_head`, `informational`, `response_data`, `switching`,
+  `relay_data`, `upstream_closed`, `upstream_paused`.
+
+Driving an Exchange (one request at a time; `start` again after the end):
+
+    ok = exchange.start(req, now)      # route, pick, build the upstream head;
+                                       # False: answered locally (or refused)
+    exchange.dispatch()                # pooled connection, or a connect task
+    rest = exchange.request_body(data) # body bytes; returns what follows the body
+    delay = exchange.on_timer(now)     # the server timeout; < 0: it fired
+    exchange.close()                   # the driver went away: release everything
+
+and the Exchange calls `Downstream.response_head/response_body/response_pieces`,
+then `exchange_done(keep_alive, now, idle_timeout)` (or `failed`, `refuse`, `abort`).
+
+What the Exchange decides (the protocol-neutral rules):
+- routing and the route's rules: TLS-only routes, auth-proxy identity, sticky
+  cookie, endpoint pick and its in-flight count, passive health;
+- per-request filters: `_filter_request` (below) is where a route's filters
+  run, after routing and before the upstream head is built; response filters
+  go in `_response_extra` (the lines added to the response head);
+- request framing (Content-Length or chunked, bounded while connecting);
+- response framing and its extras: Set-Cookie (stickiness), HSTS, rechunking
+  (the upstream's chunked body is re-emitted chunked to a driver that takes
+  chunks, or as bare payload with close framing otherwise);
+- keep-alive and pooling eligibility: an upstream connection is released for
+  reuse only when its response was framed cleanly, the whole request was sent
+  and neither side asked to close;
+- retry eligibility: redispatch only after a connect failed before anything
+  was sent; a sent request is re-sent only when it went out on a reused
+  keep-alive connection that closed before any response byte and it is
+  idempotent without a body (RFC 9112 section 9.3.1), never a sent POST;
+- the server and client timeouts of the exchange; records (metrics, access
+  log, span).
+
+The per-request path does no logging (the access log is budgeted), no
+f-strings and no dict copies; one task exists only while a connect runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import re
+from typing import TYPE_CHECKING, Any, Protocol
+
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from waygate.core import flow
+from waygate.core.tracing import tracer
+from waygate.proxy import http1, tls
+from waygate.proxy.http1 import (
+    FRAMING_CHUNKED,
+    FRAMING_CLOSE,
+    FRAMING_LENGTH,
+    FRAMING_NONE,
+    BadMessage,
+    ChunkedReader,
+    ForwardedContext,
+    RequestHead,
+    ResponseHead,
+)
+from waygate.proxy.pool import UpstreamConnection
+from waygate.proxy.routing import Backend, RouteEntry, Target
+from waygate.proxy.upstream import ConnectError
+
+if TYPE_CHECKING:
+    from waygate.proxy.server import ProxyServer
+
+access_log = logging.getLogger("waygate.proxy.access")
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+_TRACEPARENT = re.compile(rb"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+
+# A non-idempotent request reuses only connections idle for less than this:
+# upstreams' keep-alive timeouts are seconds (Node.js 5 s, nginx 75 s).
+SAFE_REUSE_IDLE = 2.0
+MAX_CONNECT_ATTEMPTS = 3
+# Request body bytes held while the upstream connect runs before reading pauses.
+PENDING_HIGH_WATER = flow.HIGH_WATER
+
+_IDEMPOTENT = frozenset((b"GET", b"HEAD", b"OPTIONS", b"PUT", b"DELETE", b"TRACE"))
+
+# Local answers' kinds (Downstream.answer): the driver renders them.
+ANSWER_HEALTHZ = "healthz"
+ANSWER_REDIRECT = "redirect"
+
+
+class Downstream(Protocol):
+    """What an Exchange needs from its driver (an HTTP/1.1 connection or an HTTP/2 stream).
+
+    `context`, `client_key` and `secure` describe the client's connection; the
+    rest are the Exchange's ways to answer it. Response heads come as the
+    upstream's parsed `ResponseHead` plus the framing the Exchange chose
+    (`http1.FRAMING_*`: LENGTH with `length`, CHUNKED when the body pieces are
+    chunk-framed, CLOSE when the body runs to its end, NONE for no body),
+    `keep_alive` (whether the client connection may carry another request) and
+    `extra`: whole header lines (b"Name: value\\r\\n" each) to add.
+    """
+
+    context: ForwardedContext
+    client_key: bytes
+    secure: bool
+    # Whether this driver forwards chunk-framed body pieces as they are
+    # (HTTP/1.1); False: the Exchange hands it the bare payload (HTTP/2).
+    chunked_ok: bool
+    # Whether the client's transport is paused for writing (its buffer is full).
+    write_paused: bool
+
+    def client_identity(self, route: Any) -> tuple[int, str] | bytes: ...
+    def response_head(
+        self,
+        response: ResponseHead,
+        framing: int,
+        length: int,
+        keep_alive: bool,
+        extra: bytes,
+        body: bytes,
+        more: bool,
+    ) -> None:
+        """The final response head; `body`: all of a small body, sent with it;
+        `more`: body bytes follow at once (in the same call chain), so the head
+        may be held and sent with them."""
+
+    def response_body(self, data: bytes) -> None: ...
+    def response_pieces(self, pieces: list[bytes]) -> None: ...
+    def informational(self, status: int) -> None: ...
+    def answer(self, req: RequestHead, status: int, reason: str, kind: str) -> None:
+        """A local answer (`kind`: ANSWER_HEALTHZ, ANSWER_REDIRECT to HTTPS, or the
+        refusal's metric label); the driver renders it and closes when it must."""
+
+    def exchange_done(self, keep_alive: bool, now: float, idle_timeout: float) -> None: ...
+    def failed(self, status: int, reason: str, head_only: bool) -> None: ...
+    def refuse(self, exc: BadMessage) -> None: ...
+    def abort(self) -> None: ...
+    def pause_reading(self, reason: int) -> None: ...
+    def resume_reading(self, reason: int) -> None: ...
+    def start_relay(self, response: ResponseHead, rest: bytes) -> None: ...
+    def relay_write(self, data: bytes) -> None: ...
+    def relay_eof(self) -> bool: ...
+    def relay_closed(self) -> None: ...
+
+
+def _log_access(exchange: Exchange, route: str, req: RequestHead, status: int) -> None:
+    """One JSON access-log line (within the per-second budget; see ProxyServer)."""
+    target = exchange.target
+    access_log.info(
+        "request",
+        extra={
+            "client": exchange.down.context.client_ip.decode(),
+            "method": req.method.decode("ascii", "replace"),
+            "host": req.host.decode("ascii", "replace"),
+            "path": req.target.decode("ascii", "replace")[:256],
+            "status": status,
+            "route": route,
+            "upstream": f"{target.address}:{target.port}" if target is not None else "",
+            "duration_ms": round((exchange.loop.time() - exchange.started) * 1000, 3)
+            if exchange.started
+            else 0.0,
+        },
+    )
+
+
+class Exchange:
+    """One request and its response at a time, between a driver and an upstream."""
+
+    __slots__ = (
+        "backend",
+        "body_reader",
+        "body_remaining",
+        "connect_task",
+        "cookie",
+        "counted",
+        "down",
+        "entry",
+        "framing",  # the response's framing as the upstream sends it
+        "hsts",
+        "keep_alive",
+        "last_client",
+        "last_up",
+        "loop",
+        "path",
+        "pending_body",
+        "pending_size",
+        "reader",  # the response's chunked framing (None: not chunked)
+        "remaining",  # response body bytes still due (FRAMING_LENGTH)
+        "req",
+        "req_complete",
+        "response_started",
+        "retried",
+        "server",
+        "span",
+        "started",
+        "status",
+        "target",
+        "upstream",
+        "upstream_head",
+        "upstream_traceparent",
+    )
+
+    def __init__(self, server: ProxyServer, down: Downstream) -> None:
+        self.server = server
+        self.down = down
+        self.loop = server.loop
+        self.req: RequestHead | None = None
+        self.entry: RouteEntry | None = None
+        self.target: Target | None = None
+        self.backend: Backend | None = None
+        # Whether this request is counted in its picker's in-flight numbers (only
+        # a choice among endpoints reads them; a one-endpoint route skips both calls).
+        self.counted = False
+        self.upstream: UpstreamConnection | None = None
+        self.connect_task: asyncio.Task[None] | None = None
+        self.body_remaining = 0
+        self.body_reader: ChunkedReader | None = None
+        self.req_complete = True
+        self.pending_body: list[bytes] = []
+        self.pending_size = 0
+        self.response_started = False
+        self.upstream_head = b""
+        # The proxy span's context when the request is sampled: the tunnel's dial
+        # spans become its children (None: unsampled, nothing to continue).
+        self.upstream_traceparent: str | None = None
+        self.retried = False
+        self.last_client = 0.0
+        self.last_up = 0.0
+        self.started = 0.0
+        self.status = 0
+        self.path = b""
+        self.cookie: bytes | None = None
+        self.span: Any = None
+        self.hsts = b""
+        self.keep_alive = True
+        self.framing = FRAMING_NONE
+        self.remaining = 0
+        self.reader: ChunkedReader | None = None
+
+    # ------------------------------------------------------------ the request
+
+    def start(self, req: RequestHead, now: float) -> bool:
+        """Route one request head; True when an exchange started (dispatch next),
+        False when it was answered locally (the driver may be closing)."""
+        server = self.server
+        down = self.down
+        self.started = now
+        target = req.target
+        if target == http1.HEALTHZ_PATH:
+            down.answer(req, 200, "ok", ANSWER_HEALTHZ)
+            return False
+        query = target.find(b"?")
+        path = target if query < 0 else target[:query]
+        self.path = path
+        entry = server.table.lookup(req.host, path)
+        if entry is None:
+            reason = "no route for host " + req.host.decode("ascii", "replace")
+            return self._unavailable(req, reason, "no_route")
+        self.hsts = b""
+        identity = b""
+        if entry.route.tls is not None:
+            if down.secure:
+                self.hsts = entry.hsts
+                if entry.route.tls.client_ca_certificate:
+                    checked = down.client_identity(entry.route)
+                    if isinstance(checked, tuple):
+                        return self._refuse_client(req, entry, *checked)
+                    identity = checked
+            elif (rule := tls.edge_rule(entry.route)) != tls.EDGE_ALLOW:
+                if rule == tls.EDGE_REDIRECT:
+                    self._record(entry.options.name, req, 302)
+                    down.answer(req, 302, "", ANSWER_REDIRECT)
+                    return False
+                reason = f"route {entry.options.name} is served on HTTPS only"
+                return self._unavailable(req, reason, "https_only")
+        if req.cookie:
+            cookie = self.cookie = self._sticky_cookie(req, entry)
+        else:
+            cookie = self.cookie = None
+        single = entry.single
+        if single is not None and cookie is None:
+            picked, backend = single
+            self.counted = False
+        else:
+            chosen, chosen_backend = entry.pick(down.client_key, cookie, server.health, None)
+            if chosen is None or chosen_backend is None:
+                reason = "no endpoint ready for route " + entry.options.name
+                return self._unavailable(req, reason, "no_endpoint")
+            picked, backend = chosen, chosen_backend
+            backend.picker.acquire(picked)
+            self.counted = True
+        self.req = req
+        self.entry = entry
+        self.status = 0
+        self.last_up = self.last_client = now
+        self.response_started = False
+        self.retried = False
+        self.target = picked
+        self.backend = backend
+        if req.chunked:
+            self.body_reader = ChunkedReader()
+            self.req_complete = False
+        elif req.content_length > 0:
+            self.body_remaining = req.content_length
+            self.body_reader = None
+            self.req_complete = False
+        else:
+            self.req_complete = True
+        traceparent = req.traceparent
+        if traceparent:
+            self.upstream_traceparent = None
+            if traceparent[-3:] == b"-01" and _TRACEPARENT.fullmatch(traceparent):
+                # Sampled upstream of us (parent-based): a span, and its id goes on.
+                traceparent = self._start_span(req, entry)
+                self.upstream_traceparent = traceparent.decode("ascii")
+        elif self.upstream_traceparent is not None:
+            self.upstream_traceparent = None
+        extra = self._filter_request(req, entry)
+        upstream_head = http1.build_upstream_head(
+            req, down.context, entry.options.forwarded_mode, traceparent, extra
+        )
+        if identity:
+            # Set from the verified certificate; the client's own copies were stripped.
+            upstream_head = upstream_head[:-2] + identity + b"\r\n"
+        self.upstream_head = upstream_head
+        return True
+
+    def _filter_request(
+        self, req: RequestHead, entry: RouteEntry
+    ) -> list[tuple[bytes, bytes]] | None:
+        """A route's per-request filters (HTTPRoute header modifiers, rewrites,
+        redirects, mirrors) go here: after routing, before the upstream head is
+        built. Returns header lines to add to the upstream head (None: none).
+        No route has filters yet."""
+        return None
+
+    def _sticky_cookie(self, req: RequestHead, entry: RouteEntry) -> bytes | None:
+        name = entry.options.cookie_name
+        if not name:
+            return None
+        prefix = name + b"="
+        for value in req.cookie:
+            for part in value.split(b";"):
+                part = part.strip()
+                if part.startswith(prefix):
+                    return part[len(prefix) :]
+        return None
+
+    def dispatch(self) -> None:
+        """Send the request upstream: a pooled connection, or a new connect."""
+        target = self.target
+        assert target is not None
+        server = self.server
+        req = self.req
+        # A request that must never be re-sent only takes a recently used
+        # connection (see Pool.take); idempotent ones may be retried instead.
+        entry = self.entry
+        if entry is not None and entry.upstream_scope is not None:
+            key: Any = (target, entry.upstream_scope)  # see routing.upstream_scope
+        else:
+            key = target
+        if req is not None and req.method in _IDEMPOTENT:
+            upstream = server.pool.take(key)
+        else:
+            upstream = server.pool.take(key, idle_at_most=SAFE_REUSE_IDLE)
+        if upstream is not None:
+            server.metrics.pool_reused += 1
+            self._attach(upstream, reused=True)
+        else:
+            self.connect_task = self.loop.create_task(self._connect(target))
+
+    def request_body(self, data: bytes) -> bytes:
+        """Forward request body bytes; returns what follows the body (next request)."""
+        self.last_client = self.loop.time()
+        reader = self.body_reader
+        rest = b""
+        if reader is None:
+            remaining = self.body_remaining
+            if len(data) > remaining:
+                data, rest = data[:remaining], data[remaining:]
+            self.body_remaining = remaining - len(data)
+            out = [data]
+            if self.body_remaining == 0:
+                self.req_complete = True
+        else:
+            try:
+                out, used = reader.feed(data)
+            except BadMessage as exc:
+                if self.response_started:
+                    self.down.abort()
+                else:
+                    self.abandon_upstream()
+                    self.req = None
+                    self.down.refuse(exc)
+                return b""
+            if used < len(data):
+                rest = data[used:]
+            if reader.done:
+                self.req_complete = True
+        upstream = self.upstream
+        if upstream is not None:
+            upstream.writelines(out)
+        else:
+            self.pending_body.extend(out)
+            self.pending_size += len(data)
+            if self.pending_size > PENDING_HIGH_WATER:
+                self.down.pause_reading(flow.CONNECTING)
+        return rest
+
+    # ------------------------------------------------------------ picks
+
+    def _set_pick(self, target: Target, backend: Backend) -> None:
+        self.target = target
+        self.backend = backend
+        backend.picker.acquire(target)
+        self.counted = True
+
+    def _release_pick(self) -> None:
+        if self.counted and self.backend is not None and self.target is not None:
+            self.backend.picker.release(self.target)
+        self.counted = False
+        self.backend = None
+        self.target = None
+
+    # ------------------------------------------------------------ upstream side
+
+    async def _connect(self, target: Target) -> None:
+        server = self.server
+        entry = self.entry
+        assert entry is not None
+        options = entry.options
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                sock = await server.dialer.connect(
+                    target, options.connect_timeout, self.upstream_traceparent
+                )
+            except ConnectError as exc:
+                server.metrics.connect_error(exc.kind)
+                server.health.failed(target)
+                if exc.retryable and attempts < MAX_CONNECT_ATTEMPTS and self.req is not None:
+                    # The current table's entry: an endpoint removed meanwhile is not picked.
+                    current = server.table.lookup(self.req.host, self.path)
+                    current = current if current is not None else entry
+                    again, backend = current.pick(self.down.client_key, None, server.health, target)
+                    if again is not None and backend is not None:
+                        server.metrics.redispatches += 1
+                        self._release_pick()
+                        self._set_pick(again, backend)
+                        target = again
+                        continue
+                self.connect_task = None
+                self.fail(502, exc.reason, "connect_" + exc.kind)
+                return
+            try:
+                factory = functools.partial(UpstreamConnection, server, target)
+                upstream_tls = server.upstream_tls
+                if upstream_tls is not None and upstream_tls.applies(entry.route):
+                    # Reencrypt: a failed handshake is a 502 that says why.
+                    upstream = await upstream_tls.open(
+                        self.loop,
+                        factory,
+                        sock,
+                        entry.route,
+                        target,
+                        options.connect_timeout,
+                        self.span,
+                    )
+                else:
+                    _, upstream = await self.loop.create_connection(factory, sock=sock)
+            except ConnectError as exc:
+                self.connect_task = None
+                server.metrics.connect_error(exc.kind)
+                self.fail(502, exc.reason, "connect_" + exc.kind)
+                return
+            except OSError as exc:
+                sock.close()
+                self.connect_task = None
+                self.fail(502, "upstream connection failed: " + str(exc), "connect_error")
+                return
+            break
+        self.connect_task = None
+        if entry.upstream_scope is not None:
+            upstream.pool_key = (target, entry.upstream_scope)  # see routing.upstream_scope
+        server.health.succeeded(target)
+        server.metrics.upstream_opened += 1
+        if self.req is None:
+            upstream.close()
+            return
+        self._attach(upstream, reused=False)
+
+    def _attach(self, upstream: UpstreamConnection, *, reused: bool) -> None:
+        self.upstream = upstream
+        sent_at = self.started if reused else self.loop.time()
+        if self.pending_body:
+            upstream.begin(self, reused, sent_at, [self.upstream_head, *self.pending_body])
+            self.pending_body = []
+            self.pending_size = 0
+            self.down.resume_reading(flow.CONNECTING)
+        else:
+            upstream.begin(self, reused, sent_at, self.upstream_head)
+        if self.down.write_paused:
+            upstream.pause_reading()
+
+    def abandon_upstream(self) -> None:
+        """Let go of the upstream (aborted: its exchange did not end cleanly) and any connect."""
+        upstream = self.upstream
+        self.upstream = None
+        if upstream is not None:
+            upstream.abort()
+        if self.connect_task is not None:
+            self.connect_task.cancel()
+            self.connect_task = None
+
+    # ------------------------------------------------------------ upstream callbacks
+
+    def upstream_paused(self, paused: bool) -> None:
+        """The upstream's write buffer is full (True) or took its bytes (False)."""
+        self.last_client = self.loop.time()
+        if paused:
+            self.down.pause_reading(flow.PEER)
+        else:
+            self.down.resume_reading(flow.PEER)
+
+    def downstream_paused(self, paused: bool) -> None:
+        """The driver's client stopped (True) or resumed (False) reading: so does the upstream."""
+        # Inactivity is measured from here: the upstream is paused because of us.
+        self.last_up = self.loop.time()
+        upstream = self.upstream
+        if upstream is not None:
+            if paused:
+                upstream.pause_reading()
+            else:
+                upstream.resume_reading()
+
+    def informational(self, response: ResponseHead) -> None:
+        """A 1xx other than 101 from the upstream: 100 goes on when the client expects it."""
+        req = self.req
+        if response.status == 100 and req is not None and req.expect_continue:
+            self.down.informational(100)
+
+    def switching(self, response: ResponseHead, rest: bytes) -> bool:
+        """The upstream's 101: True when the relay starts (the request asked to upgrade)."""
+        req = self.req
+        if req is None or not req.upgrade:
+            return False
+        self.response_started = True
+        self.status = 101
+        self.last_client = self.last_up = self.loop.time()
+        if not response.upgrade:
+            response.upgrade = req.upgrade
+        self.down.start_relay(response, rest)
+        return True
+
+    def relay_send_eof(self) -> bool:
+        """The client half-closed during a relay: so does the upstream (True when it could)."""
+        upstream = self.upstream
+        return upstream is not None and upstream.write_eof()
+
+    def relay_timer(self, now: float) -> float:
+        """The delay until a relay's next idle check, or -1 when it was idle too long."""
+        entry = self.entry
+        limit = entry.options.tunnel_timeout if entry else 3600.0
+        idle = now - max(self.last_client, self.last_up)
+        return -1.0 if idle >= limit else limit - idle
+
+    def upstream_read(self, now: float) -> None:
+        """Bytes of a response head arrived (the head is not complete yet)."""
+        self.last_up = now
+
+    def relay_eof(self) -> bool:
+        """The upstream half-closed during a relay: so does the client (True when it could)."""
+        return self.down.relay_eof()
+
+    def relay_data(self, data: bytes) -> None:
+        self.last_up = self.loop.time()
+        self.server.metrics.bytes_out += len(data)
+        self.down.relay_write(data)
+
+    def relay_send(self, data: bytes) -> None:
+        """Client bytes during a relay."""
+        upstream = self.upstream
+        if upstream is not None:
+            self.last_client = self.loop.time()
+            upstream.write(data)
+
+    def response_head(self, response: ResponseHead, rest: bytes, now: float) -> bytes | None:
+        """The final response head; returns the bytes after it still to handle as
+        body (None: the response is complete, or nothing is left)."""
+        server = self.server
+        req = self.req
+        assert req is not None
+        upstream = self.upstream
+        assert upstream is not None
+        self.last_up = now
+        server.metrics.latency(now - upstream.sent_at)
+        framing = http1.response_framing(req.method, response)
+        length = response.content_length
+        status = response.status
+        keep_alive = req.keep_alive and not server.draining
+        out_framing = framing
+        self.reader = None
+        if framing == FRAMING_LENGTH:
+            self.remaining = length
+        elif framing == FRAMING_CHUNKED:
+            if req.http10 or not self.down.chunked_ok:
+                self.reader = ChunkedReader(rechunk=False, status=502)
+                out_framing = FRAMING_CLOSE
+                if req.http10:
+                    keep_alive = False
+            else:
+                self.reader = ChunkedReader(status=502)
+        elif framing == FRAMING_CLOSE:
+            keep_alive = False
+        elif response.status != 204 and response.status >= 200:
+            # HEAD and 304 carry the length the body would have had.
+            if length >= 0:
+                out_framing = FRAMING_LENGTH
+            elif response.chunked and not req.http10:
+                out_framing = FRAMING_CHUNKED
+        self.framing = framing
+        self.keep_alive = keep_alive
+        self.response_started = True
+        self.status = status
+        backend = self.backend
+        if self.hsts or (backend is not None and backend.set_cookie):
+            extra = self._response_extra(upstream.target)
+        else:
+            extra = b""
+        down = self.down
+        if framing == FRAMING_LENGTH and len(rest) == length < 65536:
+            # The whole body came with the head (a small response): one send.
+            server.metrics.bytes_out += length
+            down.response_head(response, out_framing, length, keep_alive, extra, rest, False)
+            self.remaining = 0
+            self._done(clean=True, now=now)
+            return None
+        if framing == FRAMING_NONE or (framing == FRAMING_LENGTH and length == 0):
+            down.response_head(response, out_framing, length, keep_alive, extra, b"", False)
+            # Bytes after a response without a body, in the same read: the
+            # upstream's framing is off, so the connection is not pooled.
+            self._done(clean=not rest, now=now)
+            return None
+        # Held for the body bytes of this same read (`more`): one send for a small response.
+        down.response_head(response, out_framing, length, keep_alive, extra, b"", bool(rest))
+        return rest
+
+    def _response_extra(self, target: Target) -> bytes:
+        """Header lines added to the response: the sticky cookie, HSTS (and a
+        route's response filters, when routes have them: add their condition to
+        the caller's, which skips this call for the common response)."""
+        extra = b""
+        backend = self.backend
+        if (
+            backend is not None
+            and backend.set_cookie
+            and self.cookie != backend.by_target.get(target)
+        ):
+            extra = backend.set_cookie.get(target, b"")
+        if self.hsts:
+            extra += self.hsts
+        return extra
+
+    def response_data(self, data: bytes, now: float) -> None:
+        """Response body bytes from the upstream (after the head)."""
+        self.last_up = now
+        if not data:
+            return
+        framing = self.framing
+        metrics = self.server.metrics
+        down = self.down
+        if framing == FRAMING_LENGTH:
+            remaining = self.remaining
+            if len(data) > remaining:
+                # More than the announced length: the framing is not clean.
+                data = data[:remaining]
+                self.remaining = 0
+                metrics.bytes_out += len(data)
+                down.response_body(data)
+                self._done(clean=False)
+                return
+            self.remaining = remaining - len(data)
+            metrics.bytes_out += len(data)
+            down.response_body(data)
+            if self.remaining == 0:
+                self._done(clean=True)
+        elif framing == FRAMING_CHUNKED:
+            reader = self.reader
+            assert reader is not None
+            try:
+                out, used = reader.feed(data)
+            except BadMessage:
+                self.upstream_failed(502, "upstream sent malformed chunked framing", "bad_response")
+                return
+            down.response_pieces(out)
+            metrics.bytes_out += used
+            if reader.done:
+                self._done(clean=used == len(data))
+        elif framing == FRAMING_CLOSE:
+            metrics.bytes_out += len(data)
+            down.response_body(data)
+        else:
+            # Bytes after a bodiless response: the upstream's framing is off.
+            self.upstream_failed(
+                502, "upstream sent bytes after a bodiless response", "bad_response"
+            )
+
+    def _done(self, *, clean: bool, now: float = 0.0) -> None:
+        """The response is complete: release the upstream (pooled only when clean)."""
+        upstream = self.upstream
+        self.upstream = None
+        if upstream is not None:
+            upstream.release(
+                clean
+                and self.req_complete
+                and self.framing != FRAMING_CLOSE
+                and not self.server.draining,
+                now,
+            )
+        self.finish(self.keep_alive, now)
+
+    def upstream_closed(self, relay: bool, got_bytes: bool, reused: bool) -> None:
+        """The upstream connection closed during this exchange."""
+        self.upstream = None
+        if relay:
+            self.relay_closed()
+        elif self.response_started and self.framing == FRAMING_CLOSE:
+            self.finish(False)
+        elif self.response_started:
+            self.upstream_failed(502, "upstream closed mid-response", "upstream_closed")
+        elif not got_bytes and reused and self._retry_after_reuse_race():
+            return
+        else:
+            self.upstream_failed(
+                502, "upstream closed the connection before answering", "upstream_closed"
+            )
+
+    def _retry_after_reuse_race(self) -> bool:
+        """The reused upstream closed before answering: resend once if that is safe."""
+        req = self.req
+        if (
+            req is None
+            or self.retried
+            or req.method not in _IDEMPOTENT
+            or req.has_body
+            or self.response_started
+        ):
+            return False
+        self.retried = True
+        self.upstream = None
+        target = self.target
+        assert target is not None
+        self.connect_task = self.loop.create_task(self._connect(target))
+        return True
+
+    def upstream_failed(self, status: int, reason: str, kind: str) -> None:
+        """The upstream broke before or during the response."""
+        if self.response_started:
+            self.abandon_upstream()
+            self.down.abort()
+            return
+        self.fail(status, reason, kind)
+
+    # ------------------------------------------------------------ the end
+
+    def finish(self, keep_alive: bool, now: float = 0.0) -> None:
+        """The response is complete; the driver may take the next request."""
+        entry = self.entry
+        req = self.req
+        if entry is not None:
+            idle_timeout = entry.options.keep_alive_timeout
+            if req is not None:
+                self._record(entry.options.name, req, self.status or 502)
+        else:
+            idle_timeout = 0.0
+        self.upstream = None
+        if self.counted:
+            self._release_pick()
+        self.backend = None
+        self.target = None
+        self.req = None
+        self.entry = None
+        self.body_reader = None
+        self.down.exchange_done(keep_alive, now, idle_timeout)
+
+    def relay_closed(self) -> None:
+        entry = self.entry
+        req = self.req
+        if entry is not None and req is not None:
+            self._record(entry.options.name, req, 101)
+            self.req = None
+        self.upstream = None
+        self._release_pick()
+        self.down.relay_closed()
+
+    def fail(self, status: int, reason: str, kind: str) -> None:
+        """A failure the proxy answers itself (before the response started)."""
+        metrics = self.server.metrics
+        metrics.refused[kind] = metrics.refused.get(kind, 0) + 1
+        entry = self.entry
+        req = self.req
+        if entry is not None and req is not None:
+            self._record(entry.options.name, req, status)
+        self.abandon_upstream()
+        self.req = None
+        if self.response_started:
+            self.down.abort()
+            return
+        self.down.failed(status, reason, req is not None and req.method == b"HEAD")
+
+    def close(self, reason: str = "client connection lost") -> None:
+        """The driver went away: release the upstream, the connect, the pick, the span."""
+        if self.connect_task is not None:
+            self.connect_task.cancel()
+            self.connect_task = None
+        upstream = self.upstream
+        if upstream is not None:
+            self.upstream = None
+            upstream.abort()
+        self._release_pick()
+        self.pending_body = []
+        self.req = None
+        if self.span is not None:
+            self.span.set_status(Status(StatusCode.ERROR, reason))
+            self.span.end()
+            self.span = None
+
+    # ------------------------------------------------------------ timers
+
+    def on_timer(self, now: float) -> float:
+        """The exchange's deadline passed: the delay until the next check, or -1
+        when a timeout fired (the exchange failed or the driver was aborted)."""
+        entry = self.entry
+        assert entry is not None
+        options = entry.options
+        up_idle = now - self.last_up
+        if up_idle >= options.server_timeout:
+            if self.response_started:
+                self.upstream_failed(504, "", "server_timeout")
+            else:
+                self.fail(
+                    504,
+                    f"upstream did not answer within {options.server_timeout:g}s",
+                    "server_timeout",
+                )
+            return -1.0
+        wait = options.server_timeout - up_idle
+        if not self.req_complete:
+            client_idle = now - self.last_client
+            if client_idle >= options.client_timeout:
+                if self.response_started:
+                    self.upstream_failed(408, "", "client_timeout")
+                else:
+                    self.fail(
+                        408,
+                        f"request body stalled for {options.client_timeout:g}s",
+                        "client_timeout",
+                    )
+                return -1.0
+            wait = min(wait, options.client_timeout - client_idle)
+        return wait
+
+    # ------------------------------------------------------------ records
+
+    def _record(self, route: str, req: RequestHead, status: int) -> None:
+        """Count one answered request; its access-log line and span when due."""
+        server = self.server
+        server.metrics.request(route, req.method, status)
+        if server.access_log_on:
+            if server.access_log_budget > 0:
+                server.access_log_budget -= 1
+                _log_access(self, route, req, status)
+            else:
+                server.access_log_suppressed += 1
+        span = self.span
+        if span is not None:
+            self.span = None
+            span.set_attribute("http.response.status_code", status)
+            if status >= 500:
+                span.set_status(Status(StatusCode.ERROR))
+            span.end()
+
+    def _start_span(self, req: RequestHead, entry: RouteEntry) -> bytes:
+        """A server span for a sampled request; returns the traceparent to send upstream."""
+        carrier = {"traceparent": req.traceparent.decode("ascii", "replace")}
+        parent = _PROPAGATOR.extract(carrier)
+        span = tracer().start_span(
+            "proxy " + entry.options.name,
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes={
+                "http.request.method": req.method.decode("ascii", "replace"),
+                "url.path": req.target.decode("ascii", "replace")[:256],
+                "server.address": req.host.decode("ascii", "replace"),
+                "waygate.route": entry.options.name,
+            },
+        )
+        self.span = span
+        context = span.get_span_context()
+        return b"00-%032x-%016x-01" % (context.trace_id, context.span_id)
+
+    # ------------------------------------------------------------ local answers
+
+    def _refuse_client(self, req: RequestHead, entry: RouteEntry, status: int, reason: str) -> bool:
+        """An auth-proxy route without the client certificate it requires: 401/403."""
+        self._record(entry.options.name, req, status)
+        metrics = self.server.metrics
+        metrics.refused["client_certificate"] = metrics.refused.get("client_certificate", 0) + 1
+        self.down.answer(req, status, reason, "client_certificate")
+        return False
+
+    def _unavailable(self, req: RequestHead, reason: str, kind: str) -> bool:
+        metrics = self.server.metrics
+        metrics.refused[kind] = metrics.refused.get(kind, 0) + 1
+        self._record("", req, 503)
+        self.down.answer(req, 503, reason, kind)
+        return False
