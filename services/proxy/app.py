@@ -11,8 +11,12 @@ keep-alive connections close at once (`waygate.core.runtime.Listener`).
 
 `https_port` serves TLS routes (`waygate.proxy.tls`: the certificate by SNI
 among the routes' own, else the proxy's default certificate, from certs or
-`--default-certificate/--default-key`); it is bound only when a default
-certificate exists. Reencrypt routes go through `waygate.proxy.upstream_tls`.
+`--default-certificate/--default-key`, else one generated at start); it is
+bound whenever the proxy runs. Reencrypt routes go through
+`waygate.proxy.upstream_tls`. Both ports serve HTTP/2 beside HTTP/1.1
+(`waygate.proxy.http2`: ALPN h2 on HTTPS, h2c with prior knowledge on HTTP),
+and routes whose backends speak HTTP/2 or gRPC are forwarded over HTTP/2
+(`waygate.proxy.h2upstream`).
 `--workers N` runs N processes on the same port (SO_REUSEPORT),
 each with its own resolver watch; the parent keeps the admin port and shows
 every worker's metrics on its /metrics, labelled `worker` (`waygate.core.workers`,
@@ -39,6 +43,7 @@ from waygate.core.settings import (
     positive,
     setting,
 )
+from waygate.proxy.http2 import H2Limits
 from waygate.proxy.metrics import ProxyCollector, ProxyMetrics
 from waygate.proxy.routing import Defaults, build_table
 from waygate.proxy.server import ProxyServer
@@ -67,8 +72,8 @@ class Settings(ProcessSettings):
     http_port: int = setting(8080, help="HTTP listen port", check=port_number)
     https_port: int = setting(
         8443,
-        help="HTTPS listen port for TLS routes (bound when a default certificate exists: "
-        "from certs, or --default-certificate/--default-key)",
+        help="HTTPS listen port for TLS routes, h2 and http/1.1 by ALPN (always bound; "
+        "without a default certificate, names no route has get a generated one)",
         check=port_number,
     )
     default_certificate: Path | None = setting(
@@ -162,6 +167,44 @@ class Settings(ProcessSettings):
         help="file with the secret that keys sticky-cookie values (shared by replicas so "
         "a cookie survives a restart); unset: a random key per process group",
     )
+    # HTTP/2 (h2 on the HTTPS port by ALPN, h2c with prior knowledge on the HTTP
+    # port, and to backends that ask for it): waygate.proxy.http2.H2Limits.
+    h2_max_concurrent_streams: int = setting(
+        100, help="HTTP/2 streams open at once per connection (either side)", check=positive
+    )
+    h2_stream_window: int = setting(
+        256 * 1024,
+        help="HTTP/2 receive window per stream, bytes (what a peer may send ahead)",
+        check=lambda v: None if 65535 <= v < 2**31 else f"must be 65535..2^31-1, not {v}",
+    )
+    h2_connection_window: int = setting(
+        1024 * 1024,
+        help="HTTP/2 receive window per connection, bytes",
+        check=lambda v: None if 65535 <= v < 2**31 else f"must be 65535..2^31-1, not {v}",
+    )
+    h2_max_header_list_size: int = setting(
+        32 * 1024,
+        help="HTTP/2 decoded header list size, bytes (larger blocks end the connection)",
+        check=positive,
+    )
+    h2_control_frames: int = setting(
+        1000,
+        help="HTTP/2 control frames (PING, SETTINGS, PRIORITY, WINDOW_UPDATE, empty DATA) "
+        "allowed beyond twice the useful frames, then GOAWAY ENHANCE_YOUR_CALM",
+        check=positive,
+    )
+    h2_premature_resets: int = setting(
+        100,
+        help="HTTP/2 streams a client may reset before their answer (once past half the "
+        "streams it opened), then GOAWAY ENHANCE_YOUR_CALM (rapid reset)",
+        check=positive,
+    )
+    h2_stream_buffer: int = setting(
+        256 * 1024,
+        help="HTTP/2 response bytes held per stream while the client's window is shut; "
+        "past it the backend is paused",
+        check=positive,
+    )
 
     def validate(self) -> str | None:
         problem = super().validate()
@@ -193,6 +236,17 @@ class Settings(ProcessSettings):
 
     def extra_fields(self) -> tuple[str, ...]:
         return tuple(f.strip().lower() for f in self.remote_extra_fields.split(",") if f.strip())
+
+    def h2_limits(self) -> H2Limits:
+        return H2Limits(
+            max_concurrent_streams=self.h2_max_concurrent_streams,
+            stream_window=self.h2_stream_window,
+            connection_window=self.h2_connection_window,
+            max_header_list_size=self.h2_max_header_list_size,
+            control_frames=self.h2_control_frames,
+            premature_resets=self.h2_premature_resets,
+            stream_buffer=self.h2_stream_buffer,
+        )
 
     def defaults(self) -> Defaults:
         return Defaults(
@@ -258,7 +312,7 @@ def _sticky_key(settings: Settings) -> bytes:
 
 
 async def _tls_setup(process: ServiceProcess, settings: Settings, server: ProxyServer) -> Any:
-    """The HTTPS listener and the reencrypt step; the SNI map (None without a default)."""
+    """The HTTPS listener (always) and the reencrypt step; returns the TLS front."""
     from waygate.proxy.passthrough import TlsFront
     from waygate.proxy.tls import DefaultCertificate, EdgeCertificates
     from waygate.proxy.upstream_tls import UpstreamTLS
@@ -286,8 +340,13 @@ async def _tls_setup(process: ServiceProcess, settings: Settings, server: ProxyS
         process.on_stop(_closer(certificates.trust.subscribe(upstream_tls.invalidate)))
     server.upstream_tls = upstream_tls
     if default is None:
-        log.info("no default certificate (no certs, no --default-certificate): HTTPS not served")
-        return None
+        # The HTTPS port is served all the same: edge routes may carry their own
+        # certificates, and a name no route has gets a generated certificate.
+        log.info(
+            "no default certificate (no certs, no --default-certificate): a generated "
+            "self-signed one answers names no route has"
+        )
+        default = DefaultCertificate.self_signed()
     default.start(process.spawn)
     edge = EdgeCertificates(default, extra_fields=settings.extra_fields())
     front = TlsFront(server, edge, settings.host, settings.https_port, reuse_port=settings.worker)
@@ -381,6 +440,13 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         listen_port=settings.http_port,
         access_log_rate=settings.access_log_rate,
     )
+    from waygate.proxy.h2upstream import H2Upstreams
+
+    # HTTP/2: the listeners' limits, and the connections to HTTP/2 backends.
+    server.h2_limits = settings.h2_limits()  # type: ignore[attr-defined]
+    h2_upstreams = H2Upstreams(server, settings.h2_limits())
+    server.h2_upstreams = h2_upstreams  # type: ignore[attr-defined]
+    process.on_stop(_closer(h2_upstreams.close))
     REGISTRY.register(ProxyCollector(metrics.snapshot))
     process.on_stop(_unregister(metrics))
     if settings.worker:
@@ -410,6 +476,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
                     previous=front.table,
                 )
             )
+        h2_upstreams.update(view.routes, view.services)
         server.set_table(
             build_table(
                 view.routes,

@@ -46,7 +46,7 @@ import hashlib
 import logging
 import ssl
 from collections.abc import Callable, Iterable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 
 ALPN = ("http/1.1",)
 FILE_POLL = 2.0
+SELF_SIGNED_NAME = "waygate-proxy-default.invalid"
 WARN_FRACTION = 0.2
 
 ROUTE_CERT_EXPIRY = Gauge(
@@ -205,6 +206,49 @@ class DefaultCertificate:
         load()
         default.check_files = load
         default._watch = watch  # type: ignore[attr-defined]
+        return default
+
+    @classmethod
+    def self_signed(cls) -> DefaultCertificate:
+        """A certificate made now, in memory, for a proxy with no other default: the
+        HTTPS port is bound whenever the proxy runs, and a handshake whose SNI
+        matches no route completes (as the OpenShift router's does) so that the
+        client reads the proxy's 503 with its reason instead of a bare
+        `unrecognized_name` alert. No client trusts it: it names no host
+        (CN waygate-proxy-default.invalid) and serves only names no route has."""
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+
+        key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, SELF_SIGNED_NAME)])
+        now = datetime.now(UTC)
+        certificate = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - timedelta(hours=1))
+            .not_valid_after(now + timedelta(days=365))
+            .add_extension(
+                x509.SubjectAlternativeName([x509.DNSName(SELF_SIGNED_NAME)]), critical=False
+            )
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .sign(key, hashes.SHA256())
+        )
+        default = cls()
+        default.pem = (
+            certificate.public_bytes(serialization.Encoding.PEM),
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            ),
+        )
+        default.context = server_context(
+            chain_pem=default.pem[0], key_pem=default.pem[1], alpn_protocols=ALPN
+        )
         return default
 
     def start(self, spawn: Callable[[Any, str], Any]) -> None:

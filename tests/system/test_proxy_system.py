@@ -69,6 +69,8 @@ async def start_proxy(resolver_address: str, *extra: str) -> tuple[RunningServic
             "serve",
             "--http-port",
             "0",
+            "--https-port",
+            "0",
             "--admin-port",
             "0",
             "--resolver-address",
@@ -78,7 +80,7 @@ async def start_proxy(resolver_address: str, *extra: str) -> tuple[RunningServic
             *extra,
         ]
     )
-    entry = next(e for e in proxy.logs if e.get("msg") == "proxy listening")
+    entry = next(e for e in proxy.logs if e.get("msg") == "proxy listening" and "http_port" in e)
     return proxy, int(entry["http_port"])
 
 
