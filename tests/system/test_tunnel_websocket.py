@@ -74,7 +74,9 @@ async def test_websocket_session_through_proxy_and_tunnel(tmp_path: Path) -> Non
             )  # fmt: skip
             services.append(proxy)
             http_port = next(
-                e["http_port"] for e in proxy.logs if e.get("msg") == "proxy listening"
+                e["http_port"]
+                for e in proxy.logs
+                if e.get("msg") == "proxy listening" and "http_port" in e
             )
             async with asyncio.timeout(30):
                 while True:  # until the proxy's view holds the route and the presence
