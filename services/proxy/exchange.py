@@ -579,10 +579,6 @@ class Exchange:
         idle = now - max(self.last_client, self.last_up)
         return -1.0 if idle >= limit else limit - idle
 
-    def upstream_read(self, now: float) -> None:
-        """Bytes of a response head arrived (the head is not complete yet)."""
-        self.last_up = now
-
     def relay_eof(self) -> bool:
         """The upstream half-closed during a relay: so does the client (True when it could)."""
         return self.down.relay_eof()
@@ -848,7 +844,13 @@ class Exchange:
         entry = self.entry
         assert entry is not None
         options = entry.options
-        up_idle = now - self.last_up
+        # The server timeout runs from the last byte moved either way: request
+        # body bytes count (an upload longer than the timeout is not cut while it
+        # flows), response bytes count only from the final head on (1xx heads and
+        # a trickled head do not extend it: the whole head is due within it).
+        last_client = self.last_client
+        last_up = self.last_up
+        up_idle = now - (last_up if last_up > last_client else last_client)
         if up_idle >= options.server_timeout:
             if self.response_started:
                 self.upstream_failed(504, "", "server_timeout")

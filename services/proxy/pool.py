@@ -195,7 +195,6 @@ class UpstreamConnection(asyncio.Protocol):
                     return None
             if end < 0:
                 self.buf = data
-                exchange.upstream_read(now)
                 return None
             head, data = data[:end], data[end:]
             try:
