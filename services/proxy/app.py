@@ -46,7 +46,7 @@ from waygate.core.settings import (
 from waygate.proxy.http2 import H2Limits
 from waygate.proxy.metrics import ProxyCollector, ProxyMetrics
 from waygate.proxy.routing import Defaults, build_table
-from waygate.proxy.server import ProxyServer
+from waygate.proxy.server import Limits, ProxyServer
 from waygate.proxy.upstream import Dialer
 
 if TYPE_CHECKING:
@@ -162,6 +162,17 @@ class Settings(ProcessSettings):
         help="HTML file served with 503 when no route matches or no endpoint is ready; "
         "{reason} in it is replaced by the reason",
     )
+    max_informational: int = setting(
+        16,
+        help="informational (1xx) responses an upstream may send before its final one, per "
+        "request (more: 502)",
+        check=positive,
+    )
+    max_informational_bytes: int = setting(
+        65536,
+        help="bytes of informational (1xx) response heads per request (more: 502)",
+        check=positive,
+    )
     sticky_key_file: Path | None = setting(
         None,
         help="file with the secret that keys sticky-cookie values (shared by replicas so "
@@ -205,6 +216,13 @@ class Settings(ProcessSettings):
         "past it the backend is paused",
         check=positive,
     )
+
+    def limits(self) -> Limits:
+        """The data plane's bounds (waygate.proxy.server.Limits) from these settings."""
+        return Limits(
+            max_informational=self.max_informational,
+            max_informational_bytes=self.max_informational_bytes,
+        )
 
     def validate(self) -> str | None:
         problem = super().validate()
@@ -439,6 +457,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         unavailable_page=page,
         listen_port=settings.http_port,
         access_log_rate=settings.access_log_rate,
+        limits=settings.limits(),
     )
     from waygate.proxy.h2upstream import H2Upstreams
 

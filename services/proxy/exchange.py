@@ -191,6 +191,8 @@ class Exchange:
         "entry",
         "framing",  # the response's framing as the upstream sends it
         "hsts",
+        "informational_bytes",
+        "informationals",
         "keep_alive",
         "last_client",
         "last_up",
@@ -246,6 +248,9 @@ class Exchange:
         self.cookie: bytes | None = None
         self.span: Any = None
         self.hsts = b""
+        # Informational responses of this request so far (bounded: see Limits).
+        self.informationals = 0
+        self.informational_bytes = 0
         self.keep_alive = True
         self.framing = FRAMING_NONE
         self.remaining = 0
@@ -306,6 +311,8 @@ class Exchange:
         self.req = req
         self.entry = entry
         self.status = 0
+        if self.informationals:
+            self.informationals = self.informational_bytes = 0
         self.last_up = self.last_client = now
         self.response_started = False
         self.retried = False
@@ -548,11 +555,25 @@ class Exchange:
             else:
                 upstream.resume_reading()
 
-    def informational(self, response: ResponseHead) -> None:
-        """A 1xx other than 101 from the upstream: 100 goes on when the client expects it."""
+    def informational(self, response: ResponseHead, size: int) -> str:
+        """A 1xx other than 101 from the upstream (`size`: its head's bytes): 100
+        goes on when the client expects it. Returns why the upstream is broken
+        when it sent more 1xx than the limits allow ("" while within them)."""
+        self.informationals += 1
+        self.informational_bytes += size
+        limits = self.server.limits
+        if (
+            self.informationals > limits.max_informational
+            or self.informational_bytes > limits.max_informational_bytes
+        ):
+            return (
+                f"upstream sent more than {limits.max_informational} informational (1xx) "
+                f"responses or {limits.max_informational_bytes} bytes of them"
+            )
         req = self.req
         if response.status == 100 and req is not None and req.expect_continue:
             self.down.informational(100)
+        return ""
 
     def switching(self, response: ResponseHead, rest: bytes) -> bool:
         """The upstream's 101: True when the relay starts (the request asked to upgrade)."""

@@ -209,7 +209,10 @@ class UpstreamConnection(asyncio.Protocol):
                         return None
                     self._broken(exchange, "upstream switched protocols without an upgrade request")
                     return None
-                exchange.informational(response)
+                broken = exchange.informational(response, end)
+                if broken:
+                    self._broken(exchange, broken)
+                    return None
                 continue
             self.response = response
             return exchange.response_head(response, data, now)

@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from typing import Any
+from typing import Any, NamedTuple
 
 from waygate.core import flow
 from waygate.proxy import http1, tls
@@ -53,6 +53,20 @@ _SHORT_HEAD = http1.MAX_REQUEST_LINE - 4
 _T_NONE, _T_IDLE, _T_HEAD, _T_EXCHANGE, _T_RELAY = range(5)
 
 
+class Limits(NamedTuple):
+    """The HTTP/1.1 data plane's bounds against hostile clients and upstreams
+    (each a `waygate proxy serve` flag; defaults in the README's Limits section)."""
+
+    # Informational (1xx) responses an upstream may send before its final one,
+    # per request, and their head bytes together: more is a 502 (a 103 flood
+    # cost seconds of CPU per request).
+    max_informational: int = 16
+    max_informational_bytes: int = 64 * 1024
+
+
+DEFAULT_LIMITS = Limits()
+
+
 class ProxyServer:
     """Shared state of one proxy process's HTTP listener."""
 
@@ -69,8 +83,10 @@ class ProxyServer:
         unavailable_page: bytes = b"",
         listen_port: int = 0,
         access_log_rate: int = 100,
+        limits: Limits = DEFAULT_LIMITS,
     ) -> None:
         self.loop = asyncio.get_running_loop()
+        self.limits = limits
         self.defaults = defaults
         self.dialer = dialer
         self.metrics = metrics
