@@ -35,18 +35,14 @@ from waygate.proxy.http1 import (
     BadMessage,
     ChunkedReader,
 )
-from waygate.proxy.http2 import BadRequest, H2ClientConnection, Request, Stream, request_head
-
-_ClientConnection: Any = None
-
-
-def _client_connection_class() -> Any:
-    global _ClientConnection
-    if _ClientConnection is None:
-        from waygate.proxy.server import ClientConnection
-
-        _ClientConnection = ClientConnection
-    return _ClientConnection
+from waygate.proxy.http2 import (
+    BadRequest,
+    H2ClientConnection,
+    Request,
+    Stream,
+    _h1_class,
+    request_head,
+)
 
 
 def start_exchange(conn: H2ClientConnection, stream: Stream, request: Request, end: bool) -> None:
@@ -62,7 +58,7 @@ def start_exchange(conn: H2ClientConnection, stream: Stream, request: Request, e
         return
     bridge = _StreamBridge(conn, stream, chunked)
     stream.exchange = bridge
-    h1 = _client_connection_class()(conn.server)
+    h1 = _h1_class()(conn.server)
     bridge.h1 = h1
     h1.connection_made(bridge)
     if bridge.closing:

@@ -359,7 +359,10 @@ def _connection_rules(request: RequestHead, tokens: list[bytes], upgrade: bytes)
     elif http10:
         # HTTP/1.0 keep-alive is not offered: the answer closes (documented).
         request.keep_alive = False
-    if b"upgrade" in tokens and upgrade and not http10:
+    if b"upgrade" in tokens and upgrade and not http10 and b"h2c" not in upgrade.lower():
+        # Upgrade: h2c is refused, not forwarded: the answer stays HTTP/1.1 (a
+        # backend that switched would take later requests past the proxy's rules;
+        # h2c is served with prior knowledge instead, RFC 9113 section 3.1).
         request.upgrade = upgrade
     if tokens == [b"keep-alive"]:  # the common case: nothing named
         return

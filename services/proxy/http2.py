@@ -222,6 +222,28 @@ class _BoundedFrameBuffer(h2.frame_buffer.FrameBuffer):
         return result
 
 
+class GracefulStateMachine(h2.connection.H2ConnectionStateMachine):
+    """h2's connection state machine, except that a GOAWAY (sent or received)
+    leaves the connection open for the streams it covers.
+
+    h2 closes its state machine on GOAWAY, after which no frame of any stream
+    can be sent or received; RFC 9113 section 6.8 has the streams up to the
+    GOAWAY's last stream id finish (a graceful drain, and a backend's GOAWAY
+    with answers still coming). New streams past it are refused by the proxy
+    itself (`H2ClientConnection._request`, `H2UpstreamConnection.has_room`)."""
+
+    _OPEN = (h2.connection.ConnectionState.CLIENT_OPEN, h2.connection.ConnectionState.SERVER_OPEN)
+    _GOAWAY = (
+        h2.connection.ConnectionInputs.SEND_GOAWAY,
+        h2.connection.ConnectionInputs.RECV_GOAWAY,
+    )
+
+    def process_input(self, input_: Any) -> list[Any]:
+        if input_ in self._GOAWAY and self.state in self._OPEN:
+            return []
+        return super().process_input(input_)
+
+
 def h2_connection(limits: H2Limits, *, client_side: bool) -> h2.connection.H2Connection:
     """An h2 state machine with the proxy's settings (strict header validation)."""
     config = h2.config.H2Configuration(
@@ -233,6 +255,7 @@ def h2_connection(limits: H2Limits, *, client_side: bool) -> h2.connection.H2Con
         normalize_outbound_headers=False,
     )
     conn = h2.connection.H2Connection(config=config)
+    conn.state_machine = GracefulStateMachine()
     codes = h2.settings.SettingCodes
     conn.local_settings = h2.settings.Settings(
         client=client_side,
@@ -771,6 +794,19 @@ class H2ClientConnection(asyncio.Protocol):
 # ---------------------------------------------------------------- the listeners' factory
 
 
+_H1: Any = None
+
+
+def _h1_class() -> Any:
+    """waygate.proxy.server.ClientConnection (imported once, late: server imports us)."""
+    global _H1
+    if _H1 is None:
+        from waygate.proxy.server import ClientConnection
+
+        _H1 = ClientConnection
+    return _H1
+
+
 def _not_http1(first: bytes) -> bool:
     """A complete first line of three tokens whose last is no HTTP version
     ("INVALID CONNECTION PREFACE"): not an HTTP/1 request line. Anything
@@ -802,8 +838,7 @@ class ClientProtocol(asyncio.Protocol):
         self.seen = b""
 
     def connection_made(self, transport: Any) -> None:
-        from waygate.proxy.server import ClientConnection
-
+        ClientConnection = _h1_class()
         self.transport = transport
         ssl_object = transport.get_extra_info("ssl_object")
         if ssl_object is not None:

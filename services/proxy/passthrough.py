@@ -305,9 +305,10 @@ class TlsFront:
             raise
 
     def _client_protocol(self) -> asyncio.Protocol:
-        from waygate.proxy.server import ClientConnection
+        # HTTP/1.1 or HTTP/2, as ALPN chose (waygate.proxy.http2).
+        from waygate.proxy.http2 import ClientProtocol
 
-        return ClientConnection(self.server)
+        return ClientProtocol(self.server)
 
     async def _peek(self, conn: socket.socket) -> tuple[int, str]:
         """Peek until the ClientHello's server name is known (bounded in time and size)."""

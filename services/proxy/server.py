@@ -33,6 +33,7 @@ from waygate.core import flow
 from waygate.proxy import http1, tls
 from waygate.proxy.exchange import ANSWER_HEALTHZ, ANSWER_REDIRECT, Exchange
 from waygate.proxy.http1 import BadMessage, ForwardedContext, RequestHead, ResponseHead
+from waygate.proxy.http2 import ClientProtocol
 from waygate.proxy.metrics import ProxyMetrics
 from waygate.proxy.pool import Pool, UpstreamConnection
 from waygate.proxy.routing import Defaults, PassiveHealth, RouteTable
@@ -144,7 +145,8 @@ class ProxyServer:
         self, host: str, port: int, *, reuse_port: bool = False, ssl: Any = None
     ) -> int:
         server = await self.loop.create_server(
-            lambda: ClientConnection(self),
+            # HTTP/1.1 or, by its first bytes, h2c with prior knowledge (waygate.proxy.http2).
+            lambda: ClientProtocol(self),
             host,
             port,
             reuse_port=reuse_port or None,

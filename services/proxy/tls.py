@@ -60,7 +60,8 @@ from waygate.resolver.model import InsecureEdgePolicy, Route, TLSTermination
 
 log = logging.getLogger(__name__)
 
-ALPN = ("http/1.1",)
+# HTTP/2 first (waygate.proxy.http2), HTTP/1.1 for clients that offer only it.
+ALPN = ("h2", "http/1.1")
 FILE_POLL = 2.0
 SELF_SIGNED_NAME = "waygate-proxy-default.invalid"
 WARN_FRACTION = 0.2

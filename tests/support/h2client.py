@@ -24,6 +24,8 @@ import h2.exceptions
 import h2.settings
 from hyperframe.frame import Frame
 
+from waygate.proxy.http2 import GracefulStateMachine
+
 
 @dataclass
 class Response:
@@ -62,6 +64,8 @@ class H2Client:
             client_side=True, header_encoding=None, validate_outbound_headers=False
         )
         self.h2 = h2.connection.H2Connection(config=config)
+        # Streams covered by a GOAWAY still finish (as a real client's do).
+        self.h2.state_machine = GracefulStateMachine()
         self.pending: dict[int, _Pending] = {}
         self.closed = asyncio.Event()
         self.goaway: h2.events.ConnectionTerminated | None = None

@@ -182,3 +182,77 @@ async def test_streams_leave_no_exchange_behind(proxy, client):
     assert len(server.connections) == 1  # the stream exchanges are gone
     assert h2_connections[0].streams == {}
     assert http2.STATS.held_bytes == 0
+
+
+async def test_upgrade_to_h2c_is_refused_not_forwarded(proxy, upstream):
+    # The way around a proxy's rules: an upgraded connection is a tunnel to the backend.
+    _, port = proxy
+    response = await exchange(
+        port,
+        b"GET /up HTTP/1.1\r\nHost: echo.test\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+        b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\n\r\n",
+    )
+    assert response.startswith(b"HTTP/1.1 200 ")
+    sent = headers_of(upstream.requests[-1])
+    assert "upgrade" not in sent and "http2-settings" not in sent
+    assert b"h2c" not in upstream.received
+
+
+async def test_alpn_h2_and_http11_on_the_https_port(tmp_path, upstream):
+    import ssl
+
+    from tests.support.pki import LocalCA
+    from waygate.proxy.passthrough import TlsFront
+    from waygate.proxy.tls import DefaultCertificate, EdgeCertificates
+
+    ca = LocalCA()
+    files = ca.write_files(tmp_path, dns=["echo.test"], prefix="default-")
+    certificates = EdgeCertificates(DefaultCertificate.from_files(files.cert, files.key))
+    routes = table([route("echo.test", [("echo", 100)])], [endpoint("echo", upstream.port)])
+    async with running_h2_proxy(routes) as (server, _):
+        front = TlsFront(server, certificates, "127.0.0.1", 0)
+        await front.start()
+        try:
+            context = ssl.create_default_context(cadata=ca.pem.decode())
+            context.set_alpn_protocols(["h2", "http/1.1"])
+            client = await H2Client.connect(
+                front.bound_port, tls=context, server_hostname="echo.test"
+            )
+            try:
+                assert client.writer.get_extra_info("ssl_object").selected_alpn_protocol() == "h2"
+                response = await client.request("GET", "/tls", "echo.test")
+                assert response.status == 200
+                sent = headers_of(received(response))
+                assert sent["x-forwarded-proto"] == ["https"]
+            finally:
+                await client.close()
+            # A client offering only http/1.1 gets HTTP/1.1 on the same port.
+            plain = ssl.create_default_context(cadata=ca.pem.decode())
+            plain.set_alpn_protocols(["http/1.1"])
+            reader, writer = await asyncio.open_connection(
+                "127.0.0.1", front.bound_port, ssl=plain, server_hostname="echo.test"
+            )
+            writer.write(b"GET / HTTP/1.1\r\nHost: echo.test\r\nConnection: close\r\n\r\n")
+            answer = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+            assert answer.startswith(b"HTTP/1.1 200 ")
+        finally:
+            await front.drain(1.0)
+
+
+async def test_drain_sends_goaway_and_finishes_streams_in_flight(proxy, upstream):
+    server, port = proxy
+    client = await H2Client.connect(port)
+    try:
+        slow = client.start("GET", "/slow?s=0.5", "echo.test")
+        await asyncio.sleep(0.1)  # the request is at the backend
+        draining = asyncio.create_task(server.drain(5.0))
+        response = await client.wait(slow)
+        assert response.status == 200
+        await asyncio.wait_for(client.closed.wait(), 10)
+        assert client.goaway is not None
+        assert client.goaway.error_code == 0
+        assert client.goaway.last_stream_id == slow
+        await draining
+    finally:
+        await client.close()

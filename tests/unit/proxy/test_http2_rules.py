@@ -87,3 +87,11 @@ def test_grpc_status_of_local_answers():
 def test_grpc_timeout(value, seconds):
     parsed = grpcstatus.parse_timeout(value)
     assert parsed == (pytest.approx(seconds) if seconds is not None else None)
+
+
+@pytest.mark.parametrize("value", [b"h2c", b"H2C", b"websocket, h2c"])
+def test_upgrade_to_h2c_is_never_an_upgrade(value):
+    head = b"GET / HTTP/1.1\r\nHost: a\r\nConnection: Upgrade\r\nUpgrade: " + value + b"\r\n\r\n"
+    assert http1.parse_request_head(head).upgrade == b""
+    websocket = head.replace(value, b"websocket")
+    assert http1.parse_request_head(websocket).upgrade == b"websocket"
