@@ -26,6 +26,10 @@ from waygate.core.settings import SettingsError, add_settings_arguments, setting
 CLIENT_COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("resolve",): ("waygate.resolver.commands", "resolve NS/NAME[:PORT] to its ready endpoints"),
     ("routes",): ("waygate.resolver.commands", "list (or --watch) the routes the resolver serves"),
+    ("gateways",): (
+        "waygate.resolver.gateway.commands",
+        "Gateway API and Ingress objects with their status (Accepted, Programmed, ...)",
+    ),
     ("cert", "issue"): (
         "waygate.certs.commands",
         "generate a key locally and get a certificate for it",

@@ -84,6 +84,17 @@ class Settings(ProcessSettings):
     default_key: Path | None = setting(
         None, help="PEM private key of --default-certificate (a 0600 file)"
     )
+    gateway: str = setting(
+        "",
+        help="serve only this Gateway's listeners (NS/NAME); empty: every Gateway of "
+        "Waygate's GatewayClasses, merged by port and hostname, and every Ingress",
+    )
+    listener_ports: str = setting(
+        "",
+        help="Gateway listener port -> local port, comma-separated (80=8080,443=8443); a "
+        "local port must be this proxy's HTTP or HTTPS port. Empty: 80 -> the HTTP port, "
+        "443 -> the HTTPS port",
+    )
     remote_extra_fields: str = setting(
         "",
         help="client-certificate fields auth-proxy routes pass on as X-Remote-Extra-<Field>: "
@@ -250,7 +261,36 @@ class Settings(ProcessSettings):
             path = getattr(self, name)
             if path is not None and not path.is_file():
                 return f"invalid setting {name}: {path} is not a readable file"
+        parts = self.gateway.split("/")
+        if self.gateway and (len(parts) != 2 or not all(parts)):
+            return f"invalid setting gateway: {self.gateway!r} is not NS/NAME"
+        try:
+            self.listener_sides()
+        except ValueError as exc:
+            return f"invalid setting listener_ports: {exc}"
         return None
+
+    def listener_sides(self) -> dict[int, bool]:
+        """Gateway listener port -> the side serving it (True: the HTTPS port)."""
+        if not self.listener_ports.strip():
+            return {80: False, 443: True}
+        sides: dict[int, bool] = {}
+        for item in self.listener_ports.split(","):
+            listener, sep, local = item.strip().partition("=")
+            if not sep or not listener.isdigit() or not local.isdigit():
+                raise ValueError(f"{item.strip()!r} is not LISTENER=LOCAL (80=8080)")
+            if not 0 < int(listener) < 65536:
+                raise ValueError(f"listener port {listener} is outside 1..65535")
+            if int(local) == self.http_port:
+                sides[int(listener)] = False
+            elif int(local) == self.https_port:
+                sides[int(listener)] = True
+            else:
+                raise ValueError(
+                    f"local port {local} is neither the HTTP port ({self.http_port}) nor "
+                    f"the HTTPS port ({self.https_port}); other ports are not bound"
+                )
+        return sides
 
     def extra_fields(self) -> tuple[str, ...]:
         return tuple(f.strip().lower() for f in self.remote_extra_fields.split(",") if f.strip())
@@ -474,6 +514,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         process.spawn(report_forever(lambda: process.readiness.ready), "proxy-metrics-report")
 
     front = await _tls_setup(process, settings, server)
+    listener_sides = settings.listener_sides()
 
     def on_view(view: Any) -> None:
         if server.upstream_tls is not None:
@@ -504,6 +545,8 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
                 defaults=defaults,
                 cookie_key=cookie_key,
                 previous=server.table,
+                listener_ports=listener_sides,
+                gateway=settings.gateway,
             )
         )
 

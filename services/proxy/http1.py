@@ -823,6 +823,7 @@ _REASONS: Final = {
     400: b"Bad Request",
     401: b"Unauthorized",
     403: b"Forbidden",
+    404: b"Not Found",
     405: b"Method Not Allowed",
     408: b"Request Timeout",
     413: b"Content Too Large",

@@ -12,6 +12,16 @@ Rules:
   (`a.example.com`, not `example.com` nor `a.b.example.com`).
 - Path: the longest route path that is a prefix of the request path on a
   segment boundary (`/api` matches `/api` and `/api/x`, not `/apix`).
+- Gateway API and Ingress routes (routes with `matches`) are kept apart per
+  side (plain or TLS, from their listener port through `listener_ports`) and
+  looked up first; the routes file's routes after. Their wildcards match any
+  number of labels (`*.example.com` takes `a.b.example.com`); a route without
+  host takes any host, after every hostname. Each match is one entry, ordered
+  by the specification's precedence: Exact path, then RegularExpression
+  (longer pattern first), then the longest PathPrefix; then a method match,
+  more header matches, more query matches; then the older object, its
+  "namespace/name", the lower rule index. Conditions (method, headers, query)
+  are checked only for entries that have them.
 - Backends: picked by weight (0..256, smooth weighted round robin, weight 0
   never), then the endpoint by the route's policy (waygate.core.balancing;
   default leastconn) among the backend's usable endpoints.
@@ -31,14 +41,25 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
+from urllib.parse import parse_qsl
 
 from waygate.core.balancing import Picker, RoundRobinPicker, new_picker
 from waygate.core.paths import normalize_request_path
 from waygate.proxy.tls import hsts_line
-from waygate.resolver.model import Endpoint, Route, Service, TLSTermination
+from waygate.resolver.model import (
+    Endpoint,
+    PathMatchType,
+    Route,
+    RouteBackend,
+    RouteMatch,
+    Service,
+    TLSTermination,
+    ValueMatchType,
+)
 
 DEFAULT_POLICY = "leastconn"
 FAILURE_BASE_SECONDS = 0.5
@@ -125,13 +146,21 @@ class PassiveHealth:
 class Backend:
     """One backend service of a route: its endpoints and their picker."""
 
-    __slots__ = ("by_target", "cookies", "picker", "service", "set_cookie")
+    __slots__ = ("by_target", "cookies", "invalid", "picker", "service", "set_cookie")
 
     def __init__(
-        self, service: str, picker: Picker[Target], cookie_key: bytes, options: RouteOptions
+        self,
+        service: str,
+        picker: Picker[Target],
+        cookie_key: bytes,
+        options: RouteOptions,
+        invalid: str = "",
     ) -> None:
         self.service = service
         self.picker = picker
+        # Why this backend cannot serve (a Gateway API backendRef that is not
+        # found or not granted): its share of requests is answered 500.
+        self.invalid = invalid
         self.cookies: dict[bytes, Target] = {}
         self.by_target: dict[Target, bytes] = {}
         # The whole Set-Cookie line per endpoint, built once per table.
@@ -152,14 +181,75 @@ class Backend:
             )
 
 
+_PATH_PREFIX, _PATH_EXACT, _PATH_REGEX = 0, 1, 2
+_PATH_KINDS = {
+    PathMatchType.PREFIX: _PATH_PREFIX,
+    PathMatchType.EXACT: _PATH_EXACT,
+    PathMatchType.REGEX: _PATH_REGEX,
+}
+# Precedence of path kinds (lower first): Exact, RegularExpression, PathPrefix.
+_PATH_RANK = {_PATH_EXACT: 0, _PATH_REGEX: 1, _PATH_PREFIX: 2}
+
+ValueCheck = tuple[str, str, "re.Pattern[str] | None"]
+
+
+def _value_checks(items: tuple[Any, ...], *, lower: bool) -> tuple[ValueCheck, ...]:
+    return tuple(
+        (
+            item.name.lower() if lower else item.name,
+            item.value,
+            re.compile(item.value) if item.type is ValueMatchType.REGEX else None,
+        )
+        for item in items
+    )
+
+
+def _value_holds(check: ValueCheck, value: str | None) -> bool:
+    if value is None:
+        return False
+    pattern = check[2]
+    return value == check[1] if pattern is None else pattern.fullmatch(value) is not None
+
+
+def request_headers(req: Any) -> dict[str, str]:
+    """The request's header fields by lower-case name (repeated fields joined by ", ")."""
+    out: dict[str, str] = {}
+    for line in bytes(getattr(req, "fields", b"")).split(b"\r\n"):
+        name, sep, value = line.partition(b":")
+        if not sep:
+            continue
+        key = name.decode("latin-1").lower()
+        text = value.strip().decode("latin-1")
+        out[key] = out[key] + ", " + text if key in out else text
+    return out
+
+
+def request_query(target: bytes) -> dict[str, str]:
+    """The first value of each query parameter (the spec: only the first counts)."""
+    query = target.partition(b"?")[2]
+    out: dict[str, str] = {}
+    if query:
+        for name, value in parse_qsl(query.decode("latin-1"), keep_blank_values=True):
+            out.setdefault(name, value)
+    return out
+
+
 class RouteEntry:
     __slots__ = (
         "backend_picker",
         "backends",
+        "conditional",
+        "headers",
         "hsts",
+        "kind",
+        "match_index",
+        "method",
         "options",
         "path",
         "policy",
+        "query",
+        "rank",
+        "regex",
         "route",
         "single",
         "upstream_scope",
@@ -192,18 +282,88 @@ class RouteEntry:
         # the request path takes it without a call. Pickers change only when a
         # table is built, and a new table builds new entries.
         self.single: tuple[Target, Backend] | None = None
-        if len(self.backends) == 1:
+        if len(self.backends) == 1 and not self.backends[0].invalid:
             only = self.backends[0].picker.targets
             if len(only) == 1 and self.backends[0].picker.weight(only[0]) > 0:
                 self.single = (only[0], self.backends[0])
+        # The match (routes-file routes: a path prefix and nothing else).
+        self.kind = _PATH_PREFIX
+        self.regex: re.Pattern[str] | None = None
+        self.method = b""
+        self.headers: tuple[ValueCheck, ...] = ()
+        self.query: tuple[ValueCheck, ...] = ()
+        self.conditional = False
+        self.match_index = 0
+        self.rank = self._rank()
+
+    def _rank(self) -> tuple[Any, ...]:
+        """The sort key of the spec's precedence (lower first; see the module docstring)."""
+        route = self.route
+        length = len(self.regex.pattern) if self.regex is not None else len(self.path)
+        return (
+            _PATH_RANK[self.kind],
+            -length,
+            0 if self.method else 1,
+            -len(self.headers),
+            -len(self.query),
+            route.created.timestamp() if route.created is not None else 0.0,
+            route.origin or f"{route.namespace}/{route.name}",
+            route.rule_index,
+            self.match_index,
+        )
+
+    def for_match(self, match: RouteMatch, index: int) -> RouteEntry:
+        """This entry (sharing backends and pickers) for one Gateway API match."""
+        entry = RouteEntry.__new__(RouteEntry)
+        for name in RouteEntry.__slots__:
+            setattr(entry, name, getattr(self, name))
+        entry.kind = _PATH_KINDS[match.path_type]
+        path = match.path or "/"
+        if entry.kind == _PATH_PREFIX and len(path) > 1:
+            # The spec: a trailing slash is ignored ("/foo/" matches "/foo").
+            path = path.rstrip("/") or "/"
+        entry.path = path.encode()
+        entry.regex = re.compile(path) if entry.kind == _PATH_REGEX else None
+        entry.method = match.method.encode()
+        entry.headers = _value_checks(match.headers, lower=True)
+        entry.query = _value_checks(match.query, lower=False)
+        entry.conditional = bool(entry.method or entry.headers or entry.query)
+        entry.match_index = index
+        entry.rank = entry._rank()
+        return entry
 
     def matches(self, path: bytes) -> bool:
+        kind = self.kind
+        if kind == _PATH_EXACT:
+            return path == self.path
+        if kind == _PATH_REGEX:
+            assert self.regex is not None
+            return self.regex.fullmatch(path.decode("utf-8", "replace")) is not None
         prefix = self.path
         if prefix == b"/" or path == prefix:
             return True
         return path.startswith(prefix) and (
             prefix[-1:] == b"/" or path[len(prefix) : len(prefix) + 1] in (b"/", b"?")
         )
+
+    def holds(self, req: Any, seen: dict[str, Any]) -> bool:
+        """Whether the request meets the method, header and query conditions; `seen`
+        caches the parsed headers and query for the other entries of one lookup."""
+        if self.method and req.method != self.method:
+            return False
+        if self.headers:
+            headers = seen.get("h")
+            if headers is None:
+                headers = seen["h"] = request_headers(req)
+            if not all(_value_holds(c, headers.get(c[0])) for c in self.headers):
+                return False
+        if self.query:
+            query = seen.get("q")
+            if query is None:
+                query = seen["q"] = request_query(req.target)
+            if not all(_value_holds(c, query.get(c[0])) for c in self.query):
+                return False
+        return True
 
     def pick(
         self, client_key: bytes, cookie: bytes | None, health: PassiveHealth, exclude: Target | None
@@ -244,46 +404,123 @@ class RouteEntry:
         return target, backend
 
 
+class HostIndex:
+    """Host -> entries in precedence order: exact hosts, then wildcards, then any host."""
+
+    __slots__ = ("any", "conditional", "deep", "exact", "wildcard")
+
+    def __init__(self) -> None:
+        # Whether any entry has method/header/query conditions (set by sort).
+        self.conditional = False
+        self.exact: dict[bytes, list[RouteEntry]] = {}
+        # "*.example.com" by b"example.com": one label in front (the routes
+        # file), or any number (`deep`, the Gateway API's rule).
+        self.wildcard: dict[bytes, list[RouteEntry]] = {}
+        self.deep: dict[bytes, list[RouteEntry]] = {}
+        self.any: list[RouteEntry] = []
+
+    def add(self, entry: RouteEntry, host: str, *, deep: bool) -> None:
+        if not host:
+            self.any.append(entry)
+        elif host.startswith("*."):
+            table = self.deep if deep else self.wildcard
+            table.setdefault(host[2:].encode(), []).append(entry)
+        else:
+            self.exact.setdefault(host.encode(), []).append(entry)
+
+    def sort(self) -> None:
+        for table in (self.exact, self.wildcard, self.deep):
+            for entries in table.values():
+                entries.sort(key=_rank)
+        self.any.sort(key=_rank)
+        self.conditional = any(entry.conditional for entry in self.entries())
+
+    def find(self, host: bytes, path: bytes, req: Any) -> RouteEntry | None:
+        entries = self.exact.get(host)
+        # Parsed headers and query, shared by the entries of this lookup; only
+        # an index with conditional entries pays for the dict.
+        seen: dict[str, Any] = {} if self.conditional else _NO_CONDITIONS
+        if entries is not None:
+            for entry in entries:
+                if entry.matches(path) and (not entry.conditional or entry.holds(req, seen)):
+                    return entry
+        dot = host.find(b".")
+        if dot > 0:
+            entries = self.wildcard.get(host[dot + 1 :])
+            if entries is not None:
+                for entry in entries:
+                    if entry.matches(path) and (not entry.conditional or entry.holds(req, seen)):
+                        return entry
+            if self.deep:
+                # The longest suffix first: the most specific wildcard wins.
+                while dot > 0:
+                    entries = self.deep.get(host[dot + 1 :])
+                    if entries is not None:
+                        for entry in entries:
+                            if entry.matches(path) and (
+                                not entry.conditional or entry.holds(req, seen)
+                            ):
+                                return entry
+                    dot = host.find(b".", dot + 1)
+        for entry in self.any:
+            if entry.matches(path) and (not entry.conditional or entry.holds(req, seen)):
+                return entry
+        return None
+
+    def entries(self) -> Iterable[RouteEntry]:
+        for table in (self.exact, self.wildcard, self.deep):
+            for entries in table.values():
+                yield from entries
+        yield from self.any
+
+
+_NO_CONDITIONS: dict[str, Any] = {}
+
+
+def _rank(entry: RouteEntry) -> tuple[Any, ...]:
+    return entry.rank
+
+
 class RouteTable:
-    """Host -> routes sorted by path length, built once from a resolver view."""
+    """The routes file's routes by host, and Gateway API / Ingress routes per side."""
 
     def __init__(
         self,
-        exact: dict[bytes, list[RouteEntry]],
-        wildcard: dict[bytes, list[RouteEntry]],
+        legacy: HostIndex,
+        sides: dict[bool, HostIndex],
         targets: set[Target],
     ) -> None:
-        self._exact = exact
-        self._wildcard = wildcard
+        self._legacy = legacy
+        # secure (the TLS side) -> Gateway API and Ingress entries served there.
+        self._sides = sides
         self.targets = targets
 
     @classmethod
     def empty(cls) -> RouteTable:
-        return cls({}, {}, set())
+        return cls(HostIndex(), {}, set())
 
-    def lookup(self, host: bytes, path: bytes) -> RouteEntry | None:
+    def serves_listeners(self, secure: bool) -> bool:
+        """Whether Gateway API listeners are served on this side (a miss is then a 404)."""
+        return secure in self._sides
+
+    def lookup(
+        self, host: bytes, path: bytes, req: Any = None, secure: bool = False
+    ) -> RouteEntry | None:
         if b"%" in path:
             # Route paths are stored in this form (/%61dmin is /admin to both).
             path = normalize_request_path(path)
-        entries = self._exact.get(host)
-        if entries is not None:
-            for entry in entries:
-                if entry.path == b"/" or entry.matches(path):  # "/" matches every path
+        if self._sides:
+            side = self._sides.get(secure)
+            if side is not None:
+                entry = side.find(host, path, req)
+                if entry is not None:
                     return entry
-        dot = host.find(b".")
-        if dot > 0:
-            entries = self._wildcard.get(host[dot + 1 :])
-            if entries is not None:
-                for entry in entries:
-                    if entry.matches(path):
-                        return entry
-        return None
+        return self._legacy.find(host, path, req)
 
     def entries(self) -> Iterable[RouteEntry]:
-        for entries in self._exact.values():
-            yield from entries
-        for entries in self._wildcard.values():
-            yield from entries
+        yield from self._legacy.entries()
+        for side in self._sides.values():
+            yield from side.entries()
 
 
 def upstream_scope(route: Route) -> tuple[str, str, bool] | None:
@@ -384,33 +621,57 @@ def build_table(
     defaults: Defaults,
     cookie_key: bytes,
     previous: RouteTable | None = None,
+    listener_ports: Mapping[int, bool] | None = None,
+    gateway: str = "",
 ) -> RouteTable:
-    """A new table; pickers of routes and backends that stay are carried over."""
+    """A new table; pickers of routes and backends that stay are carried over.
+
+    `listener_ports` maps a Gateway listener port to the side that serves it
+    (True: TLS); routes on other listener ports are not served. `gateway`
+    ("NS/NAME"): serve only that Gateway's routes (and no Ingress).
+    """
     carried: dict[tuple[str, str, str], Picker[Target]] = {}
     if previous is not None:
         for entry in previous.entries():
             for backend in entry.backends:
                 carried[(entry.route.namespace, entry.route.name, backend.service)] = backend.picker
-    exact: dict[bytes, list[RouteEntry]] = {}
-    wildcard: dict[bytes, list[RouteEntry]] = {}
+    legacy = HostIndex()
+    sides: dict[bool, HostIndex] = {}
+    ports = {80: False, 443: True} if listener_ports is None else listener_ports
     alive: set[Target] = set()
     for route in routes.values():
         if route.status is not None and not route.status.admitted:
             continue  # another, older route owns its host or host and path (resolver status)
         if route.tls is not None and _value(route.tls.termination) == "passthrough":
             continue  # TLS passthrough is served by the HTTPS listener (next issue)
+        side: HostIndex = legacy
+        if route.listener_port:
+            secure = ports.get(route.listener_port)
+            if secure is None or (gateway and route.gateway != gateway):
+                continue
+            side = sides.setdefault(secure, HostIndex())
         policy = str(_value(route.balance) or DEFAULT_POLICY)
         options = _route_options(route, defaults)
         backends: list[Backend] = []
         weights: list[int] = []
-        for route_backend in route.backends:
-            key = (route.namespace, route_backend.service)
+        route_backends = route.backends
+        if (
+            not route_backends
+            and route.matches
+            and route.listener_port
+            and (route.filters is None or route.filters.redirect is None)
+        ):
+            # The spec: a rule without backends (and no redirect) answers 500.
+            route_backends = (RouteBackend("", 1, invalid="the rule has no backendRefs"),)
+        for route_backend in route_backends:
+            key = (route_backend.namespace or route.namespace, route_backend.service)
             service = services.get(key)
             targets: list[Target] = []
-            for endpoint in endpoints.get(key, ()):
+            target_port = route_backend.port or route.target_port
+            for endpoint in endpoints.get(key, ()) if not route_backend.invalid else ():
                 if not endpoint.usable:
                     continue
-                port = endpoint_port(endpoint, route.target_port, service)
+                port = endpoint_port(endpoint, target_port, service)
                 if port is None:
                     continue
                 target = Target(
@@ -429,15 +690,19 @@ def build_table(
                 picker = new_picker(policy, targets)
             else:
                 picker.update(targets)
-            backends.append(Backend(route_backend.service, picker, cookie_key, options))
+            backends.append(
+                Backend(route_backend.service, picker, cookie_key, options, route_backend.invalid)
+            )
             weights.append(max(0, min(256, route_backend.weight)))
         entry = RouteEntry(route, (route.path or "/").encode(), options, backends, weights, policy)
         host = route.host.lower()
-        if host.startswith("*."):
-            wildcard.setdefault(host[2:].encode(), []).append(entry)
+        deep = bool(route.gateway)
+        if route.matches:
+            for index, match in enumerate(route.matches):
+                side.add(entry.for_match(match, index), host, deep=deep)
         else:
-            exact.setdefault(host.encode(), []).append(entry)
-    for table in (exact, wildcard):
-        for entries in table.values():
-            entries.sort(key=lambda e: len(e.path), reverse=True)
-    return RouteTable(exact, wildcard, alive)
+            side.add(entry, host, deep=deep)
+    legacy.sort()
+    for side_index in sides.values():
+        side_index.sort()
+    return RouteTable(legacy, sides, alive)

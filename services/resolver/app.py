@@ -25,6 +25,8 @@ from waygate.resolver import metrics
 from waygate.resolver.access import WriteAccess
 from waygate.resolver.events import DEFAULT_CHUNK_BYTES
 from waygate.resolver.filesource import EXAMPLE_ROUTES, FILE_MODE, FileSource
+from waygate.resolver.gateway.status import StatusBoard
+from waygate.resolver.manifests import ManifestsSource
 from waygate.resolver.server import ResolverServicer
 from waygate.resolver.store import DEFAULT_HISTORY_LIMIT, DEFAULT_MAX_PENDING, Store
 from waygate.resolver.tunnels import TunnelRegistry
@@ -111,6 +113,17 @@ class Settings(GrpcServerSettings):
         "goes to its oldest route); default: a host belongs to the namespace of its oldest "
         "route and other namespaces' routes for it are Conflicted, as in OpenShift",
     )
+    manifests: Path | None = setting(
+        None,
+        help="Kubernetes manifests, a file or a directory of YAML as `kubectl apply -f` takes "
+        "(Namespace, Service, EndpointSlice, TLS Secret, Route, the Gateway API kinds, "
+        "Ingress, IngressClass), served without a cluster and reloaded on change",
+    )
+    gateway_addresses: tuple[str, ...] = setting(
+        (),
+        help="addresses (IPs or host names, comma-separated) reported as Gateways' "
+        "status.addresses and Ingresses' status.loadBalancer",
+    )
     kubernetes: bool = setting(
         False,
         help="watch Services, EndpointSlices and waygate.io Route objects in Kubernetes "
@@ -135,6 +148,13 @@ class Settings(GrpcServerSettings):
             )
         if not self.kubernetes and (self.kubeconfig or self.kube_namespace or self.kube_edge_nodes):
             return "invalid setting kubeconfig/kube_*: these need --kubernetes"
+        if self.kubernetes and self.manifests is not None:
+            return (
+                "invalid setting manifests: with --kubernetes, objects come from the "
+                "cluster; give one source, not both"
+            )
+        if self.manifests is not None and not self.manifests.exists():
+            return f"invalid setting manifests: {self.manifests} does not exist"
         if self.routes_file is not None and not self.routes_file.is_file():
             return f"invalid setting routes_file: {self.routes_file} is not a readable file"
         if not self.tunnel_lease_min <= self.tunnel_lease <= self.tunnel_lease_max:
@@ -169,6 +189,16 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     if settings.routes_file is not None:
         file_source = FileSource(
             store, settings.routes_file, poll_interval=settings.routes_poll_interval
+        )
+    board = StatusBoard()
+    manifests_source = None
+    if settings.manifests is not None:
+        manifests_source = ManifestsSource(
+            store,
+            board,
+            settings.manifests,
+            poll_interval=settings.routes_poll_interval,
+            addresses=settings.gateway_addresses,
         )
     kube_source = None
     if settings.kubernetes:
@@ -208,6 +238,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     servicer = ResolverServicer(
         store,
         routes=file_source,
+        gateways=board,
         tunnels=tunnels,
         access=access,
         watch_max_pending=settings.watch_max_pending,
@@ -236,6 +267,13 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
                 await asyncio.sleep(file_source.poll_interval)
                 await file_source.poll_async()
             process.spawn(file_source.run(), "routes-file")
+        if manifests_source is not None:
+            if not await manifests_source.reload():
+                process.readiness.set_not_ready(f"manifests: {manifests_source.last_error}")
+            while not manifests_source.loaded:
+                await asyncio.sleep(manifests_source.poll_interval)
+                await manifests_source.reload()
+            process.spawn(manifests_source.run(), "manifests")
         if kube_source is not None:
             process.readiness.set_not_ready("waiting for the first list from Kubernetes")
             await kube_source.wait_synced()

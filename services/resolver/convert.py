@@ -16,6 +16,7 @@ Invariants:
 from __future__ import annotations
 
 import functools
+import ipaddress
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -74,6 +75,28 @@ FORWARDED_MODES = {
 }
 FORWARDED_MODE_NAMES = {v: k for k, v in FORWARDED_MODES.items()}
 FORWARDED_MODE_NAMES[pb.FORWARDED_HEADERS_MODE_UNSPECIFIED] = model.ForwardedHeadersMode.APPEND
+
+PATH_MATCH_TYPES = {
+    model.PathMatchType.PREFIX: pb.PATH_MATCH_TYPE_PREFIX,
+    model.PathMatchType.EXACT: pb.PATH_MATCH_TYPE_EXACT,
+    model.PathMatchType.REGEX: pb.PATH_MATCH_TYPE_REGULAR_EXPRESSION,
+}
+PATH_MATCH_TYPE_NAMES = {v: k for k, v in PATH_MATCH_TYPES.items()}
+PATH_MATCH_TYPE_NAMES[pb.PATH_MATCH_TYPE_UNSPECIFIED] = model.PathMatchType.PREFIX
+
+VALUE_MATCH_TYPES = {
+    model.ValueMatchType.EXACT: pb.VALUE_MATCH_TYPE_EXACT,
+    model.ValueMatchType.REGEX: pb.VALUE_MATCH_TYPE_REGULAR_EXPRESSION,
+}
+VALUE_MATCH_TYPE_NAMES = {v: k for k, v in VALUE_MATCH_TYPES.items()}
+VALUE_MATCH_TYPE_NAMES[pb.VALUE_MATCH_TYPE_UNSPECIFIED] = model.ValueMatchType.EXACT
+
+PATH_MODIFIERS = {
+    model.PathModifierType.NONE: pb.PATH_MODIFIER_TYPE_UNSPECIFIED,
+    model.PathModifierType.FULL: pb.PATH_MODIFIER_TYPE_REPLACE_FULL_PATH,
+    model.PathModifierType.PREFIX: pb.PATH_MODIFIER_TYPE_REPLACE_PREFIX_MATCH,
+}
+PATH_MODIFIER_NAMES = {v: k for k, v in PATH_MODIFIERS.items()}
 
 KINDS = {
     model.Kind.SERVICES: pb.RESOURCE_KIND_SERVICES,
@@ -219,7 +242,16 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
         name=route.name,
         host=route.host,
         path=route.path,
-        backends=[pb.RouteBackend(service=b.service, weight=b.weight) for b in route.backends],
+        backends=[
+            pb.RouteBackend(
+                service=b.service,
+                weight=b.weight,
+                namespace=b.namespace,
+                port=b.port,
+                invalid=b.invalid,
+            )
+            for b in route.backends
+        ],
         target_port=route.target_port,
         balance=BALANCE_POLICIES[route.balance],
         sticky=pb.StickySessions(
@@ -239,7 +271,16 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
         upstream_protocol=route.upstream_protocol,
         status=None if route.status is None else route_status_to_proto(route.status),
         creation_timestamp=timestamp(route.created),
+        matches=[_match_to_proto(m) for m in route.matches],
+        request_timeout=duration(route.request_timeout),
+        backend_request_timeout=duration(route.backend_request_timeout),
+        listener_port=route.listener_port,
+        gateway=route.gateway,
+        origin=route.origin,
+        rule_index=route.rule_index,
     )
+    if route.filters is not None:
+        message.filters.CopyFrom(_filters_to_proto(route.filters))
     if route.tls is not None:
         hsts = route.tls.hsts
         message.tls.CopyFrom(
@@ -321,7 +362,10 @@ def route_from_proto(message: pb.Route) -> model.Route:
         name=message.name,
         host=message.host,
         path=message.path,
-        backends=tuple(model.RouteBackend(b.service, b.weight) for b in message.backends),
+        backends=tuple(
+            model.RouteBackend(b.service, b.weight, b.namespace, b.port, b.invalid)
+            for b in message.backends
+        ),
         target_port=message.target_port,
         tls=tls,
         balance=_enum(BALANCE_POLICY_NAMES, message.balance, "balance"),
@@ -390,6 +434,135 @@ def source_state_from_proto(message: pb.RouteSourceState) -> model.SourceState:
         error=message.last_error,
         loaded_version=message.loaded_version,
         loaded_at=when(message, "loaded_at"),
+        matches=tuple(_match_from_proto(m) for m in message.matches),
+        filters=_filters_from_proto(message.filters) if message.HasField("filters") else None,
+        request_timeout=seconds(message.request_timeout)
+        if message.HasField("request_timeout")
+        else None,
+        backend_request_timeout=seconds(message.backend_request_timeout)
+        if message.HasField("backend_request_timeout")
+        else None,
+        listener_port=message.listener_port,
+        gateway=message.gateway,
+        origin=message.origin,
+        rule_index=message.rule_index,
+    )
+
+
+def _values_to_proto(values: tuple[model.HeaderMatch, ...]) -> list[pb.RouteValueMatch]:
+    return [
+        pb.RouteValueMatch(name=v.name, value=v.value, type=VALUE_MATCH_TYPES[v.type])
+        for v in values
+    ]
+
+
+def _values_from_proto(values: Any, field: str) -> tuple[model.HeaderMatch, ...]:
+    return tuple(
+        model.HeaderMatch(v.name, v.value, _enum(VALUE_MATCH_TYPE_NAMES, v.type, field))
+        for v in values
+    )
+
+
+def _match_to_proto(match: model.RouteMatch) -> pb.RouteMatch:
+    return pb.RouteMatch(
+        path_type=PATH_MATCH_TYPES[match.path_type],
+        path=match.path,
+        headers=_values_to_proto(match.headers),
+        query_params=_values_to_proto(match.query),
+        method=match.method,
+    )
+
+
+def _match_from_proto(message: pb.RouteMatch) -> model.RouteMatch:
+    return model.RouteMatch(
+        path_type=_enum(PATH_MATCH_TYPE_NAMES, message.path_type, "matches.path_type"),
+        path=message.path or "/",
+        headers=_values_from_proto(message.headers, "matches.headers.type"),
+        query=_values_from_proto(message.query_params, "matches.query_params.type"),
+        method=message.method,
+    )
+
+
+def _modifier_to_proto(modifier: model.HeaderModifier) -> pb.RouteHeaderModifier:
+    return pb.RouteHeaderModifier(
+        set=[pb.RouteHeader(name=n, value=v) for n, v in modifier.set],
+        add=[pb.RouteHeader(name=n, value=v) for n, v in modifier.add],
+        remove=list(modifier.remove),
+    )
+
+
+def _modifier_from_proto(message: pb.RouteHeaderModifier) -> model.HeaderModifier:
+    return model.HeaderModifier(
+        set=tuple((h.name, h.value) for h in message.set),
+        add=tuple((h.name, h.value) for h in message.add),
+        remove=tuple(message.remove),
+    )
+
+
+def _filters_to_proto(filters: model.RouteFilters) -> pb.RouteFilters:
+    message = pb.RouteFilters(
+        mirrors=[
+            pb.RouteMirror(namespace=m.namespace, service=m.service, port=m.port, percent=m.percent)
+            for m in filters.mirrors
+        ]
+    )
+    if filters.request_headers is not None:
+        message.request_headers.CopyFrom(_modifier_to_proto(filters.request_headers))
+    if filters.response_headers is not None:
+        message.response_headers.CopyFrom(_modifier_to_proto(filters.response_headers))
+    if (redirect := filters.redirect) is not None:
+        message.redirect.CopyFrom(
+            pb.RouteRedirect(
+                scheme=redirect.scheme,
+                hostname=redirect.hostname,
+                port=redirect.port,
+                path_type=PATH_MODIFIERS[redirect.path_type],
+                path=redirect.path,
+                status_code=redirect.status,
+            )
+        )
+    if (rewrite := filters.rewrite) is not None:
+        message.rewrite.CopyFrom(
+            pb.RouteRewrite(
+                hostname=rewrite.hostname,
+                path_type=PATH_MODIFIERS[rewrite.path_type],
+                path=rewrite.path,
+            )
+        )
+    return message
+
+
+def _filters_from_proto(message: pb.RouteFilters) -> model.RouteFilters:
+    redirect = rewrite = None
+    if message.HasField("redirect"):
+        r = message.redirect
+        redirect = model.Redirect(
+            scheme=r.scheme,
+            hostname=r.hostname,
+            port=r.port,
+            path_type=_enum(PATH_MODIFIER_NAMES, r.path_type, "filters.redirect.path_type"),
+            path=r.path,
+            status=r.status_code or 302,
+        )
+    if message.HasField("rewrite"):
+        w = message.rewrite
+        rewrite = model.Rewrite(
+            hostname=w.hostname,
+            path_type=_enum(PATH_MODIFIER_NAMES, w.path_type, "filters.rewrite.path_type"),
+            path=w.path,
+        )
+    return model.RouteFilters(
+        request_headers=_modifier_from_proto(message.request_headers)
+        if message.HasField("request_headers")
+        else None,
+        response_headers=_modifier_from_proto(message.response_headers)
+        if message.HasField("response_headers")
+        else None,
+        redirect=redirect,
+        rewrite=rewrite,
+        mirrors=tuple(
+            model.Mirror(m.service, m.namespace, m.port, m.percent or 100) for m in message.mirrors
+        ),
     )
 
 
@@ -442,3 +615,133 @@ def kinds_from_proto(kinds: list[int]) -> frozenset[model.Kind] | None:
             continue
         wanted.add(_enum(KIND_NAMES, value, "kinds"))
     return frozenset(wanted) or None
+
+
+# ---------------------------------------------------------------- Gateway API status
+
+
+def _conditions_to_proto(conditions: Any) -> list[pb.GatewayCondition]:
+    out = []
+    for item in conditions or []:
+        message = pb.GatewayCondition(
+            type=str(item.get("type", "")),
+            status=str(item.get("status", "")),
+            reason=str(item.get("reason", "")),
+            message=str(item.get("message", "")),
+            observed_generation=int(item.get("observedGeneration", 0)),
+        )
+        when = item.get("lastTransitionTime")
+        if when:
+            message.last_transition_time.FromJsonString(str(when))
+        out.append(message)
+    return out
+
+
+def _conditions_from_proto(conditions: Any) -> list[dict[str, Any]]:
+    out = []
+    for c in conditions:
+        item: dict[str, Any] = {
+            "type": c.type,
+            "status": c.status,
+            "reason": c.reason,
+            "message": c.message,
+            "observedGeneration": c.observed_generation,
+        }
+        if c.HasField("last_transition_time"):
+            item["lastTransitionTime"] = c.last_transition_time.ToJsonString()
+        out.append(item)
+    return out
+
+
+def gateway_status_to_proto(
+    kind: str, namespace: str, name: str, generation: int, status: Mapping[str, Any]
+) -> pb.GatewayObjectStatus:
+    """One object's status (as the Kubernetes API spells it) -> its message."""
+    message = pb.GatewayObjectStatus(
+        kind=kind,
+        namespace=namespace,
+        name=name,
+        generation=generation,
+        conditions=_conditions_to_proto(status.get("conditions")),
+        listeners=[
+            pb.GatewayListenerStatus(
+                name=str(item.get("name", "")),
+                attached_routes=int(item.get("attachedRoutes", 0)),
+                supported_kinds=[str(k.get("kind", "")) for k in item.get("supportedKinds") or []],
+                conditions=_conditions_to_proto(item.get("conditions")),
+            )
+            for item in status.get("listeners") or []
+        ],
+        parents=[
+            pb.GatewayParentStatus(
+                gateway_namespace=str(item["parentRef"].get("namespace", "")),
+                gateway_name=str(item["parentRef"].get("name", "")),
+                section_name=str(item["parentRef"].get("sectionName", "")),
+                port=int(item["parentRef"].get("port", 0)),
+                controller_name=str(item.get("controllerName", "")),
+                conditions=_conditions_to_proto(item.get("conditions")),
+            )
+            for item in status.get("parents") or []
+        ],
+        addresses=[str(a.get("value", "")) for a in status.get("addresses") or []]
+        + [
+            str(a.get("ip") or a.get("hostname") or "")
+            for a in (status.get("loadBalancer") or {}).get("ingress") or []
+        ],
+    )
+    return message
+
+
+def gateway_status_from_proto(message: pb.GatewayObjectStatus) -> dict[str, Any]:
+    """The message -> the object's status as the Kubernetes API spells it (for -o yaml)."""
+    status: dict[str, Any] = {}
+    if message.kind == "Ingress":
+        status["loadBalancer"] = {
+            "ingress": [{"ip": a} if _is_ip(a) else {"hostname": a} for a in message.addresses]
+        }
+        return status
+    if message.addresses:
+        status["addresses"] = [{"value": a} for a in message.addresses]
+    if message.conditions:
+        status["conditions"] = _conditions_from_proto(message.conditions)
+    if message.kind == "Gateway":
+        status["listeners"] = [
+            {
+                "name": item.name,
+                "attachedRoutes": item.attached_routes,
+                "supportedKinds": [
+                    {"group": "gateway.networking.k8s.io", "kind": k} for k in item.supported_kinds
+                ],
+                "conditions": _conditions_from_proto(item.conditions),
+            }
+            for item in message.listeners
+        ]
+    if message.parents:
+        status["parents"] = []
+        for item in message.parents:
+            ref: dict[str, Any] = {
+                "group": "gateway.networking.k8s.io",
+                "kind": "Gateway",
+                "namespace": item.gateway_namespace,
+                "name": item.gateway_name,
+            }
+            if item.section_name:
+                ref["sectionName"] = item.section_name
+            if item.port:
+                ref["port"] = item.port
+            status["parents"].append(
+                {
+                    "parentRef": ref,
+                    "controllerName": item.controller_name,
+                    "conditions": _conditions_from_proto(item.conditions),
+                }
+            )
+    return status
+
+
+def _is_ip(address: str) -> bool:
+    try:
+        ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return True

@@ -156,6 +156,13 @@ class ForwardedHeadersMode(enum.Enum):
 class RouteBackend:
     service: str
     weight: int = 100
+    # Gateway API backendRefs: the service's namespace (empty: the route's) and
+    # its port (name or number; empty: the route's target_port).
+    namespace: str = ""
+    port: str = ""
+    # Why this backend cannot be used (not found, not granted, unknown kind);
+    # its share of the requests is answered 500, as the Gateway API says.
+    invalid: str = ""
 
 
 @dataclass(frozen=True)
@@ -289,6 +296,94 @@ class SourceState:
     loaded_version: int = 0
     # When the last accepted content was loaded.
     loaded_at: datetime | None = None
+# ---------------------------------------------------------------- Gateway API route parts
+
+
+class PathMatchType(enum.Enum):
+    PREFIX = "PathPrefix"
+    EXACT = "Exact"
+    REGEX = "RegularExpression"
+
+
+class ValueMatchType(enum.Enum):
+    EXACT = "Exact"
+    REGEX = "RegularExpression"
+
+
+@dataclass(frozen=True)
+class HeaderMatch:
+    """One header (or query parameter) condition of a match."""
+
+    name: str
+    value: str
+    type: ValueMatchType = ValueMatchType.EXACT
+
+
+@dataclass(frozen=True)
+class RouteMatch:
+    """One HTTPRoute match: every condition must hold (a route matches when any does)."""
+
+    path_type: PathMatchType = PathMatchType.PREFIX
+    path: str = "/"
+    headers: tuple[HeaderMatch, ...] = ()
+    query: tuple[HeaderMatch, ...] = ()
+    # Upper-case HTTP method; empty: any.
+    method: str = ""
+
+
+@dataclass(frozen=True)
+class HeaderModifier:
+    """Set (replace), add (append) and remove headers, in that order per the spec."""
+
+    set: tuple[tuple[str, str], ...] = ()
+    add: tuple[tuple[str, str], ...] = ()
+    remove: tuple[str, ...] = ()
+
+
+class PathModifierType(enum.Enum):
+    NONE = ""
+    FULL = "ReplaceFullPath"
+    PREFIX = "ReplacePrefixMatch"
+
+
+@dataclass(frozen=True)
+class Redirect:
+    """RequestRedirect: empty fields keep the request's own value."""
+
+    scheme: str = ""
+    hostname: str = ""
+    port: int = 0
+    path_type: PathModifierType = PathModifierType.NONE
+    path: str = ""
+    status: int = 302
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """URLRewrite: the request's Host and path as the backend sees them."""
+
+    hostname: str = ""
+    path_type: PathModifierType = PathModifierType.NONE
+    path: str = ""
+
+
+@dataclass(frozen=True)
+class Mirror:
+    """RequestMirror: a copy of each request goes here and its answer is dropped."""
+
+    service: str
+    namespace: str = ""
+    port: str = ""
+    percent: int = 100
+
+
+@dataclass(frozen=True)
+class RouteFilters:
+    request_headers: HeaderModifier | None = None
+    response_headers: HeaderModifier | None = None
+    redirect: Redirect | None = None
+    rewrite: Rewrite | None = None
+    mirrors: tuple[Mirror, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -314,6 +409,23 @@ class Route:
     created: datetime | None = None
     # Computed by the resolver's store (waygate.resolver.status); sources leave it None.
     status: RouteStatus | None = None
+    # Gateway API and Ingress routes (waygate.resolver.gateway); the routes file
+    # and the Route CRD leave these empty. With matches, `path` is unused and
+    # the route serves a request when any match holds; an empty host then
+    # means any host.
+    matches: tuple[RouteMatch, ...] = ()
+    filters: RouteFilters | None = None
+    # timeouts.request / timeouts.backendRequest (None: none).
+    request_timeout: float | None = None
+    backend_request_timeout: float | None = None
+    # The Gateway listener's port ("NS/NAME" of its Gateway), 0 for the
+    # proxy's own ports: the proxy maps it to a local port (--listener-ports).
+    listener_port: int = 0
+    gateway: str = ""
+    # The object it came from ("HTTPRoute NS/NAME") and the rule's index: with
+    # `created`, the spec's tie-breakers between equally specific matches.
+    origin: str = ""
+    rule_index: int = 0
 
     @property
     def key(self) -> RouteKey:

@@ -43,6 +43,7 @@ from waygate.core.grpcserver import ServiceRegistration
 from waygate.resolver import convert, events
 from waygate.resolver.access import WriteAccess
 from waygate.resolver.filesource import FileSource
+from waygate.resolver.gateway.status import StatusBoard
 from waygate.resolver.model import Service, TunnelServer
 from waygate.resolver.resolve import MAX_CACHED_PORTS, Pick, Resolution, Resolver, Target
 from waygate.resolver.store import DEFAULT_MAX_PENDING, Batch, Snapshot, Store, SubscriptionEnded
@@ -180,6 +181,7 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
         *,
         resolver: Resolver | None = None,
         routes: FileSource | None = None,
+        gateways: StatusBoard | None = None,
         tunnels: TunnelRegistry | None = None,
         access: WriteAccess | None = None,
         watch_max_pending: int = DEFAULT_MAX_PENDING,
@@ -192,6 +194,8 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
         self._templates = _ResolveTemplates(max_event_bytes)
         # The writable route source; None: routes are read-only here.
         self._routes = routes
+        # Gateway API and Ingress statuses (ListGateways); None: none kept.
+        self._gateways = gateways
         self._tunnels = tunnels or TunnelRegistry(store)
         # Default: a listener without client certificates (writes unchecked).
         self._access = access or WriteAccess()
@@ -331,6 +335,20 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
             message = convert.route_to_proto(route, with_key=False)
             size += message.ByteSize()
             response.routes.append(message)
+        return response
+
+    async def ListGateways(
+        self, request: pb.ListGatewaysRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListGatewaysResponse:
+        response = pb.ListGatewaysResponse()
+        if self._gateways is None:
+            return response
+        for item in self._gateways.items(request.kinds, request.namespace):
+            response.objects.append(
+                convert.gateway_status_to_proto(
+                    item.kind, item.namespace, item.name, item.generation, item.status
+                )
+            )
         return response
 
     def _writable_routes(self) -> FileSource:

@@ -285,6 +285,11 @@ def validate_route(route: Route) -> Route:
     return dataclasses.replace(route, host=host, path=path, tls=tls)
 
 
+def validate_tls(tls: RouteTLS, what: str) -> RouteTLS:
+    """A route TLS block checked on its own (the Gateway API's listener certificates)."""
+    return _validate_tls(tls, what, "/")
+
+
 def _validate_tls(tls: RouteTLS, what: str, path: str) -> RouteTLS:
     termination = tls.termination
     for field in _PEM_FIELDS:

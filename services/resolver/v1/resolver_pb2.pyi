@@ -56,6 +56,25 @@ class ForwardedHeadersMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FORWARDED_HEADERS_MODE_IF_NONE: _ClassVar[ForwardedHeadersMode]
     FORWARDED_HEADERS_MODE_NEVER: _ClassVar[ForwardedHeadersMode]
 
+class PathMatchType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PATH_MATCH_TYPE_UNSPECIFIED: _ClassVar[PathMatchType]
+    PATH_MATCH_TYPE_PREFIX: _ClassVar[PathMatchType]
+    PATH_MATCH_TYPE_EXACT: _ClassVar[PathMatchType]
+    PATH_MATCH_TYPE_REGULAR_EXPRESSION: _ClassVar[PathMatchType]
+
+class ValueMatchType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    VALUE_MATCH_TYPE_UNSPECIFIED: _ClassVar[ValueMatchType]
+    VALUE_MATCH_TYPE_EXACT: _ClassVar[ValueMatchType]
+    VALUE_MATCH_TYPE_REGULAR_EXPRESSION: _ClassVar[ValueMatchType]
+
+class PathModifierType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PATH_MODIFIER_TYPE_UNSPECIFIED: _ClassVar[PathModifierType]
+    PATH_MODIFIER_TYPE_REPLACE_FULL_PATH: _ClassVar[PathModifierType]
+    PATH_MODIFIER_TYPE_REPLACE_PREFIX_MATCH: _ClassVar[PathModifierType]
+
 class PickPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PICK_POLICY_UNSPECIFIED: _ClassVar[PickPolicy]
@@ -97,6 +116,16 @@ FORWARDED_HEADERS_MODE_APPEND: ForwardedHeadersMode
 FORWARDED_HEADERS_MODE_REPLACE: ForwardedHeadersMode
 FORWARDED_HEADERS_MODE_IF_NONE: ForwardedHeadersMode
 FORWARDED_HEADERS_MODE_NEVER: ForwardedHeadersMode
+PATH_MATCH_TYPE_UNSPECIFIED: PathMatchType
+PATH_MATCH_TYPE_PREFIX: PathMatchType
+PATH_MATCH_TYPE_EXACT: PathMatchType
+PATH_MATCH_TYPE_REGULAR_EXPRESSION: PathMatchType
+VALUE_MATCH_TYPE_UNSPECIFIED: ValueMatchType
+VALUE_MATCH_TYPE_EXACT: ValueMatchType
+VALUE_MATCH_TYPE_REGULAR_EXPRESSION: ValueMatchType
+PATH_MODIFIER_TYPE_UNSPECIFIED: PathModifierType
+PATH_MODIFIER_TYPE_REPLACE_FULL_PATH: PathModifierType
+PATH_MODIFIER_TYPE_REPLACE_PREFIX_MATCH: PathModifierType
 PICK_POLICY_UNSPECIFIED: PickPolicy
 PICK_POLICY_RANDOM: PickPolicy
 PICK_POLICY_ROUND_ROBIN: PickPolicy
@@ -196,12 +225,18 @@ class EndpointRef(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., service: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class RouteBackend(_message.Message):
-    __slots__ = ("service", "weight")
+    __slots__ = ("service", "weight", "namespace", "port", "invalid")
     SERVICE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    INVALID_FIELD_NUMBER: _ClassVar[int]
     service: str
     weight: int
-    def __init__(self, service: _Optional[str] = ..., weight: _Optional[int] = ...) -> None: ...
+    namespace: str
+    port: str
+    invalid: str
+    def __init__(self, service: _Optional[str] = ..., weight: _Optional[int] = ..., namespace: _Optional[str] = ..., port: _Optional[str] = ..., invalid: _Optional[str] = ...) -> None: ...
 
 class RouteTLS(_message.Message):
     __slots__ = ("termination", "certificate", "key", "ca_certificate", "destination_ca_certificate", "insecure_edge_termination_policy", "hsts", "client_ca_certificate", "destination_server_name", "present_client_certificate")
@@ -320,18 +355,34 @@ class RouteStatus(_message.Message):
     def __init__(self, conditions: _Optional[_Iterable[_Union[RouteCondition, _Mapping]]] = ...) -> None: ...
 
 class RouteSourceState(_message.Message):
-    __slots__ = ("source", "valid", "last_error", "loaded_version", "loaded_at")
+    __slots__ = ("source", "valid", "last_error", "loaded_version", "loaded_at", "matches", "filters", "request_timeout", "backend_request_timeout", "listener_port", "gateway", "origin", "rule_index")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     VALID_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     LOADED_VERSION_FIELD_NUMBER: _ClassVar[int]
     LOADED_AT_FIELD_NUMBER: _ClassVar[int]
+    MATCHES_FIELD_NUMBER: _ClassVar[int]
+    FILTERS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_REQUEST_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    LISTENER_PORT_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    RULE_INDEX_FIELD_NUMBER: _ClassVar[int]
     source: str
     valid: bool
     last_error: str
     loaded_version: int
     loaded_at: _timestamp_pb2.Timestamp
-    def __init__(self, source: _Optional[str] = ..., valid: _Optional[bool] = ..., last_error: _Optional[str] = ..., loaded_version: _Optional[int] = ..., loaded_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    matches: _containers.RepeatedCompositeFieldContainer[RouteMatch]
+    filters: RouteFilters
+    request_timeout: _duration_pb2.Duration
+    backend_request_timeout: _duration_pb2.Duration
+    listener_port: int
+    gateway: str
+    origin: str
+    rule_index: int
+    def __init__(self, source: _Optional[str] = ..., valid: _Optional[bool] = ..., last_error: _Optional[str] = ..., loaded_version: _Optional[int] = ..., loaded_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., matches: _Optional[_Iterable[_Union[RouteMatch, _Mapping]]] = ..., filters: _Optional[_Union[RouteFilters, _Mapping]] = ..., request_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., backend_request_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., listener_port: _Optional[int] = ..., gateway: _Optional[str] = ..., origin: _Optional[str] = ..., rule_index: _Optional[int] = ...) -> None: ...
 
 class RouteRef(_message.Message):
     __slots__ = ("namespace", "name")
@@ -340,6 +391,100 @@ class RouteRef(_message.Message):
     namespace: str
     name: str
     def __init__(self, namespace: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class RouteValueMatch(_message.Message):
+    __slots__ = ("name", "value", "type")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    value: str
+    type: ValueMatchType
+    def __init__(self, name: _Optional[str] = ..., value: _Optional[str] = ..., type: _Optional[_Union[ValueMatchType, str]] = ...) -> None: ...
+
+class RouteMatch(_message.Message):
+    __slots__ = ("path_type", "path", "headers", "query_params", "method")
+    PATH_TYPE_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    HEADERS_FIELD_NUMBER: _ClassVar[int]
+    QUERY_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    path_type: PathMatchType
+    path: str
+    headers: _containers.RepeatedCompositeFieldContainer[RouteValueMatch]
+    query_params: _containers.RepeatedCompositeFieldContainer[RouteValueMatch]
+    method: str
+    def __init__(self, path_type: _Optional[_Union[PathMatchType, str]] = ..., path: _Optional[str] = ..., headers: _Optional[_Iterable[_Union[RouteValueMatch, _Mapping]]] = ..., query_params: _Optional[_Iterable[_Union[RouteValueMatch, _Mapping]]] = ..., method: _Optional[str] = ...) -> None: ...
+
+class RouteHeader(_message.Message):
+    __slots__ = ("name", "value")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    value: str
+    def __init__(self, name: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+
+class RouteHeaderModifier(_message.Message):
+    __slots__ = ("set", "add", "remove")
+    SET_FIELD_NUMBER: _ClassVar[int]
+    ADD_FIELD_NUMBER: _ClassVar[int]
+    REMOVE_FIELD_NUMBER: _ClassVar[int]
+    set: _containers.RepeatedCompositeFieldContainer[RouteHeader]
+    add: _containers.RepeatedCompositeFieldContainer[RouteHeader]
+    remove: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, set: _Optional[_Iterable[_Union[RouteHeader, _Mapping]]] = ..., add: _Optional[_Iterable[_Union[RouteHeader, _Mapping]]] = ..., remove: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RouteRedirect(_message.Message):
+    __slots__ = ("scheme", "hostname", "port", "path_type", "path", "status_code")
+    SCHEME_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    PATH_TYPE_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
+    scheme: str
+    hostname: str
+    port: int
+    path_type: PathModifierType
+    path: str
+    status_code: int
+    def __init__(self, scheme: _Optional[str] = ..., hostname: _Optional[str] = ..., port: _Optional[int] = ..., path_type: _Optional[_Union[PathModifierType, str]] = ..., path: _Optional[str] = ..., status_code: _Optional[int] = ...) -> None: ...
+
+class RouteRewrite(_message.Message):
+    __slots__ = ("hostname", "path_type", "path")
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_TYPE_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    hostname: str
+    path_type: PathModifierType
+    path: str
+    def __init__(self, hostname: _Optional[str] = ..., path_type: _Optional[_Union[PathModifierType, str]] = ..., path: _Optional[str] = ...) -> None: ...
+
+class RouteMirror(_message.Message):
+    __slots__ = ("namespace", "service", "port", "percent")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    PERCENT_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    service: str
+    port: str
+    percent: int
+    def __init__(self, namespace: _Optional[str] = ..., service: _Optional[str] = ..., port: _Optional[str] = ..., percent: _Optional[int] = ...) -> None: ...
+
+class RouteFilters(_message.Message):
+    __slots__ = ("request_headers", "response_headers", "redirect", "rewrite", "mirrors")
+    REQUEST_HEADERS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_HEADERS_FIELD_NUMBER: _ClassVar[int]
+    REDIRECT_FIELD_NUMBER: _ClassVar[int]
+    REWRITE_FIELD_NUMBER: _ClassVar[int]
+    MIRRORS_FIELD_NUMBER: _ClassVar[int]
+    request_headers: RouteHeaderModifier
+    response_headers: RouteHeaderModifier
+    redirect: RouteRedirect
+    rewrite: RouteRewrite
+    mirrors: _containers.RepeatedCompositeFieldContainer[RouteMirror]
+    def __init__(self, request_headers: _Optional[_Union[RouteHeaderModifier, _Mapping]] = ..., response_headers: _Optional[_Union[RouteHeaderModifier, _Mapping]] = ..., redirect: _Optional[_Union[RouteRedirect, _Mapping]] = ..., rewrite: _Optional[_Union[RouteRewrite, _Mapping]] = ..., mirrors: _Optional[_Iterable[_Union[RouteMirror, _Mapping]]] = ...) -> None: ...
 
 class TunnelServer(_message.Message):
     __slots__ = ("id", "address")
@@ -516,6 +661,84 @@ class DeleteRouteResponse(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class GatewayCondition(_message.Message):
+    __slots__ = ("type", "status", "reason", "message", "observed_generation", "last_transition_time")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    LAST_TRANSITION_TIME_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    status: str
+    reason: str
+    message: str
+    observed_generation: int
+    last_transition_time: _timestamp_pb2.Timestamp
+    def __init__(self, type: _Optional[str] = ..., status: _Optional[str] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., observed_generation: _Optional[int] = ..., last_transition_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class GatewayListenerStatus(_message.Message):
+    __slots__ = ("name", "attached_routes", "supported_kinds", "conditions")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_ROUTES_FIELD_NUMBER: _ClassVar[int]
+    SUPPORTED_KINDS_FIELD_NUMBER: _ClassVar[int]
+    CONDITIONS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    attached_routes: int
+    supported_kinds: _containers.RepeatedScalarFieldContainer[str]
+    conditions: _containers.RepeatedCompositeFieldContainer[GatewayCondition]
+    def __init__(self, name: _Optional[str] = ..., attached_routes: _Optional[int] = ..., supported_kinds: _Optional[_Iterable[str]] = ..., conditions: _Optional[_Iterable[_Union[GatewayCondition, _Mapping]]] = ...) -> None: ...
+
+class GatewayParentStatus(_message.Message):
+    __slots__ = ("gateway_namespace", "gateway_name", "section_name", "port", "controller_name", "conditions")
+    GATEWAY_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_NAME_FIELD_NUMBER: _ClassVar[int]
+    SECTION_NAME_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_NAME_FIELD_NUMBER: _ClassVar[int]
+    CONDITIONS_FIELD_NUMBER: _ClassVar[int]
+    gateway_namespace: str
+    gateway_name: str
+    section_name: str
+    port: int
+    controller_name: str
+    conditions: _containers.RepeatedCompositeFieldContainer[GatewayCondition]
+    def __init__(self, gateway_namespace: _Optional[str] = ..., gateway_name: _Optional[str] = ..., section_name: _Optional[str] = ..., port: _Optional[int] = ..., controller_name: _Optional[str] = ..., conditions: _Optional[_Iterable[_Union[GatewayCondition, _Mapping]]] = ...) -> None: ...
+
+class GatewayObjectStatus(_message.Message):
+    __slots__ = ("kind", "namespace", "name", "generation", "conditions", "listeners", "parents", "addresses")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    CONDITIONS_FIELD_NUMBER: _ClassVar[int]
+    LISTENERS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    namespace: str
+    name: str
+    generation: int
+    conditions: _containers.RepeatedCompositeFieldContainer[GatewayCondition]
+    listeners: _containers.RepeatedCompositeFieldContainer[GatewayListenerStatus]
+    parents: _containers.RepeatedCompositeFieldContainer[GatewayParentStatus]
+    addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, kind: _Optional[str] = ..., namespace: _Optional[str] = ..., name: _Optional[str] = ..., generation: _Optional[int] = ..., conditions: _Optional[_Iterable[_Union[GatewayCondition, _Mapping]]] = ..., listeners: _Optional[_Iterable[_Union[GatewayListenerStatus, _Mapping]]] = ..., parents: _Optional[_Iterable[_Union[GatewayParentStatus, _Mapping]]] = ..., addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ListGatewaysRequest(_message.Message):
+    __slots__ = ("namespace", "kinds")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KINDS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    kinds: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, namespace: _Optional[str] = ..., kinds: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ListGatewaysResponse(_message.Message):
+    __slots__ = ("objects",)
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    objects: _containers.RepeatedCompositeFieldContainer[GatewayObjectStatus]
+    def __init__(self, objects: _Optional[_Iterable[_Union[GatewayObjectStatus, _Mapping]]] = ...) -> None: ...
 
 class TunnelReport(_message.Message):
     __slots__ = ("server", "nodes", "lease")

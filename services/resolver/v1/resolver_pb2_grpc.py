@@ -59,6 +59,11 @@ class ResolverStub:
                 request_serializer=waygate_dot_resolver_dot_v1_dot_resolver__pb2.DeleteRouteRequest.SerializeToString,
                 response_deserializer=waygate_dot_resolver_dot_v1_dot_resolver__pb2.DeleteRouteResponse.FromString,
                 _registered_method=True)
+        self.ListGateways = channel.unary_unary(
+                '/waygate.resolver.v1.Resolver/ListGateways',
+                request_serializer=waygate_dot_resolver_dot_v1_dot_resolver__pb2.ListGatewaysRequest.SerializeToString,
+                response_deserializer=waygate_dot_resolver_dot_v1_dot_resolver__pb2.ListGatewaysResponse.FromString,
+                _registered_method=True)
         self.ReportTunnels = channel.stream_unary(
                 '/waygate.resolver.v1.Resolver/ReportTunnels',
                 request_serializer=waygate_dot_resolver_dot_v1_dot_resolver__pb2.TunnelReport.SerializeToString,
@@ -117,6 +122,16 @@ class ResolverServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListGateways(self, request, context):
+        """The status of every Gateway API and Ingress object Waygate serves
+        (GatewayClass, Gateway with its listeners, HTTPRoute, GRPCRoute,
+        TLSRoute, Ingress), as the resolver last computed it from its manifests
+        or from Kubernetes (where its leader also writes it to the objects).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReportTunnels(self, request_iterator, context):
         """Tunnel servers stream the set of edge nodes whose agents they hold. The
         presence a stream reported disappears when the stream ends or when no
@@ -154,6 +169,11 @@ def add_ResolverServicer_to_server(servicer, server):
                     servicer.DeleteRoute,
                     request_deserializer=waygate_dot_resolver_dot_v1_dot_resolver__pb2.DeleteRouteRequest.FromString,
                     response_serializer=waygate_dot_resolver_dot_v1_dot_resolver__pb2.DeleteRouteResponse.SerializeToString,
+            ),
+            'ListGateways': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListGateways,
+                    request_deserializer=waygate_dot_resolver_dot_v1_dot_resolver__pb2.ListGatewaysRequest.FromString,
+                    response_serializer=waygate_dot_resolver_dot_v1_dot_resolver__pb2.ListGatewaysResponse.SerializeToString,
             ),
             'ReportTunnels': grpc.stream_unary_rpc_method_handler(
                     servicer.ReportTunnels,
@@ -296,6 +316,33 @@ class Resolver:
             '/waygate.resolver.v1.Resolver/DeleteRoute',
             waygate_dot_resolver_dot_v1_dot_resolver__pb2.DeleteRouteRequest.SerializeToString,
             waygate_dot_resolver_dot_v1_dot_resolver__pb2.DeleteRouteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListGateways(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/waygate.resolver.v1.Resolver/ListGateways',
+            waygate_dot_resolver_dot_v1_dot_resolver__pb2.ListGatewaysRequest.SerializeToString,
+            waygate_dot_resolver_dot_v1_dot_resolver__pb2.ListGatewaysResponse.FromString,
             options,
             channel_credentials,
             insecure,

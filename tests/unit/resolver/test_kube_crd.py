@@ -35,7 +35,9 @@ def test_identity(crd):
 
 
 def camel(descriptor) -> set[str]:
-    return {field.json_name for field in descriptor.fields}
+    # Field numbers 50-79 are made only from Gateway API and Ingress objects
+    # (waygate.resolver.gateway), never written in a Route object.
+    return {field.json_name for field in descriptor.fields if not 50 <= field.number <= 79}
 
 
 def test_every_proto_route_field_is_in_the_schema(schema):

@@ -1,0 +1,126 @@
+"""The status every Gateway API and Ingress object should carry, as last translated.
+
+One board per resolver. A source (manifests or Kubernetes) replaces its
+whole content after each translation; the board stamps each condition's
+`lastTransitionTime`, keeping the previous stamp while the condition's
+status stays the same (metav1.Condition's rule), and remembers which
+objects changed since the Kubernetes status writer last took them.
+
+Read by ListGateways (`waygate gateways`) in every mode; in Kubernetes mode
+the resolver's leader writes what changed through the status subresource.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
+from typing import Any
+
+from waygate.resolver.gateway.translate import ObjectStatus
+
+StatusKey = tuple[str, str, str]  # (kind, namespace, name)
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _stamp(new: Any, old: Any, now: str) -> None:
+    """Give every condition in `new` a lastTransitionTime (kept from `old` when unchanged)."""
+    if isinstance(new, dict):
+        if "conditions" in new and isinstance(new["conditions"], list):
+            before = {}
+            if isinstance(old, dict):
+                before = {
+                    c.get("type"): c for c in old.get("conditions") or [] if isinstance(c, dict)
+                }
+            for item in new["conditions"]:
+                previous = before.get(item.get("type"))
+                if previous is not None and previous.get("status") == item.get("status"):
+                    item["lastTransitionTime"] = previous.get("lastTransitionTime", now)
+                else:
+                    item["lastTransitionTime"] = now
+        for key, value in new.items():
+            if key == "conditions":
+                continue
+            _stamp(value, old.get(key) if isinstance(old, dict) else None, now)
+    elif isinstance(new, list):
+        olds = old if isinstance(old, list) else []
+        for index, value in enumerate(new):
+            _stamp(value, _counterpart(value, olds, index), now)
+
+
+def _counterpart(value: Any, olds: list[Any], index: int) -> Any:
+    """The old entry a list entry continues: same listener name or parentRef, else same index."""
+    if isinstance(value, dict):
+        for field in ("name", "parentRef"):
+            if field in value:
+                return next(
+                    (o for o in olds if isinstance(o, dict) and o.get(field) == value[field]), None
+                )
+    return olds[index] if index < len(olds) else None
+
+
+def _without_times(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_times(v) for k, v in value.items() if k != "lastTransitionTime"}
+    if isinstance(value, list):
+        return [_without_times(v) for v in value]
+    return value
+
+
+class StatusBoard:
+    def __init__(self, clock: Callable[[], str] = _now) -> None:
+        self._clock = clock
+        self._statuses: dict[StatusKey, ObjectStatus] = {}
+        # Keys whose status changed (or appeared) since `take_changed`.
+        self._changed: set[StatusKey] = set()
+        self.version = 0
+
+    def replace(self, statuses: Iterable[ObjectStatus]) -> None:
+        now = self._clock()
+        fresh: dict[StatusKey, ObjectStatus] = {}
+        for item in statuses:
+            old = self._statuses.get(item.key)
+            status = copy.deepcopy(item.status)
+            _stamp(status, old.status if old is not None else None, now)
+            kept = ObjectStatus(item.kind, item.namespace, item.name, item.generation, status)
+            fresh[item.key] = kept
+            if (
+                old is None
+                or old.generation != kept.generation
+                or _without_times(old.status) != _without_times(kept.status)
+            ):
+                self._changed.add(item.key)
+        gone = set(self._statuses) - set(fresh)
+        self._changed -= gone
+        if gone or self._changed:
+            self.version += 1
+        self._statuses = fresh
+
+    def get(self, kind: str, namespace: str, name: str) -> ObjectStatus | None:
+        return self._statuses.get((kind, namespace, name))
+
+    def items(self, kinds: Iterable[str] = (), namespace: str = "") -> list[ObjectStatus]:
+        wanted = set(kinds)
+        return [
+            item
+            for key, item in sorted(self._statuses.items())
+            if (not wanted or item.kind in wanted)
+            and (not namespace or item.namespace == namespace)
+        ]
+
+    def take_changed(self) -> list[ObjectStatus]:
+        """The statuses that changed since the last call (for the Kubernetes writer)."""
+        out = [self._statuses[k] for k in sorted(self._changed) if k in self._statuses]
+        self._changed.clear()
+        return out
+
+    def mark_changed(self, key: StatusKey) -> None:
+        """Ask for `key` to be written again (a write that failed, a new leader)."""
+        if key in self._statuses:
+            self._changed.add(key)
+
+    def mark_all_changed(self) -> None:
+        self._changed = set(self._statuses)

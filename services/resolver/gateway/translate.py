@@ -1,0 +1,863 @@
+"""Gateway API and Ingress objects -> the resolver's routes, and every object's status.
+
+Sans-IO and pure: `translate(objects)` is a function of one consistent set of
+objects (from a manifests file or from the Kubernetes reflectors: both call it,
+so there is one way an object becomes Waygate's model). It answers the routes
+the proxy serves and the status each object should carry.
+
+Semantics (the Gateway API specification v1.x and its conformance suite):
+- GatewayClasses whose `controllerName` is `waygate.io/gateway-controller`
+  are Waygate's; Gateways of other classes, and routes only attached to them,
+  are left alone (no status written for them).
+- Listeners: HTTP, HTTPS (TLS terminated with certificateRefs Secrets of type
+  kubernetes.io/tls) and TLS (mode Passthrough). Listeners of one Gateway on
+  one port with different protocols conflict (ProtocolConflict), with the same
+  protocol and hostname too (HostnameConflict); conflicted listeners attach
+  nothing.
+- A route attaches to a listener when its parentRef names the Gateway (and
+  the listener by sectionName and/or port, when given), the listener allows
+  the route's namespace (Same, All, Selector) and kind, and their hostnames
+  intersect. Otherwise its parent status says why: NoMatchingParent,
+  NotAllowedByListeners, NoMatchingListenerHostname.
+- backendRefs: kind Service only (InvalidKind), cross-namespace only with a
+  ReferenceGrant (RefNotPermitted), the Service and port must exist
+  (BackendNotFound). An unusable backend keeps its weight and is marked
+  invalid: its share of requests is answered 500.
+- Hostnames: "*.example.com" matches any number of labels in front; the
+  effective host of a route on a listener is the more specific of the two.
+- Ingress: IngressClass with controller `waygate.io/ingress-controller`
+  (or no class and a default class of ours); Prefix and ImplementationSpecific
+  are PathPrefix, Exact is Exact; hosts in `tls` are also served on 443 with
+  the Secret's certificate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from waygate.core.errors import InvalidArgument
+from waygate.resolver.gateway import spec as specs
+from waygate.resolver.gateway.spec import (
+    CONTROLLER_NAME,
+    GATEWAY_GROUP,
+    INGRESS_CONTROLLER,
+    JSON,
+    BackendRef,
+    ListenerSpec,
+    ParentRef,
+    RouteSpec,
+    SpecError,
+)
+from waygate.resolver.model import (
+    PathMatchType,
+    Route,
+    RouteBackend,
+    RouteMatch,
+    RouteTLS,
+    Service,
+    StickySessions,
+    TLSTermination,
+)
+from waygate.resolver.validation import validate_tls
+
+log = logging.getLogger(__name__)
+
+Key = tuple[str, str]
+
+#: The kinds this module reads, by the name `kind` has in a manifest.
+GATEWAY_KINDS = (
+    "GatewayClass",
+    "Gateway",
+    "HTTPRoute",
+    "GRPCRoute",
+    "TLSRoute",
+    "ReferenceGrant",
+    "IngressClass",
+    "Ingress",
+)
+ROUTE_KINDS = ("HTTPRoute", "GRPCRoute", "TLSRoute")
+_DEFAULT_KINDS = {
+    "HTTP": ("HTTPRoute", "GRPCRoute"),
+    "HTTPS": ("HTTPRoute", "GRPCRoute"),
+    "TLS": ("TLSRoute",),
+}
+# The proxy's weights are 0..256 (smooth weighted round robin); the Gateway
+# API allows up to 1,000,000: larger sets are scaled down proportionally.
+MAX_WEIGHT = 256
+
+
+@dataclass
+class Objects:
+    """One consistent set of the objects a translation reads."""
+
+    namespaces: dict[str, JSON] = field(default_factory=dict)
+    services: dict[Key, Service] = field(default_factory=dict)
+    secrets: dict[Key, JSON] = field(default_factory=dict)
+    # kind -> (namespace, name) -> object; cluster-scoped kinds use namespace "".
+    kinds: dict[str, dict[Key, JSON]] = field(default_factory=dict)
+
+    def of(self, kind: str) -> dict[Key, JSON]:
+        return self.kinds.setdefault(kind, {})
+
+
+@dataclass(frozen=True)
+class ObjectStatus:
+    """The status one object should carry (its `status` as the API spells it)."""
+
+    kind: str
+    namespace: str
+    name: str
+    generation: int
+    status: JSON
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.kind, self.namespace, self.name)
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """An object its schema refuses: skipped, its status saying why."""
+
+    kind: str
+    namespace: str
+    name: str
+    error: SpecError
+
+
+@dataclass
+class Translation:
+    routes: list[Route] = field(default_factory=list)
+    statuses: list[ObjectStatus] = field(default_factory=list)
+    rejected: list[Rejected] = field(default_factory=list)
+
+
+def condition(kind: str, ok: bool, reason: str, message: str, generation: int) -> JSON:
+    """One metav1.Condition (lastTransitionTime is set when it is recorded)."""
+    return {
+        "type": kind,
+        "status": "True" if ok else "False",
+        "reason": reason,
+        "message": message,
+        "observedGeneration": generation,
+    }
+
+
+# ---------------------------------------------------------------- listeners
+
+
+@dataclass
+class Listener:
+    gateway: Key
+    spec: ListenerSpec
+    kinds: tuple[str, ...]
+    tls: RouteTLS | None
+    conditions: list[JSON]
+    usable: bool
+    attached: int = 0
+
+
+def _hostname_intersection(listener: str, route_hosts: tuple[str, ...]) -> list[str]:
+    """Effective hosts of a route on a listener ("" : any host); empty: none intersect."""
+    if not route_hosts:
+        return [listener]
+    if not listener:
+        return list(route_hosts)
+    out = []
+    for host in route_hosts:
+        if host == listener or (listener.startswith("*.") and _under(host, listener[1:])):
+            out.append(host)
+        elif host.startswith("*.") and _under(listener, host[1:]):
+            out.append(listener)
+    return out
+
+
+def _under(host: str, suffix: str) -> bool:
+    """`host` (maybe a wildcard itself) lies under `.suffix` by at least one label."""
+    name = host[2:] if host.startswith("*.") else host
+    if host.startswith("*."):
+        # "*.a.b" lies under "*.b"; "*.b" under "*.b" too (equal wildcards).
+        return ("." + name).endswith(suffix)
+    return name.endswith(suffix) and len(name) > len(suffix)
+
+
+def _selector_matches(selector: JSON, found: Mapping[str, str]) -> bool:
+    for key, value in (selector.get("matchLabels") or {}).items():
+        if found.get(str(key)) != str(value):
+            return False
+    for expression in selector.get("matchExpressions") or []:
+        key = str(expression.get("key", ""))
+        operator = expression.get("operator")
+        values = [str(v) for v in expression.get("values") or []]
+        if operator == "In" and found.get(key) not in values:
+            return False
+        if operator == "NotIn" and found.get(key) in values:
+            return False
+        if operator == "Exists" and key not in found:
+            return False
+        if operator == "DoesNotExist" and key in found:
+            return False
+    return True
+
+
+class _Translator:
+    def __init__(self, objects: Objects, addresses: tuple[str, ...]) -> None:
+        self.objects = objects
+        self.addresses = addresses
+        self.out = Translation()
+        self.grants: list[specs.Grant] = []
+        # Gateway key -> its listeners (only Gateways of Waygate's classes).
+        self.listeners: dict[Key, list[Listener]] = {}
+        self.gateway_status: dict[Key, JSON] = {}
+
+    # ------------------------------------------------------------ helpers
+
+    def reject(self, kind: str, key: Key, obj: JSON, error: SpecError) -> None:
+        self.out.rejected.append(Rejected(kind, key[0], key[1], error))
+
+    def granted(
+        self, from_: tuple[str, str, str], to: tuple[str, str, str], namespace: str
+    ) -> bool:
+        group, kind, name = to
+        for grant in self.grants:
+            if grant.namespace != namespace or from_ not in grant.from_:
+                continue
+            for to_group, to_kind, to_name in grant.to:
+                if to_group == group and to_kind == kind and to_name in ("", name):
+                    return True
+        return False
+
+    def secret_tls(self, namespace: str, name: str, what: str) -> tuple[RouteTLS | None, str]:
+        secret = self.objects.secrets.get((namespace, name))
+        if secret is None:
+            return None, f"Secret {namespace}/{name} does not exist"
+        if secret.get("type", "kubernetes.io/tls") != "kubernetes.io/tls":
+            return None, f"Secret {namespace}/{name} is not of type kubernetes.io/tls"
+        data = secret.get("data") or {}
+        string_data = secret.get("stringData") or {}
+        try:
+            cert = _secret_value(data, string_data, "tls.crt")
+            key = _secret_value(data, string_data, "tls.key")
+        except ValueError as exc:
+            return None, f"Secret {namespace}/{name}: {exc}"
+        try:
+            tls = validate_tls(RouteTLS(TLSTermination.EDGE, cert, key), what)
+        except InvalidArgument as exc:
+            return None, f"Secret {namespace}/{name}: {exc}"
+        return tls, ""
+
+    # ------------------------------------------------------------ classes and gateways
+
+    def classes(self) -> set[str]:
+        ours = set()
+        for key, obj in sorted(self.objects.of("GatewayClass").items()):
+            spec = obj.get("spec") or {}
+            if spec.get("controllerName") != CONTROLLER_NAME:
+                continue
+            ours.add(key[1])
+            generation = specs.generation(obj)
+            self.out.statuses.append(
+                ObjectStatus(
+                    "GatewayClass",
+                    "",
+                    key[1],
+                    generation,
+                    {
+                        "conditions": [
+                            condition(
+                                "Accepted", True, "Accepted", "Waygate serves it", generation
+                            ),
+                            condition(
+                                "SupportedVersion",
+                                True,
+                                "SupportedVersion",
+                                "Gateway API v1",
+                                generation,
+                            ),
+                        ]
+                    },
+                )
+            )
+        return ours
+
+    def gateways(self, ours: set[str]) -> None:
+        for key, obj in sorted(self.objects.of("Gateway").items()):
+            class_name = str((obj.get("spec") or {}).get("gatewayClassName", ""))
+            if class_name not in ours:
+                continue
+            generation = specs.generation(obj)
+            try:
+                _, listener_specs = specs.gateway_listeners(obj)
+            except SpecError as exc:
+                self.reject("Gateway", key, obj, exc)
+                self.gateway_status[key] = {
+                    "conditions": [
+                        condition("Accepted", False, "Invalid", str(exc), generation),
+                        condition("Programmed", False, "Invalid", str(exc), generation),
+                    ],
+                    "listeners": [],
+                }
+                continue
+            listeners = [self.listener(key, item, generation) for item in listener_specs]
+            self.conflicts(listeners, generation)
+            self.listeners[key] = listeners
+            usable = any(listener.usable for listener in listeners)
+            message = "" if usable else "no listener is valid"
+            self.gateway_status[key] = {
+                "conditions": [
+                    condition(
+                        "Accepted",
+                        usable,
+                        "Accepted" if usable else "ListenersNotValid",
+                        message or "Waygate serves it",
+                        generation,
+                    ),
+                    condition(
+                        "Programmed",
+                        usable,
+                        "Programmed" if usable else "Invalid",
+                        message or "sent to the proxies",
+                        generation,
+                    ),
+                ],
+            }
+            if self.addresses:
+                self.gateway_status[key]["addresses"] = [
+                    {"type": _address_type(a), "value": a} for a in self.addresses
+                ]
+
+    def listener(self, gateway: Key, item: ListenerSpec, generation: int) -> Listener:
+        def conditions(accepted: tuple[bool, str, str], refs: tuple[bool, str, str]) -> list[JSON]:
+            ok = accepted[0] and refs[0]
+            return [
+                condition("Accepted", *accepted, generation),
+                condition("ResolvedRefs", *refs, generation),
+                condition(
+                    "Programmed",
+                    ok,
+                    "Programmed" if ok else "Invalid",
+                    "sent to the proxies" if ok else "the listener is not valid",
+                    generation,
+                ),
+                condition("Conflicted", False, "NoConflicts", "", generation),
+            ]
+
+        protocol = item.protocol
+        defaults = _DEFAULT_KINDS.get(protocol)
+        if defaults is None or (protocol == "TLS" and item.tls_mode != "Passthrough"):
+            why = f"protocol {protocol} is not supported (HTTP, HTTPS, TLS with mode Passthrough)"
+            return Listener(
+                gateway,
+                item,
+                (),
+                None,
+                conditions((False, "UnsupportedProtocol", why), (True, "ResolvedRefs", "")),
+                False,
+            )
+        kinds: tuple[str, ...] = defaults
+        refs_ok: tuple[bool, str, str] = (True, "ResolvedRefs", "")
+        if item.kinds:
+            wanted = [k.kind for k in item.kinds if k.group == GATEWAY_GROUP and k.kind in defaults]
+            kinds = tuple(dict.fromkeys(wanted))
+            if len(kinds) != len(item.kinds):
+                bad = [
+                    f"{k.group}/{k.kind}"
+                    for k in item.kinds
+                    if not (k.group == GATEWAY_GROUP and k.kind in defaults)
+                ]
+                refs_ok = (
+                    False,
+                    "InvalidRouteKinds",
+                    f"route kinds {', '.join(bad)} cannot attach to a {protocol} listener",
+                )
+        tls = None
+        if protocol == "HTTPS":
+            if item.tls_mode == "Passthrough":
+                why = "HTTPS listeners terminate TLS; use protocol TLS for Passthrough"
+                return Listener(
+                    gateway,
+                    item,
+                    kinds,
+                    None,
+                    conditions((False, "UnsupportedProtocol", why), refs_ok),
+                    False,
+                )
+            tls, problem, reason = self.listener_certificate(gateway, item)
+            if tls is None:
+                refs_ok = (False, reason, problem)
+        usable = refs_ok[0] or (refs_ok[1] == "InvalidRouteKinds" and bool(kinds))
+        listener = Listener(
+            gateway,
+            item,
+            kinds,
+            tls,
+            conditions((True, "Accepted", ""), refs_ok),
+            usable,
+        )
+        if usable and not refs_ok[0]:
+            # Some kinds are invalid but others remain: it serves those.
+            listener.conditions[2] = condition(
+                "Programmed", True, "Programmed", "sent to the proxies", generation
+            )
+        return listener
+
+    def listener_certificate(
+        self, gateway: Key, item: ListenerSpec
+    ) -> tuple[RouteTLS | None, str, str]:
+        if not item.certificate_refs:
+            return None, "an HTTPS listener needs tls.certificateRefs", "InvalidCertificateRef"
+        ref = item.certificate_refs[0]
+        if ref.group not in ("", "core") or ref.kind != "Secret":
+            return None, f"{ref.group}/{ref.kind} is not a Secret", "InvalidCertificateRef"
+        if ref.namespace != gateway[0] and not self.granted(
+            (GATEWAY_GROUP, "Gateway", gateway[0]), ("", "Secret", ref.name), ref.namespace
+        ):
+            return (
+                None,
+                f"no ReferenceGrant in {ref.namespace} allows Gateways of {gateway[0]} "
+                f"to use Secret {ref.name}",
+                "RefNotPermitted",
+            )
+        tls, problem = self.secret_tls(
+            ref.namespace, ref.name, f"Gateway {gateway[0]}/{gateway[1]} listener {item.name}"
+        )
+        return tls, problem, "InvalidCertificateRef"
+
+    def conflicts(self, listeners: list[Listener], generation: int) -> None:
+        by_port: dict[int, list[Listener]] = {}
+        for listener in listeners:
+            by_port.setdefault(listener.spec.port, []).append(listener)
+        for group in by_port.values():
+            protocols = {listener.spec.protocol for listener in group}
+            for listener in group:
+                reason = ""
+                if len(protocols) > 1 and not protocols <= {"HTTPS", "TLS"}:
+                    reason = "ProtocolConflict"
+                elif any(
+                    other is not listener
+                    and other.spec.hostname == listener.spec.hostname
+                    and other.spec.protocol == listener.spec.protocol
+                    for other in group
+                ):
+                    reason = "HostnameConflict"
+                if reason:
+                    listener.usable = False
+                    listener.conditions[2] = condition(
+                        "Programmed", False, "Invalid", "the listener conflicts", generation
+                    )
+                    listener.conditions[3] = condition(
+                        "Conflicted",
+                        True,
+                        reason,
+                        f"another listener on port {listener.spec.port} conflicts with it",
+                        generation,
+                    )
+
+    # ------------------------------------------------------------ routes
+
+    def routes(self) -> None:
+        for kind in ROUTE_KINDS:
+            parse = {
+                "HTTPRoute": specs.http_route,
+                "GRPCRoute": specs.grpc_route,
+                "TLSRoute": specs.tls_route,
+            }[kind]
+            for key, obj in sorted(self.objects.of(kind).items()):
+                generation = specs.generation(obj)
+                try:
+                    route = parse(obj)
+                except SpecError as exc:
+                    self.reject(kind, key, obj, exc)
+                    self.invalid_route_status(kind, key, obj, generation, str(exc))
+                    continue
+                self.route(kind, key, obj, route, generation)
+
+    def invalid_route_status(
+        self, kind: str, key: Key, obj: JSON, generation: int, message: str
+    ) -> None:
+        try:
+            parents = specs.parent_refs(obj, key[0])
+        except SpecError:
+            parents = ()
+        statuses = [
+            {
+                "parentRef": parent.as_status(),
+                "controllerName": CONTROLLER_NAME,
+                "conditions": [
+                    condition("Accepted", False, "UnsupportedValue", message, generation),
+                    condition("ResolvedRefs", False, "UnsupportedValue", message, generation),
+                ],
+            }
+            for parent in parents
+            if self.ours(parent)
+        ]
+        if statuses:
+            self.out.statuses.append(
+                ObjectStatus(kind, key[0], key[1], generation, {"parents": statuses})
+            )
+
+    def ours(self, parent: ParentRef) -> bool:
+        return (
+            parent.group == GATEWAY_GROUP
+            and parent.kind == "Gateway"
+            and (parent.namespace, parent.name) in self.gateway_status
+        )
+
+    def route(self, kind: str, key: Key, obj: JSON, route: RouteSpec, generation: int) -> None:
+        backends, refs_problem = self.backends(kind, key[0], route)
+        parents_status = []
+        made: dict[str, Route] = {}
+        for parent in route.parents:
+            if not self.ours(parent):
+                continue
+            gateway = (parent.namespace, parent.name)
+            attached, accepted = self.attach(kind, key, route, parent, gateway)
+            conditions = [condition("Accepted", *accepted, generation)]
+            if refs_problem is None:
+                conditions.append(condition("ResolvedRefs", True, "ResolvedRefs", "", generation))
+            else:
+                conditions.append(condition("ResolvedRefs", False, *refs_problem, generation))
+            parents_status.append(
+                {
+                    "parentRef": parent.as_status(),
+                    "controllerName": CONTROLLER_NAME,
+                    "conditions": conditions,
+                }
+            )
+            for listener, hosts in attached:
+                for route_out in self.make_routes(
+                    kind, key, obj, route, backends, gateway, listener, hosts
+                ):
+                    made.setdefault(route_out.name, route_out)
+        self.out.routes.extend(made.values())
+        if parents_status:
+            self.out.statuses.append(
+                ObjectStatus(kind, key[0], key[1], generation, {"parents": parents_status})
+            )
+
+    def attach(
+        self, kind: str, key: Key, route: RouteSpec, parent: ParentRef, gateway: Key
+    ) -> tuple[list[tuple[Listener, list[str]]], tuple[bool, str, str]]:
+        listeners = self.listeners.get(gateway, [])
+        candidates = [
+            listener
+            for listener in listeners
+            if (not parent.section_name or listener.spec.name == parent.section_name)
+            and (not parent.port or listener.spec.port == parent.port)
+        ]
+        if not candidates:
+            what = " ".join(
+                part
+                for part in (
+                    f"sectionName {parent.section_name}" if parent.section_name else "",
+                    f"port {parent.port}" if parent.port else "",
+                )
+                if part
+            )
+            return [], (False, "NoMatchingParent", f"the Gateway has no listener with {what}")
+        allowed = [
+            listener
+            for listener in candidates
+            if listener.usable and kind in listener.kinds and self.allows(listener, key[0])
+        ]
+        if not allowed:
+            return [], (
+                False,
+                "NotAllowedByListeners",
+                f"no listener of Gateway {gateway[0]}/{gateway[1]} allows {kind}s "
+                f"from namespace {key[0]}",
+            )
+        attached = []
+        for listener in allowed:
+            hosts = _hostname_intersection(listener.spec.hostname, route.hostnames)
+            if hosts:
+                attached.append((listener, hosts))
+                listener.attached += 1
+        if not attached:
+            return [], (
+                False,
+                "NoMatchingListenerHostname",
+                "no hostname of the route intersects a listener's hostname",
+            )
+        return attached, (True, "Accepted", "")
+
+    def allows(self, listener: Listener, namespace: str) -> bool:
+        rule = listener.spec.namespaces_from
+        if rule == "All":
+            return True
+        if rule == "Same":
+            return namespace == listener.gateway[0]
+        found = specs.labels(self.objects.namespaces.get(namespace, {}))
+        found.setdefault("kubernetes.io/metadata.name", namespace)
+        return _selector_matches(listener.spec.selector, found)
+
+    def backends(
+        self, kind: str, namespace: str, route: RouteSpec
+    ) -> tuple[list[list[RouteBackend]], tuple[str, str] | None]:
+        """Per rule, its RouteBackends; and the first problem (reason, message)."""
+        problem: tuple[str, str] | None = None
+        per_rule: list[list[RouteBackend]] = []
+        for rule in route.rules:
+            out = []
+            for ref in rule.backends:
+                backend, issue = self.backend(kind, namespace, ref)
+                out.append(backend)
+                if issue is not None and problem is None:
+                    problem = issue
+            for ref in rule.mirror_refs:
+                _, issue = self.backend(kind, namespace, ref)
+                if issue is not None and problem is None:
+                    problem = issue
+            per_rule.append(_scaled(out))
+        return per_rule, problem
+
+    def backend(
+        self, kind: str, namespace: str, ref: BackendRef
+    ) -> tuple[RouteBackend, tuple[str, str] | None]:
+        def invalid(reason: str, message: str) -> tuple[RouteBackend, tuple[str, str]]:
+            return (
+                RouteBackend(ref.name, ref.weight, ref.namespace, str(ref.port or ""), message),
+                (reason, message),
+            )
+
+        if ref.group not in ("", "core") or ref.kind != "Service":
+            return invalid("InvalidKind", f"backend kind {ref.group}/{ref.kind} is not supported")
+        if ref.namespace != namespace and not self.granted(
+            (GATEWAY_GROUP, kind, namespace), ("", "Service", ref.name), ref.namespace
+        ):
+            return invalid(
+                "RefNotPermitted",
+                f"no ReferenceGrant in {ref.namespace} allows {kind}s of {namespace} "
+                f"to use Service {ref.name}",
+            )
+        service = self.objects.services.get((ref.namespace, ref.name))
+        if service is None:
+            return invalid("BackendNotFound", f"Service {ref.namespace}/{ref.name} does not exist")
+        port = next((p for p in service.ports if p.port == ref.port), None)
+        if port is None:
+            return invalid(
+                "BackendNotFound", f"Service {ref.namespace}/{ref.name} has no port {ref.port}"
+            )
+        # The port by name, as EndpointSlices name theirs; a single unnamed port: "" (the only one).
+        named = port.name or ("" if len(service.ports) == 1 else str(port.port))
+        return RouteBackend(ref.name, ref.weight, ref.namespace, named), None
+
+    def make_routes(
+        self,
+        kind: str,
+        key: Key,
+        obj: JSON,
+        route: RouteSpec,
+        backends: list[list[RouteBackend]],
+        gateway: Key,
+        listener: Listener,
+        hosts: list[str],
+    ) -> Iterable[Route]:
+        tls = listener.tls
+        if kind == "TLSRoute":
+            tls = RouteTLS(TLSTermination.PASSTHROUGH)
+        for index, rule in enumerate(route.rules):
+            for host in hosts:
+                if kind == "TLSRoute" and not host:
+                    # Passthrough routes by SNI: without a hostname there is nothing to match.
+                    continue
+                name = (
+                    f"{kind.lower()}:{key[1]}:r{index}:{gateway[0]}/{gateway[1]}:"
+                    f"{listener.spec.port}:{host or '*'}"
+                )
+                yield Route(
+                    namespace=key[0],
+                    name=name,
+                    host=host,
+                    backends=tuple(backends[index]),
+                    tls=tls,
+                    sticky=StickySessions(disable_cookies=True),
+                    matches=rule.matches,
+                    filters=rule.filters,
+                    request_timeout=rule.request_timeout,
+                    backend_request_timeout=rule.backend_request_timeout,
+                    listener_port=listener.spec.port,
+                    gateway=f"{gateway[0]}/{gateway[1]}",
+                    origin=f"{kind} {key[0]}/{key[1]}",
+                    created=specs.created(obj),
+                    rule_index=index,
+                )
+
+    def finish_gateways(self) -> None:
+        for key, status in self.gateway_status.items():
+            listeners = self.listeners.get(key, [])
+            status["listeners"] = [
+                {
+                    "name": listener.spec.name,
+                    "supportedKinds": [{"group": GATEWAY_GROUP, "kind": k} for k in listener.kinds],
+                    "attachedRoutes": listener.attached,
+                    "conditions": listener.conditions,
+                }
+                for listener in listeners
+            ]
+            obj = self.objects.of("Gateway")[key]
+            self.out.statuses.append(
+                ObjectStatus("Gateway", key[0], key[1], specs.generation(obj), status)
+            )
+
+    # ------------------------------------------------------------ Ingress
+
+    def ingresses(self) -> None:
+        classes = {
+            key[1]: obj
+            for key, obj in self.objects.of("IngressClass").items()
+            if (obj.get("spec") or {}).get("controller") == INGRESS_CONTROLLER
+        }
+        default = next(
+            (
+                name
+                for name, obj in sorted(classes.items())
+                if ((obj.get("metadata") or {}).get("annotations") or {}).get(
+                    "ingressclass.kubernetes.io/is-default-class"
+                )
+                == "true"
+            ),
+            None,
+        )
+        for key, obj in sorted(self.objects.of("Ingress").items()):
+            try:
+                ingress = specs.ingress(obj)
+            except SpecError as exc:
+                declared = str((obj.get("spec") or {}).get("ingressClassName", ""))
+                if declared in classes:
+                    self.reject("Ingress", key, obj, exc)
+                continue
+            class_name = ingress.class_name or default
+            if class_name not in classes:
+                continue
+            self.ingress(key, obj, ingress)
+
+    def ingress(self, key: Key, obj: JSON, ingress: specs.IngressSpec) -> None:
+        namespace = key[0]
+        certificates: dict[str, RouteTLS] = {}
+        for hosts, secret in ingress.tls:
+            if not secret:
+                continue
+            tls, problem = self.secret_tls(namespace, secret, f"Ingress {namespace}/{key[1]}")
+            if tls is None:
+                log.warning("Ingress %s/%s: %s", namespace, key[1], problem)
+                continue
+            for host in hosts or tuple(rule.host for rule in ingress.rules):
+                certificates.setdefault(host, tls)
+        index = 0
+        paths: list[tuple[str, specs.IngressPath]] = [
+            (rule.host, path) for rule in ingress.rules for path in rule.paths
+        ]
+        if ingress.default_backend is not None:
+            paths.append(
+                ("", specs.IngressPath(PathMatchType.PREFIX, "/", ingress.default_backend))
+            )
+        for host, path in paths:
+            backend = path.backend
+            route_backend = RouteBackend(
+                backend.service, 1, namespace, backend.port, backend.invalid
+            )
+            match = RouteMatch(path.path_type, path.path)
+            for port, tls in ((80, None), (443, certificates.get(host))):
+                if port == 443 and tls is None:
+                    continue
+                yield_route = Route(
+                    namespace=namespace,
+                    name=f"ingress:{key[1]}:p{index}:{port}:{host or '*'}",
+                    host=host,
+                    backends=(route_backend,),
+                    tls=tls,
+                    sticky=StickySessions(disable_cookies=True),
+                    matches=(match,),
+                    listener_port=port,
+                    origin=f"Ingress {namespace}/{key[1]}",
+                    created=specs.created(obj),
+                    rule_index=index,
+                )
+                self.out.routes.append(yield_route)
+            index += 1
+        self.out.statuses.append(
+            ObjectStatus(
+                "Ingress",
+                namespace,
+                key[1],
+                specs.generation(obj),
+                {
+                    "loadBalancer": {
+                        "ingress": [
+                            {"ip": a} if _address_type(a) == "IPAddress" else {"hostname": a}
+                            for a in self.addresses
+                        ]
+                    }
+                },
+            )
+        )
+
+    # ------------------------------------------------------------ all
+
+    def run(self) -> Translation:
+        for key, obj in sorted(self.objects.of("ReferenceGrant").items()):
+            try:
+                self.grants.append(specs.reference_grant(obj))
+            except SpecError as exc:
+                self.reject("ReferenceGrant", key, obj, exc)
+        self.gateways(self.classes())
+        self.routes()
+        self.finish_gateways()
+        self.ingresses()
+        return self.out
+
+
+def _address_type(address: str) -> str:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(address)
+    except ValueError:
+        return "Hostname"
+    return "IPAddress"
+
+
+def _secret_value(data: JSON, string_data: JSON, key: str) -> str:
+    import base64
+    import binascii
+
+    if key in string_data:
+        return str(string_data[key])
+    if key not in data:
+        raise ValueError(f"has no {key}")
+    try:
+        return base64.b64decode(str(data[key]), validate=True).decode("ascii")
+    except (binascii.Error, UnicodeDecodeError):
+        raise ValueError(f"{key} is not base64 of a PEM text") from None
+
+
+def _scaled(backends: list[RouteBackend]) -> list[RouteBackend]:
+    top = max((b.weight for b in backends), default=0)
+    if top <= MAX_WEIGHT:
+        return backends
+    return [
+        dataclasses.replace(b, weight=max(1, round(b.weight * MAX_WEIGHT / top)) if b.weight else 0)
+        for b in backends
+    ]
+
+
+def translate(objects: Objects, *, addresses: tuple[str, ...] = ()) -> Translation:
+    """The routes and statuses `objects` amount to (see the module docstring)."""
+    return _Translator(objects, addresses).run()
+
+
+def is_gateway_object(kind: str, api_version: str) -> bool:
+    group = api_version.split("/")[0] if "/" in api_version else ""
+    if kind in ("Ingress", "IngressClass"):
+        return group == "networking.k8s.io"
+    return kind in GATEWAY_KINDS and group == GATEWAY_GROUP
+
+
+def describe(obj: Any) -> str:
+    namespace, name = specs.meta(obj)
+    return f"{obj.get('kind')} {namespace + '/' if namespace else ''}{name}"

@@ -1,0 +1,254 @@
+"""The Gateway API conformance suite's manifests, run against a real resolver and proxy.
+
+`conformance/` holds files of kubernetes-sigs/gateway-api v1.6.1 (Apache License
+2.0), unchanged: `base.yaml` is `conformance/base/manifests.yaml` and
+`httproute-*.yaml` are `conformance/tests/httproute-*.yaml`. The suite fills
+`{GATEWAY_CLASS_NAME}` and creates the GatewayClass and the listeners' TLS
+Secret itself; `manifests()` does the same here. Instead of the suite's
+echo Deployments, every Service of the base file gets an EndpointSlice that
+points at a `RecordingUpstream` named "namespace/service", so a test can ask
+which backend served a request and what it received, as the suite does.
+
+`Conformance` is one resolver (`--manifests DIR`) and one proxy on port 0;
+`apply` replaces the test manifests in DIR (the resolver reloads them, as the
+suite applies and deletes manifests between tests) and `request` sends one
+HTTP/1.1 request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import ssl
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.integration.proxy.harness import RecordingUpstream, read_response
+from tests.support.pki import self_signed
+from tests.support.poll import until
+from tests.support.processes import RunningService, start_service
+
+CONFORMANCE = Path(__file__).parent / "conformance"
+CLASS_NAME = "waygate"
+INFRA = "gateway-conformance-infra"
+GATEWAY_CLASS = f"""apiVersion: gateway.networking.k8s.io/v1
+kind: GatewayClass
+metadata:
+  name: {CLASS_NAME}
+spec:
+  controllerName: waygate.io/gateway-controller
+"""
+# The Secret the suite makes for the base file's HTTPS listeners.
+TLS_SECRET = "tls-validity-checks-certificate"
+TLS_HOSTS = ("example.org", "second-example.org", "*.wildcard.org")
+
+
+def conformance_text(name: str) -> str:
+    return (CONFORMANCE / name).read_text().replace("{GATEWAY_CLASS_NAME}", CLASS_NAME)
+
+
+def base_services() -> list[dict[str, Any]]:
+    return [
+        doc
+        for doc in yaml.safe_load_all(conformance_text("base.yaml"))
+        if doc and doc.get("kind") == "Service"
+    ]
+
+
+def endpoint_slices(ports: dict[tuple[str, str], int]) -> str:
+    """One EndpointSlice per Service, every port of it at 127.0.0.1:ports[(ns, name)]."""
+    docs = []
+    for service in base_services():
+        namespace = service["metadata"]["namespace"]
+        name = service["metadata"]["name"]
+        port = ports[(namespace, name)]
+        docs.append(
+            {
+                "apiVersion": "discovery.k8s.io/v1",
+                "kind": "EndpointSlice",
+                "metadata": {
+                    "name": f"{name}-local",
+                    "namespace": namespace,
+                    "labels": {"kubernetes.io/service-name": name},
+                },
+                "addressType": "IPv4",
+                "ports": [
+                    {"name": p.get("name", ""), "port": port, "protocol": "TCP"}
+                    for p in service["spec"]["ports"]
+                ],
+                "endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": True}}],
+            }
+        )
+    return yaml.safe_dump_all(docs)
+
+
+def tls_secret(namespace: str, name: str, host: str = "example.org") -> str:
+    cert, key = self_signed(host)
+    return yaml.safe_dump(
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "type": "kubernetes.io/tls",
+            "metadata": {"namespace": namespace, "name": name},
+            "data": {
+                "tls.crt": base64.b64encode(cert.encode()).decode(),
+                "tls.key": base64.b64encode(key.encode()).decode(),
+            },
+        }
+    )
+
+
+@dataclass
+class Response:
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+
+    def header(self, name: str) -> str | None:
+        return next((v for k, v in self.headers if k.lower() == name.lower()), None)
+
+    @property
+    def echo(self) -> dict[str, Any]:
+        """What the RecordingUpstream answered: upstream, method, target, headers."""
+        return json.loads(self.body)  # type: ignore[no-any-return]
+
+    @property
+    def backend(self) -> str:
+        return str(self.echo["upstream"]) if self.status == 200 else ""
+
+    def request_header(self, name: str) -> str | None:
+        return next((v for k, v in self.echo["headers"] if k.lower() == name.lower()), None)
+
+
+def parse_response(data: bytes) -> Response:
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = [tuple(line.split(": ", 1)) for line in lines[1:] if ": " in line]
+    return Response(int(lines[0].split(" ")[1]), headers, body)  # type: ignore[arg-type]
+
+
+@dataclass
+class Conformance:
+    directory: Path
+    backends: dict[tuple[str, str], RecordingUpstream] = field(default_factory=dict)
+    resolver: RunningService | None = None
+    proxy: RunningService | None = None
+    port: int = 0
+
+    async def start(self, *proxy_args: str) -> Conformance:
+        for service in base_services():
+            key = (service["metadata"]["namespace"], service["metadata"]["name"])
+            self.backends[key] = await RecordingUpstream("/".join(key)).start()
+        (self.directory / "00-class.yaml").write_text(GATEWAY_CLASS)
+        (self.directory / "01-base.yaml").write_text(conformance_text("base.yaml"))
+        (self.directory / "02-backends.yaml").write_text(
+            endpoint_slices({key: up.port for key, up in self.backends.items()})
+        )
+        (self.directory / "03-secret.yaml").write_text(tls_secret(INFRA, TLS_SECRET))
+        self.resolver = await start_service(
+            [
+                "waygate",
+                "resolver",
+                "serve",
+                "--grpc-port",
+                "0",
+                "--admin-port",
+                "0",
+                "--manifests",
+                str(self.directory),
+                "--routes-poll-interval",
+                "100ms",
+            ]
+        )
+        self.proxy = await start_service(
+            [
+                "waygate",
+                "proxy",
+                "serve",
+                "--http-port",
+                "0",
+                "--https-port",
+                "0",
+                "--admin-port",
+                "0",
+                "--resolver-address",
+                self.resolver.grpc_address,
+                *proxy_args,
+            ]
+        )
+        entry = next(e for e in self.proxy.logs if e.get("msg") == "proxy listening")
+        self.port = int(entry["http_port"])
+        return self
+
+    async def stop(self) -> None:
+        for service in (self.proxy, self.resolver):
+            if service is not None:
+                await service.stop()
+        for upstream in self.backends.values():
+            await upstream.stop()
+
+    def apply(self, *names: str, extra: str = "") -> None:
+        """Make the test manifests exactly these conformance files (plus `extra`)."""
+        text = "\n---\n".join(conformance_text(n) for n in names)
+        if extra:
+            text += "\n---\n" + extra
+        (self.directory / "10-test.yaml").write_text(text)
+
+    async def request(
+        self,
+        path: str = "/",
+        *,
+        host: str = "example.com",
+        method: str = "GET",
+        headers: dict[str, str] | None = None,
+    ) -> Response:
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+        try:
+            lines = [f"{method} {path} HTTP/1.1", f"Host: {host}"]
+            lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+            writer.write(("\r\n".join(lines) + "\r\n\r\n").encode())
+            if method == "HEAD":
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+                return parse_response(head)
+            return parse_response(await read_response(reader, timeout=10))
+        finally:
+            writer.close()
+
+    async def eventually(
+        self, path: str = "/", *, backend: str = "", status: int = 200, **kw: Any
+    ) -> Response:
+        """Poll until the request gets `backend` (or `status`): the view reaches the proxy
+        after a reload, as the suite's MakeRequestAndExpectEventuallyConsistentResponse waits."""
+        last: list[Response] = []
+
+        async def check() -> bool:
+            response = await self.request(path, **kw)
+            last[:] = [response]
+            if backend:
+                return response.status == 200 and response.backend == backend
+            return response.status == status
+
+        await until(check, f"{path} {kw} -> {backend or status} (last: {last})", timeout=20)
+        return last[0]
+
+    async def gateways(self, *args: str) -> list[dict[str, Any]]:
+        """`waygate gateways -o json`: the objects with their status."""
+        from tests.support.processes import run_cli
+
+        assert self.resolver is not None
+        code, out, err = await run_cli(
+            "gateways", "--addr", self.resolver.grpc_address, "-o", "json", *args
+        )
+        assert code == 0, err
+        return json.loads(out)["items"]  # type: ignore[no-any-return]
+
+
+def tls_client_context() -> ssl.SSLContext:
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context

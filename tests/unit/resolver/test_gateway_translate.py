@@ -1,0 +1,302 @@
+"""Gateway API and Ingress objects -> routes and statuses (waygate.resolver.gateway), and the
+manifests source's all-or-nothing parse with `path:line: reason`."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.support.gatewayapi import GATEWAY_CLASS, conformance_text, tls_secret
+from tests.support.pki import self_signed
+from waygate.resolver.filesource import FileError
+from waygate.resolver.gateway.status import StatusBoard
+from waygate.resolver.gateway.translate import ObjectStatus, _hostname_intersection
+from waygate.resolver.manifests import ManifestsContent, parse_manifests
+from waygate.resolver.model import PathMatchType
+
+NS = "gateway-conformance-infra"
+
+
+def parse(*texts: str) -> ManifestsContent:
+    return parse_manifests([(Path(f"m{i}.yaml"), t) for i, t in enumerate(texts)])
+
+
+def base(*tests: str) -> ManifestsContent:
+    return parse(
+        GATEWAY_CLASS,
+        conformance_text("base.yaml"),
+        *(conformance_text(t) for t in tests),
+    )
+
+
+def status_of(content: ManifestsContent, kind: str, name: str) -> dict[str, Any]:
+    (found,) = [s.status for s in content.translation.statuses if s.kind == kind and s.name == name]
+    return found
+
+
+def reasons(conditions: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in conditions}
+
+
+@pytest.mark.parametrize(
+    ("listener", "route", "expected"),
+    [
+        ("", (), [""]),
+        ("", ("a.com",), ["a.com"]),
+        ("a.com", (), ["a.com"]),
+        ("very.specific.com", ("*.specific.com", "x.com"), ["very.specific.com"]),
+        ("*.wildcard.io", ("foo.bar.wildcard.io", "wildcard.io"), ["foo.bar.wildcard.io"]),
+        ("*.wildcard.io", ("*.foo.wildcard.io",), ["*.foo.wildcard.io"]),
+        ("*.foo.wildcard.io", ("*.wildcard.io",), ["*.foo.wildcard.io"]),
+        ("*.a.com", ("*.b.com",), []),
+        ("a.com", ("b.com",), []),
+    ],
+)
+def test_hostname_intersection(listener: str, route: tuple[str, ...], expected: list[str]) -> None:
+    assert _hostname_intersection(listener, route) == expected
+
+
+def test_gateway_class_of_another_controller_is_left_alone() -> None:
+    other = GATEWAY_CLASS.replace("name: waygate", "name: other").replace(
+        "waygate.io/gateway-controller", "example.com/theirs"
+    )
+    content = parse(other, conformance_text("base.yaml").replace("{GATEWAY_CLASS_NAME}", "other"))
+    assert content.routes == [] and content.translation.statuses == []
+
+
+def test_routes_carry_the_rule_listener_and_precedence_keys() -> None:
+    content = base("httproute-matching.yaml")
+    routes = sorted(
+        (r for r in content.routes if r.origin == f"HTTPRoute {NS}/matching"),
+        key=lambda r: r.rule_index,
+    )
+    assert [r.rule_index for r in routes] == [0, 1]
+    first = routes[0]
+    assert first.host == "" and first.listener_port == 80
+    assert first.gateway == f"{NS}/same-namespace" and first.tls is None
+    assert [m.path_type for m in first.matches] == [PathMatchType.PREFIX, PathMatchType.PREFIX]
+    assert first.matches[1].headers[0].name == "version"
+    # The service's named port, as its EndpointSlice names it.
+    assert first.backends[0].port == "first-port" and first.backends[0].namespace == NS
+
+
+def test_https_listener_takes_the_secret_and_reports_a_missing_one() -> None:
+    content = base("httproute-https-listener.yaml")
+    listeners = status_of(content, "Gateway", "same-namespace-with-https-listener")["listeners"]
+    assert reasons(listeners[0]["conditions"])["ResolvedRefs"] == (
+        "False",
+        "InvalidCertificateRef",
+    )
+    assert (
+        "tls-validity-checks-certificate does not exist" in listeners[0]["conditions"][1]["message"]
+    )
+    with_secret = parse(
+        GATEWAY_CLASS,
+        conformance_text("base.yaml"),
+        conformance_text("httproute-https-listener.yaml"),
+        tls_secret(NS, "tls-validity-checks-certificate"),
+    )
+    listeners = status_of(with_secret, "Gateway", "same-namespace-with-https-listener")["listeners"]
+    assert all(
+        reasons(item["conditions"])["Programmed"] == ("True", "Programmed") for item in listeners
+    )
+    routes = [r for r in with_secret.routes if r.name.startswith("httproute:httproute-https-test:")]
+    assert routes and all(r.tls is not None and r.tls.certificate for r in routes)
+    assert {r.listener_port for r in routes} == {443}
+
+
+def test_listener_conflicts_and_unsupported_protocols() -> None:
+    gateway = f"""apiVersion: gateway.networking.k8s.io/v1
+kind: Gateway
+metadata: {{name: g, namespace: {NS}}}
+spec:
+  gatewayClassName: waygate
+  listeners:
+  - {{name: a, port: 80, protocol: HTTP, hostname: x.com}}
+  - {{name: b, port: 80, protocol: HTTP, hostname: x.com}}
+  - {{name: c, port: 81, protocol: HTTP}}
+  - {{name: d, port: 81, protocol: HTTPS, tls: {{certificateRefs: [{{name: s}}]}}}}
+  - {{name: e, port: 9000, protocol: UDP}}
+"""
+    content = parse(GATEWAY_CLASS, gateway, tls_secret(NS, "s"))
+    listeners = {
+        item["name"]: reasons(item["conditions"])
+        for item in status_of(content, "Gateway", "g")["listeners"]
+    }
+    assert listeners["a"]["Conflicted"] == ("True", "HostnameConflict")
+    assert listeners["c"]["Conflicted"] == ("True", "ProtocolConflict")
+    assert listeners["d"]["Conflicted"] == ("True", "ProtocolConflict")
+    assert listeners["e"]["Accepted"] == ("False", "UnsupportedProtocol")
+    assert all(item["Programmed"][0] == "False" for item in listeners.values())
+    assert reasons(status_of(content, "Gateway", "g")["conditions"])["Accepted"] == (
+        "False",
+        "ListenersNotValid",
+    )
+
+
+def test_weights_beyond_the_proxy_range_are_scaled_in_proportion() -> None:
+    route = f"""apiVersion: gateway.networking.k8s.io/v1
+kind: HTTPRoute
+metadata: {{name: w, namespace: {NS}}}
+spec:
+  parentRefs: [{{name: same-namespace}}]
+  rules:
+  - backendRefs:
+    - {{name: infra-backend-v1, port: 8080, weight: 1000000}}
+    - {{name: infra-backend-v2, port: 8080, weight: 250000}}
+    - {{name: infra-backend-v3, port: 8080, weight: 0}}
+"""
+    content = base()
+    content = parse(GATEWAY_CLASS, conformance_text("base.yaml"), route)
+    (made,) = [r for r in content.routes if r.origin.endswith("/w")]
+    assert [b.weight for b in made.backends] == [256, 64, 0]
+
+
+@pytest.mark.parametrize(
+    ("rule", "field", "reason"),
+    [
+        (
+            "matches: [{path: {type: RegularExpression, value: '/(x'}}]",
+            "spec.rules[0].matches[0].path.value",
+            "invalid regular expression",
+        ),
+        (
+            "filters: [{type: Teleport}]",
+            "spec.rules[0].filters[0].type",
+            "unsupported filter type 'Teleport'",
+        ),
+        (
+            "backendRefs: [{name: infra-backend-v1, port: 70000}]",
+            "spec.rules[0].backendRefs[0].port",
+            "70000 is outside 0..65535",
+        ),
+        (
+            "backendRefs: [{name: infra-backend-v1}]",
+            "spec.rules[0].backendRefs[0].port",
+            "is required for a Service",
+        ),
+    ],
+)
+def test_a_bad_object_rejects_the_whole_file_naming_its_line(
+    rule: str, field: str, reason: str
+) -> None:
+    route = f"""apiVersion: gateway.networking.k8s.io/v1
+kind: HTTPRoute
+metadata:
+  name: bad
+  namespace: {NS}
+spec:
+  parentRefs: [{{name: same-namespace}}]
+  rules:
+  - {rule}
+"""
+    with pytest.raises(FileError) as caught:
+        parse(GATEWAY_CLASS, conformance_text("base.yaml"), route)
+    error = caught.value
+    assert error.path == Path("m2.yaml") and error.line == 9
+    assert f"HTTPRoute {NS}/bad: {field}: " in error.reason and reason in error.reason
+
+
+def test_unknown_kinds_are_skipped_and_duplicates_refused() -> None:
+    content = base()
+    assert any("apps/v1 Deployment" in s for s in content.skipped)
+    with pytest.raises(FileError, match="defined twice"):
+        parse(GATEWAY_CLASS, GATEWAY_CLASS)
+
+
+def test_ingress_routes_hosts_paths_default_backend_and_tls() -> None:
+    cert, key = self_signed("web.example.com")
+    manifests = f"""apiVersion: networking.k8s.io/v1
+kind: IngressClass
+metadata: {{name: waygate}}
+spec: {{controller: waygate.io/ingress-controller}}
+---
+apiVersion: v1
+kind: Service
+metadata: {{name: web, namespace: shop}}
+spec: {{ports: [{{name: http, port: 80, targetPort: 8080}}]}}
+---
+apiVersion: v1
+kind: Secret
+type: kubernetes.io/tls
+metadata: {{name: web-tls, namespace: shop}}
+data:
+  tls.crt: {base64.b64encode(cert.encode()).decode()}
+  tls.key: {base64.b64encode(key.encode()).decode()}
+---
+apiVersion: networking.k8s.io/v1
+kind: Ingress
+metadata: {{name: web, namespace: shop}}
+spec:
+  ingressClassName: waygate
+  defaultBackend: {{service: {{name: web, port: {{number: 80}}}}}}
+  tls: [{{hosts: [web.example.com], secretName: web-tls}}]
+  rules:
+  - host: web.example.com
+    http:
+      paths:
+      - {{path: /api, pathType: Prefix, backend: {{service: {{name: web, port: {{name: http}}}}}}}}
+      - {{path: /exact, pathType: Exact, backend: {{service: {{name: web, port: {{number: 80}}}}}}}}
+---
+apiVersion: networking.k8s.io/v1
+kind: Ingress
+metadata: {{name: theirs, namespace: shop}}
+spec:
+  ingressClassName: nginx
+  defaultBackend: {{service: {{name: web, port: {{number: 80}}}}}}
+"""
+    content = parse_manifests([(Path("i.yaml"), manifests)], addresses=("192.0.2.7",))
+    routes = {(r.host, r.matches[0].path, r.listener_port): r for r in content.routes}
+    assert set(routes) == {
+        ("web.example.com", "/api", 80),
+        ("web.example.com", "/api", 443),
+        ("web.example.com", "/exact", 80),
+        ("web.example.com", "/exact", 443),
+        ("", "/", 80),
+    }
+    assert routes[("web.example.com", "/exact", 80)].matches[0].path_type is PathMatchType.EXACT
+    secure = routes[("web.example.com", "/api", 443)]
+    assert secure.tls is not None and secure.tls.certificate == cert
+    assert routes[("", "/", 80)].backends[0].port == "80"
+    assert status_of(content, "Ingress", "web") == {
+        "loadBalancer": {"ingress": [{"ip": "192.0.2.7"}]}
+    }
+    assert not [s for s in content.translation.statuses if s.name == "theirs"]
+
+
+def test_status_board_keeps_transition_times_while_a_status_holds() -> None:
+    times = iter(["t1", "t2", "t3"])
+    board = StatusBoard(clock=lambda: next(times))
+
+    def status(accepted: str) -> ObjectStatus:
+        return ObjectStatus(
+            "Gateway",
+            "ns",
+            "g",
+            1,
+            {"conditions": [{"type": "Accepted", "status": accepted, "reason": "R"}]},
+        )
+
+    board.replace([status("True")])
+    assert [s.name for s in board.take_changed()] == ["g"]
+    board.replace([status("True")])
+    assert board.take_changed() == []
+    item = board.get("Gateway", "ns", "g")
+    assert item is not None and item.status["conditions"][0]["lastTransitionTime"] == "t1"
+    board.replace([status("False")])
+    item = board.get("Gateway", "ns", "g")
+    assert item is not None and item.status["conditions"][0]["lastTransitionTime"] == "t3"
+    assert [s.name for s in board.take_changed()] == ["g"]
+
+
+def test_the_conformance_base_parses_with_every_service() -> None:
+    content = base()
+    names = {s.name for s in content.services}
+    assert {"infra-backend-v1", "app-backend-v1", "web-backend"} <= names
+    gateways = [s for s in content.translation.statuses if s.kind == "Gateway"]
+    assert {g.name for g in gateways} >= {"same-namespace", "all-namespaces", "backend-namespaces"}
+    assert yaml.safe_dump(gateways[0].status)
