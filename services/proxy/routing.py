@@ -348,7 +348,11 @@ class RouteEntry:
 
     def holds(self, req: Any, seen: dict[str, Any]) -> bool:
         """Whether the request meets the method, header and query conditions; `seen`
-        caches the parsed headers and query for the other entries of one lookup."""
+        caches the parsed headers and query for the other entries of one lookup.
+        Without a request (a caller that looks up by host and path only) no
+        condition can hold."""
+        if req is None:
+            return False
         if self.method and req.method != self.method:
             return False
         if self.headers:
