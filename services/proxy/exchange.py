@@ -271,10 +271,12 @@ class Exchange:
         query = target.find(b"?")
         path = target if query < 0 else target[:query]
         self.path = path
-        entry = server.table.lookup(req.host, path)
+        entry = server.table.lookup(req.host, path, req, down.secure)
         if entry is None:
             reason = "no route for host " + req.host.decode("ascii", "replace")
-            return self._unavailable(req, reason, "no_route")
+            # A Gateway listener answers what no route takes with 404 (the spec).
+            status = 404 if server.table.serves_listeners(down.secure) else 503
+            return self._unavailable(req, reason, "no_route", status)
         self.hsts = b""
         identity = b""
         if entry.route.tls is not None:
@@ -302,6 +304,9 @@ class Exchange:
             self.counted = False
         else:
             chosen, chosen_backend = entry.pick(down.client_key, cookie, server.health, None)
+            if chosen_backend is not None and chosen_backend.invalid:
+                # A Gateway API backendRef that cannot be used: 500, as the spec says.
+                return self._unavailable(req, chosen_backend.invalid, "invalid_backend", 500)
             if chosen is None or chosen_backend is None:
                 reason = "no endpoint ready for route " + entry.options.name
                 return self._unavailable(req, reason, "no_endpoint")
@@ -462,7 +467,9 @@ class Exchange:
                 server.health.failed(target)
                 if exc.retryable and attempts < MAX_CONNECT_ATTEMPTS and self.req is not None:
                     # The current table's entry: an endpoint removed meanwhile is not picked.
-                    current = server.table.lookup(self.req.host, self.path)
+                    current = server.table.lookup(
+                        self.req.host, self.path, self.req, self.down.secure
+                    )
                     current = current if current is not None else entry
                     again, backend = current.pick(self.down.client_key, None, server.health, target)
                     if again is not None and backend is not None:
@@ -947,9 +954,9 @@ class Exchange:
         self.down.answer(req, status, reason, "client_certificate")
         return False
 
-    def _unavailable(self, req: RequestHead, reason: str, kind: str) -> bool:
+    def _unavailable(self, req: RequestHead, reason: str, kind: str, status: int = 503) -> bool:
         metrics = self.server.metrics
         metrics.refused[kind] = metrics.refused.get(kind, 0) + 1
-        self._record("", req, 503)
-        self.down.answer(req, 503, reason, kind)
+        self._record("", req, status)
+        self.down.answer(req, status, reason, kind)
         return False

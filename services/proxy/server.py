@@ -561,6 +561,12 @@ class ClientConnection(asyncio.Protocol):
                 if server.unavailable_page
                 else b"",
             )
+        elif status in (404, 500):
+            # Gateway API answers (no route on a listener, an unusable backendRef):
+            # the connection stays open when it can, as after a 503.
+            response = http1.error_response(
+                status, reason, close=close, head_only=req.method == b"HEAD"
+            )
         else:
             response = http1.error_response(status, reason, head_only=req.method == b"HEAD")
         transport = self.transport

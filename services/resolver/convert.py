@@ -382,6 +382,18 @@ def route_from_proto(message: pb.Route) -> model.Route:
         upstream_protocol=message.upstream_protocol,
         created=when(message, "creation_timestamp"),
         status=route_status_from_proto(message.status) if message.HasField("status") else None,
+        matches=tuple(_match_from_proto(m) for m in message.matches),
+        filters=_filters_from_proto(message.filters) if message.HasField("filters") else None,
+        request_timeout=seconds(message.request_timeout)
+        if message.HasField("request_timeout")
+        else None,
+        backend_request_timeout=seconds(message.backend_request_timeout)
+        if message.HasField("backend_request_timeout")
+        else None,
+        listener_port=message.listener_port,
+        gateway=message.gateway,
+        origin=message.origin,
+        rule_index=message.rule_index,
     )
 
 
@@ -434,18 +446,6 @@ def source_state_from_proto(message: pb.RouteSourceState) -> model.SourceState:
         error=message.last_error,
         loaded_version=message.loaded_version,
         loaded_at=when(message, "loaded_at"),
-        matches=tuple(_match_from_proto(m) for m in message.matches),
-        filters=_filters_from_proto(message.filters) if message.HasField("filters") else None,
-        request_timeout=seconds(message.request_timeout)
-        if message.HasField("request_timeout")
-        else None,
-        backend_request_timeout=seconds(message.backend_request_timeout)
-        if message.HasField("backend_request_timeout")
-        else None,
-        listener_port=message.listener_port,
-        gateway=message.gateway,
-        origin=message.origin,
-        rule_index=message.rule_index,
     )
 
 

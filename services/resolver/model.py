@@ -296,6 +296,8 @@ class SourceState:
     loaded_version: int = 0
     # When the last accepted content was loaded.
     loaded_at: datetime | None = None
+
+
 # ---------------------------------------------------------------- Gateway API route parts
 
 

@@ -73,13 +73,16 @@ def route_references(
     ready = False
     first_weighted = ""
     for backend in route.backends:
-        found = service(route.namespace, backend.service)
-        name = f"{route.namespace}/{backend.service}"
+        # Gateway API backends may name their namespace and port (waygate.resolver.gateway).
+        namespace = backend.namespace or route.namespace
+        found = service(namespace, backend.service)
+        name = f"{namespace}/{backend.service}"
         if found is None:
             return SERVICE_NOT_FOUND, f"service {name} not found"
-        backend_endpoints = endpoints(route.namespace, backend.service)
-        if route.target_port and not _has_port(found, backend_endpoints, route.target_port):
-            return PORT_NOT_FOUND, f"service {name} has no port {route.target_port!r}"
+        backend_endpoints = endpoints(namespace, backend.service)
+        port = backend.port or route.target_port
+        if port and not _has_port(found, backend_endpoints, port):
+            return PORT_NOT_FOUND, f"service {name} has no port {port!r}"
         if backend.weight > 0:
             first_weighted = first_weighted or name
             ready = ready or any(e.usable for e in backend_endpoints)
@@ -113,6 +116,9 @@ class RouteStatusBook:
         self._by_service: dict[ServiceKey, set[RouteKey]] = {}
         # Why a route is not admitted (None: it is).
         self._conflict: dict[RouteKey, str | None] = {}
+        # Gateway API and Ingress routes (with matches): they share hosts and
+        # paths by the specification's precedence, so they claim nothing.
+        self._merged: set[RouteKey] = set()
         self._sightings = itertools.count()
 
     def status(self, key: RouteKey) -> RouteStatus | None:
@@ -177,6 +183,7 @@ class RouteStatusBook:
                 del self._by_service[service_key]
         self._conflict.pop(key, None)
         self._path.pop(key, None)
+        self._merged.discard(key)
         return host
 
     def _index(self, route: Route, now: datetime) -> None:
@@ -187,16 +194,26 @@ class RouteStatusBook:
         self._host[key] = route.host
         self._path[key] = route.path or "/"
         self._by_host.setdefault(route.host, set()).add(key)
-        services = tuple(dict.fromkeys((route.namespace, b.service) for b in route.backends))
+        if route.matches:
+            self._merged.add(key)
+        services = tuple(
+            dict.fromkeys((b.namespace or route.namespace, b.service) for b in route.backends)
+        )
         self._services[key] = services
         for service_key in services:
             self._by_service.setdefault(service_key, set()).add(key)
 
     def _claim(self, host: str) -> set[RouteKey]:
         """Decide who is admitted on `host`; the routes whose verdict may have changed."""
-        claims = sorted(self._by_host.get(host, ()), key=self._age.__getitem__)
+        merged = [key for key in self._by_host.get(host, ()) if key in self._merged]
+        for key in merged:
+            self._conflict[key] = None
+        claims = sorted(
+            (key for key in self._by_host.get(host, ()) if key not in self._merged),
+            key=self._age.__getitem__,
+        )
         if not claims:
-            return set()
+            return set(merged)
         owner = claims[0]
         taken: dict[str, RouteKey] = {}
         for key in claims:
@@ -215,7 +232,7 @@ class RouteStatusBook:
                 taken[path] = key
                 verdict = None
             self._conflict[key] = verdict
-        return set(claims)
+        return set(claims) | set(merged)
 
     def _compute(
         self,

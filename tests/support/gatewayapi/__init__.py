@@ -180,7 +180,9 @@ class Conformance:
                 *proxy_args,
             ]
         )
-        entry = next(e for e in self.proxy.logs if e.get("msg") == "proxy listening")
+        entry = next(
+            e for e in self.proxy.logs if e.get("msg") == "proxy listening" and "http_port" in e
+        )
         self.port = int(entry["http_port"])
         return self
 

@@ -300,3 +300,35 @@ def test_the_conformance_base_parses_with_every_service() -> None:
     gateways = [s for s in content.translation.statuses if s.kind == "Gateway"]
     assert {g.name for g in gateways} >= {"same-namespace", "all-namespaces", "backend-namespaces"}
     assert yaml.safe_dump(gateways[0].status)
+
+
+def test_gateway_routes_share_hosts_across_namespaces_in_the_status_book() -> None:
+    from datetime import UTC, datetime
+
+    from waygate.resolver.model import Route, RouteBackend, RouteMatch, Service, ServicePort
+    from waygate.resolver.status import RouteStatusBook
+
+    def made(namespace: str, name: str) -> Route:
+        return Route(
+            namespace=namespace,
+            name=name,
+            host="",
+            backends=(RouteBackend("web", 1, "shared", "http"),),
+            matches=(RouteMatch(),),
+            listener_port=80,
+            gateway="infra/gw",
+        )
+
+    routes = {r.key: r for r in (made("a", "r"), made("b", "r"))}
+    web = Service("shared", "web", ports=(ServicePort("http", 80, "8080"),))
+    book = RouteStatusBook()
+    statuses = book.update(
+        routes,
+        lambda ns, name: web if (ns, name) == ("shared", "web") else None,
+        lambda ns, name: (),
+        changed_routes=list(routes),
+        now=datetime.now(UTC),
+    )
+    assert all(s.admitted for s in statuses.values()) and len(statuses) == 2
+    # The backend is looked up in its own namespace: found, only without endpoints.
+    assert {s.condition("ResolvedRefs").reason for s in statuses.values()} == {"NoReadyEndpoints"}
