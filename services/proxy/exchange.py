@@ -822,6 +822,20 @@ class Exchange:
         self.body_reader = None
         self.down.exchange_done(keep_alive, now, idle_timeout)
 
+    def release_relay(self) -> None:
+        """The driver ends a relay both sides have finished: the upstream is closed
+        (gracefully: bytes still queued for it go first), the request recorded."""
+        entry = self.entry
+        req = self.req
+        if entry is not None and req is not None:
+            self._record(entry.options.name, req, 101)
+            self.req = None
+        upstream = self.upstream
+        self.upstream = None
+        if upstream is not None:
+            upstream.release(False)
+        self._release_pick()
+
     def relay_closed(self) -> None:
         entry = self.entry
         req = self.req

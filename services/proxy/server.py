@@ -245,6 +245,7 @@ class ClientConnection(asyncio.Protocol):
         "_identity_route",
         "_relay",
         "_timer_kind",
+        "_up_eof",
         "buf",
         "chunked_ok",
         "client_key",
@@ -282,6 +283,7 @@ class ClientConnection(asyncio.Protocol):
         self._timer_kind = _T_NONE
         self._relay = False
         self._eof = False
+        self._up_eof = False  # a relay's upstream half-closed (its EOF went on to the client)
         # An auth-proxy route's answer for this connection's client certificate
         # (identity header lines, or the refusal), per route: a connection's
         # certificate never changes (no renegotiation), so it is read once.
@@ -356,8 +358,18 @@ class ClientConnection(asyncio.Protocol):
 
     def eof_received(self) -> bool | None:
         exchange = self.exchange
-        if self._relay and exchange.relay_send_eof():
-            return True
+        if self._relay:
+            self._eof = True
+            if self._up_eof:
+                # Both directions ended: nothing can move any more, release both.
+                exchange.release_relay()
+                self._close()
+                return True
+            if exchange.relay_send_eof():
+                return True  # the upstream may still answer
+            # The EOF cannot travel on (a TLS upstream has no half-close): the relay ends.
+            exchange.release_relay()
+            return None
         if exchange.req is not None and exchange.req_complete:
             # A client may half-close after its request; answer it, then close.
             self._eof = True
@@ -660,6 +672,12 @@ class ClientConnection(asyncio.Protocol):
         self.transport.write(data)  # type: ignore[union-attr]
 
     def relay_eof(self) -> bool:
+        self._up_eof = True
+        if self._eof:
+            # Both directions ended: nothing can move any more, release both.
+            self.exchange.release_relay()
+            self._close()
+            return True
         transport = self.transport
         if transport is not None and transport.can_write_eof():
             transport.write_eof()
