@@ -102,6 +102,11 @@ log = logging.getLogger(__name__)
 SLICE_OBJECTS = 1000
 #: Changes of one Changes event converted between two turns of the event loop.
 CHANGES_SLICE = 1000
+#: How long tunnel presence a fresh snapshot from another epoch lacks is kept: a
+#: restarted resolver (or another replica) knows no presence until the tunnel
+#: servers report to it again, within their reconnect backoff; the tunnel
+#: servers' default presence lease.
+PRESENCE_GRACE = 15.0
 #: Default silence after which a stream is considered dead: a little over two of
 #: the resolver's default 30 s heartbeats.
 DEFAULT_STALE_AFTER = 75.0
@@ -219,6 +224,7 @@ class ResolverWatch:
         backoff: Backoff | None = None,
         stale_after: float = DEFAULT_STALE_AFTER,
         on_disconnect: Callable[[str, float], None] | None = None,
+        presence_grace: float = PRESENCE_GRACE,
     ) -> None:
         if stale_after <= 0:
             raise ValueError("stale_after must be positive")
@@ -246,6 +252,12 @@ class ResolverWatch:
         self._endpoint_tuples: dict[ServiceKey, tuple[Endpoint, ...]] = {}
         self._routes: dict[RouteKey, Route] = {}
         self._tunnels: dict[str, TunnelPresence] = {}
+        # Presence kept from before an epoch change, until the grace ends or the
+        # resolver says something about the node (issue 18: a resolver restart
+        # made every tunnelled route fail until the tunnel servers reported again).
+        self._presence_grace = presence_grace
+        self._carried: dict[str, TunnelPresence] = {}
+        self._carry_timer: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------ public surface
 
@@ -408,8 +420,42 @@ class ResolverWatch:
         self._endpoints = staging.endpoints
         self._endpoint_tuples = staging.finish()
         self._routes = staging.routes
-        self._tunnels = staging.tunnels
+        self._tunnels = self._carry_presence(staging.tunnels, staging.epoch)
         self._publish(event, from_snapshot=True)
+
+    def _carry_presence(
+        self, tunnels: dict[str, TunnelPresence], epoch: int
+    ) -> dict[str, TunnelPresence]:
+        """`tunnels` plus the presence a snapshot from a new epoch lacks, kept for the grace."""
+        previous = self._view
+        if previous is None or self._presence_grace <= 0:
+            return tunnels
+        held = self._tunnels if previous.epoch != epoch else self._carried
+        carried = {node: p for node, p in held.items() if node not in tunnels}
+        self._carried = carried
+        if not carried:
+            return tunnels
+        tunnels.update(carried)
+        if previous.epoch != epoch or self._carry_timer is None:
+            if self._carry_timer is not None:
+                self._carry_timer.cancel()
+            self._carry_timer = asyncio.get_running_loop().call_later(
+                self._presence_grace, self._end_carry
+            )
+        return tunnels
+
+    def _end_carry(self) -> None:
+        """The grace is over: presence nobody confirmed since the epoch changed goes."""
+        self._carry_timer = None
+        carried, self._carried = self._carried, {}
+        view = self._view
+        if not carried or view is None:
+            return
+        tunnels = {n: p for n, p in self._tunnels.items() if carried.get(n) is not p}
+        self._tunnels = tunnels
+        self._emit(
+            dataclasses.replace(view, tunnels=MappingProxyType(tunnels), from_snapshot=False)
+        )
 
     async def _apply_changes(self, event: pb.WatchEvent) -> None:
         view = self._view
@@ -457,8 +503,10 @@ class ResolverWatch:
                 routes.pop(value, None)
             elif value.servers:
                 tunnels[value.node] = value
+                self._carried.pop(value.node, None)
             else:
                 tunnels.pop(value.node, None)
+                self._carried.pop(value.node, None)
         if touched_services:
             tuples = dict(self._endpoint_tuples)
             for key in touched_services:
@@ -492,6 +540,9 @@ class ResolverWatch:
             from_snapshot=from_snapshot,
             sources=_sources(event),
         )
+        self._emit(view)
+
+    def _emit(self, view: View) -> None:
         self._view = view
         self._synced.set()
         if self._on_view is not None:
