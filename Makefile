@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: run test test-fast lint typecheck protos protos-check bench deploy-check clean
+.PHONY: run test test-fast lint typecheck protos protos-check bench soak deploy-check clean
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "waygate needs Python 3.11 or newer; set PYTHON=python3.11")'
@@ -50,6 +50,13 @@ protos-check: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench $(BENCH)
+
+# Every service as its own process under steady load and a schedule of faults
+# (bench/soak); the table and plot go to bench/soak/out/. `make test` runs a
+# short version (tests/system/test_soak.py).
+SOAK_MINUTES ?= 30
+soak: $(STAMP)
+	$(BIN)/python -m bench.soak --minutes $(SOAK_MINUTES)
 
 deploy-check: $(STAMP)
 	$(BIN)/python -m pytest tests/deploy $(PYTEST_ARGS)

@@ -1,0 +1,57 @@
+"""`make soak`: the whole stack as processes under steady load and a schedule of faults.
+
+Run: .venv/bin/python -m bench.soak [--minutes 30] [--out bench/soak/out]
+Writes the report (table, checks) to OUT/soak.md and the plot to OUT/soak.png;
+exits 1 when a check failed. See bench/soak/run.py for the schedule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.machine import describe
+from bench.soak.run import Soak
+from bench.soak.stack import Stack
+
+HERE = Path(__file__).resolve().parent
+#: One cycle of faults with `HOLD` seconds per phase and a 120 s leaf lifetime
+#: takes about 7 minutes (the rotations wait for every process to renew).
+HOLD = 20.0
+LEAF_LIFETIME = 120.0
+CYCLE_SECONDS = 420.0
+
+
+async def main(minutes: float, out: Path) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    cycles = max(1, round(minutes * 60 / CYCLE_SECONDS))
+    with tempfile.TemporaryDirectory(prefix="waygate-soak-") as directory:
+        stack = Stack(Path(directory), leaf_lifetime=LEAF_LIFETIME)
+        soak = Soak(stack, hold=HOLD, cycles=cycles)
+        began = time.time()
+        try:
+            await soak.run()
+        finally:
+            stack.stop_all()
+    seconds = time.time() - began
+    title = f"waygate soak, {seconds / 60:.0f} min, {cycles} fault cycles"
+    soak.plot(out / "soak.png", title)
+    text = (
+        f"# {title}\n\n{describe()}\n\nCommand: `make soak SOAK_MINUTES={minutes:g}`\n\n"
+        f"{soak.report()}"
+    )
+    (out / "soak.md").write_text(text)
+    print(text)
+    return 0 if soak.passed else 1
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--minutes", type=float, default=30.0)
+    parser.add_argument("--out", type=Path, default=HERE / "out")
+    arguments = parser.parse_args()
+    sys.exit(asyncio.run(main(arguments.minutes, arguments.out)))

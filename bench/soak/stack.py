@@ -1,0 +1,404 @@
+"""The soak's processes: every Waygate service as its own process, TLS everywhere.
+
+- certs (one process, file-backed CA; short leaf lifetime so every leaf rotates
+  during the soak, `--clock-skew 0` so that lifetime is the real one);
+- resolver (one process over a routes file: its tunnel presence lives in the
+  replica the tunnel servers report to, so file-mode replicas would each see
+  only part of it; Kubernetes mode is where replicas share a source);
+- two tunnel-server replicas (`--replicas`), agents reaching them through
+  HAProxy in TCP mode (one address, as a LoadBalancer would be);
+- two agents for the one edge node;
+- the proxy (HTTP and HTTPS), watching the resolver, dialling tunnelled
+  endpoints through whichever replica holds the node;
+- backends (bench.soak.backend): two direct endpoints, a third added later,
+  one tunnelled endpoint.
+Every port is chosen once, so a killed process restarts on the same address.
+Processes log JSON to DIR/logs/NAME.log; each gets SIGKILL if the driver dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+TRUST = "waygate.local"
+NODE = "edge-soak"
+DIRECT_HOST, TUNNEL_HOST, TLS_HOST, LATE_HOST = (
+    "direct.soak.test",
+    "tunnel.soak.test",
+    "tls.soak.test",
+    "late.soak.test",
+)
+DIRECT_ADDRESSES = ("127.0.0.1", "127.0.0.2")
+ADDED_ADDRESS = "127.0.0.3"
+
+
+def spiffe(name: str) -> str:
+    return f"spiffe://{TRUST}/ns/soak/sa/{name}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+def shared_port(hosts: tuple[str, ...]) -> int:
+    """A port free on every one of `hosts` (endpoints of one service share their port)."""
+    for _ in range(100):
+        port = free_port(hosts[0])
+        try:
+            for host in hosts[1:]:
+                with socket.socket() as probe:
+                    probe.bind((host, port))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no port free on every loopback address")
+
+
+try:
+    _prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+except (OSError, AttributeError):
+    _prctl = None
+
+
+def _die_with_parent() -> None:
+    if _prctl is not None:
+        _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class Proc:
+    name: str
+    argv: list[str]
+    admin_port: int | None  # /readyz there says when it serves; None: wait for the port
+    # Without an admin port: ready once this address accepts connections.
+    ready_address: tuple[str, int] | None = None
+    process: subprocess.Popen[bytes] | None = None
+    log: Path | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+
+@dataclass
+class Stack:
+    directory: Path
+    leaf_lifetime: float = 120.0
+    procs: dict[str, Proc] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        d = self.directory
+        (d / "logs").mkdir(parents=True, exist_ok=True)
+        self.ports = {
+            name: free_port()
+            for name in (
+                "certs", "certs-admin", "resolver", "resolver-admin", "proxy-http",
+                "proxy-https", "proxy-admin", "agents-lb", "agent-1-admin", "agent-2-admin",
+                "backend-t",
+                *(f"{r}-{p}" for r in ("ts-a", "ts-b") for p in ("grpc", "dial", "front", "admin")),
+            )
+        }  # fmt: skip
+        self.ports["backend-direct"] = shared_port((*DIRECT_ADDRESSES, ADDED_ADDRESS))
+        self.tokens = {
+            name: secrets.token_urlsafe(24)
+            for name in ("resolver", "tunnel-server", "proxy", "agent", "user", "admin")
+        }
+        self._write_tokens()
+        self.routes_file = d / "routes.yaml"
+        self.write_routes(direct=DIRECT_ADDRESSES, late=False)
+        self._define()
+
+    # ------------------------------------------------------------ files
+
+    @property
+    def bundle(self) -> Path:
+        return self.directory / "ca.pem"
+
+    def _write_tokens(self) -> None:
+        allowed = {
+            "resolver": [f"uri:{spiffe('resolver')}", "ip:127.0.0.1"],
+            "tunnel-server": [f"uri:{spiffe('tunnel-server')}", "ip:127.0.0.1"],
+            "proxy": [f"uri:{spiffe('proxy')}", "ip:127.0.0.1", f"dns:{TLS_HOST}"],
+            "agent": [f"dns:{NODE}"],
+            "user": [f"uri:{spiffe('user')}"],
+        }
+        entries: list[dict[str, object]] = [
+            {"token": self.tokens[n], "name": n, "allowed": a} for n, a in allowed.items()
+        ]
+        entries.append({"token": self.tokens["admin"], "name": "admin", "admin": True})
+        tokens_dir = self.directory / "tokens"
+        tokens_dir.mkdir(mode=0o700, exist_ok=True)
+        for name, token in self.tokens.items():
+            path = tokens_dir / f"{name}.token"
+            path.write_text(token + "\n")
+            path.chmod(0o600)
+        path = self.directory / "tokens.yaml"
+        path.write_text(yaml.safe_dump({"tokens": entries}))
+        path.chmod(0o600)
+
+    def write_routes(self, *, direct: tuple[str, ...], late: bool) -> None:
+        """The routes file: direct endpoints at `direct`, the late route when `late`."""
+        port, tport = self.ports["backend-direct"], self.ports["backend-t"]
+        services = [
+            {
+                "namespace": "soak", "name": "direct",
+                "ports": [{"name": "http", "port": 80, "targetPort": port}],
+                "endpoints": [{"address": a} for a in direct],
+            },
+            {
+                "namespace": "soak", "name": "tunnelled",
+                "ports": [{"name": "http", "port": 80, "targetPort": tport}],
+                "endpoints": [{"address": "127.0.0.1", "nodeName": NODE, "tunnel": True}],
+            },
+        ]  # fmt: skip
+        routes = [
+            {"namespace": "soak", "name": "direct", "host": DIRECT_HOST, "to": "direct",
+             "targetPort": "http", "balance": "roundrobin"},
+            {"namespace": "soak", "name": "tunnel", "host": TUNNEL_HOST, "to": "tunnelled",
+             "targetPort": "http"},
+            {"namespace": "soak", "name": "tls", "host": TLS_HOST, "to": "direct",
+             "targetPort": "http", "tls": {"termination": "edge"}},
+        ]  # fmt: skip
+        if late:
+            routes.append(
+                {"namespace": "soak", "name": "late", "host": LATE_HOST, "to": "direct",
+                 "targetPort": "http"}
+            )  # fmt: skip
+        text = yaml.safe_dump({"services": services, "routes": routes}, sort_keys=False)
+        tmp = self.routes_file.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.chmod(0o600)
+        tmp.replace(self.routes_file)
+
+    # ------------------------------------------------------------ processes
+
+    def _certs_client(self, token: str, identity: str, sans: list[str]) -> list[str]:
+        return [
+            "--certs-address", f"127.0.0.1:{self.ports['certs']}",
+            "--certs-token-file", str(self.directory / "tokens" / f"{token}.token"),
+            "--certs-ca-file", str(self.bundle), "--cert-identity", identity,
+            *(["--cert-sans", ",".join(sans)] if sans else []),
+        ]  # fmt: skip
+
+    def _define(self) -> None:
+        p, d = self.ports, self.directory
+        waygate = [sys.executable, "-m", "waygate"]
+        common = ["--host", "127.0.0.1", "--log-format", "json"]
+        lifetime = f"{int(self.leaf_lifetime)}s"
+        self._add(
+            "certs",
+            [*waygate, "certs", "serve", *common, "--grpc-port", str(p["certs"]),
+             "--admin-port", str(p["certs-admin"]), "--ca-dir", str(d / "ca"),
+             "--tokens-file", str(d / "tokens.yaml"), "--bundle-file", str(self.bundle),
+             "--serving-identity", spiffe("certs"),
+             "--serving-sans", f"dns:certs.{TRUST},ip:127.0.0.1",
+             "--leaf-lifetime", lifetime, "--clock-skew", "0"],
+            p["certs-admin"],
+        )  # fmt: skip
+        self._add(
+            "resolver",
+            [*waygate, "resolver", "serve", *common, "--grpc-port", str(p["resolver"]),
+             "--admin-port", str(p["resolver-admin"]), "--routes-file", str(self.routes_file),
+             "--routes-poll-interval", "200ms",
+             "--tunnel-reporters", spiffe("tunnel-server"), "--route-admins", spiffe("user"),
+             "--route-readers", spiffe("proxy"),
+             *self._certs_client("resolver", spiffe("resolver"), ["ip:127.0.0.1"])],
+            p["resolver-admin"],
+        )  # fmt: skip
+        for replica, other in (("ts-a", "ts-b"), ("ts-b", "ts-a")):
+            self._add(
+                replica,
+                [*waygate, "tunnel", "serve", *common,
+                 "--grpc-port", str(p[f"{replica}-grpc"]), "--dial-port", str(p[f"{replica}-dial"]),
+                 "--front-port", str(p[f"{replica}-front"]),
+                 "--admin-port", str(p[f"{replica}-admin"]), "--server-id", replica,
+                 "--replicas", other, "--advertise-address", f"127.0.0.1:{p[f'{replica}-dial']}",
+                 "--resolver-address", f"127.0.0.1:{p['resolver']}",
+                 "--dialers", f"{spiffe('proxy')},{spiffe('user')}", "--shutdown-grace", "2s",
+                 *self._certs_client("tunnel-server", spiffe("tunnel-server"), ["ip:127.0.0.1"])],
+                p[f"{replica}-admin"],
+            )  # fmt: skip
+        for agent in ("agent-1", "agent-2"):
+            self._add(
+                agent,
+                [*waygate, "tunnel", "agent", "--log-format", "json",
+                 "--admin-port", str(p[f"{agent}-admin"]),
+                 "--server-address", f"127.0.0.1:{p['agents-lb']}",
+                 "--allow", f"127.0.0.1/32:{p['backend-t']}", "--reconnect-max", "1s",
+                 *self._certs_client("agent", NODE, [])],
+                p[f"{agent}-admin"],
+            )  # fmt: skip
+        self._add(
+            "proxy",
+            [*waygate, "proxy", "serve", *common, "--http-port", str(p["proxy-http"]),
+             "--https-port", str(p["proxy-https"]), "--admin-port", str(p["proxy-admin"]),
+             "--resolver-address", f"127.0.0.1:{p['resolver']}",
+             *self._certs_client("proxy", spiffe("proxy"), ["ip:127.0.0.1", f"dns:{TLS_HOST}"])],
+            p["proxy-admin"],
+        )  # fmt: skip
+        backend = [sys.executable, "-m", "bench.soak.backend"]
+        for name, host in zip(
+            ("backend-a", "backend-b", "backend-c"), (*DIRECT_ADDRESSES, ADDED_ADDRESS), strict=True
+        ):
+            self._add(
+                name,
+                [*backend, "--host", host, "--port", str(p["backend-direct"]), "--name", name],
+                None,
+                (host, p["backend-direct"]),
+            )
+        self._add(
+            "backend-t",
+            [*backend, "--port", str(p["backend-t"]), "--name", "backend-t"],
+            None,
+            ("127.0.0.1", p["backend-t"]),
+        )
+
+    def _add(
+        self, name: str, argv: list[str], admin: int | None, address: tuple[str, int] | None = None
+    ) -> None:
+        self.procs[name] = Proc(name, argv, admin, address)
+
+    def start_haproxy(self) -> None:
+        binary = shutil.which("haproxy")
+        if binary is None:
+            raise RuntimeError("haproxy is not installed (Debian: apt-get install haproxy)")
+        p = self.ports
+        config = self.directory / "haproxy.cfg"
+        config.write_text(
+            f"""global
+    maxconn 512
+defaults
+    mode tcp
+    timeout connect 2s
+    timeout client 1h
+    timeout server 1h
+frontend agents
+    bind 127.0.0.1:{p["agents-lb"]}
+    default_backend replicas
+backend replicas
+    balance roundrobin
+    server a 127.0.0.1:{p["ts-a-grpc"]} check inter 500ms fall 1 rise 1
+    server b 127.0.0.1:{p["ts-b-grpc"]} check inter 500ms fall 1 rise 1
+"""
+        )
+        self.procs["haproxy"] = Proc(
+            "haproxy", [binary, "-f", str(config), "-db"], None, ("127.0.0.1", p["agents-lb"])
+        )
+        self.spawn("haproxy")
+
+    def spawn(self, name: str) -> None:
+        proc = self.procs[name]
+        proc.log = self.directory / "logs" / f"{name}.log"
+        with proc.log.open("ab") as out:
+            proc.process = subprocess.Popen(
+                proc.argv,
+                cwd=ROOT,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={
+                    k: v for k, v in os.environ.items() if not k.startswith(("WAYGATE_", "OTEL_"))
+                },
+                preexec_fn=_die_with_parent,
+            )
+
+    async def start(self, name: str, timeout: float = 60.0) -> None:
+        self.spawn(name)
+        await self.wait_ready(name, timeout)
+
+    async def wait_ready(self, name: str, timeout: float = 60.0) -> None:
+        proc = self.procs[name]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not proc.alive:
+                raise RuntimeError(f"{name} exited while starting; see {proc.log}")
+            if await _ready(proc):
+                return
+            await asyncio.sleep(0.1)
+        raise RuntimeError(f"{name} not ready within {timeout}s; see {proc.log}")
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs[name]
+        if proc.process is not None and proc.alive:
+            proc.process.send_signal(sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.process.wait(20)
+            if proc.alive:
+                proc.process.kill()
+                proc.process.wait(5)
+
+    async def start_all(self) -> None:
+        for name in ("backend-a", "backend-b", "backend-c", "backend-t"):
+            self.spawn(name)
+        await self.start("certs")
+        await self.start("resolver")
+        await asyncio.gather(self.start("ts-a"), self.start("ts-b"))
+        self.start_haproxy()
+        await self.wait_ready("haproxy")
+        await asyncio.gather(self.start("agent-1"), self.start("agent-2"))
+        await self.start("proxy")
+        for name in ("backend-a", "backend-b", "backend-c", "backend-t"):
+            await self.wait_ready(name)
+
+    def stop_all(self) -> None:
+        for name in reversed(list(self.procs)):
+            self.kill(name, signal.SIGTERM)
+
+    def usage(self) -> dict[str, dict[str, int]]:
+        """Per live process: resident memory (bytes), open fds, threads (from /proc)."""
+        figures: dict[str, dict[str, int]] = {}
+        for name, proc in self.procs.items():
+            if not proc.alive or proc.pid is None:
+                continue
+            with contextlib.suppress(OSError):
+                status = Path(f"/proc/{proc.pid}/status").read_text()
+                fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+                figures[name] = {
+                    "rss": int(fields["VmRSS"].split()[0]) * 1024,
+                    "threads": int(fields["Threads"]),
+                    "fds": len(os.listdir(f"/proc/{proc.pid}/fd")),
+                }
+        return figures
+
+
+async def _ready(proc: Proc) -> bool:
+    if proc.admin_port is not None:
+        host, port, probe = "127.0.0.1", proc.admin_port, True
+    else:
+        assert proc.ready_address is not None
+        (host, port), probe = proc.ready_address, False
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 1.0)
+    except (OSError, TimeoutError):
+        return False
+    try:
+        if not probe:
+            return True
+        writer.write(b"GET /readyz HTTP/1.1\r\nHost: soak\r\nConnection: close\r\n\r\n")
+        status = await asyncio.wait_for(reader.readline(), 2.0)
+        return status.startswith(b"HTTP/1.1 200")
+    except (OSError, TimeoutError):
+        return False
+    finally:
+        writer.close()
