@@ -4,18 +4,23 @@ Service commands (`waygate resolver serve`, ...) come from `components.py`;
 client commands are contributed by each service's `commands` module, which
 maps a command path to a function that adds its arguments and sets `func`.
 A command whose code has not landed yet says so plainly and exits 2: no
-pretend behaviour. Errors are one line on stderr, never a traceback.
+pretend behaviour. Errors are one line on stderr, never a traceback; an
+unknown subcommand or flag answers with the closest known ones ("did you mean").
+`waygate completion bash|zsh|fish` prints a completion script built from this
+same command tree, so it never lists a command that does not exist.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import importlib
 import importlib.util
+import re
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NoReturn
 
 from waygate.components import COMPONENTS, Component
 from waygate.core.clientcli import EXIT_USAGE_OR_UNREACHABLE, add_client_arguments, fail, run_client
@@ -37,7 +42,15 @@ CLIENT_COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("cert", "bundle"): ("waygate.certs.commands", "print the CA trust bundle"),
     ("cert", "inspect"): (
         "waygate.certs.commands",
-        "show a certificate file and how much life it has left",
+        "show a certificate file: names, key type, usages, how much life it has left",
+    ),
+    ("cert", "status"): (
+        "waygate.certs.commands",
+        "the CA generations and the certificates issued, with expiry (admin)",
+    ),
+    ("cert", "rotate-ca"): (
+        "waygate.certs.commands",
+        "start a CA rotation: new CA published now, signing after the propagation delay (admin)",
     ),
     ("tunnel", "agents"): ("waygate.tunnel.commands", "list the agents a tunnel server holds"),
     ("tunnel", "dial"): (
@@ -55,7 +68,7 @@ GROUP_HELP = {
     "certs": "the certificate authority service",
     "proxy": "the HTTP/TLS reverse proxy",
     "tunnel": "tunnel server and agent, and their client command",
-    "cert": "certificates: issue, bundle, inspect",
+    "cert": "certificates: issue, bundle, inspect, status, rotate-ca",
 }
 
 Configure = Callable[[argparse.ArgumentParser], None]
@@ -151,6 +164,123 @@ def _module_exists(name: str) -> bool:
         return False
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, answering an unknown subcommand with the closest known ones."""
+
+    def error(self, message: str) -> NoReturn:
+        match = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if match:
+            choices = re.findall(r"'([^']*)'", match[2])
+            message = f"unknown command '{match[1]}'" + did_you_mean(match[1], choices)
+        super().error(message)
+
+
+def did_you_mean(word: str, known: Sequence[str]) -> str:
+    close = difflib.get_close_matches(word, known, n=3, cutoff=0.6)
+    if not close and word.startswith("--"):
+        close = [k for k in known if k.startswith(word)][:3]
+    if not close:
+        return ""
+    return "; did you mean " + " or ".join(f"'{c}'" for c in close) + "?"
+
+
+def _walk(
+    parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser]]:
+    """Every (command path, parser) of the tree, the root first."""
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _walk(sub, (*path, name))
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> list[str]:
+    return [
+        name
+        for action in parser._actions
+        if isinstance(action, argparse._SubParsersAction)
+        for name in action.choices
+    ]
+
+
+def _options(parser: argparse.ArgumentParser) -> list[str]:
+    return [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("waygate")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+# ---------------------------------------------------------------- completion
+
+
+def completion_script(shell: str, parser: argparse.ArgumentParser) -> str:
+    """A completion script for `shell` listing the subcommands and flags of every
+    command path of `parser` (the whole tree, built once, here)."""
+    tree = [(" ".join(path), _subcommands(p), _options(p)) for path, p in _walk(parser)]
+    if shell == "fish":
+        lines = ["# waygate completion for fish: waygate completion fish | source"]
+        for path, subs, options in tree:
+            words = path.split()
+            if words:
+                seen = " && ".join(f"__fish_seen_subcommand_from {w}" for w in words)
+                condition = f"{seen}"
+            else:
+                condition = "__fish_use_subcommand"
+            if subs:
+                lines.append(f"complete -c waygate -f -n '{condition}' -a '{' '.join(subs)}'")
+            for option in options:
+                lines.append(f"complete -c waygate -n '{condition}' -l {option[2:]}")
+        return "\n".join(lines) + "\n"
+    cases_subs = "\n".join(f'    "{path}") echo "{" ".join(subs)}";;' for path, subs, _ in tree)
+    cases_opts = "\n".join(
+        f'    "{path}") echo "{" ".join(options)}";;' for path, _, options in tree
+    )
+    script = f"""# waygate completion for {shell}
+_waygate_subcommands() {{
+  case "$1" in
+{cases_subs}
+  esac
+}}
+_waygate_flags() {{
+  case "$1" in
+{cases_opts}
+  esac
+}}
+_waygate() {{
+  local cur="${{COMP_WORDS[COMP_CWORD]}}" path="" word i
+  for ((i = 1; i < COMP_CWORD; i++)); do
+    word="${{COMP_WORDS[i]}}"
+    case " $(_waygate_subcommands "$path") " in
+      *" $word "*) path="${{path:+$path }}$word";;
+    esac
+  done
+  if [[ "$cur" == -* ]]; then
+    COMPREPLY=($(compgen -W "$(_waygate_flags "$path")" -- "$cur"))
+  else
+    COMPREPLY=($(compgen -W "$(_waygate_subcommands "$path")" -- "$cur"))
+    [[ ${{#COMPREPLY[@]}} -eq 0 ]] && COMPREPLY=($(compgen -f -- "$cur"))
+  fi
+}}
+complete -F _waygate waygate
+"""
+    if shell == "zsh":
+        # zsh runs bash completion functions through bashcompinit.
+        script = "autoload -U +X bashcompinit && bashcompinit\n" + script
+    return script
+
+
+def _completion(args: argparse.Namespace) -> int:
+    print(completion_script(args.shell, build_parser()), end="")
+    return 0
+
+
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The whole command tree. With `argv`, only the command it names imports its
     service's code: one service failing to import never breaks the others' commands."""
@@ -158,10 +288,11 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     def wanted(path: tuple[str, ...]) -> bool:
         return argv is None or tuple(argv[: len(path)]) == path
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="waygate",
         description="Waygate: traffic into, across and out of Kubernetes clusters.",
     )
+    parser.add_argument("--version", action="version", version=f"waygate {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     groups: dict[str, Any] = {}
 
@@ -222,6 +353,25 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     )
     add_client_arguments(health, default_port=None)
     health.set_defaults(func=_health)
+
+    check = commands.add_parser(
+        "check",
+        help="check every service of a local `up` (or given addresses): ✔/✖ with a hint each",
+    )
+    if wanted(("check",)):
+        from waygate.check import configure as configure_check
+
+        configure_check(check)
+
+    completion = commands.add_parser(
+        "completion", help="print a shell completion script: . <(waygate completion bash)"
+    )
+    completion.add_argument("shell", choices=("bash", "zsh", "fish"))
+    completion.set_defaults(func=_completion)
+
+    # Each leaf knows itself: an unknown flag is answered with that command's flags.
+    for _, sub in _walk(parser):
+        sub.set_defaults(leaf_parser=sub)
     return parser
 
 
@@ -230,7 +380,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(argv)
     args, unknown = parser.parse_known_args(argv)
     if unknown and not getattr(args, "accepts_any_arguments", False):
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        leaf = getattr(args, "leaf_parser", parser)
+        flag = next((u for u in unknown if u.startswith("-")), unknown[0]).split("=")[0]
+        leaf.error(
+            f"unrecognized arguments: {' '.join(unknown)}" + did_you_mean(flag, _options(leaf))
+        )
     try:
         return int(args.func(args))
     except KeyboardInterrupt:

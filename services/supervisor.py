@@ -56,7 +56,7 @@ import yaml
 
 from waygate.components import COMPONENTS, Component
 from waygate.core.backoff import Backoff
-from waygate.core.clientcli import EXIT_USAGE_OR_UNREACHABLE, fail
+from waygate.core.clientcli import EXIT_USAGE_OR_UNREACHABLE, UpRecord, fail
 from waygate.core.errors import WaygateError
 from waygate.core.files import write_file_atomically
 from waygate.core.logs import configure_logging, resolved_format
@@ -144,8 +144,11 @@ class Bootstrap:
     def write(self) -> None:
         """Fresh tokens on every `up`: a token from an earlier run is worth nothing."""
         tokens = {name: secrets.token_urlsafe(32) for name in self.names}
+        # The local user's token is an admin's (RotateCA, ListIssued): `waygate cert
+        # status` and `cert rotate-ca` work next to `up` as its other commands do.
         entries = [
             {"token": tokens[name], "name": name, "allowed": self.allowed(name)}
+            | ({"admin": True} if name == USER else {})
             for name in self.names
         ]
         (self.state_dir / "tokens").mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -374,6 +377,18 @@ class Supervisor:
             flush=True,
         )
 
+    def _record(self, implemented: list[Component]) -> None:
+        """`up.json` in the state directory: where this `up` serves, so client commands
+        run here (or below) find it without --addr, whatever the port offset."""
+        addresses = {
+            c.name: {f: f"{self.context.host}:{self.context.port(c.name, f)}" for f, _ in c.ports}
+            for c in implemented
+        }
+        addresses[DEMO] = {"http_port": f"{self.context.host}:{self.context.demo_port}"}
+        UpRecord(self.context.host, self.context.port_offset, os.getpid(), addresses).write(
+            self.context.state_dir
+        )
+
     def print_addresses(self, implemented: list[Component], missing: list[Component]) -> None:
         lines = ["waygate up: state in " + str(self.context.state_dir)]
         for component in implemented:
@@ -404,6 +419,7 @@ class Supervisor:
                 (*(c.name for c in implemented if c.name != CERTS), USER),
             )
             self.bootstrap.write()
+        self._record(implemented)
         self.print_addresses(implemented, missing)
         children = [
             Child(c.name, self._argv(c), self.context.port(c.name, "admin_port"))

@@ -1,4 +1,4 @@
-"""Client commands: `waygate cert issue`, `waygate cert bundle`, `waygate cert inspect`.
+"""Client commands: `waygate cert issue | bundle | inspect | status | rotate-ca`.
 
 `cert issue` generates the private key here and sends only a CSR; the key is
 written 0600 and never leaves this machine. Its bearer token comes from
@@ -11,6 +11,11 @@ it was.
 `cert inspect` reads a local file (PEM or DER) and needs no server. Its exit
 status says how usable the certificate is: 0 fine, 1 expired (or the file is
 not a certificate), 2 under 20% of its lifetime left.
+
+`cert status` (the CA generations and what this replica issued, with expiry)
+and `cert rotate-ca` are admin calls: they send the token of `--token-file`
+(or WAYGATE_CERTS_TOKEN; under `waygate up`, the local user's admin token in
+the state directory) as `authorization: Bearer`.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from typing import ClassVar
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ed25519
+from cryptography.hazmat.primitives.asymmetric import dsa, ec, ed448, ed25519, rsa
+from google.protobuf import duration_pb2, json_format
 
 from waygate.certs.authority import KEY_ALGORITHMS, generate_key
 from waygate.certs.v1 import certs_pb2, certs_pb2_grpc
@@ -34,9 +40,12 @@ from waygate.core.clientcli import (
     EXIT_USAGE_OR_UNREACHABLE,
     ClientSettings,
     add_client_arguments,
+    add_output_argument,
     channel_for,
     fail,
+    render,
     run_client,
+    table,
 )
 from waygate.core.errors import InvalidArgument
 from waygate.core.files import write_file_atomically
@@ -261,6 +270,9 @@ def inspect_certificate(cert: x509.Certificate, now: datetime) -> tuple[list[str
     lines = [
         f"subject:        {cert.subject.rfc4514_string() or '(empty)'}",
         f"SANs:           {', '.join(_names(cert)) or '(none)'}",
+        f"key:            {key_type(cert)}",
+        f"usage:          {', '.join(key_usages(cert)) or '(none)'}",
+        f"CA:             {'yes' if is_ca(cert) else 'no'}",
         f"issuer:         {cert.issuer.rfc4514_string()}",
         f"serial:         {cert.serial_number:x}",
         f"not_before:     {not_before.isoformat()}",
@@ -268,6 +280,74 @@ def inspect_certificate(cert: x509.Certificate, now: datetime) -> tuple[list[str
         f"remaining life: {life}",
     ]
     return lines, status
+
+
+def key_type(cert: x509.Certificate) -> str:
+    """ "ECDSA P-256", "RSA 2048", "Ed25519", ..."""
+    key = cert.public_key()
+    if isinstance(key, ec.EllipticCurvePublicKey):
+        curve = {"secp256r1": "P-256", "secp384r1": "P-384", "secp521r1": "P-521"}
+        return f"ECDSA {curve.get(key.curve.name, key.curve.name)}"
+    if isinstance(key, rsa.RSAPublicKey):
+        return f"RSA {key.key_size}"
+    if isinstance(key, ed25519.Ed25519PublicKey):
+        return "Ed25519"
+    if isinstance(key, ed448.Ed448PublicKey):
+        return "Ed448"
+    if isinstance(key, dsa.DSAPublicKey):
+        return f"DSA {key.key_size}"
+    return type(key).__name__
+
+
+_EKU_NAMES = {
+    x509.oid.ExtendedKeyUsageOID.SERVER_AUTH: "serverAuth",
+    x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH: "clientAuth",
+    x509.oid.ExtendedKeyUsageOID.CODE_SIGNING: "codeSigning",
+    x509.oid.ExtendedKeyUsageOID.EMAIL_PROTECTION: "emailProtection",
+    x509.oid.ExtendedKeyUsageOID.OCSP_SIGNING: "OCSPSigning",
+}
+
+
+def key_usages(cert: x509.Certificate) -> list[str]:
+    """Extended key usages (serverAuth, clientAuth, ...) then key usages."""
+    names: list[str] = []
+    try:
+        eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+        names += [_EKU_NAMES.get(oid, oid.dotted_string) for oid in eku]
+    except x509.ExtensionNotFound:
+        pass
+    try:
+        usage = cert.extensions.get_extension_for_class(x509.KeyUsage).value
+    except x509.ExtensionNotFound:
+        return names
+    for name in ("digital_signature", "key_encipherment", "key_cert_sign", "crl_sign"):
+        if getattr(usage, name):
+            names.append(name.replace("_", " "))
+    return names
+
+
+def is_ca(cert: x509.Certificate) -> bool:
+    try:
+        return bool(cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca)
+    except x509.ExtensionNotFound:
+        return False
+
+
+def certificate_document(cert: x509.Certificate, now: datetime) -> dict[str, object]:
+    """What `cert inspect -o json|yaml` prints for one certificate."""
+    not_before, not_after = cert.not_valid_before_utc, cert.not_valid_after_utc
+    return {
+        "subject": cert.subject.rfc4514_string(),
+        "sans": _names(cert),
+        "key": key_type(cert),
+        "usage": key_usages(cert),
+        "ca": is_ca(cert),
+        "issuer": cert.issuer.rfc4514_string(),
+        "serial": f"{cert.serial_number:x}",
+        "notBefore": not_before.isoformat(),
+        "notAfter": not_after.isoformat(),
+        "secondsLeft": int((not_after - now).total_seconds()),
+    }
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -282,23 +362,198 @@ def _inspect(args: argparse.Namespace) -> int:
         return fail(f"{path} holds no PEM or DER certificate", EXIT_FAILED)
     now = datetime.now(UTC)
     worst = EXIT_OK
+    texts = []
     for index, cert in enumerate(certificates):
         lines, status = inspect_certificate(cert, now)
         if len(certificates) > 1:
-            print(f"certificate {index + 1} of {len(certificates)}:")
-        print("\n".join(lines))
+            lines.insert(0, f"certificate {index + 1} of {len(certificates)}:")
+        texts.append("\n".join(lines))
         # Expired (1) is worse than low life (2).
         worst = status if worst == EXIT_OK or status == 1 else worst
+    document = [certificate_document(cert, now) for cert in certificates]
+    print(render(document, args.output, lambda _wide: "\n".join(texts)))
     return worst
 
 
 def configure_inspect(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", metavar="FILE", help="PEM or DER certificate file")
+    add_output_argument(parser)
     parser.set_defaults(func=_inspect)
+
+
+# ---------------------------------------------------------------- cert status, rotate-ca
+
+
+def _admin_token(args: argparse.Namespace, settings: ClientSettings) -> str:
+    """--token-file, else WAYGATE_CERTS_TOKEN, else the local user's token that
+    `waygate up` left in the state directory (admin under `up`)."""
+    if args.token_file is None:
+        state_dir = settings.found_state_dir()
+        mine = None if state_dir is None else state_dir / "tokens" / "user.token"
+        if mine is not None and mine.is_file() and not load_settings(IssueToken).certs_token:
+            args.token_file = mine
+    try:
+        return _token(args)
+    except ValueError as exc:
+        raise InvalidArgument(
+            f"{exc}; an admin token (admin: true in certs' tokens file)"
+        ) from None
+
+
+def _when(stamp: object) -> str:
+    return stamp.ToDatetime(tzinfo=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")  # type: ignore[attr-defined]
+
+
+def _left(stamp: object, now: datetime) -> str:
+    left = stamp.ToDatetime(tzinfo=UTC) - now  # type: ignore[attr-defined]
+    return f"EXPIRED {_duration(left)} ago" if left <= timedelta(0) else _duration(left)
+
+
+_CA_STATES = {
+    certs_pb2.CA_STATE_STAGED: "staged",
+    certs_pb2.CA_STATE_ACTIVE: "active",
+    certs_pb2.CA_STATE_RETIRING: "retiring",
+}
+
+
+def _status(args: argparse.Namespace) -> int:
+    async def body(settings: ClientSettings) -> int:
+        try:
+            token = _admin_token(args, settings)
+        except InvalidArgument as exc:
+            return fail(str(exc), EXIT_USAGE_OR_UNREACHABLE)
+        metadata = (("authorization", f"Bearer {token}"),)
+        issued: list[certs_pb2.IssuedCertificate] = []
+        async with channel_for(args, settings) as channel:
+            stub = certs_pb2_grpc.CertsStub(channel)
+            bundle = await stub.GetTrustBundle(
+                certs_pb2.GetTrustBundleRequest(), timeout=settings.timeout
+            )
+            token_page = ""
+            replica = ""
+            while True:
+                page = await stub.ListIssued(
+                    certs_pb2.ListIssuedRequest(
+                        include_expired=args.include_expired, page_token=token_page
+                    ),
+                    timeout=settings.timeout,
+                    metadata=metadata,
+                )
+                issued += page.certificates
+                replica = page.replica
+                token_page = page.next_page_token
+                if not token_page:
+                    break
+        now = datetime.now(UTC)
+        document = {
+            "bundleVersion": bundle.version,
+            "authorities": [json_format.MessageToDict(a) for a in bundle.authorities],
+            "replica": replica,
+            "issued": [json_format.MessageToDict(c) for c in issued],
+        }
+
+        def text(wide: bool) -> str:
+            lines = [f"trust bundle version {bundle.version}", ""]
+            lines.append(
+                table(
+                    ("CA", "STATE", "NOT AFTER", "LEFT", "SHA-256"),
+                    [
+                        (
+                            str(index + 1),
+                            _CA_STATES.get(a.state, "?"),
+                            _when(a.not_after),
+                            _left(a.not_after, now),
+                            a.fingerprint_sha256 if wide else a.fingerprint_sha256[:16],
+                        )
+                        for index, a in enumerate(bundle.authorities)
+                    ],
+                )
+            )
+            lines += ["", f"issued by {replica or 'this replica'}: {len(issued)}"]
+            if issued:
+                header: tuple[str, ...] = ("IDENTITY", "SERIAL", "NOT AFTER", "LEFT")
+                if wide:
+                    header += ("DNS", "REQUESTED BY")
+                rows = []
+                for c in issued:
+                    row: tuple[str, ...] = (
+                        c.identity,
+                        c.serial[:16],
+                        _when(c.not_after),
+                        _left(c.not_after, now),
+                    )
+                    if wide:
+                        row += (",".join(c.dns_names) or "-", c.requested_by or "-")
+                    rows.append(row)
+                lines.append(table(header, rows))
+            return "\n".join(lines)
+
+        print(render(document, args.output, text))
+        return EXIT_OK
+
+    return run_client(args, body)
+
+
+def configure_status(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--token-file", metavar="FILE", help="admin token [the state directory's user token]"
+    )
+    parser.add_argument("--include-expired", action="store_true", help="list expired ones too")
+    add_output_argument(parser)
+    add_client_arguments(parser, DEFAULT_PORT)
+    parser.set_defaults(func=_status)
+
+
+def _rotate_ca(args: argparse.Namespace) -> int:
+    try:
+        delay = parse_duration(args.propagation_delay) if args.propagation_delay else None
+    except ValueError as exc:
+        return fail(f"--propagation-delay: {exc}", EXIT_USAGE_OR_UNREACHABLE)
+
+    async def body(settings: ClientSettings) -> int:
+        try:
+            token = _admin_token(args, settings)
+        except InvalidArgument as exc:
+            return fail(str(exc), EXIT_USAGE_OR_UNREACHABLE)
+        request = certs_pb2.RotateCARequest()
+        if delay is not None:
+            request.propagation_delay.CopyFrom(duration_pb2.Duration(seconds=int(delay)))
+        async with channel_for(args, settings) as channel:
+            reply = await certs_pb2_grpc.CertsStub(channel).RotateCA(
+                request,
+                timeout=settings.timeout,
+                metadata=(("authorization", f"Bearer {token}"),),
+            )
+        new = reply.new_authority
+        text = (
+            f"new CA {new.fingerprint_sha256[:16]} published (bundle version "
+            f"{reply.bundle.version}); it signs from {_when(reply.signing_switch_at)}; the old "
+            f"CA leaves the bundle after {_when(reply.old_retire_after)}"
+        )
+        print(render(json_format.MessageToDict(reply), args.output, lambda _wide: text))
+        return EXIT_OK
+
+    return run_client(args, body)
+
+
+def configure_rotate_ca(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--token-file", metavar="FILE", help="admin token [the state directory's user token]"
+    )
+    parser.add_argument(
+        "--propagation-delay",
+        metavar="DURATION",
+        help="wait this long before the new CA signs (e.g. 1h) [the CA's default]",
+    )
+    add_output_argument(parser)
+    add_client_arguments(parser, DEFAULT_PORT)
+    parser.set_defaults(func=_rotate_ca)
 
 
 COMMANDS = {
     ("cert", "issue"): configure_issue,
     ("cert", "bundle"): configure_bundle,
     ("cert", "inspect"): configure_inspect,
+    ("cert", "status"): configure_status,
+    ("cert", "rotate-ca"): configure_rotate_ca,
 }

@@ -1,12 +1,20 @@
 """What every client command (`waygate resolve`, `waygate cert bundle`, ...) shares.
 
 Connection settings come from flags > WAYGATE_* env > --config, like a
-service's. Without explicit TLS flags a client looks in the state directory
-that `waygate up` writes (`./.waygate` unless WAYGATE_STATE_DIR says
-otherwise): with a `ca.pem` there it speaks TLS, presenting
-`client/cert.pem` + `client/key.pem` when present, so commands work next to
-`waygate up` without flags. RPC failures become one line on stderr and a
-non-zero exit, never a traceback.
+service's. The state directory that `waygate up` writes is found as git finds
+`.git`: `--state-dir` or WAYGATE_STATE_DIR when given (explicit wins, as
+GIT_DIR does), else `.waygate` in this directory or the nearest parent that
+has one, else the user's default `~/.local/state/waygate` when it exists.
+There, `up.json` says where that `up` serves (so a copy started with
+`--port-offset` needs no `--addr`), `ca.pem` turns TLS on and
+`client/cert.pem` + `client/key.pem` are presented when present, so commands
+work near a `waygate up` without flags. With no state directory and no
+`--addr`, a command says so and how to point at one instead of dialling a
+default address. RPC failures become one line on stderr and a non-zero exit,
+never a traceback.
+
+Listings print `-o table` (default), `wide` (more columns), `json` or `yaml`
+(the whole document, for scripts), through `render`.
 """
 
 from __future__ import annotations
@@ -14,8 +22,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -37,12 +46,85 @@ from waygate.core.tracing import configure_tracing, shutdown_tracing
 # Exit codes shared by client commands.
 EXIT_OK, EXIT_FAILED, EXIT_USAGE_OR_UNREACHABLE = 0, 1, 2
 
+#: The state directory's name, looked for in this directory and its parents.
+STATE_DIR_NAME = ".waygate"
+#: Written by `waygate up` into its state directory: where it serves.
+UP_RECORD = "up.json"
+OUTPUT_FORMATS = ("table", "wide", "json", "yaml")
+
+
+def user_state_dir() -> Path:
+    """The user's default state directory (used when it exists)."""
+    return Path.home() / ".local" / "state" / "waygate"
+
+
+def find_state_dir(start: Path | None = None) -> Path | None:
+    """`.waygate` in `start` (default: the working directory) or the nearest parent
+    that has one, else the user's default when it exists; None when there is none."""
+    here = (start or Path.cwd()).absolute()
+    for directory in (here, *here.parents):
+        candidate = directory / STATE_DIR_NAME
+        if candidate.is_dir():
+            return candidate
+    default = user_state_dir()
+    return default if default.is_dir() else None
+
+
+@dataclasses.dataclass(frozen=True)
+class UpRecord:
+    """What `waygate up` wrote about where it serves (`up.json`)."""
+
+    host: str
+    port_offset: int
+    pid: int
+    # Component name -> {port field -> "host:port"}.
+    addresses: dict[str, dict[str, str]]
+
+    def address(self, default_port: int) -> str:
+        return f"{self.host}:{default_port + self.port_offset}"
+
+    @classmethod
+    def read(cls, state_dir: Path) -> UpRecord | None:
+        try:
+            data = json.loads((state_dir / UP_RECORD).read_text())
+            return cls(
+                str(data["host"]),
+                int(data["port_offset"]),
+                int(data.get("pid", 0)),
+                {str(k): dict(v) for k, v in dict(data.get("addresses", {})).items()},
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def write(self, state_dir: Path) -> None:
+        from waygate.core.files import write_file_atomically
+
+        text = json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
+        write_file_atomically(state_dir / UP_RECORD, text.encode(), 0o644)
+
+
+class NoStateDirectory(Exception):
+    """No --addr and no state directory to take addresses and TLS from."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "no waygate state directory found (looked for .waygate here and in every parent, "
+            f"WAYGATE_STATE_DIR, {user_state_dir()}); run `waygate up` in this directory or a "
+            "parent, point at one with --state-dir DIR or WAYGATE_STATE_DIR, or give --addr "
+            "HOST:PORT (with --ca-file, --cert-file/--key-file for TLS, or --plaintext)"
+        )
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ClientSettings:
     CONFIG_ENV: ClassVar[str] = "WAYGATE_CLIENT_CONFIG"
 
-    state_dir: Path = setting(Path(".waygate"), help="state directory written by `waygate up`")
+    state_dir: Path | None = setting(
+        None,
+        help="state directory written by `waygate up` (addresses, trust bundle, client "
+        "certificate); unset: .waygate here or in the nearest parent, else "
+        "~/.local/state/waygate",
+    )
     ca_file: Path | None = setting(None, help="PEM CA bundle to verify the server with")
     cert_file: Path | None = setting(None, help="PEM client certificate (mTLS)")
     key_file: Path | None = setting(None, help="PEM client key (mTLS)")
@@ -62,30 +144,94 @@ class ClientSettings:
         if (self.cert_file is None) != (self.key_file is None):
             raise SettingsError("invalid setting cert_file/key_file: give both or neither")
 
+    def found_state_dir(self) -> Path | None:
+        """The state directory in use: the one given, else the one found."""
+        return self.state_dir if self.state_dir is not None else find_state_dir()
+
+    @property
+    def explicit_connection(self) -> bool:
+        """TLS or plaintext was said explicitly (no state directory needed)."""
+        return self.plaintext or self.ca_file is not None or self.cert_file is not None
+
     def tls(self) -> ClientTLS | None:
         if self.plaintext:
             return None
         if self.ca_file is not None or self.cert_file is not None:
             # An explicit CA or client certificate: exactly that (system roots when no CA).
             return ClientTLS(self.ca_file, self.cert_file, self.key_file, self.server_name)
-        bundle = self.state_dir / "ca.pem"
+        state_dir = self.found_state_dir()
+        if state_dir is None:
+            return None
+        bundle = state_dir / "ca.pem"
         if not bundle.is_file():
             return None
-        cert, key = self.state_dir / "client" / "cert.pem", self.state_dir / "client" / "key.pem"
+        cert, key = state_dir / "client" / "cert.pem", state_dir / "client" / "key.pem"
         if cert.is_file() and key.is_file():
             return ClientTLS(bundle, cert, key, self.server_name)
         return ClientTLS(bundle, None, None, self.server_name)
 
 
 def add_client_arguments(parser: argparse.ArgumentParser, default_port: int | None) -> None:
-    """Connection flags; `--addr` too unless default_port is None (address given otherwise)."""
+    """Connection flags; `--addr` too unless default_port is None (address given otherwise).
+
+    Without --addr the address is the state directory's `up` address for the
+    service whose default port is `default_port`."""
     if default_port is not None:
         parser.add_argument(
             "--addr",
-            default=f"127.0.0.1:{default_port}",
-            help="server address host:port [%(default)s]",
+            default=None,
+            help="server address host:port [where the state directory's `waygate up` "
+            f"serves it; 127.0.0.1:{default_port} with explicit TLS flags]",
         )
+        parser.set_defaults(default_port=default_port)
     add_settings_arguments(parser, ClientSettings)
+
+
+def add_output_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "-o",
+        "--output",
+        choices=OUTPUT_FORMATS,
+        default="table",
+        help="table (default), wide (more columns), json or yaml (everything, for scripts)",
+    )
+
+
+def render(document: Any, output: str, table_text: Callable[[bool], str]) -> str:
+    """`document` as JSON or YAML, or `table_text(wide)` for table and wide."""
+    if output == "json":
+        return json.dumps(document, indent=2, sort_keys=False)
+    if output == "yaml":
+        import yaml
+
+        return str(yaml.safe_dump(document, sort_keys=False, default_flow_style=False)).rstrip()
+    return table_text(output == "wide")
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Columns padded to their widest cell, two spaces apart (kubectl's look)."""
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=False)]
+    return "\n".join(
+        "  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=False)).rstrip()
+        for row in (header, *rows)
+    )
+
+
+def resolve_address(args: argparse.Namespace, settings: ClientSettings) -> str:
+    """--addr, else where the state directory's `up` serves this command's service;
+    NoStateDirectory when neither is known (unless TLS was given explicitly)."""
+    if getattr(args, "addr", None):
+        return str(args.addr)
+    default_port = getattr(args, "default_port", None)
+    state_dir = settings.found_state_dir()
+    if state_dir is not None and default_port is not None:
+        record = UpRecord.read(state_dir)
+        if record is not None:
+            return record.address(default_port)
+        return f"127.0.0.1:{default_port}"
+    if settings.explicit_connection and default_port is not None:
+        return f"127.0.0.1:{default_port}"
+    raise NoStateDirectory()
 
 
 def client_settings(args: argparse.Namespace) -> ClientSettings:
@@ -98,7 +244,9 @@ def client_settings(args: argparse.Namespace) -> ClientSettings:
 def channel_for(
     args: argparse.Namespace, settings: ClientSettings, address: str | None = None
 ) -> grpc.aio.Channel:
-    return open_channel(address or args.addr, tls=settings.tls())
+    if address is None:
+        address = args.addr = resolve_address(args, settings)
+    return open_channel(address, tls=settings.tls())
 
 
 def fail(message: str, code: int = EXIT_FAILED) -> int:
@@ -116,6 +264,8 @@ def run_client(
         return fail(str(exc), EXIT_USAGE_OR_UNREACHABLE)
     try:
         return asyncio.run(body(settings))
+    except NoStateDirectory as exc:
+        return fail(str(exc), EXIT_USAGE_OR_UNREACHABLE)
     except grpc.aio.AioRpcError as exc:
         code = exc.code()
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):

@@ -29,6 +29,7 @@ from waygate.core.clientcli import (
     add_client_arguments,
     channel_for,
     fail,
+    resolve_address,
     run_client,
 )
 from waygate.core.errors import WaygateError
@@ -129,7 +130,7 @@ def _dial(args: argparse.Namespace) -> int:
                 return fail(f"resolver at {args.resolver}: {exc}", EXIT_USAGE_OR_UNREACHABLE)
             presence = ViewPresence(resolver)
         else:
-            presence = StaticPresence([args.addr])
+            presence = StaticPresence([resolve_address(args, settings)])
         client = TunnelClient(
             presence,
             credentials=lambda: credentials,

@@ -85,10 +85,11 @@ async def test_routes_lists_and_watch_follows_file_edits(
     try:
         assert watcher.stdout is not None
         async with asyncio.timeout(20):
-            # "# version ...", the header, and the example's routes.
-            count = 2 + len(EXAMPLE.routes)
+            # The routes file's state, "# version ...", the header, and the example's routes.
+            count = 3 + len(EXAMPLE.routes)
             lines = [(await watcher.stdout.readline()).decode() for _ in range(count)]
-            assert lines[0].startswith("# version ")
+            assert lines[0].startswith(f"routes file {routes}: valid (version ")
+            assert lines[1].startswith("# version ")
             assert "hello.localtest.me" in "".join(lines)
             assert "echo.localtest.me" in "".join(lines)
             # An invalid edit is rejected: nothing reaches the watcher, the resolver says why.
@@ -170,6 +171,7 @@ async def test_sigterm_ends_watches_at_once_and_watch_reconnects_to_a_new_resolv
     try:
         assert watcher.stdout is not None and watcher.stderr is not None
         async with asyncio.timeout(20):
+            assert (await watcher.stdout.readline()).startswith(b"routes file ")
             assert (await watcher.stdout.readline()).startswith(b"# version ")
         assert await service.stop(timeout=60) == 0
         assert service.logged("draining: ended watch streams")

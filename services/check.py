@@ -1,0 +1,476 @@
+"""`waygate check`: one command that says whether a Waygate installation works
+(as `linkerd check` does): a ✔/✖ line per check, a hint under every ✖, and a
+non-zero exit when anything failed.
+
+What it checks, for a local `waygate up` (the state directory's `up.json`
+says where each process serves) or for the addresses given:
+- every gRPC service (certs, resolver, tunnel server) answers grpc.health
+  SERVING; over TLS, its certificate verifies against the trust bundle, names
+  the identity expected of it (under `up`), and has days left (warned under
+  20% of its life, failed when expired);
+- every admin port (under `up`) answers /readyz 200;
+- the trust bundle certs serves is the one clients trust (the state
+  directory's ca.pem, or --ca-file);
+- the routes file is valid, and every route is admitted with resolved refs;
+- the resolver's view is fresh (last sync within --max-staleness) and, when
+  routes send traffic through a tunnel, an agent holds each of their nodes.
+
+Each check is bounded by the client timeout; nothing here waits without one.
+A cluster is checked by its addresses (port-forwards or Services) with the TLS
+flags every client command takes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import socket
+import ssl
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import grpc
+from cryptography import x509
+
+from waygate.core.clientcli import EXIT_FAILED, EXIT_OK, ClientSettings, UpRecord, run_client
+from waygate.core.grpcclient import open_channel
+from waygate.core.settings import add_settings_arguments
+
+OK, FAILED, WARN = "✔", "✖", "‼"
+#: Under this fraction of its lifetime left, a certificate is worth a warning.
+LOW_LIFE = 0.2
+
+
+@dataclasses.dataclass
+class Result:
+    mark: str
+    title: str
+    hint: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return self.mark == FAILED
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One gRPC service to check."""
+
+    name: str  # "certs", "resolver", "tunnel-server"
+    address: str
+    health_service: str
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--resolver", metavar="ADDR", help="resolver gRPC host:port")
+    parser.add_argument("--certs", metavar="ADDR", help="certs gRPC host:port")
+    parser.add_argument("--tunnel", metavar="ADDR", help="tunnel server dialer gRPC host:port")
+    parser.add_argument(
+        "--max-staleness",
+        type=float,
+        default=90.0,
+        metavar="SECONDS",
+        help="the resolver's view must have been confirmed by its sources this recently",
+    )
+    parser.add_argument(
+        "-o", "--output", choices=("table", "json"), default="table", help="✔/✖ list or JSON"
+    )
+    add_settings_arguments(parser, ClientSettings)
+    parser.set_defaults(func=run_check)
+
+
+def run_check(args: argparse.Namespace) -> int:
+    async def body(settings: ClientSettings) -> int:
+        results = await Checker(args, settings).run()
+        if args.output == "json":
+            print(json.dumps([dataclasses.asdict(r) for r in results], indent=2))
+        else:
+            for result in results:
+                print(f"{result.mark} {result.title}")
+                if result.hint and result.mark != OK:
+                    print(f"    hint: {result.hint}")
+            failed = sum(r.failed for r in results)
+            print(
+                f"\nStatus check results are {FAILED} ({failed} failed)"
+                if failed
+                else f"\nStatus check results are {OK}"
+            )
+        return EXIT_FAILED if any(r.failed for r in results) else EXIT_OK
+
+    return run_client(args, body)
+
+
+class Checker:
+    def __init__(self, args: argparse.Namespace, settings: ClientSettings) -> None:
+        self.args = args
+        self.settings = settings
+        self.results: list[Result] = []
+        self.state_dir = settings.found_state_dir()
+        self.record = UpRecord.read(self.state_dir) if self.state_dir is not None else None
+
+    def add(self, mark: str, title: str, hint: str = "") -> None:
+        self.results.append(Result(mark, title, hint))
+
+    # ------------------------------------------------------------ plan
+
+    def targets(self) -> list[Target]:
+        given = {
+            "certs": self.args.certs,
+            "resolver": self.args.resolver,
+            "tunnel-server": self.args.tunnel,
+        }
+        fields = {"certs": "grpc_port", "resolver": "grpc_port", "tunnel-server": "dial_port"}
+        health = {
+            "certs": "waygate.certs.v1.Certs",
+            "resolver": "waygate.resolver.v1.Resolver",
+            "tunnel-server": "",
+        }
+        targets = []
+        for name, address in given.items():
+            if not address and self.record is not None and not any(given.values()):
+                address = self.record.addresses.get(name, {}).get(fields[name])
+            if address:
+                targets.append(Target(name, address, health[name]))
+        return targets
+
+    async def run(self) -> list[Result]:
+        self.check_state()
+        targets = self.targets()
+        if not targets:
+            if any(r.failed for r in self.results):
+                return self.results  # already said why
+            self.add(
+                FAILED,
+                "nothing to check",
+                "run `waygate up` here (or in a parent directory), point at its state with "
+                "--state-dir, or give --resolver/--certs/--tunnel HOST:PORT",
+            )
+            return self.results
+        for target in targets:
+            await self.check_service(target)
+        if self.record is not None and not (self.args.resolver or self.args.certs):
+            await self.check_admin_ports()
+        certs = next((t for t in targets if t.name == "certs"), None)
+        if certs is not None:
+            await self.check_bundle(certs)
+        resolver = next((t for t in targets if t.name == "resolver"), None)
+        if resolver is not None:
+            await self.check_routes(resolver)
+        return self.results
+
+    # ------------------------------------------------------------ checks
+
+    def check_state(self) -> None:
+        if self.state_dir is None:
+            if not (self.args.resolver or self.args.certs or self.args.tunnel):
+                self.add(
+                    FAILED,
+                    "no waygate state directory found",
+                    "run `waygate up` in this directory or a parent, use --state-dir DIR, "
+                    "or give the services' addresses",
+                )
+            return
+        if self.record is None:
+            self.add(OK, f"state directory {self.state_dir} (no up.json: addresses from flags)")
+            return
+        alive = _pid_alive(self.record.pid)
+        self.add(
+            OK if alive else FAILED,
+            f"`waygate up` (pid {self.record.pid}) of {self.state_dir} is "
+            + ("running" if alive else "not running"),
+            "start it again with `make run` or `waygate up`",
+        )
+
+    def tls_files(self) -> tuple[Path | None, Path | None, Path | None]:
+        tls = self.settings.tls()
+        if tls is None:
+            return None, None, None
+        return tls.ca_file, tls.cert_file, tls.key_file
+
+    async def check_service(self, target: Target) -> None:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        tls = self.settings.tls()
+        try:
+            async with open_channel(target.address, tls=tls, retry=False) as channel:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=target.health_service),
+                    timeout=self.settings.timeout,
+                )
+        except grpc.aio.AioRpcError as exc:
+            self.add(
+                FAILED,
+                f"{target.name} at {target.address} is unreachable: {exc.code().name}: "
+                f"{exc.details()}",
+                _reach_hint(tls is not None),
+            )
+            return
+        serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+        status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        self.add(
+            OK if serving else FAILED,
+            f"{target.name} at {target.address} answers health {status}",
+            f"see its log; `waygate health {target.address}` repeats this check",
+        )
+        if tls is not None:
+            await asyncio.to_thread(self.check_certificate, target)
+
+    def check_certificate(self, target: Target) -> None:
+        """The serving certificate: verified against the trust bundle, the identity
+        expected under `up`, and the life it has left."""
+        ca_file, cert_file, key_file = self.tls_files()
+        host, _, port = target.address.rpartition(":")
+        context = ssl.create_default_context(cafile=str(ca_file) if ca_file else None)
+        context.set_alpn_protocols(["h2"])
+        if cert_file is not None and key_file is not None:
+            context.load_cert_chain(cert_file, key_file)
+        try:
+            with (
+                socket.create_connection((host, int(port)), timeout=self.settings.timeout) as raw,
+                context.wrap_socket(raw, server_hostname=host) as tls,
+            ):
+                der = tls.getpeercert(binary_form=True)
+        except (OSError, ssl.SSLError) as exc:
+            self.add(
+                FAILED,
+                f"{target.name}: TLS to {target.address} fails: {exc}",
+                "the trust bundle (ca.pem) may be stale: `waygate cert bundle --out "
+                f"{ca_file}` refreshes it",
+            )
+            return
+        assert der is not None
+        cert = x509.load_der_x509_certificate(der)
+        try:
+            sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+            uris = sans.get_values_for_type(x509.UniformResourceIdentifier)
+        except x509.ExtensionNotFound:
+            uris = []
+        expected = f"spiffe://waygate.local/ns/local/sa/{target.name}"
+        if self.record is not None and target.name != "certs":
+            self.add(
+                OK if expected in uris else FAILED,
+                f"{target.name}: certificate identity {', '.join(uris) or '(none)'}",
+                f"expected {expected}: another process may hold the port "
+                "(`waygate up` fails on a taken port; is this an older copy?)",
+            )
+        now = datetime.now(UTC)
+        left = cert.not_valid_after_utc - now
+        life = cert.not_valid_after_utc - cert.not_valid_before_utc
+        days = left.total_seconds() / 86400
+        if left.total_seconds() <= 0:
+            mark = FAILED
+        elif life.total_seconds() > 0 and left / life < LOW_LIFE:
+            mark = WARN
+        else:
+            mark = OK
+        self.add(
+            mark,
+            f"{target.name}: serving certificate valid, {days:.1f} days left "
+            f"(until {cert.not_valid_after_utc:%Y-%m-%dT%H:%MZ})",
+            "renewal is failing: look for 'renew' in its log; certs must be reachable",
+        )
+
+    async def check_admin_ports(self) -> None:
+        assert self.record is not None
+        for name, ports in sorted(self.record.addresses.items()):
+            address = ports.get("admin_port")
+            if address is None:
+                continue
+            status = await _http_status(address, "/readyz", self.settings.timeout)
+            self.add(
+                OK if status == 200 else FAILED,
+                f"{name} admin {address}: /readyz " + (str(status) if status else "unreachable"),
+                f"`curl http://{address}/readyz` says what it waits for",
+            )
+
+    async def check_bundle(self, certs: Target) -> None:
+        from waygate.certs.v1 import certs_pb2, certs_pb2_grpc
+
+        ca_file = self.tls_files()[0]
+        try:
+            async with open_channel(certs.address, tls=self.settings.tls(), retry=False) as ch:
+                bundle = await certs_pb2_grpc.CertsStub(ch).GetTrustBundle(
+                    certs_pb2.GetTrustBundleRequest(), timeout=self.settings.timeout
+                )
+        except grpc.aio.AioRpcError as exc:
+            self.add(FAILED, f"trust bundle: {exc.code().name}: {exc.details()}")
+            return
+        served = {_fingerprint(a.certificate) for a in bundle.authorities}
+        self.add(OK, f"trust bundle version {bundle.version}: {len(served)} CA(s)")
+        if ca_file is None:
+            return
+        try:
+            trusted = {
+                _fingerprint(c.public_bytes(_der()))
+                for c in x509.load_pem_x509_certificates(ca_file.read_bytes())
+            }
+        except (OSError, ValueError) as exc:
+            self.add(FAILED, f"trust bundle file {ca_file} unreadable: {exc}")
+            return
+        self.add(
+            OK if trusted == served else FAILED,
+            f"{ca_file} matches the bundle certs serves"
+            if trusted == served
+            else f"{ca_file} differs from the bundle certs serves",
+            f"`waygate cert bundle --out {ca_file}` writes the current one",
+        )
+
+    async def check_routes(self, resolver: Target) -> None:
+        from waygate.resolver.commands import list_routes, route_problem
+        from waygate.resolver.v1 import resolver_pb2_grpc
+
+        try:
+            async with open_channel(resolver.address, tls=self.settings.tls(), retry=False) as ch:
+                stub = resolver_pb2_grpc.ResolverStub(ch)
+                routes, sources, _ = await list_routes(stub, "", self.settings.timeout)
+                first = await _first_view(stub, self.settings.timeout)
+        except (grpc.aio.AioRpcError, TimeoutError) as exc:
+            detail = (
+                f"{exc.code().name}: {exc.details()}"
+                if isinstance(exc, grpc.aio.AioRpcError)
+                else "no snapshot in time"
+            )
+            self.add(FAILED, f"resolver routes: {detail}")
+            return
+        for state in sources:
+            what = state.source.removeprefix("file:")
+            if state.valid:
+                self.add(OK, f"routes file {what} is valid")
+            else:
+                self.add(
+                    FAILED,
+                    f"routes file rejected: {state.last_error}",
+                    "fix that line; the resolver serves the last good content until then",
+                )
+        bad = 0
+        for route in routes:
+            status, message = route_problem(route)
+            if status not in ("Admitted", "-"):
+                bad += 1
+                self.add(
+                    FAILED,
+                    f"route {route.namespace}/{route.name}: {status}: {message}",
+                    _route_hint(status),
+                )
+        if routes and not bad:
+            self.add(OK, f"all {len(routes)} routes admitted, their services resolved")
+        synced, tunnels, endpoints = first
+        if synced is None:
+            self.add(FAILED, "resolver view never synced", "its source has not loaded yet")
+        else:
+            age = time.time() - synced
+            self.add(
+                OK if age <= self.args.max_staleness else FAILED,
+                f"resolver view confirmed {age:.0f}s ago",
+                "its source (file or Kubernetes) stopped confirming: see the resolver's log",
+            )
+        for node in sorted({e.node_name for e in endpoints if e.tunnel and e.node_name}):
+            held = [t for t in tunnels if t.node == node and t.servers]
+            self.add(
+                OK if held else FAILED,
+                f"edge node {node}: "
+                + (
+                    f"agent connected to {', '.join(s.id for s in held[0].servers)}"
+                    if held
+                    else "no tunnel agent connected"
+                ),
+                "start `waygate tunnel agent` on that node (under `up`: see the tunnel-agent log)",
+            )
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _reach_hint(tls: bool) -> str:
+    hint = "is it running? `waygate up` prints where each service listens"
+    if tls:
+        hint += "; a TLS error means the trust bundle or client certificate does not fit"
+    return hint
+
+
+def _route_hint(reason: str) -> str:
+    return {
+        "ServiceNotFound": "create the service, or point the route at one that exists",
+        "PortNotFound": "targetPort must name a port of the service (by name or number)",
+        "NoReadyEndpoints": "no ready endpoint: is the backend running and ready?",
+        "HostAlreadyClaimed": "an older route owns this host or host and path: rename the "
+        "host or path, or delete the other route",
+        "NoBackends": "give the route a backend of non-zero weight",
+    }.get(reason, "`waygate routes get NS/NAME` shows every condition")
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _fingerprint(der: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(der).hexdigest()
+
+
+def _der() -> Any:
+    from cryptography.hazmat.primitives.serialization import Encoding
+
+    return Encoding.DER
+
+
+async def _http_status(address: str, path: str, timeout: float) -> int | None:
+    host, _, port = address.rpartition(":")
+    try:
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            try:
+                writer.write(
+                    f"GET {path} HTTP/1.1\r\nHost: check\r\nConnection: close\r\n\r\n".encode()
+                )
+                line = await reader.readline()
+            finally:
+                writer.close()
+                with contextlib.suppress(OSError):
+                    await writer.wait_closed()
+    except (OSError, TimeoutError, ValueError):
+        return None
+    parts = line.split()
+    return int(parts[1]) if len(parts) >= 2 and parts[1].isdigit() else None
+
+
+async def _first_view(stub: Any, timeout: float) -> tuple[float | None, list[Any], list[Any]]:
+    """(last sync as unix time or None, tunnel presences, endpoints) of one Watch snapshot."""
+    from waygate.resolver.v1 import resolver_pb2 as pb
+
+    tunnels: list[Any] = []
+    endpoints: list[Any] = []
+    call = stub.Watch(
+        pb.WatchRequest(kinds=[pb.RESOURCE_KIND_TUNNELS, pb.RESOURCE_KIND_ENDPOINTS]),
+        timeout=timeout,
+    )
+    try:
+        async with asyncio.timeout(timeout):
+            async for event in call:
+                tunnels += event.snapshot.tunnels
+                endpoints += event.snapshot.endpoints
+                if not event.snapshot.more:
+                    synced = (
+                        event.last_sync.seconds + event.last_sync.nanos / 1e9
+                        if event.HasField("last_sync")
+                        else None
+                    )
+                    return synced, tunnels, endpoints
+    finally:
+        call.cancel()
+    raise TimeoutError("the Watch stream ended before its snapshot")
