@@ -23,11 +23,15 @@ A dial carries the caller's W3C trace context: the agent's span is its child.
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import itertools
 import logging
 import os
 import secrets
 import socket
+import ssl
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +44,7 @@ from waygate.core.grpcclient import KEEPALIVE_OPTIONS
 from waygate.tunnel import mux
 from waygate.tunnel.allow import AllowList
 from waygate.tunnel.mux import GRANT_SHIFT, MAX_CHUNK, Outbox
+from waygate.tunnel.relay import Link, LinkClosed, Pending, open_link, splice, split_address
 from waygate.tunnel.v1 import tunnel_pb2 as pb
 from waygate.tunnel.v1 import tunnel_pb2_grpc
 
@@ -47,6 +52,15 @@ log = logging.getLogger(__name__)
 
 _STREAM_END = pb.Packet()
 _HALF_CLOSE = pb.Packet()  # everything before it written: half-close the stream
+
+
+class _OnDataConnection:
+    """A dial carried on a data connection: no DIAL_RSP (the server learns from the DATA line)."""
+
+    __slots__ = ("connect_id",)
+
+    def __init__(self, connect_id: int) -> None:
+        self.connect_id = connect_id
 
 
 class AgentConnection(asyncio.Protocol):
@@ -208,6 +222,121 @@ class AgentConnection(asyncio.Protocol):
                 self.transport.abort()
 
 
+class DataPool:
+    """Idle data connections to one server replica, TLS done, so a dial needs no handshake.
+
+    At most `agent.pool_size` wait; each is closed after `agent.pool_idle`
+    (the server drops unclaimed ones later than that, and a renewed certificate
+    reaches new connections only). A background task refills the pool after
+    every take, backing off while the replica cannot be reached. A connection
+    that a load balancer sent to another replica goes to that replica's pool
+    when it has room, else it is closed.
+    """
+
+    def __init__(self, stream: AgentStream, host: str, port: int) -> None:
+        self.stream = stream
+        self.agent = stream.agent
+        self.host, self.port = host, port
+        self.idle: collections.deque[tuple[Link, float]] = collections.deque()
+        self._wanted = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._backoff = Backoff(initial=0.2, maximum=10.0)
+
+    def start(self) -> None:
+        if self._task is None and self.agent.pool_size > 0:
+            self._task = asyncio.ensure_future(self._fill())
+
+    def _usable(self, link: Link, opened: float, now: float) -> bool:
+        return not link.is_closing() and now - opened < self.agent.pool_idle
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self.idle and not self._usable(*self.idle[0], now):
+            self.idle.popleft()[0].close()
+
+    async def _fill(self) -> None:
+        while True:
+            self._expire()
+            if len(self.idle) >= self.agent.pool_size:
+                self._wanted.clear()
+                oldest = self.idle[0][1] if self.idle else time.monotonic()
+                wait = max(0.05, oldest + self.agent.pool_idle - time.monotonic())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wanted.wait(), wait)
+                continue
+            try:
+                link = await self.open()
+            except (OSError, LinkClosed, TimeoutError, ValueError) as exc:
+                log.warning(
+                    "cannot open a data connection to the tunnel server",
+                    extra={"server_id": self.stream.server_id, "error": str(exc)},
+                )
+                await asyncio.sleep(self._backoff.next_delay())
+                continue
+            self._backoff.reset()
+            if link is not None:
+                self.idle.append((link, time.monotonic()))
+
+    def offer(self, link: Link) -> bool:
+        """A connection that reached this replica while another pool was filling."""
+        if len(self.idle) >= self.agent.pool_size:
+            return False
+        self.idle.append((link, time.monotonic()))
+        return True
+
+    async def open(self) -> Link | None:
+        """A new data connection to this replica (None: it reached another one, which kept it)."""
+        agent = self.agent
+        link = await open_link(
+            self.host,
+            self.port,
+            agent.data_context(),
+            server_hostname=agent.data_server_name(self.host),
+            timeout=agent.dial_timeout,
+        )
+        try:
+            line = await link.read_line(agent.dial_timeout)
+            words = line.decode("ascii", "replace").split(" ")
+            if len(words) != 2 or words[0] != "WAYGATE":
+                raise LinkClosed(f"the data listener answered {line[:80]!r}")
+        except BaseException:
+            link.abort()
+            raise
+        if words[1] == self.stream.server_id:
+            return link
+        other = agent.streams.get(words[1])
+        if other is not None and other.pool is not None and other.pool.offer(link):
+            return None
+        link.abort()
+        raise LinkClosed(f"the data connection reached replica {words[1]}, not the one meant")
+
+    async def take(self, timeout: float) -> Link:
+        """An idle connection, or a new one when none is left."""
+        now = time.monotonic()
+        link = None
+        while self.idle:
+            candidate, opened = self.idle.popleft()
+            if self._usable(candidate, opened, now):
+                link = candidate
+                break
+            candidate.close()
+        self._wanted.set()
+        if link is not None:
+            return link
+        async with asyncio.timeout(timeout):
+            while True:
+                opened_link = await self.open()
+                if opened_link is not None:
+                    return opened_link
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        while self.idle:
+            self.idle.popleft()[0].abort()
+
+
 class AgentStream:
     """One Connect stream to one server replica."""
 
@@ -224,6 +353,8 @@ class AgentStream:
         self._dials: set[asyncio.Task[None]] = set()
         self._closed = False
         self._leaving = False
+        self.pool: DataPool | None = None  # once the replica names its data listener
+        self.relays: dict[asyncio.Future[None], tuple[Link, Any]] = {}  # data connections
 
     def send(self, packet: pb.Packet) -> None:
         if self._closed:
@@ -276,6 +407,7 @@ class AgentStream:
                 task.add_done_callback(self._dials.discard)
             elif kind == pb.SERVER_INFO:
                 self.agent.learn_replicas(packet.server_info.replica_ids)
+                self.learn_data_address(packet.server_info.data_address)
             elif kind == pb.DRAIN:
                 self.draining = True
                 log.info(
@@ -304,6 +436,10 @@ class AgentStream:
                 response = pb.DialResponse(
                     random=request.random, error=f"agent error: {exc!r}", reason=pb.UNREACHABLE
                 )
+            if isinstance(response, _OnDataConnection):
+                span.set_attribute("waygate.tunnel.connection_id", response.connect_id)
+                span.set_attribute("waygate.tunnel.data_connection", True)
+                return
             if response.connect_id:
                 span.set_attribute("waygate.tunnel.connection_id", response.connect_id)
             else:
@@ -322,7 +458,59 @@ class AgentStream:
         if connection is not None:
             connection.start()
 
-    async def _connect(self, request: pb.DialRequest) -> pb.DialResponse:
+    def learn_data_address(self, address: str) -> None:
+        if self.pool is not None or not address or not self.agent.data_connections:
+            return
+        try:
+            host, port = split_address(address if not address.startswith(":") else "x" + address)
+        except ValueError:
+            log.warning("tunnel server named a malformed data address", extra={"address": address})
+            return
+        if address.startswith(":"):
+            host = split_address(self.agent.server_address)[0]
+        self.pool = DataPool(self, host, port)
+        if not self._closed:
+            self.pool.start()
+
+    async def _on_data_connection(
+        self, request: pb.DialRequest, sock: socket.socket, token: str, connect_id: int
+    ) -> bool:
+        """Carry the dial on a data connection: True when it does (the server learns of
+        the success from the DATA line); False: answer on the stream instead."""
+        pool = self.pool
+        if pool is None:
+            return False
+        loop = asyncio.get_running_loop()
+        timeout = request.timeout.ToNanoseconds() / 1e9 or self.agent.dial_timeout
+        try:
+            link = await pool.take(timeout)
+        except (OSError, LinkClosed, TimeoutError, ValueError) as exc:
+            log.warning(
+                "no data connection for a dial; carrying it on the stream",
+                extra={"server_id": self.server_id, "error": str(exc)},
+            )
+            return False
+        try:
+            transport, _ = await loop.connect_accepted_socket(Pending, sock)
+        except OSError:
+            link.close()
+            sock.close()
+            raise
+        if self._closed:
+            link.abort()
+            transport.abort()
+            return True
+        link.write_line("DATA", token, str(connect_id))
+        done = splice(link, transport)
+        self.relays[done] = (link, transport)
+        done.add_done_callback(self._relay_done)
+        return True
+
+    def _relay_done(self, done: asyncio.Future[None]) -> None:
+        self.relays.pop(done, None)
+        self.leave_if_drained()
+
+    async def _connect(self, request: pb.DialRequest) -> pb.DialResponse | _OnDataConnection:
         refuse = pb.DialResponse
         host, sep, port_text = request.address.rpartition(":")
         host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
@@ -372,6 +560,10 @@ class AgentStream:
         if self._closed:
             sock.close()
             return refuse(random=request.random, error="stream closed", reason=pb.DRAINING)
+        if request.data_token and await self._on_data_connection(
+            request, sock, request.data_token, connect_id
+        ):
+            return _OnDataConnection(connect_id)
         connection = AgentConnection(self, connect_id, send_window, recv_window)
         self.connections[connect_id] = connection
         try:
@@ -387,7 +579,13 @@ class AgentStream:
     def leave_if_drained(self) -> None:
         """A draining replica's stream ends once its last connection has: the server
         need not wait out its grace for an idle agent stream."""
-        if self.draining and not self.connections and not self._dials and not self._leaving:
+        if (
+            self.draining
+            and not self.connections
+            and not self.relays
+            and not self._dials
+            and not self._leaving
+        ):
             self._leaving = True
             self.send(_HALF_CLOSE)
 
@@ -401,6 +599,12 @@ class AgentStream:
         for connection in list(self.connections.values()):
             connection.on_close()
         self.connections.clear()
+        for link, transport in list(self.relays.values()):
+            link.abort()
+            transport.abort()
+        self.relays.clear()
+        if self.pool is not None:
+            await self.pool.close()
         self._call.cancel()
         await self._channel.close()
 
@@ -423,6 +627,10 @@ class Agent:
         dial_timeout: float = 10.0,
         backoff: Backoff | None = None,
         agent_id: str | None = None,
+        ssl_context: Callable[[], ssl.SSLContext | None] | None = None,
+        data_connections: bool = True,
+        pool_size: int = 4,
+        pool_idle: float = 60.0,
     ) -> None:
         self.node = node
         self.server_address = server_address
@@ -432,6 +640,12 @@ class Agent:
         self.agent_id = agent_id or secrets.token_hex(8)
         self._credentials = credentials
         self._server_name = server_name
+        # Data connections (relay.py): TLS from `ssl_context` (None: plaintext, as the
+        # stream without credentials), a pool of `pool_size` per replica.
+        self._ssl_context = ssl_context or (lambda: None)
+        self.data_connections = data_connections
+        self.pool_size = pool_size
+        self.pool_idle = pool_idle
         self._backoff = backoff or Backoff(initial=0.2, maximum=10.0)
         self.streams: dict[str, AgentStream] = {}  # server id -> stream
         self.replicas: frozenset[str] = frozenset()
@@ -440,6 +654,14 @@ class Agent:
         self.connected = asyncio.Event()  # set once the first stream is held
         # Called with the number of streams held whenever it changes (readiness).
         self.on_streams: Callable[[int], None] | None = None
+
+    def data_context(self) -> ssl.SSLContext | None:
+        return self._ssl_context()
+
+    def data_server_name(self, host: str) -> str | None:
+        if self._ssl_context() is None:
+            return None
+        return self._server_name or host
 
     def learn_replicas(self, replica_ids: Any) -> None:
         replicas = frozenset(replica_ids)
@@ -527,6 +749,7 @@ class Agent:
             await stream.close()  # the balancer sent us to a replica we hold
             return False
         stream.server_id = server_id
+        stream.learn_data_address(first.server_info.data_address)
         if held is not None:
             # A draining stream to the same id (a restarted replica): the new one serves.
             self.streams.pop(server_id, None)
@@ -583,4 +806,4 @@ class Agent:
         self.streams.clear()
 
     def open_connections(self) -> int:
-        return sum(len(s.connections) for s in self.streams.values())
+        return sum(len(s.connections) + len(s.relays) for s in self.streams.values())

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING
+import ssl
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -23,6 +25,7 @@ from waygate.core.settings import ProcessSettings, parse_duration, port_number, 
 from waygate.tunnel import mux
 from waygate.tunnel.agent import Agent
 from waygate.tunnel.allow import DEFAULT_ALLOW, AllowList, entries_problem
+from waygate.tunnel.relay import client_context
 
 if TYPE_CHECKING:
     from waygate.supervisor import UpContext
@@ -65,6 +68,24 @@ class Settings(ProcessSettings):
         parse=parse_duration,
         check=positive,
     )
+    data_connections: bool = setting(
+        True,
+        help="carry tunnelled connections on their own data connections when the server "
+        "has a data listener; off: on the Connect stream only",
+    )
+    pool_size: int = setting(
+        4,
+        help="idle data connections kept open per server replica (a dial then needs no "
+        "TLS handshake); 0: open one per dial",
+        check=lambda v: None if 0 <= v <= 256 else f"must lie between 0 and 256, not {v}",
+    )
+    pool_idle: float = setting(
+        60.0,
+        help="how long an idle data connection is kept before it is replaced (below the "
+        "servers' data_idle_timeout)",
+        parse=parse_duration,
+        check=positive,
+    )
     reconnect_max: float = setting(
         10.0,
         help="longest pause between connection attempts (exponential backoff with jitter)",
@@ -96,6 +117,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     from waygate.core.backoff import Backoff
 
     certificates = await process.certificates()
+    ssl_context: Callable[[], ssl.SSLContext | None]
     if certificates is not None:
         from waygate.core.grpctls import client_credentials
 
@@ -104,18 +126,31 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
             # streams while the open ones keep theirs.
             return client_credentials(certificates.rotator, certificates.trust)
 
+        ssl_context = _rotating_context(certificates)
+
     elif settings.tls_cert_file is not None:
         static = ClientTLS(
             settings.tls_client_ca_file, settings.tls_cert_file, settings.tls_key_file
         ).credentials()
+        static_context = client_context(
+            settings.tls_client_ca_file.read_bytes() if settings.tls_client_ca_file else None,
+            settings.tls_cert_file.read_bytes(),
+            settings.tls_key_file.read_bytes() if settings.tls_key_file else None,
+        )
 
         def credentials() -> grpc.ChannelCredentials | None:
             return static
+
+        def ssl_context() -> ssl.SSLContext | None:
+            return static_context
 
     else:
         log.warning("no TLS: the agent connects in plaintext and names its node in metadata")
 
         def credentials() -> grpc.ChannelCredentials | None:
+            return None
+
+        def ssl_context() -> ssl.SSLContext | None:
             return None
 
     agent = Agent(
@@ -127,6 +162,10 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         window=settings.window,
         dial_timeout=settings.dial_timeout,
         backoff=Backoff(initial=0.2, maximum=settings.reconnect_max),
+        ssl_context=ssl_context,
+        data_connections=settings.data_connections,
+        pool_size=settings.pool_size,
+        pool_idle=settings.pool_idle,
     )
 
     def readiness(held: int) -> None:
@@ -144,6 +183,25 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         await process.mark_ready()
 
     process.spawn(become_ready(), "tunnel-agent-ready")
+
+
+def _rotating_context(certificates: Any) -> Callable[[], ssl.SSLContext | None]:
+    """The data connections' TLS context for the current certificate and trust bundle:
+    built again after a renewal (new connections use the new certificate; open ones
+    keep the one they were opened with), not per connection."""
+    built: list[Any] = [None, None, None]
+
+    def context() -> ssl.SSLContext | None:
+        held, bundle = certificates.rotator.current, certificates.trust.current
+        if built[0] is not held or built[1] is not bundle:
+            built[:] = [
+                held,
+                bundle,
+                client_context(bundle.pem, held.chain_pem(), held.key_pem()),
+            ]
+        return built[2]  # type: ignore[no-any-return]
+
+    return context
 
 
 def up_arguments(context: UpContext) -> list[str]:

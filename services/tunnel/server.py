@@ -27,18 +27,19 @@ import collections
 import itertools
 import logging
 import random
+import secrets
+import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 import grpc
-from cryptography import x509
 from google.protobuf import duration_pb2
 from opentelemetry import trace
 
 from waygate.core import errors, tracing
 from waygate.core.identity import matches
-from waygate.tunnel import mux
+from waygate.tunnel import mux, peers
 from waygate.tunnel.mux import (
     GRANT_SHIFT,
     MAX_CHUNK,
@@ -47,6 +48,7 @@ from waygate.tunnel.mux import (
     Outbox,
     Refused,
 )
+from waygate.tunnel.relay import Link, LinkClosed, Stream, splice
 from waygate.tunnel.v1 import tunnel_pb2 as pb
 from waygate.tunnel.v1 import tunnel_pb2_grpc
 
@@ -59,20 +61,14 @@ _LOST = object()  # the agent stream ended, or the agent broke the protocol
 _STREAM_END = pb.Packet()
 
 
+def peer_certificate(context: grpc.aio.ServicerContext) -> bytes | None:
+    pems = list(context.auth_context().get("x509_pem_cert") or ())
+    return pems[0] if pems else None
+
+
 def peer_certificate_names(context: grpc.aio.ServicerContext) -> tuple[list[str], list[str]]:
     """(URI SANs, DNS SANs) of the client certificate; empty lists without one."""
-    pems = list(context.auth_context().get("x509_pem_cert") or ())
-    if not pems:
-        return [], []
-    try:
-        certificate = x509.load_pem_x509_certificate(pems[0])
-        names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    except (ValueError, x509.ExtensionNotFound):
-        return [], []
-    return (
-        list(names.get_values_for_type(x509.UniformResourceIdentifier)),
-        list(names.get_values_for_type(x509.DNSName)),
-    )
+    return peers.certificate_names(peer_certificate(context))
 
 
 class ServerConnection:
@@ -181,6 +177,106 @@ class ServerConnection:
         self._push(how)
 
 
+class DataConnection:
+    """A tunnelled connection on its own data connection from the agent (`relay.Link`).
+
+    Shaped as `ServerConnection` for the faces that consume bytes themselves
+    (the gRPC Dial face, the front): `next_for_dialer`/`delivered` read through
+    a `relay.Stream` whose queue is bounded, so TCP backs a slow consumer up to
+    the destination. A raw dialer skips all of that: `relay_to` splices its
+    link to this one. The id is the agent's (its DATA line); the agent ignores
+    a CLOSE_REQ for it, which is what the consumers send when they give up: the
+    link's reset is what ends it.
+    """
+
+    __slots__ = (
+        "_eof_given",
+        "close_reason",
+        "connect_id",
+        "finished",
+        "link",
+        "session",
+        "stream",
+    )
+
+    def __init__(self, session: AgentSession, connect_id: int, link: Link) -> None:
+        self.session = session
+        self.connect_id = connect_id
+        self.link = link
+        self.stream: Stream | None = None
+        self.finished = False
+        self.close_reason = ""
+        self._eof_given = False
+
+    def _stream(self) -> Stream:
+        stream = self.stream
+        if stream is None:
+            stream = self.stream = Stream()
+            self.link.attach(stream)
+            stream.closed.add_done_callback(lambda _done: self._ended(stream.error))
+        return stream
+
+    def relay_to(self, dialer: Link) -> asyncio.Future[None]:
+        """Splice `dialer` to this connection; done once both are closed."""
+        done = splice(dialer, self.link)
+        done.add_done_callback(lambda _done: self._ended(None))
+        return done
+
+    def _ended(self, error: BaseException | None) -> None:
+        if not self.finished:
+            self.finished = True
+            self.close_reason = str(error) if error is not None else ""
+            self.session.data.pop(self.connect_id, None)
+
+    async def next_for_dialer(self) -> Any:
+        stream = self._stream()
+        if not self._eof_given:
+            try:
+                data = await stream.take()
+            except LinkClosed:
+                data = None
+            if data:
+                return data
+            if data is not None:
+                self._eof_given = True
+                return _EOF
+        await stream.closed
+        self._ended(stream.error)
+        return _LOST if self.close_reason else _CLOSED
+
+    def delivered(self, size: int) -> None:
+        if self.stream is not None:
+            self.stream.delivered(size)
+
+    async def send(self, data: bytes) -> None:
+        try:
+            await self._stream().write(data)
+        except LinkClosed:
+            raise ConnectionClosed from None
+
+    def send_eof(self) -> None:
+        self._stream().write_eof()
+
+    def finish(self, how: Any, reason: str = "") -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self.close_reason = reason
+        self.session.data.pop(self.connect_id, None)
+        link = self.link
+        if link.eof_in and link.eof_out:
+            link.close()
+        else:
+            link.abort()
+
+
+# Refusals another agent of the same node could answer differently: its own
+# allow-list, its own network, it is moving. The dial moves on to the next agent.
+ANOTHER_AGENT_COULD = frozenset({pb.NOT_ALLOWED, pb.UNREACHABLE, pb.DRAINING})
+# How long an agent's refusal of an address puts it behind the others for that address.
+REFUSAL_MEMORY = 30.0
+
+
 class AgentSession:
     """One agent's Connect stream on this replica."""
 
@@ -198,11 +294,13 @@ class AgentSession:
         self.remote = remote
         self.connected_since = datetime.now(UTC)
         self.connections: dict[int, ServerConnection] = {}
+        self.data: dict[int, DataConnection] = {}  # connections on their own data connections
+        self._refusals: dict[str, float] = {}  # address -> when this agent last refused it
         self.draining = False
         self.closed = False
         self._context = context
         self._outbox = Outbox()
-        self._dials: dict[int, asyncio.Future[tuple[pb.DialResponse, ServerConnection | None]]] = {}
+        self._dials: dict[int, asyncio.Future[tuple[pb.DialResponse, Any]]] = {}
         self._randoms = itertools.count(random.randrange(1, 1 << 40))
         self.ended = asyncio.Event()
 
@@ -287,16 +385,56 @@ class AgentSession:
 
     # ----------------------------------------------------- dials
 
+    def open_connections(self) -> int:
+        return len(self.connections) + len(self.data)
+
+    def refused_lately(self, address: str) -> bool:
+        at = self._refusals.get(address)
+        return at is not None and time.monotonic() - at < REFUSAL_MEMORY
+
+    def remember_refusal(self, address: str) -> None:
+        if len(self._refusals) >= 1024:  # bounded: forget the oldest
+            self._refusals.pop(next(iter(self._refusals)))
+        self._refusals[address] = time.monotonic()
+
+    def claim(
+        self, waiter: asyncio.Future[tuple[pb.DialResponse, Any]], link: Link, connect_id: int
+    ) -> bool:
+        """The agent's data connection for a dial arrived: it carries the connection now.
+
+        `connect_id` is the agent's id for it (from the same counter as its stream's
+        connection ids, so one id names one connection in both sides' traces)."""
+        if (
+            waiter.done()
+            or self.closed
+            or connect_id in self.connections
+            or connect_id in self.data
+        ):
+            return False
+        connection = DataConnection(self, connect_id, link)
+        self.data[connection.connect_id] = connection
+        waiter.set_result((pb.DialResponse(connect_id=connection.connect_id), connection))
+        return True
+
     async def dial(
         self, address: str, timeout: float, trace_context: dict[str, str]
     ) -> ServerConnection:
+        """A connection to `address` through this agent; `Refused` otherwise.
+
+        The result may be a `DataConnection`, which its consumers (the gRPC Dial
+        face, the front) use through the same members as a `ServerConnection`
+        (typed as one for them)."""
         if self.draining or self.closed:
             raise Refused(pb.DRAINING, f"the agent for node {self.node} is moving off this replica")
         random_id = next(self._randoms)
-        waiter: asyncio.Future[tuple[pb.DialResponse, ServerConnection | None]] = (
+        waiter: asyncio.Future[tuple[pb.DialResponse, Any]] = (
             asyncio.get_running_loop().create_future()
         )
         self._dials[random_id] = waiter
+        token = ""
+        if self.hub.data_address:
+            token = secrets.token_urlsafe(18)
+            self.hub.tokens[token] = (self, waiter)
         self.send(
             pb.Packet(
                 type=pb.DIAL_REQ,
@@ -309,6 +447,7 @@ class AgentSession:
                     ),
                     initial_window=self.hub.window,
                     trace_context=trace_context,
+                    data_token=token,
                 ),
             )
         )
@@ -327,12 +466,14 @@ class AgentSession:
             raise
         finally:
             self._dials.pop(random_id, None)
+            if token:
+                self.hub.tokens.pop(token, None)
         if connection is None:
             reason = response.reason or pb.UNREACHABLE
             raise Refused(reason, f"node {self.node}: {response.error or 'dial failed'}")
         if connection.finished:
             raise Refused(pb.DRAINING, f"the agent for node {self.node} went away")
-        return connection
+        return cast(ServerConnection, connection)
 
     def end(self) -> None:
         """The stream is over: every connection and pending dial on it ends now."""
@@ -346,7 +487,11 @@ class AgentSession:
                     (pb.DialResponse(error="the agent went away", reason=pb.DRAINING), None)
                 )
         self._dials.clear()
-        for connection in list(self.connections.values()):
+        ending: list[ServerConnection | DataConnection] = [
+            *self.connections.values(),
+            *self.data.values(),
+        ]
+        for connection in ending:
             connection.finish(_LOST, f"the agent stream of node {self.node} ended")
         self.ended.set()
 
@@ -361,7 +506,7 @@ class AgentSession:
             node=self.node,
             agent_id=self.agent_id,
             remote_address=self.remote,
-            open_connections=len(self.connections),
+            open_connections=self.open_connections(),
             draining=self.draining,
         )
         agent.connected_since.FromDatetime(self.connected_since)
@@ -387,6 +532,12 @@ class Hub:
         self.sessions: dict[str, AgentSession] = {}  # node -> the session that serves dials
         self._by_agent: dict[tuple[str, str], AgentSession] = {}
         self._listeners: list[Callable[[], None]] = []
+        # The data listener's address for agents (ServerInfo.data_address); empty: none.
+        self.data_address = ""
+        # Single-use tokens of dials waiting for the agent's data connection.
+        self.tokens: dict[
+            str, tuple[AgentSession, asyncio.Future[tuple[pb.DialResponse, Any]]]
+        ] = {}
 
     def subscribe(self, listener: Callable[[], None]) -> None:
         self._listeners.append(listener)
@@ -401,7 +552,11 @@ class Hub:
     def server_info(self) -> pb.Packet:
         return pb.Packet(
             type=pb.SERVER_INFO,
-            server_info=pb.ServerInfo(server_id=self.server_id, replica_ids=self.replicas),
+            server_info=pb.ServerInfo(
+                server_id=self.server_id,
+                replica_ids=self.replicas,
+                data_address=self.data_address,
+            ),
         )
 
     def set_replicas(self, replicas: Iterable[str]) -> None:
@@ -448,6 +603,44 @@ class Hub:
             )
         return session
 
+    def sessions_all(self) -> list[AgentSession]:
+        return list(self._by_agent.values())
+
+    def sessions_for(self, node: str, address: str = "") -> list[AgentSession]:
+        """The live agents of `node` that may take a dial, best first: those that did not
+        refuse `address` lately, then the newest (a restarted agent replaces its predecessor)."""
+        preferred = self.session_for(node)  # raises NO_AGENT / DRAINING as before
+        others = [
+            s
+            for s in self._by_agent.values()
+            if s.node == node and s is not preferred and not s.draining and not s.closed
+        ]
+        others.reverse()  # newest first (insertion order is registration order)
+        ordered = [preferred, *others]
+        if address:
+            ordered.sort(key=lambda s: s.refused_lately(address))
+        return ordered
+
+    async def dial(self, node: str, address: str, timeout: float) -> Any:
+        """Dial `address` through an agent of `node`: the next agent when one refuses for a
+        reason another agent could answer (its allow-list, its network, it is moving).
+
+        Returns a `ServerConnection` or a `DataConnection`; raises `Refused`.
+        """
+        carrier: dict[str, str] = {}
+        tracing.inject_context(carrier)
+        last: Refused | None = None
+        for session in self.sessions_for(node, address):
+            try:
+                return await session.dial(address, timeout, carrier)
+            except Refused as refused:
+                last = refused
+                if refused.reason not in ANOTHER_AGENT_COULD:
+                    raise
+                session.remember_refusal(address)
+        assert last is not None
+        raise last
+
     def drain(self, grace: float) -> None:
         """No new dials; every agent is told to move; open connections get `grace`."""
         self.draining = True
@@ -468,25 +661,13 @@ class AgentTunnelServicer(tunnel_pb2_grpc.AgentTunnelServicer):
         self._require_certificate = require_certificate
 
     def _node_of(self, context: grpc.aio.ServicerContext) -> str:
-        uris, dns_names = peer_certificate_names(context)
-        if uris:
-            # Agents' certificates carry dns:NODE and nothing else. Any ServiceAccount
-            # may be issued its SPIFFE URI together with dns:NAME.NS.svc: with a URI
-            # SAN present, that one DNS name is a workload's, not a node's.
-            raise errors.PermissionDenied(
-                "an agent's client certificate names its node only (one DNS name); "
-                "this one also carries a URI (a workload identity, not an agent's)"
-            )
-        if len(dns_names) == 1:
-            return dns_names[0].lower().rstrip(".")
-        if not dns_names and not self._require_certificate:
+        certificate = peer_certificate(context)
+        if certificate is None and not self._require_certificate:
             for key, value in context.invocation_metadata() or ():
                 if key == "waygate-node" and isinstance(value, str) and value:
                     return value
-        raise errors.PermissionDenied(
-            "an agent's client certificate must name exactly one node (one DNS name); "
-            f"this one names {len(dns_names)}"
-        )
+        uris, dns_names = peers.certificate_names(certificate)
+        return peers.agent_node(uris, dns_names, certificate)
 
     async def Connect(
         self, request_iterator: AsyncIterator[pb.Packet], context: grpc.aio.ServicerContext
@@ -576,10 +757,8 @@ class TunnelServicer(tunnel_pb2_grpc.TunnelServicer):
                     "waygate.tunnel.address": address,
                 }
             )
-            session = hub.session_for(target.node)
-            carrier: dict[str, str] = {}
-            tracing.inject_context(carrier)
-            connection = await session.dial(address, timeout, carrier)
+            connection = await hub.dial(target.node, address, timeout)
+            session = connection.session
         except Refused as refused:
             await context.write(
                 pb.DialFrame(
@@ -621,6 +800,14 @@ class TunnelServicer(tunnel_pb2_grpc.TunnelServicer):
                 f"tunnelled connection to {address} on node {target.node} ended: "
                 f"{connection.close_reason or 'lost'}"
             )
+
+    async def Describe(
+        self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerDescription:
+        self._authorize(context)
+        return pb.ServerDescription(
+            server_id=self._hub.server_id, data_address=self._hub.data_address
+        )
 
     async def ListAgents(
         self, request: pb.ListAgentsRequest, context: grpc.aio.ServicerContext

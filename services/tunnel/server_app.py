@@ -1,7 +1,9 @@
 """`waygate tunnel serve`: settings and wiring of a tunnel-server replica.
 
 Two mTLS gRPC listeners: agents on `grpc_port` (7003; node name from the
-client certificate), dialers on `dial_port` (7004; identities in `dialers`).
+client certificate), dialers on `dial_port` (7004; identities in `dialers`),
+and the data listener on `data_port` (7005; `waygate.tunnel.datapath`):
+agents' data connections and raw dials, one TCP connection each.
 With `resolver_address` the replica reports the nodes it holds to the
 resolver (`waygate.tunnel.presence`). SIGTERM: the hub stops taking dials,
 tells every agent to move (Drain with the grace), and the listeners give open
@@ -97,6 +99,30 @@ class Settings(FrontSettings, GrpcServerSettings):  # front_*: the HTTPS front (
         help="per-connection flow-control window in bytes, each direction",
         check=_window_check,
     )
+    data_port: int = setting(
+        7005,
+        help="data listener: agents' data connections and raw dials, one TCP connection "
+        "per tunnelled connection (mTLS as the gRPC ports)",
+        check=port_number,
+    )
+    data_path: bool = setting(
+        True,
+        help="run the data listener; off: every tunnelled byte rides the agents' Connect "
+        "streams and the Dial streams (the fallback path)",
+    )
+    data_advertise_address: str = setting(
+        "",
+        help="host:port agents and dialers reach the data listener at; empty: the data port "
+        "on the host they reached this server by (a balancer must forward it to the same "
+        "replica pods as the gRPC ports)",
+    )
+    data_idle_timeout: float = setting(
+        300.0,
+        help="how long an agent's pooled data connection may wait for its dial (agents "
+        "replace theirs sooner: their pool idle time)",
+        parse=parse_duration,
+        check=positive,
+    )
     resolver_address: str | None = setting(
         None, help="host:port of the resolver to report presence to; unset: no reports"
     )
@@ -155,6 +181,20 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         )
     )
     process.on_drain(lambda: hub.drain(settings.shutdown_grace))
+    if settings.data_path:
+        from waygate.tunnel.datapath import DataListener
+
+        data = DataListener(
+            hub,
+            await process.server_ssl_context(client_auth=True),
+            dialers=settings.dialers,
+            check_dialers=authenticated,
+            idle_timeout=settings.data_idle_timeout,
+        )
+        data_port = await data.start(settings.host, settings.data_port)
+        process.on_stop(data.stop)
+        hub.data_address = settings.data_advertise_address or f":{data_port}"
+        log.info("tunnel data listener", extra={"data_port": data_port})
 
     if settings.resolver_address is not None:
         from waygate.tunnel.presence import PresenceReporter

@@ -72,7 +72,7 @@ class Packet(_message.Message):
     def __init__(self, type: _Optional[_Union[PacketType, str]] = ..., dial_request: _Optional[_Union[DialRequest, _Mapping]] = ..., dial_response: _Optional[_Union[DialResponse, _Mapping]] = ..., data: _Optional[_Union[Data, _Mapping]] = ..., close_request: _Optional[_Union[CloseRequest, _Mapping]] = ..., close_response: _Optional[_Union[CloseResponse, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., window_update: _Optional[_Union[WindowUpdate, _Mapping]] = ..., server_info: _Optional[_Union[ServerInfo, _Mapping]] = ...) -> None: ...
 
 class DialRequest(_message.Message):
-    __slots__ = ("protocol", "address", "random", "timeout", "initial_window", "trace_context")
+    __slots__ = ("protocol", "address", "random", "timeout", "initial_window", "trace_context", "data_token")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -86,13 +86,15 @@ class DialRequest(_message.Message):
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     INITIAL_WINDOW_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    DATA_TOKEN_FIELD_NUMBER: _ClassVar[int]
     protocol: str
     address: str
     random: int
     timeout: _duration_pb2.Duration
     initial_window: int
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, protocol: _Optional[str] = ..., address: _Optional[str] = ..., random: _Optional[int] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., initial_window: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    data_token: str
+    def __init__(self, protocol: _Optional[str] = ..., address: _Optional[str] = ..., random: _Optional[int] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., initial_window: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., data_token: _Optional[str] = ...) -> None: ...
 
 class DialResponse(_message.Message):
     __slots__ = ("random", "connect_id", "error", "initial_window", "reason")
@@ -143,12 +145,14 @@ class Drain(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., grace: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("server_id", "replica_ids")
+    __slots__ = ("server_id", "replica_ids", "data_address")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     replica_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, server_id: _Optional[str] = ..., replica_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    data_address: str
+    def __init__(self, server_id: _Optional[str] = ..., replica_ids: _Optional[_Iterable[str]] = ..., data_address: _Optional[str] = ...) -> None: ...
 
 class WindowUpdate(_message.Message):
     __slots__ = ("connect_id", "increment")
@@ -225,6 +229,18 @@ class Agent(_message.Message):
     open_connections: int
     draining: bool
     def __init__(self, node: _Optional[str] = ..., agent_id: _Optional[str] = ..., remote_address: _Optional[str] = ..., connected_since: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., open_connections: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServerDescription(_message.Message):
+    __slots__ = ("server_id", "data_address")
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    server_id: str
+    data_address: str
+    def __init__(self, server_id: _Optional[str] = ..., data_address: _Optional[str] = ...) -> None: ...
 
 class ListAgentsResponse(_message.Message):
     __slots__ = ("server_id", "agents")

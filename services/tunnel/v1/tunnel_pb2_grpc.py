@@ -127,6 +127,11 @@ class TunnelStub:
                 request_serializer=waygate_dot_tunnel_dot_v1_dot_tunnel__pb2.ListAgentsRequest.SerializeToString,
                 response_deserializer=waygate_dot_tunnel_dot_v1_dot_tunnel__pb2.ListAgentsResponse.FromString,
                 _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/waygate.tunnel.v1.Tunnel/Describe',
+                request_serializer=waygate_dot_tunnel_dot_v1_dot_tunnel__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=waygate_dot_tunnel_dot_v1_dot_tunnel__pb2.ServerDescription.FromString,
+                _registered_method=True)
 
 
 class TunnelServicer:
@@ -156,6 +161,15 @@ class TunnelServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Describe(self, request, context):
+        """This replica's id and where its data listener is: a dialer that can open
+        TLS connections itself dials there (one connection per tunnelled
+        connection, see README "The tunnel's two data paths") instead of Dial.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TunnelServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -168,6 +182,11 @@ def add_TunnelServicer_to_server(servicer, server):
                     servicer.ListAgents,
                     request_deserializer=waygate_dot_tunnel_dot_v1_dot_tunnel__pb2.ListAgentsRequest.FromString,
                     response_serializer=waygate_dot_tunnel_dot_v1_dot_tunnel__pb2.ListAgentsResponse.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=waygate_dot_tunnel_dot_v1_dot_tunnel__pb2.DescribeRequest.FromString,
+                    response_serializer=waygate_dot_tunnel_dot_v1_dot_tunnel__pb2.ServerDescription.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -224,6 +243,33 @@ class Tunnel:
             '/waygate.tunnel.v1.Tunnel/ListAgents',
             waygate_dot_tunnel_dot_v1_dot_tunnel__pb2.ListAgentsRequest.SerializeToString,
             waygate_dot_tunnel_dot_v1_dot_tunnel__pb2.ListAgentsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/waygate.tunnel.v1.Tunnel/Describe',
+            waygate_dot_tunnel_dot_v1_dot_tunnel__pb2.DescribeRequest.SerializeToString,
+            waygate_dot_tunnel_dot_v1_dot_tunnel__pb2.ServerDescription.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,6 +8,7 @@ with the identities a test asks for. Everything stops in `close()`.
 from __future__ import annotations
 
 import asyncio
+import ssl
 from pathlib import Path
 
 import grpc
@@ -16,9 +17,12 @@ from tests.support.pki import IdentityFiles, LocalCA
 from tests.support.poll import until
 from waygate.core.grpcclient import ClientTLS
 from waygate.core.grpcserver import GrpcServer, ServiceRegistration
+from waygate.core.tls import server_context
 from waygate.tunnel.agent import Agent
 from waygate.tunnel.allow import AllowList
 from waygate.tunnel.client import StaticPresence, TunnelClient
+from waygate.tunnel.datapath import DataListener
+from waygate.tunnel.relay import client_context
 from waygate.tunnel.server import AgentTunnelServicer, Hub, TunnelServicer
 from waygate.tunnel.v1 import tunnel_pb2_grpc
 
@@ -28,6 +32,10 @@ NODE = "edge-1"
 
 def credentials(files: IdentityFiles) -> grpc.ChannelCredentials:
     return ClientTLS(files.ca, files.cert, files.key).credentials()
+
+
+def ssl_context(files: IdentityFiles) -> ssl.SSLContext:
+    return client_context(files.ca.read_bytes(), files.cert.read_bytes(), files.key.read_bytes())
 
 
 class Tunnel:
@@ -40,6 +48,7 @@ class Tunnel:
         window: int = 1024 * 1024,
         allow: tuple[str, ...] = ("127.0.0.0/8:*",),
         ca: LocalCA | None = None,
+        data_path: bool = True,
     ) -> None:
         self.directory = directory
         self.ca = ca or LocalCA()
@@ -57,6 +66,9 @@ class Tunnel:
         self.clients: list[TunnelClient] = []
         self.agent_port = 0
         self.dial_port = 0
+        self.data_path = data_path  # the data listener and agents' data connections
+        self.data: DataListener | None = None
+        self.data_port = 0
 
     async def start_server(self) -> None:
         creds = grpc.ssl_server_credentials(
@@ -91,19 +103,39 @@ class Tunnel:
         self.agent_port = await agents.start()
         self.dial_port = await dialers.start()
         self.servers = [agents, dialers]
+        if self.data_path:
+            context = server_context(
+                chain_pem=self.server_files.cert.read_bytes(),
+                key_pem=self.server_files.key.read_bytes(),
+                client_ca_pem=self.ca.pem,
+                client_auth=True,
+            )
+            self.data = DataListener(self.hub, context, dialers=(DIALER,))
+            self.data_port = await self.data.start("127.0.0.1", self.data_port)
+            self.hub.data_address = f"127.0.0.1:{self.data_port}"
 
     async def start_agent(self, *, wait: bool = True, window: int | None = None) -> Agent:
         agent = Agent(
             node=NODE,
             server_address=f"127.0.0.1:{self.agent_port}",
             credentials=lambda: credentials(self.agent_files),
+            ssl_context=lambda: ssl_context(self.agent_files),
             allow=AllowList(self.allow, own=()),
             window=window or self.window,
+            server_name="tunnel-server",
         )
         self.agents.append(agent)
         self._tasks.append(asyncio.ensure_future(agent.run()))
         if wait:
             await until(lambda: NODE in self.hub.sessions, "the agent's stream")
+            if self.data_path:  # a full pool: what a test counts as its baseline stays put
+                await until(
+                    lambda: all(
+                        s.pool is not None and len(s.pool.idle) >= agent.pool_size
+                        for s in agent.streams.values()
+                    ),
+                    "the agent's pool of data connections",
+                )
         return agent
 
     async def stop_agent(self, agent: Agent) -> None:
@@ -130,6 +162,8 @@ class Tunnel:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for server in self.servers:
             await server.stop(0)
+        if self.data is not None:
+            await self.data.stop()
 
 
 async def echo_server() -> tuple[asyncio.Server, int]:

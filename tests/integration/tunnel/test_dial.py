@@ -46,14 +46,17 @@ async def test_bytes_both_ways_with_half_close(tunnel: Tunnel) -> None:
         await asyncio.wait_for(reading, 20)
         assert bytes(received) == payload
         assert await asyncio.wait_for(stream.wait_closed(), 5) == grpc.StatusCode.OK
-    await until(lambda: not tunnel.hub.sessions[NODE].connections, "the connection to be released")
+    await until(
+        lambda: not tunnel.hub.sessions[NODE].open_connections(), "the connection to be released"
+    )
     assert not tunnel.agents[0].open_connections()
 
 
 async def test_an_agent_window_larger_than_the_servers_does_not_stall(tmp_path: Path) -> None:
     # The server sends at most its own window (1 MiB); an agent that granted only
     # once owed half of its own 8 MiB would never grant: the echo hung.
-    tunnel = Tunnel(tmp_path, window=1024 * 1024)
+    # Windows are the Connect stream's (the fallback path): no data connections.
+    tunnel = Tunnel(tmp_path, window=1024 * 1024, data_path=False)
     await tunnel.start_server()
     await tunnel.start_agent(window=8 * 1024 * 1024)
     try:
@@ -94,7 +97,7 @@ async def test_coalesced_data_stays_within_the_credit_and_in_order(
         return packet
 
     monkeypatch.setattr(mux.Outbox, "next", recording_next)
-    tunnel = Tunnel(tmp_path, window=window)
+    tunnel = Tunnel(tmp_path, window=window, data_path=False)  # the Connect stream's packets
     await tunnel.start_server()
     await tunnel.start_agent(window=window)
     try:
@@ -287,7 +290,8 @@ async def test_dialers_cancelling_around_the_accept_leave_no_connection(tunnel: 
             if not isinstance(results[0], BaseException):
                 await results[0].aclose()
         await until(
-            lambda: not tunnel.hub.sessions[NODE].connections, "the server's connections to go"
+            lambda: not tunnel.hub.sessions[NODE].open_connections(),
+            "the server's connections to go",
         )
         await until(lambda: not tunnel.agents[0].open_connections(), "the agent's to go")
 
@@ -424,7 +428,9 @@ async def test_the_bridge_lets_go_when_the_proxy_closes_its_end(tunnel: Tunnel) 
         sock = await bridged_socket(stream)
         await until(lambda: tunnel.agents[0].open_connections() == 1, "the connection")
         sock.close()  # a full close, not a half-close
-        await until(lambda: not tunnel.hub.sessions[NODE].connections, "the server to let go")
+        await until(
+            lambda: not tunnel.hub.sessions[NODE].open_connections(), "the server to let go"
+        )
         await until(lambda: not tunnel.agents[0].open_connections(), "the agent to let go")
         for writer in held:
             writer.close()

@@ -20,6 +20,7 @@ import pytest
 from tests.integration.tunnel.harness import NODE, Tunnel
 from tests.support.pki import LocalCA
 from tests.support.poll import until
+from waygate.tunnel import relay
 from waygate.tunnel.front import HIGH_WATER, Front, FrontSettings
 
 RESPONSE_BYTES = 24 * 1024 * 1024
@@ -80,7 +81,7 @@ async def test_a_client_that_stops_reading_stalls_only_itself_with_bounded_buffe
             socket.SOL_SOCKET, socket.SO_RCVBUF, 65536
         )
         writer.write(f"GET /big HTTP/1.1\r\nHost: 127.0.0.1:{backend_port}\r\n\r\n".encode())
-        await until(lambda: front_listener.connections and tunnel.hub.sessions[NODE].connections,
+        await until(lambda: front_listener.connections and tunnel.hub.sessions[NODE].open_connections(),
                     "the relay to start")  # fmt: skip
         await asyncio.sleep(1.0)  # the backend pushes; nobody reads
         (connection,) = front_listener.connections
@@ -89,9 +90,11 @@ async def test_a_client_that_stops_reading_stalls_only_itself_with_bounded_buffe
         # The client transport's buffer stops near its high-water mark...
         assert transport.get_write_buffer_size() <= 4 * 1024 * 1024
         # ...the server's queue towards the front is bounded by the granted window...
-        (tunnelled,) = tunnel.hub.sessions[NODE].connections.values()
-        queued = sum(len(i) for i in tunnelled.to_dialer if isinstance(i, bytes))
-        assert queued <= tunnel.window
+        # (on its data connection: what its stream holds, at most one read past
+        # the high-water mark at which it stops reading the agent)
+        (tunnelled,) = tunnel.hub.sessions[NODE].data.values()
+        assert tunnelled.stream is not None
+        assert tunnelled.stream.buffered <= 2 * relay.HIGH_WATER
         # ...and meanwhile another request through the same agent goes through at once.
         other_reader, other_writer = await asyncio.open_connection("127.0.0.1", port, ssl=context)
         other_writer.write(f"GET /x HTTP/1.1\r\nHost: 127.0.0.1:{backend_port}\r\n\r\n".encode())
@@ -109,7 +112,9 @@ async def test_a_client_that_stops_reading_stalls_only_itself_with_bounded_buffe
         assert received == RESPONSE_BYTES
         writer.close()
         await until(lambda: not front_listener.connections, "the front to let go")
-        await until(lambda: not tunnel.hub.sessions[NODE].connections, "tunnelled connections")
+        await until(
+            lambda: not tunnel.hub.sessions[NODE].open_connections(), "tunnelled connections"
+        )
         await until(lambda: not tunnel.agents[0].open_connections(), "the agent's sockets")
         await until(lambda: len(asyncio.all_tasks()) <= baseline_tasks, "tasks back to baseline")
         assert not front_listener.tasks
@@ -156,7 +161,9 @@ async def test_client_bytes_wait_for_credit_without_unbounded_buffering(front) -
         )
         writer.transport.abort()
         await until(lambda: not front_listener.connections, "the front to let go")
-        await until(lambda: not tunnel.hub.sessions[NODE].connections, "tunnelled connections")
+        await until(
+            lambda: not tunnel.hub.sessions[NODE].open_connections(), "tunnelled connections"
+        )
         finished.set()
         for peer in accepted:
             peer.close()
@@ -228,7 +235,9 @@ async def test_tls_ports_are_spoken_to_in_tls_with_the_fronts_client_certificate
             assert b"TLS with node edge-1 at 127.0.0.1:" in response
             assert callers == []
         await until(lambda: not tls_front.connections, "the front to let go")
-        await until(lambda: not tunnel.hub.sessions[NODE].connections, "tunnelled connections")
+        await until(
+            lambda: not tunnel.hub.sessions[NODE].open_connections(), "tunnelled connections"
+        )
     finally:
         await tls_front.stop()
 
@@ -294,7 +303,9 @@ async def test_full_duplex_megabytes_both_ways_at_once(front, tmp_path: Path, tl
             assert echoed.endswith(body)
             assert echoed.startswith(b"PUT /stream HTTP/1.1\r\n")
         await until(lambda: not duplex_front.connections, "the front to let go")
-        await until(lambda: not tunnel.hub.sessions[NODE].connections, "tunnelled connections")
+        await until(
+            lambda: not tunnel.hub.sessions[NODE].open_connections(), "tunnelled connections"
+        )
     finally:
         await duplex_front.stop()
 

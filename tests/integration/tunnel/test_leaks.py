@@ -50,7 +50,7 @@ async def settled(baseline_fds: int, baseline_tasks: int, tunnel: Tunnel) -> Non
         return (
             open_fds() <= baseline_fds
             and tasks() <= baseline_tasks
-            and not tunnel.hub.sessions[NODE].connections
+            and not tunnel.hub.sessions[NODE].open_connections()
             and not tunnel.agents[0].open_connections()
         )
 
@@ -96,7 +96,7 @@ async def test_agent_dying_mid_stream_releases_everything(tunnel: Tunnel) -> Non
         streams = [await client.dial(NODE, port) for _ in range(5)]
         for stream in streams:
             await stream.write(b"x" * 100_000)
-        await until(lambda: len(tunnel.hub.sessions[NODE].connections) == 5, "five connections")
+        await until(lambda: tunnel.hub.sessions[NODE].open_connections() == 5, "five connections")
         old_agent = tunnel.agents[0]
         await tunnel.stop_agent(old_agent)
         for stream in streams:

@@ -63,7 +63,10 @@ async def test_agent_holds_every_reported_replica_exactly_through_one_address(
         await until(
             lambda: NODE in a.hub.sessions and NODE in b.hub.sessions, "streams to both replicas"
         )
-        assert set(agent.streams) == {"replica-a", "replica-b"}
+        # The servers register a stream before the agent has read their SERVER_INFO.
+        await until(
+            lambda: set(agent.streams) == {"replica-a", "replica-b"}, "the agent to hold both"
+        )
         assert agent.replicas == {"replica-a", "replica-b"}
         await asyncio.sleep(1.0)  # no more attempts once both are held
         attempts = sum(accepted)
@@ -245,6 +248,7 @@ async def test_the_agent_leaves_a_replica_that_left_the_set(tmp_path: Path) -> N
         await until(
             lambda: NODE in a.hub.sessions and NODE in b.hub.sessions, "streams to both replicas"
         )
+        await until(lambda: len(agent.streams) == 2, "the agent to hold both")
         a.hub.set_replicas(())  # replica-b is no longer part of the set
         await until(lambda: agent.replicas == {"replica-a"}, "the agent to learn the new set")
         await until(lambda: NODE not in b.hub.sessions, "the stream to replica-b to end")

@@ -1,0 +1,272 @@
+"""The server replica's data listener: agents' data connections and raw dials, on one port.
+
+Every connection is TLS with a client certificate (the same trust as the
+gRPC listeners), or plain in the development mode without certificates.
+The server speaks first, once the handshake is done:
+
+    server:  WAYGATE <server-id>
+
+which tells an agent which replica a pooled connection reached (through a
+load balancer it may not be the one it meant) and that its certificate was
+accepted. Then the client sends one preamble line (`relay.read_line`):
+
+    DATA <token> <connection-id>
+        an agent's answer to a DIAL_REQ that carried `data_token`: this
+        connection now carries that tunnelled connection. The certificate must
+        name the node of the agent the token was issued to. An agent may open
+        the connection long before (its pool): the line then waits up to
+        `idle_timeout`, and one identity holds at most `max_idle_per_peer`
+        connections that have not sent their line yet.
+    DIAL <node> <host|-> <port> <timeout-ms> <traceparent|->
+        a dialer (the proxy, `waygate tunnel dial`): checked against the
+        dialer policy, then dialled like `Tunnel.Dial`; answered with
+            OK <server-id> <agent-id> <connection-id>
+            REFUSED <REASON> <message>       (REASON: a RefusalReason name)
+        after which the connection is closed. After OK the bytes flow.
+
+A raw dial whose agent answered on its own data connection is a splice of
+the two links (`relay.splice`); one the agent answered on its Connect stream
+(an agent without data connections) is pumped through the server connection.
+
+Invariants: no grpc here; one task per connection (never per chunk); every
+wait has a timeout; a token is used once (popped before it is honoured).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import ssl
+
+from opentelemetry.trace import SpanKind
+
+from waygate.core import errors, tracing
+from waygate.core.identity import matches
+from waygate.tunnel import mux, peers
+from waygate.tunnel.mux import ConnectionClosed, Refused
+from waygate.tunnel.relay import Link, LinkClosed, Stream
+from waygate.tunnel.server import _CLOSED, _EOF, _LOST, DataConnection, Hub, ServerConnection
+from waygate.tunnel.v1 import tunnel_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT = 10.0
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class DataListener:
+    """The data port of one replica (see the module docstring)."""
+
+    def __init__(
+        self,
+        hub: Hub,
+        context: ssl.SSLContext | None,
+        *,
+        dialers: tuple[str, ...] = (),
+        check_dialers: bool = True,
+        idle_timeout: float = 300.0,
+        max_idle_per_peer: int = 256,
+    ) -> None:
+        self.hub = hub
+        self._context = context
+        self._dialers = dialers
+        self._check_dialers = check_dialers and context is not None
+        self.idle_timeout = idle_timeout
+        self.max_idle_per_peer = max_idle_per_peer
+        self._idle: collections.Counter[str] = collections.Counter()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._server: asyncio.Server | None = None
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> int:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(self._accept, host, port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.port
+
+    def _accept(self) -> Link:
+        link = Link(self._context, server_side=True)
+        task = asyncio.ensure_future(self._serve(link))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return link
+
+    async def stop(self) -> None:
+        """Stop accepting; every connection still open is cut (after the process's grace)."""
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for session in list(self.hub.sessions_all()):
+            for connection in list(session.data.values()):
+                connection.finish(_LOST, "tunnel server stopping")
+
+    # ------------------------------------------------- one connection
+
+    async def _serve(self, link: Link) -> None:
+        handed_off = False
+        try:
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT):
+                await link.established
+            link.write_line("WAYGATE", self.hub.server_id)
+            uris, dns_names = peers.certificate_names(link.get_extra_info("peercert_der"))
+            who = uris[0] if uris else dns_names[0] if dns_names else "?"
+            if self._idle[who] >= self.max_idle_per_peer:
+                link.write_line("REFUSED", "INVALID", "too many idle data connections")
+                link.close()
+                return
+            self._idle[who] += 1
+            try:
+                line = await link.read_line(self.idle_timeout)
+            finally:
+                self._idle[who] -= 1
+                if not self._idle[who]:
+                    del self._idle[who]
+            words = line.decode("ascii").split(" ")
+            if words[0] == "DATA" and len(words) == 3 and words[2].isdigit():
+                handed_off = self._data(link, words[1], int(words[2]), uris, dns_names)
+                if not handed_off:
+                    link.abort()
+                return
+            if words[0] == "DIAL" and len(words) == 6:
+                handed_off = True
+                await self._dial(link, words, uris, dns_names)
+                return
+            link.write_line("REFUSED", "INVALID", "unknown preamble")
+            link.close()
+        except (LinkClosed, TimeoutError, UnicodeDecodeError, ValueError, ConnectionError):
+            link.abort()
+        except asyncio.CancelledError:
+            link.abort()
+            raise
+        finally:
+            if not handed_off and not link.is_closing():
+                link.abort()
+
+    def _data(
+        self, link: Link, token: str, connect_id: int, uris: list[str], dns_names: list[str]
+    ) -> bool:
+        pending = self.hub.tokens.pop(token, None)
+        if pending is None:
+            return False  # unknown, used or expired: the dial was answered or gave up
+        session, waiter = pending
+        if self._context is not None:
+            try:
+                node = peers.agent_node(uris, dns_names, link.get_extra_info("peercert_der"))
+            except errors.PermissionDenied:
+                return False
+            if node != session.node:
+                log.warning(
+                    "a data connection presented another node's dial token",
+                    extra={"node": node, "token_node": session.node},
+                )
+                return False
+        return session.claim(waiter, link, connect_id)
+
+    # ------------------------------------------------- raw dials
+
+    def _authorize(self, uris: list[str], dns_names: list[str]) -> None:
+        if not self._check_dialers:
+            return
+        identities = (*uris, *dns_names)
+        if any(matches(p, i) for p in self._dialers for i in identities):
+            return
+        shown = identities[0] if identities else "a client without a certificate"
+        raise Refused(
+            pb.NOT_ALLOWED,
+            f"{errors.excerpt(shown)} is not an allowed dialer of this tunnel server",
+        )
+
+    async def _dial(
+        self, link: Link, words: list[str], uris: list[str], dns_names: list[str]
+    ) -> None:
+        hub = self.hub
+        _verb, node, host, port_text, timeout_text, traceparent = words
+        parent = (
+            tracing.extract_context((("traceparent", traceparent),)) if traceparent != "-" else None
+        )
+        with tracing.tracer().start_as_current_span(
+            "waygate.tunnel.data/Dial", context=parent, kind=SpanKind.SERVER
+        ) as span:
+            try:
+                self._authorize(uris, dns_names)
+                if not port_text.isdigit() or not 0 < int(port_text) < 65536 or not node:
+                    raise Refused(pb.INVALID, "a dial target needs a node and a port 1..65535")
+                if not timeout_text.isdigit():
+                    raise Refused(pb.INVALID, "the dial timeout must be milliseconds")
+                host = "127.0.0.1" if host == "-" else host
+                address = format_address(host, int(port_text))
+                timeout = hub.dial_timeout
+                if int(timeout_text) > 0:
+                    timeout = min(int(timeout_text) / 1000, timeout)
+                span.set_attributes(
+                    {
+                        "waygate.tunnel.node": node,
+                        "waygate.tunnel.replica": hub.server_id,
+                        "waygate.tunnel.address": address,
+                    }
+                )
+                connection = await hub.dial(node, address, timeout)
+            except Refused as refused:
+                span.set_attribute("waygate.tunnel.refusal", mux.reason_name(refused.reason))
+                link.write_line("REFUSED", mux.reason_name(refused.reason), str(refused))
+                link.close()
+                return
+            span.set_attribute("waygate.tunnel.connection_id", connection.connect_id)
+        try:
+            link.write_line(
+                "OK", hub.server_id, connection.session.agent_id, str(connection.connect_id)
+            )
+            if isinstance(connection, DataConnection):
+                await connection.relay_to(link)
+            else:
+                await _pump(link, connection)
+        finally:
+            if not connection.finished:
+                connection.session.send(
+                    mux.close_request(connection.connect_id, "dialer went away")
+                )
+                connection.finish(_CLOSED)
+            if not link.is_closing():
+                link.abort()
+
+
+async def _pump(link: Link, connection: ServerConnection) -> None:
+    """A raw dialer and a connection on the agent's Connect stream (an agent without data
+    connections): both ways, each bounded (the stream's queue, the connection's credit)."""
+    stream = Stream()
+    link.attach(stream)
+
+    async def to_agent() -> None:
+        try:
+            while data := await stream.read():
+                await connection.send(data)
+        except (LinkClosed, ConnectionClosed):
+            return
+        connection.send_eof()
+
+    sender = asyncio.ensure_future(to_agent())
+    try:
+        while True:
+            item = await connection.next_for_dialer()
+            if item is _CLOSED or item is _LOST:
+                if item is _LOST or connection.close_reason:
+                    stream.abort()
+                else:
+                    stream.close()
+                return
+            if item is _EOF:
+                stream.write_eof()
+                continue
+            await stream.write(item)
+            connection.delivered(len(item))
+    except LinkClosed:
+        return
+    finally:
+        sender.cancel()
+        await asyncio.gather(sender, return_exceptions=True)

@@ -1,0 +1,681 @@
+"""The tunnel's data connections: one TCP connection per tunnelled connection, and the relay.
+
+A tunnelled connection's bytes do not cross gRPC when both ends can help it:
+the agent opens a data connection to the server replica (mTLS with its agent
+certificate), the dialer opens one to the same replica (mTLS with its dialer
+certificate), each names what it is for in one preamble line, and from then
+on the replica copies bytes from one to the other and the agent from its data
+connection to the destination socket. No framing, no per-chunk Python beyond
+`data_received -> write`; flow control is TCP's own: a side whose write buffer
+passes `HIGH_WATER` pauses reading the other (`splice`).
+
+- `Link`: one TCP connection, TLS through a memory BIO (or plain, for the
+  development mode without certificates). It is an asyncio.Protocol towards
+  its socket and an asyncio.Transport towards whoever uses it, so a relay
+  half, a `Stream` or the proxy's own upstream protocol can sit on it. TLS
+  goes through `ssl.SSLObject` rather than asyncio's TLS transports because
+  those cannot half-close: here `write_eof` sends TLS 1.3's close_notify (the
+  sender's direction only) and reading goes on, so `nc`-style half-close works
+  end to end. The socket itself is closed once both sides sent theirs; a FIN
+  or reset before that is an abort (see `eof_received`), which is how a
+  dialer's full close reaches the agent after both sides half-closed.
+- `splice(a, b)`: the relay between two transports (Links, or a Link and a
+  plain socket transport). Closes both once both directions ended; an abort
+  on one side aborts the other.
+- `Stream`: read()/write() over a transport for callers that are not
+  transports themselves (the gRPC Dial face, the front, `waygate tunnel
+  dial`); its queue is bounded by `HIGH_WATER` (reading pauses past it).
+- Preamble lines: ASCII, space-separated, LF-terminated, at most
+  `PREAMBLE_LIMIT` bytes (`read_line`, `write_line`); see server.py for the
+  verbs.
+
+Invariants: nothing here imports grpc; every buffer is bounded (the socket
+write buffers by HIGH_WATER, a held preamble by PREAMBLE_LIMIT plus one
+socket read); every wait is under a timeout given by the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import socket
+import ssl
+import struct
+from typing import Any, cast
+
+HIGH_WATER = 256 * 1024
+PREAMBLE_LIMIT = 4096
+_READ_SIZE = 256 * 1024
+_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
+
+
+class LinkClosed(ConnectionError):
+    """The link ended before the expected bytes arrived (or was aborted)."""
+
+
+class _Holding(asyncio.Protocol):
+    """What a Link delivers to before anyone attached: kept for `read_line` and `attach`."""
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        self.data = bytearray()
+        self.eof = False
+        self.lost: BaseException | None = None
+        self.is_lost = False
+        self.waiter: asyncio.Future[None] | None = None
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def data_received(self, data: bytes) -> None:
+        self.data += data
+        if len(self.data) > PREAMBLE_LIMIT:
+            self.link.pause_reading()  # whoever attaches resumes it
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        self._wake()
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.is_lost = True
+        self.lost = exc
+        self._wake()
+
+
+class Link(asyncio.Protocol, asyncio.Transport):
+    """One data connection: TLS (memory BIO) or plain, a Transport for its user."""
+
+    def __init__(
+        self,
+        context: ssl.SSLContext | None,
+        *,
+        server_side: bool,
+        server_hostname: str | None = None,
+    ) -> None:
+        super().__init__()
+        self._context = context
+        self._server_side = server_side
+        self._server_hostname = server_hostname
+        self.raw: Any = None
+        self._ssl: ssl.SSLObject | None = None
+        self._in = ssl.MemoryBIO()
+        self._out = ssl.MemoryBIO()
+        self._holding = _Holding(self)
+        self.protocol: asyncio.BaseProtocol = self._holding
+        self.established: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._buffer = bytearray(_READ_SIZE) if context is not None else bytearray()
+        self.eof_in = False  # the peer will send no more
+        self.eof_out = False  # we sent our end
+        self.lost = False
+        self._closing = False
+
+    # ------------------------------------------------- socket side (Protocol)
+
+    def connection_made(self, transport: Any) -> None:
+        self.raw = transport
+        transport.set_write_buffer_limits(high=HIGH_WATER)
+        if self._context is None:
+            self.established.set_result(None)
+            return
+        self._ssl = self._context.wrap_bio(
+            self._in,
+            self._out,
+            server_side=self._server_side,
+            server_hostname=self._server_hostname,
+        )
+        self._handshake()
+
+    def _handshake(self) -> None:
+        assert self._ssl is not None
+        try:
+            self._ssl.do_handshake()
+        except ssl.SSLWantReadError:
+            self._flush()
+            return
+        except (ssl.SSLError, ssl.CertificateError) as exc:
+            self._flush()
+            if not self.established.done():
+                self.established.set_exception(LinkClosed(f"TLS handshake failed: {exc}"))
+            self.raw.abort()
+            return
+        self._flush()
+        if not self.established.done():
+            self.established.set_result(None)
+        self._read_plain()
+
+    def data_received(self, data: bytes) -> None:
+        if self._ssl is None:
+            self.protocol.data_received(data)  # type: ignore[attr-defined]
+            return
+        self._in.write(data)
+        if not self.established.done():
+            self._handshake()
+            return
+        self._read_plain()
+
+    def _read_plain(self) -> None:
+        tls, buffer = self._ssl, self._buffer
+        assert tls is not None
+        view = memoryview(buffer)
+        size = len(buffer)
+        filled = 0
+        eof = False
+        try:
+            while True:
+                try:
+                    got = cast(int, tls.read(size - filled, view[filled:]))
+                except ssl.SSLWantReadError:
+                    break
+                except ssl.SSLZeroReturnError:
+                    eof = True
+                    break
+                except ssl.SSLError as exc:
+                    self._fail(exc)
+                    return
+                if not got:
+                    eof = True
+                    break
+                filled += got
+                if filled == size:
+                    self.protocol.data_received(bytes(view))  # type: ignore[attr-defined]
+                    filled = 0
+        finally:
+            view.release()
+        if self._out.pending:
+            self._flush()  # post-handshake messages (tickets, key updates)
+        if filled:
+            self.protocol.data_received(bytes(buffer[:filled]))  # type: ignore[attr-defined]
+        if eof and not self.eof_in:
+            self._peer_eof()
+
+    def _peer_eof(self) -> None:
+        self.eof_in = True
+        self.protocol.eof_received()  # type: ignore[attr-defined]
+        self._close_if_done()
+
+    def eof_received(self) -> bool:
+        if self._ssl is not None:
+            # Under TLS a half-close is close_notify alone and the socket stays open
+            # both ways, so a FIN always means the peer let go of the whole
+            # connection. Before its close_notify: the stream was cut short. Before
+            # ours: the peer will not read what we still send, which is an abort
+            # (and the only way an abort reaches us once it has half-closed).
+            if not self.eof_in:
+                self._fail(LinkClosed("the peer closed without ending TLS (truncated)"))
+            elif not self.eof_out:
+                self._fail(LinkClosed("the peer went away before this side finished"))
+            else:
+                self.raw.close()
+            return False
+        if not self.eof_in:
+            self._peer_eof()
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.lost:
+            return
+        self.lost = True
+        if not self.established.done():
+            self.established.set_exception(LinkClosed(f"connection lost: {exc or 'closed'}"))
+        if exc is None and not (self.eof_in and self.eof_out):
+            exc = LinkClosed("the data connection ended before both sides finished")
+        self.protocol.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.protocol.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.protocol.resume_writing()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.raw is not None:
+            self.raw.abort()
+        if not self.lost:
+            self.lost = True
+            self.protocol.connection_lost(exc if isinstance(exc, Exception) else None)
+
+    def _flush(self) -> None:
+        data = self._out.read()
+        if data and self.raw is not None and not self.raw.is_closing():
+            self.raw.write(data)
+
+    def _close_if_done(self) -> None:
+        if self.eof_in and self.eof_out and self.raw is not None:
+            self.raw.close()  # after the write buffer is flushed
+
+    # ------------------------------------------------- user side (Transport)
+
+    def attach(self, protocol: asyncio.BaseProtocol) -> None:
+        """Hand the link to `protocol` (connection_made, then what was held before)."""
+        held = self._holding
+        self.protocol = protocol
+        protocol.connection_made(self)
+        if held.data:
+            data, held.data = bytes(held.data), bytearray()
+            protocol.data_received(data)  # type: ignore[attr-defined]
+        if held.eof:
+            protocol.eof_received()  # type: ignore[attr-defined]
+        if held.is_lost:
+            protocol.connection_lost(held.lost)  # type: ignore[arg-type]
+        elif not self.is_closing():
+            self.resume_reading()
+
+    async def read_line(self, timeout: float) -> bytes:
+        """The next preamble line (without LF), before the link is attached."""
+        held = self._holding
+        async with asyncio.timeout(timeout):
+            while True:
+                end = held.data.find(b"\n")
+                if end >= 0:
+                    line = bytes(held.data[:end])
+                    del held.data[: end + 1]
+                    return line
+                if len(held.data) > PREAMBLE_LIMIT:
+                    raise LinkClosed("preamble line too long")
+                if held.eof or held.is_lost:
+                    raise LinkClosed("the data connection ended before its preamble")
+                held.waiter = asyncio.get_running_loop().create_future()
+                try:
+                    await held.waiter
+                finally:
+                    held.waiter = None
+
+    def write_line(self, *words: str) -> None:
+        self.write(" ".join(words).encode("utf-8", "replace") + b"\n")
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self.protocol = protocol
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self.protocol
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self.eof_out or self.lost or self.raw is None:
+            return
+        tls = self._ssl
+        if tls is None:
+            self.raw.write(data)
+            return
+        try:
+            tls.write(data)
+        except ssl.SSLError as exc:
+            self._fail(exc)
+            return
+        self.raw.write(self._out.read())
+
+    def writelines(self, chunks: Any) -> None:
+        for chunk in chunks:
+            self.write(chunk)
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        if self.eof_out or self.lost or self.raw is None:
+            return
+        self.eof_out = True
+        if self._ssl is not None:
+            with contextlib.suppress(ssl.SSLError):
+                self._ssl.unwrap()  # close_notify: our direction only (reading goes on)
+            self._flush()  # no FIN: the socket stays open until both sides are done
+        elif not self.raw.is_closing():
+            self.raw.write_eof()
+        self._close_if_done()
+
+    def close(self) -> None:
+        if self._closing or self.raw is None:
+            return
+        self._closing = True
+        if self.established.done() and not self.lost:
+            self.write_eof()
+        self.raw.close()
+
+    def abort(self) -> None:
+        """Cut the connection with a reset: the peer learns of it even after a clean
+        half-close in both our directions (a FIN would read as the normal end)."""
+        self._closing = True
+        raw = self.raw
+        if raw is not None:
+            sock = raw.get_extra_info("socket")
+            if sock is not None and not raw.is_closing():
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
+            raw.abort()
+
+    def is_closing(self) -> bool:
+        return self._closing or self.lost or (self.raw is not None and self.raw.is_closing())
+
+    def pause_reading(self) -> None:
+        if self.raw is not None and not self.raw.is_closing():
+            self.raw.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.raw is not None and not self.raw.is_closing():
+            self.raw.resume_reading()
+
+    def is_reading(self) -> bool:
+        return bool(self.raw is not None and self.raw.is_reading())
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        if self.raw is not None:
+            self.raw.set_write_buffer_limits(high, low)
+
+    def get_write_buffer_size(self) -> int:
+        return int(self.raw.get_write_buffer_size()) if self.raw is not None else 0
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return self.raw.get_write_buffer_limits() if self.raw is not None else (0, 0)  # type: ignore[no-any-return]
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        if name == "ssl_object":
+            return self._ssl
+        if name == "peercert_der":
+            return self._ssl.getpeercert(binary_form=True) if self._ssl is not None else None
+        if name == "peercert":
+            return self._ssl.getpeercert() if self._ssl is not None else default
+        return self.raw.get_extra_info(name, default) if self.raw is not None else default
+
+
+# ---------------------------------------------------------------- opening links
+
+
+async def open_link(
+    host: str,
+    port: int,
+    context: ssl.SSLContext | None,
+    *,
+    server_hostname: str | None,
+    timeout: float,
+) -> Link:
+    """A client link, TLS established (the server has not necessarily accepted our certificate
+    yet under TLS 1.3: the caller reads the server's first line for that)."""
+    loop = asyncio.get_running_loop()
+    link = Link(context, server_side=False, server_hostname=server_hostname)
+    try:
+        async with asyncio.timeout(timeout):
+            await loop.create_connection(lambda: link, host, port)
+            await link.established
+    except BaseException:
+        link.abort()
+        raise
+    return link
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """host:port or [v6]:port -> (host, port); ValueError when malformed."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"expected HOST:PORT, got {address!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+# ---------------------------------------------------------------- the relay
+
+
+class _Half(asyncio.Protocol):
+    """One direction of a splice: what its transport reads goes to `target`."""
+
+    __slots__ = ("splice", "target")
+
+    def __init__(self, splice: _Splice, target: Any) -> None:
+        self.splice = splice
+        self.target = target
+
+    def data_received(self, data: bytes) -> None:
+        self.target.write(data)
+
+    def eof_received(self) -> bool:
+        target = self.target
+        if not target.is_closing():
+            if target.can_write_eof():
+                target.write_eof()
+            else:
+                target.close()
+        self.splice.ended()
+        return True
+
+    def pause_writing(self) -> None:
+        # Our transport's buffer is full: stop reading the side that writes into it.
+        self.target.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.target.resume_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.splice.lost(exc)
+
+
+class _Splice:
+    __slots__ = ("a", "b", "done", "eofs")
+
+    def __init__(self, a: Any, b: Any) -> None:
+        self.a, self.b = a, b
+        self.eofs = 0
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def ended(self) -> None:
+        self.eofs += 1
+        if self.eofs == 2:
+            self.a.close()
+            self.b.close()
+            self._finish()
+
+    def lost(self, exc: Exception | None) -> None:
+        if exc is not None or self.eofs < 2:
+            self.a.abort()
+            self.b.abort()
+        else:
+            self.a.close()
+            self.b.close()
+        self._finish()
+
+    def _finish(self) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+
+class Pending(asyncio.Protocol):
+    """A plain transport's protocol until `splice`: holds what arrives (one read, then
+    reading pauses), so a destination that speaks first loses nothing."""
+
+    def __init__(self) -> None:
+        self.transport: Any = None
+        self.data: list[bytes] = []
+        self.eof = False
+        self.lost: Exception | None = None
+        self.is_lost = False
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.data.append(data)
+        self.transport.pause_reading()
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.is_lost = True
+        self.lost = exc
+
+
+def splice(a: Any, b: Any) -> asyncio.Future[None]:
+    """Relay between transports `a` and `b` until both directions ended (or one side broke).
+
+    `a` and `b` are Links or plain socket transports; a Link's held bytes (read
+    past its preamble) are delivered first. The future is done once both are closed.
+    """
+    relay = _Splice(a, b)
+    half_a, half_b = _Half(relay, b), _Half(relay, a)
+    a.set_write_buffer_limits(high=HIGH_WATER)
+    b.set_write_buffer_limits(high=HIGH_WATER)
+    for transport, half in ((a, half_a), (b, half_b)):
+        if isinstance(transport, Link):
+            transport.attach(half)
+            continue
+        held = transport.get_protocol()
+        transport.set_protocol(half)
+        if isinstance(held, Pending):
+            for data in held.data:
+                half.data_received(data)
+            if held.eof:
+                half.eof_received()
+            if held.is_lost:
+                half.connection_lost(held.lost)
+                continue
+        if not transport.is_closing():
+            transport.resume_reading()
+    return relay.done
+
+
+def client_context(
+    ca_pem: bytes | None, chain_pem: bytes | None = None, key_pem: bytes | None = None
+) -> ssl.SSLContext:
+    """A TLS client context (TLS 1.2+) that verifies the server against `ca_pem` (the
+    system roots without it) and presents `chain_pem`/`key_pem` when given."""
+    from waygate.core.tls import load_pem_chain
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    if ca_pem:
+        context.load_verify_locations(cadata=ca_pem.decode())
+    else:
+        context.load_default_certs()
+    if chain_pem and key_pem:
+        load_pem_chain(context, chain_pem, key_pem)
+    return context
+
+
+# ---------------------------------------------------------------- a stream API
+
+
+class Stream(asyncio.Protocol):
+    """read()/write() over a transport, for callers that are not transports.
+
+    Bytes read are queued up to `HIGH_WATER`; past it the transport stops
+    reading until the caller took them (`read`) or, with `take`, said they were
+    passed on (`delivered`): a slow consumer backs up into TCP.
+    """
+
+    def __init__(self, high_water: int = HIGH_WATER) -> None:
+        self.transport: Any = None
+        self._queue: collections.deque[bytes] = collections.deque()
+        self._held = 0  # taken or queued, not yet delivered
+        self._high = high_water
+        self._paused = False
+        self.eof = False  # the peer half-closed
+        self.ended = False  # the transport is gone
+        self.error: Exception | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._writable: asyncio.Future[None] | None = None
+        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    @property
+    def buffered(self) -> int:
+        """Bytes read and not yet delivered (bounded: reading pauses at the high-water mark)."""
+        return self._held
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self._queue.append(data)
+        self._held += len(data)
+        if self._held >= self._high and not self._paused:
+            self._paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        self._wake()
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.ended = True
+        self.error = exc
+        self._wake()
+        writable, self._writable = self._writable, None
+        if writable is not None and not writable.done():
+            writable.set_result(None)
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._writable = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        writable, self._writable = self._writable, None
+        if writable is not None and not writable.done():
+            writable.set_result(None)
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def take(self) -> bytes:
+        """The next bytes (joined up to a socket read's size), b"" at the peer's EOF;
+        LinkClosed once the connection ended otherwise. Call `delivered` after."""
+        queue = self._queue
+        while not queue:
+            if self.eof:
+                return b""
+            if self.ended:
+                raise LinkClosed(str(self.error) if self.error else "the connection ended")
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        data = queue.popleft()
+        if queue and len(data) < _READ_SIZE:
+            parts = [data]
+            size = len(data)
+            while queue and size + len(queue[0]) <= _READ_SIZE:
+                part = queue.popleft()
+                parts.append(part)
+                size += len(part)
+            data = b"".join(parts)
+        return data
+
+    def delivered(self, size: int) -> None:
+        self._held -= size
+        if self._paused and self._held <= self._high >> 1:
+            self._paused = False
+            if not self.ended:
+                self.transport.resume_reading()
+
+    async def read(self) -> bytes:
+        data = await self.take()
+        self.delivered(len(data))
+        return data
+
+    async def write(self, data: bytes) -> None:
+        if self.ended:
+            raise LinkClosed(str(self.error) if self.error else "the connection ended")
+        self.transport.write(data)
+        writable = self._writable
+        if writable is not None:
+            await writable
+            if self.ended:
+                raise LinkClosed(str(self.error) if self.error else "the connection ended")
+
+    def write_eof(self) -> None:
+        if not self.ended:
+            self.transport.write_eof()
+
+    def close(self) -> None:
+        self.transport.close()
+
+    def abort(self) -> None:
+        self.transport.abort()
