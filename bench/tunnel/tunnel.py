@@ -204,7 +204,7 @@ async def start_tunnel(
 
     agent_files = ca.write_files(directory / "agent", dns=[NODE])
     server = Child(
-        [sys.executable, "-m", "waygate", "tunnel", "serve", "--grpc-port", "0",
+        [sys.executable, "-m", "waygate", "tunnel", "serve", "--grpc-port", "0", "--data-port", "0",
          "--dial-port", "0", "--front-port", "0", "--admin-port", "0", "--server-id", server_id,
          "--dialers", DIALER, "--tls-cert-file", str(server_files.cert),
          "--tls-key-file", str(server_files.key), "--tls-client-ca-file", str(server_files.ca)],

@@ -57,7 +57,7 @@ def server_argv(
 ) -> list[str]:
     argv = [
         "waygate", "tunnel", "serve", "--host", host,
-        "--grpc-port", str(agent_port), "--dial-port", "0", "--front-port", "0",
+        "--grpc-port", str(agent_port), "--dial-port", "0", "--data-port", "0", "--front-port", "0",
         "--admin-port", "0", "--server-id", server_id, "--dialers", DIALER,
         "--tls-cert-file", str(pki.server.cert), "--tls-key-file", str(pki.server.key),
         "--tls-client-ca-file", str(pki.ca_file), "--shutdown-grace", "2s",

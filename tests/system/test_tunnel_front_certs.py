@@ -90,7 +90,7 @@ async def test_front_serves_the_rotating_certificate_and_trusts_its_own_client_c
         services.append(certs)
         server = await start_service(
             [
-                "waygate", "tunnel", "serve", "--grpc-port", "0", "--dial-port", "0",
+                "waygate", "tunnel", "serve", "--grpc-port", "0", "--dial-port", "0", "--data-port", "0",
                 "--front-port", "0", "--admin-port", "0", "--server-id", "replica-a",
                 "--certs-address", certs.grpc_address,
                 "--certs-token-file", str(tmp_path / "tunnel-server.token"),

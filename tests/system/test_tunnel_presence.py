@@ -53,7 +53,7 @@ async def test_presence_follows_the_agent_and_ends_within_the_lease(tmp_path: Pa
 
     try:
         server = await start_service(
-            ["waygate", "tunnel", "serve", "--grpc-port", "0", "--dial-port", "0",
+            ["waygate", "tunnel", "serve", "--grpc-port", "0", "--dial-port", "0", "--data-port", "0",
              "--front-port", "0", "--admin-port", "0", "--server-id", "replica-a",
              "--resolver-address", resolver.grpc_address,
              "--presence-lease", f"{LEASE}s"]
@@ -94,7 +94,7 @@ async def test_sigterm_drains_open_connections_finish_new_dials_refused(tmp_path
     from waygate.tunnel.client import DialFailed, StaticPresence, TunnelClient
 
     server = await start_service(
-        ["waygate", "tunnel", "serve", "--grpc-port", "0", "--dial-port", "0",
+        ["waygate", "tunnel", "serve", "--grpc-port", "0", "--dial-port", "0", "--data-port", "0",
          "--front-port", "0", "--admin-port", "0", "--server-id", "replica-a",
          "--shutdown-grace", "20s"]
     )  # fmt: skip

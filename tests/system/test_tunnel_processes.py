@@ -146,7 +146,7 @@ async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
     try:
         server = await start_service(
             [
-                "waygate", "tunnel", "serve", "--grpc-port", "0", "--dial-port", "0",
+                "waygate", "tunnel", "serve", "--grpc-port", "0", "--dial-port", "0", "--data-port", "0",
                 "--front-port", "0", "--admin-port", "0", "--server-id", "replica-a",
                 "--certs-address", certs.grpc_address,
                 "--certs-token-file", str(tmp_path / "tunnel-server.token"),

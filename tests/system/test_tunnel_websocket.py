@@ -57,7 +57,7 @@ async def test_websocket_session_through_proxy_and_tunnel(tmp_path: Path) -> Non
             )  # fmt: skip
             services.append(resolver)
             server = await start_service(
-                ["waygate", "tunnel", "serve", "--grpc-port", "0", "--dial-port", "0",
+                ["waygate", "tunnel", "serve", "--grpc-port", "0", "--dial-port", "0", "--data-port", "0",
                  "--front-port", "0", "--admin-port", "0", "--server-id", "replica-a",
                  "--resolver-address", resolver.grpc_address, "--presence-lease", "5s"]
             )  # fmt: skip
