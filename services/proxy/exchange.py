@@ -100,6 +100,7 @@ _IDEMPOTENT = frozenset((b"GET", b"HEAD", b"OPTIONS", b"PUT", b"DELETE", b"TRACE
 # Local answers' kinds (Downstream.answer): the driver renders them.
 ANSWER_HEALTHZ = "healthz"
 ANSWER_REDIRECT = "redirect"
+ANSWER_OPTIONS = "options"  # OPTIONS *: the proxy answers for itself
 
 
 class Downstream(Protocol):
@@ -267,6 +268,9 @@ class Exchange:
         target = req.target
         if target == http1.HEALTHZ_PATH:
             down.answer(req, 200, "ok", ANSWER_HEALTHZ)
+            return False
+        if target == b"*":  # OPTIONS * (the only request with this target): about us
+            down.answer(req, 200, "", ANSWER_OPTIONS)
             return False
         query = target.find(b"?")
         path = target if query < 0 else target[:query]
@@ -769,6 +773,12 @@ class Exchange:
             self.upstream_failed(502, "upstream closed mid-response", "upstream_closed")
         elif not got_bytes and reused and self._retry_after_reuse_race():
             return
+        elif got_bytes:
+            self.upstream_failed(
+                502,
+                "upstream closed the connection in the middle of its response head",
+                "upstream_closed",
+            )
         else:
             self.upstream_failed(
                 502, "upstream closed the connection before answering", "upstream_closed"

@@ -71,6 +71,13 @@ _RESPONSE_HEAD = re.compile(
 )
 _HOST = re.compile(rb"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-_~!$&'()*+,;=%]+)(?::[0-9]{1,5})?")
 _DIGITS = re.compile(rb"[0-9]{1,18}")
+# A request's Content-Length: no leading zeros (`0005` is refused: two parsers
+# could disagree on it, and nothing legitimate sends it).
+_LENGTH = re.compile(rb"0|[1-9][0-9]{0,17}")
+# A complete first line that can still begin a valid head: a request line ending
+# in HTTP/1.x (HTTP/0.9's bare `GET /path` cannot), or a response's status line.
+_REQUEST_LINE_END = re.compile(rb" HTTP/1\.[01]\r?")
+_STATUS_LINE_START = b"HTTP/1."
 _CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,15})(?:;[\t\x20-\x7e]*)?")
 
 
@@ -128,7 +135,12 @@ _NO_CALLBACKS: Final = object()  # httptools calls no Python code for it
 
 
 def find_head_end(
-    buffer: bytes | bytearray, limit: int = MAX_HEAD_BYTES, start: int = 0, origin: int = 0
+    buffer: bytes | bytearray,
+    limit: int = MAX_HEAD_BYTES,
+    start: int = 0,
+    origin: int = 0,
+    *,
+    response: bool = False,
 ) -> int:
     """Index just past the head's CRLF CRLF, or -1 while incomplete.
 
@@ -137,9 +149,12 @@ def find_head_end(
     head trickled in byte by byte costs linear, not quadratic, time.
     `origin`: where the head starts in `buffer` (pipelined heads are walked in
     place, never sliced off one by one); the limits count from there.
-    Raises BadMessage when the head or its first line outgrows the limits, or
+    Raises BadMessage when the head or its first line outgrows the limits,
     when it ends with a bare LF (which the strict grammar refuses anyway: this
-    just refuses it now rather than at the size limit).
+    just refuses it now rather than at the size limit), or when its first line
+    is complete and cannot begin a head (an HTTP/0.9 request line, a response
+    without a status line: refused at once rather than at a timeout).
+    `response`: the head is an upstream's response (reasons say so).
     """
     if start < origin:
         start = origin
@@ -148,11 +163,19 @@ def find_head_end(
         size = len(buffer) - origin
         line_end = buffer.find(b"\n", origin)
         if (line_end < 0 and size > MAX_REQUEST_LINE) or line_end - origin > MAX_REQUEST_LINE:
+            if response:
+                raise BadMessage("upstream sent a status line longer than 8 KiB", 502)
             raise BadMessage("request line longer than 8 KiB", 414)
         if size > limit:
+            if response:
+                raise BadMessage("upstream sent a response head larger than 32 KiB", 502)
             raise BadMessage("header block larger than 32 KiB", 431)
         if buffer.find(b"\n\n", start) >= 0 or buffer.find(b"\n\r\n", start) >= 0:
+            if response:
+                raise BadMessage("upstream sent a bare LF line ending (RFC 9112 section 2.2)", 502)
             raise BadMessage("bare LF line ending (RFC 9112 section 2.2)")
+        if line_end >= 0 and start <= line_end:
+            _check_first_line(buffer, origin, line_end, response)
         return -1
     end += 4
     if end - origin > limit:
@@ -161,6 +184,23 @@ def find_head_end(
     if line_end - origin > MAX_REQUEST_LINE:
         raise BadMessage("request line longer than 8 KiB", 414)
     return end
+
+
+def _check_first_line(
+    buffer: bytes | bytearray, origin: int, line_end: int, response: bool
+) -> None:
+    """A complete first line of a head still arriving: refuse at once what can never
+    begin a valid head (only on the incomplete-head path: a complete head meets the
+    grammar anyway)."""
+    if response:
+        if buffer[origin : origin + 7] != _STATUS_LINE_START:
+            raise BadMessage("upstream answered without an HTTP/1.x status line", 502)
+        return
+    if _REQUEST_LINE_END.search(buffer, max(origin, line_end - 10), line_end) is None:
+        raise BadMessage(
+            "malformed request line: no HTTP/1.x version (HTTP/0.9 is not served; "
+            "RFC 9112 section 3)"
+        )
 
 
 # ---------------------------------------------------------------- requests
@@ -265,8 +305,10 @@ def parse_request_head(head: bytes) -> RequestHead:
             elif lname == b"content-length":
                 if content_length >= 0:
                     raise BadMessage("more than one Content-Length (RFC 9112 section 6.3)")
-                if not _DIGITS.fullmatch(value):
-                    raise BadMessage("malformed Content-Length (RFC 9112 section 6.3)")
+                if not _LENGTH.fullmatch(value):
+                    raise BadMessage(
+                        "malformed Content-Length (RFC 9112 section 6.3; no leading zeros)"
+                    )
                 content_length = int(value)
             elif lname == b"traceparent":
                 request.traceparent = value
@@ -333,12 +375,16 @@ def _check_target(request: RequestHead, host: bytes, method: bytes, target: byte
         request.host = host[: host.index(b"]") + 1].lower()
     else:
         request.host = host.partition(b":")[0].lower()
+    if method == b"CONNECT":
+        raise BadMessage("CONNECT is not served (reverse proxy)", 405)
+    if method == b"TRACE":
+        raise BadMessage(
+            "TRACE is not served (it would echo credentials back: cross-site tracing)", 405
+        )
     if target[:1] != b"/" and not (target == b"*" and method == b"OPTIONS"):
         raise BadMessage("request target must be origin-form, /path (RFC 9112 section 3.2)")
     if b"/." in target or b"%" in target:
         _check_dot_segments(target)
-    if method == b"CONNECT":
-        raise BadMessage("CONNECT is not served (reverse proxy)", 405)
 
 
 def _second_parse(head: bytes) -> None:
@@ -859,6 +905,12 @@ def error_response(
 
 
 CONTINUE_100: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
+# `OPTIONS *` asks about the server, not a resource: the proxy is that server and
+# answers itself (no route would know which backend to ask).
+OPTIONS_ANY_RESPONSE: Final = (
+    b"HTTP/1.1 200 OK\r\nAllow: GET, HEAD, POST, PUT, DELETE, PATCH, OPTIONS\r\n"
+    b"Content-Length: 0\r\nCache-Control: no-store\r\n\r\n"
+)
 HEALTHZ_PATH: Final = b"/_waygate/healthz"
 HEALTHZ_RESPONSE: Final = (
     b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 3\r\n"

@@ -189,9 +189,9 @@ class UpstreamConnection(asyncio.Protocol):
                 end += 4  # a short head is within every size limit: nothing to check
             else:
                 try:
-                    end = http1.find_head_end(data)
-                except BadMessage:
-                    self._broken(exchange, "upstream sent an oversized response head")
+                    end = http1.find_head_end(data, response=True)
+                except BadMessage as exc:
+                    self._broken(exchange, exc.reason)
                     return None
             if end < 0:
                 self.buf = data

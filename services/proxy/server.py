@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 from waygate.core import flow
 from waygate.proxy import http1, tls
-from waygate.proxy.exchange import ANSWER_HEALTHZ, ANSWER_REDIRECT, Exchange
+from waygate.proxy.exchange import ANSWER_HEALTHZ, ANSWER_OPTIONS, ANSWER_REDIRECT, Exchange
 from waygate.proxy.http1 import BadMessage, ForwardedContext, RequestHead, ResponseHead
 from waygate.proxy.http2 import ClientProtocol
 from waygate.proxy.metrics import ProxyMetrics
@@ -558,6 +558,10 @@ class ClientConnection(asyncio.Protocol):
         close = req.has_body or not req.keep_alive or server.draining
         if kind is ANSWER_HEALTHZ:
             response = http1.HEALTHZ_RESPONSE
+            if close:
+                response = response.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n", 1)
+        elif kind is ANSWER_OPTIONS:
+            response = http1.OPTIONS_ANY_RESPONSE
             if close:
                 response = response.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n", 1)
         elif kind is ANSWER_REDIRECT:
