@@ -490,7 +490,10 @@ class H2ClientConnection(asyncio.Protocol):
             self._event(event)
             if self.closed:
                 return
-        self._check_floods()
+            # Per frame, not per read: one read may hold thousands of frames.
+            self._check_floods()
+            if self.closed:
+                return
         self._flush_out()
 
     def eof_received(self) -> bool | None:
@@ -726,10 +729,15 @@ class H2ClientConnection(asyncio.Protocol):
         """A connection error: GOAWAY with the last stream we handled, then close."""
         STATS.refused(reason)
         log.debug("h2 connection refused", extra={"client": self.peer, "reason": reason})
-        with contextlib.suppress(h2.exceptions.ProtocolError):
+        # What h2 queued for this read's frames (a flood's PING and SETTINGS
+        # acknowledgements, its own GOAWAY after a protocol error) gives way to
+        # our GOAWAY; only if h2 cannot build one does its queue go out.
+        queued = self.h2.data_to_send()
+        try:
             self.h2.close_connection(error_code=code, last_stream_id=self.last_stream)
-        # Whatever h2 queued (its own GOAWAY after a protocol error included).
-        data = self.h2.data_to_send()
+            data = self.h2.data_to_send()
+        except h2.exceptions.ProtocolError:
+            data = queued
         transport = self.transport
         self.goaway_sent = True
         if transport is not None and not self.closed:

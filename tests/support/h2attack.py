@@ -1,0 +1,206 @@
+"""A hostile HTTP/2 client for the attack tests: frames as written, no state machine.
+
+`RawH2.connect(port)` sends the preface and a SETTINGS frame (with the
+settings given), then lets a test write any frame sequence (`frame()`,
+`headers()` with its own HPACK encoder) and reads everything the server
+sends: frames counted by type, the GOAWAY error code, RST_STREAM codes per
+stream, `closed` once the server closes. `Steady` is the other client, the
+one that must keep succeeding while the attack runs. Every wait has a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import struct
+from typing import Any
+
+import hpack
+from hyperframe.frame import Frame, HeadersFrame, SettingsFrame
+
+from tests.support.h2client import H2Client
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+# Frame type numbers (RFC 9113 section 6).
+DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = (
+    0,
+    1,
+    2,
+    3,
+    4,
+    6,
+    7,
+    8,
+    9,
+)
+
+
+def raw_frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
+    """One frame from its parts (for what hyperframe refuses to build)."""
+    return (
+        struct.pack(">I", len(payload))[1:]
+        + bytes((kind, flags))
+        + struct.pack(">I", stream_id & 0x7FFFFFFF)
+        + payload
+    )
+
+
+class RawH2:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.encoder = hpack.Encoder()
+        self.frames: dict[int, int] = {}
+        self.goaway: int | None = None  # the GOAWAY's error code
+        self.goaway_last_stream: int | None = None
+        self.resets: dict[int, int] = {}
+        self.headers_on: set[int] = set()  # streams the server answered
+        self.closed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def connect(cls, port: int, settings: dict[int, int] | None = None) -> RawH2:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 10)
+        client = cls(reader, writer)
+        frame = SettingsFrame(0, settings=settings or {})
+        writer.write(PREFACE + frame.serialize())
+        client._task = asyncio.get_running_loop().create_task(client._read())
+        return client
+
+    def block(self, fields: list[tuple[bytes, bytes]]) -> bytes:
+        return bytes(self.encoder.encode(fields))
+
+    def headers(
+        self,
+        stream_id: int,
+        fields: list[tuple[bytes, bytes]],
+        *,
+        end_stream: bool = True,
+        end_headers: bool = True,
+    ) -> bytes:
+        frame = HeadersFrame(stream_id, data=self.block(fields))
+        if end_stream:
+            frame.flags.add("END_STREAM")
+        if end_headers:
+            frame.flags.add("END_HEADERS")
+        return bytes(frame.serialize())
+
+    @staticmethod
+    def request(authority: bytes, path: bytes = b"/", method: bytes = b"GET") -> list:
+        return [
+            (b":method", method),
+            (b":scheme", b"http"),
+            (b":authority", authority),
+            (b":path", path),
+        ]
+
+    def send(self, *frames: bytes) -> None:
+        if not self.writer.is_closing():
+            self.writer.write(b"".join(frames))
+
+    async def drain(self) -> None:
+        with contextlib.suppress(ConnectionError, OSError):
+            await asyncio.wait_for(self.writer.drain(), 10)
+
+    async def flood(self, data: bytes, times: int, batch: int = 200) -> int:
+        """Send `data` `times` times (in batches, until the server closes); returns
+        how many were written."""
+        sent = 0
+        while sent < times and not self.closed.is_set() and not self.writer.is_closing():
+            count = min(batch, times - sent)
+            self.writer.write(data * count)
+            sent += count
+            try:
+                await asyncio.wait_for(self.writer.drain(), 10)
+            except (ConnectionError, OSError, TimeoutError):
+                break
+        return sent
+
+    async def wait_closed(self, timeout: float = 10.0) -> None:
+        await asyncio.wait_for(self.closed.wait(), timeout)
+
+    async def _read(self) -> None:
+        buf = b""
+        try:
+            while True:
+                data = await self.reader.read(65536)
+                if not data:
+                    break
+                buf += data
+                while len(buf) >= 9:
+                    length = int.from_bytes(buf[:3], "big")
+                    if len(buf) < 9 + length:
+                        break
+                    kind = buf[3]
+                    stream_id = int.from_bytes(buf[5:9], "big") & 0x7FFFFFFF
+                    payload = buf[9 : 9 + length]
+                    buf = buf[9 + length :]
+                    self.frames[kind] = self.frames.get(kind, 0) + 1
+                    if kind == GOAWAY:
+                        self.goaway_last_stream = int.from_bytes(payload[:4], "big")
+                        self.goaway = int.from_bytes(payload[4:8], "big")
+                    elif kind == RST_STREAM:
+                        self.resets[stream_id] = int.from_bytes(payload[:4], "big")
+                    elif kind == HEADERS:
+                        self.headers_on.add(stream_id)
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            self.closed.set()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        self.writer.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.writer.wait_closed(), 2)
+
+
+class Steady:
+    """A well-behaved HTTP/2 client requesting in a loop while an attack runs."""
+
+    def __init__(self, port: int, authority: str) -> None:
+        self.port = port
+        self.authority = authority
+        self.ok = 0
+        self.failures: list[Any] = []
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Steady:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        return self
+
+    async def _run(self) -> None:
+        client = await H2Client.connect(self.port)
+        try:
+            while not self._stop.is_set():
+                response = await client.request("GET", "/steady", self.authority, timeout=10)
+                if response.status == 200:
+                    self.ok += 1
+                else:
+                    self.failures.append(response)
+                await asyncio.sleep(0.005)
+        finally:
+            await client.close()
+
+    async def __aexit__(self, *exc: object) -> None:
+        # At least one more answer after the attack, then stop.
+        before = self.ok
+        deadline = asyncio.get_running_loop().time() + 10
+        while self.ok <= before and asyncio.get_running_loop().time() < deadline:
+            if self._task is not None and self._task.done():
+                break
+            await asyncio.sleep(0.01)
+        self._stop.set()
+        if self._task is not None:
+            await asyncio.wait_for(self._task, 15)
+        assert self.ok > before, "the steady client got no answer after the attack"
+        assert not self.failures, self.failures[:3]
+
+
+def frame_bytes(frame: Frame) -> bytes:
+    return bytes(frame.serialize())
