@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import sys
 import tempfile
 import time
@@ -29,14 +30,18 @@ CYCLE_SECONDS = 420.0
 async def main(minutes: float, out: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
     cycles = max(1, round(minutes * 60 / CYCLE_SECONDS))
-    with tempfile.TemporaryDirectory(prefix="waygate-soak-") as directory:
-        stack = Stack(Path(directory), leaf_lifetime=LEAF_LIFETIME)
-        soak = Soak(stack, hold=HOLD, cycles=cycles)
-        began = time.time()
-        try:
-            await soak.run()
-        finally:
-            stack.stop_all()
+    # Kept when the run fails (every process's log is there), removed otherwise.
+    directory = Path(tempfile.mkdtemp(prefix="waygate-soak-"))
+    stack = Stack(directory, leaf_lifetime=LEAF_LIFETIME)
+    soak = Soak(stack, hold=HOLD, cycles=cycles)
+    began = time.time()
+    try:
+        await soak.run()
+    except BaseException:
+        print(f"soak: the processes' logs are kept in {directory}", file=sys.stderr)
+        raise
+    finally:
+        stack.stop_all()
     seconds = time.time() - began
     title = f"waygate soak, {seconds / 60:.0f} min, {cycles} fault cycles"
     soak.plot(out / "soak.png", title)
@@ -46,6 +51,10 @@ async def main(minutes: float, out: Path) -> int:
     )
     (out / "soak.md").write_text(text)
     print(text)
+    if soak.passed:
+        shutil.rmtree(directory, ignore_errors=True)
+    else:
+        print(f"soak: the processes' logs are kept in {directory}", file=sys.stderr)
     return 0 if soak.passed else 1
 
 

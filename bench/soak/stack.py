@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import ctypes
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -51,10 +52,22 @@ def spiffe(name: str) -> str:
     return f"spiffe://{TRUST}/ns/soak/sa/{name}"
 
 
+#: Ports are chosen below the kernel's ephemeral range (32768 and up by
+#: default): a port-0 bind elsewhere on the machine (other tests) never takes
+#: one, so a killed process can always restart on its port.
+PORT_RANGE = (20000, 32000)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
+    for _ in range(1000):
+        port = random.randrange(*PORT_RANGE)
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {PORT_RANGE}")
 
 
 def shared_port(hosts: tuple[str, ...]) -> int:
@@ -110,15 +123,17 @@ class Stack:
     def __post_init__(self) -> None:
         d = self.directory
         (d / "logs").mkdir(parents=True, exist_ok=True)
-        self.ports = {
-            name: free_port()
-            for name in (
+        self.ports: dict[str, int] = {}
+        for name in (
                 "certs", "certs-admin", "resolver", "resolver-admin", "proxy-http",
                 "proxy-https", "proxy-admin", "agents-lb", "agent-1-admin", "agent-2-admin",
                 "backend-t",
                 *(f"{r}-{p}" for r in ("ts-a", "ts-b") for p in ("grpc", "dial", "front", "admin")),
-            )
-        }  # fmt: skip
+        ):  # fmt: skip
+            port = free_port()
+            while port in self.ports.values():
+                port = free_port()
+            self.ports[name] = port
         self.ports["backend-direct"] = shared_port((*DIRECT_ADDRESSES, ADDED_ADDRESS))
         self.tokens = {
             name: secrets.token_urlsafe(24)
@@ -332,7 +347,8 @@ backend replicas
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not proc.alive:
-                raise RuntimeError(f"{name} exited while starting; see {proc.log}")
+                tail = proc.log.read_text(errors="replace")[-2000:] if proc.log else ""
+                raise RuntimeError(f"{name} exited while starting; its log ends:\n{tail}")
             if await _ready(proc):
                 return
             await asyncio.sleep(0.1)
