@@ -173,6 +173,12 @@ class Settings(ProcessSettings):
         help="HTML file served with 503 when no route matches or no endpoint is ready; "
         "{reason} in it is replaced by the reason",
     )
+    max_connections_per_source: int = setting(
+        1000,
+        help="client connections from one address at once (at the cap its oldest idle "
+        "keep-alive connection is closed; with none idle, 503)",
+        check=positive,
+    )
     max_informational: int = setting(
         16,
         help="informational (1xx) responses an upstream may send before its final one, per "
@@ -231,6 +237,7 @@ class Settings(ProcessSettings):
     def limits(self) -> Limits:
         """The data plane's bounds (waygate.proxy.server.Limits) from these settings."""
         return Limits(
+            max_connections_per_source=self.max_connections_per_source,
             max_informational=self.max_informational,
             max_informational_bytes=self.max_informational_bytes,
         )

@@ -48,6 +48,7 @@ class ProxyMetrics:
         self.bytes_out = 0  # to clients
         self.passive_health_skipped = 0
         self.redispatches = 0
+        self.evicted_idle = 0  # idle keep-alive connections closed to make room
 
     def request(self, route: str, method: bytes, status: int) -> None:
         key = (route, method, status // 100)
@@ -87,6 +88,7 @@ class ProxyMetrics:
             "bytes_out": self.bytes_out,
             "passive_health_skipped": self.passive_health_skipped,
             "redispatches": self.redispatches,
+            "evicted_idle": self.evicted_idle,
         }
 
 
@@ -164,5 +166,10 @@ class ProxyCollector(Collector):
                 "requests sent to another endpoint after a failed connect",
                 "redispatches",
             ),
+            (
+                "waygate_proxy_idle_connections_evicted",
+                "idle client keep-alive connections closed to make room for new ones",
+                "evicted_idle",
+            ),
         ):
-            yield CounterMetricFamily(name, help_text, value=snap[field])
+            yield CounterMetricFamily(name, help_text, value=snap.get(field, 0))

@@ -269,8 +269,8 @@ class TlsFront:
                 await asyncio.sleep(0.1)
                 continue
             open_now = len(self.server.connections) + len(self.relays) + len(self.pending)
-            if open_now >= self.server.max_connections:
-                conn.close()
+            if open_now >= self.server.max_connections and not self.server.make_room():
+                conn.close()  # every connection is busy: nothing idle to close instead
                 continue
             conn.setblocking(False)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import logging
+import operator
 import socket
 from typing import Any, NamedTuple
 
@@ -50,6 +52,9 @@ LOW_WATER = flow.LOW_WATER
 # A head shorter than this is within both head limits (request line, whole head).
 _SHORT_HEAD = http1.MAX_REQUEST_LINE - 4
 
+_DRAINING = "draining"
+_IDLE_SINCE = operator.attrgetter("idle_since")
+
 # Client timer kinds.
 _T_NONE, _T_IDLE, _T_HEAD, _T_EXCHANGE, _T_RELAY = range(5)
 
@@ -63,6 +68,10 @@ class Limits(NamedTuple):
     # cost seconds of CPU per request).
     max_informational: int = 16
     max_informational_bytes: int = 64 * 1024
+    # Client connections from one address at once. When the address is at its
+    # cap, its oldest idle keep-alive connection makes room; with none idle the
+    # newcomer gets 503 (one client's idle connections cannot lock others out).
+    max_connections_per_source: int = 1000
 
 
 DEFAULT_LIMITS = Limits()
@@ -102,6 +111,8 @@ class ProxyServer:
             max_idle=max_idle_per_endpoint, idle_timeout=pool_idle_timeout, clock=self.loop.time
         )
         self.connections: set[ClientConnection] = set()
+        # Client connections per source address (the per-source cap, eviction).
+        self.sources: dict[bytes, set[ClientConnection]] = {}
         self.upstreams: set[UpstreamConnection] = set()
         self.draining = False
         self._servers: list[asyncio.AbstractServer] = []
@@ -223,8 +234,66 @@ class ProxyServer:
         for upstream in list(self.upstreams):
             upstream.abort()
 
-    def connection_closed(self, connection: ClientConnection) -> None:
+    def admit(self, connection: ClientConnection) -> str:
+        """Take a new client connection in; "" when admitted, else why not.
+
+        Room is made before anyone is refused: at the per-source cap the
+        source's oldest idle connection is closed, at the total cap the oldest
+        idle ones anywhere (a batch, so a flood of newcomers costs one walk per
+        batch, not one per accept). Refused only when everything is busy.
+        """
+        if self.draining:
+            return _DRAINING
+        source = connection.client_key
+        held = self.sources.get(source)
+        if (
+            held is not None
+            and len(held) >= self.limits.max_connections_per_source
+            and not self._evict(held, 1)
+        ):
+            self._count_refusal("source_connection_limit")
+            return "too many connections from " + source.decode("ascii", "replace")
+        if len(self.connections) >= self.max_connections and not self.make_room():
+            self._count_refusal("connection_limit")
+            return "the proxy is at its connection limit; retry later"
+        self.connections.add(connection)
+        if held is None:
+            held = self.sources[source] = set()
+        held.add(connection)
+        self.metrics.client_connections = len(self.connections)
+        return ""
+
+    def make_room(self) -> int:
+        """At the connection limit: close the oldest idle client connections (a
+        batch); how many were closed (0: every connection is busy)."""
+        return self._evict(self.connections, max(1, self.max_connections // 64))
+
+    def _evict(self, among: set[Any], count: int) -> int:
+        """Close up to `count` of the oldest idle HTTP/1.1 connections in `among`."""
+        idle = [c for c in among if type(c) is ClientConnection and c.idle()]
+        if not idle:
+            return 0
+        oldest = heapq.nsmallest(count, idle, key=_IDLE_SINCE)
+        for connection in oldest:
+            self._forget(connection)
+            connection.evict()
+        self.metrics.evicted_idle += len(oldest)
+        return len(oldest)
+
+    def _count_refusal(self, kind: str) -> None:
+        refused = self.metrics.refused
+        refused[kind] = refused.get(kind, 0) + 1
+
+    def _forget(self, connection: Any) -> None:
         self.connections.discard(connection)
+        held = self.sources.get(getattr(connection, "client_key", b""))
+        if held is not None:
+            held.discard(connection)
+            if not held:
+                del self.sources[connection.client_key]
+
+    def connection_closed(self, connection: ClientConnection) -> None:
+        self._forget(connection)
         self.metrics.client_connections = len(self.connections)
         if self.draining and not self.connections:
             self._drained.set()
@@ -253,6 +322,7 @@ class ClientConnection(asyncio.Protocol):
         "context",
         "exchange",
         "flow",
+        "idle_since",
         "loop",
         "pending_head",
         "scanned",
@@ -279,6 +349,9 @@ class ClientConnection(asyncio.Protocol):
         self.write_paused = False
         self.secure = False
         self.client_key = b""
+        # When the connection last became idle (accepted, or its exchange ended):
+        # the oldest idle connection is closed first when room is needed.
+        self.idle_since = 0.0
         self._deadline = 0.0
         self._timer_kind = _T_NONE
         self._relay = False
@@ -295,21 +368,25 @@ class ClientConnection(asyncio.Protocol):
     def connection_made(self, transport: Any) -> None:
         server = self.server
         self.transport = transport
-        if len(server.connections) >= server.max_connections or server.draining:
-            self.closed = True
-            transport.abort()
-            return
-        server.connections.add(self)
-        server.metrics.client_connections = len(server.connections)
-        self.flow = flow.FlowControl(transport)
         peer = transport.get_extra_info("peername")
         address = peer[0] if peer else "unknown"
+        self.client_key = address.encode()
+        refusal = server.admit(self)
+        if refusal:
+            self.closed = True
+            if refusal is not _DRAINING:
+                transport.write(http1.error_response(503, refusal))
+                transport.close()
+            else:
+                transport.abort()
+            return
+        self.idle_since = self.loop.time()
+        self.flow = flow.FlowControl(transport)
         self.secure = transport.get_extra_info("ssl_object") is not None
         if self.secure:
             self.context = ForwardedContext(address, server.https_port, b"https")
         else:
             self.context = ForwardedContext(address, server.listen_port)
-        self.client_key = address.encode()
         transport.set_write_buffer_limits(high=HIGH_WATER, low=LOW_WATER)
         self._arm(server.defaults.http_request_timeout, _T_HEAD)
 
@@ -610,9 +687,8 @@ class ClientConnection(asyncio.Protocol):
         if control is not None and control.reasons:
             control.resume(flow.PIPELINE | flow.PEER)
         # The keep-alive deadline (see _arm), from the clock read of the response.
-        self._deadline = deadline = (now or self.loop.time()) + (
-            idle_timeout or server.defaults.keep_alive_timeout
-        )
+        self.idle_since = now = now or self.loop.time()
+        self._deadline = deadline = now + (idle_timeout or server.defaults.keep_alive_timeout)
         self._timer_kind = _T_IDLE
         if deadline <= server.soon_until:
             server.soon.append(self)
@@ -692,6 +768,21 @@ class ClientConnection(asyncio.Protocol):
         self._close()
 
     # ------------------------------------------------------------ closing
+
+    def idle(self) -> bool:
+        """Whether closing this connection loses nothing: no request in progress, no
+        bytes of one received (a keep-alive connection between requests)."""
+        return (
+            self.exchange.req is None
+            and not self.buf
+            and not self._relay
+            and not self.closed
+            and self.transport is not None
+        )
+
+    def evict(self) -> None:
+        """Closed to make room (the oldest idle connection under pressure)."""
+        self._close()
 
     def drain(self) -> None:
         """Draining: close now if idle; otherwise after the current response."""

@@ -23,6 +23,7 @@ from tests.integration.proxy.harness import (
     running_proxy,
     table,
 )
+from tests.support.poll import until
 from waygate.core.tracing import configure_tracing
 from waygate.proxy.routing import Defaults
 from waygate.resolver.model import ForwardedHeadersMode, RouteTimeouts, StickySessions
@@ -471,15 +472,19 @@ async def test_drain_finishes_in_flight_and_no_fds_or_tasks_leak(upstream):
     assert len(os.listdir("/proc/self/fd")) <= fds_before + 1
 
 
-async def test_max_connections_closes_the_extra_connection(upstream):
+async def test_max_connections_refuses_the_extra_connection_when_none_is_idle(upstream):
     routes = table([route("echo.test", [("echo", 1)])], [endpoint("echo", upstream.port)])
-    async with running_proxy(routes, max_connections=2) as (_, port):
+    async with running_proxy(routes, max_connections=2) as (server, port):
         held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
-        await asyncio.sleep(0.05)
+        for _, held_writer in held:  # busy: each in the middle of its head
+            held_writer.write(b"GET / HTTP/1.1\r\n")
+        await until(lambda: sum(len(c.buf) > 0 for c in server.connections) == 2, "busy heads")
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET / HTTP/1.1\r\n" + H + b"\r\n")
         async with asyncio.timeout(5):
-            assert await reader.read() == b""
+            response = await reader.read()
+        assert response.startswith(b"HTTP/1.1 503 ")
+        assert b"at its connection limit" in response
         writer.close()
         for _, held_writer in held:
             held_writer.close()
