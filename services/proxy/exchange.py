@@ -56,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import random
 import re
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -64,7 +65,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from waygate.core import flow
 from waygate.core.tracing import tracer
-from waygate.proxy import http1, tls
+from waygate.proxy import filters, http1, tls
 from waygate.proxy.http1 import (
     FRAMING_CHUNKED,
     FRAMING_CLOSE,
@@ -82,6 +83,7 @@ from waygate.proxy.upstream import ConnectError
 
 if TYPE_CHECKING:
     from waygate.proxy.server import ProxyServer
+    from waygate.resolver.model import HeaderModifier
 
 access_log = logging.getLogger("waygate.proxy.access")
 
@@ -101,6 +103,8 @@ _IDEMPOTENT = frozenset((b"GET", b"HEAD", b"OPTIONS", b"PUT", b"DELETE", b"TRACE
 ANSWER_HEALTHZ = "healthz"
 ANSWER_REDIRECT = "redirect"
 ANSWER_OPTIONS = "options"  # OPTIONS *: the proxy answers for itself
+# A route's RequestRedirect filter: `reason` carries the Location.
+ANSWER_ROUTE_REDIRECT = "route_redirect"
 
 
 class Downstream(Protocol):
@@ -205,6 +209,7 @@ class Exchange:
         "remaining",  # response body bytes still due (FRAMING_LENGTH)
         "req",
         "req_complete",
+        "response_modifier",  # the route's ResponseHeaderModifier (None: none)
         "response_started",
         "retried",
         "server",
@@ -249,6 +254,7 @@ class Exchange:
         self.cookie: bytes | None = None
         self.span: Any = None
         self.hsts = b""
+        self.response_modifier: HeaderModifier | None = None
         # Informational responses of this request so far (bounded: see Limits).
         self.informationals = 0
         self.informational_bytes = 0
@@ -298,6 +304,23 @@ class Exchange:
                     return False
                 reason = f"route {entry.options.name} is served on HTTPS only"
                 return self._unavailable(req, reason, "https_only")
+        route_filters = entry.route.filters
+        if route_filters is not None:
+            redirect = route_filters.redirect
+            if redirect is not None:
+                self._record(entry.options.name, req, redirect.status)
+                location = filters.redirect_location(
+                    req,
+                    redirect,
+                    entry.path,
+                    secure=down.secure,
+                    listener_port=entry.route.listener_port,
+                )
+                down.answer(req, redirect.status, location.decode("latin-1"), ANSWER_ROUTE_REDIRECT)
+                return False
+            self.response_modifier = route_filters.response_headers
+        elif self.response_modifier is not None:
+            self.response_modifier = None
         if req.cookie:
             cookie = self.cookie = self._sticky_cookie(req, entry)
         else:
@@ -345,9 +368,10 @@ class Exchange:
                 self.upstream_traceparent = traceparent.decode("ascii")
         elif self.upstream_traceparent is not None:
             self.upstream_traceparent = None
-        extra = self._filter_request(req, entry)
+        if route_filters is not None:
+            req = self._filter_request(req, entry, traceparent)
         upstream_head = http1.build_upstream_head(
-            req, down.context, entry.options.forwarded_mode, traceparent, extra
+            req, down.context, entry.options.forwarded_mode, traceparent
         )
         if identity:
             # Set from the verified certificate; the client's own copies were stripped.
@@ -356,13 +380,29 @@ class Exchange:
         return True
 
     def _filter_request(
-        self, req: RequestHead, entry: RouteEntry
-    ) -> list[tuple[bytes, bytes]] | None:
-        """A route's per-request filters (HTTPRoute header modifiers, rewrites,
-        redirects, mirrors) go here: after routing, before the upstream head is
-        built. Returns header lines to add to the upstream head (None: none).
-        No route has filters yet."""
-        return None
+        self, req: RequestHead, entry: RouteEntry, traceparent: bytes
+    ) -> RequestHead:
+        """A route's request filters (HTTPRoute RequestHeaderModifier, URLRewrite,
+        RequestMirror; waygate.proxy.filters), after routing and before the
+        upstream head is built: the request head as the backend should see it.
+        Mirrors get a copy and are never waited for."""
+        route_filters = entry.route.filters
+        assert route_filters is not None
+        if route_filters.rewrite is not None or route_filters.request_headers is not None:
+            req = filters.rewritten_request(
+                req, route_filters.rewrite, route_filters.request_headers, entry.path
+            )
+        if entry.mirrors and not req.has_body:
+            head = http1.build_upstream_head(
+                req, self.down.context, entry.options.forwarded_mode, traceparent
+            )
+            for picker, percent in entry.mirrors:
+                if percent < 100 and random.randrange(100) >= percent:
+                    continue
+                target = picker.pick(None)
+                if target is not None:
+                    self.server.mirrors.send(target, head)
+        return req
 
     def _sticky_cookie(self, req: RequestHead, entry: RouteEntry) -> bytes | None:
         name = entry.options.cookie_name
@@ -666,6 +706,10 @@ class Exchange:
         self.response_started = True
         self.status = status
         backend = self.backend
+        if self.response_modifier is not None:
+            response.fields = filters.modify_response_fields(
+                response.fields, self.response_modifier
+            )
         if self.hsts or (backend is not None and backend.set_cookie):
             extra = self._response_extra(upstream.target)
         else:

@@ -244,6 +244,7 @@ class RouteEntry:
         "kind",
         "match_index",
         "method",
+        "mirrors",
         "options",
         "path",
         "policy",
@@ -295,6 +296,8 @@ class RouteEntry:
         self.conditional = False
         self.match_index = 0
         self.rank = self._rank()
+        # RequestMirror backends: (picker of their endpoints, percent of requests).
+        self.mirrors: tuple[tuple[Picker[Target], int], ...] = ()
 
     def _rank(self) -> tuple[Any, ...]:
         """The sort key of the spec's precedence (lower first; see the module docstring)."""
@@ -602,7 +605,12 @@ def _route_options(route: Route, defaults: Defaults) -> RouteOptions:
         name=f"{route.namespace}/{route.name}",
         forwarded_mode=mode,
         connect_timeout=pick(timeouts.connect, defaults.connect_timeout),
-        server_timeout=pick(timeouts.server, defaults.server_timeout),
+        # HTTPRoute timeouts.request / backendRequest bound the wait for the backend.
+        server_timeout=min(
+            pick(timeouts.server, defaults.server_timeout),
+            pick(route.request_timeout, defaults.server_timeout),
+            pick(route.backend_request_timeout, defaults.server_timeout),
+        ),
         client_timeout=pick(timeouts.client, defaults.client_timeout),
         http_request_timeout=pick(timeouts.http_request, defaults.http_request_timeout),
         keep_alive_timeout=pick(getattr(timeouts, "keep_alive", None), defaults.keep_alive_timeout),
@@ -615,6 +623,30 @@ def _route_options(route: Route, defaults: Defaults) -> RouteOptions:
 def _default_cookie_name(route: Route) -> str:
     # OpenShift names the cookie after a hash of the route, so it reveals nothing.
     return hashlib.blake2b(f"{route.namespace}/{route.name}".encode(), digest_size=8).hexdigest()
+
+
+def _targets(
+    endpoints: Iterable[Endpoint], target_port: str, service: Service | None
+) -> list[Target]:
+    """The usable endpoints of one service as targets at `target_port`."""
+    targets: list[Target] = []
+    for endpoint in endpoints:
+        if not endpoint.usable:
+            continue
+        port = endpoint_port(endpoint, target_port, service)
+        if port is None:
+            continue
+        target = Target(
+            endpoint.address,
+            port,
+            endpoint.tunnel,
+            endpoint.node_name,
+            endpoint.namespace,
+            endpoint.service,
+        )
+        if target not in targets:
+            targets.append(target)
+    return targets
 
 
 def build_table(
@@ -670,24 +702,11 @@ def build_table(
         for route_backend in route_backends:
             key = (route_backend.namespace or route.namespace, route_backend.service)
             service = services.get(key)
-            targets: list[Target] = []
-            target_port = route_backend.port or route.target_port
-            for endpoint in endpoints.get(key, ()) if not route_backend.invalid else ():
-                if not endpoint.usable:
-                    continue
-                port = endpoint_port(endpoint, target_port, service)
-                if port is None:
-                    continue
-                target = Target(
-                    endpoint.address,
-                    port,
-                    endpoint.tunnel,
-                    endpoint.node_name,
-                    endpoint.namespace,
-                    endpoint.service,
-                )
-                if target not in targets:
-                    targets.append(target)
+            targets = (
+                _targets(endpoints.get(key, ()), route_backend.port or route.target_port, service)
+                if not route_backend.invalid
+                else []
+            )
             alive.update(targets)
             picker = carried.get((route.namespace, route.name, route_backend.service))
             if picker is None or picker.policy != policy:
@@ -699,6 +718,14 @@ def build_table(
             )
             weights.append(max(0, min(256, route_backend.weight)))
         entry = RouteEntry(route, (route.path or "/").encode(), options, backends, weights, policy)
+        if route.filters is not None and route.filters.mirrors:
+            mirrors = []
+            for mirror in route.filters.mirrors:
+                key = (mirror.namespace or route.namespace, mirror.service)
+                targets = _targets(endpoints.get(key, ()), mirror.port, services.get(key))
+                alive.update(targets)
+                mirrors.append((new_picker("roundrobin", targets), mirror.percent))
+            entry.mirrors = tuple(mirrors)
         host = route.host.lower()
         deep = bool(route.gateway)
         if route.matches:

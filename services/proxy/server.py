@@ -32,11 +32,18 @@ import socket
 from typing import Any, NamedTuple
 
 from waygate.core import flow
-from waygate.proxy import http1, tls
-from waygate.proxy.exchange import ANSWER_HEALTHZ, ANSWER_OPTIONS, ANSWER_REDIRECT, Exchange
+from waygate.proxy import filters, http1, tls
+from waygate.proxy.exchange import (
+    ANSWER_HEALTHZ,
+    ANSWER_OPTIONS,
+    ANSWER_REDIRECT,
+    ANSWER_ROUTE_REDIRECT,
+    Exchange,
+)
 from waygate.proxy.http1 import BadMessage, ForwardedContext, RequestHead, ResponseHead
 from waygate.proxy.http2 import ClientProtocol
 from waygate.proxy.metrics import ProxyMetrics
+from waygate.proxy.mirror import Mirrors
 from waygate.proxy.pool import Pool, UpstreamConnection
 from waygate.proxy.routing import Defaults, PassiveHealth, RouteTable
 from waygate.proxy.upstream import Dialer
@@ -99,6 +106,8 @@ class ProxyServer:
         self.limits = limits
         self.defaults = defaults
         self.dialer = dialer
+        # HTTPRoute RequestMirror copies in flight (bounded, never waited for).
+        self.mirrors = Mirrors(dialer)
         self.metrics = metrics
         self.cookie_key = cookie_key
         self.max_connections = max_connections
@@ -223,6 +232,7 @@ class ProxyServer:
                 await asyncio.wait_for(self._drained.wait(), grace)
         for connection in list(self.connections):
             connection.abort()
+        await self.mirrors.close()
         self.close()
 
     def close(self) -> None:
@@ -641,6 +651,8 @@ class ClientConnection(asyncio.Protocol):
             response = http1.OPTIONS_ANY_RESPONSE
             if close:
                 response = response.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n", 1)
+        elif kind is ANSWER_ROUTE_REDIRECT:
+            response = filters.redirect_head(status, reason.encode("latin-1"), close=close)
         elif kind is ANSWER_REDIRECT:
             port = server.https_port or 443
             response = tls.redirect_response(req.host, req.target, port, close=close)

@@ -74,7 +74,7 @@ async def expect(suite: Conformance, cases: list[tuple[dict[str, Any], str | int
 
 
 async def test_simple_same_namespace(suite: Conformance) -> None:
-    suite.apply("httproute-simple-same-namespace.yaml")
+    await suite.apply("httproute-simple-same-namespace.yaml")
     await expect(suite, [({"path": "/"}, V1)])
     status = await route_status(suite, "gateway-conformance-infra-test")
     assert conditions(status, "same-namespace") == {
@@ -91,7 +91,7 @@ async def test_simple_same_namespace(suite: Conformance) -> None:
 
 
 async def test_matching(suite: Conformance) -> None:
-    suite.apply("httproute-matching.yaml")
+    await suite.apply("httproute-matching.yaml")
     await expect(
         suite,
         [
@@ -109,7 +109,7 @@ async def test_matching(suite: Conformance) -> None:
 
 
 async def test_exact_path_matching(suite: Conformance) -> None:
-    suite.apply("httproute-exact-path-matching.yaml")
+    await suite.apply("httproute-exact-path-matching.yaml")
     await expect(
         suite,
         [
@@ -124,7 +124,7 @@ async def test_exact_path_matching(suite: Conformance) -> None:
 
 
 async def test_header_matching(suite: Conformance) -> None:
-    suite.apply("httproute-header-matching.yaml")
+    await suite.apply("httproute-header-matching.yaml")
     await expect(
         suite,
         [
@@ -144,7 +144,7 @@ async def test_header_matching(suite: Conformance) -> None:
 
 
 async def test_query_param_matching(suite: Conformance) -> None:
-    suite.apply("httproute-query-param-matching.yaml")
+    await suite.apply("httproute-query-param-matching.yaml")
     await expect(
         suite,
         [
@@ -172,7 +172,7 @@ async def test_query_param_matching(suite: Conformance) -> None:
 
 
 async def test_method_matching(suite: Conformance) -> None:
-    suite.apply("httproute-method-matching.yaml")
+    await suite.apply("httproute-method-matching.yaml")
     await expect(
         suite,
         [
@@ -193,7 +193,7 @@ async def test_method_matching(suite: Conformance) -> None:
 
 
 async def test_path_match_order(suite: Conformance) -> None:
-    suite.apply("httproute-path-match-order.yaml")
+    await suite.apply("httproute-path-match-order.yaml")
     await expect(
         suite,
         [
@@ -208,7 +208,7 @@ async def test_path_match_order(suite: Conformance) -> None:
 
 
 async def test_matching_across_routes(suite: Conformance) -> None:
-    suite.apply("httproute-matching-across-routes.yaml")
+    await suite.apply("httproute-matching-across-routes.yaml")
     await expect(
         suite,
         [
@@ -225,7 +225,7 @@ async def test_matching_across_routes(suite: Conformance) -> None:
 
 
 async def test_listener_hostname_matching(suite: Conformance) -> None:
-    suite.apply("httproute-listener-hostname-matching.yaml")
+    await suite.apply("httproute-listener-hostname-matching.yaml")
     await expect(
         suite,
         [
@@ -242,7 +242,7 @@ async def test_listener_hostname_matching(suite: Conformance) -> None:
 
 
 async def test_hostname_intersection(suite: Conformance) -> None:
-    suite.apply("httproute-hostname-intersection.yaml")
+    await suite.apply("httproute-hostname-intersection.yaml")
     await expect(
         suite,
         [
@@ -266,16 +266,16 @@ async def test_hostname_intersection(suite: Conformance) -> None:
 
 
 async def test_cross_namespace_and_reference_grant(suite: Conformance) -> None:
-    suite.apply("httproute-cross-namespace.yaml")
+    await suite.apply("httproute-cross-namespace.yaml")
     await expect(suite, [({"path": "/"}, WEB)])
-    suite.apply("httproute-reference-grant.yaml")
+    await suite.apply("httproute-reference-grant.yaml")
     await expect(suite, [({"path": "/"}, WEB)])
     status = await route_status(suite, "reference-grant")
     assert conditions(status, "same-namespace")["ResolvedRefs"] == ("True", "ResolvedRefs")
 
 
 async def test_invalid_cross_namespace_backend_ref(suite: Conformance) -> None:
-    suite.apply("httproute-invalid-cross-namespace-backend-ref.yaml")
+    await suite.apply("httproute-invalid-cross-namespace-backend-ref.yaml")
     await expect(suite, [({"path": "/"}, 500)])
     status = await route_status(suite, "invalid-cross-namespace-backend-ref")
     assert conditions(status, "same-namespace") == {
@@ -285,18 +285,18 @@ async def test_invalid_cross_namespace_backend_ref(suite: Conformance) -> None:
 
 
 async def test_invalid_backend_refs_answer_500(suite: Conformance) -> None:
-    suite.apply("httproute-invalid-nonexistent-backendref.yaml")
+    await suite.apply("httproute-invalid-nonexistent-backendref.yaml")
     await expect(suite, [({"path": "/"}, 500)])
     status = await route_status(suite, "invalid-nonexistent-backend-ref")
     assert conditions(status, "same-namespace")["ResolvedRefs"] == ("False", "BackendNotFound")
-    suite.apply("httproute-invalid-backendref-unknown-kind.yaml")
+    await suite.apply("httproute-invalid-backendref-unknown-kind.yaml")
     await expect(suite, [({"path": "/v2"}, 500)])
     status = await route_status(suite, "invalid-backend-ref-unknown-kind")
     assert conditions(status, "same-namespace")["ResolvedRefs"] == ("False", "InvalidKind")
 
 
 async def test_weight(suite: Conformance) -> None:
-    suite.apply("httproute-weight.yaml")
+    await suite.apply("httproute-weight.yaml")
     await suite.eventually("/", backend=V1)
     seen: dict[str, int] = {}
     for _ in range(100):
@@ -307,10 +307,10 @@ async def test_weight(suite: Conformance) -> None:
 
 
 async def test_disallowed_kind_and_invalid_parent(suite: Conformance) -> None:
-    suite.apply("httproute-disallowed-kind.yaml")
+    await suite.apply("httproute-disallowed-kind.yaml")
     status = await route_status(suite, "disallowed-kind")
     assert conditions(status, "tlsroutes-only")["Accepted"] == ("False", "NotAllowedByListeners")
-    suite.apply("httproute-invalid-parentref-not-matching-section-name.yaml")
+    await suite.apply("httproute-invalid-parentref-not-matching-section-name.yaml")
     status = await route_status(suite, "httproute-listener-not-matching-section-name")
     assert conditions(status, "same-namespace")["Accepted"] == ("False", "NoMatchingParent")
 
@@ -318,7 +318,7 @@ async def test_disallowed_kind_and_invalid_parent(suite: Conformance) -> None:
 async def test_a_bad_edit_is_rejected_whole_and_the_last_good_state_keeps_serving(
     suite: Conformance,
 ) -> None:
-    suite.apply("httproute-simple-same-namespace.yaml")
+    await suite.apply("httproute-simple-same-namespace.yaml")
     await expect(suite, [({"path": "/"}, V1)])
     bad = """apiVersion: gateway.networking.k8s.io/v1
 kind: HTTPRoute
@@ -337,7 +337,7 @@ spec:
     - name: infra-backend-v2
       port: 8080
 """
-    suite.apply("httproute-matching.yaml", extra=bad)
+    await suite.apply("httproute-matching.yaml", extra=bad, wait=False)
     assert suite.resolver is not None
     resolver = suite.resolver
     await until(
@@ -351,3 +351,142 @@ spec:
     # matching.yaml would send /v2 to v2: the rejected edit changed nothing.
     response = await suite.request("/v2")
     assert response.backend == V1
+
+
+# ---------------------------------------------------------------- filters
+
+
+async def test_request_header_modifier(suite: Conformance) -> None:
+    await suite.apply("httproute-request-header-modifier.yaml")
+    await suite.eventually("/set", backend=V1)
+    cases = [
+        ("/set", {"Some-Other-Header": "val"}, {"X-Header-Set": "set-overwrites-values"}, []),
+        (
+            "/set",
+            {"Some-Other-Header": "val", "X-Header-Set": "some-other-value"},
+            {"Some-Other-Header": "val", "X-Header-Set": "set-overwrites-values"},
+            [],
+        ),
+        ("/add", {"Some-Other-Header": "val"}, {"X-Header-Add": "add-appends-values"}, []),
+        (
+            "/add",
+            {"X-Header-Add": "some-other-value"},
+            {"X-Header-Add": "some-other-value,add-appends-values"},
+            [],
+        ),
+        ("/remove", {"X-Header-Remove": "val"}, {}, ["X-Header-Remove"]),
+        (
+            "/multiple",
+            {
+                "X-Header-Set-2": "set-val-2",
+                "X-Header-Add-2": "add-val-2",
+                "X-Header-Remove-2": "remove-val-2",
+                "Another-Header": "another-header-val",
+            },
+            {
+                "X-Header-Set-1": "header-set-1",
+                "X-Header-Set-2": "header-set-2",
+                "X-Header-Add-1": "header-add-1",
+                "X-Header-Add-2": "add-val-2,header-add-2",
+                "X-Header-Add-3": "header-add-3",
+                "Another-Header": "another-header-val",
+            },
+            ["X-Header-Remove-1", "X-Header-Remove-2"],
+        ),
+    ]
+    for path, sent, expected, absent in cases:
+        response = await suite.request(path, headers=sent)
+        assert response.backend == V1
+        for name, value in expected.items():
+            assert response.request_header(name) == value, (path, name)
+        for name in absent:
+            assert response.request_header(name) is None, (path, name)
+
+
+async def test_response_header_modifier(suite: Conformance) -> None:
+    await suite.apply("httproute-response-header-modifier.yaml")
+    await suite.eventually("/set", backend=V1)
+    echo = "X-Echo-Set-Header"
+    response = await suite.request(
+        "/set", headers={echo: "Some-Other-Header:val,X-Header-Set:some-other-value"}
+    )
+    assert response.response_header("Some-Other-Header") == "val"
+    assert response.response_header("X-Header-Set") == "set-overwrites-values"
+    response = await suite.request("/add", headers={echo: "X-Header-Add:header-val-1"})
+    assert response.response_header("X-Header-Add") == "header-val-1,add-appends-values"
+    response = await suite.request("/remove", headers={echo: "X-Header-Remove:val"})
+    assert response.response_header("X-Header-Remove") is None
+
+
+async def test_redirects(suite: Conformance) -> None:
+    await suite.apply(
+        "httproute-redirect-host-and-status.yaml",
+        "httproute-redirect-path.yaml",
+        "httproute-redirect-port.yaml",
+        "httproute-redirect-scheme.yaml",
+    )
+    await suite.eventually("/hostname-redirect", status=302)
+    expected = {
+        "/hostname-redirect": (302, "http://example.org/hostname-redirect"),
+        "/host-and-status": (301, "http://example.org/host-and-status"),
+        "/original-prefix/lemon": (302, "http://example.com/replacement-prefix/lemon"),
+        "/full/path/original": (302, "http://example.com/full-path-replacement"),
+        "/port": (302, "http://example.com:8083/port"),
+        "/port-and-host": (302, "http://example.org:8083/port-and-host"),
+        "/port-and-status": (301, "http://example.com:8083/port-and-status"),
+        "/scheme": (302, "https://example.com/scheme"),
+    }
+    for path, (status, location) in expected.items():
+        response = await suite.request(path)
+        assert (response.status, response.header("Location")) == (status, location), path
+
+
+async def test_url_rewrites(suite: Conformance) -> None:
+    await suite.apply("httproute-rewrite-path.yaml", "httproute-rewrite-host.yaml")
+    await suite.eventually("/prefix/one/two", backend=V1)
+    for sent, seen in (
+        ("/prefix/one/two", "/one/two"),
+        ("/strip-prefix/three", "/three"),
+        ("/strip-prefix", "/"),
+        ("/full/one/two", "/one"),
+        ("/strip-prefix/three?q=1", "/three?q=1"),
+    ):
+        response = await suite.request(sent)
+        assert response.echo["target"] == seen, sent
+    response = await suite.request("/one", host="rewrite.example")
+    assert response.request_header("Host") == "one.example.org"
+    # The client's host stays visible to the backend.
+    assert response.request_header("X-Forwarded-Host") == "rewrite.example"
+
+
+async def test_request_mirror_copies_without_slowing_the_primary(suite: Conformance) -> None:
+    await suite.apply("httproute-request-mirror.yaml")
+    mirror = suite.backends[(INFRA, "infra-backend-v2")]
+    await suite.eventually("/mirror", backend=V1)
+    before = len(mirror.requests)
+    response = await suite.request("/mirror-and-modify-headers", headers={"X-Header-Remove": "x"})
+    assert response.backend == V1
+    await until(lambda: len(mirror.requests) > before, "the mirrored copy")
+    copy = mirror.requests[-1]
+    names = {k.lower(): v for k, v in copy["headers"]}  # type: ignore[union-attr]
+    assert copy["target"] == "/mirror-and-modify-headers"
+    assert names["x-header-set"] == "set-overwrites-values" and "x-header-remove" not in names
+
+
+async def test_backend_request_timeout_answers_504(suite: Conformance) -> None:
+    route = f"""apiVersion: gateway.networking.k8s.io/v1
+kind: HTTPRoute
+metadata: {{name: timeouts, namespace: {INFRA}}}
+spec:
+  parentRefs: [{{name: same-namespace}}]
+  rules:
+  - matches: [{{path: {{type: PathPrefix, value: /slow}}}}]
+    timeouts: {{request: 1s, backendRequest: 500ms}}
+    backendRefs: [{{name: infra-backend-v1, port: 8080}}]
+  - backendRefs: [{{name: infra-backend-v2, port: 8080}}]
+"""
+    await suite.apply(extra=route)
+    await suite.eventually("/", backend=V2)
+    response = await suite.request("/slow?s=3")
+    assert response.status == 504
+    assert (await suite.request("/slow?s=0")).backend == V1

@@ -213,6 +213,8 @@ class _Translator:
         # Gateway key -> its listeners (only Gateways of Waygate's classes).
         self.listeners: dict[Key, list[Listener]] = {}
         self.gateway_status: dict[Key, JSON] = {}
+        # A rule's filters with its mirrors' ports resolved, by id of the RuleSpec.
+        self.mirrors: dict[int, Any] = {}
 
     # ------------------------------------------------------------ helpers
 
@@ -608,10 +610,23 @@ class _Translator:
                 out.append(backend)
                 if issue is not None and problem is None:
                     problem = issue
+            mirrors = []
             for ref in rule.mirror_refs:
-                _, issue = self.backend(kind, namespace, ref)
+                mirror, issue = self.backend(kind, namespace, ref)
                 if issue is not None and problem is None:
                     problem = issue
+                mirrors.append(mirror)
+            if rule.filters is not None and rule.filters.mirrors:
+                # The mirrors' ports as the backends' are (the name the EndpointSlices
+                # use); a mirror that cannot be used is left out.
+                self.mirrors[id(rule)] = dataclasses.replace(
+                    rule.filters,
+                    mirrors=tuple(
+                        dataclasses.replace(m, port=resolved.port)
+                        for m, resolved in zip(rule.filters.mirrors, mirrors, strict=True)
+                        if not resolved.invalid
+                    ),
+                )
             per_rule.append(_scaled(out))
         return per_rule, problem
 
@@ -677,7 +692,7 @@ class _Translator:
                     tls=tls,
                     sticky=StickySessions(disable_cookies=True),
                     matches=rule.matches,
-                    filters=rule.filters,
+                    filters=self.mirrors.get(id(rule), rule.filters),
                     request_timeout=rule.request_timeout,
                     backend_request_timeout=rule.backend_request_timeout,
                     listener_port=listener.spec.port,

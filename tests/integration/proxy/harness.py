@@ -7,7 +7,8 @@ reached no upstream. It answers with JSON describing what it received
 Content-Length and chunked bodies. Special paths drive failure cases:
 /slow?s=N waits N seconds before answering; /big?n=N streams N bytes;
 /chunked answers chunked; /close answers close-delimited; /bad answers a
-malformed response head.
+malformed response head. A request header X-Echo-Set-Header: "Name:value,..."
+makes it send those response headers (as the Gateway API conformance echo does).
 """
 
 from __future__ import annotations
@@ -125,7 +126,13 @@ class RecordingUpstream:
                 elif path == "/204":
                     writer.write(b"HTTP/1.1 204 No Content\r\n\r\n")
                 else:
-                    extra = b""
+                    # The conformance echo server's X-Echo-Set-Header ("Name:value,..."):
+                    # response headers the test asks the backend to send.
+                    extra = b"".join(
+                        b"%s: %s\r\n" % tuple(pair.strip().encode().split(b":", 1))
+                        for pair in lower.get("x-echo-set-header", "").split(",")
+                        if ":" in pair
+                    )
                     writer.write(
                         b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                         b"Content-Length: %d\r\n%s\r\n" % (len(payload), extra)

@@ -121,7 +121,13 @@ class Response:
         return str(self.echo["upstream"]) if self.status == 200 else ""
 
     def request_header(self, name: str) -> str | None:
-        return next((v for k, v in self.echo["headers"] if k.lower() == name.lower()), None)
+        """The header as the backend read it: repeated lines joined by "," (Go's echo)."""
+        values = [v for k, v in self.echo["headers"] if k.lower() == name.lower()]
+        return ",".join(values) if values else None
+
+    def response_header(self, name: str) -> str | None:
+        values = [v for k, v in self.headers if k.lower() == name.lower()]
+        return ",".join(values) if values else None
 
 
 def parse_response(data: bytes) -> Response:
@@ -138,6 +144,7 @@ class Conformance:
     resolver: RunningService | None = None
     proxy: RunningService | None = None
     port: int = 0
+    applied: int = 0
 
     async def start(self, *proxy_args: str) -> Conformance:
         for service in base_services():
@@ -193,12 +200,48 @@ class Conformance:
         for upstream in self.backends.values():
             await upstream.stop()
 
-    def apply(self, *names: str, extra: str = "") -> None:
-        """Make the test manifests exactly these conformance files (plus `extra`)."""
+    async def apply(self, *names: str, extra: str = "", wait: bool = True) -> None:
+        """Make the test manifests exactly these conformance files (plus `extra`).
+
+        With `wait`, returns once the proxy serves them: the edit carries a marker
+        route (its own host, on the all-namespaces Gateway) and the proxy's views
+        are whole versions, so once the marker answers, everything else is there."""
+        self.applied += 1
+        marker = f"apply-{self.applied}.marker.test"
         text = "\n---\n".join(conformance_text(n) for n in names)
         if extra:
             text += "\n---\n" + extra
+        text += f"""
+---
+apiVersion: gateway.networking.k8s.io/v1
+kind: HTTPRoute
+metadata: {{name: marker, namespace: {INFRA}}}
+spec:
+  parentRefs: [{{name: all-namespaces}}]
+  hostnames: ["{marker}"]
+  rules:
+  - filters:
+    - type: RequestHeaderModifier
+      requestHeaderModifier: {{set: [{{name: X-Test-Marker, value: "{self.applied}"}}]}}
+    backendRefs: [{{name: infra-backend-v3, port: 8080}}]
+"""
         (self.directory / "10-test.yaml").write_text(text)
+        if not wait:
+            return
+        applied = str(self.applied)
+
+        async def served() -> bool:
+            response = await self.request("/", host=marker)
+            return response.status == 200 and response.request_header("X-Test-Marker") == applied
+
+        assert self.resolver is not None
+        resolver = self.resolver
+        await until(
+            served,
+            f"the proxy to serve edit {applied} (resolver: "
+            f"{[e['msg'] for e in resolver.logs if 'rejected' in str(e.get('msg'))][-1:]})",
+            timeout=20,
+        )
 
     async def request(
         self,

@@ -1,0 +1,142 @@
+"""HTTPRoute filters on request and response heads, sans-IO (pure functions of bytes).
+
+The exchange (`exchange.py`) calls these for routes that have filters, after
+routing and before the upstream head is built (request side), and on the
+upstream's response head (response side). Per the Gateway API specification:
+- RequestHeaderModifier / ResponseHeaderModifier: `set` replaces every line of
+  that name (names case-insensitive), `add` appends a line (a repeated field,
+  which a recipient reads as the comma-joined value), `remove` drops every
+  line of that name. Framing and connection headers (Host, Content-Length,
+  Transfer-Encoding, Connection, Upgrade, Keep-Alive, TE, Trailer) are never
+  touched: the proxy owns them, so a filter cannot desynchronise a message.
+- URLRewrite: the Host line (X-Forwarded-Host keeps the client's host) and the
+  path: ReplaceFullPath, or ReplacePrefixMatch of the matched PathPrefix at a
+  segment boundary; the query string is kept.
+- RequestRedirect: Location from scheme, hostname, port and path, each the
+  request's own unless given; the port is left out when it is the scheme's
+  well-known one, and when only the scheme changes (the spec's rule).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from waygate.resolver.model import HeaderModifier, PathModifierType, Redirect, Rewrite
+
+# Lines a filter may not add, set or remove (lower-case).
+PROTECTED = frozenset(
+    (
+        b"host",
+        b"content-length",
+        b"transfer-encoding",
+        b"connection",
+        b"upgrade",
+        b"keep-alive",
+        b"te",
+        b"trailer",
+    )
+)
+_WELL_KNOWN = {b"http": 80, b"https": 443}
+_REASONS = {
+    301: b"Moved Permanently",
+    302: b"Found",
+    303: b"See Other",
+    307: b"Temporary Redirect",
+    308: b"Permanent Redirect",
+}
+
+
+def _modified_lines(lines: list[bytes], modifier: HeaderModifier) -> list[bytes]:
+    """`lines` (b"Name: value", no CRLF) with set, add and remove applied."""
+    replaced = {n.lower().encode() for n, _ in modifier.set} - PROTECTED
+    removed = {n.lower().encode() for n in modifier.remove} - PROTECTED
+    dropped = replaced | removed
+    out = [line for line in lines if line.partition(b":")[0].strip().lower() not in dropped]
+    for name, value in modifier.set:
+        if name.lower().encode() not in PROTECTED:
+            out.append(name.encode() + b": " + value.encode("latin-1"))
+    for name, value in modifier.add:
+        if name.lower().encode() not in PROTECTED:
+            out.append(name.encode() + b": " + value.encode("latin-1"))
+    return out
+
+
+def modify_request_fields(fields: bytes, modifier: HeaderModifier) -> bytes:
+    """A request's field block (b"Name: value\\r\\n" lines) after the modifier."""
+    lines = fields.split(b"\r\n")[:-1]
+    return b"".join(line + b"\r\n" for line in _modified_lines(lines, modifier))
+
+
+def modify_response_fields(fields: bytes, modifier: HeaderModifier) -> bytes:
+    """A response's field block (b"\\r\\nName: value" lines) after the modifier."""
+    lines = fields.split(b"\r\n")[1:] if fields else []
+    return b"".join(b"\r\n" + line for line in _modified_lines(lines, modifier))
+
+
+def replaced_path(path: bytes, prefix: bytes, kind: PathModifierType, replacement: str) -> bytes:
+    """The path after ReplaceFullPath / ReplacePrefixMatch (`prefix`: the matched one)."""
+    if kind is PathModifierType.FULL:
+        return replacement.encode()
+    if kind is not PathModifierType.PREFIX:
+        return path
+    rest = path[len(prefix) :] if prefix != b"/" else path[1:] if path.startswith(b"/") else path
+    new = replacement.encode()
+    if not rest:
+        return new or b"/"
+    if new.endswith(b"/"):
+        return new + rest.lstrip(b"/")
+    return new + (rest if rest.startswith(b"/") else b"/" + rest)
+
+
+def _split_target(target: bytes) -> tuple[bytes, bytes]:
+    mark = target.find(b"?")
+    return (target, b"") if mark < 0 else (target[:mark], target[mark:])
+
+
+def rewritten_request(
+    req: Any, rewrite: Rewrite | None, modifier: HeaderModifier | None, prefix: bytes
+) -> Any:
+    """A copy of the request head with the rewrite and the header modifier applied."""
+    out = copy.copy(req)
+    fields = req.fields
+    if rewrite is not None:
+        if rewrite.hostname:
+            # The Host line comes first in the block (http1.parse_request_head).
+            end = fields.find(b"\r\n")
+            fields = b"Host: " + rewrite.hostname.encode() + fields[end:]
+        if rewrite.path_type is not PathModifierType.NONE:
+            path, query = _split_target(req.target)
+            out.target = replaced_path(path, prefix, rewrite.path_type, rewrite.path) + query
+    if modifier is not None:
+        fields = modify_request_fields(fields, modifier)
+    out.fields = fields
+    return out
+
+
+def redirect_location(
+    req: Any, redirect: Redirect, prefix: bytes, *, secure: bool, listener_port: int
+) -> bytes:
+    """The Location for a request that matched a RequestRedirect rule."""
+    scheme = redirect.scheme.encode() if redirect.scheme else (b"https" if secure else b"http")
+    host = redirect.hostname.encode() if redirect.hostname else req.host
+    if redirect.port:
+        port = redirect.port
+    elif redirect.scheme:
+        port = _WELL_KNOWN[scheme]
+    else:
+        port = listener_port or _WELL_KNOWN[scheme]
+    authority = host if _WELL_KNOWN.get(scheme) == port else host + b":%d" % port
+    path, query = _split_target(req.target)
+    path = replaced_path(path, prefix, redirect.path_type, redirect.path)
+    return scheme + b"://" + authority + path + query
+
+
+def redirect_head(status: int, location: bytes, *, close: bool) -> bytes:
+    """The whole redirect answer (no body)."""
+    return b"HTTP/1.1 %d %s\r\nLocation: %s\r\nContent-Length: 0\r\n%s\r\n" % (
+        status,
+        _REASONS.get(status, b"Found"),
+        location,
+        b"Connection: close\r\n" if close else b"",
+    )

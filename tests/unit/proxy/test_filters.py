@@ -1,0 +1,87 @@
+"""HTTPRoute filters on heads (waygate.proxy.filters): header modifiers, path rewrites,
+redirect locations, and the lines a filter may never touch."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from waygate.proxy.filters import (
+    modify_request_fields,
+    modify_response_fields,
+    redirect_location,
+    replaced_path,
+    rewritten_request,
+)
+from waygate.resolver.model import HeaderModifier, PathModifierType, Redirect, Rewrite
+
+FULL, PREFIX = PathModifierType.FULL, PathModifierType.PREFIX
+
+
+@pytest.mark.parametrize(
+    ("path", "prefix", "kind", "replacement", "expected"),
+    [
+        (b"/prefix/one/two", b"/prefix/one", PREFIX, "/one", b"/one/two"),
+        (b"/strip-prefix/three", b"/strip-prefix", PREFIX, "/", b"/three"),
+        (b"/strip-prefix", b"/strip-prefix", PREFIX, "/", b"/"),
+        (b"/a/b", b"/", PREFIX, "/x", b"/x/a/b"),
+        (b"/a/b", b"/a", PREFIX, "/x/", b"/x/b"),
+        (b"/full/one/two", b"/full/one", FULL, "/one", b"/one"),
+        (b"/kept", b"/", PathModifierType.NONE, "", b"/kept"),
+    ],
+)
+def test_replaced_path(
+    path: bytes, prefix: bytes, kind: PathModifierType, replacement: str, expected: bytes
+) -> None:
+    assert replaced_path(path, prefix, kind, replacement) == expected
+
+
+def test_request_modifier_sets_adds_removes_and_never_touches_framing() -> None:
+    fields = (
+        b"Host: a\r\nX-Set: old\r\nx-set: older\r\nX-Add: 1\r\nX-Gone: x\r\nContent-Length: 3\r\n"
+    )
+    modifier = HeaderModifier(
+        set=(("X-Set", "new"), ("Host", "evil")),
+        add=(("X-Add", "2"), ("Transfer-Encoding", "chunked")),
+        remove=("x-gone", "content-length"),
+    )
+    assert modify_request_fields(fields, modifier) == (
+        b"Host: a\r\nX-Add: 1\r\nContent-Length: 3\r\nX-Set: new\r\nX-Add: 2\r\n"
+    )
+
+
+def test_response_modifier_keeps_the_block_form() -> None:
+    fields = b"\r\nContent-Type: a\r\nX-Header-Remove: v"
+    modifier = HeaderModifier(add=(("X-Add", "v"),), remove=("X-Header-Remove",))
+    assert modify_response_fields(fields, modifier) == b"\r\nContent-Type: a\r\nX-Add: v"
+    assert modify_response_fields(b"", modifier) == b"\r\nX-Add: v"
+
+
+def test_rewrite_changes_host_line_and_path_keeping_the_query() -> None:
+    req = SimpleNamespace(
+        fields=b"Host: a.example\r\nX: y\r\n", target=b"/p/x?q=1", host=b"a.example"
+    )
+    out = rewritten_request(req, Rewrite("b.example", PREFIX, "/n"), None, b"/p")
+    assert out.fields == b"Host: b.example\r\nX: y\r\n" and out.target == b"/n/x?q=1"
+    # The original head is untouched (it still frames the client's side).
+    assert req.target == b"/p/x?q=1" and out.host == b"a.example"
+
+
+@pytest.mark.parametrize(
+    ("redirect", "secure", "listener", "expected"),
+    [
+        (Redirect(hostname="example.org"), False, 80, b"http://example.org/orig?q"),
+        (Redirect(port=8083), False, 80, b"http://example.com:8083/orig?q"),
+        (Redirect(scheme="https"), False, 80, b"https://example.com/orig?q"),
+        (Redirect(scheme="http", port=80), True, 443, b"http://example.com/orig?q"),
+        (Redirect(), False, 8080, b"http://example.com:8080/orig?q"),
+        (Redirect(path_type=FULL, path="/new"), True, 443, b"https://example.com/new?q"),
+    ],
+)
+def test_redirect_location(
+    redirect: Redirect, secure: bool, listener: int, expected: bytes
+) -> None:
+    req = SimpleNamespace(host=b"example.com", target=b"/orig?q")
+    location = redirect_location(req, redirect, b"/", secure=secure, listener_port=listener)
+    assert location == expected
