@@ -78,7 +78,7 @@ from waygate.proxy.http1 import (
     ResponseHead,
 )
 from waygate.proxy.pool import UpstreamConnection
-from waygate.proxy.routing import Backend, RouteEntry, Target
+from waygate.proxy.routing import Backend, RouteEntry, Target, unavailable_reason
 from waygate.proxy.upstream import ConnectError
 
 if TYPE_CHECKING:
@@ -335,7 +335,7 @@ class Exchange:
                 # A Gateway API backendRef that cannot be used: 500, as the spec says.
                 return self._unavailable(req, chosen_backend.invalid, "invalid_backend", 500)
             if chosen is None or chosen_backend is None:
-                reason = "no endpoint ready for route " + entry.options.name
+                reason = unavailable_reason(entry)
                 return self._unavailable(req, reason, "no_endpoint")
             picked, backend = chosen, chosen_backend
             backend.picker.acquire(picked)

@@ -55,7 +55,7 @@ from waygate.proxy.http2 import (
     h2_connection,
     request_head,
 )
-from waygate.proxy.routing import RouteEntry, Target
+from waygate.proxy.routing import RouteEntry, Target, unavailable_reason
 from waygate.proxy.upstream import ConnectError
 from waygate.resolver.model import speaks_http2
 
@@ -457,7 +457,7 @@ class H2Exchange:
         else:
             target, backend = entry.pick(self.client_key(), cookie, server.health, None)
             if target is None or backend is None:
-                self.local(503, "no endpoint ready for route " + entry.options.name, "no_endpoint")
+                self.local(503, unavailable_reason(entry), "no_endpoint")
                 return
             self.target, self.backend = target, backend
             backend.picker.acquire(target)

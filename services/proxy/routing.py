@@ -530,6 +530,17 @@ class RouteTable:
             yield from side.entries()
 
 
+def unavailable_reason(entry: RouteEntry) -> str:
+    """Why a matched route has no endpoint to give, for the 503 page and grpc-message:
+    the resolver's condition when it names one ("route mine/ghost: service
+    mine/doesnotexist not found"), else the plain fact."""
+    status = entry.route.status
+    problem = status.problem() if status is not None else None
+    if problem:
+        return f"route {entry.options.name}: {problem}"
+    return "no endpoint ready for route " + entry.options.name
+
+
 def upstream_scope(route: Route) -> tuple[str, str, bool] | None:
     """What an upstream connection for `route` promises beyond its endpoint: None for
     a plain one; for reencrypt, the destination CA and server name it was verified

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from waygate.proxy.routing import Defaults, build_table
+from waygate.proxy.routing import Defaults, build_table, unavailable_reason
 from waygate.resolver.model import Endpoint, EndpointPort, Route, RouteBackend
 from waygate.resolver.store import Store
 
@@ -40,3 +40,22 @@ def test_a_conflicted_route_is_left_out_of_the_table() -> None:
     table = build_table(bare, endpoints, {}, defaults=Defaults(), cookie_key=b"k" * 16)
     entry = table.lookup(b"echo.example", b"/api/x")
     assert entry is not None and entry.route.key == ("evil", "api")
+
+
+def test_the_503_reason_names_the_route_condition() -> None:
+    store = Store(initial_version=0)
+    store.upsert_route(
+        Route("mine", "ghost", "ghost.example", "/", (RouteBackend("doesnotexist"),)),
+        source="test",
+    )
+    routes = {r.key: r for r in store.routes()}
+    table = build_table(routes, {}, {}, defaults=Defaults(), cookie_key=b"k" * 16)
+    entry = table.lookup(b"ghost.example", b"/")
+    assert entry is not None
+    assert unavailable_reason(entry) == "route mine/ghost: service mine/doesnotexist not found"
+    bare = {k: dataclasses.replace(r, status=None) for k, r in routes.items()}
+    entry = build_table(bare, {}, {}, defaults=Defaults(), cookie_key=b"k" * 16).lookup(
+        b"ghost.example", b"/"
+    )
+    assert entry is not None
+    assert unavailable_reason(entry) == "no endpoint ready for route mine/ghost"
