@@ -1,4 +1,5 @@
-"""The processes Waygate is made of, their commands and default ports.
+"""The processes Waygate is made of, their commands, default ports and, under
+`waygate up`, their identities and the context their `up_arguments` get.
 
 The port table of docs/architecture.md lives here once; the CLI, `waygate up` and the tests
 read it from here. A component is implemented when its app module exists:
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -87,3 +89,73 @@ COMPONENTS: tuple[Component, ...] = (
 
 def by_command(command: tuple[str, ...]) -> Component:
     return next(c for c in COMPONENTS if c.command == command)
+
+
+# ---------------------------------------------------------------- under `waygate up`
+
+HOST = "127.0.0.1"
+CERTS = "certs"  # the component every other one takes its certificate from
+TRUST_DOMAIN = "waygate.local"
+USER = "user"  # the local user's client certificate: .../sa/user
+RESOLVER = "resolver"  # the component other processes watch routes and endpoints from
+DEMO = "demo-backend"  # the demo echo backend's name in `up` output and logs
+DEMO_PORT = 8090  # plus the port offset; the example route demo/echo points here
+TUNNEL_AGENT = "tunnel-agent"  # its certificate names the edge node it serves, nothing else
+EDGE_NODE = "edge-local"  # the node of the example route demo/hello's endpoint
+
+
+def spiffe_id(name: str) -> str:
+    return f"spiffe://{TRUST_DOMAIN}/ns/local/sa/{name}"
+
+
+# The proxy's default certificate serves the example routes' TLS hosts on HTTPS
+# (by name: certs' policy never issues a wildcard certificate, even to a token
+# allowed every name under it).
+EXAMPLE_TLS_HOSTS = ("echo-tls.localtest.me", "hello-tls.localtest.me")
+
+
+def process_sans(name: str) -> tuple[str, ...]:
+    """SANs of a process under `up`: clients connect to 127.0.0.1, so the IP is one.
+
+    Never a "localhost" DNS name: pkilint rejects it, and it names every machine.
+    The proxy's also cover the example routes' hosts (its default HTTPS certificate).
+    """
+    if name == "proxy":
+        return (
+            f"dns:{name}.{TRUST_DOMAIN}",
+            f"ip:{HOST}",
+            *(f"dns:{host}" for host in EXAMPLE_TLS_HOSTS),
+        )
+    return (f"dns:{name}.{TRUST_DOMAIN}", f"ip:{HOST}")
+
+
+def process_identity(name: str) -> tuple[str, tuple[str, ...]]:
+    """The identity and extra SANs a process asks certs for under `up`.
+
+    The tunnel agent's identity is its node's name and nothing else: the tunnel
+    server takes the node from the certificate's one DNS name.
+    """
+    if name == TUNNEL_AGENT:
+        return EDGE_NODE, ()
+    return spiffe_id(name), process_sans(name)
+
+
+@dataclass(frozen=True)
+class UpContext:
+    """What a component's `up_arguments` may use."""
+
+    state_dir: Path
+    port_offset: int
+    host: str = HOST
+
+    def port(self, component_name: str, field: str) -> int:
+        component = next(c for c in COMPONENTS if c.name == component_name)
+        return component.port(field) + self.port_offset
+
+    def address(self, component_name: str, field: str = "grpc_port") -> str:
+        return f"{self.host}:{self.port(component_name, field)}"
+
+    @property
+    def demo_port(self) -> int:
+        """The demo backend's HTTP port (the example route demo/echo's endpoint)."""
+        return DEMO_PORT + self.port_offset

@@ -1,5 +1,8 @@
 """`waygate up`: every implemented service on 127.0.0.1, each in its own process.
 
+The topology (ports, identities, the demo's names, `UpContext`) is
+`waygate.components`'s: services read it there and never import this module.
+
 Children start in `COMPONENTS` order, each waited for until its /readyz says
 ready (or a timeout passes), so certs is up before the processes that take
 their certificates from it. A child that exits on its own is restarted with
@@ -54,7 +57,19 @@ from typing import ClassVar
 
 import yaml
 
-from waygate.components import COMPONENTS, Component
+from waygate.components import (
+    CERTS,
+    COMPONENTS,
+    DEMO,
+    DEMO_PORT,
+    HOST,
+    RESOLVER,
+    USER,
+    Component,
+    UpContext,
+    process_identity,
+    spiffe_id,
+)
 from waygate.core.backoff import Backoff
 from waygate.core.clientcli import EXIT_USAGE_OR_UNREACHABLE, UpRecord, fail
 from waygate.core.errors import WaygateError
@@ -72,52 +87,7 @@ from waygate.core.settings import (
 
 log = logging.getLogger(__name__)
 
-HOST = "127.0.0.1"
 STABLE_AFTER = 60.0  # a child that ran this long restarts with the initial backoff again
-CERTS = "certs"  # the component every other one takes its certificate from
-TRUST_DOMAIN = "waygate.local"
-USER = "user"  # the local user's client certificate: .../sa/user
-RESOLVER = "resolver"  # the component other processes watch routes and endpoints from
-DEMO = "demo-backend"  # the demo echo backend's name in `up` output and logs
-DEMO_PORT = 8090  # plus the port offset; the example route demo/echo points here
-TUNNEL_AGENT = "tunnel-agent"  # its certificate names the edge node it serves, nothing else
-EDGE_NODE = "edge-local"  # the node of the example route demo/hello's endpoint
-
-
-def spiffe_id(name: str) -> str:
-    return f"spiffe://{TRUST_DOMAIN}/ns/local/sa/{name}"
-
-
-# The proxy's default certificate serves the example routes' TLS hosts on HTTPS
-# (by name: certs' policy never issues a wildcard certificate, even to a token
-# allowed every name under it).
-EXAMPLE_TLS_HOSTS = ("echo-tls.localtest.me", "hello-tls.localtest.me")
-
-
-def process_sans(name: str) -> tuple[str, ...]:
-    """SANs of a process under `up`: clients connect to 127.0.0.1, so the IP is one.
-
-    Never a "localhost" DNS name: pkilint rejects it, and it names every machine.
-    The proxy's also cover the example routes' hosts (its default HTTPS certificate).
-    """
-    if name == "proxy":
-        return (
-            f"dns:{name}.{TRUST_DOMAIN}",
-            f"ip:{HOST}",
-            *(f"dns:{host}" for host in EXAMPLE_TLS_HOSTS),
-        )
-    return (f"dns:{name}.{TRUST_DOMAIN}", f"ip:{HOST}")
-
-
-def process_identity(name: str) -> tuple[str, tuple[str, ...]]:
-    """The identity and extra SANs a process asks certs for under `up`.
-
-    The tunnel agent's identity is its node's name and nothing else: the tunnel
-    server takes the node from the certificate's one DNS name.
-    """
-    if name == TUNNEL_AGENT:
-        return EDGE_NODE, ()
-    return spiffe_id(name), process_sans(name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,27 +180,6 @@ class UpSettings:
             raise SettingsError(
                 f"invalid setting port_offset: {self.port_offset} puts ports outside 1..65535"
             )
-
-
-@dataclasses.dataclass(frozen=True)
-class UpContext:
-    """What a component's `up_arguments` may use."""
-
-    state_dir: Path
-    port_offset: int
-    host: str = HOST
-
-    def port(self, component_name: str, field: str) -> int:
-        component = next(c for c in COMPONENTS if c.name == component_name)
-        return component.port(field) + self.port_offset
-
-    def address(self, component_name: str, field: str = "grpc_port") -> str:
-        return f"{self.host}:{self.port(component_name, field)}"
-
-    @property
-    def demo_port(self) -> int:
-        """The demo backend's HTTP port (the example route demo/echo's endpoint)."""
-        return DEMO_PORT + self.port_offset
 
 
 # Looked up once, here: between fork and exec (where `_die_with_parent` runs, in

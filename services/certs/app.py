@@ -74,7 +74,7 @@ from waygate.core.settings import (
 )
 
 if TYPE_CHECKING:
-    from waygate.supervisor import UpContext
+    from waygate.components import UpContext
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from waygate.resolver.store import DEFAULT_HISTORY_LIMIT, DEFAULT_MAX_PENDING, S
 from waygate.resolver.tunnels import TunnelRegistry
 
 if TYPE_CHECKING:
-    from waygate.supervisor import UpContext
+    from waygate.components import UpContext
 
 log = logging.getLogger(__name__)
 
@@ -309,7 +309,7 @@ def up_arguments(context: UpContext) -> list[str]:
     client certificate `up` makes) may change routes, and only the proxy
     receives route private keys.
     """
-    from waygate.supervisor import DEMO_PORT, USER, spiffe_id
+    from waygate.components import DEMO_PORT, USER, spiffe_id
 
     routes = context.state_dir / "routes.yaml"
     if not routes.exists():

@@ -28,7 +28,7 @@ from waygate.tunnel.allow import DEFAULT_ALLOW, AllowList, entries_problem
 from waygate.tunnel.relay import client_context
 
 if TYPE_CHECKING:
-    from waygate.supervisor import UpContext
+    from waygate.components import UpContext
 
 log = logging.getLogger(__name__)
 

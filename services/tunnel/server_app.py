@@ -33,7 +33,7 @@ from waygate.tunnel.server import AgentTunnelServicer, Hub, TunnelServicer
 from waygate.tunnel.v1 import tunnel_pb2_grpc
 
 if TYPE_CHECKING:
-    from waygate.supervisor import UpContext
+    from waygate.components import UpContext
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +221,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
 
 def up_arguments(context: UpContext) -> list[str]:
     """Under `up`: report to the local resolver; the proxy and the local user may dial."""
-    from waygate.supervisor import USER, spiffe_id
+    from waygate.components import USER, spiffe_id
 
     return [
         "--server-id",

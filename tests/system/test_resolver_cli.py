@@ -120,8 +120,8 @@ async def test_bad_routes_file_path_is_one_line_and_exit_1(tmp_path: Path) -> No
 
 
 def test_up_arguments_copy_the_example_once(tmp_path: Path) -> None:
+    from waygate.components import UpContext
     from waygate.resolver.app import up_arguments
-    from waygate.supervisor import UpContext
 
     context = UpContext(tmp_path / "state", 0)
     args = up_arguments(context)

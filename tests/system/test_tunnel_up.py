@@ -21,8 +21,8 @@ import yaml
 
 from tests.support.otlp import OtlpReceiver
 from tests.support.processes import ROOT, child_env
+from waygate.components import DEMO_PORT
 from waygate.resolver.filesource import EXAMPLE_ROUTES
-from waygate.supervisor import DEMO_PORT
 
 pytestmark = pytest.mark.system
 

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.processes import ROOT, child_env, http_get
-from waygate.components import COMPONENTS
-from waygate.supervisor import DEMO_PORT
+from waygate.components import COMPONENTS, DEMO_PORT
 
 pytestmark = pytest.mark.system
 

@@ -15,9 +15,10 @@ from cryptography import x509
 
 from waygate.certs.auth import StaticTokenAuthenticator
 from waygate.certs.policy import Policy
+from waygate.components import TRUST_DOMAIN, USER, process_identity, spiffe_id
 from waygate.core.errors import PermissionDenied
 from waygate.core.rotation import build_csr, generate_key
-from waygate.supervisor import TRUST_DOMAIN, USER, Bootstrap, process_identity, spiffe_id
+from waygate.supervisor import Bootstrap
 
 NAMES = ("resolver", "tunnel-server", "proxy", "tunnel-agent", USER)
 

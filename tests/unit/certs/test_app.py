@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from waygate.certs.app import Settings, up_arguments
+from waygate.components import UpContext
 from waygate.core.settings import SettingsError, load_settings
-from waygate.supervisor import UpContext
 
 
 def test_defaults_follow_the_design() -> None:

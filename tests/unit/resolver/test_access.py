@@ -80,8 +80,8 @@ def test_settings_read_comma_separated_identities(tmp_path: Path) -> None:
 
 
 def test_up_limits_writes_to_the_tunnel_server_and_the_user(tmp_path: Path) -> None:
+    from waygate.components import UpContext
     from waygate.resolver.app import up_arguments
-    from waygate.supervisor import UpContext
 
     argv = up_arguments(UpContext(state_dir=tmp_path, port_offset=0))
     assert argv[argv.index("--tunnel-reporters") + 1] == SA + "tunnel-server"

@@ -57,9 +57,9 @@ def test_bad_settings_are_one_line_errors(
 
 def test_up_copies_the_example_routes_file_0600(tmp_path: Path) -> None:
     """The copy is what ApplyRoute writes route TLS private keys into."""
+    from waygate.components import UpContext
     from waygate.resolver.app import up_arguments
     from waygate.resolver.filesource import EXAMPLE_ROUTES
-    from waygate.supervisor import UpContext
 
     argv = up_arguments(UpContext(state_dir=tmp_path / "state", port_offset=0))
     routes = tmp_path / "state" / "routes.yaml"
