@@ -147,6 +147,10 @@ class UpContext:
     state_dir: Path
     port_offset: int
     host: str = HOST
+    # What the demo tunnel agent may dial (`up --agent-allow`); empty: its default.
+    agent_allow: tuple[str, ...] = ()
+    # The proxy's sticky-cookie key, kept in the state directory; None: the proxy's own.
+    sticky_key_file: Path | None = None
 
     def port(self, component_name: str, field: str) -> int:
         component = next(c for c in COMPONENTS if c.name == component_name)

@@ -5,8 +5,19 @@ The topology (ports, identities, the demo's names, `UpContext`) is
 
 Children start in `COMPONENTS` order, each waited for until its /readyz says
 ready (or a timeout passes), so certs is up before the processes that take
-their certificates from it. A child that exits on its own is restarted with
-exponential backoff (reset once it has run for a minute). SIGINT or SIGTERM
+their certificates from it. `up` never reports what it did not see:
+- every port it will use is checked before anything starts; a taken one stops
+  `up` at once naming the port, the process holding it (when /proc tells) and
+  a --port-offset that is free;
+- a child counts as ready only when its /readyz answers 200 from a socket the
+  child (or its own descendant) holds, not whatever else answers on the port;
+- a child that exits on its own is restarted with exponential backoff (reset
+  once it has run for a minute); one that exits `max_restarts` times in a row
+  stops `up` with exit 1 and its last error line (children's stderr passes
+  through `up`, which keeps the last lines of each, bounded);
+- a child whose /healthz stops answering `liveness_failures` times in a row
+  (hung, or SIGSTOPped) is killed and so restarted.
+SIGINT or SIGTERM
 stops every child with SIGTERM, then SIGKILL after the grace period; children
 also get SIGKILL from the kernel if `up` itself dies (PR_SET_PDEATHSIG), so no
 orphan outlives it.
@@ -45,12 +56,14 @@ import contextlib
 import ctypes
 import dataclasses
 import importlib
+import json
 import logging
 import os
 import secrets
 import signal
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar
@@ -71,10 +84,11 @@ from waygate.components import (
     spiffe_id,
 )
 from waygate.core.backoff import Backoff
-from waygate.core.clientcli import EXIT_USAGE_OR_UNREACHABLE, UpRecord, fail
+from waygate.core.clientcli import EXIT_FAILED, EXIT_USAGE_OR_UNREACHABLE, UpRecord, fail
 from waygate.core.errors import WaygateError
 from waygate.core.files import write_file_atomically
 from waygate.core.logs import configure_logging, resolved_format
+from waygate.core.portholder import descends_from, listeners, port_free
 from waygate.core.settings import (
     LOG_FORMATS,
     LOG_LEVELS,
@@ -88,6 +102,10 @@ from waygate.core.settings import (
 log = logging.getLogger(__name__)
 
 STABLE_AFTER = 60.0  # a child that ran this long restarts with the initial backoff again
+#: Lines of each child's stderr kept to report why it crashed.
+KEPT_LINES = 20
+#: A child's stderr line longer than this is passed on in pieces (bounded memory).
+MAX_LINE = 64 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +183,29 @@ class UpSettings:
         parse=parse_duration,
         check=positive,
     )
+    max_restarts: int = setting(
+        5,
+        help="a child that exits this many times in a row (each within a minute of its "
+        "start) stops `up` with exit 1 and its last error",
+        check=positive,
+    )
+    liveness_interval: float = setting(
+        5.0,
+        help="how often each ready child's /healthz is asked whether it still answers",
+        parse=parse_duration,
+        check=positive,
+    )
+    liveness_failures: int = setting(
+        3,
+        help="a child that does not answer /healthz this many times in a row (hung, or "
+        "stopped) is killed and restarted",
+        check=positive,
+    )
+    agent_allow: tuple[str, ...] = setting(
+        (),
+        help="what the demo tunnel agent may dial, comma-separated HOST:PORT (as "
+        "`tunnel agent --allow`); empty: the kubelet port and the demo backend",
+    )
     log_level: str = setting("info", help="log level of up itself", choices=LOG_LEVELS)
     log_format: str = setting(
         "auto",
@@ -215,13 +256,52 @@ class Child:
         self.started_at = 0.0
         self.backoff = Backoff(initial=0.5, maximum=30.0)
         self.restarts = 0
+        # Exits in a row, each within STABLE_AFTER of its start.
+        self.crashes = 0
+        self.ready = False
+        self.lines: deque[str] = deque(maxlen=KEPT_LINES)
+        self._relay: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self.process = await asyncio.create_subprocess_exec(
-            *self.argv, preexec_fn=_die_with_parent(os.getpid())
+            *self.argv,
+            stderr=asyncio.subprocess.PIPE,
+            limit=MAX_LINE,
+            preexec_fn=_die_with_parent(os.getpid()),
         )
         self.started_at = time.monotonic()
+        self.ready = False
+        assert self.process.stderr is not None
+        self._relay = asyncio.create_task(self._pass_on(self.process.stderr))
         log.info("started %s", self.name, extra={"pid": self.process.pid})
+
+    async def _pass_on(self, stream: asyncio.StreamReader) -> None:
+        """The child's stderr to ours, line by line, keeping the last lines."""
+        out = sys.stderr.buffer
+        while True:
+            try:
+                line = await stream.readline()
+            except ValueError:  # longer than MAX_LINE: pass on what is there
+                line = await stream.read(MAX_LINE)
+            if not line:
+                return
+            out.write(line)
+            out.flush()
+            self.lines.append(line.decode("utf-8", "replace").rstrip("\n"))
+
+    async def finished(self) -> None:
+        """Wait (bounded) until the stderr relay has passed on what the child wrote."""
+        if self._relay is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self._relay), 5.0)
+
+    def last_error(self) -> str:
+        """The child's last error line (its message, for JSON logs), else its last line."""
+        for line in reversed(self.lines):
+            message = _error_message(line)
+            if message:
+                return message
+        return self.lines[-1] if self.lines else "(it wrote nothing to stderr)"
 
     def signal(self, sig: int) -> None:
         if self.process is not None and self.process.returncode is None:
@@ -229,19 +309,50 @@ class Child:
                 self.process.send_signal(sig)
 
 
-async def _ready(port: int, timeout: float) -> bool:
-    """Poll http://127.0.0.1:PORT/readyz until it answers 200 or the timeout passes."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError, asyncio.TimeoutError):
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(HOST, port), 1.0)
+def _error_message(line: str) -> str | None:
+    if line.startswith("{"):
+        with contextlib.suppress(ValueError, AttributeError):
+            record = json.loads(line)
+            if str(record.get("level", "")).lower() in ("error", "critical"):
+                return str(record.get("msg") or record.get("message") or line)
+            return None
+    lowered = line.lower()
+    if "error" in lowered or "traceback" in lowered or line.startswith("waygate:"):
+        return line
+    return None
+
+
+async def _http_status(port: int, path: str, timeout: float) -> int | None:
+    """The status code of GET http://127.0.0.1:PORT/PATH, or None (no answer in time)."""
+    with contextlib.suppress(OSError, asyncio.TimeoutError, ValueError):
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection(HOST, port)
             try:
-                writer.write(b"GET /readyz HTTP/1.1\r\nHost: up\r\n\r\n")
-                status = await asyncio.wait_for(reader.readline(), 1.0)
+                writer.write(f"GET {path} HTTP/1.1\r\nHost: up\r\n\r\n".encode())
+                status = await reader.readline()
             finally:
                 writer.close()
-            if status.startswith(b"HTTP/1.1 200"):
-                return True
+            parts = status.split()
+            if len(parts) >= 2 and parts[1].isdigit():
+                return int(parts[1])
+    return None
+
+
+def _held_by(child: Child) -> bool:
+    """The child's ready port is held by the child (or its own descendant); True when
+    /proc cannot tell (no holder found), so non-Linux hosts still start."""
+    if child.process is None:
+        return False
+    holders = listeners(child.ready_port)
+    return not holders or any(descends_from(h.pid, child.process.pid) for h in holders)
+
+
+async def _ready(child: Child, timeout: float) -> bool:
+    """Poll the child's /readyz until it answers 200 from the child itself, or the timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await _http_status(child.ready_port, "/readyz", 1.0) == 200 and _held_by(child):
+            return True
         await asyncio.sleep(0.1)
     return False
 
@@ -249,9 +360,16 @@ async def _ready(port: int, timeout: float) -> bool:
 class Supervisor:
     def __init__(self, settings: UpSettings) -> None:
         self.settings = settings
-        self.context = UpContext(settings.state_dir.resolve(), settings.port_offset)
+        self.context = UpContext(
+            settings.state_dir.resolve(),
+            settings.port_offset,
+            agent_allow=settings.agent_allow,
+            sticky_key_file=settings.state_dir.resolve() / "sticky.key",
+        )
         self.children: list[Child] = []
         self._stopping = asyncio.Event()
+        # Why `up` gave up (a crash-looping child), for its exit status and last word.
+        self._failure: str | None = None
         self.bootstrap: Bootstrap | None = None
         self._client_renewal: asyncio.Task[None] | None = None
 
@@ -271,6 +389,9 @@ class Supervisor:
             and "--resolver-address" not in argv
         ):
             argv += ["--resolver-address", self.context.address(RESOLVER)]
+        key_file = self.context.sticky_key_file
+        if "sticky_key_file" in fields and key_file is not None and "--sticky-key-file" not in argv:
+            argv += ["--sticky-key-file", str(key_file)]
         if self.bootstrap is not None and component.name != CERTS and "certs_address" in fields:
             argv += self.bootstrap.arguments(component.name, self.context.address(CERTS))
         return argv
@@ -361,7 +482,11 @@ class Supervisor:
         missing = [c for c in COMPONENTS if not c.implemented]
         if not implemented:
             return fail("no service is implemented yet; nothing to run", EXIT_USAGE_OR_UNREACHABLE)
+        taken = self._taken_port(implemented)
+        if taken is not None:
+            return fail(f"up: {taken}", EXIT_USAGE_OR_UNREACHABLE)
         self.context.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._sticky_key()
         if any(c.name == CERTS for c in implemented):
             self.bootstrap = Bootstrap(
                 self.context.state_dir,
@@ -377,19 +502,23 @@ class Supervisor:
         # The demo backend last: it depends on nothing, and nothing waits for it.
         children.append(Child(DEMO, self._demo_argv(), self.context.demo_port))
         watchers = []
+        not_ready: list[str] = []
         try:
             for child in children:
                 self.children.append(child)
                 await child.start()
                 watchers.append(asyncio.create_task(self._watch(child)))
-                ready = asyncio.create_task(_ready(child.ready_port, self.settings.ready_timeout))
+                watchers.append(asyncio.create_task(self._liveness(child)))
+                ready = asyncio.create_task(_ready(child, self.settings.ready_timeout))
                 stop = asyncio.create_task(self._stopping.wait())
                 await asyncio.wait({ready, stop}, return_when=asyncio.FIRST_COMPLETED)
                 stop.cancel()
                 ready.cancel()
                 if self._stopping.is_set():
                     break
-                if not ready.result():
+                child.ready = ready.result()
+                if not child.ready:
+                    not_ready.append(child.name)
                     log.warning(
                         "%s is not ready after %.0fs; going on",
                         child.name,
@@ -398,7 +527,15 @@ class Supervisor:
                 elif child.name == CERTS and self.bootstrap is not None:
                     await self._client_certificate()
             if not self._stopping.is_set():
-                print("waygate up: all services started; Ctrl-C stops them", flush=True)
+                if not_ready:
+                    print(
+                        "waygate up: started, but NOT ready: "
+                        + ", ".join(not_ready)
+                        + " (see their log lines above); Ctrl-C stops everything",
+                        flush=True,
+                    )
+                else:
+                    print("waygate up: all services started; Ctrl-C stops them", flush=True)
             await self._stopping.wait()
         finally:
             if self._client_renewal is not None:
@@ -408,16 +545,101 @@ class Supervisor:
             for watcher in watchers:
                 watcher.cancel()
             await asyncio.gather(*watchers, return_exceptions=True)
+            for child in self.children:
+                await child.finished()
+        if self._failure is not None:
+            print(f"waygate up: stopped: {self._failure}", file=sys.stderr, flush=True)
+            return EXIT_FAILED
         print("waygate up: stopped", flush=True)
         return 0
+
+    def _ports(self, implemented: list[Component]) -> list[tuple[int, str]]:
+        ports = [
+            (self.context.port(c.name, field), f"{c.name} {label}")
+            for c in implemented
+            for field, label in c.port_labels
+        ]
+        return [*ports, (self.context.demo_port, f"{DEMO} HTTP")]
+
+    def _taken_port(self, implemented: list[Component]) -> str | None:
+        """What is wrong when a port `up` needs is taken (None: all free)."""
+        for port, what in self._ports(implemented):
+            if port_free(HOST, port):
+                continue
+            holders = listeners(port)
+            by = f"by {holders[0]}" if holders else "by another process (not visible here)"
+            hint = "stop it, or run this copy beside it with --port-offset N"
+            offset = self._free_offset(implemented)
+            if offset is not None:
+                hint += f" (--port-offset {offset} is free now)"
+            return f"port {port} ({what}) on {HOST} is already taken {by}; {hint}"
+        return None
+
+    def _free_offset(self, implemented: list[Component]) -> int | None:
+        base = self.context.port_offset
+        defaults = [port - base for port, _ in self._ports(implemented)]
+        for offset in range(base + 100, base + 2001, 100):
+            if max(defaults) + offset > 65535:
+                return None
+            if all(port_free(HOST, port + offset) for port in defaults):
+                return offset
+        return None
+
+    def _sticky_key(self) -> None:
+        """The proxy's sticky-cookie key, kept in the state directory (0600) across
+        runs, so a browser's cookie still picks its endpoint after a restart."""
+        key_file = self.context.sticky_key_file
+        if key_file is not None and not key_file.is_file():
+            write_file_atomically(key_file, secrets.token_hex(32).encode() + b"\n", 0o600)
+
+    async def _liveness(self, child: Child) -> None:
+        """Kill a ready child whose /healthz stops answering (hung, or SIGSTOPped): its
+        watcher then restarts it. A child that exits is the watcher's business."""
+        interval = self.settings.liveness_interval
+        misses = 0
+        while not self._stopping.is_set():
+            await asyncio.sleep(interval)
+            process = child.process
+            if process is None or process.returncode is not None or not child.ready:
+                misses = 0
+                if process is not None and process.returncode is None and not child.ready:
+                    # Restarted (or late): ready again once its /readyz says so.
+                    child.ready = await _http_status(child.ready_port, "/readyz", 1.0) == 200
+                continue
+            if await _http_status(child.ready_port, "/healthz", min(interval, 2.0)) is not None:
+                misses = 0
+                continue
+            misses += 1
+            if misses >= self.settings.liveness_failures:
+                log.error(
+                    "%s did not answer /healthz %d times in a row (hung or stopped); "
+                    "killing it so it restarts",
+                    child.name,
+                    misses,
+                    extra={"pid": process.pid},
+                )
+                child.signal(signal.SIGKILL)
+                misses = 0
 
     async def _watch(self, child: Child) -> None:
         while True:
             code = None if child.process is None else await child.process.wait()
             if self._stopping.is_set():
                 return
+            child.ready = False
             if time.monotonic() - child.started_at > STABLE_AFTER:
                 child.backoff.reset()
+                child.crashes = 0
+            child.crashes += 1
+            if child.crashes > self.settings.max_restarts:
+                await child.finished()
+                self._failure = (
+                    f"{child.name} keeps crashing: it exited {child.crashes} times in a row "
+                    f"(last exit code {code}); its last error: {child.last_error()}"
+                )
+                log.error("%s", self._failure)
+                self._stopping.set()
+                return
             delay = child.backoff.next_delay()
             child.restarts += 1
             log.warning(

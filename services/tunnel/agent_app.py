@@ -210,5 +210,5 @@ def up_arguments(context: UpContext) -> list[str]:
         "--server-address",
         context.address("tunnel-server"),
         "--allow",
-        ",".join((*DEFAULT_ALLOW, f"{context.host}:{context.demo_port}")),
+        ",".join(context.agent_allow or (*DEFAULT_ALLOW, f"{context.host}:{context.demo_port}")),
     ]
