@@ -60,12 +60,14 @@ COMPONENTS: tuple[Component, ...] = (
         ports=(
             ("grpc_port", 7003),
             ("dial_port", 7004),
+            ("data_port", 7005),
             ("front_port", 10263),
             ("admin_port", 9003),
         ),
         port_labels=(
             ("grpc_port", "gRPC waygate.tunnel.v1.AgentTunnel (agents)"),
             ("dial_port", "gRPC waygate.tunnel.v1.Tunnel (dialers)"),
+            ("data_port", "tunnelled connections' data (agents, mTLS)"),
             ("front_port", "HTTPS front: NODE:PORT through the tunnel (mTLS)"),
             ("admin_port", "admin"),
         ),
