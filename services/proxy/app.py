@@ -179,6 +179,12 @@ class Settings(ProcessSettings):
         "keep-alive connection is closed; with none idle, 503)",
         check=positive,
     )
+    max_small_chunks: int = setting(
+        1024,
+        help="chunks a chunked request body may have beyond one per 256 bytes of payload "
+        "(more: 400; tiny chunks cost CPU each)",
+        check=positive,
+    )
     max_informational: int = setting(
         16,
         help="informational (1xx) responses an upstream may send before its final one, per "
@@ -238,6 +244,7 @@ class Settings(ProcessSettings):
         """The data plane's bounds (waygate.proxy.server.Limits) from these settings."""
         return Limits(
             max_connections_per_source=self.max_connections_per_source,
+            max_small_chunks=self.max_small_chunks,
             max_informational=self.max_informational,
             max_informational_bytes=self.max_informational_bytes,
         )

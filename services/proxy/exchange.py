@@ -351,7 +351,7 @@ class Exchange:
         self.target = picked
         self.backend = backend
         if req.chunked:
-            self.body_reader = ChunkedReader()
+            self.body_reader = ChunkedReader(chunk_budget=server.limits.max_small_chunks)
             self.req_complete = False
         elif req.content_length > 0:
             self.body_remaining = req.content_length

@@ -105,3 +105,15 @@ async def test_an_http09_request_line_is_refused_at_once(recorded):
     assert response.startswith(b"HTTP/1.1 400 "), response
     assert b"HTTP/0.9 is not served" in response
     assert upstream.received == b""
+
+
+async def test_a_body_of_one_byte_chunks_is_refused(recorded):
+    upstream, port = recorded
+    body = b"1\r\nx\r\n" * 5000 + b"0\r\n\r\n"
+    response = await exchange(
+        port,
+        b"POST / HTTP/1.1\r\nHost: up.test\r\nTransfer-Encoding: chunked\r\n\r\n" + body,
+    )
+    assert response.startswith(b"HTTP/1.1 400 "), response[:300]
+    assert b"too many small chunks" in response
+    assert upstream.requests == []  # nothing complete reached it
