@@ -22,15 +22,19 @@ import stat
 import sys
 
 import grpc
+from google.protobuf import json_format
 
 from waygate.core.clientcli import (
     EXIT_USAGE_OR_UNREACHABLE,
     ClientSettings,
     add_client_arguments,
+    add_output_argument,
     channel_for,
     fail,
+    render,
     resolve_address,
     run_client,
+    table,
 )
 from waygate.core.errors import WaygateError
 from waygate.tunnel.v1 import tunnel_pb2 as pb
@@ -47,6 +51,7 @@ _TARGET = re.compile(
 
 def _configure_agents(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node", default="", help="only this node")
+    add_output_argument(parser)
     add_client_arguments(parser, DEFAULT_DIAL_PORT)
     parser.set_defaults(func=_agents)
 
@@ -69,11 +74,12 @@ def _agents(args: argparse.Namespace) -> int:
             for a in reply.agents
         ]
         header = ("NODE", "AGENT", "REMOTE", "CONNECTED SINCE", "CONNECTIONS", "DRAINING")
-        print(f"tunnel server {reply.server_id}: {len(rows)} agent(s)")
-        if rows:
-            widths = [max(len(c) for c in column) for column in zip(header, *rows, strict=False)]
-            for row in (header, *rows):
-                print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)).rstrip())
+
+        def text(_wide: bool) -> str:
+            title = f"tunnel server {reply.server_id}: {len(rows)} agent(s)"
+            return f"{title}\n{table(header, rows)}" if rows else title
+
+        print(render(json_format.MessageToDict(reply), args.output, text))
         return 0
 
     return run_client(args, body)

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import os
 import random
+import shlex
 import signal
 import socket
 import sys
@@ -22,10 +23,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.processes import child_env, run_cli
+from tests.support.processes import ROOT, child_env, run_cli
 from waygate.components import DEMO_PORT
 
 pytestmark = pytest.mark.system
+
+
+def readme_client_examples() -> list[list[str]]:
+    """The README's client examples (the `waygate` lines of its marked block)."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("<!-- client-examples:", 1)[1].split("<!-- end client-examples -->")[0]
+    lines = [shlex.split(line, comments=True) for line in block.splitlines()]
+    return [words for words in lines if words and words[0] == "waygate"]
 
 
 def free_offset() -> int:
@@ -139,6 +148,14 @@ async def test_next_to_up_commands_need_no_flags_and_explain_a_broken_route(
         code, text, problem = await run_cli("cert", "status", cwd=below)
         assert code == 0, problem
         assert "active" in text and "spiffe://waygate.local/ns/local/sa/proxy" in text
+
+        # The README's client examples, literally, from the directory `up` runs in.
+        examples = readme_client_examples()
+        assert len(examples) >= 8
+        for words in examples:
+            code, text, problem = await run_cli(*words[1:], cwd=tmp_path)
+            assert code == 0, f"{shlex.join(words)}: {problem or text}"
+        assert (tmp_path / "me" / "cert.pem").is_file()
 
         # A route to nowhere: check fails and says why; the proxy's 503 names it.
         ghost = tmp_path / "ghost.yaml"
