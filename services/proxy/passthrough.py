@@ -75,6 +75,8 @@ def passthrough_table(
         key: dataclasses.replace(
             route,
             tls=None,
+            # A Gateway TLS listener's routes: this listener serves them all.
+            listener_port=0,
             balance=route.balance
             if route.balance != BalancePolicy.DEFAULT
             else BalancePolicy.SOURCE,

@@ -657,9 +657,9 @@ class _Translator:
             return invalid(
                 "BackendNotFound", f"Service {ref.namespace}/{ref.name} has no port {ref.port}"
             )
-        # The port by name, as EndpointSlices name theirs; a single unnamed port: "" (the only one).
-        named = port.name or ("" if len(service.ports) == 1 else str(port.port))
-        return RouteBackend(ref.name, ref.weight, ref.namespace, named), None
+        return RouteBackend(
+            ref.name, ref.weight, ref.namespace, _port_as_sliced(service, port)
+        ), None
 
     def make_routes(
         self,
@@ -773,8 +773,21 @@ class _Translator:
             )
         for host, path in paths:
             backend = path.backend
+            service_port = backend.port
+            service = self.objects.services.get((namespace, backend.service))
+            if service is not None:
+                found = next(
+                    (
+                        p
+                        for p in service.ports
+                        if p.name == service_port or str(p.port) == service_port
+                    ),
+                    None,
+                )
+                if found is not None:
+                    service_port = _port_as_sliced(service, found)
             route_backend = RouteBackend(
-                backend.service, 1, namespace, backend.port, backend.invalid
+                backend.service, 1, namespace, service_port, backend.invalid
             )
             match = RouteMatch(path.path_type, path.path)
             for port, tls in ((80, None), (443, certificates.get(host))):
@@ -825,6 +838,12 @@ class _Translator:
         self.finish_gateways()
         self.ingresses()
         return self.out
+
+
+def _port_as_sliced(service: Service, port: Any) -> str:
+    """A service port as the proxy finds it on endpoints: by name, as EndpointSlices
+    name theirs; a single unnamed port: "" (the only one); else its number."""
+    return str(port.name or ("" if len(service.ports) == 1 else port.port))
 
 
 def _address_type(address: str) -> str:

@@ -144,6 +144,7 @@ class Conformance:
     resolver: RunningService | None = None
     proxy: RunningService | None = None
     port: int = 0
+    https_port: int = 0
     applied: int = 0
 
     async def start(self, *proxy_args: str) -> Conformance:
@@ -169,6 +170,8 @@ class Conformance:
                 str(self.directory),
                 "--routes-poll-interval",
                 "100ms",
+                "--gateway-addresses",
+                "127.0.0.1",
             ]
         )
         self.proxy = await start_service(
@@ -191,6 +194,10 @@ class Conformance:
             e for e in self.proxy.logs if e.get("msg") == "proxy listening" and "http_port" in e
         )
         self.port = int(entry["http_port"])
+        secure = next(
+            e for e in self.proxy.logs if e.get("msg") == "proxy listening" and "https_port" in e
+        )
+        self.https_port = int(secure["https_port"])
         return self
 
     async def stop(self) -> None:
@@ -250,8 +257,18 @@ spec:
         host: str = "example.com",
         method: str = "GET",
         headers: dict[str, str] | None = None,
+        tls: bool = False,
     ) -> Response:
-        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+        """One request; `tls`: to the HTTPS port with SNI `host` (certificate not checked)."""
+        if tls:
+            reader, writer = await asyncio.open_connection(
+                "127.0.0.1",
+                self.https_port,
+                ssl=tls_client_context(),
+                server_hostname=host.split(":")[0],
+            )
+        else:
+            reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
         try:
             lines = [f"{method} {path} HTTP/1.1", f"Host: {host}"]
             lines += [f"{k}: {v}" for k, v in (headers or {}).items()]

@@ -261,7 +261,8 @@ spec:
     assert routes[("web.example.com", "/exact", 80)].matches[0].path_type is PathMatchType.EXACT
     secure = routes[("web.example.com", "/api", 443)]
     assert secure.tls is not None and secure.tls.certificate == cert
-    assert routes[("", "/", 80)].backends[0].port == "80"
+    # Port 80 of the service, by the name its EndpointSlices use.
+    assert routes[("", "/", 80)].backends[0].port == "http"
     assert status_of(content, "Ingress", "web") == {
         "loadBalancer": {"ingress": [{"ip": "192.0.2.7"}]}
     }
