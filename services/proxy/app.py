@@ -185,6 +185,29 @@ class Settings(ProcessSettings):
         "(more: 400; tiny chunks cost CPU each)",
         check=positive,
     )
+    max_connections_per_endpoint: int = setting(
+        1024,
+        help="HTTP/1.1 connections to one endpoint at once, busy and idle (0: no bound)",
+        check=lambda v: None if v >= 0 else f"must be 0 or more, not {v}",
+    )
+    endpoint_queue: int = setting(
+        1024,
+        help="requests that may wait for a connection to an endpoint at its bound (more: 503; "
+        "a wait ends at the server timeout)",
+        check=lambda v: None if v >= 0 else f"must be 0 or more, not {v}",
+    )
+    min_request_body_rate: int = setting(
+        1024,
+        help="bytes/s a request body must average while the upstream takes it, checked "
+        "after --request-body-grace (slower: 408); 0: no minimum",
+        check=lambda v: None if v >= 0 else f"must be 0 or more, not {v}",
+    )
+    request_body_grace: float = setting(
+        10.0,
+        help="time a request body has before the minimum rate applies",
+        parse=parse_duration,
+        check=positive,
+    )
     max_informational: int = setting(
         16,
         help="informational (1xx) responses an upstream may send before its final one, per "
@@ -245,6 +268,10 @@ class Settings(ProcessSettings):
         return Limits(
             max_connections_per_source=self.max_connections_per_source,
             max_small_chunks=self.max_small_chunks,
+            max_connections_per_endpoint=self.max_connections_per_endpoint,
+            endpoint_queue=self.endpoint_queue,
+            min_request_body_rate=self.min_request_body_rate,
+            request_body_grace=self.request_body_grace,
             max_informational=self.max_informational,
             max_informational_bytes=self.max_informational_bytes,
         )

@@ -187,9 +187,13 @@ class Exchange:
 
     __slots__ = (
         "backend",
+        "body_rate_base",
+        "body_rate_from",
         "body_reader",
+        "body_received",
         "body_remaining",
         "connect_task",
+        "connecting",
         "cookie",
         "counted",
         "down",
@@ -205,6 +209,7 @@ class Exchange:
         "path",
         "pending_body",
         "pending_size",
+        "queued",
         "reader",  # the response's chunked framing (None: not chunked)
         "remaining",  # response body bytes still due (FRAMING_LENGTH)
         "req",
@@ -218,6 +223,7 @@ class Exchange:
         "status",
         "target",
         "upstream",
+        "upstream_blocked",
         "upstream_head",
         "upstream_traceparent",
     )
@@ -235,8 +241,20 @@ class Exchange:
         self.counted = False
         self.upstream: UpstreamConnection | None = None
         self.connect_task: asyncio.Task[None] | None = None
+        # The endpoint a connect is under way to (its reservation in the pool's bound).
+        self.connecting: Target | None = None
+        # Waiting in the pool's queue for room at its endpoint (see Pool.wait).
+        self.queued = False
         self.body_remaining = 0
         self.body_reader: ChunkedReader | None = None
+        # The minimum request-body rate (Limits.min_request_body_rate) is measured
+        # from `body_rate_from`, when `body_rate_base` bytes had come, over the
+        # time an upstream takes the body (not while it is connecting, queued or
+        # not reading: then the client is paused by us, not slow).
+        self.body_received = 0
+        self.body_rate_from = 0.0
+        self.body_rate_base = 0
+        self.upstream_blocked = False
         self.req_complete = True
         self.pending_body: list[bytes] = []
         self.pending_size = 0
@@ -350,6 +368,8 @@ class Exchange:
         self.retried = False
         self.target = picked
         self.backend = backend
+        if self.body_received:
+            self.body_received = 0
         if req.chunked:
             self.body_reader = ChunkedReader(chunk_budget=server.limits.max_small_chunks)
             self.req_complete = False
@@ -436,12 +456,30 @@ class Exchange:
         if upstream is not None:
             server.metrics.pool_reused += 1
             self._attach(upstream, reused=True)
-        else:
+            return
+        pool = server.pool
+        if pool.reserve(target):
             self.connect_task = self.loop.create_task(self._connect(target))
+        elif pool.wait(target, self):
+            self.queued = True  # Pool.wake calls endpoint_free
+        else:
+            self.fail(
+                503,
+                f"endpoint {target.address}:{target.port} is at its limit of "
+                f"{pool.max_per_endpoint} connections and {pool.max_queue} requests wait for it",
+                "endpoint_limit",
+            )
+
+    def endpoint_free(self) -> None:
+        """Called by the pool: room (or an idle connection) for this queued request."""
+        self.queued = False
+        if self.req is not None and self.upstream is None and self.connect_task is None:
+            self.dispatch()
 
     def request_body(self, data: bytes) -> bytes:
         """Forward request body bytes; returns what follows the body (next request)."""
         self.last_client = self.loop.time()
+        self.body_received += len(data)
         reader = self.body_reader
         rest = b""
         if reader is None:
@@ -495,6 +533,15 @@ class Exchange:
     # ------------------------------------------------------------ upstream side
 
     async def _connect(self, target: Target) -> None:
+        """Open a connection to `target` (reserved in the pool's per-endpoint bound by
+        the caller; the reservation ends here, the open connection counts itself)."""
+        self.connecting = target
+        try:
+            await self._open(target)
+        finally:
+            self.server.pool.unreserve(self.connecting)
+
+    async def _open(self, target: Target) -> None:
         server = self.server
         entry = self.entry
         assert entry is not None
@@ -520,7 +567,9 @@ class Exchange:
                         server.metrics.redispatches += 1
                         self._release_pick()
                         self._set_pick(again, backend)
-                        target = again
+                        server.pool.unreserve(target)
+                        server.pool.reserve(again, force=True)
+                        self.connecting = target = again
                         continue
                 self.connect_task = None
                 self.fail(502, exc.reason, "connect_" + exc.kind)
@@ -565,6 +614,8 @@ class Exchange:
     def _attach(self, upstream: UpstreamConnection, *, reused: bool) -> None:
         self.upstream = upstream
         sent_at = self.started if reused else self.loop.time()
+        if not self.req_complete:
+            self._restart_body_rate(sent_at)
         if self.pending_body:
             upstream.begin(self, reused, sent_at, [self.upstream_head, *self.pending_body])
             self.pending_body = []
@@ -577,6 +628,10 @@ class Exchange:
 
     def abandon_upstream(self) -> None:
         """Let go of the upstream (aborted: its exchange did not end cleanly) and any connect."""
+        if self.queued:
+            self.queued = False
+            if self.target is not None:
+                self.server.pool.cancel_wait(self.target, self)
         upstream = self.upstream
         self.upstream = None
         if upstream is not None:
@@ -587,9 +642,18 @@ class Exchange:
 
     # ------------------------------------------------------------ upstream callbacks
 
+    def _restart_body_rate(self, now: float) -> None:
+        self.upstream_blocked = False
+        self.body_rate_from = now
+        self.body_rate_base = self.body_received
+
     def upstream_paused(self, paused: bool) -> None:
         """The upstream's write buffer is full (True) or took its bytes (False)."""
-        self.last_client = self.loop.time()
+        self.last_client = now = self.loop.time()
+        if paused:
+            self.upstream_blocked = True
+        else:
+            self._restart_body_rate(now)
         if paused:
             self.down.pause_reading(flow.PEER)
         else:
@@ -917,6 +981,10 @@ class Exchange:
 
     def close(self, reason: str = "client connection lost") -> None:
         """The driver went away: release the upstream, the connect, the pick, the span."""
+        if self.queued:
+            self.queued = False
+            if self.target is not None:
+                self.server.pool.cancel_wait(self.target, self)
         if self.connect_task is not None:
             self.connect_task.cancel()
             self.connect_task = None
@@ -948,7 +1016,16 @@ class Exchange:
         last_up = self.last_up
         up_idle = now - (last_up if last_up > last_client else last_client)
         if up_idle >= options.server_timeout:
-            if self.response_started:
+            if self.queued:
+                target = self.target
+                assert target is not None
+                self.fail(
+                    503,
+                    f"no connection to endpoint {target.address}:{target.port} (at its limit "
+                    f"of {self.server.pool.max_per_endpoint}) within {options.server_timeout:g}s",
+                    "endpoint_limit",
+                )
+            elif self.response_started:
                 self.upstream_failed(504, "", "server_timeout")
             else:
                 self.fail(
@@ -971,6 +1048,24 @@ class Exchange:
                     )
                 return -1.0
             wait = min(wait, options.client_timeout - client_idle)
+            limits = self.server.limits
+            rate = limits.min_request_body_rate
+            if rate and self.upstream is not None and not self.upstream_blocked:
+                # A body that trickles (1 byte every few seconds never trips the
+                # client timeout) would hold an upstream connection slot for hours.
+                elapsed = now - self.body_rate_from
+                grace = limits.request_body_grace
+                if elapsed >= grace:
+                    if self.body_received - self.body_rate_base < rate * elapsed:
+                        reason = f"request body slower than {rate} bytes/s"
+                        if self.response_started:
+                            self.upstream_failed(408, reason, "slow_body")
+                        else:
+                            self.fail(408, reason, "slow_body")
+                        return -1.0
+                    wait = min(wait, 1.0)
+                else:
+                    wait = min(wait, grace - elapsed)
         return wait
 
     # ------------------------------------------------------------ records

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import deque
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +53,7 @@ class UpstreamConnection(asyncio.Protocol):
     __slots__ = (
         "buf",
         "closed",
+        "counted",
         "exchange",
         "got_bytes",
         "idle_since",
@@ -74,6 +76,8 @@ class UpstreamConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.exchange: Exchange | None = None
         self.idle_since = 0.0
+        # Whether it is counted in the pool's per-endpoint bound (Pool.reserve).
+        self.counted = False
         self.buf = b""
         self.response: ResponseHead | None = None
         self.reused = False
@@ -87,6 +91,7 @@ class UpstreamConnection(asyncio.Protocol):
         transport.set_write_buffer_limits(high=flow.HIGH_WATER, low=flow.LOW_WATER)
         self.server.upstreams.add(self)
         self.server.metrics.upstream_connections = len(self.server.upstreams)
+        self.counted = self.server.pool.reserve(self.target, force=True)
 
     # ------------------------------------------------------------ the Exchange's calls
 
@@ -233,6 +238,9 @@ class UpstreamConnection(asyncio.Protocol):
         server.metrics.upstream_connections = len(server.upstreams)
         exchange = self.exchange
         self.exchange = None
+        if self.counted:
+            self.counted = False
+            server.pool.unreserve(self.target)
         if exchange is None:
             server.pool.discard(self)
             return
@@ -256,13 +264,79 @@ class Pool:
         max_idle: int,
         idle_timeout: float,
         clock: Callable[[], float],
+        max_per_endpoint: int = 0,
+        max_queue: int = 0,
     ) -> None:
         self.max_idle = max_idle
         self.idle_timeout = idle_timeout
         self._clock = clock
+        # Connections open or being opened per endpoint, busy and idle, bounded by
+        # `max_per_endpoint` (0: unbounded, nothing counted); exchanges that find
+        # their endpoint at the bound wait in a FIFO of at most `max_queue`.
+        self.max_per_endpoint = max_per_endpoint
+        self.max_queue = max_queue
+        self.opened: dict[Target, int] = {}
+        self.waiting: dict[Target, deque[Any]] = {}
         # Idle connections per pool key: the endpoint (Target), or (Target, scope)
         # for reencrypt connections (UpstreamConnection.pool_key).
         self._idle: dict[Hashable, list[UpstreamConnection]] = {}
+
+    # ------------------------------------------------------------ per-endpoint bound
+
+    def reserve(self, target: Target, *, force: bool = False) -> bool:
+        """Count a connection about to be opened to `target` (or, `force`, one that
+        opened: connections count themselves from connection_made to
+        connection_lost); False when the endpoint is at its bound. Unbounded:
+        True for a connect, False (nothing counted) for `force`."""
+        if not self.max_per_endpoint:
+            return not force
+        count = self.opened.get(target, 0)
+        if count >= self.max_per_endpoint and not force:
+            return False
+        self.opened[target] = count + 1
+        return True
+
+    def unreserve(self, target: Target) -> None:
+        """A counted connection closed (or its connect failed): room for a waiter."""
+        if not self.max_per_endpoint:
+            return
+        count = self.opened.get(target, 0) - 1
+        if count > 0:
+            self.opened[target] = count
+        else:
+            self.opened.pop(target, None)
+        if count < self.max_per_endpoint:
+            self.wake(target)
+
+    def wait(self, target: Target, exchange: Any) -> bool:
+        """Queue `exchange` for a connection to `target`; False when the queue is full."""
+        queue = self.waiting.get(target)
+        if queue is None:
+            queue = self.waiting[target] = deque()
+        if len(queue) >= self.max_queue:
+            return False
+        queue.append(exchange)
+        return True
+
+    def cancel_wait(self, target: Target, exchange: Any) -> None:
+        queue = self.waiting.get(target)
+        if queue is not None:
+            with contextlib.suppress(ValueError):
+                queue.remove(exchange)
+            if not queue:
+                del self.waiting[target]
+
+    def wake(self, target: Target) -> None:
+        """An idle connection or room for one appeared: the first waiter goes on."""
+        queue = self.waiting.get(target)
+        if not queue:
+            return
+        exchange = queue.popleft()
+        if not queue:
+            del self.waiting[target]
+        exchange.endpoint_free()
+
+    # ------------------------------------------------------------ idle connections
 
     def take(
         self, key: Hashable, *, idle_at_most: float | None = None
@@ -296,6 +370,8 @@ class Pool:
             return False
         connection.idle_since = now or self._clock()
         idle.append(connection)
+        if self.waiting:
+            self.wake(connection.target)
         return True
 
     def discard(self, connection: UpstreamConnection) -> None:

@@ -82,6 +82,17 @@ class Limits(NamedTuple):
     # Chunks a chunked request body may have beyond one per 256 bytes of payload
     # (more: 400): 1-byte chunks cost the proxy microseconds each.
     max_small_chunks: int = 1024
+    # Connections to one endpoint at once (busy and idle; 0: unbounded), and the
+    # requests that may wait for one (more: 503): slow clients cannot take every
+    # connection a backend accepts.
+    max_connections_per_endpoint: int = 1024
+    endpoint_queue: int = 1024
+    # A request body must average at least this many bytes/s (0: no minimum),
+    # measured after `request_body_grace` seconds while the upstream takes it
+    # (408 otherwise): a body trickled at 1 byte / 5 s never trips the client
+    # timeout but holds an upstream connection.
+    min_request_body_rate: int = 1024
+    request_body_grace: float = 10.0
 
 
 DEFAULT_LIMITS = Limits()
@@ -120,7 +131,11 @@ class ProxyServer:
         self.health = PassiveHealth(self.loop.time)
         self.health.on_change = self._health_changed
         self.pool = Pool(
-            max_idle=max_idle_per_endpoint, idle_timeout=pool_idle_timeout, clock=self.loop.time
+            max_idle=max_idle_per_endpoint,
+            idle_timeout=pool_idle_timeout,
+            clock=self.loop.time,
+            max_per_endpoint=limits.max_connections_per_endpoint,
+            max_queue=limits.endpoint_queue,
         )
         self.connections: set[ClientConnection] = set()
         # Client connections per source address (the per-source cap, eviction).
@@ -583,7 +598,12 @@ class ClientConnection(asyncio.Protocol):
             return not self.closed
         # The exchange's deadline (see _arm), armed without a second clock read.
         server = self.server
-        self._deadline = deadline = now + exchange.entry.options.server_timeout  # type: ignore[union-attr]
+        options = exchange.entry.options  # type: ignore[union-attr]
+        delay = options.server_timeout
+        if not exchange.req_complete:
+            # A body to come: its stall and rate checks are due earlier.
+            delay = min(delay, options.client_timeout, server.limits.request_body_grace)
+        self._deadline = deadline = now + delay
         self._timer_kind = _T_EXCHANGE
         if deadline <= server.soon_until:
             server.soon.append(self)

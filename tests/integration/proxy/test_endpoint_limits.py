@@ -1,0 +1,92 @@
+"""Slow clients cannot take every connection a backend accepts (issue 18 item 6): 300
+clients trickling a body at 1 byte / 5 s held the demo backend's 256 connections and
+794 of 800 other requests got 502. Now a request body must keep a minimum average rate
+(408 otherwise), and connections per endpoint are bounded with a bounded queue in
+front (503 past it). Real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.integration.proxy.harness import (
+    RecordingUpstream,
+    endpoint,
+    exchange,
+    read_response,
+    route,
+    running_proxy,
+    table,
+)
+from tests.support.poll import until
+from waygate.proxy.server import Limits
+
+H = b"Host: echo.test\r\n"
+
+
+@pytest.fixture
+async def upstream():
+    server = await RecordingUpstream().start()
+    yield server
+    await server.stop()
+
+
+def routes(upstream):  # type: ignore[no-untyped-def]
+    return table([route("echo.test", [("echo", 1)])], [endpoint("echo", upstream.port)])
+
+
+async def test_a_trickled_request_body_is_cut_with_408(upstream):
+    limits = Limits(min_request_body_rate=100, request_body_grace=0.5)
+    async with running_proxy(routes(upstream), limits=limits) as (server, port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /upload HTTP/1.1\r\n" + H + b"Content-Length: 1000\r\n\r\n")
+
+        async def trickle() -> None:
+            for _ in range(100):
+                writer.write(b"x")
+                await asyncio.sleep(0.2)
+
+        trickler = asyncio.ensure_future(trickle())
+        try:
+            response = await read_response(reader, timeout=10)
+        finally:
+            trickler.cancel()
+            writer.close()
+        assert response.startswith(b"HTTP/1.1 408 "), response
+        assert b"request body slower than 100 bytes/s" in response
+        # The upstream connection it held is let go.
+        await until(lambda: not server.upstreams, "the upstream connection to close")
+
+
+async def test_a_steady_body_above_the_rate_goes_through(upstream):
+    limits = Limits(min_request_body_rate=100, request_body_grace=0.3)
+    async with running_proxy(routes(upstream), limits=limits) as (_, port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /upload HTTP/1.1\r\n" + H + b"Content-Length: 800\r\n\r\n")
+        for _ in range(8):  # 100 bytes every 0.1 s: 1000 bytes/s
+            writer.write(b"y" * 100)
+            await asyncio.sleep(0.1)
+        response = await read_response(reader, timeout=10)
+        writer.close()
+    assert response.startswith(b"HTTP/1.1 200 "), response
+
+
+async def test_connections_per_endpoint_are_bounded_with_a_bounded_queue(upstream):
+    limits = Limits(max_connections_per_endpoint=2, endpoint_queue=1)
+    async with running_proxy(routes(upstream), limits=limits) as (server, port):
+        slow = [
+            asyncio.ensure_future(exchange(port, b"GET /slow?s=1 HTTP/1.1\r\n" + H + b"\r\n"))
+            for _ in range(2)
+        ]
+        await until(lambda: upstream.connections == 2, "two upstream connections")
+        queued = asyncio.ensure_future(exchange(port, b"GET /q HTTP/1.1\r\n" + H + b"\r\n"))
+        await until(lambda: server.pool.waiting, "a request waiting for the endpoint")
+        refused = await exchange(port, b"GET /r HTTP/1.1\r\n" + H + b"\r\n")
+        assert refused.startswith(b"HTTP/1.1 503 "), refused
+        assert b"is at its limit of 2 connections and 1 requests wait for it" in refused
+        for response in await asyncio.gather(*slow, queued):
+            assert response.startswith(b"HTTP/1.1 200 "), response
+        # Never more than two connections to the endpoint: the queued one reused one.
+        assert upstream.connections <= 2
+        assert not server.pool.waiting
