@@ -96,7 +96,15 @@ class LeaderElector:
         timing: LeaseTiming = LeaseTiming(),
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        component: str = "certs",
+        leader_gauge: Gauge = LEADER,
+        transitions: Counter = TRANSITIONS,
     ) -> None:
+        # Other services elect a leader the same way (the resolver's Route status
+        # writer) and name their own metrics and log lines.
+        self._component = component
+        self._gauge = leader_gauge
+        self._transitions = transitions
         problem = timing.problem()
         if problem:
             raise ValueError(problem)
@@ -182,15 +190,20 @@ class LeaderElector:
         if leading == self._leading:
             return
         self._leading = leading
-        LEADER.set(1 if leading else 0)
-        TRANSITIONS.labels("started" if leading else "stopped").inc()
+        self._gauge.set(1 if leading else 0)
+        self._transitions.labels("started" if leading else "stopped").inc()
         if leading:
-            log.info("this certs replica leads", extra={"lease": self._path, "id": self.identity})
+            log.info(
+                "this %s replica leads",
+                self._component,
+                extra={"lease": self._path, "id": self.identity},
+            )
         else:
             with self._lock:
                 self._renewed_at = None
             log.warning(
-                "this certs replica stopped leading",
+                "this %s replica stopped leading",
+                self._component,
                 extra={"lease": self._path, "id": self.identity},
             )
         if self._changed is not None:

@@ -13,7 +13,7 @@ import dataclasses
 import gc
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from waygate.core.files import write_file_atomically
 from waygate.core.grpcclient import CLIENT_RECEIVE_BYTES
@@ -136,6 +136,11 @@ class Settings(GrpcServerSettings):
         "",
         help="nodes (comma-separated) whose endpoints are reachable only through a tunnel",
     )
+    status_lease: str = setting(
+        "",
+        help="NS/NAME of the coordination.k8s.io Lease that elects the replica writing "
+        "Route objects' status (their conditions) with --kubernetes; empty: not written",
+    )
 
     def validate(self) -> str | None:
         problem = super().validate()
@@ -146,6 +151,8 @@ class Settings(GrpcServerSettings):
                 "invalid setting routes_file: with --kubernetes, services and routes come "
                 "from the cluster; give one source, not both"
             )
+        if self.status_lease and (not self.kubernetes or "/" not in self.status_lease):
+            return "invalid setting status_lease: NS/NAME, and only with --kubernetes"
         if not self.kubernetes and (self.kubeconfig or self.kube_namespace or self.kube_edge_nodes):
             return "invalid setting kubeconfig/kube_*: these need --kubernetes"
         if self.kubernetes and self.manifests is not None:
@@ -297,6 +304,8 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     process.on_drain(end_streams)
     if kube_source is not None:
         process.spawn(kube_source.run(), "kubernetes-source")
+        if settings.status_lease:
+            _spawn_status_writer(process, settings, store)
     process.spawn(become_ready(), "become-ready")
 
 
@@ -330,3 +339,43 @@ def up_arguments(context: UpContext) -> list[str]:
         "--route-readers",
         spiffe_id("proxy"),
     ]
+
+
+def _spawn_status_writer(process: ServiceProcess, settings: Settings, store: Store) -> None:
+    """The Route status writer and the Lease electing the one replica that runs it."""
+    import kubernetes.client as k8s
+    from prometheus_client import Counter, Gauge
+
+    from waygate.certs.leader import LeaderElector, default_identity
+    from waygate.core.kube import KubeAPI
+    from waygate.resolver.kube import SOURCE, kube_configuration
+    from waygate.resolver.kube_status import RouteStatusWriter
+
+    namespace, _, name = settings.status_lease.partition("/")
+    api = KubeAPI(k8s.ApiClient(kube_configuration(settings.kubeconfig, settings.kube_context)))
+    elector = LeaderElector(
+        api,
+        namespace,
+        name,
+        identity=default_identity(),
+        component="resolver",
+        leader_gauge=Gauge(
+            "waygate_resolver_leader", "1 while this resolver replica writes Route status."
+        ),
+        transitions=Counter(
+            "waygate_resolver_leader_transitions_total",
+            "Times this resolver replica started or stopped writing Route status.",
+            ["change"],
+        ),
+    )
+    writer = RouteStatusWriter(store, api, source=SOURCE, is_leader=elector.is_leader)
+    process.spawn(elector.run(), "route-status-election")
+    process.spawn(writer.run(), "route-status-writer")
+    process.on_stop(_closing(api))
+
+
+def _closing(api: Any) -> Any:
+    async def close() -> None:
+        api.close()
+
+    return close
