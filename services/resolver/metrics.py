@@ -39,6 +39,7 @@ class RouteEndpoints(Collector):
         self.store: Store | None = None
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
+        # Also each route's conditions (one family each; both from one pass).
         family = GaugeMetricFamily(
             "waygate_resolver_route_ready_endpoints",
             "Ready endpoints of the services a route sends traffic to (weight above 0).",
@@ -48,6 +49,12 @@ class RouteEndpoints(Collector):
         if store is None:
             yield family
             return
+        conditions = GaugeMetricFamily(
+            "waygate_resolver_route_condition",
+            "1 for each condition a route has now (waygate.resolver.status): its type, "
+            "status and reason, e.g. ResolvedRefs False ServiceNotFound.",
+            labels=["route", "type", "status", "reason"],
+        )
         for route in store.routes():
             ready = sum(
                 endpoint.ready
@@ -55,8 +62,14 @@ class RouteEndpoints(Collector):
                 if backend.weight > 0
                 for endpoint in store.endpoints_of(route.namespace, backend.service)
             )
-            family.add_metric([f"{route.namespace}/{route.name}"], ready)
+            name = f"{route.namespace}/{route.name}"
+            family.add_metric([name], ready)
+            for condition in route.status.conditions if route.status is not None else ():
+                conditions.add_metric(
+                    [name, condition.type, condition.status, condition.reason], 1.0
+                )
         yield family
+        yield conditions
 
 
 ROUTE_ENDPOINTS = RouteEndpoints()

@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.support.processes import RunningService, resolver_serve_argv, run_cli, start_service
+from tests.support.processes import (
+    RunningService,
+    http_get,
+    resolver_serve_argv,
+    run_cli,
+    start_service,
+)
 from waygate.resolver.filesource import EXAMPLE_ROUTES
 
 pytestmark = pytest.mark.system
@@ -89,6 +95,12 @@ async def test_apply_get_delete_and_the_status_of_a_route_to_nowhere(
         "route mine/ghost applied; ServiceNotFound: service mine/doesnotexist not found",
         "route demo/api2 applied",
     ]
+    status, metrics = await http_get(service.admin_port, "/metrics")
+    assert status == 200
+    assert (
+        'waygate_resolver_route_condition{reason="ServiceNotFound",route="mine/ghost",'
+        'status="False",type="ResolvedRefs"} 1.0'
+    ) in metrics
     code, out, err = await run_cli(*cli(service, "routes", "get", "mine/ghost"))
     assert code == 0, err
     assert "ServiceNotFound" in out
