@@ -113,7 +113,7 @@ def spiffe_id(name: str) -> str:
 # The proxy's default certificate serves the example routes' TLS hosts on HTTPS
 # (by name: certs' policy never issues a wildcard certificate, even to a token
 # allowed every name under it).
-EXAMPLE_TLS_HOSTS = ("echo-tls.localtest.me", "hello-tls.localtest.me")
+EXAMPLE_TLS_HOSTS = ("echo-tls.localtest.me", "hello-tls.localtest.me", "resolver.localtest.me")
 
 
 def process_sans(name: str) -> tuple[str, ...]:

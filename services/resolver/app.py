@@ -318,7 +318,7 @@ def up_arguments(context: UpContext) -> list[str]:
     client certificate `up` makes) may change routes, and only the proxy
     receives route private keys.
     """
-    from waygate.components import DEMO_PORT, USER, spiffe_id
+    from waygate.components import COMPONENTS, DEMO_PORT, USER, spiffe_id
 
     routes = context.state_dir / "routes.yaml"
     if not routes.exists():
@@ -326,6 +326,11 @@ def up_arguments(context: UpContext) -> list[str]:
         # The demo backend moves with --port-offset; so do the example's endpoints on it.
         example = EXAMPLE_ROUTES.read_text().replace(
             f"targetPort: {DEMO_PORT}", f"targetPort: {context.demo_port}"
+        )
+        # So does the resolver's own gRPC port (the waygate/resolver-* routes).
+        resolver = next(c for c in COMPONENTS if c.name == "resolver").port("grpc_port")
+        example = example.replace(
+            f"targetPort: {resolver}", f"targetPort: {context.port('resolver', 'grpc_port')}"
         )
         # 0600 from the start: ApplyRoute writes route TLS private keys into it.
         write_file_atomically(routes, example.encode(), FILE_MODE)
