@@ -128,7 +128,8 @@ class Stack:
                 "certs", "certs-admin", "resolver", "resolver-admin", "proxy-http",
                 "proxy-https", "proxy-admin", "agents-lb", "agent-1-admin", "agent-2-admin",
                 "backend-t",
-                *(f"{r}-{p}" for r in ("ts-a", "ts-b") for p in ("grpc", "dial", "front", "admin")),
+                *(f"{r}-{p}" for r in ("ts-a", "ts-b")
+                  for p in ("grpc", "dial", "front", "data", "admin")),
         ):  # fmt: skip
             port = free_port()
             while port in self.ports.values():
@@ -246,7 +247,7 @@ class Stack:
                 replica,
                 [*waygate, "tunnel", "serve", *common,
                  "--grpc-port", str(p[f"{replica}-grpc"]), "--dial-port", str(p[f"{replica}-dial"]),
-                 "--front-port", str(p[f"{replica}-front"]),
+                 "--front-port", str(p[f"{replica}-front"]), "--data-port", str(p[f"{replica}-data"]),
                  "--admin-port", str(p[f"{replica}-admin"]), "--server-id", replica,
                  "--replicas", other, "--advertise-address", f"127.0.0.1:{p[f'{replica}-dial']}",
                  "--resolver-address", f"127.0.0.1:{p['resolver']}",

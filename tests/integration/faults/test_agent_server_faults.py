@@ -51,6 +51,9 @@ class Faulty:
             node=NODE,
             server_address=self.relay.address,
             credentials=lambda: credentials(self.tunnel.agent_files),
+            # Everything on the stream (through the relay / the fuzzed stream); the
+            # data connections of the new data path are not under test here.
+            data_connections=False,
             allow=AllowList(self.tunnel.allow, own=()),
             backoff=Backoff(initial=0.05, maximum=0.5),
         )
