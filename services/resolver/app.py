@@ -210,13 +210,16 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     kube_source = None
     if settings.kubernetes:
         # Imported only in Kubernetes mode: the client library is heavy to load.
+        from waygate.resolver.gateway.kube import GatewayObjects
         from waygate.resolver.kube import KubernetesSource, kube_configuration, parse_node_list
 
+        configuration = kube_configuration(settings.kubeconfig, settings.kube_context)
         kube_source = KubernetesSource(
             store,
-            kube_configuration(settings.kubeconfig, settings.kube_context),
+            configuration,
             namespace=settings.kube_namespace or None,
             edge_nodes=parse_node_list(settings.kube_edge_nodes),
+            gateway=GatewayObjects(store, board, addresses=settings.gateway_addresses),
         )
     metrics.observe(store, file_source)
     access = WriteAccess(
@@ -305,7 +308,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     if kube_source is not None:
         process.spawn(kube_source.run(), "kubernetes-source")
         if settings.status_lease:
-            _spawn_status_writer(process, settings, store)
+            _spawn_status_writer(process, settings, store, board)
     process.spawn(become_ready(), "become-ready")
 
 
@@ -346,8 +349,11 @@ def up_arguments(context: UpContext) -> list[str]:
     ]
 
 
-def _spawn_status_writer(process: ServiceProcess, settings: Settings, store: Store) -> None:
-    """The Route status writer and the Lease electing the one replica that runs it."""
+def _spawn_status_writer(
+    process: ServiceProcess, settings: Settings, store: Store, board: StatusBoard
+) -> None:
+    """The Route and Gateway API status writers and the Lease electing the one replica
+    that runs them."""
     import kubernetes.client as k8s
     from prometheus_client import Counter, Gauge
 
@@ -376,6 +382,10 @@ def _spawn_status_writer(process: ServiceProcess, settings: Settings, store: Sto
     writer = RouteStatusWriter(store, api, source=SOURCE, is_leader=elector.is_leader)
     process.spawn(elector.run(), "route-status-election")
     process.spawn(writer.run(), "route-status-writer")
+    from waygate.resolver.gateway.kube import StatusWriter
+
+    gateway_writer = StatusWriter(api, board, is_leader=elector.is_leader)
+    process.spawn(gateway_writer.run(), "gateway-status-writer")
     process.on_stop(_closing(api))
 
 

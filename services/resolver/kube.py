@@ -1,5 +1,7 @@
 """The Kubernetes source: Services, EndpointSlices and Route custom resources,
-by list + watch, into the resolver's store.
+by list + watch, into the resolver's store; with `gateway`, also the Gateway
+API and Ingress kinds (`waygate.resolver.gateway.kube`), through the same
+reflector, each kind optional (a missing CRD is "none").
 
 Each of the three kinds runs one loop:
     list -> replace_source (the kind becomes exactly what the API holds now)
@@ -59,6 +61,8 @@ from waygate.core.errors import FailedPrecondition, InvalidArgument
 from waygate.core.kube import KubeAPI, Reflector, load_configuration
 from waygate.core.settings import SettingsError
 from waygate.resolver import kube_convert as convert
+from waygate.resolver.gateway import kube as gateway_kube
+from waygate.resolver.gateway.kube import GatewayObjects
 from waygate.resolver.model import Endpoint
 from waygate.resolver.store import Store
 
@@ -110,17 +114,50 @@ class _Handler:
 class _Services(_Handler):
     name = "services"
 
+    def __init__(self, store: Store, gateway: GatewayObjects | None = None) -> None:
+        super().__init__(store)
+        # Gateway API references resolve against services: translate again on a change.
+        self._gateway = gateway
+
     def path(self, namespace: str | None) -> str:
         return _collection("/api/v1", "services", namespace)
 
     def relist(self, items: list[JSON]) -> None:
         self.store.replace_source(SOURCE, services=_valid(convert.service_from, items))
+        if self._gateway is not None:
+            self._gateway.changed()
 
     def apply(self, event_type: str, obj: JSON) -> None:
         _upsert_or_delete(
             event_type, obj, "Service", convert.service_from,
             self.store.upsert_service, self.store.delete_service,
         )  # fmt: skip
+        if self._gateway is not None:
+            self._gateway.changed()
+
+
+class _GatewayKind(_Handler):
+    """One Gateway API / Ingress kind (or Namespaces, TLS Secrets) into `GatewayObjects`."""
+
+    optional = True
+
+    def __init__(self, store: Store, gateway: GatewayObjects, kind: str) -> None:
+        super().__init__(store)
+        self.gateway = gateway
+        self.kind = kind
+        self.name = gateway_kube.KINDS[kind][1]
+
+    def path(self, namespace: str | None) -> str:
+        return gateway_kube.collection(self.kind, namespace)
+
+    def relist(self, items: list[JSON]) -> None:
+        self.gateway.replace(self.kind, items)
+
+    def apply(self, event_type: str, obj: JSON) -> None:
+        if event_type == "DELETED":
+            self.gateway.delete(self.kind, obj)
+        else:
+            self.gateway.put(self.kind, obj)
 
 
 def _upsert_or_delete(
@@ -262,6 +299,7 @@ class KubernetesSource:
         *,
         namespace: str | None = None,
         edge_nodes: Iterable[str] = (),
+        gateway: GatewayObjects | None = None,
         timeouts: Timeouts = Timeouts(),
         backoff_initial: float = 0.5,
         backoff_maximum: float = 30.0,
@@ -274,10 +312,12 @@ class KubernetesSource:
         self._rng = rng or random.Random()
         self._backoff = (backoff_initial, backoff_maximum)
         self._handlers: list[_Handler] = [
-            _Services(store),
+            _Services(store, gateway),
             _EndpointSlices(store, frozenset(edge_nodes)),
             _Routes(store),
         ]
+        if gateway is not None:
+            self._handlers += [_GatewayKind(store, gateway, kind) for kind in gateway_kube.KINDS]
         self._listed: set[str] = set()
         #: When each kind last proved its view current (list, bookmark or event).
         self._confirmed: dict[str, datetime] = {}

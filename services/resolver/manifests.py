@@ -142,7 +142,8 @@ def parse_manifests(
     names the first line that is wrong."""
     documents = [doc for path, text in files for doc in _documents(path, text)]
     content = ManifestsContent()
-    objects = Objects()
+    services: dict[tuple[str, str], Service] = {}
+    objects = Objects(services=services)
     where_is: dict[tuple[str, str, str], _Document] = {}
     slices: dict[tuple[str, str], list[list[Endpoint]]] = {}
     for doc in documents:
@@ -179,7 +180,7 @@ def parse_manifests(
                 objects.namespaces[name] = obj
             elif kind == "Service":
                 service = kube_convert.service_from(obj)
-                objects.services[service.key] = service
+                services[service.key] = service
                 content.services.append(service)
             elif kind == "EndpointSlice":
                 owner = kube_convert.slice_service(obj)

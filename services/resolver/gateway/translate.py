@@ -95,7 +95,7 @@ class Objects:
     """One consistent set of the objects a translation reads."""
 
     namespaces: dict[str, JSON] = field(default_factory=dict)
-    services: dict[Key, Service] = field(default_factory=dict)
+    services: Mapping[Key, Service] = field(default_factory=dict)
     secrets: dict[Key, JSON] = field(default_factory=dict)
     # kind -> (namespace, name) -> object; cluster-scoped kinds use namespace "".
     kinds: dict[str, dict[Key, JSON]] = field(default_factory=dict)

@@ -1,0 +1,239 @@
+"""Gateway API and Ingress in Kubernetes mode: the objects by list + watch, and their status.
+
+The kinds below are listed and watched by `waygate.resolver.kube.KubernetesSource`
+through the shared reflector (`waygate.core.kube.Reflector`), one per kind,
+like Services and EndpointSlices; each event updates `GatewayObjects`, which
+runs the one translation (`translate.translate`, the same as the manifests
+source's) once per loop turn after changes, then replaces the store's routes
+of source "kubernetes-gateway" and the status board. A Service change runs it
+too (a backend appearing or going resolves or breaks references).
+
+Kinds: GatewayClass, Gateway, HTTPRoute, GRPCRoute (gateway.networking.k8s.io/v1),
+TLSRoute (v1, as the v1.5+ channels ship it), ReferenceGrant (v1beta1),
+Ingress and IngressClass (networking.k8s.io/v1), Namespaces (their labels, for
+allowedRoutes selectors) and Secrets (kubernetes.io/tls ones are kept, for
+certificateRefs). A kind whose CRD is not installed (404) counts as none.
+
+Status: `StatusWriter.run` writes only while `is_leader()` (the resolver's
+Lease elector, shared with the Route status writer): it
+writes what changed on the board through each object's `/status`
+subresource, reading the object first and writing with its resourceVersion
+(409: read and write again on the next round). A route's `status.parents`
+entries of other controllers are kept; only Waygate's are replaced. When a
+replica becomes leader it writes every status once, so nothing a former
+leader missed stays stale.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from waygate.core.kube import KubeAPI, KubeError
+from waygate.resolver.gateway.spec import CONTROLLER_NAME, JSON
+from waygate.resolver.gateway.status import StatusBoard
+from waygate.resolver.gateway.translate import Objects, ObjectStatus, translate
+from waygate.resolver.model import Service
+from waygate.resolver.store import Store
+
+log = logging.getLogger(__name__)
+
+SOURCE = "kubernetes-gateway"
+
+#: kind -> (API prefix, plural, namespaced)
+KINDS: Mapping[str, tuple[str, str, bool]] = {
+    "GatewayClass": ("/apis/gateway.networking.k8s.io/v1", "gatewayclasses", False),
+    "Gateway": ("/apis/gateway.networking.k8s.io/v1", "gateways", True),
+    "HTTPRoute": ("/apis/gateway.networking.k8s.io/v1", "httproutes", True),
+    "GRPCRoute": ("/apis/gateway.networking.k8s.io/v1", "grpcroutes", True),
+    "TLSRoute": ("/apis/gateway.networking.k8s.io/v1", "tlsroutes", True),
+    "ReferenceGrant": ("/apis/gateway.networking.k8s.io/v1beta1", "referencegrants", True),
+    "IngressClass": ("/apis/networking.k8s.io/v1", "ingressclasses", False),
+    "Ingress": ("/apis/networking.k8s.io/v1", "ingresses", True),
+    "Namespace": ("/api/v1", "namespaces", False),
+    "Secret": ("/api/v1", "secrets", True),
+}
+# Kinds written by the status writer (the others have no status of ours).
+STATUS_KINDS = ("GatewayClass", "Gateway", "HTTPRoute", "GRPCRoute", "TLSRoute", "Ingress")
+
+
+def collection(kind: str, namespace: str | None) -> str:
+    prefix, plural, namespaced = KINDS[kind]
+    if namespaced and namespace:
+        return f"{prefix}/namespaces/{namespace}/{plural}"
+    return f"{prefix}/{plural}"
+
+
+def object_path(kind: str, namespace: str, name: str) -> str:
+    prefix, plural, namespaced = KINDS[kind]
+    if namespaced:
+        return f"{prefix}/namespaces/{namespace}/{plural}/{name}"
+    return f"{prefix}/{plural}/{name}"
+
+
+def _key(obj: JSON) -> tuple[str, str]:
+    metadata = obj.get("metadata") or {}
+    return str(metadata.get("namespace") or ""), str(metadata.get("name") or "")
+
+
+class _StoreServices(Mapping[tuple[str, str], Service]):
+    """The store's services as the translation reads them (by key)."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    def __getitem__(self, key: tuple[str, str]) -> Service:
+        service = self._store.get_service(*key)
+        if service is None:
+            raise KeyError(key)
+        return service
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+class GatewayObjects:
+    """The watched objects; translates them into the store and the board after changes."""
+
+    def __init__(
+        self, store: Store, board: StatusBoard, *, addresses: tuple[str, ...] = ()
+    ) -> None:
+        self.store = store
+        self.board = board
+        self.addresses = addresses
+        self.objects = Objects(services=_StoreServices(store))
+        self._namespaces: dict[tuple[str, str], JSON] = {}
+        self._scheduled = False
+        self._rejected: set[str] = set()
+        self.translations = 0
+
+    def replace(self, kind: str, items: list[JSON]) -> None:
+        table = self._table(kind)
+        table.clear()
+        for obj in items:
+            self.put(kind, obj, schedule=False)
+        self.changed()
+
+    def put(self, kind: str, obj: JSON, *, schedule: bool = True) -> None:
+        key = _key(obj)
+        table = self._table(kind)
+        if kind == "Secret" and obj.get("type") != "kubernetes.io/tls":
+            table.pop(key, None)
+        else:
+            table[key] = obj
+        if schedule:
+            self.changed()
+
+    def delete(self, kind: str, obj: JSON) -> None:
+        self._table(kind).pop(_key(obj), None)
+        self.changed()
+
+    def _table(self, kind: str) -> dict[tuple[str, str], JSON]:
+        if kind == "Namespace":
+            return self._namespaces
+        if kind == "Secret":
+            return self.objects.secrets
+        return self.objects.of(kind)
+
+    def changed(self) -> None:
+        """Translate once, on the next loop turn, whatever else changes in this one."""
+        if self._scheduled:
+            return
+        self._scheduled = True
+        asyncio.get_running_loop().call_soon(self._translate)
+
+    def _translate(self) -> None:
+        self._scheduled = False
+        # Namespaces by name, as the translation reads them.
+        self.objects.namespaces = {key[1]: obj for key, obj in self._namespaces.items()}
+        translation = translate(self.objects, addresses=self.addresses)
+        self.translations += 1
+        for rejected in translation.rejected:
+            line = f"{rejected.kind} {rejected.namespace}/{rejected.name}: {rejected.error}"
+            if line not in self._rejected:
+                self._rejected.add(line)
+                log.warning("Gateway API object not served (its status says why): %s", line)
+        self.store.replace_source(SOURCE, routes=translation.routes)
+        self.board.replace(translation.statuses)
+
+
+def merged_status(kind: str, current: JSON, ours: JSON) -> JSON:
+    """The status to write: ours, keeping other controllers' route parents."""
+    if kind not in ("HTTPRoute", "GRPCRoute", "TLSRoute"):
+        return ours
+    theirs = [
+        parent
+        for parent in (current.get("status") or {}).get("parents") or []
+        if parent.get("controllerName") != CONTROLLER_NAME
+    ]
+    return {**ours, "parents": theirs + list(ours.get("parents") or [])}
+
+
+class StatusWriter:
+    """The leader's duty: write changed statuses through the /status subresource."""
+
+    def __init__(
+        self,
+        api: KubeAPI,
+        board: StatusBoard,
+        *,
+        is_leader: Callable[[], bool],
+        interval: float = 1.0,
+        call: Callable[..., Any] = asyncio.to_thread,
+    ) -> None:
+        self.api = api
+        self.board = board
+        self.is_leader = is_leader
+        self.interval = interval
+        self._call = call
+        self.writes = 0
+        self.conflicts = 0
+
+    async def run(self) -> None:
+        leading = False
+        while True:
+            if not self.is_leader():
+                leading = False
+            else:
+                if not leading:
+                    # A new leader writes everything once: a former one may have missed some.
+                    leading = True
+                    self.board.mark_all_changed()
+                for item in self.board.take_changed():
+                    if not self.is_leader():
+                        self.board.mark_changed(item.key)
+                        continue
+                    await self.write(item)
+            await asyncio.sleep(self.interval)
+
+    async def write(self, item: ObjectStatus) -> None:
+        if item.kind not in STATUS_KINDS:
+            return
+        path = object_path(item.kind, item.namespace, item.name)
+        try:
+            current: JSON = await self._call(self.api.get, path)
+            body = {
+                "apiVersion": current.get("apiVersion"),
+                "kind": current.get("kind"),
+                "metadata": {
+                    "name": item.name,
+                    **({"namespace": item.namespace} if item.namespace else {}),
+                    "resourceVersion": (current.get("metadata") or {}).get("resourceVersion"),
+                },
+                "status": merged_status(item.kind, current, item.status),
+            }
+            await self._call(self.api.replace, path + "/status", body)
+            self.writes += 1
+        except KubeError as exc:
+            if exc.not_found:
+                return  # deleted meanwhile: its next translation drops it
+            if exc.conflict:
+                self.conflicts += 1
+            else:
+                log.warning("cannot write the status of %s %s: %s", item.kind, path, exc)
+            self.board.mark_changed(item.key)
