@@ -129,6 +129,11 @@ class Settings(GrpcServerSettings):
         help="watch Services, EndpointSlices and waygate.io Route objects in Kubernetes "
         "(in-cluster credentials unless --kubeconfig); routes are then read-only",
     )
+    gateway_api: bool = setting(
+        False,
+        help="with --kubernetes: also watch the Gateway API and Ingress kinds and write their "
+        "status (deploy/kustomize/components/gateway-api grants the RBAC)",
+    )
     kubeconfig: str = setting("", help="kubeconfig file for --kubernetes; empty: in-cluster")
     kube_context: str = setting("", help="kubeconfig context; empty: the current one")
     kube_namespace: str = setting("", help="only this namespace; empty: every namespace")
@@ -219,7 +224,9 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
             configuration,
             namespace=settings.kube_namespace or None,
             edge_nodes=parse_node_list(settings.kube_edge_nodes),
-            gateway=GatewayObjects(store, board, addresses=settings.gateway_addresses),
+            gateway=GatewayObjects(store, board, addresses=settings.gateway_addresses)
+            if settings.gateway_api
+            else None,
         )
     metrics.observe(store, file_source)
     access = WriteAccess(
@@ -308,7 +315,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     if kube_source is not None:
         process.spawn(kube_source.run(), "kubernetes-source")
         if settings.status_lease:
-            _spawn_status_writer(process, settings, store, board)
+            _spawn_status_writer(process, settings, store, board if settings.gateway_api else None)
     process.spawn(become_ready(), "become-ready")
 
 
@@ -350,7 +357,7 @@ def up_arguments(context: UpContext) -> list[str]:
 
 
 def _spawn_status_writer(
-    process: ServiceProcess, settings: Settings, store: Store, board: StatusBoard
+    process: ServiceProcess, settings: Settings, store: Store, board: StatusBoard | None
 ) -> None:
     """The Route and Gateway API status writers and the Lease electing the one replica
     that runs them."""
@@ -382,10 +389,11 @@ def _spawn_status_writer(
     writer = RouteStatusWriter(store, api, source=SOURCE, is_leader=elector.is_leader)
     process.spawn(elector.run(), "route-status-election")
     process.spawn(writer.run(), "route-status-writer")
-    from waygate.resolver.gateway.kube import StatusWriter
+    if board is not None:
+        from waygate.resolver.gateway.kube import StatusWriter
 
-    gateway_writer = StatusWriter(api, board, is_leader=elector.is_leader)
-    process.spawn(gateway_writer.run(), "gateway-status-writer")
+        gateway_writer = StatusWriter(api, board, is_leader=elector.is_leader)
+        process.spawn(gateway_writer.run(), "gateway-status-writer")
     process.on_stop(_closing(api))
 
 

@@ -22,7 +22,7 @@ from waygate.cli import build_parser
 from waygate.components import COMPONENTS
 
 ROOT = Path(__file__).resolve().parents[2]
-OVERLAYS = ["dev", "production"]
+OVERLAYS = ["dev", "production", "dev-gateway-api"]
 KUBERNETES_VERSION = "1.32"
 
 
@@ -417,3 +417,31 @@ def test_dev_overlay_generates_the_sticky_key_secret_the_proxy_mounts():
     secret = named(objects, "Secret", name)
     assert name.startswith("waygate-proxy-sticky")
     assert len(base64.b64decode(secret["data"]["key"])) >= 16  # the proxy's minimum
+
+
+def test_gateway_api_component_gives_the_classes_the_flag_and_status_rbac():
+    objects = [doc for doc in yaml.safe_load_all(render("dev-gateway-api")) if doc]
+    gateway_class = named(objects, "GatewayClass", "waygate")
+    assert gateway_class["spec"]["controllerName"] == "waygate.io/gateway-controller"
+    ingress_class = named(objects, "IngressClass", "waygate")
+    assert ingress_class["spec"]["controller"] == "waygate.io/ingress-controller"
+    resolver = named(objects, "Deployment", "waygate-resolver")
+    args = resolver["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--gateway-api" in args and any(a.startswith("--status-lease=") for a in args)
+    role = named(objects, "ClusterRole", "waygate-resolver-gateway-api")
+    granted = {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    group = "gateway.networking.k8s.io"
+    for kind in ("gatewayclasses", "gateways", "httproutes", "grpcroutes", "tlsroutes"):
+        assert (group, kind, "watch") in granted and (group, f"{kind}/status", "update") in granted
+    assert (group, "referencegrants", "list") in granted
+    assert ("networking.k8s.io", "ingresses/status", "update") in granted
+    binding = named(objects, "ClusterRoleBinding", "waygate-resolver-gateway-api")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "waygate-resolver", "namespace": "waygate"}
+    ]
