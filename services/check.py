@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
 import os
@@ -38,7 +37,14 @@ from typing import Any
 import grpc
 from cryptography import x509
 
-from waygate.core.clientcli import EXIT_FAILED, EXIT_OK, ClientSettings, UpRecord, run_client
+from waygate.core.clientcli import (
+    EXIT_FAILED,
+    EXIT_OK,
+    ClientSettings,
+    UpRecord,
+    http_status,
+    run_client,
+)
 from waygate.core.grpcclient import open_channel
 from waygate.core.settings import add_settings_arguments
 
@@ -282,7 +288,7 @@ class Checker:
             address = ports.get("admin_port")
             if address is None:
                 continue
-            status = await _http_status(address, "/readyz", self.settings.timeout)
+            status = await http_status(address, "/readyz", self.settings.timeout)
             self.add(
                 OK if status == 200 else FAILED,
                 f"{name} admin {address}: /readyz " + (str(status) if status else "unreachable"),
@@ -427,26 +433,6 @@ def _der() -> Any:
     from cryptography.hazmat.primitives.serialization import Encoding
 
     return Encoding.DER
-
-
-async def _http_status(address: str, path: str, timeout: float) -> int | None:
-    host, _, port = address.rpartition(":")
-    try:
-        async with asyncio.timeout(timeout):
-            reader, writer = await asyncio.open_connection(host, int(port))
-            try:
-                writer.write(
-                    f"GET {path} HTTP/1.1\r\nHost: check\r\nConnection: close\r\n\r\n".encode()
-                )
-                line = await reader.readline()
-            finally:
-                writer.close()
-                with contextlib.suppress(OSError):
-                    await writer.wait_closed()
-    except (OSError, TimeoutError, ValueError):
-        return None
-    parts = line.split()
-    return int(parts[1]) if len(parts) >= 2 and parts[1].isdigit() else None
 
 
 async def _first_view(stub: Any, timeout: float) -> tuple[float | None, list[Any], list[Any]]:

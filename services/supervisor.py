@@ -84,7 +84,13 @@ from waygate.components import (
     spiffe_id,
 )
 from waygate.core.backoff import Backoff
-from waygate.core.clientcli import EXIT_FAILED, EXIT_USAGE_OR_UNREACHABLE, UpRecord, fail
+from waygate.core.clientcli import (
+    EXIT_FAILED,
+    EXIT_USAGE_OR_UNREACHABLE,
+    UpRecord,
+    fail,
+    http_status,
+)
 from waygate.core.errors import WaygateError
 from waygate.core.files import write_file_atomically
 from waygate.core.logs import configure_logging, resolved_format
@@ -323,19 +329,7 @@ def _error_message(line: str) -> str | None:
 
 
 async def _http_status(port: int, path: str, timeout: float) -> int | None:
-    """The status code of GET http://127.0.0.1:PORT/PATH, or None (no answer in time)."""
-    with contextlib.suppress(OSError, asyncio.TimeoutError, ValueError):
-        async with asyncio.timeout(timeout):
-            reader, writer = await asyncio.open_connection(HOST, port)
-            try:
-                writer.write(f"GET {path} HTTP/1.1\r\nHost: up\r\n\r\n".encode())
-                status = await reader.readline()
-            finally:
-                writer.close()
-            parts = status.split()
-            if len(parts) >= 2 and parts[1].isdigit():
-                return int(parts[1])
-    return None
+    return await http_status(f"{HOST}:{port}", path, timeout)
 
 
 def _held_by(child: Child) -> bool:

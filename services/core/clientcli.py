@@ -277,3 +277,21 @@ def run_client(
         return fail(f"{exc.strerror or exc}: {getattr(exc, 'filename', '') or ''}".rstrip(": "))
     finally:
         shutdown_tracing()
+
+
+async def http_status(address: str, path: str, timeout: float) -> int | None:
+    """The status code of `GET http://ADDRESS/PATH` (an admin port's /readyz or
+    /healthz), or None when nothing answers within `timeout`."""
+    host, _, port = address.rpartition(":")
+    try:
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            try:
+                writer.write(f"GET {path} HTTP/1.1\r\nHost: waygate\r\n\r\n".encode())
+                line = await reader.readline()
+            finally:
+                writer.close()
+    except (OSError, TimeoutError, ValueError):
+        return None
+    parts = line.split()
+    return int(parts[1]) if len(parts) >= 2 and parts[1].isdigit() else None
