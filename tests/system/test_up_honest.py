@@ -86,7 +86,7 @@ async def test_a_crash_looping_child_stops_up_with_its_last_error(tmp_path: Path
         "2",
         env={"WAYGATE_CONFIG": str(missing)},
     )
-    _, err = await asyncio.wait_for(up.communicate(), 90)
+    _, err = await asyncio.wait_for(up.communicate(), 240)
     text = err.decode()
     assert up.returncode == 1, text
     last = text.strip().splitlines()[-1]
@@ -132,7 +132,7 @@ async def test_next_to_up_commands_need_no_flags_and_explain_a_broken_route(
     err: list[str] = []
     drain = asyncio.ensure_future(read_until(up.stderr, "\0never", err, 600))
     try:
-        await read_until(up.stdout, "waygate up: all services started", out, 120)
+        await read_until(up.stdout, "waygate up: all services started", out, 240)
         below = tmp_path / "a" / "b"
         below.mkdir(parents=True)
         code, text, problem = await run_cli("routes", cwd=below)
