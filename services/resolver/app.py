@@ -319,6 +319,9 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     process.spawn(become_ready(), "become-ready")
 
 
+EXAMPLE_MANIFESTS = Path(__file__).parent / "examples" / "gateway.yaml"
+
+
 def up_arguments(context: UpContext) -> list[str]:
     """`waygate up`: serve a copy of the example routes file kept in the state directory.
 
@@ -344,9 +347,23 @@ def up_arguments(context: UpContext) -> list[str]:
         )
         # 0600 from the start: ApplyRoute writes route TLS private keys into it.
         write_file_atomically(routes, example.encode(), FILE_MODE)
+    # Beside it, Kubernetes manifests with a Gateway and an HTTPRoute to the demo
+    # backend (gateway.localtest.me), also a copy the user may edit.
+    manifests = context.state_dir / "gateway.yaml"
+    if not manifests.exists():
+        example = (
+            EXAMPLE_MANIFESTS.read_text()
+            .replace(f"targetPort: {DEMO_PORT}", f"targetPort: {context.demo_port}")
+            .replace(f"port: {DEMO_PORT}}}", f"port: {context.demo_port}}}")
+        )
+        write_file_atomically(manifests, example.encode(), FILE_MODE)
     return [
         "--routes-file",
         str(routes),
+        "--manifests",
+        str(manifests),
+        "--gateway-addresses",
+        "127.0.0.1",
         "--tunnel-reporters",
         spiffe_id("tunnel-server"),
         "--route-admins",

@@ -5,8 +5,10 @@ on a port offset. `curl -H 'Host: echo.localtest.me' http://127.0.0.1:8080/`
 is made here with a raw socket: the proxy, fed over mTLS by the resolver from
 the example routes file, forwards it to the demo backend, which answers with
 what it received. Also: demo/hello reaches the same backend through up's
-tunnel (server and agent), a tunnel endpoint on a node no agent holds answers
-502 with the reason, a host without a route answers 503 saying so, and
+tunnel (server and agent), up's Gateway (gateway.localtest.me) reaches it through
+an HTTPRoute, a tunnel endpoint on a node no agent holds answers 502 with the
+reason, a host without a route answers 404 saying so (the HTTP port serves a
+Gateway listener), and
 SIGTERM leaves no child behind.
 """
 
@@ -88,8 +90,15 @@ async def test_the_readme_example_reaches_the_demo_backend_through_the_proxy(up:
         while (hello := await get(proxy_port, "hello.localtest.me"))[0] != 200:
             await asyncio.sleep(0.2)
     assert json.loads(hello[2])["headers"][0] == "Host: hello.localtest.me"
+    # up's manifests (gateway.yaml beside the routes file) put a Gateway listener on
+    # the HTTP port: its HTTPRoute reaches the same demo backend, with its filter.
+    async with asyncio.timeout(30):
+        while (gateway := await get(proxy_port, "gateway.localtest.me"))[0] != 200:
+            await asyncio.sleep(0.2)
+    assert "X-Waygate-Gateway: demo/demo" in json.loads(gateway[2])["headers"]
+    # A host no route takes: a Gateway listener's answer (404, the spec), saying why.
     status, _, body = await get(proxy_port, "nothing-here.localtest.me")
-    assert status == 503 and b"nothing-here.localtest.me" in body
+    assert status == 404 and b"nothing-here.localtest.me" in body
 
     # A tunnel endpoint on a node no agent holds answers 502 with the reason. The
     # route is added by editing up's routes file, which the resolver reloads.
@@ -109,7 +118,8 @@ async def test_the_readme_example_reaches_the_demo_backend_through_the_proxy(up:
     )  # fmt: skip
     routes_file.write_text(yaml.safe_dump(routes))
     async with asyncio.timeout(30):
-        while (offline := await get(proxy_port, "offline.localtest.me"))[0] == 503:
+        # 404 until the reloaded route reaches the proxy (no route yet).
+        while (offline := await get(proxy_port, "offline.localtest.me"))[0] == 404:
             await asyncio.sleep(0.2)
     status, headers, body = offline
     assert status == 502, (status, body)

@@ -77,3 +77,19 @@ def test_watch_bounds_never_exceed_what_clients_receive() -> None:
     for limit in (1 << 20, 4 << 20, 16 << 20, 1 << 30):
         chunk, event = watch_bounds(limit)
         assert 0 < chunk < event < min(limit, CLIENT_RECEIVE_BYTES)
+
+
+def test_up_serves_a_gateway_manifest_to_the_demo_backend_at_the_port_offset(tmp_path) -> None:
+    from waygate.resolver.app import up_arguments
+    from waygate.components import UpContext
+    from waygate.resolver.manifests import parse_manifests
+
+    argv = up_arguments(UpContext(state_dir=tmp_path / "state", port_offset=100))
+    manifests = tmp_path / "state" / "gateway.yaml"
+    assert argv[argv.index("--manifests") + 1] == str(manifests)
+    content = parse_manifests([(manifests, manifests.read_text())])
+    (route,) = content.routes
+    assert route.host == "gateway.localtest.me" and route.listener_port == 80
+    (endpoint,) = content.endpoints
+    assert endpoint.ports[0].port == 8090 + 100
+    assert [s.ports[0].target_port for s in content.services] == ["8190"]
