@@ -80,8 +80,8 @@ def test_watch_bounds_never_exceed_what_clients_receive() -> None:
 
 
 def test_up_serves_a_gateway_manifest_to_the_demo_backend_at_the_port_offset(tmp_path) -> None:
-    from waygate.resolver.app import up_arguments
     from waygate.components import UpContext
+    from waygate.resolver.app import up_arguments
     from waygate.resolver.manifests import parse_manifests
 
     argv = up_arguments(UpContext(state_dir=tmp_path / "state", port_offset=100))
