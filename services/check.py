@@ -7,7 +7,8 @@ says where each process serves) or for the addresses given:
 - every gRPC service (certs, resolver, tunnel server) answers grpc.health
   SERVING; over TLS, its certificate verifies against the trust bundle, names
   the identity expected of it (under `up`), and has days left (warned under
-  20% of its life, failed when expired);
+  20% of its life, failed when expired); under `up` the proxy's HTTPS
+  certificate and your own client certificate too;
 - every admin port (under `up`) answers /readyz 200;
 - the trust bundle certs serves is the one clients trust (the state
   directory's ca.pem, or --ca-file);
@@ -162,6 +163,7 @@ class Checker:
             await self.check_service(target)
         if self.record is not None and not (self.args.resolver or self.args.certs):
             await self.check_admin_ports()
+            await asyncio.to_thread(self.check_local_certificates)
         certs = next((t for t in targets if t.name == "certs"), None)
         if certs is not None:
             await self.check_bundle(certs)
@@ -233,7 +235,7 @@ class Checker:
         ca_file, cert_file, key_file = self.tls_files()
         host, _, port = target.address.rpartition(":")
         context = ssl.create_default_context(cafile=str(ca_file) if ca_file else None)
-        context.set_alpn_protocols(["h2"])
+        context.set_alpn_protocols(["h2", "http/1.1"])
         if cert_file is not None and key_file is not None:
             context.load_cert_chain(cert_file, key_file)
         try:
@@ -265,8 +267,15 @@ class Checker:
                 f"expected {expected}: another process may hold the port "
                 "(`waygate up` fails on a taken port; is this an older copy?)",
             )
-        now = datetime.now(UTC)
-        left = cert.not_valid_after_utc - now
+        self.add_expiry(
+            f"{target.name}: serving certificate",
+            cert,
+            "renewal is failing: look for 'renew' in its log; certs must be reachable",
+        )
+
+    def add_expiry(self, what: str, cert: x509.Certificate, hint: str) -> None:
+        """✔ with the days left; ‼ under 20% of its life; ✖ once expired."""
+        left = cert.not_valid_after_utc - datetime.now(UTC)
         life = cert.not_valid_after_utc - cert.not_valid_before_utc
         days = left.total_seconds() / 86400
         if left.total_seconds() <= 0:
@@ -277,10 +286,28 @@ class Checker:
             mark = OK
         self.add(
             mark,
-            f"{target.name}: serving certificate valid, {days:.1f} days left "
-            f"(until {cert.not_valid_after_utc:%Y-%m-%dT%H:%MZ})",
-            "renewal is failing: look for 'renew' in its log; certs must be reachable",
+            f"{what} valid, {days:.1f} days left (until {cert.not_valid_after_utc:%Y-%m-%dT%H:%MZ})",
+            hint,
         )
+
+    def check_local_certificates(self) -> None:
+        """Under `up`: the proxy's HTTPS certificate, and your own client certificate."""
+        assert self.record is not None
+        https = self.record.addresses.get("proxy", {}).get("https_port")
+        if https is not None and self.tls_files()[0] is not None:
+            self.check_certificate(Target("proxy", https, ""))
+        if self.state_dir is not None:
+            mine = self.state_dir / "client" / "cert.pem"
+            try:
+                cert = x509.load_pem_x509_certificate(mine.read_bytes())
+            except (OSError, ValueError):
+                self.add(
+                    FAILED,
+                    f"your client certificate {mine} is missing or unreadable",
+                    "`waygate up` writes it once certs is ready; see its log",
+                )
+                return
+            self.add_expiry("your client certificate", cert, "`waygate up` renews it while it runs")
 
     async def check_admin_ports(self) -> None:
         assert self.record is not None

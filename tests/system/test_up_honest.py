@@ -145,6 +145,9 @@ async def test_next_to_up_commands_need_no_flags_and_explain_a_broken_route(
         assert code == 0, text + problem
         assert "✖" not in text and "Status check results are ✔" in text
         assert "edge node edge-local: agent connected" in text
+        assert "✔ proxy: certificate identity spiffe://waygate.local/ns/local/sa/proxy" in text
+        assert "✔ proxy: serving certificate valid" in text
+        assert "✔ your client certificate valid" in text
         code, text, problem = await run_cli("cert", "status", cwd=below)
         assert code == 0, problem
         assert "active" in text and "spiffe://waygate.local/ns/local/sa/proxy" in text
