@@ -616,6 +616,10 @@ class Exchange:
         sent_at = self.started if reused else self.loop.time()
         if not self.req_complete:
             self._restart_body_rate(sent_at)
+            if self.req is not None and self.req.expect_continue:
+                # The client waits for the upstream's 100 before its body: the
+                # rate is measured from the 100 on (see informational).
+                self.upstream_blocked = True
         if self.pending_body:
             upstream.begin(self, reused, sent_at, [self.upstream_head, *self.pending_body])
             self.pending_body = []
@@ -688,6 +692,8 @@ class Exchange:
         req = self.req
         if response.status == 100 and req is not None and req.expect_continue:
             self.down.informational(100)
+            if not self.req_complete:
+                self._restart_body_rate(self.loop.time())
         return ""
 
     def switching(self, response: ResponseHead, rest: bytes) -> bool:

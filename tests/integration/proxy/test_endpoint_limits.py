@@ -17,6 +17,7 @@ from tests.integration.proxy.harness import (
     read_response,
     route,
     running_proxy,
+    scripted_upstream,
     table,
 )
 from tests.support.poll import until
@@ -90,3 +91,35 @@ async def test_connections_per_endpoint_are_bounded_with_a_bounded_queue(upstrea
         # Never more than two connections to the endpoint: the queued one reused one.
         assert upstream.connections <= 2
         assert not server.pool.waiting
+
+
+async def test_the_body_rate_waits_for_the_upstreams_100_continue():
+    async def continues_late(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        await asyncio.sleep(1.0)  # thinks before inviting the body
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        await reader.readexactly(length)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        await reader.read()
+
+    limits = Limits(min_request_body_rate=100, request_body_grace=0.3)
+    async with (
+        scripted_upstream(continues_late) as upstream_port,
+        running_proxy(
+            table([route("echo.test", [("echo", 1)])], [endpoint("echo", upstream_port)]),
+            limits=limits,
+        ) as (_, port),
+    ):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            b"POST / HTTP/1.1\r\n" + H + b"Expect: 100-continue\r\nContent-Length: 500\r\n\r\n"
+        )
+        assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)).startswith(
+            b"HTTP/1.1 100 "
+        )
+        writer.write(b"z" * 500)
+        response = await read_response(reader, timeout=10)
+        writer.close()
+    assert response.startswith(b"HTTP/1.1 200 "), response
