@@ -7,6 +7,7 @@ connection is busy. Real sockets."""
 from __future__ import annotations
 
 import asyncio
+import ssl
 
 import pytest
 
@@ -18,8 +19,11 @@ from tests.integration.proxy.harness import (
     running_proxy,
     table,
 )
+from tests.support.pki import LocalCA
 from tests.support.poll import until
+from waygate.proxy.passthrough import TlsFront
 from waygate.proxy.server import Limits
+from waygate.proxy.tls import DefaultCertificate, EdgeCertificates
 
 GET = b"GET / HTTP/1.1\r\nHost: echo.test\r\n\r\n"
 
@@ -91,3 +95,28 @@ async def test_with_every_connection_busy_a_newcomer_gets_a_503_that_says_why(up
         assert server.metrics.refused.get("source_connection_limit") == 1
         for busy_writer in busy:
             busy_writer.close()
+
+
+async def test_idle_connections_make_room_on_the_https_port_too(upstream, tmp_path):
+    ca = LocalCA()
+    files = ca.write_files(tmp_path / "default", dns=["proxy.waygate.local"], prefix="default-")
+    certificates = EdgeCertificates(DefaultCertificate.from_files(files.cert, files.key))
+    routes = table([route("echo.test", [("echo", 1)])], [endpoint("echo", upstream.port)])
+    async with running_proxy(routes, max_connections=4) as (server, port):
+        front = TlsFront(server, certificates, "127.0.0.1", 0)
+        await front.start()
+        try:
+            idle = [await idle_connection(port) for _ in range(4)]
+            context = ssl.create_default_context(cadata=ca.pem.decode())
+            context.check_hostname = False
+            reader, writer = await asyncio.open_connection(
+                "127.0.0.1", front.bound_port, ssl=context, server_hostname="echo.test"
+            )
+            writer.write(GET)
+            assert (await read_response(reader)).startswith(b"HTTP/1.1 200 ")
+            writer.close()
+            assert server.metrics.evicted_idle >= 1
+            for _, idle_writer in idle:
+                idle_writer.close()
+        finally:
+            await front.drain(1.0)
