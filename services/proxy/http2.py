@@ -457,7 +457,10 @@ class H2ClientConnection(asyncio.Protocol):
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
         server = self.server
-        if len(server.connections) >= server.max_connections or server.draining:
+        if server.draining or (
+            # At the cap, idle HTTP/1.1 keep-alive connections make room first.
+            len(server.connections) >= server.max_connections and not server.make_room()
+        ):
             self.closed = True
             transport.abort()
             return
