@@ -31,6 +31,8 @@ A `GrpcServer` is a `grpc.aio` server with:
     far above the two budgets. Plus message size and keepalive enforcement.
   A registration may name streaming methods it bounds itself (`uncapped_streams`,
   e.g. a data stream per proxied connection); those skip the stream caps.
+- a streaming handler may yield `bytes`, a message it serialized itself (once,
+  for many streams); they go out as they are.
 
 Servicers therefore raise domain errors and never call `context.abort` for them.
 """
@@ -535,11 +537,24 @@ class _MethodBoundary:
         return stream_factory(
             stream_response,
             request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
+            response_serializer=_passing_bytes(handler.response_serializer),
         )
 
 
 CANCELLED_MESSAGE = "cancelled by the client or shutdown"
+
+
+def _passing_bytes(serialize: Callable[[Any], bytes] | None) -> Callable[[Any], bytes] | None:
+    """A streaming handler may yield a message already serialized (`bytes`): what
+    many streams send alike (a resolver snapshot to a thousand watchers) is then
+    serialized once, not once per stream."""
+    if serialize is None:
+        return None
+
+    def serializer(message: Any) -> bytes:
+        return message if type(message) is bytes else serialize(message)
+
+    return serializer
 
 
 class _Eviction:

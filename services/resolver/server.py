@@ -15,7 +15,12 @@ interceptor (waygate.core.grpcserver). Invariants:
   chunked snapshot for that subscriber, ListRoutes pages stop at
   `LIST_PAGE_BYTES`; what cannot be bounded is RESOURCE_EXHAUSTED with a reason.
 - A large snapshot is converted off the event loop, once per (version,
-  redaction) however many watchers ask for it at the same time.
+  redaction) however many watchers ask for it at the same time, and each event
+  is serialized once for every stream that sends it (the wire bytes are
+  shared; issue 18's watcher storm: a thousand watchers of 100,000 endpoints).
+- At most `SNAPSHOT_SLOTS` streams send a large snapshot at once; the others
+  wait their turn (for at most `SNAPSHOT_SLOT_WAIT`, so a stalled reader
+  holding a slot delays others, never starves them).
 - Every Watch event carries this replica's epoch; a resume naming another
   epoch (another replica, a restarted one, or none) starts with a snapshot.
 """
@@ -26,6 +31,7 @@ import asyncio
 import base64
 import binascii
 import functools
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from datetime import datetime
 
@@ -63,6 +69,14 @@ LIST_PAGE_BYTES = 1024 * 1024
 #: 100,000-endpoint view takes seconds to convert, and the loop must keep
 #: answering Resolve and health checks meanwhile.
 OFFLOAD_SNAPSHOT_OBJECTS = 5000
+#: Large snapshots being sent at once (each holds up to a chunk in gRPC's buffers
+#: per stream), and how long a stream waits for a turn before sending anyway.
+SNAPSHOT_SLOTS = 32
+SNAPSHOT_SLOT_WAIT = 10.0
+#: Serialized events kept for the streams that send the same event object: by
+#: count and by bytes (a 100,000-endpoint snapshot is about 10 MiB of chunks).
+WIRE_CACHE_EVENTS = 256
+WIRE_CACHE_BYTES = 64 * 1024 * 1024
 #: No serialized Change is smaller than this: a batch with more changes than the
 #: event bound divided by it cannot fit, and is not converted only to be discarded.
 MIN_CHANGE_BYTES = 20
@@ -174,6 +188,40 @@ def _object_count(snapshot: Snapshot) -> int:
     )
 
 
+class _WireCache:
+    """Serialized WatchEvents by event object, least recently used dropped first.
+
+    Watchers share event objects (a snapshot's chunks, a store batch's Changes,
+    the same stamped last event), so the bytes are made once for all of them.
+    The entry holds the event, so its id cannot be reused while cached.
+    """
+
+    def __init__(self, max_events: int, max_bytes: int) -> None:
+        self._entries: OrderedDict[int, tuple[pb.WatchEvent, bytes]] = OrderedDict()
+        self._max_events = max_events
+        self._max_bytes = max_bytes
+        self._bytes = 0
+
+    def bytes_of(self, event: pb.WatchEvent) -> bytes:
+        key = id(event)
+        entry = self._entries.get(key)
+        if entry is not None and entry[0] is event:
+            self._entries.move_to_end(key)
+            return entry[1]
+        data = event.SerializeToString()
+        if len(data) > self._max_bytes // 4:
+            return data  # too large to keep: it would push everything else out
+        if entry is not None:
+            self._bytes -= len(entry[1])
+        self._entries[key] = (event, data)
+        self._entries.move_to_end(key)
+        self._bytes += len(data)
+        while len(self._entries) > self._max_events or self._bytes > self._max_bytes:
+            _, (_, dropped) = self._entries.popitem(last=False)
+            self._bytes -= len(dropped)
+        return data
+
+
 class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
     def __init__(
         self,
@@ -209,6 +257,8 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
         self._converting: dict[
             tuple[object, ...], asyncio.Future[tuple[pb.WatchEvent, ...] | None]
         ] = {}
+        self._wire = _WireCache(WIRE_CACHE_EVENTS, WIRE_CACHE_BYTES)
+        self._snapshot_slots = asyncio.Semaphore(SNAPSHOT_SLOTS)
 
     def registration(self) -> ServiceRegistration:
         return ServiceRegistration(
@@ -271,10 +321,28 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
                     # subscriber over from a (chunked) snapshot instead.
                     subscription.resync()
                     continue
-                for event in outgoing:
-                    yield event
+                slot = (
+                    isinstance(item, Snapshot)
+                    and _object_count(item) > OFFLOAD_SNAPSHOT_OBJECTS
+                    and await self._snapshot_turn()
+                )
+                try:
+                    for event in outgoing:
+                        yield self._wire.bytes_of(event)  # type: ignore[misc]
+                finally:
+                    if slot:
+                        self._snapshot_slots.release()
         finally:
             subscription.close()
+
+    async def _snapshot_turn(self) -> bool:
+        """Wait for a turn to send a large snapshot: True with a slot held (release
+        it), False when none came free in time (send anyway: delay, never starve)."""
+        try:
+            await asyncio.wait_for(self._snapshot_slots.acquire(), SNAPSHOT_SLOT_WAIT)
+        except TimeoutError:
+            return False
+        return True
 
     async def _events(
         self, item: Snapshot | Batch, source: str, last_sync: datetime | None, with_keys: bool

@@ -1,0 +1,94 @@
+"""One process holding many resolver Watch streams, each on its own connection.
+
+Run: python -m bench.resolver_storm.clients ADDRESS STREAMS SNAPSHOT_BYTES CHANGES
+
+Snapshot chunks are not parsed (a client here stands for a proxy's connection,
+not its CPU): a stream is ready once it has received SNAPSHOT_BYTES of events,
+what one full snapshot serializes to. Prints "ready N LOST" once every stream
+is ready or lost, then, for each bench change (tunnel presence of node
+storm-node-I) the latest arrival over its streams (CLOCK_MONOTONIC) and how
+many streams saw it, as one JSON line once every live stream saw the last one.
+A stream that ends with an error is lost: its reason is printed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+import grpc
+
+from waygate.resolver.v1 import resolver_pb2 as pb
+
+PREFIX = "storm-node-"
+WATCH = "/waygate.resolver.v1.Resolver/Watch"
+SMALL = 64 * 1024  # events smaller than this are parsed (changes, heartbeats)
+
+
+async def stream(
+    address: str,
+    snapshot_bytes: int,
+    changes: int,
+    ready: asyncio.Event,
+    seen: dict[int, list[float]],
+    lost: list[str],
+) -> None:
+    options = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+    try:
+        async with grpc.aio.insecure_channel(address, options=options) as channel:
+            call = channel.unary_stream(
+                WATCH,
+                request_serializer=pb.WatchRequest.SerializeToString,
+                response_deserializer=lambda raw: raw,
+            )(pb.WatchRequest())
+            received = 0
+            async for raw in call:
+                now = time.monotonic()
+                if not ready.is_set():
+                    received += len(raw)
+                    if received >= snapshot_bytes:
+                        ready.set()
+                    continue
+                if len(raw) >= SMALL:
+                    continue
+                event = pb.WatchEvent.FromString(raw)
+                last = False
+                for change in event.changes.changes:
+                    node = change.tunnel_presence.node
+                    if change.tunnel_presence.servers and node.startswith(PREFIX):
+                        index = int(node.removeprefix(PREFIX))
+                        seen.setdefault(index, []).append(now)
+                        last |= index == changes - 1
+                if last:
+                    call.cancel()
+                    return
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() != grpc.StatusCode.CANCELLED:
+            lost.append(f"{exc.code().name}: {exc.details()}")
+    finally:
+        ready.set()
+
+
+async def main(address: str, streams: int, snapshot_bytes: int, changes: int) -> None:
+    seen: dict[int, list[float]] = {}
+    lost: list[str] = []
+    events = [asyncio.Event() for _ in range(streams)]
+    tasks = [
+        asyncio.create_task(stream(address, snapshot_bytes, changes, e, seen, lost)) for e in events
+    ]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 600)
+    print(f"ready {streams} {len(lost)}", flush=True)
+    await asyncio.wait_for(asyncio.gather(*tasks), 600)
+    print(
+        json.dumps(
+            {"seen": {i: [max(t), len(t)] for i, t in seen.items()}, "lost": lost[:20],
+             "lost_count": len(lost)}
+        ),
+        flush=True,
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])))
