@@ -230,6 +230,7 @@ class H2UpstreamConnection(asyncio.Protocol):
         self.closed = False
         self.goaway = False
         self.write_paused = False
+        self._flush_soon = False
 
     def has_room(self) -> bool:
         if self.closed or self.goaway or self.write_paused:
@@ -256,6 +257,13 @@ class H2UpstreamConnection(asyncio.Protocol):
         self.flush()
 
     def flush(self) -> None:
+        """Send what h2 queued, once per loop turn (one send for many frames)."""
+        if not self._flush_soon:
+            self._flush_soon = True
+            asyncio.get_running_loop().call_soon(self._flush_now)
+
+    def _flush_now(self) -> None:
+        self._flush_soon = False
         data = self.h2.data_to_send()
         if data and self.transport is not None and not self.closed:
             self.transport.write(data)
@@ -273,7 +281,7 @@ class H2UpstreamConnection(asyncio.Protocol):
         try:
             events = self.h2.receive_data(data)
         except h2.exceptions.ProtocolError as exc:
-            self.flush()
+            self._flush_now()
             self._fail_all(f"upstream broke HTTP/2: {exc}")
             self.abort()
             return
@@ -351,13 +359,13 @@ class H2UpstreamConnection(asyncio.Protocol):
             exchange.upstream_writable(True)
 
     def close(self) -> None:
-        self.closed = True
         self.pool.discard(self)
-        if self.transport is not None and not self.transport.is_closing():
+        if self.transport is not None and not self.transport.is_closing() and not self.closed:
             with contextlib.suppress(h2.exceptions.ProtocolError):
                 self.h2.close_connection()
-            self.flush()
+            self._flush_now()  # the GOAWAY, and whatever else is queued
             self.transport.close()
+        self.closed = True
 
     def abort(self) -> None:
         self.closed = True

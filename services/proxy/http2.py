@@ -448,6 +448,7 @@ class H2ClientConnection(asyncio.Protocol):
         self.opened = 0
         self.premature = 0
         self.peer = "unknown"
+        self._flush_soon = False
         # The server's ticker (see waygate.proxy.server.ProxyServer._sweep).
         self._timer_kind = _T_NONE
         self._deadline = 0.0
@@ -724,6 +725,14 @@ class H2ClientConnection(asyncio.Protocol):
     # ------------------------------------------------------------ writing, closing
 
     def _flush_out(self) -> None:
+        """Send what h2 queued, once per loop turn: a response's HEADERS, DATA and
+        end (or many streams' frames) leave in one send, not one each."""
+        if not self._flush_soon:
+            self._flush_soon = True
+            self.loop.call_soon(self._flush_now)
+
+    def _flush_now(self) -> None:
+        self._flush_soon = False
         data = self.h2.data_to_send()
         if data and self.transport is not None and not self.closed:
             self.transport.write(data)
@@ -751,6 +760,7 @@ class H2ClientConnection(asyncio.Protocol):
     def _close(self) -> None:
         if self.closed:
             return
+        self._flush_now()  # what is queued (a last answer, a GOAWAY) goes first
         self.closed = True
         self._timer_kind = _T_NONE
         for stream in list(self.streams.values()):
