@@ -913,6 +913,8 @@ class Exchange:
         self.upstream = None
         target = self.target
         assert target is not None
+        # Counted as every connect is (its connection closed and uncounted itself).
+        self.server.pool.reserve(target, force=True)
         self.connect_task = self.loop.create_task(self._connect(target))
         return True
 

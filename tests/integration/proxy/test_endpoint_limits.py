@@ -123,3 +123,36 @@ async def test_the_body_rate_waits_for_the_upstreams_100_continue():
         response = await read_response(reader, timeout=10)
         writer.close()
     assert response.startswith(b"HTTP/1.1 200 "), response
+
+
+async def test_the_keep_alive_race_retry_is_counted_in_the_endpoint_bound():
+    connections = []
+
+    async def closes_its_first_connection_after_one_answer(reader, writer):
+        connections.append(writer)
+        answered = 0
+        while True:
+            await reader.readuntil(b"\r\n\r\n")
+            if len(connections) == 1 and answered == 1:
+                return  # the keep-alive race: closed as the second request arrives
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+            answered += 1
+
+    limits = Limits(max_connections_per_endpoint=4)
+    async with (
+        scripted_upstream(closes_its_first_connection_after_one_answer) as upstream_port,
+        running_proxy(
+            table([route("echo.test", [("echo", 1)])], [endpoint("echo", upstream_port)]),
+            limits=limits,
+        ) as (server, port),
+    ):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        for _ in range(2):  # the second goes out on the pooled connection, then again
+            writer.write(b"GET / HTTP/1.1\r\n" + H + b"\r\n")
+            assert (await read_response(reader)).startswith(b"HTTP/1.1 200 ")
+        writer.close()
+        assert len(connections) == 2
+        await until(lambda: len(server.upstreams) == 1, "the raced connection to be gone")
+        # Every open connection is counted, nothing else.
+        assert sum(server.pool.opened.values()) == len(server.upstreams)
