@@ -11,17 +11,22 @@ socket. The two sides it talks to:
   answers) and its end;
 - upstream, a `pool.UpstreamConnection` (one HTTP/1.1 connection to the
   endpoint), through its methods only: `begin`, `write`, `writelines`,
-  `release`, `abort`, `pause_reading`/`resume_reading`. The upstream connection
-  calls back `response_head`, `informational`, `response_data`, `switching`,
-  `relay_data`, `upstream_closed`, `upstream_paused`.
+  `write_eof`, `release`, `abort`, `pause_reading`/`resume_reading`. The
+  upstream connection calls back `response_head`, `informational`,
+  `response_data`, `switching`, `relay_data`, `relay_eof`, `upstream_closed`,
+  `upstream_paused`; the pool calls `endpoint_free` for a queued request.
 
 Driving an Exchange (one request at a time; `start` again after the end):
 
     ok = exchange.start(req, now)      # route, pick, build the upstream head;
                                        # False: answered locally (or refused)
-    exchange.dispatch()                # pooled connection, or a connect task
+    exchange.dispatch()                # pooled connection, a connect task, or the
+                                       # endpoint's queue (503 when it is full)
     rest = exchange.request_body(data) # body bytes; returns what follows the body
-    delay = exchange.on_timer(now)     # the server timeout; < 0: it fired
+    delay = exchange.on_timer(now)     # server/client timeouts, body rate; < 0: fired
+    exchange.downstream_paused(flag)   # the client stopped/resumed reading
+    exchange.relay_send(data)          # after a 101: client bytes (relay_send_eof,
+                                       # release_relay when both sides ended)
     exchange.close()                   # the driver went away: release everything
 
 and the Exchange calls `Downstream.response_head/response_body/response_pieces`,
@@ -44,8 +49,10 @@ What the Exchange decides (the protocol-neutral rules):
   was sent; a sent request is re-sent only when it went out on a reused
   keep-alive connection that closed before any response byte and it is
   idempotent without a body (RFC 9112 section 9.3.1), never a sent POST;
-- the server and client timeouts of the exchange; records (metrics, access
-  log, span).
+- the server timeout (from the last byte moved either way; the whole
+  response head due within it), the client timeout and the minimum body rate;
+  the bounds on 1xx responses (`server.Limits`); records (metrics, access log,
+  span).
 
 The per-request path does no logging (the access log is budgeted), no
 f-strings and no dict copies; one task exists only while a connect runs.
