@@ -43,7 +43,7 @@ from waygate.core.settings import (
     positive,
     setting,
 )
-from waygate.proxy.http2 import H2Limits
+from waygate.proxy.http2 import H2Collector, H2Limits
 from waygate.proxy.metrics import ProxyCollector, ProxyMetrics
 from waygate.proxy.routing import Defaults, build_table
 from waygate.proxy.server import Limits, ProxyServer
@@ -395,7 +395,7 @@ class _Borrowed:
 def _unregister(metrics: ProxyMetrics) -> Any:
     async def run() -> None:
         for collector in list(REGISTRY._collector_to_names):
-            if isinstance(collector, ProxyCollector):
+            if isinstance(collector, ProxyCollector | H2Collector):
                 REGISTRY.unregister(collector)
 
     return run
@@ -548,6 +548,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     server.h2_upstreams = h2_upstreams  # type: ignore[attr-defined]
     process.on_stop(_closer(h2_upstreams.close))
     REGISTRY.register(ProxyCollector(metrics.snapshot))
+    REGISTRY.register(H2Collector())
     process.on_stop(_unregister(metrics))
     if settings.worker:
         from waygate.core.workers import report_forever

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from tests.integration.proxy.harness import running_proxy
-from waygate.proxy.http2 import H2Limits
+from waygate.proxy.http2 import GracefulStateMachine, H2Limits
 from waygate.proxy.server import ProxyServer
 
 
@@ -98,3 +98,73 @@ class GrpcBackend:
 
     async def stop(self) -> None:
         await self.server.stop(0)
+
+
+class H2Backend:
+    """A real HTTP/2 (h2c) backend on the h2 state machine that records which
+    connection processed which path. `goaway_after`: on its first connection,
+    once that many streams have arrived, it sends GOAWAY naming the first
+    stream as the last it will process, answers that one, and never the rest."""
+
+    def __init__(self, goaway_after: int = 0) -> None:
+        self.goaway_after = goaway_after
+        self.port = 0
+        self.processed: list[tuple[int, str]] = []  # (connection number, path)
+        self.received: list[tuple[int, str]] = []
+        self.connections = 0
+        self._server: Any = None
+
+    async def start(self) -> H2Backend:
+        import h2.config
+        import h2.connection
+        import h2.events
+
+        backend = self
+
+        class Protocol(asyncio.Protocol):
+            def connection_made(self, transport: Any) -> None:
+                backend.connections += 1
+                self.number = backend.connections
+                self.transport = transport
+                config = h2.config.H2Configuration(client_side=False, header_encoding=None)
+                self.h2 = h2.connection.H2Connection(config=config)
+                self.h2.state_machine = GracefulStateMachine()
+                self.h2.initiate_connection()
+                self.pending: list[tuple[int, str]] = []
+                transport.write(self.h2.data_to_send())
+
+            def data_received(self, data: bytes) -> None:
+                for event in self.h2.receive_data(data):
+                    if isinstance(event, h2.events.RequestReceived):
+                        path = dict(event.headers)[b":path"].decode()
+                        backend.received.append((self.number, path))
+                        self.pending.append((event.stream_id, path))
+                        if (
+                            backend.goaway_after
+                            and self.number == 1
+                            and len(self.pending) == backend.goaway_after
+                        ):
+                            first_id, first_path = self.pending[0]
+                            self.h2.close_connection(last_stream_id=first_id)
+                            self.answer(first_id, first_path)
+                            self.pending = []
+                        elif not backend.goaway_after or self.number > 1:
+                            for stream_id, waiting in self.pending:
+                                self.answer(stream_id, waiting)
+                            self.pending = []
+                self.transport.write(self.h2.data_to_send())
+
+            def answer(self, stream_id: int, path: str) -> None:
+                backend.processed.append((self.number, path))
+                body = path.encode()
+                self.h2.send_headers(
+                    stream_id, [(b":status", b"200"), (b"content-length", b"%d" % len(body))]
+                )
+                self.h2.send_data(stream_id, body, end_stream=True)
+
+        self._server = await asyncio.get_running_loop().create_server(Protocol, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self) -> None:
+        self._server.close()

@@ -256,3 +256,16 @@ async def test_drain_sends_goaway_and_finishes_streams_in_flight(proxy, upstream
         await draining
     finally:
         await client.close()
+
+
+async def test_metrics_by_protocol(client):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry()
+    registry.register(http2.H2Collector())
+    before = http2.STATS.streams["h2c"]
+    for _ in range(3):
+        assert (await client.request("GET", "/", "echo.test")).status == 200
+    text = generate_latest(registry).decode()
+    assert f'waygate_proxy_h2_streams_total{{protocol="h2c"}} {before + 3}.0' in text
+    assert "waygate_proxy_h2_held_bytes 0.0" in text
