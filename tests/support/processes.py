@@ -154,3 +154,24 @@ async def http_get(port: int, path: str) -> tuple[int, str]:
     writer.close()
     head, _, body = data.partition(b"\r\n\r\n")
     return int(head.split(b" ", 2)[1]), body.decode()
+
+
+def free_up_offset(extra: int = 0) -> int:
+    """A `waygate up --port-offset` whose every port is free right now.
+
+    Ports 17001..32005: above the defaults, below Linux's ephemeral range (32768+),
+    so no outgoing connection holds one. Other tests on this machine start their
+    own `up`s: an offset is drawn until all of its ports bind, since `up` refuses
+    to start on a taken port.
+    """
+    import random
+
+    from waygate.components import COMPONENTS, DEMO_PORT
+    from waygate.core.portholder import port_free
+
+    defaults = [port for c in COMPONENTS for _, port in c.ports] + [DEMO_PORT]
+    for _ in range(50):
+        offset = random.randrange(10000, 22900, 100) + extra
+        if all(port_free("127.0.0.1", port + offset) for port in defaults):
+            return offset
+    raise AssertionError("no free port offset for `waygate up` after 50 draws")

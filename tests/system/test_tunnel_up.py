@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import signal
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ import pytest
 import yaml
 
 from tests.support.otlp import OtlpReceiver
-from tests.support.processes import ROOT, child_env
+from tests.support.processes import ROOT, child_env, free_up_offset
 from waygate.components import DEMO_PORT
 from waygate.resolver.filesource import EXAMPLE_ROUTES
 
@@ -30,7 +29,7 @@ pytestmark = pytest.mark.system
 async def test_up_serves_the_edge_route_through_the_tunnel(tmp_path: Path) -> None:
     otlp = OtlpReceiver()
     await otlp.start()
-    offset = random.randrange(10000, 22900, 100)
+    offset = free_up_offset()
     state = tmp_path / "state"
     state.mkdir()
     routes = yaml.safe_load(EXAMPLE_ROUTES.read_text())

@@ -6,14 +6,13 @@ import asyncio
 import contextlib
 import json
 import os
-import random
 import signal
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support.processes import ROOT, child_env, http_get
+from tests.support.processes import ROOT, child_env, free_up_offset, http_get
 from waygate.components import COMPONENTS, DEMO_PORT
 
 pytestmark = pytest.mark.system
@@ -42,7 +41,7 @@ class Up:
     def __init__(self, tmp_path: Path) -> None:
         # Ports 17001..32005: above the defaults, below Linux's ephemeral range
         # (32768+), so no outgoing connection can be holding one of them.
-        self.offset = random.randrange(10000, 22900, 100)
+        self.offset = free_up_offset()
         self.state_dir = tmp_path / "state"
         self.lines: list[str] = []
         self.process: asyncio.subprocess.Process | None = None

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import random
 import shlex
 import signal
 import socket
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.processes import ROOT, child_env, run_cli
+from tests.support.processes import ROOT, child_env, free_up_offset, run_cli
 from waygate.components import DEMO_PORT
 
 pytestmark = pytest.mark.system
@@ -39,7 +38,7 @@ def readme_client_examples() -> list[list[str]]:
 
 def free_offset() -> int:
     # Ports 17001..32005: above the defaults, below Linux's ephemeral range.
-    return random.randrange(10000, 22900, 100)
+    return free_up_offset()
 
 
 async def start_up(cwd: Path, *args: str, env: dict[str, str] | None = None):  # type: ignore[no-untyped-def]

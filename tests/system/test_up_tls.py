@@ -11,7 +11,6 @@ openssl against the bundle, and SIGTERM leaves no child behind.
 from __future__ import annotations
 
 import asyncio
-import random
 import signal
 import stat
 import subprocess
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.processes import child_env
+from tests.support.processes import child_env, free_up_offset
 from waygate.components import COMPONENTS
 
 from .test_up import alive, children_of
@@ -38,7 +37,7 @@ class UpTLS:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         # Below Linux's ephemeral range (32768+), as in test_up.py, on other offsets.
-        self.offset = random.randrange(10000, 22900, 100) + 17
+        self.offset = free_up_offset(17)
         self.lines: list[str] = []
         self.process: asyncio.subprocess.Process | None = None
 
