@@ -34,6 +34,7 @@ from waygate.core.admin import AdminServer, Readiness
 from waygate.core.errors import FailedPrecondition
 from waygate.core.grpcserver import GrpcServer
 from waygate.core.logs import configure_logging
+from waygate.core.memory import MemoryTrimmer
 from waygate.core.settings import ProcessSettings
 from waygate.core.tracing import configure_tracing, shutdown_tracing
 
@@ -295,6 +296,8 @@ class ServiceProcess:
                 "listening",
                 extra={"grpc_ports": [s.port for s in self._started], "admin_port": admin_port},
             )
+            # Freed native memory (gRPC core, OpenSSL) back to the OS after bursts.
+            self.spawn(MemoryTrimmer().run(), "memory-trim")
             await self._stop.wait()
         finally:
             await self._shutdown()
