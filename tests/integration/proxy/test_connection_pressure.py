@@ -12,7 +12,6 @@ import ssl
 import pytest
 
 from tests.integration.proxy.harness import (
-    RecordingUpstream,
     endpoint,
     read_response,
     route,
@@ -26,13 +25,6 @@ from waygate.proxy.server import Limits
 from waygate.proxy.tls import DefaultCertificate, EdgeCertificates
 
 GET = b"GET / HTTP/1.1\r\nHost: echo.test\r\n\r\n"
-
-
-@pytest.fixture
-async def upstream():
-    server = await RecordingUpstream().start()
-    yield server
-    await server.stop()
 
 
 async def idle_connection(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

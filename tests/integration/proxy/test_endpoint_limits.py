@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-
 from tests.integration.proxy.harness import (
-    RecordingUpstream,
     endpoint,
     exchange,
     read_response,
@@ -24,13 +21,6 @@ from tests.support.poll import until
 from waygate.proxy.server import Limits
 
 H = b"Host: echo.test\r\n"
-
-
-@pytest.fixture
-async def upstream():
-    server = await RecordingUpstream().start()
-    yield server
-    await server.stop()
 
 
 def routes(upstream):  # type: ignore[no-untyped-def]

@@ -30,6 +30,19 @@ def routes(port: int):  # type: ignore[no-untyped-def]
     )
 
 
+async def get_through_proxy(upstream_script) -> bytes:  # type: ignore[no-untyped-def]
+    """One GET through a proxy to an upstream running `upstream_script`."""
+    async with (
+        scripted_upstream(upstream_script) as upstream_port,
+        running_proxy(routes(upstream_port)) as (_, port),
+    ):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.1\r\nHost: slow.test\r\n\r\n")
+        response = await read_response(reader, timeout=10)
+        writer.close()
+    return response
+
+
 async def test_an_upload_longer_than_the_server_timeout_is_not_cut_while_it_flows():
     pieces = 8
 
@@ -65,14 +78,7 @@ async def test_informational_heads_do_not_extend_the_server_timeout():
             await writer.drain()
             await asyncio.sleep(SERVER_TIMEOUT / 5)
 
-    async with (
-        scripted_upstream(processing_forever) as upstream_port,
-        running_proxy(routes(upstream_port)) as (_, port),
-    ):
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"GET / HTTP/1.1\r\nHost: slow.test\r\n\r\n")
-        response = await read_response(reader, timeout=10)
-        writer.close()
+    response = await get_through_proxy(processing_forever)
     assert response.startswith(b"HTTP/1.1 504 "), response
 
 
@@ -84,12 +90,5 @@ async def test_a_trickled_response_head_is_bounded_by_the_server_timeout():
             await writer.drain()
             await asyncio.sleep(SERVER_TIMEOUT / 5)
 
-    async with (
-        scripted_upstream(trickles) as upstream_port,
-        running_proxy(routes(upstream_port)) as (_, port),
-    ):
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"GET / HTTP/1.1\r\nHost: slow.test\r\n\r\n")
-        response = await read_response(reader, timeout=10)
-        writer.close()
+    response = await get_through_proxy(trickles)
     assert response.startswith(b"HTTP/1.1 504 "), response
