@@ -30,11 +30,6 @@ pytestmark = pytest.mark.system
 #: name -> (the finding, what the failure may look like). Each is still run and
 #: reported; a failure that does not look like that fails the test.
 KNOWN_FAILING: dict[str, tuple[str, Callable[[str], bool]]] = {
-    "resources: proxy file descriptors back near the baseline": (
-        "the proxy keeps both sockets of a relayed WebSocket after both ends closed "
-        "(issue 18 item 6, 'An upgrade relay closed on both ends stays counted')",
-        lambda detail: True,
-    ),
     "ca-rotation: zero failed requests": (
         "a tunnelled WebSocket is cut once in a while during a CA rotation (tunnel "
         "client channels renewed while a dial is being set up; issue 19's data path)",
@@ -57,6 +52,7 @@ EXPECTED = {
     "nothing lost: every 2xx delivered its body intact",
     "nothing lost: no request answered twice (ids seen twice by a backend)",
     "resources: proxy memory and threads back near the baseline",
+    "resources: proxy file descriptors back near the baseline",
 }
 
 
