@@ -55,6 +55,7 @@ class UpstreamConnection(asyncio.Protocol):
         "closed",
         "counted",
         "exchange",
+        "flow",
         "got_bytes",
         "idle_since",
         "pool_key",
@@ -74,6 +75,7 @@ class UpstreamConnection(asyncio.Protocol):
         # upstream_scope for a reencrypt connection (set by the connect step).
         self.pool_key: Any = target
         self.transport: asyncio.Transport | None = None
+        self.flow: flow.FlowControl | None = None
         self.exchange: Exchange | None = None
         self.idle_since = 0.0
         # Whether it is counted in the pool's per-endpoint bound (Pool.reserve).
@@ -89,6 +91,7 @@ class UpstreamConnection(asyncio.Protocol):
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
         transport.set_write_buffer_limits(high=flow.HIGH_WATER, low=flow.LOW_WATER)
+        self.flow = flow.FlowControl(transport)
         self.server.upstreams.add(self)
         self.server.metrics.upstream_connections = len(self.server.upstreams)
         self.counted = self.server.pool.reserve(self.target, force=True)
@@ -125,12 +128,13 @@ class UpstreamConnection(asyncio.Protocol):
         return False
 
     def pause_reading(self) -> None:
-        if self.transport is not None:
-            self.transport.pause_reading()
+        """The client stopped reading: so does this connection (core.flow, reason PEER)."""
+        if self.flow is not None:
+            self.flow.pause(flow.PEER)
 
     def resume_reading(self) -> None:
-        if self.transport is not None:
-            self.transport.resume_reading()
+        if self.flow is not None:
+            self.flow.resume(flow.PEER)
 
     def release(self, reusable: bool, now: float = 0.0) -> None:
         """The exchange is over: pooled when `reusable` and the upstream keeps it open."""
@@ -145,7 +149,8 @@ class UpstreamConnection(asyncio.Protocol):
             and not self.closed
             and transport is not None
         ):
-            transport.resume_reading()
+            if self.flow is not None and self.flow.reasons:
+                self.flow.resume(flow.PEER)  # idle in the pool: a peer close must be seen
             if not self.server.pool.put(self, now):
                 self.close()
         else:
