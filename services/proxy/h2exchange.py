@@ -3,46 +3,54 @@
 `start_exchange` is called by `waygate.proxy.http2` for every request
 stream. A route whose backend speaks HTTP/2 (its `upstreamProtocol`, or its
 service port's `appProtocol`) goes to `waygate.proxy.h2upstream`; every
-other request drives the proxy's HTTP/1.1 exchange through `_StreamBridge`:
+other request is an `Exchange` (`waygate.proxy.exchange`, the one the
+HTTP/1.1 connection drives) with `StreamDownstream` as its driver:
 
-The bridge is the transport of one `ClientConnection` (one per stream): the
-request goes in as the HTTP/1.1 head it means (`http2.request_head`, then
-`http1.parse_request_head`: one rule book for both versions) and its body,
-chunked when it has no content-length; the exchange's answer comes back as
-HTTP/1.1 bytes, is parsed (`http1.parse_response_head`, the framing of the
-proxy's own output) and leaves as HEADERS, DATA and the stream's end. Every
-rule of the HTTP/1.1 path (routing by :authority, Host agreement, header
-hygiene, balancing, sticky cookies, HSTS, timeouts, auth-proxy routes and
-the client certificate, the explained 502/503/504, metrics, spans, access
-log) holds because it is that code that runs.
+The request enters as the HTTP/1.1 head it means (`http2.request_head`, then
+`http1.parse_request_head`: one rule book for both versions) and its body
+(chunk-framed when it has no content-length); from there every rule of the
+HTTP/1.1 path (routing by :authority, Host agreement, header hygiene,
+balancing, sticky cookies, HSTS, timeouts, auth-proxy routes and the client
+certificate, the explained 502/503/504, metrics, spans, access log) holds,
+because it is that code that runs. The Exchange answers through the
+`Downstream` methods: its response head becomes HEADERS, the bare payload
+(`chunked_ok` False) DATA, and the end the stream's end; its local answers are
+rendered by the same helpers as on HTTP/1.1, or as a gRPC status on gRPC.
 
-Flow control crosses the bridge both ways: the exchange's pause of its
-"client" (`pause_reading`, the upstream is slow) holds the stream's
-WINDOW_UPDATEs; the stream's full buffer (the client's window is shut)
-pauses the exchange's upstream (`pause_writing` on the exchange).
+Flow control crosses both ways: the Exchange's pause of its client
+(`pause_reading`: the upstream is slow, or still connecting) holds the
+stream's WINDOW_UPDATEs; the stream's full buffer (the client's window is
+shut) pauses the upstream (`downstream_paused`). Timeouts: the Exchange's
+deadline is kept here and fired by the HTTP/2 connection's entry in the
+server's ticker (`H2ClientConnection.arm_stream`), so no timer object per
+stream either.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from waygate.proxy import grpcstatus, http1
+from waygate.proxy import filters, grpcstatus, http1, tls
 from waygate.proxy.http1 import (
-    FRAMING_CHUNKED,
-    FRAMING_CLOSE,
     FRAMING_LENGTH,
     FRAMING_NONE,
     BadMessage,
-    ChunkedReader,
+    RequestHead,
+    ResponseHead,
 )
-from waygate.proxy.http2 import (
-    BadRequest,
-    H2ClientConnection,
-    Request,
-    Stream,
-    _h1_class,
-    request_head,
-)
+from waygate.proxy.http2 import BadRequest, H2ClientConnection, Request, Stream, request_head
+
+_EXCHANGE: Any = None
+
+
+def _exchange_module() -> Any:
+    """waygate.proxy.exchange (imported once, late: it imports the server's modules)."""
+    global _EXCHANGE
+    if _EXCHANGE is None:
+        from waygate.proxy import exchange
+
+        _EXCHANGE = exchange
+    return _EXCHANGE
 
 
 def start_exchange(conn: H2ClientConnection, stream: Stream, request: Request, end: bool) -> None:
@@ -53,219 +61,256 @@ def start_exchange(conn: H2ClientConnection, stream: Stream, request: Request, e
     chunked = not end and request.content_length < 0
     try:
         head = request_head(request, chunked)
+        req = http1.parse_request_head(head)
     except BadRequest as exc:
         conn._local_error(stream, exc.status, exc.reason, grpc=stream.grpc)
         return
-    bridge = _StreamBridge(conn, stream, chunked)
-    stream.exchange = bridge
-    h1 = _h1_class()(conn.server)
-    bridge.h1 = h1
-    h1.connection_made(bridge)
-    if bridge.closing:
+    except BadMessage as exc:
+        conn._local_error(stream, exc.status, exc.reason, grpc=stream.grpc)
         return
-    h1.data_received(head)
+    driver = StreamDownstream(conn, stream, chunked)
+    stream.exchange = driver
+    driver.start(req)
 
 
-class _StreamBridge:
-    """The in-memory transport between one HTTP/2 stream and one HTTP/1.1 exchange."""
+class StreamDownstream:
+    """One HTTP/2 stream as the `Downstream` of an Exchange."""
 
     __slots__ = (
-        "buf",
         "chunked",
-        "closing",
+        "client_key",
         "conn",
+        "context",
+        "deadline",
         "done",
-        "framing",
-        "h1",
-        "reader",
-        "remaining",
+        "exchange",
+        "paused",
+        "secure",
+        "server",
         "stream",
-        "swallow",
+        "write_paused",
     )
+
+    # The Exchange hands this driver bare payload, never chunk framing.
+    chunked_ok = False
 
     def __init__(self, conn: H2ClientConnection, stream: Stream, chunked: bool) -> None:
         self.conn = conn
+        self.server = conn.server
         self.stream = stream
         self.chunked = chunked
-        self.h1: Any = None
-        self.closing = False
-        self.buf = b""
-        self.framing = -1  # -1: the response head has not come yet
-        self.remaining = 0
-        self.reader: ChunkedReader | None = None
-        self.done = False  # the response is complete
-        self.swallow = False  # the body of a local answer turned into a gRPC status
+        self.context = conn.context
+        self.client_key = conn.client_key
+        self.secure = conn.secure
+        self.write_paused = False
+        self.paused = 0  # the Exchange's reasons to hold the client's request bytes
+        self.deadline = 0.0  # 0: no timer
+        self.done = False
+        self.exchange = _exchange_module().Exchange(self.server, self)
+
+    # ------------------------------------------------------------ driving
+
+    def start(self, req: RequestHead) -> None:
+        exchange = self.exchange
+        now = self.conn.loop.time()
+        if not exchange.start(req, now):
+            self._finished()
+            return
+        options = exchange.entry.options
+        delay = options.server_timeout
+        if not exchange.req_complete:
+            delay = min(delay, options.client_timeout, self.server.limits.request_body_grace)
+        self._arm(now + delay)
+        exchange.dispatch()
+
+    def _arm(self, deadline: float) -> None:
+        self.deadline = deadline
+        self.conn.arm_stream(deadline)
+
+    def on_timer(self, now: float) -> None:
+        """The connection's ticker: this stream's deadline passed."""
+        if self.done or not self.deadline or now < self.deadline:
+            return
+        self.deadline = 0.0
+        wait = self.exchange.on_timer(now)
+        if wait >= 0 and not self.done:
+            self._arm(now + wait)
 
     # ------------------------------------------------------------ the stream's calls
 
     def request_data(self, data: bytes) -> None:
-        if self.closing or not data:
+        if self.done or not data or self.exchange.req is None:
             return
         if self.chunked:
-            self.h1.data_received(b"%x\r\n%s\r\n" % (len(data), data))
-        else:
-            self.h1.data_received(data)
+            data = b"%x\r\n%s\r\n" % (len(data), data)
+        self.exchange.request_body(data)
 
     def request_end(self) -> None:
-        if self.chunked and not self.closing:
-            self.h1.data_received(b"0\r\n\r\n")
+        if self.chunked and not self.done and self.exchange.req is not None:
+            self.exchange.request_body(b"0\r\n\r\n")
 
     def request_trailers(self, headers: Any) -> None:
         # Request trailers are dropped, as on HTTP/1.1 (see waygate.proxy.http1).
         self.request_end()
 
     def pause_source(self, paused: bool) -> None:
-        if self.closing:
-            return
-        if paused:
-            self.h1.pause_writing()
-        else:
-            self.h1.resume_writing()
+        """The stream's buffer is full (the client's window is shut), or drained."""
+        self.write_paused = paused
+        if not self.done:
+            self.exchange.downstream_paused(paused)
 
     def abandon(self) -> None:
         """The client reset the stream or went: the exchange ends now."""
-        if not self.closing:
-            self.h1.abort()
+        if not self.done:
+            self.exchange.close("client reset the stream")
+            self._finished()
 
-    # ------------------------------------------------------------ asyncio.Transport
+    # ------------------------------------------------------------ Downstream
 
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        transport = self.conn.transport
-        return transport.get_extra_info(name, default) if transport is not None else default
+    def client_identity(self, route: Any) -> tuple[int, str] | bytes:
+        return self.conn.client_identity(route)  # type: ignore[no-any-return]
 
-    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
-        """The stream's own buffer bound applies (H2Limits.stream_buffer)."""
+    def response_head(
+        self,
+        response: ResponseHead,
+        framing: int,
+        length: int,
+        keep_alive: bool,
+        extra: bytes,
+        body: bytes,
+        more: bool,
+    ) -> None:
+        fields = _fields(response.fields)
+        if extra:
+            fields += _fields(b"\r\n" + extra[:-2])
+        if framing == FRAMING_LENGTH:
+            fields.append((b"content-length", b"%d" % length))
+        elif framing == FRAMING_NONE and response.content_length >= 0:
+            fields.append((b"content-length", b"%d" % response.content_length))
+        end = framing == FRAMING_NONE or (framing == FRAMING_LENGTH and length == 0)
+        self.stream.respond(response.status, fields, end=end)
+        if body:
+            self.stream.send(body)
 
-    def is_closing(self) -> bool:
-        return self.closing
+    def response_body(self, data: bytes) -> None:
+        self.stream.send(data)
 
-    def can_write_eof(self) -> bool:
-        return False
+    def response_pieces(self, pieces: list[bytes]) -> None:
+        for piece in pieces:
+            self.stream.send(piece)
 
-    def write_eof(self) -> None:
-        """Never called: an HTTP/2 stream carries no upgrade."""
+    def informational(self, status: int) -> None:
+        """1xx: nothing for an HTTP/2 client (the final answer follows)."""
 
-    def pause_reading(self) -> None:
-        self.stream.upload_paused = True
-
-    def resume_reading(self) -> None:
-        if not self.closing:
-            self.stream.upload_resume()
-
-    def writelines(self, parts: Any) -> None:
-        self.write(b"".join(parts))
-
-    def write(self, data: bytes) -> None:
-        if self.closing or self.done or not data:
+    def answer(self, req: RequestHead, status: int, reason: str, kind: str) -> None:
+        """A local answer: the bytes the HTTP/1.1 path renders, as HTTP/2, or a gRPC status."""
+        exchange = _exchange_module()
+        server = self.server
+        head_only = req.method == b"HEAD"
+        if kind is exchange.ANSWER_HEALTHZ:
+            response = http1.HEALTHZ_RESPONSE
+        elif kind is exchange.ANSWER_OPTIONS:
+            response = http1.OPTIONS_ANY_RESPONSE
+        elif kind is exchange.ANSWER_ROUTE_REDIRECT:
+            response = filters.redirect_head(status, reason.encode("latin-1"), close=False)
+        elif kind is exchange.ANSWER_REDIRECT:
+            port = server.https_port or 443
+            response = tls.redirect_response(req.host, req.target, port, close=False)
+        elif self.stream.grpc:
+            self._grpc_status(status, reason)
             return
-        if self.framing < 0:
-            data = self._head(data)
-            if not data:
-                return
-        if self.swallow:
-            return
-        self._body(data)
+        elif status == 503 and server.unavailable_page:
+            response = http1.error_response(
+                503,
+                reason,
+                close=False,
+                head_only=head_only,
+                body=server.unavailable_page.replace(b"{reason}", reason.encode()),
+            )
+        else:
+            response = http1.error_response(status, reason, close=False, head_only=head_only)
+        self._render(response, head_only)
 
-    def close(self) -> None:
-        """The exchange is over (every request on a stream says Connection: close)."""
-        if self.closing:
+    def exchange_done(self, keep_alive: bool, now: float, idle_timeout: float) -> None:
+        self.stream.finish()
+        self._finished()
+
+    def failed(self, status: int, reason: str, head_only: bool) -> None:
+        if self.done:
             return
-        self.closing = True
-        stream = self.stream
-        if self.done or self.framing == FRAMING_CLOSE or self.swallow:
-            self.done = True
-            stream.finish()
-        elif stream.responded or self.framing < 0:
-            # The exchange ended before its answer did.
-            stream.reset()
-        self._lost()
+        if self.stream.responded:
+            self.stream.reset()
+        elif self.stream.grpc:
+            self._grpc_status(status, reason)
+        else:
+            self._render(http1.error_response(status, reason, close=False), head_only)
+        self._finished()
+
+    def refuse(self, exc: BadMessage) -> None:
+        metrics = self.server.metrics
+        metrics.refused["bad_request"] = metrics.refused.get("bad_request", 0) + 1
+        self.exchange.abandon_upstream()
+        self.failed(exc.status, exc.reason, False)
 
     def abort(self) -> None:
-        if self.closing:
+        if self.done:
             return
-        self.closing = True
-        if not self.done:
-            self.stream.reset()
-        self._lost()
+        self.exchange.abandon_upstream()
+        self.stream.reset()
+        self._finished()
 
-    def _lost(self) -> None:
-        # As a real transport does: connection_lost on the next loop turn.
-        self.stream.exchange = None
-        self.conn.loop.call_soon(self.h1.connection_lost, None)
+    def pause_reading(self, reason: int) -> None:
+        self.paused |= reason
+        self.stream.upload_paused = True
 
-    # ------------------------------------------------------------ the answer
+    def resume_reading(self, reason: int) -> None:
+        if self.paused & reason:
+            self.paused &= ~reason
+            if not self.paused and not self.done:
+                self.stream.upload_resume()
 
-    def _head(self, data: bytes) -> bytes:
-        """Parse the exchange's response head(s); returns the body bytes after it."""
-        while True:
-            buf = self.buf + data if self.buf else data
-            end = buf.find(b"\r\n\r\n")
-            if end < 0:
-                self.buf = buf
-                return b""
-            self.buf = b""
-            head, data = buf[: end + 4], buf[end + 4 :]
-            try:
-                response = http1.parse_response_head(head)
-            except BadMessage:
-                self.abort()
-                return b""
-            if response.status >= 200:
-                break
-            if not data:
-                return b""  # 100 Continue: nothing for an HTTP/2 client
+    # An HTTP/2 request never asks to upgrade: the relay calls cannot come.
+
+    def start_relay(self, response: ResponseHead, rest: bytes) -> None:
+        self.abort()
+
+    def relay_write(self, data: bytes) -> None:
+        self.abort()
+
+    def relay_eof(self) -> bool:
+        return False
+
+    def relay_closed(self) -> None:
+        self.abort()
+
+    # ------------------------------------------------------------ helpers
+
+    def _grpc_status(self, status: int, reason: str) -> None:
+        self.stream.respond(200, grpcstatus.trailers_only(status, reason), end=True)
+        self._finished()
+
+    def _render(self, response: bytes, head_only: bool) -> None:
+        """An HTTP/1.1 answer of the proxy's own (head and body) as HTTP/2."""
+        end = response.find(b"\r\n\r\n") + 4
+        parsed = http1.parse_response_head(response[:end])
+        body = b"" if head_only else response[end:]
+        fields = _fields(parsed.fields)
+        if parsed.content_length >= 0:
+            fields.append((b"content-length", b"%d" % parsed.content_length))
         stream = self.stream
-        fields = _fields(response.fields)
-        framing = http1.response_framing(stream.method, response)
-        self.framing = framing
-        error = dict(fields).get(b"x-waygate-error") if stream.grpc else None
-        if error is not None:
-            # A local answer on a gRPC call: its reason as a gRPC status.
-            reason = error.decode("ascii", "replace")
-            self.swallow = True
-            self.done = True
-            stream.respond(200, grpcstatus.trailers_only(response.status, reason), end=True)
-            return b""
-        length = response.content_length
-        if framing == FRAMING_LENGTH:
-            self.remaining = length
-            fields.append((b"content-length", b"%d" % length))
-        elif framing == FRAMING_CHUNKED:
-            self.reader = ChunkedReader(rechunk=False, status=502)
-        elif framing == FRAMING_NONE and length >= 0:
-            fields.append((b"content-length", b"%d" % length))
-        end = framing == FRAMING_NONE or (framing == FRAMING_LENGTH and length == 0)
-        stream.respond(response.status, [(name, value) for name, value in fields], end=end)
-        if end:
-            self.done = True
-        return data
+        stream.respond(parsed.status, fields, end=not body)
+        if body:
+            stream.send(body)
+            stream.finish()
+        self._finished()
 
-    def _body(self, data: bytes) -> None:
-        stream = self.stream
-        framing = self.framing
-        if framing == FRAMING_LENGTH:
-            if len(data) > self.remaining:
-                data = data[: self.remaining]
-            self.remaining -= len(data)
-            stream.send(data)
-            if self.remaining == 0:
-                self.done = True
-                stream.finish()
-        elif framing == FRAMING_CHUNKED:
-            reader = self.reader
-            assert reader is not None
-            try:
-                out, _ = reader.feed(data)
-            except BadMessage:
-                self.abort()
-                return
-            for piece in out:
-                stream.send(piece)
-            if reader.done:
-                self.done = True
-                stream.finish()
-        elif framing == FRAMING_CLOSE:
-            stream.send(data)
+    def _finished(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.deadline = 0.0
+        if self.stream.exchange is self:
+            self.stream.exchange = None
 
 
 def _fields(block: bytes) -> list[tuple[bytes, Any]]:
@@ -276,7 +321,7 @@ def _fields(block: bytes) -> list[tuple[bytes, Any]]:
     for line in block.split(b"\r\n")[1:]:
         name, _, value = line.partition(b":")
         lname = name.lower()
-        if lname == b"proxy-connection":
+        if lname == b"proxy-connection" or lname == b"connection" or lname == b"keep-alive":
             continue
         out.append((lname, value.strip(b" \t")))
     return out

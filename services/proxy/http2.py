@@ -77,6 +77,7 @@ LOW_WATER = 64 * 1024
 # server's ticker reads `_timer_kind`, `_deadline` and calls `_on_timer`).
 _T_NONE = 0
 _T_IDLE = 1
+_T_STREAMS = 3  # the earliest deadline of a stream's exchange (StreamDownstream)
 
 
 class H2Limits(NamedTuple):
@@ -484,6 +485,10 @@ class H2ClientConnection(asyncio.Protocol):
         self.opened = 0
         self.premature = 0
         self.peer = "unknown"
+        self.client_key = b"unknown"
+        self.context: http1.ForwardedContext | None = None
+        self._identity_route: Any = None
+        self._identity: tuple[int, str] | bytes = b""
         self._flush_soon = False
         # The server's ticker (see waygate.proxy.server.ProxyServer._sweep).
         self._timer_kind = _T_NONE
@@ -494,18 +499,21 @@ class H2ClientConnection(asyncio.Protocol):
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
         server = self.server
-        if server.draining or (
-            # At the cap, idle HTTP/1.1 keep-alive connections make room first.
-            len(server.connections) >= server.max_connections and not server.make_room()
-        ):
+        peer = transport.get_extra_info("peername")
+        self.peer = peer[0] if peer else "unknown"
+        self.client_key = self.peer.encode()
+        # Counted like an HTTP/1.1 connection (total and per-source caps; at a cap
+        # idle HTTP/1.1 keep-alive connections make room first); its streams are
+        # exchanges, not connections.
+        if server.admit(self):
             self.closed = True
             transport.abort()
             return
-        server.connections.add(self)
-        server.metrics.client_connections = len(server.connections)
         STATS.connections["h2" if self.secure else "h2c"] += 1
-        peer = transport.get_extra_info("peername")
-        self.peer = peer[0] if peer else "unknown"
+        if self.secure:
+            self.context = http1.ForwardedContext(self.peer, server.https_port, b"https")
+        else:
+            self.context = http1.ForwardedContext(self.peer, server.listen_port)
         transport.set_write_buffer_limits(high=HIGH_WATER, low=LOW_WATER)
         self.h2.initiate_connection()
         increment = self.limits.connection_window - 65535
@@ -604,7 +612,8 @@ class H2ClientConnection(asyncio.Protocol):
         self.useful += 1
         self.last_stream = stream_id
         STATS.streams["h2" if self.secure else "h2c"] += 1
-        self._timer_kind = _T_NONE
+        if self._timer_kind == _T_IDLE:
+            self._timer_kind = _T_NONE
         stream = Stream(self, stream_id)
         self.streams[stream_id] = stream
         end_stream = event.stream_ended is not None
@@ -812,10 +821,51 @@ class H2ClientConnection(asyncio.Protocol):
         if deadline <= server.soon_until:
             server.soon.append(self)
 
+    def client_identity(self, route: Any) -> tuple[int, str] | bytes:
+        """An auth-proxy route's identity lines for this connection's certificate
+        (cached per route: a connection's certificate never changes)."""
+        if self._identity_route is route:
+            return self._identity
+        checked = self.server.edge.client_identity(
+            self.transport.get_extra_info("ssl_object"),  # type: ignore[union-attr]
+            route,
+        )
+        self._identity_route = route
+        self._identity = checked
+        return checked  # type: ignore[no-any-return]
+
+    def arm_stream(self, deadline: float) -> None:
+        """A stream's exchange has a deadline: the ticker calls us by the earliest."""
+        if self._timer_kind == _T_STREAMS and self._deadline <= deadline:
+            return
+        self._deadline = deadline
+        self._timer_kind = _T_STREAMS
+        server = self.server
+        if deadline <= server.soon_until:
+            server.soon.append(self)
+
     def _on_timer(self) -> None:
-        """No stream for the idle timeout: GOAWAY and close."""
+        """The ticker: streams' deadlines, or no stream for the idle timeout (GOAWAY, close)."""
+        kind = self._timer_kind
         self._timer_kind = _T_NONE
-        if self.streams or self.closed:
+        if self.closed:
+            return
+        if kind == _T_STREAMS:
+            now = self.loop.time()
+            for stream in list(self.streams.values()):
+                driver = stream.exchange
+                deadline = getattr(driver, "deadline", 0.0)
+                if deadline and deadline <= now:
+                    driver.on_timer(now)
+            following = [
+                d for s in self.streams.values() if (d := getattr(s.exchange, "deadline", 0.0))
+            ]
+            if following:
+                self.arm_stream(min(following))
+            elif not self.streams:
+                self._arm_idle(self.server.defaults.keep_alive_timeout)
+            return
+        if self.streams:
             return
         with contextlib.suppress(h2.exceptions.ProtocolError):
             self.h2.close_connection(
