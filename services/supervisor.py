@@ -476,10 +476,10 @@ class Supervisor:
         missing = [c for c in COMPONENTS if not c.implemented]
         if not implemented:
             return fail("no service is implemented yet; nothing to run", EXIT_USAGE_OR_UNREACHABLE)
+        self.context.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         taken = self._taken_port(implemented)
         if taken is not None:
             return fail(f"up: {taken}", EXIT_USAGE_OR_UNREACHABLE)
-        self.context.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._sticky_key()
         if any(c.name == CERTS for c in implemented):
             self.bootstrap = Bootstrap(

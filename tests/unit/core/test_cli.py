@@ -98,7 +98,7 @@ def test_up_refuses_ports_outside_the_range(capsys):
 def test_unknown_command_is_a_usage_error(capsys):
     code, _, err = run(capsys, "frobnicate")
     assert code == 2
-    assert "invalid choice: 'frobnicate'" in err
+    assert "unknown command 'frobnicate'" in err
 
 
 def test_console_entry_point_prints_no_traceback():
