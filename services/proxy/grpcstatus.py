@@ -21,6 +21,7 @@ from typing import Final
 OK: Final = 0
 DEADLINE_EXCEEDED: Final = 4
 PERMISSION_DENIED: Final = 7
+UNIMPLEMENTED: Final = 12
 INTERNAL: Final = 13
 UNAVAILABLE: Final = 14
 UNAUTHENTICATED: Final = 16
@@ -28,6 +29,8 @@ UNAUTHENTICATED: Final = 16
 _CODES: Final = {
     401: UNAUTHENTICATED,
     403: PERMISSION_DENIED,
+    # A Gateway listener's miss: no route for this service/method (gRPC's table).
+    404: UNIMPLEMENTED,
     408: DEADLINE_EXCEEDED,
     502: UNAVAILABLE,
     503: UNAVAILABLE,

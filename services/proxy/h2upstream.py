@@ -96,7 +96,8 @@ class H2Upstreams:
             return False
         host = _host_of(request.authority)
         path = request.path.partition(b"?")[0]
-        entry = self.server.table.lookup(host, path)
+        # With the request: Gateway API routes may match its method, headers, query.
+        entry = self.server.table.lookup(host, path, request, conn.secure)
         if entry is None or entry.route.key not in self.routes:
             return False
         H2Exchange(self, conn, stream, request, entry, end).start()

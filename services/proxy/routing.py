@@ -212,20 +212,29 @@ def _value_holds(check: ValueCheck, value: str | None) -> bool:
 
 
 def request_headers(req: Any) -> dict[str, str]:
-    """The request's header fields by lower-case name (repeated fields joined by ", ")."""
+    """The request's header fields by lower-case name (repeated fields joined by ", "):
+    an HTTP/1.1 head's field block, or an HTTP/2 request's (name, value) list."""
+    pairs = getattr(req, "headers", None)
+    if pairs is None:
+        pairs = []
+        for line in bytes(getattr(req, "fields", b"")).split(b"\r\n"):
+            name, sep, value = line.partition(b":")
+            if sep:
+                pairs.append((name, value.strip()))
     out: dict[str, str] = {}
-    for line in bytes(getattr(req, "fields", b"")).split(b"\r\n"):
-        name, sep, value = line.partition(b":")
-        if not sep:
-            continue
+    for name, value in pairs:
         key = name.decode("latin-1").lower()
-        text = value.strip().decode("latin-1")
+        text = value.decode("latin-1")
         out[key] = out[key] + ", " + text if key in out else text
     return out
 
 
-def request_query(target: bytes) -> dict[str, str]:
-    """The first value of each query parameter (the spec: only the first counts)."""
+def request_query(req: Any) -> dict[str, str]:
+    """The first value of each query parameter (the spec: only the first counts), from
+    an HTTP/1.1 head's target or an HTTP/2 request's :path."""
+    target = getattr(req, "target", None)
+    if target is None:
+        target = req.path
     query = target.partition(b"?")[2]
     out: dict[str, str] = {}
     if query:
@@ -367,7 +376,7 @@ class RouteEntry:
         if self.query:
             query = seen.get("q")
             if query is None:
-                query = seen["q"] = request_query(req.target)
+                query = seen["q"] = request_query(req)
             if not all(_value_holds(c, query.get(c[0])) for c in self.query):
                 return False
         return True

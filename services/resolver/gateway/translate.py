@@ -700,6 +700,8 @@ class _Translator:
                     origin=f"{kind} {key[0]}/{key[1]}",
                     created=specs.created(obj),
                     rule_index=index,
+                    # GRPCRoute backends speak HTTP/2 (h2c here; h2 when reencrypted).
+                    upstream_protocol="grpc" if kind == "GRPCRoute" else "",
                 )
 
     def finish_gateways(self) -> None:

@@ -333,3 +333,24 @@ def test_gateway_routes_share_hosts_across_namespaces_in_the_status_book() -> No
     assert all(s.admitted for s in statuses.values()) and len(statuses) == 2
     # The backend is looked up in its own namespace: found, only without endpoints.
     assert {s.condition("ResolvedRefs").reason for s in statuses.values()} == {"NoReadyEndpoints"}
+
+
+def test_grpc_route_matches_service_and_method_paths_over_http2() -> None:
+    route = f"""apiVersion: gateway.networking.k8s.io/v1
+kind: GRPCRoute
+metadata: {{name: g, namespace: {NS}}}
+spec:
+  parentRefs: [{{name: same-namespace}}]
+  rules:
+  - matches:
+    - method: {{service: echo.Echo, method: Say}}
+    - method: {{service: echo.Echo}}
+    backendRefs: [{{name: infra-backend-v1, port: 8080}}]
+"""
+    content = parse(GATEWAY_CLASS, conformance_text("base.yaml"), route)
+    (made,) = [r for r in content.routes if r.origin == f"GRPCRoute {NS}/g"]
+    assert [(m.path_type, m.path, m.method) for m in made.matches] == [
+        (PathMatchType.EXACT, "/echo.Echo/Say", "POST"),
+        (PathMatchType.PREFIX, "/echo.Echo", "POST"),
+    ]
+    assert made.upstream_protocol == "grpc"
