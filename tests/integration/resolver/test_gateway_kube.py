@@ -237,3 +237,28 @@ async def test_other_controllers_parents_are_kept_and_conflicts_retried(
         "waygate.io/gateway-controller",
     ]
     assert replica.writer.conflicts == 1
+
+
+async def test_a_bad_object_gets_its_reason_in_status_while_the_rest_is_served(
+    kubeapi: StandIn, replicas: list[Replica]
+) -> None:
+    seed(kubeapi)
+    bad = http_route("app")
+    bad["metadata"]["name"] = "bad"
+    bad["spec"]["rules"][0]["matches"] = [
+        {"path": {"type": "RegularExpression", "value": "/(unclosed"}}
+    ]
+    kubeapi.create(bad)
+    replica = await Replica(kubeapi, "solo").start()
+    replicas.append(replica)
+    await until(
+        lambda: our_parent(kubeapi.get(f"{GROUP}/v1", "HTTPRoute", "bad", "shop")) is not None,
+        "the bad HTTPRoute's status",
+    )
+    parent = our_parent(kubeapi.get(f"{GROUP}/v1", "HTTPRoute", "bad", "shop"))
+    assert parent is not None
+    (accepted,) = [c for c in parent["conditions"] if c["type"] == "Accepted"]
+    assert (accepted["status"], accepted["reason"]) == ("False", "UnsupportedValue")
+    assert "invalid regular expression" in accepted["message"]
+    origins = {route.origin for route in replica.store.routes()}
+    assert "HTTPRoute shop/app" in origins and "HTTPRoute shop/bad" not in origins
