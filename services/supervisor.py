@@ -77,12 +77,14 @@ from waygate.components import (
     DEMO_PORT,
     HOST,
     RESOLVER,
+    TUNNEL_AGENT,
     USER,
     Component,
     UpContext,
     process_identity,
     spiffe_id,
 )
+from waygate.core.admin import AdminServer, Readiness
 from waygate.core.backoff import Backoff
 from waygate.core.clientcli import (
     EXIT_FAILED,
@@ -99,11 +101,14 @@ from waygate.core.settings import (
     LOG_FORMATS,
     LOG_LEVELS,
     SettingsError,
+    fraction,
     parse_duration,
+    port_number,
     positive,
     setting,
     settings_from_args,
 )
+from waygate.core.statuspage import GatheredStatus
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +117,7 @@ STABLE_AFTER = 60.0  # a child that ran this long restarts with the initial back
 KEPT_LINES = 20
 #: A child's stderr line longer than this is passed on in pieces (bounded memory).
 MAX_LINE = 64 * 1024
+STATUS_PORT = 9000  # plus the port offset; the page gathering every service's status
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,6 +224,24 @@ class UpSettings:
         help="log format of up and every child: json, text, or auto (text when up's stderr "
         "is a terminal; children get what up decided, their stderr being a pipe)",
         choices=LOG_FORMATS,
+    )
+
+    status_port: int = setting(
+        STATUS_PORT,
+        help="port of the status page gathering every service's (moves with --port-offset)",
+        check=port_number,
+    )
+    otlp_endpoint: str | None = setting(
+        None,
+        help="OTLP/gRPC endpoint every child exports traces to (e.g. 127.0.0.1:4317, "
+        "Jaeger's); unset: no export",
+        env=("WAYGATE_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"),
+    )
+    trace_sample_ratio: float = setting(
+        1.0,
+        help="with --otlp-endpoint: share of untraced requests the proxy starts a trace "
+        "for (0..1); requests with trace context follow their parent",
+        check=fraction,
     )
 
     def __post_init__(self) -> None:
@@ -388,7 +412,25 @@ class Supervisor:
             argv += ["--sticky-key-file", str(key_file)]
         if self.bootstrap is not None and component.name != CERTS and "certs_address" in fields:
             argv += self.bootstrap.arguments(component.name, self.context.address(CERTS))
+        if self.settings.otlp_endpoint:
+            argv += ["--otlp-endpoint", self.settings.otlp_endpoint]
+            argv += ["--trace-sample-ratio", str(self.settings.trace_sample_ratio)]
         return argv
+
+    async def _serve_status(self, implemented: list[Component]) -> AdminServer:
+        """The status page gathering every child's (their admin ports' /status.json)."""
+        readiness = Readiness()
+        readiness.set_ready()
+        # Traffic first (the proxy's routes), the CA last: the order people look in.
+        order = ["proxy", RESOLVER, "tunnel-server", TUNNEL_AGENT, CERTS]
+        shown = sorted(implemented, key=lambda c: order.index(c.name) if c.name in order else 99)
+        gathered = GatheredStatus(
+            "Waygate (waygate up)",
+            [(c.name, HOST, self.context.port(c.name, "admin_port")) for c in shown],
+        )
+        server = AdminServer(readiness, status=gathered)
+        await server.start(HOST, self.settings.status_port + self.context.port_offset)
+        return server
 
     def _demo_argv(self) -> list[str]:
         return [
@@ -488,7 +530,12 @@ class Supervisor:
             )
             self.bootstrap.write()
         self._record(implemented)
+        status_server = await self._serve_status(implemented)
         self.print_addresses(implemented, missing)
+        print(
+            f"  {'status page':<14} http://{HOST}:{status_server.port}/  (every service's, live)",
+            flush=True,
+        )
         children = [
             Child(c.name, self._argv(c), self.context.port(c.name, "admin_port"))
             for c in implemented
@@ -536,6 +583,7 @@ class Supervisor:
                 self._client_renewal.cancel()
                 await asyncio.gather(self._client_renewal, return_exceptions=True)
             await self._stop_all()
+            await status_server.stop()
             for watcher in watchers:
                 watcher.cancel()
             await asyncio.gather(*watchers, return_exceptions=True)

@@ -544,6 +544,9 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         build_authenticator(settings, kube_api), build_policy(settings, kube_api), executor=signing
     )
     service.attach(authority)
+    from waygate.certs import page
+
+    process.status.add("certs", page.provider(authority))
     process.on_drain(service.end_watches)
     process.on_stop(service.shutdown)  # the signing pool's threads end with the process
     if settings.workers > 1:

@@ -1,4 +1,5 @@
-"""The admin HTTP listener every process has: /metrics, /healthz, /readyz.
+"""The admin HTTP listener every process has: /metrics, /healthz, /readyz, and the
+status page: / (HTML) and /status.json (the same data; `waygate.core.statuspage`).
 
 /healthz answers 200 while the event loop runs (liveness). /readyz answers 200
 only when the process has declared itself ready and is not draining, else 503
@@ -26,6 +27,7 @@ kills the pod again and again). The room is shared like this:
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -37,6 +39,8 @@ from prometheus_client import (
     Counter,
     generate_latest,
 )
+
+from waygate.core.statuspage import StatusSource, page_html
 
 if TYPE_CHECKING:
     from waygate.core.settings import ProcessSettings
@@ -103,8 +107,12 @@ class AdminServer:
         head_timeout: float = 2.0,
         max_connections: int = 64,
         max_connections_per_source: int = 8,
+        status: StatusSource | None = None,
     ) -> None:
         self._readiness = readiness
+        # The status page (None: / and /status.json answer 404). Set before start.
+        self.status = status
+        self._page = page_html() if status is not None else b""
         self._registry = registry
         self._head_timeout = head_timeout
         self._max_connections = max_connections
@@ -118,12 +126,18 @@ class AdminServer:
         self.port = 0
 
     @classmethod
-    def from_settings(cls, readiness: Readiness, settings: ProcessSettings) -> AdminServer:
+    def from_settings(
+        cls,
+        readiness: Readiness,
+        settings: ProcessSettings,
+        status: StatusSource | None = None,
+    ) -> AdminServer:
         return cls(
             readiness,
             head_timeout=settings.admin_head_timeout,
             max_connections=settings.admin_max_connections,
             max_connections_per_source=settings.admin_max_connections_per_source,
+            status=status,
         )
 
     async def start(self, host: str, port: int) -> int:
@@ -135,6 +149,20 @@ class AdminServer:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
+
+    async def _answer(self, method: str, path: str) -> bytes:
+        """The status page's two paths (its document may be gathered from elsewhere,
+        as `waygate up`'s is); everything else from `_route`."""
+        bare = path.split("?", 1)[0]
+        if method in ("GET", "HEAD") and self.status is not None:
+            head_only = method == "HEAD"
+            if bare == "/":
+                return _response("200 OK", self._page, "text/html; charset=utf-8", head_only)
+            if bare == "/status.json":
+                document = await self.status.document()
+                body = json.dumps(document, separators=(",", ":"), default=str).encode()
+                return _response("200 OK", body, "application/json", head_only)
+        return self._route(method, path)
 
     def _route(self, method: str, path: str) -> bytes:
         head_only = method == "HEAD"
@@ -156,7 +184,9 @@ class AdminServer:
                 "200 OK", generate_latest(self._registry), CONTENT_TYPE_LATEST, head_only
             )
         return _response(
-            "404 Not Found", b"not found; try /metrics /healthz /readyz\n", head_only=head_only
+            "404 Not Found",
+            b"not found; try / /status.json /metrics /healthz /readyz\n",
+            head_only=head_only,
         )
 
     # -------------------------------------------------------- room sharing
@@ -221,7 +251,7 @@ class AdminServer:
             if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
                 writer.write(_response("400 Bad Request", b"malformed request line\n"))
                 return
-            writer.write(self._route(parts[0], parts[1]))
+            writer.write(await self._answer(parts[0], parts[1]))
         finally:
             try:
                 await self._close(writer)

@@ -77,7 +77,7 @@ class TextFormatter(logging.Formatter):
             if key not in _STANDARD_ATTRS and not key.startswith("_")
         ]
         context = trace.get_current_span().get_span_context()
-        if context.is_valid:
+        if context.is_valid and not hasattr(record, "trace_id"):
             fields.append(f"trace_id={context.trace_id:032x}")
         line = (
             f"{stamp}.{int(record.msecs):03d} {record.levelname:<7} {self._service}  "
@@ -88,6 +88,26 @@ class TextFormatter(logging.Formatter):
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return line
+
+
+def span_fields(span: Any) -> dict[str, str]:
+    """`extra=` fields naming `span`, for a line logged outside its context.
+
+    Inside a span (gRPC handlers, tasks started under one) the formatters add the
+    current span's ids themselves; code driven by protocol callbacks (the proxy's
+    exchanges) has no current span, so it names the request's own, and its
+    access-log and other lines of a traced request carry the trace id too.
+    Empty for None or an invalid (unsampled, no-op) span.
+    """
+    if span is None:
+        return {}
+    context = span.get_span_context()
+    if not context.is_valid:
+        return {}
+    return {
+        "trace_id": format(context.trace_id, "032x"),
+        "span_id": format(context.span_id, "016x"),
+    }
 
 
 def text_wanted(log_format: str, stream: Any = None) -> bool:

@@ -36,6 +36,7 @@ from waygate.core.grpcserver import GrpcServer
 from waygate.core.logs import configure_logging
 from waygate.core.memory import MemoryTrimmer
 from waygate.core.settings import ProcessSettings
+from waygate.core.statuspage import Section, StatusPage, expiry_cell
 from waygate.core.tracing import configure_tracing, shutdown_tracing
 
 if TYPE_CHECKING:
@@ -86,7 +87,10 @@ class ServiceProcess:
         self.service = service
         self.settings = settings
         self.readiness = Readiness()
-        self.admin = AdminServer.from_settings(self.readiness, settings)
+        # The admin port's status page; services add their sections in setup.
+        self.status = StatusPage(service, lambda: (self.readiness.ready, self.readiness.reason))
+        self.status.add("certificates", self._certificate_sections)
+        self.admin = AdminServer.from_settings(self.readiness, settings, self.status)
         self.grpc_servers: list[GrpcServer] = []
         self.listeners: list[Listener] = []
         self._started_listeners: list[Listener] = []
@@ -131,6 +135,31 @@ class ServiceProcess:
     def on_stop(self, cleanup: Cleanup) -> None:
         """Run `cleanup` while stopping, after the servers; last registered runs first."""
         self._cleanups.append(cleanup)
+
+    def _certificate_sections(self) -> list[Section]:
+        """This process's own certificate and the CAs it trusts, with time left."""
+        held = self._certificates
+        if held is None or not held.rotator.has_certificate:
+            return []
+        current = held.rotator.current
+        rows: list[list[Any]] = [
+            [
+                "own",
+                current.identity,
+                current.serial[:16],
+                expiry_cell(current.not_after, current.not_before),
+            ]
+        ]
+        for ca in held.trust.current.certificates:
+            rows.append(
+                [
+                    "trusted CA",
+                    ca.subject.rfc4514_string(),
+                    format(ca.serial_number, "x")[:16],
+                    expiry_cell(ca.not_valid_after_utc, ca.not_valid_before_utc),
+                ]
+            )
+        return [Section("Certificates", ["kind", "identity", "serial", "expires in"], rows)]
 
     async def certificates(self) -> ProcessCertificates | None:
         """This process's certificate from certs (None without `certs_address`).

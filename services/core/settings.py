@@ -114,6 +114,10 @@ def positive(value: float) -> str | None:
     return None if value > 0 else f"must be greater than 0, not {value}"
 
 
+def fraction(value: float) -> str | None:
+    return None if 0.0 <= value <= 1.0 else f"must lie between 0 and 1, not {value}"
+
+
 def non_negative(value: float) -> str | None:
     return None if value >= 0 else f"must be 0 or more, not {value}"
 
@@ -366,6 +370,12 @@ class ProcessSettings:
         None,
         help="OTLP/gRPC endpoint for traces (e.g. http://jaeger:4317); unset: no export",
         env=("WAYGATE_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"),
+    )
+    trace_sample_ratio: float = setting(
+        0.0,
+        help="share of requests without trace context that the proxy starts a trace for "
+        "(0..1); requests that carry one follow their parent's decision",
+        check=fraction,
     )
     shutdown_grace: float = setting(
         10.0,

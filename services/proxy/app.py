@@ -547,6 +547,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     h2_upstreams = H2Upstreams(server, settings.h2_limits())
     server.h2_upstreams = h2_upstreams  # type: ignore[attr-defined]
     process.on_stop(_closer(h2_upstreams.close))
+    server.trace_ratio = settings.trace_sample_ratio
     REGISTRY.register(ProxyCollector(metrics.snapshot))
     REGISTRY.register(H2Collector())
     process.on_stop(_unregister(metrics))
@@ -610,6 +611,9 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         await process_client(process, ViewPresence(watch)), ConnectError
     )
     process.spawn(watch.run(), "resolver-watch")
+    from waygate.proxy import status
+
+    process.status.add("proxy", status.provider(server, watch, front))
     process.add_listener(
         HttpListener(server, settings.host, settings.http_port, reuse_port=settings.worker)
     )

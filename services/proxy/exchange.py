@@ -67,10 +67,12 @@ import random
 import re
 from typing import TYPE_CHECKING, Any, Protocol
 
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry import context as otel_context
+from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from waygate.core import flow
+from waygate.core.logs import span_fields
 from waygate.core.tracing import tracer
 from waygate.proxy import filters, http1, tls
 from waygate.proxy.http1 import (
@@ -185,6 +187,7 @@ def _log_access(exchange: Exchange, route: str, req: RequestHead, status: int) -
             "duration_ms": round((exchange.loop.time() - exchange.started) * 1000, 3)
             if exchange.started
             else 0.0,
+            **span_fields(exchange.span),
         },
     )
 
@@ -393,6 +396,10 @@ class Exchange:
                 # Sampled upstream of us (parent-based): a span, and its id goes on.
                 traceparent = self._start_span(req, entry)
                 self.upstream_traceparent = traceparent.decode("ascii")
+        elif server.trace_ratio and random.random() < server.trace_ratio:
+            # No trace context: this proxy starts a trace, for its configured share.
+            traceparent = self._start_span(req, entry)
+            self.upstream_traceparent = traceparent.decode("ascii")
         elif self.upstream_traceparent is not None:
             self.upstream_traceparent = None
         if route_filters is not None:
@@ -542,6 +549,10 @@ class Exchange:
     async def _connect(self, target: Target) -> None:
         """Open a connection to `target` (reserved in the pool's per-endpoint bound by
         the caller; the reservation ends here, the open connection counts itself)."""
+        if self.span is not None:
+            # This task's own context: lines it logs (a failed TLS handshake, a
+            # tunnel dial) carry the request's trace.
+            otel_context.attach(set_span_in_context(self.span))
         self.connecting = target
         try:
             await self._open(target)
@@ -753,7 +764,8 @@ class Exchange:
         upstream = self.upstream
         assert upstream is not None
         self.last_up = now
-        server.metrics.latency(now - upstream.sent_at)
+        entry = self.entry
+        server.metrics.latency(now - upstream.sent_at, entry.options.name if entry else "")
         framing = http1.response_framing(req.method, response)
         length = response.content_length
         status = response.status

@@ -638,7 +638,7 @@ class H2Exchange:
         self.responded = True
         self.last_up = self.server.loop.time()
         server = self.server
-        server.metrics.latency(self.last_up - self.started)
+        server.metrics.latency(self.last_up - self.started, self.entry.options.name)
         out += self.extra
         self.stream.respond(status, out, end=ended)
         if ended:

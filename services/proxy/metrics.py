@@ -40,6 +40,9 @@ class ProxyMetrics:
         self.refused: dict[str, int] = {}  # local 4xx/5xx answers by reason kind
         self.latency_counts = [0] * (len(LATENCY_BUCKETS) + 1)
         self.latency_sum = 0.0
+        # The same buckets per route (the status page's p50/p99, the dashboards').
+        self.route_latency: dict[str, list[int]] = {}
+        self.route_latency_sum: dict[str, float] = {}
         self.client_connections = 0
         self.upstream_connections = 0
         self.upstream_opened = 0
@@ -54,9 +57,16 @@ class ProxyMetrics:
         key = (route, method, status // 100)
         self.requests[key] = self.requests.get(key, 0) + 1
 
-    def latency(self, seconds: float) -> None:
-        self.latency_counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+    def latency(self, seconds: float, route: str = "") -> None:
+        index = bisect.bisect_left(LATENCY_BUCKETS, seconds)
+        self.latency_counts[index] += 1
         self.latency_sum += seconds
+        if route:
+            counts = self.route_latency.get(route)
+            if counts is None:
+                counts = self.route_latency[route] = [0] * (len(LATENCY_BUCKETS) + 1)
+            counts[index] += 1
+            self.route_latency_sum[route] = self.route_latency_sum.get(route, 0.0) + seconds
 
     def connect_error(self, kind: str) -> None:
         self.connect_errors[kind] = self.connect_errors.get(kind, 0) + 1
@@ -80,6 +90,8 @@ class ProxyMetrics:
             "refused": dict(self.refused),
             "latency_counts": list(self.latency_counts),
             "latency_sum": self.latency_sum,
+            "route_latency": {route: list(c) for route, c in self.route_latency.items()},
+            "route_latency_sum": dict(self.route_latency_sum),
             "client_connections": self.client_connections,
             "upstream_connections": self.upstream_connections,
             "upstream_opened": self.upstream_opened,
@@ -90,6 +102,36 @@ class ProxyMetrics:
             "redispatches": self.redispatches,
             "evicted_idle": self.evicted_idle,
         }
+
+
+def _cumulative(counts: list[int]) -> list[tuple[str, float]]:
+    """Per-bucket counts -> Prometheus's cumulative (le, count) pairs."""
+    buckets = []
+    running = 0
+    for bound, count in zip([*map(str, LATENCY_BUCKETS), "+Inf"], counts, strict=True):
+        running += count
+        buckets.append((bound, float(running)))
+    return buckets
+
+
+def quantile(counts: list[int], q: float) -> float | None:
+    """The q-quantile of per-bucket counts, interpolated within its bucket as
+    Prometheus's histogram_quantile does (None: no observation; the last finite
+    bound when it falls in +Inf)."""
+    total = sum(counts)
+    if not total:
+        return None
+    rank = q * total
+    running = 0
+    for index, count in enumerate(counts):
+        if running + count >= rank and count:
+            if index == len(LATENCY_BUCKETS):
+                return LATENCY_BUCKETS[-1]
+            lower = LATENCY_BUCKETS[index - 1] if index else 0.0
+            upper = LATENCY_BUCKETS[index]
+            return lower + (upper - lower) * (rank - running) / count
+        running += count
+    return LATENCY_BUCKETS[-1]
 
 
 class ProxyCollector(Collector):
@@ -124,20 +166,23 @@ class ProxyCollector(Collector):
         for reason, count in snap["refused"].items():
             refused.add_metric([reason], count)
         yield refused
-        buckets = []
-        running = 0
-        for bound, count in zip(
-            [*map(str, LATENCY_BUCKETS), "+Inf"], snap["latency_counts"], strict=True
-        ):
-            running += count
-            buckets.append((bound, running))
         histogram = HistogramMetricFamily(
             "waygate_proxy_upstream_latency_seconds",
             "time from the request head sent upstream to the response head received",
-            buckets=buckets,
+            buckets=_cumulative(snap["latency_counts"]),
             sum_value=snap["latency_sum"],
         )
         yield histogram
+        by_route = HistogramMetricFamily(
+            "waygate_proxy_route_upstream_latency_seconds",
+            "upstream_latency_seconds by route",
+            labels=["route"],
+        )
+        for route, counts in snap["route_latency"].items():
+            by_route.add_metric(
+                [route], _cumulative(counts), sum_value=snap["route_latency_sum"][route]
+            )
+        yield by_route
         for name, help_text, field in (
             ("waygate_proxy_client_connections", "open client connections", "client_connections"),
             (

@@ -153,6 +153,8 @@ class ProxyServer:
         self.soon_until = 0.0
         self.soon: list[ClientConnection] = []
         # Access-log lines allowed per second; the rest are counted and summarised.
+        # Share of requests without trace context that start a trace here (0..1).
+        self.trace_ratio = 0.0
         self.access_log_rate = access_log_rate
         self.access_log_budget = access_log_rate
         self.access_log_suppressed = 0

@@ -295,6 +295,10 @@ class EdgeCertificates:
         self.context = self._listener_context()
         default.on_change = self._default_changed
 
+    def served(self) -> list[tuple[str, ServedCertificate]]:
+        """(host, certificate) pairs served by SNI, wildcards as "*.domain" (the status page)."""
+        return [*self._exact.items(), *(("*." + host, c) for host, c in self._wildcard.items())]
+
     def _listener_context(self) -> ssl.SSLContext:
         """The context the server holds: protocol versions, ciphers, ALPN and the
         session cache apply from it to every connection; the certificate is

@@ -229,6 +229,9 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
             else None,
         )
     metrics.observe(store, file_source)
+    from waygate.resolver import page
+
+    process.status.add("resolver", page.provider(store))
     access = WriteAccess(
         tunnel_reporters=settings.tunnel_reporters,
         route_admins=settings.route_admins,

@@ -176,6 +176,9 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
             process.readiness.set_not_ready("no stream to any tunnel server replica")
 
     agent.on_streams = readiness
+    from waygate.tunnel import metrics
+
+    process.status.add("tunnel-agent", metrics.agent_status_provider(agent))
     process.spawn(agent.run(), "tunnel-agent")
 
     async def become_ready() -> None:

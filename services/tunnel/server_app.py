@@ -146,6 +146,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         dial_timeout=settings.dial_timeout,
     )
     metrics.observe(hub)
+    process.status.add("tunnel-server", metrics.status_provider(hub))
     authenticated = settings.certs_address is not None or settings.tls_client_ca_file is not None
     if not authenticated:
         log.warning(

@@ -330,6 +330,8 @@ def test_dev_overlay_exports_traces_from_every_waygate_workload():
         }
         assert env["WAYGATE_OTLP_ENDPOINT"] == "http://waygate-jaeger:4317", workload["metadata"]
         assert env["WAYGATE_LOG_LEVEL"] == "debug"
+        if workload["metadata"]["name"] == "waygate-proxy":
+            assert 0 < float(env["WAYGATE_TRACE_SAMPLE_RATIO"]) <= 1
 
 
 # Kinds that live outside any namespace (Kubernetes' own; a custom kind's scope is

@@ -168,10 +168,23 @@ def free_up_offset(extra: int = 0) -> int:
 
     from waygate.components import COMPONENTS, DEMO_PORT
     from waygate.core.portholder import port_free
+    from waygate.supervisor import STATUS_PORT
 
-    defaults = [port for c in COMPONENTS for _, port in c.ports] + [DEMO_PORT]
+    defaults = [port for c in COMPONENTS for _, port in c.ports] + [DEMO_PORT, STATUS_PORT]
     for _ in range(50):
         offset = random.randrange(10000, 22900, 100) + extra
         if all(port_free("127.0.0.1", port + offset) for port in defaults):
             return offset
     raise AssertionError("no free port offset for `waygate up` after 50 draws")
+
+
+async def proxy_get(port: int, host: str, path: str = "/") -> tuple[int, bytes]:
+    """GET `path` with this Host on a fresh connection: (status, body)."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 5)
+    try:
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        data = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body

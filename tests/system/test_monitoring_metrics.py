@@ -19,7 +19,7 @@ from prometheus_client import REGISTRY, generate_latest
 
 from tests.deploy.test_monitoring import monitored_metric_names
 from tests.support.poll import until
-from tests.support.processes import http_get
+from tests.support.processes import http_get, proxy_get
 from waygate.components import COMPONENTS
 
 from .test_up import Up
@@ -50,16 +50,6 @@ def exposed_names(text: str) -> set[str]:
     return names
 
 
-async def request_through_proxy(port: int) -> int:
-    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 5)
-    try:
-        writer.write(b"GET / HTTP/1.1\r\nHost: echo.localtest.me\r\nConnection: close\r\n\r\n")
-        data = await asyncio.wait_for(reader.read(), 10)
-    finally:
-        writer.close()
-    return int(data.split(b" ", 2)[1])
-
-
 async def test_every_metric_the_alerts_and_dashboards_name_is_exported(tmp_path):
     wanted = monitored_metric_names()
     assert len(wanted) > 25
@@ -69,7 +59,7 @@ async def test_every_metric_the_alerts_and_dashboards_name_is_exported(tmp_path)
         http_port = PROXY.port("http_port") + up.offset
 
         async def routed() -> bool:
-            return await request_through_proxy(http_port) == 200
+            return (await proxy_get(http_port, "echo.localtest.me"))[0] == 200
 
         await until(routed, "the proxy to route echo.localtest.me", timeout=30, interval=0.2)
         exposed: set[str] = set()

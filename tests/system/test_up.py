@@ -38,16 +38,29 @@ def alive(pid: int) -> bool:
 
 
 class Up:
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, *extra_args: str, stderr: Path | None = None) -> None:
         # Ports 17001..32005: above the defaults, below Linux's ephemeral range
         # (32768+), so no outgoing connection can be holding one of them.
         self.offset = free_up_offset()
         self.state_dir = tmp_path / "state"
         self.lines: list[str] = []
         self.process: asyncio.subprocess.Process | None = None
+        self.extra_args = extra_args
+        # Where up's stderr (its own and its children's log lines) goes; None: nowhere.
+        self.stderr = stderr
 
     async def start(self) -> None:
-        self.process = await asyncio.create_subprocess_exec(
+        # up gets its own descriptor of the file; ours is closed once it has started.
+        log = self.stderr.open("ab") if self.stderr is not None else None
+        try:
+            self.process = await self._spawn(log)
+        finally:
+            if log is not None:
+                log.close()
+        await self.wait_for_line("waygate up: all services started", timeout=90)
+
+    async def _spawn(self, log) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
             "waygate",
@@ -56,12 +69,12 @@ class Up:
             str(self.offset),
             "--state-dir",
             str(self.state_dir),
+            *self.extra_args,
             cwd=ROOT,
             env=child_env(),
             stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL if log is None else log,
         )
-        await self.wait_for_line("waygate up: all services started", timeout=90)
 
     async def wait_for_line(self, text: str, timeout: float) -> None:
         assert self.process is not None and self.process.stdout is not None

@@ -170,6 +170,24 @@ def proxy() -> dict:
             ],
             [
                 graph(
+                    "Upstream p50 by route",
+                    (
+                        quantile(0.5, "waygate_proxy_route_upstream_latency_seconds", "le, route"),
+                        "{{route}}",
+                    ),
+                    unit="s",
+                ),
+                graph(
+                    "Upstream p99 by route",
+                    (
+                        quantile(0.99, "waygate_proxy_route_upstream_latency_seconds", "le, route"),
+                        "{{route}}",
+                    ),
+                    unit="s",
+                ),
+            ],
+            [
+                graph(
                     "Local responses by reason (refused, no route, no endpoint, timeouts)",
                     (rate("waygate_proxy_local_responses_total", "reason"), "{{reason}}"),
                     unit="reqps",

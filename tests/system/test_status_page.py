@@ -1,0 +1,168 @@
+"""The status page under `waygate up`, as a person sees it: headless Chromium
+loads the page `up` serves, its script fetches every service's status and keeps
+it live, and what it shows follows what happens (traffic, a route to a service
+that does not exist, a rejected routes-file edit) without a reload.
+
+Set WAYGATE_STATUS_SCREENSHOT=PATH to keep the screenshot taken on the way
+(docs/status-page.png is made that way).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.support.chromium import Chromium
+from tests.support.poll import until
+from tests.support.processes import proxy_get
+from waygate.components import COMPONENTS
+from waygate.supervisor import STATUS_PORT
+
+from .test_up import Up
+
+pytestmark = pytest.mark.system
+
+PROXY = next(c for c in COMPONENTS if c.name == "proxy")
+
+
+async def get_echo(port: int) -> int:
+    return (await proxy_get(port, "echo.localtest.me"))[0]
+
+
+def row_text(section: str, row: str) -> str:
+    """JS: the cells' text of one row of one section, joined by ' | ' ('' when absent)."""
+    return (
+        f'(() => {{ const r = document.querySelector(\'[data-section="{section}"] '
+        f'tr[data-row="{row}"]\'); return r ? [...r.children].map(c => c.textContent)'
+        ".join(' | ') : ''; })()"
+    )
+
+
+async def test_the_status_page_shows_every_service_live_in_chromium(tmp_path: Path) -> None:
+    up = Up(tmp_path)
+    try:
+        await up.start()
+        assert any(f":{STATUS_PORT + up.offset}/" in line for line in up.lines), up.lines
+        http_port = PROXY.port("http_port") + up.offset
+
+        async def routed() -> bool:
+            return await get_echo(http_port) == 200
+
+        await until(routed, "the proxy to route echo.localtest.me", timeout=30, interval=0.2)
+
+        async with Chromium(f"http://127.0.0.1:{STATUS_PORT + up.offset}/") as page:
+
+            async def shown(section: str, row: str, *words: str) -> bool:
+                text = await page.evaluate(row_text(section, row))
+                return bool(text) and all(word in text for word in words)
+
+            async def requests_shown() -> int:
+                text = await page.evaluate(row_text("proxy/Routes", "demo/echo"))
+                return int(text.split(" | ")[4]) if text else -1
+
+            await until(
+                lambda: page.evaluate("!!document.body && document.body.dataset.state === 'live'"),
+                "the page's first status.json",
+                timeout=30,
+                interval=0.2,
+            )
+            # Every service has its part, each from its own admin port.
+            services = await page.evaluate(
+                "[...document.querySelectorAll('[data-service]')].map(e => e.dataset.service)"
+            )
+            assert set(services) == {c.name for c in COMPONENTS if c.implemented}
+            assert services[0] == "proxy"  # traffic first
+            # Routes with traffic, endpoints with health, agents and where they are held.
+            await until(lambda: _at_least(requests_shown(), 1), "demo/echo's requests", timeout=15)
+            assert await shown("proxy/Routes", "demo/echo", "echo.localtest.me/", "1/1")
+            assert await shown("proxy/Endpoints", "demo/hello", "via tunnel to edge-local", "ok")
+            await until(
+                lambda: shown("tunnel-server/Tunnel agents", "edge-local", "tunnel-server-0"),
+                "the agent on the tunnel server's page",
+                timeout=30,
+                interval=0.2,
+            )
+            await until(
+                lambda: shown("resolver/Tunnel presence", "edge-local", "tunnel-server-0"),
+                "the agent's presence in the resolver",
+                timeout=30,
+                interval=0.2,
+            )
+            assert await shown("resolver/Routes", "demo/echo", "admitted", "refs resolved")
+            assert await shown("proxy/Resolver view", "version")
+            # Certificates with expiry bars: the CA for a year, leaves for a day.
+            assert await shown("certs/Certificate authorities", "ACTIVE", "364d")
+            bar = await page.evaluate(
+                'document.querySelector(\'[data-section="proxy/Certificates"] '
+                'tr[data-row="own"] .bar > span\').style.width'
+            )
+            assert bar.endswith("%") and 90 < float(bar[:-1]) <= 100
+
+            # Live: more traffic shows up without a reload.
+            before = await requests_shown()
+            updates = await page.evaluate("Number(document.body.dataset.updates)")
+            for _ in range(3):
+                assert await get_echo(http_port) == 200
+            await until(
+                lambda: _at_least(requests_shown(), before + 3),
+                "the new requests on the page",
+                timeout=15,
+                interval=0.2,
+            )
+            assert await page.evaluate("Number(document.body.dataset.updates)") > updates
+            latency = (await page.evaluate(row_text("proxy/Routes", "demo/echo"))).split(" | ")
+            assert latency[6].endswith(" ms") and latency[7].endswith(" ms"), latency
+
+            # A route to a service that does not exist says so, in red.
+            routes_file = up.state_dir / "routes.yaml"
+            good = routes_file.read_text()
+            document = yaml.safe_load(good)
+            document["routes"].append(
+                {"namespace": "demo", "name": "ghost", "host": "ghost.localtest.me", "to": "nope"}
+            )
+            routes_file.write_text(yaml.safe_dump(document))
+            await until(
+                lambda: shown("resolver/Routes", "demo/ghost", "service demo/nope not found"),
+                "demo/ghost's condition on the page",
+                timeout=20,
+                interval=0.2,
+            )
+            state = await page.evaluate(
+                'document.querySelector(\'[data-section="resolver/Routes"] '
+                'tr[data-row="demo/ghost"] td:last-child\').className'
+            )
+            assert state == "bad"
+            screenshot = tmp_path / "status-page.png"
+            await page.screenshot(screenshot)
+            assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+            keep = os.environ.get("WAYGATE_STATUS_SCREENSHOT")
+            if keep:
+                shutil.copy(screenshot, keep)
+
+            # A rejected routes-file edit: the page names the file and line.
+            routes_file.write_text(good + "routes: [oops\n")
+            await until(
+                lambda: shown(
+                    "resolver/Route sources",
+                    f"file:{routes_file}",
+                    "rejected",
+                    f"{routes_file}:",
+                    "the last good state is kept",
+                ),
+                "the rejected edit on the page",
+                timeout=20,
+                interval=0.2,
+            )
+    finally:
+        if up.process is not None and up.process.returncode is None:
+            up.process.terminate()
+            await asyncio.wait_for(up.process.wait(), 60)
+
+
+async def _at_least(value, floor: int) -> bool:
+    return await value >= floor
