@@ -601,7 +601,8 @@ class Supervisor:
             for c in implemented
             for field, label in c.port_labels
         ]
-        return [*ports, (self.context.demo_port, f"{DEMO} HTTP")]
+        status = (self.settings.status_port + self.context.port_offset, "status page")
+        return [*ports, (self.context.demo_port, f"{DEMO} HTTP"), status]
 
     def _taken_port(self, implemented: list[Component]) -> str | None:
         """What is wrong when a port `up` needs is taken (None: all free)."""
