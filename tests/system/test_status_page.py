@@ -75,12 +75,22 @@ async def test_the_status_page_shows_every_service_live_in_chromium(tmp_path: Pa
             services = await page.evaluate(
                 "[...document.querySelectorAll('[data-service]')].map(e => e.dataset.service)"
             )
+            # (A process that did not answer in time shows its error; it shows its
+            # sections again on the next poll, so every check below waits.)
             assert set(services) == {c.name for c in COMPONENTS if c.implemented}
             assert services[0] == "proxy"  # traffic first
             # Routes with traffic, endpoints with health, agents and where they are held.
             await until(lambda: _at_least(requests_shown(), 1), "demo/echo's requests", timeout=15)
-            assert await shown("proxy/Routes", "demo/echo", "echo.localtest.me/", "1/1")
-            assert await shown("proxy/Endpoints", "demo/hello", "via tunnel to edge-local", "ok")
+            await until(
+                lambda: shown("proxy/Routes", "demo/echo", "echo.localtest.me/", "1/1"),
+                "proxy/Routes",
+                timeout=15,
+            )
+            await until(
+                lambda: shown("proxy/Endpoints", "demo/hello", "via tunnel to edge-local", "ok"),
+                "proxy/Endpoints",
+                timeout=15,
+            )
             await until(
                 lambda: shown("tunnel-server/Tunnel agents", "edge-local", "tunnel-server-0"),
                 "the agent on the tunnel server's page",
@@ -93,14 +103,26 @@ async def test_the_status_page_shows_every_service_live_in_chromium(tmp_path: Pa
                 timeout=30,
                 interval=0.2,
             )
-            assert await shown("resolver/Routes", "demo/echo", "admitted", "refs resolved")
-            assert await shown("proxy/Resolver view", "version")
-            # Certificates with expiry bars: the CA for a year, leaves for a day.
-            assert await shown("certs/Certificate authorities", "ACTIVE", "364d")
-            bar = await page.evaluate(
-                'document.querySelector(\'[data-section="proxy/Certificates"] '
-                'tr[data-row="own"] .bar > span\').style.width'
+            await until(
+                lambda: shown("resolver/Routes", "demo/echo", "admitted", "refs resolved"),
+                "resolver/Routes",
+                timeout=15,
             )
+            await until(
+                lambda: shown("proxy/Resolver view", "version"), "proxy/Resolver view", timeout=15
+            )
+            # Certificates with expiry bars: the CA for a year, leaves for a day.
+            await until(
+                lambda: shown("certs/Certificate authorities", "ACTIVE", "364d"),
+                "certs/Certificate authorities",
+                timeout=15,
+            )
+            width = (
+                '(document.querySelector(\'[data-section="proxy/Certificates"] '
+                "tr[data-row=\"own\"] .bar > span') || {style: {}}).style.width || ''"
+            )
+            await until(lambda: page.evaluate(width), "the proxy certificate's bar", timeout=15)
+            bar = await page.evaluate(width)
             assert bar.endswith("%") and 90 < float(bar[:-1]) <= 100
 
             # Live: more traffic shows up without a reload.
