@@ -38,6 +38,7 @@ import logging
 import random
 import select
 import socket
+import ssl
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -51,6 +52,15 @@ from waygate.core import tracing
 from waygate.core.grpcclient import KEEPALIVE_OPTIONS
 from waygate.tunnel import mux
 from waygate.tunnel.mux import MAX_CHUNK, join_queued
+from waygate.tunnel.relay import (
+    Link,
+    LinkClosed,
+    Pending,
+    Stream,
+    open_link,
+    splice,
+    split_address,
+)
 from waygate.tunnel.v1 import tunnel_pb2 as pb
 from waygate.tunnel.v1 import tunnel_pb2_grpc
 
@@ -132,6 +142,63 @@ class TunnelStream:
         self._call.cancel()
 
 
+class TunnelLost(ConnectionError):
+    """A tunnelled connection on a data connection ended before both sides finished."""
+
+
+class DataStream:
+    """One tunnelled connection on its own data connection (`relay.Link` to the replica).
+
+    The same surface as `TunnelStream`; `link` is the transport itself, for callers
+    that relay bytes without a stream in between (the proxy). Not safe for
+    concurrent writers (or readers)."""
+
+    def __init__(self, link: Link, server_id: str, connect_id: int) -> None:
+        self.link = link
+        self.server_id = server_id
+        self.connect_id = connect_id
+        self._stream: Stream | None = None
+
+    def _attached(self) -> Stream:
+        if self._stream is None:
+            self._stream = Stream()
+            self.link.attach(self._stream)
+        return self._stream
+
+    async def read(self) -> bytes:
+        """The next bytes; b"" once the remote side half-closed; TunnelLost if it broke."""
+        try:
+            return await self._attached().read()
+        except LinkClosed as exc:
+            raise TunnelLost(f"the tunnelled connection ended: {exc}") from None
+
+    async def write(self, data: bytes) -> None:
+        try:
+            await self._attached().write(data)
+        except LinkClosed as exc:
+            raise TunnelLost(f"the tunnelled connection ended: {exc}") from None
+
+    async def write_eof(self) -> None:
+        self._attached().write_eof()
+
+    async def wait_closed(self) -> grpc.StatusCode:
+        """OK once both sides finished; UNAVAILABLE when the connection broke."""
+        stream = self._attached()
+        await stream.closed
+        return grpc.StatusCode.OK if stream.error is None else grpc.StatusCode.UNAVAILABLE
+
+    def close(self) -> None:
+        """Abort the connection at once (the agent closes its socket)."""
+        self.link.abort()
+
+    async def aclose(self) -> None:
+        self.link.abort()
+
+
+# How long a replica's Describe answer (where its data listener is) is trusted.
+DESCRIBE_TTL = 60.0
+
+
 class TunnelClient:
     def __init__(
         self,
@@ -140,11 +207,19 @@ class TunnelClient:
         credentials: Credentials,
         server_name: str | None = None,
         dial_timeout: float = 10.0,
+        ssl_context: Callable[[], ssl.SSLContext | None] | None = None,
+        data_path: bool = True,
     ) -> None:
         self._presence = presence
         self._credentials = credentials
         self._server_name = server_name
         self.dial_timeout = dial_timeout
+        # Raw dials on the replicas' data listeners (TLS from `ssl_context`; without
+        # one only when the channels are plaintext too); else, or where a replica
+        # has none, Tunnel.Dial streams.
+        self._ssl_context = ssl_context
+        self.data_path = data_path and (ssl_context is not None or credentials() is None)
+        self._described: dict[str, tuple[float, tuple[str, int] | None]] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._streams: dict[grpc.aio.Channel, int] = {}  # open Dial calls per channel
         self._retired: set[grpc.aio.Channel] = set()  # replaced, closed at their last stream
@@ -222,7 +297,7 @@ class TunnelClient:
         *,
         timeout: float | None = None,
         trace_context: str | None = None,
-    ) -> TunnelStream:
+    ) -> TunnelStream | DataStream:
         timeout = self.dial_timeout if timeout is None else timeout
         now = time.monotonic()
         if now - self._pruned_at >= self.PRUNE_INTERVAL:
@@ -269,9 +344,112 @@ class TunnelClient:
         finally:
             span.end()
 
+    async def _data_address(self, address: str, timeout: float) -> tuple[str, int] | None:
+        """Where the replica at `address` takes raw dials (cached); None: it takes none."""
+        now = time.monotonic()
+        known = self._described.get(address)
+        if known is not None and now - known[0] < DESCRIBE_TTL:
+            return known[1]
+        where: tuple[str, int] | None = None
+        try:
+            reply = await tunnel_pb2_grpc.TunnelStub(self.channel(address)).Describe(
+                pb.DescribeRequest(), timeout=timeout
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise DialFailed(
+                    f"tunnel server {address}: {exc.code().name}: {exc.details()}",
+                    retryable=True,
+                ) from None
+        else:
+            if reply.data_address:
+                host, port = split_address(
+                    "x" + reply.data_address
+                    if reply.data_address.startswith(":")
+                    else reply.data_address
+                )
+                if reply.data_address.startswith(":"):
+                    host = split_address(address)[0]
+                where = (host, port)
+        if len(self._described) >= 1024:
+            self._described.clear()
+        self._described[address] = (now, where)
+        return where
+
+    async def _dial_raw(
+        self,
+        address: str,
+        where: tuple[str, int],
+        target: pb.DialTarget,
+        traceparent: str,
+        timeout: float,
+    ) -> DataStream:
+        host, port = where
+        context = self._ssl_context() if self._ssl_context is not None else None
+        try:
+            link = await open_link(
+                host,
+                port,
+                context,
+                server_hostname=(self._server_name or host) if context is not None else None,
+                timeout=timeout,
+            )
+        except (OSError, LinkClosed, TimeoutError) as exc:
+            self._described.pop(address, None)
+            raise DialFailed(
+                f"tunnel server {address}: data listener {host}:{port}: {exc}", retryable=True
+            ) from None
+        try:
+            # The replica answers a dial within timeout + 1 s (TIMEOUT); a little more here.
+            async with asyncio.timeout(timeout + 3.0):
+                greeting = (await link.read_line(timeout)).decode("utf-8", "replace").split(" ")
+                if len(greeting) != 2 or greeting[0] != "WAYGATE":
+                    raise LinkClosed("not a tunnel data listener")
+                link.write_line(
+                    "DIAL",
+                    target.node,
+                    target.host or "-",
+                    str(target.port),
+                    str(int(timeout * 1000)),
+                    traceparent or "-",
+                )
+                answer = (await link.read_line(timeout + 3.0)).decode("utf-8", "replace")
+        except TimeoutError:
+            link.abort()
+            # No answer: the replica itself is stuck (the agent's own timeout would
+            # have been answered); another replica may serve.
+            raise DialFailed(
+                f"tunnel server {address} did not answer within {timeout:g}s",
+                pb.TIMEOUT,
+                retryable=True,
+            ) from None
+        except LinkClosed as exc:
+            link.abort()
+            raise DialFailed(f"tunnel server {address}: {exc}", retryable=True) from None
+        except BaseException:
+            link.abort()
+            raise
+        verb, _, rest = answer.partition(" ")
+        if verb == "OK":
+            server_id, _agent_id, connect_id = [*rest.split(" "), "", "", "0"][:3]
+            return DataStream(link, server_id, int(connect_id) if connect_id.isdigit() else 0)
+        link.abort()
+        name, _, message = rest.partition(" ")
+        reason = pb.RefusalReason.Value(name) if name in pb.RefusalReason.keys() else 0  # noqa: SIM118
+        raise DialFailed(
+            message or name or f"tunnel server {address} answered {answer[:80]!r}",
+            reason,
+            retryable=reason in mux.RETRYABLE_ELSEWHERE,
+        )
+
     async def _dial_one(
         self, address: str, first: pb.DialFrame, metadata: Any, timeout: float
-    ) -> TunnelStream:
+    ) -> TunnelStream | DataStream:
+        if self.data_path:
+            where = await self._data_address(address, timeout)
+            if where is not None:
+                traceparent = dict(metadata).get("traceparent", "")
+                return await self._dial_raw(address, where, first.target, traceparent, timeout)
         channel = self.channel(address)
         call = tunnel_pb2_grpc.TunnelStub(channel).Dial(metadata=metadata)
         self._stream_started(channel, call)
@@ -508,8 +686,27 @@ class SocketBridge(asyncio.Protocol):
                 await writable
 
 
-async def bridged_socket(stream: TunnelStream) -> socket.socket:
+async def spliced_socket(link: Link) -> socket.socket:
+    """One end of a socketpair whose other end is spliced to `link` (no stream between:
+    for callers that need a socket, such as TLS to the backend or a passthrough)."""
+    ours, theirs = socket.socketpair()
+    try:
+        ours.setblocking(False)
+        theirs.setblocking(False)
+        transport, _ = await asyncio.get_running_loop().connect_accepted_socket(Pending, ours)
+    except BaseException:
+        ours.close()
+        theirs.close()
+        link.abort()
+        raise
+    splice(transport, link)
+    return theirs
+
+
+async def bridged_socket(stream: TunnelStream | DataStream) -> socket.socket:
     """One end of a socketpair; the other end is bridged to `stream` until both sides close."""
+    if isinstance(stream, DataStream):
+        return await spliced_socket(stream.link)
     ours, theirs = socket.socketpair()
     try:
         ours.setblocking(False)

@@ -110,6 +110,7 @@ def _configure_dial(parser: argparse.ArgumentParser) -> None:
 
 def _dial(args: argparse.Namespace) -> int:
     from waygate.tunnel.client import DialFailed, StaticPresence, TunnelClient, ViewPresence
+    from waygate.tunnel.relay import client_context
 
     match = _TARGET.match(args.target)
     if match is None or not 0 < int(match["port"]) < 65536:
@@ -137,11 +138,23 @@ def _dial(args: argparse.Namespace) -> int:
             presence = ViewPresence(resolver)
         else:
             presence = StaticPresence([resolve_address(args, settings)])
+        # Raw dials on the replica's data listener (its own TLS connection), with the
+        # same certificate; Tunnel.Dial where a replica has none.
+        context = (
+            client_context(
+                tls.ca_file.read_bytes() if tls.ca_file else None,
+                tls.cert_file.read_bytes() if tls.cert_file else None,
+                tls.key_file.read_bytes() if tls.key_file else None,
+            )
+            if tls is not None
+            else None
+        )
         client = TunnelClient(
             presence,
             credentials=lambda: credentials,
             server_name=settings.server_name,
             dial_timeout=settings.timeout,
+            ssl_context=lambda: context,
         )
         try:
             try:
@@ -161,9 +174,9 @@ def _dial(args: argparse.Namespace) -> int:
 
 
 async def _bridge_stdio(stream: object) -> int:
-    from waygate.tunnel.client import TunnelStream
+    from waygate.tunnel.client import DataStream, TunnelLost, TunnelStream
 
-    assert isinstance(stream, TunnelStream)
+    assert isinstance(stream, TunnelStream | DataStream)
     loop = asyncio.get_running_loop()
     stdin, stdout = sys.stdin.fileno(), sys.stdout.fileno()
 
@@ -199,7 +212,8 @@ async def _bridge_stdio(stream: object) -> int:
 
     uploading = asyncio.ensure_future(upload())
     try:
-        await download()
+        with contextlib.suppress(TunnelLost):  # a broken data connection: wait_closed says so
+            await download()
     finally:
         # stdin may stay open (a terminal): the remote side closing ends the command.
         if not uploading.done():

@@ -191,7 +191,7 @@ class DataListener:
             tracing.extract_context((("traceparent", traceparent),)) if traceparent != "-" else None
         )
         with tracing.tracer().start_as_current_span(
-            "waygate.tunnel.data/Dial", context=parent, kind=SpanKind.SERVER
+            "waygate.tunnel.data/Tunnel/Dial", context=parent, kind=SpanKind.SERVER
         ) as span:
             try:
                 self._authorize(uris, dns_names)

@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import select
 import socket
 import ssl
 import struct
@@ -422,19 +423,30 @@ def split_address(address: str) -> tuple[str, int]:
 class _Half(asyncio.Protocol):
     """One direction of a splice: what its transport reads goes to `target`."""
 
-    __slots__ = ("splice", "target")
+    __slots__ = ("ended", "splice", "target")
 
     def __init__(self, splice: _Splice, target: Any) -> None:
         self.splice = splice
         self.target = target
+        self.ended = False
 
     def data_received(self, data: bytes) -> None:
         self.target.write(data)
 
     def eof_received(self) -> bool:
+        if self.ended:
+            return True
+        self.ended = True
         target = self.target
+        source = self.splice.other(target)
+        if source not in self.splice.eof_written and _peer_closed(source):
+            # Not a half-close: the peer closed its socket outright (a socketpair's
+            # end shows POLLHUP then), so nobody will read the answer.
+            self.splice.lost(LinkClosed("the peer closed its end"))
+            return False
         if not target.is_closing():
             if target.can_write_eof():
+                self.splice.eof_written.append(target)
                 target.write_eof()
             else:
                 target.close()
@@ -452,13 +464,30 @@ class _Half(asyncio.Protocol):
         self.splice.lost(exc)
 
 
+def _peer_closed(transport: Any) -> bool:
+    """True when a socketpair's peer closed both directions (POLLHUP; a Link never
+    needs this: its abort arrives as a reset or an early FIN, see `Link.eof_received`)."""
+    if isinstance(transport, Link):
+        return False
+    raw = transport.get_extra_info("socket")
+    if raw is None or raw.family != socket.AF_UNIX:
+        return False  # (TCP reports POLLHUP after a reset too: that is connection_lost's)
+    poller = select.poll()
+    poller.register(raw.fileno(), select.POLLIN)
+    return any(events & select.POLLHUP for _fd, events in poller.poll(0))
+
+
 class _Splice:
-    __slots__ = ("a", "b", "done", "eofs")
+    __slots__ = ("a", "b", "done", "eof_written", "eofs")
 
     def __init__(self, a: Any, b: Any) -> None:
         self.a, self.b = a, b
         self.eofs = 0
+        self.eof_written: list[Any] = []  # (after ours, POLLHUP is the normal end)
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def other(self, transport: Any) -> Any:
+        return self.b if transport is self.a else self.a
 
     def ended(self) -> None:
         self.eofs += 1
@@ -468,6 +497,11 @@ class _Splice:
             self._finish()
 
     def lost(self, exc: Exception | None) -> None:
+        if self.eofs >= 2:
+            # Both directions had ended: both sides are closing already (a reset
+            # now, e.g. a destination that closed outright, is no failure of ours).
+            self._finish()
+            return
         if exc is not None or self.eofs < 2:
             self.a.abort()
             self.b.abort()
@@ -527,10 +561,15 @@ def splice(a: Any, b: Any) -> asyncio.Future[None]:
         if isinstance(held, Pending):
             for data in held.data:
                 half.data_received(data)
-            if held.eof:
-                half.eof_received()
             if held.is_lost:
+                if held.eof:
+                    half.eof_received()
                 half.connection_lost(held.lost)
+                continue
+            if held.eof:
+                # Read to its end already: reading again would deliver the EOF twice
+                # (uvloop reads again on resume_reading).
+                half.eof_received()
                 continue
         if not transport.is_closing():
             transport.resume_reading()

@@ -284,7 +284,7 @@ async def test_refused_destination_and_dialer_not_allowed_by_policy(stack: Stack
         "--cert-file", str(stranger / "cert.pem"), "--key-file", str(stranger / "key.pem"),
     ]  # fmt: skip
     code, _out, err = await run_cli("tunnel", "dial", f"{NODE}:22", *flags)
-    assert code == 1
+    assert code == 1, err
     assert "not an allowed dialer" in err and STRANGER_ID in err
     code, out, _err = await run_cli("tunnel", "agents", *flags)
     assert code == 1
@@ -294,7 +294,7 @@ async def test_refused_destination_and_dialer_not_allowed_by_policy(stack: Stack
         "--cert-file", str(dialer / "cert.pem"), "--key-file", str(dialer / "key.pem"),
     ]  # fmt: skip
     code, out, _err = await run_cli("tunnel", "agents", *dialer_flags)
-    assert code == 0 and NODE in out
+    assert code == 0 and NODE in out, _err
 
 
 async def test_one_trace_from_the_dialer_through_server_and_agent(stack: Stack) -> None:

@@ -145,11 +145,18 @@ class Tunnel:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
-    def client(self, files: IdentityFiles | None = None) -> TunnelClient:
+    def client(
+        self, files: IdentityFiles | None = None, *, data_path: bool | None = None
+    ) -> TunnelClient:
+        """A dial client; raw dials on the data listener when the tunnel has one (or
+        `data_path` says so), else Tunnel.Dial streams."""
+        identity = files or self.dialer_files
         client = TunnelClient(
             StaticPresence([f"127.0.0.1:{self.dial_port}"]),
-            credentials=lambda: credentials(files or self.dialer_files),
+            credentials=lambda: credentials(identity),
             server_name="tunnel-server",
+            ssl_context=lambda: ssl_context(identity),
+            data_path=self.data_path if data_path is None else data_path,
         )
         self.clients.append(client)
         return client
