@@ -458,7 +458,10 @@ class HostIndex:
         seen: dict[str, Any] = {} if self.conditional else _NO_CONDITIONS
         if entries is not None:
             for entry in entries:
-                if entry.matches(path) and (not entry.conditional or entry.holds(req, seen)):
+                # A prefix "/" matches every path: the common route, taken without a call.
+                if (
+                    (entry.path == b"/" and entry.kind == _PATH_PREFIX) or entry.matches(path)
+                ) and (not entry.conditional or entry.holds(req, seen)):
                     return entry
         dot = host.find(b".")
         if dot > 0:
