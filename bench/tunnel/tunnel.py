@@ -25,6 +25,7 @@ import grpc
 
 from tests.support.pki import IdentityFiles, LocalCA
 from waygate.tunnel.client import DialFailed, StaticPresence, TunnelClient, bridged_socket
+from waygate.tunnel.relay import client_context
 
 NODE = "edge-bench"
 DIALER = "spiffe://bench.local/ns/waygate/sa/waygate-proxy"
@@ -228,10 +229,17 @@ async def start_tunnel(
             private_key=client_files.key.read_bytes(),
             certificate_chain=client_files.cert.read_bytes(),
         )
+        # Raw dials on the data listener (the data path); Tunnel.Dial only as fallback.
+        context = client_context(
+            client_files.ca.read_bytes(),
+            client_files.cert.read_bytes(),
+            client_files.key.read_bytes(),
+        )
         client = TunnelClient(
             StaticPresence([f"127.0.0.1:{dial_port}"]),
             credentials=lambda: credentials,
             server_name="localhost",
+            ssl_context=lambda: context,
         )
         deadline = time.monotonic() + 60
         while True:

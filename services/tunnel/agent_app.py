@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import ssl
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -25,7 +25,7 @@ from waygate.core.settings import ProcessSettings, parse_duration, port_number, 
 from waygate.tunnel import mux
 from waygate.tunnel.agent import Agent
 from waygate.tunnel.allow import DEFAULT_ALLOW, AllowList, entries_problem
-from waygate.tunnel.relay import client_context
+from waygate.tunnel.relay import client_context, rotating_client_context
 
 if TYPE_CHECKING:
     from waygate.components import UpContext
@@ -126,7 +126,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
             # streams while the open ones keep theirs.
             return client_credentials(certificates.rotator, certificates.trust)
 
-        ssl_context = _rotating_context(certificates)
+        ssl_context = rotating_client_context(certificates.rotator, certificates.trust)
 
     elif settings.tls_cert_file is not None:
         static = ClientTLS(
@@ -186,25 +186,6 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         await process.mark_ready()
 
     process.spawn(become_ready(), "tunnel-agent-ready")
-
-
-def _rotating_context(certificates: Any) -> Callable[[], ssl.SSLContext | None]:
-    """The data connections' TLS context for the current certificate and trust bundle:
-    built again after a renewal (new connections use the new certificate; open ones
-    keep the one they were opened with), not per connection."""
-    built: list[Any] = [None, None, None]
-
-    def context() -> ssl.SSLContext | None:
-        held, bundle = certificates.rotator.current, certificates.trust.current
-        if built[0] is not held or built[1] is not bundle:
-            built[:] = [
-                held,
-                bundle,
-                client_context(bundle.pem, held.chain_pem(), held.key_pem()),
-            ]
-        return built[2]  # type: ignore[no-any-return]
-
-    return context
 
 
 def up_arguments(context: UpContext) -> list[str]:

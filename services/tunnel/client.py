@@ -57,7 +57,9 @@ from waygate.tunnel.relay import (
     LinkClosed,
     Pending,
     Stream,
+    client_context,
     open_link,
+    rotating_client_context,
     splice,
     split_address,
 )
@@ -758,26 +760,43 @@ async def process_client(
 
     settings = process.settings
     certificates = await process.certificates()
+    # Raw dials (data connections) present the same certificate as the channels.
+    context: Callable[[], ssl.SSLContext | None]
     if certificates is not None:
         from waygate.core.grpctls import client_credentials
 
         def credentials() -> grpc.ChannelCredentials | None:
             return client_credentials(certificates.rotator, certificates.trust)
 
+        context = rotating_client_context(certificates.rotator, certificates.trust)
+
     elif settings.tls_cert_file is not None:
         static = ClientTLS(
             settings.tls_client_ca_file, settings.tls_cert_file, settings.tls_key_file
         ).credentials()
+        static_context = client_context(
+            settings.tls_client_ca_file.read_bytes() if settings.tls_client_ca_file else None,
+            settings.tls_cert_file.read_bytes(),
+            settings.tls_key_file.read_bytes() if settings.tls_key_file else None,
+        )
 
         def credentials() -> grpc.ChannelCredentials | None:
             return static
+
+        def context() -> ssl.SSLContext | None:
+            return static_context
 
     else:
 
         def credentials() -> grpc.ChannelCredentials | None:
             return None
 
-    client = TunnelClient(presence, credentials=credentials, server_name=server_name)
+        def context() -> ssl.SSLContext | None:
+            return None
+
+    client = TunnelClient(
+        presence, credentials=credentials, server_name=server_name, ssl_context=context
+    )
     if certificates is not None:
         for subscribe in (certificates.rotator.subscribe, certificates.trust.subscribe):
             process.on_stop(_async_call(subscribe(lambda _changed: client.renew_channels())))

@@ -43,6 +43,7 @@ import select
 import socket
 import ssl
 import struct
+from collections.abc import Callable
 from typing import Any, cast
 
 HIGH_WATER = 256 * 1024
@@ -718,3 +719,18 @@ class Stream(asyncio.Protocol):
 
     def abort(self) -> None:
         self.transport.abort()
+
+
+def rotating_client_context(rotator: Any, trust: Any) -> Callable[[], ssl.SSLContext]:
+    """`client_context` for a rotation client's current certificate and trust bundle:
+    built again after a renewal (new connections present the new certificate; open
+    ones keep the one they were opened with), not per connection."""
+    built: list[Any] = [None, None, None]
+
+    def context() -> ssl.SSLContext:
+        held, bundle = rotator.current, trust.current
+        if built[0] is not held or built[1] is not bundle:
+            built[:] = [held, bundle, client_context(bundle.pem, held.chain_pem(), held.key_pem())]
+        return cast(ssl.SSLContext, built[2])
+
+    return context
