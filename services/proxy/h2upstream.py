@@ -415,8 +415,9 @@ class H2Exchange:
         self.source_paused = False
         self.started = self.server.loop.time()
         self.last_up = self.started
-        self.timer: asyncio.TimerHandle | None = None
+        # When the ticker (H2ClientConnection.arm_stream) calls on_timer; 0: none.
         self.deadline = 0.0
+        self.grpc_deadline = 0.0
 
     # ------------------------------------------------------------ start
 
@@ -505,7 +506,7 @@ class H2Exchange:
                 timeout = grpcstatus.parse_timeout(value)
                 if timeout is not None and timeout < allowed:
                     allowed = timeout
-                    self.deadline = self.started + timeout
+                    self.grpc_deadline = self.started + timeout
         self._arm(allowed)
         self.dispatch()
 
@@ -748,9 +749,7 @@ class H2Exchange:
         if self.finished:
             return
         self.finished = True
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+        self.deadline = 0.0
         upstream = self.upstream
         if upstream is not None:
             upstream.blocked.discard(self)
@@ -793,22 +792,30 @@ class H2Exchange:
     # ------------------------------------------------------------ timeouts
 
     def _arm(self, seconds: float) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
+        """The next check: no timer object, the HTTP/2 connection's ticker entry
+        calls `on_timer` (as for the streams driving an Exchange)."""
         when = self.server.loop.time() + seconds
-        if self.deadline and self.deadline < when:
-            when = self.deadline
-        self.timer = self.server.loop.call_at(when, self._on_timer)
+        if self.grpc_deadline and self.grpc_deadline < when:
+            when = self.grpc_deadline
+        self.deadline = when
+        self.conn.arm_stream(when)
+
+    def on_timer(self, now: float) -> None:
+        if self.finished or not self.deadline or now < self.deadline:
+            return
+        self.deadline = 0.0
+        self._on_timer()
 
     def _on_timer(self) -> None:
-        self.timer = None
         if self.finished:
             return
         now = self.server.loop.time()
         options = self.entry.options
-        if self.deadline and now >= self.deadline:
+        if self.grpc_deadline and now >= self.grpc_deadline:
             self._cancel_upstream()
-            self.fail(504, f"grpc-timeout of {self.deadline - self.started:g}s passed", "deadline")
+            self.fail(
+                504, f"grpc-timeout of {self.grpc_deadline - self.started:g}s passed", "deadline"
+            )
             return
         idle = now - self.last_up
         if idle < options.server_timeout and self.responded:

@@ -98,3 +98,40 @@ async def test_proxy_answers_are_grpc_statuses(proxied, authority, message):
             await ch.unary_unary("/test.Echo/Unary")(b"x", timeout=10)
     assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
     assert message in failed.value.details()
+
+
+async def test_deadlines_of_both_kinds_of_stream_on_one_connection(backend):
+    # One client connection carrying a gRPC call (HTTP/2 backend, grpc-timeout 300m)
+    # and a request to an HTTP/1.1 backend: each stream's deadline fires on its own.
+    from tests.integration.proxy.harness import RecordingUpstream
+    from tests.support.h2client import H2Client
+
+    web = await RecordingUpstream().start()
+    routes = [
+        route("grpc.test", [("echo", 100)], upstream_protocol="grpc"),
+        route("web.test", [("web", 100)], name="web"),
+    ]
+    built = table(routes, [endpoint("echo", backend.port), endpoint("web", web.port)])
+    async with running_h2_proxy(built) as (server, port):
+        serve_h2_upstreams(server, routes)
+        client = await H2Client.connect(port)
+        try:
+            message = b"sleep:5"
+            call = client.start(
+                "POST",
+                "/test.Echo/Unary",
+                "grpc.test",
+                [
+                    ("content-type", "application/grpc"),
+                    ("te", "trailers"),
+                    ("grpc-timeout", "300m"),
+                ],
+                b"\x00" + len(message).to_bytes(4, "big") + message,
+            )
+            page = client.start("GET", "/slow?s=1", "web.test")
+            answered = await client.wait(call)
+            assert answered.trailer(b"grpc-status") == b"4"
+            assert (await client.wait(page)).status == 200
+        finally:
+            await client.close()
+    await web.stop()
