@@ -29,7 +29,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -572,3 +572,23 @@ def _decode_change(change: pb.Change) -> tuple[str, Any]:
     if which == "tunnel_presence":
         return which, convert.tunnel_from_proto(change.tunnel_presence)
     raise _StreamBroken(f"unknown change {which!r}")
+
+
+async def report_tunnels(
+    channel: grpc.aio.Channel,
+    server_id: str,
+    address: str,
+    reports: AsyncIterator[tuple[Sequence[str], float]],
+) -> None:
+    """Stream `ReportTunnels` for tunnel-server replica `server_id` (dialers reach it at
+    `address`): each item of `reports` is one full report, (nodes held, lease in
+    seconds). Returns when `reports` ends; grpc.aio.AioRpcError when the stream fails."""
+    server = pb.TunnelServer(id=server_id, address=address)
+
+    async def messages() -> AsyncIterator[pb.TunnelReport]:
+        async for nodes, lease in reports:
+            report = pb.TunnelReport(server=server, nodes=list(nodes))
+            report.lease.FromNanoseconds(int(lease * 1e9))
+            yield report
+
+    await resolver_pb2_grpc.ResolverStub(channel).ReportTunnels(messages())

@@ -4,7 +4,8 @@ One `ReportTunnels` stream to the resolver, fed with the hub's full node set
 (a state, not a delta) whenever it changes and at least every third of the
 lease, so a replica that dies loses its presence within one lease. The stream
 holds its channel across certificate rotations (`RotatingChannel.hold`), and
-reconnects with backoff and jitter when it ends.
+reconnects with backoff and jitter when it ends. The stream is the resolver's
+own client surface (`waygate.resolver.client.report_tunnels`), not its stubs.
 """
 
 from __future__ import annotations
@@ -15,11 +16,10 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
-from google.protobuf import duration_pb2
 
 from waygate.core.backoff import Backoff
 from waygate.core.grpctls import RotatingChannel
-from waygate.resolver.v1 import resolver_pb2, resolver_pb2_grpc
+from waygate.resolver.client import report_tunnels
 from waygate.tunnel.server import Hub
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ class PresenceReporter:
     ) -> None:
         self._hub = hub
         self._channel = channel
-        self._server = resolver_pb2.TunnelServer(id=hub.server_id, address=address)
+        self._address = address
         self._lease = lease
         self._backoff = backoff or Backoff(initial=0.2, maximum=10.0)
         self._changed = asyncio.Event()
@@ -50,13 +50,10 @@ class PresenceReporter:
             delay = self._backoff.next_delay()
             await asyncio.sleep(delay)
 
-    async def _reports(self) -> AsyncIterator[resolver_pb2.TunnelReport]:
-        lease = duration_pb2.Duration(seconds=int(self._lease), nanos=int(self._lease % 1 * 1e9))
+    async def _reports(self) -> AsyncIterator[tuple[list[str], float]]:
         while True:
             self._changed.clear()
-            yield resolver_pb2.TunnelReport(
-                server=self._server, nodes=self._hub.nodes(), lease=lease
-            )
+            yield self._hub.nodes(), self._lease
             self.reports += 1
             self._backoff.reset()
             with contextlib.suppress(TimeoutError):
@@ -65,7 +62,7 @@ class PresenceReporter:
     async def report_once(self) -> None:
         try:
             async with self._channel.hold() as channel:
-                await resolver_pb2_grpc.ResolverStub(channel).ReportTunnels(self._reports())
+                await report_tunnels(channel, self._hub.server_id, self._address, self._reports())
         except grpc.aio.AioRpcError as exc:
             log.warning(
                 "tunnel presence report failed",
