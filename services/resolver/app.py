@@ -318,7 +318,13 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     if kube_source is not None:
         process.spawn(kube_source.run(), "kubernetes-source")
         if settings.status_lease:
-            _spawn_status_writer(process, settings, store, board if settings.gateway_api else None)
+            _spawn_status_writer(
+                process,
+                settings,
+                store,
+                board if settings.gateway_api else None,
+                kube_source.invalid_routes,
+            )
     process.spawn(become_ready(), "become-ready")
 
 
@@ -377,7 +383,11 @@ def up_arguments(context: UpContext) -> list[str]:
 
 
 def _spawn_status_writer(
-    process: ServiceProcess, settings: Settings, store: Store, board: StatusBoard | None
+    process: ServiceProcess,
+    settings: Settings,
+    store: Store,
+    board: StatusBoard | None,
+    invalid_routes: Any,
 ) -> None:
     """The Route and Gateway API status writers and the Lease electing the one replica
     that runs them."""
@@ -406,7 +416,9 @@ def _spawn_status_writer(
             ["change"],
         ),
     )
-    writer = RouteStatusWriter(store, api, source=SOURCE, is_leader=elector.is_leader)
+    writer = RouteStatusWriter(
+        store, api, source=SOURCE, is_leader=elector.is_leader, invalid=invalid_routes
+    )
     process.spawn(elector.run(), "route-status-election")
     process.spawn(writer.run(), "route-status-writer")
     if board is not None:

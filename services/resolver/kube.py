@@ -63,7 +63,7 @@ from waygate.core.settings import SettingsError
 from waygate.resolver import kube_convert as convert
 from waygate.resolver.gateway import kube as gateway_kube
 from waygate.resolver.gateway.kube import GatewayObjects
-from waygate.resolver.model import Endpoint
+from waygate.resolver.model import Endpoint, Route
 from waygate.resolver.store import Store
 
 log = logging.getLogger(__name__)
@@ -187,14 +187,39 @@ class _Routes(_Handler):
     def path(self, namespace: str | None) -> str:
         return _collection(f"/apis/{ROUTE_GROUP}/{ROUTE_VERSION}", ROUTE_PLURAL, namespace)
 
+    def __init__(self, store: Store) -> None:
+        super().__init__(store)
+        #: Route objects the resolver cannot serve, and why: their status says so
+        #: (waygate.resolver.kube_status), as the routes file's state does for it.
+        self.invalid: dict[tuple[str, str], str] = {}
+
     def relist(self, items: list[JSON]) -> None:
-        self.store.replace_source(SOURCE, routes=_valid(convert.route_from, items))
+        self.invalid = {}
+        routes = [route for obj in items if (route := self._parse(obj)) is not None]
+        self.store.replace_source(SOURCE, routes=routes)
 
     def apply(self, event_type: str, obj: JSON) -> None:
-        _upsert_or_delete(
-            event_type, obj, "Route", convert.route_from,
-            self.store.upsert_route, self.store.delete_route,
-        )  # fmt: skip
+        namespace, name = convert.object_key(obj)
+        route = None if event_type == "DELETED" else self._parse(obj)
+        if event_type == "DELETED":
+            self.invalid.pop((namespace, name), None)
+        if route is not None:
+            self.store.upsert_route(route, source=SOURCE)
+        else:
+            # Deleted, or no longer valid: the store keeps no state the API lost.
+            self.store.delete_route(namespace, name, source=SOURCE)
+
+    def _parse(self, obj: JSON) -> Route | None:
+        """The route, or None when invalid (logged, and kept in `invalid` with why)."""
+        key = convert.object_key(obj)
+        try:
+            route = convert.route_from(obj)
+        except InvalidArgument as exc:
+            log.warning("skipping invalid Route: %s", exc)
+            self.invalid[key] = str(exc)
+            return None
+        self.invalid.pop(key, None)
+        return route
 
 
 class _EndpointSlices(_Handler):
@@ -323,6 +348,13 @@ class KubernetesSource:
         self._confirmed: dict[str, datetime] = {}
         #: Set once every kind has been listed (the resolver's readiness).
         self.synced = asyncio.Event()
+
+    def invalid_routes(self) -> dict[tuple[str, str], str]:
+        """Route objects that could not be served, and why (for their status)."""
+        for handler in self._handlers:
+            if isinstance(handler, _Routes):
+                return dict(handler.invalid)
+        return {}
 
     async def wait_synced(self) -> None:
         await self.synced.wait()

@@ -4,7 +4,9 @@ In Kubernetes mode every resolver replica computes the same conditions
 (waygate.resolver.status) from the same cluster state; only the leader
 (`is_leader`) writes them, so `kubectl get routes -o yaml` shows why a route
 is not served. Invariants:
-- Only routes the Kubernetes source owns are written (never the routes file's).
+- Only routes the Kubernetes source owns are written (never the routes file's),
+  and the Route objects it could not parse (`invalid`): Admitted False,
+  reason InvalidSpec, the validation error as the message.
 - A write happens when the conditions differ from what the object's status
   says, ignoring lastTransitionTime (so a new leader with its own times does
   not rewrite every route); the write is a GET then a PUT of `/status` with
@@ -20,10 +22,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 from waygate.core.kube import JSON, KubeAPI, KubeError
-from waygate.resolver.model import Route, RouteKey, RouteStatus
+from waygate.resolver.model import ADMITTED, FALSE, Route, RouteCondition, RouteKey, RouteStatus
 from waygate.resolver.store import Store
 
 log = logging.getLogger(__name__)
@@ -71,12 +74,15 @@ class RouteStatusWriter:
         source: str,
         is_leader: Callable[[], bool],
         interval: float = 2.0,
+        invalid: Callable[[], dict[RouteKey, str]] = dict,
     ) -> None:
         self._store = store
         self._api = api
         self._source = source
         self._is_leader = is_leader
         self._interval = interval
+        self._invalid = invalid
+        self._clock = lambda: datetime.now(UTC)
         # What was last written (or found) per route: conditions without times.
         self._written: dict[RouteKey, list[tuple[Any, ...]]] = {}
 
@@ -90,14 +96,18 @@ class RouteStatusWriter:
 
     async def write_pass(self) -> int:
         """Write every changed status once; how many were written."""
-        pending = []
+        pending: list[Route] = []
+        invalid = self._invalid()
+        for (namespace, name), why in sorted(invalid.items()):
+            condition = RouteCondition(ADMITTED, FALSE, "InvalidSpec", why, self._clock())
+            pending.append(Route(namespace, name, "", status=RouteStatus((condition,))))
         for route in self._store.routes():
             if route.status is None or self._store.route_owner(*route.key) != self._source:
                 continue
             wanted = _comparable(status_document(route.status, 0))
             if self._written.get(route.key) != wanted:
                 pending.append(route)
-        live = {r.key for r in self._store.routes()}
+        live = {r.key for r in self._store.routes()} | set(invalid)
         for key in list(self._written):
             if key not in live:
                 del self._written[key]

@@ -82,3 +82,28 @@ async def test_the_leader_writes_conditions_and_follows_their_changes(kubeapi: K
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             client.close()
+
+
+async def test_a_route_object_that_cannot_be_served_says_why(kubeapi: KubeAPI) -> None:
+    kubeapi.create(route("bad", "Not_A_Host", namespace="mine"))
+    async with Running(kubeapi) as running:
+        client = Client(k8s.ApiClient(kubeapi.configuration()), timeout=5)
+        writer = RouteStatusWriter(
+            running.store,
+            client,
+            source=SOURCE,
+            is_leader=lambda: True,
+            interval=0.05,
+            invalid=running.source.invalid_routes,
+        )
+        task = asyncio.create_task(writer.run())
+        try:
+            await until(lambda: "Admitted" in conditions(kubeapi, "bad"), timeout=10)
+            admitted = conditions(kubeapi, "bad")["Admitted"]
+            assert (admitted["status"], admitted["reason"]) == ("False", "InvalidSpec")
+            assert "host" in admitted["message"]
+            assert running.store.get_route("mine", "bad") is None, "never served"
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            client.close()
