@@ -114,13 +114,19 @@ class Tunnel:
             self.data_port = await self.data.start("127.0.0.1", self.data_port)
             self.hub.data_address = f"127.0.0.1:{self.data_port}"
 
-    async def start_agent(self, *, wait: bool = True, window: int | None = None) -> Agent:
+    async def start_agent(
+        self,
+        *,
+        wait: bool = True,
+        window: int | None = None,
+        allow: tuple[str, ...] | None = None,
+    ) -> Agent:
         agent = Agent(
             node=NODE,
             server_address=f"127.0.0.1:{self.agent_port}",
             credentials=lambda: credentials(self.agent_files),
             ssl_context=lambda: ssl_context(self.agent_files),
-            allow=AllowList(self.allow, own=()),
+            allow=AllowList(self.allow if allow is None else allow, own=()),
             window=window or self.window,
             server_name="tunnel-server",
         )
