@@ -37,14 +37,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from typing import Any
 
 import h2.events
 import h2.exceptions
 import h2.settings
 from h2.errors import ErrorCodes
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from waygate.core import httpheaders
+from waygate.core.tracing import tracer
 from waygate.proxy import grpcstatus, http1, tls
 from waygate.proxy.http1 import BadMessage, ForwardedContext
 from waygate.proxy.http2 import (
@@ -58,6 +62,10 @@ from waygate.proxy.http2 import (
 from waygate.proxy.routing import RouteEntry, Target, unavailable_reason
 from waygate.proxy.upstream import ConnectError
 from waygate.resolver.model import speaks_http2
+
+# As waygate.proxy.exchange reads a client's trace context.
+_TRACEPARENT = re.compile(rb"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+_PROPAGATOR = TraceContextTextMapPropagator()
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("waygate.proxy.access")
@@ -418,6 +426,7 @@ class H2Exchange:
         # When the ticker (H2ClientConnection.arm_stream) calls on_timer; 0: none.
         self.deadline = 0.0
         self.grpc_deadline = 0.0
+        self.span: Any = None
 
     # ------------------------------------------------------------ start
 
@@ -481,13 +490,14 @@ class H2Exchange:
             if line:
                 _, _, value = line.rstrip(b"\r\n").partition(b":")
                 self.extra.append((b"set-cookie", value.strip()))
-        context = ForwardedContext(
-            self.conn.peer,
-            server.https_port if secure else server.listen_port,
-            b"https" if secure else b"http",
-        )
+        context = self.conn.context or ForwardedContext(self.conn.peer, server.listen_port)
+        traceparent = req.traceparent
+        if traceparent[-3:] == b"-01" and _TRACEPARENT.fullmatch(traceparent):
+            # Sampled upstream of us (parent-based), as on HTTP/1.1: a server span,
+            # and its id goes on to the backend.
+            traceparent = self._start_span(req, entry)
         upstream_head = http1.build_upstream_head(
-            req, context, entry.options.forwarded_mode, req.traceparent
+            req, context, entry.options.forwarded_mode, traceparent
         )
         if identity:
             upstream_head = upstream_head[:-2] + identity + b"\r\n"
@@ -745,11 +755,38 @@ class H2Exchange:
             stream.finish()
         self._finish(status)
 
+    def _start_span(self, req: http1.RequestHead, entry: RouteEntry) -> bytes:
+        """A server span for a sampled request (the attributes the Exchange sets);
+        returns the traceparent to send upstream."""
+        parent = _PROPAGATOR.extract({"traceparent": req.traceparent.decode("ascii", "replace")})
+        span = tracer().start_span(
+            "proxy " + entry.options.name,
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes={
+                "http.request.method": req.method.decode("ascii", "replace"),
+                "url.path": req.target.decode("ascii", "replace")[:256],
+                "server.address": req.host.decode("ascii", "replace"),
+                "waygate.route": entry.options.name,
+                "network.protocol.version": "2",
+            },
+        )
+        self.span = span
+        context = span.get_span_context()
+        return b"00-%032x-%016x-01" % (context.trace_id, context.span_id)
+
     def _finish(self, status: int) -> None:
         if self.finished:
             return
         self.finished = True
         self.deadline = 0.0
+        span = self.span
+        if span is not None:
+            self.span = None
+            span.set_attribute("http.response.status_code", status or 499)
+            if not status or status >= 500:
+                span.set_status(Status(StatusCode.ERROR))
+            span.end()
         upstream = self.upstream
         if upstream is not None:
             upstream.blocked.discard(self)

@@ -48,6 +48,7 @@ class GrpcBackend:
         self.server: Any = None
         self.port = 0
         self.calls = 0
+        self.traceparents: list[str] = []  # as the backend received them
 
     async def start(self) -> GrpcBackend:
         import grpc
@@ -57,6 +58,8 @@ class GrpcBackend:
             if request.startswith(b"sleep:"):
                 await asyncio.sleep(float(request[6:]))
             metadata = dict(context.invocation_metadata())
+            if "traceparent" in metadata:
+                self.traceparents.append(metadata["traceparent"])
             return request + b"|" + metadata.get("x-forwarded-for", "").encode()
 
         async def server_stream(request: bytes, context: Any) -> Any:

@@ -135,3 +135,24 @@ async def test_deadlines_of_both_kinds_of_stream_on_one_connection(backend):
         finally:
             await client.close()
     await web.stop()
+
+
+async def test_sampled_trace_context_gets_the_proxy_span(proxied, backend):
+    from waygate.core.tracing import configure_tracing
+
+    configure_tracing("proxy-test", None)  # the process's real provider, no exporter
+    _, port = proxied
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    parent = f"00-{trace_id}-b7ad6b7169203331-01"
+    seen: list[str] = []
+
+    async with channel(port) as ch:
+        call = ch.unary_unary("/test.Echo/Unary")(
+            b"trace", timeout=10, metadata=(("traceparent", parent),)
+        )
+        assert (await call).startswith(b"trace|")
+    seen = backend.traceparents
+    (sent,) = seen
+    version, sent_trace, span_id, flags = sent.split("-")
+    assert (version, sent_trace, flags) == ("00", trace_id, "01")
+    assert span_id != "b7ad6b7169203331"
