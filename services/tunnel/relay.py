@@ -50,6 +50,11 @@ HIGH_WATER = 256 * 1024
 PREAMBLE_LIMIT = 4096
 _READ_SIZE = 256 * 1024
 _RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
+# Where every Link decrypts into: one buffer for the process, not one per connection
+# (256 KiB each was most of an idle tunnelled connection's memory). Safe because
+# `_read_plain` copies what it read out before it returns and never runs re-entrantly
+# (it runs from a socket callback only; the bytes it hands on are copies).
+_PLAIN = bytearray(_READ_SIZE)
 
 
 class LinkClosed(ConnectionError):
@@ -110,7 +115,6 @@ class Link(asyncio.Protocol, asyncio.Transport):
         self._holding = _Holding(self)
         self.protocol: asyncio.BaseProtocol = self._holding
         self.established: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._buffer = bytearray(_READ_SIZE) if context is not None else bytearray()
         self.eof_in = False  # the peer will send no more
         self.eof_out = False  # we sent our end
         self.lost = False
@@ -161,7 +165,7 @@ class Link(asyncio.Protocol, asyncio.Transport):
         self._read_plain()
 
     def _read_plain(self) -> None:
-        tls, buffer = self._ssl, self._buffer
+        tls, buffer = self._ssl, _PLAIN
         assert tls is not None
         view = memoryview(buffer)
         size = len(buffer)
