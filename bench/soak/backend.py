@@ -46,7 +46,8 @@ class Backend:
         if rid is not None:
             if rid in self.seen:
                 self.duplicates += 1
-                self.duplicate_ids.append(f"{rid} {request.method} {request.path}")
+                if len(self.duplicate_ids) < 1000:
+                    self.duplicate_ids.append(f"{rid} {request.method} {request.path}")
             self.seen.add(rid)
 
     def headers(self) -> dict[str, str]:
@@ -90,7 +91,7 @@ class Backend:
                     "requests": self.requests,
                     "duplicates": self.duplicates,
                     "ids": len(self.seen),
-                    "duplicate_ids": self.duplicate_ids[:10],
+                    "duplicate_ids": self.duplicate_ids,
                 }
             )
         )

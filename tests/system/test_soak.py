@@ -50,7 +50,7 @@ EXPECTED = {
     "changes: backend-b not used after the proxy stopped using it",
     "certs: no certificate anywhere expired (least life left, sampled each second)",
     "nothing lost: every 2xx delivered its body intact",
-    "nothing lost: no request answered twice (ids seen twice by a backend)",
+    "nothing lost: no request answered twice (non-idempotent ids seen twice)",
     "resources: proxy memory and threads back near the baseline",
     "resources: proxy file descriptors back near the baseline",
 }
