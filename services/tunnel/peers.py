@@ -6,13 +6,15 @@ node NODE only when it was issued for that role:
 - its subject alternative names are exactly one DNS name, NODE, and no URI
   (a URI SAN marks a workload: any ServiceAccount can get `dns:NAME.NS.svc`
   beside its SPIFFE ID), and
-- its extended key usage is client authentication only: it does not carry
-  serverAuth. Every serving certificate does (the proxy's, a workload's, a
-  tunnel server's), so a DNS-only serving certificate never passes as an
-  agent, whatever name it carries. certs issues agent certificates this way:
-  the `waygate.io/tunnel-agent` Kubernetes signer allows "client auth" only,
-  and Certify narrows a leaf to the usages its CSR asks for (the agent's
-  rotation client asks for clientAuth only).
+- (decided, NOT yet in force: `ROLE_BY_USAGE` is False) its extended key
+  usage is client authentication only: it does not carry serverAuth. Every
+  serving certificate does (the proxy's, a workload's, a tunnel server's), so
+  a DNS-only serving certificate would never pass as an agent, whatever name
+  it carries. The `waygate.io/tunnel-agent` Kubernetes signer already issues
+  "client auth" only; Certify still gives every leaf both usages, so the rule
+  waits for Certify to narrow a leaf to the usages its CSR asks for and for
+  the agent's rotation client to ask for clientAuth only (issue 19 item 4,
+  second finding: open).
 
 No grpc here: the gRPC face (server.py) and the data listener (datapath.py)
 both ask `agent_node`.
