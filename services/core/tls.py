@@ -143,6 +143,29 @@ def _set_groups(context: ssl.SSLContext, groups: bytes) -> bool:
         return False
 
 
+_SSL_CTRL_SET_SESS_CACHE_SIZE = 42
+
+
+def set_session_cache_size(context: ssl.SSLContext, size: int) -> bool:
+    """SSL_CTX_sess_set_cache_size (Python's ssl does not expose it): OpenSSL keeps up to
+    20,480 sessions per server context by default, several KiB each, which a listener
+    taking a new TLS connection per tunnelled connection fills in minutes. False where
+    the context cannot be reached (see `_set_groups`); the default then applies."""
+    functions = _ssl_ctx_functions()
+    if functions is None or not isinstance(context, ssl.SSLContext):
+        return False
+    ctrl, get_options = functions
+    try:
+        header = ctypes.sizeof(ctypes.c_ssize_t) + ctypes.sizeof(ctypes.c_void_p)
+        ssl_ctx = ctypes.c_void_p.from_address(id(context) + header).value
+        if not ssl_ctx or get_options(ssl_ctx) != int(context.options):
+            return False
+        ctrl(ssl_ctx, _SSL_CTRL_SET_SESS_CACHE_SIZE, size, None)
+        return True
+    except (OSError, AttributeError, ValueError):
+        return False
+
+
 def load_certificate_chain(context: ssl.SSLContext, held: HeldCertificate) -> None:
     load_pem_chain(context, held.chain_pem(), held.key_pem())
 
