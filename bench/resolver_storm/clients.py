@@ -35,7 +35,13 @@ async def stream(
     seen: dict[int, list[float]],
     lost: list[str],
 ) -> None:
-    options = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+    options = [
+        ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+        # A connection of its own, like a proxy: channels to one target otherwise
+        # share one (gRPC's global subchannel pool), and its HTTP/2 stream limit
+        # (100) would hold every stream past the hundredth client-side.
+        ("grpc.use_local_subchannel_pool", 1),
+    ]
     try:
         async with grpc.aio.insecure_channel(address, options=options) as channel:
             call = channel.unary_stream(
