@@ -225,7 +225,8 @@ def test_tunnel_is_wired_agents_outside_dialers_inside_resolver_trusts_its_repor
     # Agents' port outside the cluster; dialers' and the front inside.
     outside = named(objects, "Service", "waygate-tunnel-agents")["spec"]
     assert outside["type"] in ("LoadBalancer", "NodePort")
-    assert [p["port"] for p in outside["ports"]] == [7003]
+    # gRPC control streams and the data connections beside them (one per tunnelled connection).
+    assert [p["port"] for p in outside["ports"]] == [7003, 7005]
     inside = named(objects, "Service", "waygate-tunnel-server")["spec"]
     assert inside.get("type", "ClusterIP") == "ClusterIP"
     assert {p["port"] for p in inside["ports"]} == {7004, 10263}
@@ -264,7 +265,7 @@ def test_network_policies_let_agents_in_from_outside_and_dialers_from_inside():
     open_ports = {
         p["port"] for rule in policy["ingress"] if "from" not in rule for p in rule["ports"]
     }
-    assert open_ports == {7003, 10263}
+    assert open_ports == {7003, 7005, 10263}
     dial = next(r for r in policy["ingress"] if {"port": 7004, "protocol": "TCP"} in r["ports"])
     assert dial["from"] == [
         {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "waygate-proxy"}}}
