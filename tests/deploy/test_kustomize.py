@@ -229,7 +229,7 @@ def test_tunnel_is_wired_agents_outside_dialers_inside_resolver_trusts_its_repor
     assert [p["port"] for p in outside["ports"]] == [7003, 7005]
     inside = named(objects, "Service", "waygate-tunnel-server")["spec"]
     assert inside.get("type", "ClusterIP") == "ClusterIP"
-    assert {p["port"] for p in inside["ports"]} == {7004, 10263}
+    assert {p["port"] for p in inside["ports"]} == {7004, 7005, 10263}
 
     agent = named(objects, "DaemonSet", "waygate-tunnel-agent")
     pod = agent["spec"]["template"]["spec"]
