@@ -37,7 +37,7 @@ from waygate.core.grpcserver import GrpcServer, ServiceRegistration
 from waygate.tunnel import mux
 from waygate.tunnel.agent import Agent
 from waygate.tunnel.allow import AllowList
-from waygate.tunnel.client import DialFailed
+from waygate.tunnel.client import DialFailed, TunnelLost
 from waygate.tunnel.v1 import tunnel_pb2 as pb
 from waygate.tunnel.v1 import tunnel_pb2_grpc
 
@@ -173,6 +173,10 @@ def server_side(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerSide
 async def fake_agent(side: ServerSide, sequence: list[pb.Packet]) -> None:
     """One fake agent stream: the sequence, racing a real dial to its node."""
 
+    # Set once the real dial's DIAL_REQ reached this agent, or the dial ended without
+    # (the agent was gone first). Not when the dial starts: a raw dial (Describe, then
+    # a TLS connection to the data listener) takes longer than the rest of a sequence,
+    # so the stream would end, and the session with it, before the dial got here.
     dialled = asyncio.Event()
     half = len(sequence) // 2
 
@@ -182,7 +186,7 @@ async def fake_agent(side: ServerSide, sequence: list[pb.Packet]) -> None:
         for index, message in enumerate(sequence):
             if index == half:
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(2.0):
+                    async with asyncio.timeout(WITHIN / 3):
                         await dialled.wait()
             yield message
             await asyncio.sleep(0)
@@ -198,20 +202,24 @@ async def fake_agent(side: ServerSide, sequence: list[pb.Packet]) -> None:
             async with asyncio.timeout(2.0):
                 while NODE not in side.tunnel.hub.sessions and not listening.done():
                     await asyncio.sleep(0.01)
-        dialled.set()
-        with contextlib.suppress(DialFailed, grpc.aio.AioRpcError):
-            stream = await client.dial(NODE, side.echo_port, timeout=0.5)
-            await stream.write(b"hello")
-            await stream.write_eof()
-            with contextlib.suppress(grpc.aio.AioRpcError):
+        # A clear end either way: refused (DialFailed), or a connection that broke
+        # (AioRpcError on a Tunnel.Dial stream, TunnelLost on a raw dial's).
+        try:
+            with contextlib.suppress(DialFailed, grpc.aio.AioRpcError, TunnelLost):
+                stream = await client.dial(NODE, side.echo_port, timeout=0.5)
+                await stream.write(b"hello")
+                await stream.write_eof()
                 while await stream.read():
                     pass
+        finally:
+            dialled.set()
 
     async def listen() -> None:
         with contextlib.suppress(grpc.aio.AioRpcError):
             async for message in call:
                 if message.HasField("dial_request"):
                     side.dials_seen += 1
+                    dialled.set()
 
     listening = asyncio.ensure_future(listen())
     dialing = asyncio.ensure_future(dial())
