@@ -18,7 +18,13 @@ says where each process serves) or for the addresses given:
 
 Each check is bounded by the client timeout; nothing here waits without one.
 A cluster is checked by its addresses (port-forwards or Services) with the TLS
-flags every client command takes.
+flags every client command takes, or by kube context (`--kube-context`, with
+`--kubeconfig` and `--namespace`) through the Kubernetes API, using the one
+Kubernetes layer (waygate.core.kube): every Waygate workload has its desired
+replicas ready (a missing tunnel workload is a warning: it is optional),
+every Route object's status says admitted with resolved refs, and the trust
+bundle ConfigMap exists. A context that does not exist or an API server that
+cannot be reached is one line on stderr and exit 2.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import logging
 import os
 import socket
 import ssl
@@ -41,12 +48,16 @@ from cryptography import x509
 from waygate.core.clientcli import (
     EXIT_FAILED,
     EXIT_OK,
+    EXIT_USAGE_OR_UNREACHABLE,
     ClientSettings,
     UpRecord,
+    fail,
     http_status,
     run_client,
 )
+from waygate.core.errors import FailedPrecondition
 from waygate.core.grpcclient import open_channel
+from waygate.core.kube import JSON, KubeAPI, KubeError, load_api_client
 from waygate.core.settings import add_settings_arguments
 
 OK, FAILED, WARN = "✔", "✖", "‼"
@@ -79,6 +90,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--certs", metavar="ADDR", help="certs gRPC host:port")
     parser.add_argument("--tunnel", metavar="ADDR", help="tunnel server dialer gRPC host:port")
     parser.add_argument(
+        "--kube-context",
+        metavar="CONTEXT",
+        help="check a cluster through the Kubernetes API with this kubeconfig context",
+    )
+    parser.add_argument(
+        "--kubeconfig",
+        metavar="PATH",
+        help="kubeconfig for --kube-context (default: $KUBECONFIG, then ~/.kube/config)",
+    )
+    parser.add_argument(
+        "--namespace",
+        default="waygate",
+        metavar="NS",
+        help="namespace Waygate is installed in, for --kube-context",
+    )
+    parser.add_argument(
         "--max-staleness",
         type=float,
         default=90.0,
@@ -94,7 +121,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run_check(args: argparse.Namespace) -> int:
     async def body(settings: ClientSettings) -> int:
-        results = await Checker(args, settings).run()
+        try:
+            results = await Checker(args, settings).run()
+        except (FailedPrecondition, KubeError) as exc:
+            return fail(str(exc), EXIT_USAGE_OR_UNREACHABLE)
         if args.output == "json":
             print(json.dumps([dataclasses.asdict(r) for r in results], indent=2))
         else:
@@ -118,7 +148,8 @@ class Checker:
         self.args = args
         self.settings = settings
         self.results: list[Result] = []
-        self.state_dir = settings.found_state_dir()
+        self.kube = bool(getattr(args, "kube_context", None))
+        self.state_dir = None if self.kube else settings.found_state_dir()
         self.record = UpRecord.read(self.state_dir) if self.state_dir is not None else None
 
     def add(self, mark: str, title: str, hint: str = "") -> None:
@@ -147,7 +178,12 @@ class Checker:
         return targets
 
     async def run(self) -> list[Result]:
-        self.check_state()
+        if self.kube:
+            await asyncio.to_thread(self.check_cluster)
+            if not (self.args.resolver or self.args.certs or self.args.tunnel):
+                return self.results
+        else:
+            self.check_state()
         targets = self.targets()
         if not targets:
             if any(r.failed for r in self.results):
@@ -416,8 +452,173 @@ class Checker:
                 "start `waygate tunnel agent` on that node (under `up`: see the tunnel-agent log)",
             )
 
+    # ------------------------------------------------------------ cluster
+
+    def check_cluster(self) -> None:
+        """By kube context: workloads ready, Route statuses, the trust bundle ConfigMap.
+
+        Raises FailedPrecondition (no such context, unreadable kubeconfig) or a
+        KubeError with status 0 (API server unreachable): one line for the caller.
+        """
+        context = self.args.kube_context
+        kubeconfig = _kubeconfig_path(self.args.kubeconfig)
+        # urllib3 logs every retry of a refused connection; the outcome is one line.
+        logging.getLogger("urllib3").setLevel(logging.ERROR)
+        api = KubeAPI(
+            load_api_client(kubeconfig, context=context),
+            timeout=self.settings.timeout,
+        )
+        try:
+            self._check_cluster(api, context)
+        finally:
+            api.close()
+
+    def _check_cluster(self, api: KubeAPI, context: str) -> None:
+        ns = self.args.namespace
+        try:
+            api.get(f"/api/v1/namespaces/{ns}")
+        except KubeError as exc:
+            if exc.status == 0:
+                raise
+            self.add(
+                FAILED,
+                f"namespace {ns} in context {context}: {exc.message}",
+                "install Waygate (`kubectl apply -k deploy/kustomize/overlays/...`) "
+                "or give --namespace",
+            )
+            return
+        self.add(OK, f"context {context}: API server {api.host}, namespace {ns}")
+        for kind, name, optional in WORKLOADS:
+            self.check_workload(api, ns, kind, name, optional)
+        self.check_route_objects(api)
+        try:
+            api.get(f"/api/v1/namespaces/{ns}/configmaps/{TRUST_BUNDLE_CONFIGMAP}")
+        except KubeError as exc:
+            if exc.status == 0:
+                raise
+            self.add(
+                FAILED,
+                f"trust bundle ConfigMap {ns}/{TRUST_BUNDLE_CONFIGMAP}: {exc.message}",
+                "waygate-certs publishes it once it runs as leader (--bundle-configmap): "
+                "see its log",
+            )
+        else:
+            self.add(OK, f"trust bundle ConfigMap {ns}/{TRUST_BUNDLE_CONFIGMAP} exists")
+
+    def check_workload(self, api: KubeAPI, ns: str, kind: str, name: str, optional: bool) -> None:
+        plural = {"Deployment": "deployments", "StatefulSet": "statefulsets"}.get(
+            kind, "daemonsets"
+        )
+        try:
+            obj = api.get(f"/apis/apps/v1/namespaces/{ns}/{plural}/{name}")
+        except KubeError as exc:
+            if exc.status == 0:
+                raise
+            if exc.not_found and optional:
+                self.add(WARN, f"{kind} {ns}/{name} not installed (optional)")
+                return
+            self.add(
+                FAILED,
+                f"{kind} {ns}/{name}: {exc.message}",
+                "apply deploy/kustomize (base or an overlay) to this namespace",
+            )
+            return
+        desired, ready = _replicas(kind, obj)
+        self.add(
+            OK if ready >= desired else FAILED,
+            f"{kind} {ns}/{name}: {ready}/{desired} ready",
+            f"`kubectl -n {ns} describe {kind.lower()} {name}` and its pods' logs say why",
+        )
+
+    def check_route_objects(self, api: KubeAPI) -> None:
+        try:
+            routes, _ = api.list("/apis/waygate.io/v1/routes")
+        except KubeError as exc:
+            if exc.status == 0:
+                raise
+            self.add(
+                FAILED,
+                f"Route objects: {exc.message}",
+                "the Route CRD (deploy/kustomize/base/crd-route.yaml) may not be installed",
+            )
+            return
+        bad = 0
+        for route in routes:
+            meta = route.get("metadata") or {}
+            name = f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+            problem = _route_object_problem(route)
+            if problem is None:
+                continue
+            bad += 1
+            mark, reason, message = problem
+            self.add(
+                mark,
+                f"route {name}: {reason}: {message}" if message else f"route {name}: {reason}",
+                _route_hint(reason),
+            )
+        if not bad:
+            self.add(OK, f"all {len(routes)} Route objects admitted, their services resolved")
+
 
 # ---------------------------------------------------------------- helpers
+
+#: (kind, name, optional): the workloads of deploy/kustomize/base.
+WORKLOADS = (
+    ("Deployment", "waygate-resolver", False),
+    ("Deployment", "waygate-certs", False),
+    ("Deployment", "waygate-proxy", False),
+    ("StatefulSet", "waygate-tunnel-server", True),
+    ("DaemonSet", "waygate-tunnel-agent", True),
+)
+TRUST_BUNDLE_CONFIGMAP = "waygate-trust-bundle"
+
+
+def _kubeconfig_path(given: str | None) -> Path:
+    """--kubeconfig, else the first of $KUBECONFIG, else ~/.kube/config (as kubectl)."""
+    if given:
+        return Path(given)
+    first = next((p for p in os.environ.get("KUBECONFIG", "").split(os.pathsep) if p), None)
+    return Path(first) if first else Path.home() / ".kube" / "config"
+
+
+def _replicas(kind: str, obj: JSON) -> tuple[int, int]:
+    """(desired, ready) of a Deployment, StatefulSet or DaemonSet."""
+    spec = obj.get("spec") or {}
+    status = obj.get("status") or {}
+    if kind == "DaemonSet":
+        return int(status.get("desiredNumberScheduled") or 0), int(status.get("numberReady") or 0)
+    desired = spec.get("replicas")
+    return (1 if desired is None else int(desired)), int(status.get("readyReplicas") or 0)
+
+
+def _route_object_problem(route: JSON) -> tuple[str, str, str] | None:
+    """None when a Route object's status says admitted, resolved and not conflicted;
+    else (mark, reason, message) of the first condition that is wrong."""
+    status = route.get("status") or {}
+    conditions = [c for c in status.get("conditions") or () if isinstance(c, dict)]
+    if not conditions:
+        return (
+            WARN,
+            "NoStatus",
+            "no conditions yet: the resolver's leader writes them (is it running?)",
+        )
+    seen = {c.get("type") for c in conditions}
+    for condition in conditions:
+        kind = condition.get("type")
+        wrong = (
+            condition.get("status") == "True"
+            if kind == "Conflicted"
+            else kind in ("Admitted", "ResolvedRefs") and condition.get("status") != "True"
+        )
+        if wrong:
+            return (
+                FAILED,
+                str(condition.get("reason") or kind),
+                str(condition.get("message") or ""),
+            )
+    if "Admitted" not in seen:
+        return WARN, "NoStatus", "no Admitted condition yet"
+    return None
 
 
 def _reach_hint(tls: bool) -> str:

@@ -356,7 +356,8 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
     check = commands.add_parser(
         "check",
-        help="check every service of a local `up` (or given addresses): ✔/✖ with a hint each",
+        help="check every service of a local `up`, given addresses, or a cluster by "
+        "--kube-context: ✔/✖ with a hint each",
     )
     if wanted(("check",)):
         from waygate.check import configure as configure_check
