@@ -93,7 +93,9 @@ def serve_argv(kubeconfig: Path) -> list[str]:
 
 
 async def signed(standin: StandInAPI, name: str) -> dict[str, Any]:
-    async with asyncio.timeout(20):
+    # A bound, not a speed claim: the process's start, its leader election and the CSR
+    # watch take longer while another pytest worker starts processes beside it.
+    async with asyncio.timeout(60):
         while True:
             obj = standin.get(CSR_API_VERSION, CSR_KIND, name)
             if (obj.get("status") or {}).get("certificate"):
