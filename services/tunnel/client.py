@@ -21,7 +21,9 @@
   `trace_context` given.
 - Errors: `dial` raises `DialFailed` (`reason`, `retryable`); once open, a
   connection the agent or server lost makes `read` raise grpc.aio.AioRpcError
-  (UNAVAILABLE, with the reason), and `wait_closed` returns the final status.
+  (UNAVAILABLE, with the reason) on the gRPC Dial path, or `TunnelLost` on the
+  raw data path (a reset of the data connection), and `wait_closed` returns the
+  final status.
   A clean end is: both sides half-close (`write_eof`, then `read` returns b"").
 - `socket_dialer` adapts the client to the proxy's upstream-connect step: it
   returns one end of a socketpair whose other end is bridged to the stream
