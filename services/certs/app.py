@@ -406,13 +406,14 @@ def build_elector(settings: Settings, kube_api: Any) -> Any:
     """The Lease elector, in cluster mode with leader election on; else None."""
     if settings.ca_secret is None or not settings.leader_election:
         return None
-    from waygate.certs.leader import LeaderElector, LeaseTiming, default_identity
+    from waygate.certs.leader import certs_elector
+    from waygate.core.leader import LeaseTiming, default_identity
 
     lease = settings.leader_lease or (
         f"{settings.ca_secret.partition('/')[0]}/waygate-certs-leader"
     )
     namespace, _, name = lease.partition("/")
-    return LeaderElector(
+    return certs_elector(
         kube_api,
         namespace,
         name,

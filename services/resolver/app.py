@@ -392,12 +392,11 @@ def _spawn_status_writer(
     """The Route and Gateway API status writers and the Lease electing the one replica
     that runs them."""
     import kubernetes.client as k8s
-    from prometheus_client import Counter, Gauge
 
-    from waygate.certs.leader import LeaderElector, default_identity
     from waygate.core.kube import KubeAPI
+    from waygate.core.leader import LeaderElector, default_identity
     from waygate.resolver.kube import SOURCE, kube_configuration
-    from waygate.resolver.kube_status import RouteStatusWriter
+    from waygate.resolver.kube_status import LEADER, LEADER_TRANSITIONS, RouteStatusWriter
 
     namespace, _, name = settings.status_lease.partition("/")
     api = KubeAPI(k8s.ApiClient(kube_configuration(settings.kubeconfig, settings.kube_context)))
@@ -407,14 +406,8 @@ def _spawn_status_writer(
         name,
         identity=default_identity(),
         component="resolver",
-        leader_gauge=Gauge(
-            "waygate_resolver_leader", "1 while this resolver replica writes Route status."
-        ),
-        transitions=Counter(
-            "waygate_resolver_leader_transitions_total",
-            "Times this resolver replica started or stopped writing Route status.",
-            ["change"],
-        ),
+        leader_gauge=LEADER,
+        transitions=LEADER_TRANSITIONS,
     )
     writer = RouteStatusWriter(
         store, api, source=SOURCE, is_leader=elector.is_leader, invalid=invalid_routes

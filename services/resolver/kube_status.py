@@ -25,9 +25,19 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from prometheus_client import Counter, Gauge
+
 from waygate.core.kube import JSON, KubeAPI, KubeError
 from waygate.resolver.model import ADMITTED, FALSE, Route, RouteCondition, RouteKey, RouteStatus
 from waygate.resolver.store import Store
+
+#: The status writers' Lease election (`waygate.core.leader`); only the leader writes.
+LEADER = Gauge("waygate_resolver_leader", "1 while this resolver replica writes Route status.")
+LEADER_TRANSITIONS = Counter(
+    "waygate_resolver_leader_transitions_total",
+    "Times this resolver replica started or stopped writing Route status.",
+    ["change"],
+)
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from waygate.certs.kube_auth import KubeServiceDirectory, TokenReviewAuthenticat
 from waygate.certs.kube_bundle import BundlePublisher
 from waygate.certs.kube_csr import SIGNERS, CSRController, SignerRules
 from waygate.certs.kube_store import SecretCAStore
-from waygate.certs.leader import LeaderElector
+from waygate.certs.leader import certs_elector
 from waygate.certs.policy import Policy
 from waygate.certs.store import DirectoryCAStore
 
@@ -112,7 +112,7 @@ def standin() -> Iterator[StandInAPI]:
 async def exercise(standin: StandInAPI, tmp_path: Path) -> None:
     """Everything certs does in a cluster, once."""
     api = KubeAPI(client.ApiClient(standin.configuration()), timeout=5.0)
-    elector = LeaderElector(api, NAMESPACE, "waygate-certs-leader", identity="certs-0")
+    elector = certs_elector(api, NAMESPACE, "waygate-certs-leader", identity="certs-0")
     await asyncio.to_thread(elector._try_acquire_or_renew)  # lease get (absent), create
     await asyncio.to_thread(elector._try_acquire_or_renew)  # lease get, update
     assert elector.is_leader()

@@ -22,9 +22,10 @@ from tests.support.kubeapi import KubeAPI as StandInAPI
 from tests.support.poll import until
 from waygate.certs.authority import Authority, AuthorityConfig
 from waygate.certs.kube_store import WRITTEN_BY, SecretCAStore
-from waygate.certs.leader import LeaderElector, LeaseTiming, keep_leaf_bounds
+from waygate.certs.leader import certs_elector, keep_leaf_bounds
 from waygate.core.errors import Unavailable
 from waygate.core.kube import KubeAPI
+from waygate.core.leader import LeaderElector, LeaseTiming
 
 FAST = LeaseTiming(lease_duration=2.0, renew_deadline=1.0, retry_period=0.2)
 
@@ -49,7 +50,7 @@ def secret_version(standin: StandInAPI) -> str:
 
 
 def elector(standin: StandInAPI, name: str) -> LeaderElector:
-    return LeaderElector(client_as(standin, name), "waygate", "certs", identity=name, timing=FAST)
+    return certs_elector(client_as(standin, name), "waygate", "certs", identity=name, timing=FAST)
 
 
 class Electors:

@@ -15,11 +15,12 @@ from kubernetes import client as k8s
 
 from tests.support.kubeapi import KubeAPI as StandIn
 from tests.support.poll import until
-from waygate.certs.leader import LeaderElector, LeaseTiming
 from waygate.core.kube import KubeAPI
+from waygate.core.leader import LeaderElector, LeaseTiming
 from waygate.resolver.gateway.kube import KINDS, GatewayObjects, StatusWriter
 from waygate.resolver.gateway.status import StatusBoard
 from waygate.resolver.kube import KubernetesSource, Timeouts
+from waygate.resolver.kube_status import LEADER, LEADER_TRANSITIONS
 from waygate.resolver.store import Store
 
 GROUP = "gateway.networking.k8s.io"
@@ -60,6 +61,8 @@ class Replica:
             identity=name,
             timing=FAST,
             component="resolver",
+            leader_gauge=LEADER,
+            transitions=LEADER_TRANSITIONS,
         )
         self.writer = StatusWriter(
             self.kube, self.board, is_leader=self.elector.is_leader, interval=0.05
