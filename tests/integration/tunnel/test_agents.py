@@ -1,8 +1,12 @@
 """Several agents for one node (issue 19 item 4): dials go to an agent that can serve
-them, and move on when one refuses for a reason another agent could answer."""
+them, and move on when one refuses for a reason another agent could answer, on every
+way in (the raw dial endpoint, gRPC `Tunnel.Dial`, the HTTPS front)."""
 
 from __future__ import annotations
 
+import asyncio
+import ssl
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -10,33 +14,108 @@ import pytest
 from tests.integration.tunnel.harness import NODE, Tunnel, echo_server
 from tests.support.poll import until
 from waygate.tunnel.client import DialFailed
+from waygate.tunnel.front import Front, FrontSettings
 from waygate.tunnel.v1 import tunnel_pb2 as pb
 
+REQUESTS = 200
 
-async def test_an_agent_whose_allow_list_refuses_does_not_fail_the_dials(tmp_path: Path) -> None:
+
+@pytest.fixture
+async def two_agents(tmp_path: Path) -> AsyncIterator[Tunnel]:
+    """A node with two agents: the first may dial 127.0.0.0/8; the second, the newest
+    (the one every dial went to before: 200 of 200 refused), may dial nothing there."""
     tunnel = Tunnel(tmp_path)
     await tunnel.start_server()
     try:
-        server, port = await echo_server()
-        async with server:
-            await tunnel.start_agent()  # may dial 127.0.0.0/8
-            # A second agent for the same node that may dial nothing there; being the
-            # newest, it was the one every dial went to (200 of 200 refused).
-            await tunnel.start_agent(allow=("10.0.0.0/8:*",))
-            await until(lambda: len(tunnel.hub.agents(NODE)) == 2, "both agents held")
-            client = tunnel.client()
-            for _ in range(20):
-                stream = await client.dial(NODE, port)
-                await stream.write(b"ping")
-                await stream.write_eof()
-                assert await stream.read() == b"ping"
-                assert await stream.read() == b""
-            # ListAgents (`waygate tunnel agents`) shows every agent of the node.
-            assert {a.agent_id for a in tunnel.hub.agents(NODE)} == {
-                a.agent_id for a in tunnel.agents
-            }
+        await tunnel.start_agent()
+        await tunnel.start_agent(allow=("10.0.0.0/8:*",))
+        await until(lambda: len(tunnel.hub.agents(NODE)) == 2, "both agents held")
+        yield tunnel
     finally:
         await tunnel.close()
+
+
+def refusing_agent_refused(tunnel: Tunnel, port: int) -> bool:
+    """Whether the hub remembers the refusing agent refusing 127.0.0.1:`port`."""
+    (session,) = (s for s in tunnel.hub.sessions_all() if s.agent_id == tunnel.agents[1].agent_id)
+    return session.refused_lately(f"127.0.0.1:{port}")
+
+
+async def echo_through(tunnel: Tunnel, *, data_path: bool, port: int) -> int:
+    client = tunnel.client(data_path=data_path)
+    succeeded = 0
+    for index in range(REQUESTS):
+        stream = await client.dial(NODE, port)
+        payload = b"ping %d" % index
+        await stream.write(payload)
+        await stream.write_eof()
+        received = b""
+        while chunk := await stream.read():
+            received += chunk
+        succeeded += received == payload
+    return succeeded
+
+
+@pytest.mark.parametrize("data_path", [True, False], ids=["raw-dial", "grpc-dial"])
+async def test_an_agent_whose_allow_list_refuses_does_not_fail_the_dials(
+    two_agents: Tunnel, data_path: bool
+) -> None:
+    tunnel = two_agents
+    server, port = await echo_server()
+    async with server:
+        assert await echo_through(tunnel, data_path=data_path, port=port) == REQUESTS
+    # The refusing agent was asked (and refused) on the way: the fallback did the work.
+    assert refusing_agent_refused(tunnel, port)
+    # ListAgents (`waygate tunnel agents`) shows every agent of the node.
+    assert {a.agent_id for a in tunnel.hub.agents(NODE)} == {a.agent_id for a in tunnel.agents}
+
+
+async def http_backend() -> tuple[asyncio.Server, int]:
+    """Answers each request with 200 and its own port in the body, then closes."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+            await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def test_the_front_moves_to_another_agent_too(two_agents: Tunnel) -> None:
+    tunnel = two_agents
+    server_context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_context.load_cert_chain(tunnel.server_files.cert, tunnel.server_files.key)
+    server_context.load_verify_locations(cadata=tunnel.ca.pem.decode())
+    server_context.verify_mode = ssl.CERT_REQUIRED
+    front = Front(
+        tunnel.hub, FrontSettings(front_node_addresses=(f"127.0.0.1={NODE}",)), dial_timeout=5.0
+    )
+    front_port = await front.start("127.0.0.1", 0, server_context)
+    client_context = ssl.create_default_context(cafile=str(tunnel.dialer_files.ca))
+    client_context.load_cert_chain(tunnel.dialer_files.cert, tunnel.dialer_files.key)
+    client_context.check_hostname = False
+    backend, backend_port = await http_backend()
+    statuses: list[bytes] = []
+    try:
+        async with backend:
+            for _ in range(REQUESTS):
+                reader, writer = await asyncio.open_connection(
+                    "127.0.0.1", front_port, ssl=client_context
+                )
+                writer.write(f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{backend_port}\r\n\r\n".encode())
+                response = await asyncio.wait_for(reader.read(), 10)
+                statuses.append(response.split(b"\r\n", 1)[0])
+                writer.close()
+    finally:
+        await front.stop()
+    assert statuses == [b"HTTP/1.1 200 OK"] * REQUESTS
+    assert refusing_agent_refused(tunnel, backend_port)
 
 
 async def test_a_refusal_every_agent_gives_is_final(tmp_path: Path) -> None:
