@@ -553,12 +553,13 @@ def unavailable_reason(entry: RouteEntry) -> str:
     return "no endpoint ready for route " + entry.options.name
 
 
-def upstream_scope(route: Route) -> tuple[str, str, bool] | None:
+def upstream_scope(route: Route) -> tuple[Any, ...] | None:
     """What an upstream connection for `route` promises beyond its endpoint: None for
-    a plain one; for reencrypt, the destination CA and server name it was verified
-    against and whether the proxy's client certificate went with it. Idle upstream
-    connections are pooled per (endpoint, scope), so a plain route never takes a TLS
-    connection and a reencrypt route only one verified and presented as it asks."""
+    a plain one; for reencrypt, the destination CA (or the system's), the server
+    name and SANs it was verified against and whether the proxy's client
+    certificate went with it. Idle upstream connections are pooled per (endpoint,
+    scope), so a plain route never takes a TLS connection and a reencrypt route only
+    one verified and presented as it asks."""
     tls = route.tls
     if tls is None or tls.termination != TLSTermination.REENCRYPT:
         return None
@@ -566,6 +567,9 @@ def upstream_scope(route: Route) -> tuple[str, str, bool] | None:
         tls.destination_ca_certificate,
         tls.destination_server_name,
         tls.present_client_certificate,
+        tls.destination_system_ca,
+        tls.destination_san_hostnames,
+        tls.destination_san_uris,
     )
 
 

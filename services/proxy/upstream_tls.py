@@ -21,6 +21,14 @@ certificate and the reason states the facts:
     upstream certificate is for a.demo.svc, not b.demo.svc
     upstream certificate signed by an unknown authority (issuer CN=...)
 
+A BackendTLSPolicy route (waygate.resolver.gateway) may verify against the
+system's well-known CAs (`destination_system_ca`) and name subjectAltNames
+(`destination_san_hostnames` / `_uris`): then the server name is only the SNI
+sent, the handshake verifies the chain alone (`check_hostname` off) and the
+peer's SANs are checked right after it, before a byte of the request goes:
+
+    upstream certificate names abc.example.com, spiffe://a/b; none is a subjectAltName the route accepts (def.example.com)
+
 The same sentence goes to the client (502 body and X-Waygate-Error), the log
 line, the request's span (error status and `waygate.upstream_tls.*`
 attributes) and `waygate_proxy_upstream_tls_failures_total{route,reason}`.
@@ -122,6 +130,37 @@ def explain(exc: BaseException, name: str, leaf: x509.Certificate | None) -> tup
     return f"upstream TLS handshake failed: {type(exc).__name__}", "handshake"
 
 
+def san_problem(
+    peer: dict[str, Any] | None, hostnames: tuple[str, ...], uris: tuple[str, ...]
+) -> str | None:
+    """None when the verified peer certificate (`SSLObject.getpeercert()`) carries one
+    of the SANs; else the reason sentence. A wildcard SAN ("*.example.com") on either
+    side covers one label, as RFC 6125 matching does."""
+    sans = tuple(peer.get("subjectAltName", ())) if peer else ()
+    dns = [value.lower() for kind, value in sans if kind == "DNS"]
+    found_uris = [value for kind, value in sans if kind == "URI"]
+    for wanted in hostnames:
+        if any(_dns_matches(have, wanted.lower()) for have in dns):
+            return None
+    if any(uri in found_uris for uri in uris):
+        return None
+    shown = ", ".join([*dns, *found_uris][:4]) or "no DNS or URI names"
+    accepted = ", ".join((*hostnames, *uris))
+    return (
+        f"upstream certificate names {shown}; none is a subjectAltName the route accepts "
+        f"({accepted})"
+    )
+
+
+def _dns_matches(have: str, wanted: str) -> bool:
+    if have == wanted:
+        return True
+    for pattern, name in ((have, wanted), (wanted, have)):
+        if pattern.startswith("*.") and "." in name and name.split(".", 1)[1] == pattern[2:]:
+            return True
+    return False
+
+
 def _names(leaf: x509.Certificate) -> str:
     try:
         sans = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
@@ -201,7 +240,7 @@ class UpstreamTLS:
         self._trust_pem = trust_pem
         self._client_pem = client_pem
         self._connect = connect  # the dialer's connect, for the facts handshake
-        self._contexts: dict[tuple[str, bool, bool], ssl.SSLContext] = {}
+        self._contexts: dict[tuple[str, bool, bool, bool, bool], ssl.SSLContext] = {}
         # (address, port, server name) -> (valid until, the backend's leaf): a backend
         # that keeps failing verification is probed once per FACTS_TTL, not per request.
         self._facts: dict[tuple[str, int, str], tuple[float, x509.Certificate | None]] = {}
@@ -233,20 +272,36 @@ class UpstreamTLS:
         assert tls is not None
         # An auth-proxy route (client CA) presents the proxy's front-proxy certificate.
         present = tls.present_client_certificate or bool(tls.client_ca_certificate)
-        key = (tls.destination_ca_certificate, present, http2)
+        by_san = bool(tls.destination_san_hostnames or tls.destination_san_uris)
+        key = (tls.destination_ca_certificate, present, http2, tls.destination_system_ca, by_san)
         context = self._contexts.get(key)
         if context is None:
             context = self._build(*key)
             self._contexts[key] = context
         return context
 
-    def _build(self, destination_ca: str, present_client: bool, http2: bool) -> ssl.SSLContext:
+    def _build(
+        self,
+        destination_ca: str,
+        present_client: bool,
+        http2: bool,
+        system_ca: bool = False,
+        by_san: bool = False,
+    ) -> ssl.SSLContext:
         context = _ResumingContext(ssl.PROTOCOL_TLS_CLIENT)
         context.last = {}
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         # HTTP/2 backends (waygate.proxy.h2upstream) get ALPN h2 only.
         context.set_alpn_protocols(["h2"] if http2 else ["http/1.1"])
-        cadata = destination_ca or (self._trust_pem() or b"").decode()
+        if by_san:
+            # The chain is still verified (CERT_REQUIRED); the name is checked
+            # against the route's subjectAltNames after the handshake (san_problem).
+            context.check_hostname = False
+        if system_ca and not destination_ca:
+            context.load_default_certs(ssl.Purpose.SERVER_AUTH)
+            cadata = ""
+        else:
+            cadata = destination_ca or (self._trust_pem() or b"").decode()
         if cadata:
             try:
                 context.load_verify_locations(cadata=cadata)
@@ -288,6 +343,16 @@ class UpstreamTLS:
                 ssl_handshake_timeout=timeout,
             )
             ssl_object = transport.get_extra_info("ssl_object")
+            tls = route.tls
+            if tls is not None and (tls.destination_san_hostnames or tls.destination_san_uris):
+                problem = san_problem(
+                    ssl_object.getpeercert() if ssl_object is not None else None,
+                    tls.destination_san_hostnames,
+                    tls.destination_san_uris,
+                )
+                if problem is not None:
+                    transport.abort()
+                    raise self._failed(route, target, name, problem, "san_mismatch", span)
             if isinstance(context, _ResumingContext) and ssl_object is not None:
                 # Its session (TLS 1.3: the ticket that follows the handshake) is
                 # offered to the next connection to this name.
@@ -302,22 +367,29 @@ class UpstreamTLS:
             if isinstance(exc, ssl.SSLCertVerificationError):
                 leaf = await self._cached_peer_certificate(target, name, timeout)
             reason, kind = explain(exc, name, leaf)
-            label = f"{route.namespace}/{route.name}"
-            UPSTREAM_TLS_FAILURES.labels(label, kind).inc()
-            log.warning(
-                "upstream TLS handshake failed",
-                extra={
-                    "route": label,
-                    "upstream": f"{target.address}:{target.port}",
-                    "server_name": name,
-                    "reason": reason,
-                },
-            )
-            if span is not None:
-                span.set_attribute("waygate.upstream_tls.reason", kind)
-                span.set_attribute("waygate.upstream_tls.error", reason)
-                span.set_attribute("waygate.upstream_tls.server_name", name)
-            raise ConnectError(reason, "tls_" + kind, retryable=False) from None
+            raise self._failed(route, target, name, reason, kind, span) from None
+
+    @staticmethod
+    def _failed(
+        route: Route, target: Target, name: str, reason: str, kind: str, span: Any
+    ) -> ConnectError:
+        """The explained failure: counted, logged, on the span, and for the client."""
+        label = f"{route.namespace}/{route.name}"
+        UPSTREAM_TLS_FAILURES.labels(label, kind).inc()
+        log.warning(
+            "upstream TLS handshake failed",
+            extra={
+                "route": label,
+                "upstream": f"{target.address}:{target.port}",
+                "server_name": name,
+                "reason": reason,
+            },
+        )
+        if span is not None:
+            span.set_attribute("waygate.upstream_tls.reason", kind)
+            span.set_attribute("waygate.upstream_tls.error", reason)
+            span.set_attribute("waygate.upstream_tls.server_name", name)
+        return ConnectError(reason, "tls_" + kind, retryable=False)
 
     async def _cached_peer_certificate(
         self, target: Target, name: str, timeout: float

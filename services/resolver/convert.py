@@ -303,6 +303,9 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
                 client_ca_certificate=route.tls.client_ca_certificate,
                 destination_server_name=route.tls.destination_server_name,
                 present_client_certificate=route.tls.present_client_certificate,
+                destination_system_ca=route.tls.destination_system_ca,
+                destination_san_hostnames=route.tls.destination_san_hostnames,
+                destination_san_uris=route.tls.destination_san_uris,
             )
         )
     return message
@@ -335,6 +338,9 @@ def route_from_proto(message: pb.Route) -> model.Route:
             client_ca_certificate=message.tls.client_ca_certificate,
             destination_server_name=message.tls.destination_server_name,
             present_client_certificate=message.tls.present_client_certificate,
+            destination_system_ca=message.tls.destination_system_ca,
+            destination_san_hostnames=tuple(message.tls.destination_san_hostnames),
+            destination_san_uris=tuple(message.tls.destination_san_uris),
         )
     elif message.HasField("tls") and (
         message.tls.certificate
@@ -674,14 +680,15 @@ def gateway_status_to_proto(
         ],
         parents=[
             pb.GatewayParentStatus(
-                gateway_namespace=str(item["parentRef"].get("namespace", "")),
-                gateway_name=str(item["parentRef"].get("name", "")),
-                section_name=str(item["parentRef"].get("sectionName", "")),
-                port=int(item["parentRef"].get("port", 0)),
+                gateway_namespace=str(item[ref].get("namespace", "")),
+                gateway_name=str(item[ref].get("name", "")),
+                section_name=str(item[ref].get("sectionName", "")),
+                port=int(item[ref].get("port", 0)),
                 controller_name=str(item.get("controllerName", "")),
                 conditions=_conditions_to_proto(item.get("conditions")),
             )
-            for item in status.get("parents") or []
+            for field, ref in (("parents", "parentRef"), ("ancestors", "ancestorRef"))
+            for item in status.get(field) or []
         ],
         addresses=[str(a.get("value", "")) for a in status.get("addresses") or []]
         + [
@@ -716,8 +723,14 @@ def gateway_status_from_proto(message: pb.GatewayObjectStatus) -> dict[str, Any]
             }
             for item in message.listeners
         ]
-    if message.parents:
-        status["parents"] = []
+    if message.parents or message.kind == "BackendTLSPolicy":
+        # A policy's status lists the Gateways it is used through as ancestors.
+        field, ref_name = (
+            ("ancestors", "ancestorRef")
+            if message.kind == "BackendTLSPolicy"
+            else ("parents", "parentRef")
+        )
+        status[field] = []
         for item in message.parents:
             ref: dict[str, Any] = {
                 "group": "gateway.networking.k8s.io",
@@ -729,9 +742,9 @@ def gateway_status_from_proto(message: pb.GatewayObjectStatus) -> dict[str, Any]
                 ref["sectionName"] = item.section_name
             if item.port:
                 ref["port"] = item.port
-            status["parents"].append(
+            status[field].append(
                 {
-                    "parentRef": ref,
+                    ref_name: ref,
                     "controllerName": item.controller_name,
                     "conditions": _conditions_from_proto(item.conditions),
                 }

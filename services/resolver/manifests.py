@@ -5,7 +5,8 @@ every `*.yaml`, `*.yml` and `*.json` file directly in a directory (in name
 order, as kubectl does without -R), each holding any number of `---`
 separated documents (a `kind: List` is expanded). Kinds read:
 Namespace, Service, EndpointSlice (discovery.k8s.io/v1), Secret (type
-kubernetes.io/tls; other types are skipped), the waygate.io Route, and the
+kubernetes.io/tls; other types are skipped), ConfigMap (BackendTLSPolicy's
+CA certificates), the waygate.io Route, and the
 Gateway API and Ingress kinds of `waygate.resolver.gateway`. Any other kind
 (a real manifest directory has Deployments in it) is skipped with one log
 line per object and load, not refused.
@@ -57,6 +58,7 @@ _CORE = {
     ("v1", "Namespace"),
     ("v1", "Service"),
     ("v1", "Secret"),
+    ("v1", "ConfigMap"),
     ("discovery.k8s.io/v1", "EndpointSlice"),
     ("waygate.io/v1", "Route"),
 }

@@ -191,6 +191,13 @@ class RouteTLS:
     destination_server_name: str = ""
     # Present the proxy's own client certificate to the backend.
     present_client_certificate: bool = False
+    # BackendTLSPolicy (reencrypt): verify the backend against the system's
+    # well-known CAs instead (destination_ca_certificate empty), and accept it
+    # when its certificate carries one of these SANs (set: the server name is
+    # only the SNI sent, not the name verified).
+    destination_system_ca: bool = False
+    destination_san_hostnames: tuple[str, ...] = ()
+    destination_san_uris: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -325,6 +325,9 @@ def _validate_tls(tls: RouteTLS, what: str, path: str) -> RouteTLS:
             "destination_ca_certificate",
             "destination_server_name",
             "present_client_certificate",
+            "destination_system_ca",
+            "destination_san_hostnames",
+            "destination_san_uris",
         ):
             if getattr(tls, field):
                 raise _fail(what, f"tls.{field}", "only reencrypt routes open TLS to the backend")

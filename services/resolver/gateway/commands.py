@@ -1,8 +1,9 @@
 """`waygate gateways`: the status of Gateway API and Ingress objects, as the resolver computed it.
 
 One row per object (GatewayClass, Gateway, HTTPRoute, GRPCRoute, TLSRoute,
-Ingress) with its conditions in short; Gateways list their listeners with
-attached routes; routes list their parents. A condition that is not as it
+Ingress, BackendTLSPolicy) with its conditions in short; Gateways list their
+listeners with attached routes; routes list their parents and policies the
+Gateways they are used through. A condition that is not as it
 should be is shown with its reason and message, so a misconfiguration is
 read here, not in a log. `-o json|yaml` prints the objects' `status` as the
 Kubernetes API spells it (kind, metadata, status).
@@ -26,7 +27,15 @@ from waygate.resolver.v1 import resolver_pb2 as pb
 from waygate.resolver.v1 import resolver_pb2_grpc
 
 DEFAULT_PORT = 7001
-KINDS = ("GatewayClass", "Gateway", "HTTPRoute", "GRPCRoute", "TLSRoute", "Ingress")
+KINDS = (
+    "GatewayClass",
+    "Gateway",
+    "HTTPRoute",
+    "GRPCRoute",
+    "TLSRoute",
+    "Ingress",
+    "BackendTLSPolicy",
+)
 # Conditions whose healthy status is False.
 _HEALTHY_FALSE = {"Conflicted"}
 

@@ -11,8 +11,8 @@ too (a backend appearing or going resolves or breaks references).
 Kinds: GatewayClass, Gateway, HTTPRoute, GRPCRoute (gateway.networking.k8s.io/v1),
 TLSRoute (v1, as the v1.5+ channels ship it), ReferenceGrant (v1beta1),
 Ingress and IngressClass (networking.k8s.io/v1), Namespaces (their labels, for
-allowedRoutes selectors) and Secrets (kubernetes.io/tls ones are kept, for
-certificateRefs). A kind whose CRD is not installed (404) counts as none.
+allowedRoutes selectors), Secrets (kubernetes.io/tls ones are kept, for
+certificateRefs), BackendTLSPolicy (v1) and ConfigMaps (its CA certificates). A kind whose CRD is not installed (404) counts as none.
 
 Status: `StatusWriter.run` writes only while `is_leader()` (the resolver's
 Lease elector, shared with the Route status writer): it
@@ -52,11 +52,21 @@ KINDS: Mapping[str, tuple[str, str, bool]] = {
     "ReferenceGrant": ("/apis/gateway.networking.k8s.io/v1beta1", "referencegrants", True),
     "IngressClass": ("/apis/networking.k8s.io/v1", "ingressclasses", False),
     "Ingress": ("/apis/networking.k8s.io/v1", "ingresses", True),
+    "BackendTLSPolicy": ("/apis/gateway.networking.k8s.io/v1", "backendtlspolicies", True),
     "Namespace": ("/api/v1", "namespaces", False),
     "Secret": ("/api/v1", "secrets", True),
+    "ConfigMap": ("/api/v1", "configmaps", True),
 }
 # Kinds written by the status writer (the others have no status of ours).
-STATUS_KINDS = ("GatewayClass", "Gateway", "HTTPRoute", "GRPCRoute", "TLSRoute", "Ingress")
+STATUS_KINDS = (
+    "GatewayClass",
+    "Gateway",
+    "HTTPRoute",
+    "GRPCRoute",
+    "TLSRoute",
+    "Ingress",
+    "BackendTLSPolicy",
+)
 
 
 def collection(kind: str, namespace: str | None) -> str:
@@ -163,15 +173,20 @@ class GatewayObjects:
 
 
 def merged_status(kind: str, current: JSON, ours: JSON) -> JSON:
-    """The status to write: ours, keeping other controllers' route parents."""
-    if kind not in ("HTTPRoute", "GRPCRoute", "TLSRoute"):
+    """The status to write: ours, keeping other controllers' route parents and
+    policy ancestors."""
+    if kind in ("HTTPRoute", "GRPCRoute", "TLSRoute"):
+        field = "parents"
+    elif kind == "BackendTLSPolicy":
+        field = "ancestors"
+    else:
         return ours
     theirs = [
-        parent
-        for parent in (current.get("status") or {}).get("parents") or []
-        if parent.get("controllerName") != CONTROLLER_NAME
+        entry
+        for entry in (current.get("status") or {}).get(field) or []
+        if entry.get("controllerName") != CONTROLLER_NAME
     ]
-    return {**ours, "parents": theirs + list(ours.get("parents") or [])}
+    return {**ours, field: theirs + list(ours.get(field) or [])}
 
 
 class StatusWriter:

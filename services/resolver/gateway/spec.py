@@ -833,3 +833,102 @@ def ingress(obj: JSON) -> IngressSpec:
         )
         tls.append((hosts, _str(fields, "secretName", where)))
     return IngressSpec(class_name, default, tuple(rules), tuple(tls))
+
+
+# ---------------------------------------------------------------- BackendTLSPolicy
+
+
+@dataclass(frozen=True)
+class PolicyTarget:
+    group: str
+    kind: str
+    name: str
+    section_name: str  # "" : every port of the Service
+
+
+@dataclass(frozen=True)
+class LocalRef:
+    group: str
+    kind: str
+    name: str
+
+
+@dataclass(frozen=True)
+class BackendTLSPolicySpec:
+    """BackendTLSPolicy (gateway.networking.k8s.io/v1, GA in v1.4; v1alpha3 read too)."""
+
+    targets: tuple[PolicyTarget, ...]
+    ca_refs: tuple[LocalRef, ...]
+    well_known: str  # "" or "System" (another value: the policy is not accepted)
+    hostname: str
+    san_hostnames: tuple[str, ...]
+    san_uris: tuple[str, ...]
+
+
+def backend_tls_policy(obj: JSON) -> BackendTLSPolicySpec:
+    """The schema checks of the CRD (and its CEL rules) for a BackendTLSPolicy."""
+    spec = _map(obj.get("spec"), ("spec",))
+    targets = []
+    seen: set[tuple[str, str, str, str]] = set()
+    raw_targets = _list(spec.get("targetRefs"), ("spec", "targetRefs"))
+    if not raw_targets:
+        raise SpecError(("spec", "targetRefs"), "at least one targetRef is required")
+    for index, item in enumerate(raw_targets):
+        where: FieldPath = ("spec", "targetRefs", index)
+        fields = _map(item, where)
+        target = PolicyTarget(
+            _str(fields, "group", where),
+            _required(fields, "kind", where),
+            _required(fields, "name", where),
+            _str(fields, "sectionName", where),
+        )
+        identity = (target.group, target.kind, target.name, target.section_name)
+        if identity in seen:
+            raise SpecError(where, "sectionName must be unique for the same target")
+        seen.add(identity)
+        targets.append(target)
+    where = ("spec", "validation")
+    validation = _map(spec.get("validation"), where)
+    refs = []
+    for index, item in enumerate(
+        _list(validation.get("caCertificateRefs"), (*where, "caCertificateRefs"))
+    ):
+        ref_where: FieldPath = (*where, "caCertificateRefs", index)
+        fields = _map(item, ref_where)
+        refs.append(
+            LocalRef(
+                _str(fields, "group", ref_where),
+                _required(fields, "kind", ref_where),
+                _required(fields, "name", ref_where),
+            )
+        )
+    well_known = _str(validation, "wellKnownCACertificates", where)
+    if refs and well_known:
+        raise SpecError(
+            where, "must not contain both caCertificateRefs and wellKnownCACertificates"
+        )
+    if not refs and not well_known:
+        raise SpecError(where, "must specify either caCertificateRefs or wellKnownCACertificates")
+    host = hostname(_required(validation, "hostname", where), (*where, "hostname"), wildcard=False)
+    san_hosts: list[str] = []
+    san_uris: list[str] = []
+    for index, item in enumerate(
+        _list(validation.get("subjectAltNames"), (*where, "subjectAltNames"))
+    ):
+        san_where: FieldPath = (*where, "subjectAltNames", index)
+        fields = _map(item, san_where)
+        kind = _enum(fields, "type", san_where, ("Hostname", "URI"), "")
+        name, uri = _str(fields, "hostname", san_where), _str(fields, "uri", san_where)
+        if kind == "Hostname":
+            if not name or uri:
+                raise SpecError(san_where, "type Hostname takes hostname (and no uri)")
+            san_hosts.append(hostname(name, (*san_where, "hostname")))
+        else:
+            if not uri or name:
+                raise SpecError(san_where, "type URI takes uri (and no hostname)")
+            if not re.match(r"^[A-Za-z][A-Za-z0-9+.\-]*:\S+$", uri):
+                raise SpecError((*san_where, "uri"), f"{uri!r} is not an absolute URI")
+            san_uris.append(uri)
+    return BackendTLSPolicySpec(
+        tuple(targets), tuple(refs), well_known, host, tuple(san_hosts), tuple(san_uris)
+    )

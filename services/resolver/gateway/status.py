@@ -52,9 +52,9 @@ def _stamp(new: Any, old: Any, now: str) -> None:
 
 
 def _counterpart(value: Any, olds: list[Any], index: int) -> Any:
-    """The old entry a list entry continues: same listener name or parentRef, else same index."""
+    """The old entry a list entry continues: same listener name, parentRef or ancestorRef, else same index."""
     if isinstance(value, dict):
-        for field in ("name", "parentRef"):
+        for field in ("name", "parentRef", "ancestorRef"):
             if field in value:
                 return next(
                     (o for o in olds if isinstance(o, dict) and o.get(field) == value[field]), None

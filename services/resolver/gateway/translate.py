@@ -25,6 +25,17 @@ Semantics (the Gateway API specification v1.x and its conformance suite):
   invalid: its share of requests is answered 500.
 - Hostnames: "*.example.com" matches any number of labels in front; the
   effective host of a route on a listener is the more specific of the two.
+- BackendTLSPolicy (v1): a policy targeting a Service (and port, by
+  sectionName) turns the rules whose backends use it into reencrypt routes:
+  the CA from its ConfigMaps' `ca.crt` (or the system's, for
+  wellKnownCACertificates System), its hostname as the SNI and name verified,
+  or its subjectAltNames. A policy whose CA cannot be used still applies: its
+  backends answer 500 with the reason (never plaintext to a TLS backend). Of
+  two policies on the same Service and sectionName the older wins (Conflicted).
+  The backends of one rule must agree on their policy (Waygate's route has
+  one upstream TLS setting); one that does not is marked invalid and says so.
+  Status: per Gateway whose routes use it (`ancestors`), Accepted and
+  ResolvedRefs with the spec's reasons.
 - Ingress: IngressClass with controller `waygate.io/ingress-controller`
   (or no class and a default class of ours); Prefix and ImplementationSpecific
   are PathPrefix, Exact is Exact; hosts in `tls` are also served on 443 with
@@ -53,6 +64,7 @@ from waygate.resolver.gateway.spec import (
     SpecError,
 )
 from waygate.resolver.model import (
+    InsecureEdgePolicy,
     PathMatchType,
     Route,
     RouteBackend,
@@ -78,6 +90,7 @@ GATEWAY_KINDS = (
     "ReferenceGrant",
     "IngressClass",
     "Ingress",
+    "BackendTLSPolicy",
 )
 ROUTE_KINDS = ("HTTPRoute", "GRPCRoute", "TLSRoute")
 _DEFAULT_KINDS = {
@@ -145,6 +158,56 @@ def condition(kind: str, ok: bool, reason: str, message: str, generation: int) -
         "message": message,
         "observedGeneration": generation,
     }
+
+
+# ---------------------------------------------------------------- BackendTLSPolicy
+
+
+@dataclass
+class _Policy:
+    """One BackendTLSPolicy as translated: what it asks for, or why it cannot serve."""
+
+    key: Key
+    generation: int
+    spec: specs.BackendTLSPolicySpec
+    ca_pem: str = ""
+    # Set: its backends cannot be reached as it asks (answered 500 with this).
+    problem: str = ""
+    conditions: list[JSON] = field(default_factory=list)
+    # Gateways whose routes use it (its status.ancestors), in order of first use.
+    ancestors: dict[Key, None] = field(default_factory=dict)
+    # Younger policies on the same targets (Conflicted): they report the same
+    # ancestors, so their status says why they are not used.
+    shadowed: list[_Policy] = field(default_factory=list)
+
+    def upstream(self, listener_tls: RouteTLS | None) -> RouteTLS:
+        """The reencrypt settings of a route on a listener (`listener_tls`: HTTPS's)."""
+        spec = self.spec
+        fields: dict[str, Any] = {
+            "termination": TLSTermination.REENCRYPT,
+            "destination_ca_certificate": self.ca_pem,
+            "destination_server_name": spec.hostname,
+            "destination_system_ca": not self.ca_pem,
+            "destination_san_hostnames": spec.san_hostnames,
+            "destination_san_uris": spec.san_uris,
+        }
+        if listener_tls is None:
+            # An HTTP listener: served on the plain port, TLS only to the backend.
+            return RouteTLS(insecure_edge_termination_policy=InsecureEdgePolicy.ALLOW, **fields)
+        return dataclasses.replace(listener_tls, **fields)
+
+
+def _ca_bundle(value: Any) -> str:
+    """The PEM certificates of a ConfigMap's ca.crt ("" : none that parse)."""
+    from cryptography import x509
+
+    if not isinstance(value, str) or "-----BEGIN CERTIFICATE-----" not in value:
+        return ""
+    try:
+        x509.load_pem_x509_certificates(value.encode())
+    except ValueError:
+        return ""
+    return value.strip() + "\n"
 
 
 # ---------------------------------------------------------------- listeners
@@ -215,6 +278,11 @@ class _Translator:
         self.gateway_status: dict[Key, JSON] = {}
         # A rule's filters with its mirrors' ports resolved, by id of the RuleSpec.
         self.mirrors: dict[int, Any] = {}
+        # BackendTLSPolicies by (namespace, service, sectionName); a rule's policy
+        # (by id of the RuleSpec), and every policy by its key.
+        self.policy_by_target: dict[tuple[str, str, str], _Policy] = {}
+        self.rule_policy: dict[int, _Policy] = {}
+        self.policies: dict[Key, _Policy] = {}
 
     # ------------------------------------------------------------ helpers
 
@@ -605,8 +673,13 @@ class _Translator:
         per_rule: list[list[RouteBackend]] = []
         for rule in route.rules:
             out = []
+            chosen: list[_Policy | None] = []
             for ref in rule.backends:
                 backend, issue = self.backend(kind, namespace, ref)
+                if issue is None and kind != "TLSRoute":
+                    backend, policy = self.backend_policy(backend, ref, chosen)
+                    if policy is not None:
+                        self.rule_policy[id(rule)] = policy
                 out.append(backend)
                 if issue is not None and problem is None:
                     problem = issue
@@ -661,6 +734,129 @@ class _Translator:
             ref.name, ref.weight, ref.namespace, _port_as_sliced(service, port)
         ), None
 
+    def backend_policy(
+        self, backend: RouteBackend, ref: BackendRef, chosen: list[_Policy | None]
+    ) -> tuple[RouteBackend, _Policy | None]:
+        """The BackendTLSPolicy of a usable backend, and the backend as it must be
+        served: invalid when the policy cannot be used, or when it differs from the
+        one the rule's first backend set (`chosen`, filled here)."""
+        service = self.objects.services.get((ref.namespace, ref.name))
+        port = next((p for p in service.ports if p.port == ref.port), None) if service else None
+        section = port.name if port is not None else ""
+        policy = self.policy_by_target.get((ref.namespace, ref.name, section)) or (
+            self.policy_by_target.get((ref.namespace, ref.name, ""))
+        )
+        if not chosen:
+            chosen.append(policy)
+        elif chosen[0] is not policy:
+
+            def name(p: _Policy | None) -> str:
+                return "none" if p is None else f"BackendTLSPolicy {p.key[0]}/{p.key[1]}"
+
+            why = (
+                f"Service {ref.namespace}/{ref.name} has {name(policy)} and the rule's first "
+                f"backend {name(chosen[0])}: Waygate needs one upstream TLS setting per rule"
+            )
+            return dataclasses.replace(backend, invalid=why), None
+        if policy is not None and policy.problem:
+            why = f"BackendTLSPolicy {policy.key[0]}/{policy.key[1]}: {policy.problem}"
+            return dataclasses.replace(backend, invalid=why), policy
+        return backend, policy
+
+    def backend_tls_policies(self) -> None:
+        """Every BackendTLSPolicy: its CA resolved and its targets claimed, oldest first."""
+        found = []
+        for key, obj in self.objects.of("BackendTLSPolicy").items():
+            try:
+                spec = specs.backend_tls_policy(obj)
+            except SpecError as exc:
+                self.reject("BackendTLSPolicy", key, obj, exc)
+                continue
+            created = specs.created(obj)
+            found.append((created.timestamp() if created else 0.0, key, obj, spec))
+        for _, key, obj, spec in sorted(found, key=lambda item: (item[0], item[1])):
+            generation = specs.generation(obj)
+            policy = _Policy(key, generation, spec)
+            self.policies[key] = policy
+            problems: list[tuple[str, str]] = []
+            bundles = []
+            for ref in spec.ca_refs:
+                what = f"caCertificateRef {ref.group or 'core'}/{ref.kind} {ref.name}"
+                if ref.group not in ("", "core") or ref.kind != "ConfigMap":
+                    problems.append(("InvalidKind", f"{what}: only a ConfigMap is supported"))
+                    continue
+                config_map = self.objects.of("ConfigMap").get((key[0], ref.name))
+                if config_map is None:
+                    problems.append(
+                        ("InvalidCACertificateRef", f"ConfigMap {key[0]}/{ref.name} does not exist")
+                    )
+                    continue
+                bundle = _ca_bundle((config_map.get("data") or {}).get("ca.crt"))
+                if not bundle:
+                    problems.append(
+                        (
+                            "InvalidCACertificateRef",
+                            f"ConfigMap {key[0]}/{ref.name} has no ca.crt of PEM certificates",
+                        )
+                    )
+                    continue
+                bundles.append(bundle)
+            policy.ca_pem = "".join(bundles)
+            accepted: tuple[bool, str, str] = (True, "Accepted", "")
+            if spec.well_known and spec.well_known != "System":
+                accepted = (
+                    False,
+                    "Invalid",
+                    f"wellKnownCACertificates {spec.well_known!r} is not supported (System)",
+                )
+            elif spec.ca_refs and not bundles:
+                accepted = (False, "NoValidCACertificate", problems[0][1])
+            if not accepted[0]:
+                policy.problem = accepted[2]
+            resolved = (False, *problems[0]) if problems else (True, "ResolvedRefs", "")
+            for target in spec.targets:
+                if target.group not in ("", "core") or target.kind != "Service":
+                    continue  # no Service of ours: nothing to apply to
+                claim = (key[0], target.name, target.section_name)
+                holder = self.policy_by_target.get(claim)
+                if holder is not None:
+                    section = f" port {target.section_name}" if target.section_name else ""
+                    accepted = (
+                        False,
+                        "Conflicted",
+                        f"BackendTLSPolicy {holder.key[0]}/{holder.key[1]} is older and "
+                        f"targets Service {target.name}{section} too",
+                    )
+                    if policy not in holder.shadowed:
+                        holder.shadowed.append(policy)
+                    continue
+                self.policy_by_target[claim] = policy
+            policy.conditions = [
+                condition("Accepted", *accepted, generation),
+                condition("ResolvedRefs", *resolved, generation),
+            ]
+
+    def finish_policies(self) -> None:
+        for key, policy in self.policies.items():
+            ancestors = [
+                {
+                    "ancestorRef": {
+                        "group": GATEWAY_GROUP,
+                        "kind": "Gateway",
+                        "namespace": gateway[0],
+                        "name": gateway[1],
+                    },
+                    "controllerName": CONTROLLER_NAME,
+                    "conditions": policy.conditions,
+                }
+                for gateway in policy.ancestors
+            ]
+            self.out.statuses.append(
+                ObjectStatus(
+                    "BackendTLSPolicy", key[0], key[1], policy.generation, {"ancestors": ancestors}
+                )
+            )
+
     def make_routes(
         self,
         kind: str,
@@ -676,6 +872,12 @@ class _Translator:
         if kind == "TLSRoute":
             tls = RouteTLS(TLSTermination.PASSTHROUGH)
         for index, rule in enumerate(route.rules):
+            policy = self.rule_policy.get(id(rule))
+            rule_tls = tls
+            if policy is not None:
+                for used in (policy, *policy.shadowed):
+                    used.ancestors.setdefault(gateway)
+                rule_tls = policy.upstream(tls)
             for host in hosts:
                 if kind == "TLSRoute" and not host:
                     # Passthrough routes by SNI: without a hostname there is nothing to match.
@@ -689,7 +891,7 @@ class _Translator:
                     name=name,
                     host=host,
                     backends=tuple(backends[index]),
-                    tls=tls,
+                    tls=rule_tls,
                     sticky=StickySessions(disable_cookies=True),
                     matches=rule.matches,
                     filters=self.mirrors.get(id(rule), rule.filters),
@@ -836,8 +1038,10 @@ class _Translator:
             except SpecError as exc:
                 self.reject("ReferenceGrant", key, obj, exc)
         self.gateways(self.classes())
+        self.backend_tls_policies()
         self.routes()
         self.finish_gateways()
+        self.finish_policies()
         self.ingresses()
         return self.out
 

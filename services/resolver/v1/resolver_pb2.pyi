@@ -239,7 +239,7 @@ class RouteBackend(_message.Message):
     def __init__(self, service: _Optional[str] = ..., weight: _Optional[int] = ..., namespace: _Optional[str] = ..., port: _Optional[str] = ..., invalid: _Optional[str] = ...) -> None: ...
 
 class RouteTLS(_message.Message):
-    __slots__ = ("termination", "certificate", "key", "ca_certificate", "destination_ca_certificate", "insecure_edge_termination_policy", "hsts", "client_ca_certificate", "destination_server_name", "present_client_certificate")
+    __slots__ = ("termination", "certificate", "key", "ca_certificate", "destination_ca_certificate", "insecure_edge_termination_policy", "hsts", "client_ca_certificate", "destination_server_name", "present_client_certificate", "destination_system_ca", "destination_san_hostnames", "destination_san_uris")
     TERMINATION_FIELD_NUMBER: _ClassVar[int]
     CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +250,9 @@ class RouteTLS(_message.Message):
     CLIENT_CA_CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_SERVER_NAME_FIELD_NUMBER: _ClassVar[int]
     PRESENT_CLIENT_CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_SYSTEM_CA_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_SAN_HOSTNAMES_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_SAN_URIS_FIELD_NUMBER: _ClassVar[int]
     termination: TLSTermination
     certificate: str
     key: str
@@ -260,7 +263,10 @@ class RouteTLS(_message.Message):
     client_ca_certificate: str
     destination_server_name: str
     present_client_certificate: bool
-    def __init__(self, termination: _Optional[_Union[TLSTermination, str]] = ..., certificate: _Optional[str] = ..., key: _Optional[str] = ..., ca_certificate: _Optional[str] = ..., destination_ca_certificate: _Optional[str] = ..., insecure_edge_termination_policy: _Optional[_Union[InsecureEdgePolicy, str]] = ..., hsts: _Optional[_Union[HSTS, _Mapping]] = ..., client_ca_certificate: _Optional[str] = ..., destination_server_name: _Optional[str] = ..., present_client_certificate: _Optional[bool] = ...) -> None: ...
+    destination_system_ca: bool
+    destination_san_hostnames: _containers.RepeatedScalarFieldContainer[str]
+    destination_san_uris: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, termination: _Optional[_Union[TLSTermination, str]] = ..., certificate: _Optional[str] = ..., key: _Optional[str] = ..., ca_certificate: _Optional[str] = ..., destination_ca_certificate: _Optional[str] = ..., insecure_edge_termination_policy: _Optional[_Union[InsecureEdgePolicy, str]] = ..., hsts: _Optional[_Union[HSTS, _Mapping]] = ..., client_ca_certificate: _Optional[str] = ..., destination_server_name: _Optional[str] = ..., present_client_certificate: _Optional[bool] = ..., destination_system_ca: _Optional[bool] = ..., destination_san_hostnames: _Optional[_Iterable[str]] = ..., destination_san_uris: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HSTS(_message.Message):
     __slots__ = ("max_age", "include_subdomains", "preload")

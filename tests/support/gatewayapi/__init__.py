@@ -2,7 +2,7 @@
 
 `conformance/` holds files of kubernetes-sigs/gateway-api v1.6.1 (Apache License
 2.0), unchanged: `base.yaml` is `conformance/base/manifests.yaml` and
-`httproute-*.yaml` are `conformance/tests/httproute-*.yaml`. The suite fills
+`httproute-*.yaml` and `backendtlspolicy*.yaml` are `conformance/tests/`'s. The suite fills
 `{GATEWAY_CLASS_NAME}` and creates the GatewayClass and the listeners' TLS
 Secret itself; `manifests()` does the same here. Instead of the suite's
 echo Deployments, every Service of the base file gets an EndpointSlice that
@@ -307,6 +307,67 @@ spec:
         )
         assert code == 0, err
         return json.loads(out)["items"]  # type: ignore[no-any-return]
+
+
+class TlsRecordingUpstream(RecordingUpstream):
+    """A RecordingUpstream behind TLS with `certificate` (PEM chain, key); `server_names`
+    records the SNI of every handshake, as the suite's echo backend reports it."""
+
+    def __init__(self, name: str, certificate: tuple[bytes, bytes]) -> None:
+        super().__init__(name)
+        from waygate.core.tls import server_context
+
+        self.context = server_context(chain_pem=certificate[0], key_pem=certificate[1])
+        self.server_names: list[str | None] = []
+
+        def record(_obj: Any, name: str | None, _context: Any) -> None:
+            self.server_names.append(name)
+
+        self.context.sni_callback = record
+
+    async def start(self) -> TlsRecordingUpstream:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=self.context)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+
+def tls_backend_objects(names: tuple[str, ...], port: int, config_maps: dict[str, str]) -> str:
+    """What the suite creates for its BackendTLSPolicy tests: one EndpointSlice per
+    Service of `names` selecting `app: tls-backend` (every port at 127.0.0.1:`port`)
+    and the ConfigMaps of `config_maps` (name -> ca.crt)."""
+    docs: list[dict[str, Any]] = [
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": name, "namespace": INFRA},
+            "data": {"ca.crt": pem},
+        }
+        for name, pem in config_maps.items()
+    ]
+    for text in (conformance_text(n) for n in names):
+        for doc in yaml.safe_load_all(text):
+            if not doc or doc.get("kind") != "Service":
+                continue
+            if (doc["spec"].get("selector") or {}).get("app") != "tls-backend":
+                continue
+            docs.append(
+                {
+                    "apiVersion": "discovery.k8s.io/v1",
+                    "kind": "EndpointSlice",
+                    "metadata": {
+                        "name": doc["metadata"]["name"] + "-local",
+                        "namespace": INFRA,
+                        "labels": {"kubernetes.io/service-name": doc["metadata"]["name"]},
+                    },
+                    "addressType": "IPv4",
+                    "ports": [
+                        {"name": p.get("name", ""), "port": port, "protocol": "TCP"}
+                        for p in doc["spec"]["ports"]
+                    ],
+                    "endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": True}}],
+                }
+            )
+    return yaml.safe_dump_all(docs)
 
 
 def tls_client_context() -> ssl.SSLContext:

@@ -354,3 +354,168 @@ spec:
         (PathMatchType.PREFIX, "/echo.Echo", "POST"),
     ]
     assert made.upstream_protocol == "grpc"
+
+
+# ---------------------------------------------------------------- BackendTLSPolicy
+
+
+def ca_config_map(name: str = "tls-checks-ca-certificate") -> str:
+    from tests.support.pki import LocalCA
+
+    return yaml.safe_dump(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": name, "namespace": NS},
+            "data": {"ca.crt": LocalCA().pem.decode()},
+        }
+    )
+
+
+def policy_ancestor(content: ManifestsContent, name: str) -> dict[str, tuple[str, str]]:
+    status = status_of(content, "BackendTLSPolicy", name)
+    (ancestor,) = status["ancestors"]
+    assert ancestor["ancestorRef"] == {
+        "group": "gateway.networking.k8s.io",
+        "kind": "Gateway",
+        "namespace": NS,
+        "name": "same-namespace",
+    }
+    return reasons(ancestor["conditions"])
+
+
+def test_backend_tls_policy_makes_the_rule_reencrypt_to_its_hostname() -> None:
+    content = parse(
+        GATEWAY_CLASS,
+        conformance_text("base.yaml"),
+        conformance_text("backendtlspolicy.yaml"),
+        ca_config_map(),
+        tls_secret(NS, "tls-validity-checks-certificate", "https-listener.org"),
+    )
+    (http,) = [
+        r
+        for r in content.routes
+        if r.origin == f"HTTPRoute {NS}/backendtlspolicy" and r.rule_index == 0
+    ]
+    assert http.tls is not None and http.tls.termination.value == "reencrypt"
+    assert http.tls.destination_server_name == "abc.example.com"
+    assert "BEGIN CERTIFICATE" in http.tls.destination_ca_certificate
+    assert not http.tls.destination_system_ca and not http.tls.certificate
+    # An HTTP listener: still served on the plain port.
+    assert http.tls.insecure_edge_termination_policy.value == "Allow"
+    (https,) = [
+        r for r in content.routes if r.origin == f"HTTPRoute {NS}/backendtlspolicy-reencrypt"
+    ]
+    assert https.tls is not None and https.tls.certificate  # the listener's own, kept
+    assert https.tls.termination.value == "reencrypt"
+    # A Service no policy targets stays plain.
+    plain = base("httproute-simple-same-namespace.yaml")
+    assert all(r.tls is None for r in plain.routes if r.listener_port == 80)
+
+
+def test_backend_tls_policy_conflicts_resolve_to_the_oldest_then_by_name() -> None:
+    content = parse(
+        GATEWAY_CLASS,
+        conformance_text("base.yaml"),
+        conformance_text("backendtlspolicy-conflict-resolution.yaml"),
+        ca_config_map(),
+    )
+    assert policy_ancestor(content, "conflicted-without-section-name-1")["Accepted"] == (
+        "True",
+        "Accepted",
+    )
+    assert policy_ancestor(content, "conflicted-without-section-name-2")["Accepted"] == (
+        "False",
+        "Conflicted",
+    )
+    assert policy_ancestor(content, "conflicted-with-section-name-2")["Accepted"] == (
+        "False",
+        "Conflicted",
+    )
+    # One with a sectionName and one without are not in conflict: each has its ports.
+    for name in ("not-conflicted-with-section-name", "not-conflicted-without-section-name"):
+        assert policy_ancestor(content, name)["Accepted"] == ("True", "Accepted")
+    by_path = {
+        r.matches[0].path: r
+        for r in content.routes
+        if r.origin == f"HTTPRoute {NS}/backendtlspolicy-conflict-resolution"
+    }
+    winner = by_path["/backendtlspolicy-conflicted-without-section-name"].tls
+    assert winner is not None and winner.destination_server_name == "other.example.com"
+    section = by_path["/backendtlspolicy-not-conflicted-with-section-name"].tls
+    whole = by_path["/backendtlspolicy-not-conflicted-without-section-name"].tls
+    assert section is not None and whole is not None
+    assert section.destination_server_name != whole.destination_server_name
+
+
+def test_backend_tls_policy_missing_config_map_fails_closed_with_the_reason() -> None:
+    content = base("backendtlspolicy-invalid-ca-certificate-ref.yaml")
+    conditions = policy_ancestor(content, "nonexistent-ca-certificate-ref")
+    assert conditions == {
+        "Accepted": ("False", "NoValidCACertificate"),
+        "ResolvedRefs": ("False", "InvalidCACertificateRef"),
+    }
+    (route,) = [
+        r
+        for r in content.routes
+        if r.origin.endswith("/backendtlspolicy-invalid-ca-certificate-ref") and r.rule_index == 0
+    ]
+    (backend,) = route.backends
+    assert "nonexistent-ca-certificate does not exist" in backend.invalid
+
+
+@pytest.mark.parametrize(
+    ("validation", "reason"),
+    [
+        (
+            "{hostname: a.example.com, wellKnownCACertificates: System, "
+            "caCertificateRefs: [{group: '', kind: ConfigMap, name: x}]}",
+            "must not contain both caCertificateRefs and wellKnownCACertificates",
+        ),
+        ("{hostname: a.example.com}", "must specify either caCertificateRefs or"),
+        ("{wellKnownCACertificates: System}", "validation.hostname: is required"),
+        (
+            "{hostname: '*.example.com', wellKnownCACertificates: System}",
+            "is not a valid hostname",
+        ),
+        (
+            "{hostname: a.example.com, wellKnownCACertificates: System, "
+            "subjectAltNames: [{type: URI, hostname: a.example.com}]}",
+            "type URI takes uri",
+        ),
+    ],
+)
+def test_backend_tls_policy_schema_errors_name_the_line(validation: str, reason: str) -> None:
+    bad = f"""apiVersion: gateway.networking.k8s.io/v1
+kind: BackendTLSPolicy
+metadata: {{name: bad, namespace: {NS}}}
+spec:
+  targetRefs: [{{group: '', kind: Service, name: infra-backend-v1}}]
+  validation: {validation}
+"""
+    with pytest.raises(FileError) as caught:
+        parse(GATEWAY_CLASS, bad)
+    assert reason in str(caught.value)
+    assert "m1.yaml:" in str(caught.value)
+
+
+def test_backend_tls_policy_well_known_system_verifies_with_the_system_cas() -> None:
+    policy = f"""apiVersion: gateway.networking.k8s.io/v1
+kind: BackendTLSPolicy
+metadata: {{name: system, namespace: {NS}}}
+spec:
+  targetRefs: [{{group: '', kind: Service, name: infra-backend-v1}}]
+  validation: {{hostname: public.example.com, wellKnownCACertificates: System,
+    subjectAltNames: [{{type: Hostname, hostname: '*.example.com'}}]}}
+"""
+    content = parse(
+        GATEWAY_CLASS,
+        conformance_text("base.yaml"),
+        conformance_text("httproute-simple-same-namespace.yaml"),
+        policy,
+    )
+    (route,) = [r for r in content.routes if r.origin.endswith("/gateway-conformance-infra-test")]
+    assert route.tls is not None and route.tls.destination_system_ca
+    assert route.tls.destination_ca_certificate == ""
+    assert route.tls.destination_san_hostnames == ("*.example.com",)
+    assert policy_ancestor(content, "system")["Accepted"] == ("True", "Accepted")
