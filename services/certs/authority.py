@@ -808,8 +808,9 @@ class Authority:
 
         `public_key`: what `check_csr(csr)` returned, when the caller already ran
         it (parsing and verifying the key twice is a third of the signing cost).
-        `extended_usages`: the leaf's extended key usages; empty: serverAuth and
-        clientAuth, what every Waygate process needs.
+        `extended_usages`: the leaf's extended key usages; empty: those the CSR asks
+        for (`requested_usages`), serverAuth and clientAuth (what every Waygate process
+        needs) when it asks for none.
         """
         issued = self._sign(
             csr,
@@ -831,6 +832,7 @@ class Authority:
         requested_by: str,
         lifetime: timedelta | None = None,
         public_key: CertificatePublicKey | None = None,
+        extended_usages: Sequence[x509.ObjectIdentifier] = (),
     ) -> Issued | None:
         """`issue`, when it can be done at once on the calling thread (the event loop):
         the lock is free, the active CA signs quickly (ECDSA or Ed25519; an RSA
@@ -849,7 +851,7 @@ class Authority:
                 requested_by=requested_by,
                 lifetime=lifetime,
                 public_key=public_key,
-                extended_usages=(),
+                extended_usages=extended_usages,
                 at_once=True,
             )
         finally:
@@ -884,6 +886,8 @@ class Authority:
         if public_key is None:
             public_key = check_csr(csr, max_sans=self.config.max_sans)
         names = _csr_names(csr, self.config.max_sans)
+        if not extended_usages:
+            extended_usages = requested_usages(csr)
         if not at_once:
             self.advance()
         ca = self._active()
@@ -1477,6 +1481,40 @@ def verify_csr(csr: x509.CertificateSigningRequest, *, max_sans: int = MAX_SANS)
         valid = False
     if not valid:
         raise InvalidArgument("the CSR's signature does not verify with its own public key")
+
+
+#: The extended key usages a CSR may ask for; a leaf gets exactly those it asks for.
+REQUESTABLE_USAGES = {
+    ExtendedKeyUsageOID.SERVER_AUTH: "serverAuth",
+    ExtendedKeyUsageOID.CLIENT_AUTH: "clientAuth",
+}
+
+
+def requested_usages(csr: x509.CertificateSigningRequest) -> tuple[x509.ObjectIdentifier, ...]:
+    """The extended key usages the CSR asks for (its ExtendedKeyUsage extension request),
+    in a fixed order; () when it asks for none (the leaf then gets both usages).
+
+    This is how a caller asks for a narrower role: a tunnel agent asks for clientAuth
+    only, and the tunnel server registers as an agent only a certificate that cannot
+    serve TLS (see `waygate.tunnel.peers`). Anything but serverAuth and clientAuth
+    is INVALID_ARGUMENT: Waygate issues no other usage.
+    """
+    try:
+        extension = csr.extensions.get_extension_for_class(x509.ExtendedKeyUsage)
+    except x509.ExtensionNotFound:
+        return ()
+    except (ValueError, x509.DuplicateExtension) as exc:
+        raise InvalidArgument(f"the CSR's extensions do not parse: {excerpt(str(exc))}") from None
+    asked = set(extension.value)
+    unknown = asked - REQUESTABLE_USAGES.keys()
+    if unknown or not asked:
+        shown = ", ".join(sorted(getattr(o, "_name", o.dotted_string) for o in unknown))
+        raise InvalidArgument(
+            "the CSR asks for extended key usages Waygate does not issue "
+            f"({shown or 'an empty list'}); ask for serverAuth and/or clientAuth, or none "
+            "for both"
+        )
+    return tuple(oid for oid in REQUESTABLE_USAGES if oid in asked)
 
 
 def quick_to_verify(key: CertificatePublicKey) -> bool:

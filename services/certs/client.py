@@ -203,6 +203,7 @@ async def start_process_certificates(
         identity,
         settings.cert_sans,
         renew_fraction=settings.cert_renew_fraction,
+        client_only=settings.client_certificate_only,
     )
     await rotator.obtain()
     watcher = TrustBundleWatcher(address, trust)

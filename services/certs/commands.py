@@ -49,6 +49,7 @@ from waygate.core.clientcli import (
 )
 from waygate.core.errors import InvalidArgument
 from waygate.core.files import write_file_atomically
+from waygate.core.rotation import CLIENT_ONLY
 from waygate.core.sans import identity_san, parse_san
 from waygate.core.settings import load_settings, parse_duration, setting
 
@@ -125,11 +126,15 @@ def _issue(args: argparse.Namespace) -> int:
 
     async def body(settings: ClientSettings) -> int:
         key = generate_key(args.key_algorithm)
-        csr = (
+        builder = (
             x509.CertificateSigningRequestBuilder()
             .subject_name(x509.Name([]))
             .add_extension(x509.SubjectAlternativeName(names), critical=True)
-            .sign(key, None if isinstance(key, ed25519.Ed25519PrivateKey) else hashes.SHA256())
+        )
+        if args.client_only:  # the tunnel agent's role (certs issues what the CSR asks for)
+            builder = builder.add_extension(CLIENT_ONLY, critical=False)
+        csr = builder.sign(
+            key, None if isinstance(key, ed25519.Ed25519PrivateKey) else hashes.SHA256()
         )
         request = certs_pb2.CertifyRequest(
             identity=args.identity,
@@ -185,6 +190,12 @@ def configure_issue(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--uri", action="append", default=[], metavar="URI", help="extra URI SAN")
     parser.add_argument("--ip", action="append", default=[], metavar="IP", help="extra IP SAN")
     parser.add_argument("--lifetime", help="requested lifetime, e.g. 24h (default: the CA's)")
+    parser.add_argument(
+        "--client-only",
+        action="store_true",
+        help="ask for extended key usage clientAuth only (a tunnel agent's certificate: "
+        "the tunnel server registers no other as an agent)",
+    )
     parser.add_argument(
         "--key-algorithm", default="ecdsa-p256", choices=KEY_ALGORITHMS, help="[%(default)s]"
     )

@@ -8,11 +8,15 @@ Invariants:
 - checks run in a fixed order: every request field within its bound
   (INVALID_ARGUMENT: identity at most 2048 characters, token at most 16 KiB),
   token authenticates (UNAUTHENTICATED, before any work is done for the
-  caller), CSR parses, its key is one we sign, its SANs are within bounds
-  and its signature verifies (INVALID_ARGUMENT), identity and SANs are
+  caller), CSR parses, its key is one we sign, its SANs are within bounds,
+  its signature verifies and the extended key usages it asks for (if any)
+  are serverAuth and/or clientAuth (INVALID_ARGUMENT), identity and SANs are
   allowed, Service names included (PERMISSION_DENIED), lifetime within the
   maximum (INVALID_ARGUMENT), CA can sign (FAILED_PRECONDITION); nothing is
   signed, recorded or written before every check has passed;
+- a leaf carries exactly the extended key usages its CSR asks for, both
+  serverAuth and clientAuth when it asks for none (a tunnel agent asks for
+  clientAuth only: the agent role, see `waygate.tunnel.peers`);
 - the event loop never runs a slow check or signature and never waits: a
   small CSR (at most `QUICK_CSR_BYTES`) whose key is quick to verify is
   checked on the loop, and signed there by a quick CA key (ECDSA, Ed25519)
@@ -65,6 +69,7 @@ from waygate.certs.authority import (
     csr_public_key,
     load_csr,
     quick_to_verify,
+    requested_usages,
     verify_csr,
 )
 from waygate.certs.policy import Policy
@@ -189,6 +194,8 @@ class _Checked:
     csr: x509.CertificateSigningRequest
     public_key: CertificatePublicKey
     names: list[str]
+    #: The extended key usages the CSR asks for; (): serverAuth and clientAuth.
+    usages: tuple[x509.ObjectIdentifier, ...] = ()
 
 
 class CertsService:
@@ -266,6 +273,7 @@ class CertsService:
                 requested_by=caller.name,
                 lifetime=lifetime,
                 public_key=checked.public_key,
+                extended_usages=checked.usages,
             )
             if issued is None:
                 # A slow signature (RSA CA), a CA transition or store write due, or the
@@ -277,6 +285,7 @@ class CertsService:
                     requested_by=caller.name,
                     lifetime=lifetime,
                     public_key=checked.public_key,
+                    extended_usages=checked.usages,
                 )
         except Exception as exc:
             reason = getattr(exc, "status", "INTERNAL")
@@ -322,10 +331,12 @@ class CertsService:
         public_key: CertificatePublicKey,
         max_sans: int,
     ) -> _Checked:
-        """SAN bounds and signature (`verify_csr`), then the caller's policy."""
+        """SAN bounds and signature (`verify_csr`), the usages asked for, then the
+        caller's policy."""
         verify_csr(csr, max_sans=max_sans)
+        usages = requested_usages(csr)
         names = self.policy.authorize_csr(caller, identity, csr)
-        return _Checked(csr, public_key, names)
+        return _Checked(csr, public_key, names, usages)
 
     def trust_bundle(self) -> TrustBundleView:
         return self.authority.trust_bundle()

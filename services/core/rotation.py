@@ -39,6 +39,7 @@ from typing import Generic, NamedTuple, Protocol, TypeVar
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID
 from prometheus_client import Counter, Gauge
 
 from waygate.core.backoff import Backoff
@@ -118,15 +119,28 @@ def generate_key() -> PrivateKey:
     return ec.generate_private_key(ec.SECP256R1())
 
 
-def build_csr(key: PrivateKey, identity: str, sans: Sequence[str]) -> bytes:
-    """A DER PKCS#10 request with an empty subject: the SANs carry every name (RFC 6125)."""
-    csr = (
+#: What a client-only certificate asks for: it authenticates a TLS client and never
+#: serves (the tunnel agent's role: the tunnel server registers no certificate that
+#: could also serve TLS as an agent).
+CLIENT_ONLY = x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH])
+
+
+def build_csr(
+    key: PrivateKey, identity: str, sans: Sequence[str], *, client_only: bool = False
+) -> bytes:
+    """A DER PKCS#10 request with an empty subject: the SANs carry every name (RFC 6125).
+
+    `client_only`: the request asks for the clientAuth extended key usage only
+    (certs then issues exactly that); otherwise it asks for no usage and gets
+    serverAuth and clientAuth."""
+    builder = (
         x509.CertificateSigningRequestBuilder()
         .subject_name(x509.Name([]))
         .add_extension(x509.SubjectAlternativeName(list(sans_for(identity, sans))), critical=True)
-        .sign(key, hashes.SHA256())
     )
-    return csr.public_bytes(serialization.Encoding.DER)
+    if client_only:
+        builder = builder.add_extension(CLIENT_ONLY, critical=False)
+    return builder.sign(key, hashes.SHA256()).public_bytes(serialization.Encoding.DER)
 
 
 def _pem(certificates: Sequence[x509.Certificate]) -> bytes:
@@ -179,8 +193,11 @@ class HeldCertificate:
         return _pem((self.leaf, *self.chain))
 
 
-def _check_issued(issued: Issued, key: PrivateKey, identity: str) -> HeldCertificate:
-    """Parse what the issuer returned and make sure it is ours before using it."""
+def _check_issued(
+    issued: Issued, key: PrivateKey, identity: str, *, client_only: bool = False
+) -> HeldCertificate:
+    """Parse what the issuer returned and make sure it is ours (and, `client_only`, that
+    it is no more than a client's) before using it."""
     try:
         leaf = x509.load_der_x509_certificate(issued.leaf_der)
         chain = tuple(x509.load_der_x509_certificate(der) for der in issued.chain_der)
@@ -202,6 +219,16 @@ def _check_issued(issued: Issued, key: PrivateKey, identity: str) -> HeldCertifi
         names = x509.SubjectAlternativeName([])
     if parse_san(identity_san(identity)) not in names:
         raise InvalidArgument(f"the issuer returned a certificate that does not name {identity}")
+    if client_only:
+        try:
+            usages = leaf.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+        except x509.ExtensionNotFound:
+            usages = None
+        if usages is None or list(usages) != [ExtendedKeyUsageOID.CLIENT_AUTH]:
+            raise InvalidArgument(
+                f"the issuer ignored the request for a client-only certificate for {identity} "
+                "(extended key usage clientAuth only); is certs older than this process?"
+            )
     return HeldCertificate(identity=identity, key=key, leaf=leaf, chain=chain, version=0)
 
 
@@ -245,6 +272,7 @@ class CertificateRotator:
         sleep: Sleep = asyncio.sleep,
         rng: random.Random | None = None,
         key_factory: Callable[[], PrivateKey] = generate_key,
+        client_only: bool = False,
     ) -> None:
         if (
             jitter_fraction < 0
@@ -265,6 +293,8 @@ class CertificateRotator:
         self._sleep = sleep
         self._rng = rng or random.Random()
         self._key_factory = key_factory
+        # Ask for (and insist on) a client-only certificate (`build_csr`).
+        self.client_only = client_only
         self._current: HeldCertificate | None = None
         self._renew_at: datetime | None = None
         self._subscribers: _Subscribers[HeldCertificate] = _Subscribers()
@@ -297,10 +327,10 @@ class CertificateRotator:
     async def renew_once(self) -> HeldCertificate:
         """One attempt: a fresh key, a CSR, the issuer; installs and returns the result."""
         key = self._key_factory()
-        csr = build_csr(key, self.identity, self.sans)
+        csr = build_csr(key, self.identity, self.sans, client_only=self.client_only)
         try:
             issued = await self._issuer.certify(csr, self.identity)
-            held = _check_issued(issued, key, self.identity)
+            held = _check_issued(issued, key, self.identity, client_only=self.client_only)
         except Exception:
             RENEWALS.labels(self.identity, "failed").inc()
             raise

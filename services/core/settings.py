@@ -340,6 +340,11 @@ def settings_from_args(
 class ProcessSettings:
     """What every Waygate process has: a listen host, an admin port, logs, traces."""
 
+    #: Not a setting: whether this kind of process asks certs for a client-only
+    #: certificate (extended key usage clientAuth only). The tunnel agent does: that
+    #: is its role, and the tunnel server registers no other certificate as an agent.
+    client_certificate_only: typing.ClassVar[bool] = False
+
     host: str = setting("127.0.0.1", help="address every listener of this process binds")
     admin_port: int = setting(
         0, help="admin HTTP port (/metrics /healthz /readyz)", check=port_number

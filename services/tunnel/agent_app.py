@@ -35,6 +35,10 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Settings(ProcessSettings):
+    # The agent role: certs issues the agent a clientAuth-only certificate, the only
+    # kind the tunnel server registers as an agent (`waygate.tunnel.peers`).
+    client_certificate_only = True
+
     admin_port: int = setting(
         9005, help="admin HTTP port (/metrics /healthz /readyz)", check=port_number
     )

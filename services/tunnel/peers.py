@@ -6,15 +6,14 @@ node NODE only when it was issued for that role:
 - its subject alternative names are exactly one DNS name, NODE, and no URI
   (a URI SAN marks a workload: any ServiceAccount can get `dns:NAME.NS.svc`
   beside its SPIFFE ID), and
-- (decided, NOT yet in force: `ROLE_BY_USAGE` is False) its extended key
-  usage is client authentication only: it does not carry serverAuth. Every
-  serving certificate does (the proxy's, a workload's, a tunnel server's), so
-  a DNS-only serving certificate would never pass as an agent, whatever name
-  it carries. The `waygate.io/tunnel-agent` Kubernetes signer already issues
-  "client auth" only; Certify still gives every leaf both usages, so the rule
-  waits for Certify to narrow a leaf to the usages its CSR asks for and for
-  the agent's rotation client to ask for clientAuth only (issue 19 item 4,
-  second finding: open).
+- its extended key usage is client authentication only: it does not carry
+  serverAuth (nor anyExtendedKeyUsage, nor lack the extension). Every serving
+  certificate does (the proxy's, a workload's, a tunnel server's), so a
+  DNS-only serving certificate never passes as an agent, whatever name it
+  carries. Certify issues a leaf exactly the usages its CSR asks for, the
+  agent's rotation client asks for clientAuth only
+  (`ProcessSettings.client_certificate_only`), and the `waygate.io/tunnel-agent`
+  Kubernetes signer issues "client auth" only.
 
 No grpc here: the gRPC face (server.py) and the data listener (datapath.py)
 both ask `agent_node`.
@@ -26,9 +25,6 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from waygate.core import errors
-
-# Whether the extended-key-usage rule applies (see the module docstring).
-ROLE_BY_USAGE = False
 
 
 def load(der_or_pem: bytes | None) -> x509.Certificate | None:
@@ -82,7 +78,7 @@ def agent_node(uris: list[str], dns_names: list[str], der_or_pem: bytes | None) 
             f"this one names {len(dns_names)}"
         )
     certificate = load(der_or_pem)
-    if ROLE_BY_USAGE and (certificate is None or serves(certificate)):
+    if certificate is None or serves(certificate):
         raise errors.PermissionDenied(
             f"the certificate for {errors.excerpt(dns_names[0])} is not an agent's: an agent "
             "certificate's extended key usage is client authentication only (this one may "

@@ -103,6 +103,12 @@ class IdentityFiles:
     ca: Path
 
 
+_BOTH_USAGES = x509.ExtendedKeyUsage(
+    [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+)
+_CLIENT_USAGE = x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH])
+
+
 class LocalCA:
     """A real CA for tests: issues leaves, signs CSRs, and certifies like certs does."""
 
@@ -164,6 +170,7 @@ class LocalCA:
         public_key: object,
         sans: x509.SubjectAlternativeName,
         lifetime: dt.timedelta | None = None,
+        usages: x509.ExtendedKeyUsage = _BOTH_USAGES,
     ) -> x509.Certificate:
         return (
             x509.CertificateBuilder()
@@ -175,12 +182,7 @@ class LocalCA:
             .not_valid_after(self.now() + (lifetime or self.lifetime))
             .add_extension(sans, critical=True)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(
-                x509.ExtendedKeyUsage(
-                    [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-                ),
-                critical=False,
-            )
+            .add_extension(usages, critical=False)
             .add_extension(
                 x509.AuthorityKeyIdentifier.from_issuer_public_key(self.key.public_key()),
                 critical=False,
@@ -191,19 +193,34 @@ class LocalCA:
     def sign(
         self, csr: x509.CertificateSigningRequest, lifetime: dt.timedelta | None = None
     ) -> x509.Certificate:
-        """A leaf for the CSR's key and SANs (server and client auth)."""
+        """A leaf for the CSR's key and SANs, with the extended key usages the CSR asks
+        for (as certs does), server and client auth when it asks for none."""
         if not csr.is_signature_valid:
             raise errors.InvalidArgument("CSR signature does not verify")
         sans = csr.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-        return self._leaf(csr.public_key(), sans, lifetime)
+        try:
+            usages = csr.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+        except x509.ExtensionNotFound:
+            usages = _BOTH_USAGES
+        return self._leaf(csr.public_key(), sans, lifetime, usages)
 
     def issue(
-        self, *, uris: Sequence[str] = (), dns: Sequence[str] = (), ips: Sequence[str] = ()
+        self,
+        *,
+        uris: Sequence[str] = (),
+        dns: Sequence[str] = (),
+        ips: Sequence[str] = (),
+        client_only: bool = False,
     ) -> tuple[bytes, bytes]:
-        """(certificate PEM, key PEM) with these SANs, for client and server use."""
+        """(certificate PEM, key PEM) with these SANs, for client and server use, or with
+        `client_only` for client use only (a tunnel agent's role)."""
         key = ec.generate_private_key(ec.SECP256R1())
         names = [f"uri:{u}" for u in uris] + [f"dns:{d}" for d in dns] + [f"ip:{i}" for i in ips]
-        leaf = self._leaf(key.public_key(), x509.SubjectAlternativeName(general_names(names)))
+        leaf = self._leaf(
+            key.public_key(),
+            x509.SubjectAlternativeName(general_names(names)),
+            usages=_CLIENT_USAGE if client_only else _BOTH_USAGES,
+        )
         return certificate_pem(leaf), private_key_pem(key)
 
     def write_files(
@@ -214,9 +231,10 @@ class LocalCA:
         dns: Sequence[str] = (),
         ips: Sequence[str] = (),
         prefix: str = "",
+        client_only: bool = False,
     ) -> IdentityFiles:
         """Issue a certificate and write cert.pem, key.pem (0600) and ca.pem into `directory`."""
-        cert, key = self.issue(uris=uris, dns=dns, ips=ips)
+        cert, key = self.issue(uris=uris, dns=dns, ips=ips, client_only=client_only)
         files = IdentityFiles(
             cert=directory / f"{prefix}cert.pem",
             key=directory / f"{prefix}key.pem",

@@ -37,7 +37,7 @@ class TunnelPKI:
         return cls(
             ca,
             ca.write_files(directory / "server", dns=[SERVER_NAME], ips=list(server_ips)),
-            ca.write_files(directory / "agent", dns=[NODE]),
+            ca.write_files(directory / "agent", dns=[NODE], client_only=True),
             ca.write_files(directory / "dialer", uris=[DIALER]),
         )
 

@@ -91,6 +91,23 @@ async def test_issue_bundle_inspect_restart(tmp_path: Path) -> None:
         )  # fmt: skip
         assert verified[0] == 0, verified[1]
 
+        # --client-only: the tunnel agent's role, a client certificate that serves no TLS.
+        client_dir = tmp_path / "client-only"
+        code, out, err = await run_cli(
+            "cert", "issue", "--addr", certs.grpc_address, "--identity", IDENTITY,
+            "--out", str(client_dir), "--client-only", cwd=tmp_path,
+            env={"WAYGATE_CERTS_TOKEN": TOKEN},
+        )  # fmt: skip
+        assert code == 0, err
+        client = await openssl_verify(
+            client_dir / "ca.pem", client_dir / "cert.pem", "-purpose", "sslclient"
+        )
+        server = await openssl_verify(
+            client_dir / "ca.pem", client_dir / "cert.pem", "-purpose", "sslserver"
+        )
+        assert client[0] == 0, client[1]
+        assert server[0] != 0 and "unsuitable certificate purpose" in server[1], server[1]
+
         code, out, err = await run_cli("cert", "inspect", str(out_dir / "cert.pem"), cwd=tmp_path)
         assert code == 0, err
         assert f"uri:{IDENTITY}" in out and "dns:user.waygate.local" in out

@@ -133,6 +133,34 @@ async def test_dns_and_ip_leaf_has_no_error_at_all(tmp_path: Path) -> None:
     assert [f for f in findings if f[0] in FAILING] == []
 
 
+async def test_an_agent_role_leaf_passes_and_serves_no_tls(tmp_path: Path) -> None:
+    """The tunnel agent's leaf (its CSR asks for clientAuth only): no pkilint ERROR, a
+    valid TLS client for openssl, and no TLS server (what keeps it from passing as a
+    serving certificate, and a serving certificate from passing as an agent's)."""
+    from cryptography import x509
+
+    from waygate.core.rotation import build_csr, generate_key
+
+    # A node named by its FQDN: pkilint reports a one-label DNS name (edge-1) as an ERROR.
+    NODE = "edge-1.nodes.example.net"
+    authority = open_authority(tmp_path / "ca")
+    csr = x509.load_der_x509_csr(build_csr(generate_key(), NODE, (), client_only=True))
+    leaf = authority.issue(csr, identity=NODE, requested_by="test").leaf
+    ca_file, leaf_file = tmp_path / "ca.pem", tmp_path / "leaf.pem"
+    ca_file.write_text(authority.trust_bundle().pem)
+    leaf_file.write_bytes(pem(leaf))
+    findings, chain, client, server = await asyncio.gather(
+        lint_cert(leaf_file),
+        run(str(BIN / "lint_pkix_signer_signee_cert_chain"), "lint", str(ca_file), str(leaf_file)),
+        run("openssl", "verify", "-CAfile", str(ca_file), "-purpose", "sslclient", str(leaf_file)),
+        run("openssl", "verify", "-CAfile", str(ca_file), "-purpose", "sslserver", str(leaf_file)),
+    )
+    assert [f for f in findings if f[0] in FAILING] == []
+    assert chain[0] == 0, chain[1]
+    assert client[0] == 0 and client[1].strip().endswith("OK"), client[1]
+    assert server[0] != 0 and "unsuitable certificate purpose" in server[1], server[1]
+
+
 async def test_openssl_rejects_the_wrong_hostname(tmp_path: Path) -> None:
     """The checks above could fail: a name the leaf does not carry is refused."""
     ca_file, leaf_file = issue_leaf(tmp_path, "ecdsa-p256", "ecdsa-p256", RESOLVER_SANS)

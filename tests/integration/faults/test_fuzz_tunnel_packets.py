@@ -128,7 +128,9 @@ def server_side(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerSide
         directory = tmp_path_factory.mktemp("fuzz-server")
         tunnel = Tunnel(directory)
         await tunnel.start_server()
-        other = tunnel.ca.write_files(directory, dns=[OTHER_NODE], prefix="other-")
+        other = tunnel.ca.write_files(
+            directory, dns=[OTHER_NODE], prefix="other-", client_only=True
+        )
         agent = Agent(
             node=OTHER_NODE,
             server_address=f"127.0.0.1:{tunnel.agent_port}",

@@ -55,7 +55,10 @@ class Tunnel:
         self.server_files = self.ca.write_files(
             directory, dns=["tunnel-server"], ips=["127.0.0.1"], prefix=f"{server_id}-"
         )
-        self.agent_files = self.ca.write_files(directory, dns=[NODE], prefix="agent-")
+        # The agent role: a clientAuth-only certificate naming the node (waygate.tunnel.peers).
+        self.agent_files = self.ca.write_files(
+            directory, dns=[NODE], prefix="agent-", client_only=True
+        )
         self.dialer_files = self.ca.write_files(directory, uris=[DIALER], prefix="dialer-")
         self.hub = Hub(server_id, replicas=replicas, window=window, dial_timeout=5.0)
         self.allow = allow

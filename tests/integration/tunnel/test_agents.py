@@ -1,6 +1,13 @@
-"""Several agents for one node (issue 19 item 4): dials go to an agent that can serve
-them, and move on when one refuses for a reason another agent could answer, on every
-way in (the raw dial endpoint, gRPC `Tunnel.Dial`, the HTTPS front)."""
+"""The two findings of issue 19 item 4.
+
+Several agents for one node: dials go to an agent that can serve them, and move on
+when one refuses for a reason another agent could answer, on every way in (the raw
+dial endpoint, gRPC `Tunnel.Dial`, the HTTPS front).
+
+Node identity: only a certificate issued for the agent role (clientAuth only, one
+DNS name, no URI) registers as a node's agent; a serving certificate from the same
+CA naming the node (the proxy's own, say) is refused with PERMISSION_DENIED.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +16,16 @@ import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import grpc
 import pytest
 
-from tests.integration.tunnel.harness import NODE, Tunnel, echo_server
+from tests.integration.tunnel.harness import NODE, Tunnel, credentials, echo_server
 from tests.support.poll import until
+from waygate.tunnel import mux
 from waygate.tunnel.client import DialFailed
 from waygate.tunnel.front import Front, FrontSettings
 from waygate.tunnel.v1 import tunnel_pb2 as pb
+from waygate.tunnel.v1 import tunnel_pb2_grpc
 
 REQUESTS = 200
 
@@ -129,5 +139,47 @@ async def test_a_refusal_every_agent_gives_is_final(tmp_path: Path) -> None:
             await tunnel.client().dial(NODE, 9)
         assert refused.value.reason == pb.NOT_ALLOWED
         assert not refused.value.retryable
+    finally:
+        await tunnel.close()
+
+
+async def connect_as_agent(tunnel: Tunnel, files: object) -> grpc.aio.AioRpcError | None:
+    """Open an agent's Connect stream with `files`; the error that ends it, or None when
+    the server took the stream (it then sends its ServerInfo)."""
+    channel = grpc.aio.secure_channel(
+        f"127.0.0.1:{tunnel.agent_port}",
+        credentials(files),  # type: ignore[arg-type]
+        options=[("grpc.ssl_target_name_override", "tunnel-server")],
+    )
+    try:
+        call = tunnel_pb2_grpc.AgentTunnelStub(channel).Connect(
+            metadata=((mux.AGENT_ID_METADATA, "claimant"),)
+        )
+        try:
+            first = await asyncio.wait_for(call.read(), 10)
+        except grpc.aio.AioRpcError as refused:
+            return refused
+        assert first.type == pb.SERVER_INFO
+        assert [a.agent_id for a in tunnel.hub.agents(NODE)] == ["claimant"]
+        call.cancel()
+        return None
+    finally:
+        await channel.close()
+
+
+async def test_a_serving_certificate_naming_the_node_does_not_register(tmp_path: Path) -> None:
+    tunnel = Tunnel(tmp_path)
+    await tunnel.start_server()
+    try:
+        # The same CA, one DNS name (the node's), no URI: what the proxy's serving
+        # certificate looks like. Only its extended key usage (serverAuth too) differs.
+        serving = tunnel.ca.write_files(tmp_path / "serving", dns=[NODE])
+        refused = await connect_as_agent(tunnel, serving)
+        assert refused is not None
+        assert refused.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "client authentication only" in (refused.details() or "")
+        assert tunnel.hub.agents(NODE) == []
+        # The agent-role certificate for the same node registers.
+        assert await connect_as_agent(tunnel, tunnel.agent_files) is None
     finally:
         await tunnel.close()
