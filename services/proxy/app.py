@@ -28,7 +28,9 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import os
 import secrets
+import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -557,9 +559,41 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         process.spawn(report_forever(lambda: process.readiness.ready), "proxy-metrics-report")
 
     front = await _tls_setup(process, settings, server)
-    listener_sides = settings.listener_sides()
+    from waygate.proxy.listeners import GatewayListeners, ListenerReporter
+
+    # Gateway listeners on ports --listener-ports does not map are bound as is, and
+    # what cannot be served is reported to the resolver (waygate.proxy.listeners).
+    gateway_listeners = GatewayListeners(
+        server,
+        settings.host,
+        settings.listener_sides(),
+        lambda: (server.listen_port, front.bound_port if front is not None else 0),
+        gateway=settings.gateway,
+        reuse_port=settings.worker,
+    )
+    process.on_stop(_closer(gateway_listeners.close))
+    last_view: list[Any] = []
+
+    def build(view: Any, listener_sides: Any) -> None:
+        server.set_table(
+            build_table(
+                view.routes,
+                view.endpoints,
+                view.services,
+                defaults=defaults,
+                cookie_key=cookie_key,
+                previous=server.table,
+                listener_ports=listener_sides,
+                gateway=settings.gateway,
+            )
+        )
+
+    def on_healed() -> None:
+        if last_view:
+            build(last_view[0], gateway_listeners.sides(last_view[0].routes.values()))
 
     def on_view(view: Any) -> None:
+        last_view[:] = [view]
         if server.upstream_tls is not None:
             server.upstream_tls.keep_only(view.routes.values())
         if front is not None:
@@ -580,18 +614,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
                 )
             )
         h2_upstreams.update(view.routes, view.services)
-        server.set_table(
-            build_table(
-                view.routes,
-                view.endpoints,
-                view.services,
-                defaults=defaults,
-                cookie_key=cookie_key,
-                previous=server.table,
-                listener_ports=listener_sides,
-                gateway=settings.gateway,
-            )
-        )
+        build(view, gateway_listeners.sides(view.routes.values()))
 
     channel = await process.client_channel(
         settings.resolver_address, server_name=settings.resolver_server_name
@@ -611,6 +634,11 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         await process_client(process, ViewPresence(watch)), ConnectError
     )
     process.spawn(watch.run(), "resolver-watch")
+    reporter = ListenerReporter(
+        gateway_listeners, channel.hold, f"{socket.gethostname()}/{os.getpid()}"
+    )
+    process.spawn(reporter.run(), "gateway-listener-report")
+    process.spawn(gateway_listeners.run(on_healed), "gateway-listener-retry")
     from waygate.proxy import status
 
     process.status.add("proxy", status.provider(server, watch, front))

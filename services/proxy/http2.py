@@ -936,6 +936,9 @@ class ClientProtocol(asyncio.Protocol):
     """
 
     __slots__ = ("h1", "limits", "seen", "server", "transport")
+    # The routing side an h2c connection looks routes up on: False, the HTTP port's;
+    # a Gateway listener on its own port sets its own (waygate.proxy.listeners).
+    side: Any = False
 
     def __init__(self, server: Any, limits: H2Limits | None = None) -> None:
         self.server = server
@@ -972,7 +975,7 @@ class ClientProtocol(asyncio.Protocol):
             # The HTTP/1.1 connection was counted and timed: let it go quietly.
             h1.transport = None
             h1.connection_lost(None)
-            proto = H2ClientConnection(self.server, self.limits, secure=False)
+            proto = H2ClientConnection(self.server, self.limits, secure=self.side)
             self.transport.set_protocol(proto)
             proto.connection_made(self.transport)
             proto.data_received(seen)

@@ -77,6 +77,31 @@ class Target(NamedTuple):
     service: str = ""
 
 
+class ListenerSide:
+    """The table side of a Gateway listener served on a port of its own (not mapped to
+    the proxy's HTTP or HTTPS port, waygate.proxy.listeners). Connections accepted
+    there carry it as their `secure` value: falsy, since they are plain HTTP like the
+    HTTP port's, and equal only to the same port's side, so a lookup there finds
+    that listener's routes and no other's."""
+
+    __slots__ = ("port",)
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ListenerSide) and other.port == self.port
+
+    def __hash__(self) -> int:
+        return hash((ListenerSide, self.port))
+
+    def __repr__(self) -> str:
+        return f"ListenerSide({self.port})"
+
+
 class RouteOptions(NamedTuple):
     """A route's per-request settings, resolved once per table build."""
 
@@ -506,7 +531,7 @@ class RouteTable:
     def __init__(
         self,
         legacy: HostIndex,
-        sides: dict[bool, HostIndex],
+        sides: dict[Any, HostIndex],
         targets: set[Target],
     ) -> None:
         self._legacy = legacy
@@ -684,7 +709,7 @@ def build_table(
     defaults: Defaults,
     cookie_key: bytes,
     previous: RouteTable | None = None,
-    listener_ports: Mapping[int, bool] | None = None,
+    listener_ports: Mapping[int, Any] | None = None,
     gateway: str = "",
 ) -> RouteTable:
     """A new table; pickers of routes and backends that stay are carried over.
@@ -699,7 +724,7 @@ def build_table(
             for backend in entry.backends:
                 carried[(entry.route.namespace, entry.route.name, backend.service)] = backend.picker
     legacy = HostIndex()
-    sides: dict[bool, HostIndex] = {}
+    sides: dict[Any, HostIndex] = {}
     ports = {80: False, 443: True} if listener_ports is None else listener_ports
     alive: set[Target] = set()
     for route in routes.values():

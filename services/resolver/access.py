@@ -1,5 +1,5 @@
-"""Who may call the resolver's write RPCs (ReportTunnels, ApplyRoute, DeleteRoute),
-and who may read route private keys.
+"""Who may call the resolver's write RPCs (ReportTunnels, ApplyRoute, DeleteRoute,
+ReportListeners: the route readers), and who may read route private keys.
 
 Reads (Resolve, Watch, ListRoutes) are open to every client the listener
 accepts. Writes change where traffic goes, so each is limited to a list of
@@ -59,6 +59,11 @@ class WriteAccess:
 
     def check_tunnel_reporter(self, identities: tuple[str, ...]) -> None:
         self._check("ReportTunnels", "tunnel_reporters", self.tunnel_reporters, identities)
+
+    def check_listener_reporter(self, identities: tuple[str, ...]) -> None:
+        """ReportListeners: the proxies, which are the route readers; a report changes
+        only what status says, never where traffic goes."""
+        self._check("ReportListeners", "route_readers", self.route_readers, identities)
 
     def check_route_admin(self, method: str, identities: tuple[str, ...]) -> None:
         self._check(method, "route_admins", self.route_admins, identities)

@@ -48,6 +48,7 @@ from waygate.resolver.model import (
     ForwardedHeadersMode,
     InsecureEdgePolicy,
     Kind,
+    ListenerState,
     Route,
     RouteBackend,
     RouteCondition,
@@ -76,6 +77,7 @@ __all__ = [
     "ForwardedHeadersMode",
     "InsecureEdgePolicy",
     "Kind",
+    "ListenerState",
     "ResolverWatch",
     "Route",
     "RouteBackend",
@@ -592,3 +594,21 @@ async def report_tunnels(
             yield report
 
     await resolver_pb2_grpc.ResolverStub(channel).ReportTunnels(messages())
+
+
+async def report_listeners(
+    channel: grpc.aio.Channel,
+    proxy: str,
+    reports: AsyncIterator[Sequence[ListenerState]],
+) -> None:
+    """Stream `ReportListeners` for `proxy`: each item of `reports` is the full state of
+    its Gateway listeners. Returns when `reports` ends; grpc.aio.AioRpcError when the
+    stream fails."""
+
+    async def messages() -> AsyncIterator[pb.GatewayListenerReport]:
+        async for states in reports:
+            yield pb.GatewayListenerReport(
+                proxy=proxy, listeners=[convert.listener_state_to_proto(s) for s in states]
+            )
+
+    await resolver_pb2_grpc.ResolverStub(channel).ReportListeners(messages())

@@ -278,6 +278,7 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
         gateway=route.gateway,
         origin=route.origin,
         rule_index=route.rule_index,
+        listener_protocol=route.listener_protocol,
     )
     if route.filters is not None:
         message.filters.CopyFrom(_filters_to_proto(route.filters))
@@ -400,6 +401,7 @@ def route_from_proto(message: pb.Route) -> model.Route:
         gateway=message.gateway,
         origin=message.origin,
         rule_index=message.rule_index,
+        listener_protocol=message.listener_protocol,
     )
 
 
@@ -758,3 +760,25 @@ def _is_ip(address: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def listener_state_to_proto(state: model.ListenerState) -> pb.ListenerState:
+    return pb.ListenerState(
+        gateway=state.gateway,
+        port=state.port,
+        protocol=state.protocol,
+        local_port=state.local_port,
+        reason=state.reason,
+        message=state.message,
+    )
+
+
+def listener_state_from_proto(message: pb.ListenerState) -> model.ListenerState:
+    return model.ListenerState(
+        gateway=message.gateway,
+        port=message.port,
+        protocol=message.protocol,
+        local_port=message.local_port,
+        reason=message.reason,
+        message=message.message,
+    )

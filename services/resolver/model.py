@@ -431,6 +431,9 @@ class Route:
     # proxy's own ports: the proxy maps it to a local port (--listener-ports).
     listener_port: int = 0
     gateway: str = ""
+    # That listener's protocol (HTTP, HTTPS, TLS): what a proxy binds for a
+    # listener port it does not map to its own ports.
+    listener_protocol: str = ""
     # The object it came from ("HTTPRoute NS/NAME") and the rule's index: with
     # `created`, the spec's tie-breakers between equally specific matches.
     origin: str = ""
@@ -439,6 +442,22 @@ class Route:
     @property
     def key(self) -> RouteKey:
         return (self.namespace, self.name)
+
+
+# ---------------------------------------------------------------- Gateway listeners
+
+
+@dataclass(frozen=True)
+class ListenerState:
+    """What one proxy does with one Gateway listener (ReportListeners)."""
+
+    gateway: str  # "NS/NAME"
+    port: int  # the listener's port in the Gateway
+    protocol: str  # HTTP, HTTPS, TLS
+    local_port: int = 0  # the proxy's port serving it; 0: not served
+    # Empty when served; else CamelCase (PortUnavailable) and the human reason.
+    reason: str = ""
+    message: str = ""
 
 
 # ---------------------------------------------------------------- tunnel presence

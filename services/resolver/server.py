@@ -61,6 +61,8 @@ SERVICE_NAME = "waygate.resolver.v1.Resolver"
 
 #: ListRoutes page size when the request names none, and the most it may ask for.
 DEFAULT_PAGE_SIZE = 100
+# A proxy's ReportListeners state: one entry per Gateway listener port it has routes for.
+MAX_LISTENER_STATES = 4096
 MAX_PAGE_SIZE = 1000
 #: A page also ends once its routes reach this many serialized bytes.
 LIST_PAGE_BYTES = 1024 * 1024
@@ -418,6 +420,33 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
                 )
             )
         return response
+
+    async def ReportListeners(
+        self,
+        request_iterator: AsyncIterator[pb.GatewayListenerReport],
+        context: grpc.aio.ServicerContext,
+    ) -> pb.GatewayListenerReportResponse:
+        """A proxy's Gateway listeners, while its stream lasts (gateway.status.StatusBoard)."""
+        self._access.check_listener_reporter(peer_identities(context))
+        board = self._gateways
+        stream = object()
+        try:
+            async for report in request_iterator:
+                if len(report.listeners) > MAX_LISTENER_STATES:
+                    raise InvalidArgument(
+                        f"listeners: at most {MAX_LISTENER_STATES} per report "
+                        f"(got {len(report.listeners)})"
+                    )
+                if board is not None:
+                    board.report_listeners(
+                        stream,
+                        excerpt(report.proxy or "unnamed", 120),
+                        [convert.listener_state_from_proto(s) for s in report.listeners],
+                    )
+        finally:
+            if board is not None:
+                board.forget_listeners(stream)
+        return pb.GatewayListenerReportResponse()
 
     def _writable_routes(self) -> FileSource:
         if self._routes is None:

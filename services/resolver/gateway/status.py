@@ -8,6 +8,13 @@ objects changed since the Kubernetes status writer last took them.
 
 Read by ListGateways (`waygate gateways`) in every mode; in Kubernetes mode
 the resolver's leader writes what changed through the status subresource.
+
+Proxies' listener reports (ReportListeners, one state per open stream) are
+laid over the translated statuses: a Gateway listener that some proxy cannot
+serve (its port in use, say) shows Programmed=False with that proxy's reason
+and message, and its Gateway too when no listener of it is programmed. The
+translation stays a pure function of the objects; when a report changes or
+its stream ends, the board publishes again (and the writer writes the change).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from waygate.resolver.gateway.translate import ObjectStatus
+from waygate.resolver.model import ListenerState
 
 StatusKey = tuple[str, str, str]  # (kind, namespace, name)
 
@@ -77,15 +85,77 @@ class StatusBoard:
         # Keys whose status changed (or appeared) since `take_changed`.
         self._changed: set[StatusKey] = set()
         self.version = 0
+        # The last translation, before listener reports are laid over it.
+        self._translated: list[ObjectStatus] = []
+        # Per ReportListeners stream: (proxy, its listener states).
+        self._reports: dict[object, tuple[str, tuple[ListenerState, ...]]] = {}
 
     def replace(self, statuses: Iterable[ObjectStatus]) -> None:
+        self._translated = list(statuses)
+        self._publish()
+
+    def report_listeners(self, stream: object, proxy: str, states: Iterable[ListenerState]) -> None:
+        """A proxy's full listener state (replacing what its stream said before)."""
+        report = (proxy, tuple(states))
+        if self._reports.get(stream) == report:
+            return
+        self._reports[stream] = report
+        self._publish()
+
+    def forget_listeners(self, stream: object) -> None:
+        """The stream ended: what it reported no longer holds."""
+        if self._reports.pop(stream, None) is not None:
+            self._publish()
+
+    def _overlay(self, item: ObjectStatus, status: dict[str, Any]) -> None:
+        """Proxies' listener problems onto a Gateway's (copied) status."""
+        gateway = f"{item.namespace}/{item.name}"
+        problems: dict[int, list[tuple[str, ListenerState]]] = {}
+        for proxy, states in self._reports.values():
+            for state in states:
+                if state.gateway == gateway and state.reason:
+                    problems.setdefault(state.port, []).append((proxy, state))
+        if not problems:
+            return
+        ports = dict(item.listener_ports)
+        programmed = 0
+        for listener in status.get("listeners") or []:
+            found = problems.get(ports.get(listener.get("name"), -1))
+            for condition in listener.get("conditions") or []:
+                if condition.get("type") != "Programmed":
+                    continue
+                if found:
+                    condition["status"] = "False"
+                    condition["reason"] = found[0][1].reason
+                    condition["message"] = "; ".join(
+                        f"proxy {proxy}: {state.message}" for proxy, state in found[:4]
+                    )
+                elif condition.get("status") == "True":
+                    programmed += 1
+        if status.get("listeners") and not programmed:
+            for condition in status.get("conditions") or []:
+                if condition.get("type") == "Programmed" and condition.get("status") == "True":
+                    condition["status"] = "False"
+                    condition["reason"] = "Invalid"
+                    condition["message"] = "no listener is programmed on every proxy"
+
+    def _publish(self) -> None:
         now = self._clock()
         fresh: dict[StatusKey, ObjectStatus] = {}
-        for item in statuses:
+        for item in self._translated:
             old = self._statuses.get(item.key)
             status = copy.deepcopy(item.status)
+            if item.kind == "Gateway" and self._reports:
+                self._overlay(item, status)
             _stamp(status, old.status if old is not None else None, now)
-            kept = ObjectStatus(item.kind, item.namespace, item.name, item.generation, status)
+            kept = ObjectStatus(
+                item.kind,
+                item.namespace,
+                item.name,
+                item.generation,
+                status,
+                item.listener_ports,
+            )
             fresh[item.key] = kept
             if (
                 old is None

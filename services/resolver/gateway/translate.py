@@ -126,6 +126,8 @@ class ObjectStatus:
     name: str
     generation: int
     status: JSON
+    # A Gateway's listeners by name -> port (where proxies' listener reports apply).
+    listener_ports: tuple[tuple[str, int], ...] = ()
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -898,6 +900,7 @@ class _Translator:
                     request_timeout=rule.request_timeout,
                     backend_request_timeout=rule.backend_request_timeout,
                     listener_port=listener.spec.port,
+                    listener_protocol=listener.spec.protocol,
                     gateway=f"{gateway[0]}/{gateway[1]}",
                     origin=f"{kind} {key[0]}/{key[1]}",
                     created=specs.created(obj),
@@ -920,7 +923,14 @@ class _Translator:
             ]
             obj = self.objects.of("Gateway")[key]
             self.out.statuses.append(
-                ObjectStatus("Gateway", key[0], key[1], specs.generation(obj), status)
+                ObjectStatus(
+                    "Gateway",
+                    key[0],
+                    key[1],
+                    specs.generation(obj),
+                    status,
+                    tuple((listener.spec.name, listener.spec.port) for listener in listeners),
+                )
             )
 
     # ------------------------------------------------------------ Ingress

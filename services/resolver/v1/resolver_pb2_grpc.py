@@ -64,6 +64,11 @@ class ResolverStub:
                 request_serializer=waygate_dot_resolver_dot_v1_dot_resolver__pb2.ListGatewaysRequest.SerializeToString,
                 response_deserializer=waygate_dot_resolver_dot_v1_dot_resolver__pb2.ListGatewaysResponse.FromString,
                 _registered_method=True)
+        self.ReportListeners = channel.stream_unary(
+                '/waygate.resolver.v1.Resolver/ReportListeners',
+                request_serializer=waygate_dot_resolver_dot_v1_dot_resolver__pb2.GatewayListenerReport.SerializeToString,
+                response_deserializer=waygate_dot_resolver_dot_v1_dot_resolver__pb2.GatewayListenerReportResponse.FromString,
+                _registered_method=True)
         self.ReportTunnels = channel.stream_unary(
                 '/waygate.resolver.v1.Resolver/ReportTunnels',
                 request_serializer=waygate_dot_resolver_dot_v1_dot_resolver__pb2.TunnelReport.SerializeToString,
@@ -132,6 +137,17 @@ class ResolverServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportListeners(self, request_iterator, context):
+        """Proxies stream which Gateway listeners they serve, on which local port,
+        and which they cannot (a port in use, a protocol they serve only on a
+        mapped port). While the stream lasts, a listener some proxy cannot serve
+        shows Programmed=False with that proxy's reason in ListGateways and in the
+        Kubernetes status. Over mTLS, only route readers (the proxies) may call it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReportTunnels(self, request_iterator, context):
         """Tunnel servers stream the set of edge nodes whose agents they hold. The
         presence a stream reported disappears when the stream ends or when no
@@ -174,6 +190,11 @@ def add_ResolverServicer_to_server(servicer, server):
                     servicer.ListGateways,
                     request_deserializer=waygate_dot_resolver_dot_v1_dot_resolver__pb2.ListGatewaysRequest.FromString,
                     response_serializer=waygate_dot_resolver_dot_v1_dot_resolver__pb2.ListGatewaysResponse.SerializeToString,
+            ),
+            'ReportListeners': grpc.stream_unary_rpc_method_handler(
+                    servicer.ReportListeners,
+                    request_deserializer=waygate_dot_resolver_dot_v1_dot_resolver__pb2.GatewayListenerReport.FromString,
+                    response_serializer=waygate_dot_resolver_dot_v1_dot_resolver__pb2.GatewayListenerReportResponse.SerializeToString,
             ),
             'ReportTunnels': grpc.stream_unary_rpc_method_handler(
                     servicer.ReportTunnels,
@@ -343,6 +364,33 @@ class Resolver:
             '/waygate.resolver.v1.Resolver/ListGateways',
             waygate_dot_resolver_dot_v1_dot_resolver__pb2.ListGatewaysRequest.SerializeToString,
             waygate_dot_resolver_dot_v1_dot_resolver__pb2.ListGatewaysResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportListeners(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/waygate.resolver.v1.Resolver/ReportListeners',
+            waygate_dot_resolver_dot_v1_dot_resolver__pb2.GatewayListenerReport.SerializeToString,
+            waygate_dot_resolver_dot_v1_dot_resolver__pb2.GatewayListenerReportResponse.FromString,
             options,
             channel_credentials,
             insecure,

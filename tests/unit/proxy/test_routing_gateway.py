@@ -190,3 +190,21 @@ class _Health:
 
     def skipped(self, target: object) -> bool:
         return False
+
+
+def test_a_listener_on_its_own_port_has_its_own_side() -> None:
+    from waygate.proxy.routing import ListenerSide
+
+    side = ListenerSide(8081)
+    table = build(
+        gw_route("on-80", host="h.test", service="a", port=80),
+        gw_route("on-8081", host="h.test", service="b", port=8081),
+        listener_ports={80: False, 443: True, 8081: side},
+    )
+    own = table.lookup(b"h.test", b"/", request(), side)
+    assert own is not None and own.route.name == "on-8081"
+    plain = table.lookup(b"h.test", b"/", request(), False)
+    assert plain is not None and plain.route.name == "on-80"
+    # Another own port's side finds nothing of either; the side reads as plain HTTP.
+    assert table.lookup(b"h.test", b"/", request(), ListenerSide(8082)) is None
+    assert not side and side == ListenerSide(8081) and table.serves_listeners(side)

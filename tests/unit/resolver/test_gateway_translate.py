@@ -519,3 +519,42 @@ spec:
     assert route.tls.destination_ca_certificate == ""
     assert route.tls.destination_san_hostnames == ("*.example.com",)
     assert policy_ancestor(content, "system")["Accepted"] == ("True", "Accepted")
+
+
+def test_listener_reports_set_programmed_false_while_their_stream_lasts() -> None:
+    from waygate.resolver.model import ListenerState
+
+    content = base("httproute-simple-same-namespace.yaml")
+    board = StatusBoard()
+    board.replace(content.translation.statuses)
+    board.take_changed()
+
+    def programmed() -> tuple[str, str, str]:
+        found = board.get("Gateway", NS, "same-namespace")
+        assert found is not None
+        (listener,) = found.status["listeners"]
+        (condition,) = [c for c in listener["conditions"] if c["type"] == "Programmed"]
+        return condition["status"], condition["reason"], condition["message"]
+
+    assert programmed()[0] == "True"
+    stream = object()
+    board.report_listeners(
+        stream,
+        "edge-1/42",
+        [
+            ListenerState(
+                f"{NS}/same-namespace", 80, "HTTP", 0, "PortUnavailable", "port 80 is in use"
+            )
+        ],
+    )
+    assert programmed() == ("False", "PortUnavailable", "proxy edge-1/42: port 80 is in use")
+    # The Kubernetes writer sees the change; the Gateway has no programmed listener left.
+    assert [s.name for s in board.take_changed()] == ["same-namespace"]
+    gateway = board.get("Gateway", NS, "same-namespace")
+    assert gateway is not None
+    assert reasons(gateway.status["conditions"])["Programmed"] == ("False", "Invalid")
+    # A new translation keeps the report laid over it.
+    board.replace(content.translation.statuses)
+    assert programmed()[0] == "False"
+    board.forget_listeners(stream)
+    assert programmed()[0] == "True"
