@@ -124,6 +124,16 @@ class Settings(GrpcServerSettings):
         help="addresses (IPs or host names, comma-separated) reported as Gateways' "
         "status.addresses and Ingresses' status.loadBalancer",
     )
+    gateway_listener_sharing: str = setting(
+        "share",
+        help="listeners of different Gateways on one port, which a proxy serving every "
+        "Gateway merges: share (default: they share it, their routes merged by the spec's "
+        "precedence; a protocol clash, or one HTTPS hostname with two certificates, is "
+        "Conflicted), exclusive (also the same hostname is Conflicted: the older Gateway "
+        "keeps it), separate (each proxy serves one Gateway, --gateway: no conflicts "
+        "across Gateways)",
+        choices=("share", "exclusive", "separate"),
+    )
     kubernetes: bool = setting(
         False,
         help="watch Services, EndpointSlices and waygate.io Route objects in Kubernetes "
@@ -211,6 +221,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
             settings.manifests,
             poll_interval=settings.routes_poll_interval,
             addresses=settings.gateway_addresses,
+            sharing=settings.gateway_listener_sharing,
         )
     kube_source = None
     if settings.kubernetes:
@@ -224,7 +235,12 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
             configuration,
             namespace=settings.kube_namespace or None,
             edge_nodes=parse_node_list(settings.kube_edge_nodes),
-            gateway=GatewayObjects(store, board, addresses=settings.gateway_addresses)
+            gateway=GatewayObjects(
+                store,
+                board,
+                addresses=settings.gateway_addresses,
+                sharing=settings.gateway_listener_sharing,
+            )
             if settings.gateway_api
             else None,
         )

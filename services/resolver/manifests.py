@@ -138,7 +138,7 @@ def _documents(path: Path, text: str) -> list[_Document]:
 
 
 def parse_manifests(
-    files: list[tuple[Path, str]], *, addresses: tuple[str, ...] = ()
+    files: list[tuple[Path, str]], *, addresses: tuple[str, ...] = (), sharing: str = "share"
 ) -> ManifestsContent:
     """Every object of the files -> the store's content and the statuses; FileError
     names the first line that is wrong."""
@@ -202,7 +202,7 @@ def parse_manifests(
             raise doc.error(str(exc)) from None
     for groups in slices.values():
         content.endpoints.extend(kube_convert.merge_endpoints(groups))
-    translation = translate(objects, addresses=addresses)
+    translation = translate(objects, addresses=addresses, sharing=sharing)
     if translation.rejected:
         rejected = translation.rejected[0]
         doc = where_is[(rejected.kind, rejected.namespace, rejected.name)]
@@ -235,6 +235,7 @@ class ManifestsSource:
         *,
         poll_interval: float = 1.0,
         addresses: tuple[str, ...] = (),
+        sharing: str = "share",
     ) -> None:
         self.store = store
         self.board = board
@@ -242,6 +243,7 @@ class ManifestsSource:
         self.source = f"manifests:{self.path}"
         self.poll_interval = poll_interval
         self.addresses = addresses
+        self.sharing = sharing
         self.last_error: str | None = None
         self.loaded = False
         self._stat: tuple[Any, ...] | None = None
@@ -282,7 +284,12 @@ class ManifestsSource:
         if value == known:
             return _Read(stat, value, None, None)
         try:
-            return _Read(stat, value, parse_manifests(texts, addresses=self.addresses), None)
+            return _Read(
+                stat,
+                value,
+                parse_manifests(texts, addresses=self.addresses, sharing=self.sharing),
+                None,
+            )
         except FileError as exc:
             return _Read(stat, value, None, exc)
 

@@ -111,11 +111,17 @@ class GatewayObjects:
     """The watched objects; translates them into the store and the board after changes."""
 
     def __init__(
-        self, store: Store, board: StatusBoard, *, addresses: tuple[str, ...] = ()
+        self,
+        store: Store,
+        board: StatusBoard,
+        *,
+        addresses: tuple[str, ...] = (),
+        sharing: str = "share",
     ) -> None:
         self.store = store
         self.board = board
         self.addresses = addresses
+        self.sharing = sharing
         self.objects = Objects(services=_StoreServices(store))
         self._namespaces: dict[tuple[str, str], JSON] = {}
         self._scheduled = False
@@ -161,7 +167,7 @@ class GatewayObjects:
         self._scheduled = False
         # Namespaces by name, as the translation reads them.
         self.objects.namespaces = {key[1]: obj for key, obj in self._namespaces.items()}
-        translation = translate(self.objects, addresses=self.addresses)
+        translation = translate(self.objects, addresses=self.addresses, sharing=self.sharing)
         self.translations += 1
         for rejected in translation.rejected:
             line = f"{rejected.kind} {rejected.namespace}/{rejected.name}: {rejected.error}"

@@ -13,7 +13,13 @@ Semantics (the Gateway API specification v1.x and its conformance suite):
   kubernetes.io/tls) and TLS (mode Passthrough). Listeners of one Gateway on
   one port with different protocols conflict (ProtocolConflict), with the same
   protocol and hostname too (HostnameConflict); conflicted listeners attach
-  nothing.
+  nothing. A proxy serving every Gateway merges them by port and hostname, so
+  across Gateways (`sharing`): listeners of one port with clashing protocols,
+  and HTTPS listeners of one hostname with different certificates, conflict;
+  with "exclusive" so do listeners of one port, protocol and hostname; with
+  "separate" (each proxy serves one Gateway) nothing does. The older Gateway
+  (creationTimestamp, then namespace/name) keeps the port and the younger
+  one's listener is Conflicted (ProtocolConflict, HostnameConflict).
 - A route attaches to a listener when its parentRef names the Gateway (and
   the listener by sectionName and/or port, when given), the listener allows
   the route's namespace (Same, All, Selector) and kind, and their hostnames
@@ -93,6 +99,8 @@ GATEWAY_KINDS = (
     "BackendTLSPolicy",
 )
 ROUTE_KINDS = ("HTTPRoute", "GRPCRoute", "TLSRoute")
+#: How listeners of different Gateways on one port are judged (see `translate`).
+LISTENER_SHARING = ("share", "exclusive", "separate")
 _DEFAULT_KINDS = {
     "HTTP": ("HTTPRoute", "GRPCRoute"),
     "HTTPS": ("HTTPRoute", "GRPCRoute"),
@@ -270,9 +278,12 @@ def _selector_matches(selector: JSON, found: Mapping[str, str]) -> bool:
 
 
 class _Translator:
-    def __init__(self, objects: Objects, addresses: tuple[str, ...]) -> None:
+    def __init__(self, objects: Objects, addresses: tuple[str, ...], sharing: str) -> None:
         self.objects = objects
         self.addresses = addresses
+        if sharing not in LISTENER_SHARING:
+            raise ValueError(f"listener sharing {sharing!r} is not one of {LISTENER_SHARING}")
+        self.sharing = sharing
         self.out = Translation()
         self.grants: list[specs.Grant] = []
         # Gateway key -> its listeners (only Gateways of Waygate's classes).
@@ -377,6 +388,10 @@ class _Translator:
             listeners = [self.listener(key, item, generation) for item in listener_specs]
             self.conflicts(listeners, generation)
             self.listeners[key] = listeners
+        if self.sharing != "separate":
+            self.cross_gateway_conflicts()
+        for key, listeners in self.listeners.items():
+            generation = specs.generation(self.objects.of("Gateway")[key])
             usable = any(listener.usable for listener in listeners)
             message = "" if usable else "no listener is valid"
             self.gateway_status[key] = {
@@ -517,17 +532,71 @@ class _Translator:
                 ):
                     reason = "HostnameConflict"
                 if reason:
-                    listener.usable = False
-                    listener.conditions[2] = condition(
-                        "Programmed", False, "Invalid", "the listener conflicts", generation
-                    )
-                    listener.conditions[3] = condition(
-                        "Conflicted",
-                        True,
+                    self.conflicted(
+                        listener,
                         reason,
                         f"another listener on port {listener.spec.port} conflicts with it",
                         generation,
                     )
+
+    def cross_gateway_conflicts(self) -> None:
+        """Listeners of different Gateways that one proxy would serve on the same port
+        (proxies merge every Gateway by port and hostname): the older Gateway's listener
+        keeps the port, the younger one is Conflicted, as within one Gateway."""
+        gateways = self.objects.of("Gateway")
+
+        def age(key: Key) -> tuple[float, Key]:
+            created = specs.created(gateways[key])
+            return (created.timestamp() if created is not None else 0.0, key)
+
+        claimed: dict[int, list[Listener]] = {}
+        for key in sorted(self.listeners, key=age):
+            mine = self.listeners[key]
+            generation = specs.generation(gateways[key])
+            for listener in mine:
+                if not listener.usable:
+                    continue
+                for other in claimed.get(listener.spec.port, ()):
+                    protocols = {listener.spec.protocol, other.spec.protocol}
+                    same_host = (
+                        other.spec.protocol == listener.spec.protocol
+                        and other.spec.hostname == listener.spec.hostname
+                    )
+                    what = f"hostname {other.spec.hostname or '(any)'}"
+                    if len(protocols) > 1 and not protocols <= {"HTTPS", "TLS"}:
+                        reason = "ProtocolConflict"
+                        what = f"protocol {other.spec.protocol}"
+                    elif same_host and self.sharing == "exclusive":
+                        reason = "HostnameConflict"
+                    elif (
+                        same_host
+                        and listener.spec.protocol == "HTTPS"
+                        and other.spec.certificate_refs != listener.spec.certificate_refs
+                    ):
+                        # One name, two certificates: a proxy can present only one.
+                        reason = "HostnameConflict"
+                        what += " and another certificate"
+                    else:
+                        continue
+                    self.conflicted(
+                        listener,
+                        reason,
+                        f"listener {other.spec.name} of the older Gateway "
+                        f"{other.gateway[0]}/{other.gateway[1]} has port "
+                        f"{listener.spec.port} with {what} (proxies merge Gateways by port)",
+                        generation,
+                    )
+                    break
+            for listener in mine:
+                if listener.usable:
+                    claimed.setdefault(listener.spec.port, []).append(listener)
+
+    def conflicted(self, listener: Listener, reason: str, message: str, generation: int) -> None:
+        listener.usable = False
+        listener.conditions[2] = condition(
+            "Programmed", False, "Invalid", "the listener conflicts", generation
+        )
+        listener.conditions[3] = condition("Conflicted", True, reason, message, generation)
 
     # ------------------------------------------------------------ routes
 
@@ -1096,9 +1165,14 @@ def _scaled(backends: list[RouteBackend]) -> list[RouteBackend]:
     ]
 
 
-def translate(objects: Objects, *, addresses: tuple[str, ...] = ()) -> Translation:
-    """The routes and statuses `objects` amount to (see the module docstring)."""
-    return _Translator(objects, addresses).run()
+def translate(
+    objects: Objects, *, addresses: tuple[str, ...] = (), sharing: str = "share"
+) -> Translation:
+    """The routes and statuses `objects` amount to (see the module docstring).
+
+    `sharing` (LISTENER_SHARING): how listeners of different Gateways on one port,
+    which a proxy serving every Gateway merges, are judged."""
+    return _Translator(objects, addresses, sharing).run()
 
 
 def is_gateway_object(kind: str, api_version: str) -> bool:

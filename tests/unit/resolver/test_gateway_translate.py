@@ -558,3 +558,125 @@ def test_listener_reports_set_programmed_false_while_their_stream_lasts() -> Non
     assert programmed()[0] == "False"
     board.forget_listeners(stream)
     assert programmed()[0] == "True"
+
+
+# ---------------------------------------------------------------- conflicts across Gateways
+
+
+def two_gateways(first: str, second: str) -> str:
+    """Gateway "zz-old" (created first, named last) and "aa-new" with these listeners,
+    and a route attached to each."""
+
+    def gateway(name: str, created: str, listener: str) -> str:
+        return f"""apiVersion: gateway.networking.k8s.io/v1
+kind: Gateway
+metadata: {{name: {name}, namespace: {NS}, creationTimestamp: "{created}"}}
+spec:
+  gatewayClassName: waygate
+  listeners: [{listener}]
+---
+apiVersion: gateway.networking.k8s.io/v1
+kind: HTTPRoute
+metadata: {{name: to-{name}, namespace: {NS}}}
+spec:
+  parentRefs: [{{name: {name}}}]
+  rules: [{{backendRefs: [{{name: infra-backend-v1, port: 8080}}]}}]
+"""
+
+    return (
+        gateway("zz-old", "2026-01-01T00:00:00Z", first)
+        + "---\n"
+        + gateway("aa-new", "2026-02-01T00:00:00Z", second)
+    )
+
+
+def listener_conditions(content: ManifestsContent, gateway: str) -> dict[str, tuple[str, str]]:
+    (listener,) = status_of(content, "Gateway", gateway)["listeners"]
+    return reasons(listener["conditions"])
+
+
+def conflict_message(content: ManifestsContent, gateway: str) -> str:
+    (listener,) = status_of(content, "Gateway", gateway)["listeners"]
+    (condition,) = [c for c in listener["conditions"] if c["type"] == "Conflicted"]
+    return str(condition["message"])
+
+
+def with_sharing(sharing: str, *texts: str) -> ManifestsContent:
+    return parse_manifests(
+        [(Path(f"m{i}.yaml"), t) for i, t in enumerate((GATEWAY_CLASS, *texts))], sharing=sharing
+    )
+
+
+def test_across_gateways_a_protocol_clash_on_one_port_conflicts_the_younger() -> None:
+    secret = tls_secret(NS, "cert", "a.example.com")
+    content = with_sharing(
+        "share",
+        conformance_text("base.yaml"),
+        secret,
+        two_gateways(
+            "{name: web, port: 8080, protocol: HTTP}",
+            "{name: web, port: 8080, protocol: HTTPS, tls: {certificateRefs: [{name: cert}]}}",
+        ),
+    )
+    assert listener_conditions(content, "zz-old")["Conflicted"] == ("False", "NoConflicts")
+    young = listener_conditions(content, "aa-new")
+    assert young["Conflicted"] == ("True", "ProtocolConflict")
+    assert young["Programmed"] == ("False", "Invalid")
+    assert f"older Gateway {NS}/zz-old" in conflict_message(content, "aa-new")
+    # The younger Gateway's route is not served; the older one's is.
+    gateways = {r.gateway for r in content.routes if r.listener_port == 8080}
+    assert gateways == {f"{NS}/zz-old"}
+
+
+@pytest.mark.parametrize(("sharing", "conflicted"), [("share", False), ("exclusive", True)])
+def test_across_gateways_one_hostname_is_shared_or_exclusive(
+    sharing: str, conflicted: bool
+) -> None:
+    content = with_sharing(
+        sharing,
+        conformance_text("base.yaml"),
+        two_gateways(
+            "{name: web, port: 8080, protocol: HTTP, hostname: a.example.com}",
+            "{name: web, port: 8080, protocol: HTTP, hostname: a.example.com}",
+        ),
+    )
+    young = listener_conditions(content, "aa-new")["Conflicted"]
+    assert young == (("True", "HostnameConflict") if conflicted else ("False", "NoConflicts"))
+    other_hosts = with_sharing(
+        sharing,
+        conformance_text("base.yaml"),
+        two_gateways(
+            "{name: web, port: 8080, protocol: HTTP, hostname: a.example.com}",
+            "{name: web, port: 8080, protocol: HTTP, hostname: b.example.com}",
+        ),
+    )
+    assert listener_conditions(other_hosts, "aa-new")["Conflicted"][0] == "False"
+
+
+def test_across_gateways_one_https_hostname_with_two_certificates_conflicts() -> None:
+    content = with_sharing(
+        "share",
+        conformance_text("base.yaml"),
+        tls_secret(NS, "one", "a.example.com"),
+        tls_secret(NS, "two", "a.example.com"),
+        two_gateways(
+            "{name: s, port: 443, protocol: HTTPS, hostname: a.example.com, "
+            "tls: {certificateRefs: [{name: one}]}}",
+            "{name: s, port: 443, protocol: HTTPS, hostname: a.example.com, "
+            "tls: {certificateRefs: [{name: two}]}}",
+        ),
+    )
+    assert listener_conditions(content, "aa-new")["Conflicted"] == ("True", "HostnameConflict")
+    assert "another certificate" in conflict_message(content, "aa-new")
+
+
+def test_separate_proxies_per_gateway_see_no_conflicts_across_gateways() -> None:
+    content = with_sharing(
+        "separate",
+        conformance_text("base.yaml"),
+        two_gateways(
+            "{name: web, port: 8080, protocol: HTTP}",
+            "{name: web, port: 8080, protocol: TLS, tls: {mode: Passthrough}}",
+        ),
+    )
+    assert listener_conditions(content, "aa-new")["Conflicted"] == ("False", "NoConflicts")
