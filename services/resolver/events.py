@@ -10,8 +10,11 @@ Invariants:
 - What many subscribers share is converted once per item, keys and bounds, not
   per sync time: `source`, `last_sync` and the route sources' states are
   stamped on (a copy of) the last event only. Callers never modify what they get.
-- Only the store's own shared batches are cached; heartbeats and one
-  subscriber's coalesced backlog are converted for it alone.
+- Only shared batches are cached (the store's own, and the coalesced backlog
+  every subscriber at one version shares); heartbeats are converted for their
+  subscriber alone.
+- Stamping what many streams share costs one comparison per stream when the
+  stamp is unchanged (no proto conversion per stream).
 """
 
 from __future__ import annotations
@@ -136,14 +139,21 @@ class _Stamps:
 
     def __init__(self, events: tuple[pb.WatchEvent, ...]) -> None:
         self._events = events
-        self._latest = events
+        # (the stamp, the events stamped with it): one tuple, so a worker thread
+        # stamping at once never sees a stamp paired with other events.
+        self._latest: tuple[object, tuple[pb.WatchEvent, ...]] = (None, events)
 
     def stamped(
         self, source: str, last_sync: datetime | None, states: tuple[SourceState, ...] = ()
     ) -> tuple[pb.WatchEvent, ...]:
-        latest = restamp(self._latest, source, last_sync, states)
+        stamp = (source, last_sync, states)
+        known, events = self._latest
+        if known == stamp:
+            # A thousand streams sending one event: compared, not converted, per stream.
+            return events
+        latest = restamp(events, source, last_sync, states)
         # A plain reference swap: safe against a worker thread stamping at once.
-        self._latest = latest
+        self._latest = (stamp, latest)
         return latest
 
 

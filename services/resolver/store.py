@@ -21,6 +21,11 @@ Invariants:
 - A subscription never queues without bound: pending changes are coalesced to
   the latest state per key, and past `max_pending` keys the subscriber is
   given a fresh snapshot instead.
+- A backlog is a function of (the subscriber's version, its kinds, the store's
+  version): subscribers that are behind by the same changes get one shared
+  coalesced Batch object, so a storm of slow watchers costs one conversion
+  and one serialization per distinct backlog, not one per watcher (issue 18's
+  fan-out: a thousand streams that fall behind together stay together).
 - The first version is derived from the wall clock (microseconds), so a
   client resuming with a version from a previous resolver process is older
   than this process's history and gets a snapshot, not someone else's deltas.
@@ -83,8 +88,9 @@ class Batch:
     changes: tuple[Change, ...]
     # True when older states of some keys were dropped (latest state per key kept).
     coalesced: bool = False
-    # The store's own batch, handed as is to every up-to-date subscriber (so its
-    # wire form is worth caching); False for one subscriber's coalesced backlog.
+    # Handed as is to many subscribers (so its wire form is worth caching): the
+    # store's own batch for the up-to-date ones, or the coalesced backlog that
+    # every subscriber at one version and of the same kinds shares.
     shared: bool = False
 
 
@@ -194,12 +200,20 @@ class Subscription:
             self._whole = None
             self.version = whole.version
             return whole
-        batch = Batch(
-            from_version=self.version,
-            version=self._store.version,
-            changes=tuple(self._pending.values()),
-            coalesced=self._coalesced,
-        )
+        # Every subscriber at this version and of these kinds has exactly this
+        # backlog (it is what the batches since its version make of its kinds),
+        # so the first to ask builds the Batch and the others share it.
+        backlogs = self._store._backlogs
+        key = (self.version, self.kinds)
+        batch = backlogs.get(key)
+        if batch is None:
+            batch = backlogs[key] = Batch(
+                from_version=self.version,
+                version=self._store.version,
+                changes=tuple(self._pending.values()),
+                coalesced=self._coalesced,
+                shared=True,
+            )
         self._pending = {}
         self._coalesced = False
         self._whole = None
@@ -309,6 +323,9 @@ class Store:
         self._subscriptions: set[Subscription] = set()
         # Snapshots of the current version, by the kinds they hold.
         self._snapshots: dict[frozenset[Kind], Snapshot] = {}
+        # Coalesced backlogs up to the current version, by (the subscriber's
+        # version, its kinds); cleared with every commit, like the snapshots.
+        self._backlogs: dict[tuple[int, frozenset[Kind]], Batch] = {}
         # Version of the last change to each service or to its endpoints.
         self._service_revisions: dict[ServiceKey, int] = {}
 
@@ -621,6 +638,7 @@ class Store:
         batch = Batch(self.version, self.version + 1, tuple(changes), shared=True)
         self.version = batch.version
         self._snapshots.clear()
+        self._backlogs.clear()
         revisions = self._service_revisions
         for change in changes:
             if change.kind is Kind.SERVICES or change.kind is Kind.ENDPOINTS:

@@ -111,3 +111,104 @@ def test_the_wire_cache_serializes_a_shared_event_once_and_stays_bounded() -> No
     big = pb.WatchEvent(source="x" * 2000)
     assert cache.bytes_of(big) is not cache.bytes_of(big), "too large to keep"
     assert cache._bytes <= 4096
+
+
+async def test_watchers_behind_by_the_same_changes_share_one_serialized_backlog() -> None:
+    store = Store()
+    store.upsert_service(
+        Service("storm", "web", ports=(ServicePort("http", 80, "8080"),)), source="t"
+    )
+    servicer = ResolverServicer(store)
+    sent: list[bytes] = []
+    original = servicer._wire.bytes_of
+
+    def spied(event: pb.WatchEvent) -> bytes:
+        data = original(event)
+        if event.changes.coalesced:
+            sent.append(data)
+        return data
+
+    servicer._wire.bytes_of = spied  # type: ignore[method-assign]
+    server = GrpcServer(host="127.0.0.1", port=0, registrations=[servicer.registration()])
+    port = await server.start()
+    calls = []
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = resolver_pb2_grpc.ResolverStub(channel)
+            for _ in range(WATCHERS):
+                call = stub.Watch(pb.WatchRequest())
+                calls.append(call)
+                assert (await asyncio.wait_for(call.read(), 10)).HasField("snapshot")
+            # Twenty versions land before any stream runs again: every watcher is
+            # behind by the same twenty, and gets one event with the latest state.
+            for i in range(20):
+                store.set_endpoints(
+                    "storm",
+                    "web",
+                    [
+                        Endpoint(
+                            "storm", "web", "10.9.0.1", (EndpointPort("http", 8080),), zone=f"z{i}"
+                        )
+                    ],
+                    source="t",
+                )
+            for call in calls:
+                event = await asyncio.wait_for(call.read(), 10)
+                assert event.changes.coalesced and event.version == store.version
+                assert [c.endpoint_upserted.zone for c in event.changes.changes] == ["z19"]
+            assert len(sent) == WATCHERS
+            assert all(data is sent[0] for data in sent), "serialized once, sent by every stream"
+    finally:
+        for call in calls:
+            call.cancel()
+        await server.stop(0)
+
+
+async def test_a_watcher_that_stops_reading_gets_the_latest_state_and_holds_up_nobody() -> None:
+    """One watcher reads nothing while 200 large changes land one by one (the loop
+    runs between them), so its stream stalls on flow control; another reads
+    along. The reader sees every change at once; the stalled one, once it reads
+    again, gets coalesced events ending at the latest state, far fewer than 200,
+    and its stream is not lost."""
+    store = Store()
+    store.upsert_service(
+        Service("storm", "web", ports=(ServicePort("http", 80, "8080"),)), source="t"
+    )
+    server = GrpcServer(
+        host="127.0.0.1", port=0, registrations=[ResolverServicer(store).registration()]
+    )
+    port = await server.start()
+    # No BDP probing: the stalled stream's window stays small, so the server's
+    # write blocks after a few events instead of the client buffering them all.
+    options = [("grpc.http2.bdp_probe", 0), ("grpc.use_local_subchannel_pool", 1)]
+    changes = 200
+    try:
+        async with (
+            grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as slow_channel,
+            grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as fast_channel,
+        ):
+            slow = resolver_pb2_grpc.ResolverStub(slow_channel).Watch(pb.WatchRequest())
+            fast = resolver_pb2_grpc.ResolverStub(fast_channel).Watch(pb.WatchRequest())
+            for call in (slow, fast):
+                assert (await asyncio.wait_for(call.read(), 10)).HasField("snapshot")
+            for i in range(changes):
+                # 64 KiB per change: 12.5 MiB in all, far past any window.
+                zone = f"{i:04d}" + "z" * 65536
+                endpoint = Endpoint(
+                    "storm", "web", "10.9.0.1", (EndpointPort("http", 8080),), zone=zone
+                )
+                store.set_endpoints("storm", "web", [endpoint], source="t")
+                event = await asyncio.wait_for(fast.read(), 10)
+                assert event.changes.changes[0].endpoint_upserted.zone[:4] == f"{i:04d}"
+            events, coalesced, last = 0, False, ""
+            while last != f"{changes - 1:04d}":
+                event = await asyncio.wait_for(slow.read(), 10)
+                assert event is not grpc.aio.EOF, "the stalled stream was not lost"
+                events += 1
+                coalesced |= event.changes.coalesced
+                last = event.changes.changes[-1].endpoint_upserted.zone[:4]
+            assert coalesced and events < changes // 4, f"{events} events for {changes} changes"
+            slow.cancel()
+            fast.cancel()
+    finally:
+        await server.stop(0)
