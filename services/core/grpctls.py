@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import grpc
 
@@ -127,19 +127,33 @@ class RotatingChannel:
     @contextlib.asynccontextmanager
     async def hold(self) -> AsyncIterator[grpc.aio.Channel]:
         """The current channel, kept open across rotations until this block exits."""
-        channel = self.channel()
-        self._holders[channel] = self._holders.get(channel, 0) + 1
+        channel = self._take()
         try:
             yield channel
         finally:
-            left = self._holders[channel] - 1
-            if left:
-                self._holders[channel] = left
-            else:
-                del self._holders[channel]
-                released = self._released.get(channel)
-                if released is not None:
-                    released.set()
+            self._let_go(channel)
+
+    def lend(self) -> grpc.aio.Channel:
+        """The current channel, held (as by `hold`) until the borrower calls its
+        `close()`, which lets go of it and never closes the shared channel: for a
+        consumer that closes the channel it was given after each stream (a
+        ResolverWatch channel factory), so a rotation never cuts its stream."""
+        return cast("grpc.aio.Channel", _Lent(self, self._take()))
+
+    def _take(self) -> grpc.aio.Channel:
+        channel = self.channel()
+        self._holders[channel] = self._holders.get(channel, 0) + 1
+        return channel
+
+    def _let_go(self, channel: grpc.aio.Channel) -> None:
+        left = self._holders[channel] - 1
+        if left:
+            self._holders[channel] = left
+        else:
+            del self._holders[channel]
+            released = self._released.get(channel)
+            if released is not None:
+                released.set()
 
     def channel(self) -> grpc.aio.Channel:
         if self._channel is None:
@@ -167,6 +181,23 @@ class RotatingChannel:
 
     async def __aexit__(self, *_exc: object) -> None:
         await self.close()
+
+
+class _Lent:
+    """A RotatingChannel's channel lent to one borrower: everything but `close`
+    goes to the channel; `close` (once) lets go of the hold."""
+
+    def __init__(self, owner: RotatingChannel, channel: grpc.aio.Channel) -> None:
+        self._owner: RotatingChannel | None = owner
+        self._channel = channel
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._channel, name)
+
+    async def close(self, grace: float | None = None) -> None:
+        owner, self._owner = self._owner, None
+        if owner is not None:
+            owner._let_go(self._channel)
 
 
 def client_credentials(rotator: CertificateRotator, trust: TrustStore) -> grpc.ChannelCredentials:

@@ -32,7 +32,7 @@ import os
 import secrets
 import socket
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import REGISTRY
 
@@ -52,7 +52,10 @@ from waygate.proxy.server import Limits, ProxyServer
 from waygate.proxy.upstream import Dialer
 
 if TYPE_CHECKING:
-    import grpc
+    from collections.abc import Callable
+
+    from waygate.core.grpctls import RotatingChannel
+    from waygate.resolver.client import ResolverWatch
 
 log = logging.getLogger(__name__)
 
@@ -381,17 +384,17 @@ class HttpListener:
         await self.server.drain(grace)
 
 
-class _Borrowed:
-    """A shared channel lent to one stream: everything but `close` goes to it."""
+def resolver_watch(channel: RotatingChannel, on_view: Callable[[Any], None]) -> ResolverWatch:
+    """The proxy's one Watch stream, on the process's rotating channel.
 
-    def __init__(self, channel: Any) -> None:
-        self._channel = channel
+    Each stream borrows the channel with `lend()`, which holds it: a certificate
+    renewal gives new calls a new channel but leaves the old one open under the
+    stream, so the Watch is not cut (and re-synced) at every renewal. The watch
+    closes what it was lent after each stream, which lets go of the hold; the
+    process closes the channel itself when it stops."""
+    from waygate.resolver.client import ResolverWatch
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._channel, name)
-
-    async def close(self) -> None:
-        """The owner closes the channel, not the borrower."""
+    return ResolverWatch(channel.lend, on_view=on_view)
 
 
 def _unregister(metrics: ProxyMetrics) -> Any:
@@ -520,8 +523,6 @@ def _closer(close: Any) -> Any:
 
 
 async def setup(process: ServiceProcess, settings: Settings) -> None:
-    from waygate.resolver.client import ResolverWatch
-
     if settings.workers > 1 and not settings.worker:
         await _start_workers(process, settings)
         return
@@ -619,12 +620,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     channel = await process.client_channel(
         settings.resolver_address, server_name=settings.resolver_server_name
     )
-    # The watch closes the channel it was given after each stream; the process's
-    # rotating channel is shared (and closed when the process stops), so each
-    # stream borrows it.
-    watch = ResolverWatch(
-        lambda: cast("grpc.aio.Channel", _Borrowed(channel.channel())), on_view=on_view
-    )
+    watch = resolver_watch(channel, on_view)
     # Endpoints marked `tunnel` are dialled through a tunnel-server replica that
     # holds their node (presence from this same watch).
     from waygate.proxy.upstream import ConnectError

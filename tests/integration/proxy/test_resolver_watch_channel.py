@@ -1,0 +1,73 @@
+"""The proxy's resolver Watch holds its rotating channel (issue 18): a certificate
+renewal retires the channel for new calls, but the stream on it is not cut, so
+the proxy does not reconnect and re-sync at every renewal. Real gRPC, in-process
+resolver; the rotation is announced the way the certificate rotator does."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from tests.support.poll import until
+from waygate.core.grpcserver import GrpcServer
+from waygate.core.grpctls import RotatingChannel
+from waygate.proxy.app import resolver_watch
+from waygate.resolver.model import Service, ServicePort
+from waygate.resolver.server import ResolverServicer
+from waygate.resolver.store import Store
+
+
+async def test_the_watch_stream_outlives_a_renewal_and_lets_go_of_the_old_channel() -> None:
+    store = Store()
+    server = GrpcServer(
+        host="127.0.0.1", port=0, registrations=[ResolverServicer(store).registration()]
+    )
+    port = await server.start()
+    renewals: list[Callable[[Any], None]] = []
+
+    def subscribe(callback: Callable[[Any], None]) -> Callable[[], None]:
+        renewals.append(callback)
+        return lambda: renewals.remove(callback)
+
+    rotating = RotatingChannel(f"127.0.0.1:{port}", lambda: None, (subscribe,), close_grace=0.05)
+    lent: list[grpc.aio.Channel] = []
+    lend = rotating.lend
+
+    def counted() -> grpc.aio.Channel:
+        lent.append(lend())
+        return lent[-1]
+
+    rotating.lend = counted  # type: ignore[method-assign]
+    views: list[Any] = []
+    watch = resolver_watch(rotating, views.append)
+    task = asyncio.create_task(watch.run())
+    try:
+        await watch.wait_synced(10)
+        old = rotating.channel()
+        for renewal in renewals:
+            renewal(None)
+        assert rotating.channel() is not old, "new calls get the renewed channel"
+        # Past the grace the old channel waits for its holder instead of closing.
+        await until(lambda: old in rotating._released, "the grace to run out")
+        store.upsert_service(
+            Service("shop", "after", ports=(ServicePort("http", 80, "8080"),)), source="t"
+        )
+        await until(
+            lambda: ("shop", "after") in watch.view.services,  # type: ignore[union-attr]
+            "the change made after the renewal",
+        )
+        assert len(lent) == 1, "one stream all along: the renewal did not cut it"
+        assert watch.connected
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    try:
+        # The watch closed what it was lent: the hold is let go, the old channel closes.
+        await until(lambda: not rotating._closing, "the old channel to close")
+        assert not rotating._holders
+    finally:
+        await rotating.close()
+        await server.stop(0)
