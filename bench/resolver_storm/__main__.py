@@ -189,6 +189,8 @@ async def main(args: argparse.Namespace) -> str:
             f"| change -> all live streams, p99 | {p99:.1f} ms (aim < 100 ms) |",
             f"| change -> all live streams, max | {delays[-1] if delays else float('nan'):.1f} ms |",
             f"| changes that reached every live stream | {complete} of {args.changes} |",
+            f"| events per stream after its snapshot (coalescing: fewer than the changes) | "
+            f"{sum(r['events'] for r in results) / max(1, args.streams - lost):.1f} |",
             f"| resolver RSS before the storm | {rss_before / mib:.0f} MiB |",
             f"| resolver peak RSS (VmHWM) in the storm / in all | "
             f"{peak_after_storm / mib:.0f} / {peak / mib:.0f} MiB |",

@@ -7,7 +7,10 @@ not its CPU): a stream is ready once it has received SNAPSHOT_BYTES of events,
 what one full snapshot serializes to. Prints "ready N LOST" once every stream
 is ready or lost, then, for each bench change (tunnel presence of node
 storm-node-I) the latest arrival over its streams (CLOCK_MONOTONIC) and how
-many streams saw it, as one JSON line once every live stream saw the last one.
+many streams saw it, and how many events the streams received after their
+snapshots, as one JSON line once every live stream saw the last one. A change
+has reached a stream once the stream's view holds it or a later one (a
+coalesced event carries only the latest state).
 A stream that ends with an error is lost: its reason is printed.
 """
 
@@ -34,6 +37,7 @@ async def stream(
     ready: asyncio.Event,
     seen: dict[int, list[float]],
     lost: list[str],
+    counts: list[int],
 ) -> None:
     options = [
         ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -49,7 +53,7 @@ async def stream(
                 request_serializer=pb.WatchRequest.SerializeToString,
                 response_deserializer=lambda raw: raw,
             )(pb.WatchRequest())
-            received = 0
+            received, reached = 0, -1
             async for raw in call:
                 now = time.monotonic()
                 if not ready.is_set():
@@ -57,17 +61,21 @@ async def stream(
                     if received >= snapshot_bytes:
                         ready.set()
                     continue
+                counts[0] += 1  # events after the snapshot: how far changes were coalesced
                 if len(raw) >= SMALL:
                     continue
                 event = pb.WatchEvent.FromString(raw)
-                last = False
+                # Change I names node I and retires node I-1: a coalesced event may
+                # carry only the latest node, which says every earlier change arrived.
+                latest = reached
                 for change in event.changes.changes:
                     node = change.tunnel_presence.node
                     if change.tunnel_presence.servers and node.startswith(PREFIX):
-                        index = int(node.removeprefix(PREFIX))
-                        seen.setdefault(index, []).append(now)
-                        last |= index == changes - 1
-                if last:
+                        latest = max(latest, int(node.removeprefix(PREFIX)))
+                for index in range(reached + 1, latest + 1):
+                    seen.setdefault(index, []).append(now)
+                reached = latest
+                if reached == changes - 1:
                     call.cancel()
                     return
     except grpc.aio.AioRpcError as exc:
@@ -80,9 +88,11 @@ async def stream(
 async def main(address: str, streams: int, snapshot_bytes: int, changes: int) -> None:
     seen: dict[int, list[float]] = {}
     lost: list[str] = []
+    counts = [0]
     events = [asyncio.Event() for _ in range(streams)]
     tasks = [
-        asyncio.create_task(stream(address, snapshot_bytes, changes, e, seen, lost)) for e in events
+        asyncio.create_task(stream(address, snapshot_bytes, changes, e, seen, lost, counts))
+        for e in events
     ]
     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 600)
     print(f"ready {streams} {len(lost)}", flush=True)
@@ -90,7 +100,7 @@ async def main(address: str, streams: int, snapshot_bytes: int, changes: int) ->
     print(
         json.dumps(
             {"seen": {i: [max(t), len(t)] for i, t in seen.items()}, "lost": lost[:20],
-             "lost_count": len(lost)}
+             "lost_count": len(lost), "events": counts[0]}
         ),
         flush=True,
     )  # fmt: skip

@@ -21,6 +21,11 @@ interceptor (waygate.core.grpcserver). Invariants:
 - At most `SNAPSHOT_SLOTS` streams send a large snapshot at once; the others
   wait their turn (for at most `SNAPSHOT_SLOT_WAIT`, so a stalled reader
   holding a slot delays others, never starves them).
+- A Watch stream sends at most one event per `WATCH_EVENT_INTERVAL` (longer
+  with many streams: WATCH_EVENT_COST per stream); what lands meanwhile waits
+  in its subscription, coalesced to the latest state per key, so the streams
+  together never send more than the loop can write and a change source is
+  never starved by the fan-out of its own changes.
 - Every Watch event carries this replica's epoch; a resume naming another
   epoch (another replica, a restarted one, or none) starts with a snapshot.
 """
@@ -79,6 +84,17 @@ SNAPSHOT_SLOT_WAIT = 10.0
 #: count and by bytes (a 100,000-endpoint snapshot is about 10 MiB of chunks).
 WIRE_CACHE_EVENTS = 256
 WIRE_CACHE_BYTES = 64 * 1024 * 1024
+#: Least time between two events of one Watch stream: changes that land within
+#: it go out as one coalesced event (a change to a quiet stream goes out at
+#: once). It grows with the number of streams, by WATCH_EVENT_COST each, so
+#: that all of them together send at most about 1/WATCH_EVENT_COST events per
+#: second: a write costs the loop a fraction of a millisecond per stream, and
+#: without a bound a thousand streams took every change the moment their
+#: previous write completed, saturated the loop, starved the change source's
+#: own reads (changes queued before the store, where nothing coalesces them)
+#: and reached the last watcher 11-40 s late (bench/resolver_storm).
+WATCH_EVENT_INTERVAL = 0.05
+WATCH_EVENT_COST = 0.0002
 #: No serialized Change is smaller than this: a batch with more changes than the
 #: event bound divided by it cannot fit, and is not converted only to be discarded.
 MIN_CHANGE_BYTES = 20
@@ -238,8 +254,10 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
         watch_heartbeat: float = 0.0,
         watch_chunk_bytes: int = events.DEFAULT_CHUNK_BYTES,
         max_event_bytes: int = events.DEFAULT_MAX_EVENT_BYTES,
+        watch_interval: float = WATCH_EVENT_INTERVAL,
     ) -> None:
         self._store = store
+        self._watch_interval = watch_interval
         self._resolver = resolver or Resolver(store)
         self._templates = _ResolveTemplates(max_event_bytes)
         # The writable route source; None: routes are read-only here.
@@ -334,6 +352,10 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
                 finally:
                     if slot:
                         self._snapshot_slots.release()
+                # What lands meanwhile waits in the subscription, coalesced.
+                await asyncio.sleep(
+                    max(self._watch_interval, store.subscriber_count * WATCH_EVENT_COST)
+                )
         finally:
             subscription.close()
 

@@ -3,7 +3,10 @@
 Every watcher gets the whole snapshot and then the same change; the events
 they share are serialized once (the same bytes object for every stream); at
 most `SNAPSHOT_SLOTS` streams send a large snapshot at once, every slot is
-given back, and none is lost. `make bench` (bench/resolver_storm) measures the
+given back, and none is lost; watchers behind by the same changes share one
+serialized backlog; a watcher stalled on flow control gets the latest state
+and holds up no one; a stream's changes within its interval go out as one
+event. `make bench` (bench/resolver_storm) measures the
 same at 1,000 streams over 100,000 endpoints.
 """
 
@@ -174,9 +177,9 @@ async def test_a_watcher_that_stops_reading_gets_the_latest_state_and_holds_up_n
     store.upsert_service(
         Service("storm", "web", ports=(ServicePort("http", 80, "8080"),)), source="t"
     )
-    server = GrpcServer(
-        host="127.0.0.1", port=0, registrations=[ResolverServicer(store).registration()]
-    )
+    # No pacing between events: the reader's 200 events come at once.
+    servicer = ResolverServicer(store, watch_interval=0)
+    server = GrpcServer(host="127.0.0.1", port=0, registrations=[servicer.registration()])
     port = await server.start()
     # No BDP probing: the stalled stream's window stays small, so the server's
     # write blocks after a few events instead of the client buffering them all.
@@ -210,5 +213,43 @@ async def test_a_watcher_that_stops_reading_gets_the_latest_state_and_holds_up_n
             assert coalesced and events < changes // 4, f"{events} events for {changes} changes"
             slow.cancel()
             fast.cancel()
+    finally:
+        await server.stop(0)
+
+
+async def test_changes_that_land_within_a_streams_interval_go_out_as_one_event() -> None:
+    """The first change after a quiet spell goes out alone; the ones that land
+    while the stream waits out its interval (the loop running in between, each
+    committed on its own) go out together, the latest state per key."""
+    store = Store()
+    store.upsert_service(
+        Service("storm", "web", ports=(ServicePort("http", 80, "8080"),)), source="t"
+    )
+    servicer = ResolverServicer(store, watch_interval=2.0)
+    server = GrpcServer(host="127.0.0.1", port=0, registrations=[servicer.registration()])
+    port = await server.start()
+
+    def zone(value: str) -> None:
+        endpoint = Endpoint("storm", "web", "10.9.0.1", (EndpointPort("http", 8080),), zone=value)
+        store.set_endpoints("storm", "web", [endpoint], source="t")
+
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = resolver_pb2_grpc.ResolverStub(channel).Watch(pb.WatchRequest())
+            assert (await asyncio.wait_for(call.read(), 10)).HasField("snapshot")
+            # The snapshot's interval is over before this change.
+            await asyncio.sleep(2.5)
+            zone("first")
+            first = await asyncio.wait_for(call.read(), 10)
+            assert [c.endpoint_upserted.zone for c in first.changes.changes] == ["first"]
+            for value in ("second", "third", "fourth"):
+                await asyncio.sleep(0.01)
+                zone(value)
+            store.set_tunnel_presence("edge-1", [TunnelServer("ts", "127.0.0.1:7004")])
+            paced = await asyncio.wait_for(call.read(), 10)
+            assert paced.changes.coalesced and paced.version == store.version
+            assert [c.endpoint_upserted.zone for c in paced.changes.changes[:1]] == ["fourth"]
+            assert paced.changes.changes[1].tunnel_presence.node == "edge-1"
+            call.cancel()
     finally:
         await server.stop(0)
