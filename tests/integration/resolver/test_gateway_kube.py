@@ -265,3 +265,68 @@ async def test_a_bad_object_gets_its_reason_in_status_while_the_rest_is_served(
     assert "invalid regular expression" in accepted["message"]
     origins = {route.origin for route in replica.store.routes()}
     assert "HTTPRoute shop/app" in origins and "HTTPRoute shop/bad" not in origins
+
+
+async def test_backend_tls_policy_and_listener_reports_reach_kubernetes_status(
+    kubeapi: StandIn, replicas: list[Replica]
+) -> None:
+    """BackendTLSPolicy and ConfigMaps are watched like the other kinds: a missing
+    ConfigMap is written as the policy's reason, and creating it clears it; a proxy's
+    listener report becomes the Gateway listener's Programmed=False in Kubernetes."""
+    from tests.support.pki import LocalCA
+    from waygate.resolver.model import ListenerState
+
+    seed(kubeapi)
+    kubeapi.create(
+        {
+            "apiVersion": f"{GROUP}/v1",
+            "kind": "BackendTLSPolicy",
+            "metadata": {"name": "app-tls", "namespace": "shop"},
+            "spec": {
+                "targetRefs": [{"group": "", "kind": "Service", "name": "app"}],
+                "validation": {
+                    "caCertificateRefs": [{"group": "", "kind": "ConfigMap", "name": "app-ca"}],
+                    "hostname": "app.shop.example",
+                },
+            },
+        }
+    )
+    replica = await Replica(kubeapi, "solo").start()
+    replicas.append(replica)
+
+    def policy() -> dict[str, tuple[str, str, int]]:
+        status = kubeapi.get(f"{GROUP}/v1", "BackendTLSPolicy", "app-tls", "shop").get("status")
+        ancestors = (status or {}).get("ancestors") or [{}]
+        assert len(ancestors) == 1
+        return conditions(ancestors[0])
+
+    await until(lambda: "Accepted" in policy(), "the policy's status")
+    assert policy()["Accepted"] == ("False", "NoValidCACertificate", 1)
+    assert policy()["ResolvedRefs"] == ("False", "InvalidCACertificateRef", 1)
+    kubeapi.create(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "app-ca", "namespace": "shop"},
+            "data": {"ca.crt": LocalCA().pem.decode()},
+        }
+    )
+    await until(lambda: policy()["Accepted"][0] == "True", "the policy accepted")
+    (route,) = [r for r in replica.store.routes() if r.origin == "HTTPRoute shop/app"]
+    assert route.tls is not None and route.tls.destination_server_name == "app.shop.example"
+
+    stream = object()
+    replica.board.report_listeners(
+        stream,
+        "edge/7",
+        [ListenerState("shop/web", 80, "HTTP", 0, "PortUnavailable", "port 80 is in use")],
+    )
+
+    def listener() -> dict[str, tuple[str, str, int]]:
+        gateway = kubeapi.get(f"{GROUP}/v1", "Gateway", "web", "shop")
+        return conditions(gateway["status"]["listeners"][0])
+
+    await until(lambda: listener()["Programmed"][0] == "False", "the report in Kubernetes")
+    assert listener()["Programmed"] == ("False", "PortUnavailable", 1)
+    replica.board.forget_listeners(stream)
+    await until(lambda: listener()["Programmed"][0] == "True", "the report dropped")
