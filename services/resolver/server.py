@@ -39,6 +39,7 @@ import functools
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from datetime import datetime
+from typing import Any
 
 import grpc
 from cryptography import x509
@@ -452,8 +453,11 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
         self._access.check_listener_reporter(peer_identities(context))
         board = self._gateways
         stream = object()
+        reports = aiter(request_iterator)
         try:
-            async for report in request_iterator:
+            # Ended with UNAVAILABLE when draining starts, as ReportTunnels streams are
+            # (the drain sets the one `ending` event): the proxy reports elsewhere.
+            while (report := await self._next_report(reports)) is not None:
                 if len(report.listeners) > MAX_LISTENER_STATES:
                     raise InvalidArgument(
                         f"listeners: at most {MAX_LISTENER_STATES} per report "
@@ -521,7 +525,7 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
             self._tunnels.close(stream)
         return pb.ReportTunnelsResponse(version=self._store.version)
 
-    async def _next_report(self, reports: AsyncIterator[pb.TunnelReport]) -> pb.TunnelReport | None:
+    async def _next_report(self, reports: AsyncIterator[Any]) -> Any:
         """The next report, None at the end of the stream; Unavailable when draining."""
         read = asyncio.ensure_future(anext(reports, None))
         ending = asyncio.ensure_future(self._tunnels.ending.wait())

@@ -112,3 +112,11 @@ def test_a_refusal_repeats_the_peer_identities_only_as_an_excerpt() -> None:
         access.check_route_admin("ApplyRoute", many)
     assert len(str(info.value)) < 600
     assert "characters)" in str(info.value)
+
+
+def test_listener_reports_come_from_route_readers_only() -> None:
+    access = WriteAccess(route_readers=(SA + "proxy",), authenticated=True)
+    access.check_listener_reporter((SA + "proxy",))
+    with pytest.raises(PermissionDenied) as caught:
+        access.check_listener_reporter((SA + "user",))
+    assert "ReportListeners" in str(caught.value) and "--route-readers" in str(caught.value)
