@@ -28,8 +28,9 @@ V1, V2 = "grpc-infra-backend-v1", "grpc-infra-backend-v2"
 class EchoServer:
     """A grpcio server answering GrpcEcho's Echo, EchoTwo and EchoThree with its name."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, certificate: tuple[bytes, bytes] | None = None) -> None:
         self.name = name
+        self.certificate = certificate  # (PEM chain, key): serve TLS (ALPN h2)
         self.server: Any = None
         self.port = 0
 
@@ -46,7 +47,12 @@ class EchoServer:
                 ),
             )
         )
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        if self.certificate is None:
+            self.port = self.server.add_insecure_port("127.0.0.1:0")
+        else:
+            chain, key = self.certificate
+            credentials = grpc.ssl_server_credentials([(key, chain)])
+            self.port = self.server.add_secure_port("127.0.0.1:0", credentials)
         await self.server.start()
         return self
 
@@ -58,15 +64,21 @@ class Suite:
     def __init__(self, conformance: Conformance) -> None:
         self.conformance = conformance
 
-    async def call(self, method: str, metadata: dict[str, str] | None = None) -> str:
-        """The name of the backend that answered, or the status code's name."""
+    async def call(
+        self, method: str, metadata: dict[str, str] | None = None, authority: str = ""
+    ) -> str:
+        """The name of the backend that answered, or the status code's name (with its
+        details when `authority` is given)."""
         address = f"127.0.0.1:{self.conformance.port}"
-        async with grpc.aio.insecure_channel(address) as channel:
+        options = [("grpc.default_authority", authority)] if authority else []
+        async with grpc.aio.insecure_channel(address, options=options) as channel:
             try:
                 reply = await channel.unary_unary(f"/{SERVICE}/{method}")(
                     b"", metadata=tuple((metadata or {}).items()), timeout=10
                 )
             except grpc.aio.AioRpcError as exc:
+                if authority:
+                    return f"{exc.code().name}: {exc.details()}"
                 return str(exc.code().name)
         return bytes(reply).decode()
 
@@ -124,3 +136,73 @@ async def test_header_matching(suite: Suite, metadata: dict[str, str], expected:
     if suite.conformance.applied < 2:
         await suite.conformance.apply("grpcroute-header-matching.yaml")
     assert await suite.call("Echo", metadata) == expected
+
+
+TLS_ROUTE = f"""apiVersion: v1
+kind: Service
+metadata: {{name: grpc-tls, namespace: {INFRA}}}
+spec: {{ports: [{{name: grpcs, port: 443, targetPort: 8443, appProtocol: kubernetes.io/h2c}}]}}
+---
+apiVersion: gateway.networking.k8s.io/v1
+kind: GRPCRoute
+metadata: {{name: grpc-tls, namespace: {INFRA}}}
+spec:
+  parentRefs: [{{name: same-namespace}}]
+  hostnames: [grpc-tls.example.com]
+  rules: [{{backendRefs: [{{name: grpc-tls, port: 443}}]}}]
+---
+apiVersion: gateway.networking.k8s.io/v1
+kind: BackendTLSPolicy
+metadata: {{name: grpc-tls, namespace: {INFRA}}}
+spec:
+  targetRefs: [{{group: "", kind: Service, name: grpc-tls, sectionName: grpcs}}]
+  validation:
+    caCertificateRefs: [{{group: "", kind: ConfigMap, name: grpc-ca}}]
+    hostname: {{hostname}}
+"""
+
+
+async def test_backend_tls_policy_reencrypts_grpc_over_h2(suite: Suite) -> None:
+    """A GRPCRoute whose Service has a BackendTLSPolicy: h2c in, TLS with ALPN h2 out,
+    verified against the ConfigMap's CA for the policy's hostname."""
+    import yaml
+
+    from tests.support.pki import LocalCA
+
+    ca = LocalCA()
+    server = await EchoServer("grpc-tls", ca.issue(dns=["abc.example.com"])).start()
+    try:
+        extras = [
+            TLS_ROUTE.replace("{hostname}", "abc.example.com"),
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "ConfigMap",
+                    "metadata": {"name": "grpc-ca", "namespace": INFRA},
+                    "data": {"ca.crt": ca.pem.decode()},
+                }
+            ),
+            yaml.safe_dump(
+                {
+                    "apiVersion": "discovery.k8s.io/v1",
+                    "kind": "EndpointSlice",
+                    "metadata": {
+                        "name": "grpc-tls-local",
+                        "namespace": INFRA,
+                        "labels": {"kubernetes.io/service-name": "grpc-tls"},
+                    },
+                    "addressType": "IPv4",
+                    "ports": [{"name": "grpcs", "port": server.port, "protocol": "TCP"}],
+                    "endpoints": [{"addresses": ["127.0.0.1"]}],
+                }
+            ),
+        ]
+        await suite.conformance.apply(extra="\n---\n".join(extras))
+        assert await suite.call("Echo", authority="grpc-tls.example.com") == "grpc-tls"
+        # The same backend named for another host: refused, and the reason says why.
+        extras[0] = TLS_ROUTE.replace("{hostname}", "other.example.com")
+        await suite.conformance.apply(extra="\n---\n".join(extras))
+        answer = await suite.call("Echo", authority="grpc-tls.example.com")
+        assert answer.startswith("UNAVAILABLE") and "not other.example.com" in answer, answer
+    finally:
+        await server.stop()
