@@ -166,6 +166,41 @@ def set_session_cache_size(context: ssl.SSLContext, size: int) -> bool:
         return False
 
 
+@functools.cache
+def _set_timeout_function() -> Any:
+    """SSL_CTX_set_timeout from the libssl `_ssl` uses, or None (see `_ssl_ctx_functions`)."""
+    if _ssl_ctx_functions() is None:
+        return None
+    try:
+        function = ctypes.CDLL(ssl._ssl.__file__).SSL_CTX_set_timeout  # type: ignore[attr-defined]
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = (ctypes.c_void_p, ctypes.c_long)
+    function.restype = ctypes.c_long
+    return function
+
+
+def set_session_timeout(context: ssl.SSLContext, seconds: int) -> bool:
+    """SSL_CTX_set_timeout (Python's ssl does not expose it): how long a server context
+    resumes a session (OpenSSL's default is 7,200 s). A resumed handshake checks no
+    certificate, so this bounds how long a peer whose certificate expired or whose CA
+    left the trust bundle can still resume. False where the context cannot be reached
+    (as `set_session_cache_size`)."""
+    functions, set_timeout = _ssl_ctx_functions(), _set_timeout_function()
+    if functions is None or set_timeout is None or not isinstance(context, ssl.SSLContext):
+        return False
+    _ctrl, get_options = functions
+    try:
+        header = ctypes.sizeof(ctypes.c_ssize_t) + ctypes.sizeof(ctypes.c_void_p)
+        ssl_ctx = ctypes.c_void_p.from_address(id(context) + header).value
+        if not ssl_ctx or get_options(ssl_ctx) != int(context.options):
+            return False
+        set_timeout(ssl_ctx, seconds)
+        return True
+    except (OSError, AttributeError, ValueError):
+        return False
+
+
 def load_certificate_chain(context: ssl.SSLContext, held: HeldCertificate) -> None:
     load_pem_chain(context, held.chain_pem(), held.key_pem())
 

@@ -167,6 +167,20 @@ class Settings(ProcessSettings):
         parse=parse_duration,
         check=positive,
     )
+    tunnel_pool_size: int = setting(
+        4,
+        help="warm connections kept open to each tunnel-server replica's data listener, "
+        "TLS done, so a tunnelled connection costs a round trip instead of a handshake; "
+        "0: one new connection per dial",
+        check=lambda v: None if 0 <= v <= 256 else f"must lie between 0 and 256, not {v}",
+    )
+    tunnel_pool_idle: float = setting(
+        30.0,
+        help="how long a warm tunnel connection waits unused before it is closed (and how "
+        "long after the last dial the pool is kept full)",
+        parse=parse_duration,
+        check=positive,
+    )
     access_log_rate: int = setting(
         100,
         help="JSON access-log lines per second at most (the rest are counted in one "
@@ -624,11 +638,23 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     # Endpoints marked `tunnel` are dialled through a tunnel-server replica that
     # holds their node (presence from this same watch).
     from waygate.proxy.upstream import ConnectError
-    from waygate.tunnel.client import ViewPresence, process_client, socket_dialer
-
-    server.dialer.tunnel = socket_dialer(
-        await process_client(process, ViewPresence(watch)), ConnectError
+    from waygate.tunnel.client import (
+        ViewPresence,
+        process_client,
+        socket_dialer,
+        transport_dialer,
     )
+
+    tunnel_client = await process_client(
+        process,
+        ViewPresence(watch),
+        pool_size=settings.tunnel_pool_size,
+        pool_idle=settings.tunnel_pool_idle,
+    )
+    # HTTP/1.1 upstreams take the tunnel's data connection as their transport; the
+    # steps that need a socket (reencrypt, HTTP/2, passthrough) get a spliced one.
+    server.dialer.tunnel = socket_dialer(tunnel_client, ConnectError)
+    server.dialer.tunnel_open = transport_dialer(tunnel_client, ConnectError)
     process.spawn(watch.run(), "resolver-watch")
     reporter = ListenerReporter(
         gateway_listeners, channel.hold, f"{socket.gethostname()}/{os.getpid()}"

@@ -65,6 +65,7 @@ import functools
 import logging
 import random
 import re
+import socket
 from typing import TYPE_CHECKING, Any, Protocol
 
 from opentelemetry import context as otel_context
@@ -567,8 +568,11 @@ class Exchange:
         attempts = 0
         while True:
             attempts += 1
+            upstream_tls = server.upstream_tls
+            reencrypt = upstream_tls is not None and upstream_tls.applies(entry.route)
             try:
-                sock = await server.dialer.connect(
+                # A tunnel endpoint may come back as its data connection (no socket).
+                sock = await (server.dialer.connect if reencrypt else server.dialer.open)(
                     target, options.connect_timeout, self.upstream_traceparent
                 )
             except ConnectError as exc:
@@ -594,8 +598,11 @@ class Exchange:
                 return
             try:
                 factory = functools.partial(UpstreamConnection, server, target)
-                upstream_tls = server.upstream_tls
-                if upstream_tls is not None and upstream_tls.applies(entry.route):
+                if not isinstance(sock, socket.socket):
+                    upstream = factory()
+                    sock.attach(upstream)
+                elif reencrypt:
+                    assert upstream_tls is not None
                     # Reencrypt: a failed handshake is a 502 that says why.
                     upstream = await upstream_tls.open(
                         self.loop,

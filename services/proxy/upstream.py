@@ -17,6 +17,14 @@ W3C traceparent of the request's span, or None when unsampled.
 go through `Dialer.tunnel` (None until the tunnel lands: such a request gets
 502 with the reason); every other endpoint through `Dialer.direct`.
 
+`Dialer.open` is `connect` for callers that can take a transport instead of
+a socket (the HTTP/1.1 upstream step without reencrypt): a tunnel endpoint
+then comes back as the tunnel's data connection itself (`Attachable`:
+`attach(protocol)` makes it that protocol's transport), so the bytes go from
+the client's connection to the tunnel server's in one relay, with no
+socketpair in between. Callers that need a socket (reencrypt TLS, HTTP/2,
+passthrough, mirrors) keep `connect`.
+
 The connections themselves, and the pool of idle ones, are in `pool.py`.
 """
 
@@ -45,6 +53,19 @@ class Connect(Protocol):
     def __call__(
         self, target: Target, timeout: float, trace_context: str | None
     ) -> Awaitable[socket.socket]: ...
+
+
+class Attachable(Protocol):
+    """A connection the connect step holds as a transport already (see the docstring)."""
+
+    def attach(self, protocol: asyncio.BaseProtocol) -> None: ...
+    def close(self) -> None: ...
+
+
+class OpenConnect(Protocol):
+    def __call__(
+        self, target: Target, timeout: float, trace_context: str | None
+    ) -> Awaitable[socket.socket | Attachable]: ...
 
 
 async def tcp_connect(target: Target, timeout: float, trace_context: str | None) -> socket.socket:
@@ -83,9 +104,23 @@ async def tcp_connect(target: Target, timeout: float, trace_context: str | None)
 class Dialer:
     """Direct connects, or the tunnel dialer for endpoints marked `tunnel`."""
 
-    def __init__(self, direct: Connect = tcp_connect, tunnel: Connect | None = None) -> None:
+    def __init__(
+        self,
+        direct: Connect = tcp_connect,
+        tunnel: Connect | None = None,
+        tunnel_open: OpenConnect | None = None,
+    ) -> None:
         self.direct = direct
         self.tunnel = tunnel
+        self.tunnel_open = tunnel_open  # a tunnel step that may return a transport
+
+    async def open(
+        self, target: Target, timeout: float, trace_context: str | None
+    ) -> socket.socket | Attachable:
+        """`connect`, but a tunnel endpoint may come back as a transport (`Attachable`)."""
+        if target.tunnel and self.tunnel_open is not None:
+            return await self.tunnel_open(target, timeout, trace_context)
+        return await self.connect(target, timeout, trace_context)
 
     async def connect(
         self, target: Target, timeout: float, trace_context: str | None

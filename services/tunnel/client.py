@@ -25,17 +25,25 @@
   raw data path (a reset of the data connection), and `wait_closed` returns the
   final status.
   A clean end is: both sides half-close (`write_eof`, then `read` returns b"").
-- `socket_dialer` adapts the client to the proxy's upstream-connect step: it
-  returns one end of a socketpair whose other end is bridged to the stream
-  (`SocketBridge`, one task each way per connection, bounded buffers);
-  `process_client` builds a client with a ServiceProcess's TLS, renewed with
-  its certificate.
+- Warm pool (`pool_size` > 0, the proxy): per replica data listener a
+  bounded `DialPool` of connections whose TLS handshake and greeting are
+  done, so a dial costs its preamble round trip; refilled in the background
+  while dials come, expired after `pool_idle`; refills resume the last TLS
+  session (`relay.open_link`). One-shot dialers (`waygate tunnel dial`) keep 0.
+- `transport_dialer` is the proxy's upstream step for callers that take a
+  transport: a raw dial comes back as its data connection (`relay.Link`),
+  which the proxy's upstream protocol uses directly. `socket_dialer`, for
+  callers that need a socket, returns one end of a socketpair whose other end
+  is spliced to the data connection (or bridged to a Tunnel.Dial stream,
+  `SocketBridge`, one task each way, bounded buffers); `process_client`
+  builds a client with a ServiceProcess's TLS, renewed with its certificate.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import random
 import select
@@ -51,6 +59,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from waygate.core import tracing
+from waygate.core.backoff import Backoff
 from waygate.core.grpcclient import KEEPALIVE_OPTIONS
 from waygate.tunnel import mux
 from waygate.tunnel.mux import MAX_CHUNK, join_queued
@@ -199,6 +208,95 @@ class DataStream:
         self.link.abort()
 
 
+# At most this many warm pools (one per replica data listener a dialer uses).
+MAX_POOLS = 64
+
+
+class DialPool:
+    """Warm raw-dial connections to one replica's data listener: TLS done, greeting read.
+
+    A dial takes one and sends only its preamble line (a round trip, not a TLS
+    handshake). Bounded: at most `client.pool_size` wait, each closed after
+    `client.pool_idle` seconds. One background task refills it after a take,
+    and only while the pool is in use (a dial within the last `pool_idle`):
+    a dialer that stopped dialling keeps no connections and makes no
+    handshakes. Every connection in it was opened with `context`; after a
+    renewal the client replaces the whole pool (`TunnelClient._pool`), so new
+    dials present the renewed certificate and open ones keep theirs.
+    """
+
+    def __init__(
+        self,
+        client: TunnelClient,
+        address: str,
+        where: tuple[str, int],
+        context: ssl.SSLContext | None,
+    ) -> None:
+        self.client = client
+        self.address = address
+        self.where = where
+        self.context = context
+        self.idle: collections.deque[tuple[Link, str, float]] = collections.deque()
+        self.used_at = time.monotonic()
+        self.closed = False
+        self._wanted = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+
+    def take(self) -> tuple[Link, str] | None:
+        """An idle connection (link, server id) or None; either way the pool refills."""
+        now = self.used_at = time.monotonic()
+        idle, limit = self.idle, self.client.pool_idle
+        found: tuple[Link, str] | None = None
+        while idle:
+            link, server_id, opened = idle.popleft()
+            if not link.is_closing() and now - opened < limit:
+                found = (link, server_id)
+                break
+            link.abort()
+        if self.task is None and not self.closed:
+            self.task = asyncio.ensure_future(self._fill())
+        self._wanted.set()
+        return found
+
+    async def _fill(self) -> None:
+        client, idle = self.client, self.idle
+        backoff = Backoff(initial=0.2, maximum=10.0)
+        while not self.closed:
+            now = time.monotonic()
+            while idle and (idle[0][0].is_closing() or now - idle[0][2] >= client.pool_idle):
+                idle.popleft()[0].abort()
+            in_use = now - self.used_at < client.pool_idle
+            if not in_use or len(idle) >= client.pool_size:
+                self._wanted.clear()
+                wait = client.pool_idle
+                if idle:
+                    wait = max(0.05, idle[0][2] + client.pool_idle - now)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wanted.wait(), wait)
+                continue
+            try:
+                link, server_id = await client._greeted_link(
+                    self.address, self.where, self.context, client.dial_timeout
+                )
+            except DialFailed as failed:
+                log.debug("cannot open a warm dial connection", extra={"error": str(failed)})
+                await asyncio.sleep(backoff.next_delay())
+                continue
+            backoff.reset()
+            if self.closed:
+                link.abort()
+                return
+            idle.append((link, server_id, time.monotonic()))
+
+    def close(self) -> None:
+        """Close every idle connection and stop refilling (open dials are not affected)."""
+        self.closed = True
+        if self.task is not None:
+            self.task.cancel()
+        while self.idle:
+            self.idle.popleft()[0].abort()
+
+
 # How long a replica's Describe answer (where its data listener is) is trusted.
 DESCRIBE_TTL = 60.0
 
@@ -213,6 +311,8 @@ class TunnelClient:
         dial_timeout: float = 10.0,
         ssl_context: Callable[[], ssl.SSLContext | None] | None = None,
         data_path: bool = True,
+        pool_size: int = 0,
+        pool_idle: float = 30.0,
     ) -> None:
         self._presence = presence
         self._credentials = credentials
@@ -224,6 +324,15 @@ class TunnelClient:
         self._ssl_context = ssl_context
         self.data_path = data_path and (ssl_context is not None or credentials() is None)
         self._described: dict[str, tuple[float, tuple[str, int] | None]] = {}
+        # Warm raw-dial connections per data listener (`DialPool`): `pool_size` each,
+        # kept `pool_idle` seconds; 0 turns pooling off (a one-shot dialer).
+        if not 0 <= pool_size <= 256:
+            raise ValueError(f"pool_size must lie between 0 and 256, not {pool_size}")
+        if pool_idle <= 0:
+            raise ValueError(f"pool_idle must be positive, not {pool_idle}")
+        self.pool_size = pool_size
+        self.pool_idle = pool_idle
+        self._pools: dict[tuple[str, int], DialPool] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._streams: dict[grpc.aio.Channel, int] = {}  # open Dial calls per channel
         self._retired: set[grpc.aio.Channel] = set()  # replaced, closed at their last stream
@@ -256,6 +365,10 @@ class TunnelClient:
         if addresses is None:
             return
         known = addresses()
+        for where, pool in list(self._pools.items()):
+            if pool.address not in known:
+                del self._pools[where]
+                pool.close()
         for address, channel in list(self._channels.items()):
             if address not in known and not self._streams.get(channel):
                 del self._channels[address]
@@ -380,16 +493,12 @@ class TunnelClient:
         self._described[address] = (now, where)
         return where
 
-    async def _dial_raw(
-        self,
-        address: str,
-        where: tuple[str, int],
-        target: pb.DialTarget,
-        traceparent: str,
-        timeout: float,
-    ) -> DataStream:
+    async def _greeted_link(
+        self, address: str, where: tuple[str, int], context: ssl.SSLContext | None, timeout: float
+    ) -> tuple[Link, str]:
+        """A new connection to the data listener at `where`, its greeting read (the
+        replica accepted our certificate): (link, the replica's server id)."""
         host, port = where
-        context = self._ssl_context() if self._ssl_context is not None else None
         try:
             link = await open_link(
                 host,
@@ -404,12 +513,49 @@ class TunnelClient:
                 f"tunnel server {address}: data listener {host}:{port}: {exc}", retryable=True
             ) from None
         try:
-            # The replica answers a dial within timeout + 1 s (TIMEOUT); a little more here.
-            async with asyncio.timeout(timeout + 3.0):
-                greeting = (await link.read_line(timeout)).decode("utf-8", "replace").split(" ")
-                if len(greeting) != 2 or greeting[0] != "WAYGATE":
-                    raise LinkClosed("not a tunnel data listener")
-                link.write_line(
+            greeting = (await link.read_line(timeout)).decode("utf-8", "replace").split(" ")
+            if len(greeting) != 2 or greeting[0] != "WAYGATE":
+                raise LinkClosed("not a tunnel data listener")
+        except (LinkClosed, TimeoutError) as exc:
+            link.abort()
+            raise DialFailed(f"tunnel server {address}: {exc}", retryable=True) from None
+        except BaseException:
+            link.abort()
+            raise
+        return link, greeting[1]
+
+    def _pool(
+        self, address: str, where: tuple[str, int], context: ssl.SSLContext | None
+    ) -> DialPool | None:
+        """The warm pool for the data listener at `where` (None: pooling is off). A pool
+        opened with another TLS context (before a renewal) is closed and replaced."""
+        if self.pool_size <= 0:
+            return None
+        pool = self._pools.get(where)
+        if pool is not None and pool.context is not context:
+            pool.close()
+            pool = None
+        if pool is None:
+            if len(self._pools) >= MAX_POOLS:
+                oldest = min(self._pools, key=lambda key: self._pools[key].used_at)
+                self._pools.pop(oldest).close()
+            pool = self._pools[where] = DialPool(self, address, where, context)
+        return pool
+
+    async def _dial_raw(
+        self,
+        address: str,
+        where: tuple[str, int],
+        target: pb.DialTarget,
+        traceparent: str,
+        timeout: float,
+    ) -> DataStream:
+        context = self._ssl_context() if self._ssl_context is not None else None
+        pool = self._pool(address, where, context)
+        pooled = pool.take() if pool is not None else None
+        preamble = (
+            " ".join(
+                (
                     "DIAL",
                     target.node,
                     target.host or "-",
@@ -417,22 +563,36 @@ class TunnelClient:
                     str(int(timeout * 1000)),
                     traceparent or "-",
                 )
+            ).encode("utf-8", "replace")
+            + b"\n"
+        )
+        while True:
+            link, _server_id = pooled or await self._greeted_link(address, where, context, timeout)
+            try:
+                # The replica answers a dial within timeout + 1 s (TIMEOUT); a little more here.
+                link.write(preamble)
                 answer = (await link.read_line(timeout + 3.0)).decode("utf-8", "replace")
-        except TimeoutError:
-            link.abort()
-            # No answer: the replica itself is stuck (the agent's own timeout would
-            # have been answered); another replica may serve.
-            raise DialFailed(
-                f"tunnel server {address} did not answer within {timeout:g}s",
-                pb.TIMEOUT,
-                retryable=True,
-            ) from None
-        except LinkClosed as exc:
-            link.abort()
-            raise DialFailed(f"tunnel server {address}: {exc}", retryable=True) from None
-        except BaseException:
-            link.abort()
-            raise
+            except TimeoutError:
+                link.abort()
+                # No answer: the replica itself is stuck (the agent's own timeout would
+                # have been answered); another replica may serve.
+                raise DialFailed(
+                    f"tunnel server {address} did not answer within {timeout:g}s",
+                    pb.TIMEOUT,
+                    retryable=True,
+                ) from None
+            except LinkClosed as exc:
+                link.abort()
+                if pooled is not None:
+                    # A pooled connection the replica (or a middlebox) dropped while it
+                    # waited: nothing was dialled on it; once more on a new one.
+                    pooled = None
+                    continue
+                raise DialFailed(f"tunnel server {address}: {exc}", retryable=True) from None
+            except BaseException:
+                link.abort()
+                raise
+            break
         verb, _, rest = answer.partition(" ")
         if verb == "OK":
             server_id, _agent_id, connect_id = [*rest.split(" "), "", "", "0"][:3]
@@ -504,6 +664,10 @@ class TunnelClient:
         return TunnelStream(call, frame.accepted.server_id, frame.accepted.connect_id)
 
     async def close(self) -> None:
+        pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            pool.close()
+        await asyncio.gather(*(pool.task for pool in pools if pool.task), return_exceptions=True)
         channels = [*self._channels.values(), *self._retired]
         self._channels, self._retired = {}, set()
         for channel in channels:
@@ -753,8 +917,38 @@ def socket_dialer(client: TunnelClient, error: Callable[..., Exception]) -> Call
     return connect
 
 
+def transport_dialer(client: TunnelClient, error: Callable[..., Exception]) -> Callable[..., Any]:
+    """`socket_dialer` for callers that take a transport (waygate.proxy.upstream.Dialer.open):
+    a raw dial's data connection comes back as itself (`relay.Link`, not yet attached:
+    bytes the destination sent first are held for the protocol `attach` hands it to), so
+    the proxy's upstream protocol reads and writes the data connection directly. A dial
+    carried on Tunnel.Dial (a replica without a data listener) still gets a socket."""
+
+    async def connect(target: Any, timeout: float, trace_context: str | None) -> Any:
+        try:
+            stream = await client.dial(
+                target.node,
+                target.port,
+                target.address,
+                timeout=timeout,
+                trace_context=trace_context,
+            )
+        except DialFailed as failed:
+            raise error(str(failed), "tunnel", retryable=failed.retryable) from None
+        if isinstance(stream, DataStream):
+            return stream.link
+        return await bridged_socket(stream)
+
+    return connect
+
+
 async def process_client(
-    process: Any, presence: Any, *, server_name: str | None = None
+    process: Any,
+    presence: Any,
+    *,
+    server_name: str | None = None,
+    pool_size: int = 0,
+    pool_idle: float = 30.0,
 ) -> TunnelClient:
     """A TunnelClient with a ServiceProcess's TLS: its certificate from certs (channels
     renewed after each rotation), static tls_* files, or plaintext. Closed at stop."""
@@ -797,7 +991,12 @@ async def process_client(
             return None
 
     client = TunnelClient(
-        presence, credentials=credentials, server_name=server_name, ssl_context=context
+        presence,
+        credentials=credentials,
+        server_name=server_name,
+        ssl_context=context,
+        pool_size=pool_size,
+        pool_idle=pool_idle,
     )
     if certificates is not None:
         for subscribe in (certificates.rotator.subscribe, certificates.trust.subscribe):

@@ -43,10 +43,10 @@ from opentelemetry.trace import SpanKind
 
 from waygate.core import errors, tracing
 from waygate.core.identity import matches
-from waygate.core.tls import set_session_cache_size
+from waygate.core.tls import set_session_cache_size, set_session_timeout
 from waygate.tunnel import mux, peers
 from waygate.tunnel.mux import ConnectionClosed, Refused
-from waygate.tunnel.relay import Link, LinkClosed, Stream
+from waygate.tunnel.relay import SESSION_TIMEOUT, Link, LinkClosed, Stream
 from waygate.tunnel.server import _CLOSED, _EOF, _LOST, DataConnection, Hub, ServerConnection
 from waygate.tunnel.v1 import tunnel_pb2 as pb
 
@@ -81,6 +81,11 @@ class DataListener:
             # after 10,000 dials). Resumption is rare here: dialers and agents each
             # hold their own connections.
             set_session_cache_size(context, SESSION_CACHE)
+            # Dialers and agents resume their sessions for pool refills (relay.open_link):
+            # a resumed handshake checks no certificate, so bound how long a session
+            # lives (OpenSSL's default is two hours); one ticket per handshake is enough.
+            set_session_timeout(context, SESSION_TIMEOUT)
+            context.num_tickets = 1
         self._dialers = dialers
         self._check_dialers = check_dialers and context is not None
         self.idle_timeout = idle_timeout
@@ -121,8 +126,13 @@ class DataListener:
         try:
             async with asyncio.timeout(HANDSHAKE_TIMEOUT):
                 await link.established
+            der = link.get_extra_info("peercert_der")
+            if self._context is not None and link.resumed and not peers.current(der):
+                # A resumed session checks no certificate: not past its certificate's end.
+                link.abort()
+                return
             link.write_line("WAYGATE", self.hub.server_id)
-            uris, dns_names = peers.certificate_names(link.get_extra_info("peercert_der"))
+            uris, dns_names = peers.certificate_names(der)
             who = uris[0] if uris else dns_names[0] if dns_names else "?"
             if self._idle[who] >= self.max_idle_per_peer:
                 link.write_line("REFUSED", "INVALID", "too many idle data connections")

@@ -21,6 +21,8 @@ both ask `agent_node`.
 
 from __future__ import annotations
 
+import datetime
+
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
@@ -51,6 +53,19 @@ def certificate_names(der_or_pem: bytes | None) -> tuple[list[str], list[str]]:
         list(names.get_values_for_type(x509.UniformResourceIdentifier)),
         list(names.get_values_for_type(x509.DNSName)),
     )
+
+
+def current(der_or_pem: bytes | None, now: datetime.datetime | None = None) -> bool:
+    """True when the certificate is within its validity period. A resumed TLS session
+    checks no certificate (and OpenSSL gives each resumption a fresh session lifetime),
+    so the data listener asks this of every connection: a session outlives neither
+    its certificate nor, with short-lived certificates, a CA taken out of the bundle
+    for long."""
+    certificate = load(der_or_pem)
+    if certificate is None:
+        return False
+    now = now or datetime.datetime.now(datetime.UTC)
+    return certificate.not_valid_before_utc <= now <= certificate.not_valid_after_utc
 
 
 def serves(certificate: x509.Certificate) -> bool:

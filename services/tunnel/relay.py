@@ -43,6 +43,8 @@ import select
 import socket
 import ssl
 import struct
+import time
+import weakref
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -55,6 +57,15 @@ _RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
 # `_read_plain` copies what it read out before it returns and never runs re-entrantly
 # (it runs from a socket callback only; the bytes it hands on are copies).
 _PLAIN = bytearray(_READ_SIZE)
+# TLS sessions clients resume (`open_link`): per client context, per server; at most
+# `_SESSIONS_PER_CONTEXT` each. A session is offered for `RESUME_WITHIN` seconds (the
+# data listener resumes for `SESSION_TIMEOUT`, a little longer).
+_SESSIONS: weakref.WeakKeyDictionary[ssl.SSLContext, dict[Any, ssl.SSLSession]] = (
+    weakref.WeakKeyDictionary()
+)
+_SESSIONS_PER_CONTEXT = 256
+RESUME_WITHIN = 240.0
+SESSION_TIMEOUT = 300
 
 
 class LinkClosed(ConnectionError):
@@ -103,9 +114,15 @@ class Link(asyncio.Protocol, asyncio.Transport):
         *,
         server_side: bool,
         server_hostname: str | None = None,
+        session: ssl.SSLSession | None = None,
+        remember: tuple[dict[Any, ssl.SSLSession], Any] | None = None,
     ) -> None:
         super().__init__()
         self._context = context
+        # Client side: the session to resume, and where to keep this connection's
+        # session once the server's ticket arrived (`open_link`).
+        self._session = session
+        self._remember = remember
         self._server_side = server_side
         self._server_hostname = server_hostname
         self.raw: Any = None
@@ -133,7 +150,9 @@ class Link(asyncio.Protocol, asyncio.Transport):
             self._out,
             server_side=self._server_side,
             server_hostname=self._server_hostname,
+            session=self._session,
         )
+        self._session = None
         self._handshake()
 
     def _handshake(self) -> None:
@@ -194,14 +213,33 @@ class Link(asyncio.Protocol, asyncio.Transport):
             view.release()
         if self._out.pending:
             self._flush()  # post-handshake messages (tickets, key updates)
+        if self._remember is not None:
+            self._keep_session(tls)
         if filled:
             self.protocol.data_received(bytes(buffer[:filled]))  # type: ignore[attr-defined]
         if eof and not self.eof_in:
             self._peer_eof()
 
+    def _keep_session(self, tls: ssl.SSLObject) -> None:
+        """Keep this connection's session for the next `open_link` to the same server,
+        once it can be resumed (TLS 1.3: after the server's ticket, read with the
+        first bytes after the handshake)."""
+        session = tls.session
+        if session is None or not session.has_ticket:
+            return
+        sessions, key = cast(tuple[dict[Any, ssl.SSLSession], Any], self._remember)
+        self._remember = None
+        if len(sessions) >= _SESSIONS_PER_CONTEXT and key not in sessions:
+            sessions.clear()  # bounded; a full handshake refills it
+        sessions[key] = session
+
     def _peer_eof(self) -> None:
         self.eof_in = True
-        self.protocol.eof_received()  # type: ignore[attr-defined]
+        if not self.protocol.eof_received():  # type: ignore[attr-defined]
+            # As asyncio's transports: a protocol that does not keep the connection
+            # half-open (the proxy's upstream protocol) has it closed.
+            self.close()
+            return
         self._close_if_done()
 
     def eof_received(self) -> bool:
@@ -377,6 +415,11 @@ class Link(asyncio.Protocol, asyncio.Transport):
     def get_write_buffer_limits(self) -> tuple[int, int]:
         return self.raw.get_write_buffer_limits() if self.raw is not None else (0, 0)  # type: ignore[no-any-return]
 
+    @property
+    def resumed(self) -> bool:
+        """Whether the TLS handshake resumed an earlier session (no certificate checked)."""
+        return self._ssl is not None and self._ssl.session_reused
+
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         if name == "ssl_object":
             return self._ssl
@@ -399,9 +442,32 @@ async def open_link(
     timeout: float,
 ) -> Link:
     """A client link, TLS established (the server has not necessarily accepted our certificate
-    yet under TLS 1.3: the caller reads the server's first line for that)."""
+    yet under TLS 1.3: the caller reads the server's first line for that).
+
+    Under TLS the last session with the same server and `context` is resumed when
+    it is younger than `RESUME_WITHIN` (no certificates signed or checked: a
+    third of a full handshake's CPU, which every pool refill pays). Sessions are
+    kept per context, so a renewed certificate (a new context) always makes a
+    full handshake, and the connection presents the new certificate."""
     loop = asyncio.get_running_loop()
-    link = Link(context, server_side=False, server_hostname=server_hostname)
+    session: ssl.SSLSession | None = None
+    remember: tuple[dict[Any, ssl.SSLSession], Any] | None = None
+    if context is not None:
+        sessions = _SESSIONS.get(context)
+        if sessions is None:
+            sessions = _SESSIONS[context] = {}
+        key = (host, port, server_hostname)
+        remember = (sessions, key)
+        held = sessions.get(key)
+        if held is not None and time.time() - held.time < RESUME_WITHIN:
+            session = held
+    link = Link(
+        context,
+        server_side=False,
+        server_hostname=server_hostname,
+        session=session,
+        remember=remember,
+    )
     try:
         async with asyncio.timeout(timeout):
             await loop.create_connection(lambda: link, host, port)

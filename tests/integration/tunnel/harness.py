@@ -155,17 +155,25 @@ class Tunnel:
         await asyncio.gather(task, return_exceptions=True)
 
     def client(
-        self, files: IdentityFiles | None = None, *, data_path: bool | None = None
+        self,
+        files: IdentityFiles | None = None,
+        *,
+        data_path: bool | None = None,
+        pool_size: int = 0,
+        pool_idle: float = 30.0,
     ) -> TunnelClient:
         """A dial client; raw dials on the data listener when the tunnel has one (or
-        `data_path` says so), else Tunnel.Dial streams."""
+        `data_path` says so), else Tunnel.Dial streams; `pool_size` warm connections."""
         identity = files or self.dialer_files
+        context = ssl_context(identity)  # one context: what a process's client keeps
         client = TunnelClient(
             StaticPresence([f"127.0.0.1:{self.dial_port}"]),
             credentials=lambda: credentials(identity),
             server_name="tunnel-server",
-            ssl_context=lambda: ssl_context(identity),
+            ssl_context=lambda: context,
             data_path=self.data_path if data_path is None else data_path,
+            pool_size=pool_size,
+            pool_idle=pool_idle,
         )
         self.clients.append(client)
         return client
