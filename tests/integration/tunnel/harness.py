@@ -138,10 +138,15 @@ class Tunnel:
         if wait:
             await until(lambda: NODE in self.hub.sessions, "the agent's stream")
             if self.data_path:  # a full pool: what a test counts as its baseline stays put
+                # Not vacuous: the server registers the stream before the agent has
+                # read its SERVER_INFO and added it to `streams`.
                 await until(
-                    lambda: all(
-                        s.pool is not None and len(s.pool.idle) >= agent.pool_size
-                        for s in agent.streams.values()
+                    lambda: (
+                        bool(agent.streams)
+                        and all(
+                            s.pool is not None and len(s.pool.idle) >= agent.pool_size
+                            for s in agent.streams.values()
+                        )
                     ),
                     "the agent's pool of data connections",
                 )
