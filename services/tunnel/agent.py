@@ -12,8 +12,10 @@
   caller's task reads packets and dispatches them.
 - `AgentConnection`: one dialled TCP connection, an asyncio Protocol (no
   task per connection or per chunk): it sends only while it holds credit and
-  pauses reading when it runs out; it grants the server more once bytes are
-  written and the socket's buffer is below its high-water mark.
+  pauses reading when it runs out (`waygate.core.flow`, the one flow-control
+  helper); it grants the server more (`mux.ReceiveWindow`, the bookkeeping the
+  server keeps too) once bytes are written and the socket's buffer is below
+  its high-water mark.
 
 Dials are checked against the allow-list (`waygate.tunnel.allow`) after
 resolution; a refused destination answers DIAL_RSP with NOT_ALLOWED.
@@ -40,10 +42,11 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from waygate.core import tracing
 from waygate.core.backoff import Backoff
+from waygate.core.flow import FlowControl
 from waygate.core.grpcclient import KEEPALIVE_OPTIONS
 from waygate.tunnel import mux
 from waygate.tunnel.allow import AllowList
-from waygate.tunnel.mux import GRANT_SHIFT, MAX_CHUNK, Outbox
+from waygate.tunnel.mux import MAX_CHUNK, Outbox, ReceiveWindow
 from waygate.tunnel.relay import Link, LinkClosed, Pending, open_link, splice, split_address
 from waygate.tunnel.v1 import tunnel_pb2 as pb
 from waygate.tunnel.v1 import tunnel_pb2_grpc
@@ -51,6 +54,9 @@ from waygate.tunnel.v1 import tunnel_pb2_grpc
 log = logging.getLogger(__name__)
 
 _STREAM_END = pb.Packet()
+# Why a destination socket's reading is paused (a `FlowControl` reason of its own):
+# bytes read wait for the dial's answer or for the server's credit.
+_HELD = 32
 _HALF_CLOSE = pb.Packet()  # everything before it written: half-close the stream
 
 
@@ -71,30 +77,39 @@ class AgentConnection(asyncio.Protocol):
     ) -> None:
         self.stream = stream
         self.connect_id = connect_id
-        self.window = recv_window  # what the server may send us before a grant
+        self.receive = ReceiveWindow(recv_window)  # what the server may send before a grant
         self.credit = send_window  # what we may still send the server
-        self.unacked = 0
-        self.owed = 0
         self.pending: bytes | None = None  # read, waiting for the start or for credit
         self.started = False  # DIAL_RSP is queued: DATA may follow
         self.eof_pending = False
         self.local_eof = False  # the destination half-closed
         self.remote_eof = False  # the dialer half-closed
-        self.write_paused = False
         self.closed_by_server = False
         self.transport: asyncio.Transport | None = None
+        # Reading pauses while bytes are held (`_HELD`); the socket's write buffer
+        # above its high-water mark holds back the server's credit (`write_paused`).
+        self.flow: FlowControl | None = None
 
     # ----------------------------------------------------- destination side
 
     def connection_made(self, transport: Any) -> None:
         # uvloop's transports are not asyncio.Transport subclasses: no isinstance check.
         self.transport = transport
-        transport.set_write_buffer_limits(high=self.window >> 1)
+        transport.set_write_buffer_limits(high=self.receive.window >> 1)
         # Nothing goes to the server before DIAL_RSP is queued (`start`): DATA must
         # never reach it ahead of the connection's id. Asking the loop to pause is
         # not enough (uvloop starts reading after connection_made), so bytes that
         # arrive early are held in `pending` and reading pauses after one read.
-        transport.pause_reading()
+        self.flow = FlowControl(transport)
+        self._hold()
+
+    def _hold(self) -> None:
+        """Stop reading the destination while bytes wait (for the start or for credit)."""
+        assert self.flow is not None
+        self.flow.pause(_HELD)
+        # Again even when already held: uvloop may have started reading after
+        # connection_made, whatever was asked there.
+        self.flow.transport.pause_reading()
 
     def start(self) -> None:
         self.started = True
@@ -103,8 +118,7 @@ class AgentConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.pending is not None or not self.started:
             self.pending = data if self.pending is None else self.pending + data
-            assert self.transport is not None
-            self.transport.pause_reading()
+            self._hold()
             return
         size = len(data)
         if size <= self.credit and size <= MAX_CHUNK:
@@ -118,8 +132,7 @@ class AgentConnection(asyncio.Protocol):
         if credit <= 0:
             # Nothing can go: hold the chunk as it is (no copy) until credit comes.
             self.pending = data
-            assert self.transport is not None
-            self.transport.pause_reading()
+            self._hold()
             return
         view = memoryview(data)
         send, connect_id = self.stream.send_data, self.connect_id
@@ -131,8 +144,7 @@ class AgentConnection(asyncio.Protocol):
         self.credit = credit
         if view:
             self.pending = bytes(view)
-            assert self.transport is not None
-            self.transport.pause_reading()
+            self._hold()
 
     def _flush(self) -> None:
         """Send what waited (for the start or for credit); then read again, or pass on EOF."""
@@ -146,8 +158,8 @@ class AgentConnection(asyncio.Protocol):
             self.eof_pending = False
             self.stream.send_eof(self.connect_id)
             self._close_if_done()
-        elif self.transport is not None and not self.transport.is_closing():
-            self.transport.resume_reading()
+        elif self.flow is not None:
+            self.flow.resume(_HELD)  # never resumes a closing transport
 
     def eof_received(self) -> bool:
         self.local_eof = True
@@ -159,12 +171,15 @@ class AgentConnection(asyncio.Protocol):
         return True  # keep the write side open: TCP half-close
 
     def pause_writing(self) -> None:
-        self.write_paused = True
+        if self.flow is not None:
+            self.flow.pause_writing()
 
     def resume_writing(self) -> None:
-        self.write_paused = False
-        if self.owed:
-            self._grant()
+        if self.flow is not None:
+            self.flow.resume_writing()
+        grant = self.receive.owed_now()
+        if grant:
+            self.stream.send(mux.window_update(self.connect_id, grant))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.stream.connections.pop(self.connect_id, None)
@@ -185,27 +200,23 @@ class AgentConnection(asyncio.Protocol):
         payload = data.data
         if payload:
             size = len(payload)
-            self.unacked += size
-            if self.unacked > self.window:
+            if not self.receive.received(size):
                 self.closed_by_server = True
                 self.stream.send(mux.close_request(self.connect_id, "flow control window exceeded"))
                 transport.abort()
                 return
             transport.write(payload)
-            self.owed += size
-            if not self.write_paused and self.owed >= self.window >> GRANT_SHIFT:
-                self._grant()
+            # Granted once written and the socket's buffer is below its high-water mark.
+            flow = self.flow
+            assert flow is not None  # set with the transport
+            grant = self.receive.consumed(size, hold=flow.write_paused)
+            if grant:
+                self.stream.send(mux.window_update(self.connect_id, grant))
         if data.eof:
             self.remote_eof = True
             if transport.can_write_eof():
                 transport.write_eof()
             self._close_if_done()
-
-    def _grant(self) -> None:
-        owed = self.owed
-        self.unacked -= owed
-        self.owed = 0
-        self.stream.send(mux.window_update(self.connect_id, owed))
 
     def on_window_update(self, increment: int) -> None:
         self.credit += increment

@@ -95,6 +95,50 @@ class Credit:
             waiter.set_result(None)
 
 
+class ReceiveWindow:
+    """What one side of a connection may still receive, and the credit it owes back.
+
+    The one bookkeeping both ends keep per connection (the server's
+    `ServerConnection`, the agent's `AgentConnection`): `received` counts
+    bytes in and says whether the peer stayed within the `window` it was
+    given; `consumed` counts bytes handed on and returns the credit to grant
+    now: nothing until half a window (`GRANT_SHIFT`) is owed, then all of it
+    at once, so a WINDOW_UPDATE goes out per half window, not per chunk.
+    `hold` (the agent, while the destination socket's buffer is above its
+    high-water mark) keeps owing; `owed_now` grants what is owed once it may.
+    """
+
+    __slots__ = ("_threshold", "owed", "unacked", "window")
+
+    def __init__(self, window: int) -> None:
+        self.window = window  # bytes the peer may send before a grant
+        self._threshold = window >> GRANT_SHIFT
+        self.unacked = 0  # received and not yet granted back
+        self.owed = 0  # handed on and not yet granted back
+
+    def received(self, size: int) -> bool:
+        """`size` bytes arrived; False when the peer sent beyond its window."""
+        self.unacked += size
+        return self.unacked <= self.window
+
+    def consumed(self, size: int, *, hold: bool = False) -> int:
+        """`size` bytes were handed on; the increment to grant now (0: none yet)."""
+        owed = self.owed + size
+        if hold or owed < self._threshold:
+            self.owed = owed
+            return 0
+        self.unacked -= owed
+        self.owed = 0
+        return owed
+
+    def owed_now(self) -> int:
+        """Everything owed, to grant now whatever its size (0: nothing)."""
+        owed = self.owed
+        self.unacked -= owed
+        self.owed = 0
+        return owed
+
+
 def join_queued(first: bytes, queued: collections.deque[Any]) -> bytes:
     """`first` and the bytes queued right behind it, joined up to `MAX_CHUNK`.
 

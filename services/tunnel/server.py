@@ -41,11 +41,11 @@ from waygate.core import errors, tracing
 from waygate.core.identity import matches
 from waygate.tunnel import mux, peers
 from waygate.tunnel.mux import (
-    GRANT_SHIFT,
     MAX_CHUNK,
     ConnectionClosed,
     Credit,
     Outbox,
+    ReceiveWindow,
     Refused,
 )
 from waygate.tunnel.relay import Link, LinkClosed, Stream, splice
@@ -79,23 +79,20 @@ class ServerConnection:
         "close_reason",
         "connect_id",
         "finished",
-        "owed",
+        "receive",
         "send_credit",
         "session",
         "to_dialer",
-        "unacked",
-        "window",
     )
 
     def __init__(self, session: AgentSession, connect_id: int, send_window: int) -> None:
         self.connect_id = connect_id
         self.session = session
-        self.window = session.hub.window  # bytes the agent may send us before a grant
+        window = session.hub.window  # bytes the agent may send us before a grant
+        self.receive = ReceiveWindow(window)
         # Bytes we may still send to the agent: its window, never more than ours
         # (what we queue for a slow agent is bounded by our own setting).
-        self.send_credit = Credit(send_window, self.window)
-        self.unacked = 0  # received and not yet granted back
-        self.owed = 0  # delivered to the dialer and not yet granted back
+        self.send_credit = Credit(send_window, window)
         self.to_dialer: collections.deque[Any] = collections.deque()
         self._ready: asyncio.Future[None] | None = None
         self.finished = False
@@ -106,8 +103,7 @@ class ServerConnection:
     def on_data(self, data: pb.Data) -> None:
         payload = data.data
         if payload:
-            self.unacked += len(payload)
-            if self.unacked > self.window:
+            if not self.receive.received(len(payload)):
                 self.session.send(
                     mux.close_request(self.connect_id, "flow control window exceeded")
                 )
@@ -139,13 +135,9 @@ class ServerConnection:
 
     def delivered(self, size: int) -> None:
         """`size` bytes reached the dialer stream: grant the agent more, half a window at a time."""
-        owed = self.owed + size
-        if owed >= self.window >> GRANT_SHIFT:
-            self.unacked -= owed
-            self.owed = 0
-            self.session.send(mux.window_update(self.connect_id, owed))
-        else:
-            self.owed = owed
+        grant = self.receive.consumed(size)
+        if grant:
+            self.session.send(mux.window_update(self.connect_id, grant))
 
     # ----------------------------------------------------- towards the agent
 
