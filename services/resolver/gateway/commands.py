@@ -23,19 +23,12 @@ import yaml
 
 from waygate.core.clientcli import ClientSettings, add_client_arguments, channel_for, run_client
 from waygate.resolver import convert
+from waygate.resolver.gateway.translate import STATUS_KINDS
 from waygate.resolver.v1 import resolver_pb2 as pb
 from waygate.resolver.v1 import resolver_pb2_grpc
 
 DEFAULT_PORT = 7001
-KINDS = (
-    "GatewayClass",
-    "Gateway",
-    "HTTPRoute",
-    "GRPCRoute",
-    "TLSRoute",
-    "Ingress",
-    "BackendTLSPolicy",
-)
+KINDS = STATUS_KINDS
 # Conditions whose healthy status is False.
 _HEALTHY_FALSE = {"Conflicted"}
 

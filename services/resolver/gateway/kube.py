@@ -34,7 +34,7 @@ from typing import Any
 from waygate.core.kube import KubeAPI, KubeError
 from waygate.resolver.gateway.spec import CONTROLLER_NAME, JSON
 from waygate.resolver.gateway.status import StatusBoard
-from waygate.resolver.gateway.translate import Objects, ObjectStatus, translate
+from waygate.resolver.gateway.translate import STATUS_KINDS, Objects, ObjectStatus, translate
 from waygate.resolver.model import Service
 from waygate.resolver.store import Store
 
@@ -57,16 +57,8 @@ KINDS: Mapping[str, tuple[str, str, bool]] = {
     "Secret": ("/api/v1", "secrets", True),
     "ConfigMap": ("/api/v1", "configmaps", True),
 }
-# Kinds written by the status writer (the others have no status of ours).
-STATUS_KINDS = (
-    "GatewayClass",
-    "Gateway",
-    "HTTPRoute",
-    "GRPCRoute",
-    "TLSRoute",
-    "Ingress",
-    "BackendTLSPolicy",
-)
+# Kinds written by the status writer: translate.STATUS_KINDS (the others have no
+# status of ours).
 
 
 def collection(kind: str, namespace: str | None) -> str:

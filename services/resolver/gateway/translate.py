@@ -99,6 +99,15 @@ GATEWAY_KINDS = (
     "BackendTLSPolicy",
 )
 ROUTE_KINDS = ("HTTPRoute", "GRPCRoute", "TLSRoute")
+#: The kinds that carry a status of Waygate's (written in Kubernetes, listed by
+#: `waygate gateways`).
+STATUS_KINDS = (
+    "GatewayClass",
+    "Gateway",
+    *ROUTE_KINDS,
+    "Ingress",
+    "BackendTLSPolicy",
+)
 #: How listeners of different Gateways on one port are judged (see `translate`).
 LISTENER_SHARING = ("share", "exclusive", "separate")
 _DEFAULT_KINDS = {

@@ -59,31 +59,35 @@ def base_services() -> list[dict[str, Any]]:
     ]
 
 
+def local_slice(service: dict[str, Any], port: int) -> dict[str, Any]:
+    """An EndpointSlice for `service` (a manifest): every port of it at 127.0.0.1:`port`."""
+    namespace = service["metadata"]["namespace"]
+    name = service["metadata"]["name"]
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": f"{name}-local",
+            "namespace": namespace,
+            "labels": {"kubernetes.io/service-name": name},
+        },
+        "addressType": "IPv4",
+        "ports": [
+            {"name": p.get("name", ""), "port": port, "protocol": "TCP"}
+            for p in service["spec"]["ports"]
+        ],
+        "endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": True}}],
+    }
+
+
 def endpoint_slices(ports: dict[tuple[str, str], int]) -> str:
     """One EndpointSlice per Service, every port of it at 127.0.0.1:ports[(ns, name)]."""
-    docs = []
-    for service in base_services():
-        namespace = service["metadata"]["namespace"]
-        name = service["metadata"]["name"]
-        port = ports[(namespace, name)]
-        docs.append(
-            {
-                "apiVersion": "discovery.k8s.io/v1",
-                "kind": "EndpointSlice",
-                "metadata": {
-                    "name": f"{name}-local",
-                    "namespace": namespace,
-                    "labels": {"kubernetes.io/service-name": name},
-                },
-                "addressType": "IPv4",
-                "ports": [
-                    {"name": p.get("name", ""), "port": port, "protocol": "TCP"}
-                    for p in service["spec"]["ports"]
-                ],
-                "endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": True}}],
-            }
-        )
-    return yaml.safe_dump_all(docs)
+    return yaml.safe_dump_all(
+        [
+            local_slice(s, ports[(s["metadata"]["namespace"], s["metadata"]["name"])])
+            for s in base_services()
+        ]
+    )
 
 
 def tls_secret(namespace: str, name: str, host: str = "example.org") -> str:
@@ -350,23 +354,7 @@ def tls_backend_objects(names: tuple[str, ...], port: int, config_maps: dict[str
                 continue
             if (doc["spec"].get("selector") or {}).get("app") != "tls-backend":
                 continue
-            docs.append(
-                {
-                    "apiVersion": "discovery.k8s.io/v1",
-                    "kind": "EndpointSlice",
-                    "metadata": {
-                        "name": doc["metadata"]["name"] + "-local",
-                        "namespace": INFRA,
-                        "labels": {"kubernetes.io/service-name": doc["metadata"]["name"]},
-                    },
-                    "addressType": "IPv4",
-                    "ports": [
-                        {"name": p.get("name", ""), "port": port, "protocol": "TCP"}
-                        for p in doc["spec"]["ports"]
-                    ],
-                    "endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": True}}],
-                }
-            )
+            docs.append(local_slice(doc, port))
     return yaml.safe_dump_all(docs)
 
 
