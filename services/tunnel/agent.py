@@ -9,7 +9,9 @@
   channel with a local subchannel pool, so it is a new TCP connection the
   balancer may send elsewhere.
 - `AgentStream`: one Connect stream: a writer task drains the outbox, the
-  caller's task reads packets and dispatches them.
+  caller's task reads packets and dispatches them. The stream itself is a
+  `PacketStream` from a `Connector` (over gRPC: `waygate.tunnel.agent_grpc`,
+  the boundary): this module never imports grpc.
 - `AgentConnection`: one dialled TCP connection, an asyncio Protocol (no
   task per connection or per chunk): it sends only while it holds credit and
   pauses reading when it runs out (`waygate.core.flow`, the one flow-control
@@ -35,23 +37,47 @@ import socket
 import ssl
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
-import grpc
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from waygate.core import tracing
 from waygate.core.backoff import Backoff
 from waygate.core.flow import FlowControl
-from waygate.core.grpcclient import KEEPALIVE_OPTIONS
 from waygate.tunnel import mux
 from waygate.tunnel.allow import AllowList
 from waygate.tunnel.mux import MAX_CHUNK, Outbox, ReceiveWindow
 from waygate.tunnel.relay import Link, LinkClosed, Pending, open_link, splice, split_address
 from waygate.tunnel.v1 import tunnel_pb2 as pb
-from waygate.tunnel.v1 import tunnel_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+
+class StreamFailed(Exception):
+    """The Connect stream failed; the message says how (the status and its details)."""
+
+
+class PacketStream(Protocol):
+    """One Connect stream to a server replica, as the pump uses it (gRPC: `agent_grpc`)."""
+
+    async def read(self) -> pb.Packet | None:
+        """The next packet; None once the server ended the stream; StreamFailed."""
+        ...
+
+    async def write(self, packet: pb.Packet) -> None: ...
+
+    async def done_writing(self) -> None: ...
+
+    async def close(self) -> None:
+        """End the stream and release what it holds, whatever its state."""
+        ...
+
+
+class Connector(Protocol):
+    """Opens Connect streams through the servers' one address."""
+
+    def open(self, agent_id: str, node: str) -> PacketStream: ...
+
 
 _STREAM_END = pb.Packet()
 # Why a destination socket's reading is paused (a `FlowControl` reason of its own):
@@ -351,14 +377,13 @@ class DataPool:
 class AgentStream:
     """One Connect stream to one server replica."""
 
-    def __init__(self, agent: Agent, call: Any, channel: grpc.aio.Channel) -> None:
+    def __init__(self, agent: Agent, io: PacketStream) -> None:
         self.agent = agent
         self.window = agent.window
         self.connections: dict[int, AgentConnection] = {}
         self.server_id = ""
         self.draining = False
-        self._call = call
-        self._channel = channel
+        self._io = io
         self._outbox = Outbox()
         self._ids = itertools.count(1)
         self._dials: set[asyncio.Task[None]] = set()
@@ -381,7 +406,7 @@ class AgentStream:
             self._outbox.put_eof(connect_id)
 
     async def write_loop(self) -> None:
-        outbox, call = self._outbox, self._call
+        outbox, io = self._outbox, self._io
         while True:
             packet = await outbox.next()
             if packet is _STREAM_END:
@@ -389,15 +414,15 @@ class AgentStream:
             if packet is _HALF_CLOSE:
                 # The server reads our CLOSE_REQs, then EOF, and ends the stream;
                 # the reader sees that end.
-                await call.done_writing()
+                await io.done_writing()
                 return
-            await call.write(packet)
+            await io.write(packet)
 
     async def read_loop(self) -> None:
-        call, connections = self._call, self.connections
+        io, connections = self._io, self.connections
         while True:
-            packet = await call.read()
-            if packet is grpc.aio.EOF:
+            packet = await io.read()
+            if packet is None:
                 return
             kind = packet.type
             if kind == pb.DATA:
@@ -616,11 +641,7 @@ class AgentStream:
         self.relays.clear()
         if self.pool is not None:
             await self.pool.close()
-        self._call.cancel()
-        await self._channel.close()
-
-
-Credentials = Callable[[], grpc.ChannelCredentials | None]
+        await self._io.close()
 
 
 class Agent:
@@ -631,7 +652,7 @@ class Agent:
         *,
         node: str,
         server_address: str,
-        credentials: Credentials,
+        connector: Connector,
         allow: AllowList,
         server_name: str | None = None,
         window: int = mux.DEFAULT_WINDOW,
@@ -649,7 +670,7 @@ class Agent:
         self.window = window
         self.dial_timeout = dial_timeout
         self.agent_id = agent_id or secrets.token_hex(8)
-        self._credentials = credentials
+        self._connector = connector
         self._server_name = server_name
         # Data connections (relay.py): TLS from `ssl_context` (None: plaintext, as the
         # stream without credentials), a pool of `pool_size` per replica.
@@ -710,36 +731,14 @@ class Agent:
         finally:
             await self.close()
 
-    def _open_channel(self) -> grpc.aio.Channel:
-        options: list[tuple[str, Any]] = [
-            *KEEPALIVE_OPTIONS,
-            ("grpc.use_local_subchannel_pool", 1),
-            ("grpc.enable_retries", 0),
-            ("grpc.max_receive_message_length", 4 * 1024 * 1024),
-        ]
-        if self._server_name:
-            options.append(("grpc.ssl_target_name_override", self._server_name))
-        credentials = self._credentials()
-        if credentials is None:
-            return grpc.aio.insecure_channel(self.server_address, options=options)
-        return grpc.aio.secure_channel(self.server_address, credentials, options=options)
-
     async def attempt(self) -> bool:
         """One new stream through the servers' address; True when it gained a replica."""
-        channel = self._open_channel()
-        metadata = [(mux.AGENT_ID_METADATA, self.agent_id)]
-        if self._credentials() is None:
-            metadata.append(("waygate-node", self.node))
-        call = tunnel_pb2_grpc.AgentTunnelStub(channel).Connect(metadata=tuple(metadata))
-        stream = AgentStream(self, call, channel)
+        io = self._connector.open(self.agent_id, self.node)
+        stream = AgentStream(self, io)
         try:
-            first = await asyncio.wait_for(call.read(), 10.0)
-        except (grpc.aio.AioRpcError, TimeoutError) as exc:
-            detail = (
-                f"{exc.code().name}: {exc.details()}"
-                if isinstance(exc, grpc.aio.AioRpcError)
-                else "no answer within 10s"
-            )
+            first = await asyncio.wait_for(io.read(), 10.0)
+        except (StreamFailed, TimeoutError) as exc:
+            detail = str(exc) if isinstance(exc, StreamFailed) else "no answer within 10s"
             log.warning(
                 "cannot connect to the tunnel server",
                 extra={"server": self.server_address, "error": detail},
@@ -749,7 +748,7 @@ class Agent:
         except asyncio.CancelledError:
             await stream.close()
             raise
-        if first is grpc.aio.EOF or first.type != pb.SERVER_INFO:
+        if first is None or first.type != pb.SERVER_INFO:
             log.warning("tunnel server did not introduce itself; closing the stream")
             await stream.close()
             return False
@@ -788,11 +787,7 @@ class Agent:
             for task in (reader, writer):
                 if task.done() and not task.cancelled() and task.exception() is not None:
                     exc = task.exception()
-                    detail = (
-                        f"{exc.code().name}: {exc.details()}"
-                        if isinstance(exc, grpc.aio.AioRpcError)
-                        else repr(exc)
-                    )
+                    detail = str(exc) if isinstance(exc, StreamFailed) else repr(exc)
                     log.warning(
                         "stream to tunnel server replica ended",
                         extra={"server_id": stream.server_id, "error": detail},

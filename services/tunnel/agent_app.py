@@ -24,6 +24,7 @@ from waygate.core.runtime import ServiceProcess
 from waygate.core.settings import ProcessSettings, parse_duration, port_number, positive, setting
 from waygate.tunnel import mux
 from waygate.tunnel.agent import Agent
+from waygate.tunnel.agent_grpc import GrpcConnector
 from waygate.tunnel.allow import DEFAULT_ALLOW, AllowList, entries_problem
 from waygate.tunnel.relay import client_context, rotating_client_context
 
@@ -160,7 +161,9 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     agent = Agent(
         node=settings.node_name,
         server_address=settings.server_address,
-        credentials=credentials,
+        connector=GrpcConnector(
+            settings.server_address, credentials, server_name=settings.server_name
+        ),
         allow=AllowList(settings.allow),
         server_name=settings.server_name,
         window=settings.window,

@@ -26,6 +26,7 @@ from tests.support.faultrelay import NONE, Fault, FaultRelay
 from tests.support.poll import until
 from waygate.core.backoff import Backoff
 from waygate.tunnel.agent import Agent
+from waygate.tunnel.agent_grpc import GrpcConnector
 from waygate.tunnel.allow import AllowList
 from waygate.tunnel.client import DialFailed, TunnelLost
 from waygate.tunnel.v1 import tunnel_pb2 as pb
@@ -51,7 +52,9 @@ class Faulty:
         self.agent = Agent(
             node=NODE,
             server_address=self.relay.address,
-            credentials=lambda: credentials(self.tunnel.agent_files),
+            connector=GrpcConnector(
+                self.relay.address, lambda: credentials(self.tunnel.agent_files)
+            ),
             # Everything on the stream (through the relay / the fuzzed stream); the
             # data connections of the new data path are not under test here.
             data_connections=False,

@@ -36,6 +36,7 @@ from waygate.core.backoff import Backoff
 from waygate.core.grpcserver import GrpcServer, ServiceRegistration
 from waygate.tunnel import mux
 from waygate.tunnel.agent import Agent
+from waygate.tunnel.agent_grpc import GrpcConnector
 from waygate.tunnel.allow import AllowList
 from waygate.tunnel.client import DialFailed, TunnelLost
 from waygate.tunnel.v1 import tunnel_pb2 as pb
@@ -134,7 +135,7 @@ def server_side(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerSide
         agent = Agent(
             node=OTHER_NODE,
             server_address=f"127.0.0.1:{tunnel.agent_port}",
-            credentials=lambda: credentials(other),
+            connector=GrpcConnector(f"127.0.0.1:{tunnel.agent_port}", lambda: credentials(other)),
             # Everything on the stream (through the relay / the fuzzed stream); the
             # data connections of the new data path are not under test here.
             data_connections=False,
@@ -329,7 +330,7 @@ def agent_side(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentSide]:
         agent = Agent(
             node=NODE,
             server_address=f"127.0.0.1:{port}",
-            credentials=lambda: credentials(tunnel.agent_files),
+            connector=GrpcConnector(f"127.0.0.1:{port}", lambda: credentials(tunnel.agent_files)),
             # Everything on the stream (through the relay / the fuzzed stream); the
             # data connections of the new data path are not under test here.
             data_connections=False,

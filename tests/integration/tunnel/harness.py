@@ -19,6 +19,7 @@ from waygate.core.grpcclient import ClientTLS
 from waygate.core.grpcserver import GrpcServer, ServiceRegistration
 from waygate.core.tls import server_context
 from waygate.tunnel.agent import Agent
+from waygate.tunnel.agent_grpc import GrpcConnector
 from waygate.tunnel.allow import AllowList
 from waygate.tunnel.client import StaticPresence, TunnelClient
 from waygate.tunnel.datapath import DataListener
@@ -127,7 +128,11 @@ class Tunnel:
         agent = Agent(
             node=NODE,
             server_address=f"127.0.0.1:{self.agent_port}",
-            credentials=lambda: credentials(self.agent_files),
+            connector=GrpcConnector(
+                f"127.0.0.1:{self.agent_port}",
+                lambda: credentials(self.agent_files),
+                server_name="tunnel-server",
+            ),
             ssl_context=lambda: ssl_context(self.agent_files),
             allow=AllowList(self.allow if allow is None else allow, own=()),
             window=window or self.window,

@@ -1,0 +1,98 @@
+"""The tunnel agent's gRPC face: its `AgentTunnel.Connect` streams, as `agent.PacketStream`s.
+
+The agent's packet pump (`waygate.tunnel.agent`) never imports grpc: it asks a
+`Connector` for a stream and reads and writes `tunnel_pb2.Packet`s. This
+module is that connector over gRPC: each `open` is a new channel (a local
+subchannel pool, so a new TCP connection a load balancer may send to another
+replica), with keepalives, no retries, and the agent's id in the metadata;
+without credentials (plaintext, development only) the node is named in
+metadata too, since there is no certificate to take it from. gRPC's errors
+become `agent.StreamFailed` carrying the status and its details.
+
+Invariants: `close` cancels the call and closes its channel, whatever state the
+stream is in; no grpc type crosses into the pump.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from waygate.core.grpcclient import KEEPALIVE_OPTIONS
+from waygate.tunnel import mux
+from waygate.tunnel.agent import StreamFailed
+from waygate.tunnel.v1 import tunnel_pb2 as pb
+from waygate.tunnel.v1 import tunnel_pb2_grpc
+
+Credentials = Callable[[], grpc.ChannelCredentials | None]
+
+
+def _failed(exc: grpc.aio.AioRpcError) -> StreamFailed:
+    return StreamFailed(f"{exc.code().name}: {exc.details()}")
+
+
+class GrpcPacketStream:
+    """One Connect call: packets in and out, gRPC's errors as `StreamFailed`."""
+
+    __slots__ = ("_call", "_channel")
+
+    def __init__(self, channel: grpc.aio.Channel, call: Any) -> None:
+        self._channel = channel
+        self._call = call
+
+    async def read(self) -> pb.Packet | None:
+        """The next packet; None once the server ended the stream."""
+        try:
+            packet = await self._call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise _failed(exc) from None
+        return None if packet is grpc.aio.EOF else packet
+
+    async def write(self, packet: pb.Packet) -> None:
+        try:
+            await self._call.write(packet)
+        except grpc.aio.AioRpcError as exc:
+            raise _failed(exc) from None
+
+    async def done_writing(self) -> None:
+        try:
+            await self._call.done_writing()
+        except grpc.aio.AioRpcError as exc:
+            raise _failed(exc) from None
+
+    async def close(self) -> None:
+        self._call.cancel()
+        await self._channel.close()
+
+
+class GrpcConnector:
+    """Opens Connect streams to the tunnel servers at `server_address`."""
+
+    def __init__(
+        self, server_address: str, credentials: Credentials, *, server_name: str | None = None
+    ) -> None:
+        self.server_address = server_address
+        self._credentials = credentials
+        self._server_name = server_name
+
+    def open(self, agent_id: str, node: str) -> GrpcPacketStream:
+        options: list[tuple[str, Any]] = [
+            *KEEPALIVE_OPTIONS,
+            ("grpc.use_local_subchannel_pool", 1),
+            ("grpc.enable_retries", 0),
+            ("grpc.max_receive_message_length", 4 * 1024 * 1024),
+        ]
+        if self._server_name:
+            options.append(("grpc.ssl_target_name_override", self._server_name))
+        # Read at every attempt: a renewed certificate is used for new streams.
+        credentials = self._credentials()
+        metadata = [(mux.AGENT_ID_METADATA, agent_id)]
+        if credentials is None:
+            channel = grpc.aio.insecure_channel(self.server_address, options=options)
+            metadata.append(("waygate-node", node))
+        else:
+            channel = grpc.aio.secure_channel(self.server_address, credentials, options=options)
+        call = tunnel_pb2_grpc.AgentTunnelStub(channel).Connect(metadata=tuple(metadata))
+        return GrpcPacketStream(channel, call)
