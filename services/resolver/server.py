@@ -94,7 +94,7 @@ WIRE_CACHE_BYTES = 64 * 1024 * 1024
 #: previous write completed, saturated the loop, starved the change source's
 #: own reads (changes queued before the store, where nothing coalesces them)
 #: and reached the last watcher 11-40 s late (bench/resolver_storm).
-WATCH_EVENT_INTERVAL = 0.05
+WATCH_EVENT_INTERVAL = 0.01
 WATCH_EVENT_COST = 0.0002
 #: No serialized Change is smaller than this: a batch with more changes than the
 #: event bound divided by it cannot fit, and is not converted only to be discarded.
