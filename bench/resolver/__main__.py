@@ -24,7 +24,6 @@ import contextlib
 import json
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -33,6 +32,7 @@ from pathlib import Path
 import grpc
 
 from bench.machine import describe
+from bench.resolver.common import ChangeReporter, fanout, routes_file, snapshot_bytes
 from waygate.resolver.v1 import resolver_pb2 as pb
 from waygate.resolver.v1 import resolver_pb2_grpc
 
@@ -42,24 +42,9 @@ WATCH_PROCESSES = 2
 CHANGE_SPACING = 0.025
 THROUGHPUT_SECONDS = 5.0
 CONCURRENCY = 32
+PREFIX = "bench-node-"
 # Log readers of running processes (held so they are not garbage-collected).
 DRAINS: set[asyncio.Task[None]] = set()
-
-
-def routes_file(path: Path) -> None:
-    lines = ["services:"]
-    for s in range(SERVICES):
-        lines += [
-            "  - namespace: bench",
-            f"    name: svc-{s}",
-            "    ports: [{name: http, port: 80, targetPort: 8080}]",
-            "    endpoints:",
-        ]
-        lines += [
-            f"      - {{address: 10.{s // 250}.{s % 250}.{e + 1}, zone: z{e % 3}}}"
-            for e in range(ENDPOINTS_PER_SERVICE)
-        ]
-    path.write_text("\n".join(lines) + "\n")
 
 
 async def start(argv: list[str], ready: str) -> tuple[asyncio.subprocess.Process, str]:
@@ -106,29 +91,19 @@ async def stop(process: asyncio.subprocess.Process) -> None:
 
 async def propagation(address: str, clients: int, changes: int) -> dict[str, float]:
     per_process = clients // WATCH_PROCESSES
+    size, _ = await snapshot_bytes(address, SERVICES * ENDPOINTS_PER_SERVICE)
     workers = [
-        await start(["bench.resolver.watchers", address, str(per_process), str(changes)], "ready")
+        await start(
+            ["bench.resolver.watchers", address, str(per_process), str(size), str(changes), PREFIX],
+            "ready",
+        )
         for _ in range(WATCH_PROCESSES)
     ]
     # Let the snapshot burst (100 x 10,000 endpoints) settle before measuring.
     await asyncio.sleep(2)
-    sent: list[float] = []
-    queue: asyncio.Queue[pb.TunnelReport | None] = asyncio.Queue()
-
-    async def reports():  # type: ignore[no-untyped-def]
-        while (report := await queue.get()) is not None:
-            yield report
-
-    async with grpc.aio.insecure_channel(address) as channel:
-        call = resolver_pb2_grpc.ResolverStub(channel).ReportTunnels(reports())
+    async with ChangeReporter(address, PREFIX) as reporter:
         for i in range(changes):
-            sent.append(time.monotonic())
-            queue.put_nowait(
-                pb.TunnelReport(
-                    server=pb.TunnelServer(id="bench-ts", address="127.0.0.1:7004"),
-                    nodes=[f"bench-node-{i}"],
-                )
-            )
+            reporter.send(i)
             await asyncio.sleep(CHANGE_SPACING)
         results = []
         for process, _ in workers:
@@ -136,24 +111,10 @@ async def propagation(address: str, clients: int, changes: int) -> dict[str, flo
             line = await asyncio.wait_for(process.stdout.readline(), 120)
             results.append(json.loads(line))
             await stop(process)
-        queue.put_nowait(None)
-        await call
-    delays, complete = [], 0
-    for i in range(changes):
-        arrivals = [r[str(i)] for r in results if str(i) in r]
-        if (
-            len(arrivals) == WATCH_PROCESSES
-            and sum(a[1] for a in arrivals) == per_process * WATCH_PROCESSES
-        ):
-            complete += 1
-            delays.append((max(a[0] for a in arrivals) - sent[i]) * 1000)
-    delays.sort()
+    lost = sum(r["lost_count"] for r in results)
     return {
         "changes": changes,
-        "complete": complete,
-        "p50": statistics.median(delays),
-        "p99": delays[min(len(delays) - 1, int(len(delays) * 0.99))],
-        "max": delays[-1],
+        **fanout(results, reporter.sent, per_process * WATCH_PROCESSES - lost),
     }
 
 
@@ -184,7 +145,7 @@ async def main(args: argparse.Namespace) -> str:
     load_before = load()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "routes.yaml"
-        routes_file(path)
+        routes_file(path, "bench", SERVICES, ENDPOINTS_PER_SERVICE)
         resolver, line = await start(
             [
                 "waygate",

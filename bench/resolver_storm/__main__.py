@@ -4,7 +4,7 @@ Setup, all real processes on loopback, plaintext:
 - `waygate resolver serve` on a routes file of 1,000 services x 100 endpoints
   (100,000 endpoints in the store);
 - 1,000 Watch streams, each on its own connection, in 4 processes
-  (bench.resolver_storm.clients), all opened at once: the snapshot storm;
+  (bench.resolver.watchers), all opened at once: the snapshot storm;
 - this driver, which then makes changes through a real ReportTunnels stream
   (one tunnel-presence change each) and measures, per change, the time from
   sending it to the moment the last of the 1,000 streams has it (the fan-out).
@@ -20,37 +20,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
-import grpc
-
 from bench.machine import describe
 from bench.resolver.__main__ import load, start, stop
-from waygate.resolver.v1 import resolver_pb2 as pb
-from waygate.resolver.v1 import resolver_pb2_grpc
+from bench.resolver.common import ChangeReporter, fanout, routes_file, snapshot_bytes
 
 SERVICES, ENDPOINTS_PER_SERVICE = 1000, 100
 PROCESSES = 4
 CHANGE_SPACING = 0.05
-
-
-def routes_file(path: Path) -> None:
-    lines = ["services:"]
-    for s in range(SERVICES):
-        lines += [
-            "  - namespace: storm",
-            f"    name: svc-{s}",
-            "    ports: [{name: http, port: 80, targetPort: 8080}]",
-            "    endpoints:",
-        ]
-        lines += [
-            f"      - {{address: 10.{s // 250}.{s % 250}.{e + 1}, zone: z{e % 3}}}"
-            for e in range(ENDPOINTS_PER_SERVICE)
-        ]
-    path.write_text("\n".join(lines) + "\n")
+PREFIX = "storm-node-"
 
 
 def memory(pid: int) -> tuple[int, int]:
@@ -61,31 +42,11 @@ def memory(pid: int) -> tuple[int, int]:
     return int(fields["VmHWM"].split()[0]) * 1024, int(fields["VmRSS"].split()[0]) * 1024
 
 
-async def snapshot_bytes(address: str) -> tuple[int, int]:
-    """What one full snapshot serializes to, and in how many events (one probe stream),
-    once the resolver has loaded the whole routes file."""
-    options = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
-    async with grpc.aio.insecure_channel(address, options=options) as channel:
-        while True:
-            total, events, endpoints = 0, 0, 0
-            call = resolver_pb2_grpc.ResolverStub(channel).Watch(pb.WatchRequest())
-            async for event in call:
-                total += event.ByteSize()
-                events += 1
-                endpoints += len(event.snapshot.endpoints)
-                if event.HasField("snapshot") and not event.snapshot.more:
-                    call.cancel()
-                    break
-            if endpoints == SERVICES * ENDPOINTS_PER_SERVICE:
-                return total, events
-            await asyncio.sleep(0.5)
-
-
 async def main(args: argparse.Namespace) -> str:
     load_before = load()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "routes.yaml"
-        routes_file(path)
+        routes_file(path, "storm", SERVICES, ENDPOINTS_PER_SERVICE)
         resolver, line = await start(
             [
                 "waygate", "resolver", "serve", "--grpc-port", "0", "--admin-port", "0",
@@ -98,7 +59,7 @@ async def main(args: argparse.Namespace) -> str:
         )  # fmt: skip
         try:
             address = f"127.0.0.1:{json.loads(line)['grpc_ports'][0]}"
-            size, chunks = await snapshot_bytes(address)
+            size, chunks = await snapshot_bytes(address, SERVICES * ENDPOINTS_PER_SERVICE)
             rss_before = memory(resolver.pid)[1]
             per = args.streams // PROCESSES
             began = time.monotonic()
@@ -106,11 +67,12 @@ async def main(args: argparse.Namespace) -> str:
                 *(
                     start(
                         [
-                            "bench.resolver_storm.clients",
+                            "bench.resolver.watchers",
                             address,
                             str(per),
                             str(size),
                             str(args.changes),
+                            PREFIX,
                         ],
                         "ready",
                     )
@@ -121,23 +83,9 @@ async def main(args: argparse.Namespace) -> str:
             lost_in_storm = sum(int(line.split()[2]) for _, line in workers)
             peak_after_storm, rss_after_storm = memory(resolver.pid)
             await asyncio.sleep(2)
-            sent: list[float] = []
-            queue: asyncio.Queue[pb.TunnelReport | None] = asyncio.Queue()
-
-            async def reports():  # type: ignore[no-untyped-def]
-                while (report := await queue.get()) is not None:
-                    yield report
-
-            async with grpc.aio.insecure_channel(address) as channel:
-                call = resolver_pb2_grpc.ResolverStub(channel).ReportTunnels(reports())
+            async with ChangeReporter(address, PREFIX) as reporter:
                 for i in range(args.changes):
-                    sent.append(time.monotonic())
-                    queue.put_nowait(
-                        pb.TunnelReport(
-                            server=pb.TunnelServer(id="storm-ts", address="127.0.0.1:7004"),
-                            nodes=[f"storm-node-{i}"],
-                        )
-                    )
+                    reporter.send(i)
                     await asyncio.sleep(CHANGE_SPACING)
                 results = []
                 for process, _ in workers:
@@ -145,23 +93,12 @@ async def main(args: argparse.Namespace) -> str:
                     out = await asyncio.wait_for(process.stdout.readline(), 300)
                     results.append(json.loads(out))
                     await stop(process)
-                queue.put_nowait(None)
-                await call
             peak, rss_end = memory(resolver.pid)
         finally:
             await stop(resolver)
     lost = sum(r["lost_count"] for r in results)
     reasons = sorted({reason for r in results for reason in r["lost"]})
-    delays, complete = [], 0
-    live = args.streams - lost
-    for i in range(args.changes):
-        arrivals = [r["seen"][str(i)] for r in results if str(i) in r["seen"]]
-        if sum(a[1] for a in arrivals) == live:
-            complete += 1
-            delays.append((max(a[0] for a in arrivals) - sent[i]) * 1000)
-    delays.sort()
-    p50 = statistics.median(delays) if delays else float("nan")
-    p99 = delays[min(len(delays) - 1, int(len(delays) * 0.99))] if delays else float("nan")
+    watch = fanout(results, reporter.sent, args.streams - lost)
     mib = 1024 * 1024
     return "\n".join(
         [
@@ -185,10 +122,10 @@ async def main(args: argparse.Namespace) -> str:
             f"| streams lost (ended with an error) | {lost_in_storm} in the storm, {lost} in all"
             + (f" ({'; '.join(reasons)[:300]})" if reasons else "")
             + " |",
-            f"| change -> all live streams, p50 | {p50:.1f} ms |",
-            f"| change -> all live streams, p99 | {p99:.1f} ms (aim < 100 ms) |",
-            f"| change -> all live streams, max | {delays[-1] if delays else float('nan'):.1f} ms |",
-            f"| changes that reached every live stream | {complete} of {args.changes} |",
+            f"| change -> all live streams, p50 | {watch['p50']:.1f} ms |",
+            f"| change -> all live streams, p99 | {watch['p99']:.1f} ms (aim < 100 ms) |",
+            f"| change -> all live streams, max | {watch['max']:.1f} ms |",
+            f"| changes that reached every live stream | {watch['complete']} of {args.changes} |",
             f"| events per stream after its snapshot (coalescing: fewer than the changes) | "
             f"{sum(r['events'] for r in results) / max(1, args.streams - lost):.1f} |",
             f"| resolver RSS before the storm | {rss_before / mib:.0f} MiB |",
