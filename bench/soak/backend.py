@@ -6,7 +6,11 @@ Run: python -m bench.soak.backend --host 127.0.0.1 --port P --name NAME
 - `POST /sum`: the SHA-256 and length of the body it received (the client
   checks them against what it sent);
 - `GET /blob?size=N&seed=S`: N bytes derived from S (the client recomputes them);
-- `GET /ws`: a WebSocket that echoes every message.
+- `GET /ws`: a WebSocket that echoes every message;
+- with `--grpc-port`, a gRPC service `soak.Echo` on that port (raw bytes):
+  `Unary` answers the request with this backend's name after it, and
+  `ServerStream` answers a request `ID:N` with N messages `ID:0` .. `ID:N-1`
+  (the client checks every one, in order).
 Every answer carries `x-backend: NAME`. Each request's `x-soak-id` is
 remembered: a second request with the same id (a request answered twice, e.g.
 retried by the proxy after the body was sent) is counted. `GET /__stats`, asked
@@ -20,6 +24,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+from typing import Any
 
 from aiohttp import WSMsgType, web
 
@@ -97,7 +102,32 @@ class Backend:
         )
 
 
-async def main(host: str, port: int, name: str) -> None:
+async def serve_grpc(host: str, port: int, name: str) -> Any:
+    import grpc
+
+    async def unary(request: bytes, context: Any) -> bytes:
+        return request + b"|" + name.encode()
+
+    async def server_stream(request: bytes, context: Any) -> Any:
+        rid, _, count = request.partition(b":")
+        for index in range(min(int(count or b"0"), 1000)):
+            yield rid + b":" + str(index).encode()
+
+    handler = grpc.method_handlers_generic_handler(
+        "soak.Echo",
+        {
+            "Unary": grpc.unary_unary_rpc_method_handler(unary),
+            "ServerStream": grpc.unary_stream_rpc_method_handler(server_stream),
+        },
+    )
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((handler,))
+    server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    return server
+
+
+async def main(host: str, port: int, name: str, grpc_port: int | None) -> None:
     backend = Backend(name)
     app = web.Application(client_max_size=MAX_BLOB + 1024)
     app.router.add_get("/small", backend.small)
@@ -108,8 +138,10 @@ async def main(host: str, port: int, name: str) -> None:
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port, backlog=1024).start()
+    grpc_server = None if grpc_port is None else await serve_grpc(host, grpc_port, name)
     print(f"backend {name} listening on {host}:{port}", flush=True)
     await asyncio.Event().wait()
+    del grpc_server
 
 
 if __name__ == "__main__":
@@ -117,5 +149,6 @@ if __name__ == "__main__":
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--name", required=True)
+    parser.add_argument("--grpc-port", type=int)
     arguments = parser.parse_args()
-    asyncio.run(main(arguments.host, arguments.port, arguments.name))
+    asyncio.run(main(arguments.host, arguments.port, arguments.name, arguments.grpc_port))

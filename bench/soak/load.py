@@ -7,7 +7,11 @@ Kinds of traffic (each a loop of its own, paced so two shared cores keep up):
 - `download-1m`: 1 MiB GETs through the tunnel, recomputed here;
 - `tls-newconn`: small GETs over HTTPS (a new handshake each), trusting the
   certs bundle file as it is now (re-read when it changes: CA rotation);
-- `ws-direct`, `ws-tunnel`: WebSocket sessions of 10 echoed messages.
+- `ws-direct`, `ws-tunnel`: WebSocket sessions of 10 echoed messages;
+- `h2-tls`: small GETs over HTTP/2 (TLS, ALPN h2), many streams on one kept
+  connection (a new one every `H2_STREAMS_PER_CONNECTION`);
+- `grpc-unary`, `grpc-stream`: gRPC calls through the proxy's h2c port to a
+  gRPC backend (a unary echo; a server stream of 20 messages, each checked).
 Every request carries a unique `x-soak-id` (backends count ids seen twice).
 A failure is recorded with its cause (HTTP status, reset, timeout, TLS,
 corrupt body, ...), never retried.
@@ -27,12 +31,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import grpc
 
 from bench.soak.backend import blob
-from bench.soak.stack import DIRECT_HOST, TLS_HOST, TUNNEL_HOST
+from bench.soak.stack import DIRECT_HOST, GRPC_HOST, TLS_HOST, TUNNEL_HOST
+from tests.support.h2client import H2Client
 
 MIB = 1024 * 1024
 TIMEOUT = aiohttp.ClientTimeout(total=30)
+H2_STREAMS_PER_CONNECTION = 200
+GRPC_STREAM_MESSAGES = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +50,7 @@ class Outcome:
     cause: str  # "" when it succeeded
     latency: float
     backend: str
+    detail: str = ""  # the error's own words, for the report's failure list
 
     @property
     def ok(self) -> bool:
@@ -69,6 +78,8 @@ def cause_of(exc: BaseException) -> str:
         return f"ws handshake {exc.status}"
     if isinstance(exc, aiohttp.ClientOSError | ConnectionError):
         return "reset"
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"grpc {exc.code().name}"
     return type(exc).__name__
 
 
@@ -84,6 +95,9 @@ class Load:
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._ssl: tuple[float, ssl.SSLContext] | None = None
+        self._h2_ssl: tuple[float, ssl.SSLContext] | None = None
+        self._h2: tuple[H2Client, list[int]] | None = None  # (connection, streams used)
+        self._grpc: grpc.aio.Channel | None = None
         self._upload = os.urandom(MIB)
 
     def rid(self) -> str:
@@ -102,6 +116,9 @@ class Load:
             ("tls-newconn", self._tls_small, 0.1, True),
             ("ws-direct", self._ws(DIRECT_HOST), 0.2, False),
             ("ws-tunnel", self._ws(TUNNEL_HOST), 0.2, False),
+            ("h2-tls", self._h2_small, 0.05, False),
+            ("grpc-unary", self._grpc_unary, 0.05, False),
+            ("grpc-stream", self._grpc_stream, 0.2, False),
         ]
         for kind, call, pause, fresh in plan:
             self._tasks.append(
@@ -111,6 +128,12 @@ class Load:
     async def stop(self) -> None:
         self._stop.set()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._h2 is not None:
+            await self._h2[0].close()
+            self._h2 = None
+        if self._grpc is not None:
+            await self._grpc.close()
+            self._grpc = None
 
     async def _loop(
         self,
@@ -123,15 +146,15 @@ class Load:
         async with aiohttp.ClientSession(connector=connector, timeout=TIMEOUT) as session:
             while not self._stop.is_set():
                 started = time.monotonic()
-                backend, cause = "", ""
+                backend, cause, detail = "", "", ""
                 try:
                     backend = await call(session)
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
-                    cause = cause_of(exc)
+                    cause, detail = cause_of(exc), f"{type(exc).__name__}: {exc}"[:200]
                 self.outcomes.append(
-                    Outcome(started, kind, cause, time.monotonic() - started, backend)
+                    Outcome(started, kind, cause, time.monotonic() - started, backend, detail)
                 )
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), pause)
@@ -191,6 +214,66 @@ class Load:
             server_hostname=TLS_HOST,
         ) as response:
             return check_small(response, await response.read())
+
+    async def _h2_small(self, session: aiohttp.ClientSession) -> str:
+        mtime = self.bundle.stat().st_mtime
+        if self._h2_ssl is None or self._h2_ssl[0] != mtime:
+            context = ssl.create_default_context(cafile=str(self.bundle))
+            context.set_alpn_protocols(["h2"])
+            self._h2_ssl = (mtime, context)
+        if self._h2 is not None and (
+            self._h2[0].closed.is_set()
+            or self._h2[0].goaway is not None
+            or self._h2[1][0] >= H2_STREAMS_PER_CONNECTION
+        ):
+            await self._h2[0].close()
+            self._h2 = None
+        if self._h2 is None:
+            client = await H2Client.connect(
+                self.https_port, tls=self._h2_ssl[1], server_hostname=TLS_HOST
+            )
+            self._h2 = (client, [0])
+        client, used = self._h2
+        used[0] += 1
+        stream_id = client.start("GET", "/small", TLS_HOST, [("x-soak-id", self.rid())])
+        try:
+            response = await client.wait(stream_id, 30)
+        finally:
+            client.pending.pop(stream_id, None)  # the client keeps every stream otherwise
+        if response.reset is not None:
+            raise Failed(f"h2 stream reset ({response.reset})")
+        if response.status != 200:
+            raise Failed(f"http {response.status}")
+        backend = (response.header(b"x-backend") or b"").decode()
+        if response.body != f"ok {backend}\n".encode():
+            raise Failed("corrupt body")
+        return backend
+
+    def _grpc_channel(self) -> grpc.aio.Channel:
+        if self._grpc is None:
+            self._grpc = grpc.aio.insecure_channel(
+                self.http.removeprefix("http://"),
+                options=[("grpc.default_authority", GRPC_HOST)],
+            )
+        return self._grpc
+
+    async def _grpc_unary(self, session: aiohttp.ClientSession) -> str:
+        rid = self.rid().encode()
+        call = self._grpc_channel().unary_unary("/soak.Echo/Unary")
+        reply: bytes = await call(rid, timeout=30, metadata=(("x-soak-id", rid.decode()),))
+        echoed, _, backend = reply.partition(b"|")
+        if echoed != rid:
+            raise Failed("corrupt grpc reply")
+        return backend.decode()
+
+    async def _grpc_stream(self, session: aiohttp.ClientSession) -> str:
+        rid = self.rid().encode()
+        call = self._grpc_channel().unary_stream("/soak.Echo/ServerStream")
+        request = rid + b":" + str(GRPC_STREAM_MESSAGES).encode()
+        got = [m async for m in call(request, timeout=30)]
+        if got != [rid + b":" + str(i).encode() for i in range(GRPC_STREAM_MESSAGES)]:
+            raise Failed(f"grpc stream: {len(got)} of {GRPC_STREAM_MESSAGES} messages, or wrong")
+        return "backend-a"
 
     def _ws(self, host: str) -> Callable[[aiohttp.ClientSession], Awaitable[str]]:
         async def call(session: aiohttp.ClientSession) -> str:

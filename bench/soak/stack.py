@@ -1,7 +1,11 @@
 """The soak's processes: every Waygate service as its own process, TLS everywhere.
 
 - certs (one process, file-backed CA; short leaf lifetime so every leaf rotates
-  during the soak, `--clock-skew 0` so that lifetime is the real one);
+  during the soak, `--clock-skew 0` so that lifetime is the real one). Not two
+  replicas: replicas keep the CA in a Kubernetes Secret and elect a leader by
+  Lease, which only the stand-in API server offers here; that pair is proven
+  by tests/system/test_certs_replicas.py (failover, rotation across leaders),
+  not under this load;
 - resolver (one process over a routes file: its tunnel presence lives in the
   replica the tunnel servers report to, so file-mode replicas would each see
   only part of it; Kubernetes mode is where replicas share a source);
@@ -11,7 +15,8 @@
 - the proxy (HTTP and HTTPS), watching the resolver, dialling tunnelled
   endpoints through whichever replica holds the node;
 - backends (bench.soak.backend): two direct endpoints, a third added later,
-  one tunnelled endpoint.
+  one tunnelled endpoint; backend-a also serves gRPC (service port
+  appProtocol grpc: the proxy speaks HTTP/2 to it).
 Every port is chosen once, so a killed process restarts on the same address.
 Processes log JSON to DIR/logs/NAME.log; each gets SIGKILL if the driver dies.
 """
@@ -38,11 +43,12 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 TRUST = "waygate.local"
 NODE = "edge-soak"
-DIRECT_HOST, TUNNEL_HOST, TLS_HOST, LATE_HOST = (
+DIRECT_HOST, TUNNEL_HOST, TLS_HOST, LATE_HOST, GRPC_HOST = (
     "direct.soak.test",
     "tunnel.soak.test",
     "tls.soak.test",
     "late.soak.test",
+    "grpc.soak.test",
 )
 DIRECT_ADDRESSES = ("127.0.0.1", "127.0.0.2")
 ADDED_ADDRESS = "127.0.0.3"
@@ -127,7 +133,7 @@ class Stack:
         for name in (
                 "certs", "certs-admin", "resolver", "resolver-admin", "proxy-http",
                 "proxy-https", "proxy-admin", "agents-lb", "agent-1-admin", "agent-2-admin",
-                "backend-t",
+                "backend-t", "backend-grpc",
                 *(f"{r}-{p}" for r in ("ts-a", "ts-b")
                   for p in ("grpc", "dial", "front", "data", "admin")),
         ):  # fmt: skip
@@ -176,6 +182,7 @@ class Stack:
     def write_routes(self, *, direct: tuple[str, ...], late: bool) -> None:
         """The routes file: direct endpoints at `direct`, the late route when `late`."""
         port, tport = self.ports["backend-direct"], self.ports["backend-t"]
+        gport = self.ports["backend-grpc"]
         services = [
             {
                 "namespace": "soak", "name": "direct",
@@ -187,6 +194,12 @@ class Stack:
                 "ports": [{"name": "http", "port": 80, "targetPort": tport}],
                 "endpoints": [{"address": "127.0.0.1", "nodeName": NODE, "tunnel": True}],
             },
+            {
+                "namespace": "soak", "name": "grpc",
+                "ports": [{"name": "grpc", "port": 50051, "targetPort": gport,
+                           "appProtocol": "grpc"}],
+                "endpoints": [{"address": DIRECT_ADDRESSES[0]}],
+            },
         ]  # fmt: skip
         routes = [
             {"namespace": "soak", "name": "direct", "host": DIRECT_HOST, "to": "direct",
@@ -195,6 +208,8 @@ class Stack:
              "targetPort": "http"},
             {"namespace": "soak", "name": "tls", "host": TLS_HOST, "to": "direct",
              "targetPort": "http", "tls": {"termination": "edge"}},
+            {"namespace": "soak", "name": "grpc", "host": GRPC_HOST, "to": "grpc",
+             "targetPort": "grpc"},
         ]  # fmt: skip
         if late:
             routes.append(
@@ -277,12 +292,14 @@ class Stack:
         for name, host in zip(
             ("backend-a", "backend-b", "backend-c"), (*DIRECT_ADDRESSES, ADDED_ADDRESS), strict=True
         ):
+            grpc = ["--grpc-port", str(p["backend-grpc"])] if name == "backend-a" else []
             self._add(
                 name,
-                [*backend, "--host", host, "--port", str(p["backend-direct"]), "--name", name],
+                [*backend, "--host", host, "--port", str(p["backend-direct"]), "--name", name,
+                 *grpc],
                 None,
                 (host, p["backend-direct"]),
-            )
+            )  # fmt: skip
         self._add(
             "backend-t",
             [*backend, "--port", str(p["backend-t"]), "--name", "backend-t"],
