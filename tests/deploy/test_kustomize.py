@@ -439,11 +439,18 @@ def test_gateway_api_component_gives_the_classes_the_flag_and_status_rbac():
         for resource in rule["resources"]
         for verb in rule["verbs"]
     }
-    group = "gateway.networking.k8s.io"
-    for kind in ("gatewayclasses", "gateways", "httproutes", "grpcroutes", "tlsroutes"):
-        assert (group, kind, "watch") in granted and (group, f"{kind}/status", "update") in granted
-    assert (group, "referencegrants", "list") in granted
-    assert ("networking.k8s.io", "ingresses/status", "update") in granted
+    # Every kind the resolver watches is granted list and watch, every kind it writes
+    # the status of, update on /status (BackendTLSPolicy and its ConfigMaps included).
+    from waygate.resolver.gateway.kube import KINDS
+    from waygate.resolver.gateway.translate import STATUS_KINDS
+
+    for kind, (prefix, plural, _) in KINDS.items():
+        group = "" if prefix == "/api/v1" else prefix.split("/")[2]
+        assert {(group, plural, "list"), (group, plural, "watch")} <= granted, kind
+        if kind in STATUS_KINDS:
+            assert (group, f"{plural}/status", "update") in granted, kind
+    assert ("", "configmaps", "watch") in granted
+    assert ("gateway.networking.k8s.io", "backendtlspolicies/status", "update") in granted
     binding = named(objects, "ClusterRoleBinding", "waygate-resolver-gateway-api")
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": "waygate-resolver", "namespace": "waygate"}

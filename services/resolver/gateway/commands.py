@@ -67,6 +67,8 @@ def _row(item: pb.GatewayObjectStatus) -> tuple[str, ...]:
         detail = "address " + ", ".join(item.addresses) if item.addresses else "no address"
     elif item.kind == "GatewayClass":
         status, detail = _short(item.conditions), ""
+    elif item.kind == "BackendTLSPolicy" and not item.parents:
+        status, detail = "-", "not used by a route of Waygate's Gateways"
     else:
         status = "; ".join(
             f"{p.gateway_namespace}/{p.gateway_name}"

@@ -680,3 +680,35 @@ def test_separate_proxies_per_gateway_see_no_conflicts_across_gateways() -> None
         ),
     )
     assert listener_conditions(content, "aa-new")["Conflicted"] == ("False", "NoConflicts")
+
+
+def test_gateways_table_shows_a_policy_per_gateway_and_an_unused_one() -> None:
+    from waygate.resolver import convert
+    from waygate.resolver.gateway.commands import format_gateways
+
+    unused = f"""apiVersion: gateway.networking.k8s.io/v1
+kind: BackendTLSPolicy
+metadata: {{name: unused, namespace: {NS}}}
+spec:
+  targetRefs: [{{group: '', kind: Service, name: nobody}}]
+  validation: {{hostname: a.example.com, wellKnownCACertificates: System}}
+"""
+    content = parse(
+        GATEWAY_CLASS,
+        conformance_text("base.yaml"),
+        conformance_text("backendtlspolicy-invalid-ca-certificate-ref.yaml"),
+        unused,
+    )
+    table = format_gateways(
+        [
+            convert.gateway_status_to_proto(s.kind, s.namespace, s.name, s.generation, s.status)
+            for s in content.translation.statuses
+            if s.kind == "BackendTLSPolicy"
+        ]
+    )
+    rows = {line.split()[2]: line for line in table.splitlines()[1:]}
+    assert (
+        f"{NS}/same-namespace: Accepted=False(NoValidCACertificate: ConfigMap"
+        in (rows["nonexistent-ca-certificate-ref"])
+    )
+    assert "not used by a route of Waygate's Gateways" in rows["unused"]
