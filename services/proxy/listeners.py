@@ -1,8 +1,9 @@
 """Gateway listeners on ports of their own, and what the proxy reports about them.
 
 `--listener-ports` maps Gateway listener ports to the proxy's HTTP and HTTPS
-ports (default 80 -> HTTP, 443 -> HTTPS). A Gateway listener on any other port
-is bound as is once routes for it arrive: an HTTP listener gets a plain
+ports (default 80 -> HTTP, 443 -> HTTPS; a listener on the proxy's own HTTP or
+HTTPS port number is served there). A Gateway listener on any other port is
+bound as is once routes for it arrive: an HTTP listener gets a plain
 listener of its own on that port, whose connections look routes up on that
 listener's own side of the table (`routing.ListenerSide`), so port 8081's
 routes never answer on port 80 nor the other way round. HTTPS and TLS
@@ -139,19 +140,28 @@ class GatewayListeners:
                 continue
             wanted.add((route.gateway, route.listener_port, route.listener_protocol or "HTTP"))
         self._wanted = wanted
-        own = {
-            port for _, port, protocol in wanted if port not in self.mapped and protocol == "HTTP"
-        }
+        mapped = self._mapping()
+        own = {port for _, port, protocol in wanted if port not in mapped and protocol == "HTTP"}
         for port in [p for p in self._bound if p not in own]:
             self._unbind(port)
         for port in sorted(own - set(self._bound)):
             self._try_bind(port)
         for port in [p for p in self._failed if p not in own]:
             del self._failed[port]
-        sides: dict[int, Any] = dict(self.mapped)
+        sides: dict[int, Any] = dict(mapped)
         sides.update({port: bound.side for port, bound in self._bound.items()})
         self._publish()
         return sides
+
+    def _mapping(self) -> dict[int, bool]:
+        """--listener-ports, and the proxy's own ports as themselves: a listener on
+        the port the proxy serves HTTP (HTTPS) on is served there, not bound twice."""
+        mapped = dict(self.mapped)
+        http_port, https_port = self._local_ports()
+        for port, secure in ((http_port, False), (https_port, True)):
+            if port and port not in mapped:
+                mapped[port] = secure
+        return mapped
 
     def retry(self) -> bool:
         """Try the failed ports again; True when one is bound now (build the table anew)."""
@@ -203,11 +213,12 @@ class GatewayListeners:
 
     def states(self) -> tuple[ListenerState, ...]:
         http_port, https_port = self._local_ports()
+        mapped = self._mapping()
         out = []
         for gateway, port, protocol in sorted(self._wanted):
             local, reason, message = 0, "", ""
-            if port in self.mapped:
-                local = https_port if self.mapped[port] else http_port
+            if port in mapped:
+                local = https_port if mapped[port] else http_port
             elif protocol != "HTTP":
                 reason = PORT_UNAVAILABLE
                 message = (

@@ -43,7 +43,7 @@ class Ports:
         self.https = free_port()
 
 
-def manifests(ports: Ports) -> str:
+def manifests(ports: Ports, proxy_port: int) -> str:
     return f"""apiVersion: gateway.networking.k8s.io/v1
 kind: Gateway
 metadata: {{name: own-ports, namespace: {INFRA}}}
@@ -52,6 +52,7 @@ spec:
   listeners:
   - {{name: free, port: {ports.free}, protocol: HTTP}}
   - {{name: busy, port: {ports.busy}, protocol: HTTP}}
+  - {{name: same, port: {proxy_port}, protocol: HTTP, hostname: same.example.com}}
   - name: secure
     port: {ports.https}
     protocol: HTTPS
@@ -64,6 +65,13 @@ spec:
   parentRefs: [{{name: own-ports, sectionName: free}}, {{name: own-ports, sectionName: busy}},
                {{name: own-ports, sectionName: secure}}]
   hostnames: [own.example.com]
+  rules: [{{backendRefs: [{{name: infra-backend-v1, port: 8080}}]}}]
+---
+apiVersion: gateway.networking.k8s.io/v1
+kind: HTTPRoute
+metadata: {{name: on-the-proxy-port, namespace: {INFRA}}}
+spec:
+  parentRefs: [{{name: own-ports, sectionName: same}}]
   rules: [{{backendRefs: [{{name: infra-backend-v1, port: 8080}}]}}]
 ---
 apiVersion: gateway.networking.k8s.io/v1
@@ -87,7 +95,7 @@ async def suite(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Suite
     ports = Ports()
     conformance = await Conformance(tmp_path_factory.mktemp("manifests")).start()
     try:
-        await conformance.apply(extra=manifests(ports))
+        await conformance.apply(extra=manifests(ports, conformance.port))
         yield Suite(conformance, ports)
     finally:
         ports.holder.close()
@@ -135,6 +143,14 @@ async def test_an_unmapped_listener_port_is_bound_and_serves_only_its_routes(
     response = await suite.conformance.request("/", host="own.example.com")
     assert response.backend == V2
     conditions = (await listeners(suite.conformance))["free"]
+    assert conditions["Programmed"][:2] == ("True", "Programmed")
+
+
+async def test_a_listener_on_the_proxy_s_own_http_port_is_served_there(suite: Suite) -> None:
+    """Not bound a second time (which would fail as in use): the HTTP port serves it."""
+    response = await suite.conformance.request("/", host="same.example.com")
+    assert response.backend == V1
+    conditions = (await listeners(suite.conformance))["same"]
     assert conditions["Programmed"][:2] == ("True", "Programmed")
 
 
