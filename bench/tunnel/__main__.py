@@ -133,6 +133,45 @@ def push_tcp(port: int, total: int) -> float:
     return elapsed
 
 
+def pull_tcp(port: int, total: int) -> float:
+    """Seconds to ask the source at 127.0.0.1:port for `total` bytes and receive them all."""
+    buffer = bytearray(SEND_BUFFER)
+    started = time.perf_counter()
+    received = 0
+    with socket.create_connection(("127.0.0.1", port), timeout=120) as conn:
+        conn.sendall(struct.pack(">Q", total))
+        while True:
+            n = conn.recv_into(buffer)
+            if not n:
+                break
+            received += n
+    elapsed = time.perf_counter() - started
+    if received != total:
+        raise RuntimeError(f"the source sent {received} bytes, expected {total}")
+    return elapsed
+
+
+async def pull_grpc(port: int, total: int, credentials: grpc.ChannelCredentials) -> float:
+    async with grpc.aio.secure_channel(
+        f"127.0.0.1:{port}", credentials, options=[("grpc.ssl_target_name_override", "localhost")]
+    ) as channel:
+        await channel.channel_ready()
+        pull = channel.stream_stream(
+            peers.GRPC_PULL, request_serializer=lambda b: b, response_deserializer=lambda b: b
+        )
+        started = time.perf_counter()
+        call = pull()
+        await call.write(struct.pack(">Q", total))
+        await call.done_writing()
+        received = 0
+        async for chunk in call:
+            received += len(chunk)
+        elapsed = time.perf_counter() - started
+    if received != total // CHUNK * CHUNK:
+        raise RuntimeError(f"grpc source sent {received} bytes, expected {total}")
+    return elapsed
+
+
 async def push_grpc(port: int, total: int, credentials: grpc.ChannelCredentials) -> float:
     chunk = b"\x5a" * CHUNK
     count = total // CHUNK
@@ -163,7 +202,7 @@ async def push_grpc(port: int, total: int, credentials: grpc.ChannelCredentials)
 class SshForward:
     """A local sshd on a free port and `ssh -R` to it, forwarding to the sink."""
 
-    def __init__(self, directory: Path, target_port: int) -> None:
+    def __init__(self, directory: Path, target_port: int, source_port: int) -> None:
         sshd, ssh, keygen = (shutil.which(b) for b in ("sshd", "ssh", "ssh-keygen"))
         if sshd is None:
             sshd = "/usr/sbin/sshd" if Path("/usr/sbin/sshd").exists() else None
@@ -179,6 +218,7 @@ class SshForward:
         (directory / "authorized_keys").write_text((directory / "client.pub").read_text())
         self.port = free_port()
         self.forward_port = free_port()
+        self.source_forward_port = free_port()
         config = directory / "sshd_config"
         config.write_text(
             "\n".join(
@@ -209,12 +249,14 @@ class SshForward:
                 "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
                 "-o", "ExitOnForwardFailure=yes", "-o", "BatchMode=yes",
                 "-R", f"127.0.0.1:{self.forward_port}:127.0.0.1:{target_port}",
+                "-R", f"127.0.0.1:{self.source_forward_port}:127.0.0.1:{source_port}",
                 f"{os.environ.get('USER', 'root')}@127.0.0.1",
             ],
             directory / "ssh.log",
             stdin=False,
         )  # fmt: skip
         wait_for_port(self.forward_port, self.ssh)
+        wait_for_port(self.source_forward_port, self.ssh)
         cipher = subprocess.run([ssh, "-G", "127.0.0.1"], capture_output=True, text=True).stdout
         self.ciphers = next(
             (line.split()[1] for line in cipher.splitlines() if line.startswith("ciphers ")), "?"
@@ -310,12 +352,12 @@ async def run(mib: int, dial_seconds: float) -> str:
         "# Tunnel benchmark",
         "",
         f"Machine: {describe()}; load average {os.getloadavg()[0]:.1f} at start.",
-        f"Command: `.venv/bin/python -m bench.tunnel --mib {mib}`; {mib} MiB per transfer, "
-        "best of 2; TLS on every hop except (a) and (c)'s own ssh encryption.",
+        f"Command: `.venv/bin/python -m bench.tunnel --mib {mib}`; {mib} MiB per transfer and "
+        "direction, best of 2; TLS on every hop except (a) and (c)'s own ssh encryption.",
         "",
     ]
-    results: dict[str, float] = {}
-    cpu: dict[str, float] = {}  # CPU seconds per transfer, every process on the path
+    results: dict[tuple[str, str], float] = {}
+    cpu: dict[tuple[str, str], float] = {}  # CPU seconds per transfer, every process on the path
     with tempfile.TemporaryDirectory(prefix="bench-tunnel-") as tmp:
         directory = Path(tmp)
         ca = LocalCA()
@@ -337,100 +379,96 @@ async def run(mib: int, dial_seconds: float) -> str:
         )  # fmt: skip
         ssh: SshForward | None = None
         try:
-            bulk_port, http_port = (int(p) for p in sink.first_line().split())
+            bulk_port, http_port, source_port = (int(p) for p in sink.first_line().split())
             grpc_port = int(grpc_sink.first_line())
             sink_pids = [sink.process.pid]
-            before = cpu_seconds(sink_pids)
-            results["direct"] = best_of(2, lambda: push_tcp(bulk_port, total))
-            cpu["direct"] = (cpu_seconds(sink_pids) - before) / 2
+            for direction, measure in (("up", push_tcp), ("down", pull_tcp)):
+                port = bulk_port if direction == "up" else source_port
+                before = cpu_seconds(sink_pids)
+                results["direct", direction] = best_of(2, lambda: measure(port, total))  # noqa: B023
+                cpu["direct", direction] = (cpu_seconds(sink_pids) - before) / 2
             credentials = grpc.ssl_channel_credentials(
                 root_certificates=client_files.ca.read_bytes(),
                 private_key=client_files.key.read_bytes(),
                 certificate_chain=client_files.cert.read_bytes(),
             )
-            before = cpu_seconds([grpc_sink.process.pid])
-            results["grpc"] = await best_of_async(
-                2, lambda: push_grpc(grpc_port, total, credentials)
-            )
-            cpu["grpc"] = (cpu_seconds([grpc_sink.process.pid]) - before) / 2
+            for direction, grpc_measure in (("up", push_grpc), ("down", pull_grpc)):
+                before = cpu_seconds([grpc_sink.process.pid])
+                results["grpc", direction] = await best_of_async(
+                    2,
+                    lambda: grpc_measure(grpc_port, total, credentials),  # noqa: B023
+                )
+                cpu["grpc", direction] = (cpu_seconds([grpc_sink.process.pid]) - before) / 2
             try:
-                ssh = SshForward(directory / "ssh", bulk_port)
-                forward = ssh.forward_port
+                ssh = SshForward(directory / "ssh", bulk_port, source_port)
                 ssh_pids = [*sink_pids, ssh.ssh.process.pid]
-                before = cpu_seconds([*ssh_pids, *process_tree(ssh.sshd.process.pid)])
-                results["ssh"] = best_of(2, lambda: push_tcp(forward, total))
-                after = cpu_seconds([*ssh_pids, *process_tree(ssh.sshd.process.pid)])
-                cpu["ssh"] = (after - before) / 2
+                for direction, measure in (("up", push_tcp), ("down", pull_tcp)):
+                    port = ssh.forward_port if direction == "up" else ssh.source_forward_port
+                    before = cpu_seconds([*ssh_pids, *process_tree(ssh.sshd.process.pid)])
+                    results["ssh", direction] = best_of(2, lambda: measure(port, total))  # noqa: B023
+                    after = cpu_seconds([*ssh_pids, *process_tree(ssh.sshd.process.pid)])
+                    cpu["ssh", direction] = (after - before) / 2
             except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
                 lines.append(f"ssh -R not measured: {exc}")
             from bench.tunnel import tunnel
 
             tunnel_report = await tunnel.measure(
-                directory, ca, server_files, client_files, bulk_port, http_port, total,
-                dial_seconds, sink.process.pid,
+                directory, ca, server_files, client_files,
+                {"bulk": bulk_port, "http": http_port, "source": source_port},
+                total, dial_seconds, sink.process.pid,
             )  # fmt: skip
         finally:
             if ssh is not None:
                 ssh.stop()
             sink.stop()
             grpc_sink.stop()
-    if tunnel_report.bulk_seconds is not None:
-        results["tunnel"] = tunnel_report.bulk_seconds
-    if tunnel_report.bulk_cpu is not None:
-        cpu["tunnel"] = tunnel_report.bulk_cpu
-    if tunnel_report.bridged_seconds is not None:
-        results["bridged"] = tunnel_report.bridged_seconds
-    if tunnel_report.bridged_cpu is not None:
-        cpu["bridged"] = tunnel_report.bridged_cpu
-    lines += [
-        "| path | GB/s | tunnel as a ratio of it | CPU s per GiB, all processes | CPU ratio |",
-        "|---|---:|---:|---:|---:|",
-    ]
+    for key, seconds in tunnel_report.seconds.items():
+        path, _, direction = key.rpartition("-")
+        results[path or "tunnel", direction] = seconds
+        cpu[path or "tunnel", direction] = tunnel_report.cpu[key]
+    gib = total / (1 << 30)
     names = {
         "direct": "(a) direct loopback TCP",
-        "grpc": "(b) one bare grpc.aio bidi stream, 64 KiB chunks, mTLS",
+        "grpc": "(b) one bare grpc.aio bidi stream, 64 KiB messages, mTLS",
         "ssh": f"(c) ssh -R through a local sshd ({ssh.ciphers if ssh else '?'})",
-        "tunnel": "**Waygate tunnel** (dialer -> server -> agent -> sink, mTLS)",
-        "bridged": "Waygate tunnel, the dialer as the proxy sends (a socket bridged to the stream)",
-    }
-    tunnel_seconds = results.get("tunnel")
-    for key, label in names.items():
-        if key not in results:
-            continue
-        ratio = (
-            f"{results[key] / tunnel_seconds:.2f}"
-            if tunnel_seconds is not None and key not in ("tunnel", "bridged")
-            else ""
-        )
-        gib = total / (1 << 30)
-        cpu_text = f"{cpu[key] / gib:.2f}" if key in cpu else ""
-        cpu_ratio = (
-            f"{cpu[key] / cpu['tunnel']:.2f}"
-            if key in cpu and "tunnel" in cpu and key not in ("tunnel", "bridged")
-            else ""
-        )
-        lines.append(
-            f"| {label} | {gbps(total, results[key]):.2f} | {ratio} | {cpu_text} | {cpu_ratio} |"
-        )
+        "tunnel": "**Waygate tunnel**, dial client stream, 64 KiB writes (dialer -> server -> agent -> sink, mTLS both hops)",
+        "proxy": "**Waygate tunnel**, as the proxy: its upstream protocol on the data connection, 256 KiB writes",
+    }  # fmt: skip
+    lines += [
+        "| path | GB/s up | GB/s down | proxy-style tunnel / it, up | down | CPU s per GiB up | down |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for path, label in names.items():
+        cells = [label]
+        for direction in ("up", "down"):
+            took = results.get((path, direction))
+            cells.append(f"{gbps(total, took):.2f}" if took else "")
+        for direction in ("up", "down"):
+            proxy = results.get(("proxy", direction))
+            took = results.get((path, direction))
+            cells.append(f"{took / proxy:.2f}" if proxy and took and path != "proxy" else "")
+        for direction in ("up", "down"):
+            spent = cpu.get((path, direction))
+            cells.append(f"{spent / gib:.2f}" if spent is not None else "")
+        lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
-    if tunnel_seconds is not None and "grpc" in results:
-        share = results["grpc"] / tunnel_seconds
-        lines.append(
-            f"Tunnel / (b): **{share:.2f}** (aim >= 0.60: {'met' if share >= 0.6 else 'not met'})."
-        )
-    if "bridged" in results and "grpc" in results:
-        lines.append(
-            f"Tunnel with the dialer as the proxy sends / (b): **{results['grpc'] / results['bridged']:.2f}** "
-            "(the (b) comparison above keeps the dialer's 64 KiB writes, (b)'s chunk size)."
-        )
-    if tunnel_seconds is not None and "ssh" in results:
-        lines.append(f"Tunnel / ssh -R: **{results['ssh'] / tunnel_seconds:.2f}**.")
-    if "tunnel" in cpu and "grpc" in cpu:
-        lines.append(
-            f"CPU: the tunnel spends {cpu['tunnel'] / cpu['grpc']:.2f}x the CPU of (b) per byte "
-            "(two gRPC hops and three processes against one hop and two): on two cores its "
-            "throughput ratio is bounded near the CPU ratio."
-        )
+    for path in ("proxy", "tunnel"):
+        for peer, aim in (("ssh", 1.5), ("grpc", None), ("direct", None)):
+            ratios = [
+                results[peer, d] / results[path, d]
+                for d in ("up", "down")
+                if (peer, d) in results and (path, d) in results
+            ]
+            if len(ratios) != 2:
+                continue
+            verdict = ""
+            if aim is not None:
+                verdict = f" (aim >= {aim}: {'met' if min(ratios) >= aim else 'not met'})"
+            lines.append(
+                f"Tunnel ({'as the proxy' if path == 'proxy' else '64 KiB writes'}) / "
+                f"{names[peer].split(' ', 1)[1].split(',')[0]}: **{ratios[0]:.2f}** up, "
+                f"**{ratios[1]:.2f}** down{verdict}."
+            )
     lines += ["", *tunnel_report.lines]
     return "\n".join(lines) + "\n"
 

@@ -42,7 +42,7 @@ async def run(
         spies: list[subprocess.Popen[bytes]] = []
         tunnel: RunningTunnel | None = None
         try:
-            sink_port, http_port = (int(p) for p in sink.first_line().split())
+            sink_port, http_port, _source = (int(p) for p in sink.first_line().split())
             tunnel = await start_tunnel(
                 directory, ca, server_files, client_files, http_port, server_id="b-0"
             )

@@ -11,11 +11,14 @@ with 1,000 idle tunnelled connections.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import json
-import socket
+import shutil
+import signal
 import struct
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,25 +27,27 @@ from typing import Any
 import grpc
 
 from tests.support.pki import IdentityFiles, LocalCA
-from waygate.tunnel.client import DialFailed, StaticPresence, TunnelClient, bridged_socket
+from waygate.tunnel.client import DataStream, DialFailed, StaticPresence, TunnelClient
 from waygate.tunnel.relay import client_context
 
 NODE = "edge-bench"
 DIALER = "spiffe://bench.local/ns/waygate/sa/waygate-proxy"
 CHUNK = 64 * 1024
+PROXY_READ = 256 * 1024  # what one socket read of the proxy's client connection gets
 IDLE_CONNECTIONS = 1000
 LATENCY_SAMPLES = 300
+SPACING = 0.02  # seconds between spaced requests (the pools refill between them)
 HTTP_REQUEST = b"GET / HTTP/1.1\r\nHost: sink\r\nConnection: close\r\n\r\n"
 
 
 @dataclasses.dataclass
 class TunnelReport:
-    bulk_seconds: float | None
+    # Seconds per transfer and CPU seconds per transfer (every process on the path), by
+    # row: "up"/"down" (the dial client's stream, 64 KiB writes) and "proxy-up"/
+    # "proxy-down" (a protocol on the data connection, as the proxy's upstream).
+    seconds: dict[str, float]
+    cpu: dict[str, float]
     lines: list[str]
-    bulk_cpu: float | None = None  # CPU seconds per transfer: driver, server, agent, sink
-    # The same transfer with the dialer writing a socket bridged to the stream (as the proxy).
-    bridged_seconds: float | None = None
-    bridged_cpu: float | None = None
 
 
 def _log_entry(log: Path, message: str) -> dict | None:  # type: ignore[type-arg]
@@ -92,36 +97,117 @@ async def _bulk(client: TunnelClient, port: int, total: int, chunk_size: int = C
     return elapsed
 
 
-async def _bulk_bridged(client: TunnelClient, port: int, total: int) -> float:
-    """`_bulk` as the proxy sends: a socket written in 1 MiB calls, bridged to the stream.
+class _Pusher(asyncio.Protocol):
+    """The proxy's side of an upload: what a client socket read gets (256 KiB) written to
+    the data connection as its transport, pausing while its buffer is full."""
 
-    The bridge (`waygate.tunnel.client.bridged_socket`) sends what each socket
-    read gets (up to 256 KiB, joined up to MAX_CHUNK), so the dialer's frames
-    are as large as the proxy's would be for a client uploading in bulk.
-    """
-    loop = asyncio.get_running_loop()
-    payload = memoryview(b"\x5a" * (1024 * 1024))
+    def __init__(self) -> None:
+        self.writable: asyncio.Future[None] | None = None
+        self.received = b""
+        self.done = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def pause_writing(self) -> None:
+        self.writable = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self.writable is not None and not self.writable.done():
+            self.writable.set_result(None)
+        self.writable = None
+
+    def data_received(self, data: bytes) -> None:
+        self.received += data
+
+    def eof_received(self) -> bool:
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+        self.resume_writing()
+
+
+async def _bulk_transport(client: TunnelClient, port: int, total: int) -> float:
+    """`_bulk` as the proxy sends: 256 KiB writes straight onto the data connection."""
+    chunk = b"\x5a" * PROXY_READ
     started = time.perf_counter()
     stream = await client.dial(NODE, port)
-    sock = await bridged_socket(stream)
+    if not isinstance(stream, DataStream):
+        raise RuntimeError("the tunnel answered on the gRPC path, not a data connection")
+    pusher = _Pusher()
+    stream.link.attach(pusher)
     try:
         sent = 0
         while sent < total:
-            size = min(len(payload), total - sent)
-            await loop.sock_sendall(sock, payload[:size])
-            sent += size
-        sock.shutdown(socket.SHUT_WR)
-        ack = b""
-        while len(ack) < 8:
-            more = await asyncio.wait_for(loop.sock_recv(sock, 8 - len(ack)), 120)
-            if not more:
-                break
-            ack += more
+            stream.link.write(chunk)
+            sent += PROXY_READ
+            if pusher.writable is not None:
+                await pusher.writable
+        stream.link.write_eof()
+        async with asyncio.timeout(120):
+            await pusher.done
     finally:
-        sock.close()
+        stream.link.abort()
     elapsed = time.perf_counter() - started
-    if ack[:8] != struct.pack(">Q", total):
-        raise RuntimeError(f"sink acknowledged {ack!r} through the bridge, expected {total}")
+    if pusher.received[:8] != struct.pack(">Q", total):
+        raise RuntimeError(f"sink acknowledged {pusher.received[:8]!r}, expected {total}")
+    return elapsed
+
+
+async def _pull(client: TunnelClient, port: int, total: int) -> float:
+    """Download `total` bytes from the source through the tunnel (the stream's reads)."""
+    started = time.perf_counter()
+    stream = await client.dial(NODE, port)
+    received = 0
+    try:
+        await stream.write(struct.pack(">Q", total))
+        while more := await stream.read():
+            received += len(more)
+    finally:
+        await stream.aclose()
+    elapsed = time.perf_counter() - started
+    if received != total:
+        raise RuntimeError(f"received {received} bytes through the tunnel, expected {total}")
+    return elapsed
+
+
+class _Counter(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.count = 0
+        self.done = asyncio.get_running_loop().create_future()
+
+    def data_received(self, data: bytes) -> None:
+        self.count += len(data)
+
+    def eof_received(self) -> bool:
+        if not self.done.done():
+            self.done.set_result(None)
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+
+async def _pull_transport(client: TunnelClient, port: int, total: int) -> float:
+    """`_pull` as the proxy receives: a protocol on the data connection, no stream."""
+    started = time.perf_counter()
+    stream = await client.dial(NODE, port)
+    if not isinstance(stream, DataStream):
+        raise RuntimeError("the tunnel answered on the gRPC path, not a data connection")
+    counter = _Counter()
+    stream.link.attach(counter)
+    try:
+        stream.link.write(struct.pack(">Q", total))
+        async with asyncio.timeout(120):
+            await counter.done
+    finally:
+        stream.link.abort()
+    elapsed = time.perf_counter() - started
+    if counter.count != total:
+        raise RuntimeError(f"received {counter.count} bytes through the tunnel, expected {total}")
     return elapsed
 
 
@@ -148,9 +234,11 @@ async def _direct_request(port: int) -> None:
         await writer.wait_closed()
 
 
-async def _latencies(request, count: int) -> list[float]:  # type: ignore[no-untyped-def]
+async def _latencies(request, count: int, gap: float = 0.0) -> list[float]:  # type: ignore[no-untyped-def]
     samples = []
     for _ in range(count):
+        if gap:
+            await asyncio.sleep(gap)
         started = time.perf_counter()
         await request()
         samples.append((time.perf_counter() - started) * 1000)
@@ -198,18 +286,21 @@ async def start_tunnel(
     client_files: IdentityFiles,
     http_port: int,
     server_id: str,
+    *,
+    pool_size: int = 4,
 ) -> RunningTunnel:
     """Start a tunnel server and an agent for NODE, and return once an HTTP request to
     `http_port` on NODE goes through (the agent connected); stops what it started if not."""
     from bench.tunnel.__main__ import Child
 
-    agent_files = ca.write_files(directory / "agent", dns=[NODE])
+    # The agent role: a clientAuth-only certificate naming the node (waygate.tunnel.peers).
+    agent_files = ca.write_files(directory / "agent", dns=[NODE], client_only=True)
     server = Child(
         [sys.executable, "-m", "waygate", "tunnel", "serve", "--grpc-port", "0", "--data-port", "0",
          "--dial-port", "0", "--front-port", "0", "--admin-port", "0", "--server-id", server_id,
          "--dialers", DIALER, "--tls-cert-file", str(server_files.cert),
          "--tls-key-file", str(server_files.key), "--tls-client-ca-file", str(server_files.ca)],
-        directory / "tunnel-server.log",
+        directory / f"tunnel-server-{server_id}.log",
     )  # fmt: skip
     agent = None
     client = None
@@ -221,8 +312,8 @@ async def start_tunnel(
              f"127.0.0.1:{agent_port}", "--server-name", "localhost", "--node", NODE,
              "--admin-port", "0", "--tls-cert-file", str(agent_files.cert),
              "--tls-key-file", str(agent_files.key), "--tls-client-ca-file", str(agent_files.ca),
-             "--allow", "127.0.0.1/32:*"],
-            directory / "tunnel-agent.log",
+             "--allow", "127.0.0.1/32:*", "--pool-size", str(pool_size)],
+            directory / f"tunnel-agent-{server_id}.log",
         )  # fmt: skip
         credentials = grpc.ssl_channel_credentials(
             root_certificates=client_files.ca.read_bytes(),
@@ -240,6 +331,7 @@ async def start_tunnel(
             credentials=lambda: credentials,
             server_name="localhost",
             ssl_context=lambda: context,
+            pool_size=pool_size,  # the dialer's warm pool, as the proxy keeps one
         )
         deadline = time.monotonic() + 60
         while True:
@@ -261,56 +353,148 @@ async def start_tunnel(
         raise
 
 
+def _spy() -> str | None:
+    """py-spy, installed into this environment when missing (the benchmark's own setup)."""
+    found = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(found).exists():
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "py-spy"],
+                       check=False, capture_output=True)  # fmt: skip
+    return found if Path(found).exists() else None
+
+
+def _top_frames(raw: Path, count: int = 8) -> list[tuple[float, str]]:
+    """The functions with the most samples of their own in a py-spy raw profile."""
+    own: collections.Counter[str] = collections.Counter()
+    total = 0
+    with contextlib.suppress(OSError):
+        for line in raw.read_text().splitlines():
+            stack, _, samples = line.rpartition(" ")
+            if not samples.isdigit():
+                continue
+            total += int(samples)
+            frame = stack.rsplit(";", 1)[-1]
+            own[frame.split(" (")[0] + " (" + frame.rsplit("/", 1)[-1]] += int(samples)
+    return [(100 * n / total, name) for name, n in own.most_common(count)] if total else []
+
+
+async def _profiled(
+    directory: Path, pids: dict[str, int], transfer: Any
+) -> tuple[float, dict[str, list[tuple[float, str]]]]:
+    """Run `transfer()` with py-spy recording each process in `pids`."""
+    spy = _spy()
+    spies = []
+    if spy is not None:
+        for name, pid in pids.items():
+            argv = [spy, "record", "--rate", "100", "--format", "raw", "--native",
+                    "--pid", str(pid), "--output", str(directory / f"{name}.txt")]  # fmt: skip
+            spies.append(
+                subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            )
+        await asyncio.sleep(1.0)
+    try:
+        seconds = await transfer()
+    finally:
+        for process in spies:
+            process.send_signal(signal.SIGINT)
+        for process in spies:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(30)
+    return seconds, {name: _top_frames(directory / f"{name}.txt") for name in pids}
+
+
+async def _dial_figures(
+    client: TunnelClient, http_port: int, dial_seconds: float, label: str
+) -> list[str]:
+    rate = await _dials_per_second(client, http_port, dial_seconds)
+    direct = await _latencies(lambda: _direct_request(http_port), LATENCY_SAMPLES)
+    tunnelled = await _latencies(lambda: _tunnel_request(client, http_port), LATENCY_SAMPLES)
+    spaced = await _latencies(
+        lambda: _tunnel_request(client, http_port), LATENCY_SAMPLES // 2, gap=SPACING
+    )
+    direct_spaced = await _latencies(
+        lambda: _direct_request(http_port), LATENCY_SAMPLES // 2, gap=SPACING
+    )
+
+    def added(samples: list[float], base: list[float]) -> str:
+        return (
+            f"{_pct(samples, 0.5) - _pct(base, 0.5):.2f} / "
+            f"{_pct(samples, 0.99) - _pct(base, 0.99):.2f} ms"
+        )
+
+    return [
+        f"| {label}: dials per second (dial, one HTTP request, close; 8 concurrent) | {rate:,.0f} |",
+        f"| {label}: HTTP request on a fresh connection, direct / tunnelled, p50 | {_pct(direct, 0.5):.2f} / {_pct(tunnelled, 0.5):.2f} ms |",
+        f"| **{label}: latency added, requests back to back: p50 / p99** | **{added(tunnelled, direct)}** |",
+        f"| **{label}: latency added, requests {SPACING * 1000:.0f} ms apart (the pools refilled between): p50 / p99** | **{added(spaced, direct_spaced)}** |",
+    ]  # fmt: skip
+
+
 async def measure(
     directory: Path,
     ca: LocalCA,
     server_files: IdentityFiles,
     client_files: IdentityFiles,
-    bulk_port: int,
-    http_port: int,
+    ports: dict[str, int],
     total: int,
     dial_seconds: float,
     sink_pid: int,
 ) -> TunnelReport:
+    from bench.tunnel.__main__ import cpu_seconds
+
+    bulk_port, http_port, source_port = ports["bulk"], ports["http"], ports["source"]
+    seconds: dict[str, float] = {}
+    cpu: dict[str, float] = {}
+    split: dict[str, list[float]] = {}
+    lines: list[str] = []
+    profiles: dict[str, dict[str, list[tuple[float, str]]]] = {}
     tunnel = await start_tunnel(
         directory, ca, server_files, client_files, http_port, server_id="bench-0"
     )
     server, agent, client = tunnel.server, tunnel.agent, tunnel.client
-    lines: list[str] = []
+    pids = [server.process.pid, agent.process.pid, sink_pid]
     try:
-        from bench.tunnel.__main__ import cpu_seconds
-
-        pids = [server.process.pid, agent.process.pid, sink_pid]
-        before = [cpu_seconds([p]) - cpu_seconds([]) for p in pids], cpu_seconds([])
-        bulk = min([await _bulk(client, bulk_port, total) for _ in range(2)])
-        after = [cpu_seconds([p]) - cpu_seconds([]) for p in pids], cpu_seconds([])
-        split = [(a - b) / 2 for a, b in zip(after[0], before[0], strict=True)]
-        driver = (after[1] - before[1]) / 2
-        bulk_cpu = sum(split) + driver
+        transfers = {
+            "up": lambda: _bulk(client, bulk_port, total),
+            "down": lambda: _pull(client, source_port, total),
+            "proxy-up": lambda: _bulk_transport(client, bulk_port, total),
+            "proxy-down": lambda: _pull_transport(client, source_port, total),
+        }
+        for key, transfer in transfers.items():
+            before = [cpu_seconds([p]) - cpu_seconds([]) for p in pids], cpu_seconds([])
+            seconds[key] = min([await transfer() for _ in range(2)])
+            after = [cpu_seconds([p]) - cpu_seconds([]) for p in pids], cpu_seconds([])
+            split[key] = [
+                *((a - b) / 2 for a, b in zip(after[0], before[0], strict=True)),
+                (after[1] - before[1]) / 2,
+            ]
+            cpu[key] = sum(split[key])
         gib = total / (1 << 30)
         lines += [
-            "CPU per GiB through the tunnel, by process: dialer (dial client, in the driver) "
-            f"{driver / gib:.2f} s, server {split[0] / gib:.2f} s, agent {split[1] / gib:.2f} s, "
-            f"sink {split[2] / gib:.2f} s.",
+            "CPU per GiB through the tunnel, by process (server / agent / sink or source / "
+            "the dialer, in the driver):",
+            "",
+            *(
+                f"- {key}: {' / '.join(f'{v / gib:.2f}' for v in values)} s"
+                for key, values in split.items()
+            ),
             "",
         ]
-        before = [cpu_seconds([p]) - cpu_seconds([]) for p in pids], cpu_seconds([])
-        bridged = min([await _bulk_bridged(client, bulk_port, total) for _ in range(2)])
-        after = [cpu_seconds([p]) - cpu_seconds([]) for p in pids], cpu_seconds([])
-        bridged_split = [(a - b) / 2 for a, b in zip(after[0], before[0], strict=True)]
-        bridged_driver = (after[1] - before[1]) / 2
-        bridged_cpu = sum(bridged_split) + bridged_driver
-        lines += [
-            "The same transfer with the dialer as the proxy sends (a socket written in 1 MiB "
-            "calls, bridged to the stream by `waygate.tunnel.client.bridged_socket`: frames of "
-            f"up to 256 KiB): {total / bridged / 1e9:.2f} GB/s; CPU per GiB: dialer "
-            f"{bridged_driver / gib:.2f} s, server {bridged_split[0] / gib:.2f} s, agent "
-            f"{bridged_split[1] / gib:.2f} s, sink {bridged_split[2] / gib:.2f} s.",
-            "",
-        ]
-        rate = await _dials_per_second(client, http_port, dial_seconds)
-        direct = await _latencies(lambda: _direct_request(http_port), LATENCY_SAMPLES)
-        tunnelled = await _latencies(lambda: _tunnel_request(client, http_port), LATENCY_SAMPLES)
+        for key in ("proxy-up", "proxy-down"):
+            _elapsed, profiles[key] = await _profiled(
+                directory / f"profile-{key}",
+                {"server": server.process.pid, "agent": agent.process.pid},
+                transfers[key],
+            )
+        lines += ["Where the time goes (py-spy --native, 100 Hz, one proxy-style transfer; "
+                  "the functions with the most samples of their own):", ""]  # fmt: skip
+        for key, by_process in profiles.items():
+            for name, frames in by_process.items():
+                shown = "; ".join(f"{share:.0f}% {frame}" for share, frame in frames[:6])
+                lines.append(f"- {key}, {name}: {shown or 'no samples'}")
+        lines.append("")
+
+        table = ["| through the tunnel | figure |", "|---|---:|"]
+        table += await _dial_figures(client, http_port, dial_seconds, "warm pools (4 each)")
 
         rss_before = (server.rss_kib(), agent.rss_kib())
         streams = []
@@ -320,18 +504,20 @@ async def measure(
         rss_idle = (server.rss_kib(), agent.rss_kib())
         for stream in streams:
             await stream.aclose()
-
-        lines += [
-            "| through the tunnel | figure |",
-            "|---|---:|",
-            f"| dials per second (dial, one HTTP request, close; 8 concurrent) | {rate:,.0f} |",
-            f"| HTTP request on a fresh connection, direct: p50 / p99 | {_pct(direct, 0.5):.2f} / {_pct(direct, 0.99):.2f} ms |",
-            f"| the same through the tunnel: p50 / p99 | {_pct(tunnelled, 0.5):.2f} / {_pct(tunnelled, 0.99):.2f} ms |",
-            f"| **added by the tunnel: p50 / p99** | **{_pct(tunnelled, 0.5) - _pct(direct, 0.5):.2f} / {_pct(tunnelled, 0.99) - _pct(direct, 0.99):.2f} ms** |",
+        table += [
             f"| RSS server / agent, no connection | {rss_before[0] / 1024:.0f} / {rss_before[1] / 1024:.0f} MiB |",
             f"| RSS server / agent, {IDLE_CONNECTIONS:,} idle tunnelled connections | {rss_idle[0] / 1024:.0f} / {rss_idle[1] / 1024:.0f} MiB |",
-            f"| per idle connection, server / agent | {(rss_idle[0] - rss_before[0]) / IDLE_CONNECTIONS:.1f} / {(rss_idle[1] - rss_before[1]) / IDLE_CONNECTIONS:.1f} KiB |",
+            f"| **per idle tunnelled connection, server / agent** | **{(rss_idle[0] - rss_before[0]) / IDLE_CONNECTIONS:.1f} / {(rss_idle[1] - rss_before[1]) / IDLE_CONNECTIONS:.1f} KiB** |",
         ]  # fmt: skip
-        return TunnelReport(bulk, lines, bulk_cpu, bridged, bridged_cpu)
     finally:
         await tunnel.stop()
+    # Cold: no pool on either side (agent --pool-size 0, dialer pool 0): every dial pays
+    # both handshakes, as before the pools.
+    cold = await start_tunnel(
+        directory, ca, server_files, client_files, http_port, server_id="bench-cold", pool_size=0
+    )
+    try:
+        table += await _dial_figures(cold.client, http_port, dial_seconds, "no pools (cold)")
+    finally:
+        await cold.stop()
+    return TunnelReport(seconds, cpu, [*lines, *table])

@@ -259,6 +259,10 @@ class AgentConnection(asyncio.Protocol):
                 self.transport.abort()
 
 
+# How long after a dial took a pooled data connection its replacement is opened.
+REFILL_DELAY = 0.05
+
+
 class DataPool:
     """Idle data connections to one server replica, TLS done, so a dial needs no handshake.
 
@@ -300,6 +304,10 @@ class DataPool:
                 wait = max(0.05, oldest + self.agent.pool_idle - time.monotonic())
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wanted.wait(), wait)
+                if self._wanted.is_set():
+                    # A dial took one: let it finish before the replacement's handshake
+                    # takes the CPU (here and on the replica) that the dial waits on.
+                    await asyncio.sleep(REFILL_DELAY)
                 continue
             try:
                 link = await self.open()

@@ -210,6 +210,8 @@ class DataStream:
 
 # At most this many warm pools (one per replica data listener a dialer uses).
 MAX_POOLS = 64
+# How long after a dial took a warm connection its replacement is opened (see _fill).
+REFILL_DELAY = 0.05
 
 
 class DialPool:
@@ -273,6 +275,10 @@ class DialPool:
                     wait = max(0.05, idle[0][2] + client.pool_idle - now)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wanted.wait(), wait)
+                if self._wanted.is_set():
+                    # A dial took one: let it finish before its replacement's handshake
+                    # takes the CPU (here and on the replica) that the dial is waiting on.
+                    await asyncio.sleep(REFILL_DELAY)
                 continue
             try:
                 link, server_id = await client._greeted_link(

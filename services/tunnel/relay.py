@@ -54,9 +54,11 @@ _READ_SIZE = 256 * 1024
 _RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
 # Where every Link decrypts into: one buffer for the process, not one per connection
 # (256 KiB each was most of an idle tunnelled connection's memory). Safe because
-# `_read_plain` copies what it read out before it returns and never runs re-entrantly
-# (it runs from a socket callback only; the bytes it hands on are copies).
+# `_read_plain` never runs re-entrantly (it runs from a socket callback only) and what
+# it hands on is either a copy or, to a splice half whose target encrypts it into its
+# own BIO before `write` returns, a view used up within the call.
 _PLAIN = bytearray(_READ_SIZE)
+_PLAIN_VIEW = memoryview(_PLAIN)  # never released: the buffer is never resized
 # TLS sessions clients resume (`open_link`): per client context, per server; at most
 # `_SESSIONS_PER_CONTEXT` each. A session is offered for `RESUME_WITHIN` seconds (the
 # data listener resumes for `SESSION_TIMEOUT`, a little longer).
@@ -184,39 +186,41 @@ class Link(asyncio.Protocol, asyncio.Transport):
         self._read_plain()
 
     def _read_plain(self) -> None:
-        tls, buffer = self._ssl, _PLAIN
+        tls, view = self._ssl, _PLAIN_VIEW
         assert tls is not None
-        view = memoryview(buffer)
-        size = len(buffer)
+        protocol = self.protocol
+        # A splice half whose target encrypts what it is given at once (a TLS Link)
+        # takes the shared buffer itself: one 256 KiB copy less per read on the
+        # server's relay. Anyone else gets bytes of their own.
+        lend = type(protocol) is _Half and protocol.lend
+        size = _READ_SIZE
         filled = 0
         eof = False
-        try:
-            while True:
-                try:
-                    got = cast(int, tls.read(size - filled, view[filled:]))
-                except ssl.SSLWantReadError:
-                    break
-                except ssl.SSLZeroReturnError:
-                    eof = True
-                    break
-                except ssl.SSLError as exc:
-                    self._fail(exc)
-                    return
-                if not got:
-                    eof = True
-                    break
-                filled += got
-                if filled == size:
-                    self.protocol.data_received(bytes(view))  # type: ignore[attr-defined]
-                    filled = 0
-        finally:
-            view.release()
+        while True:
+            try:
+                got = cast(int, tls.read(size - filled, view[filled:]))
+            except ssl.SSLWantReadError:
+                break
+            except ssl.SSLZeroReturnError:
+                eof = True
+                break
+            except ssl.SSLError as exc:
+                self._fail(exc)
+                return
+            if not got:
+                eof = True
+                break
+            filled += got
+            if filled == size:
+                protocol.data_received(view if lend else bytes(view))  # type: ignore[attr-defined]
+                filled = 0
         if self._out.pending:
             self._flush()  # post-handshake messages (tickets, key updates)
         if self._remember is not None:
             self._keep_session(tls)
         if filled:
-            self.protocol.data_received(bytes(buffer[:filled]))  # type: ignore[attr-defined]
+            plain = view[:filled]
+            protocol.data_received(plain if lend else bytes(plain))  # type: ignore[attr-defined]
         if eof and not self.eof_in:
             self._peer_eof()
 
@@ -416,6 +420,11 @@ class Link(asyncio.Protocol, asyncio.Transport):
         return self.raw.get_write_buffer_limits() if self.raw is not None else (0, 0)  # type: ignore[no-any-return]
 
     @property
+    def encrypts(self) -> bool:
+        """Whether `write` encrypts (and so copies) what it is given before it returns."""
+        return self._context is not None
+
+    @property
     def resumed(self) -> bool:
         """Whether the TLS handshake resumed an earlier session (no certificate checked)."""
         return self._ssl is not None and self._ssl.session_reused
@@ -494,12 +503,16 @@ def split_address(address: str) -> tuple[str, int]:
 class _Half(asyncio.Protocol):
     """One direction of a splice: what its transport reads goes to `target`."""
 
-    __slots__ = ("ended", "splice", "target")
+    __slots__ = ("ended", "lend", "splice", "target")
 
     def __init__(self, splice: _Splice, target: Any) -> None:
         self.splice = splice
         self.target = target
         self.ended = False
+        # Whether a Link may hand this half its shared decrypt buffer (`_read_plain`):
+        # only when the target copies what it is given before `write` returns (a TLS
+        # Link encrypts it into its BIO); a socket transport may keep a reference.
+        self.lend = isinstance(target, Link) and target.encrypts
 
     def data_received(self, data: bytes) -> None:
         self.target.write(data)
