@@ -217,7 +217,19 @@ class GatewayListeners:
         out = []
         for gateway, port, protocol in sorted(self._wanted):
             local, reason, message = 0, "", ""
-            if port in mapped:
+            if (
+                port in mapped
+                and protocol in ("HTTP", "HTTPS")
+                and (protocol == "HTTPS") != mapped[port]
+            ):
+                side = "HTTPS" if mapped[port] else "HTTP"
+                right = http_port if protocol == "HTTP" else https_port
+                reason = PORT_UNAVAILABLE
+                message = (
+                    f"port {port} maps to the proxy's {side} port: an {protocol} listener is "
+                    f"not served there (--listener-ports {port}={right})"
+                )
+            elif port in mapped:
                 local = https_port if mapped[port] else http_port
             elif protocol != "HTTP":
                 reason = PORT_UNAVAILABLE

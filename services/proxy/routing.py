@@ -77,6 +77,10 @@ class Target(NamedTuple):
     service: str = ""
 
 
+# Gateway listener protocols whose routes this table serves on a side that must match.
+_PLAIN_OR_TLS = frozenset(("HTTP", "HTTPS"))
+
+
 class ListenerSide:
     """The table side of a Gateway listener served on a port of its own (not mapped to
     the proxy's HTTP or HTTPS port, waygate.proxy.listeners). Connections accepted
@@ -736,6 +740,13 @@ def build_table(
         if route.listener_port:
             secure = ports.get(route.listener_port)
             if secure is None or (gateway and route.gateway != gateway):
+                continue
+            if route.listener_protocol in _PLAIN_OR_TLS and (
+                route.listener_protocol == "HTTPS"
+            ) != bool(secure):
+                # An HTTPS listener mapped to the plain port (or HTTP to the TLS one)
+                # is not served there: never HTTPS routes in clear text. The proxy
+                # reports it (waygate.proxy.listeners).
                 continue
             side = sides.setdefault(secure, HostIndex())
         policy = str(_value(route.balance) or DEFAULT_POLICY)

@@ -208,3 +208,16 @@ def test_a_listener_on_its_own_port_has_its_own_side() -> None:
     # Another own port's side finds nothing of either; the side reads as plain HTTP.
     assert table.lookup(b"h.test", b"/", request(), ListenerSide(8082)) is None
     assert not side and side == ListenerSide(8081) and table.serves_listeners(side)
+
+
+def test_an_https_listener_mapped_to_the_plain_port_is_not_served_in_clear() -> None:
+    table = build(
+        gw_route("https-on-80", host="h.test", port=80, listener_protocol="HTTPS"),
+        gw_route("http-on-443", host="h.test", service="b", port=443, listener_protocol="HTTP"),
+        listener_ports={80: False, 443: True},
+    )
+    assert table.lookup(b"h.test", b"/", request(), False) is None
+    assert table.lookup(b"h.test", b"/", request(), True) is None
+    # Routes without a listener protocol (Ingress, an older resolver) are as before.
+    ingress = build(gw_route("ingress", host="h.test", port=80, gateway=""))
+    assert ingress.lookup(b"h.test", b"/", request(), False) is not None
