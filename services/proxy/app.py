@@ -585,6 +585,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         lambda: (server.listen_port, front.bound_port if front is not None else 0),
         gateway=settings.gateway,
         reuse_port=settings.worker,
+        certificates=front.certificates if front is not None else None,
     )
     process.on_stop(_closer(gateway_listeners.close))
     last_view: list[Any] = []
@@ -606,9 +607,33 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     def on_healed() -> None:
         if last_view:
             build(last_view[0], gateway_listeners.sides(last_view[0].routes.values()))
+            own_fronts(last_view[0])
+
+    def own_fronts(view: Any) -> None:
+        """The passthrough routes of TLS listeners on their own ports, each on its front."""
+        from waygate.proxy.passthrough import passthrough_table
+
+        def only(port: int) -> Any:
+            return lambda listener_port: listener_port == port
+
+        for port, own in gateway_listeners.fronts().items():
+            own.set_table(
+                passthrough_table(
+                    view.routes,
+                    view.endpoints,
+                    view.services,
+                    defaults=defaults,
+                    cookie_key=cookie_key,
+                    previous=own.table,
+                    ports=only(port),
+                )
+            )
 
     def on_view(view: Any) -> None:
         last_view[:] = [view]
+        # First: the own ports this view's Gateway listeners need, bound or closed.
+        listener_sides = gateway_listeners.sides(view.routes.values())
+        own_tls = gateway_listeners.fronts()
         if server.upstream_tls is not None:
             server.upstream_tls.keep_only(view.routes.values())
         if front is not None:
@@ -626,10 +651,13 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
                     defaults=defaults,
                     cookie_key=cookie_key,
                     previous=front.table,
+                    # TLS listeners on their own ports are served there only.
+                    ports=lambda p: p not in own_tls,
                 )
             )
         h2_upstreams.update(view.routes, view.services)
-        build(view, gateway_listeners.sides(view.routes.values()))
+        build(view, listener_sides)
+        own_fronts(view)
 
     channel = await process.client_channel(
         settings.resolver_address, server_name=settings.resolver_server_name

@@ -4,11 +4,13 @@
 ports (default 80 -> HTTP, 443 -> HTTPS; a listener on the proxy's own HTTP or
 HTTPS port number is served there). A Gateway listener on any other port is
 bound as is once routes for it arrive: an HTTP listener gets a plain
-listener of its own on that port, whose connections look routes up on that
-listener's own side of the table (`routing.ListenerSide`), so port 8081's
-routes never answer on port 80 nor the other way round. HTTPS and TLS
-listeners are served on the HTTPS port only, so one on a port that is not
-mapped is not served.
+listener of its own on that port, an HTTPS or TLS listener a TLS front of its
+own (`passthrough.TlsFront`: TLSRoutes of that port relayed by SNI, the rest
+terminated with the HTTPS port's certificates). Their connections look routes
+up on that listener's own side of the table (`routing.ListenerSide`), so port
+8081's routes never answer on port 80 nor the other way round. An HTTPS
+listener whose port maps to the plain HTTP port is not served (never HTTPS
+routes in clear text).
 
 What cannot be served is reported, never only logged: the full state of every
 Gateway listener port the proxy has routes for goes to the resolver
@@ -40,6 +42,7 @@ import grpc
 from waygate.core.backoff import Backoff
 from waygate.proxy.http1 import ForwardedContext
 from waygate.proxy.http2 import ClientProtocol
+from waygate.proxy.passthrough import TlsFront, bind_listener
 from waygate.proxy.routing import ListenerSide
 from waygate.resolver.client import ListenerState, Route, report_listeners
 
@@ -60,37 +63,30 @@ class _ListenerProtocol(ClientProtocol):
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
-        h1 = self.h1
-        if h1 is not None and not h1.closed:
-            h1.secure = self.side
-            peer = transport.get_extra_info("peername")
-            h1.context = ForwardedContext(peer[0] if peer else "unknown", self.side.port)
+        # Plain: the HTTP/1.1 connection waiting for its first bytes; TLS: the
+        # HTTP/1.1 or HTTP/2 connection ALPN chose, already handed the transport.
+        connection = self.h1 if self.h1 is not None else transport.get_protocol()
+        if connection is None or connection is self or getattr(connection, "closed", False):
+            return
+        connection.secure = self.side
+        peer = transport.get_extra_info("peername")
+        connection.context = ForwardedContext(
+            peer[0] if peer else "unknown",
+            self.side.port,
+            b"https" if self.side.secure else b"http",
+        )
 
 
 class _Bound:
-    __slots__ = ("server", "side", "sock")
+    """One own port: a plain HTTP server, or a TLS front (SNI, passthrough, terminate)."""
+
+    __slots__ = ("front", "server", "side", "sock")
 
     def __init__(self, sock: socket.socket, side: ListenerSide) -> None:
         self.sock = sock
         self.side = side
         self.server: asyncio.AbstractServer | None = None
-
-
-def _bind(host: str, port: int, reuse_port: bool) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuse_port:
-            # --workers: every worker binds the same listener port, as the HTTP port.
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host, port))
-        sock.listen(1024)
-        sock.setblocking(False)
-    except OSError:
-        sock.close()
-        raise
-    return sock
+        self.front: TlsFront | None = None
 
 
 def _why(port: int, exc: OSError) -> str:
@@ -113,8 +109,12 @@ class GatewayListeners:
         *,
         gateway: str = "",
         reuse_port: bool = False,
+        certificates: Any = None,
     ) -> None:
         self.server = server
+        # The HTTPS port's EdgeCertificates: TLS listeners' own ports share them (None:
+        # HTTPS and TLS listeners are served on mapped ports only).
+        self.certificates = certificates
         self.reuse_port = reuse_port
         self.host = host
         self.mapped = dict(mapped)
@@ -124,6 +124,7 @@ class GatewayListeners:
         # (gateway, port, protocol) of the last view's Gateway routes.
         self._wanted: set[tuple[str, int, str]] = set()
         self._failed: dict[int, str] = {}
+        self._secure: set[int] = set()
         self.changed = asyncio.Event()
         self._last: tuple[ListenerState, ...] = ()
 
@@ -141,11 +142,17 @@ class GatewayListeners:
             wanted.add((route.gateway, route.listener_port, route.listener_protocol or "HTTP"))
         self._wanted = wanted
         mapped = self._mapping()
-        own = {port for _, port, protocol in wanted if port not in mapped and protocol == "HTTP"}
-        for port in [p for p in self._bound if p not in own]:
+        # Own port -> whether TLS is terminated there (an HTTPS or TLS listener's).
+        own: dict[int, bool] = {}
+        for _, port, protocol in wanted:
+            if port in mapped or (protocol != "HTTP" and self.certificates is None):
+                continue
+            own[port] = own.get(port, False) or protocol != "HTTP"
+        for port in [p for p, b in self._bound.items() if own.get(p) != b.side.secure]:
             self._unbind(port)
-        for port in sorted(own - set(self._bound)):
-            self._try_bind(port)
+        for port in sorted(set(own) - set(self._bound)):
+            self._try_bind(port, own[port])
+        self._secure = {port for port, secure in own.items() if secure}
         for port in [p for p in self._failed if p not in own]:
             del self._failed[port]
         sides: dict[int, Any] = dict(mapped)
@@ -167,14 +174,15 @@ class GatewayListeners:
         """Try the failed ports again; True when one is bound now (build the table anew)."""
         healed = False
         for port in list(self._failed):
-            if self._try_bind(port):
+            if self._try_bind(port, port in self._secure):
                 healed = True
         self._publish()
         return healed
 
-    def _try_bind(self, port: int) -> bool:
+    def _try_bind(self, port: int, secure: bool) -> bool:
         try:
-            sock = _bind(self.host, port, self.reuse_port)
+            # --workers: every worker binds the same listener port, as the HTTP port.
+            sock = bind_listener(self.host, port, reuse_port=self.reuse_port)
         except OSError as exc:
             reason = _why(port, exc)
             if self._failed.get(port) != reason:
@@ -184,9 +192,20 @@ class GatewayListeners:
             self._failed[port] = reason
             return False
         self._failed.pop(port, None)
-        side = ListenerSide(port)
+        side = ListenerSide(port, secure)
         bound = self._bound[port] = _Bound(sock, side)
         server = self.server
+        log.info("proxy listening", extra={"gateway_listener_port": port, "tls": secure})
+        if secure:
+            bound.front = TlsFront(
+                server,
+                self.certificates,
+                self.host,
+                port,
+                protocol=lambda: _ListenerProtocol(server, side),
+            )
+            bound.front.serve(sock)
+            return True
 
         async def serve() -> None:
             bound.server = await asyncio.get_running_loop().create_server(
@@ -195,15 +214,24 @@ class GatewayListeners:
 
         task = asyncio.get_running_loop().create_task(serve())
         task.add_done_callback(_log_failure)
-        log.info("proxy listening", extra={"gateway_listener_port": port})
         return True
 
     def _unbind(self, port: int) -> None:
         bound = self._bound.pop(port)
-        if bound.server is not None:
+        if bound.front is not None:
+            # The port is free at once; its relays end with it (terminated
+            # connections belong to the server).
+            bound.front.stop_accepting()
+            task = asyncio.get_running_loop().create_task(bound.front.drain(0.0))
+            task.add_done_callback(_log_failure)
+        elif bound.server is not None:
             bound.server.close()
         else:
             bound.sock.close()
+
+    def fronts(self) -> dict[int, TlsFront]:
+        """The TLS fronts of own ports (each gets the passthrough routes of its port)."""
+        return {port: b.front for port, b in self._bound.items() if b.front is not None}
 
     def close(self) -> None:
         for port in list(self._bound):
@@ -231,7 +259,7 @@ class GatewayListeners:
                 )
             elif port in mapped:
                 local = https_port if mapped[port] else http_port
-            elif protocol != "HTTP":
+            elif protocol != "HTTP" and self.certificates is None:
                 reason = PORT_UNAVAILABLE
                 message = (
                     f"{protocol} listeners are served on the proxy's HTTPS port only: map "

@@ -30,7 +30,7 @@ import dataclasses
 import logging
 import select
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from prometheus_client import Counter
@@ -68,9 +68,11 @@ def passthrough_table(
     defaults: Defaults,
     cookie_key: bytes,
     previous: RouteTable | None,
+    ports: Callable[[int], bool] | None = None,
 ) -> RouteTable:
     """The passthrough routes as a routing table (host -> backends), balanced by source
-    unless the route says otherwise; the HTTP table leaves them out."""
+    unless the route says otherwise; the HTTP table leaves them out. `ports`: only the
+    routes whose listener port it accepts (a front of a Gateway listener's own port)."""
     chosen = {
         key: dataclasses.replace(
             route,
@@ -82,11 +84,28 @@ def passthrough_table(
             else BalancePolicy.SOURCE,
         )
         for key, route in routes.items()
-        if is_passthrough(route)
+        if is_passthrough(route) and (ports is None or ports(route.listener_port))
     }
     return build_table(
         chosen, endpoints, services, defaults=defaults, cookie_key=cookie_key, previous=previous
     )
+
+
+def bind_listener(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """A listening, non-blocking socket (OSError as the kernel says: in use, not permitted)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        listener.bind((host, port))
+        listener.listen(1024)
+        listener.setblocking(False)
+    except OSError:
+        listener.close()
+        raise
+    return listener
 
 
 def _peer_closed(conn: socket.socket) -> bool:
@@ -199,8 +218,12 @@ class TlsFront:
         port: int,
         *,
         reuse_port: bool = False,
+        protocol: Callable[[], asyncio.Protocol] | None = None,
     ) -> None:
         self.server = server  # the ProxyServer that serves terminated connections
+        # Terminated connections' protocol; set: a Gateway listener's own port
+        # (waygate.proxy.listeners), which is not the proxy's HTTPS port.
+        self._protocol = protocol
         self.certificates = certificates  # waygate.proxy.tls.EdgeCertificates
         server.edge = certificates
         self.host = host
@@ -221,20 +244,17 @@ class TlsFront:
     # ------------------------------------------------------------ Listener
 
     async def start(self) -> None:
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if self.reuse_port:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        listener.bind((self.host, self.port))
-        listener.listen(1024)
-        listener.setblocking(False)
+        self.serve(bind_listener(self.host, self.port, reuse_port=self.reuse_port))
+
+    def serve(self, listener: socket.socket) -> None:
+        """Accept on `listener` (bound and listening)."""
         self._listener = listener
         self.bound_port = listener.getsockname()[1]
-        self.server.https_port = self.bound_port  # redirects and X-Forwarded-Port
         self._accepting = self.loop.create_task(self._accept_forever(listener))
         self._sweeper = self.loop.call_later(1.0, self._sweep)
-        log.info("proxy listening", extra={"https_port": self.bound_port})
+        if self._protocol is None:
+            self.server.https_port = self.bound_port  # redirects and X-Forwarded-Port
+            log.info("proxy listening", extra={"https_port": self.bound_port})
 
     def stop_accepting(self) -> None:
         if self._accepting is not None:
@@ -308,6 +328,8 @@ class TlsFront:
 
     def _client_protocol(self) -> asyncio.Protocol:
         # HTTP/1.1 or HTTP/2, as ALPN chose (waygate.proxy.http2).
+        if self._protocol is not None:
+            return self._protocol()
         from waygate.proxy.http2 import ClientProtocol
 
         return ClientProtocol(self.server)

@@ -84,17 +84,19 @@ _PLAIN_OR_TLS = frozenset(("HTTP", "HTTPS"))
 class ListenerSide:
     """The table side of a Gateway listener served on a port of its own (not mapped to
     the proxy's HTTP or HTTPS port, waygate.proxy.listeners). Connections accepted
-    there carry it as their `secure` value: falsy, since they are plain HTTP like the
-    HTTP port's, and equal only to the same port's side, so a lookup there finds
-    that listener's routes and no other's."""
+    there carry it as their `secure` value: truthy when TLS is terminated there (an
+    HTTPS listener), falsy for plain HTTP, as the proxy's own ports' True and False
+    are; equal only to the same port's side, so a lookup there finds that
+    listener's routes and no other's."""
 
-    __slots__ = ("port",)
+    __slots__ = ("port", "secure")
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, secure: bool = False) -> None:
         self.port = port
+        self.secure = secure  # an HTTPS/TLS listener's port (TLS terminated there)
 
     def __bool__(self) -> bool:
-        return False
+        return self.secure
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ListenerSide) and other.port == self.port
@@ -103,7 +105,7 @@ class ListenerSide:
         return hash((ListenerSide, self.port))
 
     def __repr__(self) -> str:
-        return f"ListenerSide({self.port})"
+        return f"ListenerSide({self.port}, secure={self.secure})"
 
 
 class RouteOptions(NamedTuple):

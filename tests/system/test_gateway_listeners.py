@@ -173,15 +173,39 @@ async def test_a_port_in_use_is_programmed_false_with_the_reason(suite: Suite) -
     assert programmed == "True"
 
 
-async def test_an_https_listener_on_an_unmapped_port_says_how_to_map_it(suite: Suite) -> None:
-    async def reported() -> bool:
-        return (await listeners(suite.conformance))["secure"]["Programmed"][0] == "False"
+async def test_an_https_listener_on_its_own_port_terminates_tls_there(suite: Suite) -> None:
+    """Bound as is too, with the HTTPS port's certificates chosen by SNI, and only its
+    own routes: the HTTPS port does not answer for it."""
+    import asyncio
 
-    await until(reported, "the HTTPS listener reported", timeout=20)
-    _, reason, message = (await listeners(suite.conformance))["secure"]["Programmed"]
-    assert reason == "PortUnavailable"
-    assert "served on the proxy's HTTPS port only" in message
-    assert f"--listener-ports {suite.ports.https}=" in message
+    from tests.integration.proxy.harness import read_response
+    from tests.support.gatewayapi import tls_client_context
+
+    async def get_tls(port: int) -> bytes:
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", port, ssl=tls_client_context(), server_hostname="own.example.com"
+        )
+        try:
+            writer.write(b"GET / HTTP/1.1\r\nHost: own.example.com\r\n\r\n")
+            return await read_response(reader, timeout=10)
+        finally:
+            writer.close()
+
+    async def served() -> bool:
+        try:
+            answer = await get_tls(suite.ports.https)
+        except (OSError, asyncio.IncompleteReadError):
+            return False
+        return answer.startswith(b"HTTP/1.1 200") and V1.encode() in answer
+
+    await until(served, "the HTTPS listener's own port to serve its route", timeout=20)
+    answer = await get_tls(suite.conformance.https_port)
+    assert b"no route for host own.example.com" in answer, answer[:200]
+
+    async def programmed() -> bool:
+        return (await listeners(suite.conformance))["secure"]["Programmed"][0] == "True"
+
+    await until(programmed, "the HTTPS listener Programmed", timeout=20)
 
 
 async def test_freeing_the_port_heals_the_listener(suite: Suite) -> None:
@@ -205,9 +229,24 @@ async def test_the_report_ends_with_the_proxy(suite: Suite) -> None:
     proxy = suite.conformance.proxy
     assert proxy is not None
     await proxy.stop()
+
+    # Held again, the port makes the (re)started proxy's report say so ...
+    suite.ports.holder = socket.socket()
+    suite.ports.holder.bind(("127.0.0.1", suite.ports.busy))
+    suite.ports.holder.listen(1)
+    await suite.conformance.start_proxy()
+
+    async def reported() -> bool:
+        return (await listeners(suite.conformance))["busy"]["Programmed"][0] == "False"
+
+    await until(reported, "the restarted proxy's report", timeout=20)
+    # ... and a proxy that goes away takes its report with it.
+    proxy = suite.conformance.proxy
+    assert proxy is not None
+    await proxy.stop()
     suite.conformance.proxy = None
 
     async def cleared() -> bool:
-        return (await listeners(suite.conformance))["secure"]["Programmed"][0] == "True"
+        return (await listeners(suite.conformance))["busy"]["Programmed"][0] == "True"
 
     await until(cleared, "the stopped proxy's report to be dropped", timeout=20)

@@ -24,6 +24,7 @@ from cryptography import x509
 
 from tests.support.gatewayapi import INFRA, Conformance, tls_client_context, tls_secret
 from tests.support.pki import self_signed
+from tests.support.poll import until
 
 pytestmark = [pytest.mark.system, pytest.mark.asyncio(loop_scope="module")]
 
@@ -95,7 +96,7 @@ async def tls_backend(host: str) -> AsyncIterator[int]:
         await server.wait_closed()
 
 
-def passthrough_manifests(port: int) -> str:
+def passthrough_manifests(port: int, listener_port: int = 443) -> str:
     return f"""apiVersion: gateway.networking.k8s.io/v1
 kind: Gateway
 metadata: {{name: tls-passthrough, namespace: {INFRA}}}
@@ -103,7 +104,7 @@ spec:
   gatewayClassName: waygate
   listeners:
   - name: tls
-    port: 443
+    port: {listener_port}
     protocol: TLS
     hostname: "*.passthrough.test"
     tls: {{mode: Passthrough}}
@@ -152,6 +153,32 @@ async def test_tls_route_passes_tls_through_by_sni(suite: Conformance) -> None:
             "Accepted": "True",
             "ResolvedRefs": "True",
         }
+
+
+async def test_tls_route_on_a_listener_port_of_its_own_is_relayed_there_only(
+    suite: Conformance,
+) -> None:
+    """A TLS listener whose port --listener-ports does not map is bound as is: its
+    TLSRoutes are relayed there (the backend's own certificate), not on the HTTPS port."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        own = probe.getsockname()[1]
+    async with tls_backend("app.passthrough.test") as port:
+        await suite.apply(extra=passthrough_manifests(port, listener_port=own))
+
+        async def relayed() -> bool:
+            try:
+                served = await peer_certificate(own, "app.passthrough.test")
+            except OSError:
+                return False
+            return common_name(served) == "app.passthrough.test"
+
+        await until(relayed, "the TLS listener's own port to relay", timeout=20)
+        # The HTTPS port terminates that name itself (no route there): not relayed.
+        served = await peer_certificate(suite.https_port, "app.passthrough.test")
+        assert common_name(served) != "app.passthrough.test"
 
 
 INGRESS = f"""apiVersion: networking.k8s.io/v1

@@ -178,6 +178,11 @@ class Conformance:
                 "127.0.0.1",
             ]
         )
+        return await self.start_proxy(*proxy_args)
+
+    async def start_proxy(self, *proxy_args: str) -> Conformance:
+        """A proxy (again) on port 0, watching the resolver."""
+        assert self.resolver is not None
         self.proxy = await start_service(
             [
                 "waygate",
