@@ -214,7 +214,7 @@ def nginx_h2_conf(
         directory / "nginx-h2.conf",
         directory,
         workers=1,
-        http=f"upstream up {{ server 127.0.0.1:{upstream}; keepalive 512; }}\n"
+        http=f"upstream up {{ server 127.0.0.1:{upstream}; keepalive 1024; }}\n"
         f"server {{ listen 127.0.0.1:{ports['h2']} ssl http2; ssl_certificate {cert}; "
         f"ssl_certificate_key {key}; {location} }}",
         server=f"listen 127.0.0.1:{ports['h2c']} http2; {location}",
@@ -386,7 +386,7 @@ def main(args: argparse.Namespace) -> str:
                              "--http-port", str(ports[WAYGATE]["h2c"]), "--https-port", str(ports[WAYGATE]["h2"]),
                              "--admin-port", "0", "--resolver-address", f"127.0.0.1:{resolver_port}",
                              "--default-certificate", str(cert), "--default-key", str(key),
-                             "--upstream-max-idle", "512"],
+                             "--upstream-max-idle", "1024"],
                    waygate_ports, PROXY_CORE, log=directory / "waygate.log"),
             Server(MINIMAL, [sys.executable, "-m", "bench.h2.minimal", str(ports[MINIMAL]["h2c"]),
                              str(upstream_port), str(ports[MINIMAL]["h2"]), str(cert), str(key)],

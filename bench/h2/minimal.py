@@ -129,8 +129,11 @@ class Client(asyncio.Protocol):
     def respond(
         self, stream_id: int, status: int, headers: list[tuple[bytes, bytes]], body: bytes
     ) -> None:
-        self.h2.send_headers(stream_id, [(b":status", b"%d" % status), *headers])
-        self._send(stream_id, body)
+        self.h2.send_headers(
+            stream_id, [(b":status", b"%d" % status), *headers], end_stream=not body
+        )
+        if body:
+            self._send(stream_id, body)
         out = self.h2.data_to_send()
         if out:
             self.transport.write(out)  # type: ignore[union-attr]
@@ -144,9 +147,9 @@ class Client(asyncio.Protocol):
             if window <= 0:
                 self.held[stream_id] = body
                 return
-            h2conn.send_data(stream_id, body[:window])
+            # The end goes with the last bytes (no empty DATA frame to end).
+            h2conn.send_data(stream_id, body[:window], end_stream=len(body) <= window)
             body = body[window:]
-        h2conn.end_stream(stream_id)
 
 
 async def main(argv: list[str]) -> None:

@@ -190,7 +190,8 @@ class StreamDownstream:
         end = framing == FRAMING_NONE or (framing == FRAMING_LENGTH and length == 0)
         self.stream.respond(response.status, fields, end=end)
         if body:
-            self.stream.send(body)
+            # All of a small body came with the head: END_STREAM goes with it.
+            self.stream.send(body, framing == FRAMING_LENGTH and len(body) == length)
 
     def response_body(self, data: bytes) -> None:
         self.stream.send(data)
@@ -300,8 +301,7 @@ class StreamDownstream:
         stream = self.stream
         stream.respond(parsed.status, fields, end=not body)
         if body:
-            stream.send(body)
-            stream.finish()
+            stream.send(body, end=True)
         self._finished()
 
     def _finished(self) -> None:

@@ -82,19 +82,30 @@ class H2Upstreams:
         self.server = server
         self.limits = limits
         self.routes: frozenset[tuple[str, str]] = frozenset()
+        # The hosts those routes serve, so that a request for any other host skips
+        # the lookup here (its exchange looks the route up once, not twice);
+        # None: one of them serves any host or a wildcard (always looked up).
+        self.hosts: frozenset[bytes] | None = frozenset()
         self.pool = H2Pool(self)
 
     def update(self, routes: Any, services: Any) -> None:
         """The routes whose backends speak HTTP/2 (called with every resolver view)."""
         chosen = set()
+        hosts: set[bytes] | None = set()
         for key, route in routes.items():
             for backend in route.backends:
                 service = services.get((route.namespace, backend.service))
                 port = _service_port(service, route.target_port) if service else None
                 if speaks_http2(route, port):
                     chosen.add(key)
+                    if hosts is not None:
+                        if not route.host or "*" in route.host:
+                            hosts = None
+                        else:
+                            hosts.add(route.host.lower().encode())  # as routing keys it
                     break
         self.routes = frozenset(chosen)
+        self.hosts = frozenset(hosts) if hosts is not None else None
 
     def try_start(
         self, conn: H2ClientConnection, stream: Stream, request: Request, end: bool
@@ -103,6 +114,8 @@ class H2Upstreams:
         if not self.routes:
             return False
         host = _host_of(request.authority)
+        if self.hosts is not None and host not in self.hosts:
+            return False
         path = request.path.partition(b"?")[0]
         # With the request: Gateway API routes may match its method, headers, query.
         entry = self.server.table.lookup(host, path, request, conn.secure)

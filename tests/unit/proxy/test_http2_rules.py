@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from waygate.proxy import grpcstatus, http1
-from waygate.proxy.http2 import BadRequest, read_request, request_head
+from waygate.proxy.http2 import BadRequest, Malformed, check_trailers, read_request, request_head
 
 BASE = [(b":method", b"GET"), (b":scheme", b"https"), (b":path", b"/a?b=1")]
 
@@ -20,7 +20,9 @@ def test_authority_becomes_host_and_cookies_are_joined():
     assert parsed.host == b"echo.test"
     assert parsed.target == b"/a?b=1"
     assert list(parsed.cookie) == [b"a=1; b=2"]
-    assert parsed.keep_alive is False  # one exchange per stream
+    # No Connection line: the common head takes the rule book's fast path (a
+    # stream is one exchange whatever keep_alive says).
+    assert b"connection" not in head.lower()
 
 
 def test_host_alone_serves_as_authority_and_both_must_agree():
@@ -41,9 +43,72 @@ def test_connect_and_connection_specific_fields_are_refused():
 
 @pytest.mark.parametrize("value", [b"1\r\nx-remote-user: admin", b"a\nb", b"a\x00b"])
 def test_line_breaks_and_nul_in_values_never_become_lines(value):
-    request = read_request([*BASE, (b":authority", b"a"), (b"x-a", value)], True)
+    with pytest.raises(Malformed):
+        read_request([*BASE, (b":authority", b"a"), (b"x-a", value)], True)
+    # And were one to get past read_request, the head built from it is refused.
+    request = read_request([*BASE, (b":authority", b"a")], True)._replace(headers=[(b"x-a", value)])
     with pytest.raises(BadRequest):
         request_head(request, chunked=False)
+
+
+# What h2's inbound checks refused before they were turned off on the listeners
+# (read_request keeps them: each is a malformed request, RFC 9113 sections 8.2, 8.3).
+AUTH = (b":authority", b"a")
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        [*BASE, AUTH, (b"X-Upper", b"1")],  # upper case in a name
+        [*BASE, AUTH, (b"x a", b"1")],  # space in a name
+        [*BASE, AUTH, (b"x:a", b"1")],  # colon in a regular name
+        [*BASE, AUTH, (b"", b"1")],  # empty name
+        [*BASE, AUTH, (b"x-a", b" 1")],  # leading whitespace in a value
+        [*BASE, AUTH, (b"x-a", b"1\t")],  # trailing whitespace in a value
+        [*BASE, AUTH, (b"connection", b"keep-alive")],
+        [*BASE, AUTH, (b"transfer-encoding", b"chunked")],
+        [*BASE, AUTH, (b"te", b"gzip")],
+        [*BASE, AUTH, (b":status", b"200")],  # a response pseudo-header
+        [*BASE, AUTH, (b":protocol", b"websocket")],  # extended CONNECT is not served
+        [*BASE, AUTH, (b":method", b"POST")],  # repeated
+        [*BASE, (b"x-a", b"1"), AUTH],  # pseudo-header after a regular field
+        [(b":scheme", b"https"), (b":path", b"/"), AUTH],  # no :method
+        [(b":method", b"GET"), (b":path", b"/"), AUTH],  # no :scheme
+        [(b":method", b"GET"), (b":scheme", b"https"), AUTH],  # no :path
+        [(b":method", b"GET"), (b":scheme", b"https"), (b":path", b""), AUTH],  # empty :path
+    ],
+)
+def test_malformed_requests_are_refused(fields):
+    with pytest.raises(Malformed):
+        read_request(fields, True)
+
+
+def test_te_trailers_is_taken_and_not_copied():
+    request = read_request([*BASE, AUTH, (b"te", b"trailers"), (b"x-a", b"")], True)
+    assert request.headers == [(b"x-a", b"")]
+
+
+def test_a_name_that_is_no_token_is_a_bad_request_not_malformed():
+    with pytest.raises(BadRequest) as refused:
+        read_request([*BASE, AUTH, (b"x(a)", b"1")], True)
+    assert not isinstance(refused.value, Malformed)
+    assert refused.value.status == 400
+
+
+@pytest.mark.parametrize(
+    "trailers",
+    [
+        [(b":path", b"/")],
+        [(b"X-A", b"1")],
+        [(b"x-a", b"1\r\nx-b: 2")],
+        [(b"connection", b"close")],
+        [(b"te", b"trailers")],
+    ],
+)
+def test_malformed_trailers(trailers):
+    with pytest.raises(Malformed):
+        check_trailers(trailers)
+    check_trailers([(b"grpc-status", b"0"), (b"x-checksum", b"abc")])
 
 
 def test_body_framing_chosen_once():
