@@ -572,6 +572,9 @@ class H2ClientConnection(asyncio.Protocol):
         # The server's ticker (see waygate.proxy.server.ProxyServer._sweep).
         self._timer_kind = _T_NONE
         self._deadline = 0.0
+        # Since when no stream is open (the oldest idle connections are evicted
+        # first under the connection bounds, as HTTP/1.1 keep-alives are).
+        self.idle_since = server.loop.time()
 
     # ------------------------------------------------------------ asyncio.Protocol
 
@@ -918,7 +921,8 @@ class H2ClientConnection(asyncio.Protocol):
 
     def _arm_idle(self, seconds: float) -> None:
         server = self.server
-        self._deadline = deadline = self.loop.time() + seconds
+        self.idle_since = now = self.loop.time()
+        self._deadline = deadline = now + seconds
         self._timer_kind = _T_IDLE
         if deadline <= server.soon_until:
             server.soon.append(self)
@@ -977,6 +981,26 @@ class H2ClientConnection(asyncio.Protocol):
         self._close()
 
     # ------------------------------------------------------------ the server's calls
+
+    def idle(self) -> bool:
+        """Whether closing this connection loses nothing: no stream open. (A
+        request whose header block is still arriving has no stream yet: the
+        GOAWAY's last stream id tells its client it was not processed, so it
+        may be sent again, RFC 9113 section 6.8.)"""
+        return not self.streams and not self.closed and self.transport is not None
+
+    def evict(self) -> None:
+        """Closed to make room (the oldest idle connections under the connection
+        bounds): GOAWAY NO_ERROR with the last stream id seen, then closed."""
+        if self.closed:
+            return
+        if not self.goaway_sent:
+            self.goaway_sent = True
+            with contextlib.suppress(h2.exceptions.ProtocolError):
+                self.h2.close_connection(
+                    error_code=ErrorCodes.NO_ERROR, last_stream_id=self.last_stream
+                )
+        self._close()
 
     def drain(self) -> None:
         """SIGTERM: GOAWAY (NO_ERROR, the last stream id seen); close once idle."""

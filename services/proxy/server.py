@@ -299,8 +299,9 @@ class ProxyServer:
         return self._evict(self.connections, max(1, self.max_connections // 64))
 
     def _evict(self, among: set[Any], count: int) -> int:
-        """Close up to `count` of the oldest idle HTTP/1.1 connections in `among`."""
-        idle = [c for c in among if type(c) is ClientConnection and c.idle()]
+        """Close up to `count` of the oldest idle connections in `among`: HTTP/1.1
+        keep-alives between requests, HTTP/2 connections with no stream open."""
+        idle = [c for c in among if c.idle()]
         if not idle:
             return 0
         oldest = heapq.nsmallest(count, idle, key=_IDLE_SINCE)

@@ -19,6 +19,7 @@ from tests.integration.proxy.harness import (
     table,
 )
 from tests.support.h2client import H2Client, _Pending
+from tests.support.poll import until
 from waygate.proxy import http2
 
 
@@ -269,3 +270,37 @@ async def test_metrics_by_protocol(client):
     text = generate_latest(registry).decode()
     assert f'waygate_proxy_h2_streams_total{{protocol="h2c"}} {before + 3}.0' in text
     assert "waygate_proxy_h2_held_bytes 0.0" in text
+
+
+async def test_idle_h2_connections_make_room_and_busy_ones_stay(upstream):
+    """Issue 18's idle-eviction rule holds for HTTP/2 too: at the connection bound
+    the oldest connection with no stream open is closed with GOAWAY NO_ERROR (its
+    last stream id: the client knows nothing later was processed); one with a
+    stream in flight is never chosen, however old."""
+    routes = table([route("echo.test", [("echo", 100)])], [endpoint("echo", upstream.port)])
+    async with running_h2_proxy(routes, max_connections=3) as (server, port):
+        busy = await H2Client.connect(port)
+        idle: list[H2Client] = []
+        newcomer = None
+        try:
+            slow = busy.start("GET", "/slow?s=1.5", "echo.test")
+            await until(
+                lambda: any(getattr(c, "streams", None) for c in server.connections),
+                "the slow stream open",
+            )
+            for _ in range(2):
+                connection = await H2Client.connect(port)
+                idle.append(connection)
+                assert (await connection.request("GET", "/", "echo.test")).status == 200
+            newcomer = await H2Client.connect(port)
+            assert (await newcomer.request("GET", "/", "echo.test")).status == 200
+            await asyncio.wait_for(idle[0].closed.wait(), 10)
+            assert idle[0].goaway is not None
+            assert idle[0].goaway.error_code == 0
+            assert idle[0].goaway.last_stream_id == 1
+            assert server.metrics.evicted_idle == 1
+            assert not idle[1].closed.is_set()
+            assert (await busy.wait(slow)).status == 200  # the oldest, but busy
+        finally:
+            for connection in [busy, *idle, *([newcomer] if newcomer else [])]:
+                await connection.close()
