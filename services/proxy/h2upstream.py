@@ -49,7 +49,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from waygate.core import httpheaders
 from waygate.core.tracing import tracer
-from waygate.proxy import grpcstatus, http1, tls
+from waygate.proxy import filters, grpcstatus, http1, tls
 from waygate.proxy.http1 import BadMessage, ForwardedContext
 from waygate.proxy.http2 import (
     H2ClientConnection,
@@ -163,18 +163,49 @@ class H2Pool:
         return None
 
     def wait_for(self, key: Any, exchange: H2Exchange) -> None:
-        """Queue the exchange for a new connection to `key` (one connect per key)."""
+        """Queue the exchange for a new connection to `key` (one connect per key).
+
+        A new connection counts in the endpoint's bound that HTTP/1.1 upstream
+        connections keep (`Pool.reserve`, `--max-connections-per-endpoint`): at
+        the bound the exchange waits in the same queue as HTTP/1.1 requests
+        (woken when a connection closes or a stream ends), or is refused with
+        the same 503 when that queue is full."""
         waiting = self.connecting.get(key)
         if waiting is not None and len(waiting) < self.upstreams.limits.max_concurrent_streams:
             waiting.append(exchange)
             return
-        self.connecting[key] = [exchange]
-        task = asyncio.get_running_loop().create_task(self._connect(key, exchange))
+        pool = self.upstreams.server.pool
+        target = exchange.target
+        if not pool.reserve(target):
+            if pool.wait(target, exchange):
+                exchange.queued = True  # Pool.wake calls endpoint_free
+            else:
+                exchange.fail(
+                    503,
+                    f"endpoint {target.address}:{target.port} is at its limit of "
+                    f"{pool.max_per_endpoint} connections and {pool.max_queue} requests "
+                    "wait for it",
+                    "endpoint_limit",
+                )
+            return
+        # Each connect has its own waiters; new ones join the latest connect's.
+        waiters = self.connecting[key] = [exchange]
+        task = asyncio.get_running_loop().create_task(self._connect(key, waiters))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    async def _connect(self, key: Any, first: H2Exchange) -> None:
+    async def _connect(self, key: Any, waiters: list[H2Exchange]) -> None:
+        """Open a connection for `key` (reserved in the endpoint's bound by the caller;
+        the reservation ends here, the open connection counts itself)."""
+        target = waiters[0].target
+        try:
+            await self._open(key, waiters)
+        finally:
+            self.upstreams.server.pool.unreserve(target)
+
+    async def _open(self, key: Any, waiters: list[H2Exchange]) -> None:
         server = self.upstreams.server
+        first = waiters[0]
         target, route, connect_timeout = first.target, first.entry.route, first.connect_timeout
         connection: H2UpstreamConnection | None = None
         failure: tuple[str, str] | None = None
@@ -210,7 +241,9 @@ class H2Pool:
             except OSError as exc:
                 sock.close()
                 failure = ("upstream connection failed: " + str(exc), "connect_error")
-        waiting = self.connecting.pop(key, [])
+        if self.connecting.get(key) is waiters:
+            del self.connecting[key]
+        waiting = waiters
         if connection is None:
             for exchange in waiting:
                 exchange.fail(502, *(failure or ("upstream connection failed", "connect_error")))
@@ -244,6 +277,10 @@ class H2UpstreamConnection(asyncio.Protocol):
     def __init__(self, pool: H2Pool, key: Any, limits: H2Limits) -> None:
         self.pool = pool
         self.key = key
+        self.target: Target = key[0]
+        # Counted in the endpoint's connection bound from connection_made to
+        # connection_lost (waygate.proxy.pool.Pool.reserve), as HTTP/1.1 ones are.
+        self.counted = False
         self.limits = limits
         self.h2 = h2_connection(limits, client_side=True)
         self.transport: asyncio.Transport | None = None
@@ -272,6 +309,7 @@ class H2UpstreamConnection(asyncio.Protocol):
         server = self.pool.upstreams.server
         server.upstreams.add(self)
         server.metrics.upstream_connections = len(server.upstreams)
+        self.counted = server.pool.reserve(self.target, force=True)
         self.h2.initiate_connection()
         increment = self.limits.connection_window - 65535
         if increment > 0:
@@ -354,6 +392,10 @@ class H2UpstreamConnection(asyncio.Protocol):
         self.exchanges.pop(stream_id, None)
         if self.goaway and not self.exchanges:
             self.close()
+        elif self.pool.upstreams.server.pool.waiting:
+            # Room for a stream: a request waiting at the endpoint's bound may take it
+            # (an HTTP/1.1 one woken here finds no connection and waits again).
+            self.pool.upstreams.server.pool.wake(self.target)
 
     def _fail_all(self, reason: str) -> None:
         exchanges = list(self.exchanges.values())
@@ -367,6 +409,9 @@ class H2UpstreamConnection(asyncio.Protocol):
         server = self.pool.upstreams.server
         server.upstreams.discard(self)
         server.metrics.upstream_connections = len(server.upstreams)
+        if self.counted:
+            self.counted = False
+            server.pool.unreserve(self.target)
         self._fail_all("upstream closed the connection")
 
     def pause_writing(self) -> None:
@@ -429,6 +474,7 @@ class H2Exchange:
         self.held_end = False
         self.responded = False
         self.finished = False
+        self.queued = False  # waiting at the endpoint's connection bound (Pool.wait)
         self.retried = False
         self.status = 0
         self.extra: list[tuple[bytes, bytes]] = []
@@ -440,6 +486,8 @@ class H2Exchange:
         self.deadline = 0.0
         self.grpc_deadline = 0.0
         self.span: Any = None
+        # The route's ResponseHeaderModifier (HTTPRoute filters; None: none).
+        self.response_modifier: Any = None
 
     # ------------------------------------------------------------ start
 
@@ -503,6 +551,29 @@ class H2Exchange:
             if line:
                 _, _, value = line.rstrip(b"\r\n").partition(b":")
                 self.extra.append((b"set-cookie", value.strip()))
+        authority = request.authority
+        route_filters = route.filters
+        if route_filters is not None:
+            # HTTPRoute filters, as waygate.proxy.exchange applies them for HTTP/1.1
+            # backends: a redirect is answered here; the request's rewrite and header
+            # modifier shape the head the backend gets; the response's modifier its
+            # answer (on_response). Mirrors are not sent for HTTP/2 backends (the
+            # mirror copy is an HTTP/1.1 head).
+            redirect = route_filters.redirect
+            if redirect is not None:
+                location = filters.redirect_location(
+                    req, redirect, entry.path, secure=secure, listener_port=route.listener_port
+                )
+                self.redirect(redirect.status, location)
+                return
+            rewrite = route_filters.rewrite
+            if rewrite is not None or route_filters.request_headers is not None:
+                req = filters.rewritten_request(
+                    req, rewrite, route_filters.request_headers, entry.path
+                )
+                if rewrite is not None and rewrite.hostname:
+                    authority = rewrite.hostname.encode()
+            self.response_modifier = route_filters.response_headers
         context = self.conn.context or ForwardedContext(self.conn.peer, server.listen_port)
         traceparent = req.traceparent
         if traceparent[-3:] == b"-01" and _TRACEPARENT.fullmatch(traceparent):
@@ -516,7 +587,7 @@ class H2Exchange:
             upstream_head = upstream_head[:-2] + identity + b"\r\n"
         self.fields = _h2_fields(
             upstream_head,
-            request.authority,
+            authority,
             b"https"
             if server.upstream_tls is not None and server.upstream_tls.applies(route)
             else b"http",
@@ -546,6 +617,14 @@ class H2Exchange:
             self.attach(connection)
         else:
             self.upstreams.pool.wait_for(key, self)
+
+    def endpoint_free(self) -> None:
+        """Called by the endpoint's queue (Pool.wake): room for a connection or a stream."""
+        self.queued = False
+        if not self.finished and self.upstream is None:
+            self.dispatch()
+        elif self.finished:
+            self.server.pool.wake(self.target)  # not needed here: the next one's turn
 
     def attach(self, connection: H2UpstreamConnection | None) -> None:
         if self.finished:
@@ -663,6 +742,8 @@ class H2Exchange:
         self.last_up = self.server.loop.time()
         server = self.server
         server.metrics.latency(self.last_up - self.started, self.entry.options.name)
+        if self.response_modifier is not None:
+            out = _modified(out, self.response_modifier)
         out += self.extra
         self.stream.respond(status, out, end=ended)
         if ended:
@@ -746,6 +827,11 @@ class H2Exchange:
             return
         self.local(status, reason, kind)
 
+    def redirect(self, status: int, location: bytes) -> None:
+        """An HTTPRoute RequestRedirect: answered here, the backend never asked."""
+        self.stream.respond(status, [(b"location", location), (b"content-length", b"0")], end=True)
+        self._finish(status)
+
     def local(self, status: int, reason: str, kind: str) -> None:
         """A local answer: the error page's reason, or a gRPC status on gRPC."""
         metrics = self.server.metrics
@@ -793,6 +879,9 @@ class H2Exchange:
             return
         self.finished = True
         self.deadline = 0.0
+        if self.queued:
+            self.queued = False
+            self.server.pool.cancel_wait(self.target, self)
         span = self.span
         if span is not None:
             self.span = None
@@ -882,6 +971,17 @@ class H2Exchange:
             with contextlib.suppress(h2.exceptions.ProtocolError):
                 upstream.h2.reset_stream(self.stream_id, ErrorCodes.CANCEL)
             upstream.flush()
+
+
+def _modified(fields: list[tuple[bytes, bytes]], modifier: Any) -> list[tuple[bytes, bytes]]:
+    """Response fields after a ResponseHeaderModifier (the one rule of waygate.proxy.filters,
+    applied to the field block these fields mean)."""
+    block = b"".join(b"\r\n" + name + b": " + value for name, value in fields)
+    out = []
+    for line in filters.modify_response_fields(block, modifier).split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        out.append((name.strip().lower(), value.strip(b" \t")))
+    return out
 
 
 def _h2_fields(

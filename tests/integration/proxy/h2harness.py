@@ -105,7 +105,8 @@ class GrpcBackend:
 
 class H2Backend:
     """A real HTTP/2 (h2c) backend on the h2 state machine that records which
-    connection processed which path. `goaway_after`: on its first connection,
+    connection processed which path (and each request's fields), and answers
+    with the path as body and an `x-backend: h2` header. `goaway_after`: on its first connection,
     once that many streams have arrived, it sends GOAWAY naming the first
     stream as the last it will process, answers that one, and never the rest."""
 
@@ -114,6 +115,7 @@ class H2Backend:
         self.port = 0
         self.processed: list[tuple[int, str]] = []  # (connection number, path)
         self.received: list[tuple[int, str]] = []
+        self.headers: list[list[tuple[bytes, bytes]]] = []  # each request's fields
         self.connections = 0
         self._server: Any = None
 
@@ -141,6 +143,7 @@ class H2Backend:
                     if isinstance(event, h2.events.RequestReceived):
                         path = dict(event.headers)[b":path"].decode()
                         backend.received.append((self.number, path))
+                        backend.headers.append(list(event.headers))
                         self.pending.append((event.stream_id, path))
                         if (
                             backend.goaway_after
@@ -161,7 +164,12 @@ class H2Backend:
                 backend.processed.append((self.number, path))
                 body = path.encode()
                 self.h2.send_headers(
-                    stream_id, [(b":status", b"200"), (b"content-length", b"%d" % len(body))]
+                    stream_id,
+                    [
+                        (b":status", b"200"),
+                        (b"content-length", b"%d" % len(body)),
+                        (b"x-backend", b"h2"),
+                    ],
                 )
                 self.h2.send_data(stream_id, body, end_stream=True)
 

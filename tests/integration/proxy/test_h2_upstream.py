@@ -9,6 +9,8 @@ from tests.integration.proxy.h2harness import H2Backend, running_h2_proxy, serve
 from tests.integration.proxy.harness import endpoint, route, table
 from tests.support.h2client import H2Client
 from waygate.proxy import h2upstream
+from waygate.proxy.http2 import H2Limits
+from waygate.resolver.model import HeaderModifier, RouteFilters
 
 
 async def proxied(backend: H2Backend):
@@ -73,3 +75,78 @@ async def test_stream_ids_exhausted_take_a_new_connection(monkeypatch):
     await backend.stop()
     assert backend.connections == 2
     assert backend.processed == [(1, "/a"), (2, "/b")]
+
+
+async def test_backend_connections_count_in_the_endpoint_bound():
+    """HTTP/2 connections to a backend count in --max-connections-per-endpoint as
+    HTTP/1.1 ones do: with room for one stream per connection and a bound of 2,
+    20 concurrent streams take turns on 2 connections instead of opening 20."""
+    backend = await H2Backend().start()
+    routes, built = await proxied(backend)
+    async with running_h2_proxy(built, limits=H2Limits()) as (server, port):
+        server.pool.max_per_endpoint = 2
+        serve_h2_upstreams(server, routes, H2Limits(max_concurrent_streams=1))
+        client = await H2Client.connect(port)
+        try:
+            ids = [client.start("GET", f"/m{i}", "h2.test") for i in range(20)]
+            answers = await asyncio.gather(*(client.wait(i) for i in ids))
+        finally:
+            await client.close()
+        counted = dict(server.pool.opened)
+    await backend.stop()
+    assert [a.status for a in answers] == [200] * 20
+    assert backend.connections == 2
+    assert all(count <= 2 for count in counted.values())
+
+
+async def test_at_the_endpoint_bound_with_a_full_queue_the_stream_gets_503():
+    backend = await H2Backend().start()
+    routes, built = await proxied(backend)
+    async with running_h2_proxy(built) as (server, port):
+        server.pool.max_per_endpoint = 1
+        server.pool.max_queue = 0
+        serve_h2_upstreams(server, routes, H2Limits(max_concurrent_streams=1))
+        client = await H2Client.connect(port)
+        try:
+            ids = [client.start("GET", f"/m{i}", "h2.test") for i in range(5)]
+            answers = await asyncio.gather(*(client.wait(i) for i in ids))
+        finally:
+            await client.close()
+    await backend.stop()
+    statuses = [a.status for a in answers]
+    assert 200 in statuses and 503 in statuses
+    refused = next(a for a in answers if a.status == 503)
+    assert b"is at its limit of 1 connections" in refused.body
+    assert backend.connections == 1
+
+
+async def test_route_header_filters_apply_to_h2_backends():
+    """HTTPRoute RequestHeaderModifier and ResponseHeaderModifier hold when the
+    backend speaks h2c, as they do for HTTP/1.1 backends."""
+    backend = await H2Backend().start()
+    filters = RouteFilters(
+        request_headers=HeaderModifier(
+            set=(("X-Set", "one"),), add=(("X-Add", "two"),), remove=("x-drop",)
+        ),
+        response_headers=HeaderModifier(set=(("X-Resp", "three"),), remove=("x-backend",)),
+    )
+    routes = [route("h2.test", [("h2", 100)], upstream_protocol="h2c", filters=filters)]
+    async with running_h2_proxy(table(routes, [endpoint("h2", backend.port)])) as (server, port):
+        serve_h2_upstreams(server, routes)
+        client = await H2Client.connect(port)
+        try:
+            stream_id = client.start(
+                "GET", "/f", "h2.test", headers=[("x-drop", "gone"), ("x-set", "client")]
+            )
+            response = await client.wait(stream_id)
+        finally:
+            await client.close()
+    await backend.stop()
+    assert (response.status, response.body) == (200, b"/f")
+    (seen,) = backend.headers
+    names = [name for name, _ in seen]
+    assert (b"x-set", b"one") in seen and names.count(b"x-set") == 1
+    assert (b"x-add", b"two") in seen
+    assert b"x-drop" not in names
+    assert response.header(b"x-resp") == b"three"
+    assert response.header(b"x-backend") is None
