@@ -12,18 +12,17 @@ CA naming the node (the proxy's own, say) is refused with PERMISSION_DENIED.
 from __future__ import annotations
 
 import asyncio
-import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
 
-from tests.integration.tunnel.harness import NODE, Tunnel, credentials, echo_server
+from tests.integration.tunnel.harness import NODE, Tunnel, credentials, echo_server, http_backend
+from tests.integration.tunnel.test_front import front  # noqa: F401  (the fixture)
 from tests.support.poll import until
 from waygate.tunnel import mux
 from waygate.tunnel.client import DialFailed
-from waygate.tunnel.front import Front, FrontSettings
 from waygate.tunnel.v1 import tunnel_pb2 as pb
 from waygate.tunnel.v1 import tunnel_pb2_grpc
 
@@ -80,50 +79,37 @@ async def test_an_agent_whose_allow_list_refuses_does_not_fail_the_dials(
     assert {a.agent_id for a in tunnel.hub.agents(NODE)} == {a.agent_id for a in tunnel.agents}
 
 
-async def http_backend() -> tuple[asyncio.Server, int]:
-    """Answers each request with 200 and its own port in the body, then closes."""
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            await reader.readuntil(b"\r\n\r\n")
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
-            await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            writer.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    return server, server.sockets[0].getsockname()[1]
-
-
-async def test_the_front_moves_to_another_agent_too(two_agents: Tunnel) -> None:
+async def test_list_agents_shows_every_agent_of_the_node(two_agents: Tunnel) -> None:
+    """What `waygate tunnel agents` asks for, over gRPC with the dialer's certificate."""
     tunnel = two_agents
-    server_context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    server_context.load_cert_chain(tunnel.server_files.cert, tunnel.server_files.key)
-    server_context.load_verify_locations(cadata=tunnel.ca.pem.decode())
-    server_context.verify_mode = ssl.CERT_REQUIRED
-    front = Front(
-        tunnel.hub, FrontSettings(front_node_addresses=(f"127.0.0.1={NODE}",)), dial_timeout=5.0
-    )
-    front_port = await front.start("127.0.0.1", 0, server_context)
-    client_context = ssl.create_default_context(cafile=str(tunnel.dialer_files.ca))
-    client_context.load_cert_chain(tunnel.dialer_files.cert, tunnel.dialer_files.key)
-    client_context.check_hostname = False
-    backend, backend_port = await http_backend()
+    async with grpc.aio.secure_channel(
+        f"127.0.0.1:{tunnel.dial_port}",
+        credentials(tunnel.dialer_files),
+        options=[("grpc.ssl_target_name_override", "tunnel-server")],
+    ) as channel:
+        reply = await tunnel_pb2_grpc.TunnelStub(channel).ListAgents(
+            pb.ListAgentsRequest(node=NODE), timeout=10
+        )
+    assert sorted(a.agent_id for a in reply.agents) == sorted(a.agent_id for a in tunnel.agents)
+    assert {a.node for a in reply.agents} == {NODE}
+
+
+async def test_the_front_moves_to_another_agent_too(front) -> None:  # noqa: F811
+    tunnel, _front, front_port, client_context = front
+    # The front fixture's agent may dial 127.0.0.0/8; the newer one refuses it.
+    await tunnel.start_agent(allow=("10.0.0.0/8:*",))
+    await until(lambda: len(tunnel.hub.agents(NODE)) == 2, "both agents held")
+    backend, backend_port, _heads = await http_backend()
     statuses: list[bytes] = []
-    try:
-        async with backend:
-            for _ in range(REQUESTS):
-                reader, writer = await asyncio.open_connection(
-                    "127.0.0.1", front_port, ssl=client_context
-                )
-                writer.write(f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{backend_port}\r\n\r\n".encode())
-                response = await asyncio.wait_for(reader.read(), 10)
-                statuses.append(response.split(b"\r\n", 1)[0])
-                writer.close()
-    finally:
-        await front.stop()
+    async with backend:
+        for _ in range(REQUESTS):
+            reader, writer = await asyncio.open_connection(
+                "127.0.0.1", front_port, ssl=client_context
+            )
+            writer.write(f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{backend_port}\r\n\r\n".encode())
+            response = await asyncio.wait_for(reader.read(), 10)
+            statuses.append(response.split(b"\r\n", 1)[0])
+            writer.close()
     assert statuses == [b"HTTP/1.1 200 OK"] * REQUESTS
     assert refusing_agent_refused(tunnel, backend_port)
 

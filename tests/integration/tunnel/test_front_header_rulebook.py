@@ -9,32 +9,15 @@ import asyncio
 
 import pytest
 
+from tests.integration.tunnel.harness import http_backend
 from tests.integration.tunnel.test_front import front  # noqa: F401  (the fixture)
 from waygate.core.httpheaders import CLIENT_FORBIDDEN_EXAMPLES
-
-
-async def recording_backend() -> tuple[asyncio.Server, int, list[bytes]]:
-    """Records each request head it receives and answers 200."""
-    heads: list[bytes] = []
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            heads.append(await reader.readuntil(b"\r\n\r\n"))
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-            await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            writer.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    return server, server.sockets[0].getsockname()[1], heads
 
 
 @pytest.mark.parametrize("name", CLIENT_FORBIDDEN_EXAMPLES, ids=lambda n: n.decode())
 async def test_a_header_a_client_may_not_set_never_reaches_the_node(front, name) -> None:  # noqa: F811
     _, _, port, context = front
-    backend, backend_port, heads = await recording_backend()
+    backend, backend_port, heads = await http_backend()
     async with backend:
         reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context)
         writer.write(
