@@ -521,7 +521,8 @@ class Hub:
         self.window = window
         self.dial_timeout = dial_timeout
         self.draining = False
-        self.sessions: dict[str, AgentSession] = {}  # node -> the session that serves dials
+        # node -> its newest agent session (dials try every agent: `sessions_for`)
+        self.sessions: dict[str, AgentSession] = {}
         self._by_agent: dict[tuple[str, str], AgentSession] = {}
         self._listeners: list[Callable[[], None]] = []
         # The data listener's address for agents (ServerInfo.data_address); empty: none.
@@ -539,7 +540,8 @@ class Hub:
             listener()
 
     def nodes(self) -> list[str]:
-        return sorted(n for n, s in self.sessions.items() if not s.draining)
+        """The nodes this replica can dial: those with an agent not moving off it."""
+        return sorted({s.node for s in self._by_agent.values() if not s.draining and not s.closed})
 
     def server_info(self) -> pb.Packet:
         return pb.Packet(
@@ -583,34 +585,27 @@ class Hub:
                     self.sessions[session.node] = other
         self.changed()
 
-    def session_for(self, node: str) -> AgentSession:
-        if self.draining:
-            raise Refused(pb.DRAINING, f"tunnel server {self.server_id} is draining")
-        session = self.sessions.get(node)
-        if session is None or session.closed:
-            raise Refused(pb.NO_AGENT, f"no agent for node {node} on replica {self.server_id}")
-        if session.draining:
-            raise Refused(
-                pb.DRAINING, f"the agent for node {node} is moving off replica {self.server_id}"
-            )
-        return session
-
     def sessions_all(self) -> list[AgentSession]:
         return list(self._by_agent.values())
 
     def sessions_for(self, node: str, address: str = "") -> list[AgentSession]:
         """The live agents of `node` that may take a dial, best first: those that did not
-        refuse `address` lately, then the newest (a restarted agent replaces its predecessor)."""
-        preferred = self.session_for(node)  # raises NO_AGENT / DRAINING as before
-        others = [
-            s
-            for s in self._by_agent.values()
-            if s.node == node and s is not preferred and not s.draining and not s.closed
-        ]
-        others.reverse()  # newest first (insertion order is registration order)
-        ordered = [preferred, *others]
+        refuse `address` lately, then the newest (a restarted agent replaces its
+        predecessor). Refused: NO_AGENT without one, DRAINING when this replica drains
+        or every agent of the node is moving off it (one moving is skipped)."""
+        if self.draining:
+            raise Refused(pb.DRAINING, f"tunnel server {self.server_id} is draining")
+        held = [s for s in self._by_agent.values() if s.node == node and not s.closed]
+        if not held:
+            raise Refused(pb.NO_AGENT, f"no agent for node {node} on replica {self.server_id}")
+        ordered = [s for s in held if not s.draining]
+        if not ordered:
+            raise Refused(
+                pb.DRAINING, f"the agent for node {node} is moving off replica {self.server_id}"
+            )
+        ordered.reverse()  # newest first (insertion order is registration order)
         if address:
-            ordered.sort(key=lambda s: s.refused_lately(address))
+            ordered.sort(key=lambda s: s.refused_lately(address))  # stable: newest first still
         return ordered
 
     async def dial(self, node: str, address: str, timeout: float) -> Any:

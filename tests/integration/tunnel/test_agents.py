@@ -50,10 +50,12 @@ def refusing_agent_refused(tunnel: Tunnel, port: int) -> bool:
     return session.refused_lately(f"127.0.0.1:{port}")
 
 
-async def echo_through(tunnel: Tunnel, *, data_path: bool, port: int) -> int:
+async def echo_through(
+    tunnel: Tunnel, *, data_path: bool, port: int, requests: int = REQUESTS
+) -> int:
     client = tunnel.client(data_path=data_path)
     succeeded = 0
-    for index in range(REQUESTS):
+    for index in range(requests):
         stream = await client.dial(NODE, port)
         payload = b"ping %d" % index
         await stream.write(payload)
@@ -112,6 +114,23 @@ async def test_the_front_moves_to_another_agent_too(front) -> None:  # noqa: F81
             writer.close()
     assert statuses == [b"HTTP/1.1 200 OK"] * REQUESTS
     assert refusing_agent_refused(tunnel, backend_port)
+
+
+async def test_an_agent_moving_off_the_replica_leaves_the_dials_to_the_others(
+    two_agents: Tunnel,
+) -> None:
+    """The newest agent says DRAIN (it is moving off this replica): dials go to the
+    other agent, and the replica still reports the node as present."""
+    tunnel = two_agents
+    (newest,) = (s for s in tunnel.hub.sessions_all() if s.agent_id == tunnel.agents[1].agent_id)
+    # What the server does with an agent's DRAIN packet (its read loop).
+    newest.draining = True
+    tunnel.hub.changed()
+    assert tunnel.hub.nodes() == [NODE]
+    server, port = await echo_server()
+    async with server:
+        assert await echo_through(tunnel, data_path=True, port=port, requests=5) == 5
+    assert not newest.refused_lately(f"127.0.0.1:{port}")  # never asked
 
 
 async def test_a_refusal_every_agent_gives_is_final(tmp_path: Path) -> None:
