@@ -768,6 +768,9 @@ class _Translator:
                 mirror, issue = self.backend(kind, namespace, ref)
                 if issue is not None and problem is None:
                     problem = issue
+                if issue is None and self.policy_for(ref) is not None:
+                    # Mirrors are sent in clear: never to a backend that asks for TLS.
+                    mirror = dataclasses.replace(mirror, invalid="it has a BackendTLSPolicy")
                 mirrors.append(mirror)
             if rule.filters is not None and rule.filters.mirrors:
                 # The mirrors' ports as the backends' are (the name the EndpointSlices
@@ -814,18 +817,22 @@ class _Translator:
             ref.name, ref.weight, ref.namespace, _port_as_sliced(service, port)
         ), None
 
+    def policy_for(self, ref: BackendRef) -> _Policy | None:
+        """The BackendTLSPolicy for a Service port: its sectionName's, else the Service's."""
+        service = self.objects.services.get((ref.namespace, ref.name))
+        port = next((p for p in service.ports if p.port == ref.port), None) if service else None
+        section = port.name if port is not None else ""
+        return self.policy_by_target.get((ref.namespace, ref.name, section)) or (
+            self.policy_by_target.get((ref.namespace, ref.name, ""))
+        )
+
     def backend_policy(
         self, backend: RouteBackend, ref: BackendRef, chosen: list[_Policy | None]
     ) -> tuple[RouteBackend, _Policy | None]:
         """The BackendTLSPolicy of a usable backend, and the backend as it must be
         served: invalid when the policy cannot be used, or when it differs from the
         one the rule's first backend set (`chosen`, filled here)."""
-        service = self.objects.services.get((ref.namespace, ref.name))
-        port = next((p for p in service.ports if p.port == ref.port), None) if service else None
-        section = port.name if port is not None else ""
-        policy = self.policy_by_target.get((ref.namespace, ref.name, section)) or (
-            self.policy_by_target.get((ref.namespace, ref.name, ""))
-        )
+        policy = self.policy_for(ref)
         if not chosen:
             chosen.append(policy)
         elif chosen[0] is not policy:

@@ -712,3 +712,31 @@ spec:
         in (rows["nonexistent-ca-certificate-ref"])
     )
     assert "not used by a route of Waygate's Gateways" in rows["unused"]
+
+
+def test_a_mirror_to_a_backend_with_a_backend_tls_policy_is_left_out() -> None:
+    """Mirrors are sent in clear: never to a Service whose policy asks for TLS."""
+    route = f"""apiVersion: gateway.networking.k8s.io/v1
+kind: HTTPRoute
+metadata: {{name: mirrored, namespace: {NS}}}
+spec:
+  parentRefs: [{{name: same-namespace}}]
+  hostnames: [mirror.example.com]
+  rules:
+  - filters:
+    - {{type: RequestMirror, requestMirror: {{backendRef: {{name: infra-backend-v2, port: 8080}}}}}}
+    - {{type: RequestMirror, requestMirror: {{backendRef: {{name: infra-backend-v3, port: 8080}}}}}}
+    backendRefs: [{{name: infra-backend-v1, port: 8080}}]
+---
+apiVersion: gateway.networking.k8s.io/v1
+kind: BackendTLSPolicy
+metadata: {{name: v2-tls, namespace: {NS}}}
+spec:
+  targetRefs: [{{group: '', kind: Service, name: infra-backend-v2}}]
+  validation: {{hostname: v2.example.com, wellKnownCACertificates: System}}
+"""
+    content = parse(GATEWAY_CLASS, conformance_text("base.yaml"), route)
+    (made,) = [r for r in content.routes if r.origin.endswith("/mirrored")]
+    assert made.filters is not None
+    assert [m.service for m in made.filters.mirrors] == ["infra-backend-v3"]
+    assert made.tls is None  # the primary backend has no policy
