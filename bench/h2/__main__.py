@@ -38,19 +38,18 @@ import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.machine import describe
+from bench.peer import ROOT, Peer, pinned
 from bench.proxy.__main__ import (
     CLIENT_CORE,
     HOST,
     PROXY_CORE,
-    ROOT,
     cpu_seconds,
     free_port,
     nginx_conf,
-    pinned,
     tree,
     upstream_conf,
 )
@@ -65,53 +64,25 @@ HAPROXY = "HAProxy"
 NGINX = "nginx"
 
 
-@dataclass
-class Server:
-    name: str
-    argv: list[str]
-    ports: dict[str, int]  # protocol -> port
-    cores: str
-    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
-    log: Path | None = None
+class Server(Peer):
+    """A proxy under test with a port per protocol (ready once each serves a request)."""
 
-    def start(self) -> None:
-        out = open(self.log, "wb") if self.log else subprocess.DEVNULL  # noqa: SIM115
-        self.processes.append(
-            subprocess.Popen(
-                pinned(self.cores, self.argv),
-                cwd=ROOT,
-                stdin=subprocess.PIPE,
-                stdout=out,
-                stderr=subprocess.STDOUT if self.log else subprocess.DEVNULL,
-            )
-        )
-        deadline = time.monotonic() + 120
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        ports: dict[str, int],  # protocol -> port
+        cores: str,
+        log: Path | None = None,
+    ) -> None:
+        super().__init__(name, argv, cores, log)
+        self.ports = ports
+
+    def serving(self) -> str | None:
         for protocol, port in self.ports.items():
-            while h2load(port, protocol, "/64", 1, 1, requests=1).ok != 1:
-                code = self.processes[-1].poll()
-                if code is not None or time.monotonic() > deadline:
-                    tail = self.log.read_text()[-2000:] if self.log else ""
-                    raise RuntimeError(
-                        f"{self.name} does not serve {protocol} (exit {code}):\n{tail}"
-                    )
-                time.sleep(0.3)
-
-    @property
-    def pid(self) -> int:
-        return self.processes[-1].pid
-
-    def stop(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                with contextlib.suppress(OSError):
-                    process.stdin.close()  # type: ignore[union-attr]
-                process.terminate()
-        for process in self.processes:
-            try:
-                process.wait(20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            if h2load(port, protocol, "/64", 1, 1, requests=1).ok != 1:
+                return f"no answer over {protocol}"
+        return None
 
 
 @dataclass

@@ -38,7 +38,6 @@ import contextlib
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -46,12 +45,12 @@ import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.machine import describe
+from bench.peer import ROOT, Peer, pinned
 
-ROOT = Path(__file__).resolve().parents[2]
 HOST = "bench.local"  # the route's host; HAProxy and nginx ignore it
 PROXY_CORE = "0"
 CLIENT_CORE = "1"
@@ -82,10 +81,6 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def pinned(cores: str, argv: list[str]) -> list[str]:
-    return ["taskset", "-c", cores, *argv]
-
-
 def tree(pid: int) -> list[int]:
     """`pid` and its descendants (nginx's workers, Waygate's worker processes)."""
     found = [pid]
@@ -114,53 +109,18 @@ def http_status(port: int, path: str) -> int:
     return 0
 
 
-@dataclass
-class Proxy:
-    name: str
-    argv: list[str]
-    port: int
-    cores: str
-    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
-    log: Path | None = None
+class Proxy(Peer):
+    """A proxy under test, serving plain HTTP/1.1 on `port` (ready once /64 is a 200)."""
 
-    def start(self, extra: list[subprocess.Popen[bytes]] | None = None) -> None:
-        out = open(self.log, "wb") if self.log else subprocess.DEVNULL  # noqa: SIM115
-        self.processes.append(
-            subprocess.Popen(
-                pinned(self.cores, self.argv),
-                cwd=ROOT,
-                stdin=subprocess.PIPE,
-                stdout=out,
-                stderr=subprocess.STDOUT if self.log else subprocess.DEVNULL,
-            )
-        )
-        deadline = time.monotonic() + 120  # a busy machine starts Python slowly
-        while (status := http_status(self.port, "/64")) != 200:
-            code = self.processes[-1].poll()
-            if code is not None or time.monotonic() > deadline:
-                tail = self.log.read_text()[-2000:] if self.log else ""
-                raise RuntimeError(
-                    f"{self.name} did not start serving /64 (last status {status}, "
-                    f"exit code {code}):\n{tail}"
-                )
-            time.sleep(0.2)
+    def __init__(
+        self, name: str, argv: list[str], port: int, cores: str, log: Path | None = None
+    ) -> None:
+        super().__init__(name, argv, cores, log)
+        self.port = port
 
-    @property
-    def pid(self) -> int:
-        return self.processes[-1].pid
-
-    def stop(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                with contextlib.suppress(OSError):
-                    process.stdin.close()  # type: ignore[union-attr]
-                process.send_signal(signal.SIGTERM)
-        for process in self.processes:
-            try:
-                process.wait(20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    def serving(self) -> str | None:
+        status = http_status(self.port, "/64")
+        return None if status == 200 else f"last status {status}"
 
 
 # ---------------------------------------------------------------- configurations
