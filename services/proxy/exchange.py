@@ -478,12 +478,7 @@ class Exchange:
         elif pool.wait(target, self):
             self.queued = True  # Pool.wake calls endpoint_free
         else:
-            self.fail(
-                503,
-                f"endpoint {target.address}:{target.port} is at its limit of "
-                f"{pool.max_per_endpoint} connections and {pool.max_queue} requests wait for it",
-                "endpoint_limit",
-            )
+            self.fail(503, pool.full(target), "endpoint_limit")
 
     def endpoint_free(self) -> None:
         """Called by the pool: room (or an idle connection) for this queued request."""

@@ -180,13 +180,7 @@ class H2Pool:
             if pool.wait(target, exchange):
                 exchange.queued = True  # Pool.wake calls endpoint_free
             else:
-                exchange.fail(
-                    503,
-                    f"endpoint {target.address}:{target.port} is at its limit of "
-                    f"{pool.max_per_endpoint} connections and {pool.max_queue} requests "
-                    "wait for it",
-                    "endpoint_limit",
-                )
+                exchange.fail(503, pool.full(target), "endpoint_limit")
             return
         # Each connect has its own waiters; new ones join the latest connect's.
         waiters = self.connecting[key] = [exchange]

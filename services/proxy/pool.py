@@ -313,6 +313,13 @@ class Pool:
         if count < self.max_per_endpoint:
             self.wake(target)
 
+    def full(self, target: Target) -> str:
+        """Why a request for `target` is refused at the bound with a full queue (503)."""
+        return (
+            f"endpoint {target.address}:{target.port} is at its limit of "
+            f"{self.max_per_endpoint} connections and {self.max_queue} requests wait for it"
+        )
+
     def wait(self, target: Target, exchange: Any) -> bool:
         """Queue `exchange` for a connection to `target`; False when the queue is full."""
         queue = self.waiting.get(target)

@@ -77,42 +77,39 @@ async def test_stream_ids_exhausted_take_a_new_connection(monkeypatch):
     assert backend.processed == [(1, "/a"), (2, "/b")]
 
 
-async def test_backend_connections_count_in_the_endpoint_bound():
-    """HTTP/2 connections to a backend count in --max-connections-per-endpoint as
-    HTTP/1.1 ones do: with room for one stream per connection and a bound of 2,
-    20 concurrent streams take turns on 2 connections instead of opening 20."""
+async def at_the_bound(bound: int, queue: int, streams: int):
+    """`streams` concurrent streams to an h2c backend, one stream per backend
+    connection, at most `bound` connections to the endpoint and `queue` waiting:
+    the answers, the backend, and the endpoint's count in the pool afterwards."""
     backend = await H2Backend().start()
     routes, built = await proxied(backend)
-    async with running_h2_proxy(built, limits=H2Limits()) as (server, port):
-        server.pool.max_per_endpoint = 2
+    async with running_h2_proxy(built) as (server, port):
+        server.pool.max_per_endpoint = bound
+        server.pool.max_queue = queue
         serve_h2_upstreams(server, routes, H2Limits(max_concurrent_streams=1))
         client = await H2Client.connect(port)
         try:
-            ids = [client.start("GET", f"/m{i}", "h2.test") for i in range(20)]
+            ids = [client.start("GET", f"/m{i}", "h2.test") for i in range(streams)]
             answers = await asyncio.gather(*(client.wait(i) for i in ids))
         finally:
             await client.close()
         counted = dict(server.pool.opened)
     await backend.stop()
+    return answers, backend, counted
+
+
+async def test_backend_connections_count_in_the_endpoint_bound():
+    """HTTP/2 connections to a backend count in --max-connections-per-endpoint as
+    HTTP/1.1 ones do: with room for one stream per connection and a bound of 2,
+    20 concurrent streams take turns on 2 connections instead of opening 20."""
+    answers, backend, counted = await at_the_bound(2, 1024, 20)
     assert [a.status for a in answers] == [200] * 20
     assert backend.connections == 2
     assert all(count <= 2 for count in counted.values())
 
 
 async def test_at_the_endpoint_bound_with_a_full_queue_the_stream_gets_503():
-    backend = await H2Backend().start()
-    routes, built = await proxied(backend)
-    async with running_h2_proxy(built) as (server, port):
-        server.pool.max_per_endpoint = 1
-        server.pool.max_queue = 0
-        serve_h2_upstreams(server, routes, H2Limits(max_concurrent_streams=1))
-        client = await H2Client.connect(port)
-        try:
-            ids = [client.start("GET", f"/m{i}", "h2.test") for i in range(5)]
-            answers = await asyncio.gather(*(client.wait(i) for i in ids))
-        finally:
-            await client.close()
-    await backend.stop()
+    answers, backend, _ = await at_the_bound(1, 0, 5)
     statuses = [a.status for a in answers]
     assert 200 in statuses and 503 in statuses
     refused = next(a for a in answers if a.status == 503)
