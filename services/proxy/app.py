@@ -206,7 +206,8 @@ class Settings(ProcessSettings):
     )
     max_connections_per_endpoint: int = setting(
         1024,
-        help="HTTP/1.1 connections to one endpoint at once, busy and idle (0: no bound)",
+        help="upstream connections to one endpoint at once, HTTP/1.1 (busy and idle) and "
+        "HTTP/2 (0: no bound)",
         check=lambda v: None if v >= 0 else f"must be 0 or more, not {v}",
     )
     endpoint_queue: int = setting(

@@ -455,3 +455,24 @@ def test_gateway_api_component_gives_the_classes_the_flag_and_status_rbac():
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": "waygate-resolver", "namespace": "waygate"}
     ]
+
+
+def test_proxy_deployment_shows_every_http2_limit_at_its_default():
+    """Every HTTP/2 limit `waygate proxy serve` exposes (the h2_* settings) is in the
+    proxy's args in every overlay, where an operator tunes it, and the base
+    value parses to the setting's own default (the manifest does not drift)."""
+    import dataclasses
+
+    from waygate.proxy.app import Settings
+
+    limits = {f.name: f.default for f in dataclasses.fields(Settings) if f.name.startswith("h2_")}
+    assert len(limits) >= 7
+    for overlay in OVERLAYS:
+        objects = [doc for doc in yaml.safe_load_all(render(overlay)) if doc]
+        proxy = named(objects, "Deployment", "waygate-proxy")
+        args = proxy["spec"]["template"]["spec"]["containers"][0]["args"]
+        given = dict(a[2:].split("=", 1) for a in args if a.startswith("--h2-"))
+        for name, default in limits.items():
+            flag = name.replace("_", "-")
+            assert flag in given, f"{overlay}: --{flag} not in the proxy's args"
+            assert int(given[flag]) == default, f"{overlay}: --{flag}={given[flag]}"
