@@ -1,6 +1,6 @@
 """HTTP/2 and gRPC benchmark: Waygate beside HAProxy, nginx and a minimal h2 relay.
 
-    python -m bench.h2 [--duration 5]
+    python -m bench.h2 [--duration 5] [--repeats 1]
 
 Every proxy forwards to the same upstream, an nginx (1 worker, HTTP/1.1)
 serving fixed 64 B and 16 KiB bodies (bench.proxy's upstream). h2load
@@ -12,9 +12,10 @@ minimal h2 -> HTTP/1.1 relay on the same library and loop (bench/h2/minimal.py:
 no rules, no limits). Waygate runs `--workers 1` with every rule on. The
 proxy under test is pinned to core 0; h2load, the upstream and the resolver
 to core 1. Each proxy takes a 1 s warm-up before its measured run; the
-proxies take turns, order rotated per cell. Reported: req/s, the proxy's CPU
-(user + system) per request, and the ratios Waygate / minimal relay, Waygate /
-HAProxy, and Waygate's HTTP/2 to its own HTTP/1.1 path (h2load --h1, same
+proxies take turns, order rotated per cell and per turn (`--repeats N`: N turns
+each, the run with the median req/s kept). Reported: req/s, the proxy's CPU
+(user + system) per request, and the ratios Waygate / minimal relay (by req/s and
+by CPU per request, which other load moves less), Waygate / HAProxy, and Waygate's HTTP/2 to its own HTTP/1.1 path (h2load --h1, same
 connections, one request at a time per connection).
 
 gRPC: a grpcio server (bench/h2/grpc_backend.py, its own process) called
@@ -234,30 +235,46 @@ def rotated(items: list[Server], turn: int) -> Iterator[Server]:
         yield items[(index + turn) % len(items)]
 
 
-def measure(servers: list[Server], seconds: float) -> dict[tuple[str, str, int], dict[str, Run]]:
+def measure(
+    servers: list[Server], seconds: float, repeats: int = 1
+) -> dict[tuple[str, str, int], dict[str, Run]]:
+    """Each cell: every server takes `repeats` turns (order rotated per turn), and its
+    run with the median req/s is kept (its CPU per request goes with it): one run of a
+    proxy on a shared machine moves by a factor of two."""
     table: dict[tuple[str, str, int], dict[str, Run]] = {}
     turn = 0
     cells = [(p, s, m) for p in PROTOCOLS for s in SIZES for m in STREAMS]
     cells += [("h1", s, 1) for s in SIZES]
     for protocol, (label, path), streams in cells:
-        cell: dict[str, Run] = {}
-        for server in rotated(servers, turn):
-            port = server.ports.get(protocol)
-            if port is None:
-                continue
-            # Warm-up, which also sizes the measured run to about `seconds`
-            # (h2load's own -D duration mode miscounts its rate).
-            warm = h2load(port, protocol, path, streams, 0, requests=1000)
-            count = max(1000, int(warm.rps * seconds))
-            pids = tree(server.pid)
-            before = cpu_seconds(pids)
-            run = h2load(port, protocol, path, streams, seconds, requests=count)
-            run.cpu_us = (cpu_seconds(pids) - before) / max(run.ok, 1) * 1e6
-            cell[server.name] = run
-        table[(protocol, label, streams)] = cell
+        runs: dict[str, list[Run]] = {}
+        for repeat in range(repeats):
+            for server in rotated(servers, turn + repeat):
+                port = server.ports.get(protocol)
+                if port is None:
+                    continue
+                # Warm-up, which also sizes the measured run to about `seconds`
+                # (h2load's own -D duration mode miscounts its rate).
+                warm = h2load(port, protocol, path, streams, 0, requests=1000)
+                count = max(1000, int(warm.rps * seconds))
+                pids = tree(server.pid)
+                before = cpu_seconds(pids)
+                run = h2load(port, protocol, path, streams, seconds, requests=count)
+                run.cpu_us = (cpu_seconds(pids) - before) / max(run.ok, 1) * 1e6
+                runs.setdefault(server.name, []).append(run)
+        table[(protocol, label, streams)] = {
+            name: sorted(taken, key=lambda run: run.rps)[len(taken) // 2]
+            for name, taken in runs.items()
+        }
         turn += 1
         print(f"bench.h2: {protocol} {label} x{streams} done", file=sys.stderr, flush=True)
     return table
+
+
+def cpu_ratio(a: Run | None, b: Run | None) -> str:
+    """`a` against `b` by CPU per request (b's CPU / a's: 1.00 costs the same)."""
+    if a is None or b is None or not a.cpu_us:
+        return "-"
+    return f"{b.cpu_us / a.cpu_us:.2f}"
 
 
 def ratio(a: Run | None, b: Run | None) -> str:
@@ -271,8 +288,8 @@ def render(table: dict[tuple[str, str, int], dict[str, Run]]) -> list[str]:
     lines = [
         "| protocol | body | streams/conn | "
         + " | ".join(f"{n} req/s (CPU µs/req)" for n in names)
-        + " | Waygate / minimal | Waygate / HAProxy |",
-        "|---|---|---|" + "---|" * (len(names) + 2),
+        + " | Waygate / minimal | Waygate / minimal, by CPU | Waygate / HAProxy |",
+        "|---|---|---|" + "---|" * (len(names) + 3),
     ]
     for (protocol, label, streams), cell in table.items():
         if protocol == "h1":
@@ -287,6 +304,7 @@ def render(table: dict[tuple[str, str, int], dict[str, Run]]) -> list[str]:
         lines.append(
             f"| {protocol} | {label} | {streams} | " + " | ".join(shown)
             + f" | {ratio(cell.get(WAYGATE), cell.get(MINIMAL))}"
+            + f" | {cpu_ratio(cell.get(WAYGATE), cell.get(MINIMAL))}"
             + f" | {ratio(cell.get(WAYGATE), cell.get(HAPROXY))} |"
         )  # fmt: skip
     lines += ["", "Waygate's HTTP/2 against its own HTTP/1.1 path (same 10 connections, "
@@ -370,7 +388,7 @@ def main(args: argparse.Namespace) -> str:
         try:
             for server in servers:
                 server.start()
-            table = measure(servers, args.duration)
+            table = measure(servers, args.duration, args.repeats)
             grpc_direct = grpc_rates(f"127.0.0.1:{grpc_port}", "-", args.duration)
             grpc_proxied = grpc_rates(
                 f"127.0.0.1:{ports[WAYGATE]['h2c']}", f"grpc.{HOST}", args.duration
@@ -386,7 +404,7 @@ def main(args: argparse.Namespace) -> str:
     lines = [
         "# HTTP/2 and gRPC benchmark",
         "",
-        f"`python -m bench.h2 --duration {args.duration:g}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+        f"`python -m bench.h2 --duration {args.duration:g} --repeats {args.repeats}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
         f"{time.monotonic() - started:.0f} s. {describe()} Shared machine: read the ratios.",
         "",
         f"h2load, {CONNECTIONS} connections, 1 thread; proxies pinned to core 0, h2load, upstream "
@@ -408,4 +426,7 @@ def main(args: argparse.Namespace) -> str:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m bench.h2", description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per measured run")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="turns per proxy and cell (the median run is kept)"
+    )
     print(main(parser.parse_args()))
