@@ -10,13 +10,18 @@ the same verification and explained failures as HTTP/1.1).
   connection with room (open streams below the peer's
   SETTINGS_MAX_CONCURRENT_STREAMS, stream ids left, no GOAWAY received); else
   one connect is started per key and the streams wanting it wait for it.
+  Every connection counts in the endpoint's bound that HTTP/1.1 connections
+  keep (`waygate.proxy.pool.Pool`): at the bound a stream waits in the same
+  queue, or gets the same 503.
 - `H2UpstreamConnection`: a thin Protocol over the `h2` client state machine.
 - `H2Exchange`: one client stream forwarded as one upstream stream. The
   request passes the HTTP/1.1 rule book first (`http1.parse_request_head` of
   the head it means: identity headers dropped, X-Forwarded-*/Forwarded per the
   route) and leaves as HTTP/2 fields again; routing by :authority, the
   endpoint pick (balancing, sticky cookie), the TLS edge rules and auth-proxy
-  identity are the routing table's and `tls`'s, as on HTTP/1.1. Trailers are
+  identity are the routing table's and `tls`'s, as on HTTP/1.1; so are the
+  route's HTTPRoute filters (`waygate.proxy.filters`: redirect, rewrite,
+  request and response header modifiers; not mirrors). Trailers are
   relayed (gRPC's status lives there).
 - Flow control, both ways, bounded: request DATA goes on as the backend's
   window allows; what does not fit is held and the client's WINDOW_UPDATEs

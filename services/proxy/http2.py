@@ -4,8 +4,10 @@
 the HTTPS port, or HTTP/2 with prior knowledge (h2c) on the HTTP port, told
 apart from HTTP/1.1 by its first bytes (`ClientProtocol`, the factory both
 listeners use). `h2` (python-hyper) does the framing, HPACK and the stream
-state machine; this module moves bytes, applies the proxy's limits, and
-turns each request stream into an exchange:
+state machine; this module moves bytes, applies the proxy's limits, keeps RFC
+9113's rules on request fields (`read_request`, `check_trailers`: h2's own
+inbound checks are off on this side, see `h2_connection`), and turns each
+request stream into an exchange:
 
 - a route whose backend speaks HTTP/1.1 (the default): the stream drives the
   proxy's HTTP/1.1 exchange (`waygate.proxy.server.ClientConnection`) through
@@ -42,7 +44,9 @@ Limits (every one a flag of `waygate proxy serve`, see `H2Limits`):
   SETTINGS acknowledgements cannot pile up for a client that does not read).
 
 Draining (SIGTERM): GOAWAY with the last stream id seen; streams in flight
-finish within the grace period, then the connection closes.
+finish within the grace period, then the connection closes. Under the
+proxy's connection bounds a connection with no stream open is idle and may be
+evicted like an HTTP/1.1 keep-alive (GOAWAY NO_ERROR, then closed).
 """
 
 from __future__ import annotations
