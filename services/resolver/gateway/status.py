@@ -15,19 +15,42 @@ serve (its port in use, say) shows Programmed=False with that proxy's reason
 and message, and its Gateway too when no listener of it is programmed. The
 translation stays a pure function of the objects; when a report changes or
 its stream ends, the board publishes again (and the writer writes the change).
+A report is caller input written into Kubernetes objects: its reason is one
+of `LISTENER_REASONS` (else `UNKNOWN_LISTENER_REASON`, so it always passes the
+CRD's reason pattern), its message an `excerpt` of at most
+`LISTENER_MESSAGE_LIMIT` characters, and proxies are listed in name order (a
+reconnect that changes no state changes no status).
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
+from waygate.core.errors import excerpt
 from waygate.resolver.gateway.translate import ObjectStatus
 from waygate.resolver.model import ListenerState
 
 StatusKey = tuple[str, str, str]  # (kind, namespace, name)
+
+#: Reasons a proxy may give for a listener it does not serve (Gateway API
+#: listener condition reasons); any other is replaced by the fallback.
+LISTENER_REASONS = frozenset({"PortUnavailable", "Invalid", "Pending", "UnsupportedProtocol"})
+UNKNOWN_LISTENER_REASON = "Invalid"
+#: A proxy's message in a condition: at most this many characters (plus quotes
+#: and the cut length); four proxies' messages stay far under the CRD's 32768.
+LISTENER_MESSAGE_LIMIT = 256
+
+
+def _checked(state: ListenerState) -> ListenerState:
+    """A reported state whose reason and message are safe to write into a condition."""
+    if not state.reason:
+        return state
+    reason = state.reason if state.reason in LISTENER_REASONS else UNKNOWN_LISTENER_REASON
+    return replace(state, reason=reason, message=excerpt(state.message, LISTENER_MESSAGE_LIMIT))
 
 
 def _now() -> str:
@@ -96,7 +119,7 @@ class StatusBoard:
 
     def report_listeners(self, stream: object, proxy: str, states: Iterable[ListenerState]) -> None:
         """A proxy's full listener state (replacing what its stream said before)."""
-        report = (proxy, tuple(states))
+        report = (proxy, tuple(_checked(state) for state in states))
         if self._reports.get(stream) == report:
             return
         self._reports[stream] = report
@@ -111,7 +134,7 @@ class StatusBoard:
         """Proxies' listener problems onto a Gateway's (copied) status."""
         gateway = f"{item.namespace}/{item.name}"
         problems: dict[int, list[tuple[str, ListenerState]]] = {}
-        for proxy, states in self._reports.values():
+        for proxy, states in sorted(self._reports.values(), key=lambda report: report[0]):
             for state in states:
                 if state.gateway == gateway and state.reason:
                     problems.setdefault(state.port, []).append((proxy, state))

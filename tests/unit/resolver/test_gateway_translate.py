@@ -547,7 +547,7 @@ def test_listener_reports_set_programmed_false_while_their_stream_lasts() -> Non
             )
         ],
     )
-    assert programmed() == ("False", "PortUnavailable", "proxy edge-1/42: port 80 is in use")
+    assert programmed() == ("False", "PortUnavailable", "proxy edge-1/42: 'port 80 is in use'")
     # The Kubernetes writer sees the change; the Gateway has no programmed listener left.
     assert [s.name for s in board.take_changed()] == ["same-namespace"]
     gateway = board.get("Gateway", NS, "same-namespace")
@@ -558,6 +558,48 @@ def test_listener_reports_set_programmed_false_while_their_stream_lasts() -> Non
     assert programmed()[0] == "False"
     board.forget_listeners(stream)
     assert programmed()[0] == "True"
+
+
+def test_listener_reports_are_checked_before_they_reach_a_condition() -> None:
+    import re
+
+    from waygate.resolver.gateway.status import LISTENER_MESSAGE_LIMIT, UNKNOWN_LISTENER_REASON
+    from waygate.resolver.model import ListenerState
+
+    content = base("httproute-simple-same-namespace.yaml")
+    board = StatusBoard()
+    board.replace(content.translation.statuses)
+
+    def programmed() -> dict[str, Any]:
+        found = board.get("Gateway", NS, "same-namespace")
+        assert found is not None
+        (listener,) = found.status["listeners"]
+        (condition,) = [c for c in listener["conditions"] if c["type"] == "Programmed"]
+        return condition
+
+    def state(reason: str, message: str) -> list[ListenerState]:
+        return [ListenerState(f"{NS}/same-namespace", 80, "HTTP", 0, reason, message)]
+
+    # A reason the CRD's pattern refuses (the whole status write would fail) and
+    # a megabyte message: a fixed reason, a bounded message.
+    board.report_listeners(object(), "edge-9", state("no such reason!", "x" * 1_000_000))
+    condition = programmed()
+    assert condition["reason"] == UNKNOWN_LISTENER_REASON
+    assert re.fullmatch(r"[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?", condition["reason"])
+    assert len(condition["message"]) < LISTENER_MESSAGE_LIMIT + 100
+    assert "1000000 characters" in condition["message"]
+
+    # Proxies are listed by name, whichever stream reported first: the same
+    # reports after a reconnect (in another order) give the same status.
+    board = StatusBoard()
+    board.replace(content.translation.statuses)
+    board.report_listeners(object(), "edge-b", state("PortUnavailable", "b in use"))
+    board.report_listeners(object(), "edge-a", state("Pending", "a pending"))
+    first = programmed()
+    assert (first["reason"], first["message"]) == (
+        "Pending",
+        "proxy edge-a: 'a pending'; proxy edge-b: 'b in use'",
+    )
 
 
 # ---------------------------------------------------------------- conflicts across Gateways
