@@ -610,25 +610,30 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
             build(last_view[0], gateway_listeners.sides(last_view[0].routes.values()))
             own_fronts(last_view[0])
 
-    def own_fronts(view: Any) -> None:
-        """The passthrough routes of TLS listeners on their own ports, each on its front."""
+    def set_passthrough(target: Any, view: Any, ports: Callable[[int], bool]) -> None:
+        """`target` (a TLS front) serves the view's passthrough routes on these listener ports."""
         from waygate.proxy.passthrough import passthrough_table
 
-        def only(port: int) -> Any:
+        target.set_table(
+            passthrough_table(
+                view.routes,
+                view.endpoints,
+                view.services,
+                defaults=defaults,
+                cookie_key=cookie_key,
+                previous=target.table,
+                ports=ports,
+            )
+        )
+
+    def own_fronts(view: Any) -> None:
+        """The passthrough routes of TLS listeners on their own ports, each on its front."""
+
+        def only(port: int) -> Callable[[int], bool]:
             return lambda listener_port: listener_port == port
 
         for port, own in gateway_listeners.fronts().items():
-            own.set_table(
-                passthrough_table(
-                    view.routes,
-                    view.endpoints,
-                    view.services,
-                    defaults=defaults,
-                    cookie_key=cookie_key,
-                    previous=own.table,
-                    ports=only(port),
-                )
-            )
+            set_passthrough(own, view, only(port))
 
     def on_view(view: Any) -> None:
         last_view[:] = [view]
@@ -638,24 +643,12 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         if server.upstream_tls is not None:
             server.upstream_tls.keep_only(view.routes.values())
         if front is not None:
-            from waygate.proxy.passthrough import passthrough_table
-
             # A route another one's claim keeps out serves no certificate for its host.
             front.certificates.update(
                 r for r in view.routes.values() if r.status is None or r.status.admitted
             )
-            front.set_table(
-                passthrough_table(
-                    view.routes,
-                    view.endpoints,
-                    view.services,
-                    defaults=defaults,
-                    cookie_key=cookie_key,
-                    previous=front.table,
-                    # TLS listeners on their own ports are served there only.
-                    ports=lambda p: p not in own_tls,
-                )
-            )
+            # TLS listeners on their own ports are served there only.
+            set_passthrough(front, view, lambda p: p not in own_tls)
         h2_upstreams.update(view.routes, view.services)
         build(view, listener_sides)
         own_fronts(view)
