@@ -88,7 +88,7 @@ from waygate.proxy.http1 import (
     ResponseHead,
 )
 from waygate.proxy.pool import UpstreamConnection
-from waygate.proxy.routing import Backend, RouteEntry, Target, unavailable_reason
+from waygate.proxy.routing import Backend, RouteEntry, Side, Target, unavailable_reason
 from waygate.proxy.upstream import ConnectError
 
 if TYPE_CHECKING:
@@ -131,7 +131,7 @@ class Downstream(Protocol):
 
     context: ForwardedContext
     client_key: bytes
-    secure: bool
+    secure: Side
     # Whether this driver forwards chunk-framed body pieces as they are
     # (HTTP/1.1); False: the Exchange hands it the bare payload (HTTP/2).
     chunked_ok: bool

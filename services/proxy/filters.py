@@ -20,9 +20,12 @@ upstream's response head (response side). Per the Gateway API specification:
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from waygate.resolver.model import HeaderModifier, PathModifierType, Redirect, Rewrite
+
+if TYPE_CHECKING:
+    from waygate.proxy.routing import Side
 
 # Lines a filter may not add, set or remove (lower-case).
 PROTECTED = frozenset(
@@ -115,7 +118,7 @@ def rewritten_request(
 
 
 def redirect_location(
-    req: Any, redirect: Redirect, prefix: bytes, *, secure: bool, listener_port: int
+    req: Any, redirect: Redirect, prefix: bytes, *, secure: Side, listener_port: int
 ) -> bytes:
     """The Location for a request that matched a RequestRedirect rule."""
     scheme = redirect.scheme.encode() if redirect.scheme else (b"https" if secure else b"http")

@@ -70,6 +70,7 @@ from prometheus_client.registry import Collector
 
 from waygate.core import httpheaders
 from waygate.proxy import grpcstatus, http1
+from waygate.proxy.routing import Side
 
 log = logging.getLogger(__name__)
 
@@ -549,11 +550,11 @@ class Stream:
 class H2ClientConnection(asyncio.Protocol):
     """One HTTP/2 client connection (h2 over TLS or h2c)."""
 
-    def __init__(self, server: Any, limits: H2Limits, *, secure: bool) -> None:
+    def __init__(self, server: Any, limits: H2Limits, *, secure: Side) -> None:
         self.server = server
         self.loop = server.loop
         self.limits = limits
-        self.secure = secure
+        self.secure: Side = secure
         self.transport: asyncio.Transport | None = None
         self.h2 = h2_connection(limits, client_side=False)
         self.streams: dict[int, Stream] = {}

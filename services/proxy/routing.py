@@ -108,6 +108,11 @@ class ListenerSide:
         return f"ListenerSide({self.port}, secure={self.secure})"
 
 
+#: A connection's table side: the proxy's own HTTPS (True) or HTTP (False) port,
+#: or a Gateway listener's own port (its ListenerSide, truthy when TLS).
+Side = bool | ListenerSide
+
+
 class RouteOptions(NamedTuple):
     """A route's per-request settings, resolved once per table build."""
 
@@ -549,12 +554,12 @@ class RouteTable:
     def empty(cls) -> RouteTable:
         return cls(HostIndex(), {}, set())
 
-    def serves_listeners(self, secure: bool) -> bool:
+    def serves_listeners(self, secure: Side) -> bool:
         """Whether Gateway API listeners are served on this side (a miss is then a 404)."""
         return secure in self._sides
 
     def lookup(
-        self, host: bytes, path: bytes, req: Any = None, secure: bool = False
+        self, host: bytes, path: bytes, req: Any = None, secure: Side = False
     ) -> RouteEntry | None:
         if b"%" in path:
             # Route paths are stored in this form (/%61dmin is /admin to both).

@@ -45,7 +45,7 @@ from waygate.proxy.http2 import ClientProtocol
 from waygate.proxy.metrics import ProxyMetrics
 from waygate.proxy.mirror import Mirrors
 from waygate.proxy.pool import Pool, UpstreamConnection
-from waygate.proxy.routing import Defaults, PassiveHealth, RouteTable
+from waygate.proxy.routing import Defaults, PassiveHealth, RouteTable, Side
 from waygate.proxy.upstream import Dialer
 
 log = logging.getLogger(__name__)
@@ -378,7 +378,7 @@ class ClientConnection(asyncio.Protocol):
         self.pending_head = b""
         self.chunked_ok = True
         self.write_paused = False
-        self.secure = False
+        self.secure: Side = False
         self.client_key = b""
         # When the connection last became idle (accepted, or its exchange ended):
         # the oldest idle connection is closed first when room is needed.
