@@ -85,6 +85,9 @@ from waygate.resolver.validation import validate_tls
 log = logging.getLogger(__name__)
 
 Key = tuple[str, str]
+#: One rule of one route: (kind, namespace, name, rule index); stable across a
+#: translation, unlike id() of a RuleSpec (reused once the object is freed).
+_RuleKey = tuple[str, str, str, int]
 
 #: The kinds this module reads, by the name `kind` has in a manifest.
 GATEWAY_KINDS = (
@@ -298,12 +301,12 @@ class _Translator:
         # Gateway key -> its listeners (only Gateways of Waygate's classes).
         self.listeners: dict[Key, list[Listener]] = {}
         self.gateway_status: dict[Key, JSON] = {}
-        # A rule's filters with its mirrors' ports resolved, by id of the RuleSpec.
-        self.mirrors: dict[int, Any] = {}
+        # A rule's filters with its mirrors' ports resolved, by its _RuleKey.
+        self.mirrors: dict[_RuleKey, Any] = {}
         # BackendTLSPolicies by (namespace, service, sectionName); a rule's policy
-        # (by id of the RuleSpec), and every policy by its key.
+        # (by its _RuleKey), and every policy by its key.
         self.policy_by_target: dict[tuple[str, str, str], _Policy] = {}
-        self.rule_policy: dict[int, _Policy] = {}
+        self.rule_policy: dict[_RuleKey, _Policy] = {}
         self.policies: dict[Key, _Policy] = {}
 
     # ------------------------------------------------------------ helpers
@@ -658,7 +661,7 @@ class _Translator:
         )
 
     def route(self, kind: str, key: Key, obj: JSON, route: RouteSpec, generation: int) -> None:
-        backends, refs_problem = self.backends(kind, key[0], route)
+        backends, refs_problem = self.backends(kind, key, route)
         parents_status = []
         made: dict[str, Route] = {}
         for parent in route.parents:
@@ -746,12 +749,14 @@ class _Translator:
         return _selector_matches(listener.spec.selector, found)
 
     def backends(
-        self, kind: str, namespace: str, route: RouteSpec
+        self, kind: str, key: Key, route: RouteSpec
     ) -> tuple[list[list[RouteBackend]], tuple[str, str] | None]:
         """Per rule, its RouteBackends; and the first problem (reason, message)."""
+        namespace = key[0]
         problem: tuple[str, str] | None = None
         per_rule: list[list[RouteBackend]] = []
-        for rule in route.rules:
+        for index, rule in enumerate(route.rules):
+            rule_key = (kind, key[0], key[1], index)
             out = []
             chosen: list[_Policy | None] = []
             for ref in rule.backends:
@@ -759,7 +764,7 @@ class _Translator:
                 if issue is None and kind != "TLSRoute":
                     backend, policy = self.backend_policy(backend, ref, chosen)
                     if policy is not None:
-                        self.rule_policy[id(rule)] = policy
+                        self.rule_policy[rule_key] = policy
                 out.append(backend)
                 if issue is not None and problem is None:
                     problem = issue
@@ -775,7 +780,7 @@ class _Translator:
             if rule.filters is not None and rule.filters.mirrors:
                 # The mirrors' ports as the backends' are (the name the EndpointSlices
                 # use); a mirror that cannot be used is left out.
-                self.mirrors[id(rule)] = dataclasses.replace(
+                self.mirrors[rule_key] = dataclasses.replace(
                     rule.filters,
                     mirrors=tuple(
                         dataclasses.replace(m, port=resolved.port)
@@ -959,7 +964,8 @@ class _Translator:
         if kind == "TLSRoute":
             tls = RouteTLS(TLSTermination.PASSTHROUGH)
         for index, rule in enumerate(route.rules):
-            policy = self.rule_policy.get(id(rule))
+            rule_key = (kind, key[0], key[1], index)
+            policy = self.rule_policy.get(rule_key)
             rule_tls = tls
             if policy is not None:
                 for used in (policy, *policy.shadowed):
@@ -981,7 +987,7 @@ class _Translator:
                     tls=rule_tls,
                     sticky=StickySessions(disable_cookies=True),
                     matches=rule.matches,
-                    filters=self.mirrors.get(id(rule), rule.filters),
+                    filters=self.mirrors.get(rule_key, rule.filters),
                     request_timeout=rule.request_timeout,
                     backend_request_timeout=rule.backend_request_timeout,
                     listener_port=listener.spec.port,
