@@ -80,13 +80,15 @@ class _ListenerProtocol(ClientProtocol):
 class _Bound:
     """One own port: a plain HTTP server, or a TLS front (SNI, passthrough, terminate)."""
 
-    __slots__ = ("front", "server", "side", "sock")
+    __slots__ = ("front", "server", "side", "sock", "task")
 
     def __init__(self, sock: socket.socket, side: ListenerSide) -> None:
         self.sock = sock
         self.side = side
         self.server: asyncio.AbstractServer | None = None
         self.front: TlsFront | None = None
+        # The task creating `server` (plain ports): cancelled if the port is closed first.
+        self.task: asyncio.Task[None] | None = None
 
 
 def _why(port: int, exc: OSError) -> str:
@@ -127,6 +129,8 @@ class GatewayListeners:
         self._secure: set[int] = set()
         self.changed = asyncio.Event()
         self._last: tuple[ListenerState, ...] = ()
+        # Closed TLS fronts' drains, referenced until they end.
+        self._draining: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------ per view
 
@@ -208,12 +212,19 @@ class GatewayListeners:
             return True
 
         async def serve() -> None:
+            # Not serving yet: creating the server has no await with `sock` given, so
+            # either `bound.server` is set or `_unbind` cancelled this before it ran
+            # (and closed the socket itself): never a server nobody closes.
             bound.server = await asyncio.get_running_loop().create_server(
-                lambda: _ListenerProtocol(server, side), sock=sock, backlog=1024
+                lambda: _ListenerProtocol(server, side),
+                sock=sock,
+                backlog=1024,
+                start_serving=False,
             )
+            await bound.server.start_serving()
 
-        task = asyncio.get_running_loop().create_task(serve())
-        task.add_done_callback(_log_failure)
+        bound.task = asyncio.get_running_loop().create_task(serve())
+        bound.task.add_done_callback(_log_failure)
         return True
 
     def _unbind(self, port: int) -> None:
@@ -223,8 +234,14 @@ class GatewayListeners:
             # connections belong to the server).
             bound.front.stop_accepting()
             task = asyncio.get_running_loop().create_task(bound.front.drain(0.0))
+            self._draining.add(task)
+            task.add_done_callback(self._draining.discard)
             task.add_done_callback(_log_failure)
-        elif bound.server is not None:
+            return
+        if bound.task is not None:
+            # Closed before serve() ran: it must not run on a closed socket.
+            bound.task.cancel()
+        if bound.server is not None:
             bound.server.close()
         else:
             bound.sock.close()

@@ -1,13 +1,18 @@
-"""What a proxy reports about its Gateway listeners (waygate.proxy.listeners), without
-sockets: mapped ports, the proxy's own ports, protocol mismatches, unmapped HTTPS."""
+"""What a proxy reports about its Gateway listeners (waygate.proxy.listeners): mapped
+ports, the proxy's own ports, protocol mismatches, unmapped HTTPS (no socket bound); and
+an own plain port bound and closed (a real socket)."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import socket
 from typing import Any
 
 import pytest
 
 from waygate.proxy.listeners import GatewayListeners
+from waygate.proxy.routing import ListenerSide
 from waygate.resolver.model import Route
 
 
@@ -52,3 +57,43 @@ async def test_states_say_where_each_listener_is_served_or_why_not() -> None:
     assert "--listener-ports 9443=8443" in unmapped.message
     assert len(states) == 5
     assert listeners.changed.is_set()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.mark.asyncio
+async def test_a_port_closed_before_it_serves_is_closed_quietly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Bound, then closed by the next view before the serving task ran: the task is
+    cancelled (no "failed to serve" on a closed socket) and the port is free again."""
+    listeners = GatewayListeners(
+        server=None, host="127.0.0.1", mapped={}, local_ports=lambda: (0, 0)
+    )
+    port = free_port()
+    assert listeners.sides([route(port, "HTTP")]) == {port: ListenerSide(port)}
+    (bound,) = listeners._bound.values()
+    task = bound.task
+    assert task is not None and not task.done()
+    listeners.sides([])
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    with socket.socket() as again:
+        again.bind(("127.0.0.1", port))  # fails if the socket was left open
+
+    # Served, then closed: the server closes the port.
+    listeners.sides([route(port, "HTTP")])
+    (bound,) = listeners._bound.values()
+    assert bound.task is not None
+    await bound.task
+    assert bound.server is not None and bound.server.is_serving()
+    listeners.close()
+    assert not bound.server.is_serving()
+    await bound.server.wait_closed()
+    with socket.socket() as again:
+        again.bind(("127.0.0.1", port))
