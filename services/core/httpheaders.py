@@ -20,8 +20,12 @@ a listener.
   CGI/WSGI map X_Remote_User and X-Remote_User to the same HTTP_X_REMOTE_USER.
 - `HOP_BY_HOP`: RFC 9110 section 7.6.1's connection-scoped headers (and the
   common non-standard ones), never forwarded as they came.
-- `H2_CONNECTION_SPECIFIC`: RFC 9113 section 8.2.2: an HTTP/2 message carrying
-  one of these is malformed (`te` is allowed with the value `trailers` only).
+- HTTP/2 field rules (RFC 9113 sections 8.2.1, 8.2.2), the ones the proxy's
+  h2 streams apply (`waygate.proxy.http2` read_request, check_trailers):
+  `h2_illegal_name` / `h2_illegal_value` (bound regex searches, called once per
+  field on the per-request path: no wrapper frame), `H2_CONNECTION_SPECIFIC`
+  (a message carrying one is malformed), `h2_te_allowed` (a request's `te` is
+  `trailers` only) and `h2_trailer_malformed` (a trailer field, all of them).
 
 `CLIENT_FORBIDDEN_PATTERN` is the same rule as a regex fragment, so a parser
 that splits a head in one C pass (http1) finds these names in that pass.
@@ -104,12 +108,30 @@ H2_CONNECTION_SPECIFIC: Final = frozenset(
     {b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"}
 )
 
+#: RFC 9113 section 8.2.1: a field name with one of these (upper case, controls,
+#: SP, DEL, non-ASCII, a colon outside a pseudo-header) is malformed; the match or None.
+h2_illegal_name: Final = re.compile(rb"[\x00-\x20A-Z\x7f-\xff:]").search
+#: ... and a value with NUL, CR or LF anywhere, SP or HTAB at either end.
+h2_illegal_value: Final = re.compile(rb"[\x00\r\n]|\A[ \t]|[ \t]\Z").search
 
-def h2_malformed_field(lname: bytes, value: bytes) -> bool:
-    """Whether an HTTP/2 request field (lower-case name) is connection-specific."""
-    if lname in H2_CONNECTION_SPECIFIC:
-        return True
-    return lname == b"te" and value.strip().lower() != b"trailers"
+
+def h2_te_allowed(value: bytes) -> bool:
+    """Whether a request's `te` field may stay (RFC 9113 section 8.2.2: "trailers" only,
+    compared as it came: surrounding whitespace already makes the value illegal)."""
+    return value.lower() == b"trailers"
+
+
+def h2_trailer_malformed(name: bytes, value: bytes) -> bool:
+    """Whether a trailer field makes an HTTP/2 message malformed: an empty or illegal
+    name (a pseudo-header's colon included), an illegal value, a connection-specific
+    field, or `te` at all (it belongs in the head)."""
+    return (
+        not name
+        or h2_illegal_name(name) is not None
+        or (bool(value) and h2_illegal_value(value) is not None)
+        or name == b"te"
+        or name in H2_CONNECTION_SPECIFIC
+    )
 
 
 def connection_named(values: list[bytes] | tuple[bytes, ...]) -> set[bytes]:

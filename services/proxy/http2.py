@@ -4,8 +4,9 @@
 the HTTPS port, or HTTP/2 with prior knowledge (h2c) on the HTTP port, told
 apart from HTTP/1.1 by its first bytes (`ClientProtocol`, the factory both
 listeners use). `h2` (python-hyper) does the framing, HPACK and the stream
-state machine; this module moves bytes, applies the proxy's limits, keeps RFC
-9113's rules on request fields (`read_request`, `check_trailers`: h2's own
+state machine; this module moves bytes, applies the proxy's limits, applies RFC
+9113's rules on request fields (`read_request`, `check_trailers`, in one pass;
+the rules themselves are `waygate.core.httpheaders`' h2_* ones; h2's own
 inbound checks are off on this side, see `h2_connection`), and turns each
 request stream into an exchange:
 
@@ -106,10 +107,6 @@ class H2Limits(NamedTuple):
 
 # A regular field name as the HTTP/1.1 rule book takes it: lower-case token characters.
 _HEADER_NAME = re.compile(rb"[!#$%&'*+\-.^_`|~0-9a-z]+")
-# What RFC 9113 section 8.2.1 forbids in a field name outright (a malformed request).
-_ILLEGAL_NAME = re.compile(rb"[\x00-\x20A-Z\x7f-\xff:]")
-# ... and in a value: NUL, CR or LF anywhere, SP or HTAB at either end.
-_ILLEGAL_VALUE = re.compile(rb"[\x00\r\n]|\A[ \t]|[ \t]\Z")
 # The regular fields read_request looks at; every other one is copied as it came.
 _HOST, _COOKIE, _LENGTH, _TE, _CONTENT_TYPE, _SPECIFIC = range(6)
 _READ = {
@@ -171,7 +168,7 @@ def read_request(headers: list[tuple[bytes, bytes]], end_stream: bool) -> Reques
     content_length = -1
     grpc = False
     regular = False
-    bad_value = _ILLEGAL_VALUE.search
+    bad_value = httpheaders.h2_illegal_value
     token = _HEADER_NAME.fullmatch
     for name, value in headers:
         if value and bad_value(value) is not None:
@@ -194,7 +191,7 @@ def read_request(headers: list[tuple[bytes, bytes]], end_stream: bool) -> Reques
             continue
         regular = True
         if token(name) is None:
-            if not name or _ILLEGAL_NAME.search(name) is not None:
+            if not name or httpheaders.h2_illegal_name(name) is not None:
                 raise Malformed("malformed field name (RFC 9113 section 8.2.1)")
             raise BadRequest("malformed header name (RFC 9113 section 8.2.1)")
         kind = _READ.get(name)
@@ -219,7 +216,7 @@ def read_request(headers: list[tuple[bytes, bytes]], end_stream: bool) -> Reques
             content_length = int(value)
         elif kind == _TE:
             # "trailers" only (RFC 9113 section 8.2.2); hop-by-hop, never copied.
-            if value.lower() != b"trailers":
+            if not httpheaders.h2_te_allowed(value):
                 raise Malformed("TE other than trailers (RFC 9113 section 8.2.2)")
         else:
             raise Malformed("connection-specific header field (RFC 9113 section 8.2.2)")
@@ -249,13 +246,9 @@ def check_trailers(headers: list[tuple[bytes, bytes]]) -> None:
     """A request's trailer block, by RFC 9113's rules (h2's checks are off):
     Malformed for a pseudo-header, an illegal name or value, a
     connection-specific field or TE."""
+    malformed = httpheaders.h2_trailer_malformed
     for name, value in headers:
-        if (
-            not name
-            or _ILLEGAL_NAME.search(name) is not None
-            or (value and _ILLEGAL_VALUE.search(value) is not None)
-            or _READ.get(name) in (_TE, _SPECIFIC)
-        ):
+        if malformed(name, value):
             raise Malformed("malformed trailer field (RFC 9113 sections 8.1, 8.2)")
 
 

@@ -33,11 +33,21 @@ def test_look_alikes_stay_allowed(name: bytes) -> None:
     assert not httpheaders.client_forbidden(name)
 
 
-def test_h2_connection_specific_fields() -> None:
-    assert httpheaders.h2_malformed_field(b"connection", b"keep-alive")
-    assert httpheaders.h2_malformed_field(b"te", b"gzip")
-    assert not httpheaders.h2_malformed_field(b"te", b"Trailers")
-    assert not httpheaders.h2_malformed_field(b"content-type", b"application/grpc")
+def test_h2_field_rules() -> None:
+    assert httpheaders.h2_te_allowed(b"Trailers")
+    assert not httpheaders.h2_te_allowed(b"gzip")
+    assert httpheaders.h2_illegal_name(b"Content-Type") is not None
+    assert httpheaders.h2_illegal_name(b"x:y") is not None
+    assert httpheaders.h2_illegal_name(b"content-type") is None
+    assert httpheaders.h2_illegal_value(b" padded") is not None
+    assert httpheaders.h2_illegal_value(b"a\nb") is not None
+    assert httpheaders.h2_illegal_value(b"inner space ok") is None
+    # Trailers: connection-specific fields and any `te` are malformed there.
+    assert httpheaders.h2_trailer_malformed(b"connection", b"keep-alive")
+    assert httpheaders.h2_trailer_malformed(b"te", b"trailers")
+    assert httpheaders.h2_trailer_malformed(b":path", b"/")
+    assert httpheaders.h2_trailer_malformed(b"", b"x")
+    assert not httpheaders.h2_trailer_malformed(b"grpc-status", b"0")
 
 
 def test_connection_named_headers() -> None:
