@@ -37,14 +37,12 @@ import socket
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any
 
-import grpc
-
 from waygate.core.backoff import Backoff
 from waygate.proxy.http1 import ForwardedContext
 from waygate.proxy.http2 import ClientProtocol
 from waygate.proxy.passthrough import TlsFront, bind_listener
 from waygate.proxy.routing import ListenerSide
-from waygate.resolver.client import ListenerState, Route, report_listeners
+from waygate.resolver.client import ListenerState, Route, keep_reporting, report_listeners
 
 log = logging.getLogger(__name__)
 
@@ -333,16 +331,12 @@ class ListenerReporter:
         self._backoff = backoff or Backoff(initial=0.2, maximum=10.0)
 
     async def run(self) -> None:
-        while True:
-            try:
-                async with self._channel() as channel:
-                    await report_listeners(channel, self.proxy, self._reports())
-            except grpc.aio.AioRpcError as exc:
-                log.warning(
-                    "Gateway listener report failed",
-                    extra={"error": f"{exc.code().name}: {exc.details()}"},
-                )
-            await asyncio.sleep(self._backoff.next_delay())
+        await keep_reporting(
+            self._channel,
+            lambda channel: report_listeners(channel, self.proxy, self._reports()),
+            self._backoff,
+            what="Gateway listener report",
+        )
 
     async def _reports(self) -> AsyncIterator[list[ListenerState]]:
         async for states in self.listeners.reports():

@@ -29,7 +29,8 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -612,3 +613,31 @@ async def report_listeners(
             )
 
     await resolver_pb2_grpc.ResolverStub(channel).ReportListeners(messages())
+
+
+async def keep_reporting(
+    hold: Callable[[], AbstractAsyncContextManager[grpc.aio.Channel]],
+    stream: Callable[[grpc.aio.Channel], Awaitable[None]],
+    backoff: Backoff,
+    *,
+    what: str,
+    extra: Mapping[str, Any] | None = None,
+) -> None:
+    """Keep a report stream to the resolver open (`report_listeners`, `report_tunnels`):
+    each attempt holds a channel from `hold()` (`RotatingChannel.hold`: kept across
+    certificate rotations) and runs `stream(channel)` until it ends or fails; a failed
+    RPC is a warning ("<what> failed", with `extra`), then `backoff.next_delay()` is
+    waited out and the next attempt starts. The caller's report iterator resets
+    `backoff` on each report sent, so a stream that worked reconnects quickly. Never
+    returns; other exceptions propagate; cancel it to stop."""
+    while True:
+        try:
+            async with hold() as channel:
+                await stream(channel)
+        except grpc.aio.AioRpcError as exc:
+            log.warning(
+                "%s failed",
+                what,
+                extra={**(extra or {}), "error": f"{exc.code().name}: {exc.details()}"},
+            )
+        await asyncio.sleep(backoff.next_delay())
