@@ -48,6 +48,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any, cast
 
+from waygate.core import flow
+
 HIGH_WATER = 256 * 1024
 PREAMBLE_LIMIT = 4096
 _READ_SIZE = 256 * 1024
@@ -503,11 +505,12 @@ def split_address(address: str) -> tuple[str, int]:
 class _Half(asyncio.Protocol):
     """One direction of a splice: what its transport reads goes to `target`."""
 
-    __slots__ = ("ended", "lend", "splice", "target")
+    __slots__ = ("ended", "lend", "splice", "target", "target_flow")
 
-    def __init__(self, splice: _Splice, target: Any) -> None:
+    def __init__(self, splice: _Splice, target: Any, target_flow: flow.FlowControl) -> None:
         self.splice = splice
         self.target = target
+        self.target_flow = target_flow  # the target's reading (it writes into our transport)
         self.ended = False
         # Whether a Link may hand this half its shared decrypt buffer (`_read_plain`):
         # only when the target copies what it is given before `write` returns (a TLS
@@ -539,10 +542,10 @@ class _Half(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         # Our transport's buffer is full: stop reading the side that writes into it.
-        self.target.pause_reading()
+        self.target_flow.pause(flow.PEER)
 
     def resume_writing(self) -> None:
-        self.target.resume_reading()
+        self.target_flow.resume(flow.PEER)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.splice.lost(exc)
@@ -633,7 +636,8 @@ def splice(a: Any, b: Any) -> asyncio.Future[None]:
     past its preamble) are delivered first. The future is done once both are closed.
     """
     relay = _Splice(a, b)
-    half_a, half_b = _Half(relay, b), _Half(relay, a)
+    # core.flow: each side's reading pauses while the other's write buffer is full.
+    half_a, half_b = _Half(relay, b, flow.FlowControl(b)), _Half(relay, a, flow.FlowControl(a))
     a.set_write_buffer_limits(high=HIGH_WATER)
     b.set_write_buffer_limits(high=HIGH_WATER)
     for transport, half in ((a, half_a), (b, half_b)):
@@ -692,30 +696,29 @@ class Stream(asyncio.Protocol):
     def __init__(self, high_water: int = HIGH_WATER) -> None:
         self.transport: Any = None
         self._queue: collections.deque[bytes] = collections.deque()
-        self._held = 0  # taken or queued, not yet delivered
         self._high = high_water
-        self._paused = False
+        # core.flow: bytes taken or queued and not yet delivered pause reading past the
+        # high-water mark (resumed at half of it); a writer waits while the write
+        # buffer is full. Set once the transport is known.
+        self._flow: flow.FlowControl | None = None
         self.eof = False  # the peer half-closed
         self.ended = False  # the transport is gone
         self.error: Exception | None = None
         self._waiter: asyncio.Future[None] | None = None
-        self._writable: asyncio.Future[None] | None = None
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     @property
     def buffered(self) -> int:
         """Bytes read and not yet delivered (bounded: reading pauses at the high-water mark)."""
-        return self._held
+        return self._flow.buffered if self._flow is not None else 0
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
+        self._flow = flow.FlowControl(transport, high=self._high - 1, low=self._high >> 1)
 
     def data_received(self, data: bytes) -> None:
         self._queue.append(data)
-        self._held += len(data)
-        if self._held >= self._high and not self._paused:
-            self._paused = True
-            self.transport.pause_reading()
+        self._flow.queued(len(data))  # type: ignore[union-attr]
         self._wake()
 
     def eof_received(self) -> bool:
@@ -727,19 +730,16 @@ class Stream(asyncio.Protocol):
         self.ended = True
         self.error = exc
         self._wake()
-        writable, self._writable = self._writable, None
-        if writable is not None and not writable.done():
-            writable.set_result(None)
+        if self._flow is not None:
+            self._flow.closed()
         if not self.closed.done():
             self.closed.set_result(None)
 
     def pause_writing(self) -> None:
-        self._writable = asyncio.get_running_loop().create_future()
+        self._flow.pause_writing()  # type: ignore[union-attr]
 
     def resume_writing(self) -> None:
-        writable, self._writable = self._writable, None
-        if writable is not None and not writable.done():
-            writable.set_result(None)
+        self._flow.resume_writing()  # type: ignore[union-attr]
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -772,11 +772,7 @@ class Stream(asyncio.Protocol):
         return data
 
     def delivered(self, size: int) -> None:
-        self._held -= size
-        if self._paused and self._held <= self._high >> 1:
-            self._paused = False
-            if not self.ended:
-                self.transport.resume_reading()
+        self._flow.drained(size)  # type: ignore[union-attr]
 
     async def read(self) -> bytes:
         data = await self.take()
@@ -787,9 +783,9 @@ class Stream(asyncio.Protocol):
         if self.ended:
             raise LinkClosed(str(self.error) if self.error else "the connection ended")
         self.transport.write(data)
-        writable = self._writable
-        if writable is not None:
-            await writable
+        stream_flow = self._flow
+        if stream_flow is not None and stream_flow.write_paused:
+            await stream_flow.drain()
             if self.ended:
                 raise LinkClosed(str(self.error) if self.error else "the connection ended")
 
