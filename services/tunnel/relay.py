@@ -61,12 +61,18 @@ _RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
 # own BIO before `write` returns, a view used up within the call.
 _PLAIN = bytearray(_READ_SIZE)
 _PLAIN_VIEW = memoryview(_PLAIN)  # never released: the buffer is never resized
-# TLS sessions clients resume (`open_link`): per client context, per server; at most
-# `_SESSIONS_PER_CONTEXT` each. A session is offered for `RESUME_WITHIN` seconds (the
-# data listener resumes for `SESSION_TIMEOUT`, a little longer).
-_SESSIONS: weakref.WeakKeyDictionary[ssl.SSLContext, dict[Any, ssl.SSLSession]] = (
-    weakref.WeakKeyDictionary()
-)
+# TLS sessions clients resume (`open_link`): per client context (the last
+# `_CONTEXTS_REMEMBERED` contexts used), per server (at most `_SESSIONS_PER_CONTEXT`).
+# A session is offered for `RESUME_WITHIN` seconds (the data listener resumes for
+# `SESSION_TIMEOUT`, a little longer). An SSLSession holds its context (and an
+# SSLContext is not tracked by the garbage collector, so a session kept on the context
+# would be a cycle never freed): the table is bounded by contexts instead, which keeps
+# a process's current context or two and lets contexts from before a renewal (or a
+# caller that builds one per connection) go.
+_SESSIONS: collections.OrderedDict[
+    int, tuple[weakref.ref[ssl.SSLContext], dict[Any, ssl.SSLSession]]
+] = collections.OrderedDict()
+_CONTEXTS_REMEMBERED = 4
 _SESSIONS_PER_CONTEXT = 256
 RESUME_WITHIN = 240.0
 SESSION_TIMEOUT = 300
@@ -267,6 +273,7 @@ class Link(asyncio.Protocol, asyncio.Transport):
         return True
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._keep_resumable()
         if self.lost:
             return
         self.lost = True
@@ -275,6 +282,24 @@ class Link(asyncio.Protocol, asyncio.Transport):
         if exc is None and not (self.eof_in and self.eof_out):
             exc = LinkClosed("the data connection ended before both sides finished")
         self.protocol.connection_lost(exc)
+
+    def _keep_resumable(self) -> None:
+        """OpenSSL forgets (server) or marks not resumable (client) the session of a TLS
+        connection freed before it sent its close_notify. Here an abort or reset is how a
+        tunnelled connection often ends (a dialer's close, an expired pool connection),
+        which would cost the next pool refill its resumption: mark our side shut down
+        (the close_notify goes nowhere) before the connection is freed."""
+        tls, established = self._ssl, self.established
+        if (
+            tls is None
+            or self.eof_out
+            or not established.done()
+            or established.cancelled()
+            or established.exception() is not None
+        ):
+            return
+        with contextlib.suppress(ssl.SSLError, ValueError):
+            tls.unwrap()
 
     def pause_writing(self) -> None:
         self.protocol.pause_writing()
@@ -464,9 +489,14 @@ async def open_link(
     session: ssl.SSLSession | None = None
     remember: tuple[dict[Any, ssl.SSLSession], Any] | None = None
     if context is not None:
-        sessions = _SESSIONS.get(context)
-        if sessions is None:
-            sessions = _SESSIONS[context] = {}
+        entry = _SESSIONS.get(id(context))
+        if entry is None or entry[0]() is not context:  # (an id outlives its object)
+            entry = _SESSIONS[id(context)] = (weakref.ref(context), {})
+            while len(_SESSIONS) > _CONTEXTS_REMEMBERED:
+                _SESSIONS.popitem(last=False)
+        else:
+            _SESSIONS.move_to_end(id(context))
+        sessions = entry[1]
         key = (host, port, server_hostname)
         remember = (sessions, key)
         held = sessions.get(key)
