@@ -36,7 +36,7 @@ CHUNK = 64 * 1024
 PROXY_READ = 256 * 1024  # what one socket read of the proxy's client connection gets
 IDLE_CONNECTIONS = 1000
 LATENCY_SAMPLES = 300
-SPACING = 0.02  # seconds between spaced requests (the pools refill between them)
+SPACING = 0.1  # seconds between spaced requests: the pools' refills (50 ms after a take) are done
 HTTP_REQUEST = b"GET / HTTP/1.1\r\nHost: sink\r\nConnection: close\r\n\r\n"
 
 
@@ -409,10 +409,10 @@ async def _dial_figures(
     direct = await _latencies(lambda: _direct_request(http_port), LATENCY_SAMPLES)
     tunnelled = await _latencies(lambda: _tunnel_request(client, http_port), LATENCY_SAMPLES)
     spaced = await _latencies(
-        lambda: _tunnel_request(client, http_port), LATENCY_SAMPLES // 2, gap=SPACING
+        lambda: _tunnel_request(client, http_port), LATENCY_SAMPLES // 3, gap=SPACING
     )
     direct_spaced = await _latencies(
-        lambda: _direct_request(http_port), LATENCY_SAMPLES // 2, gap=SPACING
+        lambda: _direct_request(http_port), LATENCY_SAMPLES // 3, gap=SPACING
     )
 
     def added(samples: list[float], base: list[float]) -> str:

@@ -28,8 +28,8 @@
 - Warm pool (`pool_size` > 0, the proxy): per replica data listener a
   bounded `DialPool` of connections whose TLS handshake and greeting are
   done, so a dial costs its preamble round trip; refilled in the background
-  while dials come, expired after `pool_idle`; refills resume the last TLS
-  session (`relay.open_link`). One-shot dialers (`waygate tunnel dial`) keep 0.
+  while dials come (50 ms after a take), expired after `pool_idle`. One-shot
+  dialers (`waygate tunnel dial`) keep 0.
 - `transport_dialer` is the proxy's upstream step for callers that take a
   transport: a raw dial comes back as its data connection (`relay.Link`),
   which the proxy's upstream protocol uses directly. `socket_dialer`, for
