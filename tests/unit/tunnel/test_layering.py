@@ -1,9 +1,10 @@
 """gRPC stays in the tunnel's boundary modules (issue 19 item 5).
 
 The agent's packet pump, the shared stream design, the allow-list, the peer
-identity rule and the byte relay import no grpc: they are driven through
-`agent.PacketStream` (gRPC: `agent_grpc`) and the boundary modules (`server`,
-`client`, `agent_grpc`, `presence`). Checked on the source, so a transitive
+identity rule, presence reporting and the byte relay import no grpc: they are
+driven through `agent.PacketStream` (gRPC: `agent_grpc`), the resolver's client
+surface (`waygate.resolver.client`) and the boundary modules (`server`,
+`client`, `agent_grpc`). Checked on the source, so a transitive
 import through a shared helper (tracing pulls in the OTLP exporter) does not hide
 a direct one.
 """
@@ -18,7 +19,7 @@ import pytest
 import waygate.tunnel
 
 TUNNEL = Path(waygate.tunnel.__file__).parent
-GRPC_FREE = ("agent.py", "mux.py", "allow.py", "peers.py", "relay.py")
+GRPC_FREE = ("agent.py", "mux.py", "allow.py", "peers.py", "presence.py", "relay.py")
 
 
 def imported_modules(path: Path) -> set[str]:
