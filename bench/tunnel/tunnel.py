@@ -383,6 +383,7 @@ async def _profiled(
     """Run `transfer()` with py-spy recording each process in `pids`."""
     spy = _spy()
     spies = []
+    directory.mkdir(parents=True, exist_ok=True)
     if spy is not None:
         for name, pid in pids.items():
             argv = [spy, "record", "--rate", "100", "--format", "raw", "--native",
