@@ -110,6 +110,8 @@ class Soak:
         self.usage_before: dict[str, dict[str, int]] = {}
         self.usage_after: dict[str, dict[str, int]] = {}
         self.started = 0.0
+        # Restarts that failed: (process, why); each was started again once.
+        self.failed_starts: list[tuple[str, str]] = []
 
     # ------------------------------------------------------------ running
 
@@ -168,13 +170,25 @@ class Soak:
                 while (await probe(port, host))[0] != 200:
                     await asyncio.sleep(0.2)
 
+    async def _restart(self, name: str) -> None:
+        """Start a killed process again; one that dies while starting (a crash, not
+        the fault injected) is recorded as a failed check and started once more, so
+        the soak goes on measuring."""
+        try:
+            await self.stack.start(name)
+        except RuntimeError as exc:
+            why = str(exc).splitlines()[0]
+            self.failed_starts.append((name, why))
+            self.note(f"{name} failed to restart: {why}")
+            await self.stack.start(name)
+
     async def _resolver_down(self, late: bool) -> None:
         self.stack.kill("resolver")
         self.kills.append(("resolver", time.monotonic()))
         await asyncio.sleep(self.hold / 2)
         self.stack.write_routes(direct=self._direct, late=late)
         await asyncio.sleep(self.hold / 2)
-        await self.stack.start("resolver")
+        await self._restart("resolver")
         returned = time.monotonic()
         # The change made while it was down reaches the proxy: the late route
         # answers (or, when it was removed, no longer does).
@@ -207,7 +221,7 @@ class Soak:
         self.stack.kill("certs")
         self.kills.append(("certs", time.monotonic()))
         await asyncio.sleep(down)
-        await self.stack.start("certs")
+        await self._restart("certs")
         self.note(f"certs down {down:.0f} s")
         resumed = await self._renewed_since(before, self.stack.leaf_lifetime)
         self.checks.append(
@@ -266,7 +280,7 @@ class Soak:
         self.stack.kill(name)
         self.kills.append((name, time.monotonic()))
         await asyncio.sleep(self.hold)
-        await self.stack.start(name)
+        await self._restart(name)
         await asyncio.sleep(self.hold / 2)
 
     async def _changes(self, cycle: int, late: bool) -> None:
@@ -418,6 +432,14 @@ class Soak:
                 Check(f"changes: {removed} not used after the proxy stopped using it",
                       not late_uses, f"{len(late_uses)} requests reached it later")
             )  # fmt: skip
+        self.checks.append(
+            Check(
+                "restarts: every killed process came back on its first start",
+                not self.failed_starts,
+                "; ".join(f"{n}: {why}" for n, why in self.failed_starts)
+                or f"{len(self.kills)} restarts",
+            )
+        )
         expired = {n: m for n, m in self.min_margin.items() if m <= 0}
         self.checks.append(
             Check(

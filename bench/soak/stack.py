@@ -366,7 +366,10 @@ backend replicas
         while time.monotonic() < deadline:
             if not proc.alive:
                 tail = proc.log.read_text(errors="replace")[-2000:] if proc.log else ""
-                raise RuntimeError(f"{name} exited while starting; its log ends:\n{tail}")
+                code = proc.process.returncode if proc.process is not None else None
+                raise RuntimeError(
+                    f"{name} exited while starting (exit status {code}); its log ends:\n{tail}"
+                )
             if await _ready(proc):
                 return
             await asyncio.sleep(0.1)

@@ -38,6 +38,7 @@ EXPECTED = {
     "changes: zero failed requests",
     "changes: backend-b not used after the proxy stopped using it",
     "certs: no certificate anywhere expired (least life left, sampled each second)",
+    "restarts: every killed process came back on its first start",
     "nothing lost: every 2xx delivered its body intact",
     "nothing lost: no request answered twice (non-idempotent ids seen twice)",
     "resources: proxy memory and threads back near the baseline",
