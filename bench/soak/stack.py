@@ -18,14 +18,14 @@
   one tunnelled endpoint; backend-a also serves gRPC (service port
   appProtocol grpc: the proxy speaks HTTP/2 to it).
 Every port is chosen once, so a killed process restarts on the same address.
-Processes log JSON to DIR/logs/NAME.log; each gets SIGKILL if the driver dies.
+Processes log JSON to DIR/logs/NAME.log; each gets SIGKILL if the driver dies
+(PR_SET_PDEATHSIG, set by `_TRAMPOLINE` before exec).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import random
 import secrets
@@ -90,15 +90,18 @@ def shared_port(hosts: tuple[str, ...]) -> int:
     raise RuntimeError("no port free on every loopback address")
 
 
-try:
-    _prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-except (OSError, AttributeError):
-    _prctl = None
-
-
-def _die_with_parent() -> None:
-    if _prctl is not None:
-        _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+#: Every process starts through this: it asks the kernel to SIGKILL it when the
+#: driver dies (PR_SET_PDEATHSIG, kept across exec), then becomes the real
+#: program. Not a `preexec_fn`: that runs Python in the forked child of a driver
+#: whose gRPC threads are busy (the load's gRPC channel), and the child then
+#: died in gRPC core before exec now and then (SIGABRT "Check failed:
+#: next_worker->state == KICKED", a SIGSEGV in event_engine) - three restarts
+#: of the round-4 30-minute soak and the whole first run were lost that way.
+_TRAMPOLINE = (
+    "import ctypes, os, signal, sys; "
+    "ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGKILL); "
+    "os.execv(sys.argv[1], sys.argv[1:])"
+)
 
 
 @dataclass
@@ -345,7 +348,7 @@ backend replicas
         proc.log = self.directory / "logs" / f"{name}.log"
         with proc.log.open("ab") as out:
             proc.process = subprocess.Popen(
-                proc.argv,
+                [sys.executable, "-c", _TRAMPOLINE, *proc.argv],
                 cwd=ROOT,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
@@ -353,7 +356,6 @@ backend replicas
                 env={
                     k: v for k, v in os.environ.items() if not k.startswith(("WAYGATE_", "OTEL_"))
                 },
-                preexec_fn=_die_with_parent,
             )
 
     async def start(self, name: str, timeout: float = 60.0) -> None:
