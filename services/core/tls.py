@@ -120,6 +120,17 @@ def _ssl_ctx_functions() -> tuple[Any, Any] | None:
     return ctrl, get_options
 
 
+def _ssl_ctx_pointer(context: ssl.SSLContext, get_options: Any) -> int | None:
+    """The context's SSL_CTX pointer (CPython keeps it right after the object header), or
+    None unless the SSL_CTX there reports the context's own options: a layout this code
+    does not know is never written through."""
+    header = ctypes.sizeof(ctypes.c_ssize_t) + ctypes.sizeof(ctypes.c_void_p)
+    ssl_ctx = ctypes.c_void_p.from_address(id(context) + header).value
+    if not ssl_ctx or get_options(ssl_ctx) != int(context.options):
+        return None
+    return int(ssl_ctx)
+
+
 def _set_groups(context: ssl.SSLContext, groups: bytes) -> bool:
     """SSL_CTX_set1_groups_list on the context's SSL_CTX (CPython keeps the pointer
     right after the object header). False, and OpenSSL's default groups (sslyze
@@ -134,9 +145,8 @@ def _set_groups(context: ssl.SSLContext, groups: bytes) -> bool:
         return False
     ctrl, get_options = functions
     try:
-        header = ctypes.sizeof(ctypes.c_ssize_t) + ctypes.sizeof(ctypes.c_void_p)
-        ssl_ctx = ctypes.c_void_p.from_address(id(context) + header).value
-        if not ssl_ctx or get_options(ssl_ctx) != int(context.options):
+        ssl_ctx = _ssl_ctx_pointer(context, get_options)
+        if ssl_ctx is None:
             return False
         return bool(ctrl(ssl_ctx, _SSL_CTRL_SET_GROUPS_LIST, 0, groups) == 1)
     except (OSError, AttributeError, ValueError):
@@ -156,9 +166,8 @@ def set_session_cache_size(context: ssl.SSLContext, size: int) -> bool:
         return False
     ctrl, get_options = functions
     try:
-        header = ctypes.sizeof(ctypes.c_ssize_t) + ctypes.sizeof(ctypes.c_void_p)
-        ssl_ctx = ctypes.c_void_p.from_address(id(context) + header).value
-        if not ssl_ctx or get_options(ssl_ctx) != int(context.options):
+        ssl_ctx = _ssl_ctx_pointer(context, get_options)
+        if ssl_ctx is None:
             return False
         ctrl(ssl_ctx, _SSL_CTRL_SET_SESS_CACHE_SIZE, size, None)
         return True
@@ -191,9 +200,8 @@ def set_session_timeout(context: ssl.SSLContext, seconds: int) -> bool:
         return False
     _ctrl, get_options = functions
     try:
-        header = ctypes.sizeof(ctypes.c_ssize_t) + ctypes.sizeof(ctypes.c_void_p)
-        ssl_ctx = ctypes.c_void_p.from_address(id(context) + header).value
-        if not ssl_ctx or get_options(ssl_ctx) != int(context.options):
+        ssl_ctx = _ssl_ctx_pointer(context, get_options)
+        if ssl_ctx is None:
             return False
         set_timeout(ssl_ctx, seconds)
         return True

@@ -47,7 +47,15 @@ from waygate.core.flow import FlowControl
 from waygate.tunnel import mux
 from waygate.tunnel.allow import AllowList
 from waygate.tunnel.mux import MAX_CHUNK, Outbox, ReceiveWindow
-from waygate.tunnel.relay import Link, LinkClosed, Pending, open_link, splice, split_address
+from waygate.tunnel.relay import (
+    REFILL_DELAY,
+    Link,
+    LinkClosed,
+    Pending,
+    open_link,
+    splice,
+    split_address,
+)
 from waygate.tunnel.v1 import tunnel_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -257,10 +265,6 @@ class AgentConnection(asyncio.Protocol):
                 self.transport.close()
             else:
                 self.transport.abort()
-
-
-# How long after a dial took a pooled data connection its replacement is opened.
-REFILL_DELAY = 0.05
 
 
 class DataPool:

@@ -50,7 +50,7 @@ import select
 import socket
 import ssl
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -64,6 +64,7 @@ from waygate.core.grpcclient import KEEPALIVE_OPTIONS
 from waygate.tunnel import mux
 from waygate.tunnel.mux import MAX_CHUNK, join_queued
 from waygate.tunnel.relay import (
+    REFILL_DELAY,
     Link,
     LinkClosed,
     Pending,
@@ -210,8 +211,6 @@ class DataStream:
 
 # At most this many warm pools (one per replica data listener a dialer uses).
 MAX_POOLS = 64
-# How long after a dial took a warm connection its replacement is opened (see _fill).
-REFILL_DELAY = 0.05
 
 
 class DialPool:
@@ -899,36 +898,18 @@ async def bridged_socket(stream: TunnelStream | DataStream) -> socket.socket:
 # ---------------------------------------------------------------- wiring for a process
 
 
-def socket_dialer(client: TunnelClient, error: Callable[..., Exception]) -> Callable[..., Any]:
-    """The proxy's upstream-connect step for tunnel endpoints (waygate.proxy.upstream.Connect).
+def _dialer(
+    client: TunnelClient,
+    error: Callable[..., Exception],
+    finish: Callable[[TunnelStream | DataStream], Awaitable[Any]],
+) -> Callable[..., Any]:
+    """The proxy's upstream-connect step for tunnel endpoints, `finish` turning the dialled
+    stream into what the caller takes.
 
     `error(reason, kind, retryable=...)` builds the proxy's ConnectError, so this
     module needs nothing from the proxy. The endpoint's address is the host the
     agent connects to, its node the node whose agent does it.
     """
-
-    async def connect(target: Any, timeout: float, trace_context: str | None) -> socket.socket:
-        try:
-            stream = await client.dial(
-                target.node,
-                target.port,
-                target.address,
-                timeout=timeout,
-                trace_context=trace_context,
-            )
-        except DialFailed as failed:
-            raise error(str(failed), "tunnel", retryable=failed.retryable) from None
-        return await bridged_socket(stream)
-
-    return connect
-
-
-def transport_dialer(client: TunnelClient, error: Callable[..., Exception]) -> Callable[..., Any]:
-    """`socket_dialer` for callers that take a transport (waygate.proxy.upstream.Dialer.open):
-    a raw dial's data connection comes back as itself (`relay.Link`, not yet attached:
-    bytes the destination sent first are held for the protocol `attach` hands it to), so
-    the proxy's upstream protocol reads and writes the data connection directly. A dial
-    carried on Tunnel.Dial (a replica without a data listener) still gets a socket."""
 
     async def connect(target: Any, timeout: float, trace_context: str | None) -> Any:
         try:
@@ -941,11 +922,31 @@ def transport_dialer(client: TunnelClient, error: Callable[..., Exception]) -> C
             )
         except DialFailed as failed:
             raise error(str(failed), "tunnel", retryable=failed.retryable) from None
-        if isinstance(stream, DataStream):
-            return stream.link
-        return await bridged_socket(stream)
+        return await finish(stream)
 
     return connect
+
+
+def socket_dialer(client: TunnelClient, error: Callable[..., Exception]) -> Callable[..., Any]:
+    """The upstream-connect step for callers that take a socket (waygate.proxy.upstream.Connect):
+    the dialled stream bridged to one end of a socketpair."""
+    return _dialer(client, error, bridged_socket)
+
+
+async def _link_or_socket(stream: TunnelStream | DataStream) -> Any:
+    if isinstance(stream, DataStream):
+        return stream.link
+    return await bridged_socket(stream)
+
+
+def transport_dialer(client: TunnelClient, error: Callable[..., Exception]) -> Callable[..., Any]:
+    """The upstream-connect step for callers that take a transport
+    (waygate.proxy.upstream.Dialer.open): a raw dial's data connection comes back as itself
+    (`relay.Link`, not yet attached: bytes the destination sent first are held for the
+    protocol `attach` hands it to), so the proxy's upstream protocol reads and writes the
+    data connection directly. A dial carried on Tunnel.Dial (a replica without a data
+    listener) still gets a socket."""
+    return _dialer(client, error, _link_or_socket)
 
 
 async def process_client(

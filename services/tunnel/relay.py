@@ -59,6 +59,10 @@ _RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
 # own BIO before `write` returns, a view used up within the call.
 _PLAIN = bytearray(_READ_SIZE)
 _PLAIN_VIEW = memoryview(_PLAIN)  # never released: the buffer is never resized
+# How long after a dial took a warm data connection (the agent's pool and the dialer's)
+# its replacement is opened: the dial finishes before the refill's handshake takes the
+# CPU it waits on, here and on the replica.
+REFILL_DELAY = 0.05
 # How long the data listener resumes a TLS session (see datapath; OpenSSL's default: 2 h).
 SESSION_TIMEOUT = 300
 

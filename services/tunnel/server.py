@@ -612,14 +612,19 @@ class Hub:
         """Dial `address` through an agent of `node`: the next agent when one refuses for a
         reason another agent could answer (its allow-list, its network, it is moving).
 
-        Returns a `ServerConnection` or a `DataConnection`; raises `Refused`.
+        Returns a `ServerConnection` or a `DataConnection`; raises `Refused`. `timeout`
+        bounds the whole dial: each next agent gets only what the ones before left.
         """
         carrier: dict[str, str] = {}
         tracing.inject_context(carrier)
+        deadline = time.monotonic() + timeout
         last: Refused | None = None
         for session in self.sessions_for(node, address):
+            left = deadline - time.monotonic()
+            if left <= 0 and last is not None:
+                break
             try:
-                return await session.dial(address, timeout, carrier)
+                return await session.dial(address, max(left, 0.001), carrier)
             except Refused as refused:
                 last = refused
                 if refused.reason not in ANOTHER_AGENT_COULD:

@@ -78,14 +78,15 @@ async def test_a_dial_takes_a_warm_connection_and_the_pool_refills(tunnel: Tunne
 
 
 async def test_an_unused_pool_empties_and_stops_refilling(tunnel: Tunnel) -> None:
-    client = tunnel.client(pool_size=2, pool_idle=0.5)
+    # The idle time leaves room for two refill handshakes on a busy 2-core machine.
+    client = tunnel.client(pool_size=2, pool_idle=3.0)
     echo, port = await echo_server()
     async with echo:
         await (await client.dial(NODE, port)).aclose()
         pool = pool_of(client)
         await until(lambda: len(pool.idle) == 2, "the warm pool to fill")
         await until(lambda: not pool.idle, "idle connections to expire")
-        await asyncio.sleep(1.0)  # two idle times: no refill without dials
+        await asyncio.sleep(6.0)  # two idle times: no refill without dials
         assert not pool.idle
         # It warms again with the next dial.
         await (await client.dial(NODE, port)).aclose()
@@ -150,7 +151,8 @@ async def test_a_resumed_session_is_refused_once_its_certificate_expired(
 ) -> None:
     """A resumed handshake checks no certificate (and each resumption gets a fresh session
     lifetime from OpenSSL): the data listener refuses one whose certificate has ended."""
-    tunnel.ca.lifetime = dt.timedelta(seconds=2)
+    # Long enough for two handshakes on a busy machine, short enough to wait out.
+    tunnel.ca.lifetime = dt.timedelta(seconds=8)
     short = tunnel.ca.write_files(tmp_path / "short", uris=[DIALER])
     context = ssl_context(short)
 
