@@ -93,10 +93,14 @@ class Soak:
         cycles: int,
         scale: float = 1.0,
         leaf_phase: bool = True,
+        minimum: float = 0.0,
     ) -> None:
         self.stack = stack
         self.hold = hold
         self.cycles = cycles
+        # The run lasts at least this long from its start: steady load fills what the
+        # cycles leave (a cycle's length depends on how fast every process renews).
+        self.minimum = minimum
         # False: the wait for renewals after certs-down is the leaf rotation
         # (every process renews under load there too); the short soak skips
         # the separate phase.
@@ -141,6 +145,9 @@ class Soak:
                 await self._phase("agent-killed", self._kill_restart("agent-1"))
                 await self._phase("changes", self._changes(cycle, late))
                 await self._phase("steady", self._sleep())
+            left = self.started + self.minimum - time.monotonic()
+            if left > 0:
+                await self._phase("steady", asyncio.sleep(left))
             await self.load.stop()
             await asyncio.sleep(min(self.hold, 5.0))  # connections close, buffers go
             self.usage_after = self.stack.usage()
