@@ -38,6 +38,7 @@ import ssl
 import sys
 import sysconfig
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -131,26 +132,30 @@ def _ssl_ctx_pointer(context: ssl.SSLContext, get_options: Any) -> int | None:
     return int(ssl_ctx)
 
 
-def _set_groups(context: ssl.SSLContext, groups: bytes) -> bool:
-    """SSL_CTX_set1_groups_list on the context's SSL_CTX (CPython keeps the pointer
-    right after the object header). False, and OpenSSL's default groups (sslyze
-    would then report the groups beyond Mozilla intermediate's), where that is not
-    possible: not CPython, a free-threaded or Py_TRACE_REFS build, no such symbols,
-    or a pointer whose SSL_CTX does not report the context's own options (a layout
-    this code does not know: nothing is written through it)."""
-    if type(context) is not ssl.SSLContext and not isinstance(context, ssl.SSLContext):
-        return False
+def _on_ssl_ctx(context: ssl.SSLContext, call: Callable[[Any, int], Any]) -> bool:
+    """`call(SSL_CTX_ctrl, the context's SSL_CTX pointer)`; False, with nothing called,
+    where the SSL_CTX cannot be reached: not CPython, a free-threaded or Py_TRACE_REFS
+    build, no such symbols, or a layout this code does not know (`_ssl_ctx_pointer`)."""
     functions = _ssl_ctx_functions()
-    if functions is None:
+    if functions is None or not isinstance(context, ssl.SSLContext):
         return False
     ctrl, get_options = functions
     try:
         ssl_ctx = _ssl_ctx_pointer(context, get_options)
         if ssl_ctx is None:
             return False
-        return bool(ctrl(ssl_ctx, _SSL_CTRL_SET_GROUPS_LIST, 0, groups) == 1)
+        return call(ctrl, ssl_ctx) is not False
     except (OSError, AttributeError, ValueError):
         return False
+
+
+def _set_groups(context: ssl.SSLContext, groups: bytes) -> bool:
+    """SSL_CTX_set1_groups_list on the context's SSL_CTX. False, and OpenSSL's default
+    groups (sslyze would then report the groups beyond Mozilla intermediate's), where
+    that is not possible (`_on_ssl_ctx`) or OpenSSL refuses the list."""
+    return _on_ssl_ctx(
+        context, lambda ctrl, ssl_ctx: ctrl(ssl_ctx, _SSL_CTRL_SET_GROUPS_LIST, 0, groups) == 1
+    )
 
 
 _SSL_CTRL_SET_SESS_CACHE_SIZE = 42
@@ -161,18 +166,9 @@ def set_session_cache_size(context: ssl.SSLContext, size: int) -> bool:
     20,480 sessions per server context by default, several KiB each, which a listener
     taking a new TLS connection per tunnelled connection fills in minutes. False where
     the context cannot be reached (see `_set_groups`); the default then applies."""
-    functions = _ssl_ctx_functions()
-    if functions is None or not isinstance(context, ssl.SSLContext):
-        return False
-    ctrl, get_options = functions
-    try:
-        ssl_ctx = _ssl_ctx_pointer(context, get_options)
-        if ssl_ctx is None:
-            return False
-        ctrl(ssl_ctx, _SSL_CTRL_SET_SESS_CACHE_SIZE, size, None)
-        return True
-    except (OSError, AttributeError, ValueError):
-        return False
+    return _on_ssl_ctx(
+        context, lambda ctrl, ssl_ctx: ctrl(ssl_ctx, _SSL_CTRL_SET_SESS_CACHE_SIZE, size, None)
+    )
 
 
 @functools.cache
@@ -195,18 +191,10 @@ def set_session_timeout(context: ssl.SSLContext, seconds: int) -> bool:
     certificate, so this bounds how long a peer whose certificate expired or whose CA
     left the trust bundle can still resume. False where the context cannot be reached
     (as `set_session_cache_size`)."""
-    functions, set_timeout = _ssl_ctx_functions(), _set_timeout_function()
-    if functions is None or set_timeout is None or not isinstance(context, ssl.SSLContext):
+    set_timeout = _set_timeout_function()
+    if set_timeout is None:
         return False
-    _ctrl, get_options = functions
-    try:
-        ssl_ctx = _ssl_ctx_pointer(context, get_options)
-        if ssl_ctx is None:
-            return False
-        set_timeout(ssl_ctx, seconds)
-        return True
-    except (OSError, AttributeError, ValueError):
-        return False
+    return _on_ssl_ctx(context, lambda _ctrl, ssl_ctx: set_timeout(ssl_ctx, seconds))
 
 
 def load_certificate_chain(context: ssl.SSLContext, held: HeldCertificate) -> None:

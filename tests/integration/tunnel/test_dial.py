@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -16,17 +15,6 @@ from waygate.tunnel import mux
 from waygate.tunnel.client import DialFailed, bridged_socket
 from waygate.tunnel.v1 import tunnel_pb2 as pb
 from waygate.tunnel.v1 import tunnel_pb2_grpc
-
-
-@pytest.fixture
-async def tunnel(tmp_path: Path) -> AsyncIterator[Tunnel]:
-    t = Tunnel(tmp_path)
-    await t.start_server()
-    await t.start_agent()
-    try:
-        yield t
-    finally:
-        await t.close()
 
 
 async def test_bytes_both_ways_with_half_close(tunnel: Tunnel) -> None:

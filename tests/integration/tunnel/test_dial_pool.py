@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import ssl
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -30,17 +29,6 @@ from waygate.tunnel.client import DataStream, StaticPresence, TunnelClient
 from waygate.tunnel.relay import LinkClosed, open_link
 
 _DER = Encoding.DER
-
-
-@pytest.fixture
-async def tunnel(tmp_path: Path) -> AsyncIterator[Tunnel]:
-    t = Tunnel(tmp_path)
-    await t.start_server()
-    await t.start_agent()
-    try:
-        yield t
-    finally:
-        await t.close()
 
 
 async def echo_once(stream: DataStream, payload: bytes) -> bytes:

@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -32,17 +30,6 @@ def tasks() -> int:
 def rss_bytes() -> int:
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-@pytest.fixture
-async def tunnel(tmp_path: Path) -> AsyncIterator[Tunnel]:
-    t = Tunnel(tmp_path)
-    await t.start_server()
-    await t.start_agent()
-    try:
-        yield t
-    finally:
-        await t.close()
 
 
 async def settled(baseline_fds: int, baseline_tasks: int, tunnel: Tunnel) -> None:

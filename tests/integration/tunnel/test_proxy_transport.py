@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
@@ -27,17 +26,6 @@ from waygate.tunnel.client import socket_dialer, transport_dialer
 from waygate.tunnel.relay import Link
 
 HOST = b"Host: edge.test\r\n"
-
-
-@pytest.fixture
-async def tunnel(tmp_path: Path) -> AsyncIterator[Tunnel]:
-    t = Tunnel(tmp_path)
-    await t.start_server()
-    await t.start_agent()
-    try:
-        yield t
-    finally:
-        await t.close()
 
 
 @pytest.fixture
