@@ -194,11 +194,18 @@ class StreamDownstream:
             self.stream.send(body, framing == FRAMING_LENGTH and len(body) == length)
 
     def response_body(self, data: bytes) -> None:
-        self.stream.send(data)
+        # The Exchange counted these bytes before handing them over: when none
+        # remain they are the last, and END_STREAM goes with them (not on an
+        # empty DATA frame after them, when the body came in several reads).
+        exchange = self.exchange
+        self.stream.send(data, exchange.remaining == 0 and exchange.framing == FRAMING_LENGTH)
 
     def response_pieces(self, pieces: list[bytes]) -> None:
-        for piece in pieces:
-            self.stream.send(piece)
+        # The chunked body's last pieces: its reader knows it is done.
+        reader = self.exchange.reader
+        last = len(pieces) - 1 if reader is not None and reader.done else -1
+        for index, piece in enumerate(pieces):
+            self.stream.send(piece, index == last)
 
     def informational(self, status: int) -> None:
         """1xx: nothing for an HTTP/2 client (the final answer follows)."""

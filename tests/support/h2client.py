@@ -70,6 +70,8 @@ class H2Client:
         self.closed = asyncio.Event()
         self.goaway: h2.events.ConnectionTerminated | None = None
         self.frames_seen: dict[str, int] = {}
+        # Responses ended by an empty DATA frame (not END_STREAM on their last bytes).
+        self.empty_data_ends = 0
         self.bytes_received = 0
         self.auto_window = True  # acknowledge received DATA at once
         self._task: asyncio.Task[None] | None = None
@@ -207,8 +209,11 @@ class H2Client:
             length = int.from_bytes(buf[:3], "big")
             if len(buf) < 9 + length:
                 break
-            kind = Frame.parse_frame_header(memoryview(buf[:9]))[0].__class__.__name__
+            frame = Frame.parse_frame_header(memoryview(buf[:9]))[0]
+            kind = frame.__class__.__name__
             self.frames_seen[kind] = self.frames_seen.get(kind, 0) + 1
+            if kind == "DataFrame" and length == 0 and "END_STREAM" in frame.flags:
+                self.empty_data_ends += 1
             buf = buf[9 + length :]
         self._frame_buf = buf
 

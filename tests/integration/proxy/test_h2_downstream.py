@@ -147,6 +147,25 @@ async def test_large_response_respects_the_client_window(proxy, upstream):
         await client.close()
 
 
+@pytest.mark.parametrize("window", [65535, (1 << 31) - 1])
+async def test_a_body_in_several_reads_ends_with_its_last_bytes(proxy, window):
+    # /big writes its body in 64 KiB blocks: the proxy reads it in several
+    # pieces. END_STREAM rides on the DATA frame with the last bytes, both when
+    # they go at once (a wide window) and when the window held them (65,535):
+    # no empty DATA frame after the body.
+    _, port = proxy
+    client = await H2Client.connect(port, settings={4: window})
+    try:
+        for _ in range(3):
+            response = await client.request("GET", "/big?n=200000", "echo.test", timeout=30)
+            assert response.status == 200
+            assert len(response.body) == 200_000
+        assert client.frames_seen["DataFrame"] >= 3 * 4
+        assert client.empty_data_ends == 0
+    finally:
+        await client.close()
+
+
 async def test_upstream_failure_explained(proxy):
     server, port = proxy
     server.set_table(
