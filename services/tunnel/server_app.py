@@ -4,8 +4,8 @@ Two mTLS gRPC listeners: agents on `grpc_port` (7003; node name from the
 client certificate), dialers on `dial_port` (7004; identities in `dialers`),
 and the data listener on `data_port` (7005; `waygate.tunnel.datapath`):
 agents' data connections and raw dials, one TCP connection each.
-With `resolver_address` the replica reports the nodes it holds to the
-resolver (`waygate.tunnel.presence`). SIGTERM: the hub stops taking dials,
+With `resolver_address` the replica reports the nodes it holds to each
+resolver replica listed there, one stream each (`waygate.tunnel.presence`). SIGTERM: the hub stops taking dials,
 tells every agent to move (Drain with the grace), and the listeners give open
 connections `shutdown_grace` before they are cut.
 
@@ -34,6 +34,7 @@ from waygate.tunnel.v1 import tunnel_pb2_grpc
 
 if TYPE_CHECKING:
     from waygate.components import UpContext
+    from waygate.core.grpctls import RotatingChannel
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +124,10 @@ class Settings(FrontSettings, GrpcServerSettings):  # front_*: the HTTPS front (
         parse=parse_duration,
         check=positive,
     )
-    resolver_address: str | None = setting(
-        None, help="host:port of the resolver to report presence to; unset: no reports"
+    resolver_address: tuple[str, ...] = setting(
+        (),
+        help="host:port of every resolver replica to report presence to, comma-separated "
+        "(each replica knows only the presence reported to it); empty: no reports",
     )
     presence_lease: float = setting(
         15.0,
@@ -197,13 +200,16 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         hub.data_address = settings.data_advertise_address or f":{data_port}"
         log.info("tunnel data listener", extra={"data_port": data_port})
 
-    if settings.resolver_address is not None:
+    host = settings.host if settings.host not in ("0.0.0.0", "::") else socket.gethostname()
+    # One report stream per resolver replica: a replica knows only the presence
+    # reported to it, so a report to one of several (through a Service) would
+    # leave the others routing this replica's nodes nowhere.
+    for resolver_address in dict.fromkeys(settings.resolver_address):
         from waygate.tunnel.presence import PresenceReporter
 
-        channel = await process.client_channel(settings.resolver_address)
-        host = settings.host if settings.host not in ("0.0.0.0", "::") else socket.gethostname()
+        channel = await process.client_channel(resolver_address)
 
-        async def report() -> None:
+        async def report(channel: RotatingChannel = channel) -> None:
             # The dial port is known once the listener is bound (port 0 in tests).
             while not dial_server.port:
                 await asyncio.sleep(0.05)
@@ -214,7 +220,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
                 hub, channel, address=address, lease=settings.presence_lease
             ).run()
 
-        process.spawn(report(), "tunnel-presence")
+        process.spawn(report(), f"tunnel-presence {resolver_address}")
     # The HTTPS front (yurttunnel parity): requests to NODE-ADDRESS:PORT through the hub.
     await start_front(process, settings, hub)
     await process.mark_ready()

@@ -147,3 +147,59 @@ async def test_sigterm_drains_open_connections_finish_new_dials_refused(tmp_path
         backend.close()
         await agent.stop()
         await server.stop()
+
+
+async def test_a_replica_reports_to_every_resolver_replica_listed(tmp_path: Path) -> None:
+    """Two resolvers over one routes file (replicas): each hears the tunnel server on
+    its own stream, so the one left when the other is killed still routes the node."""
+    routes = tmp_path / "routes.yaml"
+    routes.write_text("services: []\nroutes: []\n")
+    argv = ["waygate", "resolver", "serve", "--grpc-port", "0", "--admin-port", "0",
+            "--routes-file", str(routes), "--tunnel-lease-min", "1s"]  # fmt: skip
+    resolvers = list(await asyncio.gather(start_service(argv), start_service(argv)))
+    watches = [
+        ResolverWatch(lambda r=r: grpc.aio.insecure_channel(r.grpc_address), kinds=(Kind.TUNNELS,))
+        for r in resolvers
+    ]
+    watching = [asyncio.ensure_future(w.run()) for w in watches]
+
+    def holders(watch: ResolverWatch) -> list[str]:
+        presence = watch.view.tunnels.get("edge-7") if watch.view is not None else None
+        return [s.id for s in presence.servers] if presence is not None else []
+
+    server = agent = None
+    try:
+        server = await start_service(
+            ["waygate", "tunnel", "serve", "--grpc-port", "0", "--dial-port", "0", "--data-port", "0",
+             "--front-port", "0", "--admin-port", "0", "--server-id", "replica-a",
+             "--resolver-address", ",".join(r.grpc_address for r in resolvers),
+             "--presence-lease", f"{LEASE}s"]
+        )  # fmt: skip
+        agent = await start_service(
+            ["waygate", "tunnel", "agent", "--admin-port", "0", "--node", "edge-7",
+             "--server-address", f"127.0.0.1:{server.grpc_ports[0]}"]
+        )  # fmt: skip
+        async with asyncio.timeout(20):
+            while [holders(w) for w in watches] != [["replica-a"], ["replica-a"]]:
+                await asyncio.sleep(0.05)
+        # One resolver replica dies; the other's stream carries on and follows changes.
+        await resolvers[0].stop(signal.SIGKILL)
+        await agent.stop(signal.SIGKILL)
+        agent = None
+        async with asyncio.timeout(20):
+            while holders(watches[1]) != []:
+                await asyncio.sleep(0.05)
+        agent = await start_service(
+            ["waygate", "tunnel", "agent", "--admin-port", "0", "--node", "edge-7",
+             "--server-address", f"127.0.0.1:{server.grpc_ports[0]}"]
+        )  # fmt: skip
+        async with asyncio.timeout(20):
+            while holders(watches[1]) != ["replica-a"]:
+                await asyncio.sleep(0.05)
+    finally:
+        for task in watching:
+            task.cancel()
+        await asyncio.gather(*watching, return_exceptions=True)
+        for service in (agent, server, *resolvers):
+            if service is not None and service.process.returncode is None:
+                await service.stop()
