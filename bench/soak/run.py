@@ -2,12 +2,23 @@
 
 One cycle of phases (each held `hold` seconds of steady load unless said):
   steady          nothing happens;
-  resolver-down   kill -9 the resolver; while it is down the routes file gains
-                  a route (late.soak.test); restart it; the new route must
-                  answer through the proxy within seconds of the return;
-  certs-down      kill -9 certs for longer than a renewal retry (renewals fail
-                  meanwhile), restart it; renewals must resume, and no process's
-                  certificate may ever expire (sampled every second);
+  resolver-replica-killed
+                  kill -9 resolver-a; while it is down the routes file gains a
+                  route (late.soak.test), which must answer through the proxy
+                  (its Watch moved to resolver-b) while resolver-a is still
+                  down; restart it;
+  resolver-down   kill -9 both resolver replicas; while they are down the late
+                  route is removed again; restart both; the removal must take
+                  effect within seconds of the return;
+  certs-leader-killed
+                  kill -9 the certs replica holding the Lease; the other must
+                  take the Lease, and Certify through the load balancer must
+                  succeed throughout (a probe every half second); restart the
+                  killed one;
+  certs-down      kill -9 both certs replicas for longer than a renewal retry
+                  (renewals fail meanwhile), restart both; renewals must
+                  resume, and no process's certificate may ever expire
+                  (sampled every second);
   leaf-rotation   held until every process has renewed its leaf again;
   ca-rotation     RotateCA (propagation delay `hold`), held until every process
                   has renewed after the switch to the new CA (first cycle only:
@@ -16,7 +27,7 @@ One cycle of phases (each held `hold` seconds of steady load unless said):
   ts-killed       kill -9 tunnel-server replica ts-a, restart it after `hold`;
   agent-killed    kill -9 agent-1 (agent-2 serves the same node), restart it;
   changes         the direct service loses endpoint backend-b and gains
-                  backend-c; the late route is removed again.
+                  backend-c (and the reverse the next cycle).
 What must hold (issue 18, item 2) is checked per phase: zero failed requests,
 except tunnelled connections in flight when a replica (ts-a) or an agent
 (agent-1) was killed, and only with a cut (reset, closed mid-body or
@@ -44,13 +55,24 @@ from typing import Any
 
 import aiohttp
 import grpc
+from cryptography.hazmat.primitives import serialization
 from google.protobuf import duration_pb2
 
 from bench.soak.load import Load, Outcome, probe
-from bench.soak.stack import ADDED_ADDRESS, DIRECT_ADDRESSES, DIRECT_HOST, LATE_HOST, Stack
+from bench.soak.stack import (
+    ADDED_ADDRESS,
+    CERTS_REPLICAS,
+    DIRECT_ADDRESSES,
+    DIRECT_HOST,
+    LATE_HOST,
+    RESOLVER_REPLICAS,
+    Stack,
+    spiffe,
+)
+from tests.support.pki import make_csr
 from waygate.certs.v1 import certs_pb2, certs_pb2_grpc
 
-CERT_HOLDERS = ("resolver", "ts-a", "ts-b", "agent-1", "agent-2", "proxy")
+CERT_HOLDERS = (*RESOLVER_REPLICAS, "ts-a", "ts-b", "agent-1", "agent-2", "proxy")
 TUNNEL_KINDS = ("tunnel-keepalive", "tunnel-newconn", "download-1m", "ws-tunnel")
 #: After a replica dies, requests started this long after it may still have
 #: been on their way to it (the kill itself is not instantaneous).
@@ -131,9 +153,11 @@ class Soak:
             await self._phase("steady", self._sleep())
             self.usage_before = self.stack.usage()
             for cycle in range(self.cycles):
-                late = cycle % 2 == 0  # the late route comes and goes
-                await self._phase("resolver-down", self._resolver_down(late))
+                # The late route comes (one replica down) and goes (both down).
+                await self._phase("resolver-replica-killed", self._resolver_replica_killed())
+                await self._phase("resolver-down", self._resolver_down())
                 await self._phase("steady", self._sleep())
+                await self._phase("certs-leader-killed", self._certs_leader_killed())
                 await self._phase("certs-down", self._certs_down())
                 if self.leaf_phase:
                     await self._phase("leaf-rotation", self._leaf_rotation())
@@ -143,7 +167,7 @@ class Soak:
                     await self._phase("ca-rotation", self._ca_rotation())
                 await self._phase("ts-killed", self._kill_restart("ts-a"))
                 await self._phase("agent-killed", self._kill_restart("agent-1"))
-                await self._phase("changes", self._changes(cycle, late))
+                await self._phase("changes", self._changes(cycle))
                 await self._phase("steady", self._sleep())
             left = self.started + self.minimum - time.monotonic()
             if left > 0:
@@ -191,47 +215,139 @@ class Soak:
             self.note(f"{name} failed to restart: {why}")
             await self.stack.start(name)
 
-    async def _resolver_down(self, late: bool) -> None:
-        self.stack.kill("resolver")
-        self.kills.append(("resolver", time.monotonic()))
-        await asyncio.sleep(self.hold / 2)
-        self.stack.write_routes(direct=self._direct, late=late)
-        await asyncio.sleep(self.hold / 2)
-        await self._restart("resolver")
-        returned = time.monotonic()
-        # The change made while it was down reaches the proxy: the late route
-        # answers (or, when it was removed, no longer does).
+    async def _late_route_arrives(self, late: bool, since: float) -> float | None:
+        """Seconds from `since` until the proxy serves the late route as `late` says
+        (answers when added, no longer answers when removed); None: not in 30 s."""
         port = self.stack.ports["proxy-http"]
-        deadline = returned + 30
-        arrived = None
-        while time.monotonic() < deadline:
+        while time.monotonic() < since + 30:
             status, _ = await probe(port, LATE_HOST)
             if (status == 200) == late:
-                arrived = time.monotonic() - returned
-                break
+                return time.monotonic() - since
             await asyncio.sleep(0.1)
-        what = "added" if late else "removed"
+        return None
+
+    async def _resolver_replica_killed(self) -> None:
+        killed, survivor = RESOLVER_REPLICAS
+        self.stack.kill(killed)
+        self.kills.append((killed, time.monotonic()))
+        await asyncio.sleep(self.hold / 2)
+        self._late = True
+        self.stack.write_routes(direct=self._direct, late=True)
+        written = time.monotonic()
+        arrived = await self._late_route_arrives(True, written)
         self.checks.append(
             Check(
-                f"resolver-down: a route {what} while it was down took effect after its return",
+                f"resolver-replica-killed: a route added while {killed} was down took effect "
+                f"through {survivor}",
+                arrived is not None and self.stack.procs[survivor].alive,
+                "never (30 s)" if arrived is None else f"{arrived:.1f} s after the write",
+            )
+        )
+        self.note(f"late route added: {'-' if arrived is None else f'{arrived:.1f} s'}")
+        await asyncio.sleep(max(0.0, written + self.hold / 2 - time.monotonic()))
+        await self._restart(killed)
+        await asyncio.sleep(self.hold / 2)
+
+    async def _resolver_down(self) -> None:
+        for name in RESOLVER_REPLICAS:
+            self.stack.kill(name)
+            self.kills.append((name, time.monotonic()))
+        await asyncio.sleep(self.hold / 2)
+        self._late = False
+        self.stack.write_routes(direct=self._direct, late=False)
+        await asyncio.sleep(self.hold / 2)
+        await asyncio.gather(*(self._restart(name) for name in RESOLVER_REPLICAS))
+        # The change made while both were down reaches the proxy after their return.
+        arrived = await self._late_route_arrives(False, time.monotonic())
+        self.checks.append(
+            Check(
+                "resolver-down: a route removed while every replica was down took effect "
+                "after their return",
                 arrived is not None,
                 "never (30 s)" if arrived is None else f"{arrived:.1f} s after the return",
             )
         )
-        self.note(f"late route {what}: {'-' if arrived is None else f'{arrived:.1f} s'}")
+        self.note(f"late route removed: {'-' if arrived is None else f'{arrived:.1f} s'}")
 
     _direct: tuple[str, ...] = DIRECT_ADDRESSES
+    _late = False
+
+    async def _certs_leader_killed(self) -> None:
+        """kill -9 the Lease holder: the other replica takes the Lease (6 s lease) and
+        Certify goes on through the load balancer meanwhile (every replica signs;
+        only the leader writes CA state). A Certify every half second shows it
+        (renewals come too seldom to rely on one landing in the outage)."""
+        async with asyncio.timeout(30):
+            while not (leader := await self.stack.certs_leader()):
+                await asyncio.sleep(0.5)
+        (other,) = [r for r in CERTS_REPLICAS if r != leader]
+        self.stack.kill(leader)
+        killed = time.monotonic()
+        self.kills.append((leader, killed))
+        took, issued, refused = None, 0, []
+        deadline = killed + max(self.hold, 30.0)
+        while time.monotonic() < deadline and (
+            took is None or time.monotonic() < killed + self.hold
+        ):
+            error = await self._certify()
+            if error is None:
+                issued += 1
+            else:
+                refused.append(error)
+            if took is None and await self.stack.certs_leader() == other:
+                took = time.monotonic() - killed
+            await asyncio.sleep(0.5)
+        self.checks.append(
+            Check(
+                "certs-leader-killed: the other replica took the Lease and issued meanwhile",
+                took is not None and issued > 0 and not refused,
+                f"{leader} killed; {other} leading after "
+                + ("-" if took is None else f"{took:.1f} s")
+                + f"; Certify through the load balancer: {issued} issued, {len(refused)} failed"
+                + (f" ({refused[0]})" if refused else ""),
+            )
+        )
+        self.note(
+            f"{leader} killed, {other} leading after {'-' if took is None else f'{took:.1f} s'}"
+        )
+        await self._restart(leader)
+
+    async def _certify(self) -> str | None:
+        """One Certify through the certs load balancer as the soak's user; its error or None."""
+        csr, _ = make_csr((f"uri:{spiffe('user')}",), critical=False)
+        credentials = grpc.ssl_channel_credentials(self.stack.bundle.read_bytes())
+        address = f"127.0.0.1:{self.stack.ports['certs-lb']}"
+        async with grpc.aio.secure_channel(address, credentials) as channel:
+            try:
+                await certs_pb2_grpc.CertsStub(channel).Certify(
+                    certs_pb2.CertifyRequest(
+                        identity=spiffe("user"),
+                        token=self.stack.tokens["user"],
+                        certificate_signing_request=csr.public_bytes(serialization.Encoding.DER),
+                    ),
+                    timeout=10,
+                )
+            except grpc.aio.AioRpcError as exc:
+                return f"{exc.code().name}: {(exc.details() or '')[:200]}"
+        return None
 
     async def _certs_down(self) -> None:
-        # Longer than a renewal retry (a fiftieth of the lifetime), well shorter
-        # than what a leaf due for renewal has left (25-35% of it).
-        down = self.stack.leaf_lifetime * 0.1
+        # Unavailable (kill to the first replica ready again) for about a tenth
+        # of the lifetime: longer than a renewal retry (a fiftieth of it), well
+        # shorter than what a leaf due for renewal has left (25-35% of it). The
+        # restart's own time counts (several seconds with the Kubernetes client
+        # on a busy machine): it is taken from the last start.
+        retry = self.stack.leaf_lifetime / 50
+        startup = max(self.stack.start_seconds.get(n, 0.0) for n in CERTS_REPLICAS)
         before = dict(self.renewals)
-        self.stack.kill("certs")
-        self.kills.append(("certs", time.monotonic()))
-        await asyncio.sleep(down)
-        await self._restart("certs")
-        self.note(f"certs down {down:.0f} s")
+        killed = time.monotonic()
+        for name in CERTS_REPLICAS:
+            self.stack.kill(name)
+            self.kills.append((name, time.monotonic()))
+        await asyncio.sleep(max(2 * retry, self.stack.leaf_lifetime * 0.1 - startup))
+        await asyncio.gather(*(self._restart(name) for name in CERTS_REPLICAS))
+        back = min(self.stack.ready_at[n] for n in CERTS_REPLICAS) - killed
+        self.note(f"both certs replicas down, unavailable {back:.1f} s")
         resumed = await self._renewed_since(before, self.stack.leaf_lifetime)
         self.checks.append(
             Check(
@@ -261,18 +377,7 @@ class Soak:
         )
 
     async def _ca_rotation(self) -> None:
-        token = self.stack.tokens["admin"]
-        bundle = self.stack.bundle.read_bytes()
-        credentials = grpc.ssl_channel_credentials(bundle)
-        address = f"127.0.0.1:{self.stack.ports['certs']}"
-        async with grpc.aio.secure_channel(address, credentials) as channel:
-            rotation = await certs_pb2_grpc.CertsStub(channel).RotateCA(
-                certs_pb2.RotateCARequest(
-                    propagation_delay=duration_pb2.Duration(seconds=int(self.hold))
-                ),
-                metadata=(("authorization", f"Bearer {token}"),),
-                timeout=30,
-            )
+        rotation = await self._rotate_ca()
         switch = rotation.signing_switch_at.ToDatetime().timestamp()
         await asyncio.sleep(max(0.0, switch - time.time()) + 0.5)
         behind = await self._renewed_since(dict(self.renewals), self.stack.leaf_lifetime * 1.2)
@@ -285,6 +390,29 @@ class Soak:
             )
         )
 
+    async def _rotate_ca(self) -> certs_pb2.RotateCAResponse:
+        """RotateCA on the certs leader (a follower refuses, UNAVAILABLE naming it):
+        asked of each replica directly, not through the load balancer."""
+        token = self.stack.tokens["admin"]
+        credentials = grpc.ssl_channel_credentials(self.stack.bundle.read_bytes())
+        async with asyncio.timeout(60):
+            while True:
+                for replica in CERTS_REPLICAS:
+                    address = f"127.0.0.1:{self.stack.ports[replica]}"
+                    async with grpc.aio.secure_channel(address, credentials) as channel:
+                        try:
+                            return await certs_pb2_grpc.CertsStub(channel).RotateCA(
+                                certs_pb2.RotateCARequest(
+                                    propagation_delay=duration_pb2.Duration(seconds=int(self.hold))
+                                ),
+                                metadata=(("authorization", f"Bearer {token}"),),
+                                timeout=30,
+                            )
+                        except grpc.aio.AioRpcError as exc:
+                            if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                                raise
+                await asyncio.sleep(0.5)
+
     async def _kill_restart(self, name: str) -> None:
         self.stack.kill(name)
         self.kills.append((name, time.monotonic()))
@@ -292,7 +420,7 @@ class Soak:
         await self._restart(name)
         await asyncio.sleep(self.hold / 2)
 
-    async def _changes(self, cycle: int, late: bool) -> None:
+    async def _changes(self, cycle: int) -> None:
         # Alternate: drop backend-b and add backend-c, then back.
         if cycle % 2 == 0:
             new, removed = (DIRECT_ADDRESSES[0], ADDED_ADDRESS), "backend-b"
@@ -301,7 +429,7 @@ class Soak:
         self._direct = new
         changed = time.monotonic()
         self.changed_at.append(changed)
-        self.stack.write_routes(direct=new, late=late)
+        self.stack.write_routes(direct=new, late=self._late)
         # The proxy has stopped using the removed endpoint once 20 requests in a
         # row went elsewhere (round robin over two: 2^-20 by chance).
         port, streak, seen = self.stack.ports["proxy-http"], 0, None
@@ -463,7 +591,7 @@ class Soak:
         )
         for name, before in self.usage_before.items():
             after = self.usage_after.get(name)
-            if after is None or name == "haproxy":  # the stand-in load balancer: not ours
+            if after is None or name in ("haproxy", "kubeapi"):  # stand-ins: not ours
                 continue
             self.checks.append(
                 Check(
@@ -559,6 +687,7 @@ class Soak:
         axis.bar(xs, [bad[x] for x in xs], color="tab:red", width=1.0, label="failed/s")
         colours = {
             "steady": None, "resolver-down": "tab:blue", "certs-down": "tab:orange",
+            "resolver-replica-killed": "tab:gray", "certs-leader-killed": "tab:brown",
             "leaf-rotation": "tab:olive", "ca-rotation": "tab:purple",
             "ts-killed": "tab:red", "agent-killed": "tab:pink", "changes": "tab:cyan",
         }  # fmt: skip

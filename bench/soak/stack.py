@@ -1,16 +1,22 @@
 """The soak's processes: every Waygate service as its own process, TLS everywhere.
 
-- certs (one process, file-backed CA; short leaf lifetime so every leaf rotates
-  during the soak, `--clock-skew 0` so that lifetime is the real one). Not two
-  replicas: replicas keep the CA in a Kubernetes Secret and elect a leader by
-  Lease, which only the stand-in API server offers here; that pair is proven
-  by tests/system/test_certs_replicas.py (failover, rotation across leaders),
-  not under this load;
-- resolver (one process over a routes file: its tunnel presence lives in the
-  replica the tunnel servers report to, so file-mode replicas would each see
-  only part of it; Kubernetes mode is where replicas share a source);
-- two tunnel-server replicas (`--replicas`), agents reaching them through
-  HAProxy in TCP mode (one address, as a LoadBalancer would be);
+- the STAND-IN Kubernetes API server (tests/support/kubeapi.py, in its own
+  process): where the certs replicas keep their CA (a Secret) and elect their
+  leader (a Lease);
+- certs, two replicas (certs-a, certs-b) against it: only the Lease holder
+  writes CA state, both serve Certify and the bundle; short leaf lifetime so
+  every leaf rotates during the soak, `--clock-skew 0` so that lifetime is the
+  real one; short Lease timings (6 s lease) so a failover fits in a phase;
+- resolver, two replicas (resolver-a, resolver-b) over one routes file (file
+  mode on one host: both read the same file, as both would mount the same
+  ConfigMap). Each replica knows only the tunnel presence reported to it, so
+  every tunnel server reports to both (`--resolver-address A,B`);
+- HAProxy in TCP mode as the load balancer in front of each replicated
+  service, one address per service as a Kubernetes Service would be: agents
+  reach the tunnel-server replicas, every certs client reaches certs, and the
+  proxy's Watch reaches the resolver through it (a killed replica's clients
+  reconnect and land on the other);
+- two tunnel-server replicas (`--replicas`);
 - two agents for the one edge node;
 - the proxy (HTTP and HTTPS), watching the resolver, dialling tunnelled
   endpoints through whichever replica holds the node;
@@ -38,6 +44,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,6 +58,10 @@ DIRECT_HOST, TUNNEL_HOST, TLS_HOST, LATE_HOST, GRPC_HOST = (
     "grpc.soak.test",
 )
 DIRECT_ADDRESSES = ("127.0.0.1", "127.0.0.2")
+CERTS_REPLICAS = ("certs-a", "certs-b")
+RESOLVER_REPLICAS = ("resolver-a", "resolver-b")
+#: Where the certs replicas keep the CA (NAMESPACE/NAME); the Lease is beside it.
+CA_SECRET = "soak/waygate-certs-ca"
 ADDED_ADDRESS = "127.0.0.3"
 
 
@@ -132,11 +143,15 @@ class Stack:
     def __post_init__(self) -> None:
         d = self.directory
         (d / "logs").mkdir(parents=True, exist_ok=True)
+        # Per process: how long its last start took, and when it was last ready.
+        self.start_seconds: dict[str, float] = {}
+        self.ready_at: dict[str, float] = {}
         self.ports: dict[str, int] = {}
         for name in (
-                "certs", "certs-admin", "resolver", "resolver-admin", "proxy-http",
-                "proxy-https", "proxy-admin", "agents-lb", "agent-1-admin", "agent-2-admin",
-                "backend-t", "backend-grpc",
+                "certs-a", "certs-a-admin", "certs-b", "certs-b-admin", "certs-lb",
+                "resolver-a", "resolver-a-admin", "resolver-b", "resolver-b-admin",
+                "resolver-lb", "proxy-http", "proxy-https", "proxy-admin", "agents-lb",
+                "agent-1-admin", "agent-2-admin", "backend-t", "backend-grpc",
                 *(f"{r}-{p}" for r in ("ts-a", "ts-b")
                   for p in ("grpc", "dial", "front", "data", "admin")),
         ):  # fmt: skip
@@ -159,6 +174,13 @@ class Stack:
     @property
     def bundle(self) -> Path:
         return self.directory / "ca.pem"
+
+    @property
+    def kubeapi_url_file(self) -> Path:
+        return self.directory / "kubeapi.url"
+
+    def kubeconfig(self, replica: str) -> Path:
+        return self.directory / f"kubeconfig-{replica}"
 
     def _write_tokens(self) -> None:
         allowed = {
@@ -229,7 +251,7 @@ class Stack:
 
     def _certs_client(self, token: str, identity: str, sans: list[str]) -> list[str]:
         return [
-            "--certs-address", f"127.0.0.1:{self.ports['certs']}",
+            "--certs-address", f"127.0.0.1:{self.ports['certs-lb']}",
             "--certs-token-file", str(self.directory / "tokens" / f"{token}.token"),
             "--certs-ca-file", str(self.bundle), "--cert-identity", identity,
             *(["--cert-sans", ",".join(sans)] if sans else []),
@@ -241,25 +263,39 @@ class Stack:
         common = ["--host", "127.0.0.1", "--log-format", "json"]
         lifetime = f"{int(self.leaf_lifetime)}s"
         self._add(
-            "certs",
-            [*waygate, "certs", "serve", *common, "--grpc-port", str(p["certs"]),
-             "--admin-port", str(p["certs-admin"]), "--ca-dir", str(d / "ca"),
-             "--tokens-file", str(d / "tokens.yaml"), "--bundle-file", str(self.bundle),
-             "--serving-identity", spiffe("certs"),
-             "--serving-sans", f"dns:certs.{TRUST},ip:127.0.0.1",
-             "--leaf-lifetime", lifetime, "--clock-skew", "0"],
-            p["certs-admin"],
+            "kubeapi",
+            [sys.executable, "-m", "tests.support.kubeapi_process",
+             "--url-file", str(self.kubeapi_url_file)],
+            None,
         )  # fmt: skip
-        self._add(
-            "resolver",
-            [*waygate, "resolver", "serve", *common, "--grpc-port", str(p["resolver"]),
-             "--admin-port", str(p["resolver-admin"]), "--routes-file", str(self.routes_file),
-             "--routes-poll-interval", "200ms",
-             "--tunnel-reporters", spiffe("tunnel-server"), "--route-admins", spiffe("user"),
-             "--route-readers", spiffe("proxy"),
-             *self._certs_client("resolver", spiffe("resolver"), ["ip:127.0.0.1"])],
-            p["resolver-admin"],
-        )  # fmt: skip
+        for replica in CERTS_REPLICAS:
+            # Both write the one bundle file (atomically, the same content): it is
+            # what every client trusts certs by, whichever replica it reaches.
+            self._add(
+                replica,
+                [*waygate, "certs", "serve", *common, "--grpc-port", str(p[replica]),
+                 "--admin-port", str(p[f"{replica}-admin"]),
+                 "--kubeconfig", str(self.kubeconfig(replica)), "--ca-secret", CA_SECRET,
+                 "--leader-identity", replica, "--lease-duration", "6s",
+                 "--renew-deadline", "4s", "--retry-period", "1s",
+                 "--tokens-file", str(d / "tokens.yaml"), "--bundle-file", str(self.bundle),
+                 "--serving-identity", spiffe("certs"),
+                 "--serving-sans", f"dns:certs.{TRUST},ip:127.0.0.1",
+                 "--leaf-lifetime", lifetime, "--clock-skew", "0"],
+                p[f"{replica}-admin"],
+            )  # fmt: skip
+        for replica in RESOLVER_REPLICAS:
+            self._add(
+                replica,
+                [*waygate, "resolver", "serve", *common, "--grpc-port", str(p[replica]),
+                 "--admin-port", str(p[f"{replica}-admin"]),
+                 "--routes-file", str(self.routes_file), "--routes-poll-interval", "200ms",
+                 "--tunnel-reporters", spiffe("tunnel-server"), "--route-admins", spiffe("user"),
+                 "--route-readers", spiffe("proxy"),
+                 *self._certs_client("resolver", spiffe("resolver"), ["ip:127.0.0.1"])],
+                p[f"{replica}-admin"],
+            )  # fmt: skip
+        every_resolver = ",".join(f"127.0.0.1:{p[r]}" for r in RESOLVER_REPLICAS)
         for replica, other in (("ts-a", "ts-b"), ("ts-b", "ts-a")):
             self._add(
                 replica,
@@ -268,7 +304,7 @@ class Stack:
                  "--front-port", str(p[f"{replica}-front"]), "--data-port", str(p[f"{replica}-data"]),
                  "--admin-port", str(p[f"{replica}-admin"]), "--server-id", replica,
                  "--replicas", other, "--advertise-address", f"127.0.0.1:{p[f'{replica}-dial']}",
-                 "--resolver-address", f"127.0.0.1:{p['resolver']}",
+                 "--resolver-address", every_resolver,
                  "--dialers", f"{spiffe('proxy')},{spiffe('user')}", "--shutdown-grace", "2s",
                  *self._certs_client("tunnel-server", spiffe("tunnel-server"), ["ip:127.0.0.1"])],
                 p[f"{replica}-admin"],
@@ -287,7 +323,7 @@ class Stack:
             "proxy",
             [*waygate, "proxy", "serve", *common, "--http-port", str(p["proxy-http"]),
              "--https-port", str(p["proxy-https"]), "--admin-port", str(p["proxy-admin"]),
-             "--resolver-address", f"127.0.0.1:{p['resolver']}",
+             "--resolver-address", f"127.0.0.1:{p['resolver-lb']}",
              *self._certs_client("proxy", spiffe("proxy"), ["ip:127.0.0.1", f"dns:{TLS_HOST}"])],
             p["proxy-admin"],
         )  # fmt: skip
@@ -320,6 +356,17 @@ class Stack:
         if binary is None:
             raise RuntimeError("haproxy is not installed (Debian: apt-get install haproxy)")
         p = self.ports
+
+        def frontend(name: str, port: str, replicas: tuple[str, ...]) -> str:
+            servers = "".join(
+                f"    server {r} 127.0.0.1:{p[r]} check inter 500ms fall 1 rise 1\n"
+                for r in replicas
+            )
+            return (
+                f"frontend {name}\n    bind 127.0.0.1:{p[port]}\n    default_backend {name}\n"
+                f"backend {name}\n    balance roundrobin\n{servers}"
+            )
+
         config = self.directory / "haproxy.cfg"
         config.write_text(
             f"""global
@@ -329,13 +376,12 @@ defaults
     timeout connect 2s
     timeout client 1h
     timeout server 1h
-frontend agents
-    bind 127.0.0.1:{p["agents-lb"]}
-    default_backend replicas
-backend replicas
-    balance roundrobin
-    server a 127.0.0.1:{p["ts-a-grpc"]} check inter 500ms fall 1 rise 1
-    server b 127.0.0.1:{p["ts-b-grpc"]} check inter 500ms fall 1 rise 1
+    # A connect refused by a replica that just died goes to the other one.
+    retries 3
+    option redispatch
+{frontend("agents", "agents-lb", ("ts-a-grpc", "ts-b-grpc"))}
+{frontend("certs", "certs-lb", CERTS_REPLICAS)}
+{frontend("resolver", "resolver-lb", RESOLVER_REPLICAS)}
 """
         )
         self.procs["haproxy"] = Proc(
@@ -359,8 +405,11 @@ backend replicas
             )
 
     async def start(self, name: str, timeout: float = 60.0) -> None:
+        began = time.monotonic()
         self.spawn(name)
         await self.wait_ready(name, timeout)
+        self.ready_at[name] = time.monotonic()
+        self.start_seconds[name] = self.ready_at[name] - began
 
     async def wait_ready(self, name: str, timeout: float = 60.0) -> None:
         proc = self.procs[name]
@@ -387,14 +436,56 @@ backend replicas
                 proc.process.kill()
                 proc.process.wait(5)
 
+    async def start_kubeapi(self, timeout: float = 30.0) -> None:
+        """The stand-in API server, then a kubeconfig (own token) per certs replica."""
+        self.spawn("kubeapi")
+        deadline = time.monotonic() + timeout
+        while not self.kubeapi_url_file.exists():
+            if not self.procs["kubeapi"].alive or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the stand-in API server did not start; see {self.procs['kubeapi'].log}"
+                )
+            await asyncio.sleep(0.05)
+        url = self.kubeapi_url_file.read_text().strip()
+        for replica in CERTS_REPLICAS:
+            path = self.kubeconfig(replica)
+            path.write_text(
+                "apiVersion: v1\nkind: Config\n"
+                f'clusters: [{{name: stand-in, cluster: {{server: "{url}"}}}}]\n'
+                f"users: [{{name: user, user: {{token: {replica}-{secrets.token_hex(8)}}}}}]\n"
+                "contexts: [{name: c, context: {cluster: stand-in, user: user}}]\n"
+                "current-context: c\n"
+            )
+            path.chmod(0o600)
+
+    async def certs_leader(self) -> str:
+        """The certs replica holding the Lease ("" when none does or the stand-in is slow)."""
+        url = self.kubeapi_url_file.read_text().strip()
+        namespace, _, _ = CA_SECRET.partition("/")
+        path = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases/waygate-certs-leader"
+        try:
+            async with (
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session,
+                session.get(url + path) as response,
+            ):
+                if response.status != 200:
+                    return ""
+                lease = await response.json()
+        except (aiohttp.ClientError, TimeoutError):
+            return ""
+        holder = str(lease.get("spec", {}).get("holderIdentity") or "")
+        return holder if holder in CERTS_REPLICAS else ""
+
     async def start_all(self) -> None:
         for name in ("backend-a", "backend-b", "backend-c", "backend-t"):
             self.spawn(name)
-        await self.start("certs")
-        await self.start("resolver")
-        await asyncio.gather(self.start("ts-a"), self.start("ts-b"))
+        await self.start_kubeapi()
+        # First: every replicated service is reached through it from the start.
         self.start_haproxy()
         await self.wait_ready("haproxy")
+        await asyncio.gather(*(self.start(r) for r in CERTS_REPLICAS))
+        await asyncio.gather(*(self.start(r) for r in RESOLVER_REPLICAS))
+        await asyncio.gather(self.start("ts-a"), self.start("ts-b"))
         await asyncio.gather(self.start("agent-1"), self.start("agent-2"))
         await self.start("proxy")
         for name in ("backend-a", "backend-b", "backend-c", "backend-t"):
