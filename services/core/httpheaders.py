@@ -88,6 +88,11 @@ def client_forbidden(name: bytes) -> bool:
     return _CLIENT_FORBIDDEN.fullmatch(name) is not None
 
 
+#: The same rule as a bound regex match (the match or None), for a per-field loop
+#: (an HTTP/2 request's fields): no wrapper frame per field.
+client_forbidden_match: Final = _CLIENT_FORBIDDEN.fullmatch
+
+
 # RFC 9110 section 7.6.1 (and Keep-Alive, Proxy-Connection as sent in practice).
 HOP_BY_HOP: Final = frozenset(
     {

@@ -6,8 +6,8 @@ service port's `appProtocol`) goes to `waygate.proxy.h2upstream`; every
 other request is an `Exchange` (`waygate.proxy.exchange`, the one the
 HTTP/1.1 connection drives) with `StreamDownstream` as its driver:
 
-The request enters as the HTTP/1.1 head it means (`http2.request_head`, then
-`http1.parse_request_head`: one rule book for both versions) and its body
+The request enters as the HTTP/1.1 head it means (`http2.request_head`, by
+`http1.request_from_fields`: one rule book for both versions) and its body
 (chunk-framed when it has no content-length); from there every rule of the
 HTTP/1.1 path (routing by :authority, Host agreement, header hygiene,
 balancing, sticky cookies, HSTS, timeouts, auth-proxy routes and the client
@@ -28,8 +28,9 @@ stream either.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
+from waygate.core import httpheaders
 from waygate.proxy import filters, grpcstatus, http1, tls
 from waygate.proxy.http1 import (
     FRAMING_LENGTH,
@@ -38,7 +39,7 @@ from waygate.proxy.http1 import (
     RequestHead,
     ResponseHead,
 )
-from waygate.proxy.http2 import BadRequest, H2ClientConnection, Request, Stream, request_head
+from waygate.proxy.http2 import H2ClientConnection, Request, Stream, request_head
 
 _EXCHANGE: Any = None
 
@@ -60,11 +61,7 @@ def start_exchange(conn: H2ClientConnection, stream: Stream, request: Request, e
         return
     chunked = not end and request.content_length < 0
     try:
-        head = request_head(request, chunked)
-        req = http1.parse_request_head(head)
-    except BadRequest as exc:
-        conn._local_error(stream, exc.status, exc.reason, grpc=stream.grpc)
-        return
+        req = request_head(request, chunked)
     except BadMessage as exc:
         conn._local_error(stream, exc.status, exc.reason, grpc=stream.grpc)
         return
@@ -180,15 +177,17 @@ class StreamDownstream:
         body: bytes,
         more: bool,
     ) -> None:
-        fields = _fields(response.fields)
+        fields = [_STATUS[response.status]]
+        if response.fields:
+            _add_fields(fields, response.fields[2:].split(b"\r\n"))
         if extra:
-            fields += _fields(b"\r\n" + extra[:-2])
+            _add_fields(fields, extra[:-2].split(b"\r\n"))
         if framing == FRAMING_LENGTH:
             fields.append((b"content-length", b"%d" % length))
         elif framing == FRAMING_NONE and response.content_length >= 0:
             fields.append((b"content-length", b"%d" % response.content_length))
         end = framing == FRAMING_NONE or (framing == FRAMING_LENGTH and length == 0)
-        self.stream.respond(response.status, fields, end=end)
+        self.stream.respond_fields(fields, end)
         if body:
             # All of a small body came with the head: END_STREAM goes with it.
             self.stream.send(body, framing == FRAMING_LENGTH and len(body) == length)
@@ -302,11 +301,13 @@ class StreamDownstream:
         end = response.find(b"\r\n\r\n") + 4
         parsed = http1.parse_response_head(response[:end])
         body = b"" if head_only else response[end:]
-        fields = _fields(parsed.fields)
+        fields = [_STATUS[parsed.status]]
+        if parsed.fields:
+            _add_fields(fields, parsed.fields[2:].split(b"\r\n"))
         if parsed.content_length >= 0:
             fields.append((b"content-length", b"%d" % parsed.content_length))
         stream = self.stream
-        stream.respond(parsed.status, fields, end=not body)
+        stream.respond_fields(fields, not body)
         if body:
             stream.send(body, end=True)
         self._finished()
@@ -320,15 +321,19 @@ class StreamDownstream:
             self.stream.exchange = None
 
 
-def _fields(block: bytes) -> list[tuple[bytes, Any]]:
-    """b"\\r\\nName: value..." lines as HTTP/2 fields (lower-case names)."""
-    out: list[tuple[bytes, Any]] = []
-    if not block:
-        return out
-    for line in block.split(b"\r\n")[1:]:
+# The :status field of each status (the grammar's three digits), built once.
+_STATUS: Final = {code: (b":status", b"%d" % code) for code in range(100, 1000)}
+# Never an HTTP/2 field (RFC 9113 section 8.2.2). The upstream's own were dropped
+# by http1.parse_response_head; this keeps the rule for lines added after it
+# (a route's response header modifier, the proxy's extras).
+_NOT_H2: Final = httpheaders.H2_CONNECTION_SPECIFIC
+
+
+def _add_fields(out: list[tuple[bytes, bytes]], lines: list[bytes]) -> None:
+    """b"Name: value" lines (a checked head's, no CR or LF in them) as HTTP/2
+    fields: lower-case names, values without their surrounding whitespace."""
+    for line in lines:
         name, _, value = line.partition(b":")
-        lname = name.lower()
-        if lname == b"proxy-connection" or lname == b"connection" or lname == b"keep-alive":
-            continue
-        out.append((lname, value.strip(b" \t")))
-    return out
+        name = name.lower()
+        if name not in _NOT_H2:
+            out.append((name, value.strip(b" \t")))

@@ -15,8 +15,8 @@ the same verification and explained failures as HTTP/1.1).
   queue, or gets the same 503.
 - `H2UpstreamConnection`: a thin Protocol over the `h2` client state machine.
 - `H2Exchange`: one client stream forwarded as one upstream stream. The
-  request passes the HTTP/1.1 rule book first (`http1.parse_request_head` of
-  the head it means: identity headers dropped, X-Forwarded-*/Forwarded per the
+  request passes the HTTP/1.1 rule book first (`http2.request_head`: the
+  head it means, by `http1.request_from_fields`: identity headers dropped, X-Forwarded-*/Forwarded per the
   route) and leaves as HTTP/2 fields again; routing by :authority, the
   endpoint pick (balancing, sticky cookie), the TLS edge rules and auth-proxy
   identity are the routing table's and `tls`'s, as on HTTP/1.1; so are the
@@ -495,13 +495,9 @@ class H2Exchange:
         stream.exchange = self
         chunked = not self.request_done and request.content_length < 0
         try:
-            head = request_head(request, chunked)
-            req = http1.parse_request_head(head)
+            req = request_head(request, chunked)
         except BadMessage as exc:
             self.local(exc.status, exc.reason, "bad_request")
-            return
-        except Exception as exc:  # http2.BadRequest
-            self.local(getattr(exc, "status", 400), str(exc), "bad_request")
             return
         route = entry.route
         secure = self.conn.secure

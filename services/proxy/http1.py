@@ -370,6 +370,95 @@ def parse_request_head(head: bytes) -> RequestHead:
     return request
 
 
+# An HTTP/2 request's parts, as the strict grammar (_REQUEST_HEAD) takes them in a head.
+_METHOD: Final = re.compile(_TCHAR + rb"++")
+_TARGET: Final = re.compile(rb"[\x21-\x7e]++")
+_VALUE_CONTROL: Final = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+# Methods llhttp (the second parse) takes, learnt one by one (at most its own list).
+_KNOWN_METHODS: Final[set[bytes]] = set()
+
+
+def request_from_fields(
+    method: bytes,
+    target: bytes,
+    authority: bytes,
+    fields: list[tuple[bytes, bytes]],
+    content_length: int,
+    chunked: bool,
+) -> RequestHead:
+    """The request head an HTTP/2 request means, by `parse_request_head`'s rules,
+    without rendering it as HTTP/1.1 bytes and parsing them back.
+
+    `fields`: the regular fields, names lower-case tokens, Host, Content-Length,
+    TE and connection-specific fields already taken out or refused, cookies
+    joined (`waygate.proxy.http2.read_request`); `content_length` -1 for none;
+    `chunked`: a body without a length follows. What the HTTP/1.1 head would
+    meet here meets it: the grammar's limits on the method, target and values;
+    the same header classes (identity, impersonation, client-certificate and
+    hop-by-hop fields dropped, X-Forwarded-* and Forwarded kept for the route's
+    mode, Cookie, Expect and traceparent read); the Host and target rules; and
+    the one verdict of llhttp's second parse on such a head the grammar lacks,
+    its list of methods (asked once per method).
+    """
+    if _METHOD.fullmatch(method) is None:
+        raise BadMessage("malformed method (RFC 9110 section 9.1)")
+    if _TARGET.fullmatch(target) is None:
+        raise BadMessage("control character or space in the request target (RFC 9112 section 3.2)")
+    request = RequestHead()
+    request.method = method
+    request.target = target
+    lines = [b"Host: ", authority, b"\r\n"]
+    tail: list[bytes] | None = None  # forwarded after the others: Cookie, Expect
+    expect = True  # every Expect field asks for 100-continue (or there is none)
+    classes = _REQUEST_CLASSES.get
+    forbidden = httpheaders.client_forbidden_match
+    control = _VALUE_CONTROL.search
+    for name, value in fields:
+        if control(value) is not None:
+            raise BadMessage("control character in a header value (RFC 9110 section 5.5)")
+        kind = classes(name)
+        if kind is None:
+            if forbidden(name) is None:
+                lines += (name, b": ", value, b"\r\n")
+        elif kind == FORWARDED_FAMILY:
+            if not request.forwarded:
+                request.forwarded = []
+            request.forwarded.append((name, name, value))  # type: ignore[attr-defined]
+        elif kind == SPECIAL:
+            if name == b"traceparent":
+                request.traceparent = value
+                continue
+            if name == b"expect":
+                # Refused after the loop: a control character in any value is a 400 first.
+                expect = value.lower() == b"100-continue" if expect else False
+                request.expect_continue = True
+            elif name == b"cookie":
+                if not request.cookie:
+                    request.cookie = []
+                request.cookie.append(value)  # type: ignore[attr-defined]
+            else:  # host, content-length: the caller took the one allowed out
+                raise BadMessage("more than one Host or Content-Length (RFC 9112 section 3.2)")
+            if tail is None:
+                tail = [name, b": ", value, b"\r\n"]
+            else:
+                tail += (name, b": ", value, b"\r\n")
+        # else DROP: hop-by-hop (proxy-authorization, trailer...), never forwarded
+    if not expect:
+        raise BadMessage("unsupported Expect (RFC 9110 section 10.1.1)", 417)
+    _check_target(request, authority, method, target)
+    if content_length >= 0:
+        request.content_length = content_length
+    elif chunked:
+        request.chunked = True
+    if tail is not None:
+        lines += tail
+    request.fields = b"".join(lines)
+    if method not in _KNOWN_METHODS:
+        _second_parse(method + b" / HTTP/1.1\r\nHost: a\r\n\r\n")
+        _KNOWN_METHODS.add(method)
+    return request
+
+
 def _check_target(request: RequestHead, host: bytes, method: bytes, target: bytes) -> None:
     """The Host header's form (sets `request.host`) and the request target's rules."""
     if not _HOST.fullmatch(host):

@@ -11,13 +11,13 @@ inbound checks are off on this side, see `h2_connection`), and turns each
 request stream into an exchange:
 
 - a route whose backend speaks HTTP/1.1 (the default): the stream drives the
-  proxy's HTTP/1.1 exchange (`waygate.proxy.server.ClientConnection`) through
-  `_StreamBridge`, an in-memory transport. The request is written as the
-  HTTP/1.1 head it means (`request_head`) and passes the one header rule book
-  in `waygate.proxy.http1`; routing by :authority, balancing, sticky cookies,
-  timeouts, auth-proxy routes, the explained failures, metrics, spans and the
-  access log are that exchange's, unchanged. The answer comes back as
-  HTTP/1.1 bytes and leaves as HEADERS / DATA.
+  proxy's `Exchange` (`waygate.proxy.exchange`, the one HTTP/1.1 connections
+  drive) through `waygate.proxy.h2exchange.StreamDownstream`. The request
+  becomes the HTTP/1.1 head it means (`request_head`) by the one header rule
+  book in `waygate.proxy.http1`; routing by :authority, balancing, sticky
+  cookies, timeouts, auth-proxy routes, the explained failures, metrics, spans
+  and the access log are that exchange's, unchanged. The upstream's parsed
+  response head leaves as HEADERS, its body as DATA.
 - a route whose backend speaks HTTP/2 or gRPC: `waygate.proxy.h2upstream`.
 
 A local answer on a gRPC request (content-type application/grpc...) leaves as
@@ -253,24 +253,18 @@ def check_trailers(headers: list[tuple[bytes, bytes]]) -> None:
             raise Malformed("malformed trailer field (RFC 9113 sections 8.1, 8.2)")
 
 
-def request_head(request: Request, chunked: bool) -> bytes:
-    """The HTTP/1.1 head the request means (then checked by `http1.parse_request_head`,
-    the rules every request passes). Names and values were checked by `read_request`."""
-    lines = [b"%s %s HTTP/1.1\r\nHost: %s\r\n" % (request.method, request.path, request.authority)]
-    for name, value in request.headers:
-        lines.append(b"%s: %s\r\n" % (name, value))
-    if request.content_length >= 0:
-        lines.append(b"Content-Length: %d\r\n" % request.content_length)
-    elif chunked:
-        lines.append(b"Transfer-Encoding: chunked\r\n")
-    lines.append(b"\r\n")
-    head = b"".join(lines)
-    # A CR or LF inside a value would start a line of its own: one line per
-    # field (plus the request line, Host, framing and the end) or refused.
-    expected = len(request.headers) + 3 + (request.content_length >= 0 or chunked)
-    if head.count(b"\n") != expected or b"\x00" in head:
-        raise BadRequest("CR, LF or NUL in a header (RFC 9113 section 8.2.1)")
-    return head
+def request_head(request: Request, chunked: bool) -> http1.RequestHead:
+    """The HTTP/1.1 request head the request means, by the one rule book
+    (`http1.request_from_fields`: what the same request on HTTP/1.1 meets);
+    raises `http1.BadMessage`. `chunked`: a body without a length follows."""
+    return http1.request_from_fields(
+        request.method,
+        request.path,
+        request.authority,
+        request.headers,
+        request.content_length,
+        chunked,
+    )
 
 
 class _BoundedFrameBuffer(h2.frame_buffer.FrameBuffer):
@@ -434,7 +428,7 @@ class H2Collector(Collector):
 class Stream:
     """One request stream: what the exchange behind it writes, and flow control.
 
-    The exchange (`_StreamBridge` or an h2 upstream stream) calls `respond`,
+    The exchange (`StreamDownstream` or an h2 upstream stream) calls `respond`,
     `send`, `finish` and `reset`; `paused` is its pause callback target.
     """
 
@@ -480,10 +474,14 @@ class Stream:
     def respond(
         self, status: int, headers: list[tuple[bytes, bytes]], *, end: bool = False
     ) -> None:
+        self.respond_fields([(b":status", b"%d" % status), *headers], end)
+
+    def respond_fields(self, fields: list[tuple[bytes, bytes]], end: bool = False) -> None:
+        """`respond` with the whole field list built by the caller, :status first."""
         if self.closed or self.responded:
             return
         self.responded = True
-        self.conn._send_headers(self, [(b":status", b"%d" % status), *headers], end)
+        self.conn._send_headers(self, fields, end)
         if end:
             self.ended = True
 

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
-import pytest
+import logging
 
-from waygate.proxy import grpcstatus, http1
-from waygate.proxy.http2 import BadRequest, Malformed, check_trailers, read_request, request_head
+import hpack.hpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from waygate.proxy import grpcstatus, http1, http2
+from waygate.proxy.http2 import (
+    BadRequest,
+    H2Limits,
+    Malformed,
+    check_trailers,
+    read_request,
+    request_head,
+)
 
 BASE = [(b":method", b"GET"), (b":scheme", b"https"), (b":path", b"/a?b=1")]
 
@@ -15,14 +27,12 @@ def test_authority_becomes_host_and_cookies_are_joined():
         [*BASE, (b":authority", b"Echo.Test:8443"), (b"cookie", b"a=1"), (b"cookie", b"b=2")],
         True,
     )
-    head = request_head(request, chunked=False)
-    parsed = http1.parse_request_head(head)
+    parsed = request_head(request, chunked=False)
     assert parsed.host == b"echo.test"
     assert parsed.target == b"/a?b=1"
     assert list(parsed.cookie) == [b"a=1; b=2"]
-    # No Connection line: the common head takes the rule book's fast path (a
-    # stream is one exchange whatever keep_alive says).
-    assert b"connection" not in head.lower()
+    assert parsed.fields == b"Host: Echo.Test:8443\r\ncookie: a=1; b=2\r\n"
+    assert parsed.keep_alive and not parsed.upgrade
 
 
 def test_host_alone_serves_as_authority_and_both_must_agree():
@@ -47,7 +57,7 @@ def test_line_breaks_and_nul_in_values_never_become_lines(value):
         read_request([*BASE, (b":authority", b"a"), (b"x-a", value)], True)
     # And were one to get past read_request, the head built from it is refused.
     request = read_request([*BASE, (b":authority", b"a")], True)._replace(headers=[(b"x-a", value)])
-    with pytest.raises(BadRequest):
+    with pytest.raises(http1.BadMessage):
         request_head(request, chunked=False)
 
 
@@ -113,17 +123,133 @@ def test_malformed_trailers(trailers):
 
 def test_body_framing_chosen_once():
     streamed = read_request([*BASE, (b":authority", b"a")], False)
-    assert http1.parse_request_head(request_head(streamed, chunked=True)).chunked
+    assert request_head(streamed, chunked=True).chunked
     sized = read_request([*BASE, (b":authority", b"a"), (b"content-length", b"5")], False)
-    assert http1.parse_request_head(request_head(sized, chunked=True)).content_length == 5
+    assert request_head(sized, chunked=True).content_length == 5
+    assert not request_head(sized, chunked=True).chunked
     with pytest.raises(BadRequest):
         read_request([*BASE, (b":authority", b"a"), (b"content-length", b"5")], True)
 
 
 def test_identity_headers_go_through_the_rule_book():
     request = read_request([*BASE, (b":authority", b"a"), (b"impersonate-user", b"root")], True)
-    parsed = http1.parse_request_head(request_head(request, chunked=False))
+    parsed = request_head(request, chunked=False)
     assert b"impersonate" not in parsed.fields.lower()
+
+
+# The one rule book: an HTTP/2 request's head (`request_head`, built from its
+# fields) is what `http1.parse_request_head` makes of the HTTP/1.1 head the
+# request means, or both refuse it with the same status.
+_NAMES = st.sampled_from(
+    [
+        b"user-agent",
+        b"accept",
+        b"x-a",
+        b"cookie",
+        b"expect",
+        b"traceparent",
+        b"x-forwarded-for",
+        b"x-forwarded-host",
+        b"forwarded",
+        b"proxy-authorization",
+        b"trailer",
+        b"proxy",
+        b"x-remote-user",
+        b"x_remote_group",
+        b"impersonate-uid",
+        b"x-ssl-client-s-dn",
+        b"x-forwarded-client-cert",
+        b"x-waygate-route",
+        b"x_forwarded_for",
+    ]
+)
+_VALUES = st.one_of(
+    st.sampled_from([b"1", b"100-continue", b"a=1", b"", b"a\tb", b"caf\xc3\xa9"]),
+    st.binary(max_size=6).filter(lambda v: v.strip(b" \t") == v),
+)
+_METHODS = st.sampled_from([b"GET", b"POST", b"PATCH", b"PURGE", b"FOO", b"get", b"TRACE", b"G(T"])
+_TARGETS = st.sampled_from([b"/", b"/a?b=1", b"*", b"/a/../b", b"/%2e%2e/x", b"/a b", b"/\x80"])
+_AUTHORITIES = st.sampled_from([b"echo.test", b"Echo.Test:8443", b"[::1]:80", b"a b", b"a/b"])
+
+
+def _as_http1(method, target, authority, fields, content_length, chunked) -> bytes:
+    lines = [b"%s %s HTTP/1.1\r\nHost: %s\r\n" % (method, target, authority)]
+    lines += [b"%s: %s\r\n" % field for field in fields]
+    if content_length >= 0:
+        lines.append(b"Content-Length: %d\r\n" % content_length)
+    elif chunked:
+        lines.append(b"Transfer-Encoding: chunked\r\n")
+    return b"".join(lines) + b"\r\n"
+
+
+def _outcome(parse):
+    try:
+        head = parse()
+    except http1.BadMessage as exc:
+        return ("refused", exc.status)
+    return (
+        head.method,
+        head.target,
+        head.host,
+        head.fields,
+        list(head.forwarded),
+        list(head.cookie),
+        head.traceparent,
+        head.expect_continue,
+        head.content_length,
+        head.chunked,
+        head.keep_alive,
+        head.upgrade,
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    method=_METHODS,
+    target=_TARGETS,
+    authority=_AUTHORITIES,
+    fields=st.lists(st.tuples(_NAMES, _VALUES), max_size=6),
+    content_length=st.sampled_from([-1, 0, 7]),
+    chunked=st.booleans(),
+)
+def test_request_head_is_the_http1_parse_of_the_head_it_means(
+    method, target, authority, fields, content_length, chunked
+):
+    if any(b"\r" in v or b"\n" in v for _, v in fields):
+        # A line break would split the HTTP/1.1 rendering itself; read_request
+        # refuses it (Malformed) and request_head refuses it too (above).
+        return
+    ours = _outcome(
+        lambda: http1.request_from_fields(
+            method, target, authority, fields, content_length, chunked
+        )
+    )
+    head = _as_http1(method, target, authority, fields, content_length, chunked)
+    theirs = _outcome(lambda: http1.parse_request_head(head))
+    if ours[0] == "refused" or theirs[0] == "refused":
+        assert ours[0] == theirs[0] == "refused", (ours, theirs)
+        assert ours[1] == theirs[1], (ours, theirs)
+    else:
+        assert ours == theirs
+
+
+def test_hpack_debug_calls_are_silenced_unless_asked_for(monkeypatch):
+    monkeypatch.setattr(hpack.hpack, "log", hpack.hpack.log)
+    monkeypatch.setattr(http2, "_hpack_checked", False)
+    logger = logging.getLogger("hpack.hpack")
+    level = logger.level
+    try:
+        logger.setLevel(logging.DEBUG)
+        http2.h2_connection(H2Limits(), client_side=False)
+        assert isinstance(hpack.hpack.log, logging.Logger)  # asked for: left alone
+        monkeypatch.setattr(http2, "_hpack_checked", False)
+        logger.setLevel(logging.WARNING)
+        connection = http2.h2_connection(H2Limits(), client_side=False)
+    finally:
+        logger.setLevel(level)
+    assert hpack.hpack.log is http2._SILENT
+    assert connection.config.logger is http2._SILENT
+    assert hpack.hpack.log.debug("Encoding %d", 5) == ""
 
 
 def test_grpc_status_of_local_answers():
