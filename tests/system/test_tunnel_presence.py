@@ -21,6 +21,7 @@ import grpc
 import pytest
 
 from tests.support.processes import http_get, start_service
+from waygate.core.grpctls import RotatingChannel
 from waygate.resolver.client import Kind, ResolverWatch
 
 pytestmark = pytest.mark.system
@@ -203,3 +204,89 @@ async def test_a_replica_reports_to_every_resolver_replica_listed(tmp_path: Path
         for service in (agent, server, *resolvers):
             if service is not None and service.process.returncode is None:
                 await service.stop()
+
+
+class StandInHub:
+    """A STAND-IN for the tunnel hub: a replica id and a fixed node set, all
+    `PresenceReporter` reads (the agents are not what this test is about)."""
+
+    server_id = "replica-x"
+
+    def subscribe(self, listener: object) -> None:
+        pass
+
+    def nodes(self) -> list[str]:
+        return ["edge-5"]
+
+
+async def test_every_replica_behind_a_name_gets_a_report_as_the_name_changes(
+    tmp_path: Path,
+) -> None:
+    """`EveryReplica` (--resolver-replicas-service): one report stream per address the
+    name resolves to, added and ended as the answer changes, kept through a failed
+    lookup. The lookup is injected (one host here cannot resolve to two loopbacks)."""
+    from waygate.core.grpctls import static_client_channel
+    from waygate.tunnel.presence import EveryReplica
+
+    routes = tmp_path / "routes.yaml"
+    routes.write_text("services: []\nroutes: []\n")
+    argv = ["waygate", "resolver", "serve", "--grpc-port", "0", "--admin-port", "0",
+            "--routes-file", str(routes), "--tunnel-lease-min", "1s"]  # fmt: skip
+    resolvers = list(await asyncio.gather(start_service(argv), start_service(argv)))
+    a, b = (r.grpc_address for r in resolvers)
+    watches = [
+        ResolverWatch(lambda r=r: grpc.aio.insecure_channel(r.grpc_address), kinds=(Kind.TUNNELS,))
+        for r in resolvers
+    ]
+    watching = [asyncio.ensure_future(w.run()) for w in watches]
+    answer: set[str] | OSError = {a}
+    opened: list[str] = []
+
+    async def resolve(host: str, port: int) -> set[str]:
+        assert (host, port) == ("resolvers.example", 7001)
+        if isinstance(answer, OSError):
+            raise answer
+        return set(answer)
+
+    async def open_channel(target: str) -> RotatingChannel:
+        opened.append(target)
+        return static_client_channel(target, None)
+
+    def seen() -> list[bool]:
+        return [w.view is not None and "edge-5" in w.view.tunnels for w in watches]
+
+    async def until_seen(expected: list[bool]) -> None:
+        async with asyncio.timeout(20):
+            while seen() != expected:
+                await asyncio.sleep(0.05)
+
+    every = EveryReplica(
+        StandInHub(),  # type: ignore[arg-type]
+        open_channel,
+        "resolvers.example:7001",
+        address="127.0.0.1:7004",
+        lease=1.5,
+        resolve=resolve,
+    )
+    running = asyncio.ensure_future(every.run())
+    try:
+        await until_seen([True, False])
+        answer = {a, b}
+        await until_seen([True, True])
+        # a leaves the answer (its pod went): its stream ends, so does its presence.
+        answer = {b}
+        await until_seen([False, True])
+        # A failed lookup keeps the reports that run.
+        answer = OSError("temporary failure in name resolution")
+        await asyncio.sleep(1.5)
+        assert seen() == [False, True] and set(every.reporters) == {b}
+        assert opened == [a, b]
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        assert every.reporters == {}
+        for task in watching:
+            task.cancel()
+        await asyncio.gather(*watching, return_exceptions=True)
+        for service in resolvers:
+            await service.stop()
