@@ -39,6 +39,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def _host_port(value: str) -> str | None:
+    host, _, port = value.rpartition(":")
+    if not host.strip("[]") or not port.isdigit() or not 1 <= int(port) <= 65535:
+        return f"{value!r} is not host:port"
+    return None
+
+
 def _window_check(value: int) -> str | None:
     low, high = 4 * mux.MAX_CHUNK, 64 * 1024 * 1024
     return None if low <= value <= high else f"must lie between {low} and {high} bytes, not {value}"
@@ -129,6 +136,18 @@ class Settings(FrontSettings, GrpcServerSettings):  # front_*: the HTTPS front (
         help="host:port of every resolver replica to report presence to, comma-separated "
         "(each replica knows only the presence reported to it); empty: no reports",
     )
+    resolver_replicas_service: str | None = setting(
+        None,
+        help="host:port of a headless Service whose every address is a resolver replica: "
+        "presence to each, followed as replicas come and go (looked up every third of "
+        "the presence lease); instead of, or besides, resolver_address",
+        check=_host_port,
+    )
+    resolver_server_name: str | None = setting(
+        None,
+        help="name to verify in the resolvers' certificate when it differs from the host "
+        "(with resolver_replicas_service: the name the replicas' certificate carries)",
+    )
     presence_lease: float = setting(
         15.0,
         help="lease asked for on presence reports (a dead replica's presence ends within it)",
@@ -204,23 +223,44 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     # One report stream per resolver replica: a replica knows only the presence
     # reported to it, so a report to one of several (through a Service) would
     # leave the others routing this replica's nodes nowhere.
+
+    async def advertised() -> str:
+        # The dial port is known once the listener is bound (port 0 in tests).
+        while not dial_server.port:
+            await asyncio.sleep(0.05)
+        return settings.advertise_address or (
+            f"[{host}]:{dial_server.port}" if ":" in host else f"{host}:{dial_server.port}"
+        )
+
     for resolver_address in dict.fromkeys(settings.resolver_address):
         from waygate.tunnel.presence import PresenceReporter
 
-        channel = await process.client_channel(resolver_address)
+        channel = await process.client_channel(
+            resolver_address, server_name=settings.resolver_server_name
+        )
 
         async def report(channel: RotatingChannel = channel) -> None:
-            # The dial port is known once the listener is bound (port 0 in tests).
-            while not dial_server.port:
-                await asyncio.sleep(0.05)
-            address = settings.advertise_address or (
-                f"[{host}]:{dial_server.port}" if ":" in host else f"{host}:{dial_server.port}"
-            )
             await PresenceReporter(
-                hub, channel, address=address, lease=settings.presence_lease
+                hub, channel, address=await advertised(), lease=settings.presence_lease
             ).run()
 
         process.spawn(report(), f"tunnel-presence {resolver_address}")
+    if settings.resolver_replicas_service is not None:
+        from waygate.tunnel.presence import EveryReplica
+
+        service = settings.resolver_replicas_service
+        name = settings.resolver_server_name or service.rpartition(":")[0].strip("[]")
+
+        async def report_to_every_replica() -> None:
+            await EveryReplica(
+                hub,
+                lambda target: process.client_channel(target, server_name=name),
+                service,
+                address=await advertised(),
+                lease=settings.presence_lease,
+            ).run()
+
+        process.spawn(report_to_every_replica(), f"tunnel-presence {service}")
     # The HTTPS front (yurttunnel parity): requests to NODE-ADDRESS:PORT through the hub.
     await start_front(process, settings, hub)
     await process.mark_ready()

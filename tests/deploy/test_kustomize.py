@@ -220,6 +220,18 @@ def test_tunnel_is_wired_agents_outside_dialers_inside_resolver_trusts_its_repor
     resolver = named(objects, "Deployment", "waygate-resolver")
     resolver_args = resolver["spec"]["template"]["spec"]["containers"][0]["args"]
     assert identity in _flag(resolver_args, "tunnel-reporters").split(",")
+    # ...from every replica (each knows only what it is told): the reports go to every
+    # address of a headless Service selecting the resolver pods, verified by a name
+    # the resolvers' certificate carries, not through the load-balanced Service.
+    assert not [a for a in server_args if a.startswith("--resolver-address=")]
+    host, port = _flag(server_args, "resolver-replicas-service").rsplit(":", 1)
+    name, namespace = host.split(".")[:2]
+    headless = named(objects, "Service", name)["spec"]
+    assert namespace == "waygate" and headless["clusterIP"] == "None"
+    assert headless["selector"] == resolver["spec"]["selector"]["matchLabels"]
+    assert {p["port"] for p in headless["ports"]} == {int(port)}
+    server_name = _flag(server_args, "resolver-server-name")
+    assert "dns:" + server_name in _flag(resolver_args, "cert-sans").split(",")
     # Only the proxy dials.
     assert _flag(server_args, "dialers") == "spiffe://cluster.local/ns/waygate/sa/waygate-proxy"
     # Agents' port outside the cluster; dialers' and the front inside.
