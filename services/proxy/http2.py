@@ -57,7 +57,7 @@ import contextlib
 import logging
 import re
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import h2.config
 import h2.connection
@@ -290,18 +290,26 @@ class GracefulStateMachine(h2.connection.H2ConnectionStateMachine):
     can be sent or received; RFC 9113 section 6.8 has the streams up to the
     GOAWAY's last stream id finish (a graceful drain, and a backend's GOAWAY
     with answers still coming). New streams past it are refused by the proxy
-    itself (`H2ClientConnection._request`, `H2UpstreamConnection.has_room`)."""
+    itself (`H2ClientConnection._request`, `H2UpstreamConnection.has_room`).
 
-    _OPEN = (h2.connection.ConnectionState.CLIENT_OPEN, h2.connection.ConnectionState.SERVER_OPEN)
-    _GOAWAY = (
-        h2.connection.ConnectionInputs.SEND_GOAWAY,
-        h2.connection.ConnectionInputs.RECV_GOAWAY,
-    )
+    Done in h2's own transition table (an open state stays itself on GOAWAY),
+    not by overriding `process_input`: that override was a Python frame more on
+    every frame sent or received, about 2% of the CPU per request."""
 
-    def process_input(self, input_: Any) -> list[Any]:
-        if input_ in self._GOAWAY and self.state in self._OPEN:
-            return []
-        return super().process_input(input_)
+    _transitions: ClassVar[dict[Any, Any]] = {
+        **h2.connection.H2ConnectionStateMachine._transitions,
+        **{
+            (state, goaway): (None, state)
+            for state in (
+                h2.connection.ConnectionState.CLIENT_OPEN,
+                h2.connection.ConnectionState.SERVER_OPEN,
+            )
+            for goaway in (
+                h2.connection.ConnectionInputs.SEND_GOAWAY,
+                h2.connection.ConnectionInputs.RECV_GOAWAY,
+            )
+        },
+    }
 
 
 class _Silent:
