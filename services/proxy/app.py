@@ -660,12 +660,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     # Endpoints marked `tunnel` are dialled through a tunnel-server replica that
     # holds their node (presence from this same watch).
     from waygate.proxy.upstream import ConnectError
-    from waygate.tunnel.client import (
-        ViewPresence,
-        process_client,
-        socket_dialer,
-        transport_dialer,
-    )
+    from waygate.tunnel.client import ViewPresence, process_client, transport_dialer
 
     tunnel_client = await process_client(
         process,
@@ -673,10 +668,9 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         pool_size=settings.tunnel_pool_size,
         pool_idle=settings.tunnel_pool_idle,
     )
-    # HTTP/1.1 upstreams take the tunnel's data connection as their transport; the
-    # steps that need a socket (reencrypt, HTTP/2, passthrough) get a spliced one.
-    server.dialer.tunnel = socket_dialer(tunnel_client, ConnectError)
-    server.dialer.tunnel_open = transport_dialer(tunnel_client, ConnectError)
+    # Every upstream step (HTTP/1.1, HTTP/2, reencrypt, passthrough, mirrors) takes
+    # the tunnel's data connection as its transport: no socketpair in between.
+    server.dialer.tunnel = transport_dialer(tunnel_client, ConnectError)
     process.spawn(watch.run(), "resolver-watch")
     reporter = ListenerReporter(
         gateway_listeners, channel.hold, f"{socket.gethostname()}/{os.getpid()}"

@@ -65,7 +65,6 @@ import functools
 import logging
 import random
 import re
-import socket
 from typing import TYPE_CHECKING, Any, Protocol
 
 from opentelemetry import context as otel_context
@@ -89,7 +88,7 @@ from waygate.proxy.http1 import (
 )
 from waygate.proxy.pool import UpstreamConnection
 from waygate.proxy.routing import Backend, RouteEntry, Side, Target, unavailable_reason
-from waygate.proxy.upstream import ConnectError
+from waygate.proxy.upstream import ConnectError, start
 
 if TYPE_CHECKING:
     from waygate.proxy.server import ProxyServer
@@ -566,8 +565,8 @@ class Exchange:
             upstream_tls = server.upstream_tls
             reencrypt = upstream_tls is not None and upstream_tls.applies(entry.route)
             try:
-                # A tunnel endpoint may come back as its data connection (no socket).
-                sock = await (server.dialer.connect if reencrypt else server.dialer.open)(
+                # A socket, or a tunnel endpoint's data connection (upstream.Attachable).
+                connection = await server.dialer.connect(
                     target, options.connect_timeout, self.upstream_traceparent
                 )
             except ConnectError as exc:
@@ -593,30 +592,25 @@ class Exchange:
                 return
             try:
                 factory = functools.partial(UpstreamConnection, server, target)
-                if not isinstance(sock, socket.socket):
-                    upstream = factory()
-                    sock.attach(upstream)
-                elif reencrypt:
+                if reencrypt:
                     assert upstream_tls is not None
                     # Reencrypt: a failed handshake is a 502 that says why.
                     upstream = await upstream_tls.open(
-                        self.loop,
                         factory,
-                        sock,
+                        connection,
                         entry.route,
                         target,
                         options.connect_timeout,
                         self.span,
                     )
                 else:
-                    _, upstream = await self.loop.create_connection(factory, sock=sock)
+                    _, upstream = await start(connection, factory)
             except ConnectError as exc:
                 self.connect_task = None
                 server.metrics.connect_error(exc.kind)
                 self.fail(502, exc.reason, "connect_" + exc.kind)
                 return
             except OSError as exc:
-                sock.close()
                 self.connect_task = None
                 self.fail(502, "upstream connection failed: " + str(exc), "connect_error")
                 return

@@ -65,7 +65,7 @@ from waygate.proxy.http2 import (
     request_head,
 )
 from waygate.proxy.routing import RouteEntry, Target, unavailable_reason
-from waygate.proxy.upstream import ConnectError
+from waygate.proxy.upstream import ConnectError, start
 from waygate.resolver.model import speaks_http2
 
 # As waygate.proxy.exchange reads a client's trace context.
@@ -209,7 +209,8 @@ class H2Pool:
         connection: H2UpstreamConnection | None = None
         failure: tuple[str, str] | None = None
         try:
-            sock = await server.dialer.connect(target, connect_timeout, None)
+            # A socket, or a tunnel endpoint's data connection (upstream.Attachable).
+            upstream = await server.dialer.connect(target, connect_timeout, None)
         except ConnectError as exc:
             server.metrics.connect_error(exc.kind)
             server.health.failed(target)
@@ -223,22 +224,14 @@ class H2Pool:
                 upstream_tls = server.upstream_tls
                 if upstream_tls is not None and upstream_tls.applies(route):
                     connection = await upstream_tls.open(
-                        server.loop,
-                        factory,
-                        sock,
-                        route,
-                        target,
-                        connect_timeout,
-                        None,
-                        http2=True,
+                        factory, upstream, route, target, connect_timeout, None, http2=True
                     )
                 else:
-                    _, connection = await server.loop.create_connection(factory, sock=sock)
+                    _, connection = await start(upstream, factory)
             except ConnectError as exc:
                 server.metrics.connect_error(exc.kind)
                 failure = (exc.reason, "connect_" + exc.kind)
             except OSError as exc:
-                sock.close()
                 failure = ("upstream connection failed: " + str(exc), "connect_error")
         if self.connecting.get(key) is waiters:
             del self.connecting[key]

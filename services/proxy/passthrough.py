@@ -35,9 +35,10 @@ from typing import Any
 
 from prometheus_client import Counter
 
+from waygate.core import flow
 from waygate.proxy import sni
 from waygate.proxy.routing import Defaults, RouteTable, build_table
-from waygate.proxy.upstream import ConnectError
+from waygate.proxy.upstream import ConnectError, start
 from waygate.resolver.model import BalancePolicy, Route, TLSTermination
 
 log = logging.getLogger(__name__)
@@ -119,14 +120,16 @@ def _peer_closed(conn: socket.socket) -> bool:
 
 
 class _Side(asyncio.Protocol):
-    """One side of a byte relay; `peer` is the other side."""
+    """One side of a byte relay; `peer` is the other side. Its reading pauses (core.flow,
+    reason PEER) while the peer's write buffer is past its high-water mark."""
 
-    __slots__ = ("closed", "early", "eof", "peer", "relay", "transport")
+    __slots__ = ("closed", "early", "eof", "flow", "peer", "relay", "transport")
 
     def __init__(self, relay: Relay) -> None:
         self.relay = relay
         self.peer: _Side | None = None
         self.transport: asyncio.Transport | None = None
+        self.flow: flow.FlowControl | None = None
         self.closed = False
         self.eof = False
         # Bytes the backend sent before the client side was attached (bounded).
@@ -134,6 +137,7 @@ class _Side(asyncio.Protocol):
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
+        self.flow = flow.FlowControl(transport, high=HIGH_WATER, low=LOW_WATER)
         transport.set_write_buffer_limits(high=HIGH_WATER, low=LOW_WATER)
         peer = self.peer
         if peer is not None and peer.early:
@@ -163,17 +167,19 @@ class _Side(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self.flow is not None:
+            self.flow.closed()
         self.relay.close()
 
     def pause_writing(self) -> None:
         peer = self.peer
-        if peer is not None and peer.transport is not None:
-            peer.transport.pause_reading()
+        if peer is not None and peer.flow is not None:
+            peer.flow.pause(flow.PEER)
 
     def resume_writing(self) -> None:
         peer = self.peer
-        if peer is not None and peer.transport is not None:
-            peer.transport.resume_reading()
+        if peer is not None and peer.flow is not None:
+            peer.flow.resume(flow.PEER)
 
 
 class Relay:
@@ -406,7 +412,9 @@ class TlsFront:
         relay = Relay(self, entry.options.tunnel_timeout)
         self.relays.add(relay)
         try:
-            await self.loop.connect_accepted_socket(lambda: relay.backend, upstream)
+            # A socket, or a tunnel endpoint's data connection: attached as it is
+            # (no socketpair), the client's raw bytes go straight onto it.
+            await start(upstream, lambda: relay.backend)
             await self.loop.connect_accepted_socket(lambda: relay.client, conn)
         except BaseException:
             relay.abort()

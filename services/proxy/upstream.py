@@ -4,26 +4,28 @@ The connect step is one interface, so the TLS issue (reencrypt) and the
 tunnel's dial client replace it without touching the data path:
 
     async def connect(target: Target, timeout: float, trace_context: str | None)
-        -> socket.socket
+        -> socket.socket | Attachable
 
-It returns a connected, non-blocking socket (a tunnel dialer may hand back one
-end of a `socket.socketpair()` whose other end it bridges to its stream) and
-raises `ConnectError` with a short reason and a `retryable` flag: True only
-when nothing at all reached the endpoint (refused, timed out, unreachable),
-which is what allows a redispatch to another endpoint. `trace_context` is the
-W3C traceparent of the request's span, or None when unsampled.
+It returns a connected, non-blocking socket (a direct endpoint), or a
+connection that already is a transport (`Attachable`: a tunnel endpoint comes
+back as the tunnel's data connection itself, so the bytes go from the client's
+connection to the tunnel server's in one relay, with no socketpair in
+between). It raises `ConnectError` with a short reason and a `retryable`
+flag: True only when nothing at all reached the endpoint (refused, timed out,
+unreachable), which is what allows a redispatch to another endpoint.
+`trace_context` is the W3C traceparent of the request's span, or None when
+unsampled.
 
 `Dialer` chooses the step per target: endpoints the resolver marks `tunnel`
 go through `Dialer.tunnel` (None until the tunnel lands: such a request gets
 502 with the reason); every other endpoint through `Dialer.direct`.
 
-`Dialer.open` is `connect` for callers that can take a transport instead of
-a socket (the HTTP/1.1 upstream step without reencrypt): a tunnel endpoint
-then comes back as the tunnel's data connection itself (`Attachable`:
-`attach(protocol)` makes it that protocol's transport), so the bytes go from
-the client's connection to the tunnel server's in one relay, with no
-socketpair in between. Callers that need a socket (reencrypt TLS, HTTP/2,
-passthrough, mirrors) keep `connect`.
+`start` is the one way every caller (HTTP/1.1 and HTTP/2 upstreams,
+reencrypt, passthrough, mirrors) turns what the step returned into its
+protocol, with TLS to the backend when asked: over a socket, the loop's own
+TLS transport; over an `Attachable`, its `start_tls` (TLS inside the
+tunnel's mTLS: the backend's certificate is verified by the proxy, end to
+end; the tunnel only carries the records).
 
 The connections themselves, and the pool of idle ones, are in `pool.py`.
 """
@@ -33,8 +35,9 @@ from __future__ import annotations
 import asyncio
 import errno
 import socket
-from collections.abc import Awaitable
-from typing import Protocol
+import ssl
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
 
 from waygate.proxy.routing import Target
 
@@ -49,23 +52,69 @@ class ConnectError(Exception):
         self.retryable = retryable
 
 
-class Connect(Protocol):
-    def __call__(
-        self, target: Target, timeout: float, trace_context: str | None
-    ) -> Awaitable[socket.socket]: ...
-
-
 class Attachable(Protocol):
-    """A connection the connect step holds as a transport already (see the docstring)."""
+    """A connection the connect step holds as a transport already (see the docstring).
+
+    `attach(protocol)` makes it `protocol`'s transport (connection_made, then any
+    bytes the endpoint sent first); `start_tls` returns the TLS connection inside
+    it, not yet attached, the handshake done within `timeout` (ssl.SSLError with
+    the verification's own code when it failed, TimeoutError, ConnectionError);
+    `close` and `abort` cut it (with a reset: an unfinished exchange is no clean
+    end)."""
 
     def attach(self, protocol: asyncio.BaseProtocol) -> None: ...
     def close(self) -> None: ...
+    def abort(self) -> None: ...
+    def get_extra_info(self, name: str, default: Any = None) -> Any: ...
+    async def start_tls(
+        self, context: ssl.SSLContext, server_hostname: str, timeout: float
+    ) -> Attachable: ...
 
 
-class OpenConnect(Protocol):
+Connection = socket.socket | Attachable
+
+
+class Connect(Protocol):
     def __call__(
         self, target: Target, timeout: float, trace_context: str | None
-    ) -> Awaitable[socket.socket | Attachable]: ...
+    ) -> Awaitable[Connection]: ...
+
+
+P = TypeVar("P", bound=asyncio.BaseProtocol)
+
+
+async def start(
+    connection: Connection,
+    factory: Callable[[], P],
+    *,
+    tls: ssl.SSLContext | None = None,
+    server_hostname: str | None = None,
+    timeout: float | None = None,
+) -> tuple[Any, P]:
+    """(transport, protocol): `factory`'s protocol on `connection`, over TLS when `tls`
+    is given (handshake within `timeout`). The connection is closed when this fails
+    or is cancelled. The transport answers `get_extra_info` (ssl_object) and `abort`."""
+    if isinstance(connection, socket.socket):
+        loop = asyncio.get_running_loop()
+        try:
+            if tls is None:
+                return await loop.create_connection(factory, sock=connection)
+            return await loop.create_connection(
+                factory,
+                sock=connection,
+                ssl=tls,
+                server_hostname=server_hostname,
+                ssl_handshake_timeout=timeout,
+            )
+        except BaseException:
+            connection.close()
+            raise
+    if tls is not None:
+        # The handshake failing or cancelled aborts the connection it runs in.
+        connection = await connection.start_tls(tls, server_hostname or "", timeout or 10.0)
+    protocol = factory()
+    connection.attach(protocol)
+    return connection, protocol
 
 
 async def tcp_connect(target: Target, timeout: float, trace_context: str | None) -> socket.socket:
@@ -104,27 +153,13 @@ async def tcp_connect(target: Target, timeout: float, trace_context: str | None)
 class Dialer:
     """Direct connects, or the tunnel dialer for endpoints marked `tunnel`."""
 
-    def __init__(
-        self,
-        direct: Connect = tcp_connect,
-        tunnel: Connect | None = None,
-        tunnel_open: OpenConnect | None = None,
-    ) -> None:
+    def __init__(self, direct: Connect = tcp_connect, tunnel: Connect | None = None) -> None:
         self.direct = direct
         self.tunnel = tunnel
-        self.tunnel_open = tunnel_open  # a tunnel step that may return a transport
-
-    async def open(
-        self, target: Target, timeout: float, trace_context: str | None
-    ) -> socket.socket | Attachable:
-        """`connect`, but a tunnel endpoint may come back as a transport (`Attachable`)."""
-        if target.tunnel and self.tunnel_open is not None:
-            return await self.tunnel_open(target, timeout, trace_context)
-        return await self.connect(target, timeout, trace_context)
 
     async def connect(
         self, target: Target, timeout: float, trace_context: str | None
-    ) -> socket.socket:
+    ) -> Connection:
         if target.tunnel:
             if self.tunnel is None:
                 raise ConnectError(

@@ -1,8 +1,10 @@
 """Reencrypt: TLS from the proxy to the backend, and failures that explain themselves.
 
-`UpstreamTLS.open` replaces the plain `create_connection` of the upstream-
-connect step (`waygate.proxy.server`) for reencrypt routes: the connected
-socket from the dialer is wrapped in TLS, verified against the route's
+`UpstreamTLS.open` replaces the plain `upstream.start` of the upstream-
+connect step (`waygate.proxy.exchange`, `h2upstream`) for reencrypt routes:
+what the dialer returned (a socket, or a tunnel's data connection, whose
+`start_tls` runs this TLS inside the tunnel's own) is wrapped in TLS, verified
+against the route's
 destination CA, or Waygate's trust bundle when the route names none, for the
 name `SERVICE.NAMESPACE.svc` of the backend unless the route sets
 `destinationServerName`; with `presentClientCertificate` the proxy's own
@@ -45,7 +47,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 import ssl
 import time
 from collections.abc import Callable, Iterable
@@ -56,7 +57,7 @@ from prometheus_client import Counter
 
 from waygate.core.tls import load_pem_chain
 from waygate.proxy.routing import Target, upstream_scope
-from waygate.proxy.upstream import ConnectError
+from waygate.proxy.upstream import ConnectError, Connection, P, start
 from waygate.resolver.model import Route
 
 log = logging.getLogger(__name__)
@@ -321,53 +322,49 @@ class UpstreamTLS:
 
     async def open(
         self,
-        loop: asyncio.AbstractEventLoop,
-        factory: Callable[[], asyncio.Protocol],
-        sock: socket.socket,
+        factory: Callable[[], P],
+        connection: Connection,
         route: Route,
         target: Target,
         timeout: float,
         span: Any = None,
         *,
         http2: bool = False,
-    ) -> Any:
-        """The TLS connection over `sock`, or ConnectError with the explained reason."""
+    ) -> P:
+        """`factory`'s protocol over TLS on `connection` (a socket, or a tunnel's data
+        connection: TLS inside its TLS), or ConnectError with the explained reason."""
         name = server_name(route, target)
         try:
             context = self.context(route, http2)
-            transport, protocol = await loop.create_connection(
-                factory,
-                sock=sock,
-                ssl=context,
-                server_hostname=name,
-                ssl_handshake_timeout=timeout,
-            )
-            ssl_object = transport.get_extra_info("ssl_object")
-            tls = route.tls
-            if tls is not None and (tls.destination_san_hostnames or tls.destination_san_uris):
-                problem = san_problem(
-                    ssl_object.getpeercert() if ssl_object is not None else None,
-                    tls.destination_san_hostnames,
-                    tls.destination_san_uris,
-                )
-                if problem is not None:
-                    transport.abort()
-                    raise self._failed(route, target, name, problem, "san_mismatch", span)
-            if isinstance(context, _ResumingContext) and ssl_object is not None:
-                # Its session (TLS 1.3: the ticket that follows the handshake) is
-                # offered to the next connection to this name.
-                context.remember(name, ssl_object)
-            return protocol
-        except ConnectError:
-            sock.close()
+        except BaseException:
+            connection.close()
             raise
+        try:
+            transport, protocol = await start(
+                connection, factory, tls=context, server_hostname=name, timeout=timeout
+            )
         except (OSError, EOFError, TimeoutError) as exc:
-            sock.close()
             leaf = None
             if isinstance(exc, ssl.SSLCertVerificationError):
                 leaf = await self._cached_peer_certificate(target, name, timeout)
             reason, kind = explain(exc, name, leaf)
             raise self._failed(route, target, name, reason, kind, span) from None
+        ssl_object = transport.get_extra_info("ssl_object")
+        tls = route.tls
+        if tls is not None and (tls.destination_san_hostnames or tls.destination_san_uris):
+            problem = san_problem(
+                ssl_object.getpeercert() if ssl_object is not None else None,
+                tls.destination_san_hostnames,
+                tls.destination_san_uris,
+            )
+            if problem is not None:
+                transport.abort()
+                raise self._failed(route, target, name, problem, "san_mismatch", span)
+        if isinstance(context, _ResumingContext) and ssl_object is not None:
+            # Its session (TLS 1.3: the ticket that follows the handshake) is
+            # offered to the next connection to this name.
+            context.remember(name, ssl_object)
+        return protocol
 
     @staticmethod
     def _failed(
@@ -414,22 +411,17 @@ class UpstreamTLS:
         probe = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         probe.check_hostname = False
         probe.verify_mode = ssl.CERT_NONE
-        writer = None
-        sock: socket.socket | None = None
+        transport: Any = None
         try:
             async with asyncio.timeout(min(timeout, _FACTS_TIMEOUT)):
-                sock = await self._connect(target, timeout, None)
-                _, writer = await asyncio.open_connection(
-                    sock=sock, ssl=probe, server_hostname=name
+                connection = await self._connect(target, timeout, None)
+                transport, _ = await start(
+                    connection, asyncio.Protocol, tls=probe, server_hostname=name, timeout=timeout
                 )
-                der = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+                der = transport.get_extra_info("ssl_object").getpeercert(binary_form=True)
             return x509.load_der_x509_certificate(der) if der else None
         except (OSError, EOFError, TimeoutError, ValueError, ConnectError):
             return None
         finally:
-            if writer is not None:
-                writer.transport.abort()
-                with contextlib.suppress(Exception):
-                    await writer.wait_closed()
-            elif sock is not None:
-                sock.close()  # the probe's handshake failed: the socket is still ours
+            if transport is not None:
+                transport.abort()

@@ -30,13 +30,14 @@
   done, so a dial costs its preamble round trip; refilled in the background
   while dials come (50 ms after a take), expired after `pool_idle`. One-shot
   dialers (`waygate tunnel dial`) keep 0.
-- `transport_dialer` is the proxy's upstream step for callers that take a
-  transport: a raw dial comes back as its data connection (`relay.Link`),
-  which the proxy's upstream protocol uses directly. `socket_dialer`, for
-  callers that need a socket, returns one end of a socketpair whose other end
-  is spliced to the data connection (or bridged to a Tunnel.Dial stream,
-  `SocketBridge`, one task each way, bounded buffers); `process_client`
-  builds a client with a ServiceProcess's TLS, renewed with its certificate.
+- `transport_dialer` is the proxy's upstream step: a raw dial comes back as
+  its data connection (`Dialled`), which the proxy's protocol uses directly,
+  TLS to the backend included (`Dialled.start_tls`, TLS inside the data
+  connection's). `bridged_socket` gives callers that need a socket one end
+  of a socketpair whose other end is spliced to the data connection (or
+  bridged to a Tunnel.Dial stream, `SocketBridge`, one task each way, bounded
+  buffers); `process_client` builds a client with a ServiceProcess's TLS,
+  renewed with its certificate.
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ import collections
 import contextlib
 import logging
 import random
-import select
 import socket
 import ssl
 import time
@@ -712,119 +712,109 @@ class ViewPresence:
 # ---------------------------------------------------------------- a socket for the proxy
 
 
-class SocketBridge(asyncio.Protocol):
-    """Bridges one end of a socketpair to a TunnelStream, both ways, with bounded buffers."""
+class StreamTransport(asyncio.Transport):
+    """A Tunnel.Dial stream (the gRPC fallback: a replica without a data listener) as a
+    transport, so the proxy's protocols sit on it as they sit on a data connection.
+
+    Two tasks per connection move the bytes (the stream API is awaitable only):
+    `_send` writes what the protocol wrote, `_receive` hands the protocol what the
+    stream read. Bounded both ways: writes queue up to `HIGH_WATER` (then the
+    protocol's `pause_writing`, `resume_writing` at `LOW_WATER`); reading stops
+    while the protocol paused it (the stream's own flow control then holds the agent
+    back). `write_eof` half-closes after what is queued; `close` does that and ends
+    the stream once the other side finished too (cancelled after `LINGER`, so the
+    agent delivers what it still holds); `abort` and a broken stream end it at once.
+    `connection_lost` is called once, from whichever comes first.
+    """
 
     HIGH_WATER = 256 * 1024
+    LOW_WATER = 64 * 1024
     # After both directions ended: how long the agent may take to deliver what it still
     # holds for the destination before the stream is cancelled.
     LINGER = 30.0
 
     def __init__(self, stream: TunnelStream) -> None:
+        super().__init__()
         self.stream = stream
-        self.transport: asyncio.Transport | None = None
+        self.protocol: Any = None
         self._outgoing: collections.deque[bytes] = collections.deque()
-        self._outgoing_bytes = 0
-        self._local_eof = False
-        self._wrote_eof = False
+        self._queued = 0
+        self._high = self.HIGH_WATER
+        self._low = self.LOW_WATER
+        self._write_paused = False
+        self._eof_out = False  # write_eof asked: no more writes
+        self._closing = False
+        self._lost = False
+        self._reading = asyncio.Event()
+        self._reading.set()
         self._wakeup: asyncio.Future[None] | None = None
-        self._writable: asyncio.Future[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._linger: asyncio.Task[None] | None = None
-        self.done = asyncio.get_running_loop().create_future()
 
-    def start(self) -> None:
-        self._tasks = [
-            asyncio.ensure_future(self._to_stream()),
-            asyncio.ensure_future(self._from_stream()),
-        ]
-        for task in self._tasks:
-            task.add_done_callback(self._task_done)
+    # ------------------------------------------------- lifecycle
+
+    def attach(self, protocol: asyncio.BaseProtocol) -> None:
+        """Hand the stream to `protocol` (connection_made) and start moving bytes."""
+        self.set_protocol(protocol)
+        protocol.connection_made(self)
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self.protocol = protocol
+        if not self._tasks:
+            self._tasks = [
+                asyncio.ensure_future(self._send()),
+                asyncio.ensure_future(self._receive()),
+            ]
+            for task in self._tasks:
+                task.add_done_callback(self._task_done)
+
+    def get_protocol(self) -> Any:
+        return self.protocol
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
+        if self._lost:
+            return
         if task.cancelled() or task.exception() is not None:
-            self._abort()
-        elif all(t.done() for t in self._tasks):
-            if self.transport is not None:
-                self.transport.close()
+            error = None if task.cancelled() else task.exception()
+            self._lose(error if isinstance(error, Exception) else None)
+        elif all(t.done() for t in self._tasks) and self._linger is None:
             # Both directions ended cleanly, but our last bytes may still be on their
             # way to a destination that reads slowly: cancelling now would make the
             # agent drop them. Let the server end the call; cancel only after LINGER.
-            self._linger = asyncio.ensure_future(self._close_when_finished())
+            self._linger = asyncio.ensure_future(self._finish())
 
-    async def _close_when_finished(self) -> None:
+    async def _finish(self) -> None:
         try:
             await asyncio.wait_for(self.stream.wait_closed(), self.LINGER)
         except (TimeoutError, grpc.RpcError):
             pass
         finally:
-            self.stream.close()
-            if not self.done.done():
-                self.done.set_result(None)
+            self._lose(None)
 
-    def _abort(self) -> None:
+    def _lose(self, exc: Exception | None) -> None:
+        if self._lost:
+            return
+        self._lost = True
+        self._closing = True
         for task in self._tasks:
             task.cancel()
-        if self.transport is not None:
-            self.transport.abort()
         self.stream.close()
-        if not self.done.done():
-            self.done.set_result(None)
-
-    # socket side
-    def connection_made(self, transport: Any) -> None:
-        # uvloop's transports are not asyncio.Transport subclasses: no isinstance check.
-        self.transport = transport
-        transport.set_write_buffer_limits(high=self.HIGH_WATER)
-
-    def data_received(self, data: bytes) -> None:
-        self._outgoing.append(data)
-        self._outgoing_bytes += len(data)
-        if self._outgoing_bytes >= self.HIGH_WATER and self.transport is not None:
-            self.transport.pause_reading()
+        self._reading.set()
         self._wake()
+        if self.protocol is not None:
+            self.protocol.connection_lost(exc)
 
-    def eof_received(self) -> bool:
-        self._local_eof = True
-        # While our side still writes, POLLHUP means the proxy closed its end (not a
-        # half-close): nobody will read the answer. (After our own EOF, POLLHUP only
-        # says both directions ended, which the clean path handles.)
-        if not self._wrote_eof and self._peer_closed():
-            self._abort()
-            return False
-        self._wake()
-        return True
-
-    def _peer_closed(self) -> bool:
-        raw = self.transport.get_extra_info("socket") if self.transport is not None else None
-        if raw is None:
-            return False
-        poller = select.poll()
-        poller.register(raw.fileno(), select.POLLIN)
-        return any(events & select.POLLHUP for _fd, events in poller.poll(0))
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if exc is not None or not self._local_eof:
-            self._local_eof = True
-            self._abort()
-
-    def pause_writing(self) -> None:
-        self._writable = asyncio.get_running_loop().create_future()
-
-    def resume_writing(self) -> None:
-        writable, self._writable = self._writable, None
-        if writable is not None and not writable.done():
-            writable.set_result(None)
+    # ------------------------------------------------- the two directions
 
     def _wake(self) -> None:
         wakeup = self._wakeup
         if wakeup is not None and not wakeup.done():
             wakeup.set_result(None)
 
-    async def _to_stream(self) -> None:
-        outgoing = self._outgoing
+    async def _send(self) -> None:
+        outgoing, stream = self._outgoing, self.stream
         while True:
-            while not outgoing and not self._local_eof:
+            while not outgoing and not self._eof_out:
                 self._wakeup = asyncio.get_running_loop().create_future()
                 try:
                     await self._wakeup
@@ -834,34 +824,100 @@ class SocketBridge(asyncio.Protocol):
                 data = outgoing.popleft()
                 if outgoing:
                     data = join_queued(data, outgoing)
-                self._outgoing_bytes -= len(data)
-                if self._outgoing_bytes < self.HIGH_WATER and self.transport is not None:
-                    self.transport.resume_reading()
-                await self.stream.write(data)
+                self._queued -= len(data)
+                await stream.write(data)
+                if self._write_paused and self._queued <= self._low:
+                    self._write_paused = False
+                    self.protocol.resume_writing()
                 continue
-            await self.stream.write_eof()
+            await stream.write_eof()
             return
 
-    async def _from_stream(self) -> None:
+    async def _receive(self) -> None:
+        stream, reading = self.stream, self._reading
         while True:
-            data = await self.stream.read()
-            transport = self.transport
-            if transport is None or transport.is_closing():
+            # Paused: no read (the stream's credit holds the agent back) and nothing
+            # delivered; at most the one chunk read meanwhile waits here.
+            if not reading.is_set():
+                await reading.wait()
+            data = await stream.read()
+            if not reading.is_set():
+                await reading.wait()
+            if self._lost:
                 return
             if not data:
-                if transport.can_write_eof():
-                    self._wrote_eof = True
-                    transport.write_eof()
+                if not self.protocol.eof_received():
+                    self.close()
                 return
-            transport.write(data)
-            writable = self._writable
-            if writable is not None:
-                await writable
+            if not self._closing:
+                self.protocol.data_received(data)
+
+    # ------------------------------------------------- Transport
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self._eof_out or self._lost or not data:
+            return
+        self._outgoing.append(bytes(data))
+        self._queued += len(data)
+        if not self._write_paused and self._queued > self._high:
+            self._write_paused = True
+            self.protocol.pause_writing()
+        self._wake()
+
+    def writelines(self, chunks: Any) -> None:
+        for chunk in chunks:
+            self.write(chunk)
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        if not self._eof_out:
+            self._eof_out = True
+            self._wake()
+
+    def close(self) -> None:
+        """No more reading; what was written goes, then the half-close."""
+        if self._closing:
+            return
+        self._closing = True
+        self.write_eof()
+
+    def abort(self) -> None:
+        self._lose(None)
+
+    def is_closing(self) -> bool:
+        return self._closing
+
+    def pause_reading(self) -> None:
+        self._reading.clear()
+
+    def resume_reading(self) -> None:
+        self._reading.set()
+
+    def is_reading(self) -> bool:
+        return self._reading.is_set()
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        self._high = self.HIGH_WATER if high is None else high
+        self._low = min(self._high, self._high // 4 if low is None else low)
+
+    def get_write_buffer_size(self) -> int:
+        return self._queued
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return self._low, self._high
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
 
 
-async def spliced_socket(link: Link) -> socket.socket:
-    """One end of a socketpair whose other end is spliced to `link` (no stream between:
-    for callers that need a socket, such as TLS to the backend or a passthrough)."""
+async def bridged_socket(stream: TunnelStream | DataStream) -> socket.socket:
+    """One end of a socketpair whose other end is spliced (`relay.splice`) to `stream`'s
+    data connection, or to its Tunnel.Dial stream as a `StreamTransport`, until both
+    sides close: for callers that need a socket (tests, bench/tunnel's socket row). The
+    proxy takes no socket (`transport_dialer`)."""
+    other: Any = stream.link if isinstance(stream, DataStream) else StreamTransport(stream)
     ours, theirs = socket.socketpair()
     try:
         ours.setblocking(False)
@@ -870,28 +926,9 @@ async def spliced_socket(link: Link) -> socket.socket:
     except BaseException:
         ours.close()
         theirs.close()
-        link.abort()
-        raise
-    splice(transport, link)
-    return theirs
-
-
-async def bridged_socket(stream: TunnelStream | DataStream) -> socket.socket:
-    """One end of a socketpair; the other end is bridged to `stream` until both sides close."""
-    if isinstance(stream, DataStream):
-        return await spliced_socket(stream.link)
-    ours, theirs = socket.socketpair()
-    try:
-        ours.setblocking(False)
-        theirs.setblocking(False)
-        bridge = SocketBridge(stream)
-        await asyncio.get_running_loop().connect_accepted_socket(lambda: bridge, ours)
-    except BaseException:
-        ours.close()
-        theirs.close()
         stream.close()
         raise
-    bridge.start()
+    splice(transport, other)
     return theirs
 
 
@@ -927,26 +964,70 @@ def _dialer(
     return connect
 
 
-def socket_dialer(client: TunnelClient, error: Callable[..., Exception]) -> Callable[..., Any]:
-    """The upstream-connect step for callers that take a socket (waygate.proxy.upstream.Connect):
-    the dialled stream bridged to one end of a socketpair."""
-    return _dialer(client, error, bridged_socket)
+class Dialled:
+    """A tunnelled connection as the proxy's upstream step returns it
+    (waygate.proxy.upstream.Attachable), not yet attached: its data connection itself
+    (`relay.Link`), or on the gRPC fallback its Tunnel.Dial stream as a
+    `StreamTransport`.
+
+    `attach(protocol)` makes it that protocol's transport: bytes the destination
+    sent first were held for it. `start_tls`
+    runs a TLS client inside the data connection's own mTLS (a second `Link`
+    with the data connection as its transport): the destination's certificate is
+    verified here, end to end, and the replica and agent relay records they
+    cannot read. Bounded as the data connection is (HIGH_WATER per direction);
+    a failed or cancelled handshake aborts the data connection.
+    """
+
+    __slots__ = ("link",)
+
+    def __init__(self, link: Link | StreamTransport) -> None:
+        self.link = link
+
+    def attach(self, protocol: asyncio.BaseProtocol) -> None:
+        self.link.attach(protocol)
+
+    def close(self) -> None:
+        self.link.abort()
+
+    def abort(self) -> None:
+        self.link.abort()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self.link.get_extra_info(name, default)
+
+    async def start_tls(
+        self, context: ssl.SSLContext, server_hostname: str, timeout: float
+    ) -> Dialled:
+        """The TLS connection inside this one, its handshake done within `timeout`;
+        ssl.SSLError (the verification's own, with its code) when it failed."""
+        inner = Link(context, server_side=False, server_hostname=server_hostname)
+        self.link.attach(inner)
+        try:
+            async with asyncio.timeout(timeout):
+                await inner.established
+        except LinkClosed as exc:
+            inner.abort()
+            if isinstance(exc.__cause__, ssl.SSLError):
+                raise exc.__cause__ from None
+            raise
+        except BaseException:
+            inner.abort()
+            raise
+        return Dialled(inner)
 
 
-async def _link_or_socket(stream: TunnelStream | DataStream) -> Any:
-    if isinstance(stream, DataStream):
-        return stream.link
-    return await bridged_socket(stream)
+async def _attachable(stream: TunnelStream | DataStream) -> Dialled:
+    return Dialled(stream.link if isinstance(stream, DataStream) else StreamTransport(stream))
 
 
 def transport_dialer(client: TunnelClient, error: Callable[..., Exception]) -> Callable[..., Any]:
-    """The upstream-connect step for callers that take a transport
-    (waygate.proxy.upstream.Dialer.open): a raw dial's data connection comes back as itself
-    (`relay.Link`, not yet attached: bytes the destination sent first are held for the
-    protocol `attach` hands it to), so the proxy's upstream protocol reads and writes the
-    data connection directly. A dial carried on Tunnel.Dial (a replica without a data
-    listener) still gets a socket."""
-    return _dialer(client, error, _link_or_socket)
+    """The proxy's upstream-connect step for tunnel endpoints
+    (waygate.proxy.upstream.Connect): a raw dial comes back as its data connection
+    (`Dialled`), which the proxy's protocol (HTTP/1.1, HTTP/2, reencrypt TLS,
+    passthrough relay, mirror) attaches to directly. A dial carried on Tunnel.Dial
+    (a replica without a data listener) still gets a socket."""
+    return _dialer(client, error, _attachable)
 
 
 async def process_client(

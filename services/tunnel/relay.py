@@ -54,9 +54,11 @@ _READ_SIZE = 256 * 1024
 _RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
 # Where every Link decrypts into: one buffer for the process, not one per connection
 # (256 KiB each was most of an idle tunnelled connection's memory). Safe because
-# `_read_plain` never runs re-entrantly (it runs from a socket callback only) and what
-# it hands on is either a copy or, to a splice half whose target encrypts it into its
-# own BIO before `write` returns, a view used up within the call.
+# what `_read_plain` hands on is either a copy or, to a splice half whose target
+# encrypts it into its own BIO before `write` returns, a view used up within the call;
+# a Link nested in another (the proxy's TLS to a backend inside the data connection,
+# tunnel.client.Dialled.start_tls) runs its `_read_plain` inside the outer one's, on a
+# copy, and the outer one refills the buffer only after the call returns.
 _PLAIN = bytearray(_READ_SIZE)
 _PLAIN_VIEW = memoryview(_PLAIN)  # never released: the buffer is never resized
 # How long after a dial took a warm data connection (the agent's pool and the dialer's)
@@ -160,7 +162,9 @@ class Link(asyncio.Protocol, asyncio.Transport):
         except (ssl.SSLError, ssl.CertificateError) as exc:
             self._flush()
             if not self.established.done():
-                self.established.set_exception(LinkClosed(f"TLS handshake failed: {exc}"))
+                failed = LinkClosed(f"TLS handshake failed: {exc}")
+                failed.__cause__ = exc  # the verification's own code, for who explains it
+                self.established.set_exception(failed)
             self.raw.abort()
             return
         self._flush()

@@ -108,10 +108,12 @@ class H2Backend:
     connection processed which path (and each request's fields), and answers
     with the path as body and an `x-backend: h2` header. `goaway_after`: on its first connection,
     once that many streams have arrived, it sends GOAWAY naming the first
-    stream as the last it will process, answers that one, and never the rest."""
+    stream as the last it will process, answers that one, and never the rest.
+    `tls`: a server context (with ALPN h2) makes it an h2-over-TLS backend."""
 
-    def __init__(self, goaway_after: int = 0) -> None:
+    def __init__(self, goaway_after: int = 0, *, tls: Any = None) -> None:
         self.goaway_after = goaway_after
+        self.tls = tls
         self.port = 0
         self.processed: list[tuple[int, str]] = []  # (connection number, path)
         self.received: list[tuple[int, str]] = []
@@ -173,7 +175,9 @@ class H2Backend:
                 )
                 self.h2.send_data(stream_id, body, end_stream=True)
 
-        self._server = await asyncio.get_running_loop().create_server(Protocol, "127.0.0.1", 0)
+        self._server = await asyncio.get_running_loop().create_server(
+            Protocol, "127.0.0.1", 0, ssl=self.tls
+        )
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 

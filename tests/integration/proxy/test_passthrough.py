@@ -10,6 +10,7 @@ import contextlib
 import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 from tests.integration.proxy.harness import endpoint, route, running_proxy
 from tests.integration.proxy.test_reencrypt import TlsBackend
@@ -23,11 +24,15 @@ PASSTHROUGH = RouteTLS(termination=TLSTermination.PASSTHROUGH)
 
 
 @contextlib.asynccontextmanager
-async def front_to(backend_port: int, tmp_path: Path, ca: LocalCA) -> AsyncIterator[TlsFront]:
+async def front_to(
+    backend_port: int, tmp_path: Path, ca: LocalCA, *, dialer: Any = None, **endpoint_kw: Any
+) -> AsyncIterator[TlsFront]:
+    """The HTTPS front with one passthrough route to the backend (`endpoint_kw`: a
+    tunnelled one, with the `dialer` that reaches it)."""
     routes = [route("pass.test", [("web", 100)], name="pass", tls=PASSTHROUGH)]
-    endpoints = [endpoint("web", backend_port)]
+    endpoints = [endpoint("web", backend_port, **endpoint_kw)]
     files = ca.write_files(tmp_path, dns=["proxy.waygate.local"], prefix="default-")
-    async with running_proxy() as (server, _):
+    async with running_proxy(**({"dialer": dialer} if dialer else {})) as (server, _):
         front = TlsFront(
             server,
             EdgeCertificates(DefaultCertificate.from_files(files.cert, files.key)),
