@@ -1,6 +1,6 @@
 """HTTP/2 and gRPC benchmark: Waygate beside HAProxy, nginx and a minimal h2 relay.
 
-    python -m bench.h2 [--duration 5] [--repeats 1]
+    python -m bench.h2 [--duration 2] [--repeats 3]     (about 4-5 minutes)
 
 Every proxy forwards to the same upstream, an nginx (1 worker, HTTP/1.1)
 serving fixed 64 B and 16 KiB bodies (bench.proxy's upstream). h2load
@@ -14,8 +14,10 @@ proxy under test is pinned to core 0; h2load, the upstream and the resolver
 to core 1. Each proxy takes a 1 s warm-up before its measured run; the
 proxies take turns, order rotated per cell and per turn (`--repeats N`: N turns
 each, the run with the median req/s kept). Reported: req/s, the proxy's CPU
-(user + system) per request, and the ratios Waygate / minimal relay (by req/s and
-by CPU per request, which other load moves less), Waygate / HAProxy, and Waygate's HTTP/2 to its own HTTP/1.1 path (h2load --h1, same
+(user + system) per request, and the ratios Waygate / minimal relay (of the
+medians; turn by turn, median and range, each turn's two runs minutes apart at
+most; and by CPU per request, which other load moves less), Waygate / HAProxy
+and / nginx, and Waygate's HTTP/2 to its own HTTP/1.1 path (h2load --h1, same
 connections, one request at a time per connection).
 
 gRPC: a grpcio server (bench/h2/grpc_backend.py, its own process) called
@@ -235,12 +237,16 @@ def rotated(items: list[Server], turn: int) -> Iterator[Server]:
         yield items[(index + turn) % len(items)]
 
 
+# Each cell's runs of every server, turn by turn (see `paired`).
+TURNS: dict[tuple[str, str, int], dict[str, list[Run]]] = {}
+
+
 def measure(
     servers: list[Server], seconds: float, repeats: int = 1
 ) -> dict[tuple[str, str, int], dict[str, Run]]:
     """Each cell: every server takes `repeats` turns (order rotated per turn), and its
     run with the median req/s is kept (its CPU per request goes with it): one run of a
-    proxy on a shared machine moves by a factor of two."""
+    proxy on a shared machine moves by a factor of two. Every run is kept in TURNS."""
     table: dict[tuple[str, str, int], dict[str, Run]] = {}
     turn = 0
     cells = [(p, s, m) for p in PROTOCOLS for s in SIZES for m in STREAMS]
@@ -261,6 +267,7 @@ def measure(
                 run = h2load(port, protocol, path, streams, seconds, requests=count)
                 run.cpu_us = (cpu_seconds(pids) - before) / max(run.ok, 1) * 1e6
                 runs.setdefault(server.name, []).append(run)
+        TURNS[(protocol, label, streams)] = runs
         table[(protocol, label, streams)] = {
             name: sorted(taken, key=lambda run: run.rps)[len(taken) // 2]
             for name, taken in runs.items()
@@ -277,6 +284,23 @@ def cpu_ratio(a: Run | None, b: Run | None) -> str:
     return f"{b.cpu_us / a.cpu_us:.2f}"
 
 
+def paired(cell: tuple[str, str, int]) -> str:
+    """Waygate / minimal relay by req/s turn by turn (the two ran minutes apart at
+    most, so a change in the machine's load moves both): the median of the turns'
+    ratios and their range."""
+    runs = TURNS.get(cell, {})
+    ratios = sorted(
+        a.rps / b.rps
+        for a, b in zip(runs.get(WAYGATE, []), runs.get(MINIMAL, []), strict=False)
+        if b.rps
+    )
+    if not ratios:
+        return "-"
+    if len(ratios) == 1:
+        return f"{ratios[0]:.2f}"
+    return f"{ratios[len(ratios) // 2]:.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+
+
 def ratio(a: Run | None, b: Run | None) -> str:
     if a is None or b is None or not b.rps:
         return "-"
@@ -288,8 +312,9 @@ def render(table: dict[tuple[str, str, int], dict[str, Run]]) -> list[str]:
     lines = [
         "| protocol | body | streams/conn | "
         + " | ".join(f"{n} req/s (CPU µs/req)" for n in names)
-        + " | Waygate / minimal | Waygate / minimal, by CPU | Waygate / HAProxy |",
-        "|---|---|---|" + "---|" * (len(names) + 3),
+        + " | Waygate / minimal | Waygate / minimal, turn by turn | Waygate / minimal, by CPU"
+        + " | Waygate / HAProxy | Waygate / nginx |",
+        "|---|---|---|" + "---|" * (len(names) + 5),
     ]
     for (protocol, label, streams), cell in table.items():
         if protocol == "h1":
@@ -304,8 +329,10 @@ def render(table: dict[tuple[str, str, int], dict[str, Run]]) -> list[str]:
         lines.append(
             f"| {protocol} | {label} | {streams} | " + " | ".join(shown)
             + f" | {ratio(cell.get(WAYGATE), cell.get(MINIMAL))}"
+            + f" | {paired((protocol, label, streams))}"
             + f" | {cpu_ratio(cell.get(WAYGATE), cell.get(MINIMAL))}"
-            + f" | {ratio(cell.get(WAYGATE), cell.get(HAPROXY))} |"
+            + f" | {ratio(cell.get(WAYGATE), cell.get(HAPROXY))}"
+            + f" | {ratio(cell.get(WAYGATE), cell.get(NGINX))} |"
         )  # fmt: skip
     lines += ["", "Waygate's HTTP/2 against its own HTTP/1.1 path (same 10 connections, "
               "1 request at a time per connection):", "",
@@ -425,8 +452,8 @@ def main(args: argparse.Namespace) -> str:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m bench.h2", description=__doc__.splitlines()[0])
-    parser.add_argument("--duration", type=float, default=5.0, help="seconds per measured run")
+    parser.add_argument("--duration", type=float, default=2.0, help="seconds per measured run")
     parser.add_argument(
-        "--repeats", type=int, default=1, help="turns per proxy and cell (the median run is kept)"
+        "--repeats", type=int, default=3, help="turns per proxy and cell (the median run is kept)"
     )
     print(main(parser.parse_args()))
