@@ -52,7 +52,7 @@ from waygate.proxy.server import Limits, ProxyServer
 from waygate.proxy.upstream import Dialer
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
     from waygate.core.grpctls import RotatingChannel
     from waygate.resolver.client import ResolverWatch
@@ -108,8 +108,12 @@ class Settings(ProcessSettings):
     admin_port: int = setting(
         9004, help="admin HTTP port (/metrics /healthz /readyz)", check=port_number
     )
-    resolver_address: str = setting(
-        "127.0.0.1:7001", help="host:port of the resolver whose routes this proxy serves"
+    resolver_address: tuple[str, ...] = setting(
+        ("127.0.0.1:7001",),
+        help="host:port of the resolver whose routes this proxy serves; several replicas "
+        "comma-separated: the Watch takes the next one after each lost stream, and "
+        "Gateway listener reports go to each",
+        check=lambda addresses: None if addresses else "give at least one address",
     )
     resolver_server_name: str | None = setting(
         None, help="name to verify in the resolver's certificate when it differs from the host"
@@ -399,17 +403,20 @@ class HttpListener:
         await self.server.drain(grace)
 
 
-def resolver_watch(channel: RotatingChannel, on_view: Callable[[Any], None]) -> ResolverWatch:
-    """The proxy's one Watch stream, on the process's rotating channel.
+def resolver_watch(
+    channels: Sequence[RotatingChannel], on_view: Callable[[Any], None]
+) -> ResolverWatch:
+    """The proxy's one Watch stream, on the process's rotating channel to a resolver
+    replica (several: each attempt takes the next, `in_turn`).
 
     Each stream borrows the channel with `lend()`, which holds it: a certificate
     renewal gives new calls a new channel but leaves the old one open under the
     stream, so the Watch is not cut (and re-synced) at every renewal. The watch
     closes what it was lent after each stream, which lets go of the hold; the
     process closes the channel itself when it stops."""
-    from waygate.resolver.client import ResolverWatch
+    from waygate.resolver.client import ResolverWatch, in_turn
 
-    return ResolverWatch(channel.lend, on_view=on_view)
+    return ResolverWatch(in_turn([c.lend for c in channels]), on_view=on_view)
 
 
 def _unregister(metrics: ProxyMetrics) -> Any:
@@ -653,10 +660,11 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         build(view, listener_sides)
         own_fronts(view)
 
-    channel = await process.client_channel(
-        settings.resolver_address, server_name=settings.resolver_server_name
-    )
-    watch = resolver_watch(channel, on_view)
+    channels = [
+        await process.client_channel(address, server_name=settings.resolver_server_name)
+        for address in dict.fromkeys(settings.resolver_address)
+    ]
+    watch = resolver_watch(channels, on_view)
     # Endpoints marked `tunnel` are dialled through a tunnel-server replica that
     # holds their node (presence from this same watch).
     from waygate.proxy.upstream import ConnectError
@@ -672,10 +680,12 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     # the tunnel's data connection as its transport: no socketpair in between.
     server.dialer.tunnel = transport_dialer(tunnel_client, ConnectError)
     process.spawn(watch.run(), "resolver-watch")
-    reporter = ListenerReporter(
-        gateway_listeners, channel.hold, f"{socket.gethostname()}/{os.getpid()}"
-    )
-    process.spawn(reporter.run(), "gateway-listener-report")
+    # To every replica: whichever one leads status writing hears this proxy.
+    for channel in channels:
+        reporter = ListenerReporter(
+            gateway_listeners, channel.hold, f"{socket.gethostname()}/{os.getpid()}"
+        )
+        process.spawn(reporter.run(), f"gateway-listener-report {channel.address}")
     process.spawn(gateway_listeners.run(on_healed), "gateway-listener-retry")
     from waygate.proxy import status
 
@@ -690,7 +700,9 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
                 await watch.wait_synced(30.0)
                 break
             except Unavailable:
-                log.warning("still waiting for the resolver at %s", settings.resolver_address)
+                log.warning(
+                    "still waiting for the resolver at %s", ",".join(settings.resolver_address)
+                )
         await process.mark_ready()
         # Everything made while starting (modules, gRPC, TLS contexts, the first
         # table) leaves the collector's generations: collecting the per-request

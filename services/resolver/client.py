@@ -14,8 +14,8 @@ Invariants:
 - A stream resumes from the (version, epoch) of the view it holds; an event
   that does not continue that view (another epoch, a gap in versions) is never
   applied: the client reconnects asking for a fresh snapshot.
-- Every attempt uses a fresh channel from `channel_factory`, closed when the
-  attempt ends, and waits out a jittered backoff after a failure; a stream
+- Every attempt uses a fresh channel from `channel_factory` (`in_turn`: the
+  next of several resolver replicas), closed when the attempt ends, and waits out a jittered backoff after a failure; a stream
   silent for `stale_after` seconds (no event, no heartbeat) counts as failed.
 - While the resolver is away, the last view keeps serving; `staleness()` and
   the `waygate_resolver_client_staleness_seconds` gauge say for how long.
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import math
 import time
@@ -613,6 +614,17 @@ async def report_listeners(
             )
 
     await resolver_pb2_grpc.ResolverStub(channel).ReportListeners(messages())
+
+
+def in_turn(factories: Sequence[Callable[[], grpc.aio.Channel]]) -> Callable[[], grpc.aio.Channel]:
+    """A `ResolverWatch` channel factory over several resolver replicas: each attempt
+    takes the next one in turn, so a Watch whose replica died reconnects to another
+    (any one replica serves the whole view; a switch costs a fresh snapshot, since
+    each replica has its own epoch). One factory: that one, every time."""
+    if not factories:
+        raise ValueError("at least one resolver address is needed")
+    turn = itertools.cycle(factories)
+    return lambda: next(turn)()
 
 
 async def keep_reporting(

@@ -1,7 +1,8 @@
 """The proxy's resolver Watch holds its rotating channel (issue 18): a certificate
 renewal retires the channel for new calls, but the stream on it is not cut, so
-the proxy does not reconnect and re-sync at every renewal. Real gRPC, in-process
-resolver; the rotation is announced the way the certificate rotator does."""
+the proxy does not reconnect and re-sync at every renewal; with several resolver
+replicas a lost stream reconnects to the next one. Real gRPC, in-process
+resolvers; the rotation is announced the way the certificate rotator does."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ async def test_the_watch_stream_outlives_a_renewal_and_lets_go_of_the_old_channe
 
     rotating.lend = counted  # type: ignore[method-assign]
     views: list[Any] = []
-    watch = resolver_watch(rotating, views.append)
+    watch = resolver_watch([rotating], views.append)
     task = asyncio.create_task(watch.run())
     try:
         await watch.wait_synced(10)
@@ -71,3 +72,45 @@ async def test_the_watch_stream_outlives_a_renewal_and_lets_go_of_the_old_channe
     finally:
         await rotating.close()
         await server.stop(0)
+
+
+async def test_a_watch_over_two_replicas_moves_to_the_other_when_its_replica_stops() -> None:
+    """Two resolver replicas (own stores, so their views tell them apart): the watch
+    starts on the first; stopped, the next attempt goes to the second, not back to
+    the dead one for ever."""
+    stores, servers, ports = [], [], []
+    for name in ("first", "second"):
+        store = Store()
+        store.upsert_service(
+            Service("shop", name, ports=(ServicePort("http", 80, "8080"),)), source="t"
+        )
+        server = GrpcServer(
+            host="127.0.0.1", port=0, registrations=[ResolverServicer(store).registration()]
+        )
+        stores.append(store)
+        servers.append(server)
+        ports.append(await server.start())
+    channels = [RotatingChannel(f"127.0.0.1:{port}", lambda: None) for port in ports]
+    watch = resolver_watch(channels, lambda view: None)
+    task = asyncio.create_task(watch.run())
+
+    def serves(name: str) -> bool:
+        return watch.view is not None and ("shop", name) in watch.view.services
+
+    try:
+        await watch.wait_synced(10)
+        assert serves("first") and not serves("second")
+        await servers[0].stop(0)
+        await until(lambda: serves("second"), "the view from the other replica", timeout=20)
+        assert not serves("first"), "a fresh snapshot from the other replica, not a merge"
+        # A change on the replica now watched arrives.
+        stores[1].upsert_service(
+            Service("shop", "later", ports=(ServicePort("http", 80, "8080"),)), source="t"
+        )
+        await until(lambda: serves("later"), "a change on the second replica")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        for channel in channels:
+            await channel.close()
+        await servers[1].stop(0)
