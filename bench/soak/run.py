@@ -3,10 +3,11 @@
 One cycle of phases (each held `hold` seconds of steady load unless said):
   steady          nothing happens;
   resolver-replica-killed
-                  kill -9 resolver-a; while it is down the routes file gains a
-                  route (late.soak.test), which must answer through the proxy
-                  (its Watch moved to resolver-b) while resolver-a is still
-                  down; restart it;
+                  kill -9 the resolver replica the proxy watches (its
+                  waygate_resolver_watchers); while it is down the routes file
+                  gains a route (late.soak.test), which must answer through the
+                  proxy (its Watch moved to the other) while the killed one is
+                  still down; restart it;
   resolver-down   kill -9 both resolver replicas; while they are down the late
                   route is removed again; restart both; the removal must take
                   effect within seconds of the return;
@@ -88,6 +89,7 @@ def is_cut(cause: str) -> bool:
     return cause in CUT_CAUSES or (cause.startswith("ws ") and cause.endswith(" mid-session"))
 
 
+_WATCHERS = re.compile(r"^waygate_resolver_watchers ([0-9.e+-]+)$", re.M)
 _METRIC = re.compile(r"^(waygate_certificate_\w+)\{([^}]*)\} ([0-9.e+-]+)$", re.M)
 
 
@@ -227,7 +229,8 @@ class Soak:
         return None
 
     async def _resolver_replica_killed(self) -> None:
-        killed, survivor = RESOLVER_REPLICAS
+        killed = await self._watched_resolver()
+        (survivor,) = [r for r in RESOLVER_REPLICAS if r != killed]
         self.stack.kill(killed)
         self.kills.append((killed, time.monotonic()))
         await asyncio.sleep(self.hold / 2)
@@ -237,16 +240,37 @@ class Soak:
         arrived = await self._late_route_arrives(True, written)
         self.checks.append(
             Check(
-                f"resolver-replica-killed: a route added while {killed} was down took effect "
-                f"through {survivor}",
+                "resolver-replica-killed: a route added while the watched replica was down "
+                "took effect through the other",
                 arrived is not None and self.stack.procs[survivor].alive,
-                "never (30 s)" if arrived is None else f"{arrived:.1f} s after the write",
+                f"{killed} killed; "
+                + ("never (30 s)" if arrived is None else f"{arrived:.1f} s after the write"),
             )
         )
-        self.note(f"late route added: {'-' if arrived is None else f'{arrived:.1f} s'}")
+        self.note(
+            f"{killed} killed, late route added: {'-' if arrived is None else f'{arrived:.1f} s'}"
+        )
         await asyncio.sleep(max(0.0, written + self.hold / 2 - time.monotonic()))
         await self._restart(killed)
         await asyncio.sleep(self.hold / 2)
+
+    async def _watched_resolver(self) -> str:
+        """The resolver replica the proxy's Watch is on (the proxy is its only watcher);
+        the first replica when neither says (the metric is read within 10 s)."""
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+            for _ in range(20):
+                for name in RESOLVER_REPLICAS:
+                    port = self.stack.procs[name].admin_port
+                    try:
+                        async with session.get(f"http://127.0.0.1:{port}/metrics") as response:
+                            text = await response.text()
+                    except (aiohttp.ClientError, TimeoutError):
+                        continue
+                    found = _WATCHERS.search(text)
+                    if found and float(found.group(1)) >= 1:
+                        return name
+                await asyncio.sleep(0.5)
+        return RESOLVER_REPLICAS[0]
 
     async def _resolver_down(self) -> None:
         for name in RESOLVER_REPLICAS:

@@ -10,12 +10,13 @@
 - resolver, two replicas (resolver-a, resolver-b) over one routes file (file
   mode on one host: both read the same file, as both would mount the same
   ConfigMap). Each replica knows only the tunnel presence reported to it, so
-  every tunnel server reports to both (`--resolver-address A,B`);
-- HAProxy in TCP mode as the load balancer in front of each replicated
-  service, one address per service as a Kubernetes Service would be: agents
-  reach the tunnel-server replicas, every certs client reaches certs, and the
-  proxy's Watch reaches the resolver through it (a killed replica's clients
-  reconnect and land on the other);
+  every tunnel server reports to both (`--resolver-address A,B`); the proxy is
+  given both too and its Watch moves to the other when its replica dies
+  (Gateway listener reports go to both);
+- HAProxy in TCP mode as the load balancer in front of certs (every certs
+  client) and of the tunnel-server replicas (the agents), one address per
+  service as a Kubernetes Service would be: a killed replica's clients
+  reconnect and land on the other;
 - two tunnel-server replicas (`--replicas`);
 - two agents for the one edge node;
 - the proxy (HTTP and HTTPS), watching the resolver, dialling tunnelled
@@ -150,7 +151,7 @@ class Stack:
         for name in (
                 "certs-a", "certs-a-admin", "certs-b", "certs-b-admin", "certs-lb",
                 "resolver-a", "resolver-a-admin", "resolver-b", "resolver-b-admin",
-                "resolver-lb", "proxy-http", "proxy-https", "proxy-admin", "agents-lb",
+                "proxy-http", "proxy-https", "proxy-admin", "agents-lb",
                 "agent-1-admin", "agent-2-admin", "backend-t", "backend-grpc",
                 *(f"{r}-{p}" for r in ("ts-a", "ts-b")
                   for p in ("grpc", "dial", "front", "data", "admin")),
@@ -323,7 +324,7 @@ class Stack:
             "proxy",
             [*waygate, "proxy", "serve", *common, "--http-port", str(p["proxy-http"]),
              "--https-port", str(p["proxy-https"]), "--admin-port", str(p["proxy-admin"]),
-             "--resolver-address", f"127.0.0.1:{p['resolver-lb']}",
+             "--resolver-address", every_resolver,
              *self._certs_client("proxy", spiffe("proxy"), ["ip:127.0.0.1", f"dns:{TLS_HOST}"])],
             p["proxy-admin"],
         )  # fmt: skip
@@ -381,7 +382,6 @@ defaults
     option redispatch
 {frontend("agents", "agents-lb", ("ts-a-grpc", "ts-b-grpc"))}
 {frontend("certs", "certs-lb", CERTS_REPLICAS)}
-{frontend("resolver", "resolver-lb", RESOLVER_REPLICAS)}
 """
         )
         self.procs["haproxy"] = Proc(
@@ -480,7 +480,7 @@ defaults
         for name in ("backend-a", "backend-b", "backend-c", "backend-t"):
             self.spawn(name)
         await self.start_kubeapi()
-        # First: every replicated service is reached through it from the start.
+        # First: certs and the tunnel servers are reached through it from the start.
         self.start_haproxy()
         await self.wait_ready("haproxy")
         await asyncio.gather(*(self.start(r) for r in CERTS_REPLICAS))

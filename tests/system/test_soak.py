@@ -2,11 +2,12 @@
 
 The same harness as `make soak` (bench/soak), one fault cycle with short
 phases and 40 s certificates, against the soak's replica shape (two resolver
-replicas over one routes file, every tunnel server reporting to both; two
+replicas over one routes file, every tunnel server reporting to both and the
+proxy given both; two
 certs replicas with their CA in a Secret of the stand-in API server and a
 Lease electing the writer; two tunnel-server replicas, two agents for one
-node): one resolver replica killed (a route added meanwhile arrives through
-the other), both killed and restarted (a route removed meanwhile arrives after
+node): the resolver replica the proxy watches killed (a route added meanwhile
+arrives through the other), both killed and restarted (a route removed meanwhile arrives after
 their return), the certs leader killed (the other takes the Lease, Certify
 goes on), both certs replicas killed for longer than a renewal retry, a CA
 rotation, a tunnel-server replica and an agent killed and restarted,
@@ -35,8 +36,8 @@ pytestmark = pytest.mark.system
 
 EXPECTED = {
     "resolver-replica-killed: zero failed requests",
-    "resolver-replica-killed: a route added while resolver-a was down took effect "
-    "through resolver-b",
+    "resolver-replica-killed: a route added while the watched replica was down "
+    "took effect through the other",
     "resolver-down: zero failed requests",
     "resolver-down: a route removed while every replica was down took effect after their return",
     "certs-leader-killed: zero failed requests",
