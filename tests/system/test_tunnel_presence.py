@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.support.processes import http_get, start_service
+from tests.support.processes import RunningService, http_get, start_service
 from waygate.core.grpctls import RotatingChannel
 from waygate.resolver.client import Kind, ResolverWatch
 
@@ -29,17 +29,40 @@ pytestmark = pytest.mark.system
 LEASE = 3.0
 
 
-async def test_presence_follows_the_agent_and_ends_within_the_lease(tmp_path: Path) -> None:
+async def start_resolvers(tmp_path: Path, count: int) -> list[RunningService]:
+    """`count` resolvers over one (empty) routes file: replicas, as far as a file allows."""
     routes = tmp_path / "routes.yaml"
     routes.write_text("services: []\nroutes: []\n")
-    resolver = await start_service(
-        ["waygate", "resolver", "serve", "--grpc-port", "0", "--admin-port", "0",
-         "--routes-file", str(routes), "--tunnel-lease-min", "1s"]
+    argv = ["waygate", "resolver", "serve", "--grpc-port", "0", "--admin-port", "0",
+            "--routes-file", str(routes), "--tunnel-lease-min", "1s"]  # fmt: skip
+    return list(await asyncio.gather(*(start_service(argv) for _ in range(count))))
+
+
+async def start_tunnel_server(resolver_address: str) -> RunningService:
+    return await start_service(
+        ["waygate", "tunnel", "serve", "--grpc-port", "0", "--dial-port", "0", "--data-port", "0",
+         "--front-port", "0", "--admin-port", "0", "--server-id", "replica-a",
+         "--resolver-address", resolver_address, "--presence-lease", f"{LEASE}s"]
     )  # fmt: skip
-    server = agent = None
-    watch = ResolverWatch(
+
+
+async def start_agent(server: RunningService, node: str) -> RunningService:
+    return await start_service(
+        ["waygate", "tunnel", "agent", "--admin-port", "0", "--node", node,
+         "--server-address", f"127.0.0.1:{server.grpc_ports[0]}"]
+    )  # fmt: skip
+
+
+def tunnels_watch(resolver: RunningService) -> ResolverWatch:
+    return ResolverWatch(
         lambda: grpc.aio.insecure_channel(resolver.grpc_address), kinds=(Kind.TUNNELS,)
     )
+
+
+async def test_presence_follows_the_agent_and_ends_within_the_lease(tmp_path: Path) -> None:
+    (resolver,) = await start_resolvers(tmp_path, 1)
+    server = agent = None
+    watch = tunnels_watch(resolver)
     watching = asyncio.ensure_future(watch.run())
 
     def holders(node: str) -> list[str]:
@@ -53,26 +76,15 @@ async def test_presence_follows_the_agent_and_ends_within_the_lease(tmp_path: Pa
                 await asyncio.sleep(0.05)
 
     try:
-        server = await start_service(
-            ["waygate", "tunnel", "serve", "--grpc-port", "0", "--dial-port", "0", "--data-port", "0",
-             "--front-port", "0", "--admin-port", "0", "--server-id", "replica-a",
-             "--resolver-address", resolver.grpc_address,
-             "--presence-lease", f"{LEASE}s"]
-        )  # fmt: skip
-        agent = await start_service(
-            ["waygate", "tunnel", "agent", "--admin-port", "0", "--node", "edge-9",
-             "--server-address", f"127.0.0.1:{server.grpc_ports[0]}"]
-        )  # fmt: skip
+        server = await start_tunnel_server(resolver.grpc_address)
+        agent = await start_agent(server, "edge-9")
         await wait(lambda: holders("edge-9") == ["replica-a"], "presence of edge-9")
 
         await agent.stop(signal.SIGKILL)
         agent = None
         await wait(lambda: holders("edge-9") == [], "presence to follow the agent away")
 
-        agent = await start_service(
-            ["waygate", "tunnel", "agent", "--admin-port", "0", "--node", "edge-9",
-             "--server-address", f"127.0.0.1:{server.grpc_ports[0]}"]
-        )  # fmt: skip
+        agent = await start_agent(server, "edge-9")
         await wait(lambda: holders("edge-9") == ["replica-a"], "presence back")
         killed = time.monotonic()
         await server.stop(signal.SIGKILL)
@@ -153,15 +165,8 @@ async def test_sigterm_drains_open_connections_finish_new_dials_refused(tmp_path
 async def test_a_replica_reports_to_every_resolver_replica_listed(tmp_path: Path) -> None:
     """Two resolvers over one routes file (replicas): each hears the tunnel server on
     its own stream, so the one left when the other is killed still routes the node."""
-    routes = tmp_path / "routes.yaml"
-    routes.write_text("services: []\nroutes: []\n")
-    argv = ["waygate", "resolver", "serve", "--grpc-port", "0", "--admin-port", "0",
-            "--routes-file", str(routes), "--tunnel-lease-min", "1s"]  # fmt: skip
-    resolvers = list(await asyncio.gather(start_service(argv), start_service(argv)))
-    watches = [
-        ResolverWatch(lambda r=r: grpc.aio.insecure_channel(r.grpc_address), kinds=(Kind.TUNNELS,))
-        for r in resolvers
-    ]
+    resolvers = await start_resolvers(tmp_path, 2)
+    watches = [tunnels_watch(r) for r in resolvers]
     watching = [asyncio.ensure_future(w.run()) for w in watches]
 
     def holders(watch: ResolverWatch) -> list[str]:
@@ -170,16 +175,8 @@ async def test_a_replica_reports_to_every_resolver_replica_listed(tmp_path: Path
 
     server = agent = None
     try:
-        server = await start_service(
-            ["waygate", "tunnel", "serve", "--grpc-port", "0", "--dial-port", "0", "--data-port", "0",
-             "--front-port", "0", "--admin-port", "0", "--server-id", "replica-a",
-             "--resolver-address", ",".join(r.grpc_address for r in resolvers),
-             "--presence-lease", f"{LEASE}s"]
-        )  # fmt: skip
-        agent = await start_service(
-            ["waygate", "tunnel", "agent", "--admin-port", "0", "--node", "edge-7",
-             "--server-address", f"127.0.0.1:{server.grpc_ports[0]}"]
-        )  # fmt: skip
+        server = await start_tunnel_server(",".join(r.grpc_address for r in resolvers))
+        agent = await start_agent(server, "edge-7")
         async with asyncio.timeout(20):
             while [holders(w) for w in watches] != [["replica-a"], ["replica-a"]]:
                 await asyncio.sleep(0.05)
@@ -190,10 +187,7 @@ async def test_a_replica_reports_to_every_resolver_replica_listed(tmp_path: Path
         async with asyncio.timeout(20):
             while holders(watches[1]) != []:
                 await asyncio.sleep(0.05)
-        agent = await start_service(
-            ["waygate", "tunnel", "agent", "--admin-port", "0", "--node", "edge-7",
-             "--server-address", f"127.0.0.1:{server.grpc_ports[0]}"]
-        )  # fmt: skip
+        agent = await start_agent(server, "edge-7")
         async with asyncio.timeout(20):
             while holders(watches[1]) != ["replica-a"]:
                 await asyncio.sleep(0.05)
@@ -228,16 +222,9 @@ async def test_every_replica_behind_a_name_gets_a_report_as_the_name_changes(
     from waygate.core.grpctls import static_client_channel
     from waygate.tunnel.presence import EveryReplica
 
-    routes = tmp_path / "routes.yaml"
-    routes.write_text("services: []\nroutes: []\n")
-    argv = ["waygate", "resolver", "serve", "--grpc-port", "0", "--admin-port", "0",
-            "--routes-file", str(routes), "--tunnel-lease-min", "1s"]  # fmt: skip
-    resolvers = list(await asyncio.gather(start_service(argv), start_service(argv)))
+    resolvers = await start_resolvers(tmp_path, 2)
     a, b = (r.grpc_address for r in resolvers)
-    watches = [
-        ResolverWatch(lambda r=r: grpc.aio.insecure_channel(r.grpc_address), kinds=(Kind.TUNNELS,))
-        for r in resolvers
-    ]
+    watches = [tunnels_watch(r) for r in resolvers]
     watching = [asyncio.ensure_future(w.run()) for w in watches]
     answer: set[str] | OSError = {a}
     opened: list[str] = []
