@@ -27,16 +27,13 @@ A dial carries the caller's W3C trace context: the agent's span is its child.
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
 import itertools
 import logging
 import os
 import secrets
 import socket
 import ssl
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -46,9 +43,8 @@ from waygate.core.backoff import Backoff
 from waygate.core.flow import FlowControl
 from waygate.tunnel import mux
 from waygate.tunnel.allow import AllowList
-from waygate.tunnel.mux import MAX_CHUNK, Outbox, ReceiveWindow
+from waygate.tunnel.mux import MAX_CHUNK, Outbox, ReceiveWindow, Refused
 from waygate.tunnel.relay import (
-    REFILL_DELAY,
     Link,
     LinkClosed,
     Pending,
@@ -57,6 +53,7 @@ from waygate.tunnel.relay import (
     split_address,
 )
 from waygate.tunnel.v1 import tunnel_pb2 as pb
+from waygate.tunnel.warmpool import WarmPool
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +81,9 @@ class PacketStream(Protocol):
 class Connector(Protocol):
     """Opens Connect streams through the servers' one address."""
 
-    def open(self, agent_id: str, node: str) -> PacketStream: ...
+    def open(self, agent_id: str, node: str, held: Iterable[str] = ()) -> PacketStream:
+        """A new stream; `held`: the replica ids this agent holds live streams to."""
+        ...
 
 
 _STREAM_END = pb.Packet()
@@ -92,6 +91,22 @@ _STREAM_END = pb.Packet()
 # bytes read wait for the dial's answer or for the server's credit.
 _HELD = 32
 _HALF_CLOSE = pb.Packet()  # everything before it written: half-close the stream
+
+
+# How long past its idle time a parked connection's wait lasts (the pool closes it first).
+PARK_SLACK = 5.0
+
+
+def _literal_address(host: str, port: int) -> list[Any] | None:
+    """getaddrinfo's answer for an IP literal, without its thread-pool round trip."""
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, host)
+        except OSError:
+            continue
+        sockaddr = (host, port) if family == socket.AF_INET else (host, port, 0, 0)
+        return [(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", sockaddr)]
+    return None
 
 
 class _OnDataConnection:
@@ -267,70 +282,61 @@ class AgentConnection(asyncio.Protocol):
                 self.transport.abort()
 
 
-class DataPool:
+class DataPool(WarmPool):
     """Idle data connections to one server replica, TLS done, so a dial needs no handshake.
 
-    At most `agent.pool_size` wait; each is closed after `agent.pool_idle`
-    (the server drops unclaimed ones later than that, and a renewed certificate
-    reaches new connections only). A background task refills the pool after
-    every take, backing off while the replica cannot be reached. A connection
-    that a load balancer sent to another replica goes to that replica's pool
-    when it has room, else it is closed.
+    A `WarmPool` of `agent.pool_size`, each closed after `agent.pool_idle` (the
+    server drops unclaimed ones later than that, and a renewed certificate
+    reaches new connections only), always kept full. When the replica gave
+    the stream a park key (`ServerInfo.park_key`), every pooled connection is
+    parked on the replica ("PARK <key>"): the replica writes a dial on it
+    itself (`AgentStream._serve_parked`), with no round trip on the Connect
+    stream; a dial that comes as DIAL_REQ (the replica had no parked
+    connection left) then opens a new connection. Without a key the pool's
+    connections wait here for DIAL_REQs that carry a token. A connection that
+    a load balancer sent to another replica goes to that replica's pool when
+    it has room, else it is closed.
     """
 
-    def __init__(self, stream: AgentStream, host: str, port: int) -> None:
+    def __init__(self, stream: AgentStream, host: str, port: int, park_key: str) -> None:
+        agent = stream.agent
+        super().__init__(
+            self._open_pooled,
+            size=agent.pool_size,
+            idle=agent.pool_idle,
+            on_failure=self._failed,
+        )
         self.stream = stream
-        self.agent = stream.agent
+        self.agent = agent
         self.host, self.port = host, port
-        self.idle: collections.deque[tuple[Link, float]] = collections.deque()
-        self._wanted = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._backoff = Backoff(initial=0.2, maximum=10.0)
+        self.park_key = park_key
+        self.parked: set[asyncio.Task[None]] = set()
 
-    def start(self) -> None:
-        if self._task is None and self.agent.pool_size > 0:
-            self._task = asyncio.ensure_future(self._fill())
+    def _failed(self, exc: Exception) -> None:
+        log.warning(
+            "cannot open a data connection to the tunnel server",
+            extra={"server_id": self.stream.server_id, "error": str(exc)},
+        )
 
-    def _usable(self, link: Link, opened: float, now: float) -> bool:
-        return not link.is_closing() and now - opened < self.agent.pool_idle
+    async def _open_pooled(self) -> Link | None:
+        link = await self.open()
+        if link is not None:
+            self._park(link)
+        return link
 
-    def _expire(self) -> None:
-        now = time.monotonic()
-        while self.idle and not self._usable(*self.idle[0], now):
-            self.idle.popleft()[0].close()
+    def _park(self, link: Link) -> None:
+        if not self.park_key:
+            return
+        link.write_line("PARK", self.park_key)
+        task = asyncio.ensure_future(self.stream._serve_parked(link, self))
+        self.parked.add(task)
+        task.add_done_callback(self.parked.discard)
 
-    async def _fill(self) -> None:
-        while True:
-            self._expire()
-            if len(self.idle) >= self.agent.pool_size:
-                self._wanted.clear()
-                oldest = self.idle[0][1] if self.idle else time.monotonic()
-                wait = max(0.05, oldest + self.agent.pool_idle - time.monotonic())
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wanted.wait(), wait)
-                if self._wanted.is_set():
-                    # A dial took one: let it finish before the replacement's handshake
-                    # takes the CPU (here and on the replica) that the dial waits on.
-                    await asyncio.sleep(REFILL_DELAY)
-                continue
-            try:
-                link = await self.open()
-            except (OSError, LinkClosed, TimeoutError, ValueError) as exc:
-                log.warning(
-                    "cannot open a data connection to the tunnel server",
-                    extra={"server_id": self.stream.server_id, "error": str(exc)},
-                )
-                await asyncio.sleep(self._backoff.next_delay())
-                continue
-            self._backoff.reset()
-            if link is not None:
-                self.idle.append((link, time.monotonic()))
-
-    def offer(self, link: Link) -> bool:
+    def adopt(self, link: Link) -> bool:
         """A connection that reached this replica while another pool was filling."""
-        if len(self.idle) >= self.agent.pool_size:
+        if not self.add(link):
             return False
-        self.idle.append((link, time.monotonic()))
+        self._park(link)
         return True
 
     async def open(self) -> Link | None:
@@ -354,36 +360,28 @@ class DataPool:
         if words[1] == self.stream.server_id:
             return link
         other = agent.streams.get(words[1])
-        if other is not None and other.pool is not None and other.pool.offer(link):
+        if other is not None and other.pool is not None and other.pool.adopt(link):
             return None
         link.abort()
         raise LinkClosed(f"the data connection reached replica {words[1]}, not the one meant")
 
-    async def take(self, timeout: float) -> Link:
-        """An idle connection, or a new one when none is left."""
-        now = time.monotonic()
-        link = None
-        while self.idle:
-            candidate, opened = self.idle.popleft()
-            if self._usable(candidate, opened, now):
-                link = candidate
-                break
-            candidate.close()
-        self._wanted.set()
+    async def link_for_dial(self, timeout: float) -> Link:
+        """A connection for a DIAL_REQ's token: an idle one (not parked), or a new one."""
+        link = None if self.park_key else self.take()
         if link is not None:
             return link
         async with asyncio.timeout(timeout):
             while True:
-                opened_link = await self.open()
-                if opened_link is not None:
-                    return opened_link
+                opened = await self.open()
+                if opened is not None:
+                    return opened
 
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        while self.idle:
-            self.idle.popleft()[0].abort()
+    async def aclose(self) -> None:
+        self.close()
+        for task in list(self.parked):
+            task.cancel()
+        await asyncio.gather(*self.parked, return_exceptions=True)
+        await self.wait_closed()
 
 
 class AgentStream:
@@ -455,7 +453,9 @@ class AgentStream:
                 task.add_done_callback(self._dials.discard)
             elif kind == pb.SERVER_INFO:
                 self.agent.learn_replicas(packet.server_info.replica_ids)
-                self.learn_data_address(packet.server_info.data_address)
+                self.learn_data_address(
+                    packet.server_info.data_address, packet.server_info.park_key
+                )
             elif kind == pb.DRAIN:
                 self.draining = True
                 log.info(
@@ -465,15 +465,20 @@ class AgentStream:
                 self.agent.stream_draining(self)
                 self.leave_if_drained()
 
-    async def _dial(self, request: pb.DialRequest) -> None:
-        parent = tracing.extract_context(request.trace_context.items())
-        with tracing.tracer().start_as_current_span(
+    def _span(self, parent: Any, address: str) -> Any:
+        """The agent's span of one dial, a child of the dialer's trace context."""
+        span = tracing.tracer().start_as_current_span(
             "waygate.tunnel.agent/Dial",
             context=parent,
             kind=SpanKind.CLIENT,
             record_exception=False,
             set_status_on_exception=False,
-        ) as span:
+        )
+        return span
+
+    async def _dial(self, request: pb.DialRequest) -> None:
+        parent = tracing.extract_context(request.trace_context.items())
+        with self._span(parent, request.address) as span:
             span.set_attribute("waygate.tunnel.node", self.agent.node)
             span.set_attribute("waygate.tunnel.replica", self.server_id)
             span.set_attribute("waygate.tunnel.address", request.address)
@@ -506,7 +511,56 @@ class AgentStream:
         if connection is not None:
             connection.start()
 
-    def learn_data_address(self, address: str) -> None:
+    async def _serve_parked(self, link: Link, pool: DataPool) -> None:
+        """A parked data connection: wait for the replica's dial on it, then carry it.
+
+        The replica writes ``DIAL <address> <timeout-ms> <traceparent|->``; the answer
+        is ``OK <connection-id>`` (the bytes follow) or ``REFUSED <REASON> <message>``
+        (then the connection closes). The pool closes an unused one after its idle
+        time, which ends this wait too.
+        """
+        try:
+            line = await link.read_line(self.agent.pool_idle + PARK_SLACK)
+        except (LinkClosed, TimeoutError):
+            pool.discard(link)
+            link.abort()
+            return
+        pool.discard(link)
+        words = line.decode("ascii", "replace").split(" ")
+        if len(words) != 4 or words[0] != "DIAL" or not words[2].isdigit():
+            log.warning("tunnel server wrote a malformed dial", extra={"line": line[:80]})
+            link.abort()
+            return
+        _verb, address, timeout_ms, traceparent = words
+        timeout = int(timeout_ms) / 1000 or self.agent.dial_timeout
+        parent = (
+            tracing.extract_context((("traceparent", traceparent),)) if traceparent != "-" else None
+        )
+        with self._span(parent, address) as span:
+            span.set_attribute("waygate.tunnel.node", self.agent.node)
+            span.set_attribute("waygate.tunnel.replica", self.server_id)
+            span.set_attribute("waygate.tunnel.address", address)
+            span.set_attribute("waygate.tunnel.data_connection", True)
+            try:
+                connect_id, sock = await self._open_destination(address, timeout)
+            except asyncio.CancelledError:
+                link.abort()  # the stream is closing: the replica hears it at once
+                raise
+            except Exception as exc:
+                refused = exc if isinstance(exc, Refused) else None
+                if refused is None:  # a bug must cost this dial, never the stream
+                    log.exception("dial failed unexpectedly", extra={"address": address})
+                    refused = Refused(pb.UNREACHABLE, f"agent error: {exc!r}")
+                name = mux.reason_name(refused.reason)
+                span.set_status(Status(StatusCode.ERROR, str(refused)))
+                span.set_attribute("waygate.tunnel.refusal", name)
+                link.write_line("REFUSED", name, str(refused).replace("\n", " "))
+                link.close()
+                return
+            span.set_attribute("waygate.tunnel.connection_id", connect_id)
+            await self._relay(link, sock, ("OK", str(connect_id)))
+
+    def learn_data_address(self, address: str, park_key: str = "") -> None:
         if self.pool is not None or not address or not self.agent.data_connections:
             return
         try:
@@ -516,7 +570,7 @@ class AgentStream:
             return
         if address.startswith(":"):
             host = split_address(self.agent.server_address)[0]
-        self.pool = DataPool(self, host, port)
+        self.pool = DataPool(self, host, port, park_key if self.agent.park else "")
         if not self._closed:
             self.pool.start()
 
@@ -528,18 +582,23 @@ class AgentStream:
         pool = self.pool
         if pool is None:
             return False
-        loop = asyncio.get_running_loop()
         timeout = request.timeout.ToNanoseconds() / 1e9 or self.agent.dial_timeout
         try:
-            link = await pool.take(timeout)
+            link = await pool.link_for_dial(timeout)
         except (OSError, LinkClosed, TimeoutError, ValueError) as exc:
             log.warning(
                 "no data connection for a dial; carrying it on the stream",
                 extra={"server_id": self.server_id, "error": str(exc)},
             )
             return False
+        await self._relay(link, sock, ("DATA", token, str(connect_id)))
+        return True
+
+    async def _relay(self, link: Link, sock: socket.socket, line: tuple[str, ...]) -> bool:
+        """Answer `line` on `link` and splice it to the destination socket `sock` (both
+        are aborted instead when the stream closed meanwhile)."""
         try:
-            transport, _ = await loop.connect_accepted_socket(Pending, sock)
+            transport, _ = await asyncio.get_running_loop().connect_accepted_socket(Pending, sock)
         except OSError:
             link.close()
             sock.close()
@@ -547,8 +606,10 @@ class AgentStream:
         if self._closed:
             link.abort()
             transport.abort()
-            return True
-        link.write_line("DATA", token, str(connect_id))
+            return False
+        # The line goes before the splice: a destination that speaks first (held by
+        # `Pending`) must not get its bytes ahead of it.
+        link.write_line(*line)
         done = splice(link, transport)
         self.relays[done] = (link, transport)
         done.add_done_callback(self._relay_done)
@@ -558,24 +619,24 @@ class AgentStream:
         self.relays.pop(done, None)
         self.leave_if_drained()
 
-    async def _connect(self, request: pb.DialRequest) -> pb.DialResponse | _OnDataConnection:
-        refuse = pb.DialResponse
-        host, sep, port_text = request.address.rpartition(":")
+    async def _open_destination(self, address: str, timeout: float) -> tuple[int, socket.socket]:
+        """Connect to `address` if the allow-list lets us: (connection id, socket);
+        `Refused` otherwise."""
+        host, sep, port_text = address.rpartition(":")
         host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
         if not sep or not port_text.isdigit() or not 0 < int(port_text) < 65536 or not host:
-            return refuse(random=request.random, error="malformed address", reason=pb.INVALID)
+            raise Refused(pb.INVALID, "malformed address")
         port = int(port_text)
-        timeout = request.timeout.ToNanoseconds() / 1e9 or self.agent.dial_timeout
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(timeout):
-                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                infos = _literal_address(host, port) or await loop.getaddrinfo(
+                    host, port, type=socket.SOCK_STREAM
+                )
                 allowed = [i for i in infos if self.agent.allow.allows(str(i[4][0]), port)]
                 if not allowed:
-                    return refuse(
-                        random=request.random,
-                        error=f"destination {request.address} is not in the agent's allow-list",
-                        reason=pb.NOT_ALLOWED,
+                    raise Refused(
+                        pb.NOT_ALLOWED, f"destination {address} is not in the agent's allow-list"
                     )
                 connect_id = next(self._ids)
                 family, _type, proto, _name, sockaddr = allowed[0]
@@ -588,38 +649,41 @@ class AgentStream:
                     sock.close()
                     raise
         except TimeoutError:
-            return refuse(
-                random=request.random,
-                error=f"connecting to {request.address} timed out",
-                reason=pb.TIMEOUT,
-            )
+            raise Refused(pb.TIMEOUT, f"connecting to {address} timed out") from None
         except OSError as exc:
-            return refuse(
-                random=request.random,
-                error=f"connecting to {request.address}: "
+            raise Refused(
+                pb.UNREACHABLE,
+                f"connecting to {address}: "
                 + (os.strerror(exc.errno) if exc.errno else str(exc)).lower(),
-                reason=pb.UNREACHABLE,
-            )
+            ) from None
+        if self._closed:
+            sock.close()
+            raise Refused(pb.DRAINING, "stream closed")
+        return connect_id, sock
+
+    async def _connect(self, request: pb.DialRequest) -> pb.DialResponse | _OnDataConnection:
+        timeout = request.timeout.ToNanoseconds() / 1e9 or self.agent.dial_timeout
+        try:
+            connect_id, sock = await self._open_destination(request.address, timeout)
+        except Refused as refused:
+            return pb.DialResponse(random=request.random, error=str(refused), reason=refused.reason)
+        if request.data_token and await self._on_data_connection(
+            request, sock, request.data_token, connect_id
+        ):
+            return _OnDataConnection(connect_id)
         send_window = request.initial_window or self.window
         # The server caps what it sends at its own window, and we grant once owed
         # half of ours: a window larger than the server's would never be granted
         # (the connection stalls). Use and advertise the smaller of the two.
         recv_window = min(self.window, send_window)
-        if self._closed:
-            sock.close()
-            return refuse(random=request.random, error="stream closed", reason=pb.DRAINING)
-        if request.data_token and await self._on_data_connection(
-            request, sock, request.data_token, connect_id
-        ):
-            return _OnDataConnection(connect_id)
         connection = AgentConnection(self, connect_id, send_window, recv_window)
         self.connections[connect_id] = connection
         try:
-            await loop.connect_accepted_socket(lambda: connection, sock)
+            await asyncio.get_running_loop().connect_accepted_socket(lambda: connection, sock)
         except OSError as exc:
             self.connections.pop(connect_id, None)
             sock.close()
-            return refuse(random=request.random, error=str(exc), reason=pb.UNREACHABLE)
+            return pb.DialResponse(random=request.random, error=str(exc), reason=pb.UNREACHABLE)
         return pb.DialResponse(
             random=request.random, connect_id=connect_id, initial_window=recv_window
         )
@@ -652,7 +716,7 @@ class AgentStream:
             transport.abort()
         self.relays.clear()
         if self.pool is not None:
-            await self.pool.close()
+            await self.pool.aclose()
         await self._io.close()
 
 
@@ -675,6 +739,7 @@ class Agent:
         data_connections: bool = True,
         pool_size: int = 4,
         pool_idle: float = 60.0,
+        park: bool = True,
     ) -> None:
         self.node = node
         self.server_address = server_address
@@ -690,6 +755,9 @@ class Agent:
         self.data_connections = data_connections
         self.pool_size = pool_size
         self.pool_idle = pool_idle
+        # Park pooled connections on replicas that take them (dials without a round
+        # trip on the Connect stream); False behaves as an agent before parking.
+        self.park = park
         self._backoff = backoff or Backoff(initial=0.2, maximum=10.0)
         self.streams: dict[str, AgentStream] = {}  # server id -> stream
         self.replicas: frozenset[str] = frozenset()
@@ -745,16 +813,25 @@ class Agent:
 
     async def attempt(self) -> bool:
         """One new stream through the servers' address; True when it gained a replica."""
-        io = self._connector.open(self.agent_id, self.node)
+        holding = sorted(i for i, s in self.streams.items() if not s.draining)
+        io = self._connector.open(self.agent_id, self.node, holding)
         stream = AgentStream(self, io)
         try:
             first = await asyncio.wait_for(io.read(), 10.0)
         except (StreamFailed, TimeoutError) as exc:
             detail = str(exc) if isinstance(exc, StreamFailed) else "no answer within 10s"
-            log.warning(
-                "cannot connect to the tunnel server",
-                extra={"server": self.server_address, "error": detail},
-            )
+            if detail.startswith("ALREADY_EXISTS"):
+                # The balancer sent this attempt to a replica we hold (the one we
+                # want is down, or unlucky): expected while a replica restarts.
+                log.info(
+                    "the attempt reached a replica already held; trying again",
+                    extra={"server": self.server_address, "held": holding},
+                )
+            else:
+                log.warning(
+                    "cannot connect to the tunnel server",
+                    extra={"server": self.server_address, "error": detail},
+                )
             await stream.close()
             return False
         except asyncio.CancelledError:
@@ -771,7 +848,7 @@ class Agent:
             await stream.close()  # the balancer sent us to a replica we hold
             return False
         stream.server_id = server_id
-        stream.learn_data_address(first.server_info.data_address)
+        stream.learn_data_address(first.server_info.data_address, first.server_info.park_key)
         if held is not None:
             # A draining stream to the same id (a restarted replica): the new one serves.
             self.streams.pop(server_id, None)

@@ -4,7 +4,8 @@ The agent's packet pump (`waygate.tunnel.agent`) never imports grpc: it asks a
 `Connector` for a stream and reads and writes `tunnel_pb2.Packet`s. This
 module is that connector over gRPC: each `open` is a new channel (a local
 subchannel pool, so a new TCP connection a load balancer may send to another
-replica), with keepalives, no retries, and the agent's id in the metadata;
+replica), with keepalives, no retries, and in the metadata the agent's id and
+the replicas it holds streams to (`mux.HELD_METADATA`);
 without credentials (plaintext, development only) the node is named in
 metadata too, since there is no certificate to take it from. gRPC's errors
 become `agent.StreamFailed` carrying the status and its details.
@@ -15,12 +16,12 @@ stream is in; no grpc type crosses into the pump.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
 
-from waygate.core.grpcclient import KEEPALIVE_OPTIONS
+from waygate.core.grpcclient import open_channel
 from waygate.tunnel import mux
 from waygate.tunnel.agent import StreamFailed
 from waygate.tunnel.v1 import tunnel_pb2 as pb
@@ -77,22 +78,21 @@ class GrpcConnector:
         self._credentials = credentials
         self._server_name = server_name
 
-    def open(self, agent_id: str, node: str) -> GrpcPacketStream:
-        options: list[tuple[str, Any]] = [
-            *KEEPALIVE_OPTIONS,
-            ("grpc.use_local_subchannel_pool", 1),
-            ("grpc.enable_retries", 0),
-            ("grpc.max_receive_message_length", 4 * 1024 * 1024),
-        ]
-        if self._server_name:
-            options.append(("grpc.ssl_target_name_override", self._server_name))
+    def open(self, agent_id: str, node: str, held: Iterable[str] = ()) -> GrpcPacketStream:
         # Read at every attempt: a renewed certificate is used for new streams.
         credentials = self._credentials()
-        metadata = [(mux.AGENT_ID_METADATA, agent_id)]
+        metadata = [(mux.AGENT_ID_METADATA, agent_id), (mux.HELD_METADATA, ",".join(held))]
         if credentials is None:
-            channel = grpc.aio.insecure_channel(self.server_address, options=options)
             metadata.append(("waygate-node", node))
-        else:
-            channel = grpc.aio.secure_channel(self.server_address, credentials, options=options)
+        channel = open_channel(
+            self.server_address,
+            credentials=credentials,
+            server_name=self._server_name,
+            retry=False,
+            options=(
+                ("grpc.use_local_subchannel_pool", 1),
+                ("grpc.max_receive_message_length", 4 * 1024 * 1024),
+            ),
+        )
         call = tunnel_pb2_grpc.AgentTunnelStub(channel).Connect(metadata=tuple(metadata))
         return GrpcPacketStream(channel, call)

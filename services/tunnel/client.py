@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import random
 import socket
@@ -59,12 +58,10 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from waygate.core import tracing
-from waygate.core.backoff import Backoff
 from waygate.core.grpcclient import KEEPALIVE_OPTIONS
 from waygate.tunnel import mux
 from waygate.tunnel.mux import MAX_CHUNK, join_queued
 from waygate.tunnel.relay import (
-    REFILL_DELAY,
     Link,
     LinkClosed,
     Pending,
@@ -77,6 +74,7 @@ from waygate.tunnel.relay import (
 )
 from waygate.tunnel.v1 import tunnel_pb2 as pb
 from waygate.tunnel.v1 import tunnel_pb2_grpc
+from waygate.tunnel.warmpool import WarmPool
 
 log = logging.getLogger(__name__)
 
@@ -213,17 +211,16 @@ class DataStream:
 MAX_POOLS = 64
 
 
-class DialPool:
+class DialPool(WarmPool):
     """Warm raw-dial connections to one replica's data listener: TLS done, greeting read.
 
     A dial takes one and sends only its preamble line (a round trip, not a TLS
-    handshake). Bounded: at most `client.pool_size` wait, each closed after
-    `client.pool_idle` seconds. One background task refills it after a take,
-    and only while the pool is in use (a dial within the last `pool_idle`):
-    a dialer that stopped dialling keeps no connections and makes no
-    handshakes. Every connection in it was opened with `context`; after a
-    renewal the client replaces the whole pool (`TunnelClient._pool`), so new
-    dials present the renewed certificate and open ones keep theirs.
+    handshake). A `WarmPool` (bounded by `client.pool_size`, each closed after
+    `client.pool_idle`) that refills only while dials come: a dialer that
+    stopped dialling keeps no connections and makes no handshakes. Every
+    connection in it was opened with `context`; after a renewal the client
+    replaces the whole pool (`TunnelClient._pool`), so new dials present the
+    renewed certificate and open ones keep theirs.
     """
 
     def __init__(
@@ -233,73 +230,28 @@ class DialPool:
         where: tuple[str, int],
         context: ssl.SSLContext | None,
     ) -> None:
+        super().__init__(
+            self._open,
+            size=client.pool_size,
+            idle=client.pool_idle,
+            on_demand=True,
+            on_failure=_warm_dial_failed,
+        )
         self.client = client
         self.address = address
         self.where = where
         self.context = context
-        self.idle: collections.deque[tuple[Link, str, float]] = collections.deque()
-        self.used_at = time.monotonic()
-        self.closed = False
-        self._wanted = asyncio.Event()
-        self.task: asyncio.Task[None] | None = None
 
-    def take(self) -> tuple[Link, str] | None:
-        """An idle connection (link, server id) or None; either way the pool refills."""
-        now = self.used_at = time.monotonic()
-        idle, limit = self.idle, self.client.pool_idle
-        found: tuple[Link, str] | None = None
-        while idle:
-            link, server_id, opened = idle.popleft()
-            if not link.is_closing() and now - opened < limit:
-                found = (link, server_id)
-                break
-            link.abort()
-        if self.task is None and not self.closed:
-            self.task = asyncio.ensure_future(self._fill())
-        self._wanted.set()
-        return found
+    async def _open(self) -> Link:
+        client = self.client
+        link, _server_id = await client._greeted_link(
+            self.address, self.where, self.context, client.dial_timeout
+        )
+        return link
 
-    async def _fill(self) -> None:
-        client, idle = self.client, self.idle
-        backoff = Backoff(initial=0.2, maximum=10.0)
-        while not self.closed:
-            now = time.monotonic()
-            while idle and (idle[0][0].is_closing() or now - idle[0][2] >= client.pool_idle):
-                idle.popleft()[0].abort()
-            in_use = now - self.used_at < client.pool_idle
-            if not in_use or len(idle) >= client.pool_size:
-                self._wanted.clear()
-                wait = client.pool_idle
-                if idle:
-                    wait = max(0.05, idle[0][2] + client.pool_idle - now)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wanted.wait(), wait)
-                if self._wanted.is_set():
-                    # A dial took one: let it finish before its replacement's handshake
-                    # takes the CPU (here and on the replica) that the dial is waiting on.
-                    await asyncio.sleep(REFILL_DELAY)
-                continue
-            try:
-                link, server_id = await client._greeted_link(
-                    self.address, self.where, self.context, client.dial_timeout
-                )
-            except DialFailed as failed:
-                log.debug("cannot open a warm dial connection", extra={"error": str(failed)})
-                await asyncio.sleep(backoff.next_delay())
-                continue
-            backoff.reset()
-            if self.closed:
-                link.abort()
-                return
-            idle.append((link, server_id, time.monotonic()))
 
-    def close(self) -> None:
-        """Close every idle connection and stop refilling (open dials are not affected)."""
-        self.closed = True
-        if self.task is not None:
-            self.task.cancel()
-        while self.idle:
-            self.idle.popleft()[0].abort()
+def _warm_dial_failed(exc: Exception) -> None:
+    log.debug("cannot open a warm dial connection", extra={"error": str(exc)})
 
 
 # How long a replica's Describe answer (where its data listener is) is trusted.
@@ -572,7 +524,7 @@ class TunnelClient:
             + b"\n"
         )
         while True:
-            link, _server_id = pooled or await self._greeted_link(address, where, context, timeout)
+            link = pooled or (await self._greeted_link(address, where, context, timeout))[0]
             try:
                 # The replica answers a dial within timeout + 1 s (TIMEOUT); a little more here.
                 link.write(preamble)

@@ -17,6 +17,22 @@ accepted. Then the client sends one preamble line (`relay.read_line`):
         the connection long before (its pool): the line then waits up to
         `idle_timeout`, and one identity holds at most `max_idle_per_peer`
         connections that have not sent their line yet.
+    PARK <park-key>
+        an agent's pooled data connection, parked until a dial takes it. The
+        key is the one this replica gave the agent's Connect stream
+        (ServerInfo.park_key), and the certificate must name that agent's
+        node. A dial for the node takes the oldest parked connection (before
+        any DIAL_REQ on the stream) and the replica writes on it
+            DIAL <host:port> <timeout-ms> <traceparent|->
+        which the agent answers, within the timeout (plus a second), with
+            OK <connection-id>                (then the bytes flow)
+            REFUSED <REASON> <message>        (then the connection closes)
+        A parked connection that ends before its answer (the agent's pool let
+        it go as the dial arrived) costs a retry on the next one; with none
+        left the dial goes to the Connect stream as DIAL_REQ. One parked
+        connection waits at most `idle_timeout` and counts against
+        `max_idle_per_peer` while it waits; the agent closes it sooner (its
+        pool's idle time). Every line here is bounded by relay.PREAMBLE_LIMIT.
     DIAL <node> <host|-> <port> <timeout-ms> <traceparent|->
         a dialer (the proxy, `waygate tunnel dial`): checked against the
         dialer policy, then dialled like `Tunnel.Dial`; answered with
@@ -27,6 +43,10 @@ accepted. Then the client sends one preamble line (`relay.read_line`):
 A raw dial whose agent answered on its own data connection is a splice of
 the two links (`relay.splice`); one the agent answered on its Connect stream
 (an agent without data connections) is pumped through the server connection.
+
+Why the parked path: a dial handed to a parked connection costs one round trip
+on a connection that is already open, where DIAL_REQ costs a trip through gRPC
+on the Connect stream, then a DATA line the replica matches to its token.
 
 Invariants: no grpc here; one task per connection (never per chunk); every
 wait has a timeout; a token is used once (popped before it is honoured).
@@ -47,7 +67,15 @@ from waygate.core.tls import set_session_cache_size, set_session_timeout
 from waygate.tunnel import mux, peers
 from waygate.tunnel.mux import ConnectionClosed, Refused
 from waygate.tunnel.relay import SESSION_TIMEOUT, Link, LinkClosed, Stream
-from waygate.tunnel.server import _CLOSED, _EOF, _LOST, DataConnection, Hub, ServerConnection
+from waygate.tunnel.server import (
+    _CLOSED,
+    _EOF,
+    _LOST,
+    AgentSession,
+    DataConnection,
+    Hub,
+    ServerConnection,
+)
 from waygate.tunnel.v1 import tunnel_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -141,11 +169,14 @@ class DataListener:
             self._idle[who] += 1
             try:
                 line = await link.read_line(self.idle_timeout)
+                words = line.decode("ascii").split(" ")
+                if words[0] == "PARK" and len(words) == 2:
+                    handed_off = await self._park(link, words[1], uris, dns_names)
+                    return
             finally:
                 self._idle[who] -= 1
                 if not self._idle[who]:
                     del self._idle[who]
-            words = line.decode("ascii").split(" ")
             if words[0] == "DATA" and len(words) == 3 and words[2].isdigit():
                 handed_off = self._data(link, words[1], int(words[2]), uris, dns_names)
                 if not handed_off:
@@ -166,6 +197,25 @@ class DataListener:
             if not handed_off and not link.is_closing():
                 link.abort()
 
+    def _node_matches(
+        self, link: Link, session: AgentSession, uris: list[str], dns_names: list[str]
+    ) -> bool:
+        """Whether the connection's certificate names the node of `session` (a token or a
+        park key is not enough: it must come from that node's agent)."""
+        if self._context is None:
+            return True
+        try:
+            node = peers.agent_node(uris, dns_names, link.get_extra_info("peercert_der"))
+        except errors.PermissionDenied:
+            return False
+        if node != session.node:
+            log.warning(
+                "a data connection presented another node's dial token or park key",
+                extra={"node": node, "token_node": session.node},
+            )
+            return False
+        return True
+
     def _data(
         self, link: Link, token: str, connect_id: int, uris: list[str], dns_names: list[str]
     ) -> bool:
@@ -173,18 +223,29 @@ class DataListener:
         if pending is None:
             return False  # unknown, used or expired: the dial was answered or gave up
         session, waiter = pending
-        if self._context is not None:
-            try:
-                node = peers.agent_node(uris, dns_names, link.get_extra_info("peercert_der"))
-            except errors.PermissionDenied:
-                return False
-            if node != session.node:
-                log.warning(
-                    "a data connection presented another node's dial token",
-                    extra={"node": node, "token_node": session.node},
-                )
-                return False
+        if not self._node_matches(link, session, uris, dns_names):
+            return False
         return session.claim(waiter, link, connect_id)
+
+    async def _park(self, link: Link, key: str, uris: list[str], dns_names: list[str]) -> bool:
+        """An agent's idle data connection, parked until a dial takes it (True) or it
+        is gone, unused for `idle_timeout`, or refused (False: the caller aborts it)."""
+        session = self.hub.parking.get(key)
+        if (
+            session is None
+            or session.closed
+            or not self._node_matches(link, session, uris, dns_names)
+        ):
+            return False
+        taken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        session.park(link, taken)
+        try:
+            await asyncio.wait((taken, link.gone), timeout=self.idle_timeout)
+        finally:
+            if not taken.done():
+                taken.cancel()
+                session.unpark(link)
+        return not taken.cancelled()
 
     # ------------------------------------------------- raw dials
 

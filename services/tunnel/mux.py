@@ -50,6 +50,10 @@ GATHER_TURNS = 4
 # chunk), so a sender waiting for credit for one whole chunk is always granted.
 GRANT_SHIFT = 1
 AGENT_ID_METADATA = "waygate-agent-id"
+# The replica ids an agent holds live streams to when it opens another (comma-separated):
+# a replica it reaches that is not among them holds a stale stream of it, which the new
+# one replaces; one among them is where a load balancer sent the attempt (ALREADY_EXISTS).
+HELD_METADATA = "waygate-held"
 
 
 class ConnectionClosed(Exception):

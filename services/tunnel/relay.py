@@ -128,7 +128,9 @@ class Link(asyncio.Protocol, asyncio.Transport):
         self._out = ssl.MemoryBIO()
         self._holding = _Holding(self)
         self.protocol: asyncio.BaseProtocol = self._holding
-        self.established: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        self.established: asyncio.Future[None] = loop.create_future()
+        self.gone: asyncio.Future[None] = loop.create_future()  # done once the link is lost
         self.eof_in = False  # the peer will send no more
         self.eof_out = False  # we sent our end
         self.lost = False
@@ -250,6 +252,7 @@ class Link(asyncio.Protocol, asyncio.Transport):
         if self.lost:
             return
         self.lost = True
+        self._gone()
         if not self.established.done():
             self.established.set_exception(LinkClosed(f"connection lost: {exc or 'closed'}"))
         if exc is None and not (self.eof_in and self.eof_out):
@@ -267,7 +270,12 @@ class Link(asyncio.Protocol, asyncio.Transport):
             self.raw.abort()
         if not self.lost:
             self.lost = True
+            self._gone()
             self.protocol.connection_lost(exc if isinstance(exc, Exception) else None)
+
+    def _gone(self) -> None:
+        if not self.gone.done():
+            self.gone.set_result(None)
 
     def _flush(self) -> None:
         data = self._out.read()

@@ -295,6 +295,10 @@ class AgentSession:
         self._dials: dict[int, asyncio.Future[tuple[pb.DialResponse, Any]]] = {}
         self._randoms = itertools.count(random.randrange(1, 1 << 40))
         self.ended = asyncio.Event()
+        # The agent's parked data connections (datapath's PARK), oldest first, each with
+        # the future its listener task waits on: set when a dial takes the connection.
+        self.park_key = secrets.token_urlsafe(18)
+        self.parked: collections.deque[tuple[Link, asyncio.Future[None]]] = collections.deque()
 
     # ----------------------------------------------------- packets out
 
@@ -418,6 +422,17 @@ class AgentSession:
         (typed as one for them)."""
         if self.draining or self.closed:
             raise Refused(pb.DRAINING, f"the agent for node {self.node} is moving off this replica")
+        deadline = time.monotonic() + timeout
+        while (link := self._take_parked()) is not None:
+            try:
+                return await self._dial_parked(link, address, deadline, trace_context)
+            except LinkClosed:
+                # The agent let the connection go (its idle time) before it read the
+                # dial: nothing was dialled on it; the next one, or the stream.
+                continue
+        if self.closed:  # the stream ended while a parked connection was tried
+            raise Refused(pb.DRAINING, f"the agent for node {self.node} went away")
+        timeout = max(deadline - time.monotonic(), 0.001)
         random_id = next(self._randoms)
         waiter: asyncio.Future[tuple[pb.DialResponse, Any]] = (
             asyncio.get_running_loop().create_future()
@@ -467,11 +482,71 @@ class AgentSession:
             raise Refused(pb.DRAINING, f"the agent for node {self.node} went away")
         return cast(ServerConnection, connection)
 
+    def park(self, link: Link, taken: asyncio.Future[None]) -> None:
+        self.parked.append((link, taken))
+
+    def unpark(self, link: Link) -> None:
+        for index, (held, _taken) in enumerate(self.parked):
+            if held is link:
+                del self.parked[index]
+                return
+
+    def _take_parked(self) -> Link | None:
+        parked = self.parked
+        while parked:
+            link, taken = parked.popleft()
+            if not taken.done() and not link.is_closing():
+                taken.set_result(None)
+                return link
+        return None
+
+    async def _dial_parked(
+        self, link: Link, address: str, deadline: float, trace_context: dict[str, str]
+    ) -> ServerConnection:
+        """Dial through a parked data connection: the dial line on it, the agent's answer
+        back (datapath's module docstring). LinkClosed: it was gone before an answer."""
+        left = max(deadline - time.monotonic(), 0.001)
+        try:
+            link.write_line(
+                "DIAL",
+                address,
+                str(max(int(left * 1000), 1)),
+                trace_context.get("traceparent") or "-",
+            )
+            answer = await link.read_line(left + 1.0)
+        except TimeoutError:
+            link.abort()
+            raise Refused(
+                pb.TIMEOUT, f"node {self.node} did not connect to {address} within {left:g}s"
+            ) from None
+        except BaseException:
+            link.abort()
+            raise
+        verb, _, rest = answer.decode("utf-8", "replace").partition(" ")
+        if verb == "OK" and rest.isdigit():
+            connect_id = int(rest)
+            if self.closed or connect_id in self.connections or connect_id in self.data:
+                link.abort()
+                raise Refused(pb.DRAINING, f"the agent for node {self.node} went away")
+            connection = DataConnection(self, connect_id, link)
+            self.data[connect_id] = connection
+            return cast(ServerConnection, connection)
+        link.abort()
+        if verb == "REFUSED":
+            name, _, message = rest.partition(" ")
+            reason = pb.RefusalReason.Value(name) if name in pb.RefusalReason.keys() else 0  # noqa: SIM118
+            raise Refused(reason or pb.UNREACHABLE, f"node {self.node}: {message or 'dial failed'}")
+        raise Refused(pb.UNREACHABLE, f"node {self.node}: the agent answered {answer[:80]!r}")
+
     def end(self) -> None:
         """The stream is over: every connection and pending dial on it ends now."""
         if self.closed:
             return
         self.closed = True
+        while self.parked:
+            link, taken = self.parked.popleft()
+            taken.cancel()
+            link.abort()
         self._outbox.end(_STREAM_END)
         for waiter in self._dials.values():
             if not waiter.done():
@@ -531,6 +606,8 @@ class Hub:
         self.tokens: dict[
             str, tuple[AgentSession, asyncio.Future[tuple[pb.DialResponse, Any]]]
         ] = {}
+        # park key -> the session whose agent may park data connections with it.
+        self.parking: dict[str, AgentSession] = {}
 
     def subscribe(self, listener: Callable[[], None]) -> None:
         self._listeners.append(listener)
@@ -543,13 +620,14 @@ class Hub:
         """The nodes this replica can dial: those with an agent not moving off it."""
         return sorted({s.node for s in self._by_agent.values() if not s.draining and not s.closed})
 
-    def server_info(self) -> pb.Packet:
+    def server_info(self, session: AgentSession) -> pb.Packet:
         return pb.Packet(
             type=pb.SERVER_INFO,
             server_info=pb.ServerInfo(
                 server_id=self.server_id,
                 replica_ids=self.replicas,
                 data_address=self.data_address,
+                park_key=session.park_key if self.data_address else "",
             ),
         )
 
@@ -559,16 +637,29 @@ class Hub:
             return
         self.replicas = updated
         for session in list(self._by_agent.values()):
-            session.send(self.server_info())
+            session.send(self.server_info(session))
 
-    def register(self, session: AgentSession) -> None:
+    def register(self, session: AgentSession, held: frozenset[str] | None = None) -> None:
+        """Add `session`. An older stream of the same agent instance is refused with
+        ALREADY_EXISTS when the agent says it holds this replica (`held`, its
+        `mux.HELD_METADATA`; None: an agent that does not say), else it is stale
+        (the agent lost it before we noticed) and the new one replaces it."""
         key = (session.node, session.agent_id)
-        if key in self._by_agent:
-            raise errors.AlreadyExists(
-                f"agent {session.agent_id} for node {session.node} already holds a stream to "
-                f"replica {self.server_id}; connect to another replica"
+        old = self._by_agent.get(key)
+        if old is not None:
+            if held is None or self.server_id in held:
+                raise errors.AlreadyExists(
+                    f"agent {session.agent_id} for node {session.node} already holds a stream "
+                    f"to replica {self.server_id}; connect to another replica"
+                )
+            log.info(
+                "an agent's new stream replaces one it lost",
+                extra={"node": session.node, "agent_id": session.agent_id},
             )
+            old.end()
+            self.unregister(old)
         self._by_agent[key] = session
+        self.parking[session.park_key] = session
         # The newest agent instance for a node serves new dials (a restarted agent
         # replaces its predecessor, whose stream dies with its process).
         self.sessions[session.node] = session
@@ -578,6 +669,7 @@ class Hub:
         key = (session.node, session.agent_id)
         if self._by_agent.get(key) is session:
             del self._by_agent[key]
+        self.parking.pop(session.park_key, None)
         if self.sessions.get(session.node) is session:
             del self.sessions[session.node]
             for other in self._by_agent.values():
@@ -667,20 +759,23 @@ class AgentTunnelServicer(tunnel_pb2_grpc.AgentTunnelServicer):
         hub = self._hub
         node = self._node_of(context)
         agent_id = ""
+        held: frozenset[str] | None = None
         for key, value in context.invocation_metadata() or ():
             if key == mux.AGENT_ID_METADATA and isinstance(value, str):
                 agent_id = value[:64]
+            elif key == mux.HELD_METADATA and isinstance(value, str):
+                held = frozenset(value[:4096].split(",")) if value else frozenset()
         if not agent_id:
             raise errors.InvalidArgument(f"the {mux.AGENT_ID_METADATA} metadata is required")
         if hub.draining:
             raise errors.Unavailable(f"tunnel server {hub.server_id} is draining")
         session = AgentSession(hub, node, agent_id, context.peer(), context)
-        hub.register(session)
+        hub.register(session, held)
         trace.get_current_span().set_attributes(
             {"waygate.tunnel.node": node, "waygate.tunnel.replica": hub.server_id}
         )
         log.info("agent connected", extra={"node": node, "agent_id": agent_id})
-        session.send(hub.server_info())
+        session.send(hub.server_info(session))
         writer = asyncio.ensure_future(session.write_loop())
         reader = asyncio.ensure_future(session.read_loop())
         try:

@@ -26,7 +26,7 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ewaygate/tunnel/v1/tunnel.proto\x12\x11waygate.tunnel.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xec\x03\n\x06Packet\x12+\n\x04type\x18\x01 \x01(\x0e\x32\x1d.waygate.tunnel.v1.PacketType\x12\x36\n\x0c\x64ial_request\x18\x02 \x01(\x0b\x32\x1e.waygate.tunnel.v1.DialRequestH\x00\x12\x38\n\rdial_response\x18\x03 \x01(\x0b\x32\x1f.waygate.tunnel.v1.DialResponseH\x00\x12\'\n\x04\x64\x61ta\x18\x04 \x01(\x0b\x32\x17.waygate.tunnel.v1.DataH\x00\x12\x38\n\rclose_request\x18\x05 \x01(\x0b\x32\x1f.waygate.tunnel.v1.CloseRequestH\x00\x12:\n\x0e\x63lose_response\x18\x06 \x01(\x0b\x32 .waygate.tunnel.v1.CloseResponseH\x00\x12)\n\x05\x64rain\x18\x07 \x01(\x0b\x32\x18.waygate.tunnel.v1.DrainH\x00\x12\x38\n\rwindow_update\x18\x08 \x01(\x0b\x32\x1f.waygate.tunnel.v1.WindowUpdateH\x00\x12\x34\n\x0bserver_info\x18\t \x01(\x0b\x32\x1d.waygate.tunnel.v1.ServerInfoH\x00\x42\t\n\x07payload\"\x96\x02\n\x0b\x44ialRequest\x12\x10\n\x08protocol\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06random\x18\x03 \x01(\x03\x12*\n\x07timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x16\n\x0einitial_window\x18\x05 \x01(\r\x12G\n\rtrace_context\x18\x06 \x03(\x0b\x32\x30.waygate.tunnel.v1.DialRequest.TraceContextEntry\x12\x12\n\ndata_token\x18\x07 \x01(\t\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x8b\x01\n\x0c\x44ialResponse\x12\x0e\n\x06random\x18\x01 \x01(\x03\x12\x12\n\nconnect_id\x18\x02 \x01(\x04\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x16\n\x0einitial_window\x18\x04 \x01(\r\x12\x30\n\x06reason\x18\x05 \x01(\x0e\x32 .waygate.tunnel.v1.RefusalReason\"5\n\x04\x44\x61ta\x12\x12\n\nconnect_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0b\n\x03\x65of\x18\x03 \x01(\x08\"2\n\x0c\x43loseRequest\x12\x12\n\nconnect_id\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"2\n\rCloseResponse\x12\x12\n\nconnect_id\x18\x01 \x01(\x04\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"A\n\x05\x44rain\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12(\n\x05grace\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"J\n\nServerInfo\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x13\n\x0breplica_ids\x18\x02 \x03(\t\x12\x14\n\x0c\x64\x61ta_address\x18\x03 \x01(\t\"5\n\x0cWindowUpdate\x12\x12\n\nconnect_id\x18\x01 \x01(\x04\x12\x11\n\tincrement\x18\x02 \x01(\r\"j\n\nDialTarget\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\r\x12\x32\n\x0f\x63onnect_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\"G\n\x0c\x44ialAccepted\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12\x12\n\nconnect_id\x18\x03 \x01(\x04\"c\n\x0b\x44ialRefused\x12\x30\n\x06reason\x18\x01 \x01(\x0e\x32 .waygate.tunnel.v1.RefusalReason\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\tserver_id\x18\x03 \x01(\t\"\xcc\x01\n\tDialFrame\x12/\n\x06target\x18\x01 \x01(\x0b\x32\x1d.waygate.tunnel.v1.DialTargetH\x00\x12\x33\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x0b\x32\x1f.waygate.tunnel.v1.DialAcceptedH\x00\x12\x0e\n\x04\x64\x61ta\x18\x03 \x01(\x0cH\x00\x12\r\n\x03\x65of\x18\x04 \x01(\x08H\x00\x12\x31\n\x07refused\x18\x05 \x01(\x0b\x32\x1e.waygate.tunnel.v1.DialRefusedH\x00\x42\x07\n\x05\x66rame\"!\n\x11ListAgentsRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\"\xa0\x01\n\x05\x41gent\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12\x16\n\x0eremote_address\x18\x03 \x01(\t\x12\x33\n\x0f\x63onnected_since\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x18\n\x10open_connections\x18\x05 \x01(\r\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\"\x11\n\x0f\x44\x65scribeRequest\"<\n\x11ServerDescription\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x14\n\x0c\x64\x61ta_address\x18\x02 \x01(\t\"Q\n\x12ListAgentsResponse\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12(\n\x06\x61gents\x18\x02 \x03(\x0b\x32\x18.waygate.tunnel.v1.Agent*\x9c\x01\n\nPacketType\x12\x1b\n\x17PACKET_TYPE_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x44IAL_REQ\x10\x01\x12\x0c\n\x08\x44IAL_RSP\x10\x02\x12\x08\n\x04\x44\x41TA\x10\x03\x12\r\n\tCLOSE_REQ\x10\x04\x12\r\n\tCLOSE_RSP\x10\x05\x12\t\n\x05\x44RAIN\x10\x06\x12\x11\n\rWINDOW_UPDATE\x10\x07\x12\x0f\n\x0bSERVER_INFO\x10\x08*\x87\x01\n\rRefusalReason\x12\x1e\n\x1aREFUSAL_REASON_UNSPECIFIED\x10\x00\x12\x0f\n\x0bNOT_ALLOWED\x10\x01\x12\x0f\n\x0bUNREACHABLE\x10\x02\x12\x0c\n\x08NO_AGENT\x10\x03\x12\x0b\n\x07TIMEOUT\x10\x04\x12\x0c\n\x08\x44RAINING\x10\x05\x12\x0b\n\x07INVALID\x10\x06\x32R\n\x0b\x41gentTunnel\x12\x43\n\x07\x43onnect\x12\x19.waygate.tunnel.v1.Packet\x1a\x19.waygate.tunnel.v1.Packet(\x01\x30\x01\x32\x81\x02\n\x06Tunnel\x12\x46\n\x04\x44ial\x12\x1c.waygate.tunnel.v1.DialFrame\x1a\x1c.waygate.tunnel.v1.DialFrame(\x01\x30\x01\x12Y\n\nListAgents\x12$.waygate.tunnel.v1.ListAgentsRequest\x1a%.waygate.tunnel.v1.ListAgentsResponse\x12T\n\x08\x44\x65scribe\x12\".waygate.tunnel.v1.DescribeRequest\x1a$.waygate.tunnel.v1.ServerDescriptionb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ewaygate/tunnel/v1/tunnel.proto\x12\x11waygate.tunnel.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xec\x03\n\x06Packet\x12+\n\x04type\x18\x01 \x01(\x0e\x32\x1d.waygate.tunnel.v1.PacketType\x12\x36\n\x0c\x64ial_request\x18\x02 \x01(\x0b\x32\x1e.waygate.tunnel.v1.DialRequestH\x00\x12\x38\n\rdial_response\x18\x03 \x01(\x0b\x32\x1f.waygate.tunnel.v1.DialResponseH\x00\x12\'\n\x04\x64\x61ta\x18\x04 \x01(\x0b\x32\x17.waygate.tunnel.v1.DataH\x00\x12\x38\n\rclose_request\x18\x05 \x01(\x0b\x32\x1f.waygate.tunnel.v1.CloseRequestH\x00\x12:\n\x0e\x63lose_response\x18\x06 \x01(\x0b\x32 .waygate.tunnel.v1.CloseResponseH\x00\x12)\n\x05\x64rain\x18\x07 \x01(\x0b\x32\x18.waygate.tunnel.v1.DrainH\x00\x12\x38\n\rwindow_update\x18\x08 \x01(\x0b\x32\x1f.waygate.tunnel.v1.WindowUpdateH\x00\x12\x34\n\x0bserver_info\x18\t \x01(\x0b\x32\x1d.waygate.tunnel.v1.ServerInfoH\x00\x42\t\n\x07payload\"\x96\x02\n\x0b\x44ialRequest\x12\x10\n\x08protocol\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06random\x18\x03 \x01(\x03\x12*\n\x07timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x16\n\x0einitial_window\x18\x05 \x01(\r\x12G\n\rtrace_context\x18\x06 \x03(\x0b\x32\x30.waygate.tunnel.v1.DialRequest.TraceContextEntry\x12\x12\n\ndata_token\x18\x07 \x01(\t\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x8b\x01\n\x0c\x44ialResponse\x12\x0e\n\x06random\x18\x01 \x01(\x03\x12\x12\n\nconnect_id\x18\x02 \x01(\x04\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x16\n\x0einitial_window\x18\x04 \x01(\r\x12\x30\n\x06reason\x18\x05 \x01(\x0e\x32 .waygate.tunnel.v1.RefusalReason\"5\n\x04\x44\x61ta\x12\x12\n\nconnect_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0b\n\x03\x65of\x18\x03 \x01(\x08\"2\n\x0c\x43loseRequest\x12\x12\n\nconnect_id\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"2\n\rCloseResponse\x12\x12\n\nconnect_id\x18\x01 \x01(\x04\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"A\n\x05\x44rain\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12(\n\x05grace\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"\\\n\nServerInfo\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x13\n\x0breplica_ids\x18\x02 \x03(\t\x12\x14\n\x0c\x64\x61ta_address\x18\x03 \x01(\t\x12\x10\n\x08park_key\x18\x04 \x01(\t\"5\n\x0cWindowUpdate\x12\x12\n\nconnect_id\x18\x01 \x01(\x04\x12\x11\n\tincrement\x18\x02 \x01(\r\"j\n\nDialTarget\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\r\x12\x32\n\x0f\x63onnect_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\"G\n\x0c\x44ialAccepted\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12\x12\n\nconnect_id\x18\x03 \x01(\x04\"c\n\x0b\x44ialRefused\x12\x30\n\x06reason\x18\x01 \x01(\x0e\x32 .waygate.tunnel.v1.RefusalReason\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\tserver_id\x18\x03 \x01(\t\"\xcc\x01\n\tDialFrame\x12/\n\x06target\x18\x01 \x01(\x0b\x32\x1d.waygate.tunnel.v1.DialTargetH\x00\x12\x33\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x0b\x32\x1f.waygate.tunnel.v1.DialAcceptedH\x00\x12\x0e\n\x04\x64\x61ta\x18\x03 \x01(\x0cH\x00\x12\r\n\x03\x65of\x18\x04 \x01(\x08H\x00\x12\x31\n\x07refused\x18\x05 \x01(\x0b\x32\x1e.waygate.tunnel.v1.DialRefusedH\x00\x42\x07\n\x05\x66rame\"!\n\x11ListAgentsRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\"\xa0\x01\n\x05\x41gent\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12\x16\n\x0eremote_address\x18\x03 \x01(\t\x12\x33\n\x0f\x63onnected_since\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x18\n\x10open_connections\x18\x05 \x01(\r\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\"\x11\n\x0f\x44\x65scribeRequest\"<\n\x11ServerDescription\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x14\n\x0c\x64\x61ta_address\x18\x02 \x01(\t\"Q\n\x12ListAgentsResponse\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12(\n\x06\x61gents\x18\x02 \x03(\x0b\x32\x18.waygate.tunnel.v1.Agent*\x9c\x01\n\nPacketType\x12\x1b\n\x17PACKET_TYPE_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x44IAL_REQ\x10\x01\x12\x0c\n\x08\x44IAL_RSP\x10\x02\x12\x08\n\x04\x44\x41TA\x10\x03\x12\r\n\tCLOSE_REQ\x10\x04\x12\r\n\tCLOSE_RSP\x10\x05\x12\t\n\x05\x44RAIN\x10\x06\x12\x11\n\rWINDOW_UPDATE\x10\x07\x12\x0f\n\x0bSERVER_INFO\x10\x08*\x87\x01\n\rRefusalReason\x12\x1e\n\x1aREFUSAL_REASON_UNSPECIFIED\x10\x00\x12\x0f\n\x0bNOT_ALLOWED\x10\x01\x12\x0f\n\x0bUNREACHABLE\x10\x02\x12\x0c\n\x08NO_AGENT\x10\x03\x12\x0b\n\x07TIMEOUT\x10\x04\x12\x0c\n\x08\x44RAINING\x10\x05\x12\x0b\n\x07INVALID\x10\x06\x32R\n\x0b\x41gentTunnel\x12\x43\n\x07\x43onnect\x12\x19.waygate.tunnel.v1.Packet\x1a\x19.waygate.tunnel.v1.Packet(\x01\x30\x01\x32\x81\x02\n\x06Tunnel\x12\x46\n\x04\x44ial\x12\x1c.waygate.tunnel.v1.DialFrame\x1a\x1c.waygate.tunnel.v1.DialFrame(\x01\x30\x01\x12Y\n\nListAgents\x12$.waygate.tunnel.v1.ListAgentsRequest\x1a%.waygate.tunnel.v1.ListAgentsResponse\x12T\n\x08\x44\x65scribe\x12\".waygate.tunnel.v1.DescribeRequest\x1a$.waygate.tunnel.v1.ServerDescriptionb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,10 +35,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DIALREQUEST_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_DIALREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_PACKETTYPE']._serialized_start=2245
-  _globals['_PACKETTYPE']._serialized_end=2401
-  _globals['_REFUSALREASON']._serialized_start=2404
-  _globals['_REFUSALREASON']._serialized_end=2539
+  _globals['_PACKETTYPE']._serialized_start=2263
+  _globals['_PACKETTYPE']._serialized_end=2419
+  _globals['_REFUSALREASON']._serialized_start=2422
+  _globals['_REFUSALREASON']._serialized_end=2557
   _globals['_PACKET']._serialized_start=119
   _globals['_PACKET']._serialized_end=611
   _globals['_DIALREQUEST']._serialized_start=614
@@ -56,29 +56,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAIN']._serialized_start=1195
   _globals['_DRAIN']._serialized_end=1260
   _globals['_SERVERINFO']._serialized_start=1262
-  _globals['_SERVERINFO']._serialized_end=1336
-  _globals['_WINDOWUPDATE']._serialized_start=1338
-  _globals['_WINDOWUPDATE']._serialized_end=1391
-  _globals['_DIALTARGET']._serialized_start=1393
-  _globals['_DIALTARGET']._serialized_end=1499
-  _globals['_DIALACCEPTED']._serialized_start=1501
-  _globals['_DIALACCEPTED']._serialized_end=1572
-  _globals['_DIALREFUSED']._serialized_start=1574
-  _globals['_DIALREFUSED']._serialized_end=1673
-  _globals['_DIALFRAME']._serialized_start=1676
-  _globals['_DIALFRAME']._serialized_end=1880
-  _globals['_LISTAGENTSREQUEST']._serialized_start=1882
-  _globals['_LISTAGENTSREQUEST']._serialized_end=1915
-  _globals['_AGENT']._serialized_start=1918
-  _globals['_AGENT']._serialized_end=2078
-  _globals['_DESCRIBEREQUEST']._serialized_start=2080
-  _globals['_DESCRIBEREQUEST']._serialized_end=2097
-  _globals['_SERVERDESCRIPTION']._serialized_start=2099
-  _globals['_SERVERDESCRIPTION']._serialized_end=2159
-  _globals['_LISTAGENTSRESPONSE']._serialized_start=2161
-  _globals['_LISTAGENTSRESPONSE']._serialized_end=2242
-  _globals['_AGENTTUNNEL']._serialized_start=2541
-  _globals['_AGENTTUNNEL']._serialized_end=2623
-  _globals['_TUNNEL']._serialized_start=2626
-  _globals['_TUNNEL']._serialized_end=2883
+  _globals['_SERVERINFO']._serialized_end=1354
+  _globals['_WINDOWUPDATE']._serialized_start=1356
+  _globals['_WINDOWUPDATE']._serialized_end=1409
+  _globals['_DIALTARGET']._serialized_start=1411
+  _globals['_DIALTARGET']._serialized_end=1517
+  _globals['_DIALACCEPTED']._serialized_start=1519
+  _globals['_DIALACCEPTED']._serialized_end=1590
+  _globals['_DIALREFUSED']._serialized_start=1592
+  _globals['_DIALREFUSED']._serialized_end=1691
+  _globals['_DIALFRAME']._serialized_start=1694
+  _globals['_DIALFRAME']._serialized_end=1898
+  _globals['_LISTAGENTSREQUEST']._serialized_start=1900
+  _globals['_LISTAGENTSREQUEST']._serialized_end=1933
+  _globals['_AGENT']._serialized_start=1936
+  _globals['_AGENT']._serialized_end=2096
+  _globals['_DESCRIBEREQUEST']._serialized_start=2098
+  _globals['_DESCRIBEREQUEST']._serialized_end=2115
+  _globals['_SERVERDESCRIPTION']._serialized_start=2117
+  _globals['_SERVERDESCRIPTION']._serialized_end=2177
+  _globals['_LISTAGENTSRESPONSE']._serialized_start=2179
+  _globals['_LISTAGENTSRESPONSE']._serialized_end=2260
+  _globals['_AGENTTUNNEL']._serialized_start=2559
+  _globals['_AGENTTUNNEL']._serialized_end=2641
+  _globals['_TUNNEL']._serialized_start=2644
+  _globals['_TUNNEL']._serialized_end=2901
 # @@protoc_insertion_point(module_scope)

@@ -145,14 +145,16 @@ class Drain(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., grace: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("server_id", "replica_ids", "data_address")
+    __slots__ = ("server_id", "replica_ids", "data_address", "park_key")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PARK_KEY_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     replica_ids: _containers.RepeatedScalarFieldContainer[str]
     data_address: str
-    def __init__(self, server_id: _Optional[str] = ..., replica_ids: _Optional[_Iterable[str]] = ..., data_address: _Optional[str] = ...) -> None: ...
+    park_key: str
+    def __init__(self, server_id: _Optional[str] = ..., replica_ids: _Optional[_Iterable[str]] = ..., data_address: _Optional[str] = ..., park_key: _Optional[str] = ...) -> None: ...
 
 class WindowUpdate(_message.Message):
     __slots__ = ("connect_id", "increment")

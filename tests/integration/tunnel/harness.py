@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -124,6 +125,7 @@ class Tunnel:
         wait: bool = True,
         window: int | None = None,
         allow: tuple[str, ...] | None = None,
+        park: bool = True,
     ) -> Agent:
         agent = Agent(
             node=NODE,
@@ -137,6 +139,7 @@ class Tunnel:
             allow=AllowList(self.allow if allow is None else allow, own=()),
             window=window or self.window,
             server_name="tunnel-server",
+            park=park,
         )
         self.agents.append(agent)
         self._tasks.append(asyncio.ensure_future(agent.run()))
@@ -198,6 +201,17 @@ class Tunnel:
             await server.stop(0)
         if self.data is not None:
             await self.data.stop()
+
+
+async def echo_once(stream: Any, payload: bytes) -> bytes:
+    """Write `payload` on a dialled stream and read back as many bytes (an echo's answer)."""
+    await stream.write(payload)
+    received = b""
+    while len(received) < len(payload):
+        more = await stream.read()
+        assert more, "the echo ended early"
+        received += more
+    return received
 
 
 async def echo_server() -> tuple[asyncio.Server, int]:

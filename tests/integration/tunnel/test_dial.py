@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -188,43 +189,71 @@ def test_a_destination_that_speaks_first_loses_nothing_under_uvloop(tmp_path: Pa
     uvloop.run(scenario())
 
 
+@pytest.mark.parametrize("park", [True, False], ids=["parked", "control-stream"])
 async def test_a_dial_pending_when_the_agent_goes_away_is_refused_as_retryable(
-    tunnel: Tunnel, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, park: bool
 ) -> None:
+    """On both dial paths: a dial written on a parked data connection, and a DIAL_REQ
+    on the agent's stream (an agent that parks nothing, as before parking)."""
     from waygate.tunnel.agent import AgentStream
 
-    async def never_connects(self: AgentStream, request: pb.DialRequest) -> pb.DialResponse:
+    reached = asyncio.Event()
+
+    async def never_connects(self: AgentStream, address: str, timeout: float) -> Any:
+        reached.set()
         await asyncio.sleep(60)
         raise AssertionError("unreachable")
 
-    monkeypatch.setattr(AgentStream, "_connect", never_connects)
-    dialing = asyncio.ensure_future(tunnel.client().dial(NODE, 9))
-    await until(lambda: tunnel.hub.sessions[NODE]._dials, "the dial to reach the agent")
-    await tunnel.stop_agent(tunnel.agents[0])
-    with pytest.raises(DialFailed) as refused:
-        await asyncio.wait_for(dialing, 10)
-    assert refused.value.reason == pb.DRAINING
-    assert refused.value.retryable
+    monkeypatch.setattr(AgentStream, "_open_destination", never_connects)
+    tunnel = Tunnel(tmp_path)
+    await tunnel.start_server()
+    try:
+        await tunnel.start_agent(park=park)
+        session = tunnel.hub.sessions[NODE]
+        assert bool(session.parked) is park
+        dialing = asyncio.ensure_future(tunnel.client().dial(NODE, 9))
+        await asyncio.wait_for(reached.wait(), 10)
+        assert bool(session._dials) is not park  # the dial took the path meant
+        await tunnel.stop_agent(tunnel.agents[0])
+        with pytest.raises(DialFailed) as refused:
+            await asyncio.wait_for(dialing, 10)
+        assert refused.value.reason == pb.DRAINING
+        assert refused.value.retryable
+    finally:
+        await tunnel.close()
 
 
+@pytest.mark.parametrize("park", [True, False], ids=["parked", "control-stream"])
 async def test_a_dial_the_agent_does_not_answer_in_time_is_refused_with_timeout(
-    tunnel: Tunnel, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, park: bool
 ) -> None:
     from waygate.tunnel.agent import AgentStream
 
-    async def slow(self: AgentStream, request: pb.DialRequest) -> pb.DialResponse:
+    async def slow(self: AgentStream, address: str, timeout: float) -> Any:
         await asyncio.sleep(30)
         raise AssertionError("unreachable")
 
-    monkeypatch.setattr(AgentStream, "_connect", slow)
-    started = asyncio.get_running_loop().time()
-    with pytest.raises(DialFailed) as refused:
-        await tunnel.client().dial(NODE, 9, timeout=0.5)
-    assert refused.value.reason == pb.TIMEOUT
-    assert not refused.value.retryable
-    assert asyncio.get_running_loop().time() - started < 10
-    # The pending dial left nothing behind on the server.
-    await until(lambda: not tunnel.hub.sessions[NODE]._dials, "the pending dial to go")
+    monkeypatch.setattr(AgentStream, "_open_destination", slow)
+    tunnel = Tunnel(tmp_path)
+    await tunnel.start_server()
+    try:
+        await tunnel.start_agent(park=park)
+        session = tunnel.hub.sessions[NODE]
+        parked = len(session.parked)
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(DialFailed) as refused:
+            await tunnel.client().dial(NODE, 9, timeout=0.5)
+        assert refused.value.reason == pb.TIMEOUT
+        assert not refused.value.retryable
+        assert asyncio.get_running_loop().time() - started < 10
+        # The pending dial left nothing behind on the server: no pending DIAL_REQ, and
+        # the parked connection it took is gone (the refill parks a new one).
+        await until(lambda: not session._dials, "the pending dial to go")
+        assert not session.data
+        if park:
+            await until(lambda: len(session.parked) == parked, "the pool to park a new one")
+    finally:
+        await tunnel.close()
 
 
 async def test_bridge_delivers_an_upload_to_a_destination_that_half_closed_first(

@@ -20,6 +20,7 @@ from tests.integration.tunnel.harness import (
     NODE,
     Tunnel,
     credentials,
+    echo_once,
     echo_server,
     ssl_context,
 )
@@ -29,16 +30,6 @@ from waygate.tunnel.client import DataStream, StaticPresence, TunnelClient
 from waygate.tunnel.relay import LinkClosed, open_link
 
 _DER = Encoding.DER
-
-
-async def echo_once(stream: DataStream, payload: bytes) -> bytes:
-    await stream.write(payload)
-    received = b""
-    while len(received) < len(payload):
-        more = await stream.read()
-        assert more, "the echo ended early"
-        received += more
-    return received
 
 
 def pool_of(client: TunnelClient):  # type: ignore[no-untyped-def]
@@ -55,7 +46,7 @@ async def test_a_dial_takes_a_warm_connection_and_the_pool_refills(tunnel: Tunne
         await first.aclose()
         pool = pool_of(client)
         await until(lambda: len(pool.idle) == 2, "the warm pool to fill")
-        warm = {id(link) for link, _server, _opened in pool.idle}
+        warm = {id(link) for link, _opened in pool.idle}
         stream = await client.dial(NODE, port)
         assert isinstance(stream, DataStream)
         assert id(stream.link) in warm  # no handshake of its own

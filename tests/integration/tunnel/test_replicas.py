@@ -118,6 +118,44 @@ async def test_a_second_stream_from_the_same_agent_is_refused(tmp_path: Path) ->
         await t.close()
 
 
+async def test_a_stream_the_agent_holds_is_kept_and_one_it_lost_is_replaced(
+    tmp_path: Path,
+) -> None:
+    """An agent names the replicas it holds (`mux.HELD_METADATA`) when it opens a stream.
+    Through a balancer that sent the attempt to one of them: ALREADY_EXISTS, and the
+    held stream stays. Naming none: the replica's stream of it is one the agent lost
+    before the replica noticed (a balancer restart), and the new stream replaces it at
+    once rather than being refused until keepalives expire."""
+    t = Tunnel(tmp_path)
+    await t.start_server()
+    agent = await t.start_agent()
+    try:
+        old = t.hub.sessions[NODE]
+        channel = grpc.aio.secure_channel(f"127.0.0.1:{t.agent_port}", credentials(t.agent_files))
+        async with channel:
+            stub = tunnel_pb2_grpc.AgentTunnelStub(channel)
+            call = stub.Connect(
+                metadata=((mux.AGENT_ID_METADATA, agent.agent_id), (mux.HELD_METADATA, "replica-a"))
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call.read()
+            assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
+            assert t.hub.sessions[NODE] is old and not old.closed
+
+            call = stub.Connect(
+                metadata=((mux.AGENT_ID_METADATA, agent.agent_id), (mux.HELD_METADATA, ""))
+            )
+            first = await asyncio.wait_for(call.read(), 10)
+            assert first.type == pb.SERVER_INFO
+            assert old.closed  # the stale stream ended, its connections with it
+            new = t.hub.sessions[NODE]
+            assert new is not old and new.agent_id == agent.agent_id
+            assert [a.agent_id for a in t.hub.agents()] == [agent.agent_id]
+            call.cancel()
+    finally:
+        await t.close()
+
+
 async def test_drain_refuses_new_dials_and_keeps_open_connections(tmp_path: Path) -> None:
     t = Tunnel(tmp_path)
     await t.start_server()

@@ -19,7 +19,15 @@ import pytest
 import waygate.tunnel
 
 TUNNEL = Path(waygate.tunnel.__file__).parent
-GRPC_FREE = ("agent.py", "mux.py", "allow.py", "peers.py", "presence.py", "relay.py")
+GRPC_FREE = (
+    "agent.py",
+    "mux.py",
+    "allow.py",
+    "peers.py",
+    "presence.py",
+    "relay.py",
+    "warmpool.py",
+)
 
 
 def imported_modules(path: Path) -> set[str]:
