@@ -48,7 +48,9 @@ async def main(minutes: float, out: Path) -> int:
     finally:
         stack.stop_all()
     seconds = time.time() - began
-    title = f"waygate soak, {seconds / 60:.0f} min, {cycles} fault cycles"
+    title = (
+        f"waygate soak, {seconds / 60:.0f} min, {cycles} fault cycle{'' if cycles == 1 else 's'}"
+    )
     soak.plot(out / "soak.png", title)
     text = (
         f"# {title}\n\n{describe()}\n\nCommand: `make soak SOAK_MINUTES={minutes:g}`\n\n"
