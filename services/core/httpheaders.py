@@ -22,8 +22,8 @@ a listener.
   common non-standard ones), never forwarded as they came.
 - HTTP/2 field rules (RFC 9113 sections 8.2.1, 8.2.2), the ones the proxy's
   h2 streams apply (`waygate.proxy.http2` read_request, check_trailers):
-  `h2_illegal_name` / `h2_illegal_value` (bound regex searches, called once per
-  field on the per-request path: no wrapper frame), `H2_CONNECTION_SPECIFIC`
+  `h2_illegal_name` / `h2_illegal_value` / `h2_legal_value` (bound regex
+  searches, called once per field on the per-request path: no wrapper frame), `H2_CONNECTION_SPECIFIC`
   (a message carrying one is malformed), `h2_te_allowed` (a request's `te` is
   `trailers` only) and `h2_trailer_malformed` (a trailer field, all of them).
 
@@ -118,6 +118,9 @@ H2_CONNECTION_SPECIFIC: Final = frozenset(
 h2_illegal_name: Final = re.compile(rb"[\x00-\x20A-Z\x7f-\xff:]").search
 #: ... and a value with NUL, CR or LF anywhere, SP or HTAB at either end.
 h2_illegal_value: Final = re.compile(rb"[\x00\r\n]|\A[ \t]|[ \t]\Z").search
+#: The same rule the other way round (the match, or None for an illegal value):
+#: one pass of a character class, half the cost of the search above per field.
+h2_legal_value: Final = re.compile(rb"(?![ \t])[^\x00\r\n]*+(?<![ \t])").fullmatch
 
 
 def h2_te_allowed(value: bytes) -> bool:

@@ -169,10 +169,10 @@ def read_request(headers: list[tuple[bytes, bytes]], end_stream: bool) -> Reques
     content_length = -1
     grpc = False
     regular = False
-    bad_value = httpheaders.h2_illegal_value
+    legal_value = httpheaders.h2_legal_value
     token = _HEADER_NAME.fullmatch
     for name, value in headers:
-        if value and bad_value(value) is not None:
+        if legal_value(value) is None:
             raise Malformed("NUL, CR, LF or surrounding whitespace in a field value")
         if name[:1] == b":":
             if regular:
@@ -331,11 +331,18 @@ _hpack_checked = False
 
 def _silence_hpack() -> None:
     """hpack's debug calls cost nothing, unless someone asked for hpack's debug
-    lines (checked once, at the first connection: logging is configured by then)."""
+    lines (checked once, at the first connection: logging is configured by then).
+
+    And h2's `repr(frame)` of every frame received, the argument of a trace line
+    its configuration's logger drops (ours is `_SILENT`), is `id` instead: a
+    frame's repr formats its flags and body, about 3% of the CPU per request.
+    `repr` is looked up in h2.connection's globals, where that trace line is its
+    only use; every H2Connection in the proxy's process is built here."""
     global _hpack_checked
     _hpack_checked = True
     if not logging.getLogger(hpack.hpack.__name__).isEnabledFor(logging.DEBUG):
         hpack.hpack.log = _SILENT  # type: ignore[assignment]
+    h2.connection.repr = id  # type: ignore[attr-defined]
 
 
 def h2_connection(limits: H2Limits, *, client_side: bool) -> h2.connection.H2Connection:

@@ -4,6 +4,8 @@ separator, and the look-alikes that stay allowed."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from waygate.core import httpheaders
 
@@ -54,3 +56,11 @@ def test_connection_named_headers() -> None:
     assert httpheaders.connection_named([b"keep-alive, X-Secret", b"close,Upgrade"]) == {
         b"x-secret"
     }
+
+
+@given(st.binary(max_size=8) | st.sampled_from([b"", b" ", b"\t", b"a ", b"\ta", b"a\x00", b"a b"]))
+def test_h2_legal_value_is_the_illegal_rule_turned_round(value: bytes) -> None:
+    # read_request's one-pass form of the value rule: legal exactly when the
+    # search finds nothing (an empty value is legal).
+    illegal = bool(value) and httpheaders.h2_illegal_value(value) is not None
+    assert (httpheaders.h2_legal_value(value) is None) == illegal
