@@ -49,7 +49,7 @@ import random
 import socket
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -887,35 +887,6 @@ async def bridged_socket(stream: TunnelStream | DataStream) -> socket.socket:
 # ---------------------------------------------------------------- wiring for a process
 
 
-def _dialer(
-    client: TunnelClient,
-    error: Callable[..., Exception],
-    finish: Callable[[TunnelStream | DataStream], Awaitable[Any]],
-) -> Callable[..., Any]:
-    """The proxy's upstream-connect step for tunnel endpoints, `finish` turning the dialled
-    stream into what the caller takes.
-
-    `error(reason, kind, retryable=...)` builds the proxy's ConnectError, so this
-    module needs nothing from the proxy. The endpoint's address is the host the
-    agent connects to, its node the node whose agent does it.
-    """
-
-    async def connect(target: Any, timeout: float, trace_context: str | None) -> Any:
-        try:
-            stream = await client.dial(
-                target.node,
-                target.port,
-                target.address,
-                timeout=timeout,
-                trace_context=trace_context,
-            )
-        except DialFailed as failed:
-            raise error(str(failed), "tunnel", retryable=failed.retryable) from None
-        return await finish(stream)
-
-    return connect
-
-
 class Dialled:
     """A tunnelled connection as the proxy's upstream step returns it
     (waygate.proxy.upstream.Attachable), not yet attached: its data connection itself
@@ -923,30 +894,29 @@ class Dialled:
     `StreamTransport`.
 
     `attach(protocol)` makes it that protocol's transport: bytes the destination
-    sent first were held for it. `start_tls`
-    runs a TLS client inside the data connection's own mTLS (a second `Link`
-    with the data connection as its transport): the destination's certificate is
-    verified here, end to end, and the replica and agent relay records they
-    cannot read. Bounded as the data connection is (HIGH_WATER per direction);
-    a failed or cancelled handshake aborts the data connection.
+    sent first were held for it. `start_tls` runs a TLS client inside it (a second
+    `Link` with it as its transport, inside the data connection's own mTLS): the
+    destination's certificate is verified here, end to end, and the replica and the
+    agent relay records they cannot read. Bounded as what it wraps is (HIGH_WATER per
+    direction); a failed or cancelled handshake aborts the tunnelled connection.
     """
 
-    __slots__ = ("link",)
+    __slots__ = ("transport",)
 
-    def __init__(self, link: Link | StreamTransport) -> None:
-        self.link = link
+    def __init__(self, transport: Link | StreamTransport) -> None:
+        self.transport = transport
 
     def attach(self, protocol: asyncio.BaseProtocol) -> None:
-        self.link.attach(protocol)
+        self.transport.attach(protocol)
 
     def close(self) -> None:
-        self.link.abort()
+        self.transport.abort()
 
     def abort(self) -> None:
-        self.link.abort()
+        self.transport.abort()
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return self.link.get_extra_info(name, default)
+        return self.transport.get_extra_info(name, default)
 
     async def start_tls(
         self, context: ssl.SSLContext, server_hostname: str, timeout: float
@@ -954,7 +924,7 @@ class Dialled:
         """The TLS connection inside this one, its handshake done within `timeout`;
         ssl.SSLError (the verification's own, with its code) when it failed."""
         inner = Link(context, server_side=False, server_hostname=server_hostname)
-        self.link.attach(inner)
+        self.transport.attach(inner)
         try:
             async with asyncio.timeout(timeout):
                 await inner.established
@@ -969,17 +939,33 @@ class Dialled:
         return Dialled(inner)
 
 
-async def _attachable(stream: TunnelStream | DataStream) -> Dialled:
-    return Dialled(stream.link if isinstance(stream, DataStream) else StreamTransport(stream))
-
-
 def transport_dialer(client: TunnelClient, error: Callable[..., Exception]) -> Callable[..., Any]:
     """The proxy's upstream-connect step for tunnel endpoints
-    (waygate.proxy.upstream.Connect): a raw dial comes back as its data connection
-    (`Dialled`), which the proxy's protocol (HTTP/1.1, HTTP/2, reencrypt TLS,
-    passthrough relay, mirror) attaches to directly. A dial carried on Tunnel.Dial
-    (a replica without a data listener) still gets a socket."""
-    return _dialer(client, error, _attachable)
+    (waygate.proxy.upstream.Connect): the dialled connection as a `Dialled`, which
+    every upstream protocol (HTTP/1.1, HTTP/2, reencrypt TLS, the passthrough relay,
+    mirrors) attaches to directly: no socket, on either path.
+
+    `error(reason, kind, retryable=...)` builds the proxy's ConnectError, so this
+    module needs nothing from the proxy. The endpoint's address is the host the
+    agent connects to, its node the node whose agent does it.
+    """
+
+    async def connect(target: Any, timeout: float, trace_context: str | None) -> Dialled:
+        try:
+            stream = await client.dial(
+                target.node,
+                target.port,
+                target.address,
+                timeout=timeout,
+                trace_context=trace_context,
+            )
+        except DialFailed as failed:
+            raise error(str(failed), "tunnel", retryable=failed.retryable) from None
+        if isinstance(stream, DataStream):
+            return Dialled(stream.link)
+        return Dialled(StreamTransport(stream))
+
+    return connect
 
 
 async def process_client(

@@ -200,6 +200,27 @@ async def test_an_upstream_that_closes_closes_its_data_connection(
         await until(lambda: not data_connections(tunnel), "the server's side to end")
 
 
+@pytest.mark.usefixtures("no_socketpair")
+async def test_a_client_gone_mid_download_releases_the_tunnelled_connection(
+    tunnel: Tunnel, backend: RecordingUpstream
+) -> None:
+    # The client reads a little of a large answer and goes away: the upstream is
+    # aborted, and with it the tunnelled connection, its tasks and its fds.
+    async with running_proxy(tunnelled(backend.port), dialer=dialer(tunnel)) as (server, port):
+        await get(port)  # the tunnel's channel is up
+        server.pool.close_all()  # (that request's upstream, kept alive)
+        fds, tasks = await baseline(tunnel)
+        for _ in range(3):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /big?n=%d HTTP/1.1\r\n" % (64 << 20) + HOST + b"\r\n")
+            async with asyncio.timeout(15):
+                await reader.readuntil(b"\r\n\r\n")
+                await reader.readexactly(1 << 20)
+            writer.transport.abort()
+        await until(lambda: not server.upstreams, "the upstreams to be let go")
+        await back_to(tunnel, fds, tasks)
+
+
 # ---------------------------------------------------------------- reencrypt
 
 
