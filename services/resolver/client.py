@@ -472,13 +472,18 @@ class ResolverWatch:
         if not changes.changes:
             # A heartbeat: the view is current as of the source's last sync, at the
             # server's version (changes of kinds not watched advance it).
+            sources = _sources(event)
             self._view = dataclasses.replace(
                 view,
                 version=event.version,
                 last_sync=_last_sync(event),
                 from_snapshot=False,
-                sources=_sources(event),
+                sources=sources,
             )
+            if sources != view.sources:
+                # A route source turned valid or invalid (the resolver says so at
+                # once, with an empty Changes): consumers hear it now.
+                self._emit(self._view)
             return
         # Converting 100,000 changes takes seconds: in slices, letting the loop (maybe
         # a proxy's data plane) run in between; then applied at once, so a stream

@@ -32,6 +32,8 @@ Invariants:
 - `epoch` is random per store (per process) and never 0: a resume is honoured
   only when it names this epoch, so a client that moved to another replica
   (whose versions may overlap this one's) always starts from a snapshot.
+- A source that turns valid or invalid (or whose error changes) wakes every
+  subscriber with an empty Batch, at once: its health travels with every event.
 - Every route read or streamed carries its status (waygate.resolver.status),
   computed in the same version as the change that caused it: a route's own
   change, or a change to a service or endpoints it uses, publishes the route
@@ -131,6 +133,8 @@ class Subscription:
         self._wakeup = asyncio.Event()
         self._wakeup.set()
         self.closed = False
+        # A source's health changed since the consumer last heard from us.
+        self._sources_news = False
 
     def _offer(self, batch: Batch) -> None:
         if self._needs_snapshot:
@@ -165,6 +169,11 @@ class Subscription:
         if pending or self._needs_snapshot:
             self._wakeup.set()
 
+    def _sources_changed(self) -> None:
+        if not self._needs_snapshot:
+            self._sources_news = True
+            self._wakeup.set()
+
     def _resume(self, batches: list[Batch], from_version: int) -> None:
         self._needs_snapshot = False
         self.version = from_version
@@ -186,6 +195,7 @@ class Subscription:
             raise SubscriptionEnded("subscription is closed")
         if self._needs_snapshot:
             snapshot = self._store.snapshot(self.kinds)
+            self._sources_news = False  # every event carries the sources' states
             self._needs_snapshot = False
             self._pending.clear()
             self._coalesced = False
@@ -194,6 +204,7 @@ class Subscription:
             return snapshot
         if not self._pending:
             return None
+        self._sources_news = False
         whole = self._whole
         if whole is not None and whole.version == self._store.version:
             self._pending = {}
@@ -235,6 +246,7 @@ class Subscription:
         within the store's history."""
         batch = Batch(self.version, self._store.version, ())
         self.version = batch.version
+        self._sources_news = False  # the heartbeat carries the sources' states
         return batch
 
     async def next(self, heartbeat: float | None = None) -> Snapshot | Batch:
@@ -256,6 +268,10 @@ class Subscription:
             timer = asyncio.get_running_loop().call_later(heartbeat, due)
         try:
             while True:
+                if self._sources_news:
+                    # Nothing new in the view, but a source's health changed.
+                    self._sources_news = False
+                    return self.heartbeat()
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 # take() raises SubscriptionEnded once the store ended this subscription.
@@ -458,8 +474,15 @@ class Store:
 
     def set_source_state(self, state: SourceState) -> None:
         """Record a source's own health (served beside the routes; no version bump:
-        it describes the source, not the view)."""
+        it describes the source, not the view). A source that turned valid or
+        invalid, or whose error changed, wakes every subscriber: each hears it at
+        once in an empty Batch (a rejected routes file was seen only with the next
+        change or heartbeat, 30 s later)."""
+        before = self._source_states.get(state.source)
         self._source_states[state.source] = state
+        if before is None or (before.valid, before.error) != (state.valid, state.error):
+            for subscription in self._subscriptions:
+                subscription._sources_changed()
 
     def mark_synced(self, source: str, when: datetime | None = None) -> None:
         """Record that `source` confirmed its data at `when` (default: now)."""

@@ -34,7 +34,8 @@ pytestmark = pytest.mark.system
 async def resolver(tmp_path: Path):  # type: ignore[no-untyped-def]
     routes = tmp_path / "routes.yaml"
     shutil.copyfile(EXAMPLE_ROUTES, routes)
-    service = await start_service(resolver_serve_argv(routes))
+    # No heartbeats: what a watcher hears comes with a change or not at all.
+    service = await start_service(resolver_serve_argv(routes, "--watch-heartbeat", "0"))
     try:
         yield service, routes
     finally:
@@ -96,7 +97,9 @@ async def test_routes_lists_and_watch_follows_file_edits(
             assert lines[1].startswith("# version ")
             assert "hello.localtest.me" in "".join(lines)
             assert "echo.localtest.me" in "".join(lines)
-            # An invalid edit is rejected: nothing reaches the watcher, the resolver says why.
+            # An invalid edit is rejected: no route changes, the resolver says why, and
+            # the watcher hears of it at once (this resolver sends no heartbeats: it
+            # used to show only with the next change or heartbeat, 30 s later).
             text = routes.read_text()
             routes.write_text(text.replace("host: hello.localtest.me", "host: HELLO_.localtest.me"))
             while not any("rejected" in str(e.get("msg")) for e in service.logs):
@@ -104,7 +107,12 @@ async def test_routes_lists_and_watch_follows_file_edits(
             rejected = next(e for e in service.logs if "rejected" in str(e.get("msg")))
             host_line = text.splitlines().index("    host: hello.localtest.me") + 1
             assert rejected["line"] == host_line and "host:" in rejected["reason"]
+            shown = (await watcher.stdout.readline()).decode()
+            assert shown.startswith(f"routes file {routes}: REJECTED: ") and "host:" in shown
+            assert (await watcher.stdout.readline()).startswith(b"  serving the last good")
             routes.write_text(text.replace("host: hello.localtest.me", "host: hi.localtest.me"))
+            valid = (await watcher.stdout.readline()).decode()
+            assert valid.startswith(f"routes file {routes}: valid (version ")
             change = (await watcher.stdout.readline()).decode()
             assert change.startswith("+ demo/hello  hi.localtest.me/ -> hello")
     finally:
