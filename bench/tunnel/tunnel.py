@@ -15,6 +15,7 @@ import collections
 import contextlib
 import dataclasses
 import json
+import os
 import shutil
 import signal
 import struct
@@ -36,6 +37,7 @@ CHUNK = 64 * 1024
 PROXY_READ = 256 * 1024  # what one socket read of the proxy's client connection gets
 IDLE_CONNECTIONS = 1000
 LATENCY_SAMPLES = 300
+DIAL_PROFILE = 300  # warm dials (each with one HTTP request) under the profiler
 SPACING = 0.1  # seconds between spaced requests: the pools' refills (50 ms after a take) are done
 HTTP_REQUEST = b"GET / HTTP/1.1\r\nHost: sink\r\nConnection: close\r\n\r\n"
 
@@ -480,14 +482,27 @@ async def measure(
             ),
             "",
         ]
-        for key in ("proxy-up", "proxy-down"):
+        relays = {"server": server.process.pid, "agent": agent.process.pid}
+        for key in ("up", "proxy-up", "proxy-down"):
+            # The 64 KiB-writes upload with the dialer too (this process): that cell is
+            # the one that lagged the proxy-style one.
             _elapsed, profiles[key] = await _profiled(
                 directory / f"profile-{key}",
-                {"server": server.process.pid, "agent": agent.process.pid},
+                {**relays, "dialer": os.getpid()} if key == "up" else relays,
                 transfers[key],
             )
-        lines += ["Where the time goes (py-spy --native, 100 Hz, one proxy-style transfer; "
-                  "the functions with the most samples of their own):", ""]  # fmt: skip
+
+        async def warm_dials() -> float:
+            # Spaced so the pools refill between: the dial path itself, not the refills.
+            await _latencies(lambda: _tunnel_request(client, http_port), DIAL_PROFILE, gap=0.02)
+            return 0.0
+
+        _elapsed, profiles["warm dials"] = await _profiled(
+            directory / "profile-dials", relays, warm_dials
+        )
+        lines += ["Where the time goes (py-spy --native, 100 Hz, one transfer each, and "
+                  f"{DIAL_PROFILE} warm dials 20 ms apart; the functions with the most samples "
+                  "of their own, idle waits included):", ""]  # fmt: skip
         for key, by_process in profiles.items():
             for name, frames in by_process.items():
                 shown = "; ".join(f"{share:.0f}% {frame}" for share, frame in frames[:6])
