@@ -240,7 +240,9 @@ class DataListener:
         taken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         session.park(link, taken)
         try:
-            await asyncio.wait((taken, link.gone), timeout=self.idle_timeout)
+            await asyncio.wait(
+                (taken, link.gone), timeout=self.idle_timeout, return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
             if not taken.done():
                 taken.cancel()

@@ -43,12 +43,20 @@ async def test_a_dial_takes_a_parked_connection_with_no_packet_on_the_stream(
     pool_size = tunnel.agents[0].pool_size
     assert len(session.parked) == pool_size  # the whole pool is parked on the replica
     sent = packets_to_agent(session, monkeypatch)
+    listener = tunnel.data
+    assert listener is not None
     echo, port = await echo_server()
     async with echo:
         for client in (tunnel.client(), tunnel.client(data_path=False)):  # raw, gRPC Dial
             stream = await client.dial(NODE, port)
             assert await echo_once(stream, b"parked") == b"parked"
             assert len(session.data) == 1  # carried on a data connection of its own
+            # While it is open, the connection it took no longer counts as idle (the
+            # listener bounds those per identity): only the parked ones do.
+            await until(
+                lambda: sum(listener._idle.values()) == len(session.parked),
+                "the taken connection to leave the idle count",
+            )
             await stream.aclose()
             await until(lambda: not session.data, "the connection to end")
         await until(lambda: len(session.parked) == pool_size, "the pool to park new ones")
