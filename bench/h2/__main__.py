@@ -273,7 +273,17 @@ def measure(
             for name, taken in runs.items()
         }
         turn += 1
-        print(f"bench.h2: {protocol} {label} x{streams} done", file=sys.stderr, flush=True)
+        turns = " ".join(
+            f"{a.rps / b.rps:.2f}/{b.cpu_us / a.cpu_us if a.cpu_us else 0:.2f}"
+            for a, b in zip(runs.get(WAYGATE, []), runs.get(MINIMAL, []), strict=False)
+            if b.rps
+        )
+        print(
+            f"bench.h2: {protocol} {label} x{streams} done; Waygate / minimal by turn "
+            f"(req/s / CPU): {turns}",
+            file=sys.stderr,
+            flush=True,
+        )
     return table
 
 
