@@ -235,7 +235,9 @@ def test_request_head_is_the_http1_parse_of_the_head_it_means(
 
 
 def test_hpack_debug_calls_are_silenced_unless_asked_for(monkeypatch):
-    monkeypatch.setattr(hpack.hpack, "log", hpack.hpack.log)
+    # Start from hpack's own logger: an earlier test in this process may have built an
+    # H2Connection already, which leaves `_SILENT` in its place.
+    monkeypatch.setattr(hpack.hpack, "log", logging.getLogger(hpack.hpack.__name__))
     monkeypatch.delattr(h2.connection, "repr", raising=False)
     monkeypatch.setattr(http2, "_hpack_checked", False)
     logger = logging.getLogger("hpack.hpack")
