@@ -89,6 +89,9 @@ class GrpcConnector:
             credentials=credentials,
             server_name=self._server_name,
             retry=False,
+            # Untraced: an intercepted call held its connection after close(), so
+            # every attempt a balancer refused (ALREADY_EXISTS) left one open.
+            traced=False,
             options=(
                 ("grpc.use_local_subchannel_pool", 1),
                 ("grpc.max_receive_message_length", 4 * 1024 * 1024),
