@@ -139,6 +139,7 @@ class Soak:
         self.renewals: dict[str, float] = {}  # process -> ok renewals (latest sample)
         self.usage_before: dict[str, dict[str, int]] = {}
         self.usage_after: dict[str, dict[str, int]] = {}
+        self.sockets_after: dict[str, str] = {}
         self.started = 0.0
         # Restarts that failed: (process, why); each was started again once.
         self.failed_starts: list[tuple[str, str]] = []
@@ -177,6 +178,8 @@ class Soak:
             await self.load.stop()
             await asyncio.sleep(min(self.hold, 5.0))  # connections close, buffers go
             self.usage_after = self.stack.usage()
+            # Described now, while the processes still run (the checks come later).
+            self.sockets_after = {name: self.stack.sockets(name) for name in self.usage_after}
             await self._backend_checks()
         finally:
             monitor.cancel()
@@ -626,11 +629,13 @@ class Soak:
                     f"threads {before['threads']} -> {after['threads']}",
                 )
             )
+            ok = after["fds"] <= before["fds"] + 8
             self.checks.append(
                 Check(
                     f"resources: {name} file descriptors back near the baseline",
-                    after["fds"] <= before["fds"] + 8,
-                    f"fds {before['fds']} -> {after['fds']}",
+                    ok,
+                    f"fds {before['fds']} -> {after['fds']}"
+                    + ("" if ok else f"; its TCP sockets: {self.sockets_after.get(name, '-')}"),
                 )
             )
 

@@ -495,6 +495,31 @@ defaults
         for name in reversed(list(self.procs)):
             self.kill(name, signal.SIGTERM)
 
+    def sockets(self, name: str) -> str:
+        """`name`'s TCP sockets counted by state and the stack port at either end (from
+        `ss`): what a file-descriptor check that failed was holding."""
+        proc = self.procs[name]
+        if not proc.alive or proc.pid is None:
+            return "not running"
+        try:
+            listing = subprocess.run(
+                ["ss", "-tanpH"], capture_output=True, text=True, timeout=10, check=True
+            ).stdout
+        except (OSError, subprocess.SubprocessError) as exc:
+            return f"ss failed: {exc}"
+        by_port = {port: port_name for port_name, port in self.ports.items()}
+        counts: dict[str, int] = {}
+        for line in listing.splitlines():
+            fields = line.split()
+            if len(fields) < 6 or f"pid={proc.pid}," not in fields[5]:
+                continue
+            local, peer = (a.rpartition(":")[2] for a in fields[3:5])
+            local, peer = (int(p) if p.isdigit() else 0 for p in (local, peer))
+            ends = by_port.get(local) or f"-> {by_port.get(peer, 'other')}"
+            key = f"{fields[0]} {ends}"
+            counts[key] = counts.get(key, 0) + 1
+        return ", ".join(f"{k} x{n}" for k, n in sorted(counts.items()))
+
     def usage(self) -> dict[str, dict[str, int]]:
         """Per live process: resident memory (bytes), open fds, threads (from /proc)."""
         figures: dict[str, dict[str, int]] = {}
