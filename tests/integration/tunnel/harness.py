@@ -158,6 +158,15 @@ class Tunnel:
                     ),
                     "the agent's pool of data connections",
                 )
+                if park:  # and the replica has them parked (its PARK lines read)
+                    await until(
+                        lambda: all(
+                            len(s.parked) >= agent.pool_size
+                            for s in self.hub.sessions_all()
+                            if s.agent_id == agent.agent_id
+                        ),
+                        "the agent's data connections parked on the replica",
+                    )
         return agent
 
     async def stop_agent(self, agent: Agent) -> None:
