@@ -9,9 +9,9 @@ In one run, on loopback, every hop with TLS as in production:
                generated host key and authorized key (no system config touched);
 - tunnel:      1 GiB dialer -> `waygate tunnel serve` -> `waygate tunnel agent`
                -> sink, mTLS on both tunnel hops, through the dial client library.
-- bridged:     the tunnel again, the dialer writing a socket that the dial
-               client's `bridged_socket` bridges to the stream, as the proxy
-               sends (frames up to 256 KiB instead of the 64 KiB writes above).
+- proxy:       the tunnel again as the proxy uses it: its upstream protocol
+               attached to the dial's data connection (no socket in between),
+               256 KiB writes instead of the 64 KiB writes above.
 Each figure is the time from connect until the sink has acknowledged the last
 byte (the sink answers the byte count after EOF). The tunnel is reported as a
 ratio of (b) (aim >= 0.60), of (c) and of (a).
