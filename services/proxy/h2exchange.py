@@ -177,9 +177,7 @@ class StreamDownstream:
         body: bytes,
         more: bool,
     ) -> None:
-        fields = [_STATUS[response.status]]
-        if response.fields:
-            _add_fields(fields, response.fields[2:].split(b"\r\n"))
+        fields = _head_fields(response)
         if extra:
             _add_fields(fields, extra[:-2].split(b"\r\n"))
         if framing == FRAMING_LENGTH:
@@ -301,9 +299,7 @@ class StreamDownstream:
         end = response.find(b"\r\n\r\n") + 4
         parsed = http1.parse_response_head(response[:end])
         body = b"" if head_only else response[end:]
-        fields = [_STATUS[parsed.status]]
-        if parsed.fields:
-            _add_fields(fields, parsed.fields[2:].split(b"\r\n"))
+        fields = _head_fields(parsed)
         if parsed.content_length >= 0:
             fields.append((b"content-length", b"%d" % parsed.content_length))
         stream = self.stream
@@ -327,6 +323,14 @@ _STATUS: Final = {code: (b":status", b"%d" % code) for code in range(100, 1000)}
 # by http1.parse_response_head; this keeps the rule for lines added after it
 # (a route's response header modifier, the proxy's extras).
 _NOT_H2: Final = httpheaders.H2_CONNECTION_SPECIFIC
+
+
+def _head_fields(head: ResponseHead) -> list[tuple[bytes, bytes]]:
+    """A parsed HTTP/1.1 response head as HTTP/2 fields, `:status` first."""
+    fields = [_STATUS[head.status]]
+    if head.fields:
+        _add_fields(fields, head.fields[2:].split(b"\r\n"))
+    return fields
 
 
 def _add_fields(out: list[tuple[bytes, bytes]], lines: list[bytes]) -> None:
