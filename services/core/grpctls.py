@@ -9,7 +9,10 @@
   one after a grace period, letting calls in flight finish. Callers ask it for
   `channel()` each time they start a call or a stream (never keep the channel);
   a long-lived stream (a report, a tunnel) takes the channel with `hold()`
-  instead, and the old channel stays open until the last holder lets go.
+  instead, and the old channel stays open until the last holder lets go. A
+  borrower of `lend()` hears when its channel is retired (`on_retired`) and
+  moves its stream to `renew()` (the resolver Watch's handover), so a lent
+  channel outlives a renewal by that borrower's bound, not indefinitely.
 - `client_credentials`: channel credentials from the current certificate.
 - `ProcessCertificates`: a process's rotating certificate and trust bundle with
   the gRPC and `ssl` TLS built on them (`waygate.certs.client` starts one).
@@ -103,6 +106,8 @@ class RotatingChannel:
         # Holders per channel, and the event a stale channel waits on to close.
         self._holders: dict[grpc.aio.Channel, int] = {}
         self._released: dict[grpc.aio.Channel, asyncio.Event] = {}
+        # Borrowers (`LentChannel.on_retired`) to tell when their channel is retired.
+        self._retiring: dict[grpc.aio.Channel, list[Callable[[], None]]] = {}
         self._unsubscribe = [add(self._stale) for add in subscribe]
         self.opened = 0  # channels opened so far
 
@@ -112,6 +117,8 @@ class RotatingChannel:
             task = asyncio.get_running_loop().create_task(self._close_when_released(old))
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
+            for callback in self._retiring.pop(old, ()):
+                callback()
 
     async def _close_when_released(self, old: grpc.aio.Channel) -> None:
         try:
@@ -134,11 +141,26 @@ class RotatingChannel:
             self._let_go(channel)
 
     def lend(self) -> grpc.aio.Channel:
-        """The current channel, held (as by `hold`) until the borrower calls its
-        `close()`, which lets go of it and never closes the shared channel: for a
-        consumer that closes the channel it was given after each stream (a
-        ResolverWatch channel factory), so a rotation never cuts its stream."""
-        return cast("grpc.aio.Channel", _Lent(self, self._take()))
+        """The current channel as a `LentChannel`, held (as by `hold`) until the
+        borrower calls its `close()`, which lets go of it and never closes the
+        shared channel: for a consumer that closes the channel it was given after
+        each stream (a ResolverWatch channel factory), so a rotation never cuts its
+        stream. The borrower bounds how long it keeps a retired channel: it hears
+        of the retirement (`on_retired`) and moves to `renew()`."""
+        return cast("grpc.aio.Channel", LentChannel(self, self._take()))
+
+    def _on_retired(self, channel: grpc.aio.Channel, callback: Callable[[], None]) -> None:
+        if channel is self._channel:
+            self._retiring.setdefault(channel, []).append(callback)
+        else:  # retired already: say so at once (on the loop, never inside the caller)
+            asyncio.get_running_loop().call_soon(callback)
+
+    def _forget_retired(self, channel: grpc.aio.Channel, callback: Callable[[], None]) -> None:
+        callbacks = self._retiring.get(channel)
+        if callbacks is not None and callback in callbacks:
+            callbacks.remove(callback)
+            if not callbacks:
+                del self._retiring[channel]
 
     def _take(self) -> grpc.aio.Channel:
         channel = self.channel()
@@ -169,6 +191,7 @@ class RotatingChannel:
     async def close(self) -> None:
         for unsubscribe in self._unsubscribe:
             unsubscribe()
+        self._retiring.clear()
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
@@ -183,20 +206,41 @@ class RotatingChannel:
         await self.close()
 
 
-class _Lent:
+class LentChannel:
     """A RotatingChannel's channel lent to one borrower: everything but `close`
-    goes to the channel; `close` (once) lets go of the hold."""
+    goes to the channel; `close` (once) lets go of the hold.
+
+    `on_retired(callback)`: `callback()` is called once, on the loop, when the
+    owner gives new calls a new channel (a certificate or bundle renewal); the
+    borrower then opens its next stream on `renew()` and closes this one."""
 
     def __init__(self, owner: RotatingChannel, channel: grpc.aio.Channel) -> None:
         self._owner: RotatingChannel | None = owner
         self._channel = channel
+        self._retired: Callable[[], None] | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._channel, name)
 
+    def on_retired(self, callback: Callable[[], None]) -> None:
+        if self._owner is None:
+            raise RuntimeError("the lent channel is closed")
+        if self._retired is not None:
+            raise RuntimeError("a lent channel tells one borrower")
+        self._retired = callback
+        self._owner._on_retired(self._channel, callback)
+
+    def renew(self) -> LentChannel:
+        """The owner's current channel, lent the same way."""
+        if self._owner is None:
+            raise RuntimeError("the lent channel is closed")
+        return cast(LentChannel, self._owner.lend())
+
     async def close(self, grace: float | None = None) -> None:
         owner, self._owner = self._owner, None
         if owner is not None:
+            if self._retired is not None:
+                owner._forget_retired(self._channel, self._retired)
             owner._let_go(self._channel)
 
 
@@ -251,6 +295,7 @@ def static_client_channel(
 
 
 __all__ = [
+    "LentChannel",
     "ProcessCertificates",
     "RotatingChannel",
     "client_credentials",

@@ -410,9 +410,10 @@ def resolver_watch(
     replica (several: each attempt takes the next, `in_turn`).
 
     Each stream borrows the channel with `lend()`, which holds it: a certificate
-    renewal gives new calls a new channel but leaves the old one open under the
-    stream, so the Watch is not cut (and re-synced) at every renewal. The watch
-    closes what it was lent after each stream, which lets go of the hold; the
+    renewal gives new calls a new channel, and the watch moves its stream there
+    (make-before-break, resuming from the view held; `ResolverWatch`'s handover),
+    so the Watch is neither re-synced at every renewal nor left on the retired
+    channel. The watch closes what it was lent, which lets go of the hold; the
     process closes the channel itself when it stops."""
     from waygate.resolver.client import ResolverWatch, in_turn
 

@@ -17,6 +17,15 @@ Invariants:
 - Every attempt uses a fresh channel from `channel_factory` (`in_turn`: the
   next of several resolver replicas), closed when the attempt ends, and waits out a jittered backoff after a failure; a stream
   silent for `stale_after` seconds (no event, no heartbeat) counts as failed.
+- A stream on a lent rotating channel (`waygate.core.grpctls.LentChannel`) moves
+  to the renewed channel after a certificate renewal, make-before-break: a new
+  stream resumes from the view held while the old one keeps applying; once the
+  new one has answered and nothing was applied meanwhile, the old call is
+  cancelled and its channel let go (an event the old stream delivered after
+  that point is dropped: the new stream, resuming before it, delivers it). No
+  update is lost or applied twice. A handover not done within
+  `handover_timeout` becomes an ordinary reconnect (resume from the held view,
+  which keeps serving), so a retired channel is let go within that bound.
 - While the resolver is away, the last view keeps serving; `staleness()` and
   the `waygate_resolver_client_staleness_seconds` gauge say for how long.
 - Cancelling `run()` closes the channel and leaves no task behind.
@@ -41,6 +50,7 @@ from prometheus_client import Counter, Gauge
 
 from waygate.core.backoff import Backoff
 from waygate.core.errors import Unavailable, WaygateError
+from waygate.core.grpctls import LentChannel
 from waygate.resolver import convert
 from waygate.resolver.model import (
     HSTS,
@@ -114,6 +124,12 @@ PRESENCE_GRACE = 15.0
 #: Default silence after which a stream is considered dead: a little over two of
 #: the resolver's default 30 s heartbeats.
 DEFAULT_STALE_AFTER = 75.0
+#: Default bound on moving a stream to a renewed channel (connect, handshake with
+#: the new certificate, the resolver's first answer), after which the watch
+#: reconnects instead and the retired channel is let go.
+HANDOVER_TIMEOUT = 10.0
+#: Pause between two handover attempts within that bound.
+HANDOVER_RETRY = 0.2
 
 STALENESS = Gauge(
     "waygate_resolver_client_staleness_seconds",
@@ -127,6 +143,12 @@ CONNECTED = Gauge(
 RECONNECTS = Counter(
     "waygate_resolver_client_reconnects_total",
     "Resolver Watch streams that ended and were reopened after a backoff.",
+)
+HANDOVERS = Counter(
+    "waygate_resolver_client_handovers_total",
+    "Resolver Watch streams moved to a renewed channel (outcome=moved), or "
+    "reconnected because the move did not complete in time (outcome=reconnected).",
+    ["outcome"],
 )
 
 
@@ -157,6 +179,10 @@ class _StreamBroken(Exception):
 
 class _StreamSilent(Exception):
     """No event or heartbeat within `stale_after`: the stream is taken for dead."""
+
+
+class _HandoverTimedOut(Exception):
+    """The stream could not move to its renewed channel within the bound."""
 
 
 class _Staging:
@@ -229,9 +255,13 @@ class ResolverWatch:
         stale_after: float = DEFAULT_STALE_AFTER,
         on_disconnect: Callable[[str, float], None] | None = None,
         presence_grace: float = PRESENCE_GRACE,
+        handover_timeout: float = HANDOVER_TIMEOUT,
     ) -> None:
         if stale_after <= 0:
             raise ValueError("stale_after must be positive")
+        if handover_timeout <= 0:
+            raise ValueError("handover_timeout must be positive")
+        self._handover_timeout = handover_timeout
         self._channel_factory = channel_factory
         self._kinds = [convert.KINDS[kind] for kind in kinds]
         self._on_view = on_view
@@ -302,10 +332,9 @@ class ResolverWatch:
         CONNECTED.set_function(lambda: 1.0 if self._connected else 0.0)
         logged_unexpected = False
         while True:
-            channel: grpc.aio.Channel | None = None
             try:
-                channel = self._channel_factory()
-                await self._stream(channel)
+                # _stream closes the channel (and any it moved to) when it ends.
+                await self._stream(self._channel_factory())
                 reason = "the resolver ended the Watch stream"
             except grpc.aio.AioRpcError as exc:
                 # The server's own words (cut: a message never floods a log line).
@@ -314,7 +343,7 @@ class ResolverWatch:
                     # An event too large to receive: resuming would get the same
                     # one again; a snapshot comes in bounded chunks.
                     self._resync = True
-            except _StreamSilent as exc:
+            except (_StreamSilent, _HandoverTimedOut) as exc:
                 reason = str(exc)
             except (_StreamBroken, WaygateError) as exc:
                 # WaygateError: an event this client cannot read (convert refused it).
@@ -339,8 +368,6 @@ class ResolverWatch:
                     log.exception("resolver watch: unexpected error; retrying with backoff")
             finally:
                 self._connected = False
-                if channel is not None:
-                    await channel.close()
             current = asyncio.current_task()
             if current is not None and current.cancelling():
                 # Cancelled while the stream was failing anyway: stop, do not retry.
@@ -368,18 +395,39 @@ class ResolverWatch:
             resume_epoch=view.epoch if view else 0,
         )
 
-    async def _stream(self, channel: grpc.aio.Channel) -> None:
-        stub = resolver_pb2_grpc.ResolverStub(channel)
-        call = stub.Watch(self._request())
+    def _watch(self, channel: grpc.aio.Channel | LentChannel) -> Any:
+        return resolver_pb2_grpc.ResolverStub(channel).Watch(self._request())
+
+    async def _stream(self, channel: grpc.aio.Channel | LentChannel) -> None:
+        """One stream (moved to the renewed channel after each renewal, see
+        `_Handover`) until it ends or fails; closes every channel it used."""
+        call: Any = None
+        handover: _Handover | None = None
         staging: _Staging | None = None
         loop = asyncio.get_running_loop()
         try:
+            call = self._watch(channel)
+            if isinstance(channel, LentChannel):
+                handover = _Handover(self, channel, call)
             # One deadline, pushed forward by every event: a silent stream is dead.
             # (asyncio.timeout, not wait_for: wait_for can swallow a cancellation
             # that races with the read's own failure.)
             async with asyncio.timeout(self._stale_after) as deadline:
                 while True:
-                    event = await call.read()
+                    if handover is None:
+                        event = await call.read()
+                    else:
+                        event = await handover.read()
+                        if handover.moved is not None:
+                            # Anything the old stream read after the move is
+                            # dropped: the new one resumed before it.
+                            call.cancel()
+                            await channel.close()
+                            lent, call, event = handover.moved
+                            handover.moved = None
+                            channel = lent
+                            handover = _Handover(self, lent, call)
+                            staging = None  # a snapshot's chunks came from the old stream
                     if event is grpc.aio.EOF:
                         return
                     deadline.reschedule(loop.time() + self._stale_after)
@@ -389,7 +437,11 @@ class ResolverWatch:
                 f"no event or heartbeat from the resolver for {self._stale_after:g}s"
             ) from None
         finally:
-            call.cancel()
+            if handover is not None:
+                await handover.close()
+            if call is not None:
+                call.cancel()
+            await channel.close()
 
     async def _on_event(self, event: pb.WatchEvent, staging: _Staging | None) -> _Staging | None:
         """Apply one event; returns the snapshot still being gathered, if any."""
@@ -560,6 +612,110 @@ class ResolverWatch:
             except Exception:
                 # A consumer's bug must not stop the watch every consumer relies on.
                 log.exception("resolver watch: on_view failed")
+
+
+class _Handover:
+    """Moves one Watch stream to its lent channel's successor after a renewal.
+
+    Make-before-break: when the channel is retired, a task opens a new stream on
+    `renew()` (the connection and the new certificate's handshake happen while
+    the old stream keeps applying), asking to resume from the view held at that
+    moment. Its first event (a resume's immediate answer: the backlog, or an
+    empty Changes confirming the version; or a snapshot) is accepted only if the
+    view is still the one it resumed from, which is checked while the watch
+    waits in the old stream's read (not halfway through applying an event).
+    Accepted, the old call is cancelled to wake that read and `moved` holds the
+    new (channel, call, first event); otherwise the attempt is dropped and
+    another starts from the view now held. All within `handover_timeout`, after
+    which the old call is cancelled and `read()` raises _HandoverTimedOut.
+    One task per renewal, none per event."""
+
+    def __init__(self, watch: ResolverWatch, lent: LentChannel, call: Any) -> None:
+        self._watch = watch
+        self._lent = lent
+        self._call = call
+        self._reading = asyncio.Event()  # set while the watch waits in call.read()
+        self._task: asyncio.Task[None] | None = None
+        self._timed_out = False
+        self.moved: tuple[LentChannel, Any, Any] | None = None
+        lent.on_retired(self._begin)
+
+    def _begin(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def read(self) -> Any:
+        """The old call's next event, or None after a move (then see `moved`)."""
+        self._reading.set()
+        try:
+            event = await self._call.read()
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise
+            if self._timed_out:
+                raise _HandoverTimedOut(
+                    "the Watch stream did not move to the renewed channel within "
+                    f"{self._watch._handover_timeout:g}s; reconnecting"
+                ) from None
+            if self.moved is None:
+                raise  # cancelled by someone else: the run loop's business
+            return None
+        except grpc.aio.AioRpcError:
+            if self.moved is None:
+                raise
+            return None  # the old stream failed after the move: it no longer matters
+        finally:
+            self._reading.clear()
+        return None if self.moved is not None else event
+
+    async def _run(self) -> None:
+        watch = self._watch
+        try:
+            async with asyncio.timeout(watch._handover_timeout):
+                while not await self._attempt():
+                    await asyncio.sleep(HANDOVER_RETRY)
+            HANDOVERS.labels("moved").inc()
+        except TimeoutError:
+            HANDOVERS.labels("reconnected").inc()
+            self._timed_out = True
+        self._call.cancel()  # wakes the watch's read
+
+    async def _attempt(self) -> bool:
+        """One try: True once `moved` is set (the new stream is the watch's now)."""
+        lent = self._lent.renew()
+        call: Any = None
+        try:
+            await lent.channel_ready()
+            await self._reading.wait()
+            view, resync = self._watch._view, self._watch._resync
+            call = self._watch._watch(lent)
+            first = await call.read()
+            if first is grpc.aio.EOF:
+                return False
+            await self._reading.wait()
+            if self._watch._view is not view or self._watch._resync is not resync:
+                return False  # the old stream applied something meanwhile: again
+            self.moved = (lent, call, first)
+            return True
+        except grpc.aio.AioRpcError:
+            return False
+        finally:
+            if self.moved is None or self.moved[0] is not lent:
+                if call is not None:
+                    call.cancel()
+                await lent.close()
+
+    async def close(self) -> None:
+        """Stop a handover in progress (the stream ended): nothing left behind."""
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        moved, self.moved = self.moved, None
+        if moved is not None:  # moved, but the stream ended before taking it
+            moved[1].cancel()
+            await moved[0].close()
 
 
 def _decode_change(change: pb.Change) -> tuple[str, Any]:

@@ -1,6 +1,7 @@
-"""The proxy's resolver Watch holds its rotating channel (issue 18): a certificate
-renewal retires the channel for new calls, but the stream on it is not cut, so
-the proxy does not reconnect and re-sync at every renewal; with several resolver
+"""The proxy's resolver Watch borrows its rotating channel (issue 18): a certificate
+renewal retires the channel for new calls; the stream moves to the renewed one
+(make-before-break, resuming from the view held), so the proxy neither re-syncs
+at every renewal nor keeps the retired channel open; with several resolver
 replicas a lost stream reconnects to the next one. Real gRPC, in-process
 resolvers; the rotation is announced the way the certificate rotator does."""
 
@@ -21,7 +22,7 @@ from waygate.resolver.server import ResolverServicer
 from waygate.resolver.store import Store
 
 
-async def test_the_watch_stream_outlives_a_renewal_and_lets_go_of_the_old_channel() -> None:
+async def test_a_renewal_moves_the_watch_stream_and_the_old_channel_closes() -> None:
     store = Store()
     server = GrpcServer(
         host="127.0.0.1", port=0, registrations=[ResolverServicer(store).registration()]
@@ -44,6 +45,8 @@ async def test_the_watch_stream_outlives_a_renewal_and_lets_go_of_the_old_channe
     rotating.lend = counted  # type: ignore[method-assign]
     views: list[Any] = []
     watch = resolver_watch([rotating], views.append)
+    disconnects: list[str] = []
+    watch._on_disconnect = lambda reason, _delay: disconnects.append(reason)
     task = asyncio.create_task(watch.run())
     try:
         await watch.wait_synced(10)
@@ -51,8 +54,10 @@ async def test_the_watch_stream_outlives_a_renewal_and_lets_go_of_the_old_channe
         for renewal in renewals:
             renewal(None)
         assert rotating.channel() is not old, "new calls get the renewed channel"
-        # Past the grace the old channel waits for its holder instead of closing.
-        await until(lambda: old in rotating._released, "the grace to run out")
+        # The stream moved: nothing holds the old channel, which closes after the grace.
+        await until(
+            lambda: old.get_state() == grpc.ChannelConnectivity.SHUTDOWN, "the old channel to close"
+        )
         store.upsert_service(
             Service("shop", "after", ports=(ServicePort("http", 80, "8080"),)), source="t"
         )
@@ -60,7 +65,10 @@ async def test_the_watch_stream_outlives_a_renewal_and_lets_go_of_the_old_channe
             lambda: ("shop", "after") in watch.view.services,  # type: ignore[union-attr]
             "the change made after the renewal",
         )
-        assert len(lent) == 1, "one stream all along: the renewal did not cut it"
+        assert len(lent) == 2, "a stream on the old channel, then one on the renewed"
+        assert disconnects == [], "moved, not reconnected"
+        assert not any(view.from_snapshot for view in views[1:]), "resumed, never re-synced"
+        assert rotating._holders == {rotating.channel(): 1}
         assert watch.connected
     finally:
         task.cancel()
