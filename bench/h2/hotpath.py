@@ -1,13 +1,14 @@
 """The HTTP/2 path's Python work per request, without sockets, beside the minimal relay's.
 
-    python -m bench.h2.hotpath [--requests N] [--profile waygate|minimal]
+    python -m bench.h2.hotpath [--requests N] [--body 64|16k] [--profile waygate|minimal]
 
 The HTTP/2 counterpart of `bench.proxy.hotpath`: one h2c client connection
 and one pooled HTTP/1.1 upstream connection, over in-memory transports that
 only keep what is written. Each request is one HEADERS frame of a GET (as
 h2load sends it, HPACK-encoded by an h2 client beforehand, one new stream
 each) handed to the connection's `data_received`, then the upstream's
-64-byte answer (as nginx sends it), then one event-loop turn (the proxy sends
+64-byte answer (as nginx sends it; `--body 16k`: its 16 KiB answer, the
+benchmark's other body), then one event-loop turn (the proxy sends
 what a turn queued once). Measured the same way for Waygate's
 `H2ClientConnection` (every rule on) and for the minimal relay of
 `bench.h2.minimal` (the issue's ceiling: same h2 library, same loop, no
@@ -34,6 +35,15 @@ from bench.h2 import minimal
 from bench.proxy.hotpath import HOST, RESPONSE, MemoryTransport
 from bench.proxy.hotpath import build as build_h1
 from waygate.proxy.http2 import H2ClientConnection, H2Limits
+
+# The upstream's 16 KiB answer (bench.proxy's nginx file "16k"), head and body in one read.
+RESPONSE_16K = (
+    RESPONSE.split(b"\r\n\r\n")[0].replace(b"Content-Length: 64", b"Content-Length: 16384")
+    + b"\r\n\r\n"
+    + b"y" * 16383
+    + b"\n"
+)
+RESPONSES = {"64": RESPONSE, "16k": RESPONSE_16K}
 
 
 def client_bytes(requests: int) -> tuple[bytes, list[bytes]]:
@@ -86,35 +96,38 @@ async def relay() -> tuple[Any, Any, Any]:
 class Setup:
     """One connection of `kind` ("waygate" or "minimal") and its requests, fed in batches."""
 
-    def __init__(self, kind: str, conn: Any, upstream: Any, frames: list[bytes]) -> None:
+    def __init__(
+        self, kind: str, conn: Any, upstream: Any, frames: list[bytes], response: bytes
+    ) -> None:
         self.kind = kind
+        self.response = response
         self.conn = conn
         self.upstream = upstream
         self.frames = iter(frames)
 
     async def batch(self, count: int) -> None:
-        conn, upstream, frames = self.conn, self.upstream, self.frames
+        conn, upstream, frames, response = self.conn, self.upstream, self.frames, self.response
         for _ in range(count):
             conn.data_received(next(frames))
-            upstream.data_received(RESPONSE)
+            upstream.data_received(response)
             await asyncio.sleep(0)
 
 
-async def setup(kind: str, requests: int) -> Setup:
+async def setup(kind: str, requests: int, body: str = "64") -> Setup:
     preface, frames = client_bytes(requests + 2000)
     conn, upstream, transport = await (waygate() if kind == "waygate" else relay())
     conn.data_received(preface)
-    ready = Setup(kind, conn, upstream, frames)
+    ready = Setup(kind, conn, upstream, frames, RESPONSES[body])
     await ready.batch(2000)
     assert transport.written > 2000 * 64, transport.written
     return ready
 
 
-async def compare(requests: int, repeats: int) -> tuple[float, float]:
+async def compare(requests: int, repeats: int, body: str) -> tuple[float, float]:
     """Both setups in one process, batches taking turns: best CPU per request of each."""
     setups = [
-        await setup("waygate", requests * repeats),
-        await setup("minimal", requests * repeats),
+        await setup("waygate", requests * repeats, body),
+        await setup("minimal", requests * repeats, body),
     ]
     best = {"waygate": float("inf"), "minimal": float("inf")}
     for turn in range(repeats):
@@ -126,8 +139,8 @@ async def compare(requests: int, repeats: int) -> tuple[float, float]:
     return best["waygate"] * 1e6, best["minimal"] * 1e6
 
 
-async def profile(kind: str, requests: int) -> None:
-    ready = await setup(kind, requests)
+async def profile(kind: str, requests: int, body: str) -> None:
+    ready = await setup(kind, requests, body)
     profiler = cProfile.Profile()
     profiler.enable()
     await ready.batch(requests)
@@ -141,14 +154,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=2_000)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--body", choices=tuple(RESPONSES), default="64")
     parser.add_argument("--profile", choices=("waygate", "minimal"))
     args = parser.parse_args()
     if args.profile:
-        uvloop.run(profile(args.profile, args.requests))
+        uvloop.run(profile(args.profile, args.requests, args.body))
         return
-    ours, floor = uvloop.run(compare(args.requests, args.repeats))
+    ours, floor = uvloop.run(compare(args.requests, args.repeats, args.body))
     print(
-        f"µs of CPU per request (best of {args.repeats} x {args.requests}): "
+        f"µs of CPU per request ({args.body} B body, best of {args.repeats} x {args.requests}): "
         f"Waygate {ours:.1f}, minimal relay {floor:.1f}, minimal / Waygate {floor / ours:.2f}"
     )
 
