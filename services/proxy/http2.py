@@ -71,7 +71,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from waygate.core import httpheaders
-from waygate.proxy import grpcstatus, http1
+from waygate.proxy import grpcstatus, hpackcache, http1
 from waygate.proxy.routing import Side
 
 log = logging.getLogger(__name__)
@@ -367,6 +367,10 @@ def h2_connection(limits: H2Limits, *, client_side: bool) -> h2.connection.H2Con
     )
     conn = h2.connection.H2Connection(config=config)
     conn.state_machine = GracefulStateMachine()
+    # hpack's coders, remembering blocks that leave the header table unchanged
+    # (the same fields, coded the same way: see waygate.proxy.hpackcache).
+    conn.encoder = hpackcache.Encoder()
+    conn.decoder = hpackcache.Decoder()
     codes = h2.settings.SettingCodes
     conn.local_settings = h2.settings.Settings(
         client=client_side,
