@@ -179,7 +179,7 @@ class StreamDownstream:
     ) -> None:
         fields = _head_fields(response)
         if extra:
-            _add_fields(fields, extra[:-2].split(b"\r\n"))
+            fields += _lines_fields(extra, 0, len(extra) - 2)
         if framing == FRAMING_LENGTH:
             fields.append((b"content-length", b"%d" % length))
         elif framing == FRAMING_NONE and response.content_length >= 0:
@@ -325,12 +325,38 @@ _STATUS: Final = {code: (b":status", b"%d" % code) for code in range(100, 1000)}
 _NOT_H2: Final = httpheaders.H2_CONNECTION_SPECIFIC
 
 
+# Header lines -> their HTTP/2 fields, for the blocks seen last: a backend sends
+# the same head over and over (it changes with a Date a second), a target the
+# same sticky cookie, and splitting them into fields again is a Python loop per
+# line. Keys: a forwarded field block (`ResponseHead.fields`, b"\r\nName: value"
+# per line) or extra lines (b"Name: value\r\n" each; never starting with CR).
+# Bounded: blocks of at most _FIELDS_BYTES, at most _FIELDS_ENTRIES of them (all
+# forgotten when full).
+_FIELDS: Final[dict[bytes, tuple[tuple[bytes, bytes], ...]]] = {}
+_FIELDS_ENTRIES: Final = 256
+_FIELDS_BYTES: Final = 2048
+
+
 def _head_fields(head: ResponseHead) -> list[tuple[bytes, bytes]]:
     """A parsed HTTP/1.1 response head as HTTP/2 fields, `:status` first."""
-    fields = [_STATUS[head.status]]
-    if head.fields:
-        _add_fields(fields, head.fields[2:].split(b"\r\n"))
-    return fields
+    block = head.fields
+    if not block:
+        return [_STATUS[head.status]]
+    return [_STATUS[head.status], *_lines_fields(block, 2, len(block))]
+
+
+def _lines_fields(block: bytes, start: int, stop: int) -> tuple[tuple[bytes, bytes], ...]:
+    """The fields of the header lines in block[start:stop], remembered (see _FIELDS)."""
+    known = _FIELDS.get(block)
+    if known is None:
+        split: list[tuple[bytes, bytes]] = []
+        _add_fields(split, block[start:stop].split(b"\r\n"))
+        known = tuple(split)
+        if len(block) <= _FIELDS_BYTES:
+            if len(_FIELDS) >= _FIELDS_ENTRIES:
+                _FIELDS.clear()
+            _FIELDS[block] = known
+    return known
 
 
 def _add_fields(out: list[tuple[bytes, bytes]], lines: list[bytes]) -> None:

@@ -292,3 +292,42 @@ def test_upgrade_to_h2c_is_never_an_upgrade(value):
     assert http1.parse_request_head(head).upgrade == b""
     websocket = head.replace(value, b"websocket")
     assert http1.parse_request_head(websocket).upgrade == b"websocket"
+
+
+def test_response_head_fields_are_remembered_as_copies_and_bounded():
+    from waygate.proxy import h2exchange
+
+    head = (
+        b"HTTP/1.1 200 OK\r\nServer: nginx\r\nDate:  Mon, 23 Nov 2026 04:00:00 GMT \r\n"
+        b"Connection: keep-alive\r\nContent-Length: 2\r\nX-A: b\r\n\r\n"
+    )
+    parsed = http1.parse_response_head(head)
+    expected = [
+        (b":status", b"200"),
+        (b"server", b"nginx"),
+        (b"date", b"Mon, 23 Nov 2026 04:00:00 GMT"),
+        (b"x-a", b"b"),
+    ]
+    first = h2exchange._head_fields(parsed)
+    assert first == expected
+    first.append((b"content-length", b"2"))  # the caller adds to its list...
+    assert h2exchange._head_fields(parsed) == expected  # ...not to what is remembered
+    assert h2exchange._head_fields(
+        http1.parse_response_head(head.replace(b"200 OK", b"404 Not Found"))
+    ) == [
+        (b":status", b"404"),
+        *expected[1:],
+    ]
+    extra = b"Set-Cookie: a=1; Path=/\r\nStrict-Transport-Security: max-age=1\r\n"
+    assert h2exchange._lines_fields(extra, 0, len(extra) - 2) == (
+        (b"set-cookie", b"a=1; Path=/"),
+        (b"strict-transport-security", b"max-age=1"),
+    )
+    # Connection-specific lines added after the parse never become fields.
+    assert h2exchange._lines_fields(b"Upgrade: x\r\nA: 1\r\n", 0, 16) == ((b"a", b"1"),)
+    for index in range(h2exchange._FIELDS_ENTRIES + 10):
+        h2exchange._lines_fields(b"X: %d\r\n" % index, 0, -2)
+    assert len(h2exchange._FIELDS) <= h2exchange._FIELDS_ENTRIES
+    big = b"\r\nX: " + b"v" * h2exchange._FIELDS_BYTES
+    assert h2exchange._lines_fields(big, 2, len(big)) == ((b"x", b"v" * h2exchange._FIELDS_BYTES),)
+    assert big not in h2exchange._FIELDS
