@@ -716,6 +716,15 @@ class ResponseHead:
     upgrade = b""
 
 
+# Response heads parsed last -> their parse (a pure function of the bytes): a
+# backend sends the same head over and over (nginx's changes with its Date, once
+# a second). Bounded: heads of at most _HEADS_BYTES, at most _HEADS_ENTRIES of
+# them (all forgotten when full); each caller gets its own copy to change.
+_HEADS: Final[dict[bytes, ResponseHead]] = {}
+_HEADS_ENTRIES: Final = 256
+_HEADS_BYTES: Final = 2048
+
+
 def parse_response_head(head: bytes) -> ResponseHead:
     """Validate and parse one complete upstream response head; BadMessage means 502.
 
@@ -724,7 +733,27 @@ def parse_response_head(head: bytes) -> ResponseHead:
     the proxy reads and drops finds them; the blocks between them are forwarded
     as sliced. The upstream is the operator's own, so httptools' second parse
     (kept for requests, which come from anyone) is not repeated here.
+
+    A head parsed recently is not parsed again (see _HEADS): its parse is copied.
     """
+    known = _HEADS.get(head)
+    if known is not None:
+        return _copy_head(known)
+    response = _parse_response_head(head)
+    if len(head) <= _HEADS_BYTES:
+        if len(_HEADS) >= _HEADS_ENTRIES:
+            _HEADS.clear()
+        _HEADS[head] = _copy_head(response)
+    return response
+
+
+def _copy_head(response: ResponseHead) -> ResponseHead:
+    copy = ResponseHead.__new__(ResponseHead)
+    copy.__dict__.update(response.__dict__)
+    return copy
+
+
+def _parse_response_head(head: bytes) -> ResponseHead:
     if _RESPONSE_HEAD.fullmatch(head) is None:
         raise BadMessage("upstream sent a malformed response head", 502)
     response = ResponseHead()

@@ -203,6 +203,34 @@ def test_response_headers_named_in_connection_are_dropped() -> None:
     assert head == b"HTTP/1.1 200 OK\r\nServer: x\r\nX-Kept: 1\r\nContent-Length: 0\r\n\r\n"
 
 
+def test_a_repeated_response_head_parses_the_same_into_a_copy_of_its_own() -> None:
+    head = (
+        b"HTTP/1.1 200 OK\r\nServer: x\r\nConnection: keep-alive, X-Internal\r\n"
+        b"X-Internal: secret\r\nContent-Length: 5\r\n\r\n"
+    )
+    first = http1.parse_response_head(head)
+    first.fields += b"\r\nX-Added: by a route"  # a response filter changes its own copy
+    second = http1.parse_response_head(head)
+    assert second is not first
+    assert (second.status, second.fields, second.content_length, second.keep_alive) == (
+        200,
+        b"\r\nServer: x",
+        5,
+        True,
+    )
+    assert http1.parse_response_head(head.replace(b"keep-alive,", b"close,")).keep_alive is False
+    for index in range(http1._HEADS_ENTRIES + 10):
+        http1.parse_response_head(b"HTTP/1.1 200 OK\r\nX: %d\r\n\r\n" % index)
+    assert len(http1._HEADS) <= http1._HEADS_ENTRIES
+    big = b"HTTP/1.1 200 OK\r\nX: " + b"v" * http1._HEADS_BYTES + b"\r\n\r\n"
+    assert http1.parse_response_head(big).fields == b"\r\nX: " + b"v" * http1._HEADS_BYTES
+    assert big not in http1._HEADS
+    with pytest.raises(BadMessage):  # a refused head is refused every time
+        http1.parse_response_head(b"HTTP/1.1 2000 OK\r\n\r\n")
+    with pytest.raises(BadMessage):
+        http1.parse_response_head(b"HTTP/1.1 2000 OK\r\n\r\n")
+
+
 def test_find_head_end_walks_pipelined_heads_in_place() -> None:
     head = b"GET / HTTP/1.1\r\nHost: a\r\n\r\n"
     buffer = head * 3 + b"GET /partial HTTP/1.1\r\n"
