@@ -27,15 +27,19 @@ A dial carries the caller's W3C trace context: the agent's span is its child.
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import logging
 import os
 import secrets
+import select
 import socket
 import ssl
+import time
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
+from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from waygate.core import tracing
@@ -107,6 +111,39 @@ def _literal_address(host: str, port: int) -> list[Any] | None:
         sockaddr = (host, port) if family == socket.AF_INET else (host, port, 0, 0)
         return [(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", sockaddr)]
     return None
+
+
+async def connect_socket(sock: socket.socket, sockaddr: Any, timeout: float) -> None:
+    """Connect the non-blocking `sock` to `sockaddr` within `timeout` (TimeoutError; OSError
+    when refused or unreachable).
+
+    `loop.sock_connect` always waits a loop turn for writability (uvloop's also
+    resolves the address again), though a loopback connect (an agent beside its
+    services) has finished by the time connect() returns EINPROGRESS; polling
+    the socket once without waiting finds that out. Elsewhere: wait for it to
+    become writable, as sock_connect does.
+    """
+    error = sock.connect_ex(sockaddr)
+    if error in (errno.EINPROGRESS, errno.EINTR):
+        poller = select.poll()
+        poller.register(sock, select.POLLOUT)
+        if not poller.poll(0):
+            loop = asyncio.get_running_loop()
+            writable = loop.create_future()
+            loop.add_writer(sock, _set_done, writable)
+            try:
+                async with asyncio.timeout(timeout):
+                    await writable
+            finally:
+                loop.remove_writer(sock)
+        error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+    if error:
+        raise OSError(error, os.strerror(error))
+
+
+def _set_done(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 class _OnDataConnection:
@@ -467,7 +504,7 @@ class AgentStream:
 
     def _span(self, parent: Any, address: str) -> Any:
         """The agent's span of one dial, a child of the dialer's trace context."""
-        span = tracing.tracer().start_as_current_span(
+        span = self.agent.tracer.start_as_current_span(
             "waygate.tunnel.agent/Dial",
             context=parent,
             kind=SpanKind.CLIENT,
@@ -475,6 +512,25 @@ class AgentStream:
             set_status_on_exception=False,
         )
         return span
+
+    def _parked_span(self, traceparent: str, address: str, started: int) -> Any:
+        """The span of a dial on a parked connection, made once its answer is out (a span
+        costs tens of microseconds the dial need not wait for); it starts at `started`."""
+        parent = (
+            tracing.extract_context((("traceparent", traceparent),)) if traceparent != "-" else None
+        )
+        return self.agent.tracer.start_span(
+            "waygate.tunnel.agent/Dial",
+            context=parent,
+            kind=SpanKind.CLIENT,
+            start_time=started,
+            attributes={
+                "waygate.tunnel.node": self.agent.node,
+                "waygate.tunnel.replica": self.server_id,
+                "waygate.tunnel.address": address,
+                "waygate.tunnel.data_connection": True,
+            },
+        )
 
     async def _dial(self, request: pb.DialRequest) -> None:
         parent = tracing.extract_context(request.trace_context.items())
@@ -525,7 +581,14 @@ class AgentStream:
             pool.discard(link)
             link.abort()
             return
+        # Out of the pool at once (its idle time no longer applies); the refill's task
+        # wakes only once this one yields, which on loopback is after the answer is out
+        # (connect_socket does not wait), and its handshake REFILL_DELAY later.
         pool.discard(link)
+        await self._answer_parked(link, line)
+
+    async def _answer_parked(self, link: Link, line: bytes) -> None:
+        started = time.time_ns()
         words = line.decode("ascii", "replace").split(" ")
         if len(words) != 4 or words[0] != "DIAL" or not words[2].isdigit():
             log.warning("tunnel server wrote a malformed dial", extra={"line": line[:80]})
@@ -533,32 +596,34 @@ class AgentStream:
             return
         _verb, address, timeout_ms, traceparent = words
         timeout = int(timeout_ms) / 1000 or self.agent.dial_timeout
-        parent = (
-            tracing.extract_context((("traceparent", traceparent),)) if traceparent != "-" else None
-        )
-        with self._span(parent, address) as span:
-            span.set_attribute("waygate.tunnel.node", self.agent.node)
-            span.set_attribute("waygate.tunnel.replica", self.server_id)
-            span.set_attribute("waygate.tunnel.address", address)
-            span.set_attribute("waygate.tunnel.data_connection", True)
-            try:
-                connect_id, sock = await self._open_destination(address, timeout)
-            except asyncio.CancelledError:
-                link.abort()  # the stream is closing: the replica hears it at once
-                raise
-            except Exception as exc:
-                refused = exc if isinstance(exc, Refused) else None
-                if refused is None:  # a bug must cost this dial, never the stream
+        try:
+            connect_id, sock = await self._open_destination(address, timeout)
+        except asyncio.CancelledError:
+            link.abort()  # the stream is closing: the replica hears it at once
+            raise
+        except Exception as exc:
+            span = self._parked_span(traceparent, address, started)
+            refused = exc if isinstance(exc, Refused) else None
+            if refused is None:  # a bug must cost this dial, never the stream
+                with trace.use_span(span):
                     log.exception("dial failed unexpectedly", extra={"address": address})
-                    refused = Refused(pb.UNREACHABLE, f"agent error: {exc!r}")
-                name = mux.reason_name(refused.reason)
-                span.set_status(Status(StatusCode.ERROR, str(refused)))
-                span.set_attribute("waygate.tunnel.refusal", name)
-                link.write_line("REFUSED", name, str(refused).replace("\n", " "))
-                link.close()
-                return
+                refused = Refused(pb.UNREACHABLE, f"agent error: {exc!r}")
+            name = mux.reason_name(refused.reason)
+            link.write_line("REFUSED", name, str(refused).replace("\n", " "))
+            link.close()
+            span.set_status(Status(StatusCode.ERROR, str(refused)))
+            span.set_attribute("waygate.tunnel.refusal", name)
+            span.end()
+            return
+        # The answer before the transport is made: the replica (and the dialer) hear it
+        # one loop turn sooner; what the destination sends meanwhile waits in `Pending`.
+        link.write_line("OK", str(connect_id))
+        try:
+            await self._relay(link, sock)
+        finally:
+            span = self._parked_span(traceparent, address, started)
             span.set_attribute("waygate.tunnel.connection_id", connect_id)
-            await self._relay(link, sock, ("OK", str(connect_id)))
+            span.end()
 
     def learn_data_address(self, address: str, park_key: str = "") -> None:
         if self.pool is not None or not address or not self.agent.data_connections:
@@ -594,9 +659,12 @@ class AgentStream:
         await self._relay(link, sock, ("DATA", token, str(connect_id)))
         return True
 
-    async def _relay(self, link: Link, sock: socket.socket, line: tuple[str, ...]) -> bool:
-        """Answer `line` on `link` and splice it to the destination socket `sock` (both
-        are aborted instead when the stream closed meanwhile)."""
+    async def _relay(
+        self, link: Link, sock: socket.socket, line: tuple[str, ...] | None = None
+    ) -> bool:
+        """Answer `line` on `link` (None: the answer is out already) and splice it to the
+        destination socket `sock` (both are aborted instead when the stream closed
+        meanwhile)."""
         try:
             transport, _ = await asyncio.get_running_loop().connect_accepted_socket(Pending, sock)
         except OSError:
@@ -609,7 +677,8 @@ class AgentStream:
             return False
         # The line goes before the splice: a destination that speaks first (held by
         # `Pending`) must not get its bytes ahead of it.
-        link.write_line(*line)
+        if line is not None:
+            link.write_line(*line)
         done = splice(link, transport)
         self.relays[done] = (link, transport)
         done.add_done_callback(self._relay_done)
@@ -628,26 +697,27 @@ class AgentStream:
             raise Refused(pb.INVALID, "malformed address")
         port = int(port_text)
         loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         try:
-            async with asyncio.timeout(timeout):
-                infos = _literal_address(host, port) or await loop.getaddrinfo(
-                    host, port, type=socket.SOCK_STREAM
+            infos = _literal_address(host, port)
+            if infos is None:
+                async with asyncio.timeout(timeout):
+                    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            allowed = [i for i in infos if self.agent.allow.allows(str(i[4][0]), port)]
+            if not allowed:
+                raise Refused(
+                    pb.NOT_ALLOWED, f"destination {address} is not in the agent's allow-list"
                 )
-                allowed = [i for i in infos if self.agent.allow.allows(str(i[4][0]), port)]
-                if not allowed:
-                    raise Refused(
-                        pb.NOT_ALLOWED, f"destination {address} is not in the agent's allow-list"
-                    )
-                connect_id = next(self._ids)
-                family, _type, proto, _name, sockaddr = allowed[0]
-                sock = socket.socket(family, socket.SOCK_STREAM, proto)
-                try:
-                    sock.setblocking(False)
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    await loop.sock_connect(sock, sockaddr)
-                except BaseException:
-                    sock.close()
-                    raise
+            connect_id = next(self._ids)
+            family, _type, proto, _name, sockaddr = allowed[0]
+            sock = socket.socket(family, socket.SOCK_STREAM, proto)
+            try:
+                sock.setblocking(False)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                await connect_socket(sock, sockaddr, deadline - loop.time())
+            except BaseException:
+                sock.close()
+                raise
         except TimeoutError:
             raise Refused(pb.TIMEOUT, f"connecting to {address} timed out") from None
         except OSError as exc:
@@ -758,6 +828,8 @@ class Agent:
         # Park pooled connections on replicas that take them (dials without a round
         # trip on the Connect stream); False behaves as an agent before parking.
         self.park = park
+        # One tracer for every dial (get_tracer costs ~20 us per call).
+        self.tracer = tracing.tracer()
         self._backoff = backoff or Backoff(initial=0.2, maximum=10.0)
         self.streams: dict[str, AgentStream] = {}  # server id -> stream
         self.replicas: frozenset[str] = frozenset()

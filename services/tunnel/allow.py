@@ -95,12 +95,29 @@ def entries_problem(entries: Iterable[str]) -> str | None:
     return None
 
 
+# How many (address, port) verdicts an AllowList remembers: an agent dials few
+# destinations, and ipaddress's parse and containment checks cost ~40 us a dial.
+VERDICTS = 1024
+
+
 class AllowList:
     def __init__(self, entries: Iterable[str], own: Iterable[Address] | None = None) -> None:
         own_addresses = tuple(node_addresses() if own is None else own)
         self.entries = tuple(parse_entry(e, own_addresses) for e in entries)
+        # The entries never change once built, so a verdict never goes stale; the
+        # table is bounded (cleared when full).
+        self._verdicts: dict[tuple[str, int], bool] = {}
 
     def allows(self, address: str, port: int) -> bool:
+        key = (address, port)
+        verdict = self._verdicts.get(key)
+        if verdict is None:
+            if len(self._verdicts) >= VERDICTS:
+                self._verdicts.clear()
+            verdict = self._verdicts[key] = self._judge(address, port)
+        return verdict
+
+    def _judge(self, address: str, port: int) -> bool:
         try:
             parsed = ipaddress.ip_address(address.split("%", 1)[0])
         except ValueError:

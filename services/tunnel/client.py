@@ -207,6 +207,31 @@ class DataStream:
         self.link.abort()
 
 
+class _Target:
+    """What one dial asks for, in the form each way of dialling needs it (built lazily:
+    the raw dial needs only its preamble line, not the gRPC frame)."""
+
+    __slots__ = ("host", "node", "port", "timeout", "traceparent")
+
+    def __init__(self, node: str, host: str, port: int, timeout: float) -> None:
+        self.node, self.host, self.port, self.timeout = node, host, port, timeout
+        self.traceparent = ""
+
+    def preamble(self, timeout: float) -> bytes:
+        return (
+            f"DIAL {self.node} {self.host or '-'} {self.port} {int(timeout * 1000)} "
+            f"{self.traceparent or '-'}\n"
+        ).encode("utf-8", "replace")
+
+    def frame(self) -> pb.DialFrame:
+        timeout = self.timeout
+        target = pb.DialTarget(node=self.node, host=self.host, port=self.port)
+        target.connect_timeout.CopyFrom(
+            duration_pb2.Duration(seconds=int(timeout), nanos=int(timeout % 1 * 1e9))
+        )
+        return pb.DialFrame(target=target)
+
+
 # At most this many warm pools (one per replica data listener a dialer uses).
 MAX_POOLS = 64
 
@@ -388,22 +413,21 @@ class TunnelClient:
         else:
             parent = None
         span = self._tracer.start_span(
-            "waygate.tunnel.v1.Tunnel/Dial", context=parent, kind=SpanKind.CLIENT
+            "waygate.tunnel.v1.Tunnel/Dial",
+            context=parent,
+            kind=SpanKind.CLIENT,
+            attributes={"waygate.tunnel.node": node},
         )
-        span.set_attribute("waygate.tunnel.node", node)
         carrier: dict[str, str] = {}
         tracing.inject_context(carrier, trace.set_span_in_context(span))
         metadata = tuple(carrier.items())
-        target = pb.DialTarget(node=node, host=host, port=port)
-        target.connect_timeout.CopyFrom(
-            duration_pb2.Duration(seconds=int(timeout), nanos=int(timeout % 1 * 1e9))
-        )
-        first = pb.DialFrame(target=target)
+        target = _Target(node, host, port, timeout)
+        target.traceparent = carrier.get("traceparent", "")
         last: DialFailed | None = None
         try:
             for address in servers:
                 try:
-                    stream = await self._dial_one(address, first, metadata, timeout)
+                    stream = await self._dial_one(address, target, metadata, timeout)
                 except DialFailed as failed:
                     last = failed
                     if not failed.retryable:
@@ -503,26 +527,13 @@ class TunnelClient:
         self,
         address: str,
         where: tuple[str, int],
-        target: pb.DialTarget,
-        traceparent: str,
+        target: _Target,
         timeout: float,
     ) -> DataStream:
         context = self._ssl_context() if self._ssl_context is not None else None
         pool = self._pool(address, where, context)
         pooled = pool.take() if pool is not None else None
-        preamble = (
-            " ".join(
-                (
-                    "DIAL",
-                    target.node,
-                    target.host or "-",
-                    str(target.port),
-                    str(int(timeout * 1000)),
-                    traceparent or "-",
-                )
-            ).encode("utf-8", "replace")
-            + b"\n"
-        )
+        preamble = target.preamble(timeout)
         while True:
             link = pooled or (await self._greeted_link(address, where, context, timeout))[0]
             try:
@@ -564,13 +575,13 @@ class TunnelClient:
         )
 
     async def _dial_one(
-        self, address: str, first: pb.DialFrame, metadata: Any, timeout: float
+        self, address: str, target: _Target, metadata: Any, timeout: float
     ) -> TunnelStream | DataStream:
         if self.data_path:
             where = await self._data_address(address, timeout)
             if where is not None:
-                traceparent = dict(metadata).get("traceparent", "")
-                return await self._dial_raw(address, where, first.target, traceparent, timeout)
+                return await self._dial_raw(address, where, target, timeout)
+        first = target.frame()
         channel = self.channel(address)
         call = tunnel_pb2_grpc.TunnelStub(channel).Dial(metadata=metadata)
         self._stream_started(channel, call)

@@ -120,6 +120,7 @@ class DataListener:
         self.max_idle_per_peer = max_idle_per_peer
         self._idle: collections.Counter[str] = collections.Counter()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._tracer = tracing.tracer()  # one for every dial: get_tracer costs ~20 us a call
         self._server: asyncio.Server | None = None
         self.port = 0
 
@@ -271,7 +272,7 @@ class DataListener:
         parent = (
             tracing.extract_context((("traceparent", traceparent),)) if traceparent != "-" else None
         )
-        with tracing.tracer().start_as_current_span(
+        with self._tracer.start_as_current_span(
             "waygate.tunnel.data/Tunnel/Dial", context=parent, kind=SpanKind.SERVER
         ) as span:
             try:
@@ -294,15 +295,16 @@ class DataListener:
                 )
                 connection = await hub.dial(node, address, timeout)
             except Refused as refused:
-                span.set_attribute("waygate.tunnel.refusal", mux.reason_name(refused.reason))
                 link.write_line("REFUSED", mux.reason_name(refused.reason), str(refused))
                 link.close()
+                span.set_attribute("waygate.tunnel.refusal", mux.reason_name(refused.reason))
                 return
-            span.set_attribute("waygate.tunnel.connection_id", connection.connect_id)
-        try:
+            # The answer first; the span's bookkeeping after it (the dialer waits for this).
             link.write_line(
                 "OK", hub.server_id, connection.session.agent_id, str(connection.connect_id)
             )
+            span.set_attribute("waygate.tunnel.connection_id", connection.connect_id)
+        try:
             if isinstance(connection, DataConnection):
                 await connection.relay_to(link)
             else:

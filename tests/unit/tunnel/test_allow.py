@@ -73,3 +73,20 @@ def test_credit_never_exceeds_its_limit_whatever_the_peer_grants() -> None:
     assert credit.available == 1024
     credit.grant(1 << 40)  # and granting a terabyte
     assert credit.available == 1024
+
+
+def test_remembered_verdicts_stay_right_and_the_table_stays_bounded() -> None:
+    from waygate.tunnel.allow import VERDICTS
+
+    allow = AllowList(["10.0.0.0/8:80"], own=())
+    for _ in range(2):  # the second round answers from the table
+        assert allow.allows("10.0.0.1", 80)
+        assert not allow.allows("10.0.0.1", 81)
+        assert not allow.allows("11.0.0.1", 80)
+        assert not allow.allows("not-an-address", 80)
+    for n in range(VERDICTS * 2 + 3):
+        address = f"10.{n >> 16 & 255}.{n >> 8 & 255}.{n & 255}"
+        assert allow.allows(address, 80)
+        assert not allow.allows(address, 443)
+        assert len(allow._verdicts) <= VERDICTS
+    assert not allow.allows("11.0.0.1", 80)
