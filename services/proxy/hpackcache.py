@@ -23,6 +23,7 @@ Invariants:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from typing import Any
 
@@ -34,6 +35,7 @@ from hpack.table import HeaderTable
 ENTRIES = 32
 BLOCK_BYTES = 512
 FIELDS = 64
+_HEADER_TUPLE = itertools.repeat(hpack.HeaderTuple)
 
 
 class CountedTable(HeaderTable):
@@ -71,10 +73,11 @@ class Encoder(hpack.Encoder):
             blocks.clear()
             self._generation = table.generation
         # A HeaderTuple (a never-indexed one is one) equals the plain tuple of
-        # its name and value: only plain tuples are looked up and remembered.
+        # its name and value: only plain 2-tuples are remembered, and a block
+        # with a HeaderTuple is never served (the check runs in C: map, isinstance).
         key = tuple(headers)
         encoded = blocks.get(key)
-        if encoded is not None and _plain(key):
+        if encoded is not None and not any(map(isinstance, key, _HEADER_TUPLE)):
             return encoded
         encoded = super().encode(headers, huffman)
         if (
