@@ -282,8 +282,13 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
         self._snapshot_slots = asyncio.Semaphore(SNAPSHOT_SLOTS)
 
     def registration(self) -> ServiceRegistration:
+        # Watch makes no child spans, and is fanned out to every watcher: its
+        # steps run without the stream's span current (the span still covers it).
         return ServiceRegistration(
-            SERVICE_NAME, resolver_pb2_grpc.add_ResolverServicer_to_server, self
+            SERVICE_NAME,
+            resolver_pb2_grpc.add_ResolverServicer_to_server,
+            self,
+            untraced_steps=frozenset({"Watch"}),
         )
 
     async def Resolve(

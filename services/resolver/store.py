@@ -21,6 +21,12 @@ Invariants:
 - A subscription never queues without bound: pending changes are coalesced to
   the latest state per key, and past `max_pending` keys the subscriber is
   given a fresh snapshot instead.
+- Offering a batch costs each subscription constant work (issue 18's fan-out:
+  a change to 1,000 streams must not cost 1,000 walks over its changes): it
+  keeps a reference to the batch (kinds checked against the batch's own kinds,
+  computed once), and the changes are coalesced only when the backlog is taken
+  (once per distinct backlog, shared) or when it outgrows `max_pending`
+  changes (then once, to bound it).
 - A backlog is a function of (the subscriber's version, its kinds, the store's
   version): subscribers that are behind by the same changes get one shared
   coalesced Batch object, so a storm of slow watchers costs one conversion
@@ -48,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import secrets
 import time
@@ -95,6 +102,41 @@ class Batch:
     # every subscriber at one version and of the same kinds shares.
     shared: bool = False
 
+    @functools.cached_property
+    def kind_bits(self) -> int:
+        """The kinds its changes are of, as `kinds_mask` bits (computed once: every
+        subscription checks it, with integer operations, not Enum hashing)."""
+        return kinds_mask(change.kind for change in self.changes)
+
+
+_KIND_BITS = {kind: 1 << index for index, kind in enumerate(Kind)}
+
+
+def kinds_mask(kinds: Iterable[Kind]) -> int:
+    """Kinds as bits of an int (one per Kind)."""
+    mask = 0
+    for kind in kinds:
+        mask |= _KIND_BITS[kind]
+    return mask
+
+
+def _coalesce(
+    pending: dict[tuple[Kind, Any], Change], batches: Iterable[Batch], kinds: frozenset[Kind]
+) -> bool:
+    """Fold `batches`' changes of `kinds` into `pending` (latest state per key, in the
+    order of the last changes); True when an older state of some key was dropped."""
+    coalesced = False
+    for batch in batches:
+        for change in batch.changes:
+            if change.kind not in kinds:
+                continue
+            slot = (change.kind, change.key)
+            if slot in pending:
+                del pending[slot]
+                coalesced = True
+            pending[slot] = change
+    return coalesced
+
 
 @dataclass(frozen=True, eq=False)
 class Snapshot:
@@ -124,12 +166,14 @@ class Subscription:
         self._max_pending = max_pending
         # Version of the last Snapshot or Batch handed out (what the consumer holds).
         self.version = 0
+        self._mask = kinds_mask(kinds)
         self._needs_snapshot = True
+        # The backlog: `_pending` (changes already coalesced, only once the batches
+        # outgrew max_pending) then the batches offered since, kept as they are.
         self._pending: dict[tuple[Kind, Any], Change] = {}
         self._coalesced = False
-        # The store's own Batch when the backlog is exactly that one batch: handed
-        # out as is, so every up-to-date subscriber shares one object.
-        self._whole: Batch | None = None
+        self._behind: list[Batch] = []
+        self._behind_changes = 0
         self._wakeup = asyncio.Event()
         self._wakeup.set()
         self.closed = False
@@ -137,37 +181,36 @@ class Subscription:
         self._sources_news = False
 
     def _offer(self, batch: Batch) -> None:
-        if self._needs_snapshot:
+        """Constant work (one store commit reaches every subscription): the batch is
+        kept by reference and coalesced only when taken, or to bound the backlog."""
+        if self._needs_snapshot or not self._mask & batch.kind_bits:
             return
-        pending = self._pending
-        self._whole = (
-            batch
-            if not pending
-            and batch.from_version == self.version
-            and all(change.kind in self.kinds for change in batch.changes)
-            else None
-        )
-        for change in batch.changes:
-            if change.kind not in self.kinds:
-                continue
-            slot = (change.kind, change.key)
-            if slot in pending:
-                # Keep the latest state only, and move it to the end so the
-                # order of the backlog is the order of the last changes.
-                del pending[slot]
-                self._coalesced = True
-            pending[slot] = change
-        if len(pending) > self._max_pending:
+        self._behind.append(batch)
+        self._behind_changes += len(batch.changes)
+        if self._behind_changes > self._max_pending:
+            self._fold()
+        self._wakeup.set()
+
+    def _fold(self) -> None:
+        """Coalesce the batches kept into `_pending`; past `max_pending` keys, the
+        subscriber gets a fresh snapshot instead."""
+        if _coalesce(self._pending, self._behind, self.kinds):
+            self._coalesced = True
+        self._behind = []
+        self._behind_changes = len(self._pending)
+        if len(self._pending) > self._max_pending:
             log.info(
                 "watch backlog over %d keys; the subscriber gets a fresh snapshot",
                 self._max_pending,
             )
-            pending.clear()
-            self._coalesced = False
-            self._whole = None
+            self._clear()
             self._needs_snapshot = True
-        if pending or self._needs_snapshot:
-            self._wakeup.set()
+
+    def _clear(self) -> None:
+        self._pending = {}
+        self._coalesced = False
+        self._behind = []
+        self._behind_changes = 0
 
     def _sources_changed(self) -> None:
         if not self._needs_snapshot:
@@ -182,12 +225,13 @@ class Subscription:
 
     @property
     def backlog(self) -> int:
-        """Keys waiting for the consumer (never more than `max_pending`)."""
-        return len(self._pending)
+        """Changes waiting for the consumer, before coalescing (never more than
+        `max_pending`)."""
+        return self._behind_changes
 
     def ready(self) -> bool:
         """True when `next()` would return without waiting."""
-        return self._needs_snapshot or bool(self._pending)
+        return self._needs_snapshot or bool(self._behind) or bool(self._pending)
 
     def take(self) -> Snapshot | Batch | None:
         """The next item if one is ready, else None (never waits)."""
@@ -197,46 +241,49 @@ class Subscription:
             snapshot = self._store.snapshot(self.kinds)
             self._sources_news = False  # every event carries the sources' states
             self._needs_snapshot = False
-            self._pending.clear()
-            self._coalesced = False
-            self._whole = None
+            self._clear()
             self.version = snapshot.version
             return snapshot
-        if not self._pending:
+        behind = self._behind
+        if not behind and not self._pending:
             return None
         self._sources_news = False
-        whole = self._whole
-        if whole is not None and whole.version == self._store.version:
-            self._pending = {}
-            self._whole = None
+        store = self._store
+        whole = behind[0] if len(behind) == 1 and not self._pending else None
+        if (
+            whole is not None
+            and whole.from_version == self.version
+            and whole.version == store.version
+            and not whole.kind_bits & ~self._mask
+        ):
+            # Exactly the store's own batch: handed out as is, so every
+            # up-to-date subscriber shares one object.
+            self._clear()
             self.version = whole.version
             return whole
         # Every subscriber at this version and of these kinds has exactly this
         # backlog (it is what the batches since its version make of its kinds),
         # so the first to ask builds the Batch and the others share it.
-        backlogs = self._store._backlogs
         key = (self.version, self.kinds)
-        batch = backlogs.get(key)
+        batch = store._backlogs.get(key)
         if batch is None:
-            batch = backlogs[key] = Batch(
+            pending = self._pending
+            coalesced = _coalesce(pending, behind, self.kinds) or self._coalesced
+            batch = store._backlogs[key] = Batch(
                 from_version=self.version,
-                version=self._store.version,
-                changes=tuple(self._pending.values()),
-                coalesced=self._coalesced,
+                version=store.version,
+                changes=tuple(pending.values()),
+                coalesced=coalesced,
                 shared=True,
             )
-        self._pending = {}
-        self._coalesced = False
-        self._whole = None
+        self._clear()
         self.version = batch.version
         return batch
 
     def resync(self) -> None:
         """Give the consumer a fresh snapshot next (what it holds cannot be continued)."""
         self._needs_snapshot = True
-        self._pending.clear()
-        self._coalesced = False
-        self._whole = None
+        self._clear()
         self._wakeup.set()
 
     def heartbeat(self) -> Batch:
@@ -288,7 +335,7 @@ class Subscription:
         """Stop receiving; a consumer waiting in `next()` gets SubscriptionEnded."""
         if not self.closed:
             self.closed = True
-            self._pending.clear()
+            self._clear()
             self._store._subscriptions.discard(self)
             self._wakeup.set()
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 
+from waygate.resolver import store as store_module
 from waygate.resolver.model import (
     Endpoint,
     EndpointPort,
@@ -355,3 +357,50 @@ async def test_a_kind_filtered_subscription_advances_past_changes_it_does_not_wa
     resumed = store.subscribe([Kind.ROUTES], resume_from=beat.version, resume_epoch=store.epoch)
     assert resumed.take() is None, "resumed within history: nothing new, no snapshot"
     resumed.close()
+
+
+def test_a_commit_costs_each_subscription_no_walk_over_its_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 18's fan-out: offering a batch to 100 subscriptions walks none of its
+    changes (each keeps the batch by reference); 100 laggards behind by the same
+    batches coalesce them once, into one shared backlog."""
+    walks: list[int] = []
+    real = store_module._coalesce
+
+    def counted(pending: Any, batches: Any, kinds: Any) -> bool:
+        walks.append(len(pending))
+        return real(pending, batches, kinds)
+
+    monkeypatch.setattr(store_module, "_coalesce", counted)
+    store = Store(initial_version=0)
+    subs = [store.subscribe() for _ in range(100)]
+    for sub in subs:
+        sub.take()
+    store.set_endpoints("default", "web", [ep(f"10.1.0.{i}") for i in range(50)], source=KUBE)
+    assert walks == []
+    taken = [sub.take() for sub in subs]
+    assert walks == [], "up to date: the store's own batch, as is"
+    assert all(batch is taken[0] for batch in taken)
+    store.set_endpoints("default", "web", [ep("10.1.0.1")], source=KUBE)
+    store.upsert_route(route(), source=FILE)
+    assert walks == []
+    backlogs = [sub.take() for sub in subs]
+    assert len(walks) == 1, "one coalescing for a hundred laggards"
+    assert all(batch is backlogs[0] for batch in backlogs)
+    assert isinstance(backlogs[0], Batch) and backlogs[0].version == store.version
+
+
+def test_a_backlog_past_the_bound_in_changes_but_not_in_keys_stays_a_batch() -> None:
+    """Kept batches are coalesced once their changes outgrow max_pending: the same
+    key changed 20 times is one key, not a reason for a snapshot."""
+    store = Store(initial_version=0)
+    sub = store.subscribe(max_pending=5)
+    sub.take()
+    for i in range(20):
+        store.set_endpoints("default", "web", [ep("10.1.0.1", zone=f"z{i}")], source=KUBE)
+        assert sub.backlog <= 5
+    batch = sub.take()
+    assert isinstance(batch, Batch) and batch.coalesced
+    assert [c.value.zone for c in batch.changes] == ["z19"]
+    assert (batch.from_version, batch.version) == (0, store.version)
