@@ -17,6 +17,7 @@ from tests.integration.proxy.harness import RecordingUpstream
 from tests.integration.proxy.test_tls_client_cert import client_ca_route
 from tests.integration.proxy.test_tls_edge import https_proxy
 from tests.support.pki import LocalCA
+from waygate.proxy import tls as waygate_tls
 
 
 def _client(
@@ -78,3 +79,21 @@ async def test_resumed_session_does_not_carry_a_client_certificate_to_another_ro
         )
         assert crossed.startswith(b"HTTP/1.1 403 Forbidden"), crossed[:200]
         assert b"X-Waygate-Error: route demo/other requires a client certificate" in crossed
+
+
+async def test_the_listener_session_cache_is_bounded(
+    tmp_path: Path, upstream: RecordingUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OpenSSL's default cache (20,480 sessions kept two hours, two per TLS 1.3
+    handshake) grew the soak's proxy by tens of MiB: the listener's is bounded."""
+    monkeypatch.setattr(waygate_tls, "SESSION_CACHE", 8)
+    ca = LocalCA()
+    context = ssl.create_default_context(cadata=ca.pem.decode())
+    context.check_hostname = False
+    routes = [client_ca_route(ca, LocalCA(name="Unused"), "auth.test", "auth")]
+    async with https_proxy(tmp_path, routes, upstream, ca) as (_, _, port, certificates, _):
+        for _ in range(20):  # full handshakes: no session offered
+            await asyncio.to_thread(_get, port, context, "plain.test", "plain.test", None)
+        listener = certificates.context
+        assert listener.num_tickets == 1
+        assert 0 < listener.session_stats()["number"] <= 8
