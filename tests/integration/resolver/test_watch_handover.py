@@ -200,7 +200,8 @@ async def test_a_renewal_moves_the_watch_and_closes_the_old_channel_losing_nothi
             assert old.get_state() == grpc.ChannelConnectivity.SHUTDOWN
             # Held now: the current channel only, by the one stream.
             assert setup.rotating._holders == {setup.rotating.channel(): 1}
-            assert len(asyncio.all_tasks()) == tasks_before
+            # The retired channels' closing tasks end just after their state says so.
+            await until(lambda: len(asyncio.all_tasks()) == tasks_before, "tasks at baseline")
             # A call made through the tracing interceptors keeps its connection
             # until the cyclic GC frees it (`open_channel`'s docstring); collected,
             # the retired channels' connections are gone.
