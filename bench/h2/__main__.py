@@ -1,6 +1,6 @@
 """HTTP/2 and gRPC benchmark: Waygate beside HAProxy, nginx and a minimal h2 relay.
 
-    python -m bench.h2 [--duration 2] [--repeats 3]     (about 4-5 minutes)
+    python -m bench.h2 [--duration 2] [--repeats 3]     (about 5-6 minutes)
 
 Every proxy forwards to the same upstream, an nginx (1 worker, HTTP/1.1)
 serving fixed 64 B and 16 KiB bodies (bench.proxy's upstream). h2load
@@ -9,7 +9,10 @@ h2 (TLS, ALPN), 10 connections, with 1 and with 100 concurrent streams per
 connection, for each body size. Peers: HAProxy 2.6 (`proto h2` / `alpn h2`
 bind, `nbthread 1`), nginx (`http2` listen, 1 worker), and the ceiling: a
 minimal h2 -> HTTP/1.1 relay on the same library and loop (bench/h2/minimal.py:
-no rules, no limits). Waygate runs `--workers 1` with every rule on. The
+no rules, no limits), and that relay again on the h2 connection Waygate builds
+(`minimal --tuned`: Waygate's HPACK block memory and library set-up, h2's own
+header checks kept), so that Waygate / tuned relay is the cost of the rules and
+the exchange alone. Waygate runs `--workers 1` with every rule on. The
 proxy under test is pinned to core 0; h2load, the upstream and the resolver
 to core 1. Each proxy takes a 1 s warm-up before its measured run; the
 proxies take turns, order rotated per cell and per turn (`--repeats N`: N turns
@@ -63,6 +66,7 @@ CONNECTIONS = 10
 PROTOCOLS = ("h2c", "h2")
 WAYGATE = "Waygate"
 MINIMAL = "minimal h2 relay"
+TUNED = "minimal relay, Waygate's h2 set-up"
 HAPROXY = "HAProxy"
 NGINX = "nginx"
 
@@ -273,14 +277,17 @@ def measure(
             for name, taken in runs.items()
         }
         turn += 1
-        turns = " ".join(
-            f"{a.rps / b.rps:.2f}/{b.cpu_us / a.cpu_us if a.cpu_us else 0:.2f}"
-            for a, b in zip(runs.get(WAYGATE, []), runs.get(MINIMAL, []), strict=False)
-            if b.rps
-        )
+        turns = {
+            other: " ".join(
+                f"{a.rps / b.rps:.2f}/{b.cpu_us / a.cpu_us if a.cpu_us else 0:.2f}"
+                for a, b in zip(runs.get(WAYGATE, []), runs.get(other, []), strict=False)
+                if b.rps
+            )
+            for other in (MINIMAL, TUNED)
+        }
         print(
-            f"bench.h2: {protocol} {label} x{streams} done; Waygate / minimal by turn "
-            f"(req/s / CPU): {turns}",
+            f"bench.h2: {protocol} {label} x{streams} done; by turn (req/s / CPU): "
+            f"Waygate / minimal {turns[MINIMAL]}; Waygate / tuned {turns[TUNED]}",
             file=sys.stderr,
             flush=True,
         )
@@ -294,14 +301,14 @@ def cpu_ratio(a: Run | None, b: Run | None) -> str:
     return f"{b.cpu_us / a.cpu_us:.2f}"
 
 
-def paired(cell: tuple[str, str, int]) -> str:
-    """Waygate / minimal relay by req/s turn by turn (the two ran minutes apart at
-    most, so a change in the machine's load moves both): the median of the turns'
+def paired(cell: tuple[str, str, int], other: str = MINIMAL) -> str:
+    """Waygate / `other` by req/s turn by turn (the two ran minutes apart at most,
+    so a change in the machine's load moves both): the median of the turns'
     ratios and their range."""
     runs = TURNS.get(cell, {})
     ratios = sorted(
         a.rps / b.rps
-        for a, b in zip(runs.get(WAYGATE, []), runs.get(MINIMAL, []), strict=False)
+        for a, b in zip(runs.get(WAYGATE, []), runs.get(other, []), strict=False)
         if b.rps
     )
     if not ratios:
@@ -318,13 +325,14 @@ def ratio(a: Run | None, b: Run | None) -> str:
 
 
 def render(table: dict[tuple[str, str, int], dict[str, Run]]) -> list[str]:
-    names = [WAYGATE, MINIMAL, HAPROXY, NGINX]
+    names = [WAYGATE, MINIMAL, TUNED, HAPROXY, NGINX]
     lines = [
         "| protocol | body | streams/conn | "
         + " | ".join(f"{n} req/s (CPU µs/req)" for n in names)
         + " | Waygate / minimal | Waygate / minimal, turn by turn | Waygate / minimal, by CPU"
+        + " | Waygate / tuned, turn by turn | Waygate / tuned, by CPU"
         + " | Waygate / HAProxy | Waygate / nginx |",
-        "|---|---|---|" + "---|" * (len(names) + 5),
+        "|---|---|---|" + "---|" * (len(names) + 7),
     ]
     for (protocol, label, streams), cell in table.items():
         if protocol == "h1":
@@ -341,6 +349,8 @@ def render(table: dict[tuple[str, str, int], dict[str, Run]]) -> list[str]:
             + f" | {ratio(cell.get(WAYGATE), cell.get(MINIMAL))}"
             + f" | {paired((protocol, label, streams))}"
             + f" | {cpu_ratio(cell.get(WAYGATE), cell.get(MINIMAL))}"
+            + f" | {paired((protocol, label, streams), TUNED)}"
+            + f" | {cpu_ratio(cell.get(WAYGATE), cell.get(TUNED))}"
             + f" | {ratio(cell.get(WAYGATE), cell.get(HAPROXY))}"
             + f" | {ratio(cell.get(WAYGATE), cell.get(NGINX))} |"
         )  # fmt: skip
@@ -404,7 +414,7 @@ def main(args: argparse.Namespace) -> str:
         )  # fmt: skip
         ports = {
             name: {"h2c": free_port(), "h2": free_port()}
-            for name in (WAYGATE, MINIMAL, HAPROXY, NGINX)
+            for name in (WAYGATE, MINIMAL, TUNED, HAPROXY, NGINX)
         }
         waygate_ports = {**ports[WAYGATE], "h1": ports[WAYGATE]["h2c"]}
         servers = [
@@ -417,6 +427,9 @@ def main(args: argparse.Namespace) -> str:
             Server(MINIMAL, [sys.executable, "-m", "bench.h2.minimal", str(ports[MINIMAL]["h2c"]),
                              str(upstream_port), str(ports[MINIMAL]["h2"]), str(cert), str(key)],
                    ports[MINIMAL], PROXY_CORE),
+            Server(TUNED, [sys.executable, "-m", "bench.h2.minimal", "--tuned", str(ports[TUNED]["h2c"]),
+                           str(upstream_port), str(ports[TUNED]["h2"]), str(cert), str(key)],
+                   ports[TUNED], PROXY_CORE),
             Server(HAPROXY, ["haproxy", "-db", "-f", str(haproxy_h2_conf(directory, ports[HAPROXY], upstream_port, both))],
                    ports[HAPROXY], PROXY_CORE),
             Server(NGINX, ["nginx", "-e", "stderr", "-c", str(nginx_h2_conf(directory, ports[NGINX], upstream_port, cert, key))],

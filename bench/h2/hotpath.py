@@ -1,6 +1,6 @@
 """The HTTP/2 path's Python work per request, without sockets, beside the minimal relay's.
 
-    python -m bench.h2.hotpath [--requests N] [--body 64|16k] [--profile waygate|minimal]
+    python -m bench.h2.hotpath [--requests N] [--body 64|16k] [--profile waygate|minimal|tuned]
 
 The HTTP/2 counterpart of `bench.proxy.hotpath`: one h2c client connection
 and one pooled HTTP/1.1 upstream connection, over in-memory transports that
@@ -13,8 +13,10 @@ what a turn queued once). Measured the same way for Waygate's
 `H2ClientConnection` (every rule on) and for the minimal relay of
 `bench.h2.minimal` (the issue's ceiling: same h2 library, same loop, no
 rules), so the ratio of the two is the CPU-per-request ratio of the h2c
-benchmark without its syscalls and client. `--profile` prints cProfile's
-view of one of them.
+benchmark without its syscalls and client; and for that relay on the h2
+connection Waygate builds (`minimal --tuned`: the library adjustments without
+the rules), whose ratio is what the rules and the exchange cost alone.
+`--profile` prints cProfile's view of one of them.
 """
 
 from __future__ import annotations
@@ -83,9 +85,9 @@ async def waygate() -> tuple[Any, Any, Any]:
     return conn, upstream, conn.transport
 
 
-async def relay() -> tuple[Any, Any, Any]:
+async def relay(tuned: bool = False) -> tuple[Any, Any, Any]:
     state = minimal.Relay(8091)
-    conn = minimal.Client(state)
+    conn = minimal.Client(state, tuned)
     conn.connection_made(MemoryTransport())
     upstream = minimal.Upstream(state)
     upstream.connection_made(MemoryTransport())
@@ -115,7 +117,7 @@ class Setup:
 
 async def setup(kind: str, requests: int, body: str = "64") -> Setup:
     preface, frames = client_bytes(requests + 2000)
-    conn, upstream, transport = await (waygate() if kind == "waygate" else relay())
+    conn, upstream, transport = await (waygate() if kind == "waygate" else relay(kind == "tuned"))
     conn.data_received(preface)
     ready = Setup(kind, conn, upstream, frames, RESPONSES[body])
     await ready.batch(2000)
@@ -123,20 +125,22 @@ async def setup(kind: str, requests: int, body: str = "64") -> Setup:
     return ready
 
 
-async def compare(requests: int, repeats: int, body: str) -> tuple[float, float]:
-    """Both setups in one process, batches taking turns: best CPU per request of each."""
-    setups = [
-        await setup("waygate", requests * repeats, body),
-        await setup("minimal", requests * repeats, body),
-    ]
-    best = {"waygate": float("inf"), "minimal": float("inf")}
+KINDS = ("waygate", "minimal", "tuned")
+
+
+async def compare(requests: int, repeats: int, body: str) -> dict[str, float]:
+    """Every setup in one process, batches taking turns (order rotated): best µs of
+    CPU per request of each."""
+    setups = [await setup(kind, requests * repeats, body) for kind in KINDS]
+    best = dict.fromkeys(KINDS, float("inf"))
     for turn in range(repeats):
-        for ready in setups if turn % 2 == 0 else setups[::-1]:
+        for index in range(len(setups)):
+            ready = setups[(index + turn) % len(setups)]
             started = time.process_time()
             await ready.batch(requests)
             spent = (time.process_time() - started) / requests
             best[ready.kind] = min(best[ready.kind], spent)
-    return best["waygate"] * 1e6, best["minimal"] * 1e6
+    return {kind: spent * 1e6 for kind, spent in best.items()}
 
 
 async def profile(kind: str, requests: int, body: str) -> None:
@@ -155,15 +159,18 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2_000)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--body", choices=tuple(RESPONSES), default="64")
-    parser.add_argument("--profile", choices=("waygate", "minimal"))
+    parser.add_argument("--profile", choices=KINDS)
     args = parser.parse_args()
     if args.profile:
         uvloop.run(profile(args.profile, args.requests, args.body))
         return
-    ours, floor = uvloop.run(compare(args.requests, args.repeats, args.body))
+    spent = uvloop.run(compare(args.requests, args.repeats, args.body))
+    ours = spent["waygate"]
     print(
         f"µs of CPU per request ({args.body} B body, best of {args.repeats} x {args.requests}): "
-        f"Waygate {ours:.1f}, minimal relay {floor:.1f}, minimal / Waygate {floor / ours:.2f}"
+        f"Waygate {ours:.1f}, minimal relay {spent['minimal']:.1f} (minimal / Waygate "
+        f"{spent['minimal'] / ours:.2f}), minimal relay on Waygate's h2 set-up "
+        f"{spent['tuned']:.1f} (tuned / Waygate {spent['tuned'] / ours:.2f})"
     )
 
 

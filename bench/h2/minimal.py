@@ -1,7 +1,7 @@
 """The ceiling under Waygate's HTTP/2 path: a minimal h2 -> HTTP/1.1 relay on the same
 library (h2) and loop (uvloop).
 
-    python -m bench.h2.minimal LISTEN_PORT UPSTREAM_PORT [TLS_PORT CERT KEY]
+    python -m bench.h2.minimal [--tuned] LISTEN_PORT UPSTREAM_PORT [TLS_PORT CERT KEY]
 
 Each HTTP/2 stream becomes one HTTP/1.1 request on an idle keep-alive upstream
 connection (opened when none is idle, kept afterwards); httptools finds where
@@ -10,6 +10,14 @@ h2's (data beyond the client's window is held, nothing else). No routing, no
 header rules, no limits, no timeouts: the least a Python h2 proxy on these
 libraries does per request, so Waygate / minimal shows what its rules and
 exchange machinery cost. Serves until stdin closes.
+
+`--tuned`: the same relay on the h2 connection Waygate itself builds
+(`waygate.proxy.http2.h2_connection`: the HPACK block memory of
+`waygate.proxy.hpackcache`, h2's and hpack's logging silenced, the frame-buffer
+bounds and settings), keeping h2's own inbound header checks, which Waygate
+replaces with its one-pass rules. h2 as shipped pays for things Waygate's set-up
+of the library avoids; against this relay, Waygate / minimal is the cost of the
+rules and the exchange alone, not of the library adjustments.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ import h2.events
 import h2.settings
 import httptools
 import uvloop
+
+from waygate.proxy.http2 import H2Limits, h2_connection
 
 
 class Upstream(asyncio.Protocol):
@@ -87,10 +97,18 @@ class Relay:
 
 
 class Client(asyncio.Protocol):
-    def __init__(self, relay: Relay) -> None:
+    def __init__(self, relay: Relay, tuned: bool = False) -> None:
         self.relay = relay
-        config = h2.config.H2Configuration(client_side=False, header_encoding=None)
-        self.h2 = h2.connection.H2Connection(config=config)
+        if tuned:
+            self.h2 = h2_connection(H2Limits(), client_side=False)
+            # Waygate turns h2's inbound header checks off because its own
+            # one-pass rules replace them; this relay has no rules of its own,
+            # so it keeps h2's (the least RFC 9113 asks of a proxy).
+            self.h2.config.validate_inbound_headers = True
+            self.h2.config.normalize_inbound_headers = True
+        else:
+            config = h2.config.H2Configuration(client_side=False, header_encoding=None)
+            self.h2 = h2.connection.H2Connection(config=config)
         self.transport: asyncio.Transport | None = None
         self.held: dict[int, bytes] = {}
 
@@ -154,14 +172,18 @@ class Client(asyncio.Protocol):
 
 async def main(argv: list[str]) -> None:
     loop = asyncio.get_running_loop()
+    tuned = argv[:1] == ["--tuned"]
+    argv = argv[tuned:]
     relay = Relay(int(argv[1]))
-    servers = [await loop.create_server(lambda: Client(relay), "127.0.0.1", int(argv[0]))]
+    servers = [await loop.create_server(lambda: Client(relay, tuned), "127.0.0.1", int(argv[0]))]
     if len(argv) >= 5:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.load_cert_chain(argv[3], argv[4])
         context.set_alpn_protocols(["h2"])
         servers.append(
-            await loop.create_server(lambda: Client(relay), "127.0.0.1", int(argv[2]), ssl=context)
+            await loop.create_server(
+                lambda: Client(relay, tuned), "127.0.0.1", int(argv[2]), ssl=context
+            )
         )
     await loop.run_in_executor(None, sys.stdin.read)
     for server in servers:
