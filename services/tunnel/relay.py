@@ -914,6 +914,15 @@ async def open_link(
     return link
 
 
+def plain_link(sock: socket.socket) -> SocketLink:
+    """A connected non-blocking TCP socket (the agent's destination) as a plain SocketLink,
+    reading already: what arrives before `splice` is held (`_Holding`, bounded), so a
+    destination that speaks first loses nothing. OSError when the socket is gone already."""
+    link = SocketLink(None, sock, server_side=False)
+    link.start()
+    return link
+
+
 def on_sockets(context: ssl.SSLContext | None) -> bool:
     """Whether data connections are `SocketLink`s here: always plain, and with TLS where
     close_notify alone can be sent (`tls.can_send_close_notify`); `Link` otherwise."""
@@ -1033,8 +1042,9 @@ class _Half(asyncio.Protocol):
         self.ended = False
         # Whether a Link may hand this half its shared decrypt buffer (`_read_plain`):
         # only when the target copies what it is given before `write` returns (a TLS
-        # Link encrypts it into its BIO); a socket transport may keep a reference.
-        self.lend = isinstance(target, Link) and target.encrypts
+        # Link encrypts it into its BIO; a SocketLink sends it or copies what the socket
+        # did not take); a socket transport may keep a reference.
+        self.lend = isinstance(target, SocketLink) or (isinstance(target, Link) and target.encrypts)
 
     def data_received(self, data: bytes) -> None:
         self.target.write(data)
