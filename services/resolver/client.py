@@ -24,7 +24,7 @@ Invariants:
   cancelled and its channel let go (an event the old stream delivered after
   that point is dropped: the new stream, resuming before it, delivers it). No
   update is lost or applied twice. A handover not done within
-  `handover_timeout` becomes an ordinary reconnect (resume from the held view,
+  `handover_timeout` (or failing on a bug) becomes an ordinary reconnect (resume from the held view,
   which keeps serving), so a retired channel is let go within that bound.
 - While the resolver is away, the last view keeps serving; `staleness()` and
   the `waygate_resolver_client_staleness_seconds` gauge say for how long.
@@ -677,6 +677,12 @@ class _Handover:
                     await asyncio.sleep(HANDOVER_RETRY)
             HANDOVERS.labels("moved").inc()
         except TimeoutError:
+            HANDOVERS.labels("reconnected").inc()
+            self._timed_out = True
+        except Exception:
+            # A bug here must not leave the stream on the retired channel for good:
+            # reconnect, as after the bound.
+            log.exception("resolver watch: moving to the renewed channel failed; reconnecting")
             HANDOVERS.labels("reconnected").inc()
             self._timed_out = True
         self._call.cancel()  # wakes the watch's read

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+import pytest
 from cryptography import x509
 from prometheus_client import REGISTRY
 
@@ -26,7 +27,12 @@ from tests.support.pki import LocalCA
 from tests.support.poll import until
 from waygate.core.backoff import Backoff
 from waygate.core.grpcserver import GrpcServer
-from waygate.core.grpctls import RotatingChannel, client_credentials, dynamic_server_credentials
+from waygate.core.grpctls import (
+    LentChannel,
+    RotatingChannel,
+    client_credentials,
+    dynamic_server_credentials,
+)
 from waygate.core.rotation import CertificateRotator, HeldCertificate, TrustBundle, TrustStore
 from waygate.resolver.client import ResolverWatch, View, in_turn
 from waygate.resolver.model import Service, ServicePort
@@ -264,3 +270,37 @@ async def test_a_handover_that_cannot_complete_reconnects_within_the_bound() -> 
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         assert not setup.rotating._holders
+
+
+async def test_a_handover_that_fails_unexpectedly_reconnects_and_lets_go(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug in the move (here: renew() raising) ends in an ordinary reconnect, so the
+    retired channel is still let go and the watch goes on."""
+    async with mtls_resolver() as setup:
+        setup.store.upsert_service(service("first"), source="t")
+        watch = watch_of(setup)
+        task = asyncio.create_task(watch.run())
+        try:
+            await watch.wait_synced(10)
+            old = setup.rotating.channel()
+
+            def broken(_self: LentChannel) -> LentChannel:
+                raise RuntimeError("a bug in the handover")
+
+            monkeypatch.setattr(LentChannel, "renew", broken)
+            await setup.client.renew_once()
+            await until(
+                lambda: old.get_state() == grpc.ChannelConnectivity.SHUTDOWN,
+                "the retired channel to close",
+            )
+            assert any("did not move to the renewed channel" in r for r in setup.disconnects)
+            setup.store.upsert_service(service("after"), source="t")
+            await until(
+                lambda: ("shop", "after") in watch.view.services,  # type: ignore[union-attr]
+                "a change after the reconnect",
+            )
+            assert not task.done()
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
