@@ -254,7 +254,8 @@ class StreamDownstream:
     def refuse(self, exc: BadMessage) -> None:
         metrics = self.server.metrics
         metrics.refused["bad_request"] = metrics.refused.get("bad_request", 0) + 1
-        self.exchange.abandon_upstream()
+        if not self.done:
+            self.exchange.abandon_upstream()
         self.failed(exc.status, exc.reason, False)
 
     def abort(self) -> None:
@@ -315,6 +316,11 @@ class StreamDownstream:
         self.deadline = 0.0
         if self.stream.exchange is self:
             self.stream.exchange = None
+        # The exchange points back here (its `down`): without this the pair is
+        # a reference cycle per stream that only the cyclic collector frees
+        # (young collections every ~150 requests, about 1% of the CPU). Every
+        # call that reaches the exchange through this slot checks `done` first.
+        self.exchange = None  # type: ignore[assignment]
 
 
 # The :status field of each status (the grammar's three digits), built once.

@@ -382,7 +382,7 @@ def request_from_fields(
     method: bytes,
     target: bytes,
     authority: bytes,
-    fields: list[tuple[bytes, bytes]],
+    fields: Sequence[tuple[bytes, bytes]],
     content_length: int,
     chunked: bool,
 ) -> RequestHead:

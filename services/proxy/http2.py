@@ -141,12 +141,38 @@ class Request(NamedTuple):
     authority: bytes
     path: bytes
     scheme: bytes
-    headers: list[tuple[bytes, bytes]]  # regular fields, names lower-case, cookies joined
+    headers: tuple[tuple[bytes, bytes], ...]  # regular fields, names lower-case, cookies joined
     content_length: int  # -1: none
     grpc: bool
 
 
+# Request blocks read last, and what they mean: a client sends the same block
+# over and over (h2load every time; a browser or gRPC client with its :path
+# changing), and hpackcache hands back the same field tuples for the same bytes,
+# so the key's hash is cheap. Only blocks that passed every check are kept (a
+# refused one raises each time); a Request is immutable (its fields a tuple).
+# Bounded: blocks of at most _REQUESTS_FIELDS fields, at most _REQUESTS_ENTRIES
+# of them (all forgotten when full).
+_REQUESTS: dict[tuple[bool, tuple[tuple[bytes, bytes], ...]], Request] = {}
+_REQUESTS_ENTRIES = 256
+_REQUESTS_FIELDS = 32
+
+
 def read_request(headers: list[tuple[bytes, bytes]], end_stream: bool) -> Request:
+    """`_read_request`, remembered for the blocks seen last (see _REQUESTS)."""
+    if len(headers) > _REQUESTS_FIELDS:
+        return _read_request(headers, end_stream)
+    key = (end_stream, tuple(headers))
+    known = _REQUESTS.get(key)
+    if known is None:
+        known = _read_request(headers, end_stream)
+        if len(_REQUESTS) >= _REQUESTS_ENTRIES:
+            _REQUESTS.clear()
+        _REQUESTS[key] = known
+    return known
+
+
+def _read_request(headers: list[tuple[bytes, bytes]], end_stream: bool) -> Request:
     """The pseudo-headers and fields of one request block, checked in one pass.
 
     h2's own inbound checks are off on the proxy's listeners (see
@@ -240,7 +266,7 @@ def read_request(headers: list[tuple[bytes, bytes]], end_stream: bool) -> Reques
         fields.append((b"cookie", b"; ".join(cookies)))
     if end_stream and content_length > 0:
         raise BadRequest("content-length without a body (RFC 9113 section 8.1.1)")
-    return Request(method, authority, path, scheme, fields, content_length, grpc)
+    return Request(method, authority, path, scheme, tuple(fields), content_length, grpc)
 
 
 def check_trailers(headers: list[tuple[bytes, bytes]]) -> None:

@@ -57,7 +57,9 @@ def test_line_breaks_and_nul_in_values_never_become_lines(value):
     with pytest.raises(Malformed):
         read_request([*BASE, (b":authority", b"a"), (b"x-a", value)], True)
     # And were one to get past read_request, the head built from it is refused.
-    request = read_request([*BASE, (b":authority", b"a")], True)._replace(headers=[(b"x-a", value)])
+    request = read_request([*BASE, (b":authority", b"a")], True)._replace(
+        headers=((b"x-a", value),)
+    )
     with pytest.raises(http1.BadMessage):
         request_head(request, chunked=False)
 
@@ -96,7 +98,7 @@ def test_malformed_requests_are_refused(fields):
 
 def test_te_trailers_is_taken_and_not_copied():
     request = read_request([*BASE, AUTH, (b"te", b"trailers"), (b"x-a", b"")], True)
-    assert request.headers == [(b"x-a", b"")]
+    assert request.headers == ((b"x-a", b""),)
 
 
 def test_a_name_that_is_no_token_is_a_bad_request_not_malformed():
@@ -331,3 +333,26 @@ def test_response_head_fields_are_remembered_as_copies_and_bounded():
     big = b"\r\nX: " + b"v" * h2exchange._FIELDS_BYTES
     assert h2exchange._lines_fields(big, 2, len(big)) == ((b"x", b"v" * h2exchange._FIELDS_BYTES),)
     assert big not in h2exchange._FIELDS
+
+
+def test_a_remembered_block_means_the_same_and_a_refused_one_is_refused_again():
+    block = [*BASE, AUTH, (b"content-length", b"3"), (b"x-a", b"1")]
+    first = read_request(list(block), False)
+    assert read_request(list(block), False) is first  # remembered
+    assert first.content_length == 3 and first.headers == ((b"x-a", b"1"),)
+    # The end of the stream is part of what the block means: no body but a length.
+    with pytest.raises(BadRequest, match="content-length without a body"):
+        read_request(list(block), True)
+    with pytest.raises(BadRequest, match="content-length without a body"):
+        read_request(list(block), True)
+    assert read_request(list(block), False) is first
+
+
+def test_the_remembered_blocks_are_bounded():
+    for index in range(http2._REQUESTS_ENTRIES * 2):
+        read_request([*BASE, AUTH, (b"x-n", b"%d" % index)], True)
+    assert 0 < len(http2._REQUESTS) <= http2._REQUESTS_ENTRIES
+    many = [*BASE, AUTH, *[(b"x-%d" % i, b"1") for i in range(http2._REQUESTS_FIELDS)]]
+    before = len(http2._REQUESTS)
+    assert len(read_request(many, True).headers) == http2._REQUESTS_FIELDS
+    assert len(http2._REQUESTS) == before  # a long block is read, not kept
