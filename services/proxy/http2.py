@@ -151,11 +151,12 @@ class Request(NamedTuple):
 # changing), and hpackcache hands back the same field tuples for the same bytes,
 # so the key's hash is cheap. Only blocks that passed every check are kept (a
 # refused one raises each time); a Request is immutable (its fields a tuple).
-# Bounded: blocks of at most _REQUESTS_FIELDS fields, at most _REQUESTS_ENTRIES
-# of them (all forgotten when full).
+# Bounded: blocks of at most _REQUESTS_FIELDS fields and _REQUESTS_BYTES of
+# names and values, at most _REQUESTS_ENTRIES of them (all forgotten when full).
 _REQUESTS: dict[tuple[bool, tuple[tuple[bytes, bytes], ...]], Request] = {}
 _REQUESTS_ENTRIES = 256
 _REQUESTS_FIELDS = 32
+_REQUESTS_BYTES = 2048
 
 
 def read_request(headers: list[tuple[bytes, bytes]], end_stream: bool) -> Request:
@@ -166,9 +167,11 @@ def read_request(headers: list[tuple[bytes, bytes]], end_stream: bool) -> Reques
     known = _REQUESTS.get(key)
     if known is None:
         known = _read_request(headers, end_stream)
-        if len(_REQUESTS) >= _REQUESTS_ENTRIES:
-            _REQUESTS.clear()
-        _REQUESTS[key] = known
+        # Measured only on a miss (the hit path stays one look-up).
+        if sum(len(name) + len(value) for name, value in headers) <= _REQUESTS_BYTES:
+            if len(_REQUESTS) >= _REQUESTS_ENTRIES:
+                _REQUESTS.clear()
+            _REQUESTS[key] = known
     return known
 
 

@@ -356,3 +356,10 @@ def test_the_remembered_blocks_are_bounded():
     before = len(http2._REQUESTS)
     assert len(read_request(many, True).headers) == http2._REQUESTS_FIELDS
     assert len(http2._REQUESTS) == before  # a long block is read, not kept
+
+
+def test_a_large_block_is_read_but_not_remembered():
+    big = [*BASE, AUTH, (b"x-big", b"a" * http2._REQUESTS_BYTES)]
+    before = dict(http2._REQUESTS)
+    assert read_request(big, True).headers == ((b"x-big", b"a" * http2._REQUESTS_BYTES),)
+    assert before == http2._REQUESTS
