@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Final
+from typing import Final, TypeVar
 from urllib.parse import unquote_to_bytes
 
 import httptools
@@ -738,18 +738,23 @@ def parse_response_head(head: bytes) -> ResponseHead:
     """
     known = _HEADS.get(head)
     if known is not None:
-        return _copy_head(known)
+        return copy_head(known)
     response = _parse_response_head(head)
     if len(head) <= _HEADS_BYTES:
         if len(_HEADS) >= _HEADS_ENTRIES:
             _HEADS.clear()
-        _HEADS[head] = _copy_head(response)
+        _HEADS[head] = copy_head(response)
     return response
 
 
-def _copy_head(response: ResponseHead) -> ResponseHead:
-    copy = ResponseHead.__new__(ResponseHead)
-    copy.__dict__.update(response.__dict__)
+_Head = TypeVar("_Head", "RequestHead", "ResponseHead")
+
+
+def copy_head(head: _Head) -> _Head:
+    """A head of its own for a caller of a remembered parse (what is set on it is
+    copied, the class defaults stay shared; lists in it are replaced, never changed)."""
+    copy = type(head).__new__(type(head))
+    copy.__dict__.update(head.__dict__)
     return copy
 
 

@@ -282,11 +282,22 @@ def check_trailers(headers: list[tuple[bytes, bytes]]) -> None:
             raise Malformed("malformed trailer field (RFC 9113 sections 8.1, 8.2)")
 
 
+# Requests read last -> the head each means (a pure function of the Request and
+# `chunked`, usually the very Request read_request remembered): each caller gets
+# its own copy to change. Bounded as _REQUESTS is (entries; heads of at most
+# _REQUESTS_BYTES); a refused request is refused each time.
+_HEADS: dict[tuple[Request, bool], http1.RequestHead] = {}
+
+
 def request_head(request: Request, chunked: bool) -> http1.RequestHead:
     """The HTTP/1.1 request head the request means, by the one rule book
     (`http1.request_from_fields`: what the same request on HTTP/1.1 meets);
     raises `http1.BadMessage`. `chunked`: a body without a length follows."""
-    return http1.request_from_fields(
+    key = (request, chunked)
+    known = _HEADS.get(key)
+    if known is not None:
+        return http1.copy_head(known)
+    head = http1.request_from_fields(
         request.method,
         request.path,
         request.authority,
@@ -294,6 +305,13 @@ def request_head(request: Request, chunked: bool) -> http1.RequestHead:
         request.content_length,
         chunked,
     )
+    if len(request.headers) <= _REQUESTS_FIELDS and (
+        len(head.fields) + len(head.target) <= _REQUESTS_BYTES
+    ):
+        if len(_HEADS) >= _REQUESTS_ENTRIES:
+            _HEADS.clear()
+        _HEADS[key] = http1.copy_head(head)
+    return head
 
 
 class _BoundedFrameBuffer(h2.frame_buffer.FrameBuffer):

@@ -363,3 +363,20 @@ def test_a_large_block_is_read_but_not_remembered():
     before = dict(http2._REQUESTS)
     assert read_request(big, True).headers == ((b"x-big", b"a" * http2._REQUESTS_BYTES),)
     assert before == http2._REQUESTS
+
+
+def test_a_remembered_request_head_is_a_copy_of_its_own_each_time():
+    request = read_request([*BASE, AUTH, (b"cookie", b"a=1"), (b"x-a", b"1")], True)
+    first = request_head(request, chunked=False)
+    first.host = b"changed.test"
+    first.cookie = ()
+    second = request_head(request, chunked=False)
+    assert second is not first
+    assert second.host == b"a" and list(second.cookie) == [b"a=1"]
+    assert second.fields == b"Host: a\r\nx-a: 1\r\ncookie: a=1\r\n"
+    # chunked is part of what the request means.
+    assert request_head(request, chunked=True).chunked and not second.chunked
+    refused = request._replace(headers=((b"x-a", b"a\x01b"),))
+    for _ in range(2):
+        with pytest.raises(http1.BadMessage):
+            request_head(refused, chunked=False)
