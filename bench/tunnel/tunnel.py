@@ -179,17 +179,20 @@ class _Counter(asyncio.Protocol):
     def __init__(self) -> None:
         self.count = 0
         self.done = asyncio.get_running_loop().create_future()
+        self.ended = "not yet"  # how the transfer ended: said when it came up short
 
     def data_received(self, data: bytes) -> None:
         self.count += len(data)
 
     def eof_received(self) -> bool:
         if not self.done.done():
+            self.ended = "EOF"
             self.done.set_result(None)
         return True
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.done.done():
+            self.ended = f"connection lost: {exc!r}"
             self.done.set_result(None)
 
 
@@ -209,7 +212,9 @@ async def _pull_transport(client: TunnelClient, port: int, total: int) -> float:
         stream.link.abort()
     elapsed = time.perf_counter() - started
     if counter.count != total:
-        raise RuntimeError(f"received {counter.count} bytes through the tunnel, expected {total}")
+        raise RuntimeError(
+            f"received {counter.count} bytes through the tunnel, expected {total} ({counter.ended})"
+        )
     return elapsed
 
 
