@@ -56,3 +56,63 @@ async def test_megabytes_both_ways_through_the_splice_arrive_intact(
             assert got.hexdigest() == sent.hexdigest()
     finally:
         await t.close()
+
+
+class _Count(asyncio.Protocol):
+    """What the proxy's upstream protocol sees of a download: bytes, then its end."""
+
+    def __init__(self) -> None:
+        self.received = 0
+        self.ended: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    def data_received(self, data: bytes) -> None:
+        self.received += len(data)
+
+    def eof_received(self) -> bool:
+        if not self.ended.done():
+            self.ended.set_result("EOF")
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.ended.done():
+            self.ended.set_result(f"lost: {exc!r}")
+
+
+async def test_downloads_that_end_with_the_source_closing_arrive_whole(tmp_path: Path) -> None:
+    """A source that sends and closes at once, received as the proxy receives (a protocol
+    on the data connection): every byte arrives, then a clean end, forty times over."""
+    size = 6 * 1024 * 1024
+    chunk = os.urandom(256 * 1024)
+
+    async def source(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readexactly(1)
+            for _ in range(size // len(chunk)):
+                writer.write(chunk)
+                await writer.drain()
+        except (ConnectionError, OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    t = Tunnel(tmp_path)
+    await t.start_server()
+    await t.start_agent()
+    server = await asyncio.start_server(source, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        client = t.client()
+        for attempt in range(40):
+            stream = await client.dial(NODE, port)
+            assert isinstance(stream, DataStream)
+            counter = _Count()
+            stream.link.attach(counter)
+            stream.link.write(b"g")
+            async with asyncio.timeout(60):
+                ended = await counter.ended
+            stream.link.abort()
+            assert (attempt, counter.received, ended) == (attempt, size, "EOF")
+    finally:
+        server.close()
+        await server.wait_closed()
+        await t.close()
