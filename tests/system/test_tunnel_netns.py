@@ -221,11 +221,12 @@ async def test_iptables_steers_node_traffic_into_the_front_and_removes_its_rules
                 ],
                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             )  # fmt: skip
-            await until(lambda: "WAYGATE-TUNNEL" in nat_rules(control_plane), "the DNAT rules")
-            assert (
+            # The chain appears (-N) before its rule is appended (-A): wait for the rule.
+            rule = (
                 f"-A WAYGATE-TUNNEL -d {edge.private_ip}/32 -p tcp -m tcp --dport {backend_port} "
                 f"-j DNAT --to-destination {edge.host_ip}:{server.front_port}"
-            ) in nat_rules(control_plane)
+            )
+            await until(lambda: rule in nat_rules(control_plane), "the DNAT rule")
             after = await asyncio.to_thread(control_plane.run, fetch, 30)
             assert after.stdout.startswith("HTTP/1.1 200 OK"), after.stdout + after.stderr
             assert after.stdout.endswith(TOKEN.decode())
