@@ -361,13 +361,9 @@ async def run(mib: int, dial_seconds: float) -> str:
     with tempfile.TemporaryDirectory(prefix="bench-tunnel-") as tmp:
         directory = Path(tmp)
         ca = LocalCA()
-        server_files = ca.write_files(
-            directory / "server", dns=["localhost"], ips=["127.0.0.1"],
-            uris=["spiffe://bench.local/ns/waygate/sa/waygate-tunnel-server"],
-        )  # fmt: skip
-        client_files = ca.write_files(
-            directory / "client", uris=["spiffe://bench.local/ns/waygate/sa/waygate-proxy"]
-        )
+        from bench.tunnel import tunnel  # (tunnel imports this module's Child)
+
+        server_files, client_files = tunnel.identities(directory, ca)
         sink = Child(
             [sys.executable, "-m", "bench.tunnel.peers", "sink", "127.0.0.1"],
             directory / "sink.log",
@@ -410,8 +406,6 @@ async def run(mib: int, dial_seconds: float) -> str:
                     cpu["ssh", direction] = (after - before) / 2
             except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
                 lines.append(f"ssh -R not measured: {exc}")
-            from bench.tunnel import tunnel
-
             tunnel_report = await tunnel.measure(
                 directory, ca, server_files, client_files,
                 {"bulk": bulk_port, "http": http_port, "source": source_port},

@@ -32,11 +32,7 @@ async def run(count: int, mib: int, seconds: float) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-pull-stress-") as tmp:
         directory = Path(tmp)
         ca = LocalCA()
-        server_files = ca.write_files(
-            directory / "server", dns=["localhost"], ips=["127.0.0.1"],
-            uris=["spiffe://bench.local/ns/waygate/sa/waygate-tunnel-server"],
-        )  # fmt: skip
-        client_files = ca.write_files(directory / "client", uris=[tunnel.DIALER])
+        server_files, client_files = tunnel.identities(directory, ca)
         sink = Child(
             [sys.executable, "-m", "bench.tunnel.peers", "sink", "127.0.0.1"],
             directory / "sink.log",

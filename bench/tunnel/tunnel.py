@@ -52,6 +52,15 @@ class TunnelReport:
     lines: list[str]
 
 
+def identities(directory: Path, ca: LocalCA) -> tuple[IdentityFiles, IdentityFiles]:
+    """The tunnel server's and the dialer's certificate files, issued by the run's CA."""
+    server_files = ca.write_files(
+        directory / "server", dns=["localhost"], ips=["127.0.0.1"],
+        uris=["spiffe://bench.local/ns/waygate/sa/waygate-tunnel-server"],
+    )  # fmt: skip
+    return server_files, ca.write_files(directory / "client", uris=[DIALER])
+
+
 def _log_entry(log: Path, message: str) -> dict | None:  # type: ignore[type-arg]
     for line in log.read_text().splitlines():
         with contextlib.suppress(json.JSONDecodeError):

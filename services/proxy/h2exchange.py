@@ -359,9 +359,7 @@ def _lines_fields(block: bytes, start: int, stop: int) -> tuple[tuple[bytes, byt
         _add_fields(split, block[start:stop].split(b"\r\n"))
         known = tuple(split)
         if len(block) <= _FIELDS_BYTES:
-            if len(_FIELDS) >= _FIELDS_ENTRIES:
-                _FIELDS.clear()
-            _FIELDS[block] = known
+            http1.remember(_FIELDS, block, known, _FIELDS_ENTRIES)
     return known
 
 

@@ -741,13 +741,22 @@ def parse_response_head(head: bytes) -> ResponseHead:
         return copy_head(known)
     response = _parse_response_head(head)
     if len(head) <= _HEADS_BYTES:
-        if len(_HEADS) >= _HEADS_ENTRIES:
-            _HEADS.clear()
-        _HEADS[head] = copy_head(response)
+        remember(_HEADS, head, copy_head(response), _HEADS_ENTRIES)
     return response
 
 
 _Head = TypeVar("_Head", "RequestHead", "ResponseHead")
+_Key = TypeVar("_Key")
+_Value = TypeVar("_Value")
+
+
+def remember(cache: dict[_Key, _Value], key: _Key, value: _Value, entries: int) -> None:
+    """Keep `value` for `key` in a bounded table of pure results (the proxy's remembered
+    parses): past `entries` the whole table is forgotten, so a hit stays one dict
+    look-up with no order to keep."""
+    if len(cache) >= entries:
+        cache.clear()
+    cache[key] = value
 
 
 def copy_head(head: _Head) -> _Head:

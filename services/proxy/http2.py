@@ -168,9 +168,7 @@ def read_request(headers: list[tuple[bytes, bytes]], end_stream: bool) -> Reques
     if known is None:
         known, size = _read_request(headers, end_stream)
         if size <= _REQUESTS_BYTES:
-            if len(_REQUESTS) >= _REQUESTS_ENTRIES:
-                _REQUESTS.clear()
-            _REQUESTS[key] = known
+            http1.remember(_REQUESTS, key, known, _REQUESTS_ENTRIES)
     return known
 
 
@@ -310,9 +308,7 @@ def request_head(request: Request, chunked: bool) -> http1.RequestHead:
     if len(request.headers) <= _REQUESTS_FIELDS and (
         len(head.fields) + len(head.target) <= _REQUESTS_BYTES
     ):
-        if len(_HEADS) >= _REQUESTS_ENTRIES:
-            _HEADS.clear()
-        _HEADS[key] = http1.copy_head(head)
+        http1.remember(_HEADS, key, http1.copy_head(head), _REQUESTS_ENTRIES)
     return head
 
 
