@@ -18,7 +18,9 @@ ratio of (b) (aim >= 0.60), of (c) and of (a).
 
 Also, through the tunnel: dials per second (dial, one request, close; 8
 concurrent dialers), the latency an HTTP request on a fresh connection gains
-over the same request direct (p50/p99), and the RSS of server and agent with
+over the same request direct (p50/p99), the same for `ssh -R` (a request on a
+fresh connection to its forwarded port; the three taken in turn, 100 ms apart),
+and the RSS of server and agent with
 1,000 concurrent idle tunnelled connections.
 
 Run: .venv/bin/python -m bench.tunnel [--mib 1024] [--dial-seconds 5]
@@ -200,9 +202,10 @@ async def push_grpc(port: int, total: int, credentials: grpc.ChannelCredentials)
 
 
 class SshForward:
-    """A local sshd on a free port and `ssh -R` to it, forwarding to the sink."""
+    """A local sshd on a free port and `ssh -R` to it, forwarding to the sink's three
+    listeners (bulk, source and, for the latency peer, HTTP)."""
 
-    def __init__(self, directory: Path, target_port: int, source_port: int) -> None:
+    def __init__(self, directory: Path, target_port: int, source_port: int, http_port: int) -> None:
         sshd, ssh, keygen = (shutil.which(b) for b in ("sshd", "ssh", "ssh-keygen"))
         if sshd is None:
             sshd = "/usr/sbin/sshd" if Path("/usr/sbin/sshd").exists() else None
@@ -219,6 +222,7 @@ class SshForward:
         self.port = free_port()
         self.forward_port = free_port()
         self.source_forward_port = free_port()
+        self.http_forward_port = free_port()
         config = directory / "sshd_config"
         config.write_text(
             "\n".join(
@@ -250,6 +254,7 @@ class SshForward:
                 "-o", "ExitOnForwardFailure=yes", "-o", "BatchMode=yes",
                 "-R", f"127.0.0.1:{self.forward_port}:127.0.0.1:{target_port}",
                 "-R", f"127.0.0.1:{self.source_forward_port}:127.0.0.1:{source_port}",
+                "-R", f"127.0.0.1:{self.http_forward_port}:127.0.0.1:{http_port}",
                 f"{os.environ.get('USER', 'root')}@127.0.0.1",
             ],
             directory / "ssh.log",
@@ -257,6 +262,7 @@ class SshForward:
         )  # fmt: skip
         wait_for_port(self.forward_port, self.ssh)
         wait_for_port(self.source_forward_port, self.ssh)
+        wait_for_port(self.http_forward_port, self.ssh)
         cipher = subprocess.run([ssh, "-G", "127.0.0.1"], capture_output=True, text=True).stdout
         self.ciphers = next(
             (line.split()[1] for line in cipher.splitlines() if line.startswith("ciphers ")), "?"
@@ -396,7 +402,7 @@ async def run(mib: int, dial_seconds: float) -> str:
                 )
                 cpu["grpc", direction] = (cpu_seconds([grpc_sink.process.pid]) - before) / 2
             try:
-                ssh = SshForward(directory / "ssh", bulk_port, source_port)
+                ssh = SshForward(directory / "ssh", bulk_port, source_port, http_port)
                 ssh_pids = [*sink_pids, ssh.ssh.process.pid]
                 for direction, measure in (("up", push_tcp), ("down", pull_tcp)):
                     port = ssh.forward_port if direction == "up" else ssh.source_forward_port
@@ -406,9 +412,11 @@ async def run(mib: int, dial_seconds: float) -> str:
                     cpu["ssh", direction] = (after - before) / 2
             except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
                 lines.append(f"ssh -R not measured: {exc}")
+            ports = {"bulk": bulk_port, "http": http_port, "source": source_port}
+            if ssh is not None:  # the latency peer: a request through ssh -R's forward
+                ports["ssh-http"] = ssh.http_forward_port
             tunnel_report = await tunnel.measure(
-                directory, ca, server_files, client_files,
-                {"bulk": bulk_port, "http": http_port, "source": source_port},
+                directory, ca, server_files, client_files, ports,
                 total, dial_seconds, sink.process.pid,
             )  # fmt: skip
         finally:

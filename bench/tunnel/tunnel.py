@@ -419,31 +419,63 @@ async def _profiled(
     return seconds, {name: _top_frames(directory / f"{name}.txt") for name in pids}
 
 
+async def _spaced(requests: dict[str, Any], count: int, gap: float) -> dict[str, list[float]]:
+    """Milliseconds per request of each kind, `gap` seconds before every request, the kinds
+    taken in turn (round robin): a busy spell on the shared machine falls on all of them."""
+    samples: dict[str, list[float]] = {name: [] for name in requests}
+    for _ in range(count):
+        for name, request in requests.items():
+            await asyncio.sleep(gap)
+            started = time.perf_counter()
+            await request()
+            samples[name].append((time.perf_counter() - started) * 1000)
+    return samples
+
+
+def _added(samples: list[float], base: list[float]) -> tuple[float, float]:
+    """p50 and p99 of `samples` minus those of `base` (the same request, direct)."""
+    return _pct(samples, 0.5) - _pct(base, 0.5), _pct(samples, 0.99) - _pct(base, 0.99)
+
+
 async def _dial_figures(
-    client: TunnelClient, http_port: int, dial_seconds: float, label: str
+    client: TunnelClient,
+    http_port: int,
+    dial_seconds: float,
+    label: str,
+    ssh_port: int | None = None,
 ) -> list[str]:
+    """Dial rate and latency rows; with `ssh_port` (the HTTP port forwarded by `ssh -R`)
+    also the latency `ssh -R` adds, measured in the same round robin as the tunnel's."""
     rate = await _dials_per_second(client, http_port, dial_seconds)
     direct = await _latencies(lambda: _direct_request(http_port), LATENCY_SAMPLES)
     tunnelled = await _latencies(lambda: _tunnel_request(client, http_port), LATENCY_SAMPLES)
-    spaced = await _latencies(
-        lambda: _tunnel_request(client, http_port), LATENCY_SAMPLES // 3, gap=SPACING
-    )
-    direct_spaced = await _latencies(
-        lambda: _direct_request(http_port), LATENCY_SAMPLES // 3, gap=SPACING
-    )
+    kinds: dict[str, Any] = {
+        "direct": lambda: _direct_request(http_port),
+        "tunnel": lambda: _tunnel_request(client, http_port),
+    }
+    if ssh_port is not None:
+        kinds["ssh"] = lambda: _direct_request(ssh_port)
+    spaced = await _spaced(kinds, LATENCY_SAMPLES // 3, SPACING)
 
-    def added(samples: list[float], base: list[float]) -> str:
-        return (
-            f"{_pct(samples, 0.5) - _pct(base, 0.5):.2f} / "
-            f"{_pct(samples, 0.99) - _pct(base, 0.99):.2f} ms"
-        )
+    def shown(added: tuple[float, float]) -> str:
+        return f"{added[0]:.2f} / {added[1]:.2f} ms"
 
-    return [
+    gap = f"{SPACING * 1000:.0f} ms apart"
+    tunnel_added = _added(spaced["tunnel"], spaced["direct"])
+    rows = [
         f"| {label}: dials per second (dial, one HTTP request, close; 8 concurrent) | {rate:,.0f} |",
         f"| {label}: HTTP request on a fresh connection, direct / tunnelled, p50 | {_pct(direct, 0.5):.2f} / {_pct(tunnelled, 0.5):.2f} ms |",
-        f"| **{label}: latency added, requests back to back: p50 / p99** | **{added(tunnelled, direct)}** |",
-        f"| **{label}: latency added, requests {SPACING * 1000:.0f} ms apart (the pools refilled between): p50 / p99** | **{added(spaced, direct_spaced)}** |",
+        f"| **{label}: latency added, requests back to back: p50 / p99** | **{shown(_added(tunnelled, direct))}** |",
+        f"| **{label}: latency added, requests {gap} (the pools refilled between): p50 / p99** | **{shown(tunnel_added)}** |",
     ]  # fmt: skip
+    if "ssh" in spaced:
+        ssh_added = _added(spaced["ssh"], spaced["direct"])
+        ratio = tunnel_added[0] / ssh_added[0] if ssh_added[0] > 0 else float("nan")
+        rows += [
+            f"| ssh -R: latency added, requests {gap} (a fresh connection to the forwarded port), p50 / p99 | {shown(ssh_added)} |",
+            f"| **{label}: latency added at p50 / ssh -R's, {gap}** | **{ratio:.2f}** |",
+        ]  # fmt: skip
+    return rows
 
 
 async def measure(
@@ -524,7 +556,9 @@ async def measure(
         lines.append("")
 
         table = ["| through the tunnel | figure |", "|---|---:|"]
-        table += await _dial_figures(client, http_port, dial_seconds, "warm pools (4 each)")
+        table += await _dial_figures(
+            client, http_port, dial_seconds, "warm pools (4 each)", ports.get("ssh-http")
+        )
 
         rss_before = (server.rss_kib(), agent.rss_kib())
         streams = []
