@@ -161,6 +161,91 @@ def _set_groups(context: ssl.SSLContext, groups: bytes) -> bool:
 _SSL_CTRL_SET_SESS_CACHE_SIZE = 42
 
 
+@functools.cache
+def _shutdown_functions() -> tuple[Any, Any, Any, Any] | None:
+    """SSL_shutdown, SSL_get_error, SSL_get_SSL_CTX and ERR_clear_error from the libssl
+    `_ssl` uses, or None (as `_ssl_ctx_functions`)."""
+    if _ssl_ctx_functions() is None:
+        return None
+    try:
+        libssl = ctypes.CDLL(ssl._ssl.__file__)  # type: ignore[attr-defined]
+        functions = (
+            libssl.SSL_shutdown,
+            libssl.SSL_get_error,
+            libssl.SSL_get_SSL_CTX,
+            libssl.ERR_clear_error,
+        )
+    except (OSError, AttributeError):
+        return None
+    shutdown, get_error, get_ctx, clear = functions
+    shutdown.argtypes = (ctypes.c_void_p,)
+    shutdown.restype = ctypes.c_int
+    get_error.argtypes = (ctypes.c_void_p, ctypes.c_int)
+    get_error.restype = ctypes.c_int
+    get_ctx.argtypes = (ctypes.c_void_p,)
+    get_ctx.restype = ctypes.c_void_p
+    clear.argtypes = ()
+    clear.restype = None
+    return functions
+
+
+def _ssl_pointer(sock: ssl.SSLSocket) -> int | None:
+    """The SSL pointer of a socket-BIO connection (CPython's _ssl._SSLSocket keeps it after
+    the object header and a weak reference), or None unless the SSL there belongs to the
+    socket's own context's SSL_CTX: a layout this code does not know is never used."""
+    functions, ctx_functions = _shutdown_functions(), _ssl_ctx_functions()
+    sslobj = getattr(sock, "_sslobj", None)
+    if functions is None or ctx_functions is None or sslobj is None:
+        return None
+    header = ctypes.sizeof(ctypes.c_ssize_t) + ctypes.sizeof(ctypes.c_void_p)
+    pointer = ctypes.c_void_p.from_address(id(sslobj) + header + ctypes.sizeof(ctypes.c_void_p))
+    ssl_ctx = _ssl_ctx_pointer(sock.context, ctx_functions[1])
+    if not pointer.value or ssl_ctx is None or functions[2](pointer.value) != ssl_ctx:
+        return None
+    return int(pointer.value)
+
+
+@functools.cache
+def can_send_close_notify() -> bool:
+    """Whether `send_close_notify` works in this interpreter (see `_ssl_pointer`): tried
+    once on a throw-away connection that never handshakes."""
+    if _shutdown_functions() is None:
+        return False
+    import socket
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    left, right = socket.socketpair()
+    try:
+        with context.wrap_socket(left, server_hostname="x", do_handshake_on_connect=False) as s:
+            return _ssl_pointer(s) is not None
+    finally:
+        right.close()
+
+
+_SSL_ERROR_WANT_WRITE = 3
+
+
+def send_close_notify(sock: ssl.SSLSocket) -> bool | None:
+    """One SSL_shutdown on a non-blocking socket-BIO connection: sends close_notify (this
+    side's direction only) without waiting for the peer's. `SSLSocket.unwrap` calls
+    SSL_shutdown a second time, which reads the socket for the peer's close_notify and
+    throws away application data it meets there; a half-closed connection goes on
+    reading. True once sent, False when the socket could not take it yet (call again
+    once it is writable: OpenSSL resends the pending alert), None where the SSL cannot
+    be reached or OpenSSL failed (the caller aborts)."""
+    ssl_pointer = _ssl_pointer(sock)
+    functions = _shutdown_functions()
+    if ssl_pointer is None or functions is None:
+        return None
+    shutdown, get_error, _get_ctx, clear = functions
+    result = shutdown(ssl_pointer)
+    if result >= 0:
+        return True
+    error = get_error(ssl_pointer, result)
+    clear()  # nothing of ours left in the thread's error queue for `ssl` to misreport
+    return False if error == _SSL_ERROR_WANT_WRITE else None
+
+
 def set_session_cache_size(context: ssl.SSLContext, size: int) -> bool:
     """SSL_CTX_sess_set_cache_size (Python's ssl does not expose it): OpenSSL keeps up to
     20,480 sessions per server context by default, several KiB each, which a listener

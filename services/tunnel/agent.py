@@ -51,8 +51,8 @@ from waygate.tunnel.mux import MAX_CHUNK, Outbox, ReceiveWindow, Refused
 from waygate.tunnel.relay import (
     Link,
     LinkClosed,
-    Pending,
     open_link,
+    plain_link,
     splice,
     split_address,
 )
@@ -616,7 +616,7 @@ class AgentStream:
             span.end()
             return
         # The answer before the transport is made: the replica (and the dialer) hear it
-        # one loop turn sooner; what the destination sends meanwhile waits in `Pending`.
+        # one loop turn sooner; what the destination sends meanwhile is held (`plain_link`).
         link.write_line("OK", str(connect_id))
         try:
             await self._relay(link, sock)
@@ -666,7 +666,7 @@ class AgentStream:
         destination socket `sock` (both are aborted instead when the stream closed
         meanwhile)."""
         try:
-            transport, _ = await asyncio.get_running_loop().connect_accepted_socket(Pending, sock)
+            transport = plain_link(sock)  # (its own socket: the relay's fewest copies)
         except OSError:
             link.close()
             sock.close()

@@ -66,7 +66,14 @@ from waygate.core.identity import matches
 from waygate.core.tls import set_session_cache_size, set_session_timeout
 from waygate.tunnel import mux, peers
 from waygate.tunnel.mux import ConnectionClosed, Refused
-from waygate.tunnel.relay import SESSION_TIMEOUT, Link, LinkClosed, Stream
+from waygate.tunnel.relay import (
+    SESSION_TIMEOUT,
+    Link,
+    LinkClosed,
+    LinkListener,
+    Stream,
+    on_sockets,
+)
 from waygate.tunnel.server import (
     _CLOSED,
     _EOF,
@@ -122,9 +129,16 @@ class DataListener:
         self._tasks: set[asyncio.Task[None]] = set()
         self._tracer = tracing.tracer()  # one for every dial: get_tracer costs ~20 us a call
         self._server: asyncio.Server | None = None
+        self._listener: LinkListener | None = None
         self.port = 0
 
     async def start(self, host: str, port: int) -> int:
+        if on_sockets(self._context):
+            # Data connections on their own sockets (relay.SocketLink): OpenSSL reads
+            # and writes the kernel socket itself, the relay's cheapest path.
+            self._listener = LinkListener(self._context, self._accepted)
+            self.port = await self._listener.start(host, port)
+            return self.port
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(self._accept, host, port)
         self.port = self._server.sockets[0].getsockname()[1]
@@ -132,13 +146,18 @@ class DataListener:
 
     def _accept(self) -> Link:
         link = Link(self._context, server_side=True)
+        self._accepted(link)
+        return link
+
+    def _accepted(self, link: Link) -> None:
         task = asyncio.ensure_future(self._serve(link))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return link
 
     async def stop(self) -> None:
         """Stop accepting; every connection still open is cut (after the process's grace)."""
+        if self._listener is not None:
+            self._listener.close()
         if self._server is not None:
             self._server.close()
         for task in list(self._tasks):

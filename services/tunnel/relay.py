@@ -9,8 +9,13 @@ connection to the destination socket. No framing, no per-chunk Python beyond
 `data_received -> write`; flow control is TCP's own: a side whose write buffer
 passes `HIGH_WATER` pauses reading the other (`splice`).
 
+- `SocketLink` (a `Link`): a data connection on its own non-blocking socket,
+  TLS through OpenSSL's socket BIO, driven by the loop's add_reader/add_writer:
+  what `open_link` and `LinkListener` make wherever close_notify alone can be
+  sent (`on_sockets`), the relay's cheapest path (fewest copies).
 - `Link`: one TCP connection, TLS through a memory BIO (or plain, for the
-  development mode without certificates). It is an asyncio.Protocol towards
+  development mode without certificates): TLS inside another transport (the
+  proxy's TLS to a backend inside a data connection), and the fallback. It is an asyncio.Protocol towards
   its socket and an asyncio.Transport towards whoever uses it, so a relay
   half, a `Stream` or the proxy's own upstream protocol can sit on it. TLS
   goes through `ssl.SSLObject` rather than asyncio's TLS transports because
@@ -39,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import os
 import select
 import socket
 import ssl
@@ -47,6 +53,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from waygate.core import flow
+from waygate.core.tls import can_send_close_notify, send_close_notify
 
 HIGH_WATER = 256 * 1024
 PREAMBLE_LIMIT = 4096
@@ -124,8 +131,6 @@ class Link(asyncio.Protocol, asyncio.Transport):
         self._server_hostname = server_hostname
         self.raw: Any = None
         self._ssl: ssl.SSLObject | None = None
-        self._in = ssl.MemoryBIO()
-        self._out = ssl.MemoryBIO()
         self._holding = _Holding(self)
         self.protocol: asyncio.BaseProtocol = self._holding
         loop = asyncio.get_running_loop()
@@ -144,6 +149,8 @@ class Link(asyncio.Protocol, asyncio.Transport):
         if self._context is None:
             self.established.set_result(None)
             return
+        self._in = ssl.MemoryBIO()
+        self._out = ssl.MemoryBIO()
         self._ssl = self._context.wrap_bio(
             self._in,
             self._out,
@@ -429,6 +436,433 @@ class Link(asyncio.Protocol, asyncio.Transport):
         return self.raw.get_extra_info(name, default) if self.raw is not None else default
 
 
+class SocketLink(Link):
+    """A data connection on its own non-blocking socket: TLS through OpenSSL's socket BIO
+    (`ssl.SSLSocket`), driven by the loop's `add_reader`/`add_writer`; the same
+    Transport face as `Link`, which stays for TLS inside another transport.
+
+    Why: through a memory BIO every chunk is copied socket -> bytes -> BIO ->
+    plaintext and plaintext -> BIO -> bytes -> socket buffer; here OpenSSL reads the
+    kernel socket into its record buffer and decrypts into the shared `_PLAIN`
+    buffer, and encrypts straight to the socket. On the replica's relay (one
+    connection decrypted, the other encrypted) that took the CPU per GiB from
+    about 3.1 s to 1.8 s (bench/RESULTS.md, the tunnel's bulk subsection).
+
+    - Reading: `recv_into` (one TLS record at most per call) fills `_PLAIN`, which
+      goes to the protocol when full or when the socket has no more; a full buffer
+      ends the turn (fairness), and plaintext OpenSSL still holds
+      (`SSLSocket.pending`, which epoll cannot see) is read on the next turn.
+    - Writing: `send` straight away; what the socket cannot take is copied, kept
+      in order and retried when writable (OpenSSL wants a refused write retried
+      with the same bytes: one entry per write, never joined). Past the high-water
+      mark the protocol's `pause_writing` is called, at the low one `resume_writing`.
+    - Half-close: `write_eof` sends close_notify alone (`tls.send_close_notify`:
+      `SSLSocket.unwrap` would read on and throw application data away), after
+      what is buffered; after the peer's close_notify the socket is watched for
+      its FIN or reset: a FIN before this side sent its own is an abort, as in
+      `Link.eof_received`. Plain (no TLS): `shutdown(SHUT_WR)` and a FIN.
+    - `close` flushes, then closes (FIN); `abort` closes at once with a reset.
+      `connection_lost` reaches the protocol once, from the loop, never inside
+      the caller's own call (as asyncio's transports).
+    """
+
+    def __init__(
+        self,
+        context: ssl.SSLContext | None,
+        sock: socket.socket,
+        *,
+        server_side: bool,
+        server_hostname: str | None = None,
+        session: ssl.SSLSession | None = None,
+    ) -> None:
+        super().__init__(context, server_side=server_side, server_hostname=server_hostname)
+        self._loop = asyncio.get_running_loop()
+        self._fd = sock.fileno()
+        self._names = (sock.getpeername(), sock.getsockname())
+        if context is not None:
+            sock = context.wrap_socket(
+                sock,
+                server_side=server_side,
+                server_hostname=server_hostname,
+                session=session,
+                do_handshake_on_connect=False,
+                suppress_ragged_eofs=False,
+            )
+        self._sock: Any = sock
+        self._tls = context is not None
+        self._pending: collections.deque[bytes | memoryview] | None = None
+        self._buffered = 0
+        self._high = HIGH_WATER
+        self._low = HIGH_WATER // 4
+        self._write_paused = False  # the protocol was told pause_writing
+        self._reader = False  # registered with the loop
+        self._writer = False
+        self._read_paused = False
+        self._read_waits_write = False  # OpenSSL must write before it reads on
+        self._shutdown_due = False  # write_eof waits for the buffer to drain
+        self._shut = False  # close_notify (or the FIN) went out
+        self._close_due = False  # close waits for the buffer to drain
+        self._fd_closed = False
+
+    def start(self) -> None:
+        """Begin the handshake (or, plain, reading); `established` says when it is done."""
+        if not self._tls:
+            self.established.set_result(None)
+            self._want_read(True)
+            return
+        self._handshake_step()
+
+    # ------------------------------------------------- the loop's callbacks
+
+    def _want_read(self, on: bool) -> None:
+        if on != self._reader and not self._fd_closed:
+            self._reader = on
+            if on:
+                self._loop.add_reader(self._fd, self._on_readable)
+            else:
+                self._loop.remove_reader(self._fd)
+
+    def _want_write(self, on: bool) -> None:
+        if on != self._writer and not self._fd_closed:
+            self._writer = on
+            if on:
+                self._loop.add_writer(self._fd, self._on_writable)
+            else:
+                self._loop.remove_writer(self._fd)
+
+    def _handshake_step(self) -> None:
+        try:
+            self._sock.do_handshake()
+        except ssl.SSLWantReadError:
+            self._want_write(False)
+            self._want_read(True)
+            return
+        except ssl.SSLWantWriteError:
+            self._want_read(False)
+            self._want_write(True)
+            return
+        except (ssl.SSLError, ssl.CertificateError, OSError) as exc:
+            if not self.established.done():
+                failed = LinkClosed(f"TLS handshake failed: {exc}")
+                failed.__cause__ = exc  # the verification's own code, for who explains it
+                self.established.set_exception(failed)
+            self.abort()
+            return
+        self._want_write(bool(self._pending))
+        if not self.established.done():
+            self.established.set_result(None)
+        self._want_read(not self._read_paused and not self._closing)
+        if self._pending:
+            self._on_writable()
+        elif self._shutdown_due:
+            self._shutdown()
+
+    def _on_readable(self) -> None:
+        if self._fd_closed:
+            return
+        if not self.established.done():
+            self._handshake_step()
+        elif self.eof_in:
+            self._watch()
+        elif not self._read_paused:
+            self._read()
+
+    def _on_writable(self) -> None:
+        if self._fd_closed:
+            return
+        if not self.established.done():
+            self._handshake_step()
+            return
+        pending, sock, tls = self._pending, self._sock, self._tls
+        while pending:
+            head = pending[0]
+            try:
+                sent = sock.send(head)
+            except (ssl.SSLWantWriteError, ssl.SSLWantReadError, BlockingIOError):
+                return
+            except (ssl.SSLError, OSError) as exc:
+                self._fail(exc)
+                return
+            if tls or sent == len(head):
+                pending.popleft()
+                self._buffered -= len(head)
+            else:
+                pending[0] = memoryview(head)[sent:]
+                self._buffered -= sent
+            if self._write_paused and self._buffered <= self._low:
+                self._write_paused = False
+                self.protocol.resume_writing()
+                if self._fd_closed:
+                    return
+        self._want_write(False)
+        if self._read_waits_write:
+            self._read_waits_write = False
+            self._on_readable()
+        if self._shutdown_due and not self._fd_closed:
+            self._shutdown()
+        elif self._close_due:
+            self._close_fd(reset=False)
+
+    def _read(self) -> None:
+        sock, view = self._sock, _PLAIN_VIEW
+        filled = 0
+        while True:
+            try:
+                got = sock.recv_into(view[filled:])  # TLS: one record at most
+            except (ssl.SSLWantReadError, BlockingIOError):
+                break
+            except ssl.SSLWantWriteError:
+                # (a TLS 1.3 KeyUpdate to answer while the socket is full)
+                self._read_waits_write = True
+                self._want_write(True)
+                break
+            except ssl.SSLZeroReturnError:
+                got = 0
+            except ssl.SSLEOFError:
+                if filled:
+                    self._deliver(filled)
+                self._fail(LinkClosed("the peer closed without ending TLS (truncated)"))
+                return
+            except (ssl.SSLError, OSError) as exc:
+                self._fail(exc)
+                return
+            if not got:
+                if filled:
+                    self._deliver(filled)
+                if not self.lost and not self.eof_in:
+                    if not self._tls:
+                        self._want_read(False)  # a plain socket at EOF is always readable
+                    self._peer_eof()
+                return
+            filled += got
+            if filled == _READ_SIZE:
+                self._deliver(filled)
+                if self._tls and not self._fd_closed and sock.pending():
+                    self._loop.call_soon(self._on_readable)  # epoll cannot see it
+                return
+        if filled:
+            self._deliver(filled)
+
+    def _deliver(self, size: int) -> None:
+        protocol = self.protocol
+        # As Link._read_plain: a splice half whose target copies what it is given
+        # before `write` returns takes the shared buffer itself.
+        if type(protocol) is _Half and protocol.lend:
+            protocol.data_received(_PLAIN_VIEW if size == _READ_SIZE else _PLAIN_VIEW[:size])  # type: ignore[arg-type]
+        else:
+            protocol.data_received(bytes(_PLAIN_VIEW[:size]))  # type: ignore[attr-defined]
+
+    def _watch(self) -> None:
+        """After the peer's close_notify: its FIN ends the connection (an abort unless this
+        side sent its close_notify first); anything else is a broken peer."""
+        try:
+            data = socket.socket.recv(self._sock, 1)  # the raw socket, below TLS
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._fail(exc)
+            return
+        if data:
+            self._fail(LinkClosed("the peer sent bytes after its close_notify"))
+        elif not self.eof_out:
+            self._fail(LinkClosed("the peer went away before this side finished"))
+        else:
+            self._want_read(False)
+            self._close_fd(reset=False)
+
+    # ------------------------------------------------- endings
+
+    def _peer_eof(self) -> None:
+        self.eof_in = True
+        if not self.protocol.eof_received():  # type: ignore[attr-defined]
+            self.close()  # (as asyncio's transports, see Link._peer_eof)
+            return
+        self._close_if_done()
+
+    def _close_if_done(self) -> None:
+        if self.eof_in and self.eof_out and self._shut:
+            self._close_due = True
+            if not self._pending:
+                self._close_fd(reset=False)
+
+    def _shutdown(self) -> None:
+        self._shutdown_due = False
+        if self._tls:
+            sent = send_close_notify(self._sock)
+            if sent is False:
+                self._shutdown_due = True
+                self._want_write(True)
+                return
+            if sent is None:
+                self._fail(LinkClosed("could not send close_notify"))
+                return
+        else:
+            try:
+                self._sock.shutdown(socket.SHUT_WR)
+            except OSError as exc:
+                self._fail(exc)
+                return
+        self._shut = True
+        if self._close_due:
+            self._close_fd(reset=False)
+        else:
+            self._close_if_done()
+
+    def _close_fd(self, *, reset: bool) -> None:
+        if self._fd_closed:
+            return
+        self._want_read(False)
+        self._want_write(False)
+        self._fd_closed = True
+        self._pending = None
+        self._buffered = 0
+        sock = self._sock
+        if reset:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
+        # The descriptor only: `SSLSocket.close` frees the SSL at once, and OpenSSL
+        # drops the session of an SSL freed before its close_notify went out (as
+        # Link's SSLObject, it goes with the link: a session stays resumable).
+        os.close(sock.detach())
+        self._loop.call_soon(self._lost, None)
+
+    def _lost(self, exc: Exception | None) -> None:
+        if self.lost:
+            return
+        self.lost = True
+        self._gone()
+        if not self.established.done():
+            self.established.set_exception(LinkClosed(f"connection lost: {exc or 'closed'}"))
+        if exc is None and not (self.eof_in and self.eof_out):
+            exc = LinkClosed("the data connection ended before both sides finished")
+        self.protocol.connection_lost(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        self._closing = True
+        if not self.established.done():
+            failed = LinkClosed(f"connection lost: {exc}")
+            failed.__cause__ = exc
+            self.established.set_exception(failed)
+        self._close_fd(reset=False)
+        if not self.lost:
+            self.lost = True
+            self._gone()
+            self.protocol.connection_lost(exc if isinstance(exc, Exception) else None)
+
+    # ------------------------------------------------- user side (Transport)
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self.eof_out or self.lost or self._fd_closed or not data:
+            return
+        if self._pending or not self.established.done():
+            self._queue(bytes(data))
+            return
+        try:
+            sent = self._sock.send(data)  # TLS: all of it, or SSLWantWriteError
+        except (ssl.SSLWantWriteError, ssl.SSLWantReadError, BlockingIOError):
+            sent = 0
+        except (ssl.SSLError, OSError) as exc:
+            self._fail(exc)
+            return
+        if sent < len(data):
+            # TLS: OpenSSL wants this write again, whole (it sent part of it already).
+            self._queue(bytes(data) if self._tls else bytes(memoryview(data)[sent:]))
+
+    def _queue(self, data: bytes) -> None:
+        if self._pending is None:
+            self._pending = collections.deque()
+        self._pending.append(data)
+        self._buffered += len(data)
+        if self.established.done():
+            self._want_write(True)
+        if not self._write_paused and self._buffered > self._high:
+            self._write_paused = True
+            self.protocol.pause_writing()
+
+    def write_eof(self) -> None:
+        if self.eof_out or self.lost or self._fd_closed:
+            return
+        self.eof_out = True
+        if self._pending or not self.established.done():
+            self._shutdown_due = True
+            return
+        self._shutdown()
+
+    def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        self._want_read(False)
+        if not self.established.done():
+            self._close_fd(reset=False)
+            return
+        if not self.lost:
+            self.write_eof()
+        self._close_due = True
+        if not self._pending and not self._shutdown_due:
+            self._close_fd(reset=False)
+
+    def abort(self) -> None:
+        """Cut the connection with a reset (see `Link.abort`)."""
+        self._closing = True
+        self._close_fd(reset=True)
+
+    def is_closing(self) -> bool:
+        return self._closing or self.lost or self._fd_closed
+
+    def pause_reading(self) -> None:
+        self._read_paused = True
+        if self.established.done():
+            self._want_read(False)
+
+    def resume_reading(self) -> None:
+        if not self._read_paused or self._closing or self._fd_closed:
+            return
+        self._read_paused = False
+        if self.established.done():
+            self._want_read(True)
+            self._loop.call_soon(self._on_readable)  # plaintext OpenSSL holds, if any
+
+    def is_reading(self) -> bool:
+        return self._reader and not self._read_paused
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        if high is None:
+            high = 64 * 1024 if low is None else 4 * low
+        if low is None:
+            low = high // 4
+        if not high >= low >= 0:
+            raise ValueError(f"high ({high!r}) must be >= low ({low!r}) must be >= 0")
+        self._high, self._low = high, low
+
+    def get_write_buffer_size(self) -> int:
+        return self._buffered
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return self._low, self._high
+
+    @property
+    def resumed(self) -> bool:
+        return self._tls and bool(self._sock.session_reused)
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        if name == "socket":
+            return None if self._fd_closed else self._sock
+        if name == "peername":
+            return self._names[0]
+        if name == "sockname":
+            return self._names[1]
+        if not self._tls:
+            return None if name == "ssl_object" else default
+        if name == "ssl_object":
+            return self._sock
+        if name == "peercert_der":
+            return self._sock.getpeercert(binary_form=True)
+        if name == "peercert":
+            return self._sock.getpeercert()
+        return default
+
+
 # ---------------------------------------------------------------- opening links
 
 
@@ -448,15 +882,139 @@ async def open_link(
     under OpenSSL 3.0 / Python 3.11 with nothing left on the Python side (found by
     the 10,000-cycle leak test), so pool refills make full handshakes."""
     loop = asyncio.get_running_loop()
-    link = Link(context, server_side=False, server_hostname=server_hostname, session=session)
-    try:
-        async with asyncio.timeout(timeout):
-            await loop.create_connection(lambda: link, host, port)
+    if not on_sockets(context):
+        link = Link(context, server_side=False, server_hostname=server_hostname, session=session)
+        try:
+            async with asyncio.timeout(timeout):
+                await loop.create_connection(lambda: link, host, port)
+                await link.established
+        except BaseException:
+            link.abort()
+            raise
+        return link
+    async with asyncio.timeout(timeout):
+        sock = await _connect(loop, host, port)
+        try:
+            link = SocketLink(
+                context,
+                sock,
+                server_side=False,
+                server_hostname=server_hostname,
+                session=session,
+            )
+        except BaseException:
+            sock.close()
+            raise
+        try:
+            link.start()
             await link.established
-    except BaseException:
-        link.abort()
-        raise
+        except BaseException:
+            link.abort()
+            raise
     return link
+
+
+def plain_link(sock: socket.socket) -> SocketLink:
+    """A connected non-blocking TCP socket (the agent's destination) as a plain SocketLink,
+    reading already: what arrives before `splice` is held (`_Holding`, bounded), so a
+    destination that speaks first loses nothing. OSError when the socket is gone already."""
+    link = SocketLink(None, sock, server_side=False)
+    link.start()
+    return link
+
+
+def on_sockets(context: ssl.SSLContext | None) -> bool:
+    """Whether data connections are `SocketLink`s here: always plain, and with TLS where
+    close_notify alone can be sent (`tls.can_send_close_notify`); `Link` otherwise."""
+    return context is None or can_send_close_notify()
+
+
+def _tcp_socket(family: int, kind: int, proto: int) -> socket.socket:
+    sock = socket.socket(family, kind, proto)
+    sock.setblocking(False)
+    if family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # (as asyncio's)
+    return sock
+
+
+async def _connect(loop: asyncio.AbstractEventLoop, host: str, port: int) -> socket.socket:
+    """A connected non-blocking TCP socket to the first address of `host` that answers."""
+    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    failure: OSError = OSError(f"no address for {host!r}")
+    for family, kind, proto, _name, address in infos:
+        sock = _tcp_socket(family, kind, proto)
+        try:
+            await loop.sock_connect(sock, address)
+        except OSError as exc:
+            sock.close()
+            failure = exc
+            continue
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+    raise failure
+
+
+class LinkListener:
+    """A listening socket whose connections become `SocketLink`s (for `on_sockets`):
+    `accepted(link)` is called for each, then its handshake starts (`established`).
+    One address (the first `host` resolves to)."""
+
+    def __init__(self, context: ssl.SSLContext | None, accepted: Callable[[Link], None]) -> None:
+        self._context = context
+        self._accepted = accepted
+        self._sock: socket.socket | None = None
+        self.port = 0
+
+    async def start(self, host: str | None, port: int, backlog: int = 100) -> int:
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+        family, kind, proto, _name, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(backlog)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        self.port = sock.getsockname()[1]
+        loop.add_reader(sock.fileno(), self._accept, backlog)
+        return self.port
+
+    def _accept(self, backlog: int) -> None:
+        listening = self._sock
+        if listening is None:
+            return
+        for _ in range(backlog):
+            try:
+                sock, _address = listening.accept()
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                return
+            except OSError:
+                return  # (EMFILE and the like: the next readiness tries again)
+            try:
+                sock.setblocking(False)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                link = SocketLink(self._context, sock, server_side=True)
+            except OSError:
+                sock.close()  # (reset before we got to it)
+                continue
+            self._accepted(link)
+            link.start()
+
+    def close(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            asyncio.get_running_loop().remove_reader(sock.fileno())
+            sock.close()
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -484,8 +1042,9 @@ class _Half(asyncio.Protocol):
         self.ended = False
         # Whether a Link may hand this half its shared decrypt buffer (`_read_plain`):
         # only when the target copies what it is given before `write` returns (a TLS
-        # Link encrypts it into its BIO); a socket transport may keep a reference.
-        self.lend = isinstance(target, Link) and target.encrypts
+        # Link encrypts it into its BIO; a SocketLink sends it or copies what the socket
+        # did not take); a socket transport may keep a reference.
+        self.lend = isinstance(target, SocketLink) or (isinstance(target, Link) and target.encrypts)
 
     def data_received(self, data: bytes) -> None:
         self.target.write(data)

@@ -1,0 +1,231 @@
+"""`relay.SocketLink`, the data connection on its own socket (TLS through OpenSSL's socket
+BIO), on real loopback TCP with real TLS: half-close both ways (close_notify alone, with
+reading going on: `SSLSocket.unwrap` would have thrown those bytes away), plaintext
+OpenSSL still holds when a paused reader resumes, a bounded write buffer against a peer
+that does not read, an abort that the peer sees, and nothing left open afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import ssl
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.pki import LocalCA
+from waygate.core.tls import can_send_close_notify, server_context
+from waygate.tunnel import relay
+
+
+class Collect(asyncio.Protocol):
+    """Everything a link delivers, its EOF and its end; `pause_each` pauses reading after
+    every delivery and resumes it on the next loop turn."""
+
+    def __init__(self, pause_each: bool = False) -> None:
+        self.transport: Any = None
+        self.hash = hashlib.sha256()
+        self.size = 0
+        self.eof = asyncio.get_running_loop().create_future()
+        self.lost = asyncio.get_running_loop().create_future()
+        self.pause_each = pause_each
+        self.write_paused = 0
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.hash.update(data)
+        self.size += len(data)
+        if self.pause_each:
+            self.transport.pause_reading()
+            asyncio.get_running_loop().call_soon(self.transport.resume_reading)
+
+    def eof_received(self) -> bool:
+        self.eof.set_result(None)
+        return True
+
+    def pause_writing(self) -> None:
+        self.write_paused += 1
+
+    def resume_writing(self) -> None:
+        pass
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.lost.done():
+            self.lost.set_result(exc)
+
+
+@pytest.fixture
+async def pair(tmp_path: Path) -> AsyncIterator[tuple[relay.Link, relay.Link]]:
+    """A connected (client, server) pair of SocketLinks over mTLS, handshakes done."""
+    assert can_send_close_notify()  # CPython on Linux: the path the tunnel takes
+    ca = LocalCA()
+    server_files = ca.write_files(tmp_path / "s", dns=["localhost"], ips=["127.0.0.1"])
+    client_files = ca.write_files(tmp_path / "c", uris=["spiffe://t/ns/t/sa/c"])
+    server_ctx = server_context(
+        chain_pem=server_files.cert.read_bytes(),
+        key_pem=server_files.key.read_bytes(),
+        client_ca_pem=ca.pem,
+        client_auth="required",
+    )
+    client_ctx = relay.client_context(
+        ca.pem, client_files.cert.read_bytes(), client_files.key.read_bytes()
+    )
+    accepted: asyncio.Queue[relay.Link] = asyncio.Queue()
+    listener = relay.LinkListener(server_ctx, accepted.put_nowait)
+    port = await listener.start("127.0.0.1", 0)
+    client = await relay.open_link(
+        "127.0.0.1", port, client_ctx, server_hostname="localhost", timeout=10
+    )
+    server = await asyncio.wait_for(accepted.get(), 10)
+    await asyncio.wait_for(server.established, 10)
+    assert isinstance(client, relay.SocketLink) and isinstance(server, relay.SocketLink)
+    try:
+        yield client, server
+    finally:
+        client.abort()
+        server.abort()
+        listener.close()
+
+
+async def test_half_close_both_ways_keeps_every_byte(pair: tuple[relay.Link, relay.Link]) -> None:
+    client, server = pair
+    at_client, at_server = Collect(), Collect()
+    client.attach(at_client)
+    server.attach(at_server)
+    request = os.urandom(300_001)
+    answer = os.urandom(3 * 1024 * 1024 + 7)
+    client.write(request)
+    client.pause_reading()
+    server.write(answer[:70_000])
+    await asyncio.sleep(0.05)  # (in the client's socket, not read yet)
+    client.write_eof()  # close_notify alone: the bytes waiting and those after arrive
+    client.resume_reading()
+    await asyncio.wait_for(at_server.eof, 10)
+    assert at_server.size == len(request)
+    assert at_server.hash.digest() == hashlib.sha256(request).digest()
+    for start in range(70_000, len(answer), 70_000):
+        server.write(answer[start : start + 70_000])
+    server.write_eof()
+    await asyncio.wait_for(at_client.eof, 10)
+    assert at_client.size == len(answer)
+    assert at_client.hash.digest() == hashlib.sha256(answer).digest()
+    # Both sides sent close_notify: a clean end, the sockets closed, no error.
+    assert await asyncio.wait_for(at_client.lost, 10) is None
+    assert await asyncio.wait_for(at_server.lost, 10) is None
+    assert client.get_extra_info("socket") is None and server.get_extra_info("socket") is None
+
+
+async def test_a_reader_paused_after_every_delivery_gets_everything(
+    pair: tuple[relay.Link, relay.Link],
+) -> None:
+    """A full read buffer can end inside a TLS record: OpenSSL then holds plaintext that
+    epoll does not report; resuming must deliver it."""
+    client, server = pair
+    at_server = Collect(pause_each=True)
+    client.attach(Collect())
+    server.attach(at_server)
+    payload = os.urandom(8 * 1024 * 1024 + 5)
+    client.write(payload)
+    client.write_eof()
+    await asyncio.wait_for(at_server.eof, 30)
+    assert at_server.size == len(payload)
+    assert at_server.hash.digest() == hashlib.sha256(payload).digest()
+
+
+async def test_plaintext_openssl_holds_reaches_a_reader_that_resumes_later(
+    pair: tuple[relay.Link, relay.Link],
+) -> None:
+    """Records of 1,000 then 16 x 16,384 bytes: the 256 KiB read buffer fills 1,000 bytes
+    into the last record, whose rest OpenSSL holds with the socket empty (no EOF yet);
+    reading paused then resumed later must still deliver it."""
+    client, server = pair
+    at_server = Collect()
+    client.attach(Collect())
+    server.attach(at_server)
+    loop = asyncio.get_running_loop()
+
+    def received(data: bytes) -> None:
+        Collect.data_received(at_server, data)
+        server.pause_reading()
+        loop.call_later(0.05, server.resume_reading)
+
+    at_server.data_received = received  # type: ignore[method-assign]
+    client.write(b"a" * 1000)
+    client.write(b"b" * 16 * 16384)
+    async with asyncio.timeout(10):
+        while at_server.size < 1000 + 16 * 16384:
+            await asyncio.sleep(0.01)
+    assert at_server.size == 1000 + 16 * 16384
+
+
+async def test_the_write_buffer_is_bounded_against_a_peer_that_does_not_read(
+    pair: tuple[relay.Link, relay.Link],
+) -> None:
+    client, server = pair
+    at_client = Collect()
+    client.attach(at_client)
+    server.attach(Collect())
+    server.pause_reading()
+    chunk = b"x" * 65536
+    for _ in range(4096):  # 256 MiB if nothing pushed back: far past the socket buffers
+        client.write(chunk)
+        if at_client.write_paused:
+            break
+        await asyncio.sleep(0)
+    assert at_client.write_paused == 1
+    low, high = client.get_write_buffer_limits()
+    assert 0 < client.get_write_buffer_size() <= high + len(chunk)
+    # The reader catches up: everything written arrives and writing resumes.
+    server.resume_reading()
+    client.write_eof()
+    await asyncio.wait_for(server.protocol.eof, 30)  # type: ignore[attr-defined]
+    assert client.get_write_buffer_size() == 0 and low < high
+
+
+async def test_an_abort_reaches_the_peer_as_an_error(pair: tuple[relay.Link, relay.Link]) -> None:
+    client, server = pair
+    at_server = Collect()
+    client.attach(Collect())
+    server.attach(at_server)
+    client.write(b"partial")
+    await asyncio.sleep(0.05)
+    client.abort()
+    lost = await asyncio.wait_for(at_server.lost, 10)
+    assert isinstance(lost, (ConnectionError, ssl.SSLError))
+    assert server.is_closing()
+
+
+async def test_a_full_close_after_the_peer_half_closed_is_an_abort_there(
+    pair: tuple[relay.Link, relay.Link],
+) -> None:
+    """`close` without waiting for the peer's close_notify: the peer, which half-closed,
+    learns that nobody reads its answer (as `Link.eof_received`)."""
+    client, server = pair
+    at_client, at_server = Collect(), Collect()
+    client.attach(at_client)
+    server.attach(at_server)
+    client.write_eof()
+    await asyncio.wait_for(at_server.eof, 10)
+    server.close()  # close_notify, then the FIN
+    await asyncio.wait_for(at_client.eof, 10)
+    # The client sent its close_notify before: both ends finished cleanly.
+    assert await asyncio.wait_for(at_client.lost, 10) is None
+    assert await asyncio.wait_for(at_server.lost, 10) is None
+
+
+async def test_a_fin_before_this_side_finished_fails_the_link(
+    pair: tuple[relay.Link, relay.Link],
+) -> None:
+    client, server = pair
+    at_client, at_server = Collect(), Collect()
+    client.attach(at_client)
+    server.attach(at_server)
+    server.close()  # the server lets go of the whole connection; the client never ended
+    await asyncio.wait_for(at_client.eof, 10)
+    lost = await asyncio.wait_for(at_client.lost, 10)
+    assert isinstance(lost, relay.LinkClosed) and "before this side finished" in str(lost)
