@@ -9,8 +9,12 @@ source port `--count` times (or until `--seconds` pass), each received as the pr
 receives (a protocol on the data connection: `tunnel._pull_transport`), which raises
 when fewer bytes than sent arrive or the connection ends without a clean EOF. Prints
 each failure and the total. The socket-BIO data path tried in round 6 (163134c,
-176f66b; reverted in 84d86c1) failed 8 of 243 16 MiB downloads here; the memory-BIO
-`Link` 0 of 5,751. Not a test: separate processes and minutes of transfers.
+176f66b; reverted in 84d86c1) failed 8 of 243 16 MiB downloads here, the memory-BIO
+`Link` 0 of 5,751. The cause was the agent's plain destination link: its last bytes and
+FIN read while the splice had paused it, then resumed, read the EOF again as a peer gone
+and aborted the splice with the data connection's unsent tail. Fixed, the same path ran
+2,000 of 2,000. Not a test (separate processes, minutes of transfers);
+test_socket_link.py holds the mechanism in-process.
 """
 
 from __future__ import annotations

@@ -563,7 +563,12 @@ class SocketLink(Link):
         if not self.established.done():
             self._handshake_step()
         elif self.eof_in:
-            self._watch()
+            if self._tls:
+                self._watch()  # the FIN after close_notify (or bytes that break TLS)
+            else:
+                # A plain socket's FIN was its EOF, and it stays readable after it:
+                # reading on would take that EOF for a peer that went away.
+                self._want_read(False)
         elif not self._read_paused:
             self._read()
 
@@ -621,7 +626,8 @@ class SocketLink(Link):
             except ssl.SSLEOFError:
                 if filled:
                     self._deliver(filled)
-                self._fail(LinkClosed("the peer closed without ending TLS (truncated)"))
+                # CPython reports a reset here too (SSL_read_ex returns 0 either way).
+                self._fail(LinkClosed("the peer closed or reset without ending TLS"))
                 return
             except (ssl.SSLError, OSError) as exc:
                 self._fail(exc)
@@ -819,6 +825,8 @@ class SocketLink(Link):
         if not self._read_paused or self._closing or self._fd_closed:
             return
         self._read_paused = False
+        if self.eof_in and not self._tls:
+            return  # nothing left to read (see _on_readable)
         if self.established.done():
             self._want_read(True)
             self._loop.call_soon(self._on_readable)  # plaintext OpenSSL holds, if any

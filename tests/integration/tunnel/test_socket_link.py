@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import socket
 import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -229,3 +230,44 @@ async def test_a_fin_before_this_side_finished_fails_the_link(
     await asyncio.wait_for(at_client.eof, 10)
     lost = await asyncio.wait_for(at_client.lost, 10)
     assert isinstance(lost, relay.LinkClosed) and "before this side finished" in str(lost)
+
+
+async def test_a_plain_link_paused_at_its_eof_stays_half_open_when_resumed() -> None:
+    """The agent's destination socket (`relay.plain_link`): the destination's last bytes
+    and its FIN arrive in one read while the splice pauses reading (the data connection's
+    buffer is full). Resuming must not read the socket again: at EOF it stays readable,
+    and taking that for a peer that went away aborted the splice, and with it the data
+    connection's unsent tail (round 6's truncated downloads, `bench.tunnel.pull_stress`)."""
+    loop = asyncio.get_running_loop()
+    server = socket.create_server(("127.0.0.1", 0))
+    destination = socket.create_connection(server.getsockname())
+    ours, _ = server.accept()
+    server.close()
+    ours.setblocking(False)
+    link = relay.plain_link(ours)
+    at_link = Collect()
+
+    def received(data: bytes) -> None:
+        Collect.data_received(at_link, data)
+        link.pause_reading()  # as the splice does when the other side's buffer is full
+
+    at_link.data_received = received  # type: ignore[method-assign]
+    link.attach(at_link)
+    destination.sendall(b"tail" * 1000)
+    destination.shutdown(socket.SHUT_WR)  # the last bytes and the FIN, together
+    await asyncio.wait_for(at_link.eof, 10)
+    assert at_link.size == 4000
+    link.resume_reading()
+    for _ in range(5):
+        await asyncio.sleep(0.01)
+    assert not at_link.lost.done(), at_link.lost.result()
+    # Still half-open: this side's bytes and its FIN reach the destination.
+    link.write(b"answer")
+    link.write_eof()
+    destination.settimeout(10)
+    received_back = b""
+    while chunk := await loop.run_in_executor(None, destination.recv, 65536):
+        received_back += chunk
+    destination.close()
+    assert received_back == b"answer"
+    assert await asyncio.wait_for(at_link.lost, 10) is None
