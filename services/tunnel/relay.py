@@ -26,7 +26,8 @@ passes `HIGH_WATER` pauses reading the other (`splice`).
   dialer's full close reaches the agent after both sides half-closed.
 - `splice(a, b)`: the relay between two transports (Links, or a Link and a
   plain socket transport). Closes both once both directions ended; an abort
-  on one side aborts the other.
+  on one side aborts the other, except after that side had ended its direction
+  (a full close after close_notify): the other then gets those bytes and its end.
 - `Stream`: read()/write() over a transport for callers that are not
   transports themselves (the gRPC Dial face, the front, `waygate tunnel
   dial`); its queue is bounded by `HIGH_WATER` (reading pauses past it).
@@ -1085,7 +1086,7 @@ class _Half(asyncio.Protocol):
         self.target_flow.resume(flow.PEER)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.splice.lost(exc)
+        self.splice.lost(exc, self.target)
 
 
 def _peer_closed(transport: Any) -> bool:
@@ -1120,7 +1121,20 @@ class _Splice:
             self.b.close()
             self._finish()
 
-    def lost(self, exc: Exception | None) -> None:
+    def lost(self, exc: Exception | None, towards: Any = None) -> None:
+        """One side ended otherwise than by both directions ending (`towards`: the side
+        its bytes went to, when known)."""
+        if self.done.done():
+            return  # (handled already: the other side's end follows the first's)
+        if towards is not None and towards in self.eof_written:
+            # The lost side had ended its direction first (close_notify, then its FIN
+            # or a reset: a full close): everything it sent is in `towards`'s buffers.
+            # Close that side (those bytes, then its end) rather than abort it, as TCP
+            # delivers what a peer sent before it closed; only the answer is dropped.
+            self.other(towards).abort()
+            towards.close()
+            self._finish()
+            return
         if self.eofs >= 2:
             # Both directions had ended: both sides are closing already (a reset
             # now, e.g. a destination that closed outright, is no failure of ours).

@@ -2,7 +2,9 @@
 BIO), on real loopback TCP with real TLS: half-close both ways (close_notify alone, with
 reading going on: `SSLSocket.unwrap` would have thrown those bytes away), plaintext
 OpenSSL still holds when a paused reader resumes, a bounded write buffer against a peer
-that does not read, an abort that the peer sees, and nothing left open afterwards."""
+that does not read, an abort that the peer sees, and nothing left open afterwards. Through
+the replica's and the agent's splices (the harness's `Tunnel`, in-process): the endings
+that must lose nothing."""
 
 from __future__ import annotations
 
@@ -17,9 +19,11 @@ from typing import Any
 
 import pytest
 
+from tests.integration.tunnel.harness import NODE, Tunnel
 from tests.support.pki import LocalCA
 from waygate.core.tls import can_send_close_notify, server_context
 from waygate.tunnel import relay
+from waygate.tunnel.client import DataStream
 
 
 class Collect(asyncio.Protocol):
@@ -271,3 +275,73 @@ async def test_a_plain_link_paused_at_its_eof_stays_half_open_when_resumed() -> 
     destination.close()
     assert received_back == b"answer"
     assert await asyncio.wait_for(at_link.lost, 10) is None
+
+
+class Sender(asyncio.Protocol):
+    """The proxy's side of an upload: writes on the data connection as its transport,
+    waiting while the link's write buffer is past its high-water mark."""
+
+    def __init__(self) -> None:
+        self.transport: Any = None
+        self.writable: asyncio.Future[None] | None = None
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def pause_writing(self) -> None:
+        self.writable = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self.writable is not None and not self.writable.done():
+            self.writable.set_result(None)
+        self.writable = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.resume_writing()
+
+    async def send(self, data: bytes, times: int) -> None:
+        for _ in range(times):
+            self.transport.write(data)
+            if self.writable is not None:
+                await self.writable
+
+
+async def counting_server() -> tuple[asyncio.Server, int, asyncio.Queue[tuple[int, str]]]:
+    """A destination that reads each connection to its end and queues (bytes, how it ended)."""
+    counts: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        size, how = 0, "EOF"
+        try:
+            while data := await reader.read(1 << 20):
+                size += len(data)
+        except (ConnectionError, OSError) as exc:
+            how = repr(exc)
+        counts.put_nowait((size, how))
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1], counts
+
+
+async def test_an_upload_that_ends_with_a_full_close_arrives_whole(tunnel: Tunnel) -> None:
+    """A dialer that sends and then closes (close_notify, then its FIN: no half-close and no
+    wait for an answer) through the replica's splice and the agent's: its FIN reaches the
+    replica while the bytes before it still wait in the replica's and the agent's buffers.
+    They must reach the destination, then its end, as TCP delivers what a peer sent
+    before closing; aborting the other side there (a reset) dropped megabytes of them."""
+    server, port, counts = await counting_server()
+    chunk = os.urandom(256 * 1024)
+    times = 64  # 16 MiB: far more than the buffers between the dialer and the destination
+    async with server:
+        client = tunnel.client()
+        for attempt in range(3):
+            stream = await client.dial(NODE, port)
+            assert isinstance(stream, DataStream)
+            assert isinstance(stream.link, relay.SocketLink)
+            sender = Sender()
+            stream.link.attach(sender)
+            await sender.send(chunk, times)
+            stream.link.close()
+            received = await asyncio.wait_for(counts.get(), 60)
+            assert (attempt, received) == (attempt, (len(chunk) * times, "EOF"))
