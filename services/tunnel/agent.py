@@ -47,6 +47,7 @@ from waygate.core.backoff import Backoff
 from waygate.core.flow import FlowControl
 from waygate.tunnel import mux
 from waygate.tunnel.allow import AllowList
+from waygate.tunnel.early import parse_length, read_early
 from waygate.tunnel.mux import MAX_CHUNK, Outbox, ReceiveWindow, Refused
 from waygate.tunnel.relay import (
     Link,
@@ -570,10 +571,10 @@ class AgentStream:
     async def _serve_parked(self, link: Link, pool: DataPool) -> None:
         """A parked data connection: wait for the replica's dial on it, then carry it.
 
-        The replica writes ``DIAL <address> <timeout-ms> <traceparent|->``; the answer
-        is ``OK <connection-id>`` (the bytes follow) or ``REFUSED <REASON> <message>``
-        (then the connection closes). The pool closes an unused one after its idle
-        time, which ends this wait too.
+        The replica writes ``DIAL <address> <timeout-ms> <traceparent|-> [<early-length>]``
+        (then that many bytes of early data); the answer is ``OK <connection-id>`` (the
+        bytes follow) or ``REFUSED <REASON> <message>`` (then the connection closes).
+        The pool closes an unused one after its idle time, which ends this wait too.
         """
         try:
             line = await link.read_line(self.agent.pool_idle + PARK_SLACK)
@@ -590,17 +591,25 @@ class AgentStream:
     async def _answer_parked(self, link: Link, line: bytes) -> None:
         started = time.time_ns()
         words = line.decode("ascii", "replace").split(" ")
-        if len(words) != 4 or words[0] != "DIAL" or not words[2].isdigit():
+        if len(words) not in (4, 5) or words[0] != "DIAL" or not words[2].isdigit():
             log.warning("tunnel server wrote a malformed dial", extra={"line": line[:80]})
             link.abort()
             return
-        _verb, address, timeout_ms, traceparent = words
+        _verb, address, timeout_ms, traceparent = words[:4]
         timeout = int(timeout_ms) / 1000 or self.agent.dial_timeout
+        early = b""
         try:
+            if len(words) == 5:  # early data (waygate.tunnel.early): in before the connect
+                early = await read_early(link, parse_length(words[4]), timeout)
             connect_id, sock = await self._open_destination(address, timeout)
         except asyncio.CancelledError:
             link.abort()  # the stream is closing: the replica hears it at once
             raise
+        except (LinkClosed, TimeoutError, ValueError) as exc:
+            # The dial's own bytes never came whole: no destination was dialled.
+            log.warning("tunnel server wrote a malformed dial", extra={"error": str(exc)})
+            link.abort()
+            return
         except Exception as exc:
             span = self._parked_span(traceparent, address, started)
             refused = exc if isinstance(exc, Refused) else None
@@ -615,11 +624,28 @@ class AgentStream:
             span.set_attribute("waygate.tunnel.refusal", name)
             span.end()
             return
+        if early:
+            if link.is_closing() or link.eof_in:
+                # The replica gave up on this dial (its timeout) and may have told the
+                # dialer so: the early data must not reach the destination now.
+                sock.close()
+                link.abort()
+                return
+            try:
+                sent = sock.send(early)  # a new socket's buffer takes 16 KiB at once
+            except BlockingIOError:
+                sent = 0
+            except OSError as exc:
+                sock.close()
+                link.write_line("REFUSED", "UNREACHABLE", f"writing to {address}: {exc}")
+                link.close()
+                return
+            early = early[sent:]  # what the socket did not take: the transport's first write
         # The answer before the transport is made: the replica (and the dialer) hear it
         # one loop turn sooner; what the destination sends meanwhile is held (`plain_link`).
         link.write_line("OK", str(connect_id))
         try:
-            await self._relay(link, sock)
+            await self._relay(link, sock, early=early)
         finally:
             span = self._parked_span(traceparent, address, started)
             span.set_attribute("waygate.tunnel.connection_id", connect_id)
@@ -660,11 +686,16 @@ class AgentStream:
         return True
 
     async def _relay(
-        self, link: Link, sock: socket.socket, line: tuple[str, ...] | None = None
+        self,
+        link: Link,
+        sock: socket.socket,
+        line: tuple[str, ...] | None = None,
+        early: bytes = b"",
     ) -> bool:
         """Answer `line` on `link` (None: the answer is out already) and splice it to the
         destination socket `sock` (both are aborted instead when the stream closed
-        meanwhile)."""
+        meanwhile); `early`: what of the dial's early data is still to be written to
+        the destination, ahead of everything else."""
         try:
             transport = plain_link(sock)  # (its own socket: the relay's fewest copies)
         except OSError:
@@ -675,6 +706,8 @@ class AgentStream:
             link.abort()
             transport.abort()
             return False
+        if early:
+            transport.write(early)
         # The line goes before the splice: a destination that speaks first (held by
         # `Pending`) must not get its bytes ahead of it.
         if line is not None:

@@ -14,6 +14,13 @@
   another replica could answer (NO_AGENT, DRAINING, or the replica did not
   answer at all) and no byte was sent; NOT_ALLOWED, UNREACHABLE, TIMEOUT and
   INVALID are final (`DialFailed.reason`).
+- Early data (`dial(..., early=b"...")`, at most `EARLY_LIMIT`): the first
+  bytes go with the DIAL line, so they do not wait for the answer's round
+  trip. A refusal means none of them reached a destination, so the retry
+  above resends the same bytes; a replica that took them and never answered
+  (lost connection, no answer in time) fails the dial for good, since they
+  may have arrived, unless the caller passed `replay_safe=True`
+  (`waygate.tunnel.early` has the rule).
 - Cost per stream: the Dial calls go over channels without the tracing
   interceptors (grpc.aio runs an interceptor pipeline, and our client
   interceptor a task, per call: measured in bench/tunnel); the W3C context
@@ -60,6 +67,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from waygate.core import tracing
 from waygate.core.grpcclient import KEEPALIVE_OPTIONS
 from waygate.tunnel import mux
+from waygate.tunnel.early import EARLY_LIMIT
 from waygate.tunnel.mux import MAX_CHUNK, join_queued
 from waygate.tunnel.relay import (
     Link,
@@ -211,17 +219,43 @@ class _Target:
     """What one dial asks for, in the form each way of dialling needs it (built lazily:
     the raw dial needs only its preamble line, not the gRPC frame)."""
 
-    __slots__ = ("host", "node", "port", "timeout", "traceparent")
+    __slots__ = ("early", "host", "node", "port", "replay_safe", "timeout", "traceparent")
 
-    def __init__(self, node: str, host: str, port: int, timeout: float) -> None:
+    def __init__(
+        self,
+        node: str,
+        host: str,
+        port: int,
+        timeout: float,
+        early: bytes = b"",
+        replay_safe: bool = False,
+    ) -> None:
         self.node, self.host, self.port, self.timeout = node, host, port, timeout
+        self.early, self.replay_safe = early, replay_safe
         self.traceparent = ""
 
     def preamble(self, timeout: float) -> bytes:
-        return (
+        """The DIAL line, and the early data after it (one write, one TLS record or two)."""
+        line = (
             f"DIAL {self.node} {self.host or '-'} {self.port} {int(timeout * 1000)} "
-            f"{self.traceparent or '-'}\n"
-        ).encode("utf-8", "replace")
+            f"{self.traceparent or '-'}"
+        )
+        if not self.early:
+            return (line + "\n").encode("utf-8", "replace")
+        mode = "replay" if self.replay_safe else "once"
+        return f"{line} {len(self.early)} {mode}\n".encode("utf-8", "replace") + self.early
+
+    def unanswered(self, address: str, what: str) -> DialFailed:
+        """The dial's failure once its early data went out with no answer back: retried
+        elsewhere only when the caller declared the bytes replay-safe."""
+        if self.replay_safe:
+            return DialFailed(f"tunnel server {address}: {what}", retryable=True)
+        return DialFailed(
+            f"tunnel server {address}: {what}, after {len(self.early)} bytes of early data "
+            "went with the dial: they may have reached the destination, so the dial is not "
+            "retried (replay_safe=True allows it)",
+            retryable=False,
+        )
 
     def frame(self) -> pb.DialFrame:
         timeout = self.timeout
@@ -396,7 +430,24 @@ class TunnelClient:
         *,
         timeout: float | None = None,
         trace_context: str | None = None,
+        early: bytes = b"",
+        replay_safe: bool = False,
     ) -> TunnelStream | DataStream:
+        """A stream to `host` (the agent's 127.0.0.1 when empty) port `port` on `node`.
+
+        `early`: the first bytes to send, at most `EARLY_LIMIT` (ValueError beyond),
+        sent with the dial on a raw dial, so the request does not wait for the answer's
+        round trip (on the gRPC path they are the first DATA after the answer). Once
+        this returns they went to the destination ahead of anything written on the
+        stream. A refusal means none of them did (another replica gets the same bytes);
+        a replica that took them and never answered fails the dial (DialFailed, not
+        retryable), unless `replay_safe` says delivering them twice is harmless.
+        """
+        if len(early) > EARLY_LIMIT:
+            raise ValueError(
+                f"early data is at most {EARLY_LIMIT} bytes, not {len(early)}: "
+                "write the rest on the stream once it is open"
+            )
         timeout = self.dial_timeout if timeout is None else timeout
         now = time.monotonic()
         if now - self._pruned_at >= self.PRUNE_INTERVAL:
@@ -421,7 +472,7 @@ class TunnelClient:
         carrier: dict[str, str] = {}
         tracing.inject_context(carrier, trace.set_span_in_context(span))
         metadata = tuple(carrier.items())
-        target = _Target(node, host, port, timeout)
+        target = _Target(node, host, port, timeout, bytes(early), replay_safe)
         target.traceparent = carrier.get("traceparent", "")
         last: DialFailed | None = None
         try:
@@ -542,6 +593,8 @@ class TunnelClient:
                 answer = (await link.read_line(timeout + 3.0)).decode("utf-8", "replace")
             except TimeoutError:
                 link.abort()
+                if target.early:
+                    raise target.unanswered(address, f"no answer within {timeout:g}s") from None
                 # No answer: the replica itself is stuck (the agent's own timeout would
                 # have been answered); another replica may serve.
                 raise DialFailed(
@@ -551,6 +604,10 @@ class TunnelClient:
                 ) from None
             except LinkClosed as exc:
                 link.abort()
+                if target.early:
+                    # Early data went with the line: a replica that read it may have
+                    # passed it on before the connection broke (even a pooled one).
+                    raise target.unanswered(address, f"the connection ended: {exc}") from None
                 if pooled is not None:
                     # A pooled connection the replica (or a middlebox) dropped while it
                     # waited: nothing was dialled on it; once more on a new one.
@@ -629,7 +686,18 @@ class TunnelClient:
         if which != "accepted":
             call.cancel()
             raise DialFailed(f"tunnel server {address} answered a dial with {which}", pb.INVALID)
-        return TunnelStream(call, frame.accepted.server_id, frame.accepted.connect_id)
+        stream = TunnelStream(call, frame.accepted.server_id, frame.accepted.connect_id)
+        if target.early:
+            # Tunnel.Dial carries no early data: the bytes are the stream's first, after
+            # the answer (a refusal above sent none of them).
+            try:
+                await stream.write(target.early)
+            except grpc.aio.AioRpcError as exc:
+                call.cancel()
+                raise target.unanswered(
+                    address, f"{exc.code().name}: {exc.details()} as the early data went"
+                ) from None
+        return stream
 
     async def close(self) -> None:
         pools, self._pools = list(self._pools.values()), {}

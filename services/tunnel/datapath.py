@@ -23,22 +23,34 @@ accepted. Then the client sends one preamble line (`relay.read_line`):
         (ServerInfo.park_key), and the certificate must name that agent's
         node. A dial for the node takes the oldest parked connection (before
         any DIAL_REQ on the stream) and the replica writes on it
-            DIAL <host:port> <timeout-ms> <traceparent|->
-        which the agent answers, within the timeout (plus a second), with
+            DIAL <host:port> <timeout-ms> <traceparent|-> [<early-length>]
+        (with a length, exactly that many bytes of the dialer's early data
+        follow in the same write: the agent writes them to the destination once
+        connected), which the agent answers, within the timeout (plus a
+        second), with
             OK <connection-id>                (then the bytes flow)
             REFUSED <REASON> <message>        (then the connection closes)
         A parked connection that ends before its answer (the agent's pool let
-        it go as the dial arrived) costs a retry on the next one; with none
-        left the dial goes to the Connect stream as DIAL_REQ. One parked
+        it go as the dial arrived) costs a retry on the next one (with early
+        data only when the dialer said `replay`: else the dial fails
+        unanswered); with none left the dial goes to the Connect stream as
+        DIAL_REQ, and the replica sends the early data after its answer. One parked
         connection waits at most `idle_timeout` and counts against
         `max_idle_per_peer` while it waits; the agent closes it sooner (its
         pool's idle time). Every line here is bounded by relay.PREAMBLE_LIMIT.
-    DIAL <node> <host|-> <port> <timeout-ms> <traceparent|->
+    DIAL <node> <host|-> <port> <timeout-ms> <traceparent|-> [<early-length> <once|replay>]
         a dialer (the proxy, `waygate tunnel dial`): checked against the
         dialer policy, then dialled like `Tunnel.Dial`; answered with
             OK <server-id> <agent-id> <connection-id>
             REFUSED <REASON> <message>       (REASON: a RefusalReason name)
-        after which the connection is closed. After OK the bytes flow.
+        after which the connection is closed. After OK the bytes flow. With
+        an early length (1..early.EARLY_LIMIT), exactly that many bytes follow
+        the line: the dialer's first bytes, delivered with the dial instead of
+        after its answer. REFUSED: none of them reached a destination (retry
+        elsewhere with the same bytes); OK: they went first; no answer (the
+        agent's went missing): unknown, and the replica closes the connection
+        without one. `replay` lets the replica try another parked connection
+        after an unanswered one (`waygate.tunnel.early` has the rule).
 
 A raw dial whose agent answered on its own data connection is a splice of
 the two links (`relay.splice`); one the agent answered on its Connect stream
@@ -64,7 +76,9 @@ from opentelemetry.trace import SpanKind
 from waygate.core import errors, tracing
 from waygate.core.identity import matches
 from waygate.core.tls import set_session_cache_size, set_session_timeout
+from waygate.tunnel import early as early_data
 from waygate.tunnel import mux, peers
+from waygate.tunnel.early import Unanswered
 from waygate.tunnel.mux import ConnectionClosed, Refused
 from waygate.tunnel.relay import (
     SESSION_TIMEOUT,
@@ -202,7 +216,7 @@ class DataListener:
                 if not handed_off:
                     link.abort()
                 return
-            if words[0] == "DIAL" and len(words) == 6:
+            if words[0] == "DIAL" and len(words) in (6, 8):
                 handed_off = True
                 await self._dial(link, words, uris, dns_names)
                 return
@@ -287,7 +301,22 @@ class DataListener:
         self, link: Link, words: list[str], uris: list[str], dns_names: list[str]
     ) -> None:
         hub = self.hub
-        _verb, node, host, port_text, timeout_text, traceparent = words
+        _verb, node, host, port_text, timeout_text, traceparent = words[:6]
+        early = b""
+        replay_safe = False
+        if len(words) == 8:
+            # Early data: read it all before any answer (a close with bytes unread would
+            # reset the connection, and the dialer might miss the answer).
+            try:
+                size = early_data.parse_length(words[6])
+                if words[7] not in ("once", "replay"):
+                    raise ValueError(f"early data is 'once' or 'replay', not {words[7][:12]!r}")
+            except ValueError as exc:
+                link.write_line("REFUSED", "INVALID", str(exc))
+                link.close()
+                return
+            early = await early_data.read_early(link, size, HANDSHAKE_TIMEOUT)
+            replay_safe = words[7] == "replay"
         parent = (
             tracing.extract_context((("traceparent", traceparent),)) if traceparent != "-" else None
         )
@@ -312,7 +341,14 @@ class DataListener:
                         "waygate.tunnel.address": address,
                     }
                 )
-                connection = await hub.dial(node, address, timeout)
+                connection = await hub.dial(node, address, timeout, early, replay_safe)
+            except Unanswered as exc:
+                # The bytes may have reached the destination: no answer to the dialer
+                # either (a REFUSED would tell it to send them again elsewhere).
+                log.warning("a dial with early data went unanswered", extra={"error": str(exc)})
+                span.set_attribute("waygate.tunnel.refusal", "UNANSWERED")
+                link.abort()
+                return
             except Refused as refused:
                 link.write_line("REFUSED", mux.reason_name(refused.reason), str(refused))
                 link.close()

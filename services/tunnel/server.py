@@ -40,6 +40,7 @@ from opentelemetry import trace
 from waygate.core import errors, tracing
 from waygate.core.identity import matches
 from waygate.tunnel import mux, peers
+from waygate.tunnel.early import Unanswered
 from waygate.tunnel.mux import (
     MAX_CHUNK,
     ConnectionClosed,
@@ -413,20 +414,35 @@ class AgentSession:
         return True
 
     async def dial(
-        self, address: str, timeout: float, trace_context: dict[str, str]
+        self,
+        address: str,
+        timeout: float,
+        trace_context: dict[str, str],
+        early: bytes = b"",
+        replay_safe: bool = False,
     ) -> ServerConnection:
         """A connection to `address` through this agent; `Refused` otherwise.
 
         The result may be a `DataConnection`, which its consumers (the gRPC Dial
         face, the front) use through the same members as a `ServerConnection`
-        (typed as one for them)."""
+        (typed as one for them). `early`: the dialer's first bytes (a raw dial's
+        early data, `waygate.tunnel.early`), on the destination's connection before
+        anything else once this returns; none of them sent when it raises `Refused`;
+        `early.Unanswered` when they went to the agent and no answer came back."""
         if self.draining or self.closed:
             raise Refused(pb.DRAINING, f"the agent for node {self.node} is moving off this replica")
         deadline = time.monotonic() + timeout
         while (link := self._take_parked()) is not None:
             try:
-                return await self._dial_parked(link, address, deadline, trace_context)
+                return await self._dial_parked(
+                    link, address, deadline, trace_context, early, replay_safe
+                )
             except LinkClosed:
+                if early and not replay_safe:
+                    raise Unanswered(
+                        f"node {self.node}'s agent let its data connection go after the dial "
+                        f"and {len(early)} bytes of early data were sent, before an answer"
+                    ) from None
                 # The agent let the connection go (its idle time) before it read the
                 # dial: nothing was dialled on it; the next one, or the stream.
                 continue
@@ -480,6 +496,16 @@ class AgentSession:
             raise Refused(reason, f"node {self.node}: {response.error or 'dial failed'}")
         if connection.finished:
             raise Refused(pb.DRAINING, f"the agent for node {self.node} went away")
+        if early:  # the agent answered first here: the bytes go now, ahead of the dialer's
+            if isinstance(connection, DataConnection):
+                connection.link.write(early)
+            else:
+                try:
+                    await connection.send(early)
+                except ConnectionClosed:
+                    raise Refused(
+                        pb.UNREACHABLE, f"node {self.node}: {address} closed the connection at once"
+                    ) from None
         return cast(ServerConnection, connection)
 
     def park(self, link: Link, taken: asyncio.Future[None]) -> None:
@@ -501,21 +527,37 @@ class AgentSession:
         return None
 
     async def _dial_parked(
-        self, link: Link, address: str, deadline: float, trace_context: dict[str, str]
+        self,
+        link: Link,
+        address: str,
+        deadline: float,
+        trace_context: dict[str, str],
+        early: bytes = b"",
+        replay_safe: bool = False,
     ) -> ServerConnection:
-        """Dial through a parked data connection: the dial line on it, the agent's answer
-        back (datapath's module docstring). LinkClosed: it was gone before an answer."""
+        """Dial through a parked data connection: the dial line on it (with the early data,
+        in the same write), the agent's answer back (datapath's module docstring).
+        LinkClosed: it was gone before an answer."""
         left = max(deadline - time.monotonic(), 0.001)
+        words = (
+            "DIAL",
+            address,
+            str(max(int(left * 1000), 1)),
+            trace_context.get("traceparent") or "-",
+        )
         try:
-            link.write_line(
-                "DIAL",
-                address,
-                str(max(int(left * 1000), 1)),
-                trace_context.get("traceparent") or "-",
-            )
+            if early:  # the line and the bytes in one write (one TLS record, or two)
+                line = " ".join((*words, str(len(early)))) + "\n"
+                link.write(line.encode("utf-8", "replace") + early)
+            else:
+                link.write_line(*words)
             answer = await link.read_line(left + 1.0)
         except TimeoutError:
             link.abort()
+            if early and not replay_safe:
+                raise Unanswered(
+                    f"node {self.node} did not answer a dial with early data within {left:g}s"
+                ) from None
             raise Refused(
                 pb.TIMEOUT, f"node {self.node} did not connect to {address} within {left:g}s"
             ) from None
@@ -700,12 +742,21 @@ class Hub:
             ordered.sort(key=lambda s: s.refused_lately(address))  # stable: newest first still
         return ordered
 
-    async def dial(self, node: str, address: str, timeout: float) -> Any:
+    async def dial(
+        self,
+        node: str,
+        address: str,
+        timeout: float,
+        early: bytes = b"",
+        replay_safe: bool = False,
+    ) -> Any:
         """Dial `address` through an agent of `node`: the next agent when one refuses for a
         reason another agent could answer (its allow-list, its network, it is moving).
 
         Returns a `ServerConnection` or a `DataConnection`; raises `Refused`. `timeout`
         bounds the whole dial: each next agent gets only what the ones before left.
+        `early` goes with the dial (`AgentSession.dial`): a refusal sent none of it, so
+        the next agent gets the same bytes; `early.Unanswered` is never retried here.
         """
         carrier: dict[str, str] = {}
         tracing.inject_context(carrier)
@@ -716,7 +767,7 @@ class Hub:
             if left <= 0 and last is not None:
                 break
             try:
-                return await session.dial(address, max(left, 0.001), carrier)
+                return await session.dial(address, max(left, 0.001), carrier, early, replay_safe)
             except Refused as refused:
                 last = refused
                 if refused.reason not in ANOTHER_AGENT_COULD:

@@ -126,6 +126,7 @@ class Tunnel:
         window: int | None = None,
         allow: tuple[str, ...] | None = None,
         park: bool = True,
+        data_connections: bool = True,
     ) -> Agent:
         agent = Agent(
             node=NODE,
@@ -140,12 +141,13 @@ class Tunnel:
             window=window or self.window,
             server_name="tunnel-server",
             park=park,
+            data_connections=data_connections,
         )
         self.agents.append(agent)
         self._tasks.append(asyncio.ensure_future(agent.run()))
         if wait:
             await until(lambda: NODE in self.hub.sessions, "the agent's stream")
-            if self.data_path:  # a full pool: what a test counts as its baseline stays put
+            if self.data_path and data_connections:  # a full pool: a test's baseline stays put
                 # Not vacuous: the server registers the stream before the agent has
                 # read its SERVER_INFO and added it to `streams`.
                 await until(

@@ -19,7 +19,14 @@ class SlowRefusal:
         self.given: list[float] = []
         self.refusals: list[str] = []
 
-    async def dial(self, address: str, timeout: float, carrier: dict[str, str]) -> None:
+    async def dial(
+        self,
+        address: str,
+        timeout: float,
+        carrier: dict[str, str],
+        early: bytes = b"",
+        replay_safe: bool = False,
+    ) -> None:
         self.given.append(timeout)
         await asyncio.sleep(min(self.delay, timeout))
         raise Refused(pb.UNREACHABLE, "no route to the destination from here")

@@ -1,0 +1,236 @@
+"""Early data on a raw dial (issue 19, dial latency): the dialer's first bytes go with its
+DIAL line, and the agent writes them to the destination once connected.
+
+Real replicas, agents and dial clients in one process, mTLS on every hop; the
+destination is an HTTP backend that records every request head it receives, so
+"delivered exactly once" is counted where it matters. The retry rule
+(`waygate.tunnel.early`): a refusal means the bytes reached no destination, so the
+dial moves on (to another agent, another replica) with the same bytes; a dial that
+went unanswered after its early data was sent is not retried unless the caller
+declared the bytes replay-safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.tunnel.harness import (
+    NODE,
+    Tunnel,
+    credentials,
+    http_backend,
+    ssl_context,
+)
+from tests.integration.tunnel.test_parked_dials import packets_to_agent
+from tests.support.pki import LocalCA
+from tests.support.poll import until
+from waygate.tunnel.client import DataStream, DialFailed, StaticPresence, TunnelClient
+from waygate.tunnel.early import EARLY_LIMIT
+from waygate.tunnel.relay import Link, open_link
+from waygate.tunnel.v1 import tunnel_pb2 as pb
+
+REQUEST = b"GET /early HTTP/1.1\r\nHost: backend\r\n\r\n"
+
+
+async def response(stream: Any) -> bytes:
+    received = b""
+    while not received.endswith(b"ok"):
+        more = await stream.read()
+        assert more, f"the response ended early: {received!r}"
+        received += more
+    return received
+
+
+@pytest.fixture
+def replicas_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The client shuffles replicas; these tests need to know which one comes first.
+    monkeypatch.setattr("waygate.tunnel.client.random.shuffle", lambda servers: None)
+
+
+@pytest.mark.parametrize(
+    "way", ["parked", "token", "agent-stream", "grpc-dial"], ids=lambda way: way
+)
+async def test_early_data_reaches_the_destination_once_and_first(
+    tmp_path: Path, way: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On every way a dial can go: a parked data connection (the bytes with the DIAL
+    line), DIAL_REQ answered on a data connection or on the Connect stream (the replica
+    sends them after the agent's answer), and gRPC Tunnel.Dial (the client sends them
+    as the first DATA)."""
+    tunnel = Tunnel(tmp_path)
+    await tunnel.start_server()
+    try:
+        await tunnel.start_agent(park=way == "parked", data_connections=way != "agent-stream")
+        sent = packets_to_agent(tunnel.hub.sessions[NODE], monkeypatch)
+        backend, port, heads = await http_backend()
+        async with backend:
+            client = tunnel.client(data_path=way != "grpc-dial")
+            stream = await client.dial(NODE, port, early=REQUEST)
+            assert isinstance(stream, DataStream) == (way != "grpc-dial")
+            assert (await response(stream)).startswith(b"HTTP/1.1 200 OK")
+            await stream.aclose()
+        assert heads == [REQUEST]
+        assert (pb.DIAL_REQ in sent) == (way != "parked")
+    finally:
+        await tunnel.close()
+
+
+async def test_bytes_written_after_the_dial_follow_the_early_data(tunnel: Tunnel) -> None:
+    backend, port, heads = await http_backend()
+    async with backend:
+        stream = await tunnel.client().dial(NODE, port, early=b"GET /split HTTP/1.1\r\n")
+        await stream.write(b"Host: backend\r\n\r\n")
+        assert (await response(stream)).startswith(b"HTTP/1.1 200 OK")
+        await stream.aclose()
+    assert heads == [b"GET /split HTTP/1.1\r\nHost: backend\r\n\r\n"]
+
+
+async def test_early_data_over_the_limit_is_refused_before_anything_is_sent(
+    tunnel: Tunnel,
+) -> None:
+    client = tunnel.client()
+    with pytest.raises(ValueError, match=f"at most {EARLY_LIMIT} bytes"):
+        await client.dial(NODE, 9, early=b"x" * (EARLY_LIMIT + 1))
+    # A dialer that claims more on the wire is refused by the replica, as INVALID.
+    link = await open_link(
+        "127.0.0.1",
+        tunnel.data_port,
+        ssl_context(tunnel.dialer_files),
+        server_hostname="tunnel-server",
+        timeout=5.0,
+    )
+    try:
+        assert (await link.read_line(5.0)).startswith(b"WAYGATE ")
+        link.write_line("DIAL", NODE, "-", "9", "1000", "-", str(EARLY_LIMIT + 1), "once")
+        answer = (await link.read_line(5.0)).decode()
+        assert answer.startswith("REFUSED INVALID early data must be 1..16384 bytes"), answer
+    finally:
+        link.abort()
+    assert not tunnel.hub.sessions[NODE].data
+
+
+async def test_an_agent_that_refuses_passes_the_same_bytes_to_one_that_serves(
+    tmp_path: Path,
+) -> None:
+    """Two agents for the node; the newest (tried first) refuses the destination after
+    it read the early data. The replica moves on with the same bytes: one delivery."""
+    tunnel = Tunnel(tmp_path)
+    await tunnel.start_server()
+    try:
+        await tunnel.start_agent()
+        refusing = await tunnel.start_agent(allow=("10.0.0.0/8:*",))
+        await until(lambda: len(tunnel.hub.agents(NODE)) == 2, "both agents held")
+        (session,) = (s for s in tunnel.hub.sessions_all() if s.agent_id == refusing.agent_id)
+        backend, port, heads = await http_backend()
+        async with backend:
+            stream = await tunnel.client().dial(NODE, port, early=REQUEST)
+            assert (await response(stream)).startswith(b"HTTP/1.1 200 OK")
+            await stream.aclose()
+        assert session.refused_lately(f"127.0.0.1:{port}")  # it was asked first, and refused
+        assert heads == [REQUEST]
+    finally:
+        await tunnel.close()
+
+
+@pytest.fixture
+async def two_replicas(tmp_path: Path) -> AsyncIterator[tuple[Tunnel, Tunnel]]:
+    """Replicas a and b (one CA), each with an agent of its own for the node."""
+    ca = LocalCA()
+    a = Tunnel(tmp_path / "a", server_id="replica-a", ca=ca)
+    b = Tunnel(tmp_path / "b", server_id="replica-b", ca=ca)
+    try:
+        for replica in (a, b):
+            await replica.start_server()
+            await replica.start_agent()
+        yield a, b
+    finally:
+        await a.close()
+        await b.close()
+
+
+def client_for(a: Tunnel, b: Tunnel) -> TunnelClient:
+    """A raw-dial client that tries replica a first, then b."""
+    context = ssl_context(a.dialer_files)
+    client = TunnelClient(
+        StaticPresence([f"127.0.0.1:{a.dial_port}", f"127.0.0.1:{b.dial_port}"]),
+        credentials=lambda: credentials(a.dialer_files),
+        ssl_context=lambda: context,
+        server_name="tunnel-server",
+    )
+    a.clients.append(client)
+    return client
+
+
+@pytest.mark.usefixtures("replicas_in_order")
+async def test_a_refusing_replica_sends_the_dialer_on_with_the_same_bytes(
+    two_replicas: tuple[Tunnel, Tunnel],
+) -> None:
+    a, b = two_replicas
+    a.hub.drain(30.0)  # a refuses with DRAINING, which another replica may answer
+    backend, port, heads = await http_backend()
+    async with backend:
+        stream = await client_for(a, b).dial(NODE, port, early=REQUEST)
+        assert stream.server_id == "replica-b"
+        assert (await response(stream)).startswith(b"HTTP/1.1 200 OK")
+        await stream.aclose()
+    assert heads == [REQUEST]
+
+
+def agents_lose_their_first_answer(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The first time an agent answers OK on a data connection (after it wrote the early
+    data to the destination), the connection breaks instead: the answer is lost."""
+    lost: list[int] = []
+    write_line = Link.write_line
+
+    def answer_or_break(link: Link, *words: str) -> None:
+        if words[0] == "OK" and len(words) == 2 and not lost:  # the agent's OK <id>
+            lost.append(1)
+            link.abort()
+            return
+        write_line(link, *words)
+
+    monkeypatch.setattr(Link, "write_line", answer_or_break)
+    return lost
+
+
+@pytest.mark.usefixtures("replicas_in_order")
+async def test_a_dial_unanswered_after_its_early_data_is_not_retried(
+    two_replicas: tuple[Tunnel, Tunnel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replica a's agent delivers the bytes and its answer is lost: neither a (another
+    parked connection) nor the dialer (replica b) tries again, and the error says why."""
+    a, b = two_replicas
+    lost = agents_lose_their_first_answer(monkeypatch)
+    backend, port, heads = await http_backend()
+    async with backend:
+        with pytest.raises(DialFailed) as failed:
+            await client_for(a, b).dial(NODE, port, early=REQUEST)
+        assert lost
+        assert not failed.value.retryable
+        assert "may have reached the destination" in str(failed.value)
+        assert "replay_safe" in str(failed.value)
+        await until(lambda: heads == [REQUEST], "the one delivery")
+    assert not b.hub.sessions[NODE].data  # b was never dialled
+
+
+@pytest.mark.usefixtures("replicas_in_order")
+async def test_replay_safe_early_data_is_sent_again_after_a_lost_answer(
+    two_replicas: tuple[Tunnel, Tunnel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller said the bytes may be delivered twice: the replica tries its next
+    parked connection, and the dial succeeds (the destination saw the bytes twice)."""
+    a, b = two_replicas
+    lost = agents_lose_their_first_answer(monkeypatch)
+    backend, port, heads = await http_backend()
+    async with backend:
+        stream = await client_for(a, b).dial(NODE, port, early=REQUEST, replay_safe=True)
+        assert lost
+        assert stream.server_id == "replica-a"
+        assert (await response(stream)).startswith(b"HTTP/1.1 200 OK")
+        await stream.aclose()
+        await until(lambda: len(heads) == 2, "both deliveries")
+    assert heads == [REQUEST, REQUEST]
