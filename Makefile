@@ -52,8 +52,10 @@ protos: $(STAMP)
 protos-check: $(STAMP)
 	$(BIN)/python protos/generate.py check
 
+# BENCH=name runs one benchmark (all by default); BENCH_ARGS go to it, e.g.
+# `make bench BENCH=tunnel BENCH_ARGS="--mib 256"`.
 bench: $(STAMP)
-	$(BIN)/python -m bench $(BENCH)
+	$(BIN)/python -m bench $(BENCH) $(if $(BENCH_ARGS),-- $(BENCH_ARGS))
 
 # Every service as its own process under steady load and a schedule of faults
 # (bench/soak); the table and plot go to bench/soak/out/. `make test` runs a

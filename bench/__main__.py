@@ -1,5 +1,10 @@
 """`make bench`: run every benchmark under bench/ and keep each report in bench/out/.
 
+    python -m bench [NAME ...] [-- ARG ...]
+
+With names, only those run; the arguments after `--` go to the one benchmark named
+(`make bench BENCH=tunnel BENCH_ARGS="--mib 256"`).
+
 Figures worth keeping are copied, with their command, machine and date, into
 bench/RESULTS.md by whoever ran them.
 """
@@ -15,7 +20,14 @@ HERE = Path(__file__).resolve().parent
 NOT_BENCH = frozenset({"soak"})
 
 
-def main(names: list[str]) -> int:
+def main(argv: list[str]) -> int:
+    names, options = argv, []
+    if "--" in argv:
+        split = argv.index("--")
+        names, options = argv[:split], argv[split + 1 :]
+        if len(names) != 1:
+            print("bench: options after -- need exactly one benchmark named", file=sys.stderr)
+            return 2
     available = sorted(
         p.name for p in HERE.iterdir() if (p / "__main__.py").is_file() and p.name not in NOT_BENCH
     )
@@ -32,7 +44,10 @@ def main(names: list[str]) -> int:
     for name in names or available:
         print(f"== bench {name}", flush=True)
         result = subprocess.run(
-            [sys.executable, "-m", f"bench.{name}"], cwd=HERE.parent, capture_output=True, text=True
+            [sys.executable, "-m", f"bench.{name}", *options],
+            cwd=HERE.parent,
+            capture_output=True,
+            text=True,
         )
         sys.stderr.write(result.stderr[-4000:])
         print(result.stdout, flush=True)
