@@ -12,6 +12,7 @@ declared the bytes replay-safe.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -29,8 +30,8 @@ from tests.integration.tunnel.test_parked_dials import packets_to_agent
 from tests.support.pki import LocalCA
 from tests.support.poll import until
 from waygate.tunnel.client import DataStream, DialFailed, StaticPresence, TunnelClient
-from waygate.tunnel.early import EARLY_LIMIT
-from waygate.tunnel.relay import Link, open_link
+from waygate.tunnel.early import EARLY_LIMIT, read_early
+from waygate.tunnel.relay import Link, LinkClosed, LinkListener, Stream, open_link
 from waygate.tunnel.v1 import tunnel_pb2 as pb
 
 REQUEST = b"GET /early HTTP/1.1\r\nHost: backend\r\n\r\n"
@@ -234,3 +235,65 @@ async def test_replay_safe_early_data_is_sent_again_after_a_lost_answer(
         await stream.aclose()
         await until(lambda: len(heads) == 2, "both deliveries")
     assert heads == [REQUEST, REQUEST]
+
+
+@pytest.fixture(params=["memory-bio", "socket"])
+async def link_pair(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Link, Link]]:
+    """A plain client link and the server side of it, either kind of `Link` the data
+    listener makes (the memory-BIO `Link` on a loop server, `SocketLink` on its own)."""
+    accepted: asyncio.Queue[Link] = asyncio.Queue()
+    closers: list[Any] = []
+    if request.param == "socket":
+        listener = LinkListener(None, accepted.put_nowait)
+        port = await listener.start("127.0.0.1", 0)
+        closers.append(listener.close)
+    else:
+
+        def made() -> Link:
+            link = Link(None, server_side=True)
+            accepted.put_nowait(link)
+            return link
+
+        server = await asyncio.get_running_loop().create_server(made, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        closers.append(server.close)
+    client = await open_link("127.0.0.1", port, None, server_hostname=None, timeout=5.0)
+    served = await asyncio.wait_for(accepted.get(), 5.0)
+    await served.established
+    try:
+        yield client, served
+    finally:
+        client.abort()
+        served.abort()
+        for close in closers:
+            close()
+
+
+async def test_read_early_takes_its_bytes_and_leaves_the_rest_to_the_next_user(
+    link_pair: tuple[Link, Link],
+) -> None:
+    """More than the preamble bound in two writes (the holder pauses reading past it):
+    exactly the early bytes come back, and what followed reaches whoever attaches."""
+    client, served = link_pair
+    early = bytes(range(256)) * 40  # 10 KiB
+    client.write(b"DIAL x 1\n" + early[:5000])
+    assert await served.read_line(5.0) == b"DIAL x 1"
+    client.write(early[5000:] + b"after")
+    assert await read_early(served, len(early), 5.0) == early
+    stream = Stream()
+    served.attach(stream)
+    rest = b""
+    while len(rest) < 5:
+        more = await asyncio.wait_for(stream.read(), 5.0)
+        assert more, "the bytes after the early data were lost"
+        rest += more
+    assert rest == b"after"
+
+
+async def test_read_early_fails_when_the_link_ends_first(link_pair: tuple[Link, Link]) -> None:
+    client, served = link_pair
+    client.write(b"DIAL x 1\n" + b"y" * 100)
+    client.write_eof()
+    assert await served.read_line(5.0) == b"DIAL x 1"
+    with pytest.raises(LinkClosed, match="before its early data"):
+        await read_early(served, 200, 5.0)
