@@ -451,8 +451,9 @@ class SocketLink(Link):
 
     - Reading: `recv_into` (one TLS record at most per call) fills `_PLAIN`, which
       goes to the protocol when full or when the socket has no more; a full buffer
-      ends the turn (fairness), and plaintext OpenSSL still holds
-      (`SSLSocket.pending`, which epoll cannot see) is read on the next turn.
+      ends the turn (fairness) and the next turn reads on, whatever the loop
+      reports: plaintext OpenSSL still holds (`SSLSocket.pending`) is invisible to
+      epoll, and uvloop stops polling a socket that reported a reset.
     - Writing: `send` straight away; what the socket cannot take is copied, kept
       in order and retried when writable (OpenSSL wants a refused write retried
       with the same bytes: one entry per write, never joined). Past the high-water
@@ -644,8 +645,13 @@ class SocketLink(Link):
             filled += got
             if filled == _READ_SIZE:
                 self._deliver(filled)
-                if self._tls and not self._fd_closed and sock.pending():
-                    self._loop.call_soon(self._on_readable)  # epoll cannot see it
+                if not self._fd_closed:
+                    # Read on next turn whatever the loop reports: plaintext OpenSSL
+                    # holds (`sock.pending`) is invisible to epoll, and uvloop stops
+                    # polling a socket that reported an error (a reset) once this
+                    # callback ran: the reset behind a full buffer would go unread and
+                    # the link never end.
+                    self._loop.call_soon(self._on_readable)
                 return
         if filled:
             self._deliver(filled)

@@ -345,3 +345,69 @@ async def test_an_upload_that_ends_with_a_full_close_arrives_whole(tunnel: Tunne
             stream.link.close()
             received = await asyncio.wait_for(counts.get(), 60)
             assert (attempt, received) == (attempt, (len(chunk) * times, "EOF"))
+
+
+def test_a_reset_with_more_than_a_read_unread_ends_the_link_under_uvloop(tmp_path: Path) -> None:
+    """Under uvloop (the loop the tunnel's processes run), a socket that reports an error
+    (the peer's reset) stops being polled once its callback ran: libuv stops the poll on
+    POLLERR, uvloop runs the reader once and closes it. A link that then read only one
+    buffer's worth, with more bytes and the reset still unread, was never called again:
+    the link (and a splice's other side) stayed open for good. Run on uvloop's loop
+    directly; the asyncio loop the other tests use keeps polling."""
+    import fcntl
+    import termios
+
+    import uvloop
+
+    async def scenario() -> None:
+        ca = LocalCA()
+        server_files = ca.write_files(tmp_path / "s", dns=["localhost"], ips=["127.0.0.1"])
+        client_files = ca.write_files(tmp_path / "c", uris=["spiffe://t/ns/t/sa/c"])
+        server_ctx = server_context(
+            chain_pem=server_files.cert.read_bytes(),
+            key_pem=server_files.key.read_bytes(),
+            client_ca_pem=ca.pem,
+            client_auth="required",
+        )
+        client_ctx = relay.client_context(
+            ca.pem, client_files.cert.read_bytes(), client_files.key.read_bytes()
+        )
+        accepted: asyncio.Queue[relay.Link] = asyncio.Queue()
+        listener = relay.LinkListener(server_ctx, accepted.put_nowait)
+        port = await listener.start("127.0.0.1", 0)
+        client = await relay.open_link(
+            "127.0.0.1", port, client_ctx, server_hostname="localhost", timeout=10
+        )
+        server = await asyncio.wait_for(accepted.get(), 10)
+        try:
+            await asyncio.wait_for(server.established, 10)
+            at_client = Collect()
+            client.attach(at_client)
+            server.attach(Collect())
+            client.pause_reading()  # (the splice's other side is full)
+            raw = client.get_extra_info("socket")
+            raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+            chunk = os.urandom(256 * 1024)
+            for _ in range(16):
+                server.write(chunk)
+
+            def unread() -> int:
+                return int.from_bytes(
+                    fcntl.ioctl(raw.fileno(), termios.FIONREAD, b"\0\0\0\0"), "little"
+                )
+
+            async with asyncio.timeout(10):
+                while unread() < 4 * len(chunk):  # several reads' worth in the socket
+                    await asyncio.sleep(0.01)
+            server.abort()  # the reset lands behind them
+            client.resume_reading()
+            lost = await asyncio.wait_for(at_client.lost, 10)
+            assert isinstance(lost, (ConnectionError, ssl.SSLError)), lost
+            assert client.get_extra_info("socket") is None  # closed, nothing left polled
+        finally:
+            client.abort()
+            server.abort()
+            listener.close()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(scenario())
