@@ -19,7 +19,8 @@ and the total. `--mode`:
   half-close, count answered) and reads from its source (`tunnel._pull`).
 - `echo`: `nc`-style: random bytes in 64 KiB writes to an echo destination in this
   process while reading its answer, a half-close, then the whole answer to its EOF,
-  which must be the same bytes.
+  which must be the same bytes. `echo-early`: the same with the first 16 KiB sent as
+  the dial's early data (`TunnelClient.dial(early=...)`).
 
 The socket-BIO data path tried in round 6 (163134c, 176f66b; reverted in 84d86c1) failed
 8 of 243 16 MiB downloads here, the memory-BIO `Link` 0 of 5,751. The cause was the
@@ -47,9 +48,10 @@ from bench.tunnel import tunnel
 from bench.tunnel.__main__ import Child
 from tests.support.pki import LocalCA
 from waygate.tunnel.client import DataStream, TunnelClient
+from waygate.tunnel.early import EARLY_LIMIT
 
-MODES = ("pull", "push", "push-close", "up", "down", "echo")
-WHAT = {"pull": "downloads", "down": "downloads", "echo": "echoes"}  # else uploads
+MODES = ("pull", "push", "push-close", "up", "down", "echo", "echo-early")
+WHAT = {"pull": "downloads", "down": "downloads", "echo": "echoes", "echo-early": "echoes"}
 
 
 class _Destination(asyncio.Protocol):
@@ -115,12 +117,12 @@ async def _push_close(
         raise RuntimeError(f"the destination read {count} bytes of {sent} ({how})")
 
 
-async def _echo(client: TunnelClient, port: int, payload: bytes) -> None:
-    stream = await client.dial(tunnel.NODE, port)
+async def _echo(client: TunnelClient, port: int, payload: bytes, early: int = 0) -> None:
+    stream = await client.dial(tunnel.NODE, port, early=payload[:early])
     view = memoryview(payload)
 
     async def send() -> None:
-        for start in range(0, len(payload), tunnel.CHUNK):
+        for start in range(early, len(payload), tunnel.CHUNK):
             await stream.write(bytes(view[start : start + tunnel.CHUNK]))
         await stream.write_eof()
 
@@ -144,10 +146,10 @@ async def run(mode: str, count: int, mib: int, seconds: float) -> int:
     loop = asyncio.get_running_loop()
     ended: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
     destination = await loop.create_server(
-        lambda: _Destination(ended, echo=mode == "echo"), "127.0.0.1", 0
+        lambda: _Destination(ended, echo=mode.startswith("echo")), "127.0.0.1", 0
     )
     own_port = destination.sockets[0].getsockname()[1]
-    payload = os.urandom(total) if mode == "echo" else b""
+    payload = os.urandom(total) if mode.startswith("echo") else b""
     with tempfile.TemporaryDirectory(prefix="bench-pull-stress-") as tmp:
         directory = Path(tmp)
         ca = LocalCA()
@@ -169,6 +171,7 @@ async def run(mode: str, count: int, mib: int, seconds: float) -> int:
                 "up": lambda: tunnel._bulk(client, bulk_port, total),
                 "down": lambda: tunnel._pull(client, source_port, total),
                 "echo": lambda: _echo(client, own_port, payload),
+                "echo-early": lambda: _echo(client, own_port, payload, EARLY_LIMIT),
             }[mode]
             failures = done = 0
             try:
