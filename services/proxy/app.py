@@ -669,7 +669,12 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     # Endpoints marked `tunnel` are dialled through a tunnel-server replica that
     # holds their node (presence from this same watch).
     from waygate.proxy.upstream import ConnectError
-    from waygate.tunnel.client import ViewPresence, process_client, transport_dialer
+    from waygate.tunnel.client import (
+        ViewPresence,
+        early_transport_dialer,
+        process_client,
+        transport_dialer,
+    )
 
     tunnel_client = await process_client(
         process,
@@ -680,6 +685,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     # Every upstream step (HTTP/1.1, HTTP/2, reencrypt, passthrough, mirrors) takes
     # the tunnel's data connection as its transport: no socketpair in between.
     server.dialer.tunnel = transport_dialer(tunnel_client, ConnectError)
+    server.dialer.tunnel_early = early_transport_dialer(tunnel_client, ConnectError)
     process.spawn(watch.run(), "resolver-watch")
     # To every replica: whichever one leads status writing hears this proxy.
     for channel in channels:

@@ -65,7 +65,7 @@ import functools
 import logging
 import random
 import re
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from opentelemetry import context as otel_context
 from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
@@ -88,7 +88,7 @@ from waygate.proxy.http1 import (
 )
 from waygate.proxy.pool import UpstreamConnection
 from waygate.proxy.routing import Backend, RouteEntry, Side, Target, unavailable_reason
-from waygate.proxy.upstream import ConnectError, start
+from waygate.proxy.upstream import Attachable, ConnectError, start
 
 if TYPE_CHECKING:
     from waygate.proxy.server import ProxyServer
@@ -564,11 +564,23 @@ class Exchange:
             attempts += 1
             upstream_tls = server.upstream_tls
             reencrypt = upstream_tls is not None and upstream_tls.applies(entry.route)
+            head_sent = False
             try:
                 # A socket, or a tunnel endpoint's data connection (upstream.Attachable).
-                connection = await server.dialer.connect(
-                    target, options.connect_timeout, self.upstream_traceparent
-                )
+                if target.tunnel and not reencrypt and self._head_alone():
+                    # The head goes with the tunnel's dial (its early data): it does not
+                    # wait for the dial's answer. GET/HEAD only: safe to send twice.
+                    connection, head_sent = await server.dialer.connect_early(
+                        target,
+                        options.connect_timeout,
+                        self.upstream_traceparent,
+                        self.upstream_head,
+                        True,
+                    )
+                else:
+                    connection = await server.dialer.connect(
+                        target, options.connect_timeout, self.upstream_traceparent
+                    )
             except ConnectError as exc:
                 server.metrics.connect_error(exc.kind)
                 server.health.failed(target)
@@ -603,6 +615,10 @@ class Exchange:
                         options.connect_timeout,
                         self.span,
                     )
+                elif head_sent:
+                    # Attached below, once bound to this exchange: the response may be
+                    # held in the connection already and comes at `attach`.
+                    upstream = factory()
                 else:
                     _, upstream = await start(connection, factory)
             except ConnectError as exc:
@@ -620,12 +636,37 @@ class Exchange:
             upstream.pool_key = (target, entry.upstream_scope)  # see routing.upstream_scope
         server.health.succeeded(target)
         server.metrics.upstream_opened += 1
+        if head_sent:
+            tunnelled = cast(Attachable, connection)  # only a tunnel's dial sends the head
+            if self.req is None:
+                tunnelled.abort()
+                return
+            self._attach(upstream, reused=False, head_sent=True)
+            tunnelled.attach(upstream)
+            if self.down.write_paused:  # (asked before the transport was there)
+                upstream.pause_reading()
+            return
         if self.req is None:
             upstream.close()
             return
         self._attach(upstream, reused=False)
 
-    def _attach(self, upstream: UpstreamConnection, *, reused: bool) -> None:
+    def _head_alone(self) -> bool:
+        """Whether the request is its head alone, safe to send twice: a GET or HEAD with
+        no body, no upgrade and no 100-continue (what may go as a tunnel's early data)."""
+        req = self.req
+        return (
+            req is not None
+            and req.method in (b"GET", b"HEAD")
+            and not req.has_body
+            and not req.upgrade
+            and not req.expect_continue
+            and not self.pending_body
+        )
+
+    def _attach(
+        self, upstream: UpstreamConnection, *, reused: bool, head_sent: bool = False
+    ) -> None:
         self.upstream = upstream
         sent_at = self.started if reused else self.loop.time()
         if not self.req_complete:
@@ -640,7 +681,7 @@ class Exchange:
             self.pending_size = 0
             self.down.resume_reading(flow.CONNECTING)
         else:
-            upstream.begin(self, reused, sent_at, self.upstream_head)
+            upstream.begin(self, reused, sent_at, b"" if head_sent else self.upstream_head)
         if self.down.write_paused:
             upstream.pause_reading()
 

@@ -110,7 +110,8 @@ class UpstreamConnection(asyncio.Protocol):
         self.response = None
         self.sent_at = sent_at
         if isinstance(request, bytes):
-            self.transport.write(request)  # type: ignore[union-attr]
+            if request:  # empty: the head went with the connect (a tunnel's early data)
+                self.transport.write(request)  # type: ignore[union-attr]
         else:
             self.transport.writelines(request)  # type: ignore[union-attr]
 

@@ -80,6 +80,22 @@ class Connect(Protocol):
     ) -> Awaitable[Connection]: ...
 
 
+class EarlyConnect(Protocol):
+    """A connect step that can send the request's first bytes with the connect itself (the
+    tunnel's early data, `waygate.tunnel.early`): (the connection, whether it sent them).
+    `replay_safe`: the bytes may reach the endpoint twice (an idempotent request), so a
+    connect that failed after sending them may be retried."""
+
+    def __call__(
+        self,
+        target: Target,
+        timeout: float,
+        trace_context: str | None,
+        early: bytes,
+        replay_safe: bool,
+    ) -> Awaitable[tuple[Connection, bool]]: ...
+
+
 P = TypeVar("P", bound=asyncio.BaseProtocol)
 
 
@@ -153,9 +169,31 @@ async def tcp_connect(target: Target, timeout: float, trace_context: str | None)
 class Dialer:
     """Direct connects, or the tunnel dialer for endpoints marked `tunnel`."""
 
-    def __init__(self, direct: Connect = tcp_connect, tunnel: Connect | None = None) -> None:
+    def __init__(
+        self,
+        direct: Connect = tcp_connect,
+        tunnel: Connect | None = None,
+        tunnel_early: EarlyConnect | None = None,
+    ) -> None:
         self.direct = direct
         self.tunnel = tunnel
+        # The tunnel's connect with early data; None: request heads go after the connect.
+        self.tunnel_early = tunnel_early
+
+    async def connect_early(
+        self,
+        target: Target,
+        timeout: float,
+        trace_context: str | None,
+        early: bytes,
+        replay_safe: bool,
+    ) -> tuple[Connection, bool]:
+        """`connect`, handing `early` to a tunnel endpoint's dial where the tunnel step
+        takes it: (the connection, whether `early` went with it; if not, the caller
+        sends it as usual)."""
+        if target.tunnel and self.tunnel_early is not None:
+            return await self.tunnel_early(target, timeout, trace_context, early, replay_safe)
+        return await self.connect(target, timeout, trace_context), False
 
     async def connect(
         self, target: Target, timeout: float, trace_context: str | None

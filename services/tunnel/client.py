@@ -1030,21 +1030,58 @@ def transport_dialer(client: TunnelClient, error: Callable[..., Exception]) -> C
     """
 
     async def connect(target: Any, timeout: float, trace_context: str | None) -> Dialled:
-        try:
-            stream = await client.dial(
-                target.node,
-                target.port,
-                target.address,
-                timeout=timeout,
-                trace_context=trace_context,
-            )
-        except DialFailed as failed:
-            raise error(str(failed), "tunnel", retryable=failed.retryable) from None
-        if isinstance(stream, DataStream):
-            return Dialled(stream.link)
-        return Dialled(StreamTransport(stream))
+        return await _dialled(client, error, target, timeout, trace_context)
 
     return connect
+
+
+def early_transport_dialer(
+    client: TunnelClient, error: Callable[..., Exception]
+) -> Callable[..., Any]:
+    """`transport_dialer` with early data (waygate.proxy.upstream.EarlyConnect): the
+    request's first bytes go with the dial (`TunnelClient.dial(early=...)`), so they do
+    not wait for its answer. Bytes over `EARLY_LIMIT` are not sent (False: the caller
+    writes them once connected)."""
+
+    async def connect(
+        target: Any,
+        timeout: float,
+        trace_context: str | None,
+        early: bytes,
+        replay_safe: bool,
+    ) -> tuple[Dialled, bool]:
+        if len(early) > EARLY_LIMIT:
+            early = b""
+        dialled = await _dialled(client, error, target, timeout, trace_context, early, replay_safe)
+        return dialled, bool(early)
+
+    return connect
+
+
+async def _dialled(
+    client: TunnelClient,
+    error: Callable[..., Exception],
+    target: Any,
+    timeout: float,
+    trace_context: str | None,
+    early: bytes = b"",
+    replay_safe: bool = False,
+) -> Dialled:
+    try:
+        stream = await client.dial(
+            target.node,
+            target.port,
+            target.address,
+            timeout=timeout,
+            trace_context=trace_context,
+            early=early,
+            replay_safe=replay_safe,
+        )
+    except DialFailed as failed:
+        raise error(str(failed), "tunnel", retryable=failed.retryable) from None
+    if isinstance(stream, DataStream):
+        return Dialled(stream.link)
+    return Dialled(StreamTransport(stream))
 
 
 async def process_client(

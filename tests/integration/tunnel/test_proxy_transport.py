@@ -41,7 +41,13 @@ from waygate.proxy.passthrough import HIGH_WATER
 from waygate.proxy.upstream import ConnectError, Dialer
 from waygate.proxy.upstream_tls import UpstreamTLS
 from waygate.resolver.model import Mirror, RouteFilters
-from waygate.tunnel.client import StreamTransport, bridged_socket, transport_dialer
+from waygate.tunnel.client import (
+    StreamTransport,
+    TunnelClient,
+    bridged_socket,
+    early_transport_dialer,
+    transport_dialer,
+)
 from waygate.tunnel.relay import Link
 
 HOST = b"Host: edge.test\r\n"
@@ -92,8 +98,12 @@ def tunnelled(backend_port: int, connect_timeout: float = 5.0, **route_kw: objec
 
 
 def dialer(tunnel: Tunnel, **client_kw: object) -> Dialer:
+    """The proxy's dialer as the proxy process wires it: a GET/HEAD head goes with the
+    tunnel's dial as its early data (`early_transport_dialer`), everything else after."""
+    client = tunnel.client(**client_kw)
     return Dialer(
-        tunnel=transport_dialer(tunnel.client(**client_kw), ConnectError)  # type: ignore[arg-type]
+        tunnel=transport_dialer(client, ConnectError),  # type: ignore[arg-type]
+        tunnel_early=early_transport_dialer(client, ConnectError),  # type: ignore[arg-type]
     )
 
 
@@ -175,6 +185,67 @@ async def test_requests_ride_the_data_connection_as_the_upstream_transport(
                 head = await reader.readuntil(b"\r\n\r\n")
                 assert head.startswith(b"HTTP/1.1 200 ")
                 assert len(await reader.readexactly(size)) == size
+        finally:
+            writer.close()
+
+
+@pytest.mark.usefixtures("no_socketpair")
+async def test_a_get_head_goes_with_the_dial_and_a_body_after_it(
+    tunnel: Tunnel, backend: RecordingUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new upstream connection for a bodiless GET: its head is the dial's early data
+    and reaches the backend once; a POST's head and body go after the dial."""
+    early: list[bytes] = []
+    dial = TunnelClient.dial
+
+    async def recording(self: TunnelClient, *args: object, **kwargs: object) -> object:
+        early.append(kwargs.get("early", b""))  # type: ignore[arg-type]
+        return await dial(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(TunnelClient, "dial", recording)
+    for request in (
+        b"GET /first HTTP/1.1\r\n" + HOST + b"\r\n",
+        b"POST /second HTTP/1.1\r\n" + HOST + b"Content-Length: 4\r\n\r\nbody",
+    ):  # a proxy each: each request on a new upstream connection
+        async with running_proxy(tunnelled(backend.port), dialer=dialer(tunnel)) as (_, port):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            try:
+                writer.write(request)
+                response = await read_response(reader)
+                assert response.startswith(b"HTTP/1.1 200 "), response[:200]
+            finally:
+                writer.close()
+    assert len(early) == 2
+    assert early[0].startswith(b"GET /first HTTP/1.1\r\n")  # the upstream head, whole
+    assert early[1] == b""
+    assert [r["target"] for r in backend.requests] == ["/first", "/second"]
+    assert backend.requests[1]["body_length"] == 4
+
+
+@pytest.mark.usefixtures("no_socketpair")
+async def test_a_response_in_before_the_exchange_attaches_is_its_response(
+    tunnel: Tunnel, backend: RecordingUpstream
+) -> None:
+    """With the head sent as early data the response can be held in the tunnelled
+    connection before the exchange has it (here: the dial returns only once the backend
+    answered): it is delivered at attach, to the exchange already bound to it."""
+    proxied = dialer(tunnel)
+    early = proxied.tunnel_early
+    assert early is not None
+
+    async def answered_first(*args: object) -> object:
+        dialled = await early(*args)  # type: ignore[arg-type]
+        await until(lambda: len(backend.requests) == 1, "the backend's answer")
+        await asyncio.sleep(0.2)  # its response on the way back, into the held bytes
+        return dialled
+
+    proxied.tunnel_early = answered_first  # type: ignore[assignment]
+    async with running_proxy(tunnelled(backend.port), dialer=proxied) as (_server, port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(b"GET /early HTTP/1.1\r\n" + HOST + b"\r\n")
+            response = await read_response(reader)
+            assert response.startswith(b"HTTP/1.1 200 "), response[:200]
         finally:
             writer.close()
 
