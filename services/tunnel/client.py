@@ -234,13 +234,14 @@ class _Target:
         self.early, self.replay_safe = early, replay_safe
         self.traceparent = ""
 
-    def preamble(self, timeout: float) -> bytes:
-        """The DIAL line, and the early data after it (one write, one TLS record or two)."""
+    def preamble(self, timeout: float, early: bool = True) -> bytes:
+        """The DIAL line, and the early data after it (one write, one TLS record or two);
+        `early` False: the line alone (a replica from before early data)."""
         line = (
             f"DIAL {self.node} {self.host or '-'} {self.port} {int(timeout * 1000)} "
             f"{self.traceparent or '-'}"
         )
-        if not self.early:
+        if not self.early or not early:
             return (line + "\n").encode("utf-8", "replace")
         mode = "replay" if self.replay_safe else "once"
         return f"{line} {len(self.early)} {mode}\n".encode("utf-8", "replace") + self.early
@@ -340,6 +341,8 @@ class TunnelClient:
         self._ssl_context = ssl_context
         self.data_path = data_path and (ssl_context is not None or credentials() is None)
         self._described: dict[str, tuple[float, tuple[str, int] | None]] = {}
+        # Data listeners that refused a DIAL line with early data (from before it).
+        self._no_early: set[tuple[str, int]] = set()
         # Warm raw-dial connections per data listener (`DialPool`): `pool_size` each,
         # kept `pool_idle` seconds; 0 turns pooling off (a one-shot dialer).
         if not 0 <= pool_size <= 256:
@@ -584,7 +587,10 @@ class TunnelClient:
         context = self._ssl_context() if self._ssl_context is not None else None
         pool = self._pool(address, where, context)
         pooled = pool.take() if pool is not None else None
-        preamble = target.preamble(timeout)
+        # Early data with the line, unless this replica is known to predate it (then
+        # the bytes go after the answer, as on the fallback paths).
+        early = target.early if where not in self._no_early else b""
+        preamble = target.preamble(timeout, early=bool(early))
         while True:
             link = pooled or (await self._greeted_link(address, where, context, timeout))[0]
             try:
@@ -593,7 +599,7 @@ class TunnelClient:
                 answer = (await link.read_line(timeout + 3.0)).decode("utf-8", "replace")
             except TimeoutError:
                 link.abort()
-                if target.early:
+                if early:
                     raise target.unanswered(address, f"no answer within {timeout:g}s") from None
                 # No answer: the replica itself is stuck (the agent's own timeout would
                 # have been answered); another replica may serve.
@@ -604,7 +610,7 @@ class TunnelClient:
                 ) from None
             except LinkClosed as exc:
                 link.abort()
-                if target.early:
+                if early:
                     # Early data went with the line: a replica that read it may have
                     # passed it on before the connection broke (even a pooled one).
                     raise target.unanswered(address, f"the connection ended: {exc}") from None
@@ -621,9 +627,18 @@ class TunnelClient:
         verb, _, rest = answer.partition(" ")
         if verb == "OK":
             server_id, _agent_id, connect_id = [*rest.split(" "), "", "", "0"][:3]
+            if target.early and not early:
+                link.write(target.early)  # the stream's first bytes, after the answer
             return DataStream(link, server_id, int(connect_id) if connect_id.isdigit() else 0)
         link.abort()
         name, _, message = rest.partition(" ")
+        if early and name == "INVALID" and message == "unknown preamble":
+            # A replica from before early data refused the line: nothing was dialled.
+            # Again without it; remembered for this listener (at most 1,024 of them).
+            if len(self._no_early) >= 1024:
+                self._no_early.clear()
+            self._no_early.add(where)
+            return await self._dial_raw(address, where, target, timeout)
         reason = pb.RefusalReason.Value(name) if name in pb.RefusalReason.keys() else 0  # noqa: SIM118
         raise DialFailed(
             message or name or f"tunnel server {address} answered {answer[:80]!r}",

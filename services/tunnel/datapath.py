@@ -31,10 +31,12 @@ accepted. Then the client sends one preamble line (`relay.read_line`):
             OK <connection-id>                (then the bytes flow)
             REFUSED <REASON> <message>        (then the connection closes)
         A parked connection that ends before its answer (the agent's pool let
-        it go as the dial arrived) costs a retry on the next one (with early
-        data only when the dialer said `replay`: else the dial fails
-        unanswered); with none left the dial goes to the Connect stream as
-        DIAL_REQ, and the replica sends the early data after its answer. One parked
+        it go as the dial arrived) costs a retry on the next one; with none
+        left the dial goes to the Connect stream as DIAL_REQ, and the replica
+        sends any early data after the agent's answer. After early data went
+        with it, such a connection fails the dial unanswered, unless the dialer
+        said `replay`: then it goes straight to DIAL_REQ (an agent from before
+        early data drops every such line). One parked
         connection waits at most `idle_timeout` and counts against
         `max_idle_per_peer` while it waits; the agent closes it sooner (its
         pool's idle time). Every line here is bounded by relay.PREAMBLE_LIMIT.
@@ -49,8 +51,11 @@ accepted. Then the client sends one preamble line (`relay.read_line`):
         after its answer. REFUSED: none of them reached a destination (retry
         elsewhere with the same bytes); OK: they went first; no answer (the
         agent's went missing): unknown, and the replica closes the connection
-        without one. `replay` lets the replica try another parked connection
-        after an unanswered one (`waygate.tunnel.early` has the rule).
+        without one. `replay` lets the replica dial again (DIAL_REQ) after an
+        unanswered one (`waygate.tunnel.early` has the rule). A replica from
+        before early data answers `REFUSED INVALID unknown preamble`; the
+        client then dials that listener with the line alone and sends the
+        bytes after the answer.
 
 A raw dial whose agent answered on its own data connection is a splice of
 the two links (`relay.splice`); one the agent answered on its Connect stream

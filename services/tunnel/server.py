@@ -443,6 +443,11 @@ class AgentSession:
                         f"node {self.node}'s agent let its data connection go after the dial "
                         f"and {len(early)} bytes of early data were sent, before an answer"
                     ) from None
+                if early:
+                    # Replay-safe bytes: again, through the stream (DIAL_REQ, the bytes
+                    # after the answer), not on the next parked connection: an agent from
+                    # before early data drops every such line (it expects four words).
+                    break
                 # The agent let the connection go (its idle time) before it read the
                 # dial: nothing was dialled on it; the next one, or the stream.
                 continue

@@ -222,13 +222,16 @@ async def test_a_dial_unanswered_after_its_early_data_is_not_retried(
 async def test_replay_safe_early_data_is_sent_again_after_a_lost_answer(
     two_replicas: tuple[Tunnel, Tunnel], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The caller said the bytes may be delivered twice: the replica tries its next
-    parked connection, and the dial succeeds (the destination saw the bytes twice)."""
+    """The caller said the bytes may be delivered twice: the replica dials again through
+    the agent's stream (DIAL_REQ, the bytes after the answer), and the dial succeeds (the
+    destination saw the bytes twice)."""
     a, b = two_replicas
     lost = agents_lose_their_first_answer(monkeypatch)
+    sent = packets_to_agent(a.hub.sessions[NODE], monkeypatch)
     backend, port, heads = await http_backend()
     async with backend:
         stream = await client_for(a, b).dial(NODE, port, early=REQUEST, replay_safe=True)
+        assert sent.count(pb.DIAL_REQ) == 1
         assert lost
         assert stream.server_id == "replica-a"
         assert (await response(stream)).startswith(b"HTTP/1.1 200 OK")
@@ -297,3 +300,34 @@ async def test_read_early_fails_when_the_link_ends_first(link_pair: tuple[Link, 
     assert await served.read_line(5.0) == b"DIAL x 1"
     with pytest.raises(LinkClosed, match="before its early data"):
         await read_early(served, 200, 5.0)
+
+
+async def test_a_replica_from_before_early_data_gets_the_bytes_after_its_answer(
+    tunnel: Tunnel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica that does not know the longer DIAL line refuses it as INVALID "unknown
+    preamble" (nothing dialled): the client dials again with the line alone, sends the
+    bytes after the answer, and does so from then on for that listener."""
+    listener = tunnel.data
+    assert listener is not None
+    dial = type(listener)._dial
+    refused: list[int] = []
+
+    async def as_before(self: Any, link: Link, words: list[str], *rest: Any) -> None:
+        if len(words) != 6:
+            refused.append(len(words))
+            link.write_line("REFUSED", "INVALID", "unknown preamble")
+            link.close()
+            return
+        await dial(self, link, words, *rest)
+
+    monkeypatch.setattr(type(listener), "_dial", as_before)
+    client = tunnel.client()
+    backend, port, heads = await http_backend()
+    async with backend:
+        for _ in range(2):
+            stream = await client.dial(NODE, port, early=REQUEST)
+            assert (await response(stream)).startswith(b"HTTP/1.1 200 OK")
+            await stream.aclose()
+    assert heads == [REQUEST, REQUEST]
+    assert refused == [8]  # refused once; the second dial sent the line alone
