@@ -228,24 +228,13 @@ async def _pull_transport(client: TunnelClient, port: int, total: int) -> float:
     return elapsed
 
 
-async def _tunnel_request(client: TunnelClient, port: int) -> None:
-    stream = await client.dial(NODE, port)
+async def _tunnel_request(client: TunnelClient, port: int, early: bool = False) -> None:
+    """Dial, one HTTP request, the response, close; `early`: the request goes as the
+    dial's early data (waygate.tunnel.early) instead of after its answer."""
+    stream = await client.dial(NODE, port, early=HTTP_REQUEST if early else b"")
     try:
-        await stream.write(HTTP_REQUEST)
-        received = b""
-        while not received.endswith(b"ok"):
-            more = await stream.read()
-            if not more:
-                raise RuntimeError(f"tunnelled request ended early: {received[:80]!r}")
-            received += more
-    finally:
-        await stream.aclose()
-
-
-async def _tunnel_request_early(client: TunnelClient, port: int) -> None:
-    """`_tunnel_request` with the request as the dial's early data (waygate.tunnel.early)."""
-    stream = await client.dial(NODE, port, early=HTTP_REQUEST)
-    try:
+        if not early:
+            await stream.write(HTTP_REQUEST)
         received = b""
         while not received.endswith(b"ok"):
             more = await stream.read()
@@ -467,7 +456,7 @@ async def _dial_figures(
     kinds: dict[str, Any] = {
         "direct": lambda: _direct_request(http_port),
         "tunnel": lambda: _tunnel_request(client, http_port),
-        "early": lambda: _tunnel_request_early(client, http_port),
+        "early": lambda: _tunnel_request(client, http_port, early=True),
     }
     if ssh_port is not None:
         kinds["ssh"] = lambda: _direct_request(ssh_port)
