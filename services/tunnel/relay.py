@@ -737,18 +737,8 @@ class SocketLink(Link):
         # drops the session of an SSL freed before its close_notify went out (as
         # Link's SSLObject, it goes with the link: a session stays resumable).
         os.close(sock.detach())
-        self._loop.call_soon(self._lost, None)
-
-    def _lost(self, exc: Exception | None) -> None:
-        if self.lost:
-            return
-        self.lost = True
-        self._gone()
-        if not self.established.done():
-            self.established.set_exception(LinkClosed(f"connection lost: {exc or 'closed'}"))
-        if exc is None and not (self.eof_in and self.eof_out):
-            exc = LinkClosed("the data connection ended before both sides finished")
-        self.protocol.connection_lost(exc)
+        # Link's own end (its socket transport's connection_lost): once, from the loop.
+        self._loop.call_soon(self.connection_lost, None)
 
     def _fail(self, exc: BaseException) -> None:
         self._closing = True

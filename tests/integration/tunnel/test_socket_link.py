@@ -9,6 +9,7 @@ that must lose nothing."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import socket
@@ -64,13 +65,14 @@ class Collect(asyncio.Protocol):
             self.lost.set_result(exc)
 
 
-@pytest.fixture
-async def pair(tmp_path: Path) -> AsyncIterator[tuple[relay.Link, relay.Link]]:
-    """A connected (client, server) pair of SocketLinks over mTLS, handshakes done."""
+@contextlib.asynccontextmanager
+async def socket_links(directory: Path) -> AsyncIterator[tuple[relay.Link, relay.Link]]:
+    """A connected (client, server) pair of SocketLinks over mTLS, handshakes done; both
+    aborted and the listener closed afterwards."""
     assert can_send_close_notify()  # CPython on Linux: the path the tunnel takes
     ca = LocalCA()
-    server_files = ca.write_files(tmp_path / "s", dns=["localhost"], ips=["127.0.0.1"])
-    client_files = ca.write_files(tmp_path / "c", uris=["spiffe://t/ns/t/sa/c"])
+    server_files = ca.write_files(directory / "s", dns=["localhost"], ips=["127.0.0.1"])
+    client_files = ca.write_files(directory / "c", uris=["spiffe://t/ns/t/sa/c"])
     server_ctx = server_context(
         chain_pem=server_files.cert.read_bytes(),
         key_pem=server_files.key.read_bytes(),
@@ -83,18 +85,26 @@ async def pair(tmp_path: Path) -> AsyncIterator[tuple[relay.Link, relay.Link]]:
     accepted: asyncio.Queue[relay.Link] = asyncio.Queue()
     listener = relay.LinkListener(server_ctx, accepted.put_nowait)
     port = await listener.start("127.0.0.1", 0)
-    client = await relay.open_link(
-        "127.0.0.1", port, client_ctx, server_hostname="localhost", timeout=10
-    )
-    server = await asyncio.wait_for(accepted.get(), 10)
-    await asyncio.wait_for(server.established, 10)
-    assert isinstance(client, relay.SocketLink) and isinstance(server, relay.SocketLink)
     try:
-        yield client, server
+        client = await relay.open_link(
+            "127.0.0.1", port, client_ctx, server_hostname="localhost", timeout=10
+        )
+        server = await asyncio.wait_for(accepted.get(), 10)
+        try:
+            await asyncio.wait_for(server.established, 10)
+            assert isinstance(client, relay.SocketLink) and isinstance(server, relay.SocketLink)
+            yield client, server
+        finally:
+            client.abort()
+            server.abort()
     finally:
-        client.abort()
-        server.abort()
         listener.close()
+
+
+@pytest.fixture
+async def pair(tmp_path: Path) -> AsyncIterator[tuple[relay.Link, relay.Link]]:
+    async with socket_links(tmp_path) as links:
+        yield links
 
 
 async def test_half_close_both_ways_keeps_every_byte(pair: tuple[relay.Link, relay.Link]) -> None:
@@ -360,27 +370,7 @@ def test_a_reset_with_more_than_a_read_unread_ends_the_link_under_uvloop(tmp_pat
     import uvloop
 
     async def scenario() -> None:
-        ca = LocalCA()
-        server_files = ca.write_files(tmp_path / "s", dns=["localhost"], ips=["127.0.0.1"])
-        client_files = ca.write_files(tmp_path / "c", uris=["spiffe://t/ns/t/sa/c"])
-        server_ctx = server_context(
-            chain_pem=server_files.cert.read_bytes(),
-            key_pem=server_files.key.read_bytes(),
-            client_ca_pem=ca.pem,
-            client_auth="required",
-        )
-        client_ctx = relay.client_context(
-            ca.pem, client_files.cert.read_bytes(), client_files.key.read_bytes()
-        )
-        accepted: asyncio.Queue[relay.Link] = asyncio.Queue()
-        listener = relay.LinkListener(server_ctx, accepted.put_nowait)
-        port = await listener.start("127.0.0.1", 0)
-        client = await relay.open_link(
-            "127.0.0.1", port, client_ctx, server_hostname="localhost", timeout=10
-        )
-        server = await asyncio.wait_for(accepted.get(), 10)
-        try:
-            await asyncio.wait_for(server.established, 10)
+        async with socket_links(tmp_path) as (client, server):
             at_client = Collect()
             client.attach(at_client)
             server.attach(Collect())
@@ -404,10 +394,6 @@ def test_a_reset_with_more_than_a_read_unread_ends_the_link_under_uvloop(tmp_pat
             lost = await asyncio.wait_for(at_client.lost, 10)
             assert isinstance(lost, (ConnectionError, ssl.SSLError)), lost
             assert client.get_extra_info("socket") is None  # closed, nothing left polled
-        finally:
-            client.abort()
-            server.abort()
-            listener.close()
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(scenario())
