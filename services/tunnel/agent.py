@@ -47,7 +47,7 @@ from waygate.core.backoff import Backoff
 from waygate.core.flow import FlowControl
 from waygate.tunnel import mux
 from waygate.tunnel.allow import AllowList
-from waygate.tunnel.early import parse_length, read_early
+from waygate.tunnel.early import parse_length
 from waygate.tunnel.mux import MAX_CHUNK, Outbox, ReceiveWindow, Refused
 from waygate.tunnel.relay import (
     Link,
@@ -600,7 +600,7 @@ class AgentStream:
         early = b""
         try:
             if len(words) == 5:  # early data (waygate.tunnel.early): in before the connect
-                early = await read_early(link, parse_length(words[4]), timeout)
+                early = await link.read_exact(parse_length(words[4]), timeout)
             connect_id, sock = await self._open_destination(address, timeout)
         except asyncio.CancelledError:
             link.abort()  # the stream is closing: the replica hears it at once

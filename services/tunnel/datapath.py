@@ -320,7 +320,7 @@ class DataListener:
                 link.write_line("REFUSED", "INVALID", str(exc))
                 link.close()
                 return
-            early = await early_data.read_early(link, size, HANDSHAKE_TIMEOUT)
+            early = await link.read_exact(size, HANDSHAKE_TIMEOUT)
             replay_safe = words[7] == "replay"
         parent = (
             tracing.extract_context((("traceparent", traceparent),)) if traceparent != "-" else None

@@ -21,16 +21,13 @@ Where the agent answers on its Connect stream or on a data connection of its own
 (DIAL_REQ: no parked connection), the replica sends the bytes as the first ones
 after the agent's answer, with the same meaning for OK and REFUSED.
 
+Reading them is `relay.Link.read_exact`, beside the preamble's `read_line`.
+
 Invariants: at most `EARLY_LIMIT` bytes are held per dial, on each hop; every read
 of them has a timeout; no grpc here.
 """
 
 from __future__ import annotations
-
-import asyncio
-from typing import Any
-
-from waygate.tunnel.relay import Link, LinkClosed
 
 # The most a dialer may send with its dial: a request head, not an upload.
 EARLY_LIMIT = 16 * 1024
@@ -49,69 +46,3 @@ def parse_length(text: str) -> int:
             "(larger first bytes go after the dial's answer)"
         )
     return int(text)
-
-
-class _Collector(asyncio.Protocol):
-    """Takes exactly `size` bytes off a Link before its user attaches, then hands the link
-    back to what held it (its `_Holding`): later bytes, EOF or loss wait there as they
-    would have, for `Link.attach` to replay."""
-
-    def __init__(self, link: Link, size: int, holder: Any) -> None:
-        self.link = link
-        self.size = size
-        self.holder = holder
-        self.data = bytearray()
-        self.done: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-
-    def connection_made(self, transport: Any) -> None:
-        pass
-
-    def data_received(self, data: bytes) -> None:
-        if self.done.done():  # handed back already: only a replay from `attach` gets here
-            self.holder.data_received(data)
-            return
-        wanted = self.size - len(self.data)
-        self.data += data[:wanted]
-        if len(self.data) == self.size:
-            self.give_back()
-            self.done.set_result(bytes(self.data))
-            if len(data) > wanted:
-                self.holder.data_received(bytes(data[wanted:]))
-
-    def eof_received(self) -> bool:
-        self.give_back()
-        self.holder.eof_received()
-        self._fail("the data connection ended before its early data")
-        return True
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.give_back()
-        self.holder.connection_lost(exc)
-        self._fail("the data connection was lost before its early data")
-
-    def _fail(self, why: str) -> None:
-        if not self.done.done():
-            self.done.set_exception(LinkClosed(why))
-
-    def give_back(self) -> None:
-        if self.link.get_protocol() is self:
-            self.link.set_protocol(self.holder)
-
-
-async def read_early(link: Link, size: int, timeout: float) -> bytes:
-    """The `size` bytes after the preamble line just read from `link` (not yet attached),
-    within `timeout` (TimeoutError); LinkClosed when it ends first. Bounded: `size` is
-    at most EARLY_LIMIT (`parse_length`), and reading goes on only until it is in."""
-    holder = link.get_protocol()
-    collector = _Collector(link, size, holder)
-    try:
-        link.attach(collector)  # what arrived with the line first, then the socket's reads
-        async with asyncio.timeout(timeout):
-            return await collector.done
-    finally:
-        collector.give_back()
-        done = collector.done
-        if not done.done():
-            done.cancel()
-        elif not done.cancelled():
-            done.exception()  # retrieved: a failure is raised above, or was a timeout's

@@ -331,6 +331,26 @@ class Link(asyncio.Protocol, asyncio.Transport):
                 finally:
                     held.waiter = None
 
+    async def read_exact(self, size: int, timeout: float) -> bytes:
+        """The next `size` bytes after the preamble (a dial's early data), before the link
+        is attached; what follows them stays held for the user. The caller bounds `size`
+        (`early.EARLY_LIMIT`): the holder pauses reading past PREAMBLE_LIMIT, and this
+        resumes it until the bytes are in."""
+        held = self._holding
+        async with asyncio.timeout(timeout):
+            while len(held.data) < size:
+                if held.eof or held.is_lost:
+                    raise LinkClosed("the data connection ended before its early data")
+                self.resume_reading()
+                held.waiter = asyncio.get_running_loop().create_future()
+                try:
+                    await held.waiter
+                finally:
+                    held.waiter = None
+        data = bytes(held.data[:size])
+        del held.data[:size]
+        return data
+
     def write_line(self, *words: str) -> None:
         self.write(" ".join(words).encode("utf-8", "replace") + b"\n")
 

@@ -30,7 +30,7 @@ from tests.integration.tunnel.test_parked_dials import packets_to_agent
 from tests.support.pki import LocalCA
 from tests.support.poll import until
 from waygate.tunnel.client import DataStream, DialFailed, StaticPresence, TunnelClient
-from waygate.tunnel.early import EARLY_LIMIT, read_early
+from waygate.tunnel.early import EARLY_LIMIT
 from waygate.tunnel.relay import Link, LinkClosed, LinkListener, Stream, open_link
 from waygate.tunnel.v1 import tunnel_pb2 as pb
 
@@ -272,7 +272,7 @@ async def link_pair(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Link,
             close()
 
 
-async def test_read_early_takes_its_bytes_and_leaves_the_rest_to_the_next_user(
+async def test_read_exact_takes_its_bytes_and_leaves_the_rest_to_the_next_user(
     link_pair: tuple[Link, Link],
 ) -> None:
     """More than the preamble bound in two writes (the holder pauses reading past it):
@@ -282,7 +282,7 @@ async def test_read_early_takes_its_bytes_and_leaves_the_rest_to_the_next_user(
     client.write(b"DIAL x 1\n" + early[:5000])
     assert await served.read_line(5.0) == b"DIAL x 1"
     client.write(early[5000:] + b"after")
-    assert await read_early(served, len(early), 5.0) == early
+    assert await served.read_exact(len(early), 5.0) == early
     stream = Stream()
     served.attach(stream)
     rest = b""
@@ -293,13 +293,13 @@ async def test_read_early_takes_its_bytes_and_leaves_the_rest_to_the_next_user(
     assert rest == b"after"
 
 
-async def test_read_early_fails_when_the_link_ends_first(link_pair: tuple[Link, Link]) -> None:
+async def test_read_exact_fails_when_the_link_ends_first(link_pair: tuple[Link, Link]) -> None:
     client, served = link_pair
     client.write(b"DIAL x 1\n" + b"y" * 100)
     client.write_eof()
     assert await served.read_line(5.0) == b"DIAL x 1"
     with pytest.raises(LinkClosed, match="before its early data"):
-        await read_early(served, 200, 5.0)
+        await served.read_exact(200, 5.0)
 
 
 async def test_a_replica_from_before_early_data_gets_the_bytes_after_its_answer(
