@@ -303,6 +303,14 @@ def process_tree(root: int) -> list[int]:
     return found
 
 
+def sink_child(directory: Path) -> Child:
+    """`bench.tunnel.peers sink` on loopback, logging into `directory`: its first line is
+    the ports "BULK HTTP SOURCE"."""
+    return Child(
+        [sys.executable, "-m", "bench.tunnel.peers", "sink", "127.0.0.1"], directory / "sink.log"
+    )
+
+
 def cpu_seconds(pids: list[int]) -> float:
     """User + system CPU of this process and of `pids` so far (Linux /proc)."""
     own = os.times()
@@ -370,10 +378,7 @@ async def run(mib: int, dial_seconds: float) -> str:
         from bench.tunnel import tunnel  # (tunnel imports this module's Child)
 
         server_files, client_files = tunnel.identities(directory, ca)
-        sink = Child(
-            [sys.executable, "-m", "bench.tunnel.peers", "sink", "127.0.0.1"],
-            directory / "sink.log",
-        )
+        sink = sink_child(directory)
         grpc_sink = Child(
             [sys.executable, "-m", "bench.tunnel.peers", "grpc-sink",
              str(server_files.cert), str(server_files.key), str(server_files.ca)],

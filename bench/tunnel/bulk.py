@@ -23,7 +23,7 @@ from pathlib import Path
 
 import uvloop
 
-from bench.tunnel.__main__ import Child, cpu_seconds, gbps
+from bench.tunnel.__main__ import cpu_seconds, gbps, sink_child
 from bench.tunnel.tunnel import DIALER, RunningTunnel, _bulk, start_tunnel
 from tests.support.pki import LocalCA
 
@@ -37,8 +37,7 @@ async def run(
         ca = LocalCA()
         server_files = ca.write_files(directory / "server", dns=["localhost"], ips=["127.0.0.1"])
         client_files = ca.write_files(directory / "client", uris=[DIALER])
-        sink = Child([sys.executable, "-m", "bench.tunnel.peers", "sink", "127.0.0.1"],
-                     directory / "sink.log")  # fmt: skip
+        sink = sink_child(directory)
         spies: list[subprocess.Popen[bytes]] = []
         tunnel: RunningTunnel | None = None
         try:

@@ -37,7 +37,7 @@ from typing import Any
 import uvloop
 
 from bench.machine import describe
-from bench.tunnel.__main__ import Child, cpu_seconds, gbps
+from bench.tunnel.__main__ import Child, cpu_seconds, gbps, sink_child
 from bench.tunnel.tunnel import DIALER, NODE, RunningTunnel, start_tunnel
 from tests.support.pki import LocalCA
 
@@ -189,8 +189,7 @@ async def run(mib: int, rounds: int, only: str = "") -> None:
         server_files = ca.write_files(directory / "server", dns=["localhost"], ips=["127.0.0.1"])
         client_files = ca.write_files(directory / "client", uris=[DIALER])
         backend_files = ca.write_files(directory / "backend", dns=["edge.demo.svc"])
-        sink = Child([sys.executable, "-m", "bench.tunnel.peers", "sink", "127.0.0.1"],
-                     directory / "sink.log")  # fmt: skip
+        sink = sink_child(directory)
         backend = Child(
             [sys.executable, "-m", "bench.tunnel.proxy_upstream", "backend",
              str(backend_files.cert), str(backend_files.key)],

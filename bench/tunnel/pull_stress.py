@@ -45,7 +45,7 @@ from typing import Any
 import uvloop
 
 from bench.tunnel import tunnel
-from bench.tunnel.__main__ import Child
+from bench.tunnel.__main__ import sink_child
 from tests.support.pki import LocalCA
 from waygate.tunnel.client import DataStream, TunnelClient
 from waygate.tunnel.early import EARLY_LIMIT
@@ -154,10 +154,7 @@ async def run(mode: str, count: int, mib: int, seconds: float) -> int:
         directory = Path(tmp)
         ca = LocalCA()
         server_files, client_files = tunnel.identities(directory, ca)
-        sink = Child(
-            [sys.executable, "-m", "bench.tunnel.peers", "sink", "127.0.0.1"],
-            directory / "sink.log",
-        )
+        sink = sink_child(directory)
         try:
             bulk_port, http_port, source_port = (int(p) for p in sink.first_line().split())
             running = await tunnel.start_tunnel(
