@@ -52,6 +52,9 @@ from waygate.tunnel.mux import MAX_CHUNK, Outbox, ReceiveWindow, Refused
 from waygate.tunnel.relay import (
     Link,
     LinkClosed,
+    SocketLink,
+    end_to_end_context,
+    open_end_to_end,
     open_link,
     plain_link,
     splice,
@@ -574,6 +577,10 @@ class AgentStream:
         The replica writes ``DIAL <address> <timeout-ms> <traceparent|-> [<early-length>]``
         (then that many bytes of early data); the answer is ``OK <connection-id>`` (the
         bytes follow) or ``REFUSED <REASON> <message>`` (then the connection closes).
+        Or ``SPLICE <address> <timeout-ms> <traceparent|-> <dialer-sha256>``: TLS end to
+        end, answered ``OK <connection-id> SPLICE``, after which both sides leave this
+        TLS session and the dialer opens its own with this agent, presenting the
+        certificate the replica authorized (`_answer_parked`).
         The pool closes an unused one after its idle time, which ends this wait too.
         """
         try:
@@ -591,15 +598,23 @@ class AgentStream:
     async def _answer_parked(self, link: Link, line: bytes) -> None:
         started = time.time_ns()
         words = line.decode("ascii", "replace").split(" ")
-        if len(words) not in (4, 5) or words[0] != "DIAL" or not words[2].isdigit():
+        spliced = words[0] == "SPLICE" and len(words) == 5
+        if not (spliced or (words[0] == "DIAL" and len(words) in (4, 5))) or not words[2].isdigit():
             log.warning("tunnel server wrote a malformed dial", extra={"line": line[:80]})
             link.abort()
             return
         _verb, address, timeout_ms, traceparent = words[:4]
+        # TLS end to end only where this link can leave TLS and has a certificate to
+        # present inside; otherwise a plain OK and the replica relays as for DIAL.
+        inner = (
+            end_to_end_context(link.context, server_side=True)
+            if spliced and isinstance(link, SocketLink)
+            else None
+        )
         timeout = int(timeout_ms) / 1000 or self.agent.dial_timeout
         early = b""
         try:
-            if len(words) == 5:  # early data (waygate.tunnel.early): in before the connect
+            if len(words) == 5 and not spliced:  # early data (waygate.tunnel.early): first
                 early = await link.read_exact(parse_length(words[4]), timeout)
             connect_id, sock = await self._open_destination(address, timeout)
         except asyncio.CancelledError:
@@ -641,9 +656,27 @@ class AgentStream:
                 link.close()
                 return
             early = early[sent:]  # what the socket did not take: the transport's first write
-        # The answer before the transport is made: the replica (and the dialer) hear it
-        # one loop turn sooner; what the destination sends meanwhile is held (`plain_link`).
-        link.write_line("OK", str(connect_id))
+        if inner is not None:
+            link.write_line("OK", str(connect_id), "SPLICE")
+            try:
+                link = await open_end_to_end(
+                    await link.step_out(timeout),
+                    inner,
+                    server_side=True,
+                    pin=words[4],
+                    timeout=timeout,
+                )
+            except (LinkClosed, TimeoutError, OSError) as exc:
+                log.warning("TLS end to end with a dialer failed", extra={"error": str(exc)})
+                sock.close()
+                return
+            except BaseException:
+                sock.close()
+                raise
+        else:
+            # The answer before the transport is made: the replica (and the dialer) hear
+            # it one loop turn sooner; what the destination sends meanwhile is held.
+            link.write_line("OK", str(connect_id))
         try:
             await self._relay(link, sock, early=early)
         finally:

@@ -75,6 +75,8 @@ from waygate.tunnel.relay import (
     Pending,
     Stream,
     client_context,
+    end_to_end_context,
+    open_end_to_end,
     open_link,
     rotating_client_context,
     splice,
@@ -170,13 +172,17 @@ class DataStream:
     """One tunnelled connection on its own data connection (`relay.Link` to the replica).
 
     The same surface as `TunnelStream`; `link` is the transport itself, for callers
-    that relay bytes without a stream in between (the proxy). Not safe for
-    concurrent writers (or readers)."""
+    that relay bytes without a stream in between (the proxy). `end_to_end`: its TLS
+    session is with the agent, the replica copying ciphertext (`TunnelClient.dial`).
+    Not safe for concurrent writers (or readers)."""
 
-    def __init__(self, link: Link, server_id: str, connect_id: int) -> None:
+    def __init__(
+        self, link: Link, server_id: str, connect_id: int, *, end_to_end: bool = False
+    ) -> None:
         self.link = link
         self.server_id = server_id
         self.connect_id = connect_id
+        self.end_to_end = end_to_end
         self._stream: Stream | None = None
 
     def _attached(self) -> Stream:
@@ -219,7 +225,16 @@ class _Target:
     """What one dial asks for, in the form each way of dialling needs it (built lazily:
     the raw dial needs only its preamble line, not the gRPC frame)."""
 
-    __slots__ = ("early", "host", "node", "port", "replay_safe", "timeout", "traceparent")
+    __slots__ = (
+        "early",
+        "end_to_end",
+        "host",
+        "node",
+        "port",
+        "replay_safe",
+        "timeout",
+        "traceparent",
+    )
 
     def __init__(
         self,
@@ -229,17 +244,20 @@ class _Target:
         timeout: float,
         early: bytes = b"",
         replay_safe: bool = False,
+        end_to_end: bool = False,
     ) -> None:
         self.node, self.host, self.port, self.timeout = node, host, port, timeout
         self.early, self.replay_safe = early, replay_safe
+        self.end_to_end = end_to_end
         self.traceparent = ""
 
-    def preamble(self, timeout: float, early: bool = True) -> bytes:
+    def preamble(self, timeout: float, early: bool = True, splice: bool = False) -> bytes:
         """The DIAL line, and the early data after it (one write, one TLS record or two);
-        `early` False: the line alone (a replica from before early data)."""
+        `early` False: the line alone (a replica from before early data). `splice`: the
+        SPLICE line instead (TLS end to end; never with early data)."""
         line = (
-            f"DIAL {self.node} {self.host or '-'} {self.port} {int(timeout * 1000)} "
-            f"{self.traceparent or '-'}"
+            f"{'SPLICE' if splice else 'DIAL'} {self.node} {self.host or '-'} {self.port} "
+            f"{int(timeout * 1000)} {self.traceparent or '-'}"
         )
         if not self.early or not early:
             return (line + "\n").encode("utf-8", "replace")
@@ -341,8 +359,10 @@ class TunnelClient:
         self._ssl_context = ssl_context
         self.data_path = data_path and (ssl_context is not None or credentials() is None)
         self._described: dict[str, tuple[float, tuple[str, int] | None]] = {}
-        # Data listeners that refused a DIAL line with early data (from before it).
+        # Data listeners that refused a DIAL line with early data, or a SPLICE line
+        # (from before them, or a replica that cannot leave TLS).
         self._no_early: set[tuple[str, int]] = set()
+        self._no_splice: set[tuple[str, int]] = set()
         # Warm raw-dial connections per data listener (`DialPool`): `pool_size` each,
         # kept `pool_idle` seconds; 0 turns pooling off (a one-shot dialer).
         if not 0 <= pool_size <= 256:
@@ -435,6 +455,7 @@ class TunnelClient:
         trace_context: str | None = None,
         early: bytes = b"",
         replay_safe: bool = False,
+        end_to_end: bool = False,
     ) -> TunnelStream | DataStream:
         """A stream to `host` (the agent's 127.0.0.1 when empty) port `port` on `node`.
 
@@ -445,7 +466,16 @@ class TunnelClient:
         stream. A refusal means none of them did (another replica gets the same bytes);
         a replica that took them and never answered fails the dial (DialFailed, not
         retryable), unless `replay_safe` says delivering them twice is harmless.
+
+        `end_to_end`: TLS from here to the agent, the replica copying the ciphertext
+        (datapath's SPLICE): the replica never decrypts or re-encrypts the bytes, the
+        cheapest path for bulk transfers, at the cost of a TLS handshake per dial.
+        Where it cannot be had (no certificate, a replica or agent from before it, an
+        agent without parked data connections) the dial is relayed as usual; the
+        stream's `end_to_end` says which. Not with `early` (ValueError).
         """
+        if early and end_to_end:
+            raise ValueError("early data is not sent end to end: dial, then write")
         if len(early) > EARLY_LIMIT:
             raise ValueError(
                 f"early data is at most {EARLY_LIMIT} bytes, not {len(early)}: "
@@ -475,7 +505,7 @@ class TunnelClient:
         carrier: dict[str, str] = {}
         tracing.inject_context(carrier, trace.set_span_in_context(span))
         metadata = tuple(carrier.items())
-        target = _Target(node, host, port, timeout, bytes(early), replay_safe)
+        target = _Target(node, host, port, timeout, bytes(early), replay_safe, end_to_end)
         target.traceparent = carrier.get("traceparent", "")
         last: DialFailed | None = None
         try:
@@ -590,7 +620,8 @@ class TunnelClient:
         # Early data with the line, unless this replica is known to predate it (then
         # the bytes go after the answer, as on the fallback paths).
         early = target.early if where not in self._no_early else b""
-        preamble = target.preamble(timeout, early=bool(early))
+        splice = target.end_to_end and context is not None and where not in self._no_splice
+        preamble = target.preamble(timeout, early=bool(early), splice=splice)
         while True:
             link = pooled or (await self._greeted_link(address, where, context, timeout))[0]
             try:
@@ -626,12 +657,29 @@ class TunnelClient:
             break
         verb, _, rest = answer.partition(" ")
         if verb == "OK":
-            server_id, _agent_id, connect_id = [*rest.split(" "), "", "", "0"][:3]
+            words = rest.split(" ")
+            server_id, _agent_id, connect_id = [*words, "", "", "0"][:3]
+            connect_number = int(connect_id) if connect_id.isdigit() else 0
+            if splice and len(words) == 4:
+                # The agent agreed: both leave the replica's TLS, then ours with the agent.
+                return DataStream(
+                    await self._end_to_end(address, link, words[3], timeout),
+                    server_id,
+                    connect_number,
+                    end_to_end=True,
+                )
             if target.early and not early:
                 link.write(target.early)  # the stream's first bytes, after the answer
-            return DataStream(link, server_id, int(connect_id) if connect_id.isdigit() else 0)
+            return DataStream(link, server_id, connect_number)
         link.abort()
         name, _, message = rest.partition(" ")
+        if splice and name == "INVALID" and message == "unknown preamble":
+            # A replica that takes no SPLICE line (from before it, or without TLS
+            # links that can leave TLS): nothing was dialled; relayed from now on.
+            if len(self._no_splice) >= 1024:
+                self._no_splice.clear()
+            self._no_splice.add(where)
+            return await self._dial_raw(address, where, target, timeout)
         if early and name == "INVALID" and message == "unknown preamble":
             # A replica from before early data refused the line: nothing was dialled.
             # Again without it; remembered for this listener (at most 1,024 of them).
@@ -645,6 +693,24 @@ class TunnelClient:
             reason,
             retryable=reason in mux.RETRYABLE_ELSEWHERE,
         )
+
+    async def _end_to_end(self, address: str, link: Link, pin: str, timeout: float) -> Link:
+        """Leave the replica's TLS on `link` and open a session with the agent through it,
+        pinned to the certificate the replica authenticated (`pin`). Nothing was sent to
+        the destination yet, so a failure here may be retried elsewhere."""
+        inner = end_to_end_context(link.context, server_side=False)
+        if inner is None:  # (the replica offered what this link cannot do)
+            link.abort()
+            raise DialFailed(f"tunnel server {address}: no certificate for TLS end to end")
+        try:
+            return await open_end_to_end(
+                await link.step_out(timeout), inner, server_side=False, pin=pin, timeout=timeout
+            )
+        except (LinkClosed, TimeoutError, OSError) as exc:
+            raise DialFailed(
+                f"tunnel server {address}: TLS end to end with the agent failed: {exc}",
+                retryable=True,
+            ) from None
 
     async def _dial_one(
         self, address: str, target: _Target, metadata: Any, timeout: float

@@ -91,7 +91,9 @@ from waygate.tunnel.relay import (
     LinkClosed,
     LinkListener,
     Stream,
+    fingerprint,
     on_sockets,
+    plain_link,
 )
 from waygate.tunnel.server import (
     _CLOSED,
@@ -150,6 +152,10 @@ class DataListener:
         self._server: asyncio.Server | None = None
         self._listener: LinkListener | None = None
         self.port = 0
+
+    @property
+    def _takes_splices(self) -> bool:
+        return self._context is not None and self._listener is not None
 
     async def start(self, host: str, port: int) -> int:
         if on_sockets(self._context):
@@ -221,7 +227,10 @@ class DataListener:
                 if not handed_off:
                     link.abort()
                 return
-            if words[0] == "DIAL" and len(words) in (6, 8):
+            if (words[0] == "DIAL" and len(words) in (6, 8)) or (
+                # TLS end to end needs links that can leave TLS (SocketLinks).
+                words[0] == "SPLICE" and len(words) == 6 and self._takes_splices
+            ):
                 handed_off = True
                 await self._dial(link, words, uris, dns_names)
                 return
@@ -346,7 +355,10 @@ class DataListener:
                         "waygate.tunnel.address": address,
                     }
                 )
-                connection = await hub.dial(node, address, timeout, early, replay_safe)
+                splice_for = (
+                    fingerprint(link.get_extra_info("peercert_der")) if words[0] == "SPLICE" else ""
+                )
+                connection = await hub.dial(node, address, timeout, early, replay_safe, splice_for)
             except Unanswered as exc:
                 # The bytes may have reached the destination: no answer to the dialer
                 # either (a REFUSED would tell it to send them again elsewhere).
@@ -360,12 +372,17 @@ class DataListener:
                 span.set_attribute("waygate.tunnel.refusal", mux.reason_name(refused.reason))
                 return
             # The answer first; the span's bookkeeping after it (the dialer waits for this).
-            link.write_line(
-                "OK", hub.server_id, connection.session.agent_id, str(connection.connect_id)
-            )
+            answer = ["OK", hub.server_id, connection.session.agent_id, str(connection.connect_id)]
+            end_to_end = isinstance(connection, DataConnection) and connection.end_to_end
+            if end_to_end:
+                answer.append(connection.end_to_end)
+            link.write_line(*answer)
             span.set_attribute("waygate.tunnel.connection_id", connection.connect_id)
+            span.set_attribute("waygate.tunnel.end_to_end", bool(end_to_end))
         try:
-            if isinstance(connection, DataConnection):
+            if end_to_end:
+                await _splice_end_to_end(link, connection)
+            elif isinstance(connection, DataConnection):
                 await connection.relay_to(link)
             else:
                 await _pump(link, connection)
@@ -377,6 +394,35 @@ class DataListener:
                 connection.finish(_CLOSED)
             if not link.is_closing():
                 link.abort()
+
+
+async def _splice_end_to_end(dialer: Link, connection: DataConnection) -> None:
+    """TLS end to end: both links leave TLS (close_notify each way, the dialer's and the
+    agent's at once), then the two TCP sockets are copied into each other as they are:
+    the dialer's session with the agent runs through them, which this replica can
+    neither read nor alter. Authorization happened before, on this replica's own mTLS
+    (the dial's SPLICE line, the parked connection's PARK line)."""
+    try:
+        dialer_socket, agent_socket = await asyncio.gather(
+            dialer.step_out(HANDSHAKE_TIMEOUT), connection.link.step_out(HANDSHAKE_TIMEOUT)
+        )
+    except (LinkClosed, TimeoutError):
+        dialer.abort()
+        connection.link.abort()
+        return
+    try:
+        dialer_link = plain_link(dialer_socket)
+    except OSError:
+        dialer_socket.close()
+        agent_socket.close()
+        return
+    try:
+        connection.link = plain_link(agent_socket)
+    except OSError:
+        agent_socket.close()
+        dialer_link.abort()
+        return
+    await connection.relay_to(dialer_link)
 
 
 async def _pump(link: Link, connection: ServerConnection) -> None:

@@ -45,16 +45,18 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import hashlib
 import os
 import select
 import socket
 import ssl
 import struct
+import weakref
 from collections.abc import Callable
 from typing import Any, cast
 
 from waygate.core import flow
-from waygate.core.tls import can_send_close_notify, send_close_notify
+from waygate.core.tls import can_send_close_notify, send_close_notify, server_context
 
 HIGH_WATER = 256 * 1024
 PREAMBLE_LIMIT = 4096
@@ -438,6 +440,16 @@ class Link(asyncio.Protocol, asyncio.Transport):
         return self.raw.get_write_buffer_limits() if self.raw is not None else (0, 0)  # type: ignore[no-any-return]
 
     @property
+    def context(self) -> ssl.SSLContext | None:
+        """The TLS context the link was opened with (None: plain)."""
+        return self._context
+
+    async def step_out(self, timeout: float) -> socket.socket:
+        """End TLS both ways and hand over the TCP socket under it (`SocketLink` only)."""
+        self.abort()
+        raise LinkClosed("TLS end to end needs a data connection on its own socket")
+
+    @property
     def encrypts(self) -> bool:
         """Whether `write` encrypts (and so copies) what it is given before it returns."""
         return self._context is not None
@@ -525,6 +537,8 @@ class SocketLink(Link):
         self._shut = False  # close_notify (or the FIN) went out
         self._close_due = False  # close waits for the buffer to drain
         self._fd_closed = False
+        # Set while `step_out` runs: done once close_notify went both ways.
+        self._stepping: asyncio.Future[None] | None = None
 
     def start(self) -> None:
         """Begin the handshake (or, plain, reading); `established` says when it is done."""
@@ -585,7 +599,11 @@ class SocketLink(Link):
         if not self.established.done():
             self._handshake_step()
         elif self.eof_in:
-            if self._tls:
+            if self._stepping is not None:
+                # What follows the peer's close_notify is not this session's: the
+                # socket's next owner reads it (`step_out`).
+                self._want_read(False)
+            elif self._tls:
                 self._watch()  # the FIN after close_notify (or bytes that break TLS)
             else:
                 # A plain socket's FIN was its EOF, and it stays readable after it:
@@ -714,6 +732,11 @@ class SocketLink(Link):
 
     def _close_if_done(self) -> None:
         if self.eof_in and self.eof_out and self._shut:
+            stepping = self._stepping
+            if stepping is not None:
+                if not stepping.done():
+                    stepping.set_result(None)
+                return
             self._close_due = True
             if not self._pending:
                 self._close_fd(reset=False)
@@ -762,6 +785,9 @@ class SocketLink(Link):
 
     def _fail(self, exc: BaseException) -> None:
         self._closing = True
+        stepping = self._stepping
+        if stepping is not None and not stepping.done():
+            stepping.set_exception(LinkClosed(f"connection lost while leaving TLS: {exc}"))
         if not self.established.done():
             failed = LinkClosed(f"connection lost: {exc}")
             failed.__cause__ = exc
@@ -828,7 +854,51 @@ class SocketLink(Link):
     def abort(self) -> None:
         """Cut the connection with a reset (see `Link.abort`)."""
         self._closing = True
+        stepping = self._stepping
+        if stepping is not None and not stepping.done():
+            stepping.set_exception(LinkClosed("aborted while leaving TLS"))
         self._close_fd(reset=True)
+
+    async def step_out(self, timeout: float) -> socket.socket:
+        """End TLS both ways (close_notify each way) and hand over the TCP socket under it,
+        for bytes that are not this session's: TLS end to end (datapath's SPLICE).
+
+        Called once the preamble lines are exchanged, nothing held unread and no
+        protocol attached: bytes the peer sent before its close_notify would be lost,
+        so they fail it. OpenSSL reads a socket one record at a time (no read-ahead),
+        so what the peer sends after its close_notify is still in the socket for the
+        new owner. The link is over afterwards (its descriptor is the socket's now);
+        on a failure or timeout it is aborted and LinkClosed raised. Whoever needs the
+        peer's certificate reads it before."""
+        held = self._holding
+        if not self._tls or self.protocol is not held or self._closing or self.lost:
+            self.abort()
+            raise LinkClosed("only an unattached TLS link can step out of TLS")
+        stepping = self._stepping = self._loop.create_future()
+        self.write_eof()  # our close_notify, after what is buffered
+        if not self.eof_in and not self._read_paused:
+            self._want_read(True)
+        self._close_if_done()  # (the peer's came first)
+        try:
+            async with asyncio.timeout(timeout):
+                await stepping
+        except BaseException:
+            self.abort()
+            raise
+        if held.data or held.is_lost:
+            self.abort()
+            raise LinkClosed("the peer sent bytes after its answer, before its close_notify")
+        self._want_read(False)
+        self._want_write(False)
+        self._fd_closed = True
+        self._closing = True
+        self.lost = True
+        self._gone()
+        # The descriptor changes hands; the SSL goes with the SSLSocket, after both
+        # close_notify alerts (its session stays resumable).
+        sock = socket.socket(fileno=self._sock.detach())
+        sock.setblocking(False)
+        return sock
 
     def is_closing(self) -> bool:
         return self._closing or self.lost or self._fd_closed
@@ -1246,7 +1316,93 @@ def client_context(
         context.load_default_certs()
     if chain_pem and key_pem:
         load_pem_chain(context, chain_pem, key_pem)
+        if ca_pem:
+            _CREDENTIALS[context] = (ca_pem, chain_pem, key_pem)
     return context
+
+
+# ------------------------------------------------ TLS end to end (dialer <-> agent)
+
+# The credentials behind each `client_context`, so the context TLS end to end needs
+# beside it presents the same certificate (`end_to_end_context`).
+_CREDENTIALS: weakref.WeakKeyDictionary[ssl.SSLContext, tuple[bytes, bytes, bytes]] = (
+    weakref.WeakKeyDictionary()
+)
+_END_TO_END: weakref.WeakKeyDictionary[ssl.SSLContext, dict[bool, ssl.SSLContext]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def end_to_end_context(outer: ssl.SSLContext | None, *, server_side: bool) -> ssl.SSLContext | None:
+    """The context for a TLS session from the dialer to the agent, inside a data connection
+    that `outer` opened: the same certificate, so the inner handshake presents exactly
+    what the replica authenticated on the outer one. None: `outer` has no certificate
+    (development mode, or not built by `client_context`): no TLS end to end.
+
+    - The agent's side (`server_side`) requires a client certificate chaining to the
+      same trust (the dialer's); the caller pins it to the one the replica authorized.
+    - The dialer's side verifies no chain itself: an agent's certificate is for client
+      authentication only (waygate.tunnel.peers), which OpenSSL refuses from a server.
+      The replica checked its chain and agent role on its own mTLS and names its
+      SHA-256 in the answer; `open_end_to_end` pins the inner certificate to that,
+      and the handshake proves the agent holds the key.
+    TLS 1.3 only: both ends are Waygate's. Built once per outer context."""
+    if outer is None:
+        return None
+    credentials = _CREDENTIALS.get(outer)
+    if credentials is None:
+        return None
+    built = _END_TO_END.setdefault(outer, {})
+    context = built.get(server_side)
+    if context is None:
+        ca_pem, chain_pem, key_pem = credentials
+        if server_side:
+            context = server_context(
+                chain_pem=chain_pem, key_pem=key_pem, client_ca_pem=ca_pem, client_auth="required"
+            )
+        else:
+            context = client_context(ca_pem, chain_pem, key_pem)
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE  # pinned instead (see above)
+        context.minimum_version = ssl.TLSVersion.TLSv1_3
+        built[server_side] = context
+    return context
+
+
+def fingerprint(der: bytes | None) -> str:
+    """A certificate's SHA-256, hex: how the replica names the certificate it authenticated."""
+    return hashlib.sha256(der or b"").hexdigest()
+
+
+async def open_end_to_end(
+    sock: socket.socket,
+    context: ssl.SSLContext,
+    *,
+    server_side: bool,
+    pin: str,
+    timeout: float,
+) -> SocketLink:
+    """TLS end to end on a socket a link stepped out of: the handshake, then the peer's
+    certificate pinned to `pin` (`fingerprint` of the one the replica authenticated);
+    LinkClosed (the socket aborted) when either fails."""
+    try:
+        link = SocketLink(context, sock, server_side=server_side)
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        link.start()
+        async with asyncio.timeout(timeout):
+            await link.established
+        if fingerprint(link.get_extra_info("peercert_der")) != pin:
+            raise LinkClosed(
+                "the end-to-end peer presented another certificate than the one the "
+                "replica authenticated"
+            )
+    except BaseException:
+        link.abort()
+        raise
+    return link
 
 
 # ---------------------------------------------------------------- a stream API

@@ -49,7 +49,7 @@ from waygate.tunnel.mux import (
     ReceiveWindow,
     Refused,
 )
-from waygate.tunnel.relay import Link, LinkClosed, Stream, splice
+from waygate.tunnel.relay import Link, LinkClosed, Stream, fingerprint, splice
 from waygate.tunnel.v1 import tunnel_pb2 as pb
 from waygate.tunnel.v1 import tunnel_pb2_grpc
 
@@ -186,13 +186,16 @@ class DataConnection:
         "_eof_given",
         "close_reason",
         "connect_id",
+        "end_to_end",
         "finished",
         "link",
         "session",
         "stream",
     )
 
-    def __init__(self, session: AgentSession, connect_id: int, link: Link) -> None:
+    def __init__(
+        self, session: AgentSession, connect_id: int, link: Link, end_to_end: str = ""
+    ) -> None:
         self.session = session
         self.connect_id = connect_id
         self.link = link
@@ -200,6 +203,9 @@ class DataConnection:
         self.finished = False
         self.close_reason = ""
         self._eof_given = False
+        # The agent answered a SPLICE: it is leaving TLS on `link` for a session with the
+        # dialer (datapath); this is its certificate's fingerprint, for the dialer's pin.
+        self.end_to_end = end_to_end
 
     def _stream(self) -> Stream:
         stream = self.stream
@@ -420,6 +426,7 @@ class AgentSession:
         trace_context: dict[str, str],
         early: bytes = b"",
         replay_safe: bool = False,
+        splice_for: str = "",
     ) -> ServerConnection:
         """A connection to `address` through this agent; `Refused` otherwise.
 
@@ -428,16 +435,21 @@ class AgentSession:
         (typed as one for them). `early`: the dialer's first bytes (a raw dial's
         early data, `waygate.tunnel.early`), on the destination's connection before
         anything else once this returns; none of them sent when it raises `Refused`;
-        `early.Unanswered` when they went to the agent and no answer came back."""
+        `early.Unanswered` when they went to the agent and no answer came back.
+        `splice_for`: the dialer's certificate fingerprint, for TLS end to end (datapath's
+        SPLICE): asked of a parked connection only; the result's `end_to_end` says
+        whether the agent agreed. A parked connection that ends at a SPLICE line
+        (an agent from before it drops the line) sends the rest of this dial without."""
         if self.draining or self.closed:
             raise Refused(pb.DRAINING, f"the agent for node {self.node} is moving off this replica")
         deadline = time.monotonic() + timeout
         while (link := self._take_parked()) is not None:
             try:
                 return await self._dial_parked(
-                    link, address, deadline, trace_context, early, replay_safe
+                    link, address, deadline, trace_context, early, replay_safe, splice_for
                 )
             except LinkClosed:
+                splice_for = ""
                 if early and not replay_safe:
                     raise Unanswered(
                         f"node {self.node}'s agent let its data connection go after the dial "
@@ -539,17 +551,20 @@ class AgentSession:
         trace_context: dict[str, str],
         early: bytes = b"",
         replay_safe: bool = False,
+        splice_for: str = "",
     ) -> ServerConnection:
         """Dial through a parked data connection: the dial line on it (with the early data,
         in the same write), the agent's answer back (datapath's module docstring).
         LinkClosed: it was gone before an answer."""
         left = max(deadline - time.monotonic(), 0.001)
-        words = (
-            "DIAL",
+        words: tuple[str, ...] = (
+            "SPLICE" if splice_for else "DIAL",
             address,
             str(max(int(left * 1000), 1)),
             trace_context.get("traceparent") or "-",
         )
+        if splice_for:
+            words = (*words, splice_for)
         try:
             if early:  # the line and the bytes in one write (one TLS record, or two)
                 line = " ".join((*words, str(len(early)))) + "\n"
@@ -570,12 +585,16 @@ class AgentSession:
             link.abort()
             raise
         verb, _, rest = answer.decode("utf-8", "replace").partition(" ")
+        rest, spliced = (
+            (rest[:-7], True) if splice_for and rest.endswith(" SPLICE") else (rest, False)
+        )
         if verb == "OK" and rest.isdigit():
             connect_id = int(rest)
             if self.closed or connect_id in self.connections or connect_id in self.data:
                 link.abort()
                 raise Refused(pb.DRAINING, f"the agent for node {self.node} went away")
-            connection = DataConnection(self, connect_id, link)
+            agent_certificate = fingerprint(link.get_extra_info("peercert_der")) if spliced else ""
+            connection = DataConnection(self, connect_id, link, agent_certificate)
             self.data[connect_id] = connection
             return cast(ServerConnection, connection)
         link.abort()
@@ -754,6 +773,7 @@ class Hub:
         timeout: float,
         early: bytes = b"",
         replay_safe: bool = False,
+        splice_for: str = "",
     ) -> Any:
         """Dial `address` through an agent of `node`: the next agent when one refuses for a
         reason another agent could answer (its allow-list, its network, it is moving).
@@ -762,6 +782,7 @@ class Hub:
         bounds the whole dial: each next agent gets only what the ones before left.
         `early` goes with the dial (`AgentSession.dial`): a refusal sent none of it, so
         the next agent gets the same bytes; `early.Unanswered` is never retried here.
+        `splice_for`: asks for TLS end to end (`AgentSession.dial`).
         """
         carrier: dict[str, str] = {}
         tracing.inject_context(carrier)
@@ -772,7 +793,9 @@ class Hub:
             if left <= 0 and last is not None:
                 break
             try:
-                return await session.dial(address, max(left, 0.001), carrier, early, replay_safe)
+                return await session.dial(
+                    address, max(left, 0.001), carrier, early, replay_safe, splice_for
+                )
             except Refused as refused:
                 last = refused
                 if refused.reason not in ANOTHER_AGENT_COULD:

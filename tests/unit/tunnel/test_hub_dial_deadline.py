@@ -26,6 +26,7 @@ class SlowRefusal:
         carrier: dict[str, str],
         early: bytes = b"",
         replay_safe: bool = False,
+        splice_for: str = "",
     ) -> None:
         self.given.append(timeout)
         await asyncio.sleep(min(self.delay, timeout))
