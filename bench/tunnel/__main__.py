@@ -440,6 +440,8 @@ async def run(mib: int, dial_seconds: float) -> str:
         "ssh": f"(c) ssh -R through a local sshd ({ssh.ciphers if ssh else '?'})",
         "tunnel": "**Waygate tunnel**, dial client stream, 64 KiB writes (dialer -> server -> agent -> sink, mTLS both hops)",
         "proxy": "**Waygate tunnel**, as the proxy: its upstream protocol on the data connection, 256 KiB writes",
+        "e2e": "**Waygate tunnel, TLS end to end** (dialer <-> agent, the server copies ciphertext), dial client stream, 64 KiB writes",
+        "e2e-proxy": "**Waygate tunnel, TLS end to end**, as the proxy, 256 KiB writes",
     }  # fmt: skip
     lines += [
         "| path | GB/s up | GB/s down | proxy-style tunnel / it, up | down | CPU s per GiB up | down |",
@@ -453,13 +455,19 @@ async def run(mib: int, dial_seconds: float) -> str:
         for direction in ("up", "down"):
             proxy = results.get(("proxy", direction))
             took = results.get((path, direction))
-            cells.append(f"{took / proxy:.2f}" if proxy and took and path != "proxy" else "")
+            cells.append(f"{took / proxy:.2f}" if proxy and took and "proxy" not in path else "")
         for direction in ("up", "down"):
             spent = cpu.get((path, direction))
             cells.append(f"{spent / gib:.2f}" if spent is not None else "")
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
-    for path in ("proxy", "tunnel"):
+    kinds = {
+        "proxy": "as the proxy",
+        "tunnel": "64 KiB writes",
+        "e2e-proxy": "end to end, as the proxy",
+        "e2e": "end to end, 64 KiB writes",
+    }
+    for path in kinds:
         for peer, aim in (("ssh", 1.5), ("grpc", None), ("direct", None)):
             ratios = [
                 results[peer, d] / results[path, d]
@@ -472,7 +480,7 @@ async def run(mib: int, dial_seconds: float) -> str:
             if aim is not None:
                 verdict = f" (aim >= {aim}: {'met' if min(ratios) >= aim else 'not met'})"
             lines.append(
-                f"Tunnel ({'as the proxy' if path == 'proxy' else '64 KiB writes'}) / "
+                f"Tunnel ({kinds[path]}) / "
                 f"{names[peer].split(' ', 1)[1].split(',')[0]}: **{ratios[0]:.2f}** up, "
                 f"**{ratios[1]:.2f}** down{verdict}."
             )

@@ -85,10 +85,25 @@ async def _wait_log(child, message: str, timeout: float = 60) -> dict:  # type: 
     )
 
 
-async def _bulk(client: TunnelClient, port: int, total: int, chunk_size: int = CHUNK) -> float:
+def _checked(stream: Any, end_to_end: bool) -> Any:
+    """`stream`, once it is known to be what the row says (end to end, or relayed)."""
+    if bool(getattr(stream, "end_to_end", False)) != end_to_end:
+        stream.close()
+        raise RuntimeError(f"the dial was {'relayed' if end_to_end else 'end to end'}")
+    return stream
+
+
+async def _bulk(
+    client: TunnelClient,
+    port: int,
+    total: int,
+    chunk_size: int = CHUNK,
+    *,
+    end_to_end: bool = False,
+) -> float:
     chunk = b"\x5a" * chunk_size
     started = time.perf_counter()
-    stream = await client.dial(NODE, port)
+    stream = _checked(await client.dial(NODE, port, end_to_end=end_to_end), end_to_end)
     try:
         sent = 0
         while sent < total:
@@ -141,11 +156,13 @@ class _Pusher(asyncio.Protocol):
         self.resume_writing()
 
 
-async def _bulk_transport(client: TunnelClient, port: int, total: int) -> float:
+async def _bulk_transport(
+    client: TunnelClient, port: int, total: int, *, end_to_end: bool = False
+) -> float:
     """`_bulk` as the proxy sends: 256 KiB writes straight onto the data connection."""
     chunk = b"\x5a" * PROXY_READ
     started = time.perf_counter()
-    stream = await client.dial(NODE, port)
+    stream = _checked(await client.dial(NODE, port, end_to_end=end_to_end), end_to_end)
     if not isinstance(stream, DataStream):
         raise RuntimeError("the tunnel answered on the gRPC path, not a data connection")
     pusher = _Pusher()
@@ -168,10 +185,10 @@ async def _bulk_transport(client: TunnelClient, port: int, total: int) -> float:
     return elapsed
 
 
-async def _pull(client: TunnelClient, port: int, total: int) -> float:
+async def _pull(client: TunnelClient, port: int, total: int, *, end_to_end: bool = False) -> float:
     """Download `total` bytes from the source through the tunnel (the stream's reads)."""
     started = time.perf_counter()
-    stream = await client.dial(NODE, port)
+    stream = _checked(await client.dial(NODE, port, end_to_end=end_to_end), end_to_end)
     received = 0
     try:
         await stream.write(struct.pack(">Q", total))
@@ -206,10 +223,12 @@ class _Counter(asyncio.Protocol):
             self.done.set_result(None)
 
 
-async def _pull_transport(client: TunnelClient, port: int, total: int) -> float:
+async def _pull_transport(
+    client: TunnelClient, port: int, total: int, *, end_to_end: bool = False
+) -> float:
     """`_pull` as the proxy receives: a protocol on the data connection, no stream."""
     started = time.perf_counter()
-    stream = await client.dial(NODE, port)
+    stream = _checked(await client.dial(NODE, port, end_to_end=end_to_end), end_to_end)
     if not isinstance(stream, DataStream):
         raise RuntimeError("the tunnel answered on the gRPC path, not a data connection")
     counter = _Counter()
@@ -228,10 +247,16 @@ async def _pull_transport(client: TunnelClient, port: int, total: int) -> float:
     return elapsed
 
 
-async def _tunnel_request(client: TunnelClient, port: int, early: bool = False) -> None:
+async def _tunnel_request(
+    client: TunnelClient, port: int, early: bool = False, end_to_end: bool = False
+) -> None:
     """Dial, one HTTP request, the response, close; `early`: the request goes as the
-    dial's early data (waygate.tunnel.early) instead of after its answer."""
-    stream = await client.dial(NODE, port, early=HTTP_REQUEST if early else b"")
+    dial's early data (waygate.tunnel.early) instead of after its answer; `end_to_end`:
+    TLS from the dialer to the agent."""
+    stream = await client.dial(
+        NODE, port, early=HTTP_REQUEST if early else b"", end_to_end=end_to_end
+    )
+    _checked(stream, end_to_end)
     try:
         if not early:
             await stream.write(HTTP_REQUEST)
@@ -447,6 +472,7 @@ async def _dial_figures(
     dial_seconds: float,
     label: str,
     ssh_port: int | None = None,
+    end_to_end: bool = False,
 ) -> list[str]:
     """Dial rate and latency rows; with `ssh_port` (the HTTP port forwarded by `ssh -R`)
     also the latency `ssh -R` adds, measured in the same round robin as the tunnel's."""
@@ -458,6 +484,8 @@ async def _dial_figures(
         "tunnel": lambda: _tunnel_request(client, http_port),
         "early": lambda: _tunnel_request(client, http_port, early=True),
     }
+    if end_to_end:  # (needs the agent's parked connections: warm pools only)
+        kinds["e2e"] = lambda: _tunnel_request(client, http_port, end_to_end=True)
     if ssh_port is not None:
         kinds["ssh"] = lambda: _direct_request(ssh_port)
     spaced = await _spaced(kinds, LATENCY_SAMPLES // 3, SPACING)
@@ -468,6 +496,7 @@ async def _dial_figures(
     gap = f"{SPACING * 1000:.0f} ms apart"
     tunnel_added = _added(spaced["tunnel"], spaced["direct"])
     early_added = _added(spaced["early"], spaced["direct"])
+
     rows = [
         f"| {label}: dials per second (dial, one HTTP request, close; 8 concurrent) | {rate:,.0f} |",
         f"| {label}: HTTP request on a fresh connection, direct / tunnelled, p50 | {_pct(direct, 0.5):.2f} / {_pct(tunnelled, 0.5):.2f} ms |",
@@ -475,6 +504,11 @@ async def _dial_figures(
         f"| **{label}: latency added, requests {gap} (the pools refilled between): p50 / p99** | **{shown(tunnel_added)}** |",
         f"| **{label}: the same with the request as the dial's early data: p50 / p99** | **{shown(early_added)}** |",
     ]  # fmt: skip
+    if "e2e" in spaced:
+        rows.append(
+            f"| {label}: the same, TLS end to end (a handshake with the agent per dial): "
+            f"p50 / p99 | {shown(_added(spaced['e2e'], spaced['direct']))} |"
+        )
     if "ssh" in spaced:
         ssh_added = _added(spaced["ssh"], spaced["direct"])
 
@@ -517,6 +551,11 @@ async def measure(
             "down": lambda: _pull(client, source_port, total),
             "proxy-up": lambda: _bulk_transport(client, bulk_port, total),
             "proxy-down": lambda: _pull_transport(client, source_port, total),
+            # TLS end to end (dialer <-> agent, the server copying ciphertext).
+            "e2e-up": lambda: _bulk(client, bulk_port, total, end_to_end=True),
+            "e2e-down": lambda: _pull(client, source_port, total, end_to_end=True),
+            "e2e-proxy-up": lambda: _bulk_transport(client, bulk_port, total, end_to_end=True),
+            "e2e-proxy-down": lambda: _pull_transport(client, source_port, total, end_to_end=True),
         }
         for key, transfer in transfers.items():
             before = [cpu_seconds([p]) - cpu_seconds([]) for p in pids], cpu_seconds([])
@@ -539,7 +578,7 @@ async def measure(
             "",
         ]
         relays = {"server": server.process.pid, "agent": agent.process.pid}
-        for key in ("up", "proxy-up", "proxy-down"):
+        for key in ("up", "proxy-up", "proxy-down", "e2e-proxy-up"):
             # The 64 KiB-writes upload with the dialer too (this process): that cell is
             # the one that lagged the proxy-style one.
             _elapsed, profiles[key] = await _profiled(
@@ -567,7 +606,12 @@ async def measure(
 
         table = ["| through the tunnel | figure |", "|---|---:|"]
         table += await _dial_figures(
-            client, http_port, dial_seconds, "warm pools (4 each)", ports.get("ssh-http")
+            client,
+            http_port,
+            dial_seconds,
+            "warm pools (4 each)",
+            ports.get("ssh-http"),
+            end_to_end=True,
         )
 
         rss_before = (server.rss_kib(), agent.rss_kib())
