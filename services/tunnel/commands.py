@@ -4,7 +4,11 @@
 connection opened from the node's agent, like `nc`: end of stdin half-closes
 the connection, and the command exits once the remote side has closed too.
 It dials the tunnel server at `--addr`, or with `--resolver` any replica
-that holds the node (`waygate.tunnel.client`).
+that holds the node (`waygate.tunnel.client`). With certificates its TLS
+session runs end to end, to the agent, the replica copying ciphertext (the
+cheapest path for a bulk copy, one handshake more per dial; `--no-end-to-end`
+has the replica relay it as the proxy's dials are); where that cannot be had
+the dial is relayed anyway.
 
 Exit codes: 0 ok; 2 usage error, server unreachable, or a dial refused for a
 reason another try could change (no agent, draining); 1 any other failure
@@ -104,6 +108,12 @@ def _configure_dial(parser: argparse.ArgumentParser) -> None:
         metavar="W3C",
         help="continue this W3C trace (00-TRACEID-SPANID-FLAGS); needs --otlp-endpoint to export",
     )
+    parser.add_argument(
+        "--end-to-end",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="TLS from here to the agent, the tunnel server copying ciphertext (default: on)",
+    )
     add_client_arguments(parser, DEFAULT_DIAL_PORT)
     parser.set_defaults(func=_dial)
 
@@ -159,7 +169,11 @@ def _dial(args: argparse.Namespace) -> int:
         try:
             try:
                 stream = await client.dial(
-                    match["node"], int(match["port"]), host, trace_context=args.traceparent
+                    match["node"],
+                    int(match["port"]),
+                    host,
+                    trace_context=args.traceparent,
+                    end_to_end=args.end_to_end,
                 )
             except DialFailed as failed:
                 return fail(str(failed), EXIT_USAGE_OR_UNREACHABLE if failed.retryable else 1)

@@ -57,9 +57,31 @@ accepted. Then the client sends one preamble line (`relay.read_line`):
         client then dials that listener with the line alone and sends the
         bytes after the answer.
 
+    SPLICE <node> <host|-> <port> <timeout-ms> <traceparent|->
+        a dialer asking for TLS end to end (`TunnelClient.dial(end_to_end=True)`):
+        checked as DIAL; the replica then writes on a parked connection
+            SPLICE <host:port> <timeout-ms> <traceparent|-> <dialer-sha256>
+        naming the SHA-256 of the certificate the dialer presented here. An agent
+        that can leave TLS answers `OK <connection-id> SPLICE`, and the dialer gets
+            OK <server-id> <agent-id> <connection-id> <agent-sha256>
+        (the certificate the agent presented on its PARK connection). Then each
+        side sends close_notify and reads the other's, and the TCP connections
+        under the two TLS sessions are spliced as they are: the dialer opens TLS
+        1.3 with the agent through them, each pinning the other's certificate to
+        the one named above, so the replica copies ciphertext it cannot read.
+        Anything else is relayed as DIAL: no parked connection (the Connect
+        stream's DIAL_REQ carries no SPLICE), an agent that answers a plain
+        `OK <connection-id>` (no certificate for it, or a link that cannot leave
+        TLS), a parked connection that ends at the line (an agent from before
+        SPLICE drops it: the rest of that dial goes as DIAL); the dialer tells
+        by the four-word OK. A replica that cannot leave TLS (no certificate, or
+        memory-BIO links) answers `REFUSED INVALID unknown preamble`, as one from
+        before SPLICE does; the client then sends DIAL. No early data with it.
+
 A raw dial whose agent answered on its own data connection is a splice of
 the two links (`relay.splice`); one the agent answered on its Connect stream
-(an agent without data connections) is pumped through the server connection.
+(an agent without data connections) is pumped through the server connection;
+one spliced end to end is a splice of the two plain sockets under them.
 
 Why the parked path: a dial handed to a parked connection costs one round trip
 on a connection that is already open, where DIAL_REQ costs a trip through gRPC

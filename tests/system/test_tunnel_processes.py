@@ -379,6 +379,8 @@ async def test_one_trace_from_the_dialer_through_server_and_agent(stack: Stack) 
     assert client.parent_span_id == parent
     assert served.parent_span_id == client.span_id
     assert agent.parent_span_id == served.span_id
+    # The command dials end to end (its default): the replica only copied ciphertext.
+    assert served.attributes["waygate.tunnel.end_to_end"] is True
     for span in (served, agent):
         assert span.attributes["waygate.tunnel.node"] == NODE
         assert span.attributes["waygate.tunnel.replica"] == "replica-a"
