@@ -185,6 +185,12 @@ class Settings(ProcessSettings):
         parse=parse_duration,
         check=positive,
     )
+    tunnel_end_to_end: bool = setting(
+        False,
+        help="TLS from the proxy to the tunnel agent, the tunnel server copying ciphertext: "
+        "the cheapest path for bulk transfers, a handshake more per new upstream "
+        "connection (and no request sent with the dial); relayed where it cannot be had",
+    )
     access_log_rate: int = setting(
         100,
         help="JSON access-log lines per second at most (the rest are counted in one "
@@ -681,6 +687,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         ViewPresence(watch),
         pool_size=settings.tunnel_pool_size,
         pool_idle=settings.tunnel_pool_idle,
+        end_to_end=settings.tunnel_end_to_end,
     )
     # Every upstream step (HTTP/1.1, HTTP/2, reencrypt, passthrough, mirrors) takes
     # the tunnel's data connection as its transport: no socketpair in between.

@@ -348,8 +348,11 @@ class TunnelClient:
         data_path: bool = True,
         pool_size: int = 0,
         pool_idle: float = 30.0,
+        end_to_end: bool = False,
     ) -> None:
         self._presence = presence
+        # What `dial` does when its caller does not say (`dial(end_to_end=...)`).
+        self.end_to_end = end_to_end
         self._credentials = credentials
         self._server_name = server_name
         self.dial_timeout = dial_timeout
@@ -455,7 +458,7 @@ class TunnelClient:
         trace_context: str | None = None,
         early: bytes = b"",
         replay_safe: bool = False,
-        end_to_end: bool = False,
+        end_to_end: bool | None = None,
     ) -> TunnelStream | DataStream:
         """A stream to `host` (the agent's 127.0.0.1 when empty) port `port` on `node`.
 
@@ -472,8 +475,11 @@ class TunnelClient:
         cheapest path for bulk transfers, at the cost of a TLS handshake per dial.
         Where it cannot be had (no certificate, a replica or agent from before it, an
         agent without parked data connections) the dial is relayed as usual; the
-        stream's `end_to_end` says which. Not with `early` (ValueError).
+        stream's `end_to_end` says which. Not with `early` (ValueError). None: the
+        client's own `end_to_end`.
         """
+        if end_to_end is None:
+            end_to_end = self.end_to_end
         if early and end_to_end:
             raise ValueError("early data is not sent end to end: dial, then write")
         if len(early) > EARLY_LIMIT:
@@ -1122,7 +1128,8 @@ def early_transport_dialer(
     """`transport_dialer` with early data (waygate.proxy.upstream.EarlyConnect): the
     request's first bytes go with the dial (`TunnelClient.dial(early=...)`), so they do
     not wait for its answer. Bytes over `EARLY_LIMIT` are not sent (False: the caller
-    writes them once connected)."""
+    writes them once connected), nor any from a client that dials end to end (its
+    bytes need the TLS session with the agent, which begins after the answer)."""
 
     async def connect(
         target: Any,
@@ -1131,7 +1138,7 @@ def early_transport_dialer(
         early: bytes,
         replay_safe: bool,
     ) -> tuple[Dialled, bool]:
-        if len(early) > EARLY_LIMIT:
+        if len(early) > EARLY_LIMIT or client.end_to_end:
             early = b""
         dialled = await _dialled(client, error, target, timeout, trace_context, early, replay_safe)
         return dialled, bool(early)
@@ -1172,9 +1179,11 @@ async def process_client(
     server_name: str | None = None,
     pool_size: int = 0,
     pool_idle: float = 30.0,
+    end_to_end: bool = False,
 ) -> TunnelClient:
     """A TunnelClient with a ServiceProcess's TLS: its certificate from certs (channels
-    renewed after each rotation), static tls_* files, or plaintext. Closed at stop."""
+    renewed after each rotation), static tls_* files, or plaintext. Closed at stop.
+    `end_to_end`: its dials' default (`TunnelClient.dial`)."""
     from waygate.core.grpcclient import ClientTLS
 
     settings = process.settings
@@ -1220,6 +1229,7 @@ async def process_client(
         ssl_context=context,
         pool_size=pool_size,
         pool_idle=pool_idle,
+        end_to_end=end_to_end,
     )
     if certificates is not None:
         for subscribe in (certificates.rotator.subscribe, certificates.trust.subscribe):

@@ -185,6 +185,7 @@ class Tunnel:
         data_path: bool | None = None,
         pool_size: int = 0,
         pool_idle: float = 30.0,
+        end_to_end: bool = False,
     ) -> TunnelClient:
         """A dial client; raw dials on the data listener when the tunnel has one (or
         `data_path` says so), else Tunnel.Dial streams; `pool_size` warm connections."""
@@ -198,6 +199,7 @@ class Tunnel:
             data_path=self.data_path if data_path is None else data_path,
             pool_size=pool_size,
             pool_idle=pool_idle,
+            end_to_end=end_to_end,
         )
         self.clients.append(client)
         return client

@@ -587,3 +587,40 @@ async def test_bridged_socket_carries_both_ways_with_half_close(tunnel: Tunnel) 
             assert await reader.read() == payload
         writer.close()
         await until(lambda: not data_connections(tunnel), "the tunnelled connection to end")
+
+
+@pytest.mark.usefixtures("no_socketpair")
+async def test_a_proxy_that_dials_end_to_end_holds_tls_with_the_agent(
+    tunnel: Tunnel, backend: RecordingUpstream
+) -> None:
+    """`--tunnel-end-to-end`: the upstream transport is a TLS session with the agent
+    (the replica copies ciphertext), no request goes with the dial, and uploads and
+    downloads cross it whole; on the gRPC path the dial is relayed as before."""
+    async with running_proxy(
+        tunnelled(backend.port), dialer=dialer(tunnel, pool_size=2, end_to_end=True)
+    ) as (server, port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(b"GET / HTTP/1.1\r\n" + HOST + b"\r\n")
+            assert (await read_response(reader)).startswith(b"HTTP/1.1 200 ")
+            (upstream,) = server.upstreams
+            if tunnel.data_path:
+                agent_der = ssl.PEM_cert_to_DER_cert(tunnel.agent_files.cert.read_text())
+                assert upstream.transport.get_extra_info("peercert_der") == agent_der
+                (connection,) = tunnel.hub.sessions[NODE].data.values()
+                assert connection.end_to_end and connection.link.context is None
+            upload = b"u" * 1_000_000
+            writer.write(
+                b"POST /up HTTP/1.1\r\n" + HOST + b"Content-Length: %d\r\n\r\n" % len(upload)
+            )
+            writer.write(upload)
+            assert (await read_response(reader, timeout=30)).startswith(b"HTTP/1.1 200 ")
+            assert backend.requests[-1]["body_length"] == len(upload)
+            size = 8 * 1024 * 1024
+            writer.write(b"GET /big?n=%d HTTP/1.1\r\n" % size + HOST + b"\r\n")
+            async with asyncio.timeout(30):
+                assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200 ")
+                assert len(await reader.readexactly(size)) == size
+            assert backend.connections == 1  # one upstream connection, kept alive
+        finally:
+            writer.close()
