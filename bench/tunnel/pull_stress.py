@@ -22,6 +22,10 @@ and the total. `--mode`:
   which must be the same bytes. `echo-early`: the same with the first 16 KiB sent as
   the dial's early data (`TunnelClient.dial(early=...)`).
 
+`--end-to-end`: every dial with TLS to the agent, the server splicing the plain sockets
+under it (`TunnelClient.dial(end_to_end=True)`; not with `echo-early`); a dial that was
+relayed instead counts as a failure.
+
 The socket-BIO data path tried in round 6 (163134c, 176f66b; reverted in 84d86c1) failed
 8 of 243 16 MiB downloads here, the memory-BIO `Link` 0 of 5,751. The cause was the
 agent's plain destination link: its last bytes and FIN read while the splice had paused
@@ -91,11 +95,17 @@ class _Destination(asyncio.Protocol):
 
 
 async def _push_close(
-    client: TunnelClient, port: int, total: int, ended: asyncio.Queue[tuple[int, str]]
+    client: TunnelClient,
+    port: int,
+    total: int,
+    ended: asyncio.Queue[tuple[int, str]],
+    end_to_end: bool = False,
 ) -> None:
     while not ended.empty():  # (a late end of an earlier connection)
         ended.get_nowait()
-    stream = await client.dial(tunnel.NODE, port)
+    stream = tunnel._checked(
+        await client.dial(tunnel.NODE, port, end_to_end=end_to_end), end_to_end
+    )
     if not isinstance(stream, DataStream):
         raise RuntimeError("the tunnel answered on the gRPC path, not a data connection")
     pusher = tunnel._Pusher()
@@ -117,8 +127,13 @@ async def _push_close(
         raise RuntimeError(f"the destination read {count} bytes of {sent} ({how})")
 
 
-async def _echo(client: TunnelClient, port: int, payload: bytes, early: int = 0) -> None:
-    stream = await client.dial(tunnel.NODE, port, early=payload[:early])
+async def _echo(
+    client: TunnelClient, port: int, payload: bytes, early: int = 0, end_to_end: bool = False
+) -> None:
+    stream = tunnel._checked(
+        await client.dial(tunnel.NODE, port, early=payload[:early], end_to_end=end_to_end),
+        end_to_end,
+    )
     view = memoryview(payload)
 
     async def send() -> None:
@@ -141,7 +156,7 @@ async def _echo(client: TunnelClient, port: int, payload: bytes, early: int = 0)
         raise RuntimeError(f"the echo answered {received} bytes of {len(payload)} (or others)")
 
 
-async def run(mode: str, count: int, mib: int, seconds: float) -> int:
+async def run(mode: str, count: int, mib: int, seconds: float, e2e: bool = False) -> int:
     total = mib << 20
     loop = asyncio.get_running_loop()
     ended: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
@@ -162,12 +177,12 @@ async def run(mode: str, count: int, mib: int, seconds: float) -> int:
             )
             client = running.client
             transfer = {
-                "pull": lambda: tunnel._pull_transport(client, source_port, total),
-                "push": lambda: tunnel._bulk_transport(client, bulk_port, total),
-                "push-close": lambda: _push_close(client, own_port, total, ended),
-                "up": lambda: tunnel._bulk(client, bulk_port, total),
-                "down": lambda: tunnel._pull(client, source_port, total),
-                "echo": lambda: _echo(client, own_port, payload),
+                "pull": lambda: tunnel._pull_transport(client, source_port, total, end_to_end=e2e),
+                "push": lambda: tunnel._bulk_transport(client, bulk_port, total, end_to_end=e2e),
+                "push-close": lambda: _push_close(client, own_port, total, ended, e2e),
+                "up": lambda: tunnel._bulk(client, bulk_port, total, end_to_end=e2e),
+                "down": lambda: tunnel._pull(client, source_port, total, end_to_end=e2e),
+                "echo": lambda: _echo(client, own_port, payload, end_to_end=e2e),
                 "echo-early": lambda: _echo(client, own_port, payload, EARLY_LIMIT),
             }[mode]
             failures = done = 0
@@ -185,7 +200,7 @@ async def run(mode: str, count: int, mib: int, seconds: float) -> int:
         finally:
             sink.stop()
             destination.close()
-    named = "" if mode == "pull" else f" ({mode})"
+    named = ("" if mode == "pull" else f" ({mode})") + (", end to end" if e2e else "")
     print(f"{done} {WHAT.get(mode, 'uploads')} of {mib} MiB{named}, {failures} failed")
     return 1 if failures else 0
 
@@ -196,8 +211,11 @@ def main() -> int:
     parser.add_argument("--count", type=int, default=2000)
     parser.add_argument("--mib", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=300)
+    parser.add_argument("--end-to-end", action="store_true", help="TLS to the agent")
     args = parser.parse_args()
-    return uvloop.run(run(args.mode, args.count, args.mib, args.seconds))
+    if args.end_to_end and args.mode == "echo-early":
+        parser.error("early data is not sent end to end")
+    return uvloop.run(run(args.mode, args.count, args.mib, args.seconds, args.end_to_end))
 
 
 if __name__ == "__main__":
