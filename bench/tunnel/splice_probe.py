@@ -34,7 +34,7 @@ from bench.tunnel.__main__ import Child, cpu_seconds, gbps, push_tcp, sink_child
 MODES = ("relay.splice", "kernel_splice")
 
 
-async def _serve(mode: str, sink_port: int) -> None:
+async def _serve(mode: str, sink_port: int, pipe_size: int) -> None:
     """Relay every connection accepted on a free port to the sink with `mode`; the port is
     printed first. Until stdin closes (Child.stop)."""
     from waygate.tunnel import kernelsplice, relay
@@ -61,7 +61,7 @@ async def _serve(mode: str, sink_port: int) -> None:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if mode == "kernel_splice":
-            await kernelsplice.kernel_splice(inbound, outbound).done
+            await kernelsplice.kernel_splice(inbound, outbound, pipe_size=pipe_size).done
         else:
             await relay.splice(relay.plain_link(inbound), relay.plain_link(outbound))
 
@@ -80,11 +80,14 @@ async def _serve(mode: str, sink_port: int) -> None:
 
 def main() -> int:
     if sys.argv[1:2] == ["relay"]:
-        uvloop.run(_serve(sys.argv[2], int(sys.argv[3])))
+        uvloop.run(_serve(sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=1024, help="MiB per transfer [1024]")
     parser.add_argument("--rounds", type=int, default=2, help="transfers per mode [2]")
+    parser.add_argument(
+        "--pipe-kib", type=int, default=1024, help="kernel_splice's pipe size asked, KiB [1024]"
+    )
     args = parser.parse_args()
     total = args.mib << 20
     with tempfile.TemporaryDirectory(prefix="bench-splice-probe-") as tmp:
@@ -96,31 +99,33 @@ def main() -> int:
             for mode in MODES:
                 relays[mode] = Child(
                     [sys.executable, "-m", "bench.tunnel.splice_probe", "relay", mode,
-                     str(sink_port)],
+                     str(sink_port), str(args.pipe_kib << 10)],
                     directory / f"{mode}.log",
                 )  # fmt: skip
             ports = {mode: int(child.first_line()) for mode, child in relays.items()}
-            best = {mode: float("inf") for mode in (*MODES, "direct")}
+            times: dict[str, list[float]] = {mode: [] for mode in (*MODES, "direct")}
             spent = dict.fromkeys(MODES, 0.0)
             load = os.getloadavg()[0]
             for _ in range(args.rounds):
                 for mode in (*MODES, "direct"):
                     if mode == "direct":
-                        best[mode] = min(best[mode], push_tcp(sink_port, total))
+                        times[mode].append(push_tcp(sink_port, total))
                         continue
                     pid = relays[mode].process.pid
                     before = cpu_seconds([pid]) - cpu_seconds([])
-                    best[mode] = min(best[mode], push_tcp(ports[mode], total))
+                    times[mode].append(push_tcp(ports[mode], total))
                     spent[mode] += cpu_seconds([pid]) - cpu_seconds([]) - before
+            best = {mode: min(seconds) for mode, seconds in times.items()}
             gib = total * args.rounds / (1 << 30)
             print(
                 f"splice probe: {args.mib} MiB per transfer, 1 MiB writes, best of "
-                f"{args.rounds}; load {load:.1f}"
+                f"{args.rounds}; kernel_splice pipes of {args.pipe_kib} KiB asked; load {load:.1f}"
             )
             for mode in MODES:
                 print(
-                    f"- {mode}: {gbps(total, best[mode]):.2f} GB/s; relay CPU s per GiB "
-                    f"{spent[mode] / gib:.3f}"
+                    f"- {mode}: {gbps(total, best[mode]):.2f} GB/s "
+                    f"(all: {', '.join(f'{gbps(total, t):.2f}' for t in times[mode])}); "
+                    f"relay CPU s per GiB {spent[mode] / gib:.3f}"
                 )
             print(f"- direct (no relay): {gbps(total, best['direct']):.2f} GB/s")
             cpu = spent["relay.splice"] / max(spent["kernel_splice"], 1e-9)
