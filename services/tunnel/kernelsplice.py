@@ -40,14 +40,19 @@ both; a callback yields the loop after `TURN` bytes (then one `call_soon`, as
 uvloop stops polling a socket that reported an error once its callback ran, see
 `relay.SocketLink._read`).
 
-Linux only (`available()`); the sockets must be plain TCP (an `ssl.SSLSocket`
-is refused: splice would bypass its TLS).
+Linux only (`available()`; elsewhere `kernel_splice` raises OSError ENOSYS); the
+sockets must be plain TCP (an `ssl.SSLSocket` is refused: splice would bypass its
+TLS) and on no loop transport. Pipe sizes: an unprivileged user's pipes count
+against `fs.pipe-user-pages-soft` (16,384 pages: 32 relays at 2 x 1 MiB); past it
+F_SETPIPE_SZ is refused (the relay keeps the default 64 KiB) and new pipes get two
+pages, slower but still correct. `pipe_size` is the knob.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import functools
 import os
@@ -273,6 +278,10 @@ class KernelSplice:
     ) -> None:
         if isinstance(a, ssl.SSLSocket) or isinstance(b, ssl.SSLSocket):
             raise TypeError("kernel_splice relays plain sockets: splice would bypass TLS")
+        if not 0 < pipe_size < 1 << 31:
+            raise ValueError(f"pipe_size {pipe_size}: not a size F_SETPIPE_SZ takes")
+        if not hasattr(os, "splice"):
+            raise OSError(errno.ENOSYS, "no splice(2) here: see kernelsplice.available()")
         self.loop = asyncio.get_running_loop()
         self.closed = False
         self.error: OSError | None = None

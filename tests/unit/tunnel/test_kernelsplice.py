@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import hashlib
 import os
@@ -132,6 +133,14 @@ def unsent(sock: socket.socket) -> int:
 
 def test_splice_works_here() -> None:
     assert available()  # Linux, where the tunnel's replicas run: the probe must pass
+
+
+def test_without_splice_the_caller_is_told_to_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(os, "splice")
+    assert not available.__wrapped__()  # (the probe itself, not its cached answer)
+    with socket.socket() as left, socket.socket() as right, pytest.raises(OSError) as raised:
+        kernel_splice(left, right)
+    assert raised.value.errno == errno.ENOSYS
 
 
 def test_64_mib_each_way_at_once_arrive_intact(run: Any) -> None:
@@ -311,6 +320,32 @@ def test_bytes_read_before_the_relay_go_first(run: Any) -> None:
             assert await read_to_end(A) == (19, sha(b"early-from-b answer"))
             await relay.done
         assert open_fds() == fds
+
+    run(scenario())
+
+
+def test_a_pipe_size_the_kernel_refuses_leaves_the_default(
+    run: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unprivileged user past fs.pipe-max-size or its pipe pages gets EPERM from
+    F_SETPIPE_SZ (simulated: these tests may run as root, who is exempt)."""
+    original = fcntl.fcntl
+
+    def refusing(fd: int, command: int, *arg: Any) -> Any:
+        if command == fcntl.F_SETPIPE_SZ:
+            raise PermissionError(1, "Operation not permitted")
+        return original(fd, command, *arg)
+
+    monkeypatch.setattr(fcntl, "fcntl", refusing)
+
+    async def scenario() -> None:
+        payload = os.urandom(8 * MIB)
+        async with rig() as r:
+            assert r.relay._ab.size == r.relay._ba.size == 16 * 4096  # Linux's default
+            await send_and_end(r.A, payload)
+            assert await read_to_end(r.B) == (len(payload), sha(payload))
+            r.B.shutdown(socket.SHUT_WR)
+            assert await read_to_end(r.A) == (0, sha(b""))
 
     run(scenario())
 
