@@ -120,7 +120,6 @@ class _Way:
     __slots__ = (
         "dst",
         "dst_fd",
-        "eof",
         "loop",
         "pipe_r",
         "pipe_w",
@@ -148,8 +147,7 @@ class _Way:
             fcntl.fcntl(self.pipe_w, fcntl.F_SETPIPE_SZ, pipe_size)
         self.size = fcntl.fcntl(self.pipe_w, fcntl.F_GETPIPE_SZ)
         self.queued = 0  # bytes in the pipe
-        self.eof = False  # the source sent its FIN
-        self.shut = False  # ... and it was passed on: this direction ended
+        self.shut = False  # the source's FIN was passed on: this direction ended
         self.reading = False  # the source's reader is registered
         self.writing = False  # the destination's writer is registered
         self.step = self.pump  # one bound method for every registration
@@ -219,9 +217,6 @@ class _Way:
                     return
                 queued -= sent
             self.queued = 0
-            if self.eof:
-                self.end()
-                return
             if moved >= TURN:
                 self.want_read()
                 self.loop.call_soon(self.step)
@@ -234,9 +229,8 @@ class _Way:
             except OSError as exc:
                 relay.lost(self.src, exc)
                 return
-            if not queued:
-                self.eof = True  # a plain socket at EOF stays readable: read no more
-                self.end()
+            if not queued:  # the FIN, and the pipe is empty: pass it on
+                self.end()  # (and read no more: a socket at EOF stays readable)
                 return
             moved += queued
 

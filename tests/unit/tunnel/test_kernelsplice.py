@@ -87,7 +87,7 @@ async def rig(pipe_size: int = PIPE_SIZE, **pair_options: int) -> AsyncIterator[
     no task of its own."""
     fds, tasks = open_fds(), len(asyncio.all_tasks())
     with socket.create_server(("127.0.0.1", 0)) as listener:
-        A, a = _pair(listener)
+        A, a = _pair(listener, **pair_options)
         B, b = _pair(listener, **pair_options)
     relay = kernel_splice(a, b, pipe_size=pipe_size)
     assert len(asyncio.all_tasks()) == tasks  # callbacks only
@@ -214,31 +214,58 @@ def test_a_reset_of_the_side_written_to_reaches_the_writer(run: Any) -> None:
     run(scenario())
 
 
-def test_a_full_close_after_a_fin_delivers_everything_it_sent(run: Any) -> None:
-    """A sends, half-closes, then resets (its full close): the reset surfaces when B's
-    answer is written into a. Everything A sent is in b's queues by then (most of it not
-    sent yet: B reads nothing), and must reach B with an EOF, not a reset that drops it
-    (`relay._Splice.lost`'s exception). A one-page pipe leaves most of B's answer unread
-    in b when the relay ends: closing b with it unread would be a reset too."""
+@pytest.mark.parametrize("closing", ["A", "B"])
+def test_a_full_close_after_a_fin_delivers_everything_it_sent(run: Any, closing: str) -> None:
+    """X sends, half-closes, then resets (its full close): the reset surfaces when Y's
+    answer is written into X's socket. Everything X sent is in Y's queues by then (most
+    of it not sent yet: Y reads nothing), and must reach Y with an EOF, not a reset that
+    drops it (`relay._Splice.lost`'s exception). A one-page pipe leaves most of Y's
+    answer unread when the relay ends: closing with it unread would be a reset too."""
 
     async def scenario() -> None:
         upload = os.urandom(MIB)
         async with rig(4096, peer_rcvbuf=64 * 1024, relay_sndbuf=4 * MIB) as r:
-            await send_and_end(r.A, upload)
-            await until(lambda: r.relay.a_ended, "A's FIN passed on to b")
-            assert unsent(r.b) > 0  # (the case under test: bytes still queued in b)
-            r.A.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
-            r.A.close()
-            r.B.send(b"?" * 48 * 1024)  # (one send, within the window: all of it in b)
+            X, Y, y = (r.A, r.B, r.b) if closing == "A" else (r.B, r.A, r.a)
+            x_ended = (lambda: r.relay.a_ended) if closing == "A" else (lambda: r.relay.b_ended)
+            await send_and_end(X, upload)
+            await until(x_ended, "X's FIN passed on to Y")
+            assert unsent(y) > 0  # (the case under test: bytes still queued towards Y)
+            X.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
+            X.close()
+            Y.send(b"?" * 48 * 1024)  # (one send, within the window: all of it at the relay)
 
             async def answer() -> bool:
                 if not r.relay.done.done():
-                    r.B.send(b"?")  # into a, which is gone: the relay sees it now
+                    Y.send(b"?")  # into X's socket, which is gone: the relay sees it now
                 return r.relay.done.done()
 
-            await until(answer, "the relay to end on A's reset")
+            await until(answer, "the relay to end on X's reset")
             assert isinstance(r.relay.error, ConnectionError)
-            assert await read_to_end(r.B) == (len(upload), sha(upload))
+            assert await read_to_end(Y) == (len(upload), sha(upload))
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("closing", ["A", "B"])
+def test_a_side_that_half_closed_then_reset_is_noticed_when_the_other_ends(
+    run: Any, closing: str
+) -> None:
+    """X half-closes, then resets; nothing is written to X after, so the relay learns of
+    the reset only when Y ends and its FIN cannot be passed on (ENOTCONN). X had ended
+    its direction: Y is closed normally, its reads end with an EOF."""
+
+    async def scenario() -> None:
+        async with rig() as r:
+            X, Y = (r.A, r.B) if closing == "A" else (r.B, r.A)
+            x_ended = (lambda: r.relay.a_ended) if closing == "A" else (lambda: r.relay.b_ended)
+            await send_and_end(X, b"last words")
+            await until(x_ended, "X's FIN passed on to Y")
+            X.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
+            X.close()
+            Y.shutdown(socket.SHUT_WR)
+            await r.relay.done
+            assert isinstance(r.relay.error, OSError) and r.relay.error.errno == errno.ENOTCONN
+            assert await read_to_end(Y) == (10, sha(b"last words"))
 
     run(scenario())
 
