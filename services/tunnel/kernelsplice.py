@@ -107,8 +107,8 @@ def kernel_splice(
     directions ended or one side broke (see the module docstring); its `done` says when.
 
     `to_b` (`to_a`): bytes already read from `a` (`b`), say past a preamble, that go to
-    `b` (`a`) before anything else; each at most what a pipe holds (64 KiB is always
-    safe), ValueError otherwise. The sockets are made non-blocking. Ownership passes to
+    `b` (`a`) before anything else; each at most what a pipe holds (64 KiB, but 8 KiB for
+    a user past fs.pipe-user-pages-soft), ValueError otherwise. The sockets are made non-blocking. Ownership passes to
     the relay on return; on an exception (no pipes left: OSError) they stay the caller's.
     """
     return KernelSplice(a, b, to_a=to_a, to_b=to_b, pipe_size=pipe_size)
@@ -142,10 +142,15 @@ class _Way:
         self.src, self.dst = src, dst
         self.src_fd, self.dst_fd = src.fileno(), dst.fileno()
         self.pipe_r, self.pipe_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        # (EPERM past fs.pipe-max-size or the user's pipe pages: the default stays)
-        with contextlib.suppress(OSError):
-            fcntl.fcntl(self.pipe_w, fcntl.F_SETPIPE_SZ, pipe_size)
-        self.size = fcntl.fcntl(self.pipe_w, fcntl.F_GETPIPE_SZ)
+        try:
+            # (EPERM past fs.pipe-max-size or the user's pipe pages: the default stays)
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(self.pipe_w, fcntl.F_SETPIPE_SZ, pipe_size)
+            self.size = fcntl.fcntl(self.pipe_w, fcntl.F_GETPIPE_SZ)
+        except BaseException:
+            os.close(self.pipe_r)
+            os.close(self.pipe_w)
+            raise
         self.queued = 0  # bytes in the pipe
         self.shut = False  # the source's FIN was passed on: this direction ended
         self.reading = False  # the source's reader is registered
