@@ -41,6 +41,7 @@ from waygate.core import errors, tracing
 from waygate.core.identity import matches
 from waygate.tunnel import mux, peers
 from waygate.tunnel.early import Unanswered
+from waygate.tunnel.kernelsplice import KernelSplice
 from waygate.tunnel.mux import (
     MAX_CHUNK,
     ConnectionClosed,
@@ -188,6 +189,7 @@ class DataConnection:
         "connect_id",
         "end_to_end",
         "finished",
+        "kernel_relay",
         "link",
         "session",
         "stream",
@@ -206,6 +208,7 @@ class DataConnection:
         # The agent answered a SPLICE: it is leaving TLS on `link` for a session with the
         # dialer (datapath); this is its certificate's fingerprint, for the dialer's pin.
         self.end_to_end = end_to_end
+        self.kernel_relay: KernelSplice | None = None  # (`spliced`: `link` is over then)
 
     def _stream(self) -> Stream:
         stream = self.stream
@@ -220,6 +223,13 @@ class DataConnection:
         done = splice(dialer, self.link)
         done.add_done_callback(lambda _done: self._ended(None))
         return done
+
+    def spliced(self, relay: KernelSplice) -> asyncio.Future[None]:
+        """Carried from now on by `relay` (TLS end to end: the kernel copies the plain
+        sockets under both links); done once it is."""
+        self.kernel_relay = relay
+        relay.done.add_done_callback(lambda _done: self._ended(relay.error))
+        return relay.done
 
     def _ended(self, error: BaseException | None) -> None:
         if not self.finished:
@@ -262,6 +272,9 @@ class DataConnection:
         self.finished = True
         self.close_reason = reason
         self.session.data.pop(self.connect_id, None)
+        if self.kernel_relay is not None:
+            self.kernel_relay.abort()
+            return
         link = self.link
         if link.eof_in and link.eof_out:
             link.close()

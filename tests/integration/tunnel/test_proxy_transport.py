@@ -608,7 +608,7 @@ async def test_a_proxy_that_dials_end_to_end_holds_tls_with_the_agent(
                 agent_der = ssl.PEM_cert_to_DER_cert(tunnel.agent_files.cert.read_text())
                 assert upstream.transport.get_extra_info("peercert_der") == agent_der
                 (connection,) = tunnel.hub.sessions[NODE].data.values()
-                assert connection.end_to_end and connection.link.context is None
+                assert connection.end_to_end and connection.kernel_relay is not None
             upload = b"u" * 1_000_000
             writer.write(
                 b"POST /up HTTP/1.1\r\n" + HOST + b"Content-Length: %d\r\n\r\n" % len(upload)
