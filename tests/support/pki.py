@@ -10,6 +10,13 @@ here, in the test's process, and written 0600 when written at all.
 - `LocalCA`: a CA under a clock the test controls. It issues certificates
   (`issue`, `write_files`), signs CSRs (`sign`) and is an `Issuer` for the
   rotation client (`certify`); `fail_with` makes it fail like an unreachable certs.
+  Its leaves are backdated 5 minutes by default, as certs' are (`--clock-skew`):
+  a leaf's not_before is a whole second, and TLS libraries check it against
+  time(2), which reads the kernel's coarse clock and lags the precise clock
+  `datetime.now` reads by up to one tick (4 ms at HZ=250). Without a backdate, a
+  leaf issued in a second's first few milliseconds and presented at once is "not
+  yet valid": the peer aborts the handshake (gRPC's client sees UNAVAILABLE
+  "Socket closed"), as test_write_access did once in CI.
 """
 
 from __future__ import annotations
@@ -110,14 +117,18 @@ _CLIENT_USAGE = x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH])
 
 
 class LocalCA:
-    """A real CA for tests: issues leaves, signs CSRs, and certifies like certs does."""
+    """A real CA for tests: issues leaves, signs CSRs, and certifies like certs does.
+
+    `backdate` is how far before `now()` a leaf's validity starts (certs' default;
+    see the module docstring for why 0 flakes); tests of renewal arithmetic under a
+    fake clock may set it."""
 
     def __init__(
         self,
         now: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.UTC),
         *,
         lifetime: dt.timedelta = dt.timedelta(hours=24),
-        backdate: dt.timedelta = dt.timedelta(0),
+        backdate: dt.timedelta = dt.timedelta(minutes=5),
         name: str = "Waygate test CA",
     ) -> None:
         self.now = now

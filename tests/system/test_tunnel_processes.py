@@ -155,8 +155,11 @@ async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
             "--bundle-file", str(tmp_path / "bundle.pem"), "--trust-domain", "waygate.test",
             "--serving-identity", "spiffe://waygate.test/ns/t/sa/certs",
             "--serving-sans", "ip:127.0.0.1",
-            # Short leaves, not backdated: server and agent renew every few seconds.
-            "--leaf-lifetime", "12s", "--clock-skew", "0",
+            # Short leaves, backdated 1 s only: server and agent renew every few seconds.
+            # (Not 0: not_before is a whole second and TLS checks it against time(2),
+            # up to a kernel tick behind, so an unbackdated leaf presented at once can
+            # be "not yet valid"; see tests/support/pki.py.)
+            "--leaf-lifetime", "12s", "--clock-skew", "1",
         ]
     )  # fmt: skip
     server = None

@@ -4,21 +4,23 @@ poll-until that fails (never hangs) when its condition never holds."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import datetime as dt
 import ssl
 import stat
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from cryptography import x509
 
-from tests.support.pki import LocalCA, make_csr, self_signed
+from tests.support.pki import IdentityFiles, LocalCA, make_csr, self_signed
 from tests.support.poll import until, until_blocking
 
 
-async def test_issued_files_serve_and_verify_a_real_tls_handshake(tmp_path: Path) -> None:
-    ca = LocalCA()
-    server = ca.write_files(tmp_path, dns=("svc.test",), ips=("127.0.0.1",))
-    assert stat.S_IMODE(server.key.stat().st_mode) == 0o600
+@contextlib.asynccontextmanager
+async def tls_listener(server: IdentityFiles) -> AsyncIterator[int]:
+    """A TLS listener on 127.0.0.1 serving `server`'s certificate that says "hi"; its port."""
     server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_context.load_cert_chain(server.cert, server.key)
 
@@ -28,26 +30,47 @@ async def test_issued_files_serve_and_verify_a_real_tls_handshake(tmp_path: Path
         writer.close()
 
     listener = await asyncio.start_server(hello, "127.0.0.1", 0, ssl=server_context)
-    port = listener.sockets[0].getsockname()[1]
     try:
-        client = ssl.create_default_context(cafile=str(server.ca))
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection("127.0.0.1", port, ssl=client, server_hostname="svc.test"), 5
-        )
-        assert await asyncio.wait_for(reader.read(), 5) == b"hi"
-        writer.close()
-        # A CA the client does not trust fails the handshake.
-        stranger = ssl.create_default_context(cadata=LocalCA(name="other").pem.decode())
-        with pytest.raises(ssl.SSLCertVerificationError):
-            await asyncio.wait_for(
-                asyncio.open_connection(
-                    "127.0.0.1", port, ssl=stranger, server_hostname="svc.test"
-                ),
-                5,
-            )
+        yield listener.sockets[0].getsockname()[1]
     finally:
         listener.close()
         await listener.wait_closed()
+
+
+async def greeting(port: int, client: ssl.SSLContext) -> bytes:
+    reader, writer = await asyncio.wait_for(
+        asyncio.open_connection("127.0.0.1", port, ssl=client, server_hostname="svc.test"), 5
+    )
+    try:
+        return await asyncio.wait_for(reader.read(), 5)
+    finally:
+        writer.close()
+
+
+async def test_issued_files_serve_and_verify_a_real_tls_handshake(tmp_path: Path) -> None:
+    ca = LocalCA()
+    server = ca.write_files(tmp_path, dns=("svc.test",), ips=("127.0.0.1",))
+    assert stat.S_IMODE(server.key.stat().st_mode) == 0o600
+    async with tls_listener(server) as port:
+        assert await greeting(port, ssl.create_default_context(cafile=str(server.ca))) == b"hi"
+        # A CA the client does not trust fails the handshake.
+        stranger = ssl.create_default_context(cadata=LocalCA(name="other").pem.decode())
+        with pytest.raises(ssl.SSLCertVerificationError):
+            await greeting(port, stranger)
+
+
+async def test_a_leaf_verifies_at_once_by_a_clock_a_second_behind_the_issuers(
+    tmp_path: Path,
+) -> None:
+    """OpenSSL and BoringSSL check not_before (whole seconds) against time(2), which lags
+    the clock the CA reads by up to a kernel tick: a leaf issued in a second's first
+    milliseconds was "not yet valid" to a peer handshaking at once (CI flake of
+    test_write_access: UNAVAILABLE "Socket closed"). An issuer clock a whole second ahead
+    makes that lag certain here; the default backdate must cover it."""
+    ca = LocalCA(lambda: dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1))
+    server = ca.write_files(tmp_path, dns=("svc.test",))
+    async with tls_listener(server) as port:
+        assert await greeting(port, ssl.create_default_context(cafile=str(server.ca))) == b"hi"
 
 
 def test_signed_csr_carries_its_names_and_self_signed_names_its_host() -> None:
