@@ -658,21 +658,10 @@ class AgentStream:
             early = early[sent:]  # what the socket did not take: the transport's first write
         if inner is not None:
             link.write_line("OK", str(connect_id), "SPLICE")
-            try:
-                link = await open_end_to_end(
-                    await link.step_out(timeout),
-                    inner,
-                    server_side=True,
-                    pin=words[4],
-                    timeout=timeout,
-                )
-            except (LinkClosed, TimeoutError, OSError) as exc:
-                log.warning("TLS end to end with a dialer failed", extra={"error": str(exc)})
-                sock.close()
+            dialers = await _end_to_end(link, inner, words[4], sock, timeout)
+            if dialers is None:
                 return
-            except BaseException:
-                sock.close()
-                raise
+            link = dialers
         else:
             # The answer before the transport is made: the replica (and the dialer) hear
             # it one loop turn sooner; what the destination sends meanwhile is held.
@@ -715,7 +704,19 @@ class AgentStream:
                 extra={"server_id": self.server_id, "error": str(exc)},
             )
             return False
-        await self._relay(link, sock, ("DATA", token, str(connect_id)))
+        inner = (
+            end_to_end_context(link.context, server_side=True)
+            if request.splice_for and isinstance(link, SocketLink)
+            else None
+        )
+        if inner is None:
+            await self._relay(link, sock, ("DATA", token, str(connect_id)))
+            return True
+        # TLS end to end (the DIAL_REQ's splice_for): as a parked connection's SPLICE.
+        link.write_line("DATA", token, str(connect_id), "SPLICE")
+        dialers = await _end_to_end(link, inner, request.splice_for, sock, timeout)
+        if dialers is not None:
+            await self._relay(dialers, sock)
         return True
 
     async def _relay(
@@ -854,6 +855,26 @@ class AgentStream:
         if self.pool is not None:
             await self.pool.aclose()
         await self._io.close()
+
+
+async def _end_to_end(
+    link: Link, inner: ssl.SSLContext, pin: str, destination: socket.socket, timeout: float
+) -> Link | None:
+    """After the answer that says SPLICE: leave the replica's TLS on `link` and serve the
+    dialer's session through it, requiring the certificate the replica authorized
+    (`pin`); None when that failed (`destination`, connected already, is closed then:
+    nothing reached it)."""
+    try:
+        return await open_end_to_end(
+            await link.step_out(timeout), inner, server_side=True, pin=pin, timeout=timeout
+        )
+    except (LinkClosed, TimeoutError, OSError) as exc:
+        log.warning("TLS end to end with a dialer failed", extra={"error": str(exc)})
+        destination.close()
+        return None
+    except BaseException:
+        destination.close()
+        raise
 
 
 class Agent:

@@ -10,9 +10,11 @@ which tells an agent which replica a pooled connection reached (through a
 load balancer it may not be the one it meant) and that its certificate was
 accepted. Then the client sends one preamble line (`relay.read_line`):
 
-    DATA <token> <connection-id>
+    DATA <token> <connection-id> [SPLICE]
         an agent's answer to a DIAL_REQ that carried `data_token`: this
-        connection now carries that tunnelled connection. The certificate must
+        connection now carries that tunnelled connection (SPLICE: end to end,
+        as a parked connection's answer to SPLICE below, when the DIAL_REQ
+        carried `splice_for`). The certificate must
         name the node of the agent the token was issued to. An agent may open
         the connection long before (its pool): the line then waits up to
         `idle_timeout`, and one identity holds at most `max_idle_per_peer`
@@ -69,8 +71,9 @@ accepted. Then the client sends one preamble line (`relay.read_line`):
         under the two TLS sessions are spliced as they are: the dialer opens TLS
         1.3 with the agent through them, each pinning the other's certificate to
         the one named above, so the replica copies ciphertext it cannot read.
-        Anything else is relayed as DIAL: no parked connection (the Connect
-        stream's DIAL_REQ carries no SPLICE), an agent that answers a plain
+        With no parked connection the DIAL_REQ carries `splice_for` and the
+        agent's DATA line says SPLICE. Anything else is relayed as DIAL: an
+        agent that answers on its Connect stream, one that answers a plain
         `OK <connection-id>` (no certificate for it, or a link that cannot leave
         TLS), a parked connection that ends at the line (an agent from before
         SPLICE drops it: the rest of that dial goes as DIAL); the dialer tells
@@ -249,8 +252,14 @@ class DataListener:
                 self._idle[who] -= 1
                 if not self._idle[who]:
                     del self._idle[who]
-            if words[0] == "DATA" and len(words) == 3 and words[2].isdigit():
-                handed_off = self._data(link, words[1], int(words[2]), uris, dns_names)
+            if (
+                words[0] == "DATA"
+                and (len(words) == 3 or (len(words) == 4 and words[3] == "SPLICE"))
+                and words[2].isdigit()
+            ):
+                handed_off = self._data(
+                    link, words[1], int(words[2]), uris, dns_names, len(words) == 4
+                )
                 if not handed_off:
                     link.abort()
                 return
@@ -292,7 +301,13 @@ class DataListener:
         return True
 
     def _data(
-        self, link: Link, token: str, connect_id: int, uris: list[str], dns_names: list[str]
+        self,
+        link: Link,
+        token: str,
+        connect_id: int,
+        uris: list[str],
+        dns_names: list[str],
+        spliced: bool = False,
     ) -> bool:
         pending = self.hub.tokens.pop(token, None)
         if pending is None:
@@ -300,7 +315,10 @@ class DataListener:
         session, waiter = pending
         if not self._node_matches(link, session, uris, dns_names):
             return False
-        return session.claim(waiter, link, connect_id)
+        # (SPLICE: the agent leaves TLS on it for the dialer's session, which the
+        # DIAL_REQ asked for; the dialer pins the certificate it presented here.)
+        agent_certificate = fingerprint(link.get_extra_info("peercert_der")) if spliced else ""
+        return session.claim(waiter, link, connect_id, agent_certificate)
 
     async def _park(self, link: Link, key: str, uris: list[str], dns_names: list[str]) -> bool:
         """An agent's idle data connection, parked until a dial takes it (True) or it

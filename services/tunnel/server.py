@@ -414,12 +414,17 @@ class AgentSession:
         self._refusals[address] = time.monotonic()
 
     def claim(
-        self, waiter: asyncio.Future[tuple[pb.DialResponse, Any]], link: Link, connect_id: int
+        self,
+        waiter: asyncio.Future[tuple[pb.DialResponse, Any]],
+        link: Link,
+        connect_id: int,
+        end_to_end: str = "",
     ) -> bool:
         """The agent's data connection for a dial arrived: it carries the connection now.
 
         `connect_id` is the agent's id for it (from the same counter as its stream's
-        connection ids, so one id names one connection in both sides' traces)."""
+        connection ids, so one id names one connection in both sides' traces);
+        `end_to_end`: the agent is leaving TLS on it (its certificate's fingerprint)."""
         if (
             waiter.done()
             or self.closed
@@ -427,7 +432,7 @@ class AgentSession:
             or connect_id in self.data
         ):
             return False
-        connection = DataConnection(self, connect_id, link)
+        connection = DataConnection(self, connect_id, link, end_to_end)
         self.data[connection.connect_id] = connection
         waiter.set_result((pb.DialResponse(connect_id=connection.connect_id), connection))
         return True
@@ -450,9 +455,10 @@ class AgentSession:
         anything else once this returns; none of them sent when it raises `Refused`;
         `early.Unanswered` when they went to the agent and no answer came back.
         `splice_for`: the dialer's certificate fingerprint, for TLS end to end (datapath's
-        SPLICE): asked of a parked connection only; the result's `end_to_end` says
-        whether the agent agreed. A parked connection that ends at a SPLICE line
-        (an agent from before it drops the line) sends the rest of this dial without."""
+        SPLICE), asked of the agent on a parked connection or in the DIAL_REQ; the
+        result's `end_to_end` says whether the agent agreed. A parked connection that
+        ends at a SPLICE line (an agent from before it drops the line) sends the rest
+        of this dial without."""
         if self.draining or self.closed:
             raise Refused(pb.DRAINING, f"the agent for node {self.node} is moving off this replica")
         deadline = time.monotonic() + timeout
@@ -501,6 +507,7 @@ class AgentSession:
                     initial_window=self.hub.window,
                     trace_context=trace_context,
                     data_token=token,
+                    splice_for=splice_for if token else "",
                 ),
             )
         )

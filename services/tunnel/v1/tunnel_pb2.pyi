@@ -72,7 +72,7 @@ class Packet(_message.Message):
     def __init__(self, type: _Optional[_Union[PacketType, str]] = ..., dial_request: _Optional[_Union[DialRequest, _Mapping]] = ..., dial_response: _Optional[_Union[DialResponse, _Mapping]] = ..., data: _Optional[_Union[Data, _Mapping]] = ..., close_request: _Optional[_Union[CloseRequest, _Mapping]] = ..., close_response: _Optional[_Union[CloseResponse, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., window_update: _Optional[_Union[WindowUpdate, _Mapping]] = ..., server_info: _Optional[_Union[ServerInfo, _Mapping]] = ...) -> None: ...
 
 class DialRequest(_message.Message):
-    __slots__ = ("protocol", "address", "random", "timeout", "initial_window", "trace_context", "data_token")
+    __slots__ = ("protocol", "address", "random", "timeout", "initial_window", "trace_context", "data_token", "splice_for")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,7 @@ class DialRequest(_message.Message):
     INITIAL_WINDOW_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     DATA_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SPLICE_FOR_FIELD_NUMBER: _ClassVar[int]
     protocol: str
     address: str
     random: int
@@ -94,7 +95,8 @@ class DialRequest(_message.Message):
     initial_window: int
     trace_context: _containers.ScalarMap[str, str]
     data_token: str
-    def __init__(self, protocol: _Optional[str] = ..., address: _Optional[str] = ..., random: _Optional[int] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., initial_window: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., data_token: _Optional[str] = ...) -> None: ...
+    splice_for: str
+    def __init__(self, protocol: _Optional[str] = ..., address: _Optional[str] = ..., random: _Optional[int] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., initial_window: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., data_token: _Optional[str] = ..., splice_for: _Optional[str] = ...) -> None: ...
 
 class DialResponse(_message.Message):
     __slots__ = ("random", "connect_id", "error", "initial_window", "reason")

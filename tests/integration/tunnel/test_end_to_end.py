@@ -29,6 +29,7 @@ from tests.integration.tunnel.harness import (
     ssl_context,
 )
 from tests.integration.tunnel.test_leaks import open_fds, settled, tasks
+from tests.integration.tunnel.test_parked_dials import packets_to_agent
 from tests.support.poll import until
 from waygate.tunnel import datapath, kernelsplice
 from waygate.tunnel.client import DataStream, DialFailed
@@ -179,9 +180,29 @@ def _present_instead(
     monkeypatch.setattr(f"{module}.end_to_end_context", other_context)
 
 
-async def test_without_parked_connections_the_dial_is_relayed(tunnel: Tunnel) -> None:
+async def test_without_parked_connections_the_dial_request_asks_for_it(
+    tunnel: Tunnel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent that parks nothing gets the dial on its Connect stream (DIAL_REQ with
+    `splice_for`) and answers on a data connection of its own, end to end all the same."""
     await tunnel.stop_agent(tunnel.agents[0])
     await tunnel.start_agent(park=False)
+    session = tunnel.hub.sessions[NODE]
+    sent = packets_to_agent(session, monkeypatch)
+    echo, port = await echo_server()
+    async with echo:
+        stream = await tunnel.client().dial(NODE, port, end_to_end=True)
+        assert isinstance(stream, DataStream) and stream.end_to_end
+        assert pb.DIAL_REQ in sent
+        agent_der = _der(tunnel.agent_files.cert.read_bytes())
+        assert stream.link.get_extra_info("peercert_der") == agent_der
+        assert await echo_once(stream, b"through a DATA line") == b"through a DATA line"
+        await stream.aclose()
+
+
+async def test_an_agent_without_data_connections_relays_on_its_stream(tunnel: Tunnel) -> None:
+    await tunnel.stop_agent(tunnel.agents[0])
+    await tunnel.start_agent(data_connections=False)
     echo, port = await echo_server()
     async with echo:
         stream = await tunnel.client().dial(NODE, port, end_to_end=True)
@@ -245,10 +266,8 @@ async def test_end_to_end_dials_leave_no_descriptor_or_task_behind(
         await stream.aclose()
         await pool_full(tunnel)
         fds, running = open_fds(), tasks()
-        session = tunnel.hub.sessions[NODE]
         for round_number in range(40):
-            # End to end needs a parked connection (else relayed): the agent's refill.
-            await until(lambda: bool(session.parked), "a parked data connection")
+            # Back to back: parked connections while they last, then DIAL_REQs.
             stream = await client.dial(NODE, port, end_to_end=True)
             assert isinstance(stream, DataStream) and stream.end_to_end
             payload = b"cycle %d" % round_number
