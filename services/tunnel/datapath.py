@@ -109,6 +109,7 @@ from waygate.core.tls import set_session_cache_size, set_session_timeout
 from waygate.tunnel import early as early_data
 from waygate.tunnel import kernelsplice, mux, peers
 from waygate.tunnel.early import Unanswered
+from waygate.tunnel.metrics import DIALS_DATA, DIALS_END_TO_END, DIALS_STREAM
 from waygate.tunnel.mux import ConnectionClosed, Refused
 from waygate.tunnel.relay import (
     SESSION_TIMEOUT,
@@ -426,10 +427,13 @@ class DataListener:
             span.set_attribute("waygate.tunnel.end_to_end", bool(end_to_end))
         try:
             if end_to_end:
+                DIALS_END_TO_END.inc()
                 await _splice_end_to_end(link, connection)
             elif isinstance(connection, DataConnection):
+                DIALS_DATA.inc()
                 await connection.relay_to(link)
             else:
+                DIALS_STREAM.inc()
                 await _pump(link, connection)
         finally:
             if not connection.finished:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
-from prometheus_client import Gauge
+from prometheus_client import Counter, Gauge
 
 from waygate.core.statuspage import Section, cell, duration_text
 from waygate.tunnel.server import Hub
@@ -23,6 +23,18 @@ AGENTS = Gauge(
     "waygate_tunnel_server_agents",
     "Edge nodes whose agent holds a stream to this replica (draining agents excluded).",
 )
+RAW_DIALS = Counter(
+    "waygate_tunnel_server_raw_dials",
+    "Dials on the data port this replica answered OK, by how it carries them: end_to_end "
+    "(the dialer's TLS runs to the agent, the sockets spliced), data (relayed between two "
+    "data connections), stream (relayed to the agent's Connect stream). A dialer that "
+    "asked for end to end and got data or stream was relayed: see the README.",
+    ["carried"],
+)
+# Bound once: a dial pays one increment, not a label lookup.
+DIALS_END_TO_END = RAW_DIALS.labels("end_to_end")
+DIALS_DATA = RAW_DIALS.labels("data")
+DIALS_STREAM = RAW_DIALS.labels("stream")
 
 
 def observe(hub: Hub) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 
 from tests.integration.tunnel.harness import (
     DIALER,
@@ -83,8 +84,10 @@ async def test_bytes_cross_end_to_end_whole_and_the_replica_sees_only_ciphertext
     payload = b"SECRET-PAYLOAD-" + os.urandom(4 * 1024 * 1024)
     echo, port = await echo_server()
     async with echo:
+        counted = carried("end_to_end")
         stream = await tunnel.client().dial(NODE, port, end_to_end=True)
         assert isinstance(stream, DataStream) and stream.end_to_end
+        assert carried("end_to_end") == counted + 1
         # The dialer's session is with the agent: the certificate the replica named.
         agent_der = tunnel.agent_files.cert.read_bytes()
         assert stream.link.get_extra_info("peercert_der") == _der(agent_der)
@@ -200,15 +203,24 @@ async def test_without_parked_connections_the_dial_request_asks_for_it(
         await stream.aclose()
 
 
+def carried(how: str) -> float:
+    value = REGISTRY.get_sample_value("waygate_tunnel_server_raw_dials_total", {"carried": how})
+    return value or 0.0
+
+
 async def test_an_agent_without_data_connections_relays_on_its_stream(tunnel: Tunnel) -> None:
     await tunnel.stop_agent(tunnel.agents[0])
     await tunnel.start_agent(data_connections=False)
     echo, port = await echo_server()
+    before = {how: carried(how) for how in ("end_to_end", "data", "stream")}
     async with echo:
         stream = await tunnel.client().dial(NODE, port, end_to_end=True)
         assert isinstance(stream, DataStream) and not stream.end_to_end
         assert await echo_once(stream, b"relayed") == b"relayed"
         await stream.aclose()
+    # The replica's metric tells an operator the dial asked for more than it got.
+    assert carried("stream") == before["stream"] + 1
+    assert carried("end_to_end") == before["end_to_end"]
 
 
 async def test_an_agent_that_cannot_leave_tls_answers_a_relayed_dial(

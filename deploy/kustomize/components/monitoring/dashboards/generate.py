@@ -355,6 +355,11 @@ def tunnel() -> dict:
             [
                 stat("Agents (max per replica)", f"max(waygate_tunnel_server_agents{POD})"),
                 graph("Agents by replica", (f"waygate_tunnel_server_agents{POD}", "{{pod}}")),
+                graph(
+                    "Raw dials by how they are carried (end_to_end: the replica splices)",
+                    (rate("waygate_tunnel_server_raw_dials_total", "carried"), "{{carried}}"),
+                    unit="ops",
+                ),
             ],
             grpc_rows("tunnel"),
             [
