@@ -1394,7 +1394,8 @@ async def open_end_to_end(
         link.start()
         async with asyncio.timeout(timeout):
             await link.established
-        if fingerprint(link.get_extra_info("peercert_der")) != pin:
+        der = link.get_extra_info("peercert_der")
+        if not der or fingerprint(der) != pin:
             raise LinkClosed(
                 "the end-to-end peer presented another certificate than the one the "
                 "replica authenticated"
