@@ -51,6 +51,7 @@ import select
 import socket
 import ssl
 import struct
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, cast
@@ -71,6 +72,11 @@ _RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
 # copy, and the outer one refills the buffer only after the call returns.
 _PLAIN = bytearray(_READ_SIZE)
 _PLAIN_VIEW = memoryview(_PLAIN)  # never released: the buffer is never resized
+# The most plaintext one TLS record carries: a read that returns less (or, plain, less
+# than that) was the end of what the peer had written (`SocketLink._read`).
+_RECORD = 16 * 1024
+# Per thread (a poll object is not safe across threads): `_drained`'s poller.
+_LOCAL = threading.local()
 # How long after a dial took a warm data connection (the agent's pool and the dialer's)
 # its replacement is opened: the dial finishes before the refill's handshake takes the
 # CPU it waits on, here and on the replica.
@@ -482,7 +488,9 @@ class SocketLink(Link):
     about 3.1 s to 1.8 s (bench/RESULTS.md, the tunnel's bulk subsection).
 
     - Reading: `recv_into` (one TLS record at most per call) fills `_PLAIN`, which
-      goes to the protocol when full or when the socket has no more; a full buffer
+      goes to the protocol when full or when the socket has no more (after a read
+      shorter than a full record, a poll that finds nothing waiting says so
+      without the failing read, `_drained`); a full buffer
       ends the turn (fairness) and the next turn reads on, whatever the loop
       reports: plaintext OpenSSL still holds (`SSLSocket.pending`) is invisible to
       epoll, and uvloop stops polling a socket that reported a reset.
@@ -681,6 +689,11 @@ class SocketLink(Link):
                     self._peer_eof()
                 return
             filled += got
+            if got < _RECORD and not (self._tls and sock.pending()) and _drained(self._fd):
+                # A short read: the peer's write ended there and nothing (no byte, no
+                # EOF, no error) waits behind it, so reading on would only fail with
+                # "would block" (an SSLWantReadError for TLS: ~5 us against ~1).
+                break
             if filled == _READ_SIZE:
                 self._deliver(filled)
                 if not self._fd_closed:
@@ -1007,6 +1020,22 @@ async def open_link(
             link.abort()
             raise
     return link
+
+
+def _drained(fd: int) -> bool:
+    """Whether nothing waits to be read on `fd`: no byte, no EOF, no error (a poll that
+    does not wait). The error matters: uvloop runs a reader once for an event that
+    carried one (a reset) and then stops polling the socket, so a read loop that
+    stopped with the reset still unread would leave the link open for ever."""
+    try:
+        poller = _LOCAL.poller
+    except AttributeError:
+        poller = _LOCAL.poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    try:
+        return not poller.poll(0)
+    finally:
+        poller.unregister(fd)
 
 
 def plain_link(sock: socket.socket) -> SocketLink:

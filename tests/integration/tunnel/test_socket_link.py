@@ -397,3 +397,42 @@ def test_a_reset_with_more_than_a_read_unread_ends_the_link_under_uvloop(tmp_pat
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(scenario())
+
+
+def test_a_reset_behind_short_records_ends_the_link_under_uvloop(tmp_path: Path) -> None:
+    """A read shorter than a full record ends the read loop without the failing read only
+    when a poll finds nothing behind it (`relay._drained`): small records with the peer's
+    reset behind them, all unread when reading resumes, must still end the link (uvloop
+    runs the reader once for the event that carries the reset, then stops polling)."""
+    import fcntl
+    import termios
+
+    import uvloop
+
+    async def scenario() -> None:
+        async with socket_links(tmp_path) as (client, server):
+            at_client = Collect()
+            client.attach(at_client)
+            server.attach(Collect())
+            client.pause_reading()
+            raw = client.get_extra_info("socket")
+            for _ in range(5):
+                server.write(b"a short record")  # one TLS record each
+
+            def unread() -> int:
+                return int.from_bytes(
+                    fcntl.ioctl(raw.fileno(), termios.FIONREAD, b"\0\0\0\0"), "little"
+                )
+
+            async with asyncio.timeout(10):
+                while unread() < 5 * (14 + 22):  # every record in the socket
+                    await asyncio.sleep(0.01)
+            server.abort()  # the reset lands behind them
+            await asyncio.sleep(0.05)
+            client.resume_reading()
+            lost = await asyncio.wait_for(at_client.lost, 10)
+            assert isinstance(lost, (ConnectionError, ssl.SSLError)), lost
+            assert client.get_extra_info("socket") is None  # closed, nothing left polled
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(scenario())
