@@ -302,6 +302,30 @@ async def test_read_exact_fails_when_the_link_ends_first(link_pair: tuple[Link, 
         await served.read_exact(200, 5.0)
 
 
+async def test_preamble_reads_time_out_and_a_later_read_still_gets_its_bytes(
+    link_pair: tuple[Link, Link],
+) -> None:
+    """`read_line` and `read_exact` raise TimeoutError at their deadline (a timer of
+    their own, not asyncio.timeout); what arrives afterwards waits for the next read,
+    and a read whose bytes are in already needs no wait at all (a zero timeout)."""
+    client, served = link_pair
+    with pytest.raises(TimeoutError):
+        await served.read_line(0.05)
+    client.write(b"DIAL x")
+    with pytest.raises(TimeoutError):
+        await served.read_line(0.05)  # half a line: still waiting for its LF
+    client.write(b" 1\nearly")
+    assert await served.read_line(5.0) == b"DIAL x 1"
+    with pytest.raises(TimeoutError):
+        await served.read_exact(10, 0.05)  # five of ten bytes
+    client.write(b" data")
+    assert await served.read_exact(10, 5.0) == b"early data"
+    client.write(b"OK 1\nabc")
+    await asyncio.sleep(0.05)
+    assert await served.read_line(0) == b"OK 1"
+    assert await served.read_exact(3, 0) == b"abc"
+
+
 async def test_a_replica_from_before_early_data_gets_the_bytes_after_its_answer(
     tunnel: Tunnel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
