@@ -517,23 +517,29 @@ class AgentStream:
         )
         return span
 
-    def _parked_span(self, traceparent: str, address: str, started: int) -> Any:
+    def _parked_span(
+        self, traceparent: str, address: str, started: int, connect_id: int = 0
+    ) -> Any:
         """The span of a dial on a parked connection, made once its answer is out (a span
-        costs tens of microseconds the dial need not wait for); it starts at `started`."""
+        costs tens of microseconds the dial need not wait for); it starts at `started`.
+        `connect_id`: the connection's, once connected (0: refused)."""
         parent = (
             tracing.extract_context((("traceparent", traceparent),)) if traceparent != "-" else None
         )
+        attributes: dict[str, Any] = {
+            "waygate.tunnel.node": self.agent.node,
+            "waygate.tunnel.replica": self.server_id,
+            "waygate.tunnel.address": address,
+            "waygate.tunnel.data_connection": True,
+        }
+        if connect_id:
+            attributes["waygate.tunnel.connection_id"] = connect_id
         return self.agent.tracer.start_span(
             "waygate.tunnel.agent/Dial",
             context=parent,
             kind=SpanKind.CLIENT,
             start_time=started,
-            attributes={
-                "waygate.tunnel.node": self.agent.node,
-                "waygate.tunnel.replica": self.server_id,
-                "waygate.tunnel.address": address,
-                "waygate.tunnel.data_connection": True,
-            },
+            attributes=attributes,
         )
 
     async def _dial(self, request: pb.DialRequest) -> None:
@@ -669,9 +675,7 @@ class AgentStream:
         try:
             await self._relay(link, sock, early=early)
         finally:
-            span = self._parked_span(traceparent, address, started)
-            span.set_attribute("waygate.tunnel.connection_id", connect_id)
-            span.end()
+            self._parked_span(traceparent, address, started, connect_id).end()
 
     def learn_data_address(self, address: str, park_key: str = "") -> None:
         if self.pool is not None or not address or not self.agent.data_connections:

@@ -523,8 +523,12 @@ class TunnelClient:
                     if not failed.retryable:
                         break  # another replica would answer the same
                     continue
-                span.set_attribute("waygate.tunnel.replica", stream.server_id)
-                span.set_attribute("waygate.tunnel.connection_id", stream.connect_id)
+                span.set_attributes(
+                    {
+                        "waygate.tunnel.replica": stream.server_id,
+                        "waygate.tunnel.connection_id": stream.connect_id,
+                    }
+                )
                 return stream
             assert last is not None
             span.set_status(Status(StatusCode.ERROR, str(last)))

@@ -35,6 +35,7 @@ from typing import Any, cast
 
 import grpc
 from google.protobuf import duration_pb2
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from waygate.core import errors, tracing
@@ -794,6 +795,8 @@ class Hub:
         early: bytes = b"",
         replay_safe: bool = False,
         splice_for: str = "",
+        *,
+        trace_context: otel_context.Context | None = None,
     ) -> Any:
         """Dial `address` through an agent of `node`: the next agent when one refuses for a
         reason another agent could answer (its allow-list, its network, it is moving).
@@ -802,10 +805,11 @@ class Hub:
         bounds the whole dial: each next agent gets only what the ones before left.
         `early` goes with the dial (`AgentSession.dial`): a refusal sent none of it, so
         the next agent gets the same bytes; `early.Unanswered` is never retried here.
-        `splice_for`: asks for TLS end to end (`AgentSession.dial`).
+        `splice_for`: asks for TLS end to end (`AgentSession.dial`). `trace_context`: the
+        trace context the agent's span continues (the current one when None).
         """
         carrier: dict[str, str] = {}
-        tracing.inject_context(carrier)
+        tracing.inject_context(carrier, trace_context)
         deadline = time.monotonic() + timeout
         last: Refused | None = None
         for session in self.sessions_for(node, address):

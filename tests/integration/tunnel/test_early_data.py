@@ -355,3 +355,56 @@ async def test_a_replica_from_before_early_data_gets_the_bytes_after_its_answer(
             await stream.aclose()
     assert heads == [REQUEST, REQUEST]
     assert refused == [8]  # refused once; the second dial sent the line alone
+
+
+async def test_a_raw_dial_is_one_trace_from_the_dialer_through_the_replica_to_the_agent(
+    tunnel: Tunnel,
+) -> None:
+    """The dialer's span, the replica's (its parent: the DIAL line's traceparent) and the
+    agent's (the parked connection's DIAL line), with their attributes, for a dial with
+    early data and for one the agent refuses (spans recorded by an SDK provider of the
+    test's own, not the process's global one)."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+    assert tunnel.data is not None
+    tunnel.data._tracer = tracer
+    tunnel.agents[0].tracer = tracer
+    client = tunnel.client(pool_size=2)
+    client._tracer = tracer
+    backend, port, _heads = await http_backend()
+    async with backend:
+        stream = await client.dial(NODE, port, early=REQUEST)
+        assert (await response(stream)).startswith(b"HTTP/1.1 200 OK")
+        await stream.aclose()
+        with pytest.raises(DialFailed):
+            await client.dial(NODE, port, host="192.0.2.1")  # outside the allow-list
+    await until(lambda: len(exporter.get_finished_spans()) == 6)
+    spans = exporter.get_finished_spans()
+    for refused in (False, True):
+        trace_ids = {s.context.trace_id for s in spans}
+        assert len(trace_ids) == 2
+        dialer = [s for s in spans if s.name == "waygate.tunnel.v1.Tunnel/Dial"][refused]
+        chain = [s for s in spans if s.context.trace_id == dialer.context.trace_id]
+        by_name = {s.name: s for s in chain}
+        replica = by_name["waygate.tunnel.data/Tunnel/Dial"]
+        agent = by_name["waygate.tunnel.agent/Dial"]
+        assert replica.parent is not None and replica.parent.span_id == dialer.context.span_id
+        assert agent.parent is not None and agent.parent.span_id == replica.context.span_id
+        attributes = dict(replica.attributes or {})
+        assert attributes["waygate.tunnel.node"] == NODE
+        assert attributes["waygate.tunnel.replica"] == tunnel.hub.server_id
+        if refused:
+            assert attributes["waygate.tunnel.refusal"] == "NOT_ALLOWED"
+            assert dict(agent.attributes or {})["waygate.tunnel.refusal"] == "NOT_ALLOWED"
+        else:
+            assert attributes["waygate.tunnel.address"] == f"127.0.0.1:{port}"
+            assert attributes["waygate.tunnel.connection_id"] > 0
+            assert attributes["waygate.tunnel.end_to_end"] is False
+            assert dict(agent.attributes or {})["waygate.tunnel.connection_id"] > 0
+            assert dict(dialer.attributes or {})["waygate.tunnel.replica"] == tunnel.hub.server_id
