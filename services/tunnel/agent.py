@@ -596,8 +596,7 @@ class AgentStream:
             link.abort()
             return
         # Out of the pool at once (its idle time no longer applies); the refill's task
-        # wakes only once this one yields, which on loopback is after the answer is out
-        # (connect_socket does not wait), and its handshake REFILL_DELAY later.
+        # is woken REFILL_DELAY later (a timer, not a wake-up on this dial's path).
         pool.discard(link)
         await self._answer_parked(link, line)
 

@@ -7,10 +7,11 @@ one per replica data listener (raw-dial connections, `waygate.tunnel.client`).
 Invariants: at most `size` idle connections; each is closed once it has
 waited `idle` seconds (or as soon as it is found closing); one refill task,
 started by the first `take` (or `start`), which opens one connection at a time,
-backs off (0.2 s .. 10 s, jittered) while opening fails, and waits
-`REFILL_DELAY` after a take before opening the replacement, so the dial that
-took a connection finishes before the replacement's handshake takes the CPU
-it waits on. `on_demand` pools refill only while they are used (a take
+backs off (0.2 s .. 10 s, jittered) while opening fails, and is woken
+`REFILL_DELAY` after a take (a timer armed by the take: the task itself stays
+asleep, so a dial pays no task wake-ups for the refill) before opening the
+replacement, so the dial that took a connection finishes before the
+replacement's handshake takes the CPU it waits on. `on_demand` pools refill only while they are used (a take
 within the last `idle` seconds): a dialer that stopped dialling keeps no
 connections and makes no handshakes. No grpc here.
 """
@@ -48,6 +49,7 @@ class WarmPool:
         self.used_at = time.monotonic()
         self.closed = False
         self._wanted = asyncio.Event()
+        self._waking: asyncio.TimerHandle | None = None  # `_want`'s timer, while armed
         self.task: asyncio.Task[None] | None = None
 
     def _usable(self, link: Link, opened: float, now: float) -> bool:
@@ -70,8 +72,17 @@ class WarmPool:
                 break
             link.abort()
         self.start()
-        self._wanted.set()
+        self._want()
         return found
+
+    def _want(self) -> None:
+        """Wake the refill task REFILL_DELAY from now (once, however many takes)."""
+        if self._waking is None and not self.closed:
+            self._waking = asyncio.get_running_loop().call_later(REFILL_DELAY, self._wake)
+
+    def _wake(self) -> None:
+        self._waking = None
+        self._wanted.set()
 
     def add(self, link: Link) -> bool:
         """Keep `link` (opened elsewhere) when there is room; False: the caller keeps it."""
@@ -87,7 +98,7 @@ class WarmPool:
                 del self.idle[index]
                 break
         self.used_at = time.monotonic()
-        self._wanted.set()
+        self._want()
 
     async def _fill(self) -> None:
         idle = self.idle
@@ -104,8 +115,6 @@ class WarmPool:
                     wait = max(0.05, idle[0][1] + self.idle_time - now)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wanted.wait(), wait)
-                if self._wanted.is_set():
-                    await asyncio.sleep(REFILL_DELAY)
                 continue
             try:
                 link = await self._opener()
@@ -125,6 +134,9 @@ class WarmPool:
     def close(self) -> None:
         """Close every idle connection and stop refilling (taken ones are not affected)."""
         self.closed = True
+        if self._waking is not None:
+            self._waking.cancel()
+            self._waking = None
         if self.task is not None:
             self.task.cancel()
         while self.idle:
