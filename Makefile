@@ -61,8 +61,9 @@ bench: $(STAMP)
 # (bench/soak); the table and plot go to bench/soak/out/. `make test` runs a
 # short version (tests/system/test_soak.py).
 SOAK_MINUTES ?= 30
+SOAK_ARGS ?=
 soak: $(STAMP)
-	$(BIN)/python -m bench.soak --minutes $(SOAK_MINUTES)
+	$(BIN)/python -m bench.soak --minutes $(SOAK_MINUTES) $(SOAK_ARGS)
 
 deploy-check: $(STAMP)
 	$(BIN)/python -m pytest tests/deploy $(PYTEST_ARGS)

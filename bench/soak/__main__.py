@@ -32,12 +32,12 @@ FIRST_CYCLE_SECONDS = 450.0
 CYCLE_SECONDS = 340.0
 
 
-async def main(minutes: float, out: Path) -> int:
+async def main(minutes: float, out: Path, proxy_args: tuple[str, ...] = ()) -> int:
     out.mkdir(parents=True, exist_ok=True)
     cycles = max(1, 1 + int((minutes * 60 - FIRST_CYCLE_SECONDS) // CYCLE_SECONDS))
     # Kept when the run fails (every process's log is there), removed otherwise.
     directory = Path(tempfile.mkdtemp(prefix="waygate-soak-"))
-    stack = Stack(directory, leaf_lifetime=LEAF_LIFETIME)
+    stack = Stack(directory, leaf_lifetime=LEAF_LIFETIME, proxy_args=proxy_args)
     soak = Soak(stack, hold=HOLD, cycles=cycles, minimum=minutes * 60)
     began = time.time()
     try:
@@ -52,10 +52,10 @@ async def main(minutes: float, out: Path) -> int:
         f"waygate soak, {seconds / 60:.0f} min, {cycles} fault cycle{'' if cycles == 1 else 's'}"
     )
     soak.plot(out / "soak.png", title)
-    text = (
-        f"# {title}\n\n{describe()}\n\nCommand: `make soak SOAK_MINUTES={minutes:g}`\n\n"
-        f"{soak.report()}"
-    )
+    command = f"make soak SOAK_MINUTES={minutes:g}"
+    if proxy_args:
+        command += ' SOAK_ARGS="' + " ".join(f"--proxy-arg={a}" for a in proxy_args) + '"'
+    text = f"# {title}\n\n{describe()}\n\nCommand: `{command}`\n\n{soak.report()}"
     (out / "soak.md").write_text(text)
     print(text)
     if soak.passed:
@@ -69,5 +69,12 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--out", type=Path, default=HERE / "out")
+    parser.add_argument(
+        "--proxy-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="one more flag for the proxy (repeatable), e.g. --proxy-arg=--tunnel-end-to-end",
+    )
     arguments = parser.parse_args()
-    sys.exit(asyncio.run(main(arguments.minutes, arguments.out)))
+    sys.exit(asyncio.run(main(arguments.minutes, arguments.out, tuple(arguments.proxy_arg))))

@@ -141,6 +141,8 @@ class Stack:
     directory: Path
     leaf_lifetime: float = 120.0
     procs: dict[str, Proc] = field(default_factory=dict)
+    # Extra flags for the proxy (`--proxy-arg`: e.g. --tunnel-end-to-end).
+    proxy_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         d = self.directory
@@ -325,7 +327,7 @@ class Stack:
             "proxy",
             [*waygate, "proxy", "serve", *common, "--http-port", str(p["proxy-http"]),
              "--https-port", str(p["proxy-https"]), "--admin-port", str(p["proxy-admin"]),
-             "--resolver-address", every_resolver,
+             "--resolver-address", every_resolver, *self.proxy_args,
              *self._certs_client("proxy", spiffe("proxy"), ["ip:127.0.0.1", f"dns:{TLS_HOST}"])],
             p["proxy-admin"],
         )  # fmt: skip
