@@ -156,13 +156,18 @@ async def http_get(port: int, path: str) -> tuple[int, str]:
     return int(head.split(b" ", 2)[1]), body.decode()
 
 
+EPHEMERAL_START = 32768  # Linux's default ip_local_port_range starts here
+
+
 def free_up_offset(extra: int = 0) -> int:
     """A `waygate up --port-offset` whose every port is free right now.
 
-    Ports 17001..32005: above the defaults, below Linux's ephemeral range (32768+),
-    so no outgoing connection holds one. Other tests on this machine start their
-    own `up`s: an offset is drawn until all of its ports bind, since `up` refuses
-    to start on a taken port.
+    Every port above the defaults and below Linux's ephemeral range (32768+), so no
+    outgoing connection can take one between this check and `up`'s bind: the
+    offset's ceiling comes from the highest default port (the HTTPS front's 10263
+    once put `up` at 32780, where a connection's local port had landed). Other
+    tests on this machine start their own `up`s: an offset is drawn until all of
+    its ports bind, since `up` refuses to start on a taken port.
     """
     import random
 
@@ -171,8 +176,9 @@ def free_up_offset(extra: int = 0) -> int:
     from waygate.supervisor import STATUS_PORT
 
     defaults = [port for c in COMPONENTS for _, port in c.ports] + [DEMO_PORT, STATUS_PORT]
+    ceiling = EPHEMERAL_START - max(defaults) - extra  # the highest port stays below it
     for _ in range(50):
-        offset = random.randrange(10000, 22900, 100) + extra
+        offset = random.randrange(10000, ceiling, 100) + extra
         if all(port_free("127.0.0.1", port + offset) for port in defaults):
             return offset
     raise AssertionError("no free port offset for `waygate up` after 50 draws")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import random
 import ssl
 import stat
 from collections.abc import AsyncIterator
@@ -122,3 +123,24 @@ def test_until_blocking_fails_after_its_timeout() -> None:
     until_blocking(lambda: next(flips), timeout=5)
     with pytest.raises(AssertionError, match="timed out after 0.1s"):
         until_blocking(lambda: False, timeout=0.1)
+
+
+@pytest.mark.parametrize("extra", [0, 17, 99])
+def test_an_up_offset_keeps_every_port_below_the_ephemeral_range(
+    extra: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An `up` port at 32768+ can be taken by any outgoing connection's local port
+    between the check and `up`'s bind (CI saw `up` exit on the HTTPS front's 32780)."""
+    from tests.support import processes
+    from waygate.components import COMPONENTS, DEMO_PORT
+    from waygate.supervisor import STATUS_PORT
+
+    defaults = [port for c in COMPONENTS for _, port in c.ports] + [DEMO_PORT, STATUS_PORT]
+
+    def highest(start: int, stop: int, step: int) -> int:  # the worst draw, every time
+        return max(range(start, stop, step))
+
+    monkeypatch.setattr(random, "randrange", highest)
+    offset = processes.free_up_offset(extra)
+    assert offset % 100 == extra
+    assert max(defaults) + offset < processes.EPHEMERAL_START
