@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import gc
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -340,6 +341,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
                 store,
                 board if settings.gateway_api else None,
                 kube_source.invalid_routes,
+                kube_source.synced.is_set,
             )
     process.spawn(become_ready(), "become-ready")
 
@@ -404,6 +406,7 @@ def _spawn_status_writer(
     store: Store,
     board: StatusBoard | None,
     invalid_routes: Any,
+    synced: Callable[[], bool],
 ) -> None:
     """The Route and Gateway API status writers and the Lease electing the one replica
     that runs them."""
@@ -426,14 +429,19 @@ def _spawn_status_writer(
         transitions=LEADER_TRANSITIONS,
     )
     writer = RouteStatusWriter(
-        store, api, source=SOURCE, is_leader=elector.is_leader, invalid=invalid_routes
+        store,
+        api,
+        source=SOURCE,
+        is_leader=elector.is_leader,
+        invalid=invalid_routes,
+        synced=synced,
     )
     process.spawn(elector.run(), "route-status-election")
     process.spawn(writer.run(), "route-status-writer")
     if board is not None:
         from waygate.resolver.gateway.kube import StatusWriter
 
-        gateway_writer = StatusWriter(api, board, is_leader=elector.is_leader)
+        gateway_writer = StatusWriter(api, board, is_leader=elector.is_leader, synced=synced)
         process.spawn(gateway_writer.run(), "gateway-status-writer")
     process.on_stop(_closing(api))
 

@@ -85,6 +85,7 @@ class RouteStatusWriter:
         is_leader: Callable[[], bool],
         interval: float = 2.0,
         invalid: Callable[[], dict[RouteKey, str]] = dict,
+        synced: Callable[[], bool] = lambda: True,
     ) -> None:
         self._store = store
         self._api = api
@@ -92,6 +93,8 @@ class RouteStatusWriter:
         self._is_leader = is_leader
         self._interval = interval
         self._invalid = invalid
+        # Not before the source's first full list (a route's backends may be unlisted).
+        self._synced = synced
         self._clock = lambda: datetime.now(UTC)
         # What was last written (or found) per route: conditions without times.
         self._written: dict[RouteKey, list[tuple[Any, ...]]] = {}
@@ -100,7 +103,8 @@ class RouteStatusWriter:
         while True:
             await asyncio.sleep(self._interval)
             if self._is_leader():
-                await self.write_pass()
+                if self._synced():
+                    await self.write_pass()
             else:
                 self._written.clear()  # a future leader term starts from the objects
 

@@ -198,10 +198,14 @@ class StatusWriter:
         is_leader: Callable[[], bool],
         interval: float = 1.0,
         call: Callable[..., Any] = asyncio.to_thread,
+        synced: Callable[[], bool] = lambda: True,
     ) -> None:
         self.api = api
         self.board = board
         self.is_leader = is_leader
+        # Nothing is written before the source's first full list: a status computed
+        # from half a view (a Gateway listed before its routes) would say 0 attached.
+        self.synced = synced
         self.interval = interval
         self._call = call
         self.writes = 0
@@ -212,7 +216,7 @@ class StatusWriter:
         while True:
             if not self.is_leader():
                 leading = False
-            else:
+            elif self.synced():
                 if not leading:
                     # A new leader writes everything once: a former one may have missed some.
                     leading = True

@@ -65,7 +65,11 @@ class Replica:
             transitions=LEADER_TRANSITIONS,
         )
         self.writer = StatusWriter(
-            self.kube, self.board, is_leader=self.elector.is_leader, interval=0.05
+            self.kube,
+            self.board,
+            is_leader=self.elector.is_leader,
+            interval=0.05,
+            synced=self.source.synced.is_set,
         )
         self.tasks: list[asyncio.Task[None]] = []
 
