@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-from collections.abc import Callable
+import ssl
 from pathlib import Path
 from typing import Any
 
@@ -122,8 +122,6 @@ async def test_bytes_cross_end_to_end_whole_and_the_replica_sees_only_ciphertext
 
 
 def _der(pem: bytes) -> bytes:
-    import ssl
-
     return ssl.PEM_cert_to_DER_cert(pem.decode())
 
 
@@ -302,8 +300,7 @@ async def test_a_dialer_cancelled_mid_step_out_releases_everything(
         await stream.aclose()
         await pool_full(tunnel)
         fds, running = open_fds(), tasks()
-        stalled: Callable[..., Any] = _never
-        monkeypatch.setattr("waygate.tunnel.client.open_end_to_end", stalled)
+        monkeypatch.setattr("waygate.tunnel.client.open_end_to_end", _never)
         dial = asyncio.ensure_future(client.dial(NODE, port, end_to_end=True))
         await asyncio.sleep(0.3)
         dial.cancel()

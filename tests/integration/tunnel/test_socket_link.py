@@ -357,6 +357,29 @@ async def test_an_upload_that_ends_with_a_full_close_arrives_whole(tunnel: Tunne
             assert (attempt, received) == (attempt, (len(chunk) * times, "EOF"))
 
 
+def unread_bytes(sock: Any) -> int:
+    """What the kernel holds in `sock`'s receive queue, unread (FIONREAD)."""
+    import fcntl
+    import termios
+
+    return int.from_bytes(fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"), "little")
+
+
+async def reset_behind_unread(client: Any, server: Any, at_client: Any, unread: int) -> None:
+    """Once `unread` bytes wait in the paused client's socket: the server's reset behind
+    them, then reading resumed; the link must end with an error, nothing left polled."""
+    raw = client.get_extra_info("socket")
+    async with asyncio.timeout(10):
+        while unread_bytes(raw) < unread:
+            await asyncio.sleep(0.01)
+    server.abort()  # the reset lands behind them
+    await asyncio.sleep(0.05)
+    client.resume_reading()
+    lost = await asyncio.wait_for(at_client.lost, 10)
+    assert isinstance(lost, (ConnectionError, ssl.SSLError)), lost
+    assert client.get_extra_info("socket") is None  # closed, nothing left polled
+
+
 def test_a_reset_with_more_than_a_read_unread_ends_the_link_under_uvloop(tmp_path: Path) -> None:
     """Under uvloop (the loop the tunnel's processes run), a socket that reports an error
     (the peer's reset) stops being polled once its callback ran: libuv stops the poll on
@@ -364,9 +387,6 @@ def test_a_reset_with_more_than_a_read_unread_ends_the_link_under_uvloop(tmp_pat
     buffer's worth, with more bytes and the reset still unread, was never called again:
     the link (and a splice's other side) stayed open for good. Run on uvloop's loop
     directly; the asyncio loop the other tests use keeps polling."""
-    import fcntl
-    import termios
-
     import uvloop
 
     async def scenario() -> None:
@@ -380,20 +400,8 @@ def test_a_reset_with_more_than_a_read_unread_ends_the_link_under_uvloop(tmp_pat
             chunk = os.urandom(256 * 1024)
             for _ in range(16):
                 server.write(chunk)
-
-            def unread() -> int:
-                return int.from_bytes(
-                    fcntl.ioctl(raw.fileno(), termios.FIONREAD, b"\0\0\0\0"), "little"
-                )
-
-            async with asyncio.timeout(10):
-                while unread() < 4 * len(chunk):  # several reads' worth in the socket
-                    await asyncio.sleep(0.01)
-            server.abort()  # the reset lands behind them
-            client.resume_reading()
-            lost = await asyncio.wait_for(at_client.lost, 10)
-            assert isinstance(lost, (ConnectionError, ssl.SSLError)), lost
-            assert client.get_extra_info("socket") is None  # closed, nothing left polled
+            # Several reads' worth in the socket.
+            await reset_behind_unread(client, server, at_client, 4 * len(chunk))
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(scenario())
@@ -404,9 +412,6 @@ def test_a_reset_behind_short_records_ends_the_link_under_uvloop(tmp_path: Path)
     when a poll finds nothing behind it (`relay._drained`): small records with the peer's
     reset behind them, all unread when reading resumes, must still end the link (uvloop
     runs the reader once for the event that carries the reset, then stops polling)."""
-    import fcntl
-    import termios
-
     import uvloop
 
     async def scenario() -> None:
@@ -415,24 +420,10 @@ def test_a_reset_behind_short_records_ends_the_link_under_uvloop(tmp_path: Path)
             client.attach(at_client)
             server.attach(Collect())
             client.pause_reading()
-            raw = client.get_extra_info("socket")
             for _ in range(5):
                 server.write(b"a short record")  # one TLS record each
-
-            def unread() -> int:
-                return int.from_bytes(
-                    fcntl.ioctl(raw.fileno(), termios.FIONREAD, b"\0\0\0\0"), "little"
-                )
-
-            async with asyncio.timeout(10):
-                while unread() < 5 * (14 + 22):  # every record in the socket
-                    await asyncio.sleep(0.01)
-            server.abort()  # the reset lands behind them
-            await asyncio.sleep(0.05)
-            client.resume_reading()
-            lost = await asyncio.wait_for(at_client.lost, 10)
-            assert isinstance(lost, (ConnectionError, ssl.SSLError)), lost
-            assert client.get_extra_info("socket") is None  # closed, nothing left polled
+            # Every record in the socket.
+            await reset_behind_unread(client, server, at_client, 5 * (14 + 22))
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(scenario())
