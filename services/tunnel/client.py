@@ -64,7 +64,7 @@ from google.protobuf import duration_pb2
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from waygate.core import tracing
+from waygate.core import flow, tracing
 from waygate.core.grpcclient import KEEPALIVE_OPTIONS
 from waygate.tunnel import mux
 from waygate.tunnel.early import EARLY_LIMIT
@@ -840,8 +840,8 @@ class StreamTransport(asyncio.Transport):
 
     Two tasks per connection move the bytes (the stream API is awaitable only):
     `_send` writes what the protocol wrote, `_receive` hands the protocol what the
-    stream read. Bounded both ways: writes queue up to `HIGH_WATER` (then the
-    protocol's `pause_writing`, `resume_writing` at `LOW_WATER`); reading stops
+    stream read. Bounded both ways: writes queue up to `flow.HIGH_WATER` (then the
+    protocol's `pause_writing`, `resume_writing` at `flow.LOW_WATER`); reading stops
     while the protocol paused it (the stream's own flow control then holds the agent
     back). `write_eof` half-closes after what is queued; `close` does that and ends
     the stream once the other side finished too (cancelled after `LINGER`, so the
@@ -849,8 +849,6 @@ class StreamTransport(asyncio.Transport):
     `connection_lost` is called once, from whichever comes first.
     """
 
-    HIGH_WATER = 256 * 1024
-    LOW_WATER = 64 * 1024
     # After both directions ended: how long the agent may take to deliver what it still
     # holds for the destination before the stream is cancelled.
     LINGER = 30.0
@@ -861,8 +859,8 @@ class StreamTransport(asyncio.Transport):
         self.protocol: Any = None
         self._outgoing: collections.deque[bytes] = collections.deque()
         self._queued = 0
-        self._high = self.HIGH_WATER
-        self._low = self.LOW_WATER
+        self._high = flow.HIGH_WATER
+        self._low = flow.LOW_WATER
         self._write_paused = False
         self._eof_out = False  # write_eof asked: no more writes
         self._closing = False
@@ -1021,7 +1019,7 @@ class StreamTransport(asyncio.Transport):
         return self._reading.is_set()
 
     def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
-        self._high = self.HIGH_WATER if high is None else high
+        self._high = flow.HIGH_WATER if high is None else high
         self._low = min(self._high, self._high // 4 if low is None else low)
 
     def get_write_buffer_size(self) -> int:
