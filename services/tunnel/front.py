@@ -465,7 +465,7 @@ class _Upstream:
         item = await self.connection.next_for_dialer()
         if type(item) is bytes:
             return item
-        if item is tunnel_server._EOF:
+        if item is tunnel_server.EOF:
             return b""
         raise ConnectionClosed
 
@@ -482,7 +482,7 @@ class _Upstream:
         connection = self.connection
         if not connection.finished:
             connection.session.send(mux.close_request(connection.connect_id, reason))
-            connection.finish(tunnel_server._CLOSED)
+            connection.finish(tunnel_server.CLOSED)
 
 
 class _TlsUpstream:

@@ -31,12 +31,11 @@ passes `core.flow.HIGH_WATER` pauses reading the other (`splice`).
 - `Stream`: read()/write() over a transport for callers that are not
   transports themselves (the gRPC Dial face, the front, `waygate tunnel
   dial`); its queue is bounded by `flow.HIGH_WATER` (reading pauses past it).
-- Preamble lines: ASCII, space-separated, LF-terminated, at most
-  `PREAMBLE_LIMIT` bytes (`read_line`, `write_line`); see server.py for the
-  verbs.
+- Preamble lines: read (`read_line`, bounded by `wire.PREAMBLE_LIMIT`) and
+  written (`write_line`) here; what they say is `waygate.tunnel.wire`'s grammar.
 
 Invariants: nothing here imports grpc; every buffer is bounded (the socket
-write buffers by flow.HIGH_WATER, a held preamble by PREAMBLE_LIMIT plus one
+write buffers by flow.HIGH_WATER, a held preamble by wire.PREAMBLE_LIMIT plus one
 socket read); every wait is under a timeout given by the caller.
 """
 
@@ -59,8 +58,9 @@ from typing import Any, cast
 from waygate.core import flow
 from waygate.core.flow import HIGH_WATER, LOW_WATER
 from waygate.core.tls import can_send_close_notify, send_close_notify, server_context
+from waygate.tunnel import wire
+from waygate.tunnel.wire import PREAMBLE_LIMIT
 
-PREAMBLE_LIMIT = 4096
 _READ_SIZE = 256 * 1024
 _RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
 # Where every Link decrypts into: one buffer for the process, not one per connection
@@ -87,6 +87,10 @@ SESSION_TIMEOUT = 300
 
 class LinkClosed(ConnectionError):
     """The link ended before the expected bytes arrived (or was aborted)."""
+
+
+class LineTooLong(LinkClosed):
+    """A preamble line ran past `wire.PREAMBLE_LIMIT` (the peer is to be refused)."""
 
 
 class _Holding(asyncio.Protocol):
@@ -347,20 +351,21 @@ class Link(asyncio.Protocol, asyncio.Transport):
 
     async def read_line(self, timeout: float) -> bytes:
         """The next preamble line (without LF), before the link is attached; TimeoutError
-        after `timeout` seconds. No timer when the line is in already (a dial's line and
-        its early data usually arrive in one read)."""
+        after `timeout` seconds; `LineTooLong` when no LF comes within `PREAMBLE_LIMIT`
+        bytes, however many arrived in one read. No timer when the line is in already
+        (a dial's line and its early data usually arrive in one read)."""
         held = self._holding
-        end = held.data.find(b"\n")
+        end = held.data.find(b"\n", 0, PREAMBLE_LIMIT)
         if end < 0:
             expiry = held.start_timer(timeout)
             try:
                 while end < 0:
-                    if len(held.data) > PREAMBLE_LIMIT:
-                        raise LinkClosed("preamble line too long")
+                    if len(held.data) >= PREAMBLE_LIMIT:
+                        raise LineTooLong(wire.TOO_LONG)
                     if held.eof or held.is_lost:
                         raise LinkClosed("the data connection ended before its preamble")
                     await held.wait()
-                    end = held.data.find(b"\n")
+                    end = held.data.find(b"\n", 0, PREAMBLE_LIMIT)
             finally:
                 expiry.cancel()
         line = bytes(held.data[:end])
@@ -387,8 +392,9 @@ class Link(asyncio.Protocol, asyncio.Transport):
         del held.data[:size]
         return data
 
-    def write_line(self, *words: str) -> None:
-        self.write(" ".join(words).encode("utf-8", "replace") + b"\n")
+    def write_line(self, line: bytes) -> None:
+        """Write one preamble line (a `waygate.tunnel.wire` encoding, LF included)."""
+        self.write(line)
 
     def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
         self.protocol = protocol
@@ -901,7 +907,7 @@ class SocketLink(Link):
 
     async def step_out(self, timeout: float) -> socket.socket:
         """End TLS both ways (close_notify each way) and hand over the TCP socket under it,
-        for bytes that are not this session's: TLS end to end (datapath's SPLICE).
+        for bytes that are not this session's: TLS end to end (wire's SPLICE).
 
         Called once the preamble lines are exchanged, nothing held unread and no
         protocol attached: bytes the peer sent before its close_notify would be lost,

@@ -40,7 +40,7 @@ from opentelemetry import trace
 
 from waygate.core import errors, tracing
 from waygate.core.identity import matches
-from waygate.tunnel import mux, peers
+from waygate.tunnel import mux, peers, wire
 from waygate.tunnel.early import Unanswered
 from waygate.tunnel.kernelsplice import KernelSplice
 from waygate.tunnel.mux import (
@@ -57,10 +57,11 @@ from waygate.tunnel.v1 import tunnel_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-# Frames on a connection's queue towards the dialer besides bytes.
-_EOF = object()
-_CLOSED = object()  # the agent closed the connection (CLOSE_REQ)
-_LOST = object()  # the agent stream ended, or the agent broke the protocol
+# What a connection's `next_for_dialer` returns besides bytes (the faces that carry a
+# connection to its dialer, here, in datapath and in the front, compare by identity).
+EOF = object()  # the agent's side half-closed
+CLOSED = object()  # the agent closed the connection (CLOSE_REQ), or the dialer did
+LOST = object()  # the agent stream ended, or the agent broke the protocol
 _STREAM_END = pb.Packet()
 
 
@@ -110,11 +111,11 @@ class ServerConnection:
                 self.session.send(
                     mux.close_request(self.connect_id, "flow control window exceeded")
                 )
-                self.finish(_LOST, "the agent sent beyond its flow-control window")
+                self.finish(LOST, "the agent sent beyond its flow-control window")
                 return
             self._push(payload)
         if data.eof:
-            self._push(_EOF)
+            self._push(EOF)
 
     def _push(self, item: Any) -> None:
         self.to_dialer.append(item)
@@ -249,10 +250,10 @@ class DataConnection:
                 return data
             if data is not None:
                 self._eof_given = True
-                return _EOF
+                return EOF
         await stream.closed
         self._ended(stream.error)
-        return _LOST if self.close_reason else _CLOSED
+        return LOST if self.close_reason else CLOSED
 
     def delivered(self, size: int) -> None:
         if self.stream is not None:
@@ -316,7 +317,7 @@ class AgentSession:
         self._dials: dict[int, asyncio.Future[tuple[pb.DialResponse, Any]]] = {}
         self._randoms = itertools.count(random.randrange(1, 1 << 40))
         self.ended = asyncio.Event()
-        # The agent's parked data connections (datapath's PARK), oldest first, each with
+        # The agent's parked data connections (wire's PARK), oldest first, each with
         # the future its listener task waits on: set when a dial takes the connection.
         self.park_key = secrets.token_urlsafe(18)
         self.parked: collections.deque[tuple[Link, asyncio.Future[None]]] = collections.deque()
@@ -373,7 +374,7 @@ class AgentSession:
                 connection = connections.get(connect_id)
                 if connection is not None:
                     connection.finish(
-                        _CLOSED, packet.close_request.reason if kind == pb.CLOSE_REQ else ""
+                        CLOSED, packet.close_request.reason if kind == pb.CLOSE_REQ else ""
                     )
             elif kind == pb.DIAL_RSP:
                 response = packet.dial_response
@@ -455,7 +456,7 @@ class AgentSession:
         early data, `waygate.tunnel.early`), on the destination's connection before
         anything else once this returns; none of them sent when it raises `Refused`;
         `early.Unanswered` when they went to the agent and no answer came back.
-        `splice_for`: the dialer's certificate fingerprint, for TLS end to end (datapath's
+        `splice_for`: the dialer's certificate fingerprint, for TLS end to end (wire's
         SPLICE), asked of the agent on a parked connection or in the DIAL_REQ; the
         result's `end_to_end` says whether the agent agreed. A parked connection that
         ends at a SPLICE line (an agent from before it drops the line) sends the rest
@@ -523,7 +524,7 @@ class AgentSession:
                 _response, late = waiter.result()
                 if late is not None:  # answered as we gave up: the agent must not keep it
                     self.send(mux.close_request(late.connect_id, "dialer went away"))
-                    late.finish(_CLOSED)
+                    late.finish(CLOSED)
             raise
         finally:
             self._dials.pop(random_id, None)
@@ -575,23 +576,19 @@ class AgentSession:
         splice_for: str = "",
     ) -> ServerConnection:
         """Dial through a parked data connection: the dial line on it (with the early data,
-        in the same write), the agent's answer back (datapath's module docstring).
+        in the same write), the agent's answer back (`waygate.tunnel.wire`).
         LinkClosed: it was gone before an answer."""
         left = max(deadline - time.monotonic(), 0.001)
-        words: tuple[str, ...] = (
-            "SPLICE" if splice_for else "DIAL",
+        line = wire.agent_dial(
             address,
-            str(max(int(left * 1000), 1)),
-            trace_context.get("traceparent") or "-",
+            max(int(left * 1000), 1),
+            trace_context.get("traceparent", ""),
+            len(early),
+            splice_for,
         )
-        if splice_for:
-            words = (*words, splice_for)
         try:
-            if early:  # the line and the bytes in one write (one TLS record, or two)
-                line = " ".join((*words, str(len(early)))) + "\n"
-                link.write(line.encode("utf-8", "replace") + early)
-            else:
-                link.write_line(*words)
+            # The line and the early data in one write (one TLS record, or two).
+            link.write_line(line + early if early else line)
             answer = await link.read_line(left + 1.0)
         except TimeoutError:
             link.abort()
@@ -605,25 +602,24 @@ class AgentSession:
         except BaseException:
             link.abort()
             raise
-        verb, _, rest = answer.decode("utf-8", "replace").partition(" ")
-        rest, spliced = (
-            (rest[:-7], True) if splice_for and rest.endswith(" SPLICE") else (rest, False)
-        )
-        if verb == "OK" and rest.isdigit():
-            connect_id = int(rest)
-            if self.closed or connect_id in self.connections or connect_id in self.data:
-                link.abort()
-                raise Refused(pb.DRAINING, f"the agent for node {self.node} went away")
-            agent_certificate = fingerprint(link.get_extra_info("peercert_der")) if spliced else ""
-            connection = DataConnection(self, connect_id, link, agent_certificate)
-            self.data[connect_id] = connection
-            return cast(ServerConnection, connection)
-        link.abort()
-        if verb == "REFUSED":
-            name, _, message = rest.partition(" ")
-            reason = pb.RefusalReason.Value(name) if name in pb.RefusalReason.keys() else 0  # noqa: SIM118
-            raise Refused(reason or pb.UNREACHABLE, f"node {self.node}: {message or 'dial failed'}")
-        raise Refused(pb.UNREACHABLE, f"node {self.node}: the agent answered {answer[:80]!r}")
+        try:
+            said = wire.parse_agent_answer(answer, bool(splice_for))
+        except wire.Malformed as exc:
+            link.abort()
+            raise Refused(pb.UNREACHABLE, f"node {self.node}: {exc}") from None
+        if isinstance(said, wire.Refusal):
+            link.abort()
+            raise Refused(
+                said.reason or pb.UNREACHABLE, f"node {self.node}: {said.message or 'dial failed'}"
+            )
+        connect_id = said.connect_id
+        if self.closed or connect_id in self.connections or connect_id in self.data:
+            link.abort()
+            raise Refused(pb.DRAINING, f"the agent for node {self.node} went away")
+        agent_certificate = fingerprint(link.get_extra_info("peercert_der")) if said.splice else ""
+        connection = DataConnection(self, connect_id, link, agent_certificate)
+        self.data[connect_id] = connection
+        return cast(ServerConnection, connection)
 
     def end(self) -> None:
         """The stream is over: every connection and pending dial on it ends now."""
@@ -646,7 +642,7 @@ class AgentSession:
             *self.data.values(),
         ]
         for connection in ending:
-            connection.finish(_LOST, f"the agent stream of node {self.node} ended")
+            connection.finish(LOST, f"the agent stream of node {self.node} ended")
         self.ended.set()
 
     def drain(self, grace: float) -> None:
@@ -870,6 +866,10 @@ class AgentTunnelServicer(tunnel_pb2_grpc.AgentTunnelServicer):
                 held = frozenset(value[:4096].split(",")) if value else frozenset()
         if not agent_id:
             raise errors.InvalidArgument(f"the {mux.AGENT_ID_METADATA} metadata is required")
+        if not wire.is_word(agent_id):  # it is a word of every OK line a dialer reads
+            raise errors.InvalidArgument(
+                f"the {mux.AGENT_ID_METADATA} metadata must be one word, without spaces"
+            )
         if hub.draining:
             raise errors.Unavailable(f"tunnel server {hub.server_id} is draining")
         session = AgentSession(hub, node, agent_id, context.peer(), context)
@@ -933,8 +933,7 @@ class TunnelServicer(tunnel_pb2_grpc.TunnelServicer):
             target = first.target
             if not target.node or not 0 < target.port < 65536:
                 raise Refused(pb.INVALID, "a dial target needs a node and a port 1..65535")
-            host = target.host or "127.0.0.1"
-            address = f"[{host}]:{target.port}" if ":" in host else f"{host}:{target.port}"
+            address = wire.format_address(target.host or "127.0.0.1", target.port)
             timeout = hub.dial_timeout
             if target.HasField("connect_timeout"):
                 asked = target.connect_timeout.ToNanoseconds() / 1e9
@@ -981,11 +980,11 @@ class TunnelServicer(tunnel_pb2_grpc.TunnelServicer):
         finally:
             if not connection.finished:
                 session.send(mux.close_request(connection.connect_id, "dialer went away"))
-                connection.finish(_CLOSED)
+                connection.finish(CLOSED)
             if reader is not None:
                 reader.cancel()
                 await asyncio.gather(reader, return_exceptions=True)
-        if how is _LOST or connection.close_reason:
+        if how is LOST or connection.close_reason:
             raise errors.Unavailable(
                 f"tunnelled connection to {address} on node {target.node} ended: "
                 f"{connection.close_reason or 'lost'}"
@@ -1028,13 +1027,13 @@ async def _from_dialer(connection: ServerConnection, context: grpc.aio.ServicerC
 
 
 async def _to_dialer(connection: ServerConnection, context: grpc.aio.ServicerContext) -> object:
-    """Agent -> dialer until the connection ends; returns how it ended (_CLOSED or _LOST)."""
+    """Agent -> dialer until the connection ends; returns how it ended (CLOSED or LOST)."""
     eof_frame = pb.DialFrame(eof=True)
     while True:
         item = await connection.next_for_dialer()
-        if item is _CLOSED or item is _LOST:
+        if item is CLOSED or item is LOST:
             return item
-        if item is _EOF:
+        if item is EOF:
             await context.write(eof_frame)
             continue
         await context.write(pb.DialFrame(data=item))
