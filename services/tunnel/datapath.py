@@ -27,10 +27,11 @@ use); what this listener does with them:
   `max_idle_per_peer`; the agent's pool closes it sooner.
 - `DIAL` / `SPLICE` from a dialer (the proxy, `waygate tunnel dial`): early data
   read first (a close with bytes unread would reset the connection before the
-  answer), then the dialer policy, then the target, then the dial through the
-  hub (moving between a node's agents by its rules), answered OK or REFUSED. A dial whose early
-  data may have reached the destination and whose answer went missing gets no
-  answer either: the connection is closed (`waygate.tunnel.early`). SPLICE is
+  answer), then the dialer policy, then the target, then the dial through
+  `hub.selection` (which agent, and moving on), answered OK or REFUSED. A
+  dial whose early data may have reached the destination and whose answer
+  went missing gets no answer either: the connection is closed
+  (`waygate.tunnel.early`). SPLICE is
   taken only where links can leave TLS (SocketLinks with a certificate); else
   it is refused as an unknown preamble, as a replica from before it does. The
   replica writes SPLICE on a parked connection naming the dialer's
@@ -345,7 +346,7 @@ class DataListener:
                     "waygate.tunnel.address": address,
                 }
                 splice_for = fingerprint(link.get_extra_info("peercert_der")) if line.splice else ""
-                connection = await hub.dial(
+                connection = await hub.selection.dial(
                     line.node,
                     address,
                     timeout,

@@ -16,10 +16,10 @@ iptables` rewrote its connection to NODE-IP:10250. The front:
    endpoints because a node's own address, the kubelet's, is not an endpoint
    of any Service), or a DNS name naming the node itself (then the agent dials
    its default host, 127.0.0.1, as a Dial without a host does);
-4. dials it through this replica's hub (`Hub.dial`, the one rule the gRPC
-   and raw dials follow: with several agents for the node, the next one when
-   one refuses for a reason another could answer), with the request's W3C
-   trace context;
+4. dials it through this replica's hub (`hub.selection.dial`, the one rule the
+   gRPC and raw dials follow: with several agents for the node, the next one when
+   one refuses for a reason another could answer or does not answer), with the
+   request's W3C trace context;
 5. writes the head (hop-by-hop headers, those the client's Connection names,
    and client-supplied identity headers removed; `Connection: close`, or
    `Connection: Upgrade` for an upgrade), then the request's body as httptools
@@ -826,7 +826,9 @@ class FrontConnection(asyncio.Protocol):
                 # The hub's one rule for several agents of a node (the gRPC and raw
                 # dials use it too): the next agent when one refuses for a reason
                 # another could answer. It carries this span's trace context.
-                connection = await front.hub.dial(target.node, target.address, front.dial_timeout)
+                connection = await front.hub.selection.dial(
+                    target.node, target.address, front.dial_timeout
+                )
             except Refused as refused:
                 span.set_attribute("waygate.tunnel.refusal", mux.reason_name(refused.reason))
                 self.reply(REFUSAL_HTTP.get(refused.reason, 502), str(refused))

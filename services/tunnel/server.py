@@ -1,14 +1,18 @@
 """The tunnel server: agents' Connect streams, dialers' Dial streams, and the hub between them.
 
-- `Hub`: the agents this replica holds (node -> `AgentSession`), whether it
-  is draining, and the replica set it tells agents about. Presence reporting
-  (`waygate.tunnel.presence`) subscribes to its changes.
+- `Hub`: the registry of the agents this replica holds (node -> `AgentSession`),
+  parked connections and dial tokens, whether it is draining, and the replica
+  set it tells agents about. Presence reporting (`waygate.tunnel.presence`)
+  subscribes to its changes. Which agent takes a dial is `hub.selection`
+  (`waygate.tunnel.selection`), apart from the registry.
 - `AgentSession`: one agent's Connect stream. One writer task drains its
   outbox (packets for the agent); the handler reads packets and dispatches
   them to the connections. Everything queued is bounded by the connections'
   credit windows (see `waygate.tunnel.mux`).
 - `ServerConnection`: one tunnelled TCP connection: credit towards the agent,
-  a queue of frames towards the dialer (bounded by the window it granted).
+  a queue of frames towards the dialer (bounded by the window it granted), and
+  `EOF`, `CLOSED`, `LOST`, what it hands the dialer's face besides bytes.
+  `DataConnection`: one on its own data connection, shaped the same.
 - `AgentTunnelServicer` (port 7003) and `TunnelServicer` (port 7004): the
   gRPC faces. The agent's node comes from its client certificate (exactly
   one DNS SAN), never from what it says; a dialer must match `dialers`.
@@ -35,10 +39,9 @@ from typing import Any, cast
 
 import grpc
 from google.protobuf import duration_pb2
-from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from waygate.core import errors, tracing
+from waygate.core import errors
 from waygate.core.identity import matches
 from waygate.tunnel import mux, peers, wire
 from waygate.tunnel.early import Unanswered
@@ -50,8 +53,10 @@ from waygate.tunnel.mux import (
     Outbox,
     ReceiveWindow,
     Refused,
+    Silent,
 )
 from waygate.tunnel.relay import Link, LinkClosed, Stream, fingerprint, splice
+from waygate.tunnel.selection import ANSWER_SLACK, AgentSelection
 from waygate.tunnel.v1 import tunnel_pb2 as pb
 from waygate.tunnel.v1 import tunnel_pb2_grpc
 
@@ -284,13 +289,6 @@ class DataConnection:
             link.abort()
 
 
-# Refusals another agent of the same node could answer differently: its own
-# allow-list, its own network, it is moving. The dial moves on to the next agent.
-ANOTHER_AGENT_COULD = frozenset({pb.NOT_ALLOWED, pb.UNREACHABLE, pb.DRAINING})
-# How long an agent's refusal of an address puts it behind the others for that address.
-REFUSAL_MEMORY = 30.0
-
-
 class AgentSession:
     """One agent's Connect stream on this replica."""
 
@@ -309,7 +307,6 @@ class AgentSession:
         self.connected_since = datetime.now(UTC)
         self.connections: dict[int, ServerConnection] = {}
         self.data: dict[int, DataConnection] = {}  # connections on their own data connections
-        self._refusals: dict[str, float] = {}  # address -> when this agent last refused it
         self.draining = False
         self.closed = False
         self._context = context
@@ -405,15 +402,6 @@ class AgentSession:
 
     def open_connections(self) -> int:
         return len(self.connections) + len(self.data)
-
-    def refused_lately(self, address: str) -> bool:
-        at = self._refusals.get(address)
-        return at is not None and time.monotonic() - at < REFUSAL_MEMORY
-
-    def remember_refusal(self, address: str) -> None:
-        if len(self._refusals) >= 1024:  # bounded: forget the oldest
-            self._refusals.pop(next(iter(self._refusals)))
-        self._refusals[address] = time.monotonic()
 
     def claim(
         self,
@@ -514,10 +502,11 @@ class AgentSession:
             )
         )
         try:
-            response, connection = await asyncio.wait_for(waiter, timeout + 1.0)
+            response, connection = await asyncio.wait_for(waiter, timeout + ANSWER_SLACK)
         except TimeoutError:
-            raise Refused(
-                pb.TIMEOUT, f"node {self.node} did not connect to {address} within {timeout:g}s"
+            raise Silent(
+                pb.TIMEOUT,
+                f"node {self.node} did not answer a dial to {address} within {timeout:g}s",
             ) from None
         except BaseException:
             if waiter.done() and not waiter.cancelled():
@@ -589,15 +578,15 @@ class AgentSession:
         try:
             # The line and the early data in one write (one TLS record, or two).
             link.write_line(line + early if early else line)
-            answer = await link.read_line(left + 1.0)
+            answer = await link.read_line(left + ANSWER_SLACK)
         except TimeoutError:
             link.abort()
             if early and not replay_safe:
                 raise Unanswered(
                     f"node {self.node} did not answer a dial with early data within {left:g}s"
                 ) from None
-            raise Refused(
-                pb.TIMEOUT, f"node {self.node} did not connect to {address} within {left:g}s"
+            raise Silent(
+                pb.TIMEOUT, f"node {self.node} did not answer a dial to {address} within {left:g}s"
             ) from None
         except BaseException:
             link.abort()
@@ -664,7 +653,9 @@ class AgentSession:
 
 
 class Hub:
-    """The agents this replica holds, and what it tells agents and presence about itself."""
+    """The registry of the agents this replica holds (konnectivity's BackendStorage), and
+    what it tells agents and presence about itself. Which agent takes a dial is not its
+    business: `selection` (an `AgentSelection` over this registry) decides that."""
 
     def __init__(
         self,
@@ -679,7 +670,7 @@ class Hub:
         self.window = window
         self.dial_timeout = dial_timeout
         self.draining = False
-        # node -> its newest agent session (dials try every agent: `sessions_for`)
+        # node -> its newest agent session (dials try every agent: `selection`)
         self.sessions: dict[str, AgentSession] = {}
         self._by_agent: dict[tuple[str, str], AgentSession] = {}
         self._listeners: list[Callable[[], None]] = []
@@ -691,6 +682,8 @@ class Hub:
         ] = {}
         # park key -> the session whose agent may park data connections with it.
         self.parking: dict[str, AgentSession] = {}
+        # The dial rules over this registry, one for every face that dials.
+        self.selection = AgentSelection(self)
 
     def subscribe(self, listener: Callable[[], None]) -> None:
         self._listeners.append(listener)
@@ -763,66 +756,10 @@ class Hub:
     def sessions_all(self) -> list[AgentSession]:
         return list(self._by_agent.values())
 
-    def sessions_for(self, node: str, address: str = "") -> list[AgentSession]:
-        """The live agents of `node` that may take a dial, best first: those that did not
-        refuse `address` lately, then the newest (a restarted agent replaces its
-        predecessor). Refused: NO_AGENT without one, DRAINING when this replica drains
-        or every agent of the node is moving off it (one moving is skipped)."""
-        if self.draining:
-            raise Refused(pb.DRAINING, f"tunnel server {self.server_id} is draining")
-        held = [s for s in self._by_agent.values() if s.node == node and not s.closed]
-        if not held:
-            raise Refused(pb.NO_AGENT, f"no agent for node {node} on replica {self.server_id}")
-        ordered = [s for s in held if not s.draining]
-        if not ordered:
-            raise Refused(
-                pb.DRAINING, f"the agent for node {node} is moving off replica {self.server_id}"
-            )
-        ordered.reverse()  # newest first (insertion order is registration order)
-        if address:
-            ordered.sort(key=lambda s: s.refused_lately(address))  # stable: newest first still
-        return ordered
-
-    async def dial(
-        self,
-        node: str,
-        address: str,
-        timeout: float,
-        early: bytes = b"",
-        replay_safe: bool = False,
-        splice_for: str = "",
-        *,
-        trace_context: otel_context.Context | None = None,
-    ) -> Any:
-        """Dial `address` through an agent of `node`: the next agent when one refuses for a
-        reason another agent could answer (its allow-list, its network, it is moving).
-
-        Returns a `ServerConnection` or a `DataConnection`; raises `Refused`. `timeout`
-        bounds the whole dial: each next agent gets only what the ones before left.
-        `early` goes with the dial (`AgentSession.dial`): a refusal sent none of it, so
-        the next agent gets the same bytes; `early.Unanswered` is never retried here.
-        `splice_for`: asks for TLS end to end (`AgentSession.dial`). `trace_context`: the
-        trace context the agent's span continues (the current one when None).
-        """
-        carrier: dict[str, str] = {}
-        tracing.inject_context(carrier, trace_context)
-        deadline = time.monotonic() + timeout
-        last: Refused | None = None
-        for session in self.sessions_for(node, address):
-            left = deadline - time.monotonic()
-            if left <= 0 and last is not None:
-                break
-            try:
-                return await session.dial(
-                    address, max(left, 0.001), carrier, early, replay_safe, splice_for
-                )
-            except Refused as refused:
-                last = refused
-                if refused.reason not in ANOTHER_AGENT_COULD:
-                    raise
-                session.remember_refusal(address)
-        assert last is not None
-        raise last
+    def held(self, node: str) -> list[AgentSession]:
+        """The live agent sessions of `node`, oldest first (which one takes a dial is
+        `selection.AgentSelection`'s rule, not the registry's)."""
+        return [s for s in self._by_agent.values() if s.node == node and not s.closed]
 
     def drain(self, grace: float) -> None:
         """No new dials; every agent is told to move; open connections get `grace`."""
@@ -946,7 +883,7 @@ class TunnelServicer(tunnel_pb2_grpc.TunnelServicer):
                     "waygate.tunnel.address": address,
                 }
             )
-            connection = await hub.dial(target.node, address, timeout)
+            connection = await hub.selection.dial(target.node, address, timeout)
             session = connection.session
         except Refused as refused:
             await context.write(

@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from tests.integration.tunnel.harness import NODE, Tunnel, ssl_context
+from tests.integration.tunnel.harness import NODE, Tunnel
 from tests.integration.tunnel.test_early_data import link_pair  # noqa: F401  (the fixture)
 from tests.integration.tunnel.test_parked_dials import packets_to_agent
 from waygate.tunnel import wire
 from waygate.tunnel.agent import AgentStream
-from waygate.tunnel.relay import LineTooLong, Link, LinkClosed, open_link
+from waygate.tunnel.relay import LineTooLong, Link, LinkClosed
 from waygate.tunnel.v1 import tunnel_pb2 as pb
 
 LONG_DIAL = b"DIAL " + NODE.encode() + b" " + b"h" * 65_000 + b" 80 1000 -\n"
@@ -52,15 +52,8 @@ async def test_a_65_kb_dial_line_is_refused_and_dials_nothing(
         await answer_parked(self, link, line)
 
     monkeypatch.setattr(AgentStream, "_answer_parked", recording)
-    link = await open_link(
-        "127.0.0.1",
-        tunnel.data_port,
-        ssl_context(tunnel.dialer_files),
-        server_hostname="tunnel-server",
-        timeout=5.0,
-    )
+    link = await tunnel.data_link()
     try:
-        assert (await link.read_line(5.0)).startswith(b"WAYGATE ")
         link.write(LONG_DIAL)  # one write: the replica's reads hold the line and its LF
         try:
             answer = await link.read_line(5.0)

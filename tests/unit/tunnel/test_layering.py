@@ -26,6 +26,7 @@ GRPC_FREE = (
     "peers.py",
     "presence.py",
     "relay.py",
+    "selection.py",
     "warmpool.py",
     "wire.py",
 )
