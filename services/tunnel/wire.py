@@ -52,7 +52,8 @@ a timeout that is not milliseconds) still parses (`Dial.invalid` names the probl
 so the replica reads its early data and applies its dialer policy before refusing it.
 
 Invariants: no I/O, no asyncio, no grpc; fixed lines are precomputed bytes; one
-decode and one split per line parsed, no f-string on a dial that is well formed.
+decode and one split per line parsed. Lines are per dial, never per chunk: after OK
+nothing here runs for the connection's bytes.
 """
 
 from __future__ import annotations
@@ -295,7 +296,7 @@ def parse_opening(line: bytes) -> Park | Data | Dial:
     if verb == "PARK" and count == 2 and words[1]:
         return Park(words[1])
     if verb == "DATA" and (count == 3 or (count == 4 and words[3] == "SPLICE")):
-        if words[1] and _digits(words[2]):
+        if words[1] and words[2].isdigit():  # (an ASCII line: 0-9)
             return Data(words[1], int(words[2]), count == 4)
     elif (verb == "DIAL" and count in (6, 8)) or (verb == "SPLICE" and count == 6):
         return _dial(words)
@@ -303,6 +304,7 @@ def parse_opening(line: bytes) -> Park | Data | Dial:
 
 
 def _dial(words: list[str]) -> Dial:
+    # (words of an ASCII line: str.isdigit means 0-9 here)
     _verb, node, host, port_text, timeout_text, traceparent = words[:6]
     early_length, replay = 0, False
     if len(words) == 8:
@@ -311,16 +313,16 @@ def _dial(words: list[str]) -> Dial:
             raise Malformed(f"early data is 'once' or 'replay', not {words[7][:12]!r}")
         replay = words[7] == "replay"
     invalid = ""
-    port = int(port_text) if _digits(port_text) else 0
+    port = int(port_text) if port_text.isdigit() else 0
     if not node or not 0 < port < 65536:
         invalid, port = "a dial target needs a node and a port 1..65535", 0
-    elif not _digits(timeout_text):
+    elif not timeout_text.isdigit():
         invalid = "the dial timeout must be milliseconds"
     return Dial(
         node,
         "" if host == "-" else host,
         port,
-        int(timeout_text) if _digits(timeout_text) else 0,
+        int(timeout_text) if timeout_text.isdigit() else 0,
         "" if traceparent == "-" else traceparent,
         early_length,
         replay,
@@ -336,7 +338,7 @@ def parse_agent_dial(line: bytes) -> AgentDial:
     if not ((verb == "DIAL" and count in (4, 5)) or (verb == "SPLICE" and count == 5)):
         raise Malformed(f"not a dial: {line[:80]!r}")
     _verb, address, timeout_text, traceparent = words[:4]
-    if not _digits(timeout_text):
+    if not timeout_text.isdigit():
         raise Malformed(f"the dial timeout must be milliseconds, not {timeout_text[:12]!r}")
     if not address:
         raise Malformed("malformed address")
