@@ -36,4 +36,10 @@ EARLY_LIMIT = 16 * 1024
 
 class Unanswered(Exception):
     """The dial and its early data went out and no answer came back: the bytes may have
-    reached the destination, so the dial must not be retried (unless replay-safe)."""
+    reached the destination, so the dial must not be retried (unless replay-safe).
+    `silent`: the agent said nothing in its time (rather than its connection ending),
+    which the dial selection charges it for."""
+
+    def __init__(self, message: str, *, silent: bool = False) -> None:
+        super().__init__(message)
+        self.silent = silent

@@ -19,7 +19,8 @@ does, as konnectivity keeps `BackendStorage` (the registry) apart from the
   lately (the last of them gets all of it), so an agent that never answers costs a
   dial its share, not the dial; once marked, it gets only what the others left.
 - Early data: a refusal sent none of it (the next agent gets the same bytes);
-  `early.Unanswered` (the bytes went, no answer came) is never moved, only charged.
+  `early.Unanswered` (the bytes went, no answer came) is never moved; charged when the
+  agent said nothing in its time.
 
 Invariants: no I/O of its own and no grpc; memory per agent is bounded (`MAX_REMEMBERED`
 addresses) and dies with the agent's session.
@@ -168,8 +169,9 @@ class AgentSelection:
             except Silent as silent:
                 self._charge(session)
                 last = silent
-            except Unanswered:
-                self._charge(session)
+            except Unanswered as unanswered:
+                if unanswered.silent:  # (not when its connection ended: its pool's idle time)
+                    self._charge(session)
                 raise
             except Refused as refused:
                 last = refused

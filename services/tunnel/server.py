@@ -583,7 +583,8 @@ class AgentSession:
             link.abort()
             if early and not replay_safe:
                 raise Unanswered(
-                    f"node {self.node} did not answer a dial with early data within {left:g}s"
+                    f"node {self.node} did not answer a dial with early data within {left:g}s",
+                    silent=True,
                 ) from None
             raise Silent(
                 pb.TIMEOUT, f"node {self.node} did not answer a dial to {address} within {left:g}s"

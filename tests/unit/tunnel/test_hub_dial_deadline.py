@@ -51,7 +51,9 @@ class Agent:
             raise Refused(pb.UNREACHABLE, "no route to the destination from here")
         await asyncio.sleep(timeout)
         if self.answer == "unanswered":
-            raise Unanswered("no answer after the early data went")
+            raise Unanswered("no answer after the early data went", silent=True)
+        if self.answer == "let go":  # its parked connection ended (its pool's idle time)
+            raise Unanswered("the connection ended after the early data went")
         raise Silent(pb.TIMEOUT, "the agent did not answer")
 
 
@@ -125,3 +127,13 @@ async def test_a_lone_silent_agent_gets_the_whole_budget() -> None:
         await hub.selection.dial("edge-1", ADDRESS, timeout=0.2)
     assert refused.value.reason == pb.TIMEOUT
     assert silent.given[0] > 0.19
+
+
+async def test_an_agent_whose_connection_ended_after_early_data_is_not_charged() -> None:
+    """Its pool let the parked connection go as the dial arrived: not silence."""
+    serving, letting_go = Agent("serve"), Agent("let go")
+    hub = hub_of(serving, letting_go)
+    with pytest.raises(Unanswered):
+        await hub.selection.dial("edge-1", ADDRESS, timeout=0.2, early=b"GET / HTTP/1.1\r\n")
+    assert not serving.given
+    assert not hub.selection.silent_lately(letting_go)  # type: ignore[arg-type]
