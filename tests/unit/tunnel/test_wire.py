@@ -181,75 +181,66 @@ def test_an_unusable_target_parses_and_says_why(line: bytes, invalid: str) -> No
         assert dial.early_length == 5  # still there to be read before the refusal
 
 
-MALFORMED_AGENT_DIALS = [
-    b"",
-    b"DIAL",
-    b"DIAL 127.0.0.1:80 1000",
-    b"DIAL 127.0.0.1:80 soon -",
-    b"DIAL 127.0.0.1:80 1000 - 0",
-    b"DIAL 127.0.0.1:80 1000 - 99999",
-    b"DIAL 127.0.0.1:80 1000 - 5 once",
-    b"DIAL  1000 -",
-    b"SPLICE 127.0.0.1:80 1000 -",
-    b"SPLICE 127.0.0.1:80 1000 - sha extra",
-    b"PARK key",
-    b"REFUSED INVALID too many idle data connections",
-    b"DIAL \xfe 1000 -",
-]
+def _agent_answer(line: bytes) -> Any:
+    return wire.parse_agent_answer(line, splice=True)
 
 
-@pytest.mark.parametrize("line", MALFORMED_AGENT_DIALS)
-def test_a_malformed_dial_on_a_parked_connection_is_refused(line: bytes) -> None:
-    with pytest.raises(wire.Malformed) as refused:
-        wire.parse_agent_dial(line)
-    assert str(refused.value)
-
-
-MALFORMED_ANSWERS = [
-    b"",
-    b"OK",
-    b"OK replica-a agent-1",
-    b"OK replica-a agent-1 seven",
-    b"OK replica-a agent-1 \xd9\xa3",  # an Arabic-Indic digit is a digit to str.isdigit
-    b"OK replica-a agent-1 7 sha extra",
-    b"OK  agent-1 7",
-    b"REFUSED",
-    b"REFUSED ",
-    b"WAYGATE replica-a",
-    b"HTTP/1.1 400 Bad Request",
-]
-
-
-@pytest.mark.parametrize("line", MALFORMED_ANSWERS)
-def test_a_malformed_answer_to_a_dialer_is_refused(line: bytes) -> None:
-    with pytest.raises(wire.Malformed, match="the tunnel server answered|a refusal without"):
-        wire.parse_answer(line)
-
-
-MALFORMED_AGENT_ANSWERS = [
-    b"",
-    b"OK",
-    b"OK x",
-    b"OK 7 RELAY",
-    b"OK 7 8",
-    b"OK \xd9\xa3",
-    b"REFUSED",
-    b"DATA token 7",
-]
-
-
-@pytest.mark.parametrize("line", MALFORMED_AGENT_ANSWERS)
-def test_a_malformed_answer_from_an_agent_is_refused(line: bytes) -> None:
-    with pytest.raises(wire.Malformed, match="the agent answered|a refusal without"):
-        wire.parse_agent_answer(line, splice=True)
+# What every other reader refuses: (the reader, the line, what its refusal says).
+MALFORMED_LINES: list[tuple[Any, bytes, str]] = [
+    *((wire.parse_agent_dial, line, "not a dial|early data|milliseconds|malformed|ASCII") for line in (
+        b"",
+        b"DIAL",
+        b"DIAL 127.0.0.1:80 1000",
+        b"DIAL 127.0.0.1:80 soon -",
+        b"DIAL 127.0.0.1:80 1000 - 0",
+        b"DIAL 127.0.0.1:80 1000 - 99999",
+        b"DIAL 127.0.0.1:80 1000 - 5 once",
+        b"DIAL  1000 -",
+        b"SPLICE 127.0.0.1:80 1000 -",
+        b"SPLICE 127.0.0.1:80 1000 - sha extra",
+        b"PARK key",
+        b"REFUSED INVALID too many idle data connections",
+        b"DIAL \xfe 1000 -",
+    )),
+    *((wire.parse_answer, line, "the tunnel server answered|a refusal without") for line in (
+        b"",
+        b"OK",
+        b"OK replica-a agent-1",
+        b"OK replica-a agent-1 seven",
+        b"OK replica-a agent-1 \xd9\xa3",  # an Arabic-Indic digit is a digit to str.isdigit
+        b"OK replica-a agent-1 7 sha extra",
+        b"OK  agent-1 7",
+        b"REFUSED",
+        b"REFUSED ",
+        b"WAYGATE replica-a",
+        b"HTTP/1.1 400 Bad Request",
+    )),
+    *((_agent_answer, line, "the agent answered|a refusal without") for line in (
+        b"",
+        b"OK",
+        b"OK x",
+        b"OK 7 RELAY",
+        b"OK 7 8",
+        b"OK \xd9\xa3",
+        b"REFUSED",
+        b"DATA token 7",
+    )),
+    *((wire.parse_greeting, line, "not a tunnel data listener") for line in (
+        b"", b"WAYGATE", b"WAYGATE ", b"WAYGATE a b", b"HTTP/1.1 200 OK", b"SSH-2.0-x"
+    )),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    "line", [b"", b"WAYGATE", b"WAYGATE ", b"WAYGATE a b", b"HTTP/1.1 200 OK", b"SSH-2.0-x"]
+    ("parse", "line", "refusal"),
+    MALFORMED_LINES,
+    ids=[f"{case[0].__name__}-{case[1][:24]!r}" for case in MALFORMED_LINES],
 )
-def test_a_malformed_greeting_is_refused(line: bytes) -> None:
-    with pytest.raises(wire.Malformed, match="not a tunnel data listener"):
-        wire.parse_greeting(line)
+def test_every_other_malformed_line_is_refused_with_its_reason(
+    parse: Any, line: bytes, refusal: str
+) -> None:
+    with pytest.raises(wire.Malformed, match=refusal):
+        parse(line)
 
 
 @pytest.mark.parametrize(
