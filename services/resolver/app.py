@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import gc
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,10 +28,13 @@ from waygate.resolver.access import WriteAccess
 from waygate.resolver.events import DEFAULT_CHUNK_BYTES
 from waygate.resolver.filesource import EXAMPLE_ROUTES, FILE_MODE, FileSource
 from waygate.resolver.gateway.status import StatusBoard
+from waygate.resolver.ingress_nginx.config import IngressNginx, parse_reference
 from waygate.resolver.manifests import ManifestsSource
 from waygate.resolver.server import ResolverServicer
 from waygate.resolver.store import DEFAULT_HISTORY_LIMIT, DEFAULT_MAX_PENDING, Store
 from waygate.resolver.tunnels import TunnelRegistry
+
+_DNS_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 
 if TYPE_CHECKING:
     from waygate.components import UpContext
@@ -145,6 +149,39 @@ class Settings(GrpcServerSettings):
         help="with --kubernetes: also watch the Gateway API and Ingress kinds and write their "
         "status (deploy/kustomize/components/gateway-api grants the RBAC)",
     )
+    ingress_nginx: bool = setting(
+        False,
+        help="also serve the Ingresses ingress-nginx would (IngressClass controller "
+        "k8s.io/ingress-nginx, or --ingress-nginx-class), their nginx.ingress.kubernetes.io "
+        "annotations honoured, reported or refused (fail closed); with --kubernetes or "
+        "--manifests",
+    )
+    ingress_nginx_class: str = setting(
+        "nginx",
+        help="with --ingress-nginx: the class served when no IngressClass of that name "
+        "exists (spec.ingressClassName or kubernetes.io/ingress.class)",
+        check=lambda v: None if _DNS_NAME.fullmatch(v) else f"{v!r} is not a class name",
+    )
+    annotations_prefix: str = setting(
+        "nginx.ingress.kubernetes.io",
+        help="with --ingress-nginx: the annotation prefix, as ingress-nginx's flag",
+        check=lambda v: None if _DNS_NAME.fullmatch(v) else f"{v!r} is not a DNS name",
+    )
+    ingress_nginx_configmap: str = setting(
+        "",
+        help="with --ingress-nginx: NS/NAME of the controller ConfigMap (annotation "
+        "defaults, snippets policy, HSTS); read live",
+    )
+    tcp_services_configmap: str = setting(
+        "",
+        help="with --ingress-nginx: NS/NAME of ingress-nginx's TCP services ConfigMap "
+        "(not implemented yet: refused when given)",
+    )
+    default_ssl_certificate: str = setting(
+        "",
+        help="with --ingress-nginx: NS/NAME of the TLS Secret for Ingress TLS hosts "
+        "without a secretName",
+    )
     kubeconfig: str = setting("", help="kubeconfig file for --kubernetes; empty: in-cluster")
     kube_context: str = setting("", help="kubeconfig context; empty: the current one")
     kube_namespace: str = setting("", help="only this namespace; empty: every namespace")
@@ -176,6 +213,9 @@ class Settings(GrpcServerSettings):
                 "invalid setting manifests: with --kubernetes, objects come from the "
                 "cluster; give one source, not both"
             )
+        problem = self.ingress_nginx_problem()
+        if problem:
+            return problem
         if self.manifests is not None and not self.manifests.exists():
             return f"invalid setting manifests: {self.manifests} does not exist"
         if self.routes_file is not None and not self.routes_file.is_file():
@@ -186,6 +226,50 @@ class Settings(GrpcServerSettings):
                 f"({self.tunnel_lease_min}s) and tunnel_lease_max ({self.tunnel_lease_max}s)"
             )
         return None
+
+    def ingress_nginx_problem(self) -> str | None:
+        given = [
+            name
+            for name in (
+                "ingress_nginx_configmap",
+                "tcp_services_configmap",
+                "default_ssl_certificate",
+            )
+            if getattr(self, name)
+        ]
+        if not self.ingress_nginx:
+            if given or self.ingress_nginx_class != "nginx":
+                return f"invalid setting {(given or ['ingress_nginx_class'])[0]}: needs --ingress-nginx"
+            return None
+        if not self.kubernetes and self.manifests is None:
+            return "invalid setting ingress_nginx: needs --kubernetes or --manifests"
+        for name in given:
+            try:
+                parse_reference(getattr(self, name), name)
+            except ValueError as exc:
+                return f"invalid setting {exc}"
+        if self.tcp_services_configmap:
+            return (
+                "invalid setting tcp_services_configmap: TCP services are not implemented "
+                "yet; serve those ports another way (refused rather than ignored)"
+            )
+        return None
+
+    def ingress_nginx_settings(self) -> IngressNginx | None:
+        if not self.ingress_nginx:
+            return None
+        return IngressNginx(
+            class_name=self.ingress_nginx_class,
+            prefix=self.annotations_prefix,
+            configmap=parse_reference(self.ingress_nginx_configmap, "ingress_nginx_configmap")
+            if self.ingress_nginx_configmap
+            else None,
+            default_certificate=parse_reference(
+                self.default_ssl_certificate, "default_ssl_certificate"
+            )
+            if self.default_ssl_certificate
+            else None,
+        )
 
 
 def watch_bounds(max_message_bytes: int) -> tuple[int, int]:
@@ -223,6 +307,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
             poll_interval=settings.routes_poll_interval,
             addresses=settings.gateway_addresses,
             sharing=settings.gateway_listener_sharing,
+            ingress_nginx=settings.ingress_nginx_settings(),
         )
     kube_source = None
     if settings.kubernetes:
@@ -241,8 +326,9 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
                 board,
                 addresses=settings.gateway_addresses,
                 sharing=settings.gateway_listener_sharing,
+                ingress_nginx=settings.ingress_nginx_settings(),
             )
-            if settings.gateway_api
+            if settings.gateway_api or settings.ingress_nginx
             else None,
         )
     metrics.observe(store, file_source)
@@ -339,7 +425,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
                 process,
                 settings,
                 store,
-                board if settings.gateway_api else None,
+                board if settings.gateway_api or settings.ingress_nginx else None,
                 kube_source.invalid_routes,
                 kube_source.synced.is_set,
             )

@@ -45,7 +45,9 @@ Semantics (the Gateway API specification v1.x and its conformance suite):
 - Ingress: IngressClass with controller `waygate.io/ingress-controller`
   (or no class and a default class of ours); Prefix and ImplementationSpecific
   are PathPrefix, Exact is Exact; hosts in `tls` are also served on 443 with
-  the Secret's certificate.
+  the Secret's certificate. With `ingress_nginx`, also the Ingresses
+  ingress-nginx would serve, their annotations as route fields
+  (waygate.resolver.ingress_nginx); one refused is refused alone.
 """
 
 from __future__ import annotations
@@ -68,7 +70,10 @@ from waygate.resolver.gateway.spec import (
     ParentRef,
     RouteSpec,
     SpecError,
+    dotted,
 )
+from waygate.resolver.ingress_nginx import annotations as nginx_annotations
+from waygate.resolver.ingress_nginx import config as nginx_compat
 from waygate.resolver.model import (
     InsecureEdgePolicy,
     PathMatchType,
@@ -290,8 +295,15 @@ def _selector_matches(selector: JSON, found: Mapping[str, str]) -> bool:
 
 
 class _Translator:
-    def __init__(self, objects: Objects, addresses: tuple[str, ...], sharing: str) -> None:
+    def __init__(
+        self,
+        objects: Objects,
+        addresses: tuple[str, ...],
+        sharing: str,
+        ingress_nginx: nginx_compat.IngressNginx | None = None,
+    ) -> None:
         self.objects = objects
+        self.ingress_nginx = ingress_nginx
         self.addresses = addresses
         if sharing not in LISTENER_SHARING:
             raise ValueError(f"listener sharing {sharing!r} is not one of {LISTENER_SHARING}")
@@ -1032,10 +1044,11 @@ class _Translator:
             for key, obj in self.objects.of("IngressClass").items()
             if (obj.get("spec") or {}).get("controller") == INGRESS_CONTROLLER
         }
+        nginx = nginx_compat.classes(self.objects.of("IngressClass"), self.ingress_nginx)
         default = next(
             (
                 name
-                for name, obj in sorted(classes.items())
+                for name, obj in sorted({**classes, **nginx}.items())
                 if ((obj.get("metadata") or {}).get("annotations") or {}).get(
                     "ingressclass.kubernetes.io/is-default-class"
                 )
@@ -1044,6 +1057,9 @@ class _Translator:
             None,
         )
         for key, obj in sorted(self.objects.of("Ingress").items()):
+            if self.ingress_nginx is not None and (nginx_compat.class_of(obj) or default) in nginx:
+                self.nginx_ingress(key, obj, self.ingress_nginx)
+                continue
             try:
                 ingress = specs.ingress(obj)
             except SpecError as exc:
@@ -1056,10 +1072,38 @@ class _Translator:
                 continue
             self.ingress(key, obj, ingress)
 
-    def ingress(self, key: Key, obj: JSON, ingress: specs.IngressSpec) -> None:
+    def nginx_ingress(self, key: Key, obj: JSON, settings: nginx_compat.IngressNginx) -> None:
+        """An Ingress of the ingress-nginx class: its annotations planned, its rules
+        translated as every Ingress's, then shaped (or refused alone)."""
+        configs = self.objects.of("ConfigMap")
+        config = nginx_compat.config_from(configs.get(settings.configmap or ("", "")))
+        plan = nginx_annotations.plan(obj, settings, config, lambda ns, n: configs.get((ns, n)))
+        try:
+            # Paths are the plan's (checked against their pathType there).
+            ingress = specs.ingress(nginx_compat.with_plain_paths(obj))
+        except SpecError as exc:
+            plan.refuse(nginx_annotations.INVALID, f"{dotted(exc.where)}: {exc.reason}")
+            self.out.routes.append(nginx_annotations.placeholder(key, obj, plan))
+            return
+        self.ingress(key, obj, ingress, plan, settings.default_certificate)
+
+    def ingress(
+        self,
+        key: Key,
+        obj: JSON,
+        ingress: specs.IngressSpec,
+        plan: nginx_annotations.Plan | None = None,
+        default_certificate: Key | None = None,
+    ) -> None:
         namespace = key[0]
         certificates: dict[str, RouteTLS] = {}
         for hosts, secret in ingress.tls:
+            if not secret and default_certificate is not None:
+                # ingress-nginx's --default-ssl-certificate for TLS hosts without a Secret.
+                tls, problem = self.secret_tls(*default_certificate, "--default-ssl-certificate")
+                for host in (hosts or tuple(rule.host for rule in ingress.rules)) if tls else ():
+                    certificates.setdefault(host, tls)  # type: ignore[arg-type]
+                continue
             if not secret:
                 continue
             tls, problem = self.secret_tls(namespace, secret, f"Ingress {namespace}/{key[1]}")
@@ -1069,6 +1113,7 @@ class _Translator:
             for host in hosts or tuple(rule.host for rule in ingress.rules):
                 certificates.setdefault(host, tls)
         index = 0
+        routes: list[Route] = []
         paths: list[tuple[str, specs.IngressPath]] = [
             (rule.host, path) for rule in ingress.rules for path in rule.paths
         ]
@@ -1111,8 +1156,14 @@ class _Translator:
                     created=specs.created(obj),
                     rule_index=index,
                 )
-                self.out.routes.append(yield_route)
+                routes.append(yield_route)
             index += 1
+        if plan is not None:
+            routes = nginx_annotations.shape(plan, routes, certificates)
+            if not routes and plan.refusal_reason:
+                routes = [nginx_annotations.placeholder(key, obj, plan)]
+        self.out.routes.extend(routes)
+        served = plan is None or not plan.refusal_reason
         self.out.statuses.append(
             ObjectStatus(
                 "Ingress",
@@ -1123,7 +1174,7 @@ class _Translator:
                     "loadBalancer": {
                         "ingress": [
                             {"ip": a} if _address_type(a) == "IPAddress" else {"hostname": a}
-                            for a in self.addresses
+                            for a in (self.addresses if served else ())
                         ]
                     }
                 },
@@ -1188,13 +1239,18 @@ def _scaled(backends: list[RouteBackend]) -> list[RouteBackend]:
 
 
 def translate(
-    objects: Objects, *, addresses: tuple[str, ...] = (), sharing: str = "share"
+    objects: Objects,
+    *,
+    addresses: tuple[str, ...] = (),
+    sharing: str = "share",
+    ingress_nginx: nginx_compat.IngressNginx | None = None,
 ) -> Translation:
     """The routes and statuses `objects` amount to (see the module docstring).
 
     `sharing` (LISTENER_SHARING): how listeners of different Gateways on one port,
-    which a proxy serving every Gateway merges, are judged."""
-    return _Translator(objects, addresses, sharing).run()
+    which a proxy serving every Gateway merges, are judged. `ingress_nginx`: also
+    serve the Ingresses ingress-nginx would (waygate.resolver.ingress_nginx)."""
+    return _Translator(objects, addresses, sharing, ingress_nginx).run()
 
 
 def is_gateway_object(kind: str, api_version: str) -> bool:
