@@ -396,9 +396,8 @@ def _ssl_redirect(
     p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
 ) -> None:
     p.ssl_redirect = _flag(value)
-    found(
-        "ssl-redirect", None if p.ssl_redirect else Verdict.HONOURED, None if p.ssl_redirect else ""
-    )
+    exact = not p.ssl_redirect or _flag(values.get("preserve-trailing-slash", "false"))
+    found("ssl-redirect", Verdict.HONOURED if exact else None, "" if exact else None)
 
 
 @_handles("force-ssl-redirect")
@@ -406,11 +405,8 @@ def _force(
     p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
 ) -> None:
     p.force_ssl_redirect = _flag(value)
-    found(
-        "force-ssl-redirect",
-        None if p.force_ssl_redirect else Verdict.HONOURED,
-        None if p.force_ssl_redirect else "",
-    )
+    exact = not p.force_ssl_redirect or _flag(values.get("preserve-trailing-slash", "false"))
+    found("force-ssl-redirect", Verdict.HONOURED if exact else None, "" if exact else None)
 
 
 @_handles("from-to-www-redirect")
@@ -812,7 +808,7 @@ def _match_and_rewrite(p: Plan, kind: str, value: str) -> tuple[RouteMatch, Rewr
     return RouteMatch(PathMatchType.PREFIX, value), rewrite
 
 
-def _rewrite_note(p: Plan) -> None:
+def refine(p: Plan) -> None:
     """rewrite-target's verdict, now that its paths are known."""
     target = p.rewrite_target
     if not target or "$" not in target:
@@ -836,7 +832,7 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
         return [refused(p, route) for route in routes]
     if p.canary:
         return []
-    _rewrite_note(p)
+    refine(p)
     secured = set(tls_hosts)
     out: list[Route] = []
     extra_hosts: dict[tuple[str, int], Route] = {}
