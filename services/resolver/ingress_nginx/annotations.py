@@ -375,7 +375,7 @@ def _redirect(
         hostname=parts.hostname or "",
         port=parts.port or 0,
         path_type=PathModifierType.FULL,
-        path=parts.path or "/",
+        path=parts.path,
         status=code,
     )
     found(short)
@@ -728,7 +728,7 @@ def _directive(p: Plan, directive: str, args: list[str], differences: list[str])
             hostname=parts.hostname or "",
             port=parts.port or 0,
             path_type=PathModifierType.FULL,
-            path=parts.path or "/",
+            path=parts.path,
             status=code,
         )
         differences.append("return: the request's query string is appended to the target")

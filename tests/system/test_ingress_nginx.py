@@ -1,0 +1,213 @@
+"""ingress-nginx Ingresses through a real resolver (--manifests --ingress-nginx) and proxy.
+
+The harness of the Gateway API conformance cases (tests/support/gatewayapi): real
+processes, RecordingUpstream backends that echo what they received. Each test
+ports the assertions of one of ingress-nginx's own end-to-end annotation tests
+(kubernetes/ingress-nginx, test/e2e/annotations/*.go, controller v1.15.1), cited
+by file and `It`; where Waygate's answer differs by a catalogued difference, the
+test says so and asserts Waygate's documented behaviour. The fail-closed tests
+check that an Ingress guarded by an annotation Waygate cannot honour, or carrying
+an injection payload, is not served while every other Ingress is.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import yaml
+
+from tests.support.gatewayapi import INFRA, Conformance
+from tests.support.processes import run_cli
+
+pytestmark = [pytest.mark.system, pytest.mark.asyncio(loop_scope="module")]
+
+P = "nginx.ingress.kubernetes.io/"
+V1 = f"{INFRA}/infra-backend-v1"
+CONTROLLER = {
+    "apiVersion": "v1",
+    "kind": "ConfigMap",
+    "metadata": {"name": "ingress-nginx-controller", "namespace": "ingress-nginx"},
+    "data": {"allow-snippet-annotations": "true", "annotations-risk-level": "Critical"},
+}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def suite(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Conformance]:
+    conformance = Conformance(
+        tmp_path_factory.mktemp("manifests"),
+        resolver_args=(
+            "--ingress-nginx",
+            "--ingress-nginx-configmap",
+            "ingress-nginx/ingress-nginx-controller",
+        ),
+    )
+    await conformance.start()
+    try:
+        yield conformance
+    finally:
+        await conformance.stop()
+
+
+def single_ingress(
+    name: str, path: str, host: str, annotations: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """framework.NewSingleIngress: one host, one Prefix path, to the echo backend."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "Ingress",
+        "metadata": {"name": name, "namespace": INFRA, "annotations": annotations or {}},
+        "spec": {
+            "ingressClassName": "nginx",
+            "rules": [
+                {
+                    "host": host,
+                    "http": {
+                        "paths": [
+                            {
+                                "path": path,
+                                "pathType": "Prefix",
+                                "backend": {
+                                    "service": {
+                                        "name": "infra-backend-v1",
+                                        "port": {"number": 8080},
+                                    }
+                                },
+                            }
+                        ]
+                    },
+                }
+            ],
+        },
+    }
+
+
+async def apply(suite: Conformance, *ingresses: dict[str, Any]) -> None:
+    await suite.apply(extra=yaml.safe_dump_all([CONTROLLER, *ingresses]))
+
+
+async def test_approot_should_redirect_to_foo(suite: Conformance) -> None:
+    # approot.go: It("should redirect to /foo")
+    host = "approot.bar.com"
+    await apply(suite, single_ingress(host, "/", host, {P + "app-root": "/foo"}))
+    response = await suite.eventually("/", host=host, status=302)
+    assert response.header("Location") == "http://approot.bar.com/foo"
+
+
+async def test_redirect_standard_and_custom_code(suite: Conformance) -> None:
+    # redirect.go: It("should respond with a standard redirect code"),
+    # It("should respond with a custom redirect code")
+    url = "http://redirect.example.com"
+    standard = single_ingress(
+        "std", "/something", "redirect.bar.com", {P + "permanent-redirect": url}
+    )
+    custom = single_ingress(
+        "custom",
+        "/something",
+        "redirect2.bar.com",
+        {P + "permanent-redirect": url, P + "permanent-redirect-code": "302"},
+    )
+    await apply(suite, standard, custom)
+    response = await suite.eventually("/something", host="redirect.bar.com", status=301)
+    assert response.header("Location") == url
+    response = await suite.eventually("/something", host="redirect2.bar.com", status=302)
+    assert response.header("Location") == url
+
+
+async def test_xforwardedprefix_sets_the_header_to_the_annotation_value(suite: Conformance) -> None:
+    # xforwardedprefix.go: It("should set the X-Forwarded-Prefix to the annotation value")
+    host = "xfp.bar.com"
+    annotations = {P + "x-forwarded-prefix": "/test/value", P + "rewrite-target": "/foo"}
+    await apply(suite, single_ingress(host, "/", host, annotations))
+    response = await suite.eventually("/", host=host, backend=V1)
+    assert response.request_header("X-Forwarded-Prefix") == "/test/value"
+    assert response.echo["target"] == "/foo"
+
+
+async def test_upstreamvhost_sets_the_host(suite: Conformance) -> None:
+    # upstreamvhost.go: It("set host to upstreamvhost.bar.com")
+    host = "upstreamvhost.bar.com.test"
+    annotations = {P + "upstream-vhost": "upstreamvhost.bar.com"}
+    await apply(suite, single_ingress(host, "/", host, annotations))
+    response = await suite.eventually("/", host=host, backend=V1)
+    assert response.request_header("Host") == "upstreamvhost.bar.com"
+
+
+async def test_alias_serves_the_host_and_its_alias_and_nothing_else(suite: Conformance) -> None:
+    # alias.go: It("should return status code 200 for host 'foo' and 404 for 'bar'"),
+    # It("should return status code 200 for host 'foo' and 'bar'")
+    await apply(
+        suite,
+        single_ingress("plain", "/", "foo"),
+        single_ingress("aliased", "/", "foo2", {P + "server-alias": "bar2"}),
+    )
+    await suite.eventually("/", host="foo", backend=V1)
+    assert (await suite.request("/", host="bar")).status == 404
+    await suite.eventually("/", host="foo2", backend=V1)
+    await suite.eventually("/", host="bar2", backend=V1)
+
+
+async def test_fromtowwwredirect_from_www_http_to_http(suite: Conformance) -> None:
+    # fromtowwwredirect.go: It("should redirect from www HTTP to HTTP"). ingress-nginx's
+    # Location names the port (http://fromtowwwredirect.bar.com:80/foo); Waygate leaves
+    # the scheme's well-known port out (the catalogued redirect behaviour).
+    host = "fromtowwwredirect.bar.com"
+    await apply(suite, single_ingress(host, "/", host, {P + "from-to-www-redirect": "true"}))
+    response = await suite.eventually("/foo", host=f"www.{host}", status=308)
+    assert response.header("Location") == "http://fromtowwwredirect.bar.com/foo"
+
+
+async def test_forcesslredirect_should_redirect_to_https(suite: Conformance) -> None:
+    # forcesslredirect.go: It("should redirect to https"). ingress-nginx strips the
+    # trailing slash (https://forcesslredirect.bar.com) unless preserve-trailing-slash;
+    # Waygate keeps the path as it is (the catalogued difference).
+    host = "forcesslredirect.bar.com"
+    await apply(suite, single_ingress(host, "/", host, {P + "force-ssl-redirect": "true"}))
+    response = await suite.eventually("/", host=host, status=308)
+    assert response.header("Location") == "https://forcesslredirect.bar.com/"
+
+
+async def test_snippet_literal_headers_with_the_configmap_allowing_snippets(
+    suite: Conformance,
+) -> None:
+    # snippet.go: It("set snippet more_set_headers in all locations") -- the response
+    # carries the header the snippet sets.
+    host = "configurationsnippet.foo.com"
+    snippet = {P + "configuration-snippet": 'more_set_headers "Foo1: Bar1";'}
+    await apply(suite, single_ingress(host, "/", host, snippet))
+    response = await suite.eventually("/", host=host, backend=V1)
+    assert response.response_header("Foo1") == "Bar1"
+
+
+async def test_fail_closed_and_injection_refused_alone(suite: Conformance) -> None:
+    guarded = single_ingress(
+        "guarded", "/", "guarded.bar.com", {P + "whitelist-source-range": "10.0.0.0/8"}
+    )
+    auth = single_ingress(
+        "auth", "/", "auth.bar.com", {P + "auth-url": "http://auth.example.com/check"}
+    )
+    # CVE-2025-24514's published payload.
+    injected = single_ingress(
+        "injected",
+        "/",
+        "injected.bar.com",
+        {P + "auth-url": "http://example.com/#;\ninjection_point"},
+    )
+    lua = single_ingress(
+        "lua", "/", "lua.bar.com", {P + "configuration-snippet": "content_by_lua_block { }"}
+    )
+    served = single_ingress("served", "/", "served.bar.com")
+    await apply(suite, guarded, auth, injected, lua, served)
+    await suite.eventually("/", host="served.bar.com", backend=V1)
+    for host in ("guarded.bar.com", "auth.bar.com", "injected.bar.com", "lua.bar.com"):
+        assert (await suite.request("/", host=host)).status == 404, host
+    assert suite.resolver is not None
+    code, out, err = await run_cli("routes", "--addr", suite.resolver.grpc_address, "-o", "json")
+    assert code == 0, err
+    routes = json.loads(out)
+    text = json.dumps(routes)
+    assert "UnsupportedAnnotation" in text and "InvalidAnnotation" in text
+    assert "whitelist-source-range" in text
