@@ -529,6 +529,11 @@ def _spawn_status_writer(
 
         gateway_writer = StatusWriter(api, board, is_leader=elector.is_leader, synced=synced)
         process.spawn(gateway_writer.run(), "gateway-status-writer")
+    if settings.ingress_nginx:
+        from waygate.resolver.ingress_nginx.events import IngressEventWriter
+
+        events = IngressEventWriter(store, api, is_leader=elector.is_leader, synced=synced)
+        process.spawn(events.run(), "ingress-nginx-events")
     process.on_stop(_closing(api))
 
 

@@ -601,3 +601,84 @@ limit-burst-multiplier limit-rate limit-rate-after limit-rpm limit-whitelist
 opentelemetry-operation-name relative-redirects upstream-hash-by-subset
 upstream-hash-by-subset-size use-port-in-redirects
 """
+
+
+# ---------------------------------------------------------------- the resolver's flags
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        ({"ingress_nginx_configmap": "ns/cm"}, "needs --ingress-nginx"),
+        ({"ingress_nginx": "true"}, "needs --kubernetes or --manifests"),
+        (
+            {"ingress_nginx": "true", "manifests": "{dir}", "ingress_nginx_configmap": "nope"},
+            "must be NAMESPACE/NAME",
+        ),
+        (
+            {"ingress_nginx": "true", "manifests": "{dir}", "tcp_services_configmap": "a/b"},
+            "TCP services are not implemented yet",
+        ),
+        (
+            {"ingress_nginx": "true", "manifests": "{dir}", "annotations_prefix": "Bad Prefix"},
+            "DNS",
+        ),
+    ],
+)
+def test_ingress_nginx_flags_are_checked(tmp_path: Path, flags: dict[str, str], message: str):
+    from waygate.core.settings import SettingsError, load_settings
+    from waygate.resolver.app import Settings
+
+    flags = {k: v.format(dir=tmp_path) for k, v in flags.items()}
+    with pytest.raises(SettingsError, match=message):
+        load_settings(Settings, flags=flags, env={})
+
+
+def test_ingress_nginx_flags_become_the_settings(tmp_path: Path):
+    from waygate.core.settings import load_settings
+    from waygate.resolver.app import Settings
+
+    flags = {
+        "ingress_nginx": "true",
+        "manifests": str(tmp_path),
+        "ingress_nginx_class": "public",
+        "annotations_prefix": "example.org",
+        "ingress_nginx_configmap": "ingress-nginx/controller",
+        "default_ssl_certificate": "ingress-nginx/default-cert",
+    }
+    settings = load_settings(Settings, flags=flags, env={}).ingress_nginx_settings()
+    assert settings == IngressNginx(
+        class_name="public",
+        prefix="example.org",
+        configmap=("ingress-nginx", "controller"),
+        default_certificate=("ingress-nginx", "default-cert"),
+    )
+
+
+def test_the_default_ssl_certificate_serves_tls_hosts_without_a_secret():
+    secret = yaml.safe_load(tls_secret("ingress-nginx", "default-cert", "app.example.com"))
+    item = ingress("nosecret")
+    item["spec"]["tls"] = [{"hosts": ["app.example.com"]}]
+    found = objects(item, secrets={("ingress-nginx", "default-cert"): secret})
+    settings = IngressNginx(default_certificate=("ingress-nginx", "default-cert"))
+    routes = translate(found, ingress_nginx=settings).routes
+    assert any(r.listener_port == 443 and r.tls is not None for r in routes)
+    assert not any(r.listener_port == 443 for r in routes_of(item))
+
+
+def test_every_condition_is_a_metric_sample():
+    from waygate.resolver.metrics import RouteEndpoints
+    from waygate.resolver.store import Store
+
+    store = Store()
+    store.replace_source(
+        "test", routes=routes_of(ingress("guarded", {P + "whitelist-source-range": "10.0.0.0/8"}))
+    )
+    collector = RouteEndpoints()
+    collector.store = store
+    samples = [s for family in collector.collect() for s in family.samples]
+    labels = [s.labels for s in samples if s.name == "waygate_resolver_route_condition"]
+    assert {"type": "Admitted", "status": "False", "reason": "UnsupportedAnnotation"}.items() <= (
+        next(lab for lab in labels if lab["type"] == "Admitted").items()
+    )
+    assert any(lab["type"] == "AnnotationsHonoured" for lab in labels)
