@@ -182,6 +182,12 @@ class Settings(GrpcServerSettings):
         help="with --ingress-nginx: NS/NAME of the TLS Secret for Ingress TLS hosts "
         "without a secretName",
     )
+    admission_webhook_port: int = setting(
+        0,
+        help="with --ingress-nginx --kubernetes: HTTPS port of the ValidatingAdmissionWebhook "
+        "for Ingress (POST /validate, the process's certificate); 0: off",
+        check=port_number,
+    )
     kubeconfig: str = setting("", help="kubeconfig file for --kubernetes; empty: in-cluster")
     kube_context: str = setting("", help="kubeconfig context; empty: the current one")
     kube_namespace: str = setting("", help="only this namespace; empty: every namespace")
@@ -238,6 +244,8 @@ class Settings(GrpcServerSettings):
             if getattr(self, name)
         ]
         if not self.ingress_nginx:
+            if self.admission_webhook_port:
+                given.append("admission_webhook_port")
             if given or self.ingress_nginx_class != "nginx":
                 return f"invalid setting {(given or ['ingress_nginx_class'])[0]}: needs --ingress-nginx"
             return None
@@ -248,6 +256,11 @@ class Settings(GrpcServerSettings):
                 parse_reference(getattr(self, name), name)
             except ValueError as exc:
                 return f"invalid setting {exc}"
+        if self.admission_webhook_port and not self.kubernetes:
+            return (
+                "invalid setting admission_webhook_port: the webhook answers a cluster's "
+                "API server; it needs --kubernetes"
+            )
         if self.tcp_services_configmap:
             return (
                 "invalid setting tcp_services_configmap: TCP services are not implemented "
@@ -316,12 +329,8 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         from waygate.resolver.kube import KubernetesSource, kube_configuration, parse_node_list
 
         configuration = kube_configuration(settings.kubeconfig, settings.kube_context)
-        kube_source = KubernetesSource(
-            store,
-            configuration,
-            namespace=settings.kube_namespace or None,
-            edge_nodes=parse_node_list(settings.kube_edge_nodes),
-            gateway=GatewayObjects(
+        gateway_objects = (
+            GatewayObjects(
                 store,
                 board,
                 addresses=settings.gateway_addresses,
@@ -329,8 +338,17 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
                 ingress_nginx=settings.ingress_nginx_settings(),
             )
             if settings.gateway_api or settings.ingress_nginx
-            else None,
+            else None
         )
+        kube_source = KubernetesSource(
+            store,
+            configuration,
+            namespace=settings.kube_namespace or None,
+            edge_nodes=parse_node_list(settings.kube_edge_nodes),
+            gateway=gateway_objects,
+        )
+        if settings.admission_webhook_port and gateway_objects is not None:
+            await _start_webhook(process, settings, gateway_objects.objects.of)
     metrics.observe(store, file_source)
     from waygate.resolver import page
 
@@ -535,6 +553,27 @@ def _spawn_status_writer(
         events = IngressEventWriter(store, api, is_leader=elector.is_leader, synced=synced)
         process.spawn(events.run(), "ingress-nginx-events")
     process.on_stop(_closing(api))
+
+
+async def _start_webhook(
+    process: ServiceProcess, settings: Settings, objects: Callable[[str], Any]
+) -> None:
+    """The ingress-nginx ValidatingAdmissionWebhook's HTTPS listener (waygate.resolver.
+    ingress_nginx.webhook), with the process's own certificate."""
+    from waygate.core.settings import SettingsError
+    from waygate.resolver.ingress_nginx.webhook import WebhookServer
+
+    context = await process.server_ssl_context()
+    nginx = settings.ingress_nginx_settings()
+    if context is None or nginx is None:
+        raise SettingsError(
+            "invalid setting admission_webhook_port: the webhook needs a certificate "
+            "(--certs-address, or --tls-cert-file and --tls-key-file)"
+        )
+    webhook = WebhookServer(nginx, objects, context)
+    port = await webhook.start(settings.host, settings.admission_webhook_port)
+    process.on_stop(webhook.stop)
+    log.info("admission webhook listening", extra={"webhook_port": port})
 
 
 def _closing(api: Any) -> Any:
