@@ -623,6 +623,11 @@ upstream-hash-by-subset-size use-port-in-redirects
             {"ingress_nginx": "true", "manifests": "{dir}", "annotations_prefix": "Bad Prefix"},
             "DNS",
         ),
+        ({"admission_webhook_port": "8443"}, "needs --ingress-nginx"),
+        (
+            {"ingress_nginx": "true", "manifests": "{dir}", "admission_webhook_port": "8443"},
+            "needs --kubernetes",
+        ),
     ],
 )
 def test_ingress_nginx_flags_are_checked(tmp_path: Path, flags: dict[str, str], message: str):
