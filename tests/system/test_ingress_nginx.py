@@ -27,6 +27,7 @@ pytestmark = [pytest.mark.system, pytest.mark.asyncio(loop_scope="module")]
 
 P = "nginx.ingress.kubernetes.io/"
 V1 = f"{INFRA}/infra-backend-v1"
+V2 = f"{INFRA}/infra-backend-v2"
 CONTROLLER = {
     "apiVersion": "v1",
     "kind": "ConfigMap",
@@ -53,7 +54,11 @@ async def suite(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Confo
 
 
 def single_ingress(
-    name: str, path: str, host: str, annotations: dict[str, str] | None = None
+    name: str,
+    path: str,
+    host: str,
+    annotations: dict[str, str] | None = None,
+    service: str = "infra-backend-v1",
 ) -> dict[str, Any]:
     """framework.NewSingleIngress: one host, one Prefix path, to the echo backend."""
     return {
@@ -72,7 +77,7 @@ def single_ingress(
                                 "pathType": "Prefix",
                                 "backend": {
                                     "service": {
-                                        "name": "infra-backend-v1",
+                                        "name": service,
                                         "port": {"number": 8080},
                                     }
                                 },
@@ -211,3 +216,69 @@ async def test_fail_closed_and_injection_refused_alone(suite: Conformance) -> No
     text = json.dumps(routes)
     assert "UnsupportedAnnotation" in text and "InvalidAnnotation" in text
     assert "whitelist-source-range" in text
+
+
+def canary(host: str, annotations: dict[str, str]) -> dict[str, Any]:
+    return single_ingress(
+        f"{host}-canary",
+        "/",
+        host,
+        {P + "canary": "true", **annotations},
+        service="infra-backend-v2",
+    )
+
+
+async def test_canary_by_header_with_no_value(suite: Conformance) -> None:
+    # canary.go: Context("when canaried by header with no value") It("should route
+    # requests to the correct upstream"); and It("should return 404 status for requests
+    # to the canary if no matching ingress is found").
+    host = "foo"
+    await apply(
+        suite,
+        single_ingress(host, "/", host),
+        canary(host, {P + "canary-by-header": "CanaryByHeader"}),
+        canary("nomain", {P + "canary-by-header": "CanaryByHeader"}),
+    )
+    await suite.eventually("/", host=host, backend=V2, headers={"CanaryByHeader": "always"})
+    for value in ("never", "badheadervalue"):
+        response = await suite.request("/", host=host, headers={"CanaryByHeader": value})
+        assert response.backend == V1, value
+    response = await suite.request("/", host="nomain", headers={"CanaryByHeader": "always"})
+    assert response.status == 404
+
+
+async def test_canary_by_header_with_value(suite: Conformance) -> None:
+    # canary.go: Context("when canaried by header with value") It("should route requests
+    # to the correct upstream")
+    host = "foo"
+    annotations = {
+        P + "canary-by-header": "CanaryByHeader",
+        P + "canary-by-header-value": "DoCanary",
+    }
+    await apply(suite, single_ingress(host, "/", host), canary(host, annotations))
+    await suite.eventually("/", host=host, backend=V2, headers={"CanaryByHeader": "DoCanary"})
+    for value in ("always", "never", "otherheadervalue"):
+        response = await suite.request("/", host=host, headers={"CanaryByHeader": value})
+        assert response.backend == V1, value
+
+
+async def test_canary_by_weight(suite: Conformance) -> None:
+    # canary.go: Context("when canaried by weight") It("should route requests only to
+    # mainline if canary weight is 0"), It("should route requests only to canary if canary
+    # weight is 100"), It("should route requests split between mainline and canary if
+    # canary weight is 100 and weight total is 200")
+    await apply(
+        suite,
+        single_ingress("zero", "/", "zero"),
+        canary("zero", {P + "canary-weight": "0"}),
+        single_ingress("all", "/", "all"),
+        canary("all", {P + "canary-weight": "100"}),
+        single_ingress("half", "/", "half"),
+        canary("half", {P + "canary-weight": "100", P + "canary-weight-total": "200"}),
+    )
+    await suite.eventually("/", host="all", backend=V2)
+    for _ in range(10):
+        assert (await suite.request("/", host="zero")).backend == V1
+        assert (await suite.request("/", host="all")).backend == V2
+    seen = {(await suite.request("/", host="half")).backend for _ in range(40)}
+    assert seen == {V1, V2}

@@ -1056,6 +1056,7 @@ class _Translator:
             ),
             None,
         )
+        self.nginx_canaries: list[tuple[nginx_annotations.Plan, list[Route]]] = []
         for key, obj in sorted(self.objects.of("Ingress").items()):
             if self.ingress_nginx is not None and (nginx_compat.class_of(obj) or default) in nginx:
                 self.nginx_ingress(key, obj, self.ingress_nginx)
@@ -1071,6 +1072,8 @@ class _Translator:
             if class_name not in classes:
                 continue
             self.ingress(key, obj, ingress)
+        if self.nginx_canaries:
+            self.out.routes = nginx_annotations.merge_canaries(self.out.routes, self.nginx_canaries)
 
     def nginx_ingress(self, key: Key, obj: JSON, settings: nginx_compat.IngressNginx) -> None:
         """An Ingress of the ingress-nginx class: its annotations planned, its rules
@@ -1162,6 +1165,10 @@ class _Translator:
             routes = nginx_annotations.shape(plan, routes, certificates)
             if not routes and plan.refusal_reason:
                 routes = [nginx_annotations.placeholder(key, obj, plan)]
+            elif plan.canary and not plan.refusal_reason:
+                # Folded into its main Ingress's routes once every Ingress is translated.
+                self.nginx_canaries.append((plan, routes))
+                routes = []
         self.out.routes.extend(routes)
         served = plan is None or not plan.refusal_reason
         self.out.statuses.append(

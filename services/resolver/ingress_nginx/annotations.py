@@ -35,6 +35,7 @@ from waygate.resolver.ingress_nginx.config import ControllerConfig, IngressNginx
 from waygate.resolver.model import (
     HSTS,
     BalancePolicy,
+    HeaderMatch,
     HeaderModifier,
     InsecureEdgePolicy,
     PathMatchType,
@@ -49,6 +50,7 @@ from waygate.resolver.model import (
     SameSite,
     StickySessions,
     TLSTermination,
+    ValueMatchType,
 )
 
 JSON = dict[str, Any]
@@ -102,6 +104,11 @@ class Plan:
     refusal_reason: str = ""
     refusal: str = ""
     canary: bool = False
+    canary_weight: int = 0
+    canary_total: int = 100
+    canary_header: str = ""
+    canary_header_value: str = ""
+    canary_header_pattern: str = ""
     # Flattened rule paths, then the default backend: (pathType, path), by rule_index.
     paths: list[tuple[str, str]] = field(default_factory=list)
     use_regex: bool = False
@@ -274,8 +281,7 @@ def _apply(
             found(short)
             continue
         handler(result, short, value, values, found, timeouts, config_maps)
-    if canary:
-        result.canary = True
+    result.canary = canary
 
 
 Found = Callable[..., None]
@@ -541,18 +547,48 @@ def _access_log(
     )
 
 
-@_handles("canary")
+@_handles(
+    "canary",
+    "canary-weight",
+    "canary-weight-total",
+    "canary-by-header",
+    "canary-by-header-value",
+    "canary-by-header-pattern",
+)
 def _canary(
     p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
 ) -> None:
-    if _flag(value):
-        found(
-            "canary",
-            Verdict.NOT_HONOURED,
-            "canary Ingresses are not served: their main Ingress keeps all the traffic",
-        )
-    else:
+    if short == "canary":
         found("canary", Verdict.HONOURED, "")
+    elif short in ("canary-weight", "canary-weight-total"):
+        number = int(value)
+        if number < 0 or (short == "canary-weight-total" and number == 0):
+            found(short, Verdict.NOT_HONOURED, "out of range")
+            return
+        if short == "canary-weight":
+            p.canary_weight = number
+        else:
+            p.canary_total = number
+        found(short, Verdict.HONOURED, "")
+    elif short == "canary-by-header":
+        p.canary_header = value
+        found(short, Verdict.HONOURED, "")
+    elif short == "canary-by-header-value":
+        if not values.get("canary-by-header"):
+            found(short, Verdict.NOOP, "without canary-by-header it does nothing")
+            return
+        p.canary_header_value = value
+        found(short, Verdict.HONOURED, "")
+    elif not values.get("canary-by-header") or values.get("canary-by-header-value"):
+        found(short, Verdict.NOOP, "without canary-by-header, or with -value, it does nothing")
+    else:
+        p.canary_header_pattern = value
+        found(
+            short,
+            Verdict.DIFFERENT,
+            "matched anywhere in the value, as the proxy's regular expressions read it "
+            "(RE2 syntax, not PCRE)",
+        )
 
 
 @_handles("custom-headers")
@@ -830,8 +866,6 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
     port, `rule_index` the flattened path index) -> what ingress-nginx would serve."""
     if p.refusal_reason:
         return [refused(p, route) for route in routes]
-    if p.canary:
-        return []
     refine(p)
     secured = set(tls_hosts)
     out: list[Route] = []
@@ -964,3 +998,77 @@ def placeholder(key: tuple[str, str], obj: JSON, p: Plan) -> Route:
         ingress_refusal=(p.refusal_reason, p.refusal),
         ingress_verdicts=p.verdict_lines(),
     )
+
+
+# ---------------------------------------------------------------- canaries
+
+
+def merge_canaries(routes: list[Route], canaries: list[tuple[Plan, list[Route]]]) -> list[Route]:
+    """Canary Ingresses folded into their main Ingress's routes, as ingress-nginx does:
+    the main route of the same host, port and path gets the canary's backend by
+    weight (canary-weight of canary-weight-total), and a request whose
+    canary-by-header says `always` (or its -value, or matches its -pattern) goes to
+    the canary alone, `never` to the main backends alone (the header decides
+    before the weight). A canary without a main route is not served."""
+    out = list(routes)
+    index = {
+        (r.host, r.listener_port, r.matches[0] if r.matches else None): i
+        for i, r in enumerate(out)
+        if r.ingress_refusal is None and r.origin.startswith("Ingress ")
+    }
+    for plan, shaped in canaries:
+        for canary in shaped:
+            key = (canary.host, canary.listener_port, canary.matches[0] if canary.matches else None)
+            at = index.get(key)
+            if at is None:
+                continue
+            main = out[at]
+            if main.filters is not None and main.filters.redirect is not None:
+                continue  # answered by a redirect: no backend to share
+            extra = tuple(dataclasses.replace(b, weight=0) for b in canary.backends)
+            total = max(plan.canary_total, 1)
+            weight = min(max(plan.canary_weight, 0), total)
+            scale = 256 / total if total > 256 else 1.0
+            out[at] = dataclasses.replace(
+                main,
+                backends=tuple(
+                    dataclasses.replace(b, weight=round((total - weight) * scale))
+                    for b in main.backends
+                )
+                + tuple(dataclasses.replace(b, weight=round(weight * scale)) for b in extra),
+            )
+            if not plan.canary_header:
+                continue
+            match = main.matches[0]
+            if plan.canary_header_value:
+                to_canary = HeaderMatch(plan.canary_header, plan.canary_header_value)
+            elif plan.canary_header_pattern:
+                to_canary = HeaderMatch(
+                    plan.canary_header,
+                    f".*(?:{plan.canary_header_pattern}).*",
+                    ValueMatchType.REGEX,
+                )
+            else:
+                to_canary = HeaderMatch(plan.canary_header, "always")
+            out.append(
+                dataclasses.replace(
+                    main,
+                    name=f"{main.name}~canary",
+                    matches=(dataclasses.replace(match, headers=(to_canary,)),),
+                    backends=tuple(dataclasses.replace(b, weight=1) for b in canary.backends),
+                )
+            )
+            if not plan.canary_header_value and not plan.canary_header_pattern:
+                out.append(
+                    dataclasses.replace(
+                        main,
+                        name=f"{main.name}~canary-never",
+                        matches=(
+                            dataclasses.replace(
+                                match, headers=(HeaderMatch(plan.canary_header, "never"),)
+                            ),
+                        ),
+                        backends=main.backends,
+                    )
+                )
+    return out

@@ -243,7 +243,7 @@ _MTLS = "client certificates per Ingress: verify depth, optional modes and CN ma
 _LIMIT = "rate and connection limits: the proxy has no per-route limiter yet"
 _WAF = "ModSecurity/OWASP CRS: Waygate has no web application firewall"
 _CORS = "CORS: the proxy does not answer preflights or add CORS headers yet"
-_CANARY = "canary Ingresses: not merged into the main Ingress's routes yet"
+_CANARY = "folded into the main Ingress's routes: backends by weight, the header first"
 _SESSION = "cookie attributes beyond name and SameSite: the proxy's cookie is a session cookie"
 
 ENTRIES: tuple[Entry, ...] = (
@@ -414,13 +414,19 @@ ENTRIES: tuple[Entry, ...] = (
         lacks=True,
     ),
     # ------------------------------------------------------------ traffic
-    _e("canary", boolean, X, _CANARY, lacks=True),
-    _e("canary-weight", integer, X, _CANARY, lacks=True),
-    _e("canary-weight-total", integer, X, _CANARY, lacks=True),
-    _e("canary-by-header", _matching(_HEADER, "a header name"), X, _CANARY, lacks=True),
-    _e("canary-by-header-value", header_value, X, _CANARY, lacks=True),
-    _e("canary-by-header-pattern", regex, X, _CANARY, lacks=True),
-    _e("canary-by-cookie", _matching(_HEADER, "a cookie name"), X, _CANARY, lacks=True),
+    _e("canary", boolean, H, _CANARY),
+    _e("canary-weight", integer, H, _CANARY),
+    _e("canary-weight-total", integer, H, _CANARY),
+    _e("canary-by-header", _matching(_HEADER, "a header name"), H, _CANARY),
+    _e("canary-by-header-value", header_value, H, _CANARY),
+    _e("canary-by-header-pattern", regex, D, _CANARY + "; the pattern in RE2 syntax"),
+    _e(
+        "canary-by-cookie",
+        _matching(_HEADER, "a cookie name"),
+        X,
+        "routing by cookie value",
+        lacks=True,
+    ),
     _e(
         "affinity",
         one_of("cookie"),
@@ -434,7 +440,13 @@ ENTRIES: tuple[Entry, ...] = (
         "the cookie's endpoint wins "
         "while it is live (persistent); balanced rebalancing on scale-up is not done",
     ),
-    _e("affinity-canary-behavior", one_of("sticky", "legacy"), X, _CANARY, lacks=True),
+    _e(
+        "affinity-canary-behavior",
+        one_of("sticky", "legacy"),
+        X,
+        "sticky cookies across main and canary",
+        lacks=True,
+    ),
     _e("session-cookie-name", _matching(_HEADER, "a cookie name"), H),
     _e("session-cookie-samesite", one_of("None", "Lax", "Strict"), H),
     _e("session-cookie-path", path, X, _SESSION, lacks=True),

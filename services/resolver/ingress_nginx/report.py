@@ -175,12 +175,8 @@ def check(objects: list[JSON], settings: IngressNginx) -> Report:
         except specs.SpecError as exc:
             plan.refuse(planner.INVALID, f"{specs.dotted(exc.where)}: {exc.reason}")
         planner.refine(plan)
-        refusal = plan.refusal or (
-            "a canary Ingress: not served, its main Ingress keeps all the traffic"
-            if plan.canary
-            else ""
-        )
-        report.ingresses.append(IngressReport(namespace, name, not refusal, refusal, plan.findings))
+        served = not plan.refusal_reason
+        report.ingresses.append(IngressReport(namespace, name, served, plan.refusal, plan.findings))
     return report
 
 

@@ -104,11 +104,6 @@ def review(body: bytes, settings: IngressNginx, objects: Lookup) -> JSON:
         line if len(line) <= MAX_WARNING else line[: MAX_WARNING - 3] + "..."
         for line in plan.verdict_lines()
     ]
-    if plan.canary and not plan.refusal_reason:
-        warnings.insert(
-            0,
-            "a canary Ingress: Waygate does not serve it (its main Ingress keeps all the traffic)",
-        )
     if warnings:
         response["warnings"] = warnings
     if plan.refusal_reason:

@@ -361,12 +361,70 @@ def test_non_access_annotation_not_honoured_is_served_and_reported():
     assert any(line.startswith("proxy-body-size: not-honoured") for line in route.ingress_verdicts)
 
 
-def test_a_canary_ingress_is_not_served_its_main_keeps_the_traffic():
-    main = ingress("main")
-    canary = ingress("canary", {P + "canary": "true", P + "canary-weight": "10"})
-    routes = routes_of(main, canary)
-    assert served(routes, "main")
+def canary_ingress(name: str, annotations: dict[str, str], path: str = "/") -> dict[str, Any]:
+    item = ingress(name, {P + "canary": "true", **annotations}, path=path)
+    item["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]["name"] = "web-v2"
+    return item
+
+
+def test_a_canary_by_weight_is_folded_into_its_main_route():
+    routes = routes_of(ingress("main"), canary_ingress("canary", {P + "canary-weight": "10"}))
+    [route] = routes
+    assert route.origin == "Ingress default/main"
+    assert [(b.service, b.weight) for b in route.backends] == [("web", 90), ("web-v2", 10)]
     assert by_ingress(routes, "canary") == []
+
+
+def test_a_canary_weight_total_above_the_proxys_scale_is_scaled():
+    canary = canary_ingress(
+        "canary", {P + "canary-weight": "250", P + "canary-weight-total": "1000"}
+    )
+    [route] = routes_of(ingress("main"), canary)
+    assert [(b.service, b.weight) for b in route.backends] == [("web", 192), ("web-v2", 64)]
+
+
+def test_a_canary_by_header_always_never_and_value_and_pattern():
+    routes = routes_of(
+        ingress("main"), canary_ingress("canary", {P + "canary-by-header": "X-Canary"})
+    )
+    by_name = {r.name.rpartition("~")[2] if "~" in r.name else "main": r for r in routes}
+    assert [(b.service, b.weight) for b in by_name["main"].backends] == [
+        ("web", 100),
+        ("web-v2", 0),
+    ]
+    always, never = by_name["canary"], by_name["canary-never"]
+    assert always.matches[0].headers[0].name == "X-Canary"
+    assert always.matches[0].headers[0].value == "always"
+    assert [b.service for b in always.backends] == ["web-v2"]
+    assert never.matches[0].headers[0].value == "never"
+    assert [b.service for b in never.backends] == ["web"]
+    routes = routes_of(
+        ingress("main"),
+        canary_ingress(
+            "canary", {P + "canary-by-header": "X-Region", P + "canary-by-header-value": "eu"}
+        ),
+    )
+    [to_canary] = [r for r in routes if r.name.endswith("~canary")]
+    assert to_canary.matches[0].headers[0].value == "eu"
+    assert not [r for r in routes if r.name.endswith("~canary-never")]
+    routes = routes_of(
+        ingress("main"),
+        canary_ingress(
+            "canary", {P + "canary-by-header": "User-Agent", P + "canary-by-header-pattern": "Beta"}
+        ),
+    )
+    [to_canary] = [r for r in routes if r.name.endswith("~canary")]
+    header = to_canary.matches[0].headers[0]
+    assert header.type.value == "RegularExpression"
+    assert re.fullmatch(header.value, "Mozilla Beta 5")
+
+
+def test_a_canary_without_a_main_ingress_or_by_cookie():
+    assert routes_of(canary_ingress("alone", {P + "canary-weight": "50"})) == []
+    [route] = routes_of(
+        ingress("main"), canary_ingress("canary", {P + "canary-by-cookie": "canary"})
+    )
+    assert [(b.service, b.weight) for b in route.backends] == [("web", 100), ("web-v2", 0)]
 
 
 def test_a_controller_configmap_key_bearing_on_access_refuses_every_ingress_and_applies_live():
