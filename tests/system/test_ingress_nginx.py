@@ -282,3 +282,37 @@ async def test_canary_by_weight(suite: Conformance) -> None:
         assert (await suite.request("/", host="all")).backend == V2
     seen = {(await suite.request("/", host="half")).backend for _ in range(40)}
     assert seen == {V1, V2}
+
+
+async def test_ssl_passthrough_relays_tls_by_sni(suite: Conformance) -> None:
+    # ssl-passthrough (docs/user-guide/tls.md#ssl-passthrough; no e2e file of its own in
+    # test/e2e/annotations): the client sees the backend's own certificate.
+    from tests.system.test_gateway_tls_ingress import common_name, peer_certificate, tls_backend
+
+    host = "passthrough.bar.com"
+    async with tls_backend(host) as port:
+        backend = f"""apiVersion: v1
+kind: Service
+metadata: {{name: nginx-tls-backend, namespace: {INFRA}}}
+spec: {{ports: [{{name: https, port: 443, targetPort: {port}}}]}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: nginx-tls-backend-local
+  namespace: {INFRA}
+  labels: {{kubernetes.io/service-name: nginx-tls-backend}}
+addressType: IPv4
+ports: [{{name: https, port: {port}}}]
+endpoints: [{{addresses: [127.0.0.1]}}]
+"""
+        item = single_ingress(host, "/", host, {P + "ssl-passthrough": "true"})
+        item["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"] = {
+            "name": "nginx-tls-backend",
+            "port": {"number": 443},
+        }
+        await suite.apply(extra=yaml.safe_dump_all([CONTROLLER, item]) + "\n---\n" + backend)
+        served = await peer_certificate(suite.https_port, host)
+        assert common_name(served) == host
+        response = await suite.request("/", host=host, tls=True)
+        assert (response.status, response.body) == (200, b"passthrough")

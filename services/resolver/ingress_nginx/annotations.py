@@ -35,6 +35,7 @@ from waygate.resolver.ingress_nginx.config import ControllerConfig, IngressNginx
 from waygate.resolver.model import (
     HSTS,
     BalancePolicy,
+    ForwardedHeadersMode,
     HeaderMatch,
     HeaderModifier,
     InsecureEdgePolicy,
@@ -131,6 +132,8 @@ class Plan:
     timeouts: RouteTimeouts = field(default_factory=RouteTimeouts)
     upstream_protocol: str = ""
     backend_tls: bool = False
+    ssl_passthrough: bool = False
+    forwarded: ForwardedHeadersMode = ForwardedHeadersMode.REPLACE
     backend_server_name: str = ""
     hsts: HSTS | None = None
 
@@ -195,6 +198,14 @@ def plan(
     except ValueError:
         code = 308
     result.redirect_code = code if code in _REDIRECT_CODES else 308
+    # ingress-nginx's X-Forwarded-*: its own values (the client's replaced) unless
+    # use-forwarded-headers trusts the client's, compute-full-forwarded-for appends.
+    if config.flag("use-forwarded-headers", False):
+        result.forwarded = (
+            ForwardedHeadersMode.APPEND
+            if config.flag("compute-full-forwarded-for", False)
+            else ForwardedHeadersMode.IF_NONE
+        )
     if config.text("load-balance", "round_robin") == "ewma":
         result.balance = BalancePolicy.LEAST_CONN
     if config.flag("hsts", True):
@@ -591,6 +602,14 @@ def _canary(
         )
 
 
+@_handles("ssl-passthrough")
+def _passthrough(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    p.ssl_passthrough = _flag(value)
+    found(short, Verdict.HONOURED, "" if not p.ssl_passthrough else None)
+
+
 @_handles("custom-headers")
 def _custom_headers(
     p: Plan,
@@ -912,14 +931,19 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             balance=p.balance,
             timeouts=p.timeouts,
             upstream_protocol=p.upstream_protocol,
+            forwarded_headers=p.forwarded,
             ingress_verdicts=verdicts,
         )
+        if p.ssl_passthrough and route.listener_port == 443:
+            continue  # the host's TLS is passed through, never terminated here
         out.append(shaped)
         for alias in p.aliases:
             if alias != route.host and route.host:
                 out.append(dataclasses.replace(shaped, name=f"{route.name}~{alias}", host=alias))
         if route.host:
             extra_hosts.setdefault((route.host, route.listener_port), shaped)
+    if p.ssl_passthrough:
+        out.extend(_passthrough_routes(p, routes, verdicts))
     for (host, port), model in sorted(extra_hosts.items()):
         for name_host in (host, *(a for a in p.aliases if a != host)):
             if p.app_root:
@@ -950,6 +974,37 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
                         ),
                     )
                 )
+    return out
+
+
+def _passthrough_routes(p: Plan, routes: list[Route], verdicts: tuple[str, ...]) -> list[Route]:
+    """ssl-passthrough: one route per host on the HTTPS port, by SNI, to the backend of
+    the host's `/` path (else its first), as ingress-nginx's --enable-ssl-passthrough."""
+    chosen: dict[str, Route] = {}
+    for route in routes:
+        if not route.host or route.listener_port != 80:
+            continue
+        _, value = p.paths[route.rule_index] if route.rule_index < len(p.paths) else ("", "/")
+        if route.host not in chosen or value == "/":
+            chosen[route.host] = route
+    out = []
+    for host in (*chosen, *(a for a in p.aliases if chosen and a not in chosen)):
+        model = chosen.get(host) or next(iter(chosen.values()))
+        out.append(
+            dataclasses.replace(
+                model,
+                name=f"ingress:{p.name}:passthrough:443:{host}",
+                host=host,
+                matches=(),
+                filters=None,
+                tls=RouteTLS(TLSTermination.PASSTHROUGH),
+                listener_port=443,
+                listener_protocol="TLS",
+                sticky=StickySessions(disable_cookies=True),
+                upstream_protocol="",
+                ingress_verdicts=verdicts,
+            )
+        )
     return out
 
 

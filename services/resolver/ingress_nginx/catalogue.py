@@ -581,7 +581,13 @@ ENTRIES: tuple[Entry, ...] = (
         N,
         "the proxy speaks TLS 1.2+ only",
     ),
-    _e("ssl-passthrough", boolean, X, "TLS passthrough for Ingress hosts", lacks=True),
+    _e(
+        "ssl-passthrough",
+        boolean,
+        H,
+        "the host's TLS relayed by SNI on the HTTPS port to "
+        "the backend of its `/` path (as --enable-ssl-passthrough)",
+    ),
     _e("mirror-target", url, X, "mirroring to a URL (the proxy mirrors to Services)", lacks=True),
     _e("mirror-host", hosts, X, "mirroring to a URL", lacks=True),
     _e("mirror-request-body", one_of("on", "off"), X, "mirroring to a URL", lacks=True),

@@ -40,6 +40,8 @@ HONOURED_KEYS = frozenset(
         "hsts-max-age",
         "hsts-include-subdomains",
         "hsts-preload",
+        "use-forwarded-headers",
+        "compute-full-forwarded-for",
     )
 )
 #: nginx tuning with no meaning for a streaming proxy.
@@ -161,7 +163,9 @@ class ControllerConfig:
         out = []
         for key in sorted(self.data):
             value = str(self.data[key])
-            if key in HONOURED_KEYS:
+            if key in HONOURED_KEYS or (
+                key == "forwarded-for-header" and value.lower() == "x-forwarded-for"
+            ):
                 out.append(KeyVerdict(key, value, Verdict.HONOURED))
             elif key in NOOP_KEYS:
                 out.append(KeyVerdict(key, value, Verdict.NOOP, "nginx tuning"))

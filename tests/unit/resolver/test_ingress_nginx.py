@@ -745,3 +745,43 @@ def test_every_condition_is_a_metric_sample():
         next(lab for lab in labels if lab["type"] == "Admitted").items()
     )
     assert any(lab["type"] == "AnnotationsHonoured" for lab in labels)
+
+
+def test_ssl_passthrough_relays_the_host_by_sni_and_terminates_nothing():
+    item = ingress("argocd", {P + "ssl-passthrough": "true"}, tls=True)
+    secret = yaml.safe_load(tls_secret("default", "cert", "app.example.com"))
+    routes = translate(
+        objects(item, secrets={("default", "cert"): secret}), ingress_nginx=SETTINGS
+    ).routes
+    passthrough = [
+        r for r in routes if r.tls is not None and r.tls.termination.value == "passthrough"
+    ]
+    assert [(r.host, r.listener_port, r.matches) for r in passthrough] == [
+        ("app.example.com", 443, ())
+    ]
+    assert not [r for r in routes if r.listener_port == 443 and r not in passthrough]
+    [plain] = [r for r in routes if r.listener_port == 80]
+    assert plain.filters and plain.filters.redirect and plain.filters.redirect.scheme == "https"
+
+
+def test_forwarded_headers_follow_the_configmap_as_ingress_nginx():
+    from waygate.resolver.model import ForwardedHeadersMode
+
+    [route] = routes_of(ingress("f"))
+    assert route.forwarded_headers is ForwardedHeadersMode.REPLACE
+    settings = IngressNginx(configmap=("ingress-nginx", "c"))
+    for data, mode in (
+        ({"use-forwarded-headers": "true"}, ForwardedHeadersMode.IF_NONE),
+        (
+            {"use-forwarded-headers": "true", "compute-full-forwarded-for": "true"},
+            ForwardedHeadersMode.APPEND,
+        ),
+    ):
+        config = {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "c", "namespace": "ingress-nginx"},
+            "data": data,
+        }
+        [route] = routes_of(config, ingress("f"), settings=settings)
+        assert route.forwarded_headers is mode

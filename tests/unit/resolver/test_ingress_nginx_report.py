@@ -79,7 +79,8 @@ def test_the_json_report_over_the_examples():
     keys = {k["key"]: k["verdict"] for k in report["configMap"]["keys"]}
     assert keys["allow-snippet-annotations"] == "honoured"
     assert keys["worker-processes"] == "no-op"
-    assert keys["use-forwarded-headers"] == "not-honoured"
+    assert keys["use-forwarded-headers"] == "honoured"
+    assert keys["proxy-body-size"] == "not-honoured"
 
 
 def test_the_table_report_and_snippets_refused_without_the_configmap():
