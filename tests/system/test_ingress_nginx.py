@@ -316,3 +316,58 @@ endpoints: [{{addresses: [127.0.0.1]}}]
         assert common_name(served) == host
         response = await suite.request("/", host=host, tls=True)
         assert (response.status, response.body) == (200, b"passthrough")
+
+
+async def test_rewrite_should_use_correct_longest_path_match(suite: Conformance) -> None:
+    # rewrite.go: It("should use correct longest path match")
+    host = "rewrite.bar.com"
+    await apply(
+        suite,
+        single_ingress("kube-lego", "/.well-known/acme/challenge", host),
+        single_ingress("rewrite-index", "/", host, {P + "rewrite-target": "/new/backend"}),
+    )
+    response = await suite.eventually("/.well-known/acme/challenge", host=host, backend=V1)
+    assert response.echo["target"] == "/.well-known/acme/challenge"
+    response = await suite.request("/anything", host=host)
+    assert response.echo["target"] == "/new/backend"
+
+
+async def test_rewrite_should_use_the_case_insensitive_regex_location_modifier(
+    suite: Conformance,
+) -> None:
+    # rewrite.go: It("should use ~* location modifier if regex annotation is present")
+    host = "rewrite2.bar.com"
+    annotations = {P + "use-regex": "true", P + "rewrite-target": "/new/backend"}
+    item = single_ingress("regex", "/foo.+", host, annotations)
+    item["spec"]["rules"][0]["http"]["paths"][0]["pathType"] = "ImplementationSpecific"
+    await apply(suite, single_ingress("foo", "/foo", host), item)
+    response = await suite.eventually("/foo/bar", host=host, backend=V1)
+    assert response.echo["target"] == "/new/backend"
+    response = await suite.request("/foo", host=host)
+    assert response.echo["target"] == "/foo"
+    # ~*: case-insensitive.
+    assert (await suite.request("/FOO/bar", host=host)).echo["target"] == "/new/backend"
+
+
+async def test_rewrite_should_fail_to_use_longest_match_for_documented_warning(
+    suite: Conformance,
+) -> None:
+    # rewrite.go: It("should fail to use longest match for documented warning")
+    host = "rewrite3.bar.com"
+    annotations = {P + "use-regex": "true", P + "rewrite-target": "/new/backend"}
+    item = single_ingress("regex", "/foo/bar/[a-z]{3}", host, annotations)
+    item["spec"]["rules"][0]["http"]["paths"][0]["pathType"] = "ImplementationSpecific"
+    await apply(suite, single_ingress("foo", "/foo/bar/bar", host), item)
+    response = await suite.eventually("/foo/bar/bar", host=host, backend=V1)
+    assert response.echo["target"] == "/new/backend"
+
+
+async def test_rewrite_should_allow_for_custom_rewrite_parameters(suite: Conformance) -> None:
+    # rewrite.go: It("should allow for custom rewrite parameters")
+    host = "rewrite4.bar.com"
+    annotations = {P + "use-regex": "true", P + "rewrite-target": "/new/backend/$1"}
+    item = single_ingress("regex", "/foo/bar/(.+)", host, annotations)
+    item["spec"]["rules"][0]["http"]["paths"][0]["pathType"] = "ImplementationSpecific"
+    await apply(suite, item)
+    response = await suite.eventually("/foo/bar/bar", host=host, backend=V1)
+    assert response.echo["target"] == "/new/backend/bar"

@@ -1057,6 +1057,7 @@ class _Translator:
             None,
         )
         self.nginx_canaries: list[tuple[nginx_annotations.Plan, list[Route]]] = []
+        self.nginx_routes: set[str] = set()
         for key, obj in sorted(self.objects.of("Ingress").items()):
             if self.ingress_nginx is not None and (nginx_compat.class_of(obj) or default) in nginx:
                 self.nginx_ingress(key, obj, self.ingress_nginx)
@@ -1074,6 +1075,8 @@ class _Translator:
             self.ingress(key, obj, ingress)
         if self.nginx_canaries:
             self.out.routes = nginx_annotations.merge_canaries(self.out.routes, self.nginx_canaries)
+        if self.ingress_nginx is not None:
+            self.out.routes = nginx_annotations.regex_hosts(self.out.routes, self.nginx_routes)
 
     def nginx_ingress(self, key: Key, obj: JSON, settings: nginx_compat.IngressNginx) -> None:
         """An Ingress of the ingress-nginx class: its annotations planned, its rules
@@ -1169,6 +1172,7 @@ class _Translator:
                 # Folded into its main Ingress's routes once every Ingress is translated.
                 self.nginx_canaries.append((plan, routes))
                 routes = []
+            self.nginx_routes.update(r.name for r in routes)
         self.out.routes.extend(routes)
         served = plan is None or not plan.refusal_reason
         self.out.statuses.append(

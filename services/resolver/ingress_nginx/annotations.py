@@ -80,7 +80,7 @@ _REGEX_PATH = re.compile(r"/[A-Za-z0-9\-._~/^$\[\](){}*+?|&=\\]*")
 _HEADER_NAME = re.compile(r"[A-Za-z0-9_.-]{1,256}")
 _HEADER_VALUE = re.compile(r"[\x20-\x7e]{0,4096}")
 # `P(/|$)(.*)` -> `X$2`, `P/(.*)` -> `X$1`, `P(.*)` -> `X$1`: a prefix replacement.
-_PREFIX_IDIOM = re.compile(r"(?P<prefix>/[A-Za-z0-9\-._~/]*?)(?P<sep>\(/\|\$\)|/)?\(\.\*\)")
+_PREFIX_IDIOM = re.compile(r"(?P<prefix>/[A-Za-z0-9\-._~/]*?)(?P<sep>\(/\|\$\)|/)?\(\.[*+]\)")
 _REDIRECT_CODES = frozenset((301, 302, 303, 307, 308))
 
 
@@ -1126,4 +1126,47 @@ def merge_canaries(routes: list[Route], canaries: list[tuple[Plan, list[Route]]]
                         backends=main.backends,
                     )
                 )
+    return out
+
+
+# ---------------------------------------------------------------- hosts with regular expressions
+
+
+def regex_hosts(routes: list[Route], nginx: set[str]) -> list[Route]:
+    """ingress-nginx's rule for a host where any location is a regular expression
+    (use-regex or rewrite-target on any of its Ingresses): every Prefix path of the
+    host becomes a case-insensitive regular expression anchored at the start
+    (`location ~* "^PATH"`), tried longest first, as nginx tries them in the order
+    ingress-nginx writes them. Exact paths stay exact; a prefix replacement
+    (`PREFIX(/|$)(.*)` -> `/$2`) stays a prefix. `nginx`: the names of the routes
+    of ingress-nginx Ingresses (others are not touched)."""
+    hosts = {
+        (r.host, r.listener_port)
+        for r in routes
+        if r.name.split("~")[0] in nginx
+        and any(m.path_type is PathMatchType.REGEX for m in r.matches)
+    }
+    if not hosts:
+        return routes
+    out = []
+    for route in routes:
+        rewrite = route.filters.rewrite if route.filters is not None else None
+        if (
+            route.name.split("~")[0] in nginx
+            and (route.host, route.listener_port) in hosts
+            and route.matches
+            and route.matches[0].path_type is PathMatchType.PREFIX
+            and (rewrite is None or rewrite.path_type is not PathModifierType.PREFIX)
+        ):
+            match = route.matches[0]
+            pattern = f"(?i)(?:{match.path}).*"
+            try:
+                re.compile(pattern)
+            except re.error:
+                pattern = f"(?i)(?:{re.escape(match.path)}).*"
+            route = dataclasses.replace(
+                route,
+                matches=(dataclasses.replace(match, path_type=PathMatchType.REGEX, path=pattern),),
+            )
+        out.append(route)
     return out

@@ -252,9 +252,9 @@ ENTRIES: tuple[Entry, ...] = (
         "use-regex",
         boolean,
         D,
-        "paths of this Ingress become case-insensitive regular "
-        "expressions anchored at the start (nginx `location ~*`); paths of other Ingresses "
-        "on the same host keep their own type",
+        "the host's paths become case-insensitive regular expressions anchored at the "
+        "start (nginx `location ~*`), longest first, as ingress-nginx; a prefix-replacement "
+        "rewrite stays a case-sensitive prefix, tried after them",
     ),
     _e(
         "rewrite-target",

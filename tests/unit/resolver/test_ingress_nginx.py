@@ -785,3 +785,16 @@ def test_forwarded_headers_follow_the_configmap_as_ingress_nginx():
         }
         [route] = routes_of(config, ingress("f"), settings=settings)
         assert route.forwarded_headers is mode
+
+
+def test_a_regex_on_a_host_makes_every_prefix_path_of_the_host_a_regex():
+    plain = ingress("plain", path="/.well-known/acme/challenge")
+    rewriting = ingress("rewriting", {P + "rewrite-target": "/new"}, path="/")
+    other_host = ingress("other", host="other.example.com", path="/x")
+    routes = routes_of(plain, rewriting, other_host)
+    by_name = {r.origin.rpartition("/")[2]: r for r in routes}
+    assert by_name["plain"].matches[0].path_type is PathMatchType.REGEX
+    assert re.fullmatch(by_name["plain"].matches[0].path, "/.WELL-KNOWN/acme/challenge/x")
+    assert by_name["other"].matches[0].path_type is PathMatchType.PREFIX
+    # Longest path first, as ingress-nginx sorts a server's locations.
+    assert len(by_name["plain"].matches[0].path) > len(by_name["rewriting"].matches[0].path)
