@@ -371,3 +371,70 @@ async def test_rewrite_should_allow_for_custom_rewrite_parameters(suite: Conform
     await apply(suite, item)
     response = await suite.eventually("/foo/bar/bar", host=host, backend=V1)
     assert response.echo["target"] == "/new/backend/bar"
+
+
+async def test_affinity_sets_and_renames_the_sticky_cookie(suite: Conformance) -> None:
+    # affinity.go: It("should set sticky cookie SERVERID"), It("should change cookie name
+    # on ingress definition change")
+    host = "sticky.foo.com"
+    annotations = {P + "affinity": "cookie", P + "session-cookie-name": "SERVERID"}
+    await apply(suite, single_ingress(host, "/", host, annotations))
+    response = await suite.eventually("/", host=host, backend=V1)
+    assert "SERVERID=" in (response.response_header("Set-Cookie") or "")
+    annotations[P + "session-cookie-name"] = "OTHERCOOKIENAME"
+    await apply(suite, single_ingress(host, "/", host, annotations))
+    response = await suite.eventually("/", host=host, backend=V1)
+    assert "OTHERCOOKIENAME=" in (response.response_header("Set-Cookie") or "")
+
+
+async def test_server_snippet_adds_valid_directives(suite: Conformance) -> None:
+    # serversnippet.go: It(`add valid directives to server via server snippet`) (the
+    # ConfigMap allows snippets: allow-snippet-annotations, annotations-risk-level Critical)
+    host = "serversnippet.foo.com"
+    snippet = 'more_set_headers "Foo: Bar";\nmore_set_headers "Xpto: Lalala";\n'
+    await apply(suite, single_ingress(host, "/", host, {P + "server-snippet": snippet}))
+    response = await suite.eventually("/", host=host, backend=V1)
+    assert response.response_header("Foo") == "Bar"
+    assert response.response_header("Xpto") == "Lalala"
+
+
+async def test_custom_headers_from_a_configmap(suite: Conformance) -> None:
+    # customheaders.go: It(`should set "more_set_headers 'My-Custom-Header' '42';" when
+    # custom-headers are set`), It("should return status code 503 when custom-headers is
+    # configured with an invalid secret") -- here the Ingress is not served (404, no
+    # route) rather than answered 503: the catalogued fail-closed refusal.
+    headers = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "custom-headers", "namespace": INFRA},
+        "data": {"My-Custom-Header": "42"},
+    }
+    annotations = {P + "custom-headers": f"{INFRA}/custom-headers"}
+    await apply(
+        suite,
+        headers,
+        single_ingress("custom-headers", "/", "custom-headers", annotations),
+        single_ingress(
+            "missing", "/", "missing-headers", {P + "custom-headers": f"{INFRA}/nothing"}
+        ),
+    )
+    response = await suite.eventually("/", host="custom-headers", backend=V1)
+    assert response.response_header("My-Custom-Header") == "42"
+    assert (await suite.request("/", host="missing-headers")).status == 404
+
+
+async def test_preserve_trailing_slash_on_the_https_redirect(suite: Conformance) -> None:
+    # preservetrailingslash.go: It("should allow preservation of trailing slashes")
+    from tests.support.gatewayapi import tls_secret
+
+    host = "forcesslredirect.bar.com"
+    annotations = {P + "ssl-redirect": "true", P + "preserve-trailing-slash": "true"}
+    item = single_ingress("trailing", "/", host, annotations)
+    item["spec"]["tls"] = [{"hosts": [host], "secretName": "trailing-tls"}]
+    await suite.apply(
+        extra=yaml.safe_dump_all([CONTROLLER, item])
+        + "\n---\n"
+        + tls_secret(INFRA, "trailing-tls", host)
+    )
+    response = await suite.eventually("/", host=host, status=308)
+    assert response.header("Location") == "https://forcesslredirect.bar.com/"

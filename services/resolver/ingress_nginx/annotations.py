@@ -620,30 +620,29 @@ def _custom_headers(
     timeouts: dict[str, float],
     config_maps: Callable[[str, str], JSON | None],
 ) -> None:
+    # ingress-nginx answers 503 where its headers cannot be set (a missing ConfigMap,
+    # a bad header): the Ingress is not served rather than served without them.
     namespace, _, name = value.rpartition("/")
     obj = config_maps(namespace or p.namespace, name)
+    problem = ""
     if obj is None:
-        found(
-            "custom-headers",
-            Verdict.NOT_HONOURED,
-            f"ConfigMap {namespace or p.namespace}/{name} not found",
-        )
+        problem = f"ConfigMap {namespace or p.namespace}/{name} not found"
+    else:
+        data = obj.get("data") or {}
+        for header, text in sorted(data.items()):
+            header, text = str(header), str(text)
+            if (
+                not _HEADER_NAME.fullmatch(header)
+                or header.lower() in _PROTECTED
+                or catalogue.header_value(text)
+            ):
+                problem = f"header {header!r} is not a plain header and value"
+                break
+            p.response_set.append((header, text))
+    if problem:
+        p.note(Finding(short, value, Verdict.NOT_HONOURED, problem, True))
+        p.refuse(UNSUPPORTED, f"annotation custom-headers: {problem}")
         return
-    data = obj.get("data") or {}
-    for header, text in sorted(data.items()):
-        header, text = str(header), str(text)
-        if (
-            not _HEADER_NAME.fullmatch(header)
-            or header.lower() in _PROTECTED
-            or catalogue.header_value(text)
-        ):
-            found(
-                "custom-headers",
-                Verdict.NOT_HONOURED,
-                f"header {header!r} is not a plain header and value",
-            )
-            return
-        p.response_set.append((header, text))
     found("custom-headers")
 
 

@@ -608,7 +608,13 @@ ENTRIES: tuple[Entry, ...] = (
     _e("cors-expose-headers", headers, X, _CORS, lacks=True),
     _e("cors-allow-credentials", boolean, X, _CORS, lacks=True),
     _e("cors-max-age", integer, X, _CORS, lacks=True),
-    _e("custom-headers", name, H, "the ConfigMap's entries set on every response"),
+    _e(
+        "custom-headers",
+        name,
+        H,
+        "the ConfigMap's entries set on every response; a "
+        "missing ConfigMap or a bad header: not served (ingress-nginx answers 503)",
+    ),
     _e("custom-http-errors", status_codes, X, "answers from an error backend", lacks=True),
     _e("default-backend", name, X, "a fallback Service for errors and no endpoints", lacks=True),
     _e("disable-proxy-intercept-errors", boolean, N, "only meaningful with custom-http-errors"),
