@@ -70,7 +70,6 @@ from waygate.resolver.gateway.spec import (
     ParentRef,
     RouteSpec,
     SpecError,
-    dotted,
 )
 from waygate.resolver.ingress_nginx import annotations as nginx_annotations
 from waygate.resolver.ingress_nginx import config as nginx_compat
@@ -1045,17 +1044,7 @@ class _Translator:
             if (obj.get("spec") or {}).get("controller") == INGRESS_CONTROLLER
         }
         nginx = nginx_compat.classes(self.objects.of("IngressClass"), self.ingress_nginx)
-        default = next(
-            (
-                name
-                for name, obj in sorted({**classes, **nginx}.items())
-                if ((obj.get("metadata") or {}).get("annotations") or {}).get(
-                    "ingressclass.kubernetes.io/is-default-class"
-                )
-                == "true"
-            ),
-            None,
-        )
+        default = nginx_compat.default_class({**classes, **nginx})
         self.nginx_canaries: list[tuple[nginx_annotations.Plan, list[Route]]] = []
         self.nginx_routes: set[str] = set()
         for key, obj in sorted(self.objects.of("Ingress").items()):
@@ -1081,14 +1070,8 @@ class _Translator:
     def nginx_ingress(self, key: Key, obj: JSON, settings: nginx_compat.IngressNginx) -> None:
         """An Ingress of the ingress-nginx class: its annotations planned, its rules
         translated as every Ingress's, then shaped (or refused alone)."""
-        configs = self.objects.of("ConfigMap")
-        config = nginx_compat.config_from(configs.get(settings.configmap or ("", "")))
-        plan = nginx_annotations.plan(obj, settings, config, lambda ns, n: configs.get((ns, n)))
-        try:
-            # Paths are the plan's (checked against their pathType there).
-            ingress = specs.ingress(nginx_compat.with_plain_paths(obj))
-        except SpecError as exc:
-            plan.refuse(nginx_annotations.INVALID, f"{dotted(exc.where)}: {exc.reason}")
+        plan, ingress = nginx_annotations.judge(obj, settings, self.objects.of("ConfigMap"))
+        if ingress is None:
             self.out.routes.append(nginx_annotations.placeholder(key, obj, plan))
             return
         self.ingress(key, obj, ingress, plan, settings.default_certificate)

@@ -29,9 +29,15 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from waygate.resolver.gateway import spec as specs
 from waygate.resolver.ingress_nginx import catalogue
 from waygate.resolver.ingress_nginx.catalogue import CATALOGUE, SNIPPETS, Verdict
-from waygate.resolver.ingress_nginx.config import ControllerConfig, IngressNginx
+from waygate.resolver.ingress_nginx.config import (
+    ControllerConfig,
+    IngressNginx,
+    config_from,
+    with_plain_paths,
+)
 from waygate.resolver.model import (
     HSTS,
     BalancePolicy,
@@ -166,6 +172,27 @@ class Plan:
 
 def _flag(value: str) -> bool:
     return value in _TRUE
+
+
+# ---------------------------------------------------------------- judge
+
+
+def judge(
+    obj: JSON, settings: IngressNginx, config_maps: Mapping[tuple[str, str], JSON]
+) -> tuple[Plan, specs.IngressSpec | None]:
+    """One Ingress of the class under the controller ConfigMap found in `config_maps`:
+    its plan (refused when its rules do not read) and its rules (None then). The one
+    judgement the resolver, the report and the admission webhook all give."""
+    config = config_from(config_maps.get(settings.configmap or ("", "")))
+    result = plan(obj, settings, config, lambda ns, n: config_maps.get((ns, n)))
+    rules: specs.IngressSpec | None = None
+    try:
+        # Paths are the plan's (checked against their pathType there).
+        rules = specs.ingress(with_plain_paths(obj))
+    except specs.SpecError as exc:
+        result.refuse(INVALID, f"{specs.dotted(exc.where)}: {exc.reason}")
+    refine(result)
+    return result, rules
 
 
 # ---------------------------------------------------------------- plan

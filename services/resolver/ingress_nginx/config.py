@@ -234,6 +234,21 @@ def classes(
     return out
 
 
+def default_class(ingress_classes: Mapping[str, Any]) -> str | None:
+    """The class (by name) annotated ingressclass.kubernetes.io/is-default-class: "true"."""
+    return next(
+        (
+            name
+            for name, obj in sorted(ingress_classes.items())
+            if (((obj or {}).get("metadata") or {}).get("annotations") or {}).get(
+                "ingressclass.kubernetes.io/is-default-class"
+            )
+            == "true"
+        ),
+        None,
+    )
+
+
 def with_plain_paths(obj: Any) -> Any:
     """A copy of an Ingress whose rule paths are all "/": its paths are the
     plan's to check (regular expressions are not paths the Gateway parser takes)."""

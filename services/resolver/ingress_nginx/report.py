@@ -23,19 +23,17 @@ from typing import Any
 from waygate.core.clientcli import EXIT_USAGE_OR_UNREACHABLE, fail
 from waygate.core.errors import WaygateError
 from waygate.resolver.filesource import FileError
-from waygate.resolver.gateway import spec as specs
 from waygate.resolver.ingress_nginx import annotations as planner
 from waygate.resolver.ingress_nginx.catalogue import DEFAULT_PREFIX, Verdict
 from waygate.resolver.ingress_nginx.config import (
     DEFAULT_CLASS,
-    ControllerConfig,
     IngressNginx,
     KeyVerdict,
     class_of,
     classes,
     config_from,
+    default_class,
     parse_reference,
-    with_plain_paths,
 )
 
 JSON = dict[str, Any]
@@ -142,23 +140,9 @@ def check(objects: list[JSON], settings: IngressNginx) -> Report:
         namespace = "" if kind == "IngressClass" else str(meta.get("namespace") or "default")
         by_kind.setdefault(kind, {})[(namespace, str(meta.get("name") or ""))] = obj
     config_maps = by_kind.get("ConfigMap", {})
-    config = (
-        config_from(config_maps.get(settings.configmap))
-        if settings.configmap
-        else ControllerConfig()
-    )
+    config = config_from(config_maps.get(settings.configmap or ("", "")))
     ours = classes(by_kind.get("IngressClass", {}), settings)
-    default = next(
-        (
-            name
-            for name, obj in sorted(ours.items())
-            if ((obj.get("metadata") or {}).get("annotations") or {}).get(
-                "ingressclass.kubernetes.io/is-default-class"
-            )
-            == "true"
-        ),
-        None,
-    )
+    default = default_class(ours)
     report = Report(
         config=config.verdicts(),
         configmap="/".join(settings.configmap) if settings.configmap else "",
@@ -169,12 +153,7 @@ def check(objects: list[JSON], settings: IngressNginx) -> Report:
         if class_name not in ours:
             report.skipped.append(f"Ingress {namespace}/{name} (class {class_name or 'none'})")
             continue
-        plan = planner.plan(obj, settings, config, lambda ns, n: config_maps.get((ns, n)))
-        try:
-            specs.ingress(with_plain_paths(obj))
-        except specs.SpecError as exc:
-            plan.refuse(planner.INVALID, f"{specs.dotted(exc.where)}: {exc.reason}")
-        planner.refine(plan)
+        plan, _ = planner.judge(obj, settings, config_maps)
         served = not plan.refusal_reason
         report.ingresses.append(IngressReport(namespace, name, served, plan.refusal, plan.findings))
     return report

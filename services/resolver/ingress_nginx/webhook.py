@@ -26,14 +26,12 @@ import ssl
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from waygate.resolver.gateway import spec as specs
 from waygate.resolver.ingress_nginx import annotations as planner
 from waygate.resolver.ingress_nginx.config import (
     IngressNginx,
     class_of,
     classes,
-    config_from,
-    with_plain_paths,
+    default_class,
 )
 
 log = logging.getLogger(__name__)
@@ -79,27 +77,9 @@ def review(body: bytes, settings: IngressNginx, objects: Lookup) -> JSON:
     if isinstance(obj["metadata"], dict) and not obj["metadata"].get("namespace"):
         obj["metadata"]["namespace"] = str(request.get("namespace") or "default")
     ours = classes(objects("IngressClass"), settings)
-    default = next(
-        (
-            name
-            for name, klass in sorted(ours.items())
-            if ((klass.get("metadata") or {}).get("annotations") or {}).get(
-                "ingressclass.kubernetes.io/is-default-class"
-            )
-            == "true"
-        ),
-        None,
-    )
-    if (class_of(obj) or default) not in ours:
+    if (class_of(obj) or default_class(ours)) not in ours:
         return out
-    config_maps = objects("ConfigMap")
-    config = config_from(config_maps.get(settings.configmap or ("", "")))
-    plan = planner.plan(obj, settings, config, lambda ns, n: config_maps.get((ns, n)))
-    try:
-        specs.ingress(with_plain_paths(obj))
-    except specs.SpecError as exc:
-        plan.refuse(planner.INVALID, f"{specs.dotted(exc.where)}: {exc.reason}")
-    planner.refine(plan)
+    plan, _ = planner.judge(obj, settings, objects("ConfigMap"))
     warnings = [
         line if len(line) <= MAX_WARNING else line[: MAX_WARNING - 3] + "..."
         for line in plan.verdict_lines()
