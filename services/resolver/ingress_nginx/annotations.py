@@ -435,22 +435,18 @@ def _redirect_code(
         found(short)
 
 
-@_handles("ssl-redirect")
-def _ssl_redirect(
+@_handles("ssl-redirect", "force-ssl-redirect")
+def _https_redirect(
     p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
 ) -> None:
-    p.ssl_redirect = _flag(value)
-    exact = not p.ssl_redirect or _flag(values.get("preserve-trailing-slash", "false"))
-    found("ssl-redirect", Verdict.HONOURED if exact else None, "" if exact else None)
-
-
-@_handles("force-ssl-redirect")
-def _force(
-    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
-) -> None:
-    p.force_ssl_redirect = _flag(value)
-    exact = not p.force_ssl_redirect or _flag(values.get("preserve-trailing-slash", "false"))
-    found("force-ssl-redirect", Verdict.HONOURED if exact else None, "" if exact else None)
+    on = _flag(value)
+    if short == "ssl-redirect":
+        p.ssl_redirect = on
+    else:
+        p.force_ssl_redirect = on
+    # The proxy keeps a trailing slash: exact when off, or with preserve-trailing-slash.
+    exact = not on or _flag(values.get("preserve-trailing-slash", "false"))
+    found(short, Verdict.HONOURED if exact else None, "" if exact else None)
 
 
 @_handles("from-to-www-redirect")
