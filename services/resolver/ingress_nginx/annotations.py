@@ -279,7 +279,10 @@ def plan(
             continue
         valid[short] = value.strip() if entry.grammar is not catalogue.any_text else value
     _apply(result, valid, settings, config, config_maps, timeouts)
-    result.timeouts = RouteTimeouts(connect=timeouts["connect"], server=timeouts["server"])
+    # nginx's read/send timeouts also bound an upgraded (WebSocket) connection's silence.
+    result.timeouts = RouteTimeouts(
+        connect=timeouts["connect"], server=timeouts["server"], tunnel=timeouts["server"]
+    )
     _paths(result, obj)
     return result
 

@@ -512,13 +512,15 @@ ENTRIES: tuple[Entry, ...] = (
         "proxy-read-timeout",
         seconds,
         D,
-        "one inactivity timeout for the backend both ways: the larger of read and send",
+        "one inactivity timeout for the backend both ways (WebSocket connections too): "
+        "the larger of read and send",
     ),
     _e(
         "proxy-send-timeout",
         seconds,
         D,
-        "one inactivity timeout for the backend both ways: the larger of read and send",
+        "one inactivity timeout for the backend both ways (WebSocket connections too): "
+        "the larger of read and send",
     ),
     _e("proxy-next-upstream", plain, X, "retrying another endpoint after a failure", lacks=True),
     _e("proxy-next-upstream-tries", integer, X, "retrying another endpoint", lacks=True),
