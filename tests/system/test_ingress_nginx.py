@@ -438,3 +438,13 @@ async def test_preserve_trailing_slash_on_the_https_redirect(suite: Conformance)
     )
     response = await suite.eventually("/", host=host, status=308)
     assert response.header("Location") == "https://forcesslredirect.bar.com/"
+
+
+async def test_xforwardedprefix_not_added_when_the_annotation_is_empty(suite: Conformance) -> None:
+    # xforwardedprefix.go: It("should not add X-Forwarded-Prefix if the annotation value
+    # is empty")
+    host = "xfp2.bar.com"
+    annotations = {P + "x-forwarded-prefix": "", P + "rewrite-target": "/foo"}
+    await apply(suite, single_ingress(host, "/", host, annotations))
+    response = await suite.eventually("/", host=host, backend=V1)
+    assert response.request_header("X-Forwarded-Prefix") is None

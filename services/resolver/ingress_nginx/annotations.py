@@ -370,8 +370,11 @@ def _app_root(
 def _forwarded_prefix(
     p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
 ) -> None:
+    if not value:
+        found(short, Verdict.NOOP, "empty: no header, as ingress-nginx")
+        return
     p.request_set.append(("X-Forwarded-Prefix", value))
-    found("x-forwarded-prefix")
+    found(short)
 
 
 @_handles("preserve-trailing-slash")
@@ -410,6 +413,8 @@ def _redirect(
     default = 302 if short == "temporal-redirect" else 301
     code_text = values.get(short + "-code", str(default))
     code = int(code_text) if code_text.isdigit() else default
+    if short == "temporal-redirect" and code > 307:
+        code = default  # ingress-nginx's range for temporal redirects ends at 307
     if code == 300:
         found(short, Verdict.NOT_HONOURED, "status 300 is not a redirect the proxy answers")
         return
