@@ -47,7 +47,8 @@ Semantics (the Gateway API specification v1.x and its conformance suite):
   are PathPrefix, Exact is Exact; hosts in `tls` are also served on 443 with
   the Secret's certificate. With `ingress_nginx`, also the Ingresses
   ingress-nginx would serve, their annotations as route fields
-  (waygate.resolver.ingress_nginx); one refused is refused alone.
+  (waygate.resolver.ingress_nginx); one refused is refused alone. An Ingress of
+  Waygate's class with annotations of that prefix is judged the same way.
 """
 
 from __future__ import annotations
@@ -1051,6 +1052,12 @@ class _Translator:
             if self.ingress_nginx is not None and (nginx_compat.class_of(obj) or default) in nginx:
                 self.nginx_ingress(key, obj, self.ingress_nginx)
                 continue
+            compat = self.ingress_nginx or nginx_compat.IngressNginx()
+            if (nginx_compat.class_of(obj) or default) in classes and compat.annotated(obj):
+                # Waygate's own class with ingress-nginx annotations: judged as the
+                # nginx class's are (honoured, reported or refused), never ignored.
+                self.nginx_ingress(key, obj, compat)
+                continue
             try:
                 ingress = specs.ingress(obj)
             except SpecError as exc:
@@ -1064,7 +1071,7 @@ class _Translator:
             self.ingress(key, obj, ingress)
         if self.nginx_canaries:
             self.out.routes = nginx_annotations.merge_canaries(self.out.routes, self.nginx_canaries)
-        if self.ingress_nginx is not None:
+        if self.nginx_routes:
             self.out.routes = nginx_annotations.regex_hosts(self.out.routes, self.nginx_routes)
 
     def nginx_ingress(self, key: Key, obj: JSON, settings: nginx_compat.IngressNginx) -> None:

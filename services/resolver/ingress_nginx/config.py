@@ -116,6 +116,13 @@ class IngressNginx:
     configmap: tuple[str, str] | None = None  # (namespace, name)
     default_certificate: tuple[str, str] | None = None
 
+    def annotated(self, obj: Any) -> bool:
+        """The object carries at least one annotation of the prefix."""
+        annotations = ((obj or {}).get("metadata") or {}).get("annotations") or {}
+        return isinstance(annotations, dict) and any(
+            self.annotation(str(key)) is not None for key in annotations
+        )
+
     def annotation(self, full: str) -> str | None:
         """The short name of an annotation of our prefix ("rewrite-target"), else None."""
         head, slash, short = full.partition("/")

@@ -798,3 +798,25 @@ def test_a_regex_on_a_host_makes_every_prefix_path_of_the_host_a_regex():
     assert by_name["other"].matches[0].path_type is PathMatchType.PREFIX
     # Longest path first, as ingress-nginx sorts a server's locations.
     assert len(by_name["plain"].matches[0].path) > len(by_name["rewriting"].matches[0].path)
+
+
+def test_waygates_own_class_with_ingress_nginx_annotations_is_judged_too():
+    # The first finding: an Ingress of Waygate's class with auth-url and
+    # whitelist-source-range was served, both silently ignored.
+    klass = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "IngressClass",
+        "metadata": {"name": "waygate"},
+        "spec": {"controller": "waygate.io/ingress-controller"},
+    }
+    guarded = ingress(
+        "guarded",
+        {P + "auth-url": "https://auth.example.com/", P + "whitelist-source-range": "10.0.0.0/8"},
+        class_name="waygate",
+    )
+    plain = ingress("plain", class_name="waygate", host="plain.example.com")
+    for settings in (None, SETTINGS):
+        routes = routes_of(klass, guarded, plain, settings=settings)
+        assert refusal(routes, "guarded")[0] == "UnsupportedAnnotation"
+        [route] = by_ingress(routes, "plain")
+        assert route.ingress_refusal is None and route.balance is BalancePolicy.DEFAULT
