@@ -317,12 +317,124 @@ def _apply(
         if short.startswith("canary") and short != "canary" and not canary:
             found(short, Verdict.NOOP, 'ignored without canary: "true"')
             continue
+        if _is_off(short, value):
+            found(short, Verdict.HONOURED, "ingress-nginx's default: nothing to do")
+            continue
+        primary = _DEPENDS.get(short)
+        if primary is not None and not any(_in_force(p, values) for p in primary):
+            found(short, Verdict.NOOP, f"without {' or '.join(primary)} it does nothing")
+            continue
         handler = _HANDLERS.get(short)
         if handler is None:
             found(short)
             continue
         handler(result, short, value, values, found, timeouts, config_maps)
     result.canary = canary
+
+
+# Values that ask for nothing (ingress-nginx's defaults for these): honoured exactly.
+_OFF: dict[str, str] = {
+    "enable-modsecurity": "false",
+    "enable-owasp-core-rules": "false",
+    "enable-cors": "false",
+    "enable-global-auth": "true",  # global auth itself is the ConfigMap's (refused there)
+    "service-upstream": "false",
+    "use-port-in-redirects": "false",
+    "session-cookie-secure": "false",
+    "session-cookie-conditional-samesite-none": "false",
+    "session-cookie-path": "/",
+    "satisfy": "all",
+    "auth-tls-pass-certificate-to-upstream": "false",
+    "limit-rps": "0",
+    "limit-rpm": "0",
+    "limit-connections": "0",
+    "limit-rate": "0",
+    "limit-rate-after": "0",
+    "upstream-hash-by-subset": "false",
+    "proxy-buffering": "off",
+    "enable-access-log": "true",
+}
+# Annotations that only modify another: without it in force they do nothing
+# (ingress-nginx reads them only with it).
+_EXTERNAL_AUTH = ("auth-url",)
+_DEPENDS: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("auth-realm", "auth-secret", "auth-secret-type"), ("auth-type",)),
+    **dict.fromkeys(
+        (
+            "auth-method",
+            "auth-signin",
+            "auth-signin-redirect-param",
+            "auth-response-headers",
+            "auth-request-redirect",
+            "auth-proxy-set-headers",
+            "auth-cache-key",
+            "auth-cache-duration",
+            "auth-always-set-cookie",
+            "auth-keepalive",
+            "auth-keepalive-share-vars",
+            "auth-keepalive-requests",
+            "auth-keepalive-timeout",
+        ),
+        _EXTERNAL_AUTH,
+    ),
+    **dict.fromkeys(
+        (
+            "auth-tls-verify-client",
+            "auth-tls-verify-depth",
+            "auth-tls-error-page",
+            "auth-tls-pass-certificate-to-upstream",
+            "auth-tls-match-cn",
+        ),
+        ("auth-tls-secret",),
+    ),
+    "limit-burst-multiplier": ("limit-rps", "limit-rpm"),
+    **dict.fromkeys(
+        ("limit-whitelist", "limit-allowlist"),
+        ("limit-rps", "limit-rpm", "limit-connections", "limit-rate"),
+    ),
+    **dict.fromkeys(
+        (
+            "cors-allow-origin",
+            "cors-allow-methods",
+            "cors-allow-headers",
+            "cors-expose-headers",
+            "cors-allow-credentials",
+            "cors-max-age",
+        ),
+        ("enable-cors",),
+    ),
+    **dict.fromkeys(
+        (
+            "session-cookie-path",
+            "session-cookie-domain",
+            "session-cookie-expires",
+            "session-cookie-max-age",
+            "session-cookie-secure",
+            "session-cookie-conditional-samesite-none",
+            "session-cookie-change-on-failure",
+            "affinity-mode",
+        ),
+        ("affinity",),
+    ),
+    **dict.fromkeys(("mirror-host", "mirror-request-body"), ("mirror-target",)),
+    **dict.fromkeys(
+        ("upstream-hash-by-subset", "upstream-hash-by-subset-size"), ("upstream-hash-by",)
+    ),
+}
+
+
+def _is_off(short: str, value: str) -> bool:
+    off = _OFF.get(short)
+    if off is None:
+        return False
+    if off in ("true", "false"):
+        return value in _TRUE if off == "true" else value not in _TRUE
+    return value == off
+
+
+def _in_force(short: str, values: Mapping[str, str]) -> bool:
+    value = values.get(short)
+    return value is not None and value != "" and not _is_off(short, value) and value != "false"
 
 
 Found = Callable[..., None]

@@ -820,3 +820,20 @@ def test_waygates_own_class_with_ingress_nginx_annotations_is_judged_too():
         assert refusal(routes, "guarded")[0] == "UnsupportedAnnotation"
         [route] = by_ingress(routes, "plain")
         assert route.ingress_refusal is None and route.balance is BalancePolicy.DEFAULT
+
+
+@pytest.mark.parametrize(
+    "annotations",
+    [
+        {P + "enable-modsecurity": "false", P + "enable-owasp-core-rules": "false"},
+        {P + "limit-rps": "0"},
+        {P + "enable-cors": "false", P + "cors-allow-origin": "https://a.example.com"},
+        {P + "auth-realm": "Realm", P + "auth-secret": "basic"},  # no auth-type
+        {P + "auth-tls-verify-client": "off"},  # no auth-tls-secret
+        {P + "session-cookie-path": "/"},  # no affinity
+    ],
+)
+def test_annotations_that_ask_for_nothing_do_not_refuse(annotations):
+    [route] = routes_of(ingress("quiet", annotations))
+    assert route.ingress_refusal is None
+    assert not any(": not-honoured" in line for line in route.ingress_verdicts)
