@@ -837,3 +837,21 @@ def test_annotations_that_ask_for_nothing_do_not_refuse(annotations):
     [route] = routes_of(ingress("quiet", annotations))
     assert route.ingress_refusal is None
     assert not any(": not-honoured" in line for line in route.ingress_verdicts)
+
+
+def test_the_status_page_shows_why_an_ingress_is_not_served():
+    import json
+
+    from waygate.resolver import page
+    from waygate.resolver.store import Store
+
+    store = Store()
+    store.replace_source(
+        "test", routes=routes_of(ingress("guarded", {P + "whitelist-source-range": "10.0.0.0/8"}))
+    )
+    text = json.dumps([section.__dict__ for section in page.sections(store)], default=str)
+    assert (
+        "Ingress default/guarded: annotation nginx.ingress.kubernetes.io/whitelist-source-range"
+        in text
+    )
+    assert "Admitted=False (UnsupportedAnnotation)" in text
