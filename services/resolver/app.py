@@ -12,7 +12,6 @@ import asyncio
 import dataclasses
 import gc
 import logging
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,13 +27,11 @@ from waygate.resolver.access import WriteAccess
 from waygate.resolver.events import DEFAULT_CHUNK_BYTES
 from waygate.resolver.filesource import EXAMPLE_ROUTES, FILE_MODE, FileSource
 from waygate.resolver.gateway.status import StatusBoard
-from waygate.resolver.ingress_nginx.config import IngressNginx, parse_reference
+from waygate.resolver.ingress_nginx.config import DNS_NAME, IngressNginx
 from waygate.resolver.manifests import ManifestsSource
 from waygate.resolver.server import ResolverServicer
 from waygate.resolver.store import DEFAULT_HISTORY_LIMIT, DEFAULT_MAX_PENDING, Store
 from waygate.resolver.tunnels import TunnelRegistry
-
-_DNS_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 
 if TYPE_CHECKING:
     from waygate.components import UpContext
@@ -160,12 +157,12 @@ class Settings(GrpcServerSettings):
         "nginx",
         help="with --ingress-nginx: the class served when no IngressClass of that name "
         "exists (spec.ingressClassName or kubernetes.io/ingress.class)",
-        check=lambda v: None if _DNS_NAME.fullmatch(v) else f"{v!r} is not a class name",
+        check=lambda v: None if DNS_NAME.fullmatch(v) else f"{v!r} is not a class name",
     )
     annotations_prefix: str = setting(
         "nginx.ingress.kubernetes.io",
         help="with --ingress-nginx: the annotation prefix, as ingress-nginx's flag",
-        check=lambda v: None if _DNS_NAME.fullmatch(v) else f"{v!r} is not a DNS name",
+        check=lambda v: None if DNS_NAME.fullmatch(v) else f"{v!r} is not a DNS name",
     )
     ingress_nginx_configmap: str = setting(
         "",
@@ -234,55 +231,15 @@ class Settings(GrpcServerSettings):
         return None
 
     def ingress_nginx_problem(self) -> str | None:
-        given = [
-            name
-            for name in (
-                "ingress_nginx_configmap",
-                "tcp_services_configmap",
-                "default_ssl_certificate",
-            )
-            if getattr(self, name)
-        ]
-        if not self.ingress_nginx:
-            if self.admission_webhook_port:
-                given.append("admission_webhook_port")
-            if given or self.ingress_nginx_class != "nginx":
-                return f"invalid setting {(given or ['ingress_nginx_class'])[0]}: needs --ingress-nginx"
-            return None
-        if not self.kubernetes and self.manifests is None:
-            return "invalid setting ingress_nginx: needs --kubernetes or --manifests"
-        for name in given:
-            try:
-                parse_reference(getattr(self, name), name)
-            except ValueError as exc:
-                return f"invalid setting {exc}"
-        if self.admission_webhook_port and not self.kubernetes:
-            return (
-                "invalid setting admission_webhook_port: the webhook answers a cluster's "
-                "API server; it needs --kubernetes"
-            )
-        if self.tcp_services_configmap:
-            return (
-                "invalid setting tcp_services_configmap: TCP services are not implemented "
-                "yet; serve those ports another way (refused rather than ignored)"
-            )
+        try:
+            self.ingress_nginx_settings()
+        except ValueError as exc:
+            return f"invalid setting {exc}"
         return None
 
     def ingress_nginx_settings(self) -> IngressNginx | None:
-        if not self.ingress_nginx:
-            return None
-        return IngressNginx(
-            class_name=self.ingress_nginx_class,
-            prefix=self.annotations_prefix,
-            configmap=parse_reference(self.ingress_nginx_configmap, "ingress_nginx_configmap")
-            if self.ingress_nginx_configmap
-            else None,
-            default_certificate=parse_reference(
-                self.default_ssl_certificate, "default_ssl_certificate"
-            )
-            if self.default_ssl_certificate
-            else None,
-        )
+        """The --ingress-nginx flags, checked (ValueError naming the flag)."""
+        return IngressNginx.from_settings(self)
 
 
 def watch_bounds(max_message_bytes: int) -> tuple[int, int]:
@@ -348,7 +305,9 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
             gateway=gateway_objects,
         )
         if settings.admission_webhook_port and gateway_objects is not None:
-            await _start_webhook(process, settings, gateway_objects.objects.of)
+            from waygate.resolver.ingress_nginx.webhook import start_webhook
+
+            await start_webhook(process, settings, gateway_objects.objects.of)
     metrics.observe(store, file_source)
     from waygate.resolver import page
 
@@ -553,27 +512,6 @@ def _spawn_status_writer(
         events = IngressEventWriter(store, api, is_leader=elector.is_leader, synced=synced)
         process.spawn(events.run(), "ingress-nginx-events")
     process.on_stop(_closing(api))
-
-
-async def _start_webhook(
-    process: ServiceProcess, settings: Settings, objects: Callable[[str], Any]
-) -> None:
-    """The ingress-nginx ValidatingAdmissionWebhook's HTTPS listener (waygate.resolver.
-    ingress_nginx.webhook), with the process's own certificate."""
-    from waygate.core.settings import SettingsError
-    from waygate.resolver.ingress_nginx.webhook import WebhookServer
-
-    context = await process.server_ssl_context()
-    nginx = settings.ingress_nginx_settings()
-    if context is None or nginx is None:
-        raise SettingsError(
-            "invalid setting admission_webhook_port: the webhook needs a certificate "
-            "(--certs-address, or --tls-cert-file and --tls-key-file)"
-        )
-    webhook = WebhookServer(nginx, objects, context)
-    port = await webhook.start(settings.host, settings.admission_webhook_port)
-    process.on_stop(webhook.stop)
-    log.info("admission webhook listening", extra={"webhook_port": port})
 
 
 def _closing(api: Any) -> Any:

@@ -13,6 +13,7 @@ served unprotected.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,6 +106,8 @@ ACCESS_KEYS = frozenset(
     )
 )
 _TRUE = frozenset(("true", "1", "t", "True", "TRUE", "T"))
+#: A class name or an annotation prefix (a DNS subdomain).
+DNS_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,48 @@ class IngressNginx:
     prefix: str = DEFAULT_PREFIX
     configmap: tuple[str, str] | None = None  # (namespace, name)
     default_certificate: tuple[str, str] | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> IngressNginx | None:
+        """The resolver's --ingress-nginx flags (its Settings), checked: None when off;
+        ValueError "FIELD: why" for a flag that is wrong or cannot be honoured."""
+        given = [
+            name
+            for name in (
+                "ingress_nginx_configmap",
+                "tcp_services_configmap",
+                "default_ssl_certificate",
+                "admission_webhook_port",
+            )
+            if getattr(settings, name)
+        ]
+        if not settings.ingress_nginx:
+            if given or settings.ingress_nginx_class != DEFAULT_CLASS:
+                raise ValueError(f"{(given or ['ingress_nginx_class'])[0]}: needs --ingress-nginx")
+            return None
+        if not settings.kubernetes and settings.manifests is None:
+            raise ValueError("ingress_nginx: needs --kubernetes or --manifests")
+        if settings.admission_webhook_port and not settings.kubernetes:
+            raise ValueError(
+                "admission_webhook_port: the webhook answers a cluster's API server; "
+                "it needs --kubernetes"
+            )
+        if settings.tcp_services_configmap:
+            parse_reference(settings.tcp_services_configmap, "tcp_services_configmap")
+            raise ValueError(
+                "tcp_services_configmap: TCP services are not implemented yet; serve those "
+                "ports another way (refused rather than ignored)"
+            )
+        configmap, certificate = (
+            parse_reference(getattr(settings, name), name) if getattr(settings, name) else None
+            for name in ("ingress_nginx_configmap", "default_ssl_certificate")
+        )
+        return cls(
+            class_name=settings.ingress_nginx_class,
+            prefix=settings.annotations_prefix,
+            configmap=configmap,
+            default_certificate=certificate,
+        )
 
     def annotated(self, obj: Any) -> bool:
         """The object carries at least one annotation of the prefix."""

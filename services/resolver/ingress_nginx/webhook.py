@@ -204,3 +204,22 @@ class WebhookServer:
             extra={"uid": answer["response"]["uid"], "allowed": allowed},
         )
         return _answer("200 OK", json.dumps(answer).encode(), "application/json")
+
+
+async def start_webhook(process: Any, settings: Any, objects: Lookup) -> WebhookServer:
+    """The resolver's webhook listener (--admission-webhook-port) with the process's own
+    certificate (from certs, or its static TLS files); SettingsError without one."""
+    from waygate.core.settings import SettingsError
+
+    context = await process.server_ssl_context()
+    nginx = IngressNginx.from_settings(settings)
+    if context is None or nginx is None:
+        raise SettingsError(
+            "invalid setting admission_webhook_port: the webhook needs a certificate "
+            "(--certs-address, or --tls-cert-file and --tls-key-file)"
+        )
+    webhook = WebhookServer(nginx, objects, context)
+    port = await webhook.start(settings.host, settings.admission_webhook_port)
+    process.on_stop(webhook.stop)
+    log.info("admission webhook listening", extra={"webhook_port": port})
+    return webhook
