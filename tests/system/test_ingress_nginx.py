@@ -448,3 +448,94 @@ async def test_xforwardedprefix_not_added_when_the_annotation_is_empty(suite: Co
     await apply(suite, single_ingress(host, "/", host, annotations))
     response = await suite.eventually("/", host=host, backend=V1)
     assert response.request_header("X-Forwarded-Prefix") is None
+
+
+async def test_the_resolver_process_answers_admission_reviews(tmp_path) -> None:
+    """`waygate resolver serve --kubernetes --ingress-nginx --admission-webhook-port`
+    (a real process, against the STAND-IN API server, tests/support/kubeapi.py): the
+    webhook listens with the process's certificate and denies what it would not serve."""
+    import asyncio
+    import http.client
+    import json
+    import socket
+    import ssl
+
+    from tests.integration.resolver.test_ingress_nginx_webhook import admission_review
+    from tests.support.kubeapi import KubeAPI
+    from tests.support.pki import self_signed
+    from tests.support.processes import start_service
+
+    cert, key = self_signed("waygate-resolver.waygate.svc")
+    (tmp_path / "tls.crt").write_text(cert)
+    (tmp_path / "tls.key").write_text(key)
+    (tmp_path / "tls.key").chmod(0o600)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with KubeAPI() as api:
+        api.bearer_token = "resolver-token"
+        api.register("waygate.io/v1", "Route", "routes", namespaced=True)
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(
+            f"""
+apiVersion: v1
+kind: Config
+clusters: [{{name: stand-in, cluster: {{server: "{api.url}"}}}}]
+users: [{{name: resolver, user: {{token: resolver-token}}}}]
+contexts: [{{name: test, context: {{cluster: stand-in, user: resolver}}}}]
+current-context: test
+"""
+        )
+        resolver = await start_service(
+            [
+                "waygate",
+                "resolver",
+                "serve",
+                "--grpc-port",
+                "0",
+                "--admin-port",
+                "0",
+                "--kubernetes",
+                "--kubeconfig",
+                str(kubeconfig),
+                "--ingress-nginx",
+                "--admission-webhook-port",
+                str(port),
+                "--tls-cert-file",
+                str(tmp_path / "tls.crt"),
+                "--tls-key-file",
+                str(tmp_path / "tls.key"),
+                # Its gRPC clients' CA (none call here): static TLS asks for one.
+                "--tls-client-ca-file",
+                str(tmp_path / "tls.crt"),
+            ]
+        )
+        try:
+            context = ssl.create_default_context(cafile=str(tmp_path / "tls.crt"))
+            context.check_hostname = False
+
+            def post(body: bytes) -> tuple[int, bytes]:
+                connection = http.client.HTTPSConnection(
+                    "127.0.0.1", port, context=context, timeout=5
+                )
+                try:
+                    connection.request("POST", "/validate", body=body)
+                    response = connection.getresponse()
+                    return response.status, response.read()
+                finally:
+                    connection.close()
+
+            review = admission_review({P + "whitelist-source-range": "10.0.0.0/8"})
+            async with asyncio.timeout(20):
+                while True:
+                    try:
+                        status, data = await asyncio.to_thread(post, json.dumps(review).encode())
+                        break
+                    except OSError:
+                        await asyncio.sleep(0.1)
+            assert status == 200
+            response = json.loads(data)["response"]
+            assert response["allowed"] is False
+            assert "UnsupportedAnnotation" in response["status"]["message"]
+        finally:
+            await resolver.stop()
