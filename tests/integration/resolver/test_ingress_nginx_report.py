@@ -119,3 +119,59 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path):
     assert result.returncode == 2 and "Traceback" not in result.stderr
     result = check()
     assert result.returncode == 2
+
+
+def test_the_report_from_a_cluster(tmp_path: Path):
+    """--kube-context: the objects listed from the STAND-IN API server
+    (tests/support/kubeapi.py; no real API server runs here) through a kubeconfig."""
+    from tests.support.kubeapi import KubeAPI
+
+    with KubeAPI() as api:
+        api.bearer_token = "reader"
+        api.register("networking.k8s.io/v1", "Ingress", "ingresses", namespaced=True)
+        api.register("networking.k8s.io/v1", "IngressClass", "ingressclasses", namespaced=False)
+        for path in sorted(EXAMPLES.glob("*.yaml")):
+            for doc in yaml.safe_load_all(path.read_text()):
+                if doc and doc["kind"] in ("Ingress", "IngressClass", "ConfigMap"):
+                    if doc["kind"] != "IngressClass":
+                        namespace = doc["metadata"]["namespace"]
+                        if not any(
+                            n["metadata"]["name"] == namespace for n in api.list("v1", "Namespace")
+                        ):
+                            api.create(
+                                {
+                                    "apiVersion": "v1",
+                                    "kind": "Namespace",
+                                    "metadata": {"name": namespace},
+                                }
+                            )
+                    api.create(doc)
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(
+            f"""
+apiVersion: v1
+kind: Config
+clusters: [{{name: stand-in, cluster: {{server: "{api.url}"}}}}]
+users: [{{name: reader, user: {{token: reader}}}}]
+contexts: [{{name: prod, context: {{cluster: stand-in, user: reader}}}}]
+current-context: prod
+"""
+        )
+        result = check(
+            "--kube-context",
+            "prod",
+            "--kubeconfig",
+            str(kubeconfig),
+            "--ingress-nginx-configmap",
+            CONFIGMAP,
+            "-o",
+            "json",
+        )
+    assert result.returncode == 1, result.stderr
+    report = json.loads(result.stdout)
+    by_name = {i["name"]: i for i in report["ingresses"]}
+    assert len(by_name) >= 30
+    assert by_name["admin-allowlist"]["served"] is False
+    assert by_name["web-main"]["exact"] is True
+    keys = {k["key"] for k in report["configMap"]["keys"]}
+    assert "allow-snippet-annotations" in keys
