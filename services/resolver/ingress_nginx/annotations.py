@@ -142,6 +142,8 @@ class Plan:
     forwarded: ForwardedHeadersMode = ForwardedHeadersMode.REPLACE
     backend_server_name: str = ""
     hsts: HSTS | None = None
+    # The controller ConfigMap's keys not honoured: "ConfigMap NS/NAME key K: not-honoured".
+    config_notes: list[str] = field(default_factory=list)
 
     @property
     def what(self) -> str:
@@ -167,7 +169,7 @@ class Plan:
             f"{f.annotation}: {f.verdict.value}" + (f" ({f.note})" if f.note else "")
             for f in self.findings
             if f.verdict in (Verdict.DIFFERENT, Verdict.NOT_HONOURED)
-        )
+        ) + tuple(self.config_notes)
 
 
 def _flag(value: str) -> bool:
@@ -210,6 +212,12 @@ def plan(
     problem = config.refusal()
     if problem:
         result.refuse(UNSUPPORTED_CONFIG, problem)
+    where = "/".join(settings.configmap or ())
+    result.config_notes = [
+        f"ConfigMap {where} key {key.key}: {key.verdict.value}"
+        for key in config.verdicts()
+        if key.verdict is Verdict.NOT_HONOURED
+    ]
     raw = metadata.get("annotations") or {}
     annotations: dict[str, str] = {}
     if isinstance(raw, dict):

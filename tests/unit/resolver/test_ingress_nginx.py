@@ -855,3 +855,17 @@ def test_the_status_page_shows_why_an_ingress_is_not_served():
         in text
     )
     assert "Admitted=False (UnsupportedAnnotation)" in text
+
+
+def test_configmap_keys_not_honoured_are_reported_on_every_route():
+    config = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "c", "namespace": "ingress-nginx"},
+        "data": {"proxy-body-size": "16m", "worker-processes": "auto", "hsts": "true"},
+    }
+    settings = IngressNginx(configmap=("ingress-nginx", "c"))
+    [route] = routes_of(config, ingress("a"), settings=settings)
+    assert route.ingress_verdicts == (
+        "ConfigMap ingress-nginx/c key proxy-body-size: not-honoured",
+    )
