@@ -1,10 +1,15 @@
 """One ingress-nginx Ingress -> a verdict per annotation, and route fields (or a refusal).
 
-Sans-IO and pure: `plan(obj, ...)` reads an Ingress of the nginx class and its
-annotations; `shape(plan, routes, ...)` turns the plain routes `gateway.translate`
-made from its rules into what ingress-nginx would serve, with the same route
-fields every other source uses (matches, filters, sticky, balance, timeouts,
-TLS): one route model and one routing engine.
+Sans-IO and pure: `judge(obj, ...)` reads an Ingress of the nginx class, its
+annotations and the controller ConfigMap (`plan`) and its rules; `shape(plan,
+routes, ...)` turns the plain routes `gateway.translate` made from its rules into
+what ingress-nginx would serve, with the same route fields every other source
+uses (matches, filters, sticky, balance, timeouts, TLS): one route model and one
+routing engine. Across Ingresses, once all are shaped: `merge_canaries` folds
+canary Ingresses into their main Ingress's routes, and `regex_hosts` makes every
+Prefix path of a host with a regular-expression path one (ingress-nginx's rule).
+The resolver, `waygate ingress-nginx check` and the admission webhook all judge
+through `judge`.
 
 Invariants:
 - Every annotation of the prefix gets one Finding (honoured, honoured with a
