@@ -1094,15 +1094,13 @@ class _Translator:
         namespace = key[0]
         certificates: dict[str, RouteTLS] = {}
         for hosts, secret in ingress.tls:
-            if not secret and default_certificate is not None:
-                # ingress-nginx's --default-ssl-certificate for TLS hosts without a Secret.
-                tls, problem = self.secret_tls(*default_certificate, "--default-ssl-certificate")
-                for host in (hosts or tuple(rule.host for rule in ingress.rules)) if tls else ():
-                    certificates.setdefault(host, tls)  # type: ignore[arg-type]
-                continue
+            where = (namespace, secret)
             if not secret:
-                continue
-            tls, problem = self.secret_tls(namespace, secret, f"Ingress {namespace}/{key[1]}")
+                if default_certificate is None:
+                    continue
+                # ingress-nginx's --default-ssl-certificate for TLS hosts without a Secret.
+                where = default_certificate
+            tls, problem = self.secret_tls(*where, f"Ingress {namespace}/{key[1]}")
             if tls is None:
                 log.warning("Ingress %s/%s: %s", namespace, key[1], problem)
                 continue
