@@ -16,6 +16,8 @@ Invariants (the routes file's rules, `filesource.py`):
   converted and passed the schema checks as a whole (one version); any error
   rejects the whole edit with `path:line: reason` (logged, kept in
   `last_error`) and the last good state stays, routes and statuses alike.
+  Except with --ingress-nginx: an Ingress refused for its annotations or paths
+  is refused alone (its routes Admitted False), as in a cluster.
 - Services, endpoints and Route CRD objects go through `kube_convert` and
   Gateway API / Ingress objects through `gateway.translate`, exactly as in
   Kubernetes mode: one conversion per kind, whatever the source.
