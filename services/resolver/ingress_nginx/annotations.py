@@ -613,6 +613,16 @@ def _cookie(
         found(short)
 
 
+@_handles("affinity-mode")
+def _affinity_mode(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    if value == "persistent":
+        found(short, Verdict.HONOURED, "the cookie's endpoint wins while it is live")
+    else:
+        found(short)
+
+
 @_handles("load-balance")
 def _balance(
     p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any

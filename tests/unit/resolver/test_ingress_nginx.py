@@ -869,3 +869,10 @@ def test_configmap_keys_not_honoured_are_reported_on_every_route():
     assert route.ingress_verdicts == (
         "ConfigMap ingress-nginx/c key proxy-body-size: not-honoured",
     )
+
+
+def test_affinity_mode_persistent_is_exact_balanced_a_difference():
+    for mode, verdict in (("persistent", None), ("balanced", "honoured-with-difference")):
+        [route] = routes_of(ingress("s", {P + "affinity": "cookie", P + "affinity-mode": mode}))
+        lines = [line for line in route.ingress_verdicts if line.startswith("affinity-mode")]
+        assert (lines[0].split(": ")[1].split(" ")[0] if lines else None) == verdict
