@@ -216,6 +216,11 @@ async def test_fail_closed_and_injection_refused_alone(suite: Conformance) -> No
     text = json.dumps(routes)
     assert "UnsupportedAnnotation" in text and "InvalidAnnotation" in text
     assert "whitelist-source-range" in text
+    # `waygate check` names each refused Ingress and what to do.
+    code, out, err = await run_cli("check", "--resolver", suite.resolver.grpc_address)
+    assert code != 0
+    assert "ingress:guarded:" in out and "UnsupportedAnnotation" in out
+    assert "`waygate ingress-nginx check` names it" in out
 
 
 def canary(host: str, annotations: dict[str, str]) -> dict[str, Any]:
