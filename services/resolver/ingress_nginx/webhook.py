@@ -73,9 +73,11 @@ def review(body: bytes, settings: IngressNginx, objects: Lookup) -> JSON:
         or not isinstance(obj, dict)
     ):
         return out
-    obj.setdefault("metadata", {})
-    if isinstance(obj["metadata"], dict) and not obj["metadata"].get("namespace"):
-        obj["metadata"]["namespace"] = str(request.get("namespace") or "default")
+    metadata = obj.setdefault("metadata", {})
+    if not isinstance(metadata, dict) or not isinstance(metadata.get("annotations") or {}, dict):
+        raise ReviewError("request.object.metadata (and its annotations) must be objects")
+    if not metadata.get("namespace"):
+        metadata["namespace"] = str(request.get("namespace") or "default")
     ours = classes(objects("IngressClass"), settings)
     if (class_of(obj) or default_class(ours)) not in ours:
         return out
@@ -198,6 +200,9 @@ class WebhookServer:
             answer = review(body, self.settings, self.objects)
         except ReviewError as exc:
             return _answer("400 Bad Request", f"{exc}\n".encode())
+        except Exception:  # a bug of ours: the API server gets a reason, the log the trace
+            log.exception("admission review failed")
+            return _answer("500 Internal Server Error", b"the review failed; see the log\n")
         allowed = answer["response"]["allowed"]
         log.info(
             "admission review",

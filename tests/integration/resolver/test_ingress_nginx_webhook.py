@@ -173,3 +173,27 @@ async def test_a_slow_head_is_cut_off(webhook) -> None:
     data = await asyncio.wait_for(reader.read(), 5)
     assert data.startswith(b"HTTP/1.1 400")
     writer.close()
+
+
+@pytest.mark.parametrize(
+    "mangle",
+    [
+        lambda obj: obj.update(metadata=[]),
+        lambda obj: obj["metadata"].update(annotations=["x"]),
+        lambda obj: obj.update(spec=[]),
+        lambda obj: obj["spec"].update(rules="x"),
+        lambda obj: obj["spec"]["rules"][0].update(http=[]),
+        lambda obj: obj["spec"]["rules"][0]["http"].update(paths=[None, 3]),
+        lambda obj: obj["spec"].update(ingressClassName=7),
+        lambda obj: obj["spec"]["rules"][0].update(host="bad host\n"),
+        lambda obj: obj["metadata"].update(annotations={P + "use-regex": None}),
+    ],
+)
+def test_a_malformed_object_is_an_answer_or_a_review_error_never_a_crash(mangle):
+    body = admission_review({})
+    mangle(body["request"]["object"])
+    try:
+        response = review(json.dumps(body).encode(), IngressNginx(), no_objects)["response"]
+    except ReviewError:
+        return
+    assert response["uid"] and isinstance(response["allowed"], bool)
