@@ -15,7 +15,7 @@ Invariants:
 - Every annotation of the prefix gets one Finding (honoured, honoured with a
   difference, no-op, not honoured), from the catalogue's entry.
 - A value outside its grammar, a path outside its pathType (regular expressions
-  only with use-regex or rewrite-target, as ingress-nginx), a not-honoured
+  only with use-regex), a not-honoured
   annotation that bears on access, or a snippet the ConfigMap does not allow or
   that is not the literal subset, makes the Ingress refused: its routes are
   kept with a refusal (Admitted False), their backends invalid, so nothing of
@@ -962,7 +962,9 @@ def _directive(p: Plan, directive: str, args: list[str], differences: list[str])
 def _paths(p: Plan, obj: JSON) -> None:
     """Every rule path checked against its pathType (ingress-nginx's rules)."""
     spec = obj.get("spec") or {}
-    regex = p.use_regex or bool(p.rewrite_target)
+    # A regular expression path only with use-regex (rewrite-target makes plain paths
+    # match as regular expressions, as ingress-nginx, but admits none of its own).
+    regex = p.use_regex
     rules = spec.get("rules") or []
     if not isinstance(rules, list):
         return

@@ -876,3 +876,10 @@ def test_affinity_mode_persistent_is_exact_balanced_a_difference():
         [route] = routes_of(ingress("s", {P + "affinity": "cookie", P + "affinity-mode": mode}))
         lines = [line for line in route.ingress_verdicts if line.startswith("affinity-mode")]
         assert (lines[0].split(": ")[1].split(" ")[0] if lines else None) == verdict
+
+
+def test_rewrite_target_alone_admits_no_regular_expression_path():
+    item = ingress(
+        "rw", {P + "rewrite-target": "/$1"}, path="/api/(.*)", path_type="ImplementationSpecific"
+    )
+    assert refusal(routes_of(item), "rw")[0] == "InvalidPath"
