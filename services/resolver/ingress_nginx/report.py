@@ -68,9 +68,23 @@ class Report:
             k.verdict in (Verdict.HONOURED, Verdict.NOOP) for k in self.config
         )
 
+    def by_annotation(self) -> list[tuple[str, str, int]]:
+        """(annotation, verdict, Ingresses using it) for every verdict not exact, most
+        used first: what to look at before switching, across every Ingress."""
+        counts: dict[tuple[str, str], int] = {}
+        for item in self.ingresses:
+            for f in item.findings:
+                if f.verdict in (Verdict.DIFFERENT, Verdict.NOT_HONOURED):
+                    key = (f.annotation, f.verdict.value)
+                    counts[key] = counts.get(key, 0) + 1
+        return sorted(((a, v, n) for (a, v), n in counts.items()), key=lambda x: (-x[2], x[0]))
+
     def as_json(self) -> JSON:
         return {
             "exact": self.exact,
+            "byAnnotation": [
+                {"annotation": a, "verdict": v, "ingresses": n} for a, v, n in self.by_annotation()
+            ],
             "configMap": {
                 "name": self.configmap,
                 "keys": [
@@ -119,6 +133,10 @@ class Report:
                 lines.append(f"  {k.key:<42} {k.verdict.value:<25}{note}")
         for skipped in self.skipped:
             lines.append(f"skipped: {skipped}")
+        summary = self.by_annotation()
+        if summary:
+            lines.append("Not honoured exactly, by annotation (Ingresses):")
+            lines += [f"  {a:<42} {v:<25} {n}" for a, v, n in summary]
         total = len(self.ingresses)
         honoured = sum(1 for i in self.ingresses if i.exact)
         refused = sum(1 for i in self.ingresses if not i.served)

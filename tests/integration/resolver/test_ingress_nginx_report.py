@@ -76,6 +76,9 @@ def test_the_json_report_over_the_examples():
     assert set(verdicts.values()) == {"no-op"}
     assert by_name["cors-api"]["served"] is True and by_name["cors-api"]["exact"] is False
     assert by_name["web-canary"]["exact"] is True  # folded into web-main by weight
+    summary = {(a["annotation"], a["verdict"]): a["ingresses"] for a in report["byAnnotation"]}
+    assert summary[("affinity", "honoured-with-difference")] == 2
+    assert summary[("auth-url", "not-honoured")] == 1
     keys = {k["key"]: k["verdict"] for k in report["configMap"]["keys"]}
     assert keys["allow-snippet-annotations"] == "honoured"
     assert keys["worker-processes"] == "no-op"
