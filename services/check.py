@@ -423,7 +423,8 @@ class Checker:
             if status not in ("Admitted", "-"):
                 bad += 1
                 self.add(
-                    FAILED,
+                    # Served, an ingress-nginx annotation not honoured: a warning.
+                    WARN if status == "NotHonoured" else FAILED,
                     f"route {route.namespace}/{route.name}: {status}: {message}",
                     _route_hint(status),
                 )
@@ -636,6 +637,13 @@ def _route_hint(reason: str) -> str:
         "HostAlreadyClaimed": "an older route owns this host or host and path: rename the "
         "host or path, or delete the other route",
         "NoBackends": "give the route a backend of non-zero weight",
+        # ingress-nginx Ingresses (waygate.resolver.ingress_nginx).
+        "UnsupportedAnnotation": "an annotation Waygate cannot honour bears on access, so "
+        "the Ingress is not served: `waygate ingress-nginx check` names it",
+        "InvalidAnnotation": "an annotation value outside its grammar: fix the Ingress",
+        "InvalidPath": "a path outside its pathType (regular expressions need use-regex)",
+        "SnippetsNotAllowed": "the controller ConfigMap does not allow snippets",
+        "NotHonoured": "served; `waygate ingress-nginx check` lists what is not honoured",
     }.get(reason, "`waygate routes get NS/NAME` shows every condition")
 
 

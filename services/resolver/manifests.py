@@ -16,6 +16,8 @@ Invariants (the routes file's rules, `filesource.py`):
   converted and passed the schema checks as a whole (one version); any error
   rejects the whole edit with `path:line: reason` (logged, kept in
   `last_error`) and the last good state stays, routes and statuses alike.
+  Except with --ingress-nginx: an Ingress refused for its annotations or paths
+  is refused alone (its routes Admitted False), as in a cluster.
 - Services, endpoints and Route CRD objects go through `kube_convert` and
   Gateway API / Ingress objects through `gateway.translate`, exactly as in
   Kubernetes mode: one conversion per kind, whatever the source.
@@ -46,6 +48,7 @@ from waygate.resolver.gateway.translate import (
     is_gateway_object,
     translate,
 )
+from waygate.resolver.ingress_nginx.config import IngressNginx
 from waygate.resolver.model import Endpoint, Route, Service
 from waygate.resolver.store import Store
 
@@ -138,7 +141,11 @@ def _documents(path: Path, text: str) -> list[_Document]:
 
 
 def parse_manifests(
-    files: list[tuple[Path, str]], *, addresses: tuple[str, ...] = (), sharing: str = "share"
+    files: list[tuple[Path, str]],
+    *,
+    addresses: tuple[str, ...] = (),
+    sharing: str = "share",
+    ingress_nginx: IngressNginx | None = None,
 ) -> ManifestsContent:
     """Every object of the files -> the store's content and the statuses; FileError
     names the first line that is wrong."""
@@ -202,7 +209,9 @@ def parse_manifests(
             raise doc.error(str(exc)) from None
     for groups in slices.values():
         content.endpoints.extend(kube_convert.merge_endpoints(groups))
-    translation = translate(objects, addresses=addresses, sharing=sharing)
+    translation = translate(
+        objects, addresses=addresses, sharing=sharing, ingress_nginx=ingress_nginx
+    )
     if translation.rejected:
         rejected = translation.rejected[0]
         doc = where_is[(rejected.kind, rejected.namespace, rejected.name)]
@@ -236,8 +245,10 @@ class ManifestsSource:
         poll_interval: float = 1.0,
         addresses: tuple[str, ...] = (),
         sharing: str = "share",
+        ingress_nginx: IngressNginx | None = None,
     ) -> None:
         self.store = store
+        self.ingress_nginx = ingress_nginx
         self.board = board
         self.path = path.absolute()
         self.source = f"manifests:{self.path}"
@@ -287,7 +298,12 @@ class ManifestsSource:
             return _Read(
                 stat,
                 value,
-                parse_manifests(texts, addresses=self.addresses, sharing=self.sharing),
+                parse_manifests(
+                    texts,
+                    addresses=self.addresses,
+                    sharing=self.sharing,
+                    ingress_nginx=self.ingress_nginx,
+                ),
                 None,
             )
         except FileError as exc:

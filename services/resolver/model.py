@@ -438,6 +438,14 @@ class Route:
     # `created`, the spec's tie-breakers between equally specific matches.
     origin: str = ""
     rule_index: int = 0
+    # ingress-nginx Ingresses (waygate.resolver.ingress_nginx): set, the route
+    # is not served (Admitted False) for this (CamelCase reason, message) -- an
+    # annotation it cannot honour that bears on access, a value outside its
+    # grammar, a path outside its pathType; and what of its annotations is not
+    # honoured exactly ("annotation: verdict (why)"), its AnnotationsHonoured
+    # condition.
+    ingress_refusal: tuple[str, str] | None = None
+    ingress_verdicts: tuple[str, ...] = ()
 
     @property
     def key(self) -> RouteKey:

@@ -55,6 +55,7 @@ SERVICE_NOT_FOUND = "ServiceNotFound"
 PORT_NOT_FOUND = "PortNotFound"
 NO_READY_ENDPOINTS = "NoReadyEndpoints"
 NO_BACKENDS = "NoBackends"
+ANNOTATIONS_HONOURED = "AnnotationsHonoured"
 
 _EPOCH = datetime.min.replace(tzinfo=UTC)
 
@@ -243,18 +244,36 @@ class RouteStatusBook:
     ) -> RouteStatus:
         previous = self._status.get(route.key)
         conflict = self._conflict.get(route.key)
+        if route.ingress_refusal is not None:
+            conflict = route.ingress_refusal[1]
         reason, message = route_references(route, service, endpoints)
-        conditions = (
+        conditions: tuple[RouteCondition, ...] = (
             RouteCondition(ADMITTED, TRUE, "Admitted")
             if conflict is None
-            else RouteCondition(ADMITTED, FALSE, HOST_ALREADY_CLAIMED, conflict),
+            else RouteCondition(
+                ADMITTED,
+                FALSE,
+                route.ingress_refusal[0] if route.ingress_refusal else HOST_ALREADY_CLAIMED,
+                conflict,
+            ),
             RouteCondition(RESOLVED_REFS, TRUE, "ResolvedRefs")
             if not reason
             else RouteCondition(RESOLVED_REFS, FALSE, reason, message),
             RouteCondition(CONFLICTED, FALSE, "NoConflicts")
-            if conflict is None
+            if conflict is None or route.ingress_refusal
             else RouteCondition(CONFLICTED, TRUE, HOST_ALREADY_CLAIMED, conflict),
         )
+        if route.ingress_verdicts:
+            # ingress-nginx annotations not honoured exactly (waygate.resolver.ingress_nginx).
+            lacking = any(": not-honoured" in line for line in route.ingress_verdicts)
+            conditions += (
+                RouteCondition(
+                    ANNOTATIONS_HONOURED,
+                    FALSE if lacking else TRUE,
+                    "NotHonoured" if lacking else "HonouredWithDifferences",
+                    "; ".join(route.ingress_verdicts),
+                ),
+            )
         return RouteStatus(tuple(_stamped(c, previous, now) for c in conditions))
 
 
