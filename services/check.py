@@ -391,13 +391,16 @@ class Checker:
         )
 
     async def check_routes(self, resolver: Target) -> None:
-        from waygate.resolver.commands import list_routes, route_problem
-        from waygate.resolver.v1 import resolver_pb2_grpc
+        from waygate.resolver.commands import list_routes, route_problem, source_hint, source_name
+        from waygate.resolver.v1 import resolver_pb2, resolver_pb2_grpc
 
         try:
             async with open_channel(resolver.address, tls=self.settings.tls(), retry=False) as ch:
                 stub = resolver_pb2_grpc.ResolverStub(ch)
                 routes, sources, _ = await list_routes(stub, "", self.settings.timeout)
+                gateways = await stub.ListGateways(
+                    resolver_pb2.ListGatewaysRequest(), timeout=self.settings.timeout
+                )
                 first = await _first_view(stub, self.settings.timeout)
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
             detail = (
@@ -408,15 +411,20 @@ class Checker:
             self.add(FAILED, f"resolver routes: {detail}")
             return
         for state in sources:
-            what = state.source.removeprefix("file:")
+            what = source_name(state.source)
             if state.valid:
-                self.add(OK, f"routes file {what} is valid")
+                self.add(OK, f"{what} is valid")
             else:
+                since = (
+                    f" (since {_stamp(state.error_since)})" if state.HasField("error_since") else ""
+                )
                 self.add(
                     FAILED,
-                    f"routes file rejected: {state.last_error}",
-                    "fix that line; the resolver serves the last good content until then",
+                    f"{what} rejected{since}: {state.last_error}",
+                    f"{source_hint(state.source)}; the resolver serves the last good "
+                    "content until then",
                 )
+        self.check_gateway_objects(list(gateways.objects))
         bad = 0
         for route in routes:
             status, message = route_problem(route)
@@ -451,6 +459,24 @@ class Checker:
                 ),
                 "start `waygate tunnel agent` on that node (under `up`: see the tunnel-agent log)",
             )
+
+    def check_gateway_objects(self, objects: list[Any]) -> None:
+        """✖ for each Gateway API or Ingress object (or route parent) with
+        Accepted=False or ResolvedRefs=False, with its reason."""
+        for item in objects:
+            name = f"{item.kind} {item.namespace + '/' if item.namespace else ''}{item.name}"
+            places = [("", item.conditions)] + [
+                (f" on {p.gateway_namespace}/{p.gateway_name}", p.conditions) for p in item.parents
+            ]
+            places += [(f" listener {ls.name}", ls.conditions) for ls in item.listeners]
+            for where, conditions in places:
+                for c in conditions:
+                    if c.type in ("Accepted", "ResolvedRefs") and c.status == "False":
+                        self.add(
+                            FAILED,
+                            f"{name}{where}: {c.type}=False ({c.reason}): {c.message}",
+                            "`waygate gateways` shows its status; fix the object it names",
+                        )
 
     # ------------------------------------------------------------ cluster
 
@@ -649,6 +675,11 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _stamp(stamp: Any) -> str:
+    """A protobuf Timestamp as RFC 3339 (UTC, seconds)."""
+    return str(stamp.ToDatetime().strftime("%Y-%m-%dT%H:%M:%SZ"))
 
 
 def _fingerprint(der: bytes) -> str:

@@ -1,7 +1,7 @@
 """The resolver's sections of the status page (`waygate.core.statuspage`).
 
-The route sources' own state (a rejected routes-file edit first: it is what
-makes a route misbehave silently), every route with its conditions
+The route sources' own state (a rejected routes-file or manifests edit, or a
+failing Kubernetes watch, first: it is what makes a route misbehave silently), every route with its conditions
 (`waygate.resolver.status`) and its backends' ready endpoints, the view's
 freshness, and which tunnel-server replicas hold which edge node. Read from the
 store at request time.
@@ -72,7 +72,8 @@ def sections(store: Store) -> list[Section]:
                         _ago(state.loaded_at, now),
                         "in force"
                         if state.valid
-                        else f"{state.error} (the last good state is kept)",
+                        else f"{state.error} (failing since {_ago(state.error_since, now)}; "
+                        "the last good state is kept)",
                     ]
                     for state in states
                 ],

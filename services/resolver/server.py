@@ -312,7 +312,11 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
         self, request: pb.WatchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.WatchEvent]:
         kinds = convert.kinds_from_proto(list(request.kinds))
-        with_keys = self._access.may_read_route_keys(peer_identities(context))
+        withheld = self._access.route_keys_withheld(peer_identities(context))
+        with_keys = not withheld
+        # Per watcher, while the events are shared: a serialized field appended to
+        # a serialized message merges into it (protobuf's concatenation rule).
+        withheld_field = pb.WatchEvent(route_keys_withheld=withheld).SerializeToString()
         store = self._store
         subscription = store.subscribe(
             kinds,
@@ -354,7 +358,7 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
                 )
                 try:
                     for event in outgoing:
-                        yield self._wire.bytes_of(event)  # type: ignore[misc]
+                        yield self._wire.bytes_of(event) + withheld_field  # type: ignore[misc]
                 finally:
                     if slot:
                         self._snapshot_slots.release()
@@ -438,7 +442,9 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
     async def ListGateways(
         self, request: pb.ListGatewaysRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListGatewaysResponse:
-        response = pb.ListGatewaysResponse()
+        response = pb.ListGatewaysResponse(
+            sources=[convert.source_state_to_proto(s) for s in self._store.source_states()]
+        )
         if self._gateways is None:
             return response
         for item in self._gateways.items(request.kinds, request.namespace):

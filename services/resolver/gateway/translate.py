@@ -164,6 +164,30 @@ class Rejected:
     error: SpecError
 
 
+# Ingresses already logged as ignored, with the reason: once per process and reason.
+_IGNORED_LOGGED: set[tuple[Key, str]] = set()
+
+
+def _ignored_reason(class_name: str, has_default: bool) -> str:
+    if class_name:
+        return (
+            f"its class {class_name!r} is not an IngressClass with controller {INGRESS_CONTROLLER}"
+        )
+    if has_default:
+        return "no ingressClassName"  # unreachable: the default class applies
+    return (
+        "no ingressClassName and no IngressClass of controller "
+        f"{INGRESS_CONTROLLER} is marked ingressclass.kubernetes.io/is-default-class"
+    )
+
+
+def _log_ignored_once(key: Key, reason: str) -> None:
+    if (key, reason) in _IGNORED_LOGGED:
+        return
+    _IGNORED_LOGGED.add((key, reason))
+    log.info("Ingress %s/%s ignored: %s", key[0], key[1], reason)
+
+
 @dataclass
 class Translation:
     routes: list[Route] = field(default_factory=list)
@@ -1053,6 +1077,7 @@ class _Translator:
                 continue
             class_name = ingress.class_name or default
             if class_name not in classes:
+                _log_ignored_once(key, _ignored_reason(ingress.class_name, default is not None))
                 continue
             self.ingress(key, obj, ingress)
 
