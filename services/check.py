@@ -59,6 +59,7 @@ from waygate.core.errors import FailedPrecondition
 from waygate.core.grpcclient import open_channel
 from waygate.core.kube import JSON, KubeAPI, KubeError, load_api_client
 from waygate.core.settings import add_settings_arguments
+from waygate.core.statuspage import fetch_document
 
 OK, FAILED, WARN = "✔", "✖", "‼"
 #: Under this fraction of its lifetime left, a certificate is worth a warning.
@@ -357,6 +358,30 @@ class Checker:
                 f"{name} admin {address}: /readyz " + (str(status) if status else "unreachable"),
                 f"`curl http://{address}/readyz` says what it waits for",
             )
+            if name == "proxy" and status == 200:
+                await self.check_refused_certificates(address)
+
+    async def check_refused_certificates(self, address: str) -> None:
+        """✖ for each route certificate the proxy refuses now (a private key withheld by
+        the resolver, expired, for another host), from its status document's
+        "Route certificates refused" section (docs/status-json.md)."""
+        host, _, port = address.rpartition(":")
+        try:
+            document = await fetch_document(host, int(port), self.settings.timeout)
+        except (OSError, TimeoutError, ValueError):
+            return  # /readyz answered: a status page that does not is not this check's
+        for service in document["services"]:
+            for section in service.get("sections", []):
+                if section.get("title") != "Route certificates refused":
+                    continue
+                for route, host_name, reason in section.get("rows", []):
+                    why = reason.get("text") if isinstance(reason, dict) else reason
+                    self.add(
+                        FAILED,
+                        f"route {route}: {why} (the proxy serves its default certificate "
+                        f"for {host_name})",
+                        _refusal_hint(str(why)),
+                    )
 
     async def check_bundle(self, certs: Target) -> None:
         from waygate.certs.v1 import certs_pb2, certs_pb2_grpc
@@ -675,6 +700,14 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _refusal_hint(reason: str) -> str:
+    if "not mTLS" in reason:
+        return "give the proxy a client certificate for the resolver (--certs-address or TLS files)"
+    if "--route-readers" in reason:
+        return "add the proxy's identity to the resolver's --route-readers"
+    return "fix the route's certificate (waygate routes get NS/NAME -o yaml shows it)"
 
 
 def _stamp(stamp: Any) -> str:

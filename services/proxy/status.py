@@ -126,6 +126,9 @@ def view_sections(watch: Any) -> list[Section]:
     ]
 
 
+REFUSED_SECTION = "Route certificates refused"
+
+
 def certificate_sections(front: Any) -> list[Section]:
     """The routes' own certificates the HTTPS listener serves (nothing renews them)."""
     if front is None:
@@ -138,7 +141,7 @@ def certificate_sections(front: Any) -> list[Section]:
         ]
         for host, served in sorted(front.certificates.served(), key=lambda pair: pair[0])
     ]
-    return [
+    found = [
         Section(
             "Route certificates",
             ["host", "subject", "expires in"],
@@ -147,6 +150,18 @@ def certificate_sections(front: Any) -> list[Section]:
             empty="no route brings its own certificate",
         )
     ]
+    if front.certificates.refusals:
+        # `waygate check` lists these rows (section title and columns are its contract).
+        found.append(
+            Section(
+                REFUSED_SECTION,
+                ["route", "host", "reason"],
+                [[r, h, cell(why, "bad")] for r, h, why in front.certificates.refusals],
+                note="the proxy's default certificate is served for these hosts",
+                state="bad",
+            )
+        )
+    return found
 
 
 def provider(server: ProxyServer, watch: Any, front: Any) -> Callable[[], list[Section]]:
