@@ -72,8 +72,9 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import ClassVar, TextIO
+from typing import Any, ClassVar, TextIO
 
 import yaml
 
@@ -115,7 +116,7 @@ from waygate.core.settings import (
     setting,
     settings_from_args,
 )
-from waygate.core.statuspage import GatheredStatus
+from waygate.core.statuspage import GatheredStatus, Section, cell, time_cell
 
 log = logging.getLogger(__name__)
 
@@ -438,10 +439,50 @@ class Supervisor:
         gathered = GatheredStatus(
             "Waygate (waygate up)",
             [(c.name, HOST, self.context.port(c.name, "admin_port")) for c in shown],
+            sections=self._process_sections,
         )
         server = AdminServer(readiness, status=gathered)
         await server.start(HOST, self.settings.status_port + self.context.port_offset)
         return server
+
+    def _process_sections(self) -> list[Section]:
+        """`up`'s own part of its page: one row per child, with its restarts."""
+        rows: list[list[Any]] = []
+        for child in self.children:
+            process = child.process
+            running = process is not None and process.returncode is None
+            state = (
+                cell("ready", "ok")
+                if running and child.ready
+                else cell("starting", "warn")
+                if running
+                else cell("exited; restarting", "bad")
+            )
+            started = time.time() - (time.monotonic() - child.started_at)
+            rows.append(
+                [
+                    child.name,
+                    process.pid if process is not None else "",
+                    state,
+                    cell(child.restarts, "warn" if child.restarts else ""),
+                    time_cell(datetime.fromtimestamp(started, UTC) if child.started_at else None),
+                ]
+            )
+        restarted = any(child.restarts for child in self.children)
+        return [
+            Section(
+                "Processes",
+                ["process", "pid", "state", "restarts", "started"],
+                rows,
+                note="the processes `waygate up` runs and restarts",
+                state="bad"
+                if any(r[2]["state"] == "bad" for r in rows)
+                else "warn"
+                if restarted
+                else "ok",
+                empty="none started yet",
+            )
+        ]
 
     def _demo_argv(self) -> list[str]:
         return [

@@ -705,6 +705,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     from waygate.proxy import status
 
     process.status.add("proxy", status.provider(server, watch, front))
+    process.status.set_traffic(lambda: status.traffic(server))
     process.add_listener(
         HttpListener(server, settings.host, settings.http_port, reuse_port=settings.worker)
     )

@@ -12,10 +12,12 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from waygate.core.statuspage import Section, cell, duration_text, expiry_cell
+from waygate.core.statuspage import Section, Traffic, cell, duration_text, expiry_cell
 from waygate.proxy.metrics import ProxyMetrics, quantile
 from waygate.proxy.server import ProxyServer
 
+#: The route label of requests no route took (the Routes section's "unrouted" row).
+UNROUTED = ""
 #: A route whose share of 5xx answers is above this is shown as failing.
 ERROR_SHARE_BAD = 0.05
 #: A view older than this (no event, no heartbeat) is shown as stale: a little
@@ -30,6 +32,16 @@ def _traffic(metrics: ProxyMetrics) -> dict[str, tuple[int, int]]:
         requests, errors = totals.get(route, (0, 0))
         totals[route] = (requests + count, errors + (count if hundreds == 5 else 0))
     return totals
+
+
+def traffic(server: ProxyServer) -> Traffic:
+    """The status document's summary line: every request, 5xx, unrouted."""
+    totals = _traffic(server.metrics)
+    return Traffic(
+        requests=sum(requests for requests, _ in totals.values()),
+        errors_5xx=sum(errors for _, errors in totals.values()),
+        unrouted=totals.get(UNROUTED, (0, 0))[0],
+    )
 
 
 def _ms(seconds: float | None) -> str:
@@ -77,6 +89,20 @@ def route_sections(server: ProxyServer) -> list[Section]:
             )
             endpoints.append([name, backend.service, where, state])
     failing = any(row[3]["state"] == "bad" for row in routes)
+    # Requests no route took are counted under route "" (the metrics' contract).
+    unrouted, unrouted_errors = traffic.get(UNROUTED, (0, 0))
+    routes.append(
+        [
+            cell("unrouted", "warn" if unrouted else ""),
+            "no route took these (unknown host or path)",
+            "",
+            "",
+            unrouted,
+            unrouted_errors,
+            "",
+            "",
+        ]
+    )
     return [
         Section(
             "Routes",
