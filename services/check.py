@@ -687,6 +687,9 @@ def _route_hint(reason: str) -> str:
         "HostAlreadyClaimed": "an older route owns this host or host and path: rename the "
         "host or path, or delete the other route",
         "NoBackends": "give the route a backend of non-zero weight",
+        "NotMTLS": "run the resolver with TLS and client certificates (as `waygate up` does), "
+        "and the proxy with a certificate whose identity is in --route-readers",
+        "NoRouteReaders": "set the resolver's --route-readers to the proxy's identity",
     }.get(reason, "`waygate routes get NS/NAME` shows every condition")
 
 

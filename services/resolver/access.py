@@ -69,6 +69,21 @@ class WriteAccess:
         who = excerpt(", ".join(identities), 200)
         return f"identity {who} is not in --route-readers"
 
+    def keys_withheld_from_everyone(self) -> tuple[str, str]:
+        """(reason, message) when no Watch client at all can get route private keys
+        (written into such a route's status by ListRoutes); ("", "") otherwise."""
+        if not self.authenticated:
+            return "NotMTLS", (
+                "private key withheld: the resolver's gRPC listener takes no client "
+                "certificates (not mTLS), so no Watch client (no proxy) receives it"
+            )
+        if not self.route_readers:
+            return "NoRouteReaders", (
+                "private key withheld: --route-readers is empty, so no Watch client "
+                "(no proxy) receives it"
+            )
+        return "", ""
+
     def check_tunnel_reporter(self, identities: tuple[str, ...]) -> None:
         self._check("ReportTunnels", "tunnel_reporters", self.tunnel_reporters, identities)
 

@@ -56,8 +56,9 @@ from waygate.resolver import convert, events
 from waygate.resolver.access import WriteAccess
 from waygate.resolver.filesource import FileSource
 from waygate.resolver.gateway.status import StatusBoard
-from waygate.resolver.model import Service, TunnelServer
+from waygate.resolver.model import Route, Service, TunnelServer
 from waygate.resolver.resolve import MAX_CACHED_PORTS, Pick, Resolution, Resolver, Target
+from waygate.resolver.status import PRIVATE_KEY_DELIVERED
 from waygate.resolver.store import DEFAULT_MAX_PENDING, Batch, Snapshot, Store, SubscriptionEnded
 from waygate.resolver.tunnels import TunnelRegistry
 from waygate.resolver.v1 import resolver_pb2 as pb
@@ -434,10 +435,24 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
             if index == limit or (index and size >= LIST_PAGE_BYTES):
                 response.next_page_token = _page_token(response.routes[-1])
                 break
-            message = convert.route_to_proto(route, with_key=False)
+            message = self._listed(route)
             size += message.ByteSize()
             response.routes.append(message)
         return response
+
+    def _listed(self, route: Route) -> pb.Route:
+        """A route as ListRoutes and ApplyRoute answer it: without its key, and with a
+        PrivateKeyDelivered=False condition when it has one no Watch client (no proxy)
+        can receive (a proxy hears why over its Watch; `routes` and `check` show this)."""
+        message = convert.route_to_proto(route, with_key=False)
+        reason, why = self._access.keys_withheld_from_everyone()
+        if reason and route.tls is not None and route.tls.key:
+            message.status.conditions.append(
+                pb.RouteCondition(
+                    type=PRIVATE_KEY_DELIVERED, status="False", reason=reason, message=why
+                )
+            )
+        return message
 
     async def ListGateways(
         self, request: pb.ListGatewaysRequest, context: grpc.aio.ServicerContext
@@ -501,9 +516,7 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
         if not request.HasField("route"):
             raise InvalidArgument("route: required")
         stored = await routes.apply_route(convert.route_from_proto(request.route))
-        return pb.ApplyRouteResponse(
-            route=convert.route_to_proto(stored, with_key=False), version=self._store.version
-        )
+        return pb.ApplyRouteResponse(route=self._listed(stored), version=self._store.version)
 
     async def DeleteRoute(
         self, request: pb.DeleteRouteRequest, context: grpc.aio.ServicerContext

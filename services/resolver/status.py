@@ -51,6 +51,10 @@ from waygate.resolver.model import (
     SourceState,
 )
 
+# A condition ListRoutes and ApplyRoute add (never stored, not in Watch): False, NotMTLS
+# or NoRouteReaders, on a route with its own private key that no Watch client (no
+# proxy) can receive. Absent otherwise.
+PRIVATE_KEY_DELIVERED = "PrivateKeyDelivered"
 HOST_ALREADY_CLAIMED = "HostAlreadyClaimed"
 SERVICE_NOT_FOUND = "ServiceNotFound"
 PORT_NOT_FOUND = "PortNotFound"

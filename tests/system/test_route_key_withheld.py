@@ -1,4 +1,6 @@
-"""Issue 29 finding 9: a proxy the resolver sends no route private keys says why.
+"""Issue 29 finding 9: a proxy the resolver sends no route private keys says why,
+and so does the resolver, in the route's status (ListRoutes: PrivateKeyDelivered
+False, reason NotMTLS), which `waygate routes` and `waygate check` show.
 
 Real processes: `waygate resolver serve` on a plaintext loopback listener (so no
 Watch client is a route reader: keys are withheld) and `waygate proxy serve`
@@ -110,6 +112,16 @@ async def test_a_withheld_route_key_is_named_logged_counted_and_shown(tmp_path: 
         assert reason["text"] == "private key withheld: this connection to the resolver is not mTLS"
         assert reason["state"] == "bad"
 
+        # The resolver says so in the route's status: `routes` and `routes get`.
+        addr = ("--addr", resolver.grpc_address, "--plaintext")
+        code, text, problem = await run_cli("routes", *addr, "-o", "wide")
+        assert code == 0, problem
+        (row,) = [line for line in text.splitlines() if line.startswith("demo ") and "shop" in line]
+        assert "NotMTLS" in row and "private key withheld: the resolver's gRPC listener" in row
+        code, text, problem = await run_cli("routes", "get", "demo/shop", *addr, "-o", "yaml")
+        assert code == 0, problem
+        assert "type: PrivateKeyDelivered" in text and "reason: NotMTLS" in text
+
         # `waygate check` lists it, reading the proxy's status document as it does
         # under `up` (an up.json naming this proxy's admin port).
         state = tmp_path / "state"
@@ -127,6 +139,7 @@ async def test_a_withheld_route_key_is_named_logged_counted_and_shown(tmp_path: 
             "mTLS (the proxy serves its default certificate for shop.test)\n    hint: give the "
             "proxy a client certificate for the resolver" in text
         ), text
+        assert "✖ route demo/shop: NotMTLS: private key withheld: the resolver's gRPC" in text
     finally:
         await proxy.stop()
         await resolver.stop()
