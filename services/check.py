@@ -450,6 +450,13 @@ class Checker:
                     "content until then",
                 )
         self.check_gateway_objects(list(gateways.objects))
+        for item in gateways.ignored:
+            self.add(
+                WARN,
+                f"{item.kind} {item.namespace}/{item.name} ignored: {item.reason}",
+                "another controller may serve it; to have Waygate serve it, give it "
+                "Waygate's class",
+            )
         bad = 0
         for route in routes:
             status, message = route_problem(route)

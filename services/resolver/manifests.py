@@ -321,7 +321,7 @@ class ManifestsSource:
             routes=content.routes,
         )
         self.store.mark_synced(self.source)
-        self.board.replace(content.translation.statuses)
+        self.board.replace(content.translation.statuses, content.translation.ignored)
         if self.last_error is not None:
             log.info("manifests are valid again", extra={"path": str(self.path)})
         self.health.loaded(self.store.version)

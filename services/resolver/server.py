@@ -462,6 +462,15 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
         )
         if self._gateways is None:
             return response
+        kinds = set(request.kinds)
+        response.ignored.extend(
+            pb.IgnoredObject(
+                kind=item.kind, namespace=item.namespace, name=item.name, reason=item.reason
+            )
+            for item in self._gateways.ignored
+            if (not kinds or item.kind in kinds)
+            and (not request.namespace or item.namespace == request.namespace)
+        )
         for item in self._gateways.items(request.kinds, request.namespace):
             response.objects.append(
                 convert.gateway_status_to_proto(

@@ -109,6 +109,12 @@ async def test_a_rejected_manifests_file_shows_in_every_view(tmp_path: Path) -> 
         ]
         assert len(ignored) == 1, resolver.logs[-10:]
         assert "ignored: no ingressClassName" in ignored[0]["msg"]
+        assert (
+            "‼ Ingress demo/classless ignored: no ingressClassName and no IngressClass of "
+            "controller waygate.io/ingress-controller is marked" in text
+        ), text
+        code, listing, _ = await run_cli("gateways", *addr)
+        assert "ignored: Ingress demo/classless: no ingressClassName" in listing, listing
         assert await metric(resolver, "waygate_resolver_source_valid", source) == 1.0
 
         # The broken edit: the resolver keeps the last good state and says so everywhere.
@@ -168,5 +174,11 @@ async def test_a_rejected_manifests_file_shows_in_every_view(tmp_path: Path) -> 
         code, text, _ = await run_cli("check", "--resolver", resolver.grpc_address, "--plaintext")
         assert f"✔ manifests {manifests} is valid" in text, text
         assert "✖ manifests" not in text and "✖ HTTPRoute" not in text, text
+        # Translated twice with the Ingress (the first load, and the broken edit,
+        # rejected after its translation), it was still logged once.
+        ignored = [
+            e for e in resolver.logs if str(e.get("msg", "")).startswith("Ingress demo/classless")
+        ]
+        assert len(ignored) == 1
     finally:
         await resolver.stop()

@@ -124,11 +124,14 @@ def _gateways(args: argparse.Namespace) -> int:
                 timeout=settings.timeout,
             )
         objects = list(reply.objects)
-        sources = [json_format.MessageToDict(s) for s in reply.sources]
+        document = {
+            "sources": [json_format.MessageToDict(s) for s in reply.sources],
+            "items": as_documents(objects),
+            "ignored": [json_format.MessageToDict(i) for i in reply.ignored],
+        }
         if args.output == "json":
-            print(json.dumps({"sources": sources, "items": as_documents(objects)}, indent=2))
+            print(json.dumps(document, indent=2))
         elif args.output == "yaml":
-            document = {"sources": sources, "items": as_documents(objects)}
             sys.stdout.write(yaml.safe_dump(document, sort_keys=False))
         else:
             if reply.sources:
@@ -137,6 +140,8 @@ def _gateways(args: argparse.Namespace) -> int:
                 print(format_gateways(objects))
             else:
                 print("no Gateway API or Ingress objects")
+            for item in reply.ignored:
+                print(f"ignored: {item.kind} {item.namespace}/{item.name}: {item.reason}")
         return 0
 
     return run_client(args, body)

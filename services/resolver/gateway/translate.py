@@ -164,8 +164,19 @@ class Rejected:
     error: SpecError
 
 
-# Ingresses already logged as ignored, with the reason: once per process and reason.
-_IGNORED_LOGGED: set[tuple[Key, str]] = set()
+@dataclass(frozen=True)
+class Ignored:
+    """An object of a class that is not Waygate's: not served, no status written
+    (another controller owns it); listed by `waygate gateways` and `waygate check`."""
+
+    kind: str
+    namespace: str
+    name: str
+    reason: str
+
+
+# Objects already logged as ignored, with the reason: once per process and reason.
+_IGNORED_LOGGED: set[tuple[str, Key, str]] = set()
 
 
 def _ignored_reason(class_name: str, has_default: bool) -> str:
@@ -181,11 +192,12 @@ def _ignored_reason(class_name: str, has_default: bool) -> str:
     )
 
 
-def _log_ignored_once(key: Key, reason: str) -> None:
-    if (key, reason) in _IGNORED_LOGGED:
+def _log_ignored_once(item: Ignored) -> None:
+    seen = (item.kind, (item.namespace, item.name), item.reason)
+    if seen in _IGNORED_LOGGED:
         return
-    _IGNORED_LOGGED.add((key, reason))
-    log.info("Ingress %s/%s ignored: %s", key[0], key[1], reason)
+    _IGNORED_LOGGED.add(seen)
+    log.info("%s %s/%s ignored: %s", item.kind, item.namespace, item.name, item.reason)
 
 
 @dataclass
@@ -193,6 +205,7 @@ class Translation:
     routes: list[Route] = field(default_factory=list)
     statuses: list[ObjectStatus] = field(default_factory=list)
     rejected: list[Rejected] = field(default_factory=list)
+    ignored: list[Ignored] = field(default_factory=list)
 
 
 def condition(kind: str, ok: bool, reason: str, message: str, generation: int) -> JSON:
@@ -369,6 +382,11 @@ class _Translator:
             return None, f"Secret {namespace}/{name}: {exc}"
         return tls, ""
 
+    def ignore(self, kind: str, key: Key, reason: str) -> None:
+        item = Ignored(kind, key[0], key[1], reason)
+        self.out.ignored.append(item)
+        _log_ignored_once(item)
+
     # ------------------------------------------------------------ classes and gateways
 
     def classes(self) -> set[str]:
@@ -407,6 +425,12 @@ class _Translator:
         for key, obj in sorted(self.objects.of("Gateway").items()):
             class_name = str((obj.get("spec") or {}).get("gatewayClassName", ""))
             if class_name not in ours:
+                self.ignore(
+                    "Gateway",
+                    key,
+                    f"its gatewayClassName {class_name!r} is not a GatewayClass of "
+                    f"controller {CONTROLLER_NAME}",
+                )
                 continue
             generation = specs.generation(obj)
             try:
@@ -1077,7 +1101,9 @@ class _Translator:
                 continue
             class_name = ingress.class_name or default
             if class_name not in classes:
-                _log_ignored_once(key, _ignored_reason(ingress.class_name, default is not None))
+                self.ignore(
+                    "Ingress", key, _ignored_reason(ingress.class_name, default is not None)
+                )
                 continue
             self.ingress(key, obj, ingress)
 

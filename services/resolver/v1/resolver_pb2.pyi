@@ -747,12 +747,26 @@ class ListGatewaysRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., kinds: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListGatewaysResponse(_message.Message):
-    __slots__ = ("objects", "sources")
+    __slots__ = ("objects", "sources", "ignored")
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
+    IGNORED_FIELD_NUMBER: _ClassVar[int]
     objects: _containers.RepeatedCompositeFieldContainer[GatewayObjectStatus]
     sources: _containers.RepeatedCompositeFieldContainer[RouteSourceState]
-    def __init__(self, objects: _Optional[_Iterable[_Union[GatewayObjectStatus, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[RouteSourceState, _Mapping]]] = ...) -> None: ...
+    ignored: _containers.RepeatedCompositeFieldContainer[IgnoredObject]
+    def __init__(self, objects: _Optional[_Iterable[_Union[GatewayObjectStatus, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[RouteSourceState, _Mapping]]] = ..., ignored: _Optional[_Iterable[_Union[IgnoredObject, _Mapping]]] = ...) -> None: ...
+
+class IgnoredObject(_message.Message):
+    __slots__ = ("kind", "namespace", "name", "reason")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    namespace: str
+    name: str
+    reason: str
+    def __init__(self, kind: _Optional[str] = ..., namespace: _Optional[str] = ..., name: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class GatewayListenerReport(_message.Message):
     __slots__ = ("proxy", "listeners")
