@@ -29,7 +29,8 @@ pytestmark = pytest.mark.system
 EXAMPLES = ROOT / "services" / "resolver" / "examples"
 
 # Beside the example: an HTTPRoute to a Service that does not exist
-# (ResolvedRefs=False), and an Ingress with no class while no IngressClass of
+# (ResolvedRefs=False), one for a host the Gateway does not listen for
+# (Accepted=False), and an Ingress with no class while no IngressClass of
 # Waygate's is the default (ignored).
 EXTRA = """
 ---
@@ -47,6 +48,19 @@ spec:
         - path: {type: PathPrefix, value: /ghost}
       backendRefs:
         - {name: nowhere, port: 80}
+---
+apiVersion: gateway.networking.k8s.io/v1
+kind: HTTPRoute
+metadata:
+  name: elsewhere
+  namespace: demo
+spec:
+  parentRefs:
+    - name: demo
+  hostnames: [other.example.com]
+  rules:
+    - backendRefs:
+        - {name: echo-gateway, port: 80}
 ---
 apiVersion: networking.k8s.io/v1
 kind: Ingress
@@ -103,6 +117,10 @@ async def test_a_rejected_manifests_file_shows_in_every_view(tmp_path: Path) -> 
         code, text, _ = await run_cli("check", "--resolver", resolver.grpc_address, "--plaintext")
         assert f"✔ manifests {manifests} is valid" in text
         assert "✖ HTTPRoute demo/ghost on demo/demo: ResolvedRefs=False (BackendNotFound)" in text
+        assert (
+            "✖ HTTPRoute demo/elsewhere on demo/demo: Accepted=False (NoMatchingListenerHostname)"
+            in text
+        )
         assert code == 1
         ignored = [
             e for e in resolver.logs if str(e.get("msg", "")).startswith("Ingress demo/classless")
