@@ -416,7 +416,13 @@ class Checker:
         )
 
     async def check_routes(self, resolver: Target) -> None:
-        from waygate.resolver.commands import list_routes, route_problem, source_hint, source_name
+        from waygate.resolver.commands import (
+            list_routes,
+            route_problem,
+            source_failure,
+            source_hint,
+            source_name,
+        )
         from waygate.resolver.v1 import resolver_pb2, resolver_pb2_grpc
 
         try:
@@ -445,7 +451,7 @@ class Checker:
                 )
                 self.add(
                     FAILED,
-                    f"{what} rejected{since}: {state.last_error}",
+                    f"{what} {source_failure(state.source)}{since}: {state.last_error}",
                     f"{source_hint(state.source)}; the resolver serves the last good "
                     "content until then",
                 )

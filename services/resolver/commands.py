@@ -258,10 +258,15 @@ def format_sources(sources: Sequence[pb.RouteSourceState]) -> str:
                 else ""
             )
             lines.append(
-                f"{what}: REJECTED: {state.last_error}\n"
+                f"{what}: {source_failure(state.source).upper()}: {state.last_error}\n"
                 f"  serving the last good content ({loaded}{since}); {source_hint(state.source)}"
             )
     return "\n".join(lines)
+
+
+def source_failure(source: str) -> str:
+    """What an invalid source is: a file's content is "rejected", Kubernetes "failing"."""
+    return "rejected" if source.startswith(("file:", "manifests:")) else "failing"
 
 
 def source_hint(source: str) -> str:
