@@ -468,18 +468,18 @@ class Supervisor:
                     time_cell(datetime.fromtimestamp(started, UTC) if child.started_at else None),
                 ]
             )
-        restarted = any(child.restarts for child in self.children)
+        overall = "ok"
+        if any(child.restarts for child in self.children):
+            overall = "warn"
+        if any(row[2]["state"] == "bad" for row in rows):
+            overall = "bad"
         return [
             Section(
                 "Processes",
                 ["process", "pid", "state", "restarts", "started"],
                 rows,
                 note="the processes `waygate up` runs and restarts",
-                state="bad"
-                if any(r[2]["state"] == "bad" for r in rows)
-                else "warn"
-                if restarted
-                else "ok",
+                state=overall,
                 empty="none started yet",
             )
         ]
