@@ -9,10 +9,16 @@ says where each process serves) or for the addresses given:
   the identity expected of it (under `up`), and has days left (warned under
   20% of its life, failed when expired); under `up` the proxy's HTTPS
   certificate and your own client certificate too;
-- every admin port (under `up`) answers /readyz 200;
+- every admin port (under `up`) answers /readyz 200, and the proxy refuses no
+  route certificate (its status document's "Route certificates refused": a
+  private key the resolver withheld, an expired or mismatched certificate);
 - the trust bundle certs serves is the one clients trust (the state
   directory's ca.pem, or --ca-file);
-- the routes file is valid, and every route is admitted with resolved refs;
+- every route source (the routes file, each manifests path, Kubernetes) is
+  valid, else its error and since when; every route is admitted with
+  resolved refs (and its own private key reaches a proxy); no Gateway API
+  or Ingress object has Accepted=False or ResolvedRefs=False; Gateways and
+  Ingresses ignored for their class are listed (‼) with the reason;
 - the resolver's view is fresh (last sync within --max-staleness) and, when
   routes send traffic through a tunnel, an agent holds each of their nodes.
 
