@@ -30,8 +30,9 @@ EXAMPLES = ROOT / "services" / "resolver" / "examples"
 
 # Beside the example: an HTTPRoute to a Service that does not exist
 # (ResolvedRefs=False), one for a host the Gateway does not listen for
-# (Accepted=False), and an Ingress with no class while no IngressClass of
-# Waygate's is the default (ignored).
+# (Accepted=False), a Gateway of another class with its HTTPRoute, and an
+# Ingress with no class while no IngressClass of Waygate's is the default
+# (these three ignored, listed with the reason).
 EXTRA = """
 ---
 apiVersion: gateway.networking.k8s.io/v1
@@ -58,6 +59,28 @@ spec:
   parentRefs:
     - name: demo
   hostnames: [other.example.com]
+  rules:
+    - backendRefs:
+        - {name: echo-gateway, port: 80}
+---
+apiVersion: gateway.networking.k8s.io/v1
+kind: Gateway
+metadata:
+  name: theirs
+  namespace: demo
+spec:
+  gatewayClassName: other
+  listeners:
+    - {name: http, port: 80, protocol: HTTP}
+---
+apiVersion: gateway.networking.k8s.io/v1
+kind: HTTPRoute
+metadata:
+  name: theirs
+  namespace: demo
+spec:
+  parentRefs:
+    - name: theirs
   rules:
     - backendRefs:
         - {name: echo-gateway, port: 80}
@@ -131,8 +154,17 @@ async def test_a_rejected_manifests_file_shows_in_every_view(tmp_path: Path) -> 
             "‼ Ingress demo/classless ignored: no ingressClassName and no IngressClass of "
             "controller waygate.io/ingress-controller is marked" in text
         ), text
+        assert (
+            "‼ Gateway demo/theirs ignored: its gatewayClassName 'other' is not a GatewayClass "
+            "of controller waygate.io/gateway-controller" in text
+        )
+        assert (
+            "‼ HTTPRoute demo/theirs ignored: none of its parentRefs (demo/theirs) is a Gateway "
+            "of a GatewayClass of controller waygate.io/gateway-controller" in text
+        )
         code, listing, _ = await run_cli("gateways", *addr)
         assert "ignored: Ingress demo/classless: no ingressClassName" in listing, listing
+        assert "ignored: HTTPRoute demo/theirs: none of its parentRefs" in listing
         assert await metric(resolver, "waygate_resolver_source_valid", source) == 1.0
 
         # The broken edit: the resolver keeps the last good state and says so everywhere.

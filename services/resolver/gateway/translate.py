@@ -166,8 +166,9 @@ class Rejected:
 
 @dataclass(frozen=True)
 class Ignored:
-    """An object of a class that is not Waygate's: not served, no status written
-    (another controller owns it); listed by `waygate gateways` and `waygate check`."""
+    """An object of a class that is not Waygate's (a Gateway, an Ingress, a route
+    attached to no Gateway of Waygate's): not served, no status written (another
+    controller owns it); listed by `waygate gateways` and `waygate check`."""
 
     kind: str
     namespace: str
@@ -709,6 +710,14 @@ class _Translator:
         )
 
     def route(self, kind: str, key: Key, obj: JSON, route: RouteSpec, generation: int) -> None:
+        if not any(self.ours(parent) for parent in route.parents):
+            parents = ", ".join(f"{p.namespace}/{p.name}" for p in route.parents) or "none"
+            self.ignore(
+                kind,
+                key,
+                f"none of its parentRefs ({parents}) is a Gateway of a GatewayClass of "
+                f"controller {CONTROLLER_NAME}",
+            )
         backends, refs_problem = self.backends(kind, key, route)
         parents_status = []
         made: dict[str, Route] = {}
