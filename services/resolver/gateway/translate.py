@@ -176,7 +176,9 @@ class Ignored:
     reason: str
 
 
-# Objects already logged as ignored, with the reason: once per process and reason.
+# Objects already logged as ignored, with the reason: once per process and reason
+# (up to this many remembered; past it, each is logged once more).
+MAX_IGNORED_LOGGED = 10_000
 _IGNORED_LOGGED: set[tuple[str, Key, str]] = set()
 
 
@@ -197,6 +199,8 @@ def _log_ignored_once(item: Ignored) -> None:
     seen = (item.kind, (item.namespace, item.name), item.reason)
     if seen in _IGNORED_LOGGED:
         return
+    if len(_IGNORED_LOGGED) >= MAX_IGNORED_LOGGED:
+        _IGNORED_LOGGED.clear()  # bounded: objects deleted long ago are forgotten
     _IGNORED_LOGGED.add(seen)
     log.info("%s %s/%s ignored: %s", item.kind, item.namespace, item.name, item.reason)
 
