@@ -311,7 +311,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     metrics.observe(store, file_source)
     from waygate.resolver import page
 
-    process.status.add("resolver", page.provider(store))
+    process.status.add("resolver", page.provider(store, board))
     access = WriteAccess(
         tunnel_reporters=settings.tunnel_reporters,
         route_admins=settings.route_admins,

@@ -23,6 +23,10 @@ Invariants (the routes file's rules, `filesource.py`):
   Kubernetes mode: one conversion per kind, whatever the source.
 - Reading and parsing run in a worker thread; changes are noticed by polling
   (name, size, mtime) of every file and confirmed by content hash.
+- The source publishes its own state (valid with the version and time of its
+  last load, or its last error with `path:line` and since when) in the store,
+  so ListRoutes, Watch, ListGateways, `check`, the status page and the
+  metrics show a rejected edit, not only the log.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from waygate.resolver.gateway.translate import (
 )
 from waygate.resolver.ingress_nginx.config import IngressNginx
 from waygate.resolver.model import Endpoint, Route, Service
+from waygate.resolver.status import SourceHealth
 from waygate.resolver.store import Store
 
 log = logging.getLogger(__name__)
@@ -255,8 +260,7 @@ class ManifestsSource:
         self.poll_interval = poll_interval
         self.addresses = addresses
         self.sharing = sharing
-        self.last_error: str | None = None
-        self.loaded = False
+        self.health = SourceHealth(self.source)
         self._stat: tuple[Any, ...] | None = None
         self._digest: bytes | None = None
         self._lock = asyncio.Lock()
@@ -318,9 +322,9 @@ class ManifestsSource:
         self._digest = read.digest
         if read.error is not None:
             message = str(read.error)
-            if message != self.last_error:
+            if self.health.failed(message):
                 log.error("manifests rejected; keeping the last good state: %s", message)
-            self.last_error = message
+            self.store.set_source_state(self.health.state())
             return False
         content = read.content
         assert content is not None
@@ -333,9 +337,11 @@ class ManifestsSource:
             routes=content.routes,
         )
         self.store.mark_synced(self.source)
-        self.board.replace(content.translation.statuses)
-        self.last_error = None
-        self.loaded = True
+        self.board.replace(content.translation.statuses, content.translation.ignored)
+        if self.last_error is not None:
+            log.info("manifests are valid again", extra={"path": str(self.path)})
+        self.health.loaded(self.store.version)
+        self.store.set_source_state(self.health.state())
         log.info(
             "manifests loaded",
             extra={
@@ -349,6 +355,14 @@ class ManifestsSource:
         if self.on_loaded is not None:
             self.on_loaded(content)
         return True
+
+    @property
+    def last_error(self) -> str | None:
+        return self.health.error
+
+    @property
+    def loaded(self) -> bool:
+        return self.health.loaded_at is not None
 
     def load(self) -> bool:
         """Read and apply synchronously (start-up and tests)."""

@@ -293,9 +293,9 @@ class RouteStatus:
 
 @dataclass(frozen=True)
 class SourceState:
-    """A route source's own health (the routes file: valid, or its last error)."""
+    """A route source's own health (valid, or its last error and since when)."""
 
-    source: str  # "file:PATH", "kubernetes"
+    source: str  # "file:PATH", "manifests:PATH", "kubernetes"
     valid: bool
     # `path:line: reason` of the rejected content; empty while valid.
     error: str = ""
@@ -303,6 +303,8 @@ class SourceState:
     loaded_version: int = 0
     # When the last accepted content was loaded.
     loaded_at: datetime | None = None
+    # When the current run of failures began (None while valid).
+    error_since: datetime | None = None
 
 
 # ---------------------------------------------------------------- Gateway API route parts

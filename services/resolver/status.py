@@ -48,8 +48,13 @@ from waygate.resolver.model import (
     RouteStatus,
     Service,
     ServiceKey,
+    SourceState,
 )
 
+# A condition ListRoutes and ApplyRoute add (never stored, not in Watch): False, NotMTLS
+# or NoRouteReaders, on a route with its own private key that no Watch client (no
+# proxy) can receive. Absent otherwise.
+PRIVATE_KEY_DELIVERED = "PrivateKeyDelivered"
 HOST_ALREADY_CLAIMED = "HostAlreadyClaimed"
 SERVICE_NOT_FOUND = "ServiceNotFound"
 PORT_NOT_FOUND = "PortNotFound"
@@ -292,3 +297,41 @@ def _stamped(
         since,
         condition.observed_generation,
     )
+
+
+class SourceHealth:
+    """A route source's own state as it changes: the last load, the current error
+    and since when it has failed. `state()` is what the store publishes
+    (ListRoutes, Watch, ListGateways, the status page, the metrics)."""
+
+    def __init__(self, source: str, clock: Callable[[], datetime] | None = None) -> None:
+        self.source = source
+        self._clock = clock or (lambda: datetime.now(UTC))
+        self.error: str | None = None
+        self.error_since: datetime | None = None
+        self.loaded_version = 0
+        self.loaded_at: datetime | None = None
+
+    def loaded(self, version: int) -> None:
+        self.error = None
+        self.error_since = None
+        self.loaded_version = version
+        self.loaded_at = self._clock()
+
+    def failed(self, message: str) -> bool:
+        """Record an error; True when it is new (not the one already reported)."""
+        new = message != self.error
+        if self.error is None:
+            self.error_since = self._clock()
+        self.error = message
+        return new
+
+    def state(self) -> SourceState:
+        return SourceState(
+            source=self.source,
+            valid=self.error is None and self.loaded_at is not None,
+            error=self.error or "",
+            loaded_version=self.loaded_version,
+            loaded_at=self.loaded_at,
+            error_since=self.error_since,
+        )

@@ -175,7 +175,7 @@ class GatewayObjects:
                 self._rejected.add(line)
                 log.warning("Gateway API object not served (its status says why): %s", line)
         self.store.replace_source(SOURCE, routes=translation.routes)
-        self.board.replace(translation.statuses)
+        self.board.replace(translation.statuses, translation.ignored)
 
 
 def merged_status(kind: str, current: JSON, ours: JSON) -> JSON:

@@ -31,7 +31,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from waygate.core.errors import excerpt
-from waygate.resolver.gateway.translate import ObjectStatus
+from waygate.resolver.gateway.translate import Ignored, ObjectStatus
 from waygate.resolver.model import ListenerState
 
 StatusKey = tuple[str, str, str]  # (kind, namespace, name)
@@ -112,9 +112,12 @@ class StatusBoard:
         self._translated: list[ObjectStatus] = []
         # Per ReportListeners stream: (proxy, its listener states).
         self._reports: dict[object, tuple[str, tuple[ListenerState, ...]]] = {}
+        self.ignored: tuple[Ignored, ...] = ()
 
-    def replace(self, statuses: Iterable[ObjectStatus]) -> None:
+    def replace(self, statuses: Iterable[ObjectStatus], ignored: Iterable[Ignored] = ()) -> None:
         self._translated = list(statuses)
+        # Objects of other classes (no status written): ListGateways lists them.
+        self.ignored = tuple(ignored)
         self._publish()
 
     def report_listeners(self, stream: object, proxy: str, states: Iterable[ListenerState]) -> None:

@@ -169,11 +169,53 @@ class Rejected:
     error: SpecError
 
 
+@dataclass(frozen=True)
+class Ignored:
+    """An object of a class that is not Waygate's (a Gateway, an Ingress, a route
+    attached to no Gateway of Waygate's): not served, no status written (another
+    controller owns it); listed by `waygate gateways` and `waygate check`."""
+
+    kind: str
+    namespace: str
+    name: str
+    reason: str
+
+
+# Objects already logged as ignored, with the reason: once per process and reason
+# (up to this many remembered; past it, each is logged once more).
+MAX_IGNORED_LOGGED = 10_000
+_IGNORED_LOGGED: set[tuple[str, Key, str]] = set()
+
+
+def _ignored_reason(class_name: str, has_default: bool) -> str:
+    if class_name:
+        return (
+            f"its class {class_name!r} is not an IngressClass with controller {INGRESS_CONTROLLER}"
+        )
+    if has_default:
+        return "no ingressClassName"  # unreachable: the default class applies
+    return (
+        "no ingressClassName and no IngressClass of controller "
+        f"{INGRESS_CONTROLLER} is marked ingressclass.kubernetes.io/is-default-class"
+    )
+
+
+def _log_ignored_once(item: Ignored) -> None:
+    seen = (item.kind, (item.namespace, item.name), item.reason)
+    if seen in _IGNORED_LOGGED:
+        return
+    if len(_IGNORED_LOGGED) >= MAX_IGNORED_LOGGED:
+        _IGNORED_LOGGED.clear()  # bounded: objects deleted long ago are forgotten
+    _IGNORED_LOGGED.add(seen)
+    log.info("%s %s/%s ignored: %s", item.kind, item.namespace, item.name, item.reason)
+
+
 @dataclass
 class Translation:
     routes: list[Route] = field(default_factory=list)
     statuses: list[ObjectStatus] = field(default_factory=list)
     rejected: list[Rejected] = field(default_factory=list)
+    ignored: list[Ignored] = field(default_factory=list)
 
 
 def condition(kind: str, ok: bool, reason: str, message: str, generation: int) -> JSON:
@@ -357,6 +399,11 @@ class _Translator:
             return None, f"Secret {namespace}/{name}: {exc}"
         return tls, ""
 
+    def ignore(self, kind: str, key: Key, reason: str) -> None:
+        item = Ignored(kind, key[0], key[1], reason)
+        self.out.ignored.append(item)
+        _log_ignored_once(item)
+
     # ------------------------------------------------------------ classes and gateways
 
     def classes(self) -> set[str]:
@@ -395,6 +442,12 @@ class _Translator:
         for key, obj in sorted(self.objects.of("Gateway").items()):
             class_name = str((obj.get("spec") or {}).get("gatewayClassName", ""))
             if class_name not in ours:
+                self.ignore(
+                    "Gateway",
+                    key,
+                    f"its gatewayClassName {class_name!r} is not a GatewayClass of "
+                    f"controller {CONTROLLER_NAME}",
+                )
                 continue
             generation = specs.generation(obj)
             try:
@@ -673,6 +726,14 @@ class _Translator:
         )
 
     def route(self, kind: str, key: Key, obj: JSON, route: RouteSpec, generation: int) -> None:
+        if not any(self.ours(parent) for parent in route.parents):
+            parents = ", ".join(f"{p.namespace}/{p.name}" for p in route.parents) or "none"
+            self.ignore(
+                kind,
+                key,
+                f"none of its parentRefs ({parents}) is a Gateway of a GatewayClass of "
+                f"controller {CONTROLLER_NAME}",
+            )
         backends, refs_problem = self.backends(kind, key, route)
         parents_status = []
         made: dict[str, Route] = {}
@@ -1067,6 +1128,9 @@ class _Translator:
                 continue
             class_name = ingress.class_name or default
             if class_name not in classes:
+                self.ignore(
+                    "Ingress", key, _ignored_reason(ingress.class_name, default is not None)
+                )
                 continue
             self.ingress(key, obj, ingress)
         if self.nginx_canaries:
