@@ -89,26 +89,16 @@ import yaml
 
 from waygate.core.errors import FailedPrecondition, InvalidArgument, NotFound, excerpt
 from waygate.core.files import write_file_atomically
-from waygate.core.settings import SettingsError, parse_duration
+from waygate.resolver import schema
 from waygate.resolver.model import (
-    HSTS,
-    TIMEOUT_KEYS,
-    BalancePolicy,
     Endpoint,
     EndpointPort,
-    ForwardedHeadersMode,
-    InsecureEdgePolicy,
     Route,
-    RouteBackend,
-    RouteTimeouts,
-    RouteTLS,
-    SameSite,
     Service,
     ServicePort,
     SourceState,
-    StickySessions,
-    TLSTermination,
 )
+from waygate.resolver.schema import DEFAULT_MAX_ROUTES_PER_SOURCE, route_to_document
 from waygate.resolver.store import Store
 from waygate.resolver.validation import (
     shown,
@@ -116,6 +106,8 @@ from waygate.resolver.validation import (
     validate_route,
     validate_service,
 )
+
+__all__ = ["FileContent", "FileError", "FileSource", "parse_routes_file", "route_to_document"]
 
 log = logging.getLogger(__name__)
 
@@ -230,44 +222,6 @@ class _Parser:
             )
         return value
 
-    def duration(self, fields: dict[str, yaml.Node], key: str, what: str) -> float | None:
-        node = fields.get(key)
-        if node is None:
-            return None
-        value = self.scalar(node)
-        if value is None:
-            return None
-        if isinstance(value, bool):
-            raise self.error(
-                node, f"{what}.{key} must be a duration such as 5s, not {excerpt(repr(value))}"
-            )
-        if isinstance(value, int | float):
-            return float(value)
-        try:
-            return parse_duration(str(value))
-        except (SettingsError, ValueError) as exc:
-            raise self.error(node, f"{what}.{key}: {exc}") from None
-
-    def enum(
-        self,
-        fields: dict[str, yaml.Node],
-        key: str,
-        parse: Callable[[str], T],
-        default: T,
-        what: str,
-        allowed: str,
-    ) -> T:
-        node = fields.get(key)
-        text = self.typed(fields, key, str, "", what)
-        if not text:
-            return default
-        try:
-            return parse(text)
-        except ValueError:
-            raise self.error(
-                node, f"{what}.{key}: {excerpt(text)} is not one of {allowed}"
-            ) from None
-
 
 _SERVICE_KEYS = (
     "namespace",
@@ -292,41 +246,16 @@ _ENDPOINT_KEYS = (
     "hostname",
 )
 _ENDPOINT_PORT_KEYS = ("name", "port", "protocol")
-_ROUTE_KEYS = (
-    "namespace",
-    "name",
-    "host",
-    "path",
-    "to",
-    "backends",
-    "targetPort",
-    "tls",
-    "balance",
-    "sticky",
-    "timeouts",
-    "authProxyHeaders",
-    "upstreamProtocol",
-    "forwardedHeaders",
-)
-_BACKEND_KEYS = ("service", "weight")
-_TLS_KEYS = (
-    "termination",
-    "certificate",
-    "key",
-    "caCertificate",
-    "destinationCACertificate",
-    "insecureEdgeTerminationPolicy",
-    "hsts",
-    "clientCACertificate",
-    "destinationServerName",
-    "presentClientCertificate",
-)
-_HSTS_KEYS = ("maxAge", "includeSubdomains", "preload")
-_STICKY_KEYS = ("disableCookies", "cookieName", "sameSite")
 
 
-def parse_routes_file(path: Path, text: str) -> FileContent:
-    """Parse and validate the whole file; FileError (with its line) on the first problem."""
+def parse_routes_file(
+    path: Path, text: str, *, max_routes: int = DEFAULT_MAX_ROUTES_PER_SOURCE
+) -> FileContent:
+    """Parse and validate the whole file; FileError (with its line) on the first problem.
+
+    More than `max_routes` routes is refused at the first one past the budget,
+    before it is read.
+    """
     parser = _Parser(path, text)
     root = parser.root()
     if root is None:
@@ -349,8 +278,16 @@ def parse_routes_file(path: Path, text: str) -> FileContent:
         services.append(service)
         endpoints.extend(service_endpoints)
     seen_routes: dict[tuple[str, str], int] = {}
-    for node in parser.sequence(top["routes"], "routes") if "routes" in top else []:
-        route = _parse_route(parser, node)
+    tree = schema.YamlTree()
+    route_nodes = parser.sequence(top["routes"], "routes") if "routes" in top else []
+    if len(route_nodes) > max_routes:
+        raise parser.error(
+            route_nodes[max_routes],
+            f"{len(route_nodes)} routes; a source may produce at most {max_routes} "
+            "(--max-routes-per-source)",
+        )
+    for node in route_nodes:
+        route = read_route_entry(parser, tree, node)
         if route.key in seen_routes:
             raise parser.error(
                 node,
@@ -362,12 +299,20 @@ def parse_routes_file(path: Path, text: str) -> FileContent:
     return FileContent(tuple(services), tuple(endpoints), tuple(routes))
 
 
-# Domain field names whose YAML key is not simply their camelCase.
-_YAML_KEYS = {
-    "cluster_ips": "clusterIPs",
-    "destination_ca_certificate": "destinationCACertificate",
-    "client_ca_certificate": "clientCACertificate",
-}
+def read_route_entry(parser: _Parser, tree: schema.YamlTree, node: yaml.Node) -> Route:
+    """One route entry through the Route schema; FileError naming its line."""
+    try:
+        return schema.read_route(tree, node)
+    except schema.SchemaError as exc:
+        raise parser.error(exc.node, str(exc)) from None
+    except InvalidArgument as exc:
+        field = getattr(exc, "field", None)
+        raise parser.error(_locate(node, field) if field else node, str(exc)) from None
+
+
+# Domain field names whose YAML key is not simply their camelCase: the Route
+# schema's, and the services' own.
+_YAML_KEYS = {"cluster_ips": "clusterIPs", **schema.KEY_OF_ATTR}
 _FIELD_PART = re.compile(r"([a-z_]+)((?:\[\d+\])*)")
 
 
@@ -504,204 +449,6 @@ def _parse_endpoint(
         hostname=parser.typed(fields, "hostname", str, "", what),
     )
     return _validated(parser, node, validate_endpoint, endpoint)
-
-
-def _parse_route(parser: _Parser, node: yaml.Node) -> Route:
-    fields = parser.mapping(node, "route", _ROUTE_KEYS)
-    namespace = parser.typed(fields, "namespace", str, "default", "route")
-    name = parser.typed(fields, "name", str, "", "route")
-    what = f"route {shown(namespace)}/{shown(name)}"
-    if "to" in fields and "backends" in fields:
-        raise parser.error(fields["to"], f"{what}: give either 'to' or 'backends', not both")
-    backends: list[RouteBackend] = []
-    if "to" in fields:
-        backends.append(RouteBackend(parser.typed(fields, "to", str, "", what), 100))
-    for backend_node in (
-        parser.sequence(fields["backends"], f"{what}: backends") if "backends" in fields else []
-    ):
-        backend_fields = parser.mapping(backend_node, f"{what}: backend", _BACKEND_KEYS)
-        backends.append(
-            RouteBackend(
-                parser.typed(backend_fields, "service", str, "", f"{what}: backend"),
-                parser.typed(backend_fields, "weight", int, 100, f"{what}: backend"),
-            )
-        )
-    tls = None
-    if "tls" in fields:
-        tls_fields = parser.mapping(fields["tls"], f"{what}: tls", _TLS_KEYS)
-        if "termination" not in tls_fields:
-            raise parser.error(fields["tls"], f"{what}: tls.termination is required")
-        hsts = None
-        if "hsts" in tls_fields:
-            hsts_fields = parser.mapping(tls_fields["hsts"], f"{what}: tls.hsts", _HSTS_KEYS)
-            max_age = parser.duration(hsts_fields, "maxAge", f"{what}: tls.hsts")
-            if max_age is None:
-                raise parser.error(tls_fields["hsts"], f"{what}: tls.hsts.maxAge is required")
-            hsts = HSTS(
-                max_age=max_age,
-                include_subdomains=parser.typed(
-                    hsts_fields, "includeSubdomains", bool, False, f"{what}: tls.hsts"
-                ),
-                preload=parser.typed(hsts_fields, "preload", bool, False, f"{what}: tls.hsts"),
-            )
-        tls = RouteTLS(
-            termination=parser.enum(
-                tls_fields,
-                "termination",
-                TLSTermination,
-                TLSTermination.EDGE,
-                f"{what}: tls",
-                "edge, passthrough, reencrypt",
-            ),
-            certificate=parser.typed(tls_fields, "certificate", str, "", f"{what}: tls"),
-            key=parser.typed(tls_fields, "key", str, "", f"{what}: tls"),
-            ca_certificate=parser.typed(tls_fields, "caCertificate", str, "", f"{what}: tls"),
-            destination_ca_certificate=parser.typed(
-                tls_fields, "destinationCACertificate", str, "", f"{what}: tls"
-            ),
-            insecure_edge_termination_policy=parser.enum(
-                tls_fields,
-                "insecureEdgeTerminationPolicy",
-                InsecureEdgePolicy,
-                InsecureEdgePolicy.NONE,
-                f"{what}: tls",
-                "None, Allow, Redirect",
-            ),
-            hsts=hsts,
-            client_ca_certificate=parser.typed(
-                tls_fields, "clientCACertificate", str, "", f"{what}: tls"
-            ),
-            destination_server_name=parser.typed(
-                tls_fields, "destinationServerName", str, "", f"{what}: tls"
-            ),
-            present_client_certificate=parser.typed(
-                tls_fields, "presentClientCertificate", bool, False, f"{what}: tls"
-            ),
-        )
-    sticky = StickySessions()
-    if "sticky" in fields:
-        sticky_fields = parser.mapping(fields["sticky"], f"{what}: sticky", _STICKY_KEYS)
-        sticky = StickySessions(
-            disable_cookies=parser.typed(
-                sticky_fields, "disableCookies", bool, False, f"{what}: sticky"
-            ),
-            cookie_name=parser.typed(sticky_fields, "cookieName", str, "", f"{what}: sticky"),
-            same_site=parser.enum(
-                sticky_fields,
-                "sameSite",
-                SameSite,
-                SameSite.LAX,
-                f"{what}: sticky",
-                "Lax, Strict, None",
-            ),
-        )
-    timeouts = RouteTimeouts()
-    if "timeouts" in fields:
-        timeout_fields = parser.mapping(
-            fields["timeouts"], f"{what}: timeouts", tuple(TIMEOUT_KEYS)
-        )
-        timeouts = RouteTimeouts(
-            **{
-                attr: parser.duration(timeout_fields, key, f"{what}: timeouts")
-                for key, attr in TIMEOUT_KEYS.items()
-            }
-        )
-    route = Route(
-        namespace=namespace,
-        name=name,
-        host=parser.typed(fields, "host", str, "", what),
-        path=parser.typed(fields, "path", str, "/", what),
-        backends=tuple(backends),
-        target_port=parser.typed(fields, "targetPort", str, "", what),
-        tls=tls,
-        balance=parser.enum(
-            fields,
-            "balance",
-            BalancePolicy,
-            BalancePolicy.DEFAULT,
-            what,
-            "random, roundrobin, leastconn, source",
-        ),
-        sticky=sticky,
-        timeouts=timeouts,
-        auth_proxy_headers=parser.typed(fields, "authProxyHeaders", bool, False, what),
-        forwarded_headers=parser.enum(
-            fields,
-            "forwardedHeaders",
-            ForwardedHeadersMode,
-            ForwardedHeadersMode.APPEND,
-            what,
-            "append, replace, if-none, never",
-        ),
-        upstream_protocol=parser.typed(fields, "upstreamProtocol", str, "", what),
-    )
-    return _validated(parser, node, validate_route, route)
-
-
-# ---------------------------------------------------------------- writing
-
-
-def _format_duration(seconds: float) -> str:
-    if seconds == 0 or (seconds >= 1 and float(seconds).is_integer()):
-        return f"{int(seconds)}s"
-    return f"{round(seconds * 1000)}ms"
-
-
-def route_to_document(route: Route) -> dict[str, Any]:
-    """A route as the file spells it (the inverse of the parser)."""
-    doc: dict[str, Any] = {"namespace": route.namespace, "name": route.name, "host": route.host}
-    if route.path != "/":
-        doc["path"] = route.path
-    if len(route.backends) == 1 and route.backends[0].weight == 100:
-        doc["to"] = route.backends[0].service
-    else:
-        doc["backends"] = [{"service": b.service, "weight": b.weight} for b in route.backends]
-    if route.target_port:
-        doc["targetPort"] = route.target_port
-    if route.tls is not None:
-        tls: dict[str, Any] = {"termination": route.tls.termination.value}
-        for attr, key in (
-            ("certificate", "certificate"),
-            ("key", "key"),
-            ("ca_certificate", "caCertificate"),
-            ("destination_ca_certificate", "destinationCACertificate"),
-            ("client_ca_certificate", "clientCACertificate"),
-            ("destination_server_name", "destinationServerName"),
-            ("present_client_certificate", "presentClientCertificate"),
-        ):
-            if getattr(route.tls, attr):
-                tls[key] = getattr(route.tls, attr)
-        if route.tls.insecure_edge_termination_policy is not InsecureEdgePolicy.NONE:
-            tls["insecureEdgeTerminationPolicy"] = route.tls.insecure_edge_termination_policy.value
-        if route.tls.hsts is not None:
-            tls["hsts"] = {
-                "maxAge": _format_duration(route.tls.hsts.max_age),
-                "includeSubdomains": route.tls.hsts.include_subdomains,
-                "preload": route.tls.hsts.preload,
-            }
-        doc["tls"] = tls
-    if route.balance is not BalancePolicy.DEFAULT:
-        doc["balance"] = route.balance.value
-    if route.sticky != StickySessions():
-        doc["sticky"] = {
-            "disableCookies": route.sticky.disable_cookies,
-            "cookieName": route.sticky.cookie_name,
-            "sameSite": route.sticky.same_site.value,
-        }
-    timeouts = {
-        key: _format_duration(getattr(route.timeouts, attr))
-        for key, attr in TIMEOUT_KEYS.items()
-        if getattr(route.timeouts, attr) is not None
-    }
-    if timeouts:
-        doc["timeouts"] = timeouts
-    if route.auth_proxy_headers:
-        doc["authProxyHeaders"] = True
-    if route.forwarded_headers is not ForwardedHeadersMode.APPEND:
-        doc["forwardedHeaders"] = route.forwarded_headers.value
-    if route.upstream_protocol:
-        doc["upstreamProtocol"] = route.upstream_protocol
-    return doc
 
 
 # libyaml's emitter and loader when PyYAML has them: writing back and reading

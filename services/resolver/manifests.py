@@ -199,7 +199,8 @@ def parse_manifests(
             else:
                 objects.of(kind)[(namespace, name)] = obj
         except InvalidArgument as exc:
-            raise doc.error(str(exc)) from None
+            # A Route's field (waygate.resolver.schema) names its own line.
+            raise doc.error(str(exc), getattr(exc, "at", ())) from None
     for groups in slices.values():
         content.endpoints.extend(kube_convert.merge_endpoints(groups))
     translation = translate(objects, addresses=addresses, sharing=sharing)
