@@ -28,6 +28,7 @@ from waygate.resolver.events import DEFAULT_CHUNK_BYTES
 from waygate.resolver.filesource import EXAMPLE_ROUTES, FILE_MODE, FileSource
 from waygate.resolver.gateway.status import StatusBoard
 from waygate.resolver.manifests import ManifestsSource
+from waygate.resolver.schema import DEFAULT_MAX_ROUTES_PER_SOURCE
 from waygate.resolver.server import ResolverServicer
 from waygate.resolver.store import DEFAULT_HISTORY_LIMIT, DEFAULT_MAX_PENDING, Store
 from waygate.resolver.tunnels import TunnelRegistry
@@ -107,6 +108,13 @@ class Settings(GrpcServerSettings):
         "comma-separated, same forms as --route-admins (the proxy's); everyone else and "
         "every client without a certificate gets them redacted",
         check=patterns_problem,
+    )
+    max_routes_per_source: int = setting(
+        DEFAULT_MAX_ROUTES_PER_SOURCE,
+        help="routes one source may produce (the routes file, the cluster's Route objects): "
+        "a routes file with more is refused at the first route past it, naming its line; "
+        "Route objects past it (the youngest) are not served and their status says why",
+        check=positive,
     )
     route_host_sharing: bool = setting(
         False,
@@ -211,7 +219,10 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     file_source = None
     if settings.routes_file is not None:
         file_source = FileSource(
-            store, settings.routes_file, poll_interval=settings.routes_poll_interval
+            store,
+            settings.routes_file,
+            poll_interval=settings.routes_poll_interval,
+            max_routes=settings.max_routes_per_source,
         )
     board = StatusBoard()
     manifests_source = None
@@ -236,6 +247,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
             configuration,
             namespace=settings.kube_namespace or None,
             edge_nodes=parse_node_list(settings.kube_edge_nodes),
+            max_routes=settings.max_routes_per_source,
             gateway=GatewayObjects(
                 store,
                 board,

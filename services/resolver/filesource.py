@@ -497,8 +497,17 @@ class FileSource:
     write that already returned.
     """
 
-    def __init__(self, store: Store, path: Path, *, poll_interval: float = 1.0) -> None:
+    def __init__(
+        self,
+        store: Store,
+        path: Path,
+        *,
+        poll_interval: float = 1.0,
+        max_routes: int = DEFAULT_MAX_ROUTES_PER_SOURCE,
+    ) -> None:
         self.store = store
+        # More routes than this and the file is refused (--max-routes-per-source).
+        self.max_routes = max_routes
         self.path = path.absolute()
         self.source = f"file:{self.path}"
         self.poll_interval = poll_interval
@@ -549,7 +558,9 @@ class FileSource:
             error = FileError(self.path, None, f"not UTF-8 text ({exc.reason})")
             return _Read(stat, digest, None, error)
         try:
-            return _Read(stat, digest, parse_routes_file(self.path, text), None)
+            return _Read(
+                stat, digest, parse_routes_file(self.path, text, max_routes=self.max_routes), None
+            )
         except FileError as exc:
             return _Read(stat, digest, None, exc)
 
@@ -777,7 +788,7 @@ class FileSource:
             )
         # Parse what is about to be written: the file must stay loadable.
         try:
-            content = parse_routes_file(self.path, data.decode())
+            content = parse_routes_file(self.path, data.decode(), max_routes=self.max_routes)
         except FileError as exc:
             # The existing file's own error, or the new route's?
             self._refuse_broken(text)
@@ -793,7 +804,7 @@ class FileSource:
     def _refuse_broken(self, text: str) -> None:
         """FailedPrecondition when the file as it stands does not load."""
         try:
-            parse_routes_file(self.path, text)
+            parse_routes_file(self.path, text, max_routes=self.max_routes)
         except FileError as exc:
             raise FailedPrecondition(
                 f"the routes file has an error; fix it before changing routes: {exc}"

@@ -64,6 +64,7 @@ from waygate.resolver import kube_convert as convert
 from waygate.resolver.gateway import kube as gateway_kube
 from waygate.resolver.gateway.kube import GatewayObjects
 from waygate.resolver.model import Endpoint, Route
+from waygate.resolver.schema import DEFAULT_MAX_ROUTES_PER_SOURCE
 from waygate.resolver.store import Store
 
 log = logging.getLogger(__name__)
@@ -187,15 +188,34 @@ class _Routes(_Handler):
     def path(self, namespace: str | None) -> str:
         return _collection(f"/apis/{ROUTE_GROUP}/{ROUTE_VERSION}", ROUTE_PLURAL, namespace)
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, max_routes: int = DEFAULT_MAX_ROUTES_PER_SOURCE) -> None:
         super().__init__(store)
         #: Route objects the resolver cannot serve, and why: their status says so
         #: (waygate.resolver.kube_status), as the routes file's state does for it.
         self.invalid: dict[tuple[str, str], str] = {}
+        #: The source's route budget (--max-routes-per-source): the oldest Route
+        #: objects are served, the ones past it are invalid, saying so.
+        self.max_routes = max_routes
+        self._served: set[tuple[str, str]] = set()
+
+    def _over_budget(self, route: Route) -> None:
+        reason = (
+            f"route {route.namespace}/{route.name}: not served: this cluster's Route objects "
+            f"exceed the budget of {self.max_routes} routes per source "
+            "(--max-routes-per-source); the oldest are served"
+        )
+        log.warning("skipping Route: %s", reason)
+        self.invalid[route.key] = reason
 
     def relist(self, items: list[JSON]) -> None:
         self.invalid = {}
         routes = [route for obj in items if (route := self._parse(obj)) is not None]
+        if len(routes) > self.max_routes:
+            oldest = sorted(routes, key=lambda r: (r.created is None, r.created or 0, r.key))
+            routes = oldest[: self.max_routes]
+            for route in oldest[self.max_routes :]:
+                self._over_budget(route)
+        self._served = {route.key for route in routes}
         self.store.replace_source(SOURCE, routes=routes)
 
     def apply(self, event_type: str, obj: JSON) -> None:
@@ -203,10 +223,14 @@ class _Routes(_Handler):
         route = None if event_type == "DELETED" else self._parse(obj)
         if event_type == "DELETED":
             self.invalid.pop((namespace, name), None)
-        if route is not None:
+        if route is not None and (route.key in self._served or len(self._served) < self.max_routes):
+            self._served.add(route.key)
             self.store.upsert_route(route, source=SOURCE)
         else:
-            # Deleted, or no longer valid: the store keeps no state the API lost.
+            if route is not None:
+                self._over_budget(route)
+            # Deleted, no longer valid or over budget: the store keeps no state the API lost.
+            self._served.discard((namespace, name))
             self.store.delete_route(namespace, name, source=SOURCE)
 
     def _parse(self, obj: JSON) -> Route | None:
@@ -325,6 +349,7 @@ class KubernetesSource:
         namespace: str | None = None,
         edge_nodes: Iterable[str] = (),
         gateway: GatewayObjects | None = None,
+        max_routes: int = DEFAULT_MAX_ROUTES_PER_SOURCE,
         timeouts: Timeouts = Timeouts(),
         backoff_initial: float = 0.5,
         backoff_maximum: float = 30.0,
@@ -339,7 +364,7 @@ class KubernetesSource:
         self._handlers: list[_Handler] = [
             _Services(store, gateway),
             _EndpointSlices(store, frozenset(edge_nodes)),
-            _Routes(store),
+            _Routes(store, max_routes),
         ]
         if gateway is not None:
             self._handlers += [_GatewayKind(store, gateway, kind) for kind in gateway_kube.KINDS]

@@ -276,3 +276,20 @@ def test_the_routes_file_budget_names_the_first_route_past_it(tmp_path: Path):
         FileError, match=rf"r.yaml:{starts[3]}: 4 routes; a source may produce at most 3"
     ):
         parse_routes_file(tmp_path / "r.yaml", text, max_routes=3)
+
+
+def test_the_file_source_keeps_its_last_good_state_past_its_budget(tmp_path: Path):
+    from waygate.resolver.filesource import FileSource
+    from waygate.resolver.store import Store
+
+    path = tmp_path / "routes.yaml"
+    one = {"namespace": "demo", "name": "a", "host": "a.example.com", "to": "web"}
+    path.write_text(yaml.safe_dump({"routes": [one]}))
+    source = FileSource(Store(), path, max_routes=1)
+    assert source.load()
+    path.write_text(yaml.safe_dump({"routes": [one, {**one, "name": "b"}]}))
+    assert not source.load()
+    assert source.last_error is not None and "at most 1 (--max-routes-per-source)" in (
+        source.last_error
+    )
+    assert [r.name for r in source.store.routes()] == ["a"]
