@@ -63,7 +63,9 @@ Invariants:
   holds an error, or before it was ever loaded: a write never starts from
   a view the resolver did not load (a missing file read as empty would drop
   every service and route).
-  Writing back re-emits the YAML: comments in the file are not preserved.
+  Writing back edits the file as round-trip YAML (ruamel.yaml): its comments,
+  order, quoting and indentation stay, and only the entry of the route
+  applied or deleted changes.
 - The file holds route TLS private keys: whenever it is written, it is
   written mode 0600, whatever its mode was.
 - File I/O and parsing never run on the event loop while it serves (worker
@@ -78,6 +80,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import io
 import logging
 import re
 from collections.abc import Callable
@@ -86,6 +89,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
+from ruamel.yaml import YAML
+from ruamel.yaml.comments import CommentedMap, CommentedSeq
+from ruamel.yaml.error import YAMLError as RuamelError
+from ruamel.yaml.scalarstring import LiteralScalarString
+from ruamel.yaml.util import load_yaml_guess_indent
 
 from waygate.core.errors import FailedPrecondition, InvalidArgument, NotFound, excerpt
 from waygate.core.files import write_file_atomically
@@ -197,7 +205,7 @@ class _Parser:
             raise self.error(node, "expected a single value, not a list or mapping")
         try:
             return self.loader.construct_object(node, deep=True)
-        except yaml.YAMLError as exc:
+        except (yaml.YAMLError, ValueError, OverflowError) as exc:  # 2026-13-45: a ValueError
             raise self.error(node, f"bad value: {exc}") from None
 
     def typed(
@@ -451,25 +459,53 @@ def _parse_endpoint(
     return _validated(parser, node, validate_endpoint, endpoint)
 
 
-# libyaml's emitter and loader when PyYAML has them: writing back and reading
-# the document to edit are then a fraction of the pure-Python cost.
-_BaseDumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
-_DocumentLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
-
-class _LiteralDumper(_BaseDumper):  # type: ignore[misc,valid-type]
-    """Multi-line strings (PEM) as readable `|` blocks."""
-
-
-def _represent_str(dumper: yaml.SafeDumper, data: str) -> yaml.ScalarNode:
-    style = "|" if "\n" in data else None
-    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
-
-
-_LiteralDumper.add_representer(str, _represent_str)
-
 # The file holds route TLS private keys: only the owner may read it.
 FILE_MODE = 0o600
+
+
+def _round_trip_yaml() -> YAML:
+    """ruamel.yaml's round-trip mode (one per edit: it is not thread-safe)."""
+    editor = YAML(typ="rt")
+    editor.preserve_quotes = True
+    # Never fold a long line (a PEM body, a long path) the author wrote on one.
+    editor.width = 1 << 16
+    return editor
+
+
+def _entry_key(entry: Any) -> tuple[str, str] | None:
+    if not isinstance(entry, dict):
+        return None
+    return (str(entry.get("namespace") or "default"), str(entry.get("name")))
+
+
+def _block(value: Any) -> Any:
+    """A written value in the file's style: PEM and other multi-line text as `|`."""
+    if isinstance(value, dict):
+        mapping = CommentedMap()
+        for key, item in value.items():
+            mapping[key] = _block(item)
+        return mapping
+    if isinstance(value, list):
+        return CommentedSeq(_block(item) for item in value)
+    if isinstance(value, str) and "\n" in value:
+        return LiteralScalarString(value)
+    return value
+
+
+def _merge(existing: CommentedMap, new: dict[str, Any], *, top: bool = False) -> None:
+    """Make `existing` say what `new` says, in place: keys and comments that stay
+    the same are kept where they are; new keys go last."""
+    for key in list(existing):
+        if key not in new and not (top and key == "namespace" and existing[key] in (None, "")):
+            del existing[key]
+    for key, value in new.items():
+        current = existing.get(key)
+        if isinstance(value, dict) and isinstance(current, CommentedMap):
+            _merge(current, value)
+        elif key == "namespace" and top and key not in existing and value == "default":
+            continue  # the entry left it to the default; so does the route
+        elif current != value:
+            existing[key] = _block(value)
 
 
 # ---------------------------------------------------------------- the source
@@ -696,19 +732,33 @@ class FileSource:
             )
 
     async def apply_route(self, route: Route) -> Route:
-        """Validate, write into the file, load: the stored route, normalised."""
-        route = validate_route(route)
-        entry = route_to_document(route)
+        """Validate, write into the file, load: the stored route, normalised.
 
-        def edit(routes: list[dict[str, Any]]) -> list[dict[str, Any]]:
-            for index, existing in enumerate(routes):
-                if (existing.get("namespace", "default"), existing.get("name")) == route.key:
-                    return [*routes[:index], entry, *routes[index + 1 :]]
-            return [*routes, entry]
+        Status and creation time are the resolver's and ignored; a field the
+        routes file cannot hold (a Gateway API route's matches, ...) is refused,
+        never dropped. A certificate given without its key (as `routes get`
+        shows it: keys are redacted) keeps the key the file holds for that same
+        certificate, so `routes get -o yaml | routes apply -f -` round-trips.
+        """
+        schema.refuse_derived(route)
+        route = dataclasses.replace(route, status=None, created=None)
 
         async with self._lock:
             self._check_loaded()
             self._check_writable(route.namespace, route.name)
+            route = validate_route(self._with_stored_key(route))
+            entry = route_to_document(route)
+
+            def edit(routes: CommentedSeq) -> None:
+                for index, existing in enumerate(routes):
+                    if _entry_key(existing) == route.key:
+                        if isinstance(existing, CommentedMap):
+                            _merge(existing, entry, top=True)
+                        else:
+                            routes[index] = _block(entry)
+                        return
+                routes.append(_block(entry))
+
             await self._rewrite(edit)
         stored = self.store.get_route(route.namespace, route.name)
         if stored is None:
@@ -716,13 +766,25 @@ class FileSource:
             raise FailedPrecondition(f"route {route.namespace}/{route.name} was removed meanwhile")
         return stored
 
+    def _with_stored_key(self, route: Route) -> Route:
+        tls = route.tls
+        if tls is None or not tls.certificate or tls.key:
+            return route
+        stored = self.store.get_route(route.namespace, route.name)
+        if (
+            stored is not None
+            and stored.tls is not None
+            and stored.tls.certificate == tls.certificate
+            and self.store.route_owner(route.namespace, route.name) == self.source
+        ):
+            return dataclasses.replace(route, tls=dataclasses.replace(tls, key=stored.tls.key))
+        return route
+
     async def delete_route(self, namespace: str, name: str) -> None:
-        def edit(routes: list[dict[str, Any]]) -> list[dict[str, Any]]:
-            return [
-                r
-                for r in routes
-                if (r.get("namespace", "default"), r.get("name")) != (namespace, name)
-            ]
+        def edit(routes: CommentedSeq) -> None:
+            for index in reversed(range(len(routes))):
+                if _entry_key(routes[index]) == (namespace, name):
+                    del routes[index]
 
         async with self._lock:
             self._check_loaded()
@@ -731,7 +793,7 @@ class FileSource:
                 raise NotFound(f"route {namespace}/{name} not found")
             await self._rewrite(edit)
 
-    async def _rewrite(self, edit: Callable[[list[dict[str, Any]]], list[dict[str, Any]]]) -> None:
+    async def _rewrite(self, edit: Callable[[CommentedSeq], None]) -> None:
         """Edit the file's routes in a worker thread, then apply what was written.
 
         Called with the lock held. The written text is parsed exactly once, and
@@ -742,7 +804,7 @@ class FileSource:
 
     def _edit_file(
         self,
-        edit: Callable[[list[dict[str, Any]]], list[dict[str, Any]]],
+        edit: Callable[[CommentedSeq], None],
         loaded_digest: bytes | None,
     ) -> _Read:
         """Read, edit, validate and write the file (thread-safe; no shared state).
@@ -770,18 +832,29 @@ class FileSource:
                 "(once the resolver has loaded the new content)"
             )
         text = data.decode("utf-8")  # the loaded bytes, which were UTF-8
+        # Round-trip YAML: the file's comments, order, quoting and indentation
+        # stay; only the edited route's entry changes.
+        editor = _round_trip_yaml()
         try:
-            document = yaml.load(text, Loader=_DocumentLoader) or {}
-        except yaml.YAMLError:
+            document, indent, sequence_offset = load_yaml_guess_indent(text, yaml=editor)
+        except (RuamelError, ValueError):
             document = None
-        if not isinstance(document, dict):
+        if document is None:
+            document = CommentedMap()  # an empty file (or one of comments only)
+        if not isinstance(document, CommentedMap):
             self._refuse_broken(text)
-            document = {}
-        routes = [r for r in document.get("routes") or [] if isinstance(r, dict)]
-        document["routes"] = edit(routes)
-        data = yaml.dump(
-            document, Dumper=_LiteralDumper, sort_keys=False, default_flow_style=False
-        ).encode()
+            raise FailedPrecondition(f"the routes file {self.path} is not a YAML mapping")
+        indent, sequence_offset = indent or 2, sequence_offset or 0
+        editor.indent(
+            mapping=max(indent - sequence_offset, 2), sequence=indent, offset=sequence_offset
+        )
+        routes = document.get("routes")
+        if not isinstance(routes, CommentedSeq):
+            routes = document["routes"] = CommentedSeq()
+        edit(routes)
+        out = io.StringIO()
+        editor.dump(document, out)
+        data = out.getvalue().encode()
         if len(data) > MAX_FILE_BYTES:
             raise FailedPrecondition(
                 f"the routes file would grow over {MAX_FILE_BYTES // (1 << 20)} MiB; not written"

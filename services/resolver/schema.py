@@ -351,15 +351,15 @@ class YamlTree(Tree[yaml.Node]):
             raise _NotScalar
         try:
             return self._constructor.construct_object(node, deep=True)
-        except yaml.YAMLError as exc:
+        except (yaml.YAMLError, ValueError, OverflowError) as exc:  # 2026-13-45: a ValueError
             raise _BadScalar(str(exc)) from None
 
 
-class _NotScalar(Exception):
+class _NotScalar(ValueError):
     pass
 
 
-class _BadScalar(Exception):
+class _BadScalar(ValueError):
     pass
 
 
@@ -557,6 +557,38 @@ def _identity(tree: Tree[N], node: N) -> tuple[str, str]:
                 if isinstance(value, str):
                     found[key] = value
     return found["namespace"], found["name"]
+
+
+def refuse_derived(route: model.Route) -> None:
+    """InvalidArgument naming the first field set that this format cannot hold
+    (a Gateway API route's matches, a backendRef's namespace, ...): a route
+    written into the routes file must not lose a field silently. The resolver's
+    own fields (status, creation time) are ignored, not refused."""
+    what = f"route {shown(route.namespace)}/{shown(route.name)}"
+    parts: list[tuple[str, str, Any]] = [("Route", "", route)]
+    parts += [("RouteBackend", f"backends[{i}].", b) for i, b in enumerate(route.backends)]
+    if route.tls is not None:
+        parts.append(("RouteTLS", "tls.", route.tls))
+    for owner, prefix, obj in parts:
+        defaults = {
+            f.name: f.default_factory()
+            if f.default_factory is not dataclasses.MISSING
+            else f.default
+            for f in dataclasses.fields(obj)
+        }
+        for attr, why in DERIVED[owner].items():
+            if attr in IGNORED_ON_APPLY:
+                continue
+            if getattr(obj, attr) != defaults[attr]:
+                raise InvalidArgument(
+                    f"{what}: {prefix}{attr}: a route of the routes file has no such field "
+                    f"(it is {why})"
+                )
+
+
+#: The resolver's own fields: a route applied with them (as `routes get -o yaml`
+#: prints it) is taken without them.
+IGNORED_ON_APPLY: Final = frozenset({"status", "created"})
 
 
 # ---------------------------------------------------------------- writing

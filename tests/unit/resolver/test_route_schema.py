@@ -293,3 +293,16 @@ def test_the_file_source_keeps_its_last_good_state_past_its_budget(tmp_path: Pat
         source.last_error
     )
     assert [r.name for r in source.store.routes()] == ["a"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "routes:\n- name: x\n  host: 2001-13-45\n  to: w\n",
+        "services:\n- name: 2001-13-45\n",
+    ],
+)
+def test_a_value_yaml_cannot_construct_is_an_error_on_its_line(tmp_path: Path, text: str):
+    """A date-shaped value that is no date raised a bare ValueError (a traceback)."""
+    with pytest.raises(FileError, match=r"r.yaml:[23]: .*bad value: month must be in 1..12"):
+        parse_routes_file(tmp_path / "r.yaml", text)
