@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import re
 import sys
 import time
@@ -44,6 +45,7 @@ from waygate.resolver import convert, schema
 from waygate.resolver.client import Kind, ResolverWatch, Route, RouteKey, SourceState, View
 from waygate.resolver.v1 import resolver_pb2 as pb
 from waygate.resolver.v1 import resolver_pb2_grpc
+from waygate.resolver.validation import validate_route
 
 DEFAULT_PORT = 7001
 EXIT_NO_ENDPOINTS = 3
@@ -348,8 +350,9 @@ def _match(match: pb.RouteMatch) -> dict[str, Any]:
 
 def format_route_change(route: pb.Route) -> str:
     status, message = route_problem(route)
+    separator = " " if route.matches else ""
     text = (
-        f"+ {route.namespace}/{route.name}  {route.host} {route_path(route)} -> "
+        f"+ {route.namespace}/{route.name}  {route.host}{separator}{route_path(route)} -> "
         f"{_backends(route)}  tls={_tls(route)}  {status}"
     )
     return f"{text}: {message}" if message else text
@@ -479,6 +482,8 @@ def load_route_documents(path: Path, text: str) -> list[Route]:
             raise InvalidArgument(f"{path}:{schema.line_of(exc.node)}: {exc}") from None
         except _Refused as exc:
             raise InvalidArgument(f"{path}:{schema.line_of(exc.node)}: {exc.reason}") from None
+        except _Invalid as exc:
+            raise InvalidArgument(f"{path}:{schema.line_of(exc.node)}: {exc.error}") from None
         except InvalidArgument as exc:
             raise InvalidArgument(f"{path}:{schema.line_of(node)}: {exc}") from None
         except ValueError as exc:  # a scalar YAML cannot construct (a bad date)
@@ -494,6 +499,36 @@ _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 class _Refused(Exception):
     def __init__(self, node: yaml.Node, reason: str) -> None:
         self.node, self.reason = node, reason
+
+
+class _Invalid(Exception):
+    """validation's error, with the node of the field it names."""
+
+    def __init__(self, node: yaml.Node, error: InvalidArgument) -> None:
+        self.node, self.error = node, error
+
+
+def _checked(route: Route, node: yaml.Node) -> Route:
+    """The route validated as the resolver will, its fields' lines named. A
+    certificate without its key is how `routes get` shows a TLS route (keys are
+    redacted): the resolver keeps the key it holds for that same certificate, or
+    refuses, so here the rest is checked."""
+    tls = route.tls
+    redacted = tls is not None and bool(tls.certificate) and not tls.key
+    try:
+        if tls is not None and redacted:
+            checked = validate_route(
+                dataclasses.replace(route, tls=dataclasses.replace(tls, certificate=""))
+            )
+            assert checked.tls is not None
+            return dataclasses.replace(
+                checked, tls=dataclasses.replace(checked.tls, certificate=tls.certificate)
+            )
+        return validate_route(route)
+    except InvalidArgument as exc:
+        field = getattr(exc, "field", None)
+        where = schema.key_path(field) if field else ()
+        raise _Invalid(schema.node_at(node, where), exc) from None
 
 
 def _fields(tree: schema.YamlTree, node: yaml.Node) -> dict[str, yaml.Node]:
@@ -533,7 +568,7 @@ def _document_routes(tree: schema.YamlTree, node: yaml.Node) -> list[Route]:
             if derived is not None:
                 raise _Refused(derived, _read_only(tree, derived))
             entry = _without(entry, STATUS_KEY)
-        routes.append(schema.read_route(tree, entry))
+        routes.append(_checked(schema.read_route(tree, entry, validate=False), entry))
     return routes
 
 
@@ -559,7 +594,8 @@ def _route_object(
     name = _text(tree, meta.get("name"))
     if "spec" not in fields:
         raise _Refused(node, f"route {namespace}/{name}: spec: is required")
-    return schema.read_route(tree, fields["spec"], identity=(namespace, name))
+    spec = fields["spec"]
+    return _checked(schema.read_route(tree, spec, identity=(namespace, name), validate=False), spec)
 
 
 def _apply_routes(args: argparse.Namespace) -> int:

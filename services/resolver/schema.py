@@ -363,6 +363,24 @@ class _BadScalar(ValueError):
     pass
 
 
+def node_at(node: Any, where: Iterable[str | int]) -> Any:
+    """The YAML node at a path of keys and indexes, or the deepest one on the way
+    (so an error names the closest line)."""
+    for part in where:
+        if isinstance(part, str) and isinstance(node, yaml.MappingNode):
+            child = next((v for k, v in node.value if getattr(k, "value", None) == part), None)
+            if child is None and part == "backends":
+                child = next((v for k, v in node.value if getattr(k, "value", None) == "to"), None)
+        elif isinstance(part, int) and isinstance(node, yaml.SequenceNode):
+            child = node.value[part] if part < len(node.value) else None
+        else:
+            child = None
+        if child is None:
+            break
+        node = child
+    return node
+
+
 def line_of(node: Any) -> int | None:
     """The 1-based line of a YAML node; None for JSON."""
     mark = getattr(node, "start_mark", None)
