@@ -18,36 +18,17 @@ become a default):
           - address: 127.0.0.1     # required
             ports: [{name: http, port: 8080}]   # default: the service ports' numeric targets
             ready: true            # also: serving, terminating, zone, nodeName, tunnel, hostname
-    routes:
+    routes:                        # the Route format: waygate.resolver.schema
       - namespace: demo
         name: hello                # required
         host: hello.localtest.me   # required
-        path: /
-        to: hello                  # shorthand for backends: [{service: hello, weight: 100}]
-        backends: [{service: hello, weight: 100}]
-        targetPort: http
-        tls:
-          termination: edge        # required: edge | passthrough | reencrypt
-          certificate: PEM         # with key; empty: the proxy's default certificate
-          key: PEM
-          caCertificate: PEM       # chain served after the certificate
-          destinationCACertificate: PEM   # reencrypt: the backend's CA
-          destinationServerName: console.demo.svc  # reencrypt: name verified and sent as SNI
-          presentClientCertificate: false  # reencrypt: the proxy's client certificate
-          clientCACertificate: PEM # clients must present a certificate from this CA
-          insecureEdgeTerminationPolicy: Redirect  # None | Allow | Redirect
-          hsts: {maxAge: 365d, includeSubdomains: true, preload: false}  # maxAge <= 730d
-        balance: roundrobin        # random | roundrobin | leastconn | source
-        sticky: {disableCookies: false, cookieName: "", sameSite: Lax}  # Lax | Strict | None
-        timeouts: {connect: 5s, client: 30s, server: 30s, httpRequest: 10s, tunnel: 1h,
-                   keepAlive: 300s}
-        authProxyHeaders: false
-        forwardedHeaders: append   # append | replace | if-none | never
-        upstreamProtocol: grpc     # http | h2c | h2 | grpc; unset: the service port's appProtocol
+        to: hello
 
-A route's path is a URL path prefix: at most 1024 characters, no dot-segments
-(also not percent-encoded), no control characters, spaces or backslashes;
-names and hosts at most 253 characters, each PEM field at most 64 KiB.
+Routes are read and written through `waygate.resolver.schema`, the one
+declaration of the route format (keys, types, allowed values, bounds), which
+the Route CRD shares; the README lists every key. A file with more routes
+than `max_routes` (--max-routes-per-source) is refused at the first route
+past it.
 
 Invariants:
 - The store holds exactly the last file content that parsed and validated as a

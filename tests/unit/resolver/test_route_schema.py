@@ -306,3 +306,11 @@ def test_a_value_yaml_cannot_construct_is_an_error_on_its_line(tmp_path: Path, t
     """A date-shaped value that is no date raised a bare ValueError (a traceback)."""
     with pytest.raises(FileError, match=r"r.yaml:[23]: .*bad value: month must be in 1..12"):
         parse_routes_file(tmp_path / "r.yaml", text)
+
+
+def test_the_readme_names_every_key_of_the_route_format():
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    section = readme[readme.index("**One route format**") :]
+    section = section[: section.index("**kubectl habits.**")]
+    missing = [f.key for f, _ in schema.all_fields() if f.key not in section]
+    assert missing == [], f"README's route format paragraph lacks {missing}"
