@@ -111,8 +111,9 @@ class Settings(GrpcServerSettings):
     )
     max_routes_per_source: int = setting(
         DEFAULT_MAX_ROUTES_PER_SOURCE,
-        help="routes one source may produce (the routes file, the cluster's Route objects): "
-        "a routes file with more is refused at the first route past it, naming its line; "
+        help="routes one source may produce (the routes file, a manifests file or "
+        "directory, the cluster's Route objects): a file with more is refused at the "
+        "object that makes the first route past it, naming its line; "
         "Route objects past it (the youngest) are not served and their status says why",
         check=positive,
     )
@@ -234,6 +235,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
             poll_interval=settings.routes_poll_interval,
             addresses=settings.gateway_addresses,
             sharing=settings.gateway_listener_sharing,
+            max_routes=settings.max_routes_per_source,
         )
     kube_source = None
     if settings.kubernetes:

@@ -47,6 +47,7 @@ from waygate.resolver.gateway.translate import (
     translate,
 )
 from waygate.resolver.model import Endpoint, Route, Service
+from waygate.resolver.schema import DEFAULT_MAX_ROUTES_PER_SOURCE
 from waygate.resolver.store import Store
 
 log = logging.getLogger(__name__)
@@ -138,7 +139,11 @@ def _documents(path: Path, text: str) -> list[_Document]:
 
 
 def parse_manifests(
-    files: list[tuple[Path, str]], *, addresses: tuple[str, ...] = (), sharing: str = "share"
+    files: list[tuple[Path, str]],
+    *,
+    addresses: tuple[str, ...] = (),
+    sharing: str = "share",
+    max_routes: int = DEFAULT_MAX_ROUTES_PER_SOURCE,
 ) -> ManifestsContent:
     """Every object of the files -> the store's content and the statuses; FileError
     names the first line that is wrong."""
@@ -214,6 +219,16 @@ def parse_manifests(
         )
     content.translation = translation
     content.routes.extend(translation.routes)
+    if len(content.routes) > max_routes:
+        # The object that made the first route past the source's budget.
+        past = content.routes[max_routes]
+        kind, _, ref = past.origin.partition(" ")
+        namespace, _, name = ref.partition("/")
+        identity = (kind, namespace, name) if past.origin else ("Route", *past.key)
+        raise where_is.get(identity, documents[0]).error(
+            f"{len(content.routes)} routes; a source may produce at most {max_routes} "
+            "(--max-routes-per-source)"
+        )
     return content
 
 
@@ -237,7 +252,9 @@ class ManifestsSource:
         poll_interval: float = 1.0,
         addresses: tuple[str, ...] = (),
         sharing: str = "share",
+        max_routes: int = DEFAULT_MAX_ROUTES_PER_SOURCE,
     ) -> None:
+        self.max_routes = max_routes
         self.store = store
         self.board = board
         self.path = path.absolute()
@@ -288,7 +305,12 @@ class ManifestsSource:
             return _Read(
                 stat,
                 value,
-                parse_manifests(texts, addresses=self.addresses, sharing=self.sharing),
+                parse_manifests(
+                    texts,
+                    addresses=self.addresses,
+                    sharing=self.sharing,
+                    max_routes=self.max_routes,
+                ),
                 None,
             )
         except FileError as exc:

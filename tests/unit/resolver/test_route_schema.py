@@ -314,3 +314,21 @@ def test_the_readme_names_every_key_of_the_route_format():
     section = section[: section.index("**kubectl habits.**")]
     missing = [f.key for f, _ in schema.all_fields() if f.key not in section]
     assert missing == [], f"README's route format paragraph lacks {missing}"
+
+
+def test_a_manifests_source_past_its_budget_names_the_object(tmp_path: Path):
+    path = tmp_path / "m.yaml"
+    documents = [
+        crd({"host": f"r{i}.example.com", "to": "web"})
+        | {"metadata": {"namespace": "demo", "name": f"r{i}"}}
+        for i in range(3)
+    ]
+    path.write_text(yaml.safe_dump_all(documents, sort_keys=False))
+    assert len(parse_manifests([(path, path.read_text())], max_routes=3).routes) == 3
+    third = path.read_text().split("---").pop(2)
+    assert "r2" in third
+    line = path.read_text().splitlines().index("apiVersion: waygate.io/v1", 2 * 5) + 1
+    with pytest.raises(
+        FileError, match=rf"m.yaml:{line}: 3 routes; a source may produce at most 2"
+    ):
+        parse_manifests([(path, path.read_text())], max_routes=2)
