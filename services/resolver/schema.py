@@ -116,6 +116,13 @@ def _choice(enum_type: type[enum.Enum]) -> tuple[str, ...]:
     return tuple(str(member.value) for member in enum_type if member.value)
 
 
+def _enum(key: str, attr: str, enum_type: type[enum.Enum], *, required: bool = False) -> Field:
+    """A string field whose allowed spellings are an enum's values."""
+    return Field(
+        key, attr, STRING, required=required, enum_type=enum_type, choices=_choice(enum_type)
+    )
+
+
 def _pem(key: str, attr: str) -> Field:
     return Field(key, attr, STRING, max_length=MAX_PEM_LENGTH)
 
@@ -127,14 +134,7 @@ HSTS_FIELDS: Final = (
 )
 
 TLS_FIELDS: Final = (
-    Field(
-        "termination",
-        "termination",
-        STRING,
-        required=True,
-        enum_type=model.TLSTermination,
-        choices=_choice(model.TLSTermination),
-    ),
+    _enum("termination", "termination", model.TLSTermination, required=True),
     _pem("certificate", "certificate"),
     _pem("key", "key"),
     _pem("caCertificate", "ca_certificate"),
@@ -143,12 +143,10 @@ TLS_FIELDS: Final = (
     Field("destinationServerName", "destination_server_name", STRING, max_length=MAX_HOST_LENGTH),
     Field("presentClientCertificate", "present_client_certificate", BOOLEAN),
     Field("hsts", "hsts", OBJECT, fields=HSTS_FIELDS, model_type=model.HSTS),
-    Field(
+    _enum(
         "insecureEdgeTerminationPolicy",
         "insecure_edge_termination_policy",
-        STRING,
-        enum_type=model.InsecureEdgePolicy,
-        choices=_choice(model.InsecureEdgePolicy),
+        model.InsecureEdgePolicy,
     ),
 )
 
@@ -160,9 +158,7 @@ BACKEND_FIELDS: Final = (
 STICKY_FIELDS: Final = (
     Field("disableCookies", "disable_cookies", BOOLEAN),
     Field("cookieName", "cookie_name", STRING, max_length=MAX_COOKIE_NAME_LENGTH),
-    Field(
-        "sameSite", "same_site", STRING, enum_type=model.SameSite, choices=_choice(model.SameSite)
-    ),
+    _enum("sameSite", "same_site", model.SameSite),
 )
 
 TIMEOUT_FIELDS: Final = tuple(
@@ -189,23 +185,11 @@ SPEC_FIELDS: Final = (
     ),
     Field("targetPort", "target_port", PORT, max_length=MAX_PORT_LENGTH),
     Field("tls", "tls", OBJECT, fields=TLS_FIELDS, model_type=model.RouteTLS),
-    Field(
-        "balance",
-        "balance",
-        STRING,
-        enum_type=model.BalancePolicy,
-        choices=_choice(model.BalancePolicy),
-    ),
+    _enum("balance", "balance", model.BalancePolicy),
     Field("sticky", "sticky", OBJECT, fields=STICKY_FIELDS, model_type=model.StickySessions),
     Field("timeouts", "timeouts", OBJECT, fields=TIMEOUT_FIELDS, model_type=model.RouteTimeouts),
     Field("authProxyHeaders", "auth_proxy_headers", BOOLEAN),
-    Field(
-        "forwardedHeaders",
-        "forwarded_headers",
-        STRING,
-        enum_type=model.ForwardedHeadersMode,
-        choices=_choice(model.ForwardedHeadersMode),
-    ),
+    _enum("forwardedHeaders", "forwarded_headers", model.ForwardedHeadersMode),
     Field("upstreamProtocol", "upstream_protocol", STRING, choices=model.UPSTREAM_PROTOCOLS),
 )
 

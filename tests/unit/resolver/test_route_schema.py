@@ -11,6 +11,7 @@ place named, and a source's route budget likewise.
 from __future__ import annotations
 
 import dataclasses
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -332,3 +333,59 @@ def test_a_manifests_source_past_its_budget_names_the_object(tmp_path: Path):
         FileError, match=rf"m.yaml:{line}: 3 routes; a source may produce at most 2"
     ):
         parse_manifests([(path, path.read_text())], max_routes=2)
+
+
+# A value for every field in schema.DERIVED (the Gateway API's and the resolver's):
+# a field added there needs one here, and then travels through the proto or fails.
+DERIVED_SAMPLES: dict[str, dict[str, Any]] = {
+    "Route": {
+        "created": datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC),
+        "status": model.RouteStatus(
+            (model.RouteCondition("Accepted", "True", "Accepted", "ok", None, 3),)
+        ),
+        "matches": (
+            model.RouteMatch(
+                model.PathMatchType.EXACT,
+                "/x",
+                headers=(model.HeaderMatch("x-env", "canary"),),
+                query=(model.HeaderMatch("q", "1", model.ValueMatchType.REGEX),),
+                method="GET",
+            ),
+        ),
+        "filters": model.RouteFilters(
+            request_headers=model.HeaderModifier(set=(("a", "1"),), remove=("b",)),
+            rewrite=model.Rewrite(path_type=model.PathModifierType.PREFIX, path="/y"),
+            mirrors=(model.Mirror("shadow", percent=50),),
+        ),
+        "request_timeout": 1.5,
+        "backend_request_timeout": 0.5,
+        "listener_port": 8080,
+        "gateway": "demo/gw",
+        "listener_protocol": "HTTP",
+        "origin": "HTTPRoute demo/x",
+        "rule_index": 2,
+    },
+    "RouteBackend": {"namespace": "other", "port": "http", "invalid": "not granted"},
+    "RouteTLS": {
+        "destination_system_ca": True,
+        "destination_san_hostnames": ("a.example.com",),
+        "destination_san_uris": ("spiffe://x/y",),
+    },
+}
+
+
+def test_every_derived_field_survives_the_proto_both_ways():
+    assert {k: set(v) for k, v in DERIVED_SAMPLES.items()} == {
+        k: set(v) for k, v in schema.DERIVED.items()
+    }
+    route = full_route()
+    assert route.tls is not None
+    route = dataclasses.replace(
+        route,
+        backends=tuple(
+            dataclasses.replace(b, **DERIVED_SAMPLES["RouteBackend"]) for b in route.backends
+        ),
+        tls=dataclasses.replace(route.tls, **DERIVED_SAMPLES["RouteTLS"]),
+        **DERIVED_SAMPLES["Route"],
+    )
+    assert convert.route_from_proto(convert.route_to_proto(route)) == route
