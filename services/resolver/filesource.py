@@ -61,7 +61,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
-import io
 import logging
 import re
 from collections.abc import Callable
@@ -70,15 +69,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from ruamel.yaml import YAML
-from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from ruamel.yaml.error import YAMLError as RuamelError
-from ruamel.yaml.scalarstring import LiteralScalarString
-from ruamel.yaml.util import load_yaml_guess_indent
 
 from waygate.core.errors import FailedPrecondition, InvalidArgument, NotFound, excerpt
 from waygate.core.files import write_file_atomically
-from waygate.resolver import schema
+from waygate.resolver import routesedit, schema
 from waygate.resolver.model import (
     Endpoint,
     EndpointPort,
@@ -444,51 +439,6 @@ def _parse_endpoint(
 FILE_MODE = 0o600
 
 
-def _round_trip_yaml() -> YAML:
-    """ruamel.yaml's round-trip mode (one per edit: it is not thread-safe)."""
-    editor = YAML(typ="rt")
-    editor.preserve_quotes = True
-    # Never fold a long line (a PEM body, a long path) the author wrote on one.
-    editor.width = 1 << 16
-    return editor
-
-
-def _entry_key(entry: Any) -> tuple[str, str] | None:
-    if not isinstance(entry, dict):
-        return None
-    return (str(entry.get("namespace") or "default"), str(entry.get("name")))
-
-
-def _block(value: Any) -> Any:
-    """A written value in the file's style: PEM and other multi-line text as `|`."""
-    if isinstance(value, dict):
-        mapping = CommentedMap()
-        for key, item in value.items():
-            mapping[key] = _block(item)
-        return mapping
-    if isinstance(value, list):
-        return CommentedSeq(_block(item) for item in value)
-    if isinstance(value, str) and "\n" in value:
-        return LiteralScalarString(value)
-    return value
-
-
-def _merge(existing: CommentedMap, new: dict[str, Any], *, top: bool = False) -> None:
-    """Make `existing` say what `new` says, in place: keys and comments that stay
-    the same are kept where they are; new keys go last."""
-    for key in list(existing):
-        if key not in new and not (top and key == "namespace" and existing[key] in (None, "")):
-            del existing[key]
-    for key, value in new.items():
-        current = existing.get(key)
-        if isinstance(value, dict) and isinstance(current, CommentedMap):
-            _merge(current, value)
-        elif key == "namespace" and top and key not in existing and value == "default":
-            continue  # the entry left it to the default; so does the route
-        elif current != value:
-            existing[key] = _block(value)
-
-
 # ---------------------------------------------------------------- the source
 
 
@@ -730,15 +680,8 @@ class FileSource:
             route = validate_route(self._with_stored_key(route))
             entry = route_to_document(route)
 
-            def edit(routes: CommentedSeq) -> None:
-                for index, existing in enumerate(routes):
-                    if _entry_key(existing) == route.key:
-                        if isinstance(existing, CommentedMap):
-                            _merge(existing, entry, top=True)
-                        else:
-                            routes[index] = _block(entry)
-                        return
-                routes.append(_block(entry))
+            def edit(text: str) -> str:
+                return routesedit.apply(text, route.key, entry)
 
             await self._rewrite(edit)
         stored = self.store.get_route(route.namespace, route.name)
@@ -762,10 +705,8 @@ class FileSource:
         return route
 
     async def delete_route(self, namespace: str, name: str) -> None:
-        def edit(routes: CommentedSeq) -> None:
-            for index in reversed(range(len(routes))):
-                if _entry_key(routes[index]) == (namespace, name):
-                    del routes[index]
+        def edit(text: str) -> str:
+            return routesedit.delete(text, (namespace, name))
 
         async with self._lock:
             self._check_loaded()
@@ -774,7 +715,7 @@ class FileSource:
                 raise NotFound(f"route {namespace}/{name} not found")
             await self._rewrite(edit)
 
-    async def _rewrite(self, edit: Callable[[CommentedSeq], None]) -> None:
+    async def _rewrite(self, edit: Callable[[str], str]) -> None:
         """Edit the file's routes in a worker thread, then apply what was written.
 
         Called with the lock held. The written text is parsed exactly once, and
@@ -785,7 +726,7 @@ class FileSource:
 
     def _edit_file(
         self,
-        edit: Callable[[CommentedSeq], None],
+        edit: Callable[[str], str],
         loaded_digest: bytes | None,
     ) -> _Read:
         """Read, edit, validate and write the file (thread-safe; no shared state).
@@ -813,29 +754,15 @@ class FileSource:
                 "(once the resolver has loaded the new content)"
             )
         text = data.decode("utf-8")  # the loaded bytes, which were UTF-8
-        # Round-trip YAML: the file's comments, order, quoting and indentation
-        # stay; only the edited route's entry changes.
-        editor = _round_trip_yaml()
+        # Only the route's entry changes: the file's comments, order, quoting
+        # and indentation stay (waygate.resolver.routesedit).
         try:
-            document, indent, sequence_offset = load_yaml_guess_indent(text, yaml=editor)
+            data = edit(text).encode()
         except (RuamelError, ValueError):
-            document = None
-        if document is None:
-            document = CommentedMap()  # an empty file (or one of comments only)
-        if not isinstance(document, CommentedMap):
             self._refuse_broken(text)
-            raise FailedPrecondition(f"the routes file {self.path} is not a YAML mapping")
-        indent, sequence_offset = indent or 2, sequence_offset or 0
-        editor.indent(
-            mapping=max(indent - sequence_offset, 2), sequence=indent, offset=sequence_offset
-        )
-        routes = document.get("routes")
-        if not isinstance(routes, CommentedSeq):
-            routes = document["routes"] = CommentedSeq()
-        edit(routes)
-        out = io.StringIO()
-        editor.dump(document, out)
-        data = out.getvalue().encode()
+            raise FailedPrecondition(
+                f"the routes file {self.path} cannot be edited as YAML; fix it by hand"
+            ) from None
         if len(data) > MAX_FILE_BYTES:
             raise FailedPrecondition(
                 f"the routes file would grow over {MAX_FILE_BYTES // (1 << 20)} MiB; not written"
