@@ -4,8 +4,20 @@ from __future__ import annotations
 
 import pytest
 import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from waygate.resolver import routesedit
+from waygate.resolver.filesource import EXAMPLE_ROUTES, parse_routes_file
+from waygate.resolver.model import (
+    BalancePolicy,
+    Route,
+    RouteBackend,
+    RouteTimeouts,
+    SameSite,
+    StickySessions,
+)
+from waygate.resolver.schema import route_to_document
 
 FILE = """\
 # The routes.
@@ -109,3 +121,43 @@ def test_other_shapes_go_through_the_round_trip_whole(text: str) -> None:
     assert [r["name"] for r in yaml.safe_load(removed)["routes"] or []] == [
         r["name"] for r in (yaml.safe_load(text) or {}).get("routes") or []
     ]
+
+
+# ---------------------------------------------------------------- properties
+
+EXAMPLE = EXAMPLE_ROUTES.read_text()
+KEYS = [r.key for r in parse_routes_file(EXAMPLE_ROUTES, EXAMPLE).routes]
+labels = st.from_regex(r"[a-z][a-z0-9]{0,8}", fullmatch=True)
+routes = st.builds(
+    Route,
+    namespace=st.sampled_from(["demo", "waygate", "default", "other"]),
+    name=st.one_of(st.sampled_from([k[1] for k in KEYS]), labels),
+    host=labels.map(lambda label: f"{label}.example.com"),
+    path=st.sampled_from(["/", "/api", "/a/b/"]),
+    backends=st.lists(labels, min_size=1, max_size=4, unique=True).map(
+        lambda names: tuple(RouteBackend(n, 1 + i) for i, n in enumerate(names))
+    ),
+    balance=st.sampled_from(list(BalancePolicy)),
+    sticky=st.builds(StickySessions, same_site=st.sampled_from(list(SameSite))),
+    timeouts=st.builds(RouteTimeouts, connect=st.sampled_from([None, 2.0, 0.25])),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(routes, st.booleans())
+def test_an_edit_changes_that_route_only_and_keeps_every_comment(route: Route, remove: bool):
+    """Whatever the route, the file still loads, holds exactly the old routes with
+    that one applied (or removed), and keeps every comment line of the example."""
+    before = {r.key: r for r in parse_routes_file(EXAMPLE_ROUTES, EXAMPLE).routes}
+    if remove:
+        text = routesedit.delete(EXAMPLE, route.key)
+        before.pop(route.key, None)
+    else:
+        text = routesedit.apply(EXAMPLE, route.key, route_to_document(route))
+        before[route.key] = route
+    after = {r.key: r for r in parse_routes_file(EXAMPLE_ROUTES, text).routes}
+    assert after == before
+    comments = [line.strip() for line in EXAMPLE.splitlines() if line.strip().startswith("#")]
+    kept = [line.strip() for line in text.splitlines() if line.strip().startswith("#")]
+    # A removed route's own comments (none in the example's entries) may go; others stay.
+    assert kept == comments
