@@ -44,9 +44,9 @@ Invariants:
   holds an error, or before it was ever loaded: a write never starts from
   a view the resolver did not load (a missing file read as empty would drop
   every service and route).
-  Writing back edits the file as round-trip YAML (ruamel.yaml): its comments,
-  order, quoting and indentation stay, and only the entry of the route
-  applied or deleted changes.
+  Writing back changes only the entry of the route applied or deleted
+  (`waygate.resolver.routesedit`): the file's comments, order, quoting and
+  indentation stay.
 - The file holds route TLS private keys: whenever it is written, it is
   written mode 0600, whatever its mode was.
 - File I/O and parsing never run on the event loop while it serves (worker
@@ -62,7 +62,6 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
-import re
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -294,37 +293,14 @@ def read_route_entry(parser: _Parser, tree: schema.YamlTree, node: yaml.Node) ->
         raise parser.error(_locate(node, field) if field else node, str(exc)) from None
 
 
-# Domain field names whose YAML key is not simply their camelCase: the Route
-# schema's, and the services' own.
-_YAML_KEYS = {"cluster_ips": "clusterIPs", **schema.KEY_OF_ATTR}
-_FIELD_PART = re.compile(r"([a-z_]+)((?:\[\d+\])*)")
-
-
-def _yaml_key(name: str) -> str:
-    if name in _YAML_KEYS:
-        return _YAML_KEYS[name]
-    head, *rest = name.split("_")
-    return head + "".join(part.capitalize() for part in rest)
+# A service's field whose YAML key is not its camelCase (the Route schema knows its own).
+_SERVICE_KEYS_BY_ATTR = {"cluster_ips": "clusterIPs"}
 
 
 def _locate(node: yaml.Node, field: str) -> yaml.Node:
-    """The node of a dotted field path such as "backends[1].weight", or the
+    """The node of a validation error's field ("backends[1].weight"), or the
     deepest node on the way there, so an error can name the closest line."""
-    for part in field.split("."):
-        match = _FIELD_PART.fullmatch(part)
-        if match is None or not isinstance(node, yaml.MappingNode):
-            return node
-        key = _yaml_key(match[1])
-        children = {k.value: v for k, v in node.value if isinstance(k, yaml.ScalarNode)}
-        if key == "backends" and key not in children:
-            key = "to"
-        if key not in children:
-            return node
-        node = children[key]
-        for index in re.findall(r"\[(\d+)\]", match[2]):
-            if isinstance(node, yaml.SequenceNode) and int(index) < len(node.value):
-                node = node.value[int(index)]
-    return node
+    return schema.node_at(node, schema.key_path(field, _SERVICE_KEYS_BY_ATTR))
 
 
 def _validated(parser: _Parser, node: yaml.Node, check: Callable[[T], T], value: T) -> T:

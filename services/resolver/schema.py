@@ -259,13 +259,16 @@ class SchemaError(InvalidArgument):
         super().__init__(f"{what}: {self.field}: {reason}" if where else f"{what}: {reason}")
 
 
-def key_path(field: str) -> tuple[str | int, ...]:
+def key_path(field: str, keys: Mapping[str, str] | None = None) -> tuple[str | int, ...]:
     """A validation error's dotted attribute path ("backends[1].weight") as the
-    path of keys and indexes in the format (("backends", 1, "weight"))."""
+    path of keys and indexes in the format (("backends", 1, "weight")): the key
+    `keys` or this schema gives an attribute, else its camelCase."""
     path: list[str | int] = []
     for part in field.split("."):
         name, *indexes = part.replace("]", "").split("[")
-        path.append(KEY_OF_ATTR.get(name, name))
+        head, *rest = name.split("_")
+        camel = head + "".join(word.capitalize() for word in rest)
+        path.append((keys or {}).get(name) or KEY_OF_ATTR.get(name, camel))
         path.extend(int(i) for i in indexes if i.isdigit())
     return tuple(path)
 
