@@ -413,18 +413,19 @@ class _Reader(Generic[N]):
                 raise self.fail(where, key_node, f"key {excerpt(key)} appears twice", key)
             found[key] = (by_key[key], value_node)
         for field in fields:
-            if field.required and self._unset(found, field.key):
+            if field.required and self._unset(found, (*where, field.key)):
                 raise self.fail((*where, field.key), node, "is required")
         return found
 
-    def _unset(self, found: dict[str, tuple[Field, N]], key: str) -> bool:
+    def _unset(self, found: dict[str, tuple[Field, N]], where: tuple[str | int, ...]) -> bool:
+        key = str(where[-1])
         if key not in found:
             return True
         node = found[key][1]
         return (
             not self.tree.is_mapping(node)
             and not self.tree.is_sequence(node)
-            and (self.scalar(node, (key,)) in (None, ""))
+            and (self.scalar(node, where) in (None, ""))
         )
 
     def scalar(self, node: N, where: tuple[str | int, ...]) -> Any:

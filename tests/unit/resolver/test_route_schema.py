@@ -18,6 +18,8 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.support.pki import LocalCA, self_signed
 from waygate.core.errors import InvalidArgument
@@ -389,3 +391,43 @@ def test_every_derived_field_survives_the_proto_both_ways():
         **DERIVED_SAMPLES["Route"],
     )
     assert convert.route_from_proto(convert.route_to_proto(route)) == route
+
+
+_json = st.recursive(
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(min_value=-(2**70), max_value=2**70),
+        st.floats(),
+        st.text(max_size=20),
+        st.sampled_from(["edge", "Lax", "5s", "1e999", "web", "a.example.com", "/x", "x" * 300]),
+    ),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=5), st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=10,
+)
+
+
+def _shaped(fields: tuple[schema.Field, ...]) -> st.SearchStrategy:
+    nested = {f.key: _shaped(f.fields) for f in fields if f.kind == schema.OBJECT}
+    nested |= {
+        f.key: st.lists(_shaped(f.fields), max_size=6) for f in fields if f.kind == schema.LIST
+    }
+    return st.fixed_dictionaries(
+        {},
+        optional={f.key: st.one_of(nested.get(f.key, _json), _json) for f in fields}
+        | {"unknownKey": _json},
+    )
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(_shaped(schema.SPEC_FIELDS), _json))
+def test_a_route_object_of_any_shape_is_a_route_or_an_invalid_argument(spec: Any):
+    """The CRD path never raises anything but InvalidArgument (a status, not a crash)."""
+    try:
+        route = route_from(crd(spec))
+    except InvalidArgument as exc:
+        assert len(str(exc)) < 2000
+    else:
+        assert isinstance(route, model.Route)
