@@ -132,9 +132,11 @@ def format_resolution(response: pb.ResolveResponse) -> str:
 
 ROUTES_HELP = """\
 routes:        waygate routes [-o table|wide|json|yaml] [-n NS] [--watch]
-one route:     waygate routes get NS/NAME [-o ...]
-create/update: waygate routes apply -f FILE   (routes-file entries, a `routes:` list,
-               or waygate.io/v1 Route objects; several YAML documents allowed)
+one route:     waygate routes get NS/NAME [-o ...]   (NAME: all after the first '/',
+               so routes made from Gateway API objects are named as listed)
+create/update: waygate routes apply -f FILE|-   (routes-file entries, a `routes:` list,
+               or waygate.io/v1 Route objects; several YAML documents allowed;
+               `routes get -o yaml` output applies back, its status ignored)
 delete:        waygate routes delete NS/NAME
 
 The routes file's own state comes first; the exit code is 1 while the resolver
