@@ -348,7 +348,8 @@ async def test_route_custom_resources_are_validated(kubeapi, caplog):
 
 async def test_route_objects_past_the_budget_are_not_served_and_say_why(kubeapi):
     """--max-routes-per-source: the oldest Route objects are served; a younger one
-    past the budget is left out with its reason, and takes a freed place."""
+    past the budget is left out with its reason, and the oldest waiting takes a
+    place another route leaves."""
     for index in range(3):
         obj = route(f"r{index}", f"r{index}.example.com")
         obj["metadata"]["creationTimestamp"] = f"2026-01-0{index + 1}T00:00:00Z"
@@ -360,16 +361,19 @@ async def test_route_objects_past_the_budget_are_not_served_and_say_why(kubeapi)
         invalid = run.source.invalid_routes()
         assert "budget of 2 routes per source" in invalid[("default", "r2")]
         assert "spec: unknown key 'balanse'" in invalid[("default", "typo")]
-        # A live ADDED past the budget is refused too; a deletion frees a place.
+        # A live ADDED past the budget is refused too.
         kubeapi.create(route("r3", "r3.example.com"))
         await until(
             lambda: ("default", "r3") in run.source.invalid_routes(), "r3 refused for budget"
         )
         assert run.store.get_route("default", "r3") is None
+        # A deletion frees a place: the oldest route waiting for one takes it.
         kubeapi.delete("waygate.io/v1", "Route", "r0", "default")
-        await until(lambda: run.store.get_route("default", "r0") is None, "r0 deleted")
-        kubeapi.replace(route("r3", "r3.example.com", path="/v2"))
-        await until(lambda: run.store.get_route("default", "r3") is not None, "r3 served")
+        await until(lambda: run.store.get_route("default", "r2") is not None, "r2 served")
+        assert run.store.get_route("default", "r0") is None
+        assert ("default", "r2") not in run.source.invalid_routes()
+        assert run.store.get_route("default", "r3") is None
+        assert "budget" in run.source.invalid_routes()[("default", "r3")]
 
 
 async def test_tunnel_endpoints_by_label_or_edge_node(kubeapi):
