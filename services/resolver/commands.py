@@ -476,7 +476,7 @@ def load_route_documents(path: Path, text: str) -> list[Route]:
         raise InvalidArgument(f"{path}: not YAML: {exc}") from None
     routes: list[Route] = []
     for node in documents:
-        if node is None or (isinstance(node, yaml.ScalarNode) and tree.value(node) is None):
+        if node is None or (isinstance(node, yaml.ScalarNode) and node.tag == _NULL):
             continue
         try:
             routes += _document_routes(tree, node)
@@ -496,6 +496,7 @@ def load_route_documents(path: Path, text: str) -> list[Route]:
 
 
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_NULL = "tag:yaml.org,2002:null"
 
 
 class _Refused(Exception):
@@ -558,7 +559,15 @@ def _document_routes(tree: schema.YamlTree, node: yaml.Node) -> list[Route]:
         fields = _fields(tree, node)
         if _text(tree, fields.get("kind")) == "Route":
             return [_route_object(tree, node, fields)]
-        entries = tree.elements(fields["routes"]) if set(fields) == {"routes"} else [node]
+        entries: list[yaml.Node] = [node]
+        if set(fields) == {"routes"}:
+            listed = fields["routes"]
+            if isinstance(listed, yaml.SequenceNode):
+                entries = tree.elements(listed)
+            elif isinstance(listed, yaml.ScalarNode) and listed.tag == _NULL:
+                entries = []
+            else:
+                raise _Refused(listed, "routes: must be a list")
     elif isinstance(node, yaml.SequenceNode):
         entries = tree.elements(node)
     else:
