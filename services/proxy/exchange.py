@@ -86,9 +86,9 @@ from waygate.proxy.http1 import (
     RequestHead,
     ResponseHead,
 )
-from waygate.proxy.pool import UpstreamConnection
 from waygate.proxy.routing import Backend, RouteEntry, Side, Target, unavailable_reason
 from waygate.proxy.upstream import Attachable, ConnectError, start
+from waygate.proxy.upstream_h1 import UpstreamConnection
 
 if TYPE_CHECKING:
     from waygate.proxy.server import ProxyServer

@@ -37,6 +37,7 @@ from prometheus_client import Counter
 
 from waygate.core import flow
 from waygate.proxy import sni
+from waygate.proxy.accept import ClientProtocol
 from waygate.proxy.routing import Defaults, RouteTable, build_table
 from waygate.proxy.upstream import ConnectError, start
 from waygate.resolver.model import BalancePolicy, Route, TLSTermination
@@ -333,11 +334,9 @@ class TlsFront:
             raise
 
     def _client_protocol(self) -> asyncio.Protocol:
-        # HTTP/1.1 or HTTP/2, as ALPN chose (waygate.proxy.http2).
+        # HTTP/1.1 or HTTP/2, as ALPN chose (waygate.proxy.accept).
         if self._protocol is not None:
             return self._protocol()
-        from waygate.proxy.http2 import ClientProtocol
-
         return ClientProtocol(self.server)
 
     async def _peek(self, conn: socket.socket) -> tuple[int, str]:
