@@ -47,9 +47,10 @@ from waygate.core.settings import (
 )
 from waygate.proxy.http2 import H2Collector, H2Limits
 from waygate.proxy.metrics import ProxyCollector, ProxyMetrics
-from waygate.proxy.routing import Defaults, build_table
+from waygate.proxy.routing import Defaults
 from waygate.proxy.server import Limits, ProxyServer
 from waygate.proxy.upstream import Dialer
+from waygate.proxy.view import ProxyView, ViewSettings
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -571,15 +572,14 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         listen_port=settings.http_port,
         access_log_rate=settings.access_log_rate,
         limits=settings.limits(),
+        # HTTP/2: the listeners' limits, and the connections to HTTP/2 backends.
+        h2_limits=settings.h2_limits(),
+        trace_ratio=settings.trace_sample_ratio,
     )
-    from waygate.proxy.h2upstream import H2Upstreams
-
-    # HTTP/2: the listeners' limits, and the connections to HTTP/2 backends.
-    server.h2_limits = settings.h2_limits()  # type: ignore[attr-defined]
-    h2_upstreams = H2Upstreams(server, settings.h2_limits())
-    server.h2_upstreams = h2_upstreams  # type: ignore[attr-defined]
-    process.on_stop(_closer(h2_upstreams.close))
-    server.trace_ratio = settings.trace_sample_ratio
+    process.on_stop(_closer(server.h2_upstreams.close))
+    view_settings = ViewSettings(
+        defaults, cookie_key, settings.trace_sample_ratio, gateway=settings.gateway
+    )
     REGISTRY.register(ProxyCollector(metrics.snapshot))
     REGISTRY.register(H2Collector())
     process.on_stop(_unregister(metrics))
@@ -606,16 +606,9 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     last_view: list[Any] = []
 
     def build(view: Any, listener_sides: Any) -> None:
-        server.set_table(
-            build_table(
-                view.routes,
-                view.endpoints,
-                view.services,
-                defaults=defaults,
-                cookie_key=cookie_key,
-                previous=server.table,
-                listener_ports=listener_sides,
-                gateway=settings.gateway,
+        server.set_view(
+            ProxyView.build(
+                view, server.view, view_settings._replace(listener_ports=listener_sides)
             )
         )
 
@@ -663,7 +656,6 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
             )
             # TLS listeners on their own ports are served there only.
             set_passthrough(front, view, lambda p: p not in own_tls)
-        h2_upstreams.update(view.routes, view.services)
         build(view, listener_sides)
         own_fronts(view)
 

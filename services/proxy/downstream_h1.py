@@ -58,6 +58,9 @@ class ClientConnection(asyncio.Protocol):
     timers and its flow control; the Exchange owns the request.
     """
 
+    # The access log's protocol field.
+    protocol = "http/1.1"
+
     __slots__ = (
         "_deadline",
         "_eof",
@@ -93,7 +96,7 @@ class ClientConnection(asyncio.Protocol):
         self.buf = bytearray()
         self.scanned = 0
         self.closed = False
-        self.exchange = Exchange(server, self)
+        self.exchange = Exchange(server.context, self)
         # A response head the Exchange handed over, written with the first body bytes.
         self.pending_head = b""
         self.chunked_ok = True

@@ -62,19 +62,28 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import logging
-import random
-import re
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from collections.abc import Callable
+from typing import Any, Protocol, cast
 
 from opentelemetry import context as otel_context
-from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.trace import Status, StatusCode, set_span_in_context
 
 from waygate.core import flow
-from waygate.core.logs import span_fields
-from waygate.core.tracing import tracer
-from waygate.proxy import filters, http1, tls
+from waygate.proxy import filters, http1
+from waygate.proxy.context import ExchangeContext
+from waygate.proxy.decision import (
+    ANSWER_HEALTHZ,
+    ANSWER_OPTIONS,
+    ANSWER_REDIRECT,
+    ANSWER_ROUTE_REDIRECT,
+    HEALTHZ,
+    OPTIONS_ANY,
+    Answer,
+    Forward,
+    decide,
+    release_pick,
+    repick,
+)
 from waygate.proxy.http1 import (
     FRAMING_CHUNKED,
     FRAMING_CLOSE,
@@ -86,18 +95,19 @@ from waygate.proxy.http1 import (
     RequestHead,
     ResponseHead,
 )
-from waygate.proxy.routing import Backend, RouteEntry, Side, Target, unavailable_reason
+from waygate.proxy.pool import Pool
+from waygate.proxy.routing import Backend, RouteEntry, Side, Target
 from waygate.proxy.upstream import Attachable, ConnectError, start
 from waygate.proxy.upstream_h1 import UpstreamConnection
 
-if TYPE_CHECKING:
-    from waygate.proxy.server import ProxyServer
-    from waygate.resolver.model import HeaderModifier
-
-access_log = logging.getLogger("waygate.proxy.access")
-
-_PROPAGATOR = TraceContextTextMapPropagator()
-_TRACEPARENT = re.compile(rb"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+__all__ = [
+    "ANSWER_HEALTHZ",
+    "ANSWER_OPTIONS",
+    "ANSWER_REDIRECT",
+    "ANSWER_ROUTE_REDIRECT",
+    "Downstream",
+    "Exchange",
+]
 
 # A non-idempotent request reuses only connections idle for less than this:
 # upstreams' keep-alive timeouts are seconds (Node.js 5 s, nginx 75 s).
@@ -107,13 +117,6 @@ MAX_CONNECT_ATTEMPTS = 3
 PENDING_HIGH_WATER = flow.HIGH_WATER
 
 _IDEMPOTENT = frozenset((b"GET", b"HEAD", b"OPTIONS", b"PUT", b"DELETE", b"TRACE"))
-
-# Local answers' kinds (Downstream.answer): the driver renders them.
-ANSWER_HEALTHZ = "healthz"
-ANSWER_REDIRECT = "redirect"
-ANSWER_OPTIONS = "options"  # OPTIONS *: the proxy answers for itself
-# A route's RequestRedirect filter: `reason` carries the Location.
-ANSWER_ROUTE_REDIRECT = "route_redirect"
 
 
 class Downstream(Protocol):
@@ -128,7 +131,6 @@ class Downstream(Protocol):
     `extra`: whole header lines (b"Name: value\\r\\n" each) to add.
     """
 
-    context: ForwardedContext
     client_key: bytes
     secure: Side
     # Whether this driver forwards chunk-framed body pieces as they are
@@ -136,7 +138,11 @@ class Downstream(Protocol):
     chunked_ok: bool
     # Whether the client's transport is paused for writing (its buffer is full).
     write_paused: bool
+    # The access log's protocol field ("http/1.1", "h2", "h2c").
+    protocol: str
 
+    @property
+    def context(self) -> ForwardedContext | None: ...
     def client_identity(self, route: Any) -> tuple[int, str] | bytes: ...
     def response_head(
         self,
@@ -171,25 +177,27 @@ class Downstream(Protocol):
     def relay_closed(self) -> None: ...
 
 
-def _log_access(exchange: Exchange, route: str, req: RequestHead, status: int) -> None:
-    """One JSON access-log line (within the per-second budget; see ProxyServer)."""
-    target = exchange.target
-    access_log.info(
-        "request",
-        extra={
-            "client": exchange.down.context.client_ip.decode(),
-            "method": req.method.decode("ascii", "replace"),
-            "host": req.host.decode("ascii", "replace"),
-            "path": req.target.decode("ascii", "replace")[:256],
-            "status": status,
-            "route": route,
-            "upstream": f"{target.address}:{target.port}" if target is not None else "",
-            "duration_ms": round((exchange.loop.time() - exchange.started) * 1000, 3)
-            if exchange.started
-            else 0.0,
-            **span_fields(exchange.span),
-        },
-    )
+class _Reservation:
+    """A connect's place in its endpoint's connection bound (`Pool.reserve`), released
+    exactly once by the connect task's done callback (see Exchange._start_connect)."""
+
+    __slots__ = ("target",)
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+
+    def move(self, pool: Pool, target: Target) -> Target:
+        """A redispatch: the reservation moves to another endpoint."""
+        pool.unreserve(self.target)
+        pool.reserve(target, force=True)
+        self.target = target
+        return target
+
+    def release(self, pool: Pool) -> Callable[[Any], None]:
+        def done(_task: Any) -> None:
+            pool.unreserve(self.target)
+
+        return done
 
 
 class Exchange:
@@ -203,20 +211,17 @@ class Exchange:
         "body_received",
         "body_remaining",
         "connect_task",
-        "connecting",
-        "cookie",
-        "counted",
+        "ctx",
         "down",
         "entry",
+        "forward",  # what decision.decide chose for this request (None: no request)
         "framing",  # the response's framing as the upstream sends it
-        "hsts",
         "informational_bytes",
         "informationals",
         "keep_alive",
         "last_client",
         "last_up",
         "loop",
-        "path",
         "pending_body",
         "pending_size",
         "queued",
@@ -224,10 +229,8 @@ class Exchange:
         "remaining",  # response body bytes still due (FRAMING_LENGTH)
         "req",
         "req_complete",
-        "response_modifier",  # the route's ResponseHeaderModifier (None: none)
         "response_started",
         "retried",
-        "server",
         "span",
         "started",
         "status",
@@ -235,24 +238,19 @@ class Exchange:
         "upstream",
         "upstream_blocked",
         "upstream_head",
-        "upstream_traceparent",
     )
 
-    def __init__(self, server: ProxyServer, down: Downstream) -> None:
-        self.server = server
+    def __init__(self, ctx: ExchangeContext, down: Downstream) -> None:
+        self.ctx = ctx
         self.down = down
-        self.loop = server.loop
+        self.loop = ctx.loop
+        self.forward: Forward | None = None
         self.req: RequestHead | None = None
         self.entry: RouteEntry | None = None
         self.target: Target | None = None
         self.backend: Backend | None = None
-        # Whether this request is counted in its picker's in-flight numbers (only
-        # a choice among endpoints reads them; a one-endpoint route skips both calls).
-        self.counted = False
         self.upstream: UpstreamConnection | None = None
         self.connect_task: asyncio.Task[None] | None = None
-        # The endpoint a connect is under way to (its reservation in the pool's bound).
-        self.connecting: Target | None = None
         # Waiting in the pool's queue for room at its endpoint (see Pool.wait).
         self.queued = False
         self.body_remaining = 0
@@ -270,19 +268,12 @@ class Exchange:
         self.pending_size = 0
         self.response_started = False
         self.upstream_head = b""
-        # The proxy span's context when the request is sampled: the tunnel's dial
-        # spans become its children (None: unsampled, nothing to continue).
-        self.upstream_traceparent: str | None = None
         self.retried = False
         self.last_client = 0.0
         self.last_up = 0.0
         self.started = 0.0
         self.status = 0
-        self.path = b""
-        self.cookie: bytes | None = None
         self.span: Any = None
-        self.hsts = b""
-        self.response_modifier: HeaderModifier | None = None
         # Informational responses of this request so far (bounded: see Limits).
         self.informationals = 0
         self.informational_bytes = 0
@@ -294,94 +285,46 @@ class Exchange:
     # ------------------------------------------------------------ the request
 
     def start(self, req: RequestHead, now: float) -> bool:
-        """Route one request head; True when an exchange started (dispatch next),
-        False when it was answered locally (the driver may be closing)."""
-        server = self.server
-        down = self.down
+        """Decide one request head (`decision.decide`: every per-request rule); True
+        when an exchange started (dispatch next), False when it was answered locally
+        (the driver may be closing)."""
         self.started = now
-        target = req.target
-        if target == http1.HEALTHZ_PATH:
-            down.answer(req, 200, "ok", ANSWER_HEALTHZ)
+        decided = decide(self.ctx.view, req, self.down, now)
+        if type(decided) is Answer:
+            self.answer(req, decided)
             return False
-        if target == b"*":  # OPTIONS * (the only request with this target): about us
-            down.answer(req, 200, "", ANSWER_OPTIONS)
-            return False
-        query = target.find(b"?")
-        path = target if query < 0 else target[:query]
-        self.path = path
-        entry = server.table.lookup(req.host, path, req, down.secure)
-        if entry is None:
-            reason = "no route for host " + req.host.decode("ascii", "replace")
-            # A Gateway listener answers what no route takes with 404 (the spec).
-            status = 404 if server.table.serves_listeners(down.secure) else 503
-            return self._unavailable(req, reason, "no_route", status)
-        self.hsts = b""
-        identity = b""
-        if entry.route.tls is not None:
-            if down.secure:
-                self.hsts = entry.hsts
-                if entry.route.tls.client_ca_certificate:
-                    checked = down.client_identity(entry.route)
-                    if isinstance(checked, tuple):
-                        return self._refuse_client(req, entry, *checked)
-                    identity = checked
-            elif (rule := tls.edge_rule(entry.route)) != tls.EDGE_ALLOW:
-                if rule == tls.EDGE_REDIRECT:
-                    self._record(entry.options.name, req, 302)
-                    down.answer(req, 302, "", ANSWER_REDIRECT)
-                    return False
-                reason = f"route {entry.options.name} is served on HTTPS only"
-                return self._unavailable(req, reason, "https_only")
-        route_filters = entry.route.filters
-        if route_filters is not None:
-            redirect = route_filters.redirect
-            if redirect is not None:
-                self._record(entry.options.name, req, redirect.status)
-                location = filters.redirect_location(
-                    req,
-                    redirect,
-                    entry.path,
-                    secure=down.secure,
-                    listener_port=entry.route.listener_port,
-                )
-                down.answer(req, redirect.status, location.decode("latin-1"), ANSWER_ROUTE_REDIRECT)
-                return False
-            self.response_modifier = route_filters.response_headers
-        elif self.response_modifier is not None:
-            self.response_modifier = None
-        if req.cookie:
-            cookie = self.cookie = self._sticky_cookie(req, entry)
-        else:
-            cookie = self.cookie = None
-        single = entry.single
-        if single is not None and cookie is None:
-            picked, backend = single
-            self.counted = False
-        else:
-            chosen, chosen_backend = entry.pick(down.client_key, cookie, server.health, None)
-            if chosen_backend is not None and chosen_backend.invalid:
-                # A Gateway API backendRef that cannot be used: 500, as the spec says.
-                return self._unavailable(req, chosen_backend.invalid, "invalid_backend", 500)
-            if chosen is None or chosen_backend is None:
-                reason = unavailable_reason(entry)
-                return self._unavailable(req, reason, "no_endpoint")
-            picked, backend = chosen, chosen_backend
-            backend.picker.acquire(picked)
-            self.counted = True
+        self.begin(req, decided, now)  # type: ignore[arg-type]
+        return True
+
+    def answer(self, req: RequestHead, answer: Answer) -> None:
+        """A local answer `decide` chose: counted (under its route, "" when none
+        matched), logged, then rendered by the driver."""
+        if answer.refused:
+            self.ctx.records.refused(answer.kind)
+        if answer is not HEALTHZ and answer is not OPTIONS_ANY:
+            self._record(answer.route, req, answer.status)
+        self.down.answer(req, answer.status, answer.reason, answer.kind)
+
+    def begin(self, req: RequestHead, forward: Forward, now: float) -> None:
+        """Take a request `decide` forwards: its state here, its body's framing."""
+        self.started = now
+        self.forward = forward
         self.req = req
-        self.entry = entry
+        self.entry = forward.entry
+        self.target = forward.target
+        self.backend = forward.backend
+        self.span = forward.span
+        self.upstream_head = forward.upstream_head
         self.status = 0
         if self.informationals:
             self.informationals = self.informational_bytes = 0
         self.last_up = self.last_client = now
         self.response_started = False
         self.retried = False
-        self.target = picked
-        self.backend = backend
         if self.body_received:
             self.body_received = 0
         if req.chunked:
-            self.body_reader = ChunkedReader(chunk_budget=server.limits.max_small_chunks)
+            self.body_reader = ChunkedReader(chunk_budget=self.ctx.limits.max_small_chunks)
             self.req_complete = False
         elif req.content_length > 0:
             self.body_remaining = req.content_length
@@ -389,72 +332,16 @@ class Exchange:
             self.req_complete = False
         else:
             self.req_complete = True
-        traceparent = req.traceparent
-        if traceparent:
-            self.upstream_traceparent = None
-            if traceparent[-3:] == b"-01" and _TRACEPARENT.fullmatch(traceparent):
-                # Sampled upstream of us (parent-based): a span, and its id goes on.
-                traceparent = self._start_span(req, entry)
-                self.upstream_traceparent = traceparent.decode("ascii")
-        elif server.trace_ratio and random.random() < server.trace_ratio:
-            # No trace context: this proxy starts a trace, for its configured share.
-            traceparent = self._start_span(req, entry)
-            self.upstream_traceparent = traceparent.decode("ascii")
-        elif self.upstream_traceparent is not None:
-            self.upstream_traceparent = None
-        if route_filters is not None:
-            req = self._filter_request(req, entry, traceparent)
-        upstream_head = http1.build_upstream_head(
-            req, down.context, entry.options.forwarded_mode, traceparent
-        )
-        if identity:
-            # Set from the verified certificate; the client's own copies were stripped.
-            upstream_head = upstream_head[:-2] + identity + b"\r\n"
-        self.upstream_head = upstream_head
-        return True
-
-    def _filter_request(
-        self, req: RequestHead, entry: RouteEntry, traceparent: bytes
-    ) -> RequestHead:
-        """A route's request filters (HTTPRoute RequestHeaderModifier, URLRewrite,
-        RequestMirror; waygate.proxy.filters), after routing and before the
-        upstream head is built: the request head as the backend should see it.
-        Mirrors get a copy and are never waited for."""
-        route_filters = entry.route.filters
-        assert route_filters is not None
-        if route_filters.rewrite is not None or route_filters.request_headers is not None:
-            req = filters.rewritten_request(
-                req, route_filters.rewrite, route_filters.request_headers, entry.path
-            )
-        if entry.mirrors and not req.has_body:
-            head = http1.build_upstream_head(
-                req, self.down.context, entry.options.forwarded_mode, traceparent
-            )
-            for picker, percent in entry.mirrors:
-                if percent < 100 and random.randrange(100) >= percent:
-                    continue
-                target = picker.pick(None)
-                if target is not None:
-                    self.server.mirrors.send(target, head)
-        return req
-
-    def _sticky_cookie(self, req: RequestHead, entry: RouteEntry) -> bytes | None:
-        name = entry.options.cookie_name
-        if not name:
-            return None
-        prefix = name + b"="
-        for value in req.cookie:
-            for part in value.split(b";"):
-                part = part.strip()
-                if part.startswith(prefix):
-                    return part[len(prefix) :]
-        return None
+        if forward.mirrors:
+            mirrors = self.ctx.mirrors
+            for target, head in forward.mirrors:
+                mirrors.send(target, head)
 
     def dispatch(self) -> None:
         """Send the request upstream: a pooled connection, or a new connect."""
         target = self.target
         assert target is not None
-        server = self.server
+        ctx = self.ctx
         req = self.req
         # A request that must never be re-sent only takes a recently used
         # connection (see Pool.take); idempotent ones may be retried instead.
@@ -464,16 +351,16 @@ class Exchange:
         else:
             key = target
         if req is not None and req.method in _IDEMPOTENT:
-            upstream = server.pool.take(key)
+            upstream = ctx.pool.take(key)
         else:
-            upstream = server.pool.take(key, idle_at_most=SAFE_REUSE_IDLE)
+            upstream = ctx.pool.take(key, idle_at_most=SAFE_REUSE_IDLE)
         if upstream is not None:
-            server.metrics.pool_reused += 1
+            ctx.metrics.pool_reused += 1
             self._attach(upstream, reused=True)
             return
-        pool = server.pool
+        pool = ctx.pool
         if pool.reserve(target):
-            self.connect_task = self.loop.create_task(self._connect(target))
+            self._start_connect(target)
         elif pool.wait(target, self):
             self.queued = True  # Pool.wake calls endpoint_free
         else:
@@ -526,43 +413,67 @@ class Exchange:
 
     # ------------------------------------------------------------ picks
 
-    def _set_pick(self, target: Target, backend: Backend) -> None:
-        self.target = target
-        self.backend = backend
-        backend.picker.acquire(target)
-        self.counted = True
-
     def _release_pick(self) -> None:
-        if self.counted and self.backend is not None and self.target is not None:
-            self.backend.picker.release(self.target)
-        self.counted = False
+        forward = self.forward
+        if forward is not None:
+            self.forward = None
+            release_pick(forward)
         self.backend = None
         self.target = None
 
     # ------------------------------------------------------------ upstream side
 
-    async def _connect(self, target: Target) -> None:
-        """Open a connection to `target` (reserved in the pool's per-endpoint bound by
-        the caller; the reservation ends here, the open connection counts itself)."""
+    def _start_connect(self, target: Target) -> None:
+        """A connect to `target`, reserved in the pool's per-endpoint bound by the
+        caller. The reservation is released in one place, the task's done callback,
+        however the task ends: finished, failed, or cancelled, before it started
+        included (a stream reset in the same read as its HEADERS)."""
+        reservation = _Reservation(target)
+        task = self.connect_task = self.loop.create_task(self._connect(reservation))
+        task.add_done_callback(reservation.release(self.ctx.pool))
+
+    async def _connect(self, reservation: _Reservation) -> None:
+        """Open a connection to the reserved endpoint (the open connection counts
+        itself; the reservation ends with this task, see _start_connect)."""
         if self.span is not None:
             # This task's own context: lines it logs (a failed TLS handshake, a
             # tunnel dial) carry the request's trace.
             otel_context.attach(set_span_in_context(self.span))
-        self.connecting = target
-        try:
-            await self._open(target)
-        finally:
-            self.server.pool.unreserve(self.connecting)
+        await self._open(reservation)
 
-    async def _open(self, target: Target) -> None:
-        server = self.server
+    def _redispatch(self, target: Target, exc: ConnectError, attempts: int) -> bool:
+        """A connect (or the backend's TLS verification) to `target` failed: another
+        endpoint when one is left and nothing was sent (`decision.repick`)."""
+        ctx = self.ctx
+        ctx.metrics.connect_error(exc.kind)
+        ctx.view.health.failed(target)
+        forward = self.forward
+        if (
+            (exc.retryable or exc.kind[:4] == "tls_")
+            and attempts < MAX_CONNECT_ATTEMPTS
+            and forward is not None
+            and self.req is not None
+            and repick(ctx.view, forward, self.down, target)
+        ):
+            ctx.metrics.redispatches += 1
+            self.target = forward.target
+            self.backend = forward.backend
+            return True
+        self.connect_task = None
+        self.fail(502, exc.reason, "connect_" + exc.kind)
+        return False
+
+    async def _open(self, reservation: _Reservation) -> None:
+        ctx = self.ctx
         entry = self.entry
-        assert entry is not None
+        forward = self.forward
+        assert entry is not None and forward is not None
         options = entry.options
+        target = reservation.target
         attempts = 0
         while True:
             attempts += 1
-            upstream_tls = server.upstream_tls
+            upstream_tls = ctx.upstream_tls
             reencrypt = upstream_tls is not None and upstream_tls.applies(entry.route)
             head_sent = False
             try:
@@ -570,40 +481,18 @@ class Exchange:
                 if target.tunnel and not reencrypt and self._head_alone():
                     # The head goes with the tunnel's dial (its early data): it does not
                     # wait for the dial's answer. GET/HEAD only: safe to send twice.
-                    connection, head_sent = await server.dialer.connect_early(
+                    connection, head_sent = await ctx.dialer.connect_early(
                         target,
                         options.connect_timeout,
-                        self.upstream_traceparent,
+                        forward.traceparent,
                         self.upstream_head,
                         True,
                     )
                 else:
-                    connection = await server.dialer.connect(
-                        target, options.connect_timeout, self.upstream_traceparent
+                    connection = await ctx.dialer.connect(
+                        target, options.connect_timeout, forward.traceparent
                     )
-            except ConnectError as exc:
-                server.metrics.connect_error(exc.kind)
-                server.health.failed(target)
-                if exc.retryable and attempts < MAX_CONNECT_ATTEMPTS and self.req is not None:
-                    # The current table's entry: an endpoint removed meanwhile is not picked.
-                    current = server.table.lookup(
-                        self.req.host, self.path, self.req, self.down.secure
-                    )
-                    current = current if current is not None else entry
-                    again, backend = current.pick(self.down.client_key, None, server.health, target)
-                    if again is not None and backend is not None:
-                        server.metrics.redispatches += 1
-                        self._release_pick()
-                        self._set_pick(again, backend)
-                        server.pool.unreserve(target)
-                        server.pool.reserve(again, force=True)
-                        self.connecting = target = again
-                        continue
-                self.connect_task = None
-                self.fail(502, exc.reason, "connect_" + exc.kind)
-                return
-            try:
-                factory = functools.partial(UpstreamConnection, server, target)
+                factory = functools.partial(UpstreamConnection, ctx, target)
                 if reencrypt:
                     assert upstream_tls is not None
                     # Reencrypt: a failed handshake is a 502 that says why.
@@ -622,10 +511,10 @@ class Exchange:
                 else:
                     _, upstream = await start(connection, factory)
             except ConnectError as exc:
-                self.connect_task = None
-                server.metrics.connect_error(exc.kind)
-                self.fail(502, exc.reason, "connect_" + exc.kind)
-                return
+                if not self._redispatch(target, exc, attempts):
+                    return
+                target = reservation.move(ctx.pool, self.target)  # type: ignore[arg-type]
+                continue
             except OSError as exc:
                 self.connect_task = None
                 self.fail(502, "upstream connection failed: " + str(exc), "connect_error")
@@ -634,8 +523,8 @@ class Exchange:
         self.connect_task = None
         if entry.upstream_scope is not None:
             upstream.pool_key = (target, entry.upstream_scope)  # see routing.upstream_scope
-        server.health.succeeded(target)
-        server.metrics.upstream_opened += 1
+        ctx.view.health.succeeded(target)
+        ctx.metrics.upstream_opened += 1
         if head_sent:
             tunnelled = cast(Attachable, connection)  # only a tunnel's dial sends the head
             if self.req is None:
@@ -690,7 +579,7 @@ class Exchange:
         if self.queued:
             self.queued = False
             if self.target is not None:
-                self.server.pool.cancel_wait(self.target, self)
+                self.ctx.pool.cancel_wait(self.target, self)
         upstream = self.upstream
         self.upstream = None
         if upstream is not None:
@@ -735,7 +624,7 @@ class Exchange:
         when it sent more 1xx than the limits allow ("" while within them)."""
         self.informationals += 1
         self.informational_bytes += size
-        limits = self.server.limits
+        limits = self.ctx.limits
         if (
             self.informationals > limits.max_informational
             or self.informational_bytes > limits.max_informational_bytes
@@ -782,7 +671,7 @@ class Exchange:
 
     def relay_data(self, data: bytes) -> None:
         self.last_up = self.loop.time()
-        self.server.metrics.bytes_out += len(data)
+        self.ctx.metrics.bytes_out += len(data)
         self.down.relay_write(data)
 
     def relay_send(self, data: bytes) -> None:
@@ -795,18 +684,18 @@ class Exchange:
     def response_head(self, response: ResponseHead, rest: bytes, now: float) -> bytes | None:
         """The final response head; returns the bytes after it still to handle as
         body (None: the response is complete, or nothing is left)."""
-        server = self.server
+        ctx = self.ctx
         req = self.req
         assert req is not None
         upstream = self.upstream
         assert upstream is not None
         self.last_up = now
         entry = self.entry
-        server.metrics.latency(now - upstream.sent_at, entry.options.name if entry else "")
+        ctx.metrics.latency(now - upstream.sent_at, entry.options.name if entry else "")
         framing = http1.response_framing(req.method, response)
         length = response.content_length
         status = response.status
-        keep_alive = req.keep_alive and not server.draining
+        keep_alive = req.keep_alive and not ctx.draining
         out_framing = framing
         self.reader = None
         if framing == FRAMING_LENGTH:
@@ -831,19 +720,20 @@ class Exchange:
         self.keep_alive = keep_alive
         self.response_started = True
         self.status = status
-        backend = self.backend
-        if self.response_modifier is not None:
+        forward = self.forward
+        assert forward is not None
+        if forward.response_modifier is not None:
             response.fields = filters.modify_response_fields(
-                response.fields, self.response_modifier
+                response.fields, forward.response_modifier
             )
-        if self.hsts or (backend is not None and backend.set_cookie):
-            extra = self._response_extra(upstream.target)
+        if forward.hsts or forward.backend.set_cookie:
+            extra = forward.response_extra(upstream.target)
         else:
             extra = b""
         down = self.down
         if framing == FRAMING_LENGTH and len(rest) == length < 65536:
             # The whole body came with the head (a small response): one send.
-            server.metrics.bytes_out += length
+            ctx.metrics.bytes_out += length
             down.response_head(response, out_framing, length, keep_alive, extra, rest, False)
             self.remaining = 0
             self._done(clean=True, now=now)
@@ -858,29 +748,13 @@ class Exchange:
         down.response_head(response, out_framing, length, keep_alive, extra, b"", bool(rest))
         return rest
 
-    def _response_extra(self, target: Target) -> bytes:
-        """Header lines added to the response: the sticky cookie, HSTS (and a
-        route's response filters, when routes have them: add their condition to
-        the caller's, which skips this call for the common response)."""
-        extra = b""
-        backend = self.backend
-        if (
-            backend is not None
-            and backend.set_cookie
-            and self.cookie != backend.by_target.get(target)
-        ):
-            extra = backend.set_cookie.get(target, b"")
-        if self.hsts:
-            extra += self.hsts
-        return extra
-
     def response_data(self, data: bytes, now: float) -> None:
         """Response body bytes from the upstream (after the head)."""
         self.last_up = now
         if not data:
             return
         framing = self.framing
-        metrics = self.server.metrics
+        metrics = self.ctx.metrics
         down = self.down
         if framing == FRAMING_LENGTH:
             remaining = self.remaining
@@ -927,7 +801,7 @@ class Exchange:
                 clean
                 and self.req_complete
                 and self.framing != FRAMING_CLOSE
-                and not self.server.draining,
+                and not self.ctx.draining,
                 now,
             )
         self.finish(self.keep_alive, now)
@@ -970,8 +844,8 @@ class Exchange:
         target = self.target
         assert target is not None
         # Counted as every connect is (its connection closed and uncounted itself).
-        self.server.pool.reserve(target, force=True)
-        self.connect_task = self.loop.create_task(self._connect(target))
+        self.ctx.pool.reserve(target, force=True)
+        self._start_connect(target)
         return True
 
     def upstream_failed(self, status: int, reason: str, kind: str) -> None:
@@ -995,10 +869,7 @@ class Exchange:
         else:
             idle_timeout = 0.0
         self.upstream = None
-        if self.counted:
-            self._release_pick()
-        self.backend = None
-        self.target = None
+        self._release_pick()
         self.req = None
         self.entry = None
         self.body_reader = None
@@ -1030,7 +901,7 @@ class Exchange:
 
     def fail(self, status: int, reason: str, kind: str) -> None:
         """A failure the proxy answers itself (before the response started)."""
-        metrics = self.server.metrics
+        metrics = self.ctx.metrics
         metrics.refused[kind] = metrics.refused.get(kind, 0) + 1
         entry = self.entry
         req = self.req
@@ -1048,7 +919,7 @@ class Exchange:
         if self.queued:
             self.queued = False
             if self.target is not None:
-                self.server.pool.cancel_wait(self.target, self)
+                self.ctx.pool.cancel_wait(self.target, self)
         if self.connect_task is not None:
             self.connect_task.cancel()
             self.connect_task = None
@@ -1086,7 +957,7 @@ class Exchange:
                 self.fail(
                     503,
                     f"no connection to endpoint {target.address}:{target.port} (at its limit "
-                    f"of {self.server.pool.max_per_endpoint}) within {options.server_timeout:g}s",
+                    f"of {self.ctx.pool.max_per_endpoint}) within {options.server_timeout:g}s",
                     "endpoint_limit",
                 )
             elif self.response_started:
@@ -1112,7 +983,7 @@ class Exchange:
                     )
                 return -1.0
             wait = min(wait, options.client_timeout - client_idle)
-            limits = self.server.limits
+            limits = self.ctx.limits
             rate = limits.min_request_body_rate
             if rate and self.upstream is not None and not self.upstream_blocked:
                 # A body that trickles (1 byte every few seconds never trips the
@@ -1136,54 +1007,16 @@ class Exchange:
 
     def _record(self, route: str, req: RequestHead, status: int) -> None:
         """Count one answered request; its access-log line and span when due."""
-        server = self.server
-        server.metrics.request(route, req.method, status)
-        if server.access_log_on:
-            if server.access_log_budget > 0:
-                server.access_log_budget -= 1
-                _log_access(self, route, req, status)
-            else:
-                server.access_log_suppressed += 1
         span = self.span
-        if span is not None:
-            self.span = None
-            span.set_attribute("http.response.status_code", status)
-            if status >= 500:
-                span.set_status(Status(StatusCode.ERROR))
-            span.end()
-
-    def _start_span(self, req: RequestHead, entry: RouteEntry) -> bytes:
-        """A server span for a sampled request; returns the traceparent to send upstream."""
-        carrier = {"traceparent": req.traceparent.decode("ascii", "replace")}
-        parent = _PROPAGATOR.extract(carrier)
-        span = tracer().start_span(
-            "proxy " + entry.options.name,
-            context=parent,
-            kind=SpanKind.SERVER,
-            attributes={
-                "http.request.method": req.method.decode("ascii", "replace"),
-                "url.path": req.target.decode("ascii", "replace")[:256],
-                "server.address": req.host.decode("ascii", "replace"),
-                "waygate.route": entry.options.name,
-            },
+        self.span = None
+        started = self.started
+        self.ctx.records.finish(
+            route,
+            req,
+            status,
+            self.down.client_key,
+            self.target,
+            self.loop.time() - started if started else 0.0,
+            span,
+            self.down.protocol,
         )
-        self.span = span
-        context = span.get_span_context()
-        return b"00-%032x-%016x-01" % (context.trace_id, context.span_id)
-
-    # ------------------------------------------------------------ local answers
-
-    def _refuse_client(self, req: RequestHead, entry: RouteEntry, status: int, reason: str) -> bool:
-        """An auth-proxy route without the client certificate it requires: 401/403."""
-        self._record(entry.options.name, req, status)
-        metrics = self.server.metrics
-        metrics.refused["client_certificate"] = metrics.refused.get("client_certificate", 0) + 1
-        self.down.answer(req, status, reason, "client_certificate")
-        return False
-
-    def _unavailable(self, req: RequestHead, reason: str, kind: str, status: int = 503) -> bool:
-        metrics = self.server.metrics
-        metrics.refused[kind] = metrics.refused.get(kind, 0) + 1
-        self._record("", req, status)
-        self.down.answer(req, status, reason, kind)
-        return False

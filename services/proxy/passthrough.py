@@ -40,7 +40,7 @@ from waygate.proxy import sni
 from waygate.proxy.accept import ClientProtocol
 from waygate.proxy.routing import Defaults, RouteTable, build_table
 from waygate.proxy.upstream import ConnectError, start
-from waygate.resolver.model import BalancePolicy, Route, TLSTermination
+from waygate.resolver.client import BalancePolicy, Route, TLSTermination
 
 log = logging.getLogger(__name__)
 

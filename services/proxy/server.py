@@ -21,13 +21,17 @@ import socket
 from typing import Any, NamedTuple
 
 from waygate.proxy.accept import ClientProtocol
+from waygate.proxy.context import ExchangeContext
 from waygate.proxy.downstream_h1 import DRAINING, T_NONE, ClientConnection
+from waygate.proxy.h2upstream import H2Upstreams
+from waygate.proxy.http2 import H2Limits
 from waygate.proxy.metrics import ProxyMetrics
 from waygate.proxy.mirror import Mirrors
 from waygate.proxy.pool import Pool
+from waygate.proxy.records import Records
 from waygate.proxy.routing import Defaults, PassiveHealth, RouteTable
 from waygate.proxy.upstream import Dialer
-from waygate.proxy.upstream_h1 import UpstreamConnection
+from waygate.proxy.view import ProxyView
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("waygate.proxy.access")
@@ -90,6 +94,9 @@ class ProxyServer:
         listen_port: int = 0,
         access_log_rate: int = 100,
         limits: Limits = DEFAULT_LIMITS,
+        h2_limits: H2Limits | None = None,
+        trace_ratio: float = 0.0,
+        upstream_tls: Any = None,
     ) -> None:
         self.loop = asyncio.get_running_loop()
         self.limits = limits
@@ -102,9 +109,8 @@ class ProxyServer:
         self.max_connections = max_connections
         self.unavailable_page = unavailable_page
         self.listen_port = listen_port
-        self.table = RouteTable.empty()
-        self.health = PassiveHealth(self.loop.time)
-        self.health.on_change = self._health_changed
+        health = PassiveHealth(self.loop.time)
+        health.on_change = self._health_changed
         self.pool = Pool(
             max_idle=max_idle_per_endpoint,
             idle_timeout=pool_idle_timeout,
@@ -115,8 +121,25 @@ class ProxyServer:
         self.connections: set[ClientConnection] = set()
         # Client connections per source address (the per-source cap, eviction).
         self.sources: dict[bytes, set[ClientConnection]] = {}
-        self.upstreams: set[UpstreamConnection] = set()
-        self.draining = False
+        # HTTP/2 on both sides: the listeners' limits (waygate.proxy.accept).
+        self.h2_limits = h2_limits if h2_limits is not None else H2Limits()
+        # Metrics, access log and spans of every exchange (waygate.proxy.records).
+        self.records = Records(metrics, access_log_rate)
+        # What every exchange may use (waygate.proxy.context), built once here.
+        self.context = ExchangeContext(
+            loop=self.loop,
+            view=ProxyView.empty(health, trace_ratio),
+            limits=limits,
+            metrics=metrics,
+            records=self.records,
+            pool=self.pool,
+            dialer=dialer,
+            mirrors=self.mirrors,
+            upstream_tls=upstream_tls,
+        )
+        # The connections to HTTP/2 backends (registered in the context it is given).
+        self.h2_upstreams = H2Upstreams(self.context, self.h2_limits)
+        self.upstreams: set[Any] = self.context.upstreams
         self._servers: list[asyncio.AbstractServer] = []
         self._sweeper: asyncio.TimerHandle | None = None
         self._ticks = 0
@@ -127,29 +150,61 @@ class ProxyServer:
         self._full_sweep_at = 0.0
         self.soon_until = 0.0
         self.soon: list[ClientConnection] = []
-        # Access-log lines allowed per second; the rest are counted and summarised.
-        # Share of requests without trace context that start a trace here (0..1).
-        self.trace_ratio = 0.0
-        self.access_log_rate = access_log_rate
-        self.access_log_budget = access_log_rate
-        self.access_log_suppressed = 0
-        # Whether the access logger logs INFO at all, checked once a second (not
-        # per request): while it is off no record is built.
-        self.access_log_on = access_log.isEnabledFor(logging.INFO)
         self._drained = asyncio.Event()
         # TLS (waygate.proxy.tls, upstream_tls): the HTTPS port once bound (for
         # redirects), and the reencrypt step (None: no route reencrypts).
         self.https_port = 0
-        self.upstream_tls: Any = None
-        self.edge: Any = None  # waygate.proxy.tls.EdgeCertificates (client-CA routes)
+        # waygate.proxy.tls.EdgeCertificates (client-CA routes), given by the TLS
+        # front that serves this server's terminated connections.
+        self.edge: Any = None
 
-    # ------------------------------------------------------------ routing table
+    # ------------------------------------------------------------ the view
 
-    def set_table(self, table: RouteTable) -> None:
-        """Swap the routing table (called on the loop; the next request uses it)."""
-        self.table = table
+    @property
+    def view(self) -> ProxyView:
+        return self.context.view
+
+    @property
+    def table(self) -> RouteTable:
+        return self.context.view.table
+
+    @property
+    def health(self) -> PassiveHealth:
+        return self.context.view.health
+
+    @property
+    def draining(self) -> bool:
+        return self.context.draining
+
+    @property
+    def upstream_tls(self) -> Any:
+        """The reencrypt step (waygate.proxy.upstream_tls; None: no route reencrypts)."""
+        return self.context.upstream_tls
+
+    @upstream_tls.setter
+    def upstream_tls(self, upstream_tls: Any) -> None:
+        self.context.upstream_tls = upstream_tls
+
+    @property
+    def trace_ratio(self) -> float:
+        """Share of requests without trace context that start a trace here (0..1)."""
+        return self.context.view.trace_ratio
+
+    @trace_ratio.setter
+    def trace_ratio(self, ratio: float) -> None:
+        view = self.context.view
+        self.context.view = ProxyView(view.table, view.health, ratio)
+
+    def set_view(self, view: ProxyView) -> None:
+        """Swap the view (called on the loop; the next request uses it)."""
+        self.context.view = view
+        table = view.table
         self.pool.keep_only(table.targets)
         self.health.forget_except(table.targets)
+
+    def set_table(self, table: RouteTable) -> None:
+        """The current view with another routing table (tests, benchmarks)."""
+        self.set_view(self.context.view.with_table(table))
 
     def _health_changed(self, count: int) -> None:
         self.metrics.passive_health_skipped = count
@@ -198,17 +253,7 @@ class ProxyServer:
             self._schedule_sweep()
             return
         self.pool.sweep()
-        if self.access_log_suppressed:
-            access_log.info(
-                "access log lines suppressed",
-                extra={
-                    "suppressed": self.access_log_suppressed,
-                    "per_second": self.access_log_rate,
-                },
-            )
-            self.access_log_suppressed = 0
-        self.access_log_budget = self.access_log_rate
-        self.access_log_on = access_log.isEnabledFor(logging.INFO)
+        self.records.tick()
         self._schedule_sweep()
 
     def stop_accepting(self) -> None:
@@ -217,7 +262,7 @@ class ProxyServer:
 
     async def drain(self, grace: float) -> None:
         """Stop accepting, let exchanges finish within `grace`, close idle keep-alives."""
-        self.draining = True
+        self.context.draining = True
         self.stop_accepting()
         for connection in list(self.connections):
             connection.drain()
@@ -236,6 +281,7 @@ class ProxyServer:
             self._sweeper.cancel()
             self._sweeper = None
         self.pool.close_all()
+        self.h2_upstreams.close()
         for upstream in list(self.upstreams):
             upstream.abort()
 

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 from waygate.core import flow
 from waygate.proxy import http1
+from waygate.proxy.context import ExchangeContext
 from waygate.proxy.http1 import BadMessage, ResponseHead
 from waygate.proxy.routing import Target
 
@@ -58,6 +59,7 @@ class UpstreamConnection(asyncio.Protocol):
         "buf",
         "closed",
         "counted",
+        "ctx",
         "exchange",
         "flow",
         "got_bytes",
@@ -67,13 +69,12 @@ class UpstreamConnection(asyncio.Protocol):
         "response",
         "reused",
         "sent_at",
-        "server",
         "target",
         "transport",
     )
 
-    def __init__(self, server: Any, target: Target) -> None:
-        self.server = server
+    def __init__(self, ctx: ExchangeContext, target: Target) -> None:
+        self.ctx = ctx
         self.target = target
         # Where the pool keeps it when idle: the endpoint, with the route's
         # upstream_scope for a reencrypt connection (set by the connect step).
@@ -96,9 +97,9 @@ class UpstreamConnection(asyncio.Protocol):
         self.transport = transport
         transport.set_write_buffer_limits(high=flow.HIGH_WATER, low=flow.LOW_WATER)
         self.flow = flow.FlowControl(transport)
-        self.server.upstreams.add(self)
-        self.server.metrics.upstream_connections = len(self.server.upstreams)
-        self.counted = self.server.pool.reserve(self.target, force=True)
+        self.ctx.upstreams.add(self)
+        self.ctx.metrics.upstream_connections = len(self.ctx.upstreams)
+        self.counted = self.ctx.pool.reserve(self.target, force=True)
 
     # ------------------------------------------------------------ the H1User's calls
 
@@ -156,7 +157,7 @@ class UpstreamConnection(asyncio.Protocol):
         ):
             if self.flow is not None and self.flow.reasons:
                 self.flow.resume(flow.PEER)  # idle in the pool: a peer close must be seen
-            if not self.server.pool.put(self, now):
+            if not self.ctx.pool.put(self, now):
                 self.close()
         else:
             self.close()
@@ -177,7 +178,7 @@ class UpstreamConnection(asyncio.Protocol):
         if exchange is None:
             # Bytes on an idle connection: the framing is off; never reuse it
             # (out of the pool now, so no request can take it before it closes).
-            self.server.pool.discard(self)
+            self.ctx.pool.discard(self)
             self.abort()
             return
         self.got_bytes = True
@@ -243,16 +244,16 @@ class UpstreamConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        server = self.server
-        server.upstreams.discard(self)
-        server.metrics.upstream_connections = len(server.upstreams)
+        ctx = self.ctx
+        ctx.upstreams.discard(self)
+        ctx.metrics.upstream_connections = len(ctx.upstreams)
         exchange = self.exchange
         self.exchange = None
         if self.counted:
             self.counted = False
-            server.pool.unreserve(self.target)
+            ctx.pool.unreserve(self.target)
         if exchange is None:
-            server.pool.discard(self)
+            ctx.pool.discard(self)
             return
         exchange.upstream_closed(self.relay, self.got_bytes, self.reused)
 

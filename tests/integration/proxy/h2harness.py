@@ -21,21 +21,21 @@ from waygate.proxy.server import ProxyServer
 async def running_h2_proxy(
     routes_table: Any = None, *, limits: H2Limits | None = None, **kw: Any
 ) -> AsyncIterator[tuple[ProxyServer, int]]:
-    async with running_proxy(routes_table, **kw) as (server, port):
-        server.h2_limits = limits or H2Limits()  # type: ignore[attr-defined]
+    async with running_proxy(routes_table, h2_limits=limits or H2Limits(), **kw) as (
+        server,
+        port,
+    ):
         yield server, port
 
 
 def serve_h2_upstreams(
     server: ProxyServer, routes: list[Any], limits: H2Limits | None = None
 ) -> None:
-    """Let the proxy speak HTTP/2 to the backends of `routes` whose
-    upstreamProtocol asks for it (no services: the route field decides)."""
-    from waygate.proxy.h2upstream import H2Upstreams
-
-    upstreams = H2Upstreams(server, limits or H2Limits())
-    upstreams.update({r.key: r for r in routes}, {})
-    server.h2_upstreams = upstreams  # type: ignore[attr-defined]
+    """The limits of the proxy's HTTP/2 connections to backends. Which backends speak
+    HTTP/2 is the routing table's (`routing.Backend.http2`: the route's
+    upstreamProtocol, or the service port's appProtocol); `routes` is unused."""
+    if limits is not None:
+        server.h2_upstreams.limits = limits
 
 
 class GrpcBackend:

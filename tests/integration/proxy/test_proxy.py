@@ -146,7 +146,7 @@ async def test_access_log_lines_are_rate_limited(upstream, caplog):
         lines = [r for r in caplog.records if r.name == "waygate.proxy.access"]
         assert len(lines) == 3
         assert lines[0].status == 200 and lines[0].route == "demo/r" and lines[0].path == "/x"
-        assert server.access_log_suppressed == 3
+        assert server.records.suppressed == 3
 
 
 # ---------------------------------------------------------------- routing
