@@ -84,6 +84,7 @@ from waygate.proxy.decision import (
     release_pick,
     repick,
 )
+from waygate.proxy.h2bridge import H2Bridge
 from waygate.proxy.http1 import (
     FRAMING_CHUNKED,
     FRAMING_CLOSE,
@@ -210,6 +211,7 @@ class Exchange:
         "body_reader",
         "body_received",
         "body_remaining",
+        "bridge",  # the stream to an HTTP/2 backend (h2bridge; None: HTTP/1.1)
         "connect_task",
         "ctx",
         "down",
@@ -245,6 +247,7 @@ class Exchange:
         self.down = down
         self.loop = ctx.loop
         self.forward: Forward | None = None
+        self.bridge: H2Bridge | None = None
         self.req: RequestHead | None = None
         self.entry: RouteEntry | None = None
         self.target: Target | None = None
@@ -338,10 +341,26 @@ class Exchange:
                 mirrors.send(target, head)
 
     def dispatch(self) -> None:
-        """Send the request upstream: a pooled connection, or a new connect."""
+        """Send the request upstream: a pooled connection, or a new connect; to an
+        HTTP/2 backend, a stream (`h2bridge`: the backend decides the protocol)."""
         target = self.target
         assert target is not None
         ctx = self.ctx
+        forward = self.forward
+        if forward is not None and forward.http2:
+            req = self.req
+            if req is not None and req.upgrade:
+                self.fail(
+                    502,
+                    "the backend speaks HTTP/2: an upgrade to "
+                    + req.upgrade.decode("ascii", "replace")
+                    + " cannot be relayed to it",
+                    "upgrade_to_http2",
+                )
+                return
+            bridge = self.bridge = H2Bridge(ctx.h2, self, forward, self.down)
+            bridge.dispatch()
+            return
         req = self.req
         # A request that must never be re-sent only takes a recently used
         # connection (see Pool.take); idempotent ones may be retried instead.
@@ -575,18 +594,26 @@ class Exchange:
             upstream.pause_reading()
 
     def abandon_upstream(self) -> None:
-        """Let go of the upstream (aborted: its exchange did not end cleanly) and any connect."""
+        """Let go of everything held upstream, however the exchange ends: the place
+        in the endpoint's queue, a connect (its reservation is released by its
+        task's done callback, even when cancelled before it started), the
+        connection (aborted: its exchange did not end cleanly) or the HTTP/2
+        stream (reset; its own queue place and connect are the H2Pool's)."""
         if self.queued:
             self.queued = False
             if self.target is not None:
                 self.ctx.pool.cancel_wait(self.target, self)
+        if self.connect_task is not None:
+            self.connect_task.cancel()
+            self.connect_task = None
+        bridge = self.bridge
+        if bridge is not None:
+            self.bridge = None
+            bridge.abort()
         upstream = self.upstream
         self.upstream = None
         if upstream is not None:
             upstream.abort()
-        if self.connect_task is not None:
-            self.connect_task.cancel()
-            self.connect_task = None
 
     # ------------------------------------------------------------ upstream callbacks
 
@@ -869,6 +896,7 @@ class Exchange:
         else:
             idle_timeout = 0.0
         self.upstream = None
+        self.bridge = None
         self._release_pick()
         self.req = None
         self.entry = None
@@ -916,17 +944,7 @@ class Exchange:
 
     def close(self, reason: str = "client connection lost") -> None:
         """The driver went away: release the upstream, the connect, the pick, the span."""
-        if self.queued:
-            self.queued = False
-            if self.target is not None:
-                self.ctx.pool.cancel_wait(self.target, self)
-        if self.connect_task is not None:
-            self.connect_task.cancel()
-            self.connect_task = None
-        upstream = self.upstream
-        if upstream is not None:
-            self.upstream = None
-            upstream.abort()
+        self.abandon_upstream()
         self._release_pick()
         self.pending_body = []
         self.req = None

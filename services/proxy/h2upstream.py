@@ -443,7 +443,7 @@ class H2Exchange:
             self.extra.append((name.lower(), value.strip()))
         self._add_cookie()
         upstream_tls = self.ctx.upstream_tls
-        self.fields = _h2_fields(
+        self.fields = h2_request_fields(
             forward.upstream_head,
             forward.authority or self.request.authority,
             b"https"
@@ -823,7 +823,7 @@ def _modified(fields: list[tuple[bytes, bytes]], modifier: Any) -> list[tuple[by
     return out
 
 
-def _h2_fields(
+def h2_request_fields(
     head: bytes, authority: bytes, scheme: bytes, grpc: bool
 ) -> list[tuple[bytes, bytes]]:
     """The HTTP/1.1 head the rule book produced, as HTTP/2 request fields."""
