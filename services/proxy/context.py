@@ -18,6 +18,7 @@ from waygate.proxy.mirror import Mirrors
 from waygate.proxy.pool import Pool
 from waygate.proxy.records import Records
 from waygate.proxy.upstream import Dialer
+from waygate.proxy.upstream_h1 import UpstreamConnection
 from waygate.proxy.view import ProxyView
 
 
@@ -47,7 +48,7 @@ class ExchangeContext:
         limits: Any,
         metrics: ProxyMetrics,
         records: Records,
-        pool: Pool,
+        pool: Pool[UpstreamConnection],
         dialer: Dialer,
         mirrors: Mirrors,
         upstream_tls: Any = None,

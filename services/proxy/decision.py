@@ -170,6 +170,18 @@ def release_pick(forward: Forward) -> None:
         forward.backend.picker.release(forward.target)
 
 
+# Connects tried per request: the first and two redispatches.
+MAX_CONNECT_ATTEMPTS = 3
+
+
+def may_redispatch(retryable: bool, kind: str, attempts: int) -> bool:
+    """Whether a failed connect (`upstream.ConnectError`'s retryable and kind) after
+    `attempts` connects may go to another endpoint: nothing was sent; a refused or
+    unreachable endpoint, or one whose certificate failed verification (another
+    endpoint may hold a good one), while attempts are left."""
+    return (retryable or kind[:4] == "tls_") and attempts < MAX_CONNECT_ATTEMPTS
+
+
 def repick(view: View, forward: Forward, facts: ConnectionFacts, failed: Target) -> bool:
     """Another endpoint after a connect to `failed` failed (redispatch): from the
     current table's entry (an endpoint removed meanwhile is not picked). True when

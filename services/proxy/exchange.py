@@ -61,15 +61,13 @@ f-strings and no dict copies; one task exists only while a connect runs.
 from __future__ import annotations
 
 import asyncio
-import functools
-from collections.abc import Callable
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
-from opentelemetry import context as otel_context
-from opentelemetry.trace import Status, StatusCode, set_span_in_context
+from opentelemetry.trace import Status, StatusCode
 
 from waygate.core import flow
 from waygate.proxy import filters, http1
+from waygate.proxy.connect_h1 import start_connect
 from waygate.proxy.context import ExchangeContext
 from waygate.proxy.decision import (
     ANSWER_HEALTHZ,
@@ -82,7 +80,6 @@ from waygate.proxy.decision import (
     Forward,
     decide,
     release_pick,
-    repick,
 )
 from waygate.proxy.h2bridge import H2Bridge
 from waygate.proxy.http1 import (
@@ -96,9 +93,8 @@ from waygate.proxy.http1 import (
     RequestHead,
     ResponseHead,
 )
-from waygate.proxy.pool import Pool
 from waygate.proxy.routing import Backend, RouteEntry, Side, Target
-from waygate.proxy.upstream import Attachable, ConnectError, start
+from waygate.proxy.timeouts import check as check_timeouts
 from waygate.proxy.upstream_h1 import UpstreamConnection
 
 __all__ = [
@@ -113,7 +109,6 @@ __all__ = [
 # A non-idempotent request reuses only connections idle for less than this:
 # upstreams' keep-alive timeouts are seconds (Node.js 5 s, nginx 75 s).
 SAFE_REUSE_IDLE = 2.0
-MAX_CONNECT_ATTEMPTS = 3
 # Request body bytes held while the upstream connect runs before reading pauses.
 PENDING_HIGH_WATER = flow.HIGH_WATER
 
@@ -178,30 +173,103 @@ class Downstream(Protocol):
     def relay_closed(self) -> None: ...
 
 
-class _Reservation:
-    """A connect's place in its endpoint's connection bound (`Pool.reserve`), released
-    exactly once by the connect task's done callback (see Exchange._start_connect)."""
+class _Relaying(Protocol):
+    """What the relay phase uses of its exchange (the Exchange below)."""
 
-    __slots__ = ("target",)
+    ctx: ExchangeContext
+    loop: Any
+    down: Downstream
+    req: RequestHead | None
+    entry: RouteEntry | None
+    upstream: UpstreamConnection | Any
+    response_started: bool
+    status: int
+    last_client: float
+    last_up: float
 
-    def __init__(self, target: Target) -> None:
-        self.target = target
-
-    def move(self, pool: Pool, target: Target) -> Target:
-        """A redispatch: the reservation moves to another endpoint."""
-        pool.unreserve(self.target)
-        pool.reserve(target, force=True)
-        self.target = target
-        return target
-
-    def release(self, pool: Pool) -> Callable[[Any], None]:
-        def done(_task: Any) -> None:
-            pool.unreserve(self.target)
-
-        return done
+    def _record(self, route: str, req: RequestHead, status: int) -> None: ...
+    def _release_pick(self) -> None: ...
 
 
-class Exchange:
+class UpgradeRelay:
+    """The relay phase of an exchange, after the upstream's 101 (Switching Protocols):
+    bytes both ways as they come (WebSocket and other upgrades), each side's
+    half-close passed on, idle for at most the route's tunnel timeout, then both
+    sides closed and the request recorded as 101. HTTP/1.1 only: an HTTP/2
+    stream never asks to upgrade (RFC 8441's extended CONNECT is not served)."""
+
+    __slots__ = ()
+    # (Slots of the Exchange, declared for the type checker.)
+    req: RequestHead | None
+    upstream: UpstreamConnection | None
+
+    def switching(self: _Relaying, response: ResponseHead, rest: bytes) -> bool:
+        """The upstream's 101: True when the relay starts (the request asked to upgrade)."""
+        req = self.req
+        if req is None or not req.upgrade:
+            return False
+        self.response_started = True
+        self.status = 101
+        self.last_client = self.last_up = self.loop.time()
+        if not response.upgrade:
+            response.upgrade = req.upgrade
+        self.down.start_relay(response, rest)
+        return True
+
+    def relay_send_eof(self: _Relaying) -> bool:
+        """The client half-closed during a relay: so does the upstream (True when it could)."""
+        upstream = self.upstream
+        return upstream is not None and upstream.write_eof()
+
+    def relay_timer(self: _Relaying, now: float) -> float:
+        """The delay until a relay's next idle check, or -1 when it was idle too long."""
+        entry = self.entry
+        limit = entry.options.tunnel_timeout if entry else 3600.0
+        idle = now - max(self.last_client, self.last_up)
+        return -1.0 if idle >= limit else limit - idle
+
+    def relay_eof(self: _Relaying) -> bool:
+        """The upstream half-closed during a relay: so does the client (True when it could)."""
+        return self.down.relay_eof()
+
+    def relay_data(self: _Relaying, data: bytes) -> None:
+        self.last_up = self.loop.time()
+        self.ctx.metrics.bytes_out += len(data)
+        self.down.relay_write(data)
+
+    def relay_send(self: _Relaying, data: bytes) -> None:
+        """Client bytes during a relay."""
+        upstream = self.upstream
+        if upstream is not None:
+            self.last_client = self.loop.time()
+            upstream.write(data)
+
+    def release_relay(self: _Relaying) -> None:
+        """The driver ends a relay both sides have finished: the upstream is closed
+        (gracefully: bytes still queued for it go first), the request recorded."""
+        entry = self.entry
+        req = self.req
+        if entry is not None and req is not None:
+            self._record(entry.options.name, req, 101)
+            self.req = None
+        upstream = self.upstream
+        self.upstream = None
+        if upstream is not None:
+            upstream.release(False)
+        self._release_pick()
+
+    def relay_closed(self: _Relaying) -> None:
+        entry = self.entry
+        req = self.req
+        if entry is not None and req is not None:
+            self._record(entry.options.name, req, 101)
+            self.req = None
+        self.upstream = None
+        self._release_pick()
+        self.down.relay_closed()
+
+
+class Exchange(UpgradeRelay):
     """One request and its response at a time, between a driver and an upstream."""
 
     __slots__ = (
@@ -444,133 +512,8 @@ class Exchange:
 
     def _start_connect(self, target: Target) -> None:
         """A connect to `target`, reserved in the pool's per-endpoint bound by the
-        caller. The reservation is released in one place, the task's done callback,
-        however the task ends: finished, failed, or cancelled, before it started
-        included (a stream reset in the same read as its HEADERS)."""
-        reservation = _Reservation(target)
-        task = self.connect_task = self.loop.create_task(self._connect(reservation))
-        task.add_done_callback(reservation.release(self.ctx.pool))
-
-    async def _connect(self, reservation: _Reservation) -> None:
-        """Open a connection to the reserved endpoint (the open connection counts
-        itself; the reservation ends with this task, see _start_connect)."""
-        if self.span is not None:
-            # This task's own context: lines it logs (a failed TLS handshake, a
-            # tunnel dial) carry the request's trace.
-            otel_context.attach(set_span_in_context(self.span))
-        await self._open(reservation)
-
-    def _redispatch(self, target: Target, exc: ConnectError, attempts: int) -> bool:
-        """A connect (or the backend's TLS verification) to `target` failed: another
-        endpoint when one is left and nothing was sent (`decision.repick`)."""
-        ctx = self.ctx
-        ctx.metrics.connect_error(exc.kind)
-        ctx.view.health.failed(target)
-        forward = self.forward
-        if (
-            (exc.retryable or exc.kind[:4] == "tls_")
-            and attempts < MAX_CONNECT_ATTEMPTS
-            and forward is not None
-            and self.req is not None
-            and repick(ctx.view, forward, self.down, target)
-        ):
-            ctx.metrics.redispatches += 1
-            self.target = forward.target
-            self.backend = forward.backend
-            return True
-        self.connect_task = None
-        self.fail(502, exc.reason, "connect_" + exc.kind)
-        return False
-
-    async def _open(self, reservation: _Reservation) -> None:
-        ctx = self.ctx
-        entry = self.entry
-        forward = self.forward
-        assert entry is not None and forward is not None
-        options = entry.options
-        target = reservation.target
-        attempts = 0
-        while True:
-            attempts += 1
-            upstream_tls = ctx.upstream_tls
-            reencrypt = upstream_tls is not None and upstream_tls.applies(entry.route)
-            head_sent = False
-            try:
-                # A socket, or a tunnel endpoint's data connection (upstream.Attachable).
-                if target.tunnel and not reencrypt and self._head_alone():
-                    # The head goes with the tunnel's dial (its early data): it does not
-                    # wait for the dial's answer. GET/HEAD only: safe to send twice.
-                    connection, head_sent = await ctx.dialer.connect_early(
-                        target,
-                        options.connect_timeout,
-                        forward.traceparent,
-                        self.upstream_head,
-                        True,
-                    )
-                else:
-                    connection = await ctx.dialer.connect(
-                        target, options.connect_timeout, forward.traceparent
-                    )
-                factory = functools.partial(UpstreamConnection, ctx, target)
-                if reencrypt:
-                    assert upstream_tls is not None
-                    # Reencrypt: a failed handshake is a 502 that says why.
-                    upstream = await upstream_tls.open(
-                        factory,
-                        connection,
-                        entry.route,
-                        target,
-                        options.connect_timeout,
-                        self.span,
-                    )
-                elif head_sent:
-                    # Attached below, once bound to this exchange: the response may be
-                    # held in the connection already and comes at `attach`.
-                    upstream = factory()
-                else:
-                    _, upstream = await start(connection, factory)
-            except ConnectError as exc:
-                if not self._redispatch(target, exc, attempts):
-                    return
-                target = reservation.move(ctx.pool, self.target)  # type: ignore[arg-type]
-                continue
-            except OSError as exc:
-                self.connect_task = None
-                self.fail(502, "upstream connection failed: " + str(exc), "connect_error")
-                return
-            break
-        self.connect_task = None
-        if entry.upstream_scope is not None:
-            upstream.pool_key = (target, entry.upstream_scope)  # see routing.upstream_scope
-        ctx.view.health.succeeded(target)
-        ctx.metrics.upstream_opened += 1
-        if head_sent:
-            tunnelled = cast(Attachable, connection)  # only a tunnel's dial sends the head
-            if self.req is None:
-                tunnelled.abort()
-                return
-            self._attach(upstream, reused=False, head_sent=True)
-            tunnelled.attach(upstream)
-            if self.down.write_paused:  # (asked before the transport was there)
-                upstream.pause_reading()
-            return
-        if self.req is None:
-            upstream.close()
-            return
-        self._attach(upstream, reused=False)
-
-    def _head_alone(self) -> bool:
-        """Whether the request is its head alone, safe to send twice: a GET or HEAD with
-        no body, no upgrade and no 100-continue (what may go as a tunnel's early data)."""
-        req = self.req
-        return (
-            req is not None
-            and req.method in (b"GET", b"HEAD")
-            and not req.has_body
-            and not req.upgrade
-            and not req.expect_continue
-            and not self.pending_body
-        )
+        caller (`connect_h1`: its reservation is released however it ends)."""
+        self.connect_task = start_connect(self, target)
 
     def _attach(
         self, upstream: UpstreamConnection, *, reused: bool, head_sent: bool = False
@@ -666,47 +609,6 @@ class Exchange:
             if not self.req_complete:
                 self._restart_body_rate(self.loop.time())
         return ""
-
-    def switching(self, response: ResponseHead, rest: bytes) -> bool:
-        """The upstream's 101: True when the relay starts (the request asked to upgrade)."""
-        req = self.req
-        if req is None or not req.upgrade:
-            return False
-        self.response_started = True
-        self.status = 101
-        self.last_client = self.last_up = self.loop.time()
-        if not response.upgrade:
-            response.upgrade = req.upgrade
-        self.down.start_relay(response, rest)
-        return True
-
-    def relay_send_eof(self) -> bool:
-        """The client half-closed during a relay: so does the upstream (True when it could)."""
-        upstream = self.upstream
-        return upstream is not None and upstream.write_eof()
-
-    def relay_timer(self, now: float) -> float:
-        """The delay until a relay's next idle check, or -1 when it was idle too long."""
-        entry = self.entry
-        limit = entry.options.tunnel_timeout if entry else 3600.0
-        idle = now - max(self.last_client, self.last_up)
-        return -1.0 if idle >= limit else limit - idle
-
-    def relay_eof(self) -> bool:
-        """The upstream half-closed during a relay: so does the client (True when it could)."""
-        return self.down.relay_eof()
-
-    def relay_data(self, data: bytes) -> None:
-        self.last_up = self.loop.time()
-        self.ctx.metrics.bytes_out += len(data)
-        self.down.relay_write(data)
-
-    def relay_send(self, data: bytes) -> None:
-        """Client bytes during a relay."""
-        upstream = self.upstream
-        if upstream is not None:
-            self.last_client = self.loop.time()
-            upstream.write(data)
 
     def response_head(self, response: ResponseHead, rest: bytes, now: float) -> bytes | None:
         """The final response head; returns the bytes after it still to handle as
@@ -903,30 +805,6 @@ class Exchange:
         self.body_reader = None
         self.down.exchange_done(keep_alive, now, idle_timeout)
 
-    def release_relay(self) -> None:
-        """The driver ends a relay both sides have finished: the upstream is closed
-        (gracefully: bytes still queued for it go first), the request recorded."""
-        entry = self.entry
-        req = self.req
-        if entry is not None and req is not None:
-            self._record(entry.options.name, req, 101)
-            self.req = None
-        upstream = self.upstream
-        self.upstream = None
-        if upstream is not None:
-            upstream.release(False)
-        self._release_pick()
-
-    def relay_closed(self) -> None:
-        entry = self.entry
-        req = self.req
-        if entry is not None and req is not None:
-            self._record(entry.options.name, req, 101)
-            self.req = None
-        self.upstream = None
-        self._release_pick()
-        self.down.relay_closed()
-
     def fail(self, status: int, reason: str, kind: str) -> None:
         """A failure the proxy answers itself (before the response started)."""
         metrics = self.ctx.metrics
@@ -957,69 +835,8 @@ class Exchange:
 
     def on_timer(self, now: float) -> float:
         """The exchange's deadline passed: the delay until the next check, or -1
-        when a timeout fired (the exchange failed or the driver was aborted)."""
-        entry = self.entry
-        assert entry is not None
-        options = entry.options
-        # The server timeout runs from the last byte moved either way: request
-        # body bytes count (an upload longer than the timeout is not cut while it
-        # flows), response bytes count only from the final head on (1xx heads and
-        # a trickled head do not extend it: the whole head is due within it).
-        last_client = self.last_client
-        last_up = self.last_up
-        up_idle = now - (last_up if last_up > last_client else last_client)
-        if up_idle >= options.server_timeout:
-            if self.queued:
-                target = self.target
-                assert target is not None
-                self.fail(
-                    503,
-                    f"no connection to endpoint {target.address}:{target.port} (at its limit "
-                    f"of {self.ctx.pool.max_per_endpoint}) within {options.server_timeout:g}s",
-                    "endpoint_limit",
-                )
-            elif self.response_started:
-                self.upstream_failed(504, "", "server_timeout")
-            else:
-                self.fail(
-                    504,
-                    f"upstream did not answer within {options.server_timeout:g}s",
-                    "server_timeout",
-                )
-            return -1.0
-        wait = options.server_timeout - up_idle
-        if not self.req_complete:
-            client_idle = now - self.last_client
-            if client_idle >= options.client_timeout:
-                if self.response_started:
-                    self.upstream_failed(408, "", "client_timeout")
-                else:
-                    self.fail(
-                        408,
-                        f"request body stalled for {options.client_timeout:g}s",
-                        "client_timeout",
-                    )
-                return -1.0
-            wait = min(wait, options.client_timeout - client_idle)
-            limits = self.ctx.limits
-            rate = limits.min_request_body_rate
-            if rate and self.upstream is not None and not self.upstream_blocked:
-                # A body that trickles (1 byte every few seconds never trips the
-                # client timeout) would hold an upstream connection slot for hours.
-                elapsed = now - self.body_rate_from
-                grace = limits.request_body_grace
-                if elapsed >= grace:
-                    if self.body_received - self.body_rate_base < rate * elapsed:
-                        reason = f"request body slower than {rate} bytes/s"
-                        if self.response_started:
-                            self.upstream_failed(408, reason, "slow_body")
-                        else:
-                            self.fail(408, reason, "slow_body")
-                        return -1.0
-                    wait = min(wait, 1.0)
-                else:
-                    wait = min(wait, grace - elapsed)
-        return wait
+        when a timeout fired (`timeouts.check`)."""
+        return check_timeouts(self, now)
 
     # ------------------------------------------------------------ records
 

@@ -36,9 +36,8 @@ import h2.exceptions
 from h2.errors import ErrorCodes
 
 from waygate.core import httpheaders
-from waygate.proxy.decision import Forward, repick
+from waygate.proxy.decision import Forward, may_redispatch, repick
 from waygate.proxy.h2upstream import (
-    MAX_CONNECT_ATTEMPTS,
     H2UpstreamConnection,
     H2Upstreams,
     h2_request_fields,
@@ -131,10 +130,8 @@ class H2Bridge:
     def connect_failed(self, exc: ConnectError) -> None:
         """The connect this stream waited for failed: redispatch as HTTP/1.1 does."""
         ctx = self.upstreams.ctx
-        if (
-            (exc.retryable or exc.kind[:4] == "tls_")
-            and self.attempts < MAX_CONNECT_ATTEMPTS
-            and repick(ctx.view, self.forward, self.facts, self.target)
+        if may_redispatch(exc.retryable, exc.kind, self.attempts) and repick(
+            ctx.view, self.forward, self.facts, self.target
         ):
             self.attempts += 1
             ctx.metrics.redispatches += 1

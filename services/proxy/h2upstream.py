@@ -52,7 +52,7 @@ from h2.errors import ErrorCodes
 from waygate.core import flow, httpheaders
 from waygate.proxy import filters, grpcstatus, http1
 from waygate.proxy.context import ExchangeContext
-from waygate.proxy.decision import Forward, release_pick, repick
+from waygate.proxy.decision import Forward, may_redispatch, release_pick, repick
 from waygate.proxy.http2 import (
     H2ClientConnection,
     H2Limits,
@@ -65,8 +65,6 @@ from waygate.proxy.upstream import ConnectError, start
 
 log = logging.getLogger(__name__)
 
-# Connects tried per request (the first and two redispatches), as on HTTP/1.1.
-MAX_CONNECT_ATTEMPTS = 3
 MAX_STREAM_ID = 2**31 - 1
 HIGH_WATER = flow.HIGH_WATER
 LOW_WATER = flow.LOW_WATER
@@ -478,10 +476,8 @@ class H2Exchange:
     def connect_failed(self, exc: ConnectError) -> None:
         """The connect this stream waited for failed: another endpoint when the
         failure allows it and one is left (`decision.repick`), else 502."""
-        if (
-            (exc.retryable or exc.kind[:4] == "tls_")
-            and self.attempts < MAX_CONNECT_ATTEMPTS
-            and repick(self.ctx.view, self.forward, self.conn, self.target)
+        if may_redispatch(exc.retryable, exc.kind, self.attempts) and repick(
+            self.ctx.view, self.forward, self.conn, self.target
         ):
             self.attempts += 1
             self.ctx.metrics.redispatches += 1

@@ -20,15 +20,28 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Generic, Protocol, TypeVar
 
 from waygate.proxy.routing import Target
 
-if TYPE_CHECKING:
-    from waygate.proxy.upstream_h1 import UpstreamConnection
+
+class PooledConnection(Protocol):
+    """What the pool reads of an idle connection (`upstream_h1.UpstreamConnection`)."""
+
+    target: Target
+    pool_key: Any
+    idle_since: float
+    closed: bool
+
+    @property
+    def transport(self) -> Any: ...
+    def close(self) -> None: ...
 
 
-class Pool:
+UpstreamConnection = TypeVar("UpstreamConnection", bound=PooledConnection)
+
+
+class Pool(Generic[UpstreamConnection]):
     """Idle upstream connections per pool key (endpoint, or endpoint and TLS scope)."""
 
     def __init__(

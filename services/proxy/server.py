@@ -31,6 +31,7 @@ from waygate.proxy.pool import Pool
 from waygate.proxy.records import Records
 from waygate.proxy.routing import Defaults, PassiveHealth, RouteTable
 from waygate.proxy.upstream import Dialer
+from waygate.proxy.upstream_h1 import UpstreamConnection
 from waygate.proxy.view import ProxyView
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ class ProxyServer:
         self.listen_port = listen_port
         health = PassiveHealth(self.loop.time)
         health.on_change = self._health_changed
-        self.pool = Pool(
+        self.pool: Pool[UpstreamConnection] = Pool(
             max_idle=max_idle_per_endpoint,
             idle_timeout=pool_idle_timeout,
             clock=self.loop.time,

@@ -28,12 +28,21 @@ from typing import Any, Protocol
 
 from waygate.core import flow
 from waygate.proxy import http1
-from waygate.proxy.context import ExchangeContext
 from waygate.proxy.http1 import BadMessage, ResponseHead
+from waygate.proxy.metrics import ProxyMetrics
+from waygate.proxy.pool import Pool
 from waygate.proxy.routing import Target
 
 # A head shorter than this is within both head limits (request line, whole head).
 _SHORT_HEAD = http1.MAX_REQUEST_LINE - 4
+
+
+class Host(Protocol):
+    """What an upstream connection uses of the proxy (`context.ExchangeContext` is one)."""
+
+    upstreams: set[Any]
+    metrics: ProxyMetrics
+    pool: Pool[Any]
 
 
 class H1User(Protocol):
@@ -73,7 +82,7 @@ class UpstreamConnection(asyncio.Protocol):
         "transport",
     )
 
-    def __init__(self, ctx: ExchangeContext, target: Target) -> None:
+    def __init__(self, ctx: Host, target: Target) -> None:
         self.ctx = ctx
         self.target = target
         # Where the pool keeps it when idle: the endpoint, with the route's
