@@ -55,6 +55,7 @@ from waygate.proxy.routing import (
 )
 from waygate.resolver.client import HeaderModifier
 
+_new = object.__new__
 _TRACEPARENT = re.compile(rb"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 
 # How an Answer is rendered (Answer.kind); any other kind is a refusal's
@@ -106,49 +107,34 @@ OPTIONS_ANY = Answer(200, "", ANSWER_OPTIONS, refused=False)
 
 
 class Forward:
-    """The request goes upstream: everything the drivers need, decided once."""
+    """The request goes upstream: everything the drivers need, decided once.
 
-    __slots__ = (
-        "authority",
-        "backend",
-        "cookie",
-        "counted",
-        "deadline",
-        "entry",
-        "hsts",
-        "http2",
-        "identity",
-        "mirrors",
-        "path",
-        "req",
-        "response_modifier",
-        "span",
-        "target",
-        "traceparent",
-        "upstream_head",
-    )
+    No __slots__: the defaults are class attributes, so a request sets only
+    what it has (the per-request path assigns a handful of fields)."""
 
-    def __init__(self, entry: RouteEntry, req: RequestHead, path: bytes) -> None:
-        self.entry = entry
-        # The request as the backend gets it (after a route's rewrite).
-        self.req = req
-        self.path = path  # the request's path (routing's; no query)
-        self.target: Target = None  # type: ignore[assignment]
-        self.backend: Backend = None  # type: ignore[assignment]
-        # Whether the endpoint's in-flight count was taken (release_pick gives it back).
-        self.counted = False
-        self.http2 = False
-        self.cookie: bytes | None = None
-        self.hsts = b""  # the Strict-Transport-Security line (HTTPS only)
-        self.identity = b""  # auth-proxy identity lines from the client certificate
-        self.response_modifier: HeaderModifier | None = None
-        self.authority: bytes | None = None  # a rewritten host (None: the request's)
-        self.upstream_head = b""
-        self.span: Any = None
-        # The traceparent the tunnel's dial continues (None: not sampled here).
-        self.traceparent: str | None = None
-        self.deadline = 0.0
-        self.mirrors: list[tuple[Target, bytes]] | None = None
+    # Whether the endpoint's in-flight count was taken (release_pick gives it back).
+    counted = False
+    http2 = False  # the backend speaks HTTP/2
+    cookie: bytes | None = None  # the client's sticky cookie
+    hsts = b""  # the Strict-Transport-Security line (HTTPS only)
+    identity = b""  # auth-proxy identity lines from the client certificate
+    response_modifier: HeaderModifier | None = None
+    authority: bytes | None = None  # a rewritten host (None: the request's)
+    upstream_head = b""
+    span: Any = None
+    # The traceparent the tunnel's dial continues (None: not sampled here).
+    traceparent: str | None = None
+    # When a grpc-timeout shorter than the route's server timeout ends the wait for
+    # the answer (0.0: no such deadline; the server timeout applies).
+    deadline = 0.0
+    mirrors: list[tuple[Target, bytes]] | None = None
+    target: Target
+    backend: Backend
+
+    # Set by `decide` (made without an __init__ call: a Python frame less per request).
+    entry: RouteEntry
+    req: RequestHead  # the request as the backend gets it (after a route's rewrite)
+    path: bytes  # the request's path (routing's; no query)
 
     def set_cookie_line(self, target: Target) -> bytes:
         """The sticky cookie's Set-Cookie line for `target` when the client does not
@@ -160,7 +146,10 @@ class Forward:
 
     def response_extra(self, target: Target) -> bytes:
         """Header lines the proxy adds to the response: Set-Cookie, HSTS."""
-        return self.set_cookie_line(target) + self.hsts
+        backend = self.backend
+        if backend.set_cookie and self.cookie != backend.by_target.get(target):
+            return backend.set_cookie.get(target, b"") + self.hsts
+        return self.hsts
 
 
 def release_pick(forward: Forward) -> None:
@@ -284,14 +273,14 @@ GATES: tuple[Rule, ...] = (
 SHAPERS: tuple[Rule, ...] = (Rule("request_filters", _has_filters, _request_filters),)
 
 
-def rules_of(entry: RouteEntry) -> tuple[tuple[Rule, ...], tuple[Rule, ...]]:
-    """The gates and shapers that apply to a route entry (chosen once per table)."""
+def rules_of(entry: RouteEntry) -> tuple[tuple[Rule, ...], tuple[Rule, ...]] | bool:
+    """The gates and shapers that apply to a route entry, chosen once per table and
+    kept on the entry: False when none applies (the common route: no loop runs)."""
     rules = entry.rules
     if rules is None:
-        rules = entry.rules = (
-            tuple(rule for rule in GATES if rule.applies(entry)),
-            tuple(rule for rule in SHAPERS if rule.applies(entry)),
-        )
+        gates = tuple(rule for rule in GATES if rule.applies(entry))
+        shapers = tuple(rule for rule in SHAPERS if rule.applies(entry))
+        rules = entry.rules = (gates, shapers) if gates or shapers else False
     return rules  # type: ignore[no-any-return]
 
 
@@ -339,14 +328,22 @@ def decide(
             "no route for host " + req.host.decode("ascii", "replace"),
             "no_route",
         )
-    forward = Forward(entry, req, path)
-    gates, shapers = entry.rules or rules_of(entry)
-    for rule in gates:
-        answer = rule.run(forward, req, facts)
-        if answer is not None:
-            return answer
+    forward = _new(Forward)
+    forward.entry = entry
+    forward.req = req
+    forward.path = path
+    rules = entry.rules
+    if rules is None:
+        rules = rules_of(entry)
+    if rules:
+        for rule in rules[0]:  # type: ignore[index]
+            answer = rule.run(forward, req, facts)
+            if answer is not None:
+                return answer
     # The endpoint: one backend with one endpoint and no cookie takes it without a call.
-    cookie = forward.cookie = _sticky_cookie(req, entry) if req.cookie else None
+    cookie = None
+    if req.cookie:
+        cookie = forward.cookie = _sticky_cookie(req, entry)
     single = entry.single
     if single is not None and cookie is None:
         forward.target, backend = single
@@ -362,12 +359,14 @@ def decide(
         backend.picker.acquire(picked)
         forward.counted = True
     forward.backend = backend
-    forward.http2 = backend.http2
-    # The answer's deadline: the route's server timeout, or grpc-timeout when shorter.
-    allowed = entry.options.server_timeout
-    if 0.0 < grpc_timeout < allowed:
-        allowed = grpc_timeout
-    forward.deadline = now + allowed
+    if backend.http2:
+        forward.http2 = True
+    if grpc_timeout:
+        # The answer's deadline: grpc-timeout when shorter than the route's server
+        # timeout (0.0, the default: the server timeout from now).
+        allowed = entry.options.server_timeout
+        if grpc_timeout < allowed:
+            forward.deadline = now + grpc_timeout
     # Tracing: parent-based when the client sent a trace context; otherwise this
     # proxy starts a trace for its configured share of requests.
     traceparent = req.traceparent
@@ -378,8 +377,9 @@ def decide(
     elif view.trace_ratio and random.random() < view.trace_ratio:
         forward.span, traceparent = records.start_span(req, entry.options.name, http_version)
         forward.traceparent = traceparent.decode("ascii")
-    for rule in shapers:
-        rule.run(forward, req, facts)
+    if rules:
+        for rule in rules[1]:  # type: ignore[index]
+            rule.run(forward, req, facts)
     upstream_req = forward.req
     context = facts.context
     assert context is not None

@@ -28,6 +28,7 @@ from typing import Any
 
 from waygate.core import flow
 from waygate.proxy import filters, http1, tls
+from waygate.proxy.decision import Answer, decide
 from waygate.proxy.exchange import (
     ANSWER_HEALTHZ,
     ANSWER_OPTIONS,
@@ -320,11 +321,15 @@ class ClientConnection(asyncio.Protocol):
             return False
         now = self.loop.time()
         exchange = self.exchange
-        if not exchange.start(req, now):
-            return not self.closed
-        # The exchange's deadline (see _arm), armed without a second clock read.
         server = self.server
-        options = exchange.entry.options  # type: ignore[union-attr]
+        # Every per-request rule, decided once (waygate.proxy.decision).
+        decided = decide(server.context.view, req, self, now)
+        if type(decided) is Answer:
+            exchange.answer(req, decided)  # type: ignore[arg-type]
+            return not self.closed
+        exchange.begin(req, decided, now)  # type: ignore[arg-type]
+        # The exchange's deadline (see _arm), armed without a second clock read.
+        options = decided.entry.options  # type: ignore[union-attr]
         delay = options.server_timeout
         if not exchange.req_complete:
             # A body to come: its stall and rate checks are due earlier.
@@ -391,7 +396,7 @@ class ClientConnection(asyncio.Protocol):
     def answer(self, req: RequestHead, status: int, reason: str, kind: str) -> None:
         """A local answer (healthz, 302 to HTTPS, 401/403, 503); closes when it must."""
         server = self.server
-        close = req.has_body or not req.keep_alive or server.draining
+        close = req.has_body or not req.keep_alive or server.context.draining
         if kind is ANSWER_HEALTHZ:
             response = http1.HEALTHZ_RESPONSE
             if close:
@@ -438,7 +443,7 @@ class ClientConnection(asyncio.Protocol):
         if (
             not keep_alive
             or not self.exchange.req_complete
-            or server.draining
+            or server.context.draining
             or self.closed
             or self._eof
         ):

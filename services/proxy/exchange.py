@@ -78,7 +78,6 @@ from waygate.proxy.decision import (
     OPTIONS_ANY,
     Answer,
     Forward,
-    decide,
     release_pick,
 )
 from waygate.proxy.h2bridge import H2Bridge
@@ -93,6 +92,7 @@ from waygate.proxy.http1 import (
     RequestHead,
     ResponseHead,
 )
+from waygate.proxy.records import end_span
 from waygate.proxy.routing import Backend, RouteEntry, Side, Target
 from waygate.proxy.timeouts import check as check_timeouts
 from waygate.proxy.upstream_h1 import UpstreamConnection
@@ -355,20 +355,8 @@ class Exchange(UpgradeRelay):
 
     # ------------------------------------------------------------ the request
 
-    def start(self, req: RequestHead, now: float) -> bool:
-        """Decide one request head (`decision.decide`: every per-request rule); True
-        when an exchange started (dispatch next), False when it was answered locally
-        (the driver may be closing)."""
-        self.started = now
-        decided = decide(self.ctx.view, req, self.down, now)
-        if type(decided) is Answer:
-            self.answer(req, decided)
-            return False
-        self.begin(req, decided, now)  # type: ignore[arg-type]
-        return True
-
     def answer(self, req: RequestHead, answer: Answer) -> None:
-        """A local answer `decide` chose: counted (under its route, "" when none
+        """A local answer `decision.decide` chose: counted (under its route, "" when none
         matched), logged, then rendered by the driver."""
         if answer.refused:
             self.ctx.records.refused(answer.kind)
@@ -377,7 +365,8 @@ class Exchange(UpgradeRelay):
         self.down.answer(req, answer.status, answer.reason, answer.kind)
 
     def begin(self, req: RequestHead, forward: Forward, now: float) -> None:
-        """Take a request `decide` forwards: its state here, its body's framing."""
+        """Take a request `decision.decide` forwarded (the driver decided it): its
+        state here, its body's framing; `dispatch` next."""
         self.started = now
         self.forward = forward
         self.req = req
@@ -504,7 +493,8 @@ class Exchange(UpgradeRelay):
         forward = self.forward
         if forward is not None:
             self.forward = None
-            release_pick(forward)
+            if forward.counted:
+                release_pick(forward)
         self.backend = None
         self.target = None
 
@@ -799,7 +789,13 @@ class Exchange(UpgradeRelay):
             idle_timeout = 0.0
         self.upstream = None
         self.bridge = None
-        self._release_pick()
+        forward = self.forward
+        if forward is not None:
+            self.forward = None
+            if forward.counted:
+                release_pick(forward)
+        self.backend = None
+        self.target = None
         self.req = None
         self.entry = None
         self.body_reader = None
@@ -842,16 +838,21 @@ class Exchange(UpgradeRelay):
 
     def _record(self, route: str, req: RequestHead, status: int) -> None:
         """Count one answered request; its access-log line and span when due."""
+        records = self.ctx.records
+        records.metrics.request(route, req.method, status)
         span = self.span
-        self.span = None
-        started = self.started
-        self.ctx.records.finish(
-            route,
-            req,
-            status,
-            self.down.client_key,
-            self.target,
-            self.loop.time() - started if started else 0.0,
-            span,
-            self.down.protocol,
-        )
+        if records.logging:
+            started = self.started
+            records.log(
+                route,
+                req,
+                status,
+                self.down.client_key,
+                self.target,
+                self.loop.time() - started if started else 0.0,
+                span,
+                self.down.protocol,
+            )
+        if span is not None:
+            self.span = None
+            end_span(span, status)

@@ -449,9 +449,10 @@ class H2Exchange:
             else b"http",
             self.request.grpc,
         )
-        allowed = forward.deadline - self.started
-        if allowed < forward.entry.options.server_timeout:
+        allowed = forward.entry.options.server_timeout
+        if forward.deadline:
             self.grpc_deadline = forward.deadline  # grpc-timeout, shorter than the route's
+            allowed = forward.deadline - self.started
         self._arm(allowed)
         self.dispatch()
 

@@ -118,13 +118,28 @@ class Records:
         line (naming `span`) when within budget, then its span ended."""
         self.metrics.request(route, req.method, status)
         if self.logging:
-            if self.budget > 0:
-                self.budget -= 1
-                _log(route, req, status, client, target, duration, span, protocol)
-            else:
-                self.suppressed += 1
+            self.log(route, req, status, client, target, duration, span, protocol)
         if span is not None:
             end_span(span, status)
+
+    def log(
+        self,
+        route: str,
+        req: RequestHead,
+        status: int,
+        client: bytes,
+        target: Target | None,
+        duration: float,
+        span: Any,
+        protocol: str,
+    ) -> None:
+        """The access-log line of one request, within the per-second budget (call it
+        only while `logging`; `finish` does)."""
+        if self.budget > 0:
+            self.budget -= 1
+            _log(route, req, status, client, target, duration, span, protocol)
+        else:
+            self.suppressed += 1
 
 
 def _log(
