@@ -70,15 +70,15 @@ from h2.errors import ErrorCodes
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from waygate.core import httpheaders
+from waygate.core import flow, httpheaders
 from waygate.proxy import grpcstatus, hpackcache, http1
 from waygate.proxy.routing import Side
 
 log = logging.getLogger(__name__)
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-HIGH_WATER = 256 * 1024
-LOW_WATER = 64 * 1024
+HIGH_WATER = flow.HIGH_WATER
+LOW_WATER = flow.LOW_WATER
 
 # Connection-level timer kinds, as `waygate.proxy.server` names them (the
 # server's ticker reads `_timer_kind`, `_deadline` and calls `_on_timer`).

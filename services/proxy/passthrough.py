@@ -47,8 +47,8 @@ log = logging.getLogger(__name__)
 HELLO_TIMEOUT = 10.0
 _PEEK_RETRY = 0.005
 _PEEK_RETRY_MAX = 0.2
-HIGH_WATER = 256 * 1024
-LOW_WATER = 64 * 1024
+HIGH_WATER = flow.HIGH_WATER
+LOW_WATER = flow.LOW_WATER
 
 TLS_CONNECTIONS = Counter(
     "waygate_proxy_tls_connections_total",
