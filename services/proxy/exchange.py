@@ -1,29 +1,36 @@
-"""One proxied exchange (a request and its response): the rules, without the sockets.
+"""One proxied exchange to an HTTP/1.1 backend (a request and its response), without sockets.
 
-An `Exchange` is what an HTTP/1.1 client connection (`server.ClientConnection`)
-and an HTTP/2 stream both drive. It owns the request's state and every rule
-between the request's head and the response's last byte; it never touches a
-socket. The two sides it talks to:
+An `Exchange` is what an HTTP/1.1 client connection
+(`downstream_h1.ClientConnection`) and an HTTP/2 stream to an HTTP/1.1
+backend (`h2exchange.StreamDownstream`) both drive. Every per-request rule
+(routing, the route's rules, the pick, tracing, filters, the upstream head)
+was decided before it starts, once, by `decision.decide`; the Exchange owns
+what happens between the request's head and the response's last byte. The
+two sides it talks to:
 
 - downstream, the *driver* (the client side), through the `Downstream`
-  interface below: the driver hands the Exchange parsed request heads and body
-  bytes, and the Exchange hands back the response (head, body pieces, local
-  answers) and its end;
-- upstream, a `pool.UpstreamConnection` (one HTTP/1.1 connection to the
-  endpoint), through its methods only: `begin`, `write`, `writelines`,
-  `write_eof`, `release`, `abort`, `pause_reading`/`resume_reading`. The
-  upstream connection calls back `response_head`, `informational`,
-  `response_data`, `switching`, `relay_data`, `relay_eof`, `upstream_closed`,
-  `upstream_paused`; the pool calls `endpoint_free` for a queued request.
+  interface below: the driver hands the Exchange the decided request and its
+  body bytes, and the Exchange hands back the response (head, body pieces,
+  local answers) and its end;
+- upstream, an `upstream_h1.UpstreamConnection` (one HTTP/1.1 connection to
+  the endpoint; for an HTTP/1.1 client of an HTTP/2 backend, one stream,
+  `h2bridge.H2Bridge`), through its methods only: `begin`, `write`,
+  `writelines`, `write_eof`, `release`, `abort`, `pause_reading`/
+  `resume_reading`. It calls back the `upstream_h1.H1User` methods
+  (`response_head`, `informational`, `response_data`, `switching`,
+  `relay_data`, `relay_eof`, `upstream_closed`, `upstream_failed`,
+  `upstream_paused`); the pool calls `endpoint_free` for a queued request.
 
-Driving an Exchange (one request at a time; `start` again after the end):
+Driving an Exchange (one request at a time; again after the end):
 
-    ok = exchange.start(req, now)      # route, pick, build the upstream head;
-                                       # False: answered locally (or refused)
-    exchange.dispatch()                # pooled connection, a connect task, or the
-                                       # endpoint's queue (503 when it is full)
+    decided = decision.decide(view, req, facts, now)  # the driver decides
+    exchange.answer(req, decided)      # an Answer: counted, then rendered
+    exchange.begin(req, decided, now)  # a Forward: the request's state here
+    exchange.dispatch()                # pooled connection, a connect task
+                                       # (connect_h1), the endpoint's queue (503
+                                       # when it is full), or an HTTP/2 stream
     rest = exchange.request_body(data) # body bytes; returns what follows the body
-    delay = exchange.on_timer(now)     # server/client timeouts, body rate; < 0: fired
+    delay = exchange.on_timer(now)     # timeouts (timeouts.check); < 0: fired
     exchange.downstream_paused(flag)   # the client stopped/resumed reading
     exchange.relay_send(data)          # after a 101: client bytes (relay_send_eof,
                                        # release_relay when both sides ended)
@@ -32,27 +39,24 @@ Driving an Exchange (one request at a time; `start` again after the end):
 and the Exchange calls `Downstream.response_head/response_body/response_pieces`,
 then `exchange_done(keep_alive, now, idle_timeout)` (or `failed`, `refuse`, `abort`).
 
-What the Exchange decides (the protocol-neutral rules):
-- routing and the route's rules: TLS-only routes, auth-proxy identity, sticky
-  cookie, endpoint pick and its in-flight count, passive health;
-- per-request filters: `_filter_request` (below) is where a route's filters
-  run, after routing and before the upstream head is built; response filters
-  go in `_response_extra` (the lines added to the response head);
+What the Exchange keeps (the rules between request and response):
 - request framing (Content-Length or chunked, bounded while connecting);
-- response framing and its extras: Set-Cookie (stickiness), HSTS, rechunking
-  (the upstream's chunked body is re-emitted chunked to a driver that takes
-  chunks, or as bare payload with close framing otherwise);
+- response framing and its extras (`Forward.response_extra`: Set-Cookie,
+  HSTS; a route's ResponseHeaderModifier), rechunking (the upstream's chunked
+  body is re-emitted chunked to a driver that takes chunks, or as bare
+  payload otherwise);
 - keep-alive and pooling eligibility: an upstream connection is released for
   reuse only when its response was framed cleanly, the whole request was sent
   and neither side asked to close;
 - retry eligibility: redispatch only after a connect failed before anything
-  was sent; a sent request is re-sent only when it went out on a reused
-  keep-alive connection that closed before any response byte and it is
-  idempotent without a body (RFC 9112 section 9.3.1), never a sent POST;
-- the server timeout (from the last byte moved either way; the whole
-  response head due within it), the client timeout and the minimum body rate;
-  the bounds on 1xx responses (`server.Limits`); records (metrics, access log,
-  span).
+  was sent (`connect_h1`, `decision.may_redispatch`); a sent request is
+  re-sent only when it went out on a reused keep-alive connection that closed
+  before any response byte and it is idempotent without a body (RFC 9112
+  section 9.3.1), never a sent POST;
+- the bounds on 1xx responses (`server.Limits`), the relay after a 101
+  (`UpgradeRelay`), and its records (`records`: metrics, access log, span);
+- everything it holds upstream let go in one place, `abandon_upstream`,
+  however the exchange ends.
 
 The per-request path does no logging (the access log is budgeted), no
 f-strings and no dict copies; one task exists only while a connect runs.

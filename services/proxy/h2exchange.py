@@ -1,21 +1,22 @@
 """An HTTP/2 request stream as an exchange of the proxy.
 
-`start_exchange` is called by `waygate.proxy.http2` for every request
-stream. A route whose backend speaks HTTP/2 (its `upstreamProtocol`, or its
-service port's `appProtocol`) goes to `waygate.proxy.h2upstream`; every
-other request is an `Exchange` (`waygate.proxy.exchange`, the one the
-HTTP/1.1 connection drives) with `StreamDownstream` as its driver:
+`start_exchange` is the stream handler `accept.py` gives every
+`http2.H2ClientConnection`: it turns the stream's request into the HTTP/1.1
+head it means (`http2.request_head`, by `http1.request_from_fields`: one rule
+book for both versions), decides it once (`decision.decide`: routing by
+:authority, Host agreement, header hygiene, the route's rules, balancing,
+sticky cookies, tracing, the upstream head) and starts what serves it:
 
-The request enters as the HTTP/1.1 head it means (`http2.request_head`, by
-`http1.request_from_fields`: one rule book for both versions) and its body
-(chunk-framed when it has no content-length); from there every rule of the
-HTTP/1.1 path (routing by :authority, Host agreement, header hygiene,
-balancing, sticky cookies, HSTS, timeouts, auth-proxy routes and the client
-certificate, the explained 502/503/504, metrics, spans, access log) holds,
-because it is that code that runs. The Exchange answers through the
-`Downstream` methods: its response head becomes HEADERS, the bare payload
-(`chunked_ok` False) DATA, and the end the stream's end; its local answers are
-rendered by the same helpers as on HTTP/1.1, or as a gRPC status on gRPC.
+- a local answer, rendered as HTTP/2 (`answer_stream`), or as a gRPC status
+  on gRPC;
+- a backend that speaks HTTP/2 (`Forward.http2`): `h2upstream.H2Exchange`,
+  stream to stream;
+- any other backend: an `Exchange` (`waygate.proxy.exchange`, the one the
+  HTTP/1.1 connection drives) with `StreamDownstream` as its driver: the
+  Exchange answers through the `Downstream` methods; its response head
+  becomes HEADERS, the bare payload (`chunked_ok` False) DATA, and the end the
+  stream's end; its local answers are rendered by the same helpers as on
+  HTTP/1.1, or as a gRPC status on gRPC.
 
 Flow control crosses both ways: the Exchange's pause of its client
 (`pause_reading`: the upstream is slow, or still connecting) holds the

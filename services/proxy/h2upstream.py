@@ -1,28 +1,31 @@
 """HTTP/2 to backends: multiplexed connections, and the exchange of an HTTP/2 stream over one.
 
-A route speaks HTTP/2 to its backends when its `upstreamProtocol` or its
-service port's `appProtocol` says so (`waygate.resolver.model.speaks_http2`;
-gRPC servers speak nothing else): cleartext with prior knowledge (h2c), or
-TLS with ALPN h2 when the route reencrypts (`waygate.proxy.upstream_tls`,
-the same verification and explained failures as HTTP/1.1).
+A backend speaks HTTP/2 when its route's `upstreamProtocol` or the `appProtocol`
+of the Service port it names says so (`routing.Backend.http2`, by the
+backend's own namespace and port; gRPC servers speak nothing else):
+cleartext with prior knowledge (h2c), or TLS with ALPN h2 when the route
+reencrypts (`waygate.proxy.upstream_tls`, the same verification and
+explained failures as HTTP/1.1).
 
+- `H2Upstreams`: the connections (`H2Pool`) and the start of an `H2Exchange`.
 - `H2Pool`: connections per (endpoint, TLS scope). A stream takes a
   connection with room (open streams below the peer's
   SETTINGS_MAX_CONCURRENT_STREAMS, stream ids left, no GOAWAY received); else
-  one connect is started per key and the streams wanting it wait for it.
-  Every connection counts in the endpoint's bound that HTTP/1.1 connections
-  keep (`waygate.proxy.pool.Pool`): at the bound a stream waits in the same
-  queue, or gets the same 503.
-- `H2UpstreamConnection`: a thin Protocol over the `h2` client state machine.
-- `H2Exchange`: one client stream forwarded as one upstream stream. The
-  request passes the HTTP/1.1 rule book first (`http2.request_head`: the
-  head it means, by `http1.request_from_fields`: identity headers dropped, X-Forwarded-*/Forwarded per the
-  route) and leaves as HTTP/2 fields again; routing by :authority, the
-  endpoint pick (balancing, sticky cookie), the TLS edge rules and auth-proxy
-  identity are the routing table's and `tls`'s, as on HTTP/1.1; so are the
-  route's HTTPRoute filters (`waygate.proxy.filters`: redirect, rewrite,
-  request and response header modifiers; not mirrors). Trailers are
-  relayed (gRPC's status lives there).
+  one connect is started per key and the streams wanting it wait for it
+  (its trace context into a tunnel's dial; after a failed connect or a failed
+  certificate verification each waiter may go to another endpoint,
+  `decision.repick`). Every connection counts in the endpoint's bound that
+  HTTP/1.1 connections keep (`waygate.proxy.pool.Pool`): at the bound a
+  stream waits in the same queue, or gets the same 503; a connect's
+  reservation is released by its task's done callback however it ends.
+- `H2UpstreamConnection`: a thin Protocol over the `h2` client state machine;
+  its streams' users are `H2Exchange`s and `h2bridge.H2Bridge`s.
+- `H2Exchange`: one client stream forwarded as one upstream stream. Every
+  per-request rule was decided by `decision.decide` (from the HTTP/1.1 head
+  the stream means, `http2.request_head`), as for every other request; the
+  upstream head leaves as HTTP/2 fields again (`h2_request_fields`). Trailers
+  are relayed (gRPC's status lives there). END_STREAM goes to the backend once
+  (with the HEADERS of a bodiless request, or after its body).
 - Flow control, both ways, bounded: request DATA goes on as the backend's
   window allows; what does not fit is held and the client's WINDOW_UPDATEs
   with it (so at most one client stream window is held). Response DATA is
@@ -449,6 +452,10 @@ class H2Exchange:
             else b"http",
             self.request.grpc,
         )
+        if forward.mirrors:
+            mirrors = self.ctx.mirrors
+            for target, head in forward.mirrors:
+                mirrors.send(target, head)
         allowed = forward.entry.options.server_timeout
         if forward.deadline:
             self.grpc_deadline = forward.deadline  # grpc-timeout, shorter than the route's

@@ -31,6 +31,7 @@ from waygate.resolver.model import (
     Endpoint,
     EndpointPort,
     InsecureEdgePolicy,
+    Mirror,
     Redirect,
     Route,
     RouteBackend,
@@ -304,6 +305,32 @@ async def test_trace_context_goes_into_the_tunnel_dial(backends, client, backend
         assert (await ask(client, port, "/tunnelled")).status == 200
     (sent,) = backends.traceparents(backend)
     assert dials == [sent]  # the dial continues the request's trace
+
+
+@pytest.mark.parametrize(("client", "backend"), PAIRS)
+async def test_request_mirrors_get_a_copy(backends, client, backend):
+    mirror = await RecordingUpstream().start()
+    try:
+        mirror_endpoint = Endpoint(
+            namespace="other",
+            service="mirror",
+            address="127.0.0.1",
+            ports=(EndpointPort("http", mirror.port),),
+        )
+        filters = RouteFilters(mirrors=(Mirror("mirror", namespace="other"),))
+        table = built(
+            [core_route(backend, filters=filters)], [backends.endpoint(), mirror_endpoint]
+        )
+        async with running_proxy(table) as (_, port):
+            assert (await ask(client, port, "/mirrored")).status == 200
+            for _ in range(100):
+                if mirror.requests:
+                    break
+                await asyncio.sleep(0.02)
+    finally:
+        await mirror.stop()
+    assert [r["target"] for r in mirror.requests] == ["/mirrored"]
+    assert backends.requests(backend) == 1
 
 
 @pytest.mark.parametrize("client", CLIENTS)
