@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.integration.proxy.h2harness import H2Backend, running_h2_proxy, serve_h2_upstreams
-from tests.integration.proxy.harness import endpoint, route, table
 from tests.support.h2client import H2Client
+from tests.support.h2harness import H2Backend, running_h2_proxy, serve_h2_upstreams
+from tests.support.proxyharness import endpoint, route, table
 from waygate.proxy import h2upstream
 from waygate.proxy.http2 import H2Limits
 from waygate.resolver.model import HeaderModifier, RouteFilters

@@ -14,7 +14,10 @@ from typing import Any
 
 import pytest
 
-from tests.integration.proxy.harness import (
+from tests.integration.proxy.test_tls_client_cert import client_ca_route
+from tests.integration.proxy.test_tls_edge import edge, https_proxy
+from tests.support.pki import LocalCA
+from tests.support.proxyharness import (
     RecordingUpstream,
     endpoint,
     read_response,
@@ -22,9 +25,6 @@ from tests.integration.proxy.harness import (
     running_proxy,
     table,
 )
-from tests.integration.proxy.test_tls_client_cert import client_ca_route
-from tests.integration.proxy.test_tls_edge import edge, https_proxy
-from tests.support.pki import LocalCA
 from waygate.proxy import records as proxy_records
 from waygate.proxy import tls as proxy_tls
 from waygate.proxy.tls import EdgeCertificates

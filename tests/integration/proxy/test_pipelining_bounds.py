@@ -10,7 +10,7 @@ import asyncio
 import socket
 import time
 
-from tests.integration.proxy.harness import running_proxy
+from tests.support.proxyharness import running_proxy
 from waygate.proxy.downstream_h1 import HIGH_WATER
 from waygate.proxy.http1 import HEALTHZ_RESPONSE
 

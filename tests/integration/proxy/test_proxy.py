@@ -11,7 +11,8 @@ import os
 import pytest
 import websockets
 
-from tests.integration.proxy.harness import (
+from tests.support.poll import until
+from tests.support.proxyharness import (
     RecordingUpstream,
     body_json,
     closed_port,
@@ -23,7 +24,6 @@ from tests.integration.proxy.harness import (
     running_proxy,
     table,
 )
-from tests.support.poll import until
 from waygate.core.tracing import configure_tracing
 from waygate.proxy.routing import Defaults
 from waygate.resolver.model import ForwardedHeadersMode, RouteTimeouts, StickySessions

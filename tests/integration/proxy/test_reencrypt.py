@@ -20,8 +20,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from tests.integration.proxy.harness import endpoint, read_response, route, running_proxy, table
 from tests.support.pki import LocalCA
+from tests.support.proxyharness import endpoint, read_response, route, running_proxy, table
 from waygate.core.tls import server_context
 from waygate.proxy import records as proxy_records
 from waygate.proxy.upstream_tls import UPSTREAM_TLS_FAILURES, UpstreamTLS

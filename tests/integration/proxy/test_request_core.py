@@ -21,9 +21,9 @@ from typing import Any
 import h2.exceptions as h2_exceptions
 import pytest
 
-from tests.integration.proxy.h2harness import H2Backend
-from tests.integration.proxy.harness import RecordingUpstream, running_proxy
 from tests.support.h2client import H2Client
+from tests.support.h2harness import H2Backend
+from tests.support.proxyharness import RecordingUpstream, running_proxy
 from waygate.core.tracing import configure_tracing
 from waygate.proxy.routing import Defaults, Target, build_table
 from waygate.proxy.upstream import Dialer, tcp_connect

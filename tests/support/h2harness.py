@@ -12,7 +12,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tests.integration.proxy.harness import running_proxy
+from tests.support.proxyharness import running_proxy
 from waygate.proxy.http2 import GracefulStateMachine, H2Limits
 from waygate.proxy.server import ProxyServer
 
