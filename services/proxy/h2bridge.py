@@ -36,20 +36,20 @@ import h2.exceptions
 from h2.errors import ErrorCodes
 
 from waygate.core import httpheaders
-from waygate.proxy.decision import Forward, may_redispatch, repick
+from waygate.proxy.decision import Forward
 from waygate.proxy.h2upstream import (
     H2UpstreamConnection,
     H2Upstreams,
+    UpstreamStream,
     h2_request_fields,
 )
 from waygate.proxy.http1 import BadMessage, ChunkedReader, ResponseHead
 from waygate.proxy.routing import RouteEntry, Target
-from waygate.proxy.upstream import ConnectError
 
 _LAST_CHUNK = b"0\r\n\r\n"
 
 
-class H2Bridge:
+class H2Bridge(UpstreamStream):
     """One HTTP/1.1 exchange's request as one stream to an HTTP/2 backend."""
 
     __slots__ = (
@@ -113,34 +113,9 @@ class H2Bridge:
 
     # ------------------------------------------------------------ getting a stream
 
-    def dispatch(self) -> None:
-        key = (self.target, self.entry.upstream_scope, "h2")
-        connection = self.upstreams.pool.take(key)
-        if connection is not None:
-            self.upstreams.ctx.metrics.pool_reused += 1
-            self.attach(connection, reused=True)
-        else:
-            self.upstreams.pool.wait_for(key, self)  # type: ignore[arg-type]
-
-    def endpoint_free(self) -> None:
-        self.queued = False
-        if not self.finished and self.upstream is None:
-            self.dispatch()
-
-    def connect_failed(self, exc: ConnectError) -> None:
-        """The connect this stream waited for failed: redispatch as HTTP/1.1 does."""
-        ctx = self.upstreams.ctx
-        if may_redispatch(exc.retryable, exc.kind, self.attempts) and repick(
-            ctx.view, self.forward, self.facts, self.target
-        ):
-            self.attempts += 1
-            ctx.metrics.redispatches += 1
-            self.target = self.forward.target
-            self.user.target = self.target
-            self.user.backend = self.forward.backend
-            self.dispatch()
-            return
-        self.fail(502, exc.reason, "connect_" + exc.kind)
+    def _moved(self) -> None:
+        self.user.target = self.target
+        self.user.backend = self.forward.backend
 
     def attach(self, connection: H2UpstreamConnection | None, reused: bool = False) -> None:
         if self.finished:
@@ -177,7 +152,7 @@ class H2Bridge:
         self.request_done = user.req_complete
         end = self.request_done and not self.held
         try:
-            self.stream_id = connection.open_stream(self, fields, end)  # type: ignore[arg-type]
+            self.stream_id = connection.open_stream(self, fields, end)
         except (h2.exceptions.ProtocolError, h2.exceptions.TooManyStreamsError):
             self.upstream = None
             self.user.upstream = None
@@ -220,37 +195,11 @@ class H2Bridge:
 
     def send_held(self) -> None:
         """Request DATA as the stream's window allows; the client paused meanwhile."""
-        upstream = self.upstream
-        if upstream is None or self.finished or not self.stream_id:
-            return
-        h2conn = upstream.h2
-        held = self.held
-        try:
-            while held:
-                data = held[0]
-                window = min(
-                    h2conn.local_flow_control_window(self.stream_id), h2conn.max_outbound_frame_size
-                )
-                if window <= 0:
-                    if self not in upstream.blocked:
-                        upstream.blocked.add(self)  # type: ignore[arg-type]
-                        self.user.upstream_paused(True)
-                    upstream.flush()
-                    return
-                h2conn.send_data(self.stream_id, data[:window])
-                if len(data) > window:
-                    held[0] = data[window:]
-                else:
-                    held.pop(0)
-            if self in upstream.blocked:
-                upstream.blocked.discard(self)  # type: ignore[arg-type]
-                self.user.upstream_paused(False)
-            if self.request_done and not self.end_sent:
-                self.end_sent = True
-                h2conn.end_stream(self.stream_id)
-        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
-            self.held = []
-        upstream.flush()
+        if self.upstream is not None and not self.finished and self.stream_id:
+            self._send()
+
+    def _blocked(self, blocked: bool) -> None:
+        self.user.upstream_paused(blocked)
 
     def upstream_writable(self, writable: bool) -> None:
         self.user.upstream_paused(not writable)
@@ -284,7 +233,7 @@ class H2Bridge:
         self.held = []
         if upstream is None:
             return
-        upstream.blocked.discard(self)  # type: ignore[arg-type]
+        upstream.blocked.discard(self)
         if self.stream_id:
             if cancel:
                 with contextlib.suppress(h2.exceptions.ProtocolError):
@@ -336,14 +285,6 @@ class H2Bridge:
                 self.ack_held += flow
             else:
                 self._ack(flow)
-
-    def _ack(self, size: int) -> None:
-        upstream = self.upstream
-        if upstream is None or not self.stream_id:
-            return
-        with contextlib.suppress(h2.exceptions.ProtocolError):
-            upstream.h2.acknowledge_received_data(size, self.stream_id)
-        upstream.flush()
 
     def on_trailers(self, headers: list[tuple[bytes, bytes]]) -> None:
         self.on_end()  # trailers are dropped for an HTTP/1.1 client (see http1)

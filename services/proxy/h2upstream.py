@@ -107,7 +107,7 @@ class H2Pool:
     def __init__(self, upstreams: H2Upstreams) -> None:
         self.upstreams = upstreams
         self.connections: dict[Any, list[H2UpstreamConnection]] = {}
-        self.connecting: dict[Any, list[H2Exchange]] = {}
+        self.connecting: dict[Any, list[UpstreamStream]] = {}
         self.tasks: set[asyncio.Task[None]] = set()
 
     def take(self, key: Any) -> H2UpstreamConnection | None:
@@ -116,7 +116,7 @@ class H2Pool:
                 return connection
         return None
 
-    def wait_for(self, key: Any, exchange: H2Exchange) -> None:
+    def wait_for(self, key: Any, exchange: UpstreamStream) -> None:
         """Queue the exchange for a new connection to `key` (one connect per key).
 
         A new connection counts in the endpoint's bound that HTTP/1.1 upstream
@@ -145,7 +145,7 @@ class H2Pool:
         task.add_done_callback(lambda _task: pool.unreserve(target))
         task.add_done_callback(self.tasks.discard)
 
-    async def _connect(self, key: Any, waiters: list[H2Exchange]) -> None:
+    async def _connect(self, key: Any, waiters: list[UpstreamStream]) -> None:
         """Open a connection for `key` (reserved in the endpoint's bound by the caller;
         the reservation ends with this task, the open connection counts itself)."""
         ctx = self.upstreams.ctx
@@ -220,8 +220,8 @@ class H2UpstreamConnection(asyncio.Protocol):
         self.limits = limits
         self.h2 = h2_connection(limits, client_side=True)
         self.transport: asyncio.Transport | None = None
-        self.exchanges: dict[int, H2Exchange] = {}
-        self.blocked: set[H2Exchange] = set()
+        self.exchanges: dict[int, UpstreamStream] = {}
+        self.blocked: set[UpstreamStream] = set()
         self.closed = False
         self.goaway = False
         self.write_paused = False
@@ -265,7 +265,7 @@ class H2UpstreamConnection(asyncio.Protocol):
             self.transport.write(data)
 
     def open_stream(
-        self, exchange: H2Exchange, fields: list[tuple[bytes, bytes]], end: bool
+        self, exchange: UpstreamStream, fields: list[tuple[bytes, bytes]], end: bool
     ) -> int:
         stream_id = self.h2.get_next_available_stream_id()
         self.h2.send_headers(stream_id, fields, end_stream=end)
@@ -380,7 +380,149 @@ class H2UpstreamConnection(asyncio.Protocol):
 # ---------------------------------------------------------------- one exchange
 
 
-class H2Exchange:
+class UpstreamStream:
+    """One stream on a backend's HTTP/2 connection, the part its two users share
+    (`H2Exchange`, an HTTP/2 client's stream; `h2bridge.H2Bridge`, an HTTP/1.1
+    client's request): getting a stream (a connection with room, or the
+    pool's connect and the endpoint's queue), redispatch after a failed
+    connect, request DATA as the stream's window allows with END_STREAM sent
+    once, and the acknowledgement of response DATA. The connection calls the
+    rest (`on_response` ... `upstream_writable`) on each stream's user."""
+
+    upstreams: H2Upstreams
+    forward: Forward
+    facts: Any  # the client connection (decision.ConnectionFacts)
+    entry: RouteEntry
+    target: Target
+    upstream: H2UpstreamConnection | None
+    stream_id: int
+    held: list[bytes]
+    request_done: bool
+    end_sent: bool
+    finished: bool
+    queued: bool
+    attempts: int
+    span: Any
+    traceparent: str | None
+    connect_timeout: float
+
+    def attach(self, connection: H2UpstreamConnection | None) -> None:
+        raise NotImplementedError
+
+    def on_response(self, headers: list[tuple[bytes, bytes]], ended: bool) -> None:
+        raise NotImplementedError
+
+    def on_data(self, data: bytes, flow: int) -> None:
+        raise NotImplementedError
+
+    def on_trailers(self, headers: list[tuple[bytes, bytes]]) -> None:
+        raise NotImplementedError
+
+    def on_end(self) -> None:
+        raise NotImplementedError
+
+    def on_reset(self, code: int) -> None:
+        raise NotImplementedError
+
+    def unprocessed(self) -> None:
+        raise NotImplementedError
+
+    def upstream_broke(self, reason: str) -> None:
+        raise NotImplementedError
+
+    def send_held(self) -> None:
+        raise NotImplementedError
+
+    def upstream_writable(self, writable: bool) -> None:
+        raise NotImplementedError
+
+    def fail(self, status: int, reason: str, kind: str) -> None:
+        raise NotImplementedError
+
+    def _moved(self) -> None:
+        """A redispatch chose another endpoint (`forward.target`)."""
+
+    def _blocked(self, blocked: bool) -> None:
+        """The stream's window shut (True) with request DATA held, or opened (False)."""
+
+    def dispatch(self) -> None:
+        key = (self.target, self.entry.upstream_scope, "h2")
+        upstreams = self.upstreams
+        connection = upstreams.pool.take(key)
+        if connection is not None:
+            upstreams.ctx.metrics.pool_reused += 1
+            self.attach(connection)
+        else:
+            upstreams.pool.wait_for(key, self)
+
+    def endpoint_free(self) -> None:
+        """Called by the endpoint's queue (Pool.wake): room for a connection or a stream."""
+        self.queued = False
+        if not self.finished and self.upstream is None:
+            self.dispatch()
+        elif self.finished:
+            self.upstreams.ctx.pool.wake(self.target)  # not needed here: the next one's turn
+
+    def connect_failed(self, exc: ConnectError) -> None:
+        """The connect this stream waited for failed: another endpoint when the
+        failure allows it and one is left (`decision.repick`), else 502."""
+        ctx = self.upstreams.ctx
+        if may_redispatch(exc.retryable, exc.kind, self.attempts) and repick(
+            ctx.view, self.forward, self.facts, self.target
+        ):
+            self.attempts += 1
+            ctx.metrics.redispatches += 1
+            self.target = self.forward.target
+            self._moved()
+            self.dispatch()
+            return
+        self.fail(502, exc.reason, "connect_" + exc.kind)
+
+    def _send(self) -> bool:
+        """Request DATA as the stream's window allows, then END_STREAM (once) when the
+        request is done; False when the window shut with DATA still held."""
+        upstream = self.upstream
+        assert upstream is not None
+        h2conn = upstream.h2
+        held = self.held
+        try:
+            while held:
+                data = held[0]
+                window = min(
+                    h2conn.local_flow_control_window(self.stream_id), h2conn.max_outbound_frame_size
+                )
+                if window <= 0:
+                    if self not in upstream.blocked:
+                        upstream.blocked.add(self)
+                        self._blocked(True)
+                    upstream.flush()
+                    return False
+                h2conn.send_data(self.stream_id, data[:window])
+                if len(data) > window:
+                    held[0] = data[window:]
+                else:
+                    held.pop(0)
+            if self in upstream.blocked:
+                upstream.blocked.discard(self)
+                self._blocked(False)
+            if self.request_done and not self.end_sent:
+                self.end_sent = True
+                h2conn.end_stream(self.stream_id)
+        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+            self.held = []
+        upstream.flush()
+        return True
+
+    def _ack(self, size: int) -> None:
+        upstream = self.upstream
+        if upstream is None or not self.stream_id:
+            return
+        with contextlib.suppress(h2.exceptions.ProtocolError):
+            upstream.h2.acknowledge_received_data(size, self.stream_id)
+        upstream.flush()
+
+
+class H2Exchange(UpstreamStream):
     """One request `decide` forwarded to an HTTP/2 backend, carried as one upstream stream.
 
     The client side is an HTTP/2 stream (`http2.Stream`); every per-request rule
@@ -400,6 +542,7 @@ class H2Exchange:
         self.upstreams = upstreams
         self.ctx = upstreams.ctx
         self.conn = conn
+        self.facts = conn
         self.stream = stream
         self.request = request
         self.req = req
@@ -414,7 +557,6 @@ class H2Exchange:
         self.upstream: H2UpstreamConnection | None = None
         self.stream_id = 0
         self.held: list[bytes] = []  # request DATA waiting for the backend's window
-        self.held_end = False
         # END_STREAM went to the backend (with the HEADERS or after the body): never twice.
         self.end_sent = False
         self.responded = False
@@ -472,37 +614,10 @@ class H2Exchange:
     def client_key(self) -> bytes:
         return self.conn.client_key  # type: ignore[no-any-return]
 
-    def dispatch(self) -> None:
-        key = (self.target, self.entry.upstream_scope, "h2")
-        connection = self.upstreams.pool.take(key)
-        if connection is not None:
-            self.ctx.metrics.pool_reused += 1
-            self.attach(connection)
-        else:
-            self.upstreams.pool.wait_for(key, self)
-
-    def connect_failed(self, exc: ConnectError) -> None:
-        """The connect this stream waited for failed: another endpoint when the
-        failure allows it and one is left (`decision.repick`), else 502."""
-        if may_redispatch(exc.retryable, exc.kind, self.attempts) and repick(
-            self.ctx.view, self.forward, self.conn, self.target
-        ):
-            self.attempts += 1
-            self.ctx.metrics.redispatches += 1
-            self.target = self.forward.target
-            self.extra = [item for item in self.extra if item[0] != b"set-cookie"]
-            self._add_cookie()
-            self.dispatch()
-            return
-        self.fail(502, exc.reason, "connect_" + exc.kind)
-
-    def endpoint_free(self) -> None:
-        """Called by the endpoint's queue (Pool.wake): room for a connection or a stream."""
-        self.queued = False
-        if not self.finished and self.upstream is None:
-            self.dispatch()
-        elif self.finished:
-            self.ctx.pool.wake(self.target)  # not needed here: the next one's turn
+    def _moved(self) -> None:
+        # The sticky cookie names the endpoint the request went to.
+        self.extra = [item for item in self.extra if item[0] != b"set-cookie"]
+        self._add_cookie()
 
     def attach(self, connection: H2UpstreamConnection | None) -> None:
         if self.finished:
@@ -512,8 +627,6 @@ class H2Exchange:
             return
         self.upstream = connection
         end = self.request_done and not self.held
-        if end:
-            self.held_end = False
         try:
             self.stream_id = connection.open_stream(self, self.fields, end)
         except (h2.exceptions.ProtocolError, h2.exceptions.TooManyStreamsError):
@@ -521,7 +634,7 @@ class H2Exchange:
             self.dispatch()
             return
         self.end_sent = end
-        if self.held or self.held_end:
+        if self.held or (self.request_done and not end):
             self.send_held()
 
     # ------------------------------------------------------------ the client's side
@@ -543,7 +656,6 @@ class H2Exchange:
             self.request_done = True
             return
         self.request_done = True
-        self.held_end = True
         if self.upstream is not None:
             self.send_held()
 
@@ -556,33 +668,7 @@ class H2Exchange:
         upstream = self.upstream
         if upstream is None or self.finished or not self.stream_id:
             return
-        h2conn = upstream.h2
-        try:
-            while self.held:
-                data = self.held[0]
-                window = min(
-                    h2conn.local_flow_control_window(self.stream_id), h2conn.max_outbound_frame_size
-                )
-                if window <= 0:
-                    upstream.blocked.add(self)
-                    upstream.flush()
-                    return
-                piece, rest = data[:window], data[window:]
-                h2conn.send_data(self.stream_id, piece)
-                if rest:
-                    self.held[0] = rest
-                else:
-                    self.held.pop(0)
-            upstream.blocked.discard(self)
-            if self.held_end:
-                self.held_end = False
-                if not self.end_sent:
-                    self.end_sent = True
-                    h2conn.end_stream(self.stream_id)
-        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
-            self.held = []
-        upstream.flush()
-        if not self.held and self.stream.upload_paused and not upstream.write_paused:
+        if self._send() and self.stream.upload_paused and not upstream.write_paused:
             self.stream.upload_resume()
 
     def upstream_writable(self, writable: bool) -> None:
@@ -644,14 +730,6 @@ class H2Exchange:
             else:
                 self._ack(flow)
 
-    def _ack(self, size: int) -> None:
-        upstream = self.upstream
-        if upstream is None:
-            return
-        with contextlib.suppress(h2.exceptions.ProtocolError):
-            upstream.h2.acknowledge_received_data(size, self.stream_id)
-        upstream.flush()
-
     def on_trailers(self, headers: list[tuple[bytes, bytes]]) -> None:
         trailers = [(n, v) for n, v in headers if n[:1] != b":"]
         if not self.responded:
@@ -685,7 +763,6 @@ class H2Exchange:
             upstream.exchanges.pop(self.stream_id, None)
         self.stream_id = 0
         self.end_sent = False
-        self.held_end = self.request_done and not self.held
         if self.retried or self.responded or self.finished:
             self.fail(502, "upstream went away before answering", "upstream_closed")
             return
