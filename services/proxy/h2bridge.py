@@ -56,6 +56,7 @@ class H2Bridge(UpstreamStream):
         "ack_held",
         "attempts",
         "connect_timeout",
+        "data_sent",
         "decoder",
         "end_sent",
         "entry",
@@ -108,6 +109,7 @@ class H2Bridge(UpstreamStream):
         self.finished = False
         self.queued = False
         self.retried = False
+        self.data_sent = False
         self.attempts = 1
         self.sent_at = 0.0
 
@@ -313,22 +315,12 @@ class H2Bridge(UpstreamStream):
             502, "upstream reset the stream (" + ErrorCodes(code).name + ")", "upstream_reset"
         )
 
-    def unprocessed(self) -> None:
-        """The backend never processed the stream (GOAWAY above it, REFUSED_STREAM):
-        sent again, once, on another connection, when its body was not sent yet."""
-        upstream = self.upstream
-        self.upstream = None
-        if upstream is not None:
-            upstream.exchanges.pop(self.stream_id, None)
-        self.stream_id = 0
-        if self.retried or self.response is not None or self.finished or self.held:
-            self.finished = True
-            self.user.upstream_failed(502, "upstream went away before answering", "upstream_closed")
-            return
-        self.retried = True
-        self.end_sent = False
-        self.upstreams.ctx.metrics.redispatches += 1
-        self.dispatch()
+    def _answered(self) -> bool:
+        return self.response is not None
+
+    def _gone(self, reason: str) -> None:
+        self.finished = True
+        self.user.upstream_failed(502, reason, "upstream_closed")
 
     def upstream_broke(self, reason: str) -> None:
         if self.finished:

@@ -402,6 +402,8 @@ class UpstreamStream:
     finished: bool
     queued: bool
     attempts: int
+    retried: bool
+    data_sent = False  # request DATA went on this stream (it cannot be sent again)
     span: Any
     traceparent: str | None
     connect_timeout: float
@@ -425,6 +427,28 @@ class UpstreamStream:
         raise NotImplementedError
 
     def unprocessed(self) -> None:
+        """The backend never processed the stream (GOAWAY above it, REFUSED_STREAM):
+        sent again, once, on another connection, if none of its body went yet
+        (what went is not held any more)."""
+        upstream = self.upstream
+        self.upstream = None
+        if upstream is not None:
+            upstream.exchanges.pop(self.stream_id, None)
+        self.stream_id = 0
+        self.end_sent = False
+        if self.retried or self.finished or self.data_sent or self._answered():
+            self._gone("upstream went away before answering")
+            return
+        self.retried = True
+        self.upstreams.ctx.metrics.redispatches += 1
+        self.dispatch()
+
+    def _answered(self) -> bool:
+        """Whether the backend's answer has begun."""
+        raise NotImplementedError
+
+    def _gone(self, reason: str) -> None:
+        """The stream cannot be had again: a 502 with `reason`."""
         raise NotImplementedError
 
     def upstream_broke(self, reason: str) -> None:
@@ -498,6 +522,7 @@ class UpstreamStream:
                     upstream.flush()
                     return False
                 h2conn.send_data(self.stream_id, data[:window])
+                self.data_sent = True
                 if len(data) > window:
                     held[0] = data[window:]
                 else:
@@ -754,21 +779,11 @@ class H2Exchange(UpstreamStream):
             return
         self.fail(502, f"upstream reset the stream ({ErrorCodes(code).name})", "upstream_reset")
 
-    def unprocessed(self) -> None:
-        """The backend never processed the stream (GOAWAY above it, REFUSED_STREAM):
-        sent again, once, on another connection, if its body was not sent yet."""
-        upstream = self.upstream
-        self.upstream = None
-        if upstream is not None:
-            upstream.exchanges.pop(self.stream_id, None)
-        self.stream_id = 0
-        self.end_sent = False
-        if self.retried or self.responded or self.finished:
-            self.fail(502, "upstream went away before answering", "upstream_closed")
-            return
-        self.retried = True
-        self.ctx.metrics.redispatches += 1
-        self.dispatch()
+    def _answered(self) -> bool:
+        return self.responded
+
+    def _gone(self, reason: str) -> None:
+        self.fail(502, reason, "upstream_closed")
 
     def upstream_broke(self, reason: str) -> None:
         if self.finished:
