@@ -57,6 +57,35 @@ async def test_backend_goaway_resends_only_unprocessed_streams():
     assert server.metrics.redispatches == 1
 
 
+async def test_a_stream_whose_body_went_is_not_sent_again_after_goaway():
+    # Its DATA left with its HEADERS and is no longer held: a resend would reach
+    # the backend without the body, so the client gets a 502 that says why.
+    backend = await H2Backend(goaway_after=2).start()
+    routes, built = await proxied(backend)
+    async with running_h2_proxy(built) as (server, port):
+        serve_h2_upstreams(server, routes)
+        client = await H2Client.connect(port)
+        try:
+            first = client.start("POST", "/first", "h2.test")
+            await asyncio.sleep(0.05)
+            # HEADERS and the whole body in one write: they reach the backend
+            # before its GOAWAY comes back.
+            flush = client.flush
+            client.flush = lambda: None  # type: ignore[method-assign]
+            second = client.start("POST", "/second", "h2.test", end=False)
+            client.h2.send_data(second, b"payload", end_stream=True)
+            client.flush = flush  # type: ignore[method-assign]
+            client.flush()
+            a, b = await client.wait(first), await client.wait(second)
+        finally:
+            await client.close()
+    await backend.stop()
+    assert (a.status, b.status) == (200, 502)
+    assert b.header(b"x-waygate-error") == b"upstream went away before answering"
+    assert backend.received.count((2, "/second")) == 0
+    assert server.metrics.redispatches == 0
+
+
 async def test_stream_ids_exhausted_take_a_new_connection(monkeypatch):
     backend = await H2Backend().start()
     routes, built = await proxied(backend)
