@@ -109,7 +109,9 @@ class H2Backend:
     with the path as body and an `x-backend: h2` header. `goaway_after`: on its first connection,
     once that many streams have arrived, it sends GOAWAY naming the first
     stream as the last it will process, answers that one, and never the rest.
-    `tls`: a server context (with ALPN h2) makes it an h2-over-TLS backend."""
+    `tls`: a server context (with ALPN h2) makes it an h2-over-TLS backend.
+    A path starting with /upload is answered at the request's end, with the
+    length and SHA-256 of the request body it received (`_digest`) as its body."""
 
     def __init__(self, goaway_after: int = 0, *, tls: Any = None) -> None:
         self.goaway_after = goaway_after
@@ -138,33 +140,53 @@ class H2Backend:
                 self.h2.state_machine = GracefulStateMachine()
                 self.h2.initiate_connection()
                 self.pending: list[tuple[int, str]] = []
+                self.uploads: dict[int, bytes] = {}
                 transport.write(self.h2.data_to_send())
 
             def data_received(self, data: bytes) -> None:
                 for event in self.h2.receive_data(data):
-                    if isinstance(event, h2.events.RequestReceived):
-                        path = dict(event.headers)[b":path"].decode()
-                        backend.received.append((self.number, path))
-                        backend.headers.append(list(event.headers))
-                        self.pending.append((event.stream_id, path))
-                        if (
-                            backend.goaway_after
-                            and self.number == 1
-                            and len(self.pending) == backend.goaway_after
-                        ):
-                            first_id, first_path = self.pending[0]
-                            self.h2.close_connection(last_stream_id=first_id)
-                            self.answer(first_id, first_path)
-                            self.pending = []
-                        elif not backend.goaway_after or self.number > 1:
-                            for stream_id, waiting in self.pending:
-                                self.answer(stream_id, waiting)
-                            self.pending = []
+                    if isinstance(event, h2.events.DataReceived):
+                        if event.stream_id in self.uploads:
+                            self.uploads[event.stream_id] += event.data
+                            self.h2.acknowledge_received_data(
+                                event.flow_controlled_length, event.stream_id
+                            )
+                    elif (
+                        isinstance(event, h2.events.StreamEnded) and event.stream_id in self.uploads
+                    ):
+                        self.reply(event.stream_id, _digest(self.uploads.pop(event.stream_id)))
+                    if not isinstance(event, h2.events.RequestReceived):
+                        continue
+                    path = dict(event.headers)[b":path"].decode()
+                    backend.received.append((self.number, path))
+                    backend.headers.append(list(event.headers))
+                    if path.startswith("/upload"):
+                        if event.stream_ended is not None:
+                            self.reply(event.stream_id, _digest(b""))
+                        else:
+                            self.uploads[event.stream_id] = b""
+                        continue
+                    self.pending.append((event.stream_id, path))
+                    if (
+                        backend.goaway_after
+                        and self.number == 1
+                        and len(self.pending) == backend.goaway_after
+                    ):
+                        first_id, first_path = self.pending[0]
+                        self.h2.close_connection(last_stream_id=first_id)
+                        self.answer(first_id, first_path)
+                        self.pending = []
+                    elif not backend.goaway_after or self.number > 1:
+                        for stream_id, waiting in self.pending:
+                            self.answer(stream_id, waiting)
+                        self.pending = []
                 self.transport.write(self.h2.data_to_send())
 
             def answer(self, stream_id: int, path: str) -> None:
                 backend.processed.append((self.number, path))
-                body = path.encode()
+                self.reply(stream_id, path.encode())
+
+            def reply(self, stream_id: int, body: bytes) -> None:
                 self.h2.send_headers(
                     stream_id,
                     [
@@ -183,3 +205,10 @@ class H2Backend:
 
     async def stop(self) -> None:
         self._server.close()
+
+
+def _digest(body: bytes) -> bytes:
+    """What H2Backend answers an /upload with: the body's length and SHA-256."""
+    import hashlib
+
+    return b"%d %s" % (len(body), hashlib.sha256(body).hexdigest().encode())

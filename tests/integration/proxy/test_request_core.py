@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import hashlib
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -173,6 +174,33 @@ async def test_the_backend_decides_the_upstream_protocol(backends, client, backe
     if backend == "h2c":
         assert answer.body == b"/which" and answer.headers["x-backend"] == "h2"
     assert server.metrics.requests[("demo/core", b"GET", 2)] == 1
+
+
+@pytest.mark.parametrize("framing", ["length", "chunked"])
+async def test_an_http1_clients_body_reaches_an_http2_backend(backends, framing):
+    # The bridge's request side: Content-Length and chunked bodies (the payload
+    # alone, as DATA), the window respected, END_STREAM once at the body's end.
+    body = bytes(range(256)) * 1024  # 256 KiB: more than the stream's first window
+    if framing == "length":
+        framed = b"Content-Length: %d\r\n\r\n" % len(body) + body
+    else:
+        framed = b"Transfer-Encoding: chunked\r\n\r\n" + b"".join(
+            b"%x\r\n%s\r\n" % (len(body[i : i + 30000]), body[i : i + 30000])
+            for i in range(0, len(body), 30000)
+        )
+        framed += b"0\r\n\r\n"
+    table = built([core_route("h2c")], [backends.endpoint()])
+    async with running_proxy(table) as (_, port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            f"POST /upload HTTP/1.1\r\nHost: {HOST}\r\nConnection: close\r\n".encode() + framed
+        )
+        data = await asyncio.wait_for(reader.read(-1), 10)
+        writer.close()
+    head, _, answer = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    assert answer == b"%d %s" % (len(body), hashlib.sha256(body).hexdigest().encode())
+    assert backends.h2.received == [(1, "/upload")]
 
 
 @pytest.mark.parametrize(("client", "backend"), PAIRS)
