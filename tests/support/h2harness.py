@@ -111,7 +111,9 @@ class H2Backend:
     stream as the last it will process, answers that one, and never the rest.
     `tls`: a server context (with ALPN h2) makes it an h2-over-TLS backend.
     A path starting with /upload is answered at the request's end, with the
-    length and SHA-256 of the request body it received (`_digest`) as its body."""
+    length and SHA-256 of the request body it received (`_digest`) as its body;
+    one starting with /nolength without content-length, in two DATA frames and
+    trailers."""
 
     def __init__(self, goaway_after: int = 0, *, tls: Any = None) -> None:
         self.goaway_after = goaway_after
@@ -184,6 +186,13 @@ class H2Backend:
 
             def answer(self, stream_id: int, path: str) -> None:
                 backend.processed.append((self.number, path))
+                if path.startswith("/nolength"):
+                    # No content-length: the body in two DATA frames, then trailers.
+                    self.h2.send_headers(stream_id, [(b":status", b"200")])
+                    self.h2.send_data(stream_id, b"first,")
+                    self.h2.send_data(stream_id, path.encode())
+                    self.h2.send_headers(stream_id, [(b"x-trailer", b"t")], end_stream=True)
+                    return
                 self.reply(stream_id, path.encode())
 
             def reply(self, stream_id: int, body: bytes) -> None:

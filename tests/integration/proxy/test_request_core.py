@@ -203,6 +203,30 @@ async def test_an_http1_clients_body_reaches_an_http2_backend(backends, framing)
     assert backends.h2.received == [(1, "/upload")]
 
 
+async def test_an_http2_answer_without_length_is_chunked_for_an_http1_client(backends):
+    # The connection stays reusable: the answer is re-framed chunked (its
+    # trailers dropped, as on HTTP/1.1), never close-delimited.
+    table = built([core_route("h2c")], [backends.endpoint()])
+    async with running_proxy(table) as (_, port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        answers = []
+        for path in ("/nolength-1", "/nolength-2"):
+            writer.write(f"GET {path} HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode())
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert head.startswith(b"HTTP/1.1 200") and b"Transfer-Encoding: chunked" in head
+            body = b""
+            while True:
+                size = int(await asyncio.wait_for(reader.readline(), 5), 16)
+                chunk = await reader.readexactly(size + 2)
+                if size == 0:
+                    break
+                body += chunk[:-2]
+            answers.append(body)
+        writer.close()
+    assert answers == [b"first,/nolength-1", b"first,/nolength-2"]
+    assert backends.h2.connections == 1
+
+
 @pytest.mark.parametrize(("client", "backend"), PAIRS)
 async def test_tracing_at_the_sample_ratio_with_span_ids_in_the_access_log(
     backends, client, backend, caplog
