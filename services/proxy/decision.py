@@ -396,7 +396,7 @@ def decide(
             if mirror is not None:
                 mirrors.append((mirror, head))
         forward.mirrors = mirrors
-    if forward.identity:
+    if rules and forward.identity:
         # Set from the verified certificate; the client's own copies were stripped.
         head = head[:-2] + forward.identity + b"\r\n"
     forward.upstream_head = head
