@@ -276,8 +276,9 @@ class Settings(ProcessSettings):
     )
     h2_control_frames: int = setting(
         1000,
-        help="HTTP/2 control frames (PING, SETTINGS, PRIORITY, WINDOW_UPDATE, empty DATA) "
-        "allowed beyond twice the useful frames, then GOAWAY ENHANCE_YOUR_CALM",
+        help="HTTP/2 control frames (PING, SETTINGS, PRIORITY, WINDOW_UPDATE, RST_STREAM, "
+        "DATA below --h2-min-data-payload) allowed beyond twice the useful frames, counted "
+        "frame by frame, then GOAWAY ENHANCE_YOUR_CALM",
         check=positive,
     )
     h2_premature_resets: int = setting(
@@ -291,6 +292,24 @@ class Settings(ProcessSettings):
         help="HTTP/2 response bytes held per stream while the client's window is shut; "
         "past it the backend is paused",
         check=positive,
+    )
+    h2_connection_buffer: int = setting(
+        1024 * 1024,
+        help="HTTP/2 response bytes held for all of one connection's streams (its windows "
+        "shut or its socket backed up); past it every stream's backend is paused",
+        check=positive,
+    )
+    h2_held_total: int = setting(
+        64 * 1024 * 1024,
+        help="HTTP/2 response bytes held for all clients of the process together; a stream "
+        "that would pass it is reset (ENHANCE_YOUR_CALM)",
+        check=positive,
+    )
+    h2_min_data_payload: int = setting(
+        256,
+        help="HTTP/2 DATA frames below this payload (not ending their stream) count as "
+        "control frames toward --h2-control-frames",
+        check=lambda v: None if 0 <= v <= 16384 else f"must be 0..16384, not {v}",
     )
 
     def limits(self) -> Limits:
@@ -375,6 +394,9 @@ class Settings(ProcessSettings):
             control_frames=self.h2_control_frames,
             premature_resets=self.h2_premature_resets,
             stream_buffer=self.h2_stream_buffer,
+            connection_buffer=self.h2_connection_buffer,
+            held_total=self.h2_held_total,
+            min_data_payload=self.h2_min_data_payload,
         )
 
     def defaults(self) -> Defaults:

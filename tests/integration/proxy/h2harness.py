@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from tests.integration.proxy.harness import running_proxy
-from waygate.proxy.http2 import GracefulStateMachine, H2Limits
+from waygate.proxy.h2compat import GracefulStateMachine
+from waygate.proxy.http2 import H2Limits
 from waygate.proxy.server import ProxyServer
 
 
