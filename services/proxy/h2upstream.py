@@ -71,6 +71,7 @@ from waygate.resolver.model import speaks_http2
 # As waygate.proxy.exchange reads a client's trace context.
 _TRACEPARENT = re.compile(rb"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 _PROPAGATOR = TraceContextTextMapPropagator()
+_STATUS = re.compile(rb"[1-9][0-9][0-9]")
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("waygate.proxy.access")
@@ -718,7 +719,13 @@ class H2Exchange:
     def on_response(self, headers: list[tuple[bytes, bytes]], ended: bool) -> None:
         status = 0
         out: list[tuple[bytes, bytes]] = []
+        control = http1.value_control
         for name, value in headers:
+            if control(value) is not None or (name == b":status" and not _STATUS.fullmatch(value)):
+                # Not relayed: the HTTP/1.1 rule book's 502 (h2 refuses NUL, CR, LF only).
+                self._cancel_upstream()
+                self.fail(502, "upstream sent a malformed response head", "upstream_head")
+                return
             if name == b":status":
                 status = int(value)
             elif name[:1] != b":" and name not in httpheaders.HOP_BY_HOP:
@@ -759,6 +766,10 @@ class H2Exchange:
     def on_trailers(self, headers: list[tuple[bytes, bytes]]) -> None:
         trailers = [(n, v) for n, v in headers if n[:1] != b":"]
         if not self.responded:
+            return
+        if any(http1.value_control(v) is not None for _, v in trailers):
+            self._cancel_upstream()
+            self.fail(502, "upstream sent a malformed trailer", "upstream_head")
             return
         self.stream.finish(trailers)
         self._finish(self.status)

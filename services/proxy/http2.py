@@ -257,9 +257,9 @@ def _read_request(headers: list[tuple[bytes, bytes]], end_stream: bool) -> tuple
                 raise BadRequest("more than one Host header (RFC 9112 section 3.2)")
             host = value
         elif kind == _LENGTH:
-            if content_length >= 0 or not value.isdigit() or len(value) > 18:
+            # The HTTP/1.1 rule book's (no leading zeros, at most 18 digits).
+            if content_length >= 0 or (content_length := http1.content_length(value)) < 0:
                 raise BadRequest("malformed or repeated content-length (RFC 9110 section 8.6)")
-            content_length = int(value)
         elif kind == _TE:
             # "trailers" only (RFC 9113 section 8.2.2); hop-by-hop, never copied.
             if not httpheaders.h2_te_allowed(value):
@@ -274,6 +274,9 @@ def _read_request(headers: list[tuple[bytes, bytes]], end_stream: bool) -> tuple
         raise Malformed("missing :scheme or :path (RFC 9113 section 8.3.1)")
     if not path:
         raise Malformed("empty :path (RFC 9113 section 8.3.1)")
+    if scheme != b"https" and scheme != b"http":
+        # What an HTTP/1.1 request cannot name either (origin-form targets only).
+        raise BadRequest(":scheme other than http or https (RFC 9113 section 8.3.1)")
     if not authority:
         if not host:
             raise BadRequest("missing :authority and Host (RFC 9113 section 8.3.1)")

@@ -56,6 +56,8 @@ class RawH2:
         self.goaway_last_stream: int | None = None
         self.resets: dict[int, int] = {}
         self.headers_on: set[int] = set()  # streams the server answered
+        self.statuses: dict[int, int] = {}  # each answered stream's :status
+        self.decoder = hpack.Decoder()
         self.closed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -133,6 +135,7 @@ class RawH2:
                     if len(buf) < 9 + length:
                         break
                     kind = buf[3]
+                    buf_flags = buf[4]
                     stream_id = int.from_bytes(buf[5:9], "big") & 0x7FFFFFFF
                     payload = buf[9 : 9 + length]
                     buf = buf[9 + length :]
@@ -144,10 +147,21 @@ class RawH2:
                         self.resets[stream_id] = int.from_bytes(payload[:4], "big")
                     elif kind == HEADERS:
                         self.headers_on.add(stream_id)
+                        self._status(stream_id, buf_flags, payload)
         except (ConnectionError, OSError):
             pass
         finally:
             self.closed.set()
+
+    def _status(self, stream_id: int, flags: int, payload: bytes) -> None:
+        """The :status of a response's HEADERS (its block in one frame, as the proxy sends)."""
+        if flags & 0x8:  # PADDED
+            payload = payload[1 : len(payload) - payload[0]]
+        if flags & 0x20:  # PRIORITY
+            payload = payload[5:]
+        for name, value in self.decoder.decode(payload, raw=True):
+            if name == b":status":
+                self.statuses[stream_id] = int(value)
 
     async def close(self) -> None:
         if self._task is not None:

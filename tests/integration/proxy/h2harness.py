@@ -110,11 +110,20 @@ class H2Backend:
     with the path as body and an `x-backend: h2` header. `goaway_after`: on its first connection,
     once that many streams have arrived, it sends GOAWAY naming the first
     stream as the last it will process, answers that one, and never the rest.
-    `tls`: a server context (with ALPN h2) makes it an h2-over-TLS backend."""
+    `tls`: a server context (with ALPN h2) makes it an h2-over-TLS backend.
+    `answer_fields`: the response's fields instead of `:status` 200 and
+    `x-backend` (sent as given: a misbehaving backend's)."""
 
-    def __init__(self, goaway_after: int = 0, *, tls: Any = None) -> None:
+    def __init__(
+        self,
+        goaway_after: int = 0,
+        *,
+        tls: Any = None,
+        answer_fields: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
         self.goaway_after = goaway_after
         self.tls = tls
+        self.answer_fields = answer_fields
         self.port = 0
         self.processed: list[tuple[int, str]] = []  # (connection number, path)
         self.received: list[tuple[int, str]] = []
@@ -166,14 +175,8 @@ class H2Backend:
             def answer(self, stream_id: int, path: str) -> None:
                 backend.processed.append((self.number, path))
                 body = path.encode()
-                self.h2.send_headers(
-                    stream_id,
-                    [
-                        (b":status", b"200"),
-                        (b"content-length", b"%d" % len(body)),
-                        (b"x-backend", b"h2"),
-                    ],
-                )
+                fields = backend.answer_fields or [(b":status", b"200"), (b"x-backend", b"h2")]
+                self.h2.send_headers(stream_id, [*fields, (b"content-length", b"%d" % len(body))])
                 self.h2.send_data(stream_id, body, end_stream=True)
 
         self._server = await asyncio.get_running_loop().create_server(

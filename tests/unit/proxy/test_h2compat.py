@@ -223,8 +223,8 @@ def test_h2_still_reprs_each_received_frame_through_its_module_global(monkeypatc
         seen.append(obj)
         return ""
 
+    conn = _listener()  # silence() has run: h2.connection.repr is id
     monkeypatch.setattr(h2.connection, "repr", recording_repr, raising=False)
-    conn = _listener()
     conn.receive_data(PingFrame(0, opaque_data=b"12345678").serialize())
     assert any(isinstance(frame, PingFrame) for frame in seen)
 
