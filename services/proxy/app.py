@@ -275,7 +275,7 @@ class Settings(ProcessSettings):
         check=positive,
     )
     h2_control_frames: int = setting(
-        1000,
+        200,
         help="HTTP/2 control frames (PING, SETTINGS, PRIORITY, WINDOW_UPDATE, RST_STREAM, "
         "DATA below --h2-min-data-payload) allowed beyond twice the useful frames, counted "
         "frame by frame, then GOAWAY ENHANCE_YOUR_CALM",

@@ -75,7 +75,7 @@ class GuardedFrameBuffer(BoundedFrameBuffer):
     of 29,000 SETTINGS frames costs the parsing of `budget` of them, not all.
     CONTINUATION frames are the header block's, bounded in bytes above."""
 
-    budget = 1000
+    budget = 200
     min_payload = 1
     junk = 0
     useful = 0
