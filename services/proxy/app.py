@@ -281,6 +281,12 @@ class Settings(ProcessSettings):
         "frame by frame, then GOAWAY ENHANCE_YOUR_CALM",
         check=positive,
     )
+    h2_control_frame_rate: int = setting(
+        100,
+        help="HTTP/2 control frames allowed per second of a connection's life beyond "
+        "--h2-control-frames (keep-alive PINGs, slow streams of small DATA frames)",
+        check=lambda v: None if v >= 0 else f"must be 0 or more, not {v}",
+    )
     h2_premature_resets: int = setting(
         100,
         help="HTTP/2 streams a client may reset before their answer (once past half the "
@@ -392,6 +398,7 @@ class Settings(ProcessSettings):
             connection_window=self.h2_connection_window,
             max_header_list_size=self.h2_max_header_list_size,
             control_frames=self.h2_control_frames,
+            control_frame_rate=self.h2_control_frame_rate,
             premature_resets=self.h2_premature_resets,
             stream_buffer=self.h2_stream_buffer,
             connection_buffer=self.h2_connection_buffer,

@@ -26,6 +26,7 @@ The hooks:
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import h2.config
@@ -71,14 +72,22 @@ class GuardedFrameBuffer(BoundedFrameBuffer):
     stream whose payload is below `min_payload` (an empty one included; padding
     is no payload). Useful ones (`useful`): HEADERS, DATA of at least
     `min_payload`, and (counted by the connection) every DATA frame it sends.
-    More than `budget + 2 * useful` overhead frames raise `FloodError`: a read
-    of 29,000 SETTINGS frames costs the parsing of `budget` of them, not all.
-    CONTINUATION frames are the header block's, bounded in bytes above."""
+    More than `budget + 2 * useful` overhead frames, plus `refill` for every
+    second the connection has lived, raise `FloodError`: a read of 29,000
+    SETTINGS frames costs the parsing of `budget` of them, not all, while a
+    long-lived connection's keep-alive PINGs or a slow stream of small messages
+    are never cut off. CONTINUATION frames are the header block's, bounded in
+    bytes above."""
 
     budget = 200
+    refill = 100.0
     min_payload = 1
     junk = 0
     useful = 0
+
+    def __init__(self, server: bool = False) -> None:
+        super().__init__(server=server)
+        self.born = time.monotonic()
 
     def _update_header_buffer(self, f: Any) -> Any:
         kind = f.type
@@ -88,14 +97,20 @@ class GuardedFrameBuffer(BoundedFrameBuffer):
             elif "END_STREAM" not in f.flags:
                 self.junk += 1
                 if self.junk > self.budget + 2 * self.useful:
-                    raise FloodError("overhead frames past the budget")
+                    self._over_budget()
         elif kind == _HEADERS:
             self.useful += 1
         elif kind != _CONTINUATION:
             self.junk += 1
             if self.junk > self.budget + 2 * self.useful:
-                raise FloodError("overhead frames past the budget")
+                self._over_budget()
         return super()._update_header_buffer(f)
+
+    def _over_budget(self) -> None:
+        """Past the count: what the connection's age allows beyond it, else FloodError."""
+        allowed = self.budget + 2 * self.useful + (time.monotonic() - self.born) * self.refill
+        if self.junk > allowed:
+            raise FloodError("overhead frames past the budget")
 
 
 class GracefulStateMachine(h2.connection.H2ConnectionStateMachine):

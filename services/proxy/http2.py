@@ -29,14 +29,15 @@ Limits (every one a flag of `waygate proxy serve`, see `H2Limits`):
   it: an HPACK bomb costs at most that much), the compressed header block
   (HEADERS + CONTINUATION bytes held before decoding: a CONTINUATION flood
   stops there), stream and connection receive windows.
-- flood budgets, counted, not timed, frame by frame as h2 parses them
+- flood budgets, counted frame by frame as h2 parses them
   (`h2compat.GuardedFrameBuffer`: a read of thousands of frames stops at the
   one past the budget): overhead frames (PING, SETTINGS, PRIORITY,
   WINDOW_UPDATE, RST_STREAM, unknown types, and DATA not ending its stream
-  with less payload than `min_data_payload`) beyond `control_frames` plus
-  twice the useful frames (HEADERS, DATA of at least that payload, DATA sent)
-  end the connection with GOAWAY ENHANCE_YOUR_CALM; so do streams the client
-  resets before their answer (rapid reset, CVE-2023-44487) once they pass
+  with less payload than `min_data_payload`) beyond `control_frames`, plus
+  twice the useful frames (HEADERS, DATA of at least that payload, DATA sent),
+  plus `control_frame_rate` per second of the connection's life, end the
+  connection with GOAWAY ENHANCE_YOUR_CALM; so do streams the client resets
+  before their answer (rapid reset, CVE-2023-44487) once they pass
   `premature_resets` and half of the streams opened. The WINDOW_UPDATEs a
   read's DATA frames earn are given once per stream per read.
 - response bytes held for a client that does not take them (its window shut,
@@ -108,6 +109,9 @@ class H2Limits(NamedTuple):
     # costs the proxy about 7 us, so a connection's free allowance is its cost to
     # an attacker who opens connection after connection (1,000: 7 ms each).
     control_frames: int = 200
+    # ... and beyond that, this many per second of the connection's life (a
+    # long-lived connection's keep-alive PINGs, a slow stream of small messages).
+    control_frame_rate: int = 100
     # Streams reset by the client before their answer, beyond which (and past
     # half of the streams opened) the connection is refused more work.
     premature_resets: int = 100
@@ -344,6 +348,7 @@ def h2_connection(limits: H2Limits, *, client_side: bool) -> h2.connection.H2Con
     else:
         guarded = h2compat.GuardedFrameBuffer(server=True)
         guarded.budget = limits.control_frames
+        guarded.refill = limits.control_frame_rate
         guarded.min_payload = max(1, limits.min_data_payload)
         buffer = guarded
     buffer.max_header_block = limits.max_header_list_size + 1024

@@ -240,3 +240,17 @@ def test_encoder_table_stays_at_most_the_default_whatever_the_peer_advertises():
     conn.receive_data(SettingsFrame(0, settings={0x1: 100}).serialize())
     assert conn.encoder.header_table_size == 100
     assert conn.encoder.table_size_changes == [100]
+
+
+def test_a_connections_age_refills_its_budget(monkeypatch):
+    # A long-lived connection's keep-alive PINGs are never cut off; a burst is.
+    limits = H2Limits(control_frames=10, control_frame_rate=2)
+    conn = _listener(limits)
+    buffer = conn.incoming_buffer
+    ping = PingFrame(0, opaque_data=b"12345678").serialize()
+    conn.receive_data(ping * 9)  # with the SETTINGS: the budget, exactly
+    now = buffer.born
+    monkeypatch.setattr(h2compat.time, "monotonic", lambda: now + 60)
+    conn.receive_data(ping * 120)  # 60 s at 2 a second
+    with pytest.raises(h2compat.FloodError):
+        conn.receive_data(ping)
