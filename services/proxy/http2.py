@@ -555,13 +555,9 @@ class Stream:
             exchange.pause_source(True)
 
     def _resume_source(self) -> None:
-        """Resume the source once the stream and its connection are below their water marks."""
-        conn = self.conn
-        if (
-            self.held_size < LOW_WATER
-            and not conn.write_paused
-            and conn.held <= conn.limits.connection_buffer // 2
-        ):
+        """Resume the source once the stream is below low water (and its connection
+        does not hold every source paused)."""
+        if self.held_size < LOW_WATER and not self.conn.sources_paused:
             self.source_paused = False
             exchange = self.exchange
             if exchange is not None:
@@ -590,7 +586,9 @@ class Stream:
             conn.blocked.discard(self)
             if self.ended:
                 conn._end(self)
-        if self.source_paused:
+        if conn.sources_paused:
+            conn._maybe_resume_sources()
+        elif self.source_paused:
             self._resume_source()
 
     def _drop(self) -> None:
@@ -602,6 +600,8 @@ class Stream:
         self.held = []
         self.held_size = 0
         conn.blocked.discard(self)
+        if conn.sources_paused and not conn.closed:
+            conn._maybe_resume_sources()  # what it held may have been the connection's budget
 
 
 class H2ClientConnection(asyncio.Protocol):
@@ -619,6 +619,7 @@ class H2ClientConnection(asyncio.Protocol):
         # The peer's frames, counted against the flood budget as they are parsed.
         self.frames: h2compat.GuardedFrameBuffer = self.h2.incoming_buffer  # type: ignore[assignment]
         self.held = 0  # response bytes its streams hold (Stream._hold)
+        self.sources_paused = False  # every stream's source, by the connection (_pause_sources)
         self.acks: dict[int, int] = {}  # stream id -> request bytes to acknowledge after a read
         self.closed = False
         self.goaway_sent = False
@@ -732,17 +733,28 @@ class H2ClientConnection(asyncio.Protocol):
             self.transport.resume_reading()
         for stream in list(self.blocked):
             stream._flush()
-            if self.write_paused:
+            if self.write_paused or self.closed:
                 return
-        for stream in list(self.streams.values()):
-            if stream.source_paused and not stream.held:
-                stream._resume_source()
+        self._maybe_resume_sources()
 
     def _pause_sources(self) -> None:
-        """The connection holds its budget or cannot write: every stream's source waits."""
+        """The connection holds its budget or cannot write: every stream's source
+        waits until the socket drains and it holds half its budget or less."""
+        self.sources_paused = True
         for stream in list(self.streams.values()):
             if not stream.source_paused and not stream.closed:
                 stream._pause_source()
+
+    def _maybe_resume_sources(self) -> None:
+        if (
+            self.sources_paused
+            and not self.write_paused
+            and self.held <= self.limits.connection_buffer // 2
+        ):
+            self.sources_paused = False
+            for stream in list(self.streams.values()):
+                if stream.source_paused and not stream.closed:
+                    stream._resume_source()
 
     # ------------------------------------------------------------ events
 

@@ -16,6 +16,7 @@ import pytest
 from tests.integration.proxy.h2harness import running_h2_proxy
 from tests.integration.proxy.harness import RecordingUpstream, endpoint, route, table
 from tests.support.h2attack import RawH2, Steady
+from tests.support.h2client import H2Client
 from tests.support.poll import until
 from waygate.proxy import http2
 from waygate.proxy.http2 import H2Limits
@@ -93,3 +94,33 @@ async def test_the_process_holds_at_most_its_total_and_resets_past_it(upstream):
     assert held <= limits.held_total, held
     codes = [code for client in clients for code in client.resets.values()]
     assert ENHANCE_YOUR_CALM in codes, codes
+
+
+async def test_a_client_that_stops_reading_pauses_every_source_then_gets_everything(upstream):
+    # Finding 2 on a real server: the client's windows are open (2^31-1), its
+    # socket is not read. The socket's backpressure pauses every stream's source,
+    # whatever the windows say; once the client reads, every body arrives whole.
+    limits = H2Limits(connection_buffer=512 * KIB)
+    routes = table([route("echo.test", [("echo", 100)])], [endpoint("echo", upstream.port)])
+    size = 2_000_000
+    async with running_h2_proxy(routes, limits=limits) as (server, port):
+        client = await H2Client.connect(port, settings={4: 2**31 - 1})
+        try:
+            client.writer.transport.pause_reading()
+            ids = [client.start("GET", f"/big?n={size}", "echo.test") for _ in range(20)]
+            await until(lambda: http2.STATS.held_bytes > 0, "the proxy to hold", timeout=10)
+            (conn,) = [c for c in server.connections if isinstance(c, http2.H2ClientConnection)]
+            queued = 0
+            for _ in range(50):
+                queued = max(queued, conn.held + conn.transport.get_write_buffer_size())
+                await asyncio.sleep(0.02)
+            assert conn.sources_paused
+            client.writer.transport.resume_reading()
+            answers = await asyncio.gather(*(client.wait(i, timeout=30) for i in ids))
+        finally:
+            await client.close()
+        await until(lambda: http2.STATS.held_bytes == 0, "the held bytes freed", timeout=10)
+    assert [(a.status, len(a.body)) for a in answers] == [(200, size)] * 20
+    # 40 MB asked for: the connection's budget, its socket's high water mark and
+    # one read in flight per stream (what arrived before the pause took effect).
+    assert queued <= limits.connection_buffer + http2.HIGH_WATER + 20 * 128 * KIB, queued
