@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.attacks.stack import AUTHORITY, ProcessFigures, proxy_stack, run_attack
+from bench.attacks.stack import AUTHORITY, BYSTANDER, ProcessFigures, proxy_stack, run_attack
 from tests.support import h2attack
 
 KINDS = ("open-window", "tiny-data", "settings-flood")
@@ -57,30 +57,19 @@ async def measured(
 ) -> dict[str, Any]:
     """One attack against the stack's proxy, with the bystander timing it."""
     figures = ProcessFigures(pid)
-    cpu_before, rss_before = figures.cpu_seconds(), figures.rss_mib()
-    peak = rss_before
-    stop = asyncio.Event()
-
-    async def sample() -> None:
-        nonlocal peak
-        while not stop.is_set():
-            peak = max(peak, figures.rss_mib())
-            await asyncio.sleep(0.2)
-
-    sampler = asyncio.get_running_loop().create_task(sample())
-    bystander = h2attack.Bystander(port, AUTHORITY)
-    attacker, _ = await asyncio.gather(
-        run_attack(kind, port, seconds, connections), bystander.run(seconds)
-    )
-    stop.set()
-    await sampler
+    cpu_before = figures.cpu_seconds()
+    bystander = h2attack.Bystander(port, BYSTANDER)
+    async with figures.peak_rss() as rss:
+        attacker, _ = await asyncio.gather(
+            run_attack(kind, port, seconds, connections), bystander.run(seconds)
+        )
     return {
         "attack": kind,
         "seconds": seconds,
         "connections": connections,
         "bystander": bystander.report(),
         "proxy_cpu_s": round(figures.cpu_seconds() - cpu_before, 2),
-        "proxy_rss_mib": {"before": round(rss_before), "peak": round(peak)},
+        "proxy_rss_mib": {"before": round(rss[0]), "peak": round(rss[1])},
         "attacker": attacker,
     }
 
@@ -88,7 +77,7 @@ async def measured(
 async def run(kinds: list[str], seconds: float, proxy_flags: list[str]) -> None:
     with tempfile.TemporaryDirectory() as directory:
         async with proxy_stack(Path(directory), *proxy_flags) as stack:
-            quiet = await h2attack.Bystander(stack.http_port, AUTHORITY).run(3)
+            quiet = await h2attack.Bystander(stack.http_port, BYSTANDER).run(3)
             print(json.dumps({"attack": None, "bystander": quiet.report()}), flush=True)
             for kind in kinds:
                 report = await measured(

@@ -1,12 +1,14 @@
 """A proxy under attack and what it costs: the stack, the attacker's process, /proc figures.
 
-`proxy_stack(directory, *proxy_flags)`: the attack backend
-(`bench.attacks.backend`), a resolver routing `echo.test` to it and
-`waygate proxy serve` (all on port 0, each its own process), yielded as a
-`Stack` once a request through the proxy is answered. `run_attack` runs one
+`proxy_stack(directory, *proxy_flags)`: two attack backends
+(`bench.attacks.backend`), a resolver routing `echo.test` (the attacks') to
+one and `calm.test` (the bystander's) to the other, and `waygate proxy serve` (all on port 0, each its own process, started as the
+proxy's system tests start them), yielded as a `Stack` once a request through
+the proxy is answered. `run_attack` runs one
 attack of `tests.support.h2attack` in its own process for some seconds and
 returns its report (the attacker's CPU seconds included). `ProcessFigures`
-reads a process's CPU seconds and resident set from /proc.
+reads a process's CPU seconds and resident set from /proc (`peak_rss`: its
+peak while a block runs).
 """
 
 from __future__ import annotations
@@ -21,16 +23,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.support.processes import ROOT, RunningService, child_env, start_service
+from tests.support.processes import ROOT, RunningService, child_env
+from tests.system.test_proxy_system import start_proxy, start_resolver
 
-AUTHORITY = "echo.test"
+AUTHORITY = "echo.test"  # the attacked route's host
+BYSTANDER = "calm.test"  # the bystander's: the same proxy, a backend of its own
 
+# Each host its own backend process: what the attack costs its backend (400 large
+# bodies filling socket buffers) is not what the bystander measures.
 ROUTES = """
 services:
   - namespace: demo
     name: echo
     ports:
-      - {{name: http, port: 80, targetPort: {port}}}
+      - {{name: http, port: 80, targetPort: {echo}}}
+    endpoints:
+      - address: 127.0.0.1
+  - namespace: demo
+    name: calm
+    ports:
+      - {{name: http, port: 80, targetPort: {calm}}}
     endpoints:
       - address: 127.0.0.1
 routes:
@@ -38,6 +50,11 @@ routes:
     name: echo
     host: echo.test
     to: echo
+    targetPort: http
+  - namespace: demo
+    name: calm
+    host: calm.test
+    to: calm
     targetPort: http
 """
 
@@ -70,56 +87,72 @@ class ProcessFigures:
                 return int(line.split()[1]) / 1024
         return 0.0
 
+    @contextlib.asynccontextmanager
+    async def peak_rss(self, every: float = 0.1) -> AsyncIterator[list[float]]:
+        """Sample the resident set while the block runs: [before, peak] MiB."""
+        figures = [self.rss_mib()] * 2
+        done = asyncio.Event()
 
-async def _ready(port: int, timeout: float = 20.0) -> None:
-    """A request through the proxy answered 200: the routes arrived."""
+        async def sample() -> None:
+            while not done.is_set():
+                figures[1] = max(figures[1], self.rss_mib())
+                await asyncio.sleep(every)
+
+        sampler = asyncio.get_running_loop().create_task(sample())
+        try:
+            yield figures
+        finally:
+            done.set()
+            await sampler
+            figures[1] = max(figures[1], self.rss_mib())
+
+
+async def _ready(port: int, host: str, timeout: float = 20.0) -> None:
+    """A request for `host` through the proxy answered 200: its route arrived."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
         with contextlib.suppress(OSError, TimeoutError):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(b"GET /small HTTP/1.1\r\nHost: echo.test\r\n\r\n")
+            writer.write(b"GET /small HTTP/1.1\r\nHost: %s\r\n\r\n" % host.encode())
             head = await asyncio.wait_for(reader.read(4096), 5)
             writer.close()
             if head.startswith(b"HTTP/1.1 200"):
                 return
         if loop.time() > deadline:
-            raise AssertionError("the proxy never routed echo.test to the attack backend")
+            raise AssertionError(f"the proxy never routed {host} to its backend")
         await asyncio.sleep(0.1)
 
 
 @contextlib.asynccontextmanager
 async def proxy_stack(directory: Path, *proxy_flags: str) -> AsyncIterator[Stack]:
+    async with contextlib.AsyncExitStack() as stack:
+        echo = await stack.enter_async_context(_backend())
+        calm = await stack.enter_async_context(_backend())
+        routes = directory / "routes.yaml"
+        routes.write_text(ROUTES.format(echo=echo, calm=calm))
+        resolver = await start_resolver(routes)
+        stack.push_async_callback(resolver.stop)
+        proxy, port = await start_proxy(
+            resolver.grpc_address, "--shutdown-grace", "1s", *proxy_flags
+        )
+        stack.push_async_callback(proxy.stop, timeout=30)
+        for host in (AUTHORITY, BYSTANDER):
+            await _ready(port, host)
+        yield Stack(port, proxy)
+
+
+@contextlib.asynccontextmanager
+async def _backend() -> AsyncIterator[int]:
+    """A `bench.attacks.backend` process: its port; stopped (stdin closed) afterwards."""
     backend = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "bench.attacks.backend", cwd=ROOT, env=child_env(),
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip
-    resolver = proxy = None
     try:
         assert backend.stdout is not None
-        backend_port = int(await asyncio.wait_for(backend.stdout.readline(), 20))
-        routes = directory / "routes.yaml"
-        routes.write_text(ROUTES.format(port=backend_port))
-        resolver = await start_service(
-            ["waygate", "resolver", "serve", "--grpc-port", "0", "--admin-port", "0",
-             "--routes-file", str(routes)]
-        )  # fmt: skip
-        proxy = await start_service(
-            ["waygate", "proxy", "serve", "--http-port", "0", "--https-port", "0",
-             "--admin-port", "0", "--resolver-address", resolver.grpc_address,
-             "--shutdown-grace", "1s", *proxy_flags]
-        )  # fmt: skip
-        entry = next(
-            e for e in proxy.logs if e.get("msg") == "proxy listening" and "http_port" in e
-        )
-        port = int(entry["http_port"])
-        await _ready(port)
-        yield Stack(port, proxy)
+        yield int(await asyncio.wait_for(backend.stdout.readline(), 20))
     finally:
-        if proxy is not None:
-            await proxy.stop(timeout=30)
-        if resolver is not None:
-            await resolver.stop()
         if backend.stdin is not None:
             backend.stdin.close()
         try:

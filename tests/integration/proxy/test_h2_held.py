@@ -12,10 +12,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import pytest
-
 from tests.integration.proxy.h2harness import running_h2_proxy
-from tests.integration.proxy.harness import RecordingUpstream, endpoint, route, table
+from tests.integration.proxy.harness import endpoint, route, table
 from tests.support.h2attack import RawH2, Steady
 from tests.support.h2client import H2Client
 from tests.support.poll import until
@@ -26,13 +24,6 @@ from waygate.proxy.routing import Defaults
 AUTHORITY = b"echo.test"
 ENHANCE_YOUR_CALM = 0xB
 KIB = 1024
-
-
-@pytest.fixture
-async def upstream():
-    server = await RecordingUpstream().start()
-    yield server
-    await server.stop()
 
 
 async def _held_max(seconds: float) -> int:

@@ -7,19 +7,12 @@ from __future__ import annotations
 import pytest
 
 from tests.integration.proxy.h2harness import H2Backend, running_h2_proxy, serve_h2_upstreams
-from tests.integration.proxy.harness import RecordingUpstream, endpoint, route, table
+from tests.integration.proxy.harness import endpoint, route, table
 from tests.support.h2attack import RawH2
 from tests.support.h2client import H2Client
 from tests.support.poll import until
 
 AUTHORITY = b"echo.test"
-
-
-@pytest.fixture
-async def upstream():
-    server = await RecordingUpstream().start()
-    yield server
-    await server.stop()
 
 
 @pytest.mark.parametrize(
