@@ -1,19 +1,22 @@
 """Issue 31's HTTP/2 attacks on the connection layer, against a real proxy process,
-each while a bystander client's requests are timed (findings 2, 3, 4 and 10's
-process-wide bound on held bytes).
+each while a bystander client's requests are timed (findings 2, 3 and 4; the
+process-wide bound on held bytes of finding 10 is tests/integration/proxy/
+test_h2_held.py).
 
-Each test starts its own stack (`bench.attacks.stack.proxy_stack`: a backend, a
-resolver and `waygate proxy serve`, each its own process), runs the attack in
-its own process (`python -m bench.attacks attack`, so that its cost is not
-the bystander's) for ATTACK_SECONDS, and asserts the bystander's success rate,
-the requests it got through and its p99, with margins the code before the fix
-cannot meet but a loaded two-core machine meets with room. Measured here (6 s,
-the bystander alone: about 250 requests, p99 6 ms):
+Each test starts its own stack (`bench.attacks.stack.proxy_stack`: a resolver,
+`waygate proxy serve`, the attacked route's backend and the bystander's own,
+each its own process), runs the attack in its own process (`python -m
+bench.attacks attack`, so that its cost is not the bystander's) for
+ATTACK_SECONDS, and asserts the bystander's success rate, the requests it got
+through and its p99, with margins the code before the fix cannot meet but a
+loaded two-core machine meets with room. Measured here (6 s, load average 7-9
+on two cores; the bystander alone: about 250 requests, p99 6-20 ms):
 
-    attack           before the fix                        after
-    open window (4)  11 requests, 82%, p99 5.0 s, 2.7 GiB   193, 100%, p99 50 ms, +20 MiB
-    tiny DATA (1)    10 requests, 90%, p99 5.0 s            244, 100%, p99 75 ms
-    SETTINGS (8)     14 requests, 100%, p99 2.3 s           273, 100%, p99 40 ms
+    attack            before the fix                           after
+    open window (4)   70 requests, 98.6%, p99 5.0 s, 2.7 GiB    210-390, 100%, p99 30-230 ms, +17-69 MiB
+    tiny DATA (1)     88 requests, 97.7%, p99 5.0 s             240, 100%, p99 75 ms
+    SETTINGS (8)      68 requests, 100%, p99 1.6 s, 93 ms CPU    270, 100%, p99 40 ms, 2 ms CPU
+                      per flooding connection                   per connection
 
 `python -m bench.attacks` runs the same attacks longer and reports the figures.
 """
@@ -34,9 +37,9 @@ pytestmark = pytest.mark.system
 ATTACK_SECONDS = 6.0
 # The bystander during an attack: (almost) every request answered, none slow,
 # and at least a quarter of the requests it gets through alone.
-MIN_SUCCESS = 0.97
+MIN_SUCCESS = 0.99
 MIN_ATTEMPTS = 60
-MAX_P99 = 1.0  # seconds
+MAX_P99 = 0.75  # seconds
 
 
 async def _refused(admin_port: int, reason: str) -> int:
@@ -96,7 +99,13 @@ async def test_settings_flood_is_cut_frame_by_frame(tmp_path: Path):
     # each reconnecting: parsing stops at the frame past the budget, not at the
     # end of the read.
     async with proxy_stack(tmp_path) as stack:
+        figures = ProcessFigures(stack.pid)
+        cpu = figures.cpu_seconds()
         bystander, attacker = await _attacked(stack, "settings-flood", 8)
+        cpu = figures.cpu_seconds() - cpu
         refused = await _refused(stack.proxy.admin_port, "control_flood")
     _assert_served(bystander)
     assert refused >= attacker["connections"] - 8
+    # What one flooding connection costs the proxy: before, a whole read parsed
+    # (93 ms of CPU each); now the budget's frames and the connection's set-up (2 ms).
+    assert cpu / attacker["connections"] < 0.02, (cpu, attacker)
