@@ -254,3 +254,21 @@ def test_a_connections_age_refills_its_budget(monkeypatch):
     conn.receive_data(ping * 120)  # 60 s at 2 a second
     with pytest.raises(h2compat.FloodError):
         conn.receive_data(ping)
+
+
+def test_hpack_header_table_still_has_what_the_counted_table_hooks():
+    # hpackcache.CountedTable counts the table's changes by overriding `add` and
+    # the `maxsize` setter; the coders read `header_table` and `resized`
+    # (tests/unit/proxy/test_hpackcache.py checks the bytes against hpack's).
+    from hpack.table import HeaderTable
+
+    assert isinstance(HeaderTable.__dict__["maxsize"], property)
+    assert HeaderTable.__dict__["maxsize"].fset is not None
+    assert callable(HeaderTable.add)
+    table = hpackcache.CountedTable()
+    assert table.resized is False
+    table.add(b"a", b"b")
+    table.maxsize = 100
+    assert (table.generation, table.resized) == (2, True)
+    assert isinstance(hpack.Encoder().header_table, HeaderTable)
+    assert isinstance(hpack.Decoder().header_table, HeaderTable)
