@@ -277,14 +277,14 @@ class Settings(ProcessSettings):
     h2_control_frames: int = setting(
         200,
         help="HTTP/2 control frames (PING, SETTINGS, PRIORITY, WINDOW_UPDATE, RST_STREAM, "
-        "DATA below --h2-min-data-payload) allowed beyond twice the useful frames, counted "
+        "empty DATA not ending its stream) allowed beyond twice the useful frames, counted "
         "frame by frame, then GOAWAY ENHANCE_YOUR_CALM",
         check=positive,
     )
     h2_control_frame_rate: int = setting(
         100,
         help="HTTP/2 control frames allowed per second of a connection's life beyond "
-        "--h2-control-frames (keep-alive PINGs, slow streams of small DATA frames)",
+        "--h2-control-frames (keep-alive PINGs)",
         check=lambda v: None if v >= 0 else f"must be 0 or more, not {v}",
     )
     h2_premature_resets: int = setting(
@@ -313,9 +313,21 @@ class Settings(ProcessSettings):
     )
     h2_min_data_payload: int = setting(
         256,
-        help="HTTP/2 DATA frames below this payload (not ending their stream) count as "
-        "control frames toward --h2-control-frames",
+        help="HTTP/2 DATA frames with some payload below this (not ending their stream) are "
+        "small: charged to their connection's read rate (--h2-small-data-rate)",
         check=lambda v: None if 0 <= v <= 16384 else f"must be 0..16384, not {v}",
+    )
+    h2_small_data_rate: int = setting(
+        5000,
+        help="HTTP/2 small DATA frames a client connection may send a second; faster, its "
+        "reads pause until its bucket refills (slowed, not ended)",
+        check=positive,
+    )
+    h2_small_data_burst: int = setting(
+        5000,
+        help="HTTP/2 small DATA frames a client connection may send at once beyond "
+        "--h2-small-data-rate (its bucket's size; a new connection's is full)",
+        check=positive,
     )
 
     def limits(self) -> Limits:
@@ -404,6 +416,8 @@ class Settings(ProcessSettings):
             connection_buffer=self.h2_connection_buffer,
             held_total=self.h2_held_total,
             min_data_payload=self.h2_min_data_payload,
+            small_data_rate=self.h2_small_data_rate,
+            small_data_burst=self.h2_small_data_burst,
         )
 
     def defaults(self) -> Defaults:

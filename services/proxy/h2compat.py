@@ -45,7 +45,7 @@ _CONTINUATION = 0x9
 
 
 class FloodError(h2.exceptions.DenialOfServiceError):
-    """The peer sent more control frames (or tiny DATA frames) than its budget."""
+    """The peer sent more control frames (or empty DATA frames) than its budget."""
 
 
 class BoundedFrameBuffer(h2.frame_buffer.FrameBuffer):
@@ -68,22 +68,28 @@ class GuardedFrameBuffer(BoundedFrameBuffer):
     h2 acts on it, and the read stops at the frame that passes the budget.
 
     Overhead frames (`junk`): SETTINGS, PING, PRIORITY, WINDOW_UPDATE,
-    RST_STREAM, GOAWAY, unknown types, and a DATA frame that does not end its
-    stream whose payload is below `min_payload` (an empty one included; padding
-    is no payload). Useful ones (`useful`): HEADERS, DATA of at least
-    `min_payload`, and (counted by the connection) every DATA frame it sends.
-    More than `budget + 2 * useful` overhead frames, plus `refill` for every
-    second the connection has lived, raise `FloodError`: a read of 29,000
-    SETTINGS frames costs the parsing of `budget` of them, not all, while a
-    long-lived connection's keep-alive PINGs or a slow stream of small messages
-    are never cut off. CONTINUATION frames are the header block's, bounded in
-    bytes above."""
+    RST_STREAM, GOAWAY, unknown types, and an empty DATA frame that does not end
+    its stream (padding is no payload; Envoy's
+    max_inbound_frames_with_empty_payload). Useful ones (`useful`): HEADERS,
+    DATA of at least `min_payload`, and (counted by the connection) every DATA
+    frame it sends. More than `budget + 2 * useful` overhead frames, plus
+    `refill` for every second the connection has lived, raise `FloodError`: a
+    read of 29,000 SETTINGS frames costs the parsing of `budget` of them, not
+    all, while a long-lived connection's keep-alive PINGs are never cut off.
+    CONTINUATION frames are the header block's, bounded in bytes above.
+
+    Small DATA frames (`small`): some payload, less than `min_payload`, not
+    ending their stream. Legitimate (a gRPC stream of small messages) but a
+    cost per frame: counted here only, an integer add; the connection charges
+    them to its own read rate once the read is parsed (`http2.FrameBucket`),
+    slowing its reads, never ending it."""
 
     budget = 200
     refill = 100.0
     min_payload = 1
     junk = 0
     useful = 0
+    small = 0
 
     def __init__(self, server: bool = False) -> None:
         super().__init__(server=server)
@@ -92,12 +98,16 @@ class GuardedFrameBuffer(BoundedFrameBuffer):
     def _update_header_buffer(self, f: Any) -> Any:
         kind = f.type
         if kind == _DATA:
-            if len(f.data) >= self.min_payload and f.data:
+            size = len(f.data)
+            if size >= self.min_payload:
                 self.useful += 1
             elif "END_STREAM" not in f.flags:
-                self.junk += 1
-                if self.junk > self.budget + 2 * self.useful:
-                    self._over_budget()
+                if size:
+                    self.small += 1
+                else:
+                    self.junk += 1
+                    if self.junk > self.budget + 2 * self.useful:
+                        self._over_budget()
         elif kind == _HEADERS:
             self.useful += 1
         elif kind != _CONTINUATION:

@@ -32,14 +32,22 @@ Limits (every one a flag of `waygate proxy serve`, see `H2Limits`):
 - flood budgets, counted frame by frame as h2 parses them
   (`h2compat.GuardedFrameBuffer`: a read of thousands of frames stops at the
   one past the budget): overhead frames (PING, SETTINGS, PRIORITY,
-  WINDOW_UPDATE, RST_STREAM, unknown types, and DATA not ending its stream
-  with less payload than `min_data_payload`) beyond `control_frames`, plus
-  twice the useful frames (HEADERS, DATA of at least that payload, DATA sent),
-  plus `control_frame_rate` per second of the connection's life, end the
-  connection with GOAWAY ENHANCE_YOUR_CALM; so do streams the client resets
-  before their answer (rapid reset, CVE-2023-44487) once they pass
-  `premature_resets` and half of the streams opened. The WINDOW_UPDATEs a
-  read's DATA frames earn are given once per stream per read.
+  WINDOW_UPDATE, RST_STREAM, unknown types, and empty DATA not ending its
+  stream) beyond `control_frames`, plus twice the useful frames (HEADERS, DATA
+  of at least `min_data_payload`, DATA sent), plus `control_frame_rate` per
+  second of the connection's life, end the connection with GOAWAY
+  ENHANCE_YOUR_CALM; so do streams the client resets before their answer
+  (rapid reset, CVE-2023-44487) once they pass `premature_resets` and half of
+  the streams opened. The WINDOW_UPDATEs a read's DATA frames earn are given
+  once per stream per read.
+- small DATA frames (some payload, less than `min_data_payload`, not ending
+  their stream: a gRPC stream of small messages, or an attacker's 1-byte
+  frames) are fair, not fatal: each connection has its own bucket of them
+  (`FrameBucket`: `small_data_rate` a second, `small_data_burst` saved), charged
+  once per read; a connection past it stops being read (`pause_reading`) until
+  its bucket is refilled, a timer resuming it. What was read is processed
+  whole, so a flood costs the proxy at most the rate plus one read per pause,
+  and its own connection waits for it, not the others.
 - response bytes held for a client that does not take them (its window shut,
   or its socket backed up whatever its window says: `pause_writing`):
   `stream_buffer` per stream, `connection_buffer` for all of a connection's
@@ -123,9 +131,13 @@ class H2Limits(NamedTuple):
     # Response bytes held for every HTTP/2 client of the process together: a
     # stream whose hold would pass it is reset (ENHANCE_YOUR_CALM).
     held_total: int = 64 * 1024 * 1024
-    # A DATA frame that does not end its stream and carries less payload than
-    # this counts toward the control-frame budget, as a PING does.
+    # A DATA frame that does not end its stream and carries some payload but less
+    # than this is a small one (an empty one is a control frame).
     min_data_payload: int = 256
+    # Small DATA frames a connection may send a second, and save up (a fresh
+    # connection's bucket is full); past them its reads wait for the bucket.
+    small_data_rate: int = 5000
+    small_data_burst: int = 5000
 
 
 # A regular field name as the HTTP/1.1 rule book takes it: lower-case token characters.
@@ -362,6 +374,32 @@ def h2_connection(limits: H2Limits, *, client_side: bool) -> h2.connection.H2Con
     )
 
 
+class FrameBucket:
+    """A connection's bucket of small DATA frames (sans-IO: times are given).
+
+    It holds at most `burst` frames, starts full and refills at `rate` a
+    second. `charge(frames, now)` takes a read's frames, into debt if need be,
+    and says how long the connection must not be read for the bucket to be
+    back at zero (0.0: read on). Charged once per read, not per frame."""
+
+    __slots__ = ("burst", "level", "rate", "stamp")
+
+    def __init__(self, rate: float, burst: float, now: float) -> None:
+        self.rate = float(rate)
+        self.burst = float(burst)
+        self.level = self.burst
+        self.stamp = now
+
+    def charge(self, frames: int, now: float) -> float:
+        level = self.level + (now - self.stamp) * self.rate
+        if level > self.burst:
+            level = self.burst
+        level -= frames
+        self.level = level
+        self.stamp = now
+        return 0.0 if level >= 0 else -level / self.rate
+
+
 class H2Stats:
     """Counters of the HTTP/2 listeners (exported by `H2Collector`, read by the
     attack tests). Plain attributes: a stream costs an integer add."""
@@ -372,6 +410,8 @@ class H2Stats:
         self.goaway: dict[str, int] = {}  # connections ended by the proxy, by reason
         self.held_bytes = 0  # response bytes held for clients not taking them, now
         self.held_refused = 0  # streams reset at the process's bound on held bytes
+        self.small_data = 0  # small DATA frames taken from clients (FrameBucket)
+        self.small_data_pauses = 0  # reads paused for a connection's small DATA frames
 
     def refused(self, reason: str) -> None:
         self.goaway[reason] = self.goaway.get(reason, 0) + 1
@@ -417,6 +457,18 @@ class H2Collector(Collector):
             "HTTP/2 streams reset because the process held its bound of response bytes "
             "for clients not taking them (--h2-held-total)",
             value=STATS.held_refused,
+        )
+        yield CounterMetricFamily(
+            "waygate_proxy_h2_small_data_frames",
+            "small DATA frames taken from HTTP/2 clients (payload below --h2-min-data-payload, "
+            "not ending their stream), charged to each connection's read rate",
+            value=STATS.small_data,
+        )
+        yield CounterMetricFamily(
+            "waygate_proxy_h2_small_data_pauses",
+            "times an HTTP/2 client connection's reads were paused because it sent small "
+            "DATA frames faster than --h2-small-data-rate (past --h2-small-data-burst)",
+            value=STATS.small_data_pauses,
         )
 
 
@@ -625,7 +677,13 @@ class H2ClientConnection(asyncio.Protocol):
         self.goaway_sent = False
         self.last_stream = 0
         self.write_paused = False
-        self.read_paused = False
+        self.read_paused = False  # by either of: write_paused, small_data_wait
+        # Small DATA frames charged to this connection's reads, and the timer that
+        # resumes them once its bucket is refilled (None: not waiting).
+        self.small_data_bucket = FrameBucket(
+            limits.small_data_rate, limits.small_data_burst, self.loop.time()
+        )
+        self.small_data_wait: asyncio.TimerHandle | None = None
         self.opened = 0
         self.premature = 0
         self.peer = "unknown"
@@ -694,6 +752,8 @@ class H2ClientConnection(asyncio.Protocol):
                 self._check_floods()
                 if self.closed:
                     return
+        if self.frames.small:
+            self._charge_small_data()
         if self.acks:
             self._ack_read()
         # What these frames asked for (acknowledgements, local answers) leaves now,
@@ -708,6 +768,7 @@ class H2ClientConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._timer_kind = _T_NONE
+        self._cancel_small_data_wait()
         for stream in list(self.streams.values()):
             self._abandon(stream)
         self.streams.clear()
@@ -728,7 +789,7 @@ class H2ClientConnection(asyncio.Protocol):
         self.write_paused = False
         if self.closed:
             return
-        if self.transport is not None and self.read_paused:
+        if self.transport is not None and self.read_paused and self.small_data_wait is None:
             self.read_paused = False
             self.transport.resume_reading()
         for stream in list(self.blocked):
@@ -736,6 +797,35 @@ class H2ClientConnection(asyncio.Protocol):
             if self.write_paused or self.closed:
                 return
         self._maybe_resume_sources()
+
+    def _charge_small_data(self) -> None:
+        """The read's small DATA frames, charged to this connection's bucket: past
+        it, no more reads until the bucket is back at zero (what was read is done)."""
+        frames = self.frames.small
+        self.frames.small = 0
+        STATS.small_data += frames
+        wait = self.small_data_bucket.charge(frames, self.loop.time())
+        if not wait:
+            return
+        STATS.small_data_pauses += 1
+        if self.small_data_wait is not None:
+            self.small_data_wait.cancel()  # a read delivered while pausing: wait for all
+        if not self.read_paused and self.transport is not None:
+            self.read_paused = True
+            self.transport.pause_reading()
+        self.small_data_wait = self.loop.call_later(wait, self._small_data_refilled)
+
+    def _small_data_refilled(self) -> None:
+        self.small_data_wait = None
+        if self.closed or self.write_paused or not self.read_paused:
+            return
+        self.read_paused = False
+        self.transport.resume_reading()  # type: ignore[union-attr]
+
+    def _cancel_small_data_wait(self) -> None:
+        if self.small_data_wait is not None:
+            self.small_data_wait.cancel()
+            self.small_data_wait = None
 
     def _pause_sources(self) -> None:
         """The connection holds its budget or cannot write: every stream's source
@@ -1012,6 +1102,7 @@ class H2ClientConnection(asyncio.Protocol):
         self._flush_now()  # what is queued (a last answer, a GOAWAY) goes first
         self.closed = True
         self._timer_kind = _T_NONE
+        self._cancel_small_data_wait()
         for stream in list(self.streams.values()):
             self._abandon(stream)
         self.streams.clear()

@@ -134,7 +134,7 @@ def test_control_frames_are_counted_frame_by_frame_as_they_are_parsed():
     assert len(acks) == parsed - 1  # the one past the budget was never acted on
 
 
-def test_tiny_data_frames_count_toward_the_budget_and_full_ones_earn_it():
+def test_small_data_frames_are_counted_apart_and_empty_ones_toward_the_budget():
     limits = H2Limits(control_frames=20, min_data_payload=100, stream_window=2**20)
     conn = _listener(limits)
     buffer = conn.incoming_buffer
@@ -142,19 +142,31 @@ def test_tiny_data_frames_count_toward_the_budget_and_full_ones_earn_it():
     conn.receive_data(_headers(1))
     assert buffer.useful == 1
     conn.receive_data(DataFrame(1, data=b"x" * 100).serialize() * 5)
-    assert (buffer.useful, buffer.junk) == (6, 1)
+    assert (buffer.useful, buffer.junk, buffer.small) == (6, 1, 0)
     conn.receive_data(DataFrame(1, data=b"x" * 99, pad_length=100, flags=["PADDED"]).serialize())
-    assert buffer.junk == 2  # padding is no payload
+    assert (buffer.junk, buffer.small) == (1, 1)  # padding is no payload
+    conn.receive_data(DataFrame(1, data=b"", pad_length=100, flags=["PADDED"]).serialize())
+    assert (buffer.junk, buffer.small) == (2, 1)  # an empty frame is a control frame
     conn.receive_data(DataFrame(1, data=b"x", flags=["END_STREAM"]).serialize())
-    assert buffer.junk == 2  # a stream's last frame may be short
+    assert (buffer.junk, buffer.small) == (2, 1)  # a stream's last frame may be short
     conn.receive_data(WindowUpdateFrame(0, window_increment=1).serialize())
     assert buffer.junk == 3
+    # Small frames never end the connection here (the connection paces them:
+    # http2.FrameBucket); empty ones do, past the budget.
     conn2 = _listener(limits)
     conn2.receive_data(_headers(1))
+    conn2.receive_data(DataFrame(1, data=b"x").serialize() * 1000)
+    assert (conn2.incoming_buffer.small, conn2.incoming_buffer.junk) == (1000, 1)
     with pytest.raises(h2compat.FloodError):
-        conn2.receive_data(DataFrame(1, data=b"x").serialize() * 1000)
-    # SETTINGS and 22 tiny frames: past 20 + 2 * the one HEADERS.
+        conn2.receive_data(DataFrame(1, data=b"").serialize() * 1000)
+    # SETTINGS and 22 empty frames: past 20 + 2 * the one HEADERS.
     assert conn2.incoming_buffer.junk == limits.control_frames + 2 + 1
+
+
+def test_min_data_payload_zero_makes_no_frame_small():
+    conn = _listener(H2Limits(min_data_payload=0))
+    conn.receive_data(_headers(1) + DataFrame(1, data=b"x").serialize() * 10)
+    assert (conn.incoming_buffer.small, conn.incoming_buffer.useful) == (0, 11)
 
 
 # ---------------------------------------------------------------- the inbound window manager
