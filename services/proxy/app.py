@@ -276,10 +276,17 @@ class Settings(ProcessSettings):
         check=positive,
     )
     h2_control_frames: int = setting(
-        1000,
-        help="HTTP/2 control frames (PING, SETTINGS, PRIORITY, WINDOW_UPDATE, empty DATA) "
-        "allowed beyond twice the useful frames, then GOAWAY ENHANCE_YOUR_CALM",
+        200,
+        help="HTTP/2 control frames (PING, SETTINGS, PRIORITY, WINDOW_UPDATE, RST_STREAM, "
+        "empty DATA not ending its stream) allowed beyond twice the useful frames, counted "
+        "frame by frame, then GOAWAY ENHANCE_YOUR_CALM",
         check=positive,
+    )
+    h2_control_frame_rate: int = setting(
+        100,
+        help="HTTP/2 control frames allowed per second of a connection's life beyond "
+        "--h2-control-frames (keep-alive PINGs)",
+        check=lambda v: None if v >= 0 else f"must be 0 or more, not {v}",
     )
     h2_premature_resets: int = setting(
         100,
@@ -291,6 +298,36 @@ class Settings(ProcessSettings):
         256 * 1024,
         help="HTTP/2 response bytes held per stream while the client's window is shut; "
         "past it the backend is paused",
+        check=positive,
+    )
+    h2_connection_buffer: int = setting(
+        1024 * 1024,
+        help="HTTP/2 response bytes held for all of one connection's streams (its windows "
+        "shut or its socket backed up); past it every stream's backend is paused",
+        check=positive,
+    )
+    h2_held_total: int = setting(
+        64 * 1024 * 1024,
+        help="HTTP/2 response bytes held for all clients of the process together; a stream "
+        "that would pass it is reset (ENHANCE_YOUR_CALM)",
+        check=positive,
+    )
+    h2_min_data_payload: int = setting(
+        256,
+        help="HTTP/2 DATA frames with some payload below this (not ending their stream) are "
+        "small: charged to their connection's read rate (--h2-small-data-rate)",
+        check=lambda v: None if 0 <= v <= 16384 else f"must be 0..16384, not {v}",
+    )
+    h2_small_data_rate: int = setting(
+        5000,
+        help="HTTP/2 small DATA frames a client connection may send a second; faster, its "
+        "reads pause until its bucket refills (slowed, not ended)",
+        check=positive,
+    )
+    h2_small_data_burst: int = setting(
+        5000,
+        help="HTTP/2 small DATA frames a client connection may send at once beyond "
+        "--h2-small-data-rate (its bucket's size; a new connection's is full)",
         check=positive,
     )
 
@@ -374,8 +411,14 @@ class Settings(ProcessSettings):
             connection_window=self.h2_connection_window,
             max_header_list_size=self.h2_max_header_list_size,
             control_frames=self.h2_control_frames,
+            control_frame_rate=self.h2_control_frame_rate,
             premature_resets=self.h2_premature_resets,
             stream_buffer=self.h2_stream_buffer,
+            connection_buffer=self.h2_connection_buffer,
+            held_total=self.h2_held_total,
+            min_data_payload=self.h2_min_data_payload,
+            small_data_rate=self.h2_small_data_rate,
+            small_data_burst=self.h2_small_data_burst,
         )
 
     def defaults(self) -> Defaults:

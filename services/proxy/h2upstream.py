@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from typing import Any
 
 import h2.events
@@ -65,6 +66,8 @@ from waygate.proxy.http2 import (
 )
 from waygate.proxy.routing import RouteEntry, Target
 from waygate.proxy.upstream import ConnectError, start
+
+_STATUS = re.compile(rb"[1-9][0-9][0-9]")
 
 log = logging.getLogger(__name__)
 
@@ -726,7 +729,13 @@ class H2Exchange(UpstreamStream):
     def on_response(self, headers: list[tuple[bytes, bytes]], ended: bool) -> None:
         status = 0
         out: list[tuple[bytes, bytes]] = []
+        control = http1.value_control
         for name, value in headers:
+            if control(value) is not None or (name == b":status" and not _STATUS.fullmatch(value)):
+                # Not relayed: the HTTP/1.1 rule book's 502 (h2 refuses NUL, CR, LF only).
+                self._cancel_upstream()
+                self.fail(502, "upstream sent a malformed response head", "upstream_head")
+                return
             if name == b":status":
                 status = int(value)
             elif name[:1] != b":" and name not in httpheaders.HOP_BY_HOP:
@@ -758,6 +767,10 @@ class H2Exchange(UpstreamStream):
     def on_trailers(self, headers: list[tuple[bytes, bytes]]) -> None:
         trailers = [(n, v) for n, v in headers if n[:1] != b":"]
         if not self.responded:
+            return
+        if any(http1.value_control(v) is not None for _, v in trailers):
+            self._cancel_upstream()
+            self.fail(502, "upstream sent a malformed trailer", "upstream_head")
             return
         self.stream.finish(trailers)
         self._finish(self.status)

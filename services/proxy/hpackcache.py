@@ -19,6 +19,11 @@ Invariants:
   never-indexed fields, blocks that fail).
 - bounded: at most `ENTRIES` blocks per coder, each at most `BLOCK_BYTES` long
   (encoded) and `FIELDS` fields; all are forgotten when the table changes.
+- the encoder's dynamic table is at most `MAX_ENCODER_TABLE` bytes, whatever
+  SETTINGS_HEADER_TABLE_SIZE the peer advertises (RFC 7541 section 4.2 lets an
+  encoder use less, and it says so with a size update): a peer's settings cannot
+  make the proxy keep more than that per connection. The decoder's table is
+  bounded by the size the proxy advertises (h2's default, 4,096).
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from hpack.table import HeaderTable
 ENTRIES = 32
 BLOCK_BYTES = 512
 FIELDS = 64
+# The encoder's table: HPACK's default size, the most a peer's SETTINGS may get.
+MAX_ENCODER_TABLE = 4096
 _HEADER_TUPLE = itertools.repeat(hpack.HeaderTuple)
 
 
@@ -63,6 +70,15 @@ class Encoder(hpack.Encoder):
         self.header_table: CountedTable = CountedTable()
         self._blocks: dict[tuple[Any, ...], bytes] = {}
         self._generation = 0
+
+    @property
+    def header_table_size(self) -> int:
+        return self.header_table.maxsize
+
+    @header_table_size.setter
+    def header_table_size(self, value: int) -> None:
+        # h2 sets this from the peer's SETTINGS_HEADER_TABLE_SIZE: at most ours.
+        hpack.Encoder.header_table_size.fset(self, min(value, MAX_ENCODER_TABLE))  # type: ignore[attr-defined]
 
     def encode(self, headers: Any, huffman: bool = True) -> bytes:
         table = self.header_table

@@ -376,6 +376,17 @@ def parse_request_head(head: bytes) -> RequestHead:
 _METHOD: Final = re.compile(_TCHAR + rb"++")
 _TARGET: Final = re.compile(rb"[\x21-\x7e]++")
 _VALUE_CONTROL: Final = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+#: A field value's control characters, the rule of requests' and responses' heads
+#: (RFC 9110 section 5.5): the match, or None. For fields that come as HTTP/2 fields.
+value_control: Final = _VALUE_CONTROL.search
+
+
+def content_length(value: bytes) -> int:
+    """A request's Content-Length value by this rule book (digits, no leading zeros,
+    at most 18), or -1 when it is malformed."""
+    return int(value) if _LENGTH.fullmatch(value) else -1
+
+
 # Methods llhttp (the second parse) takes, learnt one by one (at most its own list).
 _KNOWN_METHODS: Final[set[bytes]] = set()
 
@@ -406,6 +417,8 @@ def request_from_fields(
         raise BadMessage("malformed method (RFC 9110 section 9.1)")
     if _TARGET.fullmatch(target) is None:
         raise BadMessage("control character or space in the request target (RFC 9112 section 3.2)")
+    if len(method) + len(target) + 11 > MAX_REQUEST_LINE:  # as its request line would be
+        raise BadMessage("request line longer than 8 KiB", 414)
     request = RequestHead()
     request.method = method
     request.target = target

@@ -29,18 +29,37 @@ Limits (every one a flag of `waygate proxy serve`, see `H2Limits`):
   it: an HPACK bomb costs at most that much), the compressed header block
   (HEADERS + CONTINUATION bytes held before decoding: a CONTINUATION flood
   stops there), stream and connection receive windows.
-- flood budgets, counted, not timed: control frames (PING, SETTINGS,
-  PRIORITY, WINDOW_UPDATE, empty DATA) beyond `control_frames` plus twice the
-  useful frames (streams opened, DATA with payload either way) end the
-  connection with GOAWAY ENHANCE_YOUR_CALM; so do streams the client resets
-  before their answer (rapid reset, CVE-2023-44487) once they pass
-  `premature_resets` and half of the streams opened.
-- response bytes held per stream while the client's window is closed:
-  `stream_buffer`; past it the upstream is paused (a client that never opens
-  its window holds at most that much per stream, until the exchange's
-  server timeout ends it). Request bytes are acknowledged (WINDOW_UPDATE)
-  only once handed to the upstream: a slow upstream closes the client's
-  window instead of growing a buffer.
+- flood budgets, counted frame by frame as h2 parses them
+  (`h2compat.GuardedFrameBuffer`: a read of thousands of frames stops at the
+  one past the budget): overhead frames (PING, SETTINGS, PRIORITY,
+  WINDOW_UPDATE, RST_STREAM, unknown types, and empty DATA not ending its
+  stream) beyond `control_frames`, plus twice the useful frames (HEADERS, DATA
+  of at least `min_data_payload`, DATA sent), plus `control_frame_rate` per
+  second of the connection's life, end the connection with GOAWAY
+  ENHANCE_YOUR_CALM; so do streams the client resets before their answer
+  (rapid reset, CVE-2023-44487) once they pass `premature_resets` and half of
+  the streams opened. The WINDOW_UPDATEs a read's DATA frames earn are given
+  once per stream per read.
+- small DATA frames (some payload, less than `min_data_payload`, not ending
+  their stream: a gRPC stream of small messages, or an attacker's 1-byte
+  frames) are fair, not fatal: each connection has its own bucket of them
+  (`FrameBucket`: `small_data_rate` a second, `small_data_burst` saved), charged
+  once per read; a connection past it stops being read (`pause_reading`) until
+  its bucket is refilled, a timer resuming it. What was read is processed
+  whole, so a flood costs the proxy at most the rate plus one read per pause,
+  and its own connection waits for it, not the others.
+- response bytes held for a client that does not take them (its window shut,
+  or its socket backed up whatever its window says: `pause_writing`):
+  `stream_buffer` per stream, `connection_buffer` for all of a connection's
+  streams, past which the sources (the upstreams) are paused, every stream's
+  at once when the connection's socket backs up; and `held_total` for the
+  whole process, past which a stream that would hold more is reset
+  (ENHANCE_YOUR_CALM). A client that never reads holds at most that much
+  until the exchanges' server timeout ends them. The HPACK tables are bounded
+  too (`hpackcache`: the encoder's at 4 KiB whatever the client advertises).
+  Request bytes are acknowledged (WINDOW_UPDATE) only once handed to the
+  upstream: a slow upstream closes the client's window instead of growing a
+  buffer.
 - the proxy stops reading a connection whose own writes back up (PING and
   SETTINGS acknowledgements cannot pile up for a client that does not read).
 
@@ -59,19 +78,16 @@ import re
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
-import h2.config
 import h2.connection
 import h2.events
 import h2.exceptions
-import h2.frame_buffer
 import h2.settings
-import hpack.hpack
 from h2.errors import ErrorCodes
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from waygate.core import flow, httpheaders
-from waygate.proxy import grpcstatus, hpackcache, http1
+from waygate.proxy import grpcstatus, h2compat, http1
 from waygate.proxy.routing import Side
 
 log = logging.getLogger(__name__)
@@ -97,13 +113,31 @@ class H2Limits(NamedTuple):
     # Decoded header list (names + values + 32 per field, RFC 9113 6.5.2); the
     # same size as the HTTP/1.1 head limit.
     max_header_list_size: int = http1.MAX_HEAD_BYTES
-    # Control frames allowed beyond twice the useful frames (see module doc).
-    control_frames: int = 1000
+    # Control frames allowed beyond twice the useful frames (see module doc): each
+    # costs the proxy about 7 us, so a connection's free allowance is its cost to
+    # an attacker who opens connection after connection (1,000: 7 ms each).
+    control_frames: int = 200
+    # ... and beyond that, this many per second of the connection's life (a
+    # long-lived connection's keep-alive PINGs, a slow stream of small messages).
+    control_frame_rate: int = 100
     # Streams reset by the client before their answer, beyond which (and past
     # half of the streams opened) the connection is refused more work.
     premature_resets: int = 100
     # Response bytes held per stream while the client's window is shut.
     stream_buffer: int = 256 * 1024
+    # Response bytes held for all of one connection's streams (its window shut or
+    # its socket backed up): past it every stream's source is paused.
+    connection_buffer: int = 1024 * 1024
+    # Response bytes held for every HTTP/2 client of the process together: a
+    # stream whose hold would pass it is reset (ENHANCE_YOUR_CALM).
+    held_total: int = 64 * 1024 * 1024
+    # A DATA frame that does not end its stream and carries some payload but less
+    # than this is a small one (an empty one is a control frame).
+    min_data_payload: int = 256
+    # Small DATA frames a connection may send a second, and save up (a fresh
+    # connection's bucket is full); past them its reads wait for the bucket.
+    small_data_rate: int = 5000
+    small_data_burst: int = 5000
 
 
 # A regular field name as the HTTP/1.1 rule book takes it: lower-case token characters.
@@ -241,9 +275,9 @@ def _read_request(headers: list[tuple[bytes, bytes]], end_stream: bool) -> tuple
                 raise BadRequest("more than one Host header (RFC 9112 section 3.2)")
             host = value
         elif kind == _LENGTH:
-            if content_length >= 0 or not value.isdigit() or len(value) > 18:
+            # The HTTP/1.1 rule book's (no leading zeros, at most 18 digits).
+            if content_length >= 0 or (content_length := http1.content_length(value)) < 0:
                 raise BadRequest("malformed or repeated content-length (RFC 9110 section 8.6)")
-            content_length = int(value)
         elif kind == _TE:
             # "trailers" only (RFC 9113 section 8.2.2); hop-by-hop, never copied.
             if not httpheaders.h2_te_allowed(value):
@@ -258,6 +292,9 @@ def _read_request(headers: list[tuple[bytes, bytes]], end_stream: bool) -> tuple
         raise Malformed("missing :scheme or :path (RFC 9113 section 8.3.1)")
     if not path:
         raise Malformed("empty :path (RFC 9113 section 8.3.1)")
+    if scheme != b"https" and scheme != b"http":
+        # What an HTTP/1.1 request cannot name either (origin-form targets only).
+        raise BadRequest(":scheme other than http or https (RFC 9113 section 8.3.1)")
     if not authority:
         if not host:
             raise BadRequest("missing :authority and Host (RFC 9113 section 8.3.1)")
@@ -312,128 +349,55 @@ def request_head(request: Request, chunked: bool) -> http1.RequestHead:
     return head
 
 
-class _BoundedFrameBuffer(h2.frame_buffer.FrameBuffer):
-    """h2's frame buffer with the header block bounded in bytes, not only in
-    CONTINUATION frames (h2 holds up to 64 of 16 KiB each before decoding)."""
-
-    max_header_block = http1.MAX_HEAD_BYTES + 1024
-
-    def _update_header_buffer(self, f: Any) -> Any:
-        result = super()._update_header_buffer(f)
-        if self._headers_buffer:
-            held = sum(len(frame.data) for frame in self._headers_buffer)
-            if held > self.max_header_block:
-                raise h2.exceptions.DenialOfServiceError("header block too large")
-        return result
-
-
-class GracefulStateMachine(h2.connection.H2ConnectionStateMachine):
-    """h2's connection state machine, except that a GOAWAY (sent or received)
-    leaves the connection open for the streams it covers.
-
-    h2 closes its state machine on GOAWAY, after which no frame of any stream
-    can be sent or received; RFC 9113 section 6.8 has the streams up to the
-    GOAWAY's last stream id finish (a graceful drain, and a backend's GOAWAY
-    with answers still coming). New streams past it are refused by the proxy
-    itself (`H2ClientConnection._request`, `H2UpstreamConnection.has_room`).
-
-    Done in h2's own transition table (an open state stays itself on GOAWAY),
-    not by overriding `process_input`: that override was a Python frame more on
-    every frame sent or received, about 2% of the CPU per request."""
-
-    _transitions = {  # noqa: RUF012 (h2 declares it on the class; read-only here)
-        **h2.connection.H2ConnectionStateMachine._transitions,
-        **{
-            (state, goaway): (None, state)
-            for state in (
-                h2.connection.ConnectionState.CLIENT_OPEN,
-                h2.connection.ConnectionState.SERVER_OPEN,
-            )
-            for goaway in (
-                h2.connection.ConnectionInputs.SEND_GOAWAY,
-                h2.connection.ConnectionInputs.RECV_GOAWAY,
-            )
-        },
-    }
-
-
-class _Silent:
-    """A logger for h2's and hpack's debug calls that does nothing, at C speed.
-
-    hpack logs through its module's `logging` logger about 30 times per request
-    (each a `Logger.debug` and an `isEnabledFor` call, though disabled: about 3%
-    of the proxy's CPU per request), h2 through its configuration's no-op
-    `DummyLogger` about 9 times. `"".format` takes any arguments and returns at
-    once without a Python frame."""
-
-    __slots__ = ()
-    debug = trace = "".format
-
-
-_SILENT = _Silent()
-_hpack_checked = False
-
-
-def _silence_hpack() -> None:
-    """hpack's debug calls cost nothing, unless someone asked for hpack's debug
-    lines (checked once, at the first connection: logging is configured by then).
-
-    And h2's `repr(frame)` of every frame received, the argument of a trace line
-    its configuration's logger drops (ours is `_SILENT`), is `id` instead: a
-    frame's repr formats its flags and body, about 3% of the CPU per request.
-    `repr` is looked up in h2.connection's globals, where that trace line is its
-    only use; every H2Connection in the proxy's process is built here."""
-    global _hpack_checked
-    _hpack_checked = True
-    if not logging.getLogger(hpack.hpack.__name__).isEnabledFor(logging.DEBUG):
-        hpack.hpack.log = _SILENT  # type: ignore[assignment]
-    h2.connection.repr = id  # type: ignore[attr-defined]
-
-
 def h2_connection(limits: H2Limits, *, client_side: bool) -> h2.connection.H2Connection:
-    """An h2 state machine with the proxy's settings.
+    """An h2 state machine with the proxy's settings (`h2compat.connection`).
 
-    On the listeners' side (`client_side` False) h2's inbound header checks and
-    cookie joining are off: `read_request` and `check_trailers` keep the same
-    RFC 9113 rules in one pass over the fields (h2's are a chain of seven
-    generators per field, about a tenth of the proxy's CPU per request), and the
-    HTTP/1.1 rule book checks the head after them. Towards backends
-    (`client_side` True) h2 checks the responses itself."""
-    if not _hpack_checked:
-        _silence_hpack()
-    config = h2.config.H2Configuration(
-        client_side=client_side,
-        header_encoding=None,
-        logger=_SILENT,  # type: ignore[arg-type]
-        validate_inbound_headers=client_side,
-        normalize_inbound_headers=client_side,
-        validate_outbound_headers=False,
-        normalize_outbound_headers=False,
-    )
-    conn = h2.connection.H2Connection(config=config)
-    conn.state_machine = GracefulStateMachine()
-    # hpack's coders, remembering blocks that leave the header table unchanged
-    # (the same fields, coded the same way: see waygate.proxy.hpackcache).
-    conn.encoder = hpackcache.Encoder()
-    conn.decoder = hpackcache.Decoder()
-    codes = h2.settings.SettingCodes
-    conn.local_settings = h2.settings.Settings(
-        client=client_side,
-        initial_values={
-            codes.MAX_CONCURRENT_STREAMS: limits.max_concurrent_streams,
-            codes.INITIAL_WINDOW_SIZE: limits.stream_window,
-            codes.MAX_HEADER_LIST_SIZE: limits.max_header_list_size,
-            codes.ENABLE_PUSH: 0,
-        },
-    )
-    conn.decoder.max_header_list_size = limits.max_header_list_size
-    buffer = _BoundedFrameBuffer(server=not client_side)
+    A listener's connection (`client_side` False) counts its peer's frames
+    against the flood budget as they are parsed (`h2compat.GuardedFrameBuffer`);
+    towards backends the header block is bounded only."""
+    if client_side:
+        buffer: h2compat.BoundedFrameBuffer = h2compat.BoundedFrameBuffer(server=False)
+    else:
+        guarded = h2compat.GuardedFrameBuffer(server=True)
+        guarded.budget = limits.control_frames
+        guarded.refill = limits.control_frame_rate
+        guarded.min_payload = max(1, limits.min_data_payload)
+        buffer = guarded
     buffer.max_header_block = limits.max_header_list_size + 1024
-    conn.incoming_buffer = buffer
-    # The window manager was built for the default 65,535: ours hands out the
-    # stream window as h2 acknowledges data.
-    conn._inbound_flow_control_window_manager.max_window_size = limits.connection_window
-    return conn
+    return h2compat.connection(
+        client_side=client_side,
+        max_concurrent_streams=limits.max_concurrent_streams,
+        stream_window=limits.stream_window,
+        connection_window=limits.connection_window,
+        max_header_list_size=limits.max_header_list_size,
+        frame_buffer=buffer,
+    )
+
+
+class FrameBucket:
+    """A connection's bucket of small DATA frames (sans-IO: times are given).
+
+    It holds at most `burst` frames, starts full and refills at `rate` a
+    second. `charge(frames, now)` takes a read's frames, into debt if need be,
+    and says how long the connection must not be read for the bucket to be
+    back at zero (0.0: read on). Charged once per read, not per frame."""
+
+    __slots__ = ("burst", "level", "rate", "stamp")
+
+    def __init__(self, rate: float, burst: float, now: float) -> None:
+        self.rate = float(rate)
+        self.burst = float(burst)
+        self.level = self.burst
+        self.stamp = now
+
+    def charge(self, frames: int, now: float) -> float:
+        level = self.level + (now - self.stamp) * self.rate
+        if level > self.burst:
+            level = self.burst
+        level -= frames
+        self.level = level
+        self.stamp = now
+        return 0.0 if level >= 0 else -level / self.rate
 
 
 class H2Stats:
@@ -444,7 +408,10 @@ class H2Stats:
         self.connections = {"h2": 0, "h2c": 0}  # opened, by protocol
         self.streams = {"h2": 0, "h2c": 0}  # request streams opened, by protocol
         self.goaway: dict[str, int] = {}  # connections ended by the proxy, by reason
-        self.held_bytes = 0  # response bytes held for closed client windows, now
+        self.held_bytes = 0  # response bytes held for clients not taking them, now
+        self.held_refused = 0  # streams reset at the process's bound on held bytes
+        self.small_data = 0  # small DATA frames taken from clients (FrameBucket)
+        self.small_data_pauses = 0  # reads paused for a connection's small DATA frames
 
     def refused(self, reason: str) -> None:
         self.goaway[reason] = self.goaway.get(reason, 0) + 1
@@ -481,8 +448,27 @@ class H2Collector(Collector):
         yield from (connections, streams, refused)
         yield GaugeMetricFamily(
             "waygate_proxy_h2_held_bytes",
-            "response bytes held now for HTTP/2 clients whose window is shut",
+            "response bytes held now for HTTP/2 clients whose window is shut "
+            "or whose socket is backed up",
             value=STATS.held_bytes,
+        )
+        yield CounterMetricFamily(
+            "waygate_proxy_h2_held_refused",
+            "HTTP/2 streams reset because the process held its bound of response bytes "
+            "for clients not taking them (--h2-held-total)",
+            value=STATS.held_refused,
+        )
+        yield CounterMetricFamily(
+            "waygate_proxy_h2_small_data_frames",
+            "small DATA frames taken from HTTP/2 clients (payload below --h2-min-data-payload, "
+            "not ending their stream), charged to each connection's read rate",
+            value=STATS.small_data,
+        )
+        yield CounterMetricFamily(
+            "waygate_proxy_h2_small_data_pauses",
+            "times an HTTP/2 client connection's reads were paused because it sent small "
+            "DATA frames faster than --h2-small-data-rate (past --h2-small-data-burst)",
+            value=STATS.small_data_pauses,
         )
 
 
@@ -561,10 +547,11 @@ class Stream:
             if self.ended:
                 return
             self.ended = True
-        if self.held:
+        conn = self.conn
+        if self.held or conn.write_paused:
             self._hold(data)
             return
-        rest = self.conn._send_data(self, data, end)
+        rest = conn._send_data(self, data, end)
         if rest:
             self._hold(rest)
 
@@ -590,28 +577,58 @@ class Stream:
     # Flow control of the response.
 
     def _hold(self, data: bytes) -> None:
+        """Keep response bytes the client cannot take now (its window is shut or
+        its socket backed up), within the stream's, the connection's and the
+        process's bounds (see H2Limits)."""
+        conn = self.conn
+        limits = conn.limits
+        size = len(data)
+        if STATS.held_bytes + size > limits.held_total:
+            # Every client together holds the process's bound: this stream is
+            # refused, its exchange ended on the next turn (not inside its own call).
+            STATS.held_refused += 1
+            conn._reset(self, ErrorCodes.ENHANCE_YOUR_CALM)
+            conn.loop.call_soon(conn._abandon, self)
+            return
         self.held.append(data)
-        self.held_size += len(data)
-        STATS.held_bytes += len(data)
-        self.conn.blocked.add(self)
-        if self.held_size > self.conn.limits.stream_buffer and not self.source_paused:
-            self.source_paused = True
+        self.held_size += size
+        conn.held += size
+        STATS.held_bytes += size
+        conn.blocked.add(self)
+        if conn.held > limits.connection_buffer:
+            conn._pause_sources()
+        elif self.held_size > limits.stream_buffer and not self.source_paused:
+            self._pause_source()
+
+    def _pause_source(self) -> None:
+        self.source_paused = True
+        exchange = self.exchange
+        if exchange is not None:
+            exchange.pause_source(True)
+
+    def _resume_source(self) -> None:
+        """Resume the source once the stream is below low water (and its connection
+        does not hold every source paused)."""
+        if self.held_size < LOW_WATER and not self.conn.sources_paused:
+            self.source_paused = False
             exchange = self.exchange
             if exchange is not None:
-                exchange.pause_source(True)
+                exchange.pause_source(False)
 
     def _flush(self) -> None:
-        """The client's window opened: send what is held; resume the source below low water."""
+        """The client's window opened (or its socket drained): send what is held;
+        resume the source below low water."""
         conn = self.conn
-        while self.held:
+        while self.held and not conn.write_paused:
             data = self.held[0]
             # The response's last bytes carry its END_STREAM (unless trailers follow).
             last = self.ended and len(self.held) == 1 and not self.trailers
             rest = conn._send_data(self, data, last)
+            sent = len(data) - len(rest)
             if self.closed:
                 return  # they did (or the stream went): _drop freed what it held
-            sent = len(data) - len(rest)
             self.held_size -= sent
+            conn.held -= sent
             STATS.held_bytes -= sent
             if rest:
                 self.held[0] = rest
@@ -621,19 +638,22 @@ class Stream:
             conn.blocked.discard(self)
             if self.ended:
                 conn._end(self)
-        if self.source_paused and self.held_size < LOW_WATER:
-            self.source_paused = False
-            exchange = self.exchange
-            if exchange is not None:
-                exchange.pause_source(False)
+        if conn.sources_paused:
+            conn._maybe_resume_sources()
+        elif self.source_paused:
+            self._resume_source()
 
     def _drop(self) -> None:
         """The stream is gone: free what it holds."""
         self.closed = True
+        conn = self.conn
         STATS.held_bytes -= self.held_size
+        conn.held -= self.held_size
         self.held = []
         self.held_size = 0
-        self.conn.blocked.discard(self)
+        conn.blocked.discard(self)
+        if conn.sources_paused and not conn.closed:
+            conn._maybe_resume_sources()  # what it held may have been the connection's budget
 
 
 # Serves one request stream: (connection, stream, request, end_stream).
@@ -657,13 +677,22 @@ class H2ClientConnection(asyncio.Protocol):
         self.h2 = h2_connection(limits, client_side=False)
         self.streams: dict[int, Stream] = {}
         self.blocked: set[Stream] = set()
+        # The peer's frames, counted against the flood budget as they are parsed.
+        self.frames: h2compat.GuardedFrameBuffer = self.h2.incoming_buffer  # type: ignore[assignment]
+        self.held = 0  # response bytes its streams hold (Stream._hold)
+        self.sources_paused = False  # every stream's source, by the connection (_pause_sources)
+        self.acks: dict[int, int] = {}  # stream id -> request bytes to acknowledge after a read
         self.closed = False
         self.goaway_sent = False
         self.last_stream = 0
         self.write_paused = False
-        self.read_paused = False
-        self.junk = 0
-        self.useful = 0
+        self.read_paused = False  # by either of: write_paused, small_data_wait
+        # Small DATA frames charged to this connection's reads, and the timer that
+        # resumes them once its bucket is refilled (None: not waiting).
+        self.small_data_bucket = FrameBucket(
+            limits.small_data_rate, limits.small_data_burst, self.loop.time()
+        )
+        self.small_data_wait: asyncio.TimerHandle | None = None
         self.opened = 0
         self.premature = 0
         self.peer = "unknown"
@@ -713,6 +742,9 @@ class H2ClientConnection(asyncio.Protocol):
         self.server.metrics.bytes_in += len(data)
         try:
             events = self.h2.receive_data(data)
+        except h2compat.FloodError as exc:
+            self._goaway_now(exc.error_code, "control_flood")
+            return
         except h2.exceptions.DenialOfServiceError as exc:
             self._goaway_now(exc.error_code, "denial_of_service")
             return
@@ -723,10 +755,16 @@ class H2ClientConnection(asyncio.Protocol):
             self._event(event)
             if self.closed:
                 return
-            # Per frame, not per read: one read may hold thousands of frames.
-            self._check_floods()
-            if self.closed:
-                return
+            # Per event, not per read (control frames are counted per frame,
+            # as they are parsed: h2compat.GuardedFrameBuffer).
+            if self.premature > self.limits.premature_resets:
+                self._check_floods()
+                if self.closed:
+                    return
+        if self.frames.small:
+            self._charge_small_data()
+        if self.acks:
+            self._ack_read()
         # What these frames asked for (acknowledgements, local answers) leaves now,
         # in one write; answers that come later leave once per loop turn (_flush_out).
         data = self.h2.data_to_send()
@@ -739,24 +777,83 @@ class H2ClientConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._timer_kind = _T_NONE
+        self._cancel_small_data_wait()
         for stream in list(self.streams.values()):
             self._abandon(stream)
         self.streams.clear()
         self.server.connection_closed(self)
 
     def pause_writing(self) -> None:
-        # Our writes back up: read no more frames until the client reads (a PING
-        # or SETTINGS flood from a client that never reads grows nothing here).
+        # Our writes back up, whatever the client's windows say: read no more
+        # frames until the client reads (a PING or SETTINGS flood from a client
+        # that never reads grows nothing here), and hold what the streams'
+        # sources send next (Stream.send) with every source paused.
         self.write_paused = True
         if self.transport is not None and not self.read_paused:
             self.read_paused = True
             self.transport.pause_reading()
+        self._pause_sources()
 
     def resume_writing(self) -> None:
         self.write_paused = False
-        if self.transport is not None and self.read_paused and not self.closed:
+        if self.closed:
+            return
+        if self.transport is not None and self.read_paused and self.small_data_wait is None:
             self.read_paused = False
             self.transport.resume_reading()
+        for stream in list(self.blocked):
+            stream._flush()
+            if self.write_paused or self.closed:
+                return
+        self._maybe_resume_sources()
+
+    def _charge_small_data(self) -> None:
+        """The read's small DATA frames, charged to this connection's bucket: past
+        it, no more reads until the bucket is back at zero (what was read is done)."""
+        frames = self.frames.small
+        self.frames.small = 0
+        STATS.small_data += frames
+        wait = self.small_data_bucket.charge(frames, self.loop.time())
+        if not wait:
+            return
+        STATS.small_data_pauses += 1
+        if self.small_data_wait is not None:
+            self.small_data_wait.cancel()  # a read delivered while pausing: wait for all
+        if not self.read_paused and self.transport is not None:
+            self.read_paused = True
+            self.transport.pause_reading()
+        self.small_data_wait = self.loop.call_later(wait, self._small_data_refilled)
+
+    def _small_data_refilled(self) -> None:
+        self.small_data_wait = None
+        if self.closed or self.write_paused or not self.read_paused:
+            return
+        self.read_paused = False
+        self.transport.resume_reading()  # type: ignore[union-attr]
+
+    def _cancel_small_data_wait(self) -> None:
+        if self.small_data_wait is not None:
+            self.small_data_wait.cancel()
+            self.small_data_wait = None
+
+    def _pause_sources(self) -> None:
+        """The connection holds its budget or cannot write: every stream's source
+        waits until the socket drains and it holds half its budget or less."""
+        self.sources_paused = True
+        for stream in list(self.streams.values()):
+            if not stream.source_paused and not stream.closed:
+                stream._pause_source()
+
+    def _maybe_resume_sources(self) -> None:
+        if (
+            self.sources_paused
+            and not self.write_paused
+            and self.held <= self.limits.connection_buffer // 2
+        ):
+            self.sources_paused = False
+            for stream in list(self.streams.values()):
+                if stream.source_paused and not stream.closed:
+                    stream._resume_source()
 
     # ------------------------------------------------------------ events
 
@@ -773,7 +870,6 @@ class H2ClientConnection(asyncio.Protocol):
                 if stream.exchange is not None:
                     stream.exchange.request_end()
         elif kind is h2.events.WindowUpdated:
-            self.junk += 1
             self._window_opened(event.stream_id)
         elif kind is h2.events.StreamReset:
             stream = self.streams.pop(event.stream_id, None)
@@ -791,19 +887,16 @@ class H2ClientConnection(asyncio.Protocol):
             if stream is not None and stream.exchange is not None:
                 stream.exchange.request_trailers(event.headers)
         elif kind is h2.events.RemoteSettingsChanged:
-            self.junk += 1
             if h2.settings.SettingCodes.INITIAL_WINDOW_SIZE in event.changed_settings:
                 self._window_opened(0)
         elif kind is h2.events.ConnectionTerminated:
             self._close()
-        else:
-            # PING, PRIORITY, SETTINGS acks, unknown frames: counted.
-            self.junk += 1
+        # PING, PRIORITY, SETTINGS acks, unknown frames: nothing to do (their
+        # frames were counted as they were parsed).
 
     def _request(self, event: Any) -> None:
         stream_id = event.stream_id
         self.opened += 1
-        self.useful += 1
         self.last_stream = stream_id
         STATS.streams["h2" if self.secure else "h2c"] += 1
         if self._timer_kind == _T_IDLE:
@@ -830,19 +923,26 @@ class H2ClientConnection(asyncio.Protocol):
     def _data(self, event: Any) -> None:
         stream = self.streams.get(event.stream_id)
         size = event.flow_controlled_length
-        if event.data:
-            self.useful += 1
-        elif event.stream_ended is None:
-            self.junk += 1  # an empty DATA frame that ends nothing
         if stream is None or stream.exchange is None or stream.closed:
             if size:
-                self._ack(None, size, event.stream_id)
+                acks = self.acks
+                acks[event.stream_id] = acks.get(event.stream_id, 0) + size
             return
         stream.exchange.request_data(event.data)
         if stream.upload_paused:
             stream.ack_held += size
         elif size:
-            self._ack(stream, size)
+            # Acknowledged once per stream per read, after its frames (data_received).
+            acks = self.acks
+            acks[stream.id] = acks.get(stream.id, 0) + size
+
+    def _ack_read(self) -> None:
+        """The WINDOW_UPDATEs the read's DATA frames earned: one h2 call per stream."""
+        acknowledge = self.h2.acknowledge_received_data
+        for stream_id, size in self.acks.items():
+            with contextlib.suppress(h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+                acknowledge(size, stream_id)
+        self.acks.clear()
 
     def _ack(self, stream: Stream | None, size: int, stream_id: int = 0) -> None:
         with contextlib.suppress(h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
@@ -860,10 +960,7 @@ class H2ClientConnection(asyncio.Protocol):
             stream._flush()
 
     def _check_floods(self) -> None:
-        limits = self.limits
-        if self.junk > limits.control_frames + 2 * self.useful:
-            self._goaway_now(ErrorCodes.ENHANCE_YOUR_CALM, "control_flood")
-        elif self.premature > limits.premature_resets and self.premature * 2 > self.opened:
+        if self.premature > self.limits.premature_resets and self.premature * 2 > self.opened:
             self._goaway_now(ErrorCodes.ENHANCE_YOUR_CALM, "rapid_reset")
 
     # ------------------------------------------------------------ what streams call
@@ -895,7 +992,7 @@ class H2ClientConnection(asyncio.Protocol):
         last = end and take == len(data)
         if take <= frame:
             h2conn.send_data(stream.id, data if take == len(data) else data[:take], end_stream=last)
-            self.useful += 1
+            self.frames.useful += 1
         else:
             view = memoryview(data)
             pos = 0
@@ -904,7 +1001,7 @@ class H2ClientConnection(asyncio.Protocol):
                 h2conn.send_data(
                     stream.id, view[pos:stop].tobytes(), end_stream=last and stop == take
                 )
-                self.useful += 1
+                self.frames.useful += 1
                 pos = stop
         self.server.metrics.bytes_out += take
         if last:
@@ -1014,6 +1111,7 @@ class H2ClientConnection(asyncio.Protocol):
         self._flush_now()  # what is queued (a last answer, a GOAWAY) goes first
         self.closed = True
         self._timer_kind = _T_NONE
+        self._cancel_small_data_wait()
         for stream in list(self.streams.values()):
             self._abandon(stream)
         self.streams.clear()

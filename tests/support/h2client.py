@@ -24,7 +24,7 @@ import h2.exceptions
 import h2.settings
 from hyperframe.frame import Frame
 
-from waygate.proxy.http2 import GracefulStateMachine
+from waygate.proxy.h2compat import GracefulStateMachine
 
 
 @dataclass

@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from tests.support.proxyharness import running_proxy
-from waygate.proxy.http2 import GracefulStateMachine, H2Limits
+from waygate.proxy.h2compat import GracefulStateMachine
+from waygate.proxy.http2 import H2Limits
 from waygate.proxy.server import ProxyServer
 
 
@@ -113,11 +114,20 @@ class H2Backend:
     A path starting with /upload is answered at the request's end, with the
     length and SHA-256 of the request body it received (`_digest`) as its body;
     one starting with /nolength without content-length, in two DATA frames and
-    trailers."""
+    trailers.
+    `answer_fields`: the response's fields instead of `:status` 200 and
+    `x-backend` (sent as given: a misbehaving backend's)."""
 
-    def __init__(self, goaway_after: int = 0, *, tls: Any = None) -> None:
+    def __init__(
+        self,
+        goaway_after: int = 0,
+        *,
+        tls: Any = None,
+        answer_fields: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
         self.goaway_after = goaway_after
         self.tls = tls
+        self.answer_fields = answer_fields
         self.port = 0
         self.processed: list[tuple[int, str]] = []  # (connection number, path)
         self.received: list[tuple[int, str]] = []
@@ -196,14 +206,8 @@ class H2Backend:
                 self.reply(stream_id, path.encode())
 
             def reply(self, stream_id: int, body: bytes) -> None:
-                self.h2.send_headers(
-                    stream_id,
-                    [
-                        (b":status", b"200"),
-                        (b"content-length", b"%d" % len(body)),
-                        (b"x-backend", b"h2"),
-                    ],
-                )
+                fields = backend.answer_fields or [(b":status", b"200"), (b"x-backend", b"h2")]
+                self.h2.send_headers(stream_id, [*fields, (b"content-length", b"%d" % len(body))])
                 self.h2.send_data(stream_id, body, end_stream=True)
 
         self._server = await asyncio.get_running_loop().create_server(

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
-import h2.connection
-import hpack.hpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -13,7 +9,6 @@ from hypothesis import strategies as st
 from waygate.proxy import grpcstatus, http1, http2
 from waygate.proxy.http2 import (
     BadRequest,
-    H2Limits,
     Malformed,
     check_trailers,
     read_request,
@@ -234,30 +229,6 @@ def test_request_head_is_the_http1_parse_of_the_head_it_means(
         assert ours[1] == theirs[1], (ours, theirs)
     else:
         assert ours == theirs
-
-
-def test_hpack_debug_calls_are_silenced_unless_asked_for(monkeypatch):
-    # Start from hpack's own logger: an earlier test in this process may have built an
-    # H2Connection already, which leaves `_SILENT` in its place.
-    monkeypatch.setattr(hpack.hpack, "log", logging.getLogger(hpack.hpack.__name__))
-    monkeypatch.delattr(h2.connection, "repr", raising=False)
-    monkeypatch.setattr(http2, "_hpack_checked", False)
-    logger = logging.getLogger("hpack.hpack")
-    level = logger.level
-    try:
-        logger.setLevel(logging.DEBUG)
-        http2.h2_connection(H2Limits(), client_side=False)
-        assert isinstance(hpack.hpack.log, logging.Logger)  # asked for: left alone
-        monkeypatch.setattr(http2, "_hpack_checked", False)
-        logger.setLevel(logging.WARNING)
-        connection = http2.h2_connection(H2Limits(), client_side=False)
-    finally:
-        logger.setLevel(level)
-    assert hpack.hpack.log is http2._SILENT
-    assert connection.config.logger is http2._SILENT
-    assert hpack.hpack.log.debug("Encoding %d", 5) == ""
-    # h2's per-frame repr for a trace line that is never written: id instead.
-    assert h2.connection.repr is id  # type: ignore[attr-defined]
 
 
 def test_grpc_status_of_local_answers():
