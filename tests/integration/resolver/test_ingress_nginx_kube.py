@@ -79,7 +79,7 @@ async def test_kubernetes_mode_serves_refuses_and_follows_the_configmap(kubeapi:
         }
     )
     kubeapi.create(ingress("shop", {P + "rewrite-target": "/"}))
-    kubeapi.create(ingress("admin", {P + "whitelist-source-range": "10.0.0.0/8"}))
+    kubeapi.create(ingress("admin", {P + "enable-modsecurity": "true"}))
     store, board = Store(), StatusBoard()
     settings = IngressNginx(configmap=("ingress-nginx", "controller"))
     gateway = GatewayObjects(store, board, addresses=("192.0.2.7",), ingress_nginx=settings)
@@ -114,14 +114,14 @@ async def test_kubernetes_mode_serves_refuses_and_follows_the_configmap(kubeapi:
             }
 
         await until(lambda: reasons().get("admin") == "UnsupportedAnnotation", timeout=10)
-        # The controller ConfigMap changes live: a block list Waygate cannot honour
-        # refuses every Ingress of the class; removing it serves them again.
+        # The controller ConfigMap changes live: a key bearing on access Waygate cannot
+        # honour (a WAF) refuses every Ingress of the class; removing it serves them again.
         kubeapi.create(
             {
                 "apiVersion": "v1",
                 "kind": "ConfigMap",
                 "metadata": {"name": "controller", "namespace": "ingress-nginx"},
-                "data": {"block-cidrs": "198.51.100.0/24"},
+                "data": {"enable-modsecurity": "true"},
             }
         )
         await until(lambda: refused(store, "shop") is True, timeout=10)
