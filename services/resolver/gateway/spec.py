@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from waygate.core import regex as linear_regex
+from waygate.core.errors import excerpt
 from waygate.resolver.model import (
     HeaderMatch,
     HeaderModifier,
@@ -42,7 +44,7 @@ CONTROLLER_NAME = "waygate.io/gateway-controller"
 INGRESS_CONTROLLER = "waygate.io/ingress-controller"
 
 MAX_PATH = 1024
-MAX_REGEX = 1024
+MAX_REGEX = linear_regex.MAX_PATTERN
 # A header name as RFC 9110 allows (token characters).
 _HEADER_NAME = re.compile(r"^[A-Za-z0-9!#$%&'*+\-.^_`|~]{1,256}$")
 _HOSTNAME = re.compile(
@@ -137,12 +139,11 @@ def hostname(value: str, where: FieldPath, *, wildcard: bool = True) -> str:
 
 
 def _regex(value: str, where: FieldPath) -> str:
-    if len(value) > MAX_REGEX:
-        raise SpecError(where, f"regular expression longer than {MAX_REGEX} characters")
-    try:
-        re.compile(value)
-    except re.error as exc:
-        raise SpecError(where, f"invalid regular expression {value!r}: {exc}") from None
+    """A route's regular expression, admitted only when RE2 can express it (the
+    proxy matches with RE2, in linear time: waygate.core.regex)."""
+    reason = linear_regex.refusal(value)
+    if reason is not None:
+        raise SpecError(where, f"invalid regular expression {excerpt(value)}: {reason}")
     return value
 
 
