@@ -92,3 +92,220 @@ spec:
     assert error.path == Path("m2.yaml") and error.line == 10
     assert f"HTTPRoute {NS}/bad: spec.rules[0].{field}: " in error.reason
     assert "not supported: Waygate matches with RE2" in error.reason
+
+
+# ---------------------------------------------------------------- YAML amplification
+
+
+def amplified_route(count: int = 1000) -> str:
+    """The audit's manifest (finding 8): 1,000 rules of 1,000 matches through aliases,
+    about 9 KB of YAML."""
+    matches = ",".join(["*m"] * count)
+    rules = ",".join(["*r"] * count)
+    return f"""apiVersion: gateway.networking.k8s.io/v1
+kind: HTTPRoute
+metadata: {{name: amplified, namespace: {NS}}}
+spec:
+  parentRefs: [{{name: same-namespace}}]
+  hostnames: [amplified.example]
+  x-match: &m {{path: {{type: PathPrefix, value: /a}}, headers: [{{name: x, value: y}}]}}
+  x-matches: &ms [{matches}]
+  x-rule: &r {{matches: *ms, backendRefs: [{{name: infra-backend-v1, port: 8080}}]}}
+  rules: [{rules}]
+"""
+
+
+def test_alias_expansion_is_refused_before_anything_is_built() -> None:
+    import tracemalloc
+
+    text = amplified_route()
+    assert len(text) < 16 * 1024
+    tracemalloc.start()
+    try:
+        with pytest.raises(FileError) as caught:
+            parse(GATEWAY_CLASS, conformance_text("base.yaml"), text)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    error = caught.value
+    # The anchor expanded most: the rule (1,000 times, each 1,000 matches).
+    assert error.path == Path("m2.yaml") and error.line == 9, error
+    assert "YAML aliases of the node on this line expand the document" in error.reason
+    # Refused from the composed nodes: nothing of the million matches was built.
+    assert peak < 32 << 20, peak
+
+
+def test_aliases_within_bounds_still_load() -> None:
+    small = amplified_route(3)
+    content = parse(GATEWAY_CLASS, conformance_text("base.yaml"), small)
+    routes = [r for r in content.routes if r.origin == f"HTTPRoute {NS}/amplified"]
+    assert len(routes) == 3 and all(len(r.matches) == 3 for r in routes)
+
+
+def test_a_recursive_alias_is_refused() -> None:
+    with pytest.raises(FileError, match="m0.yaml:3: a YAML alias refers to a node that contains"):
+        parse("kind: List\napiVersion: v1\nitems: &i [*i]\n")
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "key"),
+    [
+        ("apiVersion: v1\nkind: Namespace\nmetadata: {name: a}\nkind: Service\n", 4, "kind"),
+        (
+            "apiVersion: v1\nkind: Service\nmetadata:\n  name: web\n  namespace: a\n"
+            "  namespace: demo\nspec: {ports: [{port: 80}]}\n",
+            6,
+            "namespace",
+        ),
+    ],
+)
+def test_duplicate_keys_in_manifests_are_refused_with_both_lines(
+    text: str, line: int, key: str
+) -> None:
+    with pytest.raises(FileError) as caught:
+        parse(text)
+    assert caught.value.line == line
+    assert f"key '{key}' appears twice in one mapping (first on line " in caught.value.reason
+
+
+def test_duplicate_keys_in_the_routes_file_are_refused_with_both_lines() -> None:
+    from waygate.resolver.filesource import parse_routes_file
+
+    text = "routes:\n  - name: a\n    host: a.example.com\n    to: web\n    to: evil\n"
+    with pytest.raises(FileError) as caught:
+        parse_routes_file(Path("routes.yaml"), text)
+    assert str(caught.value) == (
+        "routes.yaml:5: key 'to' appears twice in one mapping (first on line 4)"
+    )
+
+
+def test_merge_keys_are_not_duplicates() -> None:
+    text = (
+        "apiVersion: v1\nkind: List\nitems:\n"
+        "- &a {apiVersion: v1, kind: Namespace, metadata: {name: a}}\n"
+        "- {<<: *a, metadata: {name: b}}\n"
+    )
+    assert parse(text).skipped == []
+
+
+def test_a_60_mb_document_is_refused_before_it_is_parsed(tmp_path: Path) -> None:
+    """The audit's 60 MB document left 220 MiB resident; now at most the bound is read."""
+    import tracemalloc
+
+    from waygate.resolver.filesource import FileSource
+    from waygate.resolver.gateway.status import StatusBoard
+    from waygate.resolver.manifests import ManifestsSource
+    from waygate.resolver.store import Store
+    from waygate.resolver.yamlload import MAX_YAML_BYTES
+
+    big = tmp_path / "big.yaml"
+    line = "# " + "x" * 1021 + "\n"
+    with big.open("w") as handle:
+        handle.write("routes: []\n")
+        for _ in range(60 * 1024):
+            handle.write(line)
+    assert big.stat().st_size > 60 << 20
+    tracemalloc.start()
+    try:
+        manifests = ManifestsSource(Store(), StatusBoard(), big)
+        assert not manifests.load()
+        files = FileSource(Store(), big)
+        assert not files.load()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    for error in (manifests.last_error, files.last_error):
+        assert error is not None and f"larger than {MAX_YAML_BYTES >> 20} MiB" in error
+    assert peak < MAX_YAML_BYTES + (4 << 20), peak
+
+
+# ---------------------------------------------------------------- the CRDs' bounds
+
+
+def http_route(rules: str, hostnames: str = "[bounded.example]") -> str:
+    return f"""apiVersion: gateway.networking.k8s.io/v1
+kind: HTTPRoute
+metadata:
+  name: bounded
+  namespace: {NS}
+spec:
+  parentRefs: [{{name: same-namespace}}]
+  hostnames: {hostnames}
+  rules:
+{rules}"""
+
+
+def rule(matches: int = 1, filters: int = 0, backends: int = 1) -> str:
+    out = "  - matches:\n" + "".join(
+        f"    - {{path: {{type: PathPrefix, value: /p{i}}}}}\n" for i in range(matches)
+    )
+    if filters:
+        out += "    filters:\n" + "".join(
+            "    - {type: RequestHeaderModifier, requestHeaderModifier: "
+            f"{{set: [{{name: x-{i}, value: v}}]}}}}\n"
+            for i in range(filters)
+        )
+    out += "    backendRefs:\n" + "".join(
+        "    - {name: infra-backend-v1, port: 8080}\n" for _ in range(backends)
+    )
+    return out
+
+
+@pytest.mark.parametrize(
+    ("route", "field", "reason"),
+    [
+        (http_route(rule() * 17), "spec.rules", "must have at most 16 items (has 17)"),
+        (
+            http_route(rule(matches=65)),
+            "spec.rules[0].matches",
+            "must have at most 64 items (has 65)",
+        ),
+        (
+            http_route(rule(matches=64) + rule(matches=64) + rule(matches=1)),
+            "spec.rules",
+            "the rules have 129 matches in all; at most 128",
+        ),
+        (
+            http_route(rule(filters=17)),
+            "spec.rules[0].filters",
+            "must have at most 16 items (has 17)",
+        ),
+        (
+            http_route(rule(backends=17)),
+            "spec.rules[0].backendRefs",
+            "must have at most 16 items (has 17)",
+        ),
+        (
+            http_route(rule(), "[" + ",".join(f"h{i}.example" for i in range(17)) + "]"),
+            "spec.hostnames",
+            "must have at most 16 items (has 17)",
+        ),
+    ],
+)
+def test_the_crd_bounds_are_enforced_in_manifests_naming_the_line(
+    route: str, field: str, reason: str
+) -> None:
+    with pytest.raises(FileError) as caught:
+        parse(GATEWAY_CLASS, conformance_text("base.yaml"), route)
+    assert caught.value.path == Path("m2.yaml") and caught.value.line is not None
+    assert f"HTTPRoute {NS}/bounded: {field}: {reason}" in caught.value.reason
+
+
+def test_the_crd_bounds_hold_for_objects_from_kubernetes_too() -> None:
+    """The Kubernetes source translates the same way: the object is not served and its
+    status says why (in a cluster the API server refuses it first)."""
+    import yaml
+
+    from waygate.resolver.gateway.translate import Objects, translate
+
+    objects = Objects()
+    for text in (GATEWAY_CLASS, conformance_text("base.yaml"), http_route(rule() * 17)):
+        for doc in yaml.safe_load_all(text):
+            if doc and doc["kind"] in ("GatewayClass", "Gateway", "HTTPRoute"):
+                namespace = doc["metadata"].get("namespace", "")
+                objects.of(doc["kind"])[(namespace, doc["metadata"]["name"])] = doc
+    translation = translate(objects)
+    (rejected,) = translation.rejected
+    assert (rejected.kind, rejected.name) == ("HTTPRoute", "bounded")
+    assert str(rejected.error) == "spec.rules: must have at most 16 items (has 17)"
+    assert not [r for r in translation.routes if r.origin == f"HTTPRoute {NS}/bounded"]
