@@ -112,7 +112,8 @@ class Settings(GrpcServerSettings):
         False,
         help="let routes of different namespaces share a host (each host and path still "
         "goes to its oldest route); default: a host belongs to the namespace of its oldest "
-        "route and other namespaces' routes for it are Conflicted, as in OpenShift",
+        "claim, whatever its kind (Route, Ingress, HTTPRoute, a Gateway listener's "
+        "hostname), and other namespaces' claims on it are Conflicted, as in OpenShift",
     )
     manifests: Path | None = setting(
         None,
@@ -214,6 +215,9 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
             store, settings.routes_file, poll_interval=settings.routes_poll_interval
         )
     board = StatusBoard()
+    # Host ownership is decided in the store, over every source and kind; the objects
+    # whose routes lose a host say so in their own status.
+    store.on_route_changes(lambda: board.set_host_conflicts(store.host_conflicts()))
     manifests_source = None
     if settings.manifests is not None:
         manifests_source = ManifestsSource(

@@ -329,6 +329,16 @@ class HeaderMatch:
 
 
 @dataclass(frozen=True)
+class HostClaim:
+    """A claim on a host made for a route by another object (a Gateway listener's
+    hostname): the namespace it is made for, how it is named, when it was made."""
+
+    namespace: str
+    what: str  # "Gateway NS/NAME listener NAME"
+    created: datetime | None = None
+
+
+@dataclass(frozen=True)
 class RouteMatch:
     """One HTTPRoute match: every condition must hold (a route matches when any does)."""
 
@@ -438,6 +448,9 @@ class Route:
     # `created`, the spec's tie-breakers between equally specific matches.
     origin: str = ""
     rule_index: int = 0
+    # Whose claim on `host` this route is (waygate.resolver.status): a Gateway API
+    # route attached through a listener's hostname is that Gateway's; None: its own.
+    host_claim: HostClaim | None = None
 
     @property
     def key(self) -> RouteKey:

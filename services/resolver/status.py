@@ -14,12 +14,21 @@ last changed (a new reason or message with the same status keeps the time):
   False with ServiceNotFound, PortNotFound, NoReadyEndpoints or NoBackends.
 - Conflicted: True (reason HostAlreadyClaimed) exactly when Admitted is False.
 
-Claims, as the OpenShift router's defaults:
-- A host belongs to the namespace of the oldest route that claims it; a route
-  of another namespace for that host is Conflicted, unless `share_hosts`
-  (OpenShift's ROUTER_DISABLE_NAMESPACE_OWNERSHIP_CHECK) lets namespaces share.
-- Within what may share a host, one host and path is served by the oldest
-  route that claims it; younger routes for it are Conflicted.
+Claims, as the OpenShift router's defaults, over every route kind:
+- A host belongs to the namespace of the oldest claim on it, whatever makes the
+  claim: a Route (routes file, Route CRD, ApplyRoute), an Ingress rule, an
+  HTTPRoute/GRPCRoute/TLSRoute hostname, or a Gateway listener's hostname (a
+  route attached through a listener that names a hostname claims for the
+  Gateway's namespace, at the Gateway's age: the Gateway's owner let it in
+  through allowedRoutes, so routes of several namespaces share the host under
+  it). A claim of another namespace for that host is Conflicted
+  (HostAlreadyClaimed) and not served, unless `share_hosts` (OpenShift's
+  ROUTER_DISABLE_NAMESPACE_OWNERSHIP_CHECK) lets namespaces share. A route
+  without a host (a listener and route without hostnames, an Ingress default
+  backend) claims nothing.
+- Within the owning namespace, Gateway API and Ingress routes share a host and
+  its paths by the specification's precedence; among Routes, one host and path
+  is served by the oldest route that claims it, younger ones are Conflicted.
 - Age: the source's creation time (the Route CRD's creationTimestamp) when it
   has one, else when the store first saw the route; routes first seen in the
   same load keep their order (the routes file: an earlier entry is older).
@@ -116,9 +125,11 @@ class RouteStatusBook:
         self._by_service: dict[ServiceKey, set[RouteKey]] = {}
         # Why a route is not admitted (None: it is).
         self._conflict: dict[RouteKey, str | None] = {}
-        # Gateway API and Ingress routes (with matches): they share hosts and
-        # paths by the specification's precedence, so they claim nothing.
+        # Gateway API and Ingress routes (with matches): within the owning
+        # namespace they share paths by the specification's precedence.
         self._merged: set[RouteKey] = set()
+        # Whose claim each route is: (namespace, age, what, for people).
+        self._claims: dict[RouteKey, tuple[str, Age, str]] = {}
         self._sightings = itertools.count()
 
     def status(self, key: RouteKey) -> RouteStatus | None:
@@ -184,6 +195,7 @@ class RouteStatusBook:
         self._conflict.pop(key, None)
         self._path.pop(key, None)
         self._merged.discard(key)
+        self._claims.pop(key, None)
         return host
 
     def _index(self, route: Route, now: datetime) -> None:
@@ -196,6 +208,13 @@ class RouteStatusBook:
         self._by_host.setdefault(route.host, set()).add(key)
         if route.matches:
             self._merged.add(key)
+        claim = route.host_claim
+        if claim is None:
+            what = route.origin or f"route {route.namespace}/{route.name}"
+            self._claims[key] = (route.namespace, self._age[key], what)
+        else:
+            age = (claim.created or created, sighting, claim.namespace, route.name)
+            self._claims[key] = (claim.namespace, age, claim.what)
         services = tuple(
             dict.fromkeys((b.namespace or route.namespace, b.service) for b in route.backends)
         )
@@ -205,24 +224,20 @@ class RouteStatusBook:
 
     def _claim(self, host: str) -> set[RouteKey]:
         """Decide who is admitted on `host`; the routes whose verdict may have changed."""
-        merged = [key for key in self._by_host.get(host, ()) if key in self._merged]
-        for key in merged:
-            self._conflict[key] = None
-        claims = sorted(
-            (key for key in self._by_host.get(host, ()) if key not in self._merged),
-            key=self._age.__getitem__,
-        )
+        claims = sorted(self._by_host.get(host, ()), key=lambda key: self._claims[key][1])
         if not claims:
-            return set(merged)
-        owner = claims[0]
+            return set()
+        owner_namespace, _, owner_what = self._claims[claims[0]]
         taken: dict[str, RouteKey] = {}
         for key in claims:
             path = self._path[key]
-            if not self.share_hosts and key[0] != owner[0]:
+            if host and not self.share_hosts and self._claims[key][0] != owner_namespace:
                 verdict: str | None = (
-                    f"host {host} belongs to namespace {owner[0]} "
-                    f"(its route {owner[0]}/{owner[1]} claimed it first)"
+                    f"host {host} belongs to namespace {owner_namespace} "
+                    f"(its {owner_what} claimed it first)"
                 )
+            elif key in self._merged:
+                verdict = None
             elif path in taken:
                 winner = taken[path]
                 verdict = (
@@ -232,7 +247,7 @@ class RouteStatusBook:
                 taken[path] = key
                 verdict = None
             self._conflict[key] = verdict
-        return set(claims) | set(merged)
+        return set(claims)
 
     def _compute(
         self,

@@ -65,6 +65,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from waygate.resolver.model import (
+    ADMITTED,
     Change,
     Endpoint,
     EndpointKey,
@@ -77,7 +78,7 @@ from waygate.resolver.model import (
     TunnelPresence,
     TunnelServer,
 )
-from waygate.resolver.status import RouteStatusBook
+from waygate.resolver.status import HOST_ALREADY_CLAIMED, RouteStatusBook
 
 log = logging.getLogger(__name__)
 
@@ -391,6 +392,7 @@ class Store:
         self._backlogs: dict[tuple[int, frozenset[Kind]], Batch] = {}
         # Version of the last change to each service or to its endpoints.
         self._service_revisions: dict[ServiceKey, int] = {}
+        self._route_listeners: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------ reads
 
@@ -423,6 +425,31 @@ class Store:
 
     def route_owner(self, namespace: str, name: str) -> str | None:
         return self._owners[Kind.ROUTES].get((namespace, name))
+
+    def host_conflicts(self) -> dict[tuple[str, str, str], tuple[bool, str]]:
+        """The Gateway API and Ingress objects some of whose routes lose their host to
+        another namespace's older claim: (kind, namespace, name) -> (whether every
+        route of it does, why). The status board shows it in the object's status."""
+        found: dict[tuple[str, str, str], list[str | None]] = {}
+        for route in self._served.values():
+            kind, _, where = route.origin.partition(" ")
+            namespace, _, name = where.partition("/")
+            if not route.matches or not name:
+                continue
+            why = route.status.condition(ADMITTED) if route.status is not None else None
+            conflict = (
+                why.message if why is not None and why.reason == HOST_ALREADY_CLAIMED else None
+            )
+            found.setdefault((kind, namespace, name), []).append(conflict)
+        return {
+            key: (all(c is not None for c in verdicts), next(c for c in verdicts if c))
+            for key, verdicts in found.items()
+            if any(verdicts)
+        }
+
+    def on_route_changes(self, callback: Callable[[], None]) -> None:
+        """Call `callback` after every version that changes a route or its status."""
+        self._route_listeners.append(callback)
 
     def tunnel_presence(self, node: str) -> TunnelPresence | None:
         return self._tunnels.get(node)
@@ -727,6 +754,9 @@ class Store:
             self._history_floor = dropped.version
         for subscription in list(self._subscriptions):
             subscription._offer(batch)
+        if self._route_listeners and any(c.kind is Kind.ROUTES for c in changes):
+            for callback in list(self._route_listeners):
+                callback()
 
     def _with_status(self, changes: list[Change]) -> list[Change]:
         """`changes` with routes carrying their status, plus the routes whose status

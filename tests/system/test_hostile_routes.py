@@ -128,3 +128,135 @@ async def test_a_backreference_is_refused_at_admission_with_the_reason(
     # The last good state stays: the admitted regex route still answers.
     response = await conformance.request("/redos/aa", host="redos.example")
     assert response.status == 200
+
+
+# ---------------------------------------------------------------- host takeover
+
+
+def takeover_manifests(conformance: Conformance, *, evil: bool) -> str:
+    """demo's Route for echo.localtest.me (backend: infra-backend-v1's upstream) and,
+    with `evil`, the audit's takeover (finding 7): an Ingress of namespace evil for
+    that host, and a Gateway of evil with that hostname and HTTPRoutes on / and /api
+    (backend: infra-backend-v2's upstream)."""
+    demo_port = conformance.backends[(INFRA, "infra-backend-v1")].port
+    evil_port = conformance.backends[(INFRA, "infra-backend-v2")].port
+    text = f"""apiVersion: v1
+kind: Service
+metadata: {{name: echo, namespace: demo}}
+spec: {{ports: [{{name: http, port: 8080}}]}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: echo-local
+  namespace: demo
+  labels: {{kubernetes.io/service-name: echo}}
+addressType: IPv4
+ports: [{{name: http, port: {demo_port}, protocol: TCP}}]
+endpoints: [{{addresses: [127.0.0.1], conditions: {{ready: true}}}}]
+---
+apiVersion: waygate.io/v1
+kind: Route
+metadata: {{name: echo, namespace: demo}}
+spec: {{host: echo.localtest.me, to: echo}}
+"""
+    if not evil:
+        return text
+    return (
+        text
+        + f"""---
+apiVersion: v1
+kind: Service
+metadata: {{name: web, namespace: evil}}
+spec: {{ports: [{{name: http, port: 8080}}]}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-local
+  namespace: evil
+  labels: {{kubernetes.io/service-name: web}}
+addressType: IPv4
+ports: [{{name: http, port: {evil_port}, protocol: TCP}}]
+endpoints: [{{addresses: [127.0.0.1], conditions: {{ready: true}}}}]
+---
+apiVersion: networking.k8s.io/v1
+kind: IngressClass
+metadata: {{name: waygate-ingress}}
+spec: {{controller: waygate.io/ingress-controller}}
+---
+apiVersion: networking.k8s.io/v1
+kind: Ingress
+metadata: {{name: takeover, namespace: evil}}
+spec:
+  ingressClassName: waygate-ingress
+  rules:
+  - host: echo.localtest.me
+    http:
+      paths:
+      - {{path: /, pathType: Prefix, backend: {{service: {{name: web, port: {{number: 8080}}}}}}}}
+---
+apiVersion: gateway.networking.k8s.io/v1
+kind: Gateway
+metadata: {{name: gw, namespace: evil}}
+spec:
+  gatewayClassName: waygate
+  listeners:
+  - {{name: http, port: 80, protocol: HTTP, hostname: echo.localtest.me}}
+"""
+        + "".join(
+            f"""---
+apiVersion: gateway.networking.k8s.io/v1
+kind: HTTPRoute
+metadata: {{name: {name}, namespace: evil}}
+spec:
+  parentRefs: [{{name: gw}}]
+  rules:
+  - matches: [{{path: {{type: PathPrefix, value: {path}}}}}]
+    backendRefs: [{{name: web, port: 8080}}]
+"""
+            for name, path in (("root", "/"), ("api", "/api"))
+        )
+    )
+
+
+async def test_a_younger_namespace_cannot_take_a_host_through_ingress_or_gateway(
+    conformance: Conformance,
+) -> None:
+    from tests.support.processes import run_cli
+
+    demo = f"{INFRA}/infra-backend-v1"
+    await conformance.apply(extra=takeover_manifests(conformance, evil=False))
+    await conformance.eventually("/", host="echo.localtest.me", backend=demo)
+    await conformance.apply(extra=takeover_manifests(conformance, evil=True))
+    # The bystander is demo's own users: every path of the host stays demo's.
+    for _ in range(20):
+        for path in ("/", "/api", "/api/users", "/x"):
+            response = await conformance.request(path, host="echo.localtest.me")
+            assert (response.status, response.backend) == (200, demo), (path, response)
+    assert conformance.resolver is not None
+    address = conformance.resolver.grpc_address
+    # Each younger claim is Conflicted in its own status...
+    code, out, err = await run_cli("routes", "--addr", address, "-o", "wide")
+    assert code == 0, err
+    evil_rows = [line for line in out.splitlines() if line.startswith("evil ")]
+    assert len(evil_rows) == 3, out  # the Ingress's path and the two HTTPRoutes' rules
+    for row in evil_rows:
+        assert "HostAlreadyClaimed" in row
+        assert "host echo.localtest.me belongs to namespace demo" in row
+    objects = {
+        (item["kind"], item["metadata"]["name"]): item["status"]
+        for item in await conformance.gateways("-n", "evil")
+    }
+    for name in ("root", "api"):
+        (parent,) = objects[("HTTPRoute", name)]["parents"]
+        conditions = {c["type"]: (c["status"], c["reason"]) for c in parent["conditions"]}
+        assert conditions["Accepted"] == ("False", "HostAlreadyClaimed"), conditions
+        assert conditions["Conflicted"] == ("True", "HostAlreadyClaimed"), conditions
+    ingress = {c["type"]: c["reason"] for c in objects[("Ingress", "takeover")]["conditions"]}
+    assert ingress == {"Conflicted": "HostAlreadyClaimed"}
+    # ...and in `waygate check`.
+    code, out, _ = await run_cli("check", "--resolver", address)
+    assert code == 1
+    checked = [line for line in out.splitlines() if line.startswith("✖ route evil/")]
+    assert len(checked) == 3 and all("HostAlreadyClaimed" in line for line in checked), out

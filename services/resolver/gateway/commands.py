@@ -61,7 +61,7 @@ def _row(item: pb.GatewayObjectStatus) -> tuple[str, ...]:
         )
         status = _short(item.conditions)
     elif item.kind == "Ingress":
-        status = "-"
+        status = _short(item.conditions) if item.conditions else "-"
         detail = "address " + ", ".join(item.addresses) if item.addresses else "no address"
     elif item.kind == "GatewayClass":
         status, detail = _short(item.conditions), ""

@@ -15,6 +15,12 @@ serve (its port in use, say) shows Programmed=False with that proxy's reason
 and message, and its Gateway too when no listener of it is programmed. The
 translation stays a pure function of the objects; when a report changes or
 its stream ends, the board publishes again (and the writer writes the change).
+Host conflicts are laid over the same way: the store decides host ownership
+across every source and kind (waygate.resolver.status), and an HTTPRoute,
+GRPCRoute, TLSRoute or Ingress whose routes lose their host to another
+namespace's older claim shows Conflicted=True (HostAlreadyClaimed) on each
+parent, and Accepted=False when none of its routes is served (an Ingress, which
+has no conditions in Kubernetes, shows it in `waygate gateways` only).
 A report is caller input written into Kubernetes objects: its reason is one
 of `LISTENER_REASONS` (else `UNKNOWN_LISTENER_REASON`, so it always passes the
 CRD's reason pattern), its message an `excerpt` of at most
@@ -25,7 +31,7 @@ reconnect that changes no state changes no status).
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
@@ -33,6 +39,7 @@ from typing import Any
 from waygate.core.errors import excerpt
 from waygate.resolver.gateway.translate import ObjectStatus
 from waygate.resolver.model import ListenerState
+from waygate.resolver.status import HOST_ALREADY_CLAIMED
 
 StatusKey = tuple[str, str, str]  # (kind, namespace, name)
 
@@ -112,6 +119,8 @@ class StatusBoard:
         self._translated: list[ObjectStatus] = []
         # Per ReportListeners stream: (proxy, its listener states).
         self._reports: dict[object, tuple[str, tuple[ListenerState, ...]]] = {}
+        # Objects whose routes lose their host to an older claim (the store's view).
+        self._host_conflicts: dict[StatusKey, tuple[bool, str]] = {}
 
     def replace(self, statuses: Iterable[ObjectStatus]) -> None:
         self._translated = list(statuses)
@@ -162,6 +171,33 @@ class StatusBoard:
                     condition["reason"] = "Invalid"
                     condition["message"] = "no listener is programmed on every proxy"
 
+    def set_host_conflicts(self, conflicts: Mapping[StatusKey, tuple[bool, str]]) -> None:
+        """The objects whose routes lose their host to another namespace's older claim
+        (the store's `host_conflicts`): (whether all of them do, why)."""
+        if conflicts == self._host_conflicts:
+            return
+        self._host_conflicts = dict(conflicts)
+        self._publish()
+
+    def _host_overlay(self, item: ObjectStatus, status: dict[str, Any]) -> None:
+        """A host conflict onto a route's or an Ingress's (copied) status: Conflicted
+        (HostAlreadyClaimed) on every parent, Accepted False when nothing is served."""
+        every, message = self._host_conflicts[item.key]
+        conflicted = {
+            "type": "Conflicted",
+            "status": "True",
+            "reason": HOST_ALREADY_CLAIMED,
+            "message": message,
+            "observedGeneration": item.generation,
+        }
+        holders = status.get("parents") if item.kind != "Ingress" else [status]
+        for holder in holders or []:
+            conditions = holder.setdefault("conditions", [])
+            for condition in conditions:
+                if every and condition.get("type") == "Accepted":
+                    condition.update(status="False", reason=HOST_ALREADY_CLAIMED, message=message)
+            conditions.append(dict(conflicted))
+
     def _publish(self) -> None:
         now = self._clock()
         fresh: dict[StatusKey, ObjectStatus] = {}
@@ -170,6 +206,8 @@ class StatusBoard:
             status = copy.deepcopy(item.status)
             if item.kind == "Gateway" and self._reports:
                 self._overlay(item, status)
+            if item.key in self._host_conflicts:
+                self._host_overlay(item, status)
             _stamp(status, old.status if old is not None else None, now)
             kept = ObjectStatus(
                 item.kind,

@@ -70,6 +70,7 @@ from waygate.resolver.gateway.spec import (
     SpecError,
 )
 from waygate.resolver.model import (
+    HostClaim,
     InsecureEdgePolicy,
     PathMatchType,
     Route,
@@ -963,6 +964,15 @@ class _Translator:
         tls = listener.tls
         if kind == "TLSRoute":
             tls = RouteTLS(TLSTermination.PASSTHROUGH)
+        # A listener that names its hostname claims it for the Gateway's namespace
+        # (waygate.resolver.status); the routes it lets in share that claim.
+        claim = None
+        if listener.spec.hostname:
+            claim = HostClaim(
+                gateway[0],
+                f"Gateway {gateway[0]}/{gateway[1]} listener {listener.spec.name}",
+                specs.created(self.objects.of("Gateway")[gateway]),
+            )
         for index, rule in enumerate(route.rules):
             rule_key = (kind, key[0], key[1], index)
             policy = self.rule_policy.get(rule_key)
@@ -996,6 +1006,7 @@ class _Translator:
                     origin=f"{kind} {key[0]}/{key[1]}",
                     created=specs.created(obj),
                     rule_index=index,
+                    host_claim=claim,
                     # GRPCRoute backends speak HTTP/2 (h2c here; h2 when reencrypted).
                     upstream_protocol="grpc" if kind == "GRPCRoute" else "",
                 )

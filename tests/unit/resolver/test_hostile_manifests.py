@@ -309,3 +309,139 @@ def test_the_crd_bounds_hold_for_objects_from_kubernetes_too() -> None:
     assert (rejected.kind, rejected.name) == ("HTTPRoute", "bounded")
     assert str(rejected.error) == "spec.rules: must have at most 16 items (has 17)"
     assert not [r for r in translation.routes if r.origin == f"HTTPRoute {NS}/bounded"]
+
+
+# ---------------------------------------------------------------- hosts across kinds
+
+
+def claims(*routes: Route, share: bool = False) -> dict[tuple[str, str], str | None]:
+    """Each route's verdict in a status book that saw them in this order (older first):
+    None when admitted, else the HostAlreadyClaimed message."""
+    from datetime import UTC, datetime
+
+    from waygate.resolver.status import RouteStatusBook
+
+    book = RouteStatusBook(share_hosts=share)
+    by_key = {}
+    for route in routes:  # one update each: first sight decides the age
+        by_key[route.key] = route
+        book.update(
+            by_key,
+            lambda ns, name: None,
+            lambda ns, name: (),
+            changed_routes=[route.key],
+            now=datetime.now(UTC),
+        )
+    out: dict[tuple[str, str], str | None] = {}
+    for key in by_key:
+        status = book.status(key)
+        assert status is not None
+        admitted = status.condition("Admitted")
+        assert admitted is not None
+        out[key] = None if admitted.status == "True" else admitted.message
+        conflicted = status.condition("Conflicted")
+        assert conflicted is not None and (conflicted.status == "True") == (
+            admitted.status != "True"
+        )
+    return out
+
+
+def plain(namespace: str, name: str, host: str = "echo.localtest.me", path: str = "/") -> Route:
+    return Route(
+        namespace=namespace, name=name, host=host, path=path, backends=(RouteBackend("web", 100),)
+    )
+
+
+def merged(
+    namespace: str,
+    origin: str,
+    path: str = "/",
+    host: str = "echo.localtest.me",
+    claim: object = None,
+) -> Route:
+    from waygate.resolver.model import HostClaim
+
+    assert claim is None or isinstance(claim, HostClaim)
+    return Route(
+        namespace=namespace,
+        name=f"{origin.lower()}:{path}",
+        host=host,
+        backends=(RouteBackend("web", 1, namespace, "http"),),
+        matches=(RouteMatch(PathMatchType.PREFIX, path),),
+        origin=f"{origin} {namespace}/x",
+        host_claim=claim,
+    )
+
+
+def test_an_ingress_or_httproute_of_another_namespace_cannot_take_an_owned_host() -> None:
+    verdicts = claims(
+        plain("demo", "echo"),
+        merged("evil", "Ingress"),
+        merged("evil", "HTTPRoute", "/api"),
+    )
+    assert verdicts[("demo", "echo")] is None
+    for key in (("evil", "ingress:/"), ("evil", "httproute:/api")):
+        assert verdicts[key] == (
+            "host echo.localtest.me belongs to namespace demo "
+            "(its route demo/echo claimed it first)"
+        )
+
+
+def test_an_older_ingress_owns_the_host_against_a_younger_route() -> None:
+    verdicts = claims(merged("shop", "Ingress"), plain("other", "echo"), plain("shop", "web"))
+    assert verdicts[("shop", "ingress:/")] is None and verdicts[("shop", "web")] is None
+    assert verdicts[("other", "echo")] == (
+        "host echo.localtest.me belongs to namespace shop (its Ingress shop/x claimed it first)"
+    )
+
+
+def test_a_gateway_listener_hostname_claims_for_its_namespace_and_shares_with_its_routes() -> None:
+    from datetime import UTC, datetime
+
+    from waygate.resolver.model import HostClaim
+
+    listener = HostClaim(
+        "infra", "Gateway infra/gw listener http", datetime(2020, 1, 1, tzinfo=UTC)
+    )
+    verdicts = claims(
+        plain("demo", "echo"),  # first seen, but younger than the Gateway
+        merged("team-a", "HTTPRoute", "/a", claim=listener),
+        merged("team-b", "HTTPRoute", "/b", claim=listener),
+    )
+    assert verdicts[("team-a", "httproute:/a")] is None
+    assert verdicts[("team-b", "httproute:/b")] is None
+    assert verdicts[("demo", "echo")] == (
+        "host echo.localtest.me belongs to namespace infra "
+        "(its Gateway infra/gw listener http claimed it first)"
+    )
+
+
+def test_route_host_sharing_lets_namespaces_share_and_hostless_routes_claim_nothing() -> None:
+    shared = claims(plain("demo", "echo"), merged("evil", "Ingress"), share=True)
+    assert set(shared.values()) == {None}
+    hostless = claims(plain("demo", "echo"), merged("evil", "HTTPRoute", host=""))
+    assert set(hostless.values()) == {None}
+
+
+def test_the_store_tells_which_objects_lost_their_host() -> None:
+    from waygate.resolver.store import Store
+
+    store = Store()
+    calls: list[int] = []
+    store.on_route_changes(lambda: calls.append(1))
+    store.replace_source("file", routes=[plain("demo", "echo")])
+    store.replace_source(
+        "manifests",
+        routes=[
+            merged("evil", "Ingress"),
+            merged("evil", "HTTPRoute", "/api"),
+            merged("evil", "HTTPRoute", "/", host="evil.example"),
+        ],
+    )
+    assert calls
+    conflicts = store.host_conflicts()
+    assert set(conflicts) == {("Ingress", "evil", "x"), ("HTTPRoute", "evil", "x")}
+    assert conflicts[("Ingress", "evil", "x")][0] is True
+    # The HTTPRoute keeps its own host: not every route of it lost.
+    every, why = conflicts[("HTTPRoute", "evil", "x")]
+    assert every is False and "belongs to namespace demo" in why
