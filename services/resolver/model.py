@@ -330,12 +330,17 @@ class HeaderMatch:
 
 @dataclass(frozen=True)
 class HostClaim:
-    """A claim on a host made for a route by another object (a Gateway listener's
-    hostname): the namespace it is made for, how it is named, when it was made."""
+    """A claim on a host made for a route by a Gateway listener's hostname: the
+    Gateway (its namespace is the claim's), the listener, when it was made."""
 
     namespace: str
-    what: str  # "Gateway NS/NAME listener NAME"
+    gateway: str
+    listener: str
     created: datetime | None = None
+
+    @property
+    def what(self) -> str:
+        return f"Gateway {self.namespace}/{self.gateway} listener {self.listener}"
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
+from typing import NamedTuple
 
 from waygate.resolver.model import (
     ADMITTED,
@@ -66,6 +67,15 @@ NO_READY_ENDPOINTS = "NoReadyEndpoints"
 NO_BACKENDS = "NoBackends"
 
 _EPOCH = datetime.min.replace(tzinfo=UTC)
+
+
+class HostConflict(NamedTuple):
+    """An object some of whose routes lose their host to an older claim."""
+
+    every: bool  # none of its routes is served
+    message: str  # the first lost route's HostAlreadyClaimed message
+    listeners: tuple[str, ...] = ()  # a Gateway: the listeners whose routes lost
+
 
 # (creation time, order of first sight, namespace, name): smaller is older.
 Age = tuple[datetime, int, str, str]

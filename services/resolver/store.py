@@ -78,7 +78,7 @@ from waygate.resolver.model import (
     TunnelPresence,
     TunnelServer,
 )
-from waygate.resolver.status import HOST_ALREADY_CLAIMED, RouteStatusBook
+from waygate.resolver.status import HOST_ALREADY_CLAIMED, HostConflict, RouteStatusBook
 
 log = logging.getLogger(__name__)
 
@@ -426,26 +426,34 @@ class Store:
     def route_owner(self, namespace: str, name: str) -> str | None:
         return self._owners[Kind.ROUTES].get((namespace, name))
 
-    def host_conflicts(self) -> dict[tuple[str, str, str], tuple[bool, str]]:
+    def host_conflicts(self) -> dict[tuple[str, str, str], HostConflict]:
         """The Gateway API and Ingress objects some of whose routes lose their host to
-        another namespace's older claim: (kind, namespace, name) -> (whether every
-        route of it does, why). The status board shows it in the object's status."""
-        found: dict[tuple[str, str, str], list[str | None]] = {}
+        another namespace's older claim, by (kind, namespace, name); a Gateway when a
+        route through one of its listeners' hostnames does. The status board shows it
+        in the object's status."""
+        verdicts: dict[tuple[str, str, str], list[str | None]] = {}
+        listeners: dict[tuple[str, str, str], dict[str, str]] = {}
         for route in self._served.values():
             kind, _, where = route.origin.partition(" ")
             namespace, _, name = where.partition("/")
             if not route.matches or not name:
                 continue
             why = route.status.condition(ADMITTED) if route.status is not None else None
-            conflict = (
-                why.message if why is not None and why.reason == HOST_ALREADY_CLAIMED else None
-            )
-            found.setdefault((kind, namespace, name), []).append(conflict)
-        return {
-            key: (all(c is not None for c in verdicts), next(c for c in verdicts if c))
-            for key, verdicts in found.items()
-            if any(verdicts)
+            lost = why.message if why is not None and why.reason == HOST_ALREADY_CLAIMED else None
+            verdicts.setdefault((kind, namespace, name), []).append(lost)
+            claim = route.host_claim
+            if lost is not None and claim is not None:
+                gateway = listeners.setdefault(("Gateway", claim.namespace, claim.gateway), {})
+                gateway.setdefault(claim.listener, lost)
+        found = {
+            key: HostConflict(all(v is not None for v in lost), next(v for v in lost if v))
+            for key, lost in verdicts.items()
+            if any(lost)
         }
+        for key, by_listener in listeners.items():
+            first = next(iter(by_listener.values()))
+            found[key] = HostConflict(False, first, tuple(sorted(by_listener)))
+        return found
 
     def on_route_changes(self, callback: Callable[[], None]) -> None:
         """Call `callback` after every version that changes a route or its status."""

@@ -255,6 +255,11 @@ async def test_a_younger_namespace_cannot_take_a_host_through_ingress_or_gateway
         assert conditions["Conflicted"] == ("True", "HostAlreadyClaimed"), conditions
     ingress = {c["type"]: c["reason"] for c in objects[("Ingress", "takeover")]["conditions"]}
     assert ingress == {"Conflicted": "HostAlreadyClaimed"}
+    (listener,) = objects[("Gateway", "gw")]["listeners"]
+    conflicted = next(c for c in listener["conditions"] if c["type"] == "Conflicted")
+    assert (conflicted["status"], conflicted["reason"]) == ("True", "HostAlreadyClaimed")
+    code, out, _ = await run_cli("gateways", "--addr", address, "-n", "evil")
+    assert code == 0 and "Conflicted=True(HostAlreadyClaimed: host echo.localtest.me" in out
     # ...and in `waygate check`.
     code, out, _ = await run_cli("check", "--resolver", address)
     assert code == 1

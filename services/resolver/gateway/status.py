@@ -20,7 +20,9 @@ across every source and kind (waygate.resolver.status), and an HTTPRoute,
 GRPCRoute, TLSRoute or Ingress whose routes lose their host to another
 namespace's older claim shows Conflicted=True (HostAlreadyClaimed) on each
 parent, and Accepted=False when none of its routes is served (an Ingress, which
-has no conditions in Kubernetes, shows it in `waygate gateways` only).
+has no conditions in Kubernetes, shows it in `waygate gateways` only); a Gateway
+whose listener's hostname claimed for routes that lost shows that listener
+Conflicted=True (HostAlreadyClaimed).
 A report is caller input written into Kubernetes objects: its reason is one
 of `LISTENER_REASONS` (else `UNKNOWN_LISTENER_REASON`, so it always passes the
 CRD's reason pattern), its message an `excerpt` of at most
@@ -39,7 +41,7 @@ from typing import Any
 from waygate.core.errors import excerpt
 from waygate.resolver.gateway.translate import ObjectStatus
 from waygate.resolver.model import ListenerState
-from waygate.resolver.status import HOST_ALREADY_CLAIMED
+from waygate.resolver.status import HOST_ALREADY_CLAIMED, HostConflict
 
 StatusKey = tuple[str, str, str]  # (kind, namespace, name)
 
@@ -120,7 +122,7 @@ class StatusBoard:
         # Per ReportListeners stream: (proxy, its listener states).
         self._reports: dict[object, tuple[str, tuple[ListenerState, ...]]] = {}
         # Objects whose routes lose their host to an older claim (the store's view).
-        self._host_conflicts: dict[StatusKey, tuple[bool, str]] = {}
+        self._host_conflicts: dict[StatusKey, HostConflict] = {}
 
     def replace(self, statuses: Iterable[ObjectStatus]) -> None:
         self._translated = list(statuses)
@@ -171,31 +173,42 @@ class StatusBoard:
                     condition["reason"] = "Invalid"
                     condition["message"] = "no listener is programmed on every proxy"
 
-    def set_host_conflicts(self, conflicts: Mapping[StatusKey, tuple[bool, str]]) -> None:
+    def set_host_conflicts(self, conflicts: Mapping[StatusKey, HostConflict]) -> None:
         """The objects whose routes lose their host to another namespace's older claim
-        (the store's `host_conflicts`): (whether all of them do, why)."""
+        (the store's `host_conflicts`)."""
         if conflicts == self._host_conflicts:
             return
         self._host_conflicts = dict(conflicts)
         self._publish()
 
     def _host_overlay(self, item: ObjectStatus, status: dict[str, Any]) -> None:
-        """A host conflict onto a route's or an Ingress's (copied) status: Conflicted
-        (HostAlreadyClaimed) on every parent, Accepted False when nothing is served."""
-        every, message = self._host_conflicts[item.key]
+        """A host conflict onto an object's (copied) status: Conflicted=True
+        (HostAlreadyClaimed) on every parent of a route, Accepted=False when none of
+        its routes is served; on an Ingress; on a Gateway's listeners that lost."""
+        conflict = self._host_conflicts[item.key]
         conflicted = {
             "type": "Conflicted",
             "status": "True",
             "reason": HOST_ALREADY_CLAIMED,
-            "message": message,
+            "message": conflict.message,
             "observedGeneration": item.generation,
         }
+        if item.kind == "Gateway":
+            for listener in status.get("listeners") or []:
+                if listener.get("name") not in conflict.listeners:
+                    continue
+                conditions = listener.setdefault("conditions", [])
+                conditions[:] = [c for c in conditions if c.get("type") != "Conflicted"]
+                conditions.append(dict(conflicted))
+            return
         holders = status.get("parents") if item.kind != "Ingress" else [status]
         for holder in holders or []:
             conditions = holder.setdefault("conditions", [])
             for condition in conditions:
-                if every and condition.get("type") == "Accepted":
-                    condition.update(status="False", reason=HOST_ALREADY_CLAIMED, message=message)
+                if conflict.every and condition.get("type") == "Accepted":
+                    condition.update(
+                        status="False", reason=HOST_ALREADY_CLAIMED, message=conflict.message
+                    )
             conditions.append(dict(conflicted))
 
     def _publish(self) -> None:

@@ -970,7 +970,8 @@ class _Translator:
         if listener.spec.hostname:
             claim = HostClaim(
                 gateway[0],
-                f"Gateway {gateway[0]}/{gateway[1]} listener {listener.spec.name}",
+                gateway[1],
+                listener.spec.name,
                 specs.created(self.objects.of("Gateway")[gateway]),
             )
         for index, rule in enumerate(route.rules):

@@ -400,9 +400,7 @@ def test_a_gateway_listener_hostname_claims_for_its_namespace_and_shares_with_it
 
     from waygate.resolver.model import HostClaim
 
-    listener = HostClaim(
-        "infra", "Gateway infra/gw listener http", datetime(2020, 1, 1, tzinfo=UTC)
-    )
+    listener = HostClaim("infra", "gw", "http", datetime(2020, 1, 1, tzinfo=UTC))
     verdicts = claims(
         plain("demo", "echo"),  # first seen, but younger than the Gateway
         merged("team-a", "HTTPRoute", "/a", claim=listener),
@@ -441,7 +439,7 @@ def test_the_store_tells_which_objects_lost_their_host() -> None:
     assert calls
     conflicts = store.host_conflicts()
     assert set(conflicts) == {("Ingress", "evil", "x"), ("HTTPRoute", "evil", "x")}
-    assert conflicts[("Ingress", "evil", "x")][0] is True
+    assert conflicts[("Ingress", "evil", "x")].every is True
     # The HTTPRoute keeps its own host: not every route of it lost.
-    every, why = conflicts[("HTTPRoute", "evil", "x")]
-    assert every is False and "belongs to namespace demo" in why
+    lost = conflicts[("HTTPRoute", "evil", "x")]
+    assert lost.every is False and "belongs to namespace demo" in lost.message
