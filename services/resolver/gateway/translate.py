@@ -122,6 +122,11 @@ _DEFAULT_KINDS = {
 # The proxy's weights are 0..256 (smooth weighted round robin); the Gateway
 # API allows up to 1,000,000: larger sets are scaled down proportionally.
 MAX_WEIGHT = 256
+# What one object, and one source (a manifests load, a cluster's objects), may add to
+# every proxy's routing table, in entries (each match of each route): the CRDs bound
+# one object's lists, not what they multiply to over hostnames and listeners.
+MAX_ENTRIES_PER_OBJECT = 4096
+MAX_ENTRIES_PER_SOURCE = 50_000
 
 
 @dataclass
@@ -309,6 +314,8 @@ class _Translator:
         self.policy_by_target: dict[tuple[str, str, str], _Policy] = {}
         self.rule_policy: dict[_RuleKey, _Policy] = {}
         self.policies: dict[Key, _Policy] = {}
+        # Route entries (routes times matches) translated so far: the source's budget.
+        self.entries = 0
 
     # ------------------------------------------------------------ helpers
 
@@ -687,11 +694,33 @@ class _Translator:
                     kind, key, obj, route, backends, gateway, listener, hosts
                 ):
                     made.setdefault(route_out.name, route_out)
+        problem = self.over_budget(made.values())
+        if problem is not None:
+            self.reject(kind, key, obj, SpecError(("spec",), problem))
+            self.invalid_route_status(kind, key, obj, generation, problem)
+            return
         self.out.routes.extend(made.values())
         if parents_status:
             self.out.statuses.append(
                 ObjectStatus(kind, key[0], key[1], generation, {"parents": parents_status})
             )
+
+    def over_budget(self, routes: Iterable[Route]) -> str | None:
+        """Why one object's routes do not fit (None: they do, and are counted): each
+        match of each route is an entry of every proxy's routing table."""
+        cost = sum(max(1, len(route.matches)) for route in routes)
+        if cost > MAX_ENTRIES_PER_OBJECT:
+            return (
+                f"amounts to {cost:,} route entries (routes times matches, over its "
+                f"hostnames and listeners); at most {MAX_ENTRIES_PER_OBJECT:,} per object"
+            )
+        if self.entries + cost > MAX_ENTRIES_PER_SOURCE:
+            return (
+                f"its {cost:,} route entries would take this source past "
+                f"{MAX_ENTRIES_PER_SOURCE:,} (the objects before it hold {self.entries:,})"
+            )
+        self.entries += cost
+        return None
 
     def attach(
         self, kind: str, key: Key, route: RouteSpec, parent: ParentRef, gateway: Key
@@ -1081,6 +1110,7 @@ class _Translator:
             for host in hosts or tuple(rule.host for rule in ingress.rules):
                 certificates.setdefault(host, tls)
         index = 0
+        made: list[Route] = []
         paths: list[tuple[str, specs.IngressPath]] = [
             (rule.host, path) for rule in ingress.rules for path in rule.paths
         ]
@@ -1110,21 +1140,27 @@ class _Translator:
             for port, tls in ((80, None), (443, certificates.get(host))):
                 if port == 443 and tls is None:
                     continue
-                yield_route = Route(
-                    namespace=namespace,
-                    name=f"ingress:{key[1]}:p{index}:{port}:{host or '*'}",
-                    host=host,
-                    backends=(route_backend,),
-                    tls=tls,
-                    sticky=StickySessions(disable_cookies=True),
-                    matches=(match,),
-                    listener_port=port,
-                    origin=f"Ingress {namespace}/{key[1]}",
-                    created=specs.created(obj),
-                    rule_index=index,
+                made.append(
+                    Route(
+                        namespace=namespace,
+                        name=f"ingress:{key[1]}:p{index}:{port}:{host or '*'}",
+                        host=host,
+                        backends=(route_backend,),
+                        tls=tls,
+                        sticky=StickySessions(disable_cookies=True),
+                        matches=(match,),
+                        listener_port=port,
+                        origin=f"Ingress {namespace}/{key[1]}",
+                        created=specs.created(obj),
+                        rule_index=index,
+                    )
                 )
-                self.out.routes.append(yield_route)
             index += 1
+        too_many = self.over_budget(made)
+        if too_many is not None:
+            self.reject("Ingress", key, obj, SpecError(("spec",), too_many))
+            return
+        self.out.routes.extend(made)
         self.out.statuses.append(
             ObjectStatus(
                 "Ingress",

@@ -443,3 +443,52 @@ def test_the_store_tells_which_objects_lost_their_host() -> None:
     # The HTTPRoute keeps its own host: not every route of it lost.
     lost = conflicts[("HTTPRoute", "evil", "x")]
     assert lost.every is False and "belongs to namespace demo" in lost.message
+
+
+# ---------------------------------------------------------------- route budgets
+
+
+def multiplied_route(name: str, hostnames: int = 16) -> str:
+    """An HTTPRoute within every CRD bound that multiplies: hostnames x 128 matches."""
+    hosts = "[" + ",".join(f"h{i}.{name}.example" for i in range(hostnames)) + "]"
+    return http_route(rule(matches=64) * 2, hosts).replace("name: bounded", f"name: {name}")
+
+
+THREE_LISTENERS = f"""apiVersion: gateway.networking.k8s.io/v1
+kind: Gateway
+metadata: {{name: same-namespace, namespace: {NS}}}
+spec:
+  gatewayClassName: waygate
+  listeners:
+  - {{name: a, port: 80, protocol: HTTP}}
+  - {{name: b, port: 81, protocol: HTTP}}
+  - {{name: c, port: 82, protocol: HTTP}}
+"""
+
+
+def test_an_object_that_multiplies_past_its_budget_is_refused() -> None:
+    from waygate.resolver.gateway.translate import MAX_ENTRIES_PER_OBJECT
+
+    fits = parse(GATEWAY_CLASS, THREE_LISTENERS, multiplied_route("fits", hostnames=8))
+    entries = sum(len(r.matches) for r in fits.routes)
+    assert entries == 8 * 128 * 3 <= MAX_ENTRIES_PER_OBJECT
+    with pytest.raises(FileError) as caught:
+        parse(GATEWAY_CLASS, THREE_LISTENERS, multiplied_route("big"))
+    assert caught.value.path == Path("m2.yaml")
+    assert (
+        f"HTTPRoute {NS}/big: spec: amounts to 6,144 route entries (routes times matches, "
+        f"over its hostnames and listeners); at most {MAX_ENTRIES_PER_OBJECT:,} per object"
+    ) in caught.value.reason
+
+
+def test_a_source_past_its_budget_refuses_the_object_that_crosses_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from waygate.resolver.gateway import translate
+
+    monkeypatch.setattr(translate, "MAX_ENTRIES_PER_SOURCE", 5000)
+    routes = [multiplied_route(f"r{i}", hostnames=8) for i in range(3)]  # 3,072 entries each
+    with pytest.raises(FileError) as caught:
+        parse(GATEWAY_CLASS, THREE_LISTENERS, *routes)
+    assert caught.value.path == Path("m3.yaml")
+    assert "its 3,072 route entries would take this source past 5,000" in caught.value.reason
