@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import tempfile
 import time
@@ -57,10 +58,8 @@ async def phase(
     async def attacker() -> None:
         while not stop.is_set():
             started = time.perf_counter()
-            try:
+            with contextlib.suppress(OSError, TimeoutError):
                 await attack()  # type: ignore[operator]
-            except (OSError, TimeoutError):
-                pass
             attacks.append(time.perf_counter() - started)
 
     tasks = [asyncio.create_task(bystander_client())]
