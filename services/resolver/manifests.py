@@ -309,6 +309,7 @@ class ManifestsSource:
             services=content.services,
             endpoints=content.endpoints,
             routes=content.routes,
+            claims=content.translation.claims,
         )
         self.store.mark_synced(self.source)
         self.board.replace(content.translation.statuses)

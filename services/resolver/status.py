@@ -18,10 +18,10 @@ Claims, as the OpenShift router's defaults, over every route kind:
 - A host belongs to the namespace of the oldest claim on it, whatever makes the
   claim: a Route (routes file, Route CRD, ApplyRoute), an Ingress rule, an
   HTTPRoute/GRPCRoute/TLSRoute hostname, or a Gateway listener's hostname (a
-  route attached through a listener that names a hostname claims for the
-  Gateway's namespace, at the Gateway's age: the Gateway's owner let it in
-  through allowedRoutes, so routes of several namespaces share the host under
-  it). A claim of another namespace for that host is Conflicted
+  claim of its own, `set_listener_claims`, routes attached or not; a route
+  attached through such a listener claims for the Gateway's namespace, at the
+  Gateway's age: the Gateway's owner let it in through allowedRoutes, so routes
+  of several namespaces share the host under it). A claim of another namespace for that host is Conflicted
   (HostAlreadyClaimed) and not served, unless `share_hosts` (OpenShift's
   ROUTER_DISABLE_NAMESPACE_OWNERSHIP_CHECK) lets namespaces share. A route
   without a host (a listener and route without hostnames, an Ingress default
@@ -52,6 +52,7 @@ from waygate.resolver.model import (
     RESOLVED_REFS,
     TRUE,
     Endpoint,
+    HostClaim,
     Route,
     RouteCondition,
     RouteKey,
@@ -79,6 +80,8 @@ class HostConflict(NamedTuple):
 
 # (creation time, order of first sight, namespace, name): smaller is older.
 Age = tuple[datetime, int, str, str]
+# A Gateway listener's claim: (source, host, the claim).
+ListenerKey = tuple[str, str, HostClaim]
 
 
 def route_references(
@@ -140,6 +143,10 @@ class RouteStatusBook:
         self._merged: set[RouteKey] = set()
         # Whose claim each route is: (namespace, age, what, for people).
         self._claims: dict[RouteKey, tuple[str, Age, str]] = {}
+        # Gateway listeners' hostnames: claims of their own, routes attached or not.
+        self._listener_claims: dict[ListenerKey, tuple[HostClaim, Age]] = {}
+        self._listeners_by_host: dict[str, set[ListenerKey]] = {}
+        self._listener_conflict: dict[ListenerKey, str] = {}
         self._sightings = itertools.count()
 
     def status(self, key: RouteKey) -> RouteStatus | None:
@@ -153,12 +160,14 @@ class RouteStatusBook:
         *,
         changed_routes: Iterable[RouteKey] = (),
         changed_services: Iterable[ServiceKey] = (),
+        changed_hosts: Iterable[str] = (),
         now: datetime,
     ) -> dict[RouteKey, RouteStatus]:
         """Recompute what the changes can affect; the statuses that changed
-        (every route new to the book included). `routes` is every route now."""
+        (every route new to the book included). `routes` is every route now;
+        `changed_hosts`: hosts whose listener claims changed (`set_listener_claims`)."""
         dirty: set[RouteKey] = set()
-        hosts: set[str] = set()
+        hosts: set[str] = set(changed_hosts)
         for key in changed_routes:
             old_host = self._forget(key)
             if old_host is not None:
@@ -184,6 +193,39 @@ class RouteStatusBook:
             if status != self._status.get(key):
                 self._status[key] = changed[key] = status
         return changed
+
+    def set_listener_claims(
+        self, source: str, claims: Iterable[tuple[str, HostClaim]], now: datetime
+    ) -> set[str]:
+        """Make `source`'s Gateway listener claims (host, claim) exactly these; the
+        hosts whose claims changed (pass them to `update` as `changed_hosts`)."""
+        wanted = {(source, host, claim) for host, claim in claims}
+        hosts: set[str] = set()
+        for key in [k for k in self._listener_claims if k[0] == source and k not in wanted]:
+            del self._listener_claims[key]
+            self._listener_conflict.pop(key, None)
+            on_host = self._listeners_by_host[key[1]]
+            on_host.discard(key)
+            if not on_host:
+                del self._listeners_by_host[key[1]]
+            hosts.add(key[1])
+        for key in wanted - set(self._listener_claims):
+            claim = key[2]
+            age = (claim.created or now, next(self._sightings), claim.namespace, claim.gateway)
+            self._listener_claims[key] = (claim, age)
+            self._listeners_by_host.setdefault(key[1], set()).add(key)
+            hosts.add(key[1])
+        return hosts
+
+    def listener_conflicts(self) -> dict[tuple[str, str], dict[str, str]]:
+        """Gateway (namespace, name) -> its listeners whose hostname claim lost to an
+        older claim of another namespace -> why."""
+        out: dict[tuple[str, str], dict[str, str]] = {}
+        for (_, _, claim), message in sorted(
+            self._listener_conflict.items(), key=lambda item: (item[0][1], item[0][2].what)
+        ):
+            out.setdefault((claim.namespace, claim.gateway), {}).setdefault(claim.listener, message)
+        return out
 
     # ------------------------------------------------------------ internals
 
@@ -235,9 +277,27 @@ class RouteStatusBook:
     def _claim(self, host: str) -> set[RouteKey]:
         """Decide who is admitted on `host`; the routes whose verdict may have changed."""
         claims = sorted(self._by_host.get(host, ()), key=lambda key: self._claims[key][1])
+        listeners = sorted(
+            self._listeners_by_host.get(host, ()), key=lambda k: self._listener_claims[k][1]
+        )
+        owner_namespace = owner_what = ""
+        owner_age: Age | None = None
+        if claims:
+            owner_namespace, owner_age, owner_what = self._claims[claims[0]]
+        if listeners:
+            claim, age = self._listener_claims[listeners[0]]
+            if owner_age is None or age < owner_age:
+                owner_namespace, owner_what = claim.namespace, claim.what
+        for listener in listeners:
+            if host and not self.share_hosts and listener[2].namespace != owner_namespace:
+                self._listener_conflict[listener] = (
+                    f"host {host} belongs to namespace {owner_namespace} "
+                    f"(its {owner_what} claimed it first)"
+                )
+            else:
+                self._listener_conflict.pop(listener, None)
         if not claims:
             return set()
-        owner_namespace, _, owner_what = self._claims[claims[0]]
         taken: dict[str, RouteKey] = {}
         for key in claims:
             path = self._path[key]

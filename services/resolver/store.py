@@ -69,6 +69,7 @@ from waygate.resolver.model import (
     Change,
     Endpoint,
     EndpointKey,
+    HostClaim,
     Kind,
     Route,
     RouteKey,
@@ -445,6 +446,10 @@ class Store:
             if lost is not None and claim is not None:
                 gateway = listeners.setdefault(("Gateway", claim.namespace, claim.gateway), {})
                 gateway.setdefault(claim.listener, lost)
+        for (namespace, name), lost_listeners in self._status.listener_conflicts().items():
+            gateway = listeners.setdefault(("Gateway", namespace, name), {})
+            for listener, reason in lost_listeners.items():
+                gateway.setdefault(listener, reason)
         found = {
             key: HostConflict(all(v is not None for v in lost), next(v for v in lost if v))
             for key, lost in verdicts.items()
@@ -638,11 +643,13 @@ class Store:
         services: Iterable[Service] | None = None,
         endpoints: Iterable[Endpoint] | None = None,
         routes: Iterable[Route] | None = None,
+        claims: Iterable[tuple[str, HostClaim]] | None = None,
     ) -> None:
         """Make each given kind exactly what `source` contributes (None: leave it).
 
         Whatever `source` owned before and is absent now is deleted; all of it
-        lands in one version.
+        lands in one version. `claims`: the source's Gateway listeners' hostname
+        claims (host, claim), which own hosts like routes (waygate.resolver.status).
         """
         changes: list[Change] = []
         if services is not None:
@@ -666,8 +673,11 @@ class Store:
                     self._drop_route(key, source, changes)
             for route in new_routes.values():
                 self._put_route(route, source, changes)
+        hosts = None
+        if claims is not None:
+            hosts = self._status.set_listener_claims(source, claims, self._clock())
         self._note_source(source)
-        self._commit(changes, source)
+        self._commit(changes, source, hosts)
 
     # ------------------------------------------------------------ internals
 
@@ -734,12 +744,18 @@ class Store:
             return False
         return True
 
-    def _commit(self, changes: list[Change], source: str | None) -> None:
+    def _commit(
+        self, changes: list[Change], source: str | None, hosts: set[str] | None = None
+    ) -> None:
         if source is not None:
             self._note_source(source)
-        if not changes:
+        if not changes and not hosts:
             return
-        changes = self._with_status(changes)
+        changes = self._with_status(changes, hosts or set())
+        if not changes:
+            # Only listener claims moved: no route changed, but a Gateway's may have.
+            self._notify_route_listeners()
+            return
         batch = Batch(self.version, self.version + 1, tuple(changes), shared=True)
         self.version = batch.version
         self._snapshots.clear()
@@ -762,11 +778,14 @@ class Store:
             self._history_floor = dropped.version
         for subscription in list(self._subscriptions):
             subscription._offer(batch)
-        if self._route_listeners and any(c.kind is Kind.ROUTES for c in changes):
-            for callback in list(self._route_listeners):
-                callback()
+        if hosts or any(c.kind is Kind.ROUTES for c in changes):
+            self._notify_route_listeners()
 
-    def _with_status(self, changes: list[Change]) -> list[Change]:
+    def _notify_route_listeners(self) -> None:
+        for callback in list(self._route_listeners):
+            callback()
+
+    def _with_status(self, changes: list[Change], hosts: set[str]) -> list[Change]:
         """`changes` with routes carrying their status, plus the routes whose status
         these changes changed (published in the same version)."""
         route_keys: list[RouteKey] = [
@@ -775,7 +794,7 @@ class Store:
         service_keys = {
             (c.key[0], c.key[1]) for c in changes if c.kind in (Kind.SERVICES, Kind.ENDPOINTS)
         }
-        if not route_keys and not service_keys:
+        if not route_keys and not service_keys and not hosts:
             return changes
         updated = self._status.update(
             self._routes,
@@ -783,6 +802,7 @@ class Store:
             self.endpoints_of,
             changed_routes=route_keys,
             changed_services=service_keys,
+            changed_hosts=hosts,
             now=self._clock(),
         )
         result: list[Change] = []

@@ -166,7 +166,7 @@ class GatewayObjects:
             if line not in self._rejected:
                 self._rejected.add(line)
                 log.warning("Gateway API object not served (its status says why): %s", line)
-        self.store.replace_source(SOURCE, routes=translation.routes)
+        self.store.replace_source(SOURCE, routes=translation.routes, claims=translation.claims)
         self.board.replace(translation.statuses)
 
 

@@ -175,6 +175,9 @@ class Translation:
     routes: list[Route] = field(default_factory=list)
     statuses: list[ObjectStatus] = field(default_factory=list)
     rejected: list[Rejected] = field(default_factory=list)
+    # Usable listeners' hostnames, each a claim on its host for the Gateway's
+    # namespace (waygate.resolver.status), routes attached or not.
+    claims: list[tuple[str, HostClaim]] = field(default_factory=list)
 
 
 def condition(kind: str, ok: bool, reason: str, message: str, generation: int) -> JSON:
@@ -1044,6 +1047,12 @@ class _Translator:
     def finish_gateways(self) -> None:
         for key, status in self.gateway_status.items():
             listeners = self.listeners.get(key, [])
+            created = specs.created(self.objects.of("Gateway")[key])
+            self.out.claims.extend(
+                (listener.spec.hostname, HostClaim(key[0], key[1], listener.spec.name, created))
+                for listener in listeners
+                if listener.usable and listener.spec.hostname
+            )
             status["listeners"] = [
                 {
                     "name": listener.spec.name,

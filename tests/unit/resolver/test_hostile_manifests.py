@@ -492,3 +492,51 @@ def test_a_source_past_its_budget_refuses_the_object_that_crosses_it(
         parse(GATEWAY_CLASS, THREE_LISTENERS, *routes)
     assert caught.value.path == Path("m3.yaml")
     assert "its 3,072 route entries would take this source past 5,000" in caught.value.reason
+
+
+def test_a_listener_hostname_claims_its_host_with_no_route_attached() -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from waygate.resolver.model import HostClaim
+    from waygate.resolver.store import Store
+
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    older = HostClaim("infra", "gw", "shop", t0)
+    store = Store()
+    store.replace_source("gateways", routes=[], claims=[("shop.example.com", older)])
+    late = dataclasses.replace(
+        plain("other", "shop", "shop.example.com"), created=t0 + timedelta(1)
+    )
+    store.replace_source("file", routes=[late])
+    route = store.get_route("other", "shop")
+    assert route is not None and route.status is not None and not route.status.admitted
+    admitted = route.status.condition("Admitted")
+    assert admitted is not None and admitted.message == (
+        "host shop.example.com belongs to namespace infra "
+        "(its Gateway infra/gw listener shop claimed it first)"
+    )
+    # The listener leaves: the Route gets its host.
+    store.replace_source("gateways", routes=[], claims=[])
+    route = store.get_route("other", "shop")
+    assert route is not None and route.status is not None and route.status.admitted
+
+
+def test_a_younger_listener_hostname_is_conflicted_in_its_gateway() -> None:
+    from waygate.resolver.model import HostClaim
+    from waygate.resolver.store import Store
+
+    store = Store()
+    seen: list[int] = []
+    store.on_route_changes(lambda: seen.append(1))
+    store.replace_source("file", routes=[plain("demo", "echo")])
+    seen.clear()
+    evil = HostClaim("evil", "gw", "http")
+    store.replace_source("gateways", routes=[], claims=[("echo.localtest.me", evil)])
+    assert seen  # no route changed, but the Gateway's status must be told
+    conflict = store.host_conflicts()[("Gateway", "evil", "gw")]
+    assert conflict.listeners == ("http",)
+    assert conflict.message == (
+        "host echo.localtest.me belongs to namespace demo (its route demo/echo claimed it first)"
+    )
+    route = store.get_route("demo", "echo")
+    assert route is not None and route.status is not None and route.status.admitted
