@@ -68,3 +68,34 @@ def test_common_route_patterns_mean_what_they_mean_in_python(pattern: str, text:
 
 def test_rewrites_substitute_groups() -> None:
     assert compile_linear(r"/old/(.*)").sub(r"/new/\1", "/old/x/y") == "/new/x/y"
+
+
+def test_a_hit_builds_its_match_on_first_use_as_re_would() -> None:
+    pattern = compile_linear(r"/api/(v[0-9]+)/users/(?P<user>[^/]+)")
+    found = pattern.fullmatch("/api/v12/users/zoë")
+    assert found is not None and found
+    assert found.group(1) == "v12" and found["user"] == "zoë" and found.span() == (0, 18)
+    assert pattern.search("see /api/v1/users/a").group(0) == "/api/v1/users/a"
+    assert pattern.match("see /api/v1/users/a") is None
+
+
+@pytest.mark.parametrize(
+    "pattern", [r"/a[0-9]*", r"(?i)/É+", r"/x/.*/y", r"/(a|b)+c?", r"/café/\w+", r"/\d{2,3}$"]
+)
+def test_the_probe_and_the_match_agree(pattern: str) -> None:
+    """The capture-free probe decides; the binding's pattern builds the Match: they must
+    never disagree (waygate.core.regex relies on the binding's internals for speed)."""
+    import re2  # type: ignore[import-untyped,unused-ignore]
+
+    compiled = compile_linear(pattern)
+    binding = re2.compile(pattern)
+    texts = ["/a", "/a12", "/éÉ", "/x//y", "/x/é/y", "/abbac", "/café/été", "/123", "/1234", ""]
+    for text in texts:
+        for method in ("fullmatch", "match", "search"):
+            ours = getattr(compiled, method)(text)
+            theirs = getattr(binding, method)(text)
+            assert (ours is None) == (theirs is None), (pattern, method, text)
+            if ours is not None:
+                assert ours.group(0) == theirs.group(0), (pattern, method, text)
+    # RE2's classes are ASCII (\w, \d), Python's Unicode: what a route author gets.
+    assert compile_linear(r"\w+").fullmatch("été") is None
