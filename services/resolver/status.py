@@ -21,11 +21,11 @@ Claims, as the OpenShift router's defaults, over every route kind:
   claim of its own, `set_listener_claims`, routes attached or not; a route
   attached through such a listener claims for the Gateway's namespace, at the
   Gateway's age: the Gateway's owner let it in through allowedRoutes, so routes
-  of several namespaces share the host under it). A claim of another namespace for that host is Conflicted
-  (HostAlreadyClaimed) and not served, unless `share_hosts` (OpenShift's
-  ROUTER_DISABLE_NAMESPACE_OWNERSHIP_CHECK) lets namespaces share. A route
-  without a host (a listener and route without hostnames, an Ingress default
-  backend) claims nothing.
+  of several namespaces share the host under it). A claim of another namespace
+  for that host is Conflicted (HostAlreadyClaimed) and not served, unless
+  `share_hosts` (OpenShift's ROUTER_DISABLE_NAMESPACE_OWNERSHIP_CHECK) lets
+  namespaces share. A route without a host (a listener and route without
+  hostnames, an Ingress default backend) claims nothing.
 - Within the owning namespace, Gateway API and Ingress routes share a host and
   its paths by the specification's precedence; among Routes, one host and path
   is served by the oldest route that claims it, younger ones are Conflicted.
@@ -136,8 +136,9 @@ class RouteStatusBook:
         self._by_host: dict[str, set[RouteKey]] = {}
         self._services: dict[RouteKey, tuple[ServiceKey, ...]] = {}
         self._by_service: dict[ServiceKey, set[RouteKey]] = {}
-        # Why a route is not admitted (None: it is).
+        # Why a route is not admitted (None: it is); the routes that are not.
         self._conflict: dict[RouteKey, str | None] = {}
+        self._lost: set[RouteKey] = set()
         # Gateway API and Ingress routes (with matches): within the owning
         # namespace they share paths by the specification's precedence.
         self._merged: set[RouteKey] = set()
@@ -217,6 +218,11 @@ class RouteStatusBook:
             hosts.add(key[1])
         return hosts
 
+    def any_lost(self) -> bool:
+        """Whether any route or listener claim is not admitted for its host (the
+        common answer, no, is had without looking at every route)."""
+        return bool(self._lost or self._listener_conflict)
+
     def listener_conflicts(self) -> dict[tuple[str, str], dict[str, str]]:
         """Gateway (namespace, name) -> its listeners whose hostname claim lost to an
         older claim of another namespace -> why."""
@@ -245,6 +251,7 @@ class RouteStatusBook:
             if not users:
                 del self._by_service[service_key]
         self._conflict.pop(key, None)
+        self._lost.discard(key)
         self._path.pop(key, None)
         self._merged.discard(key)
         self._claims.pop(key, None)
@@ -317,6 +324,10 @@ class RouteStatusBook:
                 taken[path] = key
                 verdict = None
             self._conflict[key] = verdict
+            if verdict is None:
+                self._lost.discard(key)
+            else:
+                self._lost.add(key)
         return set(claims)
 
     def _compute(

@@ -432,6 +432,8 @@ class Store:
         another namespace's older claim, by (kind, namespace, name); a Gateway when a
         route through one of its listeners' hostnames does. The status board shows it
         in the object's status."""
+        if not self._status.any_lost():
+            return {}
         verdicts: dict[tuple[str, str, str], list[str | None]] = {}
         listeners: dict[tuple[str, str, str], dict[str, str]] = {}
         for route in self._served.values():
