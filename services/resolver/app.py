@@ -215,9 +215,6 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
             store, settings.routes_file, poll_interval=settings.routes_poll_interval
         )
     board = StatusBoard()
-    # Host ownership is decided in the store, over every source and kind; the objects
-    # whose routes lose a host say so in their own status.
-    store.on_route_changes(lambda: board.set_host_conflicts(store.host_conflicts()))
     manifests_source = None
     if settings.manifests is not None:
         manifests_source = ManifestsSource(

@@ -234,6 +234,7 @@ class ManifestsSource:
     ) -> None:
         self.store = store
         self.board = board
+        board.follow(store)  # host conflicts onto the objects' statuses
         self.path = path.absolute()
         self.source = f"manifests:{self.path}"
         self.poll_interval = poll_interval

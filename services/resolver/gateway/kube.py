@@ -112,6 +112,8 @@ class GatewayObjects:
     ) -> None:
         self.store = store
         self.board = board
+        # Host ownership is decided in the store; objects that lose a host say so.
+        board.follow(store)
         self.addresses = addresses
         self.sharing = sharing
         self.objects = Objects(services=_StoreServices(store))
@@ -177,6 +179,9 @@ def merged_status(kind: str, current: JSON, ours: JSON) -> JSON:
         field = "parents"
     elif kind == "BackendTLSPolicy":
         field = "ancestors"
+    elif kind == "Ingress":
+        # IngressStatus has no conditions: a host conflict shows in `waygate gateways`.
+        return {k: v for k, v in ours.items() if k != "conditions"}
     else:
         return ours
     theirs = [

@@ -36,12 +36,15 @@ import copy
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from waygate.core.errors import excerpt
 from waygate.resolver.gateway.translate import ObjectStatus
 from waygate.resolver.model import ListenerState
 from waygate.resolver.status import HOST_ALREADY_CLAIMED, HostConflict
+
+if TYPE_CHECKING:
+    from waygate.resolver.store import Store
 
 StatusKey = tuple[str, str, str]  # (kind, namespace, name)
 
@@ -123,6 +126,7 @@ class StatusBoard:
         self._reports: dict[object, tuple[str, tuple[ListenerState, ...]]] = {}
         # Objects whose routes lose their host to an older claim (the store's view).
         self._host_conflicts: dict[StatusKey, HostConflict] = {}
+        self._following: Store | None = None
 
     def replace(self, statuses: Iterable[ObjectStatus]) -> None:
         self._translated = list(statuses)
@@ -172,6 +176,15 @@ class StatusBoard:
                     condition["status"] = "False"
                     condition["reason"] = "Invalid"
                     condition["message"] = "no listener is programmed on every proxy"
+
+    def follow(self, store: Store) -> None:
+        """Lay `store`'s host conflicts over the statuses after every version that
+        changes a route (host ownership is decided there, over every source). Every
+        source feeding this board calls it; the first call wires it."""
+        if self._following is store:
+            return
+        self._following = store
+        store.on_route_changes(lambda: self.set_host_conflicts(store.host_conflicts()))
 
     def set_host_conflicts(self, conflicts: Mapping[StatusKey, HostConflict]) -> None:
         """The objects whose routes lose their host to another namespace's older claim
