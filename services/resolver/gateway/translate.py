@@ -675,6 +675,7 @@ class _Translator:
         backends, refs_problem = self.backends(kind, key, route)
         parents_status = []
         made: dict[str, Route] = {}
+        attached_to: list[Listener] = []
         for parent in route.parents:
             if not self.ours(parent):
                 continue
@@ -693,12 +694,15 @@ class _Translator:
                 }
             )
             for listener, hosts in attached:
+                attached_to.append(listener)
                 for route_out in self.make_routes(
                     kind, key, obj, route, backends, gateway, listener, hosts
                 ):
                     made.setdefault(route_out.name, route_out)
         problem = self.over_budget(made.values())
         if problem is not None:
+            for listener in attached_to:
+                listener.attached -= 1  # refused: attached to nothing after all
             self.reject(kind, key, obj, SpecError(("spec",), problem))
             self.invalid_route_status(kind, key, obj, generation, problem)
             return

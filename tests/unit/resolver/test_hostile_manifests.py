@@ -494,6 +494,28 @@ def test_a_source_past_its_budget_refuses_the_object_that_crosses_it(
     assert "its 3,072 route entries would take this source past 5,000" in caught.value.reason
 
 
+def test_a_refused_object_is_not_counted_as_attached() -> None:
+    """In Kubernetes mode a refused object is skipped (its status says why): its
+    listeners do not count it among their attached routes."""
+    import yaml
+
+    from waygate.resolver.gateway.translate import Objects, translate
+
+    objects = Objects()
+    for text in (GATEWAY_CLASS, THREE_LISTENERS, multiplied_route("big")):
+        for doc in yaml.safe_load_all(text):
+            namespace = doc["metadata"].get("namespace", "")
+            objects.of(doc["kind"])[(namespace, doc["metadata"]["name"])] = doc
+    translation = translate(objects)
+    assert [r.name for r in translation.rejected] == ["big"]
+    (gateway,) = [s for s in translation.statuses if s.kind == "Gateway"]
+    assert [item["attachedRoutes"] for item in gateway.status["listeners"]] == [0, 0, 0]
+    (route,) = [s for s in translation.statuses if s.kind == "HTTPRoute"]
+    (parent,) = route.status["parents"]
+    accepted = next(c for c in parent["conditions"] if c["type"] == "Accepted")
+    assert accepted["status"] == "False" and "route entries" in accepted["message"]
+
+
 def test_a_listener_hostname_claims_its_host_with_no_route_attached() -> None:
     from datetime import UTC, datetime, timedelta
 
