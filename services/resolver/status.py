@@ -283,6 +283,13 @@ class RouteStatusBook:
 
     def _claim(self, host: str) -> set[RouteKey]:
         """Decide who is admitted on `host`; the routes whose verdict may have changed."""
+        if not host:
+            # Routes without a host (Gateway API and Ingress only) claim nothing.
+            anywhere = set(self._by_host.get(host, ()))
+            for key in anywhere:
+                self._conflict[key] = None
+                self._lost.discard(key)
+            return anywhere
         claims = sorted(self._by_host.get(host, ()), key=lambda key: self._claims[key][1])
         listeners = sorted(
             self._listeners_by_host.get(host, ()), key=lambda k: self._listener_claims[k][1]
@@ -296,7 +303,7 @@ class RouteStatusBook:
             if owner_age is None or age < owner_age:
                 owner_namespace, owner_what = claim.namespace, claim.what
         for listener in listeners:
-            if host and not self.share_hosts and listener[2].namespace != owner_namespace:
+            if not self.share_hosts and listener[2].namespace != owner_namespace:
                 self._listener_conflict[listener] = (
                     f"host {host} belongs to namespace {owner_namespace} "
                     f"(its {owner_what} claimed it first)"
@@ -308,7 +315,7 @@ class RouteStatusBook:
         taken: dict[str, RouteKey] = {}
         for key in claims:
             path = self._path[key]
-            if host and not self.share_hosts and self._claims[key][0] != owner_namespace:
+            if not self.share_hosts and self._claims[key][0] != owner_namespace:
                 verdict: str | None = (
                     f"host {host} belongs to namespace {owner_namespace} "
                     f"(its {owner_what} claimed it first)"
