@@ -118,9 +118,9 @@ def check_document(path: Path, root: yaml.Node) -> None:
         raise FileError(
             path,
             _line(nodes[worst]),
-            f"YAML aliases of the node on this line expand the document to more than "
-            f"{allowed:,} nodes (it has {written:,} written; at most {ALIAS_EXPANSION} times "
-            f"as many, or {ALIAS_EXPANSION_FLOOR:,})",
+            f"YAML aliases of the node on this line expand the document to "
+            f"{'more than ' if total >= _SIZE_CAP else ''}{total:,} nodes (it has {written:,} "
+            f"written; at most {ALIAS_EXPANSION} times as many, or {ALIAS_EXPANSION_FLOOR:,})",
         )
 
 

@@ -135,6 +135,17 @@ def test_alias_expansion_is_refused_before_anything_is_built() -> None:
     assert peak < 32 << 20, peak
 
 
+def test_a_billion_laughs_is_refused_at_once() -> None:
+    """80 levels of doubling aliases: 2^80 nodes if expanded; refused from 165 nodes."""
+    lines = ["a: &a [x, x]"]
+    lines += [
+        f"b{i}: &b{i} [*{'a' if i == 0 else f'b{i - 1}'}, *{'a' if i == 0 else f'b{i - 1}'}]"
+        for i in range(80)
+    ]
+    with pytest.raises(FileError, match="expand the document to more than 281,474,976,710,656"):
+        parse("\n".join(lines) + "\n")
+
+
 def test_aliases_within_bounds_still_load() -> None:
     small = amplified_route(3)
     content = parse(GATEWAY_CLASS, conformance_text("base.yaml"), small)
