@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: run test test-fast lint typecheck protos protos-check bench soak deploy-check clean
+.PHONY: run test test-fast lint typecheck protos protos-check bench soak deploy-check image clean
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "waygate needs Python 3.11 or newer; set PYTHON=python3.11")'
@@ -67,6 +67,23 @@ soak: $(STAMP)
 
 deploy-check: $(STAMP)
 	$(BIN)/python -m pytest tests/deploy $(PYTEST_ARGS)
+
+# The container image (deploy/Containerfile), tagged with the version in
+# pyproject.toml: the tag the kustomize base names. The first of podman, buildah
+# and docker found on PATH builds it (ENGINE=... chooses); IMAGE=REGISTRY/NAME
+# names it for your registry. Then push it, or `kind load docker-image` it (README,
+# "Deploying").
+IMAGE   ?= waygate/waygate
+VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml | head -n 1)
+ENGINE  ?= $(firstword $(foreach engine,podman buildah docker,$(shell command -v $(engine) 2>/dev/null)))
+
+image:
+	@if [ -z "$(ENGINE)" ]; then \
+		echo "make image: no container engine found: install podman, buildah or docker (or set ENGINE=/path/to/one)" >&2; \
+		exit 1; \
+	fi
+	$(ENGINE) build -f deploy/Containerfile -t $(IMAGE):$(VERSION) .
+	@echo "built $(IMAGE):$(VERSION)"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

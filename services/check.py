@@ -9,10 +9,16 @@ says where each process serves) or for the addresses given:
   the identity expected of it (under `up`), and has days left (warned under
   20% of its life, failed when expired); under `up` the proxy's HTTPS
   certificate and your own client certificate too;
-- every admin port (under `up`) answers /readyz 200;
+- every admin port (under `up`) answers /readyz 200, and the proxy refuses no
+  route certificate (its status document's "Route certificates refused": a
+  private key the resolver withheld, an expired or mismatched certificate);
 - the trust bundle certs serves is the one clients trust (the state
   directory's ca.pem, or --ca-file);
-- the routes file is valid, and every route is admitted with resolved refs;
+- every route source (the routes file, each manifests path, Kubernetes) is
+  valid, else its error and since when; every route is admitted with
+  resolved refs (and its own private key reaches a proxy); no Gateway API
+  or Ingress object has Accepted=False or ResolvedRefs=False; Gateways and
+  Ingresses ignored for their class are listed (‼) with the reason;
 - the resolver's view is fresh (last sync within --max-staleness) and, when
   routes send traffic through a tunnel, an agent holds each of their nodes.
 
@@ -60,6 +66,7 @@ from waygate.core.errors import FailedPrecondition
 from waygate.core.grpcclient import open_channel
 from waygate.core.kube import JSON, KubeAPI, KubeError, load_api_client
 from waygate.core.settings import add_settings_arguments
+from waygate.core.statuspage import fetch_document
 
 OK, FAILED, WARN = "✔", "✖", "‼"
 #: Under this fraction of its lifetime left, a certificate is worth a warning.
@@ -358,6 +365,30 @@ class Checker:
                 f"{name} admin {address}: /readyz " + (str(status) if status else "unreachable"),
                 f"`curl http://{address}/readyz` says what it waits for",
             )
+            if name == "proxy" and status == 200:
+                await self.check_refused_certificates(address)
+
+    async def check_refused_certificates(self, address: str) -> None:
+        """✖ for each route certificate the proxy refuses now (a private key withheld by
+        the resolver, expired, for another host), from its status document's
+        "Route certificates refused" section (docs/status-json.md)."""
+        host, _, port = address.rpartition(":")
+        try:
+            document = await fetch_document(host, int(port), self.settings.timeout)
+        except (OSError, TimeoutError, ValueError):
+            return  # /readyz answered: a status page that does not is not this check's
+        for service in document["services"]:
+            for section in service.get("sections", []):
+                if section.get("title") != "Route certificates refused":
+                    continue
+                for route, host_name, reason in section.get("rows", []):
+                    why = reason.get("text") if isinstance(reason, dict) else reason
+                    self.add(
+                        FAILED,
+                        f"route {route}: {why} (the proxy serves its default certificate "
+                        f"for {host_name})",
+                        _refusal_hint(str(why)),
+                    )
 
     async def check_bundle(self, certs: Target) -> None:
         from waygate.certs.v1 import certs_pb2, certs_pb2_grpc
@@ -392,13 +423,22 @@ class Checker:
         )
 
     async def check_routes(self, resolver: Target) -> None:
-        from waygate.resolver.commands import list_routes, route_problem
-        from waygate.resolver.v1 import resolver_pb2_grpc
+        from waygate.resolver.commands import (
+            list_routes,
+            route_problem,
+            source_failure,
+            source_hint,
+            source_name,
+        )
+        from waygate.resolver.v1 import resolver_pb2, resolver_pb2_grpc
 
         try:
             async with open_channel(resolver.address, tls=self.settings.tls(), retry=False) as ch:
                 stub = resolver_pb2_grpc.ResolverStub(ch)
                 routes, sources, _ = await list_routes(stub, "", self.settings.timeout)
+                gateways = await stub.ListGateways(
+                    resolver_pb2.ListGatewaysRequest(), timeout=self.settings.timeout
+                )
                 first = await _first_view(stub, self.settings.timeout)
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
             detail = (
@@ -409,22 +449,35 @@ class Checker:
             self.add(FAILED, f"resolver routes: {detail}")
             return
         for state in sources:
-            what = state.source.removeprefix("file:")
+            what = source_name(state.source)
             if state.valid:
-                self.add(OK, f"routes file {what} is valid")
+                self.add(OK, f"{what} is valid")
             else:
+                since = (
+                    f" (since {_stamp(state.error_since)})" if state.HasField("error_since") else ""
+                )
                 self.add(
                     FAILED,
-                    f"routes file rejected: {state.last_error}",
-                    "fix that line; the resolver serves the last good content until then",
+                    f"{what} {source_failure(state.source)}{since}: {state.last_error}",
+                    f"{source_hint(state.source)}; the resolver serves the last good "
+                    "content until then",
                 )
+        self.check_gateway_objects(list(gateways.objects))
+        for item in gateways.ignored:
+            self.add(
+                WARN,
+                f"{item.kind} {item.namespace}/{item.name} ignored: {item.reason}",
+                "another controller may serve it; to have Waygate serve it, give it "
+                "Waygate's class",
+            )
         bad = 0
         for route in routes:
             status, message = route_problem(route)
             if status not in ("Admitted", "-"):
                 bad += 1
                 self.add(
-                    FAILED,
+                    # Served, an ingress-nginx annotation not honoured: a warning.
+                    WARN if status == "NotHonoured" else FAILED,
                     f"route {route.namespace}/{route.name}: {status}: {message}",
                     _route_hint(status),
                 )
@@ -452,6 +505,24 @@ class Checker:
                 ),
                 "start `waygate tunnel agent` on that node (under `up`: see the tunnel-agent log)",
             )
+
+    def check_gateway_objects(self, objects: list[Any]) -> None:
+        """✖ for each Gateway API or Ingress object (or route parent) with
+        Accepted=False or ResolvedRefs=False, with its reason."""
+        for item in objects:
+            name = f"{item.kind} {item.namespace + '/' if item.namespace else ''}{item.name}"
+            places = [("", item.conditions)] + [
+                (f" on {p.gateway_namespace}/{p.gateway_name}", p.conditions) for p in item.parents
+            ]
+            places += [(f" listener {ls.name}", ls.conditions) for ls in item.listeners]
+            for where, conditions in places:
+                for c in conditions:
+                    if c.type in ("Accepted", "ResolvedRefs") and c.status == "False":
+                        self.add(
+                            FAILED,
+                            f"{name}{where}: {c.type}=False ({c.reason}): {c.message}",
+                            "`waygate gateways` shows its status; fix the object it names",
+                        )
 
     # ------------------------------------------------------------ cluster
 
@@ -637,6 +708,16 @@ def _route_hint(reason: str) -> str:
         "HostAlreadyClaimed": "an older route owns this host or host and path: rename the "
         "host or path, or delete the other route",
         "NoBackends": "give the route a backend of non-zero weight",
+        # ingress-nginx Ingresses (waygate.resolver.ingress_nginx).
+        "UnsupportedAnnotation": "an annotation Waygate cannot honour bears on access, so "
+        "the Ingress is not served: `waygate ingress-nginx check` names it",
+        "InvalidAnnotation": "an annotation value outside its grammar: fix the Ingress",
+        "InvalidPath": "a path outside its pathType (regular expressions need use-regex)",
+        "SnippetsNotAllowed": "the controller ConfigMap does not allow snippets",
+        "NotHonoured": "served; `waygate ingress-nginx check` lists what is not honoured",
+        "NotMTLS": "run the resolver with TLS and client certificates (as `waygate up` does), "
+        "and the proxy with a certificate whose identity is in --route-readers",
+        "NoRouteReaders": "set the resolver's --route-readers to the proxy's identity",
     }.get(reason, "`waygate routes get NS/NAME` shows every condition")
 
 
@@ -650,6 +731,19 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _refusal_hint(reason: str) -> str:
+    if "not mTLS" in reason:
+        return "give the proxy a client certificate for the resolver (--certs-address or TLS files)"
+    if "--route-readers" in reason:
+        return "add the proxy's identity to the resolver's --route-readers"
+    return "fix the route's certificate (waygate routes get NS/NAME -o yaml shows it)"
+
+
+def _stamp(stamp: Any) -> str:
+    """A protobuf Timestamp as RFC 3339 (UTC, seconds)."""
+    return str(stamp.ToDatetime().strftime("%Y-%m-%dT%H:%M:%SZ"))
 
 
 def _fingerprint(der: bytes) -> str:

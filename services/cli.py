@@ -35,6 +35,10 @@ CLIENT_COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "waygate.resolver.gateway.commands",
         "Gateway API and Ingress objects with their status (Accepted, Programmed, ...)",
     ),
+    ("ingress-nginx", "check"): (
+        "waygate.resolver.ingress_nginx.report",
+        "the ingress-nginx migration report: each Ingress's annotations, honoured or not",
+    ),
     ("cert", "issue"): (
         "waygate.certs.commands",
         "generate a key locally and get a certificate for it",
@@ -69,6 +73,7 @@ GROUP_HELP = {
     "proxy": "the HTTP/TLS reverse proxy",
     "tunnel": "tunnel server and agent, and their client command",
     "cert": "certificates: issue, bundle, inspect, status, rotate-ca",
+    "ingress-nginx": "coming from ingress-nginx: check",
 }
 
 Configure = Callable[[argparse.ArgumentParser], None]

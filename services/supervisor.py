@@ -6,9 +6,15 @@ The topology (ports, identities, the demo's names, `UpContext`) is
 Children start in `COMPONENTS` order, each waited for until its /readyz says
 ready (or a timeout passes), so certs is up before the processes that take
 their certificates from it. `up` never reports what it did not see:
+- a state directory belongs to one running `up`: `<state>/up.lock`, locked
+  (flock) before anything in the directory is written and held for `up`'s
+  life, makes a second `up` on the same directory stop at once, naming the
+  running one and printing a command for a copy beside it (its own
+  --state-dir and a free --port-offset), so a second copy can never rewrite
+  the first one's tokens, certificates or up.json;
 - every port it will use is checked before anything starts; a taken one stops
   `up` at once naming the port, the process holding it (when /proc tells) and
-  a --port-offset that is free;
+  a command with a --port-offset that is free (and its own --state-dir);
 - a child counts as ready only when its /readyz answers 200 from a socket the
   child (or its own descendant) holds, not whatever else answers on the port;
 - a child that exits on its own is restarted with exponential backoff (reset
@@ -55,6 +61,7 @@ import asyncio
 import contextlib
 import ctypes
 import dataclasses
+import fcntl
 import importlib
 import json
 import logging
@@ -65,8 +72,9 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar, TextIO
 
 import yaml
 
@@ -108,7 +116,7 @@ from waygate.core.settings import (
     setting,
     settings_from_args,
 )
-from waygate.core.statuspage import GatheredStatus
+from waygate.core.statuspage import GatheredStatus, Section, cell, time_cell
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +125,8 @@ STABLE_AFTER = 60.0  # a child that ran this long restarts with the initial back
 KEPT_LINES = 20
 #: A child's stderr line longer than this is passed on in pieces (bounded memory).
 MAX_LINE = 64 * 1024
+# In the state directory: locked by the `up` that uses it, for its life; holds its pid.
+STATE_LOCK = "up.lock"
 STATUS_PORT = 9000  # plus the port offset; the page gathering every service's status
 
 
@@ -390,6 +400,8 @@ class Supervisor:
         self._failure: str | None = None
         self.bootstrap: Bootstrap | None = None
         self._client_renewal: asyncio.Task[None] | None = None
+        # The state directory's lock (an open, flock-ed file), held until exit.
+        self._state_lock: TextIO | None = None
 
     def _argv(self, component: Component) -> list[str]:
         argv = [sys.executable, "-m", "waygate", *component.command, "--host", HOST]
@@ -427,10 +439,50 @@ class Supervisor:
         gathered = GatheredStatus(
             "Waygate (waygate up)",
             [(c.name, HOST, self.context.port(c.name, "admin_port")) for c in shown],
+            sections=self._process_sections,
         )
         server = AdminServer(readiness, status=gathered)
         await server.start(HOST, self.settings.status_port + self.context.port_offset)
         return server
+
+    def _process_sections(self) -> list[Section]:
+        """`up`'s own part of its page: one row per child, with its restarts."""
+        rows: list[list[Any]] = []
+        for child in self.children:
+            process = child.process
+            running = process is not None and process.returncode is None
+            state = (
+                cell("ready", "ok")
+                if running and child.ready
+                else cell("starting", "warn")
+                if running
+                else cell("exited; restarting", "bad")
+            )
+            started = time.time() - (time.monotonic() - child.started_at)
+            rows.append(
+                [
+                    child.name,
+                    process.pid if process is not None else "",
+                    state,
+                    cell(child.restarts, "warn" if child.restarts else ""),
+                    time_cell(datetime.fromtimestamp(started, UTC) if child.started_at else None),
+                ]
+            )
+        overall = "ok"
+        if any(child.restarts for child in self.children):
+            overall = "warn"
+        if any(row[2]["state"] == "bad" for row in rows):
+            overall = "bad"
+        return [
+            Section(
+                "Processes",
+                ["process", "pid", "state", "restarts", "started"],
+                rows,
+                note="the processes `waygate up` runs and restarts",
+                state=overall,
+                empty="none started yet",
+            )
+        ]
 
     def _demo_argv(self) -> list[str]:
         return [
@@ -519,6 +571,9 @@ class Supervisor:
         if not implemented:
             return fail("no service is implemented yet; nothing to run", EXIT_USAGE_OR_UNREACHABLE)
         self.context.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        in_use = self._lock_state_dir(implemented)
+        if in_use is not None:
+            return fail(f"up: {in_use}", EXIT_USAGE_OR_UNREACHABLE)
         taken = self._taken_port(implemented)
         if taken is not None:
             return fail(f"up: {taken}", EXIT_USAGE_OR_UNREACHABLE)
@@ -611,11 +666,55 @@ class Supervisor:
                 continue
             holders = listeners(port)
             by = f"by {holders[0]}" if holders else "by another process (not visible here)"
-            hint = "stop it, or run this copy beside it with --port-offset N"
-            offset = self._free_offset(implemented)
-            if offset is not None:
-                hint += f" (--port-offset {offset} is free now)"
-            return f"port {port} ({what}) on {HOST} is already taken {by}; {hint}"
+            return f"port {port} ({what}) on {HOST} is already taken {by}; " + self._beside_hint(
+                implemented
+            )
+        return None
+
+    def _beside_hint(self, implemented: list[Component]) -> str:
+        """How to run a second copy beside the running one: its own state directory
+        (never the first one's) and a port offset that is free now."""
+        offset = self._free_offset(implemented)
+        state = self._free_state_dir(offset or 100)
+        command = f"waygate up --state-dir {state} --port-offset {offset or 'N'}"
+        if offset is None:
+            return f"stop it, or run a copy beside it: {command} (no free offset found)"
+        return f"stop it, or run a copy beside it: {command}"
+
+    def _free_state_dir(self, offset: int) -> str:
+        """A state directory beside this one that no `up` holds (printed relative to
+        the working directory when it is below it, so the hint reads as typed)."""
+        state = self.context.state_dir
+        for n in range(offset, offset + 100_000, 100):
+            candidate = state.with_name(f"{state.name}-{n}")
+            if not candidate.exists() or _state_dir_lock_holder(candidate) is None:
+                break
+        with contextlib.suppress(ValueError):
+            return str(candidate.relative_to(Path.cwd()))
+        return str(candidate)
+
+    def _lock_state_dir(self, implemented: list[Component]) -> str | None:
+        """Lock the state directory for this process's life (None), or say who holds it."""
+        path = self.context.state_dir / STATE_LOCK
+        handle = open(path, "a+")  # noqa: SIM115 - held (locked) until the process ends
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            holder = _state_dir_lock_holder(self.context.state_dir)
+            record = UpRecord.read(self.context.state_dir)
+            running = f"pid {holder}" if holder else "another process"
+            if record is not None and record.pid == holder:
+                running += f", port offset {record.port_offset}"
+            return (
+                f"state directory {self.context.state_dir} is in use by a running "
+                f"`waygate up` ({running}); {self._beside_hint(implemented)}"
+            )
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        self._state_lock = handle
         return None
 
     def _free_offset(self, implemented: list[Component]) -> int | None:
@@ -723,6 +822,20 @@ class Supervisor:
             await asyncio.gather(
                 *(c.process.wait() for c in self.children if c.process is not None)
             )
+
+
+def _state_dir_lock_holder(state_dir: Path) -> int | None:
+    """The pid of the `up` that holds `state_dir`'s lock now; None when nobody does."""
+    try:
+        with open(state_dir / STATE_LOCK) as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                text = handle.read().strip()
+                return int(text) if text.isdigit() else 0
+            return None
+    except OSError:
+        return None
 
 
 def run_up(args: argparse.Namespace) -> int:

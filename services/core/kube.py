@@ -371,6 +371,8 @@ class Reflector:
     `on_bookmark()` a bookmark (the view is current as of now). `on_missing()`:
     when set, a 404 on the list means "the resource is not served" (a CRD not
     installed): it is called, counted as synced, and the list retried with backoff.
+    `on_error(message)`: a list or watch failed (it is retried with backoff), so
+    the owner can publish its state, not only log it.
     """
 
     def __init__(
@@ -383,6 +385,7 @@ class Reflector:
         on_event: Callable[[str, JSON], None],
         on_bookmark: Callable[[], None] | None = None,
         on_missing: Callable[[], None] | None = None,
+        on_error: Callable[[str], None] | None = None,
         label_selector: str = "",
         field_selector: str = "",
         watch_timeout: float = 300.0,
@@ -397,6 +400,7 @@ class Reflector:
         self._on_event = on_event
         self._on_bookmark = on_bookmark
         self._on_missing = on_missing
+        self._on_error = on_error
         self._selectors = [
             (key, value)
             for key, value in (("labelSelector", label_selector), ("fieldSelector", field_selector))
@@ -478,11 +482,15 @@ class Reflector:
                         exc.message,
                         extra={"status": exc.status},
                     )
+                    if self._on_error is not None:
+                        self._on_error(exc.message)
             except Exception:
                 # Unexpected, so with a traceback; the reflector must outlive it all the same.
                 WATCH_RESTARTS.labels(self.name, "error").inc()
                 delay = backoff.next_delay()
                 log.warning("%s: list/watch failed unexpectedly", self.name, exc_info=True)
+                if self._on_error is not None:
+                    self._on_error("list/watch failed unexpectedly (see the log)")
             if delay is not None:
                 await asyncio.sleep(delay)
 

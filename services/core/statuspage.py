@@ -1,5 +1,10 @@
 """The admin port's status page: `/` (HTML) and `/status.json` (the same data).
 
+`/status.json` is data with a documented schema (docs/status-json.md, `SCHEMA`):
+numbers are JSON numbers, times RFC 3339 strings (UTC, `Z`); the page renders
+everything it shows from it (relative times included), and other tools
+(`waygate check`) read it.
+
 Core knows no service: a service contributes sections through `StatusPage.add`,
 each a callable returning `Section`s (a title, columns, rows of cells). The page
 (`static/status.html`, no build step, nothing from a CDN) renders any section the
@@ -18,6 +23,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -28,6 +34,10 @@ log = logging.getLogger(__name__)
 
 #: Rows one section may show; the rest are counted in its note.
 MAX_ROWS = 500
+#: The document's schema (docs/status-json.md); a change that breaks readers bumps it.
+SCHEMA = "waygate.status/v1"
+#: The window the summary's requests per second are measured over.
+RATE_WINDOW = 60.0
 
 Cell = str | int | float | dict[str, Any] | None
 
@@ -43,6 +53,24 @@ def cell(
         value["bar"] = round(min(max(bar, 0.0), 1.0), 4)
     if title:
         value["title"] = title
+    return value
+
+
+def rfc3339(when: datetime | float) -> str:
+    """A time as the document spells it: RFC 3339, UTC, seconds, `Z`."""
+    if not isinstance(when, datetime):
+        when = datetime.fromtimestamp(when, UTC)
+    return when.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def time_cell(when: datetime | None, state: str = "", *, empty: str = "") -> Any:
+    """A point in time: `{"time": RFC 3339}`, shown by the page as "5s ago" (or
+    "in 3d") with the time itself as its tooltip; `empty` when there is none."""
+    if when is None:
+        return empty
+    value: dict[str, Any] = {"time": rfc3339(when)}
+    if state:
+        value["state"] = state
     return value
 
 
@@ -104,6 +132,46 @@ class Section:
 Provider = Callable[[], Iterable[Section]]
 
 
+@dataclass(frozen=True)
+class Traffic:
+    """Counters of a process that answers requests (the proxy), for the summary line:
+    every request answered, those answered 5xx, and those no route took."""
+
+    requests: int
+    errors_5xx: int
+    unrouted: int
+
+
+class RequestRate:
+    """Requests per second over the last `RATE_WINDOW` seconds, from the totals seen
+    at each document (the page polls every 2 s; None until 1 s has been seen)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._samples: deque[tuple[float, int]] = deque()
+
+    def observe(self, requests: int) -> float | None:
+        now = self._clock()
+        samples = self._samples
+        if samples and requests < samples[-1][1]:
+            samples.clear()  # the counters started over (a restarted process)
+        samples.append((now, requests))
+        while len(samples) > 2 and now - samples[1][0] >= RATE_WINDOW:
+            samples.popleft()
+        first_time, first_requests = samples[0]
+        span = now - first_time
+        return round((requests - first_requests) / span, 3) if span >= 1.0 else None
+
+
+def summary_of(traffic: Traffic, per_second: float | None) -> dict[str, Any]:
+    return {
+        "requests": traffic.requests,
+        "errors_5xx": traffic.errors_5xx,
+        "unrouted": traffic.unrouted,
+        "per_second": per_second,
+    }
+
+
 class StatusSource(Protocol):
     """What the admin server serves at /status.json."""
 
@@ -118,10 +186,26 @@ class StatusPage:
         self.address = ""
         self._ready = ready
         self._providers: list[tuple[str, Provider]] = []
+        self._traffic: Callable[[], Traffic] | None = None
+        self._rate = RequestRate()
 
     def add(self, name: str, provider: Provider) -> None:
         """Sections from `provider`, after those added before (`name` is for errors)."""
         self._providers.append((name, provider))
+
+    def set_traffic(self, traffic: Callable[[], Traffic]) -> None:
+        """The counters of the document's summary line (a process that serves traffic)."""
+        self._traffic = traffic
+
+    def summary(self) -> dict[str, Any] | None:
+        if self._traffic is None:
+            return None
+        try:
+            traffic = self._traffic()
+        except Exception:  # like a provider: costs the summary, never the page
+            log.exception("status summary failed")
+            return None
+        return summary_of(traffic, self._rate.observe(traffic.requests))
 
     def sections(self) -> list[dict[str, Any]]:
         found = []
@@ -146,11 +230,16 @@ class StatusPage:
         return entry
 
     async def document(self) -> dict[str, Any]:
-        return {
+        document: dict[str, Any] = {
+            "schema": SCHEMA,
             "title": f"Waygate {self.service}",
-            "generated": time.time(),
+            "generated": rfc3339(time.time()),
             "services": [self.service_document()],
         }
+        summary = self.summary()
+        if summary is not None:
+            document["summary"] = summary
+        return document
 
 
 def page_html() -> bytes:
@@ -209,19 +298,45 @@ class GatheredStatus:
         self.timeout = timeout
         self._sections = sections
 
-    async def _one(self, name: str, host: str, port: int) -> list[dict[str, Any]]:
+    async def _one(
+        self, name: str, host: str, port: int
+    ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
         address = f"admin http://{host}:{port}/"
         try:
             document = await fetch_document(host, port, self.timeout)
         except (OSError, TimeoutError, ValueError) as exc:
             reason = str(exc) or type(exc).__name__
-            return [{"service": name, "address": address, "error": f"no status: {reason}"}]
-        return [{**entry, "address": address} for entry in document["services"]]
+            return [{"service": name, "address": address, "error": f"no status: {reason}"}], None
+        summary = document.get("summary")
+        return (
+            [{**entry, "address": address} for entry in document["services"]],
+            summary if isinstance(summary, dict) else None,
+        )
 
     async def document(self) -> dict[str, Any]:
         gathered = await asyncio.gather(*(self._one(*p) for p in self.processes))
-        services = [entry for entries in gathered for entry in entries]
+        services = [entry for entries, _ in gathered for entry in entries]
         if self._sections is not None:
             own = [section.to_json() for section in self._sections()]
             services.insert(0, {"service": "up", "sections": own})
-        return {"title": self.title, "generated": time.time(), "services": services}
+        document: dict[str, Any] = {
+            "schema": SCHEMA,
+            "title": self.title,
+            "generated": rfc3339(time.time()),
+            "services": services,
+        }
+        summaries = [summary for _, summary in gathered if summary is not None]
+        if summaries:
+            document["summary"] = _added(summaries)
+        return document
+
+
+def _added(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several processes' summaries as one: counts and rates added."""
+    total: dict[str, Any] = {
+        key: sum(int(s.get(key) or 0) for s in summaries)
+        for key in ("requests", "errors_5xx", "unrouted")
+    }
+    rates = [s["per_second"] for s in summaries if isinstance(s.get("per_second"), int | float)]
+    total["per_second"] = round(sum(rates), 3) if rates else None
+    return total

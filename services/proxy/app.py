@@ -659,7 +659,8 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         if front is not None:
             # A route another one's claim keeps out serves no certificate for its host.
             front.certificates.update(
-                r for r in view.routes.values() if r.status is None or r.status.admitted
+                (r for r in view.routes.values() if r.status is None or r.status.admitted),
+                keys_withheld=view.route_keys_withheld,
             )
             # TLS listeners on their own ports are served there only.
             set_passthrough(front, view, lambda p: p not in own_tls)
@@ -704,6 +705,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     from waygate.proxy import status
 
     process.status.add("proxy", status.provider(server, watch, front))
+    process.status.set_traffic(lambda: status.traffic(server))
     process.add_listener(
         HttpListener(server, settings.host, settings.http_port, reuse_port=settings.worker)
     )

@@ -12,10 +12,12 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from waygate.core.statuspage import Section, cell, duration_text, expiry_cell
+from waygate.core.statuspage import Section, Traffic, cell, duration_text, expiry_cell
 from waygate.proxy.metrics import ProxyMetrics, quantile
 from waygate.proxy.server import ProxyServer
 
+#: The route label of requests no route took (the Routes section's "unrouted" row).
+UNROUTED = ""
 #: A route whose share of 5xx answers is above this is shown as failing.
 ERROR_SHARE_BAD = 0.05
 #: A view older than this (no event, no heartbeat) is shown as stale: a little
@@ -30,6 +32,16 @@ def _traffic(metrics: ProxyMetrics) -> dict[str, tuple[int, int]]:
         requests, errors = totals.get(route, (0, 0))
         totals[route] = (requests + count, errors + (count if hundreds == 5 else 0))
     return totals
+
+
+def traffic(server: ProxyServer) -> Traffic:
+    """The status document's summary line: every request, 5xx, unrouted."""
+    totals = _traffic(server.metrics)
+    return Traffic(
+        requests=sum(requests for requests, _ in totals.values()),
+        errors_5xx=sum(errors for _, errors in totals.values()),
+        unrouted=totals.get(UNROUTED, (0, 0))[0],
+    )
 
 
 def _ms(seconds: float | None) -> str:
@@ -77,6 +89,20 @@ def route_sections(server: ProxyServer) -> list[Section]:
             )
             endpoints.append([name, backend.service, where, state])
     failing = any(row[3]["state"] == "bad" for row in routes)
+    # Requests no route took are counted under route "" (the metrics' contract).
+    unrouted, unrouted_errors = traffic.get(UNROUTED, (0, 0))
+    routes.append(
+        [
+            cell("unrouted", "warn" if unrouted else ""),
+            "no route took these (unknown host or path)",
+            "",
+            "",
+            unrouted,
+            unrouted_errors,
+            "",
+            "",
+        ]
+    )
     return [
         Section(
             "Routes",
@@ -126,6 +152,9 @@ def view_sections(watch: Any) -> list[Section]:
     ]
 
 
+REFUSED_SECTION = "Route certificates refused"
+
+
 def certificate_sections(front: Any) -> list[Section]:
     """The routes' own certificates the HTTPS listener serves (nothing renews them)."""
     if front is None:
@@ -138,7 +167,7 @@ def certificate_sections(front: Any) -> list[Section]:
         ]
         for host, served in sorted(front.certificates.served(), key=lambda pair: pair[0])
     ]
-    return [
+    found = [
         Section(
             "Route certificates",
             ["host", "subject", "expires in"],
@@ -147,6 +176,18 @@ def certificate_sections(front: Any) -> list[Section]:
             empty="no route brings its own certificate",
         )
     ]
+    if front.certificates.refusals:
+        # `waygate check` lists these rows (section title and columns are its contract).
+        found.append(
+            Section(
+                REFUSED_SECTION,
+                ["route", "host", "reason"],
+                [[r, h, cell(why, "bad")] for r, h, why in front.certificates.refusals],
+                note="the proxy's default certificate is served for these hosts",
+                state="bad",
+            )
+        )
+    return found
 
 
 def provider(server: ProxyServer, watch: Any, front: Any) -> Callable[[], list[Section]]:

@@ -290,6 +290,8 @@ class EdgeCertificates:
         self._wildcard: dict[str, ServedCertificate] = {}
         self._cache: dict[bytes, ServedCertificate] = {}
         self._refused: set[tuple[str, bytes]] = set()
+        #: The current view's refused route certificates: (route, host, reason).
+        self.refusals: tuple[tuple[str, str, str], ...] = ()
         # (route, certificate) pairs already warned about: once each, not per view.
         self._warned: set[tuple[str, bytes]] = set()
         self._routes: tuple[Route, ...] = ()
@@ -362,8 +364,11 @@ class EdgeCertificates:
 
     # ------------------------------------------------------------ per resolver view
 
-    def update(self, routes: Iterable[Route]) -> None:
-        """Rebuild the SNI maps from the routes (edge and reencrypt routes with a certificate)."""
+    def update(self, routes: Iterable[Route], *, keys_withheld: str = "") -> None:
+        """Rebuild the SNI maps from the routes (edge and reencrypt routes with a certificate).
+
+        `keys_withheld`: why the resolver sends this proxy no private keys (its Watch
+        says so), named when a route's certificate arrives without its key."""
         routes = tuple(routes)
         self._routes = routes
         exact: dict[str, ServedCertificate] = {}
@@ -371,6 +376,7 @@ class EdgeCertificates:
         cache: dict[bytes, ServedCertificate] = {}
         labels: set[tuple[str, str]] = set()
         client_auth: dict[tuple[str, str], ServedCertificate] = {}
+        refusals: list[tuple[str, str, str]] = []
         now = self._now()
         for route in routes:
             tls = route.tls
@@ -388,6 +394,10 @@ class EdgeCertificates:
                         raise RefusedCertificate(
                             "a client CA needs the route's own certificate", "missing"
                         )
+                    if not tls.key:
+                        # Redacted by the resolver: say why, not "does not load".
+                        why = keys_withheld or "the resolver sent the certificate without it"
+                        raise RefusedCertificate(f"private key withheld: {why}", "key_withheld")
                     served = ServedCertificate(
                         tls.certificate.encode(),
                         tls.key.encode(),
@@ -396,6 +406,7 @@ class EdgeCertificates:
                 self._check(served, host, now)
             except RefusedCertificate as exc:
                 self._refuse(label, host, key, exc)
+                refusals.append((label, host, exc.reason))
                 continue
             cache[key] = served
             if tls.client_ca_certificate:
@@ -421,6 +432,7 @@ class EdgeCertificates:
         for gone in self._served_labels - labels:
             ROUTE_CERT_EXPIRY.remove(*gone)
         self._served_labels = labels
+        self.refusals = tuple(refusals)
         # One assignment each: a handshake sees the old maps or the new ones.
         self._exact, self._wildcard, self._cache = exact, wildcard, cache
         self._client_auth = client_auth
@@ -469,7 +481,9 @@ class EdgeCertificates:
         self._refused.add((label, key))
         ROUTE_CERT_REFUSED.labels(label, exc.kind).inc()
         log.warning(
-            "route certificate refused; serving the default certificate for its host",
+            "route %s: %s; serving the default certificate for its host",
+            label,
+            exc.reason,
             extra={"route": label, "host": host, "reason": exc.reason},
         )
 

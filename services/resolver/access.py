@@ -57,6 +57,33 @@ class WriteAccess:
             matches(p, identity) for p in self.route_readers for identity in identities
         )
 
+    def route_keys_withheld(self, identities: tuple[str, ...]) -> str:
+        """Why a peer with these identities gets no route private keys; "" when it does.
+        Sent to the Watch client, so a proxy says this instead of "the key does not load"."""
+        if self.may_read_route_keys(identities):
+            return ""
+        if not self.authenticated:
+            return "this connection to the resolver is not mTLS"
+        if not identities:
+            return "the client certificate names no identity"
+        who = excerpt(", ".join(identities), 200)
+        return f"identity {who} is not in --route-readers"
+
+    def keys_withheld_from_everyone(self) -> tuple[str, str]:
+        """(reason, message) when no Watch client at all can get route private keys
+        (written into such a route's status by ListRoutes); ("", "") otherwise."""
+        if not self.authenticated:
+            return "NotMTLS", (
+                "private key withheld: the resolver's gRPC listener takes no client "
+                "certificates (not mTLS), so no Watch client (no proxy) receives it"
+            )
+        if not self.route_readers:
+            return "NoRouteReaders", (
+                "private key withheld: --route-readers is empty, so no Watch client "
+                "(no proxy) receives it"
+            )
+        return "", ""
+
     def check_tunnel_reporter(self, identities: tuple[str, ...]) -> None:
         self._check("ReportTunnels", "tunnel_reporters", self.tunnel_reporters, identities)
 

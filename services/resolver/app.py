@@ -27,6 +27,7 @@ from waygate.resolver.access import WriteAccess
 from waygate.resolver.events import DEFAULT_CHUNK_BYTES
 from waygate.resolver.filesource import EXAMPLE_ROUTES, FILE_MODE, FileSource
 from waygate.resolver.gateway.status import StatusBoard
+from waygate.resolver.ingress_nginx.config import DNS_NAME, IngressNginx
 from waygate.resolver.manifests import ManifestsSource
 from waygate.resolver.server import ResolverServicer
 from waygate.resolver.store import DEFAULT_HISTORY_LIMIT, DEFAULT_MAX_PENDING, Store
@@ -146,6 +147,45 @@ class Settings(GrpcServerSettings):
         help="with --kubernetes: also watch the Gateway API and Ingress kinds and write their "
         "status (deploy/kustomize/components/gateway-api grants the RBAC)",
     )
+    ingress_nginx: bool = setting(
+        False,
+        help="also serve the Ingresses ingress-nginx would (IngressClass controller "
+        "k8s.io/ingress-nginx, or --ingress-nginx-class), their nginx.ingress.kubernetes.io "
+        "annotations honoured, reported or refused (fail closed); with --kubernetes or "
+        "--manifests",
+    )
+    ingress_nginx_class: str = setting(
+        "nginx",
+        help="with --ingress-nginx: the class served when no IngressClass of that name "
+        "exists (spec.ingressClassName or kubernetes.io/ingress.class)",
+        check=lambda v: None if DNS_NAME.fullmatch(v) else f"{v!r} is not a class name",
+    )
+    annotations_prefix: str = setting(
+        "nginx.ingress.kubernetes.io",
+        help="with --ingress-nginx: the annotation prefix, as ingress-nginx's flag",
+        check=lambda v: None if DNS_NAME.fullmatch(v) else f"{v!r} is not a DNS name",
+    )
+    ingress_nginx_configmap: str = setting(
+        "",
+        help="with --ingress-nginx: NS/NAME of the controller ConfigMap (annotation "
+        "defaults, snippets policy, HSTS); read live",
+    )
+    tcp_services_configmap: str = setting(
+        "",
+        help="with --ingress-nginx: NS/NAME of ingress-nginx's TCP services ConfigMap "
+        "(not implemented yet: refused when given)",
+    )
+    default_ssl_certificate: str = setting(
+        "",
+        help="with --ingress-nginx: NS/NAME of the TLS Secret for Ingress TLS hosts "
+        "without a secretName",
+    )
+    admission_webhook_port: int = setting(
+        0,
+        help="with --ingress-nginx --kubernetes: HTTPS port of the ValidatingAdmissionWebhook "
+        "for Ingress (POST /validate, the process's certificate); 0: off",
+        check=port_number,
+    )
     kubeconfig: str = setting("", help="kubeconfig file for --kubernetes; empty: in-cluster")
     kube_context: str = setting("", help="kubeconfig context; empty: the current one")
     kube_namespace: str = setting("", help="only this namespace; empty: every namespace")
@@ -177,6 +217,9 @@ class Settings(GrpcServerSettings):
                 "invalid setting manifests: with --kubernetes, objects come from the "
                 "cluster; give one source, not both"
             )
+        problem = self.ingress_nginx_problem()
+        if problem:
+            return problem
         if self.manifests is not None and not self.manifests.exists():
             return f"invalid setting manifests: {self.manifests} does not exist"
         if self.routes_file is not None and not self.routes_file.is_file():
@@ -187,6 +230,17 @@ class Settings(GrpcServerSettings):
                 f"({self.tunnel_lease_min}s) and tunnel_lease_max ({self.tunnel_lease_max}s)"
             )
         return None
+
+    def ingress_nginx_problem(self) -> str | None:
+        try:
+            self.ingress_nginx_settings()
+        except ValueError as exc:
+            return f"invalid setting {exc}"
+        return None
+
+    def ingress_nginx_settings(self) -> IngressNginx | None:
+        """The --ingress-nginx flags, checked (ValueError naming the flag)."""
+        return IngressNginx.from_settings(self)
 
 
 def watch_bounds(max_message_bytes: int) -> tuple[int, int]:
@@ -224,6 +278,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
             poll_interval=settings.routes_poll_interval,
             addresses=settings.gateway_addresses,
             sharing=settings.gateway_listener_sharing,
+            ingress_nginx=settings.ingress_nginx_settings(),
         )
     kube_source = None
     if settings.kubernetes:
@@ -232,24 +287,32 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         from waygate.resolver.kube import KubernetesSource, kube_configuration, parse_node_list
 
         configuration = kube_configuration(settings.kubeconfig, settings.kube_context)
+        gateway_objects = (
+            GatewayObjects(
+                store,
+                board,
+                addresses=settings.gateway_addresses,
+                sharing=settings.gateway_listener_sharing,
+                ingress_nginx=settings.ingress_nginx_settings(),
+            )
+            if settings.gateway_api or settings.ingress_nginx
+            else None
+        )
         kube_source = KubernetesSource(
             store,
             configuration,
             namespace=settings.kube_namespace or None,
             edge_nodes=parse_node_list(settings.kube_edge_nodes),
-            gateway=GatewayObjects(
-                store,
-                board,
-                addresses=settings.gateway_addresses,
-                sharing=settings.gateway_listener_sharing,
-            )
-            if settings.gateway_api
-            else None,
+            gateway=gateway_objects,
         )
+        if settings.admission_webhook_port and gateway_objects is not None:
+            from waygate.resolver.ingress_nginx.webhook import start_webhook
+
+            await start_webhook(process, settings, gateway_objects.objects.of)
     metrics.observe(store, file_source)
     from waygate.resolver import page
 
-    process.status.add("resolver", page.provider(store))
+    process.status.add("resolver", page.provider(store, board))
     access = WriteAccess(
         tunnel_reporters=settings.tunnel_reporters,
         route_admins=settings.route_admins,
@@ -340,7 +403,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
                 process,
                 settings,
                 store,
-                board if settings.gateway_api else None,
+                board if settings.gateway_api or settings.ingress_nginx else None,
                 kube_source.invalid_routes,
                 kube_source.synced.is_set,
             )
@@ -444,6 +507,11 @@ def _spawn_status_writer(
 
         gateway_writer = StatusWriter(api, board, is_leader=elector.is_leader, synced=synced)
         process.spawn(gateway_writer.run(), "gateway-status-writer")
+    if settings.ingress_nginx:
+        from waygate.resolver.ingress_nginx.events import IngressEventWriter
+
+        events = IngressEventWriter(store, api, is_leader=elector.is_leader, synced=synced)
+        process.spawn(events.run(), "ingress-nginx-events")
     process.on_stop(_closing(api))
 
 

@@ -171,6 +171,9 @@ class View:
     # The route sources' own state (the routes file: valid, or its last error),
     # as of the last event (heartbeats included).
     sources: tuple[SourceState, ...] = ()
+    # Why the resolver sends this watcher no route private keys ("" when it does):
+    # a route certificate without its key is refused with this reason.
+    route_keys_withheld: str = ""
 
 
 class _StreamBroken(Exception):
@@ -531,6 +534,7 @@ class ResolverWatch:
                 last_sync=_last_sync(event),
                 from_snapshot=False,
                 sources=sources,
+                route_keys_withheld=event.route_keys_withheld,
             )
             if sources != view.sources:
                 # A route source turned valid or invalid (the resolver says so at
@@ -600,6 +604,7 @@ class ResolverWatch:
             tunnels=MappingProxyType(self._tunnels),
             from_snapshot=from_snapshot,
             sources=_sources(event),
+            route_keys_withheld=event.route_keys_withheld,
         )
         self._emit(view)
 

@@ -232,12 +232,21 @@ def format_routes(routes: Sequence[pb.Route], wide: bool = False) -> str:
     return table(header, [_route_row(r, wide) for r in routes])
 
 
+def source_name(source: str) -> str:
+    """A route source's name for people: "routes file PATH", "manifests PATH", "kubernetes"."""
+    kind, _, path = source.partition(":")
+    if kind == "file" and path:
+        return f"routes file {path}"
+    if kind == "manifests" and path:
+        return f"manifests {path}"
+    return source
+
+
 def format_sources(sources: Sequence[pb.RouteSourceState]) -> str:
     """The route sources' own state, one line each (what `waygate routes` shows first)."""
     lines = []
     for state in sources:
-        name = state.source.removeprefix("file:")
-        what = "routes file " + name if state.source.startswith("file:") else state.source
+        what = source_name(state.source)
         loaded = (
             f"version {state.loaded_version} loaded {_when(state.loaded_at)}"
             if state.loaded_version
@@ -246,11 +255,29 @@ def format_sources(sources: Sequence[pb.RouteSourceState]) -> str:
         if state.valid:
             lines.append(printable(f"{what}: valid ({loaded})"))
         else:
+            since = (
+                f"; failing since {_when(state.error_since)}"
+                if state.HasField("error_since")
+                else ""
+            )
             lines.append(
-                printable(f"{what}: REJECTED: {state.last_error}") + "\n"
-                f"  serving the last good content ({loaded}); fix the file and it reloads"
+                printable(f"{what}: {source_failure(state.source).upper()}: {state.last_error}")
+                + "\n"
+                f"  serving the last good content ({loaded}{since}); {source_hint(state.source)}"
             )
     return "\n".join(lines)
+
+
+def source_failure(source: str) -> str:
+    """What an invalid source is: a file's content is "rejected", Kubernetes "failing"."""
+    return "rejected" if source.startswith(("file:", "manifests:")) else "failing"
+
+
+def source_hint(source: str) -> str:
+    """What to do about a rejected or failing source."""
+    if source.startswith(("file:", "manifests:")):
+        return "fix that line and it reloads"
+    return "see the resolver's log; it retries with backoff"
 
 
 def _when(stamp: timestamp_pb2.Timestamp) -> str:

@@ -444,6 +444,7 @@ def source_state_to_proto(state: model.SourceState) -> pb.RouteSourceState:
         last_error=state.error,
         loaded_version=state.loaded_version,
         loaded_at=timestamp(state.loaded_at),
+        error_since=timestamp(state.error_since),
     )
 
 
@@ -454,6 +455,7 @@ def source_state_from_proto(message: pb.RouteSourceState) -> model.SourceState:
         error=message.last_error,
         loaded_version=message.loaded_version,
         loaded_at=when(message, "loaded_at"),
+        error_since=when(message, "error_since"),
     )
 
 

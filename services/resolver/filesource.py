@@ -740,6 +740,8 @@ class FileSource:
         # The store version and the time of the last good load.
         self.loaded_version = 0
         self.loaded_at: datetime | None = None
+        # When the current run of rejections began (None while valid).
+        self.error_since: datetime | None = None
         self._stat: tuple[int, int] | None = None
         self._digest: bytes | None = None
         self._lock = asyncio.Lock()
@@ -813,6 +815,7 @@ class FileSource:
         if self.last_error is not None:
             log.info("routes file is valid again", extra={"path": str(self.path)})
         self.last_error = None
+        self.error_since = None
         self.loaded = True
         self.loaded_version = self.store.version
         self.loaded_at = datetime.now(UTC)
@@ -853,6 +856,8 @@ class FileSource:
                 message,
                 extra={"path": str(self.path), "line": error.line, "reason": error.reason},
             )
+        if self.last_error is None:
+            self.error_since = datetime.now(UTC)
         self.last_error = message
         self._publish_state()
         return False
@@ -865,6 +870,7 @@ class FileSource:
             error=self.last_error or "",
             loaded_version=self.loaded_version,
             loaded_at=self.loaded_at,
+            error_since=self.error_since,
         )
 
     def _publish_state(self) -> None:

@@ -64,6 +64,7 @@ from waygate.resolver import kube_convert as convert
 from waygate.resolver.gateway import kube as gateway_kube
 from waygate.resolver.gateway.kube import GatewayObjects
 from waygate.resolver.model import Endpoint, Route
+from waygate.resolver.status import SourceHealth
 from waygate.resolver.store import Store
 
 log = logging.getLogger(__name__)
@@ -348,6 +349,9 @@ class KubernetesSource:
         self._confirmed: dict[str, datetime] = {}
         #: Set once every kind has been listed (the resolver's readiness).
         self.synced = asyncio.Event()
+        #: The source's published state; the kinds whose list/watch fails now.
+        self.health = SourceHealth(SOURCE)
+        self._failing: dict[str, str] = {}
 
     def invalid_routes(self) -> dict[tuple[str, str], str]:
         """Route objects that could not be served, and why (for their status)."""
@@ -398,6 +402,7 @@ class KubernetesSource:
             on_event=changed,
             on_bookmark=lambda: self._confirm(handler),
             on_missing=missing if handler.optional else None,
+            on_error=lambda message: self._failed(handler, message),
             watch_timeout=self._timeouts.watch,
             backoff=lambda: Backoff(*self._backoff, rng=self._rng),
             rng=self._rng,
@@ -408,9 +413,24 @@ class KubernetesSource:
         self._confirm(handler)
         if len(self._listed) == len(self._handlers):
             self.synced.set()
+            self._publish()
+
+    def _failed(self, handler: _Handler, message: str) -> None:
+        """A kind's list or watch failed: the source is failing until it recovers."""
+        self._failing[handler.name] = message
+        self._publish()
+
+    def _publish(self) -> None:
+        if self._failing:
+            self.health.failed("; ".join(f"{k}: {v}" for k, v in sorted(self._failing.items())))
+        elif self.synced.is_set():
+            self.health.loaded(self._store.version)
+        self._store.set_source_state(self.health.state())
 
     def _confirm(self, handler: _Handler) -> None:
         """`handler`'s kind is current as of now; the source as of its stalest kind."""
         self._confirmed[handler.name] = datetime.now(UTC)
+        if self._failing.pop(handler.name, None) is not None:
+            self._publish()
         if len(self._confirmed) == len(self._handlers):
             self._store.mark_synced(SOURCE, min(self._confirmed.values()))

@@ -16,11 +16,17 @@ Invariants (the routes file's rules, `filesource.py`):
   converted and passed the schema checks as a whole (one version); any error
   rejects the whole edit with `path:line: reason` (logged, kept in
   `last_error`) and the last good state stays, routes and statuses alike.
+  Except with --ingress-nginx: an Ingress refused for its annotations or paths
+  is refused alone (its routes Admitted False), as in a cluster.
 - Services, endpoints and Route CRD objects go through `kube_convert` and
   Gateway API / Ingress objects through `gateway.translate`, exactly as in
   Kubernetes mode: one conversion per kind, whatever the source.
 - Reading and parsing run in a worker thread; changes are noticed by polling
   (name, size, mtime) of every file and confirmed by content hash.
+- The source publishes its own state (valid with the version and time of its
+  last load, or its last error with `path:line` and since when) in the store,
+  so ListRoutes, Watch, ListGateways, `check`, the status page and the
+  metrics show a rejected edit, not only the log.
 """
 
 from __future__ import annotations
@@ -45,7 +51,9 @@ from waygate.resolver.gateway.translate import (
     is_gateway_object,
     translate,
 )
+from waygate.resolver.ingress_nginx.config import IngressNginx
 from waygate.resolver.model import Endpoint, Route, Service
+from waygate.resolver.status import SourceHealth
 from waygate.resolver.store import Store
 from waygate.resolver.yamlload import (
     MAX_YAML_BYTES,
@@ -133,7 +141,11 @@ def _documents(path: Path, text: str) -> list[_Document]:
 
 
 def parse_manifests(
-    files: list[tuple[Path, str]], *, addresses: tuple[str, ...] = (), sharing: str = "share"
+    files: list[tuple[Path, str]],
+    *,
+    addresses: tuple[str, ...] = (),
+    sharing: str = "share",
+    ingress_nginx: IngressNginx | None = None,
 ) -> ManifestsContent:
     """Every object of the files -> the store's content and the statuses; FileError
     names the first line that is wrong."""
@@ -197,7 +209,9 @@ def parse_manifests(
             raise doc.error(str(exc)) from None
     for groups in slices.values():
         content.endpoints.extend(kube_convert.merge_endpoints(groups))
-    translation = translate(objects, addresses=addresses, sharing=sharing)
+    translation = translate(
+        objects, addresses=addresses, sharing=sharing, ingress_nginx=ingress_nginx
+    )
     if translation.rejected:
         rejected = translation.rejected[0]
         doc = where_is[(rejected.kind, rejected.namespace, rejected.name)]
@@ -231,8 +245,10 @@ class ManifestsSource:
         poll_interval: float = 1.0,
         addresses: tuple[str, ...] = (),
         sharing: str = "share",
+        ingress_nginx: IngressNginx | None = None,
     ) -> None:
         self.store = store
+        self.ingress_nginx = ingress_nginx
         self.board = board
         board.follow(store)  # host conflicts onto the objects' statuses
         self.path = path.absolute()
@@ -240,8 +256,7 @@ class ManifestsSource:
         self.poll_interval = poll_interval
         self.addresses = addresses
         self.sharing = sharing
-        self.last_error: str | None = None
-        self.loaded = False
+        self.health = SourceHealth(self.source)
         self._stat: tuple[Any, ...] | None = None
         self._digest: bytes | None = None
         self._lock = asyncio.Lock()
@@ -282,7 +297,12 @@ class ManifestsSource:
             return _Read(
                 stat,
                 value,
-                parse_manifests(texts, addresses=self.addresses, sharing=self.sharing),
+                parse_manifests(
+                    texts,
+                    addresses=self.addresses,
+                    sharing=self.sharing,
+                    ingress_nginx=self.ingress_nginx,
+                ),
                 None,
             )
         except FileError as exc:
@@ -297,9 +317,9 @@ class ManifestsSource:
         self._digest = read.digest
         if read.error is not None:
             message = str(read.error)
-            if message != self.last_error:
+            if self.health.failed(message):
                 log.error("manifests rejected; keeping the last good state: %s", message)
-            self.last_error = message
+            self.store.set_source_state(self.health.state())
             return False
         content = read.content
         assert content is not None
@@ -313,9 +333,11 @@ class ManifestsSource:
             claims=content.translation.claims,
         )
         self.store.mark_synced(self.source)
-        self.board.replace(content.translation.statuses)
-        self.last_error = None
-        self.loaded = True
+        self.board.replace(content.translation.statuses, content.translation.ignored)
+        if self.last_error is not None:
+            log.info("manifests are valid again", extra={"path": str(self.path)})
+        self.health.loaded(self.store.version)
+        self.store.set_source_state(self.health.state())
         log.info(
             "manifests loaded",
             extra={
@@ -329,6 +351,14 @@ class ManifestsSource:
         if self.on_loaded is not None:
             self.on_loaded(content)
         return True
+
+    @property
+    def last_error(self) -> str | None:
+        return self.health.error
+
+    @property
+    def loaded(self) -> bool:
+        return self.health.loaded_at is not None
 
     def load(self) -> bool:
         """Read and apply synchronously (start-up and tests)."""

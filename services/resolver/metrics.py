@@ -2,7 +2,8 @@
 
 They answer the questions an operator asks when a consumer looks stale: how
 many objects, which version, how many watchers, how old the sources' last
-sync is, and whether the routes file is currently rejected.
+sync is, and whether each route source (the routes file, a manifests path,
+Kubernetes) is currently rejected or failing, and since when.
 """
 
 from __future__ import annotations
@@ -76,6 +77,39 @@ ROUTE_ENDPOINTS = RouteEndpoints()
 REGISTRY.register(ROUTE_ENDPOINTS)
 
 
+class SourceStates(Collector):
+    """Each route source's own state (the routes file, every manifests path,
+    Kubernetes): valid or not, and when its current run of errors began, so an
+    alert fires on a rejected edit the resolver otherwise only logs."""
+
+    def __init__(self) -> None:
+        self.store: Store | None = None
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        valid = GaugeMetricFamily(
+            "waygate_resolver_source_valid",
+            "1 while a route source's current content is in force, 0 while it is rejected "
+            "or failing (the last good state is served).",
+            labels=["source"],
+        )
+        since = GaugeMetricFamily(
+            "waygate_resolver_source_last_error_timestamp_seconds",
+            "When a route source's current error began (Unix time); 0 while it is valid.",
+            labels=["source"],
+        )
+        for state in self.store.source_states() if self.store is not None else ():
+            valid.add_metric([state.source], 1.0 if state.valid else 0.0)
+            since.add_metric(
+                [state.source], state.error_since.timestamp() if state.error_since else 0.0
+            )
+        yield valid
+        yield since
+
+
+SOURCE_STATES = SourceStates()
+REGISTRY.register(SOURCE_STATES)
+
+
 def _count(store: Store, kind: Kind) -> float:
     return store.counts()[kind]
 
@@ -87,6 +121,7 @@ def observe(store: Store, file_source: FileSource | None) -> None:
         OBJECTS.labels(kind.value).set_function(functools.partial(_count, store, kind))
     WATCHERS.set_function(lambda: store.subscriber_count)
     ROUTE_ENDPOINTS.store = store
+    SOURCE_STATES.store = store
 
     def last_sync() -> float:
         when = store.last_sync()[1]

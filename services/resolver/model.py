@@ -293,9 +293,9 @@ class RouteStatus:
 
 @dataclass(frozen=True)
 class SourceState:
-    """A route source's own health (the routes file: valid, or its last error)."""
+    """A route source's own health (valid, or its last error and since when)."""
 
-    source: str  # "file:PATH", "kubernetes"
+    source: str  # "file:PATH", "manifests:PATH", "kubernetes"
     valid: bool
     # `path:line: reason` of the rejected content; empty while valid.
     error: str = ""
@@ -303,6 +303,8 @@ class SourceState:
     loaded_version: int = 0
     # When the last accepted content was loaded.
     loaded_at: datetime | None = None
+    # When the current run of failures began (None while valid).
+    error_since: datetime | None = None
 
 
 # ---------------------------------------------------------------- Gateway API route parts
@@ -453,6 +455,14 @@ class Route:
     # `created`, the spec's tie-breakers between equally specific matches.
     origin: str = ""
     rule_index: int = 0
+    # ingress-nginx Ingresses (waygate.resolver.ingress_nginx): set, the route
+    # is not served (Admitted False) for this (CamelCase reason, message) -- an
+    # annotation it cannot honour that bears on access, a value outside its
+    # grammar, a path outside its pathType; and what of its annotations is not
+    # honoured exactly ("annotation: verdict (why)"), its AnnotationsHonoured
+    # condition.
+    ingress_refusal: tuple[str, str] | None = None
+    ingress_verdicts: tuple[str, ...] = ()
     # Whose claim on `host` this route is (waygate.resolver.status): a Gateway API
     # route attached through a listener's hostname is that Gateway's; None: its own.
     host_claim: HostClaim | None = None

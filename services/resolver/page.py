@@ -1,7 +1,8 @@
 """The resolver's sections of the status page (`waygate.core.statuspage`).
 
-The route sources' own state (a rejected routes-file edit first: it is what
-makes a route misbehave silently), every route with its conditions
+The route sources' own state (a rejected routes-file or manifests edit, or a
+failing Kubernetes watch, first: it is what makes a route misbehave silently),
+the Gateway API and Ingress objects with their conditions, every route with its conditions
 (`waygate.resolver.status`) and its backends' ready endpoints, the view's
 freshness, and which tunnel-server replicas hold which edge node. Read from the
 store at request time.
@@ -9,12 +10,12 @@ store at request time.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from waygate.core.statuspage import Section, cell, duration_text
+from waygate.core.statuspage import Section, cell, duration_text, time_cell
+from waygate.resolver.gateway.status import StatusBoard
 from waygate.resolver.model import Kind, Route
 from waygate.resolver.store import Store
 
@@ -69,10 +70,11 @@ def sections(store: Store) -> list[Section]:
                     [
                         state.source,
                         cell("valid", "ok") if state.valid else cell("rejected", "bad"),
-                        _ago(state.loaded_at, now),
+                        time_cell(state.loaded_at, empty="never"),
                         "in force"
                         if state.valid
-                        else f"{state.error} (the last good state is kept)",
+                        else f"{state.error} (failing since {_ago(state.error_since, now)}; "
+                        "the last good state is kept)",
                     ]
                     for state in states
                 ],
@@ -90,12 +92,18 @@ def sections(store: Store) -> list[Section]:
         )
     )
     source, synced = store.last_sync()
-    age = f"{duration_text(time.time() - synced.timestamp())} ago" if synced else "never"
     found.append(
         Section(
             "View",
             ["version", "watchers", "oldest source", "last confirmed"],
-            [[store.version, store.subscriber_count, source or "(none)", age]],
+            [
+                [
+                    store.version,
+                    store.subscriber_count,
+                    source or "(none)",
+                    time_cell(synced, empty="never"),
+                ]
+            ],
         )
     )
     found.append(
@@ -112,5 +120,67 @@ def sections(store: Store) -> list[Section]:
     return found
 
 
-def provider(store: Store) -> Callable[[], list[Section]]:
-    return lambda: sections(store)
+# Conditions whose healthy status is False (the others are healthy when True).
+_HEALTHY_FALSE = {"Conflicted"}
+
+
+def _conditions_cell(conditions: list[dict[str, Any]]) -> Any:
+    """Healthy conditions by type; an unhealthy one as Type=Status (Reason: message)."""
+    parts, bad = [], False
+    for c in conditions:
+        kind, status = str(c.get("type", "")), str(c.get("status", ""))
+        healthy = status == ("False" if kind in _HEALTHY_FALSE else "True")
+        if healthy:
+            if kind not in _HEALTHY_FALSE:
+                parts.append(kind)
+            continue
+        bad = bad or status == ("True" if kind in _HEALTHY_FALSE else "False")
+        detail = f"{c.get('reason', '')}: {c['message']}" if c.get("message") else c.get("reason")
+        parts.append(f"{kind}={status} ({detail})")
+    return cell("; ".join(parts) or "-", "bad" if bad else "ok" if parts else "")
+
+
+def gateway_section(board: StatusBoard) -> Section:
+    """Gateway API and Ingress objects with their conditions (what `waygate gateways`
+    shows): a route's per parent Gateway, a Gateway's own and its listeners'."""
+    rows: list[list[Any]] = []
+    for item in board.items():
+        name = f"{item.kind} {item.namespace + '/' if item.namespace else ''}{item.name}"
+        status = item.status or {}
+        places: list[tuple[str, list[dict[str, Any]]]] = []
+        if status.get("conditions"):
+            places.append(("", status["conditions"]))
+        for parent in status.get("parents") or ():
+            ref = parent.get("parentRef") or parent.get("ancestorRef") or {}
+            where = f"{ref.get('namespace', item.namespace)}/{ref.get('name', '')}"
+            if ref.get("sectionName"):
+                where += f"/{ref['sectionName']}"
+            places.append((f"on {where}", parent.get("conditions") or []))
+        for listener in status.get("listeners") or ():
+            routes = listener.get("attachedRoutes", 0)
+            places.append(
+                (
+                    f"listener {listener.get('name')} ({routes} routes)",
+                    listener.get("conditions") or [],
+                )
+            )
+        if not places:
+            addresses = (status.get("loadBalancer") or {}).get("ingress") or []
+            shown = ", ".join(a.get("ip") or a.get("hostname", "") for a in addresses)
+            places.append((f"address {shown}" if shown else "", []))
+        for where, conditions in places:
+            rows.append([name, where, _conditions_cell(conditions)])
+    return Section(
+        "Gateway API objects",
+        ["object", "where", "conditions"],
+        rows,
+        note="Gateway API and Ingress objects Waygate serves (`waygate gateways`)",
+        state="bad" if any(row[2]["state"] == "bad" for row in rows) else "ok",
+        empty="no Gateway API or Ingress object",
+    )
+
+
+def provider(store: Store, board: StatusBoard | None = None) -> Callable[[], list[Section]]:
+    if board is None:
+        return lambda: sections(store)
+    return lambda: [*sections(store), gateway_section(board)]

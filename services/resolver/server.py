@@ -56,8 +56,9 @@ from waygate.resolver import convert, events
 from waygate.resolver.access import WriteAccess
 from waygate.resolver.filesource import FileSource
 from waygate.resolver.gateway.status import StatusBoard
-from waygate.resolver.model import Service, TunnelServer
+from waygate.resolver.model import Route, Service, TunnelServer
 from waygate.resolver.resolve import MAX_CACHED_PORTS, Pick, Resolution, Resolver, Target
+from waygate.resolver.status import PRIVATE_KEY_DELIVERED
 from waygate.resolver.store import DEFAULT_MAX_PENDING, Batch, Snapshot, Store, SubscriptionEnded
 from waygate.resolver.tunnels import TunnelRegistry
 from waygate.resolver.v1 import resolver_pb2 as pb
@@ -312,7 +313,11 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
         self, request: pb.WatchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.WatchEvent]:
         kinds = convert.kinds_from_proto(list(request.kinds))
-        with_keys = self._access.may_read_route_keys(peer_identities(context))
+        withheld = self._access.route_keys_withheld(peer_identities(context))
+        with_keys = not withheld
+        # Per watcher, while the events are shared: a serialized field appended to
+        # a serialized message merges into it (protobuf's concatenation rule).
+        withheld_field = pb.WatchEvent(route_keys_withheld=withheld).SerializeToString()
         store = self._store
         subscription = store.subscribe(
             kinds,
@@ -354,7 +359,7 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
                 )
                 try:
                     for event in outgoing:
-                        yield self._wire.bytes_of(event)  # type: ignore[misc]
+                        yield self._wire.bytes_of(event) + withheld_field  # type: ignore[misc]
                 finally:
                     if slot:
                         self._snapshot_slots.release()
@@ -430,17 +435,42 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
             if index == limit or (index and size >= LIST_PAGE_BYTES):
                 response.next_page_token = _page_token(response.routes[-1])
                 break
-            message = convert.route_to_proto(route, with_key=False)
+            message = self._listed(route)
             size += message.ByteSize()
             response.routes.append(message)
         return response
 
+    def _listed(self, route: Route) -> pb.Route:
+        """A route as ListRoutes and ApplyRoute answer it: without its key, and with a
+        PrivateKeyDelivered=False condition when it has one no Watch client (no proxy)
+        can receive (a proxy hears why over its Watch; `routes` and `check` show this)."""
+        message = convert.route_to_proto(route, with_key=False)
+        reason, why = self._access.keys_withheld_from_everyone()
+        if reason and route.tls is not None and route.tls.key:
+            message.status.conditions.append(
+                pb.RouteCondition(
+                    type=PRIVATE_KEY_DELIVERED, status="False", reason=reason, message=why
+                )
+            )
+        return message
+
     async def ListGateways(
         self, request: pb.ListGatewaysRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListGatewaysResponse:
-        response = pb.ListGatewaysResponse()
+        response = pb.ListGatewaysResponse(
+            sources=[convert.source_state_to_proto(s) for s in self._store.source_states()]
+        )
         if self._gateways is None:
             return response
+        kinds = set(request.kinds)
+        response.ignored.extend(
+            pb.IgnoredObject(
+                kind=item.kind, namespace=item.namespace, name=item.name, reason=item.reason
+            )
+            for item in self._gateways.ignored
+            if (not kinds or item.kind in kinds)
+            and (not request.namespace or item.namespace == request.namespace)
+        )
         for item in self._gateways.items(request.kinds, request.namespace):
             response.objects.append(
                 convert.gateway_status_to_proto(
@@ -495,9 +525,7 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
         if not request.HasField("route"):
             raise InvalidArgument("route: required")
         stored = await routes.apply_route(convert.route_from_proto(request.route))
-        return pb.ApplyRouteResponse(
-            route=convert.route_to_proto(stored, with_key=False), version=self._store.version
-        )
+        return pb.ApplyRouteResponse(route=self._listed(stored), version=self._store.version)
 
     async def DeleteRoute(
         self, request: pb.DeleteRouteRequest, context: grpc.aio.ServicerContext

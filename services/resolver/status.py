@@ -59,13 +59,19 @@ from waygate.resolver.model import (
     RouteStatus,
     Service,
     ServiceKey,
+    SourceState,
 )
 
+# A condition ListRoutes and ApplyRoute add (never stored, not in Watch): False, NotMTLS
+# or NoRouteReaders, on a route with its own private key that no Watch client (no
+# proxy) can receive. Absent otherwise.
+PRIVATE_KEY_DELIVERED = "PrivateKeyDelivered"
 HOST_ALREADY_CLAIMED = "HostAlreadyClaimed"
 SERVICE_NOT_FOUND = "ServiceNotFound"
 PORT_NOT_FOUND = "PortNotFound"
 NO_READY_ENDPOINTS = "NoReadyEndpoints"
 NO_BACKENDS = "NoBackends"
+ANNOTATIONS_HONOURED = "AnnotationsHonoured"
 
 _EPOCH = datetime.min.replace(tzinfo=UTC)
 
@@ -346,18 +352,36 @@ class RouteStatusBook:
     ) -> RouteStatus:
         previous = self._status.get(route.key)
         conflict = self._conflict.get(route.key)
+        if route.ingress_refusal is not None:
+            conflict = route.ingress_refusal[1]
         reason, message = route_references(route, service, endpoints)
-        conditions = (
+        conditions: tuple[RouteCondition, ...] = (
             RouteCondition(ADMITTED, TRUE, "Admitted")
             if conflict is None
-            else RouteCondition(ADMITTED, FALSE, HOST_ALREADY_CLAIMED, conflict),
+            else RouteCondition(
+                ADMITTED,
+                FALSE,
+                route.ingress_refusal[0] if route.ingress_refusal else HOST_ALREADY_CLAIMED,
+                conflict,
+            ),
             RouteCondition(RESOLVED_REFS, TRUE, "ResolvedRefs")
             if not reason
             else RouteCondition(RESOLVED_REFS, FALSE, reason, message),
             RouteCondition(CONFLICTED, FALSE, "NoConflicts")
-            if conflict is None
+            if conflict is None or route.ingress_refusal
             else RouteCondition(CONFLICTED, TRUE, HOST_ALREADY_CLAIMED, conflict),
         )
+        if route.ingress_verdicts:
+            # ingress-nginx annotations not honoured exactly (waygate.resolver.ingress_nginx).
+            lacking = any(": not-honoured" in line for line in route.ingress_verdicts)
+            conditions += (
+                RouteCondition(
+                    ANNOTATIONS_HONOURED,
+                    FALSE if lacking else TRUE,
+                    "NotHonoured" if lacking else "HonouredWithDifferences",
+                    "; ".join(route.ingress_verdicts),
+                ),
+            )
         return RouteStatus(tuple(_stamped(c, previous, now) for c in conditions))
 
 
@@ -376,3 +400,41 @@ def _stamped(
         since,
         condition.observed_generation,
     )
+
+
+class SourceHealth:
+    """A route source's own state as it changes: the last load, the current error
+    and since when it has failed. `state()` is what the store publishes
+    (ListRoutes, Watch, ListGateways, the status page, the metrics)."""
+
+    def __init__(self, source: str, clock: Callable[[], datetime] | None = None) -> None:
+        self.source = source
+        self._clock = clock or (lambda: datetime.now(UTC))
+        self.error: str | None = None
+        self.error_since: datetime | None = None
+        self.loaded_version = 0
+        self.loaded_at: datetime | None = None
+
+    def loaded(self, version: int) -> None:
+        self.error = None
+        self.error_since = None
+        self.loaded_version = version
+        self.loaded_at = self._clock()
+
+    def failed(self, message: str) -> bool:
+        """Record an error; True when it is new (not the one already reported)."""
+        new = message != self.error
+        if self.error is None:
+            self.error_since = self._clock()
+        self.error = message
+        return new
+
+    def state(self) -> SourceState:
+        return SourceState(
+            source=self.source,
+            valid=self.error is None and self.loaded_at is not None,
+            error=self.error or "",
+            loaded_version=self.loaded_version,
+            loaded_at=self.loaded_at,
+            error_since=self.error_since,
+        )

@@ -45,9 +45,8 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from waygate.core import tracing
 from waygate.core.backoff import Backoff
 from waygate.core.flow import FlowControl
-from waygate.tunnel import mux
+from waygate.tunnel import mux, wire
 from waygate.tunnel.allow import AllowList
-from waygate.tunnel.early import parse_length
 from waygate.tunnel.mux import MAX_CHUNK, Outbox, ReceiveWindow, Refused
 from waygate.tunnel.relay import (
     Link,
@@ -368,7 +367,7 @@ class DataPool(WarmPool):
     def _park(self, link: Link) -> None:
         if not self.park_key:
             return
-        link.write_line("PARK", self.park_key)
+        link.write_line(wire.park(self.park_key))
         task = asyncio.ensure_future(self.stream._serve_parked(link, self))
         self.parked.add(task)
         task.add_done_callback(self.parked.discard)
@@ -391,20 +390,20 @@ class DataPool(WarmPool):
             timeout=agent.dial_timeout,
         )
         try:
-            line = await link.read_line(agent.dial_timeout)
-            words = line.decode("ascii", "replace").split(" ")
-            if len(words) != 2 or words[0] != "WAYGATE":
-                raise LinkClosed(f"the data listener answered {line[:80]!r}")
+            server_id = wire.parse_greeting(await link.read_line(agent.dial_timeout))
+        except wire.Malformed as exc:
+            link.abort()
+            raise LinkClosed(str(exc)) from None
         except BaseException:
             link.abort()
             raise
-        if words[1] == self.stream.server_id:
+        if server_id == self.stream.server_id:
             return link
-        other = agent.streams.get(words[1])
+        other = agent.streams.get(server_id)
         if other is not None and other.pool is not None and other.pool.adopt(link):
             return None
         link.abort()
-        raise LinkClosed(f"the data connection reached replica {words[1]}, not the one meant")
+        raise LinkClosed(f"the data connection reached replica {server_id}, not the one meant")
 
     async def link_for_dial(self, timeout: float) -> Link:
         """A connection for a DIAL_REQ's token: an idle one (not parked), or a new one."""
@@ -580,14 +579,12 @@ class AgentStream:
     async def _serve_parked(self, link: Link, pool: DataPool) -> None:
         """A parked data connection: wait for the replica's dial on it, then carry it.
 
-        The replica writes ``DIAL <address> <timeout-ms> <traceparent|-> [<early-length>]``
-        (then that many bytes of early data); the answer is ``OK <connection-id>`` (the
-        bytes follow) or ``REFUSED <REASON> <message>`` (then the connection closes).
-        Or ``SPLICE <address> <timeout-ms> <traceparent|-> <dialer-sha256>``: TLS end to
-        end, answered ``OK <connection-id> SPLICE``, after which both sides leave this
-        TLS session and the dialer opens its own with this agent, presenting the
-        certificate the replica authorized (`_answer_parked`).
-        The pool closes an unused one after its idle time, which ends this wait too.
+        The replica writes a DIAL line (with early data) or a SPLICE line (TLS end to
+        end), answered OK or REFUSED (`waygate.tunnel.wire` has the grammar); after an
+        OK that says SPLICE both sides leave this TLS session and the dialer opens its
+        own with this agent, presenting the certificate the replica authorized
+        (`_answer_parked`). The pool closes an unused one after its idle time, which
+        ends this wait too.
         """
         try:
             line = await link.read_line(self.agent.pool_idle + PARK_SLACK)
@@ -602,13 +599,16 @@ class AgentStream:
 
     async def _answer_parked(self, link: Link, line: bytes) -> None:
         started = time.time_ns()
-        words = line.decode("ascii", "replace").split(" ")
-        spliced = words[0] == "SPLICE" and len(words) == 5
-        if not (spliced or (words[0] == "DIAL" and len(words) in (4, 5))) or not words[2].isdigit():
-            log.warning("tunnel server wrote a malformed dial", extra={"line": line[:80]})
+        try:
+            dial = wire.parse_agent_dial(line)
+        except wire.Malformed as exc:
+            # Not answered: the replica treats a dropped line as a dial this agent cannot
+            # read (an older agent's behaviour; `wire`) and carries it on the stream.
+            log.warning("tunnel server wrote a malformed dial", extra={"error": str(exc)})
             link.abort()
             return
-        _verb, address, timeout_ms, traceparent = words[:4]
+        address, traceparent = dial.address, dial.traceparent
+        spliced = bool(dial.dialer_sha256)
         # TLS end to end only where this link can leave TLS and has a certificate to
         # present inside; otherwise a plain OK and the replica relays as for DIAL.
         inner = (
@@ -616,16 +616,16 @@ class AgentStream:
             if spliced and isinstance(link, SocketLink)
             else None
         )
-        timeout = int(timeout_ms) / 1000 or self.agent.dial_timeout
+        timeout = dial.timeout_ms / 1000 or self.agent.dial_timeout
         early = b""
         try:
-            if len(words) == 5 and not spliced:  # early data (waygate.tunnel.early): first
-                early = await link.read_exact(parse_length(words[4]), timeout)
+            if dial.early_length:  # early data (waygate.tunnel.early): first
+                early = await link.read_exact(dial.early_length, timeout)
             connect_id, sock = await self._open_destination(address, timeout)
         except asyncio.CancelledError:
             link.abort()  # the stream is closing: the replica hears it at once
             raise
-        except (LinkClosed, TimeoutError, ValueError) as exc:
+        except (LinkClosed, TimeoutError) as exc:
             # The dial's own bytes never came whole: no destination was dialled.
             log.warning("tunnel server wrote a malformed dial", extra={"error": str(exc)})
             link.abort()
@@ -637,11 +637,10 @@ class AgentStream:
                 with trace.use_span(span):
                     log.exception("dial failed unexpectedly", extra={"address": address})
                 refused = Refused(pb.UNREACHABLE, f"agent error: {exc!r}")
-            name = mux.reason_name(refused.reason)
-            link.write_line("REFUSED", name, str(refused).replace("\n", " "))
+            link.write_line(wire.refused(refused.reason, str(refused)))
             link.close()
             span.set_status(Status(StatusCode.ERROR, str(refused)))
-            span.set_attribute("waygate.tunnel.refusal", name)
+            span.set_attribute("waygate.tunnel.refusal", mux.reason_name(refused.reason))
             span.end()
             return
         if early:
@@ -657,20 +656,20 @@ class AgentStream:
                 sent = 0
             except OSError as exc:
                 sock.close()
-                link.write_line("REFUSED", "UNREACHABLE", f"writing to {address}: {exc}")
+                link.write_line(wire.refused(pb.UNREACHABLE, f"writing to {address}: {exc}"))
                 link.close()
                 return
             early = early[sent:]  # what the socket did not take: the transport's first write
         if inner is not None:
-            link.write_line("OK", str(connect_id), "SPLICE")
-            dialers = await _end_to_end(link, inner, words[4], sock, timeout)
+            link.write_line(wire.agent_accepted(connect_id, splice=True))
+            dialers = await _end_to_end(link, inner, dial.dialer_sha256, sock, timeout)
             if dialers is None:
                 return
             link = dialers
         else:
             # The answer before the transport is made: the replica (and the dialer) hear
             # it one loop turn sooner; what the destination sends meanwhile is held.
-            link.write_line("OK", str(connect_id))
+            link.write_line(wire.agent_accepted(connect_id))
         try:
             await self._relay(link, sock, early=early)
         finally:
@@ -713,10 +712,10 @@ class AgentStream:
             else None
         )
         if inner is None:
-            await self._relay(link, sock, ("DATA", token, str(connect_id)))
+            await self._relay(link, sock, wire.data(token, connect_id))
             return True
         # TLS end to end (the DIAL_REQ's splice_for): as a parked connection's SPLICE.
-        link.write_line("DATA", token, str(connect_id), "SPLICE")
+        link.write_line(wire.data(token, connect_id, splice=True))
         dialers = await _end_to_end(link, inner, request.splice_for, sock, timeout)
         if dialers is not None:
             await self._relay(dialers, sock)
@@ -726,10 +725,10 @@ class AgentStream:
         self,
         link: Link,
         sock: socket.socket,
-        line: tuple[str, ...] | None = None,
+        line: bytes = b"",
         early: bytes = b"",
     ) -> bool:
-        """Answer `line` on `link` (None: the answer is out already) and splice it to the
+        """Answer `line` on `link` (empty: the answer is out already) and splice it to the
         destination socket `sock` (both are aborted instead when the stream closed
         meanwhile); `early`: what of the dial's early data is still to be written to
         the destination, ahead of everything else."""
@@ -747,8 +746,8 @@ class AgentStream:
             transport.write(early)
         # The line goes before the splice: a destination that speaks first (held by
         # `Pending`) must not get its bytes ahead of it.
-        if line is not None:
-            link.write_line(*line)
+        if line:
+            link.write_line(line)
         done = splice(link, transport)
         self.relays[done] = (link, transport)
         done.add_done_callback(self._relay_done)
@@ -761,11 +760,10 @@ class AgentStream:
     async def _open_destination(self, address: str, timeout: float) -> tuple[int, socket.socket]:
         """Connect to `address` if the allow-list lets us: (connection id, socket);
         `Refused` otherwise."""
-        host, sep, port_text = address.rpartition(":")
-        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-        if not sep or not port_text.isdigit() or not 0 < int(port_text) < 65536 or not host:
-            raise Refused(pb.INVALID, "malformed address")
-        port = int(port_text)
+        try:
+            host, port = wire.parse_address(address)
+        except wire.Malformed as exc:
+            raise Refused(pb.INVALID, str(exc)) from None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         try:

@@ -64,9 +64,9 @@ from google.protobuf import duration_pb2
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from waygate.core import tracing
+from waygate.core import flow, tracing
 from waygate.core.grpcclient import KEEPALIVE_OPTIONS
-from waygate.tunnel import mux
+from waygate.tunnel import mux, wire
 from waygate.tunnel.early import EARLY_LIMIT
 from waygate.tunnel.mux import MAX_CHUNK, join_queued
 from waygate.tunnel.relay import (
@@ -254,15 +254,20 @@ class _Target:
     def preamble(self, timeout: float, early: bool = True, splice: bool = False) -> bytes:
         """The DIAL line, and the early data after it (one write, one TLS record or two);
         `early` False: the line alone (a replica from before early data). `splice`: the
-        SPLICE line instead (TLS end to end; never with early data)."""
-        line = (
-            f"{'SPLICE' if splice else 'DIAL'} {self.node} {self.host or '-'} {self.port} "
-            f"{int(timeout * 1000)} {self.traceparent or '-'}"
+        SPLICE line instead (TLS end to end; never with early data). `wire.Malformed`
+        for a node or host that is not one word."""
+        with_early = bool(self.early) and early and not splice
+        line = wire.dial(
+            self.node,
+            self.host,
+            self.port,
+            int(timeout * 1000),
+            self.traceparent,
+            len(self.early) if with_early else 0,
+            self.replay_safe,
+            splice,
         )
-        if not self.early or not early:
-            return (line + "\n").encode("utf-8", "replace")
-        mode = "replay" if self.replay_safe else "once"
-        return f"{line} {len(self.early)} {mode}\n".encode("utf-8", "replace") + self.early
+        return line + self.early if with_early else line
 
     def unanswered(self, address: str, what: str) -> DialFailed:
         """The dial's failure once its early data went out with no answer back: retried
@@ -471,7 +476,7 @@ class TunnelClient:
         retryable), unless `replay_safe` says delivering them twice is harmless.
 
         `end_to_end`: TLS from here to the agent, the replica copying the ciphertext
-        (datapath's SPLICE): the replica never decrypts or re-encrypts the bytes, the
+        (wire's SPLICE): the replica never decrypts or re-encrypts the bytes, the
         cheapest path for bulk transfers, at the cost of a TLS handshake per dial.
         Where it cannot be had (no certificate, a replica or agent from before it, an
         agent without parked data connections) the dial is relayed as usual; the
@@ -588,16 +593,14 @@ class TunnelClient:
                 f"tunnel server {address}: data listener {host}:{port}: {exc}", retryable=True
             ) from None
         try:
-            greeting = (await link.read_line(timeout)).decode("utf-8", "replace").split(" ")
-            if len(greeting) != 2 or greeting[0] != "WAYGATE":
-                raise LinkClosed("not a tunnel data listener")
-        except (LinkClosed, TimeoutError) as exc:
+            server_id = wire.parse_greeting(await link.read_line(timeout))
+        except (LinkClosed, TimeoutError, wire.Malformed) as exc:
             link.abort()
             raise DialFailed(f"tunnel server {address}: {exc}", retryable=True) from None
         except BaseException:
             link.abort()
             raise
-        return link, greeting[1]
+        return link, server_id
 
     def _pool(
         self, address: str, where: tuple[str, int], context: ssl.SSLContext | None
@@ -625,19 +628,22 @@ class TunnelClient:
         timeout: float,
     ) -> DataStream:
         context = self._ssl_context() if self._ssl_context is not None else None
-        pool = self._pool(address, where, context)
-        pooled = pool.take() if pool is not None else None
         # Early data with the line, unless this replica is known to predate it (then
         # the bytes go after the answer, as on the fallback paths).
         early = target.early if where not in self._no_early else b""
         splice = target.end_to_end and context is not None and where not in self._no_splice
-        preamble = target.preamble(timeout, early=bool(early), splice=splice)
+        try:
+            preamble = target.preamble(timeout, early=bool(early), splice=splice)
+        except wire.Malformed as exc:
+            raise DialFailed(str(exc), pb.INVALID) from None
+        pool = self._pool(address, where, context)
+        pooled = pool.take() if pool is not None else None
         while True:
             link = pooled or (await self._greeted_link(address, where, context, timeout))[0]
             try:
                 # The replica answers a dial within timeout + 1 s (TIMEOUT); a little more here.
-                link.write(preamble)
-                answer = (await link.read_line(timeout + 3.0)).decode("utf-8", "replace")
+                link.write_line(preamble)
+                answer = await link.read_line(timeout + 3.0)
             except TimeoutError:
                 link.abort()
                 if early:
@@ -665,43 +671,42 @@ class TunnelClient:
                 link.abort()
                 raise
             break
-        verb, _, rest = answer.partition(" ")
-        if verb == "OK":
-            words = rest.split(" ")
-            server_id, _agent_id, connect_id = [*words, "", "", "0"][:3]
-            connect_number = int(connect_id) if connect_id.isdigit() else 0
-            if splice and len(words) == 4:
+        try:
+            said = wire.parse_answer(answer, splice)
+        except wire.Malformed as exc:
+            link.abort()
+            raise DialFailed(f"{exc} ({address})") from None
+        if isinstance(said, wire.Accepted):
+            if said.agent_sha256:
                 # The agent agreed: both leave the replica's TLS, then ours with the agent.
                 return DataStream(
-                    await self._end_to_end(address, link, words[3], timeout),
-                    server_id,
-                    connect_number,
+                    await self._end_to_end(address, link, said.agent_sha256, timeout),
+                    said.server_id,
+                    said.connect_id,
                     end_to_end=True,
                 )
             if target.early and not early:
                 link.write(target.early)  # the stream's first bytes, after the answer
-            return DataStream(link, server_id, connect_number)
+            return DataStream(link, said.server_id, said.connect_id)
         link.abort()
-        name, _, message = rest.partition(" ")
-        if splice and name == "INVALID" and message == "unknown preamble":
+        if said.asks_older_form and splice:
             # A replica that takes no SPLICE line (from before it, or without TLS
             # links that can leave TLS): nothing was dialled; relayed from now on.
             if len(self._no_splice) >= 1024:
                 self._no_splice.clear()
             self._no_splice.add(where)
             return await self._dial_raw(address, where, target, timeout)
-        if early and name == "INVALID" and message == "unknown preamble":
+        if said.asks_older_form and early:
             # A replica from before early data refused the line: nothing was dialled.
             # Again without it; remembered for this listener (at most 1,024 of them).
             if len(self._no_early) >= 1024:
                 self._no_early.clear()
             self._no_early.add(where)
             return await self._dial_raw(address, where, target, timeout)
-        reason = pb.RefusalReason.Value(name) if name in pb.RefusalReason.keys() else 0  # noqa: SIM118
         raise DialFailed(
-            message or name or f"tunnel server {address} answered {answer[:80]!r}",
-            reason,
-            retryable=reason in mux.RETRYABLE_ELSEWHERE,
+            said.message or said.name,
+            said.reason,
+            retryable=said.reason in mux.RETRYABLE_ELSEWHERE,
         )
 
     async def _end_to_end(self, address: str, link: Link, pin: str, timeout: float) -> Link:
@@ -840,8 +845,8 @@ class StreamTransport(asyncio.Transport):
 
     Two tasks per connection move the bytes (the stream API is awaitable only):
     `_send` writes what the protocol wrote, `_receive` hands the protocol what the
-    stream read. Bounded both ways: writes queue up to `HIGH_WATER` (then the
-    protocol's `pause_writing`, `resume_writing` at `LOW_WATER`); reading stops
+    stream read. Bounded both ways: writes queue up to `flow.HIGH_WATER` (then the
+    protocol's `pause_writing`, `resume_writing` at `flow.LOW_WATER`); reading stops
     while the protocol paused it (the stream's own flow control then holds the agent
     back). `write_eof` half-closes after what is queued; `close` does that and ends
     the stream once the other side finished too (cancelled after `LINGER`, so the
@@ -849,8 +854,6 @@ class StreamTransport(asyncio.Transport):
     `connection_lost` is called once, from whichever comes first.
     """
 
-    HIGH_WATER = 256 * 1024
-    LOW_WATER = 64 * 1024
     # After both directions ended: how long the agent may take to deliver what it still
     # holds for the destination before the stream is cancelled.
     LINGER = 30.0
@@ -861,8 +864,8 @@ class StreamTransport(asyncio.Transport):
         self.protocol: Any = None
         self._outgoing: collections.deque[bytes] = collections.deque()
         self._queued = 0
-        self._high = self.HIGH_WATER
-        self._low = self.LOW_WATER
+        self._high = flow.HIGH_WATER
+        self._low = flow.LOW_WATER
         self._write_paused = False
         self._eof_out = False  # write_eof asked: no more writes
         self._closing = False
@@ -1021,7 +1024,7 @@ class StreamTransport(asyncio.Transport):
         return self._reading.is_set()
 
     def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
-        self._high = self.HIGH_WATER if high is None else high
+        self._high = flow.HIGH_WATER if high is None else high
         self._low = min(self._high, self._high // 4 if low is None else low)
 
     def get_write_buffer_size(self) -> int:

@@ -2,84 +2,48 @@
 
 Every connection is TLS with a client certificate (the same trust as the
 gRPC listeners), or plain in the development mode without certificates.
-The server speaks first, once the handshake is done:
+What each line says, its fields and what older peers send is
+`waygate.tunnel.wire` (the one codec the dialer, this replica and the agent
+use); what this listener does with them:
 
-    server:  WAYGATE <server-id>
-
-which tells an agent which replica a pooled connection reached (through a
-load balancer it may not be the one it meant) and that its certificate was
-accepted. Then the client sends one preamble line (`relay.read_line`):
-
-    DATA <token> <connection-id> [SPLICE]
-        an agent's answer to a DIAL_REQ that carried `data_token`: this
-        connection now carries that tunnelled connection (SPLICE: end to end,
-        as a parked connection's answer to SPLICE below, when the DIAL_REQ
-        carried `splice_for`). The certificate must
-        name the node of the agent the token was issued to. An agent may open
-        the connection long before (its pool): the line then waits up to
-        `idle_timeout`, and one identity holds at most `max_idle_per_peer`
-        connections that have not sent their line yet.
-    PARK <park-key>
-        an agent's pooled data connection, parked until a dial takes it. The
-        key is the one this replica gave the agent's Connect stream
-        (ServerInfo.park_key), and the certificate must name that agent's
-        node. A dial for the node takes the oldest parked connection (before
-        any DIAL_REQ on the stream) and the replica writes on it
-            DIAL <host:port> <timeout-ms> <traceparent|-> [<early-length>]
-        (with a length, exactly that many bytes of the dialer's early data
-        follow in the same write: the agent writes them to the destination once
-        connected), which the agent answers, within the timeout (plus a
-        second), with
-            OK <connection-id>                (then the bytes flow)
-            REFUSED <REASON> <message>        (then the connection closes)
-        A parked connection that ends before its answer (the agent's pool let
-        it go as the dial arrived) costs a retry on the next one; with none
-        left the dial goes to the Connect stream as DIAL_REQ, and the replica
-        sends any early data after the agent's answer. After early data went
-        with it, such a connection fails the dial unanswered, unless the dialer
-        said `replay`: then it goes straight to DIAL_REQ (an agent from before
-        early data drops every such line). One parked
-        connection waits at most `idle_timeout` and counts against
-        `max_idle_per_peer` while it waits; the agent closes it sooner (its
-        pool's idle time). Every line here is bounded by relay.PREAMBLE_LIMIT.
-    DIAL <node> <host|-> <port> <timeout-ms> <traceparent|-> [<early-length> <once|replay>]
-        a dialer (the proxy, `waygate tunnel dial`): checked against the
-        dialer policy, then dialled like `Tunnel.Dial`; answered with
-            OK <server-id> <agent-id> <connection-id>
-            REFUSED <REASON> <message>       (REASON: a RefusalReason name)
-        after which the connection is closed. After OK the bytes flow. With
-        an early length (1..early.EARLY_LIMIT), exactly that many bytes follow
-        the line: the dialer's first bytes, delivered with the dial instead of
-        after its answer. REFUSED: none of them reached a destination (retry
-        elsewhere with the same bytes); OK: they went first; no answer (the
-        agent's went missing): unknown, and the replica closes the connection
-        without one. `replay` lets the replica dial again (DIAL_REQ) after an
-        unanswered one (`waygate.tunnel.early` has the rule). A replica from
-        before early data answers `REFUSED INVALID unknown preamble`; the
-        client then dials that listener with the line alone and sends the
-        bytes after the answer.
-
-    SPLICE <node> <host|-> <port> <timeout-ms> <traceparent|->
-        a dialer asking for TLS end to end (`TunnelClient.dial(end_to_end=True)`):
-        checked as DIAL; the replica then writes on a parked connection
-            SPLICE <host:port> <timeout-ms> <traceparent|-> <dialer-sha256>
-        naming the SHA-256 of the certificate the dialer presented here. An agent
-        that can leave TLS answers `OK <connection-id> SPLICE`, and the dialer gets
-            OK <server-id> <agent-id> <connection-id> <agent-sha256>
-        (the certificate the agent presented on its PARK connection). Then each
-        side sends close_notify and reads the other's, and the TCP connections
-        under the two TLS sessions are spliced as they are: the dialer opens TLS
-        1.3 with the agent through them, each pinning the other's certificate to
-        the one named above, so the replica copies ciphertext it cannot read.
-        With no parked connection the DIAL_REQ carries `splice_for` and the
-        agent's DATA line says SPLICE. Anything else is relayed as DIAL: an
-        agent that answers on its Connect stream, one that answers a plain
-        `OK <connection-id>` (no certificate for it, or a link that cannot leave
-        TLS), a parked connection that ends at the line (an agent from before
-        SPLICE drops it: the rest of that dial goes as DIAL); the dialer tells
-        by the four-word OK. A replica that cannot leave TLS (no certificate, or
-        memory-BIO links) answers `REFUSED INVALID unknown preamble`, as one from
-        before SPLICE does; the client then sends DIAL. No early data with it.
+- The greeting first (`WAYGATE <server-id>`): it tells an agent which replica
+  a pooled connection reached (through a load balancer it may not be the one
+  it meant) and that its certificate was accepted. One identity holds at most
+  `max_idle_per_peer` connections that have not sent their first line yet;
+  that line waits up to `idle_timeout`.
+- `DATA`: an agent's answer to a DIAL_REQ that carried `data_token`; the
+  certificate must name the node of the agent the token was issued to (a
+  token is used once: popped before it is honoured).
+- `PARK`: an agent's pooled connection, parked until a dial takes it (the key
+  is the one this replica gave the agent's Connect stream, and the
+  certificate must name that agent's node). A dial for the node takes the
+  oldest parked connection before any DIAL_REQ on the stream
+  (`server.AgentSession.dial`); one that ends before its answer (the agent's
+  pool let it go as the dial arrived) costs a retry on the next one; with none
+  left the dial goes to the Connect stream as DIAL_REQ, and the replica sends
+  any early data after the agent's answer. After early data went with it, such
+  a connection fails the dial unanswered, unless the dialer said `replay`.
+  A parked connection waits at most `idle_timeout`, counted against
+  `max_idle_per_peer`; the agent's pool closes it sooner.
+- `DIAL` / `SPLICE` from a dialer (the proxy, `waygate tunnel dial`): early data
+  read first (a close with bytes unread would reset the connection before the
+  answer), then the dialer policy, then the target, then the dial through
+  `hub.selection` (which agent, and moving on), answered OK or REFUSED. A
+  dial whose early data may have reached the destination and whose answer
+  went missing gets no answer either: the connection is closed
+  (`waygate.tunnel.early`). SPLICE is
+  taken only where links can leave TLS (SocketLinks with a certificate); else
+  it is refused as an unknown preamble, as a replica from before it does. The
+  replica writes SPLICE on a parked connection naming the dialer's
+  certificate; an agent that agrees answers `OK <id> SPLICE` and the dialer's
+  OK names the agent's certificate. Then each side sends close_notify and
+  reads the other's, and the TCP connections under the two TLS sessions are
+  spliced as they are: the dialer opens TLS 1.3 with the agent through them,
+  each pinning the other's certificate, so the replica copies ciphertext it
+  cannot read. Anything else is relayed as DIAL (the dialer tells by the OK).
+- Anything else, or a line longer than `wire.PREAMBLE_LIMIT` however it
+  arrived, is refused (`REFUSED INVALID <why>`) and the connection closed,
+  before anything is dialled.
 
 A raw dial whose agent answered on its own data connection is a splice of
 the two links (`relay.splice`); one the agent answered on its Connect stream
@@ -108,13 +72,13 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from waygate.core import errors, tracing
 from waygate.core.identity import matches
 from waygate.core.tls import set_session_cache_size, set_session_timeout
-from waygate.tunnel import early as early_data
-from waygate.tunnel import kernelsplice, mux, peers
+from waygate.tunnel import kernelsplice, mux, peers, wire
 from waygate.tunnel.early import Unanswered
 from waygate.tunnel.metrics import DIALS_DATA, DIALS_END_TO_END, DIALS_STREAM
 from waygate.tunnel.mux import ConnectionClosed, Refused
 from waygate.tunnel.relay import (
     SESSION_TIMEOUT,
+    LineTooLong,
     Link,
     LinkClosed,
     LinkListener,
@@ -124,9 +88,9 @@ from waygate.tunnel.relay import (
     plain_link,
 )
 from waygate.tunnel.server import (
-    _CLOSED,
-    _EOF,
-    _LOST,
+    CLOSED,
+    EOF,
+    LOST,
     AgentSession,
     DataConnection,
     Hub,
@@ -143,10 +107,6 @@ SESSION_CACHE = 256
 # not root has fs.pipe-user-pages-soft (64 MiB) for all its pipes: 128 connections at
 # 2 x 256 KiB before new pipes get two pages each (slower, still correct).
 SPLICE_PIPE_SIZE = 256 * 1024
-
-
-def format_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class DataListener:
@@ -181,6 +141,7 @@ class DataListener:
         self.max_idle_per_peer = max_idle_per_peer
         self._idle: collections.Counter[str] = collections.Counter()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._greeting = wire.greeting(hub.server_id)
         self._tracer = tracing.tracer()  # one for every dial: get_tracer costs ~20 us a call
         self._server: asyncio.Server | None = None
         self._listener: LinkListener | None = None
@@ -223,7 +184,7 @@ class DataListener:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for session in list(self.hub.sessions_all()):
             for connection in list(session.data.values()):
-                connection.finish(_LOST, "tunnel server stopping")
+                connection.finish(LOST, "tunnel server stopping")
 
     # ------------------------------------------------- one connection
 
@@ -237,45 +198,43 @@ class DataListener:
                 # A resumed session checks no certificate: not past its certificate's end.
                 link.abort()
                 return
-            link.write_line("WAYGATE", self.hub.server_id)
+            link.write_line(self._greeting)
             uris, dns_names = peers.certificate_names(der)
             who = uris[0] if uris else dns_names[0] if dns_names else "?"
             if self._idle[who] >= self.max_idle_per_peer:
-                link.write_line("REFUSED", "INVALID", "too many idle data connections")
+                link.write_line(wire.TOO_MANY_IDLE_LINE)
                 link.close()
                 return
             self._idle[who] += 1
             try:
-                line = await link.read_line(self.idle_timeout)
-                words = line.decode("ascii").split(" ")
-                if words[0] == "PARK" and len(words) == 2:
-                    handed_off = await self._park(link, words[1], uris, dns_names)
+                opening = wire.parse_opening(await link.read_line(self.idle_timeout))
+                if isinstance(opening, wire.Park):
+                    handed_off = await self._park(link, opening.key, uris, dns_names)
                     return
             finally:
                 self._idle[who] -= 1
                 if not self._idle[who]:
                     del self._idle[who]
-            if (
-                words[0] == "DATA"
-                and (len(words) == 3 or (len(words) == 4 and words[3] == "SPLICE"))
-                and words[2].isdigit()
-            ):
-                handed_off = self._data(
-                    link, words[1], int(words[2]), uris, dns_names, len(words) == 4
-                )
+            if isinstance(opening, wire.Data):
+                handed_off = self._data(link, opening, uris, dns_names)
                 if not handed_off:
                     link.abort()
                 return
-            if (words[0] == "DIAL" and len(words) in (6, 8)) or (
-                # TLS end to end needs links that can leave TLS (SocketLinks).
-                words[0] == "SPLICE" and len(words) == 6 and self._takes_splices
-            ):
+            if isinstance(opening, wire.Dial) and (not opening.splice or self._takes_splices):
+                # (TLS end to end needs links that can leave TLS: SocketLinks.)
                 handed_off = True
-                await self._dial(link, words, uris, dns_names)
+                await self._dial(link, opening, uris, dns_names)
                 return
-            link.write_line("REFUSED", "INVALID", "unknown preamble")
+            link.write_line(wire.UNKNOWN_PREAMBLE_LINE)
             link.close()
-        except (LinkClosed, TimeoutError, UnicodeDecodeError, ValueError, ConnectionError):
+        except wire.Malformed as exc:
+            # Told why, then closed (a line too long or of unknown shape dials nothing).
+            link.write_line(wire.refused(pb.INVALID, str(exc)))
+            link.close()
+        except LineTooLong:
+            link.write_line(wire.TOO_LONG_LINE)
+            link.close()
+        except (LinkClosed, TimeoutError, ConnectionError):
             link.abort()
         except asyncio.CancelledError:
             link.abort()
@@ -303,16 +262,8 @@ class DataListener:
             return False
         return True
 
-    def _data(
-        self,
-        link: Link,
-        token: str,
-        connect_id: int,
-        uris: list[str],
-        dns_names: list[str],
-        spliced: bool = False,
-    ) -> bool:
-        pending = self.hub.tokens.pop(token, None)
+    def _data(self, link: Link, line: wire.Data, uris: list[str], dns_names: list[str]) -> bool:
+        pending = self.hub.tokens.pop(line.token, None)
         if pending is None:
             return False  # unknown, used or expired: the dial was answered or gave up
         session, waiter = pending
@@ -320,8 +271,8 @@ class DataListener:
             return False
         # (SPLICE: the agent leaves TLS on it for the dialer's session, which the
         # DIAL_REQ asked for; the dialer pins the certificate it presented here.)
-        agent_certificate = fingerprint(link.get_extra_info("peercert_der")) if spliced else ""
-        return session.claim(waiter, link, connect_id, agent_certificate)
+        agent_certificate = fingerprint(link.get_extra_info("peercert_der")) if line.splice else ""
+        return session.claim(waiter, link, line.connect_id, agent_certificate)
 
     async def _park(self, link: Link, key: str, uris: list[str], dns_names: list[str]) -> bool:
         """An agent's idle data connection, parked until a dial takes it (True) or it
@@ -360,27 +311,18 @@ class DataListener:
         )
 
     async def _dial(
-        self, link: Link, words: list[str], uris: list[str], dns_names: list[str]
+        self, link: Link, line: wire.Dial, uris: list[str], dns_names: list[str]
     ) -> None:
         hub = self.hub
-        _verb, node, host, port_text, timeout_text, traceparent = words[:6]
         early = b""
-        replay_safe = False
-        if len(words) == 8:
+        if line.early_length:
             # Early data: read it all before any answer (a close with bytes unread would
             # reset the connection, and the dialer might miss the answer).
-            try:
-                size = early_data.parse_length(words[6])
-                if words[7] not in ("once", "replay"):
-                    raise ValueError(f"early data is 'once' or 'replay', not {words[7][:12]!r}")
-            except ValueError as exc:
-                link.write_line("REFUSED", "INVALID", str(exc))
-                link.close()
-                return
-            early = await link.read_exact(size, HANDSHAKE_TIMEOUT)
-            replay_safe = words[7] == "replay"
+            early = await link.read_exact(line.early_length, HANDSHAKE_TIMEOUT)
         parent = (
-            tracing.extract_context((("traceparent", traceparent),)) if traceparent != "-" else None
+            tracing.extract_context((("traceparent", line.traceparent),))
+            if line.traceparent
+            else None
         )
         # The span exists before the agent's line (its id travels in that line's
         # traceparent) but is not made the current one (attaching and detaching a
@@ -392,29 +334,24 @@ class DataListener:
         try:
             try:
                 self._authorize(uris, dns_names)
-                if not port_text.isdigit() or not 0 < int(port_text) < 65536 or not node:
-                    raise Refused(pb.INVALID, "a dial target needs a node and a port 1..65535")
-                if not timeout_text.isdigit():
-                    raise Refused(pb.INVALID, "the dial timeout must be milliseconds")
-                host = "127.0.0.1" if host == "-" else host
-                address = format_address(host, int(port_text))
+                if line.invalid:
+                    raise Refused(pb.INVALID, line.invalid)
+                address = wire.format_address(line.host or "127.0.0.1", line.port)
                 timeout = hub.dial_timeout
-                if int(timeout_text) > 0:
-                    timeout = min(int(timeout_text) / 1000, timeout)
+                if line.timeout_ms > 0:
+                    timeout = min(line.timeout_ms / 1000, timeout)
                 attributes = {
-                    "waygate.tunnel.node": node,
+                    "waygate.tunnel.node": line.node,
                     "waygate.tunnel.replica": hub.server_id,
                     "waygate.tunnel.address": address,
                 }
-                splice_for = (
-                    fingerprint(link.get_extra_info("peercert_der")) if words[0] == "SPLICE" else ""
-                )
-                connection = await hub.dial(
-                    node,
+                splice_for = fingerprint(link.get_extra_info("peercert_der")) if line.splice else ""
+                connection = await hub.selection.dial(
+                    line.node,
                     address,
                     timeout,
                     early,
-                    replay_safe,
+                    line.replay,
                     splice_for,
                     trace_context=trace.set_span_in_context(span),
                 )
@@ -427,16 +364,18 @@ class DataListener:
                 link.abort()
                 return
             except Refused as refused:
-                link.write_line("REFUSED", mux.reason_name(refused.reason), str(refused))
+                link.write_line(wire.refused(refused.reason, str(refused)))
                 link.close()
                 attributes["waygate.tunnel.refusal"] = mux.reason_name(refused.reason)
                 return
             # The answer first; the span's bookkeeping after it (the dialer waits for this).
-            answer = ["OK", hub.server_id, connection.session.agent_id, str(connection.connect_id)]
-            end_to_end = isinstance(connection, DataConnection) and connection.end_to_end
-            if end_to_end:
-                answer.append(connection.end_to_end)
-            link.write_line(*answer)
+            carried = connection if isinstance(connection, DataConnection) else None
+            end_to_end = carried.end_to_end if carried is not None else ""
+            link.write_line(
+                wire.accepted(
+                    hub.server_id, connection.session.agent_id, connection.connect_id, end_to_end
+                )
+            )
             attributes["waygate.tunnel.connection_id"] = connection.connect_id
             attributes["waygate.tunnel.end_to_end"] = bool(end_to_end)
         except Exception as exc:  # (recorded as start_as_current_span would)
@@ -448,12 +387,12 @@ class DataListener:
                 span.set_attributes(attributes)
             span.end()
         try:
-            if end_to_end:
+            if carried is not None and end_to_end:
                 DIALS_END_TO_END.inc()
-                await _splice_end_to_end(link, connection)
-            elif isinstance(connection, DataConnection):
+                await _splice_end_to_end(link, carried)
+            elif carried is not None:
                 DIALS_DATA.inc()
-                await connection.relay_to(link)
+                await carried.relay_to(link)
             else:
                 DIALS_STREAM.inc()
                 await _pump(link, connection)
@@ -462,7 +401,7 @@ class DataListener:
                 connection.session.send(
                     mux.close_request(connection.connect_id, "dialer went away")
                 )
-                connection.finish(_CLOSED)
+                connection.finish(CLOSED)
             if not link.is_closing():
                 link.abort()
 
@@ -526,13 +465,13 @@ async def _pump(link: Link, connection: ServerConnection) -> None:
     try:
         while True:
             item = await connection.next_for_dialer()
-            if item is _CLOSED or item is _LOST:
-                if item is _LOST or connection.close_reason:
+            if item is CLOSED or item is LOST:
+                if item is LOST or connection.close_reason:
                     stream.abort()
                 else:
                     stream.close()
                 return
-            if item is _EOF:
+            if item is EOF:
                 stream.write_eof()
                 continue
             await stream.write(item)

@@ -1,7 +1,7 @@
 """Early data on a raw dial: a dialer's first bytes, sent with its DIAL line (TCP Fast Open's
 idea, TLS 0-RTT's retry rule), so the request does not wait for the OK's round trip.
 
-The wire (`waygate.tunnel.datapath`'s docstring has the whole grammar): a DIAL line
+The wire (`waygate.tunnel.wire` has the whole grammar and its codec): a DIAL line
 that ends in ``<length> <once|replay>`` (dialer -> replica) or ``<length>``
 (replica -> agent on a parked connection) is followed by exactly `length` bytes,
 1..`EARLY_LIMIT`. The agent writes them to the destination only once its connect
@@ -21,7 +21,8 @@ Where the agent answers on its Connect stream or on a data connection of its own
 (DIAL_REQ: no parked connection), the replica sends the bytes as the first ones
 after the agent's answer, with the same meaning for OK and REFUSED.
 
-Reading them is `relay.Link.read_exact`, beside the preamble's `read_line`.
+Their framing is `wire.dial`/`wire.parse_opening` (and `agent_dial`/`parse_agent_dial`
+on a parked connection); reading them is `relay.Link.read_exact`, beside `read_line`.
 
 Invariants: at most `EARLY_LIMIT` bytes are held per dial, on each hop; every read
 of them has a timeout; no grpc here.
@@ -35,14 +36,10 @@ EARLY_LIMIT = 16 * 1024
 
 class Unanswered(Exception):
     """The dial and its early data went out and no answer came back: the bytes may have
-    reached the destination, so the dial must not be retried (unless replay-safe)."""
+    reached the destination, so the dial must not be retried (unless replay-safe).
+    `silent`: the agent said nothing in its time (rather than its connection ending),
+    which the dial selection charges it for."""
 
-
-def parse_length(text: str) -> int:
-    """The early-data length of a DIAL line; ValueError (said for the dialer) otherwise."""
-    if not text.isdigit() or not 0 < int(text) <= EARLY_LIMIT:
-        raise ValueError(
-            f"early data must be 1..{EARLY_LIMIT} bytes, not {text[:12]!r} "
-            "(larger first bytes go after the dial's answer)"
-        )
-    return int(text)
+    def __init__(self, message: str, *, silent: bool = False) -> None:
+        super().__init__(message)
+        self.silent = silent

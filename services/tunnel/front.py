@@ -16,10 +16,10 @@ iptables` rewrote its connection to NODE-IP:10250. The front:
    endpoints because a node's own address, the kubelet's, is not an endpoint
    of any Service), or a DNS name naming the node itself (then the agent dials
    its default host, 127.0.0.1, as a Dial without a host does);
-4. dials it through this replica's hub (`Hub.dial`, the one rule the gRPC
-   and raw dials follow: with several agents for the node, the next one when
-   one refuses for a reason another could answer), with the request's W3C
-   trace context;
+4. dials it through this replica's hub (`hub.selection.dial`, the one rule the
+   gRPC and raw dials follow: with several agents for the node, the next one when
+   one refuses for a reason another could answer or does not answer), with the
+   request's W3C trace context;
 5. writes the head (hop-by-hop headers, those the client's Connection names,
    and client-supplied identity headers removed; `Connection: close`, or
    `Connection: Upgrade` for an upgrade), then the request's body as httptools
@@ -42,7 +42,7 @@ agent's allow-list refused, 502 unreachable or TLS with the node failed, 503
 no agent / draining / too many connections, 504 dial timeout.
 
 Invariants: every buffer is bounded (the head by MAX_HEAD; client-to-node
-bytes by HIGH_WATER, after which reading the client pauses until the
+bytes by core.flow.HIGH_WATER, after which reading the client pauses until the
 tunnel's credit lets them through; node-to-client bytes by the client
 transport's write buffer, whose high-water mark delays the credit granted back
 to the agent); each connection costs two tasks (one per direction), nothing
@@ -82,7 +82,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_FRONT_PORT = 10263
 MAX_HEAD = 64 * 1024
-HIGH_WATER = 256 * 1024  # client bytes buffered before reading the client pauses
 DEFAULT_DIAL_HOST = "127.0.0.1"  # what a Dial without a host reaches on the agent
 
 # Hop-by-hop headers (the one rule book, waygate.core.httpheaders) are never
@@ -466,7 +465,7 @@ class _Upstream:
         item = await self.connection.next_for_dialer()
         if type(item) is bytes:
             return item
-        if item is tunnel_server._EOF:
+        if item is tunnel_server.EOF:
             return b""
         raise ConnectionClosed
 
@@ -483,7 +482,7 @@ class _Upstream:
         connection = self.connection
         if not connection.finished:
             connection.session.send(mux.close_request(connection.connect_id, reason))
-            connection.finish(tunnel_server._CLOSED)
+            connection.finish(tunnel_server.CLOSED)
 
 
 class _TlsUpstream:
@@ -649,8 +648,8 @@ class FrontConnection(asyncio.Protocol):
         self.raw = False  # after the node's 101: client bytes pass as they are
         self.held: bytearray | None = None  # an upgrade's bytes, until the node answers
         self.started = self.last_activity = time.monotonic()
-        # Reading the client pauses while more than HIGH_WATER of its bytes wait
-        # (held for an upgrade's 101 or for tunnel credit), resumes at half that.
+        # Reading the client pauses while more than flow.HIGH_WATER of its bytes wait
+        # (held for an upgrade's 101 or for tunnel credit), resumes at flow.LOW_WATER.
         self.flow: flow.FlowControl | None = None
         self.client_eof = False
         self._pending_ready: asyncio.Future[None] | None = None
@@ -665,11 +664,7 @@ class FrontConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.flow = flow.FlowControl(
-            transport,  # type: ignore[arg-type]
-            high=HIGH_WATER,
-            low=HIGH_WATER // 2,
-        )
+        self.flow = flow.FlowControl(transport)  # type: ignore[arg-type]
         if len(self.front.connections) >= self.front.max_connections:
             self.reply(503, "the tunnel front is at its connection limit; retry later")
             return
@@ -831,7 +826,9 @@ class FrontConnection(asyncio.Protocol):
                 # The hub's one rule for several agents of a node (the gRPC and raw
                 # dials use it too): the next agent when one refuses for a reason
                 # another could answer. It carries this span's trace context.
-                connection = await front.hub.dial(target.node, target.address, front.dial_timeout)
+                connection = await front.hub.selection.dial(
+                    target.node, target.address, front.dial_timeout
+                )
             except Refused as refused:
                 span.set_attribute("waygate.tunnel.refusal", mux.reason_name(refused.reason))
                 self.reply(REFUSAL_HTTP.get(refused.reason, 502), str(refused))

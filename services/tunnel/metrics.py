@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 from prometheus_client import Counter, Gauge
 
 from waygate.core.statuspage import Section, cell, duration_text
-from waygate.tunnel.server import Hub
 
 if TYPE_CHECKING:
     from waygate.tunnel.agent import Agent
+    from waygate.tunnel.server import Hub
 
 AGENTS = Gauge(
     "waygate_tunnel_server_agents",
@@ -30,6 +30,12 @@ RAW_DIALS = Counter(
     "data connections), stream (relayed to the agent's Connect stream). A dialer that "
     "asked for end to end and got data or stream was relayed: see the README.",
     ["carried"],
+)
+SILENT_DIALS = Counter(
+    "waygate_tunnel_server_silent_dials",
+    "Dials an agent left unanswered within its time (no OK, no refusal): each moves the "
+    "dial to another agent of the node, if any, and puts the silent one behind the others "
+    "for 30 s (waygate.tunnel.selection).",
 )
 # Bound once: a dial pays one increment, not a label lookup.
 DIALS_END_TO_END = RAW_DIALS.labels("end_to_end")

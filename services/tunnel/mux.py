@@ -285,6 +285,11 @@ class Refused(errors.WaygateError):
         self.status = REFUSAL_STATUS.get(reason, "UNAVAILABLE")
 
 
+class Silent(Refused):
+    """The agent did not answer a dial at all within its time (TIMEOUT): it may be stuck,
+    and another agent of the node may serve (`waygate.tunnel.selection`)."""
+
+
 REFUSAL_STATUS: dict[int, str] = {
     pb.NOT_ALLOWED: "PERMISSION_DENIED",
     pb.UNREACHABLE: "UNAVAILABLE",

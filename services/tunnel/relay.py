@@ -7,7 +7,7 @@ certificate), each names what it is for in one preamble line, and from then
 on the replica copies bytes from one to the other and the agent from its data
 connection to the destination socket. No framing, no per-chunk Python beyond
 `data_received -> write`; flow control is TCP's own: a side whose write buffer
-passes `HIGH_WATER` pauses reading the other (`splice`).
+passes `core.flow.HIGH_WATER` pauses reading the other (`splice`).
 
 - `SocketLink` (a `Link`): a data connection on its own non-blocking socket,
   TLS through OpenSSL's socket BIO, driven by the loop's add_reader/add_writer:
@@ -30,13 +30,12 @@ passes `HIGH_WATER` pauses reading the other (`splice`).
   (a full close after close_notify): the other then gets those bytes and its end.
 - `Stream`: read()/write() over a transport for callers that are not
   transports themselves (the gRPC Dial face, the front, `waygate tunnel
-  dial`); its queue is bounded by `HIGH_WATER` (reading pauses past it).
-- Preamble lines: ASCII, space-separated, LF-terminated, at most
-  `PREAMBLE_LIMIT` bytes (`read_line`, `write_line`); see server.py for the
-  verbs.
+  dial`); its queue is bounded by `flow.HIGH_WATER` (reading pauses past it).
+- Preamble lines: read (`read_line`, bounded by `wire.PREAMBLE_LIMIT`) and
+  written (`write_line`) here; what they say is `waygate.tunnel.wire`'s grammar.
 
 Invariants: nothing here imports grpc; every buffer is bounded (the socket
-write buffers by HIGH_WATER, a held preamble by PREAMBLE_LIMIT plus one
+write buffers by flow.HIGH_WATER, a held preamble by wire.PREAMBLE_LIMIT plus one
 socket read); every wait is under a timeout given by the caller.
 """
 
@@ -57,10 +56,11 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from waygate.core import flow
+from waygate.core.flow import HIGH_WATER, LOW_WATER
 from waygate.core.tls import can_send_close_notify, send_close_notify, server_context
+from waygate.tunnel import wire
+from waygate.tunnel.wire import PREAMBLE_LIMIT
 
-HIGH_WATER = 256 * 1024
-PREAMBLE_LIMIT = 4096
 _READ_SIZE = 256 * 1024
 _RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
 # Where every Link decrypts into: one buffer for the process, not one per connection
@@ -87,6 +87,10 @@ SESSION_TIMEOUT = 300
 
 class LinkClosed(ConnectionError):
     """The link ended before the expected bytes arrived (or was aborted)."""
+
+
+class LineTooLong(LinkClosed):
+    """A preamble line ran past `wire.PREAMBLE_LIMIT` (the peer is to be refused)."""
 
 
 class _Holding(asyncio.Protocol):
@@ -180,7 +184,7 @@ class Link(asyncio.Protocol, asyncio.Transport):
 
     def connection_made(self, transport: Any) -> None:
         self.raw = transport
-        transport.set_write_buffer_limits(high=HIGH_WATER)
+        transport.set_write_buffer_limits(high=HIGH_WATER, low=LOW_WATER)
         if self._context is None:
             self.established.set_result(None)
             return
@@ -347,20 +351,21 @@ class Link(asyncio.Protocol, asyncio.Transport):
 
     async def read_line(self, timeout: float) -> bytes:
         """The next preamble line (without LF), before the link is attached; TimeoutError
-        after `timeout` seconds. No timer when the line is in already (a dial's line and
-        its early data usually arrive in one read)."""
+        after `timeout` seconds; `LineTooLong` when no LF comes within `PREAMBLE_LIMIT`
+        bytes, however many arrived in one read. No timer when the line is in already
+        (a dial's line and its early data usually arrive in one read)."""
         held = self._holding
-        end = held.data.find(b"\n")
+        end = held.data.find(b"\n", 0, PREAMBLE_LIMIT)
         if end < 0:
             expiry = held.start_timer(timeout)
             try:
                 while end < 0:
-                    if len(held.data) > PREAMBLE_LIMIT:
-                        raise LinkClosed("preamble line too long")
+                    if len(held.data) >= PREAMBLE_LIMIT:
+                        raise LineTooLong(wire.TOO_LONG)
                     if held.eof or held.is_lost:
                         raise LinkClosed("the data connection ended before its preamble")
                     await held.wait()
-                    end = held.data.find(b"\n")
+                    end = held.data.find(b"\n", 0, PREAMBLE_LIMIT)
             finally:
                 expiry.cancel()
         line = bytes(held.data[:end])
@@ -387,8 +392,9 @@ class Link(asyncio.Protocol, asyncio.Transport):
         del held.data[:size]
         return data
 
-    def write_line(self, *words: str) -> None:
-        self.write(" ".join(words).encode("utf-8", "replace") + b"\n")
+    def write_line(self, line: bytes) -> None:
+        """Write one preamble line (a `waygate.tunnel.wire` encoding, LF included)."""
+        self.write(line)
 
     def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
         self.protocol = protocol
@@ -562,7 +568,7 @@ class SocketLink(Link):
         self._pending: collections.deque[bytes | memoryview] | None = None
         self._buffered = 0
         self._high = HIGH_WATER
-        self._low = HIGH_WATER // 4
+        self._low = LOW_WATER
         self._write_paused = False  # the protocol was told pause_writing
         self._reader = False  # registered with the loop
         self._writer = False
@@ -901,7 +907,7 @@ class SocketLink(Link):
 
     async def step_out(self, timeout: float) -> socket.socket:
         """End TLS both ways (close_notify each way) and hand over the TCP socket under it,
-        for bytes that are not this session's: TLS end to end (datapath's SPLICE).
+        for bytes that are not this session's: TLS end to end (wire's SPLICE).
 
         Called once the preamble lines are exchanged, nothing held unread and no
         protocol attached: bytes the peer sent before its close_notify would be lost,
@@ -1331,8 +1337,8 @@ def splice(a: Any, b: Any) -> asyncio.Future[None]:
     relay = _Splice(a, b)
     # core.flow: each side's reading pauses while the other's write buffer is full.
     half_a, half_b = _Half(relay, b, flow.FlowControl(b)), _Half(relay, a, flow.FlowControl(a))
-    a.set_write_buffer_limits(high=HIGH_WATER)
-    b.set_write_buffer_limits(high=HIGH_WATER)
+    a.set_write_buffer_limits(high=HIGH_WATER, low=LOW_WATER)
+    b.set_write_buffer_limits(high=HIGH_WATER, low=LOW_WATER)
     for transport, half in ((a, half_a), (b, half_b)):
         if isinstance(transport, Link):
             transport.attach(half)
@@ -1468,17 +1474,16 @@ async def open_end_to_end(
 class Stream(asyncio.Protocol):
     """read()/write() over a transport, for callers that are not transports.
 
-    Bytes read are queued up to `HIGH_WATER`; past it the transport stops
+    Bytes read are queued up to `flow.HIGH_WATER`; past it the transport stops
     reading until the caller took them (`read`) or, with `take`, said they were
     passed on (`delivered`): a slow consumer backs up into TCP.
     """
 
-    def __init__(self, high_water: int = HIGH_WATER) -> None:
+    def __init__(self) -> None:
         self.transport: Any = None
         self._queue: collections.deque[bytes] = collections.deque()
-        self._high = high_water
         # core.flow: bytes taken or queued and not yet delivered pause reading past the
-        # high-water mark (resumed at half of it); a writer waits while the write
+        # high-water mark (resumed at the low one); a writer waits while the write
         # buffer is full. Set once the transport is known.
         self._flow: flow.FlowControl | None = None
         self.eof = False  # the peer half-closed
@@ -1494,7 +1499,7 @@ class Stream(asyncio.Protocol):
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
-        self._flow = flow.FlowControl(transport, high=self._high - 1, low=self._high >> 1)
+        self._flow = flow.FlowControl(transport)
 
     def data_received(self, data: bytes) -> None:
         self._queue.append(data)

@@ -1,14 +1,18 @@
 """The tunnel server: agents' Connect streams, dialers' Dial streams, and the hub between them.
 
-- `Hub`: the agents this replica holds (node -> `AgentSession`), whether it
-  is draining, and the replica set it tells agents about. Presence reporting
-  (`waygate.tunnel.presence`) subscribes to its changes.
+- `Hub`: the registry of the agents this replica holds (node -> `AgentSession`),
+  parked connections and dial tokens, whether it is draining, and the replica
+  set it tells agents about. Presence reporting (`waygate.tunnel.presence`)
+  subscribes to its changes. Which agent takes a dial is `hub.selection`
+  (`waygate.tunnel.selection`), apart from the registry.
 - `AgentSession`: one agent's Connect stream. One writer task drains its
   outbox (packets for the agent); the handler reads packets and dispatches
   them to the connections. Everything queued is bounded by the connections'
   credit windows (see `waygate.tunnel.mux`).
 - `ServerConnection`: one tunnelled TCP connection: credit towards the agent,
-  a queue of frames towards the dialer (bounded by the window it granted).
+  a queue of frames towards the dialer (bounded by the window it granted), and
+  `EOF`, `CLOSED`, `LOST`, what it hands the dialer's face besides bytes.
+  `DataConnection`: one on its own data connection, shaped the same.
 - `AgentTunnelServicer` (port 7003) and `TunnelServicer` (port 7004): the
   gRPC faces. The agent's node comes from its client certificate (exactly
   one DNS SAN), never from what it says; a dialer must match `dialers`.
@@ -35,12 +39,11 @@ from typing import Any, cast
 
 import grpc
 from google.protobuf import duration_pb2
-from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from waygate.core import errors, tracing
+from waygate.core import errors
 from waygate.core.identity import matches
-from waygate.tunnel import mux, peers
+from waygate.tunnel import mux, peers, wire
 from waygate.tunnel.early import Unanswered
 from waygate.tunnel.kernelsplice import KernelSplice
 from waygate.tunnel.mux import (
@@ -50,17 +53,20 @@ from waygate.tunnel.mux import (
     Outbox,
     ReceiveWindow,
     Refused,
+    Silent,
 )
 from waygate.tunnel.relay import Link, LinkClosed, Stream, fingerprint, splice
+from waygate.tunnel.selection import ANSWER_SLACK, AgentSelection
 from waygate.tunnel.v1 import tunnel_pb2 as pb
 from waygate.tunnel.v1 import tunnel_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-# Frames on a connection's queue towards the dialer besides bytes.
-_EOF = object()
-_CLOSED = object()  # the agent closed the connection (CLOSE_REQ)
-_LOST = object()  # the agent stream ended, or the agent broke the protocol
+# What a connection's `next_for_dialer` returns besides bytes (the faces that carry a
+# connection to its dialer, here, in datapath and in the front, compare by identity).
+EOF = object()  # the agent's side half-closed
+CLOSED = object()  # the agent closed the connection (CLOSE_REQ), or the dialer did
+LOST = object()  # the agent stream ended, or the agent broke the protocol
 _STREAM_END = pb.Packet()
 
 
@@ -110,11 +116,11 @@ class ServerConnection:
                 self.session.send(
                     mux.close_request(self.connect_id, "flow control window exceeded")
                 )
-                self.finish(_LOST, "the agent sent beyond its flow-control window")
+                self.finish(LOST, "the agent sent beyond its flow-control window")
                 return
             self._push(payload)
         if data.eof:
-            self._push(_EOF)
+            self._push(EOF)
 
     def _push(self, item: Any) -> None:
         self.to_dialer.append(item)
@@ -249,10 +255,10 @@ class DataConnection:
                 return data
             if data is not None:
                 self._eof_given = True
-                return _EOF
+                return EOF
         await stream.closed
         self._ended(stream.error)
-        return _LOST if self.close_reason else _CLOSED
+        return LOST if self.close_reason else CLOSED
 
     def delivered(self, size: int) -> None:
         if self.stream is not None:
@@ -283,13 +289,6 @@ class DataConnection:
             link.abort()
 
 
-# Refusals another agent of the same node could answer differently: its own
-# allow-list, its own network, it is moving. The dial moves on to the next agent.
-ANOTHER_AGENT_COULD = frozenset({pb.NOT_ALLOWED, pb.UNREACHABLE, pb.DRAINING})
-# How long an agent's refusal of an address puts it behind the others for that address.
-REFUSAL_MEMORY = 30.0
-
-
 class AgentSession:
     """One agent's Connect stream on this replica."""
 
@@ -308,7 +307,6 @@ class AgentSession:
         self.connected_since = datetime.now(UTC)
         self.connections: dict[int, ServerConnection] = {}
         self.data: dict[int, DataConnection] = {}  # connections on their own data connections
-        self._refusals: dict[str, float] = {}  # address -> when this agent last refused it
         self.draining = False
         self.closed = False
         self._context = context
@@ -316,7 +314,7 @@ class AgentSession:
         self._dials: dict[int, asyncio.Future[tuple[pb.DialResponse, Any]]] = {}
         self._randoms = itertools.count(random.randrange(1, 1 << 40))
         self.ended = asyncio.Event()
-        # The agent's parked data connections (datapath's PARK), oldest first, each with
+        # The agent's parked data connections (wire's PARK), oldest first, each with
         # the future its listener task waits on: set when a dial takes the connection.
         self.park_key = secrets.token_urlsafe(18)
         self.parked: collections.deque[tuple[Link, asyncio.Future[None]]] = collections.deque()
@@ -373,7 +371,7 @@ class AgentSession:
                 connection = connections.get(connect_id)
                 if connection is not None:
                     connection.finish(
-                        _CLOSED, packet.close_request.reason if kind == pb.CLOSE_REQ else ""
+                        CLOSED, packet.close_request.reason if kind == pb.CLOSE_REQ else ""
                     )
             elif kind == pb.DIAL_RSP:
                 response = packet.dial_response
@@ -404,15 +402,6 @@ class AgentSession:
 
     def open_connections(self) -> int:
         return len(self.connections) + len(self.data)
-
-    def refused_lately(self, address: str) -> bool:
-        at = self._refusals.get(address)
-        return at is not None and time.monotonic() - at < REFUSAL_MEMORY
-
-    def remember_refusal(self, address: str) -> None:
-        if len(self._refusals) >= 1024:  # bounded: forget the oldest
-            self._refusals.pop(next(iter(self._refusals)))
-        self._refusals[address] = time.monotonic()
 
     def claim(
         self,
@@ -455,7 +444,7 @@ class AgentSession:
         early data, `waygate.tunnel.early`), on the destination's connection before
         anything else once this returns; none of them sent when it raises `Refused`;
         `early.Unanswered` when they went to the agent and no answer came back.
-        `splice_for`: the dialer's certificate fingerprint, for TLS end to end (datapath's
+        `splice_for`: the dialer's certificate fingerprint, for TLS end to end (wire's
         SPLICE), asked of the agent on a parked connection or in the DIAL_REQ; the
         result's `end_to_end` says whether the agent agreed. A parked connection that
         ends at a SPLICE line (an agent from before it drops the line) sends the rest
@@ -513,17 +502,18 @@ class AgentSession:
             )
         )
         try:
-            response, connection = await asyncio.wait_for(waiter, timeout + 1.0)
+            response, connection = await asyncio.wait_for(waiter, timeout + ANSWER_SLACK)
         except TimeoutError:
-            raise Refused(
-                pb.TIMEOUT, f"node {self.node} did not connect to {address} within {timeout:g}s"
+            raise Silent(
+                pb.TIMEOUT,
+                f"node {self.node} did not answer a dial to {address} within {timeout:g}s",
             ) from None
         except BaseException:
             if waiter.done() and not waiter.cancelled():
                 _response, late = waiter.result()
                 if late is not None:  # answered as we gave up: the agent must not keep it
                     self.send(mux.close_request(late.connect_id, "dialer went away"))
-                    late.finish(_CLOSED)
+                    late.finish(CLOSED)
             raise
         finally:
             self._dials.pop(random_id, None)
@@ -575,55 +565,51 @@ class AgentSession:
         splice_for: str = "",
     ) -> ServerConnection:
         """Dial through a parked data connection: the dial line on it (with the early data,
-        in the same write), the agent's answer back (datapath's module docstring).
+        in the same write), the agent's answer back (`waygate.tunnel.wire`).
         LinkClosed: it was gone before an answer."""
         left = max(deadline - time.monotonic(), 0.001)
-        words: tuple[str, ...] = (
-            "SPLICE" if splice_for else "DIAL",
+        line = wire.agent_dial(
             address,
-            str(max(int(left * 1000), 1)),
-            trace_context.get("traceparent") or "-",
+            max(int(left * 1000), 1),
+            trace_context.get("traceparent", ""),
+            len(early),
+            splice_for,
         )
-        if splice_for:
-            words = (*words, splice_for)
         try:
-            if early:  # the line and the bytes in one write (one TLS record, or two)
-                line = " ".join((*words, str(len(early)))) + "\n"
-                link.write(line.encode("utf-8", "replace") + early)
-            else:
-                link.write_line(*words)
-            answer = await link.read_line(left + 1.0)
+            # The line and the early data in one write (one TLS record, or two).
+            link.write_line(line + early if early else line)
+            answer = await link.read_line(left + ANSWER_SLACK)
         except TimeoutError:
             link.abort()
             if early and not replay_safe:
                 raise Unanswered(
-                    f"node {self.node} did not answer a dial with early data within {left:g}s"
+                    f"node {self.node} did not answer a dial with early data within {left:g}s",
+                    silent=True,
                 ) from None
-            raise Refused(
-                pb.TIMEOUT, f"node {self.node} did not connect to {address} within {left:g}s"
+            raise Silent(
+                pb.TIMEOUT, f"node {self.node} did not answer a dial to {address} within {left:g}s"
             ) from None
         except BaseException:
             link.abort()
             raise
-        verb, _, rest = answer.decode("utf-8", "replace").partition(" ")
-        rest, spliced = (
-            (rest[:-7], True) if splice_for and rest.endswith(" SPLICE") else (rest, False)
-        )
-        if verb == "OK" and rest.isdigit():
-            connect_id = int(rest)
-            if self.closed or connect_id in self.connections or connect_id in self.data:
-                link.abort()
-                raise Refused(pb.DRAINING, f"the agent for node {self.node} went away")
-            agent_certificate = fingerprint(link.get_extra_info("peercert_der")) if spliced else ""
-            connection = DataConnection(self, connect_id, link, agent_certificate)
-            self.data[connect_id] = connection
-            return cast(ServerConnection, connection)
-        link.abort()
-        if verb == "REFUSED":
-            name, _, message = rest.partition(" ")
-            reason = pb.RefusalReason.Value(name) if name in pb.RefusalReason.keys() else 0  # noqa: SIM118
-            raise Refused(reason or pb.UNREACHABLE, f"node {self.node}: {message or 'dial failed'}")
-        raise Refused(pb.UNREACHABLE, f"node {self.node}: the agent answered {answer[:80]!r}")
+        try:
+            said = wire.parse_agent_answer(answer, bool(splice_for))
+        except wire.Malformed as exc:
+            link.abort()
+            raise Refused(pb.UNREACHABLE, f"node {self.node}: {exc}") from None
+        if isinstance(said, wire.Refusal):
+            link.abort()
+            raise Refused(
+                said.reason or pb.UNREACHABLE, f"node {self.node}: {said.message or 'dial failed'}"
+            )
+        connect_id = said.connect_id
+        if self.closed or connect_id in self.connections or connect_id in self.data:
+            link.abort()
+            raise Refused(pb.DRAINING, f"the agent for node {self.node} went away")
+        agent_certificate = fingerprint(link.get_extra_info("peercert_der")) if said.splice else ""
+        connection = DataConnection(self, connect_id, link, agent_certificate)
+        self.data[connect_id] = connection
+        return cast(ServerConnection, connection)
 
     def end(self) -> None:
         """The stream is over: every connection and pending dial on it ends now."""
@@ -646,7 +632,7 @@ class AgentSession:
             *self.data.values(),
         ]
         for connection in ending:
-            connection.finish(_LOST, f"the agent stream of node {self.node} ended")
+            connection.finish(LOST, f"the agent stream of node {self.node} ended")
         self.ended.set()
 
     def drain(self, grace: float) -> None:
@@ -668,7 +654,9 @@ class AgentSession:
 
 
 class Hub:
-    """The agents this replica holds, and what it tells agents and presence about itself."""
+    """The registry of the agents this replica holds (konnectivity's BackendStorage), and
+    what it tells agents and presence about itself. Which agent takes a dial is not its
+    business: `selection` (an `AgentSelection` over this registry) decides that."""
 
     def __init__(
         self,
@@ -683,7 +671,7 @@ class Hub:
         self.window = window
         self.dial_timeout = dial_timeout
         self.draining = False
-        # node -> its newest agent session (dials try every agent: `sessions_for`)
+        # node -> its newest agent session (dials try every agent: `selection`)
         self.sessions: dict[str, AgentSession] = {}
         self._by_agent: dict[tuple[str, str], AgentSession] = {}
         self._listeners: list[Callable[[], None]] = []
@@ -695,6 +683,8 @@ class Hub:
         ] = {}
         # park key -> the session whose agent may park data connections with it.
         self.parking: dict[str, AgentSession] = {}
+        # The dial rules over this registry, one for every face that dials.
+        self.selection = AgentSelection(self)
 
     def subscribe(self, listener: Callable[[], None]) -> None:
         self._listeners.append(listener)
@@ -767,66 +757,10 @@ class Hub:
     def sessions_all(self) -> list[AgentSession]:
         return list(self._by_agent.values())
 
-    def sessions_for(self, node: str, address: str = "") -> list[AgentSession]:
-        """The live agents of `node` that may take a dial, best first: those that did not
-        refuse `address` lately, then the newest (a restarted agent replaces its
-        predecessor). Refused: NO_AGENT without one, DRAINING when this replica drains
-        or every agent of the node is moving off it (one moving is skipped)."""
-        if self.draining:
-            raise Refused(pb.DRAINING, f"tunnel server {self.server_id} is draining")
-        held = [s for s in self._by_agent.values() if s.node == node and not s.closed]
-        if not held:
-            raise Refused(pb.NO_AGENT, f"no agent for node {node} on replica {self.server_id}")
-        ordered = [s for s in held if not s.draining]
-        if not ordered:
-            raise Refused(
-                pb.DRAINING, f"the agent for node {node} is moving off replica {self.server_id}"
-            )
-        ordered.reverse()  # newest first (insertion order is registration order)
-        if address:
-            ordered.sort(key=lambda s: s.refused_lately(address))  # stable: newest first still
-        return ordered
-
-    async def dial(
-        self,
-        node: str,
-        address: str,
-        timeout: float,
-        early: bytes = b"",
-        replay_safe: bool = False,
-        splice_for: str = "",
-        *,
-        trace_context: otel_context.Context | None = None,
-    ) -> Any:
-        """Dial `address` through an agent of `node`: the next agent when one refuses for a
-        reason another agent could answer (its allow-list, its network, it is moving).
-
-        Returns a `ServerConnection` or a `DataConnection`; raises `Refused`. `timeout`
-        bounds the whole dial: each next agent gets only what the ones before left.
-        `early` goes with the dial (`AgentSession.dial`): a refusal sent none of it, so
-        the next agent gets the same bytes; `early.Unanswered` is never retried here.
-        `splice_for`: asks for TLS end to end (`AgentSession.dial`). `trace_context`: the
-        trace context the agent's span continues (the current one when None).
-        """
-        carrier: dict[str, str] = {}
-        tracing.inject_context(carrier, trace_context)
-        deadline = time.monotonic() + timeout
-        last: Refused | None = None
-        for session in self.sessions_for(node, address):
-            left = deadline - time.monotonic()
-            if left <= 0 and last is not None:
-                break
-            try:
-                return await session.dial(
-                    address, max(left, 0.001), carrier, early, replay_safe, splice_for
-                )
-            except Refused as refused:
-                last = refused
-                if refused.reason not in ANOTHER_AGENT_COULD:
-                    raise
-                session.remember_refusal(address)
-        assert last is not None
-        raise last
+    def held(self, node: str) -> list[AgentSession]:
+        """The live agent sessions of `node`, oldest first (which one takes a dial is
+        `selection.AgentSelection`'s rule, not the registry's)."""
+        return [s for s in self._by_agent.values() if s.node == node and not s.closed]
 
     def drain(self, grace: float) -> None:
         """No new dials; every agent is told to move; open connections get `grace`."""
@@ -870,6 +804,10 @@ class AgentTunnelServicer(tunnel_pb2_grpc.AgentTunnelServicer):
                 held = frozenset(value[:4096].split(",")) if value else frozenset()
         if not agent_id:
             raise errors.InvalidArgument(f"the {mux.AGENT_ID_METADATA} metadata is required")
+        if not wire.is_word(agent_id):  # it is a word of every OK line a dialer reads
+            raise errors.InvalidArgument(
+                f"the {mux.AGENT_ID_METADATA} metadata must be one word, without spaces"
+            )
         if hub.draining:
             raise errors.Unavailable(f"tunnel server {hub.server_id} is draining")
         session = AgentSession(hub, node, agent_id, context.peer(), context)
@@ -933,8 +871,7 @@ class TunnelServicer(tunnel_pb2_grpc.TunnelServicer):
             target = first.target
             if not target.node or not 0 < target.port < 65536:
                 raise Refused(pb.INVALID, "a dial target needs a node and a port 1..65535")
-            host = target.host or "127.0.0.1"
-            address = f"[{host}]:{target.port}" if ":" in host else f"{host}:{target.port}"
+            address = wire.format_address(target.host or "127.0.0.1", target.port)
             timeout = hub.dial_timeout
             if target.HasField("connect_timeout"):
                 asked = target.connect_timeout.ToNanoseconds() / 1e9
@@ -947,7 +884,7 @@ class TunnelServicer(tunnel_pb2_grpc.TunnelServicer):
                     "waygate.tunnel.address": address,
                 }
             )
-            connection = await hub.dial(target.node, address, timeout)
+            connection = await hub.selection.dial(target.node, address, timeout)
             session = connection.session
         except Refused as refused:
             await context.write(
@@ -981,11 +918,11 @@ class TunnelServicer(tunnel_pb2_grpc.TunnelServicer):
         finally:
             if not connection.finished:
                 session.send(mux.close_request(connection.connect_id, "dialer went away"))
-                connection.finish(_CLOSED)
+                connection.finish(CLOSED)
             if reader is not None:
                 reader.cancel()
                 await asyncio.gather(reader, return_exceptions=True)
-        if how is _LOST or connection.close_reason:
+        if how is LOST or connection.close_reason:
             raise errors.Unavailable(
                 f"tunnelled connection to {address} on node {target.node} ended: "
                 f"{connection.close_reason or 'lost'}"
@@ -1028,13 +965,13 @@ async def _from_dialer(connection: ServerConnection, context: grpc.aio.ServicerC
 
 
 async def _to_dialer(connection: ServerConnection, context: grpc.aio.ServicerContext) -> object:
-    """Agent -> dialer until the connection ends; returns how it ended (_CLOSED or _LOST)."""
+    """Agent -> dialer until the connection ends; returns how it ended (CLOSED or LOST)."""
     eof_frame = pb.DialFrame(eof=True)
     while True:
         item = await connection.next_for_dialer()
-        if item is _CLOSED or item is _LOST:
+        if item is CLOSED or item is LOST:
             return item
-        if item is _EOF:
+        if item is EOF:
             await context.write(eof_frame)
             continue
         await context.write(pb.DialFrame(data=item))

@@ -22,7 +22,7 @@ from waygate.cli import build_parser
 from waygate.components import COMPONENTS
 
 ROOT = Path(__file__).resolve().parents[2]
-OVERLAYS = ["dev", "production", "dev-gateway-api"]
+OVERLAYS = ["dev", "production", "dev-gateway-api", "dev-ingress-nginx"]
 KUBERNETES_VERSION = "1.32"
 
 

@@ -6,7 +6,12 @@ without flags (items 1-3): real processes, ports offset into a free range.
 - a SIGSTOPped (hung) child is killed and restarted by the liveness probe;
 - from a subdirectory, `waygate routes`, `waygate check` and `waygate cert status`
   find the state directory and the addresses `up` recorded (no --addr);
-- a route to a missing service is explained by `waygate check` and the 503 page.
+- a route to a missing service is explained by `waygate check` and the 503 page;
+- the README's example requests answer the status its comments name (issue 29
+  finding 5: an unknown host is 404 under `up`, not 503);
+- a second `up` in the same directory is refused, naming the running one, and
+  changes none of its files (finding 2); the command its hint prints starts a
+  second copy beside the first, which keeps working.
 """
 
 from __future__ import annotations
@@ -34,6 +39,39 @@ def readme_client_examples() -> list[list[str]]:
     block = text.split("<!-- client-examples:", 1)[1].split("<!-- end client-examples -->")[0]
     lines = [shlex.split(line, comments=True) for line in block.splitlines()]
     return [words for words in lines if words and words[0] == "waygate"]
+
+
+def readme_answer_examples() -> list[tuple[list[str], int]]:
+    """The README's example requests (the curl lines of its marked blocks), each with
+    the status its comment names."""
+    text = (ROOT / "README.md").read_text()
+    blocks = [
+        part.split("<!-- end answer-examples -->")[0]
+        for part in text.split("<!-- answer-examples:")[1:]
+    ]
+    found = []
+    for line in "\n".join(blocks).splitlines():
+        command, _, comment = line.partition(" # ")
+        words = shlex.split(command)
+        if words and words[0] == "curl":
+            found.append((words, int(comment.split()[0].rstrip(":"))))
+    return found
+
+
+async def curl_status(words: list[str], offset: int, cwd: Path) -> int:
+    """Run a README curl line against an `up` at `offset` (its ports moved), the
+    status code only."""
+    moved = [
+        w.replace(":8080/", f":{8080 + offset}/").replace(":8443", f":{8443 + offset}")
+        for w in words
+        if w != "-i"
+    ]
+    process = await asyncio.create_subprocess_exec(
+        *moved, "-s", "-o", "/dev/null", "-w", "%{http_code}", "--max-time", "10",
+        cwd=cwd, stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, _ = await asyncio.wait_for(process.communicate(), 20)
+    return int(out or b"0")
 
 
 def free_offset() -> int:
@@ -159,6 +197,20 @@ async def test_next_to_up_commands_need_no_flags_and_explain_a_broken_route(
             assert code == 0, f"{shlex.join(words)}: {problem or text}"
         assert (tmp_path / "me" / "cert.pem").is_file()
 
+        # The README's example requests answer what their comments say.
+        answers = readme_answer_examples()
+        assert len(answers) >= 6 and any(code == 404 for _, code in answers)
+        for words, expected in answers:
+            got = 0
+            for _ in range(25):  # the tunnel agent may still be connecting
+                got = await curl_status(words, offset, tmp_path)
+                if got == expected:
+                    break
+                await asyncio.sleep(0.2)
+            assert got == expected, f"{shlex.join(words)}: {got}, README says {expected}"
+
+        await second_up_cannot_touch_the_first(tmp_path, offset, up.pid)
+
         # A route to nowhere: check fails and says why; the proxy's 503 names it.
         ghost = tmp_path / "ghost.yaml"
         ghost.write_text(
@@ -205,6 +257,47 @@ async def test_next_to_up_commands_need_no_flags_and_explain_a_broken_route(
         drain.cancel()
         await asyncio.gather(drain, return_exceptions=True)
     assert up.returncode == 0
+
+
+async def second_up_cannot_touch_the_first(tmp_path: Path, offset: int, first: int) -> None:
+    state = tmp_path / ".waygate"
+    kept = ["up.json", "tokens.yaml", "tokens/proxy.token", "tokens/user.token", "ca.pem"]
+    before = {name: (state / name).read_bytes() for name in kept}
+    # Again here, with the same offset and with another one: refused either way.
+    for args in ((), ("--port-offset", str(offset)), ("--port-offset", str(free_offset()))):
+        second = await start_up(tmp_path, *args)
+        _, err = await asyncio.wait_for(second.communicate(), 60)
+        text = err.decode()
+        assert second.returncode == 2, text
+        assert f"state directory {state} is in use by a running `waygate up` (pid {first}" in text
+        hint = text.split("run a copy beside it: ", 1)[1].splitlines()[0]
+        assert hint.startswith("waygate up --state-dir .waygate-"), hint
+    assert {name: (state / name).read_bytes() for name in kept} == before
+    code, text, problem = await run_cli("cert", "status", cwd=tmp_path)
+    assert code == 0, problem
+
+    # The hint, run as printed (from the same directory): a second copy beside the first.
+    words = shlex.split(hint)
+    assert words[:2] == ["waygate", "up"]
+    copy = await start_up(tmp_path, *words[2:])
+    assert copy.stdout is not None and copy.stderr is not None
+    out: list[str] = []
+    drain = asyncio.ensure_future(read_until(copy.stderr, "\0never", [], 600))
+    try:
+        await read_until(copy.stdout, "waygate up: all services started", out, 240)
+        other = tmp_path / words[words.index("--state-dir") + 1]
+        code, text, problem = await run_cli("check", "--state-dir", str(other), cwd=tmp_path)
+        assert code == 0, text + problem
+    finally:
+        copy.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(copy.wait(), 60)
+        drain.cancel()
+        await asyncio.gather(drain, return_exceptions=True)
+    assert {name: (state / name).read_bytes() for name in kept} == before
+    code, text, problem = await run_cli("check", cwd=tmp_path)
+    assert code == 0, text + problem
+    code, text, problem = await run_cli("cert", "status", cwd=tmp_path)
+    assert code == 0, problem
 
 
 def _cmdline(proc: Path) -> str:

@@ -6,7 +6,9 @@ listeners with attached routes; routes list their parents and policies the
 Gateways they are used through. A condition that is not as it
 should be is shown with its reason and message, so a misconfiguration is
 read here, not in a log. `-o json|yaml` prints the objects' `status` as the
-Kubernetes API spells it (kind, metadata, status).
+Kubernetes API spells it (kind, metadata, status). The route sources' own
+state comes first (a rejected manifests file keeps its objects' last good
+status, so the table alone would not show it).
 
 Exit codes: 0 ok; 2 usage error or resolver unreachable; 1 any other failure.
 """
@@ -20,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import yaml
+from google.protobuf import json_format
 
 from waygate.core.clientcli import (
     ClientSettings,
@@ -29,6 +32,7 @@ from waygate.core.clientcli import (
     table,
 )
 from waygate.resolver import convert
+from waygate.resolver.commands import format_sources
 from waygate.resolver.gateway.translate import STATUS_KINDS
 from waygate.resolver.v1 import resolver_pb2 as pb
 from waygate.resolver.v1 import resolver_pb2_grpc
@@ -118,14 +122,24 @@ def _gateways(args: argparse.Namespace) -> int:
                 timeout=settings.timeout,
             )
         objects = list(reply.objects)
+        document = {
+            "sources": [json_format.MessageToDict(s) for s in reply.sources],
+            "items": as_documents(objects),
+            "ignored": [json_format.MessageToDict(i) for i in reply.ignored],
+        }
         if args.output == "json":
-            print(json.dumps({"items": as_documents(objects)}, indent=2))
+            print(json.dumps(document, indent=2))
         elif args.output == "yaml":
-            sys.stdout.write(yaml.safe_dump({"items": as_documents(objects)}, sort_keys=False))
-        elif objects:
-            print(format_gateways(objects))
+            sys.stdout.write(yaml.safe_dump(document, sort_keys=False))
         else:
-            print("no Gateway API or Ingress objects")
+            if reply.sources:
+                print(format_sources(reply.sources))
+            if objects:
+                print(format_gateways(objects))
+            else:
+                print("no Gateway API or Ingress objects")
+            for item in reply.ignored:
+                print(f"ignored: {item.kind} {item.namespace}/{item.name}: {item.reason}")
         return 0
 
     return run_client(args, body)

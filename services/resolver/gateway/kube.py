@@ -35,6 +35,7 @@ from waygate.core.kube import KubeAPI, KubeError
 from waygate.resolver.gateway.spec import CONTROLLER_NAME, JSON
 from waygate.resolver.gateway.status import StatusBoard
 from waygate.resolver.gateway.translate import STATUS_KINDS, Objects, ObjectStatus, translate
+from waygate.resolver.ingress_nginx.config import IngressNginx
 from waygate.resolver.model import Service
 from waygate.resolver.store import Store
 
@@ -109,9 +110,11 @@ class GatewayObjects:
         *,
         addresses: tuple[str, ...] = (),
         sharing: str = "share",
+        ingress_nginx: IngressNginx | None = None,
     ) -> None:
         self.store = store
         self.board = board
+        self.ingress_nginx = ingress_nginx
         # Host ownership is decided in the store; objects that lose a host say so.
         board.follow(store)
         self.addresses = addresses
@@ -161,7 +164,12 @@ class GatewayObjects:
         self._scheduled = False
         # Namespaces by name, as the translation reads them.
         self.objects.namespaces = {key[1]: obj for key, obj in self._namespaces.items()}
-        translation = translate(self.objects, addresses=self.addresses, sharing=self.sharing)
+        translation = translate(
+            self.objects,
+            addresses=self.addresses,
+            sharing=self.sharing,
+            ingress_nginx=self.ingress_nginx,
+        )
         self.translations += 1
         for rejected in translation.rejected:
             line = f"{rejected.kind} {rejected.namespace}/{rejected.name}: {rejected.error}"
@@ -169,7 +177,7 @@ class GatewayObjects:
                 self._rejected.add(line)
                 log.warning("Gateway API object not served (its status says why): %s", line)
         self.store.replace_source(SOURCE, routes=translation.routes, claims=translation.claims)
-        self.board.replace(translation.statuses)
+        self.board.replace(translation.statuses, translation.ignored)
 
 
 def merged_status(kind: str, current: JSON, ours: JSON) -> JSON:

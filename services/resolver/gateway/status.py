@@ -39,7 +39,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from waygate.core.errors import excerpt
-from waygate.resolver.gateway.translate import ObjectStatus
+from waygate.resolver.gateway.translate import Ignored, ObjectStatus
 from waygate.resolver.model import ListenerState
 from waygate.resolver.status import HOST_ALREADY_CLAIMED, HostConflict
 
@@ -127,9 +127,12 @@ class StatusBoard:
         # Objects whose routes lose their host to an older claim (the store's view).
         self._host_conflicts: dict[StatusKey, HostConflict] = {}
         self._following: Store | None = None
+        self.ignored: tuple[Ignored, ...] = ()
 
-    def replace(self, statuses: Iterable[ObjectStatus]) -> None:
+    def replace(self, statuses: Iterable[ObjectStatus], ignored: Iterable[Ignored] = ()) -> None:
         self._translated = list(statuses)
+        # Objects of other classes (no status written): ListGateways lists them.
+        self.ignored = tuple(ignored)
         self._publish()
 
     def report_listeners(self, stream: object, proxy: str, states: Iterable[ListenerState]) -> None:

@@ -45,7 +45,10 @@ Semantics (the Gateway API specification v1.x and its conformance suite):
 - Ingress: IngressClass with controller `waygate.io/ingress-controller`
   (or no class and a default class of ours); Prefix and ImplementationSpecific
   are PathPrefix, Exact is Exact; hosts in `tls` are also served on 443 with
-  the Secret's certificate.
+  the Secret's certificate. With `ingress_nginx`, also the Ingresses
+  ingress-nginx would serve, their annotations as route fields
+  (waygate.resolver.ingress_nginx); one refused is refused alone. An Ingress of
+  Waygate's class with annotations of that prefix is judged the same way.
 """
 
 from __future__ import annotations
@@ -69,6 +72,8 @@ from waygate.resolver.gateway.spec import (
     RouteSpec,
     SpecError,
 )
+from waygate.resolver.ingress_nginx import annotations as nginx_annotations
+from waygate.resolver.ingress_nginx import config as nginx_compat
 from waygate.resolver.model import (
     HostClaim,
     InsecureEdgePolicy,
@@ -170,11 +175,53 @@ class Rejected:
     error: SpecError
 
 
+@dataclass(frozen=True)
+class Ignored:
+    """An object of a class that is not Waygate's (a Gateway, an Ingress, a route
+    attached to no Gateway of Waygate's): not served, no status written (another
+    controller owns it); listed by `waygate gateways` and `waygate check`."""
+
+    kind: str
+    namespace: str
+    name: str
+    reason: str
+
+
+# Objects already logged as ignored, with the reason: once per process and reason
+# (up to this many remembered; past it, each is logged once more).
+MAX_IGNORED_LOGGED = 10_000
+_IGNORED_LOGGED: set[tuple[str, Key, str]] = set()
+
+
+def _ignored_reason(class_name: str, has_default: bool) -> str:
+    if class_name:
+        return (
+            f"its class {class_name!r} is not an IngressClass with controller {INGRESS_CONTROLLER}"
+        )
+    if has_default:
+        return "no ingressClassName"  # unreachable: the default class applies
+    return (
+        "no ingressClassName and no IngressClass of controller "
+        f"{INGRESS_CONTROLLER} is marked ingressclass.kubernetes.io/is-default-class"
+    )
+
+
+def _log_ignored_once(item: Ignored) -> None:
+    seen = (item.kind, (item.namespace, item.name), item.reason)
+    if seen in _IGNORED_LOGGED:
+        return
+    if len(_IGNORED_LOGGED) >= MAX_IGNORED_LOGGED:
+        _IGNORED_LOGGED.clear()  # bounded: objects deleted long ago are forgotten
+    _IGNORED_LOGGED.add(seen)
+    log.info("%s %s/%s ignored: %s", item.kind, item.namespace, item.name, item.reason)
+
+
 @dataclass
 class Translation:
     routes: list[Route] = field(default_factory=list)
     statuses: list[ObjectStatus] = field(default_factory=list)
     rejected: list[Rejected] = field(default_factory=list)
+    ignored: list[Ignored] = field(default_factory=list)
     # Usable listeners' hostnames, each a claim on its host for the Gateway's
     # namespace (waygate.resolver.status), routes attached or not.
     claims: list[tuple[str, HostClaim]] = field(default_factory=list)
@@ -299,8 +346,15 @@ def _selector_matches(selector: JSON, found: Mapping[str, str]) -> bool:
 
 
 class _Translator:
-    def __init__(self, objects: Objects, addresses: tuple[str, ...], sharing: str) -> None:
+    def __init__(
+        self,
+        objects: Objects,
+        addresses: tuple[str, ...],
+        sharing: str,
+        ingress_nginx: nginx_compat.IngressNginx | None = None,
+    ) -> None:
         self.objects = objects
+        self.ingress_nginx = ingress_nginx
         self.addresses = addresses
         if sharing not in LISTENER_SHARING:
             raise ValueError(f"listener sharing {sharing!r} is not one of {LISTENER_SHARING}")
@@ -356,6 +410,11 @@ class _Translator:
             return None, f"Secret {namespace}/{name}: {exc}"
         return tls, ""
 
+    def ignore(self, kind: str, key: Key, reason: str) -> None:
+        item = Ignored(kind, key[0], key[1], reason)
+        self.out.ignored.append(item)
+        _log_ignored_once(item)
+
     # ------------------------------------------------------------ classes and gateways
 
     def classes(self) -> set[str]:
@@ -394,6 +453,12 @@ class _Translator:
         for key, obj in sorted(self.objects.of("Gateway").items()):
             class_name = str((obj.get("spec") or {}).get("gatewayClassName", ""))
             if class_name not in ours:
+                self.ignore(
+                    "Gateway",
+                    key,
+                    f"its gatewayClassName {class_name!r} is not a GatewayClass of "
+                    f"controller {CONTROLLER_NAME}",
+                )
                 continue
             generation = specs.generation(obj)
             try:
@@ -672,6 +737,14 @@ class _Translator:
         )
 
     def route(self, kind: str, key: Key, obj: JSON, route: RouteSpec, generation: int) -> None:
+        if not any(self.ours(parent) for parent in route.parents):
+            parents = ", ".join(f"{p.namespace}/{p.name}" for p in route.parents) or "none"
+            self.ignore(
+                kind,
+                key,
+                f"none of its parentRefs ({parents}) is a Gateway of a GatewayClass of "
+                f"controller {CONTROLLER_NAME}",
+            )
         backends, refs_problem = self.backends(kind, key, route)
         parents_status = []
         made: dict[str, Route] = {}
@@ -1086,18 +1159,20 @@ class _Translator:
             for key, obj in self.objects.of("IngressClass").items()
             if (obj.get("spec") or {}).get("controller") == INGRESS_CONTROLLER
         }
-        default = next(
-            (
-                name
-                for name, obj in sorted(classes.items())
-                if ((obj.get("metadata") or {}).get("annotations") or {}).get(
-                    "ingressclass.kubernetes.io/is-default-class"
-                )
-                == "true"
-            ),
-            None,
-        )
+        nginx = nginx_compat.classes(self.objects.of("IngressClass"), self.ingress_nginx)
+        default = nginx_compat.default_class({**classes, **nginx})
+        self.nginx_canaries: list[tuple[nginx_annotations.Plan, list[Route]]] = []
+        self.nginx_routes: set[str] = set()
         for key, obj in sorted(self.objects.of("Ingress").items()):
+            if self.ingress_nginx is not None and (nginx_compat.class_of(obj) or default) in nginx:
+                self.nginx_ingress(key, obj, self.ingress_nginx)
+                continue
+            compat = self.ingress_nginx or nginx_compat.IngressNginx()
+            if (nginx_compat.class_of(obj) or default) in classes and compat.annotated(obj):
+                # Waygate's own class with ingress-nginx annotations: judged as the
+                # nginx class's are (honoured, reported or refused), never ignored.
+                self.nginx_ingress(key, obj, compat)
+                continue
             try:
                 ingress = specs.ingress(obj)
             except SpecError as exc:
@@ -1107,23 +1182,50 @@ class _Translator:
                 continue
             class_name = ingress.class_name or default
             if class_name not in classes:
+                self.ignore(
+                    "Ingress", key, _ignored_reason(ingress.class_name, default is not None)
+                )
                 continue
             self.ingress(key, obj, ingress)
+        if self.nginx_canaries:
+            self.out.routes = nginx_annotations.merge_canaries(self.out.routes, self.nginx_canaries)
+        if self.nginx_routes:
+            self.out.routes = nginx_annotations.regex_hosts(self.out.routes, self.nginx_routes)
 
-    def ingress(self, key: Key, obj: JSON, ingress: specs.IngressSpec) -> None:
+    def nginx_ingress(self, key: Key, obj: JSON, settings: nginx_compat.IngressNginx) -> None:
+        """An Ingress of the ingress-nginx class: its annotations planned, its rules
+        translated as every Ingress's, then shaped (or refused alone)."""
+        plan, ingress = nginx_annotations.judge(obj, settings, self.objects.of("ConfigMap"))
+        if ingress is None:
+            self.out.routes.append(nginx_annotations.placeholder(key, obj, plan))
+            return
+        self.ingress(key, obj, ingress, plan, settings.default_certificate)
+
+    def ingress(
+        self,
+        key: Key,
+        obj: JSON,
+        ingress: specs.IngressSpec,
+        plan: nginx_annotations.Plan | None = None,
+        default_certificate: Key | None = None,
+    ) -> None:
         namespace = key[0]
         certificates: dict[str, RouteTLS] = {}
         for hosts, secret in ingress.tls:
+            where = (namespace, secret)
             if not secret:
-                continue
-            tls, problem = self.secret_tls(namespace, secret, f"Ingress {namespace}/{key[1]}")
+                if default_certificate is None:
+                    continue
+                # ingress-nginx's --default-ssl-certificate for TLS hosts without a Secret.
+                where = default_certificate
+            tls, problem = self.secret_tls(*where, f"Ingress {namespace}/{key[1]}")
             if tls is None:
                 log.warning("Ingress %s/%s: %s", namespace, key[1], problem)
                 continue
             for host in hosts or tuple(rule.host for rule in ingress.rules):
                 certificates.setdefault(host, tls)
         index = 0
-        made: list[Route] = []
+        routes: list[Route] = []
         paths: list[tuple[str, specs.IngressPath]] = [
             (rule.host, path) for rule in ingress.rules for path in rule.paths
         ]
@@ -1153,7 +1255,7 @@ class _Translator:
             for port, tls in ((80, None), (443, certificates.get(host))):
                 if port == 443 and tls is None:
                     continue
-                made.append(
+                routes.append(
                     Route(
                         namespace=namespace,
                         name=f"ingress:{key[1]}:p{index}:{port}:{host or '*'}",
@@ -1169,11 +1271,22 @@ class _Translator:
                     )
                 )
             index += 1
-        too_many = self.over_budget(made)
+        if plan is not None:
+            routes = nginx_annotations.shape(plan, routes, certificates)
+            if not routes and plan.refusal_reason:
+                routes = [nginx_annotations.placeholder(key, obj, plan)]
+            elif plan.canary and not plan.refusal_reason:
+                # Folded into its main Ingress's routes once every Ingress is translated.
+                self.nginx_canaries.append((plan, routes))
+                routes = []
+        too_many = self.over_budget(routes)
         if too_many is not None:
             self.reject("Ingress", key, obj, SpecError(("spec",), too_many))
             return
-        self.out.routes.extend(made)
+        if plan is not None:
+            self.nginx_routes.update(r.name for r in routes)
+        self.out.routes.extend(routes)
+        served = plan is None or not plan.refusal_reason
         self.out.statuses.append(
             ObjectStatus(
                 "Ingress",
@@ -1184,7 +1297,7 @@ class _Translator:
                     "loadBalancer": {
                         "ingress": [
                             {"ip": a} if _address_type(a) == "IPAddress" else {"hostname": a}
-                            for a in self.addresses
+                            for a in (self.addresses if served else ())
                         ]
                     }
                 },
@@ -1249,13 +1362,18 @@ def _scaled(backends: list[RouteBackend]) -> list[RouteBackend]:
 
 
 def translate(
-    objects: Objects, *, addresses: tuple[str, ...] = (), sharing: str = "share"
+    objects: Objects,
+    *,
+    addresses: tuple[str, ...] = (),
+    sharing: str = "share",
+    ingress_nginx: nginx_compat.IngressNginx | None = None,
 ) -> Translation:
     """The routes and statuses `objects` amount to (see the module docstring).
 
     `sharing` (LISTENER_SHARING): how listeners of different Gateways on one port,
-    which a proxy serving every Gateway merges, are judged."""
-    return _Translator(objects, addresses, sharing).run()
+    which a proxy serving every Gateway merges, are judged. `ingress_nginx`: also
+    serve the Ingresses ingress-nginx would (waygate.resolver.ingress_nginx)."""
+    return _Translator(objects, addresses, sharing, ingress_nginx).run()
 
 
 def is_gateway_object(kind: str, api_version: str) -> bool:

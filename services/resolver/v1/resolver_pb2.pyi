@@ -379,18 +379,20 @@ class RouteStatus(_message.Message):
     def __init__(self, conditions: _Optional[_Iterable[_Union[RouteCondition, _Mapping]]] = ...) -> None: ...
 
 class RouteSourceState(_message.Message):
-    __slots__ = ("source", "valid", "last_error", "loaded_version", "loaded_at")
+    __slots__ = ("source", "valid", "last_error", "loaded_version", "loaded_at", "error_since")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     VALID_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     LOADED_VERSION_FIELD_NUMBER: _ClassVar[int]
     LOADED_AT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_SINCE_FIELD_NUMBER: _ClassVar[int]
     source: str
     valid: bool
     last_error: str
     loaded_version: int
     loaded_at: _timestamp_pb2.Timestamp
-    def __init__(self, source: _Optional[str] = ..., valid: _Optional[bool] = ..., last_error: _Optional[str] = ..., loaded_version: _Optional[int] = ..., loaded_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    error_since: _timestamp_pb2.Timestamp
+    def __init__(self, source: _Optional[str] = ..., valid: _Optional[bool] = ..., last_error: _Optional[str] = ..., loaded_version: _Optional[int] = ..., loaded_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., error_since: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class RouteRef(_message.Message):
     __slots__ = ("namespace", "name")
@@ -605,7 +607,7 @@ class Changes(_message.Message):
     def __init__(self, from_version: _Optional[int] = ..., changes: _Optional[_Iterable[_Union[Change, _Mapping]]] = ..., coalesced: _Optional[bool] = ...) -> None: ...
 
 class WatchEvent(_message.Message):
-    __slots__ = ("version", "last_sync", "source", "snapshot", "changes", "epoch", "sources")
+    __slots__ = ("version", "last_sync", "source", "snapshot", "changes", "epoch", "sources", "route_keys_withheld")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LAST_SYNC_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
@@ -613,6 +615,7 @@ class WatchEvent(_message.Message):
     CHANGES_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_KEYS_WITHHELD_FIELD_NUMBER: _ClassVar[int]
     version: int
     last_sync: _timestamp_pb2.Timestamp
     source: str
@@ -620,7 +623,8 @@ class WatchEvent(_message.Message):
     changes: Changes
     epoch: int
     sources: _containers.RepeatedCompositeFieldContainer[RouteSourceState]
-    def __init__(self, version: _Optional[int] = ..., last_sync: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., source: _Optional[str] = ..., snapshot: _Optional[_Union[Snapshot, _Mapping]] = ..., changes: _Optional[_Union[Changes, _Mapping]] = ..., epoch: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[RouteSourceState, _Mapping]]] = ...) -> None: ...
+    route_keys_withheld: str
+    def __init__(self, version: _Optional[int] = ..., last_sync: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., source: _Optional[str] = ..., snapshot: _Optional[_Union[Snapshot, _Mapping]] = ..., changes: _Optional[_Union[Changes, _Mapping]] = ..., epoch: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[RouteSourceState, _Mapping]]] = ..., route_keys_withheld: _Optional[str] = ...) -> None: ...
 
 class ListRoutesRequest(_message.Message):
     __slots__ = ("namespace", "page_size", "page_token")
@@ -743,10 +747,26 @@ class ListGatewaysRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., kinds: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListGatewaysResponse(_message.Message):
-    __slots__ = ("objects",)
+    __slots__ = ("objects", "sources", "ignored")
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    IGNORED_FIELD_NUMBER: _ClassVar[int]
     objects: _containers.RepeatedCompositeFieldContainer[GatewayObjectStatus]
-    def __init__(self, objects: _Optional[_Iterable[_Union[GatewayObjectStatus, _Mapping]]] = ...) -> None: ...
+    sources: _containers.RepeatedCompositeFieldContainer[RouteSourceState]
+    ignored: _containers.RepeatedCompositeFieldContainer[IgnoredObject]
+    def __init__(self, objects: _Optional[_Iterable[_Union[GatewayObjectStatus, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[RouteSourceState, _Mapping]]] = ..., ignored: _Optional[_Iterable[_Union[IgnoredObject, _Mapping]]] = ...) -> None: ...
+
+class IgnoredObject(_message.Message):
+    __slots__ = ("kind", "namespace", "name", "reason")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    namespace: str
+    name: str
+    reason: str
+    def __init__(self, kind: _Optional[str] = ..., namespace: _Optional[str] = ..., name: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class GatewayListenerReport(_message.Message):
     __slots__ = ("proxy", "listeners")

@@ -463,3 +463,32 @@ async def test_freshness_is_that_of_the_stalest_kind(kubeapi):
         assert running.store.last_sync()[1] < before
         kubeapi.create(endpoint_slice("s1", "moved", [endpoint("10.0.0.1")]))
         await until(lambda: running.store.last_sync()[1] >= before, "every kind confirmed")
+
+
+async def test_a_failing_api_server_is_published_as_the_source_state(kubeapi):
+    """Issue 29 finding 1: the Kubernetes source's own state (valid with its version, or
+    the failing list/watch and since when) is in the store for ListRoutes, Watch, check,
+    the status page and the metric, not only in a log line."""
+
+    def state():
+        (found,) = [s for s in running.store.source_states() if s.source == SOURCE]
+        return found
+
+    async with Running(kubeapi) as running:
+        await until(lambda: state().valid, "the source published as valid")
+        assert state().loaded_version > 0 and state().loaded_at is not None
+        assert state().error_since is None
+        before = datetime.now(UTC)
+        kubeapi.unavailable = True
+        kubeapi.drop_watches()
+        await until(lambda: not state().valid, "the source published as failing")
+        assert "currently unable to handle the request" in state().error
+        assert state().error_since is not None and state().error_since >= before
+        first_since = state().error_since
+        await asyncio.sleep(0.3)  # more failed retries keep the first failure's time
+        assert state().error_since == first_since
+        kubeapi.unavailable = False
+        await kubeapi.wait_watchers(3)
+        kubeapi.bookmark()
+        await until(lambda: state().valid, "the source valid again")
+        assert state().error == "" and state().error_since is None

@@ -19,12 +19,13 @@ from tests.support.poll import until
 from waygate.core.grpcclient import ClientTLS
 from waygate.core.grpcserver import GrpcServer, ServiceRegistration
 from waygate.core.tls import server_context
+from waygate.tunnel import wire
 from waygate.tunnel.agent import Agent
 from waygate.tunnel.agent_grpc import GrpcConnector
 from waygate.tunnel.allow import AllowList
 from waygate.tunnel.client import StaticPresence, TunnelClient
 from waygate.tunnel.datapath import DataListener
-from waygate.tunnel.relay import client_context
+from waygate.tunnel.relay import Link, client_context, open_link
 from waygate.tunnel.server import AgentTunnelServicer, Hub, TunnelServicer
 from waygate.tunnel.v1 import tunnel_pb2_grpc
 
@@ -118,6 +119,23 @@ class Tunnel:
             self.data = DataListener(self.hub, context, dialers=(DIALER,))
             self.data_port = await self.data.start("127.0.0.1", self.data_port)
             self.hub.data_address = f"127.0.0.1:{self.data_port}"
+
+    async def data_link(self, files: IdentityFiles | None = None) -> Link:
+        """A raw connection to the data port as `files` (the dialer's by default), the
+        replica's greeting read: what a test writes next is the client's first line."""
+        link = await open_link(
+            "127.0.0.1",
+            self.data_port,
+            ssl_context(files or self.dialer_files),
+            server_hostname="tunnel-server",
+            timeout=5.0,
+        )
+        try:
+            assert wire.parse_greeting(await link.read_line(5.0)) == self.hub.server_id
+        except BaseException:
+            link.abort()
+            raise
+        return link
 
     async def start_agent(
         self,

@@ -18,7 +18,14 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.integration.tunnel.harness import NODE, Tunnel, credentials, echo_server, http_backend
+from tests.integration.tunnel.harness import (
+    NODE,
+    Tunnel,
+    credentials,
+    echo_once,
+    echo_server,
+    http_backend,
+)
 from tests.integration.tunnel.test_front import front  # noqa: F401  (the fixture)
 from tests.support.poll import until
 from waygate.tunnel import mux
@@ -47,7 +54,7 @@ async def two_agents(tmp_path: Path) -> AsyncIterator[Tunnel]:
 def refusing_agent_refused(tunnel: Tunnel, port: int) -> bool:
     """Whether the hub remembers the refusing agent refusing 127.0.0.1:`port`."""
     (session,) = (s for s in tunnel.hub.sessions_all() if s.agent_id == tunnel.agents[1].agent_id)
-    return session.refused_lately(f"127.0.0.1:{port}")
+    return tunnel.hub.selection.refused_lately(session, f"127.0.0.1:{port}")
 
 
 async def echo_through(
@@ -130,7 +137,7 @@ async def test_an_agent_moving_off_the_replica_leaves_the_dials_to_the_others(
     server, port = await echo_server()
     async with server:
         assert await echo_through(tunnel, data_path=True, port=port, requests=5) == 5
-    assert not newest.refused_lately(f"127.0.0.1:{port}")  # never asked
+    assert not tunnel.hub.selection.refused_lately(newest, f"127.0.0.1:{port}")  # never asked
 
 
 async def test_a_refusal_every_agent_gives_is_final(tmp_path: Path) -> None:
@@ -186,5 +193,53 @@ async def test_a_serving_certificate_naming_the_node_does_not_register(tmp_path:
         assert tunnel.hub.agents(NODE) == []
         # The agent-role certificate for the same node registers.
         assert await connect_as_agent(tunnel, tunnel.agent_files) is None
+    finally:
+        await tunnel.close()
+
+
+async def test_an_agent_that_never_answers_a_dial_does_not_take_its_node_down(
+    tmp_path: Path,
+) -> None:
+    """Issue 31 finding 10: the newest agent of a node holds its stream and answers no
+    dial (0 of 600 dials got through in 30 s: each waited out the whole dial timeout on
+    it). Now the silent agent costs a dial its share of the timeout, the dial moves to
+    the other agent, and the silent one is put behind it: every dial succeeds, and the
+    later ones never reach it."""
+    tunnel = Tunnel(tmp_path)
+    await tunnel.start_server()
+    try:
+        await tunnel.start_agent()
+        silent = await tunnel.start_agent(park=False, data_connections=False)
+        await until(lambda: len(tunnel.hub.agents(NODE)) == 2, "both agents held")
+        asked: list[str] = []
+
+        async def never_answer(request: pb.DialRequest) -> None:
+            asked.append(request.address)
+            await asyncio.Event().wait()  # holds the stream, answers nothing
+
+        for stream in silent.streams.values():
+            stream._dial = never_answer  # type: ignore[method-assign]
+        (silent_session,) = (s for s in tunnel.hub.sessions_all() if s.agent_id == silent.agent_id)
+        client = tunnel.client()
+        server, port = await echo_server()
+
+        async def echo(index: int) -> bool:
+            # 2 s: the silent agent's share is (2 s - 1 s of answer slack) / 2.
+            stream = await client.dial(NODE, port, timeout=2.0)
+            try:
+                payload = b"ping %d" % index
+                return await echo_once(stream, payload) == payload
+            finally:
+                await stream.aclose()
+
+        async with server:
+            first = await asyncio.gather(*(echo(i) for i in range(20)))
+            assert first == [True] * 20  # each moved on from the silent agent
+            assert asked, "the silent agent was asked first (it is the newest)"
+            assert tunnel.hub.selection.silent_lately(silent_session)
+            before = len(asked)
+            later = await asyncio.gather(*(echo(i) for i in range(20, 60)))
+            assert later == [True] * 40
+            assert len(asked) == before  # behind the other agent: not asked again
     finally:
         await tunnel.close()

@@ -29,6 +29,7 @@ from tests.integration.tunnel.harness import (
 from tests.integration.tunnel.test_parked_dials import packets_to_agent
 from tests.support.pki import LocalCA
 from tests.support.poll import until
+from waygate.tunnel import wire
 from waygate.tunnel.client import DataStream, DialFailed, StaticPresence, TunnelClient
 from waygate.tunnel.early import EARLY_LIMIT
 from waygate.tunnel.relay import Link, LinkClosed, LinkListener, Stream, open_link
@@ -97,16 +98,9 @@ async def test_early_data_over_the_limit_is_refused_before_anything_is_sent(
     with pytest.raises(ValueError, match=f"at most {EARLY_LIMIT} bytes"):
         await client.dial(NODE, 9, early=b"x" * (EARLY_LIMIT + 1))
     # A dialer that claims more on the wire is refused by the replica, as INVALID.
-    link = await open_link(
-        "127.0.0.1",
-        tunnel.data_port,
-        ssl_context(tunnel.dialer_files),
-        server_hostname="tunnel-server",
-        timeout=5.0,
-    )
+    link = await tunnel.data_link()
     try:
-        assert (await link.read_line(5.0)).startswith(b"WAYGATE ")
-        link.write_line("DIAL", NODE, "-", "9", "1000", "-", str(EARLY_LIMIT + 1), "once")
+        link.write_line(wire.dial(NODE, "", 9, 1000, early_length=EARLY_LIMIT + 1))
         answer = (await link.read_line(5.0)).decode()
         assert answer.startswith("REFUSED INVALID early data must be 1..16384 bytes"), answer
     finally:
@@ -131,7 +125,7 @@ async def test_an_agent_that_refuses_passes_the_same_bytes_to_one_that_serves(
             stream = await tunnel.client().dial(NODE, port, early=REQUEST)
             assert (await response(stream)).startswith(b"HTTP/1.1 200 OK")
             await stream.aclose()
-        assert session.refused_lately(f"127.0.0.1:{port}")  # it was asked first, and refused
+        assert tunnel.hub.selection.refused_lately(session, f"127.0.0.1:{port}")  # asked first
         assert heads == [REQUEST]
     finally:
         await tunnel.close()
@@ -187,12 +181,12 @@ def agents_lose_their_first_answer(monkeypatch: pytest.MonkeyPatch) -> list[int]
     lost: list[int] = []
     write_line = Link.write_line
 
-    def answer_or_break(link: Link, *words: str) -> None:
-        if words[0] == "OK" and len(words) == 2 and not lost:  # the agent's OK <id>
+    def answer_or_break(link: Link, line: bytes) -> None:
+        if line.startswith(b"OK ") and line.count(b" ") == 1 and not lost:  # the agent's OK <id>
             lost.append(1)
             link.abort()
             return
-        write_line(link, *words)
+        write_line(link, line)
 
     monkeypatch.setattr(Link, "write_line", answer_or_break)
     return lost
@@ -337,13 +331,13 @@ async def test_a_replica_from_before_early_data_gets_the_bytes_after_its_answer(
     dial = type(listener)._dial
     refused: list[int] = []
 
-    async def as_before(self: Any, link: Link, words: list[str], *rest: Any) -> None:
-        if len(words) != 6:
-            refused.append(len(words))
-            link.write_line("REFUSED", "INVALID", "unknown preamble")
+    async def as_before(self: Any, link: Link, line: wire.Dial, *rest: Any) -> None:
+        if line.early_length:  # the eight-word DIAL line this replica does not know
+            refused.append(8)
+            link.write_line(wire.UNKNOWN_PREAMBLE_LINE)
             link.close()
             return
-        await dial(self, link, words, *rest)
+        await dial(self, link, line, *rest)
 
     monkeypatch.setattr(type(listener), "_dial", as_before)
     client = tunnel.client()

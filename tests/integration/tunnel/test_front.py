@@ -20,8 +20,8 @@ import pytest
 from tests.integration.tunnel.harness import NODE, Tunnel
 from tests.support.pki import LocalCA
 from tests.support.poll import until
-from waygate.tunnel import relay
-from waygate.tunnel.front import HIGH_WATER, Front, FrontSettings
+from waygate.core.flow import HIGH_WATER
+from waygate.tunnel.front import Front, FrontSettings
 
 RESPONSE_BYTES = 24 * 1024 * 1024
 
@@ -94,7 +94,7 @@ async def test_a_client_that_stops_reading_stalls_only_itself_with_bounded_buffe
         # the high-water mark at which it stops reading the agent)
         (tunnelled,) = tunnel.hub.sessions[NODE].data.values()
         assert tunnelled.stream is not None
-        assert tunnelled.stream.buffered <= 2 * relay.HIGH_WATER
+        assert tunnelled.stream.buffered <= 2 * HIGH_WATER
         # ...and meanwhile another request through the same agent goes through at once.
         other_reader, other_writer = await asyncio.open_connection("127.0.0.1", port, ssl=context)
         other_writer.write(f"GET /x HTTP/1.1\r\nHost: 127.0.0.1:{backend_port}\r\n\r\n".encode())

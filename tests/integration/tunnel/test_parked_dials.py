@@ -15,10 +15,11 @@ from typing import Any
 
 import pytest
 
-from tests.integration.tunnel.harness import NODE, Tunnel, echo_once, echo_server, ssl_context
+from tests.integration.tunnel.harness import NODE, Tunnel, echo_once, echo_server
 from tests.support.poll import until
+from waygate.tunnel import wire
 from waygate.tunnel.client import DataStream, DialFailed
-from waygate.tunnel.relay import LinkClosed, open_link
+from waygate.tunnel.relay import LinkClosed
 from waygate.tunnel.server import AgentSession
 from waygate.tunnel.v1 import tunnel_pb2 as pb
 
@@ -109,9 +110,9 @@ async def test_parked_connections_that_go_as_the_dial_arrives_cost_only_a_retry(
     first, second = session.parked[0][0], session.parked[1][0]
     write_line = type(first).write_line
 
-    def dial_then_the_link_goes(link: Any, *words: str) -> None:
-        write_line(link, *words)
-        if words[0] == "DIAL" and link in (first, second):
+    def dial_then_the_link_goes(link: Any, line: bytes) -> None:
+        write_line(link, line)
+        if line.startswith(b"DIAL ") and link in (first, second):
             link.abort()  # the agent's close crossed the dial on the wire
 
     monkeypatch.setattr(type(first), "write_line", dial_then_the_link_goes)
@@ -133,16 +134,9 @@ async def test_a_park_key_works_only_for_the_node_it_was_issued_to(tunnel: Tunne
     other = tunnel.ca.write_files(
         tunnel.directory, dns=["edge-2"], prefix="other-", client_only=True
     )
-    link = await open_link(
-        "127.0.0.1",
-        tunnel.data_port,
-        ssl_context(other),
-        server_hostname="tunnel-server",
-        timeout=5.0,
-    )
+    link = await tunnel.data_link(other)
     try:
-        assert (await link.read_line(5.0)).startswith(b"WAYGATE ")
-        link.write_line("PARK", session.park_key)
+        link.write_line(wire.park(session.park_key))
         with pytest.raises(LinkClosed):
             await link.read_line(5.0)
         assert len(session.parked) == parked

@@ -36,8 +36,8 @@ from tests.integration.tunnel.harness import NODE, Tunnel, echo_server
 from tests.support.h2client import H2Client
 from tests.support.pki import LocalCA
 from tests.support.poll import until
+from waygate.core.flow import HIGH_WATER
 from waygate.core.tls import server_context
-from waygate.proxy.passthrough import HIGH_WATER
 from waygate.proxy.upstream import ConnectError, Dialer
 from waygate.proxy.upstream_tls import UpstreamTLS
 from waygate.resolver.model import Mirror, RouteFilters

@@ -150,6 +150,8 @@ class Conformance:
     port: int = 0
     https_port: int = 0
     applied: int = 0
+    # More `waygate resolver serve` flags (--ingress-nginx ...).
+    resolver_args: tuple[str, ...] = ()
 
     async def start(self, *proxy_args: str) -> Conformance:
         for service in base_services():
@@ -176,6 +178,7 @@ class Conformance:
                 "100ms",
                 "--gateway-addresses",
                 "127.0.0.1",
+                *self.resolver_args,
             ]
         )
         return await self.start_proxy(*proxy_args)

@@ -66,3 +66,58 @@ def test_the_page_is_one_self_contained_file():
     # Nothing from elsewhere: no external script, style sheet, font or image.
     for marker in ("http://", "https://", "src=", "<link", "@import", "url("):
         assert marker not in html, marker
+
+
+async def test_the_document_is_data_with_a_schema_numbers_and_rfc3339_times():
+    """Issue 29 deliverable 5: docs/status-json.md's types."""
+    import re
+
+    from waygate.core.statuspage import SCHEMA, Traffic, time_cell
+
+    page = StatusPage("proxy")
+    page.add("t", lambda: [Section("T", ["when"], [[time_cell(NOW, "ok")], [time_cell(None)]])])
+    totals = Traffic(requests=10, errors_5xx=2, unrouted=1)
+    page.set_traffic(lambda: totals)
+    document = await page.document()
+    assert document["schema"] == SCHEMA == "waygate.status/v1"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", document["generated"])
+    assert document["summary"] == {
+        "requests": 10,
+        "errors_5xx": 2,
+        "unrouted": 1,
+        "per_second": None,  # no second seen yet
+    }
+    (section,) = document["services"][0]["sections"]
+    assert section["rows"] == [[{"time": "2026-11-26T12:00:00Z", "state": "ok"}], [""]]
+    # A page without traffic has no summary at all.
+    assert "summary" not in await StatusPage("certs").document()
+
+
+def test_requests_per_second_are_measured_over_the_last_minute():
+    from waygate.core.statuspage import RequestRate
+
+    now = [0.0]
+    rate = RequestRate(lambda: now[0])
+    assert rate.observe(0) is None
+    now[0] = 0.5
+    assert rate.observe(5) is None  # under a second seen
+    now[0] = 2.0
+    assert rate.observe(20) == 10.0
+    for second in range(3, 200):
+        now[0] = float(second)
+        value = rate.observe(20 + (second - 2) * 3)
+    assert value == 3.0  # the first burst left the window
+    now[0] = 201.0
+    assert rate.observe(4) is None  # counters started over (a restart): measured anew
+
+
+def test_gathered_summaries_add_up():
+    from waygate.core.statuspage import _added
+
+    total = _added(
+        [
+            {"requests": 5, "errors_5xx": 1, "unrouted": 0, "per_second": 1.5},
+            {"requests": 7, "errors_5xx": 0, "unrouted": 3, "per_second": None},
+        ]
+    )
+    assert total == {"requests": 12, "errors_5xx": 1, "unrouted": 3, "per_second": 1.5}

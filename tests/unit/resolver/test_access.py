@@ -120,3 +120,17 @@ def test_listener_reports_come_from_route_readers_only() -> None:
     with pytest.raises(PermissionDenied) as caught:
         access.check_listener_reporter((SA + "user",))
     assert "ReportListeners" in str(caught.value) and "--route-readers" in str(caught.value)
+
+
+def test_the_reason_route_keys_are_withheld_is_named() -> None:
+    """Issue 29 finding 9: the Watch client hears why it gets no keys."""
+    proxy = "spiffe://waygate.local/ns/local/sa/proxy"
+    readers = WriteAccess(route_readers=(proxy,), authenticated=True)
+    assert readers.route_keys_withheld((proxy,)) == ""
+    assert (
+        readers.route_keys_withheld(("spiffe://waygate.local/ns/local/sa/user",))
+        == "identity 'spiffe://waygate.local/ns/local/sa/user' is not in --route-readers"
+    )
+    assert readers.route_keys_withheld(()) == "the client certificate names no identity"
+    plaintext = WriteAccess(route_readers=(proxy,), authenticated=False)
+    assert plaintext.route_keys_withheld((proxy,)) == "this connection to the resolver is not mTLS"

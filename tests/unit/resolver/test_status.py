@@ -201,3 +201,24 @@ def test_a_status_passed_in_by_a_source_is_ignored() -> None:
     assert forged is not None
     store.upsert_route(route(name="second", status=forged.status), source=FILE)
     assert condition(store, "demo", "second", ADMITTED)[0] == FALSE
+
+
+def test_source_health_keeps_the_first_failure_time_until_a_load() -> None:
+    from waygate.resolver.status import SourceHealth
+
+    now = [datetime(2026, 1, 1, tzinfo=UTC)]
+    health = SourceHealth("manifests:/x", clock=lambda: now[0])
+    assert not health.state().valid  # never loaded
+    health.loaded(3)
+    assert health.state().valid and health.state().loaded_version == 3
+    now[0] += timedelta(seconds=5)
+    assert health.failed("/x:4: bad") is True
+    now[0] += timedelta(seconds=5)
+    assert health.failed("/x:4: bad") is False  # the same error: not new
+    assert health.failed("/x:9: worse") is True
+    state = health.state()
+    assert not state.valid and state.error == "/x:9: worse"
+    assert state.error_since == datetime(2026, 1, 1, 0, 0, 5, tzinfo=UTC)
+    assert state.loaded_version == 3  # the last good content is still served
+    health.loaded(4)
+    assert health.state().valid and health.state().error_since is None

@@ -1,0 +1,1337 @@
+"""One ingress-nginx Ingress -> a verdict per annotation, and route fields (or a refusal).
+
+Sans-IO and pure: `judge(obj, ...)` reads an Ingress of the nginx class, its
+annotations and the controller ConfigMap (`plan`) and its rules; `shape(plan,
+routes, ...)` turns the plain routes `gateway.translate` made from its rules into
+what ingress-nginx would serve, with the same route fields every other source
+uses (matches, filters, sticky, balance, timeouts, TLS): one route model and one
+routing engine. Across Ingresses, once all are shaped: `merge_canaries` folds
+canary Ingresses into their main Ingress's routes, and `regex_hosts` makes every
+Prefix path of a host with a regular-expression path one (ingress-nginx's rule).
+The resolver, `waygate ingress-nginx check` and the admission webhook all judge
+through `judge`.
+
+Invariants:
+- Every annotation of the prefix gets one Finding (honoured, honoured with a
+  difference, no-op, not honoured), from the catalogue's entry.
+- A value outside its grammar, a path outside its pathType (regular expressions
+  only with use-regex), a not-honoured
+  annotation that bears on access, or a snippet the ConfigMap does not allow or
+  that is not the literal subset, makes the Ingress refused: its routes are
+  kept with a refusal (Admitted False), their backends invalid, so nothing of
+  it is served even if a status were lost. Other Ingresses are untouched.
+- Snippets are parsed, never rendered: only more_set_headers,
+  more_clear_headers, add_header, proxy_set_header and return with literal
+  values (no `$`, no blocks, no comments) become header filters or a redirect.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from waygate.core import regex as linear_regex
+from waygate.resolver.gateway import spec as specs
+from waygate.resolver.ingress_nginx import catalogue
+from waygate.resolver.ingress_nginx.catalogue import CATALOGUE, SNIPPETS, Verdict
+from waygate.resolver.ingress_nginx.config import (
+    ControllerConfig,
+    IngressNginx,
+    config_from,
+    with_plain_paths,
+)
+from waygate.resolver.model import (
+    HSTS,
+    BalancePolicy,
+    ForwardedHeadersMode,
+    HeaderMatch,
+    HeaderModifier,
+    InsecureEdgePolicy,
+    PathMatchType,
+    PathModifierType,
+    Redirect,
+    Rewrite,
+    Route,
+    RouteFilters,
+    RouteMatch,
+    RouteTimeouts,
+    RouteTLS,
+    SameSite,
+    StickySessions,
+    TLSTermination,
+    ValueMatchType,
+)
+
+JSON = dict[str, Any]
+
+UNSUPPORTED = "UnsupportedAnnotation"
+INVALID = "InvalidAnnotation"
+INVALID_PATH = "InvalidPath"
+SNIPPETS_NOT_ALLOWED = "SnippetsNotAllowed"
+UNSUPPORTED_CONFIG = "UnsupportedConfiguration"
+
+_TRUE = frozenset(("true", "1", "t", "True", "TRUE", "T"))
+_PROTECTED = frozenset(
+    (
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "upgrade",
+        "keep-alive",
+        "te",
+        "trailer",
+    )
+)
+# ingress-nginx's IsValidRegex character set for regex paths (no quotes, `;`, `#`, spaces).
+_REGEX_PATH = re.compile(r"/[A-Za-z0-9\-._~/^$\[\](){}*+?|&=\\]*")
+_HEADER_NAME = re.compile(r"[A-Za-z0-9_.-]{1,256}")
+_HEADER_VALUE = re.compile(r"[\x20-\x7e]{0,4096}")
+# `P(/|$)(.*)` -> `X$2`, `P/(.*)` -> `X$1`, `P(.*)` -> `X$1`: a prefix replacement.
+_PREFIX_IDIOM = re.compile(r"(?P<prefix>/[A-Za-z0-9\-._~/]*?)(?P<sep>\(/\|\$\)|/)?\(\.[*+]\)")
+_REDIRECT_CODES = frozenset((301, 302, 303, 307, 308))
+
+
+@dataclass(frozen=True)
+class Finding:
+    annotation: str  # the short name ("rewrite-target")
+    value: str
+    verdict: Verdict
+    note: str = ""
+    # This finding alone keeps the Ingress from being served.
+    refuses: bool = False
+
+
+@dataclass
+class Plan:
+    """What one Ingress amounts to under ingress-nginx's rules."""
+
+    namespace: str
+    name: str
+    findings: list[Finding] = field(default_factory=list)
+    # "" when served; else a CamelCase reason and the message for people.
+    refusal_reason: str = ""
+    refusal: str = ""
+    canary: bool = False
+    canary_weight: int = 0
+    canary_total: int = 100
+    canary_header: str = ""
+    canary_header_value: str = ""
+    canary_header_pattern: str = ""
+    # Flattened rule paths, then the default backend: (pathType, path), by rule_index.
+    paths: list[tuple[str, str]] = field(default_factory=list)
+    use_regex: bool = False
+    rewrite_target: str = ""
+    upstream_vhost: str = ""
+    aliases: tuple[str, ...] = ()
+    app_root: str = ""
+    redirect: Redirect | None = None
+    ssl_redirect: bool = True
+    force_ssl_redirect: bool = False
+    redirect_code: int = 308
+    www_redirect: bool = False
+    request_set: list[tuple[str, str]] = field(default_factory=list)
+    request_remove: list[str] = field(default_factory=list)
+    response_set: list[tuple[str, str]] = field(default_factory=list)
+    response_add: list[tuple[str, str]] = field(default_factory=list)
+    response_remove: list[str] = field(default_factory=list)
+    sticky: StickySessions = field(default_factory=lambda: StickySessions(disable_cookies=True))
+    balance: BalancePolicy = BalancePolicy.ROUND_ROBIN
+    timeouts: RouteTimeouts = field(default_factory=RouteTimeouts)
+    upstream_protocol: str = ""
+    backend_tls: bool = False
+    ssl_passthrough: bool = False
+    forwarded: ForwardedHeadersMode = ForwardedHeadersMode.REPLACE
+    backend_server_name: str = ""
+    hsts: HSTS | None = None
+    # The controller ConfigMap's keys not honoured: "ConfigMap NS/NAME key K: not-honoured".
+    config_notes: list[str] = field(default_factory=list)
+
+    @property
+    def what(self) -> str:
+        return f"Ingress {self.namespace}/{self.name}"
+
+    def refuse(self, reason: str, message: str) -> None:
+        if not self.refusal_reason:
+            self.refusal_reason, self.refusal = reason, f"{self.what}: {message}"
+
+    def note(self, finding: Finding) -> None:
+        self.findings.append(finding)
+
+    @property
+    def exact(self) -> bool:
+        """Every annotation honoured exactly (or a no-op) and the Ingress served."""
+        return not self.refusal_reason and all(
+            f.verdict in (Verdict.HONOURED, Verdict.NOOP) for f in self.findings
+        )
+
+    def verdict_lines(self) -> tuple[str, ...]:
+        """What is not honoured exactly, for people: "annotation: verdict (why)"."""
+        return tuple(
+            f"{f.annotation}: {f.verdict.value}" + (f" ({f.note})" if f.note else "")
+            for f in self.findings
+            if f.verdict in (Verdict.DIFFERENT, Verdict.NOT_HONOURED)
+        ) + tuple(self.config_notes)
+
+
+def _flag(value: str) -> bool:
+    return value in _TRUE
+
+
+# ---------------------------------------------------------------- judge
+
+
+def judge(
+    obj: JSON, settings: IngressNginx, config_maps: Mapping[tuple[str, str], JSON]
+) -> tuple[Plan, specs.IngressSpec | None]:
+    """One Ingress of the class under the controller ConfigMap found in `config_maps`:
+    its plan (refused when its rules do not read) and its rules (None then). The one
+    judgement the resolver, the report and the admission webhook all give."""
+    config = config_from(config_maps.get(settings.configmap or ("", "")))
+    result = plan(obj, settings, config, lambda ns, n: config_maps.get((ns, n)))
+    rules: specs.IngressSpec | None = None
+    try:
+        # Paths are the plan's (checked against their pathType there).
+        rules = specs.ingress(with_plain_paths(obj))
+    except specs.SpecError as exc:
+        result.refuse(INVALID, f"{specs.dotted(exc.where)}: {exc.reason}")
+    refine(result)
+    return result, rules
+
+
+# ---------------------------------------------------------------- plan
+
+
+def plan(
+    obj: JSON,
+    settings: IngressNginx,
+    config: ControllerConfig,
+    config_maps: Callable[[str, str], JSON | None] = lambda ns, name: None,
+) -> Plan:
+    """The verdicts and route fields of one Ingress of the nginx class."""
+    metadata = obj.get("metadata") or {}
+    result = Plan(str(metadata.get("namespace") or ""), str(metadata.get("name") or ""))
+    problem = config.refusal()
+    if problem:
+        result.refuse(UNSUPPORTED_CONFIG, problem)
+    where = "/".join(settings.configmap or ())
+    result.config_notes = [
+        f"ConfigMap {where} key {key.key}: {key.verdict.value}"
+        for key in config.verdicts()
+        if key.verdict is Verdict.NOT_HONOURED
+    ]
+    raw = metadata.get("annotations") or {}
+    annotations: dict[str, str] = {}
+    if isinstance(raw, dict):
+        for key, value in raw.items():
+            short = settings.annotation(str(key))
+            if short is not None:
+                annotations[short] = "" if value is None else str(value)
+    # Defaults from the ConfigMap, as ingress-nginx's.
+    result.ssl_redirect = config.flag("ssl-redirect", True)
+    result.force_ssl_redirect = config.flag("force-ssl-redirect", False)
+    try:
+        code = int(config.text("http-redirect-code", "308"))
+    except ValueError:
+        code = 308
+    result.redirect_code = code if code in _REDIRECT_CODES else 308
+    # ingress-nginx's X-Forwarded-*: its own values (the client's replaced) unless
+    # use-forwarded-headers trusts the client's, compute-full-forwarded-for appends.
+    if config.flag("use-forwarded-headers", False):
+        result.forwarded = (
+            ForwardedHeadersMode.APPEND
+            if config.flag("compute-full-forwarded-for", False)
+            else ForwardedHeadersMode.IF_NONE
+        )
+    if config.text("load-balance", "round_robin") == "ewma":
+        result.balance = BalancePolicy.LEAST_CONN
+    if config.flag("hsts", True):
+        try:
+            max_age = float(config.text("hsts-max-age", "31536000"))
+        except ValueError:
+            max_age = 31536000.0
+        result.hsts = HSTS(
+            max_age,
+            include_subdomains=config.flag("hsts-include-subdomains", True),
+            preload=config.flag("hsts-preload", False),
+        )
+    timeouts = {
+        "connect": config.seconds("proxy-connect-timeout", 5),
+        "server": max(
+            config.seconds("proxy-read-timeout", 60), config.seconds("proxy-send-timeout", 60)
+        ),
+    }
+    valid: dict[str, str] = {}
+    for short in sorted(annotations):
+        value = annotations[short]
+        entry = CATALOGUE.get(short)
+        if entry is None:
+            access = catalogue.is_access(short)
+            result.note(
+                Finding(
+                    short,
+                    value,
+                    Verdict.NOT_HONOURED,
+                    "not an ingress-nginx annotation Waygate knows",
+                    refuses=access,
+                )
+            )
+            if access:
+                result.refuse(
+                    UNSUPPORTED,
+                    f"annotation {settings.prefix}/{short}: unknown, and it bears on access",
+                )
+            continue
+        invalid = entry.grammar(value.strip() if entry.grammar is not catalogue.any_text else value)
+        if invalid is not None:
+            result.note(Finding(short, value, Verdict.NOT_HONOURED, f"invalid: {invalid}", True))
+            result.refuse(INVALID, f"annotation {settings.prefix}/{short}: {invalid}")
+            continue
+        valid[short] = value.strip() if entry.grammar is not catalogue.any_text else value
+    _apply(result, valid, settings, config, config_maps, timeouts)
+    # nginx's read/send timeouts also bound an upgraded (WebSocket) connection's silence.
+    result.timeouts = RouteTimeouts(
+        connect=timeouts["connect"], server=timeouts["server"], tunnel=timeouts["server"]
+    )
+    _paths(result, obj)
+    return result
+
+
+def _apply(
+    result: Plan,
+    values: Mapping[str, str],
+    settings: IngressNginx,
+    config: ControllerConfig,
+    config_maps: Callable[[str, str], JSON | None],
+    timeouts: dict[str, float],
+) -> None:
+    prefix = settings.prefix
+
+    def found(short: str, verdict: Verdict | None = None, note: str | None = None) -> None:
+        entry = CATALOGUE[short]
+        verdict = verdict or entry.verdict
+        note = entry.note if note is None else note
+        refuses = verdict is Verdict.NOT_HONOURED and entry.access
+        result.note(Finding(short, values[short], verdict, note, refuses))
+        if refuses:
+            result.refuse(
+                UNSUPPORTED,
+                f"annotation {prefix}/{short}: not honoured ({note}), and it bears on access",
+            )
+
+    canary = _flag(values.get("canary", "false"))
+    for short, value in values.items():
+        if short in SNIPPETS:
+            _snippet(result, short, value, config, prefix)
+            continue
+        if short.startswith("canary") and short != "canary" and not canary:
+            found(short, Verdict.NOOP, 'ignored without canary: "true"')
+            continue
+        if _is_off(short, value):
+            found(short, Verdict.HONOURED, "ingress-nginx's default: nothing to do")
+            continue
+        primary = _DEPENDS.get(short)
+        if primary is not None and not any(_in_force(p, values) for p in primary):
+            found(short, Verdict.NOOP, f"without {' or '.join(primary)} it does nothing")
+            continue
+        handler = _HANDLERS.get(short)
+        if handler is None:
+            found(short)
+            continue
+        handler(result, short, value, values, found, timeouts, config_maps)
+    result.canary = canary
+
+
+# Values that ask for nothing (ingress-nginx's defaults for these): honoured exactly.
+_OFF: dict[str, str] = {
+    "enable-modsecurity": "false",
+    "enable-owasp-core-rules": "false",
+    "enable-cors": "false",
+    "enable-global-auth": "true",  # global auth itself is the ConfigMap's (refused there)
+    "service-upstream": "false",
+    "use-port-in-redirects": "false",
+    "session-cookie-secure": "false",
+    "session-cookie-conditional-samesite-none": "false",
+    "session-cookie-path": "/",
+    "satisfy": "all",
+    "auth-tls-pass-certificate-to-upstream": "false",
+    "limit-rps": "0",
+    "limit-rpm": "0",
+    "limit-connections": "0",
+    "limit-rate": "0",
+    "limit-rate-after": "0",
+    "upstream-hash-by-subset": "false",
+    "proxy-buffering": "off",
+    "enable-access-log": "true",
+}
+# Annotations that only modify another: without it in force they do nothing
+# (ingress-nginx reads them only with it).
+_EXTERNAL_AUTH = ("auth-url",)
+_DEPENDS: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("auth-realm", "auth-secret", "auth-secret-type"), ("auth-type",)),
+    **dict.fromkeys(
+        (
+            "auth-method",
+            "auth-signin",
+            "auth-signin-redirect-param",
+            "auth-response-headers",
+            "auth-request-redirect",
+            "auth-proxy-set-headers",
+            "auth-cache-key",
+            "auth-cache-duration",
+            "auth-always-set-cookie",
+            "auth-keepalive",
+            "auth-keepalive-share-vars",
+            "auth-keepalive-requests",
+            "auth-keepalive-timeout",
+        ),
+        _EXTERNAL_AUTH,
+    ),
+    **dict.fromkeys(
+        (
+            "auth-tls-verify-client",
+            "auth-tls-verify-depth",
+            "auth-tls-error-page",
+            "auth-tls-pass-certificate-to-upstream",
+            "auth-tls-match-cn",
+        ),
+        ("auth-tls-secret",),
+    ),
+    "limit-burst-multiplier": ("limit-rps", "limit-rpm"),
+    **dict.fromkeys(
+        ("limit-whitelist", "limit-allowlist"),
+        ("limit-rps", "limit-rpm", "limit-connections", "limit-rate"),
+    ),
+    **dict.fromkeys(
+        (
+            "cors-allow-origin",
+            "cors-allow-methods",
+            "cors-allow-headers",
+            "cors-expose-headers",
+            "cors-allow-credentials",
+            "cors-max-age",
+        ),
+        ("enable-cors",),
+    ),
+    **dict.fromkeys(
+        (
+            "session-cookie-path",
+            "session-cookie-domain",
+            "session-cookie-expires",
+            "session-cookie-max-age",
+            "session-cookie-secure",
+            "session-cookie-conditional-samesite-none",
+            "session-cookie-change-on-failure",
+            "affinity-mode",
+        ),
+        ("affinity",),
+    ),
+    **dict.fromkeys(("mirror-host", "mirror-request-body"), ("mirror-target",)),
+    **dict.fromkeys(
+        ("upstream-hash-by-subset", "upstream-hash-by-subset-size"), ("upstream-hash-by",)
+    ),
+}
+
+
+def _is_off(short: str, value: str) -> bool:
+    off = _OFF.get(short)
+    if off is None:
+        return False
+    if off in ("true", "false"):
+        return value in _TRUE if off == "true" else value not in _TRUE
+    return value == off
+
+
+def _in_force(short: str, values: Mapping[str, str]) -> bool:
+    value = values.get(short)
+    return value is not None and value != "" and not _is_off(short, value) and value != "false"
+
+
+Found = Callable[..., None]
+Handler = Callable[
+    [Plan, str, str, Mapping[str, str], Found, dict[str, float], Callable[[str, str], JSON | None]],
+    None,
+]
+_HANDLERS: dict[str, Handler] = {}
+
+
+def _handles(*names: str) -> Callable[[Handler], Handler]:
+    def register(handler: Handler) -> Handler:
+        for name in names:
+            _HANDLERS[name] = handler
+        return handler
+
+    return register
+
+
+@_handles("use-regex")
+def _use_regex(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    p.use_regex = _flag(value)
+    found("use-regex", None if p.use_regex else Verdict.HONOURED, None if p.use_regex else "")
+
+
+@_handles("rewrite-target")
+def _rewrite(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    p.rewrite_target = value
+    found("rewrite-target")  # refined per path in `shape` (capture groups)
+
+
+@_handles("app-root")
+def _app_root(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    p.app_root = value
+    found("app-root")
+
+
+@_handles("x-forwarded-prefix")
+def _forwarded_prefix(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    if not value:
+        found(short, Verdict.NOOP, "empty: no header, as ingress-nginx")
+        return
+    p.request_set.append(("X-Forwarded-Prefix", value))
+    found(short)
+
+
+@_handles("preserve-trailing-slash")
+def _trailing(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    if _flag(value):
+        found("preserve-trailing-slash", Verdict.HONOURED, "")
+    else:
+        found("preserve-trailing-slash", Verdict.NOT_HONOURED)
+
+
+@_handles("server-alias")
+def _alias(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    p.aliases = tuple(dict.fromkeys(h.strip().lower() for h in value.split(",") if h.strip()))
+    found("server-alias")
+
+
+@_handles("upstream-vhost")
+def _vhost(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    p.upstream_vhost = value
+    found("upstream-vhost")
+
+
+@_handles("permanent-redirect", "temporal-redirect")
+def _redirect(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    if short == "permanent-redirect" and values.get("temporal-redirect"):
+        found(short, Verdict.NOOP, "temporal-redirect takes precedence, as in ingress-nginx")
+        return
+    default = 302 if short == "temporal-redirect" else 301
+    code_text = values.get(short + "-code", str(default))
+    code = int(code_text) if code_text.isdigit() else default
+    if short == "temporal-redirect" and code > 307:
+        code = default  # ingress-nginx's range for temporal redirects ends at 307
+    if code == 300:
+        found(short, Verdict.NOT_HONOURED, "status 300 is not a redirect the proxy answers")
+        return
+    parts = urlsplit(value)
+    if parts.query or parts.fragment:
+        found(short, Verdict.NOT_HONOURED, "a target with a query string is not honoured yet")
+        return
+    p.redirect = Redirect(
+        scheme=parts.scheme,
+        hostname=parts.hostname or "",
+        port=parts.port or 0,
+        path_type=PathModifierType.FULL,
+        path=parts.path,
+        status=code,
+    )
+    found(short)
+
+
+@_handles("permanent-redirect-code", "temporal-redirect-code")
+def _redirect_code(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    if not values.get(short[: -len("-code")]):
+        found(short, Verdict.NOOP, "without its redirect annotation it does nothing")
+    else:
+        found(short)
+
+
+@_handles("ssl-redirect", "force-ssl-redirect")
+def _https_redirect(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    on = _flag(value)
+    if short == "ssl-redirect":
+        p.ssl_redirect = on
+    else:
+        p.force_ssl_redirect = on
+    # The proxy keeps a trailing slash: exact when off, or with preserve-trailing-slash.
+    exact = not on or _flag(values.get("preserve-trailing-slash", "false"))
+    found(short, Verdict.HONOURED if exact else None, "" if exact else None)
+
+
+@_handles("from-to-www-redirect")
+def _www(p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any) -> None:
+    p.www_redirect = _flag(value)
+    found("from-to-www-redirect")
+
+
+@_handles("affinity")
+def _affinity(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    same_site = {"None": SameSite.NONE, "Strict": SameSite.STRICT, "Lax": SameSite.LAX}.get(
+        values.get("session-cookie-samesite", ""), SameSite.LAX
+    )
+    p.sticky = StickySessions(
+        disable_cookies=False,
+        cookie_name=values.get("session-cookie-name", "") or "INGRESSCOOKIE",
+        same_site=same_site,
+    )
+    found("affinity")
+
+
+@_handles("session-cookie-name", "session-cookie-samesite")
+def _cookie(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    if values.get("affinity") != "cookie":
+        found(short, Verdict.NOOP, "without affinity: cookie it does nothing")
+    else:
+        found(short)
+
+
+@_handles("affinity-mode")
+def _affinity_mode(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    if value == "persistent":
+        found(short, Verdict.HONOURED, "the cookie's endpoint wins while it is live")
+    else:
+        found(short)
+
+
+@_handles("load-balance")
+def _balance(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    if value == "ewma":
+        p.balance = BalancePolicy.LEAST_CONN
+        found("load-balance", Verdict.DIFFERENT, "ewma becomes leastconn")
+    else:
+        p.balance = BalancePolicy.ROUND_ROBIN
+        found("load-balance", Verdict.HONOURED, "")
+
+
+@_handles("upstream-hash-by")
+def _hash(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    if value in ("$remote_addr", "$binary_remote_addr"):
+        p.balance = BalancePolicy.SOURCE
+        found(
+            "upstream-hash-by",
+            Verdict.DIFFERENT,
+            "the proxy's source balancing: a hash of the client address",
+        )
+    else:
+        found("upstream-hash-by", Verdict.NOT_HONOURED, "only $remote_addr is honoured")
+
+
+@_handles("backend-protocol")
+def _protocol(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    protocol = value.upper()
+    if protocol == "HTTP":
+        found("backend-protocol", Verdict.HONOURED, "")
+    elif protocol == "GRPC":
+        p.upstream_protocol = "grpc"
+        found("backend-protocol", Verdict.HONOURED, "")
+    elif protocol in ("HTTPS", "GRPCS"):
+        p.backend_tls = True
+        p.upstream_protocol = "grpc" if protocol == "GRPCS" else ""
+        p.backend_server_name = values.get("proxy-ssl-name", "")
+        found(
+            "backend-protocol",
+            Verdict.DIFFERENT,
+            "the backend's certificate is verified "
+            "against the system CAs (nginx's default does not verify)",
+        )
+    else:
+        found("backend-protocol", Verdict.NOT_HONOURED, f"{protocol} backends are not honoured")
+
+
+@_handles("proxy-connect-timeout", "proxy-read-timeout", "proxy-send-timeout")
+def _timeouts(
+    p: Plan,
+    short: str,
+    value: str,
+    values: Mapping[str, str],
+    found: Found,
+    timeouts: dict[str, float],
+    *_: Any,
+) -> None:
+    if short == "proxy-connect-timeout":
+        timeouts["connect"] = float(value)
+    else:
+        read = float(values.get("proxy-read-timeout", "0") or 0)
+        send = float(values.get("proxy-send-timeout", "0") or 0)
+        timeouts["server"] = max(read, send) or timeouts["server"]
+    found(short)
+
+
+@_handles("proxy-http-version")
+def _http_version(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    if value == "1.1":
+        found("proxy-http-version", Verdict.HONOURED, "")
+    else:
+        found("proxy-http-version", Verdict.NOT_HONOURED, "HTTP/1.0 to the backend")
+
+
+@_handles("proxy-ssl-name")
+def _ssl_name(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    if values.get("backend-protocol", "").upper() in ("HTTPS", "GRPCS"):
+        found("proxy-ssl-name")
+    else:
+        found("proxy-ssl-name", Verdict.NOOP, "without an HTTPS backend it does nothing")
+
+
+@_handles("enable-access-log")
+def _access_log(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    found(
+        "enable-access-log",
+        Verdict.HONOURED if _flag(value) else Verdict.NOT_HONOURED,
+        "" if _flag(value) else "the proxy logs every request",
+    )
+
+
+@_handles(
+    "canary",
+    "canary-weight",
+    "canary-weight-total",
+    "canary-by-header",
+    "canary-by-header-value",
+    "canary-by-header-pattern",
+)
+def _canary(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    if short == "canary":
+        found("canary", Verdict.HONOURED, "")
+    elif short in ("canary-weight", "canary-weight-total"):
+        number = int(value)
+        if number < 0 or (short == "canary-weight-total" and number == 0):
+            found(short, Verdict.NOT_HONOURED, "out of range")
+            return
+        if short == "canary-weight":
+            p.canary_weight = number
+        else:
+            p.canary_total = number
+        found(short, Verdict.HONOURED, "")
+    elif short == "canary-by-header":
+        p.canary_header = value
+        found(short, Verdict.HONOURED, "")
+    elif short == "canary-by-header-value":
+        if not values.get("canary-by-header"):
+            found(short, Verdict.NOOP, "without canary-by-header it does nothing")
+            return
+        p.canary_header_value = value
+        found(short, Verdict.HONOURED, "")
+    elif not values.get("canary-by-header") or values.get("canary-by-header-value"):
+        found(short, Verdict.NOOP, "without canary-by-header, or with -value, it does nothing")
+    else:
+        p.canary_header_pattern = value
+        found(
+            short,
+            Verdict.DIFFERENT,
+            "matched anywhere in the value, as the proxy's regular expressions read it "
+            "(RE2 syntax, not PCRE)",
+        )
+
+
+@_handles("ssl-passthrough")
+def _passthrough(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    p.ssl_passthrough = _flag(value)
+    found(short, Verdict.HONOURED, "" if not p.ssl_passthrough else None)
+
+
+@_handles("custom-headers")
+def _custom_headers(
+    p: Plan,
+    short: str,
+    value: str,
+    values: Mapping[str, str],
+    found: Found,
+    timeouts: dict[str, float],
+    config_maps: Callable[[str, str], JSON | None],
+) -> None:
+    # ingress-nginx answers 503 where its headers cannot be set (a missing ConfigMap,
+    # a bad header): the Ingress is not served rather than served without them.
+    namespace, _, name = value.rpartition("/")
+    obj = config_maps(namespace or p.namespace, name)
+    problem = ""
+    if obj is None:
+        problem = f"ConfigMap {namespace or p.namespace}/{name} not found"
+    else:
+        data = obj.get("data") or {}
+        for header, text in sorted(data.items()):
+            header, text = str(header), str(text)
+            if (
+                not _HEADER_NAME.fullmatch(header)
+                or header.lower() in _PROTECTED
+                or catalogue.header_value(text)
+            ):
+                problem = f"header {header!r} is not a plain header and value"
+                break
+            p.response_set.append((header, text))
+    if problem:
+        p.note(Finding(short, value, Verdict.NOT_HONOURED, problem, True))
+        p.refuse(UNSUPPORTED, f"annotation custom-headers: {problem}")
+        return
+    found("custom-headers")
+
+
+# ---------------------------------------------------------------- snippets
+
+
+def _snippet(p: Plan, short: str, text: str, config: ControllerConfig, prefix: str) -> None:
+    where = f"annotation {prefix}/{short}"
+    if not config.snippets_allowed:
+        p.note(
+            Finding(
+                short,
+                text,
+                Verdict.NOT_HONOURED,
+                "snippets are not allowed by the "
+                "ConfigMap (allow-snippet-annotations, annotations-risk-level)",
+                True,
+            )
+        )
+        p.refuse(
+            SNIPPETS_NOT_ALLOWED,
+            f"{where}: snippets are not allowed by the ConfigMap "
+            '(allow-snippet-annotations: "true" and annotations-risk-level: Critical)',
+        )
+        return
+    if short in ("auth-snippet", "stream-snippet"):
+        p.note(Finding(short, text, Verdict.NOT_HONOURED, "not honoured", True))
+        p.refuse(UNSUPPORTED, f"{where}: not honoured")
+        return
+    try:
+        statements = parse_snippet(text)
+        differences: list[str] = []
+        for directive, args in statements:
+            _directive(p, directive, args, differences)
+    except ValueError as exc:
+        p.note(Finding(short, text, Verdict.NOT_HONOURED, str(exc), True))
+        p.refuse(UNSUPPORTED, f"{where}: {exc}")
+        return
+    note = "; ".join(differences)
+    p.note(Finding(short, text, Verdict.DIFFERENT if note else Verdict.HONOURED, note))
+
+
+def parse_snippet(text: str) -> list[tuple[str, list[str]]]:
+    """Statements `directive arg...;` of literal words and quoted strings; ValueError
+    for anything else (blocks, comments, variables, escapes, an unterminated statement)."""
+    statements: list[tuple[str, list[str]]] = []
+    words: list[str] = []
+    i, n = 0, len(text)
+    while i < n:
+        char = text[i]
+        if char in " \t\r\n":
+            i += 1
+        elif char == ";":
+            if not words:
+                raise ValueError("an empty statement")
+            statements.append((words[0], words[1:]))
+            words = []
+            i += 1
+        elif char in "'\"":
+            end = text.find(char, i + 1)
+            if end < 0:
+                raise ValueError("an unterminated quoted string")
+            word = text[i + 1 : end]
+            if any(c in word for c in "$\\\r\n"):
+                raise ValueError("variables, escapes and line breaks in strings are not honoured")
+            words.append(word)
+            i = end + 1
+        elif char in "{}":
+            raise ValueError("blocks ({ }) are not honoured")
+        elif char == "#":
+            raise ValueError("comments are not honoured")
+        elif char == "$":
+            raise ValueError("nginx variables ($...) are not honoured")
+        else:
+            start = i
+            while i < n and text[i] not in " \t\r\n;'\"{}#$":
+                i += 1
+            word = text[start:i]
+            if "\\" in word:
+                raise ValueError("escapes are not honoured")
+            words.append(word)
+    if words:
+        raise ValueError(f"statement {words[0]!r} is not terminated by ;")
+    return statements
+
+
+def _header_pair(name: str, value: str, directive: str) -> tuple[str, str]:
+    if not _HEADER_NAME.fullmatch(name) or not _HEADER_VALUE.fullmatch(value):
+        raise ValueError(f"{directive}: {name!r} is not a plain header and value")
+    if name.lower() in _PROTECTED:
+        raise ValueError(f"{directive}: the proxy owns the {name} header")
+    return name, value
+
+
+def _directive(p: Plan, directive: str, args: list[str], differences: list[str]) -> None:
+    if directive == "more_set_headers":
+        if not args or any(a.startswith("-") for a in args):
+            raise ValueError('more_set_headers: only "Name: value" arguments are honoured')
+        for arg in args:
+            name, colon, value = arg.partition(":")
+            if not colon:
+                raise ValueError(f'more_set_headers: {arg!r} is not "Name: value"')
+            p.response_set.append(_header_pair(name.strip(), value.strip(), directive))
+    elif directive == "more_clear_headers":
+        if not args or any(a.startswith("-") or "*" in a for a in args):
+            raise ValueError("more_clear_headers: only plain header names are honoured")
+        for arg in args:
+            p.response_remove.append(_header_pair(arg, "", directive)[0])
+    elif directive == "add_header":
+        if len(args) not in (2, 3) or (len(args) == 3 and args[2] != "always"):
+            raise ValueError("add_header: NAME VALUE [always] only")
+        p.response_add.append(_header_pair(args[0], args[1], directive))
+        if len(args) == 2:
+            differences.append("add_header is added to every response, not only 2xx/3xx")
+    elif directive == "proxy_set_header":
+        if len(args) != 2:
+            raise ValueError("proxy_set_header: NAME VALUE only")
+        if args[0].lower() == "host":
+            if catalogue.hosts(args[1]):
+                raise ValueError("proxy_set_header Host: not a host name")
+            p.upstream_vhost = args[1]
+        elif args[1] == "":
+            p.request_remove.append(_header_pair(args[0], "", directive)[0])
+        else:
+            p.request_set.append(_header_pair(args[0], args[1], directive))
+    elif directive == "return":
+        code = int(args[0]) if args and args[0].isdigit() else 0
+        if len(args) != 2 or code not in _REDIRECT_CODES or catalogue.url(args[1]):
+            raise ValueError(
+                "return: only a redirect (301, 302, 303, 307, 308 and an http(s) URL) is honoured"
+            )
+        parts = urlsplit(args[1])
+        if parts.query:
+            raise ValueError("return: a target with a query string is not honoured yet")
+        p.redirect = Redirect(
+            scheme=parts.scheme,
+            hostname=parts.hostname or "",
+            port=parts.port or 0,
+            path_type=PathModifierType.FULL,
+            path=parts.path,
+            status=code,
+        )
+        differences.append("return: the request's query string is appended to the target")
+    else:
+        raise ValueError(f"directive {directive!r} is not honoured")
+
+
+# ---------------------------------------------------------------- paths
+
+
+def _paths(p: Plan, obj: JSON) -> None:
+    """Every rule path checked against its pathType (ingress-nginx's rules)."""
+    spec = obj.get("spec") or {}
+    # A regular expression path only with use-regex (rewrite-target makes plain paths
+    # match as regular expressions, as ingress-nginx, but admits none of its own).
+    regex = p.use_regex
+    rules = spec.get("rules") or []
+    if not isinstance(rules, list):
+        return
+    for r_index, rule in enumerate(rules):
+        http = (rule or {}).get("http") or {} if isinstance(rule, dict) else {}
+        paths = http.get("paths") or [] if isinstance(http, dict) else []
+        for p_index, item in enumerate(paths if isinstance(paths, list) else []):
+            item = item if isinstance(item, dict) else {}
+            kind = str(item.get("pathType") or "ImplementationSpecific")
+            value = str(item.get("path") or "/")
+            where = f"spec.rules[{r_index}].http.paths[{p_index}].path"
+            problem = _path_problem(kind, value, regex)
+            if problem:
+                p.refuse(INVALID_PATH, f"{where}: {problem}")
+            p.paths.append((kind, value))
+    if spec.get("defaultBackend") is not None:
+        p.paths.append(("Prefix", "/"))
+
+
+def _path_problem(kind: str, value: str, regex: bool) -> str:
+    if kind in ("Exact", "Prefix") or not regex:
+        if catalogue.path(value):
+            return (
+                f"{value!r} is not a plain absolute path (pathType {kind}"
+                + ("" if kind != "ImplementationSpecific" else ", without use-regex")
+                + ")"
+            )
+        return ""
+    if not _REGEX_PATH.fullmatch(value):
+        return f"{value!r} has characters a regular expression path may not have"
+    reason = linear_regex.refusal(value)
+    if reason is not None:  # the proxy matches with RE2 (waygate.core.regex)
+        return f"{value!r} is not a regular expression Waygate can match ({reason})"
+    return ""
+
+
+# ---------------------------------------------------------------- routes
+
+
+def _match_and_rewrite(p: Plan, kind: str, value: str) -> tuple[RouteMatch, Rewrite | None]:
+    """The match of one path, and the path rewrite (None: none)."""
+    regex = (p.use_regex or bool(p.rewrite_target)) and kind != "Exact"
+    rewrite: Rewrite | None = None
+    target = p.rewrite_target
+    if target and "$" in target:
+        idiom = _PREFIX_IDIOM.fullmatch(value)
+        group = "$2" if idiom and idiom.group("sep") == "(/|$)" else "$1"
+        if idiom and target.endswith(group) and target.count("$") == 1:
+            replacement = target[: -len(group)] or "/"
+            prefix = idiom.group("prefix").rstrip("/") or "/"
+            return (
+                RouteMatch(PathMatchType.PREFIX, prefix),
+                Rewrite(path_type=PathModifierType.PREFIX, path=replacement),
+            )
+        rewrite = None  # capture groups beyond the prefix idiom: not honoured
+    elif target:
+        rewrite = Rewrite(path_type=PathModifierType.FULL, path=target)
+    if regex:
+        return RouteMatch(PathMatchType.REGEX, f"(?i)(?:{value}).*"), rewrite
+    if kind == "Exact":
+        return RouteMatch(PathMatchType.EXACT, value), rewrite
+    return RouteMatch(PathMatchType.PREFIX, value), rewrite
+
+
+def refine(p: Plan) -> None:
+    """rewrite-target's verdict, now that its paths are known."""
+    target = p.rewrite_target
+    if not target or "$" not in target:
+        return
+    exact = all(_PREFIX_IDIOM.fullmatch(value) and kind != "Exact" for kind, value in p.paths)
+    for index, finding in enumerate(p.findings):
+        if finding.annotation == "rewrite-target":
+            p.findings[index] = dataclasses.replace(
+                finding,
+                verdict=Verdict.DIFFERENT if exact else Verdict.NOT_HONOURED,
+                note="a prefix replacement: the prefix is matched case-sensitively"
+                if exact
+                else "capture groups beyond the `PREFIX(/|$)(.*)` idiom are not honoured",
+            )
+
+
+def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]:
+    """The routes `gateway.translate` made from the Ingress's rules (one per path and
+    port, `rule_index` the flattened path index) -> what ingress-nginx would serve."""
+    if p.refusal_reason:
+        return [refused(p, route) for route in routes]
+    refine(p)
+    secured = set(tls_hosts)
+    out: list[Route] = []
+    extra_hosts: dict[tuple[str, int], Route] = {}
+    verdicts = p.verdict_lines()
+    for route in routes:
+        kind, value = (
+            p.paths[route.rule_index] if route.rule_index < len(p.paths) else ("Prefix", "/")
+        )
+        match, path_rewrite = _match_and_rewrite(p, kind, value)
+        rewrite = None
+        if path_rewrite is not None or p.upstream_vhost:
+            rewrite = Rewrite(
+                hostname=p.upstream_vhost,
+                path_type=path_rewrite.path_type if path_rewrite else PathModifierType.NONE,
+                path=path_rewrite.path if path_rewrite else "",
+            )
+        redirect = p.redirect
+        if route.listener_port == 80 and (
+            p.force_ssl_redirect or (p.ssl_redirect and route.host in secured)
+        ):
+            redirect = Redirect(scheme="https", status=p.redirect_code)
+        request = _modifier(p.request_set, [], p.request_remove)
+        response = _modifier(p.response_set, p.response_add, p.response_remove)
+        filters = None
+        if request or response or redirect or rewrite:
+            filters = RouteFilters(
+                request_headers=request,
+                response_headers=response,
+                redirect=redirect,
+                rewrite=rewrite,
+            )
+        tls = route.tls
+        if tls is not None and p.hsts is not None:
+            tls = dataclasses.replace(tls, hsts=p.hsts)
+        if p.backend_tls:
+            tls = _backend_tls(tls, p.backend_server_name)
+        shaped = dataclasses.replace(
+            route,
+            matches=(match,),
+            filters=filters,
+            tls=tls,
+            sticky=p.sticky,
+            balance=p.balance,
+            timeouts=p.timeouts,
+            upstream_protocol=p.upstream_protocol,
+            forwarded_headers=p.forwarded,
+            ingress_verdicts=verdicts,
+        )
+        if p.ssl_passthrough and route.listener_port == 443:
+            continue  # the host's TLS is passed through, never terminated here
+        out.append(shaped)
+        for alias in p.aliases:
+            if alias != route.host and route.host:
+                out.append(dataclasses.replace(shaped, name=f"{route.name}~{alias}", host=alias))
+        if route.host:
+            extra_hosts.setdefault((route.host, route.listener_port), shaped)
+    if p.ssl_passthrough:
+        out.extend(_passthrough_routes(p, routes, verdicts))
+    for (host, port), model in sorted(extra_hosts.items()):
+        for name_host in (host, *(a for a in p.aliases if a != host)):
+            if p.app_root:
+                out.append(
+                    dataclasses.replace(
+                        model,
+                        name=f"ingress:{p.name}:app-root:{port}:{name_host}",
+                        host=name_host,
+                        matches=(RouteMatch(PathMatchType.EXACT, "/"),),
+                        filters=RouteFilters(
+                            redirect=Redirect(
+                                path_type=PathModifierType.FULL, path=p.app_root, status=302
+                            )
+                        ),
+                    )
+                )
+        if p.www_redirect:
+            other = host[4:] if host.startswith("www.") else "www." + host
+            if (other, port) not in extra_hosts and not host.startswith("*"):
+                out.append(
+                    dataclasses.replace(
+                        model,
+                        name=f"ingress:{p.name}:www:{port}:{other}",
+                        host=other,
+                        matches=(RouteMatch(PathMatchType.PREFIX, "/"),),
+                        filters=RouteFilters(
+                            redirect=Redirect(hostname=host, status=p.redirect_code)
+                        ),
+                    )
+                )
+    return out
+
+
+def _passthrough_routes(p: Plan, routes: list[Route], verdicts: tuple[str, ...]) -> list[Route]:
+    """ssl-passthrough: one route per host on the HTTPS port, by SNI, to the backend of
+    the host's `/` path (else its first), as ingress-nginx's --enable-ssl-passthrough."""
+    chosen: dict[str, Route] = {}
+    for route in routes:
+        if not route.host or route.listener_port != 80:
+            continue
+        _, value = p.paths[route.rule_index] if route.rule_index < len(p.paths) else ("", "/")
+        if route.host not in chosen or value == "/":
+            chosen[route.host] = route
+    out = []
+    for host in (*chosen, *(a for a in p.aliases if chosen and a not in chosen)):
+        model = chosen.get(host) or next(iter(chosen.values()))
+        out.append(
+            dataclasses.replace(
+                model,
+                name=f"ingress:{p.name}:passthrough:443:{host}",
+                host=host,
+                matches=(),
+                filters=None,
+                tls=RouteTLS(TLSTermination.PASSTHROUGH),
+                listener_port=443,
+                listener_protocol="TLS",
+                sticky=StickySessions(disable_cookies=True),
+                upstream_protocol="",
+                ingress_verdicts=verdicts,
+            )
+        )
+    return out
+
+
+def _modifier(
+    set_: list[tuple[str, str]], add: list[tuple[str, str]], remove: list[str]
+) -> HeaderModifier | None:
+    if not (set_ or add or remove):
+        return None
+    return HeaderModifier(set=tuple(set_), add=tuple(add), remove=tuple(remove))
+
+
+def _backend_tls(tls: RouteTLS | None, server_name: str) -> RouteTLS:
+    fields: dict[str, Any] = {
+        "termination": TLSTermination.REENCRYPT,
+        "destination_server_name": server_name,
+        "destination_system_ca": True,
+    }
+    if tls is None:
+        return RouteTLS(insecure_edge_termination_policy=InsecureEdgePolicy.ALLOW, **fields)
+    return dataclasses.replace(tls, **fields)
+
+
+def refused(p: Plan, route: Route) -> Route:
+    """A route of a refused Ingress: kept so its status says why, never served
+    (Admitted False; its backends invalid should a status ever be missing)."""
+    return dataclasses.replace(
+        route,
+        backends=tuple(
+            dataclasses.replace(b, invalid=f"not served: {p.refusal}") for b in route.backends
+        ),
+        ingress_refusal=(p.refusal_reason, p.refusal),
+        ingress_verdicts=p.verdict_lines(),
+    )
+
+
+def placeholder(key: tuple[str, str], obj: JSON, p: Plan) -> Route:
+    """The one route of a refused Ingress whose rules could not be read: it carries
+    the refusal to the route status; it has no backend and is never served."""
+    return Route(
+        namespace=key[0],
+        name=f"ingress:{key[1]}:refused",
+        host="",
+        matches=(RouteMatch(PathMatchType.PREFIX, "/"),),
+        listener_port=80,
+        origin=f"Ingress {key[0]}/{key[1]}",
+        ingress_refusal=(p.refusal_reason, p.refusal),
+        ingress_verdicts=p.verdict_lines(),
+    )
+
+
+# ---------------------------------------------------------------- canaries
+
+
+def merge_canaries(routes: list[Route], canaries: list[tuple[Plan, list[Route]]]) -> list[Route]:
+    """Canary Ingresses folded into their main Ingress's routes, as ingress-nginx does:
+    the main route of the same host, port and path gets the canary's backend by
+    weight (canary-weight of canary-weight-total), and a request whose
+    canary-by-header says `always` (or its -value, or matches its -pattern) goes to
+    the canary alone, `never` to the main backends alone (the header decides
+    before the weight). A canary without a main route is not served."""
+    out = list(routes)
+    index = {
+        (r.host, r.listener_port, r.matches[0] if r.matches else None): i
+        for i, r in enumerate(out)
+        if r.ingress_refusal is None and r.origin.startswith("Ingress ")
+    }
+    for plan, shaped in canaries:
+        for canary in shaped:
+            key = (canary.host, canary.listener_port, canary.matches[0] if canary.matches else None)
+            at = index.get(key)
+            if at is None:
+                continue
+            main = out[at]
+            if main.filters is not None and main.filters.redirect is not None:
+                continue  # answered by a redirect: no backend to share
+            extra = tuple(dataclasses.replace(b, weight=0) for b in canary.backends)
+            total = max(plan.canary_total, 1)
+            weight = min(max(plan.canary_weight, 0), total)
+            scale = 256 / total if total > 256 else 1.0
+            out[at] = dataclasses.replace(
+                main,
+                backends=tuple(
+                    dataclasses.replace(b, weight=round((total - weight) * scale))
+                    for b in main.backends
+                )
+                + tuple(dataclasses.replace(b, weight=round(weight * scale)) for b in extra),
+            )
+            if not plan.canary_header:
+                continue
+            match = main.matches[0]
+            if plan.canary_header_value:
+                to_canary = HeaderMatch(plan.canary_header, plan.canary_header_value)
+            elif plan.canary_header_pattern:
+                to_canary = HeaderMatch(
+                    plan.canary_header,
+                    f".*(?:{plan.canary_header_pattern}).*",
+                    ValueMatchType.REGEX,
+                )
+            else:
+                to_canary = HeaderMatch(plan.canary_header, "always")
+            out.append(
+                dataclasses.replace(
+                    main,
+                    name=f"{main.name}~canary",
+                    matches=(dataclasses.replace(match, headers=(to_canary,)),),
+                    backends=tuple(dataclasses.replace(b, weight=1) for b in canary.backends),
+                )
+            )
+            if not plan.canary_header_value and not plan.canary_header_pattern:
+                out.append(
+                    dataclasses.replace(
+                        main,
+                        name=f"{main.name}~canary-never",
+                        matches=(
+                            dataclasses.replace(
+                                match, headers=(HeaderMatch(plan.canary_header, "never"),)
+                            ),
+                        ),
+                        backends=main.backends,
+                    )
+                )
+    return out
+
+
+# ---------------------------------------------------------------- hosts with regular expressions
+
+
+def regex_hosts(routes: list[Route], nginx: set[str]) -> list[Route]:
+    """ingress-nginx's rule for a host where any location is a regular expression
+    (use-regex or rewrite-target on any of its Ingresses): every Prefix path of the
+    host becomes a case-insensitive regular expression anchored at the start
+    (`location ~* "^PATH"`), tried longest first, as nginx tries them in the order
+    ingress-nginx writes them. Exact paths stay exact; a prefix replacement
+    (`PREFIX(/|$)(.*)` -> `/$2`) stays a prefix. `nginx`: the names of the routes
+    of ingress-nginx Ingresses (others are not touched)."""
+    hosts = {
+        (r.host, r.listener_port)
+        for r in routes
+        if r.name.split("~")[0] in nginx
+        and any(m.path_type is PathMatchType.REGEX for m in r.matches)
+    }
+    if not hosts:
+        return routes
+    out = []
+    for route in routes:
+        rewrite = route.filters.rewrite if route.filters is not None else None
+        if (
+            route.name.split("~")[0] in nginx
+            and (route.host, route.listener_port) in hosts
+            and route.matches
+            and route.matches[0].path_type is PathMatchType.PREFIX
+            and (rewrite is None or rewrite.path_type is not PathModifierType.PREFIX)
+        ):
+            match = route.matches[0]
+            pattern = f"(?i)(?:{match.path}).*"
+            if linear_regex.refusal(pattern) is not None:
+                pattern = f"(?i)(?:{re.escape(match.path)}).*"
+            route = dataclasses.replace(
+                route,
+                matches=(dataclasses.replace(match, path_type=PathMatchType.REGEX, path=pattern),),
+            )
+        out.append(route)
+    return out

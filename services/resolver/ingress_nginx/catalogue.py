@@ -1,0 +1,698 @@
+"""Every documented ingress-nginx annotation: its grammar and Waygate's verdict today.
+
+Learned from kubernetes/ingress-nginx (docs/user-guide/nginx-configuration/
+annotations.md and internal/ingress/annotations/, controller v1.15): the names,
+the value types and the defaults. Nothing here is rendered into configuration
+text: a value is checked against its grammar, then `annotations.py` turns it
+into route fields (or a refusal).
+
+Invariants:
+- A value never passes with a newline, `;`, `{`, `}`, `#`, a quote, a backslash
+  or `$` unless its grammar names that character (the IngressNightmare class of
+  injection: CVE-2025-1097, -1098, -24514, -1974).
+- `verdict` is what Waygate does TODAY with a valid value used as documented;
+  `annotations.py` may only lower it for particular values (AJP backends,
+  `ewma`), never raise it.
+- `access` marks the annotations that bear on who may reach the backend: one of
+  those not honoured makes the Ingress not served (fail closed).
+- `proxy_lacks`: not honoured only because the proxy has no per-request
+  behaviour for it yet (the list the request core is scheduled from).
+"""
+
+from __future__ import annotations
+
+import enum
+import ipaddress
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+DEFAULT_PREFIX = "nginx.ingress.kubernetes.io"
+
+
+class Verdict(enum.Enum):
+    HONOURED = "honoured"
+    DIFFERENT = "honoured-with-difference"
+    NOOP = "no-op"
+    NOT_HONOURED = "not-honoured"
+
+
+# ---------------------------------------------------------------- grammars
+
+# A grammar returns None for a valid value, else why not (for people).
+Grammar = Callable[[str], "str | None"]
+
+_FORBIDDEN = re.compile(r"[\r\n;{}#'\"`\\$]")
+_BOOLS = frozenset(
+    ("true", "false", "1", "0", "t", "f", "TRUE", "FALSE", "True", "False", "T", "F")
+)
+_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+_HEADER = re.compile(r"[A-Za-z0-9_.-]{1,256}")
+_HOST = re.compile(
+    r"(\*\.)?[A-Za-z0-9]([-A-Za-z0-9]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([-A-Za-z0-9]{0,61}[A-Za-z0-9])?)*"
+)
+_SIZE = re.compile(r"\d{1,12}[bkmgBKMG]?")
+_PATH_CHARS = re.compile(r"/[A-Za-z0-9._~!*+,=:@%/-]*")
+_URL = re.compile(r"https?://[A-Za-z0-9.-]+(:\d{1,5})?(/[A-Za-z0-9._~!*+,=:@%/&?-]*)?")
+# A header value: printable ASCII, no quotes or separators of configuration text.
+_VALUE = re.compile(r"[A-Za-z0-9 ._~!*+,=:@%/&?()\[\]<>|^-]{0,1024}")
+
+
+def plain(value: str) -> str | None:
+    """Any text without configuration syntax (the base every other grammar adds to)."""
+    found = _FORBIDDEN.search(value)
+    if found:
+        return f"{found.group()!r} is not allowed here"
+    if len(value) > 4096:
+        return "longer than 4096 characters"
+    return None
+
+
+def _matching(pattern: re.Pattern[str], description: str) -> Grammar:
+    def check(value: str) -> str | None:
+        return None if pattern.fullmatch(value) else f"must be {description}"
+
+    return check
+
+
+def boolean(value: str) -> str | None:
+    return None if value in _BOOLS else "must be true or false"
+
+
+def integer(value: str) -> str | None:
+    return None if re.fullmatch(r"-?\d{1,9}", value) else "must be an integer"
+
+
+def seconds(value: str) -> str | None:
+    """nginx timeouts as ingress-nginx takes them: whole seconds."""
+    return None if re.fullmatch(r"\d{1,7}", value) else "must be a number of seconds"
+
+
+def one_of(*values: str, case: bool = True) -> Grammar:
+    allowed = frozenset(values if case else (v.lower() for v in values))
+
+    def check(value: str) -> str | None:
+        found = value if case else value.lower()
+        return None if found in allowed else "must be one of " + ", ".join(values)
+
+    return check
+
+
+def cidrs(value: str) -> str | None:
+    for item in value.split(","):
+        try:
+            ipaddress.ip_network(item.strip(), strict=False)
+        except ValueError:
+            return f"{item.strip()!r} is not an address or CIDR"
+    return None
+
+
+def hosts(value: str) -> str | None:
+    for item in value.split(","):
+        item = item.strip()
+        if not _HOST.fullmatch(item) or len(item) > 253:
+            return f"{item!r} is not a host name"
+    return None
+
+
+def headers(value: str) -> str | None:
+    for item in value.split(","):
+        if not _HEADER.fullmatch(item.strip()):
+            return f"{item.strip()!r} is not a header name"
+    return None
+
+
+def path(value: str) -> str | None:
+    """An absolute path of plain characters (no query, no configuration syntax)."""
+    return None if _PATH_CHARS.fullmatch(value) else "must be an absolute path of plain characters"
+
+
+def rewrite_target(value: str) -> str | None:
+    """A path that may name capture groups ($1..$9), as ingress-nginx's RegexPathWithCapture."""
+    bare = re.sub(r"\$[1-9]", "", value)
+    if not bare.startswith("/"):
+        bare = "/" + bare
+    return path(bare)
+
+
+def url(value: str) -> str | None:
+    return None if _URL.fullmatch(value) else "must be an http(s) URL of plain characters"
+
+
+def url_or_path(value: str) -> str | None:
+    return url(value) if "://" in value else path(value)
+
+
+def name(value: str) -> str | None:
+    """A Kubernetes object name, or NAMESPACE/NAME."""
+    parts = value.split("/")
+    if len(parts) > 2 or not all(_NAME.fullmatch(p) for p in parts):
+        return "must be a Kubernetes object name (or NAMESPACE/NAME)"
+    return None
+
+
+def regex(value: str) -> str | None:
+    """A regular expression: configuration syntax still refused (braces only as
+    counted repetition, `$` only as an anchor)."""
+    bare = re.sub(r"\{\d{1,4}(,\d{0,4})?\}", "", value)
+    bare = re.sub(r"\$(?=$|[)|])", "", bare)
+    bare = re.sub(r"\\[dDwWsSbB.\-/()\[\]*+?|^]", "", bare)
+    problem = plain(bare)
+    if problem:
+        return problem
+    try:
+        re.compile(value)
+    except re.error as exc:
+        return f"is not a regular expression ({exc})"
+    return None
+
+
+def header_value(value: str) -> str | None:
+    return None if _VALUE.fullmatch(value) else "must be plain printable text"
+
+
+def size(value: str) -> str | None:
+    return None if _SIZE.fullmatch(value) else "must be a size such as 8k or 1m"
+
+
+def status_codes(value: str) -> str | None:
+    for item in value.split(","):
+        if not re.fullmatch(r"[1-5]\d\d", item.strip()):
+            return f"{item.strip()!r} is not an HTTP status code"
+    return None
+
+
+def any_text(value: str) -> str | None:
+    """Snippets: their own parser decides (`annotations.snippet`); only the size is bounded."""
+    return None if len(value) <= 65536 else "longer than 64 KiB"
+
+
+def origins(value: str) -> str | None:
+    for item in value.split(","):
+        item = item.strip()
+        if item != "*" and not re.fullmatch(r"https?://(\*\.)?[A-Za-z0-9.-]+(:\d{1,5})?", item):
+            return f"{item!r} is not an origin"
+    return None
+
+
+def methods(value: str) -> str | None:
+    for item in value.split(","):
+        if not re.fullmatch(r"[A-Za-z]{1,20}", item.strip()):
+            return f"{item.strip()!r} is not a method"
+    return None
+
+
+def cache_duration(value: str) -> str | None:
+    return (
+        None
+        if re.fullmatch(r"(\d{3} )*\d{3} \d+[smhd]?|(\d+[smhd]?)|(\d{3} )*\d+[smhd]", value)
+        else "must be status codes and a duration such as '200 202 10m'"
+    )
+
+
+# ---------------------------------------------------------------- the catalogue
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str  # without the prefix
+    grammar: Grammar
+    verdict: Verdict
+    note: str  # the difference, why it is a no-op, or what is missing
+    access: bool = False
+    proxy_lacks: bool = False
+
+
+def _e(
+    name: str,
+    grammar: Grammar,
+    verdict: Verdict,
+    note: str = "",
+    *,
+    access: bool = False,
+    lacks: bool = False,
+) -> Entry:
+    return Entry(name, grammar, verdict, note, access, lacks)
+
+
+H, D, N, X = Verdict.HONOURED, Verdict.DIFFERENT, Verdict.NOOP, Verdict.NOT_HONOURED
+_BUFFER = "an nginx buffer knob: the proxy streams bodies through bounded buffers of its own"
+_AUTH_URL = "external authentication: the proxy has no auth subrequest yet"
+_BASIC = "basic/digest authentication: the proxy does not check credentials yet"
+_MTLS = "client certificates per Ingress: verify depth, optional modes and CN match not yet"
+_LIMIT = "rate and connection limits: the proxy has no per-route limiter yet"
+_WAF = "ModSecurity/OWASP CRS: Waygate has no web application firewall"
+_CORS = "CORS: the proxy does not answer preflights or add CORS headers yet"
+_CANARY = "folded into the main Ingress's routes: backends by weight, the header first"
+_SESSION = "cookie attributes beyond name and SameSite: the proxy's cookie is a session cookie"
+
+ENTRIES: tuple[Entry, ...] = (
+    # ------------------------------------------------------------ paths
+    _e(
+        "use-regex",
+        boolean,
+        D,
+        "the host's paths become case-insensitive regular expressions anchored at the "
+        "start (nginx `location ~*`), longest first, as ingress-nginx; a prefix-replacement "
+        "rewrite stays a case-sensitive prefix, tried after them",
+    ),
+    _e(
+        "rewrite-target",
+        rewrite_target,
+        D,
+        "without capture groups: the whole path is "
+        "replaced (nginx `rewrite ... break`); `P(/|$)(.*)` with `/$2` replaces the prefix; "
+        "other capture groups are not honoured",
+        lacks=True,
+    ),
+    _e("app-root", path, D, "`/` redirects (302) to it; the request's query is kept"),
+    _e("x-forwarded-prefix", header_value, H, "sent as the X-Forwarded-Prefix request header"),
+    _e(
+        "preserve-trailing-slash",
+        boolean,
+        H,
+        "the proxy's HTTPS redirect keeps the path as it "
+        "is: `true` is exact; `false` (nginx strips a trailing slash) is not honoured",
+        lacks=True,
+    ),
+    _e("server-alias", hosts, H, "more host names served by the same routes"),
+    _e("upstream-vhost", hosts, H, "the Host the backend sees"),
+    # ------------------------------------------------------------ redirects
+    _e(
+        "permanent-redirect",
+        url_or_path,
+        D,
+        "every request is redirected; the request's query string is appended to the target",
+    ),
+    _e("permanent-redirect-code", one_of("300", "301", "302", "303", "307", "308"), H),
+    _e(
+        "temporal-redirect",
+        url_or_path,
+        D,
+        "every request is redirected; the request's query string is appended to the target",
+    ),
+    _e("temporal-redirect-code", one_of("300", "301", "302", "303", "307", "308"), H),
+    _e(
+        "ssl-redirect",
+        boolean,
+        D,
+        "HTTP requests for TLS hosts are answered 308 to HTTPS "
+        "(the default, as ingress-nginx); a trailing slash is kept",
+    ),
+    _e(
+        "force-ssl-redirect",
+        boolean,
+        D,
+        "308 to HTTPS also for hosts without TLS; a trailing slash is kept",
+    ),
+    _e("from-to-www-redirect", boolean, H, "the other of www.HOST and HOST answers 308 to it"),
+    _e(
+        "use-port-in-redirects",
+        boolean,
+        X,
+        "the proxy's redirects name the port it listens on only when it is not the scheme's",
+        lacks=True,
+    ),
+    _e(
+        "relative-redirects",
+        boolean,
+        N,
+        "nginx's own redirects (absolute_redirect): the "
+        "proxy sends no redirects of its own besides these annotations'",
+    ),
+    _e("proxy-redirect-from", plain, X, "rewriting the backend's Location header", lacks=True),
+    _e("proxy-redirect-to", plain, X, "rewriting the backend's Location header", lacks=True),
+    # ------------------------------------------------------------ access
+    _e(
+        "whitelist-source-range",
+        cidrs,
+        X,
+        "client address allow-lists not yet",
+        access=True,
+        lacks=True,
+    ),
+    _e(
+        "allowlist-source-range",
+        cidrs,
+        X,
+        "client address allow-lists not yet",
+        access=True,
+        lacks=True,
+    ),
+    _e(
+        "denylist-source-range",
+        cidrs,
+        X,
+        "client address deny-lists not yet",
+        access=True,
+        lacks=True,
+    ),
+    _e("auth-type", one_of("basic", "digest"), X, _BASIC, access=True, lacks=True),
+    _e("auth-secret", name, X, _BASIC, access=True, lacks=True),
+    _e("auth-secret-type", one_of("auth-file", "auth-map"), X, _BASIC, access=True, lacks=True),
+    _e("auth-realm", header_value, X, _BASIC, access=True, lacks=True),
+    _e("auth-url", url, X, _AUTH_URL, access=True, lacks=True),
+    _e("auth-method", methods, X, _AUTH_URL, access=True, lacks=True),
+    _e("auth-signin", url, X, _AUTH_URL, access=True, lacks=True),
+    _e(
+        "auth-signin-redirect-param",
+        _matching(re.compile(r"[A-Za-z0-9_-]{1,64}"), "a query parameter name"),
+        X,
+        _AUTH_URL,
+        access=True,
+        lacks=True,
+    ),
+    _e("auth-response-headers", headers, X, _AUTH_URL, access=True, lacks=True),
+    _e("auth-request-redirect", url_or_path, X, _AUTH_URL, access=True, lacks=True),
+    _e("auth-proxy-set-headers", name, X, _AUTH_URL, access=True, lacks=True),
+    _e("auth-cache-key", plain, X, _AUTH_URL, access=True, lacks=True),
+    _e("auth-cache-duration", cache_duration, X, _AUTH_URL, access=True, lacks=True),
+    _e("auth-always-set-cookie", boolean, X, _AUTH_URL, access=True, lacks=True),
+    _e("auth-keepalive", integer, X, _AUTH_URL, access=True, lacks=True),
+    _e("auth-keepalive-share-vars", boolean, X, _AUTH_URL, access=True, lacks=True),
+    _e("auth-keepalive-requests", integer, X, _AUTH_URL, access=True, lacks=True),
+    _e("auth-keepalive-timeout", integer, X, _AUTH_URL, access=True, lacks=True),
+    _e(
+        "enable-global-auth",
+        boolean,
+        X,
+        "global external authentication (ConfigMap global-auth-url) not yet",
+        access=True,
+        lacks=True,
+    ),
+    _e(
+        "auth-snippet", any_text, X, "a snippet of the external authentication request", access=True
+    ),
+    _e("auth-tls-secret", name, X, _MTLS, access=True, lacks=True),
+    _e(
+        "auth-tls-verify-client",
+        one_of("on", "off", "optional", "optional_no_ca"),
+        X,
+        _MTLS,
+        access=True,
+        lacks=True,
+    ),
+    _e("auth-tls-verify-depth", integer, X, _MTLS, access=True, lacks=True),
+    _e("auth-tls-error-page", url, X, _MTLS, access=True, lacks=True),
+    _e("auth-tls-pass-certificate-to-upstream", boolean, X, _MTLS, access=True, lacks=True),
+    _e(
+        "auth-tls-match-cn",
+        _matching(
+            re.compile(r"CN=[A-Za-z0-9 ._*|()^+?-]{1,256}"), "CN= and a plain regular expression"
+        ),
+        X,
+        _MTLS,
+        access=True,
+        lacks=True,
+    ),
+    _e(
+        "satisfy",
+        one_of("all", "any"),
+        X,
+        "combining access checks not yet",
+        access=True,
+        lacks=True,
+    ),
+    # ------------------------------------------------------------ traffic
+    _e("canary", boolean, H, _CANARY),
+    _e("canary-weight", integer, H, _CANARY),
+    _e("canary-weight-total", integer, H, _CANARY),
+    _e("canary-by-header", _matching(_HEADER, "a header name"), H, _CANARY),
+    _e("canary-by-header-value", header_value, H, _CANARY),
+    _e("canary-by-header-pattern", regex, D, _CANARY + "; the pattern in RE2 syntax"),
+    _e(
+        "canary-by-cookie",
+        _matching(_HEADER, "a cookie name"),
+        X,
+        "routing by cookie value",
+        lacks=True,
+    ),
+    _e(
+        "affinity",
+        one_of("cookie"),
+        D,
+        "sticky cookie: a keyed hash naming the endpoint; Path=/, HttpOnly, no expiry",
+    ),
+    _e(
+        "affinity-mode",
+        one_of("balanced", "persistent"),
+        D,
+        "the cookie's endpoint wins "
+        "while it is live (persistent); balanced rebalancing on scale-up is not done",
+    ),
+    _e(
+        "affinity-canary-behavior",
+        one_of("sticky", "legacy"),
+        X,
+        "sticky cookies across main and canary",
+        lacks=True,
+    ),
+    _e("session-cookie-name", _matching(_HEADER, "a cookie name"), H),
+    _e("session-cookie-samesite", one_of("None", "Lax", "Strict"), H),
+    _e("session-cookie-path", path, X, _SESSION, lacks=True),
+    _e("session-cookie-domain", hosts, X, _SESSION, lacks=True),
+    _e("session-cookie-expires", seconds, X, _SESSION, lacks=True),
+    _e("session-cookie-max-age", seconds, X, _SESSION, lacks=True),
+    _e("session-cookie-secure", boolean, X, _SESSION, lacks=True),
+    _e("session-cookie-conditional-samesite-none", boolean, X, _SESSION, lacks=True),
+    _e(
+        "session-cookie-change-on-failure",
+        boolean,
+        D,
+        "a cookie naming a failed endpoint "
+        "is answered by another endpoint and replaced (as `true`)",
+    ),
+    _e(
+        "load-balance",
+        one_of("round_robin", "ewma"),
+        H,
+        "round_robin (ingress-nginx's default); ewma becomes leastconn",
+    ),
+    _e(
+        "upstream-hash-by",
+        _matching(re.compile(r"\$[a-z_]{1,64}"), "an nginx variable such as $remote_addr"),
+        D,
+        "$remote_addr and $binary_remote_addr "
+        "hash the client address (the proxy's source balancing); other keys are not "
+        "honoured",
+        lacks=True,
+    ),
+    _e("upstream-hash-by-subset", boolean, X, "hashing to a subset of endpoints", lacks=True),
+    _e("upstream-hash-by-subset-size", integer, X, "hashing to a subset of endpoints", lacks=True),
+    _e("limit-rps", integer, X, _LIMIT, access=True, lacks=True),
+    _e("limit-rpm", integer, X, _LIMIT, access=True, lacks=True),
+    _e("limit-connections", integer, X, _LIMIT, access=True, lacks=True),
+    _e("limit-burst-multiplier", integer, X, _LIMIT, access=True, lacks=True),
+    _e("limit-whitelist", cidrs, X, _LIMIT, access=True, lacks=True),
+    _e("limit-allowlist", cidrs, X, _LIMIT, access=True, lacks=True),
+    _e("limit-rate", integer, X, _LIMIT, access=True, lacks=True),
+    _e("limit-rate-after", integer, X, _LIMIT, access=True, lacks=True),
+    _e("global-rate-limit", integer, X, _LIMIT, access=True, lacks=True),
+    _e("global-rate-limit-window", plain, X, _LIMIT, access=True, lacks=True),
+    _e("global-rate-limit-key", plain, X, _LIMIT, access=True, lacks=True),
+    _e("global-rate-limit-ignored-cidrs", cidrs, X, _LIMIT, access=True, lacks=True),
+    # ------------------------------------------------------------ upstream
+    _e(
+        "backend-protocol",
+        one_of("HTTP", "HTTPS", "GRPC", "GRPCS", "AUTO_HTTP", "AJP", "FCGI", case=False),
+        D,
+        "HTTP, GRPC (h2c) exactly; HTTPS and GRPCS verify the "
+        "backend's certificate against the system CAs (nginx does not verify by default); "
+        "AUTO_HTTP, AJP and FCGI are not honoured",
+    ),
+    _e(
+        "service-upstream",
+        boolean,
+        X,
+        "the proxy balances over endpoints, never the Service's cluster IP",
+        lacks=True,
+    ),
+    _e("proxy-connect-timeout", seconds, H, "the connect timeout to the backend"),
+    _e(
+        "proxy-read-timeout",
+        seconds,
+        D,
+        "one inactivity timeout for the backend both ways (WebSocket connections too): "
+        "the larger of read and send",
+    ),
+    _e(
+        "proxy-send-timeout",
+        seconds,
+        D,
+        "one inactivity timeout for the backend both ways (WebSocket connections too): "
+        "the larger of read and send",
+    ),
+    _e("proxy-next-upstream", plain, X, "retrying another endpoint after a failure", lacks=True),
+    _e("proxy-next-upstream-tries", integer, X, "retrying another endpoint", lacks=True),
+    _e("proxy-next-upstream-timeout", seconds, X, "retrying another endpoint", lacks=True),
+    _e("proxy-body-size", size, X, "a request body limit (413) per route", lacks=True),
+    _e(
+        "proxy-request-buffering",
+        one_of("on", "off"),
+        X,
+        "`on` (nginx's default): taking "
+        "the body in before using a backend connection, spilled to a file",
+        lacks=True,
+    ),
+    _e("proxy-buffering", one_of("on", "off"), N, _BUFFER),
+    _e("proxy-buffers-number", integer, N, _BUFFER),
+    _e("proxy-buffer-size", size, N, _BUFFER),
+    _e("proxy-busy-buffers-size", size, N, _BUFFER),
+    _e("proxy-max-temp-file-size", size, N, _BUFFER),
+    _e("client-body-buffer-size", size, N, _BUFFER),
+    _e(
+        "proxy-http-version",
+        one_of("1.0", "1.1"),
+        D,
+        "1.1 (or HTTP/2 where the backend speaks it); 1.0 is not honoured",
+    ),
+    _e("proxy-cookie-domain", plain, X, "rewriting Set-Cookie domains", lacks=True),
+    _e("proxy-cookie-path", plain, X, "rewriting Set-Cookie paths", lacks=True),
+    _e(
+        "proxy-ssl-secret",
+        name,
+        X,
+        "a client certificate of the Ingress's own to the backend",
+        lacks=True,
+    ),
+    _e(
+        "proxy-ssl-verify",
+        one_of("on", "off"),
+        D,
+        "the backend's certificate is always "
+        "verified (`off` is not honoured: verification stays on)",
+    ),
+    _e("proxy-ssl-verify-depth", integer, N, "chain depth: the proxy verifies the whole chain"),
+    _e("proxy-ssl-name", hosts, H, "the name verified and sent as SNI"),
+    _e("proxy-ssl-server-name", one_of("on", "off"), D, "SNI is always sent"),
+    _e(
+        "proxy-ssl-ciphers",
+        _matching(re.compile(r"[A-Za-z0-9:_+!-]{1,2048}"), "an OpenSSL cipher list"),
+        N,
+        "the proxy's TLS 1.2+ cipher policy applies",
+    ),
+    _e(
+        "proxy-ssl-protocols",
+        _matching(
+            re.compile(
+                r"(TLSv1(\.[123])?|SSLv[23])( TLSv1(\.[123"
+                r"])?| SSLv[23])*"
+            ),
+            "TLS protocol names",
+        ),
+        N,
+        "the proxy speaks TLS 1.2+ only",
+    ),
+    _e(
+        "ssl-passthrough",
+        boolean,
+        H,
+        "the host's TLS relayed by SNI on the HTTPS port to "
+        "the backend of its `/` path (as --enable-ssl-passthrough)",
+    ),
+    _e("mirror-target", url, X, "mirroring to a URL (the proxy mirrors to Services)", lacks=True),
+    _e("mirror-host", hosts, X, "mirroring to a URL", lacks=True),
+    _e("mirror-request-body", one_of("on", "off"), X, "mirroring to a URL", lacks=True),
+    _e(
+        "connection-proxy-header",
+        one_of("keep-alive", "close", "upgrade", case=False),
+        X,
+        "the proxy owns the Connection header",
+        lacks=True,
+    ),
+    _e("fastcgi-index", plain, X, "FastCGI backends"),
+    _e("fastcgi-params-configmap", name, X, "FastCGI backends"),
+    # ------------------------------------------------------------ responses
+    _e("enable-cors", boolean, X, _CORS, lacks=True),
+    _e("cors-allow-origin", origins, X, _CORS, lacks=True),
+    _e("cors-allow-methods", methods, X, _CORS, lacks=True),
+    _e("cors-allow-headers", headers, X, _CORS, lacks=True),
+    _e("cors-expose-headers", headers, X, _CORS, lacks=True),
+    _e("cors-allow-credentials", boolean, X, _CORS, lacks=True),
+    _e("cors-max-age", integer, X, _CORS, lacks=True),
+    _e(
+        "custom-headers",
+        name,
+        H,
+        "the ConfigMap's entries set on every response; a "
+        "missing ConfigMap or a bad header: not served (ingress-nginx answers 503)",
+    ),
+    _e("custom-http-errors", status_codes, X, "answers from an error backend", lacks=True),
+    _e("default-backend", name, X, "a fallback Service for errors and no endpoints", lacks=True),
+    _e("disable-proxy-intercept-errors", boolean, N, "only meaningful with custom-http-errors"),
+    _e(
+        "enable-access-log",
+        boolean,
+        D,
+        "`true` exactly; `false` is not honoured (the proxy logs every request)",
+        lacks=True,
+    ),
+    _e("enable-rewrite-log", boolean, N, "nginx's debug log of rewrites"),
+    _e(
+        "enable-opentelemetry",
+        boolean,
+        D,
+        "tracing is the proxy's own setting (its sample rate), not per Ingress",
+    ),
+    _e(
+        "opentelemetry-trust-incoming-span",
+        boolean,
+        D,
+        "the proxy continues a sampled incoming trace",
+    ),
+    _e("opentelemetry-operation-name", plain, X, "span names are the proxy's", lacks=True),
+    _e("enable-opentracing", boolean, N, "removed from ingress-nginx (OpenTelemetry instead)"),
+    _e("opentracing-trust-incoming-span", boolean, N, "removed from ingress-nginx"),
+    _e("http2-push-preload", boolean, N, "HTTP/2 server push is gone from browsers"),
+    _e(
+        "ssl-ciphers",
+        _matching(re.compile(r"[A-Za-z0-9:_+!-]{1,2048}"), "an OpenSSL cipher list"),
+        X,
+        "per-host cipher lists: the proxy's TLS 1.2+ policy applies",
+    ),
+    _e("ssl-prefer-server-ciphers", boolean, N, "the proxy's TLS stack orders its ciphers"),
+    # ------------------------------------------------------------ snippets and WAF
+    _e(
+        "configuration-snippet",
+        any_text,
+        X,
+        "nginx configuration text (a literal subset is "
+        "honoured when the ConfigMap allows snippets)",
+    ),
+    _e(
+        "server-snippet",
+        any_text,
+        X,
+        "nginx configuration text (a literal subset is "
+        "honoured when the ConfigMap allows snippets)",
+    ),
+    _e("stream-snippet", any_text, X, "nginx stream configuration text"),
+    _e("enable-modsecurity", boolean, X, _WAF, access=True),
+    _e("enable-owasp-core-rules", boolean, X, _WAF, access=True),
+    _e("modsecurity-transaction-id", plain, X, _WAF, access=True),
+    _e("modsecurity-snippet", any_text, X, _WAF, access=True),
+    _e("enable-influxdb", boolean, N, "removed from ingress-nginx"),
+    _e("influxdb-measurement", plain, N, "removed from ingress-nginx"),
+    _e("influxdb-port", plain, N, "removed from ingress-nginx"),
+    _e("influxdb-host", plain, N, "removed from ingress-nginx"),
+    _e("influxdb-server-name", plain, N, "removed from ingress-nginx"),
+)
+
+CATALOGUE: dict[str, Entry] = {entry.name: entry for entry in ENTRIES}
+
+#: Snippet annotations (their text is parsed by `annotations`, never rendered).
+SNIPPETS = frozenset(("configuration-snippet", "server-snippet", "auth-snippet", "stream-snippet"))
+
+
+def is_access(short: str) -> bool:
+    """Bears on who reaches the backend (the issue's list), catalogued or not."""
+    entry = CATALOGUE.get(short)
+    if entry is not None and entry.access:
+        return True
+    return short.startswith(("auth-", "limit-", "modsecurity-")) or short.endswith("-source-range")
+
+
+def proxy_lacks() -> list[str]:
+    """The annotations not honoured (or honoured only in part) only for want of a
+    per-request behaviour in the proxy."""
+    return sorted(entry.name for entry in ENTRIES if entry.proxy_lacks)

@@ -1,0 +1,321 @@
+"""The ingress-nginx controller's flags and its ConfigMap, as Waygate reads them.
+
+`IngressNginx` is what the resolver's flags say (--ingress-nginx and friends);
+`ControllerConfig` is the controller ConfigMap's data, parsed on every
+translation (so a change to the ConfigMap applies live). Every key is given a
+verdict as annotations are: honoured (it gives annotations their defaults or
+maps onto a route field), no-op (nginx tuning with no meaning for a streaming
+proxy) or not honoured. A not-honoured key that bears on access (block lists,
+global authentication, a WAF, allow-lists) makes every Ingress of the class
+not served: the controller-wide protection cannot be given, so nothing is
+served unprotected.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from waygate.resolver.ingress_nginx.catalogue import DEFAULT_PREFIX, Verdict
+
+#: ingress-nginx's controller name (IngressClass spec.controller).
+CONTROLLER = "k8s.io/ingress-nginx"
+DEFAULT_CLASS = "nginx"
+RISK_LEVELS = ("Low", "Medium", "High", "Critical")
+
+#: Keys that give the annotations their defaults or map onto route fields.
+HONOURED_KEYS = frozenset(
+    (
+        "allow-snippet-annotations",
+        "annotations-risk-level",
+        "ssl-redirect",
+        "force-ssl-redirect",
+        "http-redirect-code",
+        "load-balance",
+        "proxy-connect-timeout",
+        "proxy-read-timeout",
+        "proxy-send-timeout",
+        "hsts",
+        "hsts-max-age",
+        "hsts-include-subdomains",
+        "hsts-preload",
+        "use-forwarded-headers",
+        "compute-full-forwarded-for",
+    )
+)
+#: nginx tuning with no meaning for a streaming proxy.
+NOOP_KEYS = frozenset(
+    (
+        "worker-processes",
+        "worker-cpu-affinity",
+        "worker-shutdown-timeout",
+        "max-worker-connections",
+        "max-worker-open-files",
+        "proxy-buffering",
+        "proxy-buffer-size",
+        "proxy-buffers-number",
+        "proxy-busy-buffers-size",
+        "proxy-max-temp-file-size",
+        "client-body-buffer-size",
+        "client-header-buffer-size",
+        "large-client-header-buffers",
+        "reuse-port",
+        "variables-hash-bucket-size",
+        "variables-hash-max-size",
+        "server-name-hash-bucket-size",
+        "server-name-hash-max-size",
+        "map-hash-bucket-size",
+        "proxy-headers-hash-bucket-size",
+        "proxy-headers-hash-max-size",
+        "enable-underscores-in-headers",
+        "error-log-level",
+        "enable-vts-status",
+        "http2-max-field-size",
+        "http2-max-header-size",
+        "ssl-buffer-size",
+        "ssl-session-cache",
+        "ssl-session-cache-size",
+        "ssl-session-tickets",
+        "ssl-session-timeout",
+        "upstream-keepalive-connections",
+        "upstream-keepalive-requests",
+        "upstream-keepalive-timeout",
+        "upstream-keepalive-time",
+    )
+)
+#: Not honoured and bearing on access: every Ingress of the class is refused.
+ACCESS_KEYS = frozenset(
+    (
+        "block-cidrs",
+        "block-user-agents",
+        "block-referers",
+        "global-auth-url",
+        "global-auth-method",
+        "global-auth-signin",
+        "global-auth-response-headers",
+        "global-auth-snippet",
+        "whitelist-source-range",
+        "allowlist-source-range",
+        "denylist-source-range",
+        "enable-modsecurity",
+        "enable-owasp-modsecurity-crs",
+        "modsecurity-snippet",
+        "global-rate-limit-memcached-host",
+    )
+)
+_TRUE = frozenset(("true", "1", "t", "True", "TRUE", "T"))
+#: A class name or an annotation prefix (a DNS subdomain).
+DNS_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+
+
+@dataclass(frozen=True)
+class IngressNginx:
+    """What the resolver's --ingress-nginx flags say."""
+
+    class_name: str = DEFAULT_CLASS
+    prefix: str = DEFAULT_PREFIX
+    configmap: tuple[str, str] | None = None  # (namespace, name)
+    default_certificate: tuple[str, str] | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> IngressNginx | None:
+        """The resolver's --ingress-nginx flags (its Settings), checked: None when off;
+        ValueError "FIELD: why" for a flag that is wrong or cannot be honoured."""
+        given = [
+            name
+            for name in (
+                "ingress_nginx_configmap",
+                "tcp_services_configmap",
+                "default_ssl_certificate",
+                "admission_webhook_port",
+            )
+            if getattr(settings, name)
+        ]
+        if not settings.ingress_nginx:
+            if given or settings.ingress_nginx_class != DEFAULT_CLASS:
+                raise ValueError(f"{(given or ['ingress_nginx_class'])[0]}: needs --ingress-nginx")
+            return None
+        if not settings.kubernetes and settings.manifests is None:
+            raise ValueError("ingress_nginx: needs --kubernetes or --manifests")
+        if settings.admission_webhook_port and not settings.kubernetes:
+            raise ValueError(
+                "admission_webhook_port: the webhook answers a cluster's API server; "
+                "it needs --kubernetes"
+            )
+        if settings.tcp_services_configmap:
+            parse_reference(settings.tcp_services_configmap, "tcp_services_configmap")
+            raise ValueError(
+                "tcp_services_configmap: TCP services are not implemented yet; serve those "
+                "ports another way (refused rather than ignored)"
+            )
+        configmap, certificate = (
+            parse_reference(getattr(settings, name), name) if getattr(settings, name) else None
+            for name in ("ingress_nginx_configmap", "default_ssl_certificate")
+        )
+        return cls(
+            class_name=settings.ingress_nginx_class,
+            prefix=settings.annotations_prefix,
+            configmap=configmap,
+            default_certificate=certificate,
+        )
+
+    def annotated(self, obj: Any) -> bool:
+        """The object carries at least one annotation of the prefix."""
+        annotations = ((obj or {}).get("metadata") or {}).get("annotations") or {}
+        return isinstance(annotations, dict) and any(
+            self.annotation(str(key)) is not None for key in annotations
+        )
+
+    def annotation(self, full: str) -> str | None:
+        """The short name of an annotation of our prefix ("rewrite-target"), else None."""
+        head, slash, short = full.partition("/")
+        return short if slash and head == self.prefix else None
+
+
+@dataclass(frozen=True)
+class KeyVerdict:
+    key: str
+    value: str
+    verdict: Verdict
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    """The controller ConfigMap's data with ingress-nginx's defaults."""
+
+    data: Mapping[str, str] = field(default_factory=dict)
+
+    def text(self, key: str, default: str) -> str:
+        value = self.data.get(key)
+        return default if value is None or value == "" else str(value)
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self.data.get(key)
+        return default if value is None or value == "" else str(value) in _TRUE
+
+    def seconds(self, key: str, default: float) -> float:
+        try:
+            return float(self.text(key, str(default)))
+        except ValueError:
+            return default
+
+    @property
+    def snippets_allowed(self) -> bool:
+        """ingress-nginx's model: allow-snippet-annotations (default false) and a risk
+        level (default High) of Critical, the level of every snippet annotation."""
+        return (
+            self.flag("allow-snippet-annotations", False)
+            and self.text("annotations-risk-level", "High") == "Critical"
+        )
+
+    def verdicts(self) -> list[KeyVerdict]:
+        out = []
+        for key in sorted(self.data):
+            value = str(self.data[key])
+            if key in HONOURED_KEYS or (
+                key == "forwarded-for-header" and value.lower() == "x-forwarded-for"
+            ):
+                out.append(KeyVerdict(key, value, Verdict.HONOURED))
+            elif key in NOOP_KEYS:
+                out.append(KeyVerdict(key, value, Verdict.NOOP, "nginx tuning"))
+            elif key in ACCESS_KEYS:
+                out.append(
+                    KeyVerdict(
+                        key,
+                        value,
+                        Verdict.NOT_HONOURED,
+                        "bears on access: every Ingress of the class is not served",
+                    )
+                )
+            else:
+                out.append(KeyVerdict(key, value, Verdict.NOT_HONOURED, "not honoured"))
+        return out
+
+    def refusal(self) -> str:
+        """Why no Ingress can be served under this ConfigMap ("" : they can)."""
+        for key in sorted(self.data):
+            if key in ACCESS_KEYS and str(self.data[key]).strip() not in ("", "false"):
+                return f"ConfigMap key {key}: not honoured by Waygate, and it bears on access"
+        return ""
+
+
+def config_from(obj: Any) -> ControllerConfig:
+    data = (obj or {}).get("data") or {}
+    if not isinstance(data, dict):
+        return ControllerConfig()
+    return ControllerConfig({str(k): str(v) for k, v in data.items()})
+
+
+def parse_reference(value: str, what: str) -> tuple[str, str]:
+    """NS/NAME -> (namespace, name); ValueError naming `what` otherwise."""
+    namespace, slash, name = value.partition("/")
+    if not slash or not namespace or not name or "/" in name:
+        raise ValueError(f"{what}: {value!r} must be NAMESPACE/NAME")
+    return namespace, name
+
+
+def class_of(obj: Any) -> str:
+    """The class an Ingress names: spec.ingressClassName, else the legacy annotation."""
+    spec = obj.get("spec") if isinstance(obj.get("spec"), dict) else {}
+    name = spec.get("ingressClassName")
+    if isinstance(name, str) and name:
+        return name
+    annotations = (obj.get("metadata") or {}).get("annotations") or {}
+    legacy = annotations.get("kubernetes.io/ingress.class") if isinstance(annotations, dict) else ""
+    return str(legacy or "")
+
+
+def classes(
+    ingress_classes: Mapping[tuple[str, str], Any], settings: IngressNginx | None
+) -> dict[str, Any]:
+    """The classes ingress-nginx would serve, by name: IngressClasses whose
+    controller is k8s.io/ingress-nginx, and --ingress-nginx-class when no
+    IngressClass of that name exists (then the object is {})."""
+    if settings is None:
+        return {}
+    out = {
+        key[1]: obj
+        for key, obj in ingress_classes.items()
+        if ((obj or {}).get("spec") or {}).get("controller") == CONTROLLER
+    }
+    if not any(key[1] == settings.class_name for key in ingress_classes):
+        out[settings.class_name] = {}
+    return out
+
+
+def default_class(ingress_classes: Mapping[str, Any]) -> str | None:
+    """The class (by name) annotated ingressclass.kubernetes.io/is-default-class: "true"."""
+    return next(
+        (
+            name
+            for name, obj in sorted(ingress_classes.items())
+            if (((obj or {}).get("metadata") or {}).get("annotations") or {}).get(
+                "ingressclass.kubernetes.io/is-default-class"
+            )
+            == "true"
+        ),
+        None,
+    )
+
+
+def with_plain_paths(obj: Any) -> Any:
+    """A copy of an Ingress whose rule paths are all "/": its paths are the
+    plan's to check (regular expressions are not paths the Gateway parser takes)."""
+    spec = obj.get("spec")
+    if not isinstance(spec, dict) or not isinstance(spec.get("rules"), list):
+        return obj
+    rules = []
+    for rule in spec["rules"]:
+        if isinstance(rule, dict) and isinstance(rule.get("http"), dict):
+            http = dict(rule["http"])
+            if isinstance(http.get("paths"), list):
+                http["paths"] = [
+                    {**item, "path": "/"} if isinstance(item, dict) else item
+                    for item in http["paths"]
+                ]
+            rule = {**rule, "http": http}
+        rules.append(rule)
+    return {**obj, "spec": {**spec, "rules": rules}}

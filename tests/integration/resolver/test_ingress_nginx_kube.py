@@ -1,0 +1,135 @@
+"""--ingress-nginx in Kubernetes mode, through the STAND-IN API server (tests/support/kubeapi;
+no real API server runs here): Ingresses of the nginx class (no IngressClass object)
+are listed and watched into routes, the controller ConfigMap applies live, the leader
+writes each Ingress's status.loadBalancer and posts Events on the one it refuses."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import pytest
+from kubernetes import client as k8s
+
+from tests.support.kubeapi import KubeAPI as StandIn
+from tests.support.poll import until
+from waygate.core.kube import KubeAPI
+from waygate.resolver.gateway.kube import KINDS, GatewayObjects, StatusWriter
+from waygate.resolver.gateway.status import StatusBoard
+from waygate.resolver.ingress_nginx.config import IngressNginx
+from waygate.resolver.ingress_nginx.events import IngressEventWriter
+from waygate.resolver.kube import KubernetesSource, Timeouts
+from waygate.resolver.store import Store
+
+P = "nginx.ingress.kubernetes.io/"
+
+
+@pytest.fixture
+def kubeapi() -> Any:
+    with StandIn(history=500, default_watch_timeout=60) as api:
+        api.register("waygate.io/v1", "Route", "routes", namespaced=True)
+        for kind, (prefix, plural, namespaced) in KINDS.items():
+            if prefix.startswith("/apis/"):
+                api.register(prefix[len("/apis/") :], kind, plural, namespaced=namespaced)
+        yield api
+
+
+def ingress(name: str, annotations: dict[str, str]) -> dict[str, Any]:
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "Ingress",
+        "metadata": {"name": name, "namespace": "shop", "annotations": annotations},
+        "spec": {
+            "ingressClassName": "nginx",
+            "rules": [
+                {
+                    "host": f"{name}.example.com",
+                    "http": {
+                        "paths": [
+                            {
+                                "path": "/",
+                                "pathType": "Prefix",
+                                "backend": {"service": {"name": "web", "port": {"number": 80}}},
+                            }
+                        ]
+                    },
+                }
+            ],
+        },
+    }
+
+
+def refused(store: Store, name: str) -> bool | None:
+    """None: no route of the Ingress yet; else whether its routes are refused."""
+    mine = [r for r in store.routes() if r.origin == f"Ingress shop/{name}"]
+    if not mine:
+        return None
+    return all(r.ingress_refusal is not None for r in mine)
+
+
+async def test_kubernetes_mode_serves_refuses_and_follows_the_configmap(kubeapi: StandIn) -> None:
+    kubeapi.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "shop"}})
+    kubeapi.create(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "web", "namespace": "shop"},
+            "spec": {"ports": [{"name": "http", "port": 80, "targetPort": 8080}]},
+        }
+    )
+    kubeapi.create(ingress("shop", {P + "rewrite-target": "/"}))
+    kubeapi.create(ingress("admin", {P + "whitelist-source-range": "10.0.0.0/8"}))
+    store, board = Store(), StatusBoard()
+    settings = IngressNginx(configmap=("ingress-nginx", "controller"))
+    gateway = GatewayObjects(store, board, addresses=("192.0.2.7",), ingress_nginx=settings)
+    source = KubernetesSource(
+        store,
+        kubeapi.configuration(),
+        gateway=gateway,
+        timeouts=Timeouts(watch=60, connect=2, request=5),
+        backoff_initial=0.02,
+        backoff_maximum=0.1,
+        rng=random.Random(1),
+    )
+    client = KubeAPI(k8s.ApiClient(kubeapi.configuration()), timeout=5)
+    status = StatusWriter(client, board, is_leader=lambda: True, interval=0.05)
+    events = IngressEventWriter(store, client, is_leader=lambda: True, interval=0.05)
+    tasks = [asyncio.create_task(t.run()) for t in (source, status, events)]
+    try:
+        await until(lambda: refused(store, "shop") is False, timeout=10)
+        assert refused(store, "admin") is True
+
+        def address(name: str) -> list[Any]:
+            obj = kubeapi.get("networking.k8s.io/v1", "Ingress", name, "shop")
+            return ((obj.get("status") or {}).get("loadBalancer") or {}).get("ingress") or []
+
+        await until(lambda: address("shop") == [{"ip": "192.0.2.7"}], timeout=10)
+        assert address("admin") == []
+
+        def reasons() -> dict[str, str]:
+            return {
+                e["involvedObject"]["name"]: e["reason"]
+                for e in kubeapi.list("v1", "Event", "shop")
+            }
+
+        await until(lambda: reasons().get("admin") == "UnsupportedAnnotation", timeout=10)
+        # The controller ConfigMap changes live: a block list Waygate cannot honour
+        # refuses every Ingress of the class; removing it serves them again.
+        kubeapi.create(
+            {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {"name": "controller", "namespace": "ingress-nginx"},
+                "data": {"block-cidrs": "198.51.100.0/24"},
+            }
+        )
+        await until(lambda: refused(store, "shop") is True, timeout=10)
+        await until(lambda: reasons().get("shop") == "UnsupportedConfiguration", timeout=10)
+        kubeapi.delete("v1", "ConfigMap", "controller", "ingress-nginx")
+        await until(lambda: refused(store, "shop") is False, timeout=10)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        client.close()

@@ -1,0 +1,551 @@
+"""ingress-nginx Ingresses through a real resolver (--manifests --ingress-nginx) and proxy.
+
+The harness of the Gateway API conformance cases (tests/support/gatewayapi): real
+processes, RecordingUpstream backends that echo what they received. Each test
+ports the assertions of one of ingress-nginx's own end-to-end annotation tests
+(kubernetes/ingress-nginx, test/e2e/annotations/*.go, controller v1.15.1), cited
+by file and `It`; where Waygate's answer differs by a catalogued difference, the
+test says so and asserts Waygate's documented behaviour. The fail-closed tests
+check that an Ingress guarded by an annotation Waygate cannot honour, or carrying
+an injection payload, is not served while every other Ingress is.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import yaml
+
+from tests.support.gatewayapi import INFRA, Conformance
+from tests.support.processes import run_cli
+
+pytestmark = [pytest.mark.system, pytest.mark.asyncio(loop_scope="module")]
+
+P = "nginx.ingress.kubernetes.io/"
+V1 = f"{INFRA}/infra-backend-v1"
+V2 = f"{INFRA}/infra-backend-v2"
+CONTROLLER = {
+    "apiVersion": "v1",
+    "kind": "ConfigMap",
+    "metadata": {"name": "ingress-nginx-controller", "namespace": "ingress-nginx"},
+    "data": {"allow-snippet-annotations": "true", "annotations-risk-level": "Critical"},
+}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def suite(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Conformance]:
+    conformance = Conformance(
+        tmp_path_factory.mktemp("manifests"),
+        resolver_args=(
+            "--ingress-nginx",
+            "--ingress-nginx-configmap",
+            "ingress-nginx/ingress-nginx-controller",
+        ),
+    )
+    await conformance.start()
+    try:
+        yield conformance
+    finally:
+        await conformance.stop()
+
+
+def single_ingress(
+    name: str,
+    path: str,
+    host: str,
+    annotations: dict[str, str] | None = None,
+    service: str = "infra-backend-v1",
+) -> dict[str, Any]:
+    """framework.NewSingleIngress: one host, one Prefix path, to the echo backend."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "Ingress",
+        "metadata": {"name": name, "namespace": INFRA, "annotations": annotations or {}},
+        "spec": {
+            "ingressClassName": "nginx",
+            "rules": [
+                {
+                    "host": host,
+                    "http": {
+                        "paths": [
+                            {
+                                "path": path,
+                                "pathType": "Prefix",
+                                "backend": {
+                                    "service": {
+                                        "name": service,
+                                        "port": {"number": 8080},
+                                    }
+                                },
+                            }
+                        ]
+                    },
+                }
+            ],
+        },
+    }
+
+
+async def apply(suite: Conformance, *ingresses: dict[str, Any]) -> None:
+    await suite.apply(extra=yaml.safe_dump_all([CONTROLLER, *ingresses]))
+
+
+async def test_approot_should_redirect_to_foo(suite: Conformance) -> None:
+    # approot.go: It("should redirect to /foo")
+    host = "approot.bar.com"
+    await apply(suite, single_ingress(host, "/", host, {P + "app-root": "/foo"}))
+    response = await suite.eventually("/", host=host, status=302)
+    assert response.header("Location") == "http://approot.bar.com/foo"
+
+
+async def test_redirect_standard_and_custom_code(suite: Conformance) -> None:
+    # redirect.go: It("should respond with a standard redirect code"),
+    # It("should respond with a custom redirect code")
+    url = "http://redirect.example.com"
+    standard = single_ingress(
+        "std", "/something", "redirect.bar.com", {P + "permanent-redirect": url}
+    )
+    custom = single_ingress(
+        "custom",
+        "/something",
+        "redirect2.bar.com",
+        {P + "permanent-redirect": url, P + "permanent-redirect-code": "302"},
+    )
+    await apply(suite, standard, custom)
+    response = await suite.eventually("/something", host="redirect.bar.com", status=301)
+    assert response.header("Location") == url
+    response = await suite.eventually("/something", host="redirect2.bar.com", status=302)
+    assert response.header("Location") == url
+
+
+async def test_xforwardedprefix_sets_the_header_to_the_annotation_value(suite: Conformance) -> None:
+    # xforwardedprefix.go: It("should set the X-Forwarded-Prefix to the annotation value")
+    host = "xfp.bar.com"
+    annotations = {P + "x-forwarded-prefix": "/test/value", P + "rewrite-target": "/foo"}
+    await apply(suite, single_ingress(host, "/", host, annotations))
+    response = await suite.eventually("/", host=host, backend=V1)
+    assert response.request_header("X-Forwarded-Prefix") == "/test/value"
+    assert response.echo["target"] == "/foo"
+
+
+async def test_upstreamvhost_sets_the_host(suite: Conformance) -> None:
+    # upstreamvhost.go: It("set host to upstreamvhost.bar.com")
+    host = "upstreamvhost.bar.com.test"
+    annotations = {P + "upstream-vhost": "upstreamvhost.bar.com"}
+    await apply(suite, single_ingress(host, "/", host, annotations))
+    response = await suite.eventually("/", host=host, backend=V1)
+    assert response.request_header("Host") == "upstreamvhost.bar.com"
+
+
+async def test_alias_serves_the_host_and_its_alias_and_nothing_else(suite: Conformance) -> None:
+    # alias.go: It("should return status code 200 for host 'foo' and 404 for 'bar'"),
+    # It("should return status code 200 for host 'foo' and 'bar'")
+    await apply(
+        suite,
+        single_ingress("plain", "/", "foo"),
+        single_ingress("aliased", "/", "foo2", {P + "server-alias": "bar2"}),
+    )
+    await suite.eventually("/", host="foo", backend=V1)
+    assert (await suite.request("/", host="bar")).status == 404
+    await suite.eventually("/", host="foo2", backend=V1)
+    await suite.eventually("/", host="bar2", backend=V1)
+
+
+async def test_fromtowwwredirect_from_www_http_to_http(suite: Conformance) -> None:
+    # fromtowwwredirect.go: It("should redirect from www HTTP to HTTP"). ingress-nginx's
+    # Location names the port (http://fromtowwwredirect.bar.com:80/foo); Waygate leaves
+    # the scheme's well-known port out (the catalogued redirect behaviour).
+    host = "fromtowwwredirect.bar.com"
+    await apply(suite, single_ingress(host, "/", host, {P + "from-to-www-redirect": "true"}))
+    response = await suite.eventually("/foo", host=f"www.{host}", status=308)
+    assert response.header("Location") == "http://fromtowwwredirect.bar.com/foo"
+
+
+async def test_forcesslredirect_should_redirect_to_https(suite: Conformance) -> None:
+    # forcesslredirect.go: It("should redirect to https"). ingress-nginx strips the
+    # trailing slash (https://forcesslredirect.bar.com) unless preserve-trailing-slash;
+    # Waygate keeps the path as it is (the catalogued difference).
+    host = "forcesslredirect.bar.com"
+    await apply(suite, single_ingress(host, "/", host, {P + "force-ssl-redirect": "true"}))
+    response = await suite.eventually("/", host=host, status=308)
+    assert response.header("Location") == "https://forcesslredirect.bar.com/"
+
+
+async def test_snippet_literal_headers_with_the_configmap_allowing_snippets(
+    suite: Conformance,
+) -> None:
+    # snippet.go: It("set snippet more_set_headers in all locations") -- the response
+    # carries the header the snippet sets.
+    host = "configurationsnippet.foo.com"
+    snippet = {P + "configuration-snippet": 'more_set_headers "Foo1: Bar1";'}
+    await apply(suite, single_ingress(host, "/", host, snippet))
+    response = await suite.eventually("/", host=host, backend=V1)
+    assert response.response_header("Foo1") == "Bar1"
+
+
+async def test_fail_closed_and_injection_refused_alone(suite: Conformance) -> None:
+    guarded = single_ingress(
+        "guarded", "/", "guarded.bar.com", {P + "whitelist-source-range": "10.0.0.0/8"}
+    )
+    auth = single_ingress(
+        "auth", "/", "auth.bar.com", {P + "auth-url": "http://auth.example.com/check"}
+    )
+    # CVE-2025-24514's published payload.
+    injected = single_ingress(
+        "injected",
+        "/",
+        "injected.bar.com",
+        {P + "auth-url": "http://example.com/#;\ninjection_point"},
+    )
+    lua = single_ingress(
+        "lua", "/", "lua.bar.com", {P + "configuration-snippet": "content_by_lua_block { }"}
+    )
+    served = single_ingress("served", "/", "served.bar.com")
+    await apply(suite, guarded, auth, injected, lua, served)
+    await suite.eventually("/", host="served.bar.com", backend=V1)
+    for host in ("guarded.bar.com", "auth.bar.com", "injected.bar.com", "lua.bar.com"):
+        assert (await suite.request("/", host=host)).status == 404, host
+    # CVE-2026-24513 (auth-url bypassed by encoded and dot-segment paths): an
+    # authenticated Ingress Waygate cannot authenticate is served to no path at all.
+    for path in ("/%2e%2e/admin", "/./admin", "/admin/..%2f", "//admin", "/%61dmin"):
+        response = await suite.request(path, host="auth.bar.com")
+        assert response.status in (400, 404), (path, response.status)
+    assert suite.resolver is not None
+    code, out, err = await run_cli("routes", "--addr", suite.resolver.grpc_address, "-o", "json")
+    assert code == 0, err
+    routes = json.loads(out)
+    text = json.dumps(routes)
+    assert "UnsupportedAnnotation" in text and "InvalidAnnotation" in text
+    assert "whitelist-source-range" in text
+    # `waygate check` names each refused Ingress and what to do.
+    code, out, err = await run_cli("check", "--resolver", suite.resolver.grpc_address)
+    assert code != 0
+    assert "ingress:guarded:" in out and "UnsupportedAnnotation" in out
+    assert "`waygate ingress-nginx check` names it" in out
+
+
+def canary(host: str, annotations: dict[str, str]) -> dict[str, Any]:
+    return single_ingress(
+        f"{host}-canary",
+        "/",
+        host,
+        {P + "canary": "true", **annotations},
+        service="infra-backend-v2",
+    )
+
+
+async def test_canary_by_header_with_no_value(suite: Conformance) -> None:
+    # canary.go: Context("when canaried by header with no value") It("should route
+    # requests to the correct upstream"); and It("should return 404 status for requests
+    # to the canary if no matching ingress is found").
+    host = "foo"
+    await apply(
+        suite,
+        single_ingress(host, "/", host),
+        canary(host, {P + "canary-by-header": "CanaryByHeader"}),
+        canary("nomain", {P + "canary-by-header": "CanaryByHeader"}),
+    )
+    await suite.eventually("/", host=host, backend=V2, headers={"CanaryByHeader": "always"})
+    for value in ("never", "badheadervalue"):
+        response = await suite.request("/", host=host, headers={"CanaryByHeader": value})
+        assert response.backend == V1, value
+    response = await suite.request("/", host="nomain", headers={"CanaryByHeader": "always"})
+    assert response.status == 404
+
+
+async def test_canary_by_header_with_value(suite: Conformance) -> None:
+    # canary.go: Context("when canaried by header with value") It("should route requests
+    # to the correct upstream")
+    host = "foo"
+    annotations = {
+        P + "canary-by-header": "CanaryByHeader",
+        P + "canary-by-header-value": "DoCanary",
+    }
+    await apply(suite, single_ingress(host, "/", host), canary(host, annotations))
+    await suite.eventually("/", host=host, backend=V2, headers={"CanaryByHeader": "DoCanary"})
+    for value in ("always", "never", "otherheadervalue"):
+        response = await suite.request("/", host=host, headers={"CanaryByHeader": value})
+        assert response.backend == V1, value
+
+
+async def test_canary_by_weight(suite: Conformance) -> None:
+    # canary.go: Context("when canaried by weight") It("should route requests only to
+    # mainline if canary weight is 0"), It("should route requests only to canary if canary
+    # weight is 100"), It("should route requests split between mainline and canary if
+    # canary weight is 100 and weight total is 200")
+    await apply(
+        suite,
+        single_ingress("zero", "/", "zero"),
+        canary("zero", {P + "canary-weight": "0"}),
+        single_ingress("all", "/", "all"),
+        canary("all", {P + "canary-weight": "100"}),
+        single_ingress("half", "/", "half"),
+        canary("half", {P + "canary-weight": "100", P + "canary-weight-total": "200"}),
+    )
+    await suite.eventually("/", host="all", backend=V2)
+    for _ in range(10):
+        assert (await suite.request("/", host="zero")).backend == V1
+        assert (await suite.request("/", host="all")).backend == V2
+    seen = {(await suite.request("/", host="half")).backend for _ in range(40)}
+    assert seen == {V1, V2}
+
+
+async def test_ssl_passthrough_relays_tls_by_sni(suite: Conformance) -> None:
+    # ssl-passthrough (docs/user-guide/tls.md#ssl-passthrough; no e2e file of its own in
+    # test/e2e/annotations): the client sees the backend's own certificate.
+    from tests.system.test_gateway_tls_ingress import common_name, peer_certificate, tls_backend
+
+    host = "passthrough.bar.com"
+    async with tls_backend(host) as port:
+        backend = f"""apiVersion: v1
+kind: Service
+metadata: {{name: nginx-tls-backend, namespace: {INFRA}}}
+spec: {{ports: [{{name: https, port: 443, targetPort: {port}}}]}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: nginx-tls-backend-local
+  namespace: {INFRA}
+  labels: {{kubernetes.io/service-name: nginx-tls-backend}}
+addressType: IPv4
+ports: [{{name: https, port: {port}}}]
+endpoints: [{{addresses: [127.0.0.1]}}]
+"""
+        item = single_ingress(host, "/", host, {P + "ssl-passthrough": "true"})
+        item["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"] = {
+            "name": "nginx-tls-backend",
+            "port": {"number": 443},
+        }
+        await suite.apply(extra=yaml.safe_dump_all([CONTROLLER, item]) + "\n---\n" + backend)
+        served = await peer_certificate(suite.https_port, host)
+        assert common_name(served) == host
+        response = await suite.request("/", host=host, tls=True)
+        assert (response.status, response.body) == (200, b"passthrough")
+
+
+async def test_rewrite_should_use_correct_longest_path_match(suite: Conformance) -> None:
+    # rewrite.go: It("should use correct longest path match")
+    host = "rewrite.bar.com"
+    await apply(
+        suite,
+        single_ingress("kube-lego", "/.well-known/acme/challenge", host),
+        single_ingress("rewrite-index", "/", host, {P + "rewrite-target": "/new/backend"}),
+    )
+    response = await suite.eventually("/.well-known/acme/challenge", host=host, backend=V1)
+    assert response.echo["target"] == "/.well-known/acme/challenge"
+    response = await suite.request("/anything", host=host)
+    assert response.echo["target"] == "/new/backend"
+
+
+async def test_rewrite_should_use_the_case_insensitive_regex_location_modifier(
+    suite: Conformance,
+) -> None:
+    # rewrite.go: It("should use ~* location modifier if regex annotation is present")
+    host = "rewrite2.bar.com"
+    annotations = {P + "use-regex": "true", P + "rewrite-target": "/new/backend"}
+    item = single_ingress("regex", "/foo.+", host, annotations)
+    item["spec"]["rules"][0]["http"]["paths"][0]["pathType"] = "ImplementationSpecific"
+    await apply(suite, single_ingress("foo", "/foo", host), item)
+    response = await suite.eventually("/foo/bar", host=host, backend=V1)
+    assert response.echo["target"] == "/new/backend"
+    response = await suite.request("/foo", host=host)
+    assert response.echo["target"] == "/foo"
+    # ~*: case-insensitive.
+    assert (await suite.request("/FOO/bar", host=host)).echo["target"] == "/new/backend"
+
+
+async def test_rewrite_should_fail_to_use_longest_match_for_documented_warning(
+    suite: Conformance,
+) -> None:
+    # rewrite.go: It("should fail to use longest match for documented warning")
+    host = "rewrite3.bar.com"
+    annotations = {P + "use-regex": "true", P + "rewrite-target": "/new/backend"}
+    item = single_ingress("regex", "/foo/bar/[a-z]{3}", host, annotations)
+    item["spec"]["rules"][0]["http"]["paths"][0]["pathType"] = "ImplementationSpecific"
+    await apply(suite, single_ingress("foo", "/foo/bar/bar", host), item)
+    response = await suite.eventually("/foo/bar/bar", host=host, backend=V1)
+    assert response.echo["target"] == "/new/backend"
+
+
+async def test_rewrite_should_allow_for_custom_rewrite_parameters(suite: Conformance) -> None:
+    # rewrite.go: It("should allow for custom rewrite parameters")
+    host = "rewrite4.bar.com"
+    annotations = {P + "use-regex": "true", P + "rewrite-target": "/new/backend/$1"}
+    item = single_ingress("regex", "/foo/bar/(.+)", host, annotations)
+    item["spec"]["rules"][0]["http"]["paths"][0]["pathType"] = "ImplementationSpecific"
+    await apply(suite, item)
+    response = await suite.eventually("/foo/bar/bar", host=host, backend=V1)
+    assert response.echo["target"] == "/new/backend/bar"
+
+
+async def test_affinity_sets_and_renames_the_sticky_cookie(suite: Conformance) -> None:
+    # affinity.go: It("should set sticky cookie SERVERID"), It("should change cookie name
+    # on ingress definition change")
+    host = "sticky.foo.com"
+    annotations = {P + "affinity": "cookie", P + "session-cookie-name": "SERVERID"}
+    await apply(suite, single_ingress(host, "/", host, annotations))
+    response = await suite.eventually("/", host=host, backend=V1)
+    assert "SERVERID=" in (response.response_header("Set-Cookie") or "")
+    annotations[P + "session-cookie-name"] = "OTHERCOOKIENAME"
+    await apply(suite, single_ingress(host, "/", host, annotations))
+    response = await suite.eventually("/", host=host, backend=V1)
+    assert "OTHERCOOKIENAME=" in (response.response_header("Set-Cookie") or "")
+
+
+async def test_server_snippet_adds_valid_directives(suite: Conformance) -> None:
+    # serversnippet.go: It(`add valid directives to server via server snippet`) (the
+    # ConfigMap allows snippets: allow-snippet-annotations, annotations-risk-level Critical)
+    host = "serversnippet.foo.com"
+    snippet = 'more_set_headers "Foo: Bar";\nmore_set_headers "Xpto: Lalala";\n'
+    await apply(suite, single_ingress(host, "/", host, {P + "server-snippet": snippet}))
+    response = await suite.eventually("/", host=host, backend=V1)
+    assert response.response_header("Foo") == "Bar"
+    assert response.response_header("Xpto") == "Lalala"
+
+
+async def test_custom_headers_from_a_configmap(suite: Conformance) -> None:
+    # customheaders.go: It(`should set "more_set_headers 'My-Custom-Header' '42';" when
+    # custom-headers are set`), It("should return status code 503 when custom-headers is
+    # configured with an invalid secret") -- here the Ingress is not served (404, no
+    # route) rather than answered 503: the catalogued fail-closed refusal.
+    headers = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "custom-headers", "namespace": INFRA},
+        "data": {"My-Custom-Header": "42"},
+    }
+    annotations = {P + "custom-headers": f"{INFRA}/custom-headers"}
+    await apply(
+        suite,
+        headers,
+        single_ingress("custom-headers", "/", "custom-headers", annotations),
+        single_ingress(
+            "missing", "/", "missing-headers", {P + "custom-headers": f"{INFRA}/nothing"}
+        ),
+    )
+    response = await suite.eventually("/", host="custom-headers", backend=V1)
+    assert response.response_header("My-Custom-Header") == "42"
+    assert (await suite.request("/", host="missing-headers")).status == 404
+
+
+async def test_preserve_trailing_slash_on_the_https_redirect(suite: Conformance) -> None:
+    # preservetrailingslash.go: It("should allow preservation of trailing slashes")
+    from tests.support.gatewayapi import tls_secret
+
+    host = "forcesslredirect.bar.com"
+    annotations = {P + "ssl-redirect": "true", P + "preserve-trailing-slash": "true"}
+    item = single_ingress("trailing", "/", host, annotations)
+    item["spec"]["tls"] = [{"hosts": [host], "secretName": "trailing-tls"}]
+    await suite.apply(
+        extra=yaml.safe_dump_all([CONTROLLER, item])
+        + "\n---\n"
+        + tls_secret(INFRA, "trailing-tls", host)
+    )
+    response = await suite.eventually("/", host=host, status=308)
+    assert response.header("Location") == "https://forcesslredirect.bar.com/"
+
+
+async def test_xforwardedprefix_not_added_when_the_annotation_is_empty(suite: Conformance) -> None:
+    # xforwardedprefix.go: It("should not add X-Forwarded-Prefix if the annotation value
+    # is empty")
+    host = "xfp2.bar.com"
+    annotations = {P + "x-forwarded-prefix": "", P + "rewrite-target": "/foo"}
+    await apply(suite, single_ingress(host, "/", host, annotations))
+    response = await suite.eventually("/", host=host, backend=V1)
+    assert response.request_header("X-Forwarded-Prefix") is None
+
+
+async def test_the_resolver_process_answers_admission_reviews(tmp_path) -> None:
+    """`waygate resolver serve --kubernetes --ingress-nginx --admission-webhook-port`
+    (a real process, against the STAND-IN API server, tests/support/kubeapi.py): the
+    webhook listens with the process's certificate and denies what it would not serve."""
+    import asyncio
+    import http.client
+    import json
+    import socket
+    import ssl
+
+    from tests.integration.resolver.test_ingress_nginx_webhook import admission_review
+    from tests.support.kubeapi import KubeAPI
+    from tests.support.pki import self_signed
+    from tests.support.processes import start_service
+
+    cert, key = self_signed("waygate-resolver.waygate.svc")
+    (tmp_path / "tls.crt").write_text(cert)
+    (tmp_path / "tls.key").write_text(key)
+    (tmp_path / "tls.key").chmod(0o600)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with KubeAPI() as api:
+        api.bearer_token = "resolver-token"
+        api.register("waygate.io/v1", "Route", "routes", namespaced=True)
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(
+            f"""
+apiVersion: v1
+kind: Config
+clusters: [{{name: stand-in, cluster: {{server: "{api.url}"}}}}]
+users: [{{name: resolver, user: {{token: resolver-token}}}}]
+contexts: [{{name: test, context: {{cluster: stand-in, user: resolver}}}}]
+current-context: test
+"""
+        )
+        resolver = await start_service(
+            [
+                "waygate",
+                "resolver",
+                "serve",
+                "--grpc-port",
+                "0",
+                "--admin-port",
+                "0",
+                "--kubernetes",
+                "--kubeconfig",
+                str(kubeconfig),
+                "--ingress-nginx",
+                "--admission-webhook-port",
+                str(port),
+                "--tls-cert-file",
+                str(tmp_path / "tls.crt"),
+                "--tls-key-file",
+                str(tmp_path / "tls.key"),
+                # Its gRPC clients' CA (none call here): static TLS asks for one.
+                "--tls-client-ca-file",
+                str(tmp_path / "tls.crt"),
+            ]
+        )
+        try:
+            context = ssl.create_default_context(cafile=str(tmp_path / "tls.crt"))
+            context.check_hostname = False
+
+            def post(body: bytes) -> tuple[int, bytes]:
+                connection = http.client.HTTPSConnection(
+                    "127.0.0.1", port, context=context, timeout=5
+                )
+                try:
+                    connection.request("POST", "/validate", body=body)
+                    response = connection.getresponse()
+                    return response.status, response.read()
+                finally:
+                    connection.close()
+
+            review = admission_review({P + "whitelist-source-range": "10.0.0.0/8"})
+            async with asyncio.timeout(20):
+                while True:
+                    try:
+                        status, data = await asyncio.to_thread(post, json.dumps(review).encode())
+                        break
+                    except OSError:
+                        await asyncio.sleep(0.1)
+            assert status == 200
+            response = json.loads(data)["response"]
+            assert response["allowed"] is False
+            assert "UnsupportedAnnotation" in response["status"]["message"]
+        finally:
+            await resolver.stop()

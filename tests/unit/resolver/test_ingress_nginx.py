@@ -1,0 +1,885 @@
+"""ingress-nginx Ingresses: class selection, annotations as route fields, fail closed, injection.
+
+The injection payloads are the published ones of IngressNightmare (Wiz, March 2025:
+CVE-2025-24514 auth-url, CVE-2025-1097 auth-tls-match-cn, CVE-2025-1098 mirror and
+the Ingress UID, CVE-2025-1974 the ssl_engine load through the admission path) and
+CVE-2026-24512 (nginx configuration injected through spec.rules[].http.paths[].path).
+Each must leave its Ingress not served, name the Ingress, the field and the reason,
+and leave every other Ingress served.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.support.gatewayapi import tls_secret
+from waygate.resolver.gateway.translate import Objects, translate
+from waygate.resolver.ingress_nginx import catalogue
+from waygate.resolver.ingress_nginx.annotations import parse_snippet
+from waygate.resolver.ingress_nginx.catalogue import CATALOGUE, Verdict
+from waygate.resolver.ingress_nginx.config import IngressNginx
+from waygate.resolver.manifests import parse_manifests
+from waygate.resolver.model import (
+    ADMITTED,
+    FALSE,
+    BalancePolicy,
+    PathMatchType,
+    PathModifierType,
+    Route,
+    SameSite,
+    Service,
+    ServicePort,
+)
+from waygate.resolver.status import RouteStatusBook
+
+P = "nginx.ingress.kubernetes.io/"
+SETTINGS = IngressNginx()
+
+
+def ingress(
+    name: str,
+    annotations: dict[str, str] | None = None,
+    *,
+    host: str = "app.example.com",
+    path: str = "/",
+    path_type: str = "Prefix",
+    class_name: str | None = "nginx",
+    tls: bool = False,
+    namespace: str = "default",
+) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "rules": [
+            {
+                "host": host,
+                "http": {
+                    "paths": [
+                        {
+                            "path": path,
+                            "pathType": path_type,
+                            "backend": {"service": {"name": "web", "port": {"number": 80}}},
+                        }
+                    ]
+                },
+            }
+        ]
+    }
+    if class_name is not None:
+        spec["ingressClassName"] = class_name
+    if tls:
+        spec["tls"] = [{"hosts": [host], "secretName": "cert"}]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "Ingress",
+        "metadata": {"name": name, "namespace": namespace, "annotations": annotations or {}},
+        "spec": spec,
+    }
+
+
+def objects(*items: dict[str, Any], secrets: dict[Any, Any] | None = None) -> Objects:
+    web = Service("default", "web", ports=(ServicePort("http", 80, "8080"),))
+    found = Objects(services={web.key: web}, secrets=secrets or {})
+    for item in items:
+        meta = item["metadata"]
+        found.of(item["kind"])[(meta.get("namespace", ""), meta["name"])] = item
+    return found
+
+
+def routes_of(*items: dict[str, Any], settings: IngressNginx | None = SETTINGS) -> list[Route]:
+    return translate(objects(*items), ingress_nginx=settings).routes
+
+
+def by_ingress(routes: list[Route], name: str) -> list[Route]:
+    return [r for r in routes if r.origin.endswith("/" + name)]
+
+
+def served(routes: list[Route], name: str) -> bool:
+    mine = by_ingress(routes, name)
+    return bool(mine) and all(r.ingress_refusal is None for r in mine)
+
+
+def refusal(routes: list[Route], name: str) -> tuple[str, str]:
+    mine = by_ingress(routes, name)
+    assert mine, f"no routes for {name}"
+    found = mine[0].ingress_refusal
+    assert found is not None, f"{name} is served"
+    assert all(b.invalid for r in mine for b in r.backends), "a refused route has a usable backend"
+    return found
+
+
+# ---------------------------------------------------------------- the class
+
+
+def test_class_nginx_without_an_ingressclass_object_is_served_with_the_flag_only():
+    item = ingress("plain")
+    assert served(routes_of(item), "plain")
+    assert routes_of(item, settings=None) == []
+
+
+def test_legacy_class_annotation_and_a_renamed_class():
+    legacy = ingress("legacy", class_name=None)
+    legacy["metadata"]["annotations"]["kubernetes.io/ingress.class"] = "nginx"
+    assert served(routes_of(legacy), "legacy")
+    other = ingress("other", class_name="internal")
+    assert routes_of(other) == []
+    assert served(routes_of(other, settings=IngressNginx(class_name="internal")), "other")
+
+
+def test_ingressclass_of_controller_k8s_io_ingress_nginx_is_ours_whatever_its_name():
+    klass = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "IngressClass",
+        "metadata": {"name": "public"},
+        "spec": {"controller": "k8s.io/ingress-nginx"},
+    }
+    assert served(routes_of(klass, ingress("pub", class_name="public")), "pub")
+
+
+def test_an_ingressclass_named_nginx_of_another_controller_is_not_ours():
+    klass = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "IngressClass",
+        "metadata": {"name": "nginx"},
+        "spec": {"controller": "example.com/other"},
+    }
+    assert routes_of(klass, ingress("x")) == []
+
+
+def test_custom_annotation_prefix():
+    item = ingress("pre", {"example.org/rewrite-target": "/v2", P + "rewrite-target": "/v1"})
+    [route] = routes_of(item, settings=IngressNginx(prefix="example.org"))
+    assert route.filters is not None and route.filters.rewrite is not None
+    assert route.filters.rewrite.path == "/v2"
+
+
+# ---------------------------------------------------------------- annotations honoured
+
+
+def test_rewrite_target_prefix_idiom_becomes_a_prefix_replacement():
+    item = ingress(
+        "rw",
+        {P + "use-regex": "true", P + "rewrite-target": "/$2"},
+        path="/something(/|$)(.*)",
+        path_type="ImplementationSpecific",
+    )
+    [route] = routes_of(item)
+    assert route.matches[0].path_type is PathMatchType.PREFIX
+    assert route.matches[0].path == "/something"
+    assert route.filters and route.filters.rewrite
+    assert route.filters.rewrite.path_type is PathModifierType.PREFIX
+    assert route.filters.rewrite.path == "/"
+
+
+def test_rewrite_target_without_groups_replaces_the_whole_path_and_matches_by_regex():
+    [route] = routes_of(ingress("rw", {P + "rewrite-target": "/"}, path="/api"))
+    # ingress-nginx makes the location a regex (`location ~* "^/api"`) once rewriting.
+    assert route.matches[0].path_type is PathMatchType.REGEX
+    assert re.fullmatch(route.matches[0].path, "/API/users")
+    assert route.filters and route.filters.rewrite
+    assert route.filters.rewrite.path_type is PathModifierType.FULL
+
+
+def test_use_regex_is_case_insensitive_and_anchored_at_the_start_as_nginx_location():
+    item = ingress(
+        "re", {P + "use-regex": "true"}, path="/api/v[0-9]+", path_type="ImplementationSpecific"
+    )
+    [route] = routes_of(item)
+    match = route.matches[0]
+    assert match.path_type is PathMatchType.REGEX
+    pattern = re.compile(match.path)
+    assert pattern.fullmatch("/API/v12/users")
+    assert not pattern.fullmatch("/x/api/v1")
+
+
+def test_ssl_redirect_is_on_by_default_for_tls_hosts_with_308():
+    secret = yaml.safe_load(tls_secret("default", "cert", "app.example.com"))
+    found = objects(ingress("tls", tls=True), secrets={("default", "cert"): secret})
+    routes = translate(found, ingress_nginx=SETTINGS).routes
+    plain = [r for r in routes if r.listener_port == 80]
+    secure = [r for r in routes if r.listener_port == 443]
+    assert plain and secure
+    assert plain[0].filters and plain[0].filters.redirect
+    assert plain[0].filters.redirect.scheme == "https"
+    assert plain[0].filters.redirect.status == 308
+    assert secure[0].tls is not None and secure[0].tls.hsts is not None
+    assert secure[0].tls.hsts.max_age == 31536000
+
+
+def test_ssl_redirect_false_and_force_ssl_redirect():
+    [route] = routes_of(ingress("f", {P + "force-ssl-redirect": "true"}))
+    assert route.filters and route.filters.redirect and route.filters.redirect.status == 308
+    [route] = routes_of(ingress("n", {P + "ssl-redirect": "false"}))
+    assert route.filters is None
+
+
+def test_permanent_redirect_app_root_www_alias_vhost_and_headers():
+    item = ingress(
+        "many",
+        {
+            P + "permanent-redirect": "https://new.example.com/landing",
+            P + "permanent-redirect-code": "308",
+        },
+    )
+    [route] = routes_of(item)
+    redirect = route.filters.redirect if route.filters else None
+    assert redirect is not None
+    assert (redirect.scheme, redirect.hostname, redirect.path, redirect.status) == (
+        "https",
+        "new.example.com",
+        "/landing",
+        308,
+    )
+    item = ingress(
+        "more",
+        {
+            P + "app-root": "/app",
+            P + "from-to-www-redirect": "true",
+            P + "server-alias": "alias.example.com",
+            P + "upstream-vhost": "internal.local",
+            P + "x-forwarded-prefix": "/prefix",
+        },
+        host="www.example.com",
+    )
+    routes = routes_of(item)
+    hosts = {r.host for r in routes}
+    assert {"www.example.com", "alias.example.com", "example.com"} <= hosts
+    app_root = [r for r in routes if ":app-root:" in r.name and r.host == "www.example.com"]
+    assert app_root and app_root[0].filters and app_root[0].filters.redirect
+    assert app_root[0].filters.redirect.path == "/app"
+    assert app_root[0].filters.redirect.status == 302
+    www = [r for r in routes if r.host == "example.com"]
+    assert www[0].filters and www[0].filters.redirect
+    assert www[0].filters.redirect.hostname == "www.example.com"
+    main = next(r for r in routes if r.host == "www.example.com" and ":p0:" in r.name)
+    assert (
+        main.filters and main.filters.rewrite and main.filters.rewrite.hostname == "internal.local"
+    )
+    assert main.filters.request_headers
+    assert ("X-Forwarded-Prefix", "/prefix") in main.filters.request_headers.set
+
+
+def test_affinity_balance_timeouts_and_backend_protocol():
+    item = ingress(
+        "traffic",
+        {
+            P + "affinity": "cookie",
+            P + "session-cookie-name": "route",
+            P + "session-cookie-samesite": "Strict",
+            P + "load-balance": "ewma",
+            P + "proxy-connect-timeout": "3",
+            P + "proxy-read-timeout": "120",
+            P + "backend-protocol": "GRPC",
+        },
+    )
+    [route] = routes_of(item)
+    assert not route.sticky.disable_cookies
+    assert route.sticky.cookie_name == "route"
+    assert route.sticky.same_site is SameSite.STRICT
+    assert route.balance is BalancePolicy.LEAST_CONN
+    assert route.timeouts.connect == 3 and route.timeouts.server == 120
+    assert route.upstream_protocol == "grpc"
+    assert any(
+        line.startswith("load-balance: honoured-with-difference") for line in route.ingress_verdicts
+    )
+
+
+def test_default_balance_is_round_robin_as_ingress_nginx():
+    [route] = routes_of(ingress("rr"))
+    assert route.balance is BalancePolicy.ROUND_ROBIN
+
+
+def test_custom_headers_from_a_configmap():
+    headers = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "hdrs", "namespace": "default"},
+        "data": {"X-Frame-Options": "DENY"},
+    }
+    [route] = routes_of(headers, ingress("ch", {P + "custom-headers": "hdrs"}))
+    assert route.filters and route.filters.response_headers
+    assert ("X-Frame-Options", "DENY") in route.filters.response_headers.set
+
+
+# ---------------------------------------------------------------- fail closed
+
+
+@pytest.mark.parametrize(
+    "annotation,value",
+    [
+        ("whitelist-source-range", "10.0.0.0/8"),
+        ("denylist-source-range", "192.168.0.0/16"),
+        ("auth-url", "https://auth.example.com/oauth2/auth"),
+        ("auth-type", "basic"),
+        ("auth-tls-secret", "default/ca"),
+        ("satisfy", "any"),
+        ("limit-rps", "10"),
+        ("enable-modsecurity", "true"),
+        ("enable-owasp-core-rules", "true"),
+        ("modsecurity-snippet", "SecRuleEngine On"),
+        ("limit-something-new", "1"),
+    ],
+)
+def test_an_access_annotation_not_honoured_makes_the_ingress_not_served(annotation, value):
+    routes = routes_of(
+        ingress("guarded", {P + annotation: value}), ingress("other", host="o.example.com")
+    )
+    reason, message = refusal(routes, "guarded")
+    assert reason == "UnsupportedAnnotation"
+    assert "Ingress default/guarded" in message and annotation in message
+    assert served(routes, "other")
+
+
+def test_a_refused_route_is_not_admitted_by_the_status_book():
+    routes = routes_of(ingress("guarded", {P + "whitelist-source-range": "10.0.0.0/8"}))
+    book = RouteStatusBook()
+    statuses = book.update(
+        {r.key: r for r in routes},
+        lambda ns, name: Service(ns, name, ports=(ServicePort("http", 80, "8080"),)),
+        lambda ns, name: (),
+        changed_routes=[r.key for r in routes],
+        now=datetime.now(UTC),
+    )
+    [status] = statuses.values()
+    admitted = status.condition(ADMITTED)
+    assert admitted is not None and admitted.status == FALSE
+    assert admitted.reason == "UnsupportedAnnotation"
+    assert not status.admitted
+    honoured = status.condition("AnnotationsHonoured")
+    assert honoured is not None and "whitelist-source-range: not-honoured" in honoured.message
+
+
+def test_non_access_annotation_not_honoured_is_served_and_reported():
+    [route] = routes_of(ingress("cors", {P + "enable-cors": "true", P + "proxy-body-size": "8m"}))
+    assert route.ingress_refusal is None
+    assert any(line.startswith("enable-cors: not-honoured") for line in route.ingress_verdicts)
+    assert any(line.startswith("proxy-body-size: not-honoured") for line in route.ingress_verdicts)
+
+
+def canary_ingress(name: str, annotations: dict[str, str], path: str = "/") -> dict[str, Any]:
+    item = ingress(name, {P + "canary": "true", **annotations}, path=path)
+    item["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]["name"] = "web-v2"
+    return item
+
+
+def test_a_canary_by_weight_is_folded_into_its_main_route():
+    routes = routes_of(ingress("main"), canary_ingress("canary", {P + "canary-weight": "10"}))
+    [route] = routes
+    assert route.origin == "Ingress default/main"
+    assert [(b.service, b.weight) for b in route.backends] == [("web", 90), ("web-v2", 10)]
+    assert by_ingress(routes, "canary") == []
+
+
+def test_a_canary_weight_total_above_the_proxys_scale_is_scaled():
+    canary = canary_ingress(
+        "canary", {P + "canary-weight": "250", P + "canary-weight-total": "1000"}
+    )
+    [route] = routes_of(ingress("main"), canary)
+    assert [(b.service, b.weight) for b in route.backends] == [("web", 192), ("web-v2", 64)]
+
+
+def test_a_canary_by_header_always_never_and_value_and_pattern():
+    routes = routes_of(
+        ingress("main"), canary_ingress("canary", {P + "canary-by-header": "X-Canary"})
+    )
+    by_name = {r.name.rpartition("~")[2] if "~" in r.name else "main": r for r in routes}
+    assert [(b.service, b.weight) for b in by_name["main"].backends] == [
+        ("web", 100),
+        ("web-v2", 0),
+    ]
+    always, never = by_name["canary"], by_name["canary-never"]
+    assert always.matches[0].headers[0].name == "X-Canary"
+    assert always.matches[0].headers[0].value == "always"
+    assert [b.service for b in always.backends] == ["web-v2"]
+    assert never.matches[0].headers[0].value == "never"
+    assert [b.service for b in never.backends] == ["web"]
+    routes = routes_of(
+        ingress("main"),
+        canary_ingress(
+            "canary", {P + "canary-by-header": "X-Region", P + "canary-by-header-value": "eu"}
+        ),
+    )
+    [to_canary] = [r for r in routes if r.name.endswith("~canary")]
+    assert to_canary.matches[0].headers[0].value == "eu"
+    assert not [r for r in routes if r.name.endswith("~canary-never")]
+    routes = routes_of(
+        ingress("main"),
+        canary_ingress(
+            "canary", {P + "canary-by-header": "User-Agent", P + "canary-by-header-pattern": "Beta"}
+        ),
+    )
+    [to_canary] = [r for r in routes if r.name.endswith("~canary")]
+    header = to_canary.matches[0].headers[0]
+    assert header.type.value == "RegularExpression"
+    assert re.fullmatch(header.value, "Mozilla Beta 5")
+
+
+def test_a_canary_without_a_main_ingress_or_by_cookie():
+    assert routes_of(canary_ingress("alone", {P + "canary-weight": "50"})) == []
+    [route] = routes_of(
+        ingress("main"), canary_ingress("canary", {P + "canary-by-cookie": "canary"})
+    )
+    assert [(b.service, b.weight) for b in route.backends] == [("web", 100), ("web-v2", 0)]
+
+
+def test_a_controller_configmap_key_bearing_on_access_refuses_every_ingress_and_applies_live():
+    config = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "ingress-nginx-controller", "namespace": "ingress-nginx"},
+        "data": {"block-cidrs": "1.2.3.0/24"},
+    }
+    settings = IngressNginx(configmap=("ingress-nginx", "ingress-nginx-controller"))
+    routes = routes_of(config, ingress("a"), settings=settings)
+    assert refusal(routes, "a")[0] == "UnsupportedConfiguration"
+    relaxed = copy.deepcopy(config)
+    relaxed["data"] = {"ssl-redirect": "false", "proxy-read-timeout": "90"}
+    [route] = routes_of(relaxed, ingress("a"), settings=settings)
+    assert route.ingress_refusal is None and route.timeouts.server == 90
+
+
+# ---------------------------------------------------------------- snippets
+
+
+def _allowing(*items: dict[str, Any]) -> list[Route]:
+    config = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "c", "namespace": "ingress-nginx"},
+        "data": {"allow-snippet-annotations": "true", "annotations-risk-level": "Critical"},
+    }
+    return routes_of(config, *items, settings=IngressNginx(configmap=("ingress-nginx", "c")))
+
+
+def test_snippets_are_refused_unless_the_configmap_allows_them():
+    snippet = {P + "configuration-snippet": 'more_set_headers "X-Test: 1";'}
+    routes = routes_of(ingress("s", snippet), ingress("t", host="t.example.com"))
+    assert refusal(routes, "s")[0] == "SnippetsNotAllowed"
+    assert served(routes, "t")
+    [route] = _allowing(ingress("s", snippet))
+    assert route.filters and route.filters.response_headers
+    assert ("X-Test", "1") in route.filters.response_headers.set
+
+
+def test_the_literal_snippet_subset():
+    text = (
+        'more_set_headers "X-A: a" "X-B: b";\n'
+        "more_clear_headers Server;\n"
+        "add_header X-C c always;\n"
+        "proxy_set_header X-D d;\n"
+    )
+    [route] = _allowing(ingress("s", {P + "configuration-snippet": text}))
+    assert route.filters and route.filters.response_headers and route.filters.request_headers
+    assert route.filters.response_headers.set == (("X-A", "a"), ("X-B", "b"))
+    assert route.filters.response_headers.remove == ("Server",)
+    assert route.filters.response_headers.add == (("X-C", "c"),)
+    assert route.filters.request_headers.set == (("X-D", "d"),)
+    [route] = _allowing(ingress("r", {P + "server-snippet": "return 301 https://x.example.com/;"}))
+    assert route.filters and route.filters.redirect and route.filters.redirect.status == 301
+
+
+@pytest.mark.parametrize(
+    "text,named",
+    [
+        ("proxy_pass http://evil;", "proxy_pass"),
+        ("content_by_lua_block { os.execute('id') }", "blocks"),
+        ('more_set_headers "X: $host";', "variables"),
+        ("add_header X y; # hidden", "comments"),
+        ("load_module /tmp/x.so;", "load_module"),
+        ("more_set_headers 'X: 1'", "terminated"),
+        ("proxy_set_header Content-Length 0;", "Content-Length"),
+    ],
+)
+def test_anything_else_in_a_snippet_refuses_the_ingress_naming_it(text, named):
+    routes = _allowing(ingress("s", {P + "configuration-snippet": text}), ingress("t", host="t.x"))
+    reason, message = refusal(routes, "s")
+    assert reason == "UnsupportedAnnotation" and named in message
+    assert served(routes, "t")
+
+
+def test_auth_and_stream_snippets_are_never_honoured():
+    routes = _allowing(ingress("s", {P + "stream-snippet": "server { listen 9000; }"}))
+    assert refusal(routes, "s")[0] == "UnsupportedAnnotation"
+
+
+def test_parse_snippet_keeps_quoted_words_literal():
+    assert parse_snippet("add_header 'X-Y' \"a b\";") == [("add_header", ["X-Y", "a b"])]
+
+
+# ---------------------------------------------------------------- injection (published payloads)
+
+# Wiz, "IngressNightmare" (2025-03-24): the annotation payloads as published.
+CVE_2025_24514 = {P + "auth-url": "http://example.com/#;\ninjection_point"}
+CVE_2025_1097 = {
+    P + "auth-tls-match-cn": "CN=abc #(\n){}\n }}\nssl_engine foobar;\n#",
+    P + "auth-tls-secret": "default/ca",
+}
+CVE_2025_1974 = {
+    P + "auth-tls-match-cn": "CN=abc #(\n){}\n }}\nssl_engine ../../../../../../proc/22/fd/45;\n#",
+    P + "auth-tls-secret": "kube-system/konnectivity-certs",
+}
+CVE_2025_1098_MIRROR = {
+    P + "mirror-target": "https://127.0.0.1:443",
+    P + "mirror-host": "test.com\n}\nssl_engine foobar;\n#",
+}
+CVE_2026_24512_PATH = (
+    '/x" {\n}\nserver { listen 1337; location / { return 200 pwned; } }\nlocation /y {#'
+)
+
+
+@pytest.mark.parametrize(
+    "annotations,field",
+    [
+        (CVE_2025_24514, "auth-url"),
+        (CVE_2025_1097, "auth-tls-match-cn"),
+        (CVE_2025_1974, "auth-tls-match-cn"),
+        (CVE_2025_1098_MIRROR, "mirror-host"),
+    ],
+    ids=["CVE-2025-24514", "CVE-2025-1097", "CVE-2025-1974", "CVE-2025-1098"],
+)
+def test_ingressnightmare_annotation_payloads_are_refused_alone(annotations, field):
+    routes = routes_of(ingress("evil", annotations), ingress("good", host="good.example.com"))
+    reason, message = refusal(routes, "evil")
+    assert reason == "InvalidAnnotation"
+    assert "Ingress default/evil" in message and field in message
+    assert served(routes, "good")
+
+
+def test_cve_2025_1098_the_ingress_uid_is_never_used():
+    item = ingress("uid", {P + "mirror-target": "https://127.0.0.1:443"})
+    item["metadata"]["uid"] = "InjectTest#;\n\n}\n}\n}\nssl_engine foobar"
+    [route] = routes_of(item)
+    assert "InjectTest" not in repr(route)
+    assert any(line.startswith("mirror-target: not-honoured") for line in route.ingress_verdicts)
+
+
+@pytest.mark.parametrize("path_type", ["ImplementationSpecific", "Prefix", "Exact"])
+def test_cve_2026_24512_path_injection_is_refused_alone(path_type):
+    evil = ingress("evil", path=CVE_2026_24512_PATH, path_type=path_type)
+    routes = routes_of(evil, ingress("good", host="good.example.com"))
+    reason, message = refusal(routes, "evil")
+    assert reason in ("InvalidPath", "InvalidAnnotation")
+    assert "spec.rules[0].http.paths[0].path" in message
+    assert served(routes, "good")
+
+
+def test_a_regex_path_needs_use_regex_and_exact_never_takes_one():
+    routes = routes_of(ingress("r", path="/api/(.*)", path_type="ImplementationSpecific"))
+    assert refusal(routes, "r")[0] == "InvalidPath"
+    routes = routes_of(ingress("e", {P + "use-regex": "true"}, path="/api/(.*)", path_type="Exact"))
+    assert refusal(routes, "e")[0] == "InvalidPath"
+
+
+def test_in_manifests_mode_an_injected_ingress_is_refused_alone(tmp_path: Path):
+    documents = [
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "web", "namespace": "default"},
+            "spec": {"ports": [{"port": 80, "targetPort": 8080, "name": "http"}]},
+        },
+        ingress("evil", CVE_2025_24514),
+        ingress("path", path=CVE_2026_24512_PATH, host="p.example.com"),
+        ingress("good", host="good.example.com"),
+    ]
+    text = yaml.safe_dump_all(documents)
+    content = parse_manifests([(tmp_path / "all.yaml", text)], ingress_nginx=SETTINGS)
+    assert served(content.routes, "good")
+    assert refusal(content.routes, "evil")[0] == "InvalidAnnotation"
+    assert refusal(content.routes, "path")[0] == "InvalidPath"
+
+
+# ---------------------------------------------------------------- the catalogue
+
+
+def test_the_catalogue_covers_every_documented_annotation():
+    documented = set(_DOCUMENTED.split())
+    missing = documented - set(CATALOGUE)
+    assert not missing, missing
+    assert len(CATALOGUE) >= 130
+
+
+@pytest.mark.parametrize("entry", catalogue.ENTRIES, ids=lambda e: e.name)
+def test_every_grammar_refuses_configuration_syntax(entry):
+    for payload in ("x;\nload_module /tmp/evil.so;", "a}\n#", "'quoted'", '"q"', "$host"):
+        if entry.grammar is catalogue.any_text:
+            continue
+        if payload == "$host" and entry.name == "upstream-hash-by":
+            continue  # its grammar is an nginx variable name, nothing else
+        assert entry.grammar(payload) is not None, (entry.name, payload)
+    if entry.access:
+        assert entry.verdict is Verdict.NOT_HONOURED or not entry.access
+
+
+def test_the_proxy_lacks_list_is_what_the_catalogue_says():
+    lacks = catalogue.proxy_lacks()
+    assert "enable-cors" in lacks and "whitelist-source-range" in lacks
+    assert "use-regex" not in lacks
+
+
+# The annotation table of docs/user-guide/nginx-configuration/annotations.md
+# (kubernetes/ingress-nginx, controller v1.15.1), plus those its source reads.
+_DOCUMENTED = """
+app-root affinity affinity-mode affinity-canary-behavior auth-realm auth-secret
+auth-secret-type auth-type auth-tls-secret auth-tls-verify-depth auth-tls-verify-client
+auth-tls-error-page auth-tls-pass-certificate-to-upstream auth-tls-match-cn auth-url
+auth-cache-key auth-cache-duration auth-keepalive auth-keepalive-share-vars
+auth-keepalive-requests auth-keepalive-timeout auth-proxy-set-headers auth-snippet
+enable-global-auth backend-protocol canary canary-by-header canary-by-header-value
+canary-by-header-pattern canary-by-cookie canary-weight canary-weight-total
+client-body-buffer-size configuration-snippet custom-http-errors custom-headers
+default-backend enable-cors cors-allow-origin cors-allow-methods cors-allow-headers
+cors-expose-headers cors-allow-credentials cors-max-age force-ssl-redirect
+from-to-www-redirect http2-push-preload limit-connections limit-rps permanent-redirect
+permanent-redirect-code temporal-redirect temporal-redirect-code preserve-trailing-slash
+proxy-body-size proxy-cookie-domain proxy-cookie-path proxy-connect-timeout
+proxy-send-timeout proxy-read-timeout proxy-next-upstream proxy-next-upstream-timeout
+proxy-next-upstream-tries proxy-request-buffering proxy-redirect-from proxy-redirect-to
+proxy-http-version proxy-ssl-secret proxy-ssl-ciphers proxy-ssl-name proxy-ssl-protocols
+proxy-ssl-verify proxy-ssl-verify-depth proxy-ssl-server-name enable-rewrite-log
+rewrite-target satisfy server-alias server-snippet service-upstream
+session-cookie-change-on-failure session-cookie-conditional-samesite-none
+session-cookie-domain session-cookie-expires session-cookie-max-age session-cookie-name
+session-cookie-path session-cookie-samesite session-cookie-secure ssl-redirect
+ssl-passthrough stream-snippet upstream-hash-by x-forwarded-prefix load-balance
+upstream-vhost denylist-source-range whitelist-source-range proxy-buffering
+proxy-buffers-number proxy-buffer-size proxy-busy-buffers-size proxy-max-temp-file-size
+ssl-ciphers ssl-prefer-server-ciphers connection-proxy-header enable-access-log
+enable-opentelemetry opentelemetry-trust-incoming-span use-regex enable-modsecurity
+enable-owasp-core-rules modsecurity-transaction-id modsecurity-snippet mirror-request-body
+mirror-target mirror-host allowlist-source-range auth-always-set-cookie auth-method
+auth-request-redirect auth-response-headers auth-signin auth-signin-redirect-param
+disable-proxy-intercept-errors fastcgi-index fastcgi-params-configmap limit-allowlist
+limit-burst-multiplier limit-rate limit-rate-after limit-rpm limit-whitelist
+opentelemetry-operation-name relative-redirects upstream-hash-by-subset
+upstream-hash-by-subset-size use-port-in-redirects
+"""
+
+
+# ---------------------------------------------------------------- the resolver's flags
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        ({"ingress_nginx_configmap": "ns/cm"}, "needs --ingress-nginx"),
+        ({"ingress_nginx": "true"}, "needs --kubernetes or --manifests"),
+        (
+            {"ingress_nginx": "true", "manifests": "{dir}", "ingress_nginx_configmap": "nope"},
+            "must be NAMESPACE/NAME",
+        ),
+        (
+            {"ingress_nginx": "true", "manifests": "{dir}", "tcp_services_configmap": "a/b"},
+            "TCP services are not implemented yet",
+        ),
+        (
+            {"ingress_nginx": "true", "manifests": "{dir}", "annotations_prefix": "Bad Prefix"},
+            "DNS",
+        ),
+        ({"admission_webhook_port": "8443"}, "needs --ingress-nginx"),
+        (
+            {"ingress_nginx": "true", "manifests": "{dir}", "admission_webhook_port": "8443"},
+            "needs --kubernetes",
+        ),
+    ],
+)
+def test_ingress_nginx_flags_are_checked(tmp_path: Path, flags: dict[str, str], message: str):
+    from waygate.core.settings import SettingsError, load_settings
+    from waygate.resolver.app import Settings
+
+    flags = {k: v.format(dir=tmp_path) for k, v in flags.items()}
+    with pytest.raises(SettingsError, match=message):
+        load_settings(Settings, flags=flags, env={})
+
+
+def test_ingress_nginx_flags_become_the_settings(tmp_path: Path):
+    from waygate.core.settings import load_settings
+    from waygate.resolver.app import Settings
+
+    flags = {
+        "ingress_nginx": "true",
+        "manifests": str(tmp_path),
+        "ingress_nginx_class": "public",
+        "annotations_prefix": "example.org",
+        "ingress_nginx_configmap": "ingress-nginx/controller",
+        "default_ssl_certificate": "ingress-nginx/default-cert",
+    }
+    settings = load_settings(Settings, flags=flags, env={}).ingress_nginx_settings()
+    assert settings == IngressNginx(
+        class_name="public",
+        prefix="example.org",
+        configmap=("ingress-nginx", "controller"),
+        default_certificate=("ingress-nginx", "default-cert"),
+    )
+
+
+def test_the_default_ssl_certificate_serves_tls_hosts_without_a_secret():
+    secret = yaml.safe_load(tls_secret("ingress-nginx", "default-cert", "app.example.com"))
+    item = ingress("nosecret")
+    item["spec"]["tls"] = [{"hosts": ["app.example.com"]}]
+    found = objects(item, secrets={("ingress-nginx", "default-cert"): secret})
+    settings = IngressNginx(default_certificate=("ingress-nginx", "default-cert"))
+    routes = translate(found, ingress_nginx=settings).routes
+    assert any(r.listener_port == 443 and r.tls is not None for r in routes)
+    assert not any(r.listener_port == 443 for r in routes_of(item))
+
+
+def test_every_condition_is_a_metric_sample():
+    from waygate.resolver.metrics import RouteEndpoints
+    from waygate.resolver.store import Store
+
+    store = Store()
+    store.replace_source(
+        "test", routes=routes_of(ingress("guarded", {P + "whitelist-source-range": "10.0.0.0/8"}))
+    )
+    collector = RouteEndpoints()
+    collector.store = store
+    samples = [s for family in collector.collect() for s in family.samples]
+    labels = [s.labels for s in samples if s.name == "waygate_resolver_route_condition"]
+    assert {"type": "Admitted", "status": "False", "reason": "UnsupportedAnnotation"}.items() <= (
+        next(lab for lab in labels if lab["type"] == "Admitted").items()
+    )
+    assert any(lab["type"] == "AnnotationsHonoured" for lab in labels)
+
+
+def test_ssl_passthrough_relays_the_host_by_sni_and_terminates_nothing():
+    item = ingress("argocd", {P + "ssl-passthrough": "true"}, tls=True)
+    secret = yaml.safe_load(tls_secret("default", "cert", "app.example.com"))
+    routes = translate(
+        objects(item, secrets={("default", "cert"): secret}), ingress_nginx=SETTINGS
+    ).routes
+    passthrough = [
+        r for r in routes if r.tls is not None and r.tls.termination.value == "passthrough"
+    ]
+    assert [(r.host, r.listener_port, r.matches) for r in passthrough] == [
+        ("app.example.com", 443, ())
+    ]
+    assert not [r for r in routes if r.listener_port == 443 and r not in passthrough]
+    [plain] = [r for r in routes if r.listener_port == 80]
+    assert plain.filters and plain.filters.redirect and plain.filters.redirect.scheme == "https"
+
+
+def test_forwarded_headers_follow_the_configmap_as_ingress_nginx():
+    from waygate.resolver.model import ForwardedHeadersMode
+
+    [route] = routes_of(ingress("f"))
+    assert route.forwarded_headers is ForwardedHeadersMode.REPLACE
+    settings = IngressNginx(configmap=("ingress-nginx", "c"))
+    for data, mode in (
+        ({"use-forwarded-headers": "true"}, ForwardedHeadersMode.IF_NONE),
+        (
+            {"use-forwarded-headers": "true", "compute-full-forwarded-for": "true"},
+            ForwardedHeadersMode.APPEND,
+        ),
+    ):
+        config = {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "c", "namespace": "ingress-nginx"},
+            "data": data,
+        }
+        [route] = routes_of(config, ingress("f"), settings=settings)
+        assert route.forwarded_headers is mode
+
+
+def test_a_regex_on_a_host_makes_every_prefix_path_of_the_host_a_regex():
+    plain = ingress("plain", path="/.well-known/acme/challenge")
+    rewriting = ingress("rewriting", {P + "rewrite-target": "/new"}, path="/")
+    other_host = ingress("other", host="other.example.com", path="/x")
+    routes = routes_of(plain, rewriting, other_host)
+    by_name = {r.origin.rpartition("/")[2]: r for r in routes}
+    assert by_name["plain"].matches[0].path_type is PathMatchType.REGEX
+    assert re.fullmatch(by_name["plain"].matches[0].path, "/.WELL-KNOWN/acme/challenge/x")
+    assert by_name["other"].matches[0].path_type is PathMatchType.PREFIX
+    # Longest path first, as ingress-nginx sorts a server's locations.
+    assert len(by_name["plain"].matches[0].path) > len(by_name["rewriting"].matches[0].path)
+
+
+def test_waygates_own_class_with_ingress_nginx_annotations_is_judged_too():
+    # The issue's first finding: an Ingress of Waygate's class with auth-url and
+    # whitelist-source-range was served, both silently ignored.
+    klass = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "IngressClass",
+        "metadata": {"name": "waygate"},
+        "spec": {"controller": "waygate.io/ingress-controller"},
+    }
+    guarded = ingress(
+        "guarded",
+        {P + "auth-url": "https://auth.example.com/", P + "whitelist-source-range": "10.0.0.0/8"},
+        class_name="waygate",
+    )
+    plain = ingress("plain", class_name="waygate", host="plain.example.com")
+    for settings in (None, SETTINGS):
+        routes = routes_of(klass, guarded, plain, settings=settings)
+        assert refusal(routes, "guarded")[0] == "UnsupportedAnnotation"
+        [route] = by_ingress(routes, "plain")
+        assert route.ingress_refusal is None and route.balance is BalancePolicy.DEFAULT
+
+
+@pytest.mark.parametrize(
+    "annotations",
+    [
+        {P + "enable-modsecurity": "false", P + "enable-owasp-core-rules": "false"},
+        {P + "limit-rps": "0"},
+        {P + "enable-cors": "false", P + "cors-allow-origin": "https://a.example.com"},
+        {P + "auth-realm": "Realm", P + "auth-secret": "basic"},  # no auth-type
+        {P + "auth-tls-verify-client": "off"},  # no auth-tls-secret
+        {P + "session-cookie-path": "/"},  # no affinity
+    ],
+)
+def test_annotations_that_ask_for_nothing_do_not_refuse(annotations):
+    [route] = routes_of(ingress("quiet", annotations))
+    assert route.ingress_refusal is None
+    assert not any(": not-honoured" in line for line in route.ingress_verdicts)
+
+
+def test_the_status_page_shows_why_an_ingress_is_not_served():
+    import json
+
+    from waygate.resolver import page
+    from waygate.resolver.store import Store
+
+    store = Store()
+    store.replace_source(
+        "test", routes=routes_of(ingress("guarded", {P + "whitelist-source-range": "10.0.0.0/8"}))
+    )
+    text = json.dumps([section.__dict__ for section in page.sections(store)], default=str)
+    assert (
+        "Ingress default/guarded: annotation nginx.ingress.kubernetes.io/whitelist-source-range"
+        in text
+    )
+    assert "Admitted=False (UnsupportedAnnotation)" in text
+
+
+def test_configmap_keys_not_honoured_are_reported_on_every_route():
+    config = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "c", "namespace": "ingress-nginx"},
+        "data": {"proxy-body-size": "16m", "worker-processes": "auto", "hsts": "true"},
+    }
+    settings = IngressNginx(configmap=("ingress-nginx", "c"))
+    [route] = routes_of(config, ingress("a"), settings=settings)
+    assert route.ingress_verdicts == (
+        "ConfigMap ingress-nginx/c key proxy-body-size: not-honoured",
+    )
+
+
+def test_affinity_mode_persistent_is_exact_balanced_a_difference():
+    for mode, verdict in (("persistent", None), ("balanced", "honoured-with-difference")):
+        [route] = routes_of(ingress("s", {P + "affinity": "cookie", P + "affinity-mode": mode}))
+        lines = [line for line in route.ingress_verdicts if line.startswith("affinity-mode")]
+        assert (lines[0].split(": ")[1].split(" ")[0] if lines else None) == verdict
+
+
+def test_rewrite_target_alone_admits_no_regular_expression_path():
+    item = ingress(
+        "rw", {P + "rewrite-target": "/$1"}, path="/api/(.*)", path_type="ImplementationSpecific"
+    )
+    assert refusal(routes_of(item), "rw")[0] == "InvalidPath"
