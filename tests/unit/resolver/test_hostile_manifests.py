@@ -573,3 +573,24 @@ def test_a_younger_listener_hostname_is_conflicted_in_its_gateway() -> None:
     )
     route = store.get_route("demo", "echo")
     assert route is not None and route.status is not None and route.status.admitted
+
+
+def test_an_ingress_nginx_regex_path_re2_cannot_express_is_refused_alone() -> None:
+    """use-regex makes every Ingress author a route author: what RE2 cannot express is
+    refused with the reason (the proxy matches with RE2), the other Ingresses served."""
+    from tests.unit.resolver.test_ingress_nginx import P, ingress, refusal, routes_of, served
+
+    nginx = {P + "use-regex": "true"}
+    routes = routes_of(
+        ingress("back", nginx, path=r"/(a+)/\1", path_type="ImplementationSpecific"),
+        ingress(
+            "fine",
+            nginx,
+            path="/api/v[0-9]+",
+            path_type="ImplementationSpecific",
+            host="fine.example.com",
+        ),
+    )
+    assert served(routes, "fine") and not served(routes, "back")
+    reason, message = refusal(routes, "back")
+    assert "backreferences are not supported" in message, (reason, message)
