@@ -29,6 +29,7 @@ from waygate.resolver.filesource import EXAMPLE_ROUTES, FILE_MODE, FileSource
 from waygate.resolver.gateway.status import StatusBoard
 from waygate.resolver.ingress_nginx.config import DNS_NAME, IngressNginx
 from waygate.resolver.manifests import ManifestsSource
+from waygate.resolver.schema import DEFAULT_MAX_ROUTES_PER_SOURCE
 from waygate.resolver.server import ResolverServicer
 from waygate.resolver.store import DEFAULT_HISTORY_LIMIT, DEFAULT_MAX_PENDING, Store
 from waygate.resolver.tunnels import TunnelRegistry
@@ -108,6 +109,14 @@ class Settings(GrpcServerSettings):
         "comma-separated, same forms as --route-admins (the proxy's); everyone else and "
         "every client without a certificate gets them redacted",
         check=patterns_problem,
+    )
+    max_routes_per_source: int = setting(
+        DEFAULT_MAX_ROUTES_PER_SOURCE,
+        help="routes one source may produce (the routes file, a manifests file or "
+        "directory, the cluster's Route objects): a file with more is refused at the "
+        "object that makes the first route past it, naming its line; "
+        "Route objects past it (the youngest) are not served and their status says why",
+        check=positive,
     )
     route_host_sharing: bool = setting(
         False,
@@ -266,7 +275,10 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     file_source = None
     if settings.routes_file is not None:
         file_source = FileSource(
-            store, settings.routes_file, poll_interval=settings.routes_poll_interval
+            store,
+            settings.routes_file,
+            poll_interval=settings.routes_poll_interval,
+            max_routes=settings.max_routes_per_source,
         )
     board = StatusBoard()
     manifests_source = None
@@ -279,6 +291,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
             addresses=settings.gateway_addresses,
             sharing=settings.gateway_listener_sharing,
             ingress_nginx=settings.ingress_nginx_settings(),
+            max_routes=settings.max_routes_per_source,
         )
     kube_source = None
     if settings.kubernetes:
@@ -303,6 +316,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
             configuration,
             namespace=settings.kube_namespace or None,
             edge_nodes=parse_node_list(settings.kube_edge_nodes),
+            max_routes=settings.max_routes_per_source,
             gateway=gateway_objects,
         )
         if settings.admission_webhook_port and gateway_objects is not None:

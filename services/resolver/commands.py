@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import re
 import sys
 import time
@@ -41,10 +42,11 @@ from waygate.core.clientcli import (
     table,
 )
 from waygate.core.errors import InvalidArgument, Unavailable
-from waygate.resolver import convert
+from waygate.resolver import convert, schema
 from waygate.resolver.client import Kind, ResolverWatch, Route, RouteKey, SourceState, View
 from waygate.resolver.v1 import resolver_pb2 as pb
 from waygate.resolver.v1 import resolver_pb2_grpc
+from waygate.resolver.validation import validate_route
 
 DEFAULT_PORT = 7001
 EXIT_NO_ENDPOINTS = 3
@@ -133,9 +135,11 @@ def format_resolution(response: pb.ResolveResponse) -> str:
 
 ROUTES_HELP = """\
 routes:        waygate routes [-o table|wide|json|yaml] [-n NS] [--watch]
-one route:     waygate routes get NS/NAME [-o ...]
-create/update: waygate routes apply -f FILE   (routes-file entries, a `routes:` list,
-               or waygate.io/v1 Route objects; several YAML documents allowed)
+one route:     waygate routes get NS/NAME [-o ...]   (NAME: all after the first '/',
+               so routes made from Gateway API objects are named as listed)
+create/update: waygate routes apply -f FILE|-   (routes-file entries, a `routes:` list,
+               or waygate.io/v1 Route objects; several YAML documents allowed;
+               `routes get -o yaml` output applies back, its status ignored)
 delete:        waygate routes delete NS/NAME
 
 The routes file's own state comes first; the exit code is 1 while the resolver
@@ -207,13 +211,43 @@ def route_problem(route: pb.Route) -> tuple[str, str]:
     return "Admitted", ""
 
 
+_PATH_MARKS = {
+    pb.PATH_MATCH_TYPE_UNSPECIFIED: "",
+    pb.PATH_MATCH_TYPE_PREFIX: "",
+    pb.PATH_MATCH_TYPE_EXACT: "=",
+    pb.PATH_MATCH_TYPE_REGULAR_EXPRESSION: "~",
+}
+
+
+def _values(values: Sequence[pb.RouteValueMatch], kind: str) -> list[str]:
+    sign = {pb.VALUE_MATCH_TYPE_REGULAR_EXPRESSION: "~"}
+    return [f"{kind}:{v.name}{sign.get(v.type, '=')}{v.value}" for v in values]
+
+
+def route_path(route: pb.Route) -> str:
+    """What a route matches beyond its host: its path prefix, or each Gateway API
+    match (`/api`, `=/exact`, `~regex`, then `header:N=V`, `query:N=V`, a method),
+    the matches separated by ' | '."""
+    if not route.matches:
+        return route.path or "/"
+    shown = []
+    for match in route.matches:
+        parts = [_PATH_MARKS.get(match.path_type, "") + (match.path or "/")]
+        parts += _values(match.headers, "header")
+        parts += _values(match.query_params, "query")
+        if match.method:
+            parts.append(match.method)
+        shown.append(" ".join(parts))
+    return " | ".join(shown)
+
+
 def _route_row(route: pb.Route, wide: bool = False) -> tuple[str, ...]:
     status, message = route_problem(route)
     row = (
         route.namespace,
         route.name,
         route.host,
-        route.path or "/",
+        route_path(route),
         _backends(route),
         route.target_port or "-",
         _tls(route),
@@ -285,13 +319,72 @@ def _when(stamp: timestamp_pb2.Timestamp) -> str:
 
 
 def route_document(route: pb.Route) -> dict[str, Any]:
-    return json_format.MessageToDict(route)
+    """A route as `routes apply -f` takes it back: the routes file's spelling
+    (`sameSite: Lax`, `termination: edge`, `timeouts: {connect: 5s}`), then
+    `status` (the resolver's conditions, ignored on apply) and, for a route made
+    from a Gateway API or Ingress object, `derived` (what it was made from and
+    its matches: read-only, `routes apply` refuses it)."""
+    document = schema.route_to_document(convert.route_from_proto(route))
+    if route.origin:
+        document[DERIVED_KEY] = _derived(route)
+    if route.HasField("status"):
+        document[STATUS_KEY] = {"conditions": [_condition(c) for c in route.status.conditions]}
+    return document
+
+
+#: Keys of a route document that are the resolver's, not the route's.
+STATUS_KEY = "status"
+DERIVED_KEY = "derived"
+
+
+def _condition(condition: pb.RouteCondition) -> dict[str, Any]:
+    document: dict[str, Any] = {
+        "type": condition.type,
+        "status": condition.status,
+        "reason": condition.reason,
+        "message": condition.message,
+    }
+    if condition.HasField("last_transition_time"):
+        document["lastTransitionTime"] = _when(condition.last_transition_time)
+    if condition.observed_generation:
+        document["observedGeneration"] = condition.observed_generation
+    return document
+
+
+def _derived(route: pb.Route) -> dict[str, Any]:
+    document: dict[str, Any] = {"from": route.origin, "rule": route.rule_index}
+    if route.gateway:
+        document["gateway"] = route.gateway
+        document["listenerPort"] = route.listener_port
+    if route.matches:
+        document["matches"] = [_match(m) for m in route.matches]
+    return document
+
+
+def _match(match: pb.RouteMatch) -> dict[str, Any]:
+    """One match in the Gateway API's spelling."""
+    path_type = convert.PATH_MATCH_TYPE_NAMES[match.path_type].value
+    document: dict[str, Any] = {"path": {"type": path_type, "value": match.path or "/"}}
+    for key, values in (("headers", match.headers), ("queryParams", match.query_params)):
+        if values:
+            document[key] = [
+                {
+                    "type": convert.VALUE_MATCH_TYPE_NAMES[v.type].value,
+                    "name": v.name,
+                    "value": v.value,
+                }
+                for v in values
+            ]
+    if match.method:
+        document["method"] = match.method
+    return document
 
 
 def format_route_change(route: pb.Route) -> str:
     status, message = route_problem(route)
+    separator = " " if route.matches else ""
     text = (
-        f"+ {route.namespace}/{route.name}  {route.host}{route.path or '/'} -> "
+        f"+ {route.namespace}/{route.name}  {route.host}{separator}{route_path(route)} -> "
         f"{_backends(route)}  tls={_tls(route)}  {status}"
     )
     return printable(f"{text}: {message}" if message else text)
@@ -344,8 +437,12 @@ def _routes(args: argparse.Namespace) -> int:
 
 
 def _reference(text: str) -> tuple[str, str] | None:
+    """NS/NAME: the namespace is everything before the first '/', the name all
+    after it. A namespace never holds '/', so a name that does (the routes made
+    from Gateway API objects: `httproute:echo:r0:demo/demo:80:host`) needs no
+    quoting: `routes get demo/httproute:echo:r0:demo/demo:80:host`."""
     namespace, _, name = text.partition("/")
-    if not namespace or not name or "/" in name:
+    if not namespace or not name:
         return None
     return namespace, name
 
@@ -395,39 +492,151 @@ def _get_route(args: argparse.Namespace) -> int:
 def load_route_documents(path: Path, text: str) -> list[Route]:
     """The routes of an `apply -f` file: routes-file entries (a `routes:` list, one
     entry, or a list of entries) or waygate.io/v1 Route objects, in any mix of
-    YAML documents. Invalid content raises InvalidArgument naming where."""
-    from waygate.resolver.filesource import FileError, parse_routes_file
-    from waygate.resolver.kube_convert import route_from
-
+    YAML documents, read through the Route schema. `status` (what `routes get -o
+    yaml` prints) is ignored; invalid content raises InvalidArgument naming
+    `path:line`."""
+    tree = schema.YamlTree()
     try:
-        documents = [d for d in yaml.safe_load_all(text) if d is not None]
+        documents = list(yaml.compose_all(text, Loader=_Loader))
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        raise InvalidArgument(f"{where}: not YAML: {exc.problem or exc}") from None
     except yaml.YAMLError as exc:
         raise InvalidArgument(f"{path}: not YAML: {exc}") from None
     routes: list[Route] = []
-    for index, document in enumerate(documents):
-        where = f"{path} (document {index + 1})"
-        if isinstance(document, dict) and document.get("kind") == "Route":
-            meta = document.setdefault("metadata", {})
-            if isinstance(meta, dict):
-                meta.setdefault("namespace", "default")
-            routes.append(route_from(document))
+    for node in documents:
+        if node is None or (isinstance(node, yaml.ScalarNode) and node.tag == _NULL):
             continue
-        if isinstance(document, dict) and set(document) <= {"routes"}:
-            entries = document.get("routes") or []
-        elif isinstance(document, dict):
-            entries = [document]
-        elif isinstance(document, list):
-            entries = document
-        else:
-            raise InvalidArgument(f"{where}: expected routes, found {type(document).__name__}")
-        wrapped = yaml.safe_dump({"routes": entries}, sort_keys=False)
         try:
-            routes += parse_routes_file(path, wrapped).routes
-        except FileError as exc:
-            raise InvalidArgument(f"{where}: {exc.reason}") from None
+            routes += _document_routes(tree, node)
+        except schema.SchemaError as exc:
+            raise InvalidArgument(f"{path}:{schema.line_of(exc.node)}: {exc}") from None
+        except _Refused as exc:
+            raise InvalidArgument(f"{path}:{schema.line_of(exc.node)}: {exc.reason}") from None
+        except _Invalid as exc:
+            raise InvalidArgument(f"{path}:{schema.line_of(exc.node)}: {exc.error}") from None
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"{path}:{schema.line_of(node)}: {exc}") from None
+        except ValueError as exc:  # a scalar YAML cannot construct (a bad date)
+            raise InvalidArgument(f"{path}:{schema.line_of(node)}: bad value: {exc}") from None
     if not routes:
         raise InvalidArgument(f"{path}: no routes in it")
     return routes
+
+
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_NULL = "tag:yaml.org,2002:null"
+
+
+class _Refused(Exception):
+    def __init__(self, node: yaml.Node, reason: str) -> None:
+        self.node, self.reason = node, reason
+
+
+class _Invalid(Exception):
+    """validation's error, with the node of the field it names."""
+
+    def __init__(self, node: yaml.Node, error: InvalidArgument) -> None:
+        self.node, self.error = node, error
+
+
+def _checked(route: Route, node: yaml.Node) -> Route:
+    """The route validated as the resolver will, its fields' lines named. A
+    certificate without its key is how `routes get` shows a TLS route (keys are
+    redacted): the resolver keeps the key it holds for that same certificate, or
+    refuses, so here the rest is checked."""
+    tls = route.tls
+    redacted = tls is not None and bool(tls.certificate) and not tls.key
+    try:
+        if tls is not None and redacted:
+            checked = validate_route(
+                dataclasses.replace(route, tls=dataclasses.replace(tls, certificate=""))
+            )
+            assert checked.tls is not None
+            return dataclasses.replace(
+                checked, tls=dataclasses.replace(checked.tls, certificate=tls.certificate)
+            )
+        return validate_route(route)
+    except InvalidArgument as exc:
+        field = getattr(exc, "field", None)
+        where = schema.key_path(field) if field else ()
+        raise _Invalid(schema.node_at(node, where), exc) from None
+
+
+def _fields(tree: schema.YamlTree, node: yaml.Node) -> dict[str, yaml.Node]:
+    if not isinstance(node, yaml.MappingNode):
+        raise _Refused(node, "expected a mapping")
+    return {str(key): value for key, _, value in tree.entries(node)}
+
+
+def _text(tree: schema.YamlTree, node: yaml.Node | None, default: str = "") -> str:
+    if node is None or not isinstance(node, yaml.ScalarNode):
+        return default
+    value = tree.value(node)
+    return default if value is None else str(value)
+
+
+def _without(node: yaml.MappingNode, *keys: str) -> yaml.MappingNode:
+    kept = [
+        (k, v) for k, v in node.value if not (isinstance(k, yaml.ScalarNode) and k.value in keys)
+    ]
+    return yaml.MappingNode(node.tag, kept, node.start_mark, node.end_mark, node.flow_style)
+
+
+def _document_routes(tree: schema.YamlTree, node: yaml.Node) -> list[Route]:
+    if isinstance(node, yaml.MappingNode):
+        fields = _fields(tree, node)
+        if _text(tree, fields.get("kind")) == "Route":
+            return [_route_object(tree, node, fields)]
+        entries: list[yaml.Node] = [node]
+        if set(fields) == {"routes"}:
+            listed = fields["routes"]
+            if isinstance(listed, yaml.SequenceNode):
+                entries = tree.elements(listed)
+            elif isinstance(listed, yaml.ScalarNode) and listed.tag == _NULL:
+                entries = []
+            else:
+                raise _Refused(listed, "routes: must be a list")
+    elif isinstance(node, yaml.SequenceNode):
+        entries = tree.elements(node)
+    else:
+        raise _Refused(node, "expected routes (a mapping or a list)")
+    routes = []
+    for entry in entries:
+        if isinstance(entry, yaml.MappingNode):
+            derived = _fields(tree, entry).get(DERIVED_KEY)
+            if derived is not None:
+                raise _Refused(derived, _read_only(tree, derived))
+            entry = _without(entry, STATUS_KEY)
+        routes.append(_checked(schema.read_route(tree, entry, validate=False), entry))
+    return routes
+
+
+def _read_only(tree: schema.YamlTree, derived: yaml.Node) -> str:
+    made_from = ""
+    if isinstance(derived, yaml.MappingNode):
+        made_from = _text(tree, _fields(tree, derived).get("from"))
+    return (
+        f"this route is made from {made_from or 'another object'} and is read-only here; "
+        "change that object instead"
+    )
+
+
+def _route_object(
+    tree: schema.YamlTree, node: yaml.MappingNode, fields: dict[str, yaml.Node]
+) -> Route:
+    """A waygate.io/v1 Route object; its status is the resolver's and ignored."""
+    unknown = set(fields) - {"apiVersion", "kind", "metadata", "spec", STATUS_KEY}
+    if unknown:
+        raise _Refused(node, f"a Route has no key {', '.join(sorted(unknown))}")
+    meta = _fields(tree, fields["metadata"]) if "metadata" in fields else {}
+    namespace = _text(tree, meta.get("namespace"), "default")
+    name = _text(tree, meta.get("name"))
+    if "spec" not in fields:
+        raise _Refused(node, f"route {namespace}/{name}: spec: is required")
+    spec = fields["spec"]
+    return _checked(schema.read_route(tree, spec, identity=(namespace, name), validate=False), spec)
 
 
 def _apply_routes(args: argparse.Namespace) -> int:

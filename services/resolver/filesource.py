@@ -18,36 +18,17 @@ become a default):
           - address: 127.0.0.1     # required
             ports: [{name: http, port: 8080}]   # default: the service ports' numeric targets
             ready: true            # also: serving, terminating, zone, nodeName, tunnel, hostname
-    routes:
+    routes:                        # the Route format: waygate.resolver.schema
       - namespace: demo
         name: hello                # required
         host: hello.localtest.me   # required
-        path: /
-        to: hello                  # shorthand for backends: [{service: hello, weight: 100}]
-        backends: [{service: hello, weight: 100}]
-        targetPort: http
-        tls:
-          termination: edge        # required: edge | passthrough | reencrypt
-          certificate: PEM         # with key; empty: the proxy's default certificate
-          key: PEM
-          caCertificate: PEM       # chain served after the certificate
-          destinationCACertificate: PEM   # reencrypt: the backend's CA
-          destinationServerName: console.demo.svc  # reencrypt: name verified and sent as SNI
-          presentClientCertificate: false  # reencrypt: the proxy's client certificate
-          clientCACertificate: PEM # clients must present a certificate from this CA
-          insecureEdgeTerminationPolicy: Redirect  # None | Allow | Redirect
-          hsts: {maxAge: 365d, includeSubdomains: true, preload: false}  # maxAge <= 730d
-        balance: roundrobin        # random | roundrobin | leastconn | source
-        sticky: {disableCookies: false, cookieName: "", sameSite: Lax}  # Lax | Strict | None
-        timeouts: {connect: 5s, client: 30s, server: 30s, httpRequest: 10s, tunnel: 1h,
-                   keepAlive: 300s}
-        authProxyHeaders: false
-        forwardedHeaders: append   # append | replace | if-none | never
-        upstreamProtocol: grpc     # http | h2c | h2 | grpc; unset: the service port's appProtocol
+        to: hello
 
-A route's path is a URL path prefix: at most 1024 characters, no dot-segments
-(also not percent-encoded), no control characters, spaces or backslashes;
-names and hosts at most 253 characters, each PEM field at most 64 KiB.
+Routes are read and written through `waygate.resolver.schema`, the one
+declaration of the route format (keys, types, allowed values, bounds), which
+the Route CRD shares; the README lists every key. A file with more routes
+than `max_routes` (--max-routes-per-source) is refused at the first route
+past it.
 
 Invariants:
 - The store holds exactly the last file content that parsed and validated as a
@@ -63,7 +44,9 @@ Invariants:
   holds an error, or before it was ever loaded: a write never starts from
   a view the resolver did not load (a missing file read as empty would drop
   every service and route).
-  Writing back re-emits the YAML: comments in the file are not preserved.
+  Writing back changes only the entry of the route applied or deleted
+  (`waygate.resolver.routesedit`): the file's comments, order, quoting and
+  indentation stay.
 - The file holds route TLS private keys: whenever it is written, it is
   written mode 0600, whatever its mode was.
 - File I/O and parsing never run on the event loop while it serves (worker
@@ -79,36 +62,26 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
-import re
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
+from ruamel.yaml.error import YAMLError as RuamelError
 
 from waygate.core.errors import FailedPrecondition, InvalidArgument, NotFound, excerpt
 from waygate.core.files import write_file_atomically
-from waygate.core.settings import SettingsError, parse_duration
+from waygate.resolver import routesedit, schema
 from waygate.resolver.model import (
-    HSTS,
-    TIMEOUT_KEYS,
-    BalancePolicy,
     Endpoint,
     EndpointPort,
-    ForwardedHeadersMode,
-    InsecureEdgePolicy,
     Route,
-    RouteBackend,
-    RouteTimeouts,
-    RouteTLS,
-    SameSite,
     Service,
     ServicePort,
     SourceState,
-    StickySessions,
-    TLSTermination,
 )
+from waygate.resolver.schema import DEFAULT_MAX_ROUTES_PER_SOURCE, route_to_document
 from waygate.resolver.store import Store
 from waygate.resolver.validation import (
     shown,
@@ -117,6 +90,8 @@ from waygate.resolver.validation import (
     validate_service,
 )
 from waygate.resolver.yamlload import MAX_YAML_BYTES, FileError, YAMLDocuments
+
+__all__ = ["FileContent", "FileError", "FileSource", "parse_routes_file", "route_to_document"]
 
 log = logging.getLogger(__name__)
 
@@ -209,44 +184,6 @@ class _Parser:
             )
         return value
 
-    def duration(self, fields: dict[str, yaml.Node], key: str, what: str) -> float | None:
-        node = fields.get(key)
-        if node is None:
-            return None
-        value = self.scalar(node)
-        if value is None:
-            return None
-        if isinstance(value, bool):
-            raise self.error(
-                node, f"{what}.{key} must be a duration such as 5s, not {excerpt(repr(value))}"
-            )
-        if isinstance(value, int | float):
-            return float(value)
-        try:
-            return parse_duration(str(value))
-        except (SettingsError, ValueError) as exc:
-            raise self.error(node, f"{what}.{key}: {exc}") from None
-
-    def enum(
-        self,
-        fields: dict[str, yaml.Node],
-        key: str,
-        parse: Callable[[str], T],
-        default: T,
-        what: str,
-        allowed: str,
-    ) -> T:
-        node = fields.get(key)
-        text = self.typed(fields, key, str, "", what)
-        if not text:
-            return default
-        try:
-            return parse(text)
-        except ValueError:
-            raise self.error(
-                node, f"{what}.{key}: {excerpt(text)} is not one of {allowed}"
-            ) from None
-
 
 _SERVICE_KEYS = (
     "namespace",
@@ -271,41 +208,16 @@ _ENDPOINT_KEYS = (
     "hostname",
 )
 _ENDPOINT_PORT_KEYS = ("name", "port", "protocol")
-_ROUTE_KEYS = (
-    "namespace",
-    "name",
-    "host",
-    "path",
-    "to",
-    "backends",
-    "targetPort",
-    "tls",
-    "balance",
-    "sticky",
-    "timeouts",
-    "authProxyHeaders",
-    "upstreamProtocol",
-    "forwardedHeaders",
-)
-_BACKEND_KEYS = ("service", "weight")
-_TLS_KEYS = (
-    "termination",
-    "certificate",
-    "key",
-    "caCertificate",
-    "destinationCACertificate",
-    "insecureEdgeTerminationPolicy",
-    "hsts",
-    "clientCACertificate",
-    "destinationServerName",
-    "presentClientCertificate",
-)
-_HSTS_KEYS = ("maxAge", "includeSubdomains", "preload")
-_STICKY_KEYS = ("disableCookies", "cookieName", "sameSite")
 
 
-def parse_routes_file(path: Path, text: str) -> FileContent:
-    """Parse and validate the whole file; FileError (with its line) on the first problem."""
+def parse_routes_file(
+    path: Path, text: str, *, max_routes: int = DEFAULT_MAX_ROUTES_PER_SOURCE
+) -> FileContent:
+    """Parse and validate the whole file; FileError (with its line) on the first problem.
+
+    More than `max_routes` routes is refused at the first one past the budget,
+    before it is read.
+    """
     parser = _Parser(path, text)
     root = parser.root()
     if root is None:
@@ -328,8 +240,16 @@ def parse_routes_file(path: Path, text: str) -> FileContent:
         services.append(service)
         endpoints.extend(service_endpoints)
     seen_routes: dict[tuple[str, str], int] = {}
-    for node in parser.sequence(top["routes"], "routes") if "routes" in top else []:
-        route = _parse_route(parser, node)
+    tree = schema.YamlTree()
+    route_nodes = parser.sequence(top["routes"], "routes") if "routes" in top else []
+    if len(route_nodes) > max_routes:
+        raise parser.error(
+            route_nodes[max_routes],
+            f"{len(route_nodes)} routes; a source may produce at most {max_routes} "
+            "(--max-routes-per-source)",
+        )
+    for node in route_nodes:
+        route = read_route_entry(parser, tree, node)
         if route.key in seen_routes:
             raise parser.error(
                 node,
@@ -341,40 +261,25 @@ def parse_routes_file(path: Path, text: str) -> FileContent:
     return FileContent(tuple(services), tuple(endpoints), tuple(routes))
 
 
-# Domain field names whose YAML key is not simply their camelCase.
-_YAML_KEYS = {
-    "cluster_ips": "clusterIPs",
-    "destination_ca_certificate": "destinationCACertificate",
-    "client_ca_certificate": "clientCACertificate",
-}
-_FIELD_PART = re.compile(r"([a-z_]+)((?:\[\d+\])*)")
+def read_route_entry(parser: _Parser, tree: schema.YamlTree, node: yaml.Node) -> Route:
+    """One route entry through the Route schema; FileError naming its line."""
+    try:
+        return schema.read_route(tree, node)
+    except schema.SchemaError as exc:
+        raise parser.error(exc.node, str(exc)) from None
+    except InvalidArgument as exc:
+        field = getattr(exc, "field", None)
+        raise parser.error(_locate(node, field) if field else node, str(exc)) from None
 
 
-def _yaml_key(name: str) -> str:
-    if name in _YAML_KEYS:
-        return _YAML_KEYS[name]
-    head, *rest = name.split("_")
-    return head + "".join(part.capitalize() for part in rest)
+# A service's field whose YAML key is not its camelCase (the Route schema knows its own).
+_SERVICE_KEYS_BY_ATTR = {"cluster_ips": "clusterIPs"}
 
 
 def _locate(node: yaml.Node, field: str) -> yaml.Node:
-    """The node of a dotted field path such as "backends[1].weight", or the
+    """The node of a validation error's field ("backends[1].weight"), or the
     deepest node on the way there, so an error can name the closest line."""
-    for part in field.split("."):
-        match = _FIELD_PART.fullmatch(part)
-        if match is None or not isinstance(node, yaml.MappingNode):
-            return node
-        key = _yaml_key(match[1])
-        children = {k.value: v for k, v in node.value if isinstance(k, yaml.ScalarNode)}
-        if key == "backends" and key not in children:
-            key = "to"
-        if key not in children:
-            return node
-        node = children[key]
-        for index in re.findall(r"\[(\d+)\]", match[2]):
-            if isinstance(node, yaml.SequenceNode) and int(index) < len(node.value):
-                node = node.value[int(index)]
-    return node
+    return schema.node_at(node, schema.key_path(field, _SERVICE_KEYS_BY_ATTR))
 
 
 def _validated(parser: _Parser, node: yaml.Node, check: Callable[[T], T], value: T) -> T:
@@ -485,221 +390,6 @@ def _parse_endpoint(
     return _validated(parser, node, validate_endpoint, endpoint)
 
 
-def _parse_route(parser: _Parser, node: yaml.Node) -> Route:
-    fields = parser.mapping(node, "route", _ROUTE_KEYS)
-    namespace = parser.typed(fields, "namespace", str, "default", "route")
-    name = parser.typed(fields, "name", str, "", "route")
-    what = f"route {shown(namespace)}/{shown(name)}"
-    if "to" in fields and "backends" in fields:
-        raise parser.error(fields["to"], f"{what}: give either 'to' or 'backends', not both")
-    backends: list[RouteBackend] = []
-    if "to" in fields:
-        backends.append(RouteBackend(parser.typed(fields, "to", str, "", what), 100))
-    for backend_node in (
-        parser.sequence(fields["backends"], f"{what}: backends") if "backends" in fields else []
-    ):
-        backend_fields = parser.mapping(backend_node, f"{what}: backend", _BACKEND_KEYS)
-        backends.append(
-            RouteBackend(
-                parser.typed(backend_fields, "service", str, "", f"{what}: backend"),
-                parser.typed(backend_fields, "weight", int, 100, f"{what}: backend"),
-            )
-        )
-    tls = None
-    if "tls" in fields:
-        tls_fields = parser.mapping(fields["tls"], f"{what}: tls", _TLS_KEYS)
-        if "termination" not in tls_fields:
-            raise parser.error(fields["tls"], f"{what}: tls.termination is required")
-        hsts = None
-        if "hsts" in tls_fields:
-            hsts_fields = parser.mapping(tls_fields["hsts"], f"{what}: tls.hsts", _HSTS_KEYS)
-            max_age = parser.duration(hsts_fields, "maxAge", f"{what}: tls.hsts")
-            if max_age is None:
-                raise parser.error(tls_fields["hsts"], f"{what}: tls.hsts.maxAge is required")
-            hsts = HSTS(
-                max_age=max_age,
-                include_subdomains=parser.typed(
-                    hsts_fields, "includeSubdomains", bool, False, f"{what}: tls.hsts"
-                ),
-                preload=parser.typed(hsts_fields, "preload", bool, False, f"{what}: tls.hsts"),
-            )
-        tls = RouteTLS(
-            termination=parser.enum(
-                tls_fields,
-                "termination",
-                TLSTermination,
-                TLSTermination.EDGE,
-                f"{what}: tls",
-                "edge, passthrough, reencrypt",
-            ),
-            certificate=parser.typed(tls_fields, "certificate", str, "", f"{what}: tls"),
-            key=parser.typed(tls_fields, "key", str, "", f"{what}: tls"),
-            ca_certificate=parser.typed(tls_fields, "caCertificate", str, "", f"{what}: tls"),
-            destination_ca_certificate=parser.typed(
-                tls_fields, "destinationCACertificate", str, "", f"{what}: tls"
-            ),
-            insecure_edge_termination_policy=parser.enum(
-                tls_fields,
-                "insecureEdgeTerminationPolicy",
-                InsecureEdgePolicy,
-                InsecureEdgePolicy.NONE,
-                f"{what}: tls",
-                "None, Allow, Redirect",
-            ),
-            hsts=hsts,
-            client_ca_certificate=parser.typed(
-                tls_fields, "clientCACertificate", str, "", f"{what}: tls"
-            ),
-            destination_server_name=parser.typed(
-                tls_fields, "destinationServerName", str, "", f"{what}: tls"
-            ),
-            present_client_certificate=parser.typed(
-                tls_fields, "presentClientCertificate", bool, False, f"{what}: tls"
-            ),
-        )
-    sticky = StickySessions()
-    if "sticky" in fields:
-        sticky_fields = parser.mapping(fields["sticky"], f"{what}: sticky", _STICKY_KEYS)
-        sticky = StickySessions(
-            disable_cookies=parser.typed(
-                sticky_fields, "disableCookies", bool, False, f"{what}: sticky"
-            ),
-            cookie_name=parser.typed(sticky_fields, "cookieName", str, "", f"{what}: sticky"),
-            same_site=parser.enum(
-                sticky_fields,
-                "sameSite",
-                SameSite,
-                SameSite.LAX,
-                f"{what}: sticky",
-                "Lax, Strict, None",
-            ),
-        )
-    timeouts = RouteTimeouts()
-    if "timeouts" in fields:
-        timeout_fields = parser.mapping(
-            fields["timeouts"], f"{what}: timeouts", tuple(TIMEOUT_KEYS)
-        )
-        timeouts = RouteTimeouts(
-            **{
-                attr: parser.duration(timeout_fields, key, f"{what}: timeouts")
-                for key, attr in TIMEOUT_KEYS.items()
-            }
-        )
-    route = Route(
-        namespace=namespace,
-        name=name,
-        host=parser.typed(fields, "host", str, "", what),
-        path=parser.typed(fields, "path", str, "/", what),
-        backends=tuple(backends),
-        target_port=parser.typed(fields, "targetPort", str, "", what),
-        tls=tls,
-        balance=parser.enum(
-            fields,
-            "balance",
-            BalancePolicy,
-            BalancePolicy.DEFAULT,
-            what,
-            "random, roundrobin, leastconn, source",
-        ),
-        sticky=sticky,
-        timeouts=timeouts,
-        auth_proxy_headers=parser.typed(fields, "authProxyHeaders", bool, False, what),
-        forwarded_headers=parser.enum(
-            fields,
-            "forwardedHeaders",
-            ForwardedHeadersMode,
-            ForwardedHeadersMode.APPEND,
-            what,
-            "append, replace, if-none, never",
-        ),
-        upstream_protocol=parser.typed(fields, "upstreamProtocol", str, "", what),
-    )
-    return _validated(parser, node, validate_route, route)
-
-
-# ---------------------------------------------------------------- writing
-
-
-def _format_duration(seconds: float) -> str:
-    if seconds == 0 or (seconds >= 1 and float(seconds).is_integer()):
-        return f"{int(seconds)}s"
-    return f"{round(seconds * 1000)}ms"
-
-
-def route_to_document(route: Route) -> dict[str, Any]:
-    """A route as the file spells it (the inverse of the parser)."""
-    doc: dict[str, Any] = {"namespace": route.namespace, "name": route.name, "host": route.host}
-    if route.path != "/":
-        doc["path"] = route.path
-    if len(route.backends) == 1 and route.backends[0].weight == 100:
-        doc["to"] = route.backends[0].service
-    else:
-        doc["backends"] = [{"service": b.service, "weight": b.weight} for b in route.backends]
-    if route.target_port:
-        doc["targetPort"] = route.target_port
-    if route.tls is not None:
-        tls: dict[str, Any] = {"termination": route.tls.termination.value}
-        for attr, key in (
-            ("certificate", "certificate"),
-            ("key", "key"),
-            ("ca_certificate", "caCertificate"),
-            ("destination_ca_certificate", "destinationCACertificate"),
-            ("client_ca_certificate", "clientCACertificate"),
-            ("destination_server_name", "destinationServerName"),
-            ("present_client_certificate", "presentClientCertificate"),
-        ):
-            if getattr(route.tls, attr):
-                tls[key] = getattr(route.tls, attr)
-        if route.tls.insecure_edge_termination_policy is not InsecureEdgePolicy.NONE:
-            tls["insecureEdgeTerminationPolicy"] = route.tls.insecure_edge_termination_policy.value
-        if route.tls.hsts is not None:
-            tls["hsts"] = {
-                "maxAge": _format_duration(route.tls.hsts.max_age),
-                "includeSubdomains": route.tls.hsts.include_subdomains,
-                "preload": route.tls.hsts.preload,
-            }
-        doc["tls"] = tls
-    if route.balance is not BalancePolicy.DEFAULT:
-        doc["balance"] = route.balance.value
-    if route.sticky != StickySessions():
-        doc["sticky"] = {
-            "disableCookies": route.sticky.disable_cookies,
-            "cookieName": route.sticky.cookie_name,
-            "sameSite": route.sticky.same_site.value,
-        }
-    timeouts = {
-        key: _format_duration(getattr(route.timeouts, attr))
-        for key, attr in TIMEOUT_KEYS.items()
-        if getattr(route.timeouts, attr) is not None
-    }
-    if timeouts:
-        doc["timeouts"] = timeouts
-    if route.auth_proxy_headers:
-        doc["authProxyHeaders"] = True
-    if route.forwarded_headers is not ForwardedHeadersMode.APPEND:
-        doc["forwardedHeaders"] = route.forwarded_headers.value
-    if route.upstream_protocol:
-        doc["upstreamProtocol"] = route.upstream_protocol
-    return doc
-
-
-# libyaml's emitter and loader when PyYAML has them: writing back and reading
-# the document to edit are then a fraction of the pure-Python cost.
-_BaseDumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
-_DocumentLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
-
-class _LiteralDumper(_BaseDumper):  # type: ignore[misc,valid-type]
-    """Multi-line strings (PEM) as readable `|` blocks."""
-
-
-def _represent_str(dumper: yaml.SafeDumper, data: str) -> yaml.ScalarNode:
-    style = "|" if "\n" in data else None
-    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
-
-
-_LiteralDumper.add_representer(str, _represent_str)
-
 # The file holds route TLS private keys: only the owner may read it.
 FILE_MODE = 0o600
 
@@ -729,8 +419,17 @@ class FileSource:
     write that already returned.
     """
 
-    def __init__(self, store: Store, path: Path, *, poll_interval: float = 1.0) -> None:
+    def __init__(
+        self,
+        store: Store,
+        path: Path,
+        *,
+        poll_interval: float = 1.0,
+        max_routes: int = DEFAULT_MAX_ROUTES_PER_SOURCE,
+    ) -> None:
         self.store = store
+        # More routes than this and the file is refused (--max-routes-per-source).
+        self.max_routes = max_routes
         self.path = path.absolute()
         self.source = f"file:{self.path}"
         self.poll_interval = poll_interval
@@ -783,7 +482,9 @@ class FileSource:
             error = FileError(self.path, None, f"not UTF-8 text ({exc.reason})")
             return _Read(stat, digest, None, error)
         try:
-            return _Read(stat, digest, parse_routes_file(self.path, text), None)
+            return _Read(
+                stat, digest, parse_routes_file(self.path, text, max_routes=self.max_routes), None
+            )
         except FileError as exc:
             return _Read(stat, digest, None, exc)
 
@@ -923,19 +624,26 @@ class FileSource:
             )
 
     async def apply_route(self, route: Route) -> Route:
-        """Validate, write into the file, load: the stored route, normalised."""
-        route = validate_route(route)
-        entry = route_to_document(route)
+        """Validate, write into the file, load: the stored route, normalised.
 
-        def edit(routes: list[dict[str, Any]]) -> list[dict[str, Any]]:
-            for index, existing in enumerate(routes):
-                if (existing.get("namespace", "default"), existing.get("name")) == route.key:
-                    return [*routes[:index], entry, *routes[index + 1 :]]
-            return [*routes, entry]
+        Status and creation time are the resolver's and ignored; a field the
+        routes file cannot hold (a Gateway API route's matches, ...) is refused,
+        never dropped. A certificate given without its key (as `routes get`
+        shows it: keys are redacted) keeps the key the file holds for that same
+        certificate, so `routes get -o yaml | routes apply -f -` round-trips.
+        """
+        schema.refuse_derived(route)
+        route = dataclasses.replace(route, status=None, created=None)
 
         async with self._lock:
             self._check_loaded()
             self._check_writable(route.namespace, route.name)
+            route = validate_route(self._with_stored_key(route))
+            entry = route_to_document(route)
+
+            def edit(text: str) -> str:
+                return routesedit.apply(text, route.key, entry)
+
             await self._rewrite(edit)
         stored = self.store.get_route(route.namespace, route.name)
         if stored is None:
@@ -943,13 +651,23 @@ class FileSource:
             raise FailedPrecondition(f"route {route.namespace}/{route.name} was removed meanwhile")
         return stored
 
+    def _with_stored_key(self, route: Route) -> Route:
+        tls = route.tls
+        if tls is None or not tls.certificate or tls.key:
+            return route
+        stored = self.store.get_route(route.namespace, route.name)
+        if (
+            stored is not None
+            and stored.tls is not None
+            and stored.tls.certificate == tls.certificate
+            and self.store.route_owner(route.namespace, route.name) == self.source
+        ):
+            return dataclasses.replace(route, tls=dataclasses.replace(tls, key=stored.tls.key))
+        return route
+
     async def delete_route(self, namespace: str, name: str) -> None:
-        def edit(routes: list[dict[str, Any]]) -> list[dict[str, Any]]:
-            return [
-                r
-                for r in routes
-                if (r.get("namespace", "default"), r.get("name")) != (namespace, name)
-            ]
+        def edit(text: str) -> str:
+            return routesedit.delete(text, (namespace, name))
 
         async with self._lock:
             self._check_loaded()
@@ -958,7 +676,7 @@ class FileSource:
                 raise NotFound(f"route {namespace}/{name} not found")
             await self._rewrite(edit)
 
-    async def _rewrite(self, edit: Callable[[list[dict[str, Any]]], list[dict[str, Any]]]) -> None:
+    async def _rewrite(self, edit: Callable[[str], str]) -> None:
         """Edit the file's routes in a worker thread, then apply what was written.
 
         Called with the lock held. The written text is parsed exactly once, and
@@ -969,7 +687,7 @@ class FileSource:
 
     def _edit_file(
         self,
-        edit: Callable[[list[dict[str, Any]]], list[dict[str, Any]]],
+        edit: Callable[[str], str],
         loaded_digest: bytes | None,
     ) -> _Read:
         """Read, edit, validate and write the file (thread-safe; no shared state).
@@ -997,25 +715,22 @@ class FileSource:
                 "(once the resolver has loaded the new content)"
             )
         text = data.decode("utf-8")  # the loaded bytes, which were UTF-8
+        # Only the route's entry changes: the file's comments, order, quoting
+        # and indentation stay (waygate.resolver.routesedit).
         try:
-            document = yaml.load(text, Loader=_DocumentLoader) or {}
-        except yaml.YAMLError:
-            document = None
-        if not isinstance(document, dict):
+            data = edit(text).encode()
+        except (RuamelError, ValueError):
             self._refuse_broken(text)
-            document = {}
-        routes = [r for r in document.get("routes") or [] if isinstance(r, dict)]
-        document["routes"] = edit(routes)
-        data = yaml.dump(
-            document, Dumper=_LiteralDumper, sort_keys=False, default_flow_style=False
-        ).encode()
+            raise FailedPrecondition(
+                f"the routes file {self.path} cannot be edited as YAML; fix it by hand"
+            ) from None
         if len(data) > MAX_FILE_BYTES:
             raise FailedPrecondition(
                 f"the routes file would grow over {MAX_FILE_BYTES // (1 << 20)} MiB; not written"
             )
         # Parse what is about to be written: the file must stay loadable.
         try:
-            content = parse_routes_file(self.path, data.decode())
+            content = parse_routes_file(self.path, data.decode(), max_routes=self.max_routes)
         except FileError as exc:
             # The existing file's own error, or the new route's?
             self._refuse_broken(text)
@@ -1031,7 +746,7 @@ class FileSource:
     def _refuse_broken(self, text: str) -> None:
         """FailedPrecondition when the file as it stands does not load."""
         try:
-            parse_routes_file(self.path, text)
+            parse_routes_file(self.path, text, max_routes=self.max_routes)
         except FileError as exc:
             raise FailedPrecondition(
                 f"the routes file has an error; fix it before changing routes: {exc}"

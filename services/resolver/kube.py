@@ -64,6 +64,7 @@ from waygate.resolver import kube_convert as convert
 from waygate.resolver.gateway import kube as gateway_kube
 from waygate.resolver.gateway.kube import GatewayObjects
 from waygate.resolver.model import Endpoint, Route
+from waygate.resolver.schema import DEFAULT_MAX_ROUTES_PER_SOURCE
 from waygate.resolver.status import SourceHealth
 from waygate.resolver.store import Store
 
@@ -181,6 +182,11 @@ def _upsert_or_delete(
     delete(namespace, name, source=SOURCE)
 
 
+def _oldest_first(routes: Iterable[Route]) -> list[Route]:
+    """By creationTimestamp (unknown last), then namespace and name."""
+    return sorted(routes, key=lambda r: (r.created is None, r.created or 0, r.key))
+
+
 class _Routes(_Handler):
     name = "routes"
     optional = True
@@ -188,27 +194,63 @@ class _Routes(_Handler):
     def path(self, namespace: str | None) -> str:
         return _collection(f"/apis/{ROUTE_GROUP}/{ROUTE_VERSION}", ROUTE_PLURAL, namespace)
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, max_routes: int = DEFAULT_MAX_ROUTES_PER_SOURCE) -> None:
         super().__init__(store)
         #: Route objects the resolver cannot serve, and why: their status says so
         #: (waygate.resolver.kube_status), as the routes file's state does for it.
         self.invalid: dict[tuple[str, str], str] = {}
+        #: The source's route budget (--max-routes-per-source): the oldest Route
+        #: objects are served; the ones past it wait, invalid and saying so, and
+        #: the oldest waiting one takes a place another leaves.
+        self.max_routes = max_routes
+        self._served: set[tuple[str, str]] = set()
+        self._waiting: dict[tuple[str, str], Route] = {}
+
+    def _wait(self, route: Route) -> None:
+        reason = (
+            f"route {route.namespace}/{route.name}: not served: this cluster's Route objects "
+            f"exceed the budget of {self.max_routes} routes per source "
+            "(--max-routes-per-source); the oldest are served"
+        )
+        if route.key not in self._waiting:
+            log.warning("skipping Route: %s", reason)
+        self._waiting[route.key] = route
+        self.invalid[route.key] = reason
 
     def relist(self, items: list[JSON]) -> None:
-        self.invalid = {}
-        routes = [route for obj in items if (route := self._parse(obj)) is not None]
+        self.invalid, self._waiting = {}, {}
+        routes = _oldest_first(route for obj in items if (route := self._parse(obj)) is not None)
+        for route in routes[self.max_routes :]:
+            self._wait(route)
+        routes = routes[: self.max_routes]
+        self._served = {route.key for route in routes}
         self.store.replace_source(SOURCE, routes=routes)
 
     def apply(self, event_type: str, obj: JSON) -> None:
-        namespace, name = convert.object_key(obj)
+        key = convert.object_key(obj)
         route = None if event_type == "DELETED" else self._parse(obj)
         if event_type == "DELETED":
-            self.invalid.pop((namespace, name), None)
-        if route is not None:
+            self.invalid.pop(key, None)
+        self._waiting.pop(key, None)
+        if route is not None and (route.key in self._served or len(self._served) < self.max_routes):
+            self._served.add(route.key)
             self.store.upsert_route(route, source=SOURCE)
+            return
+        if route is not None:
+            self._wait(route)
+        # Deleted, no longer valid or over budget: the store keeps no state the API lost.
+        if key in self._served:
+            self._served.discard(key)
+            self.store.delete_route(*key, source=SOURCE)
+            if self._waiting:
+                # The place it leaves goes to the oldest route waiting for one.
+                admitted = _oldest_first(self._waiting.values())[0]
+                del self._waiting[admitted.key]
+                self.invalid.pop(admitted.key, None)
+                self._served.add(admitted.key)
+                self.store.upsert_route(admitted, source=SOURCE)
         else:
-            # Deleted, or no longer valid: the store keeps no state the API lost.
-            self.store.delete_route(namespace, name, source=SOURCE)
+            self.store.delete_route(*key, source=SOURCE)
 
     def _parse(self, obj: JSON) -> Route | None:
         """The route, or None when invalid (logged, and kept in `invalid` with why)."""
@@ -326,6 +368,7 @@ class KubernetesSource:
         namespace: str | None = None,
         edge_nodes: Iterable[str] = (),
         gateway: GatewayObjects | None = None,
+        max_routes: int = DEFAULT_MAX_ROUTES_PER_SOURCE,
         timeouts: Timeouts = Timeouts(),
         backoff_initial: float = 0.5,
         backoff_maximum: float = 30.0,
@@ -340,7 +383,7 @@ class KubernetesSource:
         self._handlers: list[_Handler] = [
             _Services(store, gateway),
             _EndpointSlices(store, frozenset(edge_nodes)),
-            _Routes(store),
+            _Routes(store, max_routes),
         ]
         if gateway is not None:
             self._handlers += [_GatewayKind(store, gateway, kind) for kind in gateway_kube.KINDS]

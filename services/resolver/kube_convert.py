@@ -17,11 +17,10 @@ Invariants:
   the label `waygate.io/tunnel: "true"` (the EndpointSlice controller copies a
   Service's labels onto its slices, so labelling the Service is enough), or
   when its `nodeName` is one of the configured edge nodes.
-- Route custom resources (waygate.io/v1, kind Route): `spec` uses the same
-  field names as the routes file (host, path, to | backends, targetPort, tls,
-  balance, sticky, timeouts, authProxyHeaders, forwardedHeaders); `metadata`
-  gives namespace and
-  name. Everything goes through `validation`, so an invalid object raises
+- Route custom resources (waygate.io/v1, kind Route): `spec` is the routes
+  file's route format (`waygate.resolver.schema`, which reads both), with
+  unknown keys refused as the file refuses them; `metadata` gives namespace
+  and name. Everything goes through `validation`, so an invalid object raises
   InvalidArgument naming the object and the field, and never reaches the store.
 """
 
@@ -32,29 +31,17 @@ from datetime import UTC, datetime
 from typing import Any
 
 from waygate.core.errors import InvalidArgument, excerpt
-from waygate.core.settings import parse_duration
+from waygate.resolver import schema
 from waygate.resolver.model import (
-    HSTS,
-    TIMEOUT_KEYS,
-    BalancePolicy,
     Endpoint,
     EndpointPort,
-    ForwardedHeadersMode,
-    InsecureEdgePolicy,
     Route,
-    RouteBackend,
-    RouteTimeouts,
-    RouteTLS,
-    SameSite,
     Service,
     ServicePort,
-    StickySessions,
-    TLSTermination,
 )
 from waygate.resolver.validation import (
     shown,
     validate_endpoint,
-    validate_route,
     validate_service,
 )
 
@@ -267,100 +254,30 @@ def merge_endpoints(groups: list[list[Endpoint]]) -> list[Endpoint]:
 
 
 def route_from(obj: JSON) -> Route:
-    """A waygate.io/v1 Route custom resource -> Route (validated)."""
+    """A waygate.io/v1 Route custom resource -> Route (validated).
+
+    Read through the Route schema, as the routes file is: an unknown key, a
+    wrong type or a value over its bound raises a `schema.SchemaError` whose
+    `where` is the path from the object's root (for a manifest's line).
+    """
     namespace, name = object_key(obj)
     what = _what("route", obj)
-    spec = _mapping(obj.get("spec"), what, "spec")
-    if spec.get("to") is not None and spec.get("backends") is not None:
-        raise InvalidArgument(f"{what}: spec: give either 'to' or 'backends', not both")
-    backends = []
-    if spec.get("to") is not None:
-        backends.append(RouteBackend(_text(spec, "to", what), DEFAULT_WEIGHT))
-    raw_backends = spec.get("backends") or []
-    if not isinstance(raw_backends, list):
-        raise InvalidArgument(f"{what}: backends: must be a list")
-    for index, backend in enumerate(raw_backends):
-        backend = _mapping(backend, what, f"backends[{index}]")
-        field = f"{what}: backends[{index}]"
-        backends.append(
-            RouteBackend(
-                _text(backend, "service", field), _integer(backend, "weight", field, DEFAULT_WEIGHT)
-            )
+    spec = obj.get("spec")
+    if not isinstance(spec, dict):
+        raise schema.SchemaError(what, ("spec",), spec, "must be an object")
+    try:
+        return schema.read_route(
+            schema.JsonTree(), spec, identity=(namespace, name), created=creation_time(obj)
         )
-    tls = None
-    if spec.get("tls") is not None:
-        tls_fields = _mapping(spec["tls"], what, "tls")
-        hsts = None
-        if tls_fields.get("hsts") is not None:
-            hsts_fields = _mapping(tls_fields["hsts"], what, "tls.hsts")
-            max_age = _duration(hsts_fields, "maxAge", f"{what}: tls.hsts")
-            if max_age is None:
-                raise InvalidArgument(f"{what}: tls.hsts.maxAge: is required")
-            hsts = HSTS(
-                max_age=max_age,
-                include_subdomains=_flag(
-                    hsts_fields, "includeSubdomains", f"{what}: tls.hsts", False
-                ),
-                preload=_flag(hsts_fields, "preload", f"{what}: tls.hsts", False),
-            )
-        tls = RouteTLS(
-            termination=_enum(tls_fields, "termination", TLSTermination, None, f"{what}: tls"),
-            certificate=_text(tls_fields, "certificate", what),
-            key=_text(tls_fields, "key", what),
-            ca_certificate=_text(tls_fields, "caCertificate", what),
-            destination_ca_certificate=_text(tls_fields, "destinationCACertificate", what),
-            insecure_edge_termination_policy=_enum(
-                tls_fields,
-                "insecureEdgeTerminationPolicy",
-                InsecureEdgePolicy,
-                InsecureEdgePolicy.NONE,
-                f"{what}: tls",
-            ),
-            hsts=hsts,
-            client_ca_certificate=_text(tls_fields, "clientCACertificate", what),
-            destination_server_name=_text(tls_fields, "destinationServerName", what),
-            present_client_certificate=_flag(
-                tls_fields, "presentClientCertificate", f"{what}: tls", False
-            ),
-        )
-    sticky_fields = _mapping(spec.get("sticky"), what, "sticky")
-    timeout_fields = _mapping(spec.get("timeouts"), what, "timeouts")
-    timeouts = RouteTimeouts(
-        **{
-            attr: _duration(timeout_fields, key, f"{what}: timeouts")
-            for key, attr in TIMEOUT_KEYS.items()
-        }
-    )
-    return validate_route(
-        Route(
-            namespace=namespace,
-            name=name,
-            host=_text(spec, "host", what),
-            path=_text(spec, "path", what, "/") or "/",
-            backends=tuple(backends),
-            target_port=_text(spec, "targetPort", what),
-            tls=tls,
-            balance=_enum(spec, "balance", BalancePolicy, BalancePolicy.DEFAULT, what),
-            sticky=StickySessions(
-                disable_cookies=_flag(sticky_fields, "disableCookies", f"{what}: sticky", False),
-                cookie_name=_text(sticky_fields, "cookieName", f"{what}: sticky"),
-                same_site=_enum(
-                    sticky_fields, "sameSite", SameSite, SameSite.LAX, f"{what}: sticky"
-                ),
-            ),
-            timeouts=timeouts,
-            auth_proxy_headers=_flag(spec, "authProxyHeaders", what, False),
-            forwarded_headers=_enum(
-                spec,
-                "forwardedHeaders",
-                ForwardedHeadersMode,
-                ForwardedHeadersMode.APPEND,
-                what,
-            ),
-            upstream_protocol=_text(spec, "upstreamProtocol", what),
-            created=creation_time(obj),
-        )
-    )
+    except schema.SchemaError as exc:
+        raise schema.SchemaError(
+            what, ("spec", *exc.where), exc.node, exc.reason, ("spec", *exc.at)
+        ) from None
+    except InvalidArgument as exc:
+        # validation's: its attribute path as the path of keys in the object.
+        field = getattr(exc, "field", None)
+        exc.at = ("spec", *schema.key_path(field)) if field else ("spec",)  # type: ignore[attr-defined]
+        raise
 
 
 def creation_time(obj: JSON) -> datetime | None:
@@ -374,32 +291,3 @@ def creation_time(obj: JSON) -> datetime | None:
     except ValueError:
         return None
     return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
-
-
-def _enum(fields: JSON, key: str, enum: Any, default: Any, what: str) -> Any:
-    text = _text(fields, key, what)
-    if not text:
-        if default is None:
-            raise InvalidArgument(f"{what}.{key}: is required")
-        return default
-    try:
-        return enum(text)
-    except ValueError:
-        allowed = ", ".join(member.value for member in enum if member.value)
-        raise InvalidArgument(f"{what}.{key}: {excerpt(text)} is not one of {allowed}") from None
-
-
-def _duration(fields: JSON, key: str, what: str) -> float | None:
-    value = fields.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise InvalidArgument(
-            f"{what}.{key}: must be a duration such as 5s, not {excerpt(repr(value))}"
-        )
-    if isinstance(value, int | float):
-        return float(value)
-    try:
-        return parse_duration(str(value))
-    except ValueError as exc:
-        raise InvalidArgument(f"{what}.{key}: {exc}") from None

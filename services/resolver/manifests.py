@@ -53,6 +53,7 @@ from waygate.resolver.gateway.translate import (
 )
 from waygate.resolver.ingress_nginx.config import IngressNginx
 from waygate.resolver.model import Endpoint, Route, Service
+from waygate.resolver.schema import DEFAULT_MAX_ROUTES_PER_SOURCE
 from waygate.resolver.status import SourceHealth
 from waygate.resolver.store import Store
 from waygate.resolver.yamlload import (
@@ -146,6 +147,7 @@ def parse_manifests(
     addresses: tuple[str, ...] = (),
     sharing: str = "share",
     ingress_nginx: IngressNginx | None = None,
+    max_routes: int = DEFAULT_MAX_ROUTES_PER_SOURCE,
 ) -> ManifestsContent:
     """Every object of the files -> the store's content and the statuses; FileError
     names the first line that is wrong."""
@@ -206,7 +208,8 @@ def parse_manifests(
             else:
                 objects.of(kind)[(namespace, name)] = obj
         except InvalidArgument as exc:
-            raise doc.error(str(exc)) from None
+            # A Route's field (waygate.resolver.schema) names its own line.
+            raise doc.error(str(exc), getattr(exc, "at", ())) from None
     for groups in slices.values():
         content.endpoints.extend(kube_convert.merge_endpoints(groups))
     translation = translate(
@@ -222,6 +225,16 @@ def parse_manifests(
         )
     content.translation = translation
     content.routes.extend(translation.routes)
+    if len(content.routes) > max_routes:
+        # The object that made the first route past the source's budget.
+        past = content.routes[max_routes]
+        kind, _, ref = past.origin.partition(" ")
+        namespace, _, name = ref.partition("/")
+        identity = (kind, namespace, name) if past.origin else ("Route", *past.key)
+        raise where_is.get(identity, documents[0]).error(
+            f"{len(content.routes)} routes; a source may produce at most {max_routes} "
+            "(--max-routes-per-source)"
+        )
     return content
 
 
@@ -246,7 +259,9 @@ class ManifestsSource:
         addresses: tuple[str, ...] = (),
         sharing: str = "share",
         ingress_nginx: IngressNginx | None = None,
+        max_routes: int = DEFAULT_MAX_ROUTES_PER_SOURCE,
     ) -> None:
+        self.max_routes = max_routes
         self.store = store
         self.ingress_nginx = ingress_nginx
         self.board = board
@@ -302,6 +317,7 @@ class ManifestsSource:
                     addresses=self.addresses,
                     sharing=self.sharing,
                     ingress_nginx=self.ingress_nginx,
+                    max_routes=self.max_routes,
                 ),
                 None,
             )

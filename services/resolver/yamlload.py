@@ -46,6 +46,9 @@ _MERGE_TAG = "tag:yaml.org,2002:merge"
 # Expanded sizes are capped here (far past any limit): nested aliases double per
 # level, and the walk need not carry numbers of hundreds of digits.
 _SIZE_CAP = 1 << 48
+# What building a value may raise: a timestamp such as 2026-13-45 is a ValueError,
+# a huge float an OverflowError (PyYAML's constructors), besides YAML's own.
+_CONSTRUCT_ERRORS = (yaml.YAMLError, ValueError, OverflowError)
 
 
 class FileError(Exception):
@@ -159,12 +162,15 @@ class YAMLDocuments:
     def close(self) -> None:
         self._loader.dispose()
 
-    def _invalid(self, exc: yaml.YAMLError) -> FileError:
+    def _invalid(self, exc: Exception, node: yaml.Node | None = None) -> FileError:
         if isinstance(exc, yaml.MarkedYAMLError):
             mark = exc.problem_mark or exc.context_mark
             line = mark.line + 1 if mark is not None else None
             return FileError(self.path, line, f"not valid YAML: {exc.problem or exc}")
-        return FileError(self.path, None, f"not valid YAML: {exc}")
+        line = _line(node) if node is not None else None
+        if not isinstance(exc, yaml.YAMLError):  # a value its type refuses (2026-13-45)
+            return FileError(self.path, line, str(exc))
+        return FileError(self.path, line, f"not valid YAML: {exc}")
 
     def documents(self) -> Iterator[yaml.Node]:
         while True:
@@ -191,15 +197,15 @@ class YAMLDocuments:
         """The Python value of `node`, a node inside a document."""
         try:
             return self._loader.construct_object(node, deep=True)
-        except yaml.YAMLError as exc:
-            raise self._invalid(exc) from None
+        except _CONSTRUCT_ERRORS as exc:
+            raise self._invalid(exc, node) from None
 
     def construct_document(self, node: yaml.Node) -> Any:
         """The Python value of a document's root (what it built is then let go)."""
         try:
             return self._loader.construct_document(node)
-        except yaml.YAMLError as exc:
-            raise self._invalid(exc) from None
+        except _CONSTRUCT_ERRORS as exc:
+            raise self._invalid(exc, node) from None
 
 
 __all__ = [

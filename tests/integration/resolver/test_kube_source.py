@@ -346,6 +346,36 @@ async def test_route_custom_resources_are_validated(kubeapi, caplog):
             )
 
 
+async def test_route_objects_past_the_budget_are_not_served_and_say_why(kubeapi):
+    """--max-routes-per-source: the oldest Route objects are served; a younger one
+    past the budget is left out with its reason, and the oldest waiting takes a
+    place another route leaves."""
+    for index in range(3):
+        obj = route(f"r{index}", f"r{index}.example.com")
+        obj["metadata"]["creationTimestamp"] = f"2026-01-0{index + 1}T00:00:00Z"
+        kubeapi.create(obj)
+    # An unknown key is refused as the routes file refuses it, not ignored.
+    kubeapi.create(route("typo", "typo.example.com", balanse="roundrobin"))
+    async with Running(kubeapi, max_routes=2) as run:
+        assert {r.name for r in run.store.routes()} == {"r0", "r1"}
+        invalid = run.source.invalid_routes()
+        assert "budget of 2 routes per source" in invalid[("default", "r2")]
+        assert "spec: unknown key 'balanse'" in invalid[("default", "typo")]
+        # A live ADDED past the budget is refused too.
+        kubeapi.create(route("r3", "r3.example.com"))
+        await until(
+            lambda: ("default", "r3") in run.source.invalid_routes(), "r3 refused for budget"
+        )
+        assert run.store.get_route("default", "r3") is None
+        # A deletion frees a place: the oldest route waiting for one takes it.
+        kubeapi.delete("waygate.io/v1", "Route", "r0", "default")
+        await until(lambda: run.store.get_route("default", "r2") is not None, "r2 served")
+        assert run.store.get_route("default", "r0") is None
+        assert ("default", "r2") not in run.source.invalid_routes()
+        assert run.store.get_route("default", "r3") is None
+        assert "budget" in run.source.invalid_routes()[("default", "r3")]
+
+
 async def test_tunnel_endpoints_by_label_or_edge_node(kubeapi):
     kubeapi.create(service("edge-app"))
     kubeapi.create(

@@ -45,10 +45,10 @@ class ParseGate:
         self.release = threading.Event()
         real = filesource.parse_routes_file
 
-        def gated(path: Path, text: str) -> filesource.FileContent:
+        def gated(path: Path, text: str, **options: int) -> filesource.FileContent:
             self.entered.set()
             self.release.wait(5)
-            return real(path, text)
+            return real(path, text, **options)
 
         monkeypatch.setattr(filesource, "parse_routes_file", gated)
 

@@ -267,9 +267,9 @@ async def test_apply_route_parses_the_file_once(
     calls = []
     real = filesource.parse_routes_file
 
-    def counting(path: Path, text: str) -> filesource.FileContent:
+    def counting(path: Path, text: str, **options: int) -> filesource.FileContent:
         calls.append(path)
-        return real(path, text)
+        return real(path, text, **options)
 
     monkeypatch.setattr(filesource, "parse_routes_file", counting)
     await source.apply_route(Route("shop", "x", "x.example.com", "/", (RouteBackend("web"),)))

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from waygate.core.errors import InvalidArgument
-from waygate.resolver import convert, filesource
+from waygate.resolver import convert, filesource, schema
 from waygate.resolver.filesource import FileContent, FileError, parse_routes_file
 from waygate.resolver.v1 import resolver_pb2 as pb
 from waygate.resolver.validation import validate_route
@@ -100,13 +100,19 @@ endpoints = shaped(filesource._ENDPOINT_KEYS, ports=listed(endpoint_ports))
 services = shaped(
     filesource._SERVICE_KEYS, ports=listed(service_ports), endpoints=listed(endpoints)
 )
-tls = shaped(filesource._TLS_KEYS, hsts=shaped(filesource._HSTS_KEYS))
+
+
+def keys(fields: tuple[schema.Field, ...]) -> tuple[str, ...]:
+    return tuple(field.key for field in fields)
+
+
+tls = shaped(keys(schema.TLS_FIELDS), hsts=shaped(keys(schema.HSTS_FIELDS)))
 routes = shaped(
-    filesource._ROUTE_KEYS,
-    backends=listed(shaped(filesource._BACKEND_KEYS)),
+    keys(schema.ENTRY_FIELDS),
+    backends=listed(shaped(keys(schema.BACKEND_FIELDS))),
     tls=st.one_of(tls, anything),
-    sticky=shaped(filesource._STICKY_KEYS),
-    timeouts=shaped(filesource.TIMEOUT_KEYS),
+    sticky=shaped(keys(schema.STICKY_FIELDS)),
+    timeouts=shaped(keys(schema.TIMEOUT_FIELDS)),
 )
 documents = st.fixed_dictionaries(
     {}, optional={"services": listed(services), "routes": listed(routes), "extra": anything}

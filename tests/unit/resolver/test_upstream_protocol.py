@@ -49,7 +49,7 @@ def test_routes_file_reads_both_and_round_trips_over_the_wire(tmp_path: Path):
 
 
 def test_unknown_route_protocol_is_refused_with_the_field(tmp_path: Path):
-    with pytest.raises(FileError, match="upstream_protocol"):
+    with pytest.raises(FileError, match="upstreamProtocol: 'spdy' is not one of"):
         parse_routes_file(
             tmp_path / "r.yaml", FILE.replace("upstreamProtocol: http", "upstreamProtocol: spdy")
         )
