@@ -36,6 +36,7 @@ import uvloop
 from bench.h2 import minimal
 from bench.proxy.hotpath import HOST, RESPONSE, MemoryTransport
 from bench.proxy.hotpath import build as build_h1
+from waygate.proxy.h2exchange import start_exchange
 from waygate.proxy.http2 import H2ClientConnection, H2Limits
 
 # The upstream's 16 KiB answer (bench.proxy's nginx file "16k"), head and body in one read.
@@ -80,7 +81,7 @@ def client_bytes(requests: int) -> tuple[bytes, list[bytes]]:
 async def waygate() -> tuple[Any, Any, Any]:
     client, upstream = await build_h1()
     server = client.server
-    conn = H2ClientConnection(server, H2Limits(), secure=False)
+    conn = H2ClientConnection(server, H2Limits(), secure=False, start_exchange=start_exchange)
     conn.connection_made(MemoryTransport())
     return conn, upstream, conn.transport
 

@@ -25,11 +25,12 @@ from typing import Any
 
 import uvloop
 
+from waygate.proxy.downstream_h1 import ClientConnection
 from waygate.proxy.metrics import ProxyMetrics
-from waygate.proxy.pool import UpstreamConnection
 from waygate.proxy.routing import Defaults, Target, build_table
-from waygate.proxy.server import ClientConnection, ProxyServer
+from waygate.proxy.server import ProxyServer
 from waygate.proxy.upstream import Dialer
+from waygate.proxy.upstream_h1 import UpstreamConnection
 from waygate.resolver.model import Endpoint, EndpointPort, Route, RouteBackend
 
 HOST = "bench.localtest.me"

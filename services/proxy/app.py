@@ -47,9 +47,10 @@ from waygate.core.settings import (
 )
 from waygate.proxy.http2 import H2Collector, H2Limits
 from waygate.proxy.metrics import ProxyCollector, ProxyMetrics
-from waygate.proxy.routing import Defaults, build_table
+from waygate.proxy.routing import Defaults
 from waygate.proxy.server import Limits, ProxyServer
 from waygate.proxy.upstream import Dialer
+from waygate.proxy.view import ProxyView, ViewSettings
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -551,6 +552,85 @@ def _closer(close: Any) -> Any:
     return run
 
 
+class ViewFanOut:
+    """One resolver view into every table the proxy serves from, in one place.
+
+    `on_view` (the resolver watch's callback, on the loop): the Gateway
+    listeners' own ports bound or closed for the view (`listeners.py`: what
+    the request path looks up is per side), the reencrypt step's cached
+    contexts kept only for routes that remain, the edge certificates by SNI
+    (only for routes that own their host), the TLS fronts' passthrough tables
+    (the HTTPS port's, and each own TLS listener port's), and the request
+    path's `view.ProxyView` (routing, backends, HTTP/2 flags), swapped whole.
+    `on_healed`: a listener port that could not be bound before now is: the
+    last view is laid out again.
+    """
+
+    def __init__(
+        self, server: ProxyServer, front: Any, listeners: Any, settings: ViewSettings
+    ) -> None:
+        self.server = server
+        self.front = front  # the HTTPS port's TlsFront (None: no HTTPS port)
+        self.listeners = listeners  # listeners.GatewayListeners
+        self.settings = settings
+        self.last: Any = None
+
+    def on_view(self, view: Any) -> None:
+        self.last = view
+        server, front = self.server, self.front
+        # First: the own ports this view's Gateway listeners need, bound or closed.
+        listener_sides = self.listeners.sides(view.routes.values())
+        own_tls = self.listeners.fronts()
+        if server.upstream_tls is not None:
+            server.upstream_tls.keep_only(view.routes.values())
+        if front is not None:
+            # A route another one's claim keeps out serves no certificate for its host.
+            front.certificates.update(
+                (r for r in view.routes.values() if r.status is None or r.status.admitted),
+                keys_withheld=view.route_keys_withheld,
+            )
+            # TLS listeners on their own ports are served there only.
+            self._passthrough(front, view, lambda p: p not in own_tls)
+        self._build(view, listener_sides)
+        self._own_fronts(view)
+
+    def on_healed(self) -> None:
+        view = self.last
+        if view is not None:
+            self._build(view, self.listeners.sides(view.routes.values()))
+            self._own_fronts(view)
+
+    def _build(self, view: Any, listener_sides: Any) -> None:
+        server = self.server
+        settings = self.settings._replace(listener_ports=listener_sides)
+        server.set_view(ProxyView.build(view, server.view, settings))
+
+    def _passthrough(self, target: Any, view: Any, ports: Callable[[int], bool]) -> None:
+        """`target` (a TLS front) serves the view's passthrough routes on these listener ports."""
+        from waygate.proxy.passthrough import passthrough_table
+
+        target.set_table(
+            passthrough_table(
+                view.routes,
+                view.endpoints,
+                view.services,
+                defaults=self.settings.defaults,
+                cookie_key=self.settings.cookie_key,
+                previous=target.table,
+                ports=ports,
+            )
+        )
+
+    def _own_fronts(self, view: Any) -> None:
+        """The passthrough routes of TLS listeners on their own ports, each on its front."""
+
+        def only(port: int) -> Callable[[int], bool]:
+            return lambda listener_port: listener_port == port
+
+        for port, own in self.listeners.fronts().items():
+            self._passthrough(own, view, only(port))
+
+
 async def setup(process: ServiceProcess, settings: Settings) -> None:
     if settings.workers > 1 and not settings.worker:
         await _start_workers(process, settings)
@@ -571,15 +651,14 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         listen_port=settings.http_port,
         access_log_rate=settings.access_log_rate,
         limits=settings.limits(),
+        # HTTP/2: the listeners' limits, and the connections to HTTP/2 backends.
+        h2_limits=settings.h2_limits(),
+        trace_ratio=settings.trace_sample_ratio,
     )
-    from waygate.proxy.h2upstream import H2Upstreams
-
-    # HTTP/2: the listeners' limits, and the connections to HTTP/2 backends.
-    server.h2_limits = settings.h2_limits()  # type: ignore[attr-defined]
-    h2_upstreams = H2Upstreams(server, settings.h2_limits())
-    server.h2_upstreams = h2_upstreams  # type: ignore[attr-defined]
-    process.on_stop(_closer(h2_upstreams.close))
-    server.trace_ratio = settings.trace_sample_ratio
+    process.on_stop(_closer(server.h2_upstreams.close))
+    view_settings = ViewSettings(
+        defaults, cookie_key, settings.trace_sample_ratio, gateway=settings.gateway
+    )
     REGISTRY.register(ProxyCollector(metrics.snapshot))
     REGISTRY.register(H2Collector())
     process.on_stop(_unregister(metrics))
@@ -603,70 +682,9 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         certificates=front.certificates if front is not None else None,
     )
     process.on_stop(_closer(gateway_listeners.close))
-    last_view: list[Any] = []
-
-    def build(view: Any, listener_sides: Any) -> None:
-        server.set_table(
-            build_table(
-                view.routes,
-                view.endpoints,
-                view.services,
-                defaults=defaults,
-                cookie_key=cookie_key,
-                previous=server.table,
-                listener_ports=listener_sides,
-                gateway=settings.gateway,
-            )
-        )
-
-    def on_healed() -> None:
-        if last_view:
-            build(last_view[0], gateway_listeners.sides(last_view[0].routes.values()))
-            own_fronts(last_view[0])
-
-    def set_passthrough(target: Any, view: Any, ports: Callable[[int], bool]) -> None:
-        """`target` (a TLS front) serves the view's passthrough routes on these listener ports."""
-        from waygate.proxy.passthrough import passthrough_table
-
-        target.set_table(
-            passthrough_table(
-                view.routes,
-                view.endpoints,
-                view.services,
-                defaults=defaults,
-                cookie_key=cookie_key,
-                previous=target.table,
-                ports=ports,
-            )
-        )
-
-    def own_fronts(view: Any) -> None:
-        """The passthrough routes of TLS listeners on their own ports, each on its front."""
-
-        def only(port: int) -> Callable[[int], bool]:
-            return lambda listener_port: listener_port == port
-
-        for port, own in gateway_listeners.fronts().items():
-            set_passthrough(own, view, only(port))
-
-    def on_view(view: Any) -> None:
-        last_view[:] = [view]
-        # First: the own ports this view's Gateway listeners need, bound or closed.
-        listener_sides = gateway_listeners.sides(view.routes.values())
-        own_tls = gateway_listeners.fronts()
-        if server.upstream_tls is not None:
-            server.upstream_tls.keep_only(view.routes.values())
-        if front is not None:
-            # A route another one's claim keeps out serves no certificate for its host.
-            front.certificates.update(
-                (r for r in view.routes.values() if r.status is None or r.status.admitted),
-                keys_withheld=view.route_keys_withheld,
-            )
-            # TLS listeners on their own ports are served there only.
-            set_passthrough(front, view, lambda p: p not in own_tls)
-        h2_upstreams.update(view.routes, view.services)
-        build(view, listener_sides)
-        own_fronts(view)
+    fan_out = ViewFanOut(server, front, gateway_listeners, view_settings)
+    on_view = fan_out.on_view
+    on_healed = fan_out.on_healed
 
     channels = [
         await process.client_channel(address, server_name=settings.resolver_server_name)

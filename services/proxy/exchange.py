@@ -1,29 +1,36 @@
-"""One proxied exchange (a request and its response): the rules, without the sockets.
+"""One proxied exchange to an HTTP/1.1 backend (a request and its response), without sockets.
 
-An `Exchange` is what an HTTP/1.1 client connection (`server.ClientConnection`)
-and an HTTP/2 stream both drive. It owns the request's state and every rule
-between the request's head and the response's last byte; it never touches a
-socket. The two sides it talks to:
+An `Exchange` is what an HTTP/1.1 client connection
+(`downstream_h1.ClientConnection`) and an HTTP/2 stream to an HTTP/1.1
+backend (`h2exchange.StreamDownstream`) both drive. Every per-request rule
+(routing, the route's rules, the pick, tracing, filters, the upstream head)
+was decided before it starts, once, by `decision.decide`; the Exchange owns
+what happens between the request's head and the response's last byte. The
+two sides it talks to:
 
 - downstream, the *driver* (the client side), through the `Downstream`
-  interface below: the driver hands the Exchange parsed request heads and body
-  bytes, and the Exchange hands back the response (head, body pieces, local
-  answers) and its end;
-- upstream, a `pool.UpstreamConnection` (one HTTP/1.1 connection to the
-  endpoint), through its methods only: `begin`, `write`, `writelines`,
-  `write_eof`, `release`, `abort`, `pause_reading`/`resume_reading`. The
-  upstream connection calls back `response_head`, `informational`,
-  `response_data`, `switching`, `relay_data`, `relay_eof`, `upstream_closed`,
-  `upstream_paused`; the pool calls `endpoint_free` for a queued request.
+  interface below: the driver hands the Exchange the decided request and its
+  body bytes, and the Exchange hands back the response (head, body pieces,
+  local answers) and its end;
+- upstream, an `upstream_h1.UpstreamConnection` (one HTTP/1.1 connection to
+  the endpoint; for an HTTP/1.1 client of an HTTP/2 backend, one stream,
+  `h2bridge.H2Bridge`), through its methods only: `begin`, `write`,
+  `writelines`, `write_eof`, `release`, `abort`, `pause_reading`/
+  `resume_reading`. It calls back the `upstream_h1.H1User` methods
+  (`response_head`, `informational`, `response_data`, `switching`,
+  `relay_data`, `relay_eof`, `upstream_closed`, `upstream_failed`,
+  `upstream_paused`); the pool calls `endpoint_free` for a queued request.
 
-Driving an Exchange (one request at a time; `start` again after the end):
+Driving an Exchange (one request at a time; again after the end):
 
-    ok = exchange.start(req, now)      # route, pick, build the upstream head;
-                                       # False: answered locally (or refused)
-    exchange.dispatch()                # pooled connection, a connect task, or the
-                                       # endpoint's queue (503 when it is full)
+    decided = decision.decide(view, req, facts, now)  # the driver decides
+    exchange.answer(req, decided)      # an Answer: counted, then rendered
+    exchange.begin(req, decided, now)  # a Forward: the request's state here
+    exchange.dispatch()                # pooled connection, a connect task
+                                       # (connect_h1), the endpoint's queue (503
+                                       # when it is full), or an HTTP/2 stream
     rest = exchange.request_body(data) # body bytes; returns what follows the body
-    delay = exchange.on_timer(now)     # server/client timeouts, body rate; < 0: fired
+    delay = exchange.on_timer(now)     # timeouts (timeouts.check); < 0: fired
     exchange.downstream_paused(flag)   # the client stopped/resumed reading
     exchange.relay_send(data)          # after a 101: client bytes (relay_send_eof,
                                        # release_relay when both sides ended)
@@ -32,27 +39,24 @@ Driving an Exchange (one request at a time; `start` again after the end):
 and the Exchange calls `Downstream.response_head/response_body/response_pieces`,
 then `exchange_done(keep_alive, now, idle_timeout)` (or `failed`, `refuse`, `abort`).
 
-What the Exchange decides (the protocol-neutral rules):
-- routing and the route's rules: TLS-only routes, auth-proxy identity, sticky
-  cookie, endpoint pick and its in-flight count, passive health;
-- per-request filters: `_filter_request` (below) is where a route's filters
-  run, after routing and before the upstream head is built; response filters
-  go in `_response_extra` (the lines added to the response head);
+What the Exchange keeps (the rules between request and response):
 - request framing (Content-Length or chunked, bounded while connecting);
-- response framing and its extras: Set-Cookie (stickiness), HSTS, rechunking
-  (the upstream's chunked body is re-emitted chunked to a driver that takes
-  chunks, or as bare payload with close framing otherwise);
+- response framing and its extras (`Forward.response_extra`: Set-Cookie,
+  HSTS; a route's ResponseHeaderModifier), rechunking (the upstream's chunked
+  body is re-emitted chunked to a driver that takes chunks, or as bare
+  payload otherwise);
 - keep-alive and pooling eligibility: an upstream connection is released for
   reuse only when its response was framed cleanly, the whole request was sent
   and neither side asked to close;
 - retry eligibility: redispatch only after a connect failed before anything
-  was sent; a sent request is re-sent only when it went out on a reused
-  keep-alive connection that closed before any response byte and it is
-  idempotent without a body (RFC 9112 section 9.3.1), never a sent POST;
-- the server timeout (from the last byte moved either way; the whole
-  response head due within it), the client timeout and the minimum body rate;
-  the bounds on 1xx responses (`server.Limits`); records (metrics, access log,
-  span).
+  was sent (`connect_h1`, `decision.may_redispatch`); a sent request is
+  re-sent only when it went out on a reused keep-alive connection that closed
+  before any response byte and it is idempotent without a body (RFC 9112
+  section 9.3.1), never a sent POST;
+- the bounds on 1xx responses (`server.Limits`), the relay after a 101
+  (`UpgradeRelay`), and its records (`records`: metrics, access log, span);
+- everything it holds upstream let go in one place, `abandon_upstream`,
+  however the exchange ends.
 
 The per-request path does no logging (the access log is budgeted), no
 f-strings and no dict copies; one task exists only while a connect runs.
@@ -61,20 +65,26 @@ f-strings and no dict copies; one task exists only while a connect runs.
 from __future__ import annotations
 
 import asyncio
-import functools
-import logging
-import random
-import re
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import Any, Protocol
 
-from opentelemetry import context as otel_context
-from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.trace import Status, StatusCode
 
 from waygate.core import flow
-from waygate.core.logs import span_fields
-from waygate.core.tracing import tracer
-from waygate.proxy import filters, http1, tls
+from waygate.proxy import filters, http1
+from waygate.proxy.connect_h1 import start_connect
+from waygate.proxy.context import ExchangeContext
+from waygate.proxy.decision import (
+    ANSWER_HEALTHZ,
+    ANSWER_OPTIONS,
+    ANSWER_REDIRECT,
+    ANSWER_ROUTE_REDIRECT,
+    HEALTHZ,
+    OPTIONS_ANY,
+    Answer,
+    Forward,
+    release_pick,
+)
+from waygate.proxy.h2bridge import H2Bridge
 from waygate.proxy.http1 import (
     FRAMING_CHUNKED,
     FRAMING_CLOSE,
@@ -86,34 +96,27 @@ from waygate.proxy.http1 import (
     RequestHead,
     ResponseHead,
 )
-from waygate.proxy.pool import UpstreamConnection
-from waygate.proxy.routing import Backend, RouteEntry, Side, Target, unavailable_reason
-from waygate.proxy.upstream import Attachable, ConnectError, start
+from waygate.proxy.records import end_span
+from waygate.proxy.routing import Backend, RouteEntry, Side, Target
+from waygate.proxy.timeouts import check as check_timeouts
+from waygate.proxy.upstream_h1 import UpstreamConnection
 
-if TYPE_CHECKING:
-    from waygate.proxy.server import ProxyServer
-    from waygate.resolver.model import HeaderModifier
-
-access_log = logging.getLogger("waygate.proxy.access")
-
-_PROPAGATOR = TraceContextTextMapPropagator()
-_TRACEPARENT = re.compile(rb"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+__all__ = [
+    "ANSWER_HEALTHZ",
+    "ANSWER_OPTIONS",
+    "ANSWER_REDIRECT",
+    "ANSWER_ROUTE_REDIRECT",
+    "Downstream",
+    "Exchange",
+]
 
 # A non-idempotent request reuses only connections idle for less than this:
 # upstreams' keep-alive timeouts are seconds (Node.js 5 s, nginx 75 s).
 SAFE_REUSE_IDLE = 2.0
-MAX_CONNECT_ATTEMPTS = 3
 # Request body bytes held while the upstream connect runs before reading pauses.
 PENDING_HIGH_WATER = flow.HIGH_WATER
 
 _IDEMPOTENT = frozenset((b"GET", b"HEAD", b"OPTIONS", b"PUT", b"DELETE", b"TRACE"))
-
-# Local answers' kinds (Downstream.answer): the driver renders them.
-ANSWER_HEALTHZ = "healthz"
-ANSWER_REDIRECT = "redirect"
-ANSWER_OPTIONS = "options"  # OPTIONS *: the proxy answers for itself
-# A route's RequestRedirect filter: `reason` carries the Location.
-ANSWER_ROUTE_REDIRECT = "route_redirect"
 
 
 class Downstream(Protocol):
@@ -128,7 +131,6 @@ class Downstream(Protocol):
     `extra`: whole header lines (b"Name: value\\r\\n" each) to add.
     """
 
-    context: ForwardedContext
     client_key: bytes
     secure: Side
     # Whether this driver forwards chunk-framed body pieces as they are
@@ -136,7 +138,11 @@ class Downstream(Protocol):
     chunked_ok: bool
     # Whether the client's transport is paused for writing (its buffer is full).
     write_paused: bool
+    # The access log's protocol field ("http/1.1", "h2", "h2c").
+    protocol: str
 
+    @property
+    def context(self) -> ForwardedContext | None: ...
     def client_identity(self, route: Any) -> tuple[int, str] | bytes: ...
     def response_head(
         self,
@@ -171,28 +177,103 @@ class Downstream(Protocol):
     def relay_closed(self) -> None: ...
 
 
-def _log_access(exchange: Exchange, route: str, req: RequestHead, status: int) -> None:
-    """One JSON access-log line (within the per-second budget; see ProxyServer)."""
-    target = exchange.target
-    access_log.info(
-        "request",
-        extra={
-            "client": exchange.down.context.client_ip.decode(),
-            "method": req.method.decode("ascii", "replace"),
-            "host": req.host.decode("ascii", "replace"),
-            "path": req.target.decode("ascii", "replace")[:256],
-            "status": status,
-            "route": route,
-            "upstream": f"{target.address}:{target.port}" if target is not None else "",
-            "duration_ms": round((exchange.loop.time() - exchange.started) * 1000, 3)
-            if exchange.started
-            else 0.0,
-            **span_fields(exchange.span),
-        },
-    )
+class _Relaying(Protocol):
+    """What the relay phase uses of its exchange (the Exchange below)."""
+
+    ctx: ExchangeContext
+    loop: Any
+    down: Downstream
+    req: RequestHead | None
+    entry: RouteEntry | None
+    upstream: UpstreamConnection | Any
+    response_started: bool
+    status: int
+    last_client: float
+    last_up: float
+
+    def _record(self, route: str, req: RequestHead, status: int) -> None: ...
+    def _release_pick(self) -> None: ...
 
 
-class Exchange:
+class UpgradeRelay:
+    """The relay phase of an exchange, after the upstream's 101 (Switching Protocols):
+    bytes both ways as they come (WebSocket and other upgrades), each side's
+    half-close passed on, idle for at most the route's tunnel timeout, then both
+    sides closed and the request recorded as 101. HTTP/1.1 only: an HTTP/2
+    stream never asks to upgrade (RFC 8441's extended CONNECT is not served)."""
+
+    __slots__ = ()
+    # (Slots of the Exchange, declared for the type checker.)
+    req: RequestHead | None
+    upstream: UpstreamConnection | None
+
+    def switching(self: _Relaying, response: ResponseHead, rest: bytes) -> bool:
+        """The upstream's 101: True when the relay starts (the request asked to upgrade)."""
+        req = self.req
+        if req is None or not req.upgrade:
+            return False
+        self.response_started = True
+        self.status = 101
+        self.last_client = self.last_up = self.loop.time()
+        if not response.upgrade:
+            response.upgrade = req.upgrade
+        self.down.start_relay(response, rest)
+        return True
+
+    def relay_send_eof(self: _Relaying) -> bool:
+        """The client half-closed during a relay: so does the upstream (True when it could)."""
+        upstream = self.upstream
+        return upstream is not None and upstream.write_eof()
+
+    def relay_timer(self: _Relaying, now: float) -> float:
+        """The delay until a relay's next idle check, or -1 when it was idle too long."""
+        entry = self.entry
+        limit = entry.options.tunnel_timeout if entry else 3600.0
+        idle = now - max(self.last_client, self.last_up)
+        return -1.0 if idle >= limit else limit - idle
+
+    def relay_eof(self: _Relaying) -> bool:
+        """The upstream half-closed during a relay: so does the client (True when it could)."""
+        return self.down.relay_eof()
+
+    def relay_data(self: _Relaying, data: bytes) -> None:
+        self.last_up = self.loop.time()
+        self.ctx.metrics.bytes_out += len(data)
+        self.down.relay_write(data)
+
+    def relay_send(self: _Relaying, data: bytes) -> None:
+        """Client bytes during a relay."""
+        upstream = self.upstream
+        if upstream is not None:
+            self.last_client = self.loop.time()
+            upstream.write(data)
+
+    def release_relay(self: _Relaying) -> None:
+        """The driver ends a relay both sides have finished: the upstream is closed
+        (gracefully: bytes still queued for it go first), the request recorded."""
+        entry = self.entry
+        req = self.req
+        if entry is not None and req is not None:
+            self._record(entry.options.name, req, 101)
+            self.req = None
+        upstream = self.upstream
+        self.upstream = None
+        if upstream is not None:
+            upstream.release(False)
+        self._release_pick()
+
+    def relay_closed(self: _Relaying) -> None:
+        entry = self.entry
+        req = self.req
+        if entry is not None and req is not None:
+            self._record(entry.options.name, req, 101)
+            self.req = None
+        self.upstream = None
+        self._release_pick()
+        self.down.relay_closed()
+
+
+class Exchange(UpgradeRelay):
     """One request and its response at a time, between a driver and an upstream."""
 
     __slots__ = (
@@ -202,21 +283,19 @@ class Exchange:
         "body_reader",
         "body_received",
         "body_remaining",
+        "bridge",  # the stream to an HTTP/2 backend (h2bridge; None: HTTP/1.1)
         "connect_task",
-        "connecting",
-        "cookie",
-        "counted",
+        "ctx",
         "down",
         "entry",
+        "forward",  # what decision.decide chose for this request (None: no request)
         "framing",  # the response's framing as the upstream sends it
-        "hsts",
         "informational_bytes",
         "informationals",
         "keep_alive",
         "last_client",
         "last_up",
         "loop",
-        "path",
         "pending_body",
         "pending_size",
         "queued",
@@ -224,10 +303,8 @@ class Exchange:
         "remaining",  # response body bytes still due (FRAMING_LENGTH)
         "req",
         "req_complete",
-        "response_modifier",  # the route's ResponseHeaderModifier (None: none)
         "response_started",
         "retried",
-        "server",
         "span",
         "started",
         "status",
@@ -235,24 +312,20 @@ class Exchange:
         "upstream",
         "upstream_blocked",
         "upstream_head",
-        "upstream_traceparent",
     )
 
-    def __init__(self, server: ProxyServer, down: Downstream) -> None:
-        self.server = server
+    def __init__(self, ctx: ExchangeContext, down: Downstream) -> None:
+        self.ctx = ctx
         self.down = down
-        self.loop = server.loop
+        self.loop = ctx.loop
+        self.forward: Forward | None = None
+        self.bridge: H2Bridge | None = None
         self.req: RequestHead | None = None
         self.entry: RouteEntry | None = None
         self.target: Target | None = None
         self.backend: Backend | None = None
-        # Whether this request is counted in its picker's in-flight numbers (only
-        # a choice among endpoints reads them; a one-endpoint route skips both calls).
-        self.counted = False
         self.upstream: UpstreamConnection | None = None
         self.connect_task: asyncio.Task[None] | None = None
-        # The endpoint a connect is under way to (its reservation in the pool's bound).
-        self.connecting: Target | None = None
         # Waiting in the pool's queue for room at its endpoint (see Pool.wait).
         self.queued = False
         self.body_remaining = 0
@@ -270,19 +343,12 @@ class Exchange:
         self.pending_size = 0
         self.response_started = False
         self.upstream_head = b""
-        # The proxy span's context when the request is sampled: the tunnel's dial
-        # spans become its children (None: unsampled, nothing to continue).
-        self.upstream_traceparent: str | None = None
         self.retried = False
         self.last_client = 0.0
         self.last_up = 0.0
         self.started = 0.0
         self.status = 0
-        self.path = b""
-        self.cookie: bytes | None = None
         self.span: Any = None
-        self.hsts = b""
-        self.response_modifier: HeaderModifier | None = None
         # Informational responses of this request so far (bounded: see Limits).
         self.informationals = 0
         self.informational_bytes = 0
@@ -293,95 +359,36 @@ class Exchange:
 
     # ------------------------------------------------------------ the request
 
-    def start(self, req: RequestHead, now: float) -> bool:
-        """Route one request head; True when an exchange started (dispatch next),
-        False when it was answered locally (the driver may be closing)."""
-        server = self.server
-        down = self.down
+    def answer(self, req: RequestHead, answer: Answer) -> None:
+        """A local answer `decision.decide` chose: counted (under its route, "" when none
+        matched), logged, then rendered by the driver."""
+        if answer.refused:
+            self.ctx.records.refused(answer.kind)
+        if answer is not HEALTHZ and answer is not OPTIONS_ANY:
+            self._record(answer.route, req, answer.status)
+        self.down.answer(req, answer.status, answer.reason, answer.kind)
+
+    def begin(self, req: RequestHead, forward: Forward, now: float) -> None:
+        """Take a request `decision.decide` forwarded (the driver decided it): its
+        state here, its body's framing; `dispatch` next."""
         self.started = now
-        target = req.target
-        if target == http1.HEALTHZ_PATH:
-            down.answer(req, 200, "ok", ANSWER_HEALTHZ)
-            return False
-        if target == b"*":  # OPTIONS * (the only request with this target): about us
-            down.answer(req, 200, "", ANSWER_OPTIONS)
-            return False
-        query = target.find(b"?")
-        path = target if query < 0 else target[:query]
-        self.path = path
-        entry = server.table.lookup(req.host, path, req, down.secure)
-        if entry is None:
-            reason = "no route for host " + req.host.decode("ascii", "replace")
-            # A Gateway listener answers what no route takes with 404 (the spec).
-            status = 404 if server.table.serves_listeners(down.secure) else 503
-            return self._unavailable(req, reason, "no_route", status)
-        self.hsts = b""
-        identity = b""
-        if entry.route.tls is not None:
-            if down.secure:
-                self.hsts = entry.hsts
-                if entry.route.tls.client_ca_certificate:
-                    checked = down.client_identity(entry.route)
-                    if isinstance(checked, tuple):
-                        return self._refuse_client(req, entry, *checked)
-                    identity = checked
-            elif (rule := tls.edge_rule(entry.route)) != tls.EDGE_ALLOW:
-                if rule == tls.EDGE_REDIRECT:
-                    self._record(entry.options.name, req, 302)
-                    down.answer(req, 302, "", ANSWER_REDIRECT)
-                    return False
-                reason = f"route {entry.options.name} is served on HTTPS only"
-                return self._unavailable(req, reason, "https_only")
-        route_filters = entry.route.filters
-        if route_filters is not None:
-            redirect = route_filters.redirect
-            if redirect is not None:
-                self._record(entry.options.name, req, redirect.status)
-                location = filters.redirect_location(
-                    req,
-                    redirect,
-                    entry.path,
-                    secure=down.secure,
-                    listener_port=entry.route.listener_port,
-                )
-                down.answer(req, redirect.status, location.decode("latin-1"), ANSWER_ROUTE_REDIRECT)
-                return False
-            self.response_modifier = route_filters.response_headers
-        elif self.response_modifier is not None:
-            self.response_modifier = None
-        if req.cookie:
-            cookie = self.cookie = self._sticky_cookie(req, entry)
-        else:
-            cookie = self.cookie = None
-        single = entry.single
-        if single is not None and cookie is None:
-            picked, backend = single
-            self.counted = False
-        else:
-            chosen, chosen_backend = entry.pick(down.client_key, cookie, server.health, None)
-            if chosen_backend is not None and chosen_backend.invalid:
-                # A Gateway API backendRef that cannot be used: 500, as the spec says.
-                return self._unavailable(req, chosen_backend.invalid, "invalid_backend", 500)
-            if chosen is None or chosen_backend is None:
-                reason = unavailable_reason(entry)
-                return self._unavailable(req, reason, "no_endpoint")
-            picked, backend = chosen, chosen_backend
-            backend.picker.acquire(picked)
-            self.counted = True
+        self.forward = forward
         self.req = req
-        self.entry = entry
+        self.entry = forward.entry
+        self.target = forward.target
+        self.backend = forward.backend
+        self.span = forward.span
+        self.upstream_head = forward.upstream_head
         self.status = 0
         if self.informationals:
             self.informationals = self.informational_bytes = 0
         self.last_up = self.last_client = now
         self.response_started = False
         self.retried = False
-        self.target = picked
-        self.backend = backend
         if self.body_received:
             self.body_received = 0
         if req.chunked:
-            self.body_reader = ChunkedReader(chunk_budget=server.limits.max_small_chunks)
+            self.body_reader = ChunkedReader(chunk_budget=self.ctx.limits.max_small_chunks)
             self.req_complete = False
         elif req.content_length > 0:
             self.body_remaining = req.content_length
@@ -389,72 +396,32 @@ class Exchange:
             self.req_complete = False
         else:
             self.req_complete = True
-        traceparent = req.traceparent
-        if traceparent:
-            self.upstream_traceparent = None
-            if traceparent[-3:] == b"-01" and _TRACEPARENT.fullmatch(traceparent):
-                # Sampled upstream of us (parent-based): a span, and its id goes on.
-                traceparent = self._start_span(req, entry)
-                self.upstream_traceparent = traceparent.decode("ascii")
-        elif server.trace_ratio and random.random() < server.trace_ratio:
-            # No trace context: this proxy starts a trace, for its configured share.
-            traceparent = self._start_span(req, entry)
-            self.upstream_traceparent = traceparent.decode("ascii")
-        elif self.upstream_traceparent is not None:
-            self.upstream_traceparent = None
-        if route_filters is not None:
-            req = self._filter_request(req, entry, traceparent)
-        upstream_head = http1.build_upstream_head(
-            req, down.context, entry.options.forwarded_mode, traceparent
-        )
-        if identity:
-            # Set from the verified certificate; the client's own copies were stripped.
-            upstream_head = upstream_head[:-2] + identity + b"\r\n"
-        self.upstream_head = upstream_head
-        return True
-
-    def _filter_request(
-        self, req: RequestHead, entry: RouteEntry, traceparent: bytes
-    ) -> RequestHead:
-        """A route's request filters (HTTPRoute RequestHeaderModifier, URLRewrite,
-        RequestMirror; waygate.proxy.filters), after routing and before the
-        upstream head is built: the request head as the backend should see it.
-        Mirrors get a copy and are never waited for."""
-        route_filters = entry.route.filters
-        assert route_filters is not None
-        if route_filters.rewrite is not None or route_filters.request_headers is not None:
-            req = filters.rewritten_request(
-                req, route_filters.rewrite, route_filters.request_headers, entry.path
-            )
-        if entry.mirrors and not req.has_body:
-            head = http1.build_upstream_head(
-                req, self.down.context, entry.options.forwarded_mode, traceparent
-            )
-            for picker, percent in entry.mirrors:
-                if percent < 100 and random.randrange(100) >= percent:
-                    continue
-                target = picker.pick(None)
-                if target is not None:
-                    self.server.mirrors.send(target, head)
-        return req
-
-    def _sticky_cookie(self, req: RequestHead, entry: RouteEntry) -> bytes | None:
-        name = entry.options.cookie_name
-        if not name:
-            return None
-        prefix = name + b"="
-        for value in req.cookie:
-            for part in value.split(b";"):
-                part = part.strip()
-                if part.startswith(prefix):
-                    return part[len(prefix) :]
-        return None
+        if forward.mirrors:
+            mirrors = self.ctx.mirrors
+            for target, head in forward.mirrors:
+                mirrors.send(target, head)
 
     def dispatch(self) -> None:
-        """Send the request upstream: a pooled connection, or a new connect."""
+        """Send the request upstream: a pooled connection, or a new connect; to an
+        HTTP/2 backend, a stream (`h2bridge`: the backend decides the protocol)."""
         target = self.target
         assert target is not None
-        server = self.server
+        ctx = self.ctx
+        forward = self.forward
+        if forward is not None and forward.http2:
+            req = self.req
+            if req is not None and req.upgrade:
+                self.fail(
+                    502,
+                    "the backend speaks HTTP/2: an upgrade to "
+                    + req.upgrade.decode("ascii", "replace")
+                    + " cannot be relayed to it",
+                    "upgrade_to_http2",
+                )
+                return
+            bridge = self.bridge = H2Bridge(ctx.h2, self, forward, self.down)
+            bridge.dispatch()
+            return
         req = self.req
         # A request that must never be re-sent only takes a recently used
         # connection (see Pool.take); idempotent ones may be retried instead.
@@ -464,16 +431,16 @@ class Exchange:
         else:
             key = target
         if req is not None and req.method in _IDEMPOTENT:
-            upstream = server.pool.take(key)
+            upstream = ctx.pool.take(key)
         else:
-            upstream = server.pool.take(key, idle_at_most=SAFE_REUSE_IDLE)
+            upstream = ctx.pool.take(key, idle_at_most=SAFE_REUSE_IDLE)
         if upstream is not None:
-            server.metrics.pool_reused += 1
+            ctx.metrics.pool_reused += 1
             self._attach(upstream, reused=True)
             return
-        pool = server.pool
+        pool = ctx.pool
         if pool.reserve(target):
-            self.connect_task = self.loop.create_task(self._connect(target))
+            self._start_connect(target)
         elif pool.wait(target, self):
             self.queued = True  # Pool.wake calls endpoint_free
         else:
@@ -526,143 +493,21 @@ class Exchange:
 
     # ------------------------------------------------------------ picks
 
-    def _set_pick(self, target: Target, backend: Backend) -> None:
-        self.target = target
-        self.backend = backend
-        backend.picker.acquire(target)
-        self.counted = True
-
     def _release_pick(self) -> None:
-        if self.counted and self.backend is not None and self.target is not None:
-            self.backend.picker.release(self.target)
-        self.counted = False
+        forward = self.forward
+        if forward is not None:
+            self.forward = None
+            if forward.counted:
+                release_pick(forward)
         self.backend = None
         self.target = None
 
     # ------------------------------------------------------------ upstream side
 
-    async def _connect(self, target: Target) -> None:
-        """Open a connection to `target` (reserved in the pool's per-endpoint bound by
-        the caller; the reservation ends here, the open connection counts itself)."""
-        if self.span is not None:
-            # This task's own context: lines it logs (a failed TLS handshake, a
-            # tunnel dial) carry the request's trace.
-            otel_context.attach(set_span_in_context(self.span))
-        self.connecting = target
-        try:
-            await self._open(target)
-        finally:
-            self.server.pool.unreserve(self.connecting)
-
-    async def _open(self, target: Target) -> None:
-        server = self.server
-        entry = self.entry
-        assert entry is not None
-        options = entry.options
-        attempts = 0
-        while True:
-            attempts += 1
-            upstream_tls = server.upstream_tls
-            reencrypt = upstream_tls is not None and upstream_tls.applies(entry.route)
-            head_sent = False
-            try:
-                # A socket, or a tunnel endpoint's data connection (upstream.Attachable).
-                if target.tunnel and not reencrypt and self._head_alone():
-                    # The head goes with the tunnel's dial (its early data): it does not
-                    # wait for the dial's answer. GET/HEAD only: safe to send twice.
-                    connection, head_sent = await server.dialer.connect_early(
-                        target,
-                        options.connect_timeout,
-                        self.upstream_traceparent,
-                        self.upstream_head,
-                        True,
-                    )
-                else:
-                    connection = await server.dialer.connect(
-                        target, options.connect_timeout, self.upstream_traceparent
-                    )
-            except ConnectError as exc:
-                server.metrics.connect_error(exc.kind)
-                server.health.failed(target)
-                if exc.retryable and attempts < MAX_CONNECT_ATTEMPTS and self.req is not None:
-                    # The current table's entry: an endpoint removed meanwhile is not picked.
-                    current = server.table.lookup(
-                        self.req.host, self.path, self.req, self.down.secure
-                    )
-                    current = current if current is not None else entry
-                    again, backend = current.pick(self.down.client_key, None, server.health, target)
-                    if again is not None and backend is not None:
-                        server.metrics.redispatches += 1
-                        self._release_pick()
-                        self._set_pick(again, backend)
-                        server.pool.unreserve(target)
-                        server.pool.reserve(again, force=True)
-                        self.connecting = target = again
-                        continue
-                self.connect_task = None
-                self.fail(502, exc.reason, "connect_" + exc.kind)
-                return
-            try:
-                factory = functools.partial(UpstreamConnection, server, target)
-                if reencrypt:
-                    assert upstream_tls is not None
-                    # Reencrypt: a failed handshake is a 502 that says why.
-                    upstream = await upstream_tls.open(
-                        factory,
-                        connection,
-                        entry.route,
-                        target,
-                        options.connect_timeout,
-                        self.span,
-                    )
-                elif head_sent:
-                    # Attached below, once bound to this exchange: the response may be
-                    # held in the connection already and comes at `attach`.
-                    upstream = factory()
-                else:
-                    _, upstream = await start(connection, factory)
-            except ConnectError as exc:
-                self.connect_task = None
-                server.metrics.connect_error(exc.kind)
-                self.fail(502, exc.reason, "connect_" + exc.kind)
-                return
-            except OSError as exc:
-                self.connect_task = None
-                self.fail(502, "upstream connection failed: " + str(exc), "connect_error")
-                return
-            break
-        self.connect_task = None
-        if entry.upstream_scope is not None:
-            upstream.pool_key = (target, entry.upstream_scope)  # see routing.upstream_scope
-        server.health.succeeded(target)
-        server.metrics.upstream_opened += 1
-        if head_sent:
-            tunnelled = cast(Attachable, connection)  # only a tunnel's dial sends the head
-            if self.req is None:
-                tunnelled.abort()
-                return
-            self._attach(upstream, reused=False, head_sent=True)
-            tunnelled.attach(upstream)
-            if self.down.write_paused:  # (asked before the transport was there)
-                upstream.pause_reading()
-            return
-        if self.req is None:
-            upstream.close()
-            return
-        self._attach(upstream, reused=False)
-
-    def _head_alone(self) -> bool:
-        """Whether the request is its head alone, safe to send twice: a GET or HEAD with
-        no body, no upgrade and no 100-continue (what may go as a tunnel's early data)."""
-        req = self.req
-        return (
-            req is not None
-            and req.method in (b"GET", b"HEAD")
-            and not req.has_body
-            and not req.upgrade
-            and not req.expect_continue
-            and not self.pending_body
-        )
+    def _start_connect(self, target: Target) -> None:
+        """A connect to `target`, reserved in the pool's per-endpoint bound by the
+        caller (`connect_h1`: its reservation is released however it ends)."""
+        self.connect_task = start_connect(self, target)
 
     def _attach(
         self, upstream: UpstreamConnection, *, reused: bool, head_sent: bool = False
@@ -686,18 +531,26 @@ class Exchange:
             upstream.pause_reading()
 
     def abandon_upstream(self) -> None:
-        """Let go of the upstream (aborted: its exchange did not end cleanly) and any connect."""
+        """Let go of everything held upstream, however the exchange ends: the place
+        in the endpoint's queue, a connect (its reservation is released by its
+        task's done callback, even when cancelled before it started), the
+        connection (aborted: its exchange did not end cleanly) or the HTTP/2
+        stream (reset; its own queue place and connect are the H2Pool's)."""
         if self.queued:
             self.queued = False
             if self.target is not None:
-                self.server.pool.cancel_wait(self.target, self)
+                self.ctx.pool.cancel_wait(self.target, self)
+        if self.connect_task is not None:
+            self.connect_task.cancel()
+            self.connect_task = None
+        bridge = self.bridge
+        if bridge is not None:
+            self.bridge = None
+            bridge.abort()
         upstream = self.upstream
         self.upstream = None
         if upstream is not None:
             upstream.abort()
-        if self.connect_task is not None:
-            self.connect_task.cancel()
-            self.connect_task = None
 
     # ------------------------------------------------------------ upstream callbacks
 
@@ -735,7 +588,7 @@ class Exchange:
         when it sent more 1xx than the limits allow ("" while within them)."""
         self.informationals += 1
         self.informational_bytes += size
-        limits = self.server.limits
+        limits = self.ctx.limits
         if (
             self.informationals > limits.max_informational
             or self.informational_bytes > limits.max_informational_bytes
@@ -751,62 +604,21 @@ class Exchange:
                 self._restart_body_rate(self.loop.time())
         return ""
 
-    def switching(self, response: ResponseHead, rest: bytes) -> bool:
-        """The upstream's 101: True when the relay starts (the request asked to upgrade)."""
-        req = self.req
-        if req is None or not req.upgrade:
-            return False
-        self.response_started = True
-        self.status = 101
-        self.last_client = self.last_up = self.loop.time()
-        if not response.upgrade:
-            response.upgrade = req.upgrade
-        self.down.start_relay(response, rest)
-        return True
-
-    def relay_send_eof(self) -> bool:
-        """The client half-closed during a relay: so does the upstream (True when it could)."""
-        upstream = self.upstream
-        return upstream is not None and upstream.write_eof()
-
-    def relay_timer(self, now: float) -> float:
-        """The delay until a relay's next idle check, or -1 when it was idle too long."""
-        entry = self.entry
-        limit = entry.options.tunnel_timeout if entry else 3600.0
-        idle = now - max(self.last_client, self.last_up)
-        return -1.0 if idle >= limit else limit - idle
-
-    def relay_eof(self) -> bool:
-        """The upstream half-closed during a relay: so does the client (True when it could)."""
-        return self.down.relay_eof()
-
-    def relay_data(self, data: bytes) -> None:
-        self.last_up = self.loop.time()
-        self.server.metrics.bytes_out += len(data)
-        self.down.relay_write(data)
-
-    def relay_send(self, data: bytes) -> None:
-        """Client bytes during a relay."""
-        upstream = self.upstream
-        if upstream is not None:
-            self.last_client = self.loop.time()
-            upstream.write(data)
-
     def response_head(self, response: ResponseHead, rest: bytes, now: float) -> bytes | None:
         """The final response head; returns the bytes after it still to handle as
         body (None: the response is complete, or nothing is left)."""
-        server = self.server
+        ctx = self.ctx
         req = self.req
         assert req is not None
         upstream = self.upstream
         assert upstream is not None
         self.last_up = now
         entry = self.entry
-        server.metrics.latency(now - upstream.sent_at, entry.options.name if entry else "")
+        ctx.metrics.latency(now - upstream.sent_at, entry.options.name if entry else "")
         framing = http1.response_framing(req.method, response)
         length = response.content_length
         status = response.status
-        keep_alive = req.keep_alive and not server.draining
+        keep_alive = req.keep_alive and not ctx.draining
         out_framing = framing
         self.reader = None
         if framing == FRAMING_LENGTH:
@@ -831,19 +643,20 @@ class Exchange:
         self.keep_alive = keep_alive
         self.response_started = True
         self.status = status
-        backend = self.backend
-        if self.response_modifier is not None:
+        forward = self.forward
+        assert forward is not None
+        if forward.response_modifier is not None:
             response.fields = filters.modify_response_fields(
-                response.fields, self.response_modifier
+                response.fields, forward.response_modifier
             )
-        if self.hsts or (backend is not None and backend.set_cookie):
-            extra = self._response_extra(upstream.target)
+        if forward.hsts or forward.backend.set_cookie:
+            extra = forward.response_extra(upstream.target)
         else:
             extra = b""
         down = self.down
         if framing == FRAMING_LENGTH and len(rest) == length < 65536:
             # The whole body came with the head (a small response): one send.
-            server.metrics.bytes_out += length
+            ctx.metrics.bytes_out += length
             down.response_head(response, out_framing, length, keep_alive, extra, rest, False)
             self.remaining = 0
             self._done(clean=True, now=now)
@@ -858,29 +671,13 @@ class Exchange:
         down.response_head(response, out_framing, length, keep_alive, extra, b"", bool(rest))
         return rest
 
-    def _response_extra(self, target: Target) -> bytes:
-        """Header lines added to the response: the sticky cookie, HSTS (and a
-        route's response filters, when routes have them: add their condition to
-        the caller's, which skips this call for the common response)."""
-        extra = b""
-        backend = self.backend
-        if (
-            backend is not None
-            and backend.set_cookie
-            and self.cookie != backend.by_target.get(target)
-        ):
-            extra = backend.set_cookie.get(target, b"")
-        if self.hsts:
-            extra += self.hsts
-        return extra
-
     def response_data(self, data: bytes, now: float) -> None:
         """Response body bytes from the upstream (after the head)."""
         self.last_up = now
         if not data:
             return
         framing = self.framing
-        metrics = self.server.metrics
+        metrics = self.ctx.metrics
         down = self.down
         if framing == FRAMING_LENGTH:
             remaining = self.remaining
@@ -927,7 +724,7 @@ class Exchange:
                 clean
                 and self.req_complete
                 and self.framing != FRAMING_CLOSE
-                and not self.server.draining,
+                and not self.ctx.draining,
                 now,
             )
         self.finish(self.keep_alive, now)
@@ -970,8 +767,8 @@ class Exchange:
         target = self.target
         assert target is not None
         # Counted as every connect is (its connection closed and uncounted itself).
-        self.server.pool.reserve(target, force=True)
-        self.connect_task = self.loop.create_task(self._connect(target))
+        self.ctx.pool.reserve(target, force=True)
+        self._start_connect(target)
         return True
 
     def upstream_failed(self, status: int, reason: str, kind: str) -> None:
@@ -995,8 +792,12 @@ class Exchange:
         else:
             idle_timeout = 0.0
         self.upstream = None
-        if self.counted:
-            self._release_pick()
+        self.bridge = None
+        forward = self.forward
+        if forward is not None:
+            self.forward = None
+            if forward.counted:
+                release_pick(forward)
         self.backend = None
         self.target = None
         self.req = None
@@ -1004,33 +805,9 @@ class Exchange:
         self.body_reader = None
         self.down.exchange_done(keep_alive, now, idle_timeout)
 
-    def release_relay(self) -> None:
-        """The driver ends a relay both sides have finished: the upstream is closed
-        (gracefully: bytes still queued for it go first), the request recorded."""
-        entry = self.entry
-        req = self.req
-        if entry is not None and req is not None:
-            self._record(entry.options.name, req, 101)
-            self.req = None
-        upstream = self.upstream
-        self.upstream = None
-        if upstream is not None:
-            upstream.release(False)
-        self._release_pick()
-
-    def relay_closed(self) -> None:
-        entry = self.entry
-        req = self.req
-        if entry is not None and req is not None:
-            self._record(entry.options.name, req, 101)
-            self.req = None
-        self.upstream = None
-        self._release_pick()
-        self.down.relay_closed()
-
     def fail(self, status: int, reason: str, kind: str) -> None:
         """A failure the proxy answers itself (before the response started)."""
-        metrics = self.server.metrics
+        metrics = self.ctx.metrics
         metrics.refused[kind] = metrics.refused.get(kind, 0) + 1
         entry = self.entry
         req = self.req
@@ -1045,17 +822,7 @@ class Exchange:
 
     def close(self, reason: str = "client connection lost") -> None:
         """The driver went away: release the upstream, the connect, the pick, the span."""
-        if self.queued:
-            self.queued = False
-            if self.target is not None:
-                self.server.pool.cancel_wait(self.target, self)
-        if self.connect_task is not None:
-            self.connect_task.cancel()
-            self.connect_task = None
-        upstream = self.upstream
-        if upstream is not None:
-            self.upstream = None
-            upstream.abort()
+        self.abandon_upstream()
         self._release_pick()
         self.pending_body = []
         self.req = None
@@ -1068,122 +835,28 @@ class Exchange:
 
     def on_timer(self, now: float) -> float:
         """The exchange's deadline passed: the delay until the next check, or -1
-        when a timeout fired (the exchange failed or the driver was aborted)."""
-        entry = self.entry
-        assert entry is not None
-        options = entry.options
-        # The server timeout runs from the last byte moved either way: request
-        # body bytes count (an upload longer than the timeout is not cut while it
-        # flows), response bytes count only from the final head on (1xx heads and
-        # a trickled head do not extend it: the whole head is due within it).
-        last_client = self.last_client
-        last_up = self.last_up
-        up_idle = now - (last_up if last_up > last_client else last_client)
-        if up_idle >= options.server_timeout:
-            if self.queued:
-                target = self.target
-                assert target is not None
-                self.fail(
-                    503,
-                    f"no connection to endpoint {target.address}:{target.port} (at its limit "
-                    f"of {self.server.pool.max_per_endpoint}) within {options.server_timeout:g}s",
-                    "endpoint_limit",
-                )
-            elif self.response_started:
-                self.upstream_failed(504, "", "server_timeout")
-            else:
-                self.fail(
-                    504,
-                    f"upstream did not answer within {options.server_timeout:g}s",
-                    "server_timeout",
-                )
-            return -1.0
-        wait = options.server_timeout - up_idle
-        if not self.req_complete:
-            client_idle = now - self.last_client
-            if client_idle >= options.client_timeout:
-                if self.response_started:
-                    self.upstream_failed(408, "", "client_timeout")
-                else:
-                    self.fail(
-                        408,
-                        f"request body stalled for {options.client_timeout:g}s",
-                        "client_timeout",
-                    )
-                return -1.0
-            wait = min(wait, options.client_timeout - client_idle)
-            limits = self.server.limits
-            rate = limits.min_request_body_rate
-            if rate and self.upstream is not None and not self.upstream_blocked:
-                # A body that trickles (1 byte every few seconds never trips the
-                # client timeout) would hold an upstream connection slot for hours.
-                elapsed = now - self.body_rate_from
-                grace = limits.request_body_grace
-                if elapsed >= grace:
-                    if self.body_received - self.body_rate_base < rate * elapsed:
-                        reason = f"request body slower than {rate} bytes/s"
-                        if self.response_started:
-                            self.upstream_failed(408, reason, "slow_body")
-                        else:
-                            self.fail(408, reason, "slow_body")
-                        return -1.0
-                    wait = min(wait, 1.0)
-                else:
-                    wait = min(wait, grace - elapsed)
-        return wait
+        when a timeout fired (`timeouts.check`)."""
+        return check_timeouts(self, now)
 
     # ------------------------------------------------------------ records
 
     def _record(self, route: str, req: RequestHead, status: int) -> None:
         """Count one answered request; its access-log line and span when due."""
-        server = self.server
-        server.metrics.request(route, req.method, status)
-        if server.access_log_on:
-            if server.access_log_budget > 0:
-                server.access_log_budget -= 1
-                _log_access(self, route, req, status)
-            else:
-                server.access_log_suppressed += 1
+        records = self.ctx.records
+        records.metrics.request(route, req.method, status)
         span = self.span
+        if records.logging:
+            started = self.started
+            records.log(
+                route,
+                req,
+                status,
+                self.down.client_key,
+                self.target,
+                self.loop.time() - started if started else 0.0,
+                span,
+                self.down.protocol,
+            )
         if span is not None:
             self.span = None
-            span.set_attribute("http.response.status_code", status)
-            if status >= 500:
-                span.set_status(Status(StatusCode.ERROR))
-            span.end()
-
-    def _start_span(self, req: RequestHead, entry: RouteEntry) -> bytes:
-        """A server span for a sampled request; returns the traceparent to send upstream."""
-        carrier = {"traceparent": req.traceparent.decode("ascii", "replace")}
-        parent = _PROPAGATOR.extract(carrier)
-        span = tracer().start_span(
-            "proxy " + entry.options.name,
-            context=parent,
-            kind=SpanKind.SERVER,
-            attributes={
-                "http.request.method": req.method.decode("ascii", "replace"),
-                "url.path": req.target.decode("ascii", "replace")[:256],
-                "server.address": req.host.decode("ascii", "replace"),
-                "waygate.route": entry.options.name,
-            },
-        )
-        self.span = span
-        context = span.get_span_context()
-        return b"00-%032x-%016x-01" % (context.trace_id, context.span_id)
-
-    # ------------------------------------------------------------ local answers
-
-    def _refuse_client(self, req: RequestHead, entry: RouteEntry, status: int, reason: str) -> bool:
-        """An auth-proxy route without the client certificate it requires: 401/403."""
-        self._record(entry.options.name, req, status)
-        metrics = self.server.metrics
-        metrics.refused["client_certificate"] = metrics.refused.get("client_certificate", 0) + 1
-        self.down.answer(req, status, reason, "client_certificate")
-        return False
-
-    def _unavailable(self, req: RequestHead, reason: str, kind: str, status: int = 503) -> bool:
-        metrics = self.server.metrics
-        metrics.refused[kind] = metrics.refused.get(kind, 0) + 1
-        self._record("", req, status)
-        self.down.answer(req, status, reason, kind)
-        return False
+            end_span(span, status)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 from typing import TYPE_CHECKING, Any
 
-from waygate.resolver.model import HeaderModifier, PathModifierType, Redirect, Rewrite
+from waygate.resolver.client import HeaderModifier, PathModifierType, Redirect, Rewrite
 
 if TYPE_CHECKING:
     from waygate.proxy.routing import Side

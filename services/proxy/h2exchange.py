@@ -1,21 +1,22 @@
 """An HTTP/2 request stream as an exchange of the proxy.
 
-`start_exchange` is called by `waygate.proxy.http2` for every request
-stream. A route whose backend speaks HTTP/2 (its `upstreamProtocol`, or its
-service port's `appProtocol`) goes to `waygate.proxy.h2upstream`; every
-other request is an `Exchange` (`waygate.proxy.exchange`, the one the
-HTTP/1.1 connection drives) with `StreamDownstream` as its driver:
+`start_exchange` is the stream handler `accept.py` gives every
+`http2.H2ClientConnection`: it turns the stream's request into the HTTP/1.1
+head it means (`http2.request_head`, by `http1.request_from_fields`: one rule
+book for both versions), decides it once (`decision.decide`: routing by
+:authority, Host agreement, header hygiene, the route's rules, balancing,
+sticky cookies, tracing, the upstream head) and starts what serves it:
 
-The request enters as the HTTP/1.1 head it means (`http2.request_head`, by
-`http1.request_from_fields`: one rule book for both versions) and its body
-(chunk-framed when it has no content-length); from there every rule of the
-HTTP/1.1 path (routing by :authority, Host agreement, header hygiene,
-balancing, sticky cookies, HSTS, timeouts, auth-proxy routes and the client
-certificate, the explained 502/503/504, metrics, spans, access log) holds,
-because it is that code that runs. The Exchange answers through the
-`Downstream` methods: its response head becomes HEADERS, the bare payload
-(`chunked_ok` False) DATA, and the end the stream's end; its local answers are
-rendered by the same helpers as on HTTP/1.1, or as a gRPC status on gRPC.
+- a local answer, rendered as HTTP/2 (`answer_stream`), or as a gRPC status
+  on gRPC;
+- a backend that speaks HTTP/2 (`Forward.http2`): `h2upstream.H2Exchange`,
+  stream to stream;
+- any other backend: an `Exchange` (`waygate.proxy.exchange`, the one the
+  HTTP/1.1 connection drives) with `StreamDownstream` as its driver: the
+  Exchange answers through the `Downstream` methods; its response head
+  becomes HEADERS, the bare payload (`chunked_ok` False) DATA, and the end the
+  stream's end; its local answers are rendered by the same helpers as on
+  HTTP/1.1, or as a gRPC status on gRPC.
 
 Flow control crosses both ways: the Exchange's pause of its client
 (`pause_reading`: the upstream is slow, or still connecting) holds the
@@ -32,6 +33,18 @@ from typing import Any, Final
 
 from waygate.core import httpheaders
 from waygate.proxy import filters, grpcstatus, http1, tls
+from waygate.proxy.decision import (
+    ANSWER_HEALTHZ,
+    ANSWER_OPTIONS,
+    ANSWER_REDIRECT,
+    ANSWER_ROUTE_REDIRECT,
+    HEALTHZ,
+    OPTIONS_ANY,
+    Answer,
+    Forward,
+    decide,
+)
+from waygate.proxy.exchange import Exchange
 from waygate.proxy.http1 import (
     FRAMING_LENGTH,
     FRAMING_NONE,
@@ -41,33 +54,96 @@ from waygate.proxy.http1 import (
 )
 from waygate.proxy.http2 import H2ClientConnection, Request, Stream, request_head
 
-_EXCHANGE: Any = None
-
-
-def _exchange_module() -> Any:
-    """waygate.proxy.exchange (imported once, late: it imports the server's modules)."""
-    global _EXCHANGE
-    if _EXCHANGE is None:
-        from waygate.proxy import exchange
-
-        _EXCHANGE = exchange
-    return _EXCHANGE
-
 
 def start_exchange(conn: H2ClientConnection, stream: Stream, request: Request, end: bool) -> None:
-    """Route the stream's request to the exchange that serves its route's backend."""
-    upstreams = getattr(conn.server, "h2_upstreams", None)
-    if upstreams is not None and upstreams.try_start(conn, stream, request, end):
-        return
+    """Decide the stream's request once (`decision.decide`) and start what serves it:
+    a local answer, an HTTP/2 backend's stream (`h2upstream`), or an `Exchange`
+    to an HTTP/1.1 backend driven by `StreamDownstream`. The backend decides the
+    upstream protocol (`Forward.http2`)."""
+    ctx = conn.server.context
     chunked = not end and request.content_length < 0
     try:
         req = request_head(request, chunked)
     except BadMessage as exc:
+        ctx.records.refused("bad_request")
         conn._local_error(stream, exc.status, exc.reason, grpc=stream.grpc)
+        return
+    now = conn.loop.time()
+    grpc_timeout = 0.0
+    if request.grpc:
+        for name, value in request.headers:
+            if name == b"grpc-timeout":
+                grpc_timeout = grpcstatus.parse_timeout(value) or 0.0
+    decided = decide(ctx.view, req, conn, now, grpc_timeout, "2")
+    if type(decided) is Answer:
+        answer: Answer = decided  # type: ignore[assignment]
+        if answer.refused:
+            ctx.records.refused(answer.kind)
+        if answer is not HEALTHZ and answer is not OPTIONS_ANY:
+            ctx.records.finish(
+                answer.route,
+                req,
+                answer.status,
+                conn.client_key,
+                None,
+                0.0,
+                None,
+                "h2" if conn.secure else "h2c",
+            )
+        answer_stream(conn, stream, req, answer.status, answer.reason, answer.kind)
+        return
+    forward: Forward = decided  # type: ignore[assignment]
+    if forward.http2:
+        ctx.h2.start(conn, stream, request, req, forward, end)
         return
     driver = StreamDownstream(conn, stream, chunked)
     stream.exchange = driver
-    driver.start(req)
+    driver.begin(req, forward, now)
+
+
+def answer_stream(
+    conn: H2ClientConnection, stream: Stream, req: RequestHead, status: int, reason: str, kind: str
+) -> None:
+    """A local answer on an HTTP/2 stream: the bytes the HTTP/1.1 path renders, as
+    HTTP/2 (`render_response`), or a gRPC status on gRPC."""
+    server = conn.server
+    head_only = req.method == b"HEAD"
+    if kind is ANSWER_HEALTHZ:
+        response = http1.HEALTHZ_RESPONSE
+    elif kind is ANSWER_OPTIONS:
+        response = http1.OPTIONS_ANY_RESPONSE
+    elif kind is ANSWER_ROUTE_REDIRECT:
+        response = filters.redirect_head(status, reason.encode("latin-1"), close=False)
+    elif kind is ANSWER_REDIRECT:
+        port = server.https_port or 443
+        response = tls.redirect_response(req.host, req.target, port, close=False)
+    elif stream.grpc:
+        stream.respond(200, grpcstatus.trailers_only(status, reason), end=True)
+        return
+    elif status == 503 and server.unavailable_page:
+        response = http1.error_response(
+            503,
+            reason,
+            close=False,
+            head_only=head_only,
+            body=server.unavailable_page.replace(b"{reason}", reason.encode()),
+        )
+    else:
+        response = http1.error_response(status, reason, close=False, head_only=head_only)
+    render_response(stream, response, head_only)
+
+
+def render_response(stream: Stream, response: bytes, head_only: bool) -> None:
+    """An HTTP/1.1 answer of the proxy's own (head and body) as HTTP/2."""
+    end = response.find(b"\r\n\r\n") + 4
+    parsed = http1.parse_response_head(response[:end])
+    body = b"" if head_only else response[end:]
+    fields = _head_fields(parsed)
+    if parsed.content_length >= 0:
+        fields.append((b"content-length", b"%d" % parsed.content_length))
+    stream.respond_fields(fields, not body)
+    if body:
+        stream.send(body, end=True)
 
 
 class StreamDownstream:
@@ -82,6 +158,7 @@ class StreamDownstream:
         "done",
         "exchange",
         "paused",
+        "protocol",
         "secure",
         "server",
         "stream",
@@ -103,17 +180,16 @@ class StreamDownstream:
         self.paused = 0  # the Exchange's reasons to hold the client's request bytes
         self.deadline = 0.0  # 0: no timer
         self.done = False
-        self.exchange = _exchange_module().Exchange(self.server, self)
+        self.protocol = "h2" if conn.secure else "h2c"
+        self.exchange = Exchange(self.server.context, self)
 
     # ------------------------------------------------------------ driving
 
-    def start(self, req: RequestHead) -> None:
+    def begin(self, req: RequestHead, forward: Forward, now: float) -> None:
+        """Drive the Exchange of a request `decide` forwarded to an HTTP/1.1 backend."""
         exchange = self.exchange
-        now = self.conn.loop.time()
-        if not exchange.start(req, now):
-            self._finished()
-            return
-        options = exchange.entry.options
+        exchange.begin(req, forward, now)
+        options = forward.entry.options
         delay = options.server_timeout
         if not exchange.req_complete:
             delay = min(delay, options.client_timeout, self.server.limits.request_body_grace)
@@ -209,32 +285,8 @@ class StreamDownstream:
 
     def answer(self, req: RequestHead, status: int, reason: str, kind: str) -> None:
         """A local answer: the bytes the HTTP/1.1 path renders, as HTTP/2, or a gRPC status."""
-        exchange = _exchange_module()
-        server = self.server
-        head_only = req.method == b"HEAD"
-        if kind is exchange.ANSWER_HEALTHZ:
-            response = http1.HEALTHZ_RESPONSE
-        elif kind is exchange.ANSWER_OPTIONS:
-            response = http1.OPTIONS_ANY_RESPONSE
-        elif kind is exchange.ANSWER_ROUTE_REDIRECT:
-            response = filters.redirect_head(status, reason.encode("latin-1"), close=False)
-        elif kind is exchange.ANSWER_REDIRECT:
-            port = server.https_port or 443
-            response = tls.redirect_response(req.host, req.target, port, close=False)
-        elif self.stream.grpc:
-            self._grpc_status(status, reason)
-            return
-        elif status == 503 and server.unavailable_page:
-            response = http1.error_response(
-                503,
-                reason,
-                close=False,
-                head_only=head_only,
-                body=server.unavailable_page.replace(b"{reason}", reason.encode()),
-            )
-        else:
-            response = http1.error_response(status, reason, close=False, head_only=head_only)
-        self._render(response, head_only)
+        answer_stream(self.conn, self.stream, req, status, reason, kind)
+        self._finished()
 
     def exchange_done(self, keep_alive: bool, now: float, idle_timeout: float) -> None:
         self.stream.finish()
@@ -296,17 +348,7 @@ class StreamDownstream:
         self._finished()
 
     def _render(self, response: bytes, head_only: bool) -> None:
-        """An HTTP/1.1 answer of the proxy's own (head and body) as HTTP/2."""
-        end = response.find(b"\r\n\r\n") + 4
-        parsed = http1.parse_response_head(response[:end])
-        body = b"" if head_only else response[end:]
-        fields = _head_fields(parsed)
-        if parsed.content_length >= 0:
-            fields.append((b"content-length", b"%d" % parsed.content_length))
-        stream = self.stream
-        stream.respond_fields(fields, not body)
-        if body:
-            stream.send(body, end=True)
+        render_response(self.stream, response, head_only)
         self._finished()
 
     def _finished(self) -> None:

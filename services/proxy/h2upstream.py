@@ -1,28 +1,31 @@
 """HTTP/2 to backends: multiplexed connections, and the exchange of an HTTP/2 stream over one.
 
-A route speaks HTTP/2 to its backends when its `upstreamProtocol` or its
-service port's `appProtocol` says so (`waygate.resolver.model.speaks_http2`;
-gRPC servers speak nothing else): cleartext with prior knowledge (h2c), or
-TLS with ALPN h2 when the route reencrypts (`waygate.proxy.upstream_tls`,
-the same verification and explained failures as HTTP/1.1).
+A backend speaks HTTP/2 when its route's `upstreamProtocol` or the `appProtocol`
+of the Service port it names says so (`routing.Backend.http2`, by the
+backend's own namespace and port; gRPC servers speak nothing else):
+cleartext with prior knowledge (h2c), or TLS with ALPN h2 when the route
+reencrypts (`waygate.proxy.upstream_tls`, the same verification and
+explained failures as HTTP/1.1).
 
+- `H2Upstreams`: the connections (`H2Pool`) and the start of an `H2Exchange`.
 - `H2Pool`: connections per (endpoint, TLS scope). A stream takes a
   connection with room (open streams below the peer's
   SETTINGS_MAX_CONCURRENT_STREAMS, stream ids left, no GOAWAY received); else
-  one connect is started per key and the streams wanting it wait for it.
-  Every connection counts in the endpoint's bound that HTTP/1.1 connections
-  keep (`waygate.proxy.pool.Pool`): at the bound a stream waits in the same
-  queue, or gets the same 503.
-- `H2UpstreamConnection`: a thin Protocol over the `h2` client state machine.
-- `H2Exchange`: one client stream forwarded as one upstream stream. The
-  request passes the HTTP/1.1 rule book first (`http2.request_head`: the
-  head it means, by `http1.request_from_fields`: identity headers dropped, X-Forwarded-*/Forwarded per the
-  route) and leaves as HTTP/2 fields again; routing by :authority, the
-  endpoint pick (balancing, sticky cookie), the TLS edge rules and auth-proxy
-  identity are the routing table's and `tls`'s, as on HTTP/1.1; so are the
-  route's HTTPRoute filters (`waygate.proxy.filters`: redirect, rewrite,
-  request and response header modifiers; not mirrors). Trailers are
-  relayed (gRPC's status lives there).
+  one connect is started per key and the streams wanting it wait for it
+  (its trace context into a tunnel's dial; after a failed connect or a failed
+  certificate verification each waiter may go to another endpoint,
+  `decision.repick`). Every connection counts in the endpoint's bound that
+  HTTP/1.1 connections keep (`waygate.proxy.pool.Pool`): at the bound a
+  stream waits in the same queue, or gets the same 503; a connect's
+  reservation is released by its task's done callback however it ends.
+- `H2UpstreamConnection`: a thin Protocol over the `h2` client state machine;
+  its streams' users are `H2Exchange`s and `h2bridge.H2Bridge`s.
+- `H2Exchange`: one client stream forwarded as one upstream stream. Every
+  per-request rule was decided by `decision.decide` (from the HTTP/1.1 head
+  the stream means, `http2.request_head`), as for every other request; the
+  upstream head leaves as HTTP/2 fields again (`h2_request_fields`). Trailers
+  are relayed (gRPC's status lives there). END_STREAM goes to the backend once
+  (with the HEADERS of a bodiless request, or after its body).
 - Flow control, both ways, bounded: request DATA goes on as the backend's
   window allows; what does not fit is held and the client's WINDOW_UPDATEs
   with it (so at most one client stream window is held). Response DATA is
@@ -42,111 +45,57 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 from typing import Any
 
 import h2.events
 import h2.exceptions
 import h2.settings
 from h2.errors import ErrorCodes
-from opentelemetry.trace import SpanKind, Status, StatusCode
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from waygate.core import httpheaders
-from waygate.core.tracing import tracer
-from waygate.proxy import filters, grpcstatus, http1, tls
-from waygate.proxy.http1 import BadMessage, ForwardedContext
+from waygate.core import flow, httpheaders
+from waygate.proxy import filters, grpcstatus, http1
+from waygate.proxy.context import ExchangeContext
+from waygate.proxy.decision import Forward, may_redispatch, release_pick, repick
 from waygate.proxy.http2 import (
     H2ClientConnection,
     H2Limits,
     Request,
     Stream,
     h2_connection,
-    request_head,
 )
-from waygate.proxy.routing import RouteEntry, Target, unavailable_reason
+from waygate.proxy.routing import RouteEntry, Target
 from waygate.proxy.upstream import ConnectError, start
-from waygate.resolver.model import speaks_http2
-
-# As waygate.proxy.exchange reads a client's trace context.
-_TRACEPARENT = re.compile(rb"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
-_PROPAGATOR = TraceContextTextMapPropagator()
 
 log = logging.getLogger(__name__)
-access_log = logging.getLogger("waygate.proxy.access")
 
 MAX_STREAM_ID = 2**31 - 1
-HIGH_WATER = 256 * 1024
-LOW_WATER = 64 * 1024
+HIGH_WATER = flow.HIGH_WATER
+LOW_WATER = flow.LOW_WATER
 
 
 class H2Upstreams:
-    """Which routes speak HTTP/2 to their backends, and the connections to them."""
+    """The connections to HTTP/2 backends (which backends: `routing.Backend.http2`)."""
 
-    def __init__(self, server: Any, limits: H2Limits) -> None:
-        self.server = server
+    def __init__(self, ctx: ExchangeContext, limits: H2Limits) -> None:
+        self.ctx = ctx
         self.limits = limits
-        self.routes: frozenset[tuple[str, str]] = frozenset()
-        # The hosts those routes serve, so that a request for any other host skips
-        # the lookup here (its exchange looks the route up once, not twice);
-        # None: one of them serves any host or a wildcard (always looked up).
-        self.hosts: frozenset[bytes] | None = frozenset()
         self.pool = H2Pool(self)
+        ctx.h2 = self
 
-    def update(self, routes: Any, services: Any) -> None:
-        """The routes whose backends speak HTTP/2 (called with every resolver view)."""
-        chosen = set()
-        hosts: set[bytes] | None = set()
-        for key, route in routes.items():
-            for backend in route.backends:
-                service = services.get((route.namespace, backend.service))
-                port = _service_port(service, route.target_port) if service else None
-                if speaks_http2(route, port):
-                    chosen.add(key)
-                    if hosts is not None:
-                        if not route.host or "*" in route.host:
-                            hosts = None
-                        else:
-                            hosts.add(route.host.lower().encode())  # as routing keys it
-                    break
-        self.routes = frozenset(chosen)
-        self.hosts = frozenset(hosts) if hosts is not None else None
-
-    def try_start(
-        self, conn: H2ClientConnection, stream: Stream, request: Request, end: bool
-    ) -> bool:
-        """Start the stream's exchange if its route speaks HTTP/2; False otherwise."""
-        if not self.routes:
-            return False
-        host = _host_of(request.authority)
-        if self.hosts is not None and host not in self.hosts:
-            return False
-        path = request.path.partition(b"?")[0]
-        # With the request: Gateway API routes may match its method, headers, query.
-        entry = self.server.table.lookup(host, path, request, conn.secure)
-        if entry is None or entry.route.key not in self.routes:
-            return False
-        H2Exchange(self, conn, stream, request, entry, end).start()
-        return True
+    def start(
+        self,
+        conn: H2ClientConnection,
+        stream: Stream,
+        request: Request,
+        req: http1.RequestHead,
+        forward: Forward,
+        end: bool,
+    ) -> None:
+        """Forward one client stream `decide` sent to an HTTP/2 backend."""
+        H2Exchange(self, conn, stream, request, req, forward, end).start()
 
     def close(self) -> None:
         self.pool.close_all()
-
-
-def _service_port(service: Any, target_port: str) -> Any:
-    ports = service.ports
-    if not target_port:
-        return ports[0] if len(ports) == 1 else None
-    for port in ports:
-        if port.name == target_port or str(port.port) == target_port:
-            return port
-    return None
-
-
-def _host_of(authority: bytes) -> bytes:
-    if authority[:1] == b"[":
-        return authority[: authority.find(b"]") + 1].lower()
-    return authority.partition(b":")[0].lower()
 
 
 # ---------------------------------------------------------------- connections
@@ -158,7 +107,7 @@ class H2Pool:
     def __init__(self, upstreams: H2Upstreams) -> None:
         self.upstreams = upstreams
         self.connections: dict[Any, list[H2UpstreamConnection]] = {}
-        self.connecting: dict[Any, list[H2Exchange]] = {}
+        self.connecting: dict[Any, list[UpstreamStream]] = {}
         self.tasks: set[asyncio.Task[None]] = set()
 
     def take(self, key: Any) -> H2UpstreamConnection | None:
@@ -167,7 +116,7 @@ class H2Pool:
                 return connection
         return None
 
-    def wait_for(self, key: Any, exchange: H2Exchange) -> None:
+    def wait_for(self, key: Any, exchange: UpstreamStream) -> None:
         """Queue the exchange for a new connection to `key` (one connect per key).
 
         A new connection counts in the endpoint's bound that HTTP/1.1 upstream
@@ -179,7 +128,7 @@ class H2Pool:
         if waiting is not None and len(waiting) < self.upstreams.limits.max_concurrent_streams:
             waiting.append(exchange)
             return
-        pool = self.upstreams.server.pool
+        pool = self.upstreams.ctx.pool
         target = exchange.target
         if not pool.reserve(target):
             if pool.wait(target, exchange):
@@ -191,59 +140,54 @@ class H2Pool:
         waiters = self.connecting[key] = [exchange]
         task = asyncio.get_running_loop().create_task(self._connect(key, waiters))
         self.tasks.add(task)
+        # The reservation is released in one place, however the task ends
+        # (cancelled before it started included: close_all, a client gone).
+        task.add_done_callback(lambda _task: pool.unreserve(target))
         task.add_done_callback(self.tasks.discard)
 
-    async def _connect(self, key: Any, waiters: list[H2Exchange]) -> None:
+    async def _connect(self, key: Any, waiters: list[UpstreamStream]) -> None:
         """Open a connection for `key` (reserved in the endpoint's bound by the caller;
-        the reservation ends here, the open connection counts itself)."""
-        target = waiters[0].target
-        try:
-            await self._open(key, waiters)
-        finally:
-            self.upstreams.server.pool.unreserve(target)
-
-    async def _open(self, key: Any, waiters: list[H2Exchange]) -> None:
-        server = self.upstreams.server
+        the reservation ends with this task, the open connection counts itself)."""
+        ctx = self.upstreams.ctx
         first = waiters[0]
         target, route, connect_timeout = first.target, first.entry.route, first.connect_timeout
         connection: H2UpstreamConnection | None = None
-        failure: tuple[str, str] | None = None
+        failure: ConnectError | None = None
         try:
-            # A socket, or a tunnel endpoint's data connection (upstream.Attachable).
-            upstream = await server.dialer.connect(target, connect_timeout, None)
+            # A socket, or a tunnel endpoint's data connection (upstream.Attachable);
+            # the first waiter's trace context goes with a tunnel's dial.
+            upstream = await ctx.dialer.connect(target, connect_timeout, first.traceparent)
+
+            def factory() -> H2UpstreamConnection:
+                return H2UpstreamConnection(self, key, self.upstreams.limits)
+
+            upstream_tls = ctx.upstream_tls
+            if upstream_tls is not None and upstream_tls.applies(route):
+                connection = await upstream_tls.open(
+                    factory, upstream, route, target, connect_timeout, first.span, http2=True
+                )
+            else:
+                _, connection = await start(upstream, factory)
         except ConnectError as exc:
-            server.metrics.connect_error(exc.kind)
-            server.health.failed(target)
-            failure = (exc.reason, "connect_" + exc.kind)
-        else:
-            try:
-
-                def factory() -> H2UpstreamConnection:
-                    return H2UpstreamConnection(self, key, self.upstreams.limits)
-
-                upstream_tls = server.upstream_tls
-                if upstream_tls is not None and upstream_tls.applies(route):
-                    connection = await upstream_tls.open(
-                        factory, upstream, route, target, connect_timeout, None, http2=True
-                    )
-                else:
-                    _, connection = await start(upstream, factory)
-            except ConnectError as exc:
-                server.metrics.connect_error(exc.kind)
-                failure = (exc.reason, "connect_" + exc.kind)
-            except OSError as exc:
-                failure = ("upstream connection failed: " + str(exc), "connect_error")
+            ctx.metrics.connect_error(exc.kind)
+            ctx.view.health.failed(target)
+            failure = exc
+        except OSError as exc:
+            failure = ConnectError(
+                "upstream connection failed: " + str(exc), "error", retryable=False
+            )
         if self.connecting.get(key) is waiters:
             del self.connecting[key]
-        waiting = waiters
         if connection is None:
-            for exchange in waiting:
-                exchange.fail(502, *(failure or ("upstream connection failed", "connect_error")))
+            assert failure is not None
+            for exchange in waiters:
+                if not exchange.finished:
+                    exchange.connect_failed(failure)
             return
-        server.health.succeeded(target)
-        server.metrics.upstream_opened += 1
+        ctx.view.health.succeeded(target)
+        ctx.metrics.upstream_opened += 1
         self.connections.setdefault(key, []).append(connection)
-        for exchange in waiting:
+        for exchange in waiters:
             if not exchange.finished:
                 exchange.attach(connection if connection.has_room() else None)
 
@@ -276,8 +220,8 @@ class H2UpstreamConnection(asyncio.Protocol):
         self.limits = limits
         self.h2 = h2_connection(limits, client_side=True)
         self.transport: asyncio.Transport | None = None
-        self.exchanges: dict[int, H2Exchange] = {}
-        self.blocked: set[H2Exchange] = set()
+        self.exchanges: dict[int, UpstreamStream] = {}
+        self.blocked: set[UpstreamStream] = set()
         self.closed = False
         self.goaway = False
         self.write_paused = False
@@ -298,10 +242,10 @@ class H2UpstreamConnection(asyncio.Protocol):
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
         transport.set_write_buffer_limits(high=HIGH_WATER, low=LOW_WATER)
-        server = self.pool.upstreams.server
-        server.upstreams.add(self)
-        server.metrics.upstream_connections = len(server.upstreams)
-        self.counted = server.pool.reserve(self.target, force=True)
+        ctx = self.pool.upstreams.ctx
+        ctx.upstreams.add(self)
+        ctx.metrics.upstream_connections = len(ctx.upstreams)
+        self.counted = ctx.pool.reserve(self.target, force=True)
         self.h2.initiate_connection()
         increment = self.limits.connection_window - 65535
         if increment > 0:
@@ -321,7 +265,7 @@ class H2UpstreamConnection(asyncio.Protocol):
             self.transport.write(data)
 
     def open_stream(
-        self, exchange: H2Exchange, fields: list[tuple[bytes, bytes]], end: bool
+        self, exchange: UpstreamStream, fields: list[tuple[bytes, bytes]], end: bool
     ) -> int:
         stream_id = self.h2.get_next_available_stream_id()
         self.h2.send_headers(stream_id, fields, end_stream=end)
@@ -384,10 +328,10 @@ class H2UpstreamConnection(asyncio.Protocol):
         self.exchanges.pop(stream_id, None)
         if self.goaway and not self.exchanges:
             self.close()
-        elif self.pool.upstreams.server.pool.waiting:
+        elif self.pool.upstreams.ctx.pool.waiting:
             # Room for a stream: a request waiting at the endpoint's bound may take it
             # (an HTTP/1.1 one woken here finds no connection and waits again).
-            self.pool.upstreams.server.pool.wake(self.target)
+            self.pool.upstreams.ctx.pool.wake(self.target)
 
     def _fail_all(self, reason: str) -> None:
         exchanges = list(self.exchanges.values())
@@ -398,12 +342,12 @@ class H2UpstreamConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.pool.discard(self)
-        server = self.pool.upstreams.server
-        server.upstreams.discard(self)
-        server.metrics.upstream_connections = len(server.upstreams)
+        ctx = self.pool.upstreams.ctx
+        ctx.upstreams.discard(self)
+        ctx.metrics.upstream_connections = len(ctx.upstreams)
         if self.counted:
             self.counted = False
-            server.pool.unreserve(self.target)
+            ctx.pool.unreserve(self.target)
         self._fail_all("upstream closed the connection")
 
     def pause_writing(self) -> None:
@@ -436,175 +380,104 @@ class H2UpstreamConnection(asyncio.Protocol):
 # ---------------------------------------------------------------- one exchange
 
 
-class H2Exchange:
-    """One client stream forwarded as one stream to an HTTP/2 backend."""
+class UpstreamStream:
+    """One stream on a backend's HTTP/2 connection, the part its two users share
+    (`H2Exchange`, an HTTP/2 client's stream; `h2bridge.H2Bridge`, an HTTP/1.1
+    client's request): getting a stream (a connection with room, or the
+    pool's connect and the endpoint's queue), redispatch after a failed
+    connect, request DATA as the stream's window allows with END_STREAM sent
+    once, and the acknowledgement of response DATA. The connection calls the
+    rest (`on_response` ... `upstream_writable`) on each stream's user."""
 
-    def __init__(
-        self,
-        upstreams: H2Upstreams,
-        conn: H2ClientConnection,
-        stream: Stream,
-        request: Request,
-        entry: RouteEntry,
-        end: bool,
-    ) -> None:
-        self.upstreams = upstreams
-        self.server = upstreams.server
-        self.conn = conn
-        self.stream = stream
-        self.request = request
-        self.entry = entry
-        self.request_done = end
-        self.connect_timeout = entry.options.connect_timeout
-        self.target: Target = None  # type: ignore[assignment]
-        self.backend: Any = None
-        self.counted = False
-        self.fields: list[tuple[bytes, bytes]] = []
-        self.upstream: H2UpstreamConnection | None = None
+    upstreams: H2Upstreams
+    forward: Forward
+    facts: Any  # the client connection (decision.ConnectionFacts)
+    entry: RouteEntry
+    target: Target
+    upstream: H2UpstreamConnection | None
+    stream_id: int
+    held: list[bytes]
+    request_done: bool
+    end_sent: bool
+    finished: bool
+    queued: bool
+    attempts: int
+    retried: bool
+    data_sent = False  # request DATA went on this stream (it cannot be sent again)
+    span: Any
+    traceparent: str | None
+    connect_timeout: float
+
+    def attach(self, connection: H2UpstreamConnection | None) -> None:
+        raise NotImplementedError
+
+    def on_response(self, headers: list[tuple[bytes, bytes]], ended: bool) -> None:
+        raise NotImplementedError
+
+    def on_data(self, data: bytes, flow: int) -> None:
+        raise NotImplementedError
+
+    def on_trailers(self, headers: list[tuple[bytes, bytes]]) -> None:
+        raise NotImplementedError
+
+    def on_end(self) -> None:
+        raise NotImplementedError
+
+    def on_reset(self, code: int) -> None:
+        raise NotImplementedError
+
+    def unprocessed(self) -> None:
+        """The backend never processed the stream (GOAWAY above it, REFUSED_STREAM):
+        sent again, once, on another connection, if none of its body went yet
+        (what went is not held any more)."""
+        upstream = self.upstream
+        self.upstream = None
+        if upstream is not None:
+            upstream.exchanges.pop(self.stream_id, None)
         self.stream_id = 0
-        self.held: list[bytes] = []  # request DATA waiting for the backend's window
-        self.held_end = False
-        self.responded = False
-        self.finished = False
-        self.queued = False  # waiting at the endpoint's connection bound (Pool.wait)
-        self.retried = False
-        self.status = 0
-        self.extra: list[tuple[bytes, bytes]] = []
-        self.ack_held = 0  # response bytes not yet acknowledged to the backend
-        self.source_paused = False
-        self.started = self.server.loop.time()
-        self.last_up = self.started
-        # When the ticker (H2ClientConnection.arm_stream) calls on_timer; 0: none.
-        self.deadline = 0.0
-        self.grpc_deadline = 0.0
-        self.span: Any = None
-        # The route's ResponseHeaderModifier (HTTPRoute filters; None: none).
-        self.response_modifier: Any = None
-
-    # ------------------------------------------------------------ start
-
-    def start(self) -> None:
-        stream, request, entry, server = self.stream, self.request, self.entry, self.server
-        stream.exchange = self
-        chunked = not self.request_done and request.content_length < 0
-        try:
-            req = request_head(request, chunked)
-        except BadMessage as exc:
-            self.local(exc.status, exc.reason, "bad_request")
+        self.end_sent = False
+        if self.retried or self.finished or self.data_sent or self._answered():
+            self._gone("upstream went away before answering")
             return
-        route = entry.route
-        secure = self.conn.secure
-        identity = b""
-        if route.tls is not None:
-            if secure:
-                if entry.hsts:
-                    name, _, value = entry.hsts.partition(b":")
-                    self.extra.append((name.lower(), value.strip()))
-                if route.tls.client_ca_certificate:
-                    checked = server.edge.client_identity(
-                        self.conn.transport.get_extra_info("ssl_object"),  # type: ignore[union-attr]
-                        route,
-                    )
-                    if isinstance(checked, tuple):
-                        self.local(checked[0], checked[1], "client_certificate")
-                        return
-                    identity = checked
-            elif tls.edge_rule(route) != tls.EDGE_ALLOW:
-                self.local(503, f"route {entry.options.name} is served on HTTPS only", "https_only")
-                return
-        cookie = None
-        if req.cookie and entry.options.cookie_name:
-            prefix = entry.options.cookie_name + b"="
-            for value in req.cookie:
-                for part in value.split(b";"):
-                    part = part.strip()
-                    if part.startswith(prefix):
-                        cookie = part[len(prefix) :]
-        if entry.single is not None and cookie is None:
-            self.target, self.backend = entry.single
-        else:
-            target, backend = entry.pick(self.client_key(), cookie, server.health, None)
-            if target is None or backend is None:
-                self.local(503, unavailable_reason(entry), "no_endpoint")
-                return
-            self.target, self.backend = target, backend
-            backend.picker.acquire(target)
-            self.counted = True
-        if (
-            self.backend is not None
-            and self.backend.set_cookie
-            and cookie != self.backend.by_target.get(self.target)
-        ):
-            line = self.backend.set_cookie.get(self.target, b"")
-            if line:
-                _, _, value = line.rstrip(b"\r\n").partition(b":")
-                self.extra.append((b"set-cookie", value.strip()))
-        authority = request.authority
-        route_filters = route.filters
-        if route_filters is not None:
-            # HTTPRoute filters, as waygate.proxy.exchange applies them for HTTP/1.1
-            # backends: a redirect is answered here; the request's rewrite and header
-            # modifier shape the head the backend gets; the response's modifier its
-            # answer (on_response). Mirrors are not sent for HTTP/2 backends (the
-            # mirror copy is an HTTP/1.1 head).
-            redirect = route_filters.redirect
-            if redirect is not None:
-                location = filters.redirect_location(
-                    req, redirect, entry.path, secure=secure, listener_port=route.listener_port
-                )
-                self.redirect(redirect.status, location)
-                return
-            rewrite = route_filters.rewrite
-            if rewrite is not None or route_filters.request_headers is not None:
-                req = filters.rewritten_request(
-                    req, rewrite, route_filters.request_headers, entry.path
-                )
-                if rewrite is not None and rewrite.hostname:
-                    authority = rewrite.hostname.encode()
-            self.response_modifier = route_filters.response_headers
-        context = self.conn.context or ForwardedContext(self.conn.peer, server.listen_port)
-        traceparent = req.traceparent
-        if traceparent[-3:] == b"-01" and _TRACEPARENT.fullmatch(traceparent):
-            # Sampled upstream of us (parent-based), as on HTTP/1.1: a server span,
-            # and its id goes on to the backend.
-            traceparent = self._start_span(req, entry)
-        upstream_head = http1.build_upstream_head(
-            req, context, entry.options.forwarded_mode, traceparent
-        )
-        if identity:
-            upstream_head = upstream_head[:-2] + identity + b"\r\n"
-        self.fields = _h2_fields(
-            upstream_head,
-            authority,
-            b"https"
-            if server.upstream_tls is not None and server.upstream_tls.applies(route)
-            else b"http",
-            request.grpc,
-        )
-        # The answer's deadline: the route's server timeout, or grpc-timeout when shorter.
-        allowed = entry.options.server_timeout
-        for name, value in request.headers:
-            if name == b"grpc-timeout":
-                timeout = grpcstatus.parse_timeout(value)
-                if timeout is not None and timeout < allowed:
-                    allowed = timeout
-                    self.grpc_deadline = self.started + timeout
-        self._arm(allowed)
+        self.retried = True
+        self.upstreams.ctx.metrics.redispatches += 1
         self.dispatch()
 
-    def client_key(self) -> bytes:
-        return self.conn.peer.encode()
+    def _answered(self) -> bool:
+        """Whether the backend's answer has begun."""
+        raise NotImplementedError
+
+    def _gone(self, reason: str) -> None:
+        """The stream cannot be had again: a 502 with `reason`."""
+        raise NotImplementedError
+
+    def upstream_broke(self, reason: str) -> None:
+        raise NotImplementedError
+
+    def send_held(self) -> None:
+        raise NotImplementedError
+
+    def upstream_writable(self, writable: bool) -> None:
+        raise NotImplementedError
+
+    def fail(self, status: int, reason: str, kind: str) -> None:
+        raise NotImplementedError
+
+    def _moved(self) -> None:
+        """A redispatch chose another endpoint (`forward.target`)."""
+
+    def _blocked(self, blocked: bool) -> None:
+        """The stream's window shut (True) with request DATA held, or opened (False)."""
 
     def dispatch(self) -> None:
-        entry = self.entry
-        scope = entry.upstream_scope
-        key = (self.target, scope, "h2")
-        connection = self.upstreams.pool.take(key)
+        key = (self.target, self.entry.upstream_scope, "h2")
+        upstreams = self.upstreams
+        connection = upstreams.pool.take(key)
         if connection is not None:
-            self.server.metrics.pool_reused += 1
+            upstreams.ctx.metrics.pool_reused += 1
             self.attach(connection)
         else:
-            self.upstreams.pool.wait_for(key, self)
+            upstreams.pool.wait_for(key, self)
 
     def endpoint_free(self) -> None:
         """Called by the endpoint's queue (Pool.wake): room for a connection or a stream."""
@@ -612,7 +485,164 @@ class H2Exchange:
         if not self.finished and self.upstream is None:
             self.dispatch()
         elif self.finished:
-            self.server.pool.wake(self.target)  # not needed here: the next one's turn
+            self.upstreams.ctx.pool.wake(self.target)  # not needed here: the next one's turn
+
+    def connect_failed(self, exc: ConnectError) -> None:
+        """The connect this stream waited for failed: another endpoint when the
+        failure allows it and one is left (`decision.repick`), else 502."""
+        ctx = self.upstreams.ctx
+        if may_redispatch(exc.retryable, exc.kind, self.attempts) and repick(
+            ctx.view, self.forward, self.facts, self.target
+        ):
+            self.attempts += 1
+            ctx.metrics.redispatches += 1
+            self.target = self.forward.target
+            self._moved()
+            self.dispatch()
+            return
+        self.fail(502, exc.reason, "connect_" + exc.kind)
+
+    def _send(self) -> bool:
+        """Request DATA as the stream's window allows, then END_STREAM (once) when the
+        request is done; False when the window shut with DATA still held."""
+        upstream = self.upstream
+        assert upstream is not None
+        h2conn = upstream.h2
+        held = self.held
+        try:
+            while held:
+                data = held[0]
+                window = min(
+                    h2conn.local_flow_control_window(self.stream_id), h2conn.max_outbound_frame_size
+                )
+                if window <= 0:
+                    if self not in upstream.blocked:
+                        upstream.blocked.add(self)
+                        self._blocked(True)
+                    upstream.flush()
+                    return False
+                h2conn.send_data(self.stream_id, data[:window])
+                self.data_sent = True
+                if len(data) > window:
+                    held[0] = data[window:]
+                else:
+                    held.pop(0)
+            if self in upstream.blocked:
+                upstream.blocked.discard(self)
+                self._blocked(False)
+            if self.request_done and not self.end_sent:
+                self.end_sent = True
+                h2conn.end_stream(self.stream_id)
+        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+            self.held = []
+        upstream.flush()
+        return True
+
+    def _ack(self, size: int) -> None:
+        upstream = self.upstream
+        if upstream is None or not self.stream_id:
+            return
+        with contextlib.suppress(h2.exceptions.ProtocolError):
+            upstream.h2.acknowledge_received_data(size, self.stream_id)
+        upstream.flush()
+
+
+class H2Exchange(UpstreamStream):
+    """One request `decide` forwarded to an HTTP/2 backend, carried as one upstream stream.
+
+    The client side is an HTTP/2 stream (`http2.Stream`); every per-request rule
+    was decided before (`decision.decide`): this class moves DATA, windows and
+    trailers, keeps the deadline, and records the end (`records`)."""
+
+    def __init__(
+        self,
+        upstreams: H2Upstreams,
+        conn: H2ClientConnection,
+        stream: Stream,
+        request: Request,
+        req: http1.RequestHead,
+        forward: Forward,
+        end: bool,
+    ) -> None:
+        self.upstreams = upstreams
+        self.ctx = upstreams.ctx
+        self.conn = conn
+        self.facts = conn
+        self.stream = stream
+        self.request = request
+        self.req = req
+        self.forward = forward
+        self.entry: RouteEntry = forward.entry
+        self.target: Target = forward.target
+        self.span: Any = forward.span
+        self.traceparent = forward.traceparent
+        self.request_done = end
+        self.connect_timeout = forward.entry.options.connect_timeout
+        self.fields: list[tuple[bytes, bytes]] = []
+        self.upstream: H2UpstreamConnection | None = None
+        self.stream_id = 0
+        self.held: list[bytes] = []  # request DATA waiting for the backend's window
+        # END_STREAM went to the backend (with the HEADERS or after the body): never twice.
+        self.end_sent = False
+        self.responded = False
+        self.finished = False
+        self.queued = False  # waiting at the endpoint's connection bound (Pool.wait)
+        self.retried = False
+        self.attempts = 1  # connects tried (redispatch after a failed one)
+        self.status = 0
+        self.extra: list[tuple[bytes, bytes]] = []
+        self.ack_held = 0  # response bytes not yet acknowledged to the backend
+        self.source_paused = False
+        self.started = self.ctx.loop.time()
+        self.last_up = self.started
+        # When the ticker (H2ClientConnection.arm_stream) calls on_timer; 0: none.
+        self.deadline = 0.0
+        self.grpc_deadline = 0.0
+        # The route's ResponseHeaderModifier (HTTPRoute filters; None: none).
+        self.response_modifier = forward.response_modifier
+
+    # ------------------------------------------------------------ start
+
+    def start(self) -> None:
+        forward = self.forward
+        self.stream.exchange = self
+        if forward.hsts:
+            name, _, value = forward.hsts.partition(b":")
+            self.extra.append((name.lower(), value.strip()))
+        self._add_cookie()
+        upstream_tls = self.ctx.upstream_tls
+        self.fields = h2_request_fields(
+            forward.upstream_head,
+            forward.authority or self.request.authority,
+            b"https"
+            if upstream_tls is not None and upstream_tls.applies(forward.entry.route)
+            else b"http",
+            self.request.grpc,
+        )
+        if forward.mirrors:
+            mirrors = self.ctx.mirrors
+            for target, head in forward.mirrors:
+                mirrors.send(target, head)
+        allowed = forward.entry.options.server_timeout
+        if forward.deadline:
+            self.grpc_deadline = forward.deadline  # grpc-timeout, shorter than the route's
+            allowed = forward.deadline - self.started
+        self._arm(allowed)
+        self.dispatch()
+
+    def _add_cookie(self) -> None:
+        line = self.forward.set_cookie_line(self.target)
+        if line:
+            _, _, value = line.rstrip(b"\r\n").partition(b":")
+            self.extra.append((b"set-cookie", value.strip()))
+
+    def client_key(self) -> bytes:
+        return self.conn.client_key  # type: ignore[no-any-return]
+
+    def _moved(self) -> None:
+        # The sticky cookie names the endpoint the request went to.
+        self.extra = [item for item in self.extra if item[0] != b"set-cookie"]
+        self._add_cookie()
 
     def attach(self, connection: H2UpstreamConnection | None) -> None:
         if self.finished:
@@ -622,15 +652,14 @@ class H2Exchange:
             return
         self.upstream = connection
         end = self.request_done and not self.held
-        if end:
-            self.held_end = False
         try:
             self.stream_id = connection.open_stream(self, self.fields, end)
         except (h2.exceptions.ProtocolError, h2.exceptions.TooManyStreamsError):
             self.upstream = None
             self.dispatch()
             return
-        if self.held or self.held_end:
+        self.end_sent = end
+        if self.held or (self.request_done and not end):
             self.send_held()
 
     # ------------------------------------------------------------ the client's side
@@ -645,10 +674,13 @@ class H2Exchange:
             self.stream.upload_paused = True
 
     def request_end(self) -> None:
-        self.request_done = True
-        if self.finished:
+        # The client's END_STREAM may be reported after a HEADERS that carried it
+        # (the request was bodiless: its stream already ended upstream, on a
+        # reused connection with the HEADERS): it ends nothing twice.
+        if self.finished or self.end_sent:
+            self.request_done = True
             return
-        self.held_end = True
+        self.request_done = True
         if self.upstream is not None:
             self.send_held()
 
@@ -661,31 +693,7 @@ class H2Exchange:
         upstream = self.upstream
         if upstream is None or self.finished or not self.stream_id:
             return
-        h2conn = upstream.h2
-        try:
-            while self.held:
-                data = self.held[0]
-                window = min(
-                    h2conn.local_flow_control_window(self.stream_id), h2conn.max_outbound_frame_size
-                )
-                if window <= 0:
-                    upstream.blocked.add(self)
-                    upstream.flush()
-                    return
-                piece, rest = data[:window], data[window:]
-                h2conn.send_data(self.stream_id, piece)
-                if rest:
-                    self.held[0] = rest
-                else:
-                    self.held.pop(0)
-            upstream.blocked.discard(self)
-            if self.held_end:
-                self.held_end = False
-                h2conn.end_stream(self.stream_id)
-        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
-            self.held = []
-        upstream.flush()
-        if not self.held and self.stream.upload_paused and not upstream.write_paused:
+        if self._send() and self.stream.upload_paused and not upstream.write_paused:
             self.stream.upload_resume()
 
     def upstream_writable(self, writable: bool) -> None:
@@ -727,9 +735,8 @@ class H2Exchange:
             return
         self.status = status
         self.responded = True
-        self.last_up = self.server.loop.time()
-        server = self.server
-        server.metrics.latency(self.last_up - self.started, self.entry.options.name)
+        self.last_up = self.ctx.loop.time()
+        self.ctx.metrics.latency(self.last_up - self.started, self.entry.options.name)
         if self.response_modifier is not None:
             out = _modified(out, self.response_modifier)
         out += self.extra
@@ -740,21 +747,13 @@ class H2Exchange:
             self._arm(self.entry.options.server_timeout)
 
     def on_data(self, data: bytes, flow: int) -> None:
-        self.last_up = self.server.loop.time()
+        self.last_up = self.ctx.loop.time()
         self.stream.send(data)
         if flow:
             if self.source_paused:
                 self.ack_held += flow
             else:
                 self._ack(flow)
-
-    def _ack(self, size: int) -> None:
-        upstream = self.upstream
-        if upstream is None:
-            return
-        with contextlib.suppress(h2.exceptions.ProtocolError):
-            upstream.h2.acknowledge_received_data(size, self.stream_id)
-        upstream.flush()
 
     def on_trailers(self, headers: list[tuple[bytes, bytes]]) -> None:
         trailers = [(n, v) for n, v in headers if n[:1] != b":"]
@@ -780,20 +779,11 @@ class H2Exchange:
             return
         self.fail(502, f"upstream reset the stream ({ErrorCodes(code).name})", "upstream_reset")
 
-    def unprocessed(self) -> None:
-        """The backend never processed the stream (GOAWAY above it, REFUSED_STREAM):
-        sent again, once, on another connection, if its body was not sent yet."""
-        upstream = self.upstream
-        self.upstream = None
-        if upstream is not None:
-            upstream.exchanges.pop(self.stream_id, None)
-        self.stream_id = 0
-        if self.retried or self.responded or self.finished:
-            self.fail(502, "upstream went away before answering", "upstream_closed")
-            return
-        self.retried = True
-        self.server.metrics.redispatches += 1
-        self.dispatch()
+    def _answered(self) -> bool:
+        return self.responded
+
+    def _gone(self, reason: str) -> None:
+        self.fail(502, reason, "upstream_closed")
 
     def upstream_broke(self, reason: str) -> None:
         if self.finished:
@@ -815,52 +805,11 @@ class H2Exchange:
             return
         self.local(status, reason, kind)
 
-    def redirect(self, status: int, location: bytes) -> None:
-        """An HTTPRoute RequestRedirect: answered here, the backend never asked."""
-        self.stream.respond(status, [(b"location", location), (b"content-length", b"0")], end=True)
-        self._finish(status)
-
     def local(self, status: int, reason: str, kind: str) -> None:
         """A local answer: the error page's reason, or a gRPC status on gRPC."""
-        metrics = self.server.metrics
-        metrics.refused[kind] = metrics.refused.get(kind, 0) + 1
-        stream = self.stream
-        if self.request.grpc:
-            stream.respond(200, grpcstatus.trailers_only(status, reason), end=True)
-        else:
-            body = reason.encode("ascii", "replace") + b"\n"
-            stream.respond(
-                status,
-                [
-                    (b"content-type", b"text/plain; charset=utf-8"),
-                    (b"content-length", b"%d" % len(body)),
-                    (b"cache-control", b"no-store"),
-                    (b"x-waygate-error", reason.encode("ascii", "replace")),
-                ],
-            )
-            stream.send(body)
-            stream.finish()
+        self.ctx.records.refused(kind)
+        respond_locally(self.stream, self.request.grpc, status, reason)
         self._finish(status)
-
-    def _start_span(self, req: http1.RequestHead, entry: RouteEntry) -> bytes:
-        """A server span for a sampled request (the attributes the Exchange sets);
-        returns the traceparent to send upstream."""
-        parent = _PROPAGATOR.extract({"traceparent": req.traceparent.decode("ascii", "replace")})
-        span = tracer().start_span(
-            "proxy " + entry.options.name,
-            context=parent,
-            kind=SpanKind.SERVER,
-            attributes={
-                "http.request.method": req.method.decode("ascii", "replace"),
-                "url.path": req.target.decode("ascii", "replace")[:256],
-                "server.address": req.host.decode("ascii", "replace"),
-                "waygate.route": entry.options.name,
-                "network.protocol.version": "2",
-            },
-        )
-        self.span = span
-        context = span.get_span_context()
-        return b"00-%032x-%016x-01" % (context.trace_id, context.span_id)
 
     def _finish(self, status: int) -> None:
         if self.finished:
@@ -869,14 +818,7 @@ class H2Exchange:
         self.deadline = 0.0
         if self.queued:
             self.queued = False
-            self.server.pool.cancel_wait(self.target, self)
-        span = self.span
-        if span is not None:
-            self.span = None
-            span.set_attribute("http.response.status_code", status or 499)
-            if not status or status >= 500:
-                span.set_status(Status(StatusCode.ERROR))
-            span.end()
+            self.ctx.pool.cancel_wait(self.target, self)
         upstream = self.upstream
         if upstream is not None:
             upstream.blocked.discard(self)
@@ -884,36 +826,21 @@ class H2Exchange:
                 upstream.stream_done(self.stream_id)
                 if self.ack_held:
                     self.ack_held = 0
-        if self.counted and self.backend is not None:
-            self.backend.picker.release(self.target)
-            self.counted = False
+        release_pick(self.forward)
         self.stream.exchange = None
         self.held = []
-        server = self.server
-        name = self.entry.options.name
-        server.metrics.request(name, self.request.method, status or 502)
-        if server.access_log_on:
-            if server.access_log_budget > 0:
-                server.access_log_budget -= 1
-                self._log(name, status)
-            else:
-                server.access_log_suppressed += 1
-
-    def _log(self, route: str, status: int) -> None:
-        request = self.request
-        access_log.info(
-            "request",
-            extra={
-                "client": self.conn.peer,
-                "method": request.method.decode("ascii", "replace"),
-                "host": request.authority.decode("ascii", "replace"),
-                "path": request.path.decode("ascii", "replace")[:256],
-                "status": status,
-                "route": route,
-                "protocol": "h2" if self.conn.secure else "h2c",
-                "upstream": f"{self.target.address}:{self.target.port}" if self.target else "",
-                "duration_ms": round((self.server.loop.time() - self.started) * 1000, 3),
-            },
+        span = self.span
+        self.span = None
+        ctx = self.ctx
+        ctx.records.finish(
+            self.entry.options.name,
+            self.req,
+            status or 502,
+            self.conn.client_key,
+            self.target,
+            ctx.loop.time() - self.started,
+            span,
+            "h2" if self.conn.secure else "h2c",
         )
 
     # ------------------------------------------------------------ timeouts
@@ -921,7 +848,7 @@ class H2Exchange:
     def _arm(self, seconds: float) -> None:
         """The next check: no timer object, the HTTP/2 connection's ticker entry
         calls `on_timer` (as for the streams driving an Exchange)."""
-        when = self.server.loop.time() + seconds
+        when = self.ctx.loop.time() + seconds
         if self.grpc_deadline and self.grpc_deadline < when:
             when = self.grpc_deadline
         self.deadline = when
@@ -936,7 +863,7 @@ class H2Exchange:
     def _on_timer(self) -> None:
         if self.finished:
             return
-        now = self.server.loop.time()
+        now = self.ctx.loop.time()
         options = self.entry.options
         if self.grpc_deadline and now >= self.grpc_deadline:
             self._cancel_upstream()
@@ -961,6 +888,26 @@ class H2Exchange:
             upstream.flush()
 
 
+def respond_locally(stream: Stream, grpc: bool, status: int, reason: str) -> None:
+    """The proxy's own failure on an HTTP/2 stream: the reason as a short text page
+    (and X-Waygate-Error), or a gRPC status (trailers-only) on gRPC."""
+    if grpc:
+        stream.respond(200, grpcstatus.trailers_only(status, reason), end=True)
+        return
+    body = reason.encode("ascii", "replace") + b"\n"
+    stream.respond(
+        status,
+        [
+            (b"content-type", b"text/plain; charset=utf-8"),
+            (b"content-length", b"%d" % len(body)),
+            (b"cache-control", b"no-store"),
+            (b"x-waygate-error", reason.encode("ascii", "replace")),
+        ],
+    )
+    stream.send(body)
+    stream.finish()
+
+
 def _modified(fields: list[tuple[bytes, bytes]], modifier: Any) -> list[tuple[bytes, bytes]]:
     """Response fields after a ResponseHeaderModifier (the one rule of waygate.proxy.filters,
     applied to the field block these fields mean)."""
@@ -972,7 +919,7 @@ def _modified(fields: list[tuple[bytes, bytes]], modifier: Any) -> list[tuple[by
     return out
 
 
-def _h2_fields(
+def h2_request_fields(
     head: bytes, authority: bytes, scheme: bytes, grpc: bool
 ) -> list[tuple[bytes, bytes]]:
     """The HTTP/1.1 head the rule book produced, as HTTP/2 request fields."""

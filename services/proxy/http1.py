@@ -130,9 +130,11 @@ _REQUEST_READ: Final = re.compile(
 )
 # The response header lines the proxy reads and drops (re-adding framing itself),
 # the same way: every other line is forwarded as sliced from the upstream's head.
+# The hop-by-hop ones are the rule book's (waygate.core.httpheaders.HOP_BY_HOP).
 _RESPONSE_READ: Final = re.compile(
-    rb"\r\n((?i:connection|keep-alive|proxy-connection|te|trailer|transfer-encoding|upgrade"
-    rb"|content-length)):[ \t]*+([^\r]*)"
+    rb"\r\n((?i:"
+    + rb"|".join(re.escape(name) for name in sorted(httpheaders.HOP_BY_HOP))
+    + rb"|content-length)):[ \t]*+([^\r]*)"
 )
 _NO_CALLBACKS: Final = object()  # httptools calls no Python code for it
 

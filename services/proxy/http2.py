@@ -2,8 +2,8 @@
 
 `H2ClientConnection` serves one HTTP/2 connection: negotiated by ALPN `h2` on
 the HTTPS port, or HTTP/2 with prior knowledge (h2c) on the HTTP port, told
-apart from HTTP/1.1 by its first bytes (`ClientProtocol`, the factory both
-listeners use). `h2` (python-hyper) does the framing, HPACK and the stream
+apart from HTTP/1.1 by its first bytes (`waygate.proxy.accept.ClientProtocol`,
+the factory both listeners use). `h2` (python-hyper) does the framing, HPACK and the stream
 state machine; this module moves bytes, applies the proxy's limits, applies RFC
 9113's rules on request fields (`read_request`, `check_trailers`, in one pass;
 the rules themselves are `waygate.core.httpheaders`' h2_* ones; h2's own
@@ -56,7 +56,7 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import h2.config
@@ -70,15 +70,15 @@ from h2.errors import ErrorCodes
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from waygate.core import httpheaders
+from waygate.core import flow, httpheaders
 from waygate.proxy import grpcstatus, hpackcache, http1
 from waygate.proxy.routing import Side
 
 log = logging.getLogger(__name__)
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-HIGH_WATER = 256 * 1024
-LOW_WATER = 64 * 1024
+HIGH_WATER = flow.HIGH_WATER
+LOW_WATER = flow.LOW_WATER
 
 # Connection-level timer kinds, as `waygate.proxy.server` names them (the
 # server's ticker reads `_timer_kind`, `_deadline` and calls `_on_timer`).
@@ -636,11 +636,20 @@ class Stream:
         self.conn.blocked.discard(self)
 
 
+# Serves one request stream: (connection, stream, request, end_stream).
+StreamHandler = Callable[["H2ClientConnection", "Stream", Request, bool], None]
+
+
 class H2ClientConnection(asyncio.Protocol):
     """One HTTP/2 client connection (h2 over TLS or h2c)."""
 
-    def __init__(self, server: Any, limits: H2Limits, *, secure: Side) -> None:
+    def __init__(
+        self, server: Any, limits: H2Limits, *, secure: Side, start_exchange: StreamHandler
+    ) -> None:
         self.server = server
+        # What serves each request stream (waygate.proxy.h2exchange.start_exchange,
+        # handed in by waygate.proxy.accept: this module imports no exchange).
+        self.start_exchange = start_exchange
         self.loop = server.loop
         self.limits = limits
         self.secure: Side = secure
@@ -816,7 +825,7 @@ class H2ClientConnection(asyncio.Protocol):
         stream.method = request.method
         stream.grpc = request.grpc
         stream.request_done = end_stream
-        _start_exchange()(self, stream, request, end_stream)
+        self.start_exchange(self, stream, request, end_stream)
 
     def _data(self, event: Any) -> None:
         stream = self.streams.get(event.stream_id)
@@ -1114,133 +1123,3 @@ class H2ClientConnection(asyncio.Protocol):
         self.streams.clear()
         if self.transport is not None:
             self.transport.abort()
-
-
-_START: Any = None
-
-
-def _start_exchange() -> Any:
-    """waygate.proxy.h2exchange.start_exchange (imported once, late: it imports us;
-    an import statement per stream cost about 1% of the CPU per request)."""
-    global _START
-    if _START is None:
-        from waygate.proxy.h2exchange import start_exchange
-
-        _START = start_exchange
-    return _START
-
-
-# ---------------------------------------------------------------- the listeners' factory
-
-
-_H1: Any = None
-
-
-def _h1_class() -> Any:
-    """waygate.proxy.server.ClientConnection (imported once, late: server imports us)."""
-    global _H1
-    if _H1 is None:
-        from waygate.proxy.server import ClientConnection
-
-        _H1 = ClientConnection
-    return _H1
-
-
-def _not_http1(first: bytes) -> bool:
-    """A complete first line of three tokens whose last is no HTTP version
-    ("INVALID CONNECTION PREFACE"): not an HTTP/1 request line. Anything
-    else, malformed or not, is left to the HTTP/1.1 rules (and their 400)."""
-    end = first.find(b"\r\n")
-    if end < 0:
-        return False
-    parts = first[:end].split(b" ")
-    return len(parts) == 3 and parts[2][:5].upper() != b"HTTP/"
-
-
-class ClientProtocol(asyncio.Protocol):
-    """Every accepted connection starts here and becomes HTTP/1.1 or HTTP/2.
-
-    On TLS (after the handshake) ALPN decides: `h2` -> HTTP/2, else HTTP/1.1.
-    On plain TCP the HTTP/1.1 connection starts at once (counted, its head
-    timeout armed) and the first bytes decide: the HTTP/2 preface (h2c with
-    prior knowledge) hands the transport over to HTTP/2; anything else goes
-    to HTTP/1.1 untouched. The cost to HTTP/1.1: one call on the first read.
-    """
-
-    __slots__ = ("h1", "limits", "seen", "server", "transport")
-    # The routing side an h2c connection looks routes up on: False, the HTTP port's;
-    # a Gateway listener on its own port sets its own (waygate.proxy.listeners).
-    side: Any = False
-
-    def __init__(self, server: Any, limits: H2Limits | None = None) -> None:
-        self.server = server
-        self.limits = limits if limits is not None else getattr(server, "h2_limits", H2Limits())
-        self.h1: Any = None
-        self.transport: Any = None
-        self.seen = b""
-
-    def connection_made(self, transport: Any) -> None:
-        ClientConnection = _h1_class()
-        self.transport = transport
-        ssl_object = transport.get_extra_info("ssl_object")
-        if ssl_object is not None:
-            if ssl_object.selected_alpn_protocol() == "h2":
-                proto: asyncio.Protocol = H2ClientConnection(self.server, self.limits, secure=True)
-            else:
-                proto = ClientConnection(self.server)
-            transport.set_protocol(proto)
-            proto.connection_made(transport)
-            return
-        self.h1 = ClientConnection(self.server)
-        self.h1.connection_made(transport)
-
-    def data_received(self, data: bytes) -> None:
-        # Only plain connections get here (TLS ones were handed over at once).
-        seen = self.seen + data if self.seen else data
-        if seen[:24] == PREFACE[: min(24, len(seen))]:
-            if len(seen) < 24:
-                self.seen = seen
-                return
-            self.seen = b""
-            h1 = self.h1
-            self.h1 = None
-            # The HTTP/1.1 connection was counted and timed: let it go quietly.
-            h1.transport = None
-            h1.connection_lost(None)
-            proto = H2ClientConnection(self.server, self.limits, secure=self.side)
-            self.transport.set_protocol(proto)
-            proto.connection_made(self.transport)
-            proto.data_received(seen)
-            return
-        self.seen = b""
-        h1 = self.h1
-        if _not_http1(seen):
-            # Neither an HTTP/2 preface nor an HTTP/1 request line: what a client
-            # with a broken preface expects is the connection closed, not a page.
-            h1.transport = None
-            h1.connection_lost(None)
-            self.h1 = None
-            self.server.metrics.refused["not_http"] = (
-                self.server.metrics.refused.get("not_http", 0) + 1
-            )
-            self.transport.close()
-            return
-        self.transport.set_protocol(h1)
-        h1.data_received(seen)
-
-    def eof_received(self) -> bool | None:
-        if self.h1 is not None:
-            return self.h1.eof_received()  # type: ignore[no-any-return]
-        return None
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self.h1 is not None:
-            self.h1.connection_lost(exc)
-
-    def pause_writing(self) -> None:
-        if self.h1 is not None:
-            self.h1.pause_writing()
-
-    def resume_writing(self) -> None:
-        if self.h1 is not None:
-            self.h1.resume_writing()

@@ -38,8 +38,8 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any
 
 from waygate.core.backoff import Backoff
+from waygate.proxy.accept import ClientProtocol
 from waygate.proxy.http1 import ForwardedContext
-from waygate.proxy.http2 import ClientProtocol
 from waygate.proxy.passthrough import TlsFront, bind_listener
 from waygate.proxy.routing import ListenerSide
 from waygate.resolver.client import ListenerState, Route, keep_reporting, report_listeners

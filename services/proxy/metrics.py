@@ -144,7 +144,8 @@ class ProxyCollector(Collector):
         snap = self._source()
         requests = CounterMetricFamily(
             "waygate_proxy_requests",
-            "HTTP requests answered, by route, method and status class",
+            "HTTP requests answered, by route (the matched route whatever the answer; "
+            'route="" for requests no route took), method and status class',
             labels=["route", "method", "code"],
         )
         for route, method, cls, count in snap["requests"]:

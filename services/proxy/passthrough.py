@@ -37,17 +37,18 @@ from prometheus_client import Counter
 
 from waygate.core import flow
 from waygate.proxy import sni
+from waygate.proxy.accept import ClientProtocol
 from waygate.proxy.routing import Defaults, RouteTable, build_table
 from waygate.proxy.upstream import ConnectError, start
-from waygate.resolver.model import BalancePolicy, Route, TLSTermination
+from waygate.resolver.client import BalancePolicy, Route, TLSTermination
 
 log = logging.getLogger(__name__)
 
 HELLO_TIMEOUT = 10.0
 _PEEK_RETRY = 0.005
 _PEEK_RETRY_MAX = 0.2
-HIGH_WATER = 256 * 1024
-LOW_WATER = 64 * 1024
+HIGH_WATER = flow.HIGH_WATER
+LOW_WATER = flow.LOW_WATER
 
 TLS_CONNECTIONS = Counter(
     "waygate_proxy_tls_connections_total",
@@ -333,11 +334,9 @@ class TlsFront:
             raise
 
     def _client_protocol(self) -> asyncio.Protocol:
-        # HTTP/1.1 or HTTP/2, as ALPN chose (waygate.proxy.http2).
+        # HTTP/1.1 or HTTP/2, as ALPN chose (waygate.proxy.accept).
         if self._protocol is not None:
             return self._protocol()
-        from waygate.proxy.http2 import ClientProtocol
-
         return ClientProtocol(self.server)
 
     async def _peek(self, conn: socket.socket) -> tuple[int, str]:

@@ -1,267 +1,47 @@
-"""Upstream HTTP/1.1 connections and the per-endpoint pool of idle ones.
+"""The per-endpoint bound on upstream connections and the pool of idle HTTP/1.1 ones.
 
-`UpstreamConnection` is a thin asyncio Protocol: one TCP (or reencrypt TLS)
-connection to an endpoint carrying one exchange at a time. It moves bytes and
-parses the upstream's response heads with `http1`; every decision about the
-response (framing, extras, keep-alive, retry) is its `exchange.Exchange`'s.
-The two talk through methods only:
+`Pool` keeps idle keep-alive connections (`upstream_h1.UpstreamConnection`)
+per endpoint (and, for reencrypt connections, per the TLS the route asked
+for: `routing.upstream_scope`, so a connection is only reused for what it was
+verified and presented as): at most `max_idle` each, closed after
+`idle_timeout` (swept once a second, so the request path only reads the
+clock) and dropped at once when the endpoint leaves the routing table. A
+connection goes back only when its response framing was clean (the Exchange
+decides); one the peer closes while idle removes itself.
 
-- the Exchange calls `begin(exchange, reused, sent_at, request)` when it
-  takes the connection and sends its request, `write`/`writelines`/`write_eof`
-  for the rest of it,
-  `pause_reading`/`resume_reading` for flow control, and at the end
-  `release(reusable, now)` (pooled when reusable and the upstream did not ask
-  to close, otherwise closed) or `abort()`;
-- the connection calls the Exchange back: `response_head`, `informational`,
-  `switching` (a 101), `response_data`, `relay_data`, `relay_eof`,
-  `upstream_closed`, `upstream_paused`.
-
-`Pool` keeps idle keep-alive connections per endpoint (and, for reencrypt
-connections, per the TLS the route asked for: `routing.upstream_scope`, so a
-connection is only reused for what it was verified and presented as): at
-most `max_idle` each, closed after `idle_timeout` (swept once a second, so the
-request path only reads the clock) and dropped at once when the endpoint
-leaves the routing table. A connection goes back only when its response
-framing was clean (the Exchange decides); one the peer closes while idle
-removes itself.
+It also keeps the endpoint's bound, `max_per_endpoint`, that HTTP/1.1 and
+HTTP/2 upstream connections share: a connect in progress holds a reservation
+(`reserve`/`unreserve`), an open connection counts itself; at the bound a
+request waits in the endpoint's queue (`wait`, woken by `wake`) or is refused.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections import deque
 from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Generic, Protocol, TypeVar
 
-from waygate.core import flow
-from waygate.proxy import http1
-from waygate.proxy.http1 import BadMessage, ResponseHead
 from waygate.proxy.routing import Target
 
-if TYPE_CHECKING:
-    from waygate.proxy.exchange import Exchange
-    from waygate.proxy.server import ProxyServer
 
-# A head shorter than this is within both head limits (request line, whole head).
-_SHORT_HEAD = http1.MAX_REQUEST_LINE - 4
+class PooledConnection(Protocol):
+    """What the pool reads of an idle connection (`upstream_h1.UpstreamConnection`)."""
 
+    target: Target
+    pool_key: Any
+    idle_since: float
+    closed: bool
 
-class UpstreamConnection(asyncio.Protocol):
-    """One connection to an endpoint; carries one exchange at a time."""
-
-    __slots__ = (
-        "buf",
-        "closed",
-        "counted",
-        "exchange",
-        "flow",
-        "got_bytes",
-        "idle_since",
-        "pool_key",
-        "relay",
-        "response",
-        "reused",
-        "sent_at",
-        "server",
-        "target",
-        "transport",
-    )
-
-    def __init__(self, server: ProxyServer, target: Target) -> None:
-        self.server = server
-        self.target = target
-        # Where the pool keeps it when idle: the endpoint, with the route's
-        # upstream_scope for a reencrypt connection (set by the connect step).
-        self.pool_key: Any = target
-        self.transport: asyncio.Transport | None = None
-        self.flow: flow.FlowControl | None = None
-        self.exchange: Exchange | None = None
-        self.idle_since = 0.0
-        # Whether it is counted in the pool's per-endpoint bound (Pool.reserve).
-        self.counted = False
-        self.buf = b""
-        self.response: ResponseHead | None = None
-        self.reused = False
-        self.got_bytes = False
-        self.closed = False
-        self.relay = False
-        self.sent_at = 0.0
-
-    def connection_made(self, transport: Any) -> None:
-        self.transport = transport
-        transport.set_write_buffer_limits(high=flow.HIGH_WATER, low=flow.LOW_WATER)
-        self.flow = flow.FlowControl(transport)
-        self.server.upstreams.add(self)
-        self.server.metrics.upstream_connections = len(self.server.upstreams)
-        self.counted = self.server.pool.reserve(self.target, force=True)
-
-    # ------------------------------------------------------------ the Exchange's calls
-
-    def begin(
-        self, exchange: Exchange, reused: bool, sent_at: float, request: bytes | list[bytes]
-    ) -> None:
-        """`exchange` takes this connection and sends `request` (its head, or the
-        head and the body bytes that came with it) on it."""
-        self.exchange = exchange
-        self.reused = reused
-        self.got_bytes = False
-        self.buf = b""
-        self.response = None
-        self.sent_at = sent_at
-        if isinstance(request, bytes):
-            if request:  # empty: the head went with the connect (a tunnel's early data)
-                self.transport.write(request)  # type: ignore[union-attr]
-        else:
-            self.transport.writelines(request)  # type: ignore[union-attr]
-
-    def write(self, data: bytes) -> None:
-        self.transport.write(data)  # type: ignore[union-attr]
-
-    def writelines(self, pieces: list[bytes]) -> None:
-        self.transport.writelines(pieces)  # type: ignore[union-attr]
-
-    def write_eof(self) -> bool:
-        transport = self.transport
-        if transport is not None and transport.can_write_eof():
-            transport.write_eof()
-            return True
-        return False
-
-    def pause_reading(self) -> None:
-        """The client stopped reading: so does this connection (core.flow, reason PEER)."""
-        if self.flow is not None:
-            self.flow.pause(flow.PEER)
-
-    def resume_reading(self) -> None:
-        if self.flow is not None:
-            self.flow.resume(flow.PEER)
-
-    def release(self, reusable: bool, now: float = 0.0) -> None:
-        """The exchange is over: pooled when `reusable` and the upstream keeps it open."""
-        response = self.response
-        self.exchange = None
-        self.response = None
-        transport = self.transport
-        if (
-            reusable
-            and response is not None
-            and response.keep_alive
-            and not self.closed
-            and transport is not None
-        ):
-            if self.flow is not None and self.flow.reasons:
-                self.flow.resume(flow.PEER)  # idle in the pool: a peer close must be seen
-            if not self.server.pool.put(self, now):
-                self.close()
-        else:
-            self.close()
-
-    def close(self) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.close()
-
-    def abort(self) -> None:
-        self.exchange = None
-        if self.transport is not None:
-            self.transport.abort()
-
-    # ------------------------------------------------------------ protocol
-
-    def data_received(self, data: bytes) -> None:
-        exchange = self.exchange
-        if exchange is None:
-            # Bytes on an idle connection: the framing is off; never reuse it
-            # (out of the pool now, so no request can take it before it closes).
-            self.server.pool.discard(self)
-            self.abort()
-            return
-        self.got_bytes = True
-        if self.relay:
-            exchange.relay_data(data)
-            return
-        now = exchange.loop.time()
-        if self.response is None:
-            if self.buf:
-                data = self.buf + data
-                self.buf = b""
-            rest = self._head(exchange, data, now)
-            if rest is None or self.exchange is None or self.response is None:
-                return
-            data = rest
-        exchange.response_data(data, now)
-
-    def _head(self, exchange: Exchange, data: bytes, now: float) -> bytes | None:
-        """Parse response heads (1xx to the Exchange, which drops or forwards them)
-        and hand over the final one; returns the rest (None: nothing more to do)."""
-        while True:
-            end = data.find(b"\r\n\r\n")
-            if 0 <= end < _SHORT_HEAD:
-                end += 4  # a short head is within every size limit: nothing to check
-            else:
-                try:
-                    end = http1.find_head_end(data, response=True)
-                except BadMessage as exc:
-                    self._broken(exchange, exc.reason)
-                    return None
-            if end < 0:
-                self.buf = data
-                return None
-            head, data = data[:end], data[end:]
-            try:
-                response = http1.parse_response_head(head)
-            except BadMessage as exc:
-                self._broken(exchange, exc.reason)
-                return None
-            if response.status < 200:
-                if response.status == 101:
-                    if exchange.switching(response, data):
-                        self.relay = True
-                        return None
-                    self._broken(exchange, "upstream switched protocols without an upgrade request")
-                    return None
-                broken = exchange.informational(response, end)
-                if broken:
-                    self._broken(exchange, broken)
-                    return None
-                continue
-            self.response = response
-            return exchange.response_head(response, data, now)
-
-    def _broken(self, exchange: Exchange, reason: str) -> None:
-        exchange.upstream_failed(502, reason, "bad_response")
-
-    def eof_received(self) -> bool | None:
-        exchange = self.exchange
-        if self.relay and exchange is not None and exchange.relay_eof():
-            return True
-        return None
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        server = self.server
-        server.upstreams.discard(self)
-        server.metrics.upstream_connections = len(server.upstreams)
-        exchange = self.exchange
-        self.exchange = None
-        if self.counted:
-            self.counted = False
-            server.pool.unreserve(self.target)
-        if exchange is None:
-            server.pool.discard(self)
-            return
-        exchange.upstream_closed(self.relay, self.got_bytes, self.reused)
-
-    def pause_writing(self) -> None:
-        if self.exchange is not None:
-            self.exchange.upstream_paused(True)
-
-    def resume_writing(self) -> None:
-        if self.exchange is not None:
-            self.exchange.upstream_paused(False)
+    @property
+    def transport(self) -> Any: ...
+    def close(self) -> None: ...
 
 
-class Pool:
+UpstreamConnection = TypeVar("UpstreamConnection", bound=PooledConnection)
+
+
+class Pool(Generic[UpstreamConnection]):
     """Idle upstream connections per pool key (endpoint, or endpoint and TLS scope)."""
 
     def __init__(

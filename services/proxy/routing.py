@@ -50,15 +50,17 @@ from waygate.core.balancing import Picker, RoundRobinPicker, new_picker
 from waygate.core.paths import normalize_request_path
 from waygate.core.regex import LinearPattern, compile_linear
 from waygate.proxy.tls import hsts_line
-from waygate.resolver.model import (
+from waygate.resolver.client import (
     Endpoint,
     PathMatchType,
     Route,
     RouteBackend,
     RouteMatch,
     Service,
+    ServicePort,
     TLSTermination,
     ValueMatchType,
+    speaks_http2,
 )
 
 DEFAULT_POLICY = "leastconn"
@@ -182,7 +184,7 @@ class PassiveHealth:
 class Backend:
     """One backend service of a route: its endpoints and their picker."""
 
-    __slots__ = ("by_target", "cookies", "invalid", "picker", "service", "set_cookie")
+    __slots__ = ("by_target", "cookies", "http2", "invalid", "picker", "service", "set_cookie")
 
     def __init__(
         self,
@@ -191,9 +193,13 @@ class Backend:
         cookie_key: bytes,
         options: RouteOptions,
         invalid: str = "",
+        http2: bool = False,
     ) -> None:
         self.service = service
         self.picker = picker
+        # Whether the proxy speaks HTTP/2 to this backend (`backend_speaks_http2`):
+        # the backend decides the upstream protocol, never the client.
+        self.http2 = http2
         # Why this backend cannot serve (a Gateway API backendRef that is not
         # found or not granted): its share of requests is answered 500.
         self.invalid = invalid
@@ -297,6 +303,7 @@ class RouteEntry:
         "rank",
         "regex",
         "route",
+        "rules",
         "single",
         "upstream_scope",
     )
@@ -343,6 +350,9 @@ class RouteEntry:
         self.rank = self._rank()
         # RequestMirror backends: (picker of their endpoints, percent of requests).
         self.mirrors: tuple[tuple[Picker[Target], int], ...] = ()
+        # The per-request rules of waygate.proxy.decision that apply to this
+        # route, chosen once per table by decision (None: not chosen yet).
+        self.rules: Any = None
 
     def _rank(self) -> tuple[Any, ...]:
         """The sort key of the spec's precedence (lower first; see the module docstring)."""
@@ -616,6 +626,30 @@ def sticky_value(key: bytes, target: Target) -> bytes:
     return digest.encode()
 
 
+def service_port(service: Service | None, target_port: str) -> ServicePort | None:
+    """The Service port a route's (or backendRef's) port names: by name or number, or
+    the only port when none is named (None: not found, or ambiguous)."""
+    if service is None:
+        return None
+    ports = service.ports
+    if not target_port:
+        return ports[0] if len(ports) == 1 else None
+    for port in ports:
+        if port.name == target_port or str(port.port) == target_port:
+            return port
+    return None
+
+
+def backend_speaks_http2(route: Route, backend: RouteBackend, service: Service | None) -> bool:
+    """Whether the proxy speaks HTTP/2 to this backend: the route's `upstreamProtocol`,
+    else the `appProtocol` of the Service port the backend names. `service` is the
+    backend's own (its namespace, or the route's when the backendRef names none) and
+    the port the backendRef's, else the route's target port: the same rules as the
+    endpoints it is given (`build_table`), so a cross-namespace backendRef or one
+    port of a multi-port Service is judged by what it really is."""
+    return speaks_http2(route, service_port(service, backend.port or route.target_port))
+
+
 def endpoint_port(endpoint: Endpoint, target_port: str, service: Service | None) -> int | None:
     """The endpoint port a route's target_port names (None: the endpoint lacks it)."""
     ports = endpoint.ports
@@ -784,7 +818,14 @@ def build_table(
             else:
                 picker.update(targets)
             backends.append(
-                Backend(route_backend.service, picker, cookie_key, options, route_backend.invalid)
+                Backend(
+                    route_backend.service,
+                    picker,
+                    cookie_key,
+                    options,
+                    route_backend.invalid,
+                    backend_speaks_http2(route, route_backend, service),
+                )
             )
             weights.append(max(0, min(256, route_backend.weight)))
         entry = RouteEntry(route, (route.path or "/").encode(), options, backends, weights, policy)

@@ -59,7 +59,7 @@ from prometheus_client import Counter, Gauge
 
 from waygate.core.rotation import CertificateRotator
 from waygate.core.tls import server_context, set_session_cache_size, set_session_timeout
-from waygate.resolver.model import InsecureEdgePolicy, Route, TLSTermination
+from waygate.resolver.client import InsecureEdgePolicy, Route, TLSTermination
 
 log = logging.getLogger(__name__)
 

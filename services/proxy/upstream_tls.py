@@ -58,7 +58,7 @@ from prometheus_client import Counter
 from waygate.core.tls import load_pem_chain
 from waygate.proxy.routing import Target, upstream_scope
 from waygate.proxy.upstream import ConnectError, Connection, P, start
-from waygate.resolver.model import Route
+from waygate.resolver.client import Route
 
 log = logging.getLogger(__name__)
 

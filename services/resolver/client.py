@@ -58,13 +58,19 @@ from waygate.resolver.model import (
     Endpoint,
     EndpointPort,
     ForwardedHeadersMode,
+    HeaderModifier,
     InsecureEdgePolicy,
     Kind,
     ListenerState,
+    PathMatchType,
+    PathModifierType,
+    Redirect,
+    Rewrite,
     Route,
     RouteBackend,
     RouteCondition,
     RouteKey,
+    RouteMatch,
     RouteStatus,
     RouteTimeouts,
     RouteTLS,
@@ -77,24 +83,34 @@ from waygate.resolver.model import (
     TLSTermination,
     TunnelPresence,
     TunnelServer,
+    ValueMatchType,
+    speaks_http2,
 )
 from waygate.resolver.v1 import resolver_pb2 as pb
 from waygate.resolver.v1 import resolver_pb2_grpc
 
+# The resolver's model as other services use it: they import it from here (the
+# client surface), never waygate.resolver.model (tests/unit/test_layering.py).
 __all__ = [
     "HSTS",
     "BalancePolicy",
     "Endpoint",
     "EndpointPort",
     "ForwardedHeadersMode",
+    "HeaderModifier",
     "InsecureEdgePolicy",
     "Kind",
     "ListenerState",
+    "PathMatchType",
+    "PathModifierType",
+    "Redirect",
     "ResolverWatch",
+    "Rewrite",
     "Route",
     "RouteBackend",
     "RouteCondition",
     "RouteKey",
+    "RouteMatch",
     "RouteStatus",
     "RouteTLS",
     "RouteTimeouts",
@@ -107,7 +123,9 @@ __all__ = [
     "TLSTermination",
     "TunnelPresence",
     "TunnelServer",
+    "ValueMatchType",
     "View",
+    "speaks_http2",
 ]
 
 log = logging.getLogger(__name__)

@@ -116,7 +116,7 @@ async def listeners(conformance: Conformance) -> dict[str, dict[str, tuple[str, 
 async def get(port: int, host: str = "own.example.com") -> tuple[int, bytes]:
     import asyncio
 
-    from tests.integration.proxy.harness import read_response
+    from tests.support.proxyharness import read_response
 
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
@@ -178,8 +178,8 @@ async def test_an_https_listener_on_its_own_port_terminates_tls_there(suite: Sui
     own routes: the HTTPS port does not answer for it."""
     import asyncio
 
-    from tests.integration.proxy.harness import read_response
     from tests.support.gatewayapi import tls_client_context
+    from tests.support.proxyharness import read_response
 
     async def get_tls(port: int) -> bytes:
         reader, writer = await asyncio.open_connection(

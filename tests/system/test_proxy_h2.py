@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.proxy.harness import RecordingUpstream
 from tests.support.processes import RunningService, start_service
+from tests.support.proxyharness import RecordingUpstream
 from tests.system.test_proxy_system import start_resolver, wait_ready
 
 pytestmark = pytest.mark.system

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.proxy.harness import RecordingUpstream, body_json, read_response
 from tests.support.poll import until
 from tests.support.processes import RunningService, start_service
+from tests.support.proxyharness import RecordingUpstream, body_json, read_response
 
 pytestmark = pytest.mark.system
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.proxy.harness import running_proxy
 from tests.support.pki import LocalCA
+from tests.support.proxyharness import running_proxy
 from waygate.proxy.passthrough import TlsFront
 from waygate.proxy.tls import DefaultCertificate, EdgeCertificates
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.proxy.harness import RecordingUpstream, read_response
 from tests.support.pki import LocalCA
+from tests.support.proxyharness import RecordingUpstream, read_response
 
 from .test_proxy_system import start_proxy, start_resolver, wait_ready
 

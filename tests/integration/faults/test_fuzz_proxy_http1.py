@@ -29,7 +29,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.integration.proxy.harness import RecordingUpstream, endpoint, route, table
+from tests.support.proxyharness import RecordingUpstream, endpoint, route, table
 from waygate.proxy.metrics import ProxyMetrics
 from waygate.proxy.routing import Defaults
 from waygate.proxy.server import ProxyServer

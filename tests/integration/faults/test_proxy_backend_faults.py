@@ -18,7 +18,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.integration.proxy.harness import (
+from tests.support.faultrelay import Fault, FaultRelay
+from tests.support.poll import until
+from tests.support.proxyharness import (
     RecordingUpstream,
     endpoint,
     read_response,
@@ -26,8 +28,6 @@ from tests.integration.proxy.harness import (
     running_proxy,
     table,
 )
-from tests.support.faultrelay import Fault, FaultRelay
-from tests.support.poll import until
 from waygate.proxy.routing import Defaults
 from waygate.proxy.server import ProxyServer
 from waygate.resolver.model import RouteTimeouts

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from tests.integration.proxy.harness import RecordingUpstream
+from tests.support.proxyharness import RecordingUpstream
 
 
 @pytest.fixture

@@ -11,15 +11,15 @@ import ssl
 
 import pytest
 
-from tests.integration.proxy.harness import (
+from tests.support.pki import LocalCA
+from tests.support.poll import until
+from tests.support.proxyharness import (
     endpoint,
     read_response,
     route,
     running_proxy,
     table,
 )
-from tests.support.pki import LocalCA
-from tests.support.poll import until
 from waygate.proxy.passthrough import TlsFront
 from waygate.proxy.server import Limits
 from waygate.proxy.tls import DefaultCertificate, EdgeCertificates

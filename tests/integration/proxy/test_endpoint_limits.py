@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.integration.proxy.harness import (
+from tests.support.poll import until
+from tests.support.proxyharness import (
     endpoint,
     exchange,
     read_response,
@@ -17,7 +18,6 @@ from tests.integration.proxy.harness import (
     scripted_upstream,
     table,
 )
-from tests.support.poll import until
 from waygate.proxy.server import Limits
 
 H = b"Host: echo.test\r\n"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from tests.integration.proxy.h2harness import GrpcBackend, running_h2_proxy, serve_h2_upstreams
-from tests.integration.proxy.harness import closed_port, endpoint, route, table
+from tests.support.h2harness import GrpcBackend, running_h2_proxy, serve_h2_upstreams
+from tests.support.proxyharness import closed_port, endpoint, route, table
 
 
 @pytest.fixture
@@ -103,8 +103,8 @@ async def test_proxy_answers_are_grpc_statuses(proxied, authority, message):
 async def test_deadlines_of_both_kinds_of_stream_on_one_connection(backend):
     # One client connection carrying a gRPC call (HTTP/2 backend, grpc-timeout 300m)
     # and a request to an HTTP/1.1 backend: each stream's deadline fires on its own.
-    from tests.integration.proxy.harness import RecordingUpstream
     from tests.support.h2client import H2Client
+    from tests.support.proxyharness import RecordingUpstream
 
     web = await RecordingUpstream().start()
     routes = [

@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.integration.proxy.h2harness import GrpcBackend, running_h2_proxy, serve_h2_upstreams
+from tests.support.h2harness import GrpcBackend, running_h2_proxy, serve_h2_upstreams
 from waygate.proxy.routing import Defaults, build_table
 from waygate.resolver.manifests import parse_manifests
 

@@ -22,8 +22,6 @@ from hyperframe.frame import (
     SettingsFrame,
 )
 
-from tests.integration.proxy.h2harness import running_h2_proxy
-from tests.integration.proxy.harness import RecordingUpstream, endpoint, route, table
 from tests.support.h2attack import (
     CONTINUATION,
     HEADERS,
@@ -33,7 +31,9 @@ from tests.support.h2attack import (
     frame_bytes,
     raw_frame,
 )
+from tests.support.h2harness import running_h2_proxy
 from tests.support.poll import until
+from tests.support.proxyharness import RecordingUpstream, endpoint, route, table
 from waygate.proxy import http2
 from waygate.proxy.http2 import H2Limits
 from waygate.proxy.routing import Defaults

@@ -9,8 +9,10 @@ import os
 
 import pytest
 
-from tests.integration.proxy.h2harness import running_h2_proxy
-from tests.integration.proxy.harness import (
+from tests.support.h2client import H2Client, _Pending
+from tests.support.h2harness import running_h2_proxy
+from tests.support.poll import until
+from tests.support.proxyharness import (
     RecordingUpstream,
     closed_port,
     endpoint,
@@ -18,8 +20,6 @@ from tests.integration.proxy.harness import (
     route,
     table,
 )
-from tests.support.h2client import H2Client, _Pending
-from tests.support.poll import until
 from waygate.proxy import http2
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.integration.proxy.h2harness import H2Backend, running_h2_proxy, serve_h2_upstreams
-from tests.integration.proxy.harness import endpoint, route, table
 from tests.support.h2client import H2Client
+from tests.support.h2harness import H2Backend, running_h2_proxy, serve_h2_upstreams
+from tests.support.proxyharness import endpoint, route, table
 from waygate.proxy import h2upstream
 from waygate.proxy.http2 import H2Limits
 from waygate.resolver.model import HeaderModifier, RouteFilters
@@ -55,6 +55,35 @@ async def test_backend_goaway_resends_only_unprocessed_streams():
     assert backend.processed == [(1, "/first"), (2, "/second")]
     assert backend.received.count((1, "/second")) == 1
     assert server.metrics.redispatches == 1
+
+
+async def test_a_stream_whose_body_went_is_not_sent_again_after_goaway():
+    # Its DATA left with its HEADERS and is no longer held: a resend would reach
+    # the backend without the body, so the client gets a 502 that says why.
+    backend = await H2Backend(goaway_after=2).start()
+    routes, built = await proxied(backend)
+    async with running_h2_proxy(built) as (server, port):
+        serve_h2_upstreams(server, routes)
+        client = await H2Client.connect(port)
+        try:
+            first = client.start("POST", "/first", "h2.test")
+            await asyncio.sleep(0.05)
+            # HEADERS and the whole body in one write: they reach the backend
+            # before its GOAWAY comes back.
+            flush = client.flush
+            client.flush = lambda: None  # type: ignore[method-assign]
+            second = client.start("POST", "/second", "h2.test", end=False)
+            client.h2.send_data(second, b"payload", end_stream=True)
+            client.flush = flush  # type: ignore[method-assign]
+            client.flush()
+            a, b = await client.wait(first), await client.wait(second)
+        finally:
+            await client.close()
+    await backend.stop()
+    assert (a.status, b.status) == (200, 502)
+    assert b.header(b"x-waygate-error") == b"upstream went away before answering"
+    assert backend.received.count((2, "/second")) == 0
+    assert server.metrics.redispatches == 0
 
 
 async def test_stream_ids_exhausted_take_a_new_connection(monkeypatch):

@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from tests.integration.proxy.harness import endpoint, route, running_proxy
 from tests.integration.proxy.test_reencrypt import TlsBackend
 from tests.support.pki import LocalCA
+from tests.support.proxyharness import endpoint, route, running_proxy
 from waygate.proxy.passthrough import TLS_CONNECTIONS, TlsFront, passthrough_table
 from waygate.proxy.routing import Defaults
 from waygate.proxy.tls import DefaultCertificate, EdgeCertificates

@@ -14,7 +14,10 @@ from typing import Any
 
 import pytest
 
-from tests.integration.proxy.harness import (
+from tests.integration.proxy.test_tls_client_cert import client_ca_route
+from tests.integration.proxy.test_tls_edge import edge, https_proxy
+from tests.support.pki import LocalCA
+from tests.support.proxyharness import (
     RecordingUpstream,
     endpoint,
     read_response,
@@ -22,10 +25,7 @@ from tests.integration.proxy.harness import (
     running_proxy,
     table,
 )
-from tests.integration.proxy.test_tls_client_cert import client_ca_route
-from tests.integration.proxy.test_tls_edge import edge, https_proxy
-from tests.support.pki import LocalCA
-from waygate.proxy import exchange as proxy_exchange
+from waygate.proxy import records as proxy_records
 from waygate.proxy import tls as proxy_tls
 from waygate.proxy.tls import EdgeCertificates
 from waygate.resolver.model import HSTS
@@ -105,7 +105,7 @@ async def test_no_access_log_record_is_built_while_the_logger_is_off(
     upstream: RecordingUpstream, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     built: list[int] = []
-    monkeypatch.setattr(proxy_exchange, "_log_access", lambda *args: built.append(1))
+    monkeypatch.setattr(proxy_records, "_log", lambda *args: built.append(1))
     access = logging.getLogger("waygate.proxy.access")
     monkeypatch.setattr(access, "level", logging.WARNING)
     monkeypatch.setattr(access, "disabled", False)

@@ -10,9 +10,9 @@ import asyncio
 import socket
 import time
 
-from tests.integration.proxy.harness import running_proxy
+from tests.support.proxyharness import running_proxy
+from waygate.proxy.downstream_h1 import HIGH_WATER
 from waygate.proxy.http1 import HEALTHZ_RESPONSE
-from waygate.proxy.server import HIGH_WATER
 
 HEALTHZ = b"GET /_waygate/healthz HTTP/1.1\r\nHost: a\r\n\r\n"
 UNROUTED = b"GET / HTTP/1.1\r\nHost: nowhere.test\r\n\r\n"  # a 503 page each

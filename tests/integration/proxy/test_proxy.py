@@ -11,7 +11,8 @@ import os
 import pytest
 import websockets
 
-from tests.integration.proxy.harness import (
+from tests.support.poll import until
+from tests.support.proxyharness import (
     RecordingUpstream,
     body_json,
     closed_port,
@@ -23,7 +24,6 @@ from tests.integration.proxy.harness import (
     running_proxy,
     table,
 )
-from tests.support.poll import until
 from waygate.core.tracing import configure_tracing
 from waygate.proxy.routing import Defaults
 from waygate.resolver.model import ForwardedHeadersMode, RouteTimeouts, StickySessions
@@ -146,7 +146,7 @@ async def test_access_log_lines_are_rate_limited(upstream, caplog):
         lines = [r for r in caplog.records if r.name == "waygate.proxy.access"]
         assert len(lines) == 3
         assert lines[0].status == 200 and lines[0].route == "demo/r" and lines[0].path == "/x"
-        assert server.access_log_suppressed == 3
+        assert server.records.suppressed == 3
 
 
 # ---------------------------------------------------------------- routing

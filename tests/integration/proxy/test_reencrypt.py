@@ -20,10 +20,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from tests.integration.proxy.harness import endpoint, read_response, route, running_proxy, table
 from tests.support.pki import LocalCA
+from tests.support.proxyharness import endpoint, read_response, route, running_proxy, table
 from waygate.core.tls import server_context
-from waygate.proxy import exchange as proxy_exchange
+from waygate.proxy import records as proxy_records
 from waygate.proxy.upstream_tls import UPSTREAM_TLS_FAILURES, UpstreamTLS
 from waygate.resolver.model import InsecureEdgePolicy, RouteTLS, TLSTermination
 
@@ -100,7 +100,7 @@ def spans(monkeypatch: pytest.MonkeyPatch) -> InMemorySpanExporter:
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    monkeypatch.setattr(proxy_exchange, "tracer", lambda: provider.get_tracer("test"))
+    monkeypatch.setattr(proxy_records, "tracer", lambda: provider.get_tracer("test"))
     return exporter
 
 

@@ -10,9 +10,9 @@ import datetime as dt
 import ssl
 from collections.abc import AsyncIterator
 
-from tests.integration.proxy.harness import endpoint, route, running_proxy, table
 from tests.integration.proxy.test_reencrypt import TlsBackend, get, reencrypt
 from tests.support.pki import LocalCA
+from tests.support.proxyharness import endpoint, route, running_proxy, table
 from waygate.proxy.upstream_tls import UpstreamTLS
 from waygate.resolver.model import Route, RouteTLS
 

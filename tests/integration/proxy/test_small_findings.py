@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from tests.integration.proxy.harness import (
+from tests.support.proxyharness import (
     RecordingUpstream,
     endpoint,
     exchange,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.proxy.harness import (
+from tests.support.proxyharness import (
     RecordingUpstream,
     endpoint,
     exchange,

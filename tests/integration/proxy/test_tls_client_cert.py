@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.proxy.harness import RecordingUpstream, read_response, route
 from tests.integration.proxy.test_tls_edge import https_proxy
 from tests.support.pki import LocalCA
+from tests.support.proxyharness import RecordingUpstream, read_response, route
 from waygate.resolver.model import RouteTLS, TLSTermination
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
-from tests.integration.proxy.harness import (
+from tests.support.pki import LocalCA
+from tests.support.proxyharness import (
     RecordingUpstream,
     endpoint,
     read_response,
@@ -23,7 +24,6 @@ from tests.integration.proxy.harness import (
     running_proxy,
     table,
 )
-from tests.support.pki import LocalCA
 from waygate.proxy.passthrough import TlsFront
 from waygate.proxy.tls import ROUTE_CERT_REFUSED, DefaultCertificate, EdgeCertificates
 from waygate.resolver.model import HSTS, InsecureEdgePolicy, RouteTLS, TLSTermination

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.proxy.harness import RecordingUpstream
 from tests.integration.proxy.test_tls_client_cert import client_ca_route
 from tests.integration.proxy.test_tls_edge import https_proxy
 from tests.support.pki import LocalCA
+from tests.support.proxyharness import RecordingUpstream
 from waygate.proxy import tls as waygate_tls
 
 

@@ -9,14 +9,14 @@ import asyncio
 import pytest
 import websockets
 
-from tests.integration.proxy.harness import (
+from tests.support.poll import until
+from tests.support.proxyharness import (
     endpoint,
     route,
     running_proxy,
     scripted_upstream,
     table,
 )
-from tests.support.poll import until
 
 UPGRADE = b"GET /relay HTTP/1.1\r\nHost: up.test\r\nConnection: Upgrade\r\nUpgrade: raw\r\n\r\n"
 

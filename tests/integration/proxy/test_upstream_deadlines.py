@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.integration.proxy.harness import (
+from tests.support.proxyharness import (
     endpoint,
     read_response,
     route,

@@ -10,7 +10,7 @@ import contextlib
 
 import pytest
 
-from tests.integration.proxy.harness import endpoint, read_response, route, running_proxy, table
+from tests.support.proxyharness import endpoint, read_response, route, running_proxy, table
 
 H = b"Host: echo.test\r\n"
 STRAY = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nEVIL!"

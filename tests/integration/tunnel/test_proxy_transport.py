@@ -21,8 +21,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.proxy.h2harness import H2Backend, running_h2_proxy, serve_h2_upstreams
-from tests.integration.proxy.harness import (
+from tests.integration.proxy.test_passthrough import front_to, tls_get
+from tests.integration.proxy.test_reencrypt import TlsBackend, reencrypt
+from tests.integration.tunnel.harness import NODE, Tunnel, echo_server
+from tests.support.h2client import H2Client
+from tests.support.h2harness import H2Backend, running_h2_proxy, serve_h2_upstreams
+from tests.support.pki import LocalCA
+from tests.support.poll import until
+from tests.support.proxyharness import (
     RecordingUpstream,
     endpoint,
     read_response,
@@ -30,12 +36,6 @@ from tests.integration.proxy.harness import (
     running_proxy,
     table,
 )
-from tests.integration.proxy.test_passthrough import front_to, tls_get
-from tests.integration.proxy.test_reencrypt import TlsBackend, reencrypt
-from tests.integration.tunnel.harness import NODE, Tunnel, echo_server
-from tests.support.h2client import H2Client
-from tests.support.pki import LocalCA
-from tests.support.poll import until
 from waygate.core.flow import HIGH_WATER
 from waygate.core.tls import server_context
 from waygate.proxy.upstream import ConnectError, Dialer

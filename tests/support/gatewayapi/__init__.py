@@ -27,10 +27,10 @@ from typing import Any
 
 import yaml
 
-from tests.integration.proxy.harness import RecordingUpstream, read_response
 from tests.support.pki import self_signed
 from tests.support.poll import until
 from tests.support.processes import RunningService, start_service
+from tests.support.proxyharness import RecordingUpstream, read_response
 
 CONFORMANCE = Path(__file__).parent / "conformance"
 CLASS_NAME = "waygate"

@@ -12,7 +12,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tests.integration.proxy.harness import running_proxy
+from tests.support.proxyharness import running_proxy
 from waygate.proxy.http2 import GracefulStateMachine, H2Limits
 from waygate.proxy.server import ProxyServer
 
@@ -21,21 +21,21 @@ from waygate.proxy.server import ProxyServer
 async def running_h2_proxy(
     routes_table: Any = None, *, limits: H2Limits | None = None, **kw: Any
 ) -> AsyncIterator[tuple[ProxyServer, int]]:
-    async with running_proxy(routes_table, **kw) as (server, port):
-        server.h2_limits = limits or H2Limits()  # type: ignore[attr-defined]
+    async with running_proxy(routes_table, h2_limits=limits or H2Limits(), **kw) as (
+        server,
+        port,
+    ):
         yield server, port
 
 
 def serve_h2_upstreams(
     server: ProxyServer, routes: list[Any], limits: H2Limits | None = None
 ) -> None:
-    """Let the proxy speak HTTP/2 to the backends of `routes` whose
-    upstreamProtocol asks for it (no services: the route field decides)."""
-    from waygate.proxy.h2upstream import H2Upstreams
-
-    upstreams = H2Upstreams(server, limits or H2Limits())
-    upstreams.update({r.key: r for r in routes}, {})
-    server.h2_upstreams = upstreams  # type: ignore[attr-defined]
+    """The limits of the proxy's HTTP/2 connections to backends. Which backends speak
+    HTTP/2 is the routing table's (`routing.Backend.http2`: the route's
+    upstreamProtocol, or the service port's appProtocol); `routes` is unused."""
+    if limits is not None:
+        server.h2_upstreams.limits = limits
 
 
 class GrpcBackend:
@@ -109,7 +109,11 @@ class H2Backend:
     with the path as body and an `x-backend: h2` header. `goaway_after`: on its first connection,
     once that many streams have arrived, it sends GOAWAY naming the first
     stream as the last it will process, answers that one, and never the rest.
-    `tls`: a server context (with ALPN h2) makes it an h2-over-TLS backend."""
+    `tls`: a server context (with ALPN h2) makes it an h2-over-TLS backend.
+    A path starting with /upload is answered at the request's end, with the
+    length and SHA-256 of the request body it received (`_digest`) as its body;
+    one starting with /nolength without content-length, in two DATA frames and
+    trailers."""
 
     def __init__(self, goaway_after: int = 0, *, tls: Any = None) -> None:
         self.goaway_after = goaway_after
@@ -138,33 +142,60 @@ class H2Backend:
                 self.h2.state_machine = GracefulStateMachine()
                 self.h2.initiate_connection()
                 self.pending: list[tuple[int, str]] = []
+                self.uploads: dict[int, bytes] = {}
                 transport.write(self.h2.data_to_send())
 
             def data_received(self, data: bytes) -> None:
                 for event in self.h2.receive_data(data):
-                    if isinstance(event, h2.events.RequestReceived):
-                        path = dict(event.headers)[b":path"].decode()
-                        backend.received.append((self.number, path))
-                        backend.headers.append(list(event.headers))
-                        self.pending.append((event.stream_id, path))
-                        if (
-                            backend.goaway_after
-                            and self.number == 1
-                            and len(self.pending) == backend.goaway_after
-                        ):
-                            first_id, first_path = self.pending[0]
-                            self.h2.close_connection(last_stream_id=first_id)
-                            self.answer(first_id, first_path)
-                            self.pending = []
-                        elif not backend.goaway_after or self.number > 1:
-                            for stream_id, waiting in self.pending:
-                                self.answer(stream_id, waiting)
-                            self.pending = []
+                    if isinstance(event, h2.events.DataReceived):
+                        if event.stream_id in self.uploads:
+                            self.uploads[event.stream_id] += event.data
+                            self.h2.acknowledge_received_data(
+                                event.flow_controlled_length, event.stream_id
+                            )
+                    elif (
+                        isinstance(event, h2.events.StreamEnded) and event.stream_id in self.uploads
+                    ):
+                        self.reply(event.stream_id, _digest(self.uploads.pop(event.stream_id)))
+                    if not isinstance(event, h2.events.RequestReceived):
+                        continue
+                    path = dict(event.headers)[b":path"].decode()
+                    backend.received.append((self.number, path))
+                    backend.headers.append(list(event.headers))
+                    if path.startswith("/upload"):
+                        if event.stream_ended is not None:
+                            self.reply(event.stream_id, _digest(b""))
+                        else:
+                            self.uploads[event.stream_id] = b""
+                        continue
+                    self.pending.append((event.stream_id, path))
+                    if (
+                        backend.goaway_after
+                        and self.number == 1
+                        and len(self.pending) == backend.goaway_after
+                    ):
+                        first_id, first_path = self.pending[0]
+                        self.h2.close_connection(last_stream_id=first_id)
+                        self.answer(first_id, first_path)
+                        self.pending = []
+                    elif not backend.goaway_after or self.number > 1:
+                        for stream_id, waiting in self.pending:
+                            self.answer(stream_id, waiting)
+                        self.pending = []
                 self.transport.write(self.h2.data_to_send())
 
             def answer(self, stream_id: int, path: str) -> None:
                 backend.processed.append((self.number, path))
-                body = path.encode()
+                if path.startswith("/nolength"):
+                    # No content-length: the body in two DATA frames, then trailers.
+                    self.h2.send_headers(stream_id, [(b":status", b"200")])
+                    self.h2.send_data(stream_id, b"first,")
+                    self.h2.send_data(stream_id, path.encode())
+                    self.h2.send_headers(stream_id, [(b"x-trailer", b"t")], end_stream=True)
+                    return
+                self.reply(stream_id, path.encode())
+
+            def reply(self, stream_id: int, body: bytes) -> None:
                 self.h2.send_headers(
                     stream_id,
                     [
@@ -183,3 +214,10 @@ class H2Backend:
 
     async def stop(self) -> None:
         self._server.close()
+
+
+def _digest(body: bytes) -> bytes:
+    """What H2Backend answers an /upload with: the body's length and SHA-256."""
+    import hashlib
+
+    return b"%d %s" % (len(body), hashlib.sha256(body).hexdigest().encode())

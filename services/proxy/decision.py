@@ -1,0 +1,403 @@
+"""Every per-request rule of the proxy, decided once for HTTP/1.1 and HTTP/2 alike (sans-IO).
+
+`decide(view, req, facts, now)` takes a request head (an HTTP/1.1 one, or the
+one an HTTP/2 stream means: `http2.request_head`), the facts of the client's
+connection (`ConnectionFacts`: the HTTP/1.1 connection or the HTTP/2
+connection carrying the stream) and the clock, and returns one of:
+
+- `Answer`: the proxy answers itself: health, `OPTIONS *`, the edge's redirect
+  to HTTPS (302) or refusal (503), an HTTPRoute RequestRedirect, a missing
+  or refused client certificate (401/403), no route (404 on a Gateway
+  listener's side, else 503), an invalid backendRef (500), no endpoint
+  ready (503). It carries the status, the reason (the error page's and
+  X-Waygate-Error's), the kind (the refusal's metric label, or one of the
+  ANSWER_* renderings) and the route's name ("" when no route matched);
+- `Forward`: the request goes to a backend: the route entry, the chosen
+  backend and endpoint (its in-flight count taken when `counted`: the
+  driver releases it with `release_pick`), whether the backend speaks HTTP/2
+  (the backend decides the upstream protocol, never the client), the
+  upstream head (HTTP/1.1 bytes; the HTTP/2 upstream turns them into fields),
+  the response's extras (HSTS, the sticky cookie, a ResponseHeaderModifier),
+  the deadline (the route's server timeout, or a shorter `grpc-timeout`), the
+  trace decision (the span, and the traceparent the backend and the tunnel's
+  dial get) and the RequestMirror copies to send.
+
+Both client protocols and both upstream protocols call it; the drivers
+(`exchange`, `h2exchange`, `h2upstream`) only move bytes, timers and
+connections. It makes no syscalls, creates no tasks and imports no asyncio.
+
+Adding a rule: a route-level rule is a `Rule` in `GATES` (before the endpoint
+is picked: it may answer) or `SHAPERS` (after: it shapes the forwarded
+request or its answer), with `applies(route_entry)` deciding once per
+routing table whether the route needs it at all (`rules_of`), so a route
+without the feature pays nothing per request. Each rule is tested once for
+every pair of client and upstream protocol (tests/unit/proxy/test_decision.py,
+tests/integration/proxy/test_request_core.py).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
+
+from waygate.proxy import filters, http1, records, tls
+from waygate.proxy.http1 import ForwardedContext, RequestHead
+from waygate.proxy.routing import (
+    Backend,
+    PassiveHealth,
+    RouteEntry,
+    RouteTable,
+    Side,
+    Target,
+    unavailable_reason,
+)
+from waygate.resolver.client import HeaderModifier
+
+_new = object.__new__
+_TRACEPARENT = re.compile(rb"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+
+# How an Answer is rendered (Answer.kind); any other kind is a refusal's
+# metric label, rendered as the error page (or a gRPC status) with its reason.
+ANSWER_HEALTHZ = "healthz"
+ANSWER_OPTIONS = "options"  # OPTIONS *: the proxy answers for itself
+ANSWER_REDIRECT = "redirect"  # the edge's redirect to HTTPS (TLS insecureEdgePolicy)
+ANSWER_ROUTE_REDIRECT = "route_redirect"  # an HTTPRoute RequestRedirect: reason = Location
+
+
+class View(Protocol):
+    """What `decide` reads of the proxy's view (`waygate.proxy.view.ProxyView`)."""
+
+    table: RouteTable
+    health: PassiveHealth
+    trace_ratio: float
+
+
+class ConnectionFacts(Protocol):
+    """What `decide` knows of the client's connection (an HTTP/1.1 connection, or the
+    HTTP/2 connection a stream is on)."""
+
+    client_key: bytes
+    secure: Side
+
+    @property
+    def context(self) -> ForwardedContext | None:
+        """Where the client came in (None only before the connection is made)."""
+
+    def client_identity(self, route: Any) -> tuple[int, str] | bytes:
+        """An auth-proxy route's identity header lines for the client certificate,
+        or (status, reason) when it is missing or refused."""
+
+
+class Answer(NamedTuple):
+    """The proxy answers the request itself."""
+
+    status: int
+    reason: str
+    kind: str
+    # The matched route's "namespace/name" ("" when none matched: unrouted).
+    route: str = ""
+    # Whether it counts among the proxy's refusals (waygate_proxy_refused_total).
+    refused: bool = True
+
+
+HEALTHZ = Answer(200, "ok", ANSWER_HEALTHZ, refused=False)
+OPTIONS_ANY = Answer(200, "", ANSWER_OPTIONS, refused=False)
+
+
+class Forward:
+    """The request goes upstream: everything the drivers need, decided once.
+
+    No __slots__: the defaults are class attributes, so a request sets only
+    what it has (the per-request path assigns a handful of fields)."""
+
+    # Whether the endpoint's in-flight count was taken (release_pick gives it back).
+    counted = False
+    http2 = False  # the backend speaks HTTP/2
+    cookie: bytes | None = None  # the client's sticky cookie
+    hsts = b""  # the Strict-Transport-Security line (HTTPS only)
+    identity = b""  # auth-proxy identity lines from the client certificate
+    response_modifier: HeaderModifier | None = None
+    authority: bytes | None = None  # a rewritten host (None: the request's)
+    upstream_head = b""
+    span: Any = None
+    # The traceparent the tunnel's dial continues (None: not sampled here).
+    traceparent: str | None = None
+    # When a grpc-timeout shorter than the route's server timeout ends the wait for
+    # the answer (0.0: no such deadline; the server timeout applies).
+    deadline = 0.0
+    mirrors: list[tuple[Target, bytes]] | None = None
+    target: Target
+    backend: Backend
+
+    # Set by `decide` (made without an __init__ call: a Python frame less per request).
+    entry: RouteEntry
+    req: RequestHead  # the request as the backend gets it (after a route's rewrite)
+    path: bytes  # the request's path (routing's; no query)
+
+    def set_cookie_line(self, target: Target) -> bytes:
+        """The sticky cookie's Set-Cookie line for `target` when the client does not
+        hold it yet (b"": none)."""
+        backend = self.backend
+        if backend.set_cookie and self.cookie != backend.by_target.get(target):
+            return backend.set_cookie.get(target, b"")
+        return b""
+
+    def response_extra(self, target: Target) -> bytes:
+        """Header lines the proxy adds to the response: Set-Cookie, HSTS."""
+        backend = self.backend
+        if backend.set_cookie and self.cookie != backend.by_target.get(target):
+            return backend.set_cookie.get(target, b"") + self.hsts
+        return self.hsts
+
+
+def release_pick(forward: Forward) -> None:
+    """Give back the in-flight count `decide` (or `repick`) took on the endpoint."""
+    if forward.counted:
+        forward.counted = False
+        forward.backend.picker.release(forward.target)
+
+
+# Connects tried per request: the first and two redispatches.
+MAX_CONNECT_ATTEMPTS = 3
+
+
+def may_redispatch(retryable: bool, kind: str, attempts: int) -> bool:
+    """Whether a failed connect (`upstream.ConnectError`'s retryable and kind) after
+    `attempts` connects may go to another endpoint: nothing was sent; a refused or
+    unreachable endpoint, or one whose certificate failed verification (another
+    endpoint may hold a good one), while attempts are left."""
+    return (retryable or kind[:4] == "tls_") and attempts < MAX_CONNECT_ATTEMPTS
+
+
+def repick(view: View, forward: Forward, facts: ConnectionFacts, failed: Target) -> bool:
+    """Another endpoint after a connect to `failed` failed (redispatch): from the
+    current table's entry (an endpoint removed meanwhile is not picked). True when
+    one was taken (the old count given back, the new one taken)."""
+    req = forward.req
+    current = view.table.lookup(req.host, forward.path, req, facts.secure)
+    entry = current if current is not None else forward.entry
+    target, backend = entry.pick(facts.client_key, None, view.health, failed)
+    if target is None or backend is None or backend.invalid or backend.http2 != forward.http2:
+        return False
+    release_pick(forward)
+    forward.target = target
+    forward.backend = backend
+    backend.picker.acquire(target)
+    forward.counted = True
+    return True
+
+
+# ---------------------------------------------------------------- rules
+
+
+class Rule(NamedTuple):
+    """One route-level rule: `applies` is asked once per routing table and route."""
+
+    name: str
+    applies: Callable[[RouteEntry], bool]
+    # (forward, req, facts) -> an Answer, or None to go on. Gates run before the
+    # endpoint pick, shapers after it (forward.target is set).
+    run: Callable[[Forward, RequestHead, ConnectionFacts], Answer | None]
+
+
+def _edge_tls(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
+    """A TLS route: HSTS and the client certificate on HTTPS; on plain HTTP its
+    insecureEdgePolicy (Allow, Redirect: 302 to HTTPS, else refused)."""
+    entry = forward.entry
+    route = entry.route
+    if facts.secure:
+        forward.hsts = entry.hsts
+        assert route.tls is not None  # (the rule applies to TLS routes only)
+        if route.tls.client_ca_certificate:
+            checked = facts.client_identity(route)
+            if isinstance(checked, tuple):
+                return Answer(checked[0], checked[1], "client_certificate", entry.options.name)
+            forward.identity = checked
+        return None
+    rule = tls.edge_rule(route)
+    if rule == tls.EDGE_ALLOW:
+        return None
+    if rule == tls.EDGE_REDIRECT:
+        return Answer(302, "", ANSWER_REDIRECT, entry.options.name, refused=False)
+    name = entry.options.name
+    return Answer(503, "route " + name + " is served on HTTPS only", "https_only", name)
+
+
+def _route_redirect(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
+    """An HTTPRoute RequestRedirect: answered here, the backend never asked."""
+    entry = forward.entry
+    assert entry.route.filters is not None and entry.route.filters.redirect is not None
+    redirect = entry.route.filters.redirect
+    location = filters.redirect_location(
+        req, redirect, entry.path, secure=facts.secure, listener_port=entry.route.listener_port
+    )
+    return Answer(
+        redirect.status,
+        location.decode("latin-1"),
+        ANSWER_ROUTE_REDIRECT,
+        entry.options.name,
+        refused=False,
+    )
+
+
+def _request_filters(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
+    """HTTPRoute URLRewrite and RequestHeaderModifier: the request as the backend
+    gets it; the ResponseHeaderModifier is kept for its answer."""
+    route_filters = forward.entry.route.filters
+    assert route_filters is not None
+    rewrite = route_filters.rewrite
+    if rewrite is not None or route_filters.request_headers is not None:
+        forward.req = filters.rewritten_request(
+            req, rewrite, route_filters.request_headers, forward.entry.path
+        )
+        if rewrite is not None and rewrite.hostname:
+            forward.authority = rewrite.hostname.encode()
+    forward.response_modifier = route_filters.response_headers
+    return None
+
+
+def _has_filters(entry: RouteEntry) -> bool:
+    return entry.route.filters is not None
+
+
+GATES: tuple[Rule, ...] = (
+    Rule("edge_tls", lambda entry: entry.route.tls is not None, _edge_tls),
+    Rule(
+        "route_redirect",
+        lambda entry: entry.route.filters is not None and entry.route.filters.redirect is not None,
+        _route_redirect,
+    ),
+)
+SHAPERS: tuple[Rule, ...] = (Rule("request_filters", _has_filters, _request_filters),)
+
+
+def rules_of(entry: RouteEntry) -> tuple[tuple[Rule, ...], tuple[Rule, ...]] | bool:
+    """The gates and shapers that apply to a route entry, chosen once per table and
+    kept on the entry: False when none applies (the common route: no loop runs)."""
+    rules = entry.rules
+    if rules is None:
+        gates = tuple(rule for rule in GATES if rule.applies(entry))
+        shapers = tuple(rule for rule in SHAPERS if rule.applies(entry))
+        rules = entry.rules = (gates, shapers) if gates or shapers else False
+    return rules  # type: ignore[no-any-return]
+
+
+def _sticky_cookie(req: RequestHead, entry: RouteEntry) -> bytes | None:
+    name = entry.options.cookie_name
+    if not name:
+        return None
+    prefix = name + b"="
+    for value in req.cookie:
+        for part in value.split(b";"):
+            part = part.strip()
+            if part.startswith(prefix):
+                return part[len(prefix) :]
+    return None
+
+
+# ---------------------------------------------------------------- decide
+
+
+def decide(
+    view: View,
+    req: RequestHead,
+    facts: ConnectionFacts,
+    now: float,
+    grpc_timeout: float = 0.0,
+    http_version: str = "1.1",
+) -> Answer | Forward:
+    """Every per-request rule, in order: the proxy's own answers, routing, the route's
+    gates, the endpoint pick, the trace decision, the route's shapers, the upstream
+    head. `grpc_timeout`: the request's grpc-timeout in seconds (0: none)."""
+    target = req.target
+    if target == http1.HEALTHZ_PATH:
+        return HEALTHZ
+    if target == b"*":  # OPTIONS * (the only request with this target): about us
+        return OPTIONS_ANY
+    query = target.find(b"?")
+    path = target if query < 0 else target[:query]
+    table = view.table
+    secure = facts.secure
+    entry = table.lookup(req.host, path, req, secure)
+    if entry is None:
+        # A Gateway listener answers what no route takes with 404 (the spec).
+        return Answer(
+            404 if table.serves_listeners(secure) else 503,
+            "no route for host " + req.host.decode("ascii", "replace"),
+            "no_route",
+        )
+    forward = _new(Forward)
+    forward.entry = entry
+    forward.req = req
+    forward.path = path
+    rules = entry.rules
+    if rules is None:
+        rules = rules_of(entry)
+    if rules:
+        for rule in rules[0]:  # type: ignore[index]
+            answer = rule.run(forward, req, facts)
+            if answer is not None:
+                return answer
+    # The endpoint: one backend with one endpoint and no cookie takes it without a call.
+    cookie = None
+    if req.cookie:
+        cookie = forward.cookie = _sticky_cookie(req, entry)
+    single = entry.single
+    if single is not None and cookie is None:
+        forward.target, backend = single
+    else:
+        picked, chosen = entry.pick(facts.client_key, cookie, view.health, None)
+        if chosen is not None and chosen.invalid:
+            # A Gateway API backendRef that cannot be used: 500, as the spec says.
+            return Answer(500, chosen.invalid, "invalid_backend", entry.options.name)
+        if picked is None or chosen is None:
+            return Answer(503, unavailable_reason(entry), "no_endpoint", entry.options.name)
+        forward.target = picked
+        backend = chosen
+        backend.picker.acquire(picked)
+        forward.counted = True
+    forward.backend = backend
+    if backend.http2:
+        forward.http2 = True
+    if grpc_timeout:
+        # The answer's deadline: grpc-timeout when shorter than the route's server
+        # timeout (0.0, the default: the server timeout from now).
+        allowed = entry.options.server_timeout
+        if grpc_timeout < allowed:
+            forward.deadline = now + grpc_timeout
+    # Tracing: parent-based when the client sent a trace context; otherwise this
+    # proxy starts a trace for its configured share of requests.
+    traceparent = req.traceparent
+    if traceparent:
+        if traceparent[-3:] == b"-01" and _TRACEPARENT.fullmatch(traceparent):
+            forward.span, traceparent = records.start_span(req, entry.options.name, http_version)
+            forward.traceparent = traceparent.decode("ascii")
+    elif view.trace_ratio and random.random() < view.trace_ratio:
+        forward.span, traceparent = records.start_span(req, entry.options.name, http_version)
+        forward.traceparent = traceparent.decode("ascii")
+    if rules:
+        for rule in rules[1]:  # type: ignore[index]
+            rule.run(forward, req, facts)
+    upstream_req = forward.req
+    context = facts.context
+    assert context is not None
+    head = http1.build_upstream_head(
+        upstream_req, context, entry.options.forwarded_mode, traceparent
+    )
+    if entry.mirrors and not upstream_req.has_body:
+        # RequestMirror copies (never waited for): the head the backend gets.
+        mirrors = []
+        for picker, percent in entry.mirrors:
+            if percent < 100 and random.randrange(100) >= percent:
+                continue
+            mirror = picker.pick(None)
+            if mirror is not None:
+                mirrors.append((mirror, head))
+        forward.mirrors = mirrors
+    if rules and forward.identity:
+        # Set from the verified certificate; the client's own copies were stripped.
+        head = head[:-2] + forward.identity + b"\r\n"
+    forward.upstream_head = head
+    return forward
