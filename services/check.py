@@ -59,6 +59,7 @@ from waygate.core.clientcli import (
     UpRecord,
     fail,
     http_status,
+    printable,
     run_client,
 )
 from waygate.core.errors import FailedPrecondition
@@ -136,9 +137,9 @@ def run_check(args: argparse.Namespace) -> int:
             print(json.dumps([dataclasses.asdict(r) for r in results], indent=2))
         else:
             for result in results:
-                print(f"{result.mark} {result.title}")
+                print(f"{result.mark} {printable(result.title)}")
                 if result.hint and result.mark != OK:
-                    print(f"    hint: {result.hint}")
+                    print(f"    hint: {printable(result.hint)}")
             failed = sum(r.failed for r in results)
             print(
                 f"\nStatus check results are {FAILED} ({failed} failed)"

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
@@ -49,6 +48,7 @@ from urllib.parse import parse_qsl
 
 from waygate.core.balancing import Picker, RoundRobinPicker, new_picker
 from waygate.core.paths import normalize_request_path
+from waygate.core.regex import LinearPattern, compile_linear
 from waygate.proxy.tls import hsts_line
 from waygate.resolver.client import (
     Endpoint,
@@ -232,7 +232,7 @@ _PATH_KINDS = {
 # Precedence of path kinds (lower first): Exact, RegularExpression, PathPrefix.
 _PATH_RANK = {_PATH_EXACT: 0, _PATH_REGEX: 1, _PATH_PREFIX: 2}
 
-ValueCheck = tuple[str, str, "re.Pattern[str] | None"]
+ValueCheck = tuple[str, str, "LinearPattern | None"]
 
 
 def _value_checks(items: tuple[Any, ...], *, lower: bool) -> tuple[ValueCheck, ...]:
@@ -240,7 +240,7 @@ def _value_checks(items: tuple[Any, ...], *, lower: bool) -> tuple[ValueCheck, .
         (
             item.name.lower() if lower else item.name,
             item.value,
-            re.compile(item.value) if item.type is ValueMatchType.REGEX else None,
+            compile_linear(item.value) if item.type is ValueMatchType.REGEX else None,
         )
         for item in items
     )
@@ -341,7 +341,7 @@ class RouteEntry:
                 self.single = (only[0], self.backends[0])
         # The match (routes-file routes: a path prefix and nothing else).
         self.kind = _PATH_PREFIX
-        self.regex: re.Pattern[str] | None = None
+        self.regex: LinearPattern | None = None
         self.method = b""
         self.headers: tuple[ValueCheck, ...] = ()
         self.query: tuple[ValueCheck, ...] = ()
@@ -381,7 +381,7 @@ class RouteEntry:
             # The spec: a trailing slash is ignored ("/foo/" matches "/foo").
             path = path.rstrip("/") or "/"
         entry.path = path.encode()
-        entry.regex = re.compile(path) if entry.kind == _PATH_REGEX else None
+        entry.regex = compile_linear(path) if entry.kind == _PATH_REGEX else None
         entry.method = match.method.encode()
         entry.headers = _value_checks(match.headers, lower=True)
         entry.query = _value_checks(match.query, lower=False)
