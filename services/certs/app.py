@@ -45,15 +45,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from waygate.certs.auth import Authenticator, Caller, StaticTokenAuthenticator, TokensFileError
-from waygate.certs.authority import (
-    ISSUED_RECORDS,
-    ISSUED_RECORDS_BYTES,
-    KEY_ALGORITHMS,
-    MAX_SANS,
-    Authority,
-    AuthorityConfig,
-    TrustBundleView,
-)
+from waygate.certs.authority import Authority, AuthorityConfig
+from waygate.certs.bundle import TrustBundleView
+from waygate.certs.castate import KEY_ALGORITHMS
+from waygate.certs.csr import MAX_SANS
+from waygate.certs.issuing import ISSUED_RECORDS, ISSUED_RECORDS_BYTES
 from waygate.certs.policy import Policy, check_pattern
 from waygate.certs.selftls import serving_certificate
 from waygate.certs.server import registration

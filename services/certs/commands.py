@@ -31,7 +31,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import dsa, ec, ed448, ed25519, rsa
 from google.protobuf import duration_pb2, json_format
 
-from waygate.certs.authority import KEY_ALGORITHMS, generate_key
+from waygate.certs.castate import KEY_ALGORITHMS, generate_key
 from waygate.certs.v1 import certs_pb2, certs_pb2_grpc
 from waygate.components import by_command
 from waygate.core.clientcli import (

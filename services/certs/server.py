@@ -19,7 +19,9 @@ import grpc
 from cryptography.hazmat.primitives import serialization
 from google.protobuf import timestamp_pb2
 
-from waygate.certs.authority import CAView, IssuedRecord, TrustBundleView
+from waygate.certs.bundle import TrustBundleView
+from waygate.certs.castate import CAView
+from waygate.certs.issuing import IssuedRecord
 from waygate.certs.service import CertsService
 from waygate.certs.v1 import certs_pb2, certs_pb2_grpc
 from waygate.core.errors import InvalidArgument

@@ -59,19 +59,17 @@ from cryptography import x509
 from prometheus_client import Counter, Gauge
 
 from waygate.certs.auth import MAX_TOKEN_LENGTH, Authenticator, Caller
-from waygate.certs.authority import (
-    Authority,
+from waygate.certs.authority import Authority, Rotation
+from waygate.certs.bundle import TrustBundleView
+from waygate.certs.csr import (
     CertificatePublicKey,
-    Issued,
-    IssuedRecord,
-    Rotation,
-    TrustBundleView,
     csr_public_key,
     load_csr,
     quick_to_verify,
     requested_usages,
     verify_csr,
 )
+from waygate.certs.issuing import Issued, IssuedRecord
 from waygate.certs.policy import Policy
 from waygate.core.errors import (
     FailedPrecondition,
