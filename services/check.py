@@ -372,6 +372,7 @@ class Checker:
             return
         served = {_fingerprint(a.certificate) for a in bundle.authorities}
         self.add(OK, f"trust bundle version {bundle.version}: {len(served)} CA(s)")
+        await self.check_trust_consumers(certs)
         if ca_file is None:
             return
         try:
@@ -389,6 +390,30 @@ class Checker:
             else f"{ca_file} differs from the bundle certs serves",
             f"`waygate cert bundle --out {ca_file}` writes the current one",
         )
+
+    async def check_trust_consumers(self, certs: Target) -> None:
+        """Who holds which trust bundle, and whether a CA rotation waits for someone
+        (an admin call: with the state directory's user token, else skipped)."""
+        from waygate.certs.commands import fetch_rotation_status, rotation_findings
+        from waygate.certs.v1 import certs_pb2_grpc
+
+        token_file = None if self.state_dir is None else self.state_dir / "tokens" / "user.token"
+        if token_file is None or not token_file.is_file():
+            return
+        try:
+            async with open_channel(certs.address, tls=self.settings.tls(), retry=False) as ch:
+                status = await fetch_rotation_status(
+                    certs_pb2_grpc.CertsStub(ch),
+                    self.settings.timeout,
+                    token_file.read_text().strip(),
+                )
+        except (grpc.aio.AioRpcError, OSError) as exc:
+            detail = f"{exc.code().name}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            self.add(WARN, f"trust consumers: not readable ({detail})")
+            return
+        marks = {"ok": OK, "warn": WARN, "failed": FAILED}
+        for level, title, hint in rotation_findings(status, datetime.now(UTC)):
+            self.add(marks[level], title, hint)
 
     async def check_routes(self, resolver: Target) -> None:
         from waygate.resolver.commands import list_routes, route_problem

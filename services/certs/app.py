@@ -34,6 +34,7 @@ CSR controller's decisions — and those duties run only while it leads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -53,7 +54,13 @@ from waygate.certs.issuing import ISSUED_RECORDS, ISSUED_RECORDS_BYTES
 from waygate.certs.policy import Policy, check_pattern
 from waygate.certs.selftls import serving_certificate
 from waygate.certs.server import registration
-from waygate.certs.service import SIGNING_QUEUE, SIGNING_WORKERS, CertsService, SigningExecutor
+from waygate.certs.service import (
+    SIGNING_QUEUE,
+    SIGNING_WORKERS,
+    CertsService,
+    SigningExecutor,
+    publish_rotation,
+)
 from waygate.certs.store import CAStore, DirectoryCAStore
 from waygate.components import by_command
 from waygate.core.errors import FailedPrecondition, WaygateError
@@ -79,6 +86,10 @@ CERTS = by_command(("certs", "serve"))
 TRUST_DOMAIN = "waygate.local"
 #: Longest sleep of the CA-rotation timer; transitions are also applied on every call.
 MAX_TIMER_SLEEP = 60.0
+#: How often a follower's rotation timer looks whether it leads now.
+FOLLOWER_TICK = 1.0
+#: After a consumer's report wakes the timer: how long to gather the burst first.
+REPORT_BATCH = 0.5
 
 
 def _non_negative(value: float) -> str | None:
@@ -153,7 +164,21 @@ class Settings(GrpcServerSettings):
     )
     propagation_delay: float = setting(
         3600.0,
-        help="RotateCA's default wait between publishing a new CA and signing with it",
+        help="least wait between publishing a new CA and signing with it (signing also "
+        "waits for every live trust consumer to report the new CA)",
+        parse=parse_duration,
+        check=_non_negative,
+    )
+    consumer_ttl: float = setting(
+        86400.0,
+        help="a trust consumer silent this long no longer holds a CA rotation step",
+        parse=parse_duration,
+        check=positive,
+    )
+    consumer_settle: float = setting(
+        90.0,
+        help="a rotation resumed at start or by a new leader waits this long for the "
+        "trust consumers to report before judging their acknowledgements",
         parse=parse_duration,
         check=_non_negative,
     )
@@ -329,6 +354,8 @@ class Settings(GrpcServerSettings):
             max_lifetime=timedelta(seconds=self.max_leaf_lifetime),
             backdate=timedelta(seconds=self.clock_skew),
             propagation_delay=timedelta(seconds=self.propagation_delay),
+            consumer_ttl=timedelta(seconds=self.consumer_ttl),
+            consumer_settle=timedelta(seconds=self.consumer_settle),
             max_sans=self.max_sans_per_csr,
             issued_records=self.issued_records,
             issued_records_bytes=self.issued_records_bytes,
@@ -462,20 +489,42 @@ def write_bundle_file(path: Path, bundle: TrustBundleView) -> None:
     write_file_atomically(path, bundle.pem.encode(), 0o644)
 
 
-async def run_transitions(authority: Authority, elector: Any = None) -> None:
-    """Apply CA-rotation transitions when due, so watchers hear of them without a call,
+async def run_transitions(
+    authority: Authority, elector: Any = None, wake: asyncio.Event | None = None
+) -> None:
+    """Take CA-rotation steps when due, so watchers hear of them without a call,
     and (the leader, or the only replica) rotate the CA by itself before it nears
-    expiry. In a worker thread: a step may write the store."""
+    expiry. In a worker thread: a step may write the store. `wake`: set by a
+    consumer's report that may open a step waiting for consumers."""
+    leading = False
     while True:
+        if elector is not None and not elector.is_leader():
+            # A follower takes no step (it adopts the leader's), and its timer has no
+            # due moment: it looks again soon, to start the moment it leads.
+            leading = False
+            authority.stop_judging()
+            await asyncio.sleep(FOLLOWER_TICK)
+            continue
         due = authority.next_transition()
         now = datetime.now(UTC)
         wait = MAX_TIMER_SLEEP if due is None else (due - now).total_seconds()
-        await asyncio.sleep(min(max(wait, 0.2), MAX_TIMER_SLEEP))
+        timeout = min(max(wait, 0.2), MAX_TIMER_SLEEP)
+        if not leading:
+            # Just started, or just took the lead: what was published as due was a
+            # follower's (nothing); look now, which publishes this leader's schedule.
+            leading = True
+        elif wake is None:
+            await asyncio.sleep(timeout)
+        else:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), timeout)
+            if wake.is_set():
+                # Reports come in bursts after a bundle change: one step check per burst.
+                await asyncio.sleep(REPORT_BATCH)
+                wake.clear()
         try:
-            if elector is None or elector.is_leader():
-                await asyncio.to_thread(authority.rotate_if_expiring)
-            else:
-                await asyncio.to_thread(authority.advance)
+            await asyncio.to_thread(authority.rotate_if_expiring)
+            publish_rotation(await asyncio.to_thread(authority.rotation_status))
         except WaygateError as exc:
             # The store refused the new state (e.g. the API is down); the authority
             # kept the old one, so the next tick tries the transition again.
@@ -498,6 +547,9 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         store = VersionedStore(store)
     authority = await open_authority(settings, store, elector)
     authority.deliver_changes_on(asyncio.get_running_loop())
+    if elector is not None:
+        # Only the leader takes rotation steps: it hears the consumers' reports.
+        authority.steps_allowed = elector.is_leader
     # One bounded pool for every signature: Certify's and the CSR controller's.
     signing = SigningExecutor(settings.signing_workers, settings.signing_queue)
     # What only the writer of CA state does: the leader, or the only replica.
@@ -535,12 +587,12 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         bundle_file = settings.bundle_file
         write_bundle_file(bundle_file, authority.trust_bundle())
         authority.add_listener(lambda bundle: write_bundle_file(bundle_file, bundle))
-    process.spawn(run_transitions(authority, elector), "ca-rotation-timer")
     log_loaded(store, authority)
     service = CertsService(
         build_authenticator(settings, kube_api), build_policy(settings, kube_api), executor=signing
     )
     service.attach(authority)
+    process.spawn(run_transitions(authority, elector, service.reported), "ca-rotation-timer")
     from waygate.certs import page
 
     process.status.add("certs", page.provider(authority))
@@ -602,9 +654,11 @@ async def serve(
 
 
 class ForwardRotateCA:
-    """A worker's Certs servicer: every call its own, but RotateCA forwarded to the
-    --workers parent (the writer) with the caller's authorization metadata; the
-    parent's refusal comes back as the same kind of error."""
+    """A worker's Certs servicer: every call its own, but RotateCA, ReportTrust and
+    GetRotationStatus forwarded to the --workers parent (the writer, which takes the
+    rotation's steps and so keeps the consumers' reports) with the caller's
+    authorization metadata; the parent's refusal comes back as the same kind of
+    error."""
 
     def __init__(self, servicer: Any, writer: str) -> None:
         import grpc
@@ -619,6 +673,15 @@ class ForwardRotateCA:
         return getattr(self._servicer, name)
 
     async def RotateCA(self, request: Any, context: Any) -> Any:
+        return await self._forward("RotateCA", request, context)
+
+    async def ReportTrust(self, request: Any, context: Any) -> Any:
+        return await self._forward("ReportTrust", request, context)
+
+    async def GetRotationStatus(self, request: Any, context: Any) -> Any:
+        return await self._forward("GetRotationStatus", request, context)
+
+    async def _forward(self, method: str, request: Any, context: Any) -> Any:
         import grpc
 
         from waygate.core import errors
@@ -626,11 +689,11 @@ class ForwardRotateCA:
         metadata = [(k, v) for k, v in context.invocation_metadata() if k == "authorization"]
         remaining = context.time_remaining()
         try:
-            return await self._stub.RotateCA(
+            return await getattr(self._stub, method)(
                 request, metadata=metadata, timeout=remaining if remaining else 60.0
             )
         except grpc.aio.AioRpcError as exc:
-            kinds = {
+            kinds: dict[Any, type[errors.WaygateError]] = {
                 grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
                 grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
                 grpc.StatusCode.UNAUTHENTICATED: errors.Unauthenticated,
@@ -711,6 +774,8 @@ async def setup_worker(process: ServiceProcess, settings: Settings) -> None:
     else:
         store = FollowingStore(DirectoryCAStore(settings.ca_dir), writer)
     authority = await asyncio.to_thread(Authority.open, store, settings.authority_config())
+    # The parent takes rotation steps (reports are forwarded to it); a worker adopts them.
+    authority.steps_allowed = lambda: False
     service = CertsService(
         build_authenticator(settings, kube_api),
         build_policy(settings, kube_api),

@@ -174,6 +174,9 @@ class RotationStatus:
     consumers: tuple[ConsumerReport, ...]
     #: Consumers live now (reported within consumer_ttl).
     live: tuple[ConsumerReport, ...]
+    #: Since when the next step's clock condition has been met (None: not yet, or
+    #: idle); how long consumers have held it is now minus this.
+    clock_ready_at: datetime | None = None
 
 
 class Authority:
@@ -201,6 +204,10 @@ class Authority:
         self._issued = IssuedRecords(config.issued_records, config.issued_records_bytes)
         #: What each trust consumer reported it holds.
         self.consumers = ConsumerTable()
+        #: Whether this process takes rotation steps: a follower replica (cluster mode)
+        #: or a worker does not (its consumer table is not the leader's); it adopts
+        #: the steps the leader stores.
+        self.steps_allowed: Callable[[], bool] = lambda: True
         # A rotation this process resumes (restart, new leader) judges acknowledgements
         # only once consumers had time to report to it: see `start_judging`.
         self._settle_until: datetime | None = None
@@ -352,6 +359,8 @@ class Authority:
         return any(step.bundle_changed for step in self._advance(force=force))
 
     def _advance(self, *, force: bool = False) -> list[Step]:
+        if not self.steps_allowed():
+            return []
         now = self._now()
         before = (
             list(self._cas),
@@ -435,24 +444,40 @@ class Authority:
             settle_until=self._settle_until,
         )
         live = tuple(rotation.live_consumers(consumers, now, self.config.consumer_ttl))
-        return RotationStatus(current.phase, current, consumers, live)
+        ready: datetime | None = None
+        if current.step == "finish":
+            ready = castate.parse_iso(self._rotation.get("retired_at"))
+        elif current.step and current.not_before is not None and current.not_before <= now:
+            ready = current.not_before
+        return RotationStatus(current.phase, current, consumers, live, ready)
 
     @_locked
     def rotation_phase(self) -> Phase:
         return rotation.phase_of(self._cas, self._rotation)
 
     def report_trust(
-        self, *, identity: str, instance: str, version: int, fingerprints: Sequence[str]
-    ) -> ConsumerReport:
-        """A consumer applied a bundle (or still holds it): remember it. Needs no lock
-        (the table has its own); the timer takes a step it unblocks."""
-        return self.consumers.report(
-            identity=identity,
-            instance=instance,
-            version=version,
-            fingerprints=fingerprints,
-            now=self._now(),
-        )
+        self,
+        *,
+        identity: str,
+        instance: str,
+        version: int,
+        fingerprints: Sequence[str],
+        leaving: bool = False,
+    ) -> bool:
+        """A consumer applied a bundle (or still holds it, or is leaving): remember it.
+        Needs no lock (the table has its own); True when a rotation is under way, so
+        the caller wakes the timer to take a step the report may have opened."""
+        if leaving:
+            self.consumers.leave(identity, instance)
+        else:
+            self.consumers.report(
+                identity=identity,
+                instance=instance,
+                version=version,
+                fingerprints=fingerprints,
+                now=self._now(),
+            )
+        return len(self._published[0].authorities) > 1 or bool(self._rotation)
 
     def rotate_if_expiring(self) -> Rotation | None:
         """Start a rotation when the active CA nears its end and none is in progress.
@@ -574,7 +599,7 @@ class Authority:
     ) -> Issued | None:
         """Under the lock: `issue`, or with `at_once` None when it would wait or write."""
         if at_once:
-            due = rotation.advance_due(self._cas)
+            due = self._published[1]
             if due is not None and self._now() >= due:
                 return None
             if not isinstance(self._active().key, QUICK_SIGNING_KEYS):
@@ -684,10 +709,32 @@ class Authority:
         self._published = self._snapshot()
 
     def _snapshot(self) -> tuple[TrustBundleView, datetime | None, datetime | None]:
+        due = self._step_due()
         return (
             self._bundle(),
-            rotation.advance_due(self._cas),
-            rotation.next_transition(self._cas, self._rotation, self.config.auto_rotate_before),
+            due,
+            rotation.next_transition(
+                self._cas, self._rotation, self.config.auto_rotate_before, due
+            ),
+        )
+
+    def _step_due(self) -> datetime | None:
+        """When `advance` next takes a step (None: not by the clock alone; a consumer's
+        report may open it: see `report_trust`)."""
+        if self._cas and not self.steps_allowed():
+            # A follower takes no step: it adopts the leader's.
+            return None
+        if not self._cas:
+            return None
+        return rotation.step_due(
+            rotation.gate(
+                self._cas,
+                self._rotation,
+                self.consumers.snapshot(),
+                self._now(),
+                consumer_ttl=self.config.consumer_ttl,
+                settle_until=self._settle_until,
+            )
         )
 
     def _bundle(self) -> TrustBundleView:
@@ -831,10 +878,16 @@ class Authority:
         """This process just loaded the CA, or became the replica that takes rotation
         steps (leader): if a rotation is under way, give consumers time to report to
         it before their acknowledgements are judged (an empty table is not "all
-        acknowledged"). A rotation started here later is judged at once: it waits at
-        least its propagation delay anyway."""
-        if rotation.phase_of(self._cas, self._rotation) is not Phase.IDLE:
+        acknowledged"). Once per term: a leader's duties may call it again. A rotation
+        started here later is judged at once: it waits its propagation delay anyway."""
+        if self._settle_until is None and rotation.phase_of(self._cas, self._rotation) is not (
+            Phase.IDLE
+        ):
             self._settle_until = self._now() + self.config.consumer_settle
+
+    def stop_judging(self) -> None:
+        """This replica no longer leads: the next term settles again."""
+        self._settle_until = None
 
     @_locked
     def with_leaf_bounds(self, until: datetime) -> dict[str, bytes] | None:

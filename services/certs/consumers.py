@@ -92,6 +92,7 @@ class ConsumerTable:
 
     def leave(self, identity: str, instance: str) -> bool:
         """The instance stopped (it said so): it holds nothing any more."""
+        identity, instance, _ = check_report(identity, instance, ())
         with self._lock:
             return self._reports.pop((identity, instance), None) is not None
 

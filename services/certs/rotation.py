@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Iterable, Sequence
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from waygate.certs.castate import CARecord, CAState, iso, whole_seconds
@@ -226,22 +226,25 @@ def _take(
     return Step("finish", False, overridden)
 
 
-def advance_due(cas: Sequence[CARecord]) -> datetime | None:
-    """When the clock part of a bundle-changing step (activate, retire) next falls due."""
-    moments = [c.activate_at for c in cas if c.state is CAState.STAGED]
-    moments += [
-        c.retire_after + timedelta(seconds=1)
-        for c in cas
-        if c.state is CAState.RETIRING and c.retire_after is not None
-    ]
-    return min((m for m in moments if m is not None), default=None)
+def step_due(current: Gate) -> datetime | None:
+    """When `current`'s step can be taken, if no report changes: None when it waits
+    for consumers (a report, or a consumer's report ageing out, opens it) or when
+    there is no step."""
+    if not current.step or current.waiting_for:
+        return None
+    moments = [m for m in (current.not_before, current.settle_until) if m is not None]
+    return max(moments, default=datetime.min.replace(tzinfo=UTC))
 
 
 def next_transition(
-    cas: Sequence[CARecord], rotation: dict[str, Any], auto_rotate_before: timedelta
+    cas: Sequence[CARecord],
+    rotation: dict[str, Any],
+    auto_rotate_before: timedelta,
+    due: datetime | None,
 ) -> datetime | None:
-    """When the timer should next look: a step's clock, or the automatic rotation's."""
-    moments = [advance_due(cas)]
+    """When the timer should next look: the next step's `step_due`, or the automatic
+    rotation's moment."""
+    moments = [due]
     if cas and phase_of(cas, rotation) is Phase.IDLE:
         moments.append(cas[0].not_after - auto_rotate_before)
     return min((m for m in moments if m is not None), default=None)
