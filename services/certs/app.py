@@ -45,10 +45,13 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+
 from waygate.certs.auth import Authenticator, Caller, StaticTokenAuthenticator, TokensFileError
-from waygate.certs.authority import Authority, AuthorityConfig
+from waygate.certs.authority import Authority, AuthorityConfig, Upstream
 from waygate.certs.bundle import TrustBundleView
-from waygate.certs.castate import KEY_ALGORITHMS
+from waygate.certs.castate import KEY_ALGORITHMS, PrivateKey
 from waygate.certs.csr import MAX_SANS
 from waygate.certs.issuing import ISSUED_RECORDS, ISSUED_RECORDS_BYTES
 from waygate.certs.policy import Policy, check_pattern
@@ -184,6 +187,19 @@ class Settings(GrpcServerSettings):
     )
     bundle_file: Path | None = setting(
         None, help="write the trust bundle PEM here (0644), rewritten on every change"
+    )
+    ca_cert: Path | None = setting(
+        None,
+        help="upstream authority: sign with this intermediate CA certificate (PEM), "
+        "issued by --trust-anchor; a new one starts a CA rotation to it",
+    )
+    ca_key: Path | None = setting(
+        None, help="upstream authority: the intermediate's private key (PEM, mode 0600)"
+    )
+    trust_anchor: Path | None = setting(
+        None,
+        help="upstream authority: the organisation's root (PEM) that issued --ca-cert; "
+        "the trust bundle publishes it",
     )
     max_sans_per_csr: int = setting(
         MAX_SANS,
@@ -332,6 +348,9 @@ class Settings(GrpcServerSettings):
             return "invalid setting leaf_lifetime: longer than max_leaf_lifetime"
         if self.max_leaf_lifetime >= self.ca_lifetime:
             return "invalid setting max_leaf_lifetime: must be shorter than ca_lifetime"
+        upstream = (self.ca_cert, self.ca_key, self.trust_anchor)
+        if any(p is not None for p in upstream) and any(p is None for p in upstream):
+            return "invalid setting ca_cert: give ca_cert, ca_key and trust_anchor together"
         if self.serving_identity is not None and self.tls_cert_file is not None:
             return "invalid setting serving_identity: give it or tls_cert_file, not both"
         if not 0 < self.retry_period < self.renew_deadline < self.lease_duration:
@@ -445,13 +464,54 @@ def build_elector(settings: Settings, kube_api: Any) -> Any:
     )
 
 
+def load_upstream(settings: Settings) -> Upstream | None:
+    """The upstream authority's intermediate, key and root from their files; None when
+    not configured. FailedPrecondition naming the file that cannot be used."""
+    if settings.ca_cert is None or settings.ca_key is None or settings.trust_anchor is None:
+        return None
+
+    def read(path: Path, what: str) -> bytes:
+        try:
+            return path.read_bytes()
+        except OSError as exc:
+            raise FailedPrecondition(f"cannot read {what} {path}: {exc.strerror}") from None
+
+    mode = settings.ca_key.stat().st_mode & 0o777 if settings.ca_key.exists() else 0
+    if mode & 0o077:
+        raise FailedPrecondition(
+            f"--ca-key {settings.ca_key} has mode {mode:04o}: it must be readable by its "
+            f"owner only (chmod 600 {settings.ca_key})"
+        )
+    try:
+        cert = x509.load_pem_x509_certificate(read(settings.ca_cert, "--ca-cert"))
+        anchor = x509.load_pem_x509_certificate(read(settings.trust_anchor, "--trust-anchor"))
+    except ValueError as exc:
+        raise FailedPrecondition(
+            f"--ca-cert or --trust-anchor is not a PEM certificate: {exc}"
+        ) from None
+    try:
+        key = serialization.load_pem_private_key(read(settings.ca_key, "--ca-key"), password=None)
+    except (ValueError, TypeError) as exc:
+        raise FailedPrecondition(
+            f"--ca-key {settings.ca_key} is not a PEM private key: {exc}"
+        ) from None
+    if not isinstance(key, PrivateKey):
+        raise FailedPrecondition(f"--ca-key {settings.ca_key} is of an unsupported type")
+    return Upstream(key, cert, anchor, f"--ca-cert {settings.ca_cert}")
+
+
 async def open_authority(settings: Settings, store: CAStore, elector: Any) -> Authority:
     """Load the CA; with an elector, only the leader may create the first one."""
+    upstream = load_upstream(settings)
     while True:
         # Loading may generate a key, touch the disk or the API: keep the loop free meanwhile.
         files = await asyncio.to_thread(store.load)
         if files is not None or elector is None or elector.is_leader():
-            return await asyncio.to_thread(Authority.open, store, settings.authority_config())
+            return await asyncio.to_thread(
+                functools.partial(
+                    Authority.open, store, settings.authority_config(), upstream=upstream
+                )
+            )
         log.info("no CA stored yet; waiting for the leader to create it")
         await asyncio.sleep(settings.retry_period)
 

@@ -95,6 +95,7 @@ __all__ = [
     "Rotation",
     "RotationStatus",
     "TrustBundleView",
+    "Upstream",
     "check_csr",
     "generate_key",
     "load_csr",
@@ -162,6 +163,18 @@ class Rotation:
     signing_switch_at: datetime  # at the earliest: it also waits for the consumers
     old_retire_after: datetime  # at the latest: the old CA may sign until the switch
     bundle: TrustBundleView
+
+
+@dataclasses.dataclass(frozen=True)
+class Upstream:
+    """An organisation's intermediate CA for certs to sign with (upstream authority)."""
+
+    key: castate.PrivateKey
+    cert: x509.Certificate
+    #: The organisation's root above it: what the trust bundle publishes.
+    anchor: x509.Certificate
+    #: Where it came from, for messages ("--ca-cert /etc/ca/intermediate.pem").
+    source: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,17 +249,40 @@ class Authority:
         config: AuthorityConfig | None = None,
         *,
         now: Callable[[], datetime] = utc_now,
+        upstream: Upstream | None = None,
     ) -> Authority:
         """Load the CA from `store`, or create and save one on first start.
 
-        Raises FailedPrecondition when what is stored cannot be used (unsafe or
-        unreadable key, key and certificate that do not match, bad state).
+        With `upstream`, certs signs with that intermediate and publishes its root;
+        an intermediate other than the stored one starts a rotation to it (the same
+        phases). Raises FailedPrecondition when what is stored or given cannot be
+        used (unsafe or unreadable key, key and certificate that do not match, bad
+        state, an intermediate too close to its end to rotate safely).
         """
         config = config or AuthorityConfig()
+        if upstream is not None:
+            castate.check_upstream(
+                upstream.key,
+                upstream.cert,
+                upstream.anchor,
+                now=now(),
+                needed_life=2 * config.max_lifetime + config.propagation_delay,
+                what=upstream.source,
+            )
         files = store.load()
         if files is None:
             authority = cls(store, config, [], version=0, generation=0, now=now)
-            ca = authority._new_ca(config.ca_lifetime, CAState.ACTIVE)
+            if upstream is None:
+                ca = authority._new_ca(config.ca_lifetime, CAState.ACTIVE)
+            else:
+                authority._generation = 1
+                ca = CARecord(
+                    name="ca-1",
+                    key=upstream.key,
+                    cert=upstream.cert,
+                    state=CAState.ACTIVE,
+                    anchor=upstream.anchor,
+                )
             authority._cas.append(ca)
             authority._version = 1
             authority._save()
@@ -259,6 +295,8 @@ class Authority:
         authority = cls._from_files(store, config, files, now)
         authority.start_judging()
         authority.advance()
+        if upstream is not None:
+            authority._take_upstream(upstream)
         log.info(
             "loaded CA",
             extra={
@@ -479,6 +517,23 @@ class Authority:
             )
         return len(self._published[0].authorities) > 1 or bool(self._rotation)
 
+    def _take_upstream(self, upstream: Upstream) -> None:
+        """Sign with `upstream` from now on: already stored, or staged by a rotation."""
+        with self._lock:
+            if any(ca.fingerprint == castate.fingerprint(upstream.cert) for ca in self._cas):
+                return
+            if rotation.phase_of(self._cas, self._rotation) is not Phase.IDLE:
+                raise FailedPrecondition(
+                    f"{upstream.source}: a new intermediate CA was given while a CA rotation "
+                    "is still in progress; start certs with the current one until it has "
+                    "finished (`waygate cert status`)"
+                )
+        log.warning(
+            "new upstream intermediate CA: rotating to it",
+            extra={"source": upstream.source, "fingerprint": castate.fingerprint(upstream.cert)},
+        )
+        self.rotate(provided=upstream)
+
     def rotate_if_expiring(self) -> Rotation | None:
         """Start a rotation when the active CA nears its end and none is in progress.
 
@@ -502,6 +557,14 @@ class Authority:
         ):
             return False
         active = self._active()
+        if active.anchor is not None:
+            # certs cannot make an organisation's intermediate: it says so, loudly.
+            log.warning(
+                "the upstream intermediate CA expires soon: give certs a new one "
+                "(--ca-cert/--ca-key) and restart it",
+                extra={"fingerprint": active.fingerprint, "not_after": iso(active.not_after)},
+            )
+            return False
         log.warning(
             "CA expires soon; rotating it",
             extra={"fingerprint": active.fingerprint, "not_after": iso(active.not_after)},
@@ -650,7 +713,7 @@ class Authority:
             requested_by=requested_by,
             now=now,
         )
-        return Issued(leaf=leaf, chain=(), valid_until=not_after, serial=serial_hex)
+        return Issued(leaf=leaf, chain=ca.chain, valid_until=not_after, serial=serial_hex)
 
     @_locked
     def list_issued(
@@ -738,7 +801,11 @@ class Authority:
         )
 
     def _bundle(self) -> TrustBundleView:
-        return TrustBundleView(self._version, tuple(ca.view() for ca in self._cas))
+        # Intermediates under one upstream root publish that root once.
+        views: dict[str, CAView] = {}
+        for ca in self._cas:
+            views.setdefault(ca.published_fingerprint, ca.view())
+        return TrustBundleView(self._version, tuple(views.values()))
 
     @property
     def version(self) -> int:
@@ -753,8 +820,11 @@ class Authority:
         *,
         propagation_delay: timedelta | None = None,
         ca_lifetime: timedelta | None = None,
+        provided: Upstream | None = None,
     ) -> Rotation:
-        """Stage a new CA; FailedPrecondition while an earlier rotation has not finished.
+        """Stage a new CA (made here, or the upstream intermediate `provided`);
+        FailedPrecondition while an earlier rotation has not finished, and when certs
+        signs with an upstream intermediate and none is provided (it cannot make one).
 
         The slow parts hold no lock that signing needs: the new key and certificate
         are made first, then the store is written with the new CA added (RSA key
@@ -763,8 +833,23 @@ class Authority:
         which must carry the state of the last write) and to swap the new CA in.
         """
         with self._rotating:
+            if provided is None and self._active_is_upstream():
+                raise FailedPrecondition(
+                    "certs signs with an upstream authority's intermediate CA and cannot "
+                    "make one: rotate by starting certs with the new intermediate "
+                    "(--ca-cert/--ca-key, and --trust-anchor for a new root)"
+                )
             switch_at, lifetime, generation = self._plan_rotation(propagation_delay, ca_lifetime)
-            new = self._make_ca(generation, lifetime, CAState.STAGED)
+            if provided is None:
+                new = self._make_ca(generation, lifetime, CAState.STAGED)
+            else:
+                new = CARecord(
+                    name=f"ca-{generation}",
+                    key=provided.key,
+                    cert=provided.cert,
+                    state=CAState.STAGED,
+                    anchor=provided.anchor,
+                )
             new.activate_at = switch_at
             # Its bound already covers the leaves of its first `leaf_bound_step` of
             # signing, so they (every workload renewing after an immediate switch) need
@@ -779,6 +864,10 @@ class Authority:
                         written = self._write_holding_store_lock(files)
                         break
             return self._swap_in(new, generation, written)
+
+    @_locked
+    def _active_is_upstream(self) -> bool:
+        return self._active().anchor is not None
 
     @_locked
     def _plan_rotation(

@@ -26,7 +26,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from cryptography import x509
-from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 from cryptography.x509.oid import NameOID
@@ -117,7 +117,12 @@ class CARecord:
     retire_after: datetime | None = None  # RETIRING: when it leaves the bundle
     leaf_bound: datetime | None = None  # persisted, >= every leaf's not_after
     leaf_max: datetime | None = None  # in memory: latest leaf not_after known
+    #: An upstream authority's root above this (intermediate) CA: what the bundle
+    #: publishes for it; None when this CA is its own root.
+    anchor: x509.Certificate | None = None
     fingerprint: str = dataclasses.field(init=False)
+    #: Fingerprint of what the bundle publishes for it (its anchor, or itself).
+    published_fingerprint: str = dataclasses.field(init=False)
     aki: x509.AuthorityKeyIdentifier = dataclasses.field(init=False)  # what its leaves carry
     # Read once: each access to these on a certificate parses them anew.
     subject: x509.Name = dataclasses.field(init=False)
@@ -126,14 +131,84 @@ class CARecord:
 
     def __post_init__(self) -> None:
         self.fingerprint = fingerprint(self.cert)
+        self.published_fingerprint = (
+            self.fingerprint if self.anchor is None else fingerprint(self.anchor)
+        )
         self.subject = self.cert.subject
         self.not_before = self.cert.not_valid_before_utc
         self.not_after = self.cert.not_valid_after_utc
         ski = self.cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
         self.aki = x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski)
 
+    @property
+    def chain(self) -> tuple[x509.Certificate, ...]:
+        """What is served with each leaf it signs: itself when it is an intermediate."""
+        return () if self.anchor is None else (self.cert,)
+
+    @property
+    def signs_until(self) -> datetime:
+        """No leaf it signs may outlive this: its own expiry, or its anchor's if sooner."""
+        if self.anchor is None:
+            return self.not_after
+        return min(self.not_after, self.anchor.not_valid_after_utc)
+
     def view(self) -> CAView:
-        return CAView(self.cert, self.state, self.fingerprint, self.not_after)
+        """What the bundle publishes for it: its anchor (upstream mode), or itself."""
+        if self.anchor is None:
+            return CAView(self.cert, self.state, self.fingerprint, self.not_after)
+        return CAView(
+            self.anchor,
+            self.state,
+            self.published_fingerprint,
+            self.anchor.not_valid_after_utc,
+        )
+
+
+def check_upstream(
+    key: PrivateKey,
+    cert: x509.Certificate,
+    anchor: x509.Certificate,
+    *,
+    now: datetime,
+    needed_life: timedelta,
+    what: str,
+) -> None:
+    """An upstream authority's intermediate Waygate can sign with and rotate safely:
+    a CA certificate for `key`, issued by `anchor`, with at least `needed_life` left
+    (two maximum leaf lifetimes plus the least propagation delay). FailedPrecondition
+    naming `what` (where it came from) otherwise."""
+    public = serialization.PublicFormat.SubjectPublicKeyInfo
+    der = serialization.Encoding.DER
+    if key.public_key().public_bytes(der, public) != cert.public_key().public_bytes(der, public):
+        raise FailedPrecondition(f"{what}: the CA key does not match the CA certificate")
+    try:
+        constraints = cert.extensions.get_extension_for_class(x509.BasicConstraints).value
+    except x509.ExtensionNotFound:
+        constraints = None
+    if constraints is None or not constraints.ca:
+        raise FailedPrecondition(f"{what}: the CA certificate is not a CA (basicConstraints)")
+    try:
+        cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier)
+    except x509.ExtensionNotFound:
+        raise FailedPrecondition(
+            f"{what}: the CA certificate has no subjectKeyIdentifier (leaves need it)"
+        ) from None
+    try:
+        cert.verify_directly_issued_by(anchor)
+    except (ValueError, TypeError, InvalidSignature) as exc:
+        raise FailedPrecondition(
+            f"{what}: the CA certificate is not issued by the trust anchor "
+            f"({anchor.subject.rfc4514_string()}): {exc or 'bad signature'}"
+        ) from None
+    until = min(cert.not_valid_after_utc, anchor.not_valid_after_utc)
+    if until - now < needed_life:
+        raise FailedPrecondition(
+            f"{what}: the CA can sign until {until.isoformat()}, "
+            f"{(until - now).total_seconds() / 86400:.1f} days from now; rotating safely "
+            f"needs at least {needed_life.total_seconds() / 86400:.1f} days (two maximum leaf lifetimes "
+            "plus the propagation delay): give a longer-lived intermediate, or shorten "
+            "--max-leaf-lifetime"
+        )
 
 
 def make_ca(
@@ -213,6 +288,8 @@ def encode_state(
             serialization.NoEncryption(),
         )
         files[f"{ca.name}.cert.pem"] = ca.cert.public_bytes(serialization.Encoding.PEM)
+        if ca.anchor is not None:
+            files[f"{ca.name}.anchor.pem"] = ca.anchor.public_bytes(serialization.Encoding.PEM)
         entries.append(
             {
                 "name": ca.name,
@@ -278,6 +355,15 @@ def decode_state(files: dict[str, bytes], where: str) -> DecodedState:
             raise FailedPrecondition(
                 f"CA certificate {cert_name} in {where} is unreadable: {exc}"
             ) from None
+        anchor = None
+        anchor_name = f"{name}.anchor.pem"
+        if anchor_name in files:
+            try:
+                anchor = x509.load_pem_x509_certificate(files[anchor_name])
+            except ValueError as exc:
+                raise FailedPrecondition(
+                    f"CA trust anchor {anchor_name} in {where} is unreadable: {exc}"
+                ) from None
         if not isinstance(key, PrivateKey):
             raise FailedPrecondition(f"CA key {key_name} in {where} is of an unsupported type")
         public = serialization.PublicFormat.SubjectPublicKeyInfo
@@ -295,6 +381,7 @@ def decode_state(files: dict[str, bytes], where: str) -> DecodedState:
                 retire_after=retire_after,
                 leaf_bound=bound,
                 leaf_max=bound,
+                anchor=anchor,
             )
         )
     if sum(1 for c in cas if c.state is CAState.ACTIVE) != 1:

@@ -225,9 +225,10 @@ def check_lifetime(lifetime: timedelta, max_lifetime: timedelta) -> None:
 def leaf_window(
     issuer: CARecord, now: datetime, lifetime: timedelta, backdate: timedelta
 ) -> tuple[datetime, datetime]:
-    """(not_before, not_after) of a leaf `issuer` signs now: never outside the issuer's."""
+    """(not_before, not_after) of a leaf `issuer` signs now: never outside the issuer's
+    (nor past its upstream anchor's expiry)."""
     now = whole_seconds(now)
-    not_after = min(now + lifetime, issuer.not_after)
+    not_after = min(now + lifetime, issuer.signs_until)
     if not_after <= now:
         raise FailedPrecondition("the active CA has expired; rotate the CA")
     return max(now - backdate, issuer.not_before), not_after

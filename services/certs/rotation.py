@@ -144,10 +144,9 @@ def gate(
     if phase is Phase.PREPARE:
         staged = find(cas, CAState.STAGED)
         assert staged is not None
-        waiting = tuple(c for c in live if staged.fingerprint not in c.fingerprints)
-        return Gate(
-            phase, "activate", staged.activate_at, staged.fingerprint, None, waiting, settle_until
-        )
+        must_hold = staged.published_fingerprint
+        waiting = tuple(c for c in live if must_hold not in c.fingerprints)
+        return Gate(phase, "activate", staged.activate_at, must_hold, None, waiting, settle_until)
     if phase is Phase.ACTIVATE:
         retiring = find(cas, CAState.RETIRING)
         assert retiring is not None
@@ -162,7 +161,13 @@ def gate(
         return Gate(phase, "retire", after, None, None, ())
     if phase is Phase.RETIRE:
         retired = str(rotation["retired"])
-        waiting = tuple(c for c in live if retired in c.fingerprints)
+        # An intermediate retired under the root its successor uses: nothing to drop.
+        still_published = {c.published_fingerprint for c in cas}
+        waiting = (
+            ()
+            if retired in still_published
+            else tuple(c for c in live if retired in c.fingerprints)
+        )
         return Gate(phase, "finish", None, None, retired, waiting, settle_until)
     return Gate(phase, "", None, None, None, ())
 
@@ -219,7 +224,7 @@ def _take(
         retiring = find(cas, CAState.RETIRING)
         assert retiring is not None
         cas.remove(retiring)
-        rotation["retired"] = retiring.fingerprint
+        rotation["retired"] = retiring.published_fingerprint
         rotation["retired_at"] = iso(now)
         return Step("retire", True, overridden)
     rotation.clear()
