@@ -45,6 +45,7 @@ from waygate.core.settings import (
     positive,
     setting,
 )
+from waygate.proxy import backendcerts
 from waygate.proxy.http2 import H2Collector, H2Limits
 from waygate.proxy.metrics import ProxyCollector, ProxyMetrics
 from waygate.proxy.routing import Defaults, build_table
@@ -704,6 +705,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     from waygate.proxy import status
 
     process.status.add("proxy", status.provider(server, watch, front))
+    process.status.add("backend-certificates", lambda: backendcerts.sections(server))
     process.add_listener(
         HttpListener(server, settings.host, settings.http_port, reuse_port=settings.worker)
     )

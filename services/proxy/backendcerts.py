@@ -33,10 +33,13 @@ import contextlib
 import dataclasses
 import enum
 from collections.abc import Iterable
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from cryptography import x509
 from prometheus_client import Gauge
+
+from waygate.core.statuspage import Section, expiry_cell
 
 EXPIRY = Gauge(
     "waygate_proxy_upstream_certificate_expiry_timestamp_seconds",
@@ -106,6 +109,40 @@ def served_from(
     )
 
 
+def sections(server: Any) -> list[Section]:
+    """The status page's sections for a proxy server (none without reencrypt support)."""
+    upstream_tls = getattr(server, "upstream_tls", None)
+    if upstream_tls is None:
+        return []
+    return [section(upstream_tls.certificates, datetime.now(UTC))]
+
+
+def section(book: BackendCertificates, now: datetime) -> Section:
+    """The status page's table: every endpoint's certificate, the soonest expiry first."""
+    rows = [
+        [
+            s.route,
+            s.endpoint,
+            ", ".join(s.names) or "-",
+            s.issuer,
+            s.verdict(now).value,
+            expiry_cell(s.not_after, s.not_before, now=now),
+        ]
+        for s in sorted(book.snapshot(), key=lambda s: s.not_after)
+    ]
+    bad = any(s.verdict(now) is not Verdict.OK for s in book.snapshot())
+    warn = bool(book.expiring(now))
+    return Section(
+        "Backend certificates",
+        ["route", "endpoint", "names", "issuer", "verdict", "expires in"],
+        rows,
+        note="what each reencrypt endpoint served at its last handshake; an endpoint "
+        f"expiring within {book.warn_before.days} days is a warning",
+        state="bad" if bad else ("warn" if warn else "ok"),
+        empty="no reencrypt handshake yet",
+    )
+
+
 class BackendCertificates:
     """The latest certificate each (route, endpoint) served, least recently seen first."""
 
@@ -134,6 +171,9 @@ class BackendCertificates:
         while len(self._served) > self.max_entries:
             (route, endpoint), _ = self._served.popitem(last=False)
             self._forget_series(route, endpoint)
+
+    def snapshot(self) -> list[Served]:
+        return list(self._served.values())
 
     def get(self, route: str, endpoint: str) -> Served | None:
         return self._served.get((route, endpoint))

@@ -18,7 +18,7 @@ from prometheus_client import REGISTRY
 from tests.integration.proxy.harness import route
 from tests.integration.proxy.test_reencrypt import TlsBackend, reencrypt
 from tests.support.pki import LocalCA
-from waygate.proxy.backendcerts import BackendCertificates, Served, Verdict
+from waygate.proxy.backendcerts import BackendCertificates, Served, Verdict, section
 from waygate.proxy.routing import Target
 from waygate.proxy.upstream import ConnectError, tcp_connect
 from waygate.proxy.upstream_tls import UpstreamTLS
@@ -115,3 +115,16 @@ async def test_an_expired_endpoint_is_recorded_unusable_and_its_failure_is_retry
         assert await tls.probe(target, secure, 5.0) is False
     finally:
         await backend.stop()
+
+
+def test_the_status_page_section_flags_an_untrusted_or_expiring_endpoint() -> None:
+    book = BackendCertificates()
+    book.record(served("10.0.0.1:443", NOW + 30 * DAY))
+    assert section(book, NOW).state == "ok"
+    book.record(served("10.0.0.2:443", NOW + 2 * DAY))
+    assert section(book, NOW).state == "warn"
+    book.record(served("10.0.0.3:443", NOW + 30 * DAY, verified=False))
+    page = section(book, NOW)
+    assert page.state == "bad"
+    assert [row[1] for row in page.rows] == ["10.0.0.2:443", "10.0.0.1:443", "10.0.0.3:443"]
+    assert page.rows[2][4] == "untrusted"
