@@ -515,7 +515,8 @@ class Authority:
                 fingerprints=fingerprints,
                 now=self._now(),
             )
-        return len(self._published[0].authorities) > 1 or bool(self._rotation)
+        # Read without the lock: a stale answer only wakes the timer once too often.
+        return rotation.phase_of(list(self._cas), self._rotation) is not Phase.IDLE
 
     def _take_upstream(self, upstream: Upstream) -> None:
         """Sign with `upstream` from now on: already stored, or staged by a rotation."""
