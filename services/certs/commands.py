@@ -12,10 +12,13 @@ it was.
 status says how usable the certificate is: 0 fine, 1 expired (or the file is
 not a certificate), 2 under 20% of its lifetime left.
 
-`cert status` (the CA generations and what this replica issued, with expiry)
-and `cert rotate-ca` are admin calls: they send the token of `--token-file`
-(or WAYGATE_CERTS_TOKEN; under `waygate up`, the local user's admin token in
-the state directory) as `authorization: Bearer`.
+`cert status` (the CA generations, the CA rotation's phase and who holds its
+next step, the trust consumers with the bundle each applied, and what this
+replica issued, with expiry) and `cert rotate-ca` (`--force`: take the next
+step of the rotation under way and list who will break) are admin calls: they
+send the token of `--token-file` (or WAYGATE_CERTS_TOKEN; under `waygate up`,
+the local user's admin token in the state directory) as `authorization: Bearer`.
+`rotation_findings` is what `waygate check` says of the rotation.
 """
 
 from __future__ import annotations
@@ -673,8 +676,10 @@ def _rotate_ca(args: argparse.Namespace) -> int:
             return EXIT_OK
         text = (
             f"new CA {new.fingerprint_sha256[:16]} published (bundle version "
-            f"{reply.bundle.version}); it signs from {_when(reply.signing_switch_at)}; the old "
-            f"CA leaves the bundle after {_when(reply.old_retire_after)}"
+            f"{reply.bundle.version}); it signs from {_when(reply.signing_switch_at)} at the "
+            "earliest, once every trust consumer has acknowledged it (`waygate cert status` "
+            f"shows who holds it); the old CA leaves the bundle after "
+            f"{_when(reply.old_retire_after)}"
         )
         print(render(json_format.MessageToDict(reply), args.output, lambda _wide: text))
         return EXIT_OK
