@@ -706,6 +706,8 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
 
     process.status.add("proxy", status.provider(server, watch, front))
     process.status.add("backend-certificates", lambda: backendcerts.sections(server))
+    if server.upstream_tls is not None:
+        process.spawn(server.upstream_tls.probe_forever(), "backend-certificate-probes")
     process.add_listener(
         HttpListener(server, settings.host, settings.http_port, reuse_port=settings.worker)
     )

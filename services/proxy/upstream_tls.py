@@ -89,6 +89,8 @@ _FACTS_TIMEOUT = 5.0
 # second unverified handshake) are reused for the same backend and name.
 FACTS_TTL = 10.0
 _FACTS_MAX = 4096
+#: How often the backend-certificate prober looks for endpoints to probe.
+PROBE_INTERVAL = 30.0
 #: Verification failures: the endpoint's certificate is the problem, another endpoint
 #: may serve a good one, so the request is redispatched (as after a refused connect).
 _VERIFY_KINDS = frozenset(
@@ -263,6 +265,9 @@ class UpstreamTLS:
         self._facts: dict[tuple[str, int, str], tuple[float, x509.Certificate | None]] = {}
         #: What each endpoint served at its last handshake (waygate.proxy.backendcerts).
         self.certificates = BackendCertificates()
+        # (route label, endpoint) -> the route and target last handshaken: what a probe
+        # of that endpoint needs (bounded with `certificates`, pruned by keep_only).
+        self._probe_targets: dict[tuple[str, str], tuple[Route, Target]] = {}
 
     def invalidate(self, *_changed: Any) -> None:
         """The bundle or the proxy's certificate changed: build contexts anew."""
@@ -271,6 +276,7 @@ class UpstreamTLS:
     def keep_only(self, routes: Iterable[Route]) -> None:
         """A new resolver view: forget the sessions of server names no reencrypt route
         uses any more (and of probes), so neither map grows with route churn."""
+        routes = list(routes)
         names: set[str] = set()
         for route in routes:
             if not self.applies(route):
@@ -285,6 +291,10 @@ class UpstreamTLS:
                 context.keep_only(names)
         now = time.monotonic()
         self._facts = {key: fact for key, fact in self._facts.items() if fact[0] > now}
+        # Backend certificates of routes (and endpoints) the view no longer has go too.
+        wanted = {f"{r.namespace}/{r.name}" for r in routes if self.applies(r)}
+        self._probe_targets = {k: v for k, v in self._probe_targets.items() if k[0] in wanted}
+        self.certificates.keep_only(self._probe_targets)
 
     def context(self, route: Route, http2: bool = False) -> ssl.SSLContext:
         tls = route.tls
@@ -416,15 +426,31 @@ class UpstreamTLS:
     def _record(
         self, route: Route, target: Target, leaf: x509.Certificate, *, verified: bool
     ) -> None:
-        self.certificates.record(
-            served_from(
-                f"{route.namespace}/{route.name}",
-                f"{target.address}:{target.port}",
-                leaf,
-                verified=verified,
-                now=datetime.now(UTC),
-            )
-        )
+        key = (f"{route.namespace}/{route.name}", f"{target.address}:{target.port}")
+        self.certificates.record(served_from(*key, leaf, verified=verified, now=datetime.now(UTC)))
+        self._probe_targets[key] = (route, target)
+        if len(self._probe_targets) > len(self.certificates):
+            known = {(s.route, s.endpoint) for s in self.certificates.snapshot()}
+            self._probe_targets = {k: v for k, v in self._probe_targets.items() if k in known}
+
+    async def probe_forever(self, interval: float = PROBE_INTERVAL, timeout: float = 5.0) -> None:
+        """Every `interval`, probe the endpoints no request has handshaken with for
+        `BackendCertificates.probe_after`, at most `probes_per_tick` of them: a
+        backend's expiring certificate is seen even when no client asks for it."""
+        while True:
+            await asyncio.sleep(interval)
+            for key in self.certificates.due_probes(datetime.now(UTC)):
+                found = self._probe_targets.get(key)
+                if found is None:
+                    continue
+                route, target = found
+                try:
+                    await self.probe(target, route, timeout)
+                except (OSError, EOFError, TimeoutError, ConnectError) as exc:
+                    log.info(
+                        "backend certificate probe failed",
+                        extra={"route": key[0], "upstream": key[1], "error": str(exc)[:200]},
+                    )
 
     async def probe(self, target: Target, route: Route, timeout: float) -> bool:
         """Handshake with an endpoint no request has lately (`BackendCertificates.

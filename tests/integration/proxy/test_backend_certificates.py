@@ -18,6 +18,7 @@ from prometheus_client import REGISTRY
 from tests.integration.proxy.harness import route
 from tests.integration.proxy.test_reencrypt import TlsBackend, reencrypt
 from tests.support.pki import LocalCA
+from tests.support.poll import until
 from waygate.proxy.backendcerts import BackendCertificates, Served, Verdict, section
 from waygate.proxy.routing import Target
 from waygate.proxy.upstream import ConnectError, tcp_connect
@@ -128,3 +129,35 @@ def test_the_status_page_section_flags_an_untrusted_or_expiring_endpoint() -> No
     assert page.state == "bad"
     assert [row[1] for row in page.rows] == ["10.0.0.2:443", "10.0.0.1:443", "10.0.0.3:443"]
     assert page.rows[2][4] == "untrusted"
+
+
+async def test_the_prober_handshakes_with_endpoints_no_request_used_lately() -> None:
+    ca = LocalCA()
+    backend = await TlsBackend(ca.issue(dns=["web.demo.svc"])).start()
+    tls = UpstreamTLS(lambda: None, lambda: None, tcp_connect)
+    tls.certificates.probe_after = dt.timedelta(0)  # every endpoint is due at once
+    secure = route("secure.test", [("web", 100)], name="secure", tls=reencrypt(ca.pem))
+    target = Target("127.0.0.1", backend.port, namespace="demo", service="web")
+    prober = None
+    try:
+        assert await tls.probe(target, secure, 5.0) is True
+        first = tls.certificates.get("demo/secure", f"127.0.0.1:{backend.port}")
+        assert first is not None
+        prober = asyncio.create_task(tls.probe_forever(interval=0.05))
+        await until(
+            lambda: (
+                tls.certificates.get("demo/secure", f"127.0.0.1:{backend.port}").seen_at
+                > first.seen_at
+            ),
+            "a probe",
+        )
+        # Nothing but handshakes: the backend never saw a request.
+        assert backend.requests == []
+        # A view without the route forgets the endpoint, its series and its probes.
+        tls.keep_only([])
+        assert len(tls.certificates) == 0
+    finally:
+        if prober is not None:
+            prober.cancel()
+            await asyncio.gather(prober, return_exceptions=True)
+        await backend.stop()
