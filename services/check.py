@@ -199,6 +199,7 @@ class Checker:
             await self.check_service(target)
         if self.record is not None and not (self.args.resolver or self.args.certs):
             await self.check_admin_ports()
+            await self.check_backend_certificates()
             await asyncio.to_thread(self.check_local_certificates)
         certs = next((t for t in targets if t.name == "certs"), None)
         if certs is not None:
@@ -357,6 +358,36 @@ class Checker:
                 f"{name} admin {address}: /readyz " + (str(status) if status else "unreachable"),
                 f"`curl http://{address}/readyz` says what it waits for",
             )
+
+    async def check_backend_certificates(self) -> None:
+        """Under `up`: the proxy's backend certificates (its status page) — a warning
+        days before one expires, a failure for one out of rotation."""
+        from waygate.proxy.backendcerts import check_findings
+
+        assert self.record is not None
+        address = self.record.addresses.get("proxy", {}).get("admin_port")
+        if address is None:
+            return
+        host, _, port = address.rpartition(":")
+        try:
+            async with asyncio.timeout(self.settings.timeout):
+                reader, writer = await asyncio.open_connection(host, int(port))
+                try:
+                    writer.write(b"GET /status.json HTTP/1.1\r\nHost: waygate\r\n\r\n")
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    length = next(
+                        int(line.split(b":", 1)[1])
+                        for line in head.split(b"\r\n")
+                        if line.lower().startswith(b"content-length:")
+                    )
+                    document = json.loads(await reader.readexactly(length))
+                finally:
+                    writer.close()
+        except (OSError, TimeoutError, ValueError, StopIteration, asyncio.IncompleteReadError):
+            return  # the admin port check says whether the proxy answers
+        marks = {"ok": OK, "warn": WARN, "failed": FAILED}
+        for level, title, hint in check_findings(document):
+            self.add(marks[level], title, hint)
 
     async def check_bundle(self, certs: Target) -> None:
         from waygate.certs.v1 import certs_pb2, certs_pb2_grpc

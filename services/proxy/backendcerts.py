@@ -119,13 +119,16 @@ def sections(server: Any) -> list[Section]:
 
 def section(book: BackendCertificates, now: datetime) -> Section:
     """The status page's table: every endpoint's certificate, the soonest expiry first."""
-    rows = [
+    soon = now + book.warn_before
+    rows: list[list[Any]] = [
         [
             s.route,
             s.endpoint,
             ", ".join(s.names) or "-",
             s.issuer,
-            s.verdict(now).value,
+            EXPIRES_SOON
+            if s.verdict(now) is Verdict.OK and s.not_after <= soon
+            else s.verdict(now).value,
             expiry_cell(s.not_after, s.not_before, now=now),
         ]
         for s in sorted(book.snapshot(), key=lambda s: s.not_after)
@@ -133,7 +136,7 @@ def section(book: BackendCertificates, now: datetime) -> Section:
     bad = any(s.verdict(now) is not Verdict.OK for s in book.snapshot())
     warn = bool(book.expiring(now))
     return Section(
-        "Backend certificates",
+        SECTION_TITLE,
         ["route", "endpoint", "names", "issuer", "verdict", "expires in"],
         rows,
         note="what each reencrypt endpoint served at its last handshake; an endpoint "
@@ -141,6 +144,46 @@ def section(book: BackendCertificates, now: datetime) -> Section:
         state="bad" if bad else ("warn" if warn else "ok"),
         empty="no reencrypt handshake yet",
     )
+
+
+SECTION_TITLE = "Backend certificates"
+#: The verdict column of an endpoint in use whose certificate expires within the window.
+EXPIRES_SOON = "expires soon"
+
+
+def check_findings(document: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """What `waygate check` says of a proxy's status document (/status.json): a
+    warning per endpoint whose certificate expires within the warning window, a
+    failure per endpoint out of rotation (expired, not yet valid, untrusted)."""
+    findings: list[tuple[str, str, str]] = []
+    for section_json in document.get("sections", []):
+        if section_json.get("title") != SECTION_TITLE:
+            continue
+        for row in section_json.get("rows", []):
+            if len(row) < 6:
+                continue
+            route, endpoint, names, _issuer, verdict, expiry = row[:6]
+            left = expiry.get("text", "") if isinstance(expiry, dict) else str(expiry)
+            if verdict == EXPIRES_SOON:
+                findings.append(
+                    (
+                        "warn",
+                        f"route {route}: backend {endpoint} certificate for {names} expires "
+                        f"in {left}",
+                        "replace it before it expires: the proxy stops using it then",
+                    )
+                )
+            elif verdict != Verdict.OK.value:
+                findings.append(
+                    (
+                        "failed",
+                        f"route {route}: backend {endpoint} serves a certificate that is "
+                        f"{verdict.replace('_', ' ')} ({names})",
+                        "the proxy sends no request there while another endpoint is "
+                        "healthy; replace the backend's certificate",
+                    )
+                )
+    return findings
 
 
 class BackendCertificates:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import json
 
 from prometheus_client import REGISTRY
 
@@ -19,7 +20,13 @@ from tests.integration.proxy.harness import route
 from tests.integration.proxy.test_reencrypt import TlsBackend, reencrypt
 from tests.support.pki import LocalCA
 from tests.support.poll import until
-from waygate.proxy.backendcerts import BackendCertificates, Served, Verdict, section
+from waygate.proxy.backendcerts import (
+    BackendCertificates,
+    Served,
+    Verdict,
+    check_findings,
+    section,
+)
 from waygate.proxy.routing import Target
 from waygate.proxy.upstream import ConnectError, tcp_connect
 from waygate.proxy.upstream_tls import UpstreamTLS
@@ -161,3 +168,19 @@ async def test_the_prober_handshakes_with_endpoints_no_request_used_lately() -> 
             prober.cancel()
             await asyncio.gather(prober, return_exceptions=True)
         await backend.stop()
+
+
+def test_waygate_check_warns_days_before_and_fails_an_endpoint_out_of_rotation() -> None:
+    book = BackendCertificates()
+    book.record(served("10.0.0.1:443", NOW + 30 * DAY))
+    book.record(served("10.0.0.2:443", NOW + 2 * DAY))
+    book.record(served("10.0.0.3:443", NOW - DAY))
+    # What /status.json carries (to_json), as `waygate check` reads it.
+    document = {"sections": [section(book, NOW).to_json()]}
+    findings = check_findings(json.loads(json.dumps(document, default=str)))
+    assert [(level, title.split(":")[1].strip()) for level, title, _ in findings] == [
+        ("failed", "backend 10.0.0.3"),
+        ("warn", "backend 10.0.0.2"),
+    ]
+    assert findings[1][1].endswith("expires in 2d 0h")
+    assert "expired" in findings[0][1]
