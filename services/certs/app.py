@@ -652,6 +652,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         build_authenticator(settings, kube_api), build_policy(settings, kube_api), executor=signing
     )
     service.attach(authority)
+    service.leader = elector
     process.spawn(run_transitions(authority, elector, service.reported), "ca-rotation-timer")
     from waygate.certs import page
 

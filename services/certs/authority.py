@@ -224,6 +224,8 @@ class Authority:
         # A rotation this process resumes (restart, new leader) judges acknowledgements
         # only once consumers had time to report to it: see `start_judging`.
         self._settle_until: datetime | None = None
+        #: Whether this process's term of taking steps has begun (`start_judging`).
+        self._judging = False
         # Every public method holds it: signing runs in worker threads.
         self._lock = threading.RLock()
         # Every store write holds it (inside `_lock` where both are held, never the
@@ -968,15 +970,18 @@ class Authority:
         """This process just loaded the CA, or became the replica that takes rotation
         steps (leader): if a rotation is under way, give consumers time to report to
         it before their acknowledgements are judged (an empty table is not "all
-        acknowledged"). Once per term: a leader's duties may call it again. A rotation
-        started here later is judged at once: it waits its propagation delay anyway."""
-        if self._settle_until is None and rotation.phase_of(self._cas, self._rotation) is not (
-            Phase.IDLE
-        ):
+        acknowledged"). Once per term (a leader's duties may call it again); a
+        rotation started later in the term is judged at once: its consumers have
+        been reporting here all along, and it waits its propagation delay anyway."""
+        if self._judging:
+            return
+        self._judging = True
+        if rotation.phase_of(self._cas, self._rotation) is not Phase.IDLE:
             self._settle_until = self._now() + self.config.consumer_settle
 
     def stop_judging(self) -> None:
         """This replica no longer leads: the next term settles again."""
+        self._judging = False
         self._settle_until = None
 
     @_locked

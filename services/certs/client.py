@@ -189,6 +189,8 @@ class TrustBundleWatcher:
 
 #: How often a consumer reports while nothing changes, unless certs says otherwise.
 REPORT_INTERVAL = 30.0
+#: Attempts per report when certs replicas that are not the leader refuse it.
+LEADER_ATTEMPTS = 6
 #: The leaving report on shutdown gets this long: a stop never waits on certs for more.
 LEAVING_TIMEOUT = 1.0
 
@@ -247,7 +249,18 @@ class TrustReporter:
             raise
 
     async def report(self, *, leaving: bool = False) -> bool:
-        """One report; True when certs accepted it (failures are logged, never raised)."""
+        """One report; True when certs accepted it (failures are logged, never raised).
+        A certs replica that is not the leader refuses it (only the leader judges the
+        rotation): each attempt is a new connection, which the Service may send to
+        another replica, so a few are made at once."""
+        for _ in range(LEADER_ATTEMPTS - 1):
+            outcome = await self._report_once(leaving=leaving)
+            if outcome is not None:
+                return outcome
+        return bool(await self._report_once(leaving=leaving, last=True))
+
+    async def _report_once(self, *, leaving: bool, last: bool = False) -> bool | None:
+        """True or False as `report`; None when a follower refused it (try again)."""
         bundle = self._trust.current
         request = certs_pb2.ReportTrustRequest(
             identity=self.identity,
@@ -267,6 +280,12 @@ class TrustReporter:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                 log.info("certs does not take trust reports (older certs); not reporting")
                 self.supported = False
+            elif (
+                not last
+                and exc.code() == grpc.StatusCode.UNAVAILABLE
+                and "not the leader" in (exc.details() or "")
+            ):
+                return None
             else:
                 log.warning(
                     "trust report failed",

@@ -54,7 +54,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from cryptography import x509
 from prometheus_client import Counter, Gauge
@@ -246,6 +246,9 @@ class CertsService:
         self._draining = asyncio.Event()
         #: Set by a report that may open a rotation step: the rotation timer waits on it.
         self.reported = asyncio.Event()
+        #: The leader elector (cluster mode): only the leader takes trust reports, since
+        #: only it judges them; None: this process takes them.
+        self.leader: Any = None
 
     # ------------------------------------------------------------ authority
 
@@ -448,6 +451,11 @@ class CertsService:
         _check_length("token", token, MAX_TOKEN_LENGTH)
         _check_length("identity", identity, MAX_IDENTITY_LENGTH)
         caller = await self._authenticate(token)
+        if self.leader is not None and not self.leader.is_leader():
+            raise Unavailable(
+                "this certs replica is not the leader, which keeps the trust reports; "
+                f"{self.leader.leader_description()} does (retry on a new connection)"
+            )
         if not caller.is_admin and not self.policy.is_allowed(caller, identity_san(identity)):
             raise PermissionDenied(f"{caller.name} may not report for identity {excerpt(identity)}")
         authority = self.authority

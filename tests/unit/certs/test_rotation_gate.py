@@ -210,3 +210,22 @@ def test_the_consumer_table_is_bounded() -> None:
     for index in range(5):
         table.report(identity=PROXY, instance=f"p{index}", version=1, fingerprints=[], now=now)
     assert [c.instance for c in table.snapshot()] == ["p2", "p3", "p4"]
+
+
+def test_a_rotation_started_during_a_leaders_term_does_not_wait_to_settle(
+    authority: Authority, clock: Clock
+) -> None:
+    """The leader's duties call start_judging again and again: only the term's first
+    call may settle, and only for a rotation that was under way then."""
+    authority.start_judging()
+    report(authority, PROXY)
+    authority.rotate()
+    authority.start_judging()  # a duty restarted: not a new term
+    report(authority, PROXY)
+    clock.advance(HOUR)
+    authority.advance()
+    assert authority.rotation_phase() is Phase.ACTIVATE
+    # A new term (leadership lost and taken again) in the middle of a rotation settles.
+    authority.stop_judging()
+    authority.start_judging()
+    assert authority._settle_until == clock() + CONFIG["consumer_settle"]
