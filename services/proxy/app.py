@@ -45,6 +45,7 @@ from waygate.core.settings import (
     positive,
     setting,
 )
+from waygate.proxy import backendcerts
 from waygate.proxy.http2 import H2Collector, H2Limits
 from waygate.proxy.metrics import ProxyCollector, ProxyMetrics
 from waygate.proxy.routing import Defaults
@@ -767,6 +768,9 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
 
     process.status.add("proxy", status.provider(server, watch, front))
     process.status.set_traffic(lambda: status.traffic(server))
+    process.status.add("backend-certificates", lambda: backendcerts.sections(server))
+    if server.upstream_tls is not None:
+        process.spawn(server.upstream_tls.probe_forever(), "backend-certificate-probes")
     process.add_listener(
         HttpListener(server, settings.host, settings.http_port, reuse_port=settings.worker)
     )
