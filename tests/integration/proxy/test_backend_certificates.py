@@ -16,10 +16,10 @@ import json
 
 from prometheus_client import REGISTRY
 
-from tests.integration.proxy.harness import route
 from tests.integration.proxy.test_reencrypt import TlsBackend, reencrypt
 from tests.support.pki import LocalCA
 from tests.support.poll import until
+from tests.support.proxyharness import route
 from waygate.proxy.backendcerts import (
     BackendCertificates,
     Served,
