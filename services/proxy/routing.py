@@ -497,7 +497,9 @@ class HostIndex:
         self.any.sort(key=_rank)
         self.conditional = any(entry.conditional for entry in self.entries())
 
-    def find(self, host: bytes, path: bytes, req: Any) -> RouteEntry | None:
+    def find(self, host: bytes, path: bytes, req: Any, hostless: bool = True) -> RouteEntry | None:
+        """The entry for a request: exact host, then wildcards (the most specific
+        first), then, with `hostless`, the entries that name no host."""
         entries = self.exact.get(host)
         # Parsed headers and query, shared by the entries of this lookup; only
         # an index with conditional entries pays for the dict.
@@ -527,6 +529,14 @@ class HostIndex:
                             ):
                                 return entry
                     dot = host.find(b".", dot + 1)
+        if hostless:
+            for entry in self.any:
+                if entry.matches(path) and (not entry.conditional or entry.holds(req, seen)):
+                    return entry
+        return None
+
+    def find_hostless(self, path: bytes, req: Any) -> RouteEntry | None:
+        seen: dict[str, Any] = {} if self.conditional else _NO_CONDITIONS
         for entry in self.any:
             if entry.matches(path) and (not entry.conditional or entry.holds(req, seen)):
                 return entry
@@ -577,9 +587,17 @@ class RouteTable:
         if self._sides:
             side = self._sides.get(secure)
             if side is not None:
-                entry = side.find(host, path, req)
-                if entry is not None:
-                    return entry
+                # Entries naming the host, of every kind, before those that name none:
+                # a host-less route claims no host, so it never takes an owned one's
+                # paths (the resolver settles ownership among the named claims).
+                entry = side.find(host, path, req, hostless=False)
+                if entry is None:
+                    entry = self._legacy.find(host, path, req, hostless=False)
+                if entry is None:
+                    entry = side.find_hostless(path, req)
+                if entry is None:
+                    entry = self._legacy.find_hostless(path, req)
+                return entry
         return self._legacy.find(host, path, req)
 
     def entries(self) -> Iterable[RouteEntry]:

@@ -286,14 +286,6 @@ spec:
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the proxy looks up every Gateway API / Ingress entry, host-less ones included, "
-    "before the Routes' (proxy/routing.py RouteTable.lookup): a route without any host "
-    "claims nothing in the resolver, yet it answers a host another namespace's Route owns. "
-    "The fix is the proxy's precedence (host-specific entries of every kind before host-less "
-    "ones), in the core engineer's request-core rewrite; this test then passes (strict).",
-)
 async def test_a_hostless_route_cannot_take_paths_of_an_owned_host(
     conformance: Conformance,
 ) -> None:
