@@ -512,7 +512,9 @@ async def _tls_setup(process: ServiceProcess, settings: Settings, server: ProxyS
         held = certificates.rotator.current
         return held.chain_pem(), held.key_pem()
 
-    upstream_tls = UpstreamTLS(trust_pem, client_pem, server.dialer.connect)
+    upstream_tls = UpstreamTLS(
+        trust_pem, client_pem, server.dialer.connect, on_untrusted=server.health.failed
+    )
     if certificates is not None:
         process.on_stop(_closer(certificates.rotator.subscribe(upstream_tls.invalidate)))
         process.on_stop(_closer(certificates.trust.subscribe(upstream_tls.invalidate)))

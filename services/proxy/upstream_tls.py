@@ -255,8 +255,13 @@ class UpstreamTLS:
         trust_pem: Callable[[], bytes | None],
         client_pem: Callable[[], tuple[bytes, bytes] | None],
         connect: Callable[..., Any],
+        on_untrusted: Callable[[Target], None] | None = None,
     ) -> None:
         self._trust_pem = trust_pem
+        # Told when a probe finds an endpoint's certificate unverifiable (expired, not
+        # yet valid, untrusted): the proxy's passive health skips it, so it leaves
+        # rotation before a client's request would have failed its handshake.
+        self._on_untrusted = on_untrusted
         self._client_pem = client_pem
         self._connect = connect  # the dialer's connect, for the facts handshake
         self._contexts: dict[tuple[str, bool, bool, bool, bool], ssl.SSLContext] = {}
@@ -471,6 +476,8 @@ class UpstreamTLS:
                 leaf = await self._cached_peer_certificate(target, name, timeout)
                 if leaf is not None:
                     self._record(route, target, leaf, verified=False)
+                if self._on_untrusted is not None:
+                    self._on_untrusted(target)
             return False
         try:
             der = transport.get_extra_info("ssl_object").getpeercert(binary_form=True)

@@ -102,7 +102,8 @@ async def test_every_handshake_records_what_the_endpoint_served() -> None:
 async def test_an_expired_endpoint_is_recorded_unusable_and_its_failure_is_retryable() -> None:
     old = LocalCA(lambda: dt.datetime(2021, 10, 29, 13, 47, 51, tzinfo=dt.UTC))
     backend = await TlsBackend(old.issue(dns=["web.demo.svc"])).start()
-    tls = UpstreamTLS(lambda: None, lambda: None, tcp_connect)
+    untrusted: list[Target] = []
+    tls = UpstreamTLS(lambda: None, lambda: None, tcp_connect, on_untrusted=untrusted.append)
     secure = route("secure.test", [("web", 100)], name="secure", tls=reencrypt(old.pem))
     target = Target("127.0.0.1", backend.port, namespace="demo", service="web")
     try:
@@ -119,8 +120,11 @@ async def test_an_expired_endpoint_is_recorded_unusable_and_its_failure_is_retry
         assert record is not None and not record.verified
         assert not tls.certificates.usable("demo/secure", endpoint, NOW)
         assert record.names == ("web.demo.svc",)
-        # A probe (what the bounded prober runs) records it again, and says it failed.
+        # A probe (what the bounded prober runs) records it again, says it failed, and
+        # takes the endpoint out of rotation (the proxy's passive health skips it).
+        assert untrusted == []
         assert await tls.probe(target, secure, 5.0) is False
+        assert untrusted == [target]
     finally:
         await backend.stop()
 
