@@ -36,10 +36,12 @@ import base64
 import binascii
 import ipaddress
 import re
+import socket
 from collections.abc import Iterable, Sequence
 from typing import Final, Protocol
 
 from waygate.core.htpasswd import parse_credentials, verify
+from waygate.core.regex import LinearPattern, compile_linear
 from waygate.proxy.http1 import RequestHead
 from waygate.resolver.client import Route, RouteAccess
 
@@ -75,14 +77,19 @@ def networks(cidrs: Iterable[str]) -> tuple[Network, ...]:
 
 def _address(text: bytes | str) -> tuple[int, int] | None:
     """(version, int) of an address; IPv4-mapped IPv6 as IPv4 (as nginx's access
-    module reads it); None when it does not parse."""
+    module reads it); None when it does not parse (inet_pton's strict forms only)."""
     try:
-        addr = ipaddress.ip_address(text.decode("ascii") if isinstance(text, bytes) else text)
-    except (ValueError, UnicodeDecodeError):
+        plain = text.decode("ascii") if isinstance(text, bytes) else text
+        return 4, int.from_bytes(socket.inet_pton(socket.AF_INET, plain), "big")
+    except (OSError, UnicodeDecodeError, ValueError):
+        pass
+    try:
+        value = int.from_bytes(socket.inet_pton(socket.AF_INET6, plain), "big")
+    except (OSError, ValueError):
         return None
-    if addr.version == 6 and addr.ipv4_mapped is not None:  # type: ignore[union-attr]
-        addr = addr.ipv4_mapped  # type: ignore[union-attr]
-    return addr.version, int(addr)
+    if value >> 32 == 0xFFFF:
+        return 4, value & 0xFFFFFFFF
+    return 6, value
 
 
 def _within(address: tuple[int, int], ranges: Sequence[Network]) -> bool:
@@ -114,16 +121,20 @@ def client_address(
     return address
 
 
-def _value_matchers(patterns: Iterable[str]) -> tuple[tuple[re.Pattern[bytes] | None, bytes], ...]:
-    """nginx map keys: "~*RE" (case-insensitive), "~RE", else an exact value."""
-    out: list[tuple[re.Pattern[bytes] | None, bytes]] = []
+Matcher = tuple["LinearPattern | None", str]
+
+
+def _value_matchers(patterns: Iterable[str]) -> tuple[Matcher, ...]:
+    """nginx map keys: "~*RE" (case-insensitive), "~RE", else an exact value; the
+    expressions in RE2 (waygate.core.regex: linear time, whatever the pattern)."""
+    out: list[Matcher] = []
     for pattern in patterns:
         if pattern.startswith("~*"):
-            out.append((re.compile(pattern[2:].encode(), re.IGNORECASE), b""))
+            out.append((compile_linear("(?i)" + pattern[2:]), ""))
         elif pattern.startswith("~"):
-            out.append((re.compile(pattern[1:].encode()), b""))
+            out.append((compile_linear(pattern[1:]), ""))
         else:
-            out.append((None, pattern.encode()))
+            out.append((None, pattern))
     return tuple(out)
 
 
@@ -161,6 +172,8 @@ class AccessCheck:
         "broken",
         "challenge",
         "deny",
+        "last_address",
+        "last_peer",
         "referers",
         "remembered",
         "satisfy_any",
@@ -173,7 +186,7 @@ class AccessCheck:
         # passes (fail closed) rather than the table build failing.
         try:
             self._compile(access)
-        except (ValueError, re.error) as exc:
+        except ValueError as exc:  # (RegexRefused is one)
             self._compile(RouteAccess())
             self.broken = f"the route's access rules do not compile: {exc}"
 
@@ -190,13 +203,23 @@ class AccessCheck:
         self.challenge = 'Basic realm="' + access.auth_realm + '"'
         self.satisfy_any = access.satisfy_any
         self.remembered: dict[bytes, bool] = {}
+        # The last peer address parsed (a connection's bytes object) and its value.
+        self.last_peer: bytes | None = None
+        self.last_address: tuple[int, int] | None = None
 
     def decide(self, req: RequestHead, peer: bytes) -> tuple[int, str, str] | None:
         """None when the request may go on, else (status, reason, kind)."""
         if self.broken:
             return 503, self.broken, KIND_INVALID
-        addressed = self.block or self.deny or self.allow
-        address = client_address(peer, req.forwarded, self.trusted) if addressed else None
+        address = None
+        if self.block or self.deny or self.allow:
+            if self.trusted:
+                address = client_address(peer, req.forwarded, self.trusted)
+            elif peer is self.last_peer:  # a keep-alive connection's next request
+                address = self.last_address
+            else:
+                address = self.last_address = _address(peer)
+                self.last_peer = peer
         if self.block and (address is None or _within(address, self.block)):
             return 403, "the client address is blocked", KIND_BLOCKED
         if self.agents and _blocked(self.agents, _field(req, b"user-agent")):
@@ -243,10 +266,8 @@ class AccessCheck:
         return ok
 
 
-def _blocked(
-    matchers: Sequence[tuple[re.Pattern[bytes] | None, bytes]], value: bytes | None
-) -> bool:
-    text = value or b""
+def _blocked(matchers: Sequence[Matcher], value: bytes | None) -> bool:
+    text = value.decode("latin-1") if value else ""
     for pattern, exact in matchers:
         if pattern is None:
             if text == exact:

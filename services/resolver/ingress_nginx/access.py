@@ -26,11 +26,11 @@ from __future__ import annotations
 import base64
 import binascii
 import ipaddress
-import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from waygate.core.htpasswd import hash_format_problem, parse_credentials
+from waygate.core.regex import refusal as regex_refusal
 from waygate.resolver.ingress_nginx.catalogue import CATALOGUE, Verdict
 from waygate.resolver.ingress_nginx.config import ControllerConfig
 from waygate.resolver.model import RouteAccess
@@ -82,10 +82,9 @@ def config_problem(config: ControllerConfig) -> str:
     for key, patterns in zip(BLOCK_VALUE_KEYS, (agents, referers), strict=True):
         for pattern in patterns:
             if pattern.startswith("~"):
-                try:
-                    re.compile(pattern[2:] if pattern.startswith("~*") else pattern[1:])
-                except re.error as exc:
-                    return f"ConfigMap key {key}: {pattern!r} is not a regular expression ({exc})"
+                refused = regex_refusal(pattern[2:] if pattern.startswith("~*") else pattern[1:])
+                if refused:
+                    return f"ConfigMap key {key}: {pattern!r}: {refused}"
     return ""
 
 

@@ -5,10 +5,12 @@
 translation (so a change to the ConfigMap applies live). Every key is given a
 verdict as annotations are: honoured (it gives annotations their defaults or
 maps onto a route field), no-op (nginx tuning with no meaning for a streaming
-proxy) or not honoured. A not-honoured key that bears on access (block lists,
-global authentication, a WAF, allow-lists) makes every Ingress of the class
-not served: the controller-wide protection cannot be given, so nothing is
-served unprotected.
+proxy) or not honoured. The block lists (block-cidrs, -user-agents, -referers)
+reach every route of the class (waygate.resolver.ingress_nginx.access). A
+not-honoured key that bears on access (global authentication, a WAF,
+allow-lists, a block list that cannot be honoured) makes every Ingress of the
+class not served: the controller-wide protection cannot be given, so nothing
+is served unprotected.
 """
 
 from __future__ import annotations
@@ -108,6 +110,7 @@ ACCESS_KEYS = frozenset(
     )
 )
 _TRUE = frozenset(("true", "1", "t", "True", "TRUE", "T"))
+_BLOCK_RE2 = "regular expressions in RE2 syntax (linear time), not PCRE"
 _BLOCK_CIDRS = (
     "also applied where an Ingress has source ranges of its own (nginx's http-level "
     "deny is not inherited by a location with allow/deny rules)"
@@ -223,6 +226,8 @@ class ControllerConfig:
             value = str(self.data[key])
             if key == "block-cidrs":
                 out.append(KeyVerdict(key, value, Verdict.DIFFERENT, _BLOCK_CIDRS))
+            elif key in ("block-user-agents", "block-referers") and "~" in value:
+                out.append(KeyVerdict(key, value, Verdict.DIFFERENT, _BLOCK_RE2))
             elif (
                 key in HONOURED_KEYS
                 or (key == "forwarded-for-header" and value.lower() == "x-forwarded-for")

@@ -202,6 +202,7 @@ def test_configmap_block_lists_reach_every_ingress_of_the_class():
     "data",
     [
         {"block-user-agents": "~*(unclosed"},
+        {"block-referers": "~(?<=spam)\\.example"},  # lookbehind: RE2 cannot, refused
         {"block-cidrs": "not-a-cidr"},
         {"block-cidrs": "198.51.100.0/24", "use-proxy-protocol": "true"},
     ],
