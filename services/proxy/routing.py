@@ -43,7 +43,7 @@ import enum
 import hashlib
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import parse_qsl
 
 from waygate.core.balancing import Picker, RoundRobinPicker, new_picker
@@ -62,6 +62,9 @@ from waygate.resolver.client import (
     ValueMatchType,
     speaks_http2,
 )
+
+if TYPE_CHECKING:
+    from waygate.proxy.access import AccessCheck
 
 DEFAULT_POLICY = "leastconn"
 FAILURE_BASE_SECONDS = 0.5
@@ -287,6 +290,7 @@ def request_query(req: Any) -> dict[str, str]:
 
 class RouteEntry:
     __slots__ = (
+        "access",
         "backend_picker",
         "backends",
         "conditional",
@@ -320,6 +324,7 @@ class RouteEntry:
         self.route = route
         self.path = path
         self.options = options
+        self.access: AccessCheck | None = None  # compiled by access.prepare (its rule)
         # The Strict-Transport-Security line it adds on HTTPS, built once (b"": none).
         self.hsts = hsts_line(route)
         self.upstream_scope = upstream_scope(route)

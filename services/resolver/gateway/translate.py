@@ -145,6 +145,8 @@ class Objects:
     kinds: dict[str, dict[Key, JSON]] = field(default_factory=dict)
 
     def of(self, kind: str) -> dict[Key, JSON]:
+        if kind == "Secret":
+            return self.secrets
         return self.kinds.setdefault(kind, {})
 
 
@@ -1195,7 +1197,9 @@ class _Translator:
     def nginx_ingress(self, key: Key, obj: JSON, settings: nginx_compat.IngressNginx) -> None:
         """An Ingress of the ingress-nginx class: its annotations planned, its rules
         translated as every Ingress's, then shaped (or refused alone)."""
-        plan, ingress = nginx_annotations.judge(obj, settings, self.objects.of("ConfigMap"))
+        plan, ingress = nginx_annotations.judge(
+            obj, settings, self.objects.of("ConfigMap"), self.objects.secrets
+        )
         if ingress is None:
             self.out.routes.append(nginx_annotations.placeholder(key, obj, plan))
             return
