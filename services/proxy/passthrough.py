@@ -31,7 +31,7 @@ import logging
 import select
 import socket
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import Counter
 
@@ -183,10 +183,17 @@ class _Side(asyncio.Protocol):
             peer.flow.resume(flow.PEER)
 
 
-class Relay:
-    """Client <-> backend bytes for one passthrough connection."""
+class RelayOwner(Protocol):
+    """What a relay needs of the listener that holds it (a TlsFront, a TCP service port)."""
 
-    def __init__(self, front: TlsFront, timeout: float) -> None:
+    loop: asyncio.AbstractEventLoop
+    relays: set[Relay]
+
+
+class Relay:
+    """Client <-> backend bytes for one passthrough or TCP service connection."""
+
+    def __init__(self, front: RelayOwner, timeout: float) -> None:
         self.front = front
         self.loop = front.loop
         self.timeout = timeout

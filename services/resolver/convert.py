@@ -279,6 +279,8 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
         origin=route.origin,
         rule_index=route.rule_index,
         listener_protocol=route.listener_protocol,
+        proxy_protocol_from_client=route.proxy_protocol_from_client,
+        proxy_protocol_to_backend=route.proxy_protocol_to_backend,
     )
     if route.filters is not None:
         message.filters.CopyFrom(_filters_to_proto(route.filters))
@@ -402,6 +404,8 @@ def route_from_proto(message: pb.Route) -> model.Route:
         origin=message.origin,
         rule_index=message.rule_index,
         listener_protocol=message.listener_protocol,
+        proxy_protocol_from_client=message.proxy_protocol_from_client,
+        proxy_protocol_to_backend=message.proxy_protocol_to_backend,
     )
 
 

@@ -224,6 +224,8 @@ DERIVED: Final[Mapping[str, Mapping[str, str]]] = {
         "rule_index": "the rule of that object (a precedence tie-breaker)",
         "ingress_refusal": "why an ingress-nginx Ingress is not served (its annotations)",
         "ingress_verdicts": "an ingress-nginx Ingress's per-annotation verdicts",
+        "proxy_protocol_from_client": "a TCP services ConfigMap entry's first PROXY",
+        "proxy_protocol_to_backend": "a TCP services ConfigMap entry's second PROXY",
     },
     "RouteBackend": {
         "namespace": "Gateway API backendRefs across namespaces (ReferenceGrant)",

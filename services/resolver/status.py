@@ -40,6 +40,7 @@ from waygate.resolver.model import (
     CONFLICTED,
     FALSE,
     RESOLVED_REFS,
+    TCP_LISTENER,
     TRUE,
     Endpoint,
     Route,
@@ -200,7 +201,8 @@ class RouteStatusBook:
         self._host[key] = route.host
         self._path[key] = route.path or "/"
         self._by_host.setdefault(route.host, set()).add(key)
-        if route.matches:
+        if route.matches or route.listener_protocol == TCP_LISTENER:
+            # A TCP service owns its listener port, not a host: it claims none.
             self._merged.add(key)
         services = tuple(
             dict.fromkeys((b.namespace or route.namespace, b.service) for b in route.backends)

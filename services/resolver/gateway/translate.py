@@ -74,6 +74,7 @@ from waygate.resolver.gateway.spec import (
 )
 from waygate.resolver.ingress_nginx import annotations as nginx_annotations
 from waygate.resolver.ingress_nginx import config as nginx_compat
+from waygate.resolver.ingress_nginx import tcpservices as nginx_tcp
 from waygate.resolver.model import (
     InsecureEdgePolicy,
     PathMatchType,
@@ -1258,7 +1259,17 @@ class _Translator:
         self.finish_gateways()
         self.finish_policies()
         self.ingresses()
+        if self.ingress_nginx is not None and self.ingress_nginx.tcp_services is not None:
+            self.tcp_services(self.ingress_nginx.tcp_services)
         return self.out
+
+    def tcp_services(self, key: Key) -> None:
+        """ingress-nginx's TCP services ConfigMap: one route per entry (none while it
+        does not exist, as ingress-nginx)."""
+        obj = self.objects.of("ConfigMap").get(key)
+        data = (obj or {}).get("data") or {}
+        if isinstance(data, dict):
+            self.out.routes.extend(nginx_tcp.routes(key[0], key[1], data))
 
 
 def _port_as_sliced(service: Service, port: Any) -> str:

@@ -368,6 +368,8 @@ DERIVED_SAMPLES: dict[str, dict[str, Any]] = {
         "listener_protocol": "HTTP",
         "origin": "HTTPRoute demo/x",
         "rule_index": 2,
+        "proxy_protocol_from_client": True,
+        "proxy_protocol_to_backend": True,
     },
     "RouteBackend": {"namespace": "other", "port": "http", "invalid": "not granted"},
     "RouteTLS": {
