@@ -757,7 +757,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         proxy_protocol_version=settings.tcp_proxy_protocol_version,
         reuse_port=settings.worker,
     )
-    process.on_stop(tcp_services.close)
+    process.on_stop(lambda: tcp_services.close(settings.shutdown_grace))
     process.status.add("tcp-services", tcp_services.sections)
 
     def on_view(view: Any) -> None:

@@ -1268,8 +1268,26 @@ class _Translator:
         does not exist, as ingress-nginx)."""
         obj = self.objects.of("ConfigMap").get(key)
         data = (obj or {}).get("data") or {}
-        if isinstance(data, dict):
-            self.out.routes.extend(nginx_tcp.routes(key[0], key[1], data))
+        if not isinstance(data, dict):
+            return
+        for route in nginx_tcp.routes(key[0], key[1], data):
+            backend = route.backends[0] if route.backends else None
+            service = (
+                self.objects.services.get((backend.namespace, backend.service)) if backend else None
+            )
+            found = next(
+                (
+                    p
+                    for p in (service.ports if service else ())
+                    if backend and backend.port in (p.name, str(p.port))
+                ),
+                None,
+            )
+            if backend and service and found:
+                # The service port as the proxy finds it on the endpoints.
+                sliced = dataclasses.replace(backend, port=_port_as_sliced(service, found))
+                route = dataclasses.replace(route, backends=(sliced,))
+            self.out.routes.append(route)
 
 
 def _port_as_sliced(service: Service, port: Any) -> str:

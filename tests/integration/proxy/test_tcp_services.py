@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from tests.support.proxyharness import running_proxy
+from tests.support.tcpecho import EchoBackend, talk
 from waygate.proxy import proxyproto
 from waygate.proxy.routing import Defaults
 from waygate.proxy.tcpservices import TCP_CONNECTIONS, TcpServices
@@ -37,42 +38,6 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
-
-
-class EchoBackend:
-    """A TCP backend that echoes, its name first; it records the first bytes
-    of each connection (where a PROXY header arrives)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name.encode()
-        self.firsts: list[bytes] = []
-        self.server: asyncio.AbstractServer | None = None
-        self.port = 0
-
-    async def __aenter__(self) -> EchoBackend:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self.server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self.server is not None
-        self.server.close()
-        await self.server.wait_closed()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        first = True
-        try:
-            while data := await reader.read(65536):
-                if first:
-                    self.firsts.append(data)
-                    writer.write(self.name + b":")
-                    first = False
-                writer.write(data)
-                await writer.drain()
-        except ConnectionError:
-            pass
-        finally:
-            writer.close()
 
 
 @dataclass
@@ -131,24 +96,6 @@ async def tcp_services(**kw: Any) -> AsyncIterator[TcpServices]:
             yield services
         finally:
             await services.close(0.5)
-
-
-async def talk(port: int, data: bytes, *, prefix: bytes = b"") -> bytes:
-    """Send; read until the answer ends with `data` (the echo) or the proxy closes."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(prefix + data)
-        await writer.drain()
-        answer = b""
-        async with asyncio.timeout(5):
-            while not answer.endswith(data):
-                piece = await reader.read(65536)
-                if not piece:
-                    break
-                answer += piece
-        return answer
-    finally:
-        writer.close()
 
 
 def counted(port: int, outcome: str) -> float:

@@ -105,7 +105,8 @@ def test_the_configmap_becomes_tcp_routes_and_refusals_not_admitted():
     assert all(r.listener_protocol == TCP_LISTENER for r in routes)
     pg = by_port[5432]
     assert pg.proxy_protocol_from_client and not pg.proxy_protocol_to_backend
-    assert [(b.namespace, b.service, b.port) for b in pg.backends] == [("db", "pg", "5432")]
+    # The service port as the proxy finds it on EndpointSlices: by its name.
+    assert [(b.namespace, b.service, b.port) for b in pg.backends] == [("db", "pg", "pg")]
     assert pg.origin == "ConfigMap ingress-nginx/tcp-services"
     [refused] = [r for r in routes if r.ingress_refusal]
     assert refused.ingress_refusal is not None
