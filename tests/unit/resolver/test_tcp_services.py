@@ -4,11 +4,14 @@ PROXY protocol reader and writers the proxy uses for them."""
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+import yaml
 
+from waygate.cli import main
 from waygate.proxy import proxyproto
 from waygate.resolver.gateway.translate import Objects, translate
 from waygate.resolver.ingress_nginx.config import IngressNginx
@@ -188,3 +191,54 @@ def test_the_specification_examples():
 )
 def test_what_the_specification_does_not_allow_is_invalid(data: bytes):
     assert proxyproto.read(data).status == proxyproto.INVALID
+
+
+# ---------------------------------------------------------------- the migration report
+
+
+def test_the_migration_report_judges_tcp_entries_and_refuses_udp(tmp_path: Any, capsys: Any):
+    tcp = {"9000": "default/db:5432", "9001": "default/db:5432:SSL"}
+    udp = {"53": "kube-system/dns:53"}
+    docs = [
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"namespace": "ingress-nginx", "name": n},
+            "data": d,
+        }
+        for n, d in (("tcp-services", tcp), ("udp-services", udp))
+    ]
+    (tmp_path / "cm.yaml").write_text(yaml.safe_dump_all(docs))
+    code = main(
+        [
+            "ingress-nginx",
+            "check",
+            str(tmp_path),
+            "--tcp-services-configmap",
+            "ingress-nginx/tcp-services",
+            "--udp-services-configmap",
+            "ingress-nginx/udp-services",
+            "-o",
+            "json",
+        ]
+    )
+    report = json.loads(capsys.readouterr().out)
+    assert code == 1
+    verdicts = {s["entry"]: (s["verdict"], s["note"]) for s in report["streamServices"]}
+    assert verdicts["TCP 9000"][0] == "honoured"
+    assert verdicts["TCP 9001"][0] == "not-honoured" and "only PROXY" in verdicts["TCP 9001"][1]
+    assert verdicts["UDP 53"][0] == "not-honoured" and "no UDP" in verdicts["UDP 53"][1]
+    # TCP entries alone, all good: exact.
+    (tmp_path / "cm.yaml").write_text(
+        yaml.safe_dump_all([{**docs[0], "data": {"9000": tcp["9000"]}}])
+    )
+    code = main(
+        [
+            "ingress-nginx",
+            "check",
+            str(tmp_path),
+            "--tcp-services-configmap",
+            "ingress-nginx/tcp-services",
+        ]
+    )
+    assert code == 0, capsys.readouterr().out
