@@ -83,6 +83,30 @@ def _host(port: int) -> bytes:
     return f"tcp-{port}.invalid".encode()
 
 
+class CountedRelay(Relay):
+    """A relay that holds its endpoint's in-flight count while it lasts: least-conn
+    balancing sees long-lived TCP connections, not only their connects."""
+
+    def __init__(self, owner: Any, timeout: float, picker: Any, target: Any) -> None:
+        super().__init__(owner, timeout)
+        picker.acquire(target)
+        self._held: tuple[Any, Any] | None = (picker, target)
+
+    def _give_back(self) -> None:
+        if self._held is not None:
+            picker, target = self._held
+            self._held = None
+            picker.release(target)
+
+    def close(self) -> None:
+        self._give_back()
+        super().close()
+
+    def abort(self) -> None:
+        self._give_back()
+        super().abort()
+
+
 class TcpPort:
     """One bound TCP service port: accepts, relays; `relays` and `loop` are what
     `passthrough.Relay` needs of its owner."""
@@ -179,8 +203,8 @@ class TcpPort:
                 return
             addresses = header.addresses or addresses
         server = self.owner.server
-        target, _ = entry.pick(addresses.source.encode(), None, server.health, None)
-        if target is None:
+        target, backend = entry.pick(addresses.source.encode(), None, server.health, None)
+        if target is None or backend is None:
             TCP_CONNECTIONS.labels(self.label, "no_endpoint").inc()
             conn.close()
             return
@@ -195,14 +219,14 @@ class TcpPort:
             conn.close()
             return
         server.health.succeeded(target)
-        relay = Relay(self, entry.options.tunnel_timeout)
+        relay = CountedRelay(self, entry.options.tunnel_timeout, backend.picker, target)
         self.relays.add(relay)
         try:
-            backend, _ = await start(upstream, lambda: relay.backend)
+            transport, _ = await start(upstream, lambda: relay.backend)
             if route.proxy_protocol_to_backend:
-                backend.write(self.owner.encode(addresses))
+                transport.write(self.owner.encode(addresses))
             if early:
-                backend.write(early)
+                transport.write(early)
             await self.loop.connect_accepted_socket(lambda: relay.client, conn)
         except BaseException:
             relay.abort()
@@ -325,7 +349,10 @@ class TcpServices:
         self.failed.clear()
 
     def sections(self) -> list[Section]:
-        """The status page's TCP services: per port, its service, endpoints, connections."""
+        """The status page's TCP services: per port, its service, endpoints, connections
+        (none when the view has no TCP service)."""
+        if not self.routes:
+            return []
         rows: list[list[Any]] = []
         bad = False
         for port, route in sorted(self.routes.items()):

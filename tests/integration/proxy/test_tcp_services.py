@@ -173,6 +173,30 @@ async def test_an_endpoint_change_moves_new_connections():
         assert counted(port, "no_endpoint") == before + 1
 
 
+async def test_least_conn_counts_open_relays():
+    async with EchoBackend("a") as one, EchoBackend("b") as two, tcp_services() as tcp:
+        port = free_port()
+        tcp.on_view(view_of([tcp_route(port)], one, two))
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"held")
+        first = await reader.read(100)
+        # While the first relay is open, new connections go to the other endpoint.
+        other = b"b:" if first.startswith(b"a:") else b"a:"
+        assert await talk(port, b"x") == other + b"x"
+        writer.close()
+        await writer.wait_closed()
+        entry = tcp.table.lookup(f"tcp-{port}.invalid".encode(), b"/")
+        assert entry is not None
+        picker = entry.backends[0].picker
+
+        def held() -> int:
+            return sum(picker.inflight(t) for t in picker.targets)
+
+        async with asyncio.timeout(5):
+            while held():
+                await asyncio.sleep(0.02)
+
+
 async def test_connections_past_the_limit_are_closed():
     async with EchoBackend("a") as backend, tcp_services(max_connections=1) as tcp:
         port = free_port()
