@@ -11,6 +11,7 @@ closed).
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,7 +22,7 @@ import yaml
 
 from tests.support.gatewayapi import INFRA, Conformance, local_slice
 from tests.support.poll import until
-from tests.support.processes import run_cli
+from tests.support.processes import http_get, run_cli
 from tests.support.tcpecho import EchoBackend, talk
 from waygate.proxy import proxyproto
 
@@ -116,6 +117,22 @@ async def test_configmap_entries_are_served_as_tcp_ports(suite: Conformance) -> 
         assert code != 0, out
         assert "InvalidTCPService" in out and f"'{bad}'" in out
         assert f"TCP service port {plain}: {INFRA}/tcp-echo:echo" in out
+
+        # The proxy's status page: per port its service, endpoints, connections, state;
+        # its metrics per port.
+        assert suite.proxy is not None
+        code, body = await http_get(suite.proxy.admin_port, "/status.json")
+        assert code == 200
+        sections = [s for entry in json.loads(body)["services"] for s in entry["sections"]]
+        [section] = [s for s in sections if s["title"] == "TCP services"]
+        rows = {row[0]: row for row in section["rows"]}
+        assert set(rows) == {plain, proxied, http}
+        assert rows[plain][1] == f"{INFRA}/tcp-echo:echo"
+        assert rows[plain][2]["text"] == 1 and rows[plain][5]["text"] == "listening"
+        assert rows[proxied][4] == "from client/to backend"
+        code, text = await http_get(suite.proxy.admin_port, "/metrics")
+        assert f'waygate_proxy_tcp_connections_total{{outcome="relayed",port="{plain}"}}' in text
+        assert f'waygate_proxy_tcp_service_up{{port="{proxied}"}} 1.0' in text
 
         # An entry removed: its port is closed, the others go on.
         del entries[str(plain)]
