@@ -221,6 +221,18 @@ class Relay:
                 side.transport.abort()
 
 
+async def drain_relays(owner: RelayOwner, pending: set[asyncio.Task[None]], grace: float) -> None:
+    """Connections not relayed yet are cancelled; open relays get `grace`, then are closed."""
+    for task in list(pending):
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    deadline = owner.loop.time() + grace
+    while owner.relays and owner.loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    for relay in list(owner.relays):
+        relay.abort()
+
+
 class TlsFront:
     """The HTTPS port as a runtime Listener: peek the SNI, relay or terminate."""
 
@@ -282,14 +294,7 @@ class TlsFront:
         """Relays carry opaque bytes: they get the grace period, then are closed.
         (Terminated connections are drained by the HTTP listener's ProxyServer.)"""
         self.stop_accepting()
-        for task in list(self.pending):
-            task.cancel()
-        await asyncio.gather(*self.pending, return_exceptions=True)
-        deadline = self.loop.time() + grace
-        while self.relays and self.loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        for relay in list(self.relays):
-            relay.abort()
+        await drain_relays(self, self.pending, grace)
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None

@@ -38,7 +38,7 @@ from prometheus_client import Counter, Gauge
 from waygate.core.statuspage import Section, cell
 from waygate.proxy import proxyproto
 from waygate.proxy.listeners import _why as bind_problem
-from waygate.proxy.passthrough import Relay, bind_listener
+from waygate.proxy.passthrough import Relay, bind_listener, drain_relays
 from waygate.proxy.routing import Defaults, RouteTable, build_table
 from waygate.proxy.upstream import ConnectError, start
 from waygate.resolver.client import TCP_LISTENER, Route
@@ -131,14 +131,7 @@ class TcpPort:
 
     async def drain(self, grace: float) -> None:
         self.stop_accepting()
-        for task in list(self.pending):
-            task.cancel()
-        await asyncio.gather(*self.pending, return_exceptions=True)
-        deadline = self.loop.time() + grace
-        while self.relays and self.loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        for relay in list(self.relays):
-            relay.abort()
+        await drain_relays(self, self.pending, grace)
         TCP_ACTIVE.labels(self.label).set(0)
 
     async def _accept(self) -> None:
