@@ -242,3 +242,13 @@ def test_the_migration_report_judges_tcp_entries_and_refuses_udp(tmp_path: Any, 
         ]
     )
     assert code == 0, capsys.readouterr().out
+
+
+def test_routes_lists_a_tcp_service_by_its_port():
+    from waygate.resolver import convert
+    from waygate.resolver.commands import format_routes
+
+    [route] = translate(configmap({"5432": "db/pg:pg:PROXY"}), ingress_nginx=SETTINGS).routes
+    text = format_routes([convert.route_to_proto(route)])
+    [row] = [line for line in text.splitlines() if "tcp-services-tcp-5432" in line]
+    assert "TCP :5432" in row
