@@ -756,6 +756,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         drain=settings.tcp_services_drain,
         proxy_protocol_version=settings.tcp_proxy_protocol_version,
         reuse_port=settings.worker,
+        serve=not settings.gateway,
     )
     process.on_stop(lambda: tcp_services.close(settings.shutdown_grace))
     process.status.add("tcp-services", tcp_services.sections)

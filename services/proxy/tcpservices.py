@@ -11,6 +11,7 @@ timeout); the PROXY protocol (`proxyproto`) is read from the client first
 and/or written to the backend first, as the route says.
 
 Invariants:
+- A proxy of one Gateway (--gateway) serves none (it serves no Ingress either).
 - Binding is synchronous, per view: a port that cannot be bound is reported
   (the status page, `waygate_proxy_tcp_service_up{port} 0`, a warning once
   per reason) and tried again on each view and every RETRY seconds; the other
@@ -243,6 +244,7 @@ class TcpServices:
         drain: float,
         proxy_protocol_version: int = 1,
         reuse_port: bool = False,
+        serve: bool = True,
     ) -> None:
         self.server = server  # the ProxyServer: dialer and passive health
         self.host = host
@@ -254,6 +256,8 @@ class TcpServices:
             proxy_protocol_version
         )
         self.reuse_port = reuse_port
+        # False: a proxy of one Gateway (--gateway) serves no TCP services (no Ingress either).
+        self.serve = serve
         self.loop = asyncio.get_running_loop()
         self.table = RouteTable.empty()
         self.ports: dict[int, TcpPort] = {}
@@ -267,7 +271,7 @@ class TcpServices:
     def on_view(self, view: Any) -> None:
         """The view's TCP services: ports bound or closed, the table rebuilt."""
         self._last = view
-        self.routes = tcp_routes(view.routes.values())
+        self.routes = tcp_routes(view.routes.values()) if self.serve else {}
         chosen = {
             route.key: dataclasses.replace(
                 route, host=_host(port).decode(), listener_port=0, listener_protocol=""

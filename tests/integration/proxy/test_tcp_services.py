@@ -263,3 +263,12 @@ async def test_nothing_leaks():
         async with asyncio.timeout(5):
             while len(os.listdir("/proc/self/fd")) > fds or len(asyncio.all_tasks()) > tasks:
                 await asyncio.sleep(0.05)
+
+
+async def test_a_proxy_of_one_gateway_serves_no_tcp_services():
+    async with EchoBackend("a") as backend, tcp_services(serve=False) as tcp:
+        port = free_port()
+        tcp.on_view(view_of([tcp_route(port)], backend))
+        assert tcp.ports == {} and tcp.sections() == []
+        with pytest.raises(OSError):
+            await talk(port, b"x")
