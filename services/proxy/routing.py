@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
@@ -49,6 +48,7 @@ from urllib.parse import parse_qsl
 
 from waygate.core.balancing import Picker, RoundRobinPicker, new_picker
 from waygate.core.paths import normalize_request_path
+from waygate.core.regex import LinearPattern, compile_linear
 from waygate.proxy.tls import hsts_line
 from waygate.resolver.client import (
     TCP_LISTENER,
@@ -233,7 +233,7 @@ _PATH_KINDS = {
 # Precedence of path kinds (lower first): Exact, RegularExpression, PathPrefix.
 _PATH_RANK = {_PATH_EXACT: 0, _PATH_REGEX: 1, _PATH_PREFIX: 2}
 
-ValueCheck = tuple[str, str, "re.Pattern[str] | None"]
+ValueCheck = tuple[str, str, "LinearPattern | None"]
 
 
 def _value_checks(items: tuple[Any, ...], *, lower: bool) -> tuple[ValueCheck, ...]:
@@ -241,7 +241,7 @@ def _value_checks(items: tuple[Any, ...], *, lower: bool) -> tuple[ValueCheck, .
         (
             item.name.lower() if lower else item.name,
             item.value,
-            re.compile(item.value) if item.type is ValueMatchType.REGEX else None,
+            compile_linear(item.value) if item.type is ValueMatchType.REGEX else None,
         )
         for item in items
     )
@@ -342,7 +342,7 @@ class RouteEntry:
                 self.single = (only[0], self.backends[0])
         # The match (routes-file routes: a path prefix and nothing else).
         self.kind = _PATH_PREFIX
-        self.regex: re.Pattern[str] | None = None
+        self.regex: LinearPattern | None = None
         self.method = b""
         self.headers: tuple[ValueCheck, ...] = ()
         self.query: tuple[ValueCheck, ...] = ()
@@ -382,7 +382,7 @@ class RouteEntry:
             # The spec: a trailing slash is ignored ("/foo/" matches "/foo").
             path = path.rstrip("/") or "/"
         entry.path = path.encode()
-        entry.regex = re.compile(path) if entry.kind == _PATH_REGEX else None
+        entry.regex = compile_linear(path) if entry.kind == _PATH_REGEX else None
         entry.method = match.method.encode()
         entry.headers = _value_checks(match.headers, lower=True)
         entry.query = _value_checks(match.query, lower=False)
@@ -498,7 +498,9 @@ class HostIndex:
         self.any.sort(key=_rank)
         self.conditional = any(entry.conditional for entry in self.entries())
 
-    def find(self, host: bytes, path: bytes, req: Any) -> RouteEntry | None:
+    def find(self, host: bytes, path: bytes, req: Any, hostless: bool = True) -> RouteEntry | None:
+        """The entry for a request: exact host, then wildcards (the most specific
+        first), then, with `hostless`, the entries that name no host."""
         entries = self.exact.get(host)
         # Parsed headers and query, shared by the entries of this lookup; only
         # an index with conditional entries pays for the dict.
@@ -528,6 +530,14 @@ class HostIndex:
                             ):
                                 return entry
                     dot = host.find(b".", dot + 1)
+        if hostless:
+            for entry in self.any:
+                if entry.matches(path) and (not entry.conditional or entry.holds(req, seen)):
+                    return entry
+        return None
+
+    def find_hostless(self, path: bytes, req: Any) -> RouteEntry | None:
+        seen: dict[str, Any] = {} if self.conditional else _NO_CONDITIONS
         for entry in self.any:
             if entry.matches(path) and (not entry.conditional or entry.holds(req, seen)):
                 return entry
@@ -578,9 +588,17 @@ class RouteTable:
         if self._sides:
             side = self._sides.get(secure)
             if side is not None:
-                entry = side.find(host, path, req)
-                if entry is not None:
-                    return entry
+                # Entries naming the host, of every kind, before those that name none:
+                # a host-less route claims no host, so it never takes an owned one's
+                # paths (the resolver settles ownership among the named claims).
+                entry = side.find(host, path, req, hostless=False)
+                if entry is None:
+                    entry = self._legacy.find(host, path, req, hostless=False)
+                if entry is None:
+                    entry = side.find_hostless(path, req)
+                if entry is None:
+                    entry = self._legacy.find_hostless(path, req)
+                return entry
         return self._legacy.find(host, path, req)
 
     def entries(self) -> Iterable[RouteEntry]:

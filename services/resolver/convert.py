@@ -714,6 +714,8 @@ def gateway_status_from_proto(message: pb.GatewayObjectStatus) -> dict[str, Any]
         status["loadBalancer"] = {
             "ingress": [{"ip": a} if _is_ip(a) else {"hostname": a} for a in message.addresses]
         }
+        if message.conditions:  # Waygate's own (a host conflict); not in Kubernetes
+            status["conditions"] = _conditions_from_proto(message.conditions)
         return status
     if message.addresses:
         status["addresses"] = [{"value": a} for a in message.addresses]

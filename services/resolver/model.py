@@ -331,6 +331,21 @@ class HeaderMatch:
 
 
 @dataclass(frozen=True)
+class HostClaim:
+    """A claim on a host made for a route by a Gateway listener's hostname: the
+    Gateway (its namespace is the claim's), the listener, when it was made."""
+
+    namespace: str
+    gateway: str
+    listener: str
+    created: datetime | None = None
+
+    @property
+    def what(self) -> str:
+        return f"Gateway {self.namespace}/{self.gateway} listener {self.listener}"
+
+
+@dataclass(frozen=True)
 class RouteMatch:
     """One HTTPRoute match: every condition must hold (a route matches when any does)."""
 
@@ -448,6 +463,9 @@ class Route:
     # condition.
     ingress_refusal: tuple[str, str] | None = None
     ingress_verdicts: tuple[str, ...] = ()
+    # Whose claim on `host` this route is (waygate.resolver.status): a Gateway API
+    # route attached through a listener's hostname is that Gateway's; None: its own.
+    host_claim: HostClaim | None = None
     # TCP services (listener_protocol TCP_LISTENER): PROXY protocol from the
     # client (decoded) and to the backend (sent).
     proxy_protocol_from_client: bool = False

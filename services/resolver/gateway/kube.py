@@ -115,6 +115,8 @@ class GatewayObjects:
         self.store = store
         self.board = board
         self.ingress_nginx = ingress_nginx
+        # Host ownership is decided in the store; objects that lose a host say so.
+        board.follow(store)
         self.addresses = addresses
         self.sharing = sharing
         self.objects = Objects(services=_StoreServices(store))
@@ -174,7 +176,7 @@ class GatewayObjects:
             if line not in self._rejected:
                 self._rejected.add(line)
                 log.warning("Gateway API object not served (its status says why): %s", line)
-        self.store.replace_source(SOURCE, routes=translation.routes)
+        self.store.replace_source(SOURCE, routes=translation.routes, claims=translation.claims)
         self.board.replace(translation.statuses, translation.ignored)
 
 
@@ -185,6 +187,9 @@ def merged_status(kind: str, current: JSON, ours: JSON) -> JSON:
         field = "parents"
     elif kind == "BackendTLSPolicy":
         field = "ancestors"
+    elif kind == "Ingress":
+        # IngressStatus has no conditions: a host conflict shows in `waygate gateways`.
+        return {k: v for k, v in ours.items() if k != "conditions"}
     else:
         return ours
     theirs = [

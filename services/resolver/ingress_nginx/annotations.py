@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from waygate.core import regex as linear_regex
 from waygate.resolver.gateway import spec as specs
 from waygate.resolver.ingress_nginx import catalogue
 from waygate.resolver.ingress_nginx.catalogue import CATALOGUE, SNIPPETS, Verdict
@@ -995,10 +996,9 @@ def _path_problem(kind: str, value: str, regex: bool) -> str:
         return ""
     if not _REGEX_PATH.fullmatch(value):
         return f"{value!r} has characters a regular expression path may not have"
-    try:
-        re.compile(value)
-    except re.error as exc:
-        return f"{value!r} is not a regular expression ({exc})"
+    reason = linear_regex.refusal(value)
+    if reason is not None:  # the proxy matches with RE2 (waygate.core.regex)
+        return f"{value!r} is not a regular expression Waygate can match ({reason})"
     return ""
 
 
@@ -1327,9 +1327,7 @@ def regex_hosts(routes: list[Route], nginx: set[str]) -> list[Route]:
         ):
             match = route.matches[0]
             pattern = f"(?i)(?:{match.path}).*"
-            try:
-                re.compile(pattern)
-            except re.error:
+            if linear_regex.refusal(pattern) is not None:
                 pattern = f"(?i)(?:{re.escape(match.path)}).*"
             route = dataclasses.replace(
                 route,
