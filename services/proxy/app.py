@@ -160,9 +160,28 @@ class Settings(ProcessSettings):
     )
     tunnel_timeout: float = setting(
         3600.0,
-        help="inactivity of an upgraded (WebSocket, SPDY) connection",
+        help="inactivity of an upgraded (WebSocket, SPDY), passthrough or TCP service connection",
         parse=parse_duration,
         check=positive,
+    )
+    tcp_services_max_connections: int = setting(
+        1000,
+        help="connections open at once per TCP service port (ingress-nginx's "
+        "--tcp-services-configmap entries); more are closed on accept",
+        check=positive,
+    )
+    tcp_services_drain: float = setting(
+        30.0,
+        help="a TCP service port gone from the view stops accepting; its connections "
+        "are closed after this",
+        parse=parse_duration,
+        check=positive,
+    )
+    tcp_proxy_protocol_version: int = setting(
+        1,
+        help="PROXY protocol version sent to TCP service backends whose entry asks for it "
+        "(1, as nginx sends, or 2); from clients both are read",
+        check=lambda v: None if v in (1, 2) else f"must be 1 or 2, not {v}",
     )
     upstream_max_idle: int = setting(
         64, help="idle keep-alive connections kept per endpoint", check=positive
@@ -729,7 +748,26 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     )
     process.on_stop(_closer(gateway_listeners.close))
     fan_out = ViewFanOut(server, front, gateway_listeners, view_settings)
-    on_view = fan_out.on_view
+    from waygate.proxy.tcpservices import TcpServices
+
+    tcp_services = TcpServices(
+        server,
+        settings.host,
+        defaults=defaults,
+        cookie_key=cookie_key,
+        max_connections=settings.tcp_services_max_connections,
+        drain=settings.tcp_services_drain,
+        proxy_protocol_version=settings.tcp_proxy_protocol_version,
+        reuse_port=settings.worker,
+        serve=not settings.gateway,
+    )
+    process.on_stop(lambda: tcp_services.close(settings.shutdown_grace))
+    process.status.add("tcp-services", tcp_services.sections)
+
+    def on_view(view: Any) -> None:
+        fan_out.on_view(view)
+        tcp_services.on_view(view)  # ports of their own (waygate.proxy.tcpservices)
+
     on_healed = fan_out.on_healed
 
     channels = [

@@ -51,6 +51,7 @@ from waygate.core.paths import normalize_request_path
 from waygate.core.regex import LinearPattern, compile_linear
 from waygate.proxy.tls import hsts_line
 from waygate.resolver.client import (
+    TCP_LISTENER,
     Endpoint,
     PathMatchType,
     Route,
@@ -800,6 +801,8 @@ def build_table(
             continue  # another, older route owns its host or host and path (resolver status)
         if route.tls is not None and _value(route.tls.termination) == "passthrough":
             continue  # TLS passthrough is served by the HTTPS listener (next issue)
+        if route.listener_protocol == TCP_LISTENER:
+            continue  # a TCP service: bytes on its own port (waygate.proxy.tcpservices)
         side: HostIndex = legacy
         if route.listener_port:
             secure = ports.get(route.listener_port)

@@ -54,6 +54,7 @@ from waygate.core.grpctls import LentChannel
 from waygate.resolver import convert
 from waygate.resolver.model import (
     HSTS,
+    TCP_LISTENER,
     BalancePolicy,
     Endpoint,
     EndpointPort,
@@ -94,6 +95,7 @@ from waygate.resolver.v1 import resolver_pb2_grpc
 # client surface), never waygate.resolver.model (tests/unit/test_layering.py).
 __all__ = [
     "HSTS",
+    "TCP_LISTENER",
     "BalancePolicy",
     "Endpoint",
     "EndpointPort",

@@ -279,6 +279,8 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
         origin=route.origin,
         rule_index=route.rule_index,
         listener_protocol=route.listener_protocol,
+        proxy_protocol_from_client=route.proxy_protocol_from_client,
+        proxy_protocol_to_backend=route.proxy_protocol_to_backend,
     )
     if route.filters is not None:
         message.filters.CopyFrom(_filters_to_proto(route.filters))
@@ -405,6 +407,8 @@ def route_from_proto(message: pb.Route) -> model.Route:
         rule_index=message.rule_index,
         listener_protocol=message.listener_protocol,
         access=_access_from_proto(message.access) if message.HasField("access") else None,
+        proxy_protocol_from_client=message.proxy_protocol_from_client,
+        proxy_protocol_to_backend=message.proxy_protocol_to_backend,
     )
 
 

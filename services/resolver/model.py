@@ -486,6 +486,10 @@ class Route:
     # Whose claim on `host` this route is (waygate.resolver.status): a Gateway API
     # route attached through a listener's hostname is that Gateway's; None: its own.
     host_claim: HostClaim | None = None
+    # TCP services (listener_protocol TCP_LISTENER): PROXY protocol from the
+    # client (decoded) and to the backend (sent).
+    proxy_protocol_from_client: bool = False
+    proxy_protocol_to_backend: bool = False
 
     @property
     def key(self) -> RouteKey:
@@ -550,6 +554,8 @@ class Change:
 
 # What a route's upstreamProtocol may say; "" leaves it to the service port.
 UPSTREAM_PROTOCOLS: Final = ("http", "h2c", "h2", "grpc")
+#: Route.listener_protocol of a TCP service: bytes relayed on listener_port.
+TCP_LISTENER: Final = "TCP"
 # The appProtocol / upstreamProtocol values that mean HTTP/2 to the backend
 # (Kubernetes' kubernetes.io/h2c, and the common h2c, h2, grpc).
 HTTP2_PROTOCOLS: Final = frozenset(("kubernetes.io/h2c", "h2c", "h2", "grpc"))

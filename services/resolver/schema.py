@@ -226,6 +226,8 @@ DERIVED: Final[Mapping[str, Mapping[str, str]]] = {
         "ingress_verdicts": "an ingress-nginx Ingress's per-annotation verdicts",
         "access": "ingress-nginx's access annotations and ConfigMap block lists",
         "host_claim": "a Gateway listener's hostname claim a route is attached through",
+        "proxy_protocol_from_client": "a TCP services ConfigMap entry's first PROXY",
+        "proxy_protocol_to_backend": "a TCP services ConfigMap entry's second PROXY",
     },
     "RouteBackend": {
         "namespace": "Gateway API backendRefs across namespaces (ReferenceGrant)",

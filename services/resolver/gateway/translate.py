@@ -74,6 +74,7 @@ from waygate.resolver.gateway.spec import (
 )
 from waygate.resolver.ingress_nginx import annotations as nginx_annotations
 from waygate.resolver.ingress_nginx import config as nginx_compat
+from waygate.resolver.ingress_nginx import tcpservices as nginx_tcp
 from waygate.resolver.model import (
     HostClaim,
     InsecureEdgePolicy,
@@ -1322,7 +1323,35 @@ class _Translator:
         self.finish_gateways()
         self.finish_policies()
         self.ingresses()
+        if self.ingress_nginx is not None and self.ingress_nginx.tcp_services is not None:
+            self.tcp_services(self.ingress_nginx.tcp_services)
         return self.out
+
+    def tcp_services(self, key: Key) -> None:
+        """ingress-nginx's TCP services ConfigMap: one route per entry (none while it
+        does not exist, as ingress-nginx)."""
+        obj = self.objects.of("ConfigMap").get(key)
+        data = (obj or {}).get("data") or {}
+        if not isinstance(data, dict):
+            return
+        for route in nginx_tcp.routes(key[0], key[1], data):
+            backend = route.backends[0] if route.backends else None
+            service = (
+                self.objects.services.get((backend.namespace, backend.service)) if backend else None
+            )
+            found = next(
+                (
+                    p
+                    for p in (service.ports if service else ())
+                    if backend and backend.port in (p.name, str(p.port))
+                ),
+                None,
+            )
+            if backend and service and found:
+                # The service port as the proxy finds it on the endpoints.
+                sliced = dataclasses.replace(backend, port=_port_as_sliced(service, found))
+                route = dataclasses.replace(route, backends=(sliced,))
+            self.out.routes.append(route)
 
 
 def _port_as_sliced(service: Service, port: Any) -> str:

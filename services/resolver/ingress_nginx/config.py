@@ -127,6 +127,7 @@ class IngressNginx:
     prefix: str = DEFAULT_PREFIX
     configmap: tuple[str, str] | None = None  # (namespace, name)
     default_certificate: tuple[str, str] | None = None
+    tcp_services: tuple[str, str] | None = None  # --tcp-services-configmap
 
     @classmethod
     def from_settings(cls, settings: Any) -> IngressNginx | None:
@@ -153,21 +154,20 @@ class IngressNginx:
                 "admission_webhook_port: the webhook answers a cluster's API server; "
                 "it needs --kubernetes"
             )
-        if settings.tcp_services_configmap:
-            parse_reference(settings.tcp_services_configmap, "tcp_services_configmap")
-            raise ValueError(
-                "tcp_services_configmap: TCP services are not implemented yet; serve those "
-                "ports another way (refused rather than ignored)"
-            )
-        configmap, certificate = (
+        configmap, certificate, tcp = (
             parse_reference(getattr(settings, name), name) if getattr(settings, name) else None
-            for name in ("ingress_nginx_configmap", "default_ssl_certificate")
+            for name in (
+                "ingress_nginx_configmap",
+                "default_ssl_certificate",
+                "tcp_services_configmap",
+            )
         )
         return cls(
             class_name=settings.ingress_nginx_class,
             prefix=settings.annotations_prefix,
             configmap=configmap,
             default_certificate=certificate,
+            tcp_services=tcp,
         )
 
     def annotated(self, obj: Any) -> bool:

@@ -673,8 +673,8 @@ upstream-hash-by-subset-size use-port-in-redirects
             "must be NAMESPACE/NAME",
         ),
         (
-            {"ingress_nginx": "true", "manifests": "{dir}", "tcp_services_configmap": "a/b"},
-            "TCP services are not implemented yet",
+            {"ingress_nginx": "true", "manifests": "{dir}", "tcp_services_configmap": "a"},
+            "tcp_services_configmap: 'a' must be NAMESPACE/NAME",
         ),
         (
             {"ingress_nginx": "true", "manifests": "{dir}", "annotations_prefix": "Bad Prefix"},

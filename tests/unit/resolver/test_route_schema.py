@@ -380,6 +380,8 @@ DERIVED_SAMPLES: dict[str, dict[str, Any]] = {
             credentials=("ann:{PLAIN}pw",),
             satisfy_any=True,
         ),
+        "proxy_protocol_from_client": True,
+        "proxy_protocol_to_backend": True,
     },
     "RouteBackend": {"namespace": "other", "port": "http", "invalid": "not granted"},
     "RouteTLS": {
