@@ -366,7 +366,7 @@ def decide(
     forward.backend = backend
     if backend.http2:
         forward.http2 = True
-    if req.has_body and entry.options.request_buffering and not grpc:
+    if (req.content_length > 0 or req.chunked) and entry.options.request_buffering and not grpc:
         # (A gRPC client stream is a stream: never held back whole.)
         forward.buffer_body = True
     if grpc_timeout:

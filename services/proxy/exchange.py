@@ -405,6 +405,7 @@ class Exchange(UpgradeRelay):
             # Request buffering: the body comes in here before any upstream is
             # used; its minimum rate is measured from now.
             self.buffer = self.ctx.buffers.new_buffer()
+            self.dispatch_held = False
             self.body_rate_from = now
             self.body_rate_base = 0
             self.upstream_blocked = False
@@ -433,7 +434,6 @@ class Exchange(UpgradeRelay):
                     # does); the upstream's own 100 is not passed on.
                     self.down.informational(100)
             return
-        self.dispatch_held = False
         target = self.target
         assert target is not None
         ctx = self.ctx
@@ -521,6 +521,7 @@ class Exchange(UpgradeRelay):
                 self.fail(exc.status, exc.reason, exc.kind)
                 return b""
             if self.req_complete and self.dispatch_held:
+                self.dispatch_held = False
                 self.dispatch()
         else:
             self.pending_body.extend(out)

@@ -558,6 +558,13 @@ class H2Exchange(UpstreamStream):
     was decided before (`decision.decide`): this class moves DATA, windows and
     trailers, keeps the deadline, and records the end (`records`)."""
 
+    # Request buffering (bodybuffer; set per request only when the body is
+    # buffered): the body is taken in here with the client's window kept open,
+    # the upstream stream opened at its end, then the body replayed from here.
+    buffer: BodyBuffer | None = None
+    buffering = False  # the body is still coming in (no stream upstream yet)
+    last_client = 0.0  # when the client last sent body bytes (while buffering)
+
     def __init__(
         self,
         upstreams: H2Upstreams,
@@ -606,12 +613,10 @@ class H2Exchange(UpstreamStream):
         self.response_modifier = forward.response_modifier
         # Request buffering (bodybuffer): the body is taken in here, the window
         # kept open, and the stream opened upstream at its end; then replayed.
-        self.buffer: BodyBuffer | None = None
-        self.buffering = False  # the body is still coming in (no stream upstream yet)
-        self.last_client = self.started
         if forward.buffer_body and not end:
             self.buffer = self.ctx.buffers.new_buffer()
             self.buffering = True
+            self.last_client = self.started
 
     # ------------------------------------------------------------ start
 
