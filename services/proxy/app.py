@@ -259,6 +259,12 @@ class Settings(ProcessSettings):
         "route's requestBuffering off to stream it)",
         check=positive,
     )
+    request_buffer_files_total: int = setting(
+        1024 * 1024 * 1024,
+        help="request body bytes in the temporary files of every buffered request of the "
+        "process together (past it: 503; keep it under the directory's room)",
+        check=positive,
+    )
     request_buffer_dir: Path | None = setting(
         None,
         help="directory of the buffered bodies' temporary files (mode 0600, unlinked at "
@@ -372,6 +378,7 @@ class Settings(ProcessSettings):
                 memory_total=self.request_buffer_memory_total,
                 max_body=self.request_buffer_max,
                 directory=str(self.request_buffer_dir or ""),
+                files_total=self.request_buffer_files_total,
             ),
         )
 

@@ -14,6 +14,9 @@ Invariants:
 - memory: at most `memory_per_request` bytes per body, and at most
   `memory_total` bytes across every body of the process (`RequestBuffers`);
   what does not fit goes to one temporary file per body;
+- disk: at most `files_total` bytes in the temporary files of every body of
+  the process together (past it: 503, the buffers are full: a disk that
+  fills would stop more than this proxy);
 - a body over `max_body` bytes (memory and file together; a declared
   Content-Length over it refuses at once) is refused (`BufferRefused`,
   413 with the reason), as is a file that cannot be written (503);
@@ -47,6 +50,7 @@ class BufferLimits(NamedTuple):
     memory_total: int = 64 * 1024 * 1024
     max_body: int = 64 * 1024 * 1024
     directory: str = ""  # "" : the system's temporary directory
+    files_total: int = 1024 * 1024 * 1024
 
 
 class BufferRefused(Exception):
@@ -62,12 +66,13 @@ class BufferRefused(Exception):
 class RequestBuffers:
     """The process's request buffers: their bounds, and the memory and files they hold."""
 
-    __slots__ = ("files_open", "limits", "memory_used")
+    __slots__ = ("file_bytes", "files_open", "limits", "memory_used")
 
     def __init__(self, limits: BufferLimits) -> None:
         self.limits = limits
         self.memory_used = 0
         self.files_open = 0
+        self.file_bytes = 0  # in the files of every body
 
     def check(self, declared: int) -> None:
         """Raises BufferRefused when a declared body length (-1: none) is over the bound."""
@@ -124,6 +129,15 @@ class BodyBuffer:
             self._spill(piece)
 
     def _spill(self, piece: bytes) -> None:
+        buffers = self.buffers
+        if buffers.file_bytes + len(piece) > buffers.limits.files_total:
+            raise BufferRefused(
+                503,
+                "the proxy's request buffers are full ("
+                + str(buffers.limits.files_total)
+                + " bytes on disk); try again later",
+                "buffers_full",
+            )
         file = self.file
         try:
             if file is None:
@@ -140,6 +154,7 @@ class BodyBuffer:
                 503, "request body could not be buffered: " + os.strerror(exc.errno or 0), "buffer"
             ) from None
         self.file_size += len(piece)
+        buffers.file_bytes += len(piece)
 
     def read(self, limit: int = REPLAY_CHUNK) -> bytes:
         """The next bytes to replay (at most `limit`; b"" at the end). Memory
@@ -185,4 +200,5 @@ class BodyBuffer:
         if file is not None:
             self.file = None
             self.buffers.files_open -= 1
+            self.buffers.file_bytes -= self.file_size
             file.close()

@@ -97,3 +97,25 @@ def test_an_unwritable_directory_is_a_503_that_says_why(tmp_path):
     assert refused.value.reason.startswith("request body could not be buffered: ")
     buffer.close()
     assert (buffers.files_open, buffers.memory_used) == (0, 0)
+
+
+def test_the_files_of_every_body_together_are_bounded(tmp_path):
+    buffers = RequestBuffers(
+        BufferLimits(
+            memory_per_request=0,
+            memory_total=0,
+            max_body=1000,
+            files_total=150,
+            directory=str(tmp_path),
+        )
+    )
+    first, second = buffers.new_buffer(), buffers.new_buffer()
+    first.write([b"a" * 100])
+    with pytest.raises(BufferRefused) as full:
+        second.write([b"b" * 60])
+    assert full.value.status == 503 and full.value.kind == "buffers_full"
+    assert buffers.file_bytes == 100
+    first.close()
+    second.write([b"b" * 60])  # room again once the first body is gone
+    second.close()
+    assert (buffers.files_open, buffers.file_bytes, buffers.memory_used) == (0, 0, 0)
