@@ -19,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any
+
+from tests.support.h2attack import Bystander
 
 
 async def _one_upload(
@@ -67,25 +68,20 @@ async def slow_uploads(
     return counts
 
 
-class PostBystander:
-    """POSTs of a small body to `authority`, one at a time, each on a new connection."""
+class PostBystander(Bystander):
+    """POSTs of a small body to `authority`, one at a time, each on a new connection
+    (timed and reported as `h2attack.Bystander`'s GETs are)."""
 
     def __init__(self, port: int, authority: str, body: bytes = b"b" * 512, timeout: float = 3.0):
-        self.port = port
-        self.authority = authority.encode()
+        super().__init__(port, authority, "/upload", timeout)
         self.body = body
-        self.timeout = timeout
-        self.latencies: list[float] = []
-        self.ok = 0
-        self.failures: list[str] = []
 
     async def _post(self) -> str | None:
         reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
         try:
             writer.write(
-                b"POST /upload HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
-                % (self.authority, len(self.body))
-                + self.body
+                b"POST /upload HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n"
+                b"Connection: close\r\n\r\n" % (self.authority.encode(), len(self.body)) + self.body
             )
             head = await reader.readuntil(b"\r\n\r\n")
             status = head.split(b" ", 2)[1]
@@ -109,26 +105,3 @@ class PostBystander:
                 self.failures.append(failure)
             await asyncio.sleep(0.02)
         return self
-
-    @property
-    def attempts(self) -> int:
-        return len(self.latencies)
-
-    @property
-    def success(self) -> float:
-        return self.ok / self.attempts if self.attempts else 0.0
-
-    def quantile(self, q: float) -> float:
-        ordered = sorted(self.latencies)
-        if not ordered:
-            return float("inf")
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-    def report(self) -> dict[str, Any]:
-        return {
-            "attempts": self.attempts,
-            "success": round(self.success, 3),
-            "p50_ms": round(self.quantile(0.5) * 1000, 1),
-            "p99_ms": round(self.quantile(0.99) * 1000, 1),
-            "failures": sorted(set(self.failures)),
-        }

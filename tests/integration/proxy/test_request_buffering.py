@@ -22,12 +22,11 @@ from typing import Any
 import pytest
 
 from tests.integration.proxy import test_request_core as core
-from tests.integration.proxy.test_request_core import HOST, PAIRS, _dead_port, built, core_route
+from tests.integration.proxy.test_request_core import HOST, PAIRS, built, core_route
 from tests.support.h2client import H2Client
 from tests.support.proxyharness import running_proxy
 from waygate.proxy.bodybuffer import BufferLimits
 from waygate.proxy.server import Limits
-from waygate.resolver.model import Endpoint, EndpointPort
 
 backends = core.backends  # the fixture: the two real backends behind other/svc
 BODY = os.urandom(300 * 1024)  # past the memory bound below: spilled to a file
@@ -194,14 +193,7 @@ async def test_a_route_with_buffering_off_streams_the_body(backends, client, bac
 async def test_a_buffered_body_is_redispatched_after_a_failed_connect(
     backends, client, backend, tmp_path
 ):
-    dead = await _dead_port()
-    dead_endpoint = Endpoint(
-        namespace="other",
-        service="svc",
-        address="127.0.0.2",
-        ports=(EndpointPort("http", dead), EndpointPort("h2", dead)),
-    )
-    table = built([core_route(backend)], [dead_endpoint, backends.endpoint()])
+    table = built([core_route(backend)], [await core.dead_endpoint(), backends.endpoint()])
     async with running_proxy(table, limits=buffered_limits(tmp_path)) as (server, port):
         for _ in range(4):
             upload = Upload(client, port, BODY, "length")
