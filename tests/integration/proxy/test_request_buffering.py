@@ -243,3 +243,51 @@ async def test_a_client_that_vanishes_mid_body_leaves_nothing_behind(
         assert len(os.listdir("/proc/self/fd")) <= fds
         assert len(asyncio.all_tasks()) <= tasks
         assert backend_connections(backends) == 0
+
+
+@pytest.mark.parametrize(("client", "backend"), PAIRS)
+async def test_a_large_buffered_body_is_replayed_as_the_backend_takes_it(
+    backends, client, backend, tmp_path
+):
+    # 6 MiB from the file: more than the upstream socket's high-water mark and the
+    # HTTP/2 backend's windows, so the replay pauses and resumes (flow control).
+    body = os.urandom(6 * 1024 * 1024)
+    table = built([core_route(backend)], [backends.endpoint()])
+    limits = buffered_limits(tmp_path, max_body=8 * 1024 * 1024)
+    async with running_proxy(table, limits=limits) as (server, port):
+        upload = Upload(client, port, body, "length")
+        await upload.send_first(len(body) - 1)
+        status, answer = await upload.send_rest(len(body) - 1)
+        assert status == 200, answer[:200]
+        if backend == "h2c":
+            assert received_whole(backend, status, answer, body)
+        else:
+            # RecordingUpstream answers once it has read Content-Length bytes, and
+            # keeps the last (under 1 MiB) of a large body: they end it, in order.
+            tail = json.loads(answer)["body_length"]
+            assert tail and bytes(backends.h1.received).endswith(body[-tail:])
+        assert await settled(server) == {"files": 0, "memory": 0}
+
+
+@pytest.mark.parametrize("backend", ["http/1.1", "h2c"])
+async def test_expect_100_continue_is_answered_by_the_proxy_while_it_buffers(
+    backends, backend, tmp_path
+):
+    # The client waits for 100 before its body: the proxy invites it itself (the
+    # body is for the proxy first, as nginx), before any backend is asked; the
+    # backend's own 100 is not passed on (one 100, then the answer).
+    table = built([core_route(backend)], [backends.endpoint()])
+    async with running_proxy(table, limits=buffered_limits(tmp_path)) as (_, port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            b"POST /upload HTTP/1.1\r\nHost: " + HOST.encode() + b"\r\nContent-Length: 5000\r\n"
+            b"Expect: 100-continue\r\nConnection: close\r\n\r\n"
+        )
+        invited = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert invited.startswith(b"HTTP/1.1 100 ")
+        assert backend_connections(backends) == 0
+        writer.write(b"z" * 5000)
+        rest = await asyncio.wait_for(reader.read(-1), 10)
+        writer.close()
+    assert rest.startswith(b"HTTP/1.1 200 "), rest[:200]
+    assert b"HTTP/1.1 100" not in rest
