@@ -45,6 +45,7 @@ from waygate.core.settings import (
     positive,
     setting,
 )
+from waygate.proxy import backendcerts
 from waygate.proxy.bodybuffer import BufferLimits
 from waygate.proxy.http2 import H2Collector, H2Limits
 from waygate.proxy.metrics import ProxyCollector, ProxyMetrics
@@ -553,7 +554,9 @@ async def _tls_setup(process: ServiceProcess, settings: Settings, server: ProxyS
         held = certificates.rotator.current
         return held.chain_pem(), held.key_pem()
 
-    upstream_tls = UpstreamTLS(trust_pem, client_pem, server.dialer.connect)
+    upstream_tls = UpstreamTLS(
+        trust_pem, client_pem, server.dialer.connect, on_untrusted=server.health.failed
+    )
     if certificates is not None:
         process.on_stop(_closer(certificates.rotator.subscribe(upstream_tls.invalidate)))
         process.on_stop(_closer(certificates.trust.subscribe(upstream_tls.invalidate)))
@@ -809,6 +812,9 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
 
     process.status.add("proxy", status.provider(server, watch, front))
     process.status.set_traffic(lambda: status.traffic(server))
+    process.status.add("backend-certificates", lambda: backendcerts.sections(server))
+    if server.upstream_tls is not None:
+        process.spawn(server.upstream_tls.probe_forever(), "backend-certificate-probes")
     process.add_listener(
         HttpListener(server, settings.host, settings.http_port, reuse_port=settings.worker)
     )

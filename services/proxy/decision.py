@@ -42,7 +42,7 @@ import re
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
-from waygate.proxy import filters, http1, records, tls
+from waygate.proxy import access, filters, http1, records, tls
 from waygate.proxy.http1 import ForwardedContext, RequestHead
 from waygate.proxy.routing import (
     Backend,
@@ -261,6 +261,14 @@ def _request_filters(forward: Forward, req: RequestHead, facts: ConnectionFacts)
     return None
 
 
+def _access(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
+    """ingress-nginx's access annotations (waygate.proxy.access: 403, 401, 503)."""
+    check = forward.entry.access
+    assert check is not None and facts.context is not None  # (compiled by access.prepare)
+    refused = check.decide(req, facts.context.client_ip)
+    return None if refused is None else Answer(*refused, forward.entry.options.name)
+
+
 def _has_filters(entry: RouteEntry) -> bool:
     return entry.route.filters is not None
 
@@ -272,6 +280,8 @@ GATES: tuple[Rule, ...] = (
         lambda entry: entry.route.filters is not None and entry.route.filters.redirect is not None,
         _route_redirect,
     ),
+    # After the redirects (nginx's rewrite phase comes before its access phase).
+    Rule("access", access.prepare, _access),
 )
 SHAPERS: tuple[Rule, ...] = (Rule("request_filters", _has_filters, _request_filters),)
 

@@ -122,7 +122,8 @@ class Settings(GrpcServerSettings):
         False,
         help="let routes of different namespaces share a host (each host and path still "
         "goes to its oldest route); default: a host belongs to the namespace of its oldest "
-        "route and other namespaces' routes for it are Conflicted, as in OpenShift",
+        "claim, whatever its kind (Route, Ingress, HTTPRoute, a Gateway listener's "
+        "hostname), and other namespaces' claims on it are Conflicted, as in OpenShift",
     )
     manifests: Path | None = setting(
         None,

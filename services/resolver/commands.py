@@ -36,6 +36,7 @@ from waygate.core.clientcli import (
     add_output_argument,
     channel_for,
     fail,
+    printable,
     render,
     run_client,
     table,
@@ -115,8 +116,10 @@ def format_resolution(response: pb.ResolveResponse) -> str:
     kind = convert.SERVICE_TYPE_NAMES.get(service.type, "?")
     ips = ",".join(service.cluster_ips)
     lines = [
-        f"service {service.namespace}/{service.name} ({kind}{' ' + ips if ips else ''}); "
-        f"version {response.version}, {_sync_text(response)}"
+        printable(
+            f"service {service.namespace}/{service.name} ({kind}{' ' + ips if ips else ''}); "
+            f"version {response.version}, {_sync_text(response)}"
+        )
     ]
     rows = [
         (t.address, str(t.port), t.node_name or "-", t.zone or "-", "yes" if t.tunnel else "no")
@@ -124,7 +127,7 @@ def format_resolution(response: pb.ResolveResponse) -> str:
     ]
     lines.append(table(("ADDRESS", "PORT", "NODE", "ZONE", "TUNNEL"), rows))
     if response.HasField("picked"):
-        lines.append(f"picked: {response.picked.address}:{response.picked.port}")
+        lines.append(printable(f"picked: {response.picked.address}:{response.picked.port}"))
     return "\n".join(lines)
 
 
@@ -284,7 +287,7 @@ def format_sources(sources: Sequence[pb.RouteSourceState]) -> str:
             else "never loaded"
         )
         if state.valid:
-            lines.append(f"{what}: valid ({loaded})")
+            lines.append(printable(f"{what}: valid ({loaded})"))
         else:
             since = (
                 f"; failing since {_when(state.error_since)}"
@@ -292,7 +295,8 @@ def format_sources(sources: Sequence[pb.RouteSourceState]) -> str:
                 else ""
             )
             lines.append(
-                f"{what}: {source_failure(state.source).upper()}: {state.last_error}\n"
+                printable(f"{what}: {source_failure(state.source).upper()}: {state.last_error}")
+                + "\n"
                 f"  serving the last good content ({loaded}{since}); {source_hint(state.source)}"
             )
     return "\n".join(lines)
@@ -383,7 +387,7 @@ def format_route_change(route: pb.Route) -> str:
         f"+ {route.namespace}/{route.name}  {route.host}{separator}{route_path(route)} -> "
         f"{_backends(route)}  tls={_tls(route)}  {status}"
     )
-    return f"{text}: {message}" if message else text
+    return printable(f"{text}: {message}" if message else text)
 
 
 async def list_routes(

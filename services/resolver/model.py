@@ -331,6 +331,21 @@ class HeaderMatch:
 
 
 @dataclass(frozen=True)
+class HostClaim:
+    """A claim on a host made for a route by a Gateway listener's hostname: the
+    Gateway (its namespace is the claim's), the listener, when it was made."""
+
+    namespace: str
+    gateway: str
+    listener: str
+    created: datetime | None = None
+
+    @property
+    def what(self) -> str:
+        return f"Gateway {self.namespace}/{self.gateway} listener {self.listener}"
+
+
+@dataclass(frozen=True)
 class RouteMatch:
     """One HTTPRoute match: every condition must hold (a route matches when any does)."""
 
@@ -398,6 +413,24 @@ class RouteFilters:
 
 
 @dataclass(frozen=True)
+class RouteAccess:
+    """Who may reach a route (ingress-nginx's access annotations; waygate.proxy.access
+    decides it per request). `credentials` are secrets, withheld as tls.key is."""
+
+    block: tuple[str, ...] = ()  # CIDRs answered 403 whatever else holds
+    deny: tuple[str, ...] = ()
+    allow: tuple[str, ...] = ()  # given: any address outside them is refused
+    block_user_agents: tuple[str, ...] = ()  # "~REGEX" (case-sensitive), "~*REGEX", exact
+    block_referers: tuple[str, ...] = ()
+    # X-Forwarded-For names the client when the peer is within these (nginx real_ip).
+    trusted_proxies: tuple[str, ...] = ()
+    auth_type: str = ""  # "basic" or "" (none)
+    auth_realm: str = ""
+    credentials: tuple[str, ...] = ()  # "user:hash" lines
+    satisfy_any: bool = False
+
+
+@dataclass(frozen=True)
 class Route:
     namespace: str
     name: str
@@ -452,6 +485,11 @@ class Route:
     # condition.
     ingress_refusal: tuple[str, str] | None = None
     ingress_verdicts: tuple[str, ...] = ()
+    # None: anyone may reach the route.
+    access: RouteAccess | None = None
+    # Whose claim on `host` this route is (waygate.resolver.status): a Gateway API
+    # route attached through a listener's hostname is that Gateway's; None: its own.
+    host_claim: HostClaim | None = None
 
     @property
     def key(self) -> RouteKey:

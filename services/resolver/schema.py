@@ -225,6 +225,8 @@ DERIVED: Final[Mapping[str, Mapping[str, str]]] = {
         "rule_index": "the rule of that object (a precedence tie-breaker)",
         "ingress_refusal": "why an ingress-nginx Ingress is not served (its annotations)",
         "ingress_verdicts": "an ingress-nginx Ingress's per-annotation verdicts",
+        "access": "ingress-nginx's access annotations and ConfigMap block lists",
+        "host_claim": "a Gateway listener's hostname claim a route is attached through",
     },
     "RouteBackend": {
         "namespace": "Gateway API backendRefs across namespaces (ReferenceGrant)",
@@ -241,7 +243,7 @@ DERIVED: Final[Mapping[str, Mapping[str, str]]] = {
 # Derived fields the resolver keeps to itself: they reach clients as the route's
 # status conditions (Admitted, AnnotationsHonoured), not as fields of the proto.
 RESOLVER_ONLY: Final[Mapping[str, frozenset[str]]] = {
-    "Route": frozenset({"ingress_refusal", "ingress_verdicts"}),
+    "Route": frozenset({"ingress_refusal", "ingress_verdicts", "host_claim"}),
 }
 
 

@@ -97,7 +97,7 @@ async def get(port: int, path: str = "/", host: bytes = b"echo.test") -> bytes:
 async def ready(proxy: RunningService) -> bool:
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", proxy.admin_port)
-        writer.write(b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
+        writer.write(b"GET /readyz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         data = await asyncio.wait_for(reader.read(), 5)
         writer.close()
         return data.startswith(b"HTTP/1.1 200")
@@ -265,7 +265,7 @@ async def test_workers_share_the_port_and_one_metrics_endpoint(tmp_path: Path) -
 
         async def scraped_total() -> float:
             reader, writer = await asyncio.open_connection("127.0.0.1", proxy.admin_port)
-            writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            writer.write(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             data = (await asyncio.wait_for(reader.read(), 5)).decode()
             writer.close()
             lines = [

@@ -2,8 +2,8 @@
 
 Offline: reads what `kubectl apply -f PATH` takes (a file or a directory of YAML
 or JSON, as the resolver's --manifests does), or lists Ingresses, IngressClasses
-and ConfigMaps from a cluster, and says per Ingress of the ingress-nginx class
-and per annotation what Waygate does with it (the verdicts the resolver's
+and ConfigMaps from a cluster (and reads the Secrets their auth-secret annotations
+name), and says per Ingress of the ingress-nginx class and per annotation what Waygate does with it (the verdicts the resolver's
 --ingress-nginx mode applies: the same `annotations.plan`), whether the Ingress
 would be served, and the controller ConfigMap's keys that are not honoured.
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -148,7 +149,8 @@ class Report:
 
 
 def check(objects: list[JSON], settings: IngressNginx) -> Report:
-    """The report for a set of objects (Ingress, IngressClass, ConfigMap; others ignored)."""
+    """The report for a set of objects (Ingress, IngressClass, ConfigMap, Secret; others
+    ignored)."""
     by_kind: dict[str, dict[tuple[str, str], JSON]] = {}
     for obj in objects:
         kind = obj.get("kind")
@@ -171,7 +173,7 @@ def check(objects: list[JSON], settings: IngressNginx) -> Report:
         if class_name not in ours:
             report.skipped.append(f"Ingress {namespace}/{name} (class {class_name or 'none'})")
             continue
-        plan, _ = planner.judge(obj, settings, config_maps)
+        plan, _ = planner.judge(obj, settings, config_maps, by_kind.get("Secret", {}))
         served = not plan.refusal_reason
         report.ingresses.append(IngressReport(namespace, name, served, plan.refusal, plan.findings))
     return report
@@ -212,9 +214,38 @@ def read_cluster(kubeconfig: str, context: str) -> list[JSON]:
             for item in items:
                 item.setdefault("kind", kind)
             out.extend(items)
+        # Only the Secrets an auth-secret names (never every Secret of the cluster).
+        for namespace, name in sorted(_auth_secrets(out)):
+            try:
+                secret = api.get(f"/api/v1/namespaces/{namespace}/secrets/{name}")
+            except KubeError as exc:
+                if exc.not_found:
+                    continue  # judged as missing: the Ingress is refused, naming it
+                raise ValueError(f"reading Secret {namespace}/{name}: {exc}") from None
+            secret.setdefault("kind", "Secret")
+            secret.setdefault("metadata", {}).setdefault("namespace", namespace)
+            out.append(secret)
         return out
     finally:
         api.close()
+
+
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+
+
+def _auth_secrets(objects: list[JSON]) -> set[tuple[str, str]]:
+    """(namespace, name) of every Secret an Ingress's auth-secret names (any prefix)."""
+    found = set()
+    for obj in objects:
+        meta = obj.get("metadata") or {}
+        if obj.get("kind") != "Ingress" or not isinstance(meta.get("annotations"), dict):
+            continue
+        for key, value in meta["annotations"].items():
+            if str(key).endswith("/auth-secret") and isinstance(value, str):
+                namespace, _, name = value.rpartition("/")
+                if DNS_LABEL.fullmatch(name) and DNS_LABEL.fullmatch(namespace or "x"):
+                    found.add((namespace or str(meta.get("namespace") or "default"), name))
+    return found
 
 
 def _configure(parser: argparse.ArgumentParser) -> None:

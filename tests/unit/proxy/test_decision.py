@@ -22,6 +22,7 @@ from waygate.resolver.model import (
     InsecureEdgePolicy,
     Redirect,
     Route,
+    RouteAccess,
     RouteBackend,
     RouteFilters,
     RouteTLS,
@@ -118,6 +119,39 @@ CASES = [
         "demo/r",
     ),
     ("no endpoint", [rt(backends=(RouteBackend("gone"),))], req(), 503, "no_endpoint", "demo/r"),
+    # Access (waygate.proxy.access; the client is 192.0.2.7): tests/unit/proxy/test_access.py.
+    (
+        "allowed address",
+        [rt(access=RouteAccess(allow=("192.0.2.0/24",)))],
+        req(),
+        None,
+        "",
+        "demo/r",
+    ),
+    (
+        "address not allowed",
+        [rt(access=RouteAccess(allow=("10.0.0.0/8",)))],
+        req(),
+        403,
+        "access_denied",
+        "demo/r",
+    ),
+    (
+        "no credentials",
+        [rt(access=RouteAccess(auth_type="basic", auth_realm="r", credentials=("a:{PLAIN}b",)))],
+        req(),
+        401,
+        "unauthorized",
+        "demo/r",
+    ),
+    (
+        "credentials",
+        [rt(access=RouteAccess(auth_type="basic", credentials=("a:{PLAIN}b",)))],
+        req(extra="Authorization: Basic YTpi\r\n"),
+        None,
+        "",
+        "demo/r",
+    ),
     ("forward", [rt()], req(), None, "", "demo/r"),
 ]
 
