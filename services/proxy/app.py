@@ -46,6 +46,7 @@ from waygate.core.settings import (
     setting,
 )
 from waygate.proxy import backendcerts
+from waygate.proxy.bodybuffer import BufferLimits
 from waygate.proxy.http2 import H2Collector, H2Limits
 from waygate.proxy.metrics import ProxyCollector, ProxyMetrics
 from waygate.proxy.routing import Defaults
@@ -259,6 +260,36 @@ class Settings(ProcessSettings):
         parse=parse_duration,
         check=positive,
     )
+    request_buffer_memory: int = setting(
+        64 * 1024,
+        help="request body bytes held in memory per request while it is taken in before an "
+        "upstream is used (request buffering, a route's requestBuffering); more goes to a "
+        "temporary file",
+        check=lambda v: None if v >= 0 else f"must be 0 or more, not {v}",
+    )
+    request_buffer_memory_total: int = setting(
+        64 * 1024 * 1024,
+        help="request body bytes held in memory for every buffered request of the process "
+        "together; past it bodies go to temporary files",
+        check=lambda v: None if v >= 0 else f"must be 0 or more, not {v}",
+    )
+    request_buffer_max: int = setting(
+        64 * 1024 * 1024,
+        help="the largest request body buffered (memory and file; larger: 413, or turn the "
+        "route's requestBuffering off to stream it)",
+        check=positive,
+    )
+    request_buffer_files_total: int = setting(
+        1024 * 1024 * 1024,
+        help="request body bytes in the temporary files of every buffered request of the "
+        "process together (past it: 503; keep it under the directory's room)",
+        check=positive,
+    )
+    request_buffer_dir: Path | None = setting(
+        None,
+        help="directory of the buffered bodies' temporary files (mode 0600, unlinked at "
+        "once); unset: the system's temporary directory",
+    )
     max_informational: int = setting(
         16,
         help="informational (1xx) responses an upstream may send before its final one, per "
@@ -362,6 +393,13 @@ class Settings(ProcessSettings):
             request_body_grace=self.request_body_grace,
             max_informational=self.max_informational,
             max_informational_bytes=self.max_informational_bytes,
+            request_buffer=BufferLimits(
+                memory_per_request=self.request_buffer_memory,
+                memory_total=self.request_buffer_memory_total,
+                max_body=self.request_buffer_max,
+                directory=str(self.request_buffer_dir or ""),
+                files_total=self.request_buffer_files_total,
+            ),
         )
 
     def validate(self) -> str | None:
@@ -371,6 +409,10 @@ class Settings(ProcessSettings):
         if self.unavailable_page is not None and not self.unavailable_page.is_file():
             return (
                 f"invalid setting unavailable_page: {self.unavailable_page} is not a readable file"
+            )
+        if self.request_buffer_dir is not None and not self.request_buffer_dir.is_dir():
+            return (
+                f"invalid setting request_buffer_dir: {self.request_buffer_dir} is not a directory"
             )
         if self.sticky_key_file is not None and not self.sticky_key_file.is_file():
             return f"invalid setting sticky_key_file: {self.sticky_key_file} is not a readable file"

@@ -128,6 +128,9 @@ class Forward:
     # the answer (0.0: no such deadline; the server timeout applies).
     deadline = 0.0
     mirrors: list[tuple[Target, bytes]] | None = None
+    # The body is taken in whole before an upstream is used (bodybuffer): the
+    # route's requestBuffering, for a request with a body, not gRPC.
+    buffer_body = False
     target: Target
     backend: Backend
 
@@ -317,10 +320,12 @@ def decide(
     now: float,
     grpc_timeout: float = 0.0,
     http_version: str = "1.1",
+    grpc: bool = False,
 ) -> Answer | Forward:
     """Every per-request rule, in order: the proxy's own answers, routing, the route's
     gates, the endpoint pick, the trace decision, the route's shapers, the upstream
-    head. `grpc_timeout`: the request's grpc-timeout in seconds (0: none)."""
+    head. `grpc_timeout`: the request's grpc-timeout in seconds (0: none); `grpc`:
+    a gRPC request (its body is never buffered whole)."""
     target = req.target
     if target == http1.HEALTHZ_PATH:
         return HEALTHZ
@@ -371,6 +376,9 @@ def decide(
     forward.backend = backend
     if backend.http2:
         forward.http2 = True
+    if (req.content_length > 0 or req.chunked) and entry.options.request_buffering and not grpc:
+        # (A gRPC client stream is a stream: never held back whole.)
+        forward.buffer_body = True
     if grpc_timeout:
         # The answer's deadline: grpc-timeout when shorter than the route's server
         # timeout (0.0, the default: the server timeout from now).

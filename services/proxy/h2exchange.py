@@ -74,7 +74,7 @@ def start_exchange(conn: H2ClientConnection, stream: Stream, request: Request, e
         for name, value in request.headers:
             if name == b"grpc-timeout":
                 grpc_timeout = grpcstatus.parse_timeout(value) or 0.0
-    decided = decide(ctx.view, req, conn, now, grpc_timeout, "2")
+    decided = decide(ctx.view, req, conn, now, grpc_timeout, "2", request.grpc)
     if type(decided) is Answer:
         answer: Answer = decided  # type: ignore[assignment]
         if answer.refused:

@@ -132,6 +132,8 @@ class RouteOptions(NamedTuple):
     tunnel_timeout: float
     cookie_name: bytes  # b"": no sticky cookie
     cookie_attributes: bytes
+    # Take a request's body in before an upstream is used (Route requestBuffering).
+    request_buffering: bool = True
 
 
 class Defaults(NamedTuple):
@@ -738,6 +740,7 @@ def _route_options(route: Route, defaults: Defaults) -> RouteOptions:
         tunnel_timeout=pick(timeouts.tunnel, defaults.tunnel_timeout),
         cookie_name=cookie_name,
         cookie_attributes=attributes,
+        request_buffering=getattr(route, "request_buffering", True),
     )
 
 

@@ -269,6 +269,7 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
         auth_proxy_headers=route.auth_proxy_headers,
         forwarded_headers=FORWARDED_MODES[route.forwarded_headers],
         upstream_protocol=route.upstream_protocol,
+        request_buffering=route.request_buffering,
         status=None if route.status is None else route_status_to_proto(route.status),
         creation_timestamp=timestamp(route.created),
         matches=[_match_to_proto(m) for m in route.matches],
@@ -391,6 +392,9 @@ def route_from_proto(message: pb.Route) -> model.Route:
             FORWARDED_MODE_NAMES, message.forwarded_headers, "forwarded_headers"
         ),
         upstream_protocol=message.upstream_protocol,
+        request_buffering=message.request_buffering
+        if message.HasField("request_buffering")
+        else True,
         created=when(message, "creation_timestamp"),
         status=route_status_from_proto(message.status) if message.HasField("status") else None,
         matches=tuple(_match_from_proto(m) for m in message.matches),

@@ -448,6 +448,10 @@ class Route:
     forwarded_headers: ForwardedHeadersMode = ForwardedHeadersMode.APPEND
     # "" (the service port's app_protocol decides), or one of UPSTREAM_PROTOCOLS.
     upstream_protocol: str = ""
+    # Request buffering (as nginx's proxy_request_buffering): a request's body is
+    # taken in whole before an upstream is used; off streams it (uploads that must
+    # flow as they come). gRPC requests are never buffered.
+    request_buffering: bool = True
     # When the source created it (the CRD's metadata.creationTimestamp); None: the
     # store's first sight of it decides its age (routes-file order within a load).
     created: datetime | None = None

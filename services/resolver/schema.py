@@ -191,6 +191,7 @@ SPEC_FIELDS: Final = (
     Field("authProxyHeaders", "auth_proxy_headers", BOOLEAN),
     _enum("forwardedHeaders", "forwarded_headers", model.ForwardedHeadersMode),
     Field("upstreamProtocol", "upstream_protocol", STRING, choices=model.UPSTREAM_PROTOCOLS),
+    Field("requestBuffering", "request_buffering", BOOLEAN),
 )
 
 #: Where a routes-file entry differs from a CRD: it names itself.

@@ -145,6 +145,7 @@ class Plan:
     balance: BalancePolicy = BalancePolicy.ROUND_ROBIN
     timeouts: RouteTimeouts = field(default_factory=RouteTimeouts)
     upstream_protocol: str = ""
+    request_buffering: bool = True
     backend_tls: bool = False
     ssl_passthrough: bool = False
     forwarded: ForwardedHeadersMode = ForwardedHeadersMode.REPLACE
@@ -719,6 +720,14 @@ def _timeouts(
     found(short)
 
 
+@_handles("proxy-request-buffering")
+def _request_buffering(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    p.request_buffering = value == "on"
+    found("proxy-request-buffering", Verdict.HONOURED, "")
+
+
 @_handles("proxy-http-version")
 def _http_version(
     p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
@@ -1123,6 +1132,7 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             balance=p.balance,
             timeouts=p.timeouts,
             upstream_protocol=p.upstream_protocol,
+            request_buffering=p.request_buffering,
             forwarded_headers=p.forwarded,
             ingress_verdicts=verdicts,
             access=p.access,

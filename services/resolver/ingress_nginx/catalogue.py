@@ -515,10 +515,10 @@ ENTRIES: tuple[Entry, ...] = (
     _e(
         "proxy-request-buffering",
         one_of("on", "off"),
-        X,
-        "`on` (nginx's default): taking "
-        "the body in before using a backend connection, spilled to a file",
-        lacks=True,
+        H,
+        "the route's requestBuffering: `on` (the default) takes the body in (memory, then "
+        "a temporary file, up to --request-buffer-max) before a backend connection is used; "
+        "`off` streams it; gRPC requests are never buffered",
     ),
     _e("proxy-buffering", one_of("on", "off"), N, _BUFFER),
     _e("proxy-buffers-number", integer, N, _BUFFER),

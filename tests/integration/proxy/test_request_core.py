@@ -361,16 +361,20 @@ async def _dead_port() -> int:
     return int(port)
 
 
-@pytest.mark.parametrize(("client", "backend"), PAIRS)
-async def test_redispatch_after_a_failed_connect(backends, client, backend):
+async def dead_endpoint() -> Endpoint:
+    """An endpoint of other/svc whose ports refuse connections."""
     dead = await _dead_port()
-    dead_endpoint = Endpoint(
+    return Endpoint(
         namespace="other",
         service="svc",
         address="127.0.0.2",
         ports=(EndpointPort("http", dead), EndpointPort("h2", dead)),
     )
-    table = built([core_route(backend)], [dead_endpoint, backends.endpoint()])
+
+
+@pytest.mark.parametrize(("client", "backend"), PAIRS)
+async def test_redispatch_after_a_failed_connect(backends, client, backend):
+    table = built([core_route(backend)], [await dead_endpoint(), backends.endpoint()])
     async with running_proxy(table) as (server, port):
         answers = [await ask(client, port, f"/{i}") for i in range(4)]
     assert [a.status for a in answers] == [200] * 4

@@ -229,6 +229,31 @@ def test_grpc_timeout_sets_the_deadline_only_when_shorter():
     assert isinstance(forward, Forward) and forward.deadline == 0.0
 
 
+@pytest.mark.parametrize(
+    ("head", "route", "grpc", "buffered"),
+    [
+        ("POST /x HTTP/1.1\r\nHost: a.test\r\nContent-Length: 5\r\n\r\n", {}, False, True),
+        ("POST /x HTTP/1.1\r\nHost: a.test\r\nTransfer-Encoding: chunked\r\n\r\n", {}, False, True),
+        ("GET /x HTTP/1.1\r\nHost: a.test\r\n\r\n", {}, False, False),  # no body: nothing to hold
+        ("POST /x HTTP/1.1\r\nHost: a.test\r\nContent-Length: 0\r\n\r\n", {}, False, False),
+        (
+            "POST /x HTTP/1.1\r\nHost: a.test\r\nContent-Length: 5\r\n\r\n",
+            {"request_buffering": False},  # a streaming route
+            False,
+            False,
+        ),
+        ("POST /x HTTP/1.1\r\nHost: a.test\r\nContent-Length: 5\r\n\r\n", {}, True, False),
+    ],
+    ids=["length", "chunked", "bodiless", "empty", "route off", "grpc"],
+)
+def test_request_buffering_is_decided_once(head, route, grpc, buffered):
+    decided = decide(
+        view([rt(**route)], [ep()]), parse_request_head(head.encode()), Facts(), 0.0, grpc=grpc
+    )
+    assert type(decided) is Forward
+    assert decided.buffer_body is buffered
+
+
 def test_the_pick_is_counted_and_released_and_repick_moves_it():
     built = view([rt()], [ep("10.0.0.1"), ep("10.0.0.2")])
     forward = decide(built, req(), Facts(), 0.0)

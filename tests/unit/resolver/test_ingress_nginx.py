@@ -289,6 +289,16 @@ def test_affinity_balance_timeouts_and_backend_protocol():
     )
 
 
+@pytest.mark.parametrize(("value", "buffered"), [(None, True), ("on", True), ("off", False)])
+def test_proxy_request_buffering_maps_onto_the_routes_request_buffering(value, buffered):
+    # On by default, as nginx: the body is taken in before a backend connection is used.
+    annotations = {} if value is None else {P + "proxy-request-buffering": value}
+    [route] = routes_of(ingress("uploads", annotations))
+    assert route.request_buffering is buffered
+    # Honoured: nothing is reported as not honoured or different.
+    assert not [v for v in route.ingress_verdicts if v.startswith("proxy-request-buffering")]
+
+
 def test_default_balance_is_round_robin_as_ingress_nginx():
     [route] = routes_of(ingress("rr"))
     assert route.balance is BalancePolicy.ROUND_ROBIN

@@ -119,6 +119,7 @@ def full_route() -> model.Route:
             auth_proxy_headers=True,
             forwarded_headers=model.ForwardedHeadersMode.IF_NONE,
             upstream_protocol="h2",
+            request_buffering=False,
         )
     )
 
