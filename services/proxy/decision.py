@@ -39,10 +39,11 @@ from __future__ import annotations
 
 import random
 import re
+import time
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
-from waygate.proxy import filters, http1, records, tls
+from waygate.proxy import filters, http1, ratelimit, records, tls
 from waygate.proxy.http1 import ForwardedContext, RequestHead
 from waygate.proxy.routing import (
     Backend,
@@ -128,6 +129,8 @@ class Forward:
     # the answer (0.0: no such deadline; the server timeout applies).
     deadline = 0.0
     mirrors: list[tuple[Target, bytes]] | None = None
+    # A limit-connections slot the request holds (release_pick gives it back).
+    held: ratelimit.Held | None = None
     target: Target
     backend: Backend
 
@@ -157,6 +160,8 @@ def release_pick(forward: Forward) -> None:
     if forward.counted:
         forward.counted = False
         forward.backend.picker.release(forward.target)
+    if forward.held is not None:
+        forward.held.release()
 
 
 # Connects tried per request: the first and two redispatches.
@@ -181,7 +186,8 @@ def repick(view: View, forward: Forward, facts: ConnectionFacts, failed: Target)
     target, backend = entry.pick(facts.client_key, None, view.health, failed)
     if target is None or backend is None or backend.invalid or backend.http2 != forward.http2:
         return False
-    release_pick(forward)
+    if forward.counted:  # the old endpoint's count given back (the request goes on)
+        forward.backend.picker.release(forward.target)
     forward.target = target
     forward.backend = backend
     backend.picker.acquire(target)
@@ -258,6 +264,18 @@ def _request_filters(forward: Forward, req: RequestHead, facts: ConnectionFacts)
     return None
 
 
+def _rate_limit(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
+    """ingress-nginx limit-rps/-rpm/-connections per client address (`ratelimit`)."""
+    limiter = ratelimit.limiter_for(forward.entry.route)
+    admitted = limiter.admit(facts.client_key, time.monotonic())
+    if admitted is None:
+        return None
+    if isinstance(admitted, tuple):
+        return Answer(admitted[0], admitted[1], "rate_limited", forward.entry.options.name)
+    forward.held = admitted
+    return None
+
+
 def _has_filters(entry: RouteEntry) -> bool:
     return entry.route.filters is not None
 
@@ -269,6 +287,7 @@ GATES: tuple[Rule, ...] = (
         lambda entry: entry.route.filters is not None and entry.route.filters.redirect is not None,
         _route_redirect,
     ),
+    Rule("rate_limit", lambda entry: entry.route.rate_limit is not None, _rate_limit),
 )
 SHAPERS: tuple[Rule, ...] = (Rule("request_filters", _has_filters, _request_filters),)
 
@@ -339,6 +358,7 @@ def decide(
         for rule in rules[0]:  # type: ignore[index]
             answer = rule.run(forward, req, facts)
             if answer is not None:
+                release_pick(forward)  # what an earlier gate held
                 return answer
     # The endpoint: one backend with one endpoint and no cookie takes it without a call.
     cookie = None
@@ -351,8 +371,10 @@ def decide(
         picked, chosen = entry.pick(facts.client_key, cookie, view.health, None)
         if chosen is not None and chosen.invalid:
             # A Gateway API backendRef that cannot be used: 500, as the spec says.
+            release_pick(forward)
             return Answer(500, chosen.invalid, "invalid_backend", entry.options.name)
         if picked is None or chosen is None:
+            release_pick(forward)
             return Answer(503, unavailable_reason(entry), "no_endpoint", entry.options.name)
         forward.target = picked
         backend = chosen

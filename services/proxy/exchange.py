@@ -497,8 +497,7 @@ class Exchange(UpgradeRelay):
         forward = self.forward
         if forward is not None:
             self.forward = None
-            if forward.counted:
-                release_pick(forward)
+            release_pick(forward)
         self.backend = None
         self.target = None
 
@@ -796,8 +795,7 @@ class Exchange(UpgradeRelay):
         forward = self.forward
         if forward is not None:
             self.forward = None
-            if forward.counted:
-                release_pick(forward)
+            release_pick(forward)
         self.backend = None
         self.target = None
         self.req = None

@@ -15,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import ipaddress
 from collections.abc import Mapping
@@ -282,6 +283,8 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
     )
     if route.filters is not None:
         message.filters.CopyFrom(_filters_to_proto(route.filters))
+    if (limit := route.rate_limit) is not None:
+        message.rate_limit.CopyFrom(pb.RateLimit(**dataclasses.asdict(limit)))
     if route.tls is not None:
         hsts = route.tls.hsts
         message.tls.CopyFrom(
@@ -391,6 +394,9 @@ def route_from_proto(message: pb.Route) -> model.Route:
         status=route_status_from_proto(message.status) if message.HasField("status") else None,
         matches=tuple(_match_from_proto(m) for m in message.matches),
         filters=_filters_from_proto(message.filters) if message.HasField("filters") else None,
+        rate_limit=_rate_limit_from_proto(message.rate_limit)
+        if message.HasField("rate_limit")
+        else None,
         request_timeout=seconds(message.request_timeout)
         if message.HasField("request_timeout")
         else None,
@@ -540,6 +546,18 @@ def _filters_to_proto(filters: model.RouteFilters) -> pb.RouteFilters:
             )
         )
     return message
+
+
+def _rate_limit_from_proto(message: pb.RateLimit) -> model.RateLimit:
+    return model.RateLimit(
+        message.rps,
+        message.rpm,
+        message.burst_multiplier,
+        message.connections,
+        tuple(message.allow),
+        message.request_status,
+        message.connection_status,
+    )
 
 
 def _filters_from_proto(message: pb.RouteFilters) -> model.RouteFilters:

@@ -398,6 +398,24 @@ class RouteFilters:
 
 
 @dataclass(frozen=True)
+class RateLimit:
+    """ingress-nginx's limit-* annotations: per proxy replica, keyed by the client
+    address (nginx limit_req with nodelay, limit_conn). 0: no such limit."""
+
+    rps: int = 0
+    rpm: int = 0
+    # The burst a client may send at once: the rate times this (nginx limit_req burst).
+    burst_multiplier: int = 5
+    # Requests in flight per client address (nginx limit_conn).
+    connections: int = 0
+    # Client addresses and CIDRs never limited (limit-allowlist).
+    allow: tuple[str, ...] = ()
+    # The answers' statuses (the ConfigMap's limit-req-status-code, limit-conn-status-code).
+    request_status: int = 503
+    connection_status: int = 503
+
+
+@dataclass(frozen=True)
 class Route:
     namespace: str
     name: str
@@ -448,6 +466,8 @@ class Route:
     # condition.
     ingress_refusal: tuple[str, str] | None = None
     ingress_verdicts: tuple[str, ...] = ()
+    # ingress-nginx limit-* annotations (None: not limited).
+    rate_limit: RateLimit | None = None
 
     @property
     def key(self) -> RouteKey:

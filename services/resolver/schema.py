@@ -224,6 +224,7 @@ DERIVED: Final[Mapping[str, Mapping[str, str]]] = {
         "rule_index": "the rule of that object (a precedence tie-breaker)",
         "ingress_refusal": "why an ingress-nginx Ingress is not served (its annotations)",
         "ingress_verdicts": "an ingress-nginx Ingress's per-annotation verdicts",
+        "rate_limit": "ingress-nginx limit-* annotations (per proxy replica)",
     },
     "RouteBackend": {
         "namespace": "Gateway API backendRefs across namespaces (ReferenceGrant)",

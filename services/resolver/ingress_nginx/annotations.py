@@ -52,6 +52,7 @@ from waygate.resolver.model import (
     InsecureEdgePolicy,
     PathMatchType,
     PathModifierType,
+    RateLimit,
     Redirect,
     Rewrite,
     Route,
@@ -147,6 +148,10 @@ class Plan:
     forwarded: ForwardedHeadersMode = ForwardedHeadersMode.REPLACE
     backend_server_name: str = ""
     hsts: HSTS | None = None
+    # limit-rps, limit-rpm, limit-connections, limit-burst-multiplier, limit-allowlist.
+    limits: dict[str, int] = field(default_factory=dict)
+    limit_allow: tuple[str, ...] = ()
+    rate_limit: RateLimit | None = None
     # The controller ConfigMap's keys not honoured: "ConfigMap NS/NAME key K: not-honoured".
     config_notes: list[str] = field(default_factory=list)
 
@@ -292,6 +297,7 @@ def plan(
             continue
         valid[short] = value.strip() if entry.grammar is not catalogue.any_text else value
     _apply(result, valid, settings, config, config_maps, timeouts)
+    _rate_limit(result, config)
     # nginx's read/send timeouts also bound an upgraded (WebSocket) connection's silence.
     result.timeouts = RouteTimeouts(
         connect=timeouts["connect"], server=timeouts["server"], tunnel=timeouts["server"]
@@ -621,6 +627,48 @@ def _affinity_mode(
         found(short, Verdict.HONOURED, "the cookie's endpoint wins while it is live")
     else:
         found(short)
+
+
+@_handles(
+    "limit-rps",
+    "limit-rpm",
+    "limit-connections",
+    "limit-burst-multiplier",
+    "limit-whitelist",
+    "limit-allowlist",
+)
+def _limits(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    if short in ("limit-whitelist", "limit-allowlist"):
+        p.limit_allow += tuple(item.strip() for item in value.split(",") if item.strip())
+        found(short, Verdict.HONOURED, "")
+    elif int(value) < 0:
+        found(short, Verdict.NOT_HONOURED, "a negative limit")
+    else:
+        p.limits[short] = int(value)
+        found(short, Verdict.HONOURED, "per proxy replica, keyed by the client address")
+
+
+def _rate_limit(p: Plan, config: ControllerConfig) -> None:
+    """The route's limits, with the ConfigMap's answers (503 unless it says)."""
+    limits = p.limits
+    if not (limits.get("limit-rps") or limits.get("limit-rpm") or limits.get("limit-connections")):
+        return
+
+    def status(key: str) -> int:
+        text = config.text(key, "503")
+        return int(text) if text.isdigit() and 400 <= int(text) <= 599 else 503
+
+    p.rate_limit = RateLimit(
+        rps=limits.get("limit-rps", 0),
+        rpm=limits.get("limit-rpm", 0),
+        burst_multiplier=limits.get("limit-burst-multiplier", 5) or 1,
+        connections=limits.get("limit-connections", 0),
+        allow=p.limit_allow,
+        request_status=status("limit-req-status-code"),
+        connection_status=status("limit-conn-status-code"),
+    )
 
 
 @_handles("load-balance")
@@ -1100,6 +1148,7 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             upstream_protocol=p.upstream_protocol,
             forwarded_headers=p.forwarded,
             ingress_verdicts=verdicts,
+            rate_limit=p.rate_limit,
         )
         if p.ssl_passthrough and route.listener_port == 443:
             continue  # the host's TLS is passed through, never terminated here

@@ -240,7 +240,9 @@ _BUFFER = "an nginx buffer knob: the proxy streams bodies through bounded buffer
 _AUTH_URL = "external authentication: the proxy has no auth subrequest yet"
 _BASIC = "basic/digest authentication: the proxy does not check credentials yet"
 _MTLS = "client certificates per Ingress: verify depth, optional modes and CN match not yet"
-_LIMIT = "rate and connection limits: the proxy has no per-route limiter yet"
+_LIMIT = "global rate limits (memcached, across replicas): the proxy limits per replica only"
+_LIMITED = "per proxy replica, keyed by the client address (nginx limit_req nodelay, limit_conn)"
+_LIMIT_RATE = "throttling response bytes per connection: not yet"
 _WAF = "ModSecurity/OWASP CRS: Waygate has no web application firewall"
 _CORS = "CORS: the proxy does not answer preflights or add CORS headers yet"
 _CANARY = "folded into the main Ingress's routes: backends by weight, the header first"
@@ -479,14 +481,14 @@ ENTRIES: tuple[Entry, ...] = (
     ),
     _e("upstream-hash-by-subset", boolean, X, "hashing to a subset of endpoints", lacks=True),
     _e("upstream-hash-by-subset-size", integer, X, "hashing to a subset of endpoints", lacks=True),
-    _e("limit-rps", integer, X, _LIMIT, access=True, lacks=True),
-    _e("limit-rpm", integer, X, _LIMIT, access=True, lacks=True),
-    _e("limit-connections", integer, X, _LIMIT, access=True, lacks=True),
-    _e("limit-burst-multiplier", integer, X, _LIMIT, access=True, lacks=True),
-    _e("limit-whitelist", cidrs, X, _LIMIT, access=True, lacks=True),
-    _e("limit-allowlist", cidrs, X, _LIMIT, access=True, lacks=True),
-    _e("limit-rate", integer, X, _LIMIT, access=True, lacks=True),
-    _e("limit-rate-after", integer, X, _LIMIT, access=True, lacks=True),
+    _e("limit-rps", integer, H, _LIMITED, access=True),
+    _e("limit-rpm", integer, H, _LIMITED, access=True),
+    _e("limit-connections", integer, H, _LIMITED, access=True),
+    _e("limit-burst-multiplier", integer, H, _LIMITED, access=True),
+    _e("limit-whitelist", cidrs, H, _LIMITED, access=True),
+    _e("limit-allowlist", cidrs, H, _LIMITED, access=True),
+    _e("limit-rate", integer, X, _LIMIT_RATE, access=True, lacks=True),
+    _e("limit-rate-after", integer, X, _LIMIT_RATE, access=True, lacks=True),
     _e("global-rate-limit", integer, X, _LIMIT, access=True, lacks=True),
     _e("global-rate-limit-window", plain, X, _LIMIT, access=True, lacks=True),
     _e("global-rate-limit-key", plain, X, _LIMIT, access=True, lacks=True),

@@ -43,6 +43,8 @@ HONOURED_KEYS = frozenset(
         "hsts-preload",
         "use-forwarded-headers",
         "compute-full-forwarded-for",
+        "limit-req-status-code",
+        "limit-conn-status-code",
     )
 )
 #: nginx tuning with no meaning for a streaming proxy.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import hashlib
 import logging
 from collections.abc import AsyncIterator
@@ -26,6 +27,7 @@ from tests.support.h2client import H2Client
 from tests.support.h2harness import H2Backend
 from tests.support.proxyharness import RecordingUpstream, running_proxy
 from waygate.core.tracing import configure_tracing
+from waygate.proxy import ratelimit
 from waygate.proxy.routing import Defaults, Target, build_table
 from waygate.proxy.upstream import Dialer, tcp_connect
 from waygate.resolver.model import (
@@ -33,6 +35,7 @@ from waygate.resolver.model import (
     EndpointPort,
     InsecureEdgePolicy,
     Mirror,
+    RateLimit,
     Redirect,
     Route,
     RouteBackend,
@@ -454,7 +457,9 @@ async def test_every_reservation_is_released_however_the_exchange_ends(
     from waygate.proxy.server import Limits
 
     dialer = GatedDialer()
-    table = built([core_route(backend)], [backends.endpoint(), backends.endpoint("127.0.0.3")])
+    # A limit-connections slot is held too (ratelimit), and given back the same way.
+    route = _limited(client, backend, f"held-{stage}", connections=4)
+    table = built([route], [backends.endpoint(), backends.endpoint("127.0.0.3")])
     limits = Limits(max_connections_per_endpoint=4)
     async with running_proxy(table, dialer=dialer, limits=limits) as (server, port):
         # (An HTTP/1.1 client that goes away while it waits is seen at the answer:
@@ -497,6 +502,7 @@ async def test_every_reservation_is_released_however_the_exchange_ends(
             if not any(held.values()):
                 break
         assert _held(server) == {"opened": {}, "waiting": {}, "in_flight": {}, "h2_streams": 0}
+        assert ratelimit.limiter_for(route).in_flight == {}
         # The endpoint still serves.
         assert (await ask(client, port, "/after")).status == 200
 
@@ -549,3 +555,61 @@ async def test_one_access_log_line_per_request(backends, client, backend, caplog
         assert (await ask(client, port, "/logged")).status == 200
     (line,) = [r for r in caplog.records if r.name == "waygate.proxy.access"]
     assert (line.route, line.status, line.path) == ("demo/core", 200, "/logged")  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------- rate limits (ratelimit)
+
+
+def _limited(client: str, backend: str, what: str, **limits: Any) -> Route:
+    # A name of its own: a limiter outlives tables (and tests) for the same route.
+    return dataclasses.replace(
+        core_route(backend, rate_limit=RateLimit(**limits)), name=f"{what}-{client}-{backend}"
+    )
+
+
+@pytest.mark.parametrize(("client", "backend"), PAIRS)
+async def test_limit_rps_answers_past_the_burst_with_the_configured_status(
+    backends, client, backend
+):
+    route = _limited(client, backend, "rps", rps=1, burst_multiplier=2, request_status=429)
+    table = built([route], [backends.endpoint()])
+    async with running_proxy(table) as (server, port):
+        statuses = [(await ask(client, port, "/limited")).status for _ in range(4)]
+        refused = await ask(client, port, "/limited")
+    # nginx limit_req burst=2 nodelay: a fresh client gets 3 at once, then the rate.
+    assert statuses == [200, 200, 200, 429]
+    assert refused.status == 429
+    assert refused.headers["x-waygate-error"] == "request rate limit exceeded"
+    assert backends.requests(backend) == 3
+    assert server.metrics.refused["rate_limited"] == 2
+
+
+@pytest.mark.parametrize(("client", "backend"), PAIRS)
+async def test_limit_connections_slots_are_released_by_every_driver(backends, client, backend):
+    route = _limited(client, backend, "conns", connections=1)
+    table = built([route], [backends.endpoint()])
+    async with running_proxy(table) as (_, port):
+        # One in flight at a time: each succeeds only if the last gave its slot back.
+        statuses = [(await ask(client, port, f"/one-{i}")).status for i in range(3)]
+    assert statuses == [200, 200, 200]
+    assert ratelimit.limiter_for(route).in_flight == {}
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+async def test_limit_connections_refuses_what_is_past_the_limit_in_flight(backends, client):
+    route = _limited(client, "http/1.1", "inflight", connections=1, connection_status=503)
+    table = built([route], [backends.endpoint()])
+    async with running_proxy(table) as (_, port):
+        slow = asyncio.ensure_future(ask(client, port, "/slow?s=1"))
+        limiter = ratelimit.limiter_for(route)
+        for _ in range(100):
+            if limiter.in_flight:
+                break
+            await asyncio.sleep(0.01)
+        refused = await ask(client, port, "/fast")
+        assert (await slow).status == 200
+        after = await ask(client, port, "/fast")
+    assert refused.status == 503
+    assert refused.headers["x-waygate-error"] == "connection limit exceeded"
+    assert after.status == 200
+    assert limiter.in_flight == {}

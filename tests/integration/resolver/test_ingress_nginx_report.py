@@ -56,11 +56,12 @@ def test_the_json_report_over_the_examples():
         ("admin-allowlist", "whitelist-source-range"),
         ("basic-auth", "auth-"),
         ("mtls-partners", "auth-tls-"),
-        ("rate-limited", "limit-"),
         ("waf", "modsecurity"),
     ):
         assert by_name[name]["served"] is False, name
         assert annotation in by_name[name]["refusal"], (name, by_name[name]["refusal"])
+    # limit-rps, -burst-multiplier, -connections: honoured per replica, served exactly.
+    assert by_name["rate-limited"]["served"] is True and by_name["rate-limited"]["exact"] is True
     # A snippet outside the literal subset is refused, naming why; the subset is served.
     assert by_name["snippet-lua"]["served"] is False
     assert "blocks" in by_name["snippet-lua"]["refusal"]

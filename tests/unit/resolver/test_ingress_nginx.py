@@ -32,6 +32,7 @@ from waygate.resolver.model import (
     BalancePolicy,
     PathMatchType,
     PathModifierType,
+    RateLimit,
     Route,
     SameSite,
     Service,
@@ -318,7 +319,7 @@ def test_custom_headers_from_a_configmap():
         ("auth-type", "basic"),
         ("auth-tls-secret", "default/ca"),
         ("satisfy", "any"),
-        ("limit-rps", "10"),
+        ("limit-rate", "10"),
         ("enable-modsecurity", "true"),
         ("enable-owasp-core-rules", "true"),
         ("modsecurity-snippet", "SecRuleEngine On"),
@@ -612,8 +613,8 @@ def test_every_grammar_refuses_configuration_syntax(entry):
         if payload == "$host" and entry.name == "upstream-hash-by":
             continue  # its grammar is an nginx variable name, nothing else
         assert entry.grammar(payload) is not None, (entry.name, payload)
-    if entry.access:
-        assert entry.verdict is Verdict.NOT_HONOURED or not entry.access
+    if entry.access:  # what bears on access is honoured exactly, or refused
+        assert entry.verdict in (Verdict.NOT_HONOURED, Verdict.HONOURED)
 
 
 def test_the_proxy_lacks_list_is_what_the_catalogue_says():
@@ -883,3 +884,63 @@ def test_rewrite_target_alone_admits_no_regular_expression_path():
         "rw", {P + "rewrite-target": "/$1"}, path="/api/(.*)", path_type="ImplementationSpecific"
     )
     assert refusal(routes_of(item), "rw")[0] == "InvalidPath"
+
+
+# ---------------------------------------------------------------- rate limits
+
+
+def test_limit_annotations_become_the_routes_rate_limit():
+    """internal/ingress/annotations/ratelimit (kubernetes/ingress-nginx): both rates
+    apply, the burst is the rate times limit-burst-multiplier (5 by default), the
+    allow-list is not limited; the answers are the ConfigMap's."""
+    config = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "c", "namespace": "ingress-nginx"},
+        "data": {"limit-req-status-code": "429", "limit-conn-status-code": "nope"},
+    }
+    limited = ingress(
+        "limited",
+        {
+            P + "limit-rps": "10",
+            P + "limit-rpm": "300",
+            P + "limit-connections": "4",
+            P + "limit-allowlist": "10.0.0.0/8, 192.168.1.1",
+        },
+    )
+    routes = routes_of(
+        config,
+        limited,
+        ingress("plain", host="p.example.com"),
+        settings=IngressNginx(configmap=("ingress-nginx", "c")),
+    )
+    [route] = by_ingress(routes, "limited")
+    assert route.ingress_refusal is None
+    assert route.rate_limit == RateLimit(
+        rps=10,
+        rpm=300,
+        burst_multiplier=5,
+        connections=4,
+        allow=("10.0.0.0/8", "192.168.1.1"),
+        request_status=429,
+        connection_status=503,  # not a status: ingress-nginx's default
+    )
+    assert not any("limit-" in line for line in route.ingress_verdicts)
+    [plain] = by_ingress(routes, "plain")
+    assert plain.rate_limit is None
+    [route] = routes_of(ingress("m", {P + "limit-rpm": "60", P + "limit-burst-multiplier": "2"}))
+    assert route.rate_limit == RateLimit(rpm=60, burst_multiplier=2)
+
+
+@pytest.mark.parametrize(
+    "annotations",
+    [
+        {P + "limit-rps": "-1"},
+        {P + "limit-rps": "5", P + "limit-rate": "100"},  # throttling bytes: not yet
+        {P + "limit-rps": "ten"},
+    ],
+)
+def test_a_limit_that_cannot_be_honoured_refuses_the_ingress(annotations):
+    routes = routes_of(ingress("guarded", annotations), ingress("other", host="o.example.com"))
+    assert refusal(routes, "guarded")[0] in ("UnsupportedAnnotation", "InvalidAnnotation")
+    assert served(routes, "other")

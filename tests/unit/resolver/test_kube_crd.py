@@ -35,13 +35,14 @@ def test_identity(crd):
 
 
 def camel(descriptor) -> set[str]:
-    # Field numbers 50-79 and 90-109 are made only from Gateway API and Ingress
-    # objects (waygate.resolver.gateway: listener_protocol, BackendTLSPolicy's
-    # RouteTLS fields), never written in a Route object.
+    # Field numbers 50-79, 90-109 and 120-139 are made only from Gateway API and
+    # Ingress objects (waygate.resolver.gateway: listener_protocol, BackendTLSPolicy's
+    # RouteTLS fields; ingress-nginx's annotations), never written in a Route object.
     return {
         field.json_name
         for field in descriptor.fields
         if not (50 <= field.number <= 79 or 90 <= field.number <= 109)
+        and not 120 <= field.number <= 139
     }
 
 

@@ -368,6 +368,7 @@ DERIVED_SAMPLES: dict[str, dict[str, Any]] = {
         "listener_protocol": "HTTP",
         "origin": "HTTPRoute demo/x",
         "rule_index": 2,
+        "rate_limit": model.RateLimit(rps=5, rpm=300, connections=2, allow=("10.0.0.0/8",)),
     },
     "RouteBackend": {"namespace": "other", "port": "http", "invalid": "not granted"},
     "RouteTLS": {
