@@ -241,7 +241,10 @@ _AUTH_URL = "external authentication: the proxy has no auth subrequest yet"
 _BASIC = "basic/digest authentication: the proxy does not check credentials yet"
 _MTLS = "client certificates per Ingress: verify depth, optional modes and CN match not yet"
 _LIMIT = "global rate limits (memcached, across replicas): the proxy limits per replica only"
-_LIMITED = "per proxy replica, keyed by the client address (nginx limit_req nodelay, limit_conn)"
+_LIMITED = (
+    "per proxy replica, keyed by the client address (nginx limit_req nodelay, limit_conn); "
+    "with --workers N each worker process keeps its own counts"
+)
 _LIMIT_RATE = "throttling response bytes per connection: not yet"
 _WAF = "ModSecurity/OWASP CRS: Waygate has no web application firewall"
 _CORS = "CORS: the proxy does not answer preflights or add CORS headers yet"
