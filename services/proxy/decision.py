@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
-from waygate.proxy import filters, http1, ratelimit, records, tls
+from waygate.proxy import extauth, filters, http1, ratelimit, records, tls
 from waygate.proxy.http1 import ForwardedContext, RequestHead
 from waygate.proxy.routing import (
     Backend,
@@ -131,6 +131,8 @@ class Forward:
     mirrors: list[tuple[Target, bytes]] | None = None
     # A limit-connections slot the request holds (release_pick gives it back).
     held: ratelimit.Held | None = None
+    # ingress-nginx auth-url: the driver asks the auth service first (authcheck).
+    auth: extauth.AuthPlan | None = None
     target: Target
     backend: Backend
 
@@ -276,6 +278,15 @@ def _rate_limit(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> A
     return None
 
 
+def _external_auth(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
+    """ingress-nginx auth-url: every request of the route, whatever its path, is
+    marked "authorize first"; the driver sends the subrequest (`authcheck`)."""
+    spec = forward.entry.route.external_auth
+    assert spec is not None
+    forward.auth = extauth.plan_for(spec)
+    return None
+
+
 def _has_filters(entry: RouteEntry) -> bool:
     return entry.route.filters is not None
 
@@ -288,6 +299,7 @@ GATES: tuple[Rule, ...] = (
         _route_redirect,
     ),
     Rule("rate_limit", lambda entry: entry.route.rate_limit is not None, _rate_limit),
+    Rule("external_auth", lambda entry: entry.route.external_auth is not None, _external_auth),
 )
 SHAPERS: tuple[Rule, ...] = (Rule("request_filters", _has_filters, _request_filters),)
 

@@ -285,6 +285,20 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
         message.filters.CopyFrom(_filters_to_proto(route.filters))
     if (limit := route.rate_limit) is not None:
         message.rate_limit.CopyFrom(pb.RateLimit(**dataclasses.asdict(limit)))
+    if (auth := route.external_auth) is not None:
+        message.external_auth.CopyFrom(
+            pb.ExternalAuth(
+                url=auth.url,
+                method=auth.method,
+                signin=auth.signin,
+                signin_redirect_param=auth.signin_redirect_param,
+                response_headers=list(auth.response_headers),
+                request_redirect=auth.request_redirect,
+                proxy_set_headers=[
+                    pb.RouteHeader(name=n, value=v) for n, v in auth.proxy_set_headers
+                ],
+            )
+        )
     if route.tls is not None:
         hsts = route.tls.hsts
         message.tls.CopyFrom(
@@ -396,6 +410,9 @@ def route_from_proto(message: pb.Route) -> model.Route:
         filters=_filters_from_proto(message.filters) if message.HasField("filters") else None,
         rate_limit=_rate_limit_from_proto(message.rate_limit)
         if message.HasField("rate_limit")
+        else None,
+        external_auth=_external_auth_from_proto(message.external_auth)
+        if message.HasField("external_auth")
         else None,
         request_timeout=seconds(message.request_timeout)
         if message.HasField("request_timeout")
@@ -546,6 +563,18 @@ def _filters_to_proto(filters: model.RouteFilters) -> pb.RouteFilters:
             )
         )
     return message
+
+
+def _external_auth_from_proto(message: pb.ExternalAuth) -> model.ExternalAuth:
+    return model.ExternalAuth(
+        url=message.url,
+        method=message.method,
+        signin=message.signin,
+        signin_redirect_param=message.signin_redirect_param,
+        response_headers=tuple(message.response_headers),
+        request_redirect=message.request_redirect,
+        proxy_set_headers=tuple((h.name, h.value) for h in message.proxy_set_headers),
+    )
 
 
 def _rate_limit_from_proto(message: pb.RateLimit) -> model.RateLimit:

@@ -416,6 +416,20 @@ class RateLimit:
 
 
 @dataclass(frozen=True)
+class ExternalAuth:
+    """ingress-nginx's auth-url and friends: every request is first asked of `url`
+    (nginx auth_request); a 2xx lets it through, 401/403 answer the client."""
+
+    url: str  # http://HOST[:PORT]/PATH[?QUERY]
+    method: str = ""  # "": the request's own
+    signin: str = ""  # where a 401 is redirected ("": the 401 itself)
+    signin_redirect_param: str = "rd"
+    response_headers: tuple[str, ...] = ()  # copied from the answer to the request
+    request_redirect: str = ""  # X-Auth-Request-Redirect ("": the request's URI)
+    proxy_set_headers: tuple[tuple[str, str], ...] = ()  # more headers to the auth service
+
+
+@dataclass(frozen=True)
 class Route:
     namespace: str
     name: str
@@ -468,6 +482,8 @@ class Route:
     ingress_verdicts: tuple[str, ...] = ()
     # ingress-nginx limit-* annotations (None: not limited).
     rate_limit: RateLimit | None = None
+    # ingress-nginx auth-url and friends (None: no external authentication).
+    external_auth: ExternalAuth | None = None
 
     @property
     def key(self) -> RouteKey:

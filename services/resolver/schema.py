@@ -225,6 +225,7 @@ DERIVED: Final[Mapping[str, Mapping[str, str]]] = {
         "ingress_refusal": "why an ingress-nginx Ingress is not served (its annotations)",
         "ingress_verdicts": "an ingress-nginx Ingress's per-annotation verdicts",
         "rate_limit": "ingress-nginx limit-* annotations (per proxy replica)",
+        "external_auth": "ingress-nginx auth-url and friends",
     },
     "RouteBackend": {
         "namespace": "Gateway API backendRefs across namespaces (ReferenceGrant)",

@@ -46,6 +46,7 @@ from waygate.resolver.ingress_nginx.config import (
 from waygate.resolver.model import (
     HSTS,
     BalancePolicy,
+    ExternalAuth,
     ForwardedHeadersMode,
     HeaderMatch,
     HeaderModifier,
@@ -152,6 +153,7 @@ class Plan:
     limits: dict[str, int] = field(default_factory=dict)
     limit_allow: tuple[str, ...] = ()
     rate_limit: RateLimit | None = None
+    external_auth: ExternalAuth | None = None
     # The controller ConfigMap's keys not honoured: "ConfigMap NS/NAME key K: not-honoured".
     config_notes: list[str] = field(default_factory=list)
 
@@ -627,6 +629,77 @@ def _affinity_mode(
         found(short, Verdict.HONOURED, "the cookie's endpoint wins while it is live")
     else:
         found(short)
+
+
+@_handles(
+    "auth-url",
+    "auth-method",
+    "auth-signin",
+    "auth-signin-redirect-param",
+    "auth-response-headers",
+    "auth-request-redirect",
+    "auth-proxy-set-headers",
+    "auth-keepalive",
+    "auth-keepalive-share-vars",
+    "auth-keepalive-requests",
+    "auth-keepalive-timeout",
+)
+def _external_auth(
+    p: Plan,
+    short: str,
+    value: str,
+    values: Mapping[str, str],
+    found: Found,
+    timeouts: dict[str, float],
+    config_maps: Callable[[str, str], JSON | None],
+) -> None:
+    """internal/ingress/annotations/authreq: the auth subrequest's settings, gathered
+    on the auth-url's turn (the others only modify it)."""
+    if short.startswith("auth-keepalive"):
+        found(short, Verdict.NOOP, "the subrequest's connection is the proxy's own")
+        return
+    if short != "auth-url":
+        found(short, Verdict.HONOURED, "")
+        return
+    if not value.startswith("http://"):
+        found(short, Verdict.NOT_HONOURED, "only http:// auth services (no TLS to them yet)")
+        return
+    set_headers: list[tuple[str, str]] = []
+    source = values.get("auth-proxy-set-headers", "")
+    if source:
+        namespace, _, name = source.rpartition("/")
+        obj = config_maps(namespace or p.namespace, name)
+        if obj is None:
+            found(
+                short,
+                Verdict.NOT_HONOURED,
+                f"ConfigMap {namespace or p.namespace}/{name} not found",
+            )
+            return
+        for header, text in sorted((obj.get("data") or {}).items()):
+            header, text = str(header), str(text)
+            if (
+                not _HEADER_NAME.fullmatch(header)
+                or header.lower() in _PROTECTED
+                or catalogue.header_value(text)
+            ):
+                found(short, Verdict.NOT_HONOURED, f"auth-proxy-set-headers: header {header!r}")
+                return
+            set_headers.append((header, text))
+    p.external_auth = ExternalAuth(
+        url=value,
+        method=values.get("auth-method", "").upper(),
+        signin=values.get("auth-signin", ""),
+        signin_redirect_param=values.get("auth-signin-redirect-param", "") or "rd",
+        response_headers=tuple(
+            item.strip()
+            for item in values.get("auth-response-headers", "").split(",")
+            if item.strip()
+        ),
+        request_redirect=values.get("auth-request-redirect", ""),
+        proxy_set_headers=tuple(set_headers),
+    )
+    found(short, Verdict.HONOURED, "every request is asked first, as nginx's auth_request")
 
 
 @_handles(
@@ -1149,6 +1222,7 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             forwarded_headers=p.forwarded,
             ingress_verdicts=verdicts,
             rate_limit=p.rate_limit,
+            external_auth=p.external_auth,
         )
         if p.ssl_passthrough and route.listener_port == 443:
             continue  # the host's TLS is passed through, never terminated here

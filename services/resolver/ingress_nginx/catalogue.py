@@ -237,7 +237,12 @@ def _e(
 
 H, D, N, X = Verdict.HONOURED, Verdict.DIFFERENT, Verdict.NOOP, Verdict.NOT_HONOURED
 _BUFFER = "an nginx buffer knob: the proxy streams bodies through bounded buffers of its own"
-_AUTH_URL = "external authentication: the proxy has no auth subrequest yet"
+_AUTH_URL = "external authentication: the auth subrequest's cache and cookies not yet"
+_AUTH = (
+    "every request is first asked of the auth service (nginx auth_request): 2xx lets it "
+    "through, 401/403 answer the client, anything else 500; http:// services only"
+)
+_KEEPALIVE = "the subrequest's connection is the proxy's own"
 _BASIC = "basic/digest authentication: the proxy does not check credentials yet"
 _MTLS = "client certificates per Ingress: verify depth, optional modes and CN match not yet"
 _LIMIT = "global rate limits (memcached, across replicas): the proxy limits per replica only"
@@ -356,27 +361,26 @@ ENTRIES: tuple[Entry, ...] = (
     _e("auth-secret", name, X, _BASIC, access=True, lacks=True),
     _e("auth-secret-type", one_of("auth-file", "auth-map"), X, _BASIC, access=True, lacks=True),
     _e("auth-realm", header_value, X, _BASIC, access=True, lacks=True),
-    _e("auth-url", url, X, _AUTH_URL, access=True, lacks=True),
-    _e("auth-method", methods, X, _AUTH_URL, access=True, lacks=True),
-    _e("auth-signin", url, X, _AUTH_URL, access=True, lacks=True),
+    _e("auth-url", url, H, _AUTH, access=True),
+    _e("auth-method", methods, H, _AUTH, access=True),
+    _e("auth-signin", url, H, _AUTH, access=True),
     _e(
         "auth-signin-redirect-param",
         _matching(re.compile(r"[A-Za-z0-9_-]{1,64}"), "a query parameter name"),
-        X,
-        _AUTH_URL,
+        H,
+        _AUTH,
         access=True,
-        lacks=True,
     ),
-    _e("auth-response-headers", headers, X, _AUTH_URL, access=True, lacks=True),
-    _e("auth-request-redirect", url_or_path, X, _AUTH_URL, access=True, lacks=True),
-    _e("auth-proxy-set-headers", name, X, _AUTH_URL, access=True, lacks=True),
+    _e("auth-response-headers", headers, H, _AUTH, access=True),
+    _e("auth-request-redirect", url_or_path, H, _AUTH, access=True),
+    _e("auth-proxy-set-headers", name, H, _AUTH, access=True),
     _e("auth-cache-key", plain, X, _AUTH_URL, access=True, lacks=True),
     _e("auth-cache-duration", cache_duration, X, _AUTH_URL, access=True, lacks=True),
     _e("auth-always-set-cookie", boolean, X, _AUTH_URL, access=True, lacks=True),
-    _e("auth-keepalive", integer, X, _AUTH_URL, access=True, lacks=True),
-    _e("auth-keepalive-share-vars", boolean, X, _AUTH_URL, access=True, lacks=True),
-    _e("auth-keepalive-requests", integer, X, _AUTH_URL, access=True, lacks=True),
-    _e("auth-keepalive-timeout", integer, X, _AUTH_URL, access=True, lacks=True),
+    _e("auth-keepalive", integer, N, _KEEPALIVE, access=True),
+    _e("auth-keepalive-share-vars", boolean, N, _KEEPALIVE, access=True),
+    _e("auth-keepalive-requests", integer, N, _KEEPALIVE, access=True),
+    _e("auth-keepalive-timeout", integer, N, _KEEPALIVE, access=True),
     _e(
         "enable-global-auth",
         boolean,

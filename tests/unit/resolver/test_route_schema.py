@@ -369,6 +369,13 @@ DERIVED_SAMPLES: dict[str, dict[str, Any]] = {
         "origin": "HTTPRoute demo/x",
         "rule_index": 2,
         "rate_limit": model.RateLimit(rps=5, rpm=300, connections=2, allow=("10.0.0.0/8",)),
+        "external_auth": model.ExternalAuth(
+            "http://auth.example.com/check",
+            method="POST",
+            signin="https://login.example.com/",
+            response_headers=("X-User",),
+            proxy_set_headers=(("X-Tenant", "a"),),
+        ),
     },
     "RouteBackend": {"namespace": "other", "port": "http", "invalid": "not granted"},
     "RouteTLS": {
