@@ -366,6 +366,7 @@ _OFF: dict[str, str] = {
     "session-cookie-path": "/",
     "satisfy": "all",
     "auth-tls-pass-certificate-to-upstream": "false",
+    "auth-always-set-cookie": "false",
     "limit-rps": "0",
     "limit-rpm": "0",
     "limit-connections": "0",

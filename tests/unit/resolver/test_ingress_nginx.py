@@ -30,6 +30,7 @@ from waygate.resolver.model import (
     ADMITTED,
     FALSE,
     BalancePolicy,
+    ExternalAuth,
     PathMatchType,
     PathModifierType,
     RateLimit,
@@ -943,4 +944,60 @@ def test_limit_annotations_become_the_routes_rate_limit():
 def test_a_limit_that_cannot_be_honoured_refuses_the_ingress(annotations):
     routes = routes_of(ingress("guarded", annotations), ingress("other", host="o.example.com"))
     assert refusal(routes, "guarded")[0] in ("UnsupportedAnnotation", "InvalidAnnotation")
+    assert served(routes, "other")
+
+
+# ---------------------------------------------------------------- external auth
+
+
+def test_external_auth_annotations_become_the_routes_external_auth():
+    """internal/ingress/annotations/authreq (kubernetes/ingress-nginx)."""
+    headers = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "auth-headers", "namespace": "default"},
+        "data": {"X-Tenant": "shop"},
+    }
+    guarded = ingress(
+        "guarded",
+        {
+            P + "auth-url": "http://auth.default.svc:8080/check",
+            P + "auth-method": "post",
+            P + "auth-signin": "https://login.example.com/start",
+            P + "auth-signin-redirect-param": "next",
+            P + "auth-response-headers": "X-User, X-Email",
+            P + "auth-request-redirect": "/after",
+            P + "auth-proxy-set-headers": "default/auth-headers",
+            P + "auth-keepalive": "10",
+        },
+    )
+    routes = routes_of(headers, guarded, ingress("plain", host="p.example.com"))
+    [route] = by_ingress(routes, "guarded")
+    assert route.ingress_refusal is None
+    assert route.external_auth == ExternalAuth(
+        url="http://auth.default.svc:8080/check",
+        method="POST",
+        signin="https://login.example.com/start",
+        signin_redirect_param="next",
+        response_headers=("X-User", "X-Email"),
+        request_redirect="/after",
+        proxy_set_headers=(("X-Tenant", "shop"),),
+    )
+    assert not any(": not-honoured" in line for line in route.ingress_verdicts)
+    [plain] = by_ingress(routes, "plain")
+    assert plain.external_auth is None
+
+
+@pytest.mark.parametrize(
+    "annotations",
+    [
+        {P + "auth-url": "https://auth.example.com/check"},  # no TLS to the service yet
+        {P + "auth-url": "http://auth/check", P + "auth-proxy-set-headers": "default/missing"},
+        {P + "auth-url": "http://auth/check", P + "auth-cache-key": "static"},
+        {P + "auth-url": "http://auth/check", P + "auth-always-set-cookie": "true"},
+    ],
+)
+def test_external_auth_that_cannot_be_honoured_refuses_the_ingress(annotations):
+    routes = routes_of(ingress("guarded", annotations), ingress("other", host="o.example.com"))
+    assert refusal(routes, "guarded")[0] == "UnsupportedAnnotation"
     assert served(routes, "other")
