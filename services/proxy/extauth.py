@@ -170,16 +170,19 @@ def outcome(
 
 
 def signin_location(plan: AuthPlan, req: RequestHead, secure: bool) -> bytes:
-    """auth-signin with `rd=` naming the request's URL (unless it names one already)."""
+    """auth-signin (its `$host` and `$escaped_request_uri` filled in) with
+    `rd=SCHEME://HOST` + the escaped request URI, unless it names the parameter
+    already (ingress-nginx's buildAuthSignURL)."""
     spec = plan.spec
-    signin = spec.signin
+    host = req.host.decode("latin-1")
+    escaped = quote(req.target.decode("latin-1"), safe="")
+    signin = spec.signin.replace("$host", host).replace("$escaped_request_uri", escaped)
     param = spec.signin_redirect_param or "rd"
     if f"{param}=" in signin.partition("?")[2]:
         return signin.encode()
     scheme = "https" if secure else "http"
-    url = f"{scheme}://{req.host.decode('latin-1')}{req.target.decode('latin-1')}"
     joiner = "&" if "?" in signin else "?"
-    return f"{signin}{joiner}{param}={quote(url, safe='')}".encode()
+    return f"{signin}{joiner}{param}={scheme}://{host}{escaped}".encode()
 
 
 def with_auth_headers(head: bytes, plan: AuthPlan, lines: bytes) -> bytes:

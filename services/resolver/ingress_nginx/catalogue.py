@@ -139,6 +139,12 @@ def url(value: str) -> str | None:
     return None if _URL.fullmatch(value) else "must be an http(s) URL of plain characters"
 
 
+def signin_url(value: str) -> str | None:
+    """An http(s) URL; `$host` and `$escaped_request_uri` are the only variables
+    (filled in by the proxy, never rendered)."""
+    return url(value.replace("$host", "host").replace("$escaped_request_uri", "uri"))
+
+
 def url_or_path(value: str) -> str | None:
     return url(value) if "://" in value else path(value)
 
@@ -363,7 +369,7 @@ ENTRIES: tuple[Entry, ...] = (
     _e("auth-realm", header_value, X, _BASIC, access=True, lacks=True),
     _e("auth-url", url, H, _AUTH, access=True),
     _e("auth-method", methods, H, _AUTH, access=True),
-    _e("auth-signin", url, H, _AUTH, access=True),
+    _e("auth-signin", signin_url, H, _AUTH, access=True),
     _e(
         "auth-signin-redirect-param",
         _matching(re.compile(r"[A-Za-z0-9_-]{1,64}"), "a query parameter name"),

@@ -693,7 +693,7 @@ async def test_external_auth_401_redirects_to_signin_with_rd(backends, auth, cli
         answer = await ask(client, port, "/private/x?y=1")
     assert answer.status == 302
     assert answer.headers["location"] == (
-        "https://login.test/start?app=1&rd=http%3A%2F%2Fcore.test%2Fprivate%2Fx%3Fy%3D1"
+        "https://login.test/start?app=1&rd=http://core.test%2Fprivate%2Fx%3Fy%3D1"
     )
     assert backends.requests(backend) == 0
 

@@ -87,13 +87,20 @@ def test_a_401_with_signin_redirects_with_rd_unless_it_has_one():
     plan = extauth.AuthPlan(ExternalAuth("http://auth/", signin="https://login.test/s"))
     refused = extauth.outcome(plan, answer(401), req("/p?q=1"), True)  # type: ignore[arg-type]
     assert refused == extauth.Refused(
-        302, "sign in first", b"https://login.test/s?rd=https%3A%2F%2Fa.test%2Fp%3Fq%3D1"
+        302, "sign in first", b"https://login.test/s?rd=https://a.test%2Fp%3Fq%3D1"
     )
     named = extauth.AuthPlan(
         ExternalAuth("http://auth/", signin="https://l.test/?next=/x", signin_redirect_param="next")
     )
     refused = extauth.outcome(named, answer(401), req("/p"), True)  # type: ignore[arg-type]
     assert isinstance(refused, extauth.Refused) and refused.location == b"https://l.test/?next=/x"
+    # oauth2-proxy's documented form: the variables filled in, no second rd.
+    variables = extauth.AuthPlan(
+        ExternalAuth("http://auth/", signin="https://$host/oauth2/start?rd=$escaped_request_uri")
+    )
+    refused = extauth.outcome(variables, answer(401), req("/p?q=1"), True)  # type: ignore[arg-type]
+    assert isinstance(refused, extauth.Refused)
+    assert refused.location == b"https://a.test/oauth2/start?rd=%2Fp%3Fq%3D1"
 
 
 @pytest.mark.parametrize(
