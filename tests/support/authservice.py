@@ -2,7 +2,8 @@
 
 A real HTTP/1.1 server on 127.0.0.1 that records every subrequest's head and
 answers by the Authorization header: `Bearer good` 200 (with X-User: alice and
-X-Auth-Extra), `Bearer forbidden` 403, `Bearer broken` 502, anything else 401.
+X-Auth-Extra), and Basic user:password 200 (httpbin's /basic-auth/user/password,
+what ingress-nginx's e2e auth tests ask), `Bearer forbidden` 403, `Bearer broken` 502, anything else 401.
 A subrequest to /slow is answered after `slow_seconds`. `open` counts the
 connections it holds now (a cancelled subrequest must close its connection).
 """
@@ -10,7 +11,10 @@ connections it holds now (a cancelled subrequest must close its connection).
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+
+BASIC_USER_PASSWORD = "Basic " + base64.b64encode(b"user:password").decode()
 
 
 class AuthService:
@@ -56,7 +60,7 @@ class AuthService:
                     if not await asyncio.wait_for(reader.read(), self.slow_seconds):
                         return
             authorization = dict((k.lower(), v) for k, v in headers).get("authorization", "")
-            if authorization == "Bearer good":
+            if authorization in ("Bearer good", BASIC_USER_PASSWORD):
                 answer = (
                     b"HTTP/1.1 200 OK\r\nX-User: alice\r\nX-Auth-Extra: yes\r\n"
                     b"Content-Length: 2\r\n\r\nok"
