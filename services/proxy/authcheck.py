@@ -1,12 +1,13 @@
 """The external authentication subrequest (`extauth`'s rules), sent by the drivers.
 
-`start(ctx, plan, head, connect_timeout, answer_timeout, done)` runs one task:
+`start(ctx, plan, head, connect_timeout, answer_timeout, done, key)` runs one task:
 a connection to the auth service through the proxy's own upstream machinery
 (`ctx.dialer`, `upstream.start`, an `upstream_h1.UpstreamConnection`, counted
 in the pool's per-endpoint bound like any upstream connection), the head sent,
 the answer's head awaited within `answer_timeout`, then the connection closed
 (the answer's body is never read: nginx discards it too) and `done(response)`
-called with it (None: no answer). The task is the request's: a driver that
+called with it (None: no answer); with a cache `key` (auth-cache-key) the answer
+is kept in `extauth.CACHE` for its status's duration. The task is the request's: a driver that
 goes away cancels it (`Exchange.abandon_upstream`, `H2Exchange._finish`), and
 the connection is aborted with it. Every wait has a timeout; nothing is held
 after the task ends.
@@ -19,6 +20,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from waygate.proxy import extauth
 from waygate.proxy.extauth import AuthPlan
 from waygate.proxy.http1 import ResponseHead
 from waygate.proxy.upstream import ConnectError
@@ -97,10 +99,14 @@ def start(
     connect_timeout: float,
     answer_timeout: float,
     done: Callable[[ResponseHead | None], None],
+    key: bytes | None = None,
 ) -> asyncio.Task[None]:
     """The subrequest as the request's one task; `done` is called unless cancelled."""
 
     async def run() -> None:
-        done(await ask(ctx, plan, head, connect_timeout, answer_timeout))
+        response = await ask(ctx, plan, head, connect_timeout, answer_timeout)
+        if key is not None and response is not None:
+            extauth.CACHE.put(plan, key, response, ctx.loop.time())
+        done(response)
 
     return ctx.loop.create_task(run())  # type: ignore[no-any-return]

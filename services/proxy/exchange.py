@@ -457,8 +457,14 @@ class Exchange(UpgradeRelay):
         plan = forward.auth
         context = self.down.context
         assert req is not None and plan is not None and context is not None
-        head = extauth.subrequest_head(plan, req, bool(self.down.secure), context.client_ip)
         options = forward.entry.options
+        key = extauth.cache_key(plan, options.name, req, context.client_ip)
+        if key is not None:
+            cached = extauth.CACHE.get(key, self.loop.time())
+            if cached is not None:
+                self._authorized(cached)
+                return
+        head = extauth.subrequest_head(plan, req, bool(self.down.secure), context.client_ip)
         self.connect_task = authcheck.start(
             self.ctx,
             plan,
@@ -466,6 +472,7 @@ class Exchange(UpgradeRelay):
             options.connect_timeout,
             options.server_timeout,
             self._authorized,
+            key,
         )
 
     def _authorized(self, response: http1.ResponseHead | None) -> None:

@@ -26,6 +26,8 @@ gate only marks the request (`Forward.auth`).
 
 from __future__ import annotations
 
+import re
+from collections import OrderedDict
 from typing import NamedTuple
 from urllib.parse import quote, urlsplit
 
@@ -72,8 +74,19 @@ class AuthPlan:
             b"%s: %s\r\n" % (name.encode(), value.encode())
             for name, value in spec.proxy_set_headers
         )
+        # auth-cache-key's parts: literal text, or (kind, name) of a variable.
+        self.cache_parts: tuple[bytes | tuple[str, bytes], ...] = tuple(
+            (part[1:].split("_", 1)[0], part[1:].partition("_")[2].encode())
+            if part.startswith("$")
+            else part.encode()
+            for part in _VARIABLE.split(spec.cache_key)
+            if part
+        )
+        # Later entries win, as nginx's proxy_cache_valid reads them.
+        self.durations = dict(spec.cache_durations)
 
 
+_VARIABLE = re.compile(r"(\$(?:http_[a-z0-9_]+|cookie_[A-Za-z0-9_]+|remote_addr|host))")
 _plans: dict[int, AuthPlan] = {}
 
 
@@ -183,6 +196,89 @@ def signin_location(plan: AuthPlan, req: RequestHead, secure: bool) -> bytes:
     scheme = "https" if secure else "http"
     joiner = "&" if "?" in signin else "?"
     return f"{signin}{joiner}{param}={scheme}://{host}{escaped}".encode()
+
+
+# ---------------------------------------------------------------- the answers' cache
+
+# Answers kept (across routes), and their bytes: the least recently used go first.
+MAX_CACHED = 10_000
+MAX_CACHED_BYTES = 8 << 20
+
+
+def _field(fields: bytes, name: bytes) -> bytes:
+    for line in fields.split(b"\r\n"):
+        key, colon, value = line.partition(b":")
+        if colon and key.strip().lower() == name:
+            return value.strip()
+    return b""
+
+
+def cache_key(plan: AuthPlan, route: str, req: RequestHead, client_ip: bytes) -> bytes | None:
+    """The answer's key in the cache: the route (ingress-nginx caches per location)
+    and auth-cache-key filled in; None without auth-cache-key."""
+    if not plan.cache_parts:
+        return None
+    parts = [route.encode(), b"\0"]
+    for part in plan.cache_parts:
+        if isinstance(part, bytes):
+            parts.append(part)
+            continue
+        kind, name = part
+        if kind == "http":
+            parts.append(_field(req.fields, name.replace(b"_", b"-")))
+        elif kind == "cookie":
+            prefix = name + b"="
+            for value in req.cookie:
+                for item in value.split(b";"):
+                    item = item.strip()
+                    if item.startswith(prefix):
+                        parts.append(item[len(prefix) :])
+        elif kind == "remote":
+            parts.append(client_ip)
+        else:  # host
+            parts.append(req.host)
+    return b"".join(parts)
+
+
+class AnswerCache:
+    """The auth service's answers by key, each for its status's duration; bounded in
+    entries and in bytes (key and head), the least recently used forgotten first."""
+
+    def __init__(self) -> None:
+        self.entries: OrderedDict[bytes, tuple[float, ResponseHead, int]] = OrderedDict()
+        self.size = 0
+
+    def get(self, key: bytes, now: float) -> ResponseHead | None:
+        found = self.entries.get(key)
+        if found is None:
+            return None
+        if found[0] <= now:
+            self._drop(key)
+            return None
+        self.entries.move_to_end(key)
+        return found[1]
+
+    def put(self, plan: AuthPlan, key: bytes, response: ResponseHead, now: float) -> None:
+        seconds = plan.durations.get(response.status)
+        if not seconds:
+            return
+        size = len(key) + len(response.fields) + 64
+        if size > MAX_CACHED_BYTES // 16:
+            return  # too large to keep
+        if key in self.entries:
+            self._drop(key)
+        while self.entries and (
+            len(self.entries) >= MAX_CACHED or self.size + size > MAX_CACHED_BYTES
+        ):
+            self._drop(next(iter(self.entries)))
+        self.entries[key] = (now + seconds, response, size)
+        self.size += size
+
+    def _drop(self, key: bytes) -> None:
+        self.size -= self.entries.pop(key)[2]
+
+
+CACHE = AnswerCache()
 
 
 def with_auth_headers(head: bytes, plan: AuthPlan, lines: bytes) -> bytes:

@@ -646,10 +646,22 @@ class H2Exchange(UpstreamStream):
         assert plan is not None
         context = self.conn.context
         assert context is not None
-        head = extauth.subrequest_head(plan, self.req, bool(self.conn.secure), context.client_ip)
         options = self.entry.options
+        key = extauth.cache_key(plan, options.name, self.req, context.client_ip)
+        if key is not None:
+            cached = extauth.CACHE.get(key, self.ctx.loop.time())
+            if cached is not None:
+                self._authorized(cached)
+                return
+        head = extauth.subrequest_head(plan, self.req, bool(self.conn.secure), context.client_ip)
         self.auth_task = authcheck.start(
-            self.ctx, plan, head, options.connect_timeout, options.server_timeout, self._authorized
+            self.ctx,
+            plan,
+            head,
+            options.connect_timeout,
+            options.server_timeout,
+            self._authorized,
+            key,
         )
 
     def _authorized(self, response: http1.ResponseHead | None) -> None:

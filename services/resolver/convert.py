@@ -297,6 +297,11 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
                 proxy_set_headers=[
                     pb.RouteHeader(name=n, value=v) for n, v in auth.proxy_set_headers
                 ],
+                cache_key=auth.cache_key,
+                cache_durations=[
+                    pb.AuthCacheDuration(status=status, duration=duration(seconds))
+                    for status, seconds in auth.cache_durations
+                ],
             )
         )
     if route.tls is not None:
@@ -574,6 +579,8 @@ def _external_auth_from_proto(message: pb.ExternalAuth) -> model.ExternalAuth:
         response_headers=tuple(message.response_headers),
         request_redirect=message.request_redirect,
         proxy_set_headers=tuple((h.name, h.value) for h in message.proxy_set_headers),
+        cache_key=message.cache_key,
+        cache_durations=tuple((d.status, seconds(d.duration)) for d in message.cache_durations),
     )
 
 

@@ -427,6 +427,10 @@ class ExternalAuth:
     response_headers: tuple[str, ...] = ()  # copied from the answer to the request
     request_redirect: str = ""  # X-Auth-Request-Redirect ("": the request's URI)
     proxy_set_headers: tuple[tuple[str, str], ...] = ()  # more headers to the auth service
+    # auth-cache-key (literal text, $http_NAME, $cookie_NAME, $remote_addr, $host; "":
+    # no cache) and auth-cache-duration: (status, seconds) an answer is kept.
+    cache_key: str = ""
+    cache_durations: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)

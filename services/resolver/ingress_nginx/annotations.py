@@ -640,6 +640,8 @@ def _affinity_mode(
     "auth-response-headers",
     "auth-request-redirect",
     "auth-proxy-set-headers",
+    "auth-cache-key",
+    "auth-cache-duration",
     "auth-keepalive",
     "auth-keepalive-share-vars",
     "auth-keepalive-requests",
@@ -699,8 +701,31 @@ def _external_auth(
         ),
         request_redirect=values.get("auth-request-redirect", ""),
         proxy_set_headers=tuple(set_headers),
+        cache_key=values.get("auth-cache-key", ""),
+        cache_durations=_cache_durations(values.get("auth-cache-duration", "") or "200 202 401 5m")
+        if values.get("auth-cache-key")
+        else (),
     )
     found(short, Verdict.HONOURED, "every request is asked first, as nginx's auth_request")
+
+
+_NGINX_TIME = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _cache_durations(value: str) -> tuple[tuple[int, float], ...]:
+    """auth-cache-duration as nginx's proxy_cache_valid reads each entry: status
+    codes then a time; a time alone is for 200, 301 and 302."""
+    found: list[tuple[int, float]] = []
+    for item in value.split(","):
+        words = item.split()
+        if not words:
+            continue
+        time = words[-1]
+        unit = time[-1] if time[-1] in _NGINX_TIME else "s"
+        seconds = float(time.rstrip("smhd")) * _NGINX_TIME[unit]
+        codes = [int(w) for w in words[:-1]] or [200, 301, 302]
+        found += [(code, seconds) for code in codes]
+    return tuple(found)
 
 
 @_handles(

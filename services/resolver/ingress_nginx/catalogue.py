@@ -208,12 +208,26 @@ def methods(value: str) -> str | None:
     return None
 
 
+_CACHE_KEY = re.compile(
+    r"(?:[A-Za-z0-9_.:/-]|\$(?:http_[a-z0-9_]{1,64}|cookie_[A-Za-z0-9_]{1,64}|remote_addr|host))"
+    r"{1,256}"
+)
+
+
+def cache_key(value: str) -> str | None:
+    """Literal text and the variables the proxy fills in: $http_NAME, $cookie_NAME,
+    $remote_addr, $host (nothing is rendered into configuration)."""
+    if _CACHE_KEY.fullmatch(value):
+        return None
+    return "must be text and $http_NAME, $cookie_NAME, $remote_addr or $host"
+
+
 def cache_duration(value: str) -> str | None:
-    return (
-        None
-        if re.fullmatch(r"(\d{3} )*\d{3} \d+[smhd]?|(\d+[smhd]?)|(\d{3} )*\d+[smhd]", value)
-        else "must be status codes and a duration such as '200 202 10m'"
-    )
+    """nginx proxy_cache_valid entries, comma-separated: status codes and a time."""
+    for item in value.split(","):
+        if not re.fullmatch(r"(\d{3} )*\d+[smhd]?", item.strip()):
+            return "must be status codes and a duration such as '200 202 10m, 401 5m'"
+    return None
 
 
 # ---------------------------------------------------------------- the catalogue
@@ -249,6 +263,7 @@ _AUTH = (
     "through, 401/403 answer the client, anything else 500; http:// services only"
 )
 _KEEPALIVE = "the subrequest's connection is the proxy's own"
+_AUTH_CACHE = "answers kept per Ingress path and key, bounded in entries and bytes"
 _BASIC = "basic/digest authentication: the proxy does not check credentials yet"
 _MTLS = "client certificates per Ingress: verify depth, optional modes and CN match not yet"
 _LIMIT = "global rate limits (memcached, across replicas): the proxy limits per replica only"
@@ -380,8 +395,8 @@ ENTRIES: tuple[Entry, ...] = (
     _e("auth-response-headers", headers, H, _AUTH, access=True),
     _e("auth-request-redirect", url_or_path, H, _AUTH, access=True),
     _e("auth-proxy-set-headers", name, H, _AUTH, access=True),
-    _e("auth-cache-key", plain, X, _AUTH_URL, access=True, lacks=True),
-    _e("auth-cache-duration", cache_duration, X, _AUTH_URL, access=True, lacks=True),
+    _e("auth-cache-key", cache_key, H, _AUTH_CACHE, access=True),
+    _e("auth-cache-duration", cache_duration, H, _AUTH_CACHE, access=True),
     _e("auth-always-set-cookie", boolean, X, _AUTH_URL, access=True, lacks=True),
     _e("auth-keepalive", integer, N, _KEEPALIVE, access=True),
     _e("auth-keepalive-share-vars", boolean, N, _KEEPALIVE, access=True),

@@ -361,7 +361,7 @@ class Route(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., name: _Optional[str] = ..., host: _Optional[str] = ..., path: _Optional[str] = ..., backends: _Optional[_Iterable[_Union[RouteBackend, _Mapping]]] = ..., target_port: _Optional[str] = ..., tls: _Optional[_Union[RouteTLS, _Mapping]] = ..., balance: _Optional[_Union[BalancePolicy, str]] = ..., sticky: _Optional[_Union[StickySessions, _Mapping]] = ..., timeouts: _Optional[_Union[RouteTimeouts, _Mapping]] = ..., auth_proxy_headers: _Optional[bool] = ..., forwarded_headers: _Optional[_Union[ForwardedHeadersMode, str]] = ..., upstream_protocol: _Optional[str] = ..., status: _Optional[_Union[RouteStatus, _Mapping]] = ..., creation_timestamp: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., matches: _Optional[_Iterable[_Union[RouteMatch, _Mapping]]] = ..., filters: _Optional[_Union[RouteFilters, _Mapping]] = ..., request_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., backend_request_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., listener_port: _Optional[int] = ..., gateway: _Optional[str] = ..., origin: _Optional[str] = ..., rule_index: _Optional[int] = ..., listener_protocol: _Optional[str] = ..., rate_limit: _Optional[_Union[RateLimit, _Mapping]] = ..., external_auth: _Optional[_Union[ExternalAuth, _Mapping]] = ...) -> None: ...
 
 class ExternalAuth(_message.Message):
-    __slots__ = ("url", "method", "signin", "signin_redirect_param", "response_headers", "request_redirect", "proxy_set_headers")
+    __slots__ = ("url", "method", "signin", "signin_redirect_param", "response_headers", "request_redirect", "proxy_set_headers", "cache_key", "cache_durations")
     URL_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     SIGNIN_FIELD_NUMBER: _ClassVar[int]
@@ -369,6 +369,8 @@ class ExternalAuth(_message.Message):
     RESPONSE_HEADERS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_REDIRECT_FIELD_NUMBER: _ClassVar[int]
     PROXY_SET_HEADERS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_KEY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_DURATIONS_FIELD_NUMBER: _ClassVar[int]
     url: str
     method: str
     signin: str
@@ -376,7 +378,17 @@ class ExternalAuth(_message.Message):
     response_headers: _containers.RepeatedScalarFieldContainer[str]
     request_redirect: str
     proxy_set_headers: _containers.RepeatedCompositeFieldContainer[RouteHeader]
-    def __init__(self, url: _Optional[str] = ..., method: _Optional[str] = ..., signin: _Optional[str] = ..., signin_redirect_param: _Optional[str] = ..., response_headers: _Optional[_Iterable[str]] = ..., request_redirect: _Optional[str] = ..., proxy_set_headers: _Optional[_Iterable[_Union[RouteHeader, _Mapping]]] = ...) -> None: ...
+    cache_key: str
+    cache_durations: _containers.RepeatedCompositeFieldContainer[AuthCacheDuration]
+    def __init__(self, url: _Optional[str] = ..., method: _Optional[str] = ..., signin: _Optional[str] = ..., signin_redirect_param: _Optional[str] = ..., response_headers: _Optional[_Iterable[str]] = ..., request_redirect: _Optional[str] = ..., proxy_set_headers: _Optional[_Iterable[_Union[RouteHeader, _Mapping]]] = ..., cache_key: _Optional[str] = ..., cache_durations: _Optional[_Iterable[_Union[AuthCacheDuration, _Mapping]]] = ...) -> None: ...
+
+class AuthCacheDuration(_message.Message):
+    __slots__ = ("status", "duration")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    DURATION_FIELD_NUMBER: _ClassVar[int]
+    status: int
+    duration: _duration_pb2.Duration
+    def __init__(self, status: _Optional[int] = ..., duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class RateLimit(_message.Message):
     __slots__ = ("rps", "rpm", "burst_multiplier", "connections", "allow", "request_status", "connection_status")

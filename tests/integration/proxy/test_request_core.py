@@ -772,3 +772,26 @@ async def test_external_auth_subrequest_is_released_when_the_client_goes(
         assert len(asyncio.all_tasks()) <= before
         assert not any(server.pool.opened.values())
     assert backends.requests(backend) == 0
+
+
+@pytest.mark.parametrize(("client", "backend"), PAIRS)
+async def test_external_auth_answers_are_cached_by_key_and_status(backends, auth, client, backend):
+    route = _authed(
+        backend,
+        auth.url(),
+        cache_key="$http_authorization",
+        cache_durations=((200, 60.0),),
+    )
+    route = dataclasses.replace(route, name=f"cached-{client}-{backend}")
+    table = built([route], [backends.endpoint()])
+    async with running_proxy(table) as (_, port):
+        good = [("authorization", "Bearer good")]
+        statuses = [(await ask(client, port, f"/c{i}", good)).status for i in range(3)]
+        assert len(auth.requests) == 1  # the first asked, the others from the cache
+        assert _backend_header(backends, backend, "X-User") == ["alice"]  # (cached too)
+        # Another key asks again; a status without a duration is not kept.
+        forbidden = [("authorization", "Bearer forbidden")]
+        assert (await ask(client, port, "/c", forbidden)).status == 403
+        assert (await ask(client, port, "/c", forbidden)).status == 403
+    assert statuses == [200, 200, 200]
+    assert len(auth.requests) == 3

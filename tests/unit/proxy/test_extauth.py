@@ -123,3 +123,38 @@ def test_a_route_without_external_auth_is_not_marked():
     forward = decide(view([rt()], [ep()]), req(), Facts(), 0.0)
     assert isinstance(forward, Forward) and forward.auth is None
     assert decision.rules_of(forward.entry) is False
+
+
+def test_the_cache_key_fills_in_its_variables_per_route():
+    spec = ExternalAuth(
+        "http://auth/", cache_key="k:$http_authorization:$cookie_sid:$remote_addr:$host"
+    )
+    plan = extauth.AuthPlan(spec)
+    head = req(extra="Authorization: Bearer t\r\nCookie: a=1; sid=xyz\r\n")
+    assert extauth.cache_key(plan, "ns/r", head, b"192.0.2.7") == (
+        b"ns/r\0k:Bearer t:xyz:192.0.2.7:a.test"
+    )
+    assert extauth.cache_key(extauth.AuthPlan(ExternalAuth("http://auth/")), "r", head, b"") is None
+
+
+def test_the_cache_keeps_by_status_for_its_duration_and_is_bounded(monkeypatch):
+    plan = extauth.AuthPlan(
+        ExternalAuth("http://auth/", cache_key="x", cache_durations=((200, 10.0), (401, 1.0)))
+    )
+    cache = extauth.AnswerCache()
+    ok, denied, broken = answer(200), answer(401), answer(500)
+    cache.put(plan, b"a", ok, 0.0)  # type: ignore[arg-type]
+    cache.put(plan, b"b", denied, 0.0)  # type: ignore[arg-type]
+    cache.put(plan, b"c", broken, 0.0)  # type: ignore[arg-type]
+    assert cache.get(b"a", 5.0) is ok and cache.get(b"b", 0.5) is denied
+    assert cache.get(b"b", 1.0) is None and cache.get(b"c", 0.0) is None
+    assert cache.get(b"a", 10.0) is None and cache.size == 0
+    monkeypatch.setattr(extauth, "MAX_CACHED", 100)
+    for i in range(1_000):
+        cache.put(plan, b"key-%d" % i, ok, 0.0)  # type: ignore[arg-type]
+    assert len(cache.entries) == 100 and cache.get(b"key-999", 1.0) is ok
+    monkeypatch.setattr(extauth, "MAX_CACHED_BYTES", 64 * 200)
+    for i in range(1_000):
+        cache.put(plan, b"other-%d" % i, ok, 0.0)  # type: ignore[arg-type]
+    assert cache.size <= 64 * 200
+    assert cache.size == sum(size for _, _, size in cache.entries.values())

@@ -611,8 +611,8 @@ def test_every_grammar_refuses_configuration_syntax(entry):
     for payload in ("x;\nload_module /tmp/evil.so;", "a}\n#", "'quoted'", '"q"', "$host"):
         if entry.grammar is catalogue.any_text:
             continue
-        if payload == "$host" and entry.name == "upstream-hash-by":
-            continue  # its grammar is an nginx variable name, nothing else
+        if payload == "$host" and entry.name in ("upstream-hash-by", "auth-cache-key"):
+            continue  # its grammar names variables (filled in by the proxy, never rendered)
         assert entry.grammar(payload) is not None, (entry.name, payload)
     if entry.access:  # what bears on access is honoured exactly (or means nothing), or refused
         assert entry.verdict is not Verdict.DIFFERENT
@@ -993,11 +993,28 @@ def test_external_auth_annotations_become_the_routes_external_auth():
     [
         {P + "auth-url": "https://auth.example.com/check"},  # no TLS to the service yet
         {P + "auth-url": "http://auth/check", P + "auth-proxy-set-headers": "default/missing"},
-        {P + "auth-url": "http://auth/check", P + "auth-cache-key": "static"},
+        {P + "auth-url": "http://auth/check", P + "auth-cache-key": "$request_body"},
         {P + "auth-url": "http://auth/check", P + "auth-always-set-cookie": "true"},
     ],
 )
 def test_external_auth_that_cannot_be_honoured_refuses_the_ingress(annotations):
     routes = routes_of(ingress("guarded", annotations), ingress("other", host="o.example.com"))
-    assert refusal(routes, "guarded")[0] == "UnsupportedAnnotation"
+    assert refusal(routes, "guarded")[0] in ("UnsupportedAnnotation", "InvalidAnnotation")
     assert served(routes, "other")
+
+
+def test_auth_cache_annotations_with_nginxs_defaults():
+    auth = {P + "auth-url": "http://auth/check", P + "auth-cache-key": "$http_authorization"}
+    [route] = routes_of(ingress("cached", auth))
+    assert route.external_auth is not None
+    assert route.external_auth.cache_key == "$http_authorization"
+    assert route.external_auth.cache_durations == ((200, 300.0), (202, 300.0), (401, 300.0))
+    auth[P + "auth-cache-duration"] = "200 10m, 1h"
+    [route] = routes_of(ingress("cached", auth))
+    assert route.external_auth is not None
+    assert route.external_auth.cache_durations == (
+        (200, 600.0),
+        (200, 3600.0),
+        (301, 3600.0),
+        (302, 3600.0),
+    )

@@ -375,6 +375,8 @@ DERIVED_SAMPLES: dict[str, dict[str, Any]] = {
             signin="https://login.example.com/",
             response_headers=("X-User",),
             proxy_set_headers=(("X-Tenant", "a"),),
+            cache_key="$http_authorization",
+            cache_durations=((200, 300.0), (401, 60.0)),
         ),
     },
     "RouteBackend": {"namespace": "other", "port": "http", "invalid": "not granted"},
