@@ -127,3 +127,29 @@ async def test_external_auth_checks_every_path_cve_2026_24513(
     assert all(s.status in (400, 401) for s in statuses), [s.status for s in statuses]
     after = len(suite.backends[("gateway-conformance-infra", "infra-backend-v1")].requests)
     assert after == before  # the backend never saw one
+
+
+async def test_external_auth_cache_survives_the_auth_service_per_location(
+    suite: Conformance,
+) -> None:
+    # auth.go, "when external authentication with caching is configured": It("should
+    # return status code 200 when signed in after auth backend is deleted"), It("should
+    # deny login for different location on same server") (auth-cache-key "fixed",
+    # auth-cache-duration "200 201 401 30m"; httpbun deleted: here the service stopped).
+    service = await AuthService().start()
+    host = "auth-cached"
+    annotations = {
+        P + "auth-url": service.url("/basic-auth/user/password"),
+        P + "auth-signin": "http://$host/auth/start",
+        P + "auth-cache-key": "fixed",
+        P + "auth-cache-duration": "200 201 401 30m",
+    }
+    foo = single_ingress("foo-auth-cached", "/foo", host, annotations)
+    bar = single_ingress("bar-auth-cached", "/bar", host, annotations)
+    await apply(suite, foo, bar)
+    signed_in = {"Authorization": BASIC_USER_PASSWORD}
+    assert (await suite.request("/foo", host=host, headers=signed_in)).status == 200
+    await service.stop()
+    # The service is gone: /foo's answer is cached; /bar (another location) has none.
+    assert (await suite.request("/foo", host=host, headers=signed_in)).status == 200
+    assert (await suite.request("/bar", host=host, headers=signed_in)).status == 500
