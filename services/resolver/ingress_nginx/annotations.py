@@ -38,6 +38,7 @@ from waygate.resolver.gateway import spec as specs
 from waygate.resolver.ingress_nginx import catalogue
 from waygate.resolver.ingress_nginx.catalogue import CATALOGUE, SNIPPETS, Verdict
 from waygate.resolver.ingress_nginx.config import (
+    GLOBAL_AUTH,
     ControllerConfig,
     IngressNginx,
     config_from,
@@ -300,6 +301,7 @@ def plan(
         valid[short] = value.strip() if entry.grammar is not catalogue.any_text else value
     _apply(result, valid, settings, config, config_maps, timeouts)
     _rate_limit(result, config)
+    _global_auth(result, valid, config)
     # nginx's read/send timeouts also bound an upgraded (WebSocket) connection's silence.
     result.timeouts = RouteTimeouts(
         connect=timeouts["connect"], server=timeouts["server"], tunnel=timeouts["server"]
@@ -358,7 +360,7 @@ _OFF: dict[str, str] = {
     "enable-modsecurity": "false",
     "enable-owasp-core-rules": "false",
     "enable-cors": "false",
-    "enable-global-auth": "true",  # global auth itself is the ConfigMap's (refused there)
+    "enable-global-auth": "true",  # the ConfigMap's global-auth-url applies (if any)
     "service-upstream": "false",
     "use-port-in-redirects": "false",
     "session-cookie-secure": "false",
@@ -707,6 +709,42 @@ def _external_auth(
         else (),
     )
     found(short, Verdict.HONOURED, "every request is asked first, as nginx's auth_request")
+
+
+def _global_auth(p: Plan, values: Mapping[str, str], config: ControllerConfig) -> None:
+    """The ConfigMap's global-auth-url (and friends) for an Ingress without auth-url
+    of its own, unless `enable-global-auth: "false"` (ingress-nginx's rule)."""
+    url = config.text("global-auth-url", "").strip()
+    if not url or p.external_auth is not None or "auth-url" in values:
+        return
+    if not _flag(values.get("enable-global-auth", "true")):
+        return
+    given: dict[str, str] = {}
+    for key in GLOBAL_AUTH:
+        value = config.text(f"global-auth-{key}", "").strip()
+        if not value:
+            continue
+        problem = CATALOGUE[f"auth-{key}"].grammar(value)
+        if problem is None and key == "url" and not value.startswith("http://"):
+            problem = "only http:// auth services (no TLS to them yet)"
+        if problem is not None:
+            p.refuse(UNSUPPORTED_CONFIG, f"ConfigMap key global-auth-{key}: {problem}")
+            return
+        given[key] = value
+    p.external_auth = ExternalAuth(
+        url=url,
+        method=given.get("method", "").upper(),
+        signin=given.get("signin", ""),
+        signin_redirect_param=given.get("signin-redirect-param", "") or "rd",
+        response_headers=tuple(
+            item.strip() for item in given.get("response-headers", "").split(",") if item.strip()
+        ),
+        request_redirect=given.get("request-redirect", ""),
+        cache_key=given.get("cache-key", ""),
+        cache_durations=_cache_durations(given.get("cache-duration", "") or "200 202 401 5m")
+        if given.get("cache-key")
+        else (),
+    )
 
 
 _NGINX_TIME = {"s": 1, "m": 60, "h": 3600, "d": 86400}

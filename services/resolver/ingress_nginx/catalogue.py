@@ -405,10 +405,9 @@ ENTRIES: tuple[Entry, ...] = (
     _e(
         "enable-global-auth",
         boolean,
-        X,
-        "global external authentication (ConfigMap global-auth-url) not yet",
+        H,
+        '"false": the ConfigMap\'s global-auth-url does not apply to this Ingress',
         access=True,
-        lacks=True,
     ),
     _e(
         "auth-snippet", any_text, X, "a snippet of the external authentication request", access=True

@@ -1018,3 +1018,58 @@ def test_auth_cache_annotations_with_nginxs_defaults():
         (301, 3600.0),
         (302, 3600.0),
     )
+
+
+def _global(data: dict[str, str], *items: dict[str, Any]) -> list[Route]:
+    config = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "c", "namespace": "ingress-nginx"},
+        "data": data,
+    }
+    return routes_of(config, *items, settings=IngressNginx(configmap=("ingress-nginx", "c")))
+
+
+def test_global_auth_applies_to_every_ingress_unless_it_opts_out_or_has_its_own():
+    """configmap.md global-auth-*: every Ingress, but enable-global-auth "false" and
+    those with an auth-url of their own (internal/ingress/controller: globalExternalAuth)."""
+    data = {
+        "global-auth-url": "http://auth.infra.svc/check",
+        "global-auth-signin": "https://login.example.com/",
+        "global-auth-response-headers": "X-User",
+        "global-auth-cache-key": "$http_authorization",
+    }
+    routes = _global(
+        data,
+        ingress("plain"),
+        ingress("out", {P + "enable-global-auth": "false"}, host="o.example.com"),
+        ingress("own", {P + "auth-url": "http://mine/check"}, host="m.example.com"),
+    )
+    [plain] = by_ingress(routes, "plain")
+    assert plain.ingress_refusal is None
+    assert plain.external_auth == ExternalAuth(
+        "http://auth.infra.svc/check",
+        signin="https://login.example.com/",
+        response_headers=("X-User",),
+        cache_key="$http_authorization",
+        cache_durations=((200, 300.0), (202, 300.0), (401, 300.0)),
+    )
+    [out] = by_ingress(routes, "out")
+    assert out.ingress_refusal is None and out.external_auth is None
+    [own] = by_ingress(routes, "own")
+    assert own.external_auth is not None and own.external_auth.url == "http://mine/check"
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"global-auth-url": "https://auth/check"},
+        {"global-auth-url": "http://auth/check", "global-auth-method": "GET;evil"},
+        {"global-auth-url": "http://auth/check", "global-auth-snippet": "return 200;"},
+        {"global-auth-url": "http://auth/check", "global-auth-always-set-cookie": "true"},
+    ],
+)
+def test_global_auth_that_cannot_be_honoured_serves_nothing(data):
+    [route] = _global(data, ingress("plain"))
+    assert route.ingress_refusal is not None
+    assert route.ingress_refusal[0] == "UnsupportedConfiguration"
