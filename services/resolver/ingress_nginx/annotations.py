@@ -708,7 +708,7 @@ def _external_auth(
         if values.get("auth-cache-key")
         else (),
     )
-    found(short, Verdict.HONOURED, "every request is asked first, as nginx's auth_request")
+    found(short)  # the catalogue's verdict and its named difference
 
 
 def _global_auth(p: Plan, values: Mapping[str, str], config: ControllerConfig) -> None:
@@ -731,6 +731,10 @@ def _global_auth(p: Plan, values: Mapping[str, str], config: ControllerConfig) -
             p.refuse(UNSUPPORTED_CONFIG, f"ConfigMap key global-auth-{key}: {problem}")
             return
         given[key] = value
+    p.config_notes.append(
+        "ConfigMap key global-auth-url: honoured-with-difference (the auth service's "
+        "Set-Cookie is not passed on to the client)"
+    )
     p.external_auth = ExternalAuth(
         url=url,
         method=given.get("method", "").upper(),

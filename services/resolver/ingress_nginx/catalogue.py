@@ -262,6 +262,10 @@ _AUTH = (
     "every request is first asked of the auth service (nginx auth_request): 2xx lets it "
     "through, 401/403 answer the client, anything else 500; http:// services only"
 )
+_AUTH_COOKIE = (
+    "; the auth service's Set-Cookie is not passed on to the client (ingress-nginx adds "
+    "it to successful answers)"
+)
 _KEEPALIVE = "the subrequest's connection is the proxy's own"
 _AUTH_CACHE = "answers kept per Ingress path and key, bounded in entries and bytes"
 _BASIC = "basic/digest authentication: the proxy does not check credentials yet"
@@ -382,7 +386,7 @@ ENTRIES: tuple[Entry, ...] = (
     _e("auth-secret", name, X, _BASIC, access=True, lacks=True),
     _e("auth-secret-type", one_of("auth-file", "auth-map"), X, _BASIC, access=True, lacks=True),
     _e("auth-realm", header_value, X, _BASIC, access=True, lacks=True),
-    _e("auth-url", url, H, _AUTH, access=True),
+    _e("auth-url", url, D, _AUTH + _AUTH_COOKIE, access=True),
     _e("auth-method", methods, H, _AUTH, access=True),
     _e("auth-signin", signin_url, H, _AUTH, access=True),
     _e(
