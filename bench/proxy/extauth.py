@@ -17,7 +17,6 @@ import argparse
 import subprocess
 import sys
 import tempfile
-import textwrap
 from pathlib import Path
 
 from bench.proxy.__main__ import (
@@ -33,6 +32,7 @@ from bench.proxy.__main__ import (
     upstream_conf,
     wrk,
 )
+from bench.proxy.ratelimit import upstream_objects
 
 AUTH_HOST = "auth." + HOST
 
@@ -54,25 +54,7 @@ def manifests(path: Path, upstream: int, auth: int, cache: bool) -> None:
         pathType: Prefix
         backend: {{service: {{name: upstream, port: {{number: 80}}}}}}"""
     (path / "bench.yaml").write_text(
-        textwrap.dedent(
-            f"""\
-            apiVersion: v1
-            kind: Service
-            metadata: {{name: upstream, namespace: bench}}
-            spec:
-              ports: [{{name: http, port: 80, targetPort: {upstream}}}]
-            ---
-            apiVersion: discovery.k8s.io/v1
-            kind: EndpointSlice
-            metadata:
-              name: upstream-local
-              namespace: bench
-              labels: {{kubernetes.io/service-name: upstream}}
-            addressType: IPv4
-            ports: [{{name: http, port: {upstream}, protocol: TCP}}]
-            endpoints: [{{addresses: [127.0.0.1], conditions: {{ready: true}}}}]
-            """
-        )
+        upstream_objects(upstream)
         + f"""---
 apiVersion: networking.k8s.io/v1
 kind: Ingress

@@ -37,26 +37,35 @@ from bench.proxy.__main__ import (
 )
 
 
+def upstream_objects(upstream: int) -> str:
+    """The Service bench/upstream and its EndpointSlice: the nginx upstream's port."""
+    return textwrap.dedent(
+        f"""\
+        apiVersion: v1
+        kind: Service
+        metadata: {{name: upstream, namespace: bench}}
+        spec:
+          ports: [{{name: http, port: 80, targetPort: {upstream}}}]
+        ---
+        apiVersion: discovery.k8s.io/v1
+        kind: EndpointSlice
+        metadata:
+          name: upstream-local
+          namespace: bench
+          labels: {{kubernetes.io/service-name: upstream}}
+        addressType: IPv4
+        ports: [{{name: http, port: {upstream}, protocol: TCP}}]
+        endpoints: [{{addresses: [127.0.0.1], conditions: {{ready: true}}}}]
+        """
+    )
+
+
 def manifests(path: Path, upstream: int, rate: int) -> None:
     path.mkdir()
     (path / "bench.yaml").write_text(
-        textwrap.dedent(
+        upstream_objects(upstream)
+        + textwrap.dedent(
             f"""\
-            apiVersion: v1
-            kind: Service
-            metadata: {{name: upstream, namespace: bench}}
-            spec:
-              ports: [{{name: http, port: 80, targetPort: {upstream}}}]
-            ---
-            apiVersion: discovery.k8s.io/v1
-            kind: EndpointSlice
-            metadata:
-              name: upstream-local
-              namespace: bench
-              labels: {{kubernetes.io/service-name: upstream}}
-            addressType: IPv4
-            ports: [{{name: http, port: {upstream}, protocol: TCP}}]
-            endpoints: [{{addresses: [127.0.0.1], conditions: {{ready: true}}}}]
             ---
             apiVersion: networking.k8s.io/v1
             kind: Ingress

@@ -92,6 +92,28 @@ async def ask(
         upstream.abort()
 
 
+def authorize(
+    ctx: Any,
+    forward: Any,
+    req: Any,
+    secure: bool,
+    client_ip: bytes,
+    done: Callable[[ResponseHead | None], None],
+) -> ResponseHead | asyncio.Task[None]:
+    """What a driver calls for a request marked "authorize first" (`Forward.auth`):
+    the cached answer (auth-cache-key), or the subrequest's task (`start`), the
+    route's connect and server timeouts bounding it."""
+    plan = forward.auth
+    options = forward.entry.options
+    key = extauth.cache_key(plan, options.name, req, client_ip)
+    if key is not None:
+        cached = extauth.CACHE.get(key, ctx.loop.time())
+        if cached is not None:
+            return cached
+    head = extauth.subrequest_head(plan, req, secure, client_ip)
+    return start(ctx, plan, head, options.connect_timeout, options.server_timeout, done, key)
+
+
 def start(
     ctx: Any,
     plan: AuthPlan,

@@ -453,27 +453,15 @@ class Exchange(UpgradeRelay):
         """ingress-nginx auth-url: the auth service is asked first (`authcheck`, the
         request's one task while it runs); its answer lets the request go on, with
         the answer's headers, or answers the client."""
-        req = self.req
-        plan = forward.auth
         context = self.down.context
-        assert req is not None and plan is not None and context is not None
-        options = forward.entry.options
-        key = extauth.cache_key(plan, options.name, req, context.client_ip)
-        if key is not None:
-            cached = extauth.CACHE.get(key, self.loop.time())
-            if cached is not None:
-                self._authorized(cached)
-                return
-        head = extauth.subrequest_head(plan, req, bool(self.down.secure), context.client_ip)
-        self.connect_task = authcheck.start(
-            self.ctx,
-            plan,
-            head,
-            options.connect_timeout,
-            options.server_timeout,
-            self._authorized,
-            key,
+        assert context is not None
+        found = authcheck.authorize(
+            self.ctx, forward, self.req, bool(self.down.secure), context.client_ip, self._authorized
         )
+        if isinstance(found, asyncio.Task):
+            self.connect_task = found
+        else:
+            self._authorized(found)  # a cached answer
 
     def _authorized(self, response: http1.ResponseHead | None) -> None:
         self.connect_task = None

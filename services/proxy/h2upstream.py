@@ -642,27 +642,20 @@ class H2Exchange(UpstreamStream):
     def _authorize(self) -> None:
         """ingress-nginx auth-url: the auth service is asked first; its answer lets
         the stream go on, with the answer's headers, or answers the client."""
-        plan = self.forward.auth
-        assert plan is not None
         context = self.conn.context
         assert context is not None
-        options = self.entry.options
-        key = extauth.cache_key(plan, options.name, self.req, context.client_ip)
-        if key is not None:
-            cached = extauth.CACHE.get(key, self.ctx.loop.time())
-            if cached is not None:
-                self._authorized(cached)
-                return
-        head = extauth.subrequest_head(plan, self.req, bool(self.conn.secure), context.client_ip)
-        self.auth_task = authcheck.start(
+        found = authcheck.authorize(
             self.ctx,
-            plan,
-            head,
-            options.connect_timeout,
-            options.server_timeout,
+            self.forward,
+            self.req,
+            bool(self.conn.secure),
+            context.client_ip,
             self._authorized,
-            key,
         )
+        if isinstance(found, asyncio.Task):
+            self.auth_task = found
+        else:
+            self._authorized(found)  # a cached answer
 
     def _authorized(self, response: http1.ResponseHead | None) -> None:
         self.auth_task = None

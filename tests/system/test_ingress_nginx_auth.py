@@ -23,6 +23,7 @@ import yaml
 from tests.support.authservice import BASIC_USER_PASSWORD, AuthService
 from tests.support.gatewayapi import Conformance
 from tests.system.test_ingress_nginx import CONTROLLER, P, single_ingress
+from tests.system.test_ingress_nginx import suite as suite  # the same real processes, per module
 
 pytestmark = [pytest.mark.system, pytest.mark.asyncio(loop_scope="module")]
 
@@ -32,23 +33,6 @@ async def auth() -> AsyncIterator[AuthService]:
     service = await AuthService(slow_seconds=1).start()
     yield service
     await service.stop()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def suite(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Conformance]:
-    conformance = Conformance(
-        tmp_path_factory.mktemp("manifests"),
-        resolver_args=(
-            "--ingress-nginx",
-            "--ingress-nginx-configmap",
-            "ingress-nginx/ingress-nginx-controller",
-        ),
-    )
-    await conformance.start()
-    try:
-        yield conformance
-    finally:
-        await conformance.stop()
 
 
 async def apply(suite: Conformance, *ingresses: dict) -> None:

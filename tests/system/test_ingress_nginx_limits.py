@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import AsyncIterator
 
 import pytest
-import pytest_asyncio
 import yaml
 
 from tests.support.gatewayapi import Conformance
 from tests.system.test_ingress_nginx import CONTROLLER, P, single_ingress
+from tests.system.test_ingress_nginx import suite as suite  # the same real processes, per module
 
 pytestmark = [pytest.mark.system, pytest.mark.asyncio(loop_scope="module")]
 
@@ -28,23 +27,6 @@ LIMITS_CONTROLLER = {
     **CONTROLLER,
     "data": {**CONTROLLER["data"], "limit-req-status-code": "429"},
 }
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def suite(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Conformance]:
-    conformance = Conformance(
-        tmp_path_factory.mktemp("manifests"),
-        resolver_args=(
-            "--ingress-nginx",
-            "--ingress-nginx-configmap",
-            "ingress-nginx/ingress-nginx-controller",
-        ),
-    )
-    await conformance.start()
-    try:
-        yield conformance
-    finally:
-        await conformance.stop()
 
 
 async def statuses(suite: Conformance, count: int, path: str, host: str) -> collections.Counter:

@@ -672,25 +672,10 @@ def _external_auth(
     set_headers: list[tuple[str, str]] = []
     source = values.get("auth-proxy-set-headers", "")
     if source:
-        namespace, _, name = source.rpartition("/")
-        obj = config_maps(namespace or p.namespace, name)
-        if obj is None:
-            found(
-                short,
-                Verdict.NOT_HONOURED,
-                f"ConfigMap {namespace or p.namespace}/{name} not found",
-            )
+        set_headers, problem = _configmap_headers(p, source, config_maps)
+        if problem:
+            found(short, Verdict.NOT_HONOURED, f"auth-proxy-set-headers: {problem}")
             return
-        for header, text in sorted((obj.get("data") or {}).items()):
-            header, text = str(header), str(text)
-            if (
-                not _HEADER_NAME.fullmatch(header)
-                or header.lower() in _PROTECTED
-                or catalogue.header_value(text)
-            ):
-                found(short, Verdict.NOT_HONOURED, f"auth-proxy-set-headers: header {header!r}")
-                return
-            set_headers.append((header, text))
     p.external_auth = ExternalAuth(
         url=value,
         method=values.get("auth-method", "").upper(),
@@ -965,6 +950,28 @@ def _passthrough(
     found(short, Verdict.HONOURED, "" if not p.ssl_passthrough else None)
 
 
+def _configmap_headers(
+    p: Plan, value: str, config_maps: Callable[[str, str], JSON | None]
+) -> tuple[list[tuple[str, str]], str]:
+    """A ConfigMap's entries as header lines ("NS/NAME", or NAME in the Ingress's
+    namespace), and why not ("" when every entry is a plain header and value)."""
+    namespace, _, name = value.rpartition("/")
+    obj = config_maps(namespace or p.namespace, name)
+    if obj is None:
+        return [], f"ConfigMap {namespace or p.namespace}/{name} not found"
+    headers = []
+    for header, text in sorted((obj.get("data") or {}).items()):
+        header, text = str(header), str(text)
+        if (
+            not _HEADER_NAME.fullmatch(header)
+            or header.lower() in _PROTECTED
+            or catalogue.header_value(text)
+        ):
+            return [], f"header {header!r} is not a plain header and value"
+        headers.append((header, text))
+    return headers, ""
+
+
 @_handles("custom-headers")
 def _custom_headers(
     p: Plan,
@@ -977,23 +984,8 @@ def _custom_headers(
 ) -> None:
     # ingress-nginx answers 503 where its headers cannot be set (a missing ConfigMap,
     # a bad header): the Ingress is not served rather than served without them.
-    namespace, _, name = value.rpartition("/")
-    obj = config_maps(namespace or p.namespace, name)
-    problem = ""
-    if obj is None:
-        problem = f"ConfigMap {namespace or p.namespace}/{name} not found"
-    else:
-        data = obj.get("data") or {}
-        for header, text in sorted(data.items()):
-            header, text = str(header), str(text)
-            if (
-                not _HEADER_NAME.fullmatch(header)
-                or header.lower() in _PROTECTED
-                or catalogue.header_value(text)
-            ):
-                problem = f"header {header!r} is not a plain header and value"
-                break
-            p.response_set.append((header, text))
+    headers, problem = _configmap_headers(p, value, config_maps)
+    p.response_set += headers
     if problem:
         p.note(Finding(short, value, Verdict.NOT_HONOURED, problem, True))
         p.refuse(UNSUPPORTED, f"annotation custom-headers: {problem}")
