@@ -718,7 +718,7 @@ def _global_auth(p: Plan, values: Mapping[str, str], config: ControllerConfig) -
         given[key] = value
     p.config_notes.append(
         "ConfigMap key global-auth-url: honoured-with-difference (the auth service's "
-        "Set-Cookie is not passed on to the client)"
+        "Set-Cookie and a 401's WWW-Authenticate are not passed on to the client)"
     )
     p.external_auth = ExternalAuth(
         url=url,

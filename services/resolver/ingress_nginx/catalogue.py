@@ -264,7 +264,7 @@ _AUTH = (
 )
 _AUTH_COOKIE = (
     "; the auth service's Set-Cookie is not passed on to the client (ingress-nginx adds "
-    "it to successful answers)"
+    "it to successful answers), nor a 401's WWW-Authenticate"
 )
 _KEEPALIVE = "the subrequest's connection is the proxy's own"
 _AUTH_CACHE = "answers kept per Ingress path and key, bounded in entries and bytes"
