@@ -287,11 +287,13 @@ def _ms(text: str) -> float:
     return float(number) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
 
 
-def wrk(port: int, path: str, connections: int, seconds: float, cores: str) -> Run:
+def wrk(
+    port: int, path: str, connections: int, seconds: float, cores: str, host: str = HOST
+) -> Run:
     result = subprocess.run(
         pinned(
             cores,
-            ["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "--latency", "-H", f"Host: {HOST}",
+            ["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "--latency", "-H", f"Host: {host}",
              f"http://127.0.0.1:{port}{path}"],
         ),
         capture_output=True, text=True, timeout=seconds + 60,

@@ -39,10 +39,11 @@ from __future__ import annotations
 
 import random
 import re
+import time
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
-from waygate.proxy import access, filters, http1, records, tls
+from waygate.proxy import access, extauth, filters, http1, ratelimit, records, tls
 from waygate.proxy.http1 import ForwardedContext, RequestHead
 from waygate.proxy.routing import (
     Backend,
@@ -131,6 +132,10 @@ class Forward:
     # The body is taken in whole before an upstream is used (bodybuffer): the
     # route's requestBuffering, for a request with a body, not gRPC.
     buffer_body = False
+    # A limit-connections slot the request holds (release_pick gives it back).
+    held: ratelimit.Held | None = None
+    # ingress-nginx auth-url: the driver asks the auth service first (authcheck).
+    auth: extauth.AuthPlan | None = None
     target: Target
     backend: Backend
 
@@ -160,6 +165,8 @@ def release_pick(forward: Forward) -> None:
     if forward.counted:
         forward.counted = False
         forward.backend.picker.release(forward.target)
+    if forward.held is not None:
+        forward.held.release()
 
 
 # Connects tried per request: the first and two redispatches.
@@ -184,7 +191,8 @@ def repick(view: View, forward: Forward, facts: ConnectionFacts, failed: Target)
     target, backend = entry.pick(facts.client_key, None, view.health, failed)
     if target is None or backend is None or backend.invalid or backend.http2 != forward.http2:
         return False
-    release_pick(forward)
+    if forward.counted:  # the old endpoint's count given back (the request goes on)
+        forward.backend.picker.release(forward.target)
     forward.target = target
     forward.backend = backend
     backend.picker.acquire(target)
@@ -269,6 +277,27 @@ def _access(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answe
     return None if refused is None else Answer(*refused, forward.entry.options.name)
 
 
+def _rate_limit(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
+    """ingress-nginx limit-rps/-rpm/-connections per client address (`ratelimit`)."""
+    limiter = ratelimit.limiter_for(forward.entry.route)
+    admitted = limiter.admit(facts.client_key, time.monotonic())
+    if admitted is None:
+        return None
+    if isinstance(admitted, tuple):
+        return Answer(admitted[0], admitted[1], "rate_limited", forward.entry.options.name)
+    forward.held = admitted
+    return None
+
+
+def _external_auth(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
+    """ingress-nginx auth-url: every request of the route, whatever its path, is
+    marked "authorize first"; the driver sends the subrequest (`authcheck`)."""
+    spec = forward.entry.route.external_auth
+    assert spec is not None
+    forward.auth = extauth.plan_for(spec)
+    return None
+
+
 def _has_filters(entry: RouteEntry) -> bool:
     return entry.route.filters is not None
 
@@ -280,8 +309,10 @@ GATES: tuple[Rule, ...] = (
         lambda entry: entry.route.filters is not None and entry.route.filters.redirect is not None,
         _route_redirect,
     ),
+    Rule("rate_limit", lambda entry: entry.route.rate_limit is not None, _rate_limit),
     # After the redirects (nginx's rewrite phase comes before its access phase).
     Rule("access", access.prepare, _access),
+    Rule("external_auth", lambda entry: entry.route.external_auth is not None, _external_auth),
 )
 SHAPERS: tuple[Rule, ...] = (Rule("request_filters", _has_filters, _request_filters),)
 
@@ -354,6 +385,7 @@ def decide(
         for rule in rules[0]:  # type: ignore[index]
             answer = rule.run(forward, req, facts)
             if answer is not None:
+                release_pick(forward)  # what an earlier gate held
                 return answer
     # The endpoint: one backend with one endpoint and no cookie takes it without a call.
     cookie = None
@@ -366,8 +398,10 @@ def decide(
         picked, chosen = entry.pick(facts.client_key, cookie, view.health, None)
         if chosen is not None and chosen.invalid:
             # A Gateway API backendRef that cannot be used: 500, as the spec says.
+            release_pick(forward)
             return Answer(500, chosen.invalid, "invalid_backend", entry.options.name)
         if picked is None or chosen is None:
+            release_pick(forward)
             return Answer(503, unavailable_reason(entry), "no_endpoint", entry.options.name)
         forward.target = picked
         backend = chosen

@@ -468,12 +468,13 @@ class ClientConnection(asyncio.Protocol):
             self.scanned = 0
             self._process(data)
 
-    def failed(self, status: int, reason: str, head_only: bool) -> None:
-        """The exchange failed before its response started: answer why, then close."""
+    def failed(self, status: int, reason: str, head_only: bool, response: bytes = b"") -> None:
+        """The exchange failed before its response started: answer why (or `response`,
+        rendered already), then close."""
         transport = self.transport
         if self.closed or transport is None:
             return
-        transport.write(http1.error_response(status, reason, head_only=head_only))
+        transport.write(response or http1.error_response(status, reason, head_only=head_only))
         self._close()
 
     def refuse(self, exc: BadMessage) -> None:

@@ -70,7 +70,7 @@ from typing import Any, Protocol
 from opentelemetry.trace import Status, StatusCode
 
 from waygate.core import flow
-from waygate.proxy import filters, http1
+from waygate.proxy import authcheck, extauth, filters, http1
 from waygate.proxy.bodybuffer import BodyBuffer, BufferRefused
 from waygate.proxy.connect_h1 import start_connect
 from waygate.proxy.context import ExchangeContext
@@ -167,7 +167,7 @@ class Downstream(Protocol):
         refusal's metric label); the driver renders it and closes when it must."""
 
     def exchange_done(self, keep_alive: bool, now: float, idle_timeout: float) -> None: ...
-    def failed(self, status: int, reason: str, head_only: bool) -> None: ...
+    def failed(self, status: int, reason: str, head_only: bool, response: bytes = b"") -> None: ...
     def refuse(self, exc: BadMessage) -> None: ...
     def abort(self) -> None: ...
     def pause_reading(self, reason: int) -> None: ...
@@ -438,6 +438,9 @@ class Exchange(UpgradeRelay):
         assert target is not None
         ctx = self.ctx
         forward = self.forward
+        if forward is not None and forward.auth is not None:
+            self._authorize(forward)
+            return
         if forward is not None and forward.http2:
             req = self.req
             if req is not None and req.upgrade:
@@ -475,6 +478,38 @@ class Exchange(UpgradeRelay):
             self.queued = True  # Pool.wake calls endpoint_free
         else:
             self.fail(503, pool.full(target), "endpoint_limit")
+
+    def _authorize(self, forward: Forward) -> None:
+        """ingress-nginx auth-url: the auth service is asked first (`authcheck`, the
+        request's one task while it runs); its answer lets the request go on, with
+        the answer's headers, or answers the client."""
+        context = self.down.context
+        assert context is not None
+        found = authcheck.authorize(
+            self.ctx, forward, self.req, bool(self.down.secure), context.client_ip, self._authorized
+        )
+        if isinstance(found, asyncio.Task):
+            self.connect_task = found
+        else:
+            self._authorized(found)  # a cached answer
+
+    def _authorized(self, response: http1.ResponseHead | None) -> None:
+        self.connect_task = None
+        forward = self.forward
+        req = self.req
+        if forward is None or req is None or forward.auth is None:
+            return
+        plan = forward.auth
+        forward.auth = None
+        result = extauth.outcome(plan, response, req, bool(self.down.secure))
+        if isinstance(result, bytes):
+            if plan.copied:
+                head = extauth.with_auth_headers(self.upstream_head, plan, result)
+                self.upstream_head = forward.upstream_head = head
+            self.dispatch()
+            return
+        page = filters.redirect_head(result.status, result.location, close=True)
+        self.fail(result.status, result.reason, "external_auth", page if result.location else b"")
 
     def endpoint_free(self) -> None:
         """Called by the pool: room (or an idle connection) for this queued request."""
@@ -536,8 +571,7 @@ class Exchange(UpgradeRelay):
         forward = self.forward
         if forward is not None:
             self.forward = None
-            if forward.counted:
-                release_pick(forward)
+            release_pick(forward)
         self.backend = None
         self.target = None
 
@@ -871,8 +905,7 @@ class Exchange(UpgradeRelay):
         forward = self.forward
         if forward is not None:
             self.forward = None
-            if forward.counted:
-                release_pick(forward)
+            release_pick(forward)
         self.backend = None
         self.target = None
         self.req = None
@@ -882,8 +915,9 @@ class Exchange(UpgradeRelay):
             self._drop_buffer()
         self.down.exchange_done(keep_alive, now, idle_timeout)
 
-    def fail(self, status: int, reason: str, kind: str) -> None:
-        """A failure the proxy answers itself (before the response started)."""
+    def fail(self, status: int, reason: str, kind: str, response: bytes = b"") -> None:
+        """A failure the proxy answers itself (before the response started); `response`:
+        the answer already rendered (a redirect), else the error page."""
         metrics = self.ctx.metrics
         metrics.refused[kind] = metrics.refused.get(kind, 0) + 1
         entry = self.entry
@@ -896,7 +930,7 @@ class Exchange(UpgradeRelay):
         if self.response_started:
             self.down.abort()
             return
-        self.down.failed(status, reason, req is not None and req.method == b"HEAD")
+        self.down.failed(status, reason, req is not None and req.method == b"HEAD", response)
 
     def close(self, reason: str = "client connection lost") -> None:
         """The driver went away: release the upstream, the connect, the pick, the span."""

@@ -294,7 +294,7 @@ class StreamDownstream:
         self.stream.finish()
         self._finished()
 
-    def failed(self, status: int, reason: str, head_only: bool) -> None:
+    def failed(self, status: int, reason: str, head_only: bool, response: bytes = b"") -> None:
         if self.done:
             return
         if self.stream.responded:
@@ -302,7 +302,7 @@ class StreamDownstream:
         elif self.stream.grpc:
             self._grpc_status(status, reason)
         else:
-            self._render(http1.error_response(status, reason, close=False), head_only)
+            self._render(response or http1.error_response(status, reason, close=False), head_only)
         self._finished()
 
     def refuse(self, exc: BadMessage) -> None:

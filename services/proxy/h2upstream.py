@@ -54,7 +54,7 @@ import h2.settings
 from h2.errors import ErrorCodes
 
 from waygate.core import flow, httpheaders
-from waygate.proxy import filters, grpcstatus, http1
+from waygate.proxy import authcheck, extauth, filters, grpcstatus, http1
 from waygate.proxy.bodybuffer import BodyBuffer, BufferRefused
 from waygate.proxy.context import ExchangeContext
 from waygate.proxy.decision import Forward, may_redispatch, release_pick, repick
@@ -628,13 +628,14 @@ class H2Exchange(UpstreamStream):
             self.extra.append((name.lower(), value.strip()))
         self._add_cookie()
         upstream_tls = self.ctx.upstream_tls
-        self.fields = h2_request_fields(
-            forward.upstream_head,
-            forward.authority or self.request.authority,
+        self.fields_authority = forward.authority or self.request.authority
+        self.fields_scheme = (
             b"https"
             if upstream_tls is not None and upstream_tls.applies(forward.entry.route)
-            else b"http",
-            self.request.grpc,
+            else b"http"
+        )
+        self.fields = h2_request_fields(
+            forward.upstream_head, self.fields_authority, self.fields_scheme, self.request.grpc
         )
         if forward.mirrors:
             mirrors = self.ctx.mirrors
@@ -655,7 +656,53 @@ class H2Exchange(UpstreamStream):
             self._arm(min(allowed, forward.entry.options.client_timeout, limits.request_body_grace))
             return
         self._arm(allowed)
+        if forward.auth is not None:
+            self._authorize()
+            return
         self.dispatch()
+
+    auth_task: Any = None  # the auth subrequest while it runs (authcheck)
+
+    def _authorize(self) -> None:
+        """ingress-nginx auth-url: the auth service is asked first; its answer lets
+        the stream go on, with the answer's headers, or answers the client."""
+        context = self.conn.context
+        assert context is not None
+        found = authcheck.authorize(
+            self.ctx,
+            self.forward,
+            self.req,
+            bool(self.conn.secure),
+            context.client_ip,
+            self._authorized,
+        )
+        if isinstance(found, asyncio.Task):
+            self.auth_task = found
+        else:
+            self._authorized(found)  # a cached answer
+
+    def _authorized(self, response: http1.ResponseHead | None) -> None:
+        self.auth_task = None
+        forward = self.forward
+        plan = forward.auth
+        if self.finished or plan is None:
+            return
+        forward.auth = None
+        result = extauth.outcome(plan, response, self.req, bool(self.conn.secure))
+        if isinstance(result, bytes):
+            if plan.copied:
+                head = extauth.with_auth_headers(forward.upstream_head, plan, result)
+                forward.upstream_head = head
+                self.fields = h2_request_fields(
+                    head, self.fields_authority, self.fields_scheme, self.request.grpc
+                )
+            self.dispatch()
+            return
+        if result.location:
+            self.stream.respond(result.status, [(b"location", result.location)], end=True)
+            self._finish(result.status)
+            return
+        self.local(result.status, result.reason, "external_auth")
 
     def _add_cookie(self) -> None:
         line = self.forward.set_cookie_line(self.target)
@@ -882,6 +929,9 @@ class H2Exchange(UpstreamStream):
             return
         self.finished = True
         self.deadline = 0.0
+        if self.auth_task is not None:
+            self.auth_task.cancel()  # the client went: so does the subrequest
+            self.auth_task = None
         if self.queued:
             self.queued = False
             self.ctx.pool.cancel_wait(self.target, self)

@@ -15,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import ipaddress
 from collections.abc import Mapping
@@ -287,6 +288,27 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
         message.filters.CopyFrom(_filters_to_proto(route.filters))
     if route.access is not None:
         message.access.CopyFrom(_access_to_proto(route.access, with_key))
+    if (limit := route.rate_limit) is not None:
+        message.rate_limit.CopyFrom(pb.RateLimit(**dataclasses.asdict(limit)))
+    if (auth := route.external_auth) is not None:
+        message.external_auth.CopyFrom(
+            pb.ExternalAuth(
+                url=auth.url,
+                method=auth.method,
+                signin=auth.signin,
+                signin_redirect_param=auth.signin_redirect_param,
+                response_headers=list(auth.response_headers),
+                request_redirect=auth.request_redirect,
+                proxy_set_headers=[
+                    pb.RouteHeader(name=n, value=v) for n, v in auth.proxy_set_headers
+                ],
+                cache_key=auth.cache_key,
+                cache_durations=[
+                    pb.AuthCacheDuration(status=status, duration=duration(seconds))
+                    for status, seconds in auth.cache_durations
+                ],
+            )
+        )
     if route.tls is not None:
         hsts = route.tls.hsts
         message.tls.CopyFrom(
@@ -399,6 +421,12 @@ def route_from_proto(message: pb.Route) -> model.Route:
         status=route_status_from_proto(message.status) if message.HasField("status") else None,
         matches=tuple(_match_from_proto(m) for m in message.matches),
         filters=_filters_from_proto(message.filters) if message.HasField("filters") else None,
+        rate_limit=_rate_limit_from_proto(message.rate_limit)
+        if message.HasField("rate_limit")
+        else None,
+        external_auth=_external_auth_from_proto(message.external_auth)
+        if message.HasField("external_auth")
+        else None,
         request_timeout=seconds(message.request_timeout)
         if message.HasField("request_timeout")
         else None,
@@ -582,6 +610,32 @@ def _filters_to_proto(filters: model.RouteFilters) -> pb.RouteFilters:
             )
         )
     return message
+
+
+def _external_auth_from_proto(message: pb.ExternalAuth) -> model.ExternalAuth:
+    return model.ExternalAuth(
+        url=message.url,
+        method=message.method,
+        signin=message.signin,
+        signin_redirect_param=message.signin_redirect_param,
+        response_headers=tuple(message.response_headers),
+        request_redirect=message.request_redirect,
+        proxy_set_headers=tuple((h.name, h.value) for h in message.proxy_set_headers),
+        cache_key=message.cache_key,
+        cache_durations=tuple((d.status, seconds(d.duration)) for d in message.cache_durations),
+    )
+
+
+def _rate_limit_from_proto(message: pb.RateLimit) -> model.RateLimit:
+    return model.RateLimit(
+        message.rps,
+        message.rpm,
+        message.burst_multiplier,
+        message.connections,
+        tuple(message.allow),
+        message.request_status,
+        message.connection_status,
+    )
 
 
 def _filters_from_proto(message: pb.RouteFilters) -> model.RouteFilters:

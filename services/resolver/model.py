@@ -431,6 +431,42 @@ class RouteAccess:
 
 
 @dataclass(frozen=True)
+class RateLimit:
+    """ingress-nginx's limit-* annotations: per proxy replica, keyed by the client
+    address (nginx limit_req with nodelay, limit_conn). 0: no such limit."""
+
+    rps: int = 0
+    rpm: int = 0
+    # The burst a client may send at once: the rate times this (nginx limit_req burst).
+    burst_multiplier: int = 5
+    # Requests in flight per client address (nginx limit_conn).
+    connections: int = 0
+    # Client addresses and CIDRs never limited (limit-allowlist).
+    allow: tuple[str, ...] = ()
+    # The answers' statuses (the ConfigMap's limit-req-status-code, limit-conn-status-code).
+    request_status: int = 503
+    connection_status: int = 503
+
+
+@dataclass(frozen=True)
+class ExternalAuth:
+    """ingress-nginx's auth-url and friends: every request is first asked of `url`
+    (nginx auth_request); a 2xx lets it through, 401/403 answer the client."""
+
+    url: str  # http://HOST[:PORT]/PATH[?QUERY]
+    method: str = ""  # "": the request's own
+    signin: str = ""  # where a 401 is redirected ("": the 401 itself)
+    signin_redirect_param: str = "rd"
+    response_headers: tuple[str, ...] = ()  # copied from the answer to the request
+    request_redirect: str = ""  # X-Auth-Request-Redirect ("": the request's URI)
+    proxy_set_headers: tuple[tuple[str, str], ...] = ()  # more headers to the auth service
+    # auth-cache-key (literal text, $http_NAME, $cookie_NAME, $remote_addr, $host; "":
+    # no cache) and auth-cache-duration: (status, seconds) an answer is kept.
+    cache_key: str = ""
+    cache_durations: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Route:
     namespace: str
     name: str
@@ -494,6 +530,10 @@ class Route:
     # client (decoded) and to the backend (sent).
     proxy_protocol_from_client: bool = False
     proxy_protocol_to_backend: bool = False
+    # ingress-nginx limit-* annotations (None: not limited).
+    rate_limit: RateLimit | None = None
+    # ingress-nginx auth-url and friends (None: no external authentication).
+    external_auth: ExternalAuth | None = None
 
     @property
     def key(self) -> RouteKey:

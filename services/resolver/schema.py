@@ -229,6 +229,8 @@ DERIVED: Final[Mapping[str, Mapping[str, str]]] = {
         "host_claim": "a Gateway listener's hostname claim a route is attached through",
         "proxy_protocol_from_client": "a TCP services ConfigMap entry's first PROXY",
         "proxy_protocol_to_backend": "a TCP services ConfigMap entry's second PROXY",
+        "rate_limit": "ingress-nginx limit-* annotations (per proxy replica)",
+        "external_auth": "ingress-nginx auth-url and friends",
     },
     "RouteBackend": {
         "namespace": "Gateway API backendRefs across namespaces (ReferenceGrant)",

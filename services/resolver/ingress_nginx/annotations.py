@@ -40,6 +40,7 @@ from waygate.resolver.ingress_nginx import access as nginx_access
 from waygate.resolver.ingress_nginx import catalogue
 from waygate.resolver.ingress_nginx.catalogue import CATALOGUE, SNIPPETS, Verdict
 from waygate.resolver.ingress_nginx.config import (
+    GLOBAL_AUTH,
     ControllerConfig,
     IngressNginx,
     config_from,
@@ -48,12 +49,14 @@ from waygate.resolver.ingress_nginx.config import (
 from waygate.resolver.model import (
     HSTS,
     BalancePolicy,
+    ExternalAuth,
     ForwardedHeadersMode,
     HeaderMatch,
     HeaderModifier,
     InsecureEdgePolicy,
     PathMatchType,
     PathModifierType,
+    RateLimit,
     Redirect,
     Rewrite,
     Route,
@@ -152,6 +155,11 @@ class Plan:
     backend_server_name: str = ""
     hsts: HSTS | None = None
     access: RouteAccess | None = None  # waygate.resolver.ingress_nginx.access
+    # limit-rps, limit-rpm, limit-connections, limit-burst-multiplier, limit-allowlist.
+    limits: dict[str, int] = field(default_factory=dict)
+    limit_allow: tuple[str, ...] = ()
+    rate_limit: RateLimit | None = None
+    external_auth: ExternalAuth | None = None
     # The controller ConfigMap's keys not honoured: "ConfigMap NS/NAME key K: not-honoured".
     config_notes: list[str] = field(default_factory=list)
 
@@ -317,6 +325,8 @@ def plan(
         result.note(Finding(short, valid[short], verdict, text, refuses))
     if refusal:
         result.refuse(UNSUPPORTED, refusal)
+    _rate_limit(result, config)
+    _global_auth(result, valid, config)
     # nginx's read/send timeouts also bound an upgraded (WebSocket) connection's silence.
     result.timeouts = RouteTimeouts(
         connect=timeouts["connect"], server=timeouts["server"], tunnel=timeouts["server"]
@@ -377,7 +387,7 @@ _OFF: dict[str, str] = {
     "enable-modsecurity": "false",
     "enable-owasp-core-rules": "false",
     "enable-cors": "false",
-    "enable-global-auth": "true",  # global auth itself is the ConfigMap's (refused there)
+    "enable-global-auth": "true",  # the ConfigMap's global-auth-url applies (if any)
     "service-upstream": "false",
     "use-port-in-redirects": "false",
     "session-cookie-secure": "false",
@@ -385,6 +395,7 @@ _OFF: dict[str, str] = {
     "session-cookie-path": "/",
     "satisfy": "all",
     "auth-tls-pass-certificate-to-upstream": "false",
+    "auth-always-set-cookie": "false",
     "limit-rps": "0",
     "limit-rpm": "0",
     "limit-connections": "0",
@@ -650,6 +661,169 @@ def _affinity_mode(
         found(short)
 
 
+@_handles(
+    "auth-url",
+    "auth-method",
+    "auth-signin",
+    "auth-signin-redirect-param",
+    "auth-response-headers",
+    "auth-request-redirect",
+    "auth-proxy-set-headers",
+    "auth-cache-key",
+    "auth-cache-duration",
+    "auth-keepalive",
+    "auth-keepalive-share-vars",
+    "auth-keepalive-requests",
+    "auth-keepalive-timeout",
+)
+def _external_auth(
+    p: Plan,
+    short: str,
+    value: str,
+    values: Mapping[str, str],
+    found: Found,
+    timeouts: dict[str, float],
+    config_maps: Callable[[str, str], JSON | None],
+) -> None:
+    """internal/ingress/annotations/authreq: the auth subrequest's settings, gathered
+    on the auth-url's turn (the others only modify it)."""
+    if short.startswith("auth-keepalive"):
+        found(short, Verdict.NOOP, "the subrequest's connection is the proxy's own")
+        return
+    if short != "auth-url":
+        found(short, Verdict.HONOURED, "")
+        return
+    if not value.startswith("http://"):
+        found(short, Verdict.NOT_HONOURED, "only http:// auth services (no TLS to them yet)")
+        return
+    set_headers: list[tuple[str, str]] = []
+    source = values.get("auth-proxy-set-headers", "")
+    if source:
+        set_headers, problem = _configmap_headers(p, source, config_maps)
+        if problem:
+            found(short, Verdict.NOT_HONOURED, f"auth-proxy-set-headers: {problem}")
+            return
+    p.external_auth = ExternalAuth(
+        url=value,
+        method=values.get("auth-method", "").upper(),
+        signin=values.get("auth-signin", ""),
+        signin_redirect_param=values.get("auth-signin-redirect-param", "") or "rd",
+        response_headers=tuple(
+            item.strip()
+            for item in values.get("auth-response-headers", "").split(",")
+            if item.strip()
+        ),
+        request_redirect=values.get("auth-request-redirect", ""),
+        proxy_set_headers=tuple(set_headers),
+        cache_key=values.get("auth-cache-key", ""),
+        cache_durations=_cache_durations(values.get("auth-cache-duration", "") or "200 202 401 5m")
+        if values.get("auth-cache-key")
+        else (),
+    )
+    found(short)  # the catalogue's verdict and its named difference
+
+
+def _global_auth(p: Plan, values: Mapping[str, str], config: ControllerConfig) -> None:
+    """The ConfigMap's global-auth-url (and friends) for an Ingress without auth-url
+    of its own, unless `enable-global-auth: "false"` (ingress-nginx's rule)."""
+    url = config.text("global-auth-url", "").strip()
+    if not url or p.external_auth is not None or "auth-url" in values:
+        return
+    if not _flag(values.get("enable-global-auth", "true")):
+        return
+    given: dict[str, str] = {}
+    for key in GLOBAL_AUTH:
+        value = config.text(f"global-auth-{key}", "").strip()
+        if not value:
+            continue
+        problem = CATALOGUE[f"auth-{key}"].grammar(value)
+        if problem is None and key == "url" and not value.startswith("http://"):
+            problem = "only http:// auth services (no TLS to them yet)"
+        if problem is not None:
+            p.refuse(UNSUPPORTED_CONFIG, f"ConfigMap key global-auth-{key}: {problem}")
+            return
+        given[key] = value
+    p.config_notes.append(
+        "ConfigMap key global-auth-url: honoured-with-difference (the auth service's "
+        "Set-Cookie and a 401's WWW-Authenticate are not passed on to the client)"
+    )
+    p.external_auth = ExternalAuth(
+        url=url,
+        method=given.get("method", "").upper(),
+        signin=given.get("signin", ""),
+        signin_redirect_param=given.get("signin-redirect-param", "") or "rd",
+        response_headers=tuple(
+            item.strip() for item in given.get("response-headers", "").split(",") if item.strip()
+        ),
+        request_redirect=given.get("request-redirect", ""),
+        cache_key=given.get("cache-key", ""),
+        cache_durations=_cache_durations(given.get("cache-duration", "") or "200 202 401 5m")
+        if given.get("cache-key")
+        else (),
+    )
+
+
+_NGINX_TIME = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _cache_durations(value: str) -> tuple[tuple[int, float], ...]:
+    """auth-cache-duration as nginx's proxy_cache_valid reads each entry: status
+    codes then a time; a time alone is for 200, 301 and 302."""
+    found: list[tuple[int, float]] = []
+    for item in value.split(","):
+        words = item.split()
+        if not words:
+            continue
+        time = words[-1]
+        unit = time[-1] if time[-1] in _NGINX_TIME else "s"
+        seconds = float(time.rstrip("smhd")) * _NGINX_TIME[unit]
+        codes = [int(w) for w in words[:-1]] or [200, 301, 302]
+        found += [(code, seconds) for code in codes]
+    return tuple(found)
+
+
+@_handles(
+    "limit-rps",
+    "limit-rpm",
+    "limit-connections",
+    "limit-burst-multiplier",
+    "limit-whitelist",
+    "limit-allowlist",
+)
+def _limits(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    if short in ("limit-whitelist", "limit-allowlist"):
+        p.limit_allow += tuple(item.strip() for item in value.split(",") if item.strip())
+        found(short, Verdict.HONOURED, "")
+    elif int(value) < 0:
+        found(short, Verdict.NOT_HONOURED, "a negative limit")
+    else:
+        p.limits[short] = int(value)
+        found(short, Verdict.HONOURED, "per proxy replica, keyed by the client address")
+
+
+def _rate_limit(p: Plan, config: ControllerConfig) -> None:
+    """The route's limits, with the ConfigMap's answers (503 unless it says)."""
+    limits = p.limits
+    if not (limits.get("limit-rps") or limits.get("limit-rpm") or limits.get("limit-connections")):
+        return
+
+    def status(key: str) -> int:
+        text = config.text(key, "503")
+        return int(text) if text.isdigit() and 400 <= int(text) <= 599 else 503
+
+    p.rate_limit = RateLimit(
+        rps=limits.get("limit-rps", 0),
+        rpm=limits.get("limit-rpm", 0),
+        burst_multiplier=limits.get("limit-burst-multiplier", 5) or 1,
+        connections=limits.get("limit-connections", 0),
+        allow=p.limit_allow,
+        request_status=status("limit-req-status-code"),
+        connection_status=status("limit-conn-status-code"),
+    )
+
+
 @_handles("load-balance")
 def _balance(
     p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
@@ -811,6 +985,28 @@ def _passthrough(
     found(short, Verdict.HONOURED, "" if not p.ssl_passthrough else None)
 
 
+def _configmap_headers(
+    p: Plan, value: str, config_maps: Callable[[str, str], JSON | None]
+) -> tuple[list[tuple[str, str]], str]:
+    """A ConfigMap's entries as header lines ("NS/NAME", or NAME in the Ingress's
+    namespace), and why not ("" when every entry is a plain header and value)."""
+    namespace, _, name = value.rpartition("/")
+    obj = config_maps(namespace or p.namespace, name)
+    if obj is None:
+        return [], f"ConfigMap {namespace or p.namespace}/{name} not found"
+    headers = []
+    for header, text in sorted((obj.get("data") or {}).items()):
+        header, text = str(header), str(text)
+        if (
+            not _HEADER_NAME.fullmatch(header)
+            or header.lower() in _PROTECTED
+            or catalogue.header_value(text)
+        ):
+            return [], f"header {header!r} is not a plain header and value"
+        headers.append((header, text))
+    return headers, ""
+
+
 @_handles("custom-headers")
 def _custom_headers(
     p: Plan,
@@ -823,23 +1019,8 @@ def _custom_headers(
 ) -> None:
     # ingress-nginx answers 503 where its headers cannot be set (a missing ConfigMap,
     # a bad header): the Ingress is not served rather than served without them.
-    namespace, _, name = value.rpartition("/")
-    obj = config_maps(namespace or p.namespace, name)
-    problem = ""
-    if obj is None:
-        problem = f"ConfigMap {namespace or p.namespace}/{name} not found"
-    else:
-        data = obj.get("data") or {}
-        for header, text in sorted(data.items()):
-            header, text = str(header), str(text)
-            if (
-                not _HEADER_NAME.fullmatch(header)
-                or header.lower() in _PROTECTED
-                or catalogue.header_value(text)
-            ):
-                problem = f"header {header!r} is not a plain header and value"
-                break
-            p.response_set.append((header, text))
+    headers, problem = _configmap_headers(p, value, config_maps)
+    p.response_set += headers
     if problem:
         p.note(Finding(short, value, Verdict.NOT_HONOURED, problem, True))
         p.refuse(UNSUPPORTED, f"annotation custom-headers: {problem}")
@@ -1136,6 +1317,8 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             forwarded_headers=p.forwarded,
             ingress_verdicts=verdicts,
             access=p.access,
+            rate_limit=p.rate_limit,
+            external_auth=p.external_auth,
         )
         if p.ssl_passthrough and route.listener_port == 443:
             continue  # the host's TLS is passed through, never terminated here

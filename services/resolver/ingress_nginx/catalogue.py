@@ -139,6 +139,12 @@ def url(value: str) -> str | None:
     return None if _URL.fullmatch(value) else "must be an http(s) URL of plain characters"
 
 
+def signin_url(value: str) -> str | None:
+    """An http(s) URL; `$host` and `$escaped_request_uri` are the only variables
+    (filled in by the proxy, never rendered)."""
+    return url(value.replace("$host", "host").replace("$escaped_request_uri", "uri"))
+
+
 def url_or_path(value: str) -> str | None:
     return url(value) if "://" in value else path(value)
 
@@ -202,12 +208,26 @@ def methods(value: str) -> str | None:
     return None
 
 
+_CACHE_KEY = re.compile(
+    r"(?:[A-Za-z0-9_.:/-]|\$(?:http_[a-z0-9_]{1,64}|cookie_[A-Za-z0-9_]{1,64}|remote_addr|host))"
+    r"{1,256}"
+)
+
+
+def cache_key(value: str) -> str | None:
+    """Literal text and the variables the proxy fills in: $http_NAME, $cookie_NAME,
+    $remote_addr, $host (nothing is rendered into configuration)."""
+    if _CACHE_KEY.fullmatch(value):
+        return None
+    return "must be text and $http_NAME, $cookie_NAME, $remote_addr or $host"
+
+
 def cache_duration(value: str) -> str | None:
-    return (
-        None
-        if re.fullmatch(r"(\d{3} )*\d{3} \d+[smhd]?|(\d+[smhd]?)|(\d{3} )*\d+[smhd]", value)
-        else "must be status codes and a duration such as '200 202 10m'"
-    )
+    """nginx proxy_cache_valid entries, comma-separated: status codes and a time."""
+    for item in value.split(","):
+        if not re.fullmatch(r"(\d{3} )*\d+[smhd]?", item.strip()):
+            return "must be status codes and a duration such as '200 202 10m, 401 5m'"
+    return None
 
 
 # ---------------------------------------------------------------- the catalogue
@@ -237,7 +257,17 @@ def _e(
 
 H, D, N, X = Verdict.HONOURED, Verdict.DIFFERENT, Verdict.NOOP, Verdict.NOT_HONOURED
 _BUFFER = "an nginx buffer knob: the proxy streams bodies through bounded buffers of its own"
-_AUTH_URL = "external authentication: the proxy has no auth subrequest yet"
+_AUTH_URL = "external authentication: the auth subrequest's cache and cookies not yet"
+_AUTH = (
+    "every request is first asked of the auth service (nginx auth_request): 2xx lets it "
+    "through, 401/403 answer the client, anything else 500; http:// services only"
+)
+_AUTH_COOKIE = (
+    "; the auth service's Set-Cookie is not passed on to the client (ingress-nginx adds "
+    "it to successful answers), nor a 401's WWW-Authenticate"
+)
+_KEEPALIVE = "the subrequest's connection is the proxy's own"
+_AUTH_CACHE = "answers kept per Ingress path and key, bounded in entries and bytes"
 _BASIC = (
     "basic: 401 with WWW-Authenticate, hashes verified exactly (bcrypt, apr1/MD5, {SHA}, "
     "{SSHA}, {PLAIN}; another format refuses the Ingress), the Authorization header "
@@ -248,7 +278,12 @@ _RANGES = (
     "peer's, or with use-forwarded-headers X-Forwarded-For's through proxy-real-ip-cidr"
 )
 _MTLS = "client certificates per Ingress: verify depth, optional modes and CN match not yet"
-_LIMIT = "rate and connection limits: the proxy has no per-route limiter yet"
+_LIMIT = "global rate limits (memcached, across replicas): the proxy limits per replica only"
+_LIMITED = (
+    "per proxy replica, keyed by the client address (nginx limit_req nodelay, limit_conn); "
+    "with --workers N each worker process keeps its own counts"
+)
+_LIMIT_RATE = "throttling response bytes per connection: not yet"
 _WAF = "ModSecurity/OWASP CRS: Waygate has no web application firewall"
 _CORS = "CORS: the proxy does not answer preflights or add CORS headers yet"
 _CANARY = "folded into the main Ingress's routes: backends by weight, the header first"
@@ -338,34 +373,32 @@ ENTRIES: tuple[Entry, ...] = (
     _e("auth-secret", name, H, _BASIC, access=True),
     _e("auth-secret-type", one_of("auth-file", "auth-map"), H, _BASIC, access=True),
     _e("auth-realm", header_value, H, _BASIC, access=True),
-    _e("auth-url", url, X, _AUTH_URL, access=True, lacks=True),
-    _e("auth-method", methods, X, _AUTH_URL, access=True, lacks=True),
-    _e("auth-signin", url, X, _AUTH_URL, access=True, lacks=True),
+    _e("auth-url", url, D, _AUTH + _AUTH_COOKIE, access=True),
+    _e("auth-method", methods, H, _AUTH, access=True),
+    _e("auth-signin", signin_url, H, _AUTH, access=True),
     _e(
         "auth-signin-redirect-param",
         _matching(re.compile(r"[A-Za-z0-9_-]{1,64}"), "a query parameter name"),
-        X,
-        _AUTH_URL,
+        H,
+        _AUTH,
         access=True,
-        lacks=True,
     ),
-    _e("auth-response-headers", headers, X, _AUTH_URL, access=True, lacks=True),
-    _e("auth-request-redirect", url_or_path, X, _AUTH_URL, access=True, lacks=True),
-    _e("auth-proxy-set-headers", name, X, _AUTH_URL, access=True, lacks=True),
-    _e("auth-cache-key", plain, X, _AUTH_URL, access=True, lacks=True),
-    _e("auth-cache-duration", cache_duration, X, _AUTH_URL, access=True, lacks=True),
+    _e("auth-response-headers", headers, H, _AUTH, access=True),
+    _e("auth-request-redirect", url_or_path, H, _AUTH, access=True),
+    _e("auth-proxy-set-headers", name, H, _AUTH, access=True),
+    _e("auth-cache-key", cache_key, H, _AUTH_CACHE, access=True),
+    _e("auth-cache-duration", cache_duration, H, _AUTH_CACHE, access=True),
     _e("auth-always-set-cookie", boolean, X, _AUTH_URL, access=True, lacks=True),
-    _e("auth-keepalive", integer, X, _AUTH_URL, access=True, lacks=True),
-    _e("auth-keepalive-share-vars", boolean, X, _AUTH_URL, access=True, lacks=True),
-    _e("auth-keepalive-requests", integer, X, _AUTH_URL, access=True, lacks=True),
-    _e("auth-keepalive-timeout", integer, X, _AUTH_URL, access=True, lacks=True),
+    _e("auth-keepalive", integer, N, _KEEPALIVE, access=True),
+    _e("auth-keepalive-share-vars", boolean, N, _KEEPALIVE, access=True),
+    _e("auth-keepalive-requests", integer, N, _KEEPALIVE, access=True),
+    _e("auth-keepalive-timeout", integer, N, _KEEPALIVE, access=True),
     _e(
         "enable-global-auth",
         boolean,
-        X,
-        "global external authentication (ConfigMap global-auth-url) not yet",
+        H,
+        '"false": the ConfigMap\'s global-auth-url does not apply to this Ingress',
         access=True,
-        lacks=True,
     ),
     _e(
         "auth-snippet", any_text, X, "a snippet of the external authentication request", access=True
@@ -465,14 +498,14 @@ ENTRIES: tuple[Entry, ...] = (
     ),
     _e("upstream-hash-by-subset", boolean, X, "hashing to a subset of endpoints", lacks=True),
     _e("upstream-hash-by-subset-size", integer, X, "hashing to a subset of endpoints", lacks=True),
-    _e("limit-rps", integer, X, _LIMIT, access=True, lacks=True),
-    _e("limit-rpm", integer, X, _LIMIT, access=True, lacks=True),
-    _e("limit-connections", integer, X, _LIMIT, access=True, lacks=True),
-    _e("limit-burst-multiplier", integer, X, _LIMIT, access=True, lacks=True),
-    _e("limit-whitelist", cidrs, X, _LIMIT, access=True, lacks=True),
-    _e("limit-allowlist", cidrs, X, _LIMIT, access=True, lacks=True),
-    _e("limit-rate", integer, X, _LIMIT, access=True, lacks=True),
-    _e("limit-rate-after", integer, X, _LIMIT, access=True, lacks=True),
+    _e("limit-rps", integer, H, _LIMITED, access=True),
+    _e("limit-rpm", integer, H, _LIMITED, access=True),
+    _e("limit-connections", integer, H, _LIMITED, access=True),
+    _e("limit-burst-multiplier", integer, H, _LIMITED, access=True),
+    _e("limit-whitelist", cidrs, H, _LIMITED, access=True),
+    _e("limit-allowlist", cidrs, H, _LIMITED, access=True),
+    _e("limit-rate", integer, X, _LIMIT_RATE, access=True, lacks=True),
+    _e("limit-rate-after", integer, X, _LIMIT_RATE, access=True, lacks=True),
     _e("global-rate-limit", integer, X, _LIMIT, access=True, lacks=True),
     _e("global-rate-limit-window", plain, X, _LIMIT, access=True, lacks=True),
     _e("global-rate-limit-key", plain, X, _LIMIT, access=True, lacks=True),

@@ -27,6 +27,17 @@ CONTROLLER = "k8s.io/ingress-nginx"
 DEFAULT_CLASS = "nginx"
 RISK_LEVELS = ("Low", "Medium", "High", "Critical")
 
+#: The ConfigMap's global-auth-KEY keys: the auth-KEY annotation's, for every Ingress.
+GLOBAL_AUTH = (
+    "url",
+    "method",
+    "signin",
+    "signin-redirect-param",
+    "response-headers",
+    "request-redirect",
+    "cache-key",
+    "cache-duration",
+)
 #: Keys that give the annotations their defaults or map onto route fields.
 HONOURED_KEYS = frozenset(
     (
@@ -50,6 +61,10 @@ HONOURED_KEYS = frozenset(
         "block-cidrs",
         "block-user-agents",
         "block-referers",
+        "limit-req-status-code",
+        "limit-conn-status-code",
+        # Global external authentication (checked against the annotations' grammars).
+        *(f"global-auth-{key}" for key in GLOBAL_AUTH),
     )
 )
 #: nginx tuning with no meaning for a streaming proxy.
@@ -95,11 +110,8 @@ NOOP_KEYS = frozenset(
 #: Not honoured and bearing on access: every Ingress of the class is refused.
 ACCESS_KEYS = frozenset(
     (
-        "global-auth-url",
-        "global-auth-method",
-        "global-auth-signin",
-        "global-auth-response-headers",
         "global-auth-snippet",
+        "global-auth-always-set-cookie",
         "whitelist-source-range",
         "allowlist-source-range",
         "denylist-source-range",

@@ -24,17 +24,21 @@ from typing import Any
 import h2.exceptions as h2_exceptions
 import pytest
 
+from tests.support.authservice import AuthService
 from tests.support.h2client import H2Client
 from tests.support.h2harness import H2Backend
 from tests.support.proxyharness import RecordingUpstream, running_proxy
 from waygate.core.tracing import configure_tracing
+from waygate.proxy import ratelimit
 from waygate.proxy.routing import Defaults, Target, build_table
 from waygate.proxy.upstream import Dialer, tcp_connect
 from waygate.resolver.model import (
     Endpoint,
     EndpointPort,
+    ExternalAuth,
     InsecureEdgePolicy,
     Mirror,
+    RateLimit,
     Redirect,
     Route,
     RouteAccess,
@@ -497,7 +501,9 @@ async def test_every_reservation_is_released_however_the_exchange_ends(
     from waygate.proxy.server import Limits
 
     dialer = GatedDialer()
-    table = built([core_route(backend)], [backends.endpoint(), backends.endpoint("127.0.0.3")])
+    # A limit-connections slot is held too (ratelimit), and given back the same way.
+    route = _limited(client, backend, f"held-{stage}", connections=4)
+    table = built([route], [backends.endpoint(), backends.endpoint("127.0.0.3")])
     limits = Limits(max_connections_per_endpoint=4)
     async with running_proxy(table, dialer=dialer, limits=limits) as (server, port):
         # (An HTTP/1.1 client that goes away while it waits is seen at the answer:
@@ -540,6 +546,7 @@ async def test_every_reservation_is_released_however_the_exchange_ends(
             if not any(held.values()):
                 break
         assert _held(server) == {"opened": {}, "waiting": {}, "in_flight": {}, "h2_streams": 0}
+        assert ratelimit.limiter_for(route).in_flight == {}
         # The endpoint still serves.
         assert (await ask(client, port, "/after")).status == 200
 
@@ -592,3 +599,241 @@ async def test_one_access_log_line_per_request(backends, client, backend, caplog
         assert (await ask(client, port, "/logged")).status == 200
     (line,) = [r for r in caplog.records if r.name == "waygate.proxy.access"]
     assert (line.route, line.status, line.path) == ("demo/core", 200, "/logged")  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------- rate limits (ratelimit)
+
+
+def _limited(client: str, backend: str, what: str, **limits: Any) -> Route:
+    # A name of its own: a limiter outlives tables (and tests) for the same route.
+    return dataclasses.replace(
+        core_route(backend, rate_limit=RateLimit(**limits)), name=f"{what}-{client}-{backend}"
+    )
+
+
+@pytest.mark.parametrize(("client", "backend"), PAIRS)
+async def test_limit_rps_answers_past_the_burst_with_the_configured_status(
+    backends, client, backend
+):
+    route = _limited(client, backend, "rps", rps=1, burst_multiplier=2, request_status=429)
+    table = built([route], [backends.endpoint()])
+    async with running_proxy(table) as (server, port):
+        statuses = [(await ask(client, port, "/limited")).status for _ in range(4)]
+        refused = await ask(client, port, "/limited")
+    # nginx limit_req burst=2 nodelay: a fresh client gets 3 at once, then the rate.
+    assert statuses == [200, 200, 200, 429]
+    assert refused.status == 429
+    assert refused.headers["x-waygate-error"] == "request rate limit exceeded"
+    assert backends.requests(backend) == 3
+    assert server.metrics.refused["rate_limited"] == 2
+
+
+@pytest.mark.parametrize(("client", "backend"), PAIRS)
+async def test_limit_connections_slots_are_released_by_every_driver(backends, client, backend):
+    route = _limited(client, backend, "conns", connections=1)
+    table = built([route], [backends.endpoint()])
+    async with running_proxy(table) as (_, port):
+        # One in flight at a time: each succeeds only if the last gave its slot back.
+        statuses = [(await ask(client, port, f"/one-{i}")).status for i in range(3)]
+    assert statuses == [200, 200, 200]
+    assert ratelimit.limiter_for(route).in_flight == {}
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+async def test_limit_connections_refuses_what_is_past_the_limit_in_flight(backends, client):
+    route = _limited(client, "http/1.1", "inflight", connections=1, connection_status=503)
+    table = built([route], [backends.endpoint()])
+    async with running_proxy(table) as (_, port):
+        slow = asyncio.ensure_future(ask(client, port, "/slow?s=1"))
+        limiter = ratelimit.limiter_for(route)
+        for _ in range(100):
+            if limiter.in_flight:
+                break
+            await asyncio.sleep(0.01)
+        refused = await ask(client, port, "/fast")
+        assert (await slow).status == 200
+        after = await ask(client, port, "/fast")
+    assert refused.status == 503
+    assert refused.headers["x-waygate-error"] == "connection limit exceeded"
+    assert after.status == 200
+    assert limiter.in_flight == {}
+
+
+# ---------------------------------------------------------------- external auth (extauth)
+
+
+@pytest.fixture
+async def auth() -> AsyncIterator[AuthService]:
+    service = await AuthService(slow_seconds=10).start()
+    yield service
+    await service.stop()
+
+
+def _authed(backend: str, url: str, **kw: Any) -> Route:
+    spec = ExternalAuth(url, response_headers=("X-User",), **kw)
+    return core_route(backend, external_auth=spec)
+
+
+def _backend_header(backends: Backends, backend: str, name: str) -> list[str]:
+    """Every value of `name` the backend's last request carried."""
+    if backend == "h2c":
+        fields = backends.h2.headers[-1]
+        return [v.decode() for k, v in fields if k == name.lower().encode()]
+    record = backends.h1.requests[-1]
+    return [v for k, v in record["headers"] if k.lower() == name.lower()]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("client", "backend"), PAIRS)
+async def test_external_auth_lets_a_2xx_through_with_its_headers(backends, auth, client, backend):
+    table = built([_authed(backend, auth.url("/auth?x=1"))], [backends.endpoint()])
+    async with running_proxy(table) as (_, port):
+        answer = await ask(
+            client,
+            port,
+            "/app/page?q=2",
+            [("authorization", "Bearer good"), ("x-user", "mallory"), ("x-sent-from", "me")],
+        )
+    assert answer.status == 200
+    # auth-response-headers: the service's X-User replaces the client's; nothing else copied.
+    assert _backend_header(backends, backend, "X-User") == ["alice"]
+    assert _backend_header(backends, backend, "X-Auth-Extra") == []
+    # The subrequest (nginx auth_request as ingress-nginx renders it).
+    (sub,) = auth.requests
+    assert sub["method"] == "GET" and sub["target"] == "/auth?x=1"
+    assert auth.header(0, "Host") == f"127.0.0.1:{auth.port}"
+    assert auth.header(0, "X-Original-URL") == f"http://{HOST}/app/page?q=2"
+    assert auth.header(0, "X-Original-Method") == "GET"
+    assert auth.header(0, "X-Sent-From") == "nginx-ingress-controller"
+    assert auth.header(0, "X-Auth-Request-Redirect") == "/app/page?q=2"
+    assert auth.header(0, "X-Real-IP") == "127.0.0.1"
+    assert auth.header(0, "Authorization") == "Bearer good"
+    assert auth.open == 0
+
+
+@pytest.mark.parametrize(("client", "backend"), PAIRS)
+@pytest.mark.parametrize(
+    ("credential", "status"),
+    [("", 401), ("Bearer forbidden", 403), ("Bearer broken", 500)],
+)
+async def test_external_auth_answers_401_403_and_500_itself(
+    backends, auth, client, backend, credential, status
+):
+    table = built([_authed(backend, auth.url())], [backends.endpoint()])
+    headers = [("authorization", credential)] if credential else []
+    async with running_proxy(table) as (server, port):
+        answer = await ask(client, port, "/private", headers)
+    assert answer.status == status
+    assert backends.requests(backend) == 0
+    assert server.metrics.refused["external_auth"] == 1
+
+
+@pytest.mark.parametrize(("client", "backend"), PAIRS)
+async def test_external_auth_401_redirects_to_signin_with_rd(backends, auth, client, backend):
+    route = _authed(backend, auth.url(), signin="https://login.test/start?app=1")
+    table = built([route], [backends.endpoint()])
+    async with running_proxy(table) as (_, port):
+        answer = await ask(client, port, "/private/x?y=1")
+    assert answer.status == 302
+    assert answer.headers["location"] == (
+        "https://login.test/start?app=1&rd=http://core.test%2Fprivate%2Fx%3Fy%3D1"
+    )
+    assert backends.requests(backend) == 0
+
+
+@pytest.mark.parametrize(("client", "backend"), PAIRS)
+async def test_external_auth_service_down_is_500(backends, client, backend):
+    dead = await _dead_port()
+    table = built([_authed(backend, f"http://127.0.0.1:{dead}/auth")], [backends.endpoint()])
+    async with running_proxy(table) as (_, port):
+        answer = await ask(client, port, "/private", [("authorization", "Bearer good")])
+    assert answer.status == 500
+    assert backends.requests(backend) == 0
+
+
+# CVE-2026-24513 (auth-url bypass): encoded and dot-segment paths, each checked.
+BYPASS_PATHS = [
+    "/%2e%2e/admin",
+    "/./admin",
+    "//admin",
+    "/admin/..%2f",
+    "/%61dmin",
+    "/a/../admin",
+    "/admin;x=1",
+    "/admin%00",
+]
+
+
+@pytest.mark.parametrize(("client", "backend"), PAIRS)
+async def test_external_auth_checks_every_path_cve_2026_24513(backends, auth, client, backend):
+    table = built([_authed(backend, auth.url())], [backends.endpoint()])
+    async with running_proxy(table) as (_, port):
+        statuses = [(await ask(client, port, path)).status for path in BYPASS_PATHS]
+    # Refused (401) or refused as a bad request; never the backend's answer.
+    assert all(status in (400, 401) for status in statuses), statuses
+    assert backends.requests(backend) == 0
+
+
+@pytest.mark.parametrize(("client", "backend"), PAIRS)
+async def test_external_auth_subrequest_is_released_when_the_client_goes(
+    backends, auth, client, backend
+):
+    # (An HTTP/1.1 client that goes away while it waits is seen when its answer is
+    # due, as in test_every_reservation_is_released_however_the_exchange_ends: the
+    # subrequest then ends with the auth service's answer, 1 s here; an HTTP/2
+    # client's reset cancels it at once.)
+    auth.slow_seconds = 1.0 if client == "http/1.1" else 10.0
+    table = built([_authed(backend, auth.url("/slow"))], [backends.endpoint()])
+    async with running_proxy(table) as (server, port):
+        before = len(asyncio.all_tasks())
+        if client == "h2c":
+            h2 = await H2Client.connect(port)
+            stream = h2.start("GET", "/private", HOST)
+            h2.flush()
+        else:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(f"GET /private HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode())
+        for _ in range(200):
+            if auth.open:
+                break
+            await asyncio.sleep(0.01)
+        assert auth.open == 1
+        if client == "h2c":
+            h2.h2.reset_stream(stream)
+            h2.flush()
+            await asyncio.sleep(0.05)
+            await h2.close()
+        else:
+            writer.transport.abort()
+        for _ in range(300):
+            if not auth.open:
+                break
+            await asyncio.sleep(0.01)
+        # The subrequest's connection closed, its task gone, no slot held.
+        assert auth.open == 0
+        await asyncio.sleep(0.05)
+        assert len(asyncio.all_tasks()) <= before
+        assert not any(server.pool.opened.values())
+    assert backends.requests(backend) == 0
+
+
+@pytest.mark.parametrize(("client", "backend"), PAIRS)
+async def test_external_auth_answers_are_cached_by_key_and_status(backends, auth, client, backend):
+    route = _authed(
+        backend,
+        auth.url(),
+        cache_key="$http_authorization",
+        cache_durations=((200, 60.0),),
+    )
+    route = dataclasses.replace(route, name=f"cached-{client}-{backend}")
+    table = built([route], [backends.endpoint()])
+    async with running_proxy(table) as (_, port):
+        good = [("authorization", "Bearer good")]
+        statuses = [(await ask(client, port, f"/c{i}", good)).status for i in range(3)]
+        assert len(auth.requests) == 1  # the first asked, the others from the cache
+        assert _backend_header(backends, backend, "X-User") == ["alice"]  # (cached too)
+        # Another key asks again; a status without a duration is not kept.
+        forbidden = [("authorization", "Bearer forbidden")]
+        assert (await ask(client, port, "/c", forbidden)).status == 403
+        assert (await ask(client, port, "/c", forbidden)).status == 403
+    assert statuses == [200, 200, 200]
+    assert len(auth.requests) == 3

@@ -54,7 +54,6 @@ def test_the_json_report_over_the_examples():
     for name, annotation in (
         ("oauth2-dashboard", "auth-"),
         ("mtls-partners", "auth-tls-"),
-        ("rate-limited", "limit-"),
         ("waf", "modsecurity"),
     ):
         assert by_name[name]["served"] is False, name
@@ -62,6 +61,8 @@ def test_the_json_report_over_the_examples():
     # Source ranges and basic authentication (its Secret beside it) are honoured exactly.
     assert by_name["admin-allowlist"]["exact"] is True
     assert by_name["basic-auth"]["exact"] is True
+    # limit-rps, -burst-multiplier, -connections: honoured per replica, served exactly.
+    assert by_name["rate-limited"]["served"] is True and by_name["rate-limited"]["exact"] is True
     # A snippet outside the literal subset is refused, naming why; the subset is served.
     assert by_name["snippet-lua"]["served"] is False
     assert "blocks" in by_name["snippet-lua"]["refusal"]

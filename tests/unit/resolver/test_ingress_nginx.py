@@ -30,8 +30,10 @@ from waygate.resolver.model import (
     ADMITTED,
     FALSE,
     BalancePolicy,
+    ExternalAuth,
     PathMatchType,
     PathModifierType,
+    RateLimit,
     Route,
     SameSite,
     Service,
@@ -325,7 +327,7 @@ def test_custom_headers_from_a_configmap():
         ("auth-url", "https://auth.example.com/oauth2/auth"),
         ("auth-type", "digest"),
         ("auth-tls-secret", "default/ca"),
-        ("limit-rps", "10"),
+        ("limit-rate", "10"),
         ("enable-modsecurity", "true"),
         ("enable-owasp-core-rules", "true"),
         ("modsecurity-snippet", "SecRuleEngine On"),
@@ -616,12 +618,11 @@ def test_every_grammar_refuses_configuration_syntax(entry):
     for payload in ("x;\nload_module /tmp/evil.so;", "a}\n#", "'quoted'", '"q"', "$host"):
         if entry.grammar is catalogue.any_text:
             continue
-        if payload == "$host" and entry.name == "upstream-hash-by":
-            continue  # its grammar is an nginx variable name, nothing else
+        if payload == "$host" and entry.name in ("upstream-hash-by", "auth-cache-key"):
+            continue  # its grammar names variables (filled in by the proxy, never rendered)
         assert entry.grammar(payload) is not None, (entry.name, payload)
-    if entry.access:
-        # Who may reach a backend is honoured exactly or not at all (then refused).
-        assert entry.verdict in (Verdict.NOT_HONOURED, Verdict.HONOURED)
+    if entry.access:  # what bears on access is honoured (its differences named), or refused
+        assert entry.verdict is not Verdict.DIFFERENT or entry.note
 
 
 def test_the_proxy_lacks_list_is_what_the_catalogue_says():
@@ -891,3 +892,192 @@ def test_rewrite_target_alone_admits_no_regular_expression_path():
         "rw", {P + "rewrite-target": "/$1"}, path="/api/(.*)", path_type="ImplementationSpecific"
     )
     assert refusal(routes_of(item), "rw")[0] == "InvalidPath"
+
+
+# ---------------------------------------------------------------- rate limits
+
+
+def test_limit_annotations_become_the_routes_rate_limit():
+    """internal/ingress/annotations/ratelimit (kubernetes/ingress-nginx): both rates
+    apply, the burst is the rate times limit-burst-multiplier (5 by default), the
+    allow-list is not limited; the answers are the ConfigMap's."""
+    config = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "c", "namespace": "ingress-nginx"},
+        "data": {"limit-req-status-code": "429", "limit-conn-status-code": "nope"},
+    }
+    limited = ingress(
+        "limited",
+        {
+            P + "limit-rps": "10",
+            P + "limit-rpm": "300",
+            P + "limit-connections": "4",
+            P + "limit-allowlist": "10.0.0.0/8, 192.168.1.1",
+        },
+    )
+    routes = routes_of(
+        config,
+        limited,
+        ingress("plain", host="p.example.com"),
+        settings=IngressNginx(configmap=("ingress-nginx", "c")),
+    )
+    [route] = by_ingress(routes, "limited")
+    assert route.ingress_refusal is None
+    assert route.rate_limit == RateLimit(
+        rps=10,
+        rpm=300,
+        burst_multiplier=5,
+        connections=4,
+        allow=("10.0.0.0/8", "192.168.1.1"),
+        request_status=429,
+        connection_status=503,  # not a status: ingress-nginx's default
+    )
+    assert not any("limit-" in line for line in route.ingress_verdicts)
+    [plain] = by_ingress(routes, "plain")
+    assert plain.rate_limit is None
+    [route] = routes_of(ingress("m", {P + "limit-rpm": "60", P + "limit-burst-multiplier": "2"}))
+    assert route.rate_limit == RateLimit(rpm=60, burst_multiplier=2)
+
+
+@pytest.mark.parametrize(
+    "annotations",
+    [
+        {P + "limit-rps": "-1"},
+        {P + "limit-rps": "5", P + "limit-rate": "100"},  # throttling bytes: not yet
+        {P + "limit-rps": "ten"},
+    ],
+)
+def test_a_limit_that_cannot_be_honoured_refuses_the_ingress(annotations):
+    routes = routes_of(ingress("guarded", annotations), ingress("other", host="o.example.com"))
+    assert refusal(routes, "guarded")[0] in ("UnsupportedAnnotation", "InvalidAnnotation")
+    assert served(routes, "other")
+
+
+# ---------------------------------------------------------------- external auth
+
+
+def test_external_auth_annotations_become_the_routes_external_auth():
+    """internal/ingress/annotations/authreq (kubernetes/ingress-nginx)."""
+    headers = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "auth-headers", "namespace": "default"},
+        "data": {"X-Tenant": "shop"},
+    }
+    guarded = ingress(
+        "guarded",
+        {
+            P + "auth-url": "http://auth.default.svc:8080/check",
+            P + "auth-method": "post",
+            P + "auth-signin": "https://login.example.com/start",
+            P + "auth-signin-redirect-param": "next",
+            P + "auth-response-headers": "X-User, X-Email",
+            P + "auth-request-redirect": "/after",
+            P + "auth-proxy-set-headers": "default/auth-headers",
+            P + "auth-keepalive": "10",
+        },
+    )
+    routes = routes_of(headers, guarded, ingress("plain", host="p.example.com"))
+    [route] = by_ingress(routes, "guarded")
+    assert route.ingress_refusal is None
+    assert route.external_auth == ExternalAuth(
+        url="http://auth.default.svc:8080/check",
+        method="POST",
+        signin="https://login.example.com/start",
+        signin_redirect_param="next",
+        response_headers=("X-User", "X-Email"),
+        request_redirect="/after",
+        proxy_set_headers=(("X-Tenant", "shop"),),
+    )
+    assert not any(": not-honoured" in line for line in route.ingress_verdicts)
+    assert any("auth-url: honoured-with-difference" in line for line in route.ingress_verdicts)
+    [plain] = by_ingress(routes, "plain")
+    assert plain.external_auth is None
+
+
+@pytest.mark.parametrize(
+    "annotations",
+    [
+        {P + "auth-url": "https://auth.example.com/check"},  # no TLS to the service yet
+        {P + "auth-url": "http://auth/check", P + "auth-proxy-set-headers": "default/missing"},
+        {P + "auth-url": "http://auth/check", P + "auth-cache-key": "$request_body"},
+        {P + "auth-url": "http://auth/check", P + "auth-always-set-cookie": "true"},
+    ],
+)
+def test_external_auth_that_cannot_be_honoured_refuses_the_ingress(annotations):
+    routes = routes_of(ingress("guarded", annotations), ingress("other", host="o.example.com"))
+    assert refusal(routes, "guarded")[0] in ("UnsupportedAnnotation", "InvalidAnnotation")
+    assert served(routes, "other")
+
+
+def test_auth_cache_annotations_with_nginxs_defaults():
+    auth = {P + "auth-url": "http://auth/check", P + "auth-cache-key": "$http_authorization"}
+    [route] = routes_of(ingress("cached", auth))
+    assert route.external_auth is not None
+    assert route.external_auth.cache_key == "$http_authorization"
+    assert route.external_auth.cache_durations == ((200, 300.0), (202, 300.0), (401, 300.0))
+    auth[P + "auth-cache-duration"] = "200 10m, 1h"
+    [route] = routes_of(ingress("cached", auth))
+    assert route.external_auth is not None
+    assert route.external_auth.cache_durations == (
+        (200, 600.0),
+        (200, 3600.0),
+        (301, 3600.0),
+        (302, 3600.0),
+    )
+
+
+def _global(data: dict[str, str], *items: dict[str, Any]) -> list[Route]:
+    config = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "c", "namespace": "ingress-nginx"},
+        "data": data,
+    }
+    return routes_of(config, *items, settings=IngressNginx(configmap=("ingress-nginx", "c")))
+
+
+def test_global_auth_applies_to_every_ingress_unless_it_opts_out_or_has_its_own():
+    """configmap.md global-auth-*: every Ingress, but enable-global-auth "false" and
+    those with an auth-url of their own (internal/ingress/controller: globalExternalAuth)."""
+    data = {
+        "global-auth-url": "http://auth.infra.svc/check",
+        "global-auth-signin": "https://login.example.com/",
+        "global-auth-response-headers": "X-User",
+        "global-auth-cache-key": "$http_authorization",
+    }
+    routes = _global(
+        data,
+        ingress("plain"),
+        ingress("out", {P + "enable-global-auth": "false"}, host="o.example.com"),
+        ingress("own", {P + "auth-url": "http://mine/check"}, host="m.example.com"),
+    )
+    [plain] = by_ingress(routes, "plain")
+    assert plain.ingress_refusal is None
+    assert plain.external_auth == ExternalAuth(
+        "http://auth.infra.svc/check",
+        signin="https://login.example.com/",
+        response_headers=("X-User",),
+        cache_key="$http_authorization",
+        cache_durations=((200, 300.0), (202, 300.0), (401, 300.0)),
+    )
+    [out] = by_ingress(routes, "out")
+    assert out.ingress_refusal is None and out.external_auth is None
+    [own] = by_ingress(routes, "own")
+    assert own.external_auth is not None and own.external_auth.url == "http://mine/check"
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"global-auth-url": "https://auth/check"},
+        {"global-auth-url": "http://auth/check", "global-auth-method": "GET;evil"},
+        {"global-auth-url": "http://auth/check", "global-auth-snippet": "return 200;"},
+        {"global-auth-url": "http://auth/check", "global-auth-always-set-cookie": "true"},
+    ],
+)
+def test_global_auth_that_cannot_be_honoured_serves_nothing(data):
+    [route] = _global(data, ingress("plain"))
+    assert route.ingress_refusal is not None
+    assert route.ingress_refusal[0] == "UnsupportedConfiguration"

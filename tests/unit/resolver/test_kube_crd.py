@@ -35,14 +35,16 @@ def test_identity(crd):
 
 
 def camel(descriptor) -> set[str]:
-    # Field numbers 50-79 and 90-109 are made only from Gateway API and Ingress
-    # objects (waygate.resolver.gateway: listener_protocol, BackendTLSPolicy's
-    # RouteTLS fields), 180-199 only from ingress-nginx's TCP services ConfigMap
-    # (waygate.resolver.ingress_nginx.tcpservices), never written in a Route object.
+    # Field numbers 50-79, 90-109, 120-139 and 180-199 are made only from Gateway API
+    # and Ingress objects (waygate.resolver.gateway: listener_protocol, BackendTLSPolicy's
+    # RouteTLS fields; ingress-nginx's annotations and its TCP services ConfigMap),
+    # never written in a Route object.
     return {
         field.json_name
         for field in descriptor.fields
-        if not (50 <= field.number <= 79 or 90 <= field.number <= 109 or 180 <= field.number <= 199)
+        if not (50 <= field.number <= 79 or 90 <= field.number <= 109)
+        and not 120 <= field.number <= 139
+        and not 180 <= field.number <= 199
     }
 
 

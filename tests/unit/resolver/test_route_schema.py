@@ -383,6 +383,16 @@ DERIVED_SAMPLES: dict[str, dict[str, Any]] = {
         ),
         "proxy_protocol_from_client": True,
         "proxy_protocol_to_backend": True,
+        "rate_limit": model.RateLimit(rps=5, rpm=300, connections=2, allow=("10.0.0.0/8",)),
+        "external_auth": model.ExternalAuth(
+            "http://auth.example.com/check",
+            method="POST",
+            signin="https://login.example.com/",
+            response_headers=("X-User",),
+            proxy_set_headers=(("X-Tenant", "a"),),
+            cache_key="$http_authorization",
+            cache_durations=((200, 300.0), (401, 60.0)),
+        ),
     },
     "RouteBackend": {"namespace": "other", "port": "http", "invalid": "not granted"},
     "RouteTLS": {

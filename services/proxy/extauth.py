@@ -1,0 +1,291 @@
+"""ingress-nginx's external authentication (auth-url and friends): the rules, sans-IO.
+
+What ingress-nginx renders for `auth-url` (internal/ingress/annotations/authreq,
+its nginx.tmpl's auth location), reproduced: every request of the route is
+first asked of the auth service (nginx `auth_request`) -- whatever its path,
+encoded or with dot-segments (CVE-2026-24513: the check belongs to the route,
+never to a path) -- with
+
+- the auth URL's path and query, its host as Host; the request's own method,
+  or `auth-method` (then also X-Original-URI and X-Scheme);
+- the request's header lines (its body never: `proxy_pass_request_body off`),
+  and X-Original-URL, X-Original-Method, X-Sent-From, X-Real-IP,
+  X-Forwarded-For, X-Auth-Request-Redirect (`auth-request-redirect`, else the
+  request's URI), and the `auth-proxy-set-headers` ConfigMap's headers; the
+  client's own copies of those names are dropped;
+
+and its answer decides (`outcome`): a 2xx lets the request through with the
+`auth-response-headers` copied from the answer onto it (the client's copies of
+those names removed, present in the answer or not); a 401 is answered 401, or
+302 to `auth-signin` with `rd=` (`auth-signin-redirect-param`) naming the
+request's URL; a 403 is answered 403; anything else, or no answer, 500.
+
+The driver (`authcheck`) sends the subrequest and calls `outcome`; `decide`'s
+gate only marks the request (`Forward.auth`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from typing import NamedTuple
+from urllib.parse import quote, urlsplit
+
+from waygate.proxy.http1 import RequestHead, ResponseHead
+from waygate.proxy.routing import Target
+from waygate.resolver.client import ExternalAuth
+
+# Names the subrequest sets itself: the client's copies never reach the service.
+_SET_BY_US = (
+    b"host",
+    b"x-original-url",
+    b"x-original-method",
+    b"x-original-uri",
+    b"x-scheme",
+    b"x-sent-from",
+    b"x-real-ip",
+    b"x-forwarded-for",
+    b"x-auth-request-redirect",
+    b"content-length",
+    b"transfer-encoding",
+    b"connection",
+)
+MAX_PLANS = 4_096
+
+
+class AuthPlan:
+    """One ExternalAuth, compiled once: where to ask and what to copy back."""
+
+    def __init__(self, spec: ExternalAuth) -> None:
+        self.spec = spec
+        url = urlsplit(spec.url)
+        host = url.hostname or ""
+        port = url.port or 80
+        self.target = Target(host, port)
+        self.host = (host if url.port is None else f"{host}:{port}").encode()
+        self.path = ((url.path or "/") + (f"?{url.query}" if url.query else "")).encode()
+        self.method = spec.method.encode()
+        self.copied = tuple(name.encode() for name in spec.response_headers)
+        self.copied_lower = tuple(name.lower() for name in self.copied)
+        self.dropped = _SET_BY_US + tuple(
+            name.lower().encode() for name, _ in spec.proxy_set_headers
+        )
+        self.set_lines = b"".join(
+            b"%s: %s\r\n" % (name.encode(), value.encode())
+            for name, value in spec.proxy_set_headers
+        )
+        # auth-cache-key's parts: literal text, or (kind, name) of a variable.
+        self.cache_parts: tuple[bytes | tuple[str, bytes], ...] = tuple(
+            (part[1:].split("_", 1)[0], part[1:].partition("_")[2].encode())
+            if part.startswith("$")
+            else part.encode()
+            for part in _VARIABLE.split(spec.cache_key)
+            if part
+        )
+        # Later entries win, as nginx's proxy_cache_valid reads them.
+        self.durations = dict(spec.cache_durations)
+
+
+_VARIABLE = re.compile(r"(\$(?:http_[a-z0-9_]+|cookie_[A-Za-z0-9_]+|remote_addr|host))")
+_plans: dict[int, AuthPlan] = {}
+
+
+def plan_for(spec: ExternalAuth) -> AuthPlan:
+    """The compiled plan of a route's ExternalAuth (kept while the spec lives)."""
+    found = _plans.get(id(spec))
+    if found is not None and found.spec is spec:
+        return found
+    if len(_plans) >= MAX_PLANS:
+        _plans.clear()
+    found = _plans[id(spec)] = AuthPlan(spec)
+    return found
+
+
+def _without(fields: bytes, names: tuple[bytes, ...]) -> bytes:
+    """Header lines (b"Name: value\\r\\n" each) less those named (lower-case)."""
+    if not fields:
+        return b""
+    kept = [
+        line
+        for line in fields.split(b"\r\n")
+        if line and line.split(b":", 1)[0].strip().lower() not in names
+    ]
+    return b"".join(line + b"\r\n" for line in kept)
+
+
+def subrequest_head(plan: AuthPlan, req: RequestHead, secure: bool, client_ip: bytes) -> bytes:
+    """The auth subrequest's head (no body; the connection closes after its answer)."""
+    scheme = b"https" if secure else b"http"
+    uri = req.target
+    method = plan.method or req.method
+    spec = plan.spec
+    redirect = spec.request_redirect.encode() if spec.request_redirect else uri
+    parts = [
+        method + b" " + plan.path + b" HTTP/1.1\r\nHost: " + plan.host + b"\r\n",
+        _without(req.fields, plan.dropped),
+        b"X-Original-URL: %s://%s%s\r\n" % (scheme, req.host, uri),
+        b"X-Original-Method: %s\r\n" % req.method,
+        b"X-Sent-From: nginx-ingress-controller\r\n",
+        b"X-Real-IP: %s\r\nX-Forwarded-For: %s\r\n" % (client_ip, client_ip),
+        b"X-Auth-Request-Redirect: %s\r\n" % redirect,
+    ]
+    if plan.method:
+        parts.append(b"X-Original-URI: %s\r\nX-Scheme: %s\r\n" % (uri, scheme))
+    parts.append(plan.set_lines)
+    parts.append(b"Connection: close\r\n\r\n")
+    return b"".join(parts)
+
+
+class Refused(NamedTuple):
+    """The client's answer: a status and reason, or a redirect (`location`)."""
+
+    status: int
+    reason: str
+    location: bytes = b""
+
+
+def response_fields(response: ResponseHead) -> dict[bytes, bytes]:
+    """The answer's header fields by lower-case name (the first of each)."""
+    found: dict[bytes, bytes] = {}
+    for line in response.fields.split(b"\r\n"):
+        name, colon, value = line.partition(b":")
+        if colon:
+            found.setdefault(name.strip().lower(), value.strip())
+    return found
+
+
+def outcome(
+    plan: AuthPlan, response: ResponseHead | None, req: RequestHead, secure: bool
+) -> bytes | Refused:
+    """The header lines to add to the request (a 2xx), or the client's answer."""
+    status = response.status if response is not None else 0
+    if 200 <= status < 300:
+        assert response is not None
+        if not plan.copied:
+            return b""
+        fields = response_fields(response)
+        lines = []
+        for name, lower in zip(plan.copied, plan.copied_lower, strict=True):
+            value = fields.get(lower)
+            if value:
+                lines.append(b"%s: %s\r\n" % (name, value))
+        return b"".join(lines)
+    if status == 401:
+        signin = plan.spec.signin
+        if signin:
+            return Refused(302, "sign in first", signin_location(plan, req, secure))
+        return Refused(401, "authentication required")
+    if status == 403:
+        return Refused(403, "forbidden by the authentication service")
+    if response is None:
+        return Refused(500, "the authentication service did not answer")
+    return Refused(500, f"the authentication service answered {status}")
+
+
+def signin_location(plan: AuthPlan, req: RequestHead, secure: bool) -> bytes:
+    """auth-signin (its `$host` and `$escaped_request_uri` filled in) with
+    `rd=SCHEME://HOST` + the escaped request URI, unless it names the parameter
+    already (ingress-nginx's buildAuthSignURL)."""
+    spec = plan.spec
+    host = req.host.decode("latin-1")
+    escaped = quote(req.target.decode("latin-1"), safe="")
+    signin = spec.signin.replace("$host", host).replace("$escaped_request_uri", escaped)
+    param = spec.signin_redirect_param or "rd"
+    if f"{param}=" in signin.partition("?")[2]:
+        return signin.encode()
+    scheme = "https" if secure else "http"
+    joiner = "&" if "?" in signin else "?"
+    return f"{signin}{joiner}{param}={scheme}://{host}{escaped}".encode()
+
+
+# ---------------------------------------------------------------- the answers' cache
+
+# Answers kept (across routes), and their bytes: the least recently used go first.
+MAX_CACHED = 10_000
+MAX_CACHED_BYTES = 8 << 20
+
+
+def _field(fields: bytes, name: bytes) -> bytes:
+    for line in fields.split(b"\r\n"):
+        key, colon, value = line.partition(b":")
+        if colon and key.strip().lower() == name:
+            return value.strip()
+    return b""
+
+
+def cache_key(plan: AuthPlan, route: str, req: RequestHead, client_ip: bytes) -> bytes | None:
+    """The answer's key in the cache: the route (ingress-nginx caches per location)
+    and auth-cache-key filled in; None without auth-cache-key."""
+    if not plan.cache_parts:
+        return None
+    parts = [route.encode(), b"\0"]
+    for part in plan.cache_parts:
+        if isinstance(part, bytes):
+            parts.append(part)
+            continue
+        kind, name = part
+        if kind == "http":
+            parts.append(_field(req.fields, name.replace(b"_", b"-")))
+        elif kind == "cookie":
+            prefix = name + b"="
+            for value in req.cookie:
+                for item in value.split(b";"):
+                    item = item.strip()
+                    if item.startswith(prefix):
+                        parts.append(item[len(prefix) :])
+        elif kind == "remote":
+            parts.append(client_ip)
+        else:  # host
+            parts.append(req.host)
+    return b"".join(parts)
+
+
+class AnswerCache:
+    """The auth service's answers by key, each for its status's duration; bounded in
+    entries and in bytes (key and head), the least recently used forgotten first."""
+
+    def __init__(self) -> None:
+        self.entries: OrderedDict[bytes, tuple[float, ResponseHead, int]] = OrderedDict()
+        self.size = 0
+
+    def get(self, key: bytes, now: float) -> ResponseHead | None:
+        found = self.entries.get(key)
+        if found is None:
+            return None
+        if found[0] <= now:
+            self._drop(key)
+            return None
+        self.entries.move_to_end(key)
+        return found[1]
+
+    def put(self, plan: AuthPlan, key: bytes, response: ResponseHead, now: float) -> None:
+        seconds = plan.durations.get(response.status)
+        if not seconds:
+            return
+        size = len(key) + len(response.fields) + 64
+        if size > MAX_CACHED_BYTES // 16:
+            return  # too large to keep
+        if key in self.entries:
+            self._drop(key)
+        while self.entries and (
+            len(self.entries) >= MAX_CACHED or self.size + size > MAX_CACHED_BYTES
+        ):
+            self._drop(next(iter(self.entries)))
+        self.entries[key] = (now + seconds, response, size)
+        self.size += size
+
+    def _drop(self, key: bytes) -> None:
+        self.size -= self.entries.pop(key)[2]
+
+
+CACHE = AnswerCache()
+
+
+def with_auth_headers(head: bytes, plan: AuthPlan, lines: bytes) -> bytes:
+    """The upstream head with the auth service's header lines, the client's copies of
+    every copied name removed (present in the answer or not)."""
+    if not plan.copied:
+        return head
+    request_line, _, rest = head.partition(b"\r\n")
+    fields = _without(rest[:-2] if rest.endswith(b"\r\n") else rest, plan.copied_lower)
+    return request_line + b"\r\n" + fields + lines + b"\r\n"
