@@ -436,7 +436,7 @@ class Exchange(UpgradeRelay):
             upstream = ctx.pool.take(key, idle_at_most=SAFE_REUSE_IDLE)
         if upstream is not None:
             ctx.metrics.pool_reused += 1
-            self._attach(upstream, reused=True)
+            self._attach(upstream, True)  # (positional: a specialised call)
             return
         pool = ctx.pool
         if pool.reserve(target):
@@ -509,9 +509,7 @@ class Exchange(UpgradeRelay):
         caller (`connect_h1`: its reservation is released however it ends)."""
         self.connect_task = start_connect(self, target)
 
-    def _attach(
-        self, upstream: UpstreamConnection, *, reused: bool, head_sent: bool = False
-    ) -> None:
+    def _attach(self, upstream: UpstreamConnection, reused: bool, head_sent: bool = False) -> None:
         self.upstream = upstream
         sent_at = self.started if reused else self.loop.time()
         if not self.req_complete:
@@ -659,13 +657,13 @@ class Exchange(UpgradeRelay):
             ctx.metrics.bytes_out += length
             down.response_head(response, out_framing, length, keep_alive, extra, rest, False)
             self.remaining = 0
-            self._done(clean=True, now=now)
+            self._done(True, now)
             return None
         if framing == FRAMING_NONE or (framing == FRAMING_LENGTH and length == 0):
             down.response_head(response, out_framing, length, keep_alive, extra, b"", False)
             # Bytes after a response without a body, in the same read: the
             # upstream's framing is off, so the connection is not pooled.
-            self._done(clean=not rest, now=now)
+            self._done(not rest, now)
             return None
         # Held for the body bytes of this same read (`more`): one send for a small response.
         down.response_head(response, out_framing, length, keep_alive, extra, b"", bool(rest))
@@ -715,7 +713,7 @@ class Exchange(UpgradeRelay):
                 502, "upstream sent bytes after a bodiless response", "bad_response"
             )
 
-    def _done(self, *, clean: bool, now: float = 0.0) -> None:
+    def _done(self, clean: bool, now: float = 0.0) -> None:
         """The response is complete: release the upstream (pooled only when clean)."""
         upstream = self.upstream
         self.upstream = None
@@ -786,9 +784,10 @@ class Exchange(UpgradeRelay):
         entry = self.entry
         req = self.req
         if entry is not None:
-            idle_timeout = entry.options.keep_alive_timeout
+            options = entry.options
+            idle_timeout = options.keep_alive_timeout
             if req is not None:
-                self._record(entry.options.name, req, self.status or 502)
+                self._record(options.name, req, self.status or 502)
         else:
             idle_timeout = 0.0
         self.upstream = None
