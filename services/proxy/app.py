@@ -1,8 +1,9 @@
 """`waygate proxy serve`: settings and wiring of the HTTP proxy process.
 
 The process watches the resolver (`waygate.resolver.client.ResolverWatch`,
-one stream, no RPC per request), rebuilds its routing table inside the
-watch's `on_view` callback (so a change applies to the next request), and
+one stream, no RPC per request), builds every table of a view at once
+(`waygate.proxy.view.ProxyView`) inside the watch's `on_view` callback and
+swaps it whole (so a change applies to the next request), and
 serves HTTP/1.1 on `http_port` through `waygate.proxy.server`. It is ready
 once the first complete resolver snapshot has been applied; while the
 resolver is away it keeps serving the last table. SIGTERM drains: the
