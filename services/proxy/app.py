@@ -602,7 +602,7 @@ class ViewFanOut:
     `on_view` (the resolver watch's callback, on the loop): the Gateway
     listeners' own ports bound or closed for the view (`listeners.py`), then
     every table (HTTP routing, passthrough per front, certificates by SNI,
-    listener sides, reencrypt names) built once from the view and that
+    listener sides, reencrypt routes) built once from the view and that
     listener set (`ProxyView.build`) and swapped whole (`ProxyServer.set_view`).
     `on_healed`: a listener port that could not be bound before now is: the
     last view is built again on the new listener set.

@@ -205,7 +205,7 @@ class ProxyServer:
         self.context.view = view
         upstream_tls = self.context.upstream_tls
         if upstream_tls is not None:
-            upstream_tls.keep_names(view.upstream_names)
+            upstream_tls.keep_only(view.reencrypt_routes)
         table = view.table
         self.pool.keep_only(table.targets)
         self.health.forget_except(table.targets)

@@ -49,7 +49,7 @@ import contextlib
 import logging
 import ssl
 import time
-from collections.abc import Callable, Iterable, Set
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from cryptography import x509
@@ -217,25 +217,11 @@ class _ResumingContext(ssl.SSLContext):
         if session is not None:
             self.last[name] = session
 
-    def keep_only(self, names: Set[str]) -> None:
+    def keep_only(self, names: set[str]) -> None:
         for name in [name for name in self.last if name not in names]:
             del self.last[name]
         for name in list(self.last):
             self.settle(name)
-
-
-def reencrypt_server_names(routes: Iterable[Route]) -> frozenset[str]:
-    """The server names the reencrypt routes among `routes` connect with."""
-    names: set[str] = set()
-    for route in routes:
-        if not UpstreamTLS.applies(route):
-            continue
-        assert route.tls is not None
-        if route.tls.destination_server_name:
-            names.add(route.tls.destination_server_name)
-        else:
-            names.update(f"{b.service}.{route.namespace}.svc" for b in route.backends)
-    return frozenset(names)
 
 
 class UpstreamTLS:
@@ -267,10 +253,15 @@ class UpstreamTLS:
     def keep_only(self, routes: Iterable[Route]) -> None:
         """A new resolver view: forget the sessions of server names no reencrypt route
         uses any more (and of probes), so neither map grows with route churn."""
-        self.keep_names(reencrypt_server_names(routes))
-
-    def keep_names(self, names: Set[str]) -> None:
-        """`keep_only` with the names already chosen (`view.ProxyView.upstream_names`)."""
+        names: set[str] = set()
+        for route in routes:
+            if not self.applies(route):
+                continue
+            assert route.tls is not None
+            if route.tls.destination_server_name:
+                names.add(route.tls.destination_server_name)
+            else:
+                names.update(f"{b.service}.{route.namespace}.svc" for b in route.backends)
         for context in self._contexts.values():
             if isinstance(context, _ResumingContext):
                 context.keep_only(names)

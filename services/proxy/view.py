@@ -15,8 +15,9 @@ listener ports are bound) into one immutable object:
 - `certificates`: the edge certificates by SNI (`tls.SniCertificates`, built
   by the TLS front's `tls.EdgeCertificates`; None without one);
 - `listener_sides`: the Gateway listeners' sides by listener port;
-- `upstream_names`: the reencrypt step's server names (`upstream_tls`: the
-  TLS sessions it keeps are only these);
+- `reencrypt_routes`: the routes with an upstream TLS scope
+  (`routing.upstream_scope`: reencrypt), the reencrypt step keeps its
+  sessions and its backends' certificates for these only (`upstream_tls`);
 - `health`: the passive health of endpoints and `trace_ratio`.
 
 Per-endpoint state outlives views: the pickers (with their in-flight counts)
@@ -33,8 +34,13 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-from waygate.proxy.routing import Defaults, PassiveHealth, RouteTable, build_table
-from waygate.proxy.upstream_tls import reencrypt_server_names
+from waygate.proxy.routing import (
+    Defaults,
+    PassiveHealth,
+    RouteTable,
+    build_table,
+    upstream_scope,
+)
 from waygate.resolver.client import BalancePolicy, Route, TLSTermination
 
 # The passthrough table of the proxy's HTTPS port (other keys: a TLS listener's own port).
@@ -103,9 +109,9 @@ class ProxyView:
         "health",
         "listener_sides",
         "passthrough",
+        "reencrypt_routes",
         "table",
         "trace_ratio",
-        "upstream_names",
     )
 
     def __init__(
@@ -117,7 +123,7 @@ class ProxyView:
         passthrough: Mapping[int, RouteTable] = _EMPTY,
         certificates: Any = None,
         listener_sides: Mapping[int, Any] = _EMPTY,
-        upstream_names: frozenset[str] = frozenset(),
+        reencrypt_routes: tuple[Route, ...] = (),
     ) -> None:
         self.table = table
         # Endpoints whose connects fail, skipped for a while: state that outlives
@@ -127,7 +133,7 @@ class ProxyView:
         self.passthrough = passthrough
         self.certificates = certificates  # tls.SniCertificates (None: no TLS front)
         self.listener_sides = listener_sides
-        self.upstream_names = upstream_names
+        self.reencrypt_routes = reencrypt_routes
 
     @classmethod
     def empty(cls, health: PassiveHealth, trace_ratio: float = 0.0) -> ProxyView:
@@ -181,7 +187,7 @@ class ProxyView:
             passthrough=passthrough,
             certificates=certificates,
             listener_sides=dict(settings.listener_ports or {}),
-            upstream_names=reencrypt_server_names(routes.values()),
+            reencrypt_routes=tuple(r for r in routes.values() if upstream_scope(r) is not None),
         )
 
     def replace(self, **changes: Any) -> ProxyView:

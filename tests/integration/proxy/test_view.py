@@ -2,7 +2,7 @@
 
 A view holds the HTTP routing table, the passthrough table of each TLS front
 (the HTTPS port's and a Gateway TLS listener's own port's), the edge
-certificates by SNI, the listener sides and the reencrypt names. Building the
+certificates by SNI, the listener sides and the reencrypt routes. Building the
 next one changes nothing that is served; `ProxyServer.set_view` switches every
 table at once. Per-endpoint state (in-flight counts, passive health) survives
 a view change. Real parts: a real ProxyServer on a socket, real TLS fronts,
@@ -104,7 +104,7 @@ async def test_a_view_change_swaps_every_table_at_once() -> None:
         assert served(own, "own.test") and not served(own, "pass.test")
         assert certificates.context_for("edge.test") is not default_context
         assert first.listener_sides == {OWN_TLS_PORT: "own"}
-        assert first.upstream_names == {"re.internal"}
+        assert [r.name for r in first.reencrypt_routes] == ["re"]
 
         second = ProxyView.build(two, server.view, settings(certificates, {}))
         # Built, not swapped: everything served is still the first view's.
@@ -121,7 +121,7 @@ async def test_a_view_change_swaps_every_table_at_once() -> None:
         assert not served(own, "own.test")
         assert certificates.context_for("edge.test") is default_context
         assert certificates.context_for("edge2.test") is not default_context
-        assert second.listener_sides == {} and second.upstream_names == frozenset()
+        assert second.listener_sides == {} and second.reencrypt_routes == ()
         # The first view, still held by whoever started with it, is unchanged.
         assert first.table.lookup(b"web.test", b"/") is not None
         assert first.passthrough[HTTPS_FRONT].lookup(b"pass.test", b"/") is not None
