@@ -221,9 +221,12 @@ class RequestHead:
     request has): the request path reads most fields at their defaults, and a
     class-level default read through an instance is a dictionary miss and a
     type lookup each time on CPython 3.11, where a slot is read directly.
+    `__dict__` is kept for a field declared as a class attribute with its
+    default (copied by `copy` too).
     """
 
     __slots__ = (
+        "__dict__",
         "chunked",
         "content_length",
         "cookie",
@@ -273,6 +276,9 @@ class RequestHead:
         copy.expect_continue = self.expect_continue
         copy.traceparent = self.traceparent
         copy.cookie = self.cookie
+        extra = self.__dict__
+        if extra:
+            copy.__dict__.update(extra)
         return copy
 
     @property
