@@ -59,6 +59,7 @@ from waygate.core.clientcli import (
     UpRecord,
     fail,
     http_status,
+    printable,
     run_client,
 )
 from waygate.core.errors import FailedPrecondition
@@ -136,9 +137,9 @@ def run_check(args: argparse.Namespace) -> int:
             print(json.dumps([dataclasses.asdict(r) for r in results], indent=2))
         else:
             for result in results:
-                print(f"{result.mark} {result.title}")
+                print(f"{result.mark} {printable(result.title)}")
                 if result.hint and result.mark != OK:
-                    print(f"    hint: {result.hint}")
+                    print(f"    hint: {printable(result.hint)}")
             failed = sum(r.failed for r in results)
             print(
                 f"\nStatus check results are {FAILED} ({failed} failed)"
@@ -206,6 +207,7 @@ class Checker:
             await self.check_service(target)
         if self.record is not None and not (self.args.resolver or self.args.certs):
             await self.check_admin_ports()
+            await self.check_backend_certificates()
             await asyncio.to_thread(self.check_local_certificates)
         certs = next((t for t in targets if t.name == "certs"), None)
         if certs is not None:
@@ -389,6 +391,36 @@ class Checker:
                         _refusal_hint(str(why)),
                     )
 
+    async def check_backend_certificates(self) -> None:
+        """Under `up`: the proxy's backend certificates (its status page) — a warning
+        days before one expires, a failure for one out of rotation."""
+        from waygate.proxy.backendcerts import check_findings
+
+        assert self.record is not None
+        address = self.record.addresses.get("proxy", {}).get("admin_port")
+        if address is None:
+            return
+        host, _, port = address.rpartition(":")
+        try:
+            async with asyncio.timeout(self.settings.timeout):
+                reader, writer = await asyncio.open_connection(host, int(port))
+                try:
+                    writer.write(b"GET /status.json HTTP/1.1\r\nHost: waygate\r\n\r\n")
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    length = next(
+                        int(line.split(b":", 1)[1])
+                        for line in head.split(b"\r\n")
+                        if line.lower().startswith(b"content-length:")
+                    )
+                    document = json.loads(await reader.readexactly(length))
+                finally:
+                    writer.close()
+        except (OSError, TimeoutError, ValueError, StopIteration, asyncio.IncompleteReadError):
+            return  # the admin port check says whether the proxy answers
+        marks = {"ok": OK, "warn": WARN, "failed": FAILED}
+        for level, title, hint in check_findings(document):
+            self.add(marks[level], title, hint)
+
     async def check_bundle(self, certs: Target) -> None:
         from waygate.certs.v1 import certs_pb2, certs_pb2_grpc
 
@@ -403,6 +435,7 @@ class Checker:
             return
         served = {_fingerprint(a.certificate) for a in bundle.authorities}
         self.add(OK, f"trust bundle version {bundle.version}: {len(served)} CA(s)")
+        await self.check_trust_consumers(certs)
         if ca_file is None:
             return
         try:
@@ -420,6 +453,30 @@ class Checker:
             else f"{ca_file} differs from the bundle certs serves",
             f"`waygate cert bundle --out {ca_file}` writes the current one",
         )
+
+    async def check_trust_consumers(self, certs: Target) -> None:
+        """Who holds which trust bundle, and whether a CA rotation waits for someone
+        (an admin call: with the state directory's user token, else skipped)."""
+        from waygate.certs.commands import fetch_rotation_status, rotation_findings
+        from waygate.certs.v1 import certs_pb2_grpc
+
+        token_file = None if self.state_dir is None else self.state_dir / "tokens" / "user.token"
+        if token_file is None or not token_file.is_file():
+            return
+        try:
+            async with open_channel(certs.address, tls=self.settings.tls(), retry=False) as ch:
+                status = await fetch_rotation_status(
+                    certs_pb2_grpc.CertsStub(ch),
+                    self.settings.timeout,
+                    token_file.read_text().strip(),
+                )
+        except (grpc.aio.AioRpcError, OSError) as exc:
+            detail = f"{exc.code().name}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            self.add(WARN, f"trust consumers: not readable ({detail})")
+            return
+        marks = {"ok": OK, "warn": WARN, "failed": FAILED}
+        for level, title, hint in rotation_findings(status, datetime.now(UTC)):
+            self.add(marks[level], title, hint)
 
     async def check_routes(self, resolver: Target) -> None:
         from waygate.resolver.commands import (
@@ -482,6 +539,14 @@ class Checker:
                 )
         if routes and not bad:
             self.add(OK, f"all {len(routes)} routes admitted, their services resolved")
+        for route in routes:
+            if route.listener_protocol == "TCP" and route_problem(route)[0] in ("Admitted", "-"):
+                backend = route.backends[0]
+                self.add(
+                    OK,
+                    f"TCP service port {route.listener_port}: {backend.namespace}/"
+                    f"{backend.service}:{backend.port} ({route.origin})",
+                )
         synced, tunnels, endpoints = first
         if synced is None:
             self.add(FAILED, "resolver view never synced", "its source has not loaded yet")
@@ -713,6 +778,8 @@ def _route_hint(reason: str) -> str:
         "InvalidAnnotation": "an annotation value outside its grammar: fix the Ingress",
         "InvalidPath": "a path outside its pathType (regular expressions need use-regex)",
         "SnippetsNotAllowed": "the controller ConfigMap does not allow snippets",
+        "InvalidTCPService": 'fix the TCP services ConfigMap entry: "PORT": '
+        '"NAMESPACE/SERVICE:PORT[:PROXY][:PROXY]"',
         "NotHonoured": "served; `waygate ingress-nginx check` lists what is not honoured",
         "NotMTLS": "run the resolver with TLS and client certificates (as `waygate up` does), "
         "and the proxy with a certificate whose identity is in --route-readers",

@@ -21,7 +21,9 @@ One cycle of phases (each held `hold` seconds of steady load unless said):
                   resume, and no process's certificate may ever expire
                   (sampled every second);
   leaf-rotation   held until every process has renewed its leaf again;
-  ca-rotation     RotateCA (propagation delay `hold`), held until every process
+  ca-rotation     RotateCA (propagation delay `hold`, a minimum: activation also
+                  waits for every trust consumer's acknowledgement; the notes say
+                  how long past the delay it waited and for whom), held until every process
                   has renewed after the switch to the new CA (first cycle only:
                   the old CA stays published about an hour, and certs refuses
                   another rotation until it retires);
@@ -404,11 +406,25 @@ class Soak:
         )
 
     async def _ca_rotation(self) -> None:
-        rotation = await self._rotate_ca()
-        switch = rotation.signing_switch_at.ToDatetime().timestamp()
-        await asyncio.sleep(max(0.0, switch - time.time()) + 0.5)
-        behind = await self._renewed_since(dict(self.renewals), self.stack.leaf_lifetime * 1.2)
+        rotation, address = await self._rotate_ca()
         self.note("new CA " + rotation.new_authority.fingerprint_sha256[:12])
+        # The acknowledged path: the new CA signs once the delay passed and every trust
+        # consumer reported it; record how long the step waited, and for whom.
+        switch = rotation.signing_switch_at.ToDatetime().timestamp()
+        activated, held = await self._until_activated(address, timeout=self.hold * 4 + 120)
+        waited = max(0.0, (activated or time.time()) - switch)
+        self.note(
+            f"prepare -> activate: {waited:.1f}s past the propagation delay, waiting for "
+            + (", ".join(sorted(held)) or "nobody")
+        )
+        self.checks.append(
+            Check(
+                "ca-rotation: every trust consumer acknowledged the new CA before it signed",
+                activated is not None,
+                "activated" if activated is not None else f"still held by {', '.join(held)}",
+            )
+        )
+        behind = await self._renewed_since(dict(self.renewals), self.stack.leaf_lifetime * 1.2)
         self.checks.append(
             Check(
                 "ca-rotation: every process took a leaf from the new CA",
@@ -417,9 +433,34 @@ class Soak:
             )
         )
 
-    async def _rotate_ca(self) -> certs_pb2.RotateCAResponse:
+    async def _until_activated(self, address: str, timeout: float) -> tuple[float | None, set[str]]:
+        """Poll GetRotationStatus on the certs leader until the rotation leaves prepare:
+        (when it did, or None on timeout; every consumer seen holding it)."""
+        token = self.stack.tokens["admin"]
+        held: set[str] = set()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            credentials = grpc.ssl_channel_credentials(self.stack.bundle.read_bytes())
+            try:
+                async with grpc.aio.secure_channel(address, credentials) as channel:
+                    status = await certs_pb2_grpc.CertsStub(channel).GetRotationStatus(
+                        certs_pb2.GetRotationStatusRequest(),
+                        metadata=(("authorization", f"Bearer {token}"),),
+                        timeout=10,
+                    )
+            except grpc.aio.AioRpcError:
+                await asyncio.sleep(0.5)
+                continue
+            held |= {f"{c.identity} ({c.instance})" for c in status.waiting_for}
+            if status.phase != certs_pb2.ROTATION_PHASE_PREPARE:
+                return time.time(), held
+            await asyncio.sleep(0.5)
+        return None, held
+
+    async def _rotate_ca(self) -> tuple[certs_pb2.RotateCAResponse, str]:
         """RotateCA on the certs leader (a follower refuses, UNAVAILABLE naming it):
-        asked of each replica directly, not through the load balancer."""
+        asked of each replica directly, not through the load balancer; the reply and
+        the leader's address."""
         token = self.stack.tokens["admin"]
         credentials = grpc.ssl_channel_credentials(self.stack.bundle.read_bytes())
         async with asyncio.timeout(60):
@@ -428,13 +469,14 @@ class Soak:
                     address = f"127.0.0.1:{self.stack.ports[replica]}"
                     async with grpc.aio.secure_channel(address, credentials) as channel:
                         try:
-                            return await certs_pb2_grpc.CertsStub(channel).RotateCA(
+                            reply = await certs_pb2_grpc.CertsStub(channel).RotateCA(
                                 certs_pb2.RotateCARequest(
                                     propagation_delay=duration_pb2.Duration(seconds=int(self.hold))
                                 ),
                                 metadata=(("authorization", f"Bearer {token}"),),
                                 timeout=30,
                             )
+                            return reply, address
                         except grpc.aio.AioRpcError as exc:
                             if exc.code() != grpc.StatusCode.UNAVAILABLE:
                                 raise

@@ -553,7 +553,7 @@ async def _ready(proc: Proc) -> bool:
     try:
         if not probe:
             return True
-        writer.write(b"GET /readyz HTTP/1.1\r\nHost: soak\r\nConnection: close\r\n\r\n")
+        writer.write(b"GET /readyz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
         status = await asyncio.wait_for(reader.readline(), 2.0)
         return status.startswith(b"HTTP/1.1 200")
     except (OSError, TimeoutError):

@@ -34,6 +34,7 @@ CSR controller's decisions — and those duties run only while it leads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -44,20 +45,25 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+
 from waygate.certs.auth import Authenticator, Caller, StaticTokenAuthenticator, TokensFileError
-from waygate.certs.authority import (
-    ISSUED_RECORDS,
-    ISSUED_RECORDS_BYTES,
-    KEY_ALGORITHMS,
-    MAX_SANS,
-    Authority,
-    AuthorityConfig,
-    TrustBundleView,
-)
+from waygate.certs.authority import Authority, AuthorityConfig, Upstream
+from waygate.certs.bundle import TrustBundleView
+from waygate.certs.castate import KEY_ALGORITHMS, PrivateKey
+from waygate.certs.csr import MAX_SANS
+from waygate.certs.issuing import ISSUED_RECORDS, ISSUED_RECORDS_BYTES
 from waygate.certs.policy import Policy, check_pattern
 from waygate.certs.selftls import serving_certificate
 from waygate.certs.server import registration
-from waygate.certs.service import SIGNING_QUEUE, SIGNING_WORKERS, CertsService, SigningExecutor
+from waygate.certs.service import (
+    SIGNING_QUEUE,
+    SIGNING_WORKERS,
+    CertsService,
+    SigningExecutor,
+    publish_rotation,
+)
 from waygate.certs.store import CAStore, DirectoryCAStore
 from waygate.components import by_command
 from waygate.core.errors import FailedPrecondition, WaygateError
@@ -83,6 +89,10 @@ CERTS = by_command(("certs", "serve"))
 TRUST_DOMAIN = "waygate.local"
 #: Longest sleep of the CA-rotation timer; transitions are also applied on every call.
 MAX_TIMER_SLEEP = 60.0
+#: How often a follower's rotation timer looks whether it leads now.
+FOLLOWER_TICK = 1.0
+#: After a consumer's report wakes the timer: how long to gather the burst first.
+REPORT_BATCH = 0.5
 
 
 def _non_negative(value: float) -> str | None:
@@ -157,12 +167,39 @@ class Settings(GrpcServerSettings):
     )
     propagation_delay: float = setting(
         3600.0,
-        help="RotateCA's default wait between publishing a new CA and signing with it",
+        help="least wait between publishing a new CA and signing with it (signing also "
+        "waits for every live trust consumer to report the new CA)",
+        parse=parse_duration,
+        check=_non_negative,
+    )
+    consumer_ttl: float = setting(
+        86400.0,
+        help="a trust consumer silent this long no longer holds a CA rotation step",
+        parse=parse_duration,
+        check=positive,
+    )
+    consumer_settle: float = setting(
+        90.0,
+        help="a rotation resumed at start or by a new leader waits this long for the "
+        "trust consumers to report before judging their acknowledgements",
         parse=parse_duration,
         check=_non_negative,
     )
     bundle_file: Path | None = setting(
         None, help="write the trust bundle PEM here (0644), rewritten on every change"
+    )
+    ca_cert: Path | None = setting(
+        None,
+        help="upstream authority: sign with this intermediate CA certificate (PEM), "
+        "issued by --trust-anchor; a new one starts a CA rotation to it",
+    )
+    ca_key: Path | None = setting(
+        None, help="upstream authority: the intermediate's private key (PEM, mode 0600)"
+    )
+    trust_anchor: Path | None = setting(
+        None,
+        help="upstream authority: the organisation's root (PEM) that issued --ca-cert; "
+        "the trust bundle publishes it",
     )
     max_sans_per_csr: int = setting(
         MAX_SANS,
@@ -311,6 +348,9 @@ class Settings(GrpcServerSettings):
             return "invalid setting leaf_lifetime: longer than max_leaf_lifetime"
         if self.max_leaf_lifetime >= self.ca_lifetime:
             return "invalid setting max_leaf_lifetime: must be shorter than ca_lifetime"
+        upstream = (self.ca_cert, self.ca_key, self.trust_anchor)
+        if any(p is not None for p in upstream) and any(p is None for p in upstream):
+            return "invalid setting ca_cert: give ca_cert, ca_key and trust_anchor together"
         if self.serving_identity is not None and self.tls_cert_file is not None:
             return "invalid setting serving_identity: give it or tls_cert_file, not both"
         if not 0 < self.retry_period < self.renew_deadline < self.lease_duration:
@@ -333,6 +373,8 @@ class Settings(GrpcServerSettings):
             max_lifetime=timedelta(seconds=self.max_leaf_lifetime),
             backdate=timedelta(seconds=self.clock_skew),
             propagation_delay=timedelta(seconds=self.propagation_delay),
+            consumer_ttl=timedelta(seconds=self.consumer_ttl),
+            consumer_settle=timedelta(seconds=self.consumer_settle),
             max_sans=self.max_sans_per_csr,
             issued_records=self.issued_records,
             issued_records_bytes=self.issued_records_bytes,
@@ -422,13 +464,54 @@ def build_elector(settings: Settings, kube_api: Any) -> Any:
     )
 
 
+def load_upstream(settings: Settings) -> Upstream | None:
+    """The upstream authority's intermediate, key and root from their files; None when
+    not configured. FailedPrecondition naming the file that cannot be used."""
+    if settings.ca_cert is None or settings.ca_key is None or settings.trust_anchor is None:
+        return None
+
+    def read(path: Path, what: str) -> bytes:
+        try:
+            return path.read_bytes()
+        except OSError as exc:
+            raise FailedPrecondition(f"cannot read {what} {path}: {exc.strerror}") from None
+
+    mode = settings.ca_key.stat().st_mode & 0o777 if settings.ca_key.exists() else 0
+    if mode & 0o077:
+        raise FailedPrecondition(
+            f"--ca-key {settings.ca_key} has mode {mode:04o}: it must be readable by its "
+            f"owner only (chmod 600 {settings.ca_key})"
+        )
+    try:
+        cert = x509.load_pem_x509_certificate(read(settings.ca_cert, "--ca-cert"))
+        anchor = x509.load_pem_x509_certificate(read(settings.trust_anchor, "--trust-anchor"))
+    except ValueError as exc:
+        raise FailedPrecondition(
+            f"--ca-cert or --trust-anchor is not a PEM certificate: {exc}"
+        ) from None
+    try:
+        key = serialization.load_pem_private_key(read(settings.ca_key, "--ca-key"), password=None)
+    except (ValueError, TypeError) as exc:
+        raise FailedPrecondition(
+            f"--ca-key {settings.ca_key} is not a PEM private key: {exc}"
+        ) from None
+    if not isinstance(key, PrivateKey):
+        raise FailedPrecondition(f"--ca-key {settings.ca_key} is of an unsupported type")
+    return Upstream(key, cert, anchor, f"--ca-cert {settings.ca_cert}")
+
+
 async def open_authority(settings: Settings, store: CAStore, elector: Any) -> Authority:
     """Load the CA; with an elector, only the leader may create the first one."""
+    upstream = load_upstream(settings)
     while True:
         # Loading may generate a key, touch the disk or the API: keep the loop free meanwhile.
         files = await asyncio.to_thread(store.load)
         if files is not None or elector is None or elector.is_leader():
-            return await asyncio.to_thread(Authority.open, store, settings.authority_config())
+            return await asyncio.to_thread(
+                functools.partial(
+                    Authority.open, store, settings.authority_config(), upstream=upstream
+                )
+            )
         log.info("no CA stored yet; waiting for the leader to create it")
         await asyncio.sleep(settings.retry_period)
 
@@ -466,20 +549,42 @@ def write_bundle_file(path: Path, bundle: TrustBundleView) -> None:
     write_file_atomically(path, bundle.pem.encode(), 0o644)
 
 
-async def run_transitions(authority: Authority, elector: Any = None) -> None:
-    """Apply CA-rotation transitions when due, so watchers hear of them without a call,
+async def run_transitions(
+    authority: Authority, elector: Any = None, wake: asyncio.Event | None = None
+) -> None:
+    """Take CA-rotation steps when due, so watchers hear of them without a call,
     and (the leader, or the only replica) rotate the CA by itself before it nears
-    expiry. In a worker thread: a step may write the store."""
+    expiry. In a worker thread: a step may write the store. `wake`: set by a
+    consumer's report that may open a step waiting for consumers."""
+    leading = False
     while True:
+        if elector is not None and not elector.is_leader():
+            # A follower takes no step (it adopts the leader's), and its timer has no
+            # due moment: it looks again soon, to start the moment it leads.
+            leading = False
+            authority.stop_judging()
+            await asyncio.sleep(FOLLOWER_TICK)
+            continue
         due = authority.next_transition()
         now = datetime.now(UTC)
         wait = MAX_TIMER_SLEEP if due is None else (due - now).total_seconds()
-        await asyncio.sleep(min(max(wait, 0.2), MAX_TIMER_SLEEP))
+        timeout = min(max(wait, 0.2), MAX_TIMER_SLEEP)
+        if not leading:
+            # Just started, or just took the lead: what was published as due was a
+            # follower's (nothing); look now, which publishes this leader's schedule.
+            leading = True
+        elif wake is None:
+            await asyncio.sleep(timeout)
+        else:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), timeout)
+            if wake.is_set():
+                # Reports come in bursts after a bundle change: one step check per burst.
+                await asyncio.sleep(REPORT_BATCH)
+                wake.clear()
         try:
-            if elector is None or elector.is_leader():
-                await asyncio.to_thread(authority.rotate_if_expiring)
-            else:
-                await asyncio.to_thread(authority.advance)
+            await asyncio.to_thread(authority.rotate_if_expiring)
+            publish_rotation(await asyncio.to_thread(authority.rotation_status))
         except WaygateError as exc:
             # The store refused the new state (e.g. the API is down); the authority
             # kept the old one, so the next tick tries the transition again.
@@ -502,6 +607,9 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         store = VersionedStore(store)
     authority = await open_authority(settings, store, elector)
     authority.deliver_changes_on(asyncio.get_running_loop())
+    if elector is not None:
+        # Only the leader takes rotation steps: it hears the consumers' reports.
+        authority.steps_allowed = elector.is_leader
     # One bounded pool for every signature: Certify's and the CSR controller's.
     signing = SigningExecutor(settings.signing_workers, settings.signing_queue)
     # What only the writer of CA state does: the leader, or the only replica.
@@ -539,12 +647,13 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         bundle_file = settings.bundle_file
         write_bundle_file(bundle_file, authority.trust_bundle())
         authority.add_listener(lambda bundle: write_bundle_file(bundle_file, bundle))
-    process.spawn(run_transitions(authority, elector), "ca-rotation-timer")
     log_loaded(store, authority)
     service = CertsService(
         build_authenticator(settings, kube_api), build_policy(settings, kube_api), executor=signing
     )
     service.attach(authority)
+    service.leader = elector
+    process.spawn(run_transitions(authority, elector, service.reported), "ca-rotation-timer")
     from waygate.certs import page
 
     process.status.add("certs", page.provider(authority))
@@ -606,9 +715,11 @@ async def serve(
 
 
 class ForwardRotateCA:
-    """A worker's Certs servicer: every call its own, but RotateCA forwarded to the
-    --workers parent (the writer) with the caller's authorization metadata; the
-    parent's refusal comes back as the same kind of error."""
+    """A worker's Certs servicer: every call its own, but RotateCA, ReportTrust and
+    GetRotationStatus forwarded to the --workers parent (the writer, which takes the
+    rotation's steps and so keeps the consumers' reports) with the caller's
+    authorization metadata; the parent's refusal comes back as the same kind of
+    error."""
 
     def __init__(self, servicer: Any, writer: str) -> None:
         import grpc
@@ -623,6 +734,15 @@ class ForwardRotateCA:
         return getattr(self._servicer, name)
 
     async def RotateCA(self, request: Any, context: Any) -> Any:
+        return await self._forward("RotateCA", request, context)
+
+    async def ReportTrust(self, request: Any, context: Any) -> Any:
+        return await self._forward("ReportTrust", request, context)
+
+    async def GetRotationStatus(self, request: Any, context: Any) -> Any:
+        return await self._forward("GetRotationStatus", request, context)
+
+    async def _forward(self, method: str, request: Any, context: Any) -> Any:
         import grpc
 
         from waygate.core import errors
@@ -630,11 +750,11 @@ class ForwardRotateCA:
         metadata = [(k, v) for k, v in context.invocation_metadata() if k == "authorization"]
         remaining = context.time_remaining()
         try:
-            return await self._stub.RotateCA(
+            return await getattr(self._stub, method)(
                 request, metadata=metadata, timeout=remaining if remaining else 60.0
             )
         except grpc.aio.AioRpcError as exc:
-            kinds = {
+            kinds: dict[Any, type[errors.WaygateError]] = {
                 grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
                 grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
                 grpc.StatusCode.UNAUTHENTICATED: errors.Unauthenticated,
@@ -715,6 +835,8 @@ async def setup_worker(process: ServiceProcess, settings: Settings) -> None:
     else:
         store = FollowingStore(DirectoryCAStore(settings.ca_dir), writer)
     authority = await asyncio.to_thread(Authority.open, store, settings.authority_config())
+    # The parent takes rotation steps (reports are forwarded to it); a worker adopts them.
+    authority.steps_allowed = lambda: False
     service = CertsService(
         build_authenticator(settings, kube_api),
         build_policy(settings, kube_api),

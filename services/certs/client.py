@@ -9,15 +9,25 @@ Beside certs' server, as every API's client is; consumers (the process runtime,
 - `TrustBundleWatcher`: follows `WatchTrustBundle` into a `TrustStore`,
   reconnecting with backoff; each reconnect trusts the newest bundle, so it
   survives a CA rotation.
+- `TrustReporter`: acknowledges to certs (ReportTrust) each bundle the
+  TrustStore applies, and reports again every interval while the process runs
+  and once more (`leaving`) when it stops, so certs' CA rotation waits for
+  this process to hold a new CA before signing with it. A certs that does not
+  know ReportTrust (older) is told nothing more: trust keeps working.
 - `start_process_certificates`: a process's certificate from its settings, kept
-  renewed, with the trust bundle followed: the `certificate_source` that
-  `waygate.core.runtime.ServiceProcess` is given by the CLI.
+  renewed, with the trust bundle followed and acknowledged: the
+  `certificate_source` that `waygate.core.runtime.ServiceProcess` is given by
+  the CLI.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import logging
+import os
+import socket
 from collections.abc import Callable, Coroutine
 from datetime import UTC, timedelta
 from pathlib import Path
@@ -25,6 +35,7 @@ from typing import Any
 
 import grpc
 from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 from google.protobuf import duration_pb2
 
 from waygate.certs.v1 import certs_pb2, certs_pb2_grpc
@@ -176,6 +187,120 @@ class TrustBundleWatcher:
             log.warning("certs sent an unusable trust bundle", extra={"error": str(exc)})
 
 
+#: How often a consumer reports while nothing changes, unless certs says otherwise.
+REPORT_INTERVAL = 30.0
+#: Attempts per report when certs replicas that are not the leader refuse it.
+LEADER_ATTEMPTS = 6
+#: The leaving report on shutdown gets this long: a stop never waits on certs for more.
+LEAVING_TIMEOUT = 1.0
+
+
+def instance_name() -> str:
+    """This process, as certs lists it: the pod (POD_NAME) or host name, and pid."""
+    return f"{os.environ.get('POD_NAME') or socket.gethostname()}/{os.getpid()}"
+
+
+def bundle_fingerprints(bundle: TrustBundle) -> list[str]:
+    return [
+        hashlib.sha256(c.public_bytes(serialization.Encoding.DER)).hexdigest()
+        for c in bundle.certificates
+    ]
+
+
+class TrustReporter:
+    """Tell certs which trust bundle this process applied (ReportTrust): at once
+    after each change, every interval otherwise, and `leaving` when stopped."""
+
+    def __init__(
+        self,
+        address: str,
+        token_file: Path,
+        trust: TrustStore,
+        identity: str,
+        *,
+        instance: str | None = None,
+        interval: float = REPORT_INTERVAL,
+        timeout: float = 10.0,
+    ) -> None:
+        self._address = address
+        self._token_file = token_file
+        self._trust = trust
+        self.identity = identity
+        self.instance = instance or instance_name()
+        self._interval = interval
+        self._timeout = timeout
+        self._changed = asyncio.Event()
+        self.reported = 0  # reports certs accepted, for tests and logs
+        #: False once certs said it does not know ReportTrust (an older certs).
+        self.supported = True
+        trust.subscribe(lambda _bundle: self._changed.set())
+
+    async def run(self) -> None:
+        try:
+            while self.supported:
+                self._changed.clear()
+                await self.report()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), self._interval)
+        except asyncio.CancelledError:
+            if self.supported and self.reported:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.report(leaving=True), LEAVING_TIMEOUT)
+            raise
+
+    async def report(self, *, leaving: bool = False) -> bool:
+        """One report; True when certs accepted it (failures are logged, never raised).
+        A certs replica that is not the leader refuses it (only the leader judges the
+        rotation): each attempt is a new connection, which the Service may send to
+        another replica, so a few are made at once."""
+        for _ in range(LEADER_ATTEMPTS - 1):
+            outcome = await self._report_once(leaving=leaving)
+            if outcome is not None:
+                return outcome
+        return bool(await self._report_once(leaving=leaving, last=True))
+
+    async def _report_once(self, *, leaving: bool, last: bool = False) -> bool | None:
+        """True or False as `report`; None when a follower refused it (try again)."""
+        bundle = self._trust.current
+        request = certs_pb2.ReportTrustRequest(
+            identity=self.identity,
+            instance=self.instance,
+            bundle_version=bundle.version,
+            fingerprints_sha256=bundle_fingerprints(bundle),
+            leaving=leaving,
+        )
+        try:
+            metadata = (("authorization", f"Bearer {read_token(self._token_file)}"),)
+            credentials = grpc.ssl_channel_credentials(bundle.pem)
+            async with open_channel(self._address, credentials=credentials) as channel:
+                reply = await certs_pb2_grpc.CertsStub(channel).ReportTrust(
+                    request, timeout=self._timeout, metadata=metadata
+                )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                log.info("certs does not take trust reports (older certs); not reporting")
+                self.supported = False
+            elif (
+                not last
+                and exc.code() == grpc.StatusCode.UNAVAILABLE
+                and "not the leader" in (exc.details() or "")
+            ):
+                return None
+            else:
+                log.warning(
+                    "trust report failed",
+                    extra={"certs": self._address, "error": f"{exc.code().name}: {exc.details()}"},
+                )
+            return False
+        except errors.WaygateError as exc:
+            log.warning("trust report failed", extra={"error": str(exc)})
+            return False
+        if reply.HasField("report_interval") and reply.report_interval.seconds > 0:
+            self._interval = float(reply.report_interval.seconds)
+        self.reported += 1
+        return True
+
+
 async def start_process_certificates(
     settings: ProcessSettings, spawn: Spawn
 ) -> ProcessCertificates:
@@ -207,14 +332,17 @@ async def start_process_certificates(
     )
     await rotator.obtain()
     watcher = TrustBundleWatcher(address, trust)
+    reporter = TrustReporter(address, token_file, trust, identity)
     spawn(rotator.run(), "certificate-rotation")
     spawn(watcher.run(), "trust-bundle-watch")
+    spawn(reporter.run(), "trust-report")
     return ProcessCertificates(rotator, trust, watcher)
 
 
 __all__ = [
     "GrpcIssuer",
     "TrustBundleWatcher",
+    "TrustReporter",
     "domain_error",
     "read_token",
     "start_process_certificates",

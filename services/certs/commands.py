@@ -12,10 +12,13 @@ it was.
 status says how usable the certificate is: 0 fine, 1 expired (or the file is
 not a certificate), 2 under 20% of its lifetime left.
 
-`cert status` (the CA generations and what this replica issued, with expiry)
-and `cert rotate-ca` are admin calls: they send the token of `--token-file`
-(or WAYGATE_CERTS_TOKEN; under `waygate up`, the local user's admin token in
-the state directory) as `authorization: Bearer`.
+`cert status` (the CA generations, the CA rotation's phase and who holds its
+next step, the trust consumers with the bundle each applied, and what this
+replica issued, with expiry) and `cert rotate-ca` (`--force`: take the next
+step of the rotation under way and list who will break) are admin calls: they
+send the token of `--token-file` (or WAYGATE_CERTS_TOKEN; under `waygate up`,
+the local user's admin token in the state directory) as `authorization: Bearer`.
+`rotation_findings` is what `waygate check` says of the rotation.
 """
 
 from __future__ import annotations
@@ -24,14 +27,15 @@ import argparse
 import dataclasses
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
+import grpc
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import dsa, ec, ed448, ed25519, rsa
 from google.protobuf import duration_pb2, json_format
 
-from waygate.certs.authority import KEY_ALGORITHMS, generate_key
+from waygate.certs.castate import KEY_ALGORITHMS, generate_key
 from waygate.certs.v1 import certs_pb2, certs_pb2_grpc
 from waygate.components import by_command
 from waygate.core.clientcli import (
@@ -440,6 +444,7 @@ def _status(args: argparse.Namespace) -> int:
             bundle = await stub.GetTrustBundle(
                 certs_pb2.GetTrustBundleRequest(), timeout=settings.timeout
             )
+            rotation = await _rotation_status(stub, settings.timeout, metadata)
             token_page = ""
             replica = ""
             while True:
@@ -461,6 +466,8 @@ def _status(args: argparse.Namespace) -> int:
             "authorities": [json_format.MessageToDict(a) for a in bundle.authorities],
             "replica": replica,
             "issued": [json_format.MessageToDict(c) for c in issued],
+            "rotation": _rotation_document(rotation),
+            "consumers": [_consumer_document(c) for c in rotation.consumers],
         }
 
         def text(wide: bool) -> str:
@@ -480,6 +487,31 @@ def _status(args: argparse.Namespace) -> int:
                     ],
                 )
             )
+            lines += ["", _rotation_line(rotation, now)]
+            lines += [
+                "",
+                f"trust consumers reporting to {rotation.replica or 'this replica'}: "
+                f"{len(rotation.consumers)}",
+            ]
+            if rotation.consumers:
+                waiting = {(c.identity, c.instance) for c in rotation.waiting_for}
+                lines.append(
+                    table(
+                        ("IDENTITY", "INSTANCE", "BUNDLE", "LAST REPORT", "HOLDS"),
+                        [
+                            (
+                                c.identity,
+                                c.instance,
+                                str(c.bundle_version),
+                                f"{_duration(now - c.last_report.ToDatetime(tzinfo=UTC))} ago",
+                                rotation.next_step
+                                if (c.identity, c.instance) in waiting
+                                else ("-" if c.live else "(silent)"),
+                            )
+                            for c in rotation.consumers
+                        ],
+                    )
+                )
             lines += ["", f"issued by {replica or 'this replica'}: {len(issued)}"]
             if issued:
                 header: tuple[str, ...] = ("IDENTITY", "SERIAL", "NOT AFTER", "LEFT")
@@ -505,6 +537,102 @@ def _status(args: argparse.Namespace) -> int:
     return run_client(args, body)
 
 
+_PHASES = {
+    certs_pb2.ROTATION_PHASE_IDLE: "idle",
+    certs_pb2.ROTATION_PHASE_PREPARE: "prepare",
+    certs_pb2.ROTATION_PHASE_ACTIVATE: "activate",
+    certs_pb2.ROTATION_PHASE_RETIRE: "retire",
+}
+
+
+async def _rotation_status(
+    stub: certs_pb2_grpc.CertsStub, timeout: float, metadata: Any
+) -> certs_pb2.RotationStatus:
+    """GetRotationStatus; an empty status from a certs that predates it."""
+    try:
+        return await stub.GetRotationStatus(
+            certs_pb2.GetRotationStatusRequest(), timeout=timeout, metadata=metadata
+        )
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+            raise
+        return certs_pb2.RotationStatus()
+
+
+def _consumer_document(consumer: certs_pb2.TrustConsumer) -> dict[str, object]:
+    return {
+        "identity": consumer.identity,
+        "instance": consumer.instance,
+        "generation": consumer.bundle_version,
+        "lastReport": _when(consumer.last_report),
+        "live": consumer.live,
+        "fingerprints": list(consumer.fingerprints_sha256),
+    }
+
+
+def _rotation_document(status: certs_pb2.RotationStatus) -> dict[str, object]:
+    document: dict[str, object] = {
+        "phase": _PHASES.get(status.phase, "unknown"),
+        "nextStep": status.next_step,
+        "waitingFor": [f"{c.identity} ({c.instance})" for c in status.waiting_for],
+    }
+    if status.HasField("not_before"):
+        document["notBefore"] = _when(status.not_before)
+    return document
+
+
+def _rotation_line(status: certs_pb2.RotationStatus, now: datetime) -> str:
+    phase = _PHASES.get(status.phase, "unknown")
+    if not status.next_step:
+        return f"CA rotation: {phase}"
+    line = f"CA rotation: {phase}; next step {status.next_step}"
+    if status.HasField("not_before") and status.not_before.ToDatetime(tzinfo=UTC) > now:
+        line += f" not before {_when(status.not_before)}"
+    if status.waiting_for:
+        names = ", ".join(f"{c.identity} ({c.instance})" for c in status.waiting_for)
+        line += f"; HELD BY {len(status.waiting_for)} consumer(s): {names}"
+    return line
+
+
+#: A rotation step held by consumers this long past its clock is worth a failure in
+#: `waygate check` (before: a warning); the alert WaygateCertsRotationHeld agrees.
+HELD_FAILS_AFTER = timedelta(minutes=15)
+
+
+def rotation_findings(
+    status: certs_pb2.RotationStatus, now: datetime
+) -> list[tuple[str, str, str]]:
+    """What `waygate check` says of the rotation and the consumers: (level, title,
+    hint) with level "ok", "warn" or "failed"."""
+    findings: list[tuple[str, str, str]] = []
+    live = [c for c in status.consumers if c.live]
+    versions = sorted({c.bundle_version for c in live})
+    shown = ", ".join(str(v) for v in versions) or "-"
+    findings.append(("ok", f"trust consumers: {len(live)} reporting (bundle versions {shown})", ""))
+    if not status.next_step:
+        return findings
+    title = _rotation_line(status, now)
+    if not status.waiting_for:
+        findings.append(("ok", title, ""))
+        return findings
+    ready = status.not_before.ToDatetime(tzinfo=UTC) if status.HasField("not_before") else None
+    held_long = ready is not None and now - ready > HELD_FAILS_AFTER
+    hint = (
+        "these processes have not applied the new trust bundle: check their trust-bundle "
+        "watch (their log: 'trust bundle'); `waygate cert rotate-ca --force` moves on "
+        "and they will fail to verify peers"
+    )
+    findings.append(("failed" if held_long else "warn", title, hint))
+    return findings
+
+
+async def fetch_rotation_status(
+    stub: certs_pb2_grpc.CertsStub, timeout: float, token: str
+) -> certs_pb2.RotationStatus:
+    """GetRotationStatus with an admin token; an empty status from an older certs."""
+    return await _rotation_status(stub, timeout, (("authorization", f"Bearer {token}"),))
+
+
 def configure_status(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--token-file", metavar="FILE", help="admin token [the state directory's user token]"
@@ -526,7 +654,7 @@ def _rotate_ca(args: argparse.Namespace) -> int:
             token = _admin_token(args, settings)
         except InvalidArgument as exc:
             return fail(str(exc), EXIT_USAGE_OR_UNREACHABLE)
-        request = certs_pb2.RotateCARequest()
+        request = certs_pb2.RotateCARequest(force=args.force)
         if delay is not None:
             request.propagation_delay.CopyFrom(duration_pb2.Duration(seconds=int(delay)))
         async with channel_for(args, settings) as channel:
@@ -536,10 +664,22 @@ def _rotate_ca(args: argparse.Namespace) -> int:
                 metadata=(("authorization", f"Bearer {token}"),),
             )
         new = reply.new_authority
+        if reply.forced_step:
+            broken = [f"{c.identity} ({c.instance})" for c in reply.forced_past]
+            text = f"forced the {reply.forced_step} step; " + (
+                f"{len(broken)} consumer(s) had not acknowledged it and will break: "
+                + ", ".join(broken)
+                if broken
+                else "no consumer was holding it"
+            )
+            print(render(json_format.MessageToDict(reply), args.output, lambda _wide: text))
+            return EXIT_OK
         text = (
             f"new CA {new.fingerprint_sha256[:16]} published (bundle version "
-            f"{reply.bundle.version}); it signs from {_when(reply.signing_switch_at)}; the old "
-            f"CA leaves the bundle after {_when(reply.old_retire_after)}"
+            f"{reply.bundle.version}); it signs from {_when(reply.signing_switch_at)} at the "
+            "earliest, once every trust consumer has acknowledged it (`waygate cert status` "
+            f"shows who holds it); the old CA leaves the bundle after "
+            f"{_when(reply.old_retire_after)}"
         )
         print(render(json_format.MessageToDict(reply), args.output, lambda _wide: text))
         return EXIT_OK
@@ -554,7 +694,14 @@ def configure_rotate_ca(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--propagation-delay",
         metavar="DURATION",
-        help="wait this long before the new CA signs (e.g. 1h) [the CA's default]",
+        help="wait at least this long before the new CA signs (e.g. 1h); it also waits "
+        "for every trust consumer to report the new CA [the CA's default]",
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="a rotation is under way: take its next step now, although consumers have "
+        "not acknowledged it, and list who will break",
     )
     add_output_argument(parser)
     add_client_arguments(parser, DEFAULT_PORT)

@@ -61,7 +61,10 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from prometheus_client import Counter
 
 from waygate.certs.auth import Caller
-from waygate.certs.authority import MAX_SANS, Authority, Issued, check_csr, load_csr, utc_now
+from waygate.certs.authority import Authority
+from waygate.certs.castate import utc_now
+from waygate.certs.csr import MAX_SANS, check_csr, load_csr
+from waygate.certs.issuing import Issued
 from waygate.certs.kube_auth import NODES_GROUP, caller_for_user
 from waygate.certs.policy import Policy, requested_names
 from waygate.core.backoff import Backoff

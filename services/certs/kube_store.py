@@ -49,7 +49,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from waygate.certs.authority import STATE_FILE
+from waygate.certs.castate import STATE_FILE
 from waygate.core.backoff import Backoff
 from waygate.core.errors import FailedPrecondition, Unavailable
 from waygate.core.kube import JSON, KubeAPI, KubeError, Reflector

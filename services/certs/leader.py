@@ -138,6 +138,8 @@ async def take_over(authority: Any, store: Any) -> None:
     files = await asyncio.to_thread(store.load)
     if files is not None:
         await asyncio.to_thread(authority.adopt, files)
+    # A rotation under way waits for the consumers to report to this leader first.
+    authority.start_judging()
     await asyncio.to_thread(authority.rotate_if_expiring)
 
 

@@ -1,6 +1,8 @@
 """The certs service's sections of the status page (`waygate.core.statuspage`):
-the CAs in the trust bundle with their state and time left, and the newest
-certificates issued with theirs. Read from the authority at request time."""
+the CAs in the trust bundle with their state and time left, the CA rotation's
+phase and who holds it, the trust consumers with the bundle each applied, and
+the newest certificates issued with their time left. Read from the authority at
+request time."""
 
 from __future__ import annotations
 
@@ -27,6 +29,25 @@ def provider(authority: Authority) -> Callable[[], list[Section]]:
             ]
             for ca in bundle.authorities
         ]
+        status = authority.rotation_status()
+        holding = {(c.identity, c.instance) for c in status.gate.waiting_for}
+        consumers = [
+            [
+                c.identity,
+                c.instance,
+                str(c.version),
+                f"{int((now - c.reported_at).total_seconds())}s ago",
+                status.gate.step
+                if (c.identity, c.instance) in holding
+                else ("-" if c in status.live else "silent"),
+            ]
+            for c in status.consumers
+        ]
+        rotation_note = f"CA rotation: {status.phase.value}"
+        if status.gate.step:
+            rotation_note += f"; next step {status.gate.step}"
+            if status.gate.waiting_for:
+                rotation_note += ", held by " + ", ".join(c.name for c in status.gate.waiting_for)
         issued = [
             [
                 record.identity,
@@ -41,7 +62,14 @@ def provider(authority: Authority) -> Callable[[], list[Section]]:
                 "Certificate authorities",
                 ["state", "fingerprint", "subject", "expires in"],
                 cas,
-                note=f"trust bundle version {bundle.version}",
+                note=f"trust bundle version {bundle.version}; {rotation_note}",
+            ),
+            Section(
+                "Trust consumers",
+                ["identity", "instance", "bundle version", "last report", "holds step"],
+                consumers,
+                note="the bundle each process reports it applied (ReportTrust)",
+                empty="no process has reported yet",
             ),
             Section(
                 "Issued certificates",

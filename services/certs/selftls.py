@@ -20,7 +20,8 @@ from typing import Any
 import grpc
 from cryptography.hazmat.primitives import serialization
 
-from waygate.certs.authority import Authority, load_csr
+from waygate.certs.authority import Authority
+from waygate.certs.csr import load_csr
 from waygate.core.grpctls import dynamic_server_credentials
 from waygate.core.rotation import CertificateRotator, Issued
 

@@ -17,9 +17,14 @@ from typing import Any
 
 import grpc
 from cryptography.hazmat.primitives import serialization
-from google.protobuf import timestamp_pb2
+from google.protobuf import duration_pb2, timestamp_pb2
 
-from waygate.certs.authority import CAView, IssuedRecord, TrustBundleView
+from waygate.certs.authority import RotationStatus
+from waygate.certs.bundle import TrustBundleView
+from waygate.certs.castate import CAView
+from waygate.certs.consumers import REPORT_INTERVAL
+from waygate.certs.issuing import IssuedRecord
+from waygate.certs.rotation import ConsumerReport, Phase
 from waygate.certs.service import CertsService
 from waygate.certs.v1 import certs_pb2, certs_pb2_grpc
 from waygate.core.errors import InvalidArgument
@@ -63,6 +68,33 @@ def _issued(record: IssuedRecord) -> certs_pb2.IssuedCertificate:
         issuer_fingerprint_sha256=record.issuer_fingerprint,
         requested_by=record.requested_by,
     )
+
+
+def consumer_message(report: ConsumerReport, *, live: bool) -> certs_pb2.TrustConsumer:
+    return certs_pb2.TrustConsumer(
+        identity=report.identity,
+        instance=report.instance,
+        bundle_version=report.version,
+        fingerprints_sha256=sorted(report.fingerprints),
+        last_report=_timestamp(report.reported_at),
+        live=live,
+    )
+
+
+def rotation_message(status: RotationStatus, replica: str) -> certs_pb2.RotationStatus:
+    live = set(map(id, status.live))
+    message = certs_pb2.RotationStatus(
+        phase=f"ROTATION_PHASE_{status.phase.name}",
+        next_step=status.gate.step,
+        waiting_for=[consumer_message(c, live=True) for c in status.gate.waiting_for],
+        consumers=[consumer_message(c, live=id(c) in live) for c in status.consumers],
+        replica=replica,
+    )
+    if status.gate.not_before is not None:
+        message.not_before.CopyFrom(_timestamp(status.gate.not_before))
+    if status.gate.settle_until is not None:
+        message.settle_until.CopyFrom(_timestamp(status.gate.settle_until))
+    return message
 
 
 #: Longer than any duration a caller can mean; beyond it datetime arithmetic overflows.
@@ -125,6 +157,18 @@ class CertsServicer(certs_pb2_grpc.CertsServicer):
     async def RotateCA(
         self, request: certs_pb2.RotateCARequest, context: grpc.aio.ServicerContext
     ) -> certs_pb2.RotateCAResponse:
+        if request.force:
+            status = await self.service.rotation_status(token=bearer_token(context))
+            if status.phase is not Phase.IDLE:
+                step, overridden = await self.service.force_step(token=bearer_token(context))
+                bundle = self.service.trust_bundle()
+                active = next(a for a in bundle.authorities if a.state.value == "ACTIVE")
+                return certs_pb2.RotateCAResponse(
+                    new_authority=_authority(active),
+                    bundle=bundle_message(bundle),
+                    forced_step=step,
+                    forced_past=[consumer_message(c, live=True) for c in overridden],
+                )
         rotation = await self.service.rotate(
             token=bearer_token(context),
             propagation_delay=_duration(request, "propagation_delay"),
@@ -136,6 +180,27 @@ class CertsServicer(certs_pb2_grpc.CertsServicer):
             old_retire_after=_timestamp(rotation.old_retire_after),
             bundle=bundle_message(rotation.bundle),
         )
+
+    async def ReportTrust(
+        self, request: certs_pb2.ReportTrustRequest, context: grpc.aio.ServicerContext
+    ) -> certs_pb2.ReportTrustResponse:
+        await self.service.report_trust(
+            token=bearer_token(context),
+            identity=request.identity,
+            instance=request.instance,
+            version=request.bundle_version,
+            fingerprints=list(request.fingerprints_sha256),
+            leaving=request.leaving,
+        )
+        return certs_pb2.ReportTrustResponse(
+            report_interval=duration_pb2.Duration(seconds=int(REPORT_INTERVAL))
+        )
+
+    async def GetRotationStatus(
+        self, request: certs_pb2.GetRotationStatusRequest, context: grpc.aio.ServicerContext
+    ) -> certs_pb2.RotationStatus:
+        status = await self.service.rotation_status(token=bearer_token(context))
+        return rotation_message(status, self.service.replica)
 
     async def ListIssued(
         self, request: certs_pb2.ListIssuedRequest, context: grpc.aio.ServicerContext

@@ -51,28 +51,28 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from cryptography import x509
 from prometheus_client import Counter, Gauge
 
 from waygate.certs.auth import MAX_TOKEN_LENGTH, Authenticator, Caller
-from waygate.certs.authority import (
-    Authority,
+from waygate.certs.authority import Authority, Rotation, RotationStatus
+from waygate.certs.bundle import TrustBundleView
+from waygate.certs.csr import (
     CertificatePublicKey,
-    Issued,
-    IssuedRecord,
-    Rotation,
-    TrustBundleView,
     csr_public_key,
     load_csr,
     quick_to_verify,
     requested_usages,
     verify_csr,
 )
+from waygate.certs.issuing import Issued, IssuedRecord
 from waygate.certs.policy import Policy
+from waygate.certs.rotation import ConsumerReport, Phase
 from waygate.core.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -82,6 +82,7 @@ from waygate.core.errors import (
     Unavailable,
     excerpt,
 )
+from waygate.core.sans import identity_san
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,35 @@ CA_NOT_AFTER = Gauge(
 )
 BUNDLE_VERSION = Gauge(
     "waygate_certs_trust_bundle_version", "Version of the published trust bundle."
+)
+CONSUMER_VERSION = Gauge(
+    "waygate_certs_consumer_bundle_version",
+    "Trust bundle version each consumer (identity, instance) last reported it applied.",
+    ["identity", "instance"],
+)
+CONSUMER_REPORT = Gauge(
+    "waygate_certs_consumer_last_report_timestamp_seconds",
+    "When each trust consumer last reported (Unix time).",
+    ["identity", "instance"],
+)
+ROTATION_PHASE = Gauge(
+    "waygate_certs_rotation_phase",
+    "The CA rotation's phase: 1 for the current one (idle, prepare, activate, retire).",
+    ["phase"],
+)
+ROTATION_WAITING = Gauge(
+    "waygate_certs_rotation_waiting_consumers",
+    "Live trust consumers holding the CA rotation's next step (not yet acknowledged).",
+)
+ROTATION_HELD_BY = Gauge(
+    "waygate_certs_rotation_held_by",
+    "1 for each trust consumer holding the CA rotation's next step.",
+    ["identity", "instance", "step"],
+)
+ROTATION_STEP_READY = Gauge(
+    "waygate_certs_rotation_step_clock_ready_timestamp_seconds",
+    "When the rotation's next step met its clock condition (Unix time); 0 when idle "
+    "or not yet: time() minus it is how long consumers have held the step.",
 )
 SIGNING_BACKLOG = Gauge(
     "waygate_certs_signing_backlog",
@@ -214,6 +244,11 @@ class CertsService:
         self._authority: Authority | None = None
         self._unavailable = "the CA is not loaded yet"
         self._draining = asyncio.Event()
+        #: Set by a report that may open a rotation step: the rotation timer waits on it.
+        self.reported = asyncio.Event()
+        #: The leader elector (cluster mode): only the leader takes trust reports, since
+        #: only it judges them; None: this process takes them.
+        self.leader: Any = None
 
     # ------------------------------------------------------------ authority
 
@@ -386,6 +421,68 @@ class CertsService:
         )
         return rotation
 
+    async def force_step(self, *, token: str) -> tuple[str, tuple[ConsumerReport, ...]]:
+        """RotateCA with force while a rotation is under way: its next step now."""
+        caller = await self._require_admin(token, "RotateCA")
+        step, overridden = await asyncio.to_thread(self.authority.force_step)
+        log.warning(
+            "CA rotation step forced",
+            extra={
+                "requested_by": caller.name,
+                "step": step,
+                "will_break": [c.name for c in overridden],
+            },
+        )
+        publish_rotation(await self.rotation_status_now())
+        return step, overridden
+
+    async def report_trust(
+        self,
+        *,
+        token: str,
+        identity: str,
+        instance: str,
+        version: int,
+        fingerprints: list[str],
+        leaving: bool,
+    ) -> None:
+        """A trust consumer's acknowledgement (ReportTrust): the caller must be allowed
+        the identity it reports for, as it would be to Certify it."""
+        _check_length("token", token, MAX_TOKEN_LENGTH)
+        _check_length("identity", identity, MAX_IDENTITY_LENGTH)
+        caller = await self._authenticate(token)
+        if self.leader is not None and not self.leader.is_leader():
+            raise Unavailable(
+                "this certs replica is not the leader, which keeps the trust reports; "
+                f"{self.leader.leader_description()} does (retry on a new connection)"
+            )
+        if not caller.is_admin and not self.policy.is_allowed(caller, identity_san(identity)):
+            raise PermissionDenied(f"{caller.name} may not report for identity {excerpt(identity)}")
+        authority = self.authority
+        if authority.report_trust(
+            identity=identity,
+            instance=instance,
+            version=version,
+            fingerprints=fingerprints,
+            leaving=leaving,
+        ):
+            self.reported.set()
+        if not leaving:
+            CONSUMER_VERSION.labels(identity, instance).set(version)
+            CONSUMER_REPORT.labels(identity, instance).set(time.time())
+        else:
+            with contextlib.suppress(KeyError):
+                CONSUMER_VERSION.remove(identity, instance)
+                CONSUMER_REPORT.remove(identity, instance)
+
+    async def rotation_status(self, *, token: str) -> RotationStatus:
+        await self._require_admin(token, "GetRotationStatus")
+        return await self.rotation_status_now()
+
+    async def rotation_status_now(self) -> RotationStatus:
+        # In a thread: the authority's lock may be held by a signing across a store write.
+        return await asyncio.to_thread(self.authority.rotation_status)
+
     async def list_issued(
         self,
         *,
@@ -474,6 +571,18 @@ def _check_length(field: str, value: str, limit: int) -> None:
 def _query_digest(identity: str, include_expired: bool) -> str:
     digest = hashlib.sha256(f"{int(include_expired)}:{identity}".encode())
     return digest.hexdigest()[:16]
+
+
+def publish_rotation(status: RotationStatus) -> None:
+    """The rotation gauges, from `status` (the rotation timer calls it every tick)."""
+    for phase in Phase:
+        ROTATION_PHASE.labels(phase.value).set(1 if status.phase is phase else 0)
+    ROTATION_WAITING.set(len(status.gate.waiting_for))
+    ROTATION_HELD_BY.clear()
+    for consumer in status.gate.waiting_for:
+        ROTATION_HELD_BY.labels(consumer.identity, consumer.instance, status.gate.step).set(1)
+    ready = status.clock_ready_at
+    ROTATION_STEP_READY.set(0 if ready is None else ready.timestamp())
 
 
 def publish_metrics(bundle: TrustBundleView) -> None:

@@ -7,7 +7,7 @@ replace a set of files atomically.
 
 `DirectoryCAStore` keeps the set in a directory. Invariants:
 - it touches only its own names (`state.json`, `ca-N.key.pem`,
-  `ca-N.cert.pem` and their `.tmp` save names): a directory holding anything
+  `ca-N.cert.pem`, `ca-N.anchor.pem` and their `.tmp` save names): a directory holding anything
   else (`.bashrc`, a subdirectory, ...) is refused at load with a one-line
   FailedPrecondition naming those entries, and a save never deletes, renames
   or re-modes anything else, so a mistyped `--ca-dir` (a home directory)
@@ -43,7 +43,7 @@ DIRECTORY_MODE = 0o700
 FILE_MODE = 0o600
 _TEMP_SUFFIX = ".tmp"
 #: Every name a CA store holds (the authority's state and its CAs' key and certificate).
-OWN_NAME = re.compile(r"state\.json|ca-[0-9]{1,9}\.(key|cert)\.pem")
+OWN_NAME = re.compile(r"state\.json|ca-[0-9]{1,9}\.(key|cert|anchor)\.pem")
 #: How many foreign entries a refusal names before "and N more".
 _NAMED_FOREIGN = 5
 

@@ -22,11 +22,20 @@ kills the pod again and again). The room is shared like this:
   answering) is the new connection answered 503.
 - an answer the peer does not read within `head_timeout` is aborted: the socket
   is released then, not when the peer finally reads.
+
+Host names (DNS rebinding): a web page can point a name of its own at 127.0.0.1
+or a pod IP and have the victim's browser read what this port answers. So a
+request is answered only when its Host is an IP literal (what kubelet's probes
+and Prometheus's pod scrapes send), `localhost`, or one of the names the
+process was given (`--admin-hosts`, for a Service name a scraper uses); any
+other Host is answered 421 with the reason. A request without Host (HTTP/1.0
+tools) is answered: browsers always send one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import time
@@ -108,8 +117,11 @@ class AdminServer:
         max_connections: int = 64,
         max_connections_per_source: int = 8,
         status: StatusSource | None = None,
+        allowed_hosts: tuple[str, ...] = (),
     ) -> None:
         self._readiness = readiness
+        # Names besides IP literals and localhost that Host may carry (lower case).
+        self._allowed_hosts = frozenset(_bare_host(h) for h in allowed_hosts)
         # The status page (None: / and /status.json answer 404). Set before start.
         self.status = status
         self._page = page_html() if status is not None else b""
@@ -138,6 +150,7 @@ class AdminServer:
             max_connections=settings.admin_max_connections,
             max_connections_per_source=settings.admin_max_connections_per_source,
             status=status,
+            allowed_hosts=settings.admin_hosts,
         )
 
     async def start(self, host: str, port: int) -> int:
@@ -247,9 +260,14 @@ class AdminServer:
                 return
             finally:
                 self._forget(writer)
-            parts = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
+            request_line, *header_lines = head.decode("latin-1").split("\r\n")
+            parts = request_line.split(" ")
             if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
                 writer.write(_response("400 Bad Request", b"malformed request line\n"))
+                return
+            refusal = self._host_refusal(header_lines)
+            if refusal is not None:
+                writer.write(refusal)
                 return
             writer.write(await self._answer(parts[0], parts[1]))
         finally:
@@ -257,6 +275,25 @@ class AdminServer:
                 await self._close(writer)
             finally:
                 self._open.discard(writer)
+
+    def _host_refusal(self, header_lines: list[str]) -> bytes | None:
+        """The answer for a request whose Host this port does not serve (see the
+        module docstring), or None when it does."""
+        hosts = [
+            line.split(":", 1)[1].strip() for line in header_lines if line[:5].lower() == "host:"
+        ]
+        if not hosts:
+            return None
+        if len(hosts) > 1:
+            return _response("400 Bad Request", b"more than one Host header\n")
+        host = _bare_host(hosts[0])
+        if host == "localhost" or host in self._allowed_hosts or _is_ip(host):
+            return None
+        return _response(
+            "421 Misdirected Request",
+            b"this admin port answers only IP addresses, localhost and its --admin-hosts "
+            b"names as Host (DNS rebinding protection)\n",
+        )
 
     async def _close(self, writer: asyncio.StreamWriter) -> None:
         """Send what was written, then close; abort a peer that does not read it in time
@@ -267,3 +304,22 @@ class AdminServer:
             await asyncio.wait_for(writer.wait_closed(), 1.0)
         except (ConnectionError, TimeoutError):
             writer.transport.abort()
+
+
+def _bare_host(value: str) -> str:
+    """A Host value without its port, brackets and trailing dot, lower case."""
+    host = value.strip().lower()
+    if host.startswith("["):
+        return host[1:].split("]", 1)[0]
+    name, colon, port = host.rpartition(":")
+    if colon and port.isdigit() and ":" not in name:
+        host = name
+    return host.rstrip(".")
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True

@@ -208,12 +208,29 @@ def render(document: Any, output: str, table_text: Callable[[bool], str]) -> str
     return table_text(output == "wide")
 
 
-def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """Columns padded to their widest cell, two spaces apart (kubectl's look)."""
-    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=False)]
+def printable(value: object) -> str:
+    """`value` as text a terminal shows as it is: every character that is not
+    printable (C0/C1 controls, escape sequences, newlines, bidi overrides, line
+    separators) written as a Python escape (`\\x1b`, `\\n`, `\\u202e`).
+
+    Route, Gateway and Ingress fields come from whoever wrote them; a newline
+    in one would forge a row of a table, an escape sequence rewrite the screen.
+    Every human-facing line of a client command that carries such a field goes
+    through here (`table` does it per cell)."""
+    text = str(value)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """Columns padded to their widest cell, two spaces apart (kubectl's look); every
+    cell made `printable`, so no field can forge a row."""
+    cells = [[printable(cell) for cell in row] for row in (header, *rows)]
+    widths = [max(len(cell) for cell in column) for column in zip(*cells, strict=False)]
     return "\n".join(
-        "  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=False)).rstrip()
-        for row in (header, *rows)
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False)).rstrip()
+        for row in cells
     )
 
 
@@ -250,7 +267,7 @@ def channel_for(
 
 
 def fail(message: str, code: int = EXIT_FAILED) -> int:
-    print(f"waygate: {message}", file=sys.stderr)
+    print(f"waygate: {printable(message)}", file=sys.stderr)
     return code
 
 
@@ -287,7 +304,12 @@ async def http_status(address: str, path: str, timeout: float) -> int | None:
         async with asyncio.timeout(timeout):
             reader, writer = await asyncio.open_connection(host, int(port))
             try:
-                writer.write(f"GET {path} HTTP/1.1\r\nHost: waygate\r\n\r\n".encode())
+                # Host: the address connected to, as kubelet's probes send it (admin
+                # ports refuse names they were not given: waygate.core.admin).
+                peer = writer.get_extra_info("peername")
+                ip = str(peer[0]) if isinstance(peer, tuple) else "127.0.0.1"
+                authority = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+                writer.write(f"GET {path} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
                 line = await reader.readline()
             finally:
                 writer.close()

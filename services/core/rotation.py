@@ -61,6 +61,16 @@ EXPIRY = Gauge(
     "When the certificate this process holds right now expires (Unix time).",
     ["identity"],
 )
+TRUST_EXPIRY = Gauge(
+    "waygate_trust_expiry_timestamp_seconds",
+    "When this process's TLS trust breaks unless something is renewed or rotated (Unix "
+    "time): the earliest expiry among its own certificate and the CA that issued it; "
+    "without a certificate of its own, the last CA of its trust bundle to expire.",
+)
+TRUST_BUNDLE_VERSION = Gauge(
+    "waygate_trust_bundle_version",
+    "Version of the trust bundle this process applied (0: the file it started from).",
+)
 RENEWALS = Counter(
     "waygate_certificate_renewals_total",
     "Attempts to get a certificate from certs, by outcome (ok, failed).",
@@ -439,6 +449,7 @@ class CertificateRotator:
         draw = self._rng.uniform(-self._jitter_fraction, self._jitter_fraction)
         self._renew_at = held.not_before + held.lifetime * (self._renew_fraction + draw)
         EXPIRY.labels(self.identity).set(held.not_after.timestamp())
+        HORIZON.certificate(held)
         log.info(
             "new certificate",
             extra={
@@ -475,12 +486,51 @@ class TrustBundle:
         return cls(version=version, certificates=certificates)
 
 
+class TrustHorizon:
+    """When this process's trust breaks: `TRUST_EXPIRY` and `TRUST_BUNDLE_VERSION`,
+    from the latest certificate installed and bundle applied (one per process)."""
+
+    def __init__(self) -> None:
+        self._held: HeldCertificate | None = None
+        self._bundle: TrustBundle | None = None
+
+    def certificate(self, held: HeldCertificate) -> None:
+        self._held = held
+        self._publish()
+
+    def bundle(self, bundle: TrustBundle) -> None:
+        self._bundle = bundle
+        TRUST_BUNDLE_VERSION.set(bundle.version)
+        self._publish()
+
+    def expiry(self) -> datetime | None:
+        cas = self._bundle.certificates if self._bundle is not None else ()
+        if self._held is None:
+            return max((ca.not_valid_after_utc for ca in cas), default=None)
+        # Its own certificate, every intermediate it serves, and the anchor above them.
+        moments = [self._held.not_after, *(c.not_valid_after_utc for c in self._held.chain)]
+        top_issuer = (self._held.chain[-1] if self._held.chain else self._held.leaf).issuer
+        anchors = [ca.not_valid_after_utc for ca in cas if ca.subject == top_issuer]
+        if anchors:
+            moments.append(max(anchors))
+        return min(moments)
+
+    def _publish(self) -> None:
+        moment = self.expiry()
+        if moment is not None:
+            TRUST_EXPIRY.set(moment.timestamp())
+
+
+HORIZON = TrustHorizon()
+
+
 class TrustStore:
     """The current trust bundle; subscribers hear of every change."""
 
     def __init__(self, bundle: TrustBundle) -> None:
         self._bundle = bundle
         self._subscribers: _Subscribers[TrustBundle] = _Subscribers()
+        HORIZON.bundle(bundle)
 
     @property
     def current(self) -> TrustBundle:
@@ -496,8 +546,13 @@ class TrustStore:
         says now is current even if its counter restarted.
         """
         if bundle.certificates == self._bundle.certificates:
+            if bundle.version != self._bundle.version:
+                # The same CAs under certs' numbering: what the process reports applying.
+                self._bundle = bundle
+                HORIZON.bundle(bundle)
             return False
         self._bundle = bundle
+        HORIZON.bundle(bundle)
         log.info(
             "trust bundle changed",
             extra={"version": bundle.version, "authorities": len(bundle.certificates)},

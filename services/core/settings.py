@@ -371,6 +371,12 @@ class ProcessSettings:
         parse=parse_duration,
         check=positive,
     )
+    admin_hosts: tuple[str, ...] = setting(
+        (),
+        help="host names the admin port answers besides IP addresses and localhost, "
+        "comma-separated (e.g. the Service name a scraper uses); any other Host header "
+        "is refused (DNS rebinding)",
+    )
     otlp_endpoint: str | None = setting(
         None,
         help="OTLP/gRPC endpoint for traces (e.g. http://jaeger:4317); unset: no export",

@@ -41,16 +41,17 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import re
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import parse_qsl
 
 from waygate.core.balancing import Picker, RoundRobinPicker, new_picker
 from waygate.core.paths import normalize_request_path
+from waygate.core.regex import LinearPattern, compile_linear
 from waygate.proxy.tls import hsts_line
 from waygate.resolver.client import (
+    TCP_LISTENER,
     Endpoint,
     PathMatchType,
     Route,
@@ -62,6 +63,9 @@ from waygate.resolver.client import (
     ValueMatchType,
     speaks_http2,
 )
+
+if TYPE_CHECKING:
+    from waygate.proxy.access import AccessCheck
 
 DEFAULT_POLICY = "leastconn"
 FAILURE_BASE_SECONDS = 0.5
@@ -128,6 +132,8 @@ class RouteOptions(NamedTuple):
     tunnel_timeout: float
     cookie_name: bytes  # b"": no sticky cookie
     cookie_attributes: bytes
+    # Take a request's body in before an upstream is used (Route requestBuffering).
+    request_buffering: bool = True
 
 
 class Defaults(NamedTuple):
@@ -232,7 +238,7 @@ _PATH_KINDS = {
 # Precedence of path kinds (lower first): Exact, RegularExpression, PathPrefix.
 _PATH_RANK = {_PATH_EXACT: 0, _PATH_REGEX: 1, _PATH_PREFIX: 2}
 
-ValueCheck = tuple[str, str, "re.Pattern[str] | None"]
+ValueCheck = tuple[str, str, "LinearPattern | None"]
 
 
 def _value_checks(items: tuple[Any, ...], *, lower: bool) -> tuple[ValueCheck, ...]:
@@ -240,7 +246,7 @@ def _value_checks(items: tuple[Any, ...], *, lower: bool) -> tuple[ValueCheck, .
         (
             item.name.lower() if lower else item.name,
             item.value,
-            re.compile(item.value) if item.type is ValueMatchType.REGEX else None,
+            compile_linear(item.value) if item.type is ValueMatchType.REGEX else None,
         )
         for item in items
     )
@@ -287,6 +293,7 @@ def request_query(req: Any) -> dict[str, str]:
 
 class RouteEntry:
     __slots__ = (
+        "access",
         "backend_picker",
         "backends",
         "conditional",
@@ -320,6 +327,7 @@ class RouteEntry:
         self.route = route
         self.path = path
         self.options = options
+        self.access: AccessCheck | None = None  # compiled by access.prepare (its rule)
         # The Strict-Transport-Security line it adds on HTTPS, built once (b"": none).
         self.hsts = hsts_line(route)
         self.upstream_scope = upstream_scope(route)
@@ -341,7 +349,7 @@ class RouteEntry:
                 self.single = (only[0], self.backends[0])
         # The match (routes-file routes: a path prefix and nothing else).
         self.kind = _PATH_PREFIX
-        self.regex: re.Pattern[str] | None = None
+        self.regex: LinearPattern | None = None
         self.method = b""
         self.headers: tuple[ValueCheck, ...] = ()
         self.query: tuple[ValueCheck, ...] = ()
@@ -381,7 +389,7 @@ class RouteEntry:
             # The spec: a trailing slash is ignored ("/foo/" matches "/foo").
             path = path.rstrip("/") or "/"
         entry.path = path.encode()
-        entry.regex = re.compile(path) if entry.kind == _PATH_REGEX else None
+        entry.regex = compile_linear(path) if entry.kind == _PATH_REGEX else None
         entry.method = match.method.encode()
         entry.headers = _value_checks(match.headers, lower=True)
         entry.query = _value_checks(match.query, lower=False)
@@ -497,7 +505,9 @@ class HostIndex:
         self.any.sort(key=_rank)
         self.conditional = any(entry.conditional for entry in self.entries())
 
-    def find(self, host: bytes, path: bytes, req: Any) -> RouteEntry | None:
+    def find(self, host: bytes, path: bytes, req: Any, hostless: bool = True) -> RouteEntry | None:
+        """The entry for a request: exact host, then wildcards (the most specific
+        first), then, with `hostless`, the entries that name no host."""
         entries = self.exact.get(host)
         # Parsed headers and query, shared by the entries of this lookup; only
         # an index with conditional entries pays for the dict.
@@ -527,6 +537,14 @@ class HostIndex:
                             ):
                                 return entry
                     dot = host.find(b".", dot + 1)
+        if hostless:
+            for entry in self.any:
+                if entry.matches(path) and (not entry.conditional or entry.holds(req, seen)):
+                    return entry
+        return None
+
+    def find_hostless(self, path: bytes, req: Any) -> RouteEntry | None:
+        seen: dict[str, Any] = {} if self.conditional else _NO_CONDITIONS
         for entry in self.any:
             if entry.matches(path) and (not entry.conditional or entry.holds(req, seen)):
                 return entry
@@ -577,9 +595,17 @@ class RouteTable:
         if self._sides:
             side = self._sides.get(secure)
             if side is not None:
-                entry = side.find(host, path, req)
-                if entry is not None:
-                    return entry
+                # Entries naming the host, of every kind, before those that name none:
+                # a host-less route claims no host, so it never takes an owned one's
+                # paths (the resolver settles ownership among the named claims).
+                entry = side.find(host, path, req, hostless=False)
+                if entry is None:
+                    entry = self._legacy.find(host, path, req, hostless=False)
+                if entry is None:
+                    entry = side.find_hostless(path, req)
+                if entry is None:
+                    entry = self._legacy.find_hostless(path, req)
+                return entry
         return self._legacy.find(host, path, req)
 
     def entries(self) -> Iterable[RouteEntry]:
@@ -714,6 +740,7 @@ def _route_options(route: Route, defaults: Defaults) -> RouteOptions:
         tunnel_timeout=pick(timeouts.tunnel, defaults.tunnel_timeout),
         cookie_name=cookie_name,
         cookie_attributes=attributes,
+        request_buffering=getattr(route, "request_buffering", True),
     )
 
 
@@ -777,6 +804,8 @@ def build_table(
             continue  # another, older route owns its host or host and path (resolver status)
         if route.tls is not None and _value(route.tls.termination) == "passthrough":
             continue  # TLS passthrough is served by the HTTPS listener (next issue)
+        if route.listener_protocol == TCP_LISTENER:
+            continue  # a TCP service: bytes on its own port (waygate.proxy.tcpservices)
         side: HostIndex = legacy
         if route.listener_port:
             secure = ports.get(route.listener_port)

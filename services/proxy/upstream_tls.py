@@ -34,6 +34,15 @@ peer's SANs are checked right after it, before a byte of the request goes:
 The same sentence goes to the client (502 body and X-Waygate-Error), the log
 line, the request's span (error status and `waygate.upstream_tls.*`
 attributes) and `waygate_proxy_upstream_tls_failures_total{route,reason}`.
+A verification failure (expired, not yet valid, untrusted, wrong name) is
+raised as a retryable ConnectError, as a refused connect is: the request is
+redispatched to another endpoint before any of its bytes were sent.
+
+Every handshake records the certificate the endpoint served (a verified one,
+or the facts of a refused one) in `certificates`
+(`waygate.proxy.backendcerts`): its expiry metric, the endpoints to take out
+of rotation, the warnings before expiry, the probes of endpoints not
+handshaken lately (`probe`).
 
 Sessions are resumed: asyncio (and uvloop) transports take no `ssl.SSLSession`,
 but both build their `SSLObject` through the context's `wrap_bio`, so the
@@ -50,12 +59,14 @@ import logging
 import ssl
 import time
 from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
 from typing import Any
 
 from cryptography import x509
 from prometheus_client import Counter
 
 from waygate.core.tls import load_pem_chain
+from waygate.proxy.backendcerts import BackendCertificates, served_from
 from waygate.proxy.routing import Target, upstream_scope
 from waygate.proxy.upstream import ConnectError, Connection, P, start
 from waygate.resolver.client import Route
@@ -78,6 +89,13 @@ _FACTS_TIMEOUT = 5.0
 # second unverified handshake) are reused for the same backend and name.
 FACTS_TTL = 10.0
 _FACTS_MAX = 4096
+#: How often the backend-certificate prober looks for endpoints to probe.
+PROBE_INTERVAL = 30.0
+#: Verification failures: the endpoint's certificate is the problem, another endpoint
+#: may serve a good one, so the request is redispatched (as after a refused connect).
+_VERIFY_KINDS = frozenset(
+    ("expired", "not_yet_valid", "name_mismatch", "unknown_authority", "rejected", "san_mismatch")
+)
 
 
 def server_name(route: Route, target: Target) -> str:
@@ -237,14 +255,24 @@ class UpstreamTLS:
         trust_pem: Callable[[], bytes | None],
         client_pem: Callable[[], tuple[bytes, bytes] | None],
         connect: Callable[..., Any],
+        on_untrusted: Callable[[Target], None] | None = None,
     ) -> None:
         self._trust_pem = trust_pem
+        # Told when a probe finds an endpoint's certificate unverifiable (expired, not
+        # yet valid, untrusted): the proxy's passive health skips it, so it leaves
+        # rotation before a client's request would have failed its handshake.
+        self._on_untrusted = on_untrusted
         self._client_pem = client_pem
         self._connect = connect  # the dialer's connect, for the facts handshake
         self._contexts: dict[tuple[str, bool, bool, bool, bool], ssl.SSLContext] = {}
         # (address, port, server name) -> (valid until, the backend's leaf): a backend
         # that keeps failing verification is probed once per FACTS_TTL, not per request.
         self._facts: dict[tuple[str, int, str], tuple[float, x509.Certificate | None]] = {}
+        #: What each endpoint served at its last handshake (waygate.proxy.backendcerts).
+        self.certificates = BackendCertificates()
+        # (route label, endpoint) -> the route and target last handshaken: what a probe
+        # of that endpoint needs (bounded with `certificates`, pruned by keep_only).
+        self._probe_targets: dict[tuple[str, str], tuple[Route, Target]] = {}
 
     def invalidate(self, *_changed: Any) -> None:
         """The bundle or the proxy's certificate changed: build contexts anew."""
@@ -253,6 +281,7 @@ class UpstreamTLS:
     def keep_only(self, routes: Iterable[Route]) -> None:
         """A new resolver view: forget the sessions of server names no reencrypt route
         uses any more (and of probes), so neither map grows with route churn."""
+        routes = list(routes)
         names: set[str] = set()
         for route in routes:
             if not self.applies(route):
@@ -267,6 +296,10 @@ class UpstreamTLS:
                 context.keep_only(names)
         now = time.monotonic()
         self._facts = {key: fact for key, fact in self._facts.items() if fact[0] > now}
+        # Backend certificates of routes (and endpoints) the view no longer has go too.
+        wanted = {f"{r.namespace}/{r.name}" for r in routes if self.applies(r)}
+        self._probe_targets = {k: v for k, v in self._probe_targets.items() if k[0] in wanted}
+        self.certificates.keep_only(self._probe_targets)
 
     def context(self, route: Route, http2: bool = False) -> ssl.SSLContext:
         tls = route.tls
@@ -347,9 +380,16 @@ class UpstreamTLS:
             leaf = None
             if isinstance(exc, ssl.SSLCertVerificationError):
                 leaf = await self._cached_peer_certificate(target, name, timeout)
+                if leaf is not None:
+                    self._record(route, target, leaf, verified=False)
             reason, kind = explain(exc, name, leaf)
             raise self._failed(route, target, name, reason, kind, span) from None
         ssl_object = transport.get_extra_info("ssl_object")
+        if ssl_object is not None:
+            der = ssl_object.getpeercert(binary_form=True)
+            if der:
+                with contextlib.suppress(ValueError):
+                    self._record(route, target, x509.load_der_x509_certificate(der), verified=True)
         tls = route.tls
         if tls is not None and (tls.destination_san_hostnames or tls.destination_san_uris):
             problem = san_problem(
@@ -386,7 +426,66 @@ class UpstreamTLS:
             span.set_attribute("waygate.upstream_tls.reason", kind)
             span.set_attribute("waygate.upstream_tls.error", reason)
             span.set_attribute("waygate.upstream_tls.server_name", name)
-        return ConnectError(reason, "tls_" + kind, retryable=False)
+        return ConnectError(reason, "tls_" + kind, retryable=kind in _VERIFY_KINDS)
+
+    def _record(
+        self, route: Route, target: Target, leaf: x509.Certificate, *, verified: bool
+    ) -> None:
+        key = (f"{route.namespace}/{route.name}", f"{target.address}:{target.port}")
+        self.certificates.record(served_from(*key, leaf, verified=verified, now=datetime.now(UTC)))
+        self._probe_targets[key] = (route, target)
+        if len(self._probe_targets) > len(self.certificates):
+            known = {(s.route, s.endpoint) for s in self.certificates.snapshot()}
+            self._probe_targets = {k: v for k, v in self._probe_targets.items() if k in known}
+
+    async def probe_forever(self, interval: float = PROBE_INTERVAL, timeout: float = 5.0) -> None:
+        """Every `interval`, probe the endpoints no request has handshaken with for
+        `BackendCertificates.probe_after`, at most `probes_per_tick` of them: a
+        backend's expiring certificate is seen even when no client asks for it."""
+        while True:
+            await asyncio.sleep(interval)
+            for key in self.certificates.due_probes(datetime.now(UTC)):
+                found = self._probe_targets.get(key)
+                if found is None:
+                    continue
+                route, target = found
+                try:
+                    await self.probe(target, route, timeout)
+                except (OSError, EOFError, TimeoutError, ConnectError) as exc:
+                    log.info(
+                        "backend certificate probe failed",
+                        extra={"route": key[0], "upstream": key[1], "error": str(exc)[:200]},
+                    )
+
+    async def probe(self, target: Target, route: Route, timeout: float) -> bool:
+        """Handshake with an endpoint no request has lately (`BackendCertificates.
+        due_probes`, at a bounded rate) and record what it served; True when it
+        verified. Nothing is sent after the handshake."""
+        name = server_name(route, target)
+        connection = await self._connect(target, timeout, None)
+        try:
+            transport, _ = await start(
+                connection,
+                asyncio.Protocol,
+                tls=self.context(route),
+                server_hostname=name,
+                timeout=timeout,
+            )
+        except (OSError, EOFError, TimeoutError) as exc:
+            if isinstance(exc, ssl.SSLCertVerificationError):
+                leaf = await self._cached_peer_certificate(target, name, timeout)
+                if leaf is not None:
+                    self._record(route, target, leaf, verified=False)
+                if self._on_untrusted is not None:
+                    self._on_untrusted(target)
+            return False
+        try:
+            der = transport.get_extra_info("ssl_object").getpeercert(binary_form=True)
+            if der:
+                self._record(route, target, x509.load_der_x509_certificate(der), verified=True)
+            return True
+        finally:
+            transport.abort()
 
     async def _cached_peer_certificate(
         self, target: Target, name: str, timeout: float

@@ -122,7 +122,8 @@ class Settings(GrpcServerSettings):
         False,
         help="let routes of different namespaces share a host (each host and path still "
         "goes to its oldest route); default: a host belongs to the namespace of its oldest "
-        "route and other namespaces' routes for it are Conflicted, as in OpenShift",
+        "claim, whatever its kind (Route, Ingress, HTTPRoute, a Gateway listener's "
+        "hostname), and other namespaces' claims on it are Conflicted, as in OpenShift",
     )
     manifests: Path | None = setting(
         None,
@@ -181,7 +182,8 @@ class Settings(GrpcServerSettings):
     tcp_services_configmap: str = setting(
         "",
         help="with --ingress-nginx: NS/NAME of ingress-nginx's TCP services ConfigMap "
-        "(not implemented yet: refused when given)",
+        '("PORT": "NS/SVC:PORT[:PROXY][:PROXY]"): each entry a port the proxies bind and '
+        "relay to the Service's endpoints; read live",
     )
     default_ssl_certificate: str = setting(
         "",

@@ -54,6 +54,7 @@ from waygate.core.grpctls import LentChannel
 from waygate.resolver import convert
 from waygate.resolver.model import (
     HSTS,
+    TCP_LISTENER,
     BalancePolicy,
     Endpoint,
     EndpointPort,
@@ -67,6 +68,7 @@ from waygate.resolver.model import (
     Redirect,
     Rewrite,
     Route,
+    RouteAccess,
     RouteBackend,
     RouteCondition,
     RouteKey,
@@ -93,6 +95,7 @@ from waygate.resolver.v1 import resolver_pb2_grpc
 # client surface), never waygate.resolver.model (tests/unit/test_layering.py).
 __all__ = [
     "HSTS",
+    "TCP_LISTENER",
     "BalancePolicy",
     "Endpoint",
     "EndpointPort",
@@ -107,6 +110,7 @@ __all__ = [
     "ResolverWatch",
     "Rewrite",
     "Route",
+    "RouteAccess",
     "RouteBackend",
     "RouteCondition",
     "RouteKey",

@@ -36,13 +36,22 @@ from waygate.core.clientcli import (
     add_output_argument,
     channel_for,
     fail,
+    printable,
     render,
     run_client,
     table,
 )
 from waygate.core.errors import InvalidArgument, Unavailable
 from waygate.resolver import convert, schema
-from waygate.resolver.client import Kind, ResolverWatch, Route, RouteKey, SourceState, View
+from waygate.resolver.client import (
+    TCP_LISTENER,
+    Kind,
+    ResolverWatch,
+    Route,
+    RouteKey,
+    SourceState,
+    View,
+)
 from waygate.resolver.v1 import resolver_pb2 as pb
 from waygate.resolver.v1 import resolver_pb2_grpc
 from waygate.resolver.validation import validate_route
@@ -115,8 +124,10 @@ def format_resolution(response: pb.ResolveResponse) -> str:
     kind = convert.SERVICE_TYPE_NAMES.get(service.type, "?")
     ips = ",".join(service.cluster_ips)
     lines = [
-        f"service {service.namespace}/{service.name} ({kind}{' ' + ips if ips else ''}); "
-        f"version {response.version}, {_sync_text(response)}"
+        printable(
+            f"service {service.namespace}/{service.name} ({kind}{' ' + ips if ips else ''}); "
+            f"version {response.version}, {_sync_text(response)}"
+        )
     ]
     rows = [
         (t.address, str(t.port), t.node_name or "-", t.zone or "-", "yes" if t.tunnel else "no")
@@ -124,7 +135,7 @@ def format_resolution(response: pb.ResolveResponse) -> str:
     ]
     lines.append(table(("ADDRESS", "PORT", "NODE", "ZONE", "TUNNEL"), rows))
     if response.HasField("picked"):
-        lines.append(f"picked: {response.picked.address}:{response.picked.port}")
+        lines.append(printable(f"picked: {response.picked.address}:{response.picked.port}"))
     return "\n".join(lines)
 
 
@@ -240,11 +251,12 @@ def route_path(route: pb.Route) -> str:
 
 def _route_row(route: pb.Route, wide: bool = False) -> tuple[str, ...]:
     status, message = route_problem(route)
+    tcp = route.listener_protocol == TCP_LISTENER
     row = (
         route.namespace,
         route.name,
-        route.host,
-        route_path(route),
+        f"TCP :{route.listener_port}" if tcp else route.host,
+        "-" if tcp else route_path(route),
         _backends(route),
         route.target_port or "-",
         _tls(route),
@@ -284,7 +296,7 @@ def format_sources(sources: Sequence[pb.RouteSourceState]) -> str:
             else "never loaded"
         )
         if state.valid:
-            lines.append(f"{what}: valid ({loaded})")
+            lines.append(printable(f"{what}: valid ({loaded})"))
         else:
             since = (
                 f"; failing since {_when(state.error_since)}"
@@ -292,7 +304,8 @@ def format_sources(sources: Sequence[pb.RouteSourceState]) -> str:
                 else ""
             )
             lines.append(
-                f"{what}: {source_failure(state.source).upper()}: {state.last_error}\n"
+                printable(f"{what}: {source_failure(state.source).upper()}: {state.last_error}")
+                + "\n"
                 f"  serving the last good content ({loaded}{since}); {source_hint(state.source)}"
             )
     return "\n".join(lines)
@@ -352,6 +365,12 @@ def _derived(route: pb.Route) -> dict[str, Any]:
     if route.gateway:
         document["gateway"] = route.gateway
         document["listenerPort"] = route.listener_port
+    if route.listener_protocol == TCP_LISTENER:
+        document["tcpPort"] = route.listener_port
+        document["proxyProtocol"] = {
+            "fromClient": route.proxy_protocol_from_client,
+            "toBackend": route.proxy_protocol_to_backend,
+        }
     if route.matches:
         document["matches"] = [_match(m) for m in route.matches]
     return document
@@ -383,7 +402,7 @@ def format_route_change(route: pb.Route) -> str:
         f"+ {route.namespace}/{route.name}  {route.host}{separator}{route_path(route)} -> "
         f"{_backends(route)}  tls={_tls(route)}  {status}"
     )
-    return f"{text}: {message}" if message else text
+    return printable(f"{text}: {message}" if message else text)
 
 
 async def list_routes(

@@ -89,6 +89,7 @@ from waygate.resolver.validation import (
     validate_route,
     validate_service,
 )
+from waygate.resolver.yamlload import MAX_YAML_BYTES, FileError, YAMLDocuments
 
 __all__ = ["FileContent", "FileError", "FileSource", "parse_routes_file", "route_to_document"]
 
@@ -97,21 +98,12 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # A routes file is hand-written or generated config, not a data store; past
-# this it is refused rather than parsed into memory.
-MAX_FILE_BYTES = 64 << 20
+# this it is refused rather than parsed into memory (the YAML sources' one bound).
+MAX_FILE_BYTES = MAX_YAML_BYTES
 
 # The example file shipped inside the package (so it exists in an installed
 # wheel too); `waygate up` starts from a copy of it.
 EXAMPLE_ROUTES = Path(__file__).parent / "examples" / "routes.yaml"
-
-
-class FileError(Exception):
-    """The routes file is unusable; the message is `path:line: reason`."""
-
-    def __init__(self, path: Path, line: int | None, reason: str) -> None:
-        self.path, self.line, self.reason = path, line, reason
-        where = f"{path}:{line}" if line is not None else str(path)
-        super().__init__(f"{where}: {reason}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,32 +116,19 @@ class FileContent:
 # ---------------------------------------------------------------- parsing
 
 
-# libyaml's parser when PyYAML has it (several times faster on large files);
-# its nodes carry the same line marks.
-_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
-
 class _Parser:
     """Walks the composed YAML nodes so every error can name its line."""
 
     def __init__(self, path: Path, text: str) -> None:
         self.path = path
-        self.loader = _Loader(text)
+        self.loader = YAMLDocuments(path, text)
 
     def error(self, node: yaml.Node | None, reason: str) -> FileError:
         return FileError(self.path, node.start_mark.line + 1 if node is not None else None, reason)
 
     def root(self) -> yaml.Node | None:
-        try:
-            return self.loader.get_single_node()
-        except yaml.MarkedYAMLError as exc:
-            mark = exc.problem_mark or exc.context_mark
-            line = mark.line + 1 if mark is not None else None
-            raise FileError(self.path, line, f"not valid YAML: {exc.problem or exc}") from None
-        except yaml.YAMLError as exc:
-            raise FileError(self.path, None, f"not valid YAML: {exc}") from None
-        finally:
-            self.loader.dispose()
+        with self.loader:
+            return self.loader.single()
 
     def mapping(self, node: yaml.Node, what: str, allowed: tuple[str, ...]) -> dict[str, yaml.Node]:
         if not isinstance(node, yaml.MappingNode):
@@ -179,9 +158,9 @@ class _Parser:
         if not isinstance(node, yaml.ScalarNode):
             raise self.error(node, "expected a single value, not a list or mapping")
         try:
-            return self.loader.construct_object(node, deep=True)
-        except (yaml.YAMLError, ValueError, OverflowError) as exc:  # 2026-13-45: a ValueError
-            raise self.error(node, f"bad value: {exc}") from None
+            return self.loader.construct(node)
+        except FileError as exc:
+            raise self.error(node, f"bad value: {exc.reason}") from None
 
     def typed(
         self, fields: dict[str, yaml.Node], key: str, kind: type[T], default: T, what: str

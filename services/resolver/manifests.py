@@ -5,7 +5,8 @@ every `*.yaml`, `*.yml` and `*.json` file directly in a directory (in name
 order, as kubectl does without -R), each holding any number of `---`
 separated documents (a `kind: List` is expanded). Kinds read:
 Namespace, Service, EndpointSlice (discovery.k8s.io/v1), Secret (type
-kubernetes.io/tls; other types are skipped), ConfigMap (BackendTLSPolicy's
+kubernetes.io/tls; with --ingress-nginx also Opaque, for auth-secret; other
+types are skipped), ConfigMap (BackendTLSPolicy's
 CA certificates), the waygate.io Route, and the
 Gateway API and Ingress kinds of `waygate.resolver.gateway`. Any other kind
 (a real manifest directory has Deployments in it) is skipped with one log
@@ -43,7 +44,6 @@ import yaml
 
 from waygate.core.errors import InvalidArgument
 from waygate.resolver import kube_convert
-from waygate.resolver.filesource import MAX_FILE_BYTES, FileError
 from waygate.resolver.gateway.spec import FieldPath, SpecError, dotted
 from waygate.resolver.gateway.status import StatusBoard
 from waygate.resolver.gateway.translate import (
@@ -52,15 +52,21 @@ from waygate.resolver.gateway.translate import (
     is_gateway_object,
     translate,
 )
-from waygate.resolver.ingress_nginx.config import IngressNginx
+from waygate.resolver.ingress_nginx.config import IngressNginx, keeps_secret
 from waygate.resolver.model import Endpoint, Route, Service
 from waygate.resolver.schema import DEFAULT_MAX_ROUTES_PER_SOURCE
 from waygate.resolver.status import SourceHealth
 from waygate.resolver.store import Store
+from waygate.resolver.yamlload import (
+    MAX_YAML_BYTES,
+    FileError,
+    YAMLDocuments,
+    read_bounded,
+    too_large,
+)
 
 log = logging.getLogger(__name__)
 
-_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _SUFFIXES = (".yaml", ".yml", ".json")
 # The Kubernetes kinds read besides the Gateway API ones: (apiVersion, kind).
 _CORE = {
@@ -114,13 +120,9 @@ def _files(root: Path) -> list[Path]:
 
 
 def _documents(path: Path, text: str) -> list[_Document]:
-    loader = _Loader(text)
     out = []
-    try:
-        while loader.check_node():
-            node = loader.get_node()
-            if node is None:
-                continue
+    with YAMLDocuments(path, text) as loader:
+        for node in loader.documents():
             obj = loader.construct_document(node)
             if obj is None:
                 continue
@@ -137,12 +139,6 @@ def _documents(path: Path, text: str) -> list[_Document]:
                     out.append(_Document(path, item_node, item))
                 continue
             out.append(document)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        line = mark.line + 1 if mark is not None else None
-        raise FileError(path, line, f"not valid YAML: {exc.problem or exc}") from None
-    finally:
-        loader.dispose()
     return out
 
 
@@ -180,7 +176,7 @@ def parse_manifests(
         if not known:
             content.skipped.append(f"{api_version} {kind} {namespace}/{name}".replace(" /", " "))
             continue
-        if kind == "Secret" and obj.get("type", "Opaque") != "kubernetes.io/tls":
+        if kind == "Secret" and not keeps_secret(obj, ingress_nginx):
             content.skipped.append(f"v1 Secret {namespace}/{name} (type {obj.get('type')})")
             continue
         identity = (kind, namespace, name)
@@ -270,6 +266,7 @@ class ManifestsSource:
         self.store = store
         self.ingress_nginx = ingress_nginx
         self.board = board
+        board.follow(store)  # host conflicts onto the objects' statuses
         self.path = path.absolute()
         self.source = f"manifests:{self.path}"
         self.poll_interval = poll_interval
@@ -297,14 +294,13 @@ class ManifestsSource:
         total = 0
         for path in _files(self.path):
             try:
-                data = path.read_bytes()
+                data = read_bounded(path, MAX_YAML_BYTES - total)
             except OSError as exc:
                 error = FileError(path, None, f"cannot read: {exc.strerror or exc}")
                 return _Read(stat, None, None, error)
+            except FileError:
+                return _Read(stat, None, None, FileError(self.path, None, too_large()))
             total += len(data)
-            if total > MAX_FILE_BYTES:
-                error = FileError(self.path, None, f"larger than {MAX_FILE_BYTES >> 20} MiB")
-                return _Read(stat, None, None, error)
             digest.update(str(path).encode() + b"\0" + data + b"\0")
             try:
                 texts.append((path, data.decode("utf-8")))
@@ -351,6 +347,7 @@ class ManifestsSource:
             services=content.services,
             endpoints=content.endpoints,
             routes=content.routes,
+            claims=content.translation.claims,
         )
         self.store.mark_synced(self.source)
         self.board.replace(content.translation.statuses, content.translation.ignored)

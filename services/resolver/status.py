@@ -14,12 +14,21 @@ last changed (a new reason or message with the same status keeps the time):
   False with ServiceNotFound, PortNotFound, NoReadyEndpoints or NoBackends.
 - Conflicted: True (reason HostAlreadyClaimed) exactly when Admitted is False.
 
-Claims, as the OpenShift router's defaults:
-- A host belongs to the namespace of the oldest route that claims it; a route
-  of another namespace for that host is Conflicted, unless `share_hosts`
-  (OpenShift's ROUTER_DISABLE_NAMESPACE_OWNERSHIP_CHECK) lets namespaces share.
-- Within what may share a host, one host and path is served by the oldest
-  route that claims it; younger routes for it are Conflicted.
+Claims, as the OpenShift router's defaults, over every route kind:
+- A host belongs to the namespace of the oldest claim on it, whatever makes the
+  claim: a Route (routes file, Route CRD, ApplyRoute), an Ingress rule, an
+  HTTPRoute/GRPCRoute/TLSRoute hostname, or a Gateway listener's hostname (a
+  claim of its own, `set_listener_claims`, routes attached or not; a route
+  attached through such a listener claims for the Gateway's namespace, at the
+  Gateway's age: the Gateway's owner let it in through allowedRoutes, so routes
+  of several namespaces share the host under it). A claim of another namespace
+  for that host is Conflicted (HostAlreadyClaimed) and not served, unless
+  `share_hosts` (OpenShift's ROUTER_DISABLE_NAMESPACE_OWNERSHIP_CHECK) lets
+  namespaces share. A route without a host (a listener and route without
+  hostnames, an Ingress default backend) claims nothing.
+- Within the owning namespace, Gateway API and Ingress routes share a host and
+  its paths by the specification's precedence; among Routes, one host and path
+  is served by the oldest route that claims it, younger ones are Conflicted.
 - Age: the source's creation time (the Route CRD's creationTimestamp) when it
   has one, else when the store first saw the route; routes first seen in the
   same load keep their order (the routes file: an earlier entry is older).
@@ -34,6 +43,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
+from typing import NamedTuple
 
 from waygate.resolver.model import (
     ADMITTED,
@@ -42,6 +52,7 @@ from waygate.resolver.model import (
     RESOLVED_REFS,
     TRUE,
     Endpoint,
+    HostClaim,
     Route,
     RouteCondition,
     RouteKey,
@@ -64,8 +75,19 @@ ANNOTATIONS_HONOURED = "AnnotationsHonoured"
 
 _EPOCH = datetime.min.replace(tzinfo=UTC)
 
+
+class HostConflict(NamedTuple):
+    """An object some of whose routes lose their host to an older claim."""
+
+    every: bool  # none of its routes is served
+    message: str  # the first lost route's HostAlreadyClaimed message
+    listeners: tuple[str, ...] = ()  # a Gateway: the listeners whose routes lost
+
+
 # (creation time, order of first sight, namespace, name): smaller is older.
 Age = tuple[datetime, int, str, str]
+# A Gateway listener's claim: (source, host, the claim).
+ListenerKey = tuple[str, str, HostClaim]
 
 
 def route_references(
@@ -120,11 +142,18 @@ class RouteStatusBook:
         self._by_host: dict[str, set[RouteKey]] = {}
         self._services: dict[RouteKey, tuple[ServiceKey, ...]] = {}
         self._by_service: dict[ServiceKey, set[RouteKey]] = {}
-        # Why a route is not admitted (None: it is).
+        # Why a route is not admitted (None: it is); the routes that are not.
         self._conflict: dict[RouteKey, str | None] = {}
-        # Gateway API and Ingress routes (with matches): they share hosts and
-        # paths by the specification's precedence, so they claim nothing.
+        self._lost: set[RouteKey] = set()
+        # Gateway API and Ingress routes (with matches): within the owning
+        # namespace they share paths by the specification's precedence.
         self._merged: set[RouteKey] = set()
+        # Whose claim each route is: (namespace, age, what, for people).
+        self._claims: dict[RouteKey, tuple[str, Age, str]] = {}
+        # Gateway listeners' hostnames: claims of their own, routes attached or not.
+        self._listener_claims: dict[ListenerKey, tuple[HostClaim, Age]] = {}
+        self._listeners_by_host: dict[str, set[ListenerKey]] = {}
+        self._listener_conflict: dict[ListenerKey, str] = {}
         self._sightings = itertools.count()
 
     def status(self, key: RouteKey) -> RouteStatus | None:
@@ -138,12 +167,14 @@ class RouteStatusBook:
         *,
         changed_routes: Iterable[RouteKey] = (),
         changed_services: Iterable[ServiceKey] = (),
+        changed_hosts: Iterable[str] = (),
         now: datetime,
     ) -> dict[RouteKey, RouteStatus]:
         """Recompute what the changes can affect; the statuses that changed
-        (every route new to the book included). `routes` is every route now."""
+        (every route new to the book included). `routes` is every route now;
+        `changed_hosts`: hosts whose listener claims changed (`set_listener_claims`)."""
         dirty: set[RouteKey] = set()
-        hosts: set[str] = set()
+        hosts: set[str] = set(changed_hosts)
         for key in changed_routes:
             old_host = self._forget(key)
             if old_host is not None:
@@ -170,6 +201,44 @@ class RouteStatusBook:
                 self._status[key] = changed[key] = status
         return changed
 
+    def set_listener_claims(
+        self, source: str, claims: Iterable[tuple[str, HostClaim]], now: datetime
+    ) -> set[str]:
+        """Make `source`'s Gateway listener claims (host, claim) exactly these; the
+        hosts whose claims changed (pass them to `update` as `changed_hosts`)."""
+        wanted = {(source, host, claim) for host, claim in claims}
+        hosts: set[str] = set()
+        for key in [k for k in self._listener_claims if k[0] == source and k not in wanted]:
+            del self._listener_claims[key]
+            self._listener_conflict.pop(key, None)
+            on_host = self._listeners_by_host[key[1]]
+            on_host.discard(key)
+            if not on_host:
+                del self._listeners_by_host[key[1]]
+            hosts.add(key[1])
+        for key in wanted - set(self._listener_claims):
+            claim = key[2]
+            age = (claim.created or now, next(self._sightings), claim.namespace, claim.gateway)
+            self._listener_claims[key] = (claim, age)
+            self._listeners_by_host.setdefault(key[1], set()).add(key)
+            hosts.add(key[1])
+        return hosts
+
+    def any_lost(self) -> bool:
+        """Whether any route or listener claim is not admitted for its host (the
+        common answer, no, is had without looking at every route)."""
+        return bool(self._lost or self._listener_conflict)
+
+    def listener_conflicts(self) -> dict[tuple[str, str], dict[str, str]]:
+        """Gateway (namespace, name) -> its listeners whose hostname claim lost to an
+        older claim of another namespace -> why."""
+        out: dict[tuple[str, str], dict[str, str]] = {}
+        for (_, _, claim), message in sorted(
+            self._listener_conflict.items(), key=lambda item: (item[0][1], item[0][2].what)
+        ):
+            out.setdefault((claim.namespace, claim.gateway), {}).setdefault(claim.listener, message)
+        return out
+
     # ------------------------------------------------------------ internals
 
     def _forget(self, key: RouteKey) -> str | None:
@@ -188,8 +257,10 @@ class RouteStatusBook:
             if not users:
                 del self._by_service[service_key]
         self._conflict.pop(key, None)
+        self._lost.discard(key)
         self._path.pop(key, None)
         self._merged.discard(key)
+        self._claims.pop(key, None)
         return host
 
     def _index(self, route: Route, now: datetime) -> None:
@@ -202,6 +273,13 @@ class RouteStatusBook:
         self._by_host.setdefault(route.host, set()).add(key)
         if route.matches:
             self._merged.add(key)
+        claim = route.host_claim
+        if claim is None:
+            what = route.origin or f"route {route.namespace}/{route.name}"
+            self._claims[key] = (route.namespace, self._age[key], what)
+        else:
+            age = (claim.created or created, sighting, claim.namespace, route.name)
+            self._claims[key] = (claim.namespace, age, claim.what)
         services = tuple(
             dict.fromkeys((b.namespace or route.namespace, b.service) for b in route.backends)
         )
@@ -211,24 +289,45 @@ class RouteStatusBook:
 
     def _claim(self, host: str) -> set[RouteKey]:
         """Decide who is admitted on `host`; the routes whose verdict may have changed."""
-        merged = [key for key in self._by_host.get(host, ()) if key in self._merged]
-        for key in merged:
-            self._conflict[key] = None
-        claims = sorted(
-            (key for key in self._by_host.get(host, ()) if key not in self._merged),
-            key=self._age.__getitem__,
+        if not host:
+            # Routes without a host (Gateway API and Ingress only) claim nothing.
+            anywhere = set(self._by_host.get(host, ()))
+            for key in anywhere:
+                self._conflict[key] = None
+                self._lost.discard(key)
+            return anywhere
+        claims = sorted(self._by_host.get(host, ()), key=lambda key: self._claims[key][1])
+        listeners = sorted(
+            self._listeners_by_host.get(host, ()), key=lambda k: self._listener_claims[k][1]
         )
+        owner_namespace = owner_what = ""
+        owner_age: Age | None = None
+        if claims:
+            owner_namespace, owner_age, owner_what = self._claims[claims[0]]
+        if listeners:
+            claim, age = self._listener_claims[listeners[0]]
+            if owner_age is None or age < owner_age:
+                owner_namespace, owner_what = claim.namespace, claim.what
+        for listener in listeners:
+            if not self.share_hosts and listener[2].namespace != owner_namespace:
+                self._listener_conflict[listener] = (
+                    f"host {host} belongs to namespace {owner_namespace} "
+                    f"(its {owner_what} claimed it first)"
+                )
+            else:
+                self._listener_conflict.pop(listener, None)
         if not claims:
-            return set(merged)
-        owner = claims[0]
+            return set()
         taken: dict[str, RouteKey] = {}
         for key in claims:
             path = self._path[key]
-            if not self.share_hosts and key[0] != owner[0]:
+            if not self.share_hosts and self._claims[key][0] != owner_namespace:
                 verdict: str | None = (
-                    f"host {host} belongs to namespace {owner[0]} "
-                    f"(its route {owner[0]}/{owner[1]} claimed it first)"
+                    f"host {host} belongs to namespace {owner_namespace} "
+                    f"(its {owner_what} claimed it first)"
                 )
+            elif key in self._merged:
+                verdict = None
             elif path in taken:
                 winner = taken[path]
                 verdict = (
@@ -238,7 +337,11 @@ class RouteStatusBook:
                 taken[path] = key
                 verdict = None
             self._conflict[key] = verdict
-        return set(claims) | set(merged)
+            if verdict is None:
+                self._lost.discard(key)
+            else:
+                self._lost.add(key)
+        return set(claims)
 
     def _compute(
         self,

@@ -65,9 +65,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 from waygate.resolver.model import (
+    ADMITTED,
     Change,
     Endpoint,
     EndpointKey,
+    HostClaim,
     Kind,
     Route,
     RouteKey,
@@ -77,7 +79,7 @@ from waygate.resolver.model import (
     TunnelPresence,
     TunnelServer,
 )
-from waygate.resolver.status import RouteStatusBook
+from waygate.resolver.status import HOST_ALREADY_CLAIMED, HostConflict, RouteStatusBook
 
 log = logging.getLogger(__name__)
 
@@ -391,6 +393,7 @@ class Store:
         self._backlogs: dict[tuple[int, frozenset[Kind]], Batch] = {}
         # Version of the last change to each service or to its endpoints.
         self._service_revisions: dict[ServiceKey, int] = {}
+        self._route_listeners: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------ reads
 
@@ -423,6 +426,45 @@ class Store:
 
     def route_owner(self, namespace: str, name: str) -> str | None:
         return self._owners[Kind.ROUTES].get((namespace, name))
+
+    def host_conflicts(self) -> dict[tuple[str, str, str], HostConflict]:
+        """The Gateway API and Ingress objects some of whose routes lose their host to
+        another namespace's older claim, by (kind, namespace, name); a Gateway when a
+        route through one of its listeners' hostnames does. The status board shows it
+        in the object's status."""
+        if not self._status.any_lost():
+            return {}
+        verdicts: dict[tuple[str, str, str], list[str | None]] = {}
+        listeners: dict[tuple[str, str, str], dict[str, str]] = {}
+        for route in self._served.values():
+            kind, _, where = route.origin.partition(" ")
+            namespace, _, name = where.partition("/")
+            if not route.matches or not name:
+                continue
+            why = route.status.condition(ADMITTED) if route.status is not None else None
+            lost = why.message if why is not None and why.reason == HOST_ALREADY_CLAIMED else None
+            verdicts.setdefault((kind, namespace, name), []).append(lost)
+            claim = route.host_claim
+            if lost is not None and claim is not None:
+                gateway = listeners.setdefault(("Gateway", claim.namespace, claim.gateway), {})
+                gateway.setdefault(claim.listener, lost)
+        for (namespace, name), lost_listeners in self._status.listener_conflicts().items():
+            gateway = listeners.setdefault(("Gateway", namespace, name), {})
+            for listener, reason in lost_listeners.items():
+                gateway.setdefault(listener, reason)
+        found = {
+            key: HostConflict(all(v is not None for v in lost), next(v for v in lost if v))
+            for key, lost in verdicts.items()
+            if any(lost)
+        }
+        for key, by_listener in listeners.items():
+            first = next(iter(by_listener.values()))
+            found[key] = HostConflict(False, first, tuple(sorted(by_listener)))
+        return found
+
+    def on_route_changes(self, callback: Callable[[], None]) -> None:
+        """Call `callback` after every version that changes a route or its status."""
+        self._route_listeners.append(callback)
 
     def tunnel_presence(self, node: str) -> TunnelPresence | None:
         return self._tunnels.get(node)
@@ -603,11 +645,13 @@ class Store:
         services: Iterable[Service] | None = None,
         endpoints: Iterable[Endpoint] | None = None,
         routes: Iterable[Route] | None = None,
+        claims: Iterable[tuple[str, HostClaim]] | None = None,
     ) -> None:
         """Make each given kind exactly what `source` contributes (None: leave it).
 
         Whatever `source` owned before and is absent now is deleted; all of it
-        lands in one version.
+        lands in one version. `claims`: the source's Gateway listeners' hostname
+        claims (host, claim), which own hosts like routes (waygate.resolver.status).
         """
         changes: list[Change] = []
         if services is not None:
@@ -631,8 +675,11 @@ class Store:
                     self._drop_route(key, source, changes)
             for route in new_routes.values():
                 self._put_route(route, source, changes)
+        hosts = None
+        if claims is not None:
+            hosts = self._status.set_listener_claims(source, claims, self._clock())
         self._note_source(source)
-        self._commit(changes, source)
+        self._commit(changes, source, hosts)
 
     # ------------------------------------------------------------ internals
 
@@ -699,12 +746,18 @@ class Store:
             return False
         return True
 
-    def _commit(self, changes: list[Change], source: str | None) -> None:
+    def _commit(
+        self, changes: list[Change], source: str | None, hosts: set[str] | None = None
+    ) -> None:
         if source is not None:
             self._note_source(source)
-        if not changes:
+        if not changes and not hosts:
             return
-        changes = self._with_status(changes)
+        changes = self._with_status(changes, hosts or set())
+        if not changes:
+            # Only listener claims moved: no route changed, but a Gateway's may have.
+            self._notify_route_listeners()
+            return
         batch = Batch(self.version, self.version + 1, tuple(changes), shared=True)
         self.version = batch.version
         self._snapshots.clear()
@@ -727,8 +780,14 @@ class Store:
             self._history_floor = dropped.version
         for subscription in list(self._subscriptions):
             subscription._offer(batch)
+        if hosts or any(c.kind is Kind.ROUTES for c in changes):
+            self._notify_route_listeners()
 
-    def _with_status(self, changes: list[Change]) -> list[Change]:
+    def _notify_route_listeners(self) -> None:
+        for callback in list(self._route_listeners):
+            callback()
+
+    def _with_status(self, changes: list[Change], hosts: set[str]) -> list[Change]:
         """`changes` with routes carrying their status, plus the routes whose status
         these changes changed (published in the same version)."""
         route_keys: list[RouteKey] = [
@@ -737,7 +796,7 @@ class Store:
         service_keys = {
             (c.key[0], c.key[1]) for c in changes if c.kind in (Kind.SERVICES, Kind.ENDPOINTS)
         }
-        if not route_keys and not service_keys:
+        if not route_keys and not service_keys and not hosts:
             return changes
         updated = self._status.update(
             self._routes,
@@ -745,6 +804,7 @@ class Store:
             self.endpoints_of,
             changed_routes=route_keys,
             changed_services=service_keys,
+            changed_hosts=hosts,
             now=self._clock(),
         )
         result: list[Change] = []

@@ -38,6 +38,7 @@ from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
 
+from waygate.core import regex as linear_regex
 from waygate.core.errors import EXCERPT_LIMIT, InvalidArgument, excerpt
 from waygate.core.paths import normalize_escapes
 from waygate.resolver.model import (
@@ -48,12 +49,14 @@ from waygate.resolver.model import (
     Endpoint,
     EndpointPort,
     InsecureEdgePolicy,
+    PathMatchType,
     Route,
     RouteTLS,
     SameSite,
     Service,
     ServicePort,
     TLSTermination,
+    ValueMatchType,
 )
 
 MAX_WEIGHT = 256
@@ -272,6 +275,7 @@ def validate_route(route: Route) -> Route:
             )
         if passthrough:
             raise _fail(what, "upstream_protocol", "passthrough routes relay TLS untouched")
+    _check_match_patterns(route, what)
     for timeout_field in dataclasses.fields(route.timeouts):
         value = getattr(route.timeouts, timeout_field.name)
         if value is None:
@@ -283,6 +287,23 @@ def validate_route(route: Route) -> Route:
                 f"{value}s must be more than 0 and at most {MAX_TIMEOUT_SECONDS:.0f}s",
             )
     return dataclasses.replace(route, host=host, path=path, tls=tls)
+
+
+def _check_match_patterns(route: Route, what: str) -> None:
+    """Regular expressions of a route's matches (ApplyRoute may carry them): only
+    what RE2 can express is admitted, the proxy matches with it (core/regex.py)."""
+    for index, match in enumerate(route.matches):
+        checks = [("path", match.path)] if match.path_type is PathMatchType.REGEX else []
+        for kind, values in (("headers", match.headers), ("query", match.query)):
+            checks += [
+                (f"{kind}[{i}].value", v.value)
+                for i, v in enumerate(values)
+                if v.type is ValueMatchType.REGEX
+            ]
+        for field, pattern in checks:
+            reason = linear_regex.refusal(pattern)
+            if reason is not None:
+                raise _fail(what, f"matches[{index}].{field}", f"{excerpt(pattern)}: {reason}")
 
 
 def validate_tls(tls: RouteTLS, what: str) -> RouteTLS:

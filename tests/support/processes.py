@@ -149,7 +149,7 @@ async def run_cli(
 
 async def http_get(port: int, path: str) -> tuple[int, str]:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(f"GET {path} HTTP/1.1\r\nHost: test\r\n\r\n".encode())
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
     data = await asyncio.wait_for(reader.read(), 10)
     writer.close()
     head, _, body = data.partition(b"\r\n\r\n")

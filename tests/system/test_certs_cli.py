@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import stat
+from datetime import UTC, datetime
 from pathlib import Path
 
 import grpc
@@ -260,3 +261,51 @@ async def test_bundle_configmap_follows_the_bundle(tmp_path: Path) -> None:
             assert configmap["data"]["ca.pem"] == (tmp_path / "bundle.pem").read_text()
         finally:
             assert await certs.stop() == 0
+
+
+async def test_serve_under_an_upstream_root_refuses_a_short_lived_intermediate(
+    tmp_path: Path,
+) -> None:
+    """`--ca-cert/--ca-key/--trust-anchor`: an intermediate with less life than two
+    maximum leaf lifetimes plus the propagation delay is refused at start, with the
+    reason; a long-lived one is served, its root published as the trust bundle."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    from tests.integration.certs.test_upstream_authority import DAY, OrgCA
+
+    now = datetime.now(UTC)
+    root = OrgCA("Example Root", now, 3650 * DAY)
+
+    def write(name: str, lifetime_days: int) -> list[str]:
+        intermediate = OrgCA(name, now, lifetime_days * DAY, root)
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "root.pem").write_bytes(root.cert.public_bytes(serialization.Encoding.PEM))
+        (folder / "ca.pem").write_bytes(intermediate.cert.public_bytes(serialization.Encoding.PEM))
+        key = folder / "ca.key"
+        key.write_bytes(
+            intermediate.key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
+        key.chmod(0o600)
+        return [
+            "--ca-dir", str(folder / "state"), "--ca-cert", str(folder / "ca.pem"),
+            "--ca-key", str(key), "--trust-anchor", str(folder / "root.pem"),
+        ]  # fmt: skip
+
+    code, _, err = await run_cli(*serve_argv(tmp_path, *write("short", 10))[1:])
+    assert code != 0
+    # Leaves of at most 7 days (the default) and a 1 h propagation delay: 14 days.
+    assert "rotating safely needs at least 14.0 days" in err
+    assert not (tmp_path / "short" / "state").exists()
+
+    certs = await start_service(serve_argv(tmp_path, *write("long", 90)))
+    try:
+        bundle = x509.load_pem_x509_certificates((tmp_path / "bundle.pem").read_bytes())
+        assert bundle == [root.cert]
+    finally:
+        await certs.stop()

@@ -78,7 +78,9 @@ class Replicas:
             "--kubeconfig", str(kubeconfig), "--ca-secret", "/".join(SECRET),
             "--tokens-file", str(tokens_file(self.tmp_path)),
             "--leader-identity", name, "--lease-duration", "2s", "--renew-deadline", "1s",
-            "--retry-period", "0.25s", *self.extra,
+            "--retry-period", "0.25s",
+            # A leader resuming a rotation waits this long for consumers to report to it.
+            "--consumer-settle", "1s", *self.extra,
         ]  # fmt: skip
 
     def _record(self) -> None:

@@ -59,7 +59,7 @@ async def probe(port: int, path: str) -> int:
     """The status code a probe got; 0 when the connection closed without an answer."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
-        writer.write(f"GET {path} HTTP/1.1\r\nHost: kubelet\r\n\r\n".encode())
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
         status_line = await reader.readline()
         return int(status_line.split(b" ", 2)[1]) if status_line else 0  # 0: closed unanswered
     finally:

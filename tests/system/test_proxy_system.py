@@ -24,7 +24,7 @@ pytestmark = pytest.mark.system
 GiB = 1 << 30
 
 
-def routes_yaml(port: int, *, path: str = "/") -> str:
+def routes_yaml(port: int, *, path: str = "/", request_buffering: bool = True) -> str:
     return f"""
 services:
   - namespace: demo
@@ -40,6 +40,7 @@ routes:
     path: {path}
     to: echo
     targetPort: http
+    requestBuffering: {str(request_buffering).lower()}
 """
 
 
@@ -96,7 +97,7 @@ async def get(port: int, path: str = "/", host: bytes = b"echo.test") -> bytes:
 async def ready(proxy: RunningService) -> bool:
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", proxy.admin_port)
-        writer.write(b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
+        writer.write(b"GET /readyz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         data = await asyncio.wait_for(reader.read(), 5)
         writer.close()
         return data.startswith(b"HTTP/1.1 200")
@@ -202,7 +203,8 @@ def rss_kib(pid: int) -> int:
 async def test_one_gib_upload_and_download_stream_in_bounded_memory(tmp_path: Path) -> None:
     upstream = await RecordingUpstream().start()
     routes_file = tmp_path / "routes.yaml"
-    routes_file.write_text(routes_yaml(upstream.port))
+    # A streaming route: request buffering off (a 1 GiB body is past its bound).
+    routes_file.write_text(routes_yaml(upstream.port, request_buffering=False))
     resolver = await start_resolver(routes_file)
     proxy, port = await start_proxy(resolver.grpc_address)
     try:
@@ -263,7 +265,7 @@ async def test_workers_share_the_port_and_one_metrics_endpoint(tmp_path: Path) -
 
         async def scraped_total() -> float:
             reader, writer = await asyncio.open_connection("127.0.0.1", proxy.admin_port)
-            writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            writer.write(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             data = (await asyncio.wait_for(reader.read(), 5)).decode()
             writer.close()
             lines = [

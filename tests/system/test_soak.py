@@ -45,6 +45,7 @@ EXPECTED = {
     "certs-down: zero failed requests",
     "certs-down: renewals resumed in every process",
     "ca-rotation: zero failed requests",
+    "ca-rotation: every trust consumer acknowledged the new CA before it signed",
     "ca-rotation: every process took a leaf from the new CA",
     "ts-killed: only requests in flight through the killed replica failed",
     "agent-killed: zero failed requests",
@@ -71,6 +72,9 @@ async def test_a_short_soak_keeps_every_promise(tmp_path: Path) -> None:
         stack.stop_all()
     report = soak.report()
     print(report)
+    # The CA rotation took the acknowledged path and says how long it waited, for whom.
+    rotation = next(p for p in soak.phases if p.name == "ca-rotation")
+    assert any(n.startswith("prepare -> activate: ") for n in rotation.notes), rotation.notes
     names = {check.name for check in soak.checks}
     assert names >= EXPECTED, f"checks not made: {sorted(EXPECTED - names)}\n{report}"
     failed = [c for c in soak.checks if not c.ok]

@@ -26,15 +26,17 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cwaygate/certs/v1/certs.proto\x12\x10waygate.certs.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x83\x01\n\x0e\x43\x65rtifyRequest\x12\x10\n\x08identity\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\x12#\n\x1b\x63\x65rtificate_signing_request\x18\x03 \x01(\x0c\x12+\n\x08lifetime\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\"\x8f\x01\n\x0f\x43\x65rtifyResponse\x12\x18\n\x10leaf_certificate\x18\x01 \x01(\x0c\x12!\n\x19intermediate_certificates\x18\x02 \x03(\x0c\x12/\n\x0bvalid_until\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06serial\x18\x04 \x01(\t\"\x17\n\x15GetTrustBundleRequest\"\x19\n\x17WatchTrustBundleRequest\"\xa0\x01\n\x14\x43\x65rtificateAuthority\x12\x13\n\x0b\x63\x65rtificate\x18\x01 \x01(\x0c\x12(\n\x05state\x18\x02 \x01(\x0e\x32\x19.waygate.certs.v1.CAState\x12\x1a\n\x12\x66ingerprint_sha256\x18\x03 \x01(\t\x12-\n\tnot_after\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"h\n\x0bTrustBundle\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12;\n\x0b\x61uthorities\x18\x02 \x03(\x0b\x32&.waygate.certs.v1.CertificateAuthority\x12\x0b\n\x03pem\x18\x03 \x01(\t\"w\n\x0fRotateCARequest\x12\x34\n\x11propagation_delay\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12.\n\x0b\x63\x61_lifetime\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xed\x01\n\x10RotateCAResponse\x12=\n\rnew_authority\x18\x01 \x01(\x0b\x32&.waygate.certs.v1.CertificateAuthority\x12\x35\n\x11signing_switch_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x34\n\x10old_retire_after\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12-\n\x06\x62undle\x18\x04 \x01(\x0b\x32\x1d.waygate.certs.v1.TrustBundle\"e\n\x11ListIssuedRequest\x12\x10\n\x08identity\x18\x01 \x01(\t\x12\x17\n\x0finclude_expired\x18\x02 \x01(\x08\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x12\n\npage_token\x18\x04 \x01(\t\"\xee\x01\n\x11IssuedCertificate\x12\x0e\n\x06serial\x18\x01 \x01(\t\x12\x10\n\x08identity\x18\x02 \x01(\t\x12\x11\n\tdns_names\x18\x03 \x03(\t\x12\x0c\n\x04uris\x18\x04 \x03(\t\x12.\n\nnot_before\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12-\n\tnot_after\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12!\n\x19issuer_fingerprint_sha256\x18\x07 \x01(\t\x12\x14\n\x0crequested_by\x18\x08 \x01(\t\"y\n\x12ListIssuedResponse\x12\x39\n\x0c\x63\x65rtificates\x18\x01 \x03(\x0b\x32#.waygate.certs.v1.IssuedCertificate\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\x12\x0f\n\x07replica\x18\x03 \x01(\t*d\n\x07\x43\x41State\x12\x18\n\x14\x43\x41_STATE_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x43\x41_STATE_STAGED\x10\x01\x12\x13\n\x0f\x43\x41_STATE_ACTIVE\x10\x02\x12\x15\n\x11\x43\x41_STATE_RETIRING\x10\x03\x32\xbd\x03\n\x05\x43\x65rts\x12N\n\x07\x43\x65rtify\x12 .waygate.certs.v1.CertifyRequest\x1a!.waygate.certs.v1.CertifyResponse\x12X\n\x0eGetTrustBundle\x12\'.waygate.certs.v1.GetTrustBundleRequest\x1a\x1d.waygate.certs.v1.TrustBundle\x12^\n\x10WatchTrustBundle\x12).waygate.certs.v1.WatchTrustBundleRequest\x1a\x1d.waygate.certs.v1.TrustBundle0\x01\x12Q\n\x08RotateCA\x12!.waygate.certs.v1.RotateCARequest\x1a\".waygate.certs.v1.RotateCAResponse\x12W\n\nListIssued\x12#.waygate.certs.v1.ListIssuedRequest\x1a$.waygate.certs.v1.ListIssuedResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cwaygate/certs/v1/certs.proto\x12\x10waygate.certs.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x83\x01\n\x0e\x43\x65rtifyRequest\x12\x10\n\x08identity\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\x12#\n\x1b\x63\x65rtificate_signing_request\x18\x03 \x01(\x0c\x12+\n\x08lifetime\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\"\x8f\x01\n\x0f\x43\x65rtifyResponse\x12\x18\n\x10leaf_certificate\x18\x01 \x01(\x0c\x12!\n\x19intermediate_certificates\x18\x02 \x03(\x0c\x12/\n\x0bvalid_until\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06serial\x18\x04 \x01(\t\"\x17\n\x15GetTrustBundleRequest\"\x19\n\x17WatchTrustBundleRequest\"\xa0\x01\n\x14\x43\x65rtificateAuthority\x12\x13\n\x0b\x63\x65rtificate\x18\x01 \x01(\x0c\x12(\n\x05state\x18\x02 \x01(\x0e\x32\x19.waygate.certs.v1.CAState\x12\x1a\n\x12\x66ingerprint_sha256\x18\x03 \x01(\t\x12-\n\tnot_after\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"h\n\x0bTrustBundle\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12;\n\x0b\x61uthorities\x18\x02 \x03(\x0b\x32&.waygate.certs.v1.CertificateAuthority\x12\x0b\n\x03pem\x18\x03 \x01(\t\"\x86\x01\n\x0fRotateCARequest\x12\x34\n\x11propagation_delay\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12.\n\x0b\x63\x61_lifetime\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\r\n\x05\x66orce\x18\x03 \x01(\x08\"\xb8\x02\n\x10RotateCAResponse\x12=\n\rnew_authority\x18\x01 \x01(\x0b\x32&.waygate.certs.v1.CertificateAuthority\x12\x35\n\x11signing_switch_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x34\n\x10old_retire_after\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12-\n\x06\x62undle\x18\x04 \x01(\x0b\x32\x1d.waygate.certs.v1.TrustBundle\x12\x13\n\x0b\x66orced_step\x18\x05 \x01(\t\x12\x34\n\x0b\x66orced_past\x18\x06 \x03(\x0b\x32\x1f.waygate.certs.v1.TrustConsumer\"~\n\x12ReportTrustRequest\x12\x10\n\x08identity\x18\x01 \x01(\t\x12\x10\n\x08instance\x18\x02 \x01(\t\x12\x16\n\x0e\x62undle_version\x18\x03 \x01(\x04\x12\x1b\n\x13\x66ingerprints_sha256\x18\x04 \x03(\t\x12\x0f\n\x07leaving\x18\x05 \x01(\x08\"I\n\x13ReportTrustResponse\x12\x32\n\x0freport_interval\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xa7\x01\n\rTrustConsumer\x12\x10\n\x08identity\x18\x01 \x01(\t\x12\x10\n\x08instance\x18\x02 \x01(\t\x12\x16\n\x0e\x62undle_version\x18\x03 \x01(\x04\x12\x1b\n\x13\x66ingerprints_sha256\x18\x04 \x03(\t\x12/\n\x0blast_report\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04live\x18\x06 \x01(\x08\"\x1a\n\x18GetRotationStatusRequest\"\xb0\x02\n\x0eRotationStatus\x12.\n\x05phase\x18\x01 \x01(\x0e\x32\x1f.waygate.certs.v1.RotationPhase\x12\x11\n\tnext_step\x18\x02 \x01(\t\x12.\n\nnot_before\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x34\n\x0bwaiting_for\x18\x04 \x03(\x0b\x32\x1f.waygate.certs.v1.TrustConsumer\x12\x32\n\tconsumers\x18\x05 \x03(\x0b\x32\x1f.waygate.certs.v1.TrustConsumer\x12\x0f\n\x07replica\x18\x06 \x01(\t\x12\x30\n\x0csettle_until\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"e\n\x11ListIssuedRequest\x12\x10\n\x08identity\x18\x01 \x01(\t\x12\x17\n\x0finclude_expired\x18\x02 \x01(\x08\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x12\n\npage_token\x18\x04 \x01(\t\"\xee\x01\n\x11IssuedCertificate\x12\x0e\n\x06serial\x18\x01 \x01(\t\x12\x10\n\x08identity\x18\x02 \x01(\t\x12\x11\n\tdns_names\x18\x03 \x03(\t\x12\x0c\n\x04uris\x18\x04 \x03(\t\x12.\n\nnot_before\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12-\n\tnot_after\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12!\n\x19issuer_fingerprint_sha256\x18\x07 \x01(\t\x12\x14\n\x0crequested_by\x18\x08 \x01(\t\"y\n\x12ListIssuedResponse\x12\x39\n\x0c\x63\x65rtificates\x18\x01 \x03(\x0b\x32#.waygate.certs.v1.IssuedCertificate\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\x12\x0f\n\x07replica\x18\x03 \x01(\t*d\n\x07\x43\x41State\x12\x18\n\x14\x43\x41_STATE_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x43\x41_STATE_STAGED\x10\x01\x12\x13\n\x0f\x43\x41_STATE_ACTIVE\x10\x02\x12\x15\n\x11\x43\x41_STATE_RETIRING\x10\x03*\x9c\x01\n\rRotationPhase\x12\x1e\n\x1aROTATION_PHASE_UNSPECIFIED\x10\x00\x12\x17\n\x13ROTATION_PHASE_IDLE\x10\x01\x12\x1a\n\x16ROTATION_PHASE_PREPARE\x10\x02\x12\x1b\n\x17ROTATION_PHASE_ACTIVATE\x10\x03\x12\x19\n\x15ROTATION_PHASE_RETIRE\x10\x04\x32\xfc\x04\n\x05\x43\x65rts\x12N\n\x07\x43\x65rtify\x12 .waygate.certs.v1.CertifyRequest\x1a!.waygate.certs.v1.CertifyResponse\x12X\n\x0eGetTrustBundle\x12\'.waygate.certs.v1.GetTrustBundleRequest\x1a\x1d.waygate.certs.v1.TrustBundle\x12^\n\x10WatchTrustBundle\x12).waygate.certs.v1.WatchTrustBundleRequest\x1a\x1d.waygate.certs.v1.TrustBundle0\x01\x12Q\n\x08RotateCA\x12!.waygate.certs.v1.RotateCARequest\x1a\".waygate.certs.v1.RotateCAResponse\x12Z\n\x0bReportTrust\x12$.waygate.certs.v1.ReportTrustRequest\x1a%.waygate.certs.v1.ReportTrustResponse\x12\x61\n\x11GetRotationStatus\x12*.waygate.certs.v1.GetRotationStatusRequest\x1a .waygate.certs.v1.RotationStatus\x12W\n\nListIssued\x12#.waygate.certs.v1.ListIssuedRequest\x1a$.waygate.certs.v1.ListIssuedResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'waygate.certs.v1.certs_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CASTATE']._serialized_start=1544
-  _globals['_CASTATE']._serialized_end=1644
+  _globals['_CASTATE']._serialized_start=2343
+  _globals['_CASTATE']._serialized_end=2443
+  _globals['_ROTATIONPHASE']._serialized_start=2446
+  _globals['_ROTATIONPHASE']._serialized_end=2602
   _globals['_CERTIFYREQUEST']._serialized_start=116
   _globals['_CERTIFYREQUEST']._serialized_end=247
   _globals['_CERTIFYRESPONSE']._serialized_start=250
@@ -47,16 +49,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CERTIFICATEAUTHORITY']._serialized_end=608
   _globals['_TRUSTBUNDLE']._serialized_start=610
   _globals['_TRUSTBUNDLE']._serialized_end=714
-  _globals['_ROTATECAREQUEST']._serialized_start=716
-  _globals['_ROTATECAREQUEST']._serialized_end=835
-  _globals['_ROTATECARESPONSE']._serialized_start=838
-  _globals['_ROTATECARESPONSE']._serialized_end=1075
-  _globals['_LISTISSUEDREQUEST']._serialized_start=1077
-  _globals['_LISTISSUEDREQUEST']._serialized_end=1178
-  _globals['_ISSUEDCERTIFICATE']._serialized_start=1181
-  _globals['_ISSUEDCERTIFICATE']._serialized_end=1419
-  _globals['_LISTISSUEDRESPONSE']._serialized_start=1421
-  _globals['_LISTISSUEDRESPONSE']._serialized_end=1542
-  _globals['_CERTS']._serialized_start=1647
-  _globals['_CERTS']._serialized_end=2092
+  _globals['_ROTATECAREQUEST']._serialized_start=717
+  _globals['_ROTATECAREQUEST']._serialized_end=851
+  _globals['_ROTATECARESPONSE']._serialized_start=854
+  _globals['_ROTATECARESPONSE']._serialized_end=1166
+  _globals['_REPORTTRUSTREQUEST']._serialized_start=1168
+  _globals['_REPORTTRUSTREQUEST']._serialized_end=1294
+  _globals['_REPORTTRUSTRESPONSE']._serialized_start=1296
+  _globals['_REPORTTRUSTRESPONSE']._serialized_end=1369
+  _globals['_TRUSTCONSUMER']._serialized_start=1372
+  _globals['_TRUSTCONSUMER']._serialized_end=1539
+  _globals['_GETROTATIONSTATUSREQUEST']._serialized_start=1541
+  _globals['_GETROTATIONSTATUSREQUEST']._serialized_end=1567
+  _globals['_ROTATIONSTATUS']._serialized_start=1570
+  _globals['_ROTATIONSTATUS']._serialized_end=1874
+  _globals['_LISTISSUEDREQUEST']._serialized_start=1876
+  _globals['_LISTISSUEDREQUEST']._serialized_end=1977
+  _globals['_ISSUEDCERTIFICATE']._serialized_start=1980
+  _globals['_ISSUEDCERTIFICATE']._serialized_end=2218
+  _globals['_LISTISSUEDRESPONSE']._serialized_start=2220
+  _globals['_LISTISSUEDRESPONSE']._serialized_end=2341
+  _globals['_CERTS']._serialized_start=2605
+  _globals['_CERTS']._serialized_end=3241
 # @@protoc_insertion_point(module_scope)

@@ -17,10 +17,23 @@ class CAState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CA_STATE_STAGED: _ClassVar[CAState]
     CA_STATE_ACTIVE: _ClassVar[CAState]
     CA_STATE_RETIRING: _ClassVar[CAState]
+
+class RotationPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROTATION_PHASE_UNSPECIFIED: _ClassVar[RotationPhase]
+    ROTATION_PHASE_IDLE: _ClassVar[RotationPhase]
+    ROTATION_PHASE_PREPARE: _ClassVar[RotationPhase]
+    ROTATION_PHASE_ACTIVATE: _ClassVar[RotationPhase]
+    ROTATION_PHASE_RETIRE: _ClassVar[RotationPhase]
 CA_STATE_UNSPECIFIED: CAState
 CA_STATE_STAGED: CAState
 CA_STATE_ACTIVE: CAState
 CA_STATE_RETIRING: CAState
+ROTATION_PHASE_UNSPECIFIED: RotationPhase
+ROTATION_PHASE_IDLE: RotationPhase
+ROTATION_PHASE_PREPARE: RotationPhase
+ROTATION_PHASE_ACTIVATE: RotationPhase
+ROTATION_PHASE_RETIRE: RotationPhase
 
 class CertifyRequest(_message.Message):
     __slots__ = ("identity", "token", "certificate_signing_request", "lifetime")
@@ -77,24 +90,88 @@ class TrustBundle(_message.Message):
     def __init__(self, version: _Optional[int] = ..., authorities: _Optional[_Iterable[_Union[CertificateAuthority, _Mapping]]] = ..., pem: _Optional[str] = ...) -> None: ...
 
 class RotateCARequest(_message.Message):
-    __slots__ = ("propagation_delay", "ca_lifetime")
+    __slots__ = ("propagation_delay", "ca_lifetime", "force")
     PROPAGATION_DELAY_FIELD_NUMBER: _ClassVar[int]
     CA_LIFETIME_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
     propagation_delay: _duration_pb2.Duration
     ca_lifetime: _duration_pb2.Duration
-    def __init__(self, propagation_delay: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., ca_lifetime: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    force: bool
+    def __init__(self, propagation_delay: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., ca_lifetime: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., force: _Optional[bool] = ...) -> None: ...
 
 class RotateCAResponse(_message.Message):
-    __slots__ = ("new_authority", "signing_switch_at", "old_retire_after", "bundle")
+    __slots__ = ("new_authority", "signing_switch_at", "old_retire_after", "bundle", "forced_step", "forced_past")
     NEW_AUTHORITY_FIELD_NUMBER: _ClassVar[int]
     SIGNING_SWITCH_AT_FIELD_NUMBER: _ClassVar[int]
     OLD_RETIRE_AFTER_FIELD_NUMBER: _ClassVar[int]
     BUNDLE_FIELD_NUMBER: _ClassVar[int]
+    FORCED_STEP_FIELD_NUMBER: _ClassVar[int]
+    FORCED_PAST_FIELD_NUMBER: _ClassVar[int]
     new_authority: CertificateAuthority
     signing_switch_at: _timestamp_pb2.Timestamp
     old_retire_after: _timestamp_pb2.Timestamp
     bundle: TrustBundle
-    def __init__(self, new_authority: _Optional[_Union[CertificateAuthority, _Mapping]] = ..., signing_switch_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., old_retire_after: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., bundle: _Optional[_Union[TrustBundle, _Mapping]] = ...) -> None: ...
+    forced_step: str
+    forced_past: _containers.RepeatedCompositeFieldContainer[TrustConsumer]
+    def __init__(self, new_authority: _Optional[_Union[CertificateAuthority, _Mapping]] = ..., signing_switch_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., old_retire_after: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., bundle: _Optional[_Union[TrustBundle, _Mapping]] = ..., forced_step: _Optional[str] = ..., forced_past: _Optional[_Iterable[_Union[TrustConsumer, _Mapping]]] = ...) -> None: ...
+
+class ReportTrustRequest(_message.Message):
+    __slots__ = ("identity", "instance", "bundle_version", "fingerprints_sha256", "leaving")
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    BUNDLE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINTS_SHA256_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
+    identity: str
+    instance: str
+    bundle_version: int
+    fingerprints_sha256: _containers.RepeatedScalarFieldContainer[str]
+    leaving: bool
+    def __init__(self, identity: _Optional[str] = ..., instance: _Optional[str] = ..., bundle_version: _Optional[int] = ..., fingerprints_sha256: _Optional[_Iterable[str]] = ..., leaving: _Optional[bool] = ...) -> None: ...
+
+class ReportTrustResponse(_message.Message):
+    __slots__ = ("report_interval",)
+    REPORT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    report_interval: _duration_pb2.Duration
+    def __init__(self, report_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class TrustConsumer(_message.Message):
+    __slots__ = ("identity", "instance", "bundle_version", "fingerprints_sha256", "last_report", "live")
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    BUNDLE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINTS_SHA256_FIELD_NUMBER: _ClassVar[int]
+    LAST_REPORT_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    identity: str
+    instance: str
+    bundle_version: int
+    fingerprints_sha256: _containers.RepeatedScalarFieldContainer[str]
+    last_report: _timestamp_pb2.Timestamp
+    live: bool
+    def __init__(self, identity: _Optional[str] = ..., instance: _Optional[str] = ..., bundle_version: _Optional[int] = ..., fingerprints_sha256: _Optional[_Iterable[str]] = ..., last_report: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., live: _Optional[bool] = ...) -> None: ...
+
+class GetRotationStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RotationStatus(_message.Message):
+    __slots__ = ("phase", "next_step", "not_before", "waiting_for", "consumers", "replica", "settle_until")
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
+    NOT_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
+    CONSUMERS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    SETTLE_UNTIL_FIELD_NUMBER: _ClassVar[int]
+    phase: RotationPhase
+    next_step: str
+    not_before: _timestamp_pb2.Timestamp
+    waiting_for: _containers.RepeatedCompositeFieldContainer[TrustConsumer]
+    consumers: _containers.RepeatedCompositeFieldContainer[TrustConsumer]
+    replica: str
+    settle_until: _timestamp_pb2.Timestamp
+    def __init__(self, phase: _Optional[_Union[RotationPhase, str]] = ..., next_step: _Optional[str] = ..., not_before: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., waiting_for: _Optional[_Iterable[_Union[TrustConsumer, _Mapping]]] = ..., consumers: _Optional[_Iterable[_Union[TrustConsumer, _Mapping]]] = ..., replica: _Optional[str] = ..., settle_until: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class ListIssuedRequest(_message.Message):
     __slots__ = ("identity", "include_expired", "page_size", "page_token")

@@ -54,6 +54,16 @@ class CertsStub:
                 request_serializer=waygate_dot_certs_dot_v1_dot_certs__pb2.RotateCARequest.SerializeToString,
                 response_deserializer=waygate_dot_certs_dot_v1_dot_certs__pb2.RotateCAResponse.FromString,
                 _registered_method=True)
+        self.ReportTrust = channel.unary_unary(
+                '/waygate.certs.v1.Certs/ReportTrust',
+                request_serializer=waygate_dot_certs_dot_v1_dot_certs__pb2.ReportTrustRequest.SerializeToString,
+                response_deserializer=waygate_dot_certs_dot_v1_dot_certs__pb2.ReportTrustResponse.FromString,
+                _registered_method=True)
+        self.GetRotationStatus = channel.unary_unary(
+                '/waygate.certs.v1.Certs/GetRotationStatus',
+                request_serializer=waygate_dot_certs_dot_v1_dot_certs__pb2.GetRotationStatusRequest.SerializeToString,
+                response_deserializer=waygate_dot_certs_dot_v1_dot_certs__pb2.RotationStatus.FromString,
+                _registered_method=True)
         self.ListIssued = channel.unary_unary(
                 '/waygate.certs.v1.Certs/ListIssued',
                 request_serializer=waygate_dot_certs_dot_v1_dot_certs__pb2.ListIssuedRequest.SerializeToString,
@@ -91,10 +101,37 @@ class CertsServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RotateCA(self, request, context):
-        """Admin: start a CA rotation. The new CA is published next to the old one at
-        once, signing switches to it after the propagation delay, and the old CA
-        leaves the bundle only when no leaf it signed is still valid.
-        FAILED_PRECONDITION while an earlier rotation has not finished.
+        """Admin: start a CA rotation. It moves prepare (the new CA is published next
+        to the old one) -> activate (the new CA signs) -> retire (the old CA leaves
+        the bundle), each step waiting for its condition: activate once every live
+        trust consumer reported (ReportTrust) a bundle with the new CA and at least
+        the propagation delay passed; retire once no leaf the old CA signed is
+        still valid; the rotation ends once every live consumer reported a bundle
+        without the old CA. FAILED_PRECONDITION while an earlier rotation has not
+        finished, naming who holds it; with `force`, the rotation in progress takes
+        its next step instead and the reply lists who will break.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportTrust(self, request, context):
+        """A trust consumer's acknowledgement: the bundle this process applied. Every
+        consumer using the certs client library calls it after each bundle it
+        applies and every `report_interval` while it runs, and with `leaving` when
+        it stops. A separate call, not a change to WatchTrustBundle, so older
+        clients keep working unchanged (they are simply not counted) and so does
+        anything that reads the bundle elsewhere (ca.pem, a ConfigMap) and reports
+        through the CLI. Authenticated like Certify (bearer token in the
+        `authorization` metadata); the caller must be allowed the identity it
+        reports for. INVALID_ARGUMENT for fields out of bounds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetRotationStatus(self, request, context):
+        """Admin: where the CA rotation stands and which bundle each consumer holds.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -129,6 +166,16 @@ def add_CertsServicer_to_server(servicer, server):
                     servicer.RotateCA,
                     request_deserializer=waygate_dot_certs_dot_v1_dot_certs__pb2.RotateCARequest.FromString,
                     response_serializer=waygate_dot_certs_dot_v1_dot_certs__pb2.RotateCAResponse.SerializeToString,
+            ),
+            'ReportTrust': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportTrust,
+                    request_deserializer=waygate_dot_certs_dot_v1_dot_certs__pb2.ReportTrustRequest.FromString,
+                    response_serializer=waygate_dot_certs_dot_v1_dot_certs__pb2.ReportTrustResponse.SerializeToString,
+            ),
+            'GetRotationStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRotationStatus,
+                    request_deserializer=waygate_dot_certs_dot_v1_dot_certs__pb2.GetRotationStatusRequest.FromString,
+                    response_serializer=waygate_dot_certs_dot_v1_dot_certs__pb2.RotationStatus.SerializeToString,
             ),
             'ListIssued': grpc.unary_unary_rpc_method_handler(
                     servicer.ListIssued,
@@ -244,6 +291,60 @@ class Certs:
             '/waygate.certs.v1.Certs/RotateCA',
             waygate_dot_certs_dot_v1_dot_certs__pb2.RotateCARequest.SerializeToString,
             waygate_dot_certs_dot_v1_dot_certs__pb2.RotateCAResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportTrust(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/waygate.certs.v1.Certs/ReportTrust',
+            waygate_dot_certs_dot_v1_dot_certs__pb2.ReportTrustRequest.SerializeToString,
+            waygate_dot_certs_dot_v1_dot_certs__pb2.ReportTrustResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRotationStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/waygate.certs.v1.Certs/GetRotationStatus',
+            waygate_dot_certs_dot_v1_dot_certs__pb2.GetRotationStatusRequest.SerializeToString,
+            waygate_dot_certs_dot_v1_dot_certs__pb2.RotationStatus.FromString,
             options,
             channel_credentials,
             insecure,

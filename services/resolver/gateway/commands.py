@@ -24,7 +24,13 @@ from typing import Any
 import yaml
 from google.protobuf import json_format
 
-from waygate.core.clientcli import ClientSettings, add_client_arguments, channel_for, run_client
+from waygate.core.clientcli import (
+    ClientSettings,
+    add_client_arguments,
+    channel_for,
+    run_client,
+    table,
+)
 from waygate.resolver import convert
 from waygate.resolver.commands import format_sources
 from waygate.resolver.gateway.translate import STATUS_KINDS
@@ -35,14 +41,6 @@ DEFAULT_PORT = 7001
 KINDS = STATUS_KINDS
 # Conditions whose healthy status is False.
 _HEALTHY_FALSE = {"Conflicted"}
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=False)]
-    return "\n".join(
-        "  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=False)).rstrip()
-        for row in (header, *rows)
-    )
 
 
 def _short(conditions: Sequence[pb.GatewayCondition]) -> str:
@@ -67,7 +65,7 @@ def _row(item: pb.GatewayObjectStatus) -> tuple[str, ...]:
         )
         status = _short(item.conditions)
     elif item.kind == "Ingress":
-        status = "-"
+        status = _short(item.conditions) if item.conditions else "-"
         detail = "address " + ", ".join(item.addresses) if item.addresses else "no address"
     elif item.kind == "GatewayClass":
         status, detail = _short(item.conditions), ""
@@ -85,7 +83,7 @@ def _row(item: pb.GatewayObjectStatus) -> tuple[str, ...]:
 
 
 def format_gateways(objects: Sequence[pb.GatewayObjectStatus]) -> str:
-    return _table(("KIND", "NAMESPACE", "NAME", "STATUS", "LISTENERS"), [_row(o) for o in objects])
+    return table(("KIND", "NAMESPACE", "NAME", "STATUS", "LISTENERS"), [_row(o) for o in objects])
 
 
 def as_documents(objects: Sequence[pb.GatewayObjectStatus]) -> list[dict[str, Any]]:

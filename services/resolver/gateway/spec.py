@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from waygate.core import regex as linear_regex
+from waygate.core.errors import excerpt
 from waygate.resolver.model import (
     HeaderMatch,
     HeaderModifier,
@@ -42,7 +44,28 @@ CONTROLLER_NAME = "waygate.io/gateway-controller"
 INGRESS_CONTROLLER = "waygate.io/ingress-controller"
 
 MAX_PATH = 1024
-MAX_REGEX = 1024
+# The CRDs' maxItems (gateway-api v1.x standard channel), checked on every source:
+# the API server refuses more in a cluster, and a manifest must not get further.
+MAX_RULES = 16
+MAX_MATCHES = 64  # per rule; and at most MAX_MATCHES_PER_ROUTE in all the rules
+MAX_MATCHES_PER_ROUTE = 128
+MAX_FILTERS = 16
+MAX_BACKEND_REFS = 16
+MAX_HOSTNAMES = 16
+MAX_PARENT_REFS = 32
+MAX_VALUE_MATCHES = 16  # header or query parameter matches of one match
+MAX_HEADERS = 16  # set, add or remove of one header modifier
+MAX_LISTENERS = 64
+MAX_CERTIFICATE_REFS = 64
+MAX_ROUTE_KINDS = 8
+MAX_GRANT_ENTRIES = 16
+MAX_POLICY_TARGETS = 16
+MAX_CA_REFS = 8
+MAX_SANS = 5
+# ...and maxLength of the values they hold.
+MAX_HEADER_VALUE = 4096
+MAX_QUERY_VALUE = 1024
+MAX_REGEX = linear_regex.MAX_PATTERN
 # A header name as RFC 9110 allows (token characters).
 _HEADER_NAME = re.compile(r"^[A-Za-z0-9!#$%&'*+\-.^_`|~]{1,256}$")
 _HOSTNAME = re.compile(
@@ -85,11 +108,15 @@ def _map(value: Any, where: FieldPath) -> JSON:
     return value
 
 
-def _list(value: Any, where: FieldPath) -> list[Any]:
+def _list(value: Any, where: FieldPath, max_items: int | None = None) -> list[Any]:
+    """A list field; `max_items`: the CRD's maxItems for it (enforced on every
+    source, so a manifest is refused as the API server would refuse it)."""
     if value is None:
         return []
     if not isinstance(value, list):
         raise SpecError(where, "must be a list")
+    if max_items is not None and len(value) > max_items:
+        raise SpecError(where, f"must have at most {max_items} items (has {len(value)})")
     return value
 
 
@@ -137,12 +164,11 @@ def hostname(value: str, where: FieldPath, *, wildcard: bool = True) -> str:
 
 
 def _regex(value: str, where: FieldPath) -> str:
-    if len(value) > MAX_REGEX:
-        raise SpecError(where, f"regular expression longer than {MAX_REGEX} characters")
-    try:
-        re.compile(value)
-    except re.error as exc:
-        raise SpecError(where, f"invalid regular expression {value!r}: {exc}") from None
+    """A route's regular expression, admitted only when RE2 can express it (the
+    proxy matches with RE2, in linear time: waygate.core.regex)."""
+    reason = linear_regex.refusal(value)
+    if reason is not None:
+        raise SpecError(where, f"invalid regular expression {excerpt(value)}: {reason}")
     return value
 
 
@@ -221,7 +247,7 @@ def gateway_listeners(obj: JSON) -> tuple[str, tuple[ListenerSpec, ...]]:
     class_name = _required(spec, "gatewayClassName", ("spec",))
     listeners: list[ListenerSpec] = []
     names: set[str] = set()
-    raw = _list(spec.get("listeners"), ("spec", "listeners"))
+    raw = _list(spec.get("listeners"), ("spec", "listeners"), MAX_LISTENERS)
     if not raw:
         raise SpecError(("spec", "listeners"), "at least one listener is required")
     for index, item in enumerate(raw):
@@ -244,7 +270,11 @@ def gateway_listeners(obj: JSON) -> tuple[str, tuple[ListenerSpec, ...]]:
         if "tls" in fields:
             mode = _enum(tls, "mode", (*where, "tls"), ("Terminate", "Passthrough"), "Terminate")
             for ref_index, ref in enumerate(
-                _list(tls.get("certificateRefs"), (*where, "tls", "certificateRefs"))
+                _list(
+                    tls.get("certificateRefs"),
+                    (*where, "tls", "certificateRefs"),
+                    MAX_CERTIFICATE_REFS,
+                )
             ):
                 ref_where: FieldPath = (*where, "tls", "certificateRefs", ref_index)
                 ref_fields = _map(ref, ref_where)
@@ -265,7 +295,7 @@ def gateway_listeners(obj: JSON) -> tuple[str, tuple[ListenerSpec, ...]]:
             raise SpecError((*ns_where, "selector"), "is required when from is Selector")
         kinds = []
         for kind_index, kind in enumerate(
-            _list(allowed.get("kinds"), (*where, "allowedRoutes", "kinds"))
+            _list(allowed.get("kinds"), (*where, "allowedRoutes", "kinds"), MAX_ROUTE_KINDS)
         ):
             kind_where: FieldPath = (*where, "allowedRoutes", "kinds", kind_index)
             kind_fields = _map(kind, kind_where)
@@ -345,7 +375,9 @@ class RouteSpec:
 def parent_refs(obj: JSON, namespace: str) -> tuple[ParentRef, ...]:
     spec = _map(obj.get("spec"), ("spec",))
     refs = []
-    for index, item in enumerate(_list(spec.get("parentRefs"), ("spec", "parentRefs"))):
+    for index, item in enumerate(
+        _list(spec.get("parentRefs"), ("spec", "parentRefs"), MAX_PARENT_REFS)
+    ):
         where: FieldPath = ("spec", "parentRefs", index)
         fields = _map(item, where)
         refs.append(
@@ -363,7 +395,9 @@ def parent_refs(obj: JSON, namespace: str) -> tuple[ParentRef, ...]:
 
 def _hostnames(spec: JSON) -> tuple[str, ...]:
     out = []
-    for index, item in enumerate(_list(spec.get("hostnames"), ("spec", "hostnames"))):
+    for index, item in enumerate(
+        _list(spec.get("hostnames"), ("spec", "hostnames"), MAX_HOSTNAMES)
+    ):
         if not isinstance(item, str):
             raise SpecError(("spec", "hostnames", index), "must be a string")
         out.append(hostname(item, ("spec", "hostnames", index)))
@@ -386,6 +420,23 @@ def _backend_ref(item: Any, where: FieldPath, namespace: str, *, weighted: bool)
     return ref
 
 
+def _rules(spec: JSON) -> list[Any]:
+    """An HTTPRoute's or GRPCRoute's rules, within the CRD's bounds: at most
+    MAX_RULES, and (its CEL rule) at most MAX_MATCHES_PER_ROUTE matches in all."""
+    rules = _list(spec.get("rules"), ("spec", "rules"), MAX_RULES)
+    total = sum(
+        len(rule["matches"])
+        for rule in rules
+        if isinstance(rule, dict) and isinstance(rule.get("matches"), list)
+    )
+    if total > MAX_MATCHES_PER_ROUTE:
+        raise SpecError(
+            ("spec", "rules"),
+            f"the rules have {total} matches in all; at most {MAX_MATCHES_PER_ROUTE}",
+        )
+    return rules
+
+
 def _duration(fields: JSON, key: str, where: FieldPath) -> float | None:
     """A Gateway API Duration ("1h2m3s4ms" form, GEP-2257); "0s" means none."""
     value = _str(fields, key, where)
@@ -402,7 +453,7 @@ def _duration(fields: JSON, key: str, where: FieldPath) -> float | None:
 def _value_matches(items: Any, where: FieldPath, *, header: bool) -> tuple[HeaderMatch, ...]:
     out = []
     seen: set[str] = set()
-    for index, item in enumerate(_list(items, where)):
+    for index, item in enumerate(_list(items, where, MAX_VALUE_MATCHES)):
         item_where: FieldPath = (*where, index)
         fields = _map(item, item_where)
         name = _required(fields, "name", item_where)
@@ -410,6 +461,9 @@ def _value_matches(items: Any, where: FieldPath, *, header: bool) -> tuple[Heade
             raise SpecError((*item_where, "name"), f"{name!r} is not a header name")
         kind = _enum(fields, "type", item_where, ("Exact", "RegularExpression"), "Exact")
         value = _str(fields, "value", item_where)
+        longest = MAX_HEADER_VALUE if header else MAX_QUERY_VALUE
+        if len(value) > longest:
+            raise SpecError((*item_where, "value"), f"longer than {longest} characters")
         if kind == "RegularExpression":
             _regex(value, (*item_where, "value"))
         # The spec: a repeated name is a match on its first occurrence only.
@@ -451,20 +505,24 @@ def _header_modifier(value: Any, where: FieldPath) -> HeaderModifier:
 
     def pairs(key: str) -> tuple[tuple[str, str], ...]:
         out = []
-        for index, item in enumerate(_list(fields.get(key), (*where, key))):
+        for index, item in enumerate(_list(fields.get(key), (*where, key), MAX_HEADERS)):
             item_where: FieldPath = (*where, key, index)
             header = _map(item, item_where)
             name = _required(header, "name", item_where)
             if not _HEADER_NAME.match(name):
                 raise SpecError((*item_where, "name"), f"{name!r} is not a header name")
             text = _str(header, "value", item_where)
+            if len(text) > MAX_HEADER_VALUE:
+                raise SpecError(
+                    (*item_where, "value"), f"longer than {MAX_HEADER_VALUE} characters"
+                )
             if any(c in text for c in "\r\n\x00"):
                 raise SpecError((*item_where, "value"), "control characters are not allowed")
             out.append((name, text))
         return tuple(out)
 
     remove = []
-    for index, item in enumerate(_list(fields.get("remove"), (*where, "remove"))):
+    for index, item in enumerate(_list(fields.get("remove"), (*where, "remove"), MAX_HEADERS)):
         if not isinstance(item, str) or not _HEADER_NAME.match(item):
             raise SpecError((*where, "remove", index), f"{item!r} is not a header name")
         remove.append(item)
@@ -494,7 +552,7 @@ def _path_modifier(
 def _filters(
     items: Any, where: FieldPath, namespace: str, matches: tuple[RouteMatch, ...]
 ) -> tuple[RouteFilters | None, tuple[BackendRef, ...]]:
-    raw = _list(items, where)
+    raw = _list(items, where, MAX_FILTERS)
     if not raw:
         return None, ()
     request = response = None
@@ -579,19 +637,19 @@ def http_route(obj: JSON) -> RouteSpec:
     namespace, _ = meta(obj)
     spec = _map(obj.get("spec"), ("spec",))
     rules = []
-    for index, item in enumerate(_list(spec.get("rules"), ("spec", "rules")) or [{}]):
+    for index, item in enumerate(_rules(spec) or [{}]):
         where: FieldPath = ("spec", "rules", index)
         fields = _map(item, where)
         matches = tuple(
             _match(m, (*where, "matches", i))
-            for i, m in enumerate(_list(fields.get("matches"), (*where, "matches")))
+            for i, m in enumerate(_list(fields.get("matches"), (*where, "matches"), MAX_MATCHES))
         ) or (RouteMatch(),)
         filters, mirror_refs = _filters(
             fields.get("filters"), (*where, "filters"), namespace, matches
         )
         backends = []
         for b_index, backend in enumerate(
-            _list(fields.get("backendRefs"), (*where, "backendRefs"))
+            _list(fields.get("backendRefs"), (*where, "backendRefs"), MAX_BACKEND_REFS)
         ):
             b_where: FieldPath = (*where, "backendRefs", b_index)
             if _map(backend, b_where).get("filters"):
@@ -628,11 +686,13 @@ def grpc_route(obj: JSON) -> RouteSpec:
     namespace, _ = meta(obj)
     spec = _map(obj.get("spec"), ("spec",))
     rules = []
-    for index, item in enumerate(_list(spec.get("rules"), ("spec", "rules")) or [{}]):
+    for index, item in enumerate(_rules(spec) or [{}]):
         where: FieldPath = ("spec", "rules", index)
         fields = _map(item, where)
         matches = []
-        for m_index, raw in enumerate(_list(fields.get("matches"), (*where, "matches"))):
+        for m_index, raw in enumerate(
+            _list(fields.get("matches"), (*where, "matches"), MAX_MATCHES)
+        ):
             m_where: FieldPath = (*where, "matches", m_index)
             match_fields = _map(raw, m_where)
             method = _map(match_fields.get("method"), (*m_where, "method"))
@@ -668,7 +728,9 @@ def grpc_route(obj: JSON) -> RouteSpec:
         )
         backends = tuple(
             _backend_ref(b, (*where, "backendRefs", i), namespace, weighted=True)
-            for i, b in enumerate(_list(fields.get("backendRefs"), (*where, "backendRefs")))
+            for i, b in enumerate(
+                _list(fields.get("backendRefs"), (*where, "backendRefs"), MAX_BACKEND_REFS)
+            )
         )
         rules.append(
             RuleSpec(
@@ -685,12 +747,14 @@ def tls_route(obj: JSON) -> RouteSpec:
     namespace, _ = meta(obj)
     spec = _map(obj.get("spec"), ("spec",))
     rules = []
-    for index, item in enumerate(_list(spec.get("rules"), ("spec", "rules"))):
+    for index, item in enumerate(_list(spec.get("rules"), ("spec", "rules"), MAX_RULES)):
         where: FieldPath = ("spec", "rules", index)
         fields = _map(item, where)
         backends = tuple(
             _backend_ref(b, (*where, "backendRefs", i), namespace, weighted=True)
-            for i, b in enumerate(_list(fields.get("backendRefs"), (*where, "backendRefs")))
+            for i, b in enumerate(
+                _list(fields.get("backendRefs"), (*where, "backendRefs"), MAX_BACKEND_REFS)
+            )
         )
         rules.append(RuleSpec((), None, backends))
     if not rules:
@@ -714,7 +778,7 @@ def reference_grant(obj: JSON) -> Grant:
     namespace, _ = meta(obj)
     spec = _map(obj.get("spec"), ("spec",))
     froms = []
-    for index, item in enumerate(_list(spec.get("from"), ("spec", "from"))):
+    for index, item in enumerate(_list(spec.get("from"), ("spec", "from"), MAX_GRANT_ENTRIES)):
         where: FieldPath = ("spec", "from", index)
         fields = _map(item, where)
         froms.append(
@@ -725,7 +789,7 @@ def reference_grant(obj: JSON) -> Grant:
             )
         )
     tos = []
-    for index, item in enumerate(_list(spec.get("to"), ("spec", "to"))):
+    for index, item in enumerate(_list(spec.get("to"), ("spec", "to"), MAX_GRANT_ENTRIES)):
         where = ("spec", "to", index)
         fields = _map(item, where)
         tos.append(
@@ -870,7 +934,7 @@ def backend_tls_policy(obj: JSON) -> BackendTLSPolicySpec:
     spec = _map(obj.get("spec"), ("spec",))
     targets = []
     seen: set[tuple[str, str, str, str]] = set()
-    raw_targets = _list(spec.get("targetRefs"), ("spec", "targetRefs"))
+    raw_targets = _list(spec.get("targetRefs"), ("spec", "targetRefs"), MAX_POLICY_TARGETS)
     if not raw_targets:
         raise SpecError(("spec", "targetRefs"), "at least one targetRef is required")
     for index, item in enumerate(raw_targets):
@@ -891,7 +955,7 @@ def backend_tls_policy(obj: JSON) -> BackendTLSPolicySpec:
     validation = _map(spec.get("validation"), where)
     refs = []
     for index, item in enumerate(
-        _list(validation.get("caCertificateRefs"), (*where, "caCertificateRefs"))
+        _list(validation.get("caCertificateRefs"), (*where, "caCertificateRefs"), MAX_CA_REFS)
     ):
         ref_where: FieldPath = (*where, "caCertificateRefs", index)
         fields = _map(item, ref_where)
@@ -913,7 +977,7 @@ def backend_tls_policy(obj: JSON) -> BackendTLSPolicySpec:
     san_hosts: list[str] = []
     san_uris: list[str] = []
     for index, item in enumerate(
-        _list(validation.get("subjectAltNames"), (*where, "subjectAltNames"))
+        _list(validation.get("subjectAltNames"), (*where, "subjectAltNames"), MAX_SANS)
     ):
         san_where: FieldPath = (*where, "subjectAltNames", index)
         fields = _map(item, san_where)

@@ -15,6 +15,14 @@ serve (its port in use, say) shows Programmed=False with that proxy's reason
 and message, and its Gateway too when no listener of it is programmed. The
 translation stays a pure function of the objects; when a report changes or
 its stream ends, the board publishes again (and the writer writes the change).
+Host conflicts are laid over the same way: the store decides host ownership
+across every source and kind (waygate.resolver.status), and an HTTPRoute,
+GRPCRoute, TLSRoute or Ingress whose routes lose their host to another
+namespace's older claim shows Conflicted=True (HostAlreadyClaimed) on each
+parent, and Accepted=False when none of its routes is served (an Ingress, which
+has no conditions in Kubernetes, shows it in `waygate gateways` only); a Gateway
+whose listener's hostname claimed for routes that lost shows that listener
+Conflicted=True (HostAlreadyClaimed).
 A report is caller input written into Kubernetes objects: its reason is one
 of `LISTENER_REASONS` (else `UNKNOWN_LISTENER_REASON`, so it always passes the
 CRD's reason pattern), its message an `excerpt` of at most
@@ -25,14 +33,18 @@ reconnect that changes no state changes no status).
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from waygate.core.errors import excerpt
 from waygate.resolver.gateway.translate import Ignored, ObjectStatus
 from waygate.resolver.model import ListenerState
+from waygate.resolver.status import HOST_ALREADY_CLAIMED, HostConflict
+
+if TYPE_CHECKING:
+    from waygate.resolver.store import Store
 
 StatusKey = tuple[str, str, str]  # (kind, namespace, name)
 
@@ -112,6 +124,9 @@ class StatusBoard:
         self._translated: list[ObjectStatus] = []
         # Per ReportListeners stream: (proxy, its listener states).
         self._reports: dict[object, tuple[str, tuple[ListenerState, ...]]] = {}
+        # Objects whose routes lose their host to an older claim (the store's view).
+        self._host_conflicts: dict[StatusKey, HostConflict] = {}
+        self._following: Store | None = None
         self.ignored: tuple[Ignored, ...] = ()
 
     def replace(self, statuses: Iterable[ObjectStatus], ignored: Iterable[Ignored] = ()) -> None:
@@ -165,6 +180,53 @@ class StatusBoard:
                     condition["reason"] = "Invalid"
                     condition["message"] = "no listener is programmed on every proxy"
 
+    def follow(self, store: Store) -> None:
+        """Lay `store`'s host conflicts over the statuses after every version that
+        changes a route (host ownership is decided there, over every source). Every
+        source feeding this board calls it; the first call wires it."""
+        if self._following is store:
+            return
+        self._following = store
+        store.on_route_changes(lambda: self.set_host_conflicts(store.host_conflicts()))
+
+    def set_host_conflicts(self, conflicts: Mapping[StatusKey, HostConflict]) -> None:
+        """The objects whose routes lose their host to another namespace's older claim
+        (the store's `host_conflicts`)."""
+        if conflicts == self._host_conflicts:
+            return
+        self._host_conflicts = dict(conflicts)
+        self._publish()
+
+    def _host_overlay(self, item: ObjectStatus, status: dict[str, Any]) -> None:
+        """A host conflict onto an object's (copied) status: Conflicted=True
+        (HostAlreadyClaimed) on every parent of a route, Accepted=False when none of
+        its routes is served; on an Ingress; on a Gateway's listeners that lost."""
+        conflict = self._host_conflicts[item.key]
+        conflicted = {
+            "type": "Conflicted",
+            "status": "True",
+            "reason": HOST_ALREADY_CLAIMED,
+            "message": conflict.message,
+            "observedGeneration": item.generation,
+        }
+        if item.kind == "Gateway":
+            for listener in status.get("listeners") or []:
+                if listener.get("name") not in conflict.listeners:
+                    continue
+                conditions = listener.setdefault("conditions", [])
+                conditions[:] = [c for c in conditions if c.get("type") != "Conflicted"]
+                conditions.append(dict(conflicted))
+            return
+        holders = status.get("parents") if item.kind != "Ingress" else [status]
+        for holder in holders or []:
+            conditions = holder.setdefault("conditions", [])
+            for condition in conditions:
+                if conflict.every and condition.get("type") == "Accepted":
+                    condition.update(
+                        status="False", reason=HOST_ALREADY_CLAIMED, message=conflict.message
+                    )
+            conditions.append(dict(conflicted))
+
     def _publish(self) -> None:
         now = self._clock()
         fresh: dict[StatusKey, ObjectStatus] = {}
@@ -173,6 +235,8 @@ class StatusBoard:
             status = copy.deepcopy(item.status)
             if item.kind == "Gateway" and self._reports:
                 self._overlay(item, status)
+            if item.key in self._host_conflicts:
+                self._host_overlay(item, status)
             _stamp(status, old.status if old is not None else None, now)
             kept = ObjectStatus(
                 item.kind,

@@ -74,7 +74,9 @@ from waygate.resolver.gateway.spec import (
 )
 from waygate.resolver.ingress_nginx import annotations as nginx_annotations
 from waygate.resolver.ingress_nginx import config as nginx_compat
+from waygate.resolver.ingress_nginx import tcpservices as nginx_tcp
 from waygate.resolver.model import (
+    HostClaim,
     InsecureEdgePolicy,
     PathMatchType,
     Route,
@@ -126,6 +128,11 @@ _DEFAULT_KINDS = {
 # The proxy's weights are 0..256 (smooth weighted round robin); the Gateway
 # API allows up to 1,000,000: larger sets are scaled down proportionally.
 MAX_WEIGHT = 256
+# What one object, and one source (a manifests load, a cluster's objects), may add to
+# every proxy's routing table, in entries (each match of each route): the CRDs bound
+# one object's lists, not what they multiply to over hostnames and listeners.
+MAX_ENTRIES_PER_OBJECT = 4096
+MAX_ENTRIES_PER_SOURCE = 50_000
 
 
 @dataclass
@@ -139,6 +146,8 @@ class Objects:
     kinds: dict[str, dict[Key, JSON]] = field(default_factory=dict)
 
     def of(self, kind: str) -> dict[Key, JSON]:
+        if kind == "Secret":
+            return self.secrets
         return self.kinds.setdefault(kind, {})
 
 
@@ -216,6 +225,9 @@ class Translation:
     statuses: list[ObjectStatus] = field(default_factory=list)
     rejected: list[Rejected] = field(default_factory=list)
     ignored: list[Ignored] = field(default_factory=list)
+    # Usable listeners' hostnames, each a claim on its host for the Gateway's
+    # namespace (waygate.resolver.status), routes attached or not.
+    claims: list[tuple[str, HostClaim]] = field(default_factory=list)
 
 
 def condition(kind: str, ok: bool, reason: str, message: str, generation: int) -> JSON:
@@ -362,6 +374,8 @@ class _Translator:
         self.policy_by_target: dict[tuple[str, str, str], _Policy] = {}
         self.rule_policy: dict[_RuleKey, _Policy] = {}
         self.policies: dict[Key, _Policy] = {}
+        # Route entries (routes times matches) translated so far: the source's budget.
+        self.entries = 0
 
     # ------------------------------------------------------------ helpers
 
@@ -737,6 +751,7 @@ class _Translator:
         backends, refs_problem = self.backends(kind, key, route)
         parents_status = []
         made: dict[str, Route] = {}
+        attached_to: list[Listener] = []
         for parent in route.parents:
             if not self.ours(parent):
                 continue
@@ -755,15 +770,40 @@ class _Translator:
                 }
             )
             for listener, hosts in attached:
+                attached_to.append(listener)
                 for route_out in self.make_routes(
                     kind, key, obj, route, backends, gateway, listener, hosts
                 ):
                     made.setdefault(route_out.name, route_out)
+        problem = self.over_budget(made.values())
+        if problem is not None:
+            for listener in attached_to:
+                listener.attached -= 1  # refused: attached to nothing after all
+            self.reject(kind, key, obj, SpecError(("spec",), problem))
+            self.invalid_route_status(kind, key, obj, generation, problem)
+            return
         self.out.routes.extend(made.values())
         if parents_status:
             self.out.statuses.append(
                 ObjectStatus(kind, key[0], key[1], generation, {"parents": parents_status})
             )
+
+    def over_budget(self, routes: Iterable[Route]) -> str | None:
+        """Why one object's routes do not fit (None: they do, and are counted): each
+        match of each route is an entry of every proxy's routing table."""
+        cost = sum(max(1, len(route.matches)) for route in routes)
+        if cost > MAX_ENTRIES_PER_OBJECT:
+            return (
+                f"amounts to {cost:,} route entries (routes times matches, over its "
+                f"hostnames and listeners); at most {MAX_ENTRIES_PER_OBJECT:,} per object"
+            )
+        if self.entries + cost > MAX_ENTRIES_PER_SOURCE:
+            return (
+                f"its {cost:,} route entries would take this source past "
+                f"{MAX_ENTRIES_PER_SOURCE:,} (the objects before it hold {self.entries:,})"
+            )
+        self.entries += cost
+        return None
 
     def attach(
         self, kind: str, key: Key, route: RouteSpec, parent: ParentRef, gateway: Key
@@ -1036,6 +1076,16 @@ class _Translator:
         tls = listener.tls
         if kind == "TLSRoute":
             tls = RouteTLS(TLSTermination.PASSTHROUGH)
+        # A listener that names its hostname claims it for the Gateway's namespace
+        # (waygate.resolver.status); the routes it lets in share that claim.
+        claim = None
+        if listener.spec.hostname:
+            claim = HostClaim(
+                gateway[0],
+                gateway[1],
+                listener.spec.name,
+                specs.created(self.objects.of("Gateway")[gateway]),
+            )
         for index, rule in enumerate(route.rules):
             rule_key = (kind, key[0], key[1], index)
             policy = self.rule_policy.get(rule_key)
@@ -1069,6 +1119,7 @@ class _Translator:
                     origin=f"{kind} {key[0]}/{key[1]}",
                     created=specs.created(obj),
                     rule_index=index,
+                    host_claim=claim,
                     # GRPCRoute backends speak HTTP/2 (h2c here; h2 when reencrypted).
                     upstream_protocol="grpc" if kind == "GRPCRoute" else "",
                 )
@@ -1076,6 +1127,12 @@ class _Translator:
     def finish_gateways(self) -> None:
         for key, status in self.gateway_status.items():
             listeners = self.listeners.get(key, [])
+            created = specs.created(self.objects.of("Gateway")[key])
+            self.out.claims.extend(
+                (listener.spec.hostname, HostClaim(key[0], key[1], listener.spec.name, created))
+                for listener in listeners
+                if listener.usable and listener.spec.hostname
+            )
             status["listeners"] = [
                 {
                     "name": listener.spec.name,
@@ -1141,7 +1198,9 @@ class _Translator:
     def nginx_ingress(self, key: Key, obj: JSON, settings: nginx_compat.IngressNginx) -> None:
         """An Ingress of the ingress-nginx class: its annotations planned, its rules
         translated as every Ingress's, then shaped (or refused alone)."""
-        plan, ingress = nginx_annotations.judge(obj, settings, self.objects.of("ConfigMap"))
+        plan, ingress = nginx_annotations.judge(
+            obj, settings, self.objects.of("ConfigMap"), self.objects.secrets
+        )
         if ingress is None:
             self.out.routes.append(nginx_annotations.placeholder(key, obj, plan))
             return
@@ -1201,20 +1260,21 @@ class _Translator:
             for port, tls in ((80, None), (443, certificates.get(host))):
                 if port == 443 and tls is None:
                     continue
-                yield_route = Route(
-                    namespace=namespace,
-                    name=f"ingress:{key[1]}:p{index}:{port}:{host or '*'}",
-                    host=host,
-                    backends=(route_backend,),
-                    tls=tls,
-                    sticky=StickySessions(disable_cookies=True),
-                    matches=(match,),
-                    listener_port=port,
-                    origin=f"Ingress {namespace}/{key[1]}",
-                    created=specs.created(obj),
-                    rule_index=index,
+                routes.append(
+                    Route(
+                        namespace=namespace,
+                        name=f"ingress:{key[1]}:p{index}:{port}:{host or '*'}",
+                        host=host,
+                        backends=(route_backend,),
+                        tls=tls,
+                        sticky=StickySessions(disable_cookies=True),
+                        matches=(match,),
+                        listener_port=port,
+                        origin=f"Ingress {namespace}/{key[1]}",
+                        created=specs.created(obj),
+                        rule_index=index,
+                    )
                 )
-                routes.append(yield_route)
             index += 1
         if plan is not None:
             routes = nginx_annotations.shape(plan, routes, certificates)
@@ -1224,6 +1284,11 @@ class _Translator:
                 # Folded into its main Ingress's routes once every Ingress is translated.
                 self.nginx_canaries.append((plan, routes))
                 routes = []
+        too_many = self.over_budget(routes)
+        if too_many is not None:
+            self.reject("Ingress", key, obj, SpecError(("spec",), too_many))
+            return
+        if plan is not None:
             self.nginx_routes.update(r.name for r in routes)
         self.out.routes.extend(routes)
         served = plan is None or not plan.refusal_reason
@@ -1258,7 +1323,35 @@ class _Translator:
         self.finish_gateways()
         self.finish_policies()
         self.ingresses()
+        if self.ingress_nginx is not None and self.ingress_nginx.tcp_services is not None:
+            self.tcp_services(self.ingress_nginx.tcp_services)
         return self.out
+
+    def tcp_services(self, key: Key) -> None:
+        """ingress-nginx's TCP services ConfigMap: one route per entry (none while it
+        does not exist, as ingress-nginx)."""
+        obj = self.objects.of("ConfigMap").get(key)
+        data = (obj or {}).get("data") or {}
+        if not isinstance(data, dict):
+            return
+        for route in nginx_tcp.routes(key[0], key[1], data):
+            backend = route.backends[0] if route.backends else None
+            service = (
+                self.objects.services.get((backend.namespace, backend.service)) if backend else None
+            )
+            found = next(
+                (
+                    p
+                    for p in (service.ports if service else ())
+                    if backend and backend.port in (p.name, str(p.port))
+                ),
+                None,
+            )
+            if backend and service and found:
+                # The service port as the proxy finds it on the endpoints.
+                sliced = dataclasses.replace(backend, port=_port_as_sliced(service, found))
+                route = dataclasses.replace(route, backends=(sliced,))
+            self.out.routes.append(route)
 
 
 def _port_as_sliced(service: Service, port: Any) -> str:

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.unit.certs.helpers import RESOLVER_ID, RESOLVER_SANS, make_csr, open_authority, pem
-from waygate.certs.authority import KEY_ALGORITHMS
+from waygate.certs.castate import KEY_ALGORITHMS
 
 BIN = Path(sys.executable).parent
 SPIFFE_ID = re.compile(r"^spiffe://[a-z0-9._-]+(/[A-Za-z0-9._-]+)+$")

@@ -18,6 +18,7 @@ import pytest
 import yaml
 from cryptography import x509
 
+from tests.support.poll import until
 from waygate.certs.auth import StaticTokenAuthenticator
 from waygate.certs.authority import Authority, AuthorityConfig
 from waygate.certs.client import GrpcIssuer, TrustBundleWatcher, start_process_certificates
@@ -152,7 +153,18 @@ async def test_process_gets_its_certificate_from_certify_and_serves_mtls_with_it
     # certs recorded who asked: the caller behind the token.
     records = certs.authority.list_issued(identity=RESOLVER, include_expired=False)
     assert [r.requested_by for r in records] == ["resolver"]
-    assert {t.get_name() for t in tasks.tasks} == {"certificate-rotation", "trust-bundle-watch"}
+    assert {t.get_name() for t in tasks.tasks} == {
+        "certificate-rotation",
+        "trust-bundle-watch",
+        "trust-report",
+    }
+    # The process acknowledged the bundle it applied (ReportTrust), under its identity.
+    await until(lambda: len(certs.authority.consumers) == 1, "the trust report")
+    (reported,) = certs.authority.consumers.snapshot()
+    assert reported.identity == RESOLVER
+    assert reported.fingerprints == {
+        a.fingerprint for a in certs.authority.trust_bundle().authorities
+    }
 
     # Serve mTLS with it: a client with a certs-issued certificate gets in.
     user = CertificateRotator(

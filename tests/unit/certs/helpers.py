@@ -10,7 +10,8 @@ from cryptography.hazmat.primitives import serialization
 
 from tests.support import pki
 from waygate.certs.auth import Caller
-from waygate.certs.authority import Authority, AuthorityConfig, generate_key
+from waygate.certs.authority import Authority, AuthorityConfig
+from waygate.certs.castate import generate_key
 from waygate.certs.store import DirectoryCAStore
 
 START = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)

@@ -22,7 +22,8 @@ from tests.unit.certs.helpers import (
     snapshot,
     tampered_csr_der,
 )
-from waygate.certs.authority import KEY_ALGORITHMS, CAState, check_csr, load_csr
+from waygate.certs.castate import KEY_ALGORITHMS, CAState
+from waygate.certs.csr import check_csr, load_csr
 from waygate.core.errors import FailedPrecondition, InvalidArgument
 
 HOUR = dt.timedelta(hours=1)

@@ -25,15 +25,14 @@ from pyasn1.codec.der import decoder, encoder
 from pyasn1_alt_modules import rfc2986
 
 from tests.unit.certs.helpers import RESOLVER_ID, RESOLVER_SANS, Clock, make_csr, open_authority
-from waygate.certs.authority import (
+from waygate.certs.csr import (
     MAX_DNS_NAME_LENGTH,
     MAX_URI_LENGTH,
-    IssuedRecord,
-    IssuedRecords,
     check_csr,
     der_san_count,
     load_csr,
 )
+from waygate.certs.issuing import IssuedRecord, IssuedRecords
 from waygate.core.errors import InvalidArgument
 
 NOW = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)

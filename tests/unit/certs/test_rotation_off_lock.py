@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from tests.unit.certs.helpers import RESOLVER, RESOLVER_ID, Clock, make_csr
-from waygate.certs import authority as authority_module
+from waygate.certs import castate as castate_module
 from waygate.certs.auth import StaticTokenAuthenticator
 from waygate.certs.authority import Authority, AuthorityConfig, CAState
 from waygate.certs.policy import Policy
@@ -128,14 +128,14 @@ def rotation_making_its_key(
     """A rotation in a thread, held while it makes its new key (an RSA-3072 key takes
     seconds); it goes on when the block ends, and has ended after it."""
     making, release = threading.Event(), threading.Event()
-    generate = authority_module.generate_key
+    generate = castate_module.generate_key
 
     def slow_generate(algorithm: str) -> Any:
         making.set()
         assert release.wait(WAIT)
         return generate(algorithm)
 
-    monkeypatch.setattr(authority_module, "generate_key", slow_generate)
+    monkeypatch.setattr(castate_module, "generate_key", slow_generate)
     rotating = threading.Thread(target=authority.rotate)
     rotating.start()
     try:

@@ -20,7 +20,13 @@ from tests.unit.certs.helpers import RESOLVER, RESOLVER_ID, csr_der, make_csr, o
 from waygate.certs.auth import ADMIN_GROUP, Caller, StaticTokenAuthenticator
 from waygate.certs.policy import Policy, ServiceInfo
 from waygate.certs.service import MAX_PAGE_SIZE, CertsService, SigningExecutor
-from waygate.core.errors import InvalidArgument, PermissionDenied, ResourceExhausted
+from waygate.core.errors import (
+    InvalidArgument,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+)
 
 TOKEN = "t" * 40
 ADMIN_TOKEN = "a" * 40
@@ -193,3 +199,37 @@ async def test_a_service_account_gets_its_own_service_name_only(tmp_path: Path) 
             csr_der=theirs.public_bytes(serialization.Encoding.DER),
         )
     assert len(service.authority.list_issued()) == 1
+
+
+class NotLeading:
+    """The elector of a follower replica (what `certs_elector` answers there)."""
+
+    def is_leader(self) -> bool:
+        return False
+
+    def leader_description(self) -> str:
+        return "replica-0"
+
+
+async def test_trust_reports_go_to_the_leader_and_only_for_the_callers_identity(
+    tmp_path: Path,
+) -> None:
+    service = make_service(tmp_path)
+    fields = {
+        "token": TOKEN,
+        "identity": RESOLVER_ID,
+        "instance": "pod-1",
+        "version": 1,
+        "fingerprints": [service.authority.active_authority().fingerprint],
+        "leaving": False,
+    }
+    await service.report_trust(**fields)  # type: ignore[arg-type]
+    assert [c.identity for c in service.authority.consumers.snapshot()] == [RESOLVER_ID]
+    with pytest.raises(PermissionDenied, match="may not report for identity"):
+        await service.report_trust(**{**fields, "identity": "spiffe://waygate.local/ns/x/sa/y"})  # type: ignore[arg-type]
+    with pytest.raises(Unauthenticated):
+        await service.report_trust(**{**fields, "token": "wrong"})  # type: ignore[arg-type]
+    service.leader = NotLeading()
+    with pytest.raises(Unavailable, match="not the leader.*replica-0 does"):
+        await service.report_trust(**fields)  # type: ignore[arg-type]
+    service.close()

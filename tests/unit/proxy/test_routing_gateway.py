@@ -179,10 +179,13 @@ def test_invalid_and_missing_backends_are_marked_for_a_500() -> None:
 def test_routes_file_routes_keep_their_rules_beside_gateway_routes() -> None:
     legacy = Route(namespace="ns", name="file", host="*.example.com", backends=(RouteBackend("c"),))
     table = build(legacy, gw_route("gw", RouteMatch(PathMatchType.PREFIX, "/gw")))
-    # One label only for the routes file's wildcard; Gateway routes first, then these.
+    # One label only for the routes file's wildcard. Entries naming the host, of every
+    # kind, come before host-less ones: the host-less Gateway route takes /gw of hosts
+    # no route names, never of a host a route claims (issue 31 finding 7).
     assert served(table, b"a.example.com", b"/") == "c"
     assert served(table, b"a.b.example.com", b"/") == ""
-    assert served(table, b"a.example.com", b"/gw") == "a"
+    assert served(table, b"a.example.com", b"/gw") == "c"
+    assert served(table, b"other.test", b"/gw") == "a"
 
 
 class _Health:

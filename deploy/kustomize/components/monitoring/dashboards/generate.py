@@ -342,6 +342,24 @@ def certs() -> dict:
                     unit="ops",
                 ),
             ],
+            [
+                stat(
+                    "CA rotation: consumers holding the next step",
+                    f"max(waygate_certs_rotation_waiting_consumers{POD})",
+                ),
+                graph(
+                    "Trust bundle version each consumer applied",
+                    (
+                        f"max by (identity, instance) (waygate_certs_consumer_bundle_version{POD})",
+                        "{{identity}} {{instance}}",
+                    ),
+                ),
+                graph(
+                    "Time until trust breaks (every Waygate process)",
+                    (f"waygate_trust_expiry_timestamp_seconds{POD} - time()", "{{pod}}"),
+                    unit="s",
+                ),
+            ],
             [*grpc_rows("certs"), own_certificate()],
         ],
     )
@@ -405,6 +423,11 @@ def overview() -> dict:
                 stat(
                     "Soonest certificate expiry",
                     f"min(waygate_certificate_expiry_timestamp_seconds{POD}) - time()",
+                    unit="s",
+                ),
+                stat(
+                    "Time until trust breaks",
+                    f"min(waygate_trust_expiry_timestamp_seconds{POD}) - time()",
                     unit="s",
                 ),
                 stat(

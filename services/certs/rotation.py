@@ -1,0 +1,327 @@
+"""The CA rotation state machine: prepare -> activate -> retire, each step gated.
+
+Sans-IO: functions of the CA records, the persisted rotation state, the
+consumers' reports and the time; they change the records in place and say
+what changed. The authority holds the lock, writes the store and tells
+watchers (`waygate.certs.authority`).
+
+    IDLE     one ACTIVE CA
+      | rotate (RotateCA, or by itself when the CA nears its end)
+    PREPARE  new CA STAGED: published, not signing
+      | activate: at least the propagation delay passed AND every live consumer
+      |           holds a bundle with the new CA (or --force)
+    ACTIVATE new CA ACTIVE (signs), old CA RETIRING (still published)
+      | retire: every leaf the old CA signed has expired (its retire_after)
+    RETIRE   old CA out of the bundle; waiting until every live consumer holds
+      |      a bundle without it (or --force); no new rotation meanwhile
+    IDLE
+
+Invariants:
+- every CA that signed a leaf still valid is in the bundle: a CA is published
+  before it signs and stays published until `retire_after`, the latest
+  not_after of any leaf it signed;
+- a consumer holds a step while its report says it lacks what the step needs;
+  one that never reported (an older client) holds nothing; a consumer is live
+  while it reported within `consumer_ttl`, or until it said it leaves;
+- after a leader change (`settle_until`) no step is taken on acknowledgements
+  until consumers have had time to report to the new leader: an empty table
+  never lets a step through early;
+- everything a resumed leader needs is in the CA records and the `rotation`
+  mapping (persisted with them), so kill -9 in any phase resumes that phase.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Iterable, Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from waygate.certs.castate import CARecord, CAState, iso, whole_seconds
+from waygate.core.errors import FailedPrecondition, InvalidArgument
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    PREPARE = "prepare"
+    ACTIVATE = "activate"
+    RETIRE = "retire"
+
+
+@dataclasses.dataclass(frozen=True)
+class ConsumerReport:
+    """What one trust consumer (a process instance) last said it holds."""
+
+    identity: str
+    instance: str
+    #: The bundle version it applied (as the replica it watches numbered it).
+    version: int
+    #: SHA-256 fingerprints of the CAs in the bundle it applied.
+    fingerprints: frozenset[str]
+    reported_at: datetime
+
+    @property
+    def name(self) -> str:
+        return f"{self.identity} ({self.instance})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Gate:
+    """What the rotation's next step waits for."""
+
+    phase: Phase
+    #: The next step: "activate", "retire" or "finish"; "" when idle.
+    step: str
+    #: The clock part of the condition (None: none).
+    not_before: datetime | None
+    #: The fingerprint every live consumer must hold (activate) or have dropped (finish).
+    must_hold: str | None
+    must_drop: str | None
+    #: Live consumers that do not meet it yet, by name.
+    waiting_for: tuple[ConsumerReport, ...]
+    #: Acknowledgements are not judged before this (a new leader's settling time).
+    settle_until: datetime | None = None
+
+    def open(self, now: datetime) -> bool:
+        if not self.step:
+            return False
+        if self.not_before is not None and now < self.not_before:
+            return False
+        if self.waiting_for:
+            return False
+        return not (self.settle_until is not None and now < self.settle_until)
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """A step taken: its name, whether the bundle changed, and who was overridden."""
+
+    name: str
+    bundle_changed: bool
+    forced_past: tuple[ConsumerReport, ...] = ()
+
+
+def find(cas: Sequence[CARecord], state: CAState) -> CARecord | None:
+    return next((c for c in cas if c.state is state), None)
+
+
+def active(cas: Sequence[CARecord]) -> CARecord:
+    found = find(cas, CAState.ACTIVE)
+    if found is None:  # decode_state and advance keep exactly one
+        raise FailedPrecondition("the CA has no active signing key")
+    return found
+
+
+def phase_of(cas: Sequence[CARecord], rotation: dict[str, Any]) -> Phase:
+    if find(cas, CAState.STAGED) is not None:
+        return Phase.PREPARE
+    if find(cas, CAState.RETIRING) is not None:
+        return Phase.ACTIVATE
+    if rotation.get("retired"):
+        return Phase.RETIRE
+    return Phase.IDLE
+
+
+def live_consumers(
+    consumers: Iterable[ConsumerReport], now: datetime, ttl: timedelta
+) -> list[ConsumerReport]:
+    return [c for c in consumers if now - c.reported_at <= ttl]
+
+
+def gate(
+    cas: Sequence[CARecord],
+    rotation: dict[str, Any],
+    consumers: Iterable[ConsumerReport],
+    now: datetime,
+    *,
+    consumer_ttl: timedelta,
+    settle_until: datetime | None = None,
+) -> Gate:
+    """What the next step of the rotation in `cas` waits for, now."""
+    live = live_consumers(consumers, now, consumer_ttl)
+    phase = phase_of(cas, rotation)
+    if phase is Phase.PREPARE:
+        staged = find(cas, CAState.STAGED)
+        assert staged is not None
+        must_hold = staged.published_fingerprint
+        waiting = tuple(c for c in live if must_hold not in c.fingerprints)
+        return Gate(phase, "activate", staged.activate_at, must_hold, None, waiting, settle_until)
+    if phase is Phase.ACTIVATE:
+        retiring = find(cas, CAState.RETIRING)
+        assert retiring is not None
+        # Strictly after it: a leaf valid until retire_after still needs the old CA.
+        after = (
+            None
+            if retiring.retire_after is None
+            else retiring.retire_after + timedelta(microseconds=1)
+        )
+        # Retiring needs no acknowledgement: a consumer that still trusts the old CA
+        # is harmed by nothing; only the rotation's end waits for them.
+        return Gate(phase, "retire", after, None, None, ())
+    if phase is Phase.RETIRE:
+        retired = str(rotation["retired"])
+        # An intermediate retired under the root its successor uses: nothing to drop.
+        still_published = {c.published_fingerprint for c in cas}
+        waiting = (
+            ()
+            if retired in still_published
+            else tuple(c for c in live if retired in c.fingerprints)
+        )
+        return Gate(phase, "finish", None, None, retired, waiting, settle_until)
+    return Gate(phase, "", None, None, None, ())
+
+
+def advance(
+    cas: list[CARecord],
+    rotation: dict[str, Any],
+    consumers: Iterable[ConsumerReport],
+    now: datetime,
+    *,
+    consumer_ttl: timedelta,
+    settle_until: datetime | None = None,
+    force: bool = False,
+) -> list[Step]:
+    """Take every step that is due by now, in order; changes `cas` and `rotation` in place.
+
+    `force` takes the next step even though consumers hold it (its clock
+    condition still applies: a leaf is never left without its CA); the step
+    records who it overrode.
+    """
+    consumers = list(consumers)
+    steps: list[Step] = []
+    while True:
+        current = gate(
+            cas, rotation, consumers, now, consumer_ttl=consumer_ttl, settle_until=settle_until
+        )
+        if not current.step:
+            return steps
+        clock_ok = current.not_before is None or now >= current.not_before
+        if not clock_ok:
+            return steps
+        forced = force and not steps and not current.open(now)
+        if not current.open(now) and not forced:
+            return steps
+        steps.append(_take(cas, rotation, current, now, forced))
+
+
+def _take(
+    cas: list[CARecord], rotation: dict[str, Any], current: Gate, now: datetime, forced: bool
+) -> Step:
+    overridden = current.waiting_for if forced else ()
+    if current.step == "activate":
+        staged = find(cas, CAState.STAGED)
+        old = find(cas, CAState.ACTIVE)
+        assert staged is not None
+        if old is not None:
+            old.state = CAState.RETIRING
+            # Nothing signed by the old CA outlives its latest leaf; no leaf: retire now.
+            old.retire_after = old.leaf_max or whole_seconds(now)
+        staged.state, staged.activate_at = CAState.ACTIVE, None
+        rotation["activated_at"] = iso(now)
+        return Step("activate", True, overridden)
+    if current.step == "retire":
+        retiring = find(cas, CAState.RETIRING)
+        assert retiring is not None
+        cas.remove(retiring)
+        rotation["retired"] = retiring.published_fingerprint
+        rotation["retired_at"] = iso(now)
+        return Step("retire", True, overridden)
+    rotation.clear()
+    return Step("finish", False, overridden)
+
+
+def step_due(current: Gate) -> datetime | None:
+    """When `current`'s step can be taken, if no report changes: None when it waits
+    for consumers (a report, or a consumer's report ageing out, opens it) or when
+    there is no step."""
+    if not current.step or current.waiting_for:
+        return None
+    moments = [m for m in (current.not_before, current.settle_until) if m is not None]
+    return max(moments, default=datetime.min.replace(tzinfo=UTC))
+
+
+def next_transition(
+    cas: Sequence[CARecord],
+    rotation: dict[str, Any],
+    auto_rotate_before: timedelta,
+    due: datetime | None,
+) -> datetime | None:
+    """When the timer should next look: the next step's `step_due`, or the automatic
+    rotation's moment."""
+    moments = [due]
+    if cas and phase_of(cas, rotation) is Phase.IDLE:
+        moments.append(cas[0].not_after - auto_rotate_before)
+    return min((m for m in moments if m is not None), default=None)
+
+
+def expiring(
+    cas: Sequence[CARecord], rotation: dict[str, Any], now: datetime, auto_rotate_before: timedelta
+) -> bool:
+    """No rotation is under way and the active CA has no more than `auto_rotate_before` left."""
+    if phase_of(cas, rotation) is not Phase.IDLE:
+        return False
+    return active(cas).not_after - now <= auto_rotate_before
+
+
+def check_idle(
+    cas: Sequence[CARecord], rotation: dict[str, Any], waiting: Sequence[str] = ()
+) -> None:
+    """FailedPrecondition, saying what it waits for, while a rotation is under way."""
+    busy = next((c for c in cas if c.state is not CAState.ACTIVE), None)
+    if busy is not None:
+        when = busy.activate_at if busy.state is CAState.STAGED else busy.retire_after
+        held = f"; waiting for {', '.join(waiting)}" if waiting else ""
+        raise FailedPrecondition(
+            f"a CA rotation is still in progress: {busy.name} is {busy.state.value} "
+            f"until {iso(when)}{held}"
+        )
+    if rotation.get("retired"):
+        held = f": waiting for {', '.join(waiting)}" if waiting else ""
+        raise FailedPrecondition(
+            "a CA rotation is still in progress: the retired CA "
+            f"{str(rotation['retired'])[:16]} is still held by consumers{held} "
+            "(rotate-ca --force moves on)"
+        )
+
+
+def plan(
+    cas: Sequence[CARecord],
+    rotation: dict[str, Any],
+    now: datetime,
+    *,
+    delay: timedelta,
+    lifetime: timedelta,
+    max_lifetime: timedelta,
+) -> datetime:
+    """Check a rotation can start now; returns when the new CA may sign at the earliest."""
+    if delay < timedelta(0):
+        raise InvalidArgument(f"propagation delay must not be negative, not {delay}")
+    if lifetime <= max_lifetime:
+        raise InvalidArgument(
+            f"CA lifetime {human(lifetime)} must exceed the maximum leaf lifetime "
+            f"{human(max_lifetime)}"
+        )
+    check_idle(cas, rotation)
+    old = active(cas)
+    switch_at = whole_seconds(now) + delay
+    if switch_at >= old.not_after:
+        raise InvalidArgument(
+            f"propagation delay {human(delay)} ends after the active CA expires "
+            f"({iso(old.not_after)}): signing would stop"
+        )
+    return switch_at
+
+
+def old_retire_after(old: CARecord, switch_at: datetime, max_lifetime: timedelta) -> datetime:
+    """When the old CA leaves the bundle at the latest, if it stops signing at `switch_at`."""
+    latest_old_leaf = min(switch_at + max_lifetime, old.not_after)
+    return max(latest_old_leaf, old.leaf_max or latest_old_leaf)
+
+
+def human(delta: timedelta) -> str:
+    seconds = int(delta.total_seconds())
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
