@@ -1,8 +1,9 @@
 """`waygate proxy serve`: settings and wiring of the HTTP proxy process.
 
 The process watches the resolver (`waygate.resolver.client.ResolverWatch`,
-one stream, no RPC per request), rebuilds its routing table inside the
-watch's `on_view` callback (so a change applies to the next request), and
+one stream, no RPC per request), builds every table of a view at once
+(`waygate.proxy.view.ProxyView`) inside the watch's `on_view` callback and
+swaps it whole (so a change applies to the next request), and
 serves HTTP/1.1 on `http_port` through `waygate.proxy.server`. It is ready
 once the first complete resolver snapshot has been applied; while the
 resolver is away it keeps serving the last table. SIGTERM drains: the
@@ -660,82 +661,39 @@ def _closer(close: Any) -> Any:
 
 
 class ViewFanOut:
-    """One resolver view into every table the proxy serves from, in one place.
+    """One resolver view into the one `view.ProxyView` the proxy serves from.
 
     `on_view` (the resolver watch's callback, on the loop): the Gateway
-    listeners' own ports bound or closed for the view (`listeners.py`: what
-    the request path looks up is per side), the reencrypt step's cached
-    contexts kept only for routes that remain, the edge certificates by SNI
-    (only for routes that own their host), the TLS fronts' passthrough tables
-    (the HTTPS port's, and each own TLS listener port's), and the request
-    path's `view.ProxyView` (routing, backends, HTTP/2 flags), swapped whole.
+    listeners' own ports bound or closed for the view (`listeners.py`), then
+    every table (HTTP routing, passthrough per front, certificates by SNI,
+    listener sides, reencrypt routes) built once from the view and that
+    listener set (`ProxyView.build`) and swapped whole (`ProxyServer.set_view`).
     `on_healed`: a listener port that could not be bound before now is: the
-    last view is laid out again.
+    last view is built again on the new listener set.
     """
 
-    def __init__(
-        self, server: ProxyServer, front: Any, listeners: Any, settings: ViewSettings
-    ) -> None:
+    def __init__(self, server: ProxyServer, listeners: Any, settings: ViewSettings) -> None:
         self.server = server
-        self.front = front  # the HTTPS port's TlsFront (None: no HTTPS port)
         self.listeners = listeners  # listeners.GatewayListeners
         self.settings = settings
         self.last: Any = None
 
     def on_view(self, view: Any) -> None:
         self.last = view
-        server, front = self.server, self.front
-        # First: the own ports this view's Gateway listeners need, bound or closed.
-        listener_sides = self.listeners.sides(view.routes.values())
-        own_tls = self.listeners.fronts()
-        if server.upstream_tls is not None:
-            server.upstream_tls.keep_only(view.routes.values())
-        if front is not None:
-            # A route another one's claim keeps out serves no certificate for its host.
-            front.certificates.update(
-                (r for r in view.routes.values() if r.status is None or r.status.admitted),
-                keys_withheld=view.route_keys_withheld,
-            )
-            # TLS listeners on their own ports are served there only.
-            self._passthrough(front, view, lambda p: p not in own_tls)
-        self._build(view, listener_sides)
-        self._own_fronts(view)
+        self._build(view)
 
     def on_healed(self) -> None:
-        view = self.last
-        if view is not None:
-            self._build(view, self.listeners.sides(view.routes.values()))
-            self._own_fronts(view)
+        if self.last is not None:
+            self._build(self.last)
 
-    def _build(self, view: Any, listener_sides: Any) -> None:
-        server = self.server
-        settings = self.settings._replace(listener_ports=listener_sides)
-        server.set_view(ProxyView.build(view, server.view, settings))
-
-    def _passthrough(self, target: Any, view: Any, ports: Callable[[int], bool]) -> None:
-        """`target` (a TLS front) serves the view's passthrough routes on these listener ports."""
-        from waygate.proxy.passthrough import passthrough_table
-
-        target.set_table(
-            passthrough_table(
-                view.routes,
-                view.endpoints,
-                view.services,
-                defaults=self.settings.defaults,
-                cookie_key=self.settings.cookie_key,
-                previous=target.table,
-                ports=ports,
-            )
+    def _build(self, view: Any) -> None:
+        # First: the own ports this view's Gateway listeners need, bound or closed.
+        sides = self.listeners.sides(view.routes.values())
+        settings = self.settings._replace(
+            listener_ports=sides, own_tls_ports=frozenset(self.listeners.fronts())
         )
-
-    def _own_fronts(self, view: Any) -> None:
-        """The passthrough routes of TLS listeners on their own ports, each on its front."""
-
-        def only(port: int) -> Callable[[int], bool]:
-            return lambda listener_port: listener_port == port
-
-        for port, own in self.listeners.fronts().items():
-            self._passthrough(own, view, only(port))
+        server = self.server
+        server.set_view(ProxyView.build(view, server.view, settings))
 
 
 async def setup(process: ServiceProcess, settings: Settings) -> None:
@@ -789,7 +747,8 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         certificates=front.certificates if front is not None else None,
     )
     process.on_stop(_closer(gateway_listeners.close))
-    fan_out = ViewFanOut(server, front, gateway_listeners, view_settings)
+    view_settings = view_settings._replace(edge=front.certificates if front is not None else None)
+    fan_out = ViewFanOut(server, gateway_listeners, view_settings)
     from waygate.proxy.tcpservices import TcpServices
 
     tcp_services = TcpServices(

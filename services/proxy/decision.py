@@ -110,36 +110,59 @@ OPTIONS_ANY = Answer(200, "", ANSWER_OPTIONS, refused=False)
 class Forward:
     """The request goes upstream: everything the drivers need, decided once.
 
-    No __slots__: the defaults are class attributes, so a request sets only
-    what it has (the per-request path assigns a handful of fields)."""
+    Slotted, every field set by `decide` (made without an __init__ call: a
+    Python frame less per request): a slot is read at the cost of a local,
+    where a class-level default read through an instance is a dictionary miss
+    and a type lookup on every read (CPython 3.11). `__dict__` is kept for a
+    rule's own fields (declared as class attributes with their default)."""
+
+    __slots__ = (
+        "__dict__",
+        "authority",
+        "backend",
+        "buffer_body",
+        "cookie",
+        "counted",
+        "deadline",
+        "entry",
+        "hsts",
+        "http2",
+        "identity",
+        "mirrors",
+        "path",
+        "req",
+        "response_modifier",
+        "span",
+        "target",
+        "traceparent",
+        "upstream_head",
+    )
 
     # Whether the endpoint's in-flight count was taken (release_pick gives it back).
-    counted = False
-    http2 = False  # the backend speaks HTTP/2
-    cookie: bytes | None = None  # the client's sticky cookie
-    hsts = b""  # the Strict-Transport-Security line (HTTPS only)
-    identity = b""  # auth-proxy identity lines from the client certificate
-    response_modifier: HeaderModifier | None = None
-    authority: bytes | None = None  # a rewritten host (None: the request's)
-    upstream_head = b""
-    span: Any = None
+    counted: bool
+    http2: bool  # the backend speaks HTTP/2
+    cookie: bytes | None  # the client's sticky cookie
+    hsts: bytes  # the Strict-Transport-Security line (HTTPS only)
+    identity: bytes  # auth-proxy identity lines from the client certificate
+    response_modifier: HeaderModifier | None
+    authority: bytes | None  # a rewritten host (None: the request's)
+    upstream_head: bytes
+    span: Any
     # The traceparent the tunnel's dial continues (None: not sampled here).
-    traceparent: str | None = None
+    traceparent: str | None
     # When a grpc-timeout shorter than the route's server timeout ends the wait for
     # the answer (0.0: no such deadline; the server timeout applies).
-    deadline = 0.0
-    mirrors: list[tuple[Target, bytes]] | None = None
+    deadline: float
+    mirrors: list[tuple[Target, bytes]] | None
     # The body is taken in whole before an upstream is used (bodybuffer): the
     # route's requestBuffering, for a request with a body, not gRPC.
-    buffer_body = False
+    buffer_body: bool
     # A limit-connections slot the request holds (release_pick gives it back).
     held: ratelimit.Held | None = None
     # ingress-nginx auth-url: the driver asks the auth service first (authcheck).
     auth: extauth.AuthPlan | None = None
     target: Target
     backend: Backend
-
-    # Set by `decide` (made without an __init__ call: a Python frame less per request).
     entry: RouteEntry
     req: RequestHead  # the request as the backend gets it (after a route's rewrite)
     path: bytes  # the request's path (routing's; no query)
@@ -378,6 +401,12 @@ def decide(
     forward.entry = entry
     forward.req = req
     forward.path = path
+    # Every field set (see Forward): the defaults, then what this request has.
+    forward.counted = forward.http2 = forward.buffer_body = False
+    forward.cookie = forward.response_modifier = forward.authority = forward.span = None
+    forward.traceparent = forward.mirrors = None
+    forward.hsts = forward.identity = b""
+    forward.deadline = 0.0
     rules = entry.rules
     if rules is None:
         rules = rules_of(entry)

@@ -54,7 +54,7 @@ What the Exchange keeps (the rules between request and response):
   before any response byte and it is idempotent without a body (RFC 9112
   section 9.3.1), never a sent POST;
 - the bounds on 1xx responses (`server.Limits`), the relay after a 101
-  (`UpgradeRelay`), and its records (`records`: metrics, access log, span);
+  (`relay_h1.UpgradeRelay`, a mixin), and its records (`records`: metrics, access log, span);
 - everything it holds upstream let go in one place, `abandon_upstream`,
   however the exchange ends.
 
@@ -98,6 +98,7 @@ from waygate.proxy.http1 import (
     ResponseHead,
 )
 from waygate.proxy.records import end_span
+from waygate.proxy.relay_h1 import UpgradeRelay
 from waygate.proxy.routing import Backend, RouteEntry, Side, Target
 from waygate.proxy.timeouts import check as check_timeouts
 from waygate.proxy.upstream_h1 import UpstreamConnection
@@ -176,102 +177,6 @@ class Downstream(Protocol):
     def relay_write(self, data: bytes) -> None: ...
     def relay_eof(self) -> bool: ...
     def relay_closed(self) -> None: ...
-
-
-class _Relaying(Protocol):
-    """What the relay phase uses of its exchange (the Exchange below)."""
-
-    ctx: ExchangeContext
-    loop: Any
-    down: Downstream
-    req: RequestHead | None
-    entry: RouteEntry | None
-    upstream: UpstreamConnection | Any
-    response_started: bool
-    status: int
-    last_client: float
-    last_up: float
-
-    def _record(self, route: str, req: RequestHead, status: int) -> None: ...
-    def _release_pick(self) -> None: ...
-
-
-class UpgradeRelay:
-    """The relay phase of an exchange, after the upstream's 101 (Switching Protocols):
-    bytes both ways as they come (WebSocket and other upgrades), each side's
-    half-close passed on, idle for at most the route's tunnel timeout, then both
-    sides closed and the request recorded as 101. HTTP/1.1 only: an HTTP/2
-    stream never asks to upgrade (RFC 8441's extended CONNECT is not served)."""
-
-    __slots__ = ()
-    # (Slots of the Exchange, declared for the type checker.)
-    req: RequestHead | None
-    upstream: UpstreamConnection | None
-
-    def switching(self: _Relaying, response: ResponseHead, rest: bytes) -> bool:
-        """The upstream's 101: True when the relay starts (the request asked to upgrade)."""
-        req = self.req
-        if req is None or not req.upgrade:
-            return False
-        self.response_started = True
-        self.status = 101
-        self.last_client = self.last_up = self.loop.time()
-        if not response.upgrade:
-            response.upgrade = req.upgrade
-        self.down.start_relay(response, rest)
-        return True
-
-    def relay_send_eof(self: _Relaying) -> bool:
-        """The client half-closed during a relay: so does the upstream (True when it could)."""
-        upstream = self.upstream
-        return upstream is not None and upstream.write_eof()
-
-    def relay_timer(self: _Relaying, now: float) -> float:
-        """The delay until a relay's next idle check, or -1 when it was idle too long."""
-        entry = self.entry
-        limit = entry.options.tunnel_timeout if entry else 3600.0
-        idle = now - max(self.last_client, self.last_up)
-        return -1.0 if idle >= limit else limit - idle
-
-    def relay_eof(self: _Relaying) -> bool:
-        """The upstream half-closed during a relay: so does the client (True when it could)."""
-        return self.down.relay_eof()
-
-    def relay_data(self: _Relaying, data: bytes) -> None:
-        self.last_up = self.loop.time()
-        self.ctx.metrics.bytes_out += len(data)
-        self.down.relay_write(data)
-
-    def relay_send(self: _Relaying, data: bytes) -> None:
-        """Client bytes during a relay."""
-        upstream = self.upstream
-        if upstream is not None:
-            self.last_client = self.loop.time()
-            upstream.write(data)
-
-    def release_relay(self: _Relaying) -> None:
-        """The driver ends a relay both sides have finished: the upstream is closed
-        (gracefully: bytes still queued for it go first), the request recorded."""
-        entry = self.entry
-        req = self.req
-        if entry is not None and req is not None:
-            self._record(entry.options.name, req, 101)
-            self.req = None
-        upstream = self.upstream
-        self.upstream = None
-        if upstream is not None:
-            upstream.release(False)
-        self._release_pick()
-
-    def relay_closed(self: _Relaying) -> None:
-        entry = self.entry
-        req = self.req
-        if entry is not None and req is not None:
-            self._record(entry.options.name, req, 101)
-            self.req = None
-        self.upstream = None
-        self._release_pick()
-        self.down.relay_closed()
 
 
 class Exchange(UpgradeRelay):
@@ -469,7 +374,7 @@ class Exchange(UpgradeRelay):
             upstream = ctx.pool.take(key, idle_at_most=SAFE_REUSE_IDLE)
         if upstream is not None:
             ctx.metrics.pool_reused += 1
-            self._attach(upstream, reused=True)
+            self._attach(upstream, True)  # (positional: a specialised call)
             return
         pool = ctx.pool
         if pool.reserve(target):
@@ -582,9 +487,7 @@ class Exchange(UpgradeRelay):
         caller (`connect_h1`: its reservation is released however it ends)."""
         self.connect_task = start_connect(self, target)
 
-    def _attach(
-        self, upstream: UpstreamConnection, *, reused: bool, head_sent: bool = False
-    ) -> None:
+    def _attach(self, upstream: UpstreamConnection, reused: bool, head_sent: bool = False) -> None:
         self.upstream = upstream
         sent_at = self.started if reused else self.loop.time()
         if not self.req_complete:
@@ -767,13 +670,13 @@ class Exchange(UpgradeRelay):
             ctx.metrics.bytes_out += length
             down.response_head(response, out_framing, length, keep_alive, extra, rest, False)
             self.remaining = 0
-            self._done(clean=True, now=now)
+            self._done(True, now)
             return None
         if framing == FRAMING_NONE or (framing == FRAMING_LENGTH and length == 0):
             down.response_head(response, out_framing, length, keep_alive, extra, b"", False)
             # Bytes after a response without a body, in the same read: the
             # upstream's framing is off, so the connection is not pooled.
-            self._done(clean=not rest, now=now)
+            self._done(not rest, now)
             return None
         # Held for the body bytes of this same read (`more`): one send for a small response.
         down.response_head(response, out_framing, length, keep_alive, extra, b"", bool(rest))
@@ -823,7 +726,7 @@ class Exchange(UpgradeRelay):
                 502, "upstream sent bytes after a bodiless response", "bad_response"
             )
 
-    def _done(self, *, clean: bool, now: float = 0.0) -> None:
+    def _done(self, clean: bool, now: float = 0.0) -> None:
         """The response is complete: release the upstream (pooled only when clean)."""
         upstream = self.upstream
         self.upstream = None
@@ -895,9 +798,10 @@ class Exchange(UpgradeRelay):
         entry = self.entry
         req = self.req
         if entry is not None:
-            idle_timeout = entry.options.keep_alive_timeout
+            options = entry.options
+            idle_timeout = options.keep_alive_timeout
             if req is not None:
-                self._record(entry.options.name, req, self.status or 502)
+                self._record(options.name, req, self.status or 502)
         else:
             idle_timeout = 0.0
         self.upstream = None

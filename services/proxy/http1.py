@@ -211,27 +211,75 @@ def _check_first_line(
 # ---------------------------------------------------------------- requests
 
 
+_new_object = object.__new__
+
+
 class RequestHead:
     """One parsed, validated request head.
 
-    Defaults are class attributes: a parse sets only what the request has.
+    Slotted, every field set at construction (a parse then sets what the
+    request has): the request path reads most fields at their defaults, and a
+    class-level default read through an instance is a dictionary miss and a
+    type lookup each time on CPython 3.11, where a slot is read directly.
+    `__dict__` is kept for a field declared as a class attribute with its
+    default (copied by `copy` too).
     """
 
-    method = b""
-    target = b""
-    version = b"1.1"
-    # Forwarded as they came: whole lines b"Name: value\r\n", one block.
-    fields = b""
-    # X-Forwarded-* and Forwarded as the client sent them: (lname, name, value).
-    forwarded: Sequence[tuple[bytes, bytes, bytes]] = ()
-    host = b""  # lower-cased, port stripped
-    content_length = -1  # -1: none
-    chunked = False
-    keep_alive = True
-    upgrade = b""  # the Upgrade header's value when Connection names upgrade
-    expect_continue = False
-    traceparent = b""
-    cookie: Sequence[bytes] = ()
+    __slots__ = (
+        "__dict__",
+        "chunked",
+        "content_length",
+        "cookie",
+        "expect_continue",
+        "fields",
+        "forwarded",
+        "host",
+        "keep_alive",
+        "method",
+        "target",
+        "traceparent",
+        "upgrade",
+        "version",
+    )
+
+    def __init__(self) -> None:
+        self.method = b""
+        self.target = b""
+        self.version = b"1.1"
+        # Forwarded as they came: whole lines b"Name: value\r\n", one block.
+        self.fields = b""
+        # X-Forwarded-* and Forwarded as the client sent them: (lname, name, value).
+        self.forwarded: Sequence[tuple[bytes, bytes, bytes]] = ()
+        self.host = b""  # lower-cased, port stripped
+        self.content_length = -1  # -1: none
+        self.chunked = False
+        self.keep_alive = True
+        self.upgrade = b""  # the Upgrade header's value when Connection names upgrade
+        self.expect_continue = False
+        self.traceparent = b""
+        self.cookie: Sequence[bytes] = ()
+
+    def copy(self) -> RequestHead:
+        """A head of its own with the same fields (lists in it are shared: replaced, never
+        changed, by whoever changes the copy)."""
+        copy = _new_object(RequestHead)
+        copy.method = self.method
+        copy.target = self.target
+        copy.version = self.version
+        copy.fields = self.fields
+        copy.forwarded = self.forwarded
+        copy.host = self.host
+        copy.content_length = self.content_length
+        copy.chunked = self.chunked
+        copy.keep_alive = self.keep_alive
+        copy.upgrade = self.upgrade
+        copy.expect_continue = self.expect_continue
+        copy.traceparent = self.traceparent
+        copy.cookie = self.cookie
+        extra = self.__dict__
+        if extra:
+            copy.__dict__.update(extra)
+        return copy
 
     @property
     def http10(self) -> bool:
@@ -777,6 +825,8 @@ def remember(cache: dict[_Key, _Value], key: _Key, value: _Value, entries: int) 
 def copy_head(head: _Head) -> _Head:
     """A head of its own for a caller of a remembered parse (what is set on it is
     copied, the class defaults stay shared; lists in it are replaced, never changed)."""
+    if type(head) is RequestHead:
+        return head.copy()  # type: ignore[no-any-return]
     copy = type(head).__new__(type(head))
     copy.__dict__.update(head.__dict__)
     return copy

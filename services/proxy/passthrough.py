@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import select
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from prometheus_client import Counter
@@ -38,9 +37,9 @@ from prometheus_client import Counter
 from waygate.core import flow
 from waygate.proxy import sni
 from waygate.proxy.accept import ClientProtocol
-from waygate.proxy.routing import Defaults, RouteTable, build_table
+from waygate.proxy.routing import RouteTable
 from waygate.proxy.upstream import ConnectError, start
-from waygate.resolver.client import BalancePolicy, Route, TLSTermination
+from waygate.proxy.view import HTTPS_FRONT
 
 log = logging.getLogger(__name__)
 
@@ -56,41 +55,6 @@ TLS_CONNECTIONS = Counter(
     "not_tls, too_large, timeout, no_endpoint, connect_failed",
     ["outcome"],
 )
-
-
-def is_passthrough(route: Route) -> bool:
-    return route.tls is not None and route.tls.termination == TLSTermination.PASSTHROUGH
-
-
-def passthrough_table(
-    routes: Mapping[Any, Route],
-    endpoints: Any,
-    services: Any,
-    *,
-    defaults: Defaults,
-    cookie_key: bytes,
-    previous: RouteTable | None,
-    ports: Callable[[int], bool] | None = None,
-) -> RouteTable:
-    """The passthrough routes as a routing table (host -> backends), balanced by source
-    unless the route says otherwise; the HTTP table leaves them out. `ports`: only the
-    routes whose listener port it accepts (a front of a Gateway listener's own port)."""
-    chosen = {
-        key: dataclasses.replace(
-            route,
-            tls=None,
-            # A Gateway TLS listener's routes: this listener serves them all.
-            listener_port=0,
-            balance=route.balance
-            if route.balance != BalancePolicy.DEFAULT
-            else BalancePolicy.SOURCE,
-        )
-        for key, route in routes.items()
-        if is_passthrough(route) and (ports is None or ports(route.listener_port))
-    }
-    return build_table(
-        chosen, endpoints, services, defaults=defaults, cookie_key=cookie_key, previous=previous
-    )
 
 
 def bind_listener(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
@@ -233,6 +197,9 @@ async def drain_relays(owner: RelayOwner, pending: set[asyncio.Task[None]], grac
         relay.abort()
 
 
+_NO_ROUTES = RouteTable.empty()
+
+
 class TlsFront:
     """The HTTPS port as a runtime Listener: peek the SNI, relay or terminate."""
 
@@ -256,7 +223,8 @@ class TlsFront:
         self.port = port
         self.reuse_port = reuse_port
         self.loop = asyncio.get_running_loop()
-        self.table = RouteTable.empty()
+        # Its passthrough table in the server's view (view.ProxyView.passthrough).
+        self.view_key = HTTPS_FRONT if protocol is None else port
         self.relays: set[Relay] = set()
         self.pending: set[asyncio.Task[None]] = set()
         self.bound_port = 0
@@ -264,8 +232,11 @@ class TlsFront:
         self._accepting: asyncio.Task[None] | None = None
         self._sweeper: asyncio.TimerHandle | None = None
 
-    def set_table(self, table: RouteTable) -> None:
-        self.table = table
+    @property
+    def table(self) -> RouteTable:
+        """The passthrough routes this front relays, by SNI (the current view's)."""
+        table = self.server.context.view.passthrough.get(self.view_key)
+        return table if table is not None else _NO_ROUTES
 
     # ------------------------------------------------------------ Listener
 

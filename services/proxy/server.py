@@ -197,12 +197,19 @@ class ProxyServer:
 
     @trace_ratio.setter
     def trace_ratio(self, ratio: float) -> None:
-        view = self.context.view
-        self.context.view = ProxyView(view.table, view.health, ratio)
+        self.context.view = self.context.view.replace(trace_ratio=ratio)
 
     def set_view(self, view: ProxyView) -> None:
-        """Swap the view (called on the loop; the next request uses it)."""
+        """Swap the view whole (called on the loop: the next request, stream and TLS
+        handshake use every table of it): the edge certificates by SNI are
+        installed in the same call, and what outlives views (idle connections,
+        passive health, reencrypt sessions) is kept only for what it still names."""
+        if view.certificates is not None and self.edge is not None:
+            self.edge.install(view.certificates)
         self.context.view = view
+        upstream_tls = self.context.upstream_tls
+        if upstream_tls is not None:
+            upstream_tls.keep_only(view.reencrypt_routes)
         table = view.table
         self.pool.keep_only(table.targets)
         self.health.forget_except(table.targets)

@@ -48,10 +48,10 @@ import asyncio
 import hashlib
 import logging
 import ssl
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
@@ -272,6 +272,22 @@ class DefaultCertificate:
             self._unsubscribe = None
 
 
+class SniCertificates(NamedTuple):
+    """One view's edge certificates by SNI (`EdgeCertificates.build`; immutable once built)."""
+
+    exact: Mapping[str, ServedCertificate]
+    # "*.domain" certificates by "domain".
+    wildcard: Mapping[str, ServedCertificate]
+    # Loaded certificates by digest (the next view's build reuses them).
+    cache: Mapping[bytes, ServedCertificate]
+    # Route key -> the context that verifies its clients (client-CA routes only).
+    client_auth: Mapping[tuple[str, str], ServedCertificate]
+    # Every route's client CA (PEM): loaded into every other context (see install).
+    client_cas: frozenset[bytes]
+    # Refused route certificates: (route, host, reason).
+    refusals: tuple[tuple[str, str, str], ...]
+
+
 class EdgeCertificates:
     """The HTTPS listener's context: a route certificate by SNI, else the default."""
 
@@ -286,19 +302,13 @@ class EdgeCertificates:
         # Certificate fields sent as X-Remote-Extra-<Field> on auth-proxy routes.
         self.extra_fields = extra_fields
         self._now = now or (lambda: datetime.now(UTC))
-        self._exact: dict[str, ServedCertificate] = {}
-        self._wildcard: dict[str, ServedCertificate] = {}
-        self._cache: dict[bytes, ServedCertificate] = {}
+        # The certificates by SNI now served (`install`: one view's, swapped whole).
+        self.sni = SniCertificates({}, {}, {}, {}, frozenset(), ())
         self._refused: set[tuple[str, bytes]] = set()
-        #: The current view's refused route certificates: (route, host, reason).
-        self.refusals: tuple[tuple[str, str, str], ...] = ()
         # (route, certificate) pairs already warned about: once each, not per view.
         self._warned: set[tuple[str, bytes]] = set()
-        self._routes: tuple[Route, ...] = ()
         self._served_labels: set[tuple[str, str]] = set()
-        # Route key -> the context that verifies its clients (client-CA routes only).
-        self._client_auth: dict[tuple[str, str], ServedCertificate] = {}
-        # Every route's client CA (PEM): loaded into every other context (see update).
+        # Every client CA the installed contexts verify with (see install).
         self._client_cas: frozenset[bytes] = frozenset()
         assert default.context is not None
         # The listener's own context never serves a handshake past the SNI
@@ -308,7 +318,13 @@ class EdgeCertificates:
 
     def served(self) -> list[tuple[str, ServedCertificate]]:
         """(host, certificate) pairs served by SNI, wildcards as "*.domain" (the status page)."""
-        return [*self._exact.items(), *(("*." + host, c) for host, c in self._wildcard.items())]
+        sni = self.sni
+        return [*sni.exact.items(), *(("*." + host, c) for host, c in sni.wildcard.items())]
+
+    @property
+    def refusals(self) -> tuple[tuple[str, str, str], ...]:
+        """The served view's refused route certificates: (route, host, reason)."""
+        return self.sni.refusals
 
     def _listener_context(self) -> ssl.SSLContext:
         """The context the server holds: protocol versions, ciphers, ALPN and the
@@ -344,12 +360,13 @@ class EdgeCertificates:
     def _on_client_hello(self, ssl_object: Any, server_name: str | None, _ctx: Any) -> None:
         served = None
         if server_name:
+            sni = self.sni
             name = server_name.lower()
-            served = self._exact.get(name)
+            served = sni.exact.get(name)
             if served is None:
                 _, dot, parent = name.partition(".")
                 if dot:
-                    served = self._wildcard.get(parent)
+                    served = sni.wildcard.get(parent)
         ssl_object.context = served.context if served is not None else self.default.context
 
     def context_for(self, server_name: str | None) -> ssl.SSLContext | None:
@@ -365,12 +382,16 @@ class EdgeCertificates:
     # ------------------------------------------------------------ per resolver view
 
     def update(self, routes: Iterable[Route], *, keys_withheld: str = "") -> None:
-        """Rebuild the SNI maps from the routes (edge and reencrypt routes with a certificate).
+        """Serve the routes' certificates by SNI from now on (`build`, then `install`)."""
+        self.install(self.build(routes, keys_withheld=keys_withheld))
+
+    def build(self, routes: Iterable[Route], *, keys_withheld: str = "") -> SniCertificates:
+        """The SNI maps of the routes (edge and reencrypt routes with a certificate),
+        loaded certificates reused from the served maps (`view.ProxyView.build`).
 
         `keys_withheld`: why the resolver sends this proxy no private keys (its Watch
         says so), named when a route's certificate arrives without its key."""
         routes = tuple(routes)
-        self._routes = routes
         exact: dict[str, ServedCertificate] = {}
         wildcard: dict[str, ServedCertificate] = {}
         cache: dict[bytes, ServedCertificate] = {}
@@ -388,7 +409,7 @@ class EdgeCertificates:
             host = route.host.lower()
             key = _digest(tls.certificate, tls.key, tls.client_ca_certificate)
             try:
-                served = cache.get(key) or self._cache.get(key)
+                served = cache.get(key) or self.sni.cache.get(key)
                 if served is None:
                     if not tls.certificate:
                         raise RefusedCertificate(
@@ -432,10 +453,17 @@ class EdgeCertificates:
         for gone in self._served_labels - labels:
             ROUTE_CERT_EXPIRY.remove(*gone)
         self._served_labels = labels
-        self.refusals = tuple(refusals)
-        # One assignment each: a handshake sees the old maps or the new ones.
-        self._exact, self._wildcard, self._cache = exact, wildcard, cache
-        self._client_auth = client_auth
+        cas = frozenset(
+            route.tls.client_ca_certificate.encode()
+            for route in routes
+            if route.tls is not None and route.tls.client_ca_certificate
+        )
+        return SniCertificates(exact, wildcard, cache, client_auth, cas, tuple(refusals))
+
+    def install(self, sni: SniCertificates) -> None:
+        """Serve `sni` from the next handshake on (`server.ProxyServer.set_view`)."""
+        # One assignment: a handshake sees the old maps or the new ones.
+        self.sni = sni
         # The listener asks every client for a certificate while a client-CA route
         # exists, and a connection switched to another route's (or the default)
         # context verifies one against that context's store: empty, so a browser
@@ -444,13 +472,9 @@ class EdgeCertificates:
         # routes' client CAs (no identity ever comes from it: `client_identity`
         # requires the route's own context). A certificate from a CA no route names
         # still fails the handshake.
-        cas = frozenset(
-            route.tls.client_ca_certificate.encode()
-            for route in routes
-            if route.tls is not None and route.tls.client_ca_certificate
-        )
+        cas = sni.client_cas
         self._client_cas = cas
-        for served in cache.values():
+        for served in sni.cache.values():
             if not served.client_cas:
                 served.trusts = self._trust_client_cas(served.context, served.trusts, cas)
         self._trust_client_cas(self.default.context, frozenset(), cas)
@@ -458,7 +482,7 @@ class EdgeCertificates:
         # callback switches contexts, so the listener asks for a client
         # certificate (optionally) whenever a route needs one; the switched-to
         # context's CA verifies it, and `client_identity` decides per request.
-        self.context.verify_mode = ssl.CERT_OPTIONAL if client_auth else ssl.CERT_NONE
+        self.context.verify_mode = ssl.CERT_OPTIONAL if sni.client_auth else ssl.CERT_NONE
 
     @staticmethod
     def _check(served: ServedCertificate, host: str, now: datetime) -> None:
@@ -491,7 +515,7 @@ class EdgeCertificates:
         """For a route with a client CA: the identity header lines from the verified
         client certificate, or (401|403, reason) to answer instead."""
         label = f"{route.namespace}/{route.name}"
-        served = self._client_auth.get((route.namespace, route.name))
+        served = self.sni.client_auth.get((route.namespace, route.name))
         if served is None:
             return 403, f"route {label} requires a client certificate and has no usable one"
         if ssl_object is None or ssl_object.context is not served.context:

@@ -15,9 +15,10 @@ from typing import Any
 from tests.integration.proxy.test_reencrypt import TlsBackend
 from tests.support.pki import LocalCA
 from tests.support.proxyharness import endpoint, route, running_proxy
-from waygate.proxy.passthrough import TLS_CONNECTIONS, TlsFront, passthrough_table
+from waygate.proxy.passthrough import TLS_CONNECTIONS, TlsFront
 from waygate.proxy.routing import Defaults
 from waygate.proxy.tls import DefaultCertificate, EdgeCertificates
+from waygate.proxy.view import HTTPS_FRONT, passthrough_table
 from waygate.resolver.model import RouteTLS, TLSTermination
 
 PASSTHROUGH = RouteTLS(termination=TLSTermination.PASSTHROUGH)
@@ -40,16 +41,15 @@ async def front_to(
             0,
         )
         grouped = {("demo", "web"): tuple(endpoints)}
-        front.set_table(
-            passthrough_table(
-                {r.key: r for r in routes},
-                grouped,
-                {},
-                defaults=Defaults(),
-                cookie_key=b"k" * 32,
-                previous=None,
-            )
+        table = passthrough_table(
+            {r.key: r for r in routes},
+            grouped,
+            {},
+            defaults=Defaults(),
+            cookie_key=b"k" * 32,
+            previous=None,
         )
+        server.set_view(server.view.replace(passthrough={HTTPS_FRONT: table}))
         await front.start()
         try:
             yield front

@@ -320,7 +320,7 @@ async def test_a_route_key_goes_with_its_route(tmp_path: Path, upstream: Recordi
     async with https_proxy(tmp_path, routes, upstream, ca) as (_, _, port, certificates, _):
         assert names(await presented(port, "a.example.test", ca)) == ["a.example.test"]
         certificates.update([])
-        assert not certificates._cache and not certificates._exact
+        assert not certificates.sni.cache and not certificates.sni.exact
         assert names(await presented(port, "a.example.test", ca)) == ["proxy.waygate.local"]
 
 
