@@ -117,7 +117,7 @@ def test_header_block_is_bounded_in_bytes():
 
 
 def test_control_frames_are_counted_frame_by_frame_as_they_are_parsed():
-    limits = H2Limits(control_frames=50)
+    limits = H2Limits(control_frames=50, control_frame_rate=0)  # no refill: exact counts
     conn = _listener(limits)
     buffer = conn.incoming_buffer
     assert isinstance(buffer, h2compat.GuardedFrameBuffer)
