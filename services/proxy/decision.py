@@ -42,7 +42,7 @@ import re
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
-from waygate.proxy import filters, http1, records, tls
+from waygate.proxy import cors, filters, http1, records, tls
 from waygate.proxy.http1 import ForwardedContext, RequestHead
 from waygate.proxy.routing import (
     Backend,
@@ -64,6 +64,8 @@ ANSWER_HEALTHZ = "healthz"
 ANSWER_OPTIONS = "options"  # OPTIONS *: the proxy answers for itself
 ANSWER_REDIRECT = "redirect"  # the edge's redirect to HTTPS (TLS insecureEdgePolicy)
 ANSWER_ROUTE_REDIRECT = "route_redirect"  # an HTTPRoute RequestRedirect: reason = Location
+# A whole HTTP/1.1 response the rule built (a CORS preflight): reason = its bytes (latin-1).
+ANSWER_RESPONSE = "response"
 
 
 class View(Protocol):
@@ -128,6 +130,7 @@ class Forward:
     # the answer (0.0: no such deadline; the server timeout applies).
     deadline = 0.0
     mirrors: list[tuple[Target, bytes]] | None = None
+    cors: Any = None  # the CORS headers for the answer (waygate.proxy.cors)
     target: Target
     backend: Backend
 
@@ -262,6 +265,32 @@ def _has_filters(entry: RouteEntry) -> bool:
     return entry.route.filters is not None
 
 
+def _has_cors(entry: RouteEntry) -> bool:
+    if entry.route.cors is None:
+        return False
+    entry.policies["cors"] = cors.CorsPolicy(entry.route.cors)
+    return True
+
+
+def _cors_gate(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
+    """ingress-nginx CORS: an allowed OPTIONS is a preflight answered here (204)."""
+    policy = forward.entry.policies["cors"]
+    allowed = policy.allowed(req)
+    if allowed is None:
+        return None
+    if req.method == b"OPTIONS":
+        response = policy.preflight(allowed).decode("latin-1")
+        return Answer(204, response, ANSWER_RESPONSE, forward.entry.options.name, refused=False)
+    forward.cors = allowed
+    return None
+
+
+def _cors_headers(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
+    if forward.cors is not None:
+        forward.response_modifier = cors.with_headers(forward.response_modifier, forward.cors)
+    return None
+
+
 GATES: tuple[Rule, ...] = (
     Rule("edge_tls", lambda entry: entry.route.tls is not None, _edge_tls),
     Rule(
@@ -269,8 +298,12 @@ GATES: tuple[Rule, ...] = (
         lambda entry: entry.route.filters is not None and entry.route.filters.redirect is not None,
         _route_redirect,
     ),
+    Rule("cors", _has_cors, _cors_gate),
 )
-SHAPERS: tuple[Rule, ...] = (Rule("request_filters", _has_filters, _request_filters),)
+SHAPERS: tuple[Rule, ...] = (
+    Rule("request_filters", _has_filters, _request_filters),
+    Rule("cors", lambda entry: entry.route.cors is not None, _cors_headers),
+)
 
 
 def rules_of(entry: RouteEntry) -> tuple[tuple[Rule, ...], tuple[Rule, ...]] | bool:

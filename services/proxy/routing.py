@@ -298,6 +298,7 @@ class RouteEntry:
         "mirrors",
         "options",
         "path",
+        "policies",
         "policy",
         "query",
         "rank",
@@ -323,6 +324,8 @@ class RouteEntry:
         # The Strict-Transport-Security line it adds on HTTPS, built once (b"": none).
         self.hsts = hsts_line(route)
         self.upstream_scope = upstream_scope(route)
+        # Per-route rule state a decision rule prepares once (decision.rules_of).
+        self.policies: dict[str, Any] = {}
         self.backends = backends
         self.policy = policy
         self.backend_picker: RoundRobinPicker[int] | None = None

@@ -282,6 +282,18 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
     )
     if route.filters is not None:
         message.filters.CopyFrom(_filters_to_proto(route.filters))
+    if (cors := route.cors) is not None:
+        message.cors.CopyFrom(
+            pb.RouteCors(
+                allow_origins=cors.allow_origins,
+                allow_methods=cors.allow_methods,
+                allow_headers=cors.allow_headers,
+                expose_headers=cors.expose_headers,
+                allow_credentials=cors.allow_credentials,
+                max_age=cors.max_age,
+            )
+        )
+    message.max_request_body = route.max_request_body
     if route.tls is not None:
         hsts = route.tls.hsts
         message.tls.CopyFrom(
@@ -402,6 +414,19 @@ def route_from_proto(message: pb.Route) -> model.Route:
         origin=message.origin,
         rule_index=message.rule_index,
         listener_protocol=message.listener_protocol,
+        cors=_cors_from_proto(message.cors) if message.HasField("cors") else None,
+        max_request_body=message.max_request_body,
+    )
+
+
+def _cors_from_proto(message: pb.RouteCors) -> model.Cors:
+    return model.Cors(
+        tuple(message.allow_origins),
+        message.allow_methods,
+        message.allow_headers,
+        message.expose_headers,
+        message.allow_credentials,
+        message.max_age,
     )
 
 

@@ -398,6 +398,22 @@ class RouteFilters:
 
 
 @dataclass(frozen=True)
+class Cors:
+    """ingress-nginx's enable-cors with its cors-* annotations (their defaults here):
+    origins are `*` or scheme://host[:port] with an optional `*.` subdomain wildcard."""
+
+    allow_origins: tuple[str, ...] = ("*",)
+    allow_methods: str = "GET, PUT, POST, DELETE, PATCH, OPTIONS"
+    allow_headers: str = (
+        "DNT,Keep-Alive,User-Agent,X-Requested-With,If-Modified-Since,"
+        "Cache-Control,Content-Type,Range,Authorization"
+    )
+    expose_headers: str = ""
+    allow_credentials: bool = True
+    max_age: int = 1728000
+
+
+@dataclass(frozen=True)
 class Route:
     namespace: str
     name: str
@@ -448,6 +464,10 @@ class Route:
     # condition.
     ingress_refusal: tuple[str, str] | None = None
     ingress_verdicts: tuple[str, ...] = ()
+    # ingress-nginx responses: CORS (None: off) and the request body limit in
+    # bytes (0: none), answered by the proxy (waygate.proxy.cors, .bodylimit).
+    cors: Cors | None = None
+    max_request_body: int = 0
 
     @property
     def key(self) -> RouteKey:

@@ -224,6 +224,8 @@ DERIVED: Final[Mapping[str, Mapping[str, str]]] = {
         "rule_index": "the rule of that object (a precedence tie-breaker)",
         "ingress_refusal": "why an ingress-nginx Ingress is not served (its annotations)",
         "ingress_verdicts": "an ingress-nginx Ingress's per-annotation verdicts",
+        "cors": "ingress-nginx enable-cors and cors-* annotations",
+        "max_request_body": "ingress-nginx proxy-body-size",
     },
     "RouteBackend": {
         "namespace": "Gateway API backendRefs across namespaces (ReferenceGrant)",

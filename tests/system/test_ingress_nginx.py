@@ -549,3 +549,86 @@ current-context: test
             assert "UnsupportedAnnotation" in response["status"]["message"]
         finally:
             await resolver.stop()
+
+
+# ---------------------------------------------------------------- responses: CORS
+
+
+async def test_cors_should_enable_cors(suite: Conformance) -> None:
+    # cors.go: It("should enable cors"): the default headers, and OPTIONS answered 204
+    host = "cors.foo.com"
+    await apply(suite, single_ingress(host, "/", host, {P + "enable-cors": "true"}))
+    response = await suite.eventually("/", host=host, method="OPTIONS", status=204)
+    assert response.header("Access-Control-Allow-Methods") == (
+        "GET, PUT, POST, DELETE, PATCH, OPTIONS"
+    )
+    assert response.header("Access-Control-Allow-Origin") == "*"
+    assert response.header("Access-Control-Allow-Headers") == (
+        "DNT,Keep-Alive,User-Agent,X-Requested-With,If-Modified-Since,"
+        "Cache-Control,Content-Type,Range,Authorization"
+    )
+    assert response.header("Access-Control-Max-Age") == "1728000"
+    assert response.header("Access-Control-Allow-Credentials") == "true"
+    # The backend's answers carry them too (`more_set_headers` in the location).
+    answer = await suite.request("/", host=host)
+    assert answer.backend == V1 and answer.header("Access-Control-Allow-Origin") == "*"
+
+
+async def test_cors_methods_max_age_credentials_headers_expose(suite: Conformance) -> None:
+    # cors.go: It("should set cors methods to only allow POST, GET"),
+    # It("should set cors max-age"), It("should disable cors allow credentials"),
+    # It("should allow headers for cors"), It("should expose headers for cors")
+    host = "cors2.foo.com"
+    annotations = {
+        P + "enable-cors": "true",
+        P + "cors-allow-methods": "POST, GET",
+        P + "cors-max-age": "200",
+        P + "cors-allow-credentials": "false",
+        P + "cors-allow-headers": "DNT, User-Agent",
+        P + "cors-expose-headers": "X-CustomResponseHeader, X-CustomSecondHeader",
+    }
+    await apply(suite, single_ingress(host, "/", host, annotations))
+    response = await suite.eventually("/", host=host, method="OPTIONS", status=204)
+    assert response.header("Access-Control-Allow-Methods") == "POST, GET"
+    assert response.header("Access-Control-Max-Age") == "200"
+    assert response.header("Access-Control-Allow-Credentials") is None
+    assert response.header("Access-Control-Allow-Headers") == "DNT, User-Agent"
+    assert response.header("Access-Control-Expose-Headers") == (
+        "X-CustomResponseHeader, X-CustomSecondHeader"
+    )
+
+
+async def test_cors_origins_single_multiple_wildcard_and_port(suite: Conformance) -> None:
+    # cors.go: It("should allow origin for cors"), It("should allow - single origin for
+    # multiple cors values"), It("should not allow - single origin for multiple cors
+    # values"), It("should allow - origins with wildcard"), It("should not allow -
+    # portions of origin"), It("should allow - single origin with required port"),
+    # It("should not allow - single origin with port and origin without port")
+    host = "cors3.foo.com"
+    origins = "https://origin.cors.com:8080, https://*.origin.com, http://origin2.cors.com"
+    annotations = {P + "enable-cors": "true", P + "cors-allow-origin": origins}
+    await apply(suite, single_ingress(host, "/", host, annotations))
+    allowed = (
+        "https://origin.cors.com:8080",
+        "https://foo.origin.com",
+        "http://origin2.cors.com",
+    )
+    for origin in allowed:
+        response = await suite.eventually(
+            "/", host=host, method="OPTIONS", status=204, headers={"Origin": origin}
+        )
+        assert response.header("Access-Control-Allow-Origin") == origin
+        answer = await suite.request("/", host=host, headers={"Origin": origin})
+        assert answer.header("Access-Control-Allow-Origin") == origin
+    refused = (
+        "https://origin.cors.com",  # the listed origin needs its port
+        "http://origin.cors.com:8080",
+        "https://origin.com",  # a wildcard needs its label
+        "https://foo.bar.origin.com",
+        "http://origin2.cors.com.evil.com",  # portions of an origin
+        "https://evil.com/http://origin2.cors.com",  # a named difference: refused here
+    )
+    for origin in refused:
+        answer = await suite.request("/", host=host, method="OPTIONS", headers={"Origin": origin})
+        assert answer.status == 200 and answer.backend == V1, origin  # the backend's
+        assert answer.header("Access-Control-Allow-Origin") is None, origin

@@ -46,6 +46,7 @@ from waygate.resolver.ingress_nginx.config import (
 from waygate.resolver.model import (
     HSTS,
     BalancePolicy,
+    Cors,
     ForwardedHeadersMode,
     HeaderMatch,
     HeaderModifier,
@@ -147,6 +148,8 @@ class Plan:
     forwarded: ForwardedHeadersMode = ForwardedHeadersMode.REPLACE
     backend_server_name: str = ""
     hsts: HSTS | None = None
+    cors: Cors | None = None
+    max_request_body: int = 0
     # The controller ConfigMap's keys not honoured: "ConfigMap NS/NAME key K: not-honoured".
     config_notes: list[str] = field(default_factory=list)
 
@@ -768,6 +771,55 @@ def _canary(
         )
 
 
+_CORS_FIELDS = {
+    "cors-allow-methods": "allow_methods",
+    "cors-allow-headers": "allow_headers",
+    "cors-expose-headers": "expose_headers",
+}
+
+
+@_handles(
+    "enable-cors",
+    *(
+        f"cors-{n}"
+        for n in (
+            "allow-origin",
+            "allow-methods",
+            "allow-headers",
+            "expose-headers",
+            "allow-credentials",
+            "max-age",
+        )
+    ),
+)
+def _cors(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    """enable-cors and its cors-* (waygate.proxy.cors answers them)."""
+    if short == "enable-cors":
+        fields: dict[str, Any] = {
+            attr: values[key].strip() for key, attr in _CORS_FIELDS.items() if values.get(key)
+        }
+        origins = tuple(o.strip() for o in values.get("cors-allow-origin", "*").split(","))
+        fields["allow_origins"] = tuple(o for o in origins if o) or ("*",)
+        if "cors-allow-credentials" in values:
+            fields["allow_credentials"] = _flag(values["cors-allow-credentials"])
+        if values.get("cors-max-age"):
+            fields["max_age"] = max(0, int(values["cors-max-age"]))
+        p.cors = Cors(**fields)
+        found(short, Verdict.HONOURED, "")
+    elif short == "cors-allow-origin" and value.strip() != "*":
+        found(short, Verdict.DIFFERENT, _CORS_ORIGIN)
+    else:
+        found(short, Verdict.HONOURED, "")
+
+
+_CORS_ORIGIN = (
+    "the whole Origin must match one listed (ingress-nginx's regex is anchored only "
+    "at its end, so a longer Origin ending in a listed one passes there)"
+)
+
+
 @_handles("ssl-passthrough")
 def _passthrough(
     p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
@@ -1100,6 +1152,8 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             upstream_protocol=p.upstream_protocol,
             forwarded_headers=p.forwarded,
             ingress_verdicts=verdicts,
+            cors=p.cors,
+            max_request_body=p.max_request_body,
         )
         if p.ssl_passthrough and route.listener_port == 443:
             continue  # the host's TLS is passed through, never terminated here

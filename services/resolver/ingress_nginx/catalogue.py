@@ -242,7 +242,7 @@ _BASIC = "basic/digest authentication: the proxy does not check credentials yet"
 _MTLS = "client certificates per Ingress: verify depth, optional modes and CN match not yet"
 _LIMIT = "rate and connection limits: the proxy has no per-route limiter yet"
 _WAF = "ModSecurity/OWASP CRS: Waygate has no web application firewall"
-_CORS = "CORS: the proxy does not answer preflights or add CORS headers yet"
+_CORS = "CORS headers on allowed origins' answers; preflights (OPTIONS) answered 204 by the proxy"
 _CANARY = "folded into the main Ingress's routes: backends by weight, the header first"
 _SESSION = "cookie attributes beyond name and SameSite: the proxy's cookie is a session cookie"
 
@@ -603,13 +603,19 @@ ENTRIES: tuple[Entry, ...] = (
     _e("fastcgi-index", plain, X, "FastCGI backends"),
     _e("fastcgi-params-configmap", name, X, "FastCGI backends"),
     # ------------------------------------------------------------ responses
-    _e("enable-cors", boolean, X, _CORS, lacks=True),
-    _e("cors-allow-origin", origins, X, _CORS, lacks=True),
-    _e("cors-allow-methods", methods, X, _CORS, lacks=True),
-    _e("cors-allow-headers", headers, X, _CORS, lacks=True),
-    _e("cors-expose-headers", headers, X, _CORS, lacks=True),
-    _e("cors-allow-credentials", boolean, X, _CORS, lacks=True),
-    _e("cors-max-age", integer, X, _CORS, lacks=True),
+    _e("enable-cors", boolean, H, _CORS),
+    _e(
+        "cors-allow-origin",
+        origins,
+        D,
+        "the whole Origin must match a listed one, case-insensitively "
+        "(ingress-nginx anchors its regex only at the end)",
+    ),
+    _e("cors-allow-methods", methods, H, _CORS),
+    _e("cors-allow-headers", headers, H, _CORS),
+    _e("cors-expose-headers", headers, H, _CORS),
+    _e("cors-allow-credentials", boolean, H, _CORS),
+    _e("cors-max-age", integer, H, _CORS),
     _e(
         "custom-headers",
         name,

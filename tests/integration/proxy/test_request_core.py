@@ -29,6 +29,7 @@ from waygate.core.tracing import configure_tracing
 from waygate.proxy.routing import Defaults, Target, build_table
 from waygate.proxy.upstream import Dialer, tcp_connect
 from waygate.resolver.model import (
+    Cors,
     Endpoint,
     EndpointPort,
     InsecureEdgePolicy,
@@ -126,13 +127,18 @@ def built(routes: list[Route], endpoints: list[Endpoint], **kw: Any) -> Any:
 
 
 async def ask(
-    client: str, port: int, path: str = "/", headers: list[tuple[str, str]] | None = None
+    client: str,
+    port: int,
+    path: str = "/",
+    headers: list[tuple[str, str]] | None = None,
+    method: str = "GET",
 ) -> Answer:
-    """One GET from a client of that protocol (a new connection each time)."""
+    """One request (a GET unless `method`) from a client of that protocol (a new
+    connection each time)."""
     if client == "h2c":
         h2 = await H2Client.connect(port)
         try:
-            response = await h2.request("GET", path, HOST, headers)
+            response = await h2.request(method, path, HOST, headers)
         finally:
             await h2.close()
         return Answer(
@@ -143,7 +149,7 @@ async def ask(
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     extra = "".join(f"{k}: {v}\r\n" for k, v in headers or [])
     writer.write(
-        f"GET {path} HTTP/1.1\r\nHost: {HOST}\r\n{extra}Connection: close\r\n\r\n".encode()
+        f"{method} {path} HTTP/1.1\r\nHost: {HOST}\r\n{extra}Connection: close\r\n\r\n".encode()
     )
     data = await asyncio.wait_for(reader.read(-1), 10)
     writer.close()
@@ -549,3 +555,50 @@ async def test_one_access_log_line_per_request(backends, client, backend, caplog
         assert (await ask(client, port, "/logged")).status == 200
     (line,) = [r for r in caplog.records if r.name == "waygate.proxy.access"]
     assert (line.route, line.status, line.path) == ("demo/core", 200, "/logged")  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------- ingress-nginx responses
+
+
+@pytest.mark.parametrize(("client", "backend"), PAIRS)
+async def test_cors_preflight_is_answered_and_answers_carry_the_headers(backends, client, backend):
+    cors = Cors(allow_origins=("https://*.example.com", "https://app.test:8443"), max_age=60)
+    table = built([core_route(backend, cors=cors)], [backends.endpoint()])
+    origin = [("Origin", "https://a.example.com")]
+    async with running_proxy(table) as (server, port):
+        preflight = await ask(client, port, "/api", origin, method="OPTIONS")
+        allowed = await ask(client, port, "/api", origin)
+        other = await ask(client, port, "/api", [("Origin", "https://evil.test")])
+        suffix = await ask(
+            client, port, "/api", [("Origin", "https://evil.test/https://a.example.com")]
+        )
+        passed = await ask(client, port, "/api", [("Origin", "https://evil.test")], "OPTIONS")
+    assert preflight.status == 204
+    assert preflight.headers["access-control-allow-origin"] == "https://a.example.com"
+    assert preflight.headers["access-control-max-age"] == "60"
+    assert preflight.headers["access-control-allow-credentials"] == "true"
+    assert preflight.headers["content-type"] == "text/plain charset=UTF-8"
+    assert allowed.status == 200
+    assert allowed.headers["access-control-allow-origin"] == "https://a.example.com"
+    assert "GET, PUT, POST" in allowed.headers["access-control-allow-methods"]
+    for refused in (other, suffix):
+        assert refused.status == 200 and "access-control-allow-origin" not in refused.headers
+    # Not an allowed origin: the OPTIONS is the backend's (the preflight and one
+    # GET answered here or with headers; three requests reached it).
+    assert passed.status == 200
+    assert backends.requests(backend) == 4
+    assert server.metrics.requests[("demo/core", b"OPTIONS", 2)] == 2
+
+
+@pytest.mark.parametrize(("client", "backend"), PAIRS)
+async def test_cors_any_origin_answers_every_preflight(backends, client, backend):
+    cors = Cors(allow_credentials=False, expose_headers="X-Total")
+    table = built([core_route(backend, cors=cors)], [backends.endpoint()])
+    async with running_proxy(table) as (_, port):
+        preflight = await ask(client, port, "/", method="OPTIONS")
+        answer = await ask(client, port, "/")
+    assert preflight.status == 204 and preflight.headers["access-control-allow-origin"] == "*"
+    assert "access-control-allow-credentials" not in answer.headers
+    assert answer.headers["access-control-allow-origin"] == "*"
+    assert answer.headers["access-control-expose-headers"] == "X-Total"
+    assert backends.requests(backend) == 1

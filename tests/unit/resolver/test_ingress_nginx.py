@@ -355,10 +355,15 @@ def test_a_refused_route_is_not_admitted_by_the_status_book():
 
 
 def test_non_access_annotation_not_honoured_is_served_and_reported():
-    [route] = routes_of(ingress("cors", {P + "enable-cors": "true", P + "proxy-body-size": "8m"}))
+    [route] = routes_of(
+        ingress("otel", {P + "fastcgi-index": "index.php", P + "opentelemetry-operation-name": "x"})
+    )
     assert route.ingress_refusal is None
-    assert any(line.startswith("enable-cors: not-honoured") for line in route.ingress_verdicts)
-    assert any(line.startswith("proxy-body-size: not-honoured") for line in route.ingress_verdicts)
+    assert any(line.startswith("fastcgi-index: not-honoured") for line in route.ingress_verdicts)
+    assert any(
+        line.startswith("opentelemetry-operation-name: not-honoured")
+        for line in route.ingress_verdicts
+    )
 
 
 def canary_ingress(name: str, annotations: dict[str, str], path: str = "/") -> dict[str, Any]:
@@ -618,7 +623,8 @@ def test_every_grammar_refuses_configuration_syntax(entry):
 
 def test_the_proxy_lacks_list_is_what_the_catalogue_says():
     lacks = catalogue.proxy_lacks()
-    assert "enable-cors" in lacks and "whitelist-source-range" in lacks
+    assert "opentelemetry-operation-name" in lacks and "whitelist-source-range" in lacks
+    assert "enable-cors" not in lacks
     assert "use-regex" not in lacks
 
 
@@ -883,3 +889,35 @@ def test_rewrite_target_alone_admits_no_regular_expression_path():
         "rw", {P + "rewrite-target": "/$1"}, path="/api/(.*)", path_type="ImplementationSpecific"
     )
     assert refusal(routes_of(item), "rw")[0] == "InvalidPath"
+
+
+def test_cors_annotations_become_the_routes_cors():
+    annotations = {
+        P + "enable-cors": "true",
+        P + "cors-allow-origin": "https://a.test, https://*.b.test",
+        P + "cors-allow-methods": "POST, GET",
+        P + "cors-allow-credentials": "false",
+        P + "cors-max-age": "60",
+        P + "cors-expose-headers": "X-A",
+    }
+    [route] = routes_of(ingress("cors", annotations))
+    assert route.ingress_refusal is None and route.cors is not None
+    assert route.cors.allow_origins == ("https://a.test", "https://*.b.test")
+    assert (route.cors.allow_methods, route.cors.allow_credentials) == ("POST, GET", False)
+    assert (route.cors.max_age, route.cors.expose_headers) == (60, "X-A")
+    assert "Authorization" in route.cors.allow_headers  # ingress-nginx's default list
+    # Listed origins: the one difference (the whole Origin must match).
+    assert [line.split(":")[0] for line in route.ingress_verdicts] == ["cors-allow-origin"]
+    [plain] = routes_of(ingress("plain", {P + "enable-cors": "true"}))
+    assert plain.cors is not None and plain.cors.allow_origins == ("*",)
+    assert plain.ingress_verdicts == ()
+    [off] = routes_of(ingress("off", {P + "enable-cors": "false"}))
+    assert off.cors is None
+
+
+def test_a_cors_route_survives_the_proto():
+    from waygate.resolver import convert
+
+    [route] = routes_of(ingress("cors", {P + "enable-cors": "true", P + "cors-max-age": "5"}))
+    again = convert.route_from_proto(convert.route_to_proto(route))
+    assert again.cors == route.cors and again.max_request_body == route.max_request_body

@@ -41,7 +41,8 @@ def camel(descriptor) -> set[str]:
     return {
         field.json_name
         for field in descriptor.fields
-        if not (50 <= field.number <= 79 or 90 <= field.number <= 109)
+        # (140-169: ingress-nginx's route fields, derived from annotations)
+        if not (50 <= field.number <= 79 or 90 <= field.number <= 109 or 140 <= field.number <= 169)
     }
 
 

@@ -368,6 +368,8 @@ DERIVED_SAMPLES: dict[str, dict[str, Any]] = {
         "listener_protocol": "HTTP",
         "origin": "HTTPRoute demo/x",
         "rule_index": 2,
+        "cors": model.Cors(("https://a.test",), "GET", "X-A", "X-B", False, 5),
+        "max_request_body": 1048576,
     },
     "RouteBackend": {"namespace": "other", "port": "http", "invalid": "not granted"},
     "RouteTLS": {
