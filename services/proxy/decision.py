@@ -42,7 +42,7 @@ import re
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
-from waygate.proxy import cors, filters, http1, records, tls
+from waygate.proxy import bodylimit, cors, filters, http1, records, tls
 from waygate.proxy.http1 import ForwardedContext, RequestHead
 from waygate.proxy.routing import (
     Backend,
@@ -131,6 +131,8 @@ class Forward:
     deadline = 0.0
     mirrors: list[tuple[Target, bytes]] | None = None
     cors: Any = None  # the CORS headers for the answer (waygate.proxy.cors)
+    # proxy-body-size for a body counted as it streams (0: none to count; bodylimit).
+    body_limit = 0
     target: Target
     backend: Backend
 
@@ -285,6 +287,18 @@ def _cors_gate(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> An
     return None
 
 
+def _body_size(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
+    """proxy-body-size: a larger Content-Length is 413 here; a body without one is
+    counted as it streams (the drivers check `forward.body_limit`)."""
+    limit = forward.entry.route.max_request_body
+    if req.content_length > limit:
+        name = forward.entry.options.name
+        return Answer(413, bodylimit.reason(limit), bodylimit.KIND, name)
+    if req.chunked:
+        forward.body_limit = limit
+    return None
+
+
 def _cors_headers(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
     if forward.cors is not None:
         forward.response_modifier = cors.with_headers(forward.response_modifier, forward.cors)
@@ -293,6 +307,7 @@ def _cors_headers(forward: Forward, req: RequestHead, facts: ConnectionFacts) ->
 
 GATES: tuple[Rule, ...] = (
     Rule("edge_tls", lambda entry: entry.route.tls is not None, _edge_tls),
+    Rule("body_size", lambda entry: entry.route.max_request_body > 0, _body_size),
     Rule(
         "route_redirect",
         lambda entry: entry.route.filters is not None and entry.route.filters.redirect is not None,

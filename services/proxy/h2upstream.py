@@ -54,7 +54,7 @@ import h2.settings
 from h2.errors import ErrorCodes
 
 from waygate.core import flow, httpheaders
-from waygate.proxy import filters, grpcstatus, http1
+from waygate.proxy import bodylimit, filters, grpcstatus, http1
 from waygate.proxy.context import ExchangeContext
 from waygate.proxy.decision import Forward, may_redispatch, release_pick, repick
 from waygate.proxy.http2 import (
@@ -557,6 +557,8 @@ class H2Exchange(UpstreamStream):
     was decided before (`decision.decide`): this class moves DATA, windows and
     trailers, keeps the deadline, and records the end (`records`)."""
 
+    body_seen = 0  # request DATA counted against proxy-body-size (only with one)
+
     def __init__(
         self,
         upstreams: H2Upstreams,
@@ -670,6 +672,13 @@ class H2Exchange(UpstreamStream):
     def request_data(self, data: bytes) -> None:
         if self.finished or not data:
             return
+        limit = self.forward.body_limit
+        if limit:  # proxy-body-size on a body without content-length (bodylimit)
+            self.body_seen += len(data)
+            if self.body_seen > limit:
+                self._cancel_upstream()
+                self.fail(413, bodylimit.reason(limit), bodylimit.KIND)
+                return
         self.held.append(data)
         if self.upstream is not None:
             self.send_held()

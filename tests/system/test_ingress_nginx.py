@@ -632,3 +632,28 @@ async def test_cors_origins_single_multiple_wildcard_and_port(suite: Conformance
         answer = await suite.request("/", host=host, method="OPTIONS", headers={"Origin": origin})
         assert answer.status == 200 and answer.backend == V1, origin  # the backend's
         assert answer.header("Access-Control-Allow-Origin") is None, origin
+
+
+# ---------------------------------------------------------------- responses: body size
+
+
+async def test_proxy_body_size_8m_and_the_1m_default(suite: Conformance) -> None:
+    # proxy.go: It("should set proxy client-max-body-size to 8m"): nginx's
+    # client_max_body_size 8m, asserted by its answer (413) rather than the config
+    # text; without the annotation ingress-nginx's ConfigMap default, 1m.
+    limited, default = "proxy.foo.com", "proxy-default.foo.com"
+    await apply(
+        suite,
+        single_ingress(limited, "/", limited, {P + "proxy-body-size": "8m"}),
+        single_ingress(default, "/", default),
+    )
+    await suite.eventually("/", host=limited, backend=V1)
+    await suite.eventually("/", host=default, backend=V1)
+    over = {"Content-Length": str(8 * 1024 * 1024 + 1)}
+    response = await suite.request("/", host=limited, method="POST", headers=over)
+    assert response.status == 413
+    assert "proxy-body-size" in (response.header("X-Waygate-Error") or "")
+    # 2 MiB: within this Ingress's 8m, beyond the other's default 1m.
+    two = {"Content-Length": str(2 * 1024 * 1024)}
+    response = await suite.request("/", host=default, method="POST", headers=two)
+    assert response.status == 413

@@ -261,6 +261,9 @@ def plan(
             include_subdomains=config.flag("hsts-include-subdomains", True),
             preload=config.flag("hsts-preload", False),
         )
+    # nginx's client_max_body_size as ingress-nginx sets it (1m unless the ConfigMap says).
+    configured = parse_size(config.text("proxy-body-size", "1m"))
+    result.max_request_body = 1024**2 if configured is None else configured
     timeouts = {
         "connect": config.seconds("proxy-connect-timeout", 5),
         "server": max(
@@ -769,6 +772,26 @@ def _canary(
             "matched anywhere in the value, as the proxy's regular expressions read it "
             "(RE2 syntax, not PCRE)",
         )
+
+
+_SIZE_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
+
+
+def parse_size(value: str) -> int | None:
+    """An nginx size (`8k`, `1m`, `0`: no limit) in bytes; None when it is not one."""
+    found = re.fullmatch(r"(\d{1,12})([bkmgBKMG]?)", value.strip())
+    if found is None:
+        return None
+    unit = found.group(2).lower()
+    return int(found.group(1)) * _SIZE_UNITS["" if unit == "b" else unit]
+
+
+@_handles("proxy-body-size")
+def _body_size(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    p.max_request_body = parse_size(value) or 0
+    found(short)
 
 
 _CORS_FIELDS = {

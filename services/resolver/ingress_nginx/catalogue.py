@@ -525,7 +525,13 @@ ENTRIES: tuple[Entry, ...] = (
     _e("proxy-next-upstream", plain, X, "retrying another endpoint after a failure", lacks=True),
     _e("proxy-next-upstream-tries", integer, X, "retrying another endpoint", lacks=True),
     _e("proxy-next-upstream-timeout", seconds, X, "retrying another endpoint", lacks=True),
-    _e("proxy-body-size", size, X, "a request body limit (413) per route", lacks=True),
+    _e(
+        "proxy-body-size",
+        size,
+        H,
+        "a larger request body is answered 413 (Content-Length up front; a body "
+        "without one counted as it streams); `0`: no limit",
+    ),
     _e(
         "proxy-request-buffering",
         one_of("on", "off"),

@@ -43,6 +43,7 @@ HONOURED_KEYS = frozenset(
         "hsts-preload",
         "use-forwarded-headers",
         "compute-full-forwarded-for",
+        "proxy-body-size",
     )
 )
 #: nginx tuning with no meaning for a streaming proxy.

@@ -602,3 +602,50 @@ async def test_cors_any_origin_answers_every_preflight(backends, client, backend
     assert answer.headers["access-control-allow-origin"] == "*"
     assert answer.headers["access-control-expose-headers"] == "X-Total"
     assert backends.requests(backend) == 1
+
+
+async def post(client: str, port: int, body: bytes, *, length: bool) -> Answer:
+    """One POST of `body`, with a Content-Length (`length`) or without one (HTTP/1.1
+    chunked in 400-byte chunks; HTTP/2 DATA without content-length)."""
+    if client == "h2c":
+        h2 = await H2Client.connect(port)
+        try:
+            headers = [("content-length", str(len(body)))] if length else []
+            response = await h2.request("POST", "/up", HOST, headers, body)
+        finally:
+            await h2.close()
+        return Answer(
+            response.status, {k.decode(): v.decode() for k, v in response.headers}, response.body
+        )
+    if length:
+        framed = b"Content-Length: %d\r\n\r\n" % len(body) + body
+    else:
+        pieces = [body[i : i + 400] for i in range(0, len(body), 400)]
+        framed = b"Transfer-Encoding: chunked\r\n\r\n"
+        framed += b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"POST /up HTTP/1.1\r\nHost: {HOST}\r\nConnection: close\r\n".encode() + framed)
+    with contextlib.suppress(ConnectionError):
+        await writer.drain()
+    data = await asyncio.wait_for(reader.read(-1), 10)
+    writer.close()
+    head, _, rest = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    fields = dict(line.split(": ", 1) for line in lines[1:])
+    return Answer(int(lines[0].split(" ")[1]), {k.lower(): v for k, v in fields.items()}, rest)
+
+
+@pytest.mark.parametrize(("client", "backend"), PAIRS)
+@pytest.mark.parametrize("length", [True, False], ids=["content-length", "streamed"])
+async def test_proxy_body_size_answers_413(backends, client, backend, length):
+    table = built([core_route(backend, max_request_body=2000)], [backends.endpoint()])
+    async with running_proxy(table) as (server, port):
+        small = await post(client, port, b"s" * 2000, length=length)
+        large = await post(client, port, b"L" * 4800, length=length)
+    assert small.status == 200
+    assert large.status == 413
+    assert "larger than 2000 bytes" in large.headers["x-waygate-error"]
+    if length:  # refused up front: the backend never asked
+        assert backends.requests(backend) == 1
+    assert server.metrics.refused["body_too_large"] == 1
+    assert server.metrics.requests[("demo/core", b"POST", 4)] == 1

@@ -868,13 +868,29 @@ def test_configmap_keys_not_honoured_are_reported_on_every_route():
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {"name": "c", "namespace": "ingress-nginx"},
-        "data": {"proxy-body-size": "16m", "worker-processes": "auto", "hsts": "true"},
+        "data": {"enable-brotli": "true", "worker-processes": "auto", "hsts": "true"},
     }
     settings = IngressNginx(configmap=("ingress-nginx", "c"))
     [route] = routes_of(config, ingress("a"), settings=settings)
-    assert route.ingress_verdicts == (
-        "ConfigMap ingress-nginx/c key proxy-body-size: not-honoured",
-    )
+    assert route.ingress_verdicts == ("ConfigMap ingress-nginx/c key enable-brotli: not-honoured",)
+
+
+def test_proxy_body_size_from_the_annotation_or_the_configmap_default():
+    config = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "c", "namespace": "ingress-nginx"},
+        "data": {"proxy-body-size": "16m"},
+    }
+    settings = IngressNginx(configmap=("ingress-nginx", "c"))
+    [route] = routes_of(config, ingress("a"), settings=settings)
+    assert route.max_request_body == 16 * 1024**2 and route.ingress_verdicts == ()
+    [default] = routes_of(ingress("b"))
+    assert default.max_request_body == 1024**2  # ingress-nginx's 1m
+    [own] = routes_of(ingress("c", {P + "proxy-body-size": "8k"}))
+    assert own.max_request_body == 8192 and own.ingress_verdicts == ()
+    [unlimited] = routes_of(ingress("d", {P + "proxy-body-size": "0"}))
+    assert unlimited.max_request_body == 0
 
 
 def test_affinity_mode_persistent_is_exact_balanced_a_difference():
