@@ -168,12 +168,22 @@ def release_pick(forward: Forward) -> None:
 MAX_CONNECT_ATTEMPTS = 3
 
 
-def may_redispatch(retryable: bool, kind: str, attempts: int) -> bool:
+def may_redispatch(retryable: bool, kind: str, attempts: int, route: Any = None) -> bool:
     """Whether a failed connect (`upstream.ConnectError`'s retryable and kind) after
     `attempts` connects may go to another endpoint: nothing was sent; a refused or
     unreachable endpoint, or one whose certificate failed verification (another
-    endpoint may hold a good one), while attempts are left."""
-    return (retryable or kind[:4] == "tls_") and attempts < MAX_CONNECT_ATTEMPTS
+    endpoint may hold a good one), while attempts are left. A route with
+    ingress-nginx's proxy-next-upstream says which (`error`: the connect failed,
+    `timeout`: it timed out; `off`: neither) and how many connects (-tries)."""
+    if not (retryable or kind[:4] == "tls_"):
+        return False
+    if route is None or not (route.next_upstream or route.next_upstream_tries):
+        return attempts < MAX_CONNECT_ATTEMPTS
+    if route.next_upstream:
+        wanted = "timeout" if kind == "timeout" else "error"
+        if wanted not in route.next_upstream.split():
+            return False
+    return attempts < (route.next_upstream_tries or MAX_CONNECT_ATTEMPTS)
 
 
 def repick(view: View, forward: Forward, facts: ConnectionFacts, failed: Target) -> bool:

@@ -494,7 +494,8 @@ class UpstreamStream:
         """The connect this stream waited for failed: another endpoint when the
         failure allows it and one is left (`decision.repick`), else 502."""
         ctx = self.upstreams.ctx
-        if may_redispatch(exc.retryable, exc.kind, self.attempts) and repick(
+        route = self.forward.entry.route
+        if may_redispatch(exc.retryable, exc.kind, self.attempts, route) and repick(
             ctx.view, self.forward, self.facts, self.target
         ):
             self.attempts += 1

@@ -294,6 +294,8 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
             )
         )
     message.max_request_body = route.max_request_body
+    message.next_upstream = route.next_upstream
+    message.next_upstream_tries = route.next_upstream_tries
     if route.tls is not None:
         hsts = route.tls.hsts
         message.tls.CopyFrom(
@@ -416,6 +418,8 @@ def route_from_proto(message: pb.Route) -> model.Route:
         listener_protocol=message.listener_protocol,
         cors=_cors_from_proto(message.cors) if message.HasField("cors") else None,
         max_request_body=message.max_request_body,
+        next_upstream=message.next_upstream,
+        next_upstream_tries=message.next_upstream_tries,
     )
 
 

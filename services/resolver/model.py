@@ -468,6 +468,11 @@ class Route:
     # bytes (0: none), answered by the proxy (waygate.proxy.cors, .bodylimit).
     cors: Cors | None = None
     max_request_body: int = 0
+    # proxy-next-upstream: "" (the proxy's default: "error timeout"), else the
+    # tokens honoured ("error", "timeout"; "off"); connects tried at most
+    # (0: the proxy's default, decision.MAX_CONNECT_ATTEMPTS).
+    next_upstream: str = ""
+    next_upstream_tries: int = 0
 
     @property
     def key(self) -> RouteKey:

@@ -226,6 +226,8 @@ DERIVED: Final[Mapping[str, Mapping[str, str]]] = {
         "ingress_verdicts": "an ingress-nginx Ingress's per-annotation verdicts",
         "cors": "ingress-nginx enable-cors and cors-* annotations",
         "max_request_body": "ingress-nginx proxy-body-size",
+        "next_upstream": "ingress-nginx proxy-next-upstream",
+        "next_upstream_tries": "ingress-nginx proxy-next-upstream-tries",
     },
     "RouteBackend": {
         "namespace": "Gateway API backendRefs across namespaces (ReferenceGrant)",

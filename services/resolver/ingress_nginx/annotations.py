@@ -150,6 +150,8 @@ class Plan:
     hsts: HSTS | None = None
     cors: Cors | None = None
     max_request_body: int = 0
+    next_upstream: str = ""
+    next_upstream_tries: int = 0
     # The controller ConfigMap's keys not honoured: "ConfigMap NS/NAME key K: not-honoured".
     config_notes: list[str] = field(default_factory=list)
 
@@ -372,6 +374,7 @@ _OFF: dict[str, str] = {
     "upstream-hash-by-subset": "false",
     "proxy-buffering": "off",
     "enable-access-log": "true",
+    "proxy-next-upstream-timeout": "0",
 }
 # Annotations that only modify another: without it in force they do nothing
 # (ingress-nginx reads them only with it).
@@ -794,6 +797,57 @@ def _body_size(
     found(short)
 
 
+# nginx's proxy_next_upstream conditions; the proxy redispatches a failed connect only.
+_NEXT_CONNECT = ("error", "timeout")
+_NEXT_ANSWER = frozenset(
+    (
+        "invalid_header",
+        "http_500",
+        "http_502",
+        "http_503",
+        "http_504",
+        "http_403",
+        "http_404",
+        "http_429",
+        "non_idempotent",
+    )
+)
+MAX_NEXT_UPSTREAM_TRIES = 100
+
+
+@_handles("proxy-next-upstream", "proxy-next-upstream-tries")
+def _next_upstream(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    if short == "proxy-next-upstream-tries":
+        tries = int(value)
+        if 1 <= tries <= MAX_NEXT_UPSTREAM_TRIES:
+            p.next_upstream_tries = tries
+            found(short, Verdict.HONOURED, "")
+        elif tries == 0:
+            found(short, Verdict.DIFFERENT, "0 (unlimited in nginx) is the proxy's default, 3")
+        else:
+            found(short, Verdict.NOT_HONOURED, f"outside 0..{MAX_NEXT_UPSTREAM_TRIES}")
+        return
+    tokens = value.split()
+    unknown = [t for t in tokens if t not in _NEXT_ANSWER and t not in (*_NEXT_CONNECT, "off")]
+    if unknown:
+        found(short, Verdict.NOT_HONOURED, f"not an nginx proxy_next_upstream value: {unknown[0]}")
+        return
+    honoured = [t for t in tokens if t in _NEXT_CONNECT]
+    p.next_upstream = " ".join(honoured) if honoured and "off" not in tokens else "off"
+    answers = sorted(set(tokens) & _NEXT_ANSWER)
+    if answers:
+        found(
+            short,
+            Verdict.NOT_HONOURED,
+            f"{', '.join(answers)}: a backend's answer is relayed, never retried "
+            "(error and timeout are honoured for connects)",
+        )
+    else:
+        found(short)
+
+
 _CORS_FIELDS = {
     "cors-allow-methods": "allow_methods",
     "cors-allow-headers": "allow_headers",
@@ -1177,6 +1231,8 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             ingress_verdicts=verdicts,
             cors=p.cors,
             max_request_body=p.max_request_body,
+            next_upstream=p.next_upstream,
+            next_upstream_tries=p.next_upstream_tries,
         )
         if p.ssl_passthrough and route.listener_port == 443:
             continue  # the host's TLS is passed through, never terminated here

@@ -522,9 +522,23 @@ ENTRIES: tuple[Entry, ...] = (
         "one inactivity timeout for the backend both ways (WebSocket connections too): "
         "the larger of read and send",
     ),
-    _e("proxy-next-upstream", plain, X, "retrying another endpoint after a failure", lacks=True),
-    _e("proxy-next-upstream-tries", integer, X, "retrying another endpoint", lacks=True),
-    _e("proxy-next-upstream-timeout", seconds, X, "retrying another endpoint", lacks=True),
+    _e(
+        "proxy-next-upstream",
+        plain,
+        D,
+        "`error` and `timeout`: another endpoint after a connect that failed or timed out, "
+        "nothing sent yet; a failure after the request was sent is answered 502 (nginx also "
+        "retries a failed send or response head), except that an idempotent request without "
+        "a body whose reused connection closed before answering is sent once more, `off` "
+        "too; http_* and invalid_header are not honoured (the backend's answer is relayed)",
+    ),
+    _e("proxy-next-upstream-tries", integer, H, "connects tried at most (1 to 100)"),
+    _e(
+        "proxy-next-upstream-timeout",
+        seconds,
+        X,
+        "a total time for the redispatches: bounded by -tries and the connect timeout instead",
+    ),
     _e(
         "proxy-body-size",
         size,

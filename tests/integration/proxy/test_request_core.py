@@ -649,3 +649,29 @@ async def test_proxy_body_size_answers_413(backends, client, backend, length):
         assert backends.requests(backend) == 1
     assert server.metrics.refused["body_too_large"] == 1
     assert server.metrics.requests[("demo/core", b"POST", 4)] == 1
+
+
+@pytest.mark.parametrize(("client", "backend"), PAIRS)
+@pytest.mark.parametrize(
+    ("next_upstream", "redispatched"), [("error", True), ("timeout", False), ("off", False)]
+)
+async def test_proxy_next_upstream_says_which_failed_connects_redispatch(
+    backends, client, backend, next_upstream, redispatched
+):
+    # A refused connect is nginx's `error`, never its `timeout`.
+    dead = await _dead_port()
+    dead_endpoint = Endpoint(
+        namespace="other",
+        service="svc",
+        address="127.0.0.2",
+        ports=(EndpointPort("http", dead), EndpointPort("h2", dead)),
+    )
+    route = core_route(backend, next_upstream=next_upstream)
+    table = built([route], [dead_endpoint, backends.endpoint()])
+    async with running_proxy(table) as (server, port):
+        answers = [await ask(client, port, f"/{i}") for i in range(4)]
+    statuses = [a.status for a in answers]
+    if redispatched:
+        assert statuses == [200] * 4 and server.metrics.redispatches >= 1
+    else:
+        assert 502 in statuses and server.metrics.redispatches == 0

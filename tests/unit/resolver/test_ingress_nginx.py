@@ -937,3 +937,27 @@ def test_a_cors_route_survives_the_proto():
     [route] = routes_of(ingress("cors", {P + "enable-cors": "true", P + "cors-max-age": "5"}))
     again = convert.route_from_proto(convert.route_to_proto(route))
     assert again.cors == route.cors and again.max_request_body == route.max_request_body
+
+
+def test_proxy_next_upstream_becomes_the_routes_redispatch_rule():
+    [route] = routes_of(
+        ingress(
+            "next",
+            {
+                P + "proxy-next-upstream": "error timeout http_502",
+                P + "proxy-next-upstream-tries": "5",
+                P + "proxy-next-upstream-timeout": "0",
+            },
+        )
+    )
+    assert (route.next_upstream, route.next_upstream_tries) == ("error timeout", 5)
+    lines = dict(line.split(": ", 1) for line in route.ingress_verdicts)
+    assert lines["proxy-next-upstream"].startswith("not-honoured (http_502")
+    assert "proxy-next-upstream-tries" not in lines
+    assert "proxy-next-upstream-timeout" not in lines  # 0: ingress-nginx's default
+    [off] = routes_of(ingress("off", {P + "proxy-next-upstream": "off"}))
+    assert off.next_upstream == "off"
+    [timed] = routes_of(ingress("t", {P + "proxy-next-upstream-timeout": "10"}))
+    assert any(
+        v.startswith("proxy-next-upstream-timeout: not-honoured") for v in timed.ingress_verdicts
+    )

@@ -370,6 +370,8 @@ DERIVED_SAMPLES: dict[str, dict[str, Any]] = {
         "rule_index": 2,
         "cors": model.Cors(("https://a.test",), "GET", "X-A", "X-B", False, 5),
         "max_request_body": 1048576,
+        "next_upstream": "error",
+        "next_upstream_tries": 5,
     },
     "RouteBackend": {"namespace": "other", "port": "http", "invalid": "not granted"},
     "RouteTLS": {
