@@ -42,7 +42,7 @@ import re
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
-from waygate.proxy import bodylimit, cors, filters, http1, records, tls
+from waygate.proxy import bodylimit, captures, cors, filters, http1, records, tls
 from waygate.proxy.http1 import ForwardedContext, RequestHead
 from waygate.proxy.routing import (
     Backend,
@@ -309,6 +309,17 @@ def _body_size(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> An
     return None
 
 
+def _capture_rewrite(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
+    """ingress-nginx rewrite-target with capture groups: the path from the route's
+    regex match (after the route's header filters, which keep the path)."""
+    entry = forward.entry
+    assert entry.regex is not None
+    out = captures.rewritten(forward.req, entry.regex, entry.route.rewrite_target, forward.path)
+    if out is not None:
+        forward.req = out
+    return None
+
+
 def _cors_headers(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
     if forward.cors is not None:
         forward.response_modifier = cors.with_headers(forward.response_modifier, forward.cors)
@@ -327,6 +338,11 @@ GATES: tuple[Rule, ...] = (
 )
 SHAPERS: tuple[Rule, ...] = (
     Rule("request_filters", _has_filters, _request_filters),
+    Rule(
+        "capture_rewrite",
+        lambda entry: bool(entry.route.rewrite_target) and entry.regex is not None,
+        _capture_rewrite,
+    ),
     Rule("cors", lambda entry: entry.route.cors is not None, _cors_headers),
 )
 

@@ -296,6 +296,7 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
     message.max_request_body = route.max_request_body
     message.next_upstream = route.next_upstream
     message.next_upstream_tries = route.next_upstream_tries
+    message.rewrite_target = route.rewrite_target
     if route.tls is not None:
         hsts = route.tls.hsts
         message.tls.CopyFrom(
@@ -420,6 +421,7 @@ def route_from_proto(message: pb.Route) -> model.Route:
         max_request_body=message.max_request_body,
         next_upstream=message.next_upstream,
         next_upstream_tries=message.next_upstream_tries,
+        rewrite_target=message.rewrite_target,
     )
 
 

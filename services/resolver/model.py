@@ -473,6 +473,8 @@ class Route:
     # (0: the proxy's default, decision.MAX_CONNECT_ATTEMPTS).
     next_upstream: str = ""
     next_upstream_tries: int = 0
+    # rewrite-target with capture groups ($1..$9 of the path regex; "": none).
+    rewrite_target: str = ""
 
     @property
     def key(self) -> RouteKey:

@@ -228,6 +228,7 @@ DERIVED: Final[Mapping[str, Mapping[str, str]]] = {
         "max_request_body": "ingress-nginx proxy-body-size",
         "next_upstream": "ingress-nginx proxy-next-upstream",
         "next_upstream_tries": "ingress-nginx proxy-next-upstream-tries",
+        "rewrite_target": "ingress-nginx rewrite-target with capture groups",
     },
     "RouteBackend": {
         "namespace": "Gateway API backendRefs across namespaces (ReferenceGrant)",

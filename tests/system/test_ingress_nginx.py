@@ -657,3 +657,16 @@ async def test_proxy_body_size_8m_and_the_1m_default(suite: Conformance) -> None
     two = {"Content-Length": str(2 * 1024 * 1024)}
     response = await suite.request("/", host=default, method="POST", headers=two)
     assert response.status == 413
+
+
+async def test_rewrite_with_capture_groups_reordered(suite: Conformance) -> None:
+    # rewrite.go: It("should allow for custom rewrite parameters") with two groups
+    # beyond the `PREFIX(/|$)(.*)` idiom (Waygate's own case: the e2e's is the idiom):
+    # nginx's `rewrite "(?i)PATH" TARGET break;`, the query appended.
+    host = "rewrite5.bar.com"
+    annotations = {P + "use-regex": "true", P + "rewrite-target": "/v/$2/$1"}
+    item = single_ingress("groups", "/api/(v[0-9]+)/(.*)", host, annotations)
+    item["spec"]["rules"][0]["http"]["paths"][0]["pathType"] = "ImplementationSpecific"
+    await apply(suite, item)
+    response = await suite.eventually("/API/v2/users/7?q=1", host=host, backend=V1)
+    assert response.echo["target"] == "/v/users/7/v2?q=1"

@@ -1149,7 +1149,7 @@ def _match_and_rewrite(p: Plan, kind: str, value: str) -> tuple[RouteMatch, Rewr
                 RouteMatch(PathMatchType.PREFIX, prefix),
                 Rewrite(path_type=PathModifierType.PREFIX, path=replacement),
             )
-        rewrite = None  # capture groups beyond the prefix idiom: not honoured
+        rewrite = None  # capture groups: the route's rewrite_target (shape)
     elif target:
         rewrite = Rewrite(path_type=PathModifierType.FULL, path=target)
     if regex:
@@ -1164,16 +1164,22 @@ def refine(p: Plan) -> None:
     target = p.rewrite_target
     if not target or "$" not in target:
         return
-    exact = all(_PREFIX_IDIOM.fullmatch(value) and kind != "Exact" for kind, value in p.paths)
+    idiom = all(_PREFIX_IDIOM.fullmatch(value) and kind != "Exact" for kind, value in p.paths)
     for index, finding in enumerate(p.findings):
         if finding.annotation == "rewrite-target":
             p.findings[index] = dataclasses.replace(
                 finding,
-                verdict=Verdict.DIFFERENT if exact else Verdict.NOT_HONOURED,
+                verdict=Verdict.DIFFERENT,
                 note="a prefix replacement: the prefix is matched case-sensitively"
-                if exact
-                else "capture groups beyond the `PREFIX(/|$)(.*)` idiom are not honoured",
+                if idiom
+                else _CAPTURES,
             )
+
+
+_CAPTURES = (
+    "capture groups ($1..$9) from the path's regular expression matched against the "
+    "path as sent (nginx matches its percent-decoded, slash-merged $uri); the query is kept"
+)
 
 
 def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]:
@@ -1191,6 +1197,14 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             p.paths[route.rule_index] if route.rule_index < len(p.paths) else ("Prefix", "/")
         )
         match, path_rewrite = _match_and_rewrite(p, kind, value)
+        # Capture groups beyond the prefix idiom: the proxy expands them from its match.
+        captured = (
+            p.rewrite_target
+            if "$" in p.rewrite_target
+            and path_rewrite is None
+            and match.path_type is PathMatchType.REGEX
+            else ""
+        )
         rewrite = None
         if path_rewrite is not None or p.upstream_vhost:
             rewrite = Rewrite(
@@ -1233,6 +1247,7 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             max_request_body=p.max_request_body,
             next_upstream=p.next_upstream,
             next_upstream_tries=p.next_upstream_tries,
+            rewrite_target=captured,
         )
         if p.ssl_passthrough and route.listener_port == 443:
             continue  # the host's TLS is passed through, never terminated here

@@ -262,8 +262,8 @@ ENTRIES: tuple[Entry, ...] = (
         D,
         "without capture groups: the whole path is "
         "replaced (nginx `rewrite ... break`); `P(/|$)(.*)` with `/$2` replaces the prefix; "
-        "other capture groups are not honoured",
-        lacks=True,
+        "other capture groups ($1..$9) are expanded from the path regex's match of the path "
+        "as sent (nginx matches its decoded $uri)",
     ),
     _e("app-root", path, D, "`/` redirects (302) to it; the request's query is kept"),
     _e("x-forwarded-prefix", header_value, H, "sent as the X-Forwarded-Prefix request header"),

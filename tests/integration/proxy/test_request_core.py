@@ -34,10 +34,12 @@ from waygate.resolver.model import (
     EndpointPort,
     InsecureEdgePolicy,
     Mirror,
+    PathMatchType,
     Redirect,
     Route,
     RouteBackend,
     RouteFilters,
+    RouteMatch,
     RouteTLS,
     Service,
     ServicePort,
@@ -675,3 +677,18 @@ async def test_proxy_next_upstream_says_which_failed_connects_redispatch(
         assert statuses == [200] * 4 and server.metrics.redispatches >= 1
     else:
         assert 502 in statuses and server.metrics.redispatches == 0
+
+
+@pytest.mark.parametrize(("client", "backend"), PAIRS)
+async def test_capture_group_rewrite_target(backends, client, backend):
+    # ingress-nginx rewrite-target `/$2/$1` on the regex path `/api/(v[0-9]+)/(.*)`.
+    match = RouteMatch(PathMatchType.REGEX, "(?i)(?:/api/(v[0-9]+)/(.*)).*")
+    route = core_route(backend, matches=(match,), rewrite_target="/$2/$1")
+    table = built([route], [backends.endpoint()])
+    async with running_proxy(table) as (_, port):
+        answer = await ask(client, port, "/API/v2/users/7?x=1")
+    assert answer.status == 200
+    if backend == "h2c":
+        assert answer.body == b"/users/7/v2?x=1"
+    else:
+        assert backends.h1.requests[-1]["target"] == "/users/7/v2?x=1"

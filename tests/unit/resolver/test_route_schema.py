@@ -372,6 +372,7 @@ DERIVED_SAMPLES: dict[str, dict[str, Any]] = {
         "max_request_body": 1048576,
         "next_upstream": "error",
         "next_upstream_tries": 5,
+        "rewrite_target": "/x/$2",
     },
     "RouteBackend": {"namespace": "other", "port": "http", "invalid": "not granted"},
     "RouteTLS": {
