@@ -427,7 +427,11 @@ def decide(
             # A Gateway API backendRef that cannot be used: 500, as the spec says.
             return Answer(500, chosen.invalid, "invalid_backend", entry.options.name)
         if picked is None or chosen is None:
-            return Answer(503, unavailable_reason(entry), "no_endpoint", entry.options.name)
+            # ingress-nginx's default-backend takes what no endpoint can.
+            chosen = entry.policies.get("default_backend")
+            picked = chosen.picker.pick(None) if chosen is not None else None
+            if picked is None or chosen is None:
+                return Answer(503, unavailable_reason(entry), "no_endpoint", entry.options.name)
         forward.target = picked
         backend = chosen
         backend.picker.acquire(picked)

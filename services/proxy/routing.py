@@ -749,6 +749,31 @@ def _targets(
     return targets
 
 
+def _default_backend(
+    route: Route,
+    endpoints: Mapping[tuple[str, str], tuple[Endpoint, ...]],
+    services: Mapping[tuple[str, str], Service],
+    cookie_key: bytes,
+    options: RouteOptions,
+) -> Backend:
+    """ingress-nginx's default-backend: the Service of the route's namespace taking
+    the requests its own backends have no ready endpoint for (its first port)."""
+    key = (route.namespace, route.default_backend)
+    service = services.get(key)
+    first = service.ports[0] if service is not None and service.ports else None
+    port = (first.name or str(first.port)) if first is not None else ""
+    targets = _targets(endpoints.get(key, ()), port, service)
+    backend = RouteBackend(route.default_backend, 1, port=port)
+    return Backend(
+        route.default_backend,
+        new_picker("roundrobin", targets),
+        cookie_key,
+        options,
+        "",
+        backend_speaks_http2(route, backend, service),
+    )
+
+
 def build_table(
     routes: Mapping[Any, Route],
     endpoints: Mapping[tuple[str, str], tuple[Endpoint, ...]],
@@ -840,6 +865,10 @@ def build_table(
                 alive.update(targets)
                 mirrors.append((new_picker("roundrobin", targets), mirror.percent))
             entry.mirrors = tuple(mirrors)
+        if route.default_backend:
+            fallback = _default_backend(route, endpoints, services, cookie_key, options)
+            alive.update(fallback.picker.targets)
+            entry.policies["default_backend"] = fallback
         host = route.host.lower()
         deep = bool(route.gateway)
         if route.matches:

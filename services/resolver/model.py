@@ -475,6 +475,9 @@ class Route:
     next_upstream_tries: int = 0
     # rewrite-target with capture groups ($1..$9 of the path regex; "": none).
     rewrite_target: str = ""
+    # ingress-nginx default-backend: a Service of the route's namespace taking the
+    # requests no endpoint of its own backends can ("": none).
+    default_backend: str = ""
 
     @property
     def key(self) -> RouteKey:

@@ -229,6 +229,7 @@ DERIVED: Final[Mapping[str, Mapping[str, str]]] = {
         "next_upstream": "ingress-nginx proxy-next-upstream",
         "next_upstream_tries": "ingress-nginx proxy-next-upstream-tries",
         "rewrite_target": "ingress-nginx rewrite-target with capture groups",
+        "default_backend": "ingress-nginx default-backend",
     },
     "RouteBackend": {
         "namespace": "Gateway API backendRefs across namespaces (ReferenceGrant)",

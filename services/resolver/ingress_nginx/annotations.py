@@ -152,6 +152,7 @@ class Plan:
     max_request_body: int = 0
     next_upstream: str = ""
     next_upstream_tries: int = 0
+    default_backend: str = ""
     # The controller ConfigMap's keys not honoured: "ConfigMap NS/NAME key K: not-honoured".
     config_notes: list[str] = field(default_factory=list)
 
@@ -797,6 +798,18 @@ def _body_size(
     found(short)
 
 
+@_handles("default-backend")
+def _default_backend(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    namespace, _slash, service = value.rpartition("/")
+    if namespace and namespace != p.namespace:
+        found(short, Verdict.NOT_HONOURED, "a Service of another namespace")
+        return
+    p.default_backend = service
+    found(short)
+
+
 # nginx's proxy_next_upstream conditions; the proxy redispatches a failed connect only.
 _NEXT_CONNECT = ("error", "timeout")
 _NEXT_ANSWER = frozenset(
@@ -1248,6 +1261,7 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             next_upstream=p.next_upstream,
             next_upstream_tries=p.next_upstream_tries,
             rewrite_target=captured,
+            default_backend=p.default_backend,
         )
         if p.ssl_passthrough and route.listener_port == 443:
             continue  # the host's TLS is passed through, never terminated here

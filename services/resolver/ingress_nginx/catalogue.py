@@ -644,7 +644,13 @@ ENTRIES: tuple[Entry, ...] = (
         "missing ConfigMap or a bad header: not served (ingress-nginx answers 503)",
     ),
     _e("custom-http-errors", status_codes, X, "answers from an error backend", lacks=True),
-    _e("default-backend", name, X, "a fallback Service for errors and no endpoints", lacks=True),
+    _e(
+        "default-backend",
+        name,
+        D,
+        "the Service (its first port) takes the requests, as they are, when the Ingress's "
+        "Service has no ready endpoint; as custom-http-errors' error backend it is not used",
+    ),
     _e("disable-proxy-intercept-errors", boolean, N, "only meaningful with custom-http-errors"),
     _e(
         "enable-access-log",

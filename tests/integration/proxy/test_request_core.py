@@ -692,3 +692,44 @@ async def test_capture_group_rewrite_target(backends, client, backend):
         assert answer.body == b"/users/7/v2?x=1"
     else:
         assert backends.h1.requests[-1]["target"] == "/users/7/v2?x=1"
+
+
+@pytest.mark.parametrize(("client", "backend"), PAIRS)
+async def test_default_backend_takes_what_no_endpoint_can(backends, client, backend):
+    # ingress-nginx default-backend: the Service (its first port) of the route's
+    # namespace, when the route's own Service has no ready endpoint.
+    first = (
+        ServicePort("grpc", 81, "h2", app_protocol="kubernetes.io/h2c")
+        if backend == "h2c"
+        else ServicePort("http", 80, "http")
+    )
+    fallback = Service(namespace="other", name="fallback", ports=(first,))
+    endpoint = Endpoint(
+        namespace="other",
+        service="fallback",
+        address="127.0.0.1",
+        ports=(EndpointPort("http", backends.h1.port), EndpointPort("h2", backends.h2.port)),
+    )
+    route = Route(
+        namespace="other",
+        name="core",
+        host=HOST,
+        backends=(RouteBackend(service="gone", weight=1),),
+        default_backend="fallback",
+    )
+    table = build_table(
+        {route.key: route},
+        {fallback.key: (endpoint,)},
+        {fallback.key: fallback},
+        defaults=Defaults(),
+        cookie_key=b"k" * 32,
+    )
+    async with running_proxy(table) as (server, port):
+        answer = await ask(client, port, "/fell?x=1")
+    assert answer.status == 200
+    assert backends.requests(backend) == 1
+    if backend == "h2c":
+        assert answer.body == b"/fell?x=1"
+    else:
+        assert backends.h1.requests[-1]["target"] == "/fell?x=1"
+    assert server.metrics.requests[("other/core", b"GET", 2)] == 1

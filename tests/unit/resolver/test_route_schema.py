@@ -373,6 +373,7 @@ DERIVED_SAMPLES: dict[str, dict[str, Any]] = {
         "next_upstream": "error",
         "next_upstream_tries": 5,
         "rewrite_target": "/x/$2",
+        "default_backend": "fallback",
     },
     "RouteBackend": {"namespace": "other", "port": "http", "invalid": "not granted"},
     "RouteTLS": {
