@@ -760,8 +760,9 @@ def _default_backend(
     the requests its own backends have no ready endpoint for (its first port)."""
     key = (route.namespace, route.default_backend)
     service = services.get(key)
-    first = service.ports[0] if service is not None and service.ports else None
-    port = (first.name or str(first.port)) if first is not None else ""
+    port = ""  # a Service of one port (or unknown): its only port, as a route's ""
+    if service is not None and len(service.ports) > 1:
+        port = service.ports[0].name or str(service.ports[0].port)
     targets = _targets(endpoints.get(key, ()), port, service)
     backend = RouteBackend(route.default_backend, 1, port=port)
     return Backend(

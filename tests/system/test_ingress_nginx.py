@@ -670,3 +670,13 @@ async def test_rewrite_with_capture_groups_reordered(suite: Conformance) -> None
     await apply(suite, item)
     response = await suite.eventually("/API/v2/users/7?q=1", host=host, backend=V1)
     assert response.echo["target"] == "/v/users/7/v2?q=1"
+
+
+async def test_default_backend_is_used_when_the_service_has_no_endpoint(suite: Conformance) -> None:
+    # default_backend.go: It("should use a custom default backend as upstream"): the
+    # Ingress's Service has no endpoint; the annotation's Service answers.
+    host = "default-backend.foo.com"
+    annotations = {P + "default-backend": "infra-backend-v2"}
+    await apply(suite, single_ingress(host, "/", host, annotations, service="no-such-service"))
+    response = await suite.eventually("/", host=host, backend=V2)
+    assert response.echo["target"] == "/"

@@ -648,7 +648,7 @@ ENTRIES: tuple[Entry, ...] = (
         "default-backend",
         name,
         D,
-        "the Service (its first port) takes the requests, as they are, when the Ingress's "
+        "the Service (its only port, or its first) takes the requests, as they are, when the Ingress's "
         "Service has no ready endpoint; as custom-http-errors' error backend it is not used",
     ),
     _e("disable-proxy-intercept-errors", boolean, N, "only meaningful with custom-http-errors"),

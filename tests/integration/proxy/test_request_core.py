@@ -708,7 +708,11 @@ async def test_default_backend_takes_what_no_endpoint_can(backends, client, back
         namespace="other",
         service="fallback",
         address="127.0.0.1",
-        ports=(EndpointPort("http", backends.h1.port), EndpointPort("h2", backends.h2.port)),
+        ports=(
+            EndpointPort("h2", backends.h2.port)
+            if backend == "h2c"
+            else EndpointPort("http", backends.h1.port),
+        ),
     )
     route = Route(
         namespace="other",
