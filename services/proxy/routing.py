@@ -698,8 +698,13 @@ def _route_options(route: Route, defaults: Defaults) -> RouteOptions:
         same_site = str(_value(getattr(sticky, "same_site", "")) or "").capitalize()
         if same_site not in ("Strict", "Lax", "None"):
             same_site = "Lax"
-        attributes = b"; Path=/; HttpOnly; SameSite=" + same_site.encode()
-        if same_site == "None":
+        path = getattr(sticky, "cookie_path", "") or "/"
+        attributes = b"; Path=" + path.encode() + b"; HttpOnly; SameSite=" + same_site.encode()
+        if getattr(sticky, "cookie_domain", ""):
+            attributes += b"; Domain=" + sticky.cookie_domain.encode()
+        if getattr(sticky, "cookie_max_age", 0):
+            attributes += b"; Max-Age=%d" % sticky.cookie_max_age
+        if same_site == "None" or getattr(sticky, "cookie_secure", False):
             attributes += b"; Secure"
     return RouteOptions(
         name=f"{route.namespace}/{route.name}",

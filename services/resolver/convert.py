@@ -258,6 +258,10 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
             disable_cookies=route.sticky.disable_cookies,
             cookie_name=route.sticky.cookie_name,
             same_site=SAME_SITES[route.sticky.same_site],
+            cookie_path=route.sticky.cookie_path,
+            cookie_domain=route.sticky.cookie_domain,
+            cookie_max_age=route.sticky.cookie_max_age,
+            cookie_secure=route.sticky.cookie_secure,
         ),
         timeouts=pb.RouteTimeouts(
             **{
@@ -396,6 +400,10 @@ def route_from_proto(message: pb.Route) -> model.Route:
             message.sticky.disable_cookies,
             message.sticky.cookie_name,
             _enum(SAME_SITE_NAMES, message.sticky.same_site, "sticky.same_site"),
+            message.sticky.cookie_path,
+            message.sticky.cookie_domain,
+            message.sticky.cookie_max_age,
+            message.sticky.cookie_secure,
         ),
         timeouts=timeouts,
         auth_proxy_headers=message.auth_proxy_headers,

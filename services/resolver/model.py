@@ -205,6 +205,12 @@ class StickySessions:
     disable_cookies: bool = False
     cookie_name: str = ""
     same_site: SameSite = SameSite.LAX
+    # ingress-nginx session-cookie-*: Path ("": /), Domain ("": none), Max-Age
+    # (seconds; 0: a session cookie) and Secure of the cookie.
+    cookie_path: str = ""
+    cookie_domain: str = ""
+    cookie_max_age: int = 0
+    cookie_secure: bool = False
 
 
 @dataclass(frozen=True)

@@ -236,6 +236,12 @@ DERIVED: Final[Mapping[str, Mapping[str, str]]] = {
         "port": "Gateway API backendRefs' port",
         "invalid": "why the resolver cannot use a Gateway API backendRef",
     },
+    "StickySessions": {
+        "cookie_path": "ingress-nginx session-cookie-path",
+        "cookie_domain": "ingress-nginx session-cookie-domain",
+        "cookie_max_age": "ingress-nginx session-cookie-max-age and -expires",
+        "cookie_secure": "ingress-nginx session-cookie-secure",
+    },
     "RouteTLS": {
         "destination_system_ca": "BackendTLSPolicy wellKnownCACertificates",
         "destination_san_hostnames": "BackendTLSPolicy subjectAltNames",

@@ -680,3 +680,52 @@ async def test_default_backend_is_used_when_the_service_has_no_endpoint(suite: C
     await apply(suite, single_ingress(host, "/", host, annotations, service="no-such-service"))
     response = await suite.eventually("/", host=host, backend=V2)
     assert response.echo["target"] == "/"
+
+
+async def test_affinity_cookie_attributes(suite: Conformance) -> None:
+    # affinity.go: It("should set cookie with expires") (Max-Age=259200; its Expires
+    # date is a named difference: the lifetime goes as Max-Age only), It("should work
+    # with use-regex annotation and session-cookie-path"), It("should not set affinity
+    # across all server locations when using separate ingresses"), It("should set
+    # secure in cookie with provided true annotation on http"), It("should not set
+    # secure in cookie with provided false annotation on http")
+    sticky = {P + "affinity": "cookie", P + "session-cookie-name": "SERVERID"}
+    expires = single_ingress(
+        "expires",
+        "/",
+        "cookie-expires.foo.com",
+        {
+            **sticky,
+            P + "session-cookie-expires": "172800",
+            P + "session-cookie-max-age": "259200",
+        },
+    )
+    regex = single_ingress(
+        "useregex",
+        "/foo/.*",
+        "useregex.foo.com",
+        {**sticky, P + "use-regex": "true", P + "session-cookie-path": "/foo/bar"},
+    )
+    regex["spec"]["rules"][0]["http"]["paths"][0]["pathType"] = "ImplementationSpecific"
+    first = single_ingress("ingress1", "/foo/bar", "separate.foo.com", {P + "affinity": "cookie"})
+    second = single_ingress("ingress2", "/foo", "separate.foo.com")
+    secure = single_ingress(
+        "secure", "/bar", "secure.foo.com", {**sticky, P + "session-cookie-secure": "true"}
+    )
+    insecure = single_ingress(
+        "insecure", "/bar", "insecure.foo.com", {**sticky, P + "session-cookie-secure": "false"}
+    )
+    await apply(suite, expires, regex, first, second, secure, insecure)
+    response = await suite.eventually("/", host="cookie-expires.foo.com", backend=V1)
+    assert "Max-Age=259200" in (response.response_header("Set-Cookie") or "")
+    response = await suite.eventually("/foo/bar", host="useregex.foo.com", backend=V1)
+    cookie = response.response_header("Set-Cookie") or ""
+    assert "Path=/foo/bar" in cookie and "SERVERID=" in cookie
+    response = await suite.eventually("/foo", host="separate.foo.com", backend=V1)
+    assert response.response_header("Set-Cookie") is None
+    response = await suite.eventually("/foo/bar", host="separate.foo.com", backend=V1)
+    assert "Path=/foo/bar" in (response.response_header("Set-Cookie") or "")
+    response = await suite.eventually("/bar", host="secure.foo.com", backend=V1)
+    assert "; Secure" in (response.response_header("Set-Cookie") or "")
+    response = await suite.eventually("/bar", host="insecure.foo.com", backend=V1)
+    assert "; Secure" not in (response.response_header("Set-Cookie") or "x")

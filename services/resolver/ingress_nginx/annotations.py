@@ -605,12 +605,44 @@ def _affinity(
     same_site = {"None": SameSite.NONE, "Strict": SameSite.STRICT, "Lax": SameSite.LAX}.get(
         values.get("session-cookie-samesite", ""), SameSite.LAX
     )
+    lifetime = values.get("session-cookie-max-age") or values.get("session-cookie-expires") or "0"
     p.sticky = StickySessions(
         disable_cookies=False,
         cookie_name=values.get("session-cookie-name", "") or "INGRESSCOOKIE",
         same_site=same_site,
+        cookie_path=values.get("session-cookie-path", ""),
+        cookie_domain=values.get("session-cookie-domain", ""),
+        cookie_max_age=min(int(lifetime), 2**31 - 1),
+        cookie_secure=_flag(values.get("session-cookie-secure", "false")),
     )
     found("affinity")
+
+
+@_handles(
+    "session-cookie-path",
+    "session-cookie-domain",
+    "session-cookie-expires",
+    "session-cookie-max-age",
+    "session-cookie-secure",
+    "session-cookie-conditional-samesite-none",
+)
+def _cookie_attributes(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    """Attributes of the sticky cookie (`_affinity` puts them on it)."""
+    if values.get("affinity") != "cookie":
+        found(short, Verdict.NOOP, "without affinity: cookie it does nothing")
+    elif short == "session-cookie-expires":
+        found(short, Verdict.DIFFERENT, "sent as Max-Age (the same lifetime), not a date")
+    elif short == "session-cookie-conditional-samesite-none":
+        found(
+            short,
+            Verdict.DIFFERENT,
+            "SameSite=None is sent to every client (ingress-nginx leaves it out for "
+            "user agents known to reject it)",
+        )
+    else:
+        found(short, Verdict.HONOURED, "")
 
 
 @_handles("session-cookie-name", "session-cookie-samesite")
@@ -1240,6 +1272,16 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
                 redirect=redirect,
                 rewrite=rewrite,
             )
+        sticky = p.sticky
+        # ingress-nginx's cookie Path: the location's path (a regex one: "/").
+        if (
+            not sticky.disable_cookies
+            and not sticky.cookie_path
+            and value != "/"
+            and match.path_type is not PathMatchType.REGEX
+            and kind != "ImplementationSpecific"
+        ):
+            sticky = dataclasses.replace(sticky, cookie_path=value)
         tls = route.tls
         if tls is not None and p.hsts is not None:
             tls = dataclasses.replace(tls, hsts=p.hsts)
@@ -1250,7 +1292,7 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             matches=(match,),
             filters=filters,
             tls=tls,
-            sticky=p.sticky,
+            sticky=sticky,
             balance=p.balance,
             timeouts=p.timeouts,
             upstream_protocol=p.upstream_protocol,

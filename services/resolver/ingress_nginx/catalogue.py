@@ -244,7 +244,6 @@ _LIMIT = "rate and connection limits: the proxy has no per-route limiter yet"
 _WAF = "ModSecurity/OWASP CRS: Waygate has no web application firewall"
 _CORS = "CORS headers on allowed origins' answers; preflights (OPTIONS) answered 204 by the proxy"
 _CANARY = "folded into the main Ingress's routes: backends by weight, the header first"
-_SESSION = "cookie attributes beyond name and SameSite: the proxy's cookie is a session cookie"
 
 ENTRIES: tuple[Entry, ...] = (
     # ------------------------------------------------------------ paths
@@ -449,12 +448,18 @@ ENTRIES: tuple[Entry, ...] = (
     ),
     _e("session-cookie-name", _matching(_HEADER, "a cookie name"), H),
     _e("session-cookie-samesite", one_of("None", "Lax", "Strict"), H),
-    _e("session-cookie-path", path, X, _SESSION, lacks=True),
-    _e("session-cookie-domain", hosts, X, _SESSION, lacks=True),
-    _e("session-cookie-expires", seconds, X, _SESSION, lacks=True),
-    _e("session-cookie-max-age", seconds, X, _SESSION, lacks=True),
-    _e("session-cookie-secure", boolean, X, _SESSION, lacks=True),
-    _e("session-cookie-conditional-samesite-none", boolean, X, _SESSION, lacks=True),
+    _e("session-cookie-path", path, H, "the sticky cookie's Path"),
+    _e("session-cookie-domain", hosts, H, "the sticky cookie's Domain"),
+    _e("session-cookie-expires", seconds, D, "sent as Max-Age (the same lifetime), not a date"),
+    _e("session-cookie-max-age", seconds, H, "the sticky cookie's Max-Age"),
+    _e("session-cookie-secure", boolean, H, "the sticky cookie's Secure"),
+    _e(
+        "session-cookie-conditional-samesite-none",
+        boolean,
+        D,
+        "SameSite=None is sent to every client (ingress-nginx leaves it out for user "
+        "agents known to reject it)",
+    ),
     _e(
         "session-cookie-change-on-failure",
         boolean,

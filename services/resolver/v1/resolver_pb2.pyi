@@ -279,14 +279,22 @@ class HSTS(_message.Message):
     def __init__(self, max_age: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., include_subdomains: _Optional[bool] = ..., preload: _Optional[bool] = ...) -> None: ...
 
 class StickySessions(_message.Message):
-    __slots__ = ("disable_cookies", "cookie_name", "same_site")
+    __slots__ = ("disable_cookies", "cookie_name", "same_site", "cookie_path", "cookie_domain", "cookie_max_age", "cookie_secure")
     DISABLE_COOKIES_FIELD_NUMBER: _ClassVar[int]
     COOKIE_NAME_FIELD_NUMBER: _ClassVar[int]
     SAME_SITE_FIELD_NUMBER: _ClassVar[int]
+    COOKIE_PATH_FIELD_NUMBER: _ClassVar[int]
+    COOKIE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    COOKIE_MAX_AGE_FIELD_NUMBER: _ClassVar[int]
+    COOKIE_SECURE_FIELD_NUMBER: _ClassVar[int]
     disable_cookies: bool
     cookie_name: str
     same_site: SameSite
-    def __init__(self, disable_cookies: _Optional[bool] = ..., cookie_name: _Optional[str] = ..., same_site: _Optional[_Union[SameSite, str]] = ...) -> None: ...
+    cookie_path: str
+    cookie_domain: str
+    cookie_max_age: int
+    cookie_secure: bool
+    def __init__(self, disable_cookies: _Optional[bool] = ..., cookie_name: _Optional[str] = ..., same_site: _Optional[_Union[SameSite, str]] = ..., cookie_path: _Optional[str] = ..., cookie_domain: _Optional[str] = ..., cookie_max_age: _Optional[int] = ..., cookie_secure: _Optional[bool] = ...) -> None: ...
 
 class RouteTimeouts(_message.Message):
     __slots__ = ("connect", "client", "server", "http_request", "tunnel", "keep_alive")

@@ -961,3 +961,44 @@ def test_proxy_next_upstream_becomes_the_routes_redispatch_rule():
     assert any(
         v.startswith("proxy-next-upstream-timeout: not-honoured") for v in timed.ingress_verdicts
     )
+
+
+def test_session_cookie_attributes_go_onto_the_sticky_cookie():
+    annotations = {
+        P + "affinity": "cookie",
+        P + "session-cookie-path": "/app",
+        P + "session-cookie-domain": "example.com",
+        P + "session-cookie-expires": "100",
+        P + "session-cookie-secure": "true",
+    }
+    [route] = routes_of(ingress("cookie", annotations))
+    sticky = route.sticky
+    assert (sticky.cookie_path, sticky.cookie_domain) == ("/app", "example.com")
+    assert (sticky.cookie_max_age, sticky.cookie_secure) == (100, True)
+    lines = dict(line.split(": ", 1) for line in route.ingress_verdicts)
+    assert lines["session-cookie-expires"].startswith("honoured-with-difference")
+    assert "session-cookie-path" not in lines and "session-cookie-secure" not in lines
+    [located] = routes_of(ingress("loc", {P + "affinity": "cookie"}, path="/shop"))
+    assert located.sticky.cookie_path == "/shop"  # ingress-nginx: the location's path
+
+
+def test_the_proxy_cookie_line_carries_the_attributes():
+    from waygate.proxy.routing import Defaults, _route_options
+    from waygate.resolver.model import StickySessions
+
+    route = Route(
+        namespace="d",
+        name="r",
+        host="a.test",
+        sticky=StickySessions(
+            cookie_name="S",
+            cookie_path="/app",
+            cookie_domain="example.com",
+            cookie_max_age=60,
+            cookie_secure=True,
+        ),
+    )
+    attributes = _route_options(route, Defaults()).cookie_attributes
+    assert attributes == (
+        b"; Path=/app; HttpOnly; SameSite=Lax; Domain=example.com; Max-Age=60; Secure"
+    )

@@ -376,6 +376,12 @@ DERIVED_SAMPLES: dict[str, dict[str, Any]] = {
         "default_backend": "fallback",
     },
     "RouteBackend": {"namespace": "other", "port": "http", "invalid": "not granted"},
+    "StickySessions": {
+        "cookie_path": "/app",
+        "cookie_domain": "example.com",
+        "cookie_max_age": 60,
+        "cookie_secure": True,
+    },
     "RouteTLS": {
         "destination_system_ca": True,
         "destination_san_hostnames": ("a.example.com",),
