@@ -42,7 +42,7 @@ import re
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
-from waygate.proxy import bodylimit, captures, cors, filters, http1, records, tls
+from waygate.proxy import bodylimit, captures, cors, filters, hashkey, http1, records, tls
 from waygate.proxy.http1 import ForwardedContext, RequestHead
 from waygate.proxy.routing import (
     Backend,
@@ -133,6 +133,8 @@ class Forward:
     cors: Any = None  # the CORS headers for the answer (waygate.proxy.cors)
     # proxy-body-size for a body counted as it streams (0: none to count; bodylimit).
     body_limit = 0
+    # upstream-hash-by's key (None: the client address, the source policy's own).
+    hash_key: bytes | None = None
     target: Target
     backend: Backend
 
@@ -320,6 +322,19 @@ def _capture_rewrite(forward: Forward, req: RequestHead, facts: ConnectionFacts)
     return None
 
 
+def _has_hash_by(entry: RouteEntry) -> bool:
+    if not entry.route.hash_by:
+        return False
+    entry.policies["hash_by"] = hashkey.HashKey(entry.route.hash_by)
+    return True
+
+
+def _hash_by(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
+    """upstream-hash-by: the nginx variable's value is the endpoint's hash key."""
+    forward.hash_key = forward.entry.policies["hash_by"].of(req)
+    return None
+
+
 def _cors_headers(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
     if forward.cors is not None:
         forward.response_modifier = cors.with_headers(forward.response_modifier, forward.cors)
@@ -335,6 +350,7 @@ GATES: tuple[Rule, ...] = (
         _route_redirect,
     ),
     Rule("cors", _has_cors, _cors_gate),
+    Rule("hash_by", _has_hash_by, _hash_by),
 )
 SHAPERS: tuple[Rule, ...] = (
     Rule("request_filters", _has_filters, _request_filters),
@@ -422,7 +438,10 @@ def decide(
     if single is not None and cookie is None:
         forward.target, backend = single
     else:
-        picked, chosen = entry.pick(facts.client_key, cookie, view.health, None)
+        key = forward.hash_key
+        picked, chosen = entry.pick(
+            facts.client_key if key is None else key, cookie, view.health, None
+        )
         if chosen is not None and chosen.invalid:
             # A Gateway API backendRef that cannot be used: 500, as the spec says.
             return Answer(500, chosen.invalid, "invalid_backend", entry.options.name)

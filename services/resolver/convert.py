@@ -302,6 +302,7 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
     message.next_upstream_tries = route.next_upstream_tries
     message.rewrite_target = route.rewrite_target
     message.default_backend = route.default_backend
+    message.hash_by = route.hash_by
     if route.tls is not None:
         hsts = route.tls.hsts
         message.tls.CopyFrom(
@@ -432,6 +433,7 @@ def route_from_proto(message: pb.Route) -> model.Route:
         next_upstream_tries=message.next_upstream_tries,
         rewrite_target=message.rewrite_target,
         default_backend=message.default_backend,
+        hash_by=message.hash_by,
     )
 
 

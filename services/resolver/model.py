@@ -484,6 +484,9 @@ class Route:
     # ingress-nginx default-backend: a Service of the route's namespace taking the
     # requests no endpoint of its own backends can ("": none).
     default_backend: str = ""
+    # ingress-nginx upstream-hash-by: the nginx variable whose value is the source
+    # policy's hash key ("": the client address).
+    hash_by: str = ""
 
     @property
     def key(self) -> RouteKey:

@@ -230,6 +230,7 @@ DERIVED: Final[Mapping[str, Mapping[str, str]]] = {
         "next_upstream_tries": "ingress-nginx proxy-next-upstream-tries",
         "rewrite_target": "ingress-nginx rewrite-target with capture groups",
         "default_backend": "ingress-nginx default-backend",
+        "hash_by": "ingress-nginx upstream-hash-by",
     },
     "RouteBackend": {
         "namespace": "Gateway API backendRefs across namespaces (ReferenceGrant)",

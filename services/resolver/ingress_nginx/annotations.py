@@ -153,6 +153,7 @@ class Plan:
     next_upstream: str = ""
     next_upstream_tries: int = 0
     default_backend: str = ""
+    hash_by: str = ""
     # The controller ConfigMap's keys not honoured: "ConfigMap NS/NAME key K: not-honoured".
     config_notes: list[str] = field(default_factory=list)
 
@@ -677,6 +678,10 @@ def _balance(
         found("load-balance", Verdict.HONOURED, "")
 
 
+# The nginx variables the proxy computes exactly (waygate.proxy.hashkey).
+_HASH_VARIABLE = re.compile(r"\$(request_uri|host|(http|cookie|arg)_[a-z0-9_]+)")
+
+
 @_handles("upstream-hash-by")
 def _hash(
     p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
@@ -688,8 +693,21 @@ def _hash(
             Verdict.DIFFERENT,
             "the proxy's source balancing: a hash of the client address",
         )
+    elif _HASH_VARIABLE.fullmatch(value):
+        p.balance = BalancePolicy.SOURCE
+        p.hash_by = value
+        found(
+            "upstream-hash-by",
+            Verdict.DIFFERENT,
+            f"consistent hashing of {value} with bounded loads (the proxy's source "
+            "balancing): an overloaded endpoint's keys spill to the next one",
+        )
     else:
-        found("upstream-hash-by", Verdict.NOT_HONOURED, "only $remote_addr is honoured")
+        found(
+            "upstream-hash-by",
+            Verdict.NOT_HONOURED,
+            "only $remote_addr, $request_uri, $host, $http_*, $cookie_* and $arg_* are honoured",
+        )
 
 
 @_handles("backend-protocol")
@@ -1304,6 +1322,7 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             next_upstream_tries=p.next_upstream_tries,
             rewrite_target=captured,
             default_backend=p.default_backend,
+            hash_by=p.hash_by,
         )
         if p.ssl_passthrough and route.listener_port == 443:
             continue  # the host's TLS is passed through, never terminated here

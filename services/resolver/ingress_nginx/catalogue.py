@@ -477,10 +477,9 @@ ENTRIES: tuple[Entry, ...] = (
         "upstream-hash-by",
         _matching(re.compile(r"\$[a-z_]{1,64}"), "an nginx variable such as $remote_addr"),
         D,
-        "$remote_addr and $binary_remote_addr "
-        "hash the client address (the proxy's source balancing); other keys are not "
-        "honoured",
-        lacks=True,
+        "$remote_addr and $binary_remote_addr hash the client address, $request_uri, "
+        "$host, $http_*, $cookie_* and $arg_* their value (the proxy's source balancing: "
+        "consistent hashing with bounded loads); other variables are not honoured",
     ),
     _e("upstream-hash-by-subset", boolean, X, "hashing to a subset of endpoints", lacks=True),
     _e("upstream-hash-by-subset-size", integer, X, "hashing to a subset of endpoints", lacks=True),

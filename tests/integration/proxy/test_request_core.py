@@ -29,6 +29,7 @@ from waygate.core.tracing import configure_tracing
 from waygate.proxy.routing import Defaults, Target, build_table
 from waygate.proxy.upstream import Dialer, tcp_connect
 from waygate.resolver.model import (
+    BalancePolicy,
     Cors,
     Endpoint,
     EndpointPort,
@@ -737,3 +738,14 @@ async def test_default_backend_takes_what_no_endpoint_can(backends, client, back
     else:
         assert backends.h1.requests[-1]["target"] == "/fell?x=1"
     assert server.metrics.requests[("other/core", b"GET", 2)] == 1
+
+
+@pytest.mark.parametrize(("client", "backend"), PAIRS)
+async def test_upstream_hash_by_a_header(backends, client, backend):
+    route = core_route(backend, balance=BalancePolicy.SOURCE, hash_by="$http_x_user")
+    # (The same key's endpoint, whichever it is: tests/unit/proxy/test_hashkey.py.)
+    async with running_proxy(built([route], [backends.endpoint()])) as (server, port):
+        answers = [await ask(client, port, "/h", [("X-User", str(i % 2))]) for i in range(4)]
+    assert [a.status for a in answers] == [200] * 4
+    assert backends.requests(backend) == 4
+    assert server.metrics.requests[("demo/core", b"GET", 2)] == 4

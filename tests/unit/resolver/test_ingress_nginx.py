@@ -1002,3 +1002,13 @@ def test_the_proxy_cookie_line_carries_the_attributes():
     assert attributes == (
         b"; Path=/app; HttpOnly; SameSite=Lax; Domain=example.com; Max-Age=60; Secure"
     )
+
+
+def test_upstream_hash_by_a_request_variable():
+    [route] = routes_of(ingress("h", {P + "upstream-hash-by": "$request_uri"}))
+    assert (route.balance.value, route.hash_by) == ("source", "$request_uri")
+    assert route.ingress_verdicts[0].startswith("upstream-hash-by: honoured-with-difference")
+    [other] = routes_of(ingress("o", {P + "upstream-hash-by": "$request_time"}))
+    assert other.hash_by == "" and other.ingress_verdicts[0].startswith(
+        "upstream-hash-by: not-honoured"
+    )

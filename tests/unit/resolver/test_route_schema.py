@@ -374,6 +374,7 @@ DERIVED_SAMPLES: dict[str, dict[str, Any]] = {
         "next_upstream_tries": 5,
         "rewrite_target": "/x/$2",
         "default_backend": "fallback",
+        "hash_by": "$request_uri",
     },
     "RouteBackend": {"namespace": "other", "port": "http", "invalid": "not granted"},
     "StickySessions": {
