@@ -154,6 +154,11 @@ async def ask(
     writer.write(
         f"{method} {path} HTTP/1.1\r\nHost: {HOST}\r\n{extra}Connection: close\r\n\r\n".encode()
     )
+    return await _h1_answer(reader, writer)
+
+
+async def _h1_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Answer:
+    """The answer an HTTP/1.1 client reads to the end (the proxy closes)."""
     data = await asyncio.wait_for(reader.read(-1), 10)
     writer.close()
     head, _, body = data.partition(b"\r\n\r\n")
@@ -630,12 +635,7 @@ async def post(client: str, port: int, body: bytes, *, length: bool) -> Answer:
     writer.write(f"POST /up HTTP/1.1\r\nHost: {HOST}\r\nConnection: close\r\n".encode() + framed)
     with contextlib.suppress(ConnectionError):
         await writer.drain()
-    data = await asyncio.wait_for(reader.read(-1), 10)
-    writer.close()
-    head, _, rest = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    fields = dict(line.split(": ", 1) for line in lines[1:])
-    return Answer(int(lines[0].split(" ")[1]), {k.lower(): v for k, v in fields.items()}, rest)
+    return await _h1_answer(reader, writer)
 
 
 @pytest.mark.parametrize(("client", "backend"), PAIRS)
