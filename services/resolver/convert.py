@@ -572,6 +572,7 @@ def _filters_to_proto(filters: model.RouteFilters) -> pb.RouteFilters:
                 path_type=PATH_MODIFIERS[redirect.path_type],
                 path=redirect.path,
                 status_code=redirect.status,
+                strip_trailing_slash=redirect.strip_trailing_slash,
             )
         )
     if (rewrite := filters.rewrite) is not None:
@@ -596,6 +597,7 @@ def _filters_from_proto(message: pb.RouteFilters) -> model.RouteFilters:
             path_type=_enum(PATH_MODIFIER_NAMES, r.path_type, "filters.redirect.path_type"),
             path=r.path,
             status=r.status_code or 302,
+            strip_trailing_slash=r.strip_trailing_slash,
         )
     if message.HasField("rewrite"):
         w = message.rewrite

@@ -373,6 +373,9 @@ class Redirect:
     path_type: PathModifierType = PathModifierType.NONE
     path: str = ""
     status: int = 302
+    # ingress-nginx's HTTPS redirect without preserve-trailing-slash: a trailing
+    # "/" of the request's path-and-query is dropped (not from "/" itself).
+    strip_trailing_slash: bool = False
 
 
 @dataclass(frozen=True)

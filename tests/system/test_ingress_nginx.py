@@ -729,3 +729,28 @@ async def test_affinity_cookie_attributes(suite: Conformance) -> None:
     assert "; Secure" in (response.response_header("Set-Cookie") or "")
     response = await suite.eventually("/bar", host="insecure.foo.com", backend=V1)
     assert "; Secure" not in (response.response_header("Set-Cookie") or "x")
+
+
+async def test_trailing_slash_dropped_or_kept_on_the_https_redirect(suite: Conformance) -> None:
+    # preservetrailingslash.go: It("should allow preservation of trailing slashes"),
+    # and ingress-nginx's default (preserve-trailing-slash "false"): the slash dropped.
+    from tests.support.gatewayapi import tls_secret
+
+    kept, dropped = "kept.bar.com", "dropped.bar.com"
+    keep = single_ingress("keep", "/", kept, {P + "preserve-trailing-slash": "true"})
+    keep["spec"]["tls"] = [{"hosts": [kept], "secretName": "kept-tls"}]
+    drop = single_ingress("drop", "/", dropped)
+    drop["spec"]["tls"] = [{"hosts": [dropped], "secretName": "dropped-tls"}]
+    await suite.apply(
+        extra=yaml.safe_dump_all([CONTROLLER, keep, drop])
+        + "\n---\n"
+        + tls_secret(INFRA, "kept-tls", kept)
+        + "\n---\n"
+        + tls_secret(INFRA, "dropped-tls", dropped)
+    )
+    response = await suite.eventually("/something/", host=kept, status=308)
+    assert response.header("Location") == "https://kept.bar.com/something/"
+    response = await suite.eventually("/something/", host=dropped, status=308)
+    assert response.header("Location") == "https://dropped.bar.com/something"
+    response = await suite.eventually("/", host=dropped, status=308)
+    assert response.header("Location") == "https://dropped.bar.com/"

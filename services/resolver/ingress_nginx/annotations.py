@@ -134,6 +134,7 @@ class Plan:
     force_ssl_redirect: bool = False
     redirect_code: int = 308
     www_redirect: bool = False
+    preserve_trailing_slash: bool = False
     request_set: list[tuple[str, str]] = field(default_factory=list)
     request_remove: list[str] = field(default_factory=list)
     response_set: list[tuple[str, str]] = field(default_factory=list)
@@ -517,10 +518,8 @@ def _forwarded_prefix(
 def _trailing(
     p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
 ) -> None:
-    if _flag(value):
-        found("preserve-trailing-slash", Verdict.HONOURED, "")
-    else:
-        found("preserve-trailing-slash", Verdict.NOT_HONOURED)
+    p.preserve_trailing_slash = _flag(value)
+    found("preserve-trailing-slash", Verdict.HONOURED, "")
 
 
 @_handles("server-alias")
@@ -588,9 +587,7 @@ def _https_redirect(
         p.ssl_redirect = on
     else:
         p.force_ssl_redirect = on
-    # The proxy keeps a trailing slash: exact when off, or with preserve-trailing-slash.
-    exact = not on or _flag(values.get("preserve-trailing-slash", "false"))
-    found(short, Verdict.HONOURED if exact else None, "" if exact else None)
+    found(short)
 
 
 @_handles("from-to-www-redirect")
@@ -1279,7 +1276,11 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
         if route.listener_port == 80 and (
             p.force_ssl_redirect or (p.ssl_redirect and route.host in secured)
         ):
-            redirect = Redirect(scheme="https", status=p.redirect_code)
+            redirect = Redirect(
+                scheme="https",
+                status=p.redirect_code,
+                strip_trailing_slash=not p.preserve_trailing_slash,
+            )
         request = _modifier(p.request_set, [], p.request_remove)
         response = _modifier(p.response_set, p.response_add, p.response_remove)
         filters = None

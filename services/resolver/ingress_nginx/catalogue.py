@@ -270,9 +270,8 @@ ENTRIES: tuple[Entry, ...] = (
         "preserve-trailing-slash",
         boolean,
         H,
-        "the proxy's HTTPS redirect keeps the path as it "
-        "is: `true` is exact; `false` (nginx strips a trailing slash) is not honoured",
-        lacks=True,
+        "the HTTPS redirect keeps a trailing slash (`true`) or drops it (`false`, the "
+        "default), as ingress-nginx",
     ),
     _e("server-alias", hosts, H, "more host names served by the same routes"),
     _e("upstream-vhost", hosts, H, "the Host the backend sees"),
@@ -294,15 +293,14 @@ ENTRIES: tuple[Entry, ...] = (
     _e(
         "ssl-redirect",
         boolean,
-        D,
-        "HTTP requests for TLS hosts are answered 308 to HTTPS "
-        "(the default, as ingress-nginx); a trailing slash is kept",
+        H,
+        "HTTP requests for TLS hosts are answered 308 to HTTPS (the default, as ingress-nginx)",
     ),
     _e(
         "force-ssl-redirect",
         boolean,
-        D,
-        "308 to HTTPS also for hosts without TLS; a trailing slash is kept",
+        H,
+        "308 to HTTPS also for hosts without TLS",
     ),
     _e("from-to-www-redirect", boolean, H, "the other of www.HOST and HOST answers 308 to it"),
     _e(

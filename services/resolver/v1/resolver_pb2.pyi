@@ -483,20 +483,22 @@ class RouteHeaderModifier(_message.Message):
     def __init__(self, set: _Optional[_Iterable[_Union[RouteHeader, _Mapping]]] = ..., add: _Optional[_Iterable[_Union[RouteHeader, _Mapping]]] = ..., remove: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RouteRedirect(_message.Message):
-    __slots__ = ("scheme", "hostname", "port", "path_type", "path", "status_code")
+    __slots__ = ("scheme", "hostname", "port", "path_type", "path", "status_code", "strip_trailing_slash")
     SCHEME_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     PATH_TYPE_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
+    STRIP_TRAILING_SLASH_FIELD_NUMBER: _ClassVar[int]
     scheme: str
     hostname: str
     port: int
     path_type: PathModifierType
     path: str
     status_code: int
-    def __init__(self, scheme: _Optional[str] = ..., hostname: _Optional[str] = ..., port: _Optional[int] = ..., path_type: _Optional[_Union[PathModifierType, str]] = ..., path: _Optional[str] = ..., status_code: _Optional[int] = ...) -> None: ...
+    strip_trailing_slash: bool
+    def __init__(self, scheme: _Optional[str] = ..., hostname: _Optional[str] = ..., port: _Optional[int] = ..., path_type: _Optional[_Union[PathModifierType, str]] = ..., path: _Optional[str] = ..., status_code: _Optional[int] = ..., strip_trailing_slash: _Optional[bool] = ...) -> None: ...
 
 class RouteRewrite(_message.Message):
     __slots__ = ("hostname", "path_type", "path")
