@@ -9,7 +9,8 @@ connection carrying the stream) and the clock, and returns one of:
   to HTTPS (302) or refusal (503), an HTTPRoute RequestRedirect, a missing
   or refused client certificate (401/403), no route (404 on a Gateway
   listener's side, else 503), an invalid backendRef (500), no endpoint
-  ready (503). It carries the status, the reason (the error page's and
+  ready (503, unless an ingress-nginx default-backend takes the request), an
+  ingress-nginx CORS preflight (204), a body over proxy-body-size (413). It carries the status, the reason (the error page's and
   X-Waygate-Error's), the kind (the refusal's metric label, or one of the
   ANSWER_* renderings) and the route's name ("" when no route matched);
 - `Forward`: the request goes to a backend: the route entry, the chosen
