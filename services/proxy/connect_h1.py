@@ -81,8 +81,8 @@ def _redispatch(self: Any, target: Target, exc: ConnectError, attempts: int) -> 
     ctx.view.health.failed(target)
     forward = self.forward
     if (
-        may_redispatch(exc.retryable, exc.kind, attempts)
-        and forward is not None
+        forward is not None
+        and may_redispatch(exc.retryable, exc.kind, attempts, forward.entry.route)
         and self.req is not None
         and repick(ctx.view, forward, self.down, target)
     ):

@@ -9,7 +9,8 @@ connection carrying the stream) and the clock, and returns one of:
   to HTTPS (302) or refusal (503), an HTTPRoute RequestRedirect, a missing
   or refused client certificate (401/403), no route (404 on a Gateway
   listener's side, else 503), an invalid backendRef (500), no endpoint
-  ready (503). It carries the status, the reason (the error page's and
+  ready (503, unless an ingress-nginx default-backend takes the request), an
+  ingress-nginx CORS preflight (204), a body over proxy-body-size (413). It carries the status, the reason (the error page's and
   X-Waygate-Error's), the kind (the refusal's metric label, or one of the
   ANSWER_* renderings) and the route's name ("" when no route matched);
 - `Forward`: the request goes to a backend: the route entry, the chosen
@@ -43,7 +44,19 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
-from waygate.proxy import access, extauth, filters, http1, ratelimit, records, tls
+from waygate.proxy import (
+    access,
+    bodylimit,
+    captures,
+    cors,
+    extauth,
+    filters,
+    hashkey,
+    http1,
+    ratelimit,
+    records,
+    tls,
+)
 from waygate.proxy.http1 import ForwardedContext, RequestHead
 from waygate.proxy.routing import (
     Backend,
@@ -65,6 +78,8 @@ ANSWER_HEALTHZ = "healthz"
 ANSWER_OPTIONS = "options"  # OPTIONS *: the proxy answers for itself
 ANSWER_REDIRECT = "redirect"  # the edge's redirect to HTTPS (TLS insecureEdgePolicy)
 ANSWER_ROUTE_REDIRECT = "route_redirect"  # an HTTPRoute RequestRedirect: reason = Location
+# A whole HTTP/1.1 response the rule built (a CORS preflight): reason = its bytes (latin-1).
+ANSWER_RESPONSE = "response"
 
 
 class View(Protocol):
@@ -161,6 +176,11 @@ class Forward:
     held: ratelimit.Held | None = None
     # ingress-nginx auth-url: the driver asks the auth service first (authcheck).
     auth: extauth.AuthPlan | None = None
+    cors: Any = None  # the CORS headers for the answer (waygate.proxy.cors)
+    # proxy-body-size for a body counted as it streams (0: none to count; bodylimit).
+    body_limit = 0
+    # upstream-hash-by's key (None: the client address, the source policy's own).
+    hash_key: bytes | None = None
     target: Target
     backend: Backend
     entry: RouteEntry
@@ -196,12 +216,22 @@ def release_pick(forward: Forward) -> None:
 MAX_CONNECT_ATTEMPTS = 3
 
 
-def may_redispatch(retryable: bool, kind: str, attempts: int) -> bool:
+def may_redispatch(retryable: bool, kind: str, attempts: int, route: Any = None) -> bool:
     """Whether a failed connect (`upstream.ConnectError`'s retryable and kind) after
     `attempts` connects may go to another endpoint: nothing was sent; a refused or
     unreachable endpoint, or one whose certificate failed verification (another
-    endpoint may hold a good one), while attempts are left."""
-    return (retryable or kind[:4] == "tls_") and attempts < MAX_CONNECT_ATTEMPTS
+    endpoint may hold a good one), while attempts are left. A route with
+    ingress-nginx's proxy-next-upstream says which (`error`: the connect failed,
+    `timeout`: it timed out; `off`: neither) and how many connects (-tries)."""
+    if not (retryable or kind[:4] == "tls_"):
+        return False
+    if route is None or not (route.next_upstream or route.next_upstream_tries):
+        return attempts < MAX_CONNECT_ATTEMPTS
+    if route.next_upstream:
+        wanted = "timeout" if kind == "timeout" else "error"
+        if wanted not in route.next_upstream.split():
+            return False
+    return attempts < (route.next_upstream_tries or MAX_CONNECT_ATTEMPTS)
 
 
 def repick(view: View, forward: Forward, facts: ConnectionFacts, failed: Target) -> bool:
@@ -325,19 +355,95 @@ def _has_filters(entry: RouteEntry) -> bool:
     return entry.route.filters is not None
 
 
+def _has_cors(entry: RouteEntry) -> bool:
+    if entry.route.cors is None:
+        return False
+    entry.policies["cors"] = cors.CorsPolicy(entry.route.cors)
+    return True
+
+
+def _cors_gate(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
+    """ingress-nginx CORS: an allowed OPTIONS is a preflight answered here (204)."""
+    policy = forward.entry.policies["cors"]
+    allowed = policy.allowed(req)
+    if allowed is None:
+        return None
+    if req.method == b"OPTIONS":
+        response = policy.preflight(allowed).decode("latin-1")
+        return Answer(204, response, ANSWER_RESPONSE, forward.entry.options.name, refused=False)
+    forward.cors = allowed
+    return None
+
+
+def _body_size(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
+    """proxy-body-size: a larger Content-Length is 413 here; a body without one is
+    counted as it streams (the drivers check `forward.body_limit`)."""
+    limit = forward.entry.route.max_request_body
+    if req.content_length > limit:
+        name = forward.entry.options.name
+        return Answer(413, bodylimit.reason(limit), bodylimit.KIND, name)
+    if req.chunked:
+        forward.body_limit = limit
+    return None
+
+
+def _capture_rewrite(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
+    """ingress-nginx rewrite-target with capture groups: the path from the route's
+    regex match (after the route's header filters, which keep the path)."""
+    entry = forward.entry
+    assert entry.regex is not None
+    out = captures.rewritten(forward.req, entry.regex, entry.route.rewrite_target, forward.path)
+    if out is not None:
+        forward.req = out
+    return None
+
+
+def _has_hash_by(entry: RouteEntry) -> bool:
+    if not entry.route.hash_by:
+        return False
+    entry.policies["hash_by"] = hashkey.HashKey(entry.route.hash_by)
+    return True
+
+
+def _hash_by(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
+    """upstream-hash-by: the nginx variable's value is the endpoint's hash key."""
+    forward.hash_key = forward.entry.policies["hash_by"].of(req)
+    return None
+
+
+def _cors_headers(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
+    if forward.cors is not None:
+        forward.response_modifier = cors.with_headers(forward.response_modifier, forward.cors)
+    return None
+
+
 GATES: tuple[Rule, ...] = (
     Rule("edge_tls", lambda entry: entry.route.tls is not None, _edge_tls),
+    Rule("body_size", lambda entry: entry.route.max_request_body > 0, _body_size),
     Rule(
         "route_redirect",
         lambda entry: entry.route.filters is not None and entry.route.filters.redirect is not None,
         _route_redirect,
     ),
+    # The CORS preflight is answered in nginx's rewrite phase (ingress-nginx's cors
+    # template returns 204 there), before the limits and the access checks: a browser
+    # sends no credentials with a preflight.
+    Rule("cors", _has_cors, _cors_gate),
     Rule("rate_limit", lambda entry: entry.route.rate_limit is not None, _rate_limit),
     # After the redirects (nginx's rewrite phase comes before its access phase).
     Rule("access", access.prepare, _access),
     Rule("external_auth", lambda entry: entry.route.external_auth is not None, _external_auth),
+    Rule("hash_by", _has_hash_by, _hash_by),
 )
-SHAPERS: tuple[Rule, ...] = (Rule("request_filters", _has_filters, _request_filters),)
+SHAPERS: tuple[Rule, ...] = (
+    Rule("request_filters", _has_filters, _request_filters),
+    Rule(
+        "capture_rewrite",
+        lambda entry: bool(entry.route.rewrite_target) and entry.regex is not None,
+        _capture_rewrite,
+    ),
+    Rule("cors", lambda entry: entry.route.cors is not None, _cors_headers),
+)
 
 
 def rules_of(entry: RouteEntry) -> tuple[tuple[Rule, ...], tuple[Rule, ...]] | bool:
@@ -424,14 +530,21 @@ def decide(
     if single is not None and cookie is None:
         forward.target, backend = single
     else:
-        picked, chosen = entry.pick(facts.client_key, cookie, view.health, None)
+        key = forward.hash_key
+        picked, chosen = entry.pick(
+            facts.client_key if key is None else key, cookie, view.health, None
+        )
         if chosen is not None and chosen.invalid:
             # A Gateway API backendRef that cannot be used: 500, as the spec says.
             release_pick(forward)
             return Answer(500, chosen.invalid, "invalid_backend", entry.options.name)
         if picked is None or chosen is None:
-            release_pick(forward)
-            return Answer(503, unavailable_reason(entry), "no_endpoint", entry.options.name)
+            # ingress-nginx's default-backend takes what no endpoint can.
+            chosen = entry.policies.get("default_backend")
+            picked = chosen.picker.pick(None) if chosen is not None else None
+            if picked is None or chosen is None:
+                release_pick(forward)
+                return Answer(503, unavailable_reason(entry), "no_endpoint", entry.options.name)
         forward.target = picked
         backend = chosen
         backend.picker.acquire(picked)

@@ -28,7 +28,7 @@ from typing import Any
 
 from waygate.core import flow
 from waygate.proxy import access, filters, http1, tls
-from waygate.proxy.decision import Answer, decide
+from waygate.proxy.decision import ANSWER_RESPONSE, Answer, decide
 from waygate.proxy.exchange import (
     ANSWER_HEALTHZ,
     ANSWER_OPTIONS,
@@ -407,6 +407,10 @@ class ClientConnection(asyncio.Protocol):
                 response = response.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n", 1)
         elif kind is ANSWER_ROUTE_REDIRECT:
             response = filters.redirect_head(status, reason.encode("latin-1"), close=close)
+        elif kind is ANSWER_RESPONSE:
+            response = reason.encode("latin-1")
+            if close:
+                response = response.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n", 1)
         elif kind is ANSWER_REDIRECT:
             port = server.https_port or 443
             response = tls.redirect_response(req.host, req.target, port, close=close)

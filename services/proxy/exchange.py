@@ -70,7 +70,7 @@ from typing import Any, Protocol
 from opentelemetry.trace import Status, StatusCode
 
 from waygate.core import flow
-from waygate.proxy import authcheck, extauth, filters, http1
+from waygate.proxy import authcheck, bodylimit, extauth, filters, http1
 from waygate.proxy.bodybuffer import BodyBuffer, BufferRefused
 from waygate.proxy.connect_h1 import start_connect
 from waygate.proxy.context import ExchangeContext
@@ -184,6 +184,7 @@ class Exchange(UpgradeRelay):
 
     __slots__ = (
         "backend",
+        "body_limit",
         "body_rate_base",
         "body_rate_from",
         "body_reader",
@@ -238,6 +239,7 @@ class Exchange(UpgradeRelay):
         self.queued = False
         self.body_remaining = 0
         self.body_reader: ChunkedReader | None = None
+        self.body_limit = 0  # proxy-body-size of a chunked body (waygate.proxy.bodylimit)
         # The minimum request-body rate (Limits.min_request_body_rate) is measured
         # from `body_rate_from`, when `body_rate_base` bytes had come, over the
         # time an upstream takes the body (not while it is connecting, queued or
@@ -299,6 +301,7 @@ class Exchange(UpgradeRelay):
             self.body_received = 0
         if req.chunked:
             self.body_reader = ChunkedReader(chunk_budget=self.ctx.limits.max_small_chunks)
+            self.body_limit = forward.body_limit  # proxy-body-size (0: none)
             self.req_complete = False
         elif req.content_length > 0:
             self.body_remaining = req.content_length
@@ -446,6 +449,11 @@ class Exchange(UpgradeRelay):
                     self.abandon_upstream()
                     self.req = None
                     self.down.refuse(exc)
+                return b""
+            if self.body_limit and reader.payload > self.body_limit:
+                # proxy-body-size crossed by the chunk sizes announced: 413 (or an
+                # abort once the answer started), nothing more relayed.
+                self.fail(413, bodylimit.reason(self.body_limit), bodylimit.KIND)
                 return b""
             if used < len(data):
                 rest = data[used:]

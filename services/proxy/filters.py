@@ -132,7 +132,10 @@ def redirect_location(
     authority = host if _WELL_KNOWN.get(scheme) == port else host + b":%d" % port
     path, query = _split_target(req.target)
     path = replaced_path(path, prefix, redirect.path_type, redirect.path)
-    return scheme + b"://" + authority + path + query
+    uri = path + query
+    if redirect.strip_trailing_slash and uri != b"/" and uri.endswith(b"/"):
+        uri = uri[:-1]  # ingress-nginx's HTTPS redirect without preserve-trailing-slash
+    return scheme + b"://" + authority + uri
 
 
 def redirect_head(status: int, location: bytes, *, close: bool) -> bytes:

@@ -37,6 +37,7 @@ from waygate.proxy.decision import (
     ANSWER_HEALTHZ,
     ANSWER_OPTIONS,
     ANSWER_REDIRECT,
+    ANSWER_RESPONSE,
     ANSWER_ROUTE_REDIRECT,
     HEALTHZ,
     OPTIONS_ANY,
@@ -114,6 +115,8 @@ def answer_stream(
         response = http1.OPTIONS_ANY_RESPONSE
     elif kind is ANSWER_ROUTE_REDIRECT:
         response = filters.redirect_head(status, reason.encode("latin-1"), close=False)
+    elif kind is ANSWER_RESPONSE:
+        response = reason.encode("latin-1")
     elif kind is ANSWER_REDIRECT:
         port = server.https_port or 443
         response = tls.redirect_response(req.host, req.target, port, close=False)

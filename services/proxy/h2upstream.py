@@ -54,7 +54,7 @@ import h2.settings
 from h2.errors import ErrorCodes
 
 from waygate.core import flow, httpheaders
-from waygate.proxy import authcheck, extauth, filters, grpcstatus, http1
+from waygate.proxy import authcheck, bodylimit, extauth, filters, grpcstatus, http1
 from waygate.proxy.bodybuffer import BodyBuffer, BufferRefused
 from waygate.proxy.context import ExchangeContext
 from waygate.proxy.decision import Forward, may_redispatch, release_pick, repick
@@ -495,7 +495,8 @@ class UpstreamStream:
         """The connect this stream waited for failed: another endpoint when the
         failure allows it and one is left (`decision.repick`), else 502."""
         ctx = self.upstreams.ctx
-        if may_redispatch(exc.retryable, exc.kind, self.attempts) and repick(
+        route = self.forward.entry.route
+        if may_redispatch(exc.retryable, exc.kind, self.attempts, route) and repick(
             ctx.view, self.forward, self.facts, self.target
         ):
             self.attempts += 1
@@ -564,6 +565,7 @@ class H2Exchange(UpstreamStream):
     buffer: BodyBuffer | None = None
     buffering = False  # the body is still coming in (no stream upstream yet)
     last_client = 0.0  # when the client last sent body bytes (while buffering)
+    body_seen = 0  # request DATA counted against proxy-body-size (only with one)
 
     def __init__(
         self,
@@ -741,6 +743,13 @@ class H2Exchange(UpstreamStream):
     def request_data(self, data: bytes) -> None:
         if self.finished or not data:
             return
+        limit = self.forward.body_limit
+        if limit:  # proxy-body-size on a body without content-length (bodylimit)
+            self.body_seen += len(data)
+            if self.body_seen > limit:
+                self._cancel_upstream()
+                self.fail(413, bodylimit.reason(limit), bodylimit.KIND)
+                return
         buffer = self.buffer
         if self.buffering and buffer is not None:
             # Taken in (the stream's window is given back as for any consumed DATA).

@@ -1008,15 +1008,20 @@ class ChunkedReader:
             self._extensions += extension
             if self._extensions > MAX_CHUNK_EXTENSIONS:
                 raise BadMessage("chunk extensions larger than 4 KiB in one body", self._status)
+        self._payload += chunk
         if self._budget:
             self._chunks += 1
-            self._payload += chunk
             if self._chunks > self._budget + (self._payload >> 8):
                 raise BadMessage(
                     f"too many small chunks: a chunked body may have {self._budget} chunks "
                     "beyond one per 256 bytes of payload",
                     self._status,
                 )
+
+    @property
+    def payload(self) -> int:
+        """The body's size so far, by the chunk sizes announced."""
+        return self._payload
 
     def feed(self, data: bytes) -> tuple[list[bytes], int]:
         out: list[bytes] = []

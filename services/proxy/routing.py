@@ -305,6 +305,7 @@ class RouteEntry:
         "mirrors",
         "options",
         "path",
+        "policies",
         "policy",
         "query",
         "rank",
@@ -331,6 +332,8 @@ class RouteEntry:
         # The Strict-Transport-Security line it adds on HTTPS, built once (b"": none).
         self.hsts = hsts_line(route)
         self.upstream_scope = upstream_scope(route)
+        # Per-route rule state a decision rule prepares once (decision.rules_of).
+        self.policies: dict[str, Any] = {}
         self.backends = backends
         self.policy = policy
         self.backend_picker: RoundRobinPicker[int] | None = None
@@ -721,8 +724,13 @@ def _route_options(route: Route, defaults: Defaults) -> RouteOptions:
         same_site = str(_value(getattr(sticky, "same_site", "")) or "").capitalize()
         if same_site not in ("Strict", "Lax", "None"):
             same_site = "Lax"
-        attributes = b"; Path=/; HttpOnly; SameSite=" + same_site.encode()
-        if same_site == "None":
+        path = getattr(sticky, "cookie_path", "") or "/"
+        attributes = b"; Path=" + path.encode() + b"; HttpOnly; SameSite=" + same_site.encode()
+        if getattr(sticky, "cookie_domain", ""):
+            attributes += b"; Domain=" + sticky.cookie_domain.encode()
+        if getattr(sticky, "cookie_max_age", 0):
+            attributes += b"; Max-Age=%d" % sticky.cookie_max_age
+        if same_site == "None" or getattr(sticky, "cookie_secure", False):
             attributes += b"; Secure"
     return RouteOptions(
         name=f"{route.namespace}/{route.name}",
@@ -771,6 +779,32 @@ def _targets(
         if target not in targets:
             targets.append(target)
     return targets
+
+
+def _default_backend(
+    route: Route,
+    endpoints: Mapping[tuple[str, str], tuple[Endpoint, ...]],
+    services: Mapping[tuple[str, str], Service],
+    cookie_key: bytes,
+    options: RouteOptions,
+) -> Backend:
+    """ingress-nginx's default-backend: the Service of the route's namespace taking
+    the requests its own backends have no ready endpoint for (its first port)."""
+    key = (route.namespace, route.default_backend)
+    service = services.get(key)
+    port = ""  # a Service of one port (or unknown): its only port, as a route's ""
+    if service is not None and len(service.ports) > 1:
+        port = service.ports[0].name or str(service.ports[0].port)
+    targets = _targets(endpoints.get(key, ()), port, service)
+    backend = RouteBackend(route.default_backend, 1, port=port)
+    return Backend(
+        route.default_backend,
+        new_picker("roundrobin", targets),
+        cookie_key,
+        options,
+        "",
+        backend_speaks_http2(route, backend, service),
+    )
 
 
 def build_table(
@@ -866,6 +900,10 @@ def build_table(
                 alive.update(targets)
                 mirrors.append((new_picker("roundrobin", targets), mirror.percent))
             entry.mirrors = tuple(mirrors)
+        if route.default_backend:
+            fallback = _default_backend(route, endpoints, services, cookie_key, options)
+            alive.update(fallback.picker.targets)
+            entry.policies["default_backend"] = fallback
         host = route.host.lower()
         deep = bool(route.gateway)
         if route.matches:

@@ -259,6 +259,10 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
             disable_cookies=route.sticky.disable_cookies,
             cookie_name=route.sticky.cookie_name,
             same_site=SAME_SITES[route.sticky.same_site],
+            cookie_path=route.sticky.cookie_path,
+            cookie_domain=route.sticky.cookie_domain,
+            cookie_max_age=route.sticky.cookie_max_age,
+            cookie_secure=route.sticky.cookie_secure,
         ),
         timeouts=pb.RouteTimeouts(
             **{
@@ -309,6 +313,23 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
                 ],
             )
         )
+    if (cors := route.cors) is not None:
+        message.cors.CopyFrom(
+            pb.RouteCors(
+                allow_origins=cors.allow_origins,
+                allow_methods=cors.allow_methods,
+                allow_headers=cors.allow_headers,
+                expose_headers=cors.expose_headers,
+                allow_credentials=cors.allow_credentials,
+                max_age=cors.max_age,
+            )
+        )
+    message.max_request_body = route.max_request_body
+    message.next_upstream = route.next_upstream
+    message.next_upstream_tries = route.next_upstream_tries
+    message.rewrite_target = route.rewrite_target
+    message.default_backend = route.default_backend
+    message.hash_by = route.hash_by
     if route.tls is not None:
         hsts = route.tls.hsts
         message.tls.CopyFrom(
@@ -407,6 +428,10 @@ def route_from_proto(message: pb.Route) -> model.Route:
             message.sticky.disable_cookies,
             message.sticky.cookie_name,
             _enum(SAME_SITE_NAMES, message.sticky.same_site, "sticky.same_site"),
+            message.sticky.cookie_path,
+            message.sticky.cookie_domain,
+            message.sticky.cookie_max_age,
+            message.sticky.cookie_secure,
         ),
         timeouts=timeouts,
         auth_proxy_headers=message.auth_proxy_headers,
@@ -441,6 +466,13 @@ def route_from_proto(message: pb.Route) -> model.Route:
         access=_access_from_proto(message.access) if message.HasField("access") else None,
         proxy_protocol_from_client=message.proxy_protocol_from_client,
         proxy_protocol_to_backend=message.proxy_protocol_to_backend,
+        cors=_cors_from_proto(message.cors) if message.HasField("cors") else None,
+        max_request_body=message.max_request_body,
+        next_upstream=message.next_upstream,
+        next_upstream_tries=message.next_upstream_tries,
+        rewrite_target=message.rewrite_target,
+        default_backend=message.default_backend,
+        hash_by=message.hash_by,
     )
 
 
@@ -472,6 +504,17 @@ def _access_from_proto(message: pb.RouteAccess) -> model.RouteAccess:
         auth_realm=message.auth_realm,
         satisfy_any=message.satisfy_any,
         **{name: tuple(getattr(message, name)) for name in _ACCESS_LISTS},
+    )
+
+
+def _cors_from_proto(message: pb.RouteCors) -> model.Cors:
+    return model.Cors(
+        tuple(message.allow_origins),
+        message.allow_methods,
+        message.allow_headers,
+        message.expose_headers,
+        message.allow_credentials,
+        message.max_age,
     )
 
 
@@ -599,6 +642,7 @@ def _filters_to_proto(filters: model.RouteFilters) -> pb.RouteFilters:
                 path_type=PATH_MODIFIERS[redirect.path_type],
                 path=redirect.path,
                 status_code=redirect.status,
+                strip_trailing_slash=redirect.strip_trailing_slash,
             )
         )
     if (rewrite := filters.rewrite) is not None:
@@ -649,6 +693,7 @@ def _filters_from_proto(message: pb.RouteFilters) -> model.RouteFilters:
             path_type=_enum(PATH_MODIFIER_NAMES, r.path_type, "filters.redirect.path_type"),
             path=r.path,
             status=r.status_code or 302,
+            strip_trailing_slash=r.strip_trailing_slash,
         )
     if message.HasField("rewrite"):
         w = message.rewrite

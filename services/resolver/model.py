@@ -205,6 +205,12 @@ class StickySessions:
     disable_cookies: bool = False
     cookie_name: str = ""
     same_site: SameSite = SameSite.LAX
+    # ingress-nginx session-cookie-*: Path ("": /), Domain ("": none), Max-Age
+    # (seconds; 0: a session cookie) and Secure of the cookie.
+    cookie_path: str = ""
+    cookie_domain: str = ""
+    cookie_max_age: int = 0
+    cookie_secure: bool = False
 
 
 @dataclass(frozen=True)
@@ -382,6 +388,9 @@ class Redirect:
     path_type: PathModifierType = PathModifierType.NONE
     path: str = ""
     status: int = 302
+    # ingress-nginx's HTTPS redirect without preserve-trailing-slash: a trailing
+    # "/" of the request's path-and-query is dropped (not from "/" itself).
+    strip_trailing_slash: bool = False
 
 
 @dataclass(frozen=True)
@@ -467,6 +476,22 @@ class ExternalAuth:
 
 
 @dataclass(frozen=True)
+class Cors:
+    """ingress-nginx's enable-cors with its cors-* annotations (their defaults here):
+    origins are `*` or scheme://host[:port] with an optional `*.` subdomain wildcard."""
+
+    allow_origins: tuple[str, ...] = ("*",)
+    allow_methods: str = "GET, PUT, POST, DELETE, PATCH, OPTIONS"
+    allow_headers: str = (
+        "DNT,Keep-Alive,User-Agent,X-Requested-With,If-Modified-Since,"
+        "Cache-Control,Content-Type,Range,Authorization"
+    )
+    expose_headers: str = ""
+    allow_credentials: bool = True
+    max_age: int = 1728000
+
+
+@dataclass(frozen=True)
 class Route:
     namespace: str
     name: str
@@ -534,6 +559,23 @@ class Route:
     rate_limit: RateLimit | None = None
     # ingress-nginx auth-url and friends (None: no external authentication).
     external_auth: ExternalAuth | None = None
+    # ingress-nginx responses: CORS (None: off) and the request body limit in
+    # bytes (0: none), answered by the proxy (waygate.proxy.cors, .bodylimit).
+    cors: Cors | None = None
+    max_request_body: int = 0
+    # proxy-next-upstream: "" (the proxy's default: "error timeout"), else the
+    # tokens honoured ("error", "timeout"; "off"); connects tried at most
+    # (0: the proxy's default, decision.MAX_CONNECT_ATTEMPTS).
+    next_upstream: str = ""
+    next_upstream_tries: int = 0
+    # rewrite-target with capture groups ($1..$9 of the path regex; "": none).
+    rewrite_target: str = ""
+    # ingress-nginx default-backend: a Service of the route's namespace taking the
+    # requests no endpoint of its own backends can ("": none).
+    default_backend: str = ""
+    # ingress-nginx upstream-hash-by: the nginx variable whose value is the source
+    # policy's hash key ("": the client address).
+    hash_by: str = ""
 
     @property
     def key(self) -> RouteKey:

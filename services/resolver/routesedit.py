@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
-from ruamel.yaml.scalarstring import LiteralScalarString
+from ruamel.yaml.scalarstring import LiteralScalarString, SingleQuotedScalarString
 from ruamel.yaml.util import load_yaml_guess_indent
 
 RouteKey = tuple[str, str]
@@ -246,9 +246,22 @@ def block_style(value: Any) -> Any:
         return mapping
     if isinstance(value, list):
         return CommentedSeq(block_style(item) for item in value)
-    if isinstance(value, str) and "\n" in value:
-        return LiteralScalarString(value)
+    if isinstance(value, str):
+        if "\n" in value:
+            return LiteralScalarString(value)
+        if _read_as_other(value):
+            # ruamel.yaml writes YAML 1.2, where `on`, `yes` or `1_000` are plain text;
+            # the resolver reads the file as YAML 1.1 (PyYAML), where they are not.
+            return SingleQuotedScalarString(value)
     return value
+
+
+def _read_as_other(text: str) -> bool:
+    """Whether PyYAML would read `text`, written plain, as anything but that text."""
+    try:
+        return yaml.safe_load(text) != text
+    except yaml.YAMLError:
+        return True
 
 
 def merge(existing: CommentedMap, new: dict[str, Any], *, top: bool = False) -> None:

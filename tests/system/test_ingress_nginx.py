@@ -547,3 +547,208 @@ current-context: test
             assert "UnsupportedAnnotation" in response["status"]["message"]
         finally:
             await resolver.stop()
+
+
+# ---------------------------------------------------------------- responses: CORS
+
+
+async def test_cors_should_enable_cors(suite: Conformance) -> None:
+    # cors.go: It("should enable cors"): the default headers, and OPTIONS answered 204
+    host = "cors.foo.com"
+    await apply(suite, single_ingress(host, "/", host, {P + "enable-cors": "true"}))
+    response = await suite.eventually("/", host=host, method="OPTIONS", status=204)
+    assert response.header("Access-Control-Allow-Methods") == (
+        "GET, PUT, POST, DELETE, PATCH, OPTIONS"
+    )
+    assert response.header("Access-Control-Allow-Origin") == "*"
+    assert response.header("Access-Control-Allow-Headers") == (
+        "DNT,Keep-Alive,User-Agent,X-Requested-With,If-Modified-Since,"
+        "Cache-Control,Content-Type,Range,Authorization"
+    )
+    assert response.header("Access-Control-Max-Age") == "1728000"
+    assert response.header("Access-Control-Allow-Credentials") == "true"
+    # The backend's answers carry them too (`more_set_headers` in the location).
+    answer = await suite.request("/", host=host)
+    assert answer.backend == V1 and answer.header("Access-Control-Allow-Origin") == "*"
+
+
+async def test_cors_methods_max_age_credentials_headers_expose(suite: Conformance) -> None:
+    # cors.go: It("should set cors methods to only allow POST, GET"),
+    # It("should set cors max-age"), It("should disable cors allow credentials"),
+    # It("should allow headers for cors"), It("should expose headers for cors")
+    host = "cors2.foo.com"
+    annotations = {
+        P + "enable-cors": "true",
+        P + "cors-allow-methods": "POST, GET",
+        P + "cors-max-age": "200",
+        P + "cors-allow-credentials": "false",
+        P + "cors-allow-headers": "DNT, User-Agent",
+        P + "cors-expose-headers": "X-CustomResponseHeader, X-CustomSecondHeader",
+    }
+    await apply(suite, single_ingress(host, "/", host, annotations))
+    response = await suite.eventually("/", host=host, method="OPTIONS", status=204)
+    assert response.header("Access-Control-Allow-Methods") == "POST, GET"
+    assert response.header("Access-Control-Max-Age") == "200"
+    assert response.header("Access-Control-Allow-Credentials") is None
+    assert response.header("Access-Control-Allow-Headers") == "DNT, User-Agent"
+    assert response.header("Access-Control-Expose-Headers") == (
+        "X-CustomResponseHeader, X-CustomSecondHeader"
+    )
+
+
+async def test_cors_origins_single_multiple_wildcard_and_port(suite: Conformance) -> None:
+    # cors.go: It("should allow origin for cors"), It("should allow - single origin for
+    # multiple cors values"), It("should not allow - single origin for multiple cors
+    # values"), It("should allow - origins with wildcard"), It("should not allow -
+    # portions of origin"), It("should allow - single origin with required port"),
+    # It("should not allow - single origin with port and origin without port")
+    host = "cors3.foo.com"
+    origins = "https://origin.cors.com:8080, https://*.origin.com, http://origin2.cors.com"
+    annotations = {P + "enable-cors": "true", P + "cors-allow-origin": origins}
+    await apply(suite, single_ingress(host, "/", host, annotations))
+    allowed = (
+        "https://origin.cors.com:8080",
+        "https://foo.origin.com",
+        "http://origin2.cors.com",
+    )
+    for origin in allowed:
+        response = await suite.eventually(
+            "/", host=host, method="OPTIONS", status=204, headers={"Origin": origin}
+        )
+        assert response.header("Access-Control-Allow-Origin") == origin
+        answer = await suite.request("/", host=host, headers={"Origin": origin})
+        assert answer.header("Access-Control-Allow-Origin") == origin
+    refused = (
+        "https://origin.cors.com",  # the listed origin needs its port
+        "http://origin.cors.com:8080",
+        "https://origin.com",  # a wildcard needs its label
+        "https://foo.bar.origin.com",
+        "http://origin2.cors.com.evil.com",  # portions of an origin
+        "https://evil.com/http://origin2.cors.com",  # a named difference: refused here
+    )
+    for origin in refused:
+        answer = await suite.request("/", host=host, method="OPTIONS", headers={"Origin": origin})
+        assert answer.status == 200 and answer.backend == V1, origin  # the backend's
+        assert answer.header("Access-Control-Allow-Origin") is None, origin
+
+
+# ---------------------------------------------------------------- responses: body size
+
+
+async def test_proxy_body_size_8m_and_the_1m_default(suite: Conformance) -> None:
+    # proxy.go: It("should set proxy client-max-body-size to 8m"): nginx's
+    # client_max_body_size 8m, asserted by its answer (413) rather than the config
+    # text; without the annotation ingress-nginx's ConfigMap default, 1m.
+    limited, default = "proxy.foo.com", "proxy-default.foo.com"
+    await apply(
+        suite,
+        single_ingress(limited, "/", limited, {P + "proxy-body-size": "8m"}),
+        single_ingress(default, "/", default),
+    )
+    await suite.eventually("/", host=limited, backend=V1)
+    await suite.eventually("/", host=default, backend=V1)
+    over = {"Content-Length": str(8 * 1024 * 1024 + 1)}
+    response = await suite.request("/", host=limited, method="POST", headers=over)
+    assert response.status == 413
+    assert "proxy-body-size" in (response.header("X-Waygate-Error") or "")
+    # 2 MiB: within this Ingress's 8m, beyond the other's default 1m.
+    two = {"Content-Length": str(2 * 1024 * 1024)}
+    response = await suite.request("/", host=default, method="POST", headers=two)
+    assert response.status == 413
+
+
+async def test_rewrite_with_capture_groups_reordered(suite: Conformance) -> None:
+    # rewrite.go: It("should allow for custom rewrite parameters") with two groups
+    # beyond the `PREFIX(/|$)(.*)` idiom (Waygate's own case: the e2e's is the idiom):
+    # nginx's `rewrite "(?i)PATH" TARGET break;`, the query appended.
+    host = "rewrite5.bar.com"
+    annotations = {P + "use-regex": "true", P + "rewrite-target": "/v/$2/$1"}
+    item = single_ingress("groups", "/api/(v[0-9]+)/(.*)", host, annotations)
+    item["spec"]["rules"][0]["http"]["paths"][0]["pathType"] = "ImplementationSpecific"
+    await apply(suite, item)
+    response = await suite.eventually("/API/v2/users/7?q=1", host=host, backend=V1)
+    assert response.echo["target"] == "/v/users/7/v2?q=1"
+
+
+async def test_default_backend_is_used_when_the_service_has_no_endpoint(suite: Conformance) -> None:
+    # default_backend.go: It("should use a custom default backend as upstream"): the
+    # Ingress's Service has no endpoint; the annotation's Service answers.
+    host = "default-backend.foo.com"
+    annotations = {P + "default-backend": "infra-backend-v2"}
+    await apply(suite, single_ingress(host, "/", host, annotations, service="no-such-service"))
+    response = await suite.eventually("/", host=host, backend=V2)
+    assert response.echo["target"] == "/"
+
+
+async def test_affinity_cookie_attributes(suite: Conformance) -> None:
+    # affinity.go: It("should set cookie with expires") (Max-Age=259200; its Expires
+    # date is a named difference: the lifetime goes as Max-Age only), It("should work
+    # with use-regex annotation and session-cookie-path"), It("should not set affinity
+    # across all server locations when using separate ingresses"), It("should set
+    # secure in cookie with provided true annotation on http"), It("should not set
+    # secure in cookie with provided false annotation on http")
+    sticky = {P + "affinity": "cookie", P + "session-cookie-name": "SERVERID"}
+    expires = single_ingress(
+        "expires",
+        "/",
+        "cookie-expires.foo.com",
+        {
+            **sticky,
+            P + "session-cookie-expires": "172800",
+            P + "session-cookie-max-age": "259200",
+        },
+    )
+    regex = single_ingress(
+        "useregex",
+        "/foo/.*",
+        "useregex.foo.com",
+        {**sticky, P + "use-regex": "true", P + "session-cookie-path": "/foo/bar"},
+    )
+    regex["spec"]["rules"][0]["http"]["paths"][0]["pathType"] = "ImplementationSpecific"
+    first = single_ingress("ingress1", "/foo/bar", "separate.foo.com", {P + "affinity": "cookie"})
+    second = single_ingress("ingress2", "/foo", "separate.foo.com")
+    secure = single_ingress(
+        "secure", "/bar", "secure.foo.com", {**sticky, P + "session-cookie-secure": "true"}
+    )
+    insecure = single_ingress(
+        "insecure", "/bar", "insecure.foo.com", {**sticky, P + "session-cookie-secure": "false"}
+    )
+    await apply(suite, expires, regex, first, second, secure, insecure)
+    response = await suite.eventually("/", host="cookie-expires.foo.com", backend=V1)
+    assert "Max-Age=259200" in (response.response_header("Set-Cookie") or "")
+    response = await suite.eventually("/foo/bar", host="useregex.foo.com", backend=V1)
+    cookie = response.response_header("Set-Cookie") or ""
+    assert "Path=/foo/bar" in cookie and "SERVERID=" in cookie
+    response = await suite.eventually("/foo", host="separate.foo.com", backend=V1)
+    assert response.response_header("Set-Cookie") is None
+    response = await suite.eventually("/foo/bar", host="separate.foo.com", backend=V1)
+    assert "Path=/foo/bar" in (response.response_header("Set-Cookie") or "")
+    response = await suite.eventually("/bar", host="secure.foo.com", backend=V1)
+    assert "; Secure" in (response.response_header("Set-Cookie") or "")
+    response = await suite.eventually("/bar", host="insecure.foo.com", backend=V1)
+    assert "; Secure" not in (response.response_header("Set-Cookie") or "x")
+
+
+async def test_trailing_slash_dropped_or_kept_on_the_https_redirect(suite: Conformance) -> None:
+    # preservetrailingslash.go: It("should allow preservation of trailing slashes"),
+    # and ingress-nginx's default (preserve-trailing-slash "false"): the slash dropped.
+    from tests.support.gatewayapi import tls_secret
+
+    kept, dropped = "kept.bar.com", "dropped.bar.com"
+    keep = single_ingress("keep", "/", kept, {P + "preserve-trailing-slash": "true"})
+    keep["spec"]["tls"] = [{"hosts": [kept], "secretName": "kept-tls"}]
+    drop = single_ingress("drop", "/", dropped)
+    drop["spec"]["tls"] = [{"hosts": [dropped], "secretName": "dropped-tls"}]
+    await suite.apply(
+        extra=yaml.safe_dump_all([CONTROLLER, keep, drop])
+        + "\n---\n"
+        + tls_secret(INFRA, "kept-tls", kept)
+        + "\n---\n"
+        + tls_secret(INFRA, "dropped-tls", dropped)
+    )
+    response = await suite.eventually("/something/", host=kept, status=308)
+    assert response.header("Location") == "https://kept.bar.com/something/"
+    response = await suite.eventually("/something/", host=dropped, status=308)
+    assert response.header("Location") == "https://dropped.bar.com/something"
+    response = await suite.eventually("/", host=dropped, status=308)
+    assert response.header("Location") == "https://dropped.bar.com/"

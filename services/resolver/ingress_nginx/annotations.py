@@ -49,6 +49,7 @@ from waygate.resolver.ingress_nginx.config import (
 from waygate.resolver.model import (
     HSTS,
     BalancePolicy,
+    Cors,
     ExternalAuth,
     ForwardedHeadersMode,
     HeaderMatch,
@@ -139,6 +140,7 @@ class Plan:
     force_ssl_redirect: bool = False
     redirect_code: int = 308
     www_redirect: bool = False
+    preserve_trailing_slash: bool = False
     request_set: list[tuple[str, str]] = field(default_factory=list)
     request_remove: list[str] = field(default_factory=list)
     response_set: list[tuple[str, str]] = field(default_factory=list)
@@ -160,6 +162,12 @@ class Plan:
     limit_allow: tuple[str, ...] = ()
     rate_limit: RateLimit | None = None
     external_auth: ExternalAuth | None = None
+    cors: Cors | None = None
+    max_request_body: int = 0
+    next_upstream: str = ""
+    next_upstream_tries: int = 0
+    default_backend: str = ""
+    hash_by: str = ""
     # The controller ConfigMap's keys not honoured: "ConfigMap NS/NAME key K: not-honoured".
     config_notes: list[str] = field(default_factory=list)
 
@@ -283,6 +291,9 @@ def plan(
             include_subdomains=config.flag("hsts-include-subdomains", True),
             preload=config.flag("hsts-preload", False),
         )
+    # nginx's client_max_body_size as ingress-nginx sets it (1m unless the ConfigMap says).
+    configured = parse_size(config.text("proxy-body-size", "1m"))
+    result.max_request_body = 1024**2 if configured is None else configured
     timeouts = {
         "connect": config.seconds("proxy-connect-timeout", 5),
         "server": max(
@@ -404,6 +415,7 @@ _OFF: dict[str, str] = {
     "upstream-hash-by-subset": "false",
     "proxy-buffering": "off",
     "enable-access-log": "true",
+    "proxy-next-upstream-timeout": "0",
 }
 # Annotations that only modify another: without it in force they do nothing
 # (ingress-nginx reads them only with it).
@@ -544,10 +556,8 @@ def _forwarded_prefix(
 def _trailing(
     p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
 ) -> None:
-    if _flag(value):
-        found("preserve-trailing-slash", Verdict.HONOURED, "")
-    else:
-        found("preserve-trailing-slash", Verdict.NOT_HONOURED)
+    p.preserve_trailing_slash = _flag(value)
+    found("preserve-trailing-slash", Verdict.HONOURED, "")
 
 
 @_handles("server-alias")
@@ -615,9 +625,7 @@ def _https_redirect(
         p.ssl_redirect = on
     else:
         p.force_ssl_redirect = on
-    # The proxy keeps a trailing slash: exact when off, or with preserve-trailing-slash.
-    exact = not on or _flag(values.get("preserve-trailing-slash", "false"))
-    found(short, Verdict.HONOURED if exact else None, "" if exact else None)
+    found(short)
 
 
 @_handles("from-to-www-redirect")
@@ -633,12 +641,44 @@ def _affinity(
     same_site = {"None": SameSite.NONE, "Strict": SameSite.STRICT, "Lax": SameSite.LAX}.get(
         values.get("session-cookie-samesite", ""), SameSite.LAX
     )
+    lifetime = values.get("session-cookie-max-age") or values.get("session-cookie-expires") or "0"
     p.sticky = StickySessions(
         disable_cookies=False,
         cookie_name=values.get("session-cookie-name", "") or "INGRESSCOOKIE",
         same_site=same_site,
+        cookie_path=values.get("session-cookie-path", ""),
+        cookie_domain=values.get("session-cookie-domain", ""),
+        cookie_max_age=min(int(lifetime), 2**31 - 1),
+        cookie_secure=_flag(values.get("session-cookie-secure", "false")),
     )
     found("affinity")
+
+
+@_handles(
+    "session-cookie-path",
+    "session-cookie-domain",
+    "session-cookie-expires",
+    "session-cookie-max-age",
+    "session-cookie-secure",
+    "session-cookie-conditional-samesite-none",
+)
+def _cookie_attributes(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    """Attributes of the sticky cookie (`_affinity` puts them on it)."""
+    if values.get("affinity") != "cookie":
+        found(short, Verdict.NOOP, "without affinity: cookie it does nothing")
+    elif short == "session-cookie-expires":
+        found(short, Verdict.DIFFERENT, "sent as Max-Age (the same lifetime), not a date")
+    elif short == "session-cookie-conditional-samesite-none":
+        found(
+            short,
+            Verdict.DIFFERENT,
+            "SameSite=None is sent to every client (ingress-nginx leaves it out for "
+            "user agents known to reject it)",
+        )
+    else:
+        found(short, Verdict.HONOURED, "")
 
 
 @_handles("session-cookie-name", "session-cookie-samesite")
@@ -836,6 +876,10 @@ def _balance(
         found("load-balance", Verdict.HONOURED, "")
 
 
+# The nginx variables the proxy computes exactly (waygate.proxy.hashkey).
+_HASH_VARIABLE = re.compile(r"\$(request_uri|host|(http|cookie|arg)_[a-z0-9_]+)")
+
+
 @_handles("upstream-hash-by")
 def _hash(
     p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
@@ -847,8 +891,21 @@ def _hash(
             Verdict.DIFFERENT,
             "the proxy's source balancing: a hash of the client address",
         )
+    elif _HASH_VARIABLE.fullmatch(value):
+        p.balance = BalancePolicy.SOURCE
+        p.hash_by = value
+        found(
+            "upstream-hash-by",
+            Verdict.DIFFERENT,
+            f"consistent hashing of {value} with bounded loads (the proxy's source "
+            "balancing): an overloaded endpoint's keys spill to the next one",
+        )
     else:
-        found("upstream-hash-by", Verdict.NOT_HONOURED, "only $remote_addr is honoured")
+        found(
+            "upstream-hash-by",
+            Verdict.NOT_HONOURED,
+            "only $remote_addr, $request_uri, $host, $http_*, $cookie_* and $arg_* are honoured",
+        )
 
 
 @_handles("backend-protocol")
@@ -975,6 +1032,138 @@ def _canary(
             "matched anywhere in the value, as the proxy's regular expressions read it "
             "(RE2 syntax, not PCRE)",
         )
+
+
+_SIZE_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
+
+
+def parse_size(value: str) -> int | None:
+    """An nginx size (`8k`, `1m`, `0`: no limit) in bytes; None when it is not one."""
+    found = re.fullmatch(r"(\d{1,12})([bkmgBKMG]?)", value.strip())
+    if found is None:
+        return None
+    unit = found.group(2).lower()
+    return int(found.group(1)) * _SIZE_UNITS["" if unit == "b" else unit]
+
+
+@_handles("proxy-body-size")
+def _body_size(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    p.max_request_body = parse_size(value) or 0
+    found(short)
+
+
+@_handles("default-backend")
+def _default_backend(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    namespace, _slash, service = value.rpartition("/")
+    if namespace and namespace != p.namespace:
+        found(short, Verdict.NOT_HONOURED, "a Service of another namespace")
+        return
+    p.default_backend = service
+    found(short)
+
+
+# nginx's proxy_next_upstream conditions; the proxy redispatches a failed connect only.
+_NEXT_CONNECT = ("error", "timeout")
+_NEXT_ANSWER = frozenset(
+    (
+        "invalid_header",
+        "http_500",
+        "http_502",
+        "http_503",
+        "http_504",
+        "http_403",
+        "http_404",
+        "http_429",
+        "non_idempotent",
+    )
+)
+MAX_NEXT_UPSTREAM_TRIES = 100
+
+
+@_handles("proxy-next-upstream", "proxy-next-upstream-tries")
+def _next_upstream(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    if short == "proxy-next-upstream-tries":
+        tries = int(value)
+        if 1 <= tries <= MAX_NEXT_UPSTREAM_TRIES:
+            p.next_upstream_tries = tries
+            found(short, Verdict.HONOURED, "")
+        elif tries == 0:
+            found(short, Verdict.DIFFERENT, "0 (unlimited in nginx) is the proxy's default, 3")
+        else:
+            found(short, Verdict.NOT_HONOURED, f"outside 0..{MAX_NEXT_UPSTREAM_TRIES}")
+        return
+    tokens = value.split()
+    unknown = [t for t in tokens if t not in _NEXT_ANSWER and t not in (*_NEXT_CONNECT, "off")]
+    if unknown:
+        found(short, Verdict.NOT_HONOURED, f"not an nginx proxy_next_upstream value: {unknown[0]}")
+        return
+    honoured = [t for t in tokens if t in _NEXT_CONNECT]
+    p.next_upstream = " ".join(honoured) if honoured and "off" not in tokens else "off"
+    answers = sorted(set(tokens) & _NEXT_ANSWER)
+    if answers:
+        found(
+            short,
+            Verdict.NOT_HONOURED,
+            f"{', '.join(answers)}: a backend's answer is relayed, never retried "
+            "(error and timeout are honoured for connects)",
+        )
+    else:
+        found(short)
+
+
+_CORS_FIELDS = {
+    "cors-allow-methods": "allow_methods",
+    "cors-allow-headers": "allow_headers",
+    "cors-expose-headers": "expose_headers",
+}
+
+
+@_handles(
+    "enable-cors",
+    *(
+        f"cors-{n}"
+        for n in (
+            "allow-origin",
+            "allow-methods",
+            "allow-headers",
+            "expose-headers",
+            "allow-credentials",
+            "max-age",
+        )
+    ),
+)
+def _cors(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    """enable-cors and its cors-* (waygate.proxy.cors answers them)."""
+    if short == "enable-cors":
+        fields: dict[str, Any] = {
+            attr: values[key].strip() for key, attr in _CORS_FIELDS.items() if values.get(key)
+        }
+        origins = tuple(o.strip() for o in values.get("cors-allow-origin", "*").split(","))
+        fields["allow_origins"] = tuple(o for o in origins if o) or ("*",)
+        if "cors-allow-credentials" in values:
+            fields["allow_credentials"] = _flag(values["cors-allow-credentials"])
+        if values.get("cors-max-age"):
+            fields["max_age"] = max(0, int(values["cors-max-age"]))
+        p.cors = Cors(**fields)
+        found(short, Verdict.HONOURED, "")
+    elif short == "cors-allow-origin" and value.strip() != "*":
+        found(short, Verdict.DIFFERENT, _CORS_ORIGIN)
+    else:
+        found(short, Verdict.HONOURED, "")
+
+
+_CORS_ORIGIN = (
+    "the whole Origin must match one listed (ingress-nginx's regex is anchored only "
+    "at its end, so a longer Origin ending in a listed one passes there)"
+)
 
 
 @_handles("ssl-passthrough")
@@ -1235,7 +1424,7 @@ def _match_and_rewrite(p: Plan, kind: str, value: str) -> tuple[RouteMatch, Rewr
                 RouteMatch(PathMatchType.PREFIX, prefix),
                 Rewrite(path_type=PathModifierType.PREFIX, path=replacement),
             )
-        rewrite = None  # capture groups beyond the prefix idiom: not honoured
+        rewrite = None  # capture groups: the route's rewrite_target (shape)
     elif target:
         rewrite = Rewrite(path_type=PathModifierType.FULL, path=target)
     if regex:
@@ -1250,16 +1439,22 @@ def refine(p: Plan) -> None:
     target = p.rewrite_target
     if not target or "$" not in target:
         return
-    exact = all(_PREFIX_IDIOM.fullmatch(value) and kind != "Exact" for kind, value in p.paths)
+    idiom = all(_PREFIX_IDIOM.fullmatch(value) and kind != "Exact" for kind, value in p.paths)
     for index, finding in enumerate(p.findings):
         if finding.annotation == "rewrite-target":
             p.findings[index] = dataclasses.replace(
                 finding,
-                verdict=Verdict.DIFFERENT if exact else Verdict.NOT_HONOURED,
+                verdict=Verdict.DIFFERENT,
                 note="a prefix replacement: the prefix is matched case-sensitively"
-                if exact
-                else "capture groups beyond the `PREFIX(/|$)(.*)` idiom are not honoured",
+                if idiom
+                else _CAPTURES,
             )
+
+
+_CAPTURES = (
+    "capture groups ($1..$9) from the path's regular expression matched against the "
+    "path as sent (nginx matches its percent-decoded, slash-merged $uri); the query is kept"
+)
 
 
 def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]:
@@ -1277,6 +1472,14 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             p.paths[route.rule_index] if route.rule_index < len(p.paths) else ("Prefix", "/")
         )
         match, path_rewrite = _match_and_rewrite(p, kind, value)
+        # Capture groups beyond the prefix idiom: the proxy expands them from its match.
+        captured = (
+            p.rewrite_target
+            if "$" in p.rewrite_target
+            and path_rewrite is None
+            and match.path_type is PathMatchType.REGEX
+            else ""
+        )
         rewrite = None
         if path_rewrite is not None or p.upstream_vhost:
             rewrite = Rewrite(
@@ -1288,7 +1491,11 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
         if route.listener_port == 80 and (
             p.force_ssl_redirect or (p.ssl_redirect and route.host in secured)
         ):
-            redirect = Redirect(scheme="https", status=p.redirect_code)
+            redirect = Redirect(
+                scheme="https",
+                status=p.redirect_code,
+                strip_trailing_slash=not p.preserve_trailing_slash,
+            )
         request = _modifier(p.request_set, [], p.request_remove)
         response = _modifier(p.response_set, p.response_add, p.response_remove)
         filters = None
@@ -1299,6 +1506,16 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
                 redirect=redirect,
                 rewrite=rewrite,
             )
+        sticky = p.sticky
+        # ingress-nginx's cookie Path: the location's path (a regex one: "/").
+        if (
+            not sticky.disable_cookies
+            and not sticky.cookie_path
+            and value != "/"
+            and match.path_type is not PathMatchType.REGEX
+            and kind != "ImplementationSpecific"
+        ):
+            sticky = dataclasses.replace(sticky, cookie_path=value)
         tls = route.tls
         if tls is not None and p.hsts is not None:
             tls = dataclasses.replace(tls, hsts=p.hsts)
@@ -1309,7 +1526,7 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             matches=(match,),
             filters=filters,
             tls=tls,
-            sticky=p.sticky,
+            sticky=sticky,
             balance=p.balance,
             timeouts=p.timeouts,
             upstream_protocol=p.upstream_protocol,
@@ -1319,6 +1536,13 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             access=p.access,
             rate_limit=p.rate_limit,
             external_auth=p.external_auth,
+            cors=p.cors,
+            max_request_body=p.max_request_body,
+            next_upstream=p.next_upstream,
+            next_upstream_tries=p.next_upstream_tries,
+            rewrite_target=captured,
+            default_backend=p.default_backend,
+            hash_by=p.hash_by,
         )
         if p.ssl_passthrough and route.listener_port == 443:
             continue  # the host's TLS is passed through, never terminated here

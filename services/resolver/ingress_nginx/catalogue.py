@@ -285,9 +285,8 @@ _LIMITED = (
 )
 _LIMIT_RATE = "throttling response bytes per connection: not yet"
 _WAF = "ModSecurity/OWASP CRS: Waygate has no web application firewall"
-_CORS = "CORS: the proxy does not answer preflights or add CORS headers yet"
+_CORS = "CORS headers on allowed origins' answers; preflights (OPTIONS) answered 204 by the proxy"
 _CANARY = "folded into the main Ingress's routes: backends by weight, the header first"
-_SESSION = "cookie attributes beyond name and SameSite: the proxy's cookie is a session cookie"
 
 ENTRIES: tuple[Entry, ...] = (
     # ------------------------------------------------------------ paths
@@ -305,8 +304,8 @@ ENTRIES: tuple[Entry, ...] = (
         D,
         "without capture groups: the whole path is "
         "replaced (nginx `rewrite ... break`); `P(/|$)(.*)` with `/$2` replaces the prefix; "
-        "other capture groups are not honoured",
-        lacks=True,
+        "other capture groups ($1..$9) are expanded from the path regex's match of the path "
+        "as sent (nginx matches its decoded $uri)",
     ),
     _e("app-root", path, D, "`/` redirects (302) to it; the request's query is kept"),
     _e("x-forwarded-prefix", header_value, H, "sent as the X-Forwarded-Prefix request header"),
@@ -314,9 +313,8 @@ ENTRIES: tuple[Entry, ...] = (
         "preserve-trailing-slash",
         boolean,
         H,
-        "the proxy's HTTPS redirect keeps the path as it "
-        "is: `true` is exact; `false` (nginx strips a trailing slash) is not honoured",
-        lacks=True,
+        "the HTTPS redirect keeps a trailing slash (`true`) or drops it (`false`, the "
+        "default), as ingress-nginx",
     ),
     _e("server-alias", hosts, H, "more host names served by the same routes"),
     _e("upstream-vhost", hosts, H, "the Host the backend sees"),
@@ -338,15 +336,14 @@ ENTRIES: tuple[Entry, ...] = (
     _e(
         "ssl-redirect",
         boolean,
-        D,
-        "HTTP requests for TLS hosts are answered 308 to HTTPS "
-        "(the default, as ingress-nginx); a trailing slash is kept",
+        H,
+        "HTTP requests for TLS hosts are answered 308 to HTTPS (the default, as ingress-nginx)",
     ),
     _e(
         "force-ssl-redirect",
         boolean,
-        D,
-        "308 to HTTPS also for hosts without TLS; a trailing slash is kept",
+        H,
+        "308 to HTTPS also for hosts without TLS",
     ),
     _e("from-to-www-redirect", boolean, H, "the other of www.HOST and HOST answers 308 to it"),
     _e(
@@ -468,12 +465,18 @@ ENTRIES: tuple[Entry, ...] = (
     ),
     _e("session-cookie-name", _matching(_HEADER, "a cookie name"), H),
     _e("session-cookie-samesite", one_of("None", "Lax", "Strict"), H),
-    _e("session-cookie-path", path, X, _SESSION, lacks=True),
-    _e("session-cookie-domain", hosts, X, _SESSION, lacks=True),
-    _e("session-cookie-expires", seconds, X, _SESSION, lacks=True),
-    _e("session-cookie-max-age", seconds, X, _SESSION, lacks=True),
-    _e("session-cookie-secure", boolean, X, _SESSION, lacks=True),
-    _e("session-cookie-conditional-samesite-none", boolean, X, _SESSION, lacks=True),
+    _e("session-cookie-path", path, H, "the sticky cookie's Path"),
+    _e("session-cookie-domain", hosts, H, "the sticky cookie's Domain"),
+    _e("session-cookie-expires", seconds, D, "sent as Max-Age (the same lifetime), not a date"),
+    _e("session-cookie-max-age", seconds, H, "the sticky cookie's Max-Age"),
+    _e("session-cookie-secure", boolean, H, "the sticky cookie's Secure"),
+    _e(
+        "session-cookie-conditional-samesite-none",
+        boolean,
+        D,
+        "SameSite=None is sent to every client (ingress-nginx leaves it out for user "
+        "agents known to reject it)",
+    ),
     _e(
         "session-cookie-change-on-failure",
         boolean,
@@ -491,10 +494,9 @@ ENTRIES: tuple[Entry, ...] = (
         "upstream-hash-by",
         _matching(re.compile(r"\$[a-z_]{1,64}"), "an nginx variable such as $remote_addr"),
         D,
-        "$remote_addr and $binary_remote_addr "
-        "hash the client address (the proxy's source balancing); other keys are not "
-        "honoured",
-        lacks=True,
+        "$remote_addr and $binary_remote_addr hash the client address, $request_uri, "
+        "$host, $http_*, $cookie_* and $arg_* their value (the proxy's source balancing: "
+        "consistent hashing with bounded loads); other variables are not honoured",
     ),
     _e("upstream-hash-by-subset", boolean, X, "hashing to a subset of endpoints", lacks=True),
     _e("upstream-hash-by-subset-size", integer, X, "hashing to a subset of endpoints", lacks=True),
@@ -541,10 +543,30 @@ ENTRIES: tuple[Entry, ...] = (
         "one inactivity timeout for the backend both ways (WebSocket connections too): "
         "the larger of read and send",
     ),
-    _e("proxy-next-upstream", plain, X, "retrying another endpoint after a failure", lacks=True),
-    _e("proxy-next-upstream-tries", integer, X, "retrying another endpoint", lacks=True),
-    _e("proxy-next-upstream-timeout", seconds, X, "retrying another endpoint", lacks=True),
-    _e("proxy-body-size", size, X, "a request body limit (413) per route", lacks=True),
+    _e(
+        "proxy-next-upstream",
+        plain,
+        D,
+        "`error` and `timeout`: another endpoint after a connect that failed or timed out, "
+        "nothing sent yet; a failure after the request was sent is answered 502 (nginx also "
+        "retries a failed send or response head), except that an idempotent request without "
+        "a body whose reused connection closed before answering is sent once more, `off` "
+        "too; http_* and invalid_header are not honoured (the backend's answer is relayed)",
+    ),
+    _e("proxy-next-upstream-tries", integer, H, "connects tried at most (1 to 100)"),
+    _e(
+        "proxy-next-upstream-timeout",
+        seconds,
+        X,
+        "a total time for the redispatches: bounded by -tries and the connect timeout instead",
+    ),
+    _e(
+        "proxy-body-size",
+        size,
+        H,
+        "a larger request body is answered 413 (Content-Length up front; a body "
+        "without one counted as it streams); `0`: no limit",
+    ),
     _e(
         "proxy-request-buffering",
         one_of("on", "off"),
@@ -622,13 +644,19 @@ ENTRIES: tuple[Entry, ...] = (
     _e("fastcgi-index", plain, X, "FastCGI backends"),
     _e("fastcgi-params-configmap", name, X, "FastCGI backends"),
     # ------------------------------------------------------------ responses
-    _e("enable-cors", boolean, X, _CORS, lacks=True),
-    _e("cors-allow-origin", origins, X, _CORS, lacks=True),
-    _e("cors-allow-methods", methods, X, _CORS, lacks=True),
-    _e("cors-allow-headers", headers, X, _CORS, lacks=True),
-    _e("cors-expose-headers", headers, X, _CORS, lacks=True),
-    _e("cors-allow-credentials", boolean, X, _CORS, lacks=True),
-    _e("cors-max-age", integer, X, _CORS, lacks=True),
+    _e("enable-cors", boolean, H, _CORS),
+    _e(
+        "cors-allow-origin",
+        origins,
+        D,
+        "the whole Origin must match a listed one, case-insensitively "
+        "(ingress-nginx anchors its regex only at the end)",
+    ),
+    _e("cors-allow-methods", methods, H, _CORS),
+    _e("cors-allow-headers", headers, H, _CORS),
+    _e("cors-expose-headers", headers, H, _CORS),
+    _e("cors-allow-credentials", boolean, H, _CORS),
+    _e("cors-max-age", integer, H, _CORS),
     _e(
         "custom-headers",
         name,
@@ -637,7 +665,13 @@ ENTRIES: tuple[Entry, ...] = (
         "missing ConfigMap or a bad header: not served (ingress-nginx answers 503)",
     ),
     _e("custom-http-errors", status_codes, X, "answers from an error backend", lacks=True),
-    _e("default-backend", name, X, "a fallback Service for errors and no endpoints", lacks=True),
+    _e(
+        "default-backend",
+        name,
+        D,
+        "the Service (its only port, or its first) takes the requests, as they are, when the Ingress's "
+        "Service has no ready endpoint; as custom-http-errors' error backend it is not used",
+    ),
     _e("disable-proxy-intercept-errors", boolean, N, "only meaningful with custom-http-errors"),
     _e(
         "enable-access-log",

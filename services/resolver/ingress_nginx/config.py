@@ -65,6 +65,7 @@ HONOURED_KEYS = frozenset(
         "limit-conn-status-code",
         # Global external authentication (checked against the annotations' grammars).
         *(f"global-auth-{key}" for key in GLOBAL_AUTH),
+        "proxy-body-size",
     )
 )
 #: nginx tuning with no meaning for a streaming proxy.

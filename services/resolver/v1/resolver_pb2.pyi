@@ -279,14 +279,22 @@ class HSTS(_message.Message):
     def __init__(self, max_age: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., include_subdomains: _Optional[bool] = ..., preload: _Optional[bool] = ...) -> None: ...
 
 class StickySessions(_message.Message):
-    __slots__ = ("disable_cookies", "cookie_name", "same_site")
+    __slots__ = ("disable_cookies", "cookie_name", "same_site", "cookie_path", "cookie_domain", "cookie_max_age", "cookie_secure")
     DISABLE_COOKIES_FIELD_NUMBER: _ClassVar[int]
     COOKIE_NAME_FIELD_NUMBER: _ClassVar[int]
     SAME_SITE_FIELD_NUMBER: _ClassVar[int]
+    COOKIE_PATH_FIELD_NUMBER: _ClassVar[int]
+    COOKIE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    COOKIE_MAX_AGE_FIELD_NUMBER: _ClassVar[int]
+    COOKIE_SECURE_FIELD_NUMBER: _ClassVar[int]
     disable_cookies: bool
     cookie_name: str
     same_site: SameSite
-    def __init__(self, disable_cookies: _Optional[bool] = ..., cookie_name: _Optional[str] = ..., same_site: _Optional[_Union[SameSite, str]] = ...) -> None: ...
+    cookie_path: str
+    cookie_domain: str
+    cookie_max_age: int
+    cookie_secure: bool
+    def __init__(self, disable_cookies: _Optional[bool] = ..., cookie_name: _Optional[str] = ..., same_site: _Optional[_Union[SameSite, str]] = ..., cookie_path: _Optional[str] = ..., cookie_domain: _Optional[str] = ..., cookie_max_age: _Optional[int] = ..., cookie_secure: _Optional[bool] = ...) -> None: ...
 
 class RouteTimeouts(_message.Message):
     __slots__ = ("connect", "client", "server", "http_request", "tunnel", "keep_alive")
@@ -305,7 +313,7 @@ class RouteTimeouts(_message.Message):
     def __init__(self, connect: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., client: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., server: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., http_request: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tunnel: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., keep_alive: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class Route(_message.Message):
-    __slots__ = ("namespace", "name", "host", "path", "backends", "target_port", "tls", "balance", "sticky", "timeouts", "auth_proxy_headers", "forwarded_headers", "upstream_protocol", "request_buffering", "status", "creation_timestamp", "matches", "filters", "request_timeout", "backend_request_timeout", "listener_port", "gateway", "origin", "rule_index", "listener_protocol", "access", "proxy_protocol_from_client", "proxy_protocol_to_backend", "rate_limit", "external_auth")
+    __slots__ = ("namespace", "name", "host", "path", "backends", "target_port", "tls", "balance", "sticky", "timeouts", "auth_proxy_headers", "forwarded_headers", "upstream_protocol", "request_buffering", "status", "creation_timestamp", "matches", "filters", "request_timeout", "backend_request_timeout", "listener_port", "gateway", "origin", "rule_index", "listener_protocol", "access", "proxy_protocol_from_client", "proxy_protocol_to_backend", "rate_limit", "external_auth", "cors", "max_request_body", "next_upstream", "next_upstream_tries", "rewrite_target", "default_backend", "hash_by")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -336,6 +344,13 @@ class Route(_message.Message):
     PROXY_PROTOCOL_TO_BACKEND_FIELD_NUMBER: _ClassVar[int]
     RATE_LIMIT_FIELD_NUMBER: _ClassVar[int]
     EXTERNAL_AUTH_FIELD_NUMBER: _ClassVar[int]
+    CORS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_BODY_FIELD_NUMBER: _ClassVar[int]
+    NEXT_UPSTREAM_FIELD_NUMBER: _ClassVar[int]
+    NEXT_UPSTREAM_TRIES_FIELD_NUMBER: _ClassVar[int]
+    REWRITE_TARGET_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    HASH_BY_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     name: str
     host: str
@@ -366,7 +381,14 @@ class Route(_message.Message):
     proxy_protocol_to_backend: bool
     rate_limit: RateLimit
     external_auth: ExternalAuth
-    def __init__(self, namespace: _Optional[str] = ..., name: _Optional[str] = ..., host: _Optional[str] = ..., path: _Optional[str] = ..., backends: _Optional[_Iterable[_Union[RouteBackend, _Mapping]]] = ..., target_port: _Optional[str] = ..., tls: _Optional[_Union[RouteTLS, _Mapping]] = ..., balance: _Optional[_Union[BalancePolicy, str]] = ..., sticky: _Optional[_Union[StickySessions, _Mapping]] = ..., timeouts: _Optional[_Union[RouteTimeouts, _Mapping]] = ..., auth_proxy_headers: _Optional[bool] = ..., forwarded_headers: _Optional[_Union[ForwardedHeadersMode, str]] = ..., upstream_protocol: _Optional[str] = ..., request_buffering: _Optional[bool] = ..., status: _Optional[_Union[RouteStatus, _Mapping]] = ..., creation_timestamp: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., matches: _Optional[_Iterable[_Union[RouteMatch, _Mapping]]] = ..., filters: _Optional[_Union[RouteFilters, _Mapping]] = ..., request_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., backend_request_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., listener_port: _Optional[int] = ..., gateway: _Optional[str] = ..., origin: _Optional[str] = ..., rule_index: _Optional[int] = ..., listener_protocol: _Optional[str] = ..., access: _Optional[_Union[RouteAccess, _Mapping]] = ..., proxy_protocol_from_client: _Optional[bool] = ..., proxy_protocol_to_backend: _Optional[bool] = ..., rate_limit: _Optional[_Union[RateLimit, _Mapping]] = ..., external_auth: _Optional[_Union[ExternalAuth, _Mapping]] = ...) -> None: ...
+    cors: RouteCors
+    max_request_body: int
+    next_upstream: str
+    next_upstream_tries: int
+    rewrite_target: str
+    default_backend: str
+    hash_by: str
+    def __init__(self, namespace: _Optional[str] = ..., name: _Optional[str] = ..., host: _Optional[str] = ..., path: _Optional[str] = ..., backends: _Optional[_Iterable[_Union[RouteBackend, _Mapping]]] = ..., target_port: _Optional[str] = ..., tls: _Optional[_Union[RouteTLS, _Mapping]] = ..., balance: _Optional[_Union[BalancePolicy, str]] = ..., sticky: _Optional[_Union[StickySessions, _Mapping]] = ..., timeouts: _Optional[_Union[RouteTimeouts, _Mapping]] = ..., auth_proxy_headers: _Optional[bool] = ..., forwarded_headers: _Optional[_Union[ForwardedHeadersMode, str]] = ..., upstream_protocol: _Optional[str] = ..., request_buffering: _Optional[bool] = ..., status: _Optional[_Union[RouteStatus, _Mapping]] = ..., creation_timestamp: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., matches: _Optional[_Iterable[_Union[RouteMatch, _Mapping]]] = ..., filters: _Optional[_Union[RouteFilters, _Mapping]] = ..., request_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., backend_request_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., listener_port: _Optional[int] = ..., gateway: _Optional[str] = ..., origin: _Optional[str] = ..., rule_index: _Optional[int] = ..., listener_protocol: _Optional[str] = ..., access: _Optional[_Union[RouteAccess, _Mapping]] = ..., proxy_protocol_from_client: _Optional[bool] = ..., proxy_protocol_to_backend: _Optional[bool] = ..., rate_limit: _Optional[_Union[RateLimit, _Mapping]] = ..., external_auth: _Optional[_Union[ExternalAuth, _Mapping]] = ..., cors: _Optional[_Union[RouteCors, _Mapping]] = ..., max_request_body: _Optional[int] = ..., next_upstream: _Optional[str] = ..., next_upstream_tries: _Optional[int] = ..., rewrite_target: _Optional[str] = ..., default_backend: _Optional[str] = ..., hash_by: _Optional[str] = ...) -> None: ...
 
 class RouteAccess(_message.Message):
     __slots__ = ("block", "deny", "allow", "block_user_agents", "block_referers", "trusted_proxies", "auth_type", "auth_realm", "credentials", "satisfy_any")
@@ -439,6 +461,22 @@ class RateLimit(_message.Message):
     request_status: int
     connection_status: int
     def __init__(self, rps: _Optional[int] = ..., rpm: _Optional[int] = ..., burst_multiplier: _Optional[int] = ..., connections: _Optional[int] = ..., allow: _Optional[_Iterable[str]] = ..., request_status: _Optional[int] = ..., connection_status: _Optional[int] = ...) -> None: ...
+
+class RouteCors(_message.Message):
+    __slots__ = ("allow_origins", "allow_methods", "allow_headers", "expose_headers", "allow_credentials", "max_age")
+    ALLOW_ORIGINS_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_METHODS_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_HEADERS_FIELD_NUMBER: _ClassVar[int]
+    EXPOSE_HEADERS_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_CREDENTIALS_FIELD_NUMBER: _ClassVar[int]
+    MAX_AGE_FIELD_NUMBER: _ClassVar[int]
+    allow_origins: _containers.RepeatedScalarFieldContainer[str]
+    allow_methods: str
+    allow_headers: str
+    expose_headers: str
+    allow_credentials: bool
+    max_age: int
+    def __init__(self, allow_origins: _Optional[_Iterable[str]] = ..., allow_methods: _Optional[str] = ..., allow_headers: _Optional[str] = ..., expose_headers: _Optional[str] = ..., allow_credentials: _Optional[bool] = ..., max_age: _Optional[int] = ...) -> None: ...
 
 class RouteCondition(_message.Message):
     __slots__ = ("type", "status", "reason", "message", "last_transition_time", "observed_generation")
@@ -529,20 +567,22 @@ class RouteHeaderModifier(_message.Message):
     def __init__(self, set: _Optional[_Iterable[_Union[RouteHeader, _Mapping]]] = ..., add: _Optional[_Iterable[_Union[RouteHeader, _Mapping]]] = ..., remove: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RouteRedirect(_message.Message):
-    __slots__ = ("scheme", "hostname", "port", "path_type", "path", "status_code")
+    __slots__ = ("scheme", "hostname", "port", "path_type", "path", "status_code", "strip_trailing_slash")
     SCHEME_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     PATH_TYPE_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
+    STRIP_TRAILING_SLASH_FIELD_NUMBER: _ClassVar[int]
     scheme: str
     hostname: str
     port: int
     path_type: PathModifierType
     path: str
     status_code: int
-    def __init__(self, scheme: _Optional[str] = ..., hostname: _Optional[str] = ..., port: _Optional[int] = ..., path_type: _Optional[_Union[PathModifierType, str]] = ..., path: _Optional[str] = ..., status_code: _Optional[int] = ...) -> None: ...
+    strip_trailing_slash: bool
+    def __init__(self, scheme: _Optional[str] = ..., hostname: _Optional[str] = ..., port: _Optional[int] = ..., path_type: _Optional[_Union[PathModifierType, str]] = ..., path: _Optional[str] = ..., status_code: _Optional[int] = ..., strip_trailing_slash: _Optional[bool] = ...) -> None: ...
 
 class RouteRewrite(_message.Message):
     __slots__ = ("hostname", "path_type", "path")

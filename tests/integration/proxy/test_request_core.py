@@ -33,17 +33,21 @@ from waygate.proxy import ratelimit
 from waygate.proxy.routing import Defaults, Target, build_table
 from waygate.proxy.upstream import Dialer, tcp_connect
 from waygate.resolver.model import (
+    BalancePolicy,
+    Cors,
     Endpoint,
     EndpointPort,
     ExternalAuth,
     InsecureEdgePolicy,
     Mirror,
+    PathMatchType,
     RateLimit,
     Redirect,
     Route,
     RouteAccess,
     RouteBackend,
     RouteFilters,
+    RouteMatch,
     RouteTLS,
     Service,
     ServicePort,
@@ -133,13 +137,18 @@ def built(routes: list[Route], endpoints: list[Endpoint], **kw: Any) -> Any:
 
 
 async def ask(
-    client: str, port: int, path: str = "/", headers: list[tuple[str, str]] | None = None
+    client: str,
+    port: int,
+    path: str = "/",
+    headers: list[tuple[str, str]] | None = None,
+    method: str = "GET",
 ) -> Answer:
-    """One GET from a client of that protocol (a new connection each time)."""
+    """One request (a GET unless `method`) from a client of that protocol (a new
+    connection each time)."""
     if client == "h2c":
         h2 = await H2Client.connect(port)
         try:
-            response = await h2.request("GET", path, HOST, headers)
+            response = await h2.request(method, path, HOST, headers)
         finally:
             await h2.close()
         return Answer(
@@ -150,8 +159,13 @@ async def ask(
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     extra = "".join(f"{k}: {v}\r\n" for k, v in headers or [])
     writer.write(
-        f"GET {path} HTTP/1.1\r\nHost: {HOST}\r\n{extra}Connection: close\r\n\r\n".encode()
+        f"{method} {path} HTTP/1.1\r\nHost: {HOST}\r\n{extra}Connection: close\r\n\r\n".encode()
     )
+    return await _h1_answer(reader, writer)
+
+
+async def _h1_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Answer:
+    """The answer an HTTP/1.1 client reads to the end (the proxy closes)."""
     data = await asyncio.wait_for(reader.read(-1), 10)
     writer.close()
     head, _, body = data.partition(b"\r\n\r\n")
@@ -710,6 +724,95 @@ async def test_external_auth_lets_a_2xx_through_with_its_headers(backends, auth,
     assert auth.open == 0
 
 
+# ---------------------------------------------------------------- ingress-nginx responses
+
+
+@pytest.mark.parametrize(("client", "backend"), PAIRS)
+async def test_cors_preflight_is_answered_and_answers_carry_the_headers(backends, client, backend):
+    cors = Cors(allow_origins=("https://*.example.com", "https://app.test:8443"), max_age=60)
+    table = built([core_route(backend, cors=cors)], [backends.endpoint()])
+    origin = [("Origin", "https://a.example.com")]
+    async with running_proxy(table) as (server, port):
+        preflight = await ask(client, port, "/api", origin, method="OPTIONS")
+        allowed = await ask(client, port, "/api", origin)
+        other = await ask(client, port, "/api", [("Origin", "https://evil.test")])
+        suffix = await ask(
+            client, port, "/api", [("Origin", "https://evil.test/https://a.example.com")]
+        )
+        passed = await ask(client, port, "/api", [("Origin", "https://evil.test")], "OPTIONS")
+    assert preflight.status == 204
+    assert preflight.headers["access-control-allow-origin"] == "https://a.example.com"
+    assert preflight.headers["access-control-max-age"] == "60"
+    assert preflight.headers["access-control-allow-credentials"] == "true"
+    assert preflight.headers["content-type"] == "text/plain charset=UTF-8"
+    assert allowed.status == 200
+    assert allowed.headers["access-control-allow-origin"] == "https://a.example.com"
+    assert "GET, PUT, POST" in allowed.headers["access-control-allow-methods"]
+    for refused in (other, suffix):
+        assert refused.status == 200 and "access-control-allow-origin" not in refused.headers
+    # Not an allowed origin: the OPTIONS is the backend's (the preflight and one
+    # GET answered here or with headers; three requests reached it).
+    assert passed.status == 200
+    assert backends.requests(backend) == 4
+    assert server.metrics.requests[("demo/core", b"OPTIONS", 2)] == 2
+
+
+@pytest.mark.parametrize(("client", "backend"), PAIRS)
+async def test_cors_any_origin_answers_every_preflight(backends, client, backend):
+    cors = Cors(allow_credentials=False, expose_headers="X-Total")
+    table = built([core_route(backend, cors=cors)], [backends.endpoint()])
+    async with running_proxy(table) as (_, port):
+        preflight = await ask(client, port, "/", method="OPTIONS")
+        answer = await ask(client, port, "/")
+    assert preflight.status == 204 and preflight.headers["access-control-allow-origin"] == "*"
+    assert "access-control-allow-credentials" not in answer.headers
+    assert answer.headers["access-control-allow-origin"] == "*"
+    assert answer.headers["access-control-expose-headers"] == "X-Total"
+    assert backends.requests(backend) == 1
+
+
+async def post(client: str, port: int, body: bytes, *, length: bool) -> Answer:
+    """One POST of `body`, with a Content-Length (`length`) or without one (HTTP/1.1
+    chunked in 400-byte chunks; HTTP/2 DATA without content-length)."""
+    if client == "h2c":
+        h2 = await H2Client.connect(port)
+        try:
+            headers = [("content-length", str(len(body)))] if length else []
+            response = await h2.request("POST", "/up", HOST, headers, body)
+        finally:
+            await h2.close()
+        return Answer(
+            response.status, {k.decode(): v.decode() for k, v in response.headers}, response.body
+        )
+    if length:
+        framed = b"Content-Length: %d\r\n\r\n" % len(body) + body
+    else:
+        pieces = [body[i : i + 400] for i in range(0, len(body), 400)]
+        framed = b"Transfer-Encoding: chunked\r\n\r\n"
+        framed += b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"POST /up HTTP/1.1\r\nHost: {HOST}\r\nConnection: close\r\n".encode() + framed)
+    with contextlib.suppress(ConnectionError):
+        await writer.drain()
+    return await _h1_answer(reader, writer)
+
+
+@pytest.mark.parametrize(("client", "backend"), PAIRS)
+@pytest.mark.parametrize("length", [True, False], ids=["content-length", "streamed"])
+async def test_proxy_body_size_answers_413(backends, client, backend, length):
+    table = built([core_route(backend, max_request_body=2000)], [backends.endpoint()])
+    async with running_proxy(table) as (server, port):
+        small = await post(client, port, b"s" * 2000, length=length)
+        large = await post(client, port, b"L" * 4800, length=length)
+    assert small.status == 200
+    assert large.status == 413
+    assert "larger than 2000 bytes" in large.headers["x-waygate-error"]
+    if length:  # refused up front: the backend never asked
+        assert backends.requests(backend) == 1
+    assert server.metrics.refused["body_too_large"] == 1
+    assert server.metrics.requests[("demo/core", b"POST", 4)] == 1
+
+
 @pytest.mark.parametrize(("client", "backend"), PAIRS)
 @pytest.mark.parametrize(
     ("credential", "status"),
@@ -837,3 +940,100 @@ async def test_external_auth_answers_are_cached_by_key_and_status(backends, auth
         assert (await ask(client, port, "/c", forbidden)).status == 403
     assert statuses == [200, 200, 200]
     assert len(auth.requests) == 3
+
+
+@pytest.mark.parametrize(("client", "backend"), PAIRS)
+@pytest.mark.parametrize(
+    ("next_upstream", "redispatched"), [("error", True), ("timeout", False), ("off", False)]
+)
+async def test_proxy_next_upstream_says_which_failed_connects_redispatch(
+    backends, client, backend, next_upstream, redispatched
+):
+    # A refused connect is nginx's `error`, never its `timeout`.
+    dead = await _dead_port()
+    dead_endpoint = Endpoint(
+        namespace="other",
+        service="svc",
+        address="127.0.0.2",
+        ports=(EndpointPort("http", dead), EndpointPort("h2", dead)),
+    )
+    route = core_route(backend, next_upstream=next_upstream)
+    table = built([route], [dead_endpoint, backends.endpoint()])
+    async with running_proxy(table) as (server, port):
+        answers = [await ask(client, port, f"/{i}") for i in range(4)]
+    statuses = [a.status for a in answers]
+    if redispatched:
+        assert statuses == [200] * 4 and server.metrics.redispatches >= 1
+    else:
+        assert 502 in statuses and server.metrics.redispatches == 0
+
+
+@pytest.mark.parametrize(("client", "backend"), PAIRS)
+async def test_capture_group_rewrite_target(backends, client, backend):
+    # ingress-nginx rewrite-target `/$2/$1` on the regex path `/api/(v[0-9]+)/(.*)`.
+    match = RouteMatch(PathMatchType.REGEX, "(?i)(?:/api/(v[0-9]+)/(.*)).*")
+    route = core_route(backend, matches=(match,), rewrite_target="/$2/$1")
+    table = built([route], [backends.endpoint()])
+    async with running_proxy(table) as (_, port):
+        answer = await ask(client, port, "/API/v2/users/7?x=1")
+    assert answer.status == 200
+    if backend == "h2c":
+        assert answer.body == b"/users/7/v2?x=1"
+    else:
+        assert backends.h1.requests[-1]["target"] == "/users/7/v2?x=1"
+
+
+@pytest.mark.parametrize(("client", "backend"), PAIRS)
+async def test_default_backend_takes_what_no_endpoint_can(backends, client, backend):
+    # ingress-nginx default-backend: the Service (its first port) of the route's
+    # namespace, when the route's own Service has no ready endpoint.
+    first = (
+        ServicePort("grpc", 81, "h2", app_protocol="kubernetes.io/h2c")
+        if backend == "h2c"
+        else ServicePort("http", 80, "http")
+    )
+    fallback = Service(namespace="other", name="fallback", ports=(first,))
+    endpoint = Endpoint(
+        namespace="other",
+        service="fallback",
+        address="127.0.0.1",
+        ports=(
+            EndpointPort("h2", backends.h2.port)
+            if backend == "h2c"
+            else EndpointPort("http", backends.h1.port),
+        ),
+    )
+    route = Route(
+        namespace="other",
+        name="core",
+        host=HOST,
+        backends=(RouteBackend(service="gone", weight=1),),
+        default_backend="fallback",
+    )
+    table = build_table(
+        {route.key: route},
+        {fallback.key: (endpoint,)},
+        {fallback.key: fallback},
+        defaults=Defaults(),
+        cookie_key=b"k" * 32,
+    )
+    async with running_proxy(table) as (server, port):
+        answer = await ask(client, port, "/fell?x=1")
+    assert answer.status == 200
+    assert backends.requests(backend) == 1
+    if backend == "h2c":
+        assert answer.body == b"/fell?x=1"
+    else:
+        assert backends.h1.requests[-1]["target"] == "/fell?x=1"
+    assert server.metrics.requests[("other/core", b"GET", 2)] == 1
+
+
+@pytest.mark.parametrize(("client", "backend"), PAIRS)
+async def test_upstream_hash_by_a_header(backends, client, backend):
+    route = core_route(backend, balance=BalancePolicy.SOURCE, hash_by="$http_x_user")
+    # (The same key's endpoint, whichever it is: tests/unit/proxy/test_hashkey.py.)
+    async with running_proxy(built([route], [backends.endpoint()])) as (server, port):
+        answers = [await ask(client, port, "/h", [("X-User", str(i % 2))]) for i in range(4)]
+    assert [a.status for a in answers] == [200] * 4
+    assert backends.requests(backend) == 4
+    assert server.metrics.requests[("demo/core", b"GET", 2)] == 4

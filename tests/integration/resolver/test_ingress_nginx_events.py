@@ -67,7 +67,7 @@ async def test_events_say_why_an_ingress_is_not_served_and_follow_changes(kubeap
     load(
         store,
         ingress("guarded", {P + "enable-modsecurity": "true"}),
-        ingress("cors", {P + "enable-cors": "true"}),
+        ingress("errors", {P + "custom-http-errors": "404,503"}),
         ingress("plain", {P + "load-balance": "ewma"}),
     )
     client = Client(k8s.ApiClient(kubeapi.configuration()), timeout=5)
@@ -79,7 +79,10 @@ async def test_events_say_why_an_ingress_is_not_served_and_follow_changes(kubeap
     assert (guarded["type"], guarded["reason"]) == ("Warning", "UnsupportedAnnotation")
     assert "enable-modsecurity" in guarded["message"]
     assert guarded["involvedObject"]["kind"] == "Ingress"
-    assert (found["cors"]["type"], found["cors"]["reason"]) == ("Warning", "AnnotationNotHonoured")
+    assert (found["errors"]["type"], found["errors"]["reason"]) == (
+        "Warning",
+        "AnnotationNotHonoured",
+    )
     assert found["plain"]["reason"] == "AnnotationsHonoured"
     # Nothing changed: nothing posted again.
     assert await writer.write_pass() == 0
@@ -87,14 +90,14 @@ async def test_events_say_why_an_ingress_is_not_served_and_follow_changes(kubeap
     load(
         store,
         ingress("guarded", {}),
-        ingress("cors", {P + "enable-cors": "true"}),
+        ingress("errors", {P + "custom-http-errors": "404,503"}),
         ingress("plain", {P + "load-balance": "ewma"}),
     )
     assert await writer.write_pass() == 0  # "guarded" has no verdict left to report
     load(
         store,
         ingress("guarded", {P + "auth-url": "http://example.com/#;\ninjection_point"}),
-        ingress("cors", {P + "enable-cors": "true"}),
+        ingress("errors", {P + "custom-http-errors": "404,503"}),
         ingress("plain", {P + "load-balance": "ewma"}),
     )
     assert await writer.write_pass() == 1

@@ -364,10 +364,15 @@ def test_a_refused_route_is_not_admitted_by_the_status_book():
 
 
 def test_non_access_annotation_not_honoured_is_served_and_reported():
-    [route] = routes_of(ingress("cors", {P + "enable-cors": "true", P + "proxy-body-size": "8m"}))
+    [route] = routes_of(
+        ingress("otel", {P + "fastcgi-index": "index.php", P + "opentelemetry-operation-name": "x"})
+    )
     assert route.ingress_refusal is None
-    assert any(line.startswith("enable-cors: not-honoured") for line in route.ingress_verdicts)
-    assert any(line.startswith("proxy-body-size: not-honoured") for line in route.ingress_verdicts)
+    assert any(line.startswith("fastcgi-index: not-honoured") for line in route.ingress_verdicts)
+    assert any(
+        line.startswith("opentelemetry-operation-name: not-honoured")
+        for line in route.ingress_verdicts
+    )
 
 
 def canary_ingress(name: str, annotations: dict[str, str], path: str = "/") -> dict[str, Any]:
@@ -627,8 +632,8 @@ def test_every_grammar_refuses_configuration_syntax(entry):
 
 def test_the_proxy_lacks_list_is_what_the_catalogue_says():
     lacks = catalogue.proxy_lacks()
-    assert "enable-cors" in lacks and "auth-tls-secret" in lacks
-    assert "whitelist-source-range" not in lacks
+    assert "auth-tls-secret" in lacks and "opentelemetry-operation-name" in lacks
+    assert "whitelist-source-range" not in lacks and "enable-cors" not in lacks
     assert "use-regex" not in lacks
 
 
@@ -871,13 +876,29 @@ def test_configmap_keys_not_honoured_are_reported_on_every_route():
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {"name": "c", "namespace": "ingress-nginx"},
-        "data": {"proxy-body-size": "16m", "worker-processes": "auto", "hsts": "true"},
+        "data": {"enable-brotli": "true", "worker-processes": "auto", "hsts": "true"},
     }
     settings = IngressNginx(configmap=("ingress-nginx", "c"))
     [route] = routes_of(config, ingress("a"), settings=settings)
-    assert route.ingress_verdicts == (
-        "ConfigMap ingress-nginx/c key proxy-body-size: not-honoured",
-    )
+    assert route.ingress_verdicts == ("ConfigMap ingress-nginx/c key enable-brotli: not-honoured",)
+
+
+def test_proxy_body_size_from_the_annotation_or_the_configmap_default():
+    config = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "c", "namespace": "ingress-nginx"},
+        "data": {"proxy-body-size": "16m"},
+    }
+    settings = IngressNginx(configmap=("ingress-nginx", "c"))
+    [route] = routes_of(config, ingress("a"), settings=settings)
+    assert route.max_request_body == 16 * 1024**2 and route.ingress_verdicts == ()
+    [default] = routes_of(ingress("b"))
+    assert default.max_request_body == 1024**2  # ingress-nginx's 1m
+    [own] = routes_of(ingress("c", {P + "proxy-body-size": "8k"}))
+    assert own.max_request_body == 8192 and own.ingress_verdicts == ()
+    [unlimited] = routes_of(ingress("d", {P + "proxy-body-size": "0"}))
+    assert unlimited.max_request_body == 0
 
 
 def test_affinity_mode_persistent_is_exact_balanced_a_difference():
@@ -1081,3 +1102,110 @@ def test_global_auth_that_cannot_be_honoured_serves_nothing(data):
     [route] = _global(data, ingress("plain"))
     assert route.ingress_refusal is not None
     assert route.ingress_refusal[0] == "UnsupportedConfiguration"
+
+
+def test_cors_annotations_become_the_routes_cors():
+    annotations = {
+        P + "enable-cors": "true",
+        P + "cors-allow-origin": "https://a.test, https://*.b.test",
+        P + "cors-allow-methods": "POST, GET",
+        P + "cors-allow-credentials": "false",
+        P + "cors-max-age": "60",
+        P + "cors-expose-headers": "X-A",
+    }
+    [route] = routes_of(ingress("cors", annotations))
+    assert route.ingress_refusal is None and route.cors is not None
+    assert route.cors.allow_origins == ("https://a.test", "https://*.b.test")
+    assert (route.cors.allow_methods, route.cors.allow_credentials) == ("POST, GET", False)
+    assert (route.cors.max_age, route.cors.expose_headers) == (60, "X-A")
+    assert "Authorization" in route.cors.allow_headers  # ingress-nginx's default list
+    # Listed origins: the one difference (the whole Origin must match).
+    assert [line.split(":")[0] for line in route.ingress_verdicts] == ["cors-allow-origin"]
+    [plain] = routes_of(ingress("plain", {P + "enable-cors": "true"}))
+    assert plain.cors is not None and plain.cors.allow_origins == ("*",)
+    assert plain.ingress_verdicts == ()
+    [off] = routes_of(ingress("off", {P + "enable-cors": "false"}))
+    assert off.cors is None
+
+
+def test_a_cors_route_survives_the_proto():
+    from waygate.resolver import convert
+
+    [route] = routes_of(ingress("cors", {P + "enable-cors": "true", P + "cors-max-age": "5"}))
+    again = convert.route_from_proto(convert.route_to_proto(route))
+    assert again.cors == route.cors and again.max_request_body == route.max_request_body
+
+
+def test_proxy_next_upstream_becomes_the_routes_redispatch_rule():
+    [route] = routes_of(
+        ingress(
+            "next",
+            {
+                P + "proxy-next-upstream": "error timeout http_502",
+                P + "proxy-next-upstream-tries": "5",
+                P + "proxy-next-upstream-timeout": "0",
+            },
+        )
+    )
+    assert (route.next_upstream, route.next_upstream_tries) == ("error timeout", 5)
+    lines = dict(line.split(": ", 1) for line in route.ingress_verdicts)
+    assert lines["proxy-next-upstream"].startswith("not-honoured (http_502")
+    assert "proxy-next-upstream-tries" not in lines
+    assert "proxy-next-upstream-timeout" not in lines  # 0: ingress-nginx's default
+    [off] = routes_of(ingress("off", {P + "proxy-next-upstream": "off"}))
+    assert off.next_upstream == "off"
+    [timed] = routes_of(ingress("t", {P + "proxy-next-upstream-timeout": "10"}))
+    assert any(
+        v.startswith("proxy-next-upstream-timeout: not-honoured") for v in timed.ingress_verdicts
+    )
+
+
+def test_session_cookie_attributes_go_onto_the_sticky_cookie():
+    annotations = {
+        P + "affinity": "cookie",
+        P + "session-cookie-path": "/app",
+        P + "session-cookie-domain": "example.com",
+        P + "session-cookie-expires": "100",
+        P + "session-cookie-secure": "true",
+    }
+    [route] = routes_of(ingress("cookie", annotations))
+    sticky = route.sticky
+    assert (sticky.cookie_path, sticky.cookie_domain) == ("/app", "example.com")
+    assert (sticky.cookie_max_age, sticky.cookie_secure) == (100, True)
+    lines = dict(line.split(": ", 1) for line in route.ingress_verdicts)
+    assert lines["session-cookie-expires"].startswith("honoured-with-difference")
+    assert "session-cookie-path" not in lines and "session-cookie-secure" not in lines
+    [located] = routes_of(ingress("loc", {P + "affinity": "cookie"}, path="/shop"))
+    assert located.sticky.cookie_path == "/shop"  # ingress-nginx: the location's path
+
+
+def test_the_proxy_cookie_line_carries_the_attributes():
+    from waygate.proxy.routing import Defaults, _route_options
+    from waygate.resolver.model import StickySessions
+
+    route = Route(
+        namespace="d",
+        name="r",
+        host="a.test",
+        sticky=StickySessions(
+            cookie_name="S",
+            cookie_path="/app",
+            cookie_domain="example.com",
+            cookie_max_age=60,
+            cookie_secure=True,
+        ),
+    )
+    attributes = _route_options(route, Defaults()).cookie_attributes
+    assert attributes == (
+        b"; Path=/app; HttpOnly; SameSite=Lax; Domain=example.com; Max-Age=60; Secure"
+    )
+
+
+def test_upstream_hash_by_a_request_variable():
+    [route] = routes_of(ingress("h", {P + "upstream-hash-by": "$request_uri"}))
+    assert (route.balance.value, route.hash_by) == ("source", "$request_uri")
+    assert route.ingress_verdicts[0].startswith("upstream-hash-by: honoured-with-difference")
+    [other] = routes_of(ingress("o", {P + "upstream-hash-by": "$request_time"}))
+    assert other.hash_by == "" and other.ingress_verdicts[0].startswith(
+        "upstream-hash-by: not-honoured"
+    )
