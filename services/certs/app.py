@@ -185,6 +185,14 @@ class Settings(GrpcServerSettings):
         parse=parse_duration,
         check=_non_negative,
     )
+    leaf_bound_step: float = setting(
+        3600.0,
+        help="the latest leaf expiry per CA is stored this far ahead of the truth (one "
+        "store write per step, not per leaf); with replicas, an old CA retires no sooner "
+        "than this after its last leaf",
+        parse=parse_duration,
+        check=positive,
+    )
     bundle_file: Path | None = setting(
         None, help="write the trust bundle PEM here (0644), rewritten on every change"
     )
@@ -375,6 +383,7 @@ class Settings(GrpcServerSettings):
             propagation_delay=timedelta(seconds=self.propagation_delay),
             consumer_ttl=timedelta(seconds=self.consumer_ttl),
             consumer_settle=timedelta(seconds=self.consumer_settle),
+            leaf_bound_step=timedelta(seconds=self.leaf_bound_step),
             max_sans=self.max_sans_per_csr,
             issued_records=self.issued_records,
             issued_records_bytes=self.issued_records_bytes,
