@@ -31,6 +31,7 @@ from tests.support.pki import LocalCA
 from tests.support.poll import until
 from tests.support.processes import RunningService, resolver_serve_argv, run_cli, start_service
 from tests.support.proxyharness import read_response
+from tests.system.test_proxy_system import start_proxy
 from waygate.core.tls import server_context
 
 pytestmark = pytest.mark.system
@@ -115,28 +116,9 @@ async def stack(
     routes_file.write_text(routes(ca, backends))
     resolver = await start_service(resolver_serve_argv(routes_file))
     try:
-        proxy = await start_service(
-            [
-                "waygate",
-                "proxy",
-                "serve",
-                "--http-port",
-                "0",
-                "--https-port",
-                "0",
-                "--admin-port",
-                "0",
-                "--resolver-address",
-                resolver.grpc_address,
-                "--shutdown-grace",
-                "2s",
-            ]
-        )
+        proxy, http_port = await start_proxy(resolver.grpc_address)
         try:
-            entry = next(
-                e for e in proxy.logs if e.get("msg") == "proxy listening" and "http_port" in e
-            )
-            yield resolver, proxy, int(entry["http_port"])
+            yield resolver, proxy, http_port
         finally:
             await proxy.stop()
     finally:
