@@ -549,6 +549,14 @@ class Checker:
                 )
         if routes and not bad:
             self.add(OK, f"all {len(routes)} routes admitted, their services resolved")
+        for route in routes:
+            if route.listener_protocol == "TCP" and route_problem(route)[0] in ("Admitted", "-"):
+                backend = route.backends[0]
+                self.add(
+                    OK,
+                    f"TCP service port {route.listener_port}: {backend.namespace}/"
+                    f"{backend.service}:{backend.port} ({route.origin})",
+                )
         synced, tunnels, endpoints = first
         if synced is None:
             self.add(FAILED, "resolver view never synced", "its source has not loaded yet")
@@ -780,6 +788,8 @@ def _route_hint(reason: str) -> str:
         "InvalidAnnotation": "an annotation value outside its grammar: fix the Ingress",
         "InvalidPath": "a path outside its pathType (regular expressions need use-regex)",
         "SnippetsNotAllowed": "the controller ConfigMap does not allow snippets",
+        "InvalidTCPService": 'fix the TCP services ConfigMap entry: "PORT": '
+        '"NAMESPACE/SERVICE:PORT[:PROXY][:PROXY]"',
         "NotHonoured": "served; `waygate ingress-nginx check` lists what is not honoured",
         "NotMTLS": "run the resolver with TLS and client certificates (as `waygate up` does), "
         "and the proxy with a certificate whose identity is in --route-readers",

@@ -1,8 +1,13 @@
-"""Run issue 31's HTTP/2 attacks against a real proxy, timed by a bystander.
+"""Run issue 31's attacks against a real proxy, timed by a bystander.
 
-    python -m bench.attacks [--seconds 30] [--kinds open-window,tiny-data,settings-flood]
+    python -m bench.attacks [--seconds 30] [--kinds open-window,tiny-data,settings-flood,slow-upload]
                             [--proxy-flags "--h2-control-frames 1000"]
     python -m bench.attacks attack KIND --port P [--seconds S] [--connections N]
+
+slow-upload (finding 9: 300 POSTs declaring 10 MB, a byte every 5 s, reopened
+when cut) is timed by a bystander POSTing to the same backend
+(`bench.attacks.slowupload`); run it with the demo's slots, e.g.
+`--kinds slow-upload --proxy-flags "--max-connections-per-endpoint 256"`.
 
 The first form starts a stack (bench.attacks.stack) and, for each attack,
 reports the bystander's success rate, p50 and p99 during it, the proxy's CPU
@@ -22,15 +27,24 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from bench.attacks import slowupload
 from bench.attacks.stack import AUTHORITY, BYSTANDER, ProcessFigures, proxy_stack, run_attack
 from tests.support import h2attack
 
-KINDS = ("open-window", "tiny-data", "settings-flood")
+KINDS = ("open-window", "tiny-data", "settings-flood", "slow-upload")
 # The attacks' shapes as the audit measured them: connections at once.
-CONNECTIONS = {"open-window": 4, "tiny-data": 1, "settings-flood": 8}
+CONNECTIONS = {"open-window": 4, "tiny-data": 1, "settings-flood": 8, "slow-upload": 300}
 
 
-async def attack(kind: str, port: int, seconds: float, connections: int, size: int) -> None:
+async def attack(
+    kind: str,
+    port: int,
+    seconds: float,
+    connections: int,
+    size: int,
+    interval: float = 5.0,
+    declared: int = 10_000_000,
+) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
     authority = AUTHORITY.encode()
@@ -39,6 +53,8 @@ async def attack(kind: str, port: int, seconds: float, connections: int, size: i
         runs = [
             h2attack.open_window_hog(port, authority, path, deadline) for _ in range(connections)
         ]
+    elif kind == "slow-upload":
+        runs = [slowupload.slow_uploads(port, authority, deadline, connections, interval, declared)]
     elif kind == "tiny-data":
         runs = [h2attack.tiny_data(port, authority, deadline) for _ in range(connections)]
     else:
@@ -58,7 +74,11 @@ async def measured(
     """One attack against the stack's proxy, with the bystander timing it."""
     figures = ProcessFigures(pid)
     cpu_before = figures.cpu_seconds()
-    bystander = h2attack.Bystander(port, BYSTANDER)
+    bystander: Any = (
+        slowupload.PostBystander(port, AUTHORITY)  # the attacked backend's own clients
+        if kind == "slow-upload"
+        else h2attack.Bystander(port, BYSTANDER)
+    )
     async with figures.peak_rss() as rss:
         attacker, _ = await asyncio.gather(
             run_attack(kind, port, seconds, connections), bystander.run(seconds)
@@ -96,6 +116,8 @@ def main(argv: list[str]) -> int:
     one.add_argument("--seconds", type=float, default=10)
     one.add_argument("--connections", type=int, default=1)
     one.add_argument("--size", type=int, default=512 * 1024 * 1024, help="open-window body bytes")
+    one.add_argument("--interval", type=float, default=5.0, help="slow-upload: s between bytes")
+    one.add_argument("--declared", type=int, default=10_000_000, help="slow-upload: body bytes")
     parser.add_argument("--seconds", type=float, default=30)
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument(
@@ -103,7 +125,17 @@ def main(argv: list[str]) -> int:
     )
     args = parser.parse_args(argv)
     if args.command == "attack":
-        asyncio.run(attack(args.kind, args.port, args.seconds, args.connections, args.size))
+        asyncio.run(
+            attack(
+                args.kind,
+                args.port,
+                args.seconds,
+                args.connections,
+                args.size,
+                args.interval,
+                args.declared,
+            )
+        )
         return 0
     kinds = [k for k in args.kinds.split(",") if k]
     unknown = sorted(set(kinds) - set(KINDS))

@@ -3,7 +3,10 @@
     python -m bench.attacks.backend     # prints its port, serves until stdin closes
 
 - `GET /big?n=N`: N bytes (a large body a hostile client asks for and never reads);
-- `POST ...`: answered at once (200, `Connection: close`); whatever body follows
+- `POST /upload` with a Content-Length: answered once its whole body is read, as an
+  application does (the slow-upload attack's backend: a trickled body holds its
+  connection);
+- any other `POST`: answered at once (200, `Connection: close`); whatever body follows
   is read and dropped until the proxy closes (a body that never ends);
 - anything else: a short 200 (the bystander's requests).
 
@@ -34,6 +37,7 @@ class Backend(asyncio.Protocol):
         self.sink = False  # a POST was answered: what follows is dropped
         self.big = 0  # body bytes still to send
         self.paused = False
+        self.upload = 0  # /upload body bytes still to read before answering
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
@@ -44,6 +48,14 @@ class Backend(asyncio.Protocol):
             return
         self.buffer += data
         while not self.sink and self.big == 0:
+            if self.upload:
+                taken = min(self.upload, len(self.buffer))
+                self.upload -= taken
+                self.buffer = self.buffer[taken:]
+                if self.upload:
+                    return
+                assert self.transport is not None
+                self.transport.write(SMALL)
             end = self.buffer.find(b"\r\n\r\n")
             if end < 0:
                 return
@@ -52,7 +64,15 @@ class Backend(asyncio.Protocol):
             method, _, rest = line.partition(b" ")
             target = rest.rpartition(b" ")[0]
             assert self.transport is not None
-            if method == b"POST":
+            if (
+                method == b"POST"
+                and target == b"/upload"
+                and b"\r\ncontent-length: " in head.lower()
+            ):
+                self.upload = int(head.lower().split(b"\r\ncontent-length: ")[1].split(b"\r\n")[0])
+                if not self.upload:
+                    self.transport.write(SMALL)
+            elif method == b"POST":
                 self.sink = True
                 self.buffer = b""
                 self.transport.write(POSTED)

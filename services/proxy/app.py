@@ -46,6 +46,7 @@ from waygate.core.settings import (
     setting,
 )
 from waygate.proxy import backendcerts
+from waygate.proxy.bodybuffer import BufferLimits
 from waygate.proxy.http2 import H2Collector, H2Limits
 from waygate.proxy.metrics import ProxyCollector, ProxyMetrics
 from waygate.proxy.routing import Defaults
@@ -160,9 +161,28 @@ class Settings(ProcessSettings):
     )
     tunnel_timeout: float = setting(
         3600.0,
-        help="inactivity of an upgraded (WebSocket, SPDY) connection",
+        help="inactivity of an upgraded (WebSocket, SPDY), passthrough or TCP service connection",
         parse=parse_duration,
         check=positive,
+    )
+    tcp_services_max_connections: int = setting(
+        1000,
+        help="connections open at once per TCP service port (ingress-nginx's "
+        "--tcp-services-configmap entries); more are closed on accept",
+        check=positive,
+    )
+    tcp_services_drain: float = setting(
+        30.0,
+        help="a TCP service port gone from the view stops accepting; its connections "
+        "are closed after this",
+        parse=parse_duration,
+        check=positive,
+    )
+    tcp_proxy_protocol_version: int = setting(
+        1,
+        help="PROXY protocol version sent to TCP service backends whose entry asks for it "
+        "(1, as nginx sends, or 2); from clients both are read",
+        check=lambda v: None if v in (1, 2) else f"must be 1 or 2, not {v}",
     )
     upstream_max_idle: int = setting(
         64, help="idle keep-alive connections kept per endpoint", check=positive
@@ -239,6 +259,36 @@ class Settings(ProcessSettings):
         help="time a request body has before the minimum rate applies",
         parse=parse_duration,
         check=positive,
+    )
+    request_buffer_memory: int = setting(
+        64 * 1024,
+        help="request body bytes held in memory per request while it is taken in before an "
+        "upstream is used (request buffering, a route's requestBuffering); more goes to a "
+        "temporary file",
+        check=lambda v: None if v >= 0 else f"must be 0 or more, not {v}",
+    )
+    request_buffer_memory_total: int = setting(
+        64 * 1024 * 1024,
+        help="request body bytes held in memory for every buffered request of the process "
+        "together; past it bodies go to temporary files",
+        check=lambda v: None if v >= 0 else f"must be 0 or more, not {v}",
+    )
+    request_buffer_max: int = setting(
+        64 * 1024 * 1024,
+        help="the largest request body buffered (memory and file; larger: 413, or turn the "
+        "route's requestBuffering off to stream it)",
+        check=positive,
+    )
+    request_buffer_files_total: int = setting(
+        1024 * 1024 * 1024,
+        help="request body bytes in the temporary files of every buffered request of the "
+        "process together (past it: 503; keep it under the directory's room)",
+        check=positive,
+    )
+    request_buffer_dir: Path | None = setting(
+        None,
+        help="directory of the buffered bodies' temporary files (mode 0600, unlinked at "
+        "once); unset: the system's temporary directory",
     )
     max_informational: int = setting(
         16,
@@ -343,6 +393,13 @@ class Settings(ProcessSettings):
             request_body_grace=self.request_body_grace,
             max_informational=self.max_informational,
             max_informational_bytes=self.max_informational_bytes,
+            request_buffer=BufferLimits(
+                memory_per_request=self.request_buffer_memory,
+                memory_total=self.request_buffer_memory_total,
+                max_body=self.request_buffer_max,
+                directory=str(self.request_buffer_dir or ""),
+                files_total=self.request_buffer_files_total,
+            ),
         )
 
     def validate(self) -> str | None:
@@ -352,6 +409,10 @@ class Settings(ProcessSettings):
         if self.unavailable_page is not None and not self.unavailable_page.is_file():
             return (
                 f"invalid setting unavailable_page: {self.unavailable_page} is not a readable file"
+            )
+        if self.request_buffer_dir is not None and not self.request_buffer_dir.is_dir():
+            return (
+                f"invalid setting request_buffer_dir: {self.request_buffer_dir} is not a directory"
             )
         if self.sticky_key_file is not None and not self.sticky_key_file.is_file():
             return f"invalid setting sticky_key_file: {self.sticky_key_file} is not a readable file"
@@ -729,7 +790,26 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     )
     process.on_stop(_closer(gateway_listeners.close))
     fan_out = ViewFanOut(server, front, gateway_listeners, view_settings)
-    on_view = fan_out.on_view
+    from waygate.proxy.tcpservices import TcpServices
+
+    tcp_services = TcpServices(
+        server,
+        settings.host,
+        defaults=defaults,
+        cookie_key=cookie_key,
+        max_connections=settings.tcp_services_max_connections,
+        drain=settings.tcp_services_drain,
+        proxy_protocol_version=settings.tcp_proxy_protocol_version,
+        reuse_port=settings.worker,
+        serve=not settings.gateway,
+    )
+    process.on_stop(lambda: tcp_services.close(settings.shutdown_grace))
+    process.status.add("tcp-services", tcp_services.sections)
+
+    def on_view(view: Any) -> None:
+        fan_out.on_view(view)
+        tcp_services.on_view(view)  # ports of their own (waygate.proxy.tcpservices)
+
     on_healed = fan_out.on_healed
 
     channels = [

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from waygate.proxy.bodybuffer import BufferLimits, RequestBuffers
 from waygate.proxy.metrics import ProxyMetrics
 from waygate.proxy.mirror import Mirrors
 from waygate.proxy.pool import Pool
@@ -26,6 +27,7 @@ class ExchangeContext:
     """Everything an exchange may use (see the module docstring)."""
 
     __slots__ = (
+        "buffers",
         "dialer",
         "draining",
         "h2",
@@ -56,6 +58,8 @@ class ExchangeContext:
         self.loop = loop
         self.view = view  # the current ProxyView (swapped whole)
         self.limits = limits  # server.Limits
+        # Request buffering's memory and files (waygate.proxy.bodybuffer).
+        self.buffers = RequestBuffers(getattr(limits, "request_buffer", BufferLimits()))
         self.metrics = metrics
         self.records = records
         # The endpoints' connection bound and the idle HTTP/1.1 connections.

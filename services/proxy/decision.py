@@ -42,7 +42,7 @@ import re
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
-from waygate.proxy import filters, http1, records, tls
+from waygate.proxy import access, filters, http1, records, tls
 from waygate.proxy.http1 import ForwardedContext, RequestHead
 from waygate.proxy.routing import (
     Backend,
@@ -128,6 +128,9 @@ class Forward:
     # the answer (0.0: no such deadline; the server timeout applies).
     deadline = 0.0
     mirrors: list[tuple[Target, bytes]] | None = None
+    # The body is taken in whole before an upstream is used (bodybuffer): the
+    # route's requestBuffering, for a request with a body, not gRPC.
+    buffer_body = False
     target: Target
     backend: Backend
 
@@ -258,6 +261,14 @@ def _request_filters(forward: Forward, req: RequestHead, facts: ConnectionFacts)
     return None
 
 
+def _access(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
+    """ingress-nginx's access annotations (waygate.proxy.access: 403, 401, 503)."""
+    check = forward.entry.access
+    assert check is not None and facts.context is not None  # (compiled by access.prepare)
+    refused = check.decide(req, facts.context.client_ip)
+    return None if refused is None else Answer(*refused, forward.entry.options.name)
+
+
 def _has_filters(entry: RouteEntry) -> bool:
     return entry.route.filters is not None
 
@@ -269,6 +280,8 @@ GATES: tuple[Rule, ...] = (
         lambda entry: entry.route.filters is not None and entry.route.filters.redirect is not None,
         _route_redirect,
     ),
+    # After the redirects (nginx's rewrite phase comes before its access phase).
+    Rule("access", access.prepare, _access),
 )
 SHAPERS: tuple[Rule, ...] = (Rule("request_filters", _has_filters, _request_filters),)
 
@@ -307,10 +320,12 @@ def decide(
     now: float,
     grpc_timeout: float = 0.0,
     http_version: str = "1.1",
+    grpc: bool = False,
 ) -> Answer | Forward:
     """Every per-request rule, in order: the proxy's own answers, routing, the route's
     gates, the endpoint pick, the trace decision, the route's shapers, the upstream
-    head. `grpc_timeout`: the request's grpc-timeout in seconds (0: none)."""
+    head. `grpc_timeout`: the request's grpc-timeout in seconds (0: none); `grpc`:
+    a gRPC request (its body is never buffered whole)."""
     target = req.target
     if target == http1.HEALTHZ_PATH:
         return HEALTHZ
@@ -361,6 +376,9 @@ def decide(
     forward.backend = backend
     if backend.http2:
         forward.http2 = True
+    if (req.content_length > 0 or req.chunked) and entry.options.request_buffering and not grpc:
+        # (A gRPC client stream is a stream: never held back whole.)
+        forward.buffer_body = True
     if grpc_timeout:
         # The answer's deadline: grpc-timeout when shorter than the route's server
         # timeout (0.0, the default: the server timeout from now).

@@ -27,7 +27,7 @@ import asyncio
 from typing import Any
 
 from waygate.core import flow
-from waygate.proxy import filters, http1, tls
+from waygate.proxy import access, filters, http1, tls
 from waygate.proxy.decision import Answer, decide
 from waygate.proxy.exchange import (
     ANSWER_HEALTHZ,
@@ -410,6 +410,10 @@ class ClientConnection(asyncio.Protocol):
         elif kind is ANSWER_REDIRECT:
             port = server.https_port or 443
             response = tls.redirect_response(req.host, req.target, port, close=close)
+        elif kind is access.KIND_UNAUTHORIZED:
+            response = access.challenge_response(
+                reason, close=close, head_only=req.method == b"HEAD"
+            )
         elif status == 503:
             response = http1.error_response(
                 503,

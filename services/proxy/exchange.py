@@ -71,6 +71,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from waygate.core import flow
 from waygate.proxy import filters, http1
+from waygate.proxy.bodybuffer import BodyBuffer, BufferRefused
 from waygate.proxy.connect_h1 import start_connect
 from waygate.proxy.context import ExchangeContext
 from waygate.proxy.decision import (
@@ -284,8 +285,10 @@ class Exchange(UpgradeRelay):
         "body_received",
         "body_remaining",
         "bridge",  # the stream to an HTTP/2 backend (h2bridge; None: HTTP/1.1)
+        "buffer",  # the request body taken in before dispatch (bodybuffer; None: streamed)
         "connect_task",
         "ctx",
+        "dispatch_held",  # dispatch waits for the buffered body's end
         "down",
         "entry",
         "forward",  # what decision.decide chose for this request (None: no request)
@@ -339,6 +342,8 @@ class Exchange(UpgradeRelay):
         self.body_rate_base = 0
         self.upstream_blocked = False
         self.req_complete = True
+        self.buffer: BodyBuffer | None = None
+        self.dispatch_held = False
         self.pending_body: list[bytes] = []
         self.pending_size = 0
         self.response_started = False
@@ -396,6 +401,14 @@ class Exchange(UpgradeRelay):
             self.req_complete = False
         else:
             self.req_complete = True
+        if forward.buffer_body and not self.req_complete:
+            # Request buffering: the body comes in here before any upstream is
+            # used; its minimum rate is measured from now.
+            self.buffer = self.ctx.buffers.new_buffer()
+            self.dispatch_held = False
+            self.body_rate_from = now
+            self.body_rate_base = 0
+            self.upstream_blocked = False
         if forward.mirrors:
             mirrors = self.ctx.mirrors
             for target, head in forward.mirrors:
@@ -404,6 +417,23 @@ class Exchange(UpgradeRelay):
     def dispatch(self) -> None:
         """Send the request upstream: a pooled connection, or a new connect; to an
         HTTP/2 backend, a stream (`h2bridge`: the backend decides the protocol)."""
+        buffer = self.buffer
+        if buffer is not None and not self.req_complete:
+            # The body first (request buffering): dispatched at its last byte.
+            req = self.req
+            assert req is not None
+            try:
+                self.ctx.buffers.check(req.content_length)
+            except BufferRefused as exc:
+                self.fail(exc.status, exc.reason, exc.kind)
+                return
+            if not self.dispatch_held:
+                self.dispatch_held = True
+                if req.expect_continue:
+                    # The body is for the proxy now: it invites it itself (as nginx
+                    # does); the upstream's own 100 is not passed on.
+                    self.down.informational(100)
+            return
         target = self.target
         assert target is not None
         ctx = self.ctx
@@ -484,6 +514,15 @@ class Exchange(UpgradeRelay):
         upstream = self.upstream
         if upstream is not None:
             upstream.writelines(out)
+        elif self.buffer is not None:
+            try:
+                self.buffer.write(out)
+            except BufferRefused as exc:
+                self.fail(exc.status, exc.reason, exc.kind)
+                return b""
+            if self.req_complete and self.dispatch_held:
+                self.dispatch_held = False
+                self.dispatch()
         else:
             self.pending_body.extend(out)
             self.pending_size += len(data)
@@ -520,7 +559,12 @@ class Exchange(UpgradeRelay):
                 # The client waits for the upstream's 100 before its body: the
                 # rate is measured from the 100 on (see informational).
                 self.upstream_blocked = True
-        if self.pending_body:
+        if self.buffer is not None:
+            # A buffered body: the head, then the body as the upstream takes it.
+            upstream.begin(self, reused, sent_at, self.upstream_head)
+            self.upstream_blocked = False
+            self._replay()
+        elif self.pending_body:
             upstream.begin(self, reused, sent_at, [self.upstream_head, *self.pending_body])
             self.pending_body = []
             self.pending_size = 0
@@ -529,6 +573,28 @@ class Exchange(UpgradeRelay):
             upstream.begin(self, reused, sent_at, b"" if head_sent else self.upstream_head)
         if self.down.write_paused:
             upstream.pause_reading()
+
+    def _replay(self) -> None:
+        """The buffered body to the upstream while it takes it (`upstream_paused`
+        resumes it); at its end the buffer is freed and the upstream told (an
+        empty write: the HTTP/2 bridge ends its stream)."""
+        buffer = self.buffer
+        upstream = self.upstream
+        while buffer is not None and upstream is not None and not self.upstream_blocked:
+            data = buffer.read()
+            if not data:
+                self._drop_buffer()
+                upstream.writelines([])
+                return
+            upstream.writelines([data])
+            upstream = self.upstream
+            buffer = self.buffer
+
+    def _drop_buffer(self) -> None:
+        buffer = self.buffer
+        if buffer is not None:
+            self.buffer = None
+            buffer.close()
 
     def abandon_upstream(self) -> None:
         """Let go of everything held upstream, however the exchange ends: the place
@@ -570,6 +636,8 @@ class Exchange(UpgradeRelay):
             self.down.pause_reading(flow.PEER)
         else:
             self.down.resume_reading(flow.PEER)
+            if self.buffer is not None and self.req_complete:
+                self._replay()
 
     def downstream_paused(self, paused: bool) -> None:
         """The driver's client stopped (True) or resumed (False) reading: so does the upstream."""
@@ -598,7 +666,13 @@ class Exchange(UpgradeRelay):
                 f"responses or {limits.max_informational_bytes} bytes of them"
             )
         req = self.req
-        if response.status == 100 and req is not None and req.expect_continue:
+        forward = self.forward
+        if (
+            response.status == 100
+            and req is not None
+            and req.expect_continue
+            and (forward is None or not forward.buffer_body)
+        ):
             self.down.informational(100)
             if not self.req_complete:
                 self._restart_body_rate(self.loop.time())
@@ -723,6 +797,7 @@ class Exchange(UpgradeRelay):
             upstream.release(
                 clean
                 and self.req_complete
+                and self.buffer is None
                 and self.framing != FRAMING_CLOSE
                 and not self.ctx.draining,
                 now,
@@ -803,6 +878,8 @@ class Exchange(UpgradeRelay):
         self.req = None
         self.entry = None
         self.body_reader = None
+        if self.buffer is not None:
+            self._drop_buffer()
         self.down.exchange_done(keep_alive, now, idle_timeout)
 
     def fail(self, status: int, reason: str, kind: str) -> None:
@@ -814,6 +891,7 @@ class Exchange(UpgradeRelay):
         if entry is not None and req is not None:
             self._record(entry.options.name, req, status)
         self.abandon_upstream()
+        self._drop_buffer()
         self.req = None
         if self.response_started:
             self.down.abort()
@@ -824,6 +902,7 @@ class Exchange(UpgradeRelay):
         """The driver went away: release the upstream, the connect, the pick, the span."""
         self.abandon_upstream()
         self._release_pick()
+        self._drop_buffer()
         self.pending_body = []
         self.req = None
         if self.span is not None:

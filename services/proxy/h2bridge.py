@@ -151,7 +151,7 @@ class H2Bridge(UpstreamStream):
         )
         for piece in body:
             self._take(piece)
-        self.request_done = user.req_complete
+        self.request_done = user.req_complete and user.buffer is None
         end = self.request_done and not self.held
         try:
             self.stream_id = connection.open_stream(self, fields, end)
@@ -187,7 +187,7 @@ class H2Bridge(UpstreamStream):
     def writelines(self, pieces: list[bytes]) -> None:
         for piece in pieces:
             self._take(piece)
-        if self.user.req_complete:
+        if self.user.req_complete and self.user.buffer is None:
             self.request_done = True
         if self.stream_id:
             self.send_held()

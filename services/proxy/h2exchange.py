@@ -32,7 +32,7 @@ from __future__ import annotations
 from typing import Any, Final
 
 from waygate.core import httpheaders
-from waygate.proxy import filters, grpcstatus, http1, tls
+from waygate.proxy import access, filters, grpcstatus, http1, tls
 from waygate.proxy.decision import (
     ANSWER_HEALTHZ,
     ANSWER_OPTIONS,
@@ -74,7 +74,7 @@ def start_exchange(conn: H2ClientConnection, stream: Stream, request: Request, e
         for name, value in request.headers:
             if name == b"grpc-timeout":
                 grpc_timeout = grpcstatus.parse_timeout(value) or 0.0
-    decided = decide(ctx.view, req, conn, now, grpc_timeout, "2")
+    decided = decide(ctx.view, req, conn, now, grpc_timeout, "2", request.grpc)
     if type(decided) is Answer:
         answer: Answer = decided  # type: ignore[assignment]
         if answer.refused:
@@ -120,6 +120,8 @@ def answer_stream(
     elif stream.grpc:
         stream.respond(200, grpcstatus.trailers_only(status, reason), end=True)
         return
+    elif kind is access.KIND_UNAUTHORIZED:
+        response = access.challenge_response(reason, close=False, head_only=head_only)
     elif status == 503 and server.unavailable_page:
         response = http1.error_response(
             503,

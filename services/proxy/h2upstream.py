@@ -55,6 +55,7 @@ from h2.errors import ErrorCodes
 
 from waygate.core import flow, httpheaders
 from waygate.proxy import filters, grpcstatus, http1
+from waygate.proxy.bodybuffer import BodyBuffer, BufferRefused
 from waygate.proxy.context import ExchangeContext
 from waygate.proxy.decision import Forward, may_redispatch, release_pick, repick
 from waygate.proxy.http2 import (
@@ -557,6 +558,13 @@ class H2Exchange(UpstreamStream):
     was decided before (`decision.decide`): this class moves DATA, windows and
     trailers, keeps the deadline, and records the end (`records`)."""
 
+    # Request buffering (bodybuffer; set per request only when the body is
+    # buffered): the body is taken in here with the client's window kept open,
+    # the upstream stream opened at its end, then the body replayed from here.
+    buffer: BodyBuffer | None = None
+    buffering = False  # the body is still coming in (no stream upstream yet)
+    last_client = 0.0  # when the client last sent body bytes (while buffering)
+
     def __init__(
         self,
         upstreams: H2Upstreams,
@@ -603,6 +611,12 @@ class H2Exchange(UpstreamStream):
         self.grpc_deadline = 0.0
         # The route's ResponseHeaderModifier (HTTPRoute filters; None: none).
         self.response_modifier = forward.response_modifier
+        # Request buffering (bodybuffer): the body is taken in here, the window
+        # kept open, and the stream opened upstream at its end; then replayed.
+        if forward.buffer_body and not end:
+            self.buffer = self.ctx.buffers.new_buffer()
+            self.buffering = True
+            self.last_client = self.started
 
     # ------------------------------------------------------------ start
 
@@ -630,6 +644,16 @@ class H2Exchange(UpstreamStream):
         if forward.deadline:
             self.grpc_deadline = forward.deadline  # grpc-timeout, shorter than the route's
             allowed = forward.deadline - self.started
+        buffer = self.buffer
+        if buffer is not None:
+            try:
+                self.ctx.buffers.check(self.req.content_length)
+            except BufferRefused as exc:
+                self.local(exc.status, exc.reason, exc.kind)
+                return
+            limits = self.ctx.limits
+            self._arm(min(allowed, forward.entry.options.client_timeout, limits.request_body_grace))
+            return
         self._arm(allowed)
         self.dispatch()
 
@@ -662,13 +686,22 @@ class H2Exchange(UpstreamStream):
             self.dispatch()
             return
         self.end_sent = end
-        if self.held or (self.request_done and not end):
+        if self.held or (self.request_done and not end) or self.buffer is not None:
             self.send_held()
 
     # ------------------------------------------------------------ the client's side
 
     def request_data(self, data: bytes) -> None:
         if self.finished or not data:
+            return
+        buffer = self.buffer
+        if self.buffering and buffer is not None:
+            # Taken in (the stream's window is given back as for any consumed DATA).
+            self.last_client = self.ctx.loop.time()
+            try:
+                buffer.write([data])
+            except BufferRefused as exc:
+                self.local(exc.status, exc.reason, exc.kind)
             return
         self.held.append(data)
         if self.upstream is not None:
@@ -683,6 +716,13 @@ class H2Exchange(UpstreamStream):
         if self.finished or self.end_sent:
             self.request_done = True
             return
+        if self.buffering:
+            self.buffering = False
+            # The buffered body is all here: now a stream upstream (the body is
+            # replayed by send_held; END_STREAM after its last byte).
+            self._arm(self.entry.options.server_timeout)
+            self.dispatch()
+            return
         self.request_done = True
         if self.upstream is not None:
             self.send_held()
@@ -696,6 +736,19 @@ class H2Exchange(UpstreamStream):
         upstream = self.upstream
         if upstream is None or self.finished or not self.stream_id:
             return
+        buffer = self.buffer
+        while buffer is not None:
+            # The buffered body, a piece at a time as the backend's window allows.
+            if self.held and not self._send():
+                return
+            data = buffer.read()
+            if data:
+                self.held.append(data)
+            else:
+                self.buffer = None
+                self.request_done = True
+                buffer.close()
+                buffer = None
         if self._send() and self.stream.upload_paused and not upstream.write_paused:
             self.stream.upload_resume()
 
@@ -842,6 +895,10 @@ class H2Exchange(UpstreamStream):
         release_pick(self.forward)
         self.stream.exchange = None
         self.held = []
+        buffer = self.buffer
+        if buffer is not None:
+            self.buffer = None
+            buffer.close()
         span = self.span
         self.span = None
         ctx = self.ctx
@@ -884,6 +941,9 @@ class H2Exchange(UpstreamStream):
                 504, f"grpc-timeout of {self.grpc_deadline - self.started:g}s passed", "deadline"
             )
             return
+        if self.buffering:
+            self._buffer_timer(now, options)
+            return
         idle = now - self.last_up
         if idle < options.server_timeout and self.responded:
             self._arm(options.server_timeout - idle)
@@ -892,6 +952,24 @@ class H2Exchange(UpstreamStream):
         self.fail(
             504, f"upstream did not answer within {options.server_timeout:g}s", "server_timeout"
         )
+
+    def _buffer_timer(self, now: float, options: Any) -> None:
+        """While the body is taken in (request buffering): the client timeout and
+        the minimum body rate, as `timeouts.check` keeps them for an Exchange."""
+        buffer = self.buffer
+        assert buffer is not None
+        if now - self.last_client >= options.client_timeout:
+            self.fail(
+                408, f"request body stalled for {options.client_timeout:g}s", "client_timeout"
+            )
+            return
+        limits = self.ctx.limits
+        rate = limits.min_request_body_rate
+        elapsed = now - self.started
+        if rate and elapsed >= limits.request_body_grace and buffer.size < rate * elapsed:
+            self.fail(408, f"request body slower than {rate} bytes/s", "slow_body")
+            return
+        self._arm(min(1.0, options.client_timeout))
 
     def _cancel_upstream(self) -> None:
         upstream = self.upstream

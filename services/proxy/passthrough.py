@@ -31,7 +31,7 @@ import logging
 import select
 import socket
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import Counter
 
@@ -183,10 +183,17 @@ class _Side(asyncio.Protocol):
             peer.flow.resume(flow.PEER)
 
 
-class Relay:
-    """Client <-> backend bytes for one passthrough connection."""
+class RelayOwner(Protocol):
+    """What a relay needs of the listener that holds it (a TlsFront, a TCP service port)."""
 
-    def __init__(self, front: TlsFront, timeout: float) -> None:
+    loop: asyncio.AbstractEventLoop
+    relays: set[Relay]
+
+
+class Relay:
+    """Client <-> backend bytes for one passthrough or TCP service connection."""
+
+    def __init__(self, front: RelayOwner, timeout: float) -> None:
         self.front = front
         self.loop = front.loop
         self.timeout = timeout
@@ -212,6 +219,18 @@ class Relay:
         for side in (self.client, self.backend):
             if side.transport is not None:
                 side.transport.abort()
+
+
+async def drain_relays(owner: RelayOwner, pending: set[asyncio.Task[None]], grace: float) -> None:
+    """Connections not relayed yet are cancelled; open relays get `grace`, then are closed."""
+    for task in list(pending):
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    deadline = owner.loop.time() + grace
+    while owner.relays and owner.loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    for relay in list(owner.relays):
+        relay.abort()
 
 
 class TlsFront:
@@ -275,14 +294,7 @@ class TlsFront:
         """Relays carry opaque bytes: they get the grace period, then are closed.
         (Terminated connections are drained by the HTTP listener's ProxyServer.)"""
         self.stop_accepting()
-        for task in list(self.pending):
-            task.cancel()
-        await asyncio.gather(*self.pending, return_exceptions=True)
-        deadline = self.loop.time() + grace
-        while self.relays and self.loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        for relay in list(self.relays):
-            relay.abort()
+        await drain_relays(self, self.pending, grace)
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None

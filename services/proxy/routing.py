@@ -43,7 +43,7 @@ import enum
 import hashlib
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import parse_qsl
 
 from waygate.core.balancing import Picker, RoundRobinPicker, new_picker
@@ -51,6 +51,7 @@ from waygate.core.paths import normalize_request_path
 from waygate.core.regex import LinearPattern, compile_linear
 from waygate.proxy.tls import hsts_line
 from waygate.resolver.client import (
+    TCP_LISTENER,
     Endpoint,
     PathMatchType,
     Route,
@@ -62,6 +63,9 @@ from waygate.resolver.client import (
     ValueMatchType,
     speaks_http2,
 )
+
+if TYPE_CHECKING:
+    from waygate.proxy.access import AccessCheck
 
 DEFAULT_POLICY = "leastconn"
 FAILURE_BASE_SECONDS = 0.5
@@ -128,6 +132,8 @@ class RouteOptions(NamedTuple):
     tunnel_timeout: float
     cookie_name: bytes  # b"": no sticky cookie
     cookie_attributes: bytes
+    # Take a request's body in before an upstream is used (Route requestBuffering).
+    request_buffering: bool = True
 
 
 class Defaults(NamedTuple):
@@ -287,6 +293,7 @@ def request_query(req: Any) -> dict[str, str]:
 
 class RouteEntry:
     __slots__ = (
+        "access",
         "backend_picker",
         "backends",
         "conditional",
@@ -320,6 +327,7 @@ class RouteEntry:
         self.route = route
         self.path = path
         self.options = options
+        self.access: AccessCheck | None = None  # compiled by access.prepare (its rule)
         # The Strict-Transport-Security line it adds on HTTPS, built once (b"": none).
         self.hsts = hsts_line(route)
         self.upstream_scope = upstream_scope(route)
@@ -732,6 +740,7 @@ def _route_options(route: Route, defaults: Defaults) -> RouteOptions:
         tunnel_timeout=pick(timeouts.tunnel, defaults.tunnel_timeout),
         cookie_name=cookie_name,
         cookie_attributes=attributes,
+        request_buffering=getattr(route, "request_buffering", True),
     )
 
 
@@ -795,6 +804,8 @@ def build_table(
             continue  # another, older route owns its host or host and path (resolver status)
         if route.tls is not None and _value(route.tls.termination) == "passthrough":
             continue  # TLS passthrough is served by the HTTPS listener (next issue)
+        if route.listener_protocol == TCP_LISTENER:
+            continue  # a TCP service: bytes on its own port (waygate.proxy.tcpservices)
         side: HostIndex = legacy
         if route.listener_port:
             secure = ports.get(route.listener_port)

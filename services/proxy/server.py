@@ -21,6 +21,7 @@ import socket
 from typing import Any, NamedTuple
 
 from waygate.proxy.accept import ClientProtocol
+from waygate.proxy.bodybuffer import BufferLimits
 from waygate.proxy.context import ExchangeContext
 from waygate.proxy.downstream_h1 import DRAINING, T_NONE, ClientConnection
 from waygate.proxy.h2upstream import H2Upstreams
@@ -73,6 +74,9 @@ class Limits(NamedTuple):
     # timeout but holds an upstream connection.
     min_request_body_rate: int = 1024
     request_body_grace: float = 10.0
+    # Request buffering's bounds (waygate.proxy.bodybuffer): memory per body and
+    # for all, the largest body (more: 413), the temporary files' directory.
+    request_buffer: BufferLimits = BufferLimits()
 
 
 DEFAULT_LIMITS = Limits()

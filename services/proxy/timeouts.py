@@ -63,9 +63,14 @@ def check(exchange: Any, now: float) -> float:
         wait = min(wait, options.client_timeout - client_idle)
         limits = exchange.ctx.limits
         rate = limits.min_request_body_rate
-        if rate and exchange.upstream is not None and not exchange.upstream_blocked:
+        if (
+            rate
+            and (exchange.upstream is not None or exchange.buffer is not None)
+            and not exchange.upstream_blocked
+        ):
             # A body that trickles (1 byte every few seconds never trips the
-            # client timeout) would hold an upstream connection slot for hours.
+            # client timeout) would hold an upstream connection slot for hours,
+            # or (buffered) the proxy's memory.
             elapsed = now - exchange.body_rate_from
             grace = limits.request_body_grace
             if elapsed >= grace:

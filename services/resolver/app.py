@@ -182,7 +182,8 @@ class Settings(GrpcServerSettings):
     tcp_services_configmap: str = setting(
         "",
         help="with --ingress-nginx: NS/NAME of ingress-nginx's TCP services ConfigMap "
-        "(not implemented yet: refused when given)",
+        '("PORT": "NS/SVC:PORT[:PROXY][:PROXY]"): each entry a port the proxies bind and '
+        "relay to the Service's endpoints; read live",
     )
     default_ssl_certificate: str = setting(
         "",

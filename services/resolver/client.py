@@ -55,6 +55,7 @@ from waygate.resolver import convert
 from waygate.resolver.backendcerts import BackendCertificateState
 from waygate.resolver.model import (
     HSTS,
+    TCP_LISTENER,
     BalancePolicy,
     Endpoint,
     EndpointPort,
@@ -68,6 +69,7 @@ from waygate.resolver.model import (
     Redirect,
     Rewrite,
     Route,
+    RouteAccess,
     RouteBackend,
     RouteCondition,
     RouteKey,
@@ -94,6 +96,7 @@ from waygate.resolver.v1 import resolver_pb2_grpc
 # client surface), never waygate.resolver.model (tests/unit/test_layering.py).
 __all__ = [
     "HSTS",
+    "TCP_LISTENER",
     "BackendCertificateState",
     "BalancePolicy",
     "Endpoint",
@@ -109,6 +112,7 @@ __all__ = [
     "ResolverWatch",
     "Rewrite",
     "Route",
+    "RouteAccess",
     "RouteBackend",
     "RouteCondition",
     "RouteKey",

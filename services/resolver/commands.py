@@ -43,7 +43,15 @@ from waygate.core.clientcli import (
 )
 from waygate.core.errors import InvalidArgument, Unavailable
 from waygate.resolver import convert, schema
-from waygate.resolver.client import Kind, ResolverWatch, Route, RouteKey, SourceState, View
+from waygate.resolver.client import (
+    TCP_LISTENER,
+    Kind,
+    ResolverWatch,
+    Route,
+    RouteKey,
+    SourceState,
+    View,
+)
 from waygate.resolver.v1 import resolver_pb2 as pb
 from waygate.resolver.v1 import resolver_pb2_grpc
 from waygate.resolver.validation import validate_route
@@ -243,11 +251,12 @@ def route_path(route: pb.Route) -> str:
 
 def _route_row(route: pb.Route, wide: bool = False) -> tuple[str, ...]:
     status, message = route_problem(route)
+    tcp = route.listener_protocol == TCP_LISTENER
     row = (
         route.namespace,
         route.name,
-        route.host,
-        route_path(route),
+        f"TCP :{route.listener_port}" if tcp else route.host,
+        "-" if tcp else route_path(route),
         _backends(route),
         route.target_port or "-",
         _tls(route),
@@ -356,6 +365,12 @@ def _derived(route: pb.Route) -> dict[str, Any]:
     if route.gateway:
         document["gateway"] = route.gateway
         document["listenerPort"] = route.listener_port
+    if route.listener_protocol == TCP_LISTENER:
+        document["tcpPort"] = route.listener_port
+        document["proxyProtocol"] = {
+            "fromClient": route.proxy_protocol_from_client,
+            "toBackend": route.proxy_protocol_to_backend,
+        }
     if route.matches:
         document["matches"] = [_match(m) for m in route.matches]
     return document

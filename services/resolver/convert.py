@@ -270,6 +270,7 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
         auth_proxy_headers=route.auth_proxy_headers,
         forwarded_headers=FORWARDED_MODES[route.forwarded_headers],
         upstream_protocol=route.upstream_protocol,
+        request_buffering=route.request_buffering,
         status=None if route.status is None else route_status_to_proto(route.status),
         creation_timestamp=timestamp(route.created),
         matches=[_match_to_proto(m) for m in route.matches],
@@ -280,9 +281,13 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
         origin=route.origin,
         rule_index=route.rule_index,
         listener_protocol=route.listener_protocol,
+        proxy_protocol_from_client=route.proxy_protocol_from_client,
+        proxy_protocol_to_backend=route.proxy_protocol_to_backend,
     )
     if route.filters is not None:
         message.filters.CopyFrom(_filters_to_proto(route.filters))
+    if route.access is not None:
+        message.access.CopyFrom(_access_to_proto(route.access, with_key))
     if route.tls is not None:
         hsts = route.tls.hsts
         message.tls.CopyFrom(
@@ -388,6 +393,9 @@ def route_from_proto(message: pb.Route) -> model.Route:
             FORWARDED_MODE_NAMES, message.forwarded_headers, "forwarded_headers"
         ),
         upstream_protocol=message.upstream_protocol,
+        request_buffering=message.request_buffering
+        if message.HasField("request_buffering")
+        else True,
         created=when(message, "creation_timestamp"),
         status=route_status_from_proto(message.status) if message.HasField("status") else None,
         matches=tuple(_match_from_proto(m) for m in message.matches),
@@ -403,6 +411,40 @@ def route_from_proto(message: pb.Route) -> model.Route:
         origin=message.origin,
         rule_index=message.rule_index,
         listener_protocol=message.listener_protocol,
+        access=_access_from_proto(message.access) if message.HasField("access") else None,
+        proxy_protocol_from_client=message.proxy_protocol_from_client,
+        proxy_protocol_to_backend=message.proxy_protocol_to_backend,
+    )
+
+
+_ACCESS_LISTS = (
+    "block",
+    "deny",
+    "allow",
+    "block_user_agents",
+    "block_referers",
+    "trusted_proxies",
+    "credentials",
+)
+
+
+def _access_to_proto(access: model.RouteAccess, with_credentials: bool) -> pb.RouteAccess:
+    """The access rules; credentials (htpasswd hashes) only where keys go (`with_key`)."""
+    message = pb.RouteAccess(
+        auth_type=access.auth_type, auth_realm=access.auth_realm, satisfy_any=access.satisfy_any
+    )
+    for name in _ACCESS_LISTS:
+        if name != "credentials" or with_credentials:
+            getattr(message, name).extend(getattr(access, name))
+    return message
+
+
+def _access_from_proto(message: pb.RouteAccess) -> model.RouteAccess:
+    return model.RouteAccess(
+        auth_type=message.auth_type,
+        auth_realm=message.auth_realm,
+        satisfy_any=message.satisfy_any,
+        **{name: tuple(getattr(message, name)) for name in _ACCESS_LISTS},
     )
 
 

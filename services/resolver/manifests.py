@@ -5,7 +5,8 @@ every `*.yaml`, `*.yml` and `*.json` file directly in a directory (in name
 order, as kubectl does without -R), each holding any number of `---`
 separated documents (a `kind: List` is expanded). Kinds read:
 Namespace, Service, EndpointSlice (discovery.k8s.io/v1), Secret (type
-kubernetes.io/tls; other types are skipped), ConfigMap (BackendTLSPolicy's
+kubernetes.io/tls; with --ingress-nginx also Opaque, for auth-secret; other
+types are skipped), ConfigMap (BackendTLSPolicy's
 CA certificates), the waygate.io Route, and the
 Gateway API and Ingress kinds of `waygate.resolver.gateway`. Any other kind
 (a real manifest directory has Deployments in it) is skipped with one log
@@ -51,7 +52,7 @@ from waygate.resolver.gateway.translate import (
     is_gateway_object,
     translate,
 )
-from waygate.resolver.ingress_nginx.config import IngressNginx
+from waygate.resolver.ingress_nginx.config import IngressNginx, keeps_secret
 from waygate.resolver.model import Endpoint, Route, Service
 from waygate.resolver.schema import DEFAULT_MAX_ROUTES_PER_SOURCE
 from waygate.resolver.status import SourceHealth
@@ -175,7 +176,7 @@ def parse_manifests(
         if not known:
             content.skipped.append(f"{api_version} {kind} {namespace}/{name}".replace(" /", " "))
             continue
-        if kind == "Secret" and obj.get("type", "Opaque") != "kubernetes.io/tls":
+        if kind == "Secret" and not keeps_secret(obj, ingress_nginx):
             content.skipped.append(f"v1 Secret {namespace}/{name} (type {obj.get('type')})")
             continue
         identity = (kind, namespace, name)

@@ -413,6 +413,24 @@ class RouteFilters:
 
 
 @dataclass(frozen=True)
+class RouteAccess:
+    """Who may reach a route (ingress-nginx's access annotations; waygate.proxy.access
+    decides it per request). `credentials` are secrets, withheld as tls.key is."""
+
+    block: tuple[str, ...] = ()  # CIDRs answered 403 whatever else holds
+    deny: tuple[str, ...] = ()
+    allow: tuple[str, ...] = ()  # given: any address outside them is refused
+    block_user_agents: tuple[str, ...] = ()  # "~REGEX" (case-sensitive), "~*REGEX", exact
+    block_referers: tuple[str, ...] = ()
+    # X-Forwarded-For names the client when the peer is within these (nginx real_ip).
+    trusted_proxies: tuple[str, ...] = ()
+    auth_type: str = ""  # "basic" or "" (none)
+    auth_realm: str = ""
+    credentials: tuple[str, ...] = ()  # "user:hash" lines
+    satisfy_any: bool = False
+
+
+@dataclass(frozen=True)
 class Route:
     namespace: str
     name: str
@@ -430,6 +448,10 @@ class Route:
     forwarded_headers: ForwardedHeadersMode = ForwardedHeadersMode.APPEND
     # "" (the service port's app_protocol decides), or one of UPSTREAM_PROTOCOLS.
     upstream_protocol: str = ""
+    # Request buffering (as nginx's proxy_request_buffering): a request's body is
+    # taken in whole before an upstream is used; off streams it (uploads that must
+    # flow as they come). gRPC requests are never buffered.
+    request_buffering: bool = True
     # When the source created it (the CRD's metadata.creationTimestamp); None: the
     # store's first sight of it decides its age (routes-file order within a load).
     created: datetime | None = None
@@ -463,9 +485,15 @@ class Route:
     # condition.
     ingress_refusal: tuple[str, str] | None = None
     ingress_verdicts: tuple[str, ...] = ()
+    # None: anyone may reach the route.
+    access: RouteAccess | None = None
     # Whose claim on `host` this route is (waygate.resolver.status): a Gateway API
     # route attached through a listener's hostname is that Gateway's; None: its own.
     host_claim: HostClaim | None = None
+    # TCP services (listener_protocol TCP_LISTENER): PROXY protocol from the
+    # client (decoded) and to the backend (sent).
+    proxy_protocol_from_client: bool = False
+    proxy_protocol_to_backend: bool = False
 
     @property
     def key(self) -> RouteKey:
@@ -530,6 +558,8 @@ class Change:
 
 # What a route's upstreamProtocol may say; "" leaves it to the service port.
 UPSTREAM_PROTOCOLS: Final = ("http", "h2c", "h2", "grpc")
+#: Route.listener_protocol of a TCP service: bytes relayed on listener_port.
+TCP_LISTENER: Final = "TCP"
 # The appProtocol / upstreamProtocol values that mean HTTP/2 to the backend
 # (Kubernetes' kubernetes.io/h2c, and the common h2c, h2, grpc).
 HTTP2_PROTOCOLS: Final = frozenset(("kubernetes.io/h2c", "h2c", "h2", "grpc"))

@@ -191,6 +191,7 @@ SPEC_FIELDS: Final = (
     Field("authProxyHeaders", "auth_proxy_headers", BOOLEAN),
     _enum("forwardedHeaders", "forwarded_headers", model.ForwardedHeadersMode),
     Field("upstreamProtocol", "upstream_protocol", STRING, choices=model.UPSTREAM_PROTOCOLS),
+    Field("requestBuffering", "request_buffering", BOOLEAN),
 )
 
 #: Where a routes-file entry differs from a CRD: it names itself.
@@ -224,7 +225,10 @@ DERIVED: Final[Mapping[str, Mapping[str, str]]] = {
         "rule_index": "the rule of that object (a precedence tie-breaker)",
         "ingress_refusal": "why an ingress-nginx Ingress is not served (its annotations)",
         "ingress_verdicts": "an ingress-nginx Ingress's per-annotation verdicts",
+        "access": "ingress-nginx's access annotations and ConfigMap block lists",
         "host_claim": "a Gateway listener's hostname claim a route is attached through",
+        "proxy_protocol_from_client": "a TCP services ConfigMap entry's first PROXY",
+        "proxy_protocol_to_backend": "a TCP services ConfigMap entry's second PROXY",
     },
     "RouteBackend": {
         "namespace": "Gateway API backendRefs across namespaces (ReferenceGrant)",

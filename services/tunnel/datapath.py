@@ -145,6 +145,9 @@ class DataListener:
         self._tracer = tracing.tracer()  # one for every dial: get_tracer costs ~20 us a call
         self._server: asyncio.Server | None = None
         self._listener: LinkListener | None = None
+        # End-to-end connections copied by splice(2) (kernelsplice), else through Python;
+        # decided by start().
+        self.kernel_copy = False
         self.port = 0
 
     @property
@@ -156,6 +159,10 @@ class DataListener:
             # Data connections on their own sockets (relay.SocketLink): OpenSSL reads
             # and writes the kernel socket itself, the relay's cheapest path.
             self._listener = LinkListener(self._context, self._accepted)
+            if self._context is not None:
+                # Whether end-to-end connections are the kernel's to copy, asked here once
+                # (the probe opens a socketpair and a pipe) rather than on the first dial.
+                self.kernel_copy = kernelsplice.available()
             self.port = await self._listener.start(host, port)
             return self.port
         loop = asyncio.get_running_loop()
@@ -389,7 +396,7 @@ class DataListener:
         try:
             if carried is not None and end_to_end:
                 DIALS_END_TO_END.inc()
-                await _splice_end_to_end(link, carried)
+                await _splice_end_to_end(link, carried, kernel_copy=self.kernel_copy)
             elif carried is not None:
                 DIALS_DATA.inc()
                 await carried.relay_to(link)
@@ -406,14 +413,17 @@ class DataListener:
                 link.abort()
 
 
-async def _splice_end_to_end(dialer: Link, connection: DataConnection) -> None:
+async def _splice_end_to_end(
+    dialer: Link, connection: DataConnection, *, kernel_copy: bool
+) -> None:
     """TLS end to end: both links leave TLS (close_notify each way, the dialer's and the
     agent's at once), then the two TCP sockets are copied into each other as they are:
     the dialer's session with the agent runs through them, which this replica can
     neither read nor alter. Authorization happened before, on this replica's own mTLS
     (the dial's SPLICE line, the parked connection's PARK line). The copy is the
-    kernel's (`kernelsplice`: splice(2), no byte in user space) where it can be, else
-    `relay.splice` over two plain links."""
+    kernel's (`kernelsplice`: splice(2), no byte in user space) where it can be
+    (`kernel_copy`: the listener's probe at start), else `relay.splice` over two plain
+    links."""
     try:
         dialer_socket, agent_socket = await asyncio.gather(
             dialer.step_out(HANDSHAKE_TIMEOUT), connection.link.step_out(HANDSHAKE_TIMEOUT)
@@ -422,7 +432,7 @@ async def _splice_end_to_end(dialer: Link, connection: DataConnection) -> None:
         dialer.abort()
         connection.link.abort()
         return
-    if kernelsplice.available():
+    if kernel_copy:
         try:
             relay = kernelsplice.kernel_splice(
                 dialer_socket, agent_socket, pipe_size=SPLICE_PIPE_SIZE

@@ -29,6 +29,7 @@ def test_the_component_wires_class_rbac_service_and_webhook():
     resolver = named(objects, "Deployment", "waygate-resolver")["spec"]["template"]["spec"]
     args = resolver["containers"][0]["args"]
     assert "--ingress-nginx" in args and "--admission-webhook-port=8443" in args
+    assert "--tcp-services-configmap=ingress-nginx/tcp-services" in args
     assert {"name": "webhook", "containerPort": 8443} in resolver["containers"][0]["ports"]
     # The webhook reaches the resolver's Service on 443 -> its webhook port, over the
     # name its certificate carries (waygate-resolver.waygate.svc).

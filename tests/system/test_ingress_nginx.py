@@ -188,9 +188,7 @@ async def test_snippet_literal_headers_with_the_configmap_allowing_snippets(
 
 
 async def test_fail_closed_and_injection_refused_alone(suite: Conformance) -> None:
-    guarded = single_ingress(
-        "guarded", "/", "guarded.bar.com", {P + "whitelist-source-range": "10.0.0.0/8"}
-    )
+    guarded = single_ingress("guarded", "/", "guarded.bar.com", {P + "enable-modsecurity": "true"})
     auth = single_ingress(
         "auth", "/", "auth.bar.com", {P + "auth-url": "http://auth.example.com/check"}
     )
@@ -220,7 +218,7 @@ async def test_fail_closed_and_injection_refused_alone(suite: Conformance) -> No
     routes = json.loads(out)
     text = json.dumps(routes)
     assert "UnsupportedAnnotation" in text and "InvalidAnnotation" in text
-    assert "whitelist-source-range" in text
+    assert "enable-modsecurity" in text
     # `waygate check` names each refused Ingress and what to do.
     code, out, err = await run_cli("check", "--resolver", suite.resolver.grpc_address)
     assert code != 0
@@ -535,7 +533,7 @@ current-context: test
                 finally:
                     connection.close()
 
-            review = admission_review({P + "whitelist-source-range": "10.0.0.0/8"})
+            review = admission_review({P + "enable-modsecurity": "true"})
             async with asyncio.timeout(20):
                 while True:
                     try:

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.system
 GiB = 1 << 30
 
 
-def routes_yaml(port: int, *, path: str = "/") -> str:
+def routes_yaml(port: int, *, path: str = "/", request_buffering: bool = True) -> str:
     return f"""
 services:
   - namespace: demo
@@ -40,6 +40,7 @@ routes:
     path: {path}
     to: echo
     targetPort: http
+    requestBuffering: {str(request_buffering).lower()}
 """
 
 
@@ -202,7 +203,8 @@ def rss_kib(pid: int) -> int:
 async def test_one_gib_upload_and_download_stream_in_bounded_memory(tmp_path: Path) -> None:
     upstream = await RecordingUpstream().start()
     routes_file = tmp_path / "routes.yaml"
-    routes_file.write_text(routes_yaml(upstream.port))
+    # A streaming route: request buffering off (a 1 GiB body is past its bound).
+    routes_file.write_text(routes_yaml(upstream.port, request_buffering=False))
     resolver = await start_resolver(routes_file)
     proxy, port = await start_proxy(resolver.grpc_address)
     try:

@@ -11,8 +11,8 @@ too (a backend appearing or going resolves or breaks references).
 Kinds: GatewayClass, Gateway, HTTPRoute, GRPCRoute (gateway.networking.k8s.io/v1),
 TLSRoute (v1, as the v1.5+ channels ship it), ReferenceGrant (v1beta1),
 Ingress and IngressClass (networking.k8s.io/v1), Namespaces (their labels, for
-allowedRoutes selectors), Secrets (kubernetes.io/tls ones are kept, for
-certificateRefs), BackendTLSPolicy (v1) and ConfigMaps (its CA certificates). A kind whose CRD is not installed (404) counts as none.
+allowedRoutes selectors), Secrets (kubernetes.io/tls ones are kept, for certificateRefs; with --ingress-nginx
+Opaque ones too, for auth-secret), BackendTLSPolicy (v1) and ConfigMaps (its CA certificates). A kind whose CRD is not installed (404) counts as none.
 
 Status: `StatusWriter.run` writes only while `is_leader()` (the resolver's
 Lease elector, shared with the Route status writer): it
@@ -35,7 +35,7 @@ from waygate.core.kube import KubeAPI, KubeError
 from waygate.resolver.gateway.spec import CONTROLLER_NAME, JSON
 from waygate.resolver.gateway.status import StatusBoard
 from waygate.resolver.gateway.translate import STATUS_KINDS, Objects, ObjectStatus, translate
-from waygate.resolver.ingress_nginx.config import IngressNginx
+from waygate.resolver.ingress_nginx.config import IngressNginx, keeps_secret
 from waygate.resolver.model import Service
 from waygate.resolver.store import Store
 
@@ -135,7 +135,7 @@ class GatewayObjects:
     def put(self, kind: str, obj: JSON, *, schedule: bool = True) -> None:
         key = _key(obj)
         table = self._table(kind)
-        if kind == "Secret" and obj.get("type") != "kubernetes.io/tls":
+        if kind == "Secret" and not keeps_secret(obj, self.ingress_nginx):
             table.pop(key, None)
         else:
             table[key] = obj

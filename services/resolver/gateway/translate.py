@@ -74,6 +74,7 @@ from waygate.resolver.gateway.spec import (
 )
 from waygate.resolver.ingress_nginx import annotations as nginx_annotations
 from waygate.resolver.ingress_nginx import config as nginx_compat
+from waygate.resolver.ingress_nginx import tcpservices as nginx_tcp
 from waygate.resolver.model import (
     HostClaim,
     InsecureEdgePolicy,
@@ -145,6 +146,8 @@ class Objects:
     kinds: dict[str, dict[Key, JSON]] = field(default_factory=dict)
 
     def of(self, kind: str) -> dict[Key, JSON]:
+        if kind == "Secret":
+            return self.secrets
         return self.kinds.setdefault(kind, {})
 
 
@@ -1195,7 +1198,9 @@ class _Translator:
     def nginx_ingress(self, key: Key, obj: JSON, settings: nginx_compat.IngressNginx) -> None:
         """An Ingress of the ingress-nginx class: its annotations planned, its rules
         translated as every Ingress's, then shaped (or refused alone)."""
-        plan, ingress = nginx_annotations.judge(obj, settings, self.objects.of("ConfigMap"))
+        plan, ingress = nginx_annotations.judge(
+            obj, settings, self.objects.of("ConfigMap"), self.objects.secrets
+        )
         if ingress is None:
             self.out.routes.append(nginx_annotations.placeholder(key, obj, plan))
             return
@@ -1318,7 +1323,35 @@ class _Translator:
         self.finish_gateways()
         self.finish_policies()
         self.ingresses()
+        if self.ingress_nginx is not None and self.ingress_nginx.tcp_services is not None:
+            self.tcp_services(self.ingress_nginx.tcp_services)
         return self.out
+
+    def tcp_services(self, key: Key) -> None:
+        """ingress-nginx's TCP services ConfigMap: one route per entry (none while it
+        does not exist, as ingress-nginx)."""
+        obj = self.objects.of("ConfigMap").get(key)
+        data = (obj or {}).get("data") or {}
+        if not isinstance(data, dict):
+            return
+        for route in nginx_tcp.routes(key[0], key[1], data):
+            backend = route.backends[0] if route.backends else None
+            service = (
+                self.objects.services.get((backend.namespace, backend.service)) if backend else None
+            )
+            found = next(
+                (
+                    p
+                    for p in (service.ports if service else ())
+                    if backend and backend.port in (p.name, str(p.port))
+                ),
+                None,
+            )
+            if backend and service and found:
+                # The service port as the proxy finds it on the endpoints.
+                sliced = dataclasses.replace(backend, port=_port_as_sliced(service, found))
+                route = dataclasses.replace(route, backends=(sliced,))
+            self.out.routes.append(route)
 
 
 def _port_as_sliced(service: Service, port: Any) -> str:

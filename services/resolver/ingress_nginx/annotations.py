@@ -36,6 +36,7 @@ from urllib.parse import urlsplit
 
 from waygate.core import regex as linear_regex
 from waygate.resolver.gateway import spec as specs
+from waygate.resolver.ingress_nginx import access as nginx_access
 from waygate.resolver.ingress_nginx import catalogue
 from waygate.resolver.ingress_nginx.catalogue import CATALOGUE, SNIPPETS, Verdict
 from waygate.resolver.ingress_nginx.config import (
@@ -56,6 +57,7 @@ from waygate.resolver.model import (
     Redirect,
     Rewrite,
     Route,
+    RouteAccess,
     RouteFilters,
     RouteMatch,
     RouteTimeouts,
@@ -143,11 +145,13 @@ class Plan:
     balance: BalancePolicy = BalancePolicy.ROUND_ROBIN
     timeouts: RouteTimeouts = field(default_factory=RouteTimeouts)
     upstream_protocol: str = ""
+    request_buffering: bool = True
     backend_tls: bool = False
     ssl_passthrough: bool = False
     forwarded: ForwardedHeadersMode = ForwardedHeadersMode.REPLACE
     backend_server_name: str = ""
     hsts: HSTS | None = None
+    access: RouteAccess | None = None  # waygate.resolver.ingress_nginx.access
     # The controller ConfigMap's keys not honoured: "ConfigMap NS/NAME key K: not-honoured".
     config_notes: list[str] = field(default_factory=list)
 
@@ -186,13 +190,24 @@ def _flag(value: str) -> bool:
 
 
 def judge(
-    obj: JSON, settings: IngressNginx, config_maps: Mapping[tuple[str, str], JSON]
+    obj: JSON,
+    settings: IngressNginx,
+    config_maps: Mapping[tuple[str, str], JSON],
+    secrets: Mapping[tuple[str, str], JSON] | None = None,
 ) -> tuple[Plan, specs.IngressSpec | None]:
-    """One Ingress of the class under the controller ConfigMap found in `config_maps`:
-    its plan (refused when its rules do not read) and its rules (None then). The one
-    judgement the resolver, the report and the admission webhook all give."""
+    """One Ingress of the class under the controller ConfigMap found in `config_maps`
+    (and the Secrets its annotations name, in `secrets`): its plan (refused when its
+    rules do not read) and its rules (None then). The one judgement the resolver,
+    the report and the admission webhook all give."""
     config = config_from(config_maps.get(settings.configmap or ("", "")))
-    result = plan(obj, settings, config, lambda ns, n: config_maps.get((ns, n)))
+    found = secrets or {}
+    result = plan(
+        obj,
+        settings,
+        config,
+        lambda ns, n: config_maps.get((ns, n)),
+        lambda ns, n: found.get((ns, n)),
+    )
     rules: specs.IngressSpec | None = None
     try:
         # Paths are the plan's (checked against their pathType there).
@@ -211,11 +226,12 @@ def plan(
     settings: IngressNginx,
     config: ControllerConfig,
     config_maps: Callable[[str, str], JSON | None] = lambda ns, name: None,
+    secrets: Callable[[str, str], JSON | None] = lambda ns, name: None,
 ) -> Plan:
     """The verdicts and route fields of one Ingress of the nginx class."""
     metadata = obj.get("metadata") or {}
     result = Plan(str(metadata.get("namespace") or ""), str(metadata.get("name") or ""))
-    problem = config.refusal()
+    problem = config.refusal() or nginx_access.config_problem(config)
     if problem:
         result.refuse(UNSUPPORTED_CONFIG, problem)
     where = "/".join(settings.configmap or ())
@@ -293,6 +309,14 @@ def plan(
             continue
         valid[short] = value.strip() if entry.grammar is not catalogue.any_text else value
     _apply(result, valid, settings, config, config_maps, timeouts)
+    recorded = {f.annotation for f in result.findings}
+    result.access, findings, refusal = nginx_access.plan_access(
+        result.namespace, valid, recorded, config, secrets, settings.prefix
+    )
+    for short, verdict, text, refuses in findings:
+        result.note(Finding(short, valid[short], verdict, text, refuses))
+    if refusal:
+        result.refuse(UNSUPPORTED, refusal)
     # nginx's read/send timeouts also bound an upgraded (WebSocket) connection's silence.
     result.timeouts = RouteTimeouts(
         connect=timeouts["connect"], server=timeouts["server"], tunnel=timeouts["server"]
@@ -338,6 +362,8 @@ def _apply(
         if primary is not None and not any(_in_force(p, values) for p in primary):
             found(short, Verdict.NOOP, f"without {' or '.join(primary)} it does nothing")
             continue
+        if short in nginx_access.ANNOTATIONS:
+            continue  # decided by nginx_access.plan_access, after the others
         handler = _HANDLERS.get(short)
         if handler is None:
             found(short)
@@ -692,6 +718,14 @@ def _timeouts(
         send = float(values.get("proxy-send-timeout", "0") or 0)
         timeouts["server"] = max(read, send) or timeouts["server"]
     found(short)
+
+
+@_handles("proxy-request-buffering")
+def _request_buffering(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    p.request_buffering = value == "on"
+    found("proxy-request-buffering", Verdict.HONOURED, "")
 
 
 @_handles("proxy-http-version")
@@ -1098,8 +1132,10 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             balance=p.balance,
             timeouts=p.timeouts,
             upstream_protocol=p.upstream_protocol,
+            request_buffering=p.request_buffering,
             forwarded_headers=p.forwarded,
             ingress_verdicts=verdicts,
+            access=p.access,
         )
         if p.ssl_passthrough and route.listener_port == 443:
             continue  # the host's TLS is passed through, never terminated here

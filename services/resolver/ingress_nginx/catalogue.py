@@ -238,7 +238,15 @@ def _e(
 H, D, N, X = Verdict.HONOURED, Verdict.DIFFERENT, Verdict.NOOP, Verdict.NOT_HONOURED
 _BUFFER = "an nginx buffer knob: the proxy streams bodies through bounded buffers of its own"
 _AUTH_URL = "external authentication: the proxy has no auth subrequest yet"
-_BASIC = "basic/digest authentication: the proxy does not check credentials yet"
+_BASIC = (
+    "basic: 401 with WWW-Authenticate, hashes verified exactly (bcrypt, apr1/MD5, {SHA}, "
+    "{SSHA}, {PLAIN}; another format refuses the Ingress), the Authorization header "
+    "forwarded as nginx does; digest is not honoured yet (refused)"
+)
+_RANGES = (
+    "403 outside the allowed / inside the denied ranges; the client address is the "
+    "peer's, or with use-forwarded-headers X-Forwarded-For's through proxy-real-ip-cidr"
+)
 _MTLS = "client certificates per Ingress: verify depth, optional modes and CN match not yet"
 _LIMIT = "rate and connection limits: the proxy has no per-route limiter yet"
 _WAF = "ModSecurity/OWASP CRS: Waygate has no web application firewall"
@@ -323,34 +331,13 @@ ENTRIES: tuple[Entry, ...] = (
     _e("proxy-redirect-from", plain, X, "rewriting the backend's Location header", lacks=True),
     _e("proxy-redirect-to", plain, X, "rewriting the backend's Location header", lacks=True),
     # ------------------------------------------------------------ access
-    _e(
-        "whitelist-source-range",
-        cidrs,
-        X,
-        "client address allow-lists not yet",
-        access=True,
-        lacks=True,
-    ),
-    _e(
-        "allowlist-source-range",
-        cidrs,
-        X,
-        "client address allow-lists not yet",
-        access=True,
-        lacks=True,
-    ),
-    _e(
-        "denylist-source-range",
-        cidrs,
-        X,
-        "client address deny-lists not yet",
-        access=True,
-        lacks=True,
-    ),
-    _e("auth-type", one_of("basic", "digest"), X, _BASIC, access=True, lacks=True),
-    _e("auth-secret", name, X, _BASIC, access=True, lacks=True),
-    _e("auth-secret-type", one_of("auth-file", "auth-map"), X, _BASIC, access=True, lacks=True),
-    _e("auth-realm", header_value, X, _BASIC, access=True, lacks=True),
+    _e("whitelist-source-range", cidrs, H, _RANGES, access=True),
+    _e("allowlist-source-range", cidrs, H, _RANGES, access=True),
+    _e("denylist-source-range", cidrs, H, _RANGES, access=True),
+    _e("auth-type", one_of("basic", "digest"), H, _BASIC, access=True),
+    _e("auth-secret", name, H, _BASIC, access=True),
+    _e("auth-secret-type", one_of("auth-file", "auth-map"), H, _BASIC, access=True),
+    _e("auth-realm", header_value, H, _BASIC, access=True),
     _e("auth-url", url, X, _AUTH_URL, access=True, lacks=True),
     _e("auth-method", methods, X, _AUTH_URL, access=True, lacks=True),
     _e("auth-signin", url, X, _AUTH_URL, access=True, lacks=True),
@@ -408,10 +395,9 @@ ENTRIES: tuple[Entry, ...] = (
     _e(
         "satisfy",
         one_of("all", "any"),
-        X,
-        "combining access checks not yet",
+        H,
+        "any: the source range or the credentials suffice (401 when both fail)",
         access=True,
-        lacks=True,
     ),
     # ------------------------------------------------------------ traffic
     _e("canary", boolean, H, _CANARY),
@@ -529,10 +515,10 @@ ENTRIES: tuple[Entry, ...] = (
     _e(
         "proxy-request-buffering",
         one_of("on", "off"),
-        X,
-        "`on` (nginx's default): taking "
-        "the body in before using a backend connection, spilled to a file",
-        lacks=True,
+        H,
+        "the route's requestBuffering: `on` (the default) takes the body in (memory, then "
+        "a temporary file, up to --request-buffer-max) before a backend connection is used; "
+        "`off` streams it; gRPC requests are never buffered",
     ),
     _e("proxy-buffering", one_of("on", "off"), N, _BUFFER),
     _e("proxy-buffers-number", integer, N, _BUFFER),

@@ -5,10 +5,12 @@
 translation (so a change to the ConfigMap applies live). Every key is given a
 verdict as annotations are: honoured (it gives annotations their defaults or
 maps onto a route field), no-op (nginx tuning with no meaning for a streaming
-proxy) or not honoured. A not-honoured key that bears on access (block lists,
-global authentication, a WAF, allow-lists) makes every Ingress of the class
-not served: the controller-wide protection cannot be given, so nothing is
-served unprotected.
+proxy) or not honoured. The block lists (block-cidrs, -user-agents, -referers)
+reach every route of the class (waygate.resolver.ingress_nginx.access). A
+not-honoured key that bears on access (global authentication, a WAF,
+allow-lists, a block list that cannot be honoured) makes every Ingress of the
+class not served: the controller-wide protection cannot be given, so nothing
+is served unprotected.
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ HONOURED_KEYS = frozenset(
         "hsts-preload",
         "use-forwarded-headers",
         "compute-full-forwarded-for",
+        # The client address (waygate.resolver.ingress_nginx.access) and the block lists.
+        "proxy-real-ip-cidr",
+        "block-cidrs",
+        "block-user-agents",
+        "block-referers",
     )
 )
 #: nginx tuning with no meaning for a streaming proxy.
@@ -88,9 +95,6 @@ NOOP_KEYS = frozenset(
 #: Not honoured and bearing on access: every Ingress of the class is refused.
 ACCESS_KEYS = frozenset(
     (
-        "block-cidrs",
-        "block-user-agents",
-        "block-referers",
         "global-auth-url",
         "global-auth-method",
         "global-auth-signin",
@@ -106,6 +110,11 @@ ACCESS_KEYS = frozenset(
     )
 )
 _TRUE = frozenset(("true", "1", "t", "True", "TRUE", "T"))
+_BLOCK_RE2 = "regular expressions in RE2 syntax (linear time), not PCRE"
+_BLOCK_CIDRS = (
+    "also applied where an Ingress has source ranges of its own (nginx's http-level "
+    "deny is not inherited by a location with allow/deny rules)"
+)
 #: A class name or an annotation prefix (a DNS subdomain).
 DNS_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 
@@ -118,6 +127,7 @@ class IngressNginx:
     prefix: str = DEFAULT_PREFIX
     configmap: tuple[str, str] | None = None  # (namespace, name)
     default_certificate: tuple[str, str] | None = None
+    tcp_services: tuple[str, str] | None = None  # --tcp-services-configmap
 
     @classmethod
     def from_settings(cls, settings: Any) -> IngressNginx | None:
@@ -144,21 +154,20 @@ class IngressNginx:
                 "admission_webhook_port: the webhook answers a cluster's API server; "
                 "it needs --kubernetes"
             )
-        if settings.tcp_services_configmap:
-            parse_reference(settings.tcp_services_configmap, "tcp_services_configmap")
-            raise ValueError(
-                "tcp_services_configmap: TCP services are not implemented yet; serve those "
-                "ports another way (refused rather than ignored)"
-            )
-        configmap, certificate = (
+        configmap, certificate, tcp = (
             parse_reference(getattr(settings, name), name) if getattr(settings, name) else None
-            for name in ("ingress_nginx_configmap", "default_ssl_certificate")
+            for name in (
+                "ingress_nginx_configmap",
+                "default_ssl_certificate",
+                "tcp_services_configmap",
+            )
         )
         return cls(
             class_name=settings.ingress_nginx_class,
             prefix=settings.annotations_prefix,
             configmap=configmap,
             default_certificate=certificate,
+            tcp_services=tcp,
         )
 
     def annotated(self, obj: Any) -> bool:
@@ -215,8 +224,14 @@ class ControllerConfig:
         out = []
         for key in sorted(self.data):
             value = str(self.data[key])
-            if key in HONOURED_KEYS or (
-                key == "forwarded-for-header" and value.lower() == "x-forwarded-for"
+            if key == "block-cidrs":
+                out.append(KeyVerdict(key, value, Verdict.DIFFERENT, _BLOCK_CIDRS))
+            elif key in ("block-user-agents", "block-referers") and "~" in value:
+                out.append(KeyVerdict(key, value, Verdict.DIFFERENT, _BLOCK_RE2))
+            elif (
+                key in HONOURED_KEYS
+                or (key == "forwarded-for-header" and value.lower() == "x-forwarded-for")
+                or (key == "use-proxy-protocol" and value not in _TRUE)
             ):
                 out.append(KeyVerdict(key, value, Verdict.HONOURED))
             elif key in NOOP_KEYS:
@@ -240,6 +255,13 @@ class ControllerConfig:
             if key in ACCESS_KEYS and str(self.data[key]).strip() not in ("", "false"):
                 return f"ConfigMap key {key}: not honoured by Waygate, and it bears on access"
         return ""
+
+
+def keeps_secret(obj: Any, settings: IngressNginx | None) -> bool:
+    """Whether a watched Secret is kept: TLS ones always; with --ingress-nginx also
+    Opaque ones (auth-secret's htpasswd: auth-file or auth-map)."""
+    kind = (obj or {}).get("type") or "Opaque"
+    return kind == "kubernetes.io/tls" or (settings is not None and kind == "Opaque")
 
 
 def config_from(obj: Any) -> ControllerConfig:

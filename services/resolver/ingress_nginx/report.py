@@ -2,8 +2,8 @@
 
 Offline: reads what `kubectl apply -f PATH` takes (a file or a directory of YAML
 or JSON, as the resolver's --manifests does), or lists Ingresses, IngressClasses
-and ConfigMaps from a cluster, and says per Ingress of the ingress-nginx class
-and per annotation what Waygate does with it (the verdicts the resolver's
+and ConfigMaps from a cluster (and reads the Secrets their auth-secret annotations
+name), and says per Ingress of the ingress-nginx class and per annotation what Waygate does with it (the verdicts the resolver's
 --ingress-nginx mode applies: the same `annotations.plan`), whether the Ingress
 would be served, and the controller ConfigMap's keys that are not honoured.
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ from waygate.core.clientcli import EXIT_USAGE_OR_UNREACHABLE, fail
 from waygate.core.errors import WaygateError
 from waygate.resolver.filesource import FileError
 from waygate.resolver.ingress_nginx import annotations as planner
+from waygate.resolver.ingress_nginx import tcpservices as tcp_entries
 from waygate.resolver.ingress_nginx.catalogue import DEFAULT_PREFIX, Verdict
 from waygate.resolver.ingress_nginx.config import (
     DEFAULT_CLASS,
@@ -61,11 +63,13 @@ class Report:
     skipped: list[str] = field(default_factory=list)  # Ingresses of other classes
     config: list[KeyVerdict] = field(default_factory=list)
     configmap: str = ""
+    # The TCP and UDP services ConfigMaps' entries ("TCP 9000", value, verdict, note).
+    streams: list[KeyVerdict] = field(default_factory=list)
 
     @property
     def exact(self) -> bool:
         return all(i.exact for i in self.ingresses) and all(
-            k.verdict in (Verdict.HONOURED, Verdict.NOOP) for k in self.config
+            k.verdict in (Verdict.HONOURED, Verdict.NOOP) for k in (*self.config, *self.streams)
         )
 
     def by_annotation(self) -> list[tuple[str, str, int]]:
@@ -113,6 +117,10 @@ class Report:
                 for i in self.ingresses
             ],
             "skipped": self.skipped,
+            "streamServices": [
+                {"entry": k.key, "value": k.value, "verdict": k.verdict.value, "note": k.note}
+                for k in self.streams
+            ],
         }
 
     def as_table(self) -> str:
@@ -131,6 +139,11 @@ class Report:
             for k in self.config:
                 note = f" -- {k.note}" if k.note else ""
                 lines.append(f"  {k.key:<42} {k.verdict.value:<25}{note}")
+        if self.streams:
+            lines.append("TCP and UDP services:")
+        for k in self.streams:
+            note = f" -- {k.note}" if k.note else ""
+            lines.append(f"  {k.key:<10} {k.value:<31} {k.verdict.value:<25}{note}")
         for skipped in self.skipped:
             lines.append(f"skipped: {skipped}")
         summary = self.by_annotation()
@@ -147,8 +160,12 @@ class Report:
         return "\n".join(lines)
 
 
-def check(objects: list[JSON], settings: IngressNginx) -> Report:
-    """The report for a set of objects (Ingress, IngressClass, ConfigMap; others ignored)."""
+def check(
+    objects: list[JSON], settings: IngressNginx, udp_services: tuple[str, str] | None = None
+) -> Report:
+    """The report for a set of objects (Ingress, IngressClass, ConfigMap, Secret; others
+    ignored):
+    also the TCP services ConfigMap's entries (`settings.tcp_services`) and the UDP one's."""
     by_kind: dict[str, dict[tuple[str, str], JSON]] = {}
     for obj in objects:
         kind = obj.get("kind")
@@ -164,6 +181,7 @@ def check(objects: list[JSON], settings: IngressNginx) -> Report:
     report = Report(
         config=config.verdicts(),
         configmap="/".join(settings.configmap) if settings.configmap else "",
+        streams=stream_verdicts(config_maps, settings.tcp_services, udp_services),
     )
     for (namespace, name), obj in sorted(by_kind.get("Ingress", {}).items()):
         obj.setdefault("metadata", {}).setdefault("namespace", namespace)
@@ -171,10 +189,43 @@ def check(objects: list[JSON], settings: IngressNginx) -> Report:
         if class_name not in ours:
             report.skipped.append(f"Ingress {namespace}/{name} (class {class_name or 'none'})")
             continue
-        plan, _ = planner.judge(obj, settings, config_maps)
+        plan, _ = planner.judge(obj, settings, config_maps, by_kind.get("Secret", {}))
         served = not plan.refusal_reason
         report.ingresses.append(IngressReport(namespace, name, served, plan.refusal, plan.findings))
     return report
+
+
+def stream_verdicts(
+    config_maps: dict[tuple[str, str], JSON],
+    tcp: tuple[str, str] | None,
+    udp: tuple[str, str] | None,
+) -> list[KeyVerdict]:
+    """Each TCP services entry honoured or refused (why); each UDP entry not honoured."""
+    out: list[KeyVerdict] = []
+    for protocol, key in (("TCP", tcp), ("UDP", udp)):
+        if key is None:
+            continue
+        data = (config_maps.get(key) or {}).get("data") or {}
+        if not config_maps.get(key):
+            out.append(
+                KeyVerdict(f"{protocol} -", "/".join(key), Verdict.NOOP, "no such ConfigMap")
+            )
+        for port, value in sorted(data.items() if isinstance(data, dict) else ()):
+            entry = f"{protocol} {port}"
+            if protocol == "UDP":
+                out.append(
+                    KeyVerdict(
+                        entry, str(value), Verdict.NOT_HONOURED, "Waygate relays no UDP: not served"
+                    )
+                )
+                continue
+            try:
+                tcp_entries.parse_entry(str(port), str(value))
+            except ValueError as exc:
+                out.append(KeyVerdict(entry, str(value), Verdict.NOT_HONOURED, f"refused: {exc}"))
+                continue
+            out.append(KeyVerdict(entry, str(value), Verdict.HONOURED))
+    return out
 
 
 # ---------------------------------------------------------------- input
@@ -212,9 +263,38 @@ def read_cluster(kubeconfig: str, context: str) -> list[JSON]:
             for item in items:
                 item.setdefault("kind", kind)
             out.extend(items)
+        # Only the Secrets an auth-secret names (never every Secret of the cluster).
+        for namespace, name in sorted(_auth_secrets(out)):
+            try:
+                secret = api.get(f"/api/v1/namespaces/{namespace}/secrets/{name}")
+            except KubeError as exc:
+                if exc.not_found:
+                    continue  # judged as missing: the Ingress is refused, naming it
+                raise ValueError(f"reading Secret {namespace}/{name}: {exc}") from None
+            secret.setdefault("kind", "Secret")
+            secret.setdefault("metadata", {}).setdefault("namespace", namespace)
+            out.append(secret)
         return out
     finally:
         api.close()
+
+
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+
+
+def _auth_secrets(objects: list[JSON]) -> set[tuple[str, str]]:
+    """(namespace, name) of every Secret an Ingress's auth-secret names (any prefix)."""
+    found = set()
+    for obj in objects:
+        meta = obj.get("metadata") or {}
+        if obj.get("kind") != "Ingress" or not isinstance(meta.get("annotations"), dict):
+            continue
+        for key, value in meta["annotations"].items():
+            if str(key).endswith("/auth-secret") and isinstance(value, str):
+                namespace, _, name = value.rpartition("/")
+                if DNS_LABEL.fullmatch(name) and DNS_LABEL.fullmatch(namespace or "x"):
+                    found.add((namespace or str(meta.get("namespace") or "default"), name))
+    return found
 
 
 def _configure(parser: argparse.ArgumentParser) -> None:
@@ -228,6 +308,15 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ingress-nginx-configmap", default="", help="NS/NAME of the controller ConfigMap"
     )
+    parser.add_argument(
+        "--tcp-services-configmap", default="", help="NS/NAME of the TCP services ConfigMap"
+    )
+    parser.add_argument(
+        "--udp-services-configmap",
+        default="",
+        help="NS/NAME of the UDP services ConfigMap: its entries are reported as not "
+        "honoured (Waygate relays no UDP)",
+    )
     parser.add_argument("-o", "--output", choices=("table", "json"), default="table")
     parser.set_defaults(func=_run)
 
@@ -239,15 +328,21 @@ def _run(args: argparse.Namespace) -> int:
             EXIT_USAGE_OR_UNREACHABLE,
         )
     try:
-        configmap = (
-            parse_reference(args.ingress_nginx_configmap, "--ingress-nginx-configmap")
-            if args.ingress_nginx_configmap
-            else None
+        configmap, tcp, udp = (
+            parse_reference(value, flag) if value else None
+            for value, flag in (
+                (args.ingress_nginx_configmap, "--ingress-nginx-configmap"),
+                (args.tcp_services_configmap, "--tcp-services-configmap"),
+                (args.udp_services_configmap, "--udp-services-configmap"),
+            )
         )
     except ValueError as exc:
         return fail(f"ingress-nginx check: {exc}", EXIT_USAGE_OR_UNREACHABLE)
     settings = IngressNginx(
-        class_name=args.ingress_nginx_class, prefix=args.annotations_prefix, configmap=configmap
+        class_name=args.ingress_nginx_class,
+        prefix=args.annotations_prefix,
+        configmap=configmap,
+        tcp_services=tcp,
     )
     try:
         if args.path is not None:
@@ -256,7 +351,7 @@ def _run(args: argparse.Namespace) -> int:
             objects = read_cluster(args.kubeconfig, args.kube_context)
     except (OSError, ValueError, WaygateError, FileError) as exc:
         return fail(f"ingress-nginx check: {exc}", EXIT_USAGE_OR_UNREACHABLE)
-    report = check(objects, settings)
+    report = check(objects, settings, udp)
     if args.output == "json":
         json.dump(report.as_json(), sys.stdout, indent=2)
         sys.stdout.write("\n")

@@ -41,7 +41,7 @@ PATH = "/validate"
 MAX_HEAD = 16 * 1024
 MAX_BODY = 3 * 1024 * 1024
 MAX_WARNING = 256
-# The objects a review reads: IngressClasses and ConfigMaps, by (namespace, name).
+# The objects a review reads: IngressClasses, ConfigMaps and Secrets, by (namespace, name).
 Lookup = Callable[[str], Mapping[tuple[str, str], JSON]]
 
 
@@ -81,7 +81,7 @@ def review(body: bytes, settings: IngressNginx, objects: Lookup) -> JSON:
     ours = classes(objects("IngressClass"), settings)
     if (class_of(obj) or default_class(ours)) not in ours:
         return out
-    plan, _ = planner.judge(obj, settings, objects("ConfigMap"))
+    plan, _ = planner.judge(obj, settings, objects("ConfigMap"), objects("Secret"))
     warnings = [
         line if len(line) <= MAX_WARNING else line[: MAX_WARNING - 3] + "..."
         for line in plan.verdict_lines()

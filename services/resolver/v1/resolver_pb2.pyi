@@ -305,7 +305,7 @@ class RouteTimeouts(_message.Message):
     def __init__(self, connect: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., client: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., server: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., http_request: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tunnel: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., keep_alive: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class Route(_message.Message):
-    __slots__ = ("namespace", "name", "host", "path", "backends", "target_port", "tls", "balance", "sticky", "timeouts", "auth_proxy_headers", "forwarded_headers", "upstream_protocol", "status", "creation_timestamp", "matches", "filters", "request_timeout", "backend_request_timeout", "listener_port", "gateway", "origin", "rule_index", "listener_protocol")
+    __slots__ = ("namespace", "name", "host", "path", "backends", "target_port", "tls", "balance", "sticky", "timeouts", "auth_proxy_headers", "forwarded_headers", "upstream_protocol", "request_buffering", "status", "creation_timestamp", "matches", "filters", "request_timeout", "backend_request_timeout", "listener_port", "gateway", "origin", "rule_index", "listener_protocol", "access", "proxy_protocol_from_client", "proxy_protocol_to_backend")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -319,6 +319,7 @@ class Route(_message.Message):
     AUTH_PROXY_HEADERS_FIELD_NUMBER: _ClassVar[int]
     FORWARDED_HEADERS_FIELD_NUMBER: _ClassVar[int]
     UPSTREAM_PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_BUFFERING_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     CREATION_TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     MATCHES_FIELD_NUMBER: _ClassVar[int]
@@ -330,6 +331,9 @@ class Route(_message.Message):
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
     RULE_INDEX_FIELD_NUMBER: _ClassVar[int]
     LISTENER_PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    ACCESS_FIELD_NUMBER: _ClassVar[int]
+    PROXY_PROTOCOL_FROM_CLIENT_FIELD_NUMBER: _ClassVar[int]
+    PROXY_PROTOCOL_TO_BACKEND_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     name: str
     host: str
@@ -343,6 +347,7 @@ class Route(_message.Message):
     auth_proxy_headers: bool
     forwarded_headers: ForwardedHeadersMode
     upstream_protocol: str
+    request_buffering: bool
     status: RouteStatus
     creation_timestamp: _timestamp_pb2.Timestamp
     matches: _containers.RepeatedCompositeFieldContainer[RouteMatch]
@@ -354,7 +359,34 @@ class Route(_message.Message):
     origin: str
     rule_index: int
     listener_protocol: str
-    def __init__(self, namespace: _Optional[str] = ..., name: _Optional[str] = ..., host: _Optional[str] = ..., path: _Optional[str] = ..., backends: _Optional[_Iterable[_Union[RouteBackend, _Mapping]]] = ..., target_port: _Optional[str] = ..., tls: _Optional[_Union[RouteTLS, _Mapping]] = ..., balance: _Optional[_Union[BalancePolicy, str]] = ..., sticky: _Optional[_Union[StickySessions, _Mapping]] = ..., timeouts: _Optional[_Union[RouteTimeouts, _Mapping]] = ..., auth_proxy_headers: _Optional[bool] = ..., forwarded_headers: _Optional[_Union[ForwardedHeadersMode, str]] = ..., upstream_protocol: _Optional[str] = ..., status: _Optional[_Union[RouteStatus, _Mapping]] = ..., creation_timestamp: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., matches: _Optional[_Iterable[_Union[RouteMatch, _Mapping]]] = ..., filters: _Optional[_Union[RouteFilters, _Mapping]] = ..., request_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., backend_request_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., listener_port: _Optional[int] = ..., gateway: _Optional[str] = ..., origin: _Optional[str] = ..., rule_index: _Optional[int] = ..., listener_protocol: _Optional[str] = ...) -> None: ...
+    access: RouteAccess
+    proxy_protocol_from_client: bool
+    proxy_protocol_to_backend: bool
+    def __init__(self, namespace: _Optional[str] = ..., name: _Optional[str] = ..., host: _Optional[str] = ..., path: _Optional[str] = ..., backends: _Optional[_Iterable[_Union[RouteBackend, _Mapping]]] = ..., target_port: _Optional[str] = ..., tls: _Optional[_Union[RouteTLS, _Mapping]] = ..., balance: _Optional[_Union[BalancePolicy, str]] = ..., sticky: _Optional[_Union[StickySessions, _Mapping]] = ..., timeouts: _Optional[_Union[RouteTimeouts, _Mapping]] = ..., auth_proxy_headers: _Optional[bool] = ..., forwarded_headers: _Optional[_Union[ForwardedHeadersMode, str]] = ..., upstream_protocol: _Optional[str] = ..., request_buffering: _Optional[bool] = ..., status: _Optional[_Union[RouteStatus, _Mapping]] = ..., creation_timestamp: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., matches: _Optional[_Iterable[_Union[RouteMatch, _Mapping]]] = ..., filters: _Optional[_Union[RouteFilters, _Mapping]] = ..., request_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., backend_request_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., listener_port: _Optional[int] = ..., gateway: _Optional[str] = ..., origin: _Optional[str] = ..., rule_index: _Optional[int] = ..., listener_protocol: _Optional[str] = ..., access: _Optional[_Union[RouteAccess, _Mapping]] = ..., proxy_protocol_from_client: _Optional[bool] = ..., proxy_protocol_to_backend: _Optional[bool] = ...) -> None: ...
+
+class RouteAccess(_message.Message):
+    __slots__ = ("block", "deny", "allow", "block_user_agents", "block_referers", "trusted_proxies", "auth_type", "auth_realm", "credentials", "satisfy_any")
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    DENY_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_USER_AGENTS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_REFERERS_FIELD_NUMBER: _ClassVar[int]
+    TRUSTED_PROXIES_FIELD_NUMBER: _ClassVar[int]
+    AUTH_TYPE_FIELD_NUMBER: _ClassVar[int]
+    AUTH_REALM_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIALS_FIELD_NUMBER: _ClassVar[int]
+    SATISFY_ANY_FIELD_NUMBER: _ClassVar[int]
+    block: _containers.RepeatedScalarFieldContainer[str]
+    deny: _containers.RepeatedScalarFieldContainer[str]
+    allow: _containers.RepeatedScalarFieldContainer[str]
+    block_user_agents: _containers.RepeatedScalarFieldContainer[str]
+    block_referers: _containers.RepeatedScalarFieldContainer[str]
+    trusted_proxies: _containers.RepeatedScalarFieldContainer[str]
+    auth_type: str
+    auth_realm: str
+    credentials: _containers.RepeatedScalarFieldContainer[str]
+    satisfy_any: bool
+    def __init__(self, block: _Optional[_Iterable[str]] = ..., deny: _Optional[_Iterable[str]] = ..., allow: _Optional[_Iterable[str]] = ..., block_user_agents: _Optional[_Iterable[str]] = ..., block_referers: _Optional[_Iterable[str]] = ..., trusted_proxies: _Optional[_Iterable[str]] = ..., auth_type: _Optional[str] = ..., auth_realm: _Optional[str] = ..., credentials: _Optional[_Iterable[str]] = ..., satisfy_any: _Optional[bool] = ...) -> None: ...
 
 class RouteCondition(_message.Message):
     __slots__ = ("type", "status", "reason", "message", "last_transition_time", "observed_generation")

@@ -12,8 +12,10 @@ and the backend, not the client, decides the upstream protocol.
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import contextlib
+import dataclasses
 import hashlib
 import logging
 from collections.abc import AsyncIterator
@@ -35,6 +37,7 @@ from waygate.resolver.model import (
     Mirror,
     Redirect,
     Route,
+    RouteAccess,
     RouteBackend,
     RouteFilters,
     RouteTLS,
@@ -289,6 +292,42 @@ async def test_route_redirect_filter(backends, client, backend):
 
 
 @pytest.mark.parametrize(("client", "backend"), PAIRS)
+async def test_access_refuses_challenges_and_lets_through(backends, client, backend):
+    # waygate.proxy.access: the client (127.0.0.1) outside the allowed range, so under
+    # satisfy any its credentials decide: 401 with the challenge until they match.
+    creds = ("ann:{SHA}" + base64.b64encode(hashlib.sha1(b"pw").digest()).decode(),)
+    rules = RouteAccess(
+        allow=("10.0.0.0/8",), auth_type="basic", auth_realm="staff", credentials=creds
+    )
+    either = dataclasses.replace(rules, satisfy_any=True)
+    table = built([core_route(backend, access=either)], [backends.endpoint()])
+    token = "Basic " + base64.b64encode(b"ann:pw").decode()
+    async with running_proxy(table) as (server, port):
+        challenged = await ask(client, port)
+        wrong = await ask(client, port, headers=[("authorization", "Basic YW5uOng=")])
+        assert backends.requests(backend) == 0
+        passed = await ask(client, port, "/in", headers=[("authorization", token)])
+        assert server.metrics.requests[("demo/core", b"GET", 4)] == 2
+    for answer in (challenged, wrong):
+        assert answer.status == 401
+        assert answer.headers["www-authenticate"] == 'Basic realm="staff"'
+        assert b"401 Authorization Required" in answer.body
+    assert passed.status == 200 and backends.requests(backend) == 1
+    # The Authorization header reaches the backend, as nginx passes it on.
+    if backend == "h2c":
+        assert dict(backends.h2.headers[-1]).get(b"authorization") == token.encode()
+    else:
+        record = backends.h1.requests[-1]
+        assert ("authorization", token) in [(k.lower(), v) for k, v in record["headers"]]  # type: ignore[attr-defined]
+    table = built([core_route(backend, access=rules)], [backends.endpoint()])
+    async with running_proxy(table) as (_, port):
+        refused = await ask(client, port, headers=[("authorization", token)])
+    assert refused.status == 403
+    assert refused.headers["x-waygate-error"] == "the client address is not allowed"
+    assert backends.requests(backend) == 1
+
+
+@pytest.mark.parametrize(("client", "backend"), PAIRS)
 async def test_invalid_backend_ref_answers_500_under_the_route(backends, client, backend):
     refs = (RouteBackend(service="svc", namespace="other", invalid="backendRef not granted"),)
     table = built([core_route(backend, backends=refs)], [backends.endpoint()])
@@ -322,16 +361,20 @@ async def _dead_port() -> int:
     return int(port)
 
 
-@pytest.mark.parametrize(("client", "backend"), PAIRS)
-async def test_redispatch_after_a_failed_connect(backends, client, backend):
+async def dead_endpoint() -> Endpoint:
+    """An endpoint of other/svc whose ports refuse connections."""
     dead = await _dead_port()
-    dead_endpoint = Endpoint(
+    return Endpoint(
         namespace="other",
         service="svc",
         address="127.0.0.2",
         ports=(EndpointPort("http", dead), EndpointPort("h2", dead)),
     )
-    table = built([core_route(backend)], [dead_endpoint, backends.endpoint()])
+
+
+@pytest.mark.parametrize(("client", "backend"), PAIRS)
+async def test_redispatch_after_a_failed_connect(backends, client, backend):
+    table = built([core_route(backend)], [await dead_endpoint(), backends.endpoint()])
     async with running_proxy(table) as (server, port):
         answers = [await ask(client, port, f"/{i}") for i in range(4)]
     assert [a.status for a in answers] == [200] * 4

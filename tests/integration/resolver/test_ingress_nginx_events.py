@@ -66,7 +66,7 @@ async def test_events_say_why_an_ingress_is_not_served_and_follow_changes(kubeap
     store = Store()
     load(
         store,
-        ingress("guarded", {P + "whitelist-source-range": "10.0.0.0/8"}),
+        ingress("guarded", {P + "enable-modsecurity": "true"}),
         ingress("cors", {P + "enable-cors": "true"}),
         ingress("plain", {P + "load-balance": "ewma"}),
     )
@@ -77,7 +77,7 @@ async def test_events_say_why_an_ingress_is_not_served_and_follow_changes(kubeap
     found = events(kubeapi)
     guarded = found["guarded"]
     assert (guarded["type"], guarded["reason"]) == ("Warning", "UnsupportedAnnotation")
-    assert "whitelist-source-range" in guarded["message"]
+    assert "enable-modsecurity" in guarded["message"]
     assert guarded["involvedObject"]["kind"] == "Ingress"
     assert (found["cors"]["type"], found["cors"]["reason"]) == ("Warning", "AnnotationNotHonoured")
     assert found["plain"]["reason"] == "AnnotationsHonoured"

@@ -53,14 +53,15 @@ def test_the_json_report_over_the_examples():
     # Access annotations not honoured: not served, the reason names the annotation.
     for name, annotation in (
         ("oauth2-dashboard", "auth-"),
-        ("admin-allowlist", "whitelist-source-range"),
-        ("basic-auth", "auth-"),
         ("mtls-partners", "auth-tls-"),
         ("rate-limited", "limit-"),
         ("waf", "modsecurity"),
     ):
         assert by_name[name]["served"] is False, name
         assert annotation in by_name[name]["refusal"], (name, by_name[name]["refusal"])
+    # Source ranges and basic authentication (its Secret beside it) are honoured exactly.
+    assert by_name["admin-allowlist"]["exact"] is True
+    assert by_name["basic-auth"]["exact"] is True
     # A snippet outside the literal subset is refused, naming why; the subset is served.
     assert by_name["snippet-lua"]["served"] is False
     assert "blocks" in by_name["snippet-lua"]["refusal"]
@@ -135,7 +136,7 @@ def test_the_report_from_a_cluster(tmp_path: Path):
         api.register("networking.k8s.io/v1", "IngressClass", "ingressclasses", namespaced=False)
         for path in sorted(EXAMPLES.glob("*.yaml")):
             for doc in yaml.safe_load_all(path.read_text()):
-                if doc and doc["kind"] in ("Ingress", "IngressClass", "ConfigMap"):
+                if doc and doc["kind"] in ("Ingress", "IngressClass", "ConfigMap", "Secret"):
                     if doc["kind"] != "IngressClass":
                         namespace = doc["metadata"]["namespace"]
                         if not any(
@@ -174,7 +175,10 @@ current-context: prod
     report = json.loads(result.stdout)
     by_name = {i["name"]: i for i in report["ingresses"]}
     assert len(by_name) >= 30
-    assert by_name["admin-allowlist"]["served"] is False
+    assert by_name["admin-allowlist"]["exact"] is True
+    # The Secret an auth-secret names is read (and only it): basic-auth is served.
+    assert by_name["basic-auth"]["exact"] is True
+    assert by_name["oauth2-dashboard"]["served"] is False
     assert by_name["web-main"]["exact"] is True
     keys = {k["key"] for k in report["configMap"]["keys"]}
     assert "allow-snippet-annotations" in keys

@@ -99,7 +99,7 @@ def test_cve_2025_1974_reviews_are_denied_with_the_reason(annotations):
 
 
 def test_access_annotation_denied_differences_warned_others_admitted():
-    response = answer(admission_review({P + "whitelist-source-range": "10.0.0.0/8"}))
+    response = answer(admission_review({P + "enable-modsecurity": "true"}))
     assert response["allowed"] is False and "UnsupportedAnnotation" in response["status"]["message"]
     response = answer(admission_review({P + "enable-cors": "true"}))
     assert response["allowed"] is True

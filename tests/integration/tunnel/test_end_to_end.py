@@ -32,7 +32,7 @@ from tests.integration.tunnel.harness import (
 from tests.integration.tunnel.test_leaks import open_fds, settled, tasks
 from tests.integration.tunnel.test_parked_dials import packets_to_agent
 from tests.support.poll import until
-from waygate.tunnel import datapath, kernelsplice
+from waygate.tunnel import datapath
 from waygate.tunnel.client import DataStream, DialFailed
 from waygate.tunnel.relay import end_to_end_context, fingerprint
 from waygate.tunnel.server import DataConnection
@@ -76,10 +76,11 @@ async def test_bytes_cross_end_to_end_whole_and_the_replica_sees_only_ciphertext
 ) -> None:
     """Both ways the replica copies: splice(2) (no byte in user space), and, where that
     is not to be had, two plain links (every byte written is recorded here)."""
+    assert tunnel.data is not None
     if copy == "python":
-        monkeypatch.setattr(kernelsplice, "available", lambda: False)
+        monkeypatch.setattr(tunnel.data, "kernel_copy", False)
     else:
-        assert kernelsplice.available()  # (Linux: the replica's copy of choice)
+        assert tunnel.data.kernel_copy  # (Linux: the replica's copy of choice, probed at start)
     written = replica_writes(monkeypatch)
     payload = b"SECRET-PAYLOAD-" + os.urandom(4 * 1024 * 1024)
     echo, port = await echo_server()

@@ -22,6 +22,7 @@ from waygate.resolver.model import (
     InsecureEdgePolicy,
     Redirect,
     Route,
+    RouteAccess,
     RouteBackend,
     RouteFilters,
     RouteTLS,
@@ -118,6 +119,39 @@ CASES = [
         "demo/r",
     ),
     ("no endpoint", [rt(backends=(RouteBackend("gone"),))], req(), 503, "no_endpoint", "demo/r"),
+    # Access (waygate.proxy.access; the client is 192.0.2.7): tests/unit/proxy/test_access.py.
+    (
+        "allowed address",
+        [rt(access=RouteAccess(allow=("192.0.2.0/24",)))],
+        req(),
+        None,
+        "",
+        "demo/r",
+    ),
+    (
+        "address not allowed",
+        [rt(access=RouteAccess(allow=("10.0.0.0/8",)))],
+        req(),
+        403,
+        "access_denied",
+        "demo/r",
+    ),
+    (
+        "no credentials",
+        [rt(access=RouteAccess(auth_type="basic", auth_realm="r", credentials=("a:{PLAIN}b",)))],
+        req(),
+        401,
+        "unauthorized",
+        "demo/r",
+    ),
+    (
+        "credentials",
+        [rt(access=RouteAccess(auth_type="basic", credentials=("a:{PLAIN}b",)))],
+        req(extra="Authorization: Basic YTpi\r\n"),
+        None,
+        "",
+        "demo/r",
+    ),
     ("forward", [rt()], req(), None, "", "demo/r"),
 ]
 
@@ -193,6 +227,31 @@ def test_grpc_timeout_sets_the_deadline_only_when_shorter():
     assert isinstance(forward, Forward) and forward.deadline == 100.5
     forward = decide(view([rt()], [ep()]), req(), Facts(), 100.0, grpc_timeout=10_000.0)
     assert isinstance(forward, Forward) and forward.deadline == 0.0
+
+
+@pytest.mark.parametrize(
+    ("head", "route", "grpc", "buffered"),
+    [
+        ("POST /x HTTP/1.1\r\nHost: a.test\r\nContent-Length: 5\r\n\r\n", {}, False, True),
+        ("POST /x HTTP/1.1\r\nHost: a.test\r\nTransfer-Encoding: chunked\r\n\r\n", {}, False, True),
+        ("GET /x HTTP/1.1\r\nHost: a.test\r\n\r\n", {}, False, False),  # no body: nothing to hold
+        ("POST /x HTTP/1.1\r\nHost: a.test\r\nContent-Length: 0\r\n\r\n", {}, False, False),
+        (
+            "POST /x HTTP/1.1\r\nHost: a.test\r\nContent-Length: 5\r\n\r\n",
+            {"request_buffering": False},  # a streaming route
+            False,
+            False,
+        ),
+        ("POST /x HTTP/1.1\r\nHost: a.test\r\nContent-Length: 5\r\n\r\n", {}, True, False),
+    ],
+    ids=["length", "chunked", "bodiless", "empty", "route off", "grpc"],
+)
+def test_request_buffering_is_decided_once(head, route, grpc, buffered):
+    decided = decide(
+        view([rt(**route)], [ep()]), parse_request_head(head.encode()), Facts(), 0.0, grpc=grpc
+    )
+    assert type(decided) is Forward
+    assert decided.buffer_body is buffered
 
 
 def test_the_pick_is_counted_and_released_and_repick_moves_it():

@@ -37,11 +37,12 @@ def test_identity(crd):
 def camel(descriptor) -> set[str]:
     # Field numbers 50-79 and 90-109 are made only from Gateway API and Ingress
     # objects (waygate.resolver.gateway: listener_protocol, BackendTLSPolicy's
-    # RouteTLS fields), never written in a Route object.
+    # RouteTLS fields), 180-199 only from ingress-nginx's TCP services ConfigMap
+    # (waygate.resolver.ingress_nginx.tcpservices), never written in a Route object.
     return {
         field.json_name
         for field in descriptor.fields
-        if not (50 <= field.number <= 79 or 90 <= field.number <= 109)
+        if not (50 <= field.number <= 79 or 90 <= field.number <= 109 or 180 <= field.number <= 199)
     }
 
 

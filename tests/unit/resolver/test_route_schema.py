@@ -119,6 +119,7 @@ def full_route() -> model.Route:
             auth_proxy_headers=True,
             forwarded_headers=model.ForwardedHeadersMode.IF_NONE,
             upstream_protocol="h2",
+            request_buffering=False,
         )
     )
 
@@ -368,6 +369,20 @@ DERIVED_SAMPLES: dict[str, dict[str, Any]] = {
         "listener_protocol": "HTTP",
         "origin": "HTTPRoute demo/x",
         "rule_index": 2,
+        "access": model.RouteAccess(
+            block=("192.0.2.0/24",),
+            deny=("10.1.0.0/16",),
+            allow=("10.0.0.0/8",),
+            block_user_agents=("~*bot",),
+            block_referers=("spam.example",),
+            trusted_proxies=("0.0.0.0/0",),
+            auth_type="basic",
+            auth_realm="staff",
+            credentials=("ann:{PLAIN}pw",),
+            satisfy_any=True,
+        ),
+        "proxy_protocol_from_client": True,
+        "proxy_protocol_to_backend": True,
     },
     "RouteBackend": {"namespace": "other", "port": "http", "invalid": "not granted"},
     "RouteTLS": {
@@ -393,6 +408,15 @@ def test_every_derived_field_survives_the_proto_both_ways():
         **DERIVED_SAMPLES["Route"],
     )
     assert convert.route_from_proto(convert.route_to_proto(route)) == route
+
+
+def test_route_credentials_are_withheld_as_private_keys_are():
+    """htpasswd hashes are secrets: a reply without keys carries no credentials."""
+    access = DERIVED_SAMPLES["Route"]["access"]
+    route = dataclasses.replace(full_route(), access=access)
+    shown = convert.route_from_proto(convert.route_to_proto(route, with_key=False))
+    assert shown.access == dataclasses.replace(access, credentials=())
+    assert shown.tls is not None and not shown.tls.key
 
 
 _json = st.recursive(

@@ -1,0 +1,293 @@
+"""Who may reach a route: client address ranges, block lists and HTTP Basic
+authentication (a route's `RouteAccess`: ingress-nginx's `*-source-range`,
+`auth-type: basic`, `satisfy` and the ConfigMap's `block-*`), sans-IO.
+
+`compile_access(route_access)` turns a route's rules into an `AccessCheck` once
+per routing table (CIDRs into integer masks, credentials into a user -> hash
+map); `AccessCheck.decide(req, peer)` is the per-request part, called by the
+request core's gate (`waygate.proxy.decision`) for HTTP/1.1 and HTTP/2 alike.
+
+The client address is the peer's, or, when the peer is within
+`trusted_proxies` (ingress-nginx's use-forwarded-headers with
+proxy-real-ip-cidr), the one X-Forwarded-For names as nginx's real_ip module
+finds it with real_ip_recursive on: from the right, the first address not
+itself trusted (the leftmost when all are).
+
+Order, as ingress-nginx's nginx: the block lists (403 whatever else holds);
+then the location's `deny` ranges, its `allow` ranges (anything else denied
+when there are any) and the credentials, combined by `satisfy`: `all` needs
+each configured check to pass (403 for the address, else 401), `any` needs one
+(401 when authentication is configured, as nginx's access phase keeps the 401).
+
+Invariants:
+- Fail closed: an address that does not parse is in no allow range; a route
+  with authentication whose credentials were withheld from this proxy (the
+  resolver sends them only where it sends private keys) answers 503, never 200.
+- Hashes are verified exactly (waygate.core.htpasswd); the resolver refuses
+  any format it cannot verify. An Authorization value, once checked, is
+  remembered per table entry (bounded), so a known user pays the hash (bcrypt:
+  milliseconds to a second, on the event loop) once, not per request.
+- The Authorization header is forwarded to the backend, as nginx does.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import ipaddress
+import re
+import socket
+from collections.abc import Iterable, Sequence
+from typing import Final, Protocol
+
+from waygate.core.htpasswd import parse_credentials, verify
+from waygate.core.regex import LinearPattern, compile_linear
+from waygate.proxy.http1 import RequestHead
+from waygate.resolver.client import Route, RouteAccess
+
+#: Answer kinds (the refusal metric's labels).
+KIND_DENIED: Final = "access_denied"
+KIND_BLOCKED: Final = "blocked"
+KIND_UNAUTHORIZED: Final = "unauthorized"  # rendered by `challenge_response`
+KIND_WITHHELD: Final = "credentials_withheld"
+KIND_INVALID: Final = "access_invalid"
+
+# Verified Authorization values kept per route entry (then forgotten at once).
+MAX_REMEMBERED: Final = 1024
+
+_XFF: Final = b"x-forwarded-for"
+_FIELD = {
+    name: re.compile(rb"(?:^|\n)" + name + rb"[ \t]*:[ \t]*([^\r\n]*)", re.IGNORECASE)
+    for name in (b"authorization", b"user-agent", b"referer")
+}
+_BASIC: Final = re.compile(rb"basic[ \t]+([A-Za-z0-9+/]+=*)[ \t]*", re.IGNORECASE)
+
+# One range: (version, network as an int, mask as an int).
+Network = tuple[int, int, int]
+
+
+def networks(cidrs: Iterable[str]) -> tuple[Network, ...]:
+    """CIDRs (or single addresses) as integer masks; ValueError for one that is not."""
+    out = []
+    for text in cidrs:
+        net = ipaddress.ip_network(text.strip(), strict=False)
+        out.append((net.version, int(net.network_address), int(net.netmask)))
+    return tuple(out)
+
+
+def _address(text: bytes | str) -> tuple[int, int] | None:
+    """(version, int) of an address; IPv4-mapped IPv6 as IPv4 (as nginx's access
+    module reads it); None when it does not parse (inet_pton's strict forms only)."""
+    try:
+        plain = text.decode("ascii") if isinstance(text, bytes) else text
+        return 4, int.from_bytes(socket.inet_pton(socket.AF_INET, plain), "big")
+    except (OSError, UnicodeDecodeError, ValueError):
+        pass
+    try:
+        value = int.from_bytes(socket.inet_pton(socket.AF_INET6, plain), "big")
+    except (OSError, ValueError):
+        return None
+    if value >> 32 == 0xFFFF:
+        return 4, value & 0xFFFFFFFF
+    return 6, value
+
+
+def _within(address: tuple[int, int], ranges: Sequence[Network]) -> bool:
+    version, value = address
+    for net_version, network, mask in ranges:
+        if net_version == version and value & mask == network:
+            return True
+    return False
+
+
+def client_address(
+    peer: bytes, forwarded: Sequence[tuple[bytes, bytes, bytes]], trusted: Sequence[Network]
+) -> tuple[int, int] | None:
+    """The client's address as nginx's real_ip (recursive) finds it: the peer's,
+    unless the peer is trusted and X-Forwarded-For names others."""
+    address = _address(peer)
+    if address is None or not trusted or not _within(address, trusted):
+        return address
+    values = [value for lname, _, value in forwarded if lname == _XFF]
+    if not values:
+        return address
+    for item in reversed(b",".join(values).split(b",")):
+        found = _address(item.strip())
+        if found is None:
+            return address  # nginx stops at what it cannot parse
+        address = found
+        if not _within(found, trusted):
+            return found
+    return address
+
+
+Matcher = tuple["LinearPattern | None", str]
+
+
+def _value_matchers(patterns: Iterable[str]) -> tuple[Matcher, ...]:
+    """nginx map keys: "~*RE" (case-insensitive), "~RE", else an exact value; the
+    expressions in RE2 (waygate.core.regex: linear time, whatever the pattern)."""
+    out: list[Matcher] = []
+    for pattern in patterns:
+        if pattern.startswith("~*"):
+            out.append((compile_linear("(?i)" + pattern[2:]), ""))
+        elif pattern.startswith("~"):
+            out.append((compile_linear(pattern[1:]), ""))
+        else:
+            out.append((None, pattern))
+    return tuple(out)
+
+
+def _field(req: RequestHead, name: bytes) -> bytes | None:
+    found = _FIELD[name].search(req.fields)
+    return None if found is None else found.group(1).rstrip(b" \t")
+
+
+# ---------------------------------------------------------------- the check
+
+
+class _Entry(Protocol):
+    route: Route
+    access: AccessCheck | None
+
+
+def prepare(entry: _Entry) -> bool:
+    """The request core's `applies` for the access rule (once per table and route
+    entry): compiles the route's rules onto the entry; False without any."""
+    rules = entry.route.access
+    if rules is None:
+        return False
+    entry.access = AccessCheck(rules)
+    return True
+
+
+class AccessCheck:
+    """One route's access rules, compiled once per routing table."""
+
+    __slots__ = (
+        "agents",
+        "allow",
+        "auth",
+        "block",
+        "broken",
+        "challenge",
+        "deny",
+        "last_address",
+        "last_peer",
+        "referers",
+        "remembered",
+        "satisfy_any",
+        "trusted",
+        "users",
+    )
+
+    def __init__(self, access: RouteAccess) -> None:
+        # The resolver validated the rules; should they still not compile, nothing
+        # passes (fail closed) rather than the table build failing.
+        try:
+            self._compile(access)
+        except ValueError as exc:  # (RegexRefused is one)
+            self._compile(RouteAccess())
+            self.broken = f"the route's access rules do not compile: {exc}"
+
+    def _compile(self, access: RouteAccess) -> None:
+        self.broken = ""
+        self.block = networks(access.block)
+        self.deny = networks(access.deny)
+        self.allow = networks(access.allow)
+        self.trusted = networks(access.trusted_proxies)
+        self.agents = _value_matchers(access.block_user_agents)
+        self.referers = _value_matchers(access.block_referers)
+        self.auth = access.auth_type == "basic"
+        self.users = parse_credentials(access.credentials)
+        self.challenge = 'Basic realm="' + access.auth_realm + '"'
+        self.satisfy_any = access.satisfy_any
+        self.remembered: dict[bytes, bool] = {}
+        # The last peer address parsed (a connection's bytes object) and its value.
+        self.last_peer: bytes | None = None
+        self.last_address: tuple[int, int] | None = None
+
+    def decide(self, req: RequestHead, peer: bytes) -> tuple[int, str, str] | None:
+        """None when the request may go on, else (status, reason, kind)."""
+        if self.broken:
+            return 503, self.broken, KIND_INVALID
+        address = None
+        if self.block or self.deny or self.allow:
+            if self.trusted:
+                address = client_address(peer, req.forwarded, self.trusted)
+            elif peer is self.last_peer:  # a keep-alive connection's next request
+                address = self.last_address
+            else:
+                address = self.last_address = _address(peer)
+                self.last_peer = peer
+        if self.block and (address is None or _within(address, self.block)):
+            return 403, "the client address is blocked", KIND_BLOCKED
+        if self.agents and _blocked(self.agents, _field(req, b"user-agent")):
+            return 403, "the User-Agent is blocked", KIND_BLOCKED
+        if self.referers and _blocked(self.referers, _field(req, b"referer")):
+            return 403, "the Referer is blocked", KIND_BLOCKED
+        address_ok = True
+        if self.deny or self.allow:
+            address_ok = address is not None and not _within(address, self.deny)
+            if address_ok and self.allow:
+                address_ok = _within(address, self.allow)  # type: ignore[arg-type]
+        if not self.auth:
+            return None if address_ok else (403, "the client address is not allowed", KIND_DENIED)
+        if self.satisfy_any and address_ok and (self.deny or self.allow):
+            return None
+        if not address_ok and not self.satisfy_any:
+            return 403, "the client address is not allowed", KIND_DENIED
+        if not self.users:
+            return 503, "the route's credentials are withheld from this proxy", KIND_WITHHELD
+        if self._authenticated(req):
+            return None
+        return 401, self.challenge, KIND_UNAUTHORIZED
+
+    def _authenticated(self, req: RequestHead) -> bool:
+        header = _field(req, b"authorization")
+        if header is None:
+            return False
+        basic = _BASIC.fullmatch(header)
+        if basic is None:
+            return False
+        token = basic.group(1)
+        known = self.remembered.get(token)
+        if known is not None:
+            return known
+        try:
+            user, colon, password = base64.b64decode(token, validate=True).partition(b":")
+        except binascii.Error:
+            return False
+        hashed = self.users.get(user) if colon else None
+        ok = hashed is not None and verify(password, hashed)
+        if len(self.remembered) >= MAX_REMEMBERED:
+            self.remembered.clear()
+        self.remembered[token] = ok
+        return ok
+
+
+def _blocked(matchers: Sequence[Matcher], value: bytes | None) -> bool:
+    text = value.decode("latin-1") if value else ""
+    for pattern, exact in matchers:
+        if pattern is None:
+            if text == exact:
+                return True
+        elif pattern.search(text):
+            return True
+    return False
+
+
+def challenge_response(challenge: str, *, close: bool, head_only: bool) -> bytes:
+    """The 401 answer with its WWW-Authenticate challenge (nginx's page title as body)."""
+    body = b"401 Authorization Required\n"
+    return (
+        b"HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: %s\r\n"
+        b"Content-Type: text/plain; charset=utf-8\r\nContent-Length: %d\r\n"
+        b"Cache-Control: no-store\r\nX-Waygate-Error: authentication required\r\n%s\r\n%s"
+        % (
+            challenge.encode("latin-1", "replace"),
+            len(body),
+            b"Connection: close\r\n" if close else b"",
+            b"" if head_only else body,
+        )
+    )

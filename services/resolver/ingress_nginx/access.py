@@ -1,0 +1,242 @@
+"""ingress-nginx's access annotations and ConfigMap block lists -> a route's `RouteAccess`.
+
+Sans-IO: `plan_access(...)` reads an Ingress's valid annotation values
+(`whitelist-source-range`/`allowlist-source-range`, `denylist-source-range`,
+`auth-type: basic` with `auth-secret`, `auth-secret-type`, `auth-realm`,
+`satisfy`), the controller ConfigMap (`block-cidrs`, `block-user-agents`,
+`block-referers`, `use-forwarded-headers`, `forwarded-for-header`,
+`proxy-real-ip-cidr`, `use-proxy-protocol`) and the Secrets it names, and
+gives the Ingress's plan its `access` (the proxy decides it per request:
+waygate.proxy.access) and a finding per annotation, or a refusal.
+
+Invariants (fail closed):
+- What cannot be honoured exactly refuses the Ingress, naming the annotation:
+  a missing Secret, or one of another namespace; an auth-file Secret without
+  its `auth` key; a password hash of a format Waygate cannot verify; digest
+  authentication; source ranges while the client address would be taken from
+  a PROXY protocol header (the proxy does not read one) or a header other than
+  X-Forwarded-For.
+- The client address is the peer's, or with use-forwarded-headers the one
+  X-Forwarded-For names through proxies in proxy-real-ip-cidr (default
+  0.0.0.0/0, as ingress-nginx).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import ipaddress
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from waygate.core.htpasswd import hash_format_problem, parse_credentials
+from waygate.core.regex import refusal as regex_refusal
+from waygate.resolver.ingress_nginx.catalogue import CATALOGUE, Verdict
+from waygate.resolver.ingress_nginx.config import ControllerConfig
+from waygate.resolver.model import RouteAccess
+
+JSON = dict[str, Any]
+Lookup = Callable[[str, str], "JSON | None"]
+
+#: The annotations this module decides (the plan leaves their findings to it).
+ANNOTATIONS = frozenset(
+    (
+        "whitelist-source-range",
+        "allowlist-source-range",
+        "denylist-source-range",
+        "auth-type",
+        "auth-secret",
+        "auth-secret-type",
+        "auth-realm",
+        "satisfy",
+    )
+)
+UNSUPPORTED = "UnsupportedAnnotation"
+#: The ConfigMap keys read here that need the client address.
+ADDRESS_KEYS = ("block-cidrs",)
+_DEFAULT_TRUSTED = "0.0.0.0/0"
+
+
+def _split(value: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in value.split(",") if item.strip())
+
+
+def block_lists(config: ControllerConfig) -> tuple[tuple[str, ...], ...]:
+    """(block-cidrs, block-user-agents, block-referers) of the ConfigMap."""
+    return tuple(_split(config.text(key, "")) for key in ("block-cidrs", *BLOCK_VALUE_KEYS))
+
+
+BLOCK_VALUE_KEYS = ("block-user-agents", "block-referers")
+
+
+def config_problem(config: ControllerConfig) -> str:
+    """Why the ConfigMap's block lists cannot be honoured ("" : they can)."""
+    cidrs, agents, referers = block_lists(config)
+    if cidrs:
+        problem = address_problem(config)
+        if problem:
+            return f"ConfigMap key block-cidrs: {problem}"
+        for item in cidrs:
+            if not _cidr(item):
+                return f"ConfigMap key block-cidrs: {item!r} is not an address or CIDR"
+    for key, patterns in zip(BLOCK_VALUE_KEYS, (agents, referers), strict=True):
+        for pattern in patterns:
+            if pattern.startswith("~"):
+                refused = regex_refusal(pattern[2:] if pattern.startswith("~*") else pattern[1:])
+                if refused:
+                    return f"ConfigMap key {key}: {pattern!r}: {refused}"
+    return ""
+
+
+def address_problem(config: ControllerConfig) -> str:
+    """Why the client address cannot be found as ingress-nginx would ("" : it can)."""
+    if config.flag("use-proxy-protocol", False):
+        return (
+            "the client address would come from the PROXY protocol (use-proxy-protocol), "
+            "which the proxy does not read"
+        )
+    if config.flag("use-forwarded-headers", False):
+        header = config.text("forwarded-for-header", "X-Forwarded-For")
+        if header.lower() != "x-forwarded-for":
+            return f"the client address from {header} (forwarded-for-header) is not honoured"
+        for item in _split(config.text("proxy-real-ip-cidr", _DEFAULT_TRUSTED)):
+            if not _cidr(item):
+                return f"proxy-real-ip-cidr: {item!r} is not an address or CIDR"
+    return ""
+
+
+def _cidr(text: str) -> bool:
+    try:
+        ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        return False
+    return True
+
+
+def _trusted(config: ControllerConfig) -> tuple[str, ...]:
+    if not config.flag("use-forwarded-headers", False):
+        return ()
+    return _split(config.text("proxy-real-ip-cidr", _DEFAULT_TRUSTED))
+
+
+def plan_access(
+    namespace: str,
+    values: Mapping[str, str],
+    recorded: set[str],
+    config: ControllerConfig,
+    secrets: Lookup,
+    prefix: str,
+) -> tuple[RouteAccess | None, list[tuple[str, Verdict, str, bool]], str]:
+    """The access of one Ingress: (RouteAccess or None, findings as (annotation,
+    verdict, note, refuses) for those in `values` not yet `recorded`, the refusal
+    message or "")."""
+    findings: list[tuple[str, Verdict, str, bool]] = []
+    refusal = ""
+
+    def note(short: str, verdict: Verdict, text: str = "") -> None:
+        nonlocal refusal
+        refuses = verdict is Verdict.NOT_HONOURED
+        if short in values and short not in recorded:
+            findings.append((short, verdict, text, refuses))
+        if refuses and not refusal:
+            refusal = f"annotation {prefix}/{short}: not honoured ({text}), and it bears on access"
+
+    # allowlist- is the current name, whitelist- the old one (ingress-nginx reads both).
+    allow = _split(values.get("allowlist-source-range") or values.get("whitelist-source-range", ""))
+    deny = _split(values.get("denylist-source-range", ""))
+    address = address_problem(config) if allow or deny else ""
+    for short in ("whitelist-source-range", "allowlist-source-range", "denylist-source-range"):
+        if short in values and short not in recorded:
+            if address:
+                note(short, Verdict.NOT_HONOURED, address)
+            else:
+                note(short, Verdict.HONOURED, CATALOGUE[short].note)
+
+    auth_type = ""
+    realm = ""
+    credentials: tuple[str, ...] = ()
+    kind = values.get("auth-type", "")
+    if kind and "auth-type" not in recorded:
+        if kind == "digest":
+            for short in ("auth-type", "auth-secret", "auth-secret-type", "auth-realm"):
+                note(short, Verdict.NOT_HONOURED, "digest authentication is not honoured yet")
+        else:
+            problem, credentials = _credentials(namespace, values, secrets)
+            for short in ("auth-type", "auth-secret", "auth-secret-type", "auth-realm"):
+                if problem:
+                    note(short, Verdict.NOT_HONOURED, problem)
+                else:
+                    note(short, Verdict.HONOURED, CATALOGUE[short].note)
+            auth_type, realm = "basic", values.get("auth-realm", "")
+
+    satisfy_any = values.get("satisfy") == "any"
+    if "satisfy" in values and "satisfy" not in recorded:
+        note("satisfy", Verdict.HONOURED, CATALOGUE["satisfy"].note)
+
+    cidrs, agents, referers = block_lists(config)
+    if refusal or not (allow or deny or auth_type or cidrs or agents or referers):
+        return None, findings, refusal
+    return (
+        RouteAccess(
+            block=cidrs,
+            deny=deny,
+            allow=allow,
+            block_user_agents=agents,
+            block_referers=referers,
+            trusted_proxies=_trusted(config) if allow or deny or cidrs else (),
+            auth_type=auth_type,
+            auth_realm=realm,
+            credentials=credentials,
+            satisfy_any=satisfy_any and bool(auth_type) and bool(allow or deny),
+        ),
+        findings,
+        "",
+    )
+
+
+def _credentials(
+    namespace: str, values: Mapping[str, str], secrets: Lookup
+) -> tuple[str, tuple[str, ...]]:
+    """(problem, "user:hash" lines) of auth-secret, read as auth-secret-type says."""
+    reference = values.get("auth-secret", "")
+    if not reference:
+        return "auth-type basic needs auth-secret", ()
+    secret_namespace, _, name = reference.rpartition("/")
+    if secret_namespace and secret_namespace != namespace:
+        return f"Secret {reference} is in another namespace than the Ingress", ()
+    secret = secrets(namespace, name)
+    if secret is None:
+        return f"Secret {namespace}/{name} not found", ()
+    data = _secret_data(secret)
+    if data is None:
+        return f"Secret {namespace}/{name}: its data is not valid base64", ()
+    if values.get("auth-secret-type", "auth-file") == "auth-map":
+        lines = [f"{user}:{hashed.strip()}" for user, hashed in sorted(data.items())]
+    else:
+        if "auth" not in data:
+            return f"Secret {namespace}/{name} has no key auth (auth-secret-type auth-file)", ()
+        lines = data["auth"].splitlines()
+    users = parse_credentials(lines)
+    if not users:
+        return f"Secret {namespace}/{name} holds no user", ()
+    for user, hashed in users.items():
+        problem = hash_format_problem(hashed)
+        if problem:
+            return (
+                f"Secret {namespace}/{name}, user {user.decode(errors='replace')!r}: {problem}",
+                (),
+            )
+    return "", tuple(f"{user.decode()}:{hashed}" for user, hashed in users.items())
+
+
+def _secret_data(secret: JSON) -> dict[str, str] | None:
+    out: dict[str, str] = {}
+    data = secret.get("data") or {}
+    try:
+        for key, value in data.items():
+            out[str(key)] = base64.b64decode(str(value), validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    for key, value in (secret.get("stringData") or {}).items():
+        out[str(key)] = str(value)
+    return out

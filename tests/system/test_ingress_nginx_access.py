@@ -1,0 +1,321 @@
+"""ingress-nginx's access annotations and ConfigMap block lists through a real
+resolver (--manifests --ingress-nginx) and proxy, on mTLS between them.
+
+The resolver sends route credentials (htpasswd hashes) over Watch only where it
+sends private keys: to a --route-readers identity on an mTLS listener. So this
+suite runs the resolver with a serving certificate and a client CA, and the proxy
+with a client certificate whose SPIFFE ID is the one route reader (tests/support/
+pki.LocalCA; real TLS, real processes). The last test checks the other side: a
+proxy on a plaintext connection gets no credentials and answers 503, never 200.
+
+Each test ports the assertions of one of ingress-nginx's own end-to-end tests
+(kubernetes/ingress-nginx test/e2e/annotations/{ipwhitelist,ipdenylist,auth,
+satisfy}.go and test/e2e/settings/global_access_block.go), cited by file and
+`It`. ingress-nginx's tests check the rendered nginx.conf (`deny 18.0.0.0/8;`);
+Waygate renders none, so each asserts the behaviour that configuration has, from
+127.0.0.1 (the test client). Differences are named where they apply.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import bcrypt
+import pytest
+import pytest_asyncio
+import yaml
+
+from tests.support.gatewayapi import INFRA, Conformance
+from tests.support.pki import LocalCA
+from tests.system.test_ingress_nginx import P, single_ingress
+
+pytestmark = [pytest.mark.system, pytest.mark.asyncio(loop_scope="module")]
+
+V1 = f"{INFRA}/infra-backend-v1"
+PROXY_ID = "spiffe://waygate.test/proxy"
+# ingress-nginx's buildSecret uses bcrypt cost 14 (about a second per check);
+# cost 4 keeps the suite fast: the format and verification are the same.
+HASH = bcrypt.hashpw(b"bar", b"$2b$04$" + b"waygateaccesstestsalt.").decode()
+
+
+def controller(**data: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "ingress-nginx-controller", "namespace": "ingress-nginx"},
+        "data": data,
+    }
+
+
+def opaque(name: str, data: dict[str, str]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {"name": name, "namespace": INFRA},
+        "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()},
+    }
+
+
+def basic(user: str, password: str) -> dict[str, str]:
+    token = base64.b64encode(f"{user}:{password}".encode()).decode()
+    return {"Authorization": "Basic " + token}
+
+
+def pki(directory: Path) -> tuple[list[str], list[str]]:
+    """(resolver flags, proxy flags) for mTLS with the proxy as the route reader."""
+    ca = LocalCA()
+    resolver = ca.write_files(directory / "resolver", dns=["localhost"], ips=["127.0.0.1"])
+    proxy = ca.write_files(directory / "proxy", uris=[PROXY_ID])
+    return (
+        [
+            "--tls-cert-file", str(resolver.cert), "--tls-key-file", str(resolver.key),
+            "--tls-client-ca-file", str(resolver.ca), "--route-readers", PROXY_ID,
+        ],
+        [
+            "--tls-cert-file", str(proxy.cert), "--tls-key-file", str(proxy.key),
+            "--tls-client-ca-file", str(proxy.ca),
+        ],
+    )  # fmt: skip
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def suite(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Conformance]:
+    resolver_tls, proxy_tls = pki(tmp_path_factory.mktemp("pki"))
+    conformance = Conformance(
+        tmp_path_factory.mktemp("manifests"),
+        resolver_args=(
+            "--ingress-nginx",
+            "--ingress-nginx-configmap",
+            "ingress-nginx/ingress-nginx-controller",
+            *resolver_tls,
+        ),
+    )
+    await conformance.start(*proxy_tls)
+    try:
+        yield conformance
+    finally:
+        await conformance.stop()
+
+
+async def apply(
+    suite: Conformance, *objects: dict[str, Any], config: dict[str, str] | None = None
+) -> None:
+    await suite.apply(extra=yaml.safe_dump_all([controller(**(config or {})), *objects]))
+
+
+async def test_ip_allowlist(suite: Conformance) -> None:
+    # ipwhitelist.go: It("should set valid ip whitelist range") -- whitelist
+    # "18.0.0.0/8, 56.0.0.0/8": a client outside it (127.0.0.1 here) is refused 403;
+    # allowlist-source-range is the same annotation under its current name.
+    outside = single_ingress(
+        "ipwhitelist",
+        "/",
+        "ipwhitelist.foo.com",
+        {P + "whitelist-source-range": "18.0.0.0/8, 56.0.0.0/8"},
+    )
+    inside = single_ingress(
+        "ipallowlist", "/", "ipallowlist.foo.com", {P + "allowlist-source-range": "127.0.0.1/32"}
+    )
+    await apply(suite, outside, inside)
+    response = await suite.request("/", host="ipwhitelist.foo.com")
+    assert response.status == 403
+    assert response.header("X-Waygate-Error") == "the client address is not allowed"
+    await suite.eventually("/", host="ipallowlist.foo.com", backend=V1)
+
+
+async def test_ip_denylist(suite: Conformance) -> None:
+    # ipdenylist.go: It("should set valid ip denylist range when whitelist") and
+    # It("... when whitelist is set"): deny first, then allow, then deny all.
+    denied = single_ingress(
+        "ipdenylist",
+        "/",
+        "ipdenylist.foo.com",
+        {P + "denylist-source-range": "18.0.0.0/8, 127.0.0.0/8"},
+    )
+    both = single_ingress(
+        "both",
+        "/",
+        "ipdenylist2.foo.com",
+        {
+            P + "denylist-source-range": "18.0.0.0/8, 56.0.0.0/8",
+            P + "whitelist-source-range": "127.0.0.0/8",
+        },
+    )
+    overlap = single_ingress(
+        "overlap",
+        "/",
+        "ipdenylist3.foo.com",
+        {P + "denylist-source-range": "127.0.0.1/32", P + "whitelist-source-range": "127.0.0.0/8"},
+    )
+    await apply(suite, denied, both, overlap)
+    assert (await suite.request("/", host="ipdenylist.foo.com")).status == 403
+    await suite.eventually("/", host="ipdenylist2.foo.com", backend=V1)
+    assert (await suite.request("/", host="ipdenylist3.foo.com")).status == 403
+
+
+async def test_the_client_address_from_x_forwarded_for(suite: Conformance) -> None:
+    # settings/enable_real_ip.go and real_ip_recursive_search.go: with
+    # use-forwarded-headers the client is the address X-Forwarded-For names through
+    # trusted proxies (proxy-real-ip-cidr, 0.0.0.0/0 by default); without it the
+    # header is the client's own claim and changes nothing.
+    item = single_ingress("xff", "/", "xff.foo.com", {P + "whitelist-source-range": "18.0.0.0/8"})
+    spoof = {"X-Forwarded-For": "18.1.2.3"}
+    await apply(suite, item)
+    assert (await suite.request("/", host="xff.foo.com", headers=spoof)).status == 403
+    await apply(suite, item, config={"use-forwarded-headers": "true"})
+    await suite.eventually("/", host="xff.foo.com", backend=V1, headers=spoof)
+    # 127.0.0.1 is not a trusted proxy: its header is not believed.
+    await apply(
+        suite, item, config={"use-forwarded-headers": "true", "proxy-real-ip-cidr": "10.0.0.0/8"}
+    )
+    assert (await suite.request("/", host="xff.foo.com", headers=spoof)).status == 403
+
+
+async def test_basic_auth(suite: Conformance) -> None:
+    # auth.go: It("should return status code 401 when authentication is configured
+    # but Authorization header is not configured"), It("... sent with invalid
+    # credentials"), It("should return status code 200 when authentication is
+    # configured and Authorization header is sent"), It("... with a map ..."),
+    # It("should return status code 401 when authentication is configured with
+    # invalid content and Authorization header is sent").
+    auth = {P + "auth-type": "basic", P + "auth-secret": "test", P + "auth-realm": "test auth"}
+    await apply(
+        suite,
+        opaque("test", {"auth": f"foo:{HASH}\n"}),
+        opaque("map", {"foo": HASH}),
+        opaque("invalid", {"auth": "foo:"}),
+        single_ingress("auth", "/", "auth", auth),
+        single_ingress(
+            "map",
+            "/",
+            "auth-map",
+            {**auth, P + "auth-secret": "map", P + "auth-secret-type": "auth-map"},
+        ),
+        single_ingress("invalid", "/", "auth-invalid", {**auth, P + "auth-secret": "invalid"}),
+    )
+    response = await suite.eventually("/", host="auth", status=401)
+    assert b"401 Authorization Required" in response.body
+    assert response.header("WWW-Authenticate") == 'Basic realm="test auth"'
+    assert (await suite.request("/", host="auth", headers=basic("user", "pass"))).status == 401
+    response = await suite.request("/", host="auth", headers=basic("foo", "bar"))
+    assert response.status == 200 and response.backend == V1
+    # The Authorization header reaches the backend, as nginx passes it on.
+    assert response.request_header("Authorization") == basic("foo", "bar")["Authorization"]
+    assert (await suite.request("/", host="auth-map", headers=basic("foo", "bar"))).status == 200
+    assert (
+        await suite.request("/", host="auth-invalid", headers=basic("foo", "bar"))
+    ).status == 401
+
+
+async def test_basic_auth_with_a_missing_secret_is_not_served(suite: Conformance) -> None:
+    # auth.go: It("should return status code 503 when authentication is configured
+    # with an invalid secret") -- ingress-nginx denies the location (503); Waygate
+    # does not serve the Ingress at all (its routes Admitted False: no route, 404)
+    # and keeps serving the others ("keeps processing new ingresses even if one of
+    # the existing ingresses is misconfigured").
+    auth = {P + "auth-type": "basic", P + "auth-secret": "something", P + "auth-realm": "test auth"}
+    await apply(
+        suite,
+        single_ingress("auth", "/", "auth", auth),
+        single_ingress("different", "/", "different"),
+    )
+    await suite.eventually("/", host="different", backend=V1)
+    assert (await suite.request("/", host="auth")).status == 404
+
+
+async def test_satisfy(suite: Conformance) -> None:
+    # satisfy.go: It("should configure satisfy directive correctly") (all and any
+    # both serve a request that passes), and It("should allow multiple auth with
+    # satisfy any") with basic auth and a source range in place of auth-url
+    # (external authentication is another rule): either suffices, 401 when both fail.
+    await apply(
+        suite,
+        opaque("basic-secret", {"auth": f"uname:{HASH}"}),
+        single_ingress("satisfy", "/", "satisfy", {P + "satisfy": "all"}),
+        single_ingress(
+            "any",
+            "/",
+            "any",
+            {
+                P + "auth-type": "basic",
+                P + "auth-secret": "basic-secret",
+                P + "auth-realm": "test basic auth",
+                P + "whitelist-source-range": "18.0.0.0/8",
+                P + "satisfy": "any",
+            },
+        ),
+        single_ingress(
+            "all",
+            "/",
+            "all",
+            {
+                P + "auth-type": "basic",
+                P + "auth-secret": "basic-secret",
+                P + "whitelist-source-range": "18.0.0.0/8",
+            },
+        ),
+    )
+    await suite.eventually("/", host="satisfy", backend=V1)
+    assert (await suite.request("/", host="any", headers=basic("uname", "bar"))).status == 200
+    assert (await suite.request("/", host="any")).status == 401
+    # satisfy all (the default): the address refuses whatever the credentials.
+    assert (await suite.request("/", host="all", headers=basic("uname", "bar"))).status == 403
+
+
+async def test_global_access_block(suite: Conformance) -> None:
+    # settings/global_access_block.go: It("should block CIDRs defined in the
+    # ConfigMap"), It("should block User-Agents ..."), It("should block Referers ...").
+    host = "global-access-block"
+    item = single_ingress(host, "/", host)
+    await apply(suite, item, config={"block-cidrs": "172.16.0.0/12,192.168.0.0/16,127.0.0.0/8"})
+    assert (await suite.request("/", host=host)).status == 403
+    await apply(
+        suite,
+        item,
+        config={
+            "block-user-agents": "~*chrome\\/68\\.0\\.3440\\.106\\ safari\\/537\\.36,AlphaBot",
+            "block-referers": "~*example\\.com,qwerty",
+        },
+    )
+    chrome = (
+        "Mozilla/5.0 (Windows NT 10.0; Win64; x64) AppleWebKit/537.36 (KHTML, like Gecko) "
+        "Chrome/68.0.3440.106 Safari/537.36"
+    )
+    iphone = (
+        "Mozilla/5.0 (iPhone; CPU iPhone OS 11_4_1 like Mac OS X) AppleWebKit/605.1.15 "
+        "(KHTML, like Gecko) Version/11.0 Mobile/15E148 Safari/604.1"
+    )
+    await suite.eventually("/", host=host, backend=V1, headers={"User-Agent": iphone})
+    for headers in (
+        {"User-Agent": chrome},
+        {"User-Agent": "AlphaBot"},
+        {"Referer": "example.com"},
+        {"Referer": "qwerty"},
+    ):
+        assert (await suite.request("/", host=host, headers=headers)).status == 403, headers
+    assert (await suite.request("/", host=host, headers={"Referer": "qwerty123"})).status == 200
+
+
+async def test_credentials_withheld_from_a_plaintext_proxy_fail_closed(tmp_path: Path) -> None:
+    """A resolver without mTLS sends no credentials (as it sends no private keys):
+    its proxy answers an authenticated route 503 with the reason, never 200."""
+    plain = Conformance(tmp_path, resolver_args=("--ingress-nginx",))
+    await plain.start()
+    try:
+        auth = {P + "auth-type": "basic", P + "auth-secret": "test"}
+        await plain.apply(
+            extra=yaml.safe_dump_all(
+                [opaque("test", {"auth": f"foo:{HASH}"}), single_ingress("auth", "/", "auth", auth)]
+            )
+        )
+        response = await plain.eventually("/", host="auth", status=503, headers=basic("foo", "bar"))
+        assert (
+            response.header("X-Waygate-Error")
+            == "the route's credentials are withheld from this proxy"
+        )
+    finally:
+        await plain.stop()

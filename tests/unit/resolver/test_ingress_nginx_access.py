@@ -1,0 +1,219 @@
+"""ingress-nginx's access annotations and ConfigMap block lists -> RouteAccess
+(waygate.resolver.ingress_nginx.access): what is honoured, and what refuses the
+Ingress (fail closed). The proxy's side: tests/unit/proxy/test_access.py."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import bcrypt
+import pytest
+
+from tests.unit.resolver.test_ingress_nginx import P, by_ingress, ingress, objects, refusal, served
+from waygate.resolver.gateway.translate import translate
+from waygate.resolver.ingress_nginx.config import IngressNginx, keeps_secret
+from waygate.resolver.model import Route, RouteAccess
+
+CONFIG = ("ingress-nginx", "controller")
+SETTINGS = IngressNginx(configmap=CONFIG)
+
+
+def configmap(**data: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": CONFIG[1], "namespace": CONFIG[0]},
+        "data": data,
+    }
+
+
+def secret(name: str, data: dict[str, str], namespace: str = "default") -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {"name": name, "namespace": namespace},
+        "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()},
+    }
+
+
+def routes(*items: dict[str, Any]) -> list[Route]:
+    secrets = {
+        (i["metadata"]["namespace"], i["metadata"]["name"]): i
+        for i in items
+        if i["kind"] == "Secret"
+    }
+    others = [i for i in items if i["kind"] != "Secret"]
+    return translate(objects(*others, secrets=secrets), ingress_nginx=SETTINGS).routes
+
+
+def access_of(found: list[Route], name: str) -> RouteAccess | None:
+    [route] = by_ingress(found, name)
+    assert route.ingress_refusal is None, route.ingress_refusal
+    return route.access
+
+
+def test_source_ranges_become_the_routes_access():
+    found = routes(
+        ingress(
+            "ranges",
+            {
+                P + "whitelist-source-range": "192.168.0.0/16",
+                P + "allowlist-source-range": "10.0.0.0/8, 172.16.0.0/12",
+                P + "denylist-source-range": "10.1.0.0/16",
+            },
+        ),
+        ingress("plain", host="plain.example.com"),
+    )
+    assert access_of(found, "ranges") == RouteAccess(
+        deny=("10.1.0.0/16",), allow=("10.0.0.0/8", "172.16.0.0/12")
+    )
+    assert access_of(found, "plain") is None  # a route without them pays nothing
+    [route] = by_ingress(found, "ranges")
+    assert not any("source-range" in line for line in route.ingress_verdicts)
+
+
+def test_use_forwarded_headers_trusts_proxy_real_ip_cidr():
+    item = ingress("ranges", {P + "whitelist-source-range": "10.0.0.0/8"})
+    found = routes(configmap(**{"use-forwarded-headers": "true"}), item)
+    assert access_of(found, "ranges").trusted_proxies == ("0.0.0.0/0",)  # type: ignore[union-attr]
+    found = routes(
+        configmap(**{"use-forwarded-headers": "true", "proxy-real-ip-cidr": "10.0.0.0/8,::1"}),
+        item,
+    )
+    assert access_of(found, "ranges").trusted_proxies == ("10.0.0.0/8", "::1")  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("data", "why"),
+    [
+        ({"use-proxy-protocol": "true"}, "PROXY protocol"),
+        (
+            {"use-forwarded-headers": "true", "forwarded-for-header": "CF-Connecting-IP"},
+            "CF-Connecting-IP",
+        ),
+    ],
+)
+def test_a_client_address_the_proxy_cannot_find_refuses_source_ranges(data, why):
+    found = routes(
+        configmap(**data),
+        ingress("ranges", {P + "denylist-source-range": "10.0.0.0/8"}),
+        ingress("plain", host="plain.example.com"),
+    )
+    reason, message = refusal(found, "ranges")
+    assert reason == "UnsupportedAnnotation" and why in message
+    assert "denylist-source-range" in message
+    assert served(found, "plain")
+
+
+def _auth(**extra: str) -> dict[str, str]:
+    return {
+        P + "auth-type": "basic",
+        P + "auth-secret": "htpasswd",
+        P + "auth-realm": "staff",
+        **extra,
+    }
+
+
+def test_basic_auth_reads_an_auth_file_and_an_auth_map():
+    hashed = bcrypt.hashpw(b"bar", bcrypt.gensalt(4)).decode()
+    found = routes(
+        secret("htpasswd", {"auth": f"foo:{hashed}\n# ops\nann:{{PLAIN}}pw\n"}),
+        ingress("file", _auth()),
+    )
+    access = access_of(found, "file")
+    assert access == RouteAccess(
+        auth_type="basic", auth_realm="staff", credentials=(f"foo:{hashed}", "ann:{PLAIN}pw")
+    )
+    found = routes(
+        secret("htpasswd", {"foo": hashed}),
+        ingress("map", _auth(**{P + "auth-secret-type": "auth-map"})),
+    )
+    assert access_of(found, "map").credentials == (f"foo:{hashed}",)  # type: ignore[union-attr]
+
+
+def test_an_empty_hash_is_served_and_matches_nothing():
+    # ingress-nginx e2e auth.go: a Secret "foo:" answers 401, not 503.
+    found = routes(secret("htpasswd", {"auth": "foo:"}), ingress("empty", _auth()))
+    assert access_of(found, "empty").credentials == ("foo:",)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("items", "annotations", "why"),
+    [
+        ([], _auth(), "Secret default/htpasswd not found"),
+        ([secret("htpasswd", {"users": "a:{PLAIN}b"})], _auth(), "has no key auth"),
+        ([secret("htpasswd", {"auth": "a:abJnggxhB/yWI"})], _auth(), "cannot verify exactly"),
+        ([secret("htpasswd", {"auth": "a:$6$s$x"})], _auth(), "user 'a'"),
+        (
+            [secret("htpasswd", {"auth": "a:{PLAIN}b"}, namespace="other")],
+            _auth(**{P + "auth-secret": "other/htpasswd"}),
+            "another namespace",
+        ),
+        (
+            [secret("htpasswd", {"auth": "a:{PLAIN}b"})],
+            _auth(**{P + "auth-type": "digest"}),
+            "digest",
+        ),
+    ],
+)
+def test_authentication_that_cannot_be_honoured_exactly_refuses_the_ingress(
+    items, annotations, why
+):
+    found = routes(*items, ingress("guarded", annotations), ingress("plain", host="p.example.com"))
+    reason, message = refusal(found, "guarded")
+    assert reason == "UnsupportedAnnotation" and why in message, message
+    assert served(found, "plain")
+
+
+def test_satisfy_any_combines_ranges_and_credentials():
+    found = routes(
+        secret("htpasswd", {"auth": "a:{PLAIN}b"}),
+        ingress(
+            "either", _auth(**{P + "satisfy": "any", P + "whitelist-source-range": "10.0.0.0/8"})
+        ),
+    )
+    access = access_of(found, "either")
+    assert access is not None and access.satisfy_any and access.allow == ("10.0.0.0/8",)
+
+
+def test_configmap_block_lists_reach_every_ingress_of_the_class():
+    found = routes(
+        configmap(
+            **{
+                "block-cidrs": "198.51.100.0/24",
+                "block-user-agents": "~*curl,Exact Bot",
+                "block-referers": "~^https://spam\\.",
+            }
+        ),
+        ingress("a"),
+        ingress("b", {P + "whitelist-source-range": "10.0.0.0/8"}, host="b.example.com"),
+    )
+    assert access_of(found, "a") == RouteAccess(
+        block=("198.51.100.0/24",),
+        block_user_agents=("~*curl", "Exact Bot"),
+        block_referers=("~^https://spam\\.",),
+    )
+    assert access_of(found, "b").block == ("198.51.100.0/24",)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"block-user-agents": "~*(unclosed"},
+        {"block-referers": "~(?<=spam)\\.example"},  # lookbehind: RE2 cannot, refused
+        {"block-cidrs": "not-a-cidr"},
+        {"block-cidrs": "198.51.100.0/24", "use-proxy-protocol": "true"},
+    ],
+)
+def test_a_block_list_that_cannot_be_honoured_refuses_the_class(data):
+    found = routes(configmap(**data), ingress("a"))
+    assert refusal(found, "a")[0] == "UnsupportedConfiguration"
+
+
+def test_opaque_secrets_are_kept_only_with_ingress_nginx():
+    opaque = secret("htpasswd", {"auth": "a:{PLAIN}b"})
+    assert keeps_secret(opaque, SETTINGS) and not keeps_secret(opaque, None)
+    assert keeps_secret({"type": "kubernetes.io/tls"}, None)
+    assert not keeps_secret({"type": "kubernetes.io/service-account-token"}, SETTINGS)
