@@ -159,6 +159,8 @@ class Checker:
         self.kube = bool(getattr(args, "kube_context", None))
         self.state_dir = None if self.kube else settings.found_state_dir()
         self.record = UpRecord.read(self.state_dir) if self.state_dir is not None else None
+        # "route NS/NAME" of the proxy's backend-certificate findings (said once, not twice).
+        self.backend_said: set[str] = set()
 
     def add(self, mark: str, title: str, hint: str = "") -> None:
         self.results.append(Result(mark, title, hint))
@@ -420,6 +422,7 @@ class Checker:
         marks = {"ok": OK, "warn": WARN, "failed": FAILED}
         for level, title, hint in check_findings(document):
             self.add(marks[level], title, hint)
+            self.backend_said.add(title.split(":", 1)[0])  # "route NS/NAME"
 
     async def check_bundle(self, certs: Target) -> None:
         from waygate.certs.v1 import certs_pb2, certs_pb2_grpc
@@ -479,6 +482,8 @@ class Checker:
             self.add(marks[level], title, hint)
 
     async def check_routes(self, resolver: Target) -> None:
+        from waygate.resolver.backendcerts import EXPIRING_SOON
+        from waygate.resolver.backendcerts import VERDICTS as BACKEND_VERDICTS
         from waygate.resolver.commands import (
             list_routes,
             route_problem,
@@ -531,9 +536,14 @@ class Checker:
             status, message = route_problem(route)
             if status not in ("Admitted", "-"):
                 bad += 1
+                if status in BACKEND_VERDICTS and (
+                    f"route {route.namespace}/{route.name}" in self.backend_said
+                ):
+                    continue  # the proxy's own finding for it was shown above
                 self.add(
-                    # Served, an ingress-nginx annotation not honoured: a warning.
-                    WARN if status == "NotHonoured" else FAILED,
+                    # Served, an ingress-nginx annotation not honoured, or a backend
+                    # certificate expiring soon (BackendCertificate): a warning.
+                    WARN if status in ("NotHonoured", EXPIRING_SOON) else FAILED,
                     f"route {route.namespace}/{route.name}: {status}: {message}",
                     _route_hint(status),
                 )
@@ -784,6 +794,15 @@ def _route_hint(reason: str) -> str:
         "NotMTLS": "run the resolver with TLS and client certificates (as `waygate up` does), "
         "and the proxy with a certificate whose identity is in --route-readers",
         "NoRouteReaders": "set the resolver's --route-readers to the proxy's identity",
+        # BackendCertificate (waygate.resolver.backendcerts), reported by the proxies.
+        "ExpiringSoon": "replace the backend's certificate before it expires: the proxy "
+        "stops using that endpoint then",
+        "Expired": "the proxy sends no request there while another endpoint is healthy; "
+        "replace the backend's certificate",
+        "NotYetValid": "the proxy sends no request there while another endpoint is healthy; "
+        "check the backend's clock and certificate",
+        "Untrusted": "the proxy sends no request there while another endpoint is healthy; "
+        "give the backend a certificate the route's destination CA signed",
     }.get(reason, "`waygate routes get NS/NAME` shows every condition")
 
 

@@ -498,8 +498,10 @@ class Supervisor:
         ]
 
     async def _client_certificate(self) -> None:
-        """Get the local user's client certificate (key made here) and keep it renewed."""
-        from waygate.certs.client import GrpcIssuer
+        """Get the local user's client certificate (key made here) and keep it renewed;
+        `up` follows the trust bundle it reaches certs with and acknowledges it
+        (ReportTrust, as every trust consumer does), so a CA rotation waits for it too."""
+        from waygate.certs.client import GrpcIssuer, TrustBundleWatcher, TrustReporter
         from waygate.core.rotation import (
             CertificateRotator,
             TrustBundle,
@@ -528,7 +530,16 @@ class Supervisor:
                 exc,
             )
             return
-        self._client_renewal = asyncio.create_task(rotator.run(), name="client-certificate")
+        address, token_file = self.context.address(CERTS), self.bootstrap.token_file(USER)
+
+        async def keep() -> None:
+            await asyncio.gather(
+                rotator.run(),
+                TrustBundleWatcher(address, trust).run(),
+                TrustReporter(address, token_file, trust, spiffe_id(USER)).run(),
+            )
+
+        self._client_renewal = asyncio.create_task(keep(), name="client-certificate")
         print(
             f"waygate up: TLS everywhere; trust bundle {state / 'ca.pem'}, "
             f"your client certificate ({spiffe_id(USER)}) in {state / 'client'}",

@@ -143,6 +143,8 @@ class Stack:
     procs: dict[str, Proc] = field(default_factory=dict)
     # Extra flags for the proxy (`--proxy-arg`: e.g. --tunnel-end-to-end).
     proxy_args: tuple[str, ...] = ()
+    # Extra flags for both certs replicas (e.g. --max-leaf-lifetime: how soon an old CA retires).
+    certs_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         d = self.directory
@@ -285,7 +287,7 @@ class Stack:
                  "--tokens-file", str(d / "tokens.yaml"), "--bundle-file", str(self.bundle),
                  "--serving-identity", spiffe("certs"),
                  "--serving-sans", f"dns:certs.{TRUST},ip:127.0.0.1",
-                 "--leaf-lifetime", lifetime, "--clock-skew", "1"],
+                 "--leaf-lifetime", lifetime, "--clock-skew", "1", *self.certs_args],
                 p[f"{replica}-admin"],
             )  # fmt: skip
         for replica in RESOLVER_REPLICAS:

@@ -185,6 +185,14 @@ class Settings(GrpcServerSettings):
         parse=parse_duration,
         check=_non_negative,
     )
+    leaf_bound_step: float = setting(
+        3600.0,
+        help="the latest leaf expiry per CA is stored this far ahead of the truth (one "
+        "store write per step, not per leaf); with replicas, an old CA retires no sooner "
+        "than this after its last leaf",
+        parse=parse_duration,
+        check=positive,
+    )
     bundle_file: Path | None = setting(
         None, help="write the trust bundle PEM here (0644), rewritten on every change"
     )
@@ -375,6 +383,7 @@ class Settings(GrpcServerSettings):
             propagation_delay=timedelta(seconds=self.propagation_delay),
             consumer_ttl=timedelta(seconds=self.consumer_ttl),
             consumer_settle=timedelta(seconds=self.consumer_settle),
+            leaf_bound_step=timedelta(seconds=self.leaf_bound_step),
             max_sans=self.max_sans_per_csr,
             issued_records=self.issued_records,
             issued_records_bytes=self.issued_records_bytes,
@@ -464,6 +473,41 @@ def build_elector(settings: Settings, kube_api: Any) -> Any:
     )
 
 
+def secret_upstream(settings: Settings, files: dict[str, bytes] | None) -> Upstream | None:
+    """The upstream authority given in the --ca-secret Secret (keys tls.crt, tls.key,
+    ca.crt, as cert-manager writes a CA Secret), when no --ca-cert is given; None when
+    the Secret holds none of them. FailedPrecondition when it holds some only, or one
+    that cannot be used."""
+    from waygate.certs.kube_store import UPSTREAM_KEYS
+
+    if settings.ca_cert is not None or not files:
+        return None
+    present = [k for k in UPSTREAM_KEYS if files.get(k)]
+    if not present:
+        return None
+    where = f"--ca-secret {settings.ca_secret}"
+    if len(present) != len(UPSTREAM_KEYS):
+        missing = ", ".join(k for k in UPSTREAM_KEYS if k not in present)
+        raise FailedPrecondition(
+            f"{where} holds an upstream authority without {missing}: give tls.crt "
+            "(the intermediate), tls.key (its key) and ca.crt (the root) together"
+        )
+    try:
+        cert = x509.load_pem_x509_certificate(files["tls.crt"])
+        anchor = x509.load_pem_x509_certificate(files["ca.crt"])
+    except ValueError as exc:
+        raise FailedPrecondition(
+            f"{where}: tls.crt or ca.crt is not a PEM certificate: {exc}"
+        ) from None
+    try:
+        key = serialization.load_pem_private_key(files["tls.key"], password=None)
+    except (ValueError, TypeError) as exc:
+        raise FailedPrecondition(f"{where}: tls.key is not a PEM private key: {exc}") from None
+    if not isinstance(key, PrivateKey):
+        raise FailedPrecondition(f"{where}: tls.key is of an unsupported type")
+    return Upstream(key, cert, anchor, f"{where} (tls.crt)")
+
+
 def load_upstream(settings: Settings) -> Upstream | None:
     """The upstream authority's intermediate, key and root from their files; None when
     not configured. FailedPrecondition naming the file that cannot be used."""
@@ -506,6 +550,7 @@ async def open_authority(settings: Settings, store: CAStore, elector: Any) -> Au
     while True:
         # Loading may generate a key, touch the disk or the API: keep the loop free meanwhile.
         files = await asyncio.to_thread(store.load)
+        upstream = upstream or secret_upstream(settings, getattr(store, "upstream", None))
         if files is not None or elector is None or elector.is_leader():
             return await asyncio.to_thread(
                 functools.partial(

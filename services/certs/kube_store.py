@@ -113,6 +113,13 @@ def parse_secret_reference(text: str) -> tuple[str, str]:
     return namespace, name
 
 
+#: An upstream authority given in the Secret (cert-manager's CA Secret keys): the
+#: intermediate certs signs with, its key, and the organisation's root above it. certs
+#: reads them at start (as --ca-cert, --ca-key, --trust-anchor) and never writes them:
+#: every save keeps what the Secret holds under these keys.
+UPSTREAM_KEYS = ("tls.crt", "tls.key", "ca.crt")
+
+
 class SecretCAStore:
     """A CA file set in one Opaque Secret, written with resourceVersion preconditions."""
 
@@ -132,6 +139,9 @@ class SecretCAStore:
         self._path = f"{self._collection}/{name}"
         # The Secret as last read or written; None: absent at the last load.
         self._seen: JSON | None = None
+        #: The upstream authority's keys (UPSTREAM_KEYS) the Secret held at the last
+        #: load, apart from certs' own files (which `load` returns without them).
+        self.upstream: dict[str, bytes] = {}
 
     def load(self) -> dict[str, bytes] | None:
         try:
@@ -154,6 +164,7 @@ class SecretCAStore:
                 raise FailedPrecondition(
                     f"CA store {self.description}: data key {key!r} is not base64"
                 ) from None
+        self.upstream = {k: files.pop(k) for k in UPSTREAM_KEYS if k in files}
         with self._write_lock:
             self._seen = secret
             self._stored = files or None
@@ -291,12 +302,17 @@ class SecretCAStore:
                 **(metadata.get("annotations") or {}),
                 WRITTEN_BY: self._writer.identity,
             }
+        data = {k: base64.b64encode(v).decode("ascii") for k, v in files.items()}
+        if self._seen is not None:
+            # The upstream authority's three belong to whoever put them there.
+            kept = self._seen.get("data") or {}
+            data.update({k: kept[k] for k in UPSTREAM_KEYS if k in kept and k not in files})
         return {
             "apiVersion": "v1",
             "kind": "Secret",
             "metadata": metadata,
             "type": "Opaque",
-            "data": {k: base64.b64encode(v).decode("ascii") for k, v in sorted(files.items())},
+            "data": dict(sorted(data.items())),
         }
 
     def _error(self, action: str, exc: KubeError) -> Exception:
@@ -326,6 +342,8 @@ class SecretCAStore:
                 except (binascii.Error, TypeError):
                     log.warning("CA store %s: data key %r is not base64", self.description, key)
                     return None
+            for key in UPSTREAM_KEYS:  # read at start only, never certs' own state
+                files.pop(key, None)
             self._seen = secret
             self._stored = files or None
             return files or None

@@ -95,19 +95,19 @@ async def while_leading(
             await asyncio.sleep(elector.timing.retry_period)
 
 
-async def keep_leaf_bounds(
-    authority: Any, store: Any, *, lead: timedelta = LEAF_BOUND_LEAD
-) -> None:
+async def keep_leaf_bounds(authority: Any, store: Any, *, lead: timedelta | None = None) -> None:
     """The leader's duty: keep every CA's leaf-expiry bound at least `lead` past
     the longest leaf anyone could be signing now, so no Certify (on any replica)
     has to write it. The write happens off the authority's lock (Certify never
-    waits for it) and only lands if nothing else was stored meanwhile."""
+    waits for it) and only lands if nothing else was stored meanwhile. `lead`:
+    the authority's `leaf_bound_step` (--leaf-bound-step), LEAF_BOUND_LEAD by default."""
+    ahead: timedelta = lead or authority.config.leaf_bound_step or LEAF_BOUND_LEAD
     while True:
         now = datetime.now(UTC)
         longest = now + authority.config.max_lifetime
-        low = await asyncio.to_thread(authority.with_leaf_bounds, longest + lead)
+        low = await asyncio.to_thread(authority.with_leaf_bounds, longest + ahead)
         if low is not None:
-            until = longest + 2 * lead
+            until = longest + 2 * ahead
             base = store.version
             files = await asyncio.to_thread(authority.with_leaf_bounds, until)
             written = None

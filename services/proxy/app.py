@@ -812,6 +812,18 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
     process.status.add("backend-certificates", lambda: backendcerts.sections(server))
     if server.upstream_tls is not None:
         process.spawn(server.upstream_tls.probe_forever(), "backend-certificate-probes")
+        # Backend certificates needing attention go to every replica (route status).
+        from waygate.proxy.backendreport import BackendCertificateReporter
+
+        for channel in channels:
+            certificate_reporter = BackendCertificateReporter(
+                server.upstream_tls.certificates,
+                channel.hold,
+                f"{socket.gethostname()}/{os.getpid()}",
+            )
+            process.spawn(
+                certificate_reporter.run(), f"backend-certificate-report {channel.address}"
+            )
     process.add_listener(
         HttpListener(server, settings.host, settings.http_port, reuse_port=settings.worker)
     )

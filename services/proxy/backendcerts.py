@@ -40,6 +40,7 @@ from cryptography import x509
 from prometheus_client import Gauge
 
 from waygate.core.statuspage import Section, expiry_cell
+from waygate.resolver.client import BackendCertificateState
 
 EXPIRY = Gauge(
     "waygate_proxy_upstream_certificate_expiry_timestamp_seconds",
@@ -151,12 +152,52 @@ SECTION_TITLE = "Backend certificates"
 EXPIRES_SOON = "expires soon"
 
 
+#: The resolver's reasons (the BackendCertificate condition) for each verdict.
+_REASONS = {
+    Verdict.EXPIRED: "Expired",
+    Verdict.NOT_YET_VALID: "NotYetValid",
+    Verdict.UNTRUSTED: "Untrusted",
+}
+#: The most the proxy reports (the resolver refuses more than 1,000), the worst first.
+MAX_REPORTED = 1000
+
+
+def attention(book: BackendCertificates, now: datetime) -> tuple[BackendCertificateState, ...]:
+    """What the resolver hears (ReportBackendCertificates, waygate.proxy.backendreport):
+    every endpoint out of rotation, then every one expiring within the warning window,
+    soonest first, at most MAX_REPORTED."""
+    horizon = now + book.warn_before
+    states = []
+    for served in book.snapshot():
+        verdict = served.verdict(now)
+        if verdict is Verdict.OK and served.not_after > horizon:
+            continue
+        namespace, _, name = served.route.partition("/")
+        states.append(
+            BackendCertificateState(
+                namespace=namespace,
+                route=name,
+                endpoint=served.endpoint[:300],
+                names=tuple(n[:253] for n in served.names),
+                not_before=served.not_before,
+                not_after=served.not_after,
+                verdict=_REASONS.get(verdict, "ExpiringSoon"),
+            )
+        )
+    states.sort(key=lambda s: (s.verdict == "ExpiringSoon", s.not_after, s.route, s.endpoint))
+    return tuple(states[:MAX_REPORTED])
+
+
 def check_findings(document: dict[str, Any]) -> list[tuple[str, str, str]]:
     """What `waygate check` says of a proxy's status document (/status.json): a
     warning per endpoint whose certificate expires within the warning window, a
     failure per endpoint out of rotation (expired, not yet valid, untrusted)."""
     findings: list[tuple[str, str, str]] = []
-    for section_json in document.get("sections", []):
+    # A process's document holds its sections per service ({"services": [{"sections"}]}).
+    sections_json = [*document.get("sections", [])]
+    for service in document.get("services", []):
+        sections_json += service.get("sections", []) if isinstance(service, dict) else []
+    for section_json in sections_json:
         if section_json.get("title") != SECTION_TITLE:
             continue
         for row in section_json.get("rows", []):

@@ -92,6 +92,11 @@ class WriteAccess:
         only what status says, never where traffic goes."""
         self._check("ReportListeners", "route_readers", self.route_readers, identities)
 
+    def check_backend_certificate_reporter(self, identities: tuple[str, ...]) -> None:
+        """ReportBackendCertificates: the proxies (route readers), as ReportListeners;
+        a report changes only what status says, never where traffic goes."""
+        self._check("ReportBackendCertificates", "route_readers", self.route_readers, identities)
+
     def check_route_admin(self, method: str, identities: tuple[str, ...]) -> None:
         self._check(method, "route_admins", self.route_admins, identities)
 

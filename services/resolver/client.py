@@ -52,6 +52,7 @@ from waygate.core.backoff import Backoff
 from waygate.core.errors import Unavailable, WaygateError
 from waygate.core.grpctls import LentChannel
 from waygate.resolver import convert
+from waygate.resolver.backendcerts import BackendCertificateState
 from waygate.resolver.model import (
     HSTS,
     TCP_LISTENER,
@@ -99,6 +100,7 @@ from waygate.resolver.v1 import resolver_pb2_grpc
 __all__ = [
     "HSTS",
     "TCP_LISTENER",
+    "BackendCertificateState",
     "BalancePolicy",
     "Cors",
     "Endpoint",
@@ -814,6 +816,25 @@ async def report_listeners(
             )
 
     await resolver_pb2_grpc.ResolverStub(channel).ReportListeners(messages())
+
+
+async def report_backend_certificates(
+    channel: grpc.aio.Channel,
+    proxy: str,
+    reports: AsyncIterator[Sequence[BackendCertificateState]],
+) -> None:
+    """Stream `ReportBackendCertificates` for `proxy`: each item of `reports` is the full
+    set of backend certificates needing attention. Returns when `reports` ends;
+    grpc.aio.AioRpcError when the stream fails."""
+
+    async def messages() -> AsyncIterator[pb.BackendCertificateReport]:
+        async for states in reports:
+            yield pb.BackendCertificateReport(
+                proxy=proxy,
+                certificates=[convert.backend_certificate_to_proto(s) for s in states],
+            )
+
+    await resolver_pb2_grpc.ResolverStub(channel).ReportBackendCertificates(messages())
 
 
 def in_turn(factories: Sequence[Callable[[], grpc.aio.Channel]]) -> Callable[[], grpc.aio.Channel]:

@@ -26,6 +26,7 @@ from google.protobuf import duration_pb2, timestamp_pb2
 
 from waygate.core.errors import InvalidArgument
 from waygate.resolver import model
+from waygate.resolver.backendcerts import BackendCertificateState
 from waygate.resolver.v1 import resolver_pb2 as pb
 
 SERVICE_TYPES = {
@@ -926,4 +927,29 @@ def listener_state_from_proto(message: pb.ListenerState) -> model.ListenerState:
         local_port=message.local_port,
         reason=message.reason,
         message=message.message,
+    )
+
+
+def backend_certificate_to_proto(state: BackendCertificateState) -> pb.BackendCertificateState:
+    return pb.BackendCertificateState(
+        namespace=state.namespace,
+        route=state.route,
+        endpoint=state.endpoint,
+        names=state.names,
+        not_before=timestamp(state.not_before),
+        not_after=timestamp(state.not_after),
+        verdict=state.verdict,
+    )
+
+
+def backend_certificate_from_proto(message: pb.BackendCertificateState) -> BackendCertificateState:
+    epoch = datetime.fromtimestamp(0, UTC)
+    return BackendCertificateState(
+        namespace=message.namespace,
+        route=message.route,
+        endpoint=message.endpoint,
+        names=tuple(message.names),
+        not_before=when(message, "not_before") or epoch,
+        not_after=when(message, "not_after") or epoch,
+        verdict=message.verdict,
     )

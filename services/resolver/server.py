@@ -54,6 +54,7 @@ from waygate.core.errors import (
 from waygate.core.grpcserver import ServiceRegistration
 from waygate.resolver import convert, events
 from waygate.resolver.access import WriteAccess
+from waygate.resolver.backendcerts import MAX_STATES, BackendCertificateReports
 from waygate.resolver.filesource import FileSource
 from waygate.resolver.gateway.status import StatusBoard
 from waygate.resolver.model import Route, Service, TunnelServer
@@ -70,6 +71,8 @@ SERVICE_NAME = "waygate.resolver.v1.Resolver"
 DEFAULT_PAGE_SIZE = 100
 # A proxy's ReportListeners state: one entry per Gateway listener port it has routes for.
 MAX_LISTENER_STATES = 4096
+# A proxy's ReportBackendCertificates state (waygate.resolver.backendcerts bounds the rest).
+MAX_BACKEND_CERTIFICATES = MAX_STATES
 MAX_PAGE_SIZE = 1000
 #: A page also ends once its routes reach this many serialized bytes.
 LIST_PAGE_BYTES = 1024 * 1024
@@ -251,6 +254,7 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
         routes: FileSource | None = None,
         gateways: StatusBoard | None = None,
         tunnels: TunnelRegistry | None = None,
+        backend_certificates: BackendCertificateReports | None = None,
         access: WriteAccess | None = None,
         watch_max_pending: int = DEFAULT_MAX_PENDING,
         watch_heartbeat: float = 0.0,
@@ -267,6 +271,12 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
         # Gateway API and Ingress statuses (ListGateways); None: none kept.
         self._gateways = gateways
         self._tunnels = tunnels or TunnelRegistry(store)
+        # Proxies' backend-certificate reports (ReportBackendCertificates), and the
+        # timer that drops the state of a proxy that stopped reporting.
+        self._backend_certificates = (
+            BackendCertificateReports() if backend_certificates is None else backend_certificates
+        )
+        self._backend_lapse: asyncio.TimerHandle | None = None
         # Default: a listener without client certificates (writes unchecked).
         self._access = access or WriteAccess()
         self._watch_max_pending = watch_max_pending
@@ -508,6 +518,50 @@ class ResolverServicer(resolver_pb2_grpc.ResolverServicer):
             if board is not None:
                 board.forget_listeners(stream)
         return pb.GatewayListenerReportResponse()
+
+    async def ReportBackendCertificates(
+        self,
+        request_iterator: AsyncIterator[pb.BackendCertificateReport],
+        context: grpc.aio.ServicerContext,
+    ) -> pb.BackendCertificateReportResponse:
+        """A proxy's backend certificates needing attention: each report its full state,
+        kept until the TTL passes without another (waygate.resolver.backendcerts)."""
+        self._access.check_backend_certificate_reporter(peer_identities(context))
+        reports = aiter(request_iterator)
+        while (report := await self._next_report(reports)) is not None:
+            if len(report.certificates) > MAX_BACKEND_CERTIFICATES:
+                raise InvalidArgument(
+                    f"certificates: at most {MAX_BACKEND_CERTIFICATES} per report "
+                    f"(got {len(report.certificates)})"
+                )
+            states = [convert.backend_certificate_from_proto(c) for c in report.certificates]
+            for index, state in enumerate(states):
+                problem = state.problem()
+                if problem is not None:
+                    raise InvalidArgument(f"certificates[{index}]: {problem}")
+            book = self._backend_certificates
+            loop = asyncio.get_running_loop()
+            if not book.report(excerpt(report.proxy or "unnamed", 120), states, loop.time()):
+                raise ResourceExhausted(
+                    f"backend certificates: {book.max_reporters} proxies already report; "
+                    "the state of one that stops lapses after "
+                    f"{book.ttl:.0f} s"
+                )
+            self._backend_certificates_changed()
+        return pb.BackendCertificateReportResponse()
+
+    def _backend_certificates_changed(self) -> None:
+        """Drop lapsed reports, give the store the findings, arm the next lapse."""
+        book = self._backend_certificates
+        loop = asyncio.get_running_loop()
+        book.expire(loop.time())
+        self._store.set_backend_certificates(book.findings())
+        if self._backend_lapse is not None:
+            self._backend_lapse.cancel()
+            self._backend_lapse = None
+        lapse = book.next_lapse()
+        if lapse is not None:
+            self._backend_lapse = loop.call_at(lapse, self._backend_certificates_changed)
 
     def _writable_routes(self) -> FileSource:
         if self._routes is None:

@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from typing import NamedTuple
 
+from waygate.resolver.backendcerts import BackendCertificateState, condition
 from waygate.resolver.model import (
     ADMITTED,
     CONFLICTED,
@@ -155,6 +156,8 @@ class RouteStatusBook:
         self._listeners_by_host: dict[str, set[ListenerKey]] = {}
         self._listener_conflict: dict[ListenerKey, str] = {}
         self._sightings = itertools.count()
+        # Proxies' reports of backend certificates needing attention (BackendCertificate).
+        self._backend: dict[RouteKey, tuple[BackendCertificateState, ...]] = {}
 
     def status(self, key: RouteKey) -> RouteStatus | None:
         return self._status.get(key)
@@ -168,12 +171,14 @@ class RouteStatusBook:
         changed_routes: Iterable[RouteKey] = (),
         changed_services: Iterable[ServiceKey] = (),
         changed_hosts: Iterable[str] = (),
+        recheck: Iterable[RouteKey] = (),
         now: datetime,
     ) -> dict[RouteKey, RouteStatus]:
         """Recompute what the changes can affect; the statuses that changed
         (every route new to the book included). `routes` is every route now;
-        `changed_hosts`: hosts whose listener claims changed (`set_listener_claims`)."""
-        dirty: set[RouteKey] = set()
+        `changed_hosts`: hosts whose listener claims changed (`set_listener_claims`);
+        `recheck`: routes whose backend certificates changed (`set_backend_certificates`)."""
+        dirty: set[RouteKey] = {key for key in recheck if key in self._status}
         hosts: set[str] = set(changed_hosts)
         for key in changed_routes:
             old_host = self._forget(key)
@@ -223,6 +228,19 @@ class RouteStatusBook:
             self._listeners_by_host.setdefault(key[1], set()).add(key)
             hosts.add(key[1])
         return hosts
+
+    def set_backend_certificates(
+        self, findings: dict[RouteKey, tuple[BackendCertificateState, ...]]
+    ) -> set[RouteKey]:
+        """Make the proxies' backend-certificate findings exactly these; the routes
+        whose findings changed (pass them to `update` as `recheck`)."""
+        changed = {
+            k
+            for k in findings.keys() | self._backend.keys()
+            if findings.get(k) != self._backend.get(k)
+        }
+        self._backend = dict(findings)
+        return changed
 
     def any_lost(self) -> bool:
         """Whether any route or listener claim is not admitted for its host (the
@@ -382,6 +400,9 @@ class RouteStatusBook:
                     "; ".join(route.ingress_verdicts),
                 ),
             )
+        backend = self._backend.get(route.key)
+        if backend:
+            conditions += (condition(backend),)
         return RouteStatus(tuple(_stamped(c, previous, now) for c in conditions))
 
 

@@ -64,6 +64,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from waygate.resolver.backendcerts import BackendCertificateState
 from waygate.resolver.model import (
     ADMITTED,
     Change,
@@ -681,6 +682,15 @@ class Store:
         self._note_source(source)
         self._commit(changes, source, hosts)
 
+    def set_backend_certificates(
+        self, findings: dict[RouteKey, tuple[BackendCertificateState, ...]]
+    ) -> None:
+        """The proxies' backend-certificate findings (waygate.resolver.backendcerts):
+        routes whose findings changed get their BackendCertificate condition, in one version."""
+        recheck = self._status.set_backend_certificates(findings)
+        if recheck:
+            self._commit([], None, recheck=recheck)
+
     # ------------------------------------------------------------ internals
 
     def _owned(self, kind: Kind, source: str) -> list[Any]:
@@ -747,13 +757,17 @@ class Store:
         return True
 
     def _commit(
-        self, changes: list[Change], source: str | None, hosts: set[str] | None = None
+        self,
+        changes: list[Change],
+        source: str | None,
+        hosts: set[str] | None = None,
+        recheck: set[RouteKey] | None = None,
     ) -> None:
         if source is not None:
             self._note_source(source)
-        if not changes and not hosts:
+        if not changes and not hosts and not recheck:
             return
-        changes = self._with_status(changes, hosts or set())
+        changes = self._with_status(changes, hosts or set(), recheck or set())
         if not changes:
             # Only listener claims moved: no route changed, but a Gateway's may have.
             self._notify_route_listeners()
@@ -787,7 +801,9 @@ class Store:
         for callback in list(self._route_listeners):
             callback()
 
-    def _with_status(self, changes: list[Change], hosts: set[str]) -> list[Change]:
+    def _with_status(
+        self, changes: list[Change], hosts: set[str], recheck: set[RouteKey]
+    ) -> list[Change]:
         """`changes` with routes carrying their status, plus the routes whose status
         these changes changed (published in the same version)."""
         route_keys: list[RouteKey] = [
@@ -796,7 +812,7 @@ class Store:
         service_keys = {
             (c.key[0], c.key[1]) for c in changes if c.kind in (Kind.SERVICES, Kind.ENDPOINTS)
         }
-        if not route_keys and not service_keys and not hosts:
+        if not route_keys and not service_keys and not hosts and not recheck:
             return changes
         updated = self._status.update(
             self._routes,
@@ -805,6 +821,7 @@ class Store:
             changed_routes=route_keys,
             changed_services=service_keys,
             changed_hosts=hosts,
+            recheck=recheck,
             now=self._clock(),
         )
         result: list[Change] = []

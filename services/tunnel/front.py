@@ -931,6 +931,10 @@ async def start_front(process: ServiceProcess, settings: Any, hub: Hub) -> int |
 
 
 async def _front_ssl_context(process: ServiceProcess, settings: Any) -> ssl.SSLContext:
+    # Trust consumers (ReportTrust): without front_client_ca_file the front verifies
+    # clients with the process's trust bundle, which the process already acknowledges;
+    # front_client_ca_file is a CA of its own (the API server's client CA), not certs'
+    # bundle, so there is nothing of certs' to acknowledge for it.
     client_ca: Path | None = settings.front_client_ca_file
     if client_ca is None:
         if settings.certs_address is None and settings.tls_client_ca_file is None:

@@ -920,6 +920,36 @@ class GatewayListenerReportResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class BackendCertificateReport(_message.Message):
+    __slots__ = ("proxy", "certificates")
+    PROXY_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATES_FIELD_NUMBER: _ClassVar[int]
+    proxy: str
+    certificates: _containers.RepeatedCompositeFieldContainer[BackendCertificateState]
+    def __init__(self, proxy: _Optional[str] = ..., certificates: _Optional[_Iterable[_Union[BackendCertificateState, _Mapping]]] = ...) -> None: ...
+
+class BackendCertificateState(_message.Message):
+    __slots__ = ("namespace", "route", "endpoint", "names", "not_before", "not_after", "verdict")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    NOT_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    NOT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    route: str
+    endpoint: str
+    names: _containers.RepeatedScalarFieldContainer[str]
+    not_before: _timestamp_pb2.Timestamp
+    not_after: _timestamp_pb2.Timestamp
+    verdict: str
+    def __init__(self, namespace: _Optional[str] = ..., route: _Optional[str] = ..., endpoint: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., not_before: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., not_after: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., verdict: _Optional[str] = ...) -> None: ...
+
+class BackendCertificateReportResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class TunnelReport(_message.Message):
     __slots__ = ("server", "nodes", "lease")
     SERVER_FIELD_NUMBER: _ClassVar[int]

@@ -69,6 +69,11 @@ class ResolverStub:
                 request_serializer=waygate_dot_resolver_dot_v1_dot_resolver__pb2.GatewayListenerReport.SerializeToString,
                 response_deserializer=waygate_dot_resolver_dot_v1_dot_resolver__pb2.GatewayListenerReportResponse.FromString,
                 _registered_method=True)
+        self.ReportBackendCertificates = channel.stream_unary(
+                '/waygate.resolver.v1.Resolver/ReportBackendCertificates',
+                request_serializer=waygate_dot_resolver_dot_v1_dot_resolver__pb2.BackendCertificateReport.SerializeToString,
+                response_deserializer=waygate_dot_resolver_dot_v1_dot_resolver__pb2.BackendCertificateReportResponse.FromString,
+                _registered_method=True)
         self.ReportTunnels = channel.stream_unary(
                 '/waygate.resolver.v1.Resolver/ReportTunnels',
                 request_serializer=waygate_dot_resolver_dot_v1_dot_resolver__pb2.TunnelReport.SerializeToString,
@@ -148,6 +153,19 @@ class ResolverServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportBackendCertificates(self, request_iterator, context):
+        """Proxies stream the backend certificates of reencrypt and BackendTLSPolicy
+        routes that need attention: expiring within the proxy's warning window,
+        or expired, not yet valid or untrusted (out of rotation). Each report is
+        the proxy's full state; a proxy's state lapses when no report refreshed it
+        within the resolver's TTL (a stream that ends keeps it until then). The
+        routes get a BackendCertificate condition (ResolvedRefs stays True). Over
+        mTLS, only route readers (the proxies) may call it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReportTunnels(self, request_iterator, context):
         """Tunnel servers stream the set of edge nodes whose agents they hold. The
         presence a stream reported disappears when the stream ends or when no
@@ -195,6 +213,11 @@ def add_ResolverServicer_to_server(servicer, server):
                     servicer.ReportListeners,
                     request_deserializer=waygate_dot_resolver_dot_v1_dot_resolver__pb2.GatewayListenerReport.FromString,
                     response_serializer=waygate_dot_resolver_dot_v1_dot_resolver__pb2.GatewayListenerReportResponse.SerializeToString,
+            ),
+            'ReportBackendCertificates': grpc.stream_unary_rpc_method_handler(
+                    servicer.ReportBackendCertificates,
+                    request_deserializer=waygate_dot_resolver_dot_v1_dot_resolver__pb2.BackendCertificateReport.FromString,
+                    response_serializer=waygate_dot_resolver_dot_v1_dot_resolver__pb2.BackendCertificateReportResponse.SerializeToString,
             ),
             'ReportTunnels': grpc.stream_unary_rpc_method_handler(
                     servicer.ReportTunnels,
@@ -391,6 +414,33 @@ class Resolver:
             '/waygate.resolver.v1.Resolver/ReportListeners',
             waygate_dot_resolver_dot_v1_dot_resolver__pb2.GatewayListenerReport.SerializeToString,
             waygate_dot_resolver_dot_v1_dot_resolver__pb2.GatewayListenerReportResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportBackendCertificates(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/waygate.resolver.v1.Resolver/ReportBackendCertificates',
+            waygate_dot_resolver_dot_v1_dot_resolver__pb2.BackendCertificateReport.SerializeToString,
+            waygate_dot_resolver_dot_v1_dot_resolver__pb2.BackendCertificateReportResponse.FromString,
             options,
             channel_credentials,
             insecure,

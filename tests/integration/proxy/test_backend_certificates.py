@@ -179,8 +179,8 @@ def test_waygate_check_warns_days_before_and_fails_an_endpoint_out_of_rotation()
     book.record(served("10.0.0.1:443", NOW + 30 * DAY))
     book.record(served("10.0.0.2:443", NOW + 2 * DAY))
     book.record(served("10.0.0.3:443", NOW - DAY))
-    # What /status.json carries (to_json), as `waygate check` reads it.
-    document = {"sections": [section(book, NOW).to_json()]}
+    # What /status.json carries (to_json, per service), as `waygate check` reads it.
+    document = {"services": [{"service": "proxy", "sections": [section(book, NOW).to_json()]}]}
     findings = check_findings(json.loads(json.dumps(document, default=str)))
     assert [(level, title.split(":")[1].strip()) for level, title, _ in findings] == [
         ("failed", "backend 10.0.0.3"),
@@ -188,3 +188,23 @@ def test_waygate_check_warns_days_before_and_fails_an_endpoint_out_of_rotation()
     ]
     assert findings[1][1].endswith("expires in 2d 0h")
     assert "expired" in findings[0][1]
+
+
+def test_the_resolver_hears_endpoints_out_of_rotation_then_those_expiring_soon() -> None:
+    from waygate.proxy.backendcerts import attention
+
+    book = BackendCertificates()
+    book.record(served("10.0.0.1:443", NOW + 30 * DAY))  # fine: not reported
+    book.record(served("10.0.0.2:443", NOW + 2 * DAY))
+    book.record(served("10.0.0.3:443", NOW + 30 * DAY, verified=False))
+    book.record(served("10.0.0.4:443", NOW - DAY))
+    states = attention(book, NOW)
+    assert [(s.endpoint, s.verdict) for s in states] == [
+        ("10.0.0.4:443", "Expired"),
+        ("10.0.0.3:443", "Untrusted"),
+        ("10.0.0.2:443", "ExpiringSoon"),
+    ]
+    assert {(s.namespace, s.route, s.names) for s in states} == {
+        ("demo", "secure", ("web.demo.svc",))
+    }
+    assert all(s.problem() is None for s in states)  # what the resolver accepts

@@ -122,6 +122,14 @@ def test_listener_reports_come_from_route_readers_only() -> None:
     assert "ReportListeners" in str(caught.value) and "--route-readers" in str(caught.value)
 
 
+def test_backend_certificate_reports_come_from_route_readers_only() -> None:
+    access = WriteAccess(route_readers=(SA + "proxy",), authenticated=True)
+    access.check_backend_certificate_reporter((SA + "proxy",))
+    with pytest.raises(PermissionDenied) as caught:
+        access.check_backend_certificate_reporter((SA + "user",))
+    assert "ReportBackendCertificates" in str(caught.value)
+
+
 def test_the_reason_route_keys_are_withheld_is_named() -> None:
     """Issue 29 finding 9: the Watch client hears why it gets no keys."""
     proxy = "spiffe://waygate.local/ns/local/sa/proxy"
