@@ -4,24 +4,24 @@
 Exchange's slots, as `relay_h1.UpgradeRelay`'s does). It takes the body
 bytes the driver hands over (`request_body`) and sends them on by the
 request's framing (Content-Length, or chunked through an `http1.ChunkedReader`
-that re-emits the chunks as they came), to one of three places:
+that re-frames the chunks it checked), to one of three places:
 
 - the upstream connection, when one is attached;
 - the request buffer (`bodybuffer`, ingress-nginx's proxy-request-buffering):
   the whole body is taken in before any upstream is used, and dispatch waits
   for its last byte (`hold_dispatch`); then it is replayed (`_replay`) as the
-  upstream takes it;
-- while a connect runs, a pending list bounded by `PENDING_HIGH_WATER`:
-  past it the client is paused (`flow.CONNECTING`) until the upstream is attached.
+  upstream takes it (`upstream_paused` stops and resumes it);
+- while a connect runs, a pending list: past `PENDING_HIGH_WATER` the client
+  is paused (`flow.CONNECTING`) until the upstream is attached and takes it.
 
 Invariants: a chunked body over the route's proxy-body-size (`bodylimit`) is
-refused with 413 at the chunk size that crosses it, and nothing more is
-relayed; a malformed chunked body is refused, never passed on; the minimum
-body rate (`timeouts.check`) is measured only while an upstream or the
-buffer takes the body (`_restart_body_rate` whenever that starts again), so
-a client the proxy paused is never called slow; the buffer is freed
-(`_drop_buffer`) however the exchange ends. Nothing here runs for a request
-without a body.
+refused with 413 (an abort once the response started) at the chunk size that
+crosses it, and nothing more is relayed; malformed chunked framing is refused,
+never passed on; the minimum body rate (`timeouts.check`) is measured only
+while an upstream or the buffer takes the body (`_restart_body_rate` whenever
+that starts again), so a client the proxy paused is never called slow; the
+buffer is freed (`_drop_buffer`) however the exchange ends. A request without
+a body never enters `request_body`, the hold or the replay.
 """
 
 from __future__ import annotations
