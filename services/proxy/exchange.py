@@ -40,7 +40,10 @@ and the Exchange calls `Downstream.response_head/response_body/response_pieces`,
 then `exchange_done(keep_alive, now, idle_timeout)` (or `failed`, `refuse`, `abort`).
 
 What the Exchange keeps (the rules between request and response):
-- request framing (Content-Length or chunked, bounded while connecting);
+- request framing (Content-Length or chunked, bounded while connecting),
+  proxy-body-size and request buffering: the request-body phase
+  (`requestbody.RequestBody`, a mixin);
+- the external-auth step before dispatch (`authstep.AuthStep`, a mixin);
 - response framing and its extras (`Forward.response_extra`: Set-Cookie,
   HSTS; a route's ResponseHeaderModifier), rechunking (the upstream's chunked
   body is re-emitted chunked to a driver that takes chunks, or as bare
@@ -70,8 +73,9 @@ from typing import Any, Protocol
 from opentelemetry.trace import Status, StatusCode
 
 from waygate.core import flow
-from waygate.proxy import authcheck, bodylimit, extauth, filters, http1
-from waygate.proxy.bodybuffer import BodyBuffer, BufferRefused
+from waygate.proxy import filters, http1
+from waygate.proxy.authstep import AuthStep
+from waygate.proxy.bodybuffer import BodyBuffer
 from waygate.proxy.connect_h1 import start_connect
 from waygate.proxy.context import ExchangeContext
 from waygate.proxy.decision import (
@@ -99,6 +103,7 @@ from waygate.proxy.http1 import (
 )
 from waygate.proxy.records import end_span
 from waygate.proxy.relay_h1 import UpgradeRelay
+from waygate.proxy.requestbody import RequestBody
 from waygate.proxy.routing import Backend, RouteEntry, Side, Target
 from waygate.proxy.timeouts import check as check_timeouts
 from waygate.proxy.upstream_h1 import UpstreamConnection
@@ -115,8 +120,6 @@ __all__ = [
 # A non-idempotent request reuses only connections idle for less than this:
 # upstreams' keep-alive timeouts are seconds (Node.js 5 s, nginx 75 s).
 SAFE_REUSE_IDLE = 2.0
-# Request body bytes held while the upstream connect runs before reading pauses.
-PENDING_HIGH_WATER = flow.HIGH_WATER
 
 _IDEMPOTENT = frozenset((b"GET", b"HEAD", b"OPTIONS", b"PUT", b"DELETE", b"TRACE"))
 
@@ -179,7 +182,7 @@ class Downstream(Protocol):
     def relay_closed(self) -> None: ...
 
 
-class Exchange(UpgradeRelay):
+class Exchange(AuthStep, RequestBody, UpgradeRelay):
     """One request and its response at a time, between a driver and an upstream."""
 
     __slots__ = (
@@ -325,22 +328,9 @@ class Exchange(UpgradeRelay):
     def dispatch(self) -> None:
         """Send the request upstream: a pooled connection, or a new connect; to an
         HTTP/2 backend, a stream (`h2bridge`: the backend decides the protocol)."""
-        buffer = self.buffer
-        if buffer is not None and not self.req_complete:
+        if self.buffer is not None and not self.req_complete:
             # The body first (request buffering): dispatched at its last byte.
-            req = self.req
-            assert req is not None
-            try:
-                self.ctx.buffers.check(req.content_length)
-            except BufferRefused as exc:
-                self.fail(exc.status, exc.reason, exc.kind)
-                return
-            if not self.dispatch_held:
-                self.dispatch_held = True
-                if req.expect_continue:
-                    # The body is for the proxy now: it invites it itself (as nginx
-                    # does); the upstream's own 100 is not passed on.
-                    self.down.informational(100)
+            self.hold_dispatch()
             return
         target = self.target
         assert target is not None
@@ -387,96 +377,11 @@ class Exchange(UpgradeRelay):
         else:
             self.fail(503, pool.full(target), "endpoint_limit")
 
-    def _authorize(self, forward: Forward) -> None:
-        """ingress-nginx auth-url: the auth service is asked first (`authcheck`, the
-        request's one task while it runs); its answer lets the request go on, with
-        the answer's headers, or answers the client."""
-        context = self.down.context
-        assert context is not None
-        found = authcheck.authorize(
-            self.ctx, forward, self.req, bool(self.down.secure), context.client_ip, self._authorized
-        )
-        if isinstance(found, asyncio.Task):
-            self.connect_task = found
-        else:
-            self._authorized(found)  # a cached answer
-
-    def _authorized(self, response: http1.ResponseHead | None) -> None:
-        self.connect_task = None
-        forward = self.forward
-        req = self.req
-        if forward is None or req is None or forward.auth is None:
-            return
-        plan = forward.auth
-        forward.auth = None
-        result = extauth.outcome(plan, response, req, bool(self.down.secure))
-        if isinstance(result, bytes):
-            if plan.copied:
-                head = extauth.with_auth_headers(self.upstream_head, plan, result)
-                self.upstream_head = forward.upstream_head = head
-            self.dispatch()
-            return
-        page = filters.redirect_head(result.status, result.location, close=True)
-        self.fail(result.status, result.reason, "external_auth", page if result.location else b"")
-
     def endpoint_free(self) -> None:
         """Called by the pool: room (or an idle connection) for this queued request."""
         self.queued = False
         if self.req is not None and self.upstream is None and self.connect_task is None:
             self.dispatch()
-
-    def request_body(self, data: bytes) -> bytes:
-        """Forward request body bytes; returns what follows the body (next request)."""
-        self.last_client = self.loop.time()
-        self.body_received += len(data)
-        reader = self.body_reader
-        rest = b""
-        if reader is None:
-            remaining = self.body_remaining
-            if len(data) > remaining:
-                data, rest = data[:remaining], data[remaining:]
-            self.body_remaining = remaining - len(data)
-            out = [data]
-            if self.body_remaining == 0:
-                self.req_complete = True
-        else:
-            try:
-                out, used = reader.feed(data)
-            except BadMessage as exc:
-                if self.response_started:
-                    self.down.abort()
-                else:
-                    self.abandon_upstream()
-                    self.req = None
-                    self.down.refuse(exc)
-                return b""
-            if self.body_limit and reader.payload > self.body_limit:
-                # proxy-body-size crossed by the chunk sizes announced: 413 (or an
-                # abort once the answer started), nothing more relayed.
-                self.fail(413, bodylimit.reason(self.body_limit), bodylimit.KIND)
-                return b""
-            if used < len(data):
-                rest = data[used:]
-            if reader.done:
-                self.req_complete = True
-        upstream = self.upstream
-        if upstream is not None:
-            upstream.writelines(out)
-        elif self.buffer is not None:
-            try:
-                self.buffer.write(out)
-            except BufferRefused as exc:
-                self.fail(exc.status, exc.reason, exc.kind)
-                return b""
-            if self.req_complete and self.dispatch_held:
-                self.dispatch_held = False
-                self.dispatch()
-        else:
-            self.pending_body.extend(out)
-            self.pending_size += len(data)
-            if self.pending_size > PENDING_HIGH_WATER:
-                self.down.pause_reading(flow.CONNECTING)
-        return rest
 
     # ------------------------------------------------------------ picks
 
@@ -519,28 +424,6 @@ class Exchange(UpgradeRelay):
         if self.down.write_paused:
             upstream.pause_reading()
 
-    def _replay(self) -> None:
-        """The buffered body to the upstream while it takes it (`upstream_paused`
-        resumes it); at its end the buffer is freed and the upstream told (an
-        empty write: the HTTP/2 bridge ends its stream)."""
-        buffer = self.buffer
-        upstream = self.upstream
-        while buffer is not None and upstream is not None and not self.upstream_blocked:
-            data = buffer.read()
-            if not data:
-                self._drop_buffer()
-                upstream.writelines([])
-                return
-            upstream.writelines([data])
-            upstream = self.upstream
-            buffer = self.buffer
-
-    def _drop_buffer(self) -> None:
-        buffer = self.buffer
-        if buffer is not None:
-            self.buffer = None
-            buffer.close()
-
     def abandon_upstream(self) -> None:
         """Let go of everything held upstream, however the exchange ends: the place
         in the endpoint's queue, a connect (its reservation is released by its
@@ -564,25 +447,6 @@ class Exchange(UpgradeRelay):
             upstream.abort()
 
     # ------------------------------------------------------------ upstream callbacks
-
-    def _restart_body_rate(self, now: float) -> None:
-        self.upstream_blocked = False
-        self.body_rate_from = now
-        self.body_rate_base = self.body_received
-
-    def upstream_paused(self, paused: bool) -> None:
-        """The upstream's write buffer is full (True) or took its bytes (False)."""
-        self.last_client = now = self.loop.time()
-        if paused:
-            self.upstream_blocked = True
-        else:
-            self._restart_body_rate(now)
-        if paused:
-            self.down.pause_reading(flow.PEER)
-        else:
-            self.down.resume_reading(flow.PEER)
-            if self.buffer is not None and self.req_complete:
-                self._replay()
 
     def downstream_paused(self, paused: bool) -> None:
         """The driver's client stopped (True) or resumed (False) reading: so does the upstream."""
