@@ -133,7 +133,8 @@ async def test_get_yaml_applies_back_unchanged(
         cli(service, "routes", "get", "demo/shop", "-o", "yaml"),
         cli(service, "routes", "apply", "-f", "-"),
     )
-    assert (code, out.strip()) == (0, "route demo/shop applied"), err
+    # (This resolver is plaintext, so the answer also says the route's key is withheld.)
+    assert code == 0 and out.startswith("route demo/shop applied"), (out, err)
     code, again, err = await run_cli(*cli(service, "routes", "get", "demo/shop", "-o", "yaml"))
     assert code == 0, err
     assert again == shown
