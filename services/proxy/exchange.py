@@ -681,7 +681,9 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
         forward = self.forward
         if forward is not None:
             self.forward = None
-            release_pick(forward)
+            # (The common request holds nothing: no call for it.)
+            if forward.counted or forward.held is not None:
+                release_pick(forward)
         self.backend = None
         self.target = None
         self.req = None
