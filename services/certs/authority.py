@@ -3,6 +3,7 @@
 Each step lives in its own module, with no locks and no I/O of its own:
 - `castate`: CA records, making a CA, and their stored form (the store);
 - `issuing`: the leaf profile, signing, and the ListIssued records;
+- `leafbounds`: the stored bound on each CA's leaves' not_after;
 - `rotation`: the rotation state machine (prepare -> activate -> retire),
   gated on the consumers' reports (`consumers`);
 - `bundle`: the published trust bundle and delivering its changes.
@@ -14,10 +15,7 @@ tested by moving time rather than sleeping.
 Invariants:
 - every CA that signed a leaf still valid is in the published bundle, and a
   leaf never outlives its CA (see `rotation` and `issuing`);
-- the latest not_after per CA is persisted as a bound that is always >= the
-  true value (it is moved `leaf_bound_step` ahead whenever a leaf passes it),
-  so the store is written about once an hour rather than on every issue, and
-  a restart can only keep an old CA longer, never drop it early;
+- a leaf is handed out only once the store's leaf bound covers it (`leafbounds`);
 - errors raise domain errors before anything is signed, recorded or written;
 - the bundle version increases with every change and survives restarts;
 - the authority is thread-safe: signing runs on the event loop when that is
@@ -44,7 +42,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from cryptography import x509
 
-from waygate.certs import castate, issuing, rotation
+from waygate.certs import castate, issuing, leafbounds, rotation
 from waygate.certs.bundle import BundleChanges, TrustBundleView, running_on
 from waygate.certs.castate import (
     KEY_ALGORITHMS,
@@ -683,8 +681,8 @@ class Authority:
         ca = self._active()
         now = whole_seconds(self._now())
         not_before, not_after = issuing.leaf_window(ca, now, lifetime, self.config.backdate)
-        raise_bound = ca.leaf_bound is None or not_after > ca.leaf_bound
-        if raise_bound and at_once:
+        covered = leafbounds.covers(ca, not_after)
+        if not covered and at_once:
             return None
         leaf, serial = issuing.sign_leaf(
             ca,
@@ -694,16 +692,10 @@ class Authority:
             not_after=not_after,
             extended_usages=extended_usages,
         )
-        if raise_bound:
-            previous = ca.leaf_bound
-            ca.leaf_bound = not_after + self.config.leaf_bound_step
-            try:
+        if not covered:
+            with leafbounds.raised(ca, not_after, self.config.leaf_bound_step):
                 self._save()
-            except BaseException:
-                ca.leaf_bound = previous
-                raise
-        if ca.leaf_max is None or not_after > ca.leaf_max:
-            ca.leaf_max = not_after
+        leafbounds.record_leaf(ca, not_after)
         serial_hex = format(serial, "x")
         self._issued.add(
             serial=serial_hex,
@@ -854,10 +846,9 @@ class Authority:
                     anchor=provided.anchor,
                 )
             new.activate_at = switch_at
-            # Its bound already covers the leaves of its first `leaf_bound_step` of
-            # signing, so they (every workload renewing after an immediate switch) need
-            # no store write under the lock: this write, off the lock, carries it.
-            new.leaf_bound = switch_at + self.config.max_lifetime + self.config.leaf_bound_step
+            new.leaf_bound = leafbounds.staged_bound(
+                switch_at, self.config.max_lifetime, self.config.leaf_bound_step
+            )
             while True:
                 files, saves = self._rotation_files(new, generation)
                 with self._store_lock:
@@ -952,11 +943,7 @@ class Authority:
         FailedPrecondition (and nothing changed) when the files cannot be used.
         """
         other = castate.decode_state(files, self.store.description)
-        known = {ca.name: ca for ca in self._cas}
-        for ca in other.cas:
-            mine = known.get(ca.name)
-            if mine is not None and mine.leaf_max is not None:
-                ca.leaf_max = max(mine.leaf_max, ca.leaf_max or mine.leaf_max)
+        leafbounds.keep_known_leaves(other.cas, self._cas)
         before = [(ca.name, ca.state) for ca in self._cas]
         self._cas, self._generation = other.cas, other.generation
         self._rotation = other.rotation
@@ -990,17 +977,7 @@ class Authority:
         None when every bound already is. Memory is not changed: the leader saves
         these files itself (off this lock, so Certify never waits on the write),
         then calls `raise_leaf_bounds`."""
-        low = [ca for ca in self._cas if ca.leaf_bound is None or ca.leaf_bound < until]
-        if not low:
-            return None
-        saved = [(ca, ca.leaf_bound) for ca in low]
-        try:
-            for ca in low:
-                ca.leaf_bound = until
-            return self._files()
-        finally:
-            for ca, bound in saved:
-                ca.leaf_bound = bound
+        return leafbounds.encoded_with_bounds(self._cas, until, self._files)
 
     @_locked
     def raise_leaf_bounds(self, until: datetime, *, stored: Callable[[], bool]) -> bool:
@@ -1009,9 +986,7 @@ class Authority:
         holds; True when raised. A leaf up to the bound then needs no save."""
         if not stored():
             return False
-        for ca in self._cas:
-            if ca.leaf_bound is None or ca.leaf_bound < until:
-                ca.leaf_bound = until
+        leafbounds.raise_all(self._cas, until)
         return True
 
     # ------------------------------------------------------------ change notification
