@@ -50,20 +50,14 @@ from waygate.certs.castate import (
     CARecord,
     CAState,
     CAView,
+    Upstream,
     generate_key,
     iso,
     utc_now,
     whole_seconds,
 )
 from waygate.certs.consumers import REPORT_INTERVAL, ConsumerTable
-from waygate.certs.csr import (
-    MAX_SANS,
-    CertificatePublicKey,
-    check_csr,
-    csr_names,
-    load_csr,
-    requested_usages,
-)
+from waygate.certs.csr import MAX_SANS, CertificatePublicKey, check_csr, load_csr
 from waygate.certs.issuing import (
     ISSUED_RECORDS,
     ISSUED_RECORDS_BYTES,
@@ -74,7 +68,7 @@ from waygate.certs.issuing import (
     IssuedRecord,
     IssuedRecords,
 )
-from waygate.certs.rotation import ConsumerReport, Gate, Phase, Step
+from waygate.certs.rotation import ConsumerReport, Phase, Rotation, RotationStatus, Step
 from waygate.certs.store import CAStore
 from waygate.core.errors import FailedPrecondition
 
@@ -155,41 +149,6 @@ class AuthorityConfig:
         return self.propagation_delay + 2 * self.max_lifetime
 
 
-@dataclasses.dataclass(frozen=True)
-class Rotation:
-    new_authority: CAView
-    signing_switch_at: datetime  # at the earliest: it also waits for the consumers
-    old_retire_after: datetime  # at the latest: the old CA may sign until the switch
-    bundle: TrustBundleView
-
-
-@dataclasses.dataclass(frozen=True)
-class Upstream:
-    """An organisation's intermediate CA for certs to sign with (upstream authority)."""
-
-    key: castate.PrivateKey
-    cert: x509.Certificate
-    #: The organisation's root above it: what the trust bundle publishes.
-    anchor: x509.Certificate
-    #: Where it came from, for messages ("--ca-cert /etc/ca/intermediate.pem").
-    source: str
-
-
-@dataclasses.dataclass(frozen=True)
-class RotationStatus:
-    """Where the rotation stands and who holds it (status, cert status, check)."""
-
-    phase: Phase
-    gate: Gate
-    #: Every consumer's last report, oldest first.
-    consumers: tuple[ConsumerReport, ...]
-    #: Consumers live now (reported within consumer_ttl).
-    live: tuple[ConsumerReport, ...]
-    #: Since when the next step's clock condition has been met (None: not yet, or
-    #: idle); how long consumers have held it is now minus this.
-    clock_ready_at: datetime | None = None
-
-
 class Authority:
     """Signs leaves with the active CA and keeps the trust bundle, persisted in a CAStore."""
 
@@ -261,13 +220,8 @@ class Authority:
         """
         config = config or AuthorityConfig()
         if upstream is not None:
-            castate.check_upstream(
-                upstream.key,
-                upstream.cert,
-                upstream.anchor,
-                now=now(),
-                needed_life=2 * config.max_lifetime + config.propagation_delay,
-                what=upstream.source,
+            upstream.check(
+                now=now(), needed_life=2 * config.max_lifetime + config.propagation_delay
             )
         files = store.load()
         if files is None:
@@ -276,13 +230,7 @@ class Authority:
                 ca = authority._new_ca(config.ca_lifetime, CAState.ACTIVE)
             else:
                 authority._generation = 1
-                ca = CARecord(
-                    name="ca-1",
-                    key=upstream.key,
-                    cert=upstream.cert,
-                    state=CAState.ACTIVE,
-                    anchor=upstream.anchor,
-                )
+                ca = upstream.record(1, CAState.ACTIVE)
             authority._cas.append(ca)
             authority._version = 1
             authority._save()
@@ -400,11 +348,7 @@ class Authority:
         if not self.steps_allowed():
             return []
         now = self._now()
-        before = (
-            list(self._cas),
-            [(c.state, c.activate_at, c.retire_after) for c in self._cas],
-            dict(self._rotation),
-        )
+        before = rotation.Checkpoint.of(self._cas, self._rotation)
         steps = rotation.advance(
             self._cas,
             self._rotation,
@@ -424,10 +368,7 @@ class Authority:
         except BaseException:
             if changed:
                 self._version -= 1
-            self._cas = before[0]
-            for ca, (state, activate_at, retire_after) in zip(before[0], before[1], strict=True):
-                ca.state, ca.activate_at, ca.retire_after = state, activate_at, retire_after
-            self._rotation = before[2]
+            self._cas, self._rotation = before.restore()
             raise
         for step in steps:
             extra: dict[str, Any] = {"step": step.name, "fingerprint": self._active().fingerprint}
@@ -447,21 +388,11 @@ class Authority:
         rotation is under way."""
         with self._lock:
             try:
-                status = self._status()
-                if not status.gate.step:
-                    raise FailedPrecondition("no CA rotation is under way: nothing to force")
-                now = self._now()
-                if status.gate.not_before is not None and now < status.gate.not_before:
-                    raise FailedPrecondition(
-                        f"the {status.gate.step} step cannot be forced before "
-                        f"{iso(status.gate.not_before)}: leaves the old CA signed are still valid"
-                        if status.gate.step == "retire"
-                        else f"the {status.gate.step} step cannot be forced before its "
-                        f"minimum propagation delay ends ({iso(status.gate.not_before)})"
-                    )
+                current = self._status().gate
+                rotation.check_forcible(current, self._now())
                 steps = self._advance(force=True)
                 if not steps:
-                    raise FailedPrecondition(f"the {status.gate.step} step could not be taken")
+                    raise FailedPrecondition(f"the {current.step} step could not be taken")
                 return steps[0].name, steps[0].forced_past
             finally:
                 self._publish()
@@ -471,23 +402,14 @@ class Authority:
         return self._status()
 
     def _status(self) -> RotationStatus:
-        consumers = self.consumers.snapshot()
-        now = self._now()
-        current = rotation.gate(
+        return rotation.status(
             self._cas,
             self._rotation,
-            consumers,
-            now,
+            self.consumers.snapshot(),
+            self._now(),
             consumer_ttl=self.config.consumer_ttl,
             settle_until=self._settle_until,
         )
-        live = tuple(rotation.live_consumers(consumers, now, self.config.consumer_ttl))
-        ready: datetime | None = None
-        if current.step == "finish":
-            ready = castate.parse_iso(self._rotation.get("retired_at"))
-        elif current.step and current.not_before is not None and current.not_before <= now:
-            ready = current.not_before
-        return RotationStatus(current.phase, current, consumers, live, ready)
 
     @_locked
     def rotation_phase(self) -> Phase:
@@ -520,18 +442,15 @@ class Authority:
 
     def _take_upstream(self, upstream: Upstream) -> None:
         """Sign with `upstream` from now on: already stored, or staged by a rotation."""
+        fingerprint = castate.fingerprint(upstream.cert)
         with self._lock:
-            if any(ca.fingerprint == castate.fingerprint(upstream.cert) for ca in self._cas):
+            if not rotation.check_new_upstream(
+                self._cas, self._rotation, fingerprint, upstream.source
+            ):
                 return
-            if rotation.phase_of(self._cas, self._rotation) is not Phase.IDLE:
-                raise FailedPrecondition(
-                    f"{upstream.source}: a new intermediate CA was given while a CA rotation "
-                    "is still in progress; start certs with the current one until it has "
-                    "finished (`waygate cert status`)"
-                )
         log.warning(
             "new upstream intermediate CA: rotating to it",
-            extra={"source": upstream.source, "fingerprint": castate.fingerprint(upstream.cert)},
+            extra={"source": upstream.source, "fingerprint": fingerprint},
         )
         self.rotate(provided=upstream)
 
@@ -668,29 +587,30 @@ class Authority:
                 return None
             if not isinstance(self._active().key, QUICK_SIGNING_KEYS):
                 return None
-        if lifetime is None:
-            lifetime = self.config.default_lifetime
-        issuing.check_lifetime(lifetime, self.config.max_lifetime)
-        if public_key is None:
-            public_key = check_csr(csr, max_sans=self.config.max_sans)
-        names = csr_names(csr, self.config.max_sans)
-        if not extended_usages:
-            extended_usages = requested_usages(csr)
+        request = issuing.leaf_request(
+            csr,
+            lifetime=lifetime,
+            public_key=public_key,
+            extended_usages=extended_usages,
+            default_lifetime=self.config.default_lifetime,
+            max_lifetime=self.config.max_lifetime,
+            max_sans=self.config.max_sans,
+        )
         if not at_once:
             self.advance()
         ca = self._active()
         now = whole_seconds(self._now())
-        not_before, not_after = issuing.leaf_window(ca, now, lifetime, self.config.backdate)
+        not_before, not_after = issuing.leaf_window(ca, now, request.lifetime, self.config.backdate)
         covered = leafbounds.covers(ca, not_after)
         if not covered and at_once:
             return None
         leaf, serial = issuing.sign_leaf(
             ca,
-            public_key,
-            names,
+            request.public_key,
+            request.names,
             not_before=not_before,
             not_after=not_after,
-            extended_usages=extended_usages,
+            extended_usages=request.extended_usages,
         )
         if not covered:
             with leafbounds.raised(ca, not_after, self.config.leaf_bound_step):
@@ -700,8 +620,8 @@ class Authority:
         self._issued.add(
             serial=serial_hex,
             identity=identity,
-            dns_names=names.dns,
-            uris=names.uris,
+            dns_names=request.names.dns,
+            uris=request.names.uris,
             not_before=not_before,
             not_after=not_after,
             issuer_fingerprint=ca.fingerprint,
@@ -796,11 +716,7 @@ class Authority:
         )
 
     def _bundle(self) -> TrustBundleView:
-        # Intermediates under one upstream root publish that root once.
-        views: dict[str, CAView] = {}
-        for ca in self._cas:
-            views.setdefault(ca.published_fingerprint, ca.view())
-        return TrustBundleView(self._version, tuple(views.values()))
+        return TrustBundleView.of(self._version, self._cas)
 
     @property
     def version(self) -> int:
@@ -838,13 +754,7 @@ class Authority:
             if provided is None:
                 new = self._make_ca(generation, lifetime, CAState.STAGED)
             else:
-                new = CARecord(
-                    name=f"ca-{generation}",
-                    key=provided.key,
-                    cert=provided.cert,
-                    state=CAState.STAGED,
-                    anchor=provided.anchor,
-                )
+                new = provided.record(generation, CAState.STAGED)
             new.activate_at = switch_at
             new.leaf_bound = leafbounds.staged_bound(
                 switch_at, self.config.max_lifetime, self.config.leaf_bound_step
@@ -882,13 +792,7 @@ class Authority:
         return switch_at, lifetime, self._generation + 1
 
     def _check_unchanged(self, generation: int) -> None:
-        """The state a rotation was planned on is still the one in memory."""
-        rotation.check_idle(self._cas, self._rotation)
-        if self._generation != generation - 1:
-            raise FailedPrecondition(
-                "the CA state changed while the new CA was made (another replica's "
-                "rotation?); retry RotateCA"
-            )
+        rotation.check_unchanged(self._cas, self._rotation, self._generation, generation)
 
     @_locked
     def _rotation_files(self, new: CARecord, generation: int) -> tuple[dict[str, bytes], int]:
