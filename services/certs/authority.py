@@ -1,14 +1,17 @@
 """The certificate authority: one coordinator over the CA's lifecycle steps.
 
 Each step lives in its own module, with no locks and no I/O of its own:
-- `castate`: CA records, making a CA, and their stored form (the store);
-- `issuing`: the leaf profile, signing, and the ListIssued records;
+- `config`: the authority's settings (`AuthorityConfig`);
+- `castate`: CA records, making a CA (or taking an upstream's), their stored form;
+- `csr` and `issuing`: checking a CSR, the leaf profile, signing, the ListIssued
+  records;
 - `leafbounds`: the stored bound on each CA's leaves' not_after;
 - `rotation`: the rotation state machine (prepare -> activate -> retire),
-  gated on the consumers' reports (`consumers`);
+  gated on the consumers' reports (`consumers`), and its status;
 - `bundle`: the published trust bundle and delivering its changes.
 
-`Authority` holds the state, the locks and the store writes, and calls them.
+`Authority` is their coordinator: it holds the state, the locks and the store
+writes, puts memory back when a write fails, and delegates every rule to them.
 No grpc and no sockets here; the clock is injected (`now`), so rotation is
 tested by moving time rather than sleeping.
 
@@ -32,7 +35,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import logging
 import threading
@@ -56,11 +58,10 @@ from waygate.certs.castate import (
     utc_now,
     whole_seconds,
 )
-from waygate.certs.consumers import REPORT_INTERVAL, ConsumerTable
+from waygate.certs.config import AuthorityConfig
+from waygate.certs.consumers import ConsumerTable
 from waygate.certs.csr import MAX_SANS, CertificatePublicKey, check_csr, load_csr
 from waygate.certs.issuing import (
-    ISSUED_RECORDS,
-    ISSUED_RECORDS_BYTES,
     LIST_LIMIT,
     QUICK_SIGNING_KEYS,
     Issued,
@@ -113,40 +114,6 @@ def _locked(
                 self._publish()
 
     return locked
-
-
-@dataclasses.dataclass(frozen=True)
-class AuthorityConfig:
-    trust_domain: str = "waygate.local"
-    organization: str = "Waygate"
-    key_algorithm: str = "ecdsa-p256"
-    ca_lifetime: timedelta = timedelta(days=365)
-    default_lifetime: timedelta = timedelta(hours=24)
-    max_lifetime: timedelta = timedelta(days=7)
-    #: not_before is this far in the past, so peers with a slow clock accept the leaf.
-    backdate: timedelta = timedelta(minutes=5)
-    #: RotateCA's default minimum wait between publishing a new CA and signing with it
-    #: (signing also waits for every live consumer to hold the new CA).
-    propagation_delay: timedelta = timedelta(hours=1)
-    leaf_bound_step: timedelta = timedelta(hours=1)
-    #: Most SANs one CSR may ask for; more is INVALID_ARGUMENT naming this bound.
-    max_sans: int = MAX_SANS
-    #: Bounds of the in-memory ListIssued records (count, estimated bytes).
-    issued_records: int = ISSUED_RECORDS
-    issued_records_bytes: int = ISSUED_RECORDS_BYTES
-    #: A consumer that has not reported for this long no longer holds a rotation step
-    #: (the default leaf lifetime: a consumer silent longer holds no leaf of ours).
-    consumer_ttl: timedelta = timedelta(hours=24)
-    #: How long a rotation step waits, after this process starts judging them, for
-    #: consumers to report (a few report intervals).
-    consumer_settle: timedelta = timedelta(seconds=3 * REPORT_INTERVAL)
-
-    @property
-    def auto_rotate_before(self) -> timedelta:
-        """Rotate by itself when the active CA has this much life left: room for the
-        propagation delay and for two full leaf lifetimes, so leaves never get shortened
-        by an expiring CA and the old CA can retire before it expires."""
-        return self.propagation_delay + 2 * self.max_lifetime
 
 
 class Authority:
