@@ -145,11 +145,6 @@ class Authority:
         #: or a worker does not (its consumer table is not the leader's); it adopts
         #: the steps the leader stores.
         self.steps_allowed: Callable[[], bool] = lambda: True
-        # A rotation this process resumes (restart, new leader) judges acknowledgements
-        # only once consumers had time to report to it: see `start_judging`.
-        self._settle_until: datetime | None = None
-        #: Whether this process's term of taking steps has begun (`start_judging`).
-        self._judging = False
         # Every public method holds it: signing runs in worker threads.
         self._lock = threading.RLock()
         # Every store write holds it (inside `_lock` where both are held, never the
@@ -322,7 +317,7 @@ class Authority:
             self.consumers.snapshot(),
             now,
             consumer_ttl=self.config.consumer_ttl,
-            settle_until=self._settle_until,
+            settle_until=self.consumers.settle_until,
             force=force,
         )
         if not steps:
@@ -375,7 +370,7 @@ class Authority:
             self.consumers.snapshot(),
             self._now(),
             consumer_ttl=self.config.consumer_ttl,
-            settle_until=self._settle_until,
+            settle_until=self.consumers.settle_until,
         )
 
     @_locked
@@ -678,7 +673,7 @@ class Authority:
                 self.consumers.snapshot(),
                 self._now(),
                 consumer_ttl=self.config.consumer_ttl,
-                settle_until=self._settle_until,
+                settle_until=self.consumers.settle_until,
             )
         )
 
@@ -825,22 +820,17 @@ class Authority:
         return True
 
     def start_judging(self) -> None:
-        """This process just loaded the CA, or became the replica that takes rotation
-        steps (leader): if a rotation is under way, give consumers time to report to
-        it before their acknowledgements are judged (an empty table is not "all
-        acknowledged"). Once per term (a leader's duties may call it again); a
-        rotation started later in the term is judged at once: its consumers have
-        been reporting here all along, and it waits its propagation delay anyway."""
-        if self._judging:
-            return
-        self._judging = True
-        if rotation.phase_of(self._cas, self._rotation) is not Phase.IDLE:
-            self._settle_until = self._now() + self.config.consumer_settle
+        """A term of taking rotation steps begins: see `ConsumerTable.start_term`."""
+        self.consumers.start_term(self._settle_until)
+
+    def _settle_until(self) -> datetime | None:
+        if rotation.phase_of(self._cas, self._rotation) is Phase.IDLE:
+            return None
+        return self._now() + self.config.consumer_settle
 
     def stop_judging(self) -> None:
-        """This replica no longer leads: the next term settles again."""
-        self._judging = False
-        self._settle_until = None
+        """This replica no longer leads: see `ConsumerTable.end_term`."""
+        self.consumers.end_term()
 
     @_locked
     def with_leaf_bounds(self, until: datetime) -> dict[str, bytes] | None:
