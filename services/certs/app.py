@@ -49,9 +49,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from waygate.certs.auth import Authenticator, Caller, StaticTokenAuthenticator, TokensFileError
-from waygate.certs.authority import Authority, AuthorityConfig, Upstream
+from waygate.certs.authority import Authority, AuthorityConfig
 from waygate.certs.bundle import TrustBundleView
-from waygate.certs.castate import KEY_ALGORITHMS, PrivateKey
+from waygate.certs.castate import KEY_ALGORITHMS, PrivateKey, Upstream
 from waygate.certs.csr import MAX_SANS
 from waygate.certs.issuing import ISSUED_RECORDS, ISSUED_RECORDS_BYTES
 from waygate.certs.policy import Policy, check_pattern

@@ -1,23 +1,24 @@
 """The certificate authority: one coordinator over the CA's lifecycle steps.
 
 Each step lives in its own module, with no locks and no I/O of its own:
-- `castate`: CA records, making a CA, and their stored form (the store);
-- `issuing`: the leaf profile, signing, and the ListIssued records;
+- `config`: the authority's settings (`AuthorityConfig`);
+- `castate`: CA records, making a CA (or taking an upstream's), their stored form;
+- `csr` and `issuing`: checking a CSR, the leaf profile, signing, the ListIssued
+  records;
+- `leafbounds`: the stored bound on each CA's leaves' not_after;
 - `rotation`: the rotation state machine (prepare -> activate -> retire),
-  gated on the consumers' reports (`consumers`);
+  gated on the consumers' reports (`consumers`), and its status;
 - `bundle`: the published trust bundle and delivering its changes.
 
-`Authority` holds the state, the locks and the store writes, and calls them.
+`Authority` is their coordinator: it holds the state, the locks and the store
+writes, puts memory back when a write fails, and delegates every rule to them.
 No grpc and no sockets here; the clock is injected (`now`), so rotation is
 tested by moving time rather than sleeping.
 
 Invariants:
 - every CA that signed a leaf still valid is in the published bundle, and a
   leaf never outlives its CA (see `rotation` and `issuing`);
-- the latest not_after per CA is persisted as a bound that is always >= the
-  true value (it is moved `leaf_bound_step` ahead whenever a leaf passes it),
-  so the store is written about once an hour rather than on every issue, and
-  a restart can only keep an old CA longer, never drop it early;
+- a leaf is handed out only once the store's leaf bound covers it (`leafbounds`);
 - errors raise domain errors before anything is signed, recorded or written;
 - the bundle version increases with every change and survives restarts;
 - the authority is thread-safe: signing runs on the event loop when that is
@@ -34,7 +35,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import logging
 import threading
@@ -44,7 +44,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from cryptography import x509
 
-from waygate.certs import castate, issuing, rotation
+from waygate.certs import castate, issuing, leafbounds, rotation
 from waygate.certs.bundle import BundleChanges, TrustBundleView, running_on
 from waygate.certs.castate import (
     KEY_ALGORITHMS,
@@ -52,23 +52,16 @@ from waygate.certs.castate import (
     CARecord,
     CAState,
     CAView,
+    Upstream,
     generate_key,
     iso,
     utc_now,
     whole_seconds,
 )
-from waygate.certs.consumers import REPORT_INTERVAL, ConsumerTable
-from waygate.certs.csr import (
-    MAX_SANS,
-    CertificatePublicKey,
-    check_csr,
-    csr_names,
-    load_csr,
-    requested_usages,
-)
+from waygate.certs.config import AuthorityConfig
+from waygate.certs.consumers import ConsumerTable
+from waygate.certs.csr import MAX_SANS, CertificatePublicKey, check_csr, load_csr
 from waygate.certs.issuing import (
-    ISSUED_RECORDS,
-    ISSUED_RECORDS_BYTES,
     LIST_LIMIT,
     QUICK_SIGNING_KEYS,
     Issued,
@@ -76,7 +69,7 @@ from waygate.certs.issuing import (
     IssuedRecord,
     IssuedRecords,
 )
-from waygate.certs.rotation import ConsumerReport, Gate, Phase, Step
+from waygate.certs.rotation import ConsumerReport, Phase, Rotation, RotationStatus, Step
 from waygate.certs.store import CAStore
 from waygate.core.errors import FailedPrecondition
 
@@ -123,75 +116,6 @@ def _locked(
     return locked
 
 
-@dataclasses.dataclass(frozen=True)
-class AuthorityConfig:
-    trust_domain: str = "waygate.local"
-    organization: str = "Waygate"
-    key_algorithm: str = "ecdsa-p256"
-    ca_lifetime: timedelta = timedelta(days=365)
-    default_lifetime: timedelta = timedelta(hours=24)
-    max_lifetime: timedelta = timedelta(days=7)
-    #: not_before is this far in the past, so peers with a slow clock accept the leaf.
-    backdate: timedelta = timedelta(minutes=5)
-    #: RotateCA's default minimum wait between publishing a new CA and signing with it
-    #: (signing also waits for every live consumer to hold the new CA).
-    propagation_delay: timedelta = timedelta(hours=1)
-    leaf_bound_step: timedelta = timedelta(hours=1)
-    #: Most SANs one CSR may ask for; more is INVALID_ARGUMENT naming this bound.
-    max_sans: int = MAX_SANS
-    #: Bounds of the in-memory ListIssued records (count, estimated bytes).
-    issued_records: int = ISSUED_RECORDS
-    issued_records_bytes: int = ISSUED_RECORDS_BYTES
-    #: A consumer that has not reported for this long no longer holds a rotation step
-    #: (the default leaf lifetime: a consumer silent longer holds no leaf of ours).
-    consumer_ttl: timedelta = timedelta(hours=24)
-    #: How long a rotation step waits, after this process starts judging them, for
-    #: consumers to report (a few report intervals).
-    consumer_settle: timedelta = timedelta(seconds=3 * REPORT_INTERVAL)
-
-    @property
-    def auto_rotate_before(self) -> timedelta:
-        """Rotate by itself when the active CA has this much life left: room for the
-        propagation delay and for two full leaf lifetimes, so leaves never get shortened
-        by an expiring CA and the old CA can retire before it expires."""
-        return self.propagation_delay + 2 * self.max_lifetime
-
-
-@dataclasses.dataclass(frozen=True)
-class Rotation:
-    new_authority: CAView
-    signing_switch_at: datetime  # at the earliest: it also waits for the consumers
-    old_retire_after: datetime  # at the latest: the old CA may sign until the switch
-    bundle: TrustBundleView
-
-
-@dataclasses.dataclass(frozen=True)
-class Upstream:
-    """An organisation's intermediate CA for certs to sign with (upstream authority)."""
-
-    key: castate.PrivateKey
-    cert: x509.Certificate
-    #: The organisation's root above it: what the trust bundle publishes.
-    anchor: x509.Certificate
-    #: Where it came from, for messages ("--ca-cert /etc/ca/intermediate.pem").
-    source: str
-
-
-@dataclasses.dataclass(frozen=True)
-class RotationStatus:
-    """Where the rotation stands and who holds it (status, cert status, check)."""
-
-    phase: Phase
-    gate: Gate
-    #: Every consumer's last report, oldest first.
-    consumers: tuple[ConsumerReport, ...]
-    #: Consumers live now (reported within consumer_ttl).
-    live: tuple[ConsumerReport, ...]
-    #: Since when the next step's clock condition has been met (None: not yet, or
-    #: idle); how long consumers have held it is now minus this.
-    clock_ready_at: datetime | None = None
-
-
 class Authority:
     """Signs leaves with the active CA and keeps the trust bundle, persisted in a CAStore."""
 
@@ -221,11 +145,6 @@ class Authority:
         #: or a worker does not (its consumer table is not the leader's); it adopts
         #: the steps the leader stores.
         self.steps_allowed: Callable[[], bool] = lambda: True
-        # A rotation this process resumes (restart, new leader) judges acknowledgements
-        # only once consumers had time to report to it: see `start_judging`.
-        self._settle_until: datetime | None = None
-        #: Whether this process's term of taking steps has begun (`start_judging`).
-        self._judging = False
         # Every public method holds it: signing runs in worker threads.
         self._lock = threading.RLock()
         # Every store write holds it (inside `_lock` where both are held, never the
@@ -263,13 +182,8 @@ class Authority:
         """
         config = config or AuthorityConfig()
         if upstream is not None:
-            castate.check_upstream(
-                upstream.key,
-                upstream.cert,
-                upstream.anchor,
-                now=now(),
-                needed_life=2 * config.max_lifetime + config.propagation_delay,
-                what=upstream.source,
+            upstream.check(
+                now=now(), needed_life=2 * config.max_lifetime + config.propagation_delay
             )
         files = store.load()
         if files is None:
@@ -278,13 +192,7 @@ class Authority:
                 ca = authority._new_ca(config.ca_lifetime, CAState.ACTIVE)
             else:
                 authority._generation = 1
-                ca = CARecord(
-                    name="ca-1",
-                    key=upstream.key,
-                    cert=upstream.cert,
-                    state=CAState.ACTIVE,
-                    anchor=upstream.anchor,
-                )
+                ca = upstream.record(1, CAState.ACTIVE)
             authority._cas.append(ca)
             authority._version = 1
             authority._save()
@@ -402,18 +310,14 @@ class Authority:
         if not self.steps_allowed():
             return []
         now = self._now()
-        before = (
-            list(self._cas),
-            [(c.state, c.activate_at, c.retire_after) for c in self._cas],
-            dict(self._rotation),
-        )
+        before = rotation.Checkpoint.of(self._cas, self._rotation)
         steps = rotation.advance(
             self._cas,
             self._rotation,
             self.consumers.snapshot(),
             now,
             consumer_ttl=self.config.consumer_ttl,
-            settle_until=self._settle_until,
+            settle_until=self.consumers.settle_until,
             force=force,
         )
         if not steps:
@@ -426,10 +330,7 @@ class Authority:
         except BaseException:
             if changed:
                 self._version -= 1
-            self._cas = before[0]
-            for ca, (state, activate_at, retire_after) in zip(before[0], before[1], strict=True):
-                ca.state, ca.activate_at, ca.retire_after = state, activate_at, retire_after
-            self._rotation = before[2]
+            self._cas, self._rotation = before.restore()
             raise
         for step in steps:
             extra: dict[str, Any] = {"step": step.name, "fingerprint": self._active().fingerprint}
@@ -449,21 +350,11 @@ class Authority:
         rotation is under way."""
         with self._lock:
             try:
-                status = self._status()
-                if not status.gate.step:
-                    raise FailedPrecondition("no CA rotation is under way: nothing to force")
-                now = self._now()
-                if status.gate.not_before is not None and now < status.gate.not_before:
-                    raise FailedPrecondition(
-                        f"the {status.gate.step} step cannot be forced before "
-                        f"{iso(status.gate.not_before)}: leaves the old CA signed are still valid"
-                        if status.gate.step == "retire"
-                        else f"the {status.gate.step} step cannot be forced before its "
-                        f"minimum propagation delay ends ({iso(status.gate.not_before)})"
-                    )
+                current = self._status().gate
+                rotation.check_forcible(current, self._now())
                 steps = self._advance(force=True)
                 if not steps:
-                    raise FailedPrecondition(f"the {status.gate.step} step could not be taken")
+                    raise FailedPrecondition(f"the {current.step} step could not be taken")
                 return steps[0].name, steps[0].forced_past
             finally:
                 self._publish()
@@ -473,23 +364,14 @@ class Authority:
         return self._status()
 
     def _status(self) -> RotationStatus:
-        consumers = self.consumers.snapshot()
-        now = self._now()
-        current = rotation.gate(
+        return rotation.status(
             self._cas,
             self._rotation,
-            consumers,
-            now,
+            self.consumers.snapshot(),
+            self._now(),
             consumer_ttl=self.config.consumer_ttl,
-            settle_until=self._settle_until,
+            settle_until=self.consumers.settle_until,
         )
-        live = tuple(rotation.live_consumers(consumers, now, self.config.consumer_ttl))
-        ready: datetime | None = None
-        if current.step == "finish":
-            ready = castate.parse_iso(self._rotation.get("retired_at"))
-        elif current.step and current.not_before is not None and current.not_before <= now:
-            ready = current.not_before
-        return RotationStatus(current.phase, current, consumers, live, ready)
 
     @_locked
     def rotation_phase(self) -> Phase:
@@ -522,18 +404,15 @@ class Authority:
 
     def _take_upstream(self, upstream: Upstream) -> None:
         """Sign with `upstream` from now on: already stored, or staged by a rotation."""
+        fingerprint = castate.fingerprint(upstream.cert)
         with self._lock:
-            if any(ca.fingerprint == castate.fingerprint(upstream.cert) for ca in self._cas):
+            if not rotation.check_new_upstream(
+                self._cas, self._rotation, fingerprint, upstream.source
+            ):
                 return
-            if rotation.phase_of(self._cas, self._rotation) is not Phase.IDLE:
-                raise FailedPrecondition(
-                    f"{upstream.source}: a new intermediate CA was given while a CA rotation "
-                    "is still in progress; start certs with the current one until it has "
-                    "finished (`waygate cert status`)"
-                )
         log.warning(
             "new upstream intermediate CA: rotating to it",
-            extra={"source": upstream.source, "fingerprint": castate.fingerprint(upstream.cert)},
+            extra={"source": upstream.source, "fingerprint": fingerprint},
         )
         self.rotate(provided=upstream)
 
@@ -670,46 +549,41 @@ class Authority:
                 return None
             if not isinstance(self._active().key, QUICK_SIGNING_KEYS):
                 return None
-        if lifetime is None:
-            lifetime = self.config.default_lifetime
-        issuing.check_lifetime(lifetime, self.config.max_lifetime)
-        if public_key is None:
-            public_key = check_csr(csr, max_sans=self.config.max_sans)
-        names = csr_names(csr, self.config.max_sans)
-        if not extended_usages:
-            extended_usages = requested_usages(csr)
+        request = issuing.leaf_request(
+            csr,
+            lifetime=lifetime,
+            public_key=public_key,
+            extended_usages=extended_usages,
+            default_lifetime=self.config.default_lifetime,
+            max_lifetime=self.config.max_lifetime,
+            max_sans=self.config.max_sans,
+        )
         if not at_once:
             self.advance()
         ca = self._active()
         now = whole_seconds(self._now())
-        not_before, not_after = issuing.leaf_window(ca, now, lifetime, self.config.backdate)
-        raise_bound = ca.leaf_bound is None or not_after > ca.leaf_bound
-        if raise_bound and at_once:
+        not_before, not_after = issuing.leaf_window(ca, now, request.lifetime, self.config.backdate)
+        covered = leafbounds.covers(ca, not_after)
+        if not covered and at_once:
             return None
         leaf, serial = issuing.sign_leaf(
             ca,
-            public_key,
-            names,
+            request.public_key,
+            request.names,
             not_before=not_before,
             not_after=not_after,
-            extended_usages=extended_usages,
+            extended_usages=request.extended_usages,
         )
-        if raise_bound:
-            previous = ca.leaf_bound
-            ca.leaf_bound = not_after + self.config.leaf_bound_step
-            try:
+        if not covered:
+            with leafbounds.raised(ca, not_after, self.config.leaf_bound_step):
                 self._save()
-            except BaseException:
-                ca.leaf_bound = previous
-                raise
-        if ca.leaf_max is None or not_after > ca.leaf_max:
-            ca.leaf_max = not_after
+        leafbounds.record_leaf(ca, not_after)
         serial_hex = format(serial, "x")
         self._issued.add(
             serial=serial_hex,
             identity=identity,
-            dns_names=names.dns,
-            uris=names.uris,
+            dns_names=request.names.dns,
+            uris=request.names.uris,
             not_before=not_before,
             not_after=not_after,
             issuer_fingerprint=ca.fingerprint,
@@ -799,16 +673,12 @@ class Authority:
                 self.consumers.snapshot(),
                 self._now(),
                 consumer_ttl=self.config.consumer_ttl,
-                settle_until=self._settle_until,
+                settle_until=self.consumers.settle_until,
             )
         )
 
     def _bundle(self) -> TrustBundleView:
-        # Intermediates under one upstream root publish that root once.
-        views: dict[str, CAView] = {}
-        for ca in self._cas:
-            views.setdefault(ca.published_fingerprint, ca.view())
-        return TrustBundleView(self._version, tuple(views.values()))
+        return TrustBundleView.of(self._version, self._cas)
 
     @property
     def version(self) -> int:
@@ -846,18 +716,11 @@ class Authority:
             if provided is None:
                 new = self._make_ca(generation, lifetime, CAState.STAGED)
             else:
-                new = CARecord(
-                    name=f"ca-{generation}",
-                    key=provided.key,
-                    cert=provided.cert,
-                    state=CAState.STAGED,
-                    anchor=provided.anchor,
-                )
+                new = provided.record(generation, CAState.STAGED)
             new.activate_at = switch_at
-            # Its bound already covers the leaves of its first `leaf_bound_step` of
-            # signing, so they (every workload renewing after an immediate switch) need
-            # no store write under the lock: this write, off the lock, carries it.
-            new.leaf_bound = switch_at + self.config.max_lifetime + self.config.leaf_bound_step
+            new.leaf_bound = leafbounds.staged_bound(
+                switch_at, self.config.max_lifetime, self.config.leaf_bound_step
+            )
             while True:
                 files, saves = self._rotation_files(new, generation)
                 with self._store_lock:
@@ -891,13 +754,7 @@ class Authority:
         return switch_at, lifetime, self._generation + 1
 
     def _check_unchanged(self, generation: int) -> None:
-        """The state a rotation was planned on is still the one in memory."""
-        rotation.check_idle(self._cas, self._rotation)
-        if self._generation != generation - 1:
-            raise FailedPrecondition(
-                "the CA state changed while the new CA was made (another replica's "
-                "rotation?); retry RotateCA"
-            )
+        rotation.check_unchanged(self._cas, self._rotation, self._generation, generation)
 
     @_locked
     def _rotation_files(self, new: CARecord, generation: int) -> tuple[dict[str, bytes], int]:
@@ -952,11 +809,7 @@ class Authority:
         FailedPrecondition (and nothing changed) when the files cannot be used.
         """
         other = castate.decode_state(files, self.store.description)
-        known = {ca.name: ca for ca in self._cas}
-        for ca in other.cas:
-            mine = known.get(ca.name)
-            if mine is not None and mine.leaf_max is not None:
-                ca.leaf_max = max(mine.leaf_max, ca.leaf_max or mine.leaf_max)
+        leafbounds.keep_known_leaves(other.cas, self._cas)
         before = [(ca.name, ca.state) for ca in self._cas]
         self._cas, self._generation = other.cas, other.generation
         self._rotation = other.rotation
@@ -967,22 +820,17 @@ class Authority:
         return True
 
     def start_judging(self) -> None:
-        """This process just loaded the CA, or became the replica that takes rotation
-        steps (leader): if a rotation is under way, give consumers time to report to
-        it before their acknowledgements are judged (an empty table is not "all
-        acknowledged"). Once per term (a leader's duties may call it again); a
-        rotation started later in the term is judged at once: its consumers have
-        been reporting here all along, and it waits its propagation delay anyway."""
-        if self._judging:
-            return
-        self._judging = True
-        if rotation.phase_of(self._cas, self._rotation) is not Phase.IDLE:
-            self._settle_until = self._now() + self.config.consumer_settle
+        """A term of taking rotation steps begins: see `ConsumerTable.start_term`."""
+        self.consumers.start_term(self._settle_until)
+
+    def _settle_until(self) -> datetime | None:
+        if rotation.phase_of(self._cas, self._rotation) is Phase.IDLE:
+            return None
+        return self._now() + self.config.consumer_settle
 
     def stop_judging(self) -> None:
-        """This replica no longer leads: the next term settles again."""
-        self._judging = False
-        self._settle_until = None
+        """This replica no longer leads: see `ConsumerTable.end_term`."""
+        self.consumers.end_term()
 
     @_locked
     def with_leaf_bounds(self, until: datetime) -> dict[str, bytes] | None:
@@ -990,17 +838,7 @@ class Authority:
         None when every bound already is. Memory is not changed: the leader saves
         these files itself (off this lock, so Certify never waits on the write),
         then calls `raise_leaf_bounds`."""
-        low = [ca for ca in self._cas if ca.leaf_bound is None or ca.leaf_bound < until]
-        if not low:
-            return None
-        saved = [(ca, ca.leaf_bound) for ca in low]
-        try:
-            for ca in low:
-                ca.leaf_bound = until
-            return self._files()
-        finally:
-            for ca, bound in saved:
-                ca.leaf_bound = bound
+        return leafbounds.encoded_with_bounds(self._cas, until, self._files)
 
     @_locked
     def raise_leaf_bounds(self, until: datetime, *, stored: Callable[[], bool]) -> bool:
@@ -1009,9 +847,7 @@ class Authority:
         holds; True when raised. A leaf up to the bound then needs no save."""
         if not stored():
             return False
-        for ca in self._cas:
-            if ca.leaf_bound is None or ca.leaf_bound < until:
-                ca.leaf_bound = until
+        leafbounds.raise_all(self._cas, until)
         return True
 
     # ------------------------------------------------------------ change notification

@@ -17,11 +17,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from cryptography import x509
 
-from waygate.certs.castate import CAView
+from waygate.certs.castate import CARecord, CAView
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,15 @@ class TrustBundleView:
     @property
     def certificates(self) -> tuple[x509.Certificate, ...]:
         return tuple(a.certificate for a in self.authorities)
+
+    @classmethod
+    def of(cls, version: int, cas: Sequence[CARecord]) -> TrustBundleView:
+        """What peers must trust while `cas` are kept: what each publishes, once
+        (intermediates under one upstream root publish that root once)."""
+        views: dict[str, CAView] = {}
+        for ca in cas:
+            views.setdefault(ca.published_fingerprint, ca.view())
+        return cls(version, tuple(views.values()))
 
 
 class BundleChanges:

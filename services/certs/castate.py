@@ -164,6 +164,30 @@ class CARecord:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class Upstream:
+    """An organisation's intermediate CA for certs to sign with (upstream authority)."""
+
+    key: PrivateKey
+    cert: x509.Certificate
+    #: The organisation's root above it: what the trust bundle publishes.
+    anchor: x509.Certificate
+    #: Where it came from, for messages ("--ca-cert /etc/ca/intermediate.pem").
+    source: str
+
+    def check(self, *, now: datetime, needed_life: timedelta) -> None:
+        """See `check_upstream`."""
+        check_upstream(
+            self.key, self.cert, self.anchor, now=now, needed_life=needed_life, what=self.source
+        )
+
+    def record(self, generation: int, state: CAState) -> CARecord:
+        """The CA record certs keeps for it, as the CA of `generation`."""
+        return CARecord(
+            name=f"ca-{generation}", key=self.key, cert=self.cert, state=state, anchor=self.anchor
+        )
+
+
 def check_upstream(
     key: PrivateKey,
     cert: x509.Certificate,

@@ -13,15 +13,16 @@ Invariants:
 - thread-safe (its own lock): reports arrive on the event loop, rotation steps
   read it in worker threads;
 - in memory only: after a restart or a leader change it fills again within one
-  report interval (the rotation waits that long before judging, see
-  `rotation.gate`'s `settle_until`).
+  report interval, so a term of judging it (`start_term`) that finds a
+  rotation under way waits that long (`settle_until`, see `rotation.gate`):
+  an empty table is not "all acknowledged".
 """
 
 from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import datetime
 
 from waygate.certs.rotation import ConsumerReport
@@ -71,6 +72,26 @@ class ConsumerTable:
         self._reports: collections.OrderedDict[tuple[str, str], ConsumerReport] = (
             collections.OrderedDict()
         )
+        #: Reports are not judged before this (the term's settling time; None: at once).
+        self.settle_until: datetime | None = None
+        self._judging = False
+
+    def start_term(self, settle_until: Callable[[], datetime | None]) -> None:
+        """This process just loaded the CA, or became the replica that takes rotation
+        steps (leader): judge reports from now on, but not before `settle_until()`
+        (a rotation under way gives consumers time to report here first). Once per
+        term (a leader's duties may call it again); a rotation started later in the
+        term is judged at once: its consumers have been reporting here all along,
+        and it waits its propagation delay anyway."""
+        if self._judging:
+            return
+        self._judging = True
+        self.settle_until = settle_until()
+
+    def end_term(self) -> None:
+        """This replica no longer leads: the next term settles again."""
+        self._judging = False
+        self.settle_until = None
 
     def report(
         self,

@@ -28,7 +28,13 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from waygate.certs.castate import CARecord, random_serial, signature_hash, whole_seconds
-from waygate.certs.csr import CertificatePublicKey, Names
+from waygate.certs.csr import (
+    CertificatePublicKey,
+    Names,
+    check_csr,
+    csr_names,
+    requested_usages,
+)
 from waygate.certs.rotation import human
 from waygate.core.errors import FailedPrecondition, InvalidArgument
 
@@ -211,6 +217,42 @@ class IssuedRecords:
             records.append(record)
             used += record.size
         return IssuedPage(tuple(records), None)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafRequest:
+    """A checked CSR: what the leaf signed for it will hold."""
+
+    public_key: CertificatePublicKey
+    names: Names
+    lifetime: timedelta
+    extended_usages: Sequence[x509.ObjectIdentifier]
+
+
+def leaf_request(
+    csr: x509.CertificateSigningRequest,
+    *,
+    lifetime: timedelta | None,
+    public_key: CertificatePublicKey | None,
+    extended_usages: Sequence[x509.ObjectIdentifier],
+    default_lifetime: timedelta,
+    max_lifetime: timedelta,
+    max_sans: int,
+) -> LeafRequest:
+    """Check `csr` and the lifetime asked for, before anything is signed.
+
+    `lifetime` None: `default_lifetime`. `public_key`: what `check_csr(csr)`
+    returned, when the caller already ran it (parsing and verifying the key
+    twice is a third of the signing cost). `extended_usages` empty: those the CSR
+    asks for (`requested_usages`), serverAuth and clientAuth when it asks for none.
+    """
+    if lifetime is None:
+        lifetime = default_lifetime
+    check_lifetime(lifetime, max_lifetime)
+    if public_key is None:
+        public_key = check_csr(csr, max_sans=max_sans)
+    names = csr_names(csr, max_sans)
+    return LeafRequest(public_key, names, lifetime, extended_usages or requested_usages(csr))
 
 
 def check_lifetime(lifetime: timedelta, max_lifetime: timedelta) -> None:

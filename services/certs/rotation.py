@@ -38,7 +38,8 @@ from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from waygate.certs.castate import CARecord, CAState, iso, whole_seconds
+from waygate.certs.bundle import TrustBundleView
+from waygate.certs.castate import CARecord, CAState, CAView, iso, parse_iso, whole_seconds
 from waygate.core.errors import FailedPrecondition, InvalidArgument
 
 
@@ -100,6 +101,52 @@ class Step:
     name: str
     bundle_changed: bool
     forced_past: tuple[ConsumerReport, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class RotationStatus:
+    """Where the rotation stands and who holds it (status, cert status, check)."""
+
+    phase: Phase
+    gate: Gate
+    #: Every consumer's last report, oldest first.
+    consumers: tuple[ConsumerReport, ...]
+    #: Consumers live now (reported within consumer_ttl).
+    live: tuple[ConsumerReport, ...]
+    #: Since when the next step's clock condition has been met (None: not yet, or
+    #: idle); how long consumers have held it is now minus this.
+    clock_ready_at: datetime | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Rotation:
+    """A rotation just started (RotateCA's reply)."""
+
+    new_authority: CAView
+    signing_switch_at: datetime  # at the earliest: it also waits for the consumers
+    old_retire_after: datetime  # at the latest: the old CA may sign until the switch
+    bundle: TrustBundleView
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """What `advance` may change, to put back when the store refuses the new state."""
+
+    cas: list[CARecord]
+    fields: list[tuple[CAState, datetime | None, datetime | None]]
+    rotation: dict[str, Any]
+
+    @classmethod
+    def of(cls, cas: Sequence[CARecord], rotation: dict[str, Any]) -> Checkpoint:
+        return cls(
+            list(cas), [(c.state, c.activate_at, c.retire_after) for c in cas], dict(rotation)
+        )
+
+    def restore(self) -> tuple[list[CARecord], dict[str, Any]]:
+        """The records (put back as they were) and the rotation state to use again."""
+        for ca, (state, activate_at, retire_after) in zip(self.cas, self.fields, strict=True):
+            ca.state, ca.activate_at, ca.retire_after = state, activate_at, retire_after
+        return self.cas, self.rotation
 
 
 def find(cas: Sequence[CARecord], state: CAState) -> CARecord | None:
@@ -170,6 +217,44 @@ def gate(
         )
         return Gate(phase, "finish", None, None, retired, waiting, settle_until)
     return Gate(phase, "", None, None, None, ())
+
+
+def status(
+    cas: Sequence[CARecord],
+    rotation: dict[str, Any],
+    consumers: tuple[ConsumerReport, ...],
+    now: datetime,
+    *,
+    consumer_ttl: timedelta,
+    settle_until: datetime | None = None,
+) -> RotationStatus:
+    """Where the rotation in `cas` stands now, and which consumers hold its next step."""
+    current = gate(
+        cas, rotation, consumers, now, consumer_ttl=consumer_ttl, settle_until=settle_until
+    )
+    live = tuple(live_consumers(consumers, now, consumer_ttl))
+    ready: datetime | None = None
+    if current.step == "finish":
+        ready = parse_iso(rotation.get("retired_at"))
+    elif current.step and current.not_before is not None and current.not_before <= now:
+        ready = current.not_before
+    return RotationStatus(current.phase, current, consumers, live, ready)
+
+
+def check_forcible(current: Gate, now: datetime) -> None:
+    """FailedPrecondition unless `current`'s step may be forced now: a step is forced
+    past consumers only, never past its clock condition (a leaf is never left without
+    its CA, a new CA never signs before its minimum propagation delay)."""
+    if not current.step:
+        raise FailedPrecondition("no CA rotation is under way: nothing to force")
+    if current.not_before is not None and now < current.not_before:
+        raise FailedPrecondition(
+            f"the {current.step} step cannot be forced before "
+            f"{iso(current.not_before)}: leaves the old CA signed are still valid"
+            if current.step == "retire"
+            else f"the {current.step} step cannot be forced before its "
+            f"minimum propagation delay ends ({iso(current.not_before)})"
+        )
 
 
 def advance(
@@ -283,6 +368,36 @@ def check_idle(
             f"{str(rotation['retired'])[:16]} is still held by consumers{held} "
             "(rotate-ca --force moves on)"
         )
+
+
+def check_unchanged(
+    cas: Sequence[CARecord], rotation: dict[str, Any], generation: int, planned: int
+) -> None:
+    """The state a rotation was planned on (`planned`: the new CA's generation) is
+    still the one in memory."""
+    check_idle(cas, rotation)
+    if generation != planned - 1:
+        raise FailedPrecondition(
+            "the CA state changed while the new CA was made (another replica's "
+            "rotation?); retry RotateCA"
+        )
+
+
+def check_new_upstream(
+    cas: Sequence[CARecord], rotation: dict[str, Any], fingerprint: str, source: str
+) -> bool:
+    """Whether certs must rotate to the upstream intermediate `fingerprint` it was
+    started with: False when it is stored already; FailedPrecondition while another
+    rotation is under way (one at a time)."""
+    if any(ca.fingerprint == fingerprint for ca in cas):
+        return False
+    if phase_of(cas, rotation) is not Phase.IDLE:
+        raise FailedPrecondition(
+            f"{source}: a new intermediate CA was given while a CA rotation "
+            "is still in progress; start certs with the current one until it has "
+            "finished (`waygate cert status`)"
+        )
+    return True
 
 
 def plan(

@@ -19,12 +19,11 @@ import grpc
 from cryptography.hazmat.primitives import serialization
 from google.protobuf import duration_pb2, timestamp_pb2
 
-from waygate.certs.authority import RotationStatus
 from waygate.certs.bundle import TrustBundleView
 from waygate.certs.castate import CAView
 from waygate.certs.consumers import REPORT_INTERVAL
 from waygate.certs.issuing import IssuedRecord
-from waygate.certs.rotation import ConsumerReport, Phase
+from waygate.certs.rotation import ConsumerReport, Phase, RotationStatus
 from waygate.certs.service import CertsService
 from waygate.certs.v1 import certs_pb2, certs_pb2_grpc
 from waygate.core.errors import InvalidArgument

@@ -60,7 +60,7 @@ from cryptography import x509
 from prometheus_client import Counter, Gauge
 
 from waygate.certs.auth import MAX_TOKEN_LENGTH, Authenticator, Caller
-from waygate.certs.authority import Authority, Rotation, RotationStatus
+from waygate.certs.authority import Authority
 from waygate.certs.bundle import TrustBundleView
 from waygate.certs.csr import (
     CertificatePublicKey,
@@ -72,7 +72,7 @@ from waygate.certs.csr import (
 )
 from waygate.certs.issuing import Issued, IssuedRecord
 from waygate.certs.policy import Policy
-from waygate.certs.rotation import ConsumerReport, Phase
+from waygate.certs.rotation import ConsumerReport, Phase, Rotation, RotationStatus
 from waygate.core.errors import (
     FailedPrecondition,
     InvalidArgument,

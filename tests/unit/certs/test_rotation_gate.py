@@ -228,4 +228,4 @@ def test_a_rotation_started_during_a_leaders_term_does_not_wait_to_settle(
     # A new term (leadership lost and taken again) in the middle of a rotation settles.
     authority.stop_judging()
     authority.start_judging()
-    assert authority._settle_until == clock() + CONFIG["consumer_settle"]
+    assert authority.consumers.settle_until == clock() + CONFIG["consumer_settle"]
