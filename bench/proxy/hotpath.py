@@ -1,6 +1,7 @@
 """The proxy's Python work per request, without sockets: what the data plane costs itself.
 
     python -m bench.proxy.hotpath [--requests N] [--profile]
+                                  [--route bench|plain|ingress|cors|rewrite|allow-list|affinity]
 
 One `ProxyServer` with the benchmark's route, one client connection and one
 pooled upstream connection, both over in-memory transports that only keep
@@ -13,6 +14,14 @@ no event-loop turn. So the figure is the floor the per-request Python code
 sets under the wrk benchmark's CPU per request, and the place to A/B a change
 to that code in seconds instead of minutes. `--profile` prints cProfile's
 view of the same loop (calls per request and where the time goes).
+
+`--route plain` and `--route ingress` compare a route carrying the ingress-nginx
+annotations users rely on most (issue 27 item 10: CORS, a rewrite, a source
+allow-list and cookie affinity, decided by the request core) with a plain one, for the
+same request (the benchmark's GET with an `Origin` header): the ratio of the two is
+what those rules cost per request. The client sends no affinity cookie, so each answer
+carries a Set-Cookie (a first visit's cost: the dearer case). `--route cors` (or
+`rewrite`, `allow-list`, `affinity`): that one rule alone, to see which costs what.
 """
 
 from __future__ import annotations
@@ -31,10 +40,37 @@ from waygate.proxy.routing import Defaults, Target, build_table
 from waygate.proxy.server import ProxyServer
 from waygate.proxy.upstream import Dialer
 from waygate.proxy.upstream_h1 import UpstreamConnection
-from waygate.resolver.model import Endpoint, EndpointPort, Route, RouteBackend
+from waygate.resolver.model import (
+    Cors,
+    Endpoint,
+    EndpointPort,
+    PathModifierType,
+    Rewrite,
+    Route,
+    RouteAccess,
+    RouteBackend,
+    RouteFilters,
+    StickySessions,
+)
 
 HOST = "bench.localtest.me"
 REQUEST = b"GET /64 HTTP/1.1\r\nHost: bench.localtest.me\r\n\r\n"
+# --route plain|ingress: the same GET from a browser page of another origin.
+ORIGIN_REQUEST = (
+    b"GET /64 HTTP/1.1\r\nHost: bench.localtest.me\r\nOrigin: https://app.example.com\r\n\r\n"
+)
+# What ingress-nginx's enable-cors, cors-allow-origin, rewrite-target (a prefix),
+# whitelist-source-range and affinity: cookie become on the one route model, by the
+# --route name of each alone.
+RULES_BY_NAME: dict[str, dict[str, Any]] = {
+    "cors": {"cors": Cors(allow_origins=("https://app.example.com",))},
+    "rewrite": {
+        "filters": RouteFilters(rewrite=Rewrite(path_type=PathModifierType.PREFIX, path="/"))
+    },
+    "allow-list": {"access": RouteAccess(allow=("127.0.0.0/8", "10.0.0.0/8"))},
+    "affinity": {"sticky": StickySessions(cookie_name="route")},
+}
+INGRESS_RULES: dict[str, Any] = {k: v for rule in RULES_BY_NAME.values() for k, v in rule.items()}
 RESPONSE = (
     b"HTTP/1.1 200 OK\r\nServer: nginx/1.22.1\r\nDate: Mon, 23 Nov 2026 04:00:00 GMT\r\n"
     b"Content-Type: application/octet-stream\r\nContent-Length: 64\r\n"
@@ -88,14 +124,18 @@ class MemoryTransport:
         self._closing = True
 
 
-async def build(upstream_port: int = 8091) -> tuple[ClientConnection, UpstreamConnection]:
-    """A server with the benchmark's route, a client connection and its pooled upstream."""
+async def build(
+    upstream_port: int = 8091, rules: dict[str, Any] | None = None
+) -> tuple[ClientConnection, UpstreamConnection]:
+    """A server with the benchmark's route (with `rules`: those route fields too), a
+    client connection and its pooled upstream."""
     route = Route(
         namespace="bench",
         name="upstream",
         host=HOST,
         path="/",
         backends=(RouteBackend(service="upstream", weight=100),),
+        **(rules or {}),
     )
     endpoint = Endpoint(
         namespace="bench",
@@ -130,25 +170,33 @@ async def build(upstream_port: int = 8091) -> tuple[ClientConnection, UpstreamCo
     return client, upstream
 
 
-def one_request(client: ClientConnection, upstream: UpstreamConnection) -> None:
-    client.data_received(REQUEST)
+def one_request(
+    client: ClientConnection, upstream: UpstreamConnection, request: bytes = REQUEST
+) -> None:
+    client.data_received(request)
     upstream.data_received(RESPONSE)
 
 
-async def measure(requests: int, profile: bool) -> None:
-    client, upstream = await build()
-    one_request(client, upstream)
+async def measure(requests: int, profile: bool, route: str = "bench") -> None:
+    rules = INGRESS_RULES if route == "ingress" else RULES_BY_NAME.get(route)
+    client, upstream = await build(rules=rules)
+    request = REQUEST if route == "bench" else ORIGIN_REQUEST
+    one_request(client, upstream, request)
     assert client.transport.last.startswith(b"HTTP/1.1 200 OK"), client.transport.last  # type: ignore[union-attr]
     assert (
         client.exchange.upstream is None and upstream in client.server.pool._idle[upstream.target]
     )  # type: ignore[attr-defined]
+    if route == "ingress":
+        answer = client.transport.last  # type: ignore[union-attr]
+        assert b"Access-Control-Allow-Origin: https://app.example.com" in answer, answer
+        assert b"Set-Cookie: route=" in answer, answer
     for _ in range(2000):
-        one_request(client, upstream)
+        one_request(client, upstream, request)
     if profile:
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(requests):
-            one_request(client, upstream)
+            one_request(client, upstream, request)
         profiler.disable()
         stats = pstats.Stats(profiler)
         print(f"{stats.total_calls / requests:.1f} Python calls per request")  # type: ignore[attr-defined]
@@ -158,7 +206,7 @@ async def measure(requests: int, profile: bool) -> None:
     for _ in range(5):
         started = time.process_time()
         for _ in range(requests):
-            one_request(client, upstream)
+            one_request(client, upstream, request)
         best = min(best, (time.process_time() - started) / requests)
     print(f"{best * 1e6:.2f} µs of CPU per request (best of 5 x {requests})")
 
@@ -167,8 +215,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=50_000)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--route", choices=("bench", "plain", "ingress", *RULES_BY_NAME), default="bench"
+    )
     args = parser.parse_args()
-    uvloop.run(measure(args.requests, args.profile))
+    uvloop.run(measure(args.requests, args.profile, args.route))
 
 
 if __name__ == "__main__":
