@@ -14,6 +14,7 @@ from waygate.proxy.filters import (
     replaced_path,
     rewritten_request,
 )
+from waygate.proxy.http1 import parse_request_head
 from waygate.resolver.model import HeaderModifier, PathModifierType, Redirect, Rewrite
 
 FULL, PREFIX = PathModifierType.FULL, PathModifierType.PREFIX
@@ -59,9 +60,7 @@ def test_response_modifier_keeps_the_block_form() -> None:
 
 
 def test_rewrite_changes_host_line_and_path_keeping_the_query() -> None:
-    req = SimpleNamespace(
-        fields=b"Host: a.example\r\nX: y\r\n", target=b"/p/x?q=1", host=b"a.example"
-    )
+    req = parse_request_head(b"GET /p/x?q=1 HTTP/1.1\r\nHost: a.example\r\nX: y\r\n\r\n")
     out = rewritten_request(req, Rewrite("b.example", PREFIX, "/n"), None, b"/p")
     assert out.fields == b"Host: b.example\r\nX: y\r\n" and out.target == b"/n/x?q=1"
     # The original head is untouched (it still frames the client's side).
