@@ -141,13 +141,14 @@ class PathRewrite:
     """A route's URLRewrite and RequestHeaderModifier, prepared once per route entry
     (`prefix`: the matched PathPrefix); `applied(req, path)` per request."""
 
-    __slots__ = ("full", "host_line", "hostname", "modifier", "prefix", "replacement")
+    __slots__ = ("cut", "full", "host_line", "hostname", "modifier", "prefix", "replacement")
 
     def __init__(
         self, rewrite: Rewrite | None, modifier: HeaderModifier | None, prefix: bytes
     ) -> None:
         kind = rewrite.path_type if rewrite is not None else PathModifierType.NONE
         self.prefix = prefix
+        self.cut = len(prefix) if prefix != b"/" else 1  # where the rest of a path starts
         # None: the path is kept; else the replacement (full path or prefix).
         self.replacement: bytes | None = None
         if rewrite is not None and kind is not PathModifierType.NONE:
@@ -164,7 +165,19 @@ class PathRewrite:
         new = self.replacement
         if new is not None:
             query = req.target[len(path) :]
-            out.target = (new if self.full else _prefix_replaced(path, self.prefix, new)) + query
+            if self.full:
+                out.target = new + query
+            elif path[:1] == b"/":
+                # _prefix_replaced, without the call: a matched prefix, then the rest.
+                rest = path[self.cut :]
+                if not rest:
+                    out.target = (new or b"/") + query
+                elif new[-1:] == b"/":
+                    out.target = new + rest.lstrip(b"/") + query
+                else:
+                    out.target = new + (rest if rest[:1] == b"/" else b"/" + rest) + query
+            else:
+                out.target = _prefix_replaced(path, self.prefix, new) + query
         if self.host_line or self.modifier is not None:
             fields = req.fields
             if self.host_line:

@@ -132,3 +132,16 @@ def test_a_route_with_response_headers_and_cors_gets_both():
     built = view([rt(cors=listed, filters=RouteFilters(response_headers=modifier))], [ep()])
     forward = decide(built, origin("https://b.test"), Facts(), 0.0)
     assert isinstance(forward, Forward) and forward.response_modifier is modifier
+
+
+def test_an_http2_backends_own_lines_give_way_the_same():
+    # The HTTP/2 upstream's answer goes through the same rule (h2upstream._modified).
+    from waygate.proxy.h2upstream import _modified
+
+    answer = policy("https://a.test").answer(origin("https://a.test"))
+    assert answer is not None
+    sent = [(b"content-type", b"text/plain"), (b"access-control-allow-origin", b"*")]
+    out = _modified(sent, answer.fields)
+    assert out[0] == (b"content-type", b"text/plain")
+    assert [v for n, v in out if n == b"access-control-allow-origin"] == [b"https://a.test"]
+    assert (b"access-control-max-age", b"1728000") in out

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from waygate.proxy.filters import (
+    PathRewrite,
     modify_request_fields,
     modify_response_fields,
     redirect_location,
@@ -36,6 +37,24 @@ def test_replaced_path(
     path: bytes, prefix: bytes, kind: PathModifierType, replacement: str, expected: bytes
 ) -> None:
     assert replaced_path(path, prefix, kind, replacement) == expected
+
+
+@pytest.mark.parametrize(
+    ("prefix", "replacement"),
+    [(b"/api", "/"), (b"/api", ""), (b"/api", "/v2"), (b"/api", "/v2/"), (b"/", "/x"), (b"/", "/")],
+)
+@pytest.mark.parametrize("path", [b"/api", b"/api/", b"/api/a/b", b"/api//a", b"/x"])
+def test_a_prepared_prefix_rewrite_is_the_spec_rule_and_keeps_the_query(
+    prefix: bytes, replacement: str, path: bytes
+) -> None:
+    if not path.startswith(prefix):
+        return  # (routing gives a rewrite only the paths its prefix matched)
+    rewrite = PathRewrite(Rewrite(path_type=PREFIX, path=replacement), None, prefix)
+    for query in (b"", b"?q=1"):
+        req = parse_request_head(b"GET " + path + query + b" HTTP/1.1\r\nHost: a\r\n\r\n")
+        out = rewrite.applied(req, path)
+        assert out.target == replaced_path(path, prefix, PREFIX, replacement) + query
+        assert req.target == path + query and out is not req
 
 
 def test_request_modifier_sets_adds_removes_and_never_touches_framing() -> None:
