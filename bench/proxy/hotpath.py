@@ -1,6 +1,6 @@
 """The proxy's Python work per request, without sockets: what the data plane costs itself.
 
-    python -m bench.proxy.hotpath [--requests N] [--profile]
+    python -m bench.proxy.hotpath [--requests N] [--profile | --bare]
                                   [--route bench|plain|ingress|cors|rewrite|allow-list|affinity]
 
 One `ProxyServer` with the benchmark's route, one client connection and one
@@ -24,6 +24,12 @@ is ingress-nginx's commonest, `path: /api(/|$)(.*)` with `rewrite-target: /$2`, 
 the resolver turns into a prefix URLRewrite of /api to / (the backend gets /64). The client sends no affinity cookie, so each answer
 carries a Set-Cookie (a first visit's cost: the dearer case). `--route cors` (or
 `rewrite`, `allow-list`, `affinity`): that one rule alone, to see which costs what.
+
+`--bare`: just the N requests (after 200 of warm-up), nothing measured or printed: for
+an instruction count, which a shared machine's load does not move, e.g.
+`PYTHONHASHSEED=0 valgrind --tool=callgrind --callgrind-out-file=/dev/null python -m
+bench.proxy.hotpath --bare --route R --requests 5000`, less the same with
+`--requests 0`, divided by 5000.
 """
 
 from __future__ import annotations
@@ -60,8 +66,7 @@ REQUEST = b"GET /64 HTTP/1.1\r\nHost: bench.localtest.me\r\n\r\n"
 # --route plain|ingress|<rule>: a GET from a browser page of another origin, on the
 # routes' path prefix /api.
 ORIGIN_REQUEST = (
-    b"GET /api/64 HTTP/1.1\r\nHost: bench.localtest.me\r\n"
-    b"Origin: https://app.example.com\r\n\r\n"
+    b"GET /api/64 HTTP/1.1\r\nHost: bench.localtest.me\r\nOrigin: https://app.example.com\r\n\r\n"
 )
 API_PREFIX = "/api"
 # What ingress-nginx's enable-cors, cors-allow-origin, rewrite-target (/$2 of /api(/|$)(.*)),
@@ -182,7 +187,7 @@ def one_request(
     upstream.data_received(RESPONSE)
 
 
-async def measure(requests: int, profile: bool, route: str = "bench") -> None:
+async def measure(requests: int, profile: bool, route: str = "bench", bare: bool = False) -> None:
     rules = INGRESS_RULES if route == "ingress" else RULES_BY_NAME.get(route)
     client, upstream = await build(rules=rules, path="/" if route == "bench" else API_PREFIX)
     request = REQUEST if route == "bench" else ORIGIN_REQUEST
@@ -197,6 +202,10 @@ async def measure(requests: int, profile: bool, route: str = "bench") -> None:
         assert b"Set-Cookie: route=" in answer, answer
         sent = upstream.transport.last  # type: ignore[union-attr]
         assert sent.startswith(b"GET /64 HTTP/1.1\r\n"), sent
+    if bare:
+        for _ in range(200 + requests):
+            one_request(client, upstream, request)
+        return
     for _ in range(2000):
         one_request(client, upstream, request)
     if profile:
@@ -222,11 +231,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=50_000)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--bare", action="store_true", help="run the requests, measure nothing")
     parser.add_argument(
         "--route", choices=("bench", "plain", "ingress", *RULES_BY_NAME), default="bench"
     )
     args = parser.parse_args()
-    uvloop.run(measure(args.requests, args.profile, args.route))
+    uvloop.run(measure(args.requests, args.profile, args.route, args.bare))
 
 
 if __name__ == "__main__":
