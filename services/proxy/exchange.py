@@ -73,7 +73,7 @@ from typing import Any, Protocol
 from opentelemetry.trace import Status, StatusCode
 
 from waygate.core import flow
-from waygate.proxy import filters, http1
+from waygate.proxy import errorpages, filters, http1
 from waygate.proxy.authstep import AuthStep
 from waygate.proxy.bodybuffer import BodyBuffer
 from waygate.proxy.connect_h1 import start_connect
@@ -529,6 +529,8 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
         forward = self.forward
         assert forward is not None
         if forward.response_modifier is not None:
+            if errorpages.intercept(self, forward.response_modifier, status):
+                return None  # ingress-nginx custom-http-errors: the error backend answers
             response.fields = filters.modify_response_fields(
                 response.fields, forward.response_modifier
             )

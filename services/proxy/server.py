@@ -211,6 +211,9 @@ class ProxyServer:
         if upstream_tls is not None:
             upstream_tls.keep_only(view.reencrypt_routes)
         table = view.table
+        self.context.records.quiet = frozenset(
+            entry.options.name for entry in table.entries() if entry.route.access_log_disabled
+        )
         self.pool.keep_only(table.targets)
         self.health.forget_except(table.targets)
 
