@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.unit.resolver.test_ingress_nginx import P, SETTINGS, ingress, routes_of
+from tests.unit.resolver.test_ingress_nginx import SETTINGS, P, ingress, routes_of
 from waygate.resolver import convert
 from waygate.resolver.ingress_nginx.annotations import judge
 from waygate.resolver.ingress_nginx.config import IngressNginx
