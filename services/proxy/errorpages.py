@@ -28,10 +28,12 @@ customhttperrors.go, default_backend.go, disableproxyintercepterrors.go):
 Differences, reported by the resolver: the error backend gets no request
 body (nginx would send the buffered one again); an answer is intercepted only
 when the whole request was sent (one that comes while the body still streams
-goes to the client as it is); a backend that speaks HTTP/2 is not intercepted.
-The drivers: `exchange.Exchange.response_head` (an HTTP/1.1 backend, for either
-client protocol) calls `intercept`; nothing here runs for a route without
-these annotations.
+goes to the client as it is); gRPC answers are never intercepted.
+The drivers: `exchange.Exchange.response_head` (an HTTP/1.1 backend for either
+client protocol, an HTTP/2 one for an HTTP/1.1 client) calls `intercept`,
+`h2upstream.H2Exchange.on_response` (an HTTP/2 client's stream to an HTTP/2
+backend) `intercept_stream`; nothing here runs for a route without these
+annotations.
 """
 
 from __future__ import annotations
@@ -158,22 +160,42 @@ def answered_by_proxy(code: int) -> str:
     return f"the backend answered {code} (custom-http-errors; no default-backend)"
 
 
+def _errors_for(modifier: Any, status: int) -> ErrorPages | None:
+    """The route's error pages when `status` is one they intercept (else None)."""
+    errors: ErrorPages | None = getattr(modifier, "errors", None)
+    if errors is None or not errors.intercepts or status not in errors.codes:
+        return None
+    return errors
+
+
+def _retarget(forward: Any, modifier: Any, errors: ErrorPages) -> Any:
+    """The decided request moved to the error backend: its endpoint picked (the
+    count taken), never intercepted again; None when there is no error backend or
+    no endpoint of it (the proxy's own page answers). The original pick was given
+    back by the caller."""
+    forward.response_modifier = passed_on(modifier)
+    forward.error_request = True
+    backend = errors.backend
+    target = backend.picker.pick(None) if backend is not None else None
+    if backend is None or target is None:
+        return None
+    backend.picker.acquire(target)
+    forward.counted = True
+    forward.target = target
+    forward.backend = backend
+    forward.http2 = backend.http2
+    return target
+
+
 def intercept(exchange: Any, modifier: Any, status: int) -> bool:
     """The backend's answer `status` (its head only read so far) is dropped for the
-    error backend's (`exchange.Exchange`, an HTTP/1.1 backend); False: it goes on
-    to the client as it is (not a listed status, already an error request, or the
-    request still streaming its body)."""
-    errors: ErrorPages | None = getattr(modifier, "errors", None)
+    error backend's (`exchange.Exchange`, an HTTP/1.1 backend, or an HTTP/2 one
+    through `h2bridge`); False: it goes on to the client as it is (not a listed
+    status, already an error request, or the request still streaming its body)."""
+    errors = _errors_for(modifier, status)
     forward = exchange.forward
     client = exchange.req
-    if (
-        errors is None
-        or not errors.intercepts
-        or status not in errors.codes
-        or not exchange.req_complete
-        or forward is None
-        or client is None
-    ):
+    if errors is None or not exchange.req_complete or forward is None or client is None:
         return False
     exchange.abandon_upstream()  # the backend's answer is not read further
     exchange._drop_buffer()
@@ -182,24 +204,63 @@ def intercept(exchange: Any, modifier: Any, status: int) -> bool:
     if forward.counted:
         forward.counted = False
         forward.backend.picker.release(forward.target)
-    # Never intercepted again; the route's other response rules still apply.
-    forward.response_modifier = passed_on(modifier)
-    forward.error_request = True
-    backend = errors.backend
-    target = backend.picker.pick(None) if backend is not None else None
-    if backend is None or target is None:
+    target = _retarget(forward, modifier, errors)
+    if target is None:
         exchange.fail(status, answered_by_proxy(status), KIND)
         return True
-    backend.picker.acquire(target)
-    forward.counted = True
-    forward.target = exchange.target = target
-    forward.backend = exchange.backend = backend
-    forward.http2 = backend.http2
+    exchange.target = target
+    exchange.backend = forward.backend
     context = exchange.down.context
     head = error_head(client, errors, status, context, forward.entry.options.forwarded_mode)
     forward.upstream_head = exchange.upstream_head = head
     exchange.last_up = exchange.loop.time()
     exchange.dispatch()
+    return True
+
+
+def intercept_stream(upstream: Any, modifier: Any, status: int) -> bool:
+    """The same for an HTTP/2 client's stream to an HTTP/2 backend
+    (`h2upstream.H2Exchange.on_response`): the backend's stream is cancelled and
+    the client's stream goes on as a new exchange to the error backend (an
+    `exchange.Exchange` driven by `h2exchange.StreamDownstream`, or another
+    HTTP/2 stream), which records the request; False: the answer goes on."""
+    errors = _errors_for(modifier, status)
+    if errors is None or not upstream.request_done or upstream.buffering or upstream.request.grpc:
+        return False
+    from waygate.proxy import h2exchange, h2upstream  # (the drivers import this module)
+
+    forward = upstream.forward
+    client = upstream.req
+    conn = upstream.conn
+    upstream._cancel_upstream()
+    upstream._finish(status, record=False)  # gives back the pick; the span goes on
+    target = _retarget(forward, modifier, errors)
+    if target is None:
+        upstream.ctx.records.finish(
+            forward.entry.options.name,
+            client,
+            status,
+            conn.client_key,
+            None,
+            upstream.ctx.loop.time() - upstream.started,
+            forward.span,
+            "h2" if conn.secure else "h2c",
+        )
+        upstream.ctx.records.refused(KIND)
+        h2upstream.respond_locally(upstream.stream, False, status, answered_by_proxy(status))
+        return True
+    mode = forward.entry.options.forwarded_mode
+    forward.upstream_head = error_head(client, errors, status, conn.context, mode)
+    req = client.copy()  # the error request has no body: nothing more to take in
+    req.method = b"HEAD" if client.method == b"HEAD" else b"GET"
+    req.content_length = -1
+    req.chunked = False
+    if forward.http2:
+        conn.server.context.h2.start(conn, upstream.stream, upstream.request, req, forward, True)
+        return True
+    driver = h2exchange.StreamDownstream(conn, upstream.stream, False)
+    upstream.stream.exchange = driver
+    driver.begin(req, forward, upstream.ctx.loop.time())
     return True
 
 

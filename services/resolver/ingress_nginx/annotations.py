@@ -1095,7 +1095,8 @@ def _custom_errors(
     p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
 ) -> None:
     if values.get("backend-protocol", "").upper() in ("GRPC", "GRPCS"):
-        found(short, Verdict.NOT_HONOURED, "an HTTP/2 (gRPC) backend's answers are not intercepted")
+        # ingress-nginx's grpc_pass ignores proxy_intercept_errors: nothing is intercepted.
+        found(short, Verdict.NOOP, "a gRPC backend's answers are not intercepted (grpc_pass)")
     else:
         found(short)
 
@@ -1135,7 +1136,7 @@ def _responses(p: Plan, values: Mapping[str, str]) -> None:
     if "custom-http-errors" in values:
         p.custom_http_errors = status_list(values["custom-http-errors"])
     if values.get("backend-protocol", "").upper() in ("GRPC", "GRPCS"):
-        p.custom_http_errors = ()  # an HTTP/2 backend's answers are not intercepted
+        p.custom_http_errors = ()  # grpc_pass: nothing intercepted, as ingress-nginx
     p.intercept_errors_disabled = _flag(values.get("disable-proxy-intercept-errors", "false"))
     if "use-port-in-redirects" in values:
         p.port_in_redirects = _flag(values["use-port-in-redirects"])

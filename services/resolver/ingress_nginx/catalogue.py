@@ -683,8 +683,8 @@ ENTRIES: tuple[Entry, ...] = (
         "default-backend Service's (else the proxy's own error page) to GET / with X-Code, "
         "X-Format, X-Original-URI, X-Namespace, X-Ingress-Name, X-Service-Name, "
         "X-Service-Port and X-Request-ID, its status the client's; the error backend gets "
-        "no request body, an answer that comes while the request body still streams and an "
-        "HTTP/2 backend's answers are not intercepted",
+        "no request body, and an answer that comes while the request body still streams is "
+        "not intercepted",
     ),
     _e(
         "default-backend",

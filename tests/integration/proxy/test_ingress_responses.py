@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -318,6 +319,64 @@ async def test_the_error_request_gets_a_request_id_and_no_body(backend_pair):
 
 
 @pytest.mark.parametrize("client", ["http/1.1", "h2c"])
+@pytest.mark.parametrize("error_backend", ["http/1.1", "h2c"])
+async def test_an_http2_backends_listed_status_goes_to_the_default_backend(
+    backend_pair, client, error_backend
+):
+    # The same rule for a backend that speaks HTTP/2 (h2bridge for an HTTP/1.1 client,
+    # the HTTP/2 stream handed to the error backend's exchange for an h2c one), with an
+    # error backend of either protocol.
+    main, errors = backend_pair
+    error_port = ServicePort("h2", 81, "h2", app_protocol="kubernetes.io/h2c")
+    first = error_port if error_backend == "h2c" else ServicePort("http", 80, "http")
+    services = {SERVICE.key: SERVICE, ERRORS.key: dataclasses.replace(ERRORS, ports=(first,))}
+    route = _route("h2c", custom_http_errors=(404,), default_backend="errors")
+    async with (
+        _h2_answering([(b":status", b"404"), (b"x-from", b"backend")]) as h2,
+        _h2_answering([(b":status", b"200"), (b"x-from", b"errors")]) as h2_errors,
+    ):
+        error_endpoint = Endpoint(
+            namespace="demo",
+            service="errors",
+            address="127.0.0.1",
+            ports=(
+                EndpointPort("h2", h2_errors.port)
+                if error_backend == "h2c"
+                else EndpointPort("http", errors.port),
+            ),
+        )
+        main_endpoint = Endpoint(
+            namespace="demo",
+            service="svc",
+            address="127.0.0.1",
+            ports=(EndpointPort("http", main.port), EndpointPort("h2", h2.port)),
+        )
+        table = build_table(
+            {route.key: route},
+            {SERVICE.key: (main_endpoint,), ERRORS.key: (error_endpoint,)},
+            services,
+            defaults=Defaults(),
+            cookie_key=b"k" * 32,
+        )
+        async with running_proxy(table) as (server, port):
+            answer = await ask(client, port, "/missing", [("X-Request-ID", "r-1")])
+            held = _held(server)
+    assert answer.status == 200
+    assert answer.headers.get("x-from") != "backend"
+    if error_backend == "h2c":
+        assert answer.headers["x-from"] == "errors"
+        fields = dict(h2_errors.headers[-1])
+        assert (fields[b":path"], fields[b"x-code"]) == (b"/", b"404")
+        assert fields[b"x-original-uri"] == b"/missing"
+        assert fields[b"x-request-id"] == b"r-1"
+    else:
+        sent = json.loads(answer.body)["headers"]
+        assert (sent["x-code"], sent["x-original-uri"]) == ("404", "/missing")
+    assert (held["waiting"], held["in_flight"], held["h2_streams"]) == ({}, {}, 0)
+    assert server.metrics.requests[("demo/shop-0", b"GET", 2)] == 1
+
+
+@pytest.mark.parametrize("client", ["http/1.1", "h2c"])
 async def test_custom_http_errors_without_default_backend_answer_the_proxy_page(
     backend_pair, client
 ):
@@ -453,3 +512,20 @@ async def test_enable_access_log_false_writes_no_line_for_the_route(backend_pair
         assert server.metrics.requests[("demo/shop-0", b"GET", 2)] == 1  # still counted
     lines = [r for r in caplog.records if r.name == "waygate.proxy.access"]
     assert [line.route for line in lines] == ["demo/loud"]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("client", ["http/1.1", "h2c"])
+async def test_an_http2_backends_listed_status_without_default_backend(backend_pair, client):
+    main, _ = backend_pair
+    route = _route("h2c", custom_http_errors=(404,))
+    async with (
+        _h2_answering([(b":status", b"404"), (b"x-from", b"backend")]) as h2,
+        running_proxy(_table(route, main.port, h2.port)) as (server, port),
+    ):
+        answer = await ask(client, port, "/missing")
+        held = _held(server)
+    assert answer.status == 404
+    assert "x-from" not in answer.headers
+    assert "custom-http-errors" in answer.headers["x-waygate-error"]
+    assert (held["in_flight"], held["h2_streams"]) == ({}, 0)
+    assert server.metrics.requests[("demo/shop-0", b"GET", 4)] == 1

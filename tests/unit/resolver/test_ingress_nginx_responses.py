@@ -168,11 +168,11 @@ def test_disable_proxy_intercept_errors():
     assert not off.intercept_errors_disabled and off.ingress_verdicts == ()
 
 
-def test_custom_http_errors_of_a_grpc_backend_are_reported_not_honoured():
+def test_custom_http_errors_of_a_grpc_backend_do_nothing_as_grpc_pass():
     annotations = {P + "custom-http-errors": "404", P + "backend-protocol": "GRPC"}
     [route] = routes_of(ingress("a", annotations))
     assert route.custom_http_errors == ()
-    assert "not-honoured" in _verdict(route, "custom-http-errors")
+    assert _finding(ingress("a", annotations), "custom-http-errors") == "no-op"
 
 
 def test_an_invalid_status_list_refuses_the_ingress():
