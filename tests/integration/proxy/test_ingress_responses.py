@@ -4,9 +4,9 @@ proxy-redirect-from/-to, proxy-cookie-domain/-path, custom-http-errors with
 default-backend and disable-proxy-intercept-errors, use-port-in-redirects,
 connection-proxy-header and enable-access-log "false" (waygate.proxy.
 responserewrite, .errorpages), against a real proxy on real sockets with real
-backends: `StatusBackend` (an HTTP/1.1 server that answers `/status/NNN` with
-that status and echoes what it received, as ingress-nginx's e2e tests use
-httpbun and the echo server) and `H2Backend` (h2c). The assertions ported from
+backends: `RecordingUpstream` (HTTP/1.1: `/status/NNN` answers that status, as
+httpbun in ingress-nginx's e2e tests; anything else echoes what it received, as
+their echo server) and `H2Backend` (h2c). The assertions ported from
 kubernetes/ingress-nginx's test/e2e/annotations/*.go name their source.
 """
 
@@ -24,7 +24,7 @@ import pytest
 
 from tests.integration.proxy.test_request_core import HOST, PAIRS, _held, ask
 from tests.support.h2harness import H2Backend
-from tests.support.proxyharness import running_proxy
+from tests.support.proxyharness import RecordingUpstream, running_proxy
 from waygate.proxy.routing import Defaults, build_table
 from waygate.resolver.model import (
     Endpoint,
@@ -37,73 +37,9 @@ from waygate.resolver.model import (
 )
 
 
-class StatusBackend:
-    """A real HTTP/1.1 backend: `/status/NNN` answers NNN with the body
-    b"backend NNN"; anything else 200 with what it received as JSON. The request's
-    X-Echo-Set-Header ("Name:value,...") names response headers to send."""
-
-    def __init__(self) -> None:
-        self.port = 0
-        self.requests: list[dict[str, Any]] = []
-        self._server: asyncio.AbstractServer | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
-
-    async def start(self) -> StatusBackend:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    async def stop(self) -> None:
-        assert self._server is not None
-        self._server.close()
-        for writer in list(self._writers):
-            writer.close()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._server.wait_closed(), 2)
-
-    def last(self) -> dict[str, Any]:
-        return self.requests[-1]
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._writers.add(writer)
-        try:
-            while True:
-                try:
-                    head = await reader.readuntil(b"\r\n\r\n")
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    return
-                lines = head.decode("latin-1").split("\r\n")
-                method, target, _ = lines[0].split(" ", 2)
-                headers = [tuple(x.split(": ", 1)) for x in lines[1:] if x]
-                lower = {k.lower(): v for k, v in headers}
-                body = b""
-                if "content-length" in lower:
-                    body = await reader.readexactly(int(lower["content-length"]))
-                record = {"method": method, "target": target, "headers": lower, "body": len(body)}
-                self.requests.append(record)
-                extra = b"".join(
-                    b"%s: %s\r\n" % tuple(pair.strip().encode().split(b":", 1))
-                    for pair in lower.get("x-echo-set-header", "").split(",")
-                    if ":" in pair
-                )
-                path = target.split("?")[0]
-                if path.startswith("/status/"):
-                    status = int(path[len("/status/") :])
-                    payload = b"backend %d" % status
-                else:
-                    status = 200
-                    payload = json.dumps(record).encode()
-                writer.write(
-                    b"HTTP/1.1 %d X\r\nContent-Length: %d\r\n%s\r\n" % (status, len(payload), extra)
-                )
-                if method != "HEAD":
-                    writer.write(payload)
-                await writer.drain()
-                if lower.get("connection", "").lower() == "close":
-                    writer.close()
-                    return
-        finally:
-            self._writers.discard(writer)
+def _sent(answer: Any) -> dict[str, str]:
+    """The request headers the RecordingUpstream that answered echoed, by lower-case name."""
+    return {k.lower(): v for k, v in json.loads(answer.body)["headers"]}
 
 
 SERVICE = Service(
@@ -118,9 +54,9 @@ ERRORS = Service(namespace="demo", name="errors", ports=(ServicePort("http", 80,
 
 
 @pytest.fixture
-async def backend_pair() -> AsyncIterator[tuple[StatusBackend, StatusBackend]]:
+async def backend_pair() -> AsyncIterator[tuple[RecordingUpstream, RecordingUpstream]]:
     """The route's backend and the error backend (default-backend `errors`)."""
-    main, errors = StatusBackend(), StatusBackend()
+    main, errors = RecordingUpstream("svc"), RecordingUpstream("errors")
     await main.start()
     await errors.start()
     yield main, errors
@@ -282,7 +218,7 @@ async def test_custom_http_errors_go_to_the_default_backend(backend_pair, client
     assert answer.status == 200
     asked = json.loads(answer.body)
     assert (asked["method"], asked["target"]) == ("GET", "/")  # nginx: rewrite (.*) / break
-    sent = asked["headers"]
+    sent = _sent(answer)
     assert sent["x-code"] == "404"
     assert sent["x-format"] == "text/html"
     assert sent["x-original-uri"] == "/status/404?q=1"
@@ -291,7 +227,7 @@ async def test_custom_http_errors_go_to_the_default_backend(backend_pair, client
     assert sent["x-request-id"] == "proxy_intercept_errors"
     assert sent["host"] == HOST
     # A status not listed passes as the backend sent it.
-    assert (passed.status, passed.body) == (500, b"backend 500")
+    assert (passed.status, passed.body) == (500, b"status 500")
     assert len(errors.requests) == 1
     # Counted once, under the route, with the status the client got.
     assert server.metrics.requests[("demo/shop-0", b"GET", 2)] == 1
@@ -310,12 +246,13 @@ async def test_the_error_request_gets_a_request_id_and_no_body(backend_pair):
         data = await asyncio.wait_for(reader.read(-1), 10)
         writer.close()
     assert data.startswith(b"HTTP/1.1 200 ")
-    assert main.last()["body"] == 5  # the backend had the whole request
-    asked = errors.last()
-    assert (asked["method"], asked["body"]) == ("GET", 0)
-    assert "content-length" not in asked["headers"]
-    assert asked["headers"]["x-code"] == "503"  # the client's X-Code replaced
-    assert len(asked["headers"]["x-request-id"]) == 32
+    assert main.requests[-1]["body_length"] == 5  # the backend had the whole request
+    asked = errors.requests[-1]
+    assert (asked["method"], asked["body_length"]) == ("GET", 0)
+    sent = {k.lower(): v for k, v in asked["headers"]}  # type: ignore[attr-defined]
+    assert "content-length" not in sent
+    assert sent["x-code"] == "503"  # the client's X-Code replaced
+    assert len(sent["x-request-id"]) == 32
 
 
 @pytest.mark.parametrize("client", ["http/1.1", "h2c"])
@@ -370,7 +307,7 @@ async def test_an_http2_backends_listed_status_goes_to_the_default_backend(
         assert fields[b"x-original-uri"] == b"/missing"
         assert fields[b"x-request-id"] == b"r-1"
     else:
-        sent = json.loads(answer.body)["headers"]
+        sent = _sent(answer)
         assert (sent["x-code"], sent["x-original-uri"]) == ("404", "/missing")
     assert (held["waiting"], held["in_flight"], held["h2_streams"]) == ({}, {}, 0)
     assert server.metrics.requests[("demo/shop-0", b"GET", 2)] == 1
@@ -386,7 +323,7 @@ async def test_custom_http_errors_without_default_backend_answer_the_proxy_page(
         answer = await ask(client, port, "/status/404")
         head = await ask(client, port, "/status/404", method="HEAD")
     assert answer.status == 404
-    assert b"backend 404" not in answer.body
+    assert b"status 404" not in answer.body
     assert "custom-http-errors" in answer.headers.get("x-waygate-error", "")
     assert (head.status, head.body) == (404, b"")
     assert server.metrics.refused["custom_http_error"] == 2
@@ -402,7 +339,7 @@ async def test_disable_proxy_intercept_errors_passes_the_backends_answer(backend
     )
     async with running_proxy(_table(route, main.port, errors_port=errors.port)) as (_, port):
         answer = await ask(client, port, "/status/404", [("X-Request-ID", "x")])
-    assert (answer.status, answer.body) == (404, b"backend 404")
+    assert (answer.status, answer.body) == (404, b"status 404")
     assert errors.requests == []
 
 
@@ -426,7 +363,7 @@ async def test_default_backend_without_endpoints_gets_x_code_503(backend_pair, c
     assert answer.status == 200
     asked = json.loads(answer.body)
     assert asked["target"] == "/alma/armud"
-    sent = asked["headers"]
+    sent = _sent(answer)
     assert sent["x-code"] == "503"
     assert sent["x-ingress-name"] == "default-backend"
     assert sent["x-service-name"] == "invalid"
@@ -462,7 +399,7 @@ async def test_connection_proxy_header_is_what_the_backend_gets(backend_pair, cl
     async with running_proxy(_table(route, main.port)) as (_, port):
         answers = [await ask(client, port, "/") for _ in range(2)]
     assert [a.status for a in answers] == [200, 200]
-    assert [json.loads(a.body)["headers"]["connection"] for a in answers] == [value] * 2
+    assert [_sent(a)["connection"] for a in answers] == [value] * 2
 
 
 async def test_connection_proxy_header_leaves_an_http2_backend_without_one():

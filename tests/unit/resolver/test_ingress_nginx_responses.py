@@ -19,21 +19,12 @@ import pytest
 import yaml
 
 from tests.unit.resolver.test_ingress_nginx import SETTINGS, P, ingress, routes_of
+from tests.unit.resolver.test_ingress_nginx import _global as _with_config
 from waygate.resolver import convert
 from waygate.resolver.ingress_nginx.annotations import judge
 from waygate.resolver.ingress_nginx.config import IngressNginx
 from waygate.resolver.manifests import parse_manifests
 from waygate.resolver.model import Route
-
-
-def _with_config(data: dict[str, str], *items: dict[str, Any]) -> list[Route]:
-    config = {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": {"name": "c", "namespace": "ingress-nginx"},
-        "data": data,
-    }
-    return routes_of(config, *items, settings=IngressNginx(configmap=("ingress-nginx", "c")))
 
 
 def _finding(obj: dict[str, Any], annotation: str) -> str:
