@@ -233,9 +233,13 @@ def intercept_stream(upstream: Any, modifier: Any, status: int) -> bool:
     client = upstream.req
     conn = upstream.conn
     upstream._cancel_upstream()
+    held, forward.held = forward.held, None  # a limit-connections slot stays the request's
     upstream._finish(status, record=False)  # gives back the pick; the span goes on
+    forward.held = held
     target = _retarget(forward, modifier, errors)
     if target is None:
+        if held is not None:
+            held.release()
         upstream.ctx.records.finish(
             forward.entry.options.name,
             client,
@@ -252,7 +256,6 @@ def intercept_stream(upstream: Any, modifier: Any, status: int) -> bool:
     mode = forward.entry.options.forwarded_mode
     forward.upstream_head = error_head(client, errors, status, conn.context, mode)
     req = client.copy()  # the error request has no body: nothing more to take in
-    req.method = b"HEAD" if client.method == b"HEAD" else b"GET"
     req.content_length = -1
     req.chunked = False
     if forward.http2:
