@@ -19,6 +19,11 @@ customhttperrors.go, default_backend.go, disableproxyintercepterrors.go):
 - The error backend is the route's default-backend Service; without one,
   ingress-nginx's controller default backend, which for Waygate is the proxy's
   own error page, with the backend's status and a reason naming it.
+- The proxy's own failures with a listed status (a refused connect's or a broken
+  backend's 502, an auth refusal) go there too: nginx's error_page applies to its
+  own errors with or without proxy_intercept_errors. Not those its timers decide
+  (`_TIMERS`), nor the refusals `decision.decide` answers before a backend is
+  asked: the proxy's own pages (a named difference).
 - disable-proxy-intercept-errors: the backend's answers pass unchanged.
 - default-backend without an endpoint of the route's own (`decision.decide`
   sends the request there): the request as it is, with X-Code 503 and the
@@ -59,6 +64,10 @@ _SET = (
     b"x-service-port",
 )
 KIND = "custom_http_error"
+# The proxy's failures its timers decide (the server timeout's 504, the endpoint
+# limit's 503 when waiting, a stalled or slow body's 408, grpc-timeout): its own
+# pages, not the error backend's (the drivers' timers end with them).
+_TIMERS = frozenset(("server_timeout", "endpoint_limit", "client_timeout", "slow_body", "deadline"))
 
 
 class ErrorPages:
@@ -160,43 +169,56 @@ def answered_by_proxy(code: int) -> str:
     return f"the backend answered {code} (custom-http-errors; no default-backend)"
 
 
-def _errors_for(modifier: Any, status: int) -> ErrorPages | None:
-    """The route's error pages when `status` is one they intercept (else None)."""
+def _errors_for(modifier: Any, status: int, failure: str) -> ErrorPages | None:
+    """The route's error pages when `status` is one they take: the backend's answer
+    when they intercept; the proxy's own failure (`failure`: its kind) whenever it
+    is listed (nginx's error_page applies to its own errors with or without
+    proxy_intercept_errors), except the timers' (`_TIMERS`). None: the status goes
+    on as it is."""
     errors: ErrorPages | None = getattr(modifier, "errors", None)
-    if errors is None or not errors.intercepts or status not in errors.codes:
+    if errors is None or status not in errors.codes:
+        return None
+    if not (errors.intercepts if not failure else failure not in _TIMERS):
         return None
     return errors
 
 
-def _retarget(forward: Any, modifier: Any, errors: ErrorPages) -> Any:
-    """The decided request moved to the error backend: its endpoint picked (the
-    count taken), never intercepted again; None when there is no error backend or
-    no endpoint of it (the proxy's own page answers). The original pick was given
-    back by the caller."""
+def _pick(errors: ErrorPages) -> Any:
+    """An endpoint of the error backend (None: none, or no default-backend)."""
+    backend = errors.backend
+    return backend.picker.pick(None) if backend is not None else None
+
+
+def _retarget(forward: Any, modifier: Any, errors: ErrorPages, target: Any) -> None:
+    """The decided request moved to the error backend's `target` (its count taken),
+    never intercepted again. The original pick was given back by the caller."""
     forward.response_modifier = passed_on(modifier)
     forward.error_request = True
+    if target is None:
+        return
     backend = errors.backend
-    target = backend.picker.pick(None) if backend is not None else None
-    if backend is None or target is None:
-        return None
+    assert backend is not None
     backend.picker.acquire(target)
     forward.counted = True
     forward.target = target
     forward.backend = backend
     forward.http2 = backend.http2
-    return target
 
 
-def intercept(exchange: Any, modifier: Any, status: int) -> bool:
-    """The backend's answer `status` (its head only read so far) is dropped for the
-    error backend's (`exchange.Exchange`, an HTTP/1.1 backend, or an HTTP/2 one
-    through `h2bridge`); False: it goes on to the client as it is (not a listed
-    status, already an error request, or the request still streaming its body)."""
-    errors = _errors_for(modifier, status)
+def intercept(exchange: Any, modifier: Any, status: int, failure: str = "") -> bool:
+    """The backend's answer `status` (its head only read so far), or the proxy's own
+    failure with it (`failure`), is replaced by the error backend's answer
+    (`exchange.Exchange`: an HTTP/1.1 backend, or an HTTP/2 one through `h2bridge`);
+    False: it goes on as it is (not a listed status, already an error request, the
+    request still streaming its body, or a failure without an error backend)."""
+    errors = _errors_for(modifier, status, failure)
     forward = exchange.forward
     client = exchange.req
     if errors is None or not exchange.req_complete or forward is None or client is None:
         return False
+    target = _pick(errors)
+    if target is None and failure:
+        return False  # the proxy's own page, with its own reason
     exchange.abandon_upstream()  # the backend's answer is not read further
     exchange._drop_buffer()
     exchange.response_started = False
@@ -204,7 +226,7 @@ def intercept(exchange: Any, modifier: Any, status: int) -> bool:
     if forward.counted:
         forward.counted = False
         forward.backend.picker.release(forward.target)
-    target = _retarget(forward, modifier, errors)
+    _retarget(forward, modifier, errors, target)
     if target is None:
         exchange.fail(status, answered_by_proxy(status), KIND)
         return True
@@ -218,14 +240,17 @@ def intercept(exchange: Any, modifier: Any, status: int) -> bool:
     return True
 
 
-def intercept_stream(upstream: Any, modifier: Any, status: int) -> bool:
+def intercept_stream(upstream: Any, modifier: Any, status: int, failure: str = "") -> bool:
     """The same for an HTTP/2 client's stream to an HTTP/2 backend
-    (`h2upstream.H2Exchange.on_response`): the backend's stream is cancelled and
-    the client's stream goes on as a new exchange to the error backend (an
-    `exchange.Exchange` driven by `h2exchange.StreamDownstream`, or another
-    HTTP/2 stream), which records the request; False: the answer goes on."""
-    errors = _errors_for(modifier, status)
+    (`h2upstream.H2Exchange`: its answer's head, or its own failure): the backend's
+    stream is cancelled and the client's stream goes on as a new exchange to the
+    error backend (an `exchange.Exchange` driven by `h2exchange.StreamDownstream`,
+    or another HTTP/2 stream), which records the request; False: it goes on."""
+    errors = _errors_for(modifier, status, failure)
     if errors is None or not upstream.request_done or upstream.buffering or upstream.request.grpc:
+        return False
+    target = _pick(errors)
+    if target is None and failure:
         return False
     from waygate.proxy import h2exchange, h2upstream  # (the drivers import this module)
 
@@ -236,7 +261,7 @@ def intercept_stream(upstream: Any, modifier: Any, status: int) -> bool:
     held, forward.held = forward.held, None  # a limit-connections slot stays the request's
     upstream._finish(status, record=False)  # gives back the pick; the span goes on
     forward.held = held
-    target = _retarget(forward, modifier, errors)
+    _retarget(forward, modifier, errors, target)
     if target is None:
         if held is not None:
             held.release()

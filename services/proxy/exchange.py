@@ -698,6 +698,14 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
     def fail(self, status: int, reason: str, kind: str, response: bytes = b"") -> None:
         """A failure the proxy answers itself (before the response started); `response`:
         the answer already rendered (a redirect), else the error page."""
+        forward = self.forward
+        if (
+            forward is not None
+            and forward.response_modifier is not None
+            and not response
+            and errorpages.intercept(self, forward.response_modifier, status, kind)
+        ):
+            return  # ingress-nginx custom-http-errors: the error backend answers
         metrics = self.ctx.metrics
         metrics.refused[kind] = metrics.refused.get(kind, 0) + 1
         entry = self.entry

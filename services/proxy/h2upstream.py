@@ -933,6 +933,10 @@ class H2Exchange(UpstreamStream):
 
     def local(self, status: int, reason: str, kind: str) -> None:
         """A local answer: the error page's reason, or a gRPC status on gRPC."""
+        if self.response_modifier is not None and errorpages.intercept_stream(
+            self, self.response_modifier, status, kind
+        ):
+            return  # ingress-nginx custom-http-errors: the error backend answers
         self.ctx.records.refused(kind)
         respond_locally(self.stream, self.request.grpc, status, reason)
         self._finish(status)

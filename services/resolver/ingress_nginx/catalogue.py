@@ -679,12 +679,13 @@ ENTRIES: tuple[Entry, ...] = (
         "custom-http-errors",
         status_codes,
         D,
-        "an HTTP/1.1 backend's answers with these statuses are replaced by the "
-        "default-backend Service's (else the proxy's own error page) to GET / with X-Code, "
-        "X-Format, X-Original-URI, X-Namespace, X-Ingress-Name, X-Service-Name, "
-        "X-Service-Port and X-Request-ID, its status the client's; the error backend gets "
-        "no request body, and an answer that comes while the request body still streams is "
-        "not intercepted",
+        "the backend's answers with these statuses, and the proxy's own failures with them "
+        "(a refused or broken backend's 502), are replaced by the default-backend "
+        "Service's (else the proxy's own error page) to GET / with X-Code, X-Format, "
+        "X-Original-URI, X-Namespace, X-Ingress-Name, X-Service-Name, X-Service-Port and "
+        "X-Request-ID, its status the client's; the error backend gets no request body, an "
+        "answer that comes while the request body still streams is not intercepted, and "
+        "the proxy's timeouts (504) and refusals before a backend is asked keep its own pages",
     ),
     _e(
         "default-backend",

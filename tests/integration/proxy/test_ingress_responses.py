@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.proxy.test_request_core import HOST, PAIRS, _held, ask
+from tests.integration.proxy.test_request_core import HOST, PAIRS, _dead_port, _held, ask
 from tests.support.h2harness import H2Backend
 from tests.support.proxyharness import RecordingUpstream, running_proxy
 from waygate.proxy.routing import Defaults, build_table
@@ -466,3 +466,32 @@ async def test_an_http2_backends_listed_status_without_default_backend(backend_p
     assert "custom-http-errors" in answer.headers["x-waygate-error"]
     assert (held["in_flight"], held["h2_streams"]) == ({}, 0)
     assert server.metrics.requests[("demo/shop-0", b"GET", 4)] == 1
+
+
+@pytest.mark.parametrize(("client", "backend"), PAIRS)
+async def test_the_proxys_own_listed_failure_goes_to_the_default_backend(
+    backend_pair, client, backend
+):
+    # nginx's error_page applies to its own errors too (with or without
+    # proxy_intercept_errors): a backend that refuses the connection is a 502 the
+    # error backend answers, with X-Code 502; without a default-backend the proxy's
+    # own page keeps its reason.
+    _, errors = backend_pair
+    dead = await _dead_port()
+    route = _route(backend, custom_http_errors=(502,), default_backend="errors")
+    plain = _route(backend, custom_http_errors=(502,))
+    async with running_proxy(_table(route, dead, dead, errors.port)) as (server, port):
+        answer = await ask(client, port, "/down?x=1", [("X-Request-ID", "r-2")])
+        held = _held(server)
+    async with running_proxy(_table(plain, dead, dead)) as (_, port):
+        own = await ask(client, port, "/down")
+    assert answer.status == 200
+    sent = _sent(answer)
+    assert (sent["x-code"], sent["x-original-uri"], sent["x-request-id"]) == (
+        "502",
+        "/down?x=1",
+        "r-2",
+    )
+    assert (held["waiting"], held["in_flight"], held["h2_streams"]) == ({}, {}, 0)
+    assert own.status == 502
+    assert "custom-http-errors" not in own.headers.get("x-waygate-error", "")
