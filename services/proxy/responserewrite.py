@@ -171,8 +171,8 @@ def shape(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> None:
             # answer is the client's.
             forward.req = errorpages.fallback_request(forward.req, req, errors)
             errors = None
-        elif not errors.intercepts:
-            errors = None
+        elif not errors.codes:
+            errors = None  # (a default-backend alone: nothing to intercept)
     if rules.redirect_from or rules.cookie_domain or rules.cookie_path or errors is not None:
         modifier = forward.response_modifier
         changes: dict[str, Any] = {}

@@ -699,8 +699,8 @@ ENTRIES: tuple[Entry, ...] = (
         "disable-proxy-intercept-errors",
         boolean,
         H,
-        "the backend's answers pass unchanged (the default backend still takes what no "
-        "endpoint can)",
+        "the backend's answers pass unchanged (the proxy's own failures with a listed "
+        "status still go to the error backend, as nginx's error_page)",
     ),
     _e(
         "enable-access-log",

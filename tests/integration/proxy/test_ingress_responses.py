@@ -495,3 +495,16 @@ async def test_the_proxys_own_listed_failure_goes_to_the_default_backend(
     assert (held["waiting"], held["in_flight"], held["h2_streams"]) == ({}, {}, 0)
     assert own.status == 502
     assert "custom-http-errors" not in own.headers.get("x-waygate-error", "")
+
+
+async def test_disabled_interception_still_takes_the_proxys_own_failures(backend_pair):
+    # disable-proxy-intercept-errors turns proxy_intercept_errors off: the backend's
+    # answers pass, but nginx's error_page still takes its own 502.
+    _, errors = backend_pair
+    dead = await _dead_port()
+    route = _route(
+        custom_http_errors=(502,), default_backend="errors", intercept_errors_disabled=True
+    )
+    async with running_proxy(_table(route, dead, errors_port=errors.port)) as (_, port):
+        answer = await ask("http/1.1", port, "/down")
+    assert (answer.status, _sent(answer)["x-code"]) == (200, "502")
