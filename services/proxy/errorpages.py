@@ -247,48 +247,36 @@ def intercept_stream(upstream: Any, modifier: Any, status: int, failure: str = "
     error backend (an `exchange.Exchange` driven by `h2exchange.StreamDownstream`,
     or another HTTP/2 stream), which records the request; False: it goes on."""
     errors = _errors_for(modifier, status, failure)
-    if errors is None or not upstream.request_done or upstream.buffering or upstream.request.grpc:
+    serve = upstream.upstreams.serve
+    if (
+        errors is None
+        or serve is None
+        or not upstream.request_done
+        or upstream.buffering
+        or upstream.request.grpc
+    ):
         return False
     target = _pick(errors)
-    if target is None and failure:
-        return False
-    from waygate.proxy import h2exchange, h2upstream  # (the drivers import this module)
-
+    if target is None:
+        if failure:
+            return False  # the proxy's own page, with its own reason
+        upstream._cancel_upstream()
+        upstream.response_modifier = passed_on(modifier)
+        upstream.local(status, answered_by_proxy(status), KIND)
+        return True
     forward = upstream.forward
     client = upstream.req
-    conn = upstream.conn
     upstream._cancel_upstream()
     held, forward.held = forward.held, None  # a limit-connections slot stays the request's
     upstream._finish(status, record=False)  # gives back the pick; the span goes on
     forward.held = held
     _retarget(forward, modifier, errors, target)
-    if target is None:
-        if held is not None:
-            held.release()
-        upstream.ctx.records.finish(
-            forward.entry.options.name,
-            client,
-            status,
-            conn.client_key,
-            None,
-            upstream.ctx.loop.time() - upstream.started,
-            forward.span,
-            "h2" if conn.secure else "h2c",
-        )
-        upstream.ctx.records.refused(KIND)
-        h2upstream.respond_locally(upstream.stream, False, status, answered_by_proxy(status))
-        return True
     mode = forward.entry.options.forwarded_mode
-    forward.upstream_head = error_head(client, errors, status, conn.context, mode)
+    forward.upstream_head = error_head(client, errors, status, upstream.conn.context, mode)
     req = client.copy()  # the error request has no body: nothing more to take in
     req.content_length = -1
     req.chunked = False
-    if forward.http2:
-        conn.server.context.h2.start(conn, upstream.stream, upstream.request, req, forward, True)
-        return True
-    driver = h2exchange.StreamDownstream(conn, upstream.stream, False)
-    upstream.stream.exchange = driver
-    driver.begin(req, forward, upstream.ctx.loop.time())
+    serve(upstream.conn, upstream.stream, upstream.request, req, forward, True)
     return True
 
 

@@ -80,10 +80,13 @@ LOW_WATER = flow.LOW_WATER
 class H2Upstreams:
     """The connections to HTTP/2 backends (which backends: `routing.Backend.http2`)."""
 
-    def __init__(self, ctx: ExchangeContext, limits: H2Limits) -> None:
+    def __init__(self, ctx: ExchangeContext, limits: H2Limits, serve: Any = None) -> None:
         self.ctx = ctx
         self.limits = limits
         self.pool = H2Pool(self)
+        # What serves a stream's decided request anew (h2exchange.serve, handed in by
+        # the server: this module imports no exchange): ingress-nginx's error backend.
+        self.serve = serve
         ctx.h2 = self
 
     def start(

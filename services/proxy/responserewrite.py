@@ -36,7 +36,6 @@ from waygate.proxy import errorpages
 from waygate.resolver.client import HeaderModifier
 
 if TYPE_CHECKING:
-    from waygate.proxy.decision import ConnectionFacts, Forward
     from waygate.proxy.http1 import RequestHead
     from waygate.proxy.routing import RouteEntry
 
@@ -157,9 +156,11 @@ def applies(entry: RouteEntry) -> bool:
     return True
 
 
-def shape(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> None:
+def shape(forward: Any, req: RequestHead, facts: Any) -> None:
     """The request's response rules (after the route's own filters and CORS made its
-    response modifier), its Connection line and the default backend's headers."""
+    response modifier), its Connection line and the default backend's headers.
+    (`forward`: a `decision.Forward`, `facts` its `ConnectionFacts`: typed loosely, as
+    decision imports this module.)"""
     entry = forward.entry
     rules: ResponseRules = entry.policies["responses"]
     route = entry.route
