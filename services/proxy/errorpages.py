@@ -276,7 +276,8 @@ def intercept_stream(upstream: Any, modifier: Any, status: int, failure: str = "
     req = client.copy()  # the error request has no body: nothing more to take in
     req.content_length = -1
     req.chunked = False
-    serve(upstream.conn, upstream.stream, upstream.request, req, forward, True)
+    now = upstream.ctx.loop.time()
+    serve(upstream.conn, upstream.stream, upstream.request, req, forward, True, now)
     return True
 
 

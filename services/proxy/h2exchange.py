@@ -93,7 +93,7 @@ def start_exchange(conn: H2ClientConnection, stream: Stream, request: Request, e
             )
         answer_stream(conn, stream, req, answer.status, answer.reason, answer.kind)
         return
-    serve(conn, stream, request, req, decided, end)  # type: ignore[arg-type]
+    serve(conn, stream, request, req, decided, end, now)  # type: ignore[arg-type]
 
 
 def serve(
@@ -103,6 +103,7 @@ def serve(
     req: RequestHead,
     forward: Forward,
     end: bool,
+    now: float,
 ) -> None:
     """Serve a stream's decided request: an HTTP/2 backend's stream (`h2upstream`),
     or an `Exchange` to an HTTP/1.1 backend driven by `StreamDownstream` (also how
@@ -112,7 +113,7 @@ def serve(
         return
     driver = StreamDownstream(conn, stream, not end and request.content_length < 0)
     stream.exchange = driver
-    driver.begin(req, forward, conn.loop.time())
+    driver.begin(req, forward, now)
 
 
 def answer_stream(
