@@ -131,7 +131,9 @@ def _client_fields(fields: bytes) -> tuple[bytes, bytes, bool]:
 def _added(
     errors: ErrorPages, code: int, accept: bytes, original: bytes, request_id: bool
 ) -> bytes:
-    lines = b"X-Code: %d\r\nX-Format: %s\r\n" % (code, accept)
+    lines = b"X-Code: %d\r\n" % code
+    if accept:  # (nginx sends no header whose value is empty)
+        lines += b"X-Format: " + accept + b"\r\n"
     if original:
         lines += b"X-Original-URI: " + original + b"\r\n"
     lines += errors.names

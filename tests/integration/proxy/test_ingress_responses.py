@@ -492,6 +492,7 @@ async def test_the_proxys_own_listed_failure_goes_to_the_default_backend(
         "/down?x=1",
         "r-2",
     )
+    assert "x-format" not in sent  # no Accept: nginx sends no empty header
     assert (held["waiting"], held["in_flight"], held["h2_streams"]) == ({}, {}, 0)
     assert own.status == 502
     assert "custom-http-errors" not in own.headers.get("x-waygate-error", "")
