@@ -825,8 +825,9 @@ async def test_proxy_redirect_and_proxy_cookies(suite: Conformance) -> None:
 
 async def test_connection_header_and_access_log_off(suite: Conformance) -> None:
     # connection.go: It("set connection header to keep-alive"): the echo backend sees
-    # connection=keep-alive. disableaccesslog.go (the annotation enable-access-log
-    # "false"): no access-log line for the Ingress's requests, others still logged.
+    # connection=keep-alive. The annotation enable-access-log "false" (nginx's
+    # location-level `access_log off`, as disableaccesslog.go's ConfigMap keys at the
+    # http level): no access-log line for the Ingress's requests, others still logged.
     keep = single_ingress(
         "connection.foo.com",
         "/",

@@ -1119,6 +1119,9 @@ def _response_defaults(p: Plan, config: ControllerConfig, where: str) -> None:
     p.cookie_path = configured("proxy-cookie-path", "off", catalogue.plain)
     p.custom_http_errors = status_list(configured("custom-http-errors", "", _codes_or_none))
     p.port_in_redirects = _flag(configured("use-port-in-redirects", "false", catalogue.boolean))
+    p.access_log_disabled = config.flag("disable-access-log", False) or config.flag(
+        "disable-http-access-log", False
+    )
 
 
 def _responses(p: Plan, values: Mapping[str, str]) -> None:
@@ -1142,7 +1145,8 @@ def _responses(p: Plan, values: Mapping[str, str]) -> None:
         p.port_in_redirects = _flag(values["use-port-in-redirects"])
     header = values.get("connection-proxy-header", "").lower()
     p.connection_header = header if header in ("keep-alive", "close") else ""
-    p.access_log_disabled = not _flag(values.get("enable-access-log", "true"))
+    if not _flag(values.get("enable-access-log", "true")):
+        p.access_log_disabled = True  # (`true` cannot undo the ConfigMap's http-level off)
 
 
 def _codes_or_none(value: str) -> str | None:

@@ -73,6 +73,9 @@ HONOURED_KEYS = frozenset(
         "proxy-cookie-domain",
         "proxy-cookie-path",
         "use-port-in-redirects",
+        # nginx's http-level `access_log off` (an Ingress cannot turn it back on).
+        "disable-access-log",
+        "disable-http-access-log",
     )
 )
 #: nginx tuning with no meaning for a streaming proxy.

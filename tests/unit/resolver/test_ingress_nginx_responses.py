@@ -194,6 +194,20 @@ def test_enable_access_log_false_is_honoured():
     assert not logged.access_log_disabled
 
 
+@pytest.mark.parametrize("key", ["disable-access-log", "disable-http-access-log"])
+def test_the_configmaps_access_log_off_applies_to_every_ingress(key):
+    # test/e2e/annotations/disableaccesslog.go: the ConfigMap's disable-access-log and
+    # disable-http-access-log set `access_log off` (http level: an Ingress's
+    # enable-access-log "true" does not turn it back on).
+    plain, own = _with_config(
+        {key: "true"},
+        ingress("a"),
+        ingress("b", {P + "enable-access-log": "true"}, host="b.example.com"),
+    )
+    assert plain.access_log_disabled and own.access_log_disabled
+    assert plain.ingress_verdicts == ()
+
+
 def test_use_port_in_redirects_from_the_annotation_or_the_configmap():
     [route] = routes_of(ingress("a", {P + "use-port-in-redirects": "true"}))
     assert route.port_in_redirects
