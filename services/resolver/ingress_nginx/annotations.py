@@ -1055,6 +1055,22 @@ def _proxy_redirect(
         found(short)
 
 
+@_handles("relative-redirects")
+def _relative_redirects(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    source = values.get("proxy-redirect-from", p.redirect_from)
+    pair = redirect_pair(source, values.get("proxy-redirect-to", p.redirect_to))
+    if _flag(value) and isinstance(pair, tuple) and pair[1].startswith("/"):
+        found(
+            short,
+            Verdict.DIFFERENT,
+            "a Location proxy-redirect-to rewrites to a path is made absolute all the same",
+        )
+    else:
+        found(short)
+
+
 @_handles("proxy-cookie-domain", "proxy-cookie-path")
 def _proxy_cookie(
     p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any

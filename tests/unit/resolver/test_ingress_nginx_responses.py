@@ -76,6 +76,18 @@ def test_proxy_redirect_not_honoured_is_served_and_reported(annotations, why):
     assert "not-honoured" in _verdict(route, "proxy-redirect-from")
 
 
+def test_relative_redirects_with_a_relative_proxy_redirect_is_a_difference():
+    annotations = {
+        P + "proxy-redirect-from": "http://internal/",
+        P + "proxy-redirect-to": "/",
+        P + "relative-redirects": "true",
+    }
+    [route] = routes_of(ingress("a", annotations))
+    assert "honoured-with-difference" in _verdict(route, "relative-redirects")
+    alone = ingress("b", {P + "relative-redirects": "true"})
+    assert _finding(alone, "relative-redirects") == "no-op"
+
+
 def test_proxy_redirect_to_alone_does_nothing():
     [route] = routes_of(ingress("a", {P + "proxy-redirect-to": "/"}))
     assert route.redirect_from == "" and route.ingress_verdicts == ()
