@@ -2,7 +2,10 @@
 
 Each step lives in its own module, with no locks and no I/O of its own:
 - `config`: the authority's settings (`AuthorityConfig`);
-- `castate`: CA records, making a CA (or taking an upstream's), their stored form;
+- `castate`: CA records, making a CA (or taking an upstream's), the state
+  the authority keeps (`AuthorityState`) and its stored form;
+- `persistence`: writing that state to the store, one write at a time, and
+  putting memory back when a write fails;
 - `csr` and `issuing`: checking a CSR, the leaf profile, signing, the ListIssued
   records;
 - `leafbounds`: the stored bound on each CA's leaves' not_after;
@@ -10,8 +13,8 @@ Each step lives in its own module, with no locks and no I/O of its own:
   gated on the consumers' reports (`consumers`), and its status;
 - `bundle`: the published trust bundle and delivering its changes.
 
-`Authority` is their coordinator: it holds the state, the locks and the store
-writes, puts memory back when a write fails, and delegates every rule to them.
+`Authority` is their coordinator: it holds the state and the locks, orders
+the steps, and delegates every rule to them.
 No grpc and no sockets here; the clock is injected (`now`), so rotation is
 tested by moving time rather than sleeping.
 
@@ -26,7 +29,7 @@ Invariants:
   service's executor), while the event loop serves bundles; every public
   method holds one lock, except that a rotation makes its key and writes the
   store without it (it holds the lock only to check and to swap the new CA
-  in); every store write is serialised by a second lock, taken inside the
+  in); every store write is serialised by the writer's lock, taken inside the
   first, and a rotation never writes files older than the last write; bundle
   listeners and watchers are called on the event loop given to
   `deliver_changes_on`, whichever thread made the change.
@@ -49,6 +52,7 @@ from waygate.certs.bundle import BundleChanges, TrustBundleView, running_on
 from waygate.certs.castate import (
     KEY_ALGORITHMS,
     STATE_FILE,
+    AuthorityState,
     CARecord,
     CAState,
     CAView,
@@ -69,6 +73,7 @@ from waygate.certs.issuing import (
     IssuedRecord,
     IssuedRecords,
 )
+from waygate.certs.persistence import StateWriter
 from waygate.certs.rotation import ConsumerReport, Phase, Rotation, RotationStatus, Step
 from waygate.certs.store import CAStore
 from waygate.core.errors import FailedPrecondition
@@ -123,21 +128,15 @@ class Authority:
         self,
         store: CAStore,
         config: AuthorityConfig,
-        cas: list[CARecord],
+        state: AuthorityState,
         *,
-        version: int,
-        generation: int,
         now: Callable[[], datetime],
-        rotation_state: dict[str, Any] | None = None,
     ) -> None:
         self.store = store
         self.config = config
         self._now = now
-        self._cas = cas
-        self._version = version
-        self._generation = generation
-        #: The rotation's persisted state beyond the CAs (see `waygate.certs.rotation`).
-        self._rotation: dict[str, Any] = dict(rotation_state or {})
+        self._state = state
+        self._writer = StateWriter(store)
         self._issued = IssuedRecords(config.issued_records, config.issued_records_bytes)
         #: What each trust consumer reported it holds.
         self.consumers = ConsumerTable()
@@ -145,13 +144,9 @@ class Authority:
         #: or a worker does not (its consumer table is not the leader's); it adopts
         #: the steps the leader stores.
         self.steps_allowed: Callable[[], bool] = lambda: True
-        # Every public method holds it: signing runs in worker threads.
+        # Every public method holds it: signing runs in worker threads. The writer's
+        # lock is taken inside it, never the other way round.
         self._lock = threading.RLock()
-        # Every store write holds it (inside `_lock` where both are held, never the
-        # other way round), and `_saves` counts them: a rotation writes the store
-        # without `_lock` and needs to know whether another write came between.
-        self._store_lock = threading.Lock()
-        self._saves = 0
         # One rotation at a time; taken before `_lock`, never while holding it.
         self._rotating = threading.Lock()
         # What the event loop reads without the lock (a signing thread holds it across
@@ -159,7 +154,7 @@ class Authority:
         # bundle transition) and the next transition of any kind (the timer's). One
         # tuple, replaced whole, so a reader never pairs a bundle with another's deadline.
         self._published = self._snapshot()
-        self._changes = BundleChanges(lambda: self._published[0], version)
+        self._changes = BundleChanges(lambda: self._published[0], state.version)
 
     # ------------------------------------------------------------ opening
 
@@ -187,22 +182,20 @@ class Authority:
             )
         files = store.load()
         if files is None:
-            authority = cls(store, config, [], version=0, generation=0, now=now)
+            authority = cls(store, config, AuthorityState([], 0, 0, {}), now=now)
             if upstream is None:
-                ca = authority._new_ca(config.ca_lifetime, CAState.ACTIVE)
+                ca = authority._make_ca(1, config.ca_lifetime, CAState.ACTIVE)
             else:
-                authority._generation = 1
                 ca = upstream.record(1, CAState.ACTIVE)
-            authority._cas.append(ca)
-            authority._version = 1
-            authority._save()
+            authority._state = AuthorityState([ca], version=1, generation=1, rotation={})
+            authority._writer.write(authority._state.files())
             authority._publish()
             log.info(
                 "created CA",
                 extra={"store": store.description, "fingerprint": ca.fingerprint},
             )
             return authority
-        authority = cls._from_files(store, config, files, now)
+        authority = cls(store, config, castate.decode_state(files, store.description), now=now)
         authority.start_judging()
         authority.advance()
         if upstream is not None:
@@ -211,73 +204,15 @@ class Authority:
             "loaded CA",
             extra={
                 "store": store.description,
-                "authorities": [(c.name, c.state.value, c.fingerprint) for c in authority._cas],
+                "authorities": [
+                    (c.name, c.state.value, c.fingerprint) for c in authority._state.cas
+                ],
                 "rotation": authority.rotation_phase().value,
             },
         )
         return authority
 
-    @classmethod
-    def _from_files(
-        cls,
-        store: CAStore,
-        config: AuthorityConfig,
-        files: dict[str, bytes],
-        now: Callable[[], datetime],
-    ) -> Authority:
-        state = castate.decode_state(files, store.description)
-        return cls(
-            store,
-            config,
-            state.cas,
-            version=state.version,
-            generation=state.generation,
-            now=now,
-            rotation_state=state.rotation,
-        )
-
-    # ------------------------------------------------------------ persistence
-
-    def _files(
-        self,
-        cas: Sequence[CARecord] | None = None,
-        *,
-        version: int | None = None,
-        generation: int | None = None,
-    ) -> dict[str, bytes]:
-        """The store's files for the state in memory, or for `cas` at `version` and
-        `generation` (a rotation's, before it is swapped in)."""
-        return castate.encode_state(
-            self._cas if cas is None else cas,
-            version=self._version if version is None else version,
-            generation=self._generation if generation is None else generation,
-            rotation=self._rotation,
-        )
-
-    def _save(self) -> None:
-        """Write the state in memory (under `_lock`)."""
-        self._write(self._files())
-
-    def _write(self, files: dict[str, bytes]) -> int:
-        """Write `files` to the store; returns the number of this write."""
-        with self._store_lock:
-            return self._write_holding_store_lock(files)
-
-    def _write_holding_store_lock(self, files: dict[str, bytes]) -> int:
-        try:
-            self.store.save(files)
-        except OSError as exc:
-            raise FailedPrecondition(
-                f"cannot save the CA to {self.store.description}: {exc.strerror or exc}"
-            ) from None
-        self._saves += 1
-        return self._saves
-
     # ------------------------------------------------------------ CA creation
-
-    def _new_ca(self, lifetime: timedelta, state: CAState) -> CARecord:
-        self._generation += 1
-        return self._make_ca(self._generation, lifetime, state)
 
     def _make_ca(self, generation: int, lifetime: timedelta, state: CAState) -> CARecord:
         """A new CA key and self-signed certificate; changes nothing (needs no lock)."""
@@ -310,10 +245,10 @@ class Authority:
         if not self.steps_allowed():
             return []
         now = self._now()
-        before = rotation.Checkpoint.of(self._cas, self._rotation)
+        before = self._state.checkpoint()
         steps = rotation.advance(
-            self._cas,
-            self._rotation,
+            self._state.cas,
+            self._state.rotation,
             self.consumers.snapshot(),
             now,
             consumer_ttl=self.config.consumer_ttl,
@@ -324,14 +259,8 @@ class Authority:
             return steps
         changed = any(step.bundle_changed for step in steps)
         if changed:
-            self._version += 1
-        try:
-            self._save()
-        except BaseException:
-            if changed:
-                self._version -= 1
-            self._cas, self._rotation = before.restore()
-            raise
+            self._state.version += 1
+        self._writer.save_or_restore(self._state, before)
         for step in steps:
             extra: dict[str, Any] = {"step": step.name, "fingerprint": self._active().fingerprint}
             if step.forced_past:
@@ -365,8 +294,8 @@ class Authority:
 
     def _status(self) -> RotationStatus:
         return rotation.status(
-            self._cas,
-            self._rotation,
+            self._state.cas,
+            self._state.rotation,
             self.consumers.snapshot(),
             self._now(),
             consumer_ttl=self.config.consumer_ttl,
@@ -375,7 +304,7 @@ class Authority:
 
     @_locked
     def rotation_phase(self) -> Phase:
-        return rotation.phase_of(self._cas, self._rotation)
+        return rotation.phase_of(self._state.cas, self._state.rotation)
 
     def report_trust(
         self,
@@ -400,14 +329,14 @@ class Authority:
                 now=self._now(),
             )
         # Read without the lock: a stale answer only wakes the timer once too often.
-        return rotation.phase_of(list(self._cas), self._rotation) is not Phase.IDLE
+        return rotation.phase_of(list(self._state.cas), self._state.rotation) is not Phase.IDLE
 
     def _take_upstream(self, upstream: Upstream) -> None:
         """Sign with `upstream` from now on: already stored, or staged by a rotation."""
         fingerprint = castate.fingerprint(upstream.cert)
         with self._lock:
             if not rotation.check_new_upstream(
-                self._cas, self._rotation, fingerprint, upstream.source
+                self._state.cas, self._state.rotation, fingerprint, upstream.source
             ):
                 return
         log.warning(
@@ -435,7 +364,7 @@ class Authority:
     def _expiring(self) -> bool:
         self.advance()
         if not rotation.expiring(
-            self._cas, self._rotation, self._now(), self.config.auto_rotate_before
+            self._state.cas, self._state.rotation, self._now(), self.config.auto_rotate_before
         ):
             return False
         active = self._active()
@@ -455,7 +384,7 @@ class Authority:
 
     @_locked
     def _rotation_started(self) -> bool:
-        return rotation.phase_of(self._cas, self._rotation) is not Phase.IDLE
+        return rotation.phase_of(self._state.cas, self._state.rotation) is not Phase.IDLE
 
     def next_transition(self) -> datetime | None:
         """When `advance` (or `rotate_if_expiring`) will next change something; read
@@ -463,7 +392,7 @@ class Authority:
         return self._published[2]
 
     def _active(self) -> CARecord:
-        return rotation.active(self._cas)
+        return rotation.active(self._state.cas)
 
     # ------------------------------------------------------------ signing
 
@@ -575,8 +504,9 @@ class Authority:
             extended_usages=request.extended_usages,
         )
         if not covered:
-            with leafbounds.raised(ca, not_after, self.config.leaf_bound_step):
-                self._save()
+            before = self._state.checkpoint()
+            leafbounds.raise_past(ca, not_after, self.config.leaf_bound_step)
+            self._writer.save_or_restore(self._state, before)
         leafbounds.record_leaf(ca, not_after)
         serial_hex = format(serial, "x")
         self._issued.add(
@@ -654,22 +584,22 @@ class Authority:
             self._bundle(),
             due,
             rotation.next_transition(
-                self._cas, self._rotation, self.config.auto_rotate_before, due
+                self._state.cas, self._state.rotation, self.config.auto_rotate_before, due
             ),
         )
 
     def _step_due(self) -> datetime | None:
         """When `advance` next takes a step (None: not by the clock alone; a consumer's
         report may open it: see `report_trust`)."""
-        if self._cas and not self.steps_allowed():
+        if self._state.cas and not self.steps_allowed():
             # A follower takes no step: it adopts the leader's.
             return None
-        if not self._cas:
+        if not self._state.cas:
             return None
         return rotation.step_due(
             rotation.gate(
-                self._cas,
-                self._rotation,
+                self._state.cas,
+                self._state.rotation,
                 self.consumers.snapshot(),
                 self._now(),
                 consumer_ttl=self.config.consumer_ttl,
@@ -678,11 +608,11 @@ class Authority:
         )
 
     def _bundle(self) -> TrustBundleView:
-        return TrustBundleView.of(self._version, self._cas)
+        return TrustBundleView.of(self._state.version, self._state.cas)
 
     @property
     def version(self) -> int:
-        return self._version
+        return self._state.version
 
     @_locked
     def active_authority(self) -> CAView:
@@ -721,14 +651,7 @@ class Authority:
             new.leaf_bound = leafbounds.staged_bound(
                 switch_at, self.config.max_lifetime, self.config.leaf_bound_step
             )
-            while True:
-                files, saves = self._rotation_files(new, generation)
-                with self._store_lock:
-                    # Another write since the files were made would be undone by
-                    # these: make them again from the state it wrote.
-                    if saves == self._saves:
-                        written = self._write_holding_store_lock(files)
-                        break
+            written = self._writer.write_latest(lambda: self._rotation_files(new, generation))
             return self._swap_in(new, generation, written)
 
     @_locked
@@ -744,46 +667,41 @@ class Authority:
         delay = self.config.propagation_delay if propagation_delay is None else propagation_delay
         lifetime = self.config.ca_lifetime if ca_lifetime is None else ca_lifetime
         switch_at = rotation.plan(
-            self._cas,
-            self._rotation,
+            self._state.cas,
+            self._state.rotation,
             self._now(),
             delay=delay,
             lifetime=lifetime,
             max_lifetime=self.config.max_lifetime,
         )
-        return switch_at, lifetime, self._generation + 1
+        return switch_at, lifetime, self._state.generation + 1
 
     def _check_unchanged(self, generation: int) -> None:
-        rotation.check_unchanged(self._cas, self._rotation, self._generation, generation)
+        rotation.check_unchanged(
+            self._state.cas, self._state.rotation, self._state.generation, generation
+        )
 
     @_locked
-    def _rotation_files(self, new: CARecord, generation: int) -> tuple[dict[str, bytes], int]:
-        """The files of the state in memory plus `new`, and the number of the last
-        write they follow."""
+    def _rotation_files(self, new: CARecord, generation: int) -> dict[str, bytes]:
+        """The files of the state in memory plus `new`."""
         self._check_unchanged(generation)
-        files = self._files([*self._cas, new], version=self._version + 1, generation=generation)
-        return files, self._saves
+        return self._state.files(adding=new)
 
     @_locked
     def _swap_in(self, new: CARecord, generation: int, written: int) -> Rotation:
         """Serve with `new` (stored as write number `written`) from now on."""
-        if any(ca.name == new.name for ca in self._cas):
+        if any(ca.name == new.name for ca in self._state.cas):
             # The store's watch brought our own write back first (`adopt`): it is in.
-            new = next(ca for ca in self._cas if ca.name == new.name)
+            new = next(ca for ca in self._state.cas if ca.name == new.name)
         else:
             self._check_unchanged(generation)
-            saved = (self._generation, self._version)
-            self._cas.append(new)
-            self._generation = generation
-            self._version += 1
-            if self._saves != written:
+            before = self._state.checkpoint()
+            self._state.cas.append(new)
+            self._state.generation = generation
+            self._state.version += 1
+            if self._writer.saves != written:
                 # A write came between ours and this swap, made without the new CA.
-                try:
-                    self._save()
-                except BaseException:
-                    self._cas.remove(new)
-                    self._generation, self._version = saved
-                    raise
+                self._writer.save_or_restore(self._state, before)
             self._notify()
         old = self._active()
         assert new.activate_at is not None
@@ -809,13 +727,9 @@ class Authority:
         FailedPrecondition (and nothing changed) when the files cannot be used.
         """
         other = castate.decode_state(files, self.store.description)
-        leafbounds.keep_known_leaves(other.cas, self._cas)
-        before = [(ca.name, ca.state) for ca in self._cas]
-        self._cas, self._generation = other.cas, other.generation
-        self._rotation = other.rotation
-        if [(ca.name, ca.state) for ca in self._cas] == before:
+        leafbounds.keep_known_leaves(other.cas, self._state.cas)
+        if not self._state.adopt(other):
             return False
-        self._version = max(self._version + 1, other.version)
         self._notify()
         return True
 
@@ -824,7 +738,7 @@ class Authority:
         self.consumers.start_term(self._settle_until)
 
     def _settle_until(self) -> datetime | None:
-        if rotation.phase_of(self._cas, self._rotation) is Phase.IDLE:
+        if rotation.phase_of(self._state.cas, self._state.rotation) is Phase.IDLE:
             return None
         return self._now() + self.config.consumer_settle
 
@@ -838,7 +752,7 @@ class Authority:
         None when every bound already is. Memory is not changed: the leader saves
         these files itself (off this lock, so Certify never waits on the write),
         then calls `raise_leaf_bounds`."""
-        return leafbounds.encoded_with_bounds(self._cas, until, self._files)
+        return leafbounds.encoded_with_bounds(self._state.cas, until, self._state.files)
 
     @_locked
     def raise_leaf_bounds(self, until: datetime, *, stored: Callable[[], bool]) -> bool:
@@ -847,7 +761,7 @@ class Authority:
         holds; True when raised. A leaf up to the bound then needs no save."""
         if not stored():
             return False
-        leafbounds.raise_all(self._cas, until)
+        leafbounds.raise_all(self._state.cas, until)
         return True
 
     # ------------------------------------------------------------ change notification

@@ -3,10 +3,15 @@
 A `CARecord` is one CA: key, certificate and its place in the rotation
 (`CAState`, when it starts signing, when it retires, the bound on its leaves'
 not_after). `make_ca` creates one (key and self-signed certificate; no lock,
-no I/O); `encode_state` and `decode_state` turn the records, the bundle
-version and the CA generation into a `CAStore`'s files and back.
+no I/O). `AuthorityState` is everything the authority keeps (the records, the
+bundle version, the CA generation, the rotation's record); `encode_state` and
+`decode_state` turn it into a `CAStore`'s files and back.
 
 Invariants:
+- a `Checkpoint` holds every field a change may touch (the records' rotation
+  fields and leaf bounds, the rotation's record, version, generation):
+  `restore` puts the state back exactly, so a store write that fails leaves
+  memory as the store has it;
 - decoding refuses (FailedPrecondition, naming the file) anything it cannot
   use: a key that does not parse or does not match its certificate, an
   unknown format, not exactly one ACTIVE CA; it never guesses;
@@ -291,12 +296,68 @@ def make_ca(
 
 
 @dataclasses.dataclass
-class DecodedState:
+class AuthorityState:
+    """Everything the authority keeps and stores: its CAs, the bundle version, the CA
+    generation (of the newest CA made) and the rotation's own record."""
+
     cas: list[CARecord]
     version: int
     generation: int
     #: What the rotation state machine persists beyond the CAs (`waygate.certs.rotation`).
     rotation: dict[str, Any]
+
+    def files(self, *, adding: CARecord | None = None) -> dict[str, bytes]:
+        """The store's files for this state; with `adding`, for this state plus that
+        new CA, one version and one generation on (a rotation's write, made before
+        the new CA is swapped in)."""
+        if adding is None:
+            return encode_state(
+                self.cas, version=self.version, generation=self.generation, rotation=self.rotation
+            )
+        return encode_state(
+            [*self.cas, adding],
+            version=self.version + 1,
+            generation=self.generation + 1,
+            rotation=self.rotation,
+        )
+
+    def adopt(self, other: AuthorityState) -> bool:
+        """Take another replica's stored state; True when its bundle differs, and then
+        the version moves past both (watchers of either replica see a change)."""
+        before = [(ca.name, ca.state) for ca in self.cas]
+        self.cas, self.generation, self.rotation = other.cas, other.generation, other.rotation
+        if [(ca.name, ca.state) for ca in self.cas] == before:
+            return False
+        self.version = max(self.version + 1, other.version)
+        return True
+
+    def checkpoint(self) -> Checkpoint:
+        """What a change may touch, to put back when the store refuses the new state."""
+        return Checkpoint(
+            list(self.cas),
+            [(c.state, c.activate_at, c.retire_after, c.leaf_bound) for c in self.cas],
+            dict(self.rotation),
+            self.version,
+            self.generation,
+        )
+
+    def restore(self, checkpoint: Checkpoint) -> None:
+        """Back to `checkpoint` (the records as they were, the same objects)."""
+        for ca, fields in zip(checkpoint.cas, checkpoint.fields, strict=True):
+            ca.state, ca.activate_at, ca.retire_after, ca.leaf_bound = fields
+        self.cas, self.rotation = checkpoint.cas, checkpoint.rotation
+        self.version, self.generation = checkpoint.version, checkpoint.generation
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """An `AuthorityState` as it was (see `AuthorityState.checkpoint`)."""
+
+    cas: list[CARecord]
+    fields: list[tuple[CAState, datetime | None, datetime | None, datetime | None]]
+    rotation: dict[str, Any]
+    version: int
+    generation: int
 
 
 def encode_state(
@@ -337,7 +398,7 @@ def encode_state(
     return files
 
 
-def decode_state(files: dict[str, bytes], where: str) -> DecodedState:
+def decode_state(files: dict[str, bytes], where: str) -> AuthorityState:
     """The records stored in `files` (from the store described by `where`)."""
     if STATE_FILE not in files:
         raise FailedPrecondition(
@@ -410,4 +471,4 @@ def decode_state(files: dict[str, bytes], where: str) -> DecodedState:
         )
     if sum(1 for c in cas if c.state is CAState.ACTIVE) != 1:
         raise FailedPrecondition(f"CA state in {where} must have exactly one ACTIVE CA")
-    return DecodedState(cas, version, generation, rotation)
+    return AuthorityState(cas, version, generation, rotation)

@@ -22,8 +22,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import TypeVar
 
@@ -44,17 +43,10 @@ def staged_bound(switch_at: datetime, max_lifetime: timedelta, step: timedelta) 
     return switch_at + max_lifetime + step
 
 
-@contextmanager
-def raised(ca: CARecord, not_after: datetime, step: timedelta) -> Iterator[None]:
-    """Raise `ca`'s bound `step` past `not_after` for the body (which stores it); the
-    bound goes back as it was if the body raises."""
-    previous = ca.leaf_bound
+def raise_past(ca: CARecord, not_after: datetime, step: timedelta) -> None:
+    """Raise `ca`'s bound `step` past `not_after` (the caller stores it before the
+    leaf is handed out, and puts it back if that fails: `persistence`)."""
     ca.leaf_bound = not_after + step
-    try:
-        yield
-    except BaseException:
-        ca.leaf_bound = previous
-        raise
 
 
 def record_leaf(ca: CARecord, not_after: datetime) -> None:

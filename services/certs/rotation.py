@@ -128,27 +128,6 @@ class Rotation:
     bundle: TrustBundleView
 
 
-@dataclasses.dataclass(frozen=True)
-class Checkpoint:
-    """What `advance` may change, to put back when the store refuses the new state."""
-
-    cas: list[CARecord]
-    fields: list[tuple[CAState, datetime | None, datetime | None]]
-    rotation: dict[str, Any]
-
-    @classmethod
-    def of(cls, cas: Sequence[CARecord], rotation: dict[str, Any]) -> Checkpoint:
-        return cls(
-            list(cas), [(c.state, c.activate_at, c.retire_after) for c in cas], dict(rotation)
-        )
-
-    def restore(self) -> tuple[list[CARecord], dict[str, Any]]:
-        """The records (put back as they were) and the rotation state to use again."""
-        for ca, (state, activate_at, retire_after) in zip(self.cas, self.fields, strict=True):
-            ca.state, ca.activate_at, ca.retire_after = state, activate_at, retire_after
-        return self.cas, self.rotation
-
-
 def find(cas: Sequence[CARecord], state: CAState) -> CARecord | None:
     return next((c for c in cas if c.state is state), None)
 
