@@ -6,7 +6,7 @@ Each step lives in its own module, with no locks and no I/O of its own:
   the authority keeps (`AuthorityState`) and its stored form;
 - `persistence`: writing that state to the store, one write at a time, and
   putting memory back when a write fails;
-- `csr` and `issuing`: checking a CSR, the leaf profile, signing, the ListIssued
+- `csr` and `issuing`: checking a CSR, the leaf profile, signing (`Issuer`), the ListIssued
   records;
 - `leafbounds`: the stored bound on each CA's leaves' not_after;
 - `rotation`: the rotation state machine (prepare -> activate -> retire),
@@ -60,18 +60,17 @@ from waygate.certs.castate import (
     generate_key,
     iso,
     utc_now,
-    whole_seconds,
 )
 from waygate.certs.config import AuthorityConfig
 from waygate.certs.consumers import ConsumerTable
 from waygate.certs.csr import MAX_SANS, CertificatePublicKey, check_csr, load_csr
 from waygate.certs.issuing import (
     LIST_LIMIT,
-    QUICK_SIGNING_KEYS,
     Issued,
     IssuedPage,
     IssuedRecord,
     IssuedRecords,
+    LeafRequest,
 )
 from waygate.certs.persistence import StateWriter
 from waygate.certs.rotation import ConsumerReport, Phase, Rotation, RotationStatus, Step
@@ -137,7 +136,7 @@ class Authority:
         self._now = now
         self._state = state
         self._writer = StateWriter(store)
-        self._issued = IssuedRecords(config.issued_records, config.issued_records_bytes)
+        self._issuer = issuing.Issuer(config)
         #: What each trust consumer reported it holds.
         self.consumers = ConsumerTable()
         #: Whether this process takes rotation steps: a follower replica (cluster mode)
@@ -407,23 +406,18 @@ class Authority:
         public_key: CertificatePublicKey | None = None,
         extended_usages: Sequence[x509.ObjectIdentifier] = (),
     ) -> Issued:
-        """Sign `csr` with the active CA. Policy checks are the caller's (see policy.py).
-
-        `public_key`: what `check_csr(csr)` returned, when the caller already ran
-        it (parsing and verifying the key twice is a third of the signing cost).
-        `extended_usages`: the leaf's extended key usages; empty: those the CSR asks
-        for (`requested_usages`), serverAuth and clientAuth (what every Waygate process
-        needs) when it asks for none.
-        """
-        issued = self._sign(
+        """Sign `csr` with the active CA (the arguments: `Issuer.request`). Policy
+        checks are the caller's (see policy.py)."""
+        request = self._issuer.request(
             csr,
             identity=identity,
             requested_by=requested_by,
             lifetime=lifetime,
             public_key=public_key,
             extended_usages=extended_usages,
-            at_once=False,
         )
+        self.advance()
+        issued = self._sign(request, at_once=False)
         assert issued is not None  # only the at-once path declines
         return issued
 
@@ -448,86 +442,42 @@ class Authority:
             return None
         try:
             # Nothing published changes when nothing is due (checked first): no _publish.
-            return self._sign(
+            due = self._published[1]
+            if due is not None and self._now() >= due:
+                return None
+            if not issuing.signs_quickly(self._active()):
+                return None
+            request = self._issuer.request(
                 csr,
                 identity=identity,
                 requested_by=requested_by,
                 lifetime=lifetime,
                 public_key=public_key,
                 extended_usages=extended_usages,
-                at_once=True,
             )
+            return self._sign(request, at_once=True)
         finally:
             self._lock.release()
 
-    def _sign(
-        self,
-        csr: x509.CertificateSigningRequest,
-        *,
-        identity: str,
-        requested_by: str,
-        lifetime: timedelta | None,
-        public_key: CertificatePublicKey | None,
-        extended_usages: Sequence[x509.ObjectIdentifier],
-        at_once: bool,
-    ) -> Issued | None:
-        """Under the lock: `issue`, or with `at_once` None when it would wait or write."""
-        if at_once:
-            due = self._published[1]
-            if due is not None and self._now() >= due:
-                return None
-            if not isinstance(self._active().key, QUICK_SIGNING_KEYS):
-                return None
-        request = issuing.leaf_request(
-            csr,
-            lifetime=lifetime,
-            public_key=public_key,
-            extended_usages=extended_usages,
-            default_lifetime=self.config.default_lifetime,
-            max_lifetime=self.config.max_lifetime,
-            max_sans=self.config.max_sans,
+    def _sign(self, request: LeafRequest, *, at_once: bool) -> Issued | None:
+        """Under the lock: the leaf the active CA signs for `request`; with `at_once`
+        None when it would write the store."""
+        return self._issuer.sign(
+            self._active(), request, self._now(), at_once=at_once, store_bound=self._store_bound
         )
-        if not at_once:
-            self.advance()
-        ca = self._active()
-        now = whole_seconds(self._now())
-        not_before, not_after = issuing.leaf_window(ca, now, request.lifetime, self.config.backdate)
-        covered = leafbounds.covers(ca, not_after)
-        if not covered and at_once:
-            return None
-        leaf, serial = issuing.sign_leaf(
-            ca,
-            request.public_key,
-            request.names,
-            not_before=not_before,
-            not_after=not_after,
-            extended_usages=request.extended_usages,
-        )
-        if not covered:
-            before = self._state.checkpoint()
-            leafbounds.raise_past(ca, not_after, self.config.leaf_bound_step)
-            self._writer.save_or_restore(self._state, before)
-        leafbounds.record_leaf(ca, not_after)
-        serial_hex = format(serial, "x")
-        self._issued.add(
-            serial=serial_hex,
-            identity=identity,
-            dns_names=request.names.dns,
-            uris=request.names.uris,
-            not_before=not_before,
-            not_after=not_after,
-            issuer_fingerprint=ca.fingerprint,
-            requested_by=requested_by,
-            now=now,
-        )
-        return Issued(leaf=leaf, chain=ca.chain, valid_until=not_after, serial=serial_hex)
+
+    def _store_bound(self, ca: CARecord, not_after: datetime) -> None:
+        """Under the lock: raise `ca`'s leaf bound past `not_after` and store it."""
+        before = self._state.checkpoint()
+        leafbounds.raise_past(ca, not_after, self.config.leaf_bound_step)
+        self._writer.save_or_restore(self._state, before)
 
     @_locked
     def list_issued(
         self, *, identity: str = "", include_expired: bool = False, limit: int = LIST_LIMIT
     ) -> list[IssuedRecord]:
         """Matching records, oldest first; at most the newest `limit` of them."""
-        return self._issued.newest(
+        return self._issuer.records.newest(
             identity=identity, include_expired=include_expired, limit=limit, now=self._now()
         )
 
@@ -536,7 +486,7 @@ class Authority:
         self, *, identity: str, include_expired: bool, after: int, size: int, max_bytes: int
     ) -> IssuedPage:
         """One page of ListIssued: see `IssuedRecords.page`."""
-        return self._issued.page(
+        return self._issuer.records.page(
             identity=identity,
             include_expired=include_expired,
             after=after,
@@ -547,7 +497,7 @@ class Authority:
 
     @property
     def issued_records(self) -> IssuedRecords:
-        return self._issued
+        return self._issuer.records
 
     # ------------------------------------------------------------ bundle and rotation
 
