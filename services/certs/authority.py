@@ -11,7 +11,8 @@ Each step lives in its own module, with no locks and no I/O of its own:
 - `leafbounds`: the stored bound on each CA's leaves' not_after;
 - `rotation`: the rotation state machine (prepare -> activate -> retire),
   gated on the consumers' reports (`consumers`), and its status;
-- `bundle`: the published trust bundle and delivering its changes.
+- `bundle`: the published trust bundle, read without the lock (`Publication`),
+  and delivering its changes.
 
 `Authority` is their coordinator: it holds the state and the locks, orders
 the steps, and delegates every rule to them.
@@ -48,7 +49,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 from cryptography import x509
 
 from waygate.certs import castate, issuing, leafbounds, rotation
-from waygate.certs.bundle import BundleChanges, TrustBundleView, running_on
+from waygate.certs.bundle import Publication, Published, TrustBundleView
 from waygate.certs.castate import (
     KEY_ALGORITHMS,
     STATE_FILE,
@@ -148,12 +149,8 @@ class Authority:
         self._lock = threading.RLock()
         # One rotation at a time; taken before `_lock`, never while holding it.
         self._rotating = threading.Lock()
-        # What the event loop reads without the lock (a signing thread holds it across
-        # signing and store writes): the bundle, until when it holds (the next
-        # bundle transition) and the next transition of any kind (the timer's). One
-        # tuple, replaced whole, so a reader never pairs a bundle with another's deadline.
-        self._published = self._snapshot()
-        self._changes = BundleChanges(lambda: self._published[0], state.version)
+        # What the event loop reads without the lock.
+        self._publication = Publication(self._snapshot())
 
     # ------------------------------------------------------------ opening
 
@@ -388,7 +385,7 @@ class Authority:
     def next_transition(self) -> datetime | None:
         """When `advance` (or `rotate_if_expiring`) will next change something; read
         without the lock (the timer asks on the event loop)."""
-        return self._published[2]
+        return self._publication.published.next_transition
 
     def _active(self) -> CARecord:
         return rotation.active(self._state.cas)
@@ -442,8 +439,7 @@ class Authority:
             return None
         try:
             # Nothing published changes when nothing is due (checked first): no _publish.
-            due = self._published[1]
-            if due is not None and self._now() >= due:
+            if self._publication.published.stale(self._now()):
                 return None
             if not issuing.signs_quickly(self._active()):
                 return None
@@ -503,21 +499,10 @@ class Authority:
 
     def trust_bundle(self) -> TrustBundleView:
         """The bundle now, read without the lock so a signing or a store write in
-        progress never holds up a bundle reader.
-
-        On the event loop the published bundle is returned even once a transition
-        is due: the rotation timer applies it in a worker thread within moments,
-        and until then the stale bundle holds every CA the new one does (a switch
-        keeps both, a retirement only drops one). Elsewhere (a thread, a CLI) a
-        due transition is applied first.
-        """
-        published, due, _ = self._published
-        if due is None or self._now() < due:
-            return published
-        loop = self._changes.loop
-        if loop is not None and running_on(loop):
-            return published
-        return self._advanced_bundle()
+        progress never holds up a bundle reader; off the event loop a transition
+        due is applied first (see `Publication.current`)."""
+        bundle = self._publication.current(self._now())
+        return self._advanced_bundle() if bundle is None else bundle
 
     @_locked
     def _advanced_bundle(self) -> TrustBundleView:
@@ -526,11 +511,11 @@ class Authority:
 
     def _publish(self) -> None:
         # Under the lock, after every locked call and before every notification.
-        self._published = self._snapshot()
+        self._publication.publish(self._snapshot())
 
-    def _snapshot(self) -> tuple[TrustBundleView, datetime | None, datetime | None]:
+    def _snapshot(self) -> Published:
         due = self._step_due()
-        return (
+        return Published(
             self._bundle(),
             due,
             rotation.next_transition(
@@ -719,18 +704,18 @@ class Authority:
     @_locked
     def add_listener(self, listener: Callable[[TrustBundleView], None]) -> None:
         """Call `listener(bundle)` after every bundle change (e.g. to rewrite ca.pem)."""
-        self._changes.add_listener(listener)
+        self._publication.add_listener(listener)
 
     def deliver_changes_on(self, loop: asyncio.AbstractEventLoop) -> None:
         """Call listeners and wake watchers on `loop`, also for changes made in threads."""
-        self._changes.deliver_on(loop)
+        self._publication.deliver_on(loop)
 
     async def wait_for_change(self, version: int) -> TrustBundleView:
         """Return the bundle once its version is above `version` (at once if it already
         is); the published one, so the event loop never waits for the lock."""
-        return await self._changes.wait_for_change(version)
+        return await self._publication.wait_for_change(version)
 
     def _notify(self) -> None:
         # Under the lock: published first, so whoever is woken reads this bundle.
         self._publish()
-        self._changes.changed(self._published[0])
+        self._publication.changed()
