@@ -173,22 +173,14 @@ class Authority:
         """
         config = config or AuthorityConfig()
         if upstream is not None:
-            upstream.check(
-                now=now(), needed_life=2 * config.max_lifetime + config.propagation_delay
-            )
+            upstream.check(now=now(), needed_life=config.auto_rotate_before)
         files = store.load()
         if files is None:
-            authority = cls(store, config, AuthorityState([], 0, 0, {}), now=now)
-            if upstream is None:
-                ca = authority._make_ca(1, config.ca_lifetime, CAState.ACTIVE)
-            else:
-                ca = upstream.record(1, CAState.ACTIVE)
-            authority._state = AuthorityState([ca], version=1, generation=1, rotation={})
+            authority = cls(store, config, castate.first_state(config, now(), upstream), now=now)
             authority._writer.write(authority._state.files())
-            authority._publish()
             log.info(
                 "created CA",
-                extra={"store": store.description, "fingerprint": ca.fingerprint},
+                extra={"store": store.description, "fingerprint": authority._active().fingerprint},
             )
             return authority
         authority = cls(store, config, castate.decode_state(files, store.description), now=now)
@@ -207,21 +199,6 @@ class Authority:
             },
         )
         return authority
-
-    # ------------------------------------------------------------ CA creation
-
-    def _make_ca(self, generation: int, lifetime: timedelta, state: CAState) -> CARecord:
-        """A new CA key and self-signed certificate; changes nothing (needs no lock)."""
-        return castate.make_ca(
-            generation=generation,
-            key_algorithm=self.config.key_algorithm,
-            organization=self.config.organization,
-            trust_domain=self.config.trust_domain,
-            lifetime=lifetime,
-            backdate=self.config.backdate,
-            state=state,
-            now=self._now(),
-        )
 
     # ------------------------------------------------------------ rotation steps
 
@@ -579,7 +556,13 @@ class Authority:
                 )
             switch_at, lifetime, generation = self._plan_rotation(propagation_delay, ca_lifetime)
             if provided is None:
-                new = self._make_ca(generation, lifetime, CAState.STAGED)
+                new = castate.make_ca(
+                    self.config,
+                    generation=generation,
+                    lifetime=lifetime,
+                    state=CAState.STAGED,
+                    now=self._now(),
+                )
             else:
                 new = provided.record(generation, CAState.STAGED)
             new.activate_at = switch_at
@@ -631,9 +614,7 @@ class Authority:
         else:
             self._check_unchanged(generation)
             before = self._state.checkpoint()
-            self._state.cas.append(new)
-            self._state.generation = generation
-            self._state.version += 1
+            self._state.add(new)
             if self._writer.saves != written:
                 # A write came between ours and this swap, made without the new CA.
                 self._writer.save_or_restore(self._state, before)

@@ -3,7 +3,7 @@
 A `CARecord` is one CA: key, certificate and its place in the rotation
 (`CAState`, when it starts signing, when it retires, the bound on its leaves'
 not_after). `make_ca` creates one (key and self-signed certificate; no lock,
-no I/O). `AuthorityState` is everything the authority keeps (the records, the
+no I/O), `first_state` a new authority's. `AuthorityState` is everything the authority keeps (the records, the
 bundle version, the CA generation, the rotation's record); `encode_state` and
 `decode_state` turn it into a `CAStore`'s files and back.
 
@@ -28,7 +28,7 @@ import json
 import secrets
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
@@ -37,6 +37,10 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 from cryptography.x509.oid import NameOID
 
 from waygate.core.errors import FailedPrecondition, InvalidArgument
+
+if TYPE_CHECKING:
+    # config reads defaults of modules that read this one: for the annotation only.
+    from waygate.certs.config import AuthorityConfig
 
 KEY_ALGORITHMS = ("ecdsa-p256", "rsa-2048", "rsa-3072", "ed25519")
 STATE_FILE = "state.json"
@@ -241,24 +245,22 @@ def check_upstream(
 
 
 def make_ca(
+    config: AuthorityConfig,
     *,
     generation: int,
-    key_algorithm: str,
-    organization: str,
-    trust_domain: str,
     lifetime: timedelta,
-    backdate: timedelta,
     state: CAState,
     now: datetime,
 ) -> CARecord:
-    """A new CA key and self-signed certificate; changes nothing (needs no lock)."""
+    """A new CA key and self-signed certificate, as `config` says; changes nothing
+    (needs no lock: an RSA key takes seconds)."""
     now = whole_seconds(now)
-    key = generate_key(key_algorithm)
+    key = generate_key(config.key_algorithm)
     name = x509.Name(
         [
-            x509.NameAttribute(NameOID.ORGANIZATION_NAME, organization),
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, config.organization),
             # A distinct name per generation: old and new CA never share a subject.
-            x509.NameAttribute(NameOID.COMMON_NAME, f"{trust_domain} CA {generation}"),
+            x509.NameAttribute(NameOID.COMMON_NAME, f"{config.trust_domain} CA {generation}"),
         ]
     )
     ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
@@ -268,7 +270,7 @@ def make_ca(
         .issuer_name(name)
         .public_key(key.public_key())
         .serial_number(random_serial())
-        .not_valid_before(now - backdate)
+        .not_valid_before(now - config.backdate)
         .not_valid_after(now + lifetime)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(
@@ -293,6 +295,20 @@ def make_ca(
         .sign(key, signature_hash(key))
     )
     return CARecord(name=f"ca-{generation}", key=key, cert=cert, state=state)
+
+
+def first_state(
+    config: AuthorityConfig, now: datetime, upstream: Upstream | None
+) -> AuthorityState:
+    """The state of a new authority (first start): one ACTIVE CA, made here or the
+    upstream's intermediate, as generation 1 at bundle version 1."""
+    if upstream is None:
+        ca = make_ca(
+            config, generation=1, lifetime=config.ca_lifetime, state=CAState.ACTIVE, now=now
+        )
+    else:
+        ca = upstream.record(1, CAState.ACTIVE)
+    return AuthorityState([ca], version=1, generation=1, rotation={})
 
 
 @dataclasses.dataclass
@@ -320,6 +336,12 @@ class AuthorityState:
             generation=self.generation + 1,
             rotation=self.rotation,
         )
+
+    def add(self, new: CARecord) -> None:
+        """A rotation's new CA is in (the state `files(adding=new)` stored)."""
+        self.cas.append(new)
+        self.generation += 1
+        self.version += 1
 
     def adopt(self, other: AuthorityState) -> bool:
         """Take another replica's stored state; True when its bundle differs, and then
