@@ -10,7 +10,8 @@ Each step lives in its own module, with no locks and no I/O of its own:
   records;
 - `leafbounds`: the stored bound on each CA's leaves' not_after;
 - `rotation`: the rotation state machine (prepare -> activate -> retire),
-  gated on the consumers' reports (`consumers`), and its status;
+  gated on the consumers' reports (`consumers`), its status, and planning a
+  rotation and making its new CA;
 - `bundle`: the published trust bundle, read without the lock (`Publication`),
   and delivering its changes.
 
@@ -217,22 +218,10 @@ class Authority:
     def _advance(self, *, force: bool = False) -> list[Step]:
         if not self.steps_allowed():
             return []
-        now = self._now()
         before = self._state.checkpoint()
-        steps = rotation.advance(
-            self._state.cas,
-            self._state.rotation,
-            self.consumers.snapshot(),
-            now,
-            consumer_ttl=self.config.consumer_ttl,
-            settle_until=self.consumers.settle_until,
-            force=force,
-        )
+        steps = rotation.advance(self._state, self._judging(), force=force)
         if not steps:
             return steps
-        changed = any(step.bundle_changed for step in steps)
-        if changed:
-            self._state.version += 1
         self._writer.save_or_restore(self._state, before)
         for step in steps:
             extra: dict[str, Any] = {"step": step.name, "fingerprint": self._active().fingerprint}
@@ -241,43 +230,33 @@ class Authority:
                 log.warning("CA rotation: step forced past consumers", extra=extra)
             else:
                 log.info("CA rotation: step taken", extra=extra)
-        if changed:
+        if any(step.bundle_changed for step in steps):
             self._notify()
         return steps
 
+    def _judging(self) -> rotation.Judging:
+        return self.consumers.judging(self._now(), self.config.consumer_ttl)
+
+    @_locked
     def force_step(self) -> tuple[str, tuple[ConsumerReport, ...]]:
         """Take the rotation's next step now although consumers hold it (rotate-ca
         --force): (the step, the consumers it overrode: who will break). Its clock
         condition still holds: FailedPrecondition when that is not met, or no
         rotation is under way."""
-        with self._lock:
-            try:
-                current = self._status().gate
-                rotation.check_forcible(current, self._now())
-                steps = self._advance(force=True)
-                if not steps:
-                    raise FailedPrecondition(f"the {current.step} step could not be taken")
-                return steps[0].name, steps[0].forced_past
-            finally:
-                self._publish()
+        current = rotation.gate(self._state, self._judging())
+        rotation.check_forcible(current, self._now())
+        steps = self._advance(force=True)
+        if not steps:
+            raise FailedPrecondition(f"the {current.step} step could not be taken")
+        return steps[0].name, steps[0].forced_past
 
     @_locked
     def rotation_status(self) -> RotationStatus:
-        return self._status()
-
-    def _status(self) -> RotationStatus:
-        return rotation.status(
-            self._state.cas,
-            self._state.rotation,
-            self.consumers.snapshot(),
-            self._now(),
-            consumer_ttl=self.config.consumer_ttl,
-            settle_until=self.consumers.settle_until,
-        )
+        return rotation.status(self._state, self._judging())
 
     @_locked
     def rotation_phase(self) -> Phase:
-        return rotation.phase_of(self._state.cas, self._state.rotation)
+        return rotation.phase_of(self._state)
 
     def report_trust(
         self,
@@ -302,19 +281,80 @@ class Authority:
                 now=self._now(),
             )
         # Read without the lock: a stale answer only wakes the timer once too often.
-        return rotation.phase_of(list(self._state.cas), self._state.rotation) is not Phase.IDLE
+        return rotation.phase_of(self._state) is not Phase.IDLE
+
+    def rotate(
+        self,
+        *,
+        propagation_delay: timedelta | None = None,
+        ca_lifetime: timedelta | None = None,
+        provided: Upstream | None = None,
+    ) -> Rotation:
+        """Stage a new CA (made here, or the upstream intermediate `provided`);
+        FailedPrecondition while an earlier rotation has not finished, and when certs
+        signs with an upstream intermediate and none is provided (it cannot make one).
+
+        The slow parts hold no lock that signing needs: the new key and certificate
+        are made first, then the store is written with the new CA added (RSA key
+        generation takes seconds, a Secret write a round trip to the API server).
+        The lock is held only to check the rotation (again just before the write,
+        which must carry the state of the last write) and to swap the new CA in.
+        """
+        with self._rotating:
+            planned = self._plan_rotation(propagation_delay, ca_lifetime, provided)
+            new = rotation.staged_ca(planned, self.config, self._now(), provided)
+            written = self._writer.write_latest(lambda: self._rotation_files(new, planned))
+            return self._swap_in(new, planned, written)
+
+    @_locked
+    def _plan_rotation(
+        self, delay: timedelta | None, lifetime: timedelta | None, provided: Upstream | None
+    ) -> rotation.Plan:
+        rotation.check_can_make(self._state, provided)
+        self.advance()
+        return rotation.plan(self._state, self._now(), self.config, delay=delay, lifetime=lifetime)
+
+    @_locked
+    def _rotation_files(self, new: CARecord, planned: rotation.Plan) -> dict[str, bytes]:
+        """The files of the state in memory plus `new`."""
+        rotation.check_unchanged(self._state, planned)
+        return self._state.files(adding=new)
+
+    @_locked
+    def _swap_in(self, new: CARecord, planned: rotation.Plan, written: int) -> Rotation:
+        """Serve with `new` (stored as write number `written`) from now on."""
+        adopted = next((ca for ca in self._state.cas if ca.name == new.name), None)
+        if adopted is not None:
+            new = adopted  # the store's watch brought our own write back first (`adopt`)
+        else:
+            rotation.check_unchanged(self._state, planned)
+            before = self._state.checkpoint()
+            self._state.add(new)
+            if self._writer.saves != written:
+                # A write came between ours and this swap, made without the new CA.
+                self._writer.save_or_restore(self._state, before)
+            self._notify()
+        switch_at = planned.switch_at
+        retire_after = rotation.old_retire_after(
+            self._active(), switch_at, self.config.max_lifetime
+        )
+        log.info(
+            "CA rotation: new CA staged",
+            extra={"fingerprint": new.fingerprint, "signing_switch_at": iso(switch_at)},
+        )
+        # An immediate switch (delay 0, no consumer holding it) happens here, so the
+        # reply shows it.
+        self.advance()
+        return Rotation(new.view(), switch_at, retire_after, self._bundle())
 
     def _take_upstream(self, upstream: Upstream) -> None:
         """Sign with `upstream` from now on: already stored, or staged by a rotation."""
-        fingerprint = castate.fingerprint(upstream.cert)
         with self._lock:
-            if not rotation.check_new_upstream(
-                self._state.cas, self._state.rotation, fingerprint, upstream.source
-            ):
+            if not rotation.check_new_upstream(self._state, upstream):
                 return
         log.warning(
             "new upstream intermediate CA: rotating to it",
-            extra={"source": upstream.source, "fingerprint": fingerprint},
+            extra={"source": upstream.source, "fingerprint": upstream.fingerprint},
         )
         self.rotate(provided=upstream)
 
@@ -329,35 +369,37 @@ class Authority:
         try:
             return self.rotate()
         except FailedPrecondition:
-            if self._rotation_started():
+            if self.rotation_phase() is not Phase.IDLE:
                 return None  # a RotateCA came first
             raise
 
     @_locked
     def _expiring(self) -> bool:
         self.advance()
-        if not rotation.expiring(
-            self._state.cas, self._state.rotation, self._now(), self.config.auto_rotate_before
-        ):
+        ca = rotation.expiring(self._state, self._now(), self.config.auto_rotate_before)
+        if ca is None:
             return False
-        active = self._active()
-        if active.anchor is not None:
+        extra = {"fingerprint": ca.fingerprint, "not_after": iso(ca.not_after)}
+        if ca.anchor is not None:
             # certs cannot make an organisation's intermediate: it says so, loudly.
             log.warning(
                 "the upstream intermediate CA expires soon: give certs a new one "
                 "(--ca-cert/--ca-key) and restart it",
-                extra={"fingerprint": active.fingerprint, "not_after": iso(active.not_after)},
+                extra=extra,
             )
             return False
-        log.warning(
-            "CA expires soon; rotating it",
-            extra={"fingerprint": active.fingerprint, "not_after": iso(active.not_after)},
-        )
+        log.warning("CA expires soon; rotating it", extra=extra)
         return True
 
-    @_locked
-    def _rotation_started(self) -> bool:
-        return rotation.phase_of(self._state.cas, self._state.rotation) is not Phase.IDLE
+    def start_judging(self) -> None:
+        """A term of taking rotation steps begins: see `ConsumerTable.start_term`."""
+        self.consumers.start_term(
+            lambda: rotation.settle_until(self._state, self._now(), self.config.consumer_settle)
+        )
+
+    def stop_judging(self) -> None:
+        """This replica no longer leads: see `ConsumerTable.end_term`."""
+        self.consumers.end_term()
 
     def next_transition(self) -> datetime | None:
         """When `advance` (or `rotate_if_expiring`) will next change something; read
@@ -491,32 +533,12 @@ class Authority:
         self._publication.publish(self._snapshot())
 
     def _snapshot(self) -> Published:
-        due = self._step_due()
+        # A follower takes no step (it adopts the leader's): none is due by its clock.
+        due = rotation.step_due(self._state, self._judging()) if self.steps_allowed() else None
         return Published(
             self._bundle(),
             due,
-            rotation.next_transition(
-                self._state.cas, self._state.rotation, self.config.auto_rotate_before, due
-            ),
-        )
-
-    def _step_due(self) -> datetime | None:
-        """When `advance` next takes a step (None: not by the clock alone; a consumer's
-        report may open it: see `report_trust`)."""
-        if self._state.cas and not self.steps_allowed():
-            # A follower takes no step: it adopts the leader's.
-            return None
-        if not self._state.cas:
-            return None
-        return rotation.step_due(
-            rotation.gate(
-                self._state.cas,
-                self._state.rotation,
-                self.consumers.snapshot(),
-                self._now(),
-                consumer_ttl=self.config.consumer_ttl,
-                settle_until=self.consumers.settle_until,
-            )
+            rotation.next_transition(self._state, self.config.auto_rotate_before, due),
         )
 
     def _bundle(self) -> TrustBundleView:
@@ -529,108 +551,6 @@ class Authority:
     @_locked
     def active_authority(self) -> CAView:
         return self._active().view()
-
-    def rotate(
-        self,
-        *,
-        propagation_delay: timedelta | None = None,
-        ca_lifetime: timedelta | None = None,
-        provided: Upstream | None = None,
-    ) -> Rotation:
-        """Stage a new CA (made here, or the upstream intermediate `provided`);
-        FailedPrecondition while an earlier rotation has not finished, and when certs
-        signs with an upstream intermediate and none is provided (it cannot make one).
-
-        The slow parts hold no lock that signing needs: the new key and certificate
-        are made first, then the store is written with the new CA added (RSA key
-        generation takes seconds, a Secret write a round trip to the API server).
-        The lock is held only to check the rotation (again just before the write,
-        which must carry the state of the last write) and to swap the new CA in.
-        """
-        with self._rotating:
-            if provided is None and self._active_is_upstream():
-                raise FailedPrecondition(
-                    "certs signs with an upstream authority's intermediate CA and cannot "
-                    "make one: rotate by starting certs with the new intermediate "
-                    "(--ca-cert/--ca-key, and --trust-anchor for a new root)"
-                )
-            switch_at, lifetime, generation = self._plan_rotation(propagation_delay, ca_lifetime)
-            if provided is None:
-                new = castate.make_ca(
-                    self.config,
-                    generation=generation,
-                    lifetime=lifetime,
-                    state=CAState.STAGED,
-                    now=self._now(),
-                )
-            else:
-                new = provided.record(generation, CAState.STAGED)
-            new.activate_at = switch_at
-            new.leaf_bound = leafbounds.staged_bound(
-                switch_at, self.config.max_lifetime, self.config.leaf_bound_step
-            )
-            written = self._writer.write_latest(lambda: self._rotation_files(new, generation))
-            return self._swap_in(new, generation, written)
-
-    @_locked
-    def _active_is_upstream(self) -> bool:
-        return self._active().anchor is not None
-
-    @_locked
-    def _plan_rotation(
-        self, propagation_delay: timedelta | None, ca_lifetime: timedelta | None
-    ) -> tuple[datetime, timedelta, int]:
-        """Check a rotation can start: (switch_at, CA lifetime, new CA's generation)."""
-        self.advance()
-        delay = self.config.propagation_delay if propagation_delay is None else propagation_delay
-        lifetime = self.config.ca_lifetime if ca_lifetime is None else ca_lifetime
-        switch_at = rotation.plan(
-            self._state.cas,
-            self._state.rotation,
-            self._now(),
-            delay=delay,
-            lifetime=lifetime,
-            max_lifetime=self.config.max_lifetime,
-        )
-        return switch_at, lifetime, self._state.generation + 1
-
-    def _check_unchanged(self, generation: int) -> None:
-        rotation.check_unchanged(
-            self._state.cas, self._state.rotation, self._state.generation, generation
-        )
-
-    @_locked
-    def _rotation_files(self, new: CARecord, generation: int) -> dict[str, bytes]:
-        """The files of the state in memory plus `new`."""
-        self._check_unchanged(generation)
-        return self._state.files(adding=new)
-
-    @_locked
-    def _swap_in(self, new: CARecord, generation: int, written: int) -> Rotation:
-        """Serve with `new` (stored as write number `written`) from now on."""
-        if any(ca.name == new.name for ca in self._state.cas):
-            # The store's watch brought our own write back first (`adopt`): it is in.
-            new = next(ca for ca in self._state.cas if ca.name == new.name)
-        else:
-            self._check_unchanged(generation)
-            before = self._state.checkpoint()
-            self._state.add(new)
-            if self._writer.saves != written:
-                # A write came between ours and this swap, made without the new CA.
-                self._writer.save_or_restore(self._state, before)
-            self._notify()
-        old = self._active()
-        assert new.activate_at is not None
-        switch_at = new.activate_at
-        old_retire_after = rotation.old_retire_after(old, switch_at, self.config.max_lifetime)
-        log.info(
-            "CA rotation: new CA staged",
-            extra={"fingerprint": new.fingerprint, "signing_switch_at": iso(switch_at)},
-        )
-        # An immediate switch (delay 0, no consumer holding it) happens here, so the
-        # reply shows it.
-        self.advance()
-        return Rotation(new.view(), switch_at, old_retire_after, self._bundle())
 
     # ------------------------------------------------------------ replicas (cluster mode)
 
@@ -648,19 +568,6 @@ class Authority:
             return False
         self._notify()
         return True
-
-    def start_judging(self) -> None:
-        """A term of taking rotation steps begins: see `ConsumerTable.start_term`."""
-        self.consumers.start_term(self._settle_until)
-
-    def _settle_until(self) -> datetime | None:
-        if rotation.phase_of(self._state.cas, self._state.rotation) is Phase.IDLE:
-            return None
-        return self._now() + self.config.consumer_settle
-
-    def stop_judging(self) -> None:
-        """This replica no longer leads: see `ConsumerTable.end_term`."""
-        self.consumers.end_term()
 
     @_locked
     def with_leaf_bounds(self, until: datetime) -> dict[str, bytes] | None:

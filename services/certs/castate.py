@@ -184,6 +184,10 @@ class Upstream:
     #: Where it came from, for messages ("--ca-cert /etc/ca/intermediate.pem").
     source: str
 
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.cert)
+
     def check(self, *, now: datetime, needed_life: timedelta) -> None:
         """See `check_upstream`."""
         check_upstream(
