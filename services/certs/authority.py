@@ -47,8 +47,6 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from cryptography import x509
-
 from waygate.certs import castate, issuing, leafbounds, rotation
 from waygate.certs.bundle import Publication, Published, TrustBundleView
 from waygate.certs.castate import (
@@ -65,7 +63,7 @@ from waygate.certs.castate import (
 )
 from waygate.certs.config import AuthorityConfig
 from waygate.certs.consumers import ConsumerTable
-from waygate.certs.csr import MAX_SANS, CertificatePublicKey, check_csr, load_csr
+from waygate.certs.csr import MAX_SANS, check_csr, load_csr
 from waygate.certs.issuing import (
     LIST_LIMIT,
     Issued,
@@ -73,6 +71,7 @@ from waygate.certs.issuing import (
     IssuedRecord,
     IssuedRecords,
     LeafRequest,
+    leaf_request,
 )
 from waygate.certs.persistence import StateWriter
 from waygate.certs.rotation import ConsumerReport, Phase, Rotation, RotationStatus, Step
@@ -91,12 +90,14 @@ __all__ = [
     "CAView",
     "Issued",
     "IssuedRecord",
+    "LeafRequest",
     "Rotation",
     "RotationStatus",
     "TrustBundleView",
     "Upstream",
     "check_csr",
     "generate_key",
+    "leaf_request",
     "load_csr",
     "utc_now",
 ]
@@ -412,47 +413,20 @@ class Authority:
     # ------------------------------------------------------------ signing
 
     @_locked
-    def issue(
-        self,
-        csr: x509.CertificateSigningRequest,
-        *,
-        identity: str,
-        requested_by: str,
-        lifetime: timedelta | None = None,
-        public_key: CertificatePublicKey | None = None,
-        extended_usages: Sequence[x509.ObjectIdentifier] = (),
-    ) -> Issued:
-        """Sign `csr` with the active CA (the arguments: `Issuer.request`). Policy
+    def issue(self, request: LeafRequest) -> Issued:
+        """Sign `request` (see `issuing.leaf_request`) with the active CA. Policy
         checks are the caller's (see policy.py)."""
-        request = self._issuer.request(
-            csr,
-            identity=identity,
-            requested_by=requested_by,
-            lifetime=lifetime,
-            public_key=public_key,
-            extended_usages=extended_usages,
-        )
         self.advance()
         issued = self._sign(request, at_once=False)
         assert issued is not None  # only the at-once path declines
         return issued
 
-    def issue_at_once(
-        self,
-        csr: x509.CertificateSigningRequest,
-        *,
-        identity: str,
-        requested_by: str,
-        lifetime: timedelta | None = None,
-        public_key: CertificatePublicKey | None = None,
-        extended_usages: Sequence[x509.ObjectIdentifier] = (),
-    ) -> Issued | None:
+    def issue_at_once(self, request: LeafRequest) -> Issued | None:
         """`issue`, when it can be done at once on the calling thread (the event loop):
         the lock is free, the active CA signs quickly (ECDSA or Ed25519; an RSA
         signature takes 0.5 to 2 ms), no CA transition is due and the leaf stays
         within the stored leaf bound (no store write). Otherwise None, with nothing
         done: the caller runs `issue` in a signing thread, which may wait and write.
-        Errors are `issue`'s.
         """
         if not self._lock.acquire(blocking=False):
             return None
@@ -462,14 +436,6 @@ class Authority:
                 return None
             if not issuing.signs_quickly(self._active()):
                 return None
-            request = self._issuer.request(
-                csr,
-                identity=identity,
-                requested_by=requested_by,
-                lifetime=lifetime,
-                public_key=public_key,
-                extended_usages=extended_usages,
-            )
             return self._sign(request, at_once=True)
         finally:
             self._lock.release()

@@ -1,7 +1,8 @@
 """Issuing: the leaf profile, signing one leaf, and the records ListIssued shows.
 
-`Issuer` checks a request (`LeafRequest`), signs it with the CA the
-authority gives it and keeps the records. No lock and no I/O: the authority
+`leaf_request` checks a CSR and what is asked for it (`LeafRequest`, the
+value `Authority.issue` takes); `Issuer` signs it with the CA the authority
+gives it and keeps the records. No lock and no I/O: the authority
 holds its lock, decides which CA signs and writes the store when the leaf
 bound must move first (`leafbounds`).
 
@@ -241,43 +242,43 @@ class LeafRequest:
     requested_by: str
 
 
+def leaf_request(
+    csr: x509.CertificateSigningRequest,
+    config: AuthorityConfig,
+    *,
+    identity: str,
+    requested_by: str,
+    lifetime: timedelta | None = None,
+    public_key: CertificatePublicKey | None = None,
+    extended_usages: Sequence[x509.ObjectIdentifier] = (),
+) -> LeafRequest:
+    """Check `csr` and the lifetime asked for, before anything is signed (needs no lock).
+
+    `lifetime` None: the default lifetime. `public_key`: what `check_csr(csr)`
+    returned, when the caller already ran it (parsing and verifying the key
+    twice is a third of the signing cost). `extended_usages` empty: those the
+    CSR asks for (`requested_usages`), serverAuth and clientAuth (what every
+    Waygate process needs) when it asks for none.
+    """
+    if lifetime is None:
+        lifetime = config.default_lifetime
+    check_lifetime(lifetime, config.max_lifetime)
+    if public_key is None:
+        public_key = check_csr(csr, max_sans=config.max_sans)
+    names = csr_names(csr, config.max_sans)
+    usages = extended_usages or requested_usages(csr)
+    return LeafRequest(public_key, names, lifetime, usages, identity, requested_by)
+
+
 class Issuer:
-    """Issues leaves for the authority: checks a request, signs it with the CA it is
-    given, and keeps the ListIssued records. Not thread-safe: the authority's lock
-    guards it; it writes nothing itself (the store write of a raised leaf bound is
-    the authority's, through `store_bound`)."""
+    """Issues leaves for the authority: signs a request with the CA it is given, and
+    keeps the ListIssued records. Not thread-safe: the authority's lock guards it;
+    it writes nothing itself (the store write of a raised leaf bound is the
+    authority's, through `store_bound`)."""
 
     def __init__(self, config: AuthorityConfig) -> None:
         self.config = config
         self.records = IssuedRecords(config.issued_records, config.issued_records_bytes)
-
-    def request(
-        self,
-        csr: x509.CertificateSigningRequest,
-        *,
-        identity: str,
-        requested_by: str,
-        lifetime: timedelta | None,
-        public_key: CertificatePublicKey | None,
-        extended_usages: Sequence[x509.ObjectIdentifier],
-    ) -> LeafRequest:
-        """Check `csr` and the lifetime asked for, before anything is signed.
-
-        `lifetime` None: the default lifetime. `public_key`: what `check_csr(csr)`
-        returned, when the caller already ran it (parsing and verifying the key
-        twice is a third of the signing cost). `extended_usages` empty: those the
-        CSR asks for (`requested_usages`), serverAuth and clientAuth (what every
-        Waygate process needs) when it asks for none.
-        """
-        config = self.config
-        if lifetime is None:
-            lifetime = config.default_lifetime
-        check_lifetime(lifetime, config.max_lifetime)
-        if public_key is None:
-            public_key = check_csr(csr, max_sans=config.max_sans)
-        names = csr_names(csr, config.max_sans)
-        usages = extended_usages or requested_usages(csr)
-        return LeafRequest(public_key, names, lifetime, usages, identity, requested_by)
 
     def sign(
         self,
