@@ -1,12 +1,14 @@
 """The certificate authority: one coordinator over the CA's lifecycle steps.
 
-Each step lives in its own module, with no locks and no I/O of its own:
+Each step lives in its own module, with no lock of the authority's and, but
+for the store's writer, no I/O:
 - `config`: the authority's settings (`AuthorityConfig`);
 - `castate`: CA records, making a CA (or taking an upstream's), the state
   the authority keeps (`AuthorityState`) and its stored form;
 - `persistence`: writing that state to the store, one write at a time, and
-  putting memory back when a write fails;
-- `csr` and `issuing`: checking a CSR, the leaf profile, signing (`Issuer`), the ListIssued
+  putting memory back when a write fails (`StateWriter`);
+- `csr` and `issuing`: checking a CSR and what is asked for it
+  (`leaf_request`), the leaf profile, signing (`Issuer`), the ListIssued
   records;
 - `leafbounds`: the stored bound on each CA's leaves' not_after;
 - `rotation`: the rotation state machine (prepare -> activate -> retire),
@@ -69,7 +71,6 @@ from waygate.certs.issuing import (
     Issued,
     IssuedPage,
     IssuedRecord,
-    IssuedRecords,
     LeafRequest,
     leaf_request,
 )
@@ -295,11 +296,9 @@ class Authority:
         FailedPrecondition while an earlier rotation has not finished, and when certs
         signs with an upstream intermediate and none is provided (it cannot make one).
 
-        The slow parts hold no lock that signing needs: the new key and certificate
-        are made first, then the store is written with the new CA added (RSA key
-        generation takes seconds, a Secret write a round trip to the API server).
-        The lock is held only to check the rotation (again just before the write,
-        which must carry the state of the last write) and to swap the new CA in.
+        The slow parts hold no lock that signing needs: the new key (seconds for
+        RSA) is made and the store written (a round trip for a Secret) off the lock,
+        held only to check the rotation (again before the write) and to swap it in.
         """
         with self._rotating:
             planned = self._plan_rotation(propagation_delay, ca_lifetime, provided)
@@ -475,10 +474,6 @@ class Authority:
             max_bytes=max_bytes,
             now=self._now(),
         )
-
-    @property
-    def issued_records(self) -> IssuedRecords:
-        return self._issuer.records
 
     # ------------------------------------------------------------ bundle and rotation
 
