@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import json
 from pathlib import Path
 
 import pytest
@@ -241,3 +242,26 @@ def test_a_transition_the_store_refuses_is_retried(tmp_path: Path) -> None:
     assert authority.advance() is True
     assert states(authority) == ["RETIRING", "ACTIVE"]
     assert open_authority(tmp_path / "ca", clock, **CONFIG).version == version + 1
+
+
+def test_a_leaf_whose_bound_the_store_refuses_is_not_handed_out(tmp_path: Path) -> None:
+    """The leaf bound is stored before the leaf leaves: a refused write refuses the leaf,
+    records nothing and puts the bound back, so the next leaf writes it again."""
+    clock = Clock()
+    store = FlakyStore(tmp_path / "ca")
+    authority = Authority.open(store, AuthorityConfig(**CONFIG), now=clock)  # type: ignore[arg-type]
+    stored = (tmp_path / "ca" / "state.json").read_bytes()
+    store.down = True
+    with pytest.raises(FailedPrecondition, match="store is down"):
+        sign(authority, make_csr()[0], identity=RESOLVER_ID, requested_by="r")
+    assert authority.list_issued() == []
+    assert (tmp_path / "ca" / "state.json").read_bytes() == stored
+    store.down = False
+    leaf = sign(authority, make_csr()[0], identity=RESOLVER_ID, requested_by="r").leaf
+    assert (tmp_path / "ca" / "state.json").read_bytes() != stored
+    # What a restart goes by covers the leaf handed out.
+    (bound,) = [
+        dt.datetime.fromisoformat(entry["leaf_bound"])
+        for entry in json.loads((tmp_path / "ca" / "state.json").read_bytes())["authorities"]
+    ]
+    assert bound >= leaf.not_valid_after_utc
