@@ -3,9 +3,10 @@
 A `CARecord` is one CA: key, certificate and its place in the rotation
 (`CAState`, when it starts signing, when it retires, the bound on its leaves'
 not_after). `make_ca` creates one (key and self-signed certificate; no lock,
-no I/O), `first_state` a new authority's. `AuthorityState` is everything the authority keeps (the records, the
-bundle version, the CA generation, the rotation's record); `encode_state` and
-`decode_state` turn it into a `CAStore`'s files and back.
+no I/O). `AuthorityState` is everything the authority keeps (the records, the
+bundle version, the CA generation, the rotation's record), `first_state` a
+new authority's; `encode_state` and `decode_state` turn it into a `CAStore`'s
+files and back.
 
 Invariants:
 - a `Checkpoint` holds every field a change may touch (the records' rotation
