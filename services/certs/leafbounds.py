@@ -7,8 +7,8 @@ the bundle until its leaves' latest not_after (`rotation`), so after a restart
 or a leader change the stored bound is what it goes by.
 
 Sans-IO: functions of the CA records and the time; the authority holds the
-lock and writes the store (`waygate.certs.authority`), the leader raises the
-bounds ahead of signing (`waygate.certs.leader`).
+lock and has the store written (`waygate.certs.persistence`), the leader
+raises the bounds ahead of signing (`waygate.certs.leader`).
 
 Invariants:
 - the stored bound is always >= every not_after signed under it: a leaf past
@@ -16,7 +16,8 @@ Invariants:
   once an hour rather than on every issue) and the raise is stored before the
   leaf is handed out; a restart can only keep an old CA longer, never drop it
   early;
-- a bound only moves forward, and a failed store write leaves it as it was;
+- a bound only moves forward, and a failed store write leaves it as it was
+  (the writer puts the state back to its checkpoint);
 - `leaf_max` only moves forward, also when another replica's state is adopted.
 """
 
