@@ -475,7 +475,7 @@ class Authority:
             now=self._now(),
         )
 
-    # ------------------------------------------------------------ bundle and rotation
+    # ------------------------------------------------------------ the bundle
 
     def trust_bundle(self) -> TrustBundleView:
         """The bundle now, read without the lock so a signing or a store write in
