@@ -496,14 +496,40 @@ def _access_to_proto(access: model.RouteAccess, with_credentials: bool) -> pb.Ro
     for name in _ACCESS_LISTS:
         if name != "credentials" or with_credentials:
             getattr(message, name).extend(getattr(access, name))
+    client = access.client_certificate
+    if client is not None:
+        message.client_certificate.CopyFrom(
+            pb.ClientCertificate(
+                ca_certificates=client.ca_certificates,
+                revocation_lists=client.revocation_lists,
+                verify=client.verify,
+                depth=client.depth,
+                error_page=client.error_page,
+                pass_certificate=client.pass_certificate,
+                match_subject=client.match_subject,
+            )
+        )
     return message
 
 
 def _access_from_proto(message: pb.RouteAccess) -> model.RouteAccess:
+    client = None
+    if message.HasField("client_certificate"):
+        found = message.client_certificate
+        client = model.ClientCertificate(
+            ca_certificates=found.ca_certificates,
+            revocation_lists=found.revocation_lists,
+            verify=found.verify,
+            depth=found.depth,
+            error_page=found.error_page,
+            pass_certificate=found.pass_certificate,
+            match_subject=found.match_subject,
+        )
     return model.RouteAccess(
         auth_type=message.auth_type,
         auth_realm=message.auth_realm,
         satisfy_any=message.satisfy_any,
+        client_certificate=client,
         **{name: tuple(getattr(message, name)) for name in _ACCESS_LISTS},
     )
 
