@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import ssl
 from collections.abc import AsyncIterator
@@ -29,7 +30,13 @@ from tests.support.pki import LocalCA
 from tests.support.proxyharness import RecordingUpstream, endpoint, read_response, route, table
 from waygate.proxy.passthrough import TlsFront
 from waygate.proxy.tls import DefaultCertificate, EdgeCertificates
-from waygate.resolver.model import ClientCertificate, RouteAccess, RouteTLS, TLSTermination
+from waygate.resolver.model import (
+    ClientCertificate,
+    ExternalAuth,
+    RouteAccess,
+    RouteTLS,
+    TLSTermination,
+)
 
 ERROR_PAGE = "http://errors.test/error"
 
@@ -66,7 +73,9 @@ def pki() -> Pki:
 
 
 @contextlib.asynccontextmanager
-async def front(pki: Pki, tmp_path: Path) -> AsyncIterator[tuple[int, RecordingUpstream]]:
+async def front(
+    pki: Pki, tmp_path: Path, auth_port: int = 0
+) -> AsyncIterator[tuple[int, RecordingUpstream]]:
     chain = (pki.inner.pem + pki.clients.pem).decode()
     routes = [
         edge_route(pki, "auth.test", rules(pki, pass_certificate=True), "auth"),
@@ -91,6 +100,10 @@ async def front(pki: Pki, tmp_path: Path) -> AsyncIterator[tuple[int, RecordingU
         ),
         edge_route(pki, "plain.test", None, "plain"),
     ]
+    if auth_port:
+        guarded = edge_route(pki, "extauth.test", rules(pki), "extauth")
+        auth = ExternalAuth(url=f"http://127.0.0.1:{auth_port}/auth")
+        routes.append(dataclasses.replace(guarded, external_auth=auth))
     upstream = await RecordingUpstream().start()
     files = pki.server.write_files(tmp_path / "default", dns=["default.test"], prefix="d-")
     certificates = EdgeCertificates(DefaultCertificate.from_files(files.cert, files.key))
@@ -288,3 +301,21 @@ def _blocking_get(
         while chunk := tls.recv(65536):
             data += chunk
         return data, tls.session, tls.session_reused
+
+
+async def test_the_auth_url_service_gets_the_certificate_headers(pki: Pki, tmp_path: Path) -> None:
+    # ingress-nginx's auth location sets ssl-client-verify/-subject-dn/-issuer-dn too
+    # (nginx.tmpl, "Pass the extracted client certificate to the auth provider").
+    auth = await RecordingUpstream().start()
+    try:
+        async with front(pki, tmp_path, auth.port) as (port, upstream):
+            response = await get(port, client_context(pki, tmp_path, pki.clients), "extauth.test")
+            assert response.startswith(b"HTTP/1.1 200"), response[:200]
+            asked = bytes(auth.received)
+            assert b"GET /auth HTTP/1.1\r\n" in asked
+            assert b"\r\nssl-client-verify: SUCCESS\r\n" in asked
+            assert b"\r\nssl-client-subject-dn: CN=authtls\r\n" in asked
+            assert b"forged" not in asked and b"CN=admin" not in asked
+            assert b"ssl-client-verify: SUCCESS" in bytes(upstream.received)
+    finally:
+        await auth.stop()
