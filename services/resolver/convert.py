@@ -496,18 +496,9 @@ def _access_to_proto(access: model.RouteAccess, with_credentials: bool) -> pb.Ro
     for name in _ACCESS_LISTS:
         if name != "credentials" or with_credentials:
             getattr(message, name).extend(getattr(access, name))
-    client = access.client_certificate
-    if client is not None:
+    if access.client_certificate is not None:
         message.client_certificate.CopyFrom(
-            pb.ClientCertificate(
-                ca_certificates=client.ca_certificates,
-                revocation_lists=client.revocation_lists,
-                verify=client.verify,
-                depth=client.depth,
-                error_page=client.error_page,
-                pass_certificate=client.pass_certificate,
-                match_subject=client.match_subject,
-            )
+            pb.ClientCertificate(**dataclasses.asdict(access.client_certificate))
         )
     return message
 
@@ -517,13 +508,7 @@ def _access_from_proto(message: pb.RouteAccess) -> model.RouteAccess:
     if message.HasField("client_certificate"):
         found = message.client_certificate
         client = model.ClientCertificate(
-            ca_certificates=found.ca_certificates,
-            revocation_lists=found.revocation_lists,
-            verify=found.verify,
-            depth=found.depth,
-            error_page=found.error_page,
-            pass_certificate=found.pass_certificate,
-            match_subject=found.match_subject,
+            **{f.name: getattr(found, f.name) for f in dataclasses.fields(model.ClientCertificate)}
         )
     return model.RouteAccess(
         auth_type=message.auth_type,

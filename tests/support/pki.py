@@ -183,6 +183,7 @@ class LocalCA:
         lifetime: dt.timedelta | None = None,
         usages: x509.ExtendedKeyUsage = _BOTH_USAGES,
         subject: x509.Name | None = None,
+        backdate: dt.timedelta | None = None,
     ) -> x509.Certificate:
         return (
             x509.CertificateBuilder()
@@ -190,7 +191,7 @@ class LocalCA:
             .issuer_name(self.name)
             .public_key(public_key)  # type: ignore[arg-type]
             .serial_number(x509.random_serial_number())
-            .not_valid_before(self.now() - self.backdate)
+            .not_valid_before(self.now() - (self.backdate if backdate is None else backdate))
             .not_valid_after(self.now() + (lifetime or self.lifetime))
             .add_extension(sans, critical=True)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
@@ -236,26 +237,15 @@ class LocalCA:
             if common_name
             else None
         )
-        if lifetime is not None and lifetime < dt.timedelta(0):
-            saved, self.backdate = self.backdate, -lifetime * 2
-            try:
-                leaf = self._leaf(
-                    key.public_key(),
-                    x509.SubjectAlternativeName(general_names(names)),
-                    lifetime,
-                    _CLIENT_USAGE if client_only else _BOTH_USAGES,
-                    subject,
-                )
-            finally:
-                self.backdate = saved
-        else:
-            leaf = self._leaf(
-                key.public_key(),
-                x509.SubjectAlternativeName(general_names(names)),
-                lifetime,
-                _CLIENT_USAGE if client_only else _BOTH_USAGES,
-                subject,
-            )
+        leaf = self._leaf(
+            key.public_key(),
+            x509.SubjectAlternativeName(general_names(names)),
+            lifetime,
+            _CLIENT_USAGE if client_only else _BOTH_USAGES,
+            subject,
+            # Expired: valid from twice as long ago until `lifetime` ago.
+            -2 * lifetime if lifetime is not None and lifetime < dt.timedelta(0) else None,
+        )
         return certificate_pem(leaf), private_key_pem(key)
 
     def intermediate(self, name: str) -> LocalCA:

@@ -19,11 +19,13 @@ import dataclasses
 import json
 import ssl
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from pathlib import Path
 from urllib.parse import unquote
 
 import pytest
 
+from tests.integration.proxy.test_tls_resumption import _get
 from tests.support.h2client import H2Client
 from tests.support.h2harness import running_h2_proxy
 from tests.support.pki import LocalCA
@@ -190,6 +192,14 @@ async def test_verify_on_optional_and_off(pki: Pki, tmp_path: Path) -> None:
         noca = forwarded(await get(port, foreign, "noca.test"))
         assert noca["ssl-client-verify"].startswith("FAILED:"), noca
         assert noca["ssl-client-subject-dn"] == "CN=authtls"
+        # optional_no_ca lets only an untrusted issuer through: an expired certificate
+        # from the CA is still a 400 (nginx's ngx_ssl_verify_error_optional).
+        expired = ssl.create_default_context(cadata=pki.server.pem.decode())
+        cert, key = pki.clients.issue(common_name="late", lifetime=timedelta(hours=-1))
+        (tmp_path / "expired.pem").write_bytes(cert + key)
+        expired.load_cert_chain(tmp_path / "expired.pem")
+        assert (await get(port, expired, "noca.test")).startswith(b"HTTP/1.1 400")
+        assert (await get(port, expired, "auth.test")).startswith(b"HTTP/1.1 400")
         # off: nothing asked, nothing checked.
         off = forwarded(await get(port, none, "off.test"))
         assert off["ssl-client-verify"] == "NONE" and "ssl-client-subject-dn" not in off
@@ -272,35 +282,19 @@ async def test_a_resumed_session_keeps_its_hosts_rules(pki: Pki, tmp_path: Path)
         context.maximum_version = version
         context.check_hostname = False
         async with front(pki, tmp_path) as (port, _):
-            first = await asyncio.to_thread(_blocking_get, port, context, "plain.test", None)
+            first = await asyncio.to_thread(_get, port, context, "plain.test", "plain.test", None)
             assert first[0].startswith(b"HTTP/1.1 200")
-            again = await asyncio.to_thread(_blocking_get, port, context, "auth.test", first[1])
+            again = await asyncio.to_thread(_get, port, context, "auth.test", "auth.test", first[1])
             status = again[0].split(b"\r\n", 1)[0]
             if again[2]:  # resumed: its certificate was never auth.test's to verify
                 assert status.startswith(b"HTTP/1.1 421"), (version, status)
             else:
                 assert status.startswith(b"HTTP/1.1 200"), (version, status)
             # auth.test's own session: a full handshake or a resumption, never a refusal.
-            own = await asyncio.to_thread(_blocking_get, port, context, "auth.test", None)
+            own = await asyncio.to_thread(_get, port, context, "auth.test", "auth.test", None)
             assert own[0].startswith(b"HTTP/1.1 200")
-            back = await asyncio.to_thread(_blocking_get, port, context, "auth.test", own[1])
+            back = await asyncio.to_thread(_get, port, context, "auth.test", "auth.test", own[1])
             assert back[0].startswith(b"HTTP/1.1 200"), (version, back[0][:100])
-
-
-def _blocking_get(
-    port: int, context: ssl.SSLContext, name: str, session: ssl.SSLSession | None
-) -> tuple[bytes, ssl.SSLSession | None, bool]:
-    import socket
-
-    with (
-        socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
-        context.wrap_socket(raw, server_hostname=name, session=session) as tls,
-    ):
-        tls.sendall(f"GET / HTTP/1.1\r\nHost: {name}\r\nConnection: close\r\n\r\n".encode())
-        data = b""
-        while chunk := tls.recv(65536):
-            data += chunk
-        return data, tls.session, tls.session_reused
 
 
 async def test_the_auth_url_service_gets_the_certificate_headers(pki: Pki, tmp_path: Path) -> None:
