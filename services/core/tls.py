@@ -307,8 +307,9 @@ _ACCEPT_FOR_LATER = _VerifyCallback(lambda _ok, _store: 1)
 def _client_verify_functions() -> dict[str, Any] | None:
     """SSL_set_verify, SSL_set_verify_depth, SSL_get_verify_result, SSL_get_session,
     SSL_SESSION_get0_id_context, SSL_SESSION_set1_id_context, SSL_session_reused,
-    SSL_get0_param, X509_VERIFY_PARAM_set_flags, SSL_CTX_set_session_id_context and
-    X509_verify_cert_error_string from the libssl
+    SSL_get0_param, X509_VERIFY_PARAM_set_flags, SSL_CTX_set_session_id_context,
+    X509_verify_cert_error_string, SSL_load_client_CA_file and SSL_CTX_set_client_CA_list
+    from the libssl
     `_ssl` uses, or None (as `_ssl_ctx_functions`)."""
     if _ssl_ctx_functions() is None:
         return None
@@ -325,6 +326,8 @@ def _client_verify_functions() -> dict[str, Any] | None:
         "X509_VERIFY_PARAM_set_flags": ((c.c_void_p, c.c_ulong), c.c_int),
         "SSL_CTX_set_session_id_context": ((c.c_void_p, c.c_char_p, c.c_uint), c.c_int),
         "X509_verify_cert_error_string": ((c.c_long,), c.c_char_p),
+        "SSL_load_client_CA_file": ((c.c_char_p,), c.c_void_p),
+        "SSL_CTX_set_client_CA_list": ((c.c_void_p, c.c_void_p), None),
     }
     try:
         libssl = ctypes.CDLL(ssl._ssl.__file__)  # type: ignore[attr-defined]
@@ -343,6 +346,24 @@ def _set_session_id_context(context: ssl.SSLContext, sid: bytes) -> bool:
         return False
     set_sid = functions["SSL_CTX_set_session_id_context"]
     return _on_ssl_ctx(context, lambda _ctrl, ssl_ctx: set_sid(ssl_ctx, sid, len(sid)) == 1)
+
+
+def _advertise_client_cas(context: ssl.SSLContext, ca_pem: bytes) -> bool:
+    """SSL_CTX_set_client_CA_list: the certificate request names the CAs (as nginx's
+    ssl_client_certificate does), so a browser offers only certificates they issued."""
+    functions = _client_verify_functions()
+    ctx_functions = _ssl_ctx_functions()
+    if functions is None or ctx_functions is None:
+        return False
+    ssl_ctx = _ssl_ctx_pointer(context, ctx_functions[1])
+    if ssl_ctx is None:
+        return False
+    with _memory_file(ca_pem) as path:
+        names = functions["SSL_load_client_CA_file"](path.encode())
+    if not names:
+        return False
+    functions["SSL_CTX_set_client_CA_list"](ssl_ctx, names)  # the context owns them now
+    return True
 
 
 def ask_client_certificate(
@@ -411,6 +432,7 @@ def server_context(
     alpn_protocols: tuple[str, ...] = (),
     client_crl_pem: bytes | None = None,
     session_id_context: bytes = b"",
+    advertise_client_cas: bool = False,
 ) -> ssl.SSLContext:
     """A server context for one certificate (the only builder of server contexts).
 
@@ -421,7 +443,8 @@ def server_context(
     (nginx's ssl_crl: OpenSSL's CRL_CHECK and CRL_CHECK_ALL). `session_id_context`:
     sessions made under this context resume under it only (OpenSSL compares it when
     resuming; CPython gives every context the same one); ValueError when it cannot
-    be set.
+    be set. `advertise_client_cas`: the certificate request names `client_ca_pem`'s
+    CAs (best effort: without, clients send what they have all the same).
     """
     mode: ClientAuth = (
         ("required" if client_auth else "none") if isinstance(client_auth, bool) else client_auth
@@ -447,6 +470,8 @@ def server_context(
             with _memory_file(client_crl_pem) as path:
                 context.load_verify_locations(cafile=path)
             context.verify_flags |= ssl.VERIFY_CRL_CHECK_CHAIN
+        if advertise_client_cas and not _advertise_client_cas(context, client_ca_pem):
+            log.debug("could not name the client CAs in certificate requests")
     if session_id_context and not _set_session_id_context(context, session_id_context):
         raise ValueError("the TLS session id context cannot be set in this interpreter")
     if alpn_protocols:

@@ -188,6 +188,8 @@ class ServedCertificate:
                 alpn_protocols=ALPN,
                 client_crl_pem=crl_pem,
                 session_id_context=self.session_id,
+                # The certificate request names ca.crt's CAs, as nginx's does.
+                advertise_client_cas=bool(self.session_id),
             )
         except (ssl.SSLError, ValueError) as exc:
             # The message names the OpenSSL failure only, never key material.

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import shutil
 import ssl
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -313,3 +314,25 @@ async def test_the_auth_url_service_gets_the_certificate_headers(pki: Pki, tmp_p
             assert b"ssl-client-verify: SUCCESS" in bytes(upstream.received)
     finally:
         await auth.stop()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
+async def test_the_certificate_request_names_the_hosts_cas(pki: Pki, tmp_path: Path) -> None:
+    # nginx's ssl_client_certificate names its CAs in the CertificateRequest (browsers
+    # offer only certificates they issued); a host without rules asks for none.
+    async with front(pki, tmp_path) as (port, _):
+        for name, expected in (("auth.test", "CN = Client root"), ("plain.test", None)):
+            process = await asyncio.create_subprocess_exec(
+                "openssl", "s_client", "-connect", f"127.0.0.1:{port}", "-servername", name,
+                "-tls1_2",
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+            )  # fmt: skip
+            out, _ = await asyncio.wait_for(process.communicate(), 30)
+            text = out.decode(errors="replace")
+            if expected is None:
+                assert "Acceptable client certificate CA names" not in text, text[-800:]
+            else:
+                listed = text.split("Acceptable client certificate CA names", 1)[1]
+                assert expected in listed.split("\n", 2)[1], text[-800:]
