@@ -32,7 +32,9 @@ HTTP/1.1 and HTTP/2 alike (the request core's `client_certificate` gate):
   sent (nginx's proxy_set_header drops them); a client's own ssl-client-*
   headers never reach a backend (waygate.core.httpheaders).
 
-On plain HTTP only auth-tls-match-cn applies (no certificate: 403).
+On plain HTTP only auth-tls-match-cn applies (no certificate: 403). A host
+whose auth-tls-* cannot be honoured (another Ingress's: the resolver's
+`refusal`) answers every request 403, as ingress-nginx's server does.
 """
 
 from __future__ import annotations
@@ -77,9 +79,10 @@ Refusal = tuple[int, str]
 class Rules:
     """One route's auth-tls rules, compiled once per routing table."""
 
-    __slots__ = ("error_page", "match", "pass_certificate", "verify")
+    __slots__ = ("error_page", "match", "pass_certificate", "refusal", "verify")
 
     def __init__(self, rules: ClientCertificate) -> None:
+        self.refusal = rules.refusal
         self.verify = rules.verify
         self.error_page = rules.error_page
         self.pass_certificate = rules.pass_certificate
@@ -129,6 +132,8 @@ def decide(rules: Rules, ssl_object: Any, session_id_context: bytes | None) -> R
     header lines the backend gets (see the module docstring). `session_id_context`:
     the one of the contexts verifying clients by these rules (None: the host's
     certificate is not served)."""
+    if rules.refusal:  # ingress-nginx's AuthTLSError: the server returns 403
+        return 403, rules.refusal
     if ssl_object is None:  # plain HTTP: no certificate, no ssl-client-* values
         return (403, UNAUTHORIZED) if rules.match is not None else b""
     if rules.verify == "off":

@@ -164,7 +164,12 @@ class ServedCertificate:
         self.session_id = b""
         self.revocation = False
         crl_pem = None
-        if client_rules is not None and client_rules.verify != "off" and not client_ca_pem:
+        if (
+            client_rules is not None
+            and client_rules.verify != "off"
+            and not client_rules.refusal
+            and not client_ca_pem
+        ):
             client_ca_pem = client_rules.ca_certificates.encode()
             crl_pem = client_rules.revocation_lists.encode() or None
             self.revocation = crl_pem is not None

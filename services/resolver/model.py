@@ -454,6 +454,8 @@ class ClientCertificate:
     error_page: str = ""  # a 302 there instead of the 400 page
     pass_certificate: bool = False  # ssl-client-cert to the backend
     match_subject: str = ""  # RE2 searched in the subject DN (auth-tls-match-cn)
+    # Set: the host's auth-tls-* (another Ingress's) cannot be honoured: every request 403.
+    refusal: str = ""
 
 
 @dataclass(frozen=True)

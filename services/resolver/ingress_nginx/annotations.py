@@ -1610,25 +1610,41 @@ def _unsecured_client_certificate_hosts(p: Plan, routes: list[Route], secured: s
 def client_certificate_hosts(routes: list[Route], nginx: set[str]) -> list[Route]:
     """ingress-nginx's auth-tls-* are the server's (ssl_client_certificate is set in
     the host's server block, from the oldest Ingress of the host that has them): every
-    route of an ingress-nginx Ingress on that host gets them. `nginx`: the names of
-    the routes of ingress-nginx Ingresses (others are not touched)."""
+    route of an ingress-nginx Ingress on that host gets them. An Ingress refused for
+    its auth-tls-* makes the host's other routes answer 403 (ingress-nginx's
+    AuthTLSError: `return 403` in the server block), never serve unchecked. `nginx`:
+    the names of the routes of ingress-nginx Ingresses (others are not touched)."""
+    broken: dict[str, ClientCertificate] = {}
     chosen: dict[str, tuple[tuple[Any, ...], ClientCertificate]] = {}
     for route in routes:
+        if route.name.split("~")[0] not in nginx:
+            continue
+        if route.ingress_refusal is not None:
+            if "auth-tls-" in route.ingress_refusal[1] and route.host not in broken:
+                why = (
+                    f"host {route.host}: the client-certificate rules of {route.origin} are refused"
+                )
+                broken[route.host] = ClientCertificate(ca_certificates="", refusal=why)
+            continue
         rules = route.access.client_certificate if route.access is not None else None
-        if rules is None or route.name.split("~")[0] not in nginx or route.ingress_refusal:
+        if rules is None:
             continue
         # Oldest first (ingress-nginx sorts Ingresses by creation), then by name.
         created = route.created.timestamp() if route.created else 0.0
         rank: tuple[Any, ...] = (route.created is None, created, route.origin)
         if route.host not in chosen or rank < chosen[route.host][0]:
             chosen[route.host] = (rank, rules)
-    if not chosen:
+    hosts = {host: rules for host, (_, rules) in chosen.items()} | broken
+    if not hosts:
         return routes
     out = []
     for route in routes:
-        found = chosen.get(route.host)
-        if found is not None and route.name.split("~")[0] in nginx and not route.ingress_refusal:
-            rules = found[1]
+        rules = hosts.get(route.host)
+        if (
+            rules is not None
+            and route.name.split("~")[0] in nginx
+            and route.ingress_refusal is None
+        ):
             access = route.access or RouteAccess()
             if access.client_certificate != rules:
                 route = dataclasses.replace(

@@ -4,15 +4,18 @@
 # source: waygate/resolver/v1/resolver.proto
 # Protobuf Python Version: 7.35.1
 """Generated protocol buffer code."""
-
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import descriptor_pool as _descriptor_pool
 from google.protobuf import runtime_version as _runtime_version
 from google.protobuf import symbol_database as _symbol_database
 from google.protobuf.internal import builder as _builder
-
 _runtime_version.ValidateProtobufRuntimeVersion(
-    _runtime_version.Domain.PUBLIC, 7, 35, 1, "", "waygate/resolver/v1/resolver.proto"
+    _runtime_version.Domain.PUBLIC,
+    7,
+    35,
+    1,
+    '',
+    'waygate/resolver/v1/resolver.proto'
 )
 # @@protoc_insertion_point(imports)
 
@@ -23,159 +26,157 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(
-    b'\n"waygate/resolver/v1/resolver.proto\x12\x13waygate.resolver.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto"-\n\nServiceRef\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t"y\n\x0bServicePort\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\x13\n\x0btarget_port\x18\x03 \x01(\t\x12\x10\n\x08protocol\x18\x04 \x01(\t\x12\x11\n\tnode_port\x18\x05 \x01(\r\x12\x14\n\x0c\x61pp_protocol\x18\x14 \x01(\t"\xc9\x01\n\x07Service\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12.\n\x04type\x18\x03 \x01(\x0e\x32 .waygate.resolver.v1.ServiceType\x12\x13\n\x0b\x63luster_ips\x18\x04 \x03(\t\x12\x10\n\x08headless\x18\x05 \x01(\x08\x12\x15\n\rexternal_name\x18\x06 \x01(\t\x12/\n\x05ports\x18\x07 \x03(\x0b\x32 .waygate.resolver.v1.ServicePort"<\n\x0c\x45ndpointPort\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\x10\n\x08protocol\x18\x03 \x01(\t"\xe9\x01\n\x08\x45ndpoint\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0f\n\x07service\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x30\n\x05ports\x18\x04 \x03(\x0b\x32!.waygate.resolver.v1.EndpointPort\x12\r\n\x05ready\x18\x05 \x01(\x08\x12\x0f\n\x07serving\x18\x06 \x01(\x08\x12\x13\n\x0bterminating\x18\x07 \x01(\x08\x12\x0c\n\x04zone\x18\x08 \x01(\t\x12\x11\n\tnode_name\x18\t \x01(\t\x12\x0e\n\x06tunnel\x18\n \x01(\x08\x12\x10\n\x08hostname\x18\x0b \x01(\t"B\n\x0b\x45ndpointRef\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0f\n\x07service\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t"a\n\x0cRouteBackend\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\r\x12\x11\n\tnamespace\x18\x32 \x01(\t\x12\x0c\n\x04port\x18\x33 \x01(\t\x12\x0f\n\x07invalid\x18\x34 \x01(\t"\xe2\x03\n\x08RouteTLS\x12\x38\n\x0btermination\x18\x01 \x01(\x0e\x32#.waygate.resolver.v1.TLSTermination\x12\x13\n\x0b\x63\x65rtificate\x18\x02 \x01(\t\x12\x0b\n\x03key\x18\x03 \x01(\t\x12\x16\n\x0e\x63\x61_certificate\x18\x04 \x01(\t\x12"\n\x1a\x64\x65stination_ca_certificate\x18\x05 \x01(\t\x12Q\n insecure_edge_termination_policy\x18\x06 \x01(\x0e\x32\'.waygate.resolver.v1.InsecureEdgePolicy\x12\'\n\x04hsts\x18\x07 \x01(\x0b\x32\x19.waygate.resolver.v1.HSTS\x12\x1d\n\x15\x63lient_ca_certificate\x18\x08 \x01(\t\x12\x1f\n\x17\x64\x65stination_server_name\x18\t \x01(\t\x12"\n\x1apresent_client_certificate\x18\n \x01(\x08\x12\x1d\n\x15\x64\x65stination_system_ca\x18Z \x01(\x08\x12!\n\x19\x64\x65stination_san_hostnames\x18[ \x03(\t\x12\x1c\n\x14\x64\x65stination_san_uris\x18\\ \x03(\t"_\n\x04HSTS\x12*\n\x07max_age\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x1a\n\x12include_subdomains\x18\x02 \x01(\x08\x12\x0f\n\x07preload\x18\x03 \x01(\x08"\xcf\x01\n\x0eStickySessions\x12\x17\n\x0f\x64isable_cookies\x18\x01 \x01(\x08\x12\x13\n\x0b\x63ookie_name\x18\x02 \x01(\t\x12\x30\n\tsame_site\x18\x03 \x01(\x0e\x32\x1d.waygate.resolver.v1.SameSite\x12\x14\n\x0b\x63ookie_path\x18\x8c\x01 \x01(\t\x12\x16\n\rcookie_domain\x18\x8d\x01 \x01(\t\x12\x17\n\x0e\x63ookie_max_age\x18\x8e\x01 \x01(\r\x12\x16\n\rcookie_secure\x18\x8f\x01 \x01(\x08"\x9c\x02\n\rRouteTimeouts\x12*\n\x07\x63onnect\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12)\n\x06\x63lient\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12)\n\x06server\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12/\n\x0chttp_request\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12)\n\x06tunnel\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12-\n\nkeep_alive\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration"\xe3\n\n\x05Route\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x0c\n\x04path\x18\x04 \x01(\t\x12\x33\n\x08\x62\x61\x63kends\x18\x05 \x03(\x0b\x32!.waygate.resolver.v1.RouteBackend\x12\x13\n\x0btarget_port\x18\x06 \x01(\t\x12*\n\x03tls\x18\x07 \x01(\x0b\x32\x1d.waygate.resolver.v1.RouteTLS\x12\x33\n\x07\x62\x61lance\x18\x08 \x01(\x0e\x32".waygate.resolver.v1.BalancePolicy\x12\x33\n\x06sticky\x18\t \x01(\x0b\x32#.waygate.resolver.v1.StickySessions\x12\x34\n\x08timeouts\x18\n \x01(\x0b\x32".waygate.resolver.v1.RouteTimeouts\x12\x1a\n\x12\x61uth_proxy_headers\x18\x0b \x01(\x08\x12\x44\n\x11\x66orwarded_headers\x18\x0c \x01(\x0e\x32).waygate.resolver.v1.ForwardedHeadersMode\x12\x19\n\x11upstream_protocol\x18( \x01(\t\x12\x1f\n\x11request_buffering\x18\xaa\x01 \x01(\x08H\x00\x88\x01\x01\x12\x30\n\x06status\x18P \x01(\x0b\x32 .waygate.resolver.v1.RouteStatus\x12\x36\n\x12\x63reation_timestamp\x18Q \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x30\n\x07matches\x18\x32 \x03(\x0b\x32\x1f.waygate.resolver.v1.RouteMatch\x12\x32\n\x07\x66ilters\x18\x33 \x01(\x0b\x32!.waygate.resolver.v1.RouteFilters\x12\x32\n\x0frequest_timeout\x18\x34 \x01(\x0b\x32\x19.google.protobuf.Duration\x12:\n\x17\x62\x61\x63kend_request_timeout\x18\x35 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x15\n\rlistener_port\x18\x36 \x01(\r\x12\x0f\n\x07gateway\x18\x37 \x01(\t\x12\x0e\n\x06origin\x18\x38 \x01(\t\x12\x12\n\nrule_index\x18\x39 \x01(\r\x12\x19\n\x11listener_protocol\x18Z \x01(\t\x12\x30\n\x06\x61\x63\x63\x65ss\x18\x64 \x01(\x0b\x32 .waygate.resolver.v1.RouteAccess\x12#\n\x1aproxy_protocol_from_client\x18\xb4\x01 \x01(\x08\x12"\n\x19proxy_protocol_to_backend\x18\xb5\x01 \x01(\x08\x12\x32\n\nrate_limit\x18x \x01(\x0b\x32\x1e.waygate.resolver.v1.RateLimit\x12\x38\n\rexternal_auth\x18y \x01(\x0b\x32!.waygate.resolver.v1.ExternalAuth\x12-\n\x04\x63ors\x18\x8c\x01 \x01(\x0b\x32\x1e.waygate.resolver.v1.RouteCors\x12\x19\n\x10max_request_body\x18\x8d\x01 \x01(\x04\x12\x16\n\rnext_upstream\x18\x8e\x01 \x01(\t\x12\x1c\n\x13next_upstream_tries\x18\x8f\x01 \x01(\r\x12\x17\n\x0erewrite_target\x18\x90\x01 \x01(\t\x12\x18\n\x0f\x64\x65\x66\x61ult_backend\x18\x91\x01 \x01(\t\x12\x10\n\x07hash_by\x18\x92\x01 \x01(\tB\x14\n\x12_request_buffering"\x9a\x02\n\x0bRouteAccess\x12\r\n\x05\x62lock\x18\x01 \x03(\t\x12\x0c\n\x04\x64\x65ny\x18\x02 \x03(\t\x12\r\n\x05\x61llow\x18\x03 \x03(\t\x12\x19\n\x11\x62lock_user_agents\x18\x04 \x03(\t\x12\x16\n\x0e\x62lock_referers\x18\x05 \x03(\t\x12\x17\n\x0ftrusted_proxies\x18\x06 \x03(\t\x12\x11\n\tauth_type\x18\x07 \x01(\t\x12\x12\n\nauth_realm\x18\x08 \x01(\t\x12\x13\n\x0b\x63redentials\x18\t \x03(\t\x12\x13\n\x0bsatisfy_any\x18\n \x01(\x08\x12\x42\n\x12\x63lient_certificate\x18\x14 \x01(\x0b\x32&.waygate.resolver.v1.ClientCertificate"\xaa\x01\n\x11\x43lientCertificate\x12\x17\n\x0f\x63\x61_certificates\x18\x01 \x01(\t\x12\x18\n\x10revocation_lists\x18\x02 \x01(\t\x12\x0e\n\x06verify\x18\x03 \x01(\t\x12\r\n\x05\x64\x65pth\x18\x04 \x01(\r\x12\x12\n\nerror_page\x18\x05 \x01(\t\x12\x18\n\x10pass_certificate\x18\x06 \x01(\x08\x12\x15\n\rmatch_subject\x18\x07 \x01(\t"\x9f\x02\n\x0c\x45xternalAuth\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x0e\n\x06signin\x18\x03 \x01(\t\x12\x1d\n\x15signin_redirect_param\x18\x04 \x01(\t\x12\x18\n\x10response_headers\x18\x05 \x03(\t\x12\x18\n\x10request_redirect\x18\x06 \x01(\t\x12;\n\x11proxy_set_headers\x18\x07 \x03(\x0b\x32 .waygate.resolver.v1.RouteHeader\x12\x11\n\tcache_key\x18\x08 \x01(\t\x12?\n\x0f\x63\x61\x63he_durations\x18\t \x03(\x0b\x32&.waygate.resolver.v1.AuthCacheDuration"P\n\x11\x41uthCacheDuration\x12\x0e\n\x06status\x18\x01 \x01(\r\x12+\n\x08\x64uration\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration"\x96\x01\n\tRateLimit\x12\x0b\n\x03rps\x18\x01 \x01(\r\x12\x0b\n\x03rpm\x18\x02 \x01(\r\x12\x18\n\x10\x62urst_multiplier\x18\x03 \x01(\r\x12\x13\n\x0b\x63onnections\x18\x04 \x01(\r\x12\r\n\x05\x61llow\x18\x05 \x03(\t\x12\x16\n\x0erequest_status\x18\x06 \x01(\r\x12\x19\n\x11\x63onnection_status\x18\x07 \x01(\r"\x94\x01\n\tRouteCors\x12\x15\n\rallow_origins\x18\x01 \x03(\t\x12\x15\n\rallow_methods\x18\x02 \x01(\t\x12\x15\n\rallow_headers\x18\x03 \x01(\t\x12\x16\n\x0e\x65xpose_headers\x18\x04 \x01(\t\x12\x19\n\x11\x61llow_credentials\x18\x05 \x01(\x08\x12\x0f\n\x07max_age\x18\x06 \x01(\r"\xa6\x01\n\x0eRouteCondition\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x38\n\x14last_transition_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x1b\n\x13observed_generation\x18\x06 \x01(\x03"F\n\x0bRouteStatus\x12\x37\n\nconditions\x18\x01 \x03(\x0b\x32#.waygate.resolver.v1.RouteCondition"\xbd\x01\n\x10RouteSourceState\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\r\n\x05valid\x18\x02 \x01(\x08\x12\x12\n\nlast_error\x18\x03 \x01(\t\x12\x16\n\x0eloaded_version\x18\x04 \x01(\x04\x12-\n\tloaded_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x65rror_since\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp"+\n\x08RouteRef\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t"a\n\x0fRouteValueMatch\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\x12\x31\n\x04type\x18\x03 \x01(\x0e\x32#.waygate.resolver.v1.ValueMatchType"\xd4\x01\n\nRouteMatch\x12\x35\n\tpath_type\x18\x01 \x01(\x0e\x32".waygate.resolver.v1.PathMatchType\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x35\n\x07headers\x18\x03 \x03(\x0b\x32$.waygate.resolver.v1.RouteValueMatch\x12:\n\x0cquery_params\x18\x04 \x03(\x0b\x32$.waygate.resolver.v1.RouteValueMatch\x12\x0e\n\x06method\x18\x05 \x01(\t"*\n\x0bRouteHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t"\x83\x01\n\x13RouteHeaderModifier\x12-\n\x03set\x18\x01 \x03(\x0b\x32 .waygate.resolver.v1.RouteHeader\x12-\n\x03\x61\x64\x64\x18\x02 \x03(\x0b\x32 .waygate.resolver.v1.RouteHeader\x12\x0e\n\x06remove\x18\x03 \x03(\t"\xbb\x01\n\rRouteRedirect\x12\x0e\n\x06scheme\x18\x01 \x01(\t\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\r\x12\x38\n\tpath_type\x18\x04 \x01(\x0e\x32%.waygate.resolver.v1.PathModifierType\x12\x0c\n\x04path\x18\x05 \x01(\t\x12\x13\n\x0bstatus_code\x18\x06 \x01(\r\x12\x1d\n\x14strip_trailing_slash\x18\x8c\x01 \x01(\x08"h\n\x0cRouteRewrite\x12\x10\n\x08hostname\x18\x01 \x01(\t\x12\x38\n\tpath_type\x18\x02 \x01(\x0e\x32%.waygate.resolver.v1.PathModifierType\x12\x0c\n\x04path\x18\x03 \x01(\t"P\n\x0bRouteMirror\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0f\n\x07service\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\t\x12\x0f\n\x07percent\x18\x04 \x01(\r"\xb2\x02\n\x0cRouteFilters\x12\x41\n\x0frequest_headers\x18\x01 \x01(\x0b\x32(.waygate.resolver.v1.RouteHeaderModifier\x12\x42\n\x10response_headers\x18\x02 \x01(\x0b\x32(.waygate.resolver.v1.RouteHeaderModifier\x12\x34\n\x08redirect\x18\x03 \x01(\x0b\x32".waygate.resolver.v1.RouteRedirect\x12\x32\n\x07rewrite\x18\x04 \x01(\x0b\x32!.waygate.resolver.v1.RouteRewrite\x12\x31\n\x07mirrors\x18\x05 \x03(\x0b\x32 .waygate.resolver.v1.RouteMirror"+\n\x0cTunnelServer\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t"R\n\x0eTunnelPresence\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x32\n\x07servers\x18\x02 \x03(\x0b\x32!.waygate.resolver.v1.TunnelServer"\x80\x01\n\x0eResolveRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\t\x12-\n\x04pick\x18\x04 \x01(\x0e\x32\x1f.waygate.resolver.v1.PickPolicy\x12\x10\n\x08hash_key\x18\x05 \x01(\t"X\n\x06Target\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\x11\n\tnode_name\x18\x03 \x01(\t\x12\x0c\n\x04zone\x18\x04 \x01(\t\x12\x0e\n\x06tunnel\x18\x05 \x01(\x08"\xdb\x01\n\x0fResolveResponse\x12-\n\x07service\x18\x01 \x01(\x0b\x32\x1c.waygate.resolver.v1.Service\x12,\n\x07targets\x18\x02 \x03(\x0b\x32\x1b.waygate.resolver.v1.Target\x12+\n\x06picked\x18\x03 \x01(\x0b\x32\x1b.waygate.resolver.v1.Target\x12\x0f\n\x07version\x18\x04 \x01(\x04\x12-\n\tlast_sync\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp"s\n\x0cWatchRequest\x12\x1b\n\x13resume_from_version\x18\x01 \x01(\x04\x12\x30\n\x05kinds\x18\x02 \x03(\x0e\x32!.waygate.resolver.v1.ResourceKind\x12\x14\n\x0cresume_epoch\x18\x03 \x01(\x04"\xdc\x01\n\x08Snapshot\x12.\n\x08services\x18\x01 \x03(\x0b\x32\x1c.waygate.resolver.v1.Service\x12\x30\n\tendpoints\x18\x02 \x03(\x0b\x32\x1d.waygate.resolver.v1.Endpoint\x12*\n\x06routes\x18\x03 \x03(\x0b\x32\x1a.waygate.resolver.v1.Route\x12\x34\n\x07tunnels\x18\x04 \x03(\x0b\x32#.waygate.resolver.v1.TunnelPresence\x12\x0c\n\x04more\x18\x05 \x01(\x08"\xb0\x03\n\x06\x43hange\x12\x38\n\x10service_upserted\x18\x01 \x01(\x0b\x32\x1c.waygate.resolver.v1.ServiceH\x00\x12:\n\x0fservice_deleted\x18\x02 \x01(\x0b\x32\x1f.waygate.resolver.v1.ServiceRefH\x00\x12:\n\x11\x65ndpoint_upserted\x18\x03 \x01(\x0b\x32\x1d.waygate.resolver.v1.EndpointH\x00\x12<\n\x10\x65ndpoint_deleted\x18\x04 \x01(\x0b\x32 .waygate.resolver.v1.EndpointRefH\x00\x12\x34\n\x0eroute_upserted\x18\x05 \x01(\x0b\x32\x1a.waygate.resolver.v1.RouteH\x00\x12\x36\n\rroute_deleted\x18\x06 \x01(\x0b\x32\x1d.waygate.resolver.v1.RouteRefH\x00\x12>\n\x0ftunnel_presence\x18\x07 \x01(\x0b\x32#.waygate.resolver.v1.TunnelPresenceH\x00\x42\x08\n\x06\x63hange"`\n\x07\x43hanges\x12\x14\n\x0c\x66rom_version\x18\x01 \x01(\x04\x12,\n\x07\x63hanges\x18\x02 \x03(\x0b\x32\x1b.waygate.resolver.v1.Change\x12\x11\n\tcoalesced\x18\x03 \x01(\x08"\xad\x02\n\nWatchEvent\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12-\n\tlast_sync\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06source\x18\x03 \x01(\t\x12\x31\n\x08snapshot\x18\x04 \x01(\x0b\x32\x1d.waygate.resolver.v1.SnapshotH\x00\x12/\n\x07\x63hanges\x18\x05 \x01(\x0b\x32\x1c.waygate.resolver.v1.ChangesH\x00\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\x12\x36\n\x07sources\x18\x07 \x03(\x0b\x32%.waygate.resolver.v1.RouteSourceState\x12\x1b\n\x13route_keys_withheld\x18\x08 \x01(\tB\x07\n\x05\x65vent"M\n\x11ListRoutesRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x12\n\npage_token\x18\x03 \x01(\t"\xa2\x01\n\x12ListRoutesResponse\x12*\n\x06routes\x18\x01 \x03(\x0b\x32\x1a.waygate.resolver.v1.Route\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x17\n\x0fnext_page_token\x18\x03 \x01(\t\x12\x36\n\x07sources\x18\x04 \x03(\x0b\x32%.waygate.resolver.v1.RouteSourceState">\n\x11\x41pplyRouteRequest\x12)\n\x05route\x18\x01 \x01(\x0b\x32\x1a.waygate.resolver.v1.Route"P\n\x12\x41pplyRouteResponse\x12)\n\x05route\x18\x01 \x01(\x0b\x32\x1a.waygate.resolver.v1.Route\x12\x0f\n\x07version\x18\x02 \x01(\x04"@\n\x12\x44\x65leteRouteRequest\x12*\n\x03ref\x18\x01 \x01(\x0b\x32\x1d.waygate.resolver.v1.RouteRef"&\n\x13\x44\x65leteRouteResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04"\xa8\x01\n\x10GatewayCondition\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x1b\n\x13observed_generation\x18\x05 \x01(\x03\x12\x38\n\x14last_transition_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp"\x92\x01\n\x15GatewayListenerStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x17\n\x0f\x61ttached_routes\x18\x02 \x01(\r\x12\x17\n\x0fsupported_kinds\x18\x03 \x03(\t\x12\x39\n\nconditions\x18\x04 \x03(\x0b\x32%.waygate.resolver.v1.GatewayCondition"\xbe\x01\n\x13GatewayParentStatus\x12\x19\n\x11gateway_namespace\x18\x01 \x01(\t\x12\x14\n\x0cgateway_name\x18\x02 \x01(\t\x12\x14\n\x0csection_name\x18\x03 \x01(\t\x12\x0c\n\x04port\x18\x04 \x01(\r\x12\x17\n\x0f\x63ontroller_name\x18\x05 \x01(\t\x12\x39\n\nconditions\x18\x06 \x03(\x0b\x32%.waygate.resolver.v1.GatewayCondition"\xa0\x02\n\x13GatewayObjectStatus\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x03\x12\x39\n\nconditions\x18\x05 \x03(\x0b\x32%.waygate.resolver.v1.GatewayCondition\x12=\n\tlisteners\x18\x06 \x03(\x0b\x32*.waygate.resolver.v1.GatewayListenerStatus\x12\x39\n\x07parents\x18\x07 \x03(\x0b\x32(.waygate.resolver.v1.GatewayParentStatus\x12\x11\n\taddresses\x18\x08 \x03(\t"7\n\x13ListGatewaysRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\r\n\x05kinds\x18\x02 \x03(\t"\xbe\x01\n\x14ListGatewaysResponse\x12\x39\n\x07objects\x18\x01 \x03(\x0b\x32(.waygate.resolver.v1.GatewayObjectStatus\x12\x36\n\x07sources\x18\x02 \x03(\x0b\x32%.waygate.resolver.v1.RouteSourceState\x12\x33\n\x07ignored\x18\x03 \x03(\x0b\x32".waygate.resolver.v1.IgnoredObject"N\n\rIgnoredObject\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t"]\n\x15GatewayListenerReport\x12\r\n\x05proxy\x18\x01 \x01(\t\x12\x35\n\tlisteners\x18\x02 \x03(\x0b\x32".waygate.resolver.v1.ListenerState"u\n\rListenerState\x12\x0f\n\x07gateway\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\x10\n\x08protocol\x18\x03 \x01(\t\x12\x12\n\nlocal_port\x18\x04 \x01(\r\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x0f\n\x07message\x18\x06 \x01(\t"\x1f\n\x1dGatewayListenerReportResponse"m\n\x18\x42\x61\x63kendCertificateReport\x12\r\n\x05proxy\x18\x01 \x01(\t\x12\x42\n\x0c\x63\x65rtificates\x18\x02 \x03(\x0b\x32,.waygate.resolver.v1.BackendCertificateState"\xcc\x01\n\x17\x42\x61\x63kendCertificateState\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\r\n\x05route\x18\x02 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\x12\r\n\x05names\x18\x04 \x03(\t\x12.\n\nnot_before\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12-\n\tnot_after\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07verdict\x18\x07 \x01(\t""\n BackendCertificateReportResponse"z\n\x0cTunnelReport\x12\x31\n\x06server\x18\x01 \x01(\x0b\x32!.waygate.resolver.v1.TunnelServer\x12\r\n\x05nodes\x18\x02 \x03(\t\x12(\n\x05lease\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration"(\n\x15ReportTunnelsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04*\xa4\x01\n\x0bServiceType\x12\x1c\n\x18SERVICE_TYPE_UNSPECIFIED\x10\x00\x12\x1b\n\x17SERVICE_TYPE_CLUSTER_IP\x10\x01\x12\x1a\n\x16SERVICE_TYPE_NODE_PORT\x10\x02\x12\x1e\n\x1aSERVICE_TYPE_LOAD_BALANCER\x10\x03\x12\x1e\n\x1aSERVICE_TYPE_EXTERNAL_NAME\x10\x04*\x8b\x01\n\x0eTLSTermination\x12\x1f\n\x1bTLS_TERMINATION_UNSPECIFIED\x10\x00\x12\x18\n\x14TLS_TERMINATION_EDGE\x10\x01\x12\x1f\n\x1bTLS_TERMINATION_PASSTHROUGH\x10\x02\x12\x1d\n\x19TLS_TERMINATION_REENCRYPT\x10\x03*\x9c\x01\n\x12InsecureEdgePolicy\x12$\n INSECURE_EDGE_POLICY_UNSPECIFIED\x10\x00\x12\x1d\n\x19INSECURE_EDGE_POLICY_NONE\x10\x01\x12\x1e\n\x1aINSECURE_EDGE_POLICY_ALLOW\x10\x02\x12!\n\x1dINSECURE_EDGE_POLICY_REDIRECT\x10\x03*\xa4\x01\n\rBalancePolicy\x12\x1e\n\x1a\x42\x41LANCE_POLICY_UNSPECIFIED\x10\x00\x12\x19\n\x15\x42\x41LANCE_POLICY_RANDOM\x10\x01\x12\x1e\n\x1a\x42\x41LANCE_POLICY_ROUND_ROBIN\x10\x02\x12\x1d\n\x19\x42\x41LANCE_POLICY_LEAST_CONN\x10\x03\x12\x19\n\x15\x42\x41LANCE_POLICY_SOURCE\x10\x04*b\n\x08SameSite\x12\x19\n\x15SAME_SITE_UNSPECIFIED\x10\x00\x12\x11\n\rSAME_SITE_LAX\x10\x01\x12\x14\n\x10SAME_SITE_STRICT\x10\x02\x12\x12\n\x0eSAME_SITE_NONE\x10\x03*\xcb\x01\n\x14\x46orwardedHeadersMode\x12&\n"FORWARDED_HEADERS_MODE_UNSPECIFIED\x10\x00\x12!\n\x1d\x46ORWARDED_HEADERS_MODE_APPEND\x10\x01\x12"\n\x1e\x46ORWARDED_HEADERS_MODE_REPLACE\x10\x02\x12"\n\x1e\x46ORWARDED_HEADERS_MODE_IF_NONE\x10\x03\x12 \n\x1c\x46ORWARDED_HEADERS_MODE_NEVER\x10\x04*\x8f\x01\n\rPathMatchType\x12\x1f\n\x1bPATH_MATCH_TYPE_UNSPECIFIED\x10\x00\x12\x1a\n\x16PATH_MATCH_TYPE_PREFIX\x10\x01\x12\x19\n\x15PATH_MATCH_TYPE_EXACT\x10\x02\x12&\n"PATH_MATCH_TYPE_REGULAR_EXPRESSION\x10\x03*w\n\x0eValueMatchType\x12 \n\x1cVALUE_MATCH_TYPE_UNSPECIFIED\x10\x00\x12\x1a\n\x16VALUE_MATCH_TYPE_EXACT\x10\x01\x12\'\n#VALUE_MATCH_TYPE_REGULAR_EXPRESSION\x10\x02*\x8d\x01\n\x10PathModifierType\x12"\n\x1ePATH_MODIFIER_TYPE_UNSPECIFIED\x10\x00\x12(\n$PATH_MODIFIER_TYPE_REPLACE_FULL_PATH\x10\x01\x12+\n\'PATH_MODIFIER_TYPE_REPLACE_PREFIX_MATCH\x10\x02*t\n\nPickPolicy\x12\x1b\n\x17PICK_POLICY_UNSPECIFIED\x10\x00\x12\x16\n\x12PICK_POLICY_RANDOM\x10\x01\x12\x1b\n\x17PICK_POLICY_ROUND_ROBIN\x10\x02\x12\x14\n\x10PICK_POLICY_HASH\x10\x03*\x9b\x01\n\x0cResourceKind\x12\x1d\n\x19RESOURCE_KIND_UNSPECIFIED\x10\x00\x12\x1a\n\x16RESOURCE_KIND_SERVICES\x10\x01\x12\x1b\n\x17RESOURCE_KIND_ENDPOINTS\x10\x02\x12\x18\n\x14RESOURCE_KIND_ROUTES\x10\x03\x12\x19\n\x15RESOURCE_KIND_TUNNELS\x10\x04\x32\x91\x07\n\x08Resolver\x12T\n\x07Resolve\x12#.waygate.resolver.v1.ResolveRequest\x1a$.waygate.resolver.v1.ResolveResponse\x12M\n\x05Watch\x12!.waygate.resolver.v1.WatchRequest\x1a\x1f.waygate.resolver.v1.WatchEvent0\x01\x12]\n\nListRoutes\x12&.waygate.resolver.v1.ListRoutesRequest\x1a\'.waygate.resolver.v1.ListRoutesResponse\x12]\n\nApplyRoute\x12&.waygate.resolver.v1.ApplyRouteRequest\x1a\'.waygate.resolver.v1.ApplyRouteResponse\x12`\n\x0b\x44\x65leteRoute\x12\'.waygate.resolver.v1.DeleteRouteRequest\x1a(.waygate.resolver.v1.DeleteRouteResponse\x12\x63\n\x0cListGateways\x12(.waygate.resolver.v1.ListGatewaysRequest\x1a).waygate.resolver.v1.ListGatewaysResponse\x12s\n\x0fReportListeners\x12*.waygate.resolver.v1.GatewayListenerReport\x1a\x32.waygate.resolver.v1.GatewayListenerReportResponse(\x01\x12\x83\x01\n\x19ReportBackendCertificates\x12-.waygate.resolver.v1.BackendCertificateReport\x1a\x35.waygate.resolver.v1.BackendCertificateReportResponse(\x01\x12`\n\rReportTunnels\x12!.waygate.resolver.v1.TunnelReport\x1a*.waygate.resolver.v1.ReportTunnelsResponse(\x01\x62\x06proto3'
-)
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"waygate/resolver/v1/resolver.proto\x12\x13waygate.resolver.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"-\n\nServiceRef\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"y\n\x0bServicePort\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\x13\n\x0btarget_port\x18\x03 \x01(\t\x12\x10\n\x08protocol\x18\x04 \x01(\t\x12\x11\n\tnode_port\x18\x05 \x01(\r\x12\x14\n\x0c\x61pp_protocol\x18\x14 \x01(\t\"\xc9\x01\n\x07Service\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12.\n\x04type\x18\x03 \x01(\x0e\x32 .waygate.resolver.v1.ServiceType\x12\x13\n\x0b\x63luster_ips\x18\x04 \x03(\t\x12\x10\n\x08headless\x18\x05 \x01(\x08\x12\x15\n\rexternal_name\x18\x06 \x01(\t\x12/\n\x05ports\x18\x07 \x03(\x0b\x32 .waygate.resolver.v1.ServicePort\"<\n\x0c\x45ndpointPort\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\x10\n\x08protocol\x18\x03 \x01(\t\"\xe9\x01\n\x08\x45ndpoint\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0f\n\x07service\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x30\n\x05ports\x18\x04 \x03(\x0b\x32!.waygate.resolver.v1.EndpointPort\x12\r\n\x05ready\x18\x05 \x01(\x08\x12\x0f\n\x07serving\x18\x06 \x01(\x08\x12\x13\n\x0bterminating\x18\x07 \x01(\x08\x12\x0c\n\x04zone\x18\x08 \x01(\t\x12\x11\n\tnode_name\x18\t \x01(\t\x12\x0e\n\x06tunnel\x18\n \x01(\x08\x12\x10\n\x08hostname\x18\x0b \x01(\t\"B\n\x0b\x45ndpointRef\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0f\n\x07service\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\"a\n\x0cRouteBackend\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\r\x12\x11\n\tnamespace\x18\x32 \x01(\t\x12\x0c\n\x04port\x18\x33 \x01(\t\x12\x0f\n\x07invalid\x18\x34 \x01(\t\"\xe2\x03\n\x08RouteTLS\x12\x38\n\x0btermination\x18\x01 \x01(\x0e\x32#.waygate.resolver.v1.TLSTermination\x12\x13\n\x0b\x63\x65rtificate\x18\x02 \x01(\t\x12\x0b\n\x03key\x18\x03 \x01(\t\x12\x16\n\x0e\x63\x61_certificate\x18\x04 \x01(\t\x12\"\n\x1a\x64\x65stination_ca_certificate\x18\x05 \x01(\t\x12Q\n insecure_edge_termination_policy\x18\x06 \x01(\x0e\x32\'.waygate.resolver.v1.InsecureEdgePolicy\x12\'\n\x04hsts\x18\x07 \x01(\x0b\x32\x19.waygate.resolver.v1.HSTS\x12\x1d\n\x15\x63lient_ca_certificate\x18\x08 \x01(\t\x12\x1f\n\x17\x64\x65stination_server_name\x18\t \x01(\t\x12\"\n\x1apresent_client_certificate\x18\n \x01(\x08\x12\x1d\n\x15\x64\x65stination_system_ca\x18Z \x01(\x08\x12!\n\x19\x64\x65stination_san_hostnames\x18[ \x03(\t\x12\x1c\n\x14\x64\x65stination_san_uris\x18\\ \x03(\t\"_\n\x04HSTS\x12*\n\x07max_age\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x1a\n\x12include_subdomains\x18\x02 \x01(\x08\x12\x0f\n\x07preload\x18\x03 \x01(\x08\"\xcf\x01\n\x0eStickySessions\x12\x17\n\x0f\x64isable_cookies\x18\x01 \x01(\x08\x12\x13\n\x0b\x63ookie_name\x18\x02 \x01(\t\x12\x30\n\tsame_site\x18\x03 \x01(\x0e\x32\x1d.waygate.resolver.v1.SameSite\x12\x14\n\x0b\x63ookie_path\x18\x8c\x01 \x01(\t\x12\x16\n\rcookie_domain\x18\x8d\x01 \x01(\t\x12\x17\n\x0e\x63ookie_max_age\x18\x8e\x01 \x01(\r\x12\x16\n\rcookie_secure\x18\x8f\x01 \x01(\x08\"\x9c\x02\n\rRouteTimeouts\x12*\n\x07\x63onnect\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12)\n\x06\x63lient\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12)\n\x06server\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12/\n\x0chttp_request\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12)\n\x06tunnel\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12-\n\nkeep_alive\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xe3\n\n\x05Route\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x0c\n\x04path\x18\x04 \x01(\t\x12\x33\n\x08\x62\x61\x63kends\x18\x05 \x03(\x0b\x32!.waygate.resolver.v1.RouteBackend\x12\x13\n\x0btarget_port\x18\x06 \x01(\t\x12*\n\x03tls\x18\x07 \x01(\x0b\x32\x1d.waygate.resolver.v1.RouteTLS\x12\x33\n\x07\x62\x61lance\x18\x08 \x01(\x0e\x32\".waygate.resolver.v1.BalancePolicy\x12\x33\n\x06sticky\x18\t \x01(\x0b\x32#.waygate.resolver.v1.StickySessions\x12\x34\n\x08timeouts\x18\n \x01(\x0b\x32\".waygate.resolver.v1.RouteTimeouts\x12\x1a\n\x12\x61uth_proxy_headers\x18\x0b \x01(\x08\x12\x44\n\x11\x66orwarded_headers\x18\x0c \x01(\x0e\x32).waygate.resolver.v1.ForwardedHeadersMode\x12\x19\n\x11upstream_protocol\x18( \x01(\t\x12\x1f\n\x11request_buffering\x18\xaa\x01 \x01(\x08H\x00\x88\x01\x01\x12\x30\n\x06status\x18P \x01(\x0b\x32 .waygate.resolver.v1.RouteStatus\x12\x36\n\x12\x63reation_timestamp\x18Q \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x30\n\x07matches\x18\x32 \x03(\x0b\x32\x1f.waygate.resolver.v1.RouteMatch\x12\x32\n\x07\x66ilters\x18\x33 \x01(\x0b\x32!.waygate.resolver.v1.RouteFilters\x12\x32\n\x0frequest_timeout\x18\x34 \x01(\x0b\x32\x19.google.protobuf.Duration\x12:\n\x17\x62\x61\x63kend_request_timeout\x18\x35 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x15\n\rlistener_port\x18\x36 \x01(\r\x12\x0f\n\x07gateway\x18\x37 \x01(\t\x12\x0e\n\x06origin\x18\x38 \x01(\t\x12\x12\n\nrule_index\x18\x39 \x01(\r\x12\x19\n\x11listener_protocol\x18Z \x01(\t\x12\x30\n\x06\x61\x63\x63\x65ss\x18\x64 \x01(\x0b\x32 .waygate.resolver.v1.RouteAccess\x12#\n\x1aproxy_protocol_from_client\x18\xb4\x01 \x01(\x08\x12\"\n\x19proxy_protocol_to_backend\x18\xb5\x01 \x01(\x08\x12\x32\n\nrate_limit\x18x \x01(\x0b\x32\x1e.waygate.resolver.v1.RateLimit\x12\x38\n\rexternal_auth\x18y \x01(\x0b\x32!.waygate.resolver.v1.ExternalAuth\x12-\n\x04\x63ors\x18\x8c\x01 \x01(\x0b\x32\x1e.waygate.resolver.v1.RouteCors\x12\x19\n\x10max_request_body\x18\x8d\x01 \x01(\x04\x12\x16\n\rnext_upstream\x18\x8e\x01 \x01(\t\x12\x1c\n\x13next_upstream_tries\x18\x8f\x01 \x01(\r\x12\x17\n\x0erewrite_target\x18\x90\x01 \x01(\t\x12\x18\n\x0f\x64\x65\x66\x61ult_backend\x18\x91\x01 \x01(\t\x12\x10\n\x07hash_by\x18\x92\x01 \x01(\tB\x14\n\x12_request_buffering\"\x9a\x02\n\x0bRouteAccess\x12\r\n\x05\x62lock\x18\x01 \x03(\t\x12\x0c\n\x04\x64\x65ny\x18\x02 \x03(\t\x12\r\n\x05\x61llow\x18\x03 \x03(\t\x12\x19\n\x11\x62lock_user_agents\x18\x04 \x03(\t\x12\x16\n\x0e\x62lock_referers\x18\x05 \x03(\t\x12\x17\n\x0ftrusted_proxies\x18\x06 \x03(\t\x12\x11\n\tauth_type\x18\x07 \x01(\t\x12\x12\n\nauth_realm\x18\x08 \x01(\t\x12\x13\n\x0b\x63redentials\x18\t \x03(\t\x12\x13\n\x0bsatisfy_any\x18\n \x01(\x08\x12\x42\n\x12\x63lient_certificate\x18\x14 \x01(\x0b\x32&.waygate.resolver.v1.ClientCertificate\"\xbb\x01\n\x11\x43lientCertificate\x12\x17\n\x0f\x63\x61_certificates\x18\x01 \x01(\t\x12\x18\n\x10revocation_lists\x18\x02 \x01(\t\x12\x0e\n\x06verify\x18\x03 \x01(\t\x12\r\n\x05\x64\x65pth\x18\x04 \x01(\r\x12\x12\n\nerror_page\x18\x05 \x01(\t\x12\x18\n\x10pass_certificate\x18\x06 \x01(\x08\x12\x15\n\rmatch_subject\x18\x07 \x01(\t\x12\x0f\n\x07refusal\x18\x08 \x01(\t\"\x9f\x02\n\x0c\x45xternalAuth\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x0e\n\x06signin\x18\x03 \x01(\t\x12\x1d\n\x15signin_redirect_param\x18\x04 \x01(\t\x12\x18\n\x10response_headers\x18\x05 \x03(\t\x12\x18\n\x10request_redirect\x18\x06 \x01(\t\x12;\n\x11proxy_set_headers\x18\x07 \x03(\x0b\x32 .waygate.resolver.v1.RouteHeader\x12\x11\n\tcache_key\x18\x08 \x01(\t\x12?\n\x0f\x63\x61\x63he_durations\x18\t \x03(\x0b\x32&.waygate.resolver.v1.AuthCacheDuration\"P\n\x11\x41uthCacheDuration\x12\x0e\n\x06status\x18\x01 \x01(\r\x12+\n\x08\x64uration\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"\x96\x01\n\tRateLimit\x12\x0b\n\x03rps\x18\x01 \x01(\r\x12\x0b\n\x03rpm\x18\x02 \x01(\r\x12\x18\n\x10\x62urst_multiplier\x18\x03 \x01(\r\x12\x13\n\x0b\x63onnections\x18\x04 \x01(\r\x12\r\n\x05\x61llow\x18\x05 \x03(\t\x12\x16\n\x0erequest_status\x18\x06 \x01(\r\x12\x19\n\x11\x63onnection_status\x18\x07 \x01(\r\"\x94\x01\n\tRouteCors\x12\x15\n\rallow_origins\x18\x01 \x03(\t\x12\x15\n\rallow_methods\x18\x02 \x01(\t\x12\x15\n\rallow_headers\x18\x03 \x01(\t\x12\x16\n\x0e\x65xpose_headers\x18\x04 \x01(\t\x12\x19\n\x11\x61llow_credentials\x18\x05 \x01(\x08\x12\x0f\n\x07max_age\x18\x06 \x01(\r\"\xa6\x01\n\x0eRouteCondition\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x38\n\x14last_transition_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x1b\n\x13observed_generation\x18\x06 \x01(\x03\"F\n\x0bRouteStatus\x12\x37\n\nconditions\x18\x01 \x03(\x0b\x32#.waygate.resolver.v1.RouteCondition\"\xbd\x01\n\x10RouteSourceState\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\r\n\x05valid\x18\x02 \x01(\x08\x12\x12\n\nlast_error\x18\x03 \x01(\t\x12\x16\n\x0eloaded_version\x18\x04 \x01(\x04\x12-\n\tloaded_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x65rror_since\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"+\n\x08RouteRef\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"a\n\x0fRouteValueMatch\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\x12\x31\n\x04type\x18\x03 \x01(\x0e\x32#.waygate.resolver.v1.ValueMatchType\"\xd4\x01\n\nRouteMatch\x12\x35\n\tpath_type\x18\x01 \x01(\x0e\x32\".waygate.resolver.v1.PathMatchType\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x35\n\x07headers\x18\x03 \x03(\x0b\x32$.waygate.resolver.v1.RouteValueMatch\x12:\n\x0cquery_params\x18\x04 \x03(\x0b\x32$.waygate.resolver.v1.RouteValueMatch\x12\x0e\n\x06method\x18\x05 \x01(\t\"*\n\x0bRouteHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"\x83\x01\n\x13RouteHeaderModifier\x12-\n\x03set\x18\x01 \x03(\x0b\x32 .waygate.resolver.v1.RouteHeader\x12-\n\x03\x61\x64\x64\x18\x02 \x03(\x0b\x32 .waygate.resolver.v1.RouteHeader\x12\x0e\n\x06remove\x18\x03 \x03(\t\"\xbb\x01\n\rRouteRedirect\x12\x0e\n\x06scheme\x18\x01 \x01(\t\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\r\x12\x38\n\tpath_type\x18\x04 \x01(\x0e\x32%.waygate.resolver.v1.PathModifierType\x12\x0c\n\x04path\x18\x05 \x01(\t\x12\x13\n\x0bstatus_code\x18\x06 \x01(\r\x12\x1d\n\x14strip_trailing_slash\x18\x8c\x01 \x01(\x08\"h\n\x0cRouteRewrite\x12\x10\n\x08hostname\x18\x01 \x01(\t\x12\x38\n\tpath_type\x18\x02 \x01(\x0e\x32%.waygate.resolver.v1.PathModifierType\x12\x0c\n\x04path\x18\x03 \x01(\t\"P\n\x0bRouteMirror\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0f\n\x07service\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\t\x12\x0f\n\x07percent\x18\x04 \x01(\r\"\xb2\x02\n\x0cRouteFilters\x12\x41\n\x0frequest_headers\x18\x01 \x01(\x0b\x32(.waygate.resolver.v1.RouteHeaderModifier\x12\x42\n\x10response_headers\x18\x02 \x01(\x0b\x32(.waygate.resolver.v1.RouteHeaderModifier\x12\x34\n\x08redirect\x18\x03 \x01(\x0b\x32\".waygate.resolver.v1.RouteRedirect\x12\x32\n\x07rewrite\x18\x04 \x01(\x0b\x32!.waygate.resolver.v1.RouteRewrite\x12\x31\n\x07mirrors\x18\x05 \x03(\x0b\x32 .waygate.resolver.v1.RouteMirror\"+\n\x0cTunnelServer\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"R\n\x0eTunnelPresence\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x32\n\x07servers\x18\x02 \x03(\x0b\x32!.waygate.resolver.v1.TunnelServer\"\x80\x01\n\x0eResolveRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\t\x12-\n\x04pick\x18\x04 \x01(\x0e\x32\x1f.waygate.resolver.v1.PickPolicy\x12\x10\n\x08hash_key\x18\x05 \x01(\t\"X\n\x06Target\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\x11\n\tnode_name\x18\x03 \x01(\t\x12\x0c\n\x04zone\x18\x04 \x01(\t\x12\x0e\n\x06tunnel\x18\x05 \x01(\x08\"\xdb\x01\n\x0fResolveResponse\x12-\n\x07service\x18\x01 \x01(\x0b\x32\x1c.waygate.resolver.v1.Service\x12,\n\x07targets\x18\x02 \x03(\x0b\x32\x1b.waygate.resolver.v1.Target\x12+\n\x06picked\x18\x03 \x01(\x0b\x32\x1b.waygate.resolver.v1.Target\x12\x0f\n\x07version\x18\x04 \x01(\x04\x12-\n\tlast_sync\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"s\n\x0cWatchRequest\x12\x1b\n\x13resume_from_version\x18\x01 \x01(\x04\x12\x30\n\x05kinds\x18\x02 \x03(\x0e\x32!.waygate.resolver.v1.ResourceKind\x12\x14\n\x0cresume_epoch\x18\x03 \x01(\x04\"\xdc\x01\n\x08Snapshot\x12.\n\x08services\x18\x01 \x03(\x0b\x32\x1c.waygate.resolver.v1.Service\x12\x30\n\tendpoints\x18\x02 \x03(\x0b\x32\x1d.waygate.resolver.v1.Endpoint\x12*\n\x06routes\x18\x03 \x03(\x0b\x32\x1a.waygate.resolver.v1.Route\x12\x34\n\x07tunnels\x18\x04 \x03(\x0b\x32#.waygate.resolver.v1.TunnelPresence\x12\x0c\n\x04more\x18\x05 \x01(\x08\"\xb0\x03\n\x06\x43hange\x12\x38\n\x10service_upserted\x18\x01 \x01(\x0b\x32\x1c.waygate.resolver.v1.ServiceH\x00\x12:\n\x0fservice_deleted\x18\x02 \x01(\x0b\x32\x1f.waygate.resolver.v1.ServiceRefH\x00\x12:\n\x11\x65ndpoint_upserted\x18\x03 \x01(\x0b\x32\x1d.waygate.resolver.v1.EndpointH\x00\x12<\n\x10\x65ndpoint_deleted\x18\x04 \x01(\x0b\x32 .waygate.resolver.v1.EndpointRefH\x00\x12\x34\n\x0eroute_upserted\x18\x05 \x01(\x0b\x32\x1a.waygate.resolver.v1.RouteH\x00\x12\x36\n\rroute_deleted\x18\x06 \x01(\x0b\x32\x1d.waygate.resolver.v1.RouteRefH\x00\x12>\n\x0ftunnel_presence\x18\x07 \x01(\x0b\x32#.waygate.resolver.v1.TunnelPresenceH\x00\x42\x08\n\x06\x63hange\"`\n\x07\x43hanges\x12\x14\n\x0c\x66rom_version\x18\x01 \x01(\x04\x12,\n\x07\x63hanges\x18\x02 \x03(\x0b\x32\x1b.waygate.resolver.v1.Change\x12\x11\n\tcoalesced\x18\x03 \x01(\x08\"\xad\x02\n\nWatchEvent\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12-\n\tlast_sync\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06source\x18\x03 \x01(\t\x12\x31\n\x08snapshot\x18\x04 \x01(\x0b\x32\x1d.waygate.resolver.v1.SnapshotH\x00\x12/\n\x07\x63hanges\x18\x05 \x01(\x0b\x32\x1c.waygate.resolver.v1.ChangesH\x00\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\x12\x36\n\x07sources\x18\x07 \x03(\x0b\x32%.waygate.resolver.v1.RouteSourceState\x12\x1b\n\x13route_keys_withheld\x18\x08 \x01(\tB\x07\n\x05\x65vent\"M\n\x11ListRoutesRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x12\n\npage_token\x18\x03 \x01(\t\"\xa2\x01\n\x12ListRoutesResponse\x12*\n\x06routes\x18\x01 \x03(\x0b\x32\x1a.waygate.resolver.v1.Route\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x17\n\x0fnext_page_token\x18\x03 \x01(\t\x12\x36\n\x07sources\x18\x04 \x03(\x0b\x32%.waygate.resolver.v1.RouteSourceState\">\n\x11\x41pplyRouteRequest\x12)\n\x05route\x18\x01 \x01(\x0b\x32\x1a.waygate.resolver.v1.Route\"P\n\x12\x41pplyRouteResponse\x12)\n\x05route\x18\x01 \x01(\x0b\x32\x1a.waygate.resolver.v1.Route\x12\x0f\n\x07version\x18\x02 \x01(\x04\"@\n\x12\x44\x65leteRouteRequest\x12*\n\x03ref\x18\x01 \x01(\x0b\x32\x1d.waygate.resolver.v1.RouteRef\"&\n\x13\x44\x65leteRouteResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\"\xa8\x01\n\x10GatewayCondition\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x1b\n\x13observed_generation\x18\x05 \x01(\x03\x12\x38\n\x14last_transition_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x92\x01\n\x15GatewayListenerStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x17\n\x0f\x61ttached_routes\x18\x02 \x01(\r\x12\x17\n\x0fsupported_kinds\x18\x03 \x03(\t\x12\x39\n\nconditions\x18\x04 \x03(\x0b\x32%.waygate.resolver.v1.GatewayCondition\"\xbe\x01\n\x13GatewayParentStatus\x12\x19\n\x11gateway_namespace\x18\x01 \x01(\t\x12\x14\n\x0cgateway_name\x18\x02 \x01(\t\x12\x14\n\x0csection_name\x18\x03 \x01(\t\x12\x0c\n\x04port\x18\x04 \x01(\r\x12\x17\n\x0f\x63ontroller_name\x18\x05 \x01(\t\x12\x39\n\nconditions\x18\x06 \x03(\x0b\x32%.waygate.resolver.v1.GatewayCondition\"\xa0\x02\n\x13GatewayObjectStatus\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x03\x12\x39\n\nconditions\x18\x05 \x03(\x0b\x32%.waygate.resolver.v1.GatewayCondition\x12=\n\tlisteners\x18\x06 \x03(\x0b\x32*.waygate.resolver.v1.GatewayListenerStatus\x12\x39\n\x07parents\x18\x07 \x03(\x0b\x32(.waygate.resolver.v1.GatewayParentStatus\x12\x11\n\taddresses\x18\x08 \x03(\t\"7\n\x13ListGatewaysRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\r\n\x05kinds\x18\x02 \x03(\t\"\xbe\x01\n\x14ListGatewaysResponse\x12\x39\n\x07objects\x18\x01 \x03(\x0b\x32(.waygate.resolver.v1.GatewayObjectStatus\x12\x36\n\x07sources\x18\x02 \x03(\x0b\x32%.waygate.resolver.v1.RouteSourceState\x12\x33\n\x07ignored\x18\x03 \x03(\x0b\x32\".waygate.resolver.v1.IgnoredObject\"N\n\rIgnoredObject\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\"]\n\x15GatewayListenerReport\x12\r\n\x05proxy\x18\x01 \x01(\t\x12\x35\n\tlisteners\x18\x02 \x03(\x0b\x32\".waygate.resolver.v1.ListenerState\"u\n\rListenerState\x12\x0f\n\x07gateway\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\x10\n\x08protocol\x18\x03 \x01(\t\x12\x12\n\nlocal_port\x18\x04 \x01(\r\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x0f\n\x07message\x18\x06 \x01(\t\"\x1f\n\x1dGatewayListenerReportResponse\"m\n\x18\x42\x61\x63kendCertificateReport\x12\r\n\x05proxy\x18\x01 \x01(\t\x12\x42\n\x0c\x63\x65rtificates\x18\x02 \x03(\x0b\x32,.waygate.resolver.v1.BackendCertificateState\"\xcc\x01\n\x17\x42\x61\x63kendCertificateState\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\r\n\x05route\x18\x02 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\x12\r\n\x05names\x18\x04 \x03(\t\x12.\n\nnot_before\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12-\n\tnot_after\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07verdict\x18\x07 \x01(\t\"\"\n BackendCertificateReportResponse\"z\n\x0cTunnelReport\x12\x31\n\x06server\x18\x01 \x01(\x0b\x32!.waygate.resolver.v1.TunnelServer\x12\r\n\x05nodes\x18\x02 \x03(\t\x12(\n\x05lease\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\"(\n\x15ReportTunnelsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04*\xa4\x01\n\x0bServiceType\x12\x1c\n\x18SERVICE_TYPE_UNSPECIFIED\x10\x00\x12\x1b\n\x17SERVICE_TYPE_CLUSTER_IP\x10\x01\x12\x1a\n\x16SERVICE_TYPE_NODE_PORT\x10\x02\x12\x1e\n\x1aSERVICE_TYPE_LOAD_BALANCER\x10\x03\x12\x1e\n\x1aSERVICE_TYPE_EXTERNAL_NAME\x10\x04*\x8b\x01\n\x0eTLSTermination\x12\x1f\n\x1bTLS_TERMINATION_UNSPECIFIED\x10\x00\x12\x18\n\x14TLS_TERMINATION_EDGE\x10\x01\x12\x1f\n\x1bTLS_TERMINATION_PASSTHROUGH\x10\x02\x12\x1d\n\x19TLS_TERMINATION_REENCRYPT\x10\x03*\x9c\x01\n\x12InsecureEdgePolicy\x12$\n INSECURE_EDGE_POLICY_UNSPECIFIED\x10\x00\x12\x1d\n\x19INSECURE_EDGE_POLICY_NONE\x10\x01\x12\x1e\n\x1aINSECURE_EDGE_POLICY_ALLOW\x10\x02\x12!\n\x1dINSECURE_EDGE_POLICY_REDIRECT\x10\x03*\xa4\x01\n\rBalancePolicy\x12\x1e\n\x1a\x42\x41LANCE_POLICY_UNSPECIFIED\x10\x00\x12\x19\n\x15\x42\x41LANCE_POLICY_RANDOM\x10\x01\x12\x1e\n\x1a\x42\x41LANCE_POLICY_ROUND_ROBIN\x10\x02\x12\x1d\n\x19\x42\x41LANCE_POLICY_LEAST_CONN\x10\x03\x12\x19\n\x15\x42\x41LANCE_POLICY_SOURCE\x10\x04*b\n\x08SameSite\x12\x19\n\x15SAME_SITE_UNSPECIFIED\x10\x00\x12\x11\n\rSAME_SITE_LAX\x10\x01\x12\x14\n\x10SAME_SITE_STRICT\x10\x02\x12\x12\n\x0eSAME_SITE_NONE\x10\x03*\xcb\x01\n\x14\x46orwardedHeadersMode\x12&\n\"FORWARDED_HEADERS_MODE_UNSPECIFIED\x10\x00\x12!\n\x1d\x46ORWARDED_HEADERS_MODE_APPEND\x10\x01\x12\"\n\x1e\x46ORWARDED_HEADERS_MODE_REPLACE\x10\x02\x12\"\n\x1e\x46ORWARDED_HEADERS_MODE_IF_NONE\x10\x03\x12 \n\x1c\x46ORWARDED_HEADERS_MODE_NEVER\x10\x04*\x8f\x01\n\rPathMatchType\x12\x1f\n\x1bPATH_MATCH_TYPE_UNSPECIFIED\x10\x00\x12\x1a\n\x16PATH_MATCH_TYPE_PREFIX\x10\x01\x12\x19\n\x15PATH_MATCH_TYPE_EXACT\x10\x02\x12&\n\"PATH_MATCH_TYPE_REGULAR_EXPRESSION\x10\x03*w\n\x0eValueMatchType\x12 \n\x1cVALUE_MATCH_TYPE_UNSPECIFIED\x10\x00\x12\x1a\n\x16VALUE_MATCH_TYPE_EXACT\x10\x01\x12\'\n#VALUE_MATCH_TYPE_REGULAR_EXPRESSION\x10\x02*\x8d\x01\n\x10PathModifierType\x12\"\n\x1ePATH_MODIFIER_TYPE_UNSPECIFIED\x10\x00\x12(\n$PATH_MODIFIER_TYPE_REPLACE_FULL_PATH\x10\x01\x12+\n\'PATH_MODIFIER_TYPE_REPLACE_PREFIX_MATCH\x10\x02*t\n\nPickPolicy\x12\x1b\n\x17PICK_POLICY_UNSPECIFIED\x10\x00\x12\x16\n\x12PICK_POLICY_RANDOM\x10\x01\x12\x1b\n\x17PICK_POLICY_ROUND_ROBIN\x10\x02\x12\x14\n\x10PICK_POLICY_HASH\x10\x03*\x9b\x01\n\x0cResourceKind\x12\x1d\n\x19RESOURCE_KIND_UNSPECIFIED\x10\x00\x12\x1a\n\x16RESOURCE_KIND_SERVICES\x10\x01\x12\x1b\n\x17RESOURCE_KIND_ENDPOINTS\x10\x02\x12\x18\n\x14RESOURCE_KIND_ROUTES\x10\x03\x12\x19\n\x15RESOURCE_KIND_TUNNELS\x10\x04\x32\x91\x07\n\x08Resolver\x12T\n\x07Resolve\x12#.waygate.resolver.v1.ResolveRequest\x1a$.waygate.resolver.v1.ResolveResponse\x12M\n\x05Watch\x12!.waygate.resolver.v1.WatchRequest\x1a\x1f.waygate.resolver.v1.WatchEvent0\x01\x12]\n\nListRoutes\x12&.waygate.resolver.v1.ListRoutesRequest\x1a\'.waygate.resolver.v1.ListRoutesResponse\x12]\n\nApplyRoute\x12&.waygate.resolver.v1.ApplyRouteRequest\x1a\'.waygate.resolver.v1.ApplyRouteResponse\x12`\n\x0b\x44\x65leteRoute\x12\'.waygate.resolver.v1.DeleteRouteRequest\x1a(.waygate.resolver.v1.DeleteRouteResponse\x12\x63\n\x0cListGateways\x12(.waygate.resolver.v1.ListGatewaysRequest\x1a).waygate.resolver.v1.ListGatewaysResponse\x12s\n\x0fReportListeners\x12*.waygate.resolver.v1.GatewayListenerReport\x1a\x32.waygate.resolver.v1.GatewayListenerReportResponse(\x01\x12\x83\x01\n\x19ReportBackendCertificates\x12-.waygate.resolver.v1.BackendCertificateReport\x1a\x35.waygate.resolver.v1.BackendCertificateReportResponse(\x01\x12`\n\rReportTunnels\x12!.waygate.resolver.v1.TunnelReport\x1a*.waygate.resolver.v1.ReportTunnelsResponse(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, "waygate.resolver.v1.resolver_pb2", _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'waygate.resolver.v1.resolver_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-    DESCRIPTOR._loaded_options = None
-    _globals["_SERVICETYPE"]._serialized_start = 10362
-    _globals["_SERVICETYPE"]._serialized_end = 10526
-    _globals["_TLSTERMINATION"]._serialized_start = 10529
-    _globals["_TLSTERMINATION"]._serialized_end = 10668
-    _globals["_INSECUREEDGEPOLICY"]._serialized_start = 10671
-    _globals["_INSECUREEDGEPOLICY"]._serialized_end = 10827
-    _globals["_BALANCEPOLICY"]._serialized_start = 10830
-    _globals["_BALANCEPOLICY"]._serialized_end = 10994
-    _globals["_SAMESITE"]._serialized_start = 10996
-    _globals["_SAMESITE"]._serialized_end = 11094
-    _globals["_FORWARDEDHEADERSMODE"]._serialized_start = 11097
-    _globals["_FORWARDEDHEADERSMODE"]._serialized_end = 11300
-    _globals["_PATHMATCHTYPE"]._serialized_start = 11303
-    _globals["_PATHMATCHTYPE"]._serialized_end = 11446
-    _globals["_VALUEMATCHTYPE"]._serialized_start = 11448
-    _globals["_VALUEMATCHTYPE"]._serialized_end = 11567
-    _globals["_PATHMODIFIERTYPE"]._serialized_start = 11570
-    _globals["_PATHMODIFIERTYPE"]._serialized_end = 11711
-    _globals["_PICKPOLICY"]._serialized_start = 11713
-    _globals["_PICKPOLICY"]._serialized_end = 11829
-    _globals["_RESOURCEKIND"]._serialized_start = 11832
-    _globals["_RESOURCEKIND"]._serialized_end = 11987
-    _globals["_SERVICEREF"]._serialized_start = 124
-    _globals["_SERVICEREF"]._serialized_end = 169
-    _globals["_SERVICEPORT"]._serialized_start = 171
-    _globals["_SERVICEPORT"]._serialized_end = 292
-    _globals["_SERVICE"]._serialized_start = 295
-    _globals["_SERVICE"]._serialized_end = 496
-    _globals["_ENDPOINTPORT"]._serialized_start = 498
-    _globals["_ENDPOINTPORT"]._serialized_end = 558
-    _globals["_ENDPOINT"]._serialized_start = 561
-    _globals["_ENDPOINT"]._serialized_end = 794
-    _globals["_ENDPOINTREF"]._serialized_start = 796
-    _globals["_ENDPOINTREF"]._serialized_end = 862
-    _globals["_ROUTEBACKEND"]._serialized_start = 864
-    _globals["_ROUTEBACKEND"]._serialized_end = 961
-    _globals["_ROUTETLS"]._serialized_start = 964
-    _globals["_ROUTETLS"]._serialized_end = 1446
-    _globals["_HSTS"]._serialized_start = 1448
-    _globals["_HSTS"]._serialized_end = 1543
-    _globals["_STICKYSESSIONS"]._serialized_start = 1546
-    _globals["_STICKYSESSIONS"]._serialized_end = 1753
-    _globals["_ROUTETIMEOUTS"]._serialized_start = 1756
-    _globals["_ROUTETIMEOUTS"]._serialized_end = 2040
-    _globals["_ROUTE"]._serialized_start = 2043
-    _globals["_ROUTE"]._serialized_end = 3422
-    _globals["_ROUTEACCESS"]._serialized_start = 3425
-    _globals["_ROUTEACCESS"]._serialized_end = 3707
-    _globals["_CLIENTCERTIFICATE"]._serialized_start = 3710
-    _globals["_CLIENTCERTIFICATE"]._serialized_end = 3880
-    _globals["_EXTERNALAUTH"]._serialized_start = 3883
-    _globals["_EXTERNALAUTH"]._serialized_end = 4170
-    _globals["_AUTHCACHEDURATION"]._serialized_start = 4172
-    _globals["_AUTHCACHEDURATION"]._serialized_end = 4252
-    _globals["_RATELIMIT"]._serialized_start = 4255
-    _globals["_RATELIMIT"]._serialized_end = 4405
-    _globals["_ROUTECORS"]._serialized_start = 4408
-    _globals["_ROUTECORS"]._serialized_end = 4556
-    _globals["_ROUTECONDITION"]._serialized_start = 4559
-    _globals["_ROUTECONDITION"]._serialized_end = 4725
-    _globals["_ROUTESTATUS"]._serialized_start = 4727
-    _globals["_ROUTESTATUS"]._serialized_end = 4797
-    _globals["_ROUTESOURCESTATE"]._serialized_start = 4800
-    _globals["_ROUTESOURCESTATE"]._serialized_end = 4989
-    _globals["_ROUTEREF"]._serialized_start = 4991
-    _globals["_ROUTEREF"]._serialized_end = 5034
-    _globals["_ROUTEVALUEMATCH"]._serialized_start = 5036
-    _globals["_ROUTEVALUEMATCH"]._serialized_end = 5133
-    _globals["_ROUTEMATCH"]._serialized_start = 5136
-    _globals["_ROUTEMATCH"]._serialized_end = 5348
-    _globals["_ROUTEHEADER"]._serialized_start = 5350
-    _globals["_ROUTEHEADER"]._serialized_end = 5392
-    _globals["_ROUTEHEADERMODIFIER"]._serialized_start = 5395
-    _globals["_ROUTEHEADERMODIFIER"]._serialized_end = 5526
-    _globals["_ROUTEREDIRECT"]._serialized_start = 5529
-    _globals["_ROUTEREDIRECT"]._serialized_end = 5716
-    _globals["_ROUTEREWRITE"]._serialized_start = 5718
-    _globals["_ROUTEREWRITE"]._serialized_end = 5822
-    _globals["_ROUTEMIRROR"]._serialized_start = 5824
-    _globals["_ROUTEMIRROR"]._serialized_end = 5904
-    _globals["_ROUTEFILTERS"]._serialized_start = 5907
-    _globals["_ROUTEFILTERS"]._serialized_end = 6213
-    _globals["_TUNNELSERVER"]._serialized_start = 6215
-    _globals["_TUNNELSERVER"]._serialized_end = 6258
-    _globals["_TUNNELPRESENCE"]._serialized_start = 6260
-    _globals["_TUNNELPRESENCE"]._serialized_end = 6342
-    _globals["_RESOLVEREQUEST"]._serialized_start = 6345
-    _globals["_RESOLVEREQUEST"]._serialized_end = 6473
-    _globals["_TARGET"]._serialized_start = 6475
-    _globals["_TARGET"]._serialized_end = 6563
-    _globals["_RESOLVERESPONSE"]._serialized_start = 6566
-    _globals["_RESOLVERESPONSE"]._serialized_end = 6785
-    _globals["_WATCHREQUEST"]._serialized_start = 6787
-    _globals["_WATCHREQUEST"]._serialized_end = 6902
-    _globals["_SNAPSHOT"]._serialized_start = 6905
-    _globals["_SNAPSHOT"]._serialized_end = 7125
-    _globals["_CHANGE"]._serialized_start = 7128
-    _globals["_CHANGE"]._serialized_end = 7560
-    _globals["_CHANGES"]._serialized_start = 7562
-    _globals["_CHANGES"]._serialized_end = 7658
-    _globals["_WATCHEVENT"]._serialized_start = 7661
-    _globals["_WATCHEVENT"]._serialized_end = 7962
-    _globals["_LISTROUTESREQUEST"]._serialized_start = 7964
-    _globals["_LISTROUTESREQUEST"]._serialized_end = 8041
-    _globals["_LISTROUTESRESPONSE"]._serialized_start = 8044
-    _globals["_LISTROUTESRESPONSE"]._serialized_end = 8206
-    _globals["_APPLYROUTEREQUEST"]._serialized_start = 8208
-    _globals["_APPLYROUTEREQUEST"]._serialized_end = 8270
-    _globals["_APPLYROUTERESPONSE"]._serialized_start = 8272
-    _globals["_APPLYROUTERESPONSE"]._serialized_end = 8352
-    _globals["_DELETEROUTEREQUEST"]._serialized_start = 8354
-    _globals["_DELETEROUTEREQUEST"]._serialized_end = 8418
-    _globals["_DELETEROUTERESPONSE"]._serialized_start = 8420
-    _globals["_DELETEROUTERESPONSE"]._serialized_end = 8458
-    _globals["_GATEWAYCONDITION"]._serialized_start = 8461
-    _globals["_GATEWAYCONDITION"]._serialized_end = 8629
-    _globals["_GATEWAYLISTENERSTATUS"]._serialized_start = 8632
-    _globals["_GATEWAYLISTENERSTATUS"]._serialized_end = 8778
-    _globals["_GATEWAYPARENTSTATUS"]._serialized_start = 8781
-    _globals["_GATEWAYPARENTSTATUS"]._serialized_end = 8971
-    _globals["_GATEWAYOBJECTSTATUS"]._serialized_start = 8974
-    _globals["_GATEWAYOBJECTSTATUS"]._serialized_end = 9262
-    _globals["_LISTGATEWAYSREQUEST"]._serialized_start = 9264
-    _globals["_LISTGATEWAYSREQUEST"]._serialized_end = 9319
-    _globals["_LISTGATEWAYSRESPONSE"]._serialized_start = 9322
-    _globals["_LISTGATEWAYSRESPONSE"]._serialized_end = 9512
-    _globals["_IGNOREDOBJECT"]._serialized_start = 9514
-    _globals["_IGNOREDOBJECT"]._serialized_end = 9592
-    _globals["_GATEWAYLISTENERREPORT"]._serialized_start = 9594
-    _globals["_GATEWAYLISTENERREPORT"]._serialized_end = 9687
-    _globals["_LISTENERSTATE"]._serialized_start = 9689
-    _globals["_LISTENERSTATE"]._serialized_end = 9806
-    _globals["_GATEWAYLISTENERREPORTRESPONSE"]._serialized_start = 9808
-    _globals["_GATEWAYLISTENERREPORTRESPONSE"]._serialized_end = 9839
-    _globals["_BACKENDCERTIFICATEREPORT"]._serialized_start = 9841
-    _globals["_BACKENDCERTIFICATEREPORT"]._serialized_end = 9950
-    _globals["_BACKENDCERTIFICATESTATE"]._serialized_start = 9953
-    _globals["_BACKENDCERTIFICATESTATE"]._serialized_end = 10157
-    _globals["_BACKENDCERTIFICATEREPORTRESPONSE"]._serialized_start = 10159
-    _globals["_BACKENDCERTIFICATEREPORTRESPONSE"]._serialized_end = 10193
-    _globals["_TUNNELREPORT"]._serialized_start = 10195
-    _globals["_TUNNELREPORT"]._serialized_end = 10317
-    _globals["_REPORTTUNNELSRESPONSE"]._serialized_start = 10319
-    _globals["_REPORTTUNNELSRESPONSE"]._serialized_end = 10359
-    _globals["_RESOLVER"]._serialized_start = 11990
-    _globals["_RESOLVER"]._serialized_end = 12903
+  DESCRIPTOR._loaded_options = None
+  _globals['_SERVICETYPE']._serialized_start=10379
+  _globals['_SERVICETYPE']._serialized_end=10543
+  _globals['_TLSTERMINATION']._serialized_start=10546
+  _globals['_TLSTERMINATION']._serialized_end=10685
+  _globals['_INSECUREEDGEPOLICY']._serialized_start=10688
+  _globals['_INSECUREEDGEPOLICY']._serialized_end=10844
+  _globals['_BALANCEPOLICY']._serialized_start=10847
+  _globals['_BALANCEPOLICY']._serialized_end=11011
+  _globals['_SAMESITE']._serialized_start=11013
+  _globals['_SAMESITE']._serialized_end=11111
+  _globals['_FORWARDEDHEADERSMODE']._serialized_start=11114
+  _globals['_FORWARDEDHEADERSMODE']._serialized_end=11317
+  _globals['_PATHMATCHTYPE']._serialized_start=11320
+  _globals['_PATHMATCHTYPE']._serialized_end=11463
+  _globals['_VALUEMATCHTYPE']._serialized_start=11465
+  _globals['_VALUEMATCHTYPE']._serialized_end=11584
+  _globals['_PATHMODIFIERTYPE']._serialized_start=11587
+  _globals['_PATHMODIFIERTYPE']._serialized_end=11728
+  _globals['_PICKPOLICY']._serialized_start=11730
+  _globals['_PICKPOLICY']._serialized_end=11846
+  _globals['_RESOURCEKIND']._serialized_start=11849
+  _globals['_RESOURCEKIND']._serialized_end=12004
+  _globals['_SERVICEREF']._serialized_start=124
+  _globals['_SERVICEREF']._serialized_end=169
+  _globals['_SERVICEPORT']._serialized_start=171
+  _globals['_SERVICEPORT']._serialized_end=292
+  _globals['_SERVICE']._serialized_start=295
+  _globals['_SERVICE']._serialized_end=496
+  _globals['_ENDPOINTPORT']._serialized_start=498
+  _globals['_ENDPOINTPORT']._serialized_end=558
+  _globals['_ENDPOINT']._serialized_start=561
+  _globals['_ENDPOINT']._serialized_end=794
+  _globals['_ENDPOINTREF']._serialized_start=796
+  _globals['_ENDPOINTREF']._serialized_end=862
+  _globals['_ROUTEBACKEND']._serialized_start=864
+  _globals['_ROUTEBACKEND']._serialized_end=961
+  _globals['_ROUTETLS']._serialized_start=964
+  _globals['_ROUTETLS']._serialized_end=1446
+  _globals['_HSTS']._serialized_start=1448
+  _globals['_HSTS']._serialized_end=1543
+  _globals['_STICKYSESSIONS']._serialized_start=1546
+  _globals['_STICKYSESSIONS']._serialized_end=1753
+  _globals['_ROUTETIMEOUTS']._serialized_start=1756
+  _globals['_ROUTETIMEOUTS']._serialized_end=2040
+  _globals['_ROUTE']._serialized_start=2043
+  _globals['_ROUTE']._serialized_end=3422
+  _globals['_ROUTEACCESS']._serialized_start=3425
+  _globals['_ROUTEACCESS']._serialized_end=3707
+  _globals['_CLIENTCERTIFICATE']._serialized_start=3710
+  _globals['_CLIENTCERTIFICATE']._serialized_end=3897
+  _globals['_EXTERNALAUTH']._serialized_start=3900
+  _globals['_EXTERNALAUTH']._serialized_end=4187
+  _globals['_AUTHCACHEDURATION']._serialized_start=4189
+  _globals['_AUTHCACHEDURATION']._serialized_end=4269
+  _globals['_RATELIMIT']._serialized_start=4272
+  _globals['_RATELIMIT']._serialized_end=4422
+  _globals['_ROUTECORS']._serialized_start=4425
+  _globals['_ROUTECORS']._serialized_end=4573
+  _globals['_ROUTECONDITION']._serialized_start=4576
+  _globals['_ROUTECONDITION']._serialized_end=4742
+  _globals['_ROUTESTATUS']._serialized_start=4744
+  _globals['_ROUTESTATUS']._serialized_end=4814
+  _globals['_ROUTESOURCESTATE']._serialized_start=4817
+  _globals['_ROUTESOURCESTATE']._serialized_end=5006
+  _globals['_ROUTEREF']._serialized_start=5008
+  _globals['_ROUTEREF']._serialized_end=5051
+  _globals['_ROUTEVALUEMATCH']._serialized_start=5053
+  _globals['_ROUTEVALUEMATCH']._serialized_end=5150
+  _globals['_ROUTEMATCH']._serialized_start=5153
+  _globals['_ROUTEMATCH']._serialized_end=5365
+  _globals['_ROUTEHEADER']._serialized_start=5367
+  _globals['_ROUTEHEADER']._serialized_end=5409
+  _globals['_ROUTEHEADERMODIFIER']._serialized_start=5412
+  _globals['_ROUTEHEADERMODIFIER']._serialized_end=5543
+  _globals['_ROUTEREDIRECT']._serialized_start=5546
+  _globals['_ROUTEREDIRECT']._serialized_end=5733
+  _globals['_ROUTEREWRITE']._serialized_start=5735
+  _globals['_ROUTEREWRITE']._serialized_end=5839
+  _globals['_ROUTEMIRROR']._serialized_start=5841
+  _globals['_ROUTEMIRROR']._serialized_end=5921
+  _globals['_ROUTEFILTERS']._serialized_start=5924
+  _globals['_ROUTEFILTERS']._serialized_end=6230
+  _globals['_TUNNELSERVER']._serialized_start=6232
+  _globals['_TUNNELSERVER']._serialized_end=6275
+  _globals['_TUNNELPRESENCE']._serialized_start=6277
+  _globals['_TUNNELPRESENCE']._serialized_end=6359
+  _globals['_RESOLVEREQUEST']._serialized_start=6362
+  _globals['_RESOLVEREQUEST']._serialized_end=6490
+  _globals['_TARGET']._serialized_start=6492
+  _globals['_TARGET']._serialized_end=6580
+  _globals['_RESOLVERESPONSE']._serialized_start=6583
+  _globals['_RESOLVERESPONSE']._serialized_end=6802
+  _globals['_WATCHREQUEST']._serialized_start=6804
+  _globals['_WATCHREQUEST']._serialized_end=6919
+  _globals['_SNAPSHOT']._serialized_start=6922
+  _globals['_SNAPSHOT']._serialized_end=7142
+  _globals['_CHANGE']._serialized_start=7145
+  _globals['_CHANGE']._serialized_end=7577
+  _globals['_CHANGES']._serialized_start=7579
+  _globals['_CHANGES']._serialized_end=7675
+  _globals['_WATCHEVENT']._serialized_start=7678
+  _globals['_WATCHEVENT']._serialized_end=7979
+  _globals['_LISTROUTESREQUEST']._serialized_start=7981
+  _globals['_LISTROUTESREQUEST']._serialized_end=8058
+  _globals['_LISTROUTESRESPONSE']._serialized_start=8061
+  _globals['_LISTROUTESRESPONSE']._serialized_end=8223
+  _globals['_APPLYROUTEREQUEST']._serialized_start=8225
+  _globals['_APPLYROUTEREQUEST']._serialized_end=8287
+  _globals['_APPLYROUTERESPONSE']._serialized_start=8289
+  _globals['_APPLYROUTERESPONSE']._serialized_end=8369
+  _globals['_DELETEROUTEREQUEST']._serialized_start=8371
+  _globals['_DELETEROUTEREQUEST']._serialized_end=8435
+  _globals['_DELETEROUTERESPONSE']._serialized_start=8437
+  _globals['_DELETEROUTERESPONSE']._serialized_end=8475
+  _globals['_GATEWAYCONDITION']._serialized_start=8478
+  _globals['_GATEWAYCONDITION']._serialized_end=8646
+  _globals['_GATEWAYLISTENERSTATUS']._serialized_start=8649
+  _globals['_GATEWAYLISTENERSTATUS']._serialized_end=8795
+  _globals['_GATEWAYPARENTSTATUS']._serialized_start=8798
+  _globals['_GATEWAYPARENTSTATUS']._serialized_end=8988
+  _globals['_GATEWAYOBJECTSTATUS']._serialized_start=8991
+  _globals['_GATEWAYOBJECTSTATUS']._serialized_end=9279
+  _globals['_LISTGATEWAYSREQUEST']._serialized_start=9281
+  _globals['_LISTGATEWAYSREQUEST']._serialized_end=9336
+  _globals['_LISTGATEWAYSRESPONSE']._serialized_start=9339
+  _globals['_LISTGATEWAYSRESPONSE']._serialized_end=9529
+  _globals['_IGNOREDOBJECT']._serialized_start=9531
+  _globals['_IGNOREDOBJECT']._serialized_end=9609
+  _globals['_GATEWAYLISTENERREPORT']._serialized_start=9611
+  _globals['_GATEWAYLISTENERREPORT']._serialized_end=9704
+  _globals['_LISTENERSTATE']._serialized_start=9706
+  _globals['_LISTENERSTATE']._serialized_end=9823
+  _globals['_GATEWAYLISTENERREPORTRESPONSE']._serialized_start=9825
+  _globals['_GATEWAYLISTENERREPORTRESPONSE']._serialized_end=9856
+  _globals['_BACKENDCERTIFICATEREPORT']._serialized_start=9858
+  _globals['_BACKENDCERTIFICATEREPORT']._serialized_end=9967
+  _globals['_BACKENDCERTIFICATESTATE']._serialized_start=9970
+  _globals['_BACKENDCERTIFICATESTATE']._serialized_end=10174
+  _globals['_BACKENDCERTIFICATEREPORTRESPONSE']._serialized_start=10176
+  _globals['_BACKENDCERTIFICATEREPORTRESPONSE']._serialized_end=10210
+  _globals['_TUNNELREPORT']._serialized_start=10212
+  _globals['_TUNNELREPORT']._serialized_end=10334
+  _globals['_REPORTTUNNELSRESPONSE']._serialized_start=10336
+  _globals['_REPORTTUNNELSRESPONSE']._serialized_end=10376
+  _globals['_RESOLVER']._serialized_start=12007
+  _globals['_RESOLVER']._serialized_end=12920
 # @@protoc_insertion_point(module_scope)

@@ -417,7 +417,7 @@ class RouteAccess(_message.Message):
     def __init__(self, block: _Optional[_Iterable[str]] = ..., deny: _Optional[_Iterable[str]] = ..., allow: _Optional[_Iterable[str]] = ..., block_user_agents: _Optional[_Iterable[str]] = ..., block_referers: _Optional[_Iterable[str]] = ..., trusted_proxies: _Optional[_Iterable[str]] = ..., auth_type: _Optional[str] = ..., auth_realm: _Optional[str] = ..., credentials: _Optional[_Iterable[str]] = ..., satisfy_any: _Optional[bool] = ..., client_certificate: _Optional[_Union[ClientCertificate, _Mapping]] = ...) -> None: ...
 
 class ClientCertificate(_message.Message):
-    __slots__ = ("ca_certificates", "revocation_lists", "verify", "depth", "error_page", "pass_certificate", "match_subject")
+    __slots__ = ("ca_certificates", "revocation_lists", "verify", "depth", "error_page", "pass_certificate", "match_subject", "refusal")
     CA_CERTIFICATES_FIELD_NUMBER: _ClassVar[int]
     REVOCATION_LISTS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
@@ -425,6 +425,7 @@ class ClientCertificate(_message.Message):
     ERROR_PAGE_FIELD_NUMBER: _ClassVar[int]
     PASS_CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     MATCH_SUBJECT_FIELD_NUMBER: _ClassVar[int]
+    REFUSAL_FIELD_NUMBER: _ClassVar[int]
     ca_certificates: str
     revocation_lists: str
     verify: str
@@ -432,7 +433,8 @@ class ClientCertificate(_message.Message):
     error_page: str
     pass_certificate: bool
     match_subject: str
-    def __init__(self, ca_certificates: _Optional[str] = ..., revocation_lists: _Optional[str] = ..., verify: _Optional[str] = ..., depth: _Optional[int] = ..., error_page: _Optional[str] = ..., pass_certificate: _Optional[bool] = ..., match_subject: _Optional[str] = ...) -> None: ...
+    refusal: str
+    def __init__(self, ca_certificates: _Optional[str] = ..., revocation_lists: _Optional[str] = ..., verify: _Optional[str] = ..., depth: _Optional[int] = ..., error_page: _Optional[str] = ..., pass_certificate: _Optional[bool] = ..., match_subject: _Optional[str] = ..., refusal: _Optional[str] = ...) -> None: ...
 
 class ExternalAuth(_message.Message):
     __slots__ = ("url", "method", "signin", "signin_redirect_param", "response_headers", "request_redirect", "proxy_set_headers", "cache_key", "cache_durations")

@@ -102,6 +102,7 @@ async def front(
             "depth3",
         ),
         edge_route(pki, "plain.test", None, "plain"),
+        edge_route(pki, "broken.test", ClientCertificate("", refusal="host refused"), "broken"),
     ]
     if auth_port:
         guarded = edge_route(pki, "extauth.test", rules(pki), "extauth")
@@ -217,6 +218,13 @@ async def test_match_cn_error_page_crl_and_depth(pki: Pki, tmp_path: Path) -> No
         assert refused.startswith(b"HTTP/1.1 403"), refused[:200]
         assert b"client certificate unauthorized" in refused
         assert (await get(port, good, "nocn.test")).startswith(b"HTTP/1.1 403")
+
+        # Another Ingress's rules on the host refused (AuthTLSError): 403 for every
+        # request, on the host's own certificate.
+        for client in (none, good):
+            broken = await get(port, client, "broken.test")
+            assert broken.startswith(b"HTTP/1.1 403"), broken[:200]
+            assert b"X-Waygate-Error: host refused\r\n" in broken
 
         redirect = await get(port, none, "errors.test")
         assert redirect.startswith(b"HTTP/1.1 302"), redirect[:200]

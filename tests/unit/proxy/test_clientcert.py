@@ -76,3 +76,9 @@ def test_plain_http_only_has_match_cn() -> None:
     assert decide(Rules(ClientCertificate(ca, verify="off")), object(), b"x") == (
         b"ssl-client-verify: NONE\r\n"
     )
+
+
+def test_a_refused_hosts_rules_answer_403_everywhere() -> None:
+    rules = Rules(ClientCertificate("", refusal="host h: refused"))
+    assert decide(rules, None, None) == (403, "host h: refused")
+    assert decide(rules, object(), None) == (403, "host h: refused")

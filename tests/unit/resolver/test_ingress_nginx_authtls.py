@@ -176,3 +176,21 @@ def test_the_hosts_oldest_ingress_gives_every_path_its_rules():
         assert set(rules_of(found, name).values()) == {expected}, name
     assert set(rules_of(found, "elsewhere").values()) == {None}
     assert datetime(2024, 1, 1, tzinfo=UTC) == by_ingress(found, "first")[0].created
+
+
+def test_a_refused_ingress_makes_its_host_refuse_every_request():
+    # controller.go: an Ingress's AuthTLSError becomes the server's (`return 403` in
+    # its server block): the host's other paths are never served unchecked.
+    broken = ingress("broken", {P + "auth-tls-secret": "missing"}, tls=True)
+    sibling = ingress("sibling", tls=True, path="/other")
+    elsewhere = ingress("elsewhere", tls=True, host="other.example.com")
+    found = routes(tls_secret(), broken, sibling, elsewhere)
+    assert "Secret default/missing not found" in refusal(found, "broken")[1]
+    by_port = rules_of(found, "sibling")
+    assert set(by_port) == {80, 443}
+    for rules in by_port.values():
+        assert rules is not None and rules.refusal == (
+            "host app.example.com: the client-certificate rules of Ingress default/broken "
+            "are refused"
+        )
+    assert set(rules_of(found, "elsewhere").values()) == {None}
