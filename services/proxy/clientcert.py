@@ -155,15 +155,18 @@ def decide(rules: Rules, ssl_object: Any, session_id_context: bytes | None) -> R
         return (403, UNAUTHORIZED) if rules.match is not None else b"ssl-client-verify: NONE\r\n"
     if code and not (rules.verify == "optional_no_ca" and code in _UNTRUSTED_ISSUER):
         return rules.refuse(FAILED)
-    leaf = x509.load_der_x509_certificate(der)
-    subject = distinguished_name(leaf.subject)
+    try:
+        leaf = x509.load_der_x509_certificate(der)
+        subject = distinguished_name(leaf.subject)
+        issuer = distinguished_name(leaf.issuer)
+    except ValueError:  # OpenSSL took it (optional_no_ca), cryptography cannot read it
+        return rules.refuse(FAILED)
     if rules.unauthorized(subject):
         return 403, UNAUTHORIZED
     verdict = "SUCCESS" if code == 0 else "FAILED:" + verify_error_text(code)
     lines = "ssl-client-verify: " + verdict + "\r\n"
     if subject:
         lines += "ssl-client-subject-dn: " + subject + "\r\n"
-    issuer = distinguished_name(leaf.issuer)
     if issuer:
         lines += "ssl-client-issuer-dn: " + issuer + "\r\n"
     if rules.pass_certificate:
