@@ -41,8 +41,9 @@ from waygate.resolver.ingress_nginx.catalogue import CATALOGUE, Verdict
 from waygate.resolver.ingress_nginx.config import ControllerConfig
 from waygate.resolver.model import ClientCertificate, RouteAccess
 
-#: The auth-tls-* annotations that modify auth-tls-secret.
-CLIENT_CERTIFICATE_OPTIONS = (
+#: auth-tls-secret and the annotations that modify it.
+AUTH_TLS = (
+    "auth-tls-secret",
     "auth-tls-verify-client",
     "auth-tls-verify-depth",
     "auth-tls-error-page",
@@ -69,7 +70,7 @@ ANNOTATIONS = frozenset(
         "auth-secret-type",
         "auth-realm",
         "satisfy",
-        *(AUTH_TLS := ("auth-tls-secret", *CLIENT_CERTIFICATE_OPTIONS)),
+        *AUTH_TLS,
     )
 )
 UNSUPPORTED = "UnsupportedAnnotation"
@@ -315,6 +316,7 @@ def _client_certificate(
         verify=values.get("auth-tls-verify-client", DEFAULT_VERIFY),
         depth=depth,
         error_page=error_page,
+        # (the grammar admits Go's strconv.ParseBool spellings only)
         pass_certificate=values.get("auth-tls-pass-certificate-to-upstream", "false")
         in ("true", "1", "t", "TRUE", "True", "T"),
         match_subject=match,
