@@ -5,18 +5,19 @@ its own (its certificate, the route's CA bundle and revocation lists, a session
 id context of its own), and the SNI callback asks that connection's client for
 a certificate (`waygate.core.tls.ask_client_certificate`: OpenSSL verifies it
 with the route's depth and keeps the verdict; the handshake never fails on it,
-as nginx's never does). `decide(rules, ssl_object, session_id_context)` is the
+as nginx's never does). `decide(rules, ssl_object, rules_digest, host)` is the
 request's part, once per connection and route (the connection caches it), for
 HTTP/1.1 and HTTP/2 alike (the request core's `client_certificate` gate):
 
-- on a connection whose session was made under a context with other rules (an
-  HTTP/2 connection coalesced onto this host, an HTTP/1.1 Host that is not
-  the TLS server name, a session resumed from another host): 421 Misdirected
-  Request (nginx's answer; the client retries on a connection of its own),
-  since these rules never saw that certificate. Contexts are told apart by
-  their session id context, a digest of the rules that act in the handshake
-  (CA bundle, revocation lists, mode, depth), which OpenSSL stores in each
-  session;
+- on a connection whose TLS server name is not the route's host (an HTTP/2
+  connection coalesced onto this host, an HTTP/1.1 Host that is not the
+  server name, a session resumed from another host): 421 Misdirected Request,
+  as nginx answers a request for a server with ssl_verify_client whose name
+  is not the one negotiated (the client retries on a connection of its own).
+  The SNI callback marks each session (its session id context, which OpenSSL
+  keeps in the session) with a digest of the rules that act in the handshake
+  (CA bundle, revocation lists, mode, depth) and of the server name; a
+  wildcard route compares the rules' half only;
 - verify "on" without a certificate: 400 "No required SSL certificate was
   sent"; a certificate that failed verification (any mode but "off"; with
   optional_no_ca only an untrusted issuer passes, as nginx's
@@ -40,6 +41,7 @@ whose auth-tls-* cannot be honoured (another Ingress's: the resolver's
 from __future__ import annotations
 
 import functools
+import hashlib
 from typing import Any, Final
 from urllib.parse import quote
 
@@ -127,26 +129,43 @@ def distinguished_name(name: x509.Name) -> str:
     )
 
 
-def decide(rules: Rules, ssl_object: Any, session_id_context: bytes | None) -> Refusal | bytes:
+#: A session's mark: the rules' digest, then the server name's (16 bytes each).
+MARK_HALF: Final = 16
+
+
+def session_mark(rules_digest: bytes, server_name: str) -> bytes:
+    """What a session made for `server_name` under these rules is marked with (its
+    session id context, set by the SNI callback: OpenSSL keeps it in the session)."""
+    name = hashlib.sha256(server_name.lower().encode()).digest()
+    return rules_digest + name[:MARK_HALF]
+
+
+def decide(
+    rules: Rules, ssl_object: Any, rules_digest: bytes | None, host: str = ""
+) -> Refusal | bytes:
     """The request's verdict on its connection's certificate: a refusal, or the
-    header lines the backend gets (see the module docstring). `session_id_context`:
-    the one of the contexts verifying clients by these rules (None: the host's
-    certificate is not served)."""
+    header lines the backend gets (see the module docstring). `rules_digest`: the
+    session id context of the contexts verifying clients by these rules (None: the
+    host's certificate is not served); `host`: the route's."""
     if rules.refusal:  # ingress-nginx's AuthTLSError: the server returns 403
         return 403, rules.refusal
     if ssl_object is None:  # plain HTTP: no certificate, no ssl-client-* values
         return (403, UNAUTHORIZED) if rules.match is not None else b""
     if rules.verify == "off":
         return (403, UNAUTHORIZED) if rules.match is not None else b"ssl-client-verify: NONE\r\n"
-    if session_id_context is None:
+    if rules_digest is None:
         return 503, "the host's certificate is not served: no client certificate can be asked for"
     result = client_verify_result(ssl_object)
     if result is None:
         return 503, "client certificates cannot be read in this interpreter"
     code, sid = result
-    if sid != session_id_context:
-        # The session (new or resumed) was made under another host's context: its
-        # certificate, if any, was never verified by these rules.
+    if host.startswith("*."):  # any name under it (the request's is not known here)
+        misdirected = sid[:MARK_HALF] != rules_digest
+    else:
+        misdirected = sid != session_mark(rules_digest, host)
+    if misdirected:
+        # The session (new or resumed) was made for another server name: nginx's 421
+        # (its certificate, if any, may never have been verified by these rules).
         return 421, "the TLS session was made for another host: connect with this host's name"
     der = ssl_object.getpeercert(binary_form=True)
     if not der:

@@ -121,9 +121,9 @@ def dns_names(certificate: x509.Certificate) -> list[str]:
 
 def session_id_context(rules: ClientCertificate) -> bytes:
     """The session id context of the contexts verifying clients by `rules`: a digest
-    of what acts in the handshake (so hosts with the same rules share sessions and
-    HTTP/2 connections, as their certificates allow, and no others do)."""
-    return _digest(rules.ca_certificates, rules.revocation_lists, rules.verify, str(rules.depth))
+    of what acts in the handshake (`clientcert.session_mark` adds the server name)."""
+    digest = _digest(rules.ca_certificates, rules.revocation_lists, rules.verify, str(rules.depth))
+    return digest[: clientcert.MARK_HALF]
 
 
 class ServedCertificate:
@@ -430,7 +430,10 @@ class EdgeCertificates:
         ssl_object.context = served.context
         if served.ask_depth:  # ingress-nginx auth-tls: this connection, this host's rules
             ask_client_certificate(
-                ssl_object, served.ask_depth, served.session_id, revocation=served.revocation
+                ssl_object,
+                served.ask_depth,
+                clientcert.session_mark(served.session_id, name),
+                revocation=served.revocation,
             )
 
     def context_for(self, server_name: str | None) -> ssl.SSLContext | None:
@@ -593,6 +596,7 @@ class EdgeCertificates:
                 clientcert.rules_for(rules),
                 ssl_object,
                 served.session_id if served is not None else None,
+                route.host,
             )
         label = f"{route.namespace}/{route.name}"
         served = self.sni.client_auth.get((route.namespace, route.name))

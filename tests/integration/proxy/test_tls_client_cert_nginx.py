@@ -102,6 +102,7 @@ async def front(
             "depth3",
         ),
         edge_route(pki, "plain.test", None, "plain"),
+        edge_route(pki, "*.wild.test", rules(pki), "wild"),
         edge_route(pki, "broken.test", ClientCertificate("", refusal="host refused"), "broken"),
     ]
     if auth_port:
@@ -258,6 +259,10 @@ async def test_another_hosts_connection_is_misdirected(pki: Pki, tmp_path: Path)
         assert crossed.startswith(b"HTTP/1.1 421 Misdirected Request"), crossed[:200]
         other_rules = await get(port, good, "optional.test", host="auth.test")
         assert other_rules.startswith(b"HTTP/1.1 421"), other_rules[:200]
+        # A wildcard host: another name under it is taken (the named difference).
+        wild = await get(port, good, "a.wild.test", host="b.wild.test")
+        assert wild.startswith(b"HTTP/1.1 200"), wild[:200]
+        assert (await get(port, good, "a.wild.test", host="auth.test")).startswith(b"HTTP/1.1 421")
 
         h2 = client_context(pki, tmp_path, pki.clients)
         h2.set_alpn_protocols(["h2"])
@@ -272,15 +277,15 @@ async def test_another_hosts_connection_is_misdirected(pki: Pki, tmp_path: Path)
             response = await client.request("GET", "/", "auth.test")
             assert response.status == 200
             assert json.loads(response.body)["headers"]
-            # Hosts verifying by the same rules (CA, revocation lists, mode, depth)
-            # share a connection, as their certificates allow (nginx answers 421 to
-            # any other server with verification): each host's match-cn still holds.
-            assert (await client.request("GET", "/", "cn.test")).status == 200
-            assert (await client.request("GET", "/", "nocn.test")).status == 403
+            # Another host with verification, even by the same CA and mode: 421, as
+            # nginx (its server name is not the one negotiated).
+            assert (await client.request("GET", "/", "cn.test")).status == 421
             assert (await client.request("GET", "/", "optional.test")).status == 421
+            # A host without client-certificate rules takes the connection (as nginx).
+            assert (await client.request("GET", "/", "plain.test")).status == 200
         finally:
             await client.close()
-        assert upstream.received.count(b"GET ") == 3
+        assert upstream.received.count(b"GET ") == 4
 
 
 async def test_a_resumed_session_keeps_its_hosts_rules(pki: Pki, tmp_path: Path) -> None:
