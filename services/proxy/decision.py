@@ -48,6 +48,7 @@ from waygate.proxy import (
     access,
     bodylimit,
     captures,
+    clientcert,
     cors,
     extauth,
     filters,
@@ -294,6 +295,23 @@ def _edge_tls(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Ans
     return Answer(503, "route " + name + " is served on HTTPS only", "https_only", name)
 
 
+def _client_certificate(
+    forward: Forward, req: RequestHead, facts: ConnectionFacts
+) -> Answer | None:
+    """ingress-nginx auth-tls-*: the connection's certificate (`clientcert`: 400, 421,
+    403, or a 302 to the error page; else the ssl-client-* lines for the backend)."""
+    route = forward.entry.route
+    checked = facts.client_identity(route) if facts.secure else clientcert.on_plain_http(route)
+    if isinstance(checked, tuple):
+        status, reason = checked
+        name = forward.entry.options.name
+        if status == 302:
+            return Answer(302, reason, ANSWER_ROUTE_REDIRECT, name, refused=False)
+        return Answer(status, reason, clientcert.KIND, name)
+    forward.identity = checked
+    return None
+
+
 def _route_redirect(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
     """An HTTPRoute RequestRedirect: answered here, the backend never asked."""
     entry = forward.entry
@@ -424,6 +442,9 @@ def _cors_headers(forward: Forward, req: RequestHead, facts: ConnectionFacts) ->
 
 GATES: tuple[Rule, ...] = (
     Rule("edge_tls", lambda entry: entry.route.tls is not None, _edge_tls),
+    # nginx decides the certificate before any phase, auth-tls-match-cn in the
+    # server's rewrite phase: before the location's redirects.
+    Rule("client_certificate", clientcert.applies, _client_certificate),
     Rule("body_size", lambda entry: entry.route.max_request_body > 0, _body_size),
     Rule(
         "route_redirect",

@@ -514,14 +514,25 @@ def _access_to_proto(access: model.RouteAccess, with_credentials: bool) -> pb.Ro
     for name in _ACCESS_LISTS:
         if name != "credentials" or with_credentials:
             getattr(message, name).extend(getattr(access, name))
+    if access.client_certificate is not None:
+        message.client_certificate.CopyFrom(
+            pb.ClientCertificate(**dataclasses.asdict(access.client_certificate))
+        )
     return message
 
 
 def _access_from_proto(message: pb.RouteAccess) -> model.RouteAccess:
+    client = None
+    if message.HasField("client_certificate"):
+        found = message.client_certificate
+        client = model.ClientCertificate(
+            **{f.name: getattr(found, f.name) for f in dataclasses.fields(model.ClientCertificate)}
+        )
     return model.RouteAccess(
         auth_type=message.auth_type,
         auth_realm=message.auth_realm,
         satisfy_any=message.satisfy_any,
+        client_certificate=client,
         **{name: tuple(getattr(message, name)) for name in _ACCESS_LISTS},
     )
 

@@ -437,6 +437,25 @@ class RouteAccess:
     auth_realm: str = ""
     credentials: tuple[str, ...] = ()  # "user:hash" lines
     satisfy_any: bool = False
+    # auth-tls-*: the client certificate the route's host asks for (None: none).
+    client_certificate: ClientCertificate | None = None
+
+
+@dataclass(frozen=True)
+class ClientCertificate:
+    """ingress-nginx's auth-tls-* annotations (nginx's ssl_verify_client and friends):
+    the proxy's HTTPS listener asks for a certificate on the route's host and
+    decides each request by it (waygate.proxy.clientcert)."""
+
+    ca_certificates: str  # PEM bundle: the Secret's ca.crt
+    revocation_lists: str = ""  # PEM CRLs: the Secret's ca.crl (every CA needs one)
+    verify: str = "on"  # on, optional, optional_no_ca, off
+    depth: int = 1  # intermediate CAs allowed (ssl_verify_depth)
+    error_page: str = ""  # a 302 there instead of the 400 page
+    pass_certificate: bool = False  # ssl-client-cert to the backend
+    match_subject: str = ""  # RE2 searched in the subject DN (auth-tls-match-cn)
+    # Set: the host's auth-tls-* (another Ingress's) cannot be honoured: every request 403.
+    refusal: str = ""
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ from waygate.resolver.ingress_nginx.config import (
 from waygate.resolver.model import (
     HSTS,
     BalancePolicy,
+    ClientCertificate,
     Cors,
     ExternalAuth,
     ForwardedHeadersMode,
@@ -1639,10 +1640,17 @@ _CAPTURES = (
 def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]:
     """The routes `gateway.translate` made from the Ingress's rules (one per path and
     port, `rule_index` the flattened path index) -> what ingress-nginx would serve."""
+    secured = set(tls_hosts)
+    unsecured = _unsecured_client_certificate_hosts(p, routes, secured)
+    if unsecured:
+        p.refuse(
+            UNSUPPORTED,
+            f"annotation auth-tls-secret: host {unsecured} has no TLS certificate "
+            "(spec.tls), so no client certificate can be asked for on it",
+        )
     if p.refusal_reason:
         return [refused(p, route) for route in routes]
     refine(p)
-    secured = set(tls_hosts)
     out: list[Route] = []
     extra_hosts: dict[tuple[str, int], Route] = {}
     verdicts = p.verdict_lines()
@@ -1772,6 +1780,65 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
                         ),
                     )
                 )
+    return out
+
+
+def _unsecured_client_certificate_hosts(p: Plan, routes: list[Route], secured: set[str]) -> str:
+    """A host of the Ingress that client certificates would be asked for on, without
+    a certificate of its own ("" : none). ingress-nginx would serve it on the default
+    certificate; here it would have no HTTPS route at all, and its plain HTTP one
+    would reach the backend unchecked: refused instead."""
+    rules = p.access.client_certificate if p.access is not None else None
+    if rules is None or rules.verify == "off":
+        return ""
+    bare = sorted({r.host or "*" for r in routes if r.host not in secured})
+    return bare[0] if bare else ""
+
+
+def client_certificate_hosts(routes: list[Route], nginx: set[str]) -> list[Route]:
+    """ingress-nginx's auth-tls-* are the server's (ssl_client_certificate is set in
+    the host's server block, from the oldest Ingress of the host that has them): every
+    route of an ingress-nginx Ingress on that host gets them. An Ingress refused for
+    its auth-tls-* makes the host's other routes answer 403 (ingress-nginx's
+    AuthTLSError: `return 403` in the server block), never serve unchecked. `nginx`:
+    the names of the routes of ingress-nginx Ingresses (others are not touched)."""
+    broken: dict[str, ClientCertificate] = {}
+    chosen: dict[str, tuple[tuple[Any, ...], ClientCertificate]] = {}
+    for route in routes:
+        if route.name.split("~")[0] not in nginx:
+            continue
+        if route.ingress_refusal is not None:
+            if "auth-tls-" in route.ingress_refusal[1] and route.host not in broken:
+                why = (
+                    f"host {route.host}: the client-certificate rules of {route.origin} are refused"
+                )
+                broken[route.host] = ClientCertificate(ca_certificates="", refusal=why)
+            continue
+        rules = route.access.client_certificate if route.access is not None else None
+        if rules is None:
+            continue
+        # Oldest first (ingress-nginx sorts Ingresses by creation), then by name.
+        created = route.created.timestamp() if route.created else 0.0
+        rank: tuple[Any, ...] = (route.created is None, created, route.origin)
+        if route.host not in chosen or rank < chosen[route.host][0]:
+            chosen[route.host] = (rank, rules)
+    hosts = {host: rules for host, (_, rules) in chosen.items()} | broken
+    if not hosts:
+        return routes
+    out = []
+    for route in routes:
+        rules = hosts.get(route.host)
+        if (
+            rules is not None
+            and route.name.split("~")[0] in nginx
+            and route.ingress_refusal is None
+        ):
+            access = route.access or RouteAccess()
+            if access.client_certificate != rules:
+                route = dataclasses.replace(
+                    route, access=dataclasses.replace(access, client_certificate=rules)
+                )
+        out.append(route)
     return out
 
 

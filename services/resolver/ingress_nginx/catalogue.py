@@ -287,7 +287,6 @@ _RANGES = (
     "403 outside the allowed / inside the denied ranges; the client address is the "
     "peer's, or with use-forwarded-headers X-Forwarded-For's through proxy-real-ip-cidr"
 )
-_MTLS = "client certificates per Ingress: verify depth, optional modes and CN match not yet"
 _LIMIT = "global rate limits (memcached, across replicas): the proxy limits per replica only"
 _LIMITED = (
     "per proxy replica, keyed by the client address (nginx limit_req nodelay, limit_conn); "
@@ -411,27 +410,52 @@ ENTRIES: tuple[Entry, ...] = (
     _e(
         "auth-snippet", any_text, X, "a snippet of the external authentication request", access=True
     ),
-    _e("auth-tls-secret", name, X, _MTLS, access=True, lacks=True),
+    _e(
+        "auth-tls-secret",
+        name,
+        H,
+        "the Secret's ca.crt (and ca.crl) verify client certificates on the host's TLS "
+        "server name; the Ingress's namespace only, as ingress-nginx's default",
+        access=True,
+    ),
     _e(
         "auth-tls-verify-client",
         one_of("on", "off", "optional", "optional_no_ca"),
-        X,
-        _MTLS,
+        H,
+        "nginx's ssl_verify_client: a missing or failed certificate is a 400 (on), a "
+        "failed one (optional), an untrusted issuer passes as FAILED (optional_no_ca)",
         access=True,
-        lacks=True,
     ),
-    _e("auth-tls-verify-depth", integer, X, _MTLS, access=True, lacks=True),
-    _e("auth-tls-error-page", url, X, _MTLS, access=True, lacks=True),
-    _e("auth-tls-pass-certificate-to-upstream", boolean, X, _MTLS, access=True, lacks=True),
+    _e(
+        "auth-tls-verify-depth",
+        integer,
+        H,
+        "OpenSSL's verify depth (intermediate CAs between the certificate and ca.crt)",
+        access=True,
+    ),
+    _e(
+        "auth-tls-error-page",
+        url_or_path,
+        H,
+        "a missing or failed certificate is redirected there (302), as error_page 495 496",
+        access=True,
+    ),
+    _e(
+        "auth-tls-pass-certificate-to-upstream",
+        boolean,
+        H,
+        "ssl-client-cert (URL-encoded PEM) to the backend; ssl-client-verify, "
+        "-subject-dn and -issuer-dn always (a client's own are dropped)",
+        access=True,
+    ),
     _e(
         "auth-tls-match-cn",
         _matching(
             re.compile(r"CN=[A-Za-z0-9 ._*|()^+?-]{1,256}"), "CN= and a plain regular expression"
         ),
-        X,
-        _MTLS,
+        H,
+        "an RE2 search of the subject DN (RFC 2253, as $ssl_client_s_dn); no match: 403",
         access=True,
-        lacks=True,
     ),
     _e(
         "satisfy",
