@@ -56,6 +56,7 @@ from waygate.proxy import (
     http1,
     ratelimit,
     records,
+    responserewrite,
     tls,
 )
 from waygate.proxy.http1 import ForwardedContext, RequestHead
@@ -182,6 +183,8 @@ class Forward:
     body_limit = 0
     # upstream-hash-by's key (None: the client address, the source policy's own).
     hash_key: bytes | None = None
+    # Sent to ingress-nginx's error backend (errorpages): never redispatched to the route's.
+    error_request = False
     target: Target
     backend: Backend
     entry: RouteEntry
@@ -239,6 +242,8 @@ def repick(view: View, forward: Forward, facts: ConnectionFacts, failed: Target)
     """Another endpoint after a connect to `failed` failed (redispatch): from the
     current table's entry (an endpoint removed meanwhile is not picked). True when
     one was taken (the old count given back, the new one taken)."""
+    if forward.error_request:
+        return False
     req = forward.req
     current = view.table.lookup(req.host, forward.path, req, facts.secure)
     entry = current if current is not None else forward.entry
@@ -464,6 +469,8 @@ SHAPERS: tuple[Rule, ...] = (
         _capture_rewrite,
     ),
     Rule("cors", lambda entry: entry.route.cors is not None, _cors_headers),
+    # ingress-nginx's response-side annotations, after the modifiers above.
+    Rule("responses", responserewrite.applies, responserewrite.shape),
 )
 
 

@@ -74,6 +74,9 @@ def modify_request_fields(fields: bytes, modifier: HeaderModifier) -> bytes:
 def modify_response_fields(fields: bytes, modifier: HeaderModifier) -> bytes:
     """A response's field block (b"\\r\\nName: value" lines) after the modifier."""
     lines = fields.split(b"\r\n")[1:] if fields else []
+    rewrite = getattr(modifier, "rewrite", None)
+    if rewrite is not None:  # ingress-nginx proxy_redirect, proxy_cookie_* first (responserewrite)
+        lines = rewrite(lines)
     return b"".join(b"\r\n" + line for line in _modified_lines(lines, modifier))
 
 

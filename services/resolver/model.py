@@ -595,6 +595,20 @@ class Route:
     # ingress-nginx upstream-hash-by: the nginx variable whose value is the source
     # policy's hash key ("": the client address).
     hash_by: str = ""
+    # ingress-nginx's response-side annotations (waygate.proxy.responserewrite and
+    # .errorpages): proxy-redirect-from/-to ("": none), proxy-cookie-domain and
+    # -path ("FROM TO"; "": none), custom-http-errors and
+    # disable-proxy-intercept-errors, use-port-in-redirects,
+    # connection-proxy-header ("": the proxy's own) and enable-access-log "false".
+    redirect_from: str = ""
+    redirect_to: str = ""
+    cookie_domain: str = ""
+    cookie_path: str = ""
+    custom_http_errors: tuple[int, ...] = ()
+    intercept_errors_disabled: bool = False
+    port_in_redirects: bool = False
+    connection_header: str = ""
+    access_log_disabled: bool = False
 
     @property
     def key(self) -> RouteKey:

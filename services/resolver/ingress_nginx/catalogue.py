@@ -256,6 +256,16 @@ def _e(
 
 
 H, D, N, X = Verdict.HONOURED, Verdict.DIFFERENT, Verdict.NOOP, Verdict.NOT_HONOURED
+_PROXY_REDIRECT = (
+    "nginx proxy_redirect on the backend's Location and Refresh: `off`, `default` (its "
+    "pattern is ingress-nginx's internal upstream URL, which no backend sends: nothing "
+    "rewritten) or a literal prefix and its replacement (one starting with / made "
+    "absolute); regular expressions (~) are not honoured"
+)
+_PROXY_COOKIE = (
+    "nginx proxy_cookie_domain / proxy_cookie_path on Set-Cookie: `off` or a literal "
+    "`FROM TO`; regular expressions (~) and variables are not honoured"
+)
 _BUFFER = "an nginx buffer knob: the proxy streams bodies through bounded buffers of its own"
 _AUTH_URL = "external authentication: the auth subrequest's cache and cookies not yet"
 _AUTH = (
@@ -348,9 +358,10 @@ ENTRIES: tuple[Entry, ...] = (
     _e(
         "use-port-in-redirects",
         boolean,
-        X,
-        "the proxy's redirects name the port it listens on only when it is not the scheme's",
-        lacks=True,
+        D,
+        "a Location made absolute from proxy-redirect-to keeps the port the client "
+        "addressed (its Host) when it is not the scheme's; the proxy's own redirects to a "
+        "path name the Ingress's port (80/443), so none",
     ),
     _e(
         "relative-redirects",
@@ -359,8 +370,8 @@ ENTRIES: tuple[Entry, ...] = (
         "nginx's own redirects (absolute_redirect): the "
         "proxy sends no redirects of its own besides these annotations'",
     ),
-    _e("proxy-redirect-from", plain, X, "rewriting the backend's Location header", lacks=True),
-    _e("proxy-redirect-to", plain, X, "rewriting the backend's Location header", lacks=True),
+    _e("proxy-redirect-from", plain, H, _PROXY_REDIRECT),
+    _e("proxy-redirect-to", plain, H, _PROXY_REDIRECT),
     # ------------------------------------------------------------ access
     _e("whitelist-source-range", cidrs, H, _RANGES, access=True),
     _e("allowlist-source-range", cidrs, H, _RANGES, access=True),
@@ -611,8 +622,8 @@ ENTRIES: tuple[Entry, ...] = (
         D,
         "1.1 (or HTTP/2 where the backend speaks it); 1.0 is not honoured",
     ),
-    _e("proxy-cookie-domain", plain, X, "rewriting Set-Cookie domains", lacks=True),
-    _e("proxy-cookie-path", plain, X, "rewriting Set-Cookie paths", lacks=True),
+    _e("proxy-cookie-domain", plain, H, _PROXY_COOKIE),
+    _e("proxy-cookie-path", plain, H, _PROXY_COOKIE),
     _e(
         "proxy-ssl-secret",
         name,
@@ -661,9 +672,9 @@ ENTRIES: tuple[Entry, ...] = (
     _e(
         "connection-proxy-header",
         one_of("keep-alive", "close", "upgrade", case=False),
-        X,
-        "the proxy owns the Connection header",
-        lacks=True,
+        H,
+        "the Connection value an HTTP/1.1 backend gets (an upgrade the client asked for "
+        "keeps `upgrade`; an HTTP/2 backend gets no Connection header)",
     ),
     _e("fastcgi-index", plain, X, "FastCGI backends"),
     _e("fastcgi-params-configmap", name, X, "FastCGI backends"),
@@ -688,21 +699,39 @@ ENTRIES: tuple[Entry, ...] = (
         "the ConfigMap's entries set on every response; a "
         "missing ConfigMap or a bad header: not served (ingress-nginx answers 503)",
     ),
-    _e("custom-http-errors", status_codes, X, "answers from an error backend", lacks=True),
+    _e(
+        "custom-http-errors",
+        status_codes,
+        D,
+        "the backend's answers with these statuses, and the proxy's own failures with them "
+        "(a refused or broken backend's 502), are replaced by the default-backend "
+        "Service's (else the proxy's own error page) to GET / with X-Code, X-Format, "
+        "X-Original-URI, X-Namespace, X-Ingress-Name, X-Service-Name, X-Service-Port and "
+        "X-Request-ID, its status the client's; the error backend gets no request body, an "
+        "answer that comes while the request body still streams is not intercepted, and "
+        "the proxy's timeouts (504) and refusals before a backend is asked keep its own pages",
+    ),
     _e(
         "default-backend",
         name,
-        D,
-        "the Service (its only port, or its first) takes the requests, as they are, when the Ingress's "
-        "Service has no ready endpoint; as custom-http-errors' error backend it is not used",
+        H,
+        "the Service (its first port) takes the requests, as they are, with X-Code 503 and "
+        "the route's names, when the Ingress's Service has no ready endpoint, and is "
+        "custom-http-errors' error backend",
     ),
-    _e("disable-proxy-intercept-errors", boolean, N, "only meaningful with custom-http-errors"),
+    _e(
+        "disable-proxy-intercept-errors",
+        boolean,
+        H,
+        "the backend's answers pass unchanged (the proxy's own failures with a listed "
+        "status still go to the error backend, as nginx's error_page)",
+    ),
     _e(
         "enable-access-log",
         boolean,
-        D,
-        "`true` exactly; `false` is not honoured (the proxy logs every request)",
-        lacks=True,
+        H,
+        "`false`: the proxy writes no access-log line for the route's requests (its metrics "
+        "and spans stay)",
     ),
     _e("enable-rewrite-log", boolean, N, "nginx's debug log of rewrites"),
     _e(
