@@ -84,6 +84,9 @@ def modify_response_fields(fields: bytes, modifier: HeaderModifier | SetFields) 
             return fields + modifier.block  # (the common answer: no line of those names)
         return modifier.applied(fields)
     lines = fields.split(b"\r\n")[1:] if fields else []
+    rewrite = getattr(modifier, "rewrite", None)
+    if rewrite is not None:  # ingress-nginx proxy_redirect, proxy_cookie_* first (responserewrite)
+        lines = rewrite(lines)
     return b"".join(b"\r\n" + line for line in _modified_lines(lines, modifier))
 
 
@@ -95,6 +98,9 @@ class SetFields:
     `remove`: the same result through the general rewrite)."""
 
     __slots__ = ("add", "base", "block", "present", "remove", "set")
+    # No ingress-nginx error pages ride on it (errorpages reads `errors` off any
+    # response modifier: a class attribute, so that read costs no failed lookup).
+    errors = None
 
     def __init__(
         self, headers: tuple[tuple[str, str], ...], base: HeaderModifier | None = None

@@ -145,3 +145,14 @@ def test_an_http2_backends_own_lines_give_way_the_same():
     assert out[0] == (b"content-type", b"text/plain")
     assert [v for n, v in out if n == b"access-control-allow-origin"] == [b"https://a.test"]
     assert (b"access-control-max-age", b"1728000") in out
+
+
+def test_cors_and_the_response_rewrites_compose():
+    # proxy-redirect-* (responserewrite) after CORS: both apply, CORS's lines set.
+    route = rt(cors=Cors(), redirect_from="http://in.test/", redirect_to="https://a.test/")
+    forward = decide(view([route], [ep()]), origin("https://b.test"), Facts(), 0.0)
+    assert isinstance(forward, Forward) and forward.response_modifier is not None
+    sent = b"\r\nLocation: http://in.test/x\r\nAccess-Control-Allow-Origin: https://evil.test"
+    out = filters.modify_response_fields(sent, forward.response_modifier)
+    assert b"Location: https://a.test/x" in out
+    assert out.count(b"Access-Control-Allow-Origin") == 1 and b"Allow-Origin: *" in out
