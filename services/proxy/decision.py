@@ -47,6 +47,7 @@ from typing import Any, NamedTuple, Protocol
 from waygate.proxy import (
     access,
     bodylimit,
+    canary,
     captures,
     cors,
     extauth,
@@ -411,6 +412,15 @@ def _hash_by(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answ
     return None
 
 
+def _canary(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
+    """ingress-nginx canary: the request goes on with the main or the canary side of
+    its route (`waygate.proxy.canary`); the endpoint is picked from that side."""
+    entry = forward.entry
+    sticky = _sticky_cookie(req, entry) if req.cookie else None
+    forward.entry = entry.policies["canary"].choose(req, sticky)
+    return None
+
+
 def _cors_headers(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
     if forward.cors is not None:
         forward.response_modifier = cors.with_headers(forward.response_modifier, forward.cors)
@@ -434,6 +444,8 @@ GATES: tuple[Rule, ...] = (
     Rule("access", access.prepare, _access),
     Rule("external_auth", lambda entry: entry.route.external_auth is not None, _external_auth),
     Rule("hash_by", _has_hash_by, _hash_by),
+    # Last: ingress-nginx's balancer decides the canary after every access check.
+    Rule("canary", canary.prepare, _canary),
 )
 SHAPERS: tuple[Rule, ...] = (
     Rule("request_filters", _has_filters, _request_filters),
@@ -522,6 +534,7 @@ def decide(
             if answer is not None:
                 release_pick(forward)  # what an earlier gate held
                 return answer
+        entry = forward.entry  # a gate may narrow it (the canary's side)
     # The endpoint: one backend with one endpoint and no cookie takes it without a call.
     cookie = None
     if req.cookie:

@@ -331,6 +331,8 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
     message.rewrite_target = route.rewrite_target
     message.default_backend = route.default_backend
     message.hash_by = route.hash_by
+    if (canary := route.canary) is not None:
+        message.canary.CopyFrom(pb.RouteCanary(**dataclasses.asdict(canary)))
     if route.tls is not None:
         hsts = route.tls.hsts
         message.tls.CopyFrom(
@@ -474,6 +476,20 @@ def route_from_proto(message: pb.Route) -> model.Route:
         rewrite_target=message.rewrite_target,
         default_backend=message.default_backend,
         hash_by=message.hash_by,
+        canary=_canary_from_proto(message.canary) if message.HasField("canary") else None,
+    )
+
+
+def _canary_from_proto(message: pb.RouteCanary) -> model.Canary:
+    return model.Canary(
+        main_backends=message.main_backends,
+        weight=message.weight,
+        weight_total=message.weight_total,
+        header=message.header,
+        header_value=message.header_value,
+        header_pattern=message.header_pattern,
+        cookie=message.cookie,
+        legacy_affinity=message.legacy_affinity,
     )
 
 

@@ -476,6 +476,25 @@ class ExternalAuth:
 
 
 @dataclass(frozen=True)
+class Canary:
+    """A canary Ingress folded into its main Ingress's route (ingress-nginx's
+    alternative backend): `Route.backends[:main_backends]` are the main ones, the
+    rest the canary's; the proxy decides each request as ingress-nginx's
+    balancer.lua: a sticky cookie naming a main endpoint, then one naming a canary
+    endpoint (not with `legacy_affinity`), then the header, the cookie, the weight."""
+
+    main_backends: int
+    weight: int = 0
+    weight_total: int = 100  # the draw is 1..max(100, weight_total), as balancer.lua
+    header: str = ""
+    header_value: str = ""  # the header's value exactly ("": always/never)
+    header_pattern: str = ""  # a regular expression found in the header's value
+    cookie: str = ""  # canary-by-cookie: its value "always" or "never"
+    # affinity-canary-behavior legacy: the canary's answers set no sticky cookie.
+    legacy_affinity: bool = False
+
+
+@dataclass(frozen=True)
 class Cors:
     """ingress-nginx's enable-cors with its cors-* annotations (their defaults here):
     origins are `*` or scheme://host[:port] with an optional `*.` subdomain wildcard."""
@@ -576,6 +595,8 @@ class Route:
     # ingress-nginx upstream-hash-by: the nginx variable whose value is the source
     # policy's hash key ("": the client address).
     hash_by: str = ""
+    # ingress-nginx canary annotations: a canary folded into this route (None: none).
+    canary: Canary | None = None
 
     @property
     def key(self) -> RouteKey:

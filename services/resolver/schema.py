@@ -238,6 +238,7 @@ DERIVED: Final[Mapping[str, Mapping[str, str]]] = {
         "rewrite_target": "ingress-nginx rewrite-target with capture groups",
         "default_backend": "ingress-nginx default-backend",
         "hash_by": "ingress-nginx upstream-hash-by",
+        "canary": "ingress-nginx canary annotations (a canary Ingress folded in)",
     },
     "RouteBackend": {
         "namespace": "Gateway API backendRefs across namespaces (ReferenceGrant)",

@@ -49,10 +49,10 @@ from waygate.resolver.ingress_nginx.config import (
 from waygate.resolver.model import (
     HSTS,
     BalancePolicy,
+    Canary,
     Cors,
     ExternalAuth,
     ForwardedHeadersMode,
-    HeaderMatch,
     HeaderModifier,
     InsecureEdgePolicy,
     PathMatchType,
@@ -69,7 +69,6 @@ from waygate.resolver.model import (
     SameSite,
     StickySessions,
     TLSTermination,
-    ValueMatchType,
 )
 
 JSON = dict[str, Any]
@@ -128,6 +127,8 @@ class Plan:
     canary_header: str = ""
     canary_header_value: str = ""
     canary_header_pattern: str = ""
+    canary_cookie: str = ""
+    canary_legacy_affinity: bool = False  # affinity-canary-behavior: legacy
     # Flattened rule paths, then the default backend: (pathType, path), by rule_index.
     paths: list[tuple[str, str]] = field(default_factory=list)
     use_regex: bool = False
@@ -691,6 +692,19 @@ def _cookie(
         found(short)
 
 
+@_handles("affinity-canary-behavior")
+def _affinity_canary(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    """Read on the canary Ingress (ingress-nginx's mergeAlternativeBackend): `sticky`
+    (the default) gives the canary the main Ingress's sticky cookie, `legacy` none."""
+    if not _flag(values.get("canary", "false")):
+        found(short, Verdict.NOOP, 'read on a canary Ingress only (canary: "true")')
+        return
+    p.canary_legacy_affinity = value == "legacy"
+    found(short)
+
+
 @_handles("affinity-mode")
 def _affinity_mode(
     p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
@@ -997,6 +1011,7 @@ def _access_log(
     "canary-by-header",
     "canary-by-header-value",
     "canary-by-header-pattern",
+    "canary-by-cookie",
 )
 def _canary(
     p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
@@ -1015,6 +1030,9 @@ def _canary(
         found(short, Verdict.HONOURED, "")
     elif short == "canary-by-header":
         p.canary_header = value
+        found(short, Verdict.HONOURED, "")
+    elif short == "canary-by-cookie":
+        p.canary_cookie = value
         found(short, Verdict.HONOURED, "")
     elif short == "canary-by-header-value":
         if not values.get("canary-by-header"):
@@ -1669,12 +1687,14 @@ def placeholder(key: tuple[str, str], obj: JSON, p: Plan) -> Route:
 
 
 def merge_canaries(routes: list[Route], canaries: list[tuple[Plan, list[Route]]]) -> list[Route]:
-    """Canary Ingresses folded into their main Ingress's routes, as ingress-nginx does:
-    the main route of the same host, port and path gets the canary's backend by
-    weight (canary-weight of canary-weight-total), and a request whose
-    canary-by-header says `always` (or its -value, or matches its -pattern) goes to
-    the canary alone, `never` to the main backends alone (the header decides
-    before the weight). A canary without a main route is not served."""
+    """Canary Ingresses folded into their main Ingress's routes, as ingress-nginx's
+    alternative backends: the main route of the same host, port and path gets the
+    canary's backends after its own and the canary's policy (`Route.canary`), which
+    the proxy decides per request as ingress-nginx's balancer does (its sticky
+    cookie, then canary-by-header, then canary-by-cookie, then canary-weight of
+    max(100, canary-weight-total)). The backends' weights say the same split for
+    whoever reads the route. A canary without a main route is not served; a second
+    canary of one main route is not used (ingress-nginx uses the first)."""
     out = list(routes)
     index = {
         (r.host, r.listener_port, r.matches[0] if r.matches else None): i
@@ -1690,8 +1710,10 @@ def merge_canaries(routes: list[Route], canaries: list[tuple[Plan, list[Route]]]
             main = out[at]
             if main.filters is not None and main.filters.redirect is not None:
                 continue  # answered by a redirect: no backend to share
-            extra = tuple(dataclasses.replace(b, weight=0) for b in canary.backends)
-            total = max(plan.canary_total, 1)
+            if main.canary is not None or not main.backends:
+                continue
+            # balancer.lua draws 1..max(100, weight-total).
+            total = max(plan.canary_total, 100)
             weight = min(max(plan.canary_weight, 0), total)
             scale = 256 / total if total > 256 else 1.0
             out[at] = dataclasses.replace(
@@ -1700,42 +1722,20 @@ def merge_canaries(routes: list[Route], canaries: list[tuple[Plan, list[Route]]]
                     dataclasses.replace(b, weight=round((total - weight) * scale))
                     for b in main.backends
                 )
-                + tuple(dataclasses.replace(b, weight=round(weight * scale)) for b in extra),
+                + tuple(
+                    dataclasses.replace(b, weight=round(weight * scale)) for b in canary.backends
+                ),
+                canary=Canary(
+                    main_backends=len(main.backends),
+                    weight=weight,
+                    weight_total=total,
+                    header=plan.canary_header,
+                    header_value=plan.canary_header_value,
+                    header_pattern=plan.canary_header_pattern,
+                    cookie=plan.canary_cookie,
+                    legacy_affinity=plan.canary_legacy_affinity,
+                ),
             )
-            if not plan.canary_header:
-                continue
-            match = main.matches[0]
-            if plan.canary_header_value:
-                to_canary = HeaderMatch(plan.canary_header, plan.canary_header_value)
-            elif plan.canary_header_pattern:
-                to_canary = HeaderMatch(
-                    plan.canary_header,
-                    f".*(?:{plan.canary_header_pattern}).*",
-                    ValueMatchType.REGEX,
-                )
-            else:
-                to_canary = HeaderMatch(plan.canary_header, "always")
-            out.append(
-                dataclasses.replace(
-                    main,
-                    name=f"{main.name}~canary",
-                    matches=(dataclasses.replace(match, headers=(to_canary,)),),
-                    backends=tuple(dataclasses.replace(b, weight=1) for b in canary.backends),
-                )
-            )
-            if not plan.canary_header_value and not plan.canary_header_pattern:
-                out.append(
-                    dataclasses.replace(
-                        main,
-                        name=f"{main.name}~canary-never",
-                        matches=(
-                            dataclasses.replace(
-                                match, headers=(HeaderMatch(plan.canary_header, "never"),)
-                            ),
-                        ),
-                        backends=main.backends,
-                    )
-                )
     return out
 
 

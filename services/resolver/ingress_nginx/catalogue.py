@@ -286,7 +286,10 @@ _LIMITED = (
 _LIMIT_RATE = "throttling response bytes per connection: not yet"
 _WAF = "ModSecurity/OWASP CRS: Waygate has no web application firewall"
 _CORS = "CORS headers on allowed origins' answers; preflights (OPTIONS) answered 204 by the proxy"
-_CANARY = "folded into the main Ingress's routes: backends by weight, the header first"
+_CANARY = (
+    "folded into the main Ingress's route and decided per request as ingress-nginx's "
+    "balancer: the sticky cookie, then the header, then the cookie, then the weight"
+)
 
 ENTRIES: tuple[Entry, ...] = (
     # ------------------------------------------------------------ paths
@@ -436,13 +439,7 @@ ENTRIES: tuple[Entry, ...] = (
     _e("canary-by-header", _matching(_HEADER, "a header name"), H, _CANARY),
     _e("canary-by-header-value", header_value, H, _CANARY),
     _e("canary-by-header-pattern", regex, D, _CANARY + "; the pattern in RE2 syntax"),
-    _e(
-        "canary-by-cookie",
-        _matching(_HEADER, "a cookie name"),
-        X,
-        "routing by cookie value",
-        lacks=True,
-    ),
+    _e("canary-by-cookie", _matching(_HEADER, "a cookie name"), H, _CANARY),
     _e(
         "affinity",
         one_of("cookie"),
@@ -459,9 +456,10 @@ ENTRIES: tuple[Entry, ...] = (
     _e(
         "affinity-canary-behavior",
         one_of("sticky", "legacy"),
-        X,
-        "sticky cookies across main and canary",
-        lacks=True,
+        D,
+        "on the canary Ingress: sticky (the default) keeps a client on the side its "
+        "cookie names, legacy sets no cookie from the canary; a cookie naming an endpoint "
+        "no longer ready is decided afresh (ingress-nginx's names the backend)",
     ),
     _e("session-cookie-name", _matching(_HEADER, "a cookie name"), H),
     _e("session-cookie-samesite", one_of("None", "Lax", "Strict"), H),

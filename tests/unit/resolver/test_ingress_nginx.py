@@ -22,7 +22,7 @@ import yaml
 from tests.support.gatewayapi import tls_secret
 from waygate.resolver.gateway.translate import Objects, translate
 from waygate.resolver.ingress_nginx import catalogue
-from waygate.resolver.ingress_nginx.annotations import parse_snippet
+from waygate.resolver.ingress_nginx.annotations import judge, parse_snippet
 from waygate.resolver.ingress_nginx.catalogue import CATALOGUE, Verdict
 from waygate.resolver.ingress_nginx.config import IngressNginx
 from waygate.resolver.manifests import parse_manifests
@@ -30,6 +30,7 @@ from waygate.resolver.model import (
     ADMITTED,
     FALSE,
     BalancePolicy,
+    Canary,
     ExternalAuth,
     PathMatchType,
     PathModifierType,
@@ -397,48 +398,78 @@ def test_a_canary_weight_total_above_the_proxys_scale_is_scaled():
     assert [(b.service, b.weight) for b in route.backends] == [("web", 192), ("web-v2", 64)]
 
 
-def test_a_canary_by_header_always_never_and_value_and_pattern():
-    routes = routes_of(
-        ingress("main"), canary_ingress("canary", {P + "canary-by-header": "X-Canary"})
-    )
-    by_name = {r.name.rpartition("~")[2] if "~" in r.name else "main": r for r in routes}
-    assert [(b.service, b.weight) for b in by_name["main"].backends] == [
-        ("web", 100),
-        ("web-v2", 0),
-    ]
-    always, never = by_name["canary"], by_name["canary-never"]
-    assert always.matches[0].headers[0].name == "X-Canary"
-    assert always.matches[0].headers[0].value == "always"
-    assert [b.service for b in always.backends] == ["web-v2"]
-    assert never.matches[0].headers[0].value == "never"
-    assert [b.service for b in never.backends] == ["web"]
+def test_a_canary_by_header_and_cookie_become_the_main_routes_canary_policy():
+    # The proxy decides per request (waygate.proxy.canary), so no route of its own.
     routes = routes_of(
         ingress("main"),
         canary_ingress(
-            "canary", {P + "canary-by-header": "X-Region", P + "canary-by-header-value": "eu"}
+            "canary",
+            {
+                P + "canary-by-header": "X-Region",
+                P + "canary-by-header-value": "eu",
+                P + "canary-by-cookie": "Canary-By-Cookie",
+                P + "canary-weight": "5",
+                P + "canary-weight-total": "10",
+            },
         ),
     )
-    [to_canary] = [r for r in routes if r.name.endswith("~canary")]
-    assert to_canary.matches[0].headers[0].value == "eu"
-    assert not [r for r in routes if r.name.endswith("~canary-never")]
-    routes = routes_of(
+    [route] = routes
+    assert [(b.service, b.weight) for b in route.backends] == [("web", 95), ("web-v2", 5)]
+    # balancer.lua draws 1..max(100, weight-total): a total under 100 counts as 100.
+    assert route.canary == Canary(
+        main_backends=1,
+        weight=5,
+        weight_total=100,
+        header="X-Region",
+        header_value="eu",
+        cookie="Canary-By-Cookie",
+    )
+    assert not [line for line in route.ingress_verdicts if "canary-by-cookie" in line]
+    [route] = routes_of(
         ingress("main"),
         canary_ingress(
             "canary", {P + "canary-by-header": "User-Agent", P + "canary-by-header-pattern": "Beta"}
         ),
     )
-    [to_canary] = [r for r in routes if r.name.endswith("~canary")]
-    header = to_canary.matches[0].headers[0]
-    assert header.type.value == "RegularExpression"
-    assert re.fullmatch(header.value, "Mozilla Beta 5")
+    assert route.canary is not None and route.canary.header_pattern == "Beta"
 
 
-def test_a_canary_without_a_main_ingress_or_by_cookie():
-    assert routes_of(canary_ingress("alone", {P + "canary-weight": "50"})) == []
+def test_affinity_canary_behavior_is_read_on_the_canary_ingress():
+    main = ingress("main", {P + "affinity": "cookie"})
+    [route] = routes_of(main, canary_ingress("canary", {P + "canary-weight": "50"}))
+    assert route.canary is not None and not route.canary.legacy_affinity
     [route] = routes_of(
-        ingress("main"), canary_ingress("canary", {P + "canary-by-cookie": "canary"})
+        main,
+        canary_ingress(
+            "canary", {P + "canary-weight": "50", P + "affinity-canary-behavior": "legacy"}
+        ),
     )
-    assert [(b.service, b.weight) for b in route.backends] == [("web", 100), ("web-v2", 0)]
+    assert route.canary is not None and route.canary.legacy_affinity
+    # Judged on the canary Ingress; on a main Ingress it does nothing.
+    verdicts = {
+        name: {f.annotation: f.verdict for f in judge(item, SETTINGS, {})[0].findings}
+        for name, item in (
+            ("canary", canary_ingress("c", {P + "affinity-canary-behavior": "sticky"})),
+            ("main", ingress("m", {P + "affinity-canary-behavior": "sticky"})),
+        )
+    }
+    assert verdicts["canary"]["affinity-canary-behavior"] is Verdict.DIFFERENT
+    assert verdicts["main"]["affinity-canary-behavior"] is Verdict.NOOP
+
+
+def test_a_second_canary_of_one_main_route_is_not_used():
+    # balancer.lua uses the first alternative backend only.
+    [route] = routes_of(
+        ingress("main"),
+        canary_ingress("one", {P + "canary-weight": "10"}),
+        canary_ingress("two", {P + "canary-weight": "90"}),
+    )
+    assert route.canary is not None and route.canary.weight in (10, 90)
+    assert len(route.backends) == 2
+
+
+def test_a_canary_without_a_main_ingress():
+    assert routes_of(canary_ingress("alone", {P + "canary-weight": "50"})) == []
 
 
 def test_a_controller_configmap_key_bearing_on_access_refuses_every_ingress_and_applies_live():

@@ -400,6 +400,7 @@ DERIVED_SAMPLES: dict[str, dict[str, Any]] = {
         "rewrite_target": "/x/$2",
         "default_backend": "fallback",
         "hash_by": "$request_uri",
+        "canary": model.Canary(1, 10, 200, "X-Canary", "yes", "", "canary", True),
     },
     "RouteBackend": {"namespace": "other", "port": "http", "invalid": "not granted"},
     "StickySessions": {

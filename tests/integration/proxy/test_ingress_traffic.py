@@ -1,0 +1,178 @@
+"""ingress-nginx's traffic annotations in the request core, for HTTP/1.1 and HTTP/2 clients.
+
+A real proxy on real sockets in front of real HTTP/1.1 backends
+(`RecordingUpstream`, whose JSON answer names the upstream that served it). The
+assertions are ingress-nginx's own, ported from kubernetes/ingress-nginx
+test/e2e/annotations/canary.go (controller v1.15) and its balancer.lua
+(`route_to_alternative_balancer`): the sticky cookie first, then the header, the
+cookie, the weight.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from tests.integration.proxy.test_request_core import CLIENTS, HOST, ask
+from tests.support.proxyharness import RecordingUpstream, running_proxy
+from waygate.proxy.routing import Defaults, RouteTable, build_table
+from waygate.resolver.model import (
+    Canary,
+    Endpoint,
+    EndpointPort,
+    Route,
+    RouteBackend,
+    StickySessions,
+)
+
+
+class Upstreams:
+    def __init__(self) -> None:
+        self.main = RecordingUpstream("main")
+        self.canary = RecordingUpstream("canary")
+
+    def endpoints(self) -> dict[tuple[str, str], tuple[Endpoint, ...]]:
+        return {
+            ("web", name): (
+                Endpoint(
+                    namespace="web",
+                    service=name,
+                    address="127.0.0.1",
+                    ports=(EndpointPort("http", upstream.port),),
+                ),
+            )
+            for name, upstream in (("main", self.main), ("canary", self.canary))
+        }
+
+
+@pytest.fixture
+async def upstreams() -> AsyncIterator[Upstreams]:
+    made = Upstreams()
+    await made.main.start()
+    await made.canary.start()
+    yield made
+    await made.main.stop()
+    await made.canary.stop()
+
+
+def canary_table(upstreams: Upstreams, policy: Canary, **kw: Any) -> RouteTable:
+    route = Route(
+        namespace="web",
+        name="ingress:main",
+        host=HOST,
+        backends=(RouteBackend("main", 100), RouteBackend("canary", 0)),
+        sticky=kw.pop("sticky", StickySessions(disable_cookies=True)),
+        canary=policy,
+        **kw,
+    )
+    return build_table(
+        {route.key: route}, upstreams.endpoints(), {}, defaults=Defaults(), cookie_key=b"k" * 32
+    )
+
+
+async def served_by(client: str, port: int, headers: list[tuple[str, str]]) -> str:
+    answer = await ask(client, port, "/info", headers)
+    assert answer.status == 200
+    return str(json.loads(answer.body)["upstream"])
+
+
+# ---------------------------------------------------------------- canary
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+async def test_canary_precedence_header_then_cookie_then_weight(upstreams, client):
+    # canary.go Context("when canaried by header with value and cookie"): a header
+    # value that does not match leaves the cookie to decide; Context("when canaried
+    # by cookie") It("respects always and never values"): anything else is the
+    # weight's (0 here: main).
+    policy = Canary(1, header="CanaryByHeader", header_value="DoCanary", cookie="CanaryByCookie")
+    async with running_proxy(canary_table(upstreams, policy)) as (_, port):
+        cases = {
+            "header": [("CanaryByHeader", "DoCanary"), ("Cookie", "CanaryByCookie=never")],
+            "other header, cookie always": [
+                ("CanaryByHeader", "otherheadervalue"),
+                ("Cookie", "CanaryByCookie=always"),
+            ],
+            "cookie never": [("Cookie", "x=1; CanaryByCookie=never")],
+            "bad cookie value": [("Cookie", "CanaryByCookie=badcookievalue")],
+            "nothing": [],
+        }
+        seen = {name: await served_by(client, port, headers) for name, headers in cases.items()}
+    assert seen == {
+        "header": "canary",
+        "other header, cookie always": "canary",
+        "cookie never": "main",
+        "bad cookie value": "main",
+        "nothing": "main",
+    }
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+async def test_canary_header_always_and_never_beat_the_cookie(upstreams, client):
+    # balancer.lua: header "always"/"never" decide before the cookie is read.
+    policy = Canary(1, header="CanaryByHeader", cookie="CanaryByCookie", weight=100)
+    async with running_proxy(canary_table(upstreams, policy)) as (_, port):
+        never = await served_by(
+            client, port, [("CanaryByHeader", "never"), ("Cookie", "CanaryByCookie=always")]
+        )
+        always = await served_by(
+            client, port, [("CanaryByHeader", "always"), ("Cookie", "CanaryByCookie=never")]
+        )
+        weighted = await served_by(client, port, [])
+    assert (never, always, weighted) == ("main", "canary", "canary")
+
+
+async def test_canary_weight_of_max_100_and_the_total(upstreams):
+    # canary.go It("should route requests split between mainline and canary if canary
+    # weight is 50"): both sides get requests (generous bounds, never exact shares).
+    async with running_proxy(canary_table(upstreams, Canary(1, weight=50))) as (_, port):
+        sides = [await served_by("http/1.1", port, []) for _ in range(60)]
+    assert sides.count("main") >= 10 and sides.count("canary") >= 10
+
+
+def _cookie(answer_headers: dict[str, str], name: str) -> str | None:
+    value = answer_headers.get("set-cookie", "")
+    if not value.startswith(name + "="):
+        return None
+    return value.split(";")[0]
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+async def test_affinity_canary_behavior_sticky(upstreams, client):
+    # canary.go Context("canary affinity behavior") It("always routes traffic to canary
+    # if first request was affinitized to canary (default behavior)"): canary weight 1,
+    # the first request forced by header; then the cookie alone keeps it on the canary.
+    policy = Canary(1, header="ForceCanary", header_value="yes", weight=1)
+    sticky = StickySessions(cookie_name="aff")
+    async with running_proxy(canary_table(upstreams, policy, sticky=sticky)) as (_, port):
+        forced = await ask(client, port, "/info", [("ForceCanary", "yes")])
+        assert json.loads(forced.body)["upstream"] == "canary"
+        cookie = _cookie(forced.headers, "aff")
+        assert cookie is not None
+        sides = {await served_by(client, port, [("Cookie", cookie)]) for _ in range(10)}
+        assert sides == {"canary"}
+        # balancer.lua: a request affinitized to the main backend stays there, even
+        # when its header asks for the canary.
+        main = await ask(client, port, "/info", [("ForceCanary", "no")])
+        assert json.loads(main.body)["upstream"] == "main"
+        main_cookie = _cookie(main.headers, "aff")
+        assert main_cookie is not None
+        kept = await served_by(client, port, [("ForceCanary", "yes"), ("Cookie", main_cookie)])
+        assert kept == "main"
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+async def test_affinity_canary_behavior_legacy(upstreams, client):
+    # canary.go It("routes traffic to either mainline or canary backend (legacy
+    # behavior)"): the canary's answer sets no affinity cookie.
+    policy = Canary(1, header="ForceCanary", header_value="yes", weight=50, legacy_affinity=True)
+    sticky = StickySessions(cookie_name="aff")
+    async with running_proxy(canary_table(upstreams, policy, sticky=sticky)) as (_, port):
+        forced = await ask(client, port, "/info", [("ForceCanary", "yes")])
+        assert json.loads(forced.body)["upstream"] == "canary"
+        assert _cookie(forced.headers, "aff") is None
+        sides = [await served_by(client, port, []) for _ in range(40)]
+    assert "main" in sides and "canary" in sides
