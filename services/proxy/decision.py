@@ -68,6 +68,7 @@ from waygate.proxy.routing import (
     Target,
     unavailable_reason,
 )
+from waygate.proxy.throttle import ResponseThrottle
 from waygate.resolver.client import HeaderModifier
 
 _new = object.__new__
@@ -182,6 +183,8 @@ class Forward:
     body_limit = 0
     # upstream-hash-by's key (None: the client address, the source policy's own).
     hash_key: bytes | None = None
+    # ingress-nginx limit-rate: the response's pacing (waygate.proxy.throttle).
+    throttle: ResponseThrottle | None = None
     target: Target
     backend: Backend
     entry: RouteEntry
@@ -421,6 +424,13 @@ def _canary(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answe
     return None
 
 
+def _limit_rate(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
+    """ingress-nginx limit-rate/-after: the response is paced (`waygate.proxy.throttle`)."""
+    route = forward.entry.route
+    forward.throttle = ResponseThrottle(route.limit_rate, route.limit_rate_after)
+    return None
+
+
 def _cors_headers(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
     if forward.cors is not None:
         forward.response_modifier = cors.with_headers(forward.response_modifier, forward.cors)
@@ -455,6 +465,7 @@ SHAPERS: tuple[Rule, ...] = (
         _capture_rewrite,
     ),
     Rule("cors", lambda entry: entry.route.cors is not None, _cors_headers),
+    Rule("limit_rate", lambda entry: entry.route.limit_rate > 0, _limit_rate),
 )
 
 

@@ -73,7 +73,7 @@ from typing import Any, Protocol
 from opentelemetry.trace import Status, StatusCode
 
 from waygate.core import flow
-from waygate.proxy import filters, http1
+from waygate.proxy import filters, http1, throttle
 from waygate.proxy.authstep import AuthStep
 from waygate.proxy.bodybuffer import BodyBuffer
 from waygate.proxy.connect_h1 import start_connect
@@ -105,6 +105,7 @@ from waygate.proxy.records import end_span
 from waygate.proxy.relay_h1 import UpgradeRelay
 from waygate.proxy.requestbody import RequestBody
 from waygate.proxy.routing import Backend, RouteEntry, Side, Target
+from waygate.proxy.throttle import ResponseThrottle
 from waygate.proxy.timeouts import check as check_timeouts
 from waygate.proxy.upstream_h1 import UpstreamConnection
 
@@ -221,6 +222,7 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
         "started",
         "status",
         "target",
+        "throttle",  # ingress-nginx limit-rate (waygate.proxy.throttle; None: not paced)
         "upstream",
         "upstream_blocked",
         "upstream_head",
@@ -271,6 +273,7 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
         self.framing = FRAMING_NONE
         self.remaining = 0
         self.reader: ChunkedReader | None = None
+        self.throttle: ResponseThrottle | None = None
 
     # ------------------------------------------------------------ the request
 
@@ -294,6 +297,7 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
         self.backend = forward.backend
         self.span = forward.span
         self.upstream_head = forward.upstream_head
+        self.throttle = forward.throttle
         self.status = 0
         if self.informationals:
             self.informationals = self.informational_bytes = 0
@@ -537,7 +541,7 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
         else:
             extra = b""
         down = self.down
-        if framing == FRAMING_LENGTH and len(rest) == length < 65536:
+        if framing == FRAMING_LENGTH and len(rest) == length < 65536 and self.throttle is None:
             # The whole body came with the head (a small response): one send.
             ctx.metrics.bytes_out += length
             down.response_head(response, out_framing, length, keep_alive, extra, rest, False)
@@ -557,6 +561,8 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
     def response_data(self, data: bytes, now: float) -> None:
         """Response body bytes from the upstream (after the head)."""
         self.last_up = now
+        if self.throttle is not None:
+            data = throttle.admit(self, self.throttle, data, now)
         if not data:
             return
         framing = self.framing

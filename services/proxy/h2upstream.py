@@ -54,7 +54,7 @@ import h2.settings
 from h2.errors import ErrorCodes
 
 from waygate.core import flow, httpheaders
-from waygate.proxy import authcheck, bodylimit, extauth, filters, grpcstatus, http1
+from waygate.proxy import authcheck, bodylimit, extauth, filters, grpcstatus, http1, throttle
 from waygate.proxy.bodybuffer import BodyBuffer, BufferRefused
 from waygate.proxy.context import ExchangeContext
 from waygate.proxy.decision import Forward, may_redispatch, release_pick, repick
@@ -566,6 +566,8 @@ class H2Exchange(UpstreamStream):
     buffering = False  # the body is still coming in (no stream upstream yet)
     last_client = 0.0  # when the client last sent body bytes (while buffering)
     body_seen = 0  # request DATA counted against proxy-body-size (only with one)
+    # ingress-nginx limit-rate (set per request only when paced; waygate.proxy.throttle).
+    throttle: throttle.ResponseThrottle | None = None
 
     def __init__(
         self,
@@ -643,6 +645,8 @@ class H2Exchange(UpstreamStream):
             mirrors = self.ctx.mirrors
             for target, head in forward.mirrors:
                 mirrors.send(target, head)
+        if forward.throttle is not None:
+            self.throttle = forward.throttle
         allowed = forward.entry.options.server_timeout
         if forward.deadline:
             self.grpc_deadline = forward.deadline  # grpc-timeout, shorter than the route's
@@ -865,7 +869,10 @@ class H2Exchange(UpstreamStream):
             self._arm(self.entry.options.server_timeout)
 
     def on_data(self, data: bytes, flow: int) -> None:
-        self.last_up = self.ctx.loop.time()
+        self.last_up = now = self.ctx.loop.time()
+        paced = self.throttle
+        if paced is not None and not throttle.admit_h2(self, paced, data, flow, now):
+            return
         self.stream.send(data)
         if flow:
             if self.source_paused:
@@ -881,10 +888,16 @@ class H2Exchange(UpstreamStream):
             self._cancel_upstream()
             self.fail(502, "upstream sent a malformed trailer", "upstream_head")
             return
+        paced = self.throttle
+        if paced is not None and throttle.held_end(paced, lambda: self.on_trailers(headers)):
+            return
         self.stream.finish(trailers)
         self._finish(self.status)
 
     def on_end(self) -> None:
+        paced = self.throttle
+        if paced is not None and throttle.held_end(paced, self.on_end):
+            return
         if not self.finished:
             self.stream.finish()
             self._finish(self.status)

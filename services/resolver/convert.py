@@ -331,6 +331,8 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
     message.rewrite_target = route.rewrite_target
     message.default_backend = route.default_backend
     message.hash_by = route.hash_by
+    message.limit_rate = route.limit_rate
+    message.limit_rate_after = route.limit_rate_after
     if (canary := route.canary) is not None:
         message.canary.CopyFrom(pb.RouteCanary(**dataclasses.asdict(canary)))
     if route.tls is not None:
@@ -477,6 +479,8 @@ def route_from_proto(message: pb.Route) -> model.Route:
         default_backend=message.default_backend,
         hash_by=message.hash_by,
         canary=_canary_from_proto(message.canary) if message.HasField("canary") else None,
+        limit_rate=message.limit_rate,
+        limit_rate_after=message.limit_rate_after,
     )
 
 

@@ -597,6 +597,10 @@ class Route:
     hash_by: str = ""
     # ingress-nginx canary annotations: a canary folded into this route (None: none).
     canary: Canary | None = None
+    # ingress-nginx limit-rate / limit-rate-after: a response's body paced to this
+    # many bytes a second after its first `limit_rate_after` bytes (0: not paced).
+    limit_rate: int = 0
+    limit_rate_after: int = 0
 
     @property
     def key(self) -> RouteKey:

@@ -239,6 +239,8 @@ DERIVED: Final[Mapping[str, Mapping[str, str]]] = {
         "default_backend": "ingress-nginx default-backend",
         "hash_by": "ingress-nginx upstream-hash-by",
         "canary": "ingress-nginx canary annotations (a canary Ingress folded in)",
+        "limit_rate": "ingress-nginx limit-rate",
+        "limit_rate_after": "ingress-nginx limit-rate-after",
     },
     "RouteBackend": {
         "namespace": "Gateway API backendRefs across namespaces (ReferenceGrant)",

@@ -162,6 +162,9 @@ class Plan:
     limits: dict[str, int] = field(default_factory=dict)
     limit_allow: tuple[str, ...] = ()
     rate_limit: RateLimit | None = None
+    # limit-rate / limit-rate-after in bytes (nginx's `limit_rate Nk`; 0: not paced).
+    limit_rate: int = 0
+    limit_rate_after: int = 0
     external_auth: ExternalAuth | None = None
     cors: Cors | None = None
     max_request_body: int = 0
@@ -292,6 +295,10 @@ def plan(
             include_subdomains=config.flag("hsts-include-subdomains", True),
             preload=config.flag("hsts-preload", False),
         )
+    # limit-rate/-after: the ConfigMap's are the annotations' defaults, in KB as they
+    # are rendered (`limit_rate {N}k`).
+    result.limit_rate = _kilobytes(config.text("limit-rate", "0"))
+    result.limit_rate_after = _kilobytes(config.text("limit-rate-after", "0"))
     # nginx's client_max_body_size as ingress-nginx sets it (1m unless the ConfigMap says).
     configured = parse_size(config.text("proxy-body-size", "1m"))
     result.max_request_body = 1024**2 if configured is None else configured
@@ -411,8 +418,6 @@ _OFF: dict[str, str] = {
     "limit-rps": "0",
     "limit-rpm": "0",
     "limit-connections": "0",
-    "limit-rate": "0",
-    "limit-rate-after": "0",
     "upstream-hash-by-subset": "false",
     "proxy-buffering": "off",
     "enable-access-log": "true",
@@ -855,6 +860,30 @@ def _limits(
     else:
         p.limits[short] = int(value)
         found(short, Verdict.HONOURED, "per proxy replica, keyed by the client address")
+
+
+def _kilobytes(value: str) -> int:
+    """An ingress-nginx KB count (`limit_rate {N}k`) in bytes; 0 when not one."""
+    return int(value) * 1024 if value.isdigit() and len(value) <= 9 else 0
+
+
+@_handles("limit-rate", "limit-rate-after")
+def _limit_rate(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    if int(value) < 0:
+        found(short, Verdict.NOT_HONOURED, "a negative size")
+        return
+    if short == "limit-rate":
+        p.limit_rate = int(value) * 1024
+    else:
+        p.limit_rate_after = int(value) * 1024
+    if not p.limit_rate and short == "limit-rate-after" and not values.get("limit-rate"):
+        found(short, Verdict.NOOP, "without limit-rate it does nothing")
+    elif int(value) == 0:
+        found(short, Verdict.HONOURED, "0: not paced")
+    else:
+        found(short)
 
 
 def _rate_limit(p: Plan, config: ControllerConfig) -> None:
@@ -1553,6 +1582,8 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             ingress_verdicts=verdicts,
             access=p.access,
             rate_limit=p.rate_limit,
+            limit_rate=p.limit_rate,
+            limit_rate_after=p.limit_rate_after,
             external_auth=p.external_auth,
             cors=p.cors,
             max_request_body=p.max_request_body,

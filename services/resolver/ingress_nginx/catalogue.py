@@ -283,7 +283,11 @@ _LIMITED = (
     "per proxy replica, keyed by the client address (nginx limit_req nodelay, limit_conn); "
     "with --workers N each worker process keeps its own counts"
 )
-_LIMIT_RATE = "throttling response bytes per connection: not yet"
+_LIMIT_RATE = (
+    "a response's body paced to the client (nginx's limit_rate in KB/s after "
+    "limit_rate_after KB, the first second's worth at once), per response as nginx's; "
+    "the head's bytes are not counted (nginx counts them)"
+)
 _WAF = "ModSecurity/OWASP CRS: Waygate has no web application firewall"
 _CORS = "CORS headers on allowed origins' answers; preflights (OPTIONS) answered 204 by the proxy"
 _CANARY = (
@@ -504,8 +508,8 @@ ENTRIES: tuple[Entry, ...] = (
     _e("limit-burst-multiplier", integer, H, _LIMITED, access=True),
     _e("limit-whitelist", cidrs, H, _LIMITED, access=True),
     _e("limit-allowlist", cidrs, H, _LIMITED, access=True),
-    _e("limit-rate", integer, X, _LIMIT_RATE, access=True, lacks=True),
-    _e("limit-rate-after", integer, X, _LIMIT_RATE, access=True, lacks=True),
+    _e("limit-rate", integer, D, _LIMIT_RATE, access=True),
+    _e("limit-rate-after", integer, D, _LIMIT_RATE, access=True),
     _e("global-rate-limit", integer, X, _LIMIT, access=True, lacks=True),
     _e("global-rate-limit-window", plain, X, _LIMIT, access=True, lacks=True),
     _e("global-rate-limit-key", plain, X, _LIMIT, access=True, lacks=True),

@@ -10,13 +10,22 @@ cookie, the weight.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
-from tests.integration.proxy.test_request_core import CLIENTS, HOST, ask
+from tests.integration.proxy.test_request_core import (
+    CLIENTS,
+    HOST,
+    Backends,
+    ask,
+    built,
+    core_route,
+)
+from tests.support.poll import until
 from tests.support.proxyharness import RecordingUpstream, running_proxy
 from waygate.proxy.routing import Defaults, RouteTable, build_table
 from waygate.resolver.model import (
@@ -176,3 +185,60 @@ async def test_affinity_canary_behavior_legacy(upstreams, client):
         assert _cookie(forced.headers, "aff") is None
         sides = [await served_by(client, port, []) for _ in range(40)]
     assert "main" in sides and "canary" in sides
+
+
+# ---------------------------------------------------------------- limit-rate
+
+PAIRS = [(client, backend) for client in CLIENTS for backend in ("http/1.1", "h2c")]
+
+
+@pytest.mark.parametrize(("client", "backend"), PAIRS)
+@pytest.mark.parametrize("after", [0, 1024])
+async def test_limit_rate_paces_the_body_after_limit_rate_after(client, backend, after):
+    # nginx's limit_rate (ingress-nginx limit-rate, KB/s; limitrate.go checks only the
+    # rendered `limit_rate 1k;`): at most after + rate x (t + 1) body bytes by time t,
+    # so a body of `size` bytes takes at least (size - after - rate) / rate seconds.
+    # A lower bound on the time, never an upper one (load only slows a test down).
+    rate = 1024
+    backends = Backends()
+    await backends.h1.start()
+    await backends.h2.start()
+    try:
+        route = core_route(backend, limit_rate=rate, limit_rate_after=after)
+        # /nolength: the HTTP/2 backend's body in two DATA frames and trailers.
+        path = ("/nolength-" if backend == "h2c" else "/p-") + "a" * (1300 + after)
+        async with running_proxy(built([route], [backends.endpoint()])) as (_, port):
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            answer = await ask(client, port, path)
+            took = loop.time() - began
+            again = await ask(client, port, "/short")  # the connection's pool is intact
+    finally:
+        await backends.h1.stop()
+        await backends.h2.stop()
+    assert answer.status == 200 and again.status == 200
+    assert path.encode() in answer.body
+    size = len(answer.body)
+    assert size > after + rate
+    assert took >= 0.9 * (size - after - rate) / rate, (size, took)
+
+
+async def test_a_client_gone_while_paced_leaves_nothing_behind(upstreams):
+    route = Route(
+        namespace="web",
+        name="paced",
+        host=HOST,
+        backends=(RouteBackend("main", 1),),
+        limit_rate=1024,
+    )
+    table = build_table(
+        {route.key: route}, upstreams.endpoints(), {}, defaults=Defaults(), cookie_key=b"k" * 32
+    )
+    async with running_proxy(table) as (server, port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(f"GET /big?n=1000000 HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode())
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        writer.close()
+        # The exchange ends with the client: the upstream connection is closed too.
+        await until(lambda: not server.connections, "the client's connection released")
+        assert (await ask("http/1.1", port, "/after")).status == 200

@@ -328,7 +328,7 @@ def test_custom_headers_from_a_configmap():
         ("auth-url", "https://auth.example.com/oauth2/auth"),
         ("auth-type", "digest"),
         ("auth-tls-secret", "default/ca"),
-        ("limit-rate", "10"),
+        ("limit-rate", "-1"),
         ("enable-modsecurity", "true"),
         ("enable-owasp-core-rules", "true"),
         ("modsecurity-snippet", "SecRuleEngine On"),
@@ -992,11 +992,40 @@ def test_limit_annotations_become_the_routes_rate_limit():
     assert route.rate_limit == RateLimit(rpm=60, burst_multiplier=2)
 
 
+def test_limit_rate_and_after_are_route_fields_in_bytes_with_the_configmaps_defaults():
+    # ratelimit/main.go: the annotations, else the ConfigMap's limit-rate/-after
+    # (defBackend), rendered `limit_rate {N}k` (template.go buildRateLimit).
+    [route] = routes_of(ingress("r", {P + "limit-rate": "10", P + "limit-rate-after": "100"}))
+    assert (route.limit_rate, route.limit_rate_after) == (10240, 102400)
+    assert route.ingress_refusal is None
+    config = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "c", "namespace": "ingress-nginx"},
+        "data": {"limit-rate": "2", "limit-rate-after": "1"},
+    }
+    settings = IngressNginx(configmap=("ingress-nginx", "c"))
+    by_name = {
+        r.origin: r
+        for r in routes_of(
+            config,
+            ingress("global"),
+            ingress("off", {P + "limit-rate": "0"}, host="o.example.com"),
+            settings=settings,
+        )
+    }
+    assert by_name["Ingress default/global"].limit_rate == 2048
+    assert by_name["Ingress default/global"].limit_rate_after == 1024
+    assert by_name["Ingress default/off"].limit_rate == 0
+    [plain] = routes_of(ingress("plain"))
+    assert plain.limit_rate == 0
+
+
 @pytest.mark.parametrize(
     "annotations",
     [
         {P + "limit-rps": "-1"},
-        {P + "limit-rps": "5", P + "limit-rate": "100"},  # throttling bytes: not yet
+        {P + "limit-rps": "5", P + "limit-rate": "-100"},  # a negative rate
         {P + "limit-rps": "ten"},
     ],
 )

@@ -401,6 +401,8 @@ DERIVED_SAMPLES: dict[str, dict[str, Any]] = {
         "default_backend": "fallback",
         "hash_by": "$request_uri",
         "canary": model.Canary(1, 10, 200, "X-Canary", "yes", "", "canary", True),
+        "limit_rate": 10240,
+        "limit_rate_after": 1024,
     },
     "RouteBackend": {"namespace": "other", "port": "http", "invalid": "not granted"},
     "StickySessions": {
