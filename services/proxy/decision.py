@@ -54,6 +54,7 @@ from waygate.proxy import (
     filters,
     hashkey,
     http1,
+    mirror,
     ratelimit,
     records,
     tls,
@@ -424,6 +425,25 @@ def _canary(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answe
     return None
 
 
+def _has_url_mirror(entry: RouteEntry) -> bool:
+    spec = entry.route.url_mirror
+    if spec is None:
+        return False
+    entry.policies["url_mirror"] = mirror.UrlMirror(spec.target, spec.host, spec.request_body)
+    return True
+
+
+def _url_mirror(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
+    """ingress-nginx mirror-target: a copy of the request as the backend gets it, to
+    the URL (`waygate.proxy.mirror`: fire and forget, bounded)."""
+    policy = forward.entry.policies["url_mirror"]
+    assert facts.context is not None
+    head = policy.head(forward.req, facts.context, forward.entry.options.forwarded_mode)
+    if head is not None:
+        forward.mirrors = [(policy.target, head)]
+    return None
+
+
 def _limit_rate(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
     """ingress-nginx limit-rate/-after: the response is paced (`waygate.proxy.throttle`)."""
     route = forward.entry.route
@@ -466,6 +486,8 @@ SHAPERS: tuple[Rule, ...] = (
     ),
     Rule("cors", lambda entry: entry.route.cors is not None, _cors_headers),
     Rule("limit_rate", lambda entry: entry.route.limit_rate > 0, _limit_rate),
+    # After the request filters and the rewrite: the copy is the request as sent.
+    Rule("url_mirror", _has_url_mirror, _url_mirror),
 )
 
 

@@ -90,6 +90,7 @@ from waygate.resolver.model import (
     TLSTermination,
     TunnelPresence,
     TunnelServer,
+    UrlMirror,
     ValueMatchType,
     speaks_http2,
 )
@@ -137,6 +138,7 @@ __all__ = [
     "TLSTermination",
     "TunnelPresence",
     "TunnelServer",
+    "UrlMirror",
     "ValueMatchType",
     "View",
     "speaks_http2",

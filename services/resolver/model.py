@@ -495,6 +495,16 @@ class Canary:
 
 
 @dataclass(frozen=True)
+class UrlMirror:
+    """ingress-nginx's mirror-target / -host / -request-body: a copy of each request
+    to an http(s) URL (`$request_uri` in it: the request's target), fire and forget."""
+
+    target: str
+    host: str = ""  # the copy's Host ("": the URL's host)
+    request_body: bool = True  # false: a request with a body is copied without it
+
+
+@dataclass(frozen=True)
 class Cors:
     """ingress-nginx's enable-cors with its cors-* annotations (their defaults here):
     origins are `*` or scheme://host[:port] with an optional `*.` subdomain wildcard."""
@@ -601,6 +611,8 @@ class Route:
     # many bytes a second after its first `limit_rate_after` bytes (0: not paced).
     limit_rate: int = 0
     limit_rate_after: int = 0
+    # ingress-nginx mirror-target: a copy of each request to a URL (None: none).
+    url_mirror: UrlMirror | None = None
 
     @property
     def key(self) -> RouteKey:

@@ -241,6 +241,7 @@ DERIVED: Final[Mapping[str, Mapping[str, str]]] = {
         "canary": "ingress-nginx canary annotations (a canary Ingress folded in)",
         "limit_rate": "ingress-nginx limit-rate",
         "limit_rate_after": "ingress-nginx limit-rate-after",
+        "url_mirror": "ingress-nginx mirror-target, -host and -request-body",
     },
     "RouteBackend": {
         "namespace": "Gateway API backendRefs across namespaces (ReferenceGrant)",

@@ -364,6 +364,36 @@ async def test_canary_affinity_behavior(suite: Conformance) -> None:
     assert seen.count(V1) >= 5 and seen.count(V2) >= 5
 
 
+async def test_mirror_target_and_request_body(suite: Conformance) -> None:
+    # mirror.go: It("should set mirror-target to https://test.env.com/$request_uri"),
+    # It("should disable mirror-request-body"): here the copies themselves, to a URL
+    # (the suite's second backend), Host the mirror-host; the answer is the backend's.
+    from tests.support.poll import until
+
+    copies = suite.backends[(INFRA, "infra-backend-v2")]
+    before = len(copies.requests)
+    target = f"http://127.0.0.1:{copies.port}/$request_uri"
+    await apply(
+        suite,
+        single_ingress(
+            "mirror.foo.com",
+            "/",
+            "mirror.foo.com",
+            {
+                P + "mirror-target": target,
+                P + "mirror-host": "test.env.com",
+                P + "mirror-request-body": "off",
+            },
+        ),
+    )
+    response = await suite.eventually("/m?x=1", host="mirror.foo.com", backend=V1)
+    assert response.status == 200
+    await until(lambda: len(copies.requests) > before, "the copy reached the mirror", timeout=10)
+    copy = copies.requests[-1]
+    assert copy["target"] == "//m?x=1"  # nginx's proxy_pass of "/$request_uri", as written
+    assert dict((k.lower(), v) for k, v in copy["headers"])["host"] == "test.env.com"  # type: ignore[attr-defined]
+
+
 async def test_ssl_passthrough_relays_tls_by_sni(suite: Conformance) -> None:
     # ssl-passthrough (docs/user-guide/tls.md#ssl-passthrough; no e2e file of its own in
     # test/e2e/annotations): the client sees the backend's own certificate.

@@ -69,6 +69,7 @@ from waygate.resolver.model import (
     SameSite,
     StickySessions,
     TLSTermination,
+    UrlMirror,
 )
 
 JSON = dict[str, Any]
@@ -165,6 +166,7 @@ class Plan:
     # limit-rate / limit-rate-after in bytes (nginx's `limit_rate Nk`; 0: not paced).
     limit_rate: int = 0
     limit_rate_after: int = 0
+    url_mirror: UrlMirror | None = None  # mirror-target
     external_auth: ExternalAuth | None = None
     cors: Cors | None = None
     max_request_body: int = 0
@@ -886,6 +888,24 @@ def _limit_rate(
         found(short)
 
 
+@_handles("mirror-target")
+def _mirror(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    """ingress-nginx's mirror location (mirror/main.go): Host the mirror-host, else the
+    URL's host; the body unless mirror-request-body is off."""
+    others = sorted(set(re.findall(r"\$[a-z_]+", value)) - {"$request_uri"})
+    if others:
+        found(short, Verdict.NOT_HONOURED, f"{others[0]}: only $request_uri is filled in")
+        return
+    p.url_mirror = UrlMirror(
+        target=value,
+        host=values.get("mirror-host", ""),
+        request_body=values.get("mirror-request-body", "on") != "off",
+    )
+    found(short)
+
+
 def _rate_limit(p: Plan, config: ControllerConfig) -> None:
     """The route's limits, with the ConfigMap's answers (503 unless it says)."""
     limits = p.limits
@@ -1584,6 +1604,7 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             rate_limit=p.rate_limit,
             limit_rate=p.limit_rate,
             limit_rate_after=p.limit_rate_after,
+            url_mirror=p.url_mirror,
             external_auth=p.external_auth,
             cors=p.cors,
             max_request_body=p.max_request_body,

@@ -139,6 +139,12 @@ def url(value: str) -> str | None:
     return None if _URL.fullmatch(value) else "must be an http(s) URL of plain characters"
 
 
+def mirror_url(value: str) -> str | None:
+    """An http(s) URL in which nginx variables may stand ($request_uri is the one
+    filled in: `annotations` reports any other as not honoured)."""
+    return url(re.sub(r"\$[a-z_]{1,32}", "/x", value))
+
+
 def signin_url(value: str) -> str | None:
     """An http(s) URL; `$host` and `$escaped_request_uri` are the only variables
     (filled in by the proxy, never rendered)."""
@@ -290,6 +296,12 @@ _LIMIT_RATE = (
 )
 _WAF = "ModSecurity/OWASP CRS: Waygate has no web application firewall"
 _CORS = "CORS headers on allowed origins' answers; preflights (OPTIONS) answered 204 by the proxy"
+_MIRROR = (
+    "a copy of each request to the URL, fire and forget (never waited for: nginx's "
+    "mirror delays the request until the copy is answered), at most 32 in flight per "
+    "route; with a body only under mirror-request-body off, then without it; a URL "
+    "without a path gets `/` (nginx: its internal location name)"
+)
 _CANARY = (
     "folded into the main Ingress's route and decided per request as ingress-nginx's "
     "balancer: the sticky cookie, then the header, then the cookie, then the weight"
@@ -633,9 +645,9 @@ ENTRIES: tuple[Entry, ...] = (
         "the host's TLS relayed by SNI on the HTTPS port to "
         "the backend of its `/` path (as --enable-ssl-passthrough)",
     ),
-    _e("mirror-target", url, X, "mirroring to a URL (the proxy mirrors to Services)", lacks=True),
-    _e("mirror-host", hosts, X, "mirroring to a URL", lacks=True),
-    _e("mirror-request-body", one_of("on", "off"), X, "mirroring to a URL", lacks=True),
+    _e("mirror-target", mirror_url, D, _MIRROR),
+    _e("mirror-host", hosts, H, "the Host of the copy (default: the URL's host)"),
+    _e("mirror-request-body", one_of("on", "off"), D, _MIRROR),
     _e(
         "connection-proxy-header",
         one_of("keep-alive", "close", "upgrade", case=False),

@@ -24,6 +24,7 @@ from tests.integration.proxy.test_request_core import (
     ask,
     built,
     core_route,
+    post,
 )
 from tests.support.poll import until
 from tests.support.proxyharness import RecordingUpstream, running_proxy
@@ -35,6 +36,7 @@ from waygate.resolver.model import (
     Route,
     RouteBackend,
     StickySessions,
+    UrlMirror,
 )
 
 
@@ -242,3 +244,77 @@ async def test_a_client_gone_while_paced_leaves_nothing_behind(upstreams):
         # The exchange ends with the client: the upstream connection is closed too.
         await until(lambda: not server.connections, "the client's connection released")
         assert (await ask("http/1.1", port, "/after")).status == 200
+
+
+# ---------------------------------------------------------------- mirror-target
+
+
+def mirrored_table(upstreams: Upstreams, mirror: UrlMirror) -> RouteTable:
+    route = Route(
+        namespace="web",
+        name="mirrored",
+        host=HOST,
+        backends=(RouteBackend("main", 1),),
+        url_mirror=mirror,
+    )
+    return build_table(
+        {route.key: route}, upstreams.endpoints(), {}, defaults=Defaults(), cookie_key=b"k" * 32
+    )
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+async def test_mirror_target_with_request_uri_and_mirror_host(upstreams, client):
+    # mirror.go: It("should set mirror-target to https://test.env.com/$request_uri"):
+    # nginx proxy_pass's the copy to the URL, `$request_uri` the request's target, Host
+    # mirror-host (annotations.md "Mirror"); the answer is dropped.
+    copies = upstreams.canary
+    target = f"http://127.0.0.1:{copies.port}/copy$request_uri"
+    mirror = UrlMirror(target, host="test.env.com")
+    async with running_proxy(mirrored_table(upstreams, mirror)) as (server, port):
+        assert await served_by(client, port, [("X-Trace", "t1")]) == "main"
+        await until(lambda: copies.requests, "the copy reached the mirror")
+        await until(lambda: server.mirrors.sent == 1, "the copy's answer was read")
+    [copy] = copies.requests
+    assert copy["target"] == "/copy/info"
+    headers = {k.lower(): v for k, v in copy["headers"]}  # type: ignore[attr-defined]
+    assert headers["host"] == "test.env.com" and headers["x-trace"] == "t1"
+    assert len(upstreams.main.requests) == 1
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+@pytest.mark.parametrize("request_body", [True, False], ids=["body-on", "body-off"])
+async def test_mirror_request_body(upstreams, client, request_body):
+    # mirror.go: It("should disable mirror-request-body"). Off: a request with a body
+    # is copied without it; on: such a request is not copied (a named difference: the
+    # body streams once, to the backend). Without a path in the URL the request's
+    # query goes with the copy (nginx passes the request's args).
+    copies = upstreams.canary
+    mirror = UrlMirror(f"http://127.0.0.1:{copies.port}", request_body=request_body)
+    async with running_proxy(mirrored_table(upstreams, mirror)) as (server, port):
+        assert (await post(client, port, b"hello", length=True)).status == 200
+        assert await served_by(client, port, []) == "main"  # bodiless: always copied
+        await until(lambda: server.mirrors.sent == (1 if request_body else 2), "the copies")
+    assert [(c["method"], c["target"], c["body_length"]) for c in copies.requests] == (
+        [("GET", "/", 0)] if request_body else [("POST", "/", 0), ("GET", "/", 0)]
+    )
+    for copy in copies.requests:
+        names = {k.lower() for k, _ in copy["headers"]}  # type: ignore[attr-defined]
+        assert "content-length" not in names and "transfer-encoding" not in names
+    assert [r["body_length"] for r in upstreams.main.requests] == [5, 0]
+
+
+async def test_a_mirror_that_never_answers_neither_slows_nor_grows(upstreams):
+    # Fire and forget, bounded per route: the backend's answers come at once while
+    # the route's copies in flight stay at its bound (the rest dropped, counted).
+    silent = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port_of_silent = silent.sockets[0].getsockname()[1]
+    mirror = UrlMirror(f"http://127.0.0.1:{port_of_silent}/$request_uri")
+    try:
+        async with running_proxy(mirrored_table(upstreams, mirror)) as (server, port):
+            bound = 32
+            answers = [await served_by("http/1.1", port, []) for _ in range(bound + 4)]
+            assert answers == ["main"] * (bound + 4)
+            assert server.mirrors.dropped >= 4
+            assert len(server.mirrors.tasks) <= bound
+    finally:
+        silent.close()

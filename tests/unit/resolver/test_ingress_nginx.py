@@ -39,6 +39,7 @@ from waygate.resolver.model import (
     SameSite,
     Service,
     ServicePort,
+    UrlMirror,
 )
 from waygate.resolver.status import RouteStatusBook
 
@@ -468,6 +469,34 @@ def test_a_second_canary_of_one_main_route_is_not_used():
     assert len(route.backends) == 2
 
 
+def test_mirror_target_host_and_request_body_become_the_routes_url_mirror():
+    # mirror/main.go: the target as given, the body on unless "off"; Host the
+    # mirror-host (the proxy takes the URL's host when it is empty).
+    [route] = routes_of(
+        ingress(
+            "m",
+            {
+                P + "mirror-target": "https://test.env.com$request_uri",
+                P + "mirror-host": "copies.example.com",
+                P + "mirror-request-body": "off",
+            },
+        )
+    )
+    assert route.url_mirror == UrlMirror(
+        "https://test.env.com$request_uri", "copies.example.com", request_body=False
+    )
+    assert route.ingress_refusal is None
+    [route] = routes_of(ingress("m", {P + "mirror-target": "http://localhost/mirror"}))
+    assert route.url_mirror == UrlMirror("http://localhost/mirror")
+    # Another nginx variable is not filled in: reported, the Ingress still served.
+    [route] = routes_of(ingress("m", {P + "mirror-target": "http://m.example$host$uri"}))
+    assert route.url_mirror is None and route.ingress_refusal is None
+    assert any(line.startswith("mirror-target: not-honoured") for line in route.ingress_verdicts)
+    # Configuration syntax stays refused (the grammar: CVE-2025-1974's class).
+    [route] = routes_of(ingress("m", {P + "mirror-target": "http://m.example/;evil"}))
+    assert route.ingress_refusal is not None and route.ingress_refusal[0] == "InvalidAnnotation"
+
+
 def test_a_canary_without_a_main_ingress():
     assert routes_of(canary_ingress("alone", {P + "canary-weight": "50"})) == []
 
@@ -600,7 +629,8 @@ def test_cve_2025_1098_the_ingress_uid_is_never_used():
     item["metadata"]["uid"] = "InjectTest#;\n\n}\n}\n}\nssl_engine foobar"
     [route] = routes_of(item)
     assert "InjectTest" not in repr(route)
-    assert any(line.startswith("mirror-target: not-honoured") for line in route.ingress_verdicts)
+    # The mirror goes to the URL itself (no location named after the uid).
+    assert route.url_mirror is not None and route.url_mirror.target == "https://127.0.0.1:443"
 
 
 @pytest.mark.parametrize("path_type", ["ImplementationSpecific", "Prefix", "Exact"])

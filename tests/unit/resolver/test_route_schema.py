@@ -403,6 +403,7 @@ DERIVED_SAMPLES: dict[str, dict[str, Any]] = {
         "canary": model.Canary(1, 10, 200, "X-Canary", "yes", "", "canary", True),
         "limit_rate": 10240,
         "limit_rate_after": 1024,
+        "url_mirror": model.UrlMirror("https://m.example$request_uri", "m", False),
     },
     "RouteBackend": {"namespace": "other", "port": "http", "invalid": "not granted"},
     "StickySessions": {
