@@ -55,6 +55,7 @@ from waygate.proxy import (
     hashkey,
     http1,
     mirror,
+    nextupstream,
     ratelimit,
     records,
     tls,
@@ -186,6 +187,10 @@ class Forward:
     hash_key: bytes | None = None
     # ingress-nginx limit-rate: the response's pacing (waygate.proxy.throttle).
     throttle: ResponseThrottle | None = None
+    # ingress-nginx proxy-next-upstream http_*/invalid_header (waygate.proxy.nextupstream)
+    # and the upstreams tried so far for it.
+    next_upstream: nextupstream.NextUpstream | None = None
+    tries = 1
     target: Target
     backend: Backend
     entry: RouteEntry
@@ -444,6 +449,20 @@ def _url_mirror(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> A
     return None
 
 
+def _has_next_upstream(entry: RouteEntry) -> bool:
+    policy = nextupstream.policy_of(entry.route, MAX_CONNECT_ATTEMPTS, repick)
+    if policy is None:
+        return False
+    entry.policies["next_upstream"] = policy
+    return True
+
+
+def _next_upstream(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
+    """proxy-next-upstream http_*/invalid_header: the drivers may send the request on."""
+    forward.next_upstream = forward.entry.policies["next_upstream"]
+    return None
+
+
 def _limit_rate(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
     """ingress-nginx limit-rate/-after: the response is paced (`waygate.proxy.throttle`)."""
     route = forward.entry.route
@@ -486,6 +505,7 @@ SHAPERS: tuple[Rule, ...] = (
     ),
     Rule("cors", lambda entry: entry.route.cors is not None, _cors_headers),
     Rule("limit_rate", lambda entry: entry.route.limit_rate > 0, _limit_rate),
+    Rule("next_upstream", _has_next_upstream, _next_upstream),
     # After the request filters and the rewrite: the copy is the request as sent.
     Rule("url_mirror", _has_url_mirror, _url_mirror),
 )

@@ -73,7 +73,7 @@ from typing import Any, Protocol
 from opentelemetry.trace import Status, StatusCode
 
 from waygate.core import flow
-from waygate.proxy import filters, http1, throttle
+from waygate.proxy import filters, http1, nextupstream, throttle
 from waygate.proxy.authstep import AuthStep
 from waygate.proxy.bodybuffer import BodyBuffer
 from waygate.proxy.connect_h1 import start_connect
@@ -500,6 +500,10 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
         upstream = self.upstream
         assert upstream is not None
         self.last_up = now
+        forward = self.forward
+        assert forward is not None
+        if forward.next_upstream is not None and nextupstream.retried(self, response.status, now):
+            return None  # dropped: the request went to another endpoint
         entry = self.entry
         ctx.metrics.latency(now - upstream.sent_at, entry.options.name if entry else "")
         framing = http1.response_framing(req.method, response)
@@ -663,6 +667,8 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
 
     def upstream_failed(self, status: int, reason: str, kind: str) -> None:
         """The upstream broke before or during the response."""
+        if kind == "bad_response" and nextupstream.retried_broken(self):
+            return  # proxy-next-upstream invalid_header: another endpoint
         if self.response_started:
             self.abandon_upstream()
             self.down.abort()

@@ -54,7 +54,16 @@ import h2.settings
 from h2.errors import ErrorCodes
 
 from waygate.core import flow, httpheaders
-from waygate.proxy import authcheck, bodylimit, extauth, filters, grpcstatus, http1, throttle
+from waygate.proxy import (
+    authcheck,
+    bodylimit,
+    extauth,
+    filters,
+    grpcstatus,
+    http1,
+    nextupstream,
+    throttle,
+)
 from waygate.proxy.bodybuffer import BodyBuffer, BufferRefused
 from waygate.proxy.context import ExchangeContext
 from waygate.proxy.decision import Forward, may_redispatch, release_pick, repick
@@ -855,6 +864,8 @@ class H2Exchange(UpstreamStream):
                 out.append((name, value))
         if status < 200:
             return
+        if self.forward.next_upstream is not None and nextupstream.retried_h2(self, status):
+            return  # dropped: the stream went to another endpoint
         self.status = status
         self.responded = True
         self.last_up = self.ctx.loop.time()

@@ -333,6 +333,8 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
     message.hash_by = route.hash_by
     message.limit_rate = route.limit_rate
     message.limit_rate_after = route.limit_rate_after
+    if route.next_upstream_timeout:
+        message.next_upstream_timeout.FromNanoseconds(round(route.next_upstream_timeout * 1e9))
     if (url_mirror := route.url_mirror) is not None:
         message.url_mirror.CopyFrom(pb.UrlMirror(**dataclasses.asdict(url_mirror)))
     if (canary := route.canary) is not None:
@@ -483,6 +485,9 @@ def route_from_proto(message: pb.Route) -> model.Route:
         canary=_canary_from_proto(message.canary) if message.HasField("canary") else None,
         limit_rate=message.limit_rate,
         limit_rate_after=message.limit_rate_after,
+        next_upstream_timeout=seconds(message.next_upstream_timeout)
+        if message.HasField("next_upstream_timeout")
+        else 0.0,
         url_mirror=model.UrlMirror(
             message.url_mirror.target, message.url_mirror.host, message.url_mirror.request_body
         )

@@ -613,6 +613,8 @@ class Route:
     limit_rate_after: int = 0
     # ingress-nginx mirror-target: a copy of each request to a URL (None: none).
     url_mirror: UrlMirror | None = None
+    # proxy-next-upstream-timeout in seconds (0: no bound on the tries' time).
+    next_upstream_timeout: float = 0.0
 
     @property
     def key(self) -> RouteKey:

@@ -242,6 +242,7 @@ DERIVED: Final[Mapping[str, Mapping[str, str]]] = {
         "limit_rate": "ingress-nginx limit-rate",
         "limit_rate_after": "ingress-nginx limit-rate-after",
         "url_mirror": "ingress-nginx mirror-target, -host and -request-body",
+        "next_upstream_timeout": "ingress-nginx proxy-next-upstream-timeout",
     },
     "RouteBackend": {
         "namespace": "Gateway API backendRefs across namespaces (ReferenceGrant)",

@@ -172,6 +172,7 @@ class Plan:
     max_request_body: int = 0
     next_upstream: str = ""
     next_upstream_tries: int = 0
+    next_upstream_timeout: float = 0.0
     default_backend: str = ""
     hash_by: str = ""
     # The controller ConfigMap's keys not honoured: "ConfigMap NS/NAME key K: not-honoured".
@@ -423,7 +424,6 @@ _OFF: dict[str, str] = {
     "upstream-hash-by-subset": "false",
     "proxy-buffering": "off",
     "enable-access-log": "true",
-    "proxy-next-upstream-timeout": "0",
 }
 # Annotations that only modify another: without it in force they do nothing
 # (ingress-nginx reads them only with it).
@@ -1133,7 +1133,8 @@ def _default_backend(
     found(short)
 
 
-# nginx's proxy_next_upstream conditions; the proxy redispatches a failed connect only.
+# nginx's proxy_next_upstream conditions: a failed connect (error, timeout) and an
+# answer (waygate.proxy.nextupstream: http_*, invalid_header, non_idempotent).
 _NEXT_CONNECT = ("error", "timeout")
 _NEXT_ANSWER = frozenset(
     (
@@ -1149,6 +1150,31 @@ _NEXT_ANSWER = frozenset(
     )
 )
 MAX_NEXT_UPSTREAM_TRIES = 100
+
+
+_NEXT_ANSWERS_NOTE = (
+    "{}: the answer is dropped and the request sent to another endpoint (while tries "
+    "and proxy-next-upstream-timeout allow) only when it can be sent again exactly: "
+    "without a body (one with a body gets the answer as it came); POST, LOCK and PATCH "
+    "only with non_idempotent; invalid_header for HTTP/1.1 backends. error and timeout: "
+    "a connect that failed or timed out (a failure after the request was sent is a 502)"
+)
+
+
+@_handles("proxy-next-upstream-timeout")
+def _next_upstream_timeout(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    p.next_upstream_timeout = float(value)
+    if not p.next_upstream_timeout:
+        found(short, Verdict.HONOURED, "0: no bound, ingress-nginx's default")
+        return
+    found(
+        short,
+        Verdict.DIFFERENT,
+        "bounds the answers' redispatches (proxy-next-upstream http_*, invalid_header) "
+        "from the request's start; connects are bounded by -tries and the connect timeout",
+    )
 
 
 @_handles("proxy-next-upstream", "proxy-next-upstream-tries")
@@ -1170,16 +1196,11 @@ def _next_upstream(
     if unknown:
         found(short, Verdict.NOT_HONOURED, f"not an nginx proxy_next_upstream value: {unknown[0]}")
         return
-    honoured = [t for t in tokens if t in _NEXT_CONNECT]
+    honoured = [t for t in tokens if t in _NEXT_CONNECT or t in _NEXT_ANSWER]
     p.next_upstream = " ".join(honoured) if honoured and "off" not in tokens else "off"
     answers = sorted(set(tokens) & _NEXT_ANSWER)
-    if answers:
-        found(
-            short,
-            Verdict.NOT_HONOURED,
-            f"{', '.join(answers)}: a backend's answer is relayed, never retried "
-            "(error and timeout are honoured for connects)",
-        )
+    if answers and "off" not in tokens:
+        found(short, Verdict.DIFFERENT, _NEXT_ANSWERS_NOTE.format(", ".join(answers)))
     else:
         found(short)
 
@@ -1610,6 +1631,7 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             max_request_body=p.max_request_body,
             next_upstream=p.next_upstream,
             next_upstream_tries=p.next_upstream_tries,
+            next_upstream_timeout=p.next_upstream_timeout,
             rewrite_target=captured,
             default_backend=p.default_backend,
             hash_by=p.hash_by,

@@ -565,14 +565,16 @@ ENTRIES: tuple[Entry, ...] = (
         "nothing sent yet; a failure after the request was sent is answered 502 (nginx also "
         "retries a failed send or response head), except that an idempotent request without "
         "a body whose reused connection closed before answering is sent once more, `off` "
-        "too; http_* and invalid_header are not honoured (the backend's answer is relayed)",
+        "too; http_*, invalid_header and non_idempotent: the answer is dropped and the "
+        "request sent to another endpoint only when it has no body",
     ),
     _e("proxy-next-upstream-tries", integer, H, "connects tried at most (1 to 100)"),
     _e(
         "proxy-next-upstream-timeout",
         seconds,
-        X,
-        "a total time for the redispatches: bounded by -tries and the connect timeout instead",
+        D,
+        "bounds the answers' redispatches from the request's start; connects are bounded "
+        "by -tries and the connect timeout",
     ),
     _e(
         "proxy-body-size",

@@ -1227,6 +1227,8 @@ def test_a_cors_route_survives_the_proto():
 
 
 def test_proxy_next_upstream_becomes_the_routes_redispatch_rule():
+    # proxy.go It("should build proxy next upstream"): "error timeout http_502" with
+    # -timeout and -tries (888888 is past the proxy's 100: reported, still served).
     [route] = routes_of(
         ingress(
             "next",
@@ -1237,17 +1239,28 @@ def test_proxy_next_upstream_becomes_the_routes_redispatch_rule():
             },
         )
     )
-    assert (route.next_upstream, route.next_upstream_tries) == ("error timeout", 5)
+    assert (route.next_upstream, route.next_upstream_tries) == ("error timeout http_502", 5)
     lines = dict(line.split(": ", 1) for line in route.ingress_verdicts)
-    assert lines["proxy-next-upstream"].startswith("not-honoured (http_502")
+    assert lines["proxy-next-upstream"].startswith("honoured-with-difference (http_502")
+    assert "without a body" in lines["proxy-next-upstream"]
     assert "proxy-next-upstream-tries" not in lines
     assert "proxy-next-upstream-timeout" not in lines  # 0: ingress-nginx's default
     [off] = routes_of(ingress("off", {P + "proxy-next-upstream": "off"}))
     assert off.next_upstream == "off"
-    [timed] = routes_of(ingress("t", {P + "proxy-next-upstream-timeout": "10"}))
-    assert any(
-        v.startswith("proxy-next-upstream-timeout: not-honoured") for v in timed.ingress_verdicts
+    [timed] = routes_of(
+        ingress(
+            "t",
+            {
+                P + "proxy-next-upstream": "error timeout http_502",
+                P + "proxy-next-upstream-timeout": "999999",
+                P + "proxy-next-upstream-tries": "888888",
+            },
+        )
     )
+    assert timed.next_upstream_timeout == 999999.0 and timed.ingress_refusal is None
+    lines = dict(line.split(": ", 1) for line in timed.ingress_verdicts)
+    assert lines["proxy-next-upstream-timeout"].startswith("honoured-with-difference")
+    assert lines["proxy-next-upstream-tries"].startswith("not-honoured (outside 0..100")
 
 
 def test_session_cookie_attributes_go_onto_the_sticky_cookie():

@@ -404,6 +404,7 @@ DERIVED_SAMPLES: dict[str, dict[str, Any]] = {
         "limit_rate": 10240,
         "limit_rate_after": 1024,
         "url_mirror": model.UrlMirror("https://m.example$request_uri", "m", False),
+        "next_upstream_timeout": 2.5,
     },
     "RouteBackend": {"namespace": "other", "port": "http", "invalid": "not granted"},
     "StickySessions": {
