@@ -534,8 +534,6 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
         self.keep_alive = keep_alive
         self.response_started = True
         self.status = status
-        forward = self.forward
-        assert forward is not None
         if forward.response_modifier is not None:
             response.fields = filters.modify_response_fields(
                 response.fields, forward.response_modifier
