@@ -21,11 +21,13 @@ from tests.integration.proxy.test_request_core import (
     CLIENTS,
     HOST,
     Backends,
+    _held,
     ask,
     built,
     core_route,
     post,
 )
+from tests.support.h2client import H2Client
 from tests.support.h2harness import H2Backend
 from tests.support.poll import until
 from tests.support.proxyharness import RecordingUpstream, running_proxy
@@ -229,25 +231,36 @@ async def test_limit_rate_paces_the_body_after_limit_rate_after(client, backend,
     assert took >= 0.9 * (size - after - rate) / rate, (size, took)
 
 
-async def test_a_client_gone_while_paced_leaves_nothing_behind(upstreams):
-    route = Route(
-        namespace="web",
-        name="paced",
-        host=HOST,
-        backends=(RouteBackend("main", 1),),
-        limit_rate=1024,
-    )
-    table = build_table(
-        {route.key: route}, upstreams.endpoints(), {}, defaults=Defaults(), cookie_key=b"k" * 32
-    )
-    async with running_proxy(table) as (server, port):
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(f"GET /big?n=1000000 HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode())
-        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-        writer.close()
-        # The exchange ends with the client: the upstream connection is closed too.
-        await until(lambda: not server.connections, "the client's connection released")
-        assert (await ask("http/1.1", port, "/after")).status == 200
+@pytest.mark.parametrize(("client", "backend"), PAIRS)
+async def test_a_client_gone_while_paced_leaves_nothing_behind(client, backend):
+    # The client goes while its answer is held back: the exchange ends, every slot
+    # and count it held is given back, the pacing timer lets go, the endpoint serves.
+    backends = Backends()
+    await backends.h1.start()
+    await backends.h2.start()
+    try:
+        route = core_route(backend, limit_rate=1024)
+        path = "/p-" + "a" * 4000  # 4 KB at 1 KB/s: held back for seconds
+        async with running_proxy(built([route], [backends.endpoint()])) as (server, port):
+            if client == "h2c":
+                h2 = await H2Client.connect(port)
+                stream = h2.start("GET", path, HOST)
+                h2.flush()
+            else:
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(f"GET {path} HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode())
+            await until(lambda: backends.requests(backend) == 1, "the backend asked")
+            if client == "h2c":
+                h2.h2.reset_stream(stream)
+                h2.flush()
+                await h2.close()
+            else:
+                writer.transport.abort()
+            await until(lambda: not any(_held(server).values()), "everything given back")
+            assert (await ask(client, port, "/after")).status == 200
+    finally:
+        await backends.h1.stop()
+        await backends.h2.stop()
 
 
 # ---------------------------------------------------------------- mirror-target
@@ -410,6 +423,8 @@ async def test_next_upstream_drops_the_answer_and_tries_another_endpoint(
             assert [a.status for a in answers] == [200] * 4
             assert bad.requests >= 1
             assert server.metrics.redispatches >= 1
+            # The dropped answers' connections gave back what they held.
+            await until(lambda: not any(_held(server).values()), "everything given back")
     finally:
         bad.stop()
     assert len(upstreams.main.requests) == 4
@@ -477,6 +492,7 @@ async def test_next_upstream_with_http2_backends(client):
             answers = [await ask(client, port, "/h2") for _ in range(4)]
             assert [a.status for a in answers] == [200] * 4
             assert server.metrics.redispatches >= 1
+            await until(lambda: not any(_held(server).values()), "everything given back")
     finally:
         await good.stop()
         await bad.stop()
