@@ -191,6 +191,9 @@ class Forward:
     # and the upstreams tried so far for it.
     next_upstream: nextupstream.NextUpstream | None = None
     tries = 1
+    # ingress-nginx mirror-target of a request with a buffered body: (target, head),
+    # sent with the body once it is all in (waygate.proxy.mirror.send_with_body).
+    body_mirror: tuple[Any, bytes] | None = None
     target: Target
     backend: Backend
     entry: RouteEntry
@@ -444,7 +447,12 @@ def _url_mirror(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> A
     policy = forward.entry.policies["url_mirror"]
     assert facts.context is not None
     head = policy.head(forward.req, facts.context, forward.entry.options.forwarded_mode)
-    if head is not None:
+    if head is None:
+        return None
+    if req.has_body and policy.request_body:
+        if forward.buffer_body:  # (set by decide after the gates, before the shapers)
+            forward.body_mirror = (policy.target, head)
+    else:
         forward.mirrors = [(policy.target, head)]
     return None
 

@@ -73,7 +73,7 @@ from typing import Any, Protocol
 from opentelemetry.trace import Status, StatusCode
 
 from waygate.core import flow
-from waygate.proxy import filters, http1, nextupstream, throttle
+from waygate.proxy import filters, http1, mirror, nextupstream, throttle
 from waygate.proxy.authstep import AuthStep
 from waygate.proxy.bodybuffer import BodyBuffer
 from waygate.proxy.connect_h1 import start_connect
@@ -332,10 +332,14 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
     def dispatch(self) -> None:
         """Send the request upstream: a pooled connection, or a new connect; to an
         HTTP/2 backend, a stream (`h2bridge`: the backend decides the protocol)."""
-        if self.buffer is not None and not self.req_complete:
-            # The body first (request buffering): dispatched at its last byte.
-            self.hold_dispatch()
-            return
+        buffer = self.buffer
+        if buffer is not None:
+            if not self.req_complete:
+                # The body first (request buffering): dispatched at its last byte.
+                self.hold_dispatch()
+                return
+            if self.forward is not None and self.forward.body_mirror is not None:
+                mirror.send_with_body(self.ctx.mirrors, self.forward, buffer)
         target = self.target
         assert target is not None
         ctx = self.ctx

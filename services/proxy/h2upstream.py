@@ -61,6 +61,7 @@ from waygate.proxy import (
     filters,
     grpcstatus,
     http1,
+    mirror,
     nextupstream,
     throttle,
 )
@@ -787,6 +788,8 @@ class H2Exchange(UpstreamStream):
             return
         if self.buffering:
             self.buffering = False
+            if self.forward.body_mirror is not None and self.buffer is not None:
+                mirror.send_with_body(self.ctx.mirrors, self.forward, self.buffer)
             # The buffered body is all here: now a stream upstream (the body is
             # replayed by send_held; END_STREAM after its last byte).
             self._arm(self.entry.options.server_timeout)

@@ -17,8 +17,10 @@ per request by the routing table) and ingress-nginx's mirror-target (a URL:
 URL's host and port directly (https: TLS 1.2+, the certificate verified against
 the system CAs and the URL's host), with the URL's path -- `$request_uri` in it
 replaced by the request's target, else the request's query appended -- and the
-Host `mirror-host` names (else the URL's); `mirror-request-body: off` copies a
-request with a body as a bodiless one. A route's URL copies in flight are
+Host `mirror-host` names (else the URL's); a request with a body is copied
+with it once its buffered body is all in (`send_with_body`: a body in memory,
+at most `MAX_BODY` bytes; an unbuffered or larger one is not copied), or
+without it under `mirror-request-body: off`. A route's URL copies in flight are
 bounded too (`UrlTarget.limit`): one route's slow mirror cannot take every slot.
 """
 
@@ -42,6 +44,9 @@ DEFAULT_TIMEOUT = 5.0
 MAX_ANSWER_HEAD = 16384
 # URL copies in flight per route (beyond: dropped and counted, as past `limit`).
 ROUTE_LIMIT = 32
+# The largest body a copy carries: a buffered body held in memory up to this (a
+# larger one, or one the buffer spilled to disk, is not mirrored; counted dropped).
+MAX_BODY = 64 * 1024
 
 
 class Mirrors:
@@ -199,9 +204,9 @@ class UrlMirror:
         self.request_body = request_body
 
     def head(self, req: http1.RequestHead, context: Any, mode: str) -> bytes | None:
-        """The copy's head (None: not mirrored: a request with a body, unless
-        mirror-request-body is off, when its copy has none; an upgrade)."""
-        if req.upgrade or (req.has_body and self.request_body):
+        """The copy's head, without a body (None: an upgrade, never mirrored); a
+        request with a body gets it added by `send_with_body` (mirror-request-body on)."""
+        if req.upgrade:
             return None
         copy = req.copy()
         if self.query_appended:
@@ -214,3 +219,15 @@ class UrlMirror:
         copy.content_length = -1
         copy.chunked = False
         return http1.build_upstream_head(copy, context, mode, b"")
+
+
+def send_with_body(mirrors: Mirrors, forward: Any, buffer: Any) -> None:
+    """A request's buffered body is all in (`bodybuffer.BodyBuffer`, not replayed yet):
+    its copy goes with it when it is in memory and at most `MAX_BODY` bytes (once)."""
+    target, head = forward.body_mirror
+    forward.body_mirror = None
+    if buffer.file is not None or buffer.size != buffer.memory or buffer.size > MAX_BODY:
+        mirrors.dropped += 1
+        return
+    body = b"".join(buffer.chunks)
+    mirrors.send(target, head[:-2] + b"Content-Length: %d\r\n\r\n" % len(body) + body)

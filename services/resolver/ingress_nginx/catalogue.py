@@ -299,8 +299,9 @@ _CORS = "CORS headers on allowed origins' answers; preflights (OPTIONS) answered
 _MIRROR = (
     "a copy of each request to the URL, fire and forget (never waited for: nginx's "
     "mirror delays the request until the copy is answered), at most 32 in flight per "
-    "route; with a body only under mirror-request-body off, then without it; a URL "
-    "without a path gets `/` (nginx: its internal location name)"
+    "route; a body goes with the copy when it was buffered (proxy-request-buffering, "
+    "the default) and is at most 64 KiB, else the copy is not sent; a URL without a path "
+    "gets `/` (nginx: its internal location name)"
 )
 _CANARY = (
     "folded into the main Ingress's route and decided per request as ingress-nginx's "

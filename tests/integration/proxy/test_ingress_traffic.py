@@ -301,23 +301,33 @@ async def test_mirror_target_with_request_uri_and_mirror_host(upstreams, client)
 @pytest.mark.parametrize("client", CLIENTS)
 @pytest.mark.parametrize("request_body", [True, False], ids=["body-on", "body-off"])
 async def test_mirror_request_body(upstreams, client, request_body):
-    # mirror.go: It("should disable mirror-request-body"). Off: a request with a body
-    # is copied without it; on: such a request is not copied (a named difference: the
-    # body streams once, to the backend). Without a path in the URL the request's
-    # query goes with the copy (nginx passes the request's args).
+    # mirror.go: It("should set mirror-target to http://localhost/mirror") with
+    # "mirror_request_body on" (the default), It("should disable mirror-request-body"):
+    # the buffered body goes with the copy, or none (no framing headers either).
+    # Without a path in the URL the request's query goes with the copy (nginx passes
+    # the request's args).
     copies = upstreams.canary
     mirror = UrlMirror(f"http://127.0.0.1:{copies.port}", request_body=request_body)
     async with running_proxy(mirrored_table(upstreams, mirror)) as (server, port):
         assert (await post(client, port, b"hello", length=True)).status == 200
-        assert await served_by(client, port, []) == "main"  # bodiless: always copied
-        await until(lambda: server.mirrors.sent == (1 if request_body else 2), "the copies")
-    assert [(c["method"], c["target"], c["body_length"]) for c in copies.requests] == (
-        [("GET", "/", 0)] if request_body else [("POST", "/", 0), ("GET", "/", 0)]
-    )
+        assert await served_by(client, port, []) == "main"
+        await until(lambda: server.mirrors.sent == 2, "the copies")
+    copied = sorted((c["method"], c["target"], c["body_length"]) for c in copies.requests)
+    assert copied == [("GET", "/", 0), ("POST", "/", 5 if request_body else 0)]
     for copy in copies.requests:
         names = {k.lower() for k, _ in copy["headers"]}  # type: ignore[attr-defined]
-        assert "content-length" not in names and "transfer-encoding" not in names
+        assert ("content-length" in names) == (copy["method"] == "POST" and request_body)
+        assert "transfer-encoding" not in names
     assert [r["body_length"] for r in upstreams.main.requests] == [5, 0]
+
+
+async def test_a_body_past_the_copys_bound_is_not_copied(upstreams):
+    copies = upstreams.canary
+    mirror = UrlMirror(f"http://127.0.0.1:{copies.port}/$request_uri")
+    async with running_proxy(mirrored_table(upstreams, mirror)) as (server, port):
+        assert (await post("http/1.1", port, b"x" * 70000, length=True)).status == 200
+        assert server.mirrors.dropped == 1 and server.mirrors.sent == 0
+    assert upstreams.main.requests[0]["body_length"] == 70000 and not copies.requests
 
 
 async def test_a_mirror_that_never_answers_neither_slows_nor_grows(upstreams):
