@@ -191,6 +191,7 @@ class Forward:
     # and the upstreams tried so far for it.
     next_upstream: nextupstream.NextUpstream | None = None
     tries = 1
+    body_copy: bytes | None = None  # the buffered body kept for a resend (nextupstream)
     # ingress-nginx mirror-target of a request with a buffered body: (target, head),
     # sent with the body once it is all in (waygate.proxy.mirror.send_with_body).
     body_mirror: tuple[Any, bytes] | None = None

@@ -338,8 +338,12 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
                 # The body first (request buffering): dispatched at its last byte.
                 self.hold_dispatch()
                 return
-            if self.forward is not None and self.forward.body_mirror is not None:
-                mirror.send_with_body(self.ctx.mirrors, self.forward, buffer)
+            forward = self.forward
+            if forward is not None:
+                if forward.body_mirror is not None:
+                    mirror.send_with_body(self.ctx.mirrors, forward, buffer)
+                if forward.next_upstream is not None:
+                    nextupstream.keep_body(forward, buffer)
         target = self.target
         assert target is not None
         ctx = self.ctx

@@ -10,9 +10,13 @@ request whose method is not idempotent (POST, LOCK, PATCH) only with
 `non_idempotent`. When no try is left, the last answer goes to the client as
 it came (a malformed head: 502).
 
-Here a request is passed on only when it can be sent again exactly: it has no
-body (a body streams once to the backend, and a buffered one is let go as it
-is sent) and it is not an upgrade. The decision and its bookkeeping live here;
+Here a request is passed on only when it can be sent again exactly: it is not
+an upgrade, and it has no body or its body was buffered whole in memory
+(request buffering, at most the buffer's per-request memory: `keep_body` keeps
+a copy at dispatch, replayed to the next endpoint) by an exchange with an
+HTTP/1.1 backend or the HTTP/2 bridge; an HTTP/2 client's body to an HTTP/2
+backend, an unbuffered body or one spilled to disk is never sent twice. The
+decision and its bookkeeping live here;
 the drivers call `retried` at a final answer's head (`Exchange.response_head`
 for HTTP/1.1 backends and the HTTP/2 bridge, `H2Exchange.on_response` for
 HTTP/2 backends) and `retried_broken` where a malformed head would be a 502.
@@ -50,10 +54,11 @@ class NextUpstream:
         # decision.repick (handed in by decision, which builds the policy: no cycle).
         self.repick = repick
 
-    def allows(self, req: Any, tries: int, elapsed: float) -> bool:
+    def allows(self, req: Any, tries: int, elapsed: float, body_kept: bool) -> bool:
         """Whether a request that was tried `tries` times, `elapsed` seconds ago, may
-        go to another endpoint: it can be sent again exactly and a try is left."""
-        if req is None or req.has_body or req.upgrade:
+        go to another endpoint: it can be sent again exactly (`body_kept`: its body
+        is kept whole) and a try is left."""
+        if req is None or req.upgrade or (req.has_body and not body_kept):
             return False
         if req.method in NON_IDEMPOTENT and not self.non_idempotent:
             return False
@@ -78,11 +83,18 @@ def policy_of(
     )
 
 
-def _another(exchange: Any, forward: Any, facts: Any, now: float) -> bool:
+def keep_body(forward: Any, buffer: Any) -> None:
+    """At dispatch: a copy of a buffered body held whole in memory (not replayed yet),
+    for a resend; none for one spilled to disk."""
+    if buffer.file is None and buffer.size == buffer.memory:
+        forward.body_copy = b"".join(buffer.chunks)
+
+
+def _another(exchange: Any, forward: Any, facts: Any, now: float, body_kept: bool) -> bool:
     """The next endpoint for `forward` (True: taken, the try counted)."""
     ctx = exchange.ctx
     policy: NextUpstream = forward.next_upstream
-    if not policy.allows(exchange.req, forward.tries, now - exchange.started):
+    if not policy.allows(exchange.req, forward.tries, now - exchange.started, body_kept):
         return False
     if not policy.repick(ctx.view, forward, facts, exchange.target):
         return False
@@ -111,11 +123,17 @@ def retried_broken(exchange: Any) -> bool:
 
 
 def _again(exchange: Any, forward: Any, now: float) -> bool:
-    if not _another(exchange, forward, exchange.down, now):
+    body = forward.body_copy
+    if not _another(exchange, forward, exchange.down, now, body is not None):
         return False
     exchange.abandon_upstream()  # the answer goes with its connection (or stream)
     exchange.target = forward.target
     exchange.backend = forward.backend
+    if exchange.req.has_body:
+        # The body again, whole, from the copy (what the last try left of it goes).
+        exchange._drop_buffer()
+        buffer = exchange.buffer = exchange.ctx.buffers.new_buffer()
+        buffer.write([body])
     exchange.dispatch()
     return True
 
@@ -126,7 +144,7 @@ def retried_h2(stream: Any, status: int) -> bool:
     forward = stream.forward
     if status not in forward.next_upstream.statuses:
         return False
-    if not _another(stream, forward, stream.facts, stream.ctx.loop.time()):
+    if not _another(stream, forward, stream.facts, stream.ctx.loop.time(), False):
         return False
     stream._cancel_upstream()
     upstream = stream.upstream

@@ -567,7 +567,8 @@ ENTRIES: tuple[Entry, ...] = (
         "retries a failed send or response head), except that an idempotent request without "
         "a body whose reused connection closed before answering is sent once more, `off` "
         "too; http_*, invalid_header and non_idempotent: the answer is dropped and the "
-        "request sent to another endpoint only when it has no body",
+        "request sent to another endpoint only when it can be resent exactly (no body, or "
+        "one buffered whole in memory)",
     ),
     _e("proxy-next-upstream-tries", integer, H, "connects tried at most (1 to 100)"),
     _e(

@@ -441,22 +441,36 @@ async def test_next_upstream_drops_the_answer_and_tries_another_endpoint(
 
 
 @pytest.mark.parametrize("client", CLIENTS)
-async def test_next_upstream_never_resends_what_it_cannot_send_exactly(upstreams, client):
-    # nginx: a non-idempotent request (POST) only with non_idempotent; here also no
-    # request with a body (its body is not kept); and when no try is left the last
-    # answer goes to the client as it came.
+async def test_next_upstream_resends_only_what_it_can_send_exactly(upstreams, client):
+    # nginx: a non-idempotent request (POST) only with non_idempotent; here a body
+    # only when it was buffered whole (request buffering, the default), replayed to
+    # the next endpoint; when no try is left the last answer goes to the client as
+    # it came; proxy-next-upstream-timeout bounds the tries from the request's start.
     bad = await Failing(SERVICE_UNAVAILABLE).start()
+
+    async def posts(table: RouteTable) -> list[int]:
+        async with running_proxy(table) as (server, port):
+            found = sorted(
+                [(await post(client, port, b"hello", length=True)).status for _ in (1, 2)]
+            )
+            await until(lambda: not any(_held(server).values()), "everything given back")
+            return found
+
     try:
-        table = next_upstream_table(upstreams.main.port, bad.port, "http_503 non_idempotent")
-        async with running_proxy(table) as (_, port):
-            posted = [(await post(client, port, b"hello", length=True)).status for _ in range(2)]
-            assert sorted(posted) == [200, 503]
-        only_bad = next_upstream_table(bad.port, bad.port, "http_503", next_upstream_tries=2)
+        good, failing = upstreams.main.port, bad.port
+        assert await posts(next_upstream_table(good, failing, "http_503")) == [200, 503]
+        resent = next_upstream_table(good, failing, "http_503 non_idempotent")
+        assert await posts(resent) == [200, 200]
+        # The first table's 200 and both of these: each body whole at the good endpoint.
+        assert [r["body_length"] for r in upstreams.main.requests] == [5, 5, 5]
+        streamed = next_upstream_table(
+            good, failing, "http_503 non_idempotent", request_buffering=False
+        )
+        assert await posts(streamed) == [200, 503]
+        only_bad = next_upstream_table(failing, failing, "http_503", next_upstream_tries=2)
         async with running_proxy(only_bad) as (_, port):
             assert (await ask(client, port, "/info")).status == 503
-        timed_out = next_upstream_table(
-            upstreams.main.port, bad.port, "http_503", next_upstream_timeout=1e-9
-        )
+        timed_out = next_upstream_table(good, failing, "http_503", next_upstream_timeout=1e-9)
         async with running_proxy(timed_out) as (_, port):
             statuses = sorted([(await ask(client, port, "/info")).status for _ in range(2)])
             assert statuses == [200, 503]

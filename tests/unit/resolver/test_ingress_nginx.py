@@ -1242,7 +1242,7 @@ def test_proxy_next_upstream_becomes_the_routes_redispatch_rule():
     assert (route.next_upstream, route.next_upstream_tries) == ("error timeout http_502", 5)
     lines = dict(line.split(": ", 1) for line in route.ingress_verdicts)
     assert lines["proxy-next-upstream"].startswith("honoured-with-difference (http_502")
-    assert "without a body" in lines["proxy-next-upstream"]
+    assert "buffered whole in memory" in lines["proxy-next-upstream"]
     assert "proxy-next-upstream-tries" not in lines
     assert "proxy-next-upstream-timeout" not in lines  # 0: ingress-nginx's default
     [off] = routes_of(ingress("off", {P + "proxy-next-upstream": "off"}))
