@@ -124,6 +124,12 @@ class CanarySplit:
     def choose(self, req: RequestHead, sticky: bytes | None) -> RouteEntry:
         return self.canary if self.to_canary(req, sticky) else self.main
 
+    def side_of(self, backend: Backend) -> RouteEntry:
+        """The side a request picked on (its backend's service, from this table or
+        an earlier one): a redispatch stays on it."""
+        services = {b.service for b in self.canary.backends}
+        return self.canary if backend.service in services else self.main
+
 
 def prepare(entry: RouteEntry) -> bool:
     """Whether the entry's route has a canary (its split built then, once per table)."""

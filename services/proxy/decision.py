@@ -255,6 +255,9 @@ def repick(view: View, forward: Forward, facts: ConnectionFacts, failed: Target)
     req = forward.req
     current = view.table.lookup(req.host, forward.path, req, facts.secure)
     entry = current if current is not None else forward.entry
+    split = entry.policies.get("canary") if rules_of(entry) else None
+    if split is not None:  # a canary's route: the same side again
+        entry = split.side_of(forward.backend)
     target, backend = entry.pick(facts.client_key, None, view.health, failed)
     if target is None or backend is None or backend.invalid or backend.http2 != forward.http2:
         return False

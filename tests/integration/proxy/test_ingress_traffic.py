@@ -21,6 +21,7 @@ from tests.integration.proxy.test_request_core import (
     CLIENTS,
     HOST,
     Backends,
+    _dead_port,
     _held,
     ask,
     built,
@@ -148,6 +149,38 @@ async def test_canary_weight_of_max_100_and_the_total(upstreams):
     async with running_proxy(canary_table(upstreams, Canary(1, weight=50))) as (_, port):
         sides = [await served_by("http/1.1", port, []) for _ in range(60)]
     assert sides.count("main") >= 10 and sides.count("canary") >= 10
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+async def test_a_redispatch_stays_on_the_side_the_canary_chose(upstreams, client):
+    # A failed connect goes to another endpoint of the same side: a request the
+    # header sent to the canary is never answered by the main backends instead.
+    dead = await _dead_port()
+    endpoints = upstreams.endpoints()
+    endpoints[("web", "canary")] += (
+        Endpoint(
+            namespace="web",
+            service="canary",
+            address="127.0.0.1",
+            ports=(EndpointPort("http", dead),),
+        ),
+    )
+    route = Route(
+        namespace="web",
+        name="ingress:main",
+        host=HOST,
+        backends=(RouteBackend("main", 100), RouteBackend("canary", 0)),
+        balance=BalancePolicy.ROUND_ROBIN,
+        sticky=StickySessions(disable_cookies=True),
+        canary=Canary(1, header="X-Canary"),
+    )
+    table = build_table(
+        {route.key: route}, endpoints, {}, defaults=Defaults(), cookie_key=b"k" * 32
+    )
+    async with running_proxy(table) as (server, port):
+        sides = [await served_by(client, port, [("X-Canary", "always")]) for _ in range(4)]
+        assert sides == ["canary"] * 4
+        assert server.metrics.redispatches >= 1
 
 
 def _cookie(answer_headers: dict[str, str], name: str) -> str | None:
