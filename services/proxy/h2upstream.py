@@ -858,6 +858,10 @@ class H2Exchange(UpstreamStream):
         for name, value in headers:
             if control(value) is not None or (name == b":status" and not _STATUS.fullmatch(value)):
                 # Not relayed: the HTTP/1.1 rule book's 502 (h2 refuses NUL, CR, LF only).
+                if self.forward.next_upstream is not None and nextupstream.retried_h2(
+                    self, 0, broken=True
+                ):
+                    return  # proxy-next-upstream invalid_header: another endpoint
                 self._cancel_upstream()
                 self.fail(502, "upstream sent a malformed response head", "upstream_head")
                 return

@@ -19,7 +19,8 @@ backend, an unbuffered body or one spilled to disk is never sent twice. The
 decision and its bookkeeping live here;
 the drivers call `retried` at a final answer's head (`Exchange.response_head`
 for HTTP/1.1 backends and the HTTP/2 bridge, `H2Exchange.on_response` for
-HTTP/2 backends) and `retried_broken` where a malformed head would be a 502.
+HTTP/2 backends) and `retried_broken` (`retried_h2(..., broken=True)`) where a
+malformed or missing head would be a 502.
 A route without these tokens pays one attribute test per answer.
 """
 
@@ -138,11 +139,13 @@ def _again(exchange: Any, forward: Any, now: float) -> bool:
     return True
 
 
-def retried_h2(stream: Any, status: int) -> bool:
-    """An HTTP/2 backend's final answer `status` to an HTTP/2 client's stream
-    (`H2Exchange`): True when it was reset and the request sent elsewhere."""
+def retried_h2(stream: Any, status: int, *, broken: bool = False) -> bool:
+    """An HTTP/2 backend's final answer `status` (or a malformed head: `broken`) to an
+    HTTP/2 client's stream (`H2Exchange`): True when it was reset and the request
+    sent elsewhere."""
     forward = stream.forward
-    if status not in forward.next_upstream.statuses:
+    policy: NextUpstream = forward.next_upstream
+    if not (policy.invalid_header if broken else status in policy.statuses):
         return False
     if not _another(stream, forward, stream.facts, stream.ctx.loop.time(), False):
         return False

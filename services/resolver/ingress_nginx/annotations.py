@@ -1157,9 +1157,9 @@ _NEXT_ANSWERS_NOTE = (
     "and proxy-next-upstream-timeout allow) only when it can be sent again exactly: "
     "without a body, or with one buffered whole in memory (proxy-request-buffering on, "
     "at most 64 KiB; not from an HTTP/2 client to an HTTP/2 backend) -- else the answer "
-    "goes to the client as it came; POST, LOCK and PATCH only with non_idempotent; "
-    "invalid_header for HTTP/1.1 backends. error and timeout: a connect that failed or "
-    "timed out (a failure after the request was sent is a 502)"
+    "goes to the client as it came; POST, LOCK and PATCH only with non_idempotent. "
+    "error and timeout: a connect that failed or timed out (a failure after the "
+    "request was sent is a 502)"
 )
 
 
