@@ -175,7 +175,8 @@ def held_end(throttle: ResponseThrottle, finish: Callable[[], None]) -> bool:
     `finish` runs once the last of them is handed on (True: deferred)."""
     if not throttle.held:
         return False
-    throttle.end = finish
+    if throttle.end is None:  # trailers first, then END_STREAM: the trailers end it
+        throttle.end = finish
     return True
 
 

@@ -264,6 +264,29 @@ async def test_limit_rate_paces_the_body_after_limit_rate_after(client, backend,
     assert took >= 0.9 * (size - after - rate) / rate, (size, took)
 
 
+async def test_an_http2_backends_trailers_follow_the_paced_body():
+    # The backend's trailers (gRPC's status lives there) and its END_STREAM arrive
+    # while the body is held back: they go after the body's last byte, trailers kept.
+    backends = Backends()
+    await backends.h1.start()
+    await backends.h2.start()
+    try:
+        route = core_route("h2c", limit_rate=1024)
+        path = "/nolength-" + "a" * 1300
+        async with running_proxy(built([route], [backends.endpoint()])) as (_, port):
+            h2 = await H2Client.connect(port)
+            try:
+                response = await h2.request("GET", path, HOST)
+            finally:
+                await h2.close()
+    finally:
+        await backends.h1.stop()
+        await backends.h2.stop()
+    assert response.status == 200
+    assert response.body == b"first," + path.encode()
+    assert (b"x-trailer", b"t") in response.trailers
+
+
 @pytest.mark.parametrize(("client", "backend"), PAIRS)
 async def test_a_client_gone_while_paced_leaves_nothing_behind(client, backend):
     # The client goes while its answer is held back: the exchange ends, every slot
