@@ -53,7 +53,6 @@ def test_the_json_report_over_the_examples():
     # Access annotations not honoured: not served, the reason names the annotation.
     for name, annotation in (
         ("oauth2-dashboard", "auth-"),
-        ("mtls-partners", "auth-tls-"),
         ("waf", "modsecurity"),
     ):
         assert by_name[name]["served"] is False, name
@@ -61,6 +60,8 @@ def test_the_json_report_over_the_examples():
     # Source ranges and basic authentication (its Secret beside it) are honoured exactly.
     assert by_name["admin-allowlist"]["exact"] is True
     assert by_name["basic-auth"]["exact"] is True
+    # Client certificates, the partners' CA certificate in a Secret beside it: exactly.
+    assert by_name["mtls-partners"]["served"] is True and by_name["mtls-partners"]["exact"] is True
     # limit-rps, -burst-multiplier, -connections: honoured per replica, served exactly.
     assert by_name["rate-limited"]["served"] is True and by_name["rate-limited"]["exact"] is True
     # A snippet outside the literal subset is refused, naming why; the subset is served.
@@ -179,6 +180,8 @@ current-context: prod
     assert by_name["admin-allowlist"]["exact"] is True
     # The Secret an auth-secret names is read (and only it): basic-auth is served.
     assert by_name["basic-auth"]["exact"] is True
+    # Client certificates, the partners' CA certificate in a Secret beside it: exactly.
+    assert by_name["mtls-partners"]["served"] is True and by_name["mtls-partners"]["exact"] is True
     assert by_name["oauth2-dashboard"]["served"] is False
     assert by_name["web-main"]["exact"] is True
     keys = {k["key"] for k in report["configMap"]["keys"]}
