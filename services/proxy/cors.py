@@ -60,12 +60,6 @@ def origin_pattern(origins: tuple[str, ...]) -> re.Pattern[str]:
     return compile_pattern("(?:" + "|".join(parts) + ")")
 
 
-def request_origin(req: RequestHead) -> bytes:
-    """The request's Origin header (b"": none)."""
-    found = _ORIGIN_FIELD.search(req.fields)
-    return found.group(1).rstrip(b" \t") if found else b""
-
-
 class CorsAnswer:
     """What an allowed request gets, prepared once per route entry and origin:
     `headers` (name, value) pairs, `fields` the response modifier (the route's own

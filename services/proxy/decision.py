@@ -363,16 +363,9 @@ def _request_filters(forward: Forward, req: RequestHead, facts: ConnectionFacts)
 def _access(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
     """ingress-nginx's access annotations (waygate.proxy.access: 403, 401, 503)."""
     check = forward.entry.access
-    context = facts.context
-    assert check is not None and context is not None  # (compiled by access.prepare)
-    peer = context.client_ip
-    if peer is check.last_peer and check.address_only:  # a keep-alive client's next request
-        refused = check.last_verdict
-    else:
-        refused = check.decide(req, peer)
-    if refused is None:
-        return None
-    return Answer(refused[0], refused[1], refused[2], forward.entry.options.name)
+    assert check is not None and facts.context is not None  # (compiled by access.prepare)
+    refused = check.decide(req, facts.context.client_ip)
+    return None if refused is None else Answer(*refused, forward.entry.options.name)
 
 
 def _rate_limit(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
