@@ -26,7 +26,8 @@ cookie then too).
 
 Both proxies on core 0; wrk (1 thread), the upstream and the resolver on core 1.
 Every request is the same GET /api/64 with an `Origin: https://app.example.com`
-(the plain routes serve /api/64 as it is, the annotated ones rewrite it to /64);
+(the plain routes, on the path prefix /api beside /, serve /api/64 as it is; the
+annotated ones rewrite it to /64);
 each answer is checked first (the CORS lines and the Set-Cookie on the annotated
 route, neither on the plain one). The four cells take `--rounds` turns, order
 rotated, each after 1 s of warm-up; the medians of req/s and of the proxy's CPU
@@ -98,6 +99,9 @@ spec:
   - host: {HOST}
     http:
       paths:
+      - path: /api
+        pathType: Prefix
+        backend: {{service: {{name: upstream, port: {{number: 80}}}}}}
       - path: /
         pathType: Prefix
         backend: {{service: {{name: upstream, port: {{number: 80}}}}}}
@@ -178,6 +182,9 @@ def ingress_nginx_conf(directory: Path, port: int, upstream: int) -> Path:
         server=f"""
             listen 127.0.0.1:{port} backlog=4096 default_server;
             server_name {HOST};
+            location /api {{
+              proxy_pass http://plain;{proxying}
+            }}
             location / {{
               proxy_pass http://plain;{proxying}
             }}
