@@ -33,8 +33,10 @@ from waygate.proxy.filters import SetFields
 from waygate.proxy.http1 import RequestHead
 from waygate.resolver.client import Cors, HeaderModifier
 
-# Origins remembered per route entry (allowed or not), then forgotten at once.
-MAX_REMEMBERED: Final = 1024
+# Origins remembered per route entry (allowed or not), then forgotten at once: a
+# wildcard origin lets a client name many, and each allowed one holds its answer's
+# lines (about 2 KiB), so a route's bound stays near half a MiB.
+MAX_REMEMBERED: Final = 256
 # The first Origin field's value, blanks around it kept. A request's field block starts
 # with its Host line (http1.parse_request_head, request_from_fields), so every other
 # field follows a line feed; a value holds no CR (the parse refuses one).
