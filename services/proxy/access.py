@@ -1,6 +1,6 @@
-"""Who may reach a route: client address ranges, block lists and HTTP Basic
-authentication (a route's `RouteAccess`: ingress-nginx's `*-source-range`,
-`auth-type: basic`, `satisfy` and the ConfigMap's `block-*`), sans-IO.
+"""Who may reach a route: client address ranges, block lists and HTTP Basic or
+Digest authentication (a route's `RouteAccess`: ingress-nginx's `*-source-range`,
+`auth-type: basic|digest`, `satisfy` and the ConfigMap's `block-*`), sans-IO.
 
 `compile_access(route_access)` turns a route's rules into an `AccessCheck` once
 per routing table (CIDRs into integer masks, credentials into a user -> hash
@@ -27,7 +27,14 @@ Invariants:
   any format it cannot verify. An Authorization value, once checked, is
   remembered per table entry (bounded), so a known user pays the hash (bcrypt:
   milliseconds to a second, on the event loop) once, not per request.
-- The Authorization header is forwarded to the backend, as nginx does.
+- Digest (waygate.core.digest, nginx-http-auth-digest's rules): the nonces and
+  the failed tries per client address live in this process's `DIGEST`
+  tables, shared by every route (as the module's shared memory zone) and
+  kept across routing tables; bounded by the proxy's --digest-nonces. A 401
+  carries a fresh challenge; an address held off (evasion) gets none.
+- The backend does not get the Authorization header of a route with
+  authentication: the resolver adds its removal to the route's request
+  filters (ingress-nginx's `proxy_set_header Authorization ""`).
 """
 
 from __future__ import annotations
@@ -37,9 +44,11 @@ import binascii
 import ipaddress
 import re
 import socket
+import time
 from collections.abc import Iterable, Sequence
 from typing import Final, Protocol
 
+from waygate.core import digest
 from waygate.core.htpasswd import parse_credentials, verify
 from waygate.core.regex import LinearPattern, compile_linear
 from waygate.proxy.http1 import RequestHead
@@ -54,6 +63,27 @@ KIND_INVALID: Final = "access_invalid"
 
 # Verified Authorization values kept per route entry (then forgotten at once).
 MAX_REMEMBERED: Final = 1024
+
+
+class DigestState:
+    """Digest's nonces and evasion counts, for every route of this process."""
+
+    def __init__(self, max_entries: int = digest.DEFAULT_ENTRIES) -> None:
+        self.nonces = digest.NonceTable(max_entries)
+        self.evasion = digest.Evasion(max_entries)
+
+
+DIGEST = DigestState()
+
+
+def configure_digest(max_entries: int) -> None:
+    """The proxy's --digest-nonces: the bound of each digest table (set at start)."""
+    global DIGEST
+    DIGEST = DigestState(max_entries)
+
+
+# What an unknown user's answer is checked against (the same work as a known one's).
+_NO_HA1: Final = (b"0" * 32,)
 
 _XFF: Final = b"x-forwarded-for"
 _FIELD = {
@@ -172,6 +202,9 @@ class AccessCheck:
         "broken",
         "challenge",
         "deny",
+        "digest_realm",
+        "digest_users",
+        "is_digest",
         "last_address",
         "last_peer",
         "referers",
@@ -198,9 +231,17 @@ class AccessCheck:
         self.trusted = networks(access.trusted_proxies)
         self.agents = _value_matchers(access.block_user_agents)
         self.referers = _value_matchers(access.block_referers)
-        self.auth = access.auth_type == "basic"
-        self.users = parse_credentials(access.credentials)
+        self.auth = access.auth_type in ("basic", "digest")
         self.challenge = 'Basic realm="' + access.auth_realm + '"'
+        self.is_digest = access.auth_type == "digest"
+        self.digest_realm = ""
+        self.digest_users: dict[tuple[bytes, bytes], tuple[bytes, ...]] = {}
+        if self.is_digest:
+            self.digest_realm = access.auth_realm
+            self.digest_users = digest.parse_lines(access.credentials)
+            self.users: dict[bytes, str] = {}
+        else:
+            self.users = parse_credentials(access.credentials)
         self.satisfy_any = access.satisfy_any
         self.remembered: dict[bytes, bool] = {}
         # The last peer address parsed (a connection's bytes object) and its value.
@@ -237,11 +278,46 @@ class AccessCheck:
             return None
         if not address_ok and not self.satisfy_any:
             return 403, "the client address is not allowed", KIND_DENIED
+        if self.is_digest:
+            if not self.digest_users:
+                return 503, "the route's credentials are withheld from this proxy", KIND_WITHHELD
+            challenge = self._digest(req, peer)
+            return None if challenge is None else (401, challenge, KIND_UNAUTHORIZED)
         if not self.users:
             return 503, "the route's credentials are withheld from this proxy", KIND_WITHHELD
         if self._authenticated(req):
             return None
         return 401, self.challenge, KIND_UNAUTHORIZED
+
+    def _digest(self, req: RequestHead, peer: bytes) -> str | None:
+        """None when the Digest answer is good, else the 401's WWW-Authenticate (a
+        new challenge; "" for an address held off). The evasion count is kept per
+        client address as `client_address` finds it."""
+        state = DIGEST
+        now = time.monotonic()
+        client = client_address(peer, req.forwarded, self.trusted) if self.trusted else peer
+        if state.evasion.evading(client, now):
+            return ""
+        header = _field(req, b"authorization")
+        answer = digest.parse_authorization(header) if header is not None else None
+        if answer is None:
+            return digest.challenge(self.digest_realm, state.nonces.issue(now), False)
+        stale = False
+        hashes = self.digest_users.get((answer.username, answer.realm))
+        good = digest.password_matches(hashes or _NO_HA1, req.method, answer)
+        if (
+            good
+            and hashes is not None
+            and answer.qop == b"auth"
+            and digest.uri_matches(answer.uri, req.target)
+        ):
+            verdict = state.nonces.use(answer.nonce, answer.nc, now)
+            if verdict == digest.NONCE_OK:
+                state.evasion.succeeded(client)
+                return None
+            stale = verdict == digest.NONCE_STALE
+        state.evasion.failed(client, now)
+        return digest.challenge(self.digest_realm, state.nonces.issue(now), stale)
 
     def _authenticated(self, req: RequestHead) -> bool:
         header = _field(req, b"authorization")
@@ -278,14 +354,18 @@ def _blocked(matchers: Sequence[Matcher], value: bytes | None) -> bool:
 
 
 def challenge_response(challenge: str, *, close: bool, head_only: bool) -> bytes:
-    """The 401 answer with its WWW-Authenticate challenge (nginx's page title as body)."""
+    """The 401 answer with its WWW-Authenticate challenge (none when `challenge` is
+    empty: a digest client held off), nginx's page title as body."""
     body = b"401 Authorization Required\n"
+    line = (
+        b"WWW-Authenticate: %s\r\n" % challenge.encode("latin-1", "replace") if challenge else b""
+    )
     return (
-        b"HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: %s\r\n"
+        b"HTTP/1.1 401 Unauthorized\r\n%s"
         b"Content-Type: text/plain; charset=utf-8\r\nContent-Length: %d\r\n"
         b"Cache-Control: no-store\r\nX-Waygate-Error: authentication required\r\n%s\r\n%s"
         % (
-            challenge.encode("latin-1", "replace"),
+            line,
             len(body),
             b"Connection: close\r\n" if close else b"",
             b"" if head_only else body,

@@ -433,9 +433,9 @@ class RouteAccess:
     block_referers: tuple[str, ...] = ()
     # X-Forwarded-For names the client when the peer is within these (nginx real_ip).
     trusted_proxies: tuple[str, ...] = ()
-    auth_type: str = ""  # "basic" or "" (none)
+    auth_type: str = ""  # "basic", "digest" or "" (none)
     auth_realm: str = ""
-    credentials: tuple[str, ...] = ()  # "user:hash" lines
+    credentials: tuple[str, ...] = ()  # "user:hash" lines (digest: "user:realm:HA1")
     satisfy_any: bool = False
 
 

@@ -336,6 +336,10 @@ def plan(
         result.note(Finding(short, valid[short], verdict, text, refuses))
     if refusal:
         result.refuse(UNSUPPORTED, refusal)
+    if result.access is not None and result.access.auth_type:
+        # ingress-nginx's `proxy_set_header Authorization ""`: the backend never
+        # sees the credentials (the auth-url service, asked first, still does).
+        result.request_remove.append("Authorization")
     _rate_limit(result, config)
     _global_auth(result, valid, config)
     # nginx's read/send timeouts also bound an upgraded (WebSocket) connection's silence.
