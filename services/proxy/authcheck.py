@@ -3,7 +3,9 @@
 `start(ctx, plan, head, connect_timeout, answer_timeout, done, key)` runs one task:
 a connection to the auth service through the proxy's own upstream machinery
 (`ctx.dialer`, `upstream.start`, an `upstream_h1.UpstreamConnection`, counted
-in the pool's per-endpoint bound like any upstream connection), the head sent,
+in the pool's per-endpoint bound like any upstream connection; over TLS for an
+https:// service, `extauth.tls_context`, the handshake within the connect
+timeout and a certificate that does not verify is no answer), the head sent,
 the answer's head awaited within `answer_timeout`, then the connection closed
 (the answer's body is never read: nginx discards it too) and `done(response)`
 called with it (None: no answer); with a cache `key` (auth-cache-key) the answer
@@ -76,9 +78,13 @@ async def ask(
     try:
         connection = await ctx.dialer.connect(target, connect_timeout, None)
         _, upstream = await start_connection(
-            connection, functools.partial(UpstreamConnection, ctx, target)
+            connection,
+            functools.partial(UpstreamConnection, ctx, target),
+            tls=extauth.tls_context() if plan.tls else None,
+            server_hostname=plan.server_name if plan.tls else None,
+            timeout=connect_timeout,
         )
-    except (ConnectError, OSError):
+    except (ConnectError, OSError, EOFError, TimeoutError):
         return None
     user = _Answer(ctx.loop)
     try:

@@ -530,7 +530,7 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
         assert forward is not None
         if forward.response_modifier is not None:
             response.fields = filters.modify_response_fields(
-                response.fields, forward.response_modifier
+                response.fields, forward.response_modifier, status
             )
         if forward.hsts or forward.backend.set_cookie:
             extra = forward.response_extra(upstream.target)

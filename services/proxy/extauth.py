@@ -16,9 +16,24 @@ never to a path) -- with
 
 and its answer decides (`outcome`): a 2xx lets the request through with the
 `auth-response-headers` copied from the answer onto it (the client's copies of
-those names removed, present in the answer or not); a 401 is answered 401, or
-302 to `auth-signin` with `rd=` (`auth-signin-redirect-param`) naming the
-request's URL; a 403 is answered 403; anything else, or no answer, 500.
+those names removed, present in the answer or not); a 401 is answered 401 with
+the answer's WWW-Authenticate (nginx's auth_request passes it on), or 302 to
+`auth-signin` with `rd=` (`auth-signin-redirect-param`) naming the request's
+URL; a 403 is answered 403; anything else, or no answer, 500.
+
+The answer's Set-Cookie (`auth_request_set $auth_cookie $upstream_http_set_cookie;
+add_header Set-Cookie $auth_cookie`: several joined with ", " into one, as nginx's
+variable joins them) goes to the client with the backend's answer when its
+status is one add_header serves (2xx/3xx: `filters.StatusHeaders`) and with the
+sign-in redirect; with `auth-always-set-cookie` (`add_header ... always`) with
+every answer, the proxy's own 401/403/500 included.
+
+An `https://` auth service is reached over TLS 1.2+, its certificate verified
+against the system's trust store for the URL's host (SNI too); nginx's
+proxy_pass does not verify it by default: a stricter difference, named in
+the Ingress's verdict. An answer carrying Set-Cookie is never cached (nginx's
+proxy_cache does not store one either), so one user's cookie never reaches
+another.
 
 The driver (`authcheck`) sends the subrequest and calls `outcome`; `decide`'s
 gate only marks the request (`Forward.auth`).
@@ -27,13 +42,15 @@ gate only marks the request (`Forward.auth`).
 from __future__ import annotations
 
 import re
+import ssl
 from collections import OrderedDict
-from typing import NamedTuple
+from typing import Any, NamedTuple
 from urllib.parse import quote, urlsplit
 
+from waygate.proxy import filters, http1
 from waygate.proxy.http1 import RequestHead, ResponseHead
 from waygate.proxy.routing import Target
-from waygate.resolver.client import ExternalAuth
+from waygate.resolver.client import ExternalAuth, HeaderModifier
 
 # Names the subrequest sets itself: the client's copies never reach the service.
 _SET_BY_US = (
@@ -60,8 +77,10 @@ class AuthPlan:
         self.spec = spec
         url = urlsplit(spec.url)
         host = url.hostname or ""
-        port = url.port or 80
+        self.tls = url.scheme == "https"
+        port = url.port or (443 if self.tls else 80)
         self.target = Target(host, port)
+        self.server_name = host
         self.host = (host if url.port is None else f"{host}:{port}").encode()
         self.path = ((url.path or "/") + (f"?{url.query}" if url.query else "")).encode()
         self.method = spec.method.encode()
@@ -137,11 +156,41 @@ def subrequest_head(plan: AuthPlan, req: RequestHead, secure: bool, client_ip: b
 
 
 class Refused(NamedTuple):
-    """The client's answer: a status and reason, or a redirect (`location`)."""
+    """The client's answer: a status and reason, or a redirect (`location`), with the
+    header lines the auth service's answer adds to it (`lines`)."""
 
     status: int
     reason: str
     location: bytes = b""
+    lines: bytes = b""
+
+
+def _values(response: ResponseHead, name: bytes) -> list[bytes]:
+    """Every value of a field of the answer (lower-case `name`), in order."""
+    out = []
+    for line in response.fields.split(b"\r\n"):
+        key, colon, value = line.partition(b":")
+        if colon and key.strip().lower() == name:
+            out.append(value.strip())
+    return out
+
+
+def auth_cookie(response: ResponseHead | None) -> bytes:
+    """nginx's $upstream_http_set_cookie: the answer's Set-Cookie values joined with
+    ", " (b"": none)."""
+    if response is None:
+        return b""
+    return b", ".join(value for value in _values(response, b"set-cookie") if value)
+
+
+def with_cookie(modifier: HeaderModifier | None, cookie: bytes, always: bool) -> HeaderModifier:
+    """The request's response modifier with the auth service's Set-Cookie added: to
+    every answer (always) or to those of add_header's statuses."""
+    base = modifier if modifier is not None else HeaderModifier()
+    line = (("Set-Cookie", cookie.decode("latin-1")),)
+    if always:
+        return HeaderModifier(base.set, (*base.add, *line), base.remove)
+    return filters.StatusHeaders(base.set, base.add, base.remove, add_on_success=line)
 
 
 def response_fields(response: ResponseHead) -> dict[bytes, bytes]:
@@ -155,12 +204,21 @@ def response_fields(response: ResponseHead) -> dict[bytes, bytes]:
 
 
 def outcome(
-    plan: AuthPlan, response: ResponseHead | None, req: RequestHead, secure: bool
+    plan: AuthPlan,
+    response: ResponseHead | None,
+    req: RequestHead,
+    secure: bool,
+    forward: Any = None,
 ) -> bytes | Refused:
-    """The header lines to add to the request (a 2xx), or the client's answer."""
+    """The header lines to add to the request (a 2xx: the answer's Set-Cookie is
+    then added to `forward`'s response modifier), or the client's answer."""
     status = response.status if response is not None else 0
+    cookie = auth_cookie(response)
+    always = plan.spec.always_set_cookie
     if 200 <= status < 300:
         assert response is not None
+        if cookie and forward is not None:
+            forward.response_modifier = with_cookie(forward.response_modifier, cookie, always)
         if not plan.copied:
             return b""
         fields = response_fields(response)
@@ -170,16 +228,63 @@ def outcome(
             if value:
                 lines.append(b"%s: %s\r\n" % (name, value))
         return b"".join(lines)
+    set_cookie = b"Set-Cookie: %s\r\n" % cookie if cookie else b""
     if status == 401:
+        assert response is not None
         signin = plan.spec.signin
-        if signin:
-            return Refused(302, "sign in first", signin_location(plan, req, secure))
-        return Refused(401, "authentication required")
+        if signin:  # (a 302: add_header's own statuses, `always` or not)
+            location = signin_location(plan, req, secure)
+            return Refused(302, "sign in first", location, set_cookie)
+        challenges = b"".join(
+            b"WWW-Authenticate: %s\r\n" % value for value in _values(response, b"www-authenticate")
+        )
+        return Refused(
+            401, "authentication required", lines=challenges + (set_cookie if always else b"")
+        )
+    extra = set_cookie if always else b""
     if status == 403:
-        return Refused(403, "forbidden by the authentication service")
+        return Refused(403, "forbidden by the authentication service", lines=extra)
     if response is None:
         return Refused(500, "the authentication service did not answer")
-    return Refused(500, f"the authentication service answered {status}")
+    return Refused(500, f"the authentication service answered {status}", lines=extra)
+
+
+def refusal_page(result: Refused, *, close: bool, head_only: bool) -> bytes:
+    """The client's whole HTTP/1.1 answer for a refusal (a redirect, or the error
+    page), with the auth service's lines."""
+    if result.location:
+        page = filters.redirect_head(result.status, result.location, close=close)
+    else:
+        page = http1.error_response(result.status, result.reason, close=close, head_only=head_only)
+    if not result.lines:
+        return page
+    end = page.index(b"\r\n") + 2
+    return page[:end] + result.lines + page[end:]
+
+
+def field_pairs(lines: bytes) -> list[tuple[bytes, bytes]]:
+    """Header lines as HTTP/2 fields (lower-case names)."""
+    out = []
+    for line in lines.split(b"\r\n"):
+        name, colon, value = line.partition(b":")
+        if colon:
+            out.append((name.strip().lower(), value.strip()))
+    return out
+
+
+_tls_context: ssl.SSLContext | None = None
+
+
+def tls_context() -> ssl.SSLContext:
+    """The client context for https:// auth services: the system's trust store,
+    the host name checked, TLS 1.2 or later, HTTP/1.1 by ALPN (made once)."""
+    global _tls_context
+    if _tls_context is None:
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.set_alpn_protocols(["http/1.1"])
+        _tls_context = context
+    return _tls_context
 
 
 def signin_location(plan: AuthPlan, req: RequestHead, secure: bool) -> bytes:
@@ -260,8 +365,8 @@ class AnswerCache:
 
     def put(self, plan: AuthPlan, key: bytes, response: ResponseHead, now: float) -> None:
         seconds = plan.durations.get(response.status)
-        if not seconds:
-            return
+        if not seconds or auth_cookie(response):
+            return  # (nginx's proxy_cache keeps no answer with Set-Cookie)
         size = len(key) + len(response.fields) + 64
         if size > MAX_CACHED_BYTES // 16:
             return  # too large to keep

@@ -9,6 +9,8 @@ upstream's response head (response side). Per the Gateway API specification:
   line of that name. Framing and connection headers (Host, Content-Length,
   Transfer-Encoding, Connection, Upgrade, Keep-Alive, TE, Trailer) are never
   touched: the proxy owns them, so a filter cannot desynchronise a message.
+- `StatusHeaders` (ingress-nginx's add_header without `always`, for the auth
+  service's Set-Cookie): lines added only to answers of ADD_HEADER_STATUSES.
 - URLRewrite: the Host line (X-Forwarded-Host keeps the client's host) and the
   path: ReplaceFullPath, or ReplacePrefixMatch of the matched PathPrefix at a
   segment boundary; the query string is kept.
@@ -20,7 +22,8 @@ upstream's response head (response side). Per the Gateway API specification:
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
 
 from waygate.resolver.client import HeaderModifier, PathModifierType, Redirect, Rewrite
 
@@ -71,8 +74,26 @@ def modify_request_fields(fields: bytes, modifier: HeaderModifier) -> bytes:
     return b"".join(line + b"\r\n" for line in _modified_lines(lines, modifier))
 
 
-def modify_response_fields(fields: bytes, modifier: HeaderModifier) -> bytes:
-    """A response's field block (b"\\r\\nName: value" lines) after the modifier."""
+# The statuses nginx's add_header (without `always`) adds its lines to.
+ADD_HEADER_STATUSES: Final = frozenset((200, 201, 204, 206, 301, 302, 303, 304, 307, 308))
+
+
+@dataclass(frozen=True)
+class StatusHeaders(HeaderModifier):
+    """A response modifier with lines added only to answers of ADD_HEADER_STATUSES."""
+
+    add_on_success: tuple[tuple[str, str], ...] = ()
+
+    def at(self, status: int) -> HeaderModifier:
+        add = (*self.add, *self.add_on_success) if status in ADD_HEADER_STATUSES else self.add
+        return HeaderModifier(self.set, add, self.remove)
+
+
+def modify_response_fields(fields: bytes, modifier: HeaderModifier, status: int = 200) -> bytes:
+    """A response's field block (b"\\r\\nName: value" lines) after the modifier
+    (a `StatusHeaders` one as it applies to the answer's `status`)."""
+    if type(modifier) is StatusHeaders:
+        modifier = modifier.at(status)
     lines = fields.split(b"\r\n")[1:] if fields else []
     return b"".join(b"\r\n" + line for line in _modified_lines(lines, modifier))
 

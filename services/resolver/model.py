@@ -462,7 +462,7 @@ class ExternalAuth:
     """ingress-nginx's auth-url and friends: every request is first asked of `url`
     (nginx auth_request); a 2xx lets it through, 401/403 answer the client."""
 
-    url: str  # http://HOST[:PORT]/PATH[?QUERY]
+    url: str  # http(s)://HOST[:PORT]/PATH[?QUERY]
     method: str = ""  # "": the request's own
     signin: str = ""  # where a 401 is redirected ("": the 401 itself)
     signin_redirect_param: str = "rd"
@@ -473,6 +473,8 @@ class ExternalAuth:
     # no cache) and auth-cache-duration: (status, seconds) an answer is kept.
     cache_key: str = ""
     cache_durations: tuple[tuple[int, float], ...] = ()
+    # auth-always-set-cookie: the answer's Set-Cookie also on non-2xx/3xx answers.
+    always_set_cookie: bool = False
 
 
 @dataclass(frozen=True)

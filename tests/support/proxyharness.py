@@ -125,6 +125,8 @@ class RecordingUpstream:
                     return
                 elif path == "/204":
                     writer.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+                elif path.startswith("/status/"):  # that status, an empty body
+                    writer.write(b"HTTP/1.1 %s X\r\nContent-Length: 0\r\n\r\n" % path[8:].encode())
                 else:
                     # The conformance echo server's X-Echo-Set-Header ("Name:value,..."):
                     # response headers the test asks the backend to send.

@@ -257,14 +257,20 @@ def _e(
 
 H, D, N, X = Verdict.HONOURED, Verdict.DIFFERENT, Verdict.NOOP, Verdict.NOT_HONOURED
 _BUFFER = "an nginx buffer knob: the proxy streams bodies through bounded buffers of its own"
-_AUTH_URL = "external authentication: the auth subrequest's cache and cookies not yet"
 _AUTH = (
     "every request is first asked of the auth service (nginx auth_request): 2xx lets it "
-    "through, 401/403 answer the client, anything else 500; http:// services only"
+    "through, 401 (with its WWW-Authenticate) and 403 answer the client, anything else 500; "
+    "its Set-Cookie goes with the backend's 2xx/3xx answers and the sign-in redirect"
 )
-_AUTH_COOKIE = (
-    "; the auth service's Set-Cookie is not passed on to the client (ingress-nginx adds "
-    "it to successful answers), nor a 401's WWW-Authenticate"
+_ALWAYS_COOKIE = (
+    "the auth service's Set-Cookie with every answer (add_header ... always): the "
+    "backend's errors and the proxy's own 401/403/500 too"
+)
+#: auth-url (and global-auth-url) to an https:// service: the verdict's difference.
+AUTH_URL_TLS = (
+    "the https:// auth service's certificate is verified against the system trust store "
+    "(TLS 1.2+, its host name): nginx's proxy_pass does not verify it, so a service with a "
+    "certificate no public CA signed answers 500 here"
 )
 _KEEPALIVE = "the subrequest's connection is the proxy's own"
 _AUTH_CACHE = "answers kept per Ingress path and key, bounded in entries and bytes"
@@ -378,7 +384,7 @@ ENTRIES: tuple[Entry, ...] = (
     _e("auth-secret", name, H, _BASIC, access=True),
     _e("auth-secret-type", one_of("auth-file", "auth-map"), H, _BASIC, access=True),
     _e("auth-realm", header_value, H, _BASIC, access=True),
-    _e("auth-url", url, D, _AUTH + _AUTH_COOKIE, access=True),
+    _e("auth-url", url, H, _AUTH, access=True),
     _e("auth-method", methods, H, _AUTH, access=True),
     _e("auth-signin", signin_url, H, _AUTH, access=True),
     _e(
@@ -393,7 +399,7 @@ ENTRIES: tuple[Entry, ...] = (
     _e("auth-proxy-set-headers", name, H, _AUTH, access=True),
     _e("auth-cache-key", cache_key, H, _AUTH_CACHE, access=True),
     _e("auth-cache-duration", cache_duration, H, _AUTH_CACHE, access=True),
-    _e("auth-always-set-cookie", boolean, X, _AUTH_URL, access=True, lacks=True),
+    _e("auth-always-set-cookie", boolean, H, _ALWAYS_COOKIE, access=True),
     _e("auth-keepalive", integer, N, _KEEPALIVE, access=True),
     _e("auth-keepalive-share-vars", boolean, N, _KEEPALIVE, access=True),
     _e("auth-keepalive-requests", integer, N, _KEEPALIVE, access=True),
