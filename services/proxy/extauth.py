@@ -31,9 +31,14 @@ every answer, the proxy's own 401/403/500 included.
 An `https://` auth service is reached over TLS 1.2+, its certificate verified
 against the system's trust store for the URL's host (SNI too); nginx's
 proxy_pass does not verify it by default: a stricter difference, named in
-the Ingress's verdict. An answer carrying Set-Cookie is never cached (nginx's
-proxy_cache does not store one either), so one user's cookie never reaches
-another.
+the Ingress's verdict.
+
+The answers' cache (auth-cache-key, auth-cache-duration) keeps what nginx's
+proxy_cache would: only for GET and HEAD subrequests (proxy_cache_methods);
+never an answer with Set-Cookie (so one user's cookie never reaches another)
+or `Vary: *`; for as long as X-Accel-Expires, else Cache-Control (s-maxage,
+max-age; no-cache, no-store, private: not kept), else Expires says, else the
+auth-cache-duration of its status (`cache_seconds`).
 
 The driver (`authcheck`) sends the subrequest and calls `outcome`; `decide`'s
 gate only marks the request (`Forward.auth`).
@@ -43,7 +48,9 @@ from __future__ import annotations
 
 import re
 import ssl
+import time
 from collections import OrderedDict
+from email.utils import parsedate_to_datetime
 from typing import Any, NamedTuple
 from urllib.parse import quote, urlsplit
 
@@ -318,10 +325,47 @@ def _field(fields: bytes, name: bytes) -> bytes:
     return b""
 
 
+_CACHED_METHODS = (b"GET", b"HEAD")  # nginx's proxy_cache_methods
+_MAX_AGE = re.compile(rb"(?:^|[,\s])(s-maxage|max-age)=(\d{1,10})", re.IGNORECASE)
+_NO_CACHE = re.compile(rb"(?:^|[,\s])(no-cache|no-store|private)(?:$|[,\s=])", re.IGNORECASE)
+
+
+def cache_seconds(plan: AuthPlan, response: ResponseHead, now: float) -> float:
+    """How long nginx's proxy_cache keeps this answer (0: not at all); `now` is the
+    wall clock (for Expires and X-Accel-Expires: @TIME)."""
+    if _values(response, b"set-cookie") or any(
+        v.strip() == b"*" for v in _values(response, b"vary")
+    ):
+        return 0.0
+    accel = _values(response, b"x-accel-expires")
+    if accel:
+        value = accel[0]
+        try:
+            return max(0.0, int(value[1:]) - now) if value.startswith(b"@") else float(int(value))
+        except ValueError:
+            return 0.0
+    control = b", ".join(_values(response, b"cache-control"))
+    if control:
+        if _NO_CACHE.search(control):
+            return 0.0
+        ages = dict((name.lower(), int(n)) for name, n in _MAX_AGE.findall(control))
+        age = ages.get(b"s-maxage", ages.get(b"max-age"))
+        if age is not None:
+            return float(age)
+    expires = _values(response, b"expires")
+    if expires:
+        try:
+            when = parsedate_to_datetime(expires[0].decode("latin-1")).timestamp()
+        except (TypeError, ValueError, IndexError, OverflowError):
+            return 0.0
+        return max(0.0, when - now)
+    return plan.durations.get(response.status, 0.0)
+
+
 def cache_key(plan: AuthPlan, route: str, req: RequestHead, client_ip: bytes) -> bytes | None:
     """The answer's key in the cache: the route (ingress-nginx caches per location)
     and auth-cache-key filled in; None without auth-cache-key."""
-    if not plan.cache_parts:
+    if not plan.cache_parts or (plan.method or req.method) not in _CACHED_METHODS:
         return None
     parts = [route.encode(), b"\0"]
     for part in plan.cache_parts:
@@ -364,9 +408,9 @@ class AnswerCache:
         return found[1]
 
     def put(self, plan: AuthPlan, key: bytes, response: ResponseHead, now: float) -> None:
-        seconds = plan.durations.get(response.status)
-        if not seconds or auth_cookie(response):
-            return  # (nginx's proxy_cache keeps no answer with Set-Cookie)
+        seconds = cache_seconds(plan, response, time.time())
+        if not seconds:
+            return
         size = len(key) + len(response.fields) + 64
         if size > MAX_CACHED_BYTES // 16:
             return  # too large to keep

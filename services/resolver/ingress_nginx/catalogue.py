@@ -273,7 +273,11 @@ AUTH_URL_TLS = (
     "certificate no public CA signed answers 500 here"
 )
 _KEEPALIVE = "the subrequest's connection is the proxy's own"
-_AUTH_CACHE = "answers kept per Ingress path and key, bounded in entries and bytes"
+_AUTH_CACHE = (
+    "answers kept per Ingress path and key, bounded in entries and bytes, as nginx's "
+    "proxy_cache keeps them: GET/HEAD subrequests only; X-Accel-Expires, Cache-Control, "
+    "Expires before the duration; never an answer with Set-Cookie or Vary: *"
+)
 _BASIC = (
     "basic: 401 with WWW-Authenticate, hashes verified exactly (bcrypt, apr1/MD5, {SHA}, "
     "{SSHA}, {PLAIN}; another format refuses the Ingress); digest: nginx-http-auth-digest's "

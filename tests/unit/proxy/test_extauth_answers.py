@@ -1,0 +1,110 @@
+"""extauth's handling of the auth service's answer beyond its status, without
+sockets: the Set-Cookie nginx passes on (add_header's statuses, `always`), a
+401's WWW-Authenticate, the refusal pages, and what the answers' cache keeps
+(nginx's proxy_cache rules). Through real sockets:
+tests/integration/proxy/test_auth_cookies.py."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from tests.unit.proxy.test_decision import req
+from tests.unit.proxy.test_extauth import answer
+from waygate.proxy import extauth, filters
+from waygate.resolver.model import ExternalAuth, HeaderModifier
+
+COOKIES = "Set-Cookie: a=1; Path=/\r\nSet-Cookie: b=2\r\n"
+
+
+def test_nginx_joins_the_answers_cookies_into_one_field():
+    # $upstream_http_set_cookie (nginx 1.23+): every value, joined with ", ".
+    assert extauth.auth_cookie(answer(200, COOKIES)) == b"a=1; Path=/, b=2"  # type: ignore[arg-type]
+    assert extauth.auth_cookie(answer(200)) == b""  # type: ignore[arg-type]
+    assert extauth.auth_cookie(None) == b""
+
+
+@pytest.mark.parametrize("always", [False, True])
+def test_a_2xx_answer_keeps_its_cookie_for_the_backends_answer(always):
+    plan = extauth.AuthPlan(ExternalAuth("http://auth/", always_set_cookie=always))
+    forward = types.SimpleNamespace(response_modifier=HeaderModifier(add=(("X-A", "1"),)))
+    assert extauth.outcome(plan, answer(200, COOKIES), req(), False, forward) == b""  # type: ignore[arg-type]
+    modifier = forward.response_modifier
+    for status, kept in (
+        (200, True),
+        (204, True),
+        (302, True),
+        (304, True),
+        (404, always),
+        (503, always),
+    ):
+        fields = filters.modify_response_fields(b"\r\nX-B: 2", modifier, status)
+        assert (b"Set-Cookie: a=1; Path=/, b=2" in fields) is kept, (status, fields)
+        assert b"X-A: 1" in fields and b"X-B: 2" in fields  # the route's own lines stay
+
+
+def test_a_401_passes_its_challenge_and_with_always_its_cookie():
+    plan = extauth.AuthPlan(ExternalAuth("http://auth/"))
+    denied = answer(401, 'WWW-Authenticate: Bearer realm="x"\r\n' + COOKIES)
+    result = extauth.outcome(plan, denied, req(), False)  # type: ignore[arg-type]
+    assert isinstance(result, extauth.Refused) and result.status == 401
+    assert result.lines == b'WWW-Authenticate: Bearer realm="x"\r\n'
+    page = extauth.refusal_page(result, close=True, head_only=False)
+    assert page.startswith(b'HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: Bearer realm="x"\r\n')
+    assert page.endswith(b"authentication required\n") and b"Connection: close" in page
+    always = extauth.AuthPlan(ExternalAuth("http://auth/", always_set_cookie=True))
+    for status in (401, 403, 500):
+        result = extauth.outcome(always, answer(status, COOKIES), req(), False)  # type: ignore[arg-type]
+        assert isinstance(result, extauth.Refused)
+        assert b"Set-Cookie: a=1; Path=/, b=2\r\n" in result.lines
+    assert extauth.field_pairs(result.lines) == [(b"set-cookie", b"a=1; Path=/, b=2")]
+
+
+def test_the_signin_redirect_carries_the_cookie():
+    plan = extauth.AuthPlan(ExternalAuth("http://auth/", signin="https://login/"))
+    result = extauth.outcome(plan, answer(401, COOKIES), req("/p"), True)  # type: ignore[arg-type]
+    assert isinstance(result, extauth.Refused) and result.status == 302
+    page = extauth.refusal_page(result, close=False, head_only=False)
+    assert page.startswith(b"HTTP/1.1 302 Found\r\nSet-Cookie: a=1; Path=/, b=2\r\nLocation: ")
+
+
+def test_an_https_url_is_reached_over_tls_on_443():
+    plan = extauth.AuthPlan(ExternalAuth("https://auth.example.com/check"))
+    assert plan.tls and plan.target.port == 443 and plan.server_name == "auth.example.com"
+    assert not extauth.AuthPlan(ExternalAuth("http://auth/")).tls
+
+
+PLAN = extauth.AuthPlan(ExternalAuth("http://auth/", cache_key="k", cache_durations=((200, 60.0),)))
+
+
+@pytest.mark.parametrize(
+    ("fields", "seconds"),
+    [
+        ("", 60.0),  # auth-cache-duration's
+        ("Set-Cookie: s=1\r\n", 0.0),  # never kept
+        ("Vary: *\r\n", 0.0),
+        ("Cache-Control: private\r\n", 0.0),
+        ("Cache-Control: no-store\r\n", 0.0),
+        ("Cache-Control: public, max-age=5\r\n", 5.0),
+        ("Cache-Control: max-age=5, s-maxage=7\r\n", 7.0),
+        ("X-Accel-Expires: 3\r\nCache-Control: max-age=5\r\n", 3.0),  # first in priority
+        ("X-Accel-Expires: 0\r\n", 0.0),
+        ("X-Accel-Expires: @1000030\r\n", 30.0),
+        ("Expires: Mon, 12 Jan 1970 13:47:00 GMT\r\n", 20.0),  # 1000020 - now
+        ("Expires: not a date\r\n", 0.0),
+    ],
+)
+def test_the_cache_keeps_what_nginxs_proxy_cache_would(fields, seconds):
+    found = extauth.cache_seconds(PLAN, answer(200, fields), 1_000_000.0)  # type: ignore[arg-type]
+    assert found == pytest.approx(seconds)
+
+
+def test_a_header_given_lifetime_keeps_any_status_and_only_get_and_head_are_cached():
+    # nginx: the answer's own lifetime first, auth-cache-duration's for its status after.
+    assert extauth.cache_seconds(PLAN, answer(403, "Cache-Control: max-age=9\r\n"), 0.0) == 9.0  # type: ignore[arg-type]
+    assert extauth.cache_seconds(PLAN, answer(403), 0.0) == 0.0  # type: ignore[arg-type]
+    head = req("/x")
+    assert extauth.cache_key(PLAN, "r", head, b"") is not None
+    post = extauth.AuthPlan(ExternalAuth("http://auth/", method="POST", cache_key="k"))
+    assert extauth.cache_key(post, "r", head, b"") is None  # proxy_cache_methods GET HEAD
