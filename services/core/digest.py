@@ -41,8 +41,8 @@ import hmac
 import re
 import secrets
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
-from typing import Final, NamedTuple
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any, Final, NamedTuple
 
 # The module's defaults (auth_digest_timeout, _expires, _replays, _evasion_time, _maxtries).
 TIMEOUT: Final = 60.0
@@ -51,7 +51,7 @@ REPLAYS: Final = 20
 EVASION_TIME: Final = 300.0
 MAX_TRIES: Final = 5
 # Entries each table keeps by default (the proxy's --digest-nonces setting).
-DEFAULT_ENTRIES: Final = 65_536
+DEFAULT_ENTRIES: Final = 16_384
 
 _HA1: Final = re.compile(r"[0-9A-Fa-f]{32}")
 _SCHEME: Final = re.compile(rb"[ \t\r\n]*digest +", re.IGNORECASE)
@@ -252,11 +252,15 @@ class NonceTable:
         return NONCE_OK
 
     def _prune(self, now: float) -> None:
-        entries = self.entries
-        for key in [key for key, value in entries.items() if value.expires <= now]:
-            del entries[key]
-        while len(entries) >= self.max_entries:
-            entries.popitem(last=False)
+        _make_room(self.entries, self.max_entries, lambda value: value.expires <= now)
+
+
+def _make_room(entries: OrderedDict[Any, Any], bound: int, expired: Callable[[Any], bool]) -> None:
+    """Below `bound` entries: the expired go first, then the oldest."""
+    for key in [key for key, value in entries.items() if expired(value)]:
+        del entries[key]
+    while len(entries) >= bound:
+        entries.popitem(last=False)
 
 
 class Evasion:
@@ -285,10 +289,7 @@ class Evasion:
         found = entries.get(address)
         if found is None:
             if len(entries) >= self.max_entries:
-                for key in [key for key, value in entries.items() if value[1] <= now]:
-                    del entries[key]
-                while len(entries) >= self.max_entries:
-                    entries.popitem(last=False)
+                _make_room(entries, self.max_entries, lambda value: value[1] <= now)
             entries[address] = [1, now + self.evasion_time]
             return
         found[0] = 1 if now > found[1] else found[0] + 1

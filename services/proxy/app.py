@@ -134,9 +134,10 @@ class Settings(ProcessSettings):
         10000, help="client connections open at once per worker; more are closed", check=positive
     )
     digest_nonces: int = setting(
-        65536,
+        16384,
         help="ingress-nginx auth-type digest: nonces (and client addresses counted for "
-        "evasion) kept per worker; when full the oldest are forgotten first",
+        "evasion) kept per worker, about 250 bytes each; when full the expired, then "
+        "the oldest are forgotten first",
         check=positive,
     )
     connect_timeout: float = setting(

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +26,11 @@ from tests.integration.proxy.test_request_core import (
     built,
     core_route,
 )
+from tests.integration.proxy.test_request_core import (  # the fixtures: the real backends
+    auth as auth,  # and the auth service
+)
 from tests.integration.proxy.test_request_core import (
-    backends as backends,  # the fixture: the two real backends
+    backends as backends,
 )
 from tests.support.authservice import AuthService
 from tests.support.h2client import H2Client
@@ -71,13 +73,6 @@ async def ask(
     lines = data.partition(b"\r\n\r\n")[0].decode("latin-1").split("\r\n")
     fields = [line.split(": ", 1) for line in lines[1:]]
     return Answer(int(lines[0].split(" ")[1]), [(k.lower(), v) for k, v in fields])
-
-
-@pytest.fixture
-async def auth() -> AsyncIterator[AuthService]:
-    service = await AuthService(slow_seconds=10).start()
-    yield service
-    await service.stop()
 
 
 def _authed(backend: str, url: str, **kw: Any) -> Route:
