@@ -8,11 +8,12 @@ never to a path) -- with
 
 - the auth URL's path and query, its host as Host; the request's own method,
   or `auth-method` (then also X-Original-URI and X-Scheme);
-- the request's header lines (its body never: `proxy_pass_request_body off`),
-  and X-Original-URL, X-Original-Method, X-Sent-From, X-Real-IP,
-  X-Forwarded-For, X-Auth-Request-Redirect (`auth-request-redirect`, else the
-  request's URI), and the `auth-proxy-set-headers` ConfigMap's headers; the
-  client's own copies of those names are dropped;
+- the request's header lines (its body never: `proxy_pass_request_body off`;
+  nor X-Forwarded-Proto), and X-Original-URL, X-Original-Method, X-Sent-From,
+  X-Real-IP, X-Forwarded-For, X-Auth-Request-Redirect (`auth-request-redirect`,
+  else the request's URI), X-Request-ID (the client's, else a new random one:
+  ingress-nginx's $req_id), and the `auth-proxy-set-headers` ConfigMap's
+  headers; the client's own copies of those names are dropped;
 
 and its answer decides (`outcome`): a 2xx lets the request through with the
 `auth-response-headers` copied from the answer onto it (the client's copies of
@@ -46,6 +47,7 @@ gate only marks the request (`Forward.auth`).
 
 from __future__ import annotations
 
+import os
 import re
 import ssl
 import time
@@ -70,6 +72,8 @@ _SET_BY_US = (
     b"x-real-ip",
     b"x-forwarded-for",
     b"x-auth-request-redirect",
+    b"x-forwarded-proto",  # (proxy_set_header X-Forwarded-Proto "": not sent)
+    b"x-request-id",
     b"content-length",
     b"transfer-encoding",
     b"connection",
@@ -154,6 +158,9 @@ def subrequest_head(plan: AuthPlan, req: RequestHead, secure: bool, client_ip: b
         b"X-Sent-From: nginx-ingress-controller\r\n",
         b"X-Real-IP: %s\r\nX-Forwarded-For: %s\r\n" % (client_ip, client_ip),
         b"X-Auth-Request-Redirect: %s\r\n" % redirect,
+        # ingress-nginx's $req_id: the client's X-Request-ID, else a new one.
+        b"X-Request-ID: %s\r\n"
+        % (_field(req.fields, b"x-request-id") or os.urandom(16).hex().encode()),
     ]
     if plan.method:
         parts.append(b"X-Original-URI: %s\r\nX-Scheme: %s\r\n" % (uri, scheme))

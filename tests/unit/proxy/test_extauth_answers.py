@@ -6,6 +6,7 @@ tests/integration/proxy/test_auth_cookies.py."""
 
 from __future__ import annotations
 
+import re
 import types
 
 import pytest
@@ -108,3 +109,18 @@ def test_a_header_given_lifetime_keeps_any_status_and_only_get_and_head_are_cach
     assert extauth.cache_key(PLAN, "r", head, b"") is not None
     post = extauth.AuthPlan(ExternalAuth("http://auth/", method="POST", cache_key="k"))
     assert extauth.cache_key(post, "r", head, b"") is None  # proxy_cache_methods GET HEAD
+
+
+def test_the_subrequest_drops_x_forwarded_proto_and_carries_a_request_id():
+    # nginx.tmpl's auth location: proxy_set_header X-Forwarded-Proto ""; X-Request-ID
+    # $req_id (the client's X-Request-ID, else nginx's $request_id: 32 hex digits).
+    plan = extauth.AuthPlan(ExternalAuth("http://auth/"))
+    given = req("/", extra="X-Forwarded-Proto: https\r\nX-Request-ID: abc\r\n")
+    head = extauth.subrequest_head(plan, given, False, b"192.0.2.1").decode()
+    assert "X-Forwarded-Proto" not in head
+    assert head.count("X-Request-ID") == 1 and "X-Request-ID: abc\r\n" in head
+    fresh = [
+        extauth.subrequest_head(plan, req("/"), False, b"192.0.2.1").decode() for _ in range(2)
+    ]
+    ids = [re.search(r"X-Request-ID: ([0-9a-f]{32})\r\n", h).group(1) for h in fresh]  # type: ignore[union-attr]
+    assert ids[0] != ids[1]
