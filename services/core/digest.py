@@ -13,7 +13,10 @@ hex digits). Reproduced:
   username, qop, realm, nonce (16 characters), nc, uri, cnonce and response;
   its uri is the request target, or the target's path before `?`; the line of
   the file is the one of the header's username and realm; the response is
-  MD5(HA1:nonce:nc:cnonce:qop:MD5(method:uri)) in lower-case hex;
+  MD5(HA1:nonce:nc:cnonce:qop:MD5(method:uri)) in lower-case hex (with the qop
+  the client names, as the module hashes it);
+- a good answer gets `Authentication-Info: qop="auth", rspauth="R", cnonce="C",
+  nc=N` on the response, R = MD5(HA1:nonce:nc:cnonce:qop:MD5(":" uri));
 - nonces (`NonceTable`): good for `timeout` (60 s) after they are issued, then
   `expires` (10 s) after their first use; each nc value (below `replays`, 20)
   accepted once: a reused nc is refused, an expired nonce or an nc out of range
@@ -22,12 +25,10 @@ hex digits). Reproduced:
   each within `evasion_time` (300 s) of the last, is answered 401 without a
   challenge until `evasion_time` after its last failure; a success clears it.
 
-Differences, by design: qop must be `auth` (the module hashes whatever qop the
-client names); a nonce this process does not hold (issued by another worker,
-or forgotten because the table was full) but answered with the right password
-is answered stale (a new challenge the browser answers without asking its
-user), where the module answers a plain challenge; the Authentication-Info
-header the module adds to a success is not sent.
+One difference, by design: a nonce this process does not hold (issued by
+another worker, or forgotten because the table was full) but answered with the
+right password is answered stale (a new challenge the browser answers without
+asking its user), where the module answers a plain challenge.
 
 Invariants: pure and sans-IO (the clock is passed in); comparisons constant
 time; the nonce and evasion tables are bounded in entries (the oldest are
@@ -167,12 +168,29 @@ def expected_response(ha1_hex: bytes, method: bytes, c: Credentials) -> bytes:
     )
 
 
-def password_matches(hashes: tuple[bytes, ...], method: bytes, c: Credentials) -> bool:
-    """Whether the response was made with one of the user's HA1s (constant time each)."""
-    ok = False
+def matching_ha1(hashes: tuple[bytes, ...], method: bytes, c: Credentials) -> bytes:
+    """The user's HA1 the response was made with (b"": none); each compared in
+    constant time, every one tried."""
+    found = b""
     for stored in hashes:
-        ok |= hmac.compare_digest(expected_response(stored, method, c), c.response)
-    return ok
+        if hmac.compare_digest(expected_response(stored, method, c), c.response):
+            found = found or stored
+    return found
+
+
+def password_matches(hashes: tuple[bytes, ...], method: bytes, c: Credentials) -> bool:
+    """Whether the response was made with one of the user's HA1s."""
+    return bool(matching_ha1(hashes, method, c))
+
+
+def authentication_info(ha1_hex: bytes, c: Credentials) -> str:
+    """The Authentication-Info value the module sends with a good answer (rspauth:
+    the response with HA2 = MD5(":" uri), proving the server knows HA1 too)."""
+    rspauth = expected_response(ha1_hex, b"", c)
+    return (
+        f'qop="auth", rspauth="{rspauth.decode()}", cnonce="{c.cnonce.decode("latin-1")}", '
+        f"nc={c.nc.decode('latin-1')}"
+    )
 
 
 def challenge(realm: str, nonce: str, stale: bool) -> str:

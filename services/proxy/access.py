@@ -46,11 +46,12 @@ import re
 import socket
 import time
 from collections.abc import Iterable, Sequence
-from typing import Final, Protocol
+from typing import Any, Final, Protocol
 
 from waygate.core import digest
 from waygate.core.htpasswd import parse_credentials, verify
 from waygate.core.regex import LinearPattern, compile_linear
+from waygate.proxy import filters
 from waygate.proxy.http1 import RequestHead
 from waygate.resolver.client import Route, RouteAccess
 
@@ -204,6 +205,7 @@ class AccessCheck:
         "deny",
         "digest_realm",
         "digest_users",
+        "info",
         "is_digest",
         "last_address",
         "last_peer",
@@ -234,6 +236,7 @@ class AccessCheck:
         self.auth = access.auth_type in ("basic", "digest")
         self.challenge = 'Basic realm="' + access.auth_realm + '"'
         self.is_digest = access.auth_type == "digest"
+        self.info = ""  # the last good digest answer's Authentication-Info (take_info)
         self.digest_realm = ""
         self.digest_users: dict[tuple[bytes, bytes], tuple[bytes, ...]] = {}
         if self.is_digest:
@@ -279,6 +282,7 @@ class AccessCheck:
         if not address_ok and not self.satisfy_any:
             return 403, "the client address is not allowed", KIND_DENIED
         if self.is_digest:
+            self.info = ""
             if not self.digest_users:
                 return 503, "the route's credentials are withheld from this proxy", KIND_WITHHELD
             challenge = self._digest(req, peer)
@@ -304,16 +308,12 @@ class AccessCheck:
             return digest.challenge(self.digest_realm, state.nonces.issue(now), False)
         stale = False
         hashes = self.digest_users.get((answer.username, answer.realm))
-        good = digest.password_matches(hashes or _NO_HA1, req.method, answer)
-        if (
-            good
-            and hashes is not None
-            and answer.qop == b"auth"
-            and digest.uri_matches(answer.uri, req.target)
-        ):
+        ha1 = digest.matching_ha1(hashes or _NO_HA1, req.method, answer)
+        if ha1 and hashes is not None and digest.uri_matches(answer.uri, req.target):
             verdict = state.nonces.use(answer.nonce, answer.nc, now)
             if verdict == digest.NONCE_OK:
                 state.evasion.succeeded(client)
+                self.info = digest.authentication_info(ha1, answer)
                 return None
             stale = verdict == digest.NONCE_STALE
         state.evasion.failed(client, now)
@@ -340,6 +340,22 @@ class AccessCheck:
             self.remembered.clear()
         self.remembered[token] = ok
         return ok
+
+
+def has_digest(entry: _Entry) -> bool:
+    """The request core's `applies` for `authentication_info` (after `prepare`)."""
+    return entry.access is not None and entry.access.is_digest
+
+
+def authentication_info(forward: Any, req: RequestHead, facts: Any) -> None:
+    """A shaper: the good digest answer's Authentication-Info on the response (set by
+    `decide` in this same synchronous pass of the request core)."""
+    check = forward.entry.access
+    if check.info:
+        forward.response_modifier = filters.with_added(
+            forward.response_modifier, (("Authentication-Info", check.info),)
+        )
+        check.info = ""
 
 
 def _blocked(matchers: Sequence[Matcher], value: bytes | None) -> bool:

@@ -443,6 +443,7 @@ SHAPERS: tuple[Rule, ...] = (
         _capture_rewrite,
     ),
     Rule("cors", lambda entry: entry.route.cors is not None, _cors_headers),
+    Rule("digest_info", access.has_digest, access.authentication_info),
 )
 
 

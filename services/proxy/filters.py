@@ -89,6 +89,20 @@ class StatusHeaders(HeaderModifier):
         return HeaderModifier(self.set, add, self.remove)
 
 
+def with_added(
+    modifier: HeaderModifier | None, lines: tuple[tuple[str, str], ...]
+) -> HeaderModifier:
+    """A response modifier with `lines` added after its own (a `StatusHeaders` one
+    keeps its lines for add_header's statuses)."""
+    if modifier is None:
+        return HeaderModifier(add=lines)
+    if type(modifier) is StatusHeaders:
+        return StatusHeaders(
+            modifier.set, (*modifier.add, *lines), modifier.remove, modifier.add_on_success
+        )
+    return HeaderModifier(modifier.set, (*modifier.add, *lines), modifier.remove)
+
+
 def modify_response_fields(fields: bytes, modifier: HeaderModifier, status: int = 200) -> bytes:
     """A response's field block (b"\\r\\nName: value" lines) after the modifier
     (a `StatusHeaders` one as it applies to the answer's `status`)."""

@@ -209,10 +209,11 @@ def _credentials(
     if not reference:
         return f"auth-type {'digest' if is_digest else 'basic'} needs auth-secret", ()
     realm = values.get("auth-realm", "")
-    if is_digest and realm in ("", "off"):
+    if realm == "off" or (is_digest and not realm):
         return (
-            "auth-type digest without auth-realm (or with realm off): nginx's digest "
-            "module then asks for no credentials at all, and the Ingress would be open",
+            f"auth-type {'digest' if is_digest else 'basic'} with "
+            f"{'auth-realm off' if realm else 'no auth-realm'}: nginx then asks for no "
+            "credentials at all, and the Ingress would be open",
             (),
         )
     secret_namespace, _, name = reference.rpartition("/")

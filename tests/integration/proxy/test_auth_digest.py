@@ -38,6 +38,8 @@ async def test_digest_challenge_then_the_answer_passes(backends, client, backend
         refused = await ask(client, port, "/in?a=1", [("authorization", wrong)])
         assert server.metrics.refused.get("unauthorized") == 3
     assert passed.status == 200 and backends.requests(backend) == 1
+    info = passed.headers["authentication-info"]
+    assert info.startswith('qop="auth", rspauth="') and info.endswith(", nc=00000001")
     for again in (replayed, refused):
         assert again.status == 401
         assert again.headers["www-authenticate"] != challenge  # a new nonce each time

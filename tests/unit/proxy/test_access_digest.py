@@ -79,6 +79,12 @@ def test_the_right_answer_passes_and_each_nc_once():
     check = AccessCheck(RULES)
     challenge = challenged(check, req("/app?x=1"))
     assert check.decide(req("/app?x=1", answer(challenge, uri="/app?x=1")), b"192.0.2.1") is None
+    # The module's Authentication-Info, for the response (rspauth: HA2 = MD5(":" uri)).
+    nonce = _NONCE.search(challenge).group(1)  # type: ignore[union-attr]
+    ha1 = digest.ha1("ann", REALM, "pw")
+    ha2 = hashlib.md5(b":/app?x=1").hexdigest()
+    rspauth = hashlib.md5(f"{ha1}:{nonce}:00000001:0a4f113b:auth:{ha2}".encode()).hexdigest()
+    assert check.info == f'qop="auth", rspauth="{rspauth}", cnonce="0a4f113b", nc=00000001'
     # A replay of the same nc: a plain challenge (not stale).
     again = challenged(check, req("/app?x=1", answer(challenge, uri="/app?x=1")))
     assert "stale" not in again
@@ -146,3 +152,21 @@ def test_satisfy_any_lets_an_allowed_address_through_without_credentials():
     check = AccessCheck(rules)
     assert check.decide(req(), b"10.1.2.3") is None
     challenged(check, req(), b"192.0.2.1")
+
+
+def test_the_qop_the_client_names_is_hashed_as_the_module_does():
+    check = AccessCheck(RULES)
+    challenge = challenged(check, req())
+    line = answer(challenge).replace("qop=auth,", "qop=auth-int,")
+    # The response made with "auth" fails against "auth-int"...
+    assert "stale" not in challenged(check, req("/", line))
+    # ...one made with the qop named passes (the module hashes whatever qop is sent).
+    nonce = _NONCE.search(challenge).group(1)  # type: ignore[union-attr]
+    ha1 = digest.ha1("ann", REALM, "pw")
+    ha2 = hashlib.md5(b"GET:/").hexdigest()
+    good = hashlib.md5(f"{ha1}:{nonce}:00000002:c:auth-int:{ha2}".encode()).hexdigest()
+    header = (
+        f'Authorization: Digest username="ann", realm="{REALM}", nonce="{nonce}", uri="/", '
+        f'qop=auth-int, nc=00000002, cnonce="c", response="{good}"'
+    )
+    assert check.decide(req("/", header), b"192.0.2.1") is None

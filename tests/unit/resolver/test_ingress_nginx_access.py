@@ -186,7 +186,12 @@ def test_an_empty_hash_is_served_and_matches_nothing():
         (
             [secret("htpasswd", {"auth": "a:staff:" + "0" * 32})],
             _auth(**{P + "auth-type": "digest", P + "auth-realm": ""}),
-            "without auth-realm",
+            "no auth-realm",
+        ),
+        (
+            [secret("htpasswd", {"auth": "a:{PLAIN}b"})],
+            _auth(**{P + "auth-realm": "off"}),  # basic: `auth_basic "off"` turns it off
+            "would be open",
         ),
         (
             [secret("htpasswd", {"auth": "a:staff:" + "0" * 32})],
