@@ -236,7 +236,7 @@ class AccessCheck:
         self.auth = access.auth_type in ("basic", "digest")
         self.challenge = 'Basic realm="' + access.auth_realm + '"'
         self.is_digest = access.auth_type == "digest"
-        self.info = ""  # the last good digest answer's Authentication-Info (take_info)
+        self.info = ""  # the last good digest answer's Authentication-Info (the shaper takes it)
         self.digest_realm = ""
         self.digest_users: dict[tuple[bytes, bytes], tuple[bytes, ...]] = {}
         if self.is_digest:
