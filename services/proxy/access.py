@@ -131,25 +131,39 @@ def _within(address: tuple[int, int], ranges: Sequence[Network]) -> bool:
     return False
 
 
+def _real_ip(
+    peer: bytes, forwarded: Sequence[tuple[bytes, bytes, bytes]], trusted: Sequence[Network]
+) -> tuple[bytes, tuple[int, int] | None]:
+    """(text, value) of the client's address as nginx's real_ip (recursive) finds it."""
+    address = _address(peer)
+    if address is None or not trusted or not _within(address, trusted):
+        return peer, address
+    values = [value for lname, _, value in forwarded if lname == _XFF]
+    text = peer
+    for item in reversed(b",".join(values).split(b",")) if values else ():
+        item = item.strip()
+        found = _address(item)
+        if found is None:
+            break  # nginx stops at what it cannot parse
+        address, text = found, item
+        if not _within(found, trusted):
+            break
+    return text, address
+
+
 def client_address(
     peer: bytes, forwarded: Sequence[tuple[bytes, bytes, bytes]], trusted: Sequence[Network]
 ) -> tuple[int, int] | None:
     """The client's address as nginx's real_ip (recursive) finds it: the peer's,
     unless the peer is trusted and X-Forwarded-For names others."""
-    address = _address(peer)
-    if address is None or not trusted or not _within(address, trusted):
-        return address
-    values = [value for lname, _, value in forwarded if lname == _XFF]
-    if not values:
-        return address
-    for item in reversed(b",".join(values).split(b",")):
-        found = _address(item.strip())
-        if found is None:
-            return address  # nginx stops at what it cannot parse
-        address = found
-        if not _within(found, trusted):
-            return found
-    return address
+    return _real_ip(peer, forwarded, trusted)[1]
+
+
+def real_ip(
+    peer: bytes, forwarded: Sequence[tuple[bytes, bytes, bytes]], trusted: Sequence[Network]
+) -> bytes:
+    """`client_address` as text (nginx's $remote_addr after real_ip)."""
+    return _real_ip(peer, forwarded, trusted)[0]
 
 
 Matcher = tuple["LinearPattern | None", str]

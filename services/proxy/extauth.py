@@ -10,10 +10,13 @@ never to a path) -- with
   or `auth-method` (then also X-Original-URI and X-Scheme);
 - the request's header lines (its body never: `proxy_pass_request_body off`;
   nor X-Forwarded-Proto), and X-Original-URL, X-Original-Method, X-Sent-From,
-  X-Real-IP, X-Forwarded-For, X-Auth-Request-Redirect (`auth-request-redirect`,
-  else the request's URI), X-Request-ID (the client's, else a new random one:
-  ingress-nginx's $req_id), and the `auth-proxy-set-headers` ConfigMap's
-  headers; the client's own copies of those names are dropped;
+  X-Real-IP and X-Forwarded-For (the client address: the peer's, or with
+  use-forwarded-headers nginx real_ip's; with compute-full-forwarded-for
+  X-Forwarded-For is the client's list and the peer), X-Auth-Request-Redirect
+  (`auth-request-redirect`, else the request's URI), X-Request-ID (the
+  client's, else a new random one: ingress-nginx's $req_id), and the
+  `auth-proxy-set-headers` ConfigMap's headers; the client's own copies of
+  those names are dropped;
 
 and its answer decides (`outcome`): a 2xx lets the request through with the
 `auth-response-headers` copied from the answer onto it (the client's copies of
@@ -56,7 +59,7 @@ from email.utils import parsedate_to_datetime
 from typing import Any, NamedTuple
 from urllib.parse import quote, urlsplit
 
-from waygate.proxy import filters, http1
+from waygate.proxy import access, filters, http1
 from waygate.proxy.http1 import RequestHead, ResponseHead
 from waygate.proxy.routing import Target
 from waygate.resolver.client import ExternalAuth, HeaderModifier
@@ -114,6 +117,12 @@ class AuthPlan:
         )
         # Later entries win, as nginx's proxy_cache_valid reads them.
         self.durations = dict(spec.cache_durations)
+        # use-forwarded-headers: who the client is (nginx real_ip; access.real_ip). The
+        # resolver checked the ranges; should one not parse, the peer is the client.
+        try:
+            self.trusted = access.networks(spec.trusted_proxies)
+        except ValueError:
+            self.trusted = ()
 
 
 _VARIABLE = re.compile(r"(\$(?:http_[a-z0-9_]+|cookie_[A-Za-z0-9_]+|remote_addr|host))")
@@ -143,8 +152,19 @@ def _without(fields: bytes, names: tuple[bytes, ...]) -> bytes:
     return b"".join(line + b"\r\n" for line in kept)
 
 
-def subrequest_head(plan: AuthPlan, req: RequestHead, secure: bool, client_ip: bytes) -> bytes:
+def remote_addr(plan: AuthPlan, req: RequestHead, peer: bytes) -> bytes:
+    """nginx's $remote_addr: the peer's address, or with use-forwarded-headers the
+    client X-Forwarded-For names through the trusted proxies."""
+    return access.real_ip(peer, req.forwarded, plan.trusted) if plan.trusted else peer
+
+
+def subrequest_head(plan: AuthPlan, req: RequestHead, secure: bool, peer: bytes) -> bytes:
     """The auth subrequest's head (no body; the connection closes after its answer)."""
+    client_ip = remote_addr(plan, req, peer)
+    forwarded_for = client_ip
+    if plan.spec.full_forwarded_for:  # $full_x_forwarded_for: the client's list, the peer
+        given = b", ".join(v for lname, _, v in req.forwarded if lname == b"x-forwarded-for")
+        forwarded_for = given + b", " + peer if given else peer
     scheme = b"https" if secure else b"http"
     uri = req.target
     method = plan.method or req.method
@@ -156,7 +176,7 @@ def subrequest_head(plan: AuthPlan, req: RequestHead, secure: bool, client_ip: b
         b"X-Original-URL: %s://%s%s\r\n" % (scheme, req.host, uri),
         b"X-Original-Method: %s\r\n" % req.method,
         b"X-Sent-From: nginx-ingress-controller\r\n",
-        b"X-Real-IP: %s\r\nX-Forwarded-For: %s\r\n" % (client_ip, client_ip),
+        b"X-Real-IP: %s\r\nX-Forwarded-For: %s\r\n" % (client_ip, forwarded_for),
         b"X-Auth-Request-Redirect: %s\r\n" % redirect,
         # ingress-nginx's $req_id: the client's X-Request-ID, else a new one.
         b"X-Request-ID: %s\r\n"
@@ -369,7 +389,7 @@ def cache_seconds(plan: AuthPlan, response: ResponseHead, now: float) -> float:
     return plan.durations.get(response.status, 0.0)
 
 
-def cache_key(plan: AuthPlan, route: str, req: RequestHead, client_ip: bytes) -> bytes | None:
+def cache_key(plan: AuthPlan, route: str, req: RequestHead, peer: bytes) -> bytes | None:
     """The answer's key in the cache: the route (ingress-nginx caches per location)
     and auth-cache-key filled in; None without auth-cache-key."""
     if not plan.cache_parts or (plan.method or req.method) not in _CACHED_METHODS:
@@ -390,7 +410,7 @@ def cache_key(plan: AuthPlan, route: str, req: RequestHead, client_ip: bytes) ->
                     if item.startswith(prefix):
                         parts.append(item[len(prefix) :])
         elif kind == "remote":
-            parts.append(client_ip)
+            parts.append(remote_addr(plan, req, peer))
         else:  # host
             parts.append(req.host)
     return b"".join(parts)

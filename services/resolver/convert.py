@@ -313,6 +313,8 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
                     for status, seconds in auth.cache_durations
                 ],
                 always_set_cookie=auth.always_set_cookie,
+                trusted_proxies=list(auth.trusted_proxies),
+                full_forwarded_for=auth.full_forwarded_for,
             )
         )
     if (cors := route.cors) is not None:
@@ -670,6 +672,8 @@ def _external_auth_from_proto(message: pb.ExternalAuth) -> model.ExternalAuth:
         cache_key=message.cache_key,
         cache_durations=tuple((d.status, seconds(d.duration)) for d in message.cache_durations),
         always_set_cookie=message.always_set_cookie,
+        trusted_proxies=tuple(message.trusted_proxies),
+        full_forwarded_for=message.full_forwarded_for,
     )
 
 

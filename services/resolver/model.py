@@ -475,6 +475,10 @@ class ExternalAuth:
     cache_durations: tuple[tuple[int, float], ...] = ()
     # auth-always-set-cookie: the answer's Set-Cookie also on non-2xx/3xx answers.
     always_set_cookie: bool = False
+    # use-forwarded-headers (proxy-real-ip-cidr) and compute-full-forwarded-for: the
+    # client address the auth service is told, as nginx's real_ip finds it.
+    trusted_proxies: tuple[str, ...] = ()
+    full_forwarded_for: bool = False
 
 
 @dataclass(frozen=True)

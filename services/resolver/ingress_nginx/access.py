@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import ipaddress
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -36,7 +37,7 @@ from waygate.core.htpasswd import hash_format_problem, parse_credentials
 from waygate.core.regex import refusal as regex_refusal
 from waygate.resolver.ingress_nginx.catalogue import CATALOGUE, DIGEST_DIFFERENCE, Verdict
 from waygate.resolver.ingress_nginx.config import ControllerConfig
-from waygate.resolver.model import RouteAccess
+from waygate.resolver.model import ExternalAuth, RouteAccess
 
 JSON = dict[str, Any]
 Lookup = Callable[[str, str], "JSON | None"]
@@ -120,6 +121,23 @@ def _trusted(config: ControllerConfig) -> tuple[str, ...]:
     if not config.flag("use-forwarded-headers", False):
         return ()
     return _split(config.text("proxy-real-ip-cidr", _DEFAULT_TRUSTED))
+
+
+def auth_client_address(auth: ExternalAuth, config: ControllerConfig) -> tuple[ExternalAuth, str]:
+    """An auth-url's client address as the ConfigMap defines it (nginx's real_ip
+    with use-forwarded-headers; $full_x_forwarded_for with compute-full-forwarded-for),
+    and the difference to report when the proxy cannot find it so ("" : none)."""
+    problem = address_problem(config)
+    if problem:
+        return auth, (
+            "ConfigMap: honoured-with-difference (the auth service is told the peer's "
+            f"address as X-Real-IP and X-Forwarded-For: {problem})"
+        )
+    trusted = _trusted(config)
+    if not trusted:
+        return auth, ""
+    full = config.flag("compute-full-forwarded-for", False)
+    return dataclasses.replace(auth, trusted_proxies=trusted, full_forwarded_for=full), ""
 
 
 def plan_access(

@@ -342,6 +342,10 @@ def plan(
         result.request_remove.append("Authorization")
     _rate_limit(result, config)
     _global_auth(result, valid, config)
+    if result.external_auth is not None:
+        result.external_auth, note = nginx_access.auth_client_address(result.external_auth, config)
+        if note:
+            result.config_notes.append(note)
     # nginx's read/send timeouts also bound an upgraded (WebSocket) connection's silence.
     result.timeouts = RouteTimeouts(
         connect=timeouts["connect"], server=timeouts["server"], tunnel=timeouts["server"]

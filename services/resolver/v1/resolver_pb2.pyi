@@ -415,7 +415,7 @@ class RouteAccess(_message.Message):
     def __init__(self, block: _Optional[_Iterable[str]] = ..., deny: _Optional[_Iterable[str]] = ..., allow: _Optional[_Iterable[str]] = ..., block_user_agents: _Optional[_Iterable[str]] = ..., block_referers: _Optional[_Iterable[str]] = ..., trusted_proxies: _Optional[_Iterable[str]] = ..., auth_type: _Optional[str] = ..., auth_realm: _Optional[str] = ..., credentials: _Optional[_Iterable[str]] = ..., satisfy_any: _Optional[bool] = ...) -> None: ...
 
 class ExternalAuth(_message.Message):
-    __slots__ = ("url", "method", "signin", "signin_redirect_param", "response_headers", "request_redirect", "proxy_set_headers", "cache_key", "cache_durations", "always_set_cookie")
+    __slots__ = ("url", "method", "signin", "signin_redirect_param", "response_headers", "request_redirect", "proxy_set_headers", "cache_key", "cache_durations", "always_set_cookie", "trusted_proxies", "full_forwarded_for")
     URL_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     SIGNIN_FIELD_NUMBER: _ClassVar[int]
@@ -426,6 +426,8 @@ class ExternalAuth(_message.Message):
     CACHE_KEY_FIELD_NUMBER: _ClassVar[int]
     CACHE_DURATIONS_FIELD_NUMBER: _ClassVar[int]
     ALWAYS_SET_COOKIE_FIELD_NUMBER: _ClassVar[int]
+    TRUSTED_PROXIES_FIELD_NUMBER: _ClassVar[int]
+    FULL_FORWARDED_FOR_FIELD_NUMBER: _ClassVar[int]
     url: str
     method: str
     signin: str
@@ -436,7 +438,9 @@ class ExternalAuth(_message.Message):
     cache_key: str
     cache_durations: _containers.RepeatedCompositeFieldContainer[AuthCacheDuration]
     always_set_cookie: bool
-    def __init__(self, url: _Optional[str] = ..., method: _Optional[str] = ..., signin: _Optional[str] = ..., signin_redirect_param: _Optional[str] = ..., response_headers: _Optional[_Iterable[str]] = ..., request_redirect: _Optional[str] = ..., proxy_set_headers: _Optional[_Iterable[_Union[RouteHeader, _Mapping]]] = ..., cache_key: _Optional[str] = ..., cache_durations: _Optional[_Iterable[_Union[AuthCacheDuration, _Mapping]]] = ..., always_set_cookie: _Optional[bool] = ...) -> None: ...
+    trusted_proxies: _containers.RepeatedScalarFieldContainer[str]
+    full_forwarded_for: bool
+    def __init__(self, url: _Optional[str] = ..., method: _Optional[str] = ..., signin: _Optional[str] = ..., signin_redirect_param: _Optional[str] = ..., response_headers: _Optional[_Iterable[str]] = ..., request_redirect: _Optional[str] = ..., proxy_set_headers: _Optional[_Iterable[_Union[RouteHeader, _Mapping]]] = ..., cache_key: _Optional[str] = ..., cache_durations: _Optional[_Iterable[_Union[AuthCacheDuration, _Mapping]]] = ..., always_set_cookie: _Optional[bool] = ..., trusted_proxies: _Optional[_Iterable[str]] = ..., full_forwarded_for: _Optional[bool] = ...) -> None: ...
 
 class AuthCacheDuration(_message.Message):
     __slots__ = ("status", "duration")

@@ -124,3 +124,26 @@ def test_the_subrequest_drops_x_forwarded_proto_and_carries_a_request_id():
     ]
     ids = [re.search(r"X-Request-ID: ([0-9a-f]{32})\r\n", h).group(1) for h in fresh]  # type: ignore[union-attr]
     assert ids[0] != ids[1]
+
+
+def test_the_client_address_with_use_forwarded_headers_and_compute_full_forwarded_for():
+    # nginx.tmpl's auth location: X-Real-IP $remote_addr (real_ip through
+    # proxy-real-ip-cidr), X-Forwarded-For $remote_addr, or $full_x_forwarded_for
+    # ("$http_x_forwarded_for, $realip_remote_addr") with compute-full-forwarded-for.
+    given = req("/", extra="X-Forwarded-For: 203.0.113.9, 10.0.0.7\r\n")
+    plain = extauth.AuthPlan(ExternalAuth("http://auth/", cache_key="$remote_addr"))
+    head = extauth.subrequest_head(plain, given, False, b"10.0.0.2").decode()
+    assert "X-Real-IP: 10.0.0.2\r\nX-Forwarded-For: 10.0.0.2\r\n" in head
+    trusted = extauth.AuthPlan(
+        ExternalAuth("http://auth/", cache_key="$remote_addr", trusted_proxies=("10.0.0.0/8",))
+    )
+    head = extauth.subrequest_head(trusted, given, False, b"10.0.0.2").decode()
+    assert "X-Real-IP: 203.0.113.9\r\nX-Forwarded-For: 203.0.113.9\r\n" in head
+    assert extauth.cache_key(trusted, "r", given, b"10.0.0.2") == b"r\x00203.0.113.9"
+    full = extauth.AuthPlan(
+        ExternalAuth("http://auth/", trusted_proxies=("10.0.0.0/8",), full_forwarded_for=True)
+    )
+    head = extauth.subrequest_head(full, given, False, b"10.0.0.2").decode()
+    assert "X-Real-IP: 203.0.113.9\r\nX-Forwarded-For: 203.0.113.9, 10.0.0.7, 10.0.0.2\r\n" in head
+    alone = extauth.subrequest_head(full, req("/"), False, b"10.0.0.2").decode()
+    assert "X-Forwarded-For: 10.0.0.2\r\n" in alone

@@ -1018,6 +1018,24 @@ def test_external_auth_annotations_become_the_routes_external_auth():
     assert plain.external_auth is None
 
 
+def test_external_auth_is_told_the_client_address_the_configmap_defines():
+    """nginx.tmpl's auth location: X-Real-IP $remote_addr (real_ip with
+    use-forwarded-headers through proxy-real-ip-cidr), $full_x_forwarded_for with
+    compute-full-forwarded-for; use-proxy-protocol: named as a difference."""
+    item = ingress("guarded", {P + "auth-url": "http://auth/check"})
+    data = {"use-forwarded-headers": "true", "proxy-real-ip-cidr": "10.0.0.0/8"}
+    [route] = _global(data, item)
+    assert route.external_auth is not None
+    assert route.external_auth.trusted_proxies == ("10.0.0.0/8",)
+    assert not route.external_auth.full_forwarded_for
+    [route] = _global({**data, "compute-full-forwarded-for": "true"}, item)
+    assert route.external_auth is not None and route.external_auth.full_forwarded_for
+    [route] = _global({"use-proxy-protocol": "true"}, item)
+    assert route.ingress_refusal is None and route.external_auth is not None
+    assert route.external_auth.trusted_proxies == ()
+    assert any("X-Real-IP" in line for line in route.ingress_verdicts)
+
+
 def test_external_auth_to_https_and_always_set_cookie():
     """authreq's auth-always-set-cookie; an https:// auth-url is served with its
     certificate verified (the named, stricter difference)."""
