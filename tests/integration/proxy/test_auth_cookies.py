@@ -13,6 +13,7 @@ answers /cookies/set/alma/armud with `Set-Cookie: alma=armud`
 from __future__ import annotations
 
 import asyncio
+import logging
 import ssl
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from tests.support.authservice import AuthService
 from tests.support.h2client import H2Client
 from tests.support.pki import LocalCA
 from tests.support.proxyharness import running_proxy
-from waygate.proxy import extauth
+from waygate.proxy import authcheck, extauth
 from waygate.resolver.model import ExternalAuth, Route
 
 pytestmark = pytest.mark.asyncio
@@ -172,9 +173,11 @@ def tls_auth_ca(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
 
 @pytest.mark.parametrize(("client", "backend"), PAIRS)
 async def test_an_https_auth_service_verified_by_the_system_trust_store(
-    backends, tls_auth_ca, client, backend
+    backends, tls_auth_ca, client, backend, caplog
 ):
     server, ca_file, monkeypatch = tls_auth_ca
+    monkeypatch.setattr(authcheck, "_logged", {})
+    caplog.set_level(logging.WARNING, logger="waygate.proxy.authcheck")
     service = await AuthService(tls=server).start()
     try:
         url = service.url("/auth")
@@ -184,6 +187,9 @@ async def test_an_https_auth_service_verified_by_the_system_trust_store(
         async with running_proxy(table) as (_, port):
             refused = await ask(client, port, "/", [("authorization", "Bearer good")])
         assert refused.status == 500 and backends.requests(backend) == 0
+        # Its clients see a 500; the log says why (once a minute per service).
+        (record,) = [r for r in caplog.records if r.name == "waygate.proxy.authcheck"]
+        assert "unable to get local issuer certificate" in record.getMessage()
         monkeypatch.setenv("SSL_CERT_FILE", str(ca_file))
         extauth._tls_context = None
         async with running_proxy(table) as (_, port):
