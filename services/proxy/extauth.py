@@ -50,6 +50,8 @@ gate only marks the request (`Forward.auth`).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import os
 import re
 import ssl
@@ -125,7 +127,7 @@ class AuthPlan:
             self.trusted = ()
 
 
-_VARIABLE = re.compile(r"(\$(?:http_[a-z0-9_]+|cookie_[A-Za-z0-9_]+|remote_addr|host))")
+_VARIABLE = re.compile(r"(\$(?:http_[a-z0-9_]+|cookie_[A-Za-z0-9_]+|remote_addr|remote_user|host))")
 _plans: dict[int, AuthPlan] = {}
 
 
@@ -389,6 +391,22 @@ def cache_seconds(plan: AuthPlan, response: ResponseHead, now: float) -> float:
     return plan.durations.get(response.status, 0.0)
 
 
+_BASIC = re.compile(rb"basic[ \t]+([A-Za-z0-9+/]+=*)[ \t]*", re.IGNORECASE)
+
+
+def remote_user(req: RequestHead) -> bytes:
+    """nginx's $remote_user: the user name of a Basic Authorization header (b"":
+    none, or not Basic)."""
+    found = _BASIC.fullmatch(_field(req.fields, b"authorization"))
+    if found is None:
+        return b""
+    try:
+        user, colon, _ = base64.b64decode(found.group(1), validate=True).partition(b":")
+    except binascii.Error:
+        return b""
+    return user if colon else b""
+
+
 def cache_key(plan: AuthPlan, route: str, req: RequestHead, peer: bytes) -> bytes | None:
     """The answer's key in the cache: the route (ingress-nginx caches per location)
     and auth-cache-key filled in; None without auth-cache-key."""
@@ -409,6 +427,8 @@ def cache_key(plan: AuthPlan, route: str, req: RequestHead, peer: bytes) -> byte
                     item = item.strip()
                     if item.startswith(prefix):
                         parts.append(item[len(prefix) :])
+        elif kind == "remote" and name == b"user":
+            parts.append(remote_user(req))
         elif kind == "remote":
             parts.append(remote_addr(plan, req, peer))
         else:  # host

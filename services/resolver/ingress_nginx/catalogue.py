@@ -209,17 +209,18 @@ def methods(value: str) -> str | None:
 
 
 _CACHE_KEY = re.compile(
-    r"(?:[A-Za-z0-9_.:/-]|\$(?:http_[a-z0-9_]{1,64}|cookie_[A-Za-z0-9_]{1,64}|remote_addr|host))"
+    r"(?:[A-Za-z0-9_.:/-]|\$(?:http_[a-z0-9_]{1,64}|cookie_[A-Za-z0-9_]{1,64}|remote_addr"
+    r"|remote_user|host))"
     r"{1,256}"
 )
 
 
 def cache_key(value: str) -> str | None:
     """Literal text and the variables the proxy fills in: $http_NAME, $cookie_NAME,
-    $remote_addr, $host (nothing is rendered into configuration)."""
+    $remote_addr, $remote_user, $host (nothing is rendered into configuration)."""
     if _CACHE_KEY.fullmatch(value):
         return None
-    return "must be text and $http_NAME, $cookie_NAME, $remote_addr or $host"
+    return "must be text and $http_NAME, $cookie_NAME, $remote_addr, $remote_user or $host"
 
 
 def cache_duration(value: str) -> str | None:

@@ -6,6 +6,7 @@ tests/integration/proxy/test_auth_cookies.py."""
 
 from __future__ import annotations
 
+import base64
 import re
 import types
 
@@ -147,3 +148,15 @@ def test_the_client_address_with_use_forwarded_headers_and_compute_full_forwarde
     assert "X-Real-IP: 203.0.113.9\r\nX-Forwarded-For: 203.0.113.9, 10.0.0.7, 10.0.0.2\r\n" in head
     alone = extauth.subrequest_head(full, req("/"), False, b"10.0.0.2").decode()
     assert "X-Forwarded-For: 10.0.0.2\r\n" in alone
+
+
+def test_remote_user_in_the_cache_key():
+    # annotations.md's own example: auth-cache-key "$remote_user$http_authorization".
+    plan = extauth.AuthPlan(
+        ExternalAuth("http://auth/", cache_key="$remote_user$http_authorization")
+    )
+    token = "Basic " + base64.b64encode(b"ann:pw").decode()
+    head = req("/", extra=f"Authorization: {token}\r\n")
+    assert extauth.cache_key(plan, "r", head, b"") == b"r\x00ann" + token.encode()
+    assert extauth.remote_user(req("/", extra="Authorization: Bearer x\r\n")) == b""
+    assert extauth.remote_user(req("/")) == b""

@@ -1036,6 +1036,16 @@ def test_external_auth_is_told_the_client_address_the_configmap_defines():
     assert any("X-Real-IP" in line for line in route.ingress_verdicts)
 
 
+def test_the_documented_auth_cache_key_example_is_honoured():
+    # annotations.md: "e.g. `$remote_user$http_authorization`".
+    key = "$remote_user$http_authorization"
+    [route] = routes_of(
+        ingress("k", {P + "auth-url": "http://auth/check", P + "auth-cache-key": key})
+    )
+    assert route.ingress_refusal is None and route.external_auth is not None
+    assert route.external_auth.cache_key == key
+
+
 def test_external_auth_to_https_and_always_set_cookie():
     """authreq's auth-always-set-cookie; an https:// auth-url is served with its
     certificate verified (the named, stricter difference)."""
