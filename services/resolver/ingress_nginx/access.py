@@ -182,7 +182,7 @@ def plan_access(
         for short in ("auth-type", "auth-secret", "auth-secret-type", "auth-realm"):
             if problem:
                 note(short, Verdict.NOT_HONOURED, problem)
-            elif kind == "digest":
+            elif kind == "digest" and short == "auth-type":  # (the others: exact)
                 note(short, Verdict.DIFFERENT, DIGEST_DIFFERENCE)
             else:
                 note(short, CATALOGUE[short].verdict, CATALOGUE[short].note)

@@ -281,17 +281,19 @@ _AUTH_CACHE = (
 )
 _BASIC = (
     "basic: 401 with WWW-Authenticate, hashes verified exactly (bcrypt, apr1/MD5, {SHA}, "
-    "{SSHA}, {PLAIN}; another format refuses the Ingress); digest: nginx-http-auth-digest's "
-    "MD5 qop=auth against user:realm:HA1 lines, its nonce lifetimes, replay and evasion "
-    "rules, Authentication-Info on success (without auth-realm, or with realm off, the "
-    "Ingress is refused: nginx would leave it open); "
-    "the Authorization header is not passed to the backend, as ingress-nginx clears it"
+    "{SSHA}, {PLAIN}; another format refuses the Ingress); digest: as nginx-http-auth-digest "
+    "(MD5, qop=auth, user:realm:HA1 lines, its nonce lifetimes, replay and evasion rules, "
+    "Authentication-Info); auth-realm off (or none for digest) refuses the Ingress: nginx "
+    "would leave it open; the Authorization header is not passed to the backend, as "
+    "ingress-nginx clears it"
 )
 #: auth-type digest's verdict note (annotations lower auth-* to DIFFERENT for it).
 DIGEST_DIFFERENCE = (
-    _BASIC + "; digest's one difference: a nonce this proxy worker does not hold (another "
-    "worker's, or forgotten when the bounded table was full), answered with the right "
-    "password, gets a stale challenge the browser answers without asking its user (the "
+    "digest as nginx-http-auth-digest (MD5, qop=auth, user:realm:HA1 lines, its nonce "
+    "lifetimes, replay and evasion rules, Authentication-Info; the backend does not get "
+    "Authorization); one difference: a nonce this proxy worker does not hold (another "
+    "worker's, or forgotten when the bounded table was full) answered with the right "
+    "password gets a stale challenge, which a browser answers without asking its user (the "
     "module: a plain one)"
 )
 _RANGES = (
