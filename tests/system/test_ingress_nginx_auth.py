@@ -168,3 +168,15 @@ async def test_cookie_set_by_external_authentication_server(
     )
     failed = await suite.request("/status/503?a=b&c=d", host=host)
     assert failed.status == 503 and failed.response_header("Set-Cookie") == "alma=armud"
+
+
+async def test_invalid_auth_url_denies_the_whole_location(suite: Conformance) -> None:
+    # auth.go, Context "with invalid auth-url should deny whole location":
+    # auth-url "https://invalid..auth.url" (parser.StringToURL: "invalid url host").
+    # ingress-nginx denies the location (503); Waygate does not serve the Ingress
+    # (Admitted False, InvalidAnnotation: no route, 404) and serves the others.
+    annotations = {P + "auth-url": "https://invalid..auth.url"}
+    denied = single_ingress("auth-denied", "/denied-auth", "auth-denied", annotations)
+    await apply(suite, denied, single_ingress("different", "/", "different"))
+    assert (await suite.request("/", host="different")).status == 200
+    assert (await suite.request("/denied-auth", host="auth-denied")).status == 404

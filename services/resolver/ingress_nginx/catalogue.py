@@ -136,7 +136,12 @@ def rewrite_target(value: str) -> str | None:
 
 
 def url(value: str) -> str | None:
-    return None if _URL.fullmatch(value) else "must be an http(s) URL of plain characters"
+    if not _URL.fullmatch(value):
+        return "must be an http(s) URL of plain characters"
+    # ingress-nginx's parser.StringToURL: "invalid url host".
+    if ".." in value.split("://", 1)[1].split("/", 1)[0]:
+        return "invalid url host (..)"
+    return None
 
 
 def signin_url(value: str) -> str | None:

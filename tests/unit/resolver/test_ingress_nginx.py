@@ -1070,6 +1070,7 @@ def test_external_auth_to_https_and_always_set_cookie():
     "annotations",
     [
         {P + "auth-url": "ftp://auth.example.com/check"},
+        {P + "auth-url": "https://invalid..auth.url"},  # auth.go: "invalid url host"
         {P + "auth-url": "http://auth/check", P + "auth-proxy-set-headers": "default/missing"},
         {P + "auth-url": "http://auth/check", P + "auth-cache-key": "$request_body"},
         {P + "auth-url": "http://auth/check", P + "auth-always-set-cookie": "maybe"},
