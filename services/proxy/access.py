@@ -383,13 +383,21 @@ def _blocked(matchers: Sequence[Matcher], value: bytes | None) -> bool:
     return False
 
 
-def challenge_response(challenge: str, *, close: bool, head_only: bool) -> bytes:
-    """The 401 answer with its WWW-Authenticate challenge (none when `challenge` is
-    empty: a digest client held off), nginx's page title as body."""
+def challenge_lines(challenge: str, cors: Any = None) -> str:
+    """The 401's header lines: its WWW-Authenticate challenge (none when `challenge`
+    is empty: a digest client held off) and, on a CORS route, the CORS headers
+    (ingress-nginx's more_set_headers reach its 401 too)."""
+    lines = "WWW-Authenticate: " + challenge + "\r\n" if challenge else ""
+    if cors:
+        lines += "".join(f"{name}: {value}\r\n" for name, value in cors)
+    return lines
+
+
+def challenge_response(lines: str, *, close: bool, head_only: bool) -> bytes:
+    """The 401 answer with its header lines (`challenge_lines`), nginx's page title
+    as body."""
     body = b"401 Authorization Required\n"
-    line = (
-        b"WWW-Authenticate: %s\r\n" % challenge.encode("latin-1", "replace") if challenge else b""
-    )
+    line = lines.encode("latin-1", "replace")
     return (
         b"HTTP/1.1 401 Unauthorized\r\n%s"
         b"Content-Type: text/plain; charset=utf-8\r\nContent-Length: %d\r\n"

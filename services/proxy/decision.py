@@ -327,7 +327,11 @@ def _access(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answe
     check = forward.entry.access
     assert check is not None and facts.context is not None  # (compiled by access.prepare)
     refused = check.decide(req, facts.context.client_ip)
-    return None if refused is None else Answer(*refused, forward.entry.options.name)
+    if refused is None:
+        return None
+    if refused[2] is access.KIND_UNAUTHORIZED:  # the 401's header lines (CORS's too)
+        refused = (401, access.challenge_lines(refused[1], forward.cors), refused[2])
+    return Answer(*refused, forward.entry.options.name)
 
 
 def _rate_limit(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:

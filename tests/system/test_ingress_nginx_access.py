@@ -218,6 +218,23 @@ async def test_basic_auth(suite: Conformance) -> None:
     ).status == 401
 
 
+async def test_basic_auth_401_with_cors_headers(suite: Conformance) -> None:
+    # auth.go: It("should return status code 401 and cors headers when authentication
+    # and cors is configured but Authorization header is not configured").
+    auth = {
+        P + "auth-type": "basic",
+        P + "auth-secret": "test",
+        P + "auth-realm": "test auth",
+        P + "enable-cors": "true",
+    }
+    await apply(
+        suite, opaque("test", {"auth": f"foo:{HASH}\n"}), single_ingress("auth", "/", "auth", auth)
+    )
+    response = await suite.request("/", host="auth")
+    assert response.status == 401
+    assert response.header("Access-Control-Allow-Origin") == "*"
+
+
 def digest_get(port: int, host: str, user: str, password: str) -> tuple[int, bytes, str]:
     """A GET through Python's own Digest client (urllib's HTTPDigestAuthHandler: an
     independent RFC 2617 implementation), answering the proxy's challenge:

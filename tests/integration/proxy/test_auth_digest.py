@@ -18,6 +18,7 @@ from tests.integration.proxy.test_request_core import (
 )
 from tests.support.proxyharness import running_proxy
 from tests.unit.proxy.test_access_digest import REALM, RULES, answer
+from waygate.resolver.model import Cors, RouteAccess
 
 pytestmark = pytest.mark.asyncio
 
@@ -43,3 +44,18 @@ async def test_digest_challenge_then_the_answer_passes(backends, client, backend
     for again in (replayed, refused):
         assert again.status == 401
         assert again.headers["www-authenticate"] != challenge  # a new nonce each time
+
+
+@pytest.mark.parametrize(("client", "backend"), PAIRS)
+async def test_a_cors_routes_401_carries_the_cors_headers(backends, client, backend):
+    # kubernetes/ingress-nginx test/e2e/annotations/auth.go: It("should return status
+    # code 401 and cors headers when authentication and cors is configured but
+    # Authorization header is not configured"): Access-Control-Allow-Origin "*".
+    basic = RouteAccess(auth_type="basic", auth_realm="test auth", credentials=("a:{PLAIN}b",))
+    route = core_route(backend, access=basic, cors=Cors())
+    async with running_proxy(built([route], [backends.endpoint()])) as (_, port):
+        answer = await ask(client, port, "/")
+    assert answer.status == 401
+    assert answer.headers["www-authenticate"] == 'Basic realm="test auth"'
+    assert answer.headers["access-control-allow-origin"] == "*"
+    assert backends.requests(backend) == 0

@@ -128,7 +128,7 @@ def test_five_failures_hold_the_client_off_without_a_challenge():
         challenged(check, req("/", answer(challenge, password="guess")))
     assert challenged(check, req("/", answer(challenge))) == ""  # no WWW-Authenticate
     assert challenged(check, req(), b"192.0.2.2") != ""  # another address is not
-    page = access.challenge_response("", close=False, head_only=False)
+    page = access.challenge_response(access.challenge_lines(""), close=False, head_only=False)
     assert page.startswith(b"HTTP/1.1 401 ") and b"WWW-Authenticate" not in page
 
 
