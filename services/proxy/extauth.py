@@ -247,7 +247,23 @@ def outcome(
     forward: Any = None,
 ) -> bytes | Refused:
     """The header lines to add to the request (a 2xx: the answer's Set-Cookie is
-    then added to `forward`'s response modifier), or the client's answer."""
+    then added to `forward`'s response modifier), or the client's answer (on a CORS
+    route with the CORS headers: ingress-nginx's more_set_headers reach it too)."""
+    result = _outcome(plan, response, req, secure, forward)
+    cors = forward.cors if forward is not None and isinstance(result, Refused) else None
+    if cors:
+        lines = b"".join(b"%s: %s\r\n" % (k.encode(), v.encode("latin-1")) for k, v in cors)
+        return result._replace(lines=result.lines + lines)  # type: ignore[union-attr]
+    return result
+
+
+def _outcome(
+    plan: AuthPlan,
+    response: ResponseHead | None,
+    req: RequestHead,
+    secure: bool,
+    forward: Any,
+) -> bytes | Refused:
     status = response.status if response is not None else 0
     cookie = auth_cookie(response)
     always = plan.spec.always_set_cookie

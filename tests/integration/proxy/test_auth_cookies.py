@@ -38,7 +38,7 @@ from tests.support.h2client import H2Client
 from tests.support.pki import LocalCA
 from tests.support.proxyharness import running_proxy
 from waygate.proxy import authcheck, extauth
-from waygate.resolver.model import ExternalAuth, Route
+from waygate.resolver.model import Cors, ExternalAuth, Route
 
 pytestmark = pytest.mark.asyncio
 
@@ -203,3 +203,20 @@ async def test_an_https_auth_service_verified_by_the_system_trust_store(
         assert context.check_hostname and context.verify_mode == ssl.CERT_REQUIRED
     finally:
         await service.stop()
+
+
+@pytest.mark.parametrize(("client", "backend"), PAIRS)
+async def test_a_cors_routes_auth_refusals_carry_the_cors_headers(backends, auth, client, backend):
+    # ingress-nginx's CORS more_set_headers reach the auth_request's 401 and the
+    # sign-in location's 302 (its template renders CORS there too).
+    plain = core_route(backend, external_auth=ExternalAuth(auth.url()), cors=Cors())
+    async with running_proxy(built([plain], [backends.endpoint()])) as (_, port):
+        denied = await ask(client, port, "/")
+    signin = ExternalAuth(auth.url(), signin="https://login.test/")
+    async with running_proxy(
+        built([core_route(backend, external_auth=signin, cors=Cors())], [backends.endpoint()])
+    ) as (_, port):
+        redirected = await ask(client, port, "/")
+    assert denied.status == 401 and denied.headers["access-control-allow-origin"] == "*"
+    assert denied.headers["www-authenticate"] == "Bearer"
+    assert redirected.status == 302 and redirected.headers["access-control-allow-origin"] == "*"
