@@ -406,11 +406,13 @@ def rotated_ca_dir(directory: Path) -> None:
     """A CA directory right after a rotation: the new CA signs, the old one is still
     trusted (as `RotateCA` with propagation delay 0 leaves it)."""
     from waygate.certs.authority import Authority, AuthorityConfig
+    from waygate.certs.issuing import leaf_request
     from waygate.certs.store import DirectoryCAStore
 
     authority = Authority.open(DirectoryCAStore(directory / "ca"), AuthorityConfig())
     # Workloads hold leaves of the old CA, so it stays trusted until they expire.
-    authority.issue(x509.load_der_x509_csr(make_csr()), identity=IDENTITY, requested_by="bench")
+    csr = x509.load_der_x509_csr(make_csr())
+    authority.issue(leaf_request(csr, authority.config, identity=IDENTITY, requested_by="bench"))
     authority.rotate(propagation_delay=dt.timedelta(0))
     assert len(authority.trust_bundle().authorities) == 2
 

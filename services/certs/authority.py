@@ -1,17 +1,24 @@
 """The certificate authority: one coordinator over the CA's lifecycle steps.
 
-Each step lives in its own module, with no locks and no I/O of its own:
+Each step lives in its own module, with no lock of the authority's and, but
+for the store's writer, no I/O:
 - `config`: the authority's settings (`AuthorityConfig`);
-- `castate`: CA records, making a CA (or taking an upstream's), their stored form;
-- `csr` and `issuing`: checking a CSR, the leaf profile, signing, the ListIssued
+- `castate`: CA records, making a CA (or taking an upstream's), the state
+  the authority keeps (`AuthorityState`) and its stored form;
+- `persistence`: writing that state to the store, one write at a time, and
+  putting memory back when a write fails (`StateWriter`);
+- `csr` and `issuing`: checking a CSR and what is asked for it
+  (`leaf_request`), the leaf profile, signing (`Issuer`), the ListIssued
   records;
 - `leafbounds`: the stored bound on each CA's leaves' not_after;
 - `rotation`: the rotation state machine (prepare -> activate -> retire),
-  gated on the consumers' reports (`consumers`), and its status;
-- `bundle`: the published trust bundle and delivering its changes.
+  gated on the consumers' reports (`consumers`), its status, and planning a
+  rotation and making its new CA;
+- `bundle`: the published trust bundle, read without the lock (`Publication`),
+  and delivering its changes.
 
-`Authority` is their coordinator: it holds the state, the locks and the store
-writes, puts memory back when a write fails, and delegates every rule to them.
+`Authority` is their coordinator: it holds the state and the locks, orders
+the steps, and delegates every rule to them.
 No grpc and no sockets here; the clock is injected (`now`), so rotation is
 tested by moving time rather than sleeping.
 
@@ -26,7 +33,7 @@ Invariants:
   service's executor), while the event loop serves bundles; every public
   method holds one lock, except that a rotation makes its key and writes the
   store without it (it holds the lock only to check and to swap the new CA
-  in); every store write is serialised by a second lock, taken inside the
+  in); every store write is serialised by the writer's lock, taken inside the
   first, and a rotation never writes files older than the last write; bundle
   listeners and watchers are called on the event loop given to
   `deliver_changes_on`, whichever thread made the change.
@@ -42,13 +49,12 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from cryptography import x509
-
 from waygate.certs import castate, issuing, leafbounds, rotation
-from waygate.certs.bundle import BundleChanges, TrustBundleView, running_on
+from waygate.certs.bundle import Publication, Published, TrustBundleView
 from waygate.certs.castate import (
     KEY_ALGORITHMS,
     STATE_FILE,
+    AuthorityState,
     CARecord,
     CAState,
     CAView,
@@ -56,19 +62,19 @@ from waygate.certs.castate import (
     generate_key,
     iso,
     utc_now,
-    whole_seconds,
 )
 from waygate.certs.config import AuthorityConfig
 from waygate.certs.consumers import ConsumerTable
-from waygate.certs.csr import MAX_SANS, CertificatePublicKey, check_csr, load_csr
+from waygate.certs.csr import MAX_SANS, check_csr, load_csr
 from waygate.certs.issuing import (
     LIST_LIMIT,
-    QUICK_SIGNING_KEYS,
     Issued,
     IssuedPage,
     IssuedRecord,
-    IssuedRecords,
+    LeafRequest,
+    leaf_request,
 )
+from waygate.certs.persistence import StateWriter
 from waygate.certs.rotation import ConsumerReport, Phase, Rotation, RotationStatus, Step
 from waygate.certs.store import CAStore
 from waygate.core.errors import FailedPrecondition
@@ -85,12 +91,14 @@ __all__ = [
     "CAView",
     "Issued",
     "IssuedRecord",
+    "LeafRequest",
     "Rotation",
     "RotationStatus",
     "TrustBundleView",
     "Upstream",
     "check_csr",
     "generate_key",
+    "leaf_request",
     "load_csr",
     "utc_now",
 ]
@@ -123,43 +131,29 @@ class Authority:
         self,
         store: CAStore,
         config: AuthorityConfig,
-        cas: list[CARecord],
+        state: AuthorityState,
         *,
-        version: int,
-        generation: int,
         now: Callable[[], datetime],
-        rotation_state: dict[str, Any] | None = None,
     ) -> None:
         self.store = store
         self.config = config
         self._now = now
-        self._cas = cas
-        self._version = version
-        self._generation = generation
-        #: The rotation's persisted state beyond the CAs (see `waygate.certs.rotation`).
-        self._rotation: dict[str, Any] = dict(rotation_state or {})
-        self._issued = IssuedRecords(config.issued_records, config.issued_records_bytes)
+        self._state = state
+        self._writer = StateWriter(store)
+        self._issuer = issuing.Issuer(config)
         #: What each trust consumer reported it holds.
         self.consumers = ConsumerTable()
         #: Whether this process takes rotation steps: a follower replica (cluster mode)
         #: or a worker does not (its consumer table is not the leader's); it adopts
         #: the steps the leader stores.
         self.steps_allowed: Callable[[], bool] = lambda: True
-        # Every public method holds it: signing runs in worker threads.
+        # Every public method holds it: signing runs in worker threads. The writer's
+        # lock is taken inside it, never the other way round.
         self._lock = threading.RLock()
-        # Every store write holds it (inside `_lock` where both are held, never the
-        # other way round), and `_saves` counts them: a rotation writes the store
-        # without `_lock` and needs to know whether another write came between.
-        self._store_lock = threading.Lock()
-        self._saves = 0
         # One rotation at a time; taken before `_lock`, never while holding it.
         self._rotating = threading.Lock()
-        # What the event loop reads without the lock (a signing thread holds it across
-        # signing and store writes): the bundle, until when it holds (the next
-        # bundle transition) and the next transition of any kind (the timer's). One
-        # tuple, replaced whole, so a reader never pairs a bundle with another's deadline.
-        self._published = self._snapshot()
-        self._changes = BundleChanges(lambda: self._published[0], version)
+        # What the event loop reads without the lock.
+        self._publication = Publication(self._snapshot())
 
     # ------------------------------------------------------------ opening
 
@@ -182,27 +176,17 @@ class Authority:
         """
         config = config or AuthorityConfig()
         if upstream is not None:
-            upstream.check(
-                now=now(), needed_life=2 * config.max_lifetime + config.propagation_delay
-            )
+            upstream.check(now=now(), needed_life=config.auto_rotate_before)
         files = store.load()
         if files is None:
-            authority = cls(store, config, [], version=0, generation=0, now=now)
-            if upstream is None:
-                ca = authority._new_ca(config.ca_lifetime, CAState.ACTIVE)
-            else:
-                authority._generation = 1
-                ca = upstream.record(1, CAState.ACTIVE)
-            authority._cas.append(ca)
-            authority._version = 1
-            authority._save()
-            authority._publish()
+            authority = cls(store, config, castate.first_state(config, now(), upstream), now=now)
+            authority._writer.write(authority._state.files())
             log.info(
                 "created CA",
-                extra={"store": store.description, "fingerprint": ca.fingerprint},
+                extra={"store": store.description, "fingerprint": authority._active().fingerprint},
             )
             return authority
-        authority = cls._from_files(store, config, files, now)
+        authority = cls(store, config, castate.decode_state(files, store.description), now=now)
         authority.start_judging()
         authority.advance()
         if upstream is not None:
@@ -211,86 +195,13 @@ class Authority:
             "loaded CA",
             extra={
                 "store": store.description,
-                "authorities": [(c.name, c.state.value, c.fingerprint) for c in authority._cas],
+                "authorities": [
+                    (c.name, c.state.value, c.fingerprint) for c in authority._state.cas
+                ],
                 "rotation": authority.rotation_phase().value,
             },
         )
         return authority
-
-    @classmethod
-    def _from_files(
-        cls,
-        store: CAStore,
-        config: AuthorityConfig,
-        files: dict[str, bytes],
-        now: Callable[[], datetime],
-    ) -> Authority:
-        state = castate.decode_state(files, store.description)
-        return cls(
-            store,
-            config,
-            state.cas,
-            version=state.version,
-            generation=state.generation,
-            now=now,
-            rotation_state=state.rotation,
-        )
-
-    # ------------------------------------------------------------ persistence
-
-    def _files(
-        self,
-        cas: Sequence[CARecord] | None = None,
-        *,
-        version: int | None = None,
-        generation: int | None = None,
-    ) -> dict[str, bytes]:
-        """The store's files for the state in memory, or for `cas` at `version` and
-        `generation` (a rotation's, before it is swapped in)."""
-        return castate.encode_state(
-            self._cas if cas is None else cas,
-            version=self._version if version is None else version,
-            generation=self._generation if generation is None else generation,
-            rotation=self._rotation,
-        )
-
-    def _save(self) -> None:
-        """Write the state in memory (under `_lock`)."""
-        self._write(self._files())
-
-    def _write(self, files: dict[str, bytes]) -> int:
-        """Write `files` to the store; returns the number of this write."""
-        with self._store_lock:
-            return self._write_holding_store_lock(files)
-
-    def _write_holding_store_lock(self, files: dict[str, bytes]) -> int:
-        try:
-            self.store.save(files)
-        except OSError as exc:
-            raise FailedPrecondition(
-                f"cannot save the CA to {self.store.description}: {exc.strerror or exc}"
-            ) from None
-        self._saves += 1
-        return self._saves
-
-    # ------------------------------------------------------------ CA creation
-
-    def _new_ca(self, lifetime: timedelta, state: CAState) -> CARecord:
-        self._generation += 1
-        return self._make_ca(self._generation, lifetime, state)
-
-    def _make_ca(self, generation: int, lifetime: timedelta, state: CAState) -> CARecord:
-        """A new CA key and self-signed certificate; changes nothing (needs no lock)."""
-        return castate.make_ca(
-            generation=generation,
-            key_algorithm=self.config.key_algorithm,
-            organization=self.config.organization,
-            trust_domain=self.config.trust_domain,
-            lifetime=lifetime,
-            backdate=self.config.backdate,
-            state=state,
-            now=self._now(),
-        )
 
     # ------------------------------------------------------------ rotation steps
 
@@ -309,29 +220,11 @@ class Authority:
     def _advance(self, *, force: bool = False) -> list[Step]:
         if not self.steps_allowed():
             return []
-        now = self._now()
-        before = rotation.Checkpoint.of(self._cas, self._rotation)
-        steps = rotation.advance(
-            self._cas,
-            self._rotation,
-            self.consumers.snapshot(),
-            now,
-            consumer_ttl=self.config.consumer_ttl,
-            settle_until=self.consumers.settle_until,
-            force=force,
-        )
+        before = self._state.checkpoint()
+        steps = rotation.advance(self._state, self._judging(), force=force)
         if not steps:
             return steps
-        changed = any(step.bundle_changed for step in steps)
-        if changed:
-            self._version += 1
-        try:
-            self._save()
-        except BaseException:
-            if changed:
-                self._version -= 1
-            self._cas, self._rotation = before.restore()
-            raise
+        self._writer.save_or_restore(self._state, before)
         for step in steps:
             extra: dict[str, Any] = {"step": step.name, "fingerprint": self._active().fingerprint}
             if step.forced_past:
@@ -339,43 +232,33 @@ class Authority:
                 log.warning("CA rotation: step forced past consumers", extra=extra)
             else:
                 log.info("CA rotation: step taken", extra=extra)
-        if changed:
+        if any(step.bundle_changed for step in steps):
             self._notify()
         return steps
 
+    def _judging(self) -> rotation.Judging:
+        return self.consumers.judging(self._now(), self.config.consumer_ttl)
+
+    @_locked
     def force_step(self) -> tuple[str, tuple[ConsumerReport, ...]]:
         """Take the rotation's next step now although consumers hold it (rotate-ca
         --force): (the step, the consumers it overrode: who will break). Its clock
         condition still holds: FailedPrecondition when that is not met, or no
         rotation is under way."""
-        with self._lock:
-            try:
-                current = self._status().gate
-                rotation.check_forcible(current, self._now())
-                steps = self._advance(force=True)
-                if not steps:
-                    raise FailedPrecondition(f"the {current.step} step could not be taken")
-                return steps[0].name, steps[0].forced_past
-            finally:
-                self._publish()
+        current = rotation.gate(self._state, self._judging())
+        rotation.check_forcible(current, self._now())
+        steps = self._advance(force=True)
+        if not steps:
+            raise FailedPrecondition(f"the {current.step} step could not be taken")
+        return steps[0].name, steps[0].forced_past
 
     @_locked
     def rotation_status(self) -> RotationStatus:
-        return self._status()
-
-    def _status(self) -> RotationStatus:
-        return rotation.status(
-            self._cas,
-            self._rotation,
-            self.consumers.snapshot(),
-            self._now(),
-            consumer_ttl=self.config.consumer_ttl,
-            settle_until=self.consumers.settle_until,
-        )
+        return rotation.status(self._state, self._judging())
 
     @_locked
     def rotation_phase(self) -> Phase:
-        return rotation.phase_of(self._cas, self._rotation)
+        return rotation.phase_of(self._state)
 
     def report_trust(
         self,
@@ -400,19 +283,78 @@ class Authority:
                 now=self._now(),
             )
         # Read without the lock: a stale answer only wakes the timer once too often.
-        return rotation.phase_of(list(self._cas), self._rotation) is not Phase.IDLE
+        return rotation.phase_of(self._state) is not Phase.IDLE
+
+    def rotate(
+        self,
+        *,
+        propagation_delay: timedelta | None = None,
+        ca_lifetime: timedelta | None = None,
+        provided: Upstream | None = None,
+    ) -> Rotation:
+        """Stage a new CA (made here, or the upstream intermediate `provided`);
+        FailedPrecondition while an earlier rotation has not finished, and when certs
+        signs with an upstream intermediate and none is provided (it cannot make one).
+
+        The slow parts hold no lock that signing needs: the new key (seconds for
+        RSA) is made and the store written (a round trip for a Secret) off the lock,
+        held only to check the rotation (again before the write) and to swap it in.
+        """
+        with self._rotating:
+            planned = self._plan_rotation(propagation_delay, ca_lifetime, provided)
+            new = rotation.staged_ca(planned, self.config, self._now(), provided)
+            written = self._writer.write_latest(lambda: self._rotation_files(new, planned))
+            return self._swap_in(new, planned, written)
+
+    @_locked
+    def _plan_rotation(
+        self, delay: timedelta | None, lifetime: timedelta | None, provided: Upstream | None
+    ) -> rotation.Plan:
+        rotation.check_can_make(self._state, provided)
+        self.advance()
+        return rotation.plan(self._state, self._now(), self.config, delay=delay, lifetime=lifetime)
+
+    @_locked
+    def _rotation_files(self, new: CARecord, planned: rotation.Plan) -> dict[str, bytes]:
+        """The files of the state in memory plus `new`."""
+        rotation.check_unchanged(self._state, planned)
+        return self._state.files(adding=new)
+
+    @_locked
+    def _swap_in(self, new: CARecord, planned: rotation.Plan, written: int) -> Rotation:
+        """Serve with `new` (stored as write number `written`) from now on."""
+        adopted = next((ca for ca in self._state.cas if ca.name == new.name), None)
+        if adopted is not None:
+            new = adopted  # the store's watch brought our own write back first (`adopt`)
+        else:
+            rotation.check_unchanged(self._state, planned)
+            before = self._state.checkpoint()
+            self._state.add(new)
+            if self._writer.saves != written:
+                # A write came between ours and this swap, made without the new CA.
+                self._writer.save_or_restore(self._state, before)
+            self._notify()
+        switch_at = planned.switch_at
+        retire_after = rotation.old_retire_after(
+            self._active(), switch_at, self.config.max_lifetime
+        )
+        log.info(
+            "CA rotation: new CA staged",
+            extra={"fingerprint": new.fingerprint, "signing_switch_at": iso(switch_at)},
+        )
+        # An immediate switch (delay 0, no consumer holding it) happens here, so the
+        # reply shows it.
+        self.advance()
+        return Rotation(new.view(), switch_at, retire_after, self._bundle())
 
     def _take_upstream(self, upstream: Upstream) -> None:
         """Sign with `upstream` from now on: already stored, or staged by a rotation."""
-        fingerprint = castate.fingerprint(upstream.cert)
         with self._lock:
-            if not rotation.check_new_upstream(
-                self._cas, self._rotation, fingerprint, upstream.source
-            ):
+            if not rotation.check_new_upstream(self._state, upstream):
                 return
         log.warning(
             "new upstream intermediate CA: rotating to it",
-            extra={"source": upstream.source, "fingerprint": fingerprint},
+            extra={"source": upstream.source, "fingerprint": upstream.fingerprint},
         )
         self.rotate(provided=upstream)
 
@@ -427,177 +369,95 @@ class Authority:
         try:
             return self.rotate()
         except FailedPrecondition:
-            if self._rotation_started():
+            if self.rotation_phase() is not Phase.IDLE:
                 return None  # a RotateCA came first
             raise
 
     @_locked
     def _expiring(self) -> bool:
         self.advance()
-        if not rotation.expiring(
-            self._cas, self._rotation, self._now(), self.config.auto_rotate_before
-        ):
+        ca = rotation.expiring(self._state, self._now(), self.config.auto_rotate_before)
+        if ca is None:
             return False
-        active = self._active()
-        if active.anchor is not None:
+        extra = {"fingerprint": ca.fingerprint, "not_after": iso(ca.not_after)}
+        if ca.anchor is not None:
             # certs cannot make an organisation's intermediate: it says so, loudly.
             log.warning(
                 "the upstream intermediate CA expires soon: give certs a new one "
                 "(--ca-cert/--ca-key) and restart it",
-                extra={"fingerprint": active.fingerprint, "not_after": iso(active.not_after)},
+                extra=extra,
             )
             return False
-        log.warning(
-            "CA expires soon; rotating it",
-            extra={"fingerprint": active.fingerprint, "not_after": iso(active.not_after)},
-        )
+        log.warning("CA expires soon; rotating it", extra=extra)
         return True
 
-    @_locked
-    def _rotation_started(self) -> bool:
-        return rotation.phase_of(self._cas, self._rotation) is not Phase.IDLE
+    def start_judging(self) -> None:
+        """A term of taking rotation steps begins: see `ConsumerTable.start_term`."""
+        self.consumers.start_term(
+            lambda: rotation.settle_until(self._state, self._now(), self.config.consumer_settle)
+        )
+
+    def stop_judging(self) -> None:
+        """This replica no longer leads: see `ConsumerTable.end_term`."""
+        self.consumers.end_term()
 
     def next_transition(self) -> datetime | None:
         """When `advance` (or `rotate_if_expiring`) will next change something; read
         without the lock (the timer asks on the event loop)."""
-        return self._published[2]
+        return self._publication.published.next_transition
 
     def _active(self) -> CARecord:
-        return rotation.active(self._cas)
+        return rotation.active(self._state.cas)
 
     # ------------------------------------------------------------ signing
 
     @_locked
-    def issue(
-        self,
-        csr: x509.CertificateSigningRequest,
-        *,
-        identity: str,
-        requested_by: str,
-        lifetime: timedelta | None = None,
-        public_key: CertificatePublicKey | None = None,
-        extended_usages: Sequence[x509.ObjectIdentifier] = (),
-    ) -> Issued:
-        """Sign `csr` with the active CA. Policy checks are the caller's (see policy.py).
-
-        `public_key`: what `check_csr(csr)` returned, when the caller already ran
-        it (parsing and verifying the key twice is a third of the signing cost).
-        `extended_usages`: the leaf's extended key usages; empty: those the CSR asks
-        for (`requested_usages`), serverAuth and clientAuth (what every Waygate process
-        needs) when it asks for none.
-        """
-        issued = self._sign(
-            csr,
-            identity=identity,
-            requested_by=requested_by,
-            lifetime=lifetime,
-            public_key=public_key,
-            extended_usages=extended_usages,
-            at_once=False,
-        )
+    def issue(self, request: LeafRequest) -> Issued:
+        """Sign `request` (see `issuing.leaf_request`) with the active CA. Policy
+        checks are the caller's (see policy.py)."""
+        self.advance()
+        issued = self._sign(request, at_once=False)
         assert issued is not None  # only the at-once path declines
         return issued
 
-    def issue_at_once(
-        self,
-        csr: x509.CertificateSigningRequest,
-        *,
-        identity: str,
-        requested_by: str,
-        lifetime: timedelta | None = None,
-        public_key: CertificatePublicKey | None = None,
-        extended_usages: Sequence[x509.ObjectIdentifier] = (),
-    ) -> Issued | None:
+    def issue_at_once(self, request: LeafRequest) -> Issued | None:
         """`issue`, when it can be done at once on the calling thread (the event loop):
         the lock is free, the active CA signs quickly (ECDSA or Ed25519; an RSA
         signature takes 0.5 to 2 ms), no CA transition is due and the leaf stays
         within the stored leaf bound (no store write). Otherwise None, with nothing
         done: the caller runs `issue` in a signing thread, which may wait and write.
-        Errors are `issue`'s.
         """
         if not self._lock.acquire(blocking=False):
             return None
         try:
             # Nothing published changes when nothing is due (checked first): no _publish.
-            return self._sign(
-                csr,
-                identity=identity,
-                requested_by=requested_by,
-                lifetime=lifetime,
-                public_key=public_key,
-                extended_usages=extended_usages,
-                at_once=True,
-            )
+            if self._publication.published.stale(self._now()):
+                return None
+            if not issuing.signs_quickly(self._active()):
+                return None
+            return self._sign(request, at_once=True)
         finally:
             self._lock.release()
 
-    def _sign(
-        self,
-        csr: x509.CertificateSigningRequest,
-        *,
-        identity: str,
-        requested_by: str,
-        lifetime: timedelta | None,
-        public_key: CertificatePublicKey | None,
-        extended_usages: Sequence[x509.ObjectIdentifier],
-        at_once: bool,
-    ) -> Issued | None:
-        """Under the lock: `issue`, or with `at_once` None when it would wait or write."""
-        if at_once:
-            due = self._published[1]
-            if due is not None and self._now() >= due:
-                return None
-            if not isinstance(self._active().key, QUICK_SIGNING_KEYS):
-                return None
-        request = issuing.leaf_request(
-            csr,
-            lifetime=lifetime,
-            public_key=public_key,
-            extended_usages=extended_usages,
-            default_lifetime=self.config.default_lifetime,
-            max_lifetime=self.config.max_lifetime,
-            max_sans=self.config.max_sans,
+    def _sign(self, request: LeafRequest, *, at_once: bool) -> Issued | None:
+        """Under the lock: the leaf the active CA signs for `request`; with `at_once`
+        None when it would write the store."""
+        return self._issuer.sign(
+            self._active(), request, self._now(), at_once=at_once, store_bound=self._store_bound
         )
-        if not at_once:
-            self.advance()
-        ca = self._active()
-        now = whole_seconds(self._now())
-        not_before, not_after = issuing.leaf_window(ca, now, request.lifetime, self.config.backdate)
-        covered = leafbounds.covers(ca, not_after)
-        if not covered and at_once:
-            return None
-        leaf, serial = issuing.sign_leaf(
-            ca,
-            request.public_key,
-            request.names,
-            not_before=not_before,
-            not_after=not_after,
-            extended_usages=request.extended_usages,
-        )
-        if not covered:
-            with leafbounds.raised(ca, not_after, self.config.leaf_bound_step):
-                self._save()
-        leafbounds.record_leaf(ca, not_after)
-        serial_hex = format(serial, "x")
-        self._issued.add(
-            serial=serial_hex,
-            identity=identity,
-            dns_names=request.names.dns,
-            uris=request.names.uris,
-            not_before=not_before,
-            not_after=not_after,
-            issuer_fingerprint=ca.fingerprint,
-            requested_by=requested_by,
-            now=now,
-        )
-        return Issued(leaf=leaf, chain=ca.chain, valid_until=not_after, serial=serial_hex)
+
+    def _store_bound(self, ca: CARecord, not_after: datetime) -> None:
+        """Under the lock: raise `ca`'s leaf bound past `not_after` and store it."""
+        before = self._state.checkpoint()
+        leafbounds.raise_past(ca, not_after, self.config.leaf_bound_step)
+        self._writer.save_or_restore(self._state, before)
 
     @_locked
     def list_issued(
         self, *, identity: str = "", include_expired: bool = False, limit: int = LIST_LIMIT
     ) -> list[IssuedRecord]:
         """Matching records, oldest first; at most the newest `limit` of them."""
-        return self._issued.newest(
+        return self._issuer.records.newest(
             identity=identity, include_expired=include_expired, limit=limit, now=self._now()
         )
 
@@ -606,7 +466,7 @@ class Authority:
         self, *, identity: str, include_expired: bool, after: int, size: int, max_bytes: int
     ) -> IssuedPage:
         """One page of ListIssued: see `IssuedRecords.page`."""
-        return self._issued.page(
+        return self._issuer.records.page(
             identity=identity,
             include_expired=include_expired,
             after=after,
@@ -615,29 +475,14 @@ class Authority:
             now=self._now(),
         )
 
-    @property
-    def issued_records(self) -> IssuedRecords:
-        return self._issued
-
-    # ------------------------------------------------------------ bundle and rotation
+    # ------------------------------------------------------------ the bundle
 
     def trust_bundle(self) -> TrustBundleView:
         """The bundle now, read without the lock so a signing or a store write in
-        progress never holds up a bundle reader.
-
-        On the event loop the published bundle is returned even once a transition
-        is due: the rotation timer applies it in a worker thread within moments,
-        and until then the stale bundle holds every CA the new one does (a switch
-        keeps both, a retirement only drops one). Elsewhere (a thread, a CLI) a
-        due transition is applied first.
-        """
-        published, due, _ = self._published
-        if due is None or self._now() < due:
-            return published
-        loop = self._changes.loop
-        if loop is not None and running_on(loop):
-            return published
-        return self._advanced_bundle()
+        progress never holds up a bundle reader; off the event loop a transition
+        due is applied first (see `Publication.current`)."""
+        bundle = self._publication.current(self._now())
+        return self._advanced_bundle() if bundle is None else bundle
 
     @_locked
     def _advanced_bundle(self) -> TrustBundleView:
@@ -646,157 +491,27 @@ class Authority:
 
     def _publish(self) -> None:
         # Under the lock, after every locked call and before every notification.
-        self._published = self._snapshot()
+        self._publication.publish(self._snapshot())
 
-    def _snapshot(self) -> tuple[TrustBundleView, datetime | None, datetime | None]:
-        due = self._step_due()
-        return (
+    def _snapshot(self) -> Published:
+        # A follower takes no step (it adopts the leader's): none is due by its clock.
+        due = rotation.step_due(self._state, self._judging()) if self.steps_allowed() else None
+        return Published(
             self._bundle(),
             due,
-            rotation.next_transition(
-                self._cas, self._rotation, self.config.auto_rotate_before, due
-            ),
-        )
-
-    def _step_due(self) -> datetime | None:
-        """When `advance` next takes a step (None: not by the clock alone; a consumer's
-        report may open it: see `report_trust`)."""
-        if self._cas and not self.steps_allowed():
-            # A follower takes no step: it adopts the leader's.
-            return None
-        if not self._cas:
-            return None
-        return rotation.step_due(
-            rotation.gate(
-                self._cas,
-                self._rotation,
-                self.consumers.snapshot(),
-                self._now(),
-                consumer_ttl=self.config.consumer_ttl,
-                settle_until=self.consumers.settle_until,
-            )
+            rotation.next_transition(self._state, self.config.auto_rotate_before, due),
         )
 
     def _bundle(self) -> TrustBundleView:
-        return TrustBundleView.of(self._version, self._cas)
+        return TrustBundleView.of(self._state.version, self._state.cas)
 
     @property
     def version(self) -> int:
-        return self._version
+        return self._state.version
 
     @_locked
     def active_authority(self) -> CAView:
         return self._active().view()
-
-    def rotate(
-        self,
-        *,
-        propagation_delay: timedelta | None = None,
-        ca_lifetime: timedelta | None = None,
-        provided: Upstream | None = None,
-    ) -> Rotation:
-        """Stage a new CA (made here, or the upstream intermediate `provided`);
-        FailedPrecondition while an earlier rotation has not finished, and when certs
-        signs with an upstream intermediate and none is provided (it cannot make one).
-
-        The slow parts hold no lock that signing needs: the new key and certificate
-        are made first, then the store is written with the new CA added (RSA key
-        generation takes seconds, a Secret write a round trip to the API server).
-        The lock is held only to check the rotation (again just before the write,
-        which must carry the state of the last write) and to swap the new CA in.
-        """
-        with self._rotating:
-            if provided is None and self._active_is_upstream():
-                raise FailedPrecondition(
-                    "certs signs with an upstream authority's intermediate CA and cannot "
-                    "make one: rotate by starting certs with the new intermediate "
-                    "(--ca-cert/--ca-key, and --trust-anchor for a new root)"
-                )
-            switch_at, lifetime, generation = self._plan_rotation(propagation_delay, ca_lifetime)
-            if provided is None:
-                new = self._make_ca(generation, lifetime, CAState.STAGED)
-            else:
-                new = provided.record(generation, CAState.STAGED)
-            new.activate_at = switch_at
-            new.leaf_bound = leafbounds.staged_bound(
-                switch_at, self.config.max_lifetime, self.config.leaf_bound_step
-            )
-            while True:
-                files, saves = self._rotation_files(new, generation)
-                with self._store_lock:
-                    # Another write since the files were made would be undone by
-                    # these: make them again from the state it wrote.
-                    if saves == self._saves:
-                        written = self._write_holding_store_lock(files)
-                        break
-            return self._swap_in(new, generation, written)
-
-    @_locked
-    def _active_is_upstream(self) -> bool:
-        return self._active().anchor is not None
-
-    @_locked
-    def _plan_rotation(
-        self, propagation_delay: timedelta | None, ca_lifetime: timedelta | None
-    ) -> tuple[datetime, timedelta, int]:
-        """Check a rotation can start: (switch_at, CA lifetime, new CA's generation)."""
-        self.advance()
-        delay = self.config.propagation_delay if propagation_delay is None else propagation_delay
-        lifetime = self.config.ca_lifetime if ca_lifetime is None else ca_lifetime
-        switch_at = rotation.plan(
-            self._cas,
-            self._rotation,
-            self._now(),
-            delay=delay,
-            lifetime=lifetime,
-            max_lifetime=self.config.max_lifetime,
-        )
-        return switch_at, lifetime, self._generation + 1
-
-    def _check_unchanged(self, generation: int) -> None:
-        rotation.check_unchanged(self._cas, self._rotation, self._generation, generation)
-
-    @_locked
-    def _rotation_files(self, new: CARecord, generation: int) -> tuple[dict[str, bytes], int]:
-        """The files of the state in memory plus `new`, and the number of the last
-        write they follow."""
-        self._check_unchanged(generation)
-        files = self._files([*self._cas, new], version=self._version + 1, generation=generation)
-        return files, self._saves
-
-    @_locked
-    def _swap_in(self, new: CARecord, generation: int, written: int) -> Rotation:
-        """Serve with `new` (stored as write number `written`) from now on."""
-        if any(ca.name == new.name for ca in self._cas):
-            # The store's watch brought our own write back first (`adopt`): it is in.
-            new = next(ca for ca in self._cas if ca.name == new.name)
-        else:
-            self._check_unchanged(generation)
-            saved = (self._generation, self._version)
-            self._cas.append(new)
-            self._generation = generation
-            self._version += 1
-            if self._saves != written:
-                # A write came between ours and this swap, made without the new CA.
-                try:
-                    self._save()
-                except BaseException:
-                    self._cas.remove(new)
-                    self._generation, self._version = saved
-                    raise
-            self._notify()
-        old = self._active()
-        assert new.activate_at is not None
-        switch_at = new.activate_at
-        old_retire_after = rotation.old_retire_after(old, switch_at, self.config.max_lifetime)
-        log.info(
-            "CA rotation: new CA staged",
-            extra={"fingerprint": new.fingerprint, "signing_switch_at": iso(switch_at)},
-        )
-        # An immediate switch (delay 0, no consumer holding it) happens here, so the
-        # reply shows it.
-        self.advance()
-        return Rotation(new.view(), switch_at, old_retire_after, self._bundle())
 
     # ------------------------------------------------------------ replicas (cluster mode)
 
@@ -809,28 +524,11 @@ class Authority:
         FailedPrecondition (and nothing changed) when the files cannot be used.
         """
         other = castate.decode_state(files, self.store.description)
-        leafbounds.keep_known_leaves(other.cas, self._cas)
-        before = [(ca.name, ca.state) for ca in self._cas]
-        self._cas, self._generation = other.cas, other.generation
-        self._rotation = other.rotation
-        if [(ca.name, ca.state) for ca in self._cas] == before:
+        leafbounds.keep_known_leaves(other.cas, self._state.cas)
+        if not self._state.adopt(other):
             return False
-        self._version = max(self._version + 1, other.version)
         self._notify()
         return True
-
-    def start_judging(self) -> None:
-        """A term of taking rotation steps begins: see `ConsumerTable.start_term`."""
-        self.consumers.start_term(self._settle_until)
-
-    def _settle_until(self) -> datetime | None:
-        if rotation.phase_of(self._cas, self._rotation) is Phase.IDLE:
-            return None
-        return self._now() + self.config.consumer_settle
-
-    def stop_judging(self) -> None:
-        """This replica no longer leads: see `ConsumerTable.end_term`."""
-        self.consumers.end_term()
 
     @_locked
     def with_leaf_bounds(self, until: datetime) -> dict[str, bytes] | None:
@@ -838,7 +536,7 @@ class Authority:
         None when every bound already is. Memory is not changed: the leader saves
         these files itself (off this lock, so Certify never waits on the write),
         then calls `raise_leaf_bounds`."""
-        return leafbounds.encoded_with_bounds(self._cas, until, self._files)
+        return leafbounds.encoded_with_bounds(self._state.cas, until, self._state.files)
 
     @_locked
     def raise_leaf_bounds(self, until: datetime, *, stored: Callable[[], bool]) -> bool:
@@ -847,7 +545,7 @@ class Authority:
         holds; True when raised. A leaf up to the bound then needs no save."""
         if not stored():
             return False
-        leafbounds.raise_all(self._cas, until)
+        leafbounds.raise_all(self._state.cas, until)
         return True
 
     # ------------------------------------------------------------ change notification
@@ -855,18 +553,18 @@ class Authority:
     @_locked
     def add_listener(self, listener: Callable[[TrustBundleView], None]) -> None:
         """Call `listener(bundle)` after every bundle change (e.g. to rewrite ca.pem)."""
-        self._changes.add_listener(listener)
+        self._publication.add_listener(listener)
 
     def deliver_changes_on(self, loop: asyncio.AbstractEventLoop) -> None:
         """Call listeners and wake watchers on `loop`, also for changes made in threads."""
-        self._changes.deliver_on(loop)
+        self._publication.deliver_on(loop)
 
     async def wait_for_change(self, version: int) -> TrustBundleView:
         """Return the bundle once its version is above `version` (at once if it already
         is); the published one, so the event loop never waits for the lock."""
-        return await self._changes.wait_for_change(version)
+        return await self._publication.wait_for_change(version)
 
     def _notify(self) -> None:
         # Under the lock: published first, so whoever is woken reads this bundle.
         self._publish()
-        self._changes.changed(self._published[0])
+        self._publication.changed()

@@ -1,10 +1,18 @@
 """The trust bundle: what peers must trust now, and telling everyone when it changes.
 
-`TrustBundleView` is one published bundle (a version and its CAs);
-`BundleChanges` delivers each new one to listeners (which rewrite ca.pem, the
-ConfigMap, ...) and wakes `WatchTrustBundle` streams.
+`TrustBundleView` is one bundle (a version and its CAs); `Published` is what
+the authority last published (the bundle and until when it holds);
+`Publication` holds that for readers without the authority's lock, delivers
+each new bundle to listeners (which rewrite ca.pem, the ConfigMap, ...) and
+wakes `WatchTrustBundle` streams.
 
 Invariants:
+- a reader never waits for the authority's lock, and never pairs a bundle with
+  another one's deadline (`Published` is replaced whole);
+- on the event loop a bundle whose transition is due is still served (the
+  rotation timer applies it within moments, and it holds every CA the next
+  one does: a switch keeps both, a retirement only drops one); elsewhere the
+  authority applies the transition first (`Publication.current`);
 - listeners and waiters run on the event loop given to `deliver_on`,
   whichever thread made the change (a signing thread, a rotation);
 - versions only move forward: a change delivered late (made in a thread) never
@@ -18,6 +26,7 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
+from datetime import datetime
 
 from cryptography import x509
 
@@ -49,22 +58,48 @@ class TrustBundleView:
         return cls(version, tuple(views.values()))
 
 
-class BundleChanges:
-    """Deliver every new bundle to listeners and waiters, on one event loop."""
+@dataclasses.dataclass(frozen=True)
+class Published:
+    """What the authority published: read without its lock (a signing thread holds
+    that across signing and store writes)."""
 
-    def __init__(self, current: Callable[[], TrustBundleView], version: int) -> None:
-        #: The published bundle (read without any lock).
-        self._current = current
+    bundle: TrustBundleView
+    #: Until when `bundle` holds: the next bundle transition due by the clock.
+    step_due: datetime | None
+    #: The next transition of any kind (the rotation timer's).
+    next_transition: datetime | None
+
+    def stale(self, now: datetime) -> bool:
+        """A transition is due: `bundle` no longer holds."""
+        return self.step_due is not None and now >= self.step_due
+
+
+class Publication:
+    """The published bundle, and every new one delivered to listeners and waiters on
+    one event loop."""
+
+    def __init__(self, published: Published) -> None:
+        #: Replaced whole by `publish` (under the authority's lock); read without it.
+        self.published = published
         self._listeners: list[Callable[[TrustBundleView], None]] = []
         self._changed: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         # The newest bundle version listeners were told of: a change made in a thread
         # is delivered later than one made on the loop, and must not overwrite it.
-        self._delivered_version = version
+        self._delivered_version = published.bundle.version
 
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop | None:
-        return self._loop
+    def publish(self, published: Published) -> None:
+        self.published = published
+
+    def current(self, now: datetime) -> TrustBundleView | None:
+        """The published bundle for a reader; None when a transition is due and the
+        reader is not on the event loop (it applies the transition first)."""
+        published = self.published
+        if not published.stale(now):
+            return published.bundle
+        if self._loop is not None and running_on(self._loop):
+            return published.bundle
+        return None
 
     def add_listener(self, listener: Callable[[TrustBundleView], None]) -> None:
         self._listeners.append(listener)
@@ -74,14 +109,15 @@ class BundleChanges:
 
     async def wait_for_change(self, version: int) -> TrustBundleView:
         """The published bundle once its version is above `version` (at once if it is)."""
-        while (bundle := self._current()).version <= version:
+        while (bundle := self.published.bundle).version <= version:
             if self._changed is None:
                 self._changed = asyncio.Event()
             await self._changed.wait()
         return bundle
 
-    def changed(self, bundle: TrustBundleView) -> None:
-        """`bundle` was just published: deliver it (on the loop, from any thread)."""
+    def changed(self) -> None:
+        """A new bundle was just published: deliver it (on the loop, from any thread)."""
+        bundle = self.published.bundle
         loop = self._loop
         if loop is not None and not loop.is_closed() and not running_on(loop):
             loop.call_soon_threadsafe(self._deliver, bundle)

@@ -3,10 +3,16 @@
 A `CARecord` is one CA: key, certificate and its place in the rotation
 (`CAState`, when it starts signing, when it retires, the bound on its leaves'
 not_after). `make_ca` creates one (key and self-signed certificate; no lock,
-no I/O); `encode_state` and `decode_state` turn the records, the bundle
-version and the CA generation into a `CAStore`'s files and back.
+no I/O). `AuthorityState` is everything the authority keeps (the records, the
+bundle version, the CA generation, the rotation's record), `first_state` a
+new authority's; `encode_state` and `decode_state` turn it into a `CAStore`'s
+files and back.
 
 Invariants:
+- a `Checkpoint` holds every field a change may touch (the records' rotation
+  fields and leaf bounds, the rotation's record, version, generation):
+  `restore` puts the state back exactly, so a store write that fails leaves
+  memory as the store has it;
 - decoding refuses (FailedPrecondition, naming the file) anything it cannot
   use: a key that does not parse or does not match its certificate, an
   unknown format, not exactly one ACTIVE CA; it never guesses;
@@ -23,7 +29,7 @@ import json
 import secrets
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
@@ -32,6 +38,10 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 from cryptography.x509.oid import NameOID
 
 from waygate.core.errors import FailedPrecondition, InvalidArgument
+
+if TYPE_CHECKING:
+    # config reads defaults of modules that read this one: for the annotation only.
+    from waygate.certs.config import AuthorityConfig
 
 KEY_ALGORITHMS = ("ecdsa-p256", "rsa-2048", "rsa-3072", "ed25519")
 STATE_FILE = "state.json"
@@ -175,6 +185,10 @@ class Upstream:
     #: Where it came from, for messages ("--ca-cert /etc/ca/intermediate.pem").
     source: str
 
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.cert)
+
     def check(self, *, now: datetime, needed_life: timedelta) -> None:
         """See `check_upstream`."""
         check_upstream(
@@ -236,24 +250,22 @@ def check_upstream(
 
 
 def make_ca(
+    config: AuthorityConfig,
     *,
     generation: int,
-    key_algorithm: str,
-    organization: str,
-    trust_domain: str,
     lifetime: timedelta,
-    backdate: timedelta,
     state: CAState,
     now: datetime,
 ) -> CARecord:
-    """A new CA key and self-signed certificate; changes nothing (needs no lock)."""
+    """A new CA key and self-signed certificate, as `config` says; changes nothing
+    (needs no lock: an RSA key takes seconds)."""
     now = whole_seconds(now)
-    key = generate_key(key_algorithm)
+    key = generate_key(config.key_algorithm)
     name = x509.Name(
         [
-            x509.NameAttribute(NameOID.ORGANIZATION_NAME, organization),
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, config.organization),
             # A distinct name per generation: old and new CA never share a subject.
-            x509.NameAttribute(NameOID.COMMON_NAME, f"{trust_domain} CA {generation}"),
+            x509.NameAttribute(NameOID.COMMON_NAME, f"{config.trust_domain} CA {generation}"),
         ]
     )
     ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
@@ -263,7 +275,7 @@ def make_ca(
         .issuer_name(name)
         .public_key(key.public_key())
         .serial_number(random_serial())
-        .not_valid_before(now - backdate)
+        .not_valid_before(now - config.backdate)
         .not_valid_after(now + lifetime)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(
@@ -290,13 +302,89 @@ def make_ca(
     return CARecord(name=f"ca-{generation}", key=key, cert=cert, state=state)
 
 
+def first_state(
+    config: AuthorityConfig, now: datetime, upstream: Upstream | None
+) -> AuthorityState:
+    """The state of a new authority (first start): one ACTIVE CA, made here or the
+    upstream's intermediate, as generation 1 at bundle version 1."""
+    if upstream is None:
+        ca = make_ca(
+            config, generation=1, lifetime=config.ca_lifetime, state=CAState.ACTIVE, now=now
+        )
+    else:
+        ca = upstream.record(1, CAState.ACTIVE)
+    return AuthorityState([ca], version=1, generation=1, rotation={})
+
+
 @dataclasses.dataclass
-class DecodedState:
+class AuthorityState:
+    """Everything the authority keeps and stores: its CAs, the bundle version, the CA
+    generation (of the newest CA made) and the rotation's own record."""
+
     cas: list[CARecord]
     version: int
     generation: int
     #: What the rotation state machine persists beyond the CAs (`waygate.certs.rotation`).
     rotation: dict[str, Any]
+
+    def files(self, *, adding: CARecord | None = None) -> dict[str, bytes]:
+        """The store's files for this state; with `adding`, for this state plus that
+        new CA, one version and one generation on (a rotation's write, made before
+        the new CA is swapped in)."""
+        if adding is None:
+            return encode_state(
+                self.cas, version=self.version, generation=self.generation, rotation=self.rotation
+            )
+        return encode_state(
+            [*self.cas, adding],
+            version=self.version + 1,
+            generation=self.generation + 1,
+            rotation=self.rotation,
+        )
+
+    def add(self, new: CARecord) -> None:
+        """A rotation's new CA is in (the state `files(adding=new)` stored)."""
+        self.cas.append(new)
+        self.generation += 1
+        self.version += 1
+
+    def adopt(self, other: AuthorityState) -> bool:
+        """Take another replica's stored state; True when its bundle differs, and then
+        the version moves past both (watchers of either replica see a change)."""
+        before = [(ca.name, ca.state) for ca in self.cas]
+        self.cas, self.generation, self.rotation = other.cas, other.generation, other.rotation
+        if [(ca.name, ca.state) for ca in self.cas] == before:
+            return False
+        self.version = max(self.version + 1, other.version)
+        return True
+
+    def checkpoint(self) -> Checkpoint:
+        """What a change may touch, to put back when the store refuses the new state."""
+        return Checkpoint(
+            list(self.cas),
+            [(c.state, c.activate_at, c.retire_after, c.leaf_bound) for c in self.cas],
+            dict(self.rotation),
+            self.version,
+            self.generation,
+        )
+
+    def restore(self, checkpoint: Checkpoint) -> None:
+        """Back to `checkpoint` (the records as they were, the same objects)."""
+        for ca, fields in zip(checkpoint.cas, checkpoint.fields, strict=True):
+            ca.state, ca.activate_at, ca.retire_after, ca.leaf_bound = fields
+        self.cas, self.rotation = checkpoint.cas, checkpoint.rotation
+        self.version, self.generation = checkpoint.version, checkpoint.generation
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """An `AuthorityState` as it was (see `AuthorityState.checkpoint`)."""
+
+    cas: list[CARecord]
+    fields: list[tuple[CAState, datetime | None, datetime | None, datetime | None]]
+    rotation: dict[str, Any]
+    version: int
+    generation: int
 
 
 def encode_state(
@@ -337,7 +425,7 @@ def encode_state(
     return files
 
 
-def decode_state(files: dict[str, bytes], where: str) -> DecodedState:
+def decode_state(files: dict[str, bytes], where: str) -> AuthorityState:
     """The records stored in `files` (from the store described by `where`)."""
     if STATE_FILE not in files:
         raise FailedPrecondition(
@@ -410,4 +498,4 @@ def decode_state(files: dict[str, bytes], where: str) -> DecodedState:
         )
     if sum(1 for c in cas if c.state is CAState.ACTIVE) != 1:
         raise FailedPrecondition(f"CA state in {where} must have exactly one ACTIVE CA")
-    return DecodedState(cas, version, generation, rotation)
+    return AuthorityState(cas, version, generation, rotation)

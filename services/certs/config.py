@@ -50,5 +50,6 @@ class AuthorityConfig:
     def auto_rotate_before(self) -> timedelta:
         """Rotate by itself when the active CA has this much life left: room for the
         propagation delay and for two full leaf lifetimes, so leaves never get shortened
-        by an expiring CA and the old CA can retire before it expires."""
+        by an expiring CA and the old CA can retire before it expires. So also the
+        least life an upstream intermediate must have left at start."""
         return self.propagation_delay + 2 * self.max_lifetime

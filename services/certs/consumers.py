@@ -23,9 +23,9 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Callable, Iterable
-from datetime import datetime
+from datetime import datetime, timedelta
 
-from waygate.certs.rotation import ConsumerReport
+from waygate.certs.rotation import ConsumerReport, Judging
 from waygate.core.errors import InvalidArgument, excerpt
 
 #: How often a consumer reports while nothing changes (the client library's default).
@@ -116,6 +116,10 @@ class ConsumerTable:
         identity, instance, _ = check_report(identity, instance, ())
         with self._lock:
             return self._reports.pop((identity, instance), None) is not None
+
+    def judging(self, now: datetime, ttl: timedelta) -> Judging:
+        """What a rotation step is judged by now: every report, the term's settling time."""
+        return Judging(self.snapshot(), now, ttl, self.settle_until)
 
     def snapshot(self) -> tuple[ConsumerReport, ...]:
         with self._lock:

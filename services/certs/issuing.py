@@ -1,7 +1,10 @@
 """Issuing: the leaf profile, signing one leaf, and the records ListIssued shows.
 
-No lock and no I/O: the authority decides which CA signs and whether the
-store's leaf bound must move first; this module builds and signs the leaf.
+`leaf_request` checks a CSR and what is asked for it (`LeafRequest`, the
+value `Authority.issue` takes); `Issuer` signs it with the CA the authority
+gives it and keeps the records. No lock and no I/O: the authority
+holds its lock, decides which CA signs and writes the store when the leaf
+bound must move first (`leafbounds`).
 
 Invariants:
 - a leaf never outlives its issuer: not_after is capped at the issuer's
@@ -11,7 +14,8 @@ Invariants:
 - a leaf has an empty subject, its names in a critical SAN extension, exactly
   the extended key usages asked for (both serverAuth and clientAuth when none);
 - what ListIssued shows is all that is kept of an issued leaf (no certificate,
-  no CSR), in `IssuedRecords`, bounded by count and by bytes.
+  no CSR), in `IssuedRecords`, bounded by count and by bytes;
+- a leaf is handed out only once the stored leaf bound covers it (`sign`).
 """
 
 from __future__ import annotations
@@ -20,13 +24,15 @@ import bisect
 import collections
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
+from typing import TYPE_CHECKING
 
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
+from waygate.certs import leafbounds
 from waygate.certs.castate import CARecord, random_serial, signature_hash, whole_seconds
 from waygate.certs.csr import (
     CertificatePublicKey,
@@ -37,6 +43,10 @@ from waygate.certs.csr import (
 )
 from waygate.certs.rotation import human
 from waygate.core.errors import FailedPrecondition, InvalidArgument
+
+if TYPE_CHECKING:
+    # config reads this module's defaults: imported for the annotation only.
+    from waygate.certs.config import AuthorityConfig
 
 #: Records of issued leaves kept in memory for ListIssued (this process's life, not
 #: persisted), by count and by estimated bytes; past either, expired ones go first.
@@ -221,38 +231,102 @@ class IssuedRecords:
 
 @dataclasses.dataclass(frozen=True)
 class LeafRequest:
-    """A checked CSR: what the leaf signed for it will hold."""
+    """A checked CSR and who asked: what the leaf signed for it will hold, and what
+    its record will say."""
 
     public_key: CertificatePublicKey
     names: Names
     lifetime: timedelta
     extended_usages: Sequence[x509.ObjectIdentifier]
+    identity: str
+    requested_by: str
 
 
 def leaf_request(
     csr: x509.CertificateSigningRequest,
+    config: AuthorityConfig,
     *,
-    lifetime: timedelta | None,
-    public_key: CertificatePublicKey | None,
-    extended_usages: Sequence[x509.ObjectIdentifier],
-    default_lifetime: timedelta,
-    max_lifetime: timedelta,
-    max_sans: int,
+    identity: str,
+    requested_by: str,
+    lifetime: timedelta | None = None,
+    public_key: CertificatePublicKey | None = None,
+    extended_usages: Sequence[x509.ObjectIdentifier] = (),
 ) -> LeafRequest:
-    """Check `csr` and the lifetime asked for, before anything is signed.
+    """Check `csr` and the lifetime asked for, before anything is signed (needs no lock).
 
-    `lifetime` None: `default_lifetime`. `public_key`: what `check_csr(csr)`
+    `lifetime` None: the default lifetime. `public_key`: what `check_csr(csr)`
     returned, when the caller already ran it (parsing and verifying the key
-    twice is a third of the signing cost). `extended_usages` empty: those the CSR
-    asks for (`requested_usages`), serverAuth and clientAuth when it asks for none.
+    twice is a third of the signing cost). `extended_usages` empty: those the
+    CSR asks for (`requested_usages`), serverAuth and clientAuth (what every
+    Waygate process needs) when it asks for none.
     """
     if lifetime is None:
-        lifetime = default_lifetime
-    check_lifetime(lifetime, max_lifetime)
+        lifetime = config.default_lifetime
+    check_lifetime(lifetime, config.max_lifetime)
     if public_key is None:
-        public_key = check_csr(csr, max_sans=max_sans)
-    names = csr_names(csr, max_sans)
-    return LeafRequest(public_key, names, lifetime, extended_usages or requested_usages(csr))
+        public_key = check_csr(csr, max_sans=config.max_sans)
+    names = csr_names(csr, config.max_sans)
+    usages = extended_usages or requested_usages(csr)
+    return LeafRequest(public_key, names, lifetime, usages, identity, requested_by)
+
+
+class Issuer:
+    """Issues leaves for the authority: signs a request with the CA it is given, and
+    keeps the ListIssued records. Not thread-safe: the authority's lock guards it;
+    it writes nothing itself (the store write of a raised leaf bound is the
+    authority's, through `store_bound`)."""
+
+    def __init__(self, config: AuthorityConfig) -> None:
+        self.config = config
+        self.records = IssuedRecords(config.issued_records, config.issued_records_bytes)
+
+    def sign(
+        self,
+        ca: CARecord,
+        request: LeafRequest,
+        now: datetime,
+        *,
+        at_once: bool,
+        store_bound: Callable[[CARecord, datetime], None],
+    ) -> Issued | None:
+        """The leaf `ca` signs for `request` now, recorded. When the stored leaf bound
+        does not cover it, `store_bound(ca, not_after)` raises and stores the bound
+        before the leaf is handed out, or with `at_once` None is returned at once
+        (nothing signed: the caller signs in a thread that may write)."""
+        now = whole_seconds(now)
+        not_before, not_after = leaf_window(ca, now, request.lifetime, self.config.backdate)
+        covered = leafbounds.covers(ca, not_after)
+        if not covered and at_once:
+            return None
+        leaf, serial = sign_leaf(
+            ca,
+            request.public_key,
+            request.names,
+            not_before=not_before,
+            not_after=not_after,
+            extended_usages=request.extended_usages,
+        )
+        if not covered:
+            store_bound(ca, not_after)
+        leafbounds.record_leaf(ca, not_after)
+        serial_hex = format(serial, "x")
+        self.records.add(
+            serial=serial_hex,
+            identity=request.identity,
+            dns_names=request.names.dns,
+            uris=request.names.uris,
+            not_before=not_before,
+            not_after=not_after,
+            issuer_fingerprint=ca.fingerprint,
+            requested_by=request.requested_by,
+            now=now,
+        )
+        return Issued(leaf=leaf, chain=ca.chain, valid_until=not_after, serial=serial_hex)
+
+
+def signs_quickly(ca: CARecord) -> bool:
+    """Whether `ca`'s signature costs little enough for the event loop (`QUICK_SIGNING_KEYS`)."""
+    return isinstance(ca.key, QUICK_SIGNING_KEYS)
 
 
 def check_lifetime(lifetime: timedelta, max_lifetime: timedelta) -> None:

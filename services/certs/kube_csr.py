@@ -64,7 +64,7 @@ from waygate.certs.auth import Caller
 from waygate.certs.authority import Authority
 from waygate.certs.castate import utc_now
 from waygate.certs.csr import MAX_SANS, check_csr, load_csr
-from waygate.certs.issuing import Issued
+from waygate.certs.issuing import Issued, leaf_request
 from waygate.certs.kube_auth import NODES_GROUP, caller_for_user
 from waygate.certs.policy import Policy, requested_names
 from waygate.core.backoff import Backoff
@@ -543,16 +543,15 @@ class CSRController:
         assert verdict.csr is not None
         try:
             # Signing (and, rarely, a store write) in a worker thread: never on the loop.
-            issued = await self._sign(
-                functools.partial(
-                    self._authority.issue,
-                    verdict.csr,
-                    identity=verdict.identity,
-                    requested_by=f"{(obj.get('spec') or {}).get('username')} (CSR {name})",
-                    lifetime=verdict.lifetime,
-                    extended_usages=verdict.extended_usages,
-                )
+            request = leaf_request(
+                verdict.csr,
+                self._authority.config,
+                identity=verdict.identity,
+                requested_by=f"{(obj.get('spec') or {}).get('username')} (CSR {name})",
+                lifetime=verdict.lifetime,
+                extended_usages=verdict.extended_usages,
             )
+            issued = await self._sign(functools.partial(self._authority.issue, request))
         except (InvalidArgument, PermissionDenied) as exc:
             # The CA refuses this request for good; retrying cannot help.
             body = with_condition(obj, "Failed", "SigningFailed", str(exc), self._now())

@@ -7,8 +7,8 @@ the bundle until its leaves' latest not_after (`rotation`), so after a restart
 or a leader change the stored bound is what it goes by.
 
 Sans-IO: functions of the CA records and the time; the authority holds the
-lock and writes the store (`waygate.certs.authority`), the leader raises the
-bounds ahead of signing (`waygate.certs.leader`).
+lock and has the store written (`waygate.certs.persistence`), the leader
+raises the bounds ahead of signing (`waygate.certs.leader`).
 
 Invariants:
 - the stored bound is always >= every not_after signed under it: a leaf past
@@ -16,14 +16,14 @@ Invariants:
   once an hour rather than on every issue) and the raise is stored before the
   leaf is handed out; a restart can only keep an old CA longer, never drop it
   early;
-- a bound only moves forward, and a failed store write leaves it as it was;
+- a bound only moves forward, and a failed store write leaves it as it was
+  (the writer puts the state back to its checkpoint);
 - `leaf_max` only moves forward, also when another replica's state is adopted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import TypeVar
 
@@ -44,17 +44,10 @@ def staged_bound(switch_at: datetime, max_lifetime: timedelta, step: timedelta) 
     return switch_at + max_lifetime + step
 
 
-@contextmanager
-def raised(ca: CARecord, not_after: datetime, step: timedelta) -> Iterator[None]:
-    """Raise `ca`'s bound `step` past `not_after` for the body (which stores it); the
-    bound goes back as it was if the body raises."""
-    previous = ca.leaf_bound
+def raise_past(ca: CARecord, not_after: datetime, step: timedelta) -> None:
+    """Raise `ca`'s bound `step` past `not_after` (the caller stores it before the
+    leaf is handed out, and puts it back if that fails: `persistence`)."""
     ca.leaf_bound = not_after + step
-    try:
-        yield
-    except BaseException:
-        ca.leaf_bound = previous
-        raise
 
 
 def record_leaf(ca: CARecord, not_after: datetime) -> None:

@@ -1,8 +1,10 @@
 """The CA rotation state machine: prepare -> activate -> retire, each step gated.
 
-Sans-IO: functions of the CA records, the persisted rotation state, the
-consumers' reports and the time; they change the records in place and say
-what changed. The authority holds the lock, writes the store and tells
+Sans-IO: functions of the authority's state (`AuthorityState`: the CA
+records and the rotation's own record), the consumers' reports as judged now
+(`Judging`) and the settings; they change the state in place and say what
+changed. `plan` checks a rotation can start and `staged_ca` makes its new CA
+(CPU only). The authority holds the locks, writes the store, logs and tells
 watchers (`waygate.certs.authority`).
 
     IDLE     one ACTIVE CA
@@ -34,13 +36,28 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING
 
+from waygate.certs import leafbounds
 from waygate.certs.bundle import TrustBundleView
-from waygate.certs.castate import CARecord, CAState, CAView, iso, parse_iso, whole_seconds
+from waygate.certs.castate import (
+    AuthorityState,
+    CARecord,
+    CAState,
+    CAView,
+    Upstream,
+    iso,
+    make_ca,
+    parse_iso,
+    whole_seconds,
+)
 from waygate.core.errors import FailedPrecondition, InvalidArgument
+
+if TYPE_CHECKING:
+    # config reads defaults of modules that read this one: for the annotation only.
+    from waygate.certs.config import AuthorityConfig
 
 
 class Phase(enum.Enum):
@@ -129,24 +146,28 @@ class Rotation:
 
 
 @dataclasses.dataclass(frozen=True)
-class Checkpoint:
-    """What `advance` may change, to put back when the store refuses the new state."""
+class Judging:
+    """What a step's gate judges by: the consumers' last reports, as of `now`."""
 
-    cas: list[CARecord]
-    fields: list[tuple[CAState, datetime | None, datetime | None]]
-    rotation: dict[str, Any]
+    consumers: tuple[ConsumerReport, ...]
+    now: datetime
+    #: A consumer that has not reported for this long holds nothing.
+    consumer_ttl: timedelta
+    #: Acknowledgements are not judged before this (a new leader's settling time).
+    settle_until: datetime | None = None
 
-    @classmethod
-    def of(cls, cas: Sequence[CARecord], rotation: dict[str, Any]) -> Checkpoint:
-        return cls(
-            list(cas), [(c.state, c.activate_at, c.retire_after) for c in cas], dict(rotation)
-        )
+    def live(self) -> tuple[ConsumerReport, ...]:
+        return tuple(c for c in self.consumers if self.now - c.reported_at <= self.consumer_ttl)
 
-    def restore(self) -> tuple[list[CARecord], dict[str, Any]]:
-        """The records (put back as they were) and the rotation state to use again."""
-        for ca, (state, activate_at, retire_after) in zip(self.cas, self.fields, strict=True):
-            ca.state, ca.activate_at, ca.retire_after = state, activate_at, retire_after
-        return self.cas, self.rotation
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A rotation checked to start (`plan`): when its new CA may sign at the earliest,
+    that CA's lifetime and generation."""
+
+    switch_at: datetime
+    lifetime: timedelta
+    generation: int
 
 
 def find(cas: Sequence[CARecord], state: CAState) -> CARecord | None:
@@ -160,34 +181,20 @@ def active(cas: Sequence[CARecord]) -> CARecord:
     return found
 
 
-def phase_of(cas: Sequence[CARecord], rotation: dict[str, Any]) -> Phase:
-    if find(cas, CAState.STAGED) is not None:
+def phase_of(state: AuthorityState) -> Phase:
+    if find(state.cas, CAState.STAGED) is not None:
         return Phase.PREPARE
-    if find(cas, CAState.RETIRING) is not None:
+    if find(state.cas, CAState.RETIRING) is not None:
         return Phase.ACTIVATE
-    if rotation.get("retired"):
+    if state.rotation.get("retired"):
         return Phase.RETIRE
     return Phase.IDLE
 
 
-def live_consumers(
-    consumers: Iterable[ConsumerReport], now: datetime, ttl: timedelta
-) -> list[ConsumerReport]:
-    return [c for c in consumers if now - c.reported_at <= ttl]
-
-
-def gate(
-    cas: Sequence[CARecord],
-    rotation: dict[str, Any],
-    consumers: Iterable[ConsumerReport],
-    now: datetime,
-    *,
-    consumer_ttl: timedelta,
-    settle_until: datetime | None = None,
-) -> Gate:
-    """What the next step of the rotation in `cas` waits for, now."""
-    live = live_consumers(consumers, now, consumer_ttl)
-    phase = phase_of(cas, rotation)
+def gate(state: AuthorityState, judging: Judging) -> Gate:
+    """What the next step of the rotation in `state` waits for, now."""
+    cas, live, settle_until = state.cas, judging.live(), judging.settle_until
+    phase = phase_of(state)
     if phase is Phase.PREPARE:
         staged = find(cas, CAState.STAGED)
         assert staged is not None
@@ -207,7 +214,7 @@ def gate(
         # is harmed by nothing; only the rotation's end waits for them.
         return Gate(phase, "retire", after, None, None, ())
     if phase is Phase.RETIRE:
-        retired = str(rotation["retired"])
+        retired = str(state.rotation["retired"])
         # An intermediate retired under the root its successor uses: nothing to drop.
         still_published = {c.published_fingerprint for c in cas}
         waiting = (
@@ -219,26 +226,16 @@ def gate(
     return Gate(phase, "", None, None, None, ())
 
 
-def status(
-    cas: Sequence[CARecord],
-    rotation: dict[str, Any],
-    consumers: tuple[ConsumerReport, ...],
-    now: datetime,
-    *,
-    consumer_ttl: timedelta,
-    settle_until: datetime | None = None,
-) -> RotationStatus:
-    """Where the rotation in `cas` stands now, and which consumers hold its next step."""
-    current = gate(
-        cas, rotation, consumers, now, consumer_ttl=consumer_ttl, settle_until=settle_until
-    )
-    live = tuple(live_consumers(consumers, now, consumer_ttl))
+def status(state: AuthorityState, judging: Judging) -> RotationStatus:
+    """Where the rotation in `state` stands now, and which consumers hold its next step."""
+    current = gate(state, judging)
+    now = judging.now
     ready: datetime | None = None
     if current.step == "finish":
-        ready = parse_iso(rotation.get("retired_at"))
+        ready = parse_iso(state.rotation.get("retired_at"))
     elif current.step and current.not_before is not None and current.not_before <= now:
         ready = current.not_before
-    return RotationStatus(current.phase, current, consumers, live, ready)
+    return RotationStatus(current.phase, current, judging.consumers, judging.live(), ready)
 
 
 def check_forcible(current: Gate, now: datetime) -> None:
@@ -257,42 +254,34 @@ def check_forcible(current: Gate, now: datetime) -> None:
         )
 
 
-def advance(
-    cas: list[CARecord],
-    rotation: dict[str, Any],
-    consumers: Iterable[ConsumerReport],
-    now: datetime,
-    *,
-    consumer_ttl: timedelta,
-    settle_until: datetime | None = None,
-    force: bool = False,
-) -> list[Step]:
-    """Take every step that is due by now, in order; changes `cas` and `rotation` in place.
+def advance(state: AuthorityState, judging: Judging, *, force: bool = False) -> list[Step]:
+    """Take every step that is due by now, in order; changes `state` in place (the
+    bundle version moves on when the bundle changed).
 
     `force` takes the next step even though consumers hold it (its clock
     condition still applies: a leaf is never left without its CA); the step
     records who it overrode.
     """
-    consumers = list(consumers)
+    now = judging.now
     steps: list[Step] = []
     while True:
-        current = gate(
-            cas, rotation, consumers, now, consumer_ttl=consumer_ttl, settle_until=settle_until
-        )
+        current = gate(state, judging)
         if not current.step:
-            return steps
+            break
         clock_ok = current.not_before is None or now >= current.not_before
         if not clock_ok:
-            return steps
+            break
         forced = force and not steps and not current.open(now)
         if not current.open(now) and not forced:
-            return steps
-        steps.append(_take(cas, rotation, current, now, forced))
+            break
+        steps.append(_take(state, current, now, forced))
+    if any(step.bundle_changed for step in steps):
+        state.version += 1
+    return steps
 
 
-def _take(
-    cas: list[CARecord], rotation: dict[str, Any], current: Gate, now: datetime, forced: bool
-) -> Step:
+def _take(state: AuthorityState, current: Gate, now: datetime, forced: bool) -> Step:
+    cas, rotation = state.cas, state.rotation
     overridden = current.waiting_for if forced else ()
     if current.step == "activate":
         staged = find(cas, CAState.STAGED)
@@ -316,10 +305,11 @@ def _take(
     return Step("finish", False, overridden)
 
 
-def step_due(current: Gate) -> datetime | None:
-    """When `current`'s step can be taken, if no report changes: None when it waits
-    for consumers (a report, or a consumer's report ageing out, opens it) or when
-    there is no step."""
+def step_due(state: AuthorityState, judging: Judging) -> datetime | None:
+    """When the next step can be taken, if no report changes: None when it waits for
+    consumers (a report, or a consumer's report ageing out, opens it) or when there
+    is no step."""
+    current = gate(state, judging)
     if not current.step or current.waiting_for:
         return None
     moments = [m for m in (current.not_before, current.settle_until) if m is not None]
@@ -327,73 +317,80 @@ def step_due(current: Gate) -> datetime | None:
 
 
 def next_transition(
-    cas: Sequence[CARecord],
-    rotation: dict[str, Any],
-    auto_rotate_before: timedelta,
-    due: datetime | None,
+    state: AuthorityState, auto_rotate_before: timedelta, due: datetime | None
 ) -> datetime | None:
     """When the timer should next look: the next step's `step_due`, or the automatic
     rotation's moment."""
     moments = [due]
-    if cas and phase_of(cas, rotation) is Phase.IDLE:
-        moments.append(cas[0].not_after - auto_rotate_before)
+    if state.cas and phase_of(state) is Phase.IDLE:
+        moments.append(state.cas[0].not_after - auto_rotate_before)
     return min((m for m in moments if m is not None), default=None)
 
 
+def settle_until(state: AuthorityState, now: datetime, settle: timedelta) -> datetime | None:
+    """Until when a term of judging that starts now waits for reports: `settle` from
+    now while a rotation is under way, else not at all."""
+    return None if phase_of(state) is Phase.IDLE else now + settle
+
+
 def expiring(
-    cas: Sequence[CARecord], rotation: dict[str, Any], now: datetime, auto_rotate_before: timedelta
-) -> bool:
-    """No rotation is under way and the active CA has no more than `auto_rotate_before` left."""
-    if phase_of(cas, rotation) is not Phase.IDLE:
-        return False
-    return active(cas).not_after - now <= auto_rotate_before
+    state: AuthorityState, now: datetime, auto_rotate_before: timedelta
+) -> CARecord | None:
+    """The active CA when no rotation is under way and it has no more than
+    `auto_rotate_before` left; else None."""
+    if phase_of(state) is not Phase.IDLE:
+        return None
+    current = active(state.cas)
+    return current if current.not_after - now <= auto_rotate_before else None
 
 
-def check_idle(
-    cas: Sequence[CARecord], rotation: dict[str, Any], waiting: Sequence[str] = ()
-) -> None:
+def check_idle(state: AuthorityState) -> None:
     """FailedPrecondition, saying what it waits for, while a rotation is under way."""
-    busy = next((c for c in cas if c.state is not CAState.ACTIVE), None)
+    busy = next((c for c in state.cas if c.state is not CAState.ACTIVE), None)
     if busy is not None:
         when = busy.activate_at if busy.state is CAState.STAGED else busy.retire_after
-        held = f"; waiting for {', '.join(waiting)}" if waiting else ""
         raise FailedPrecondition(
             f"a CA rotation is still in progress: {busy.name} is {busy.state.value} "
-            f"until {iso(when)}{held}"
+            f"until {iso(when)}"
         )
-    if rotation.get("retired"):
-        held = f": waiting for {', '.join(waiting)}" if waiting else ""
+    if state.rotation.get("retired"):
         raise FailedPrecondition(
             "a CA rotation is still in progress: the retired CA "
-            f"{str(rotation['retired'])[:16]} is still held by consumers{held} "
+            f"{str(state.rotation['retired'])[:16]} is still held by consumers "
             "(rotate-ca --force moves on)"
         )
 
 
-def check_unchanged(
-    cas: Sequence[CARecord], rotation: dict[str, Any], generation: int, planned: int
-) -> None:
-    """The state a rotation was planned on (`planned`: the new CA's generation) is
-    still the one in memory."""
-    check_idle(cas, rotation)
-    if generation != planned - 1:
+def check_can_make(state: AuthorityState, provided: Upstream | None) -> None:
+    """FailedPrecondition when a rotation needs a CA certs cannot make: it signs with
+    an upstream authority's intermediate and none is `provided`."""
+    if provided is None and active(state.cas).anchor is not None:
+        raise FailedPrecondition(
+            "certs signs with an upstream authority's intermediate CA and cannot "
+            "make one: rotate by starting certs with the new intermediate "
+            "(--ca-cert/--ca-key, and --trust-anchor for a new root)"
+        )
+
+
+def check_unchanged(state: AuthorityState, planned: Plan) -> None:
+    """The state a rotation was planned on is still the one in memory."""
+    check_idle(state)
+    if state.generation != planned.generation - 1:
         raise FailedPrecondition(
             "the CA state changed while the new CA was made (another replica's "
             "rotation?); retry RotateCA"
         )
 
 
-def check_new_upstream(
-    cas: Sequence[CARecord], rotation: dict[str, Any], fingerprint: str, source: str
-) -> bool:
-    """Whether certs must rotate to the upstream intermediate `fingerprint` it was
-    started with: False when it is stored already; FailedPrecondition while another
-    rotation is under way (one at a time)."""
-    if any(ca.fingerprint == fingerprint for ca in cas):
+def check_new_upstream(state: AuthorityState, upstream: Upstream) -> bool:
+    """Whether certs must rotate to the upstream intermediate it was started with:
+    False when it is stored already; FailedPrecondition while another rotation is
+    under way (one at a time)."""
+    if any(ca.fingerprint == upstream.fingerprint for ca in state.cas):
         return False
-    if phase_of(cas, rotation) is not Phase.IDLE:
+    if phase_of(state) is not Phase.IDLE:
         raise FailedPrecondition(
-            f"{source}: a new intermediate CA was given while a CA rotation "
+            f"{upstream.source}: a new intermediate CA was given while a CA rotation "
             "is still in progress; start certs with the current one until it has "
             "finished (`waygate cert status`)"
         )
@@ -401,31 +398,55 @@ def check_new_upstream(
 
 
 def plan(
-    cas: Sequence[CARecord],
-    rotation: dict[str, Any],
+    state: AuthorityState,
     now: datetime,
+    config: AuthorityConfig,
     *,
-    delay: timedelta,
-    lifetime: timedelta,
-    max_lifetime: timedelta,
-) -> datetime:
-    """Check a rotation can start now; returns when the new CA may sign at the earliest."""
+    delay: timedelta | None,
+    lifetime: timedelta | None,
+) -> Plan:
+    """Check a rotation can start now (`delay` and `lifetime` None: `config`'s)."""
+    delay = config.propagation_delay if delay is None else delay
+    lifetime = config.ca_lifetime if lifetime is None else lifetime
     if delay < timedelta(0):
         raise InvalidArgument(f"propagation delay must not be negative, not {delay}")
-    if lifetime <= max_lifetime:
+    if lifetime <= config.max_lifetime:
         raise InvalidArgument(
             f"CA lifetime {human(lifetime)} must exceed the maximum leaf lifetime "
-            f"{human(max_lifetime)}"
+            f"{human(config.max_lifetime)}"
         )
-    check_idle(cas, rotation)
-    old = active(cas)
+    check_idle(state)
+    old = active(state.cas)
     switch_at = whole_seconds(now) + delay
     if switch_at >= old.not_after:
         raise InvalidArgument(
             f"propagation delay {human(delay)} ends after the active CA expires "
             f"({iso(old.not_after)}): signing would stop"
         )
-    return switch_at
+    return Plan(switch_at, lifetime, state.generation + 1)
+
+
+def staged_ca(
+    planned: Plan, config: AuthorityConfig, now: datetime, provided: Upstream | None
+) -> CARecord:
+    """The new CA of `planned`, STAGED: made here (a new key: seconds for RSA, so no
+    lock is held), or the upstream intermediate `provided`. Its first leaf bound
+    covers its first leaves (`leafbounds.staged_bound`)."""
+    if provided is None:
+        new = make_ca(
+            config,
+            generation=planned.generation,
+            lifetime=planned.lifetime,
+            state=CAState.STAGED,
+            now=now,
+        )
+    else:
+        new = provided.record(planned.generation, CAState.STAGED)
+    new.activate_at = planned.switch_at
+    new.leaf_bound = leafbounds.staged_bound(
+        planned.switch_at, config.max_lifetime, config.leaf_bound_step
+    )
+    return new
 
 
 def old_retire_after(old: CARecord, switch_at: datetime, max_lifetime: timedelta) -> datetime:

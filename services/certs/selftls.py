@@ -13,7 +13,6 @@ the next handshake on without touching open connections.
 from __future__ import annotations
 
 import asyncio
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +21,7 @@ from cryptography.hazmat.primitives import serialization
 
 from waygate.certs.authority import Authority
 from waygate.certs.csr import load_csr
+from waygate.certs.issuing import leaf_request
 from waygate.core.grpctls import dynamic_server_credentials
 from waygate.core.rotation import CertificateRotator, Issued
 
@@ -35,15 +35,13 @@ class AuthorityIssuer:
         self.authority = authority
 
     async def certify(self, csr_der: bytes, identity: str) -> Issued:
-        csr = load_csr(csr_der)
+        request = leaf_request(
+            load_csr(csr_der), self.authority.config, identity=identity, requested_by="certs"
+        )
         # On the loop only when that waits for nothing (see Authority.issue_at_once).
-        issued = self.authority.issue_at_once(csr, identity=identity, requested_by="certs")
+        issued = self.authority.issue_at_once(request)
         if issued is None:
-            issued = await asyncio.to_thread(
-                functools.partial(
-                    self.authority.issue, csr, identity=identity, requested_by="certs"
-                )
-            )
+            issued = await asyncio.to_thread(self.authority.issue, request)
         return Issued(
             issued.leaf.public_bytes(_DER),
             [c.public_bytes(_DER) for c in issued.chain],

@@ -70,7 +70,7 @@ from waygate.certs.csr import (
     requested_usages,
     verify_csr,
 )
-from waygate.certs.issuing import Issued, IssuedRecord
+from waygate.certs.issuing import Issued, IssuedRecord, leaf_request
 from waygate.certs.policy import Policy
 from waygate.certs.rotation import ConsumerReport, Phase, Rotation, RotationStatus
 from waygate.core.errors import (
@@ -302,26 +302,20 @@ class CertsService:
             else:
                 checked = await self.executor.run(self._check, caller, identity, csr_der, max_sans)
             await self.policy.check_service_names(caller, checked.names)
-            issued = authority.issue_at_once(
+            request = leaf_request(
                 checked.csr,
+                authority.config,
                 identity=identity,
                 requested_by=caller.name,
                 lifetime=lifetime,
                 public_key=checked.public_key,
                 extended_usages=checked.usages,
             )
+            issued = authority.issue_at_once(request)
             if issued is None:
                 # A slow signature (RSA CA), a CA transition or store write due, or the
                 # lock held by a rotation or a store write: wait in a signing thread.
-                issued = await self.executor.run(
-                    authority.issue,
-                    checked.csr,
-                    identity=identity,
-                    requested_by=caller.name,
-                    lifetime=lifetime,
-                    public_key=checked.public_key,
-                    extended_usages=checked.usages,
-                )
+                issued = await self.executor.run(authority.issue, request)
         except Exception as exc:
             reason = getattr(exc, "status", "INTERNAL")
             REFUSED.labels(reason).inc()

@@ -13,7 +13,8 @@ a listener.
   a front proxy trusts them as the proxy's own word: identity
   (X-Remote-User/-Group/-Extra-*, the kube-aggregator's front-proxy headers),
   impersonation (Impersonate-User/-Group/-Uid/-Extra-*, the Kubernetes API's),
-  client-certificate headers (X-SSL-*, X-Client-Cert, X-Forwarded-Client-Cert),
+  client-certificate headers (X-SSL-*, X-Client-Cert, X-Forwarded-Client-Cert,
+  ingress-nginx's ssl-client-cert/-verify/-subject-dn/-issuer-dn),
   Waygate's own (X-Waygate-*), `Proxy` (httpoxy, CVE-2016-5385) and the
   underscore spellings of X-Forwarded-* (which a CGI/WSGI backend reads as the
   dashed ones). Names compare case-insensitively with `_` read as `-`:
@@ -46,6 +47,7 @@ CLIENT_FORBIDDEN_PATTERN: Final = (
     rb"proxy"
     rb"|x" + _SEP + rb"remote" + _SEP + rb"(?:user|group|extra" + _SEP + _TCHAR + rb"*+)"
     rb"|x" + _SEP + rb"ssl" + _SEP + _TCHAR + rb"*+"
+    rb"|ssl" + _SEP + rb"client" + _SEP + _TCHAR + rb"*+"  # ingress-nginx's auth-tls headers
     rb"|x" + _SEP + rb"client" + _SEP + rb"cert" + _TCHAR + rb"*+"
     rb"|x" + _SEP + rb"forwarded" + _SEP + rb"client" + _SEP + rb"cert"
     rb"|impersonate" + _SEP + _TCHAR + rb"++"
@@ -69,6 +71,8 @@ CLIENT_FORBIDDEN_EXAMPLES: Final = (
     b"X-SSL-Client-Cert",
     b"X-SSL-Client-S-DN",
     b"X_SSL_Client_Verify",
+    b"ssl-client-verify",
+    b"SSL_Client_Cert",
     b"X-Client-Cert",
     b"X-Forwarded-Client-Cert",
     b"X_Forwarded_Client_Cert",

@@ -30,6 +30,7 @@ than TLS 1.2.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
@@ -38,7 +39,7 @@ import ssl
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -71,23 +72,30 @@ ClientAuth = Literal["none", "optional", "required"]
 
 def load_pem_chain(context: ssl.SSLContext, chain_pem: bytes, key_pem: bytes) -> None:
     """Give OpenSSL a key through an anonymous in-memory file (it only reads paths)."""
-    data = chain_pem + key_pem
+    with _memory_file(chain_pem + key_pem) as path:
+        context.load_cert_chain(path)
+
+
+@contextlib.contextmanager
+def _memory_file(data: bytes) -> Iterator[str]:
+    """A path OpenSSL can read `data` from: an anonymous memfd, else a 0600 file in a
+    0700 temporary directory (removed on exit)."""
     if hasattr(os, "memfd_create"):
         fd = os.memfd_create("waygate-tls", os.MFD_CLOEXEC)
         try:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
-            context.load_cert_chain(f"/proc/self/fd/{fd}")
+            yield f"/proc/self/fd/{fd}"
         finally:
             os.close(fd)
         return
-    with tempfile.TemporaryDirectory() as directory:  # mode 0700; the file is 0600
+    with tempfile.TemporaryDirectory() as directory:
         path = Path(directory) / "tls.pem"
         descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(descriptor, "wb") as handle:
             handle.write(data)
-        context.load_cert_chain(path)
+        yield str(path)
 
 
 def _layout_is_known() -> bool:
@@ -282,6 +290,135 @@ def set_session_timeout(context: ssl.SSLContext, seconds: int) -> bool:
     return _on_ssl_ctx(context, lambda _ctrl, ssl_ctx: set_timeout(ssl_ctx, seconds))
 
 
+# ---------------------------------------------------------------- client certificates per SSL
+# nginx's way (ngx_http_ssl_servername, ngx_http_process_request), which Python's
+# `ssl` cannot express: the SNI callback sets the connection's own verify mode and
+# depth for the host it chose, OpenSSL's verification never ends the handshake (the
+# callback accepts every certificate) and the request reads the verdict it kept.
+
+_SSL_VERIFY_PEER = 1
+_CRL_CHECK, _CRL_CHECK_ALL = 0x4, 0x8  # X509_V_FLAG_CRL_CHECK, X509_V_FLAG_CRL_CHECK_ALL
+_VerifyCallback = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_void_p)
+# Keeps every verdict for the request (nginx's ngx_ssl_verify_callback returns 1 too).
+_ACCEPT_FOR_LATER = _VerifyCallback(lambda _ok, _store: 1)
+
+
+@functools.cache
+def _client_verify_functions() -> dict[str, Any] | None:
+    """SSL_set_verify, SSL_set_verify_depth, SSL_get_verify_result, SSL_get_session,
+    SSL_SESSION_get0_id_context, SSL_SESSION_set1_id_context, SSL_session_reused,
+    SSL_get0_param, X509_VERIFY_PARAM_set_flags, SSL_CTX_set_session_id_context,
+    X509_verify_cert_error_string, SSL_load_client_CA_file and SSL_CTX_set_client_CA_list
+    from the libssl
+    `_ssl` uses, or None (as `_ssl_ctx_functions`)."""
+    if _ssl_ctx_functions() is None:
+        return None
+    c = ctypes
+    signatures = {
+        "SSL_set_verify": ((c.c_void_p, c.c_int, _VerifyCallback), None),
+        "SSL_set_verify_depth": ((c.c_void_p, c.c_int), None),
+        "SSL_get_verify_result": ((c.c_void_p,), c.c_long),
+        "SSL_get_session": ((c.c_void_p,), c.c_void_p),
+        "SSL_SESSION_get0_id_context": ((c.c_void_p, c.POINTER(c.c_uint)), c.c_void_p),
+        "SSL_SESSION_set1_id_context": ((c.c_void_p, c.c_char_p, c.c_uint), c.c_int),
+        "SSL_session_reused": ((c.c_void_p,), c.c_int),
+        "SSL_get0_param": ((c.c_void_p,), c.c_void_p),
+        "X509_VERIFY_PARAM_set_flags": ((c.c_void_p, c.c_ulong), c.c_int),
+        "SSL_CTX_set_session_id_context": ((c.c_void_p, c.c_char_p, c.c_uint), c.c_int),
+        "X509_verify_cert_error_string": ((c.c_long,), c.c_char_p),
+        "SSL_load_client_CA_file": ((c.c_char_p,), c.c_void_p),
+        "SSL_CTX_set_client_CA_list": ((c.c_void_p, c.c_void_p), None),
+    }
+    try:
+        libssl = ctypes.CDLL(ssl._ssl.__file__)  # type: ignore[attr-defined]
+        functions = {name: getattr(libssl, name) for name in signatures}
+    except (OSError, AttributeError):
+        return None
+    for name, (argtypes, restype) in signatures.items():
+        functions[name].argtypes = argtypes
+        functions[name].restype = restype
+    return functions
+
+
+def _set_session_id_context(context: ssl.SSLContext, sid: bytes) -> bool:
+    functions = _client_verify_functions()
+    if functions is None or not 0 < len(sid) <= 32:
+        return False
+    set_sid = functions["SSL_CTX_set_session_id_context"]
+    return _on_ssl_ctx(context, lambda _ctrl, ssl_ctx: set_sid(ssl_ctx, sid, len(sid)) == 1)
+
+
+def _advertise_client_cas(context: ssl.SSLContext, ca_pem: bytes) -> bool:
+    """SSL_CTX_set_client_CA_list: the certificate request names the CAs (as nginx's
+    ssl_client_certificate does), so a browser offers only certificates they issued."""
+    functions = _client_verify_functions()
+    ctx_functions = _ssl_ctx_functions()
+    if functions is None or ctx_functions is None:
+        return False
+    ssl_ctx = _ssl_ctx_pointer(context, ctx_functions[1])
+    if ssl_ctx is None:
+        return False
+    with _memory_file(ca_pem) as path:
+        names = functions["SSL_load_client_CA_file"](path.encode())
+    if not names:
+        return False
+    functions["SSL_CTX_set_client_CA_list"](ssl_ctx, names)  # the context owns them now
+    return True
+
+
+def ask_client_certificate(
+    ssl_object: Any, depth: int, session_id_context: bytes, *, revocation: bool = False
+) -> bool:
+    """From an SNI callback, after switching `ssl_object` to its host's context: ask
+    this connection's client for a certificate, verified against that context's CAs
+    with at most `depth` intermediates (and, with `revocation`, its revocation lists
+    for every CA of the chain: the verify flags, as the depth, are the connection's
+    own from the listener's context), the verdict kept for the request
+    (`client_verify_result`) instead of ending the handshake; a new session is marked
+    with `session_id_context` (OpenSSL made it, and looks sessions up to resume,
+    under the listener's context, before this callback: a session so marked is
+    never resumed, and one resumed here keeps the mark of the context it was made
+    under). False where the connection cannot be reached (see `_ssl_pointer`)."""
+    functions = _client_verify_functions()
+    pointer = _ssl_pointer(ssl_object) if functions is not None else None
+    if functions is None or pointer is None:
+        return False
+    functions["SSL_set_verify"](pointer, _SSL_VERIFY_PEER, _ACCEPT_FOR_LATER)
+    functions["SSL_set_verify_depth"](pointer, depth)
+    if revocation:
+        param = functions["SSL_get0_param"](pointer)
+        functions["X509_VERIFY_PARAM_set_flags"](param, _CRL_CHECK | _CRL_CHECK_ALL)
+    session = functions["SSL_get_session"](pointer)
+    if session and not functions["SSL_session_reused"](pointer):
+        sid = session_id_context
+        functions["SSL_SESSION_set1_id_context"](session, sid, len(sid))
+    return True
+
+
+def client_verify_result(ssl_object: Any) -> tuple[int, bytes] | None:
+    """(OpenSSL's verify result, X509_V_OK being 0; the session id context the
+    connection's session was made under) after the handshake, or None where it
+    cannot be read."""
+    functions = _client_verify_functions()
+    pointer = _ssl_pointer(ssl_object) if functions is not None else None
+    if functions is None or pointer is None:
+        return None
+    session = functions["SSL_get_session"](pointer)
+    sid = b""
+    if session:
+        length = ctypes.c_uint(0)
+        data = functions["SSL_SESSION_get0_id_context"](session, ctypes.byref(length))
+        sid = ctypes.string_at(data, length.value) if data else b""
+    return int(functions["SSL_get_verify_result"](pointer)), sid
+
+
+def verify_error_text(code: int) -> str:
+    """OpenSSL's words for a verify result (nginx's "FAILED:<reason>")."""
+    functions = _client_verify_functions()
+    text = functions["X509_verify_cert_error_string"](code) if functions is not None else None
+    return text.decode("ascii", "replace") if text else f"error {code}"
+
+
 def load_certificate_chain(context: ssl.SSLContext, held: HeldCertificate) -> None:
     load_pem_chain(context, held.chain_pem(), held.key_pem())
 
@@ -293,12 +430,21 @@ def server_context(
     client_ca_pem: bytes | None = None,
     client_auth: ClientAuth | bool = "none",
     alpn_protocols: tuple[str, ...] = (),
+    client_crl_pem: bytes | None = None,
+    session_id_context: bytes = b"",
+    advertise_client_cas: bool = False,
 ) -> ssl.SSLContext:
     """A server context for one certificate (the only builder of server contexts).
 
     `client_auth` "required" (or True) demands a client certificate chaining to
     `client_ca_pem`; "optional" asks for one and verifies it when sent (the proxy's
     per-route client CAs decide afterwards). Either without a CA raises ValueError.
+    `client_crl_pem`: revocation lists every CA of a client's chain needs one of
+    (nginx's ssl_crl: OpenSSL's CRL_CHECK and CRL_CHECK_ALL). `session_id_context`:
+    sessions made under this context resume under it only (OpenSSL compares it when
+    resuming; CPython gives every context the same one); ValueError when it cannot
+    be set. `advertise_client_cas`: the certificate request names `client_ca_pem`'s
+    CAs (best effort: without, clients send what they have all the same).
     """
     mode: ClientAuth = (
         ("required" if client_auth else "none") if isinstance(client_auth, bool) else client_auth
@@ -319,6 +465,15 @@ def server_context(
         assert client_ca_pem is not None
         context.load_verify_locations(cadata=client_ca_pem.decode())
         context.verify_mode = ssl.CERT_REQUIRED if mode == "required" else ssl.CERT_OPTIONAL
+        if client_crl_pem:
+            # OpenSSL reads CRLs from files only: an anonymous in-memory one.
+            with _memory_file(client_crl_pem) as path:
+                context.load_verify_locations(cafile=path)
+            context.verify_flags |= ssl.VERIFY_CRL_CHECK_CHAIN
+        if advertise_client_cas and not _advertise_client_cas(context, client_ca_pem):
+            log.debug("could not name the client CAs in certificate requests")
+    if session_id_context and not _set_session_id_context(context, session_id_context):
+        raise ValueError("the TLS session id context cannot be set in this interpreter")
     if alpn_protocols:
         context.set_alpn_protocols(list(alpn_protocols))
     return context

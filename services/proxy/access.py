@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import ipaddress
 import re
 import socket
@@ -51,9 +52,8 @@ from typing import Any, Final, Protocol
 from waygate.core import digest
 from waygate.core.htpasswd import parse_credentials, verify
 from waygate.core.regex import LinearPattern, compile_linear
-from waygate.proxy import filters
 from waygate.proxy.http1 import RequestHead
-from waygate.resolver.client import Route, RouteAccess
+from waygate.resolver.client import HeaderModifier, Route, RouteAccess
 
 #: Answer kinds (the refusal metric's labels).
 KIND_DENIED: Final = "access_denied"
@@ -366,8 +366,14 @@ def authentication_info(forward: Any, req: RequestHead, facts: Any) -> None:
     `decide` in this same synchronous pass of the request core)."""
     check = forward.entry.access
     if check.info:
-        forward.response_modifier = filters.with_added(
-            forward.response_modifier, (("Authentication-Info", check.info),)
+        # (The route's filters and CORS made the modifier; the auth cookie comes
+        # after decide. dataclasses.replace keeps a ResponseRules one whole.)
+        line = (("Authentication-Info", check.info),)
+        modifier = forward.response_modifier
+        forward.response_modifier = (
+            HeaderModifier(add=line)
+            if modifier is None
+            else dataclasses.replace(modifier, add=(*modifier.add, *line))
         )
         check.info = ""
 

@@ -144,6 +144,8 @@ def authorize(
         if cached is not None:
             return cached
     head = extauth.subrequest_head(plan, req, secure, client_ip)
+    if forward.identity:  # ingress-nginx's ssl-client-* lines go to the auth service too
+        head = head[:-2] + forward.identity + b"\r\n"
     return start(ctx, plan, head, options.connect_timeout, options.server_timeout, done, key)
 
 

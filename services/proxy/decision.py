@@ -48,6 +48,7 @@ from waygate.proxy import (
     access,
     bodylimit,
     captures,
+    clientcert,
     cors,
     extauth,
     filters,
@@ -55,6 +56,7 @@ from waygate.proxy import (
     http1,
     ratelimit,
     records,
+    responserewrite,
     tls,
 )
 from waygate.proxy.http1 import ForwardedContext, RequestHead
@@ -181,6 +183,8 @@ class Forward:
     body_limit = 0
     # upstream-hash-by's key (None: the client address, the source policy's own).
     hash_key: bytes | None = None
+    # Sent to ingress-nginx's error backend (errorpages): never redispatched to the route's.
+    error_request = False
     target: Target
     backend: Backend
     entry: RouteEntry
@@ -238,6 +242,8 @@ def repick(view: View, forward: Forward, facts: ConnectionFacts, failed: Target)
     """Another endpoint after a connect to `failed` failed (redispatch): from the
     current table's entry (an endpoint removed meanwhile is not picked). True when
     one was taken (the old count given back, the new one taken)."""
+    if forward.error_request:
+        return False
     req = forward.req
     current = view.table.lookup(req.host, forward.path, req, facts.secure)
     entry = current if current is not None else forward.entry
@@ -287,6 +293,23 @@ def _edge_tls(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Ans
         return Answer(302, "", ANSWER_REDIRECT, entry.options.name, refused=False)
     name = entry.options.name
     return Answer(503, "route " + name + " is served on HTTPS only", "https_only", name)
+
+
+def _client_certificate(
+    forward: Forward, req: RequestHead, facts: ConnectionFacts
+) -> Answer | None:
+    """ingress-nginx auth-tls-*: the connection's certificate (`clientcert`: 400, 421,
+    403, or a 302 to the error page; else the ssl-client-* lines for the backend)."""
+    route = forward.entry.route
+    checked = facts.client_identity(route) if facts.secure else clientcert.on_plain_http(route)
+    if isinstance(checked, tuple):
+        status, reason = checked
+        name = forward.entry.options.name
+        if status == 302:
+            return Answer(302, reason, ANSWER_ROUTE_REDIRECT, name, refused=False)
+        return Answer(status, reason, clientcert.KIND, name)
+    forward.identity = checked
+    return None
 
 
 def _route_redirect(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
@@ -423,6 +446,9 @@ def _cors_headers(forward: Forward, req: RequestHead, facts: ConnectionFacts) ->
 
 GATES: tuple[Rule, ...] = (
     Rule("edge_tls", lambda entry: entry.route.tls is not None, _edge_tls),
+    # nginx decides the certificate before any phase, auth-tls-match-cn in the
+    # server's rewrite phase: before the location's redirects.
+    Rule("client_certificate", clientcert.applies, _client_certificate),
     Rule("body_size", lambda entry: entry.route.max_request_body > 0, _body_size),
     Rule(
         "route_redirect",
@@ -448,6 +474,8 @@ SHAPERS: tuple[Rule, ...] = (
     ),
     Rule("cors", lambda entry: entry.route.cors is not None, _cors_headers),
     Rule("digest_info", access.has_digest, access.authentication_info),
+    # ingress-nginx's response-side annotations, after the modifiers above.
+    Rule("responses", responserewrite.applies, responserewrite.shape),
 )
 
 

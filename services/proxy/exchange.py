@@ -73,7 +73,7 @@ from typing import Any, Protocol
 from opentelemetry.trace import Status, StatusCode
 
 from waygate.core import flow
-from waygate.proxy import filters, http1
+from waygate.proxy import errorpages, filters, http1
 from waygate.proxy.authstep import AuthStep
 from waygate.proxy.bodybuffer import BodyBuffer
 from waygate.proxy.connect_h1 import start_connect
@@ -529,6 +529,8 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
         forward = self.forward
         assert forward is not None
         if forward.response_modifier is not None:
+            if errorpages.intercept(self, forward.response_modifier, status):
+                return None  # ingress-nginx custom-http-errors: the error backend answers
             response.fields = filters.modify_response_fields(
                 response.fields, forward.response_modifier, status
             )
@@ -696,6 +698,14 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
     def fail(self, status: int, reason: str, kind: str, response: bytes = b"") -> None:
         """A failure the proxy answers itself (before the response started); `response`:
         the answer already rendered (a redirect), else the error page."""
+        forward = self.forward
+        if (
+            forward is not None
+            and forward.response_modifier is not None
+            and not response
+            and errorpages.intercept(self, forward.response_modifier, status, kind)
+        ):
+            return  # ingress-nginx custom-http-errors: the error backend answers
         metrics = self.ctx.metrics
         metrics.refused[kind] = metrics.refused.get(kind, 0) + 1
         entry = self.entry

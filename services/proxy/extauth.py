@@ -222,11 +222,10 @@ def auth_cookie(response: ResponseHead | None) -> bytes:
 def with_cookie(modifier: HeaderModifier | None, cookie: bytes, always: bool) -> HeaderModifier:
     """The request's response modifier with the auth service's Set-Cookie added: to
     every answer (always) or to those of add_header's statuses."""
-    base = modifier if modifier is not None else HeaderModifier()
     line = (("Set-Cookie", cookie.decode("latin-1")),)
     if always:
-        return HeaderModifier(base.set, (*base.add, *line), base.remove)
-    return filters.StatusHeaders(base.set, base.add, base.remove, add_on_success=line)
+        return filters.with_added(modifier, line)
+    return filters.StatusHeaders.over(modifier, line)
 
 
 def response_fields(response: ResponseHead) -> dict[bytes, bytes]:

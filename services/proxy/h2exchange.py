@@ -93,11 +93,25 @@ def start_exchange(conn: H2ClientConnection, stream: Stream, request: Request, e
             )
         answer_stream(conn, stream, req, answer.status, answer.reason, answer.kind)
         return
-    forward: Forward = decided  # type: ignore[assignment]
+    serve(conn, stream, request, req, decided, end, now)  # type: ignore[arg-type]
+
+
+def serve(
+    conn: H2ClientConnection,
+    stream: Stream,
+    request: Request,
+    req: RequestHead,
+    forward: Forward,
+    end: bool,
+    now: float,
+) -> None:
+    """Serve a stream's decided request: an HTTP/2 backend's stream (`h2upstream`),
+    or an `Exchange` to an HTTP/1.1 backend driven by `StreamDownstream` (also how
+    ingress-nginx's error backend takes over a stream: `errorpages`)."""
     if forward.http2:
-        ctx.h2.start(conn, stream, request, req, forward, end)
+        conn.server.context.h2.start(conn, stream, request, req, forward, end)
         return
-    driver = StreamDownstream(conn, stream, chunked)
+    driver = StreamDownstream(conn, stream, not end and request.content_length < 0)
     stream.exchange = driver
     driver.begin(req, forward, now)
 

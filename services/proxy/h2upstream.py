@@ -55,7 +55,7 @@ import h2.settings
 from h2.errors import ErrorCodes
 
 from waygate.core import flow, httpheaders
-from waygate.proxy import authcheck, bodylimit, extauth, filters, grpcstatus, http1
+from waygate.proxy import authcheck, bodylimit, errorpages, extauth, filters, grpcstatus, http1
 from waygate.proxy.bodybuffer import BodyBuffer, BufferRefused
 from waygate.proxy.context import ExchangeContext
 from waygate.proxy.decision import Forward, may_redispatch, release_pick, repick
@@ -81,10 +81,13 @@ LOW_WATER = flow.LOW_WATER
 class H2Upstreams:
     """The connections to HTTP/2 backends (which backends: `routing.Backend.http2`)."""
 
-    def __init__(self, ctx: ExchangeContext, limits: H2Limits) -> None:
+    def __init__(self, ctx: ExchangeContext, limits: H2Limits, serve: Any = None) -> None:
         self.ctx = ctx
         self.limits = limits
         self.pool = H2Pool(self)
+        # What serves a stream's decided request anew (h2exchange.serve, handed in by
+        # the server: this module imports no exchange): ingress-nginx's error backend.
+        self.serve = serve
         ctx.h2 = self
 
     def start(
@@ -859,6 +862,10 @@ class H2Exchange(UpstreamStream):
                 out.append((name, value))
         if status < 200:
             return
+        if self.response_modifier is not None and errorpages.intercept_stream(
+            self, self.response_modifier, status
+        ):
+            return  # ingress-nginx custom-http-errors: the error backend answers
         self.status = status
         self.responded = True
         self.last_up = self.ctx.loop.time()
@@ -937,11 +944,15 @@ class H2Exchange(UpstreamStream):
 
     def local(self, status: int, reason: str, kind: str) -> None:
         """A local answer: the error page's reason, or a gRPC status on gRPC."""
+        if self.response_modifier is not None and errorpages.intercept_stream(
+            self, self.response_modifier, status, kind
+        ):
+            return  # ingress-nginx custom-http-errors: the error backend answers
         self.ctx.records.refused(kind)
         respond_locally(self.stream, self.request.grpc, status, reason)
         self._finish(status)
 
-    def _finish(self, status: int) -> None:
+    def _finish(self, status: int, record: bool = True) -> None:
         if self.finished:
             return
         self.finished = True
@@ -966,6 +977,8 @@ class H2Exchange(UpstreamStream):
         if buffer is not None:
             self.buffer = None
             buffer.close()
+        if not record:
+            return  # handed to ingress-nginx's error backend (errorpages), which records it
         span = self.span
         self.span = None
         ctx = self.ctx

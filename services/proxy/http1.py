@@ -1156,6 +1156,7 @@ _REASONS: Final = {
     413: b"Content Too Large",
     414: b"URI Too Long",
     417: b"Expectation Failed",
+    421: b"Misdirected Request",
     431: b"Request Header Fields Too Large",
     500: b"Internal Server Error",
     502: b"Bad Gateway",

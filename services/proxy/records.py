@@ -75,7 +75,7 @@ def end_span(span: Any, status: int, reason: str = "") -> None:
 class Records:
     """The metrics and the budgeted access log of one proxy process's exchanges."""
 
-    __slots__ = ("budget", "logging", "metrics", "rate", "suppressed")
+    __slots__ = ("budget", "logging", "metrics", "quiet", "rate", "suppressed")
 
     def __init__(self, metrics: ProxyMetrics, rate: int) -> None:
         self.metrics = metrics
@@ -86,6 +86,9 @@ class Records:
         # Whether the access logger logs INFO at all, checked once a second (not
         # per request): while it is off no record is built.
         self.logging = access_log.isEnabledFor(logging.INFO)
+        # Routes whose requests are not logged (ingress-nginx enable-access-log
+        # "false"), set with each routing table (ProxyServer.set_view).
+        self.quiet: frozenset[str] = frozenset()
 
     def tick(self) -> None:
         """Once a second: the suppressed lines' summary, and a new budget."""
@@ -135,6 +138,8 @@ class Records:
     ) -> None:
         """The access-log line of one request, within the per-second budget (call it
         only while `logging`; `finish` does)."""
+        if route in self.quiet:
+            return
         if self.budget > 0:
             self.budget -= 1
             _log(route, req, status, client, target, duration, span, protocol)

@@ -24,6 +24,7 @@ from waygate.proxy.accept import ClientProtocol
 from waygate.proxy.bodybuffer import BufferLimits
 from waygate.proxy.context import ExchangeContext
 from waygate.proxy.downstream_h1 import DRAINING, T_NONE, ClientConnection
+from waygate.proxy.h2exchange import serve
 from waygate.proxy.h2upstream import H2Upstreams
 from waygate.proxy.http2 import H2Limits
 from waygate.proxy.metrics import ProxyMetrics
@@ -143,7 +144,7 @@ class ProxyServer:
             upstream_tls=upstream_tls,
         )
         # The connections to HTTP/2 backends (registered in the context it is given).
-        self.h2_upstreams = H2Upstreams(self.context, self.h2_limits)
+        self.h2_upstreams = H2Upstreams(self.context, self.h2_limits, serve)
         self.upstreams: set[Any] = self.context.upstreams
         self._servers: list[asyncio.AbstractServer] = []
         self._sweeper: asyncio.TimerHandle | None = None
@@ -211,6 +212,9 @@ class ProxyServer:
         if upstream_tls is not None:
             upstream_tls.keep_only(view.reencrypt_routes)
         table = view.table
+        self.context.records.quiet = frozenset(
+            entry.options.name for entry in table.entries() if entry.route.access_log_disabled
+        )
         self.pool.keep_only(table.targets)
         self.health.forget_except(table.targets)
 

@@ -58,8 +58,14 @@ from cryptography.exceptions import InvalidSignature
 from prometheus_client import Counter, Gauge
 
 from waygate.core.rotation import CertificateRotator
-from waygate.core.tls import server_context, set_session_cache_size, set_session_timeout
-from waygate.resolver.client import InsecureEdgePolicy, Route, TLSTermination
+from waygate.core.tls import (
+    ask_client_certificate,
+    server_context,
+    set_session_cache_size,
+    set_session_timeout,
+)
+from waygate.proxy import clientcert
+from waygate.resolver.client import ClientCertificate, InsecureEdgePolicy, Route, TLSTermination
 
 log = logging.getLogger(__name__)
 
@@ -113,20 +119,65 @@ def dns_names(certificate: x509.Certificate) -> list[str]:
     return list(sans.value.get_values_for_type(x509.DNSName))
 
 
+def session_id_context(rules: ClientCertificate) -> bytes:
+    """The session id context of the contexts verifying clients by `rules`: a digest
+    of what acts in the handshake (`clientcert.session_mark` adds the server name)."""
+    digest = _digest(rules.ca_certificates, rules.revocation_lists, rules.verify, str(rules.depth))
+    return digest[: clientcert.MARK_HALF]
+
+
 class ServedCertificate:
-    """One route certificate's context and the facts about it."""
+    """One route certificate's context and the facts about it.
 
-    __slots__ = ("client_cas", "context", "leaf", "not_after", "not_before", "trusts")
+    With ingress-nginx's client-certificate rules (`client_rules`, not "off"), the
+    context holds their CA bundle and revocation lists and a session id context of
+    its own (`session_id`: a session made for another context is never taken for
+    one of this host's), and the SNI callback asks the client for a certificate
+    with their depth (`ask_depth`; 0: it asks nothing)."""
 
-    def __init__(self, chain_pem: bytes, key_pem: bytes, client_ca_pem: bytes | None) -> None:
+    __slots__ = (
+        "ask_depth",
+        "client_cas",
+        "context",
+        "leaf",
+        "not_after",
+        "not_before",
+        "revocation",
+        "session_id",
+        "trusts",
+    )
+
+    def __init__(
+        self,
+        chain_pem: bytes,
+        key_pem: bytes,
+        client_ca_pem: bytes | None,
+        client_rules: ClientCertificate | None = None,
+    ) -> None:
         try:
             self.leaf = x509.load_pem_x509_certificate(chain_pem)
         except ValueError:
             raise RefusedCertificate("the route's certificate does not parse", "invalid") from None
         self.not_before = self.leaf.not_valid_before_utc
         self.not_after = self.leaf.not_valid_after_utc
+        self.ask_depth = 0
+        self.session_id = b""
+        self.revocation = False
+        crl_pem = None
+        if (
+            client_rules is not None
+            and client_rules.verify != "off"
+            and not client_rules.refusal
+            and not client_ca_pem
+        ):
+            client_ca_pem = client_rules.ca_certificates.encode()
+            crl_pem = client_rules.revocation_lists.encode() or None
+            self.revocation = crl_pem is not None
+            self.ask_depth = client_rules.depth
+            self.session_id = session_id_context(client_rules)
         try:
-            # Kept to re-verify a resumed session's client certificate (client_identity).
+            # Kept to re-verify a resumed session's client certificate (client_identity);
+            # a context with CAs of its own is never given other routes' (install).
             self.client_cas = (
                 x509.load_pem_x509_certificates(client_ca_pem) if client_ca_pem else []
             )
@@ -140,6 +191,10 @@ class ServedCertificate:
                 # against this route's CA by this (SNI-selected) context.
                 client_auth="optional" if client_ca_pem else "none",
                 alpn_protocols=ALPN,
+                client_crl_pem=crl_pem,
+                session_id_context=self.session_id,
+                # The certificate request names ca.crt's CAs, as nginx's does.
+                advertise_client_cas=bool(self.session_id),
             )
         except (ssl.SSLError, ValueError) as exc:
             # The message names the OpenSSL failure only, never key material.
@@ -282,6 +337,8 @@ class SniCertificates(NamedTuple):
     cache: Mapping[bytes, ServedCertificate]
     # Route key -> the context that verifies its clients (client-CA routes only).
     client_auth: Mapping[tuple[str, str], ServedCertificate]
+    # Route key -> its host's context (ingress-nginx auth-tls routes: clientcert).
+    client_rules: Mapping[tuple[str, str], ServedCertificate]
     # Every route's client CA (PEM): loaded into every other context (see install).
     client_cas: frozenset[bytes]
     # Refused route certificates: (route, host, reason).
@@ -303,7 +360,7 @@ class EdgeCertificates:
         self.extra_fields = extra_fields
         self._now = now or (lambda: datetime.now(UTC))
         # The certificates by SNI now served (`install`: one view's, swapped whole).
-        self.sni = SniCertificates({}, {}, {}, {}, frozenset(), ())
+        self.sni = SniCertificates({}, {}, {}, {}, {}, frozenset(), ())
         self._refused: set[tuple[str, bytes]] = set()
         # (route, certificate) pairs already warned about: once each, not per view.
         self._warned: set[tuple[str, bytes]] = set()
@@ -367,7 +424,17 @@ class EdgeCertificates:
                 _, dot, parent = name.partition(".")
                 if dot:
                     served = sni.wildcard.get(parent)
-        ssl_object.context = served.context if served is not None else self.default.context
+        if served is None:
+            ssl_object.context = self.default.context
+            return
+        ssl_object.context = served.context
+        if served.ask_depth:  # ingress-nginx auth-tls: this connection, this host's rules
+            ask_client_certificate(
+                ssl_object,
+                served.ask_depth,
+                clientcert.session_mark(served.session_id, name),
+                revocation=served.revocation,
+            )
 
     def context_for(self, server_name: str | None) -> ssl.SSLContext | None:
         """The context a handshake with this SNI gets (tests and diagnostics)."""
@@ -397,23 +464,25 @@ class EdgeCertificates:
         cache: dict[bytes, ServedCertificate] = {}
         labels: set[tuple[str, str]] = set()
         client_auth: dict[tuple[str, str], ServedCertificate] = {}
+        client_rules: dict[tuple[str, str], ServedCertificate] = {}
         refusals: list[tuple[str, str, str]] = []
         now = self._now()
         for route in routes:
             tls = route.tls
             if tls is None or tls.termination == TLSTermination.PASSTHROUGH:
                 continue
-            if not tls.certificate and not tls.client_ca_certificate:
+            rules = route.access.client_certificate if route.access is not None else None
+            if not tls.certificate and not tls.client_ca_certificate and rules is None:
                 continue
             label = f"{route.namespace}/{route.name}"
             host = route.host.lower()
-            key = _digest(tls.certificate, tls.key, tls.client_ca_certificate)
+            key = _digest(tls.certificate, tls.key, tls.client_ca_certificate, repr(rules))
             try:
                 served = cache.get(key) or self.sni.cache.get(key)
                 if served is None:
                     if not tls.certificate:
                         raise RefusedCertificate(
-                            "a client CA needs the route's own certificate", "missing"
+                            "client certificates need the route's own certificate", "missing"
                         )
                     if not tls.key:
                         # Redacted by the resolver: say why, not "does not load".
@@ -423,6 +492,7 @@ class EdgeCertificates:
                         tls.certificate.encode(),
                         tls.key.encode(),
                         tls.client_ca_certificate.encode() or None,
+                        rules,
                     )
                 self._check(served, host, now)
             except RefusedCertificate as exc:
@@ -432,6 +502,8 @@ class EdgeCertificates:
             cache[key] = served
             if tls.client_ca_certificate:
                 client_auth[(route.namespace, route.name)] = served
+            elif rules is not None:
+                client_rules[(route.namespace, route.name)] = served
             if host.startswith("*."):
                 wildcard.setdefault(host[2:], served)
             else:
@@ -458,7 +530,9 @@ class EdgeCertificates:
             for route in routes
             if route.tls is not None and route.tls.client_ca_certificate
         )
-        return SniCertificates(exact, wildcard, cache, client_auth, cas, tuple(refusals))
+        return SniCertificates(
+            exact, wildcard, cache, client_auth, client_rules, cas, tuple(refusals)
+        )
 
     def install(self, sni: SniCertificates) -> None:
         """Serve `sni` from the next handshake on (`server.ProxyServer.set_view`)."""
@@ -513,7 +587,17 @@ class EdgeCertificates:
 
     def client_identity(self, ssl_object: Any, route: Route) -> tuple[int, str] | bytes:
         """For a route with a client CA: the identity header lines from the verified
-        client certificate, or (401|403, reason) to answer instead."""
+        client certificate, or (401|403, reason) to answer instead. For a route with
+        ingress-nginx's auth-tls rules: `clientcert.decide`'s verdict."""
+        rules = route.access.client_certificate if route.access is not None else None
+        if rules is not None and (route.tls is None or not route.tls.client_ca_certificate):
+            served = self.sni.client_rules.get((route.namespace, route.name))
+            return clientcert.decide(
+                clientcert.rules_for(rules),
+                ssl_object,
+                served.session_id if served is not None else None,
+                route.host,
+            )
         label = f"{route.namespace}/{route.name}"
         served = self.sni.client_auth.get((route.namespace, route.name))
         if served is None:

@@ -334,6 +334,15 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
     message.rewrite_target = route.rewrite_target
     message.default_backend = route.default_backend
     message.hash_by = route.hash_by
+    message.redirect_from = route.redirect_from
+    message.redirect_to = route.redirect_to
+    message.cookie_domain = route.cookie_domain
+    message.cookie_path = route.cookie_path
+    message.custom_http_errors[:] = route.custom_http_errors
+    message.intercept_errors_disabled = route.intercept_errors_disabled
+    message.port_in_redirects = route.port_in_redirects
+    message.connection_header = route.connection_header
+    message.access_log_disabled = route.access_log_disabled
     if route.tls is not None:
         hsts = route.tls.hsts
         message.tls.CopyFrom(
@@ -477,6 +486,15 @@ def route_from_proto(message: pb.Route) -> model.Route:
         rewrite_target=message.rewrite_target,
         default_backend=message.default_backend,
         hash_by=message.hash_by,
+        redirect_from=message.redirect_from,
+        redirect_to=message.redirect_to,
+        cookie_domain=message.cookie_domain,
+        cookie_path=message.cookie_path,
+        custom_http_errors=tuple(message.custom_http_errors),
+        intercept_errors_disabled=message.intercept_errors_disabled,
+        port_in_redirects=message.port_in_redirects,
+        connection_header=message.connection_header,
+        access_log_disabled=message.access_log_disabled,
     )
 
 
@@ -499,14 +517,25 @@ def _access_to_proto(access: model.RouteAccess, with_credentials: bool) -> pb.Ro
     for name in _ACCESS_LISTS:
         if name != "credentials" or with_credentials:
             getattr(message, name).extend(getattr(access, name))
+    if access.client_certificate is not None:
+        message.client_certificate.CopyFrom(
+            pb.ClientCertificate(**dataclasses.asdict(access.client_certificate))
+        )
     return message
 
 
 def _access_from_proto(message: pb.RouteAccess) -> model.RouteAccess:
+    client = None
+    if message.HasField("client_certificate"):
+        found = message.client_certificate
+        client = model.ClientCertificate(
+            **{f.name: getattr(found, f.name) for f in dataclasses.fields(model.ClientCertificate)}
+        )
     return model.RouteAccess(
         auth_type=message.auth_type,
         auth_realm=message.auth_realm,
         satisfy_any=message.satisfy_any,
+        client_certificate=client,
         **{name: tuple(getattr(message, name)) for name in _ACCESS_LISTS},
     )
 

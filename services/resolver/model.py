@@ -437,6 +437,25 @@ class RouteAccess:
     auth_realm: str = ""
     credentials: tuple[str, ...] = ()  # "user:hash" lines (digest: "user:realm:HA1")
     satisfy_any: bool = False
+    # auth-tls-*: the client certificate the route's host asks for (None: none).
+    client_certificate: ClientCertificate | None = None
+
+
+@dataclass(frozen=True)
+class ClientCertificate:
+    """ingress-nginx's auth-tls-* annotations (nginx's ssl_verify_client and friends):
+    the proxy's HTTPS listener asks for a certificate on the route's host and
+    decides each request by it (waygate.proxy.clientcert)."""
+
+    ca_certificates: str  # PEM bundle: the Secret's ca.crt
+    revocation_lists: str = ""  # PEM CRLs: the Secret's ca.crl (every CA needs one)
+    verify: str = "on"  # on, optional, optional_no_ca, off
+    depth: int = 1  # intermediate CAs allowed (ssl_verify_depth)
+    error_page: str = ""  # a 302 there instead of the 400 page
+    pass_certificate: bool = False  # ssl-client-cert to the backend
+    match_subject: str = ""  # RE2 searched in the subject DN (auth-tls-match-cn)
+    # Set: the host's auth-tls-* (another Ingress's) cannot be honoured: every request 403.
+    refusal: str = ""
 
 
 @dataclass(frozen=True)
@@ -582,6 +601,20 @@ class Route:
     # ingress-nginx upstream-hash-by: the nginx variable whose value is the source
     # policy's hash key ("": the client address).
     hash_by: str = ""
+    # ingress-nginx's response-side annotations (waygate.proxy.responserewrite and
+    # .errorpages): proxy-redirect-from/-to ("": none), proxy-cookie-domain and
+    # -path ("FROM TO"; "": none), custom-http-errors and
+    # disable-proxy-intercept-errors, use-port-in-redirects,
+    # connection-proxy-header ("": the proxy's own) and enable-access-log "false".
+    redirect_from: str = ""
+    redirect_to: str = ""
+    cookie_domain: str = ""
+    cookie_path: str = ""
+    custom_http_errors: tuple[int, ...] = ()
+    intercept_errors_disabled: bool = False
+    port_in_redirects: bool = False
+    connection_header: str = ""
+    access_log_disabled: bool = False
 
     @property
     def key(self) -> RouteKey:

@@ -182,14 +182,16 @@ class LocalCA:
         sans: x509.SubjectAlternativeName,
         lifetime: dt.timedelta | None = None,
         usages: x509.ExtendedKeyUsage = _BOTH_USAGES,
+        subject: x509.Name | None = None,
+        backdate: dt.timedelta | None = None,
     ) -> x509.Certificate:
         return (
             x509.CertificateBuilder()
-            .subject_name(x509.Name([]))
+            .subject_name(subject or x509.Name([]))
             .issuer_name(self.name)
             .public_key(public_key)  # type: ignore[arg-type]
             .serial_number(x509.random_serial_number())
-            .not_valid_before(self.now() - self.backdate)
+            .not_valid_before(self.now() - (self.backdate if backdate is None else backdate))
             .not_valid_after(self.now() + (lifetime or self.lifetime))
             .add_extension(sans, critical=True)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
@@ -222,17 +224,76 @@ class LocalCA:
         dns: Sequence[str] = (),
         ips: Sequence[str] = (),
         client_only: bool = False,
+        common_name: str = "",
+        lifetime: dt.timedelta | None = None,
     ) -> tuple[bytes, bytes]:
         """(certificate PEM, key PEM) with these SANs, for client and server use, or with
-        `client_only` for client use only (a tunnel agent's role)."""
+        `client_only` for client use only (a tunnel agent's role); `common_name`: the
+        subject's CN (else an empty subject); a negative `lifetime` makes it expired."""
         key = ec.generate_private_key(ec.SECP256R1())
         names = [f"uri:{u}" for u in uris] + [f"dns:{d}" for d in dns] + [f"ip:{i}" for i in ips]
+        subject = (
+            x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+            if common_name
+            else None
+        )
         leaf = self._leaf(
             key.public_key(),
             x509.SubjectAlternativeName(general_names(names)),
-            usages=_CLIENT_USAGE if client_only else _BOTH_USAGES,
+            lifetime,
+            _CLIENT_USAGE if client_only else _BOTH_USAGES,
+            subject,
+            # Expired: valid from twice as long ago until `lifetime` ago.
+            -2 * lifetime if lifetime is not None and lifetime < dt.timedelta(0) else None,
         )
         return certificate_pem(leaf), private_key_pem(key)
+
+    def intermediate(self, name: str) -> LocalCA:
+        """A CA whose certificate this CA signs (its `pem` is the intermediate's)."""
+        child = LocalCA(self.now, lifetime=self.lifetime, backdate=self.backdate, name=name)
+        child.certificate = (
+            x509.CertificateBuilder()
+            .subject_name(child.name)
+            .issuer_name(self.name)
+            .public_key(child.key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(child.certificate.not_valid_before_utc)
+            .not_valid_after(child.certificate.not_valid_after_utc)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(
+                child.certificate.extensions.get_extension_for_class(x509.KeyUsage).value,
+                critical=True,
+            )
+            .add_extension(
+                x509.SubjectKeyIdentifier.from_public_key(child.key.public_key()), critical=False
+            )
+            .add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(self.key.public_key()),
+                critical=False,
+            )
+            .sign(self.key, hashes.SHA256())
+        )
+        return child
+
+    def revocation_list(self, revoked: Sequence[bytes] = ()) -> bytes:
+        """A CRL (PEM) from this CA revoking the certificates (PEM) given."""
+        now = self.now()
+        builder = (
+            x509.CertificateRevocationListBuilder()
+            .issuer_name(self.name)
+            .last_update(now - dt.timedelta(hours=1))
+            .next_update(now + dt.timedelta(days=1))
+        )
+        for pem in revoked:
+            serial = x509.load_pem_x509_certificate(pem).serial_number
+            builder = builder.add_revoked_certificate(
+                x509.RevokedCertificateBuilder()
+                .serial_number(serial)
+                .revocation_date(now - dt.timedelta(minutes=10))
+                .build()
+            )
+        crl = builder.sign(self.key, hashes.SHA256())
+        return crl.public_bytes(serialization.Encoding.PEM)
 
     def write_files(
         self,

@@ -125,8 +125,13 @@ class RecordingUpstream:
                     return
                 elif path == "/204":
                     writer.write(b"HTTP/1.1 204 No Content\r\n\r\n")
-                elif path.startswith("/status/"):  # that status, an empty body
-                    writer.write(b"HTTP/1.1 %s X\r\nContent-Length: 0\r\n\r\n" % path[8:].encode())
+                elif path.startswith("/status/") and path[8:].isdigit():
+                    # httpbun's /status/NNN (ingress-nginx's e2e backend): that status.
+                    status = int(path[8:])
+                    writer.write(
+                        b"HTTP/1.1 %d X\r\nContent-Length: %d\r\n\r\nstatus %d"
+                        % (status, len(b"status %d" % status), status)
+                    )
                 else:
                     # The conformance echo server's X-Echo-Set-Header ("Name:value,..."):
                     # response headers the test asks the backend to send.

@@ -21,6 +21,7 @@ import pytest_asyncio
 import yaml
 
 from tests.support.gatewayapi import INFRA, Conformance
+from tests.support.poll import until
 from tests.support.processes import run_cli
 
 pytestmark = [pytest.mark.system, pytest.mark.asyncio(loop_scope="module")]
@@ -678,6 +679,16 @@ async def test_default_backend_is_used_when_the_service_has_no_endpoint(suite: C
     await apply(suite, single_ingress(host, "/", host, annotations, service="no-such-service"))
     response = await suite.eventually("/", host=host, backend=V2)
     assert response.echo["target"] == "/"
+    # ... with x-code=503, x-ingress-name, x-service-name=invalid (here no-such-service)
+    # and the client's x-request-id (the template's custom-default-backend- headers).
+    response = await suite.eventually(
+        "/alma/armud", host=host, backend=V2, headers={"X-Request-ID": "something-unique"}
+    )
+    assert response.echo["target"] == "/alma/armud"
+    assert response.request_header("X-Code") == "503"
+    assert response.request_header("X-Ingress-Name") == host
+    assert response.request_header("X-Service-Name") == "no-such-service"
+    assert response.request_header("X-Request-ID") == "something-unique"
 
 
 async def test_affinity_cookie_attributes(suite: Conformance) -> None:
@@ -752,3 +763,86 @@ async def test_trailing_slash_dropped_or_kept_on_the_https_redirect(suite: Confo
     assert response.header("Location") == "https://dropped.bar.com/something"
     response = await suite.eventually("/", host=dropped, status=308)
     assert response.header("Location") == "https://dropped.bar.com/"
+
+
+async def test_custom_http_errors_and_disable_proxy_intercept_errors(suite: Conformance) -> None:
+    # disableproxyintercepterrors.go: It("configures Nginx correctly"): custom-http-errors
+    # 404 with default-backend the echo service; with disable-proxy-intercept-errors
+    # "true" GET /status/404 is the backend's 404, with "false" the echo service's 200
+    # naming x-code=404, x-ingress-name, x-service-name and x-request-id.
+    # customhttperrors.go: It("configures Nginx correctly when enabled"): "404, 503"
+    # and the default-backend annotation's Service as the error backend.
+    annotations = {
+        P + "custom-http-errors": "404, 503",
+        P + "default-backend": "infra-backend-v2",
+    }
+    intercepted = single_ingress("pie.foo.com", "/", "pie.foo.com", annotations)
+    passed = single_ingress(
+        "pie-off.foo.com",
+        "/",
+        "pie-off.foo.com",
+        {**annotations, P + "disable-proxy-intercept-errors": "true"},
+    )
+    await apply(suite, intercepted, passed)
+    request_id = {"X-Request-ID": "proxy_intercept_errors"}
+    response = await suite.eventually(
+        "/status/404", host="pie-off.foo.com", status=404, headers=request_id
+    )
+    assert response.body == b"status 404"  # the backend's own answer
+    response = await suite.eventually(
+        "/status/404", host="pie.foo.com", backend=V2, headers=request_id
+    )
+    assert response.request_header("X-Code") == "404"
+    assert response.request_header("X-Ingress-Name") == "pie.foo.com"
+    assert response.request_header("X-Service-Name") == "infra-backend-v1"
+    assert response.request_header("X-Request-ID") == "proxy_intercept_errors"
+    assert response.request_header("X-Original-URI") == "/status/404"
+    assert response.echo["target"] == "/"
+    # A status not listed is the backend's.
+    response = await suite.request("/status/500", host="pie.foo.com")
+    assert (response.status, response.body) == (500, b"status 500")
+
+
+async def test_proxy_redirect_and_proxy_cookies(suite: Conformance) -> None:
+    # proxy.go: It("should set proxy_redirect to hello.com goodbye.com"),
+    # It("should setup proxy cookies") (proxy-cookie-domain "localhost example.org",
+    # proxy-cookie-path "/one/ /"): nginx's directives, asserted on what the client gets.
+    host = "proxy.foo.com"
+    annotations = {
+        P + "proxy-redirect-from": "http://hello.com/",
+        P + "proxy-redirect-to": "http://goodbye.com/",
+        P + "proxy-cookie-domain": "localhost example.org",
+        P + "proxy-cookie-path": "/one/ /",
+    }
+    await apply(suite, single_ingress(host, "/", host, annotations))
+    sent = "Location:http://hello.com/x,Set-Cookie:a=1; Domain=localhost; Path=/one/b"
+    response = await suite.eventually(
+        "/", host=host, backend=V1, headers={"X-Echo-Set-Header": sent}
+    )
+    assert response.header("Location") == "http://goodbye.com/x"
+    assert response.header("Set-Cookie") == "a=1; Domain=example.org; Path=/b"
+
+
+async def test_connection_header_and_access_log_off(suite: Conformance) -> None:
+    # connection.go: It("set connection header to keep-alive"): the echo backend sees
+    # connection=keep-alive. The annotation enable-access-log "false" (nginx's
+    # location-level `access_log off`, as disableaccesslog.go's ConfigMap keys at the
+    # http level): no access-log line for the Ingress's requests, others still logged.
+    keep = single_ingress(
+        "connection.foo.com",
+        "/",
+        "connection.foo.com",
+        {P + "connection-proxy-header": "keep-alive", P + "enable-access-log": "false"},
+    )
+    await apply(suite, keep)
+    response = await suite.eventually("/quiet", host="connection.foo.com", backend=V1)
+    assert response.request_header("Connection") == "keep-alive"
+    assert suite.proxy is not None
+    proxy = suite.proxy
+
+    async def logged() -> bool:
+        await suite.request("/loud", host=f"apply-{suite.applied}.marker.test")
+        return any(e.get("msg") == "request" and e.get("path") == "/loud" for e in proxy.logs)
+
+    await until(logged, "an access-log line for another route", timeout=20)
+    assert not [e for e in proxy.logs if e.get("msg") == "request" and e.get("path") == "/quiet"]

@@ -1,5 +1,6 @@
-"""ingress-nginx's access annotations and ConfigMap block lists through a real
-resolver (--manifests --ingress-nginx) and proxy, on mTLS between them.
+"""ingress-nginx's access annotations (client certificates too) and ConfigMap block
+lists through a real resolver (--manifests --ingress-nginx) and proxy, on mTLS
+between them.
 
 The resolver sends route credentials (htpasswd hashes) over Watch only where it
 sends private keys: to a --route-readers identity on an mTLS listener. So this
@@ -10,7 +11,7 @@ proxy on a plaintext connection gets no credentials and answers 503, never 200.
 
 Each test ports the assertions of one of ingress-nginx's own end-to-end tests
 (kubernetes/ingress-nginx test/e2e/annotations/{ipwhitelist,ipdenylist,auth,
-satisfy}.go and test/e2e/settings/global_access_block.go), cited by file and
+satisfy,authtls}.go and test/e2e/settings/global_access_block.go), cited by file and
 `It`. ingress-nginx's tests check the rendered nginx.conf (`deny 18.0.0.0/8;`);
 Waygate renders none, so each asserts the behaviour that configuration has, from
 127.0.0.1 (the test client). Differences are named where they apply.
@@ -23,6 +24,7 @@ import base64
 import hashlib
 import json
 import re
+import ssl
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
@@ -34,7 +36,7 @@ import pytest
 import pytest_asyncio
 import yaml
 
-from tests.support.gatewayapi import INFRA, Conformance
+from tests.support.gatewayapi import INFRA, Conformance, tls_client_context
 from tests.support.pki import LocalCA
 from tests.system.test_ingress_nginx import P, single_ingress
 
@@ -383,6 +385,171 @@ async def test_global_access_block(suite: Conformance) -> None:
     ):
         assert (await suite.request("/", host=host, headers=headers)).status == 403, headers
     assert (await suite.request("/", host=host, headers={"Referer": "qwerty123"})).status == 200
+
+
+# ---------------------------------------------------------------- auth-tls-*
+# test/e2e/annotations/authtls.go, against the same resolver and proxy: the route's
+# private key and client CA reach this proxy (a route reader over mTLS).
+
+AUTHTLS_HOST = "authtls.foo.com"
+
+
+class MutualAuth:
+    """framework.CreateIngressMASecret: one Secret (tls.crt, tls.key, ca.crt) from one CA,
+    and a client certificate from it (CN <host>-client)."""
+
+    def __init__(self, directory: Path, host: str = AUTHTLS_HOST) -> None:
+        self.ca = LocalCA(name=host + "-ca")
+        self.server = self.ca.issue(dns=[host])
+        cert, key = self.ca.issue(common_name=host + "-client", client_only=True)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "client.pem").write_bytes(cert + key)
+        self.client_file = directory / "client.pem"
+
+    def secret(self, name: str = AUTHTLS_HOST) -> dict[str, Any]:
+        data = {"tls.crt": self.server[0], "tls.key": self.server[1], "ca.crt": self.ca.pem}
+        return {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "type": "kubernetes.io/tls",
+            "metadata": {"name": name, "namespace": INFRA},
+            "data": {k: base64.b64encode(v).decode() for k, v in data.items()},
+        }
+
+    def client(self) -> ssl.SSLContext:
+        """HTTPTestClientWithTLSConfig(clientConfig): InsecureSkipVerify, the client pair."""
+        context = tls_client_context()
+        context.load_cert_chain(self.client_file)
+        return context
+
+
+def tls_ingress(name: str, host: str, annotations: dict[str, str]) -> dict[str, Any]:
+    """framework.NewSingleIngressWithTLS: the host's TLS from the Secret named after it."""
+    ingress = single_ingress(name, "/", host, annotations)
+    ingress["spec"]["tls"] = [{"hosts": [host], "secretName": host}]
+    return ingress
+
+
+async def https(suite: Conformance, host: str, client: ssl.SSLContext | None = None) -> Any:
+    return await suite.request("/", host=host, tls=client or tls_client_context())
+
+
+@pytest.fixture(scope="module")
+def mutual(tmp_path_factory: pytest.TempPathFactory) -> MutualAuth:
+    return MutualAuth(tmp_path_factory.mktemp("authtls"))
+
+
+async def test_auth_tls_secret_verify_client_and_depth(
+    suite: Conformance, mutual: MutualAuth
+) -> None:
+    # authtls.go: It("should set sslClientCertificate, sslVerifyClient and sslVerifyDepth
+    # with auth-tls-secret"): without the annotation no certificate is asked for (200);
+    # with it (verify "on", depth 1 by default) none is a 400 and the client's a 200.
+    # It("should set valid auth-tls-secret, sslVerify to off, and sslVerifyDepth to 2"):
+    # off, without a certificate: 200.
+    off_host = "authtls-off.foo.com"
+    off = MutualAuth(mutual.client_file.parent / "off", off_host)
+    await apply(suite, mutual.secret(), tls_ingress("authtls", AUTHTLS_HOST, {}))
+    assert (await https(suite, AUTHTLS_HOST)).status == 200
+    secret = {P + "auth-tls-secret": f"{INFRA}/{AUTHTLS_HOST}"}
+    off_annotations = {
+        P + "auth-tls-secret": f"{INFRA}/{off_host}",
+        P + "auth-tls-verify-client": "off",
+        P + "auth-tls-verify-depth": "2",
+    }
+    await apply(
+        suite,
+        mutual.secret(),
+        off.secret(off_host),
+        tls_ingress("authtls", AUTHTLS_HOST, secret),
+        tls_ingress("authtls-off", off_host, off_annotations),
+    )
+    missing = await https(suite, AUTHTLS_HOST)
+    assert missing.status == 400
+    assert missing.header("X-Waygate-Error") == "No required SSL certificate was sent"
+    ok = await https(suite, AUTHTLS_HOST, mutual.client())
+    assert ok.status == 200 and ok.backend == V1
+    assert ok.request_header("ssl-client-verify") == "SUCCESS"
+    assert ok.request_header("ssl-client-subject-dn") == f"CN={AUTHTLS_HOST}-client"
+    assert ok.request_header("ssl-client-cert") is None  # pass-certificate is off
+    assert (await https(suite, off_host)).status == 200
+
+
+async def test_auth_tls_error_page_and_pass_certificate(
+    suite: Conformance, mutual: MutualAuth
+) -> None:
+    # authtls.go: It("should 302 redirect to error page instead of 400 when
+    # auth-tls-error-page is set") and It("should pass URL-encoded certificate to
+    # upstream") (the echo's body there: "ssl-client-cert=-----BEGIN%20CERTIFICATE-----%0A").
+    error_host = "authtls-error.foo.com"
+    errors = MutualAuth(mutual.client_file.parent / "errors", error_host)
+    error_page = f"http://127.0.0.1:{suite.port}/error"
+    await apply(
+        suite,
+        mutual.secret(),
+        errors.secret(error_host),
+        tls_ingress(
+            "authtls",
+            AUTHTLS_HOST,
+            {
+                P + "auth-tls-secret": f"{INFRA}/{AUTHTLS_HOST}",
+                P + "auth-tls-pass-certificate-to-upstream": "true",
+            },
+        ),
+        tls_ingress(
+            "authtls-error",
+            error_host,
+            {P + "auth-tls-secret": f"{INFRA}/{error_host}", P + "auth-tls-error-page": error_page},
+        ),
+    )
+    redirected = await https(suite, error_host)
+    assert redirected.status == 302 and redirected.header("Location") == error_page
+    assert (await https(suite, error_host, errors.client())).status == 200
+    assert (await https(suite, AUTHTLS_HOST)).status == 400
+    passed = await https(suite, AUTHTLS_HOST, mutual.client())
+    assert passed.status == 200
+    assert passed.request_header("ssl-client-cert").startswith("-----BEGIN%20CERTIFICATE-----%0A")
+
+
+async def test_auth_tls_verify_client_updated(suite: Conformance, mutual: MutualAuth) -> None:
+    # authtls.go: It("should validate auth-tls-verify-client"): on (200 with the
+    # certificate, 400 without), then the Ingress updated to off (200 both ways).
+    on = {P + "auth-tls-secret": f"{INFRA}/{AUTHTLS_HOST}", P + "auth-tls-verify-client": "on"}
+    await apply(suite, mutual.secret(), tls_ingress("authtls", AUTHTLS_HOST, on))
+    assert (await https(suite, AUTHTLS_HOST, mutual.client())).status == 200
+    assert (await https(suite, AUTHTLS_HOST)).status == 400
+    off = {**on, P + "auth-tls-verify-client": "off"}
+    await apply(suite, mutual.secret(), tls_ingress("authtls", AUTHTLS_HOST, off))
+    assert (await https(suite, AUTHTLS_HOST, mutual.client())).status == 200
+    assert (await https(suite, AUTHTLS_HOST)).status == 200
+
+
+async def test_auth_tls_match_cn(suite: Conformance, mutual: MutualAuth) -> None:
+    # authtls.go: It("should return 403 using auth-tls-match-cn with no matching CN from
+    # client"), It("... with matching CN from client"), It("should reload the nginx
+    # config when auth-tls-match-cn is updated") and It("... where atleast one of the
+    # regex options matches CN from client").
+    def annotations(match: str) -> dict[str, str]:
+        return {
+            P + "auth-tls-secret": f"{INFRA}/{AUTHTLS_HOST}",
+            P + "auth-tls-verify-client": "on",
+            P + "auth-tls-match-cn": match,
+        }
+
+    for match, status in (
+        ("CN=notgonnamatch", 403),
+        ("CN=authtls", 200),
+        ("CN=(itwillmatch|withthenextoption|authtls)", 200),
+        ("CN=notvalid", 403),
+        ("CN=authtls", 200),  # the update: served at once, nothing to reload
+    ):
+        await apply(
+            suite, mutual.secret(), tls_ingress("authtls", AUTHTLS_HOST, annotations(match))
+        )
+        response = await https(suite, AUTHTLS_HOST, mutual.client())
+        assert response.status == status, (match, response.status, response.body[:200])
+        if status == 403:
+            assert response.header("X-Waygate-Error") == "client certificate unauthorized"
 
 
 async def test_credentials_withheld_from_a_plaintext_proxy_fail_closed(tmp_path: Path) -> None:

@@ -105,6 +105,18 @@ class Stack:
         self._renewing.append(asyncio.ensure_future(rotator.run()))
         return folder
 
+    def cli_flags(self, name: str) -> list[str]:
+        """Flags for a `waygate tunnel` CLI process as identity `name`: its current
+        certificate written out now (leaves live 12 s; a file written when the identity
+        was first made can have expired by the time a loaded machine starts the CLI)."""
+        rotator, _trust = self._rotators[name]
+        folder = self.directory / name
+        save_certificate(rotator.current, folder / "key.pem", folder / "cert.pem")
+        return [
+            "--addr", self.dial_address, "--ca-file", str(self.bundle),
+            "--cert-file", str(folder / "cert.pem"), "--key-file", str(folder / "key.pem"),
+        ]  # fmt: skip
+
     def client(self, name: str = "dialer") -> TunnelClient:
         rotator, trust = self._rotators[name]
         client = TunnelClient(
@@ -309,31 +321,20 @@ async def test_agent_killed_and_restarted(stack: Stack) -> None:
 
 
 async def test_refused_destination_and_dialer_not_allowed_by_policy(stack: Stack) -> None:
-    dialer = stack.directory / "dialer"
-    flags = [
-        "--addr", stack.dial_address, "--ca-file", str(stack.bundle),
-        "--cert-file", str(dialer / "cert.pem"), "--key-file", str(dialer / "key.pem"),
-    ]  # fmt: skip
-    code, _out, err = await run_cli("tunnel", "dial", f"{NODE}/10.0.0.1:22", *flags)
+    code, _out, err = await run_cli(
+        "tunnel", "dial", f"{NODE}/10.0.0.1:22", *stack.cli_flags("dialer")
+    )
     assert code == 1
-    assert "not in the agent's allow-list" in err
+    assert "not in the agent's allow-list" in err, err
 
-    stranger = await stack.identity("stranger", STRANGER_ID)
-    flags = [
-        "--addr", stack.dial_address, "--ca-file", str(stack.bundle),
-        "--cert-file", str(stranger / "cert.pem"), "--key-file", str(stranger / "key.pem"),
-    ]  # fmt: skip
-    code, _out, err = await run_cli("tunnel", "dial", f"{NODE}:22", *flags)
+    await stack.identity("stranger", STRANGER_ID)
+    code, _out, err = await run_cli("tunnel", "dial", f"{NODE}:22", *stack.cli_flags("stranger"))
     assert code == 1, err
     assert "not an allowed dialer" in err and STRANGER_ID in err
-    code, out, _err = await run_cli("tunnel", "agents", *flags)
+    code, out, _err = await run_cli("tunnel", "agents", *stack.cli_flags("stranger"))
     assert code == 1
 
-    dialer_flags = [
-        "--addr", stack.dial_address, "--ca-file", str(stack.bundle),
-        "--cert-file", str(dialer / "cert.pem"), "--key-file", str(dialer / "key.pem"),
-    ]  # fmt: skip
-    code, out, _err = await run_cli("tunnel", "agents", *dialer_flags)
+    code, out, _err = await run_cli("tunnel", "agents", *stack.cli_flags("dialer"))
     assert code == 0 and NODE in out, _err
 
 
@@ -342,16 +343,13 @@ async def test_one_trace_from_the_dialer_through_server_and_agent(stack: Stack) 
     each span the child of the one before, with node, replica and connection id."""
     server = await asyncio.start_server(lambda _r, w: w.close(), "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    dialer = stack.directory / "dialer"
     trace_id = os.urandom(16).hex()
     parent = os.urandom(8).hex()
     async with server:
         # stdin stays open (like a terminal): the dial ends because the backend closed.
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "waygate", "tunnel", "dial", f"{NODE}:{port}",
-            "--addr", stack.dial_address, "--ca-file", str(stack.bundle),
-            "--cert-file", str(dialer / "cert.pem"), "--key-file", str(dialer / "key.pem"),
-            "--otlp-endpoint", stack.otlp.endpoint,
+            *stack.cli_flags("dialer"), "--otlp-endpoint", stack.otlp.endpoint,
             "--traceparent", f"00-{trace_id}-{parent}-01",
             stdin=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=child_env(),
         )  # fmt: skip

@@ -1194,6 +1194,9 @@ class _Translator:
             self.out.routes = nginx_annotations.merge_canaries(self.out.routes, self.nginx_canaries)
         if self.nginx_routes:
             self.out.routes = nginx_annotations.regex_hosts(self.out.routes, self.nginx_routes)
+            self.out.routes = nginx_annotations.client_certificate_hosts(
+                self.out.routes, self.nginx_routes
+            )
 
     def nginx_ingress(self, key: Key, obj: JSON, settings: nginx_compat.IngressNginx) -> None:
         """An Ingress of the ingress-nginx class: its annotations planned, its rules

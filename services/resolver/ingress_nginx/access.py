@@ -3,7 +3,7 @@
 Sans-IO: `plan_access(...)` reads an Ingress's valid annotation values
 (`whitelist-source-range`/`allowlist-source-range`, `denylist-source-range`,
 `auth-type: basic|digest` with `auth-secret`, `auth-secret-type`,
-`auth-realm`, `satisfy`), the controller ConfigMap (`block-cidrs`, `block-user-agents`,
+`auth-realm`, `satisfy`, client certificates: `auth-tls-*`), the controller ConfigMap (`block-cidrs`, `block-user-agents`,
 `block-referers`, `use-forwarded-headers`, `forwarded-for-header`,
 `proxy-real-ip-cidr`, `use-proxy-protocol`) and the Secrets it names, and
 gives the Ingress's plan its `access` (the proxy decides it per request:
@@ -17,7 +17,9 @@ Invariants (fail closed):
   the Ingress would be open) or without a usable `user:realm:HA1` line; source
   ranges while the client address would be taken from
   a PROXY protocol header (the proxy does not read one) or a header other than
-  X-Forwarded-For.
+  X-Forwarded-For; an auth-tls-secret without a ca.crt of PEM certificates (or
+  with a ca.crl that does not parse), in another namespace or missing; an
+  auth-tls-error-page that is a path (nginx's internal redirect) rather than a URL.
 - The client address is the peer's, or with use-forwarded-headers the one
   X-Forwarded-For names through proxies in proxy-real-ip-cidr (default
   0.0.0.0/0, as ingress-nginx).
@@ -29,15 +31,34 @@ import base64
 import binascii
 import dataclasses
 import ipaddress
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives.serialization import Encoding
 
 from waygate.core import digest
 from waygate.core.htpasswd import hash_format_problem, parse_credentials
 from waygate.core.regex import refusal as regex_refusal
 from waygate.resolver.ingress_nginx.catalogue import CATALOGUE, DIGEST_DIFFERENCE, Verdict
 from waygate.resolver.ingress_nginx.config import ControllerConfig
-from waygate.resolver.model import ExternalAuth, RouteAccess
+from waygate.resolver.model import ClientCertificate, ExternalAuth, RouteAccess
+
+#: auth-tls-secret and the annotations that modify it.
+AUTH_TLS = (
+    "auth-tls-secret",
+    "auth-tls-verify-client",
+    "auth-tls-verify-depth",
+    "auth-tls-error-page",
+    "auth-tls-pass-certificate-to-upstream",
+    "auth-tls-match-cn",
+)
+#: ingress-nginx's defaults (internal/ingress/annotations/authtls/main.go).
+DEFAULT_VERIFY = "on"
+DEFAULT_DEPTH = 1
+#: Beyond any real chain; OpenSSL's own default is 100.
+MAX_DEPTH = 100
 
 JSON = dict[str, Any]
 Lookup = Callable[[str, str], "JSON | None"]
@@ -53,6 +74,7 @@ ANNOTATIONS = frozenset(
         "auth-secret-type",
         "auth-realm",
         "satisfy",
+        *AUTH_TLS,
     )
 )
 UNSUPPORTED = "UnsupportedAnnotation"
@@ -193,8 +215,19 @@ def plan_access(
     if "satisfy" in values and "satisfy" not in recorded:
         note("satisfy", Verdict.HONOURED, CATALOGUE["satisfy"].note)
 
+    client_certificate = None
+    if "auth-tls-secret" in values:
+        problem, client_certificate = _client_certificate(namespace, values, secrets)
+        for short in AUTH_TLS:
+            if problem:
+                note(short, Verdict.NOT_HONOURED, problem)
+            else:
+                note(short, Verdict.HONOURED, CATALOGUE[short].note)
+
     cidrs, agents, referers = block_lists(config)
-    if refusal or not (allow or deny or auth_type or cidrs or agents or referers):
+    if refusal or not (
+        allow or deny or auth_type or cidrs or agents or referers or client_certificate
+    ):
         return None, findings, refusal
     return (
         RouteAccess(
@@ -211,6 +244,7 @@ def plan_access(
             auth_realm=realm,
             credentials=credentials,
             satisfy_any=satisfy_any and bool(auth_type) and bool(allow or deny),
+            client_certificate=client_certificate,
         ),
         findings,
         "",
@@ -266,6 +300,76 @@ def _credentials(
                 (),
             )
     return "", tuple(f"{user.decode()}:{hashed}" for user, hashed in users.items())
+
+
+def _client_certificate(
+    namespace: str, values: Mapping[str, str], secrets: Lookup
+) -> tuple[str, ClientCertificate | None]:
+    """(problem, the client-certificate rules) of auth-tls-secret and its options, with
+    ingress-nginx's defaults (verify "on", depth 1; a depth of 0 is 1)."""
+    reference = values["auth-tls-secret"]
+    secret_namespace, _, name = reference.rpartition("/")
+    if secret_namespace and secret_namespace != namespace:
+        return f"Secret {reference} is in another namespace than the Ingress", None
+    secret = secrets(namespace, name)
+    if secret is None:
+        return f"Secret {namespace}/{name} not found", None
+    data = _secret_data(secret)
+    if data is None:
+        return f"Secret {namespace}/{name}: its data is not valid base64", None
+    bundle = data.get("ca.crt", "")
+    try:
+        cas = x509.load_pem_x509_certificates(bundle.encode())
+    except ValueError:
+        return f"Secret {namespace}/{name} has no ca.crt of PEM certificates", None
+    if not any(_is_ca(ca) for ca in cas):
+        return f"Secret {namespace}/{name}: ca.crt holds no CA certificate", None
+    crls = data.get("ca.crl", "")
+    if crls:
+        blocks = _PEM_CRL.findall(crls)
+        try:
+            for block in blocks:
+                x509.load_pem_x509_crl(block.encode())
+        except ValueError:
+            blocks = []
+        if not blocks:
+            return f"Secret {namespace}/{name}: ca.crl is not PEM revocation lists", None
+        crls = "".join(block + "\n" for block in blocks)
+    depth = int(values.get("auth-tls-verify-depth", "0") or 0) or DEFAULT_DEPTH
+    if not 0 < depth <= MAX_DEPTH:
+        return f"auth-tls-verify-depth {depth} is not between 1 and {MAX_DEPTH}", None
+    error_page = values.get("auth-tls-error-page", "")
+    if error_page and "://" not in error_page:
+        return (
+            f"auth-tls-error-page {error_page!r}: a page of the same server (nginx's "
+            "internal redirect) is not honoured; give an absolute http(s) URL",
+            None,
+        )
+    match = values.get("auth-tls-match-cn", "")
+    refused = regex_refusal(match) if match else None
+    if refused:
+        return f"auth-tls-match-cn {match!r}: {refused}", None
+    return "", ClientCertificate(
+        ca_certificates="".join(ca.public_bytes(Encoding.PEM).decode() for ca in cas),
+        revocation_lists=crls,
+        verify=values.get("auth-tls-verify-client", DEFAULT_VERIFY),
+        depth=depth,
+        error_page=error_page,
+        # (the grammar admits Go's strconv.ParseBool spellings only)
+        pass_certificate=values.get("auth-tls-pass-certificate-to-upstream", "false")
+        in ("true", "1", "t", "TRUE", "True", "T"),
+        match_subject=match,
+    )
+
+
+_PEM_CRL = re.compile(r"-----BEGIN X509 CRL-----[A-Za-z0-9+/=\s]+?-----END X509 CRL-----")
+
+
+def _is_ca(certificate: x509.Certificate) -> bool:
+    try:
+        return certificate.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    except x509.ExtensionNotFound:
+        return certificate.issuer == certificate.subject  # a v1 root
 
 
 def _secret_data(secret: JSON) -> dict[str, str] | None:

@@ -49,6 +49,7 @@ from waygate.resolver.ingress_nginx.config import (
 from waygate.resolver.model import (
     HSTS,
     BalancePolicy,
+    ClientCertificate,
     Cors,
     ExternalAuth,
     ForwardedHeadersMode,
@@ -168,6 +169,17 @@ class Plan:
     next_upstream_tries: int = 0
     default_backend: str = ""
     hash_by: str = ""
+    # The response-side annotations (waygate.proxy.responserewrite, .errorpages), with
+    # the ConfigMap's defaults: `_responses`.
+    redirect_from: str = ""
+    redirect_to: str = ""
+    cookie_domain: str = ""
+    cookie_path: str = ""
+    custom_http_errors: tuple[int, ...] = ()
+    intercept_errors_disabled: bool = False
+    port_in_redirects: bool = False
+    connection_header: str = ""
+    access_log_disabled: bool = False
     # The controller ConfigMap's keys not honoured: "ConfigMap NS/NAME key K: not-honoured".
     config_notes: list[str] = field(default_factory=list)
 
@@ -327,6 +339,7 @@ def plan(
             result.refuse(INVALID, f"annotation {settings.prefix}/{short}: {invalid}")
             continue
         valid[short] = value.strip() if entry.grammar is not catalogue.any_text else value
+    _response_defaults(result, config, where)
     _apply(result, valid, settings, config, config_maps, timeouts)
     recorded = {f.annotation for f in result.findings}
     result.access, findings, refusal = nginx_access.plan_access(
@@ -346,6 +359,7 @@ def plan(
         result.external_auth, note = nginx_access.auth_client_address(result.external_auth, config)
         if note:
             result.config_notes.append(note)
+    _responses(result, valid)
     # nginx's read/send timeouts also bound an upgraded (WebSocket) connection's silence.
     result.timeouts = RouteTimeouts(
         connect=timeouts["connect"], server=timeouts["server"], tunnel=timeouts["server"]
@@ -424,6 +438,10 @@ _OFF: dict[str, str] = {
     "proxy-buffering": "off",
     "enable-access-log": "true",
     "proxy-next-upstream-timeout": "0",
+    "proxy-redirect-from": "off",
+    "proxy-cookie-domain": "off",
+    "proxy-cookie-path": "off",
+    "disable-proxy-intercept-errors": "false",
 }
 # Annotations that only modify another: without it in force they do nothing
 # (ingress-nginx reads them only with it).
@@ -992,11 +1010,173 @@ def _ssl_name(
 def _access_log(
     p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
 ) -> None:
-    found(
-        "enable-access-log",
-        Verdict.HONOURED if _flag(value) else Verdict.NOT_HONOURED,
-        "" if _flag(value) else "the proxy logs every request",
+    found("enable-access-log")
+
+
+# ---------------------------------------------------------------- responses
+
+
+def redirect_pair(source: str, target: str) -> tuple[str, str] | str:
+    """nginx proxy_redirect as ingress-nginx writes it from proxy-redirect-from/-to:
+    (prefix, replacement) to rewrite (("", ""): `off` or `default`, nothing), or why
+    it is not honoured."""
+    if source in ("", "off", "default"):
+        # `default`'s pattern is ingress-nginx's proxy_pass URL (http://upstream_balancer/),
+        # which no backend names in its Location: nothing is rewritten there either.
+        return "", ""
+    if source.startswith("~") or target.startswith("~"):
+        return "regular expressions (~) are not honoured"
+    if target in ("", "off"):
+        return "without proxy-redirect-to"
+    if len(source.split()) != 1 or len(target.split()) != 1:
+        return "nginx takes one prefix and one replacement"
+    return source, target
+
+
+def cookie_pair(value: str) -> tuple[str, str] | str | None:
+    """proxy-cookie-domain / -path as nginx's directive: None for `off`, ("FROM", "TO"),
+    or why it is not honoured."""
+    if value in ("", "off"):
+        return None
+    parts = value.split()
+    if len(parts) != 2:
+        return "nginx takes `off` or a value and its replacement"
+    if any(part.startswith("~") for part in parts):
+        return "regular expressions (~) are not honoured"
+    return parts[0], parts[1]
+
+
+def status_list(value: str) -> tuple[int, ...]:
+    """custom-http-errors' codes, sorted, duplicates once (checked by the grammar)."""
+    return tuple(sorted({int(item) for item in value.replace(" ", "").split(",") if item}))
+
+
+@_handles("proxy-redirect-from", "proxy-redirect-to")
+def _proxy_redirect(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    source = values.get("proxy-redirect-from", p.redirect_from)
+    pair = redirect_pair(source, values.get("proxy-redirect-to", p.redirect_to))
+    if short == "proxy-redirect-to" and source in ("off", "default"):
+        found(short, Verdict.NOOP, f"with proxy-redirect-from {source} it does nothing")
+    elif isinstance(pair, str):
+        found(short, Verdict.NOT_HONOURED, pair)
+    else:
+        found(short)
+
+
+@_handles("relative-redirects")
+def _relative_redirects(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    source = values.get("proxy-redirect-from", p.redirect_from)
+    pair = redirect_pair(source, values.get("proxy-redirect-to", p.redirect_to))
+    if _flag(value) and isinstance(pair, tuple) and pair[1].startswith("/"):
+        found(
+            short,
+            Verdict.DIFFERENT,
+            "a Location proxy-redirect-to rewrites to a path is made absolute all the same",
+        )
+    else:
+        found(short)
+
+
+@_handles("proxy-cookie-domain", "proxy-cookie-path")
+def _proxy_cookie(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    pair = cookie_pair(value)
+    if isinstance(pair, str):
+        found(short, Verdict.NOT_HONOURED, pair)
+    else:
+        found(short)
+
+
+@_handles("disable-proxy-intercept-errors")
+def _intercept_errors(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    if not (values.get("custom-http-errors") or p.custom_http_errors):
+        found(short, Verdict.NOOP, "without custom-http-errors it does nothing")
+    else:
+        found(short)
+
+
+@_handles("connection-proxy-header")
+def _connection_header(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    if value.lower() == "upgrade":
+        found(
+            short,
+            Verdict.DIFFERENT,
+            "`upgrade` only for a request that asks for an upgrade (the proxy owns that hop)",
+        )
+    else:
+        found(short)
+
+
+@_handles("custom-http-errors")
+def _custom_errors(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    if values.get("backend-protocol", "").upper() in ("GRPC", "GRPCS"):
+        # ingress-nginx's grpc_pass ignores proxy_intercept_errors: nothing is intercepted.
+        found(short, Verdict.NOOP, "a gRPC backend's answers are not intercepted (grpc_pass)")
+    else:
+        found(short)
+
+
+def _response_defaults(p: Plan, config: ControllerConfig, where: str) -> None:
+    """The ConfigMap's keys that give the response-side annotations their defaults
+    (ingress-nginx's: off, none), before the annotations are read."""
+
+    def configured(key: str, default: str, grammar: catalogue.Grammar) -> str:
+        text = config.text(key, default)
+        problem = grammar(text)
+        if problem is not None:
+            p.config_notes.append(f"ConfigMap {where} key {key}: invalid ({problem}), not used")
+            return default
+        return text
+
+    p.redirect_from = configured("proxy-redirect-from", "off", catalogue.plain)
+    p.redirect_to = configured("proxy-redirect-to", "off", catalogue.plain)
+    p.cookie_domain = configured("proxy-cookie-domain", "off", catalogue.plain)
+    p.cookie_path = configured("proxy-cookie-path", "off", catalogue.plain)
+    p.custom_http_errors = status_list(configured("custom-http-errors", "", _codes_or_none))
+    p.port_in_redirects = _flag(configured("use-port-in-redirects", "false", catalogue.boolean))
+    p.access_log_disabled = config.flag("disable-access-log", False) or config.flag(
+        "disable-http-access-log", False
     )
+
+
+def _responses(p: Plan, values: Mapping[str, str]) -> None:
+    """The response-side route fields: each annotation, else the ConfigMap's default
+    (`_response_defaults`)."""
+    pair = redirect_pair(
+        values.get("proxy-redirect-from", p.redirect_from),
+        values.get("proxy-redirect-to", p.redirect_to),
+    )
+    p.redirect_from, p.redirect_to = pair if isinstance(pair, tuple) else ("", "")
+    domain = cookie_pair(values.get("proxy-cookie-domain", p.cookie_domain))
+    p.cookie_domain = " ".join(domain) if isinstance(domain, tuple) else ""
+    path = cookie_pair(values.get("proxy-cookie-path", p.cookie_path))
+    p.cookie_path = " ".join(path) if isinstance(path, tuple) else ""
+    if "custom-http-errors" in values:
+        p.custom_http_errors = status_list(values["custom-http-errors"])
+    if values.get("backend-protocol", "").upper() in ("GRPC", "GRPCS"):
+        p.custom_http_errors = ()  # grpc_pass: nothing intercepted, as ingress-nginx
+    p.intercept_errors_disabled = _flag(values.get("disable-proxy-intercept-errors", "false"))
+    if "use-port-in-redirects" in values:
+        p.port_in_redirects = _flag(values["use-port-in-redirects"])
+    header = values.get("connection-proxy-header", "").lower()
+    p.connection_header = header if header in ("keep-alive", "close") else ""
+    if not _flag(values.get("enable-access-log", "true")):
+        p.access_log_disabled = True  # (`true` cannot undo the ConfigMap's http-level off)
+
+
+def _codes_or_none(value: str) -> str | None:
+    return None if value == "" else catalogue.status_codes(value)
 
 
 @_handles(
@@ -1469,10 +1649,17 @@ _CAPTURES = (
 def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]:
     """The routes `gateway.translate` made from the Ingress's rules (one per path and
     port, `rule_index` the flattened path index) -> what ingress-nginx would serve."""
+    secured = set(tls_hosts)
+    unsecured = _unsecured_client_certificate_hosts(p, routes, secured)
+    if unsecured:
+        p.refuse(
+            UNSUPPORTED,
+            f"annotation auth-tls-secret: host {unsecured} has no TLS certificate "
+            "(spec.tls), so no client certificate can be asked for on it",
+        )
     if p.refusal_reason:
         return [refused(p, route) for route in routes]
     refine(p)
-    secured = set(tls_hosts)
     out: list[Route] = []
     extra_hosts: dict[tuple[str, int], Route] = {}
     verdicts = p.verdict_lines()
@@ -1552,6 +1739,15 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             rewrite_target=captured,
             default_backend=p.default_backend,
             hash_by=p.hash_by,
+            redirect_from=p.redirect_from,
+            redirect_to=p.redirect_to,
+            cookie_domain=p.cookie_domain,
+            cookie_path=p.cookie_path,
+            custom_http_errors=p.custom_http_errors,
+            intercept_errors_disabled=p.intercept_errors_disabled,
+            port_in_redirects=p.port_in_redirects,
+            connection_header=p.connection_header,
+            access_log_disabled=p.access_log_disabled,
         )
         if p.ssl_passthrough and route.listener_port == 443:
             continue  # the host's TLS is passed through, never terminated here
@@ -1593,6 +1789,65 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
                         ),
                     )
                 )
+    return out
+
+
+def _unsecured_client_certificate_hosts(p: Plan, routes: list[Route], secured: set[str]) -> str:
+    """A host of the Ingress that client certificates would be asked for on, without
+    a certificate of its own ("" : none). ingress-nginx would serve it on the default
+    certificate; here it would have no HTTPS route at all, and its plain HTTP one
+    would reach the backend unchecked: refused instead."""
+    rules = p.access.client_certificate if p.access is not None else None
+    if rules is None or rules.verify == "off":
+        return ""
+    bare = sorted({r.host or "*" for r in routes if r.host not in secured})
+    return bare[0] if bare else ""
+
+
+def client_certificate_hosts(routes: list[Route], nginx: set[str]) -> list[Route]:
+    """ingress-nginx's auth-tls-* are the server's (ssl_client_certificate is set in
+    the host's server block, from the oldest Ingress of the host that has them): every
+    route of an ingress-nginx Ingress on that host gets them. An Ingress refused for
+    its auth-tls-* makes the host's other routes answer 403 (ingress-nginx's
+    AuthTLSError: `return 403` in the server block), never serve unchecked. `nginx`:
+    the names of the routes of ingress-nginx Ingresses (others are not touched)."""
+    broken: dict[str, ClientCertificate] = {}
+    chosen: dict[str, tuple[tuple[Any, ...], ClientCertificate]] = {}
+    for route in routes:
+        if route.name.split("~")[0] not in nginx:
+            continue
+        if route.ingress_refusal is not None:
+            if "auth-tls-" in route.ingress_refusal[1] and route.host not in broken:
+                why = (
+                    f"host {route.host}: the client-certificate rules of {route.origin} are refused"
+                )
+                broken[route.host] = ClientCertificate(ca_certificates="", refusal=why)
+            continue
+        rules = route.access.client_certificate if route.access is not None else None
+        if rules is None:
+            continue
+        # Oldest first (ingress-nginx sorts Ingresses by creation), then by name.
+        created = route.created.timestamp() if route.created else 0.0
+        rank: tuple[Any, ...] = (route.created is None, created, route.origin)
+        if route.host not in chosen or rank < chosen[route.host][0]:
+            chosen[route.host] = (rank, rules)
+    hosts = {host: rules for host, (_, rules) in chosen.items()} | broken
+    if not hosts:
+        return routes
+    out = []
+    for route in routes:
+        rules = hosts.get(route.host)
+        if (
+            rules is not None
+            and route.name.split("~")[0] in nginx
+            and route.ingress_refusal is None
+        ):
+            access = route.access or RouteAccess()
+            if access.client_certificate != rules:
+                route = dataclasses.replace(
+                    route, access=dataclasses.replace(access, client_certificate=rules)
+                )
+        out.append(route)
     return out
 
 

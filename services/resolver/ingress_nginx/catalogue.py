@@ -262,6 +262,16 @@ def _e(
 
 
 H, D, N, X = Verdict.HONOURED, Verdict.DIFFERENT, Verdict.NOOP, Verdict.NOT_HONOURED
+_PROXY_REDIRECT = (
+    "nginx proxy_redirect on the backend's Location and Refresh: `off`, `default` (its "
+    "pattern is ingress-nginx's internal upstream URL, which no backend sends: nothing "
+    "rewritten) or a literal prefix and its replacement (one starting with / made "
+    "absolute); regular expressions (~) are not honoured"
+)
+_PROXY_COOKIE = (
+    "nginx proxy_cookie_domain / proxy_cookie_path on Set-Cookie: `off` or a literal "
+    "`FROM TO`; regular expressions (~) and variables are not honoured"
+)
 _BUFFER = "an nginx buffer knob: the proxy streams bodies through bounded buffers of its own"
 _AUTH = (
     "every request is first asked of the auth service (nginx auth_request): 2xx lets it "
@@ -305,7 +315,6 @@ _RANGES = (
     "403 outside the allowed / inside the denied ranges; the client address is the "
     "peer's, or with use-forwarded-headers X-Forwarded-For's through proxy-real-ip-cidr"
 )
-_MTLS = "client certificates per Ingress: verify depth, optional modes and CN match not yet"
 _LIMIT = "global rate limits (memcached, across replicas): the proxy limits per replica only"
 _LIMITED = (
     "per proxy replica, keyed by the client address (nginx limit_req nodelay, limit_conn); "
@@ -377,9 +386,10 @@ ENTRIES: tuple[Entry, ...] = (
     _e(
         "use-port-in-redirects",
         boolean,
-        X,
-        "the proxy's redirects name the port it listens on only when it is not the scheme's",
-        lacks=True,
+        D,
+        "a Location made absolute from proxy-redirect-to keeps the port the client "
+        "addressed (its Host) when it is not the scheme's; the proxy's own redirects to a "
+        "path name the Ingress's port (80/443), so none",
     ),
     _e(
         "relative-redirects",
@@ -388,8 +398,8 @@ ENTRIES: tuple[Entry, ...] = (
         "nginx's own redirects (absolute_redirect): the "
         "proxy sends no redirects of its own besides these annotations'",
     ),
-    _e("proxy-redirect-from", plain, X, "rewriting the backend's Location header", lacks=True),
-    _e("proxy-redirect-to", plain, X, "rewriting the backend's Location header", lacks=True),
+    _e("proxy-redirect-from", plain, H, _PROXY_REDIRECT),
+    _e("proxy-redirect-to", plain, H, _PROXY_REDIRECT),
     # ------------------------------------------------------------ access
     _e("whitelist-source-range", cidrs, H, _RANGES, access=True),
     _e("allowlist-source-range", cidrs, H, _RANGES, access=True),
@@ -428,27 +438,52 @@ ENTRIES: tuple[Entry, ...] = (
     _e(
         "auth-snippet", any_text, X, "a snippet of the external authentication request", access=True
     ),
-    _e("auth-tls-secret", name, X, _MTLS, access=True, lacks=True),
+    _e(
+        "auth-tls-secret",
+        name,
+        H,
+        "the Secret's ca.crt (and ca.crl) verify client certificates on the host's TLS "
+        "server name; the Ingress's namespace only, as ingress-nginx's default",
+        access=True,
+    ),
     _e(
         "auth-tls-verify-client",
         one_of("on", "off", "optional", "optional_no_ca"),
-        X,
-        _MTLS,
+        H,
+        "nginx's ssl_verify_client: a missing or failed certificate is a 400 (on), a "
+        "failed one (optional), an untrusted issuer passes as FAILED (optional_no_ca)",
         access=True,
-        lacks=True,
     ),
-    _e("auth-tls-verify-depth", integer, X, _MTLS, access=True, lacks=True),
-    _e("auth-tls-error-page", url, X, _MTLS, access=True, lacks=True),
-    _e("auth-tls-pass-certificate-to-upstream", boolean, X, _MTLS, access=True, lacks=True),
+    _e(
+        "auth-tls-verify-depth",
+        integer,
+        H,
+        "OpenSSL's verify depth (intermediate CAs between the certificate and ca.crt)",
+        access=True,
+    ),
+    _e(
+        "auth-tls-error-page",
+        url_or_path,
+        H,
+        "a missing or failed certificate is redirected there (302), as error_page 495 496",
+        access=True,
+    ),
+    _e(
+        "auth-tls-pass-certificate-to-upstream",
+        boolean,
+        H,
+        "ssl-client-cert (URL-encoded PEM) to the backend; ssl-client-verify, "
+        "-subject-dn and -issuer-dn always (a client's own are dropped)",
+        access=True,
+    ),
     _e(
         "auth-tls-match-cn",
         _matching(
             re.compile(r"CN=[A-Za-z0-9 ._*|()^+?-]{1,256}"), "CN= and a plain regular expression"
         ),
-        X,
-        _MTLS,
+        H,
+        "an RE2 search of the subject DN (RFC 2253, as $ssl_client_s_dn); no match: 403",
         access=True,
-        lacks=True,
     ),
     _e(
         "satisfy",
@@ -615,8 +650,8 @@ ENTRIES: tuple[Entry, ...] = (
         D,
         "1.1 (or HTTP/2 where the backend speaks it); 1.0 is not honoured",
     ),
-    _e("proxy-cookie-domain", plain, X, "rewriting Set-Cookie domains", lacks=True),
-    _e("proxy-cookie-path", plain, X, "rewriting Set-Cookie paths", lacks=True),
+    _e("proxy-cookie-domain", plain, H, _PROXY_COOKIE),
+    _e("proxy-cookie-path", plain, H, _PROXY_COOKIE),
     _e(
         "proxy-ssl-secret",
         name,
@@ -665,9 +700,9 @@ ENTRIES: tuple[Entry, ...] = (
     _e(
         "connection-proxy-header",
         one_of("keep-alive", "close", "upgrade", case=False),
-        X,
-        "the proxy owns the Connection header",
-        lacks=True,
+        H,
+        "the Connection value an HTTP/1.1 backend gets (an upgrade the client asked for "
+        "keeps `upgrade`; an HTTP/2 backend gets no Connection header)",
     ),
     _e("fastcgi-index", plain, X, "FastCGI backends"),
     _e("fastcgi-params-configmap", name, X, "FastCGI backends"),
@@ -692,21 +727,39 @@ ENTRIES: tuple[Entry, ...] = (
         "the ConfigMap's entries set on every response; a "
         "missing ConfigMap or a bad header: not served (ingress-nginx answers 503)",
     ),
-    _e("custom-http-errors", status_codes, X, "answers from an error backend", lacks=True),
+    _e(
+        "custom-http-errors",
+        status_codes,
+        D,
+        "the backend's answers with these statuses, and the proxy's own failures with them "
+        "(a refused or broken backend's 502), are replaced by the default-backend "
+        "Service's (else the proxy's own error page) to GET / with X-Code, X-Format, "
+        "X-Original-URI, X-Namespace, X-Ingress-Name, X-Service-Name, X-Service-Port and "
+        "X-Request-ID, its status the client's; the error backend gets no request body, an "
+        "answer that comes while the request body still streams is not intercepted, and "
+        "the proxy's timeouts (504) and refusals before a backend is asked keep its own pages",
+    ),
     _e(
         "default-backend",
         name,
-        D,
-        "the Service (its only port, or its first) takes the requests, as they are, when the Ingress's "
-        "Service has no ready endpoint; as custom-http-errors' error backend it is not used",
+        H,
+        "the Service (its first port) takes the requests, as they are, with X-Code 503 and "
+        "the route's names, when the Ingress's Service has no ready endpoint, and is "
+        "custom-http-errors' error backend",
     ),
-    _e("disable-proxy-intercept-errors", boolean, N, "only meaningful with custom-http-errors"),
+    _e(
+        "disable-proxy-intercept-errors",
+        boolean,
+        H,
+        "the backend's answers pass unchanged (the proxy's own failures with a listed "
+        "status still go to the error backend, as nginx's error_page)",
+    ),
     _e(
         "enable-access-log",
         boolean,
-        D,
-        "`true` exactly; `false` is not honoured (the proxy logs every request)",
-        lacks=True,
+        H,
+        "`false`: the proxy writes no access-log line for the route's requests (its metrics "
+        "and spans stay)",
     ),
     _e("enable-rewrite-log", boolean, N, "nginx's debug log of rewrites"),
     _e(

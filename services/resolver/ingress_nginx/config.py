@@ -67,6 +67,16 @@ HONOURED_KEYS = frozenset(
         # Global external authentication (checked against the annotations' grammars).
         *(f"global-auth-{key}" for key in GLOBAL_AUTH),
         "proxy-body-size",
+        # The response-side defaults (waygate.proxy.errorpages, .responserewrite).
+        "custom-http-errors",
+        "proxy-redirect-from",
+        "proxy-redirect-to",
+        "proxy-cookie-domain",
+        "proxy-cookie-path",
+        "use-port-in-redirects",
+        # nginx's http-level `access_log off` (an Ingress cannot turn it back on).
+        "disable-access-log",
+        "disable-http-access-log",
     )
 )
 #: nginx tuning with no meaning for a streaming proxy.

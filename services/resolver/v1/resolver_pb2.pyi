@@ -313,7 +313,7 @@ class RouteTimeouts(_message.Message):
     def __init__(self, connect: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., client: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., server: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., http_request: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tunnel: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., keep_alive: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class Route(_message.Message):
-    __slots__ = ("namespace", "name", "host", "path", "backends", "target_port", "tls", "balance", "sticky", "timeouts", "auth_proxy_headers", "forwarded_headers", "upstream_protocol", "request_buffering", "status", "creation_timestamp", "matches", "filters", "request_timeout", "backend_request_timeout", "listener_port", "gateway", "origin", "rule_index", "listener_protocol", "access", "proxy_protocol_from_client", "proxy_protocol_to_backend", "rate_limit", "external_auth", "cors", "max_request_body", "next_upstream", "next_upstream_tries", "rewrite_target", "default_backend", "hash_by")
+    __slots__ = ("namespace", "name", "host", "path", "backends", "target_port", "tls", "balance", "sticky", "timeouts", "auth_proxy_headers", "forwarded_headers", "upstream_protocol", "request_buffering", "status", "creation_timestamp", "matches", "filters", "request_timeout", "backend_request_timeout", "listener_port", "gateway", "origin", "rule_index", "listener_protocol", "access", "proxy_protocol_from_client", "proxy_protocol_to_backend", "rate_limit", "external_auth", "cors", "max_request_body", "next_upstream", "next_upstream_tries", "rewrite_target", "default_backend", "hash_by", "redirect_from", "redirect_to", "cookie_domain", "cookie_path", "custom_http_errors", "intercept_errors_disabled", "port_in_redirects", "connection_header", "access_log_disabled")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -351,6 +351,15 @@ class Route(_message.Message):
     REWRITE_TARGET_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_BACKEND_FIELD_NUMBER: _ClassVar[int]
     HASH_BY_FIELD_NUMBER: _ClassVar[int]
+    REDIRECT_FROM_FIELD_NUMBER: _ClassVar[int]
+    REDIRECT_TO_FIELD_NUMBER: _ClassVar[int]
+    COOKIE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    COOKIE_PATH_FIELD_NUMBER: _ClassVar[int]
+    CUSTOM_HTTP_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    INTERCEPT_ERRORS_DISABLED_FIELD_NUMBER: _ClassVar[int]
+    PORT_IN_REDIRECTS_FIELD_NUMBER: _ClassVar[int]
+    CONNECTION_HEADER_FIELD_NUMBER: _ClassVar[int]
+    ACCESS_LOG_DISABLED_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     name: str
     host: str
@@ -388,10 +397,19 @@ class Route(_message.Message):
     rewrite_target: str
     default_backend: str
     hash_by: str
-    def __init__(self, namespace: _Optional[str] = ..., name: _Optional[str] = ..., host: _Optional[str] = ..., path: _Optional[str] = ..., backends: _Optional[_Iterable[_Union[RouteBackend, _Mapping]]] = ..., target_port: _Optional[str] = ..., tls: _Optional[_Union[RouteTLS, _Mapping]] = ..., balance: _Optional[_Union[BalancePolicy, str]] = ..., sticky: _Optional[_Union[StickySessions, _Mapping]] = ..., timeouts: _Optional[_Union[RouteTimeouts, _Mapping]] = ..., auth_proxy_headers: _Optional[bool] = ..., forwarded_headers: _Optional[_Union[ForwardedHeadersMode, str]] = ..., upstream_protocol: _Optional[str] = ..., request_buffering: _Optional[bool] = ..., status: _Optional[_Union[RouteStatus, _Mapping]] = ..., creation_timestamp: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., matches: _Optional[_Iterable[_Union[RouteMatch, _Mapping]]] = ..., filters: _Optional[_Union[RouteFilters, _Mapping]] = ..., request_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., backend_request_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., listener_port: _Optional[int] = ..., gateway: _Optional[str] = ..., origin: _Optional[str] = ..., rule_index: _Optional[int] = ..., listener_protocol: _Optional[str] = ..., access: _Optional[_Union[RouteAccess, _Mapping]] = ..., proxy_protocol_from_client: _Optional[bool] = ..., proxy_protocol_to_backend: _Optional[bool] = ..., rate_limit: _Optional[_Union[RateLimit, _Mapping]] = ..., external_auth: _Optional[_Union[ExternalAuth, _Mapping]] = ..., cors: _Optional[_Union[RouteCors, _Mapping]] = ..., max_request_body: _Optional[int] = ..., next_upstream: _Optional[str] = ..., next_upstream_tries: _Optional[int] = ..., rewrite_target: _Optional[str] = ..., default_backend: _Optional[str] = ..., hash_by: _Optional[str] = ...) -> None: ...
+    redirect_from: str
+    redirect_to: str
+    cookie_domain: str
+    cookie_path: str
+    custom_http_errors: _containers.RepeatedScalarFieldContainer[int]
+    intercept_errors_disabled: bool
+    port_in_redirects: bool
+    connection_header: str
+    access_log_disabled: bool
+    def __init__(self, namespace: _Optional[str] = ..., name: _Optional[str] = ..., host: _Optional[str] = ..., path: _Optional[str] = ..., backends: _Optional[_Iterable[_Union[RouteBackend, _Mapping]]] = ..., target_port: _Optional[str] = ..., tls: _Optional[_Union[RouteTLS, _Mapping]] = ..., balance: _Optional[_Union[BalancePolicy, str]] = ..., sticky: _Optional[_Union[StickySessions, _Mapping]] = ..., timeouts: _Optional[_Union[RouteTimeouts, _Mapping]] = ..., auth_proxy_headers: _Optional[bool] = ..., forwarded_headers: _Optional[_Union[ForwardedHeadersMode, str]] = ..., upstream_protocol: _Optional[str] = ..., request_buffering: _Optional[bool] = ..., status: _Optional[_Union[RouteStatus, _Mapping]] = ..., creation_timestamp: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., matches: _Optional[_Iterable[_Union[RouteMatch, _Mapping]]] = ..., filters: _Optional[_Union[RouteFilters, _Mapping]] = ..., request_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., backend_request_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., listener_port: _Optional[int] = ..., gateway: _Optional[str] = ..., origin: _Optional[str] = ..., rule_index: _Optional[int] = ..., listener_protocol: _Optional[str] = ..., access: _Optional[_Union[RouteAccess, _Mapping]] = ..., proxy_protocol_from_client: _Optional[bool] = ..., proxy_protocol_to_backend: _Optional[bool] = ..., rate_limit: _Optional[_Union[RateLimit, _Mapping]] = ..., external_auth: _Optional[_Union[ExternalAuth, _Mapping]] = ..., cors: _Optional[_Union[RouteCors, _Mapping]] = ..., max_request_body: _Optional[int] = ..., next_upstream: _Optional[str] = ..., next_upstream_tries: _Optional[int] = ..., rewrite_target: _Optional[str] = ..., default_backend: _Optional[str] = ..., hash_by: _Optional[str] = ..., redirect_from: _Optional[str] = ..., redirect_to: _Optional[str] = ..., cookie_domain: _Optional[str] = ..., cookie_path: _Optional[str] = ..., custom_http_errors: _Optional[_Iterable[int]] = ..., intercept_errors_disabled: _Optional[bool] = ..., port_in_redirects: _Optional[bool] = ..., connection_header: _Optional[str] = ..., access_log_disabled: _Optional[bool] = ...) -> None: ...
 
 class RouteAccess(_message.Message):
-    __slots__ = ("block", "deny", "allow", "block_user_agents", "block_referers", "trusted_proxies", "auth_type", "auth_realm", "credentials", "satisfy_any")
+    __slots__ = ("block", "deny", "allow", "block_user_agents", "block_referers", "trusted_proxies", "auth_type", "auth_realm", "credentials", "satisfy_any", "client_certificate")
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     DENY_FIELD_NUMBER: _ClassVar[int]
     ALLOW_FIELD_NUMBER: _ClassVar[int]
@@ -402,6 +420,7 @@ class RouteAccess(_message.Message):
     AUTH_REALM_FIELD_NUMBER: _ClassVar[int]
     CREDENTIALS_FIELD_NUMBER: _ClassVar[int]
     SATISFY_ANY_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     block: _containers.RepeatedScalarFieldContainer[str]
     deny: _containers.RepeatedScalarFieldContainer[str]
     allow: _containers.RepeatedScalarFieldContainer[str]
@@ -412,7 +431,28 @@ class RouteAccess(_message.Message):
     auth_realm: str
     credentials: _containers.RepeatedScalarFieldContainer[str]
     satisfy_any: bool
-    def __init__(self, block: _Optional[_Iterable[str]] = ..., deny: _Optional[_Iterable[str]] = ..., allow: _Optional[_Iterable[str]] = ..., block_user_agents: _Optional[_Iterable[str]] = ..., block_referers: _Optional[_Iterable[str]] = ..., trusted_proxies: _Optional[_Iterable[str]] = ..., auth_type: _Optional[str] = ..., auth_realm: _Optional[str] = ..., credentials: _Optional[_Iterable[str]] = ..., satisfy_any: _Optional[bool] = ...) -> None: ...
+    client_certificate: ClientCertificate
+    def __init__(self, block: _Optional[_Iterable[str]] = ..., deny: _Optional[_Iterable[str]] = ..., allow: _Optional[_Iterable[str]] = ..., block_user_agents: _Optional[_Iterable[str]] = ..., block_referers: _Optional[_Iterable[str]] = ..., trusted_proxies: _Optional[_Iterable[str]] = ..., auth_type: _Optional[str] = ..., auth_realm: _Optional[str] = ..., credentials: _Optional[_Iterable[str]] = ..., satisfy_any: _Optional[bool] = ..., client_certificate: _Optional[_Union[ClientCertificate, _Mapping]] = ...) -> None: ...
+
+class ClientCertificate(_message.Message):
+    __slots__ = ("ca_certificates", "revocation_lists", "verify", "depth", "error_page", "pass_certificate", "match_subject", "refusal")
+    CA_CERTIFICATES_FIELD_NUMBER: _ClassVar[int]
+    REVOCATION_LISTS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    ERROR_PAGE_FIELD_NUMBER: _ClassVar[int]
+    PASS_CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
+    MATCH_SUBJECT_FIELD_NUMBER: _ClassVar[int]
+    REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    ca_certificates: str
+    revocation_lists: str
+    verify: str
+    depth: int
+    error_page: str
+    pass_certificate: bool
+    match_subject: str
+    refusal: str
+    def __init__(self, ca_certificates: _Optional[str] = ..., revocation_lists: _Optional[str] = ..., verify: _Optional[str] = ..., depth: _Optional[int] = ..., error_page: _Optional[str] = ..., pass_certificate: _Optional[bool] = ..., match_subject: _Optional[str] = ..., refusal: _Optional[str] = ...) -> None: ...
 
 class ExternalAuth(_message.Message):
     __slots__ = ("url", "method", "signin", "signin_redirect_param", "response_headers", "request_redirect", "proxy_set_headers", "cache_key", "cache_durations", "always_set_cookie", "trusted_proxies", "full_forwarded_for")

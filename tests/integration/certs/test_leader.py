@@ -21,6 +21,7 @@ from kubernetes import client
 from tests.support.kubeapi import KubeAPI as StandInAPI
 from tests.support.poll import until
 from waygate.certs.authority import Authority, AuthorityConfig
+from waygate.certs.issuing import leaf_request
 from waygate.certs.kube_store import WRITTEN_BY, SecretCAStore
 from waygate.certs.leader import certs_elector, keep_leaf_bounds
 from waygate.core.errors import Unavailable
@@ -228,8 +229,13 @@ async def test_the_leader_keeps_the_leaf_bound_ahead_so_a_follower_never_writes(
 
         csr = x509.load_pem_x509_csr(make_csr("dns:web.example"))
         # The longest leaf a follower can sign needs no write.
-        issued = await asyncio.to_thread(
-            replica.issue, csr, identity="web.example", requested_by="t", lifetime=timedelta(days=2)
+        request = leaf_request(
+            csr,
+            replica.config,
+            identity="web.example",
+            requested_by="t",
+            lifetime=timedelta(days=2),
         )
+        issued = await asyncio.to_thread(replica.issue, request)
         assert issued.valid_until > datetime.now(UTC) + timedelta(days=1)
         assert secret_version(standin) == version

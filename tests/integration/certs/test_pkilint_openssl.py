@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.certs.helpers import RESOLVER_ID, RESOLVER_SANS, make_csr, open_authority, pem
+from tests.unit.certs.helpers import RESOLVER_ID, RESOLVER_SANS, make_csr, open_authority, pem, sign
 from waygate.certs.castate import KEY_ALGORITHMS
 
 BIN = Path(sys.executable).parent
@@ -69,7 +69,7 @@ def issue_leaf(
     authority = open_authority(directory / "ca", key_algorithm=ca_algorithm)
     identity = RESOLVER_ID if f"uri:{RESOLVER_ID}" in sans else sans[0].partition(":")[2]
     csr, _ = make_csr(sans, leaf_algorithm)
-    leaf = authority.issue(csr, identity=identity, requested_by="test").leaf
+    leaf = sign(authority, csr, identity=identity, requested_by="test").leaf
     ca_file, leaf_file = directory / "ca.pem", directory / "leaf.pem"
     ca_file.write_text(authority.trust_bundle().pem)
     leaf_file.write_bytes(pem(leaf))
@@ -145,7 +145,7 @@ async def test_an_agent_role_leaf_passes_and_serves_no_tls(tmp_path: Path) -> No
     NODE = "edge-1.nodes.example.net"
     authority = open_authority(tmp_path / "ca")
     csr = x509.load_der_x509_csr(build_csr(generate_key(), NODE, (), client_only=True))
-    leaf = authority.issue(csr, identity=NODE, requested_by="test").leaf
+    leaf = sign(authority, csr, identity=NODE, requested_by="test").leaf
     ca_file, leaf_file = tmp_path / "ca.pem", tmp_path / "leaf.pem"
     ca_file.write_text(authority.trust_bundle().pem)
     leaf_file.write_bytes(pem(leaf))

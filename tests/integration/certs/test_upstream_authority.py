@@ -22,7 +22,7 @@ from cryptography.x509 import verification
 from cryptography.x509.oid import NameOID
 
 from tests.integration.certs.test_pkilint_openssl import BIN, FAILING, run
-from tests.unit.certs.helpers import RESOLVER_ID, Clock, make_csr
+from tests.unit.certs.helpers import RESOLVER_ID, Clock, make_csr, sign
 from waygate.certs.authority import Authority, AuthorityConfig, Upstream
 from waygate.certs.rotation import Phase
 from waygate.certs.store import DirectoryCAStore
@@ -94,7 +94,7 @@ def open_upstream(directory: Path, clock: Clock, upstream: Upstream) -> Authorit
 
 def issue(authority: Authority) -> tuple[x509.Certificate, tuple[x509.Certificate, ...]]:
     csr, _ = make_csr()
-    issued = authority.issue(csr, identity=RESOLVER_ID, requested_by="test")
+    issued = sign(authority, csr, identity=RESOLVER_ID, requested_by="test")
     return issued.leaf, issued.chain
 
 

@@ -18,7 +18,7 @@ from kubernetes import client
 
 from tests.integration.certs.test_upstream_authority import DAY, OrgCA
 from tests.support.kubeapi import KubeAPI as StandInAPI
-from tests.unit.certs.helpers import RESOLVER_ID, make_csr
+from tests.unit.certs.helpers import RESOLVER_ID, make_csr, sign
 from waygate.certs.app import Settings, open_authority
 from waygate.certs.kube_api import KubeAPI
 from waygate.certs.kube_store import SecretCAStore
@@ -76,7 +76,7 @@ async def test_the_secrets_intermediate_signs_and_the_root_is_the_anchor(
 
     authority = await open_authority(settings(), secret_store(standin), None)
     csr, _ = make_csr()
-    issued = authority.issue(csr, identity=RESOLVER_ID, requested_by="test")
+    issued = sign(authority, csr, identity=RESOLVER_ID, requested_by="test")
     assert issued.leaf.issuer == intermediate.cert.subject
     assert intermediate.cert in issued.chain  # served with every leaf
     assert authority.trust_bundle().certificates == (root.cert,)  # the root is the anchor

@@ -101,9 +101,16 @@ def test_cve_2025_1974_reviews_are_denied_with_the_reason(annotations):
 def test_access_annotation_denied_differences_warned_others_admitted():
     response = answer(admission_review({P + "enable-modsecurity": "true"}))
     assert response["allowed"] is False and "UnsupportedAnnotation" in response["status"]["message"]
+    response = answer(admission_review({P + "opentelemetry-operation-name": "op"}))
+    assert response["allowed"] is True
+    assert any(
+        w.startswith("opentelemetry-operation-name: not-honoured") for w in response["warnings"]
+    )
     response = answer(admission_review({P + "custom-http-errors": "404,503"}))
     assert response["allowed"] is True
-    assert any(w.startswith("custom-http-errors: not-honoured") for w in response["warnings"])
+    assert any(
+        w.startswith("custom-http-errors: honoured-with-difference") for w in response["warnings"]
+    )
     response = answer(admission_review({P + "upstream-vhost": "internal"}))
     assert response == {"uid": "3babc164-2b11-4c9c-976a-52f477c63e35", "allowed": True}
     # Not ours: another class, another kind.

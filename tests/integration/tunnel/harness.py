@@ -146,6 +146,9 @@ class Tunnel:
         park: bool = True,
         data_connections: bool = True,
     ) -> Agent:
+        # One context per agent, as a process's rotating context is (a new one per data
+        # connection cost two milliseconds of PEM parsing a dial).
+        context = ssl_context(self.agent_files)
         agent = Agent(
             node=NODE,
             server_address=f"127.0.0.1:{self.agent_port}",
@@ -154,7 +157,7 @@ class Tunnel:
                 lambda: credentials(self.agent_files),
                 server_name="tunnel-server",
             ),
-            ssl_context=lambda: ssl_context(self.agent_files),
+            ssl_context=lambda: context,
             allow=AllowList(self.allow if allow is None else allow, own=()),
             window=window or self.window,
             server_name="tunnel-server",

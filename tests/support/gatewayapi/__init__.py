@@ -269,14 +269,15 @@ spec:
         host: str = "example.com",
         method: str = "GET",
         headers: dict[str, str] | None = None,
-        tls: bool = False,
+        tls: bool | ssl.SSLContext = False,
     ) -> Response:
-        """One request; `tls`: to the HTTPS port with SNI `host` (certificate not checked)."""
+        """One request; `tls`: to the HTTPS port with SNI `host` (certificate not checked;
+        an SSLContext: with that one, a client certificate in it, say)."""
         if tls:
             reader, writer = await asyncio.open_connection(
                 "127.0.0.1",
                 self.https_port,
-                ssl=tls_client_context(),
+                ssl=tls if isinstance(tls, ssl.SSLContext) else tls_client_context(),
                 server_hostname=host.split(":")[0],
             )
         else:

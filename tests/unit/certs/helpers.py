@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 from pathlib import Path
+from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
@@ -12,6 +13,7 @@ from tests.support import pki
 from waygate.certs.auth import Caller
 from waygate.certs.authority import Authority, AuthorityConfig
 from waygate.certs.castate import generate_key
+from waygate.certs.issuing import Issued, leaf_request
 from waygate.certs.store import DirectoryCAStore
 
 START = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
@@ -60,6 +62,20 @@ def open_authority(directory: Path, clock: Clock | None = None, **config: object
         DirectoryCAStore(directory),
         AuthorityConfig(**config),  # type: ignore[arg-type]
         now=clock or (lambda: dt.datetime.now(dt.UTC)),
+    )
+
+
+def sign(
+    authority: Authority,
+    csr: x509.CertificateSigningRequest,
+    *,
+    identity: str,
+    requested_by: str,
+    **options: Any,
+) -> Issued:
+    """`authority.issue` of the checked request for `csr` (`leaf_request`'s options)."""
+    return authority.issue(
+        leaf_request(csr, authority.config, identity=identity, requested_by=requested_by, **options)
     )
 
 

@@ -19,6 +19,7 @@ from tests.unit.certs.helpers import (
     csr_der,
     make_csr,
     open_authority,
+    sign,
     snapshot,
     tampered_csr_der,
 )
@@ -71,7 +72,7 @@ def test_every_key_type_signs_and_is_signed(
     clock = Clock()
     authority = open_authority(tmp_path / "ca", clock, key_algorithm=ca_algorithm)
     csr, _ = make_csr(RESOLVER_SANS, leaf_algorithm)
-    issued = authority.issue(csr, identity=RESOLVER_ID, requested_by="resolver")
+    issued = sign(authority, csr, identity=RESOLVER_ID, requested_by="resolver")
     leaf = issued.leaf
     verify(leaf, authority.trust_bundle().certificates, clock())
     assert issued.valid_until == leaf.not_valid_after_utc == clock() + 24 * HOUR
@@ -101,7 +102,7 @@ def test_every_key_type_signs_and_is_signed(
 def test_serials_are_random(tmp_path: Path) -> None:
     authority = open_authority(tmp_path / "ca")
     serials = {
-        authority.issue(make_csr()[0], identity=RESOLVER_ID, requested_by="r").serial
+        sign(authority, make_csr()[0], identity=RESOLVER_ID, requested_by="r").serial
         for _ in range(50)
     }
     assert len(serials) == 50
@@ -110,16 +111,20 @@ def test_serials_are_random(tmp_path: Path) -> None:
 def test_lifetime_is_honoured_and_capped_by_the_maximum(tmp_path: Path) -> None:
     clock = Clock()
     authority = open_authority(tmp_path / "ca", clock, max_lifetime=48 * HOUR)
-    issued = authority.issue(
-        make_csr()[0], identity=RESOLVER_ID, requested_by="r", lifetime=2 * HOUR
+    issued = sign(
+        authority, make_csr()[0], identity=RESOLVER_ID, requested_by="r", lifetime=2 * HOUR
     )
     assert issued.valid_until == clock() + 2 * HOUR
     before = snapshot(tmp_path / "ca")
     with pytest.raises(InvalidArgument, match="lifetime 49h exceeds the maximum 2d"):
-        authority.issue(make_csr()[0], identity=RESOLVER_ID, requested_by="r", lifetime=49 * HOUR)
+        sign(authority, make_csr()[0], identity=RESOLVER_ID, requested_by="r", lifetime=49 * HOUR)
     with pytest.raises(InvalidArgument, match="must be positive"):
-        authority.issue(
-            make_csr()[0], identity=RESOLVER_ID, requested_by="r", lifetime=dt.timedelta(0)
+        sign(
+            authority,
+            make_csr()[0],
+            identity=RESOLVER_ID,
+            requested_by="r",
+            lifetime=dt.timedelta(0),
         )
     assert snapshot(tmp_path / "ca") == before
     assert len(authority.list_issued()) == 1
@@ -131,7 +136,7 @@ def test_leaf_never_outlives_its_ca(tmp_path: Path) -> None:
         tmp_path / "ca", clock, ca_lifetime=10 * 24 * HOUR, max_lifetime=7 * 24 * HOUR
     )
     clock.advance(9 * 24 * HOUR)
-    issued = authority.issue(make_csr()[0], identity=RESOLVER_ID, requested_by="r")
+    issued = sign(authority, make_csr()[0], identity=RESOLVER_ID, requested_by="r")
     assert issued.valid_until == authority.trust_bundle().authorities[0].not_after
 
 
@@ -160,9 +165,9 @@ def test_ed25519_csr_is_accepted() -> None:
 def test_list_issued_filters(tmp_path: Path) -> None:
     clock = Clock()
     authority = open_authority(tmp_path / "ca", clock)
-    authority.issue(make_csr()[0], identity=RESOLVER_ID, requested_by="resolver", lifetime=HOUR)
+    sign(authority, make_csr()[0], identity=RESOLVER_ID, requested_by="resolver", lifetime=HOUR)
     other_id = "spiffe://waygate.local/ns/local/sa/proxy"
-    authority.issue(make_csr((f"uri:{other_id}",))[0], identity=other_id, requested_by="proxy")
+    sign(authority, make_csr((f"uri:{other_id}",))[0], identity=other_id, requested_by="proxy")
     assert {r.identity for r in authority.list_issued()} == {RESOLVER_ID, other_id}
     (record,) = authority.list_issued(identity=other_id)
     assert record.requested_by == "proxy" and record.uris == (other_id,)
@@ -178,7 +183,7 @@ def test_restart_keeps_the_ca(tmp_path: Path) -> None:
     again = open_authority(tmp_path / "ca")
     assert again.active_authority().fingerprint == fingerprint
     assert again.version == version
-    leaf = again.issue(make_csr()[0], identity=RESOLVER_ID, requested_by="r").leaf
+    leaf = sign(again, make_csr()[0], identity=RESOLVER_ID, requested_by="r").leaf
     verify(leaf, first.trust_bundle().certificates, dt.datetime.now(dt.UTC))
 
 
@@ -210,21 +215,21 @@ def test_files_without_state_are_not_overwritten(tmp_path: Path) -> None:
 def test_leaf_bound_is_saved_rarely(tmp_path: Path) -> None:
     clock = Clock()
     authority = open_authority(tmp_path / "ca", clock)
-    authority.issue(make_csr()[0], identity=RESOLVER_ID, requested_by="r")
+    sign(authority, make_csr()[0], identity=RESOLVER_ID, requested_by="r")
     before = snapshot(tmp_path / "ca")
     for _ in range(5):
         clock.advance(dt.timedelta(minutes=10))
-        authority.issue(make_csr()[0], identity=RESOLVER_ID, requested_by="r")
+        sign(authority, make_csr()[0], identity=RESOLVER_ID, requested_by="r")
     assert snapshot(tmp_path / "ca") == before  # within the bound step: no write
     clock.advance(HOUR)
-    authority.issue(make_csr()[0], identity=RESOLVER_ID, requested_by="r")
+    sign(authority, make_csr()[0], identity=RESOLVER_ID, requested_by="r")
     assert snapshot(tmp_path / "ca") != before
 
 
 def test_list_issued_returns_the_newest_within_the_limit(tmp_path: Path) -> None:
     authority = open_authority(tmp_path / "ca")
     serials = [
-        authority.issue(make_csr()[0], identity=RESOLVER_ID, requested_by="r").serial
+        sign(authority, make_csr()[0], identity=RESOLVER_ID, requested_by="r").serial
         for _ in range(5)
     ]
     assert [r.serial for r in authority.list_issued(limit=3)] == serials[2:]

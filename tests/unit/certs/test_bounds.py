@@ -24,7 +24,14 @@ from hypothesis import strategies as st
 from pyasn1.codec.der import decoder, encoder
 from pyasn1_alt_modules import rfc2986
 
-from tests.unit.certs.helpers import RESOLVER_ID, RESOLVER_SANS, Clock, make_csr, open_authority
+from tests.unit.certs.helpers import (
+    RESOLVER_ID,
+    RESOLVER_SANS,
+    Clock,
+    make_csr,
+    open_authority,
+    sign,
+)
 from waygate.certs.csr import (
     MAX_DNS_NAME_LENGTH,
     MAX_URI_LENGTH,
@@ -57,9 +64,9 @@ def test_the_authority_applies_its_configured_cap(tmp_path: Path) -> None:
     authority = open_authority(tmp_path / "ca", max_sans=3)
     names = [f"uri:{RESOLVER_ID}", "dns:a.test", "dns:b.test", "dns:c.test"]
     with pytest.raises(InvalidArgument, match="at most 3"):
-        authority.issue(make_csr(names)[0], identity=RESOLVER_ID, requested_by="r")
+        sign(authority, make_csr(names)[0], identity=RESOLVER_ID, requested_by="r")
     assert authority.list_issued(include_expired=True) == []
-    authority.issue(make_csr(names[:3])[0], identity=RESOLVER_ID, requested_by="r")
+    sign(authority, make_csr(names[:3])[0], identity=RESOLVER_ID, requested_by="r")
 
 
 @pytest.mark.parametrize(
@@ -169,7 +176,7 @@ def records_added(records: IssuedRecords) -> int:
 
 def test_records_hold_only_what_list_issued_shows(tmp_path: Path) -> None:
     authority = open_authority(tmp_path / "ca")
-    authority.issue(make_csr()[0], identity=RESOLVER_ID, requested_by="resolver")
+    sign(authority, make_csr()[0], identity=RESOLVER_ID, requested_by="resolver")
     (record,) = authority.list_issued()
     fields = set(IssuedRecord.__slots__)
     assert fields == {
@@ -267,7 +274,7 @@ def test_the_authority_keeps_its_configured_number_of_records(tmp_path: Path) ->
     clock = Clock()
     authority = open_authority(tmp_path / "ca", clock, issued_records=20)
     for _ in range(30):
-        authority.issue(make_csr()[0], identity=RESOLVER_ID, requested_by="r")
+        sign(authority, make_csr()[0], identity=RESOLVER_ID, requested_by="r")
     assert len(authority.list_issued(include_expired=True)) <= 20
 
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import json
 from pathlib import Path
 
 import pytest
 from cryptography import x509
 from cryptography.x509 import verification
 
-from tests.unit.certs.helpers import RESOLVER_ID, Clock, make_csr, open_authority
+from tests.unit.certs.helpers import RESOLVER_ID, Clock, make_csr, open_authority, sign
 from waygate.certs.authority import Authority, AuthorityConfig, CAState
 from waygate.certs.store import DirectoryCAStore
 from waygate.core.errors import FailedPrecondition, InvalidArgument
@@ -73,7 +74,7 @@ def test_rotation_walk(tmp_path: Path) -> None:
             csr, _ = make_csr()
             lifetime = lifetimes[(step // 2) % len(lifetimes)]
             leaves.append(
-                authority.issue(csr, identity=RESOLVER_ID, requested_by="r", lifetime=lifetime).leaf
+                sign(authority, csr, identity=RESOLVER_ID, requested_by="r", lifetime=lifetime).leaf
             )
         phase = tuple(states(authority))
         phases_seen.add(phase)
@@ -117,7 +118,7 @@ def test_old_ca_leaves_the_bundle_only_after_its_last_leaf(tmp_path: Path) -> No
     clock = Clock()
     authority = open_authority(tmp_path / "ca", clock, leaf_bound_step=dt.timedelta(0), **CONFIG)
     csr, _ = make_csr()
-    last_old = authority.issue(csr, identity=RESOLVER_ID, requested_by="r", lifetime=48 * HOUR)
+    last_old = sign(authority, csr, identity=RESOLVER_ID, requested_by="r", lifetime=48 * HOUR)
     authority.rotate(propagation_delay=HOUR)
     clock.advance(HOUR)
     assert states(authority) == ["RETIRING", "ACTIVE"]
@@ -160,7 +161,7 @@ def test_the_ca_rotates_itself_and_no_leaf_is_ever_shortened_or_refused(tmp_path
     for _ in range(int(3 * CONFIG["ca_lifetime"] / step)):
         authority.rotate_if_expiring()
         csr, _ = make_csr()
-        issued = authority.issue(csr, identity=RESOLVER_ID, requested_by="r", lifetime=48 * HOUR)
+        issued = sign(authority, csr, identity=RESOLVER_ID, requested_by="r", lifetime=48 * HOUR)
         assert issued.valid_until == clock().replace(microsecond=0) + 48 * HOUR
         leaves.append(issued.leaf)
         fingerprints.add(authority.active_authority().fingerprint)
@@ -241,3 +242,26 @@ def test_a_transition_the_store_refuses_is_retried(tmp_path: Path) -> None:
     assert authority.advance() is True
     assert states(authority) == ["RETIRING", "ACTIVE"]
     assert open_authority(tmp_path / "ca", clock, **CONFIG).version == version + 1
+
+
+def test_a_leaf_whose_bound_the_store_refuses_is_not_handed_out(tmp_path: Path) -> None:
+    """The leaf bound is stored before the leaf leaves: a refused write refuses the leaf,
+    records nothing and puts the bound back, so the next leaf writes it again."""
+    clock = Clock()
+    store = FlakyStore(tmp_path / "ca")
+    authority = Authority.open(store, AuthorityConfig(**CONFIG), now=clock)  # type: ignore[arg-type]
+    stored = (tmp_path / "ca" / "state.json").read_bytes()
+    store.down = True
+    with pytest.raises(FailedPrecondition, match="store is down"):
+        sign(authority, make_csr()[0], identity=RESOLVER_ID, requested_by="r")
+    assert authority.list_issued() == []
+    assert (tmp_path / "ca" / "state.json").read_bytes() == stored
+    store.down = False
+    leaf = sign(authority, make_csr()[0], identity=RESOLVER_ID, requested_by="r").leaf
+    assert (tmp_path / "ca" / "state.json").read_bytes() != stored
+    # What a restart goes by covers the leaf handed out.
+    (bound,) = [
+        dt.datetime.fromisoformat(entry["leaf_bound"])
+        for entry in json.loads((tmp_path / "ca" / "state.json").read_bytes())["authorities"]
+    ]
+    assert bound >= leaf.not_valid_after_utc

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives import serialization
 
-from tests.unit.certs.helpers import RESOLVER_ID, Clock, make_csr, open_authority
+from tests.unit.certs.helpers import RESOLVER_ID, Clock, make_csr, open_authority, sign
 from waygate.certs.commands import inspect_certificate
 from waygate.cli import main
 
@@ -19,7 +19,7 @@ HOUR = dt.timedelta(hours=1)
 def leaf(tmp_path: Path):  # type: ignore[no-untyped-def]
     clock = Clock()
     authority = open_authority(tmp_path / "ca", clock, backdate=dt.timedelta(0))
-    return clock, authority.issue(make_csr()[0], identity=RESOLVER_ID, requested_by="t").leaf
+    return clock, sign(authority, make_csr()[0], identity=RESOLVER_ID, requested_by="t").leaf
 
 
 def test_fresh_certificate(leaf) -> None:  # type: ignore[no-untyped-def]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.certs.helpers import RESOLVER_ID, Clock, make_csr, open_authority
+from tests.unit.certs.helpers import RESOLVER_ID, Clock, make_csr, open_authority, sign
 from waygate.certs.authority import Authority
 from waygate.certs.consumers import ConsumerTable
 from waygate.certs.rotation import Phase
@@ -98,7 +98,7 @@ def test_the_rotation_ends_only_once_consumers_dropped_the_old_ca(
 ) -> None:
     report(authority, PROXY)
     csr, _ = make_csr()
-    authority.issue(csr, identity=RESOLVER_ID, requested_by="test", lifetime=2 * HOUR)
+    sign(authority, csr, identity=RESOLVER_ID, requested_by="test", lifetime=2 * HOUR)
     old = authority.active_authority().fingerprint
     authority.rotate(propagation_delay=dt.timedelta(0))
     report(authority, PROXY)

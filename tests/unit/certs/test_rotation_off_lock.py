@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.unit.certs.helpers import RESOLVER, RESOLVER_ID, Clock, make_csr
+from tests.unit.certs.helpers import RESOLVER, RESOLVER_ID, Clock, make_csr, sign
 from waygate.certs import castate as castate_module
 from waygate.certs.auth import StaticTokenAuthenticator
 from waygate.certs.authority import Authority, AuthorityConfig, CAState
@@ -75,7 +75,7 @@ def open_gated(tmp_path: Path, clock: Clock) -> tuple[Authority, GatedStore]:
 
 def issue(authority: Authority) -> Any:
     csr, _ = make_csr()
-    return authority.issue(csr, identity=RESOLVER_ID, requested_by="test")
+    return sign(authority, csr, identity=RESOLVER_ID, requested_by="test")
 
 
 def bound_of(state: dict[str, Any], name: str) -> dt.datetime:

@@ -14,7 +14,7 @@ import pytest
 
 from tests.unit.proxy.test_decision import req
 from tests.unit.proxy.test_extauth import answer
-from waygate.proxy import extauth, filters
+from waygate.proxy import extauth, filters, responserewrite
 from waygate.resolver.model import ExternalAuth, HeaderModifier
 
 COOKIES = "Set-Cookie: a=1; Path=/\r\nSet-Cookie: b=2\r\n"
@@ -160,3 +160,23 @@ def test_remote_user_in_the_cache_key():
     assert extauth.cache_key(plan, "r", head, b"") == b"r\x00ann" + token.encode()
     assert extauth.remote_user(req("/", extra="Authorization: Bearer x\r\n")) == b""
     assert extauth.remote_user(req("/")) == b""
+
+
+def test_the_auth_cookie_keeps_a_routes_response_rules_whole():
+    # proxy-cookie-path and custom-http-errors (responserewrite.ResponseRules) on the
+    # same route as auth-url: the auth service's cookie is added, the backend's own
+    # Set-Cookie still rewritten, the error pages still readable by errorpages.
+    rules = responserewrite.ResponseRules(add=(("X-A", "1"),), cookie_path=(b"/one", b"/two"))
+    for always in (False, True):
+        plan = extauth.AuthPlan(ExternalAuth("http://auth/", always_set_cookie=always))
+        forward = types.SimpleNamespace(response_modifier=rules)
+        extauth.outcome(plan, answer(200, "Set-Cookie: s=1\r\n"), req(), False, forward)  # type: ignore[arg-type]
+        modifier = forward.response_modifier
+        assert modifier.errors is None and modifier.cookie_path == (b"/one", b"/two")
+        fields = filters.modify_response_fields(b"\r\nSet-Cookie: b=2; Path=/one/x", modifier, 200)
+        assert b"Set-Cookie: b=2; Path=/two/x" in fields  # the backend's, rewritten
+        assert b"Set-Cookie: s=1" in fields and b"X-A: 1" in fields
+        fields = filters.modify_response_fields(b"", modifier, 503)
+        assert (b"Set-Cookie: s=1" in fields) is always
+    info = filters.with_added(rules, (("Authentication-Info", "x"),))
+    assert type(info) is responserewrite.ResponseRules and info.cookie_path == rules.cookie_path

@@ -59,7 +59,7 @@ async def test_credit_waits_for_a_grant_and_wakes_on_close() -> None:
     await asyncio.sleep(0.01)
     assert not waiting.done()  # 4 < 5: still waiting
     credit.grant(1)
-    await asyncio.wait_for(waiting, 1)
+    await asyncio.wait_for(waiting, 10)
     assert credit.available == 0
     blocked = asyncio.ensure_future(credit.take(1))
     await asyncio.sleep(0.01)

@@ -95,9 +95,14 @@ async def test_a_connect_that_completes_later_is_waited_for() -> None:
         await asyncio.sleep(0.05)
         assert not connecting.done()  # the SYN was dropped: it waits
         listener.setblocking(False)
-        for _ in queued:  # room in the queue: the kernel's retried SYN gets in
+        # Room in the queue, kept free until the connect completes: the kernel's retried
+        # SYN gets in. (Draining once is not enough: the other dropped client's retry can
+        # take the freed place first, and then every later retry of ours meets a full queue.)
+        while not connecting.done():
             with contextlib.suppress(BlockingIOError):
-                listener.accept()[0].close()
+                while True:
+                    listener.accept()[0].close()
+            await asyncio.wait([connecting], timeout=0.05)
         await connecting
         assert sock.getpeername() == listener.getsockname()
     finally:
