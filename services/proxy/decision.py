@@ -47,6 +47,7 @@ from typing import Any, NamedTuple, Protocol
 from waygate.proxy import (
     access,
     bodylimit,
+    canary,
     captures,
     clientcert,
     cors,
@@ -54,6 +55,8 @@ from waygate.proxy import (
     filters,
     hashkey,
     http1,
+    mirror,
+    nextupstream,
     ratelimit,
     records,
     responserewrite,
@@ -69,6 +72,7 @@ from waygate.proxy.routing import (
     Target,
     unavailable_reason,
 )
+from waygate.proxy.throttle import ResponseThrottle
 from waygate.resolver.client import HeaderModifier
 
 _new = object.__new__
@@ -185,6 +189,16 @@ class Forward:
     hash_key: bytes | None = None
     # Sent to ingress-nginx's error backend (errorpages): never redispatched to the route's.
     error_request = False
+    # ingress-nginx limit-rate: the response's pacing (waygate.proxy.throttle).
+    throttle: ResponseThrottle | None = None
+    # ingress-nginx proxy-next-upstream http_*/invalid_header (waygate.proxy.nextupstream)
+    # and the upstreams tried so far for it.
+    next_upstream: nextupstream.NextUpstream | None = None
+    tries = 1
+    body_copy: bytes | None = None  # the buffered body kept for a resend (nextupstream)
+    # ingress-nginx mirror-target of a request with a buffered body: (target, head),
+    # sent with the body once it is all in (waygate.proxy.mirror.send_with_body).
+    body_mirror: tuple[Any, bytes] | None = None
     target: Target
     backend: Backend
     entry: RouteEntry
@@ -247,6 +261,9 @@ def repick(view: View, forward: Forward, facts: ConnectionFacts, failed: Target)
     req = forward.req
     current = view.table.lookup(req.host, forward.path, req, facts.secure)
     entry = current if current is not None else forward.entry
+    split = entry.policies.get("canary") if rules_of(entry) else None
+    if split is not None:  # a canary's route: the same side again
+        entry = split.side_of(forward.backend)
     target, backend = entry.pick(facts.client_key, None, view.health, failed)
     if target is None or backend is None or backend.invalid or backend.http2 != forward.http2:
         return False
@@ -438,6 +455,60 @@ def _hash_by(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answ
     return None
 
 
+def _canary(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
+    """ingress-nginx canary: the request goes on with the main or the canary side of
+    its route (`waygate.proxy.canary`); the endpoint is picked from that side."""
+    entry = forward.entry
+    sticky = _sticky_cookie(req, entry) if req.cookie else None
+    forward.entry = entry.policies["canary"].choose(req, sticky)
+    return None
+
+
+def _has_url_mirror(entry: RouteEntry) -> bool:
+    spec = entry.route.url_mirror
+    if spec is None:
+        return False
+    entry.policies["url_mirror"] = mirror.UrlMirror(spec.target, spec.host, spec.request_body)
+    return True
+
+
+def _url_mirror(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
+    """ingress-nginx mirror-target: a copy of the request as the backend gets it, to
+    the URL (`waygate.proxy.mirror`: fire and forget, bounded)."""
+    policy = forward.entry.policies["url_mirror"]
+    assert facts.context is not None
+    head = policy.head(forward.req, facts.context, forward.entry.options.forwarded_mode)
+    if head is None:
+        return None
+    if req.has_body and policy.request_body:
+        if forward.buffer_body:  # (set by decide after the gates, before the shapers)
+            forward.body_mirror = (policy.target, head)
+    else:
+        forward.mirrors = [(policy.target, head)]
+    return None
+
+
+def _has_next_upstream(entry: RouteEntry) -> bool:
+    policy = nextupstream.policy_of(entry.route, MAX_CONNECT_ATTEMPTS, repick)
+    if policy is None:
+        return False
+    entry.policies["next_upstream"] = policy
+    return True
+
+
+def _next_upstream(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
+    """proxy-next-upstream http_*/invalid_header: the drivers may send the request on."""
+    forward.next_upstream = forward.entry.policies["next_upstream"]
+    return None
+
+
+def _limit_rate(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
+    """ingress-nginx limit-rate/-after: the response is paced (`waygate.proxy.throttle`)."""
+    route = forward.entry.route
+    forward.throttle = ResponseThrottle(route.limit_rate, route.limit_rate_after)
+    return None
+
+
 def _cors_headers(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
     if forward.cors is not None:
         forward.response_modifier = cors.with_headers(forward.response_modifier, forward.cors)
@@ -464,6 +535,8 @@ GATES: tuple[Rule, ...] = (
     Rule("access", access.prepare, _access),
     Rule("external_auth", lambda entry: entry.route.external_auth is not None, _external_auth),
     Rule("hash_by", _has_hash_by, _hash_by),
+    # Last: ingress-nginx's balancer decides the canary after every access check.
+    Rule("canary", canary.prepare, _canary),
 )
 SHAPERS: tuple[Rule, ...] = (
     Rule("request_filters", _has_filters, _request_filters),
@@ -474,6 +547,10 @@ SHAPERS: tuple[Rule, ...] = (
     ),
     Rule("cors", lambda entry: entry.route.cors is not None, _cors_headers),
     Rule("digest_info", access.has_digest, access.authentication_info),
+    Rule("limit_rate", lambda entry: entry.route.limit_rate > 0, _limit_rate),
+    Rule("next_upstream", _has_next_upstream, _next_upstream),
+    # After the request filters and the rewrite: the copy is the request as sent.
+    Rule("url_mirror", _has_url_mirror, _url_mirror),
     # ingress-nginx's response-side annotations, after the modifiers above.
     Rule("responses", responserewrite.applies, responserewrite.shape),
 )
@@ -555,6 +632,7 @@ def decide(
             if answer is not None:
                 release_pick(forward)  # what an earlier gate held
                 return answer
+        entry = forward.entry  # a gate may narrow it (the canary's side)
     # The endpoint: one backend with one endpoint and no cookie takes it without a call.
     cookie = None
     if req.cookie:

@@ -73,7 +73,7 @@ from typing import Any, Protocol
 from opentelemetry.trace import Status, StatusCode
 
 from waygate.core import flow
-from waygate.proxy import errorpages, filters, http1
+from waygate.proxy import errorpages, filters, http1, mirror, nextupstream, throttle
 from waygate.proxy.authstep import AuthStep
 from waygate.proxy.bodybuffer import BodyBuffer
 from waygate.proxy.connect_h1 import start_connect
@@ -105,6 +105,7 @@ from waygate.proxy.records import end_span
 from waygate.proxy.relay_h1 import UpgradeRelay
 from waygate.proxy.requestbody import RequestBody
 from waygate.proxy.routing import Backend, RouteEntry, Side, Target
+from waygate.proxy.throttle import ResponseThrottle
 from waygate.proxy.timeouts import check as check_timeouts
 from waygate.proxy.upstream_h1 import UpstreamConnection
 
@@ -221,6 +222,7 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
         "started",
         "status",
         "target",
+        "throttle",  # ingress-nginx limit-rate (waygate.proxy.throttle; None: not paced)
         "upstream",
         "upstream_blocked",
         "upstream_head",
@@ -271,6 +273,7 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
         self.framing = FRAMING_NONE
         self.remaining = 0
         self.reader: ChunkedReader | None = None
+        self.throttle: ResponseThrottle | None = None
 
     # ------------------------------------------------------------ the request
 
@@ -294,6 +297,7 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
         self.backend = forward.backend
         self.span = forward.span
         self.upstream_head = forward.upstream_head
+        self.throttle = forward.throttle
         self.status = 0
         if self.informationals:
             self.informationals = self.informational_bytes = 0
@@ -328,10 +332,18 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
     def dispatch(self) -> None:
         """Send the request upstream: a pooled connection, or a new connect; to an
         HTTP/2 backend, a stream (`h2bridge`: the backend decides the protocol)."""
-        if self.buffer is not None and not self.req_complete:
-            # The body first (request buffering): dispatched at its last byte.
-            self.hold_dispatch()
-            return
+        buffer = self.buffer
+        if buffer is not None:
+            if not self.req_complete:
+                # The body first (request buffering): dispatched at its last byte.
+                self.hold_dispatch()
+                return
+            forward = self.forward
+            if forward is not None:
+                if forward.body_mirror is not None:
+                    mirror.send_with_body(self.ctx.mirrors, forward, buffer)
+                if forward.next_upstream is not None:
+                    nextupstream.keep_body(forward, buffer)
         target = self.target
         assert target is not None
         ctx = self.ctx
@@ -496,6 +508,10 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
         upstream = self.upstream
         assert upstream is not None
         self.last_up = now
+        forward = self.forward
+        assert forward is not None
+        if forward.next_upstream is not None and nextupstream.retried(self, response.status, now):
+            return None  # dropped: the request went to another endpoint
         entry = self.entry
         ctx.metrics.latency(now - upstream.sent_at, entry.options.name if entry else "")
         framing = http1.response_framing(req.method, response)
@@ -526,8 +542,6 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
         self.keep_alive = keep_alive
         self.response_started = True
         self.status = status
-        forward = self.forward
-        assert forward is not None
         if forward.response_modifier is not None:
             if errorpages.intercept(self, forward.response_modifier, status):
                 return None  # ingress-nginx custom-http-errors: the error backend answers
@@ -539,7 +553,7 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
         else:
             extra = b""
         down = self.down
-        if framing == FRAMING_LENGTH and len(rest) == length < 65536:
+        if framing == FRAMING_LENGTH and len(rest) == length < 65536 and self.throttle is None:
             # The whole body came with the head (a small response): one send.
             ctx.metrics.bytes_out += length
             down.response_head(response, out_framing, length, keep_alive, extra, rest, False)
@@ -559,6 +573,8 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
     def response_data(self, data: bytes, now: float) -> None:
         """Response body bytes from the upstream (after the head)."""
         self.last_up = now
+        if self.throttle is not None:
+            data = throttle.admit(self, self.throttle, data, now)
         if not data:
             return
         framing = self.framing
@@ -659,6 +675,8 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
 
     def upstream_failed(self, status: int, reason: str, kind: str) -> None:
         """The upstream broke before or during the response."""
+        if kind == "bad_response" and nextupstream.retried_broken(self):
+            return  # proxy-next-upstream invalid_header: another endpoint
         if self.response_started:
             self.abandon_upstream()
             self.down.abort()

@@ -55,7 +55,18 @@ import h2.settings
 from h2.errors import ErrorCodes
 
 from waygate.core import flow, httpheaders
-from waygate.proxy import authcheck, bodylimit, errorpages, extauth, filters, grpcstatus, http1
+from waygate.proxy import (
+    authcheck,
+    bodylimit,
+    errorpages,
+    extauth,
+    filters,
+    grpcstatus,
+    http1,
+    mirror,
+    nextupstream,
+    throttle,
+)
 from waygate.proxy.bodybuffer import BodyBuffer, BufferRefused
 from waygate.proxy.context import ExchangeContext
 from waygate.proxy.decision import Forward, may_redispatch, release_pick, repick
@@ -570,6 +581,8 @@ class H2Exchange(UpstreamStream):
     buffering = False  # the body is still coming in (no stream upstream yet)
     last_client = 0.0  # when the client last sent body bytes (while buffering)
     body_seen = 0  # request DATA counted against proxy-body-size (only with one)
+    # ingress-nginx limit-rate (set per request only when paced; waygate.proxy.throttle).
+    throttle: throttle.ResponseThrottle | None = None
 
     def __init__(
         self,
@@ -647,6 +660,8 @@ class H2Exchange(UpstreamStream):
             mirrors = self.ctx.mirrors
             for target, head in forward.mirrors:
                 mirrors.send(target, head)
+        if forward.throttle is not None:
+            self.throttle = forward.throttle
         allowed = forward.entry.options.server_timeout
         if forward.deadline:
             self.grpc_deadline = forward.deadline  # grpc-timeout, shorter than the route's
@@ -785,6 +800,8 @@ class H2Exchange(UpstreamStream):
             return
         if self.buffering:
             self.buffering = False
+            if self.forward.body_mirror is not None and self.buffer is not None:
+                mirror.send_with_body(self.ctx.mirrors, self.forward, self.buffer)
             # The buffered body is all here: now a stream upstream (the body is
             # replayed by send_held; END_STREAM after its last byte).
             self._arm(self.entry.options.server_timeout)
@@ -853,6 +870,10 @@ class H2Exchange(UpstreamStream):
         for name, value in headers:
             if control(value) is not None or (name == b":status" and not _STATUS.fullmatch(value)):
                 # Not relayed: the HTTP/1.1 rule book's 502 (h2 refuses NUL, CR, LF only).
+                if self.forward.next_upstream is not None and nextupstream.retried_h2(
+                    self, 0, broken=True
+                ):
+                    return  # proxy-next-upstream invalid_header: another endpoint
                 self._cancel_upstream()
                 self.fail(502, "upstream sent a malformed response head", "upstream_head")
                 return
@@ -862,6 +883,8 @@ class H2Exchange(UpstreamStream):
                 out.append((name, value))
         if status < 200:
             return
+        if self.forward.next_upstream is not None and nextupstream.retried_h2(self, status):
+            return  # dropped: the stream went to another endpoint
         if self.response_modifier is not None and errorpages.intercept_stream(
             self, self.response_modifier, status
         ):
@@ -880,7 +903,10 @@ class H2Exchange(UpstreamStream):
             self._arm(self.entry.options.server_timeout)
 
     def on_data(self, data: bytes, flow: int) -> None:
-        self.last_up = self.ctx.loop.time()
+        self.last_up = now = self.ctx.loop.time()
+        paced = self.throttle
+        if paced is not None and not throttle.admit_h2(self, paced, data, flow, now):
+            return
         self.stream.send(data)
         if flow:
             if self.source_paused:
@@ -896,10 +922,16 @@ class H2Exchange(UpstreamStream):
             self._cancel_upstream()
             self.fail(502, "upstream sent a malformed trailer", "upstream_head")
             return
+        paced = self.throttle
+        if paced is not None and throttle.held_end(paced, lambda: self.on_trailers(headers)):
+            return
         self.stream.finish(trailers)
         self._finish(self.status)
 
     def on_end(self) -> None:
+        paced = self.throttle
+        if paced is not None and throttle.held_end(paced, self.on_end):
+            return
         if not self.finished:
             self.stream.finish()
             self._finish(self.status)

@@ -343,6 +343,14 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
     message.port_in_redirects = route.port_in_redirects
     message.connection_header = route.connection_header
     message.access_log_disabled = route.access_log_disabled
+    message.limit_rate = route.limit_rate
+    message.limit_rate_after = route.limit_rate_after
+    if route.next_upstream_timeout:
+        message.next_upstream_timeout.FromNanoseconds(round(route.next_upstream_timeout * 1e9))
+    if (url_mirror := route.url_mirror) is not None:
+        message.url_mirror.CopyFrom(pb.UrlMirror(**dataclasses.asdict(url_mirror)))
+    if (canary := route.canary) is not None:
+        message.canary.CopyFrom(pb.RouteCanary(**dataclasses.asdict(canary)))
     if route.tls is not None:
         hsts = route.tls.hsts
         message.tls.CopyFrom(
@@ -495,6 +503,30 @@ def route_from_proto(message: pb.Route) -> model.Route:
         port_in_redirects=message.port_in_redirects,
         connection_header=message.connection_header,
         access_log_disabled=message.access_log_disabled,
+        canary=_canary_from_proto(message.canary) if message.HasField("canary") else None,
+        limit_rate=message.limit_rate,
+        limit_rate_after=message.limit_rate_after,
+        next_upstream_timeout=seconds(message.next_upstream_timeout)
+        if message.HasField("next_upstream_timeout")
+        else 0.0,
+        url_mirror=model.UrlMirror(
+            message.url_mirror.target, message.url_mirror.host, message.url_mirror.request_body
+        )
+        if message.HasField("url_mirror")
+        else None,
+    )
+
+
+def _canary_from_proto(message: pb.RouteCanary) -> model.Canary:
+    return model.Canary(
+        main_backends=message.main_backends,
+        weight=message.weight,
+        weight_total=message.weight_total,
+        header=message.header,
+        header_value=message.header_value,
+        header_pattern=message.header_pattern,
+        cookie=message.cookie,
+        legacy_affinity=message.legacy_affinity,
     )
 
 

@@ -501,6 +501,35 @@ class ExternalAuth:
 
 
 @dataclass(frozen=True)
+class Canary:
+    """A canary Ingress folded into its main Ingress's route (ingress-nginx's
+    alternative backend): `Route.backends[:main_backends]` are the main ones, the
+    rest the canary's; the proxy decides each request as ingress-nginx's
+    balancer.lua: a sticky cookie naming a main endpoint, then one naming a canary
+    endpoint (not with `legacy_affinity`), then the header, the cookie, the weight."""
+
+    main_backends: int
+    weight: int = 0
+    weight_total: int = 100  # the draw is 1..max(100, weight_total), as balancer.lua
+    header: str = ""
+    header_value: str = ""  # the header's value exactly ("": always/never)
+    header_pattern: str = ""  # a regular expression found in the header's value
+    cookie: str = ""  # canary-by-cookie: its value "always" or "never"
+    # affinity-canary-behavior legacy: the canary's answers set no sticky cookie.
+    legacy_affinity: bool = False
+
+
+@dataclass(frozen=True)
+class UrlMirror:
+    """ingress-nginx's mirror-target / -host / -request-body: a copy of each request
+    to an http(s) URL (`$request_uri` in it: the request's target), fire and forget."""
+
+    target: str
+    host: str = ""  # the copy's Host ("": the URL's host)
+    request_body: bool = True  # false: a request with a body is copied without it
+
+
+@dataclass(frozen=True)
 class Cors:
     """ingress-nginx's enable-cors with its cors-* annotations (their defaults here):
     origins are `*` or scheme://host[:port] with an optional `*.` subdomain wildcard."""
@@ -615,6 +644,16 @@ class Route:
     port_in_redirects: bool = False
     connection_header: str = ""
     access_log_disabled: bool = False
+    # ingress-nginx canary annotations: a canary folded into this route (None: none).
+    canary: Canary | None = None
+    # ingress-nginx limit-rate / limit-rate-after: a response's body paced to this
+    # many bytes a second after its first `limit_rate_after` bytes (0: not paced).
+    limit_rate: int = 0
+    limit_rate_after: int = 0
+    # ingress-nginx mirror-target: a copy of each request to a URL (None: none).
+    url_mirror: UrlMirror | None = None
+    # proxy-next-upstream-timeout in seconds (0: no bound on the tries' time).
+    next_upstream_timeout: float = 0.0
 
     @property
     def key(self) -> RouteKey:

@@ -247,6 +247,11 @@ DERIVED: Final[Mapping[str, Mapping[str, str]]] = {
         "port_in_redirects": "ingress-nginx use-port-in-redirects",
         "connection_header": "ingress-nginx connection-proxy-header",
         "access_log_disabled": 'ingress-nginx enable-access-log "false"',
+        "canary": "ingress-nginx canary annotations (a canary Ingress folded in)",
+        "limit_rate": "ingress-nginx limit-rate",
+        "limit_rate_after": "ingress-nginx limit-rate-after",
+        "url_mirror": "ingress-nginx mirror-target, -host and -request-body",
+        "next_upstream_timeout": "ingress-nginx proxy-next-upstream-timeout",
     },
     "RouteBackend": {
         "namespace": "Gateway API backendRefs across namespaces (ReferenceGrant)",

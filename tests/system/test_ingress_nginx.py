@@ -293,6 +293,108 @@ async def test_canary_by_weight(suite: Conformance) -> None:
     assert seen == {V1, V2}
 
 
+async def test_canary_by_cookie(suite: Conformance) -> None:
+    # canary.go: Context("when canaried by cookie") It("respects always and never
+    # values"); Context("when canaried by header with value and cookie") It("should
+    # route requests to the correct upstream") (a header value that does not match
+    # leaves the cookie to decide).
+    host, both = "cookie.foo", "both.foo"
+    await apply(
+        suite,
+        single_ingress(host, "/", host),
+        canary(host, {P + "canary-by-cookie": "Canary-By-Cookie"}),
+        single_ingress(both, "/", both),
+        canary(
+            both,
+            {
+                P + "canary-by-header": "CanaryByHeader",
+                P + "canary-by-header-value": "DoCanary",
+                P + "canary-by-cookie": "CanaryByCookie",
+            },
+        ),
+    )
+    await suite.eventually(
+        "/", host=host, backend=V2, headers={"Cookie": "Canary-By-Cookie=always"}
+    )
+    for _ in range(5):
+        for value, backend in (("always", V2), ("never", V1), ("badcookievalue", V1)):
+            cookie = {"Cookie": f"Canary-By-Cookie={value}"}
+            assert (await suite.request("/", host=host, headers=cookie)).backend == backend
+    headers = {"CanaryByHeader": "otherheadervalue", "Cookie": "CanaryByCookie=always"}
+    assert (await suite.eventually("/", host=both, backend=V2, headers=headers)).backend == V2
+
+
+async def test_canary_affinity_behavior(suite: Conformance) -> None:
+    # canary.go: Context("canary affinity behavior") It("always routes traffic to canary
+    # if first request was affinitized to canary (default behavior)"), It("... (explicit
+    # sticky behavior)"), It("routes traffic to either mainline or canary backend (legacy
+    # behavior)"): the canary's answer sets no affinity cookie, and both sides get
+    # requests (generous bounds: the test's 40% of 200 is not asserted exactly).
+    affinity = {P + "affinity": "cookie", P + "session-cookie-name": "aff"}
+    forced = {
+        P + "canary-by-header": "ForceCanary",
+        P + "canary-by-header-value": "yes",
+    }
+    await apply(
+        suite,
+        single_ingress("default.foo", "/", "default.foo", affinity),
+        canary("default.foo", {**forced, P + "canary-weight": "1"}),
+        single_ingress("sticky.foo", "/", "sticky.foo", affinity),
+        canary(
+            "sticky.foo",
+            {**forced, P + "canary-weight": "1", P + "affinity-canary-behavior": "sticky"},
+        ),
+        single_ingress("legacy.foo", "/", "legacy.foo", affinity),
+        canary(
+            "legacy.foo",
+            {**forced, P + "canary-weight": "50", P + "affinity-canary-behavior": "legacy"},
+        ),
+    )
+    for host in ("default.foo", "sticky.foo"):
+        first = await suite.eventually("/", host=host, backend=V2, headers={"ForceCanary": "yes"})
+        cookie = (first.header("Set-Cookie") or "").split(";")[0]
+        assert cookie.startswith("aff="), first.headers
+        for _ in range(20):
+            again = await suite.request("/", host=host, headers={"Cookie": cookie})
+            assert again.backend == V2, host
+    legacy = await suite.eventually(
+        "/", host="legacy.foo", backend=V2, headers={"ForceCanary": "yes"}
+    )
+    assert not (legacy.header("Set-Cookie") or "").startswith("aff=")
+    seen = [(await suite.request("/", host="legacy.foo")).backend for _ in range(40)]
+    assert seen.count(V1) >= 5 and seen.count(V2) >= 5
+
+
+async def test_mirror_target_and_request_body(suite: Conformance) -> None:
+    # mirror.go: It("should set mirror-target to https://test.env.com/$request_uri"),
+    # It("should disable mirror-request-body"): here the copies themselves, to a URL
+    # (the suite's second backend), Host the mirror-host; the answer is the backend's.
+    from tests.support.poll import until
+
+    copies = suite.backends[(INFRA, "infra-backend-v2")]
+    before = len(copies.requests)
+    target = f"http://127.0.0.1:{copies.port}/$request_uri"
+    await apply(
+        suite,
+        single_ingress(
+            "mirror.foo.com",
+            "/",
+            "mirror.foo.com",
+            {
+                P + "mirror-target": target,
+                P + "mirror-host": "test.env.com",
+                P + "mirror-request-body": "off",
+            },
+        ),
+    )
+    response = await suite.eventually("/m?x=1", host="mirror.foo.com", backend=V1)
+    assert response.status == 200
+    await until(lambda: len(copies.requests) > before, "the copy reached the mirror", timeout=10)
+    copy = copies.requests[-1]
+    assert copy["target"] == "//m?x=1"  # nginx's proxy_pass of "/$request_uri", as written
+    assert dict((k.lower(), v) for k, v in copy["headers"])["host"] == "test.env.com"  # type: ignore[attr-defined]
+
+
 async def test_ssl_passthrough_relays_tls_by_sni(suite: Conformance) -> None:
     # ssl-passthrough (docs/user-guide/tls.md#ssl-passthrough; no e2e file of its own in
     # test/e2e/annotations): the client sees the backend's own certificate.

@@ -76,11 +76,22 @@ async def test_limit_rpm_with_burst_multiplier_answers_the_configmaps_status(
     assert await statuses(suite, 10, "/", allowed_host) == {200: 10}
 
 
-async def test_limit_rate_is_refused_alone(suite: Conformance) -> None:
-    # limit-rate throttles response bytes (limitrate.go checks nginx's limit_rate):
-    # not honoured yet, and it bears on access: that Ingress is not served, others are.
-    throttled = single_ingress("limit-rate", "/", "limit-rate", {P + "limit-rate": "1"})
-    other = single_ingress("limit-rate-other", "/", "limit-rate-other")
-    await suite.apply(extra=yaml.safe_dump_all([LIMITS_CONTROLLER, throttled, other]))
-    assert (await suite.request("/", host="limit-rate-other")).status == 200
-    assert (await suite.request("/", host="limit-rate")).status != 200
+async def test_limit_rate(suite: Conformance) -> None:
+    # limitrate.go: It("Check limit-rate annotation"): limit-rate 1, then updated to 90
+    # (ingress-nginx checks the rendered `limit_rate 1k;`, then `90k`). Here the
+    # body's pace itself: at most 1 KB plus 1 KB a second (nginx's first second at
+    # once), so 2.5 KB take at least 1.5 s less the first second -- a lower bound on
+    # the time, which load cannot break; the update applies live.
+    host = "limit-rate"
+    throttled = single_ingress(host, "/", host, {P + "limit-rate": "1"})
+    await suite.apply(extra=yaml.safe_dump_all([LIMITS_CONTROLLER, throttled]))
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    response = await suite.eventually("/big?n=1536", host=host)
+    assert len(response.body) == 1536
+    assert loop.time() - began >= 0.4
+    faster = single_ingress(host, "/", host, {P + "limit-rate": "90"})
+    await suite.apply(extra=yaml.safe_dump_all([LIMITS_CONTROLLER, faster]))
+    # 90 KB a second: 64 KB go within the first second's allowance (no wait at all).
+    response = await suite.eventually("/big?n=65536", host=host)
+    assert len(response.body) == 65536

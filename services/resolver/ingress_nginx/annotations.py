@@ -49,11 +49,11 @@ from waygate.resolver.ingress_nginx.config import (
 from waygate.resolver.model import (
     HSTS,
     BalancePolicy,
+    Canary,
     ClientCertificate,
     Cors,
     ExternalAuth,
     ForwardedHeadersMode,
-    HeaderMatch,
     HeaderModifier,
     InsecureEdgePolicy,
     PathMatchType,
@@ -70,7 +70,7 @@ from waygate.resolver.model import (
     SameSite,
     StickySessions,
     TLSTermination,
-    ValueMatchType,
+    UrlMirror,
 )
 
 JSON = dict[str, Any]
@@ -129,6 +129,8 @@ class Plan:
     canary_header: str = ""
     canary_header_value: str = ""
     canary_header_pattern: str = ""
+    canary_cookie: str = ""
+    canary_legacy_affinity: bool = False  # affinity-canary-behavior: legacy
     # Flattened rule paths, then the default backend: (pathType, path), by rule_index.
     paths: list[tuple[str, str]] = field(default_factory=list)
     use_regex: bool = False
@@ -162,11 +164,16 @@ class Plan:
     limits: dict[str, int] = field(default_factory=dict)
     limit_allow: tuple[str, ...] = ()
     rate_limit: RateLimit | None = None
+    # limit-rate / limit-rate-after in bytes (nginx's `limit_rate Nk`; 0: not paced).
+    limit_rate: int = 0
+    limit_rate_after: int = 0
+    url_mirror: UrlMirror | None = None  # mirror-target
     external_auth: ExternalAuth | None = None
     cors: Cors | None = None
     max_request_body: int = 0
     next_upstream: str = ""
     next_upstream_tries: int = 0
+    next_upstream_timeout: float = 0.0
     default_backend: str = ""
     hash_by: str = ""
     # The response-side annotations (waygate.proxy.responserewrite, .errorpages), with
@@ -303,6 +310,10 @@ def plan(
             include_subdomains=config.flag("hsts-include-subdomains", True),
             preload=config.flag("hsts-preload", False),
         )
+    # limit-rate/-after: the ConfigMap's are the annotations' defaults, in KB as they
+    # are rendered (`limit_rate {N}k`).
+    result.limit_rate = _kilobytes(config.text("limit-rate", "0"))
+    result.limit_rate_after = _kilobytes(config.text("limit-rate-after", "0"))
     # nginx's client_max_body_size as ingress-nginx sets it (1m unless the ConfigMap says).
     configured = parse_size(config.text("proxy-body-size", "1m"))
     result.max_request_body = 1024**2 if configured is None else configured
@@ -432,12 +443,9 @@ _OFF: dict[str, str] = {
     "limit-rps": "0",
     "limit-rpm": "0",
     "limit-connections": "0",
-    "limit-rate": "0",
-    "limit-rate-after": "0",
     "upstream-hash-by-subset": "false",
     "proxy-buffering": "off",
     "enable-access-log": "true",
-    "proxy-next-upstream-timeout": "0",
     "proxy-redirect-from": "off",
     "proxy-cookie-domain": "off",
     "proxy-cookie-path": "off",
@@ -717,6 +725,19 @@ def _cookie(
         found(short)
 
 
+@_handles("affinity-canary-behavior")
+def _affinity_canary(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    """Read on the canary Ingress (ingress-nginx's mergeAlternativeBackend): `sticky`
+    (the default) gives the canary the main Ingress's sticky cookie, `legacy` none."""
+    if not _flag(values.get("canary", "false")):
+        found(short, Verdict.NOOP, 'read on a canary Ingress only (canary: "true")')
+        return
+    p.canary_legacy_affinity = value == "legacy"
+    found(short)
+
+
 @_handles("affinity-mode")
 def _affinity_mode(
     p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
@@ -868,6 +889,48 @@ def _limits(
     else:
         p.limits[short] = int(value)
         found(short, Verdict.HONOURED, "per proxy replica, keyed by the client address")
+
+
+def _kilobytes(value: str) -> int:
+    """An ingress-nginx KB count (`limit_rate {N}k`) in bytes; 0 when not one."""
+    return int(value) * 1024 if value.isdigit() and len(value) <= 9 else 0
+
+
+@_handles("limit-rate", "limit-rate-after")
+def _limit_rate(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    if int(value) < 0:
+        found(short, Verdict.NOT_HONOURED, "a negative size")
+        return
+    if short == "limit-rate":
+        p.limit_rate = int(value) * 1024
+    else:
+        p.limit_rate_after = int(value) * 1024
+    if not p.limit_rate and short == "limit-rate-after" and not values.get("limit-rate"):
+        found(short, Verdict.NOOP, "without limit-rate it does nothing")
+    elif int(value) == 0:
+        found(short, Verdict.HONOURED, "0: not paced")
+    else:
+        found(short)
+
+
+@_handles("mirror-target")
+def _mirror(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    """ingress-nginx's mirror location (mirror/main.go): Host the mirror-host, else the
+    URL's host; the body unless mirror-request-body is off."""
+    others = sorted(set(re.findall(r"\$[a-z_]+", value)) - {"$request_uri"})
+    if others:
+        found(short, Verdict.NOT_HONOURED, f"{others[0]}: only $request_uri is filled in")
+        return
+    p.url_mirror = UrlMirror(
+        target=value,
+        host=values.get("mirror-host", ""),
+        request_body=values.get("mirror-request-body", "on") != "off",
+    )
+    found(short)
 
 
 def _rate_limit(p: Plan, config: ControllerConfig) -> None:
@@ -1186,6 +1249,7 @@ def _codes_or_none(value: str) -> str | None:
     "canary-by-header",
     "canary-by-header-value",
     "canary-by-header-pattern",
+    "canary-by-cookie",
 )
 def _canary(
     p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
@@ -1204,6 +1268,9 @@ def _canary(
         found(short, Verdict.HONOURED, "")
     elif short == "canary-by-header":
         p.canary_header = value
+        found(short, Verdict.HONOURED, "")
+    elif short == "canary-by-cookie":
+        p.canary_cookie = value
         found(short, Verdict.HONOURED, "")
     elif short == "canary-by-header-value":
         if not values.get("canary-by-header"):
@@ -1255,7 +1322,8 @@ def _default_backend(
     found(short)
 
 
-# nginx's proxy_next_upstream conditions; the proxy redispatches a failed connect only.
+# nginx's proxy_next_upstream conditions: a failed connect (error, timeout) and an
+# answer (waygate.proxy.nextupstream: http_*, invalid_header, non_idempotent).
 _NEXT_CONNECT = ("error", "timeout")
 _NEXT_ANSWER = frozenset(
     (
@@ -1271,6 +1339,33 @@ _NEXT_ANSWER = frozenset(
     )
 )
 MAX_NEXT_UPSTREAM_TRIES = 100
+
+
+_NEXT_ANSWERS_NOTE = (
+    "{}: the answer is dropped and the request sent to another endpoint (while tries "
+    "and proxy-next-upstream-timeout allow) only when it can be sent again exactly: "
+    "without a body, or with one buffered whole in memory (proxy-request-buffering on, "
+    "at most 64 KiB; not from an HTTP/2 client to an HTTP/2 backend) -- else the answer "
+    "goes to the client as it came; POST, LOCK and PATCH only with non_idempotent. "
+    "error and timeout: a connect that failed or timed out (a failure after the "
+    "request was sent is a 502)"
+)
+
+
+@_handles("proxy-next-upstream-timeout")
+def _next_upstream_timeout(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    p.next_upstream_timeout = float(value)
+    if not p.next_upstream_timeout:
+        found(short, Verdict.HONOURED, "0: no bound, ingress-nginx's default")
+        return
+    found(
+        short,
+        Verdict.DIFFERENT,
+        "bounds the answers' redispatches (proxy-next-upstream http_*, invalid_header) "
+        "from the request's start; connects are bounded by -tries and the connect timeout",
+    )
 
 
 @_handles("proxy-next-upstream", "proxy-next-upstream-tries")
@@ -1292,16 +1387,11 @@ def _next_upstream(
     if unknown:
         found(short, Verdict.NOT_HONOURED, f"not an nginx proxy_next_upstream value: {unknown[0]}")
         return
-    honoured = [t for t in tokens if t in _NEXT_CONNECT]
+    honoured = [t for t in tokens if t in _NEXT_CONNECT or t in _NEXT_ANSWER]
     p.next_upstream = " ".join(honoured) if honoured and "off" not in tokens else "off"
     answers = sorted(set(tokens) & _NEXT_ANSWER)
-    if answers:
-        found(
-            short,
-            Verdict.NOT_HONOURED,
-            f"{', '.join(answers)}: a backend's answer is relayed, never retried "
-            "(error and timeout are honoured for connects)",
-        )
+    if answers and "off" not in tokens:
+        found(short, Verdict.DIFFERENT, _NEXT_ANSWERS_NOTE.format(", ".join(answers)))
     else:
         found(short)
 
@@ -1731,11 +1821,15 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             ingress_verdicts=verdicts,
             access=p.access,
             rate_limit=p.rate_limit,
+            limit_rate=p.limit_rate,
+            limit_rate_after=p.limit_rate_after,
+            url_mirror=p.url_mirror,
             external_auth=p.external_auth,
             cors=p.cors,
             max_request_body=p.max_request_body,
             next_upstream=p.next_upstream,
             next_upstream_tries=p.next_upstream_tries,
+            next_upstream_timeout=p.next_upstream_timeout,
             rewrite_target=captured,
             default_backend=p.default_backend,
             hash_by=p.hash_by,
@@ -1933,12 +2027,14 @@ def placeholder(key: tuple[str, str], obj: JSON, p: Plan) -> Route:
 
 
 def merge_canaries(routes: list[Route], canaries: list[tuple[Plan, list[Route]]]) -> list[Route]:
-    """Canary Ingresses folded into their main Ingress's routes, as ingress-nginx does:
-    the main route of the same host, port and path gets the canary's backend by
-    weight (canary-weight of canary-weight-total), and a request whose
-    canary-by-header says `always` (or its -value, or matches its -pattern) goes to
-    the canary alone, `never` to the main backends alone (the header decides
-    before the weight). A canary without a main route is not served."""
+    """Canary Ingresses folded into their main Ingress's routes, as ingress-nginx's
+    alternative backends: the main route of the same host, port and path gets the
+    canary's backends after its own and the canary's policy (`Route.canary`), which
+    the proxy decides per request as ingress-nginx's balancer does (its sticky
+    cookie, then canary-by-header, then canary-by-cookie, then canary-weight of
+    max(100, canary-weight-total)). The backends' weights say the same split for
+    whoever reads the route. A canary without a main route is not served; a second
+    canary of one main route is not used (ingress-nginx uses the first)."""
     out = list(routes)
     index = {
         (r.host, r.listener_port, r.matches[0] if r.matches else None): i
@@ -1954,8 +2050,10 @@ def merge_canaries(routes: list[Route], canaries: list[tuple[Plan, list[Route]]]
             main = out[at]
             if main.filters is not None and main.filters.redirect is not None:
                 continue  # answered by a redirect: no backend to share
-            extra = tuple(dataclasses.replace(b, weight=0) for b in canary.backends)
-            total = max(plan.canary_total, 1)
+            if main.canary is not None or not main.backends:
+                continue
+            # balancer.lua draws 1..max(100, weight-total).
+            total = max(plan.canary_total, 100)
             weight = min(max(plan.canary_weight, 0), total)
             scale = 256 / total if total > 256 else 1.0
             out[at] = dataclasses.replace(
@@ -1964,42 +2062,20 @@ def merge_canaries(routes: list[Route], canaries: list[tuple[Plan, list[Route]]]
                     dataclasses.replace(b, weight=round((total - weight) * scale))
                     for b in main.backends
                 )
-                + tuple(dataclasses.replace(b, weight=round(weight * scale)) for b in extra),
+                + tuple(
+                    dataclasses.replace(b, weight=round(weight * scale)) for b in canary.backends
+                ),
+                canary=Canary(
+                    main_backends=len(main.backends),
+                    weight=weight,
+                    weight_total=total,
+                    header=plan.canary_header,
+                    header_value=plan.canary_header_value,
+                    header_pattern=plan.canary_header_pattern,
+                    cookie=plan.canary_cookie,
+                    legacy_affinity=plan.canary_legacy_affinity,
+                ),
             )
-            if not plan.canary_header:
-                continue
-            match = main.matches[0]
-            if plan.canary_header_value:
-                to_canary = HeaderMatch(plan.canary_header, plan.canary_header_value)
-            elif plan.canary_header_pattern:
-                to_canary = HeaderMatch(
-                    plan.canary_header,
-                    f".*(?:{plan.canary_header_pattern}).*",
-                    ValueMatchType.REGEX,
-                )
-            else:
-                to_canary = HeaderMatch(plan.canary_header, "always")
-            out.append(
-                dataclasses.replace(
-                    main,
-                    name=f"{main.name}~canary",
-                    matches=(dataclasses.replace(match, headers=(to_canary,)),),
-                    backends=tuple(dataclasses.replace(b, weight=1) for b in canary.backends),
-                )
-            )
-            if not plan.canary_header_value and not plan.canary_header_pattern:
-                out.append(
-                    dataclasses.replace(
-                        main,
-                        name=f"{main.name}~canary-never",
-                        matches=(
-                            dataclasses.replace(
-                                match, headers=(HeaderMatch(plan.canary_header, "never"),)
-                            ),
-                        ),
-                        backends=main.backends,
-                    )
-                )
     return out
 
 

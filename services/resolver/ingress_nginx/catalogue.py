@@ -144,6 +144,12 @@ def url(value: str) -> str | None:
     return None
 
 
+def mirror_url(value: str) -> str | None:
+    """An http(s) URL in which nginx variables may stand ($request_uri is the one
+    filled in: `annotations` reports any other as not honoured)."""
+    return url(re.sub(r"\$[a-z_]{1,32}", "/x", value))
+
+
 def signin_url(value: str) -> str | None:
     """An http(s) URL; `$host` and `$escaped_request_uri` are the only variables
     (filled in by the proxy, never rendered)."""
@@ -320,10 +326,24 @@ _LIMITED = (
     "per proxy replica, keyed by the client address (nginx limit_req nodelay, limit_conn); "
     "with --workers N each worker process keeps its own counts"
 )
-_LIMIT_RATE = "throttling response bytes per connection: not yet"
+_LIMIT_RATE = (
+    "a response's body paced to the client (nginx's limit_rate in KB/s after "
+    "limit_rate_after KB, the first second's worth at once), per response as nginx's; "
+    "the head's bytes are not counted (nginx counts them)"
+)
 _WAF = "ModSecurity/OWASP CRS: Waygate has no web application firewall"
 _CORS = "CORS headers on allowed origins' answers; preflights (OPTIONS) answered 204 by the proxy"
-_CANARY = "folded into the main Ingress's routes: backends by weight, the header first"
+_MIRROR = (
+    "a copy of each request to the URL, fire and forget (never waited for: nginx's "
+    "mirror delays the request until the copy is answered), at most 32 in flight per "
+    "route; a body goes with the copy when it was buffered (proxy-request-buffering, "
+    "the default) and is at most 64 KiB, else the copy is not sent; a URL without a path "
+    "gets `/` (nginx: its internal location name)"
+)
+_CANARY = (
+    "folded into the main Ingress's route and decided per request as ingress-nginx's "
+    "balancer: the sticky cookie, then the header, then the cookie, then the weight"
+)
 
 ENTRIES: tuple[Entry, ...] = (
     # ------------------------------------------------------------ paths
@@ -499,13 +519,7 @@ ENTRIES: tuple[Entry, ...] = (
     _e("canary-by-header", _matching(_HEADER, "a header name"), H, _CANARY),
     _e("canary-by-header-value", header_value, H, _CANARY),
     _e("canary-by-header-pattern", regex, D, _CANARY + "; the pattern in RE2 syntax"),
-    _e(
-        "canary-by-cookie",
-        _matching(_HEADER, "a cookie name"),
-        X,
-        "routing by cookie value",
-        lacks=True,
-    ),
+    _e("canary-by-cookie", _matching(_HEADER, "a cookie name"), H, _CANARY),
     _e(
         "affinity",
         one_of("cookie"),
@@ -522,9 +536,10 @@ ENTRIES: tuple[Entry, ...] = (
     _e(
         "affinity-canary-behavior",
         one_of("sticky", "legacy"),
-        X,
-        "sticky cookies across main and canary",
-        lacks=True,
+        D,
+        "on the canary Ingress: sticky (the default) keeps a client on the side its "
+        "cookie names, legacy sets no cookie from the canary; a cookie naming an endpoint "
+        "no longer ready is decided afresh (ingress-nginx's names the backend)",
     ),
     _e("session-cookie-name", _matching(_HEADER, "a cookie name"), H),
     _e("session-cookie-samesite", one_of("None", "Lax", "Strict"), H),
@@ -569,8 +584,8 @@ ENTRIES: tuple[Entry, ...] = (
     _e("limit-burst-multiplier", integer, H, _LIMITED, access=True),
     _e("limit-whitelist", cidrs, H, _LIMITED, access=True),
     _e("limit-allowlist", cidrs, H, _LIMITED, access=True),
-    _e("limit-rate", integer, X, _LIMIT_RATE, access=True, lacks=True),
-    _e("limit-rate-after", integer, X, _LIMIT_RATE, access=True, lacks=True),
+    _e("limit-rate", integer, D, _LIMIT_RATE, access=True),
+    _e("limit-rate-after", integer, D, _LIMIT_RATE, access=True),
     _e("global-rate-limit", integer, X, _LIMIT, access=True, lacks=True),
     _e("global-rate-limit-window", plain, X, _LIMIT, access=True, lacks=True),
     _e("global-rate-limit-key", plain, X, _LIMIT, access=True, lacks=True),
@@ -614,14 +629,17 @@ ENTRIES: tuple[Entry, ...] = (
         "nothing sent yet; a failure after the request was sent is answered 502 (nginx also "
         "retries a failed send or response head), except that an idempotent request without "
         "a body whose reused connection closed before answering is sent once more, `off` "
-        "too; http_* and invalid_header are not honoured (the backend's answer is relayed)",
+        "too; http_*, invalid_header and non_idempotent: the answer is dropped and the "
+        "request sent to another endpoint only when it can be resent exactly (no body, or "
+        "one buffered whole in memory)",
     ),
     _e("proxy-next-upstream-tries", integer, H, "connects tried at most (1 to 100)"),
     _e(
         "proxy-next-upstream-timeout",
         seconds,
-        X,
-        "a total time for the redispatches: bounded by -tries and the connect timeout instead",
+        D,
+        "bounds the answers' redispatches from the request's start; connects are bounded "
+        "by -tries and the connect timeout",
     ),
     _e(
         "proxy-body-size",
@@ -694,9 +712,9 @@ ENTRIES: tuple[Entry, ...] = (
         "the host's TLS relayed by SNI on the HTTPS port to "
         "the backend of its `/` path (as --enable-ssl-passthrough)",
     ),
-    _e("mirror-target", url, X, "mirroring to a URL (the proxy mirrors to Services)", lacks=True),
-    _e("mirror-host", hosts, X, "mirroring to a URL", lacks=True),
-    _e("mirror-request-body", one_of("on", "off"), X, "mirroring to a URL", lacks=True),
+    _e("mirror-target", mirror_url, D, _MIRROR),
+    _e("mirror-host", hosts, H, "the Host of the copy (default: the URL's host)"),
+    _e("mirror-request-body", one_of("on", "off"), D, _MIRROR),
     _e(
         "connection-proxy-header",
         one_of("keep-alive", "close", "upgrade", case=False),

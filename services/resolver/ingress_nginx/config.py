@@ -64,6 +64,8 @@ HONOURED_KEYS = frozenset(
         "block-referers",
         "limit-req-status-code",
         "limit-conn-status-code",
+        "limit-rate",
+        "limit-rate-after",
         # Global external authentication (checked against the annotations' grammars).
         *(f"global-auth-{key}" for key in GLOBAL_AUTH),
         "proxy-body-size",

@@ -313,7 +313,7 @@ class RouteTimeouts(_message.Message):
     def __init__(self, connect: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., client: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., server: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., http_request: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tunnel: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., keep_alive: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class Route(_message.Message):
-    __slots__ = ("namespace", "name", "host", "path", "backends", "target_port", "tls", "balance", "sticky", "timeouts", "auth_proxy_headers", "forwarded_headers", "upstream_protocol", "request_buffering", "status", "creation_timestamp", "matches", "filters", "request_timeout", "backend_request_timeout", "listener_port", "gateway", "origin", "rule_index", "listener_protocol", "access", "proxy_protocol_from_client", "proxy_protocol_to_backend", "rate_limit", "external_auth", "cors", "max_request_body", "next_upstream", "next_upstream_tries", "rewrite_target", "default_backend", "hash_by", "redirect_from", "redirect_to", "cookie_domain", "cookie_path", "custom_http_errors", "intercept_errors_disabled", "port_in_redirects", "connection_header", "access_log_disabled")
+    __slots__ = ("namespace", "name", "host", "path", "backends", "target_port", "tls", "balance", "sticky", "timeouts", "auth_proxy_headers", "forwarded_headers", "upstream_protocol", "request_buffering", "status", "creation_timestamp", "matches", "filters", "request_timeout", "backend_request_timeout", "listener_port", "gateway", "origin", "rule_index", "listener_protocol", "access", "proxy_protocol_from_client", "proxy_protocol_to_backend", "rate_limit", "external_auth", "cors", "max_request_body", "next_upstream", "next_upstream_tries", "rewrite_target", "default_backend", "hash_by", "redirect_from", "redirect_to", "cookie_domain", "cookie_path", "custom_http_errors", "intercept_errors_disabled", "port_in_redirects", "connection_header", "access_log_disabled", "canary", "limit_rate", "limit_rate_after", "url_mirror", "next_upstream_timeout")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -360,6 +360,11 @@ class Route(_message.Message):
     PORT_IN_REDIRECTS_FIELD_NUMBER: _ClassVar[int]
     CONNECTION_HEADER_FIELD_NUMBER: _ClassVar[int]
     ACCESS_LOG_DISABLED_FIELD_NUMBER: _ClassVar[int]
+    CANARY_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_RATE_AFTER_FIELD_NUMBER: _ClassVar[int]
+    URL_MIRROR_FIELD_NUMBER: _ClassVar[int]
+    NEXT_UPSTREAM_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     name: str
     host: str
@@ -406,7 +411,42 @@ class Route(_message.Message):
     port_in_redirects: bool
     connection_header: str
     access_log_disabled: bool
-    def __init__(self, namespace: _Optional[str] = ..., name: _Optional[str] = ..., host: _Optional[str] = ..., path: _Optional[str] = ..., backends: _Optional[_Iterable[_Union[RouteBackend, _Mapping]]] = ..., target_port: _Optional[str] = ..., tls: _Optional[_Union[RouteTLS, _Mapping]] = ..., balance: _Optional[_Union[BalancePolicy, str]] = ..., sticky: _Optional[_Union[StickySessions, _Mapping]] = ..., timeouts: _Optional[_Union[RouteTimeouts, _Mapping]] = ..., auth_proxy_headers: _Optional[bool] = ..., forwarded_headers: _Optional[_Union[ForwardedHeadersMode, str]] = ..., upstream_protocol: _Optional[str] = ..., request_buffering: _Optional[bool] = ..., status: _Optional[_Union[RouteStatus, _Mapping]] = ..., creation_timestamp: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., matches: _Optional[_Iterable[_Union[RouteMatch, _Mapping]]] = ..., filters: _Optional[_Union[RouteFilters, _Mapping]] = ..., request_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., backend_request_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., listener_port: _Optional[int] = ..., gateway: _Optional[str] = ..., origin: _Optional[str] = ..., rule_index: _Optional[int] = ..., listener_protocol: _Optional[str] = ..., access: _Optional[_Union[RouteAccess, _Mapping]] = ..., proxy_protocol_from_client: _Optional[bool] = ..., proxy_protocol_to_backend: _Optional[bool] = ..., rate_limit: _Optional[_Union[RateLimit, _Mapping]] = ..., external_auth: _Optional[_Union[ExternalAuth, _Mapping]] = ..., cors: _Optional[_Union[RouteCors, _Mapping]] = ..., max_request_body: _Optional[int] = ..., next_upstream: _Optional[str] = ..., next_upstream_tries: _Optional[int] = ..., rewrite_target: _Optional[str] = ..., default_backend: _Optional[str] = ..., hash_by: _Optional[str] = ..., redirect_from: _Optional[str] = ..., redirect_to: _Optional[str] = ..., cookie_domain: _Optional[str] = ..., cookie_path: _Optional[str] = ..., custom_http_errors: _Optional[_Iterable[int]] = ..., intercept_errors_disabled: _Optional[bool] = ..., port_in_redirects: _Optional[bool] = ..., connection_header: _Optional[str] = ..., access_log_disabled: _Optional[bool] = ...) -> None: ...
+    canary: RouteCanary
+    limit_rate: int
+    limit_rate_after: int
+    url_mirror: UrlMirror
+    next_upstream_timeout: _duration_pb2.Duration
+    def __init__(self, namespace: _Optional[str] = ..., name: _Optional[str] = ..., host: _Optional[str] = ..., path: _Optional[str] = ..., backends: _Optional[_Iterable[_Union[RouteBackend, _Mapping]]] = ..., target_port: _Optional[str] = ..., tls: _Optional[_Union[RouteTLS, _Mapping]] = ..., balance: _Optional[_Union[BalancePolicy, str]] = ..., sticky: _Optional[_Union[StickySessions, _Mapping]] = ..., timeouts: _Optional[_Union[RouteTimeouts, _Mapping]] = ..., auth_proxy_headers: _Optional[bool] = ..., forwarded_headers: _Optional[_Union[ForwardedHeadersMode, str]] = ..., upstream_protocol: _Optional[str] = ..., request_buffering: _Optional[bool] = ..., status: _Optional[_Union[RouteStatus, _Mapping]] = ..., creation_timestamp: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., matches: _Optional[_Iterable[_Union[RouteMatch, _Mapping]]] = ..., filters: _Optional[_Union[RouteFilters, _Mapping]] = ..., request_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., backend_request_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., listener_port: _Optional[int] = ..., gateway: _Optional[str] = ..., origin: _Optional[str] = ..., rule_index: _Optional[int] = ..., listener_protocol: _Optional[str] = ..., access: _Optional[_Union[RouteAccess, _Mapping]] = ..., proxy_protocol_from_client: _Optional[bool] = ..., proxy_protocol_to_backend: _Optional[bool] = ..., rate_limit: _Optional[_Union[RateLimit, _Mapping]] = ..., external_auth: _Optional[_Union[ExternalAuth, _Mapping]] = ..., cors: _Optional[_Union[RouteCors, _Mapping]] = ..., max_request_body: _Optional[int] = ..., next_upstream: _Optional[str] = ..., next_upstream_tries: _Optional[int] = ..., rewrite_target: _Optional[str] = ..., default_backend: _Optional[str] = ..., hash_by: _Optional[str] = ..., redirect_from: _Optional[str] = ..., redirect_to: _Optional[str] = ..., cookie_domain: _Optional[str] = ..., cookie_path: _Optional[str] = ..., custom_http_errors: _Optional[_Iterable[int]] = ..., intercept_errors_disabled: _Optional[bool] = ..., port_in_redirects: _Optional[bool] = ..., connection_header: _Optional[str] = ..., access_log_disabled: _Optional[bool] = ..., canary: _Optional[_Union[RouteCanary, _Mapping]] = ..., limit_rate: _Optional[int] = ..., limit_rate_after: _Optional[int] = ..., url_mirror: _Optional[_Union[UrlMirror, _Mapping]] = ..., next_upstream_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class UrlMirror(_message.Message):
+    __slots__ = ("target", "host", "request_body")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_BODY_FIELD_NUMBER: _ClassVar[int]
+    target: str
+    host: str
+    request_body: bool
+    def __init__(self, target: _Optional[str] = ..., host: _Optional[str] = ..., request_body: _Optional[bool] = ...) -> None: ...
+
+class RouteCanary(_message.Message):
+    __slots__ = ("main_backends", "weight", "weight_total", "header", "header_value", "header_pattern", "cookie", "legacy_affinity")
+    MAIN_BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    HEADER_VALUE_FIELD_NUMBER: _ClassVar[int]
+    HEADER_PATTERN_FIELD_NUMBER: _ClassVar[int]
+    COOKIE_FIELD_NUMBER: _ClassVar[int]
+    LEGACY_AFFINITY_FIELD_NUMBER: _ClassVar[int]
+    main_backends: int
+    weight: int
+    weight_total: int
+    header: str
+    header_value: str
+    header_pattern: str
+    cookie: str
+    legacy_affinity: bool
+    def __init__(self, main_backends: _Optional[int] = ..., weight: _Optional[int] = ..., weight_total: _Optional[int] = ..., header: _Optional[str] = ..., header_value: _Optional[str] = ..., header_pattern: _Optional[str] = ..., cookie: _Optional[str] = ..., legacy_affinity: _Optional[bool] = ...) -> None: ...
 
 class RouteAccess(_message.Message):
     __slots__ = ("block", "deny", "allow", "block_user_agents", "block_referers", "trusted_proxies", "auth_type", "auth_realm", "credentials", "satisfy_any", "client_certificate")

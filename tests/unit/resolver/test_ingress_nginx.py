@@ -22,7 +22,7 @@ import yaml
 from tests.support.gatewayapi import tls_secret
 from waygate.resolver.gateway.translate import Objects, translate
 from waygate.resolver.ingress_nginx import catalogue
-from waygate.resolver.ingress_nginx.annotations import parse_snippet
+from waygate.resolver.ingress_nginx.annotations import judge, parse_snippet
 from waygate.resolver.ingress_nginx.catalogue import CATALOGUE, Verdict
 from waygate.resolver.ingress_nginx.config import IngressNginx
 from waygate.resolver.manifests import parse_manifests
@@ -30,6 +30,7 @@ from waygate.resolver.model import (
     ADMITTED,
     FALSE,
     BalancePolicy,
+    Canary,
     ExternalAuth,
     PathMatchType,
     PathModifierType,
@@ -38,6 +39,7 @@ from waygate.resolver.model import (
     SameSite,
     Service,
     ServicePort,
+    UrlMirror,
 )
 from waygate.resolver.status import RouteStatusBook
 
@@ -326,7 +328,7 @@ def test_custom_headers_from_a_configmap():
     [
         ("auth-type", "digest"),  # (without auth-secret)
         ("auth-tls-secret", "default/ca"),
-        ("limit-rate", "10"),
+        ("limit-rate", "-1"),
         ("enable-modsecurity", "true"),
         ("enable-owasp-core-rules", "true"),
         ("modsecurity-snippet", "SecRuleEngine On"),
@@ -396,48 +398,106 @@ def test_a_canary_weight_total_above_the_proxys_scale_is_scaled():
     assert [(b.service, b.weight) for b in route.backends] == [("web", 192), ("web-v2", 64)]
 
 
-def test_a_canary_by_header_always_never_and_value_and_pattern():
-    routes = routes_of(
-        ingress("main"), canary_ingress("canary", {P + "canary-by-header": "X-Canary"})
-    )
-    by_name = {r.name.rpartition("~")[2] if "~" in r.name else "main": r for r in routes}
-    assert [(b.service, b.weight) for b in by_name["main"].backends] == [
-        ("web", 100),
-        ("web-v2", 0),
-    ]
-    always, never = by_name["canary"], by_name["canary-never"]
-    assert always.matches[0].headers[0].name == "X-Canary"
-    assert always.matches[0].headers[0].value == "always"
-    assert [b.service for b in always.backends] == ["web-v2"]
-    assert never.matches[0].headers[0].value == "never"
-    assert [b.service for b in never.backends] == ["web"]
+def test_a_canary_by_header_and_cookie_become_the_main_routes_canary_policy():
+    # The proxy decides per request (waygate.proxy.canary), so no route of its own.
     routes = routes_of(
         ingress("main"),
         canary_ingress(
-            "canary", {P + "canary-by-header": "X-Region", P + "canary-by-header-value": "eu"}
+            "canary",
+            {
+                P + "canary-by-header": "X-Region",
+                P + "canary-by-header-value": "eu",
+                P + "canary-by-cookie": "Canary-By-Cookie",
+                P + "canary-weight": "5",
+                P + "canary-weight-total": "10",
+            },
         ),
     )
-    [to_canary] = [r for r in routes if r.name.endswith("~canary")]
-    assert to_canary.matches[0].headers[0].value == "eu"
-    assert not [r for r in routes if r.name.endswith("~canary-never")]
-    routes = routes_of(
+    [route] = routes
+    assert [(b.service, b.weight) for b in route.backends] == [("web", 95), ("web-v2", 5)]
+    # balancer.lua draws 1..max(100, weight-total): a total under 100 counts as 100.
+    assert route.canary == Canary(
+        main_backends=1,
+        weight=5,
+        weight_total=100,
+        header="X-Region",
+        header_value="eu",
+        cookie="Canary-By-Cookie",
+    )
+    assert not [line for line in route.ingress_verdicts if "canary-by-cookie" in line]
+    [route] = routes_of(
         ingress("main"),
         canary_ingress(
             "canary", {P + "canary-by-header": "User-Agent", P + "canary-by-header-pattern": "Beta"}
         ),
     )
-    [to_canary] = [r for r in routes if r.name.endswith("~canary")]
-    header = to_canary.matches[0].headers[0]
-    assert header.type.value == "RegularExpression"
-    assert re.fullmatch(header.value, "Mozilla Beta 5")
+    assert route.canary is not None and route.canary.header_pattern == "Beta"
 
 
-def test_a_canary_without_a_main_ingress_or_by_cookie():
-    assert routes_of(canary_ingress("alone", {P + "canary-weight": "50"})) == []
+def test_affinity_canary_behavior_is_read_on_the_canary_ingress():
+    main = ingress("main", {P + "affinity": "cookie"})
+    [route] = routes_of(main, canary_ingress("canary", {P + "canary-weight": "50"}))
+    assert route.canary is not None and not route.canary.legacy_affinity
     [route] = routes_of(
-        ingress("main"), canary_ingress("canary", {P + "canary-by-cookie": "canary"})
+        main,
+        canary_ingress(
+            "canary", {P + "canary-weight": "50", P + "affinity-canary-behavior": "legacy"}
+        ),
     )
-    assert [(b.service, b.weight) for b in route.backends] == [("web", 100), ("web-v2", 0)]
+    assert route.canary is not None and route.canary.legacy_affinity
+    # Judged on the canary Ingress; on a main Ingress it does nothing.
+    verdicts = {
+        name: {f.annotation: f.verdict for f in judge(item, SETTINGS, {})[0].findings}
+        for name, item in (
+            ("canary", canary_ingress("c", {P + "affinity-canary-behavior": "sticky"})),
+            ("main", ingress("m", {P + "affinity-canary-behavior": "sticky"})),
+        )
+    }
+    assert verdicts["canary"]["affinity-canary-behavior"] is Verdict.DIFFERENT
+    assert verdicts["main"]["affinity-canary-behavior"] is Verdict.NOOP
+
+
+def test_a_second_canary_of_one_main_route_is_not_used():
+    # balancer.lua uses the first alternative backend only.
+    [route] = routes_of(
+        ingress("main"),
+        canary_ingress("one", {P + "canary-weight": "10"}),
+        canary_ingress("two", {P + "canary-weight": "90"}),
+    )
+    assert route.canary is not None and route.canary.weight in (10, 90)
+    assert len(route.backends) == 2
+
+
+def test_mirror_target_host_and_request_body_become_the_routes_url_mirror():
+    # mirror/main.go: the target as given, the body on unless "off"; Host the
+    # mirror-host (the proxy takes the URL's host when it is empty).
+    [route] = routes_of(
+        ingress(
+            "m",
+            {
+                P + "mirror-target": "https://test.env.com$request_uri",
+                P + "mirror-host": "copies.example.com",
+                P + "mirror-request-body": "off",
+            },
+        )
+    )
+    assert route.url_mirror == UrlMirror(
+        "https://test.env.com$request_uri", "copies.example.com", request_body=False
+    )
+    assert route.ingress_refusal is None
+    [route] = routes_of(ingress("m", {P + "mirror-target": "http://localhost/mirror"}))
+    assert route.url_mirror == UrlMirror("http://localhost/mirror")
+    # Another nginx variable is not filled in: reported, the Ingress still served.
+    [route] = routes_of(ingress("m", {P + "mirror-target": "http://m.example$host$uri"}))
+    assert route.url_mirror is None and route.ingress_refusal is None
+    assert any(line.startswith("mirror-target: not-honoured") for line in route.ingress_verdicts)
+    # Configuration syntax stays refused (the grammar: CVE-2025-1974's class).
+    [route] = routes_of(ingress("m", {P + "mirror-target": "http://m.example/;evil"}))
+    assert route.ingress_refusal is not None and route.ingress_refusal[0] == "InvalidAnnotation"
+
+
+def test_a_canary_without_a_main_ingress():
+    assert routes_of(canary_ingress("alone", {P + "canary-weight": "50"})) == []
 
 
 def test_a_controller_configmap_key_bearing_on_access_refuses_every_ingress_and_applies_live():
@@ -568,7 +628,8 @@ def test_cve_2025_1098_the_ingress_uid_is_never_used():
     item["metadata"]["uid"] = "InjectTest#;\n\n}\n}\n}\nssl_engine foobar"
     [route] = routes_of(item)
     assert "InjectTest" not in repr(route)
-    assert any(line.startswith("mirror-target: not-honoured") for line in route.ingress_verdicts)
+    # The mirror goes to the URL itself (no location named after the uid).
+    assert route.url_mirror is not None and route.url_mirror.target == "https://127.0.0.1:443"
 
 
 @pytest.mark.parametrize("path_type", ["ImplementationSpecific", "Prefix", "Exact"])
@@ -960,11 +1021,40 @@ def test_limit_annotations_become_the_routes_rate_limit():
     assert route.rate_limit == RateLimit(rpm=60, burst_multiplier=2)
 
 
+def test_limit_rate_and_after_are_route_fields_in_bytes_with_the_configmaps_defaults():
+    # ratelimit/main.go: the annotations, else the ConfigMap's limit-rate/-after
+    # (defBackend), rendered `limit_rate {N}k` (template.go buildRateLimit).
+    [route] = routes_of(ingress("r", {P + "limit-rate": "10", P + "limit-rate-after": "100"}))
+    assert (route.limit_rate, route.limit_rate_after) == (10240, 102400)
+    assert route.ingress_refusal is None
+    config = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "c", "namespace": "ingress-nginx"},
+        "data": {"limit-rate": "2", "limit-rate-after": "1"},
+    }
+    settings = IngressNginx(configmap=("ingress-nginx", "c"))
+    by_name = {
+        r.origin: r
+        for r in routes_of(
+            config,
+            ingress("global"),
+            ingress("off", {P + "limit-rate": "0"}, host="o.example.com"),
+            settings=settings,
+        )
+    }
+    assert by_name["Ingress default/global"].limit_rate == 2048
+    assert by_name["Ingress default/global"].limit_rate_after == 1024
+    assert by_name["Ingress default/off"].limit_rate == 0
+    [plain] = routes_of(ingress("plain"))
+    assert plain.limit_rate == 0
+
+
 @pytest.mark.parametrize(
     "annotations",
     [
         {P + "limit-rps": "-1"},
-        {P + "limit-rps": "5", P + "limit-rate": "100"},  # throttling bytes: not yet
+        {P + "limit-rps": "5", P + "limit-rate": "-100"},  # a negative rate
         {P + "limit-rps": "ten"},
     ],
 )
@@ -1191,6 +1281,8 @@ def test_a_cors_route_survives_the_proto():
 
 
 def test_proxy_next_upstream_becomes_the_routes_redispatch_rule():
+    # proxy.go It("should build proxy next upstream"): "error timeout http_502" with
+    # -timeout and -tries (888888 is past the proxy's 100: reported, still served).
     [route] = routes_of(
         ingress(
             "next",
@@ -1201,17 +1293,28 @@ def test_proxy_next_upstream_becomes_the_routes_redispatch_rule():
             },
         )
     )
-    assert (route.next_upstream, route.next_upstream_tries) == ("error timeout", 5)
+    assert (route.next_upstream, route.next_upstream_tries) == ("error timeout http_502", 5)
     lines = dict(line.split(": ", 1) for line in route.ingress_verdicts)
-    assert lines["proxy-next-upstream"].startswith("not-honoured (http_502")
+    assert lines["proxy-next-upstream"].startswith("honoured-with-difference (http_502")
+    assert "buffered whole in memory" in lines["proxy-next-upstream"]
     assert "proxy-next-upstream-tries" not in lines
     assert "proxy-next-upstream-timeout" not in lines  # 0: ingress-nginx's default
     [off] = routes_of(ingress("off", {P + "proxy-next-upstream": "off"}))
     assert off.next_upstream == "off"
-    [timed] = routes_of(ingress("t", {P + "proxy-next-upstream-timeout": "10"}))
-    assert any(
-        v.startswith("proxy-next-upstream-timeout: not-honoured") for v in timed.ingress_verdicts
+    [timed] = routes_of(
+        ingress(
+            "t",
+            {
+                P + "proxy-next-upstream": "error timeout http_502",
+                P + "proxy-next-upstream-timeout": "999999",
+                P + "proxy-next-upstream-tries": "888888",
+            },
+        )
     )
+    assert timed.next_upstream_timeout == 999999.0 and timed.ingress_refusal is None
+    lines = dict(line.split(": ", 1) for line in timed.ingress_verdicts)
+    assert lines["proxy-next-upstream-timeout"].startswith("honoured-with-difference")
+    assert lines["proxy-next-upstream-tries"].startswith("not-honoured (outside 0..100")
 
 
 def test_session_cookie_attributes_go_onto_the_sticky_cookie():

@@ -409,6 +409,11 @@ DERIVED_SAMPLES: dict[str, dict[str, Any]] = {
         "port_in_redirects": True,
         "connection_header": "close",
         "access_log_disabled": True,
+        "canary": model.Canary(1, 10, 200, "X-Canary", "yes", "", "canary", True),
+        "limit_rate": 10240,
+        "limit_rate_after": 1024,
+        "url_mirror": model.UrlMirror("https://m.example$request_uri", "m", False),
+        "next_upstream_timeout": 2.5,
     },
     "RouteBackend": {"namespace": "other", "port": "http", "invalid": "not granted"},
     "StickySessions": {
