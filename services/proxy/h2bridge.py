@@ -42,6 +42,7 @@ from waygate.proxy.h2upstream import (
     H2Upstreams,
     UpstreamStream,
     h2_request_fields,
+    malformed_field,
 )
 from waygate.proxy.http1 import BadMessage, ChunkedReader, ResponseHead
 from waygate.proxy.routing import RouteEntry, Target
@@ -251,6 +252,12 @@ class H2Bridge(UpstreamStream):
         lines: list[bytes] = []
         length = -1
         for name, value in headers:
+            if malformed_field(name, value):  # never relayed: a 502, as for an HTTP/2 client
+                self.abort()
+                self.user.upstream_failed(
+                    502, "upstream sent a malformed response head", "bad_response"
+                )
+                return
             if name == b":status":
                 status = int(value)
             elif name[:1] != b":" and name not in httpheaders.HOP_BY_HOP:

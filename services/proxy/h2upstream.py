@@ -80,7 +80,16 @@ from waygate.proxy.http2 import (
 from waygate.proxy.routing import RouteEntry, Target
 from waygate.proxy.upstream import ConnectError, start
 
-_STATUS = re.compile(rb"[1-9][0-9][0-9]")
+_STATUS = re.compile(rb"[1-9][0-9][0-9]").fullmatch
+_VALUE_CONTROL = http1.value_control
+
+
+def malformed_field(name: bytes, value: bytes) -> bool:
+    """A backend's HTTP/2 response field the HTTP/1.1 rule book refuses (a control
+    character in the value, or a :status that is not three digits): a 502, whichever
+    protocol the client speaks (h2 itself refuses only NUL, CR and LF)."""
+    return _VALUE_CONTROL(value) is not None or (name == b":status" and _STATUS(value) is None)
+
 
 log = logging.getLogger(__name__)
 
@@ -866,9 +875,8 @@ class H2Exchange(UpstreamStream):
     def on_response(self, headers: list[tuple[bytes, bytes]], ended: bool) -> None:
         status = 0
         out: list[tuple[bytes, bytes]] = []
-        control = http1.value_control
         for name, value in headers:
-            if control(value) is not None or (name == b":status" and not _STATUS.fullmatch(value)):
+            if malformed_field(name, value):
                 # Not relayed: the HTTP/1.1 rule book's 502 (h2 refuses NUL, CR, LF only).
                 if self.forward.next_upstream is not None and nextupstream.retried_h2(
                     self, 0, broken=True

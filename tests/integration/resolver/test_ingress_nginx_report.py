@@ -51,10 +51,7 @@ def test_the_json_report_over_the_examples():
     by_name = {i["name"]: i for i in report["ingresses"]}
     assert len(by_name) >= 30
     # Access annotations not honoured: not served, the reason names the annotation.
-    for name, annotation in (
-        ("mtls-partners", "auth-tls-"),
-        ("waf", "modsecurity"),
-    ):
+    for name, annotation in (("waf", "modsecurity"),):
         assert by_name[name]["served"] is False, name
         assert annotation in by_name[name]["refusal"], (name, by_name[name]["refusal"])
     # Source ranges and basic authentication (its Secret beside it) are honoured exactly.
@@ -66,6 +63,8 @@ def test_the_json_report_over_the_examples():
         assert by_name[name]["served"] is True and by_name[name]["exact"] is False, name
         verdicts = {a["annotation"]: a["verdict"] for a in by_name[name]["annotations"]}
         assert verdicts[annotation] == "honoured-with-difference", (name, verdicts)
+    # Client certificates, the partners' CA certificate in a Secret beside it: exactly.
+    assert by_name["mtls-partners"]["served"] is True and by_name["mtls-partners"]["exact"] is True
     # limit-rps, -burst-multiplier, -connections: honoured per replica, served exactly.
     assert by_name["rate-limited"]["served"] is True and by_name["rate-limited"]["exact"] is True
     # A snippet outside the literal subset is refused, naming why; the subset is served.
@@ -184,6 +183,8 @@ current-context: prod
     assert by_name["admin-allowlist"]["exact"] is True
     # The Secret an auth-secret names is read (and only it): basic-auth is served.
     assert by_name["basic-auth"]["exact"] is True
+    # Client certificates, the partners' CA certificate in a Secret beside it: exactly.
+    assert by_name["mtls-partners"]["served"] is True and by_name["mtls-partners"]["exact"] is True
     assert by_name["oauth2-dashboard"]["served"] is True  # (an https:// auth-url)
     assert by_name["digest-auth"]["served"] is True  # its Secret read too
     assert by_name["web-main"]["exact"] is True
