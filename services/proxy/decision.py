@@ -367,7 +367,11 @@ def _access(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answe
     check = forward.entry.access
     assert check is not None and facts.context is not None  # (compiled by access.prepare)
     refused = check.decide(req, facts.context.client_ip)
-    return None if refused is None else Answer(*refused, forward.entry.options.name)
+    if refused is None:
+        return None
+    if refused[2] is access.KIND_UNAUTHORIZED:  # the 401's header lines (CORS's too)
+        refused = (401, access.challenge_lines(refused[1], forward.cors), refused[2])
+    return Answer(*refused, forward.entry.options.name)
 
 
 def _rate_limit(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
@@ -542,6 +546,7 @@ SHAPERS: tuple[Rule, ...] = (
         _capture_rewrite,
     ),
     Rule("cors", lambda entry: entry.route.cors is not None, _cors_headers),
+    Rule("digest_info", access.has_digest, access.authentication_info),
     Rule("limit_rate", lambda entry: entry.route.limit_rate > 0, _limit_rate),
     Rule("next_upstream", _has_next_upstream, _next_upstream),
     # After the request filters and the rewrite: the copy is the request as sent.

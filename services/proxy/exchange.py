@@ -546,7 +546,7 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
             if errorpages.intercept(self, forward.response_modifier, status):
                 return None  # ingress-nginx custom-http-errors: the error backend answers
             response.fields = filters.modify_response_fields(
-                response.fields, forward.response_modifier
+                response.fields, forward.response_modifier, status
             )
         if forward.hsts or forward.backend.set_cookie:
             extra = forward.response_extra(upstream.target)
