@@ -41,7 +41,7 @@ from __future__ import annotations
 import random
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 from waygate.proxy import (
@@ -86,6 +86,7 @@ class View(Protocol):
     """What `decide` reads of the proxy's view (`waygate.proxy.view.ProxyView`)."""
 
     table: RouteTable
+    whole_hosts: Mapping[Side, Mapping[bytes, RouteEntry]]
     health: PassiveHealth
     trace_ratio: float
 
@@ -502,13 +503,16 @@ def decide(
         return OPTIONS_ANY
     query = target.find(b"?")
     path = target if query < 0 else target[:query]
-    table = view.table
     secure = facts.secure
-    entry = table.lookup(req.host, path, req, secure)
+    # A host one route takes whatever the path and headers: no lookup (ProxyView.whole_hosts).
+    hosts = view.whole_hosts.get(secure)
+    entry = hosts.get(req.host) if hosts is not None else None
+    if entry is None:
+        entry = view.table.lookup(req.host, path, req, secure)
     if entry is None:
         # A Gateway listener answers what no route takes with 404 (the spec).
         return Answer(
-            404 if table.serves_listeners(secure) else 503,
+            404 if view.table.serves_listeners(secure) else 503,
             "no route for host " + req.host.decode("ascii", "replace"),
             "no_route",
         )
