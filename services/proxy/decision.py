@@ -41,7 +41,7 @@ from __future__ import annotations
 import random
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 from waygate.proxy import (
@@ -92,6 +92,7 @@ class View(Protocol):
     """What `decide` reads of the proxy's view (`waygate.proxy.view.ProxyView`)."""
 
     table: RouteTable
+    whole_hosts: Mapping[Side, Mapping[bytes, RouteEntry]]
     health: PassiveHealth
     trace_ratio: float
 
@@ -139,6 +140,7 @@ class Forward:
 
     __slots__ = (
         "__dict__",
+        "auth",
         "authority",
         "backend",
         "buffer_body",
@@ -146,6 +148,8 @@ class Forward:
         "counted",
         "deadline",
         "entry",
+        "extra",
+        "held",
         "hsts",
         "http2",
         "identity",
@@ -164,6 +168,9 @@ class Forward:
     http2: bool  # the backend speaks HTTP/2
     cookie: bytes | None  # the client's sticky cookie
     hsts: bytes  # the Strict-Transport-Security line (HTTPS only)
+    # The header lines an HTTP/1.1 answer gets (`response_extra` for the chosen
+    # endpoint: the sticky cookie's Set-Cookie, HSTS), set with the pick.
+    extra: bytes
     identity: bytes  # auth-proxy identity lines from the client certificate
     response_modifier: HeaderModifier | None
     authority: bytes | None  # a rewritten host (None: the request's)
@@ -179,9 +186,10 @@ class Forward:
     # route's requestBuffering, for a request with a body, not gRPC.
     buffer_body: bool
     # A limit-connections slot the request holds (release_pick gives it back).
-    held: ratelimit.Held | None = None
+    # (A slot, not a class default: the drivers read it for every request.)
+    held: ratelimit.Held | None
     # ingress-nginx auth-url: the driver asks the auth service first (authcheck).
-    auth: extauth.AuthPlan | None = None
+    auth: extauth.AuthPlan | None
     cors: Any = None  # the CORS headers for the answer (waygate.proxy.cors)
     # proxy-body-size for a body counted as it streams (0: none to count; bodylimit).
     body_limit = 0
@@ -214,7 +222,8 @@ class Forward:
         return b""
 
     def response_extra(self, target: Target) -> bytes:
-        """Header lines the proxy adds to the response: Set-Cookie, HSTS."""
+        """Header lines the proxy adds to the response from `target`: Set-Cookie, HSTS
+        (kept in `extra` for the chosen endpoint)."""
         backend = self.backend
         if backend.set_cookie and self.cookie != backend.by_target.get(target):
             return backend.set_cookie.get(target, b"") + self.hsts
@@ -273,6 +282,7 @@ def repick(view: View, forward: Forward, facts: ConnectionFacts, failed: Target)
     forward.backend = backend
     backend.picker.acquire(target)
     forward.counted = True
+    forward.extra = forward.response_extra(target)
     return True
 
 
@@ -603,13 +613,16 @@ def decide(
         return OPTIONS_ANY
     query = target.find(b"?")
     path = target if query < 0 else target[:query]
-    table = view.table
     secure = facts.secure
-    entry = table.lookup(req.host, path, req, secure)
+    # A host one route takes whatever the path and headers: no lookup (ProxyView.whole_hosts).
+    hosts = view.whole_hosts.get(secure)
+    entry = hosts.get(req.host) if hosts is not None else None
+    if entry is None:
+        entry = view.table.lookup(req.host, path, req, secure)
     if entry is None:
         # A Gateway listener answers what no route takes with 404 (the spec).
         return Answer(
-            404 if table.serves_listeners(secure) else 503,
+            404 if view.table.serves_listeners(secure) else 503,
             "no route for host " + req.host.decode("ascii", "replace"),
             "no_route",
         )
@@ -620,7 +633,7 @@ def decide(
     # Every field set (see Forward): the defaults, then what this request has.
     forward.counted = forward.http2 = forward.buffer_body = False
     forward.cookie = forward.response_modifier = forward.authority = forward.span = None
-    forward.traceparent = forward.mirrors = None
+    forward.traceparent = forward.mirrors = forward.held = forward.auth = None
     forward.hsts = forward.identity = b""
     forward.deadline = 0.0
     rules = entry.rules
@@ -639,28 +652,35 @@ def decide(
         cookie = forward.cookie = _sticky_cookie(req, entry)
     single = entry.single
     if single is not None and cookie is None:
-        forward.target, backend = single
+        picked, backend = single
     else:
         key = forward.hash_key
-        picked, chosen = entry.pick(
+        pick, chosen = entry.pick(
             facts.client_key if key is None else key, cookie, view.health, None
         )
         if chosen is not None and chosen.invalid:
             # A Gateway API backendRef that cannot be used: 500, as the spec says.
             release_pick(forward)
             return Answer(500, chosen.invalid, "invalid_backend", entry.options.name)
-        if picked is None or chosen is None:
+        if pick is None or chosen is None:
             # ingress-nginx's default-backend takes what no endpoint can.
             chosen = entry.policies.get("default_backend")
-            picked = chosen.picker.pick(None) if chosen is not None else None
-            if picked is None or chosen is None:
+            pick = chosen.picker.pick(None) if chosen is not None else None
+            if pick is None or chosen is None:
                 release_pick(forward)
                 return Answer(503, unavailable_reason(entry), "no_endpoint", entry.options.name)
-        forward.target = picked
+        picked = pick
         backend = chosen
         backend.picker.acquire(picked)
         forward.counted = True
+    forward.target = picked
     forward.backend = backend
+    # The answer's extra lines (response_extra, inline: no call per request).
+    set_cookie = backend.set_cookie
+    if set_cookie and cookie != backend.by_target.get(picked):
+        forward.extra = set_cookie.get(picked, b"") + forward.hsts
+    else:
+        forward.extra = forward.hsts
     if backend.http2:
         forward.http2 = True
     if (req.content_length > 0 or req.chunked) and entry.options.request_buffering and not grpc:
