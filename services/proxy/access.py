@@ -1,6 +1,6 @@
-"""Who may reach a route: client address ranges, block lists and HTTP Basic
-authentication (a route's `RouteAccess`: ingress-nginx's `*-source-range`,
-`auth-type: basic`, `satisfy` and the ConfigMap's `block-*`), sans-IO.
+"""Who may reach a route: client address ranges, block lists and HTTP Basic or
+Digest authentication (a route's `RouteAccess`: ingress-nginx's `*-source-range`,
+`auth-type: basic|digest`, `satisfy` and the ConfigMap's `block-*`), sans-IO.
 
 `compile_access(route_access)` turns a route's rules into an `AccessCheck` once
 per routing table (CIDRs into integer masks, credentials into a user -> hash
@@ -27,23 +27,33 @@ Invariants:
   any format it cannot verify. An Authorization value, once checked, is
   remembered per table entry (bounded), so a known user pays the hash (bcrypt:
   milliseconds to a second, on the event loop) once, not per request.
-- The Authorization header is forwarded to the backend, as nginx does.
+- Digest (waygate.core.digest, nginx-http-auth-digest's rules): the nonces and
+  the failed tries per client address live in this process's `DIGEST`
+  tables, shared by every route (as the module's shared memory zone) and
+  kept across routing tables; bounded by the proxy's --digest-nonces. A 401
+  carries a fresh challenge; an address held off (evasion) gets none.
+- The backend does not get the Authorization header of a route with
+  authentication: the resolver adds its removal to the route's request
+  filters (ingress-nginx's `proxy_set_header Authorization ""`).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import ipaddress
 import re
 import socket
+import time
 from collections.abc import Iterable, Sequence
-from typing import Final, Protocol
+from typing import Any, Final, Protocol
 
+from waygate.core import digest
 from waygate.core.htpasswd import parse_credentials, verify
 from waygate.core.regex import LinearPattern, compile_linear
 from waygate.proxy.http1 import RequestHead
-from waygate.resolver.client import Route, RouteAccess
+from waygate.resolver.client import HeaderModifier, Route, RouteAccess
 
 #: Answer kinds (the refusal metric's labels).
 KIND_DENIED: Final = "access_denied"
@@ -54,6 +64,27 @@ KIND_INVALID: Final = "access_invalid"
 
 # Verified Authorization values kept per route entry (then forgotten at once).
 MAX_REMEMBERED: Final = 1024
+
+
+class DigestState:
+    """Digest's nonces and evasion counts, for every route of this process."""
+
+    def __init__(self, max_entries: int = digest.DEFAULT_ENTRIES) -> None:
+        self.nonces = digest.NonceTable(max_entries)
+        self.evasion = digest.Evasion(max_entries)
+
+
+DIGEST = DigestState()
+
+
+def configure_digest(max_entries: int) -> None:
+    """The proxy's --digest-nonces: the bound of each digest table (set at start)."""
+    global DIGEST
+    DIGEST = DigestState(max_entries)
+
+
+# What an unknown user's answer is checked against (the same work as a known one's).
+_NO_HA1: Final = (b"0" * 32,)
 
 _XFF: Final = b"x-forwarded-for"
 _FIELD = {
@@ -100,25 +131,39 @@ def _within(address: tuple[int, int], ranges: Sequence[Network]) -> bool:
     return False
 
 
+def _real_ip(
+    peer: bytes, forwarded: Sequence[tuple[bytes, bytes, bytes]], trusted: Sequence[Network]
+) -> tuple[bytes, tuple[int, int] | None]:
+    """(text, value) of the client's address as nginx's real_ip (recursive) finds it."""
+    address = _address(peer)
+    if address is None or not trusted or not _within(address, trusted):
+        return peer, address
+    values = [value for lname, _, value in forwarded if lname == _XFF]
+    text = peer
+    for item in reversed(b",".join(values).split(b",")) if values else ():
+        item = item.strip()
+        found = _address(item)
+        if found is None:
+            break  # nginx stops at what it cannot parse
+        address, text = found, item
+        if not _within(found, trusted):
+            break
+    return text, address
+
+
 def client_address(
     peer: bytes, forwarded: Sequence[tuple[bytes, bytes, bytes]], trusted: Sequence[Network]
 ) -> tuple[int, int] | None:
     """The client's address as nginx's real_ip (recursive) finds it: the peer's,
     unless the peer is trusted and X-Forwarded-For names others."""
-    address = _address(peer)
-    if address is None or not trusted or not _within(address, trusted):
-        return address
-    values = [value for lname, _, value in forwarded if lname == _XFF]
-    if not values:
-        return address
-    for item in reversed(b",".join(values).split(b",")):
-        found = _address(item.strip())
-        if found is None:
-            return address  # nginx stops at what it cannot parse
-        address = found
-        if not _within(found, trusted):
-            return found
-    return address
+    return _real_ip(peer, forwarded, trusted)[1]
+
+
+def real_ip(
+    peer: bytes, forwarded: Sequence[tuple[bytes, bytes, bytes]], trusted: Sequence[Network]
+) -> bytes:
+    """`client_address` as text (nginx's $remote_addr after real_ip)."""
+    return _real_ip(peer, forwarded, trusted)[0]
 
 
 Matcher = tuple["LinearPattern | None", str]
@@ -173,6 +218,10 @@ class AccessCheck:
         "broken",
         "challenge",
         "deny",
+        "digest_realm",
+        "digest_users",
+        "info",
+        "is_digest",
         "last_address",
         "last_peer",
         "last_verdict",
@@ -201,9 +250,18 @@ class AccessCheck:
         self.trusted = networks(access.trusted_proxies)
         self.agents = _value_matchers(access.block_user_agents)
         self.referers = _value_matchers(access.block_referers)
-        self.auth = access.auth_type == "basic"
-        self.users = parse_credentials(access.credentials)
+        self.auth = access.auth_type in ("basic", "digest")
         self.challenge = 'Basic realm="' + access.auth_realm + '"'
+        self.is_digest = access.auth_type == "digest"
+        self.info = ""  # the last good digest answer's Authentication-Info (the shaper takes it)
+        self.digest_realm = ""
+        self.digest_users: dict[tuple[bytes, bytes], tuple[bytes, ...]] = {}
+        if self.is_digest:
+            self.digest_realm = access.auth_realm
+            self.digest_users = digest.parse_lines(access.credentials)
+            self.users: dict[bytes, str] = {}
+        else:
+            self.users = parse_credentials(access.credentials)
         self.satisfy_any = access.satisfy_any
         self.remembered: dict[bytes, bool] = {}
         # The last peer address parsed (a connection's bytes object) and its value.
@@ -255,11 +313,43 @@ class AccessCheck:
             return None
         if not address_ok and not self.satisfy_any:
             return 403, "the client address is not allowed", KIND_DENIED
+        if self.is_digest:
+            self.info = ""
+            if not self.digest_users:
+                return 503, "the route's credentials are withheld from this proxy", KIND_WITHHELD
+            challenge = self._digest(req, peer)
+            return None if challenge is None else (401, challenge, KIND_UNAUTHORIZED)
         if not self.users:
             return 503, "the route's credentials are withheld from this proxy", KIND_WITHHELD
         if self._authenticated(req):
             return None
         return 401, self.challenge, KIND_UNAUTHORIZED
+
+    def _digest(self, req: RequestHead, peer: bytes) -> str | None:
+        """None when the Digest answer is good, else the 401's WWW-Authenticate (a
+        new challenge; "" for an address held off). The evasion count is kept per
+        client address as `client_address` finds it."""
+        state = DIGEST
+        now = time.monotonic()
+        client = client_address(peer, req.forwarded, self.trusted) if self.trusted else peer
+        if state.evasion.evading(client, now):
+            return ""
+        header = _field(req, b"authorization")
+        answer = digest.parse_authorization(header) if header is not None else None
+        if answer is None:
+            return digest.challenge(self.digest_realm, state.nonces.issue(now), False)
+        stale = False
+        hashes = self.digest_users.get((answer.username, answer.realm))
+        ha1 = digest.matching_ha1(hashes or _NO_HA1, req.method, answer)
+        if ha1 and hashes is not None and digest.uri_matches(answer.uri, req.target):
+            verdict = state.nonces.use(answer.nonce, answer.nc, now)
+            if verdict == digest.NONCE_OK:
+                state.evasion.succeeded(client)
+                self.info = digest.authentication_info(ha1, answer)
+                return None
+            stale = verdict == digest.NONCE_STALE
+        state.evasion.failed(client, now)
+        return digest.challenge(self.digest_realm, state.nonces.issue(now), stale)
 
     def _authenticated(self, req: RequestHead) -> bool:
         header = _field(req, b"authorization")
@@ -284,6 +374,28 @@ class AccessCheck:
         return ok
 
 
+def has_digest(entry: _Entry) -> bool:
+    """The request core's `applies` for `authentication_info` (after `prepare`)."""
+    return entry.access is not None and entry.access.is_digest
+
+
+def authentication_info(forward: Any, req: RequestHead, facts: Any) -> None:
+    """A shaper: the good digest answer's Authentication-Info on the response (set by
+    `decide` in this same synchronous pass of the request core)."""
+    check = forward.entry.access
+    if check.info:
+        # (The route's filters and CORS made the modifier; the auth cookie comes
+        # after decide. dataclasses.replace keeps a ResponseRules one whole.)
+        line = (("Authentication-Info", check.info),)
+        modifier = forward.response_modifier
+        forward.response_modifier = (
+            HeaderModifier(add=line)
+            if modifier is None
+            else dataclasses.replace(modifier, add=(*modifier.add, *line))
+        )
+        check.info = ""
+
+
 def _blocked(matchers: Sequence[Matcher], value: bytes | None) -> bool:
     text = value.decode("latin-1") if value else ""
     for pattern, exact in matchers:
@@ -295,15 +407,27 @@ def _blocked(matchers: Sequence[Matcher], value: bytes | None) -> bool:
     return False
 
 
-def challenge_response(challenge: str, *, close: bool, head_only: bool) -> bytes:
-    """The 401 answer with its WWW-Authenticate challenge (nginx's page title as body)."""
+def challenge_lines(challenge: str, cors: Any = None) -> str:
+    """The 401's header lines: its WWW-Authenticate challenge (none when `challenge`
+    is empty: a digest client held off) and, on a CORS route, the CORS headers
+    (ingress-nginx's more_set_headers reach its 401 too)."""
+    lines = "WWW-Authenticate: " + challenge + "\r\n" if challenge else ""
+    if cors:
+        lines += "".join(f"{name}: {value}\r\n" for name, value in cors)
+    return lines
+
+
+def challenge_response(lines: str, *, close: bool, head_only: bool) -> bytes:
+    """The 401 answer with its header lines (`challenge_lines`), nginx's page title
+    as body."""
     body = b"401 Authorization Required\n"
+    line = lines.encode("latin-1", "replace")
     return (
-        b"HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: %s\r\n"
+        b"HTTP/1.1 401 Unauthorized\r\n%s"
         b"Content-Type: text/plain; charset=utf-8\r\nContent-Length: %d\r\n"
         b"Cache-Control: no-store\r\nX-Waygate-Error: authentication required\r\n%s\r\n%s"
         % (
-            challenge.encode("latin-1", "replace"),
+            line,
             len(body),
             b"Connection: close\r\n" if close else b"",
             b"" if head_only else body,

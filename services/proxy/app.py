@@ -46,7 +46,7 @@ from waygate.core.settings import (
     positive,
     setting,
 )
-from waygate.proxy import backendcerts
+from waygate.proxy import access, backendcerts
 from waygate.proxy.bodybuffer import BufferLimits
 from waygate.proxy.http2 import H2Collector, H2Limits
 from waygate.proxy.metrics import ProxyCollector, ProxyMetrics
@@ -132,6 +132,13 @@ class Settings(ProcessSettings):
     )
     max_connections: int = setting(
         10000, help="client connections open at once per worker; more are closed", check=positive
+    )
+    digest_nonces: int = setting(
+        16384,
+        help="ingress-nginx auth-type digest: nonces (and client addresses counted for "
+        "evasion) kept per worker, about 250 bytes each; when full the expired, then "
+        "the oldest are forgotten first",
+        check=positive,
     )
     connect_timeout: float = setting(
         5.0, help="upstream connect timeout", parse=parse_duration, check=positive
@@ -701,6 +708,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         await _start_workers(process, settings)
         return
     metrics = ProxyMetrics()
+    access.configure_digest(settings.digest_nonces)
     page = settings.unavailable_page.read_bytes() if settings.unavailable_page else b""
     cookie_key = _sticky_key(settings)
     defaults = settings.defaults()

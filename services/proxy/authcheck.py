@@ -3,7 +3,9 @@
 `start(ctx, plan, head, connect_timeout, answer_timeout, done, key)` runs one task:
 a connection to the auth service through the proxy's own upstream machinery
 (`ctx.dialer`, `upstream.start`, an `upstream_h1.UpstreamConnection`, counted
-in the pool's per-endpoint bound like any upstream connection), the head sent,
+in the pool's per-endpoint bound like any upstream connection; over TLS for an
+https:// service, `extauth.tls_context`, the handshake within the connect
+timeout and a certificate that does not verify is no answer), the head sent,
 the answer's head awaited within `answer_timeout`, then the connection closed
 (the answer's body is never read: nginx discards it too) and `done(response)`
 called with it (None: no answer); with a cache `key` (auth-cache-key) the answer
@@ -17,6 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
+import ssl
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +31,11 @@ from waygate.proxy.http1 import ResponseHead
 from waygate.proxy.upstream import ConnectError
 from waygate.proxy.upstream import start as start_connection
 from waygate.proxy.upstream_h1 import UpstreamConnection
+
+log = logging.getLogger(__name__)
+# A TLS failure to an auth service is logged once per LOG_EVERY seconds per service.
+LOG_EVERY = 60.0
+_logged: dict[str, float] = {}
 
 
 class _Answer:
@@ -76,9 +86,15 @@ async def ask(
     try:
         connection = await ctx.dialer.connect(target, connect_timeout, None)
         _, upstream = await start_connection(
-            connection, functools.partial(UpstreamConnection, ctx, target)
+            connection,
+            functools.partial(UpstreamConnection, ctx, target),
+            tls=extauth.tls_context() if plan.tls else None,
+            server_hostname=plan.server_name if plan.tls else None,
+            timeout=connect_timeout,
         )
-    except (ConnectError, OSError):
+    except (ConnectError, OSError, EOFError, TimeoutError) as exc:
+        if plan.tls and isinstance(exc, ssl.SSLError):
+            _log_tls_failure(plan, exc)
         return None
     user = _Answer(ctx.loop)
     try:
@@ -90,6 +106,23 @@ async def ask(
             return None
     finally:
         upstream.abort()
+
+
+def _log_tls_failure(plan: AuthPlan, exc: ssl.SSLError) -> None:
+    """Why an https:// auth service gave no answer (its clients only see a 500)."""
+    name = f"{plan.server_name}:{plan.target.port}"
+    now = time.monotonic()
+    if now - _logged.get(name, -LOG_EVERY) < LOG_EVERY:
+        return
+    if len(_logged) > 1024:
+        _logged.clear()
+    _logged[name] = now
+    reason = getattr(exc, "verify_message", "") or exc.reason or str(exc)
+    log.warning(
+        "the authentication service's TLS handshake failed: %s",
+        reason,
+        extra={"auth_service": name},
+    )
 
 
 def authorize(

@@ -7,8 +7,11 @@ asks the auth service first (`_authorize`: the subrequest is `authcheck`'s
 task, held as the exchange's `connect_task` so that `abandon_upstream`
 cancels it however the exchange ends; a cached answer is used at once), then
 `_authorized` applies the answer (`extauth.outcome`): the request goes on,
-with the answer's headers copied into the upstream head when the plan asks,
-or the client is answered (401/403, or a redirect to auth-signin).
+with the answer's headers copied into the upstream head when the plan asks
+(and its Set-Cookie kept for the backend's answer, on the forward's response
+modifier), or the client is answered (401/403, or a redirect to
+auth-signin; `extauth.refusal_page`, with the answer's WWW-Authenticate and
+Set-Cookie as nginx passes them on).
 
 Invariants: the plan is consumed once (`Forward.auth` cleared before the
 request goes on, so the redispatch does not ask again); an answer that comes
@@ -22,7 +25,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Protocol
 
-from waygate.proxy import authcheck, extauth, filters
+from waygate.proxy import authcheck, extauth
 from waygate.proxy.context import ExchangeContext
 from waygate.proxy.decision import Forward
 from waygate.proxy.http1 import ForwardedContext, RequestHead, ResponseHead
@@ -82,12 +85,12 @@ class AuthStep:
             return
         plan = forward.auth
         forward.auth = None
-        result = extauth.outcome(plan, response, req, bool(self.down.secure))
+        result = extauth.outcome(plan, response, req, bool(self.down.secure), forward)
         if isinstance(result, bytes):
             if plan.copied:
                 head = extauth.with_auth_headers(self.upstream_head, plan, result)
                 self.upstream_head = forward.upstream_head = head
             self.dispatch()
             return
-        page = filters.redirect_head(result.status, result.location, close=True)
-        self.fail(result.status, result.reason, "external_auth", page if result.location else b"")
+        page = extauth.refusal_page(result, close=True, head_only=req.method == b"HEAD")
+        self.fail(result.status, result.reason, "external_auth", page)

@@ -88,7 +88,6 @@ def _redispatch(self: Any, target: Target, exc: ConnectError, attempts: int) -> 
     ):
         ctx.metrics.redispatches += 1
         self.target = forward.target
-        self.backend = forward.backend
         return True
     self.connect_task = None
     self.fail(502, exc.reason, "connect_" + exc.kind)

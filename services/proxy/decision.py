@@ -41,7 +41,7 @@ from __future__ import annotations
 import random
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 from waygate.proxy import (
@@ -92,6 +92,7 @@ class View(Protocol):
     """What `decide` reads of the proxy's view (`waygate.proxy.view.ProxyView`)."""
 
     table: RouteTable
+    whole_hosts: Mapping[Side, Mapping[bytes, RouteEntry]]
     health: PassiveHealth
     trace_ratio: float
 
@@ -139,6 +140,7 @@ class Forward:
 
     __slots__ = (
         "__dict__",
+        "auth",
         "authority",
         "backend",
         "buffer_body",
@@ -146,6 +148,8 @@ class Forward:
         "counted",
         "deadline",
         "entry",
+        "extra",
+        "held",
         "hsts",
         "http2",
         "identity",
@@ -164,6 +168,9 @@ class Forward:
     http2: bool  # the backend speaks HTTP/2
     cookie: bytes | None  # the client's sticky cookie
     hsts: bytes  # the Strict-Transport-Security line (HTTPS only)
+    # The header lines an HTTP/1.1 answer gets (`response_extra` for the chosen
+    # endpoint: the sticky cookie's Set-Cookie, HSTS), set with the pick.
+    extra: bytes
     identity: bytes  # auth-proxy identity lines from the client certificate
     # A ResponseHeaderModifier, or a prepared one (a CORS answer: filters.SetFields).
     response_modifier: HeaderModifier | filters.SetFields | None
@@ -180,9 +187,13 @@ class Forward:
     # route's requestBuffering, for a request with a body, not gRPC.
     buffer_body: bool
     # A limit-connections slot the request holds (release_pick gives it back).
-    held: ratelimit.Held | None = None
+    # (A slot, not a class default: the drivers read it for every request.)
+    held: ratelimit.Held | None
     # ingress-nginx auth-url: the driver asks the auth service first (authcheck).
-    auth: extauth.AuthPlan | None = None
+    auth: extauth.AuthPlan | None
+    # The CORS headers of the route's answer to this origin ((name, value) pairs): the
+    # proxy's own 401s and the auth service's refusals carry them too.
+    cors: Any = None
     # proxy-body-size for a body counted as it streams (0: none to count; bodylimit).
     body_limit = 0
     # upstream-hash-by's key (None: the client address, the source policy's own).
@@ -214,7 +225,8 @@ class Forward:
         return b""
 
     def response_extra(self, target: Target) -> bytes:
-        """Header lines the proxy adds to the response: Set-Cookie, HSTS."""
+        """Header lines the proxy adds to the response from `target`: Set-Cookie, HSTS
+        (kept in `extra` for the chosen endpoint)."""
         backend = self.backend
         if backend.set_cookie and self.cookie != backend.by_target.get(target):
             return backend.set_cookie.get(target, b"") + self.hsts
@@ -273,6 +285,7 @@ def repick(view: View, forward: Forward, facts: ConnectionFacts, failed: Target)
     forward.backend = backend
     backend.picker.acquire(target)
     forward.counted = True
+    forward.extra = forward.response_extra(target)
     return True
 
 
@@ -365,7 +378,11 @@ def _access(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answe
     check = forward.entry.access
     assert check is not None and facts.context is not None  # (compiled by access.prepare)
     refused = check.decide(req, facts.context.client_ip)
-    return None if refused is None else Answer(*refused, forward.entry.options.name)
+    if refused is None:
+        return None
+    if refused[2] is access.KIND_UNAUTHORIZED:  # the 401's header lines (CORS's too)
+        refused = (401, access.challenge_lines(refused[1], forward.cors), refused[2])
+    return Answer(*refused, forward.entry.options.name)
 
 
 def _rate_limit(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
@@ -419,6 +436,7 @@ def _cors_gate(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> An
     if req.method == b"OPTIONS":
         name = forward.entry.options.name
         return Answer(204, answer.preflight, ANSWER_RESPONSE, name, refused=False)
+    forward.cors = answer.headers
     forward.response_modifier = answer.fields
     return None
 
@@ -543,6 +561,7 @@ SHAPERS: tuple[Rule, ...] = (
         lambda entry: bool(entry.route.rewrite_target) and entry.regex is not None,
         _capture_rewrite,
     ),
+    Rule("digest_info", access.has_digest, access.authentication_info),
     Rule("limit_rate", lambda entry: entry.route.limit_rate > 0, _limit_rate),
     Rule("next_upstream", _has_next_upstream, _next_upstream),
     # After the request filters and the rewrite: the copy is the request as sent.
@@ -600,13 +619,16 @@ def decide(
         return OPTIONS_ANY
     query = target.find(b"?")
     path = target if query < 0 else target[:query]
-    table = view.table
     secure = facts.secure
-    entry = table.lookup(req.host, path, req, secure)
+    # A host one route takes whatever the path and headers: no lookup (ProxyView.whole_hosts).
+    hosts = view.whole_hosts.get(secure)
+    entry = hosts.get(req.host) if hosts is not None else None
+    if entry is None:
+        entry = view.table.lookup(req.host, path, req, secure)
     if entry is None:
         # A Gateway listener answers what no route takes with 404 (the spec).
         return Answer(
-            404 if table.serves_listeners(secure) else 503,
+            404 if view.table.serves_listeners(secure) else 503,
             "no route for host " + req.host.decode("ascii", "replace"),
             "no_route",
         )
@@ -617,7 +639,7 @@ def decide(
     # Every field set (see Forward): the defaults, then what this request has.
     forward.counted = forward.http2 = forward.buffer_body = False
     forward.cookie = forward.response_modifier = forward.authority = forward.span = None
-    forward.traceparent = forward.mirrors = None
+    forward.traceparent = forward.mirrors = forward.held = forward.auth = None
     forward.hsts = forward.identity = b""
     forward.deadline = 0.0
     rules = entry.rules
@@ -636,28 +658,35 @@ def decide(
         cookie = forward.cookie = _sticky_cookie(req, entry)
     single = entry.single
     if single is not None and cookie is None:
-        forward.target, backend = single
+        picked, backend = single
     else:
         key = forward.hash_key
-        picked, chosen = entry.pick(
+        pick, chosen = entry.pick(
             facts.client_key if key is None else key, cookie, view.health, None
         )
         if chosen is not None and chosen.invalid:
             # A Gateway API backendRef that cannot be used: 500, as the spec says.
             release_pick(forward)
             return Answer(500, chosen.invalid, "invalid_backend", entry.options.name)
-        if picked is None or chosen is None:
+        if pick is None or chosen is None:
             # ingress-nginx's default-backend takes what no endpoint can.
             chosen = entry.policies.get("default_backend")
-            picked = chosen.picker.pick(None) if chosen is not None else None
-            if picked is None or chosen is None:
+            pick = chosen.picker.pick(None) if chosen is not None else None
+            if pick is None or chosen is None:
                 release_pick(forward)
                 return Answer(503, unavailable_reason(entry), "no_endpoint", entry.options.name)
-        forward.target = picked
+        picked = pick
         backend = chosen
         backend.picker.acquire(picked)
         forward.counted = True
+    forward.target = picked
     forward.backend = backend
+    # The answer's extra lines (response_extra, inline: no call per request).
+    set_cookie = backend.set_cookie
+    if set_cookie and cookie != backend.by_target.get(picked):
+        forward.extra = set_cookie.get(picked, b"") + forward.hsts
+    else:
+        forward.extra = forward.hsts
     if backend.http2:
         forward.http2 = True
     if (req.content_length > 0 or req.chunked) and entry.options.request_buffering and not grpc:

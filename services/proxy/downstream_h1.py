@@ -327,14 +327,8 @@ class ClientConnection(asyncio.Protocol):
         if type(decided) is Answer:
             exchange.answer(req, decided)  # type: ignore[arg-type]
             return not self.closed
-        exchange.begin(req, decided, now)  # type: ignore[arg-type]
         # The exchange's deadline (see _arm), armed without a second clock read.
-        options = decided.entry.options  # type: ignore[union-attr]
-        delay = options.server_timeout
-        if not exchange.req_complete:
-            # A body to come: its stall and rate checks are due earlier.
-            delay = min(delay, options.client_timeout, server.limits.request_body_grace)
-        self._deadline = deadline = now + delay
+        self._deadline = deadline = now + exchange.begin(req, decided, now)  # type: ignore[arg-type]
         self._timer_kind = _T_EXCHANGE
         if deadline <= server.soon_until:
             server.soon.append(self)

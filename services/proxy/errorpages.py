@@ -233,7 +233,6 @@ def intercept(exchange: Any, modifier: Any, status: int, failure: str = "") -> b
         exchange.fail(status, answered_by_proxy(status), KIND)
         return True
     exchange.target = target
-    exchange.backend = forward.backend
     context = exchange.down.context
     head = error_head(client, errors, status, context, forward.entry.options.forwarded_mode)
     forward.upstream_head = exchange.upstream_head = head

@@ -25,7 +25,8 @@ Driving an Exchange (one request at a time; again after the end):
 
     decided = decision.decide(view, req, facts, now)  # the driver decides
     exchange.answer(req, decided)      # an Answer: counted, then rendered
-    exchange.begin(req, decided, now)  # a Forward: the request's state here
+    delay = exchange.begin(req, decided, now)  # a Forward: the request's state
+                                       # here; the driver arms its first deadline
     exchange.dispatch()                # pooled connection, a connect task
                                        # (connect_h1), the endpoint's queue (503
                                        # when it is full), or an HTTP/2 stream
@@ -44,7 +45,7 @@ What the Exchange keeps (the rules between request and response):
   proxy-body-size and request buffering: the request-body phase
   (`requestbody.RequestBody`, a mixin);
 - the external-auth step before dispatch (`authstep.AuthStep`, a mixin);
-- response framing and its extras (`Forward.response_extra`: Set-Cookie,
+- response framing and its extras (`Forward.extra`: Set-Cookie,
   HSTS; a route's ResponseHeaderModifier), rechunking (the upstream's chunked
   body is re-emitted chunked to a driver that takes chunks, or as bare
   payload otherwise);
@@ -104,7 +105,7 @@ from waygate.proxy.http1 import (
 from waygate.proxy.records import end_span
 from waygate.proxy.relay_h1 import UpgradeRelay
 from waygate.proxy.requestbody import RequestBody
-from waygate.proxy.routing import Backend, RouteEntry, Side, Target
+from waygate.proxy.routing import RouteEntry, Side, Target
 from waygate.proxy.throttle import ResponseThrottle
 from waygate.proxy.timeouts import check as check_timeouts
 from waygate.proxy.upstream_h1 import UpstreamConnection
@@ -187,7 +188,6 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
     """One request and its response at a time, between a driver and an upstream."""
 
     __slots__ = (
-        "backend",
         "body_limit",
         "body_rate_base",
         "body_rate_from",
@@ -237,7 +237,6 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
         self.req: RequestHead | None = None
         self.entry: RouteEntry | None = None
         self.target: Target | None = None
-        self.backend: Backend | None = None
         self.upstream: UpstreamConnection | None = None
         self.connect_task: asyncio.Task[None] | None = None
         # Waiting in the pool's queue for room at its endpoint (see Pool.wait).
@@ -286,15 +285,16 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
             self._record(answer.route, req, answer.status)
         self.down.answer(req, answer.status, answer.reason, answer.kind)
 
-    def begin(self, req: RequestHead, forward: Forward, now: float) -> None:
+    def begin(self, req: RequestHead, forward: Forward, now: float) -> float:
         """Take a request `decision.decide` forwarded (the driver decided it): its
-        state here, its body's framing; `dispatch` next."""
+        state here, its body's framing; `dispatch` next. Returns the delay until the
+        exchange's first deadline, which the driver arms: the route's server timeout,
+        or, with a body to come, the earliest of its stall and rate checks."""
         self.started = now
         self.forward = forward
         self.req = req
-        self.entry = forward.entry
+        self.entry = entry = forward.entry
         self.target = forward.target
-        self.backend = forward.backend
         self.span = forward.span
         self.upstream_head = forward.upstream_head
         self.throttle = forward.throttle
@@ -328,6 +328,13 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
             mirrors = self.ctx.mirrors
             for target, head in forward.mirrors:
                 mirrors.send(target, head)
+        options = entry.options
+        if self.req_complete:
+            return options.server_timeout
+        # A body to come: its stall and rate checks are due earlier.
+        return min(
+            options.server_timeout, options.client_timeout, self.ctx.limits.request_body_grace
+        )
 
     def dispatch(self) -> None:
         """Send the request upstream: a pooled connection, or a new connect; to an
@@ -338,12 +345,8 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
                 # The body first (request buffering): dispatched at its last byte.
                 self.hold_dispatch()
                 return
-            forward = self.forward
-            if forward is not None:
-                if forward.body_mirror is not None:
-                    mirror.send_with_body(self.ctx.mirrors, forward, buffer)
-                if forward.next_upstream is not None:
-                    nextupstream.keep_body(forward, buffer)
+            if self.forward is not None:
+                _body_taken(self.ctx, self.forward, buffer)
         target = self.target
         assert target is not None
         ctx = self.ctx
@@ -354,13 +357,7 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
         if forward is not None and forward.http2:
             req = self.req
             if req is not None and req.upgrade:
-                self.fail(
-                    502,
-                    "the backend speaks HTTP/2: an upgrade to "
-                    + req.upgrade.decode("ascii", "replace")
-                    + " cannot be relayed to it",
-                    "upgrade_to_http2",
-                )
+                self.fail(502, _no_upgrade_to_http2(req.upgrade), "upgrade_to_http2")
                 return
             bridge = self.bridge = H2Bridge(ctx.h2, self, forward, self.down)
             bridge.dispatch()
@@ -402,7 +399,6 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
         if forward is not None:
             self.forward = None
             release_pick(forward)
-        self.backend = None
         self.target = None
 
     # ------------------------------------------------------------ upstream side
@@ -546,25 +542,22 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
             if errorpages.intercept(self, forward.response_modifier, status):
                 return None  # ingress-nginx custom-http-errors: the error backend answers
             response.fields = filters.modify_response_fields(
-                response.fields, forward.response_modifier
+                response.fields, forward.response_modifier, status
             )
-        if forward.hsts or forward.backend.set_cookie:
-            extra = forward.response_extra(upstream.target)
-        else:
-            extra = b""
+        extra = forward.extra  # Set-Cookie, HSTS: decided with the pick
         down = self.down
         if framing == FRAMING_LENGTH and len(rest) == length < 65536 and self.throttle is None:
             # The whole body came with the head (a small response): one send.
             ctx.metrics.bytes_out += length
             down.response_head(response, out_framing, length, keep_alive, extra, rest, False)
             self.remaining = 0
-            self._done(True, now)
+            self.finish(self.keep_alive, now, True)
             return None
         if framing == FRAMING_NONE or (framing == FRAMING_LENGTH and length == 0):
             down.response_head(response, out_framing, length, keep_alive, extra, b"", False)
             # Bytes after a response without a body, in the same read: the
             # upstream's framing is off, so the connection is not pooled.
-            self._done(not rest, now)
+            self.finish(self.keep_alive, now, not rest)
             return None
         # Held for the body bytes of this same read (`more`): one send for a small response.
         down.response_head(response, out_framing, length, keep_alive, extra, b"", bool(rest))
@@ -588,13 +581,13 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
                 self.remaining = 0
                 metrics.bytes_out += len(data)
                 down.response_body(data)
-                self._done(clean=False)
+                self.finish(self.keep_alive, 0.0, False)
                 return
             self.remaining = remaining - len(data)
             metrics.bytes_out += len(data)
             down.response_body(data)
             if self.remaining == 0:
-                self._done(clean=True)
+                self.finish(self.keep_alive, 0.0, True)
         elif framing == FRAMING_CHUNKED:
             reader = self.reader
             assert reader is not None
@@ -606,7 +599,7 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
             down.response_pieces(out)
             metrics.bytes_out += used
             if reader.done:
-                self._done(clean=used == len(data))
+                self.finish(self.keep_alive, 0.0, used == len(data))
         elif framing == FRAMING_CLOSE:
             metrics.bytes_out += len(data)
             down.response_body(data)
@@ -615,21 +608,6 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
             self.upstream_failed(
                 502, "upstream sent bytes after a bodiless response", "bad_response"
             )
-
-    def _done(self, clean: bool, now: float = 0.0) -> None:
-        """The response is complete: release the upstream (pooled only when clean)."""
-        upstream = self.upstream
-        self.upstream = None
-        if upstream is not None:
-            upstream.release(
-                clean
-                and self.req_complete
-                and self.buffer is None
-                and self.framing != FRAMING_CLOSE
-                and not self.ctx.draining,
-                now,
-            )
-        self.finish(self.keep_alive, now)
 
     def upstream_closed(self, relay: bool, got_bytes: bool, reused: bool) -> None:
         """The upstream connection closed during this exchange."""
@@ -685,18 +663,36 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
 
     # ------------------------------------------------------------ the end
 
-    def finish(self, keep_alive: bool, now: float = 0.0) -> None:
-        """The response is complete; the driver may take the next request."""
+    def finish(self, keep_alive: bool, now: float = 0.0, clean: bool = False) -> None:
+        """The response is complete: the upstream connection let go (pooled only when
+        `clean`, the whole request went out unbuffered and nothing asks to close),
+        the request recorded; the driver may take the next request."""
+        upstream = self.upstream
+        if upstream is not None:
+            # Released first: a pipelined request the driver starts next may reuse it.
+            self.upstream = None
+            upstream.release(
+                clean
+                and self.req_complete
+                and self.buffer is None
+                and self.framing != FRAMING_CLOSE
+                and not self.ctx.draining,
+                now,
+            )
         entry = self.entry
         req = self.req
         if entry is not None:
             options = entry.options
             idle_timeout = options.keep_alive_timeout
             if req is not None:
-                self._record(options.name, req, self.status or 502)
+                # _record, without its call for the common request (no log, no span).
+                records = self.ctx.records
+                status = self.status or 502
+                records.metrics.request(options.name, req.method, status)
+                if records.logging or self.span is not None:
+                    self._log(options.name, req, status)
         else:
             idle_timeout = 0.0
-        self.upstream = None
         self.bridge = None
         forward = self.forward
         if forward is not None:
@@ -704,7 +700,6 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
             # (The common request holds nothing: no call for it.)
             if forward.counted or forward.held is not None:
                 release_pick(forward)
-        self.backend = None
         self.target = None
         self.req = None
         self.entry = None
@@ -763,6 +758,12 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
         """Count one answered request; its access-log line and span when due."""
         records = self.ctx.records
         records.metrics.request(route, req.method, status)
+        if records.logging or self.span is not None:
+            self._log(route, req, status)
+
+    def _log(self, route: str, req: RequestHead, status: int) -> None:
+        """An answered request's access-log line (when that logger is on) and its span's end."""
+        records = self.ctx.records
         span = self.span
         if records.logging:
             started = self.started
@@ -779,3 +780,20 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
         if span is not None:
             self.span = None
             end_span(span, status)
+
+
+def _body_taken(ctx: ExchangeContext, forward: Forward, buffer: Any) -> None:
+    """A buffered request body, whole: ingress-nginx's mirror-target copy and
+    proxy-next-upstream's resend copy take it before it goes upstream."""
+    if forward.body_mirror is not None:
+        mirror.send_with_body(ctx.mirrors, forward, buffer)
+    if forward.next_upstream is not None:
+        nextupstream.keep_body(forward, buffer)
+
+
+def _no_upgrade_to_http2(upgrade: bytes) -> str:
+    return (
+        "the backend speaks HTTP/2: an upgrade to "
+        + upgrade.decode("ascii", "replace")
+        + " cannot be relayed to it"
+    )

@@ -9,6 +9,8 @@ upstream's response head (response side). Per the Gateway API specification:
   line of that name. Framing and connection headers (Host, Content-Length,
   Transfer-Encoding, Connection, Upgrade, Keep-Alive, TE, Trailer) are never
   touched: the proxy owns them, so a filter cannot desynchronise a message.
+- `StatusHeaders` (ingress-nginx's add_header without `always`, for the auth
+  service's Set-Cookie): lines added only to answers of ADD_HEADER_STATUSES.
 - URLRewrite: the Host line (X-Forwarded-Host keeps the client's host) and the
   path: ReplaceFullPath, or ReplacePrefixMatch of the matched PathPrefix at a
   segment boundary; the query string is kept.
@@ -25,8 +27,10 @@ the head is copied with `RequestHead.copy`, the client's own left as it came).
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
 
 from waygate.resolver.client import HeaderModifier, PathModifierType, Redirect, Rewrite
 
@@ -77,12 +81,76 @@ def modify_request_fields(fields: bytes, modifier: HeaderModifier) -> bytes:
     return b"".join(line + b"\r\n" for line in _modified_lines(lines, modifier))
 
 
-def modify_response_fields(fields: bytes, modifier: HeaderModifier | SetFields) -> bytes:
-    """A response's field block (b"\\r\\nName: value" lines) after the modifier."""
+# The statuses nginx's add_header (without `always`) adds its lines to.
+ADD_HEADER_STATUSES: Final = frozenset((200, 201, 204, 206, 301, 302, 303, 304, 307, 308))
+
+
+_NO_CHANGE: Final = HeaderModifier()
+
+
+@dataclass(frozen=True)
+class StatusHeaders(HeaderModifier):
+    """A response modifier (`base`'s set, add and remove) with `add_on_success` lines
+    added only to answers of ADD_HEADER_STATUSES. What else the base carries (a
+    `responserewrite.ResponseRules`' rewrites and error pages) is read through to
+    it, so wrapping one keeps it whole."""
+
+    base: HeaderModifier = _NO_CHANGE
+    add_on_success: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def over(
+        cls, base: HeaderModifier | SetFields | None, lines: tuple[tuple[str, str], ...]
+    ) -> StatusHeaders:
+        base = general(base) if base is not None else _NO_CHANGE
+        return cls(base.set, base.add, base.remove, base, lines)
+
+    def __getattr__(self, name: str) -> Any:
+        # (Asked only for names this class lacks; never for `base`, which it has
+        # once made: copy and pickle ask before it is set.)
+        if name == "base" or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.base, name)
+
+    def at(self, status: int) -> HeaderModifier:
+        """The modifier an answer of `status` gets (the base's own class)."""
+        if status in ADD_HEADER_STATUSES:
+            return dataclasses.replace(self.base, add=(*self.base.add, *self.add_on_success))
+        return self.base
+
+
+def general(modifier: HeaderModifier | SetFields) -> HeaderModifier:
+    """The modifier as a HeaderModifier (a prepared `SetFields` as the same set, add and
+    remove: what a rule composing modifiers builds on)."""
+    if type(modifier) is SetFields:
+        return HeaderModifier(set=modifier.set, add=modifier.add, remove=modifier.remove)
+    return modifier  # type: ignore[return-value]
+
+
+def with_added(
+    modifier: HeaderModifier | SetFields | None, lines: tuple[tuple[str, str], ...]
+) -> HeaderModifier:
+    """A response modifier with `lines` added after its own, of the same kind (a
+    ResponseRules or a StatusHeaders one stays whole)."""
+    if modifier is None:
+        return HeaderModifier(add=lines)
+    modifier = general(modifier)
+    if type(modifier) is StatusHeaders:
+        return StatusHeaders.over(with_added(modifier.base, lines), modifier.add_on_success)
+    return dataclasses.replace(modifier, add=(*modifier.add, *lines))
+
+
+def modify_response_fields(
+    fields: bytes, modifier: HeaderModifier | SetFields, status: int = 200
+) -> bytes:
+    """A response's field block (b"\\r\\nName: value" lines) after the modifier
+    (a `StatusHeaders` one as it applies to the answer's `status`)."""
     if type(modifier) is SetFields:
         if modifier.base is None and modifier.present.search(fields) is None:
             return fields + modifier.block  # (the common answer: no line of those names)
         return modifier.applied(fields)
+    if type(modifier) is StatusHeaders:
+        modifier = modifier.at(status)
     lines = fields.split(b"\r\n")[1:] if fields else []
     rewrite = getattr(modifier, "rewrite", None)
     if rewrite is not None:  # ingress-nginx proxy_redirect, proxy_cookie_* first (responserewrite)

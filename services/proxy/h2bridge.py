@@ -118,7 +118,6 @@ class H2Bridge(UpstreamStream):
 
     def _moved(self) -> None:
         self.user.target = self.target
-        self.user.backend = self.forward.backend
 
     def attach(self, connection: H2UpstreamConnection | None, reused: bool = False) -> None:
         if self.finished:

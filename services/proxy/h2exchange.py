@@ -207,12 +207,7 @@ class StreamDownstream:
     def begin(self, req: RequestHead, forward: Forward, now: float) -> None:
         """Drive the Exchange of a request `decide` forwarded to an HTTP/1.1 backend."""
         exchange = self.exchange
-        exchange.begin(req, forward, now)
-        options = forward.entry.options
-        delay = options.server_timeout
-        if not exchange.req_complete:
-            delay = min(delay, options.client_timeout, self.server.limits.request_body_grace)
-        self._arm(now + delay)
+        self._arm(now + exchange.begin(req, forward, now))
         exchange.dispatch()
 
     def _arm(self, deadline: float) -> None:

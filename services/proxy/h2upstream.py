@@ -46,6 +46,7 @@ import asyncio
 import contextlib
 import logging
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import h2.events
@@ -717,7 +718,8 @@ class H2Exchange(UpstreamStream):
         if self.finished or plan is None:
             return
         forward.auth = None
-        result = extauth.outcome(plan, response, self.req, bool(self.conn.secure))
+        result = extauth.outcome(plan, response, self.req, bool(self.conn.secure), forward)
+        self.response_modifier = forward.response_modifier  # (with the answer's Set-Cookie)
         if isinstance(result, bytes):
             if plan.copied:
                 head = extauth.with_auth_headers(forward.upstream_head, plan, result)
@@ -727,8 +729,14 @@ class H2Exchange(UpstreamStream):
                 )
             self.dispatch()
             return
+        extra = extauth.field_pairs(result.lines)
         if result.location:
-            self.stream.respond(result.status, [(b"location", result.location)], end=True)
+            self.stream.respond(result.status, [(b"location", result.location), *extra], end=True)
+            self._finish(result.status)
+            return
+        if extra and not self.request.grpc:  # (WWW-Authenticate, Set-Cookie)
+            self.ctx.records.refused("external_auth")
+            respond_locally(self.stream, False, result.status, result.reason, extra)
             self._finish(result.status)
             return
         self.local(result.status, result.reason, "external_auth")
@@ -894,7 +902,7 @@ class H2Exchange(UpstreamStream):
         self.last_up = self.ctx.loop.time()
         self.ctx.metrics.latency(self.last_up - self.started, self.entry.options.name)
         if self.response_modifier is not None:
-            out = _modified(out, self.response_modifier)
+            out = _modified(out, self.response_modifier, status)
         out += self.extra
         self.stream.respond(status, out, end=ended)
         if ended:
@@ -1091,9 +1099,11 @@ class H2Exchange(UpstreamStream):
             upstream.flush()
 
 
-def respond_locally(stream: Stream, grpc: bool, status: int, reason: str) -> None:
+def respond_locally(
+    stream: Stream, grpc: bool, status: int, reason: str, extra: Sequence[tuple[bytes, bytes]] = ()
+) -> None:
     """The proxy's own failure on an HTTP/2 stream: the reason as a short text page
-    (and X-Waygate-Error), or a gRPC status (trailers-only) on gRPC."""
+    (and X-Waygate-Error, and `extra` fields), or a gRPC status (trailers-only) on gRPC."""
     if grpc:
         stream.respond(200, grpcstatus.trailers_only(status, reason), end=True)
         return
@@ -1105,18 +1115,21 @@ def respond_locally(stream: Stream, grpc: bool, status: int, reason: str) -> Non
             (b"content-length", b"%d" % len(body)),
             (b"cache-control", b"no-store"),
             (b"x-waygate-error", reason.encode("ascii", "replace")),
+            *extra,
         ],
     )
     stream.send(body)
     stream.finish()
 
 
-def _modified(fields: list[tuple[bytes, bytes]], modifier: Any) -> list[tuple[bytes, bytes]]:
+def _modified(
+    fields: list[tuple[bytes, bytes]], modifier: Any, status: int
+) -> list[tuple[bytes, bytes]]:
     """Response fields after a ResponseHeaderModifier (the one rule of waygate.proxy.filters,
     applied to the field block these fields mean)."""
     block = b"".join(b"\r\n" + name + b": " + value for name, value in fields)
     out = []
-    for line in filters.modify_response_fields(block, modifier).split(b"\r\n")[1:]:
+    for line in filters.modify_response_fields(block, modifier, status).split(b"\r\n")[1:]:
         name, _, value = line.partition(b":")
         out.append((name.strip().lower(), value.strip(b" \t")))
     return out

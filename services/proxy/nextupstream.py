@@ -129,7 +129,6 @@ def _again(exchange: Any, forward: Any, now: float) -> bool:
         return False
     exchange.abandon_upstream()  # the answer goes with its connection (or stream)
     exchange.target = forward.target
-    exchange.backend = forward.backend
     if exchange.req.has_body:
         # The body again, whole, from the copy (what the last try left of it goes).
         exchange._drop_buffer()

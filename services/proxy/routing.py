@@ -567,6 +567,17 @@ def _rank(entry: RouteEntry) -> tuple[Any, ...]:
     return entry.rank
 
 
+def _whole_hosts(index: HostIndex) -> dict[bytes, RouteEntry]:
+    return {
+        host: entries[0]
+        for host, entries in index.exact.items()
+        if entries
+        and entries[0].path == b"/"
+        and entries[0].kind == _PATH_PREFIX
+        and not entries[0].conditional
+    }
+
+
 class RouteTable:
     """The routes file's routes by host, and Gateway API / Ingress routes per side."""
 
@@ -588,6 +599,23 @@ class RouteTable:
     def serves_listeners(self, secure: Side) -> bool:
         """Whether Gateway API listeners are served on this side (a miss is then a 404)."""
         return secure in self._sides
+
+    def whole_hosts(self) -> dict[Side, dict[bytes, RouteEntry]]:
+        """Per side (False, True, each Gateway side): the hosts `lookup` answers with one
+        entry whatever the path, headers and query are: an exact host whose first entry
+        takes every path (a "/" prefix without conditions) in the index consulted first
+        for it. `decision.decide` takes these without a lookup (`view.ProxyView`)."""
+        legacy = _whole_hosts(self._legacy)
+        by_side: dict[Side, dict[bytes, RouteEntry]] = {False: legacy, True: legacy}
+        for key, side in self._sides.items():
+            hosts = _whole_hosts(side)
+            if not side.wildcard and not side.deep:
+                # No wildcard of the side comes first: its other hosts are the routes file's.
+                for host, entry in legacy.items():
+                    if host not in side.exact:
+                        hosts[host] = entry
+            by_side[key] = hosts
+        return by_side
 
     def lookup(
         self, host: bytes, path: bytes, req: Any = None, secure: Side = False

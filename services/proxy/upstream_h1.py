@@ -195,19 +195,15 @@ class UpstreamConnection(asyncio.Protocol):
             exchange.relay_data(data)
             return
         now = exchange.loop.time()
-        if self.response is None:
-            if self.buf:
-                data = self.buf + data
-                self.buf = b""
-            rest = self._head(exchange, data, now)
-            if rest is None or self.exchange is None or self.response is None:
-                return
-            data = rest
-        exchange.response_data(data, now)
-
-    def _head(self, exchange: H1User, data: bytes, now: float) -> bytes | None:
-        """Parse response heads (1xx to the H1User, which drops or forwards them)
-        and hand over the final one; returns the rest (None: nothing more to do)."""
+        if self.response is not None:
+            exchange.response_data(data, now)
+            return
+        if self.buf:
+            data = self.buf + data
+            self.buf = b""
+        # Response heads (here, not in a method of their own: one frame less per
+        # response): 1xx to the H1User, which drops or forwards them, then the final
+        # one; the bytes after it are body.
         while True:
             end = data.find(b"\r\n\r\n")
             if 0 <= end < _SHORT_HEAD:
@@ -217,30 +213,33 @@ class UpstreamConnection(asyncio.Protocol):
                     end = http1.find_head_end(data, response=True)
                 except BadMessage as exc:
                     self._broken(exchange, exc.reason)
-                    return None
+                    return
             if end < 0:
                 self.buf = data
-                return None
+                return
             head, data = data[:end], data[end:]
             try:
                 response = http1.parse_response_head(head)
             except BadMessage as exc:
                 self._broken(exchange, exc.reason)
-                return None
+                return
             if response.status < 200:
                 if response.status == 101:
                     if exchange.switching(response, data):
                         self.relay = True
-                        return None
+                        return
                     self._broken(exchange, "upstream switched protocols without an upgrade request")
-                    return None
+                    return
                 broken = exchange.informational(response, end)
                 if broken:
                     self._broken(exchange, broken)
-                    return None
+                    return
                 continue
             self.response = response
-            return exchange.response_head(response, data, now)
+            rest = exchange.response_head(response, data, now)
+            if rest is not None and self.exchange is not None and self.response is not None:
+                exchange.response_data(rest, now)
+            return
 
     def _broken(self, exchange: H1User, reason: str) -> None:
         exchange.upstream_failed(502, reason, "bad_response")

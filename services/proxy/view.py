@@ -18,6 +18,8 @@ listener ports are bound) into one immutable object:
 - `reencrypt_routes`: the routes with an upstream TLS scope
   (`routing.upstream_scope`: reencrypt), the reencrypt step keeps its
   sessions and its backends' certificates for these only (`upstream_tls`);
+- `whole_hosts`: per side, the hosts whose first route takes every request
+  (`routing.RouteTable.whole_hosts`), routed by `decision.decide` without a lookup;
 - `health`: the passive health of endpoints and `trace_ratio`.
 
 Per-endpoint state outlives views: the pickers (with their in-flight counts)
@@ -37,7 +39,9 @@ from typing import Any, NamedTuple
 from waygate.proxy.routing import (
     Defaults,
     PassiveHealth,
+    RouteEntry,
     RouteTable,
+    Side,
     build_table,
     upstream_scope,
 )
@@ -112,6 +116,7 @@ class ProxyView:
         "reencrypt_routes",
         "table",
         "trace_ratio",
+        "whole_hosts",
     )
 
     def __init__(
@@ -126,6 +131,9 @@ class ProxyView:
         reencrypt_routes: tuple[Route, ...] = (),
     ) -> None:
         self.table = table
+        # Per side, the hosts one route takes whatever the request (RouteTable.whole_hosts):
+        # decide routes them without a lookup.
+        self.whole_hosts: Mapping[Side, Mapping[bytes, RouteEntry]] = table.whole_hosts()
         # Endpoints whose connects fail, skipped for a while: state that outlives
         # views (carried over), the only part of a view that is not frozen.
         self.health = health
@@ -192,7 +200,7 @@ class ProxyView:
 
     def replace(self, **changes: Any) -> ProxyView:
         """This view with some tables replaced (tests and benchmarks build tables alone)."""
-        fields = {name: getattr(self, name) for name in self.__slots__}
+        fields = {name: getattr(self, name) for name in self.__slots__ if name != "whole_hosts"}
         fields.update(changes)
         table = fields.pop("table")
         health = fields.pop("health")

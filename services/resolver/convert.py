@@ -312,6 +312,9 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
                     pb.AuthCacheDuration(status=status, duration=duration(seconds))
                     for status, seconds in auth.cache_durations
                 ],
+                always_set_cookie=auth.always_set_cookie,
+                trusted_proxies=list(auth.trusted_proxies),
+                full_forwarded_for=auth.full_forwarded_for,
             )
         )
     if (cors := route.cors) is not None:
@@ -729,6 +732,9 @@ def _external_auth_from_proto(message: pb.ExternalAuth) -> model.ExternalAuth:
         proxy_set_headers=tuple((h.name, h.value) for h in message.proxy_set_headers),
         cache_key=message.cache_key,
         cache_durations=tuple((d.status, seconds(d.duration)) for d in message.cache_durations),
+        always_set_cookie=message.always_set_cookie,
+        trusted_proxies=tuple(message.trusted_proxies),
+        full_forwarded_for=message.full_forwarded_for,
     )
 
 

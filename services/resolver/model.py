@@ -433,9 +433,9 @@ class RouteAccess:
     block_referers: tuple[str, ...] = ()
     # X-Forwarded-For names the client when the peer is within these (nginx real_ip).
     trusted_proxies: tuple[str, ...] = ()
-    auth_type: str = ""  # "basic" or "" (none)
+    auth_type: str = ""  # "basic", "digest" or "" (none)
     auth_realm: str = ""
-    credentials: tuple[str, ...] = ()  # "user:hash" lines
+    credentials: tuple[str, ...] = ()  # "user:hash" lines (digest: "user:realm:HA1")
     satisfy_any: bool = False
     # auth-tls-*: the client certificate the route's host asks for (None: none).
     client_certificate: ClientCertificate | None = None
@@ -481,7 +481,7 @@ class ExternalAuth:
     """ingress-nginx's auth-url and friends: every request is first asked of `url`
     (nginx auth_request); a 2xx lets it through, 401/403 answer the client."""
 
-    url: str  # http://HOST[:PORT]/PATH[?QUERY]
+    url: str  # http(s)://HOST[:PORT]/PATH[?QUERY]
     method: str = ""  # "": the request's own
     signin: str = ""  # where a 401 is redirected ("": the 401 itself)
     signin_redirect_param: str = "rd"
@@ -492,6 +492,12 @@ class ExternalAuth:
     # no cache) and auth-cache-duration: (status, seconds) an answer is kept.
     cache_key: str = ""
     cache_durations: tuple[tuple[int, float], ...] = ()
+    # auth-always-set-cookie: the answer's Set-Cookie also on non-2xx/3xx answers.
+    always_set_cookie: bool = False
+    # use-forwarded-headers (proxy-real-ip-cidr) and compute-full-forwarded-for: the
+    # client address the auth service is told, as nginx's real_ip finds it.
+    trusted_proxies: tuple[str, ...] = ()
+    full_forwarded_for: bool = False
 
 
 @dataclass(frozen=True)

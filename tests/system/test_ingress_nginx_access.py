@@ -19,8 +19,14 @@ Waygate renders none, so each asserts the behaviour that configuration has, from
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import hashlib
+import json
+import re
 import ssl
+import urllib.error
+import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -205,12 +211,91 @@ async def test_basic_auth(suite: Conformance) -> None:
     assert (await suite.request("/", host="auth", headers=basic("user", "pass"))).status == 401
     response = await suite.request("/", host="auth", headers=basic("foo", "bar"))
     assert response.status == 200 and response.backend == V1
-    # The Authorization header reaches the backend, as nginx passes it on.
-    assert response.request_header("Authorization") == basic("foo", "bar")["Authorization"]
+    # The backend never sees the credentials: ingress-nginx renders
+    # `proxy_set_header Authorization "";` with auth_basic (its nginx.tmpl).
+    assert response.request_header("Authorization") is None
     assert (await suite.request("/", host="auth-map", headers=basic("foo", "bar"))).status == 200
     assert (
         await suite.request("/", host="auth-invalid", headers=basic("foo", "bar"))
     ).status == 401
+
+
+async def test_basic_auth_401_with_cors_headers(suite: Conformance) -> None:
+    # auth.go: It("should return status code 401 and cors headers when authentication
+    # and cors is configured but Authorization header is not configured").
+    auth = {
+        P + "auth-type": "basic",
+        P + "auth-secret": "test",
+        P + "auth-realm": "test auth",
+        P + "enable-cors": "true",
+    }
+    await apply(
+        suite, opaque("test", {"auth": f"foo:{HASH}\n"}), single_ingress("auth", "/", "auth", auth)
+    )
+    response = await suite.request("/", host="auth")
+    assert response.status == 401
+    assert response.header("Access-Control-Allow-Origin") == "*"
+
+
+def digest_get(port: int, host: str, user: str, password: str) -> tuple[int, bytes, str]:
+    """A GET through Python's own Digest client (urllib's HTTPDigestAuthHandler: an
+    independent RFC 2617 implementation), answering the proxy's challenge:
+    (status, body, the last WWW-Authenticate)."""
+    url = f"http://127.0.0.1:{port}/digest?x=1"
+    passwords = urllib.request.HTTPPasswordMgrWithDefaultRealm()
+    passwords.add_password(None, url, user, password)
+    opener = urllib.request.build_opener(urllib.request.HTTPDigestAuthHandler(passwords))
+    request = urllib.request.Request(url, headers={"Host": host})
+    try:
+        with opener.open(request, timeout=10) as answer:
+            return answer.status, answer.read(), ""
+    except urllib.error.HTTPError as error:
+        return error.code, error.read(), error.headers.get("WWW-Authenticate", "")
+
+
+async def test_digest_auth(suite: Conformance) -> None:
+    # ingress-nginx's auth.go has no digest case ("TODO: test Digest Auth"); these are
+    # nginx-http-auth-digest's rules (the module ingress-nginx builds in), asserted
+    # with Python's own Digest client: the challenge, the right password (auth-file
+    # and auth-map), a wrong one, and the credentials kept from the backend.
+    realm = "test digest"
+    ha1 = hashlib.md5(f"foo:{realm}:bar".encode()).hexdigest()
+    auth = {P + "auth-type": "digest", P + "auth-secret": "htdigest", P + "auth-realm": realm}
+    await apply(
+        suite,
+        opaque("htdigest", {"auth": f"foo:{realm}:{ha1}\n"}),
+        opaque("htdigest-map", {"foo": f"{realm}:{ha1}"}),
+        single_ingress("digest", "/", "digest", auth),
+        single_ingress(
+            "digest-map",
+            "/",
+            "digest-map",
+            {**auth, P + "auth-secret": "htdigest-map", P + "auth-secret-type": "auth-map"},
+        ),
+        single_ingress("digest-open", "/", "digest-open", {**auth, P + "auth-realm": ""}),
+    )
+    challenged = await suite.eventually("/", host="digest", status=401)
+    assert re.fullmatch(
+        f'Digest algorithm="MD5", qop="auth", realm="{realm}", nonce="[0-9a-f]{{16}}"',
+        challenged.header("WWW-Authenticate") or "",
+    )
+    for host in ("digest", "digest-map"):
+        status, body, _ = await asyncio.to_thread(digest_get, suite.port, host, "foo", "bar")
+        assert status == 200, (host, status, body)
+        echo = json.loads(body)
+        assert echo["target"] == "/digest?x=1"
+        assert not [v for k, v in echo["headers"] if k.lower() == "authorization"]
+    # A wrong password: challenged again; urllib's client retries it until the
+    # module's evasion (5 failures within 300 s) holds this address off: a 401
+    # without a challenge, the right password included (so this comes last).
+    status, _, challenge = await asyncio.to_thread(digest_get, suite.port, "digest", "foo", "x")
+    assert status == 401 and challenge == ""
+    status, _, challenge = await asyncio.to_thread(digest_get, suite.port, "digest", "foo", "bar")
+    assert status == 401 and challenge == ""
+    held = await suite.request("/", host="digest-map")
+    assert held.status == 401 and held.header("WWW-Authenticate") is None
+    # Without auth-realm nginx's module would ask for nothing: not served at all.
+    assert (await suite.request("/", host="digest-open")).status == 404
 
 
 async def test_basic_auth_with_a_missing_secret_is_not_served(suite: Conformance) -> None:

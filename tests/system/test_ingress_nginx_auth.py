@@ -137,3 +137,46 @@ async def test_external_auth_cache_survives_the_auth_service_per_location(
     # The service is gone: /foo's answer is cached; /bar (another location) has none.
     assert (await suite.request("/foo", host=host, headers=signed_in)).status == 200
     assert (await suite.request("/bar", host=host, headers=signed_in)).status == 500
+
+
+async def test_cookie_set_by_external_authentication_server(
+    suite: Conformance, auth: AuthService
+) -> None:
+    # auth.go, Context "cookie set by external authentication server": its auth
+    # service answers /cookies/set/alma/armud with Set-Cookie alma=armud (here
+    # tests/support/authservice), its backend / with 200 and /error with 503 (here
+    # the backend's /status/503). It("user retains cookie by default"), It("user does
+    # not retain cookie if upstream returns error status code"), It("user with
+    # annotated ingress retains cookie if upstream returns error status code").
+    host = "auth-check-cookies"
+    annotations = {
+        P + "auth-url": auth.url("/cookies/set/alma/armud"),
+        P + "auth-signin": "http://$host/auth/start",
+    }
+    ing1 = single_ingress(host, "/", host, annotations)
+    ing2 = single_ingress(host + "-error", "/status/503", host, annotations)
+    await apply(suite, ing1, ing2)
+    ok = await suite.request("/?a=b&c=d", host=host)
+    assert ok.status == 200 and ok.response_header("Set-Cookie") == "alma=armud"
+    failed = await suite.request("/status/503?a=b&c=d", host=host)
+    assert failed.status == 503 and failed.response_header("Set-Cookie") is None
+    always = {**annotations, P + "auth-always-set-cookie": "true"}
+    await apply(
+        suite,
+        single_ingress(host, "/", host, always),
+        single_ingress(host + "-error", "/status/503", host, always),
+    )
+    failed = await suite.request("/status/503?a=b&c=d", host=host)
+    assert failed.status == 503 and failed.response_header("Set-Cookie") == "alma=armud"
+
+
+async def test_invalid_auth_url_denies_the_whole_location(suite: Conformance) -> None:
+    # auth.go, Context "with invalid auth-url should deny whole location":
+    # auth-url "https://invalid..auth.url" (parser.StringToURL: "invalid url host").
+    # ingress-nginx denies the location (503); Waygate does not serve the Ingress
+    # (Admitted False, InvalidAnnotation: no route, 404) and serves the others.
+    annotations = {P + "auth-url": "https://invalid..auth.url"}
+    denied = single_ingress("auth-denied", "/denied-auth", "auth-denied", annotations)
+    await apply(suite, denied, single_ingress("different", "/", "different"))
+    assert (await suite.request("/", host="different")).status == 200
+    assert (await suite.request("/denied-auth", host="auth-denied")).status == 404

@@ -2,8 +2,8 @@
 
 Sans-IO: `plan_access(...)` reads an Ingress's valid annotation values
 (`whitelist-source-range`/`allowlist-source-range`, `denylist-source-range`,
-`auth-type: basic` with `auth-secret`, `auth-secret-type`, `auth-realm`,
-`satisfy`, client certificates: `auth-tls-*`), the controller ConfigMap (`block-cidrs`, `block-user-agents`,
+`auth-type: basic|digest` with `auth-secret`, `auth-secret-type`,
+`auth-realm`, `satisfy`, client certificates: `auth-tls-*`), the controller ConfigMap (`block-cidrs`, `block-user-agents`,
 `block-referers`, `use-forwarded-headers`, `forwarded-for-header`,
 `proxy-real-ip-cidr`, `use-proxy-protocol`) and the Secrets it names, and
 gives the Ingress's plan its `access` (the proxy decides it per request:
@@ -13,7 +13,9 @@ Invariants (fail closed):
 - What cannot be honoured exactly refuses the Ingress, naming the annotation:
   a missing Secret, or one of another namespace; an auth-file Secret without
   its `auth` key; a password hash of a format Waygate cannot verify; digest
-  authentication; source ranges while the client address would be taken from
+  authentication without a realm (nginx's digest module then asks for nothing:
+  the Ingress would be open) or without a usable `user:realm:HA1` line; source
+  ranges while the client address would be taken from
   a PROXY protocol header (the proxy does not read one) or a header other than
   X-Forwarded-For; an auth-tls-secret without a ca.crt of PEM certificates (or
   with a ca.crl that does not parse), in another namespace or missing; an
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import ipaddress
 import re
 from collections.abc import Callable, Mapping
@@ -35,11 +38,12 @@ from typing import Any
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
+from waygate.core import digest
 from waygate.core.htpasswd import hash_format_problem, parse_credentials
 from waygate.core.regex import refusal as regex_refusal
-from waygate.resolver.ingress_nginx.catalogue import CATALOGUE, Verdict
+from waygate.resolver.ingress_nginx.catalogue import CATALOGUE, DIGEST_DIFFERENCE, Verdict
 from waygate.resolver.ingress_nginx.config import ControllerConfig
-from waygate.resolver.model import ClientCertificate, RouteAccess
+from waygate.resolver.model import ClientCertificate, ExternalAuth, RouteAccess
 
 #: auth-tls-secret and the annotations that modify it.
 AUTH_TLS = (
@@ -141,6 +145,23 @@ def _trusted(config: ControllerConfig) -> tuple[str, ...]:
     return _split(config.text("proxy-real-ip-cidr", _DEFAULT_TRUSTED))
 
 
+def auth_client_address(auth: ExternalAuth, config: ControllerConfig) -> tuple[ExternalAuth, str]:
+    """An auth-url's client address as the ConfigMap defines it (nginx's real_ip
+    with use-forwarded-headers; $full_x_forwarded_for with compute-full-forwarded-for),
+    and the difference to report when the proxy cannot find it so ("" : none)."""
+    problem = address_problem(config)
+    if problem:
+        return auth, (
+            "ConfigMap: honoured-with-difference (the auth service is told the peer's "
+            f"address as X-Real-IP and X-Forwarded-For: {problem})"
+        )
+    trusted = _trusted(config)
+    if not trusted:
+        return auth, ""
+    full = config.flag("compute-full-forwarded-for", False)
+    return dataclasses.replace(auth, trusted_proxies=trusted, full_forwarded_for=full), ""
+
+
 def plan_access(
     namespace: str,
     values: Mapping[str, str],
@@ -179,17 +200,16 @@ def plan_access(
     credentials: tuple[str, ...] = ()
     kind = values.get("auth-type", "")
     if kind and "auth-type" not in recorded:
-        if kind == "digest":
-            for short in ("auth-type", "auth-secret", "auth-secret-type", "auth-realm"):
-                note(short, Verdict.NOT_HONOURED, "digest authentication is not honoured yet")
-        else:
-            problem, credentials = _credentials(namespace, values, secrets)
-            for short in ("auth-type", "auth-secret", "auth-secret-type", "auth-realm"):
-                if problem:
-                    note(short, Verdict.NOT_HONOURED, problem)
-                else:
-                    note(short, Verdict.HONOURED, CATALOGUE[short].note)
-            auth_type, realm = "basic", values.get("auth-realm", "")
+        problem, credentials = _credentials(namespace, values, secrets, kind == "digest")
+        for short in ("auth-type", "auth-secret", "auth-secret-type", "auth-realm"):
+            if problem:
+                note(short, Verdict.NOT_HONOURED, problem)
+            elif kind == "digest" and short == "auth-type":  # (the others: exact)
+                note(short, Verdict.DIFFERENT, DIGEST_DIFFERENCE)
+            else:
+                note(short, CATALOGUE[short].verdict, CATALOGUE[short].note)
+        auth_type = "digest" if kind == "digest" else "basic"
+        realm = values.get("auth-realm", "")
 
     satisfy_any = values.get("satisfy") == "any"
     if "satisfy" in values and "satisfy" not in recorded:
@@ -216,7 +236,10 @@ def plan_access(
             allow=allow,
             block_user_agents=agents,
             block_referers=referers,
-            trusted_proxies=_trusted(config) if allow or deny or cidrs else (),
+            # (digest counts failed tries per client address: the same address)
+            trusted_proxies=_trusted(config)
+            if allow or deny or cidrs or auth_type == "digest"
+            else (),
             auth_type=auth_type,
             auth_realm=realm,
             credentials=credentials,
@@ -229,12 +252,22 @@ def plan_access(
 
 
 def _credentials(
-    namespace: str, values: Mapping[str, str], secrets: Lookup
+    namespace: str, values: Mapping[str, str], secrets: Lookup, is_digest: bool = False
 ) -> tuple[str, tuple[str, ...]]:
-    """(problem, "user:hash" lines) of auth-secret, read as auth-secret-type says."""
+    """(problem, "user:hash" lines, or "user:realm:HA1" ones for digest) of
+    auth-secret, read as auth-secret-type says (auth-map: a key per user, its
+    value the rest of the line, as ingress-nginx writes the file)."""
     reference = values.get("auth-secret", "")
     if not reference:
-        return "auth-type basic needs auth-secret", ()
+        return f"auth-type {'digest' if is_digest else 'basic'} needs auth-secret", ()
+    realm = values.get("auth-realm", "")
+    if realm == "off" or (is_digest and not realm):
+        return (
+            f"auth-type {'digest' if is_digest else 'basic'} with "
+            f"{'auth-realm off' if realm else 'no auth-realm'}: nginx then asks for no "
+            "credentials at all, and the Ingress would be open",
+            (),
+        )
     secret_namespace, _, name = reference.rpartition("/")
     if secret_namespace and secret_namespace != namespace:
         return f"Secret {reference} is in another namespace than the Ingress", ()
@@ -250,6 +283,12 @@ def _credentials(
         if "auth" not in data:
             return f"Secret {namespace}/{name} has no key auth (auth-secret-type auth-file)", ()
         lines = data["auth"].splitlines()
+    if is_digest:
+        # Lines the module cannot match are skipped, as it skips them.
+        usable = tuple(line.strip() for line in lines if not digest.line_problem(line.strip()))
+        if not usable:
+            return f"Secret {namespace}/{name} holds no user:realm:HA1 line (htdigest)", ()
+        return "", usable
     users = parse_credentials(lines)
     if not users:
         return f"Secret {namespace}/{name} holds no user", ()

@@ -360,8 +360,16 @@ def plan(
         result.note(Finding(short, valid[short], verdict, text, refuses))
     if refusal:
         result.refuse(UNSUPPORTED, refusal)
+    if result.access is not None and result.access.auth_type:
+        # ingress-nginx's `proxy_set_header Authorization ""`: the backend never
+        # sees the credentials (the auth-url service, asked first, still does).
+        result.request_remove.append("Authorization")
     _rate_limit(result, config)
     _global_auth(result, valid, config)
+    if result.external_auth is not None:
+        result.external_auth, note = nginx_access.auth_client_address(result.external_auth, config)
+        if note:
+            result.config_notes.append(note)
     _responses(result, valid)
     # nginx's read/send timeouts also bound an upgraded (WebSocket) connection's silence.
     result.timeouts = RouteTimeouts(
@@ -754,6 +762,7 @@ def _affinity_mode(
     "auth-keepalive-share-vars",
     "auth-keepalive-requests",
     "auth-keepalive-timeout",
+    "auth-always-set-cookie",
 )
 def _external_auth(
     p: Plan,
@@ -771,9 +780,6 @@ def _external_auth(
         return
     if short != "auth-url":
         found(short, Verdict.HONOURED, "")
-        return
-    if not value.startswith("http://"):
-        found(short, Verdict.NOT_HONOURED, "only http:// auth services (no TLS to them yet)")
         return
     set_headers: list[tuple[str, str]] = []
     source = values.get("auth-proxy-set-headers", "")
@@ -798,8 +804,12 @@ def _external_auth(
         cache_durations=_cache_durations(values.get("auth-cache-duration", "") or "200 202 401 5m")
         if values.get("auth-cache-key")
         else (),
+        always_set_cookie=_flag(values.get("auth-always-set-cookie", "false")),
     )
-    found(short)  # the catalogue's verdict and its named difference
+    if value.startswith("https://"):
+        found(short, Verdict.DIFFERENT, catalogue.AUTH_URL_TLS)
+    else:
+        found(short)
 
 
 def _global_auth(p: Plan, values: Mapping[str, str], config: ControllerConfig) -> None:
@@ -816,16 +826,14 @@ def _global_auth(p: Plan, values: Mapping[str, str], config: ControllerConfig) -
         if not value:
             continue
         problem = CATALOGUE[f"auth-{key}"].grammar(value)
-        if problem is None and key == "url" and not value.startswith("http://"):
-            problem = "only http:// auth services (no TLS to them yet)"
         if problem is not None:
             p.refuse(UNSUPPORTED_CONFIG, f"ConfigMap key global-auth-{key}: {problem}")
             return
         given[key] = value
-    p.config_notes.append(
-        "ConfigMap key global-auth-url: honoured-with-difference (the auth service's "
-        "Set-Cookie and a 401's WWW-Authenticate are not passed on to the client)"
-    )
+    if url.startswith("https://"):
+        p.config_notes.append(
+            f"ConfigMap key global-auth-url: honoured-with-difference ({catalogue.AUTH_URL_TLS})"
+        )
     p.external_auth = ExternalAuth(
         url=url,
         method=given.get("method", "").upper(),
@@ -839,6 +847,7 @@ def _global_auth(p: Plan, values: Mapping[str, str], config: ControllerConfig) -
         cache_durations=_cache_durations(given.get("cache-duration", "") or "200 202 401 5m")
         if given.get("cache-key")
         else (),
+        always_set_cookie=_flag(given.get("always-set-cookie", "false")),
     )
 
 

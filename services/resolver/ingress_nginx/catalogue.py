@@ -136,7 +136,12 @@ def rewrite_target(value: str) -> str | None:
 
 
 def url(value: str) -> str | None:
-    return None if _URL.fullmatch(value) else "must be an http(s) URL of plain characters"
+    if not _URL.fullmatch(value):
+        return "must be an http(s) URL of plain characters"
+    # ingress-nginx's parser.StringToURL: "invalid url host".
+    if ".." in value.split("://", 1)[1].split("/", 1)[0]:
+        return "invalid url host (..)"
+    return None
 
 
 def mirror_url(value: str) -> str | None:
@@ -215,17 +220,18 @@ def methods(value: str) -> str | None:
 
 
 _CACHE_KEY = re.compile(
-    r"(?:[A-Za-z0-9_.:/-]|\$(?:http_[a-z0-9_]{1,64}|cookie_[A-Za-z0-9_]{1,64}|remote_addr|host))"
+    r"(?:[A-Za-z0-9_.:/-]|\$(?:http_[a-z0-9_]{1,64}|cookie_[A-Za-z0-9_]{1,64}|remote_addr"
+    r"|remote_user|host))"
     r"{1,256}"
 )
 
 
 def cache_key(value: str) -> str | None:
     """Literal text and the variables the proxy fills in: $http_NAME, $cookie_NAME,
-    $remote_addr, $host (nothing is rendered into configuration)."""
+    $remote_addr, $remote_user, $host (nothing is rendered into configuration)."""
     if _CACHE_KEY.fullmatch(value):
         return None
-    return "must be text and $http_NAME, $cookie_NAME, $remote_addr or $host"
+    return "must be text and $http_NAME, $cookie_NAME, $remote_addr, $remote_user or $host"
 
 
 def cache_duration(value: str) -> str | None:
@@ -273,21 +279,43 @@ _PROXY_COOKIE = (
     "`FROM TO`; regular expressions (~) and variables are not honoured"
 )
 _BUFFER = "an nginx buffer knob: the proxy streams bodies through bounded buffers of its own"
-_AUTH_URL = "external authentication: the auth subrequest's cache and cookies not yet"
 _AUTH = (
     "every request is first asked of the auth service (nginx auth_request): 2xx lets it "
-    "through, 401/403 answer the client, anything else 500; http:// services only"
+    "through, 401 (with its WWW-Authenticate) and 403 answer the client, anything else 500; "
+    "its Set-Cookie goes with the backend's 2xx/3xx answers and the sign-in redirect"
 )
-_AUTH_COOKIE = (
-    "; the auth service's Set-Cookie is not passed on to the client (ingress-nginx adds "
-    "it to successful answers), nor a 401's WWW-Authenticate"
+_ALWAYS_COOKIE = (
+    "the auth service's Set-Cookie with every answer (add_header ... always): the "
+    "backend's errors and the proxy's own 401/403/500 too"
+)
+#: auth-url (and global-auth-url) to an https:// service: the verdict's difference.
+AUTH_URL_TLS = (
+    "the https:// auth service's certificate is verified against the system trust store "
+    "(TLS 1.2+, its host name): nginx's proxy_pass does not verify it, so a service with a "
+    "certificate no public CA signed answers 500 here"
 )
 _KEEPALIVE = "the subrequest's connection is the proxy's own"
-_AUTH_CACHE = "answers kept per Ingress path and key, bounded in entries and bytes"
+_AUTH_CACHE = (
+    "answers kept per Ingress path and key, bounded in entries and bytes, as nginx's "
+    "proxy_cache keeps them: GET/HEAD subrequests only; X-Accel-Expires, Cache-Control, "
+    "Expires before the duration; never an answer with Set-Cookie or Vary: *"
+)
 _BASIC = (
     "basic: 401 with WWW-Authenticate, hashes verified exactly (bcrypt, apr1/MD5, {SHA}, "
-    "{SSHA}, {PLAIN}; another format refuses the Ingress), the Authorization header "
-    "forwarded as nginx does; digest is not honoured yet (refused)"
+    "{SSHA}, {PLAIN}; another format refuses the Ingress); digest: as nginx-http-auth-digest "
+    "(MD5, qop=auth, user:realm:HA1 lines, its nonce lifetimes, replay and evasion rules, "
+    "Authentication-Info); auth-realm off (or none for digest) refuses the Ingress: nginx "
+    "would leave it open; the Authorization header is not passed to the backend, as "
+    "ingress-nginx clears it"
+)
+#: auth-type digest's verdict note (annotations lower auth-* to DIFFERENT for it).
+DIGEST_DIFFERENCE = (
+    "digest as nginx-http-auth-digest (MD5, qop=auth, user:realm:HA1 lines, its nonce "
+    "lifetimes, replay and evasion rules, Authentication-Info; the backend does not get "
+    "Authorization); one difference: a nonce this proxy worker does not hold (another "
+    "worker's, or forgotten when the bounded table was full) answered with the right "
+    "password gets a stale challenge, which a browser answers without asking its user (the "
+    "module: a plain one)"
 )
 _RANGES = (
     "403 outside the allowed / inside the denied ranges; the client address is the "
@@ -400,7 +428,7 @@ ENTRIES: tuple[Entry, ...] = (
     _e("auth-secret", name, H, _BASIC, access=True),
     _e("auth-secret-type", one_of("auth-file", "auth-map"), H, _BASIC, access=True),
     _e("auth-realm", header_value, H, _BASIC, access=True),
-    _e("auth-url", url, D, _AUTH + _AUTH_COOKIE, access=True),
+    _e("auth-url", url, H, _AUTH, access=True),
     _e("auth-method", methods, H, _AUTH, access=True),
     _e("auth-signin", signin_url, H, _AUTH, access=True),
     _e(
@@ -415,7 +443,7 @@ ENTRIES: tuple[Entry, ...] = (
     _e("auth-proxy-set-headers", name, H, _AUTH, access=True),
     _e("auth-cache-key", cache_key, H, _AUTH_CACHE, access=True),
     _e("auth-cache-duration", cache_duration, H, _AUTH_CACHE, access=True),
-    _e("auth-always-set-cookie", boolean, X, _AUTH_URL, access=True, lacks=True),
+    _e("auth-always-set-cookie", boolean, H, _ALWAYS_COOKIE, access=True),
     _e("auth-keepalive", integer, N, _KEEPALIVE, access=True),
     _e("auth-keepalive-share-vars", boolean, N, _KEEPALIVE, access=True),
     _e("auth-keepalive-requests", integer, N, _KEEPALIVE, access=True),

@@ -37,6 +37,7 @@ GLOBAL_AUTH = (
     "request-redirect",
     "cache-key",
     "cache-duration",
+    "always-set-cookie",
 )
 #: Keys that give the annotations their defaults or map onto route fields.
 HONOURED_KEYS = frozenset(
@@ -124,7 +125,6 @@ NOOP_KEYS = frozenset(
 ACCESS_KEYS = frozenset(
     (
         "global-auth-snippet",
-        "global-auth-always-set-cookie",
         "whitelist-source-range",
         "allowlist-source-range",
         "denylist-source-range",

@@ -495,7 +495,7 @@ class ClientCertificate(_message.Message):
     def __init__(self, ca_certificates: _Optional[str] = ..., revocation_lists: _Optional[str] = ..., verify: _Optional[str] = ..., depth: _Optional[int] = ..., error_page: _Optional[str] = ..., pass_certificate: _Optional[bool] = ..., match_subject: _Optional[str] = ..., refusal: _Optional[str] = ...) -> None: ...
 
 class ExternalAuth(_message.Message):
-    __slots__ = ("url", "method", "signin", "signin_redirect_param", "response_headers", "request_redirect", "proxy_set_headers", "cache_key", "cache_durations")
+    __slots__ = ("url", "method", "signin", "signin_redirect_param", "response_headers", "request_redirect", "proxy_set_headers", "cache_key", "cache_durations", "always_set_cookie", "trusted_proxies", "full_forwarded_for")
     URL_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     SIGNIN_FIELD_NUMBER: _ClassVar[int]
@@ -505,6 +505,9 @@ class ExternalAuth(_message.Message):
     PROXY_SET_HEADERS_FIELD_NUMBER: _ClassVar[int]
     CACHE_KEY_FIELD_NUMBER: _ClassVar[int]
     CACHE_DURATIONS_FIELD_NUMBER: _ClassVar[int]
+    ALWAYS_SET_COOKIE_FIELD_NUMBER: _ClassVar[int]
+    TRUSTED_PROXIES_FIELD_NUMBER: _ClassVar[int]
+    FULL_FORWARDED_FOR_FIELD_NUMBER: _ClassVar[int]
     url: str
     method: str
     signin: str
@@ -514,7 +517,10 @@ class ExternalAuth(_message.Message):
     proxy_set_headers: _containers.RepeatedCompositeFieldContainer[RouteHeader]
     cache_key: str
     cache_durations: _containers.RepeatedCompositeFieldContainer[AuthCacheDuration]
-    def __init__(self, url: _Optional[str] = ..., method: _Optional[str] = ..., signin: _Optional[str] = ..., signin_redirect_param: _Optional[str] = ..., response_headers: _Optional[_Iterable[str]] = ..., request_redirect: _Optional[str] = ..., proxy_set_headers: _Optional[_Iterable[_Union[RouteHeader, _Mapping]]] = ..., cache_key: _Optional[str] = ..., cache_durations: _Optional[_Iterable[_Union[AuthCacheDuration, _Mapping]]] = ...) -> None: ...
+    always_set_cookie: bool
+    trusted_proxies: _containers.RepeatedScalarFieldContainer[str]
+    full_forwarded_for: bool
+    def __init__(self, url: _Optional[str] = ..., method: _Optional[str] = ..., signin: _Optional[str] = ..., signin_redirect_param: _Optional[str] = ..., response_headers: _Optional[_Iterable[str]] = ..., request_redirect: _Optional[str] = ..., proxy_set_headers: _Optional[_Iterable[_Union[RouteHeader, _Mapping]]] = ..., cache_key: _Optional[str] = ..., cache_durations: _Optional[_Iterable[_Union[AuthCacheDuration, _Mapping]]] = ..., always_set_cookie: _Optional[bool] = ..., trusted_proxies: _Optional[_Iterable[str]] = ..., full_forwarded_for: _Optional[bool] = ...) -> None: ...
 
 class AuthCacheDuration(_message.Message):
     __slots__ = ("status", "duration")

@@ -51,15 +51,18 @@ def test_the_json_report_over_the_examples():
     by_name = {i["name"]: i for i in report["ingresses"]}
     assert len(by_name) >= 30
     # Access annotations not honoured: not served, the reason names the annotation.
-    for name, annotation in (
-        ("oauth2-dashboard", "auth-"),
-        ("waf", "modsecurity"),
-    ):
+    for name, annotation in (("waf", "modsecurity"),):
         assert by_name[name]["served"] is False, name
         assert annotation in by_name[name]["refusal"], (name, by_name[name]["refusal"])
     # Source ranges and basic authentication (its Secret beside it) are honoured exactly.
     assert by_name["admin-allowlist"]["exact"] is True
     assert by_name["basic-auth"]["exact"] is True
+    # Digest (nginx-http-auth-digest's rules) and auth-url to https:// (its certificate
+    # verified, where nginx does not): served, each with its named difference.
+    for name, annotation in (("digest-auth", "auth-type"), ("oauth2-dashboard", "auth-url")):
+        assert by_name[name]["served"] is True and by_name[name]["exact"] is False, name
+        verdicts = {a["annotation"]: a["verdict"] for a in by_name[name]["annotations"]}
+        assert verdicts[annotation] == "honoured-with-difference", (name, verdicts)
     # Client certificates, the partners' CA certificate in a Secret beside it: exactly.
     assert by_name["mtls-partners"]["served"] is True and by_name["mtls-partners"]["exact"] is True
     # limit-rps, -burst-multiplier, -connections: honoured per replica, served exactly.
@@ -81,7 +84,7 @@ def test_the_json_report_over_the_examples():
     assert by_name["web-canary"]["exact"] is True  # folded into web-main by weight
     summary = {(a["annotation"], a["verdict"]): a["ingresses"] for a in report["byAnnotation"]}
     assert summary[("affinity", "honoured-with-difference")] == 2
-    assert summary[("auth-url", "not-honoured")] == 1
+    assert summary[("auth-url", "honoured-with-difference")] == 1
     keys = {k["key"]: k["verdict"] for k in report["configMap"]["keys"]}
     assert keys["allow-snippet-annotations"] == "honoured"
     assert keys["worker-processes"] == "no-op"
@@ -182,7 +185,8 @@ current-context: prod
     assert by_name["basic-auth"]["exact"] is True
     # Client certificates, the partners' CA certificate in a Secret beside it: exactly.
     assert by_name["mtls-partners"]["served"] is True and by_name["mtls-partners"]["exact"] is True
-    assert by_name["oauth2-dashboard"]["served"] is False
+    assert by_name["oauth2-dashboard"]["served"] is True  # (an https:// auth-url)
+    assert by_name["digest-auth"]["served"] is True  # its Secret read too
     assert by_name["web-main"]["exact"] is True
     keys = {k["key"] for k in report["configMap"]["keys"]}
     assert "allow-snippet-annotations" in keys

@@ -201,14 +201,18 @@ def test_withheld_credentials_and_rules_that_do_not_compile_fail_closed():
 
 
 def test_the_challenge_response():
-    response = access.challenge_response('Basic realm="staff"', close=True, head_only=False)
+    lines = access.challenge_lines('Basic realm="staff"')
+    response = access.challenge_response(lines, close=True, head_only=False)
     head, _, body = response.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 401 Unauthorized\r\n")
     assert b'\r\nWWW-Authenticate: Basic realm="staff"\r\n' in head
     assert b"\r\nConnection: close" in head
     assert body == b"401 Authorization Required\n"
     assert b"Content-Length: %d" % len(body) in head
-    assert access.challenge_response("x", close=False, head_only=True).endswith(b"\r\n\r\n")
+    assert access.challenge_response(lines, close=False, head_only=True).endswith(b"\r\n\r\n")
+    # A CORS route's 401 carries its CORS headers (ingress-nginx's more_set_headers).
+    cors = access.challenge_lines("Basic", (("Access-Control-Allow-Origin", "*"),))
+    assert cors == "WWW-Authenticate: Basic\r\nAccess-Control-Allow-Origin: *\r\n"
 
 
 # ---------------------------------------------------------------- htpasswd hashes

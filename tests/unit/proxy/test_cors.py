@@ -141,7 +141,7 @@ def test_an_http2_backends_own_lines_give_way_the_same():
     answer = policy("https://a.test").answer(origin("https://a.test"))
     assert answer is not None
     sent = [(b"content-type", b"text/plain"), (b"access-control-allow-origin", b"*")]
-    out = _modified(sent, answer.fields)
+    out = _modified(sent, answer.fields, 200)
     assert out[0] == (b"content-type", b"text/plain")
     assert [v for n, v in out if n == b"access-control-allow-origin"] == [b"https://a.test"]
     assert (b"access-control-max-age", b"1728000") in out
@@ -156,3 +156,18 @@ def test_cors_and_the_response_rewrites_compose():
     out = filters.modify_response_fields(sent, forward.response_modifier)
     assert b"Location: https://a.test/x" in out
     assert out.count(b"Access-Control-Allow-Origin") == 1 and b"Allow-Origin: *" in out
+
+
+def test_a_prepared_answer_composes_with_added_lines():
+    # An auth service's Set-Cookie (extauth) added to a CORS answer, on every answer
+    # or on add_header's statuses only: the CORS lines stay set.
+    answer = policy("https://a.test").answer(origin("https://a.test"))
+    assert answer is not None
+    cookie = (("Set-Cookie", "s=1"),)
+    for modifier in (
+        filters.with_added(answer.fields, cookie),
+        filters.StatusHeaders.over(answer.fields, cookie),
+    ):
+        out = filters.modify_response_fields(b"\r\nAccess-Control-Max-Age: 5", modifier, 200)
+        assert b"Set-Cookie: s=1" in out and b"Access-Control-Allow-Origin: https://a.test" in out
+        assert b"Max-Age: 5" not in out

@@ -32,6 +32,27 @@ def test_request_head_fields_and_hygiene() -> None:
 
 
 @pytest.mark.parametrize(
+    "head",
+    [
+        b"GET /a HTTP/1.1\r\nHost: a.test\r\n\r\n",
+        b"GET /a HTTP/1.0\r\nUser-Agent: x\r\nHost: a.test:81\r\nAccept: */*\r\n\r\n",
+    ],
+)
+def test_the_common_head_sets_every_field_the_constructor_does(head: bytes) -> None:
+    # The Host-only head is built without RequestHead() (no __init__ frame): every
+    # slot must still be set, to the value the general parse gives.
+    fast = parse(head)
+    general = parse(head.replace(b"\r\n\r\n", b"\r\nConnection: x-none\r\n\r\n"))
+    for name in http1.RequestHead.__slots__:
+        if name != "__dict__":
+            expected = getattr(general, name)
+            if name == "fields":
+                expected = expected.replace(b"Connection: x-none\r\n", b"")
+            assert getattr(fast, name) == expected, name
+    assert fast.host == b"a.test" and fast.keep_alive == (b"1.1" in head)
+
+
+@pytest.mark.parametrize(
     ("head", "reason"),
     [
         (b"GET / HTTP/1.1\nHost: a\n\n", "bare LF"),

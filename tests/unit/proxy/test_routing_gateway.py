@@ -224,3 +224,42 @@ def test_an_https_listener_mapped_to_the_plain_port_is_not_served_in_clear() -> 
     # Routes without a listener protocol (Ingress, an older resolver) are as before.
     ingress = build(gw_route("ingress", host="h.test", port=80, gateway=""))
     assert ingress.lookup(b"h.test", b"/", request(), False) is not None
+
+
+def test_whole_hosts_are_what_the_lookup_answers_for_every_request() -> None:
+    # decide routes these hosts without a lookup (ProxyView.whole_hosts): for each side,
+    # every listed host must be answered by its entry whatever the path and headers.
+    def file_route(name: str, host: str, path: str = "/") -> Route:
+        return Route(namespace="ns", name=name, host=host, path=path, backends=(RouteBackend("c"),))
+
+    table = build(
+        file_route("plain", "plain.test"),
+        file_route("split", "split.test"),
+        file_route("split-api", "split.test", "/api"),
+        file_route("shadowed", "a.wild.test"),
+        file_route("claimed", "gw.test"),
+        gw_route("gw-plain", host="gw.test", service="a", port=80),
+        gw_route(
+            "gw-header",
+            RouteMatch(headers=(HeaderMatch("x-v", "1", ValueMatchType.EXACT),)),
+            host="cond.test",
+            service="b",
+            port=80,
+        ),
+        gw_route("gw-wild", host="*.wild.test", service="b", port=443),
+    )
+    whole = table.whole_hosts()
+    assert set(whole[False]) == {b"plain.test", b"gw.test", b"a.wild.test"}
+    assert whole[False][b"gw.test"].route.name == "gw-plain"
+    # The TLS side has a wildcard that comes before the routes file's hosts, and no
+    # exact host of its own: every request there is looked up.
+    assert whole[True] == {}
+    requests = [request(), request(x_v="1"), request(target=b"/api/x?q=1")]
+    for side, hosts in whole.items():
+        for host, entry in hosts.items():
+            for path in (b"/", b"/api", b"/api/x", b"/%61pi", b"/other/deep"):
+                for req in requests:
+                    assert table.lookup(host, path, req, side) is entry, (side, host, path)
+    # Without Gateway routes, both sides share the routes file's hosts.
+    only_file = build(file_route("plain", "plain.test"), file_route("split", "split.test", "/x"))
+    assert set(only_file.whole_hosts()[True]) == {b"plain.test"}

@@ -326,8 +326,7 @@ def test_custom_headers_from_a_configmap():
 @pytest.mark.parametrize(
     "annotation,value",
     [
-        ("auth-url", "https://auth.example.com/oauth2/auth"),
-        ("auth-type", "digest"),
+        ("auth-type", "digest"),  # (without auth-secret)
         ("auth-tls-secret", "default/ca"),
         ("limit-rate", "-1"),
         ("enable-modsecurity", "true"),
@@ -1102,18 +1101,69 @@ def test_external_auth_annotations_become_the_routes_external_auth():
         proxy_set_headers=(("X-Tenant", "shop"),),
     )
     assert not any(": not-honoured" in line for line in route.ingress_verdicts)
-    assert any("auth-url: honoured-with-difference" in line for line in route.ingress_verdicts)
+    # http://: exact (its Set-Cookie and WWW-Authenticate passed on as nginx does), so
+    # no line (the verdict lines name what is not honoured exactly).
+    assert not any(line.startswith("auth-") for line in route.ingress_verdicts)
     [plain] = by_ingress(routes, "plain")
     assert plain.external_auth is None
+
+
+def test_external_auth_is_told_the_client_address_the_configmap_defines():
+    """nginx.tmpl's auth location: X-Real-IP $remote_addr (real_ip with
+    use-forwarded-headers through proxy-real-ip-cidr), $full_x_forwarded_for with
+    compute-full-forwarded-for; use-proxy-protocol: named as a difference."""
+    item = ingress("guarded", {P + "auth-url": "http://auth/check"})
+    data = {"use-forwarded-headers": "true", "proxy-real-ip-cidr": "10.0.0.0/8"}
+    [route] = _global(data, item)
+    assert route.external_auth is not None
+    assert route.external_auth.trusted_proxies == ("10.0.0.0/8",)
+    assert not route.external_auth.full_forwarded_for
+    [route] = _global({**data, "compute-full-forwarded-for": "true"}, item)
+    assert route.external_auth is not None and route.external_auth.full_forwarded_for
+    [route] = _global({"use-proxy-protocol": "true"}, item)
+    assert route.ingress_refusal is None and route.external_auth is not None
+    assert route.external_auth.trusted_proxies == ()
+    assert any("X-Real-IP" in line for line in route.ingress_verdicts)
+
+
+def test_the_documented_auth_cache_key_example_is_honoured():
+    # annotations.md: "e.g. `$remote_user$http_authorization`".
+    key = "$remote_user$http_authorization"
+    [route] = routes_of(
+        ingress("k", {P + "auth-url": "http://auth/check", P + "auth-cache-key": key})
+    )
+    assert route.ingress_refusal is None and route.external_auth is not None
+    assert route.external_auth.cache_key == key
+
+
+def test_external_auth_to_https_and_always_set_cookie():
+    """authreq's auth-always-set-cookie; an https:// auth-url is served with its
+    certificate verified (the named, stricter difference)."""
+    guarded = ingress(
+        "guarded",
+        {
+            P + "auth-url": "https://auth.example.com/check",
+            P + "auth-always-set-cookie": "true",
+        },
+    )
+    [route] = routes_of(guarded)
+    assert route.ingress_refusal is None
+    assert route.external_auth == ExternalAuth(
+        url="https://auth.example.com/check", always_set_cookie=True
+    )
+    verdicts = "\n".join(route.ingress_verdicts)
+    assert "auth-url: honoured-with-difference" in verdicts and "system trust store" in verdicts
+    assert "auth-always-set-cookie" not in verdicts  # honoured exactly
 
 
 @pytest.mark.parametrize(
     "annotations",
     [
-        {P + "auth-url": "https://auth.example.com/check"},  # no TLS to the service yet
+        {P + "auth-url": "ftp://auth.example.com/check"},
+        {P + "auth-url": "https://invalid..auth.url"},  # auth.go: "invalid url host"
         {P + "auth-url": "http://auth/check", P + "auth-proxy-set-headers": "default/missing"},
         {P + "auth-url": "http://auth/check", P + "auth-cache-key": "$request_body"},
-        {P + "auth-url": "http://auth/check", P + "auth-always-set-cookie": "true"},
+        {P + "auth-url": "http://auth/check", P + "auth-always-set-cookie": "maybe"},
     ],
 )
 def test_external_auth_that_cannot_be_honoured_refuses_the_ingress(annotations):
@@ -1173,6 +1223,10 @@ def test_global_auth_applies_to_every_ingress_unless_it_opts_out_or_has_its_own(
         cache_key="$http_authorization",
         cache_durations=((200, 300.0), (202, 300.0), (401, 300.0)),
     )
+    more = {"global-auth-url": "https://a/c", "global-auth-always-set-cookie": "true"}
+    [tls] = _global({**data, **more}, ingress("plain"))
+    assert tls.ingress_refusal is None and tls.external_auth is not None
+    assert tls.external_auth.url == "https://a/c" and tls.external_auth.always_set_cookie
     [out] = by_ingress(routes, "out")
     assert out.ingress_refusal is None and out.external_auth is None
     [own] = by_ingress(routes, "own")
@@ -1182,10 +1236,10 @@ def test_global_auth_applies_to_every_ingress_unless_it_opts_out_or_has_its_own(
 @pytest.mark.parametrize(
     "data",
     [
-        {"global-auth-url": "https://auth/check"},
+        {"global-auth-url": "ftp://auth/check"},
         {"global-auth-url": "http://auth/check", "global-auth-method": "GET;evil"},
         {"global-auth-url": "http://auth/check", "global-auth-snippet": "return 200;"},
-        {"global-auth-url": "http://auth/check", "global-auth-always-set-cookie": "true"},
+        {"global-auth-url": "http://auth/check", "global-auth-always-set-cookie": "maybe"},
     ],
 )
 def test_global_auth_that_cannot_be_honoured_serves_nothing(data):

@@ -11,6 +11,7 @@ import bcrypt
 import pytest
 
 from tests.unit.resolver.test_ingress_nginx import P, by_ingress, ingress, objects, refusal, served
+from waygate.core import digest
 from waygate.resolver.gateway.translate import translate
 from waygate.resolver.ingress_nginx.config import IngressNginx, keeps_secret
 from waygate.resolver.model import Route, RouteAccess
@@ -133,6 +134,37 @@ def test_basic_auth_reads_an_auth_file_and_an_auth_map():
     assert access_of(found, "map").credentials == (f"foo:{hashed}",)  # type: ignore[union-attr]
 
 
+def test_digest_auth_reads_htdigest_lines_from_a_file_and_a_map():
+    # internal/ingress/annotations/auth: auth-file is the `auth` key; auth-map is a key
+    # per user, its value the rest of the line ("realm:HA1" for digest).
+    ha1 = digest.ha1("foo", "staff", "bar")
+    found = routes(
+        secret("htpasswd", {"auth": f"foo:staff:{ha1}\n# ops\nbad line\n"}),
+        ingress("file", _auth(**{P + "auth-type": "digest"})),
+    )
+    [route] = by_ingress(found, "file")
+    assert route.access == RouteAccess(
+        auth_type="digest", auth_realm="staff", credentials=(f"foo:staff:{ha1}",)
+    )
+    # ingress-nginx clears the header towards the backend: proxy_set_header Authorization "".
+    assert route.filters is not None and route.filters.request_headers is not None
+    assert "Authorization" in route.filters.request_headers.remove
+    verdicts = "\n".join(route.ingress_verdicts)
+    assert "auth-type" in verdicts and "honoured-with-difference" in verdicts, verdicts
+    found = routes(
+        secret("htpasswd", {"foo": f"staff:{ha1}"}),
+        ingress("map", _auth(**{P + "auth-type": "digest", P + "auth-secret-type": "auth-map"})),
+    )
+    assert access_of(found, "map").credentials == (f"foo:staff:{ha1}",)  # type: ignore[union-attr]
+
+
+def test_basic_auth_clears_the_authorization_header_towards_the_backend():
+    found = routes(secret("htpasswd", {"auth": "ann:{PLAIN}pw"}), ingress("b", _auth()))
+    [route] = by_ingress(found, "b")
+    assert route.filters is not None and route.filters.request_headers is not None
+    assert route.filters.request_headers.remove == ("Authorization",)
+
+
 def test_an_empty_hash_is_served_and_matches_nothing():
     # ingress-nginx e2e auth.go: a Secret "foo:" answers 401, not 503.
     found = routes(secret("htpasswd", {"auth": "foo:"}), ingress("empty", _auth()))
@@ -152,9 +184,24 @@ def test_an_empty_hash_is_served_and_matches_nothing():
             "another namespace",
         ),
         (
+            [secret("htpasswd", {"auth": "a:staff:" + "0" * 32})],
+            _auth(**{P + "auth-type": "digest", P + "auth-realm": ""}),
+            "no auth-realm",
+        ),
+        (
             [secret("htpasswd", {"auth": "a:{PLAIN}b"})],
+            _auth(**{P + "auth-realm": "off"}),  # basic: `auth_basic "off"` turns it off
+            "would be open",
+        ),
+        (
+            [secret("htpasswd", {"auth": "a:staff:" + "0" * 32})],
+            _auth(**{P + "auth-type": "digest", P + "auth-realm": "off"}),
+            "would be open",
+        ),
+        (
+            [secret("htpasswd", {"auth": "a:{PLAIN}b\nc:staff:xyz"})],
             _auth(**{P + "auth-type": "digest"}),
-            "digest",
+            "holds no user:realm:HA1 line",
         ),
     ],
 )
