@@ -65,8 +65,11 @@ HEADLINE_REPEATS = 3
 PEERS = {"haproxy": "haproxy", "nginx": "nginx", "wrk": "wrk", "curl": "curl"}
 
 
-def install_peers() -> None:
+def install_peers(modules: dict[str, str] | None = None) -> None:
+    """Debian's packages for the peers missing here; `modules`: also these (file that
+    must exist -> package), e.g. an nginx module."""
     missing = [package for command, package in PEERS.items() if shutil.which(command) is None]
+    missing += [package for path, package in (modules or {}).items() if not Path(path).exists()]
     if not missing:
         return
     print(f"bench.proxy: installing {' '.join(missing)}", file=sys.stderr, flush=True)
@@ -142,12 +145,16 @@ def upstream_conf(directory: Path, port: int, big: Path) -> Path:
     )
 
 
-def nginx_conf(path: Path, directory: Path, *, workers: int, server: str, http: str = "") -> Path:
+def nginx_conf(
+    path: Path, directory: Path, *, workers: int, server: str, http: str = "", main: str = ""
+) -> Path:
+    """An nginx configuration; `main`: directives of the main context (load_module)."""
     temp = directory / f"{path.stem}-temp"
     temp.mkdir()
     temp.chmod(0o777)
     path.write_text(
-        textwrap.dedent(
+        main
+        + textwrap.dedent(
             f"""\
             worker_processes {workers};
             daemon off;
@@ -288,13 +295,21 @@ def _ms(text: str) -> float:
 
 
 def wrk(
-    port: int, path: str, connections: int, seconds: float, cores: str, host: str = HOST
+    port: int,
+    path: str,
+    connections: int,
+    seconds: float,
+    cores: str,
+    host: str = HOST,
+    headers: tuple[str, ...] = (),
 ) -> Run:
+    """wrk's closed loop (1 thread) on `path`; `headers`: more request lines ("Name: value")."""
+    extra = [arg for header in headers for arg in ("-H", header)]
     result = subprocess.run(
         pinned(
             cores,
             ["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "--latency", "-H", f"Host: {host}",
-             f"http://127.0.0.1:{port}{path}"],
+             *extra, f"http://127.0.0.1:{port}{path}"],
         ),
         capture_output=True, text=True, timeout=seconds + 60,
     )  # fmt: skip

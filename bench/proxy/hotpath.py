@@ -1,6 +1,6 @@
 """The proxy's Python work per request, without sockets: what the data plane costs itself.
 
-    python -m bench.proxy.hotpath [--requests N] [--profile]
+    python -m bench.proxy.hotpath [--requests N] [--profile | --bare]
                                   [--route bench|plain|ingress|cors|rewrite|allow-list|affinity]
 
 One `ProxyServer` with the benchmark's route, one client connection and one
@@ -18,10 +18,18 @@ view of the same loop (calls per request and where the time goes).
 `--route plain` and `--route ingress` compare a route carrying the ingress-nginx
 annotations users rely on most (issue 27 item 10: CORS, a rewrite, a source
 allow-list and cookie affinity, decided by the request core) with a plain one, for the
-same request (the benchmark's GET with an `Origin` header): the ratio of the two is
-what those rules cost per request. The client sends no affinity cookie, so each answer
+same request (a GET of /api/64 with an `Origin` header, both routes on the path
+prefix /api): the ratio of the two is what those rules cost per request. The rewrite
+is ingress-nginx's commonest, `path: /api(/|$)(.*)` with `rewrite-target: /$2`, which
+the resolver turns into a prefix URLRewrite of /api to / (the backend gets /64). The client sends no affinity cookie, so each answer
 carries a Set-Cookie (a first visit's cost: the dearer case). `--route cors` (or
 `rewrite`, `allow-list`, `affinity`): that one rule alone, to see which costs what.
+
+`--bare`: just the N requests (after 200 of warm-up), nothing measured or printed: for
+an instruction count, which a shared machine's load does not move, e.g.
+`PYTHONHASHSEED=0 valgrind --tool=callgrind --callgrind-out-file=/dev/null python -m
+bench.proxy.hotpath --bare --route R --requests 5000`, less the same with
+`--requests 0`, divided by 5000.
 """
 
 from __future__ import annotations
@@ -55,11 +63,13 @@ from waygate.resolver.model import (
 
 HOST = "bench.localtest.me"
 REQUEST = b"GET /64 HTTP/1.1\r\nHost: bench.localtest.me\r\n\r\n"
-# --route plain|ingress: the same GET from a browser page of another origin.
+# --route plain|ingress|<rule>: a GET from a browser page of another origin, on the
+# routes' path prefix /api.
 ORIGIN_REQUEST = (
-    b"GET /64 HTTP/1.1\r\nHost: bench.localtest.me\r\nOrigin: https://app.example.com\r\n\r\n"
+    b"GET /api/64 HTTP/1.1\r\nHost: bench.localtest.me\r\nOrigin: https://app.example.com\r\n\r\n"
 )
-# What ingress-nginx's enable-cors, cors-allow-origin, rewrite-target (a prefix),
+API_PREFIX = "/api"
+# What ingress-nginx's enable-cors, cors-allow-origin, rewrite-target (/$2 of /api(/|$)(.*)),
 # whitelist-source-range and affinity: cookie become on the one route model, by the
 # --route name of each alone.
 RULES_BY_NAME: dict[str, dict[str, Any]] = {
@@ -125,15 +135,15 @@ class MemoryTransport:
 
 
 async def build(
-    upstream_port: int = 8091, rules: dict[str, Any] | None = None
+    upstream_port: int = 8091, rules: dict[str, Any] | None = None, path: str = "/"
 ) -> tuple[ClientConnection, UpstreamConnection]:
-    """A server with the benchmark's route (with `rules`: those route fields too), a
-    client connection and its pooled upstream."""
+    """A server with the benchmark's route (on `path`; with `rules`: those route fields
+    too), a client connection and its pooled upstream."""
     route = Route(
         namespace="bench",
         name="upstream",
         host=HOST,
-        path="/",
+        path=path,
         backends=(RouteBackend(service="upstream", weight=100),),
         **(rules or {}),
     )
@@ -177,9 +187,9 @@ def one_request(
     upstream.data_received(RESPONSE)
 
 
-async def measure(requests: int, profile: bool, route: str = "bench") -> None:
+async def measure(requests: int, profile: bool, route: str = "bench", bare: bool = False) -> None:
     rules = INGRESS_RULES if route == "ingress" else RULES_BY_NAME.get(route)
-    client, upstream = await build(rules=rules)
+    client, upstream = await build(rules=rules, path="/" if route == "bench" else API_PREFIX)
     request = REQUEST if route == "bench" else ORIGIN_REQUEST
     one_request(client, upstream, request)
     assert client.transport.last.startswith(b"HTTP/1.1 200 OK"), client.transport.last  # type: ignore[union-attr]
@@ -190,6 +200,12 @@ async def measure(requests: int, profile: bool, route: str = "bench") -> None:
         answer = client.transport.last  # type: ignore[union-attr]
         assert b"Access-Control-Allow-Origin: https://app.example.com" in answer, answer
         assert b"Set-Cookie: route=" in answer, answer
+        sent = upstream.transport.last  # type: ignore[union-attr]
+        assert sent.startswith(b"GET /64 HTTP/1.1\r\n"), sent
+    if bare:
+        for _ in range(200 + requests):
+            one_request(client, upstream, request)
+        return
     for _ in range(2000):
         one_request(client, upstream, request)
     if profile:
@@ -215,11 +231,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=50_000)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--bare", action="store_true", help="run the requests, measure nothing")
     parser.add_argument(
         "--route", choices=("bench", "plain", "ingress", *RULES_BY_NAME), default="bench"
     )
     args = parser.parse_args()
-    uvloop.run(measure(args.requests, args.profile, args.route))
+    uvloop.run(measure(args.requests, args.profile, args.route, args.bare))
 
 
 if __name__ == "__main__":

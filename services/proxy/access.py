@@ -210,6 +210,7 @@ class AccessCheck:
     """One route's access rules, compiled once per routing table."""
 
     __slots__ = (
+        "address_only",
         "agents",
         "allow",
         "auth",
@@ -223,6 +224,7 @@ class AccessCheck:
         "is_digest",
         "last_address",
         "last_peer",
+        "last_verdict",
         "referers",
         "remembered",
         "satisfy_any",
@@ -238,6 +240,7 @@ class AccessCheck:
         except ValueError as exc:  # (RegexRefused is one)
             self._compile(RouteAccess())
             self.broken = f"the route's access rules do not compile: {exc}"
+            self.address_only = False
 
     def _compile(self, access: RouteAccess) -> None:
         self.broken = ""
@@ -264,9 +267,24 @@ class AccessCheck:
         # The last peer address parsed (a connection's bytes object) and its value.
         self.last_peer: bytes | None = None
         self.last_address: tuple[int, int] | None = None
+        # Rules on the peer's address alone (no forwarded address, User-Agent, Referer
+        # or credentials): the verdict is the peer's, kept for the last peer (a
+        # keep-alive connection's next request pays one comparison).
+        self.address_only = not (
+            self.trusted or self.agents or self.referers or self.auth or self.broken
+        )
+        self.last_verdict: tuple[int, str, str] | None = None
 
     def decide(self, req: RequestHead, peer: bytes) -> tuple[int, str, str] | None:
         """None when the request may go on, else (status, reason, kind)."""
+        if peer is self.last_peer and self.address_only:
+            return self.last_verdict
+        verdict = self._decide(req, peer)
+        if self.address_only:
+            self.last_verdict = verdict
+        return verdict
+
+    def _decide(self, req: RequestHead, peer: bytes) -> tuple[int, str, str] | None:
         if self.broken:
             return 503, self.broken, KIND_INVALID
         address = None

@@ -15,7 +15,6 @@ sent it (routing's), so percent-encoded bytes stay encoded in the new path.
 
 from __future__ import annotations
 
-import copy
 import re
 from typing import Any
 
@@ -47,6 +46,6 @@ def rewritten(req: Any, regex: LinearPattern, template: str, path: bytes) -> Any
         new = "/" + new
     target = req.target
     query = target.find(b"?")
-    out = copy.copy(req)
+    out = req.copy()
     out.target = new.encode("utf-8") + (target[query:] if query >= 0 else b"")
     return out

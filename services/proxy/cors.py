@@ -16,21 +16,34 @@ origin regex is anchored only at its end, so `https://evil.example/https://ok.ex
 is allowed there; here the whole Origin must match.
 
 Invariants: the policy (regex, header lines, the `*` answers) is built once per
-route entry (`policy`); per request only the Origin is looked up and, for a
-listed origin, one modifier tuple built.
+route entry (`policy`), and each origin's answer once per entry (`CorsAnswer`: the
+response's lines as bytes, the preflight as a whole answer), remembered by the
+Origin's bytes (bounded: `MAX_REMEMBERED`, then forgotten at once). Per request
+the Origin is found (one search) and looked up (one dictionary read); the answer's
+lines are appended to the response head, and the backend's own fields are
+rewritten only when it sent one of those names (`filters.SetFields`).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Final
 
+from waygate.proxy.filters import SetFields
 from waygate.proxy.http1 import RequestHead
 from waygate.resolver.client import Cors, HeaderModifier
 
-_ORIGIN_FIELD = re.compile(rb"(?:^|\n)origin:[ \t]*([^\r\n]*?)[ \t]*\r", re.IGNORECASE)
+# Origins remembered per route entry (allowed or not), then forgotten at once: a
+# wildcard origin lets a client name many, and each allowed one holds its answer's
+# lines (about 2 KiB), so a route's bound stays near half a MiB.
+MAX_REMEMBERED: Final = 256
+# The first Origin field's value, blanks around it kept. A request's field block starts
+# with its Host line (http1.parse_request_head, request_from_fields), so every other
+# field follows a line feed; a value holds no CR (the parse refuses one).
+_ORIGIN_FIELD: Final = re.compile(rb"\norigin[ \t]*:[ \t]*([^\r]*)", re.IGNORECASE)
 # A subdomain wildcard: one DNS label, as ingress-nginx's buildOriginRegex.
 _LABEL = r"[A-Za-z0-9\-]+"
+_PREFLIGHT_TAIL = b"Content-Type: text/plain charset=UTF-8\r\nContent-Length: 0\r\n\r\n"
 
 
 def compile_pattern(pattern: str) -> re.Pattern[str]:
@@ -49,24 +62,32 @@ def origin_pattern(origins: tuple[str, ...]) -> re.Pattern[str]:
     return compile_pattern("(?:" + "|".join(parts) + ")")
 
 
-def request_origin(req: RequestHead) -> bytes:
-    """The request's Origin header (b"": none)."""
-    fields = req.fields
-    if b"rigin" not in fields and b"RIGIN" not in fields:
-        return b""
-    found = _ORIGIN_FIELD.search(fields)
-    return found.group(1) if found else b""
+class CorsAnswer:
+    """What an allowed request gets, prepared once per route entry and origin:
+    `headers` (name, value) pairs, `fields` the response modifier (the route's own
+    ResponseHeaderModifier, then these set), `preflight` the whole 204 for an
+    OPTIONS (HTTP/1.1 bytes as latin-1 text, as decision.ANSWER_RESPONSE carries)."""
+
+    __slots__ = ("fields", "headers", "preflight")
+
+    def __init__(self, headers: tuple[tuple[str, str], ...], base: HeaderModifier | None) -> None:
+        self.headers = headers
+        self.fields = SetFields(headers, base)
+        self.preflight = preflight_response(headers).decode("latin-1")
 
 
 class CorsPolicy:
-    """One route's CORS, prepared: `answer_headers(req)` per request."""
+    """One route's CORS, prepared: `answer(req)` per request.
 
-    __slots__ = ("any_origin", "common", "origins", "preflight_any", "response_any")
+    `base`: the route's own ResponseHeaderModifier (HTTPRoute filters), applied
+    before the CORS headers are set (they win, as more_set_headers after the
+    route's own)."""
 
-    def __init__(self, cors: Cors) -> None:
+    __slots__ = ("any_answer", "base", "common", "known", "origins")
+
+    def __init__(self, cors: Cors, base: HeaderModifier | None = None) -> None:
         origins = tuple(o.strip() for o in cors.allow_origins if o.strip()) or ("*",)
-        self.any_origin = "*" in origins
-        self.origins = None if self.any_origin else origin_pattern(origins)
+        self.origins = None if "*" in origins else origin_pattern(origins)
         common: list[tuple[str, str]] = []
         if cors.allow_credentials:
             common.append(("Access-Control-Allow-Credentials", "true"))
@@ -76,41 +97,40 @@ class CorsPolicy:
             common.append(("Access-Control-Expose-Headers", cors.expose_headers))
         common.append(("Access-Control-Max-Age", str(cors.max_age)))
         self.common = tuple(common)
-        self.response_any = self.headers("*")
-        self.preflight_any = preflight_response(self.response_any)
+        self.base = base
+        # With `*` every request gets the one answer (an Origin or not).
+        self.any_answer = None if self.origins is not None else self._prepared("*")
+        # Origin bytes -> its answer (None: not allowed).
+        self.known: dict[bytes, CorsAnswer | None] = {}
 
-    def headers(self, origin: str) -> tuple[tuple[str, str], ...]:
-        return (("Access-Control-Allow-Origin", origin), *self.common)
+    def _prepared(self, origin: str) -> CorsAnswer:
+        return CorsAnswer((("Access-Control-Allow-Origin", origin), *self.common), self.base)
 
-    def allowed(self, req: RequestHead) -> tuple[tuple[str, str], ...] | None:
-        """The CORS headers the answer to `req` gets (None: not a CORS request here)."""
-        if self.any_origin:
-            return self.response_any
-        origin = request_origin(req)
-        if not origin:
+    def answer(self, req: RequestHead) -> CorsAnswer | None:
+        """The CORS answer for `req` (None: not a CORS request here)."""
+        if self.origins is None:
+            return self.any_answer
+        found = _ORIGIN_FIELD.search(req.fields)
+        if found is None:
             return None
-        text = origin.decode("latin-1")
+        origin = found.group(1)
+        known = self.known
+        answer = known.get(origin, False)
+        if answer is False:
+            answer = self._learn(origin)
+        return answer  # type: ignore[return-value]
+
+    def _learn(self, origin: bytes) -> CorsAnswer | None:
+        text = origin.strip(b" \t").decode("latin-1")
         assert self.origins is not None
-        if self.origins.fullmatch(text) is None:
-            return None
-        return self.headers(text)
-
-    def preflight(self, allowed: tuple[tuple[str, str], ...]) -> bytes:
-        """The 204 the proxy answers an allowed OPTIONS with (HTTP/1.1 bytes)."""
-        return self.preflight_any if allowed is self.response_any else preflight_response(allowed)
+        answer = self._prepared(text) if self.origins.fullmatch(text) is not None else None
+        if len(self.known) >= MAX_REMEMBERED:
+            self.known.clear()
+        self.known[origin] = answer
+        return answer
 
 
 def preflight_response(headers: tuple[tuple[str, str], ...]) -> bytes:
+    """The 204 the proxy answers an allowed OPTIONS with (HTTP/1.1 bytes)."""
     lines = b"".join(b"%s: %s\r\n" % (k.encode(), v.encode("latin-1")) for k, v in headers)
-    return (
-        b"HTTP/1.1 204 No Content\r\n" + lines + b"Content-Type: text/plain charset=UTF-8\r\n"
-        b"Content-Length: 0\r\n\r\n"
-    )
-
-
-def with_headers(modifier: HeaderModifier | None, headers: Any) -> HeaderModifier:
-    """The route's response modifier with the CORS headers set last (they win, as
-    more_set_headers after the route's own)."""
-    if modifier is None:
-        return HeaderModifier(set=headers)
-    return HeaderModifier(set=(*modifier.set, *headers), add=modifier.add, remove=modifier.remove)
+    return b"HTTP/1.1 204 No Content\r\n" + lines + _PREFLIGHT_TAIL

@@ -172,7 +172,8 @@ class Forward:
     # endpoint: the sticky cookie's Set-Cookie, HSTS), set with the pick.
     extra: bytes
     identity: bytes  # auth-proxy identity lines from the client certificate
-    response_modifier: HeaderModifier | None
+    # A ResponseHeaderModifier, or a prepared one (a CORS answer: filters.SetFields).
+    response_modifier: HeaderModifier | filters.SetFields | None
     authority: bytes | None  # a rewritten host (None: the request's)
     upstream_head: bytes
     span: Any
@@ -190,7 +191,9 @@ class Forward:
     held: ratelimit.Held | None
     # ingress-nginx auth-url: the driver asks the auth service first (authcheck).
     auth: extauth.AuthPlan | None
-    cors: Any = None  # the CORS headers for the answer (waygate.proxy.cors)
+    # The CORS headers of the route's answer to this origin ((name, value) pairs): the
+    # proxy's own 401s and the auth service's refusals carry them too.
+    cors: Any = None
     # proxy-body-size for a body counted as it streams (0: none to count; bodylimit).
     body_limit = 0
     # upstream-hash-by's key (None: the client address, the source policy's own).
@@ -359,16 +362,14 @@ def _route_redirect(forward: Forward, req: RequestHead, facts: ConnectionFacts) 
 def _request_filters(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
     """HTTPRoute URLRewrite and RequestHeaderModifier: the request as the backend
     gets it; the ResponseHeaderModifier is kept for its answer."""
-    route_filters = forward.entry.route.filters
-    assert route_filters is not None
-    rewrite = route_filters.rewrite
-    if rewrite is not None or route_filters.request_headers is not None:
-        forward.req = filters.rewritten_request(
-            req, rewrite, route_filters.request_headers, forward.entry.path
-        )
-        if rewrite is not None and rewrite.hostname:
-            forward.authority = rewrite.hostname.encode()
-    forward.response_modifier = route_filters.response_headers
+    entry = forward.entry
+    rewrite = entry.policies["rewrite"]  # (prepared by _has_filters)
+    if rewrite is not None:
+        forward.req = rewrite.applied(req, forward.path)
+        if rewrite.hostname:
+            forward.authority = rewrite.hostname
+    if forward.response_modifier is None:  # (a CORS answer holds the route's own)
+        forward.response_modifier = entry.route.filters.response_headers  # type: ignore[union-attr]
     return None
 
 
@@ -406,26 +407,37 @@ def _external_auth(forward: Forward, req: RequestHead, facts: ConnectionFacts) -
 
 
 def _has_filters(entry: RouteEntry) -> bool:
-    return entry.route.filters is not None
+    route_filters = entry.route.filters
+    if route_filters is None:
+        return False
+    entry.policies["rewrite"] = (
+        filters.PathRewrite(route_filters.rewrite, route_filters.request_headers, entry.path)
+        if route_filters.rewrite is not None or route_filters.request_headers is not None
+        else None
+    )
+    return True
 
 
 def _has_cors(entry: RouteEntry) -> bool:
     if entry.route.cors is None:
         return False
-    entry.policies["cors"] = cors.CorsPolicy(entry.route.cors)
+    route_filters = entry.route.filters
+    base = route_filters.response_headers if route_filters is not None else None
+    entry.policies["cors"] = cors.CorsPolicy(entry.route.cors, base)
     return True
 
 
 def _cors_gate(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
-    """ingress-nginx CORS: an allowed OPTIONS is a preflight answered here (204)."""
-    policy = forward.entry.policies["cors"]
-    allowed = policy.allowed(req)
-    if allowed is None:
+    """ingress-nginx CORS: an allowed OPTIONS is a preflight answered here (204); any
+    other allowed request gets the origin's prepared response lines."""
+    answer = forward.entry.policies["cors"].answer(req)
+    if answer is None:
         return None
     if req.method == b"OPTIONS":
-        response = policy.preflight(allowed).decode("latin-1")
-        return Answer(204, response, ANSWER_RESPONSE, forward.entry.options.name, refused=False)
-    forward.cors = allowed
+        name = forward.entry.options.name
+        return Answer(204, answer.preflight, ANSWER_RESPONSE, name, refused=False)
+    forward.cors = answer.headers
+    forward.response_modifier = answer.fields
     return None
 
 
@@ -519,12 +531,6 @@ def _limit_rate(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> A
     return None
 
 
-def _cors_headers(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
-    if forward.cors is not None:
-        forward.response_modifier = cors.with_headers(forward.response_modifier, forward.cors)
-    return None
-
-
 GATES: tuple[Rule, ...] = (
     Rule("edge_tls", lambda entry: entry.route.tls is not None, _edge_tls),
     # nginx decides the certificate before any phase, auth-tls-match-cn in the
@@ -555,13 +561,13 @@ SHAPERS: tuple[Rule, ...] = (
         lambda entry: bool(entry.route.rewrite_target) and entry.regex is not None,
         _capture_rewrite,
     ),
-    Rule("cors", lambda entry: entry.route.cors is not None, _cors_headers),
     Rule("digest_info", access.has_digest, access.authentication_info),
     Rule("limit_rate", lambda entry: entry.route.limit_rate > 0, _limit_rate),
     Rule("next_upstream", _has_next_upstream, _next_upstream),
     # After the request filters and the rewrite: the copy is the request as sent.
     Rule("url_mirror", _has_url_mirror, _url_mirror),
-    # ingress-nginx's response-side annotations, after the modifiers above.
+    # ingress-nginx's response-side annotations, after the modifiers above (the route's
+    # own and a CORS answer's, set by the cors gate).
     Rule("responses", responserewrite.applies, responserewrite.shape),
 )
 

@@ -17,12 +17,18 @@ upstream's response head (response side). Per the Gateway API specification:
 - RequestRedirect: Location from scheme, hostname, port and path, each the
   request's own unless given; the port is left out when it is the scheme's
   well-known one, and when only the scheme changes (the spec's rule).
+
+Prepared forms, built once per route entry for the per-request path:
+`SetFields` (a response modifier that sets fixed lines: appended as bytes, the
+backend's block rewritten only when it sent one of those names) and
+`PathRewrite` (a route's URLRewrite and RequestHeaderModifier, encoded once;
+the head is copied with `RequestHead.copy`, the client's own left as it came).
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -54,7 +60,7 @@ _REASONS = {
 }
 
 
-def _modified_lines(lines: list[bytes], modifier: HeaderModifier) -> list[bytes]:
+def _modified_lines(lines: list[bytes], modifier: HeaderModifier | SetFields) -> list[bytes]:
     """`lines` (b"Name: value", no CRLF) with set, add and remove applied."""
     replaced = {n.lower().encode() for n, _ in modifier.set} - PROTECTED
     removed = {n.lower().encode() for n in modifier.remove} - PROTECTED
@@ -93,8 +99,10 @@ class StatusHeaders(HeaderModifier):
     add_on_success: tuple[tuple[str, str], ...] = ()
 
     @classmethod
-    def over(cls, base: HeaderModifier | None, lines: tuple[tuple[str, str], ...]) -> StatusHeaders:
-        base = base if base is not None else _NO_CHANGE
+    def over(
+        cls, base: HeaderModifier | SetFields | None, lines: tuple[tuple[str, str], ...]
+    ) -> StatusHeaders:
+        base = general(base) if base is not None else _NO_CHANGE
         return cls(base.set, base.add, base.remove, base, lines)
 
     def __getattr__(self, name: str) -> Any:
@@ -111,21 +119,36 @@ class StatusHeaders(HeaderModifier):
         return self.base
 
 
+def general(modifier: HeaderModifier | SetFields) -> HeaderModifier:
+    """The modifier as a HeaderModifier (a prepared `SetFields` as the same set, add and
+    remove: what a rule composing modifiers builds on)."""
+    if type(modifier) is SetFields:
+        return HeaderModifier(set=modifier.set, add=modifier.add, remove=modifier.remove)
+    return modifier  # type: ignore[return-value]
+
+
 def with_added(
-    modifier: HeaderModifier | None, lines: tuple[tuple[str, str], ...]
+    modifier: HeaderModifier | SetFields | None, lines: tuple[tuple[str, str], ...]
 ) -> HeaderModifier:
     """A response modifier with `lines` added after its own, of the same kind (a
     ResponseRules or a StatusHeaders one stays whole)."""
     if modifier is None:
         return HeaderModifier(add=lines)
+    modifier = general(modifier)
     if type(modifier) is StatusHeaders:
         return StatusHeaders.over(with_added(modifier.base, lines), modifier.add_on_success)
     return dataclasses.replace(modifier, add=(*modifier.add, *lines))
 
 
-def modify_response_fields(fields: bytes, modifier: HeaderModifier, status: int = 200) -> bytes:
+def modify_response_fields(
+    fields: bytes, modifier: HeaderModifier | SetFields, status: int = 200
+) -> bytes:
     """A response's field block (b"\\r\\nName: value" lines) after the modifier
     (a `StatusHeaders` one as it applies to the answer's `status`)."""
+    if type(modifier) is SetFields:
+        if modifier.base is None and modifier.present.search(fields) is None:
+            return fields + modifier.block  # (the common answer: no line of those names)
+        return modifier.applied(fields)
     if type(modifier) is StatusHeaders:
         modifier = modifier.at(status)
     lines = fields.split(b"\r\n")[1:] if fields else []
@@ -135,19 +158,52 @@ def modify_response_fields(fields: bytes, modifier: HeaderModifier, status: int 
     return b"".join(b"\r\n" + line for line in _modified_lines(lines, modifier))
 
 
+class SetFields:
+    """A response modifier prepared once: the route's own (`base`, applied first),
+    then `headers` set (they replace every line of their names). The lines are
+    appended as bytes; the general rewrite runs only when there is a `base` or the
+    backend sent one of the names. Duck-typed as a HeaderModifier (`set`, `add`,
+    `remove`: the same result through the general rewrite)."""
+
+    __slots__ = ("add", "base", "block", "present", "remove", "set")
+    # No ingress-nginx error pages ride on it (errorpages reads `errors` off any
+    # response modifier: a class attribute, so that read costs no failed lookup).
+    errors = None
+
+    def __init__(
+        self, headers: tuple[tuple[str, str], ...], base: HeaderModifier | None = None
+    ) -> None:
+        headers = tuple((n, v) for n, v in headers if n.lower().encode() not in PROTECTED)
+        self.base = base
+        self.set: tuple[tuple[str, str], ...] = headers
+        self.add: tuple[tuple[str, str], ...] = ()
+        self.remove: tuple[str, ...] = ()
+        if base is not None:
+            # These lines win over the route's own of the same names (set or added).
+            mine = {n.lower() for n, _ in headers}
+            self.set = (*((n, v) for n, v in base.set if n.lower() not in mine), *headers)
+            self.add = tuple((n, v) for n, v in base.add if n.lower() not in mine)
+            self.remove = base.remove
+        self.block = b"".join(
+            b"\r\n" + n.encode() + b": " + v.encode("latin-1") for n, v in headers
+        )
+        names = b"|".join(re.escape(n.encode()) for n, _ in headers) or b"(?!)"
+        # A line of one of those names in a response block (each line after a CRLF).
+        self.present = re.compile(rb"\n(?:" + names + rb")[ \t]*:", re.IGNORECASE)
+
+    def applied(self, fields: bytes) -> bytes:
+        """`fields` (a response block) with the route's modifier and these lines set."""
+        lines = fields.split(b"\r\n")[1:] if fields else []
+        return b"".join(b"\r\n" + line for line in _modified_lines(lines, self))
+
+
 def replaced_path(path: bytes, prefix: bytes, kind: PathModifierType, replacement: str) -> bytes:
     """The path after ReplaceFullPath / ReplacePrefixMatch (`prefix`: the matched one)."""
     if kind is PathModifierType.FULL:
         return replacement.encode()
     if kind is not PathModifierType.PREFIX:
         return path
-    rest = path[len(prefix) :] if prefix != b"/" else path[1:] if path.startswith(b"/") else path
-    new = replacement.encode()
-    if not rest:
-        return new or b"/"
-    if new.endswith(b"/"):
-        return new + rest.lstrip(b"/")
-    return new + (rest if rest.startswith(b"/") else b"/" + rest)
+    return _prefix_replaced(path, prefix, replacement.encode())
 
 
 def _split_target(target: bytes) -> tuple[bytes, bytes]:
@@ -155,24 +211,75 @@ def _split_target(target: bytes) -> tuple[bytes, bytes]:
     return (target, b"") if mark < 0 else (target[:mark], target[mark:])
 
 
+class PathRewrite:
+    """A route's URLRewrite and RequestHeaderModifier, prepared once per route entry
+    (`prefix`: the matched PathPrefix); `applied(req, path)` per request."""
+
+    __slots__ = ("cut", "full", "host_line", "hostname", "modifier", "prefix", "replacement")
+
+    def __init__(
+        self, rewrite: Rewrite | None, modifier: HeaderModifier | None, prefix: bytes
+    ) -> None:
+        kind = rewrite.path_type if rewrite is not None else PathModifierType.NONE
+        self.prefix = prefix
+        self.cut = len(prefix) if prefix != b"/" else 1  # where the rest of a path starts
+        # None: the path is kept; else the replacement (full path or prefix).
+        self.replacement: bytes | None = None
+        if rewrite is not None and kind is not PathModifierType.NONE:
+            self.replacement = rewrite.path.encode()
+        self.full = kind is PathModifierType.FULL
+        self.hostname = rewrite.hostname.encode() if rewrite is not None else b""
+        self.host_line = b"Host: " + self.hostname if self.hostname else b""
+        self.modifier = modifier
+
+    def applied(self, req: Any, path: bytes) -> Any:
+        """A copy of the request head with the rewrite and the header modifier applied
+        (`path`: the request's path, without the query)."""
+        out = req.copy()
+        new = self.replacement
+        if new is not None:
+            query = req.target[len(path) :]
+            if self.full:
+                out.target = new + query
+            elif path[:1] == b"/":
+                # _prefix_replaced, without the call: a matched prefix, then the rest.
+                rest = path[self.cut :]
+                if not rest:
+                    out.target = (new or b"/") + query
+                elif new[-1:] == b"/":
+                    out.target = new + rest.lstrip(b"/") + query
+                else:
+                    out.target = new + (rest if rest[:1] == b"/" else b"/" + rest) + query
+            else:
+                out.target = _prefix_replaced(path, self.prefix, new) + query
+        if self.host_line or self.modifier is not None:
+            fields = req.fields
+            if self.host_line:
+                # The Host line comes first in the block (http1.parse_request_head).
+                fields = self.host_line + fields[fields.find(b"\r\n") :]
+            if self.modifier is not None:
+                fields = modify_request_fields(fields, self.modifier)
+            out.fields = fields
+        return out
+
+
+def _prefix_replaced(path: bytes, prefix: bytes, new: bytes) -> bytes:
+    """ReplacePrefixMatch of `prefix` (matched at a segment boundary) with `new`."""
+    rest = path[len(prefix) :] if prefix != b"/" else path[1:] if path.startswith(b"/") else path
+    if not rest:
+        return new or b"/"
+    if new.endswith(b"/"):
+        return new + rest.lstrip(b"/")
+    return new + (rest if rest.startswith(b"/") else b"/" + rest)
+
+
 def rewritten_request(
     req: Any, rewrite: Rewrite | None, modifier: HeaderModifier | None, prefix: bytes
 ) -> Any:
-    """A copy of the request head with the rewrite and the header modifier applied."""
-    out = copy.copy(req)
-    fields = req.fields
-    if rewrite is not None:
-        if rewrite.hostname:
-            # The Host line comes first in the block (http1.parse_request_head).
-            end = fields.find(b"\r\n")
-            fields = b"Host: " + rewrite.hostname.encode() + fields[end:]
-        if rewrite.path_type is not PathModifierType.NONE:
-            path, query = _split_target(req.target)
-            out.target = replaced_path(path, prefix, rewrite.path_type, rewrite.path) + query
-    if modifier is not None:
-        fields = modify_request_fields(fields, modifier)
-    out.fields = fields
-    return out
+    """A copy of the request head with the rewrite and the header modifier applied
+    (unprepared: `PathRewrite` is the per-route form)."""
+    path, _ = _split_target(req.target)
+    return PathRewrite(rewrite, modifier, prefix).applied(req, path)
 
 
 def redirect_location(

@@ -87,6 +87,31 @@ def test_deny_then_allow_then_deny_all_as_nginx_orders_them():
     assert only_deny.decide(req(), b"2001:db8::5")[0] == 403  # type: ignore[index]
 
 
+def test_an_address_only_verdict_is_kept_for_the_last_peer_and_no_longer():
+    check = AccessCheck(RouteAccess(allow=("10.0.0.0/8",)))
+    assert check.address_only
+    inside, outside = b"10.1.2.3", b"192.0.2.1"
+    for _ in range(2):  # the second time: the kept verdict
+        assert check.decide(req(), inside) is None
+    assert check.decide(req(), outside) == (
+        403,
+        "the client address is not allowed",
+        "access_denied",
+    )
+    assert check.decide(req(), outside)[0] == 403  # type: ignore[index]
+    assert check.decide(req(), inside) is None
+    # Rules that read the request or a forwarded address decide each request anew.
+    for rules in (
+        RouteAccess(allow=("10.0.0.0/8",), trusted_proxies=("10.0.0.0/8",)),
+        RouteAccess(allow=("10.0.0.0/8",), block_user_agents=("bad",)),
+        RouteAccess(allow=("10.0.0.0/8",), auth_type="basic"),
+    ):
+        assert not AccessCheck(rules).address_only
+    agents = AccessCheck(RouteAccess(block_user_agents=("bad",)))
+    assert agents.decide(req(), inside) is None
+    assert agents.decide(req("User-Agent: bad"), inside) is not None
+
+
 def test_block_lists_answer_403_whatever_else_holds():
     check = AccessCheck(
         RouteAccess(

@@ -8,12 +8,14 @@ from types import SimpleNamespace
 import pytest
 
 from waygate.proxy.filters import (
+    PathRewrite,
     modify_request_fields,
     modify_response_fields,
     redirect_location,
     replaced_path,
     rewritten_request,
 )
+from waygate.proxy.http1 import parse_request_head
 from waygate.resolver.model import HeaderModifier, PathModifierType, Redirect, Rewrite
 
 FULL, PREFIX = PathModifierType.FULL, PathModifierType.PREFIX
@@ -35,6 +37,24 @@ def test_replaced_path(
     path: bytes, prefix: bytes, kind: PathModifierType, replacement: str, expected: bytes
 ) -> None:
     assert replaced_path(path, prefix, kind, replacement) == expected
+
+
+@pytest.mark.parametrize(
+    ("prefix", "replacement"),
+    [(b"/api", "/"), (b"/api", ""), (b"/api", "/v2"), (b"/api", "/v2/"), (b"/", "/x"), (b"/", "/")],
+)
+@pytest.mark.parametrize("path", [b"/api", b"/api/", b"/api/a/b", b"/api//a", b"/x"])
+def test_a_prepared_prefix_rewrite_is_the_spec_rule_and_keeps_the_query(
+    prefix: bytes, replacement: str, path: bytes
+) -> None:
+    if not path.startswith(prefix):
+        return  # (routing gives a rewrite only the paths its prefix matched)
+    rewrite = PathRewrite(Rewrite(path_type=PREFIX, path=replacement), None, prefix)
+    for query in (b"", b"?q=1"):
+        req = parse_request_head(b"GET " + path + query + b" HTTP/1.1\r\nHost: a\r\n\r\n")
+        out = rewrite.applied(req, path)
+        assert out.target == replaced_path(path, prefix, PREFIX, replacement) + query
+        assert req.target == path + query and out is not req
 
 
 def test_request_modifier_sets_adds_removes_and_never_touches_framing() -> None:
@@ -59,9 +79,7 @@ def test_response_modifier_keeps_the_block_form() -> None:
 
 
 def test_rewrite_changes_host_line_and_path_keeping_the_query() -> None:
-    req = SimpleNamespace(
-        fields=b"Host: a.example\r\nX: y\r\n", target=b"/p/x?q=1", host=b"a.example"
-    )
+    req = parse_request_head(b"GET /p/x?q=1 HTTP/1.1\r\nHost: a.example\r\nX: y\r\n\r\n")
     out = rewritten_request(req, Rewrite("b.example", PREFIX, "/n"), None, b"/p")
     assert out.fields == b"Host: b.example\r\nX: y\r\n" and out.target == b"/n/x?q=1"
     # The original head is untouched (it still frames the client's side).
