@@ -231,14 +231,19 @@ async def summary_processes_gateway_objects_and_unrouted(page: Chromium, up: Up,
     rows = {row[0]: row for row in processes["rows"]}
     assert {"proxy", "resolver", "certs", "demo-backend"} <= set(rows)
     _, pid, state, restarts, started = rows["demo-backend"]
-    assert isinstance(pid, int) and state["text"] == "ready" and restarts["text"] == 0
+    # Restarts so far: 0 on a quiet machine; a loaded one can fail a start-up probe once.
+    before = restarts["text"]
+    assert isinstance(pid, int) and state["text"] == "ready" and isinstance(before, int)
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", started["time"])
     os.kill(pid, signal.SIGKILL)
-    # At least one restart (a loaded machine may see the new process fail its first
+    # At least one restart more (a loaded machine may see the new process fail its first
     # readiness check and be restarted again), within up's restart back-off.
     await until(
         lambda: page.evaluate(
-            "Number(" + row_text("up/Processes", "demo-backend") + ".split(' | ')[3]) >= 1"
+            "Number("
+            + row_text("up/Processes", "demo-backend")
+            + ".split(' | ')[3]) >= "
+            + str(before + 1)
         ),
         "the demo backend's restart on the page",
         timeout=60,
