@@ -88,6 +88,26 @@ def test_the_answer_lines_are_appended_and_replace_the_backends_own():
     assert b"X-Kept" in filters.modify_response_fields(kept, answer.fields)
 
 
+def test_the_backends_lines_are_found_in_every_spelling_past_the_bytes_hint():
+    """SetFields tests a block for the names' shared bytes (b"s-", b"S-") before its
+    regex: a block without them is appended to at once; any spelling is still found."""
+    answer = policy("https://a.test").answer(origin("https://a.test"))
+    assert answer is not None
+    assert answer.fields.hints == (b"S-", b"s-")
+    assert filters.shared_pair_spellings((b"X-A", b"Y-B")) == ()
+    for spelling in (
+        b"aCCESs-cONTROL-mAX-aGE",
+        b"ACCESS-CONTROL-MAX-AGE",
+        b"access-control-max-age",
+    ):
+        sent = b"\r\nServer: x\r\n" + spelling + b": 5"
+        out = filters.modify_response_fields(sent, answer.fields)
+        assert spelling not in out and out.count(b"Access-Control-Max-Age: ") == 1
+    # The hint's bytes alone (Cross-Origin-*) still go through the exact search.
+    sent = b"\r\nCross-Origin-Resource-Policy: same-site"
+    assert filters.modify_response_fields(sent, answer.fields) == sent + answer.fields.block
+
+
 def test_the_routes_own_response_modifier_applies_first():
     base = HeaderModifier(
         set=(("Access-Control-Max-Age", "1"), ("X-Set", "v")),
