@@ -157,6 +157,7 @@ class Forward:
         "path",
         "req",
         "response_modifier",
+        "rewritten_target",
         "span",
         "target",
         "traceparent",
@@ -213,8 +214,25 @@ class Forward:
     target: Target
     backend: Backend
     entry: RouteEntry
-    req: RequestHead  # the request as the backend gets it (after a route's rewrite)
+    # The request as the backend gets it (after a route's rewrite; but see
+    # rewritten_target: `upstream_request()` is the whole of it).
+    req: RequestHead
+    # A rewritten target (a route's URLRewrite that changes only the target) held
+    # apart from `req`, which stays the client's head: no copy of it is made for the
+    # upstream head (http1.build_upstream_head takes the target). None: req's own.
+    rewritten_target: bytes | None
     path: bytes  # the request's path (routing's; no query)
+
+    def upstream_request(self) -> RequestHead:
+        """The request as the backend gets it, as a head (a rewritten target held
+        apart is made a head of its own here, for a rule that reads or changes it)."""
+        target = self.rewritten_target
+        if target is not None:
+            out = self.req.copy()
+            out.target = target
+            self.req = out
+            self.rewritten_target = None
+        return self.req
 
     def set_cookie_line(self, target: Target) -> bytes:
         """The sticky cookie's Set-Cookie line for `target` when the client does not
@@ -365,7 +383,10 @@ def _request_filters(forward: Forward, req: RequestHead, facts: ConnectionFacts)
     entry = forward.entry
     rewrite = entry.policies["rewrite"]  # (prepared by _has_filters)
     if rewrite is not None:
-        forward.req = rewrite.applied(req, forward.path)
+        if rewrite.target_only:  # (no head copy: the upstream head takes the target)
+            forward.rewritten_target = rewrite.target(req, forward.path)
+        else:
+            forward.req = rewrite.applied(req, forward.path)
         if rewrite.hostname:
             forward.authority = rewrite.hostname
     if forward.response_modifier is None:  # (a CORS answer holds the route's own)
@@ -458,7 +479,8 @@ def _capture_rewrite(forward: Forward, req: RequestHead, facts: ConnectionFacts)
     regex match (after the route's header filters, which keep the path)."""
     entry = forward.entry
     assert entry.regex is not None
-    out = captures.rewritten(forward.req, entry.regex, entry.route.rewrite_target, forward.path)
+    upstream = forward.upstream_request()
+    out = captures.rewritten(upstream, entry.regex, entry.route.rewrite_target, forward.path)
     if out is not None:
         forward.req = out
     return None
@@ -499,7 +521,9 @@ def _url_mirror(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> A
     the URL (`waygate.proxy.mirror`: fire and forget, bounded)."""
     policy = forward.entry.policies["url_mirror"]
     assert facts.context is not None
-    head = policy.head(forward.req, facts.context, forward.entry.options.forwarded_mode)
+    head = policy.head(
+        forward.upstream_request(), facts.context, forward.entry.options.forwarded_mode
+    )
     if head is None:
         return None
     if req.has_body and policy.request_body:
@@ -639,6 +663,7 @@ def decide(
     # Every field set (see Forward): the defaults, then what this request has.
     forward.counted = forward.http2 = forward.buffer_body = False
     forward.cookie = forward.response_modifier = forward.authority = forward.span = None
+    forward.rewritten_target = None
     forward.traceparent = forward.mirrors = forward.held = forward.auth = None
     forward.hsts = forward.identity = b""
     forward.deadline = 0.0
@@ -714,8 +739,9 @@ def decide(
     upstream_req = forward.req
     context = facts.context
     assert context is not None
+    rewritten = forward.rewritten_target
     head = http1.build_upstream_head(
-        upstream_req, context, entry.options.forwarded_mode, traceparent
+        upstream_req, context, entry.options.forwarded_mode, traceparent, None, rewritten
     )
     if entry.mirrors and not upstream_req.has_body:
         # RequestMirror copies (never waited for): the head the backend gets.

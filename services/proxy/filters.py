@@ -250,7 +250,16 @@ class PathRewrite:
     """A route's URLRewrite and RequestHeaderModifier, prepared once per route entry
     (`prefix`: the matched PathPrefix); `applied(req, path)` per request."""
 
-    __slots__ = ("cut", "full", "host_line", "hostname", "modifier", "prefix", "replacement")
+    __slots__ = (
+        "cut",
+        "full",
+        "host_line",
+        "hostname",
+        "modifier",
+        "prefix",
+        "replacement",
+        "target_only",
+    )
 
     def __init__(
         self, rewrite: Rewrite | None, modifier: HeaderModifier | None, prefix: bytes
@@ -266,27 +275,34 @@ class PathRewrite:
         self.hostname = rewrite.hostname.encode() if rewrite is not None else b""
         self.host_line = b"Host: " + self.hostname if self.hostname else b""
         self.modifier = modifier
+        # Only the target changes (no Host, no header modifier): the caller may keep the
+        # request head and send `target(req, path)` instead of a copy of the head.
+        self.target_only = not self.host_line and modifier is None
+
+    def target(self, req: Any, path: bytes) -> bytes:
+        """The request's target after the rewrite (`path`: its path, without the query)."""
+        new = self.replacement
+        if new is None:
+            return req.target  # type: ignore[no-any-return]
+        query = req.target[len(path) :]
+        if self.full:
+            return new + query
+        if path[:1] == b"/":
+            # _prefix_replaced, without the call: a matched prefix, then the rest.
+            rest = path[self.cut :]
+            if not rest:
+                return (new or b"/") + query
+            if new[-1:] == b"/":
+                return new + rest.lstrip(b"/") + query
+            return new + (rest if rest[:1] == b"/" else b"/" + rest) + query
+        return _prefix_replaced(path, self.prefix, new) + query
 
     def applied(self, req: Any, path: bytes) -> Any:
         """A copy of the request head with the rewrite and the header modifier applied
         (`path`: the request's path, without the query)."""
         out = req.copy()
-        new = self.replacement
-        if new is not None:
-            query = req.target[len(path) :]
-            if self.full:
-                out.target = new + query
-            elif path[:1] == b"/":
-                # _prefix_replaced, without the call: a matched prefix, then the rest.
-                rest = path[self.cut :]
-                if not rest:
-                    out.target = (new or b"/") + query
-                elif new[-1:] == b"/":
-                    out.target = new + rest.lstrip(b"/") + query
-                else:
-                    out.target = new + (rest if rest[:1] == b"/" else b"/" + rest) + query
-            else:
-                out.target = _prefix_replaced(path, self.prefix, new) + query
+        if self.replacement is not None:
+            out.target = self.target(req, path)
         if self.host_line or self.modifier is not None:
             fields = req.fields
             if self.host_line:

@@ -315,3 +315,26 @@ def test_flow_control_water_marks_come_from_core_flow_only():
                     ):
                         offenders.append(f"{path.name}: {target.id}")
     assert offenders == []
+
+
+def test_a_target_only_rewrite_keeps_the_clients_head_and_sends_the_new_target():
+    """A prefix URLRewrite alone: the upstream head carries the new target, the
+    client's head is not copied (it stays the client's: the access log, auth's
+    X-Original-URL), and a rule that reads the backend's request gets it whole."""
+    from waygate.resolver.model import PathModifierType, Rewrite, UrlMirror
+
+    rewrite = RouteFilters(rewrite=Rewrite(path_type=PathModifierType.PREFIX, path="/"))
+    client = req("/api/64?q=1")
+    out = decide(view([rt(path="/api", filters=rewrite)], [ep()]), client, Facts(), 0.0)
+    assert isinstance(out, Forward)
+    assert out.upstream_head.startswith(b"GET /64?q=1 HTTP/1.1\r\n")
+    assert out.req is client and client.target == b"/api/64?q=1"
+    upstream = out.upstream_request()
+    assert upstream is not client and upstream.target == b"/64?q=1"
+    assert out.rewritten_target is None and out.upstream_request() is upstream
+    # A rule after it (mirror-target's $request_uri) reads the rewritten target.
+    mirrored = rt(path="/api", filters=rewrite, url_mirror=UrlMirror("http://m.test$request_uri"))
+    out = decide(view([mirrored], [ep()]), req("/api/64"), Facts(), 0.0)
+    assert isinstance(out, Forward) and out.mirrors
+    assert out.mirrors[0][1].startswith(b"GET /64 HTTP/1.1\r\n")
+    assert out.upstream_head.startswith(b"GET /64 HTTP/1.1\r\n")
