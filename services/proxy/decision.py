@@ -310,14 +310,24 @@ def repick(view: View, forward: Forward, facts: ConnectionFacts, failed: Target)
 # ---------------------------------------------------------------- rules
 
 
+# (forward, req, facts) -> an Answer, or None to go on.
+Runner = Callable[[Forward, RequestHead, ConnectionFacts], Answer | None]
+
+
 class Rule(NamedTuple):
     """One route-level rule: `applies` is asked once per routing table and route."""
 
     name: str
     applies: Callable[[RouteEntry], bool]
-    # (forward, req, facts) -> an Answer, or None to go on. Gates run before the
-    # endpoint pick, shapers after it (forward.target is set).
-    run: Callable[[Forward, RequestHead, ConnectionFacts], Answer | None]
+    # Run per request. Gates run before the endpoint pick, shapers after it
+    # (forward.target is set).
+    run: Runner | None
+    # Or: the entry's runner, made once per entry (`rules_of`) from what `applies`
+    # prepared, e.g. a policy's bound method: called directly, one call per request.
+    bind: Callable[[RouteEntry], Runner] | None = None
+
+    def runner(self, entry: RouteEntry) -> Runner:
+        return self.bind(entry) if self.bind is not None else self.run  # type: ignore[return-value]
 
 
 def _edge_tls(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
@@ -378,20 +388,17 @@ def _route_redirect(forward: Forward, req: RequestHead, facts: ConnectionFacts) 
 
 
 def _request_filters(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
-    """HTTPRoute URLRewrite and RequestHeaderModifier: the request as the backend
-    gets it; the ResponseHeaderModifier is kept for its answer."""
-    entry = forward.entry
-    rewrite = entry.policies["rewrite"]  # (prepared by _has_filters)
-    if rewrite is not None:
-        if rewrite.target_only:  # (no head copy: the upstream head takes the target)
-            forward.rewritten_target = rewrite.target(req, forward.path)
-        else:
-            forward.req = rewrite.applied(req, forward.path)
-        if rewrite.hostname:
-            forward.authority = rewrite.hostname
+    """HTTPRoute filters without a URLRewrite or RequestHeaderModifier (those are the
+    entry's filters.PathRewrite, its `shape` bound): the ResponseHeaderModifier is
+    kept for the answer."""
     if forward.response_modifier is None:  # (a CORS answer holds the route's own)
-        forward.response_modifier = entry.route.filters.response_headers  # type: ignore[union-attr]
+        forward.response_modifier = forward.entry.route.filters.response_headers  # type: ignore[union-attr]
     return None
+
+
+def _request_filters_bound(entry: RouteEntry) -> Runner:
+    rewrite = entry.policies["rewrite"]  # (prepared by _has_filters)
+    return _request_filters if rewrite is None else rewrite.shape  # type: ignore[no-any-return]
 
 
 def _access(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
@@ -432,7 +439,12 @@ def _has_filters(entry: RouteEntry) -> bool:
     if route_filters is None:
         return False
     entry.policies["rewrite"] = (
-        filters.PathRewrite(route_filters.rewrite, route_filters.request_headers, entry.path)
+        filters.PathRewrite(
+            route_filters.rewrite,
+            route_filters.request_headers,
+            entry.path,
+            route_filters.response_headers,
+        )
         if route_filters.rewrite is not None or route_filters.request_headers is not None
         else None
     )
@@ -444,22 +456,20 @@ def _has_cors(entry: RouteEntry) -> bool:
         return False
     route_filters = entry.route.filters
     base = route_filters.response_headers if route_filters is not None else None
-    entry.policies["cors"] = cors.CorsPolicy(entry.route.cors, base)
+    name = entry.options.name
+
+    def preflight(answer: cors.CorsAnswer) -> Answer:
+        return Answer(204, answer.preflight, ANSWER_RESPONSE, name, refused=False)
+
+    entry.policies["cors"] = cors.CorsPolicy(entry.route.cors, base, preflight)
     return True
 
 
-def _cors_gate(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
-    """ingress-nginx CORS: an allowed OPTIONS is a preflight answered here (204); any
-    other allowed request gets the origin's prepared response lines."""
-    answer = forward.entry.policies["cors"].answer(req)
-    if answer is None:
-        return None
-    if req.method == b"OPTIONS":
-        name = forward.entry.options.name
-        return Answer(204, answer.preflight, ANSWER_RESPONSE, name, refused=False)
-    forward.cors = answer.headers
-    forward.response_modifier = answer.fields
-    return None
+def _cors_bound(entry: RouteEntry) -> Runner:
+    """ingress-nginx CORS (cors.CorsPolicy.gate): an allowed OPTIONS is a preflight
+    answered here (204); any other allowed request gets the origin's prepared
+    response lines."""
+    return entry.policies["cors"].gate  # type: ignore[no-any-return]
 
 
 def _body_size(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
@@ -569,7 +579,7 @@ GATES: tuple[Rule, ...] = (
     # The CORS preflight is answered in nginx's rewrite phase (ingress-nginx's cors
     # template returns 204 there), before the limits and the access checks: a browser
     # sends no credentials with a preflight.
-    Rule("cors", _has_cors, _cors_gate),
+    Rule("cors", _has_cors, None, _cors_bound),
     Rule("rate_limit", lambda entry: entry.route.rate_limit is not None, _rate_limit),
     # After the redirects (nginx's rewrite phase comes before its access phase).
     Rule("access", access.prepare, _access),
@@ -579,7 +589,7 @@ GATES: tuple[Rule, ...] = (
     Rule("canary", canary.prepare, _canary),
 )
 SHAPERS: tuple[Rule, ...] = (
-    Rule("request_filters", _has_filters, _request_filters),
+    Rule("request_filters", _has_filters, None, _request_filters_bound),
     Rule(
         "capture_rewrite",
         lambda entry: bool(entry.route.rewrite_target) and entry.regex is not None,
@@ -596,15 +606,30 @@ SHAPERS: tuple[Rule, ...] = (
 )
 
 
-def rules_of(entry: RouteEntry) -> tuple[tuple[Rule, ...], tuple[Rule, ...]] | bool:
-    """The gates and shapers that apply to a route entry, chosen once per table and
-    kept on the entry: False when none applies (the common route: no loop runs)."""
+def rules_of(entry: RouteEntry) -> tuple[tuple[Runner, ...], tuple[Runner, ...], Any] | bool:
+    """The runners of the gates and shapers that apply to a route entry (and, third,
+    their names: `rule_names`), chosen once per table and kept on the entry: False
+    when none applies (the common route: no loop runs)."""
     rules = entry.rules
     if rules is None:
         gates = tuple(rule for rule in GATES if rule.applies(entry))
         shapers = tuple(rule for rule in SHAPERS if rule.applies(entry))
-        rules = entry.rules = (gates, shapers) if gates or shapers else False
+        rules = entry.rules = (
+            (
+                tuple(rule.runner(entry) for rule in gates),
+                tuple(rule.runner(entry) for rule in shapers),
+                ([rule.name for rule in gates], [rule.name for rule in shapers]),
+            )
+            if gates or shapers
+            else False
+        )
     return rules  # type: ignore[no-any-return]
+
+
+def rule_names(entry: RouteEntry) -> tuple[list[str], list[str]]:
+    """The names of the gates and shapers that apply to a route entry (`rules_of`)."""
+    rules = rules_of(entry)
+    return rules[2] if rules else ([], [])  # type: ignore[index]
 
 
 def _sticky_cookie(req: RequestHead, entry: RouteEntry) -> bytes | None:
@@ -671,8 +696,8 @@ def decide(
     if rules is None:
         rules = rules_of(entry)
     if rules:
-        for rule in rules[0]:  # type: ignore[index]
-            answer = rule.run(forward, req, facts)
+        for run in rules[0]:  # type: ignore[index]
+            answer = run(forward, req, facts)
             if answer is not None:
                 release_pick(forward)  # what an earlier gate held
                 return answer
@@ -734,8 +759,8 @@ def decide(
         forward.span, traceparent = records.start_span(req, entry.options.name, http_version)
         forward.traceparent = traceparent.decode("ascii")
     if rules:
-        for rule in rules[1]:  # type: ignore[index]
-            rule.run(forward, req, facts)
+        for run in rules[1]:  # type: ignore[index]
+            run(forward, req, facts)
     upstream_req = forward.req
     context = facts.context
     assert context is not None

@@ -258,11 +258,16 @@ class PathRewrite:
         "modifier",
         "prefix",
         "replacement",
+        "response_headers",
         "target_only",
     )
 
     def __init__(
-        self, rewrite: Rewrite | None, modifier: HeaderModifier | None, prefix: bytes
+        self,
+        rewrite: Rewrite | None,
+        modifier: HeaderModifier | None,
+        prefix: bytes,
+        response_headers: HeaderModifier | None = None,
     ) -> None:
         kind = rewrite.path_type if rewrite is not None else PathModifierType.NONE
         self.prefix = prefix
@@ -278,6 +283,21 @@ class PathRewrite:
         # Only the target changes (no Host, no header modifier): the caller may keep the
         # request head and send `target(req, path)` instead of a copy of the head.
         self.target_only = not self.host_line and modifier is None
+        self.response_headers = response_headers  # the route's ResponseHeaderModifier
+
+    def shape(self, forward: Any, req: Any, facts: Any) -> None:
+        """The request core's rule (decision.SHAPERS "request_filters", bound to this
+        route entry's rewrite: one call per request): the request as the backend gets
+        it (a target alone held apart: forward.rewritten_target, no head copy), the
+        rewritten Host, and the route's ResponseHeaderModifier kept for its answer."""
+        if self.target_only:
+            forward.rewritten_target = self.target(req, forward.path)
+        else:
+            forward.req = self.applied(req, forward.path)
+        if self.hostname:
+            forward.authority = self.hostname
+        if forward.response_modifier is None:  # (a CORS answer holds the route's own)
+            forward.response_modifier = self.response_headers
 
     def target(self, req: Any, path: bytes) -> bytes:
         """The request's target after the rewrite (`path`: its path, without the query)."""
