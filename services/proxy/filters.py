@@ -146,18 +146,17 @@ def modify_response_fields(
     """A response's field block (b"\\r\\nName: value" lines) after the modifier
     (a `StatusHeaders` one as it applies to the answer's `status`)."""
     if type(modifier) is SetFields:
-        if modifier.base is None:
-            # (The common answer: no line of those names. A bytes test first: the
-            # backend's block rarely holds even the names' shared pair of bytes.)
-            for hint in modifier.hints:
-                if hint in fields:
-                    break
-            else:
-                if modifier.hints:
-                    return fields + modifier.block
-            if modifier.present.search(fields) is None:
-                return fields + modifier.block
-        return modifier.applied(fields)
+        if fields is modifier.last_fields:
+            # The same block again: a remembered parse's (http1._HEADS: a head seen
+            # recently is not parsed again, its copies share the block's bytes).
+            return modifier.last_out
+        if modifier.base is None and modifier.present.search(fields) is None:
+            out = fields + modifier.block  # (the common answer: no line of those names)
+        else:
+            out = modifier.applied(fields)
+        modifier.last_fields = fields
+        modifier.last_out = out
+        return out
     if type(modifier) is StatusHeaders:
         modifier = modifier.at(status)
     lines = fields.split(b"\r\n")[1:] if fields else []
@@ -174,7 +173,7 @@ class SetFields:
     backend sent one of the names. Duck-typed as a HeaderModifier (`set`, `add`,
     `remove`: the same result through the general rewrite)."""
 
-    __slots__ = ("add", "base", "block", "hints", "present", "remove", "set")
+    __slots__ = ("add", "base", "block", "last_fields", "last_out", "present", "remove", "set")
     # No ingress-nginx error pages ride on it (errorpages reads `errors` off any
     # response modifier: a class attribute, so that read costs no failed lookup).
     errors = None
@@ -199,37 +198,15 @@ class SetFields:
         names = b"|".join(re.escape(n.encode()) for n, _ in headers) or b"(?!)"
         # A line of one of those names in a response block (each line after a CRLF).
         self.present = re.compile(rb"\n(?:" + names + rb")[ \t]*:", re.IGNORECASE)
-        # Every spelling of two bytes all the names hold (() when they share none): a
-        # block without any of them holds none of the names, in any case.
-        self.hints = shared_pair_spellings(tuple(n.encode() for n, _ in headers))
+        # The last block modified and the result (the block's bytes kept: its identity
+        # stands for its content while it is held).
+        self.last_fields: bytes | None = None
+        self.last_out = b""
 
     def applied(self, fields: bytes) -> bytes:
         """`fields` (a response block) with the route's modifier and these lines set."""
         lines = fields.split(b"\r\n")[1:] if fields else []
         return b"".join(b"\r\n" + line for line in _modified_lines(lines, self))
-
-
-def shared_pair_spellings(names: tuple[bytes, ...]) -> tuple[bytes, ...]:
-    """Each case spelling of a two-byte run every one of `names` holds (compared
-    case-insensitively), the run with the fewest letters chosen; () when they share none.
-    (The CORS names share b"s-": b"s-" and b"S-".)"""
-    if not names:
-        return ()
-    lowered = [name.lower() for name in names]
-    first = lowered[0]
-    best: tuple[bytes, ...] = ()
-    for start in range(len(first) - 1):
-        pair = first[start : start + 2]
-        if not all(pair in name for name in lowered[1:]):
-            continue
-        spellings = {pair}
-        for index in range(2):
-            spellings |= {
-                s[:index] + s[index : index + 1].upper() + s[index + 1 :] for s in spellings
-            }
-        if not best or len(spellings) < len(best):
-            best = tuple(sorted(spellings))
-    return best
 
 
 def replaced_path(path: bytes, prefix: bytes, kind: PathModifierType, replacement: str) -> bytes:

@@ -62,6 +62,21 @@ def test_the_origin_is_read_in_any_spelling_and_its_answer_prepared_once():
     assert rule.answer(req(extra="Origin: https://b.test\r\nOrigin: https://a.test\r\n")) is None
 
 
+def test_the_gate_searches_a_block_once_and_each_new_block_again():
+    """The gate keeps the last field block and its answer (a remembered parse's copies
+    share the block's bytes): another block, even of the same origin, is searched."""
+    built = view([rt(cors=Cors(allow_origins=("https://a.test",)))], [ep()])
+    entry = next(iter(built.table.entries()))
+    assert decision.rule_names(entry) == (["cors"], [])
+    policy_ = entry.policies["cors"]
+    allowed, other = origin("https://a.test"), origin("https://b.test")
+    for head, allowed_here in ((allowed, True), (allowed, True), (other, False), (allowed, True)):
+        forward = decide(built, head, Facts(), 0.0)
+        assert isinstance(forward, Forward)
+        assert (forward.cors is not None) is allowed_here
+        assert policy_.last_fields is head.fields
+
+
 def test_remembered_origins_are_bounded(monkeypatch: Any):
     monkeypatch.setattr(cors, "MAX_REMEMBERED", 3)
     rule = policy("https://*.a.test")
@@ -88,24 +103,25 @@ def test_the_answer_lines_are_appended_and_replace_the_backends_own():
     assert b"X-Kept" in filters.modify_response_fields(kept, answer.fields)
 
 
-def test_the_backends_lines_are_found_in_every_spelling_past_the_bytes_hint():
-    """SetFields tests a block for the names' shared bytes (b"s-", b"S-") before its
-    regex: a block without them is appended to at once; any spelling is still found."""
+def test_a_block_seen_again_gets_its_answer_again_and_any_spelling_is_found():
+    """SetFields keeps the last block and its result (a remembered parse's copies
+    share the block's bytes): the same bytes get the same answer; other bytes are
+    searched in every spelling."""
     answer = policy("https://a.test").answer(origin("https://a.test"))
     assert answer is not None
-    assert answer.fields.hints == (b"S-", b"s-")
-    assert filters.shared_pair_spellings((b"X-A", b"Y-B")) == ()
+    block = b"\r\nServer: x"
+    first = filters.modify_response_fields(block, answer.fields)
+    assert filters.modify_response_fields(block, answer.fields) is first
     for spelling in (
         b"aCCESs-cONTROL-mAX-aGE",
         b"ACCESS-CONTROL-MAX-AGE",
         b"access-control-max-age",
     ):
-        sent = b"\r\nServer: x\r\n" + spelling + b": 5"
+        sent = block + b"\r\n" + spelling + b": 5"
         out = filters.modify_response_fields(sent, answer.fields)
         assert spelling not in out and out.count(b"Access-Control-Max-Age: ") == 1
-    # The hint's bytes alone (Cross-Origin-*) still go through the exact search.
-    sent = b"\r\nCross-Origin-Resource-Policy: same-site"
-    assert filters.modify_response_fields(sent, answer.fields) == sent + answer.fields.block
+        assert filters.modify_response_fields(sent, answer.fields) is out
+    assert filters.modify_response_fields(block, answer.fields) == first
 
 
 def test_the_routes_own_response_modifier_applies_first():
