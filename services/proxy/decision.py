@@ -401,16 +401,32 @@ def _request_filters_bound(entry: RouteEntry) -> Runner:
     return _request_filters if rewrite is None else rewrite.shape  # type: ignore[no-any-return]
 
 
-def _access(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
-    """ingress-nginx's access annotations (waygate.proxy.access: 403, 401, 503)."""
-    check = forward.entry.access
-    assert check is not None and facts.context is not None  # (compiled by access.prepare)
-    refused = check.decide(req, facts.context.client_ip)
-    if refused is None:
-        return None
-    if refused[2] is access.KIND_UNAUTHORIZED:  # the 401's header lines (CORS's too)
-        refused = (401, access.challenge_lines(refused[1], forward.cors), refused[2])
-    return Answer(*refused, forward.entry.options.name)
+def _access_bound(entry: RouteEntry) -> Runner:
+    """ingress-nginx's access annotations (waygate.proxy.access: 403, 401, 503), bound
+    to the entry's compiled check: a keep-alive connection's next request on an
+    address-only check reads its verdict without a call (AccessCheck.decide's own
+    first step, inline)."""
+    check = entry.access
+    assert check is not None  # (compiled by access.prepare)
+    name = entry.options.name
+    decide_access = check.decide
+    address_only = check.address_only
+
+    def gate(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
+        context = facts.context
+        assert context is not None
+        peer = context.client_ip
+        if address_only and peer is check.last_peer:
+            refused = check.last_verdict
+        else:
+            refused = decide_access(req, peer)
+        if refused is None:
+            return None
+        if refused[2] is access.KIND_UNAUTHORIZED:  # the 401's header lines (CORS's too)
+            refused = (401, access.challenge_lines(refused[1], forward.cors), refused[2])
+        return Answer(*refused, name)
+
+    return gate
 
 
 def _rate_limit(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
@@ -582,7 +598,7 @@ GATES: tuple[Rule, ...] = (
     Rule("cors", _has_cors, None, _cors_bound),
     Rule("rate_limit", lambda entry: entry.route.rate_limit is not None, _rate_limit),
     # After the redirects (nginx's rewrite phase comes before its access phase).
-    Rule("access", access.prepare, _access),
+    Rule("access", access.prepare, None, _access_bound),
     Rule("external_auth", lambda entry: entry.route.external_auth is not None, _external_auth),
     Rule("hash_by", _has_hash_by, _hash_by),
     # Last: ingress-nginx's balancer decides the canary after every access check.
