@@ -145,6 +145,7 @@ class Forward:
         "backend",
         "buffer_body",
         "cookie",
+        "cors",
         "counted",
         "deadline",
         "entry",
@@ -193,8 +194,9 @@ class Forward:
     # ingress-nginx auth-url: the driver asks the auth service first (authcheck).
     auth: extauth.AuthPlan | None
     # The CORS headers of the route's answer to this origin ((name, value) pairs): the
-    # proxy's own 401s and the auth service's refusals carry them too.
-    cors: Any = None
+    # proxy's own 401s and the auth service's refusals carry them too. (A slot: set on
+    # every CORS request, where a class default would make the instance a dict.)
+    cors: Any
     # proxy-body-size for a body counted as it streams (0: none to count; bodylimit).
     body_limit = 0
     # upstream-hash-by's key (None: the client address, the source policy's own).
@@ -704,7 +706,7 @@ def decide(
     # Every field set (see Forward): the defaults, then what this request has.
     forward.counted = forward.http2 = forward.buffer_body = False
     forward.cookie = forward.response_modifier = forward.authority = forward.span = None
-    forward.rewritten_target = None
+    forward.rewritten_target = forward.cors = None
     forward.traceparent = forward.mirrors = forward.held = forward.auth = None
     forward.hsts = forward.identity = b""
     forward.deadline = 0.0
