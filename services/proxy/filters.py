@@ -232,8 +232,6 @@ class PathRewrite:
         "full",
         "host_line",
         "hostname",
-        "last_source",
-        "last_target",
         "modifier",
         "prefix",
         "replacement",
@@ -263,10 +261,6 @@ class PathRewrite:
         # request head and send `target(req, path)` instead of a copy of the head.
         self.target_only = not self.host_line and modifier is None
         self.response_headers = response_headers  # the route's ResponseHeaderModifier
-        # The last request target rewritten and its result (the target's bytes kept:
-        # its identity stands for its content while it is held).
-        self.last_source: bytes | None = None
-        self.last_target = b""
 
     def shape(self, forward: Any, req: Any, facts: Any) -> None:
         """The request core's rule (decision.SHAPERS "request_filters", bound to this
@@ -274,14 +268,7 @@ class PathRewrite:
         it (a target alone held apart: forward.rewritten_target, no head copy), the
         rewritten Host, and the route's ResponseHeaderModifier kept for its answer."""
         if self.target_only:
-            source = req.target
-            if source is self.last_source:
-                # The same target again: a remembered parse's (http1._HEADS: its
-                # copies share the target's bytes).
-                forward.rewritten_target = self.last_target
-            else:
-                forward.rewritten_target = self.last_target = self.target(req, forward.path)
-                self.last_source = source
+            forward.rewritten_target = self.target(req, forward.path)
         else:
             forward.req = self.applied(req, forward.path)
         if self.hostname:

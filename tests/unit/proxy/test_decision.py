@@ -331,13 +331,6 @@ def test_a_target_only_rewrite_keeps_the_clients_head_and_sends_the_new_target()
     upstream = out.upstream_request()
     assert upstream is not client and upstream.target == b"/64?q=1"
     assert out.rewritten_target is None and out.upstream_request() is upstream
-    # The same target's bytes again are rewritten once (a remembered parse's copies).
-    table = view([rt(path="/api", filters=rewrite)], [ep()])
-    heads = {target: req(target) for target in ("/api/64", "/api/7?x")}
-    for target in ("/api/64", "/api/64", "/api/7?x", "/api/64"):
-        out = decide(table, heads[target].copy(), Facts(), 0.0)
-        assert isinstance(out, Forward)
-        assert out.upstream_head.startswith(b"GET " + target[4:].encode() + b" HTTP/1.1\r\n")
     # A rule after it (mirror-target's $request_uri) reads the rewritten target.
     mirrored = rt(path="/api", filters=rewrite, url_mirror=UrlMirror("http://m.test$request_uri"))
     out = decide(view([mirrored], [ep()]), req("/api/64"), Facts(), 0.0)
