@@ -19,11 +19,10 @@ Invariants: the policy (regex, header lines, the `*` answers) is built once per
 route entry (`policy`), and each origin's answer once per entry (`CorsAnswer`: the
 response's lines as bytes, the preflight as a whole answer), remembered by the
 Origin's bytes (bounded: `MAX_REMEMBERED`, then forgotten at once). Per request
-the Origin is found (one search; none for the block searched last, e.g. a
-remembered parse's copy: `CorsPolicy.last_fields`) and looked up (one dictionary
-read); the answer's lines are appended to the response head, and the backend's own
-fields are rewritten only when it sent one of those names (`filters.SetFields`,
-which keeps its last block's result the same way).
+the Origin is found (one search) and looked up (one dictionary read); the answer's
+lines are appended to the response head, and the backend's own fields are
+rewritten only when it sent one of those names (`filters.SetFields`, which keeps
+its last block's result: a remembered response parse's copies share the block).
 """
 
 from __future__ import annotations
@@ -91,8 +90,6 @@ class CorsPolicy:
         "base",
         "common",
         "known",
-        "last_answer",
-        "last_fields",
         "origins",
         "preflight",
     )
@@ -121,10 +118,6 @@ class CorsPolicy:
         self.known: dict[bytes, CorsAnswer | None] = {}
         # The request core's answer to an allowed OPTIONS (`gate`: decision.Answer).
         self.preflight = preflight
-        # The last field block searched and its answer (the block's bytes kept: its
-        # identity stands for its content while it is held).
-        self.last_fields: bytes | None = None
-        self.last_answer: CorsAnswer | None = None
 
     def _prepared(self, origin: str) -> CorsAnswer:
         return CorsAnswer((("Access-Control-Allow-Origin", origin), *self.common), self.base)
@@ -150,20 +143,13 @@ class CorsPolicy:
         modifier). `answer`, inline."""
         answer = self.any_answer
         if answer is None:
-            fields = req.fields
-            if fields is self.last_fields:
-                # The same block again: a remembered parse's (http1._HEADS: a head seen
-                # recently is not parsed again, its copies share the block's bytes).
-                answer = self.last_answer
-            else:
-                found = _ORIGIN_FIELD.search(fields)
-                if found is not None:
-                    origin = found[1]
-                    answer = self.known.get(origin, False)  # type: ignore[arg-type]
-                    if answer is False:
-                        answer = self._learn(origin)
-                self.last_fields = fields
-                self.last_answer = answer
+            found = _ORIGIN_FIELD.search(req.fields)
+            if found is None:
+                return None
+            origin = found[1]
+            answer = self.known.get(origin, False)  # type: ignore[arg-type]
+            if answer is False:
+                answer = self._learn(origin)
             if answer is None:
                 return None
         if req.method == b"OPTIONS":

@@ -62,21 +62,6 @@ def test_the_origin_is_read_in_any_spelling_and_its_answer_prepared_once():
     assert rule.answer(req(extra="Origin: https://b.test\r\nOrigin: https://a.test\r\n")) is None
 
 
-def test_the_gate_searches_a_block_once_and_each_new_block_again():
-    """The gate keeps the last field block and its answer (a remembered parse's copies
-    share the block's bytes): another block, even of the same origin, is searched."""
-    built = view([rt(cors=Cors(allow_origins=("https://a.test",)))], [ep()])
-    entry = next(iter(built.table.entries()))
-    assert decision.rule_names(entry) == (["cors"], [])
-    policy_ = entry.policies["cors"]
-    allowed, other = origin("https://a.test"), origin("https://b.test")
-    for head, allowed_here in ((allowed, True), (allowed, True), (other, False), (allowed, True)):
-        forward = decide(built, head, Facts(), 0.0)
-        assert isinstance(forward, Forward)
-        assert (forward.cors is not None) is allowed_here
-        assert policy_.last_fields is head.fields
-
-
 def test_remembered_origins_are_bounded(monkeypatch: Any):
     monkeypatch.setattr(cors, "MAX_REMEMBERED", 3)
     rule = policy("https://*.a.test")
