@@ -706,8 +706,8 @@ def decide(
     # Every field set (see Forward): the defaults, then what this request has.
     forward.counted = forward.http2 = forward.buffer_body = False
     forward.cookie = forward.response_modifier = forward.authority = forward.span = None
-    forward.rewritten_target = forward.cors = None
-    forward.traceparent = forward.mirrors = forward.held = forward.auth = None
+    forward.traceparent = forward.mirrors = forward.held = forward.auth = forward.cors = None
+    forward.rewritten_target = None
     forward.hsts = forward.identity = b""
     forward.deadline = 0.0
     rules = entry.rules
@@ -783,9 +783,14 @@ def decide(
     context = facts.context
     assert context is not None
     rewritten = forward.rewritten_target
-    head = http1.build_upstream_head(
-        upstream_req, context, entry.options.forwarded_mode, traceparent, None, rewritten
-    )
+    if rewritten is None:
+        head = http1.build_upstream_head(
+            upstream_req, context, entry.options.forwarded_mode, traceparent
+        )
+    else:  # (a rewritten target held apart: _request_filters)
+        head = http1.build_upstream_head(
+            upstream_req, context, entry.options.forwarded_mode, traceparent, None, rewritten
+        )
     if entry.mirrors and not upstream_req.has_body:
         # RequestMirror copies (never waited for): the head the backend gets.
         mirrors = []

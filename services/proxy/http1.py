@@ -687,8 +687,6 @@ def build_upstream_head(
 ) -> bytes:
     """The head sent upstream: always HTTP/1.1, keep-alive unless upgrading (`target`:
     a rewritten one, in place of the request's own)."""
-    if target is None:
-        target = request.target
     if (
         not request.forwarded
         and (mode == "append" or mode == "replace" or mode == "if-none")
@@ -701,10 +699,12 @@ def build_upstream_head(
         # The common head (no body, no client forwarded headers, no trace): one format.
         return b"%s %s HTTP/1.1\r\n%s%s\r\n" % (
             request.method,
-            target,
+            request.target if target is None else target,
             request.fields,
             context.added(request.host),
         )
+    if target is None:
+        target = request.target
     parts = [request.method, b" ", target, b" HTTP/1.1\r\n", request.fields]
     append = parts.append
     if not request.forwarded and (mode == "append" or mode == "replace" or mode == "if-none"):
