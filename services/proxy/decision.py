@@ -31,7 +31,9 @@ Adding a rule: a route-level rule is a `Rule` in `GATES` (before the endpoint
 is picked: it may answer) or `SHAPERS` (after: it shapes the forwarded
 request or its answer), with `applies(route_entry)` deciding once per
 routing table whether the route needs it at all (`rules_of`), so a route
-without the feature pays nothing per request. Each rule is tested once for
+without the feature pays nothing per request. A rule whose `applies` prepares a
+policy may `bind` it instead of `run`: the entry's runner (e.g. the policy's bound
+method) is made once per entry and called directly per request. Each rule is tested once for
 every pair of client and upstream protocol (tests/unit/proxy/test_decision.py,
 tests/integration/proxy/test_request_core.py).
 """
