@@ -337,3 +337,20 @@ def test_a_target_only_rewrite_keeps_the_clients_head_and_sends_the_new_target()
     assert isinstance(out, Forward) and out.mirrors
     assert out.mirrors[0][1].startswith(b"GET /64 HTTP/1.1\r\n")
     assert out.upstream_head.startswith(b"GET /64 HTTP/1.1\r\n")
+
+
+def test_the_access_gate_keeps_a_keep_alive_peers_verdict_and_decides_a_new_peer():
+    """The access rule bound to the entry's check: the same connection's next request
+    (the peer's very bytes) gets the kept verdict inline; another peer is decided."""
+    table = view([rt(access=RouteAccess(allow=("10.0.0.0/8",)))], [ep()])
+    outside, inside = Facts(), Facts()
+    inside.context = ForwardedContext("10.0.0.9", 8080)
+    for facts, allowed in ((outside, False), (outside, False), (inside, True), (inside, True)):
+        for _ in range(2):
+            out = decide(table, req(), facts, 0.0)  # type: ignore[arg-type]
+            if allowed:
+                assert isinstance(out, Forward)
+            else:
+                assert isinstance(out, Answer) and out.status == 403
+                assert out.kind == "access_denied" and out.route == "demo/r"
+    assert decide(table, req(), outside, 0.0).status == 403  # type: ignore[arg-type,union-attr]
