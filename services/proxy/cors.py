@@ -21,13 +21,15 @@ response's lines as bytes, the preflight as a whole answer), remembered by the
 Origin's bytes (bounded: `MAX_REMEMBERED`, then forgotten at once). Per request
 the Origin is found (one search) and looked up (one dictionary read); the answer's
 lines are appended to the response head, and the backend's own fields are
-rewritten only when it sent one of those names (`filters.SetFields`).
+rewritten only when it sent one of those names (`filters.SetFields`, which keeps
+its last block's result: a remembered response parse's copies share the block).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Final
+from collections.abc import Callable
+from typing import Any, Final
 
 from waygate.proxy.filters import SetFields
 from waygate.proxy.http1 import RequestHead
@@ -83,9 +85,21 @@ class CorsPolicy:
     before the CORS headers are set (they win, as more_set_headers after the
     route's own)."""
 
-    __slots__ = ("any_answer", "base", "common", "known", "origins")
+    __slots__ = (
+        "any_answer",
+        "base",
+        "common",
+        "known",
+        "origins",
+        "preflight",
+    )
 
-    def __init__(self, cors: Cors, base: HeaderModifier | None = None) -> None:
+    def __init__(
+        self,
+        cors: Cors,
+        base: HeaderModifier | None = None,
+        preflight: Callable[[CorsAnswer], Any] | None = None,
+    ) -> None:
         origins = tuple(o.strip() for o in cors.allow_origins if o.strip()) or ("*",)
         self.origins = None if "*" in origins else origin_pattern(origins)
         common: list[tuple[str, str]] = []
@@ -102,6 +116,8 @@ class CorsPolicy:
         self.any_answer = None if self.origins is not None else self._prepared("*")
         # Origin bytes -> its answer (None: not allowed).
         self.known: dict[bytes, CorsAnswer | None] = {}
+        # The request core's answer to an allowed OPTIONS (`gate`: decision.Answer).
+        self.preflight = preflight
 
     def _prepared(self, origin: str) -> CorsAnswer:
         return CorsAnswer((("Access-Control-Allow-Origin", origin), *self.common), self.base)
@@ -119,6 +135,29 @@ class CorsPolicy:
         if answer is False:
             answer = self._learn(origin)
         return answer  # type: ignore[return-value]
+
+    def gate(self, forward: Any, req: RequestHead, facts: Any) -> Any:
+        """The request core's rule (decision.GATES "cors", bound to this route entry's
+        policy: one call per request): an allowed OPTIONS gets `preflight(answer)`,
+        any other allowed request its answer's lines (forward.cors and the response
+        modifier). `answer`, inline."""
+        answer = self.any_answer
+        if answer is None:
+            found = _ORIGIN_FIELD.search(req.fields)
+            if found is None:
+                return None
+            origin = found[1]
+            answer = self.known.get(origin, False)  # type: ignore[arg-type]
+            if answer is False:
+                answer = self._learn(origin)
+            if answer is None:
+                return None
+        if req.method == b"OPTIONS":
+            assert self.preflight is not None
+            return self.preflight(answer)
+        forward.cors = answer.headers
+        forward.response_modifier = answer.fields
+        return None
 
     def _learn(self, origin: bytes) -> CorsAnswer | None:
         text = origin.strip(b" \t").decode("latin-1")

@@ -31,7 +31,9 @@ Adding a rule: a route-level rule is a `Rule` in `GATES` (before the endpoint
 is picked: it may answer) or `SHAPERS` (after: it shapes the forwarded
 request or its answer), with `applies(route_entry)` deciding once per
 routing table whether the route needs it at all (`rules_of`), so a route
-without the feature pays nothing per request. Each rule is tested once for
+without the feature pays nothing per request. A rule whose `applies` prepares a
+policy may `bind` it instead of `run`: the entry's runner (e.g. the policy's bound
+method) is made once per entry and called directly per request. Each rule is tested once for
 every pair of client and upstream protocol (tests/unit/proxy/test_decision.py,
 tests/integration/proxy/test_request_core.py).
 """
@@ -145,6 +147,7 @@ class Forward:
         "backend",
         "buffer_body",
         "cookie",
+        "cors",
         "counted",
         "deadline",
         "entry",
@@ -157,6 +160,7 @@ class Forward:
         "path",
         "req",
         "response_modifier",
+        "rewritten_target",
         "span",
         "target",
         "traceparent",
@@ -192,8 +196,9 @@ class Forward:
     # ingress-nginx auth-url: the driver asks the auth service first (authcheck).
     auth: extauth.AuthPlan | None
     # The CORS headers of the route's answer to this origin ((name, value) pairs): the
-    # proxy's own 401s and the auth service's refusals carry them too.
-    cors: Any = None
+    # proxy's own 401s and the auth service's refusals carry them too. (A slot: set on
+    # every CORS request, where a class default would make the instance a dict.)
+    cors: Any
     # proxy-body-size for a body counted as it streams (0: none to count; bodylimit).
     body_limit = 0
     # upstream-hash-by's key (None: the client address, the source policy's own).
@@ -213,8 +218,25 @@ class Forward:
     target: Target
     backend: Backend
     entry: RouteEntry
-    req: RequestHead  # the request as the backend gets it (after a route's rewrite)
+    # The request as the backend gets it (after a route's rewrite; but see
+    # rewritten_target: `upstream_request()` is the whole of it).
+    req: RequestHead
+    # A rewritten target (a route's URLRewrite that changes only the target) held
+    # apart from `req`, which stays the client's head: no copy of it is made for the
+    # upstream head (http1.build_upstream_head takes the target). None: req's own.
+    rewritten_target: bytes | None
     path: bytes  # the request's path (routing's; no query)
+
+    def upstream_request(self) -> RequestHead:
+        """The request as the backend gets it, as a head (a rewritten target held
+        apart is made a head of its own here, for a rule that reads or changes it)."""
+        target = self.rewritten_target
+        if target is not None:
+            out = self.req.copy()
+            out.target = target
+            self.req = out
+            self.rewritten_target = None
+        return self.req
 
     def set_cookie_line(self, target: Target) -> bytes:
         """The sticky cookie's Set-Cookie line for `target` when the client does not
@@ -292,14 +314,24 @@ def repick(view: View, forward: Forward, facts: ConnectionFacts, failed: Target)
 # ---------------------------------------------------------------- rules
 
 
+# (forward, req, facts) -> an Answer, or None to go on.
+Runner = Callable[[Forward, RequestHead, ConnectionFacts], Answer | None]
+
+
 class Rule(NamedTuple):
     """One route-level rule: `applies` is asked once per routing table and route."""
 
     name: str
     applies: Callable[[RouteEntry], bool]
-    # (forward, req, facts) -> an Answer, or None to go on. Gates run before the
-    # endpoint pick, shapers after it (forward.target is set).
-    run: Callable[[Forward, RequestHead, ConnectionFacts], Answer | None]
+    # Run per request. Gates run before the endpoint pick, shapers after it
+    # (forward.target is set).
+    run: Runner | None
+    # Or: the entry's runner, made once per entry (`rules_of`) from what `applies`
+    # prepared, e.g. a policy's bound method: called directly, one call per request.
+    bind: Callable[[RouteEntry], Runner] | None = None
+
+    def runner(self, entry: RouteEntry) -> Runner:
+        return self.bind(entry) if self.bind is not None else self.run  # type: ignore[return-value]
 
 
 def _edge_tls(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
@@ -360,29 +392,45 @@ def _route_redirect(forward: Forward, req: RequestHead, facts: ConnectionFacts) 
 
 
 def _request_filters(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
-    """HTTPRoute URLRewrite and RequestHeaderModifier: the request as the backend
-    gets it; the ResponseHeaderModifier is kept for its answer."""
-    entry = forward.entry
-    rewrite = entry.policies["rewrite"]  # (prepared by _has_filters)
-    if rewrite is not None:
-        forward.req = rewrite.applied(req, forward.path)
-        if rewrite.hostname:
-            forward.authority = rewrite.hostname
+    """HTTPRoute filters without a URLRewrite or RequestHeaderModifier (those are the
+    entry's filters.PathRewrite, its `shape` bound): the ResponseHeaderModifier is
+    kept for the answer."""
     if forward.response_modifier is None:  # (a CORS answer holds the route's own)
-        forward.response_modifier = entry.route.filters.response_headers  # type: ignore[union-attr]
+        forward.response_modifier = forward.entry.route.filters.response_headers  # type: ignore[union-attr]
     return None
 
 
-def _access(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
-    """ingress-nginx's access annotations (waygate.proxy.access: 403, 401, 503)."""
-    check = forward.entry.access
-    assert check is not None and facts.context is not None  # (compiled by access.prepare)
-    refused = check.decide(req, facts.context.client_ip)
-    if refused is None:
-        return None
-    if refused[2] is access.KIND_UNAUTHORIZED:  # the 401's header lines (CORS's too)
-        refused = (401, access.challenge_lines(refused[1], forward.cors), refused[2])
-    return Answer(*refused, forward.entry.options.name)
+def _request_filters_bound(entry: RouteEntry) -> Runner:
+    rewrite = entry.policies["rewrite"]  # (prepared by _has_filters)
+    return _request_filters if rewrite is None else rewrite.shape  # type: ignore[no-any-return]
+
+
+def _access_bound(entry: RouteEntry) -> Runner:
+    """ingress-nginx's access annotations (waygate.proxy.access: 403, 401, 503), bound
+    to the entry's compiled check: a keep-alive connection's next request on an
+    address-only check reads its verdict without a call (AccessCheck.decide's own
+    first step, inline)."""
+    check = entry.access
+    assert check is not None  # (compiled by access.prepare)
+    name = entry.options.name
+    decide_access = check.decide
+    address_only = check.address_only
+
+    def gate(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
+        context = facts.context
+        assert context is not None
+        peer = context.client_ip
+        if address_only and peer is check.last_peer:
+            refused = check.last_verdict
+        else:
+            refused = decide_access(req, peer)
+        if refused is None:
+            return None
+        if refused[2] is access.KIND_UNAUTHORIZED:  # the 401's header lines (CORS's too)
+            refused = (401, access.challenge_lines(refused[1], forward.cors), refused[2])
+        return Answer(*refused, name)
+
+    return gate
 
 
 def _rate_limit(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
@@ -411,7 +459,12 @@ def _has_filters(entry: RouteEntry) -> bool:
     if route_filters is None:
         return False
     entry.policies["rewrite"] = (
-        filters.PathRewrite(route_filters.rewrite, route_filters.request_headers, entry.path)
+        filters.PathRewrite(
+            route_filters.rewrite,
+            route_filters.request_headers,
+            entry.path,
+            route_filters.response_headers,
+        )
         if route_filters.rewrite is not None or route_filters.request_headers is not None
         else None
     )
@@ -423,22 +476,20 @@ def _has_cors(entry: RouteEntry) -> bool:
         return False
     route_filters = entry.route.filters
     base = route_filters.response_headers if route_filters is not None else None
-    entry.policies["cors"] = cors.CorsPolicy(entry.route.cors, base)
+    name = entry.options.name
+
+    def preflight(answer: cors.CorsAnswer) -> Answer:
+        return Answer(204, answer.preflight, ANSWER_RESPONSE, name, refused=False)
+
+    entry.policies["cors"] = cors.CorsPolicy(entry.route.cors, base, preflight)
     return True
 
 
-def _cors_gate(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
-    """ingress-nginx CORS: an allowed OPTIONS is a preflight answered here (204); any
-    other allowed request gets the origin's prepared response lines."""
-    answer = forward.entry.policies["cors"].answer(req)
-    if answer is None:
-        return None
-    if req.method == b"OPTIONS":
-        name = forward.entry.options.name
-        return Answer(204, answer.preflight, ANSWER_RESPONSE, name, refused=False)
-    forward.cors = answer.headers
-    forward.response_modifier = answer.fields
-    return None
+def _cors_bound(entry: RouteEntry) -> Runner:
+    """ingress-nginx CORS (cors.CorsPolicy.gate): an allowed OPTIONS is a preflight
+    answered here (204); any other allowed request gets the origin's prepared
+    response lines."""
+    return entry.policies["cors"].gate  # type: ignore[no-any-return]
 
 
 def _body_size(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
@@ -458,7 +509,8 @@ def _capture_rewrite(forward: Forward, req: RequestHead, facts: ConnectionFacts)
     regex match (after the route's header filters, which keep the path)."""
     entry = forward.entry
     assert entry.regex is not None
-    out = captures.rewritten(forward.req, entry.regex, entry.route.rewrite_target, forward.path)
+    upstream = forward.upstream_request()
+    out = captures.rewritten(upstream, entry.regex, entry.route.rewrite_target, forward.path)
     if out is not None:
         forward.req = out
     return None
@@ -499,7 +551,9 @@ def _url_mirror(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> A
     the URL (`waygate.proxy.mirror`: fire and forget, bounded)."""
     policy = forward.entry.policies["url_mirror"]
     assert facts.context is not None
-    head = policy.head(forward.req, facts.context, forward.entry.options.forwarded_mode)
+    head = policy.head(
+        forward.upstream_request(), facts.context, forward.entry.options.forwarded_mode
+    )
     if head is None:
         return None
     if req.has_body and policy.request_body:
@@ -545,17 +599,17 @@ GATES: tuple[Rule, ...] = (
     # The CORS preflight is answered in nginx's rewrite phase (ingress-nginx's cors
     # template returns 204 there), before the limits and the access checks: a browser
     # sends no credentials with a preflight.
-    Rule("cors", _has_cors, _cors_gate),
+    Rule("cors", _has_cors, None, _cors_bound),
     Rule("rate_limit", lambda entry: entry.route.rate_limit is not None, _rate_limit),
     # After the redirects (nginx's rewrite phase comes before its access phase).
-    Rule("access", access.prepare, _access),
+    Rule("access", access.prepare, None, _access_bound),
     Rule("external_auth", lambda entry: entry.route.external_auth is not None, _external_auth),
     Rule("hash_by", _has_hash_by, _hash_by),
     # Last: ingress-nginx's balancer decides the canary after every access check.
     Rule("canary", canary.prepare, _canary),
 )
 SHAPERS: tuple[Rule, ...] = (
-    Rule("request_filters", _has_filters, _request_filters),
+    Rule("request_filters", _has_filters, None, _request_filters_bound),
     Rule(
         "capture_rewrite",
         lambda entry: bool(entry.route.rewrite_target) and entry.regex is not None,
@@ -572,15 +626,30 @@ SHAPERS: tuple[Rule, ...] = (
 )
 
 
-def rules_of(entry: RouteEntry) -> tuple[tuple[Rule, ...], tuple[Rule, ...]] | bool:
-    """The gates and shapers that apply to a route entry, chosen once per table and
-    kept on the entry: False when none applies (the common route: no loop runs)."""
+def rules_of(entry: RouteEntry) -> tuple[tuple[Runner, ...], tuple[Runner, ...], Any] | bool:
+    """The runners of the gates and shapers that apply to a route entry (and, third,
+    their names: `rule_names`), chosen once per table and kept on the entry: False
+    when none applies (the common route: no loop runs)."""
     rules = entry.rules
     if rules is None:
         gates = tuple(rule for rule in GATES if rule.applies(entry))
         shapers = tuple(rule for rule in SHAPERS if rule.applies(entry))
-        rules = entry.rules = (gates, shapers) if gates or shapers else False
+        rules = entry.rules = (
+            (
+                tuple(rule.runner(entry) for rule in gates),
+                tuple(rule.runner(entry) for rule in shapers),
+                ([rule.name for rule in gates], [rule.name for rule in shapers]),
+            )
+            if gates or shapers
+            else False
+        )
     return rules  # type: ignore[no-any-return]
+
+
+def rule_names(entry: RouteEntry) -> tuple[list[str], list[str]]:
+    """The names of the gates and shapers that apply to a route entry (`rules_of`)."""
+    rules = rules_of(entry)
+    return rules[2] if rules else ([], [])  # type: ignore[index]
 
 
 def _sticky_cookie(req: RequestHead, entry: RouteEntry) -> bytes | None:
@@ -639,15 +708,16 @@ def decide(
     # Every field set (see Forward): the defaults, then what this request has.
     forward.counted = forward.http2 = forward.buffer_body = False
     forward.cookie = forward.response_modifier = forward.authority = forward.span = None
-    forward.traceparent = forward.mirrors = forward.held = forward.auth = None
+    forward.traceparent = forward.mirrors = forward.held = forward.auth = forward.cors = None
+    forward.rewritten_target = None
     forward.hsts = forward.identity = b""
     forward.deadline = 0.0
     rules = entry.rules
     if rules is None:
         rules = rules_of(entry)
     if rules:
-        for rule in rules[0]:  # type: ignore[index]
-            answer = rule.run(forward, req, facts)
+        for run in rules[0]:  # type: ignore[index]
+            answer = run(forward, req, facts)
             if answer is not None:
                 release_pick(forward)  # what an earlier gate held
                 return answer
@@ -709,14 +779,20 @@ def decide(
         forward.span, traceparent = records.start_span(req, entry.options.name, http_version)
         forward.traceparent = traceparent.decode("ascii")
     if rules:
-        for rule in rules[1]:  # type: ignore[index]
-            rule.run(forward, req, facts)
+        for run in rules[1]:  # type: ignore[index]
+            run(forward, req, facts)
     upstream_req = forward.req
     context = facts.context
     assert context is not None
-    head = http1.build_upstream_head(
-        upstream_req, context, entry.options.forwarded_mode, traceparent
-    )
+    rewritten = forward.rewritten_target
+    if rewritten is None:
+        head = http1.build_upstream_head(
+            upstream_req, context, entry.options.forwarded_mode, traceparent
+        )
+    else:  # (a rewritten target held apart: _request_filters)
+        head = http1.build_upstream_head(
+            upstream_req, context, entry.options.forwarded_mode, traceparent, None, rewritten
+        )
     if entry.mirrors and not upstream_req.has_body:
         # RequestMirror copies (never waited for): the head the backend gets.
         mirrors = []

@@ -539,7 +539,9 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
         self.response_started = True
         self.status = status
         if forward.response_modifier is not None:
-            if errorpages.intercept(self, forward.response_modifier, status):
+            # (Error pages ride only on a modifier with `errors`: the others make no call.)
+            errors = getattr(forward.response_modifier, "errors", None)
+            if errors is not None and errorpages.intercept(self, forward.response_modifier, status):
                 return None  # ingress-nginx custom-http-errors: the error backend answers
             response.fields = filters.modify_response_fields(
                 response.fields, forward.response_modifier, status

@@ -146,9 +146,17 @@ def modify_response_fields(
     """A response's field block (b"\\r\\nName: value" lines) after the modifier
     (a `StatusHeaders` one as it applies to the answer's `status`)."""
     if type(modifier) is SetFields:
+        if fields is modifier.last_fields:
+            # The same block again: a remembered parse's (http1._HEADS: a head seen
+            # recently is not parsed again, its copies share the block's bytes).
+            return modifier.last_out
         if modifier.base is None and modifier.present.search(fields) is None:
-            return fields + modifier.block  # (the common answer: no line of those names)
-        return modifier.applied(fields)
+            out = fields + modifier.block  # (the common answer: no line of those names)
+        else:
+            out = modifier.applied(fields)
+        modifier.last_fields = fields
+        modifier.last_out = out
+        return out
     if type(modifier) is StatusHeaders:
         modifier = modifier.at(status)
     lines = fields.split(b"\r\n")[1:] if fields else []
@@ -165,7 +173,7 @@ class SetFields:
     backend sent one of the names. Duck-typed as a HeaderModifier (`set`, `add`,
     `remove`: the same result through the general rewrite)."""
 
-    __slots__ = ("add", "base", "block", "present", "remove", "set")
+    __slots__ = ("add", "base", "block", "last_fields", "last_out", "present", "remove", "set")
     # No ingress-nginx error pages ride on it (errorpages reads `errors` off any
     # response modifier: a class attribute, so that read costs no failed lookup).
     errors = None
@@ -190,6 +198,10 @@ class SetFields:
         names = b"|".join(re.escape(n.encode()) for n, _ in headers) or b"(?!)"
         # A line of one of those names in a response block (each line after a CRLF).
         self.present = re.compile(rb"\n(?:" + names + rb")[ \t]*:", re.IGNORECASE)
+        # The last block modified and the result (the block's bytes kept: its identity
+        # stands for its content while it is held).
+        self.last_fields: bytes | None = None
+        self.last_out = b""
 
     def applied(self, fields: bytes) -> bytes:
         """`fields` (a response block) with the route's modifier and these lines set."""
@@ -215,10 +227,24 @@ class PathRewrite:
     """A route's URLRewrite and RequestHeaderModifier, prepared once per route entry
     (`prefix`: the matched PathPrefix); `applied(req, path)` per request."""
 
-    __slots__ = ("cut", "full", "host_line", "hostname", "modifier", "prefix", "replacement")
+    __slots__ = (
+        "cut",
+        "full",
+        "host_line",
+        "hostname",
+        "modifier",
+        "prefix",
+        "replacement",
+        "response_headers",
+        "target_only",
+    )
 
     def __init__(
-        self, rewrite: Rewrite | None, modifier: HeaderModifier | None, prefix: bytes
+        self,
+        rewrite: Rewrite | None,
+        modifier: HeaderModifier | None,
+        prefix: bytes,
+        response_headers: HeaderModifier | None = None,
     ) -> None:
         kind = rewrite.path_type if rewrite is not None else PathModifierType.NONE
         self.prefix = prefix
@@ -231,27 +257,49 @@ class PathRewrite:
         self.hostname = rewrite.hostname.encode() if rewrite is not None else b""
         self.host_line = b"Host: " + self.hostname if self.hostname else b""
         self.modifier = modifier
+        # Only the target changes (no Host, no header modifier): the caller may keep the
+        # request head and send `target(req, path)` instead of a copy of the head.
+        self.target_only = not self.host_line and modifier is None
+        self.response_headers = response_headers  # the route's ResponseHeaderModifier
+
+    def shape(self, forward: Any, req: Any, facts: Any) -> None:
+        """The request core's rule (decision.SHAPERS "request_filters", bound to this
+        route entry's rewrite: one call per request): the request as the backend gets
+        it (a target alone held apart: forward.rewritten_target, no head copy), the
+        rewritten Host, and the route's ResponseHeaderModifier kept for its answer."""
+        if self.target_only:
+            forward.rewritten_target = self.target(req, forward.path)
+        else:
+            forward.req = self.applied(req, forward.path)
+        if self.hostname:
+            forward.authority = self.hostname
+        if forward.response_modifier is None:  # (a CORS answer holds the route's own)
+            forward.response_modifier = self.response_headers
+
+    def target(self, req: Any, path: bytes) -> bytes:
+        """The request's target after the rewrite (`path`: its path, without the query)."""
+        new = self.replacement
+        if new is None:
+            return req.target  # type: ignore[no-any-return]
+        query = req.target[len(path) :]
+        if self.full:
+            return new + query
+        if path[:1] == b"/":
+            # _prefix_replaced, without the call: a matched prefix, then the rest.
+            rest = path[self.cut :]
+            if not rest:
+                return (new or b"/") + query
+            if new[-1:] == b"/":
+                return new + rest.lstrip(b"/") + query
+            return new + (rest if rest[:1] == b"/" else b"/" + rest) + query
+        return _prefix_replaced(path, self.prefix, new) + query
 
     def applied(self, req: Any, path: bytes) -> Any:
         """A copy of the request head with the rewrite and the header modifier applied
         (`path`: the request's path, without the query)."""
         out = req.copy()
-        new = self.replacement
-        if new is not None:
-            query = req.target[len(path) :]
-            if self.full:
-                out.target = new + query
-            elif path[:1] == b"/":
-                # _prefix_replaced, without the call: a matched prefix, then the rest.
-                rest = path[self.cut :]
-                if not rest:
-                    out.target = (new or b"/") + query
-                elif new[-1:] == b"/":
-                    out.target = new + rest.lstrip(b"/") + query
-                else:
-                    out.target = new + (rest if rest[:1] == b"/" else b"/" + rest) + query
-            else:
-                out.target = _prefix_replaced(path, self.prefix, new) + query
+        if self.replacement is not None:
+            out.target = self.target(req, path)
         if self.host_line or self.modifier is not None:
             fields = req.fields
             if self.host_line:

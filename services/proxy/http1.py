@@ -683,8 +683,10 @@ def build_upstream_head(
     mode: str,
     traceparent: bytes,
     extra: list[tuple[bytes, bytes]] | None = None,
+    target: bytes | None = None,
 ) -> bytes:
-    """The head sent upstream: always HTTP/1.1, keep-alive unless upgrading."""
+    """The head sent upstream: always HTTP/1.1, keep-alive unless upgrading (`target`:
+    a rewritten one, in place of the request's own)."""
     if (
         not request.forwarded
         and (mode == "append" or mode == "replace" or mode == "if-none")
@@ -697,11 +699,13 @@ def build_upstream_head(
         # The common head (no body, no client forwarded headers, no trace): one format.
         return b"%s %s HTTP/1.1\r\n%s%s\r\n" % (
             request.method,
-            request.target,
+            request.target if target is None else target,
             request.fields,
             context.added(request.host),
         )
-    parts = [request.method, b" ", request.target, b" HTTP/1.1\r\n", request.fields]
+    if target is None:
+        target = request.target
+    parts = [request.method, b" ", target, b" HTTP/1.1\r\n", request.fields]
     append = parts.append
     if not request.forwarded and (mode == "append" or mode == "replace" or mode == "if-none"):
         append(context.added(request.host))  # the common case, without a call more

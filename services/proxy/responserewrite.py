@@ -170,7 +170,7 @@ def shape(forward: Any, req: RequestHead, facts: Any) -> None:
             # ingress-nginx's custom default backend taking what no endpoint can:
             # the request as it is, with X-Code 503 and the route's names; its
             # answer is the client's.
-            forward.req = errorpages.fallback_request(forward.req, req, errors)
+            forward.req = errorpages.fallback_request(forward.upstream_request(), req, errors)
             errors = None
         elif not errors.codes:
             errors = None  # (a default-backend alone: nothing to intercept)
@@ -186,7 +186,8 @@ def shape(forward: Any, req: RequestHead, facts: Any) -> None:
         forward.response_modifier = dataclasses.replace(rules, **changes) if changes else rules
     line = _CONNECTION.get(route.connection_header)
     if line is not None and not forward.req.upgrade and not forward.http2:
-        out = forward.req if forward.req is not req else req.copy()
+        current = forward.upstream_request()
+        out = current if current is not req else req.copy()
         out.fields = out.fields + line
         forward.req = out
 

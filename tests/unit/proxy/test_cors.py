@@ -88,6 +88,27 @@ def test_the_answer_lines_are_appended_and_replace_the_backends_own():
     assert b"X-Kept" in filters.modify_response_fields(kept, answer.fields)
 
 
+def test_a_block_seen_again_gets_its_answer_again_and_any_spelling_is_found():
+    """SetFields keeps the last block and its result (a remembered parse's copies
+    share the block's bytes): the same bytes get the same answer; other bytes are
+    searched in every spelling."""
+    answer = policy("https://a.test").answer(origin("https://a.test"))
+    assert answer is not None
+    block = b"\r\nServer: x"
+    first = filters.modify_response_fields(block, answer.fields)
+    assert filters.modify_response_fields(block, answer.fields) is first
+    for spelling in (
+        b"aCCESs-cONTROL-mAX-aGE",
+        b"ACCESS-CONTROL-MAX-AGE",
+        b"access-control-max-age",
+    ):
+        sent = block + b"\r\n" + spelling + b": 5"
+        out = filters.modify_response_fields(sent, answer.fields)
+        assert spelling not in out and out.count(b"Access-Control-Max-Age: ") == 1
+        assert filters.modify_response_fields(sent, answer.fields) is out
+    assert filters.modify_response_fields(block, answer.fields) == first
+
+
 def test_the_routes_own_response_modifier_applies_first():
     base = HeaderModifier(
         set=(("Access-Control-Max-Age", "1"), ("X-Set", "v")),
@@ -113,8 +134,7 @@ def test_decide_answers_the_preflight_and_shapes_the_answer_once_per_entry():
     assert isinstance(forward, Forward) and forward.response_modifier is not None
     assert ("Access-Control-Allow-Origin", "https://a.test") in forward.response_modifier.set
     entry = next(iter(built.table.entries()))
-    gates, shapers = decision.rules_of(entry)  # type: ignore[misc]
-    assert [r.name for r in gates] == ["cors"] and not shapers
+    assert decision.rule_names(entry) == (["cors"], [])
     assert isinstance(entry.policies["cors"], cors.CorsPolicy)
     plain = decide(view([rt()], [ep()]), origin("https://a.test"), Facts(), 0.0)
     assert isinstance(plain, Forward) and plain.response_modifier is None

@@ -272,8 +272,7 @@ def test_rules_are_chosen_once_per_entry_and_none_for_a_plain_route():
     plain = next(iter(view([rt()], [ep()]).table.entries()))
     assert decision.rules_of(plain) is False
     tls = next(iter(view([rt(tls=RouteTLS(TLSTermination.EDGE))], [ep()]).table.entries()))
-    gates, shapers = decision.rules_of(tls)  # type: ignore[misc]
-    assert [rule.name for rule in gates] == ["edge_tls"] and shapers == ()
+    assert decision.rule_names(tls) == (["edge_tls"], [])
 
 
 def test_decision_is_sans_io():
@@ -315,3 +314,43 @@ def test_flow_control_water_marks_come_from_core_flow_only():
                     ):
                         offenders.append(f"{path.name}: {target.id}")
     assert offenders == []
+
+
+def test_a_target_only_rewrite_keeps_the_clients_head_and_sends_the_new_target():
+    """A prefix URLRewrite alone: the upstream head carries the new target, the
+    client's head is not copied (it stays the client's: the access log, auth's
+    X-Original-URL), and a rule that reads the backend's request gets it whole."""
+    from waygate.resolver.model import PathModifierType, Rewrite, UrlMirror
+
+    rewrite = RouteFilters(rewrite=Rewrite(path_type=PathModifierType.PREFIX, path="/"))
+    client = req("/api/64?q=1")
+    out = decide(view([rt(path="/api", filters=rewrite)], [ep()]), client, Facts(), 0.0)
+    assert isinstance(out, Forward)
+    assert out.upstream_head.startswith(b"GET /64?q=1 HTTP/1.1\r\n")
+    assert out.req is client and client.target == b"/api/64?q=1"
+    upstream = out.upstream_request()
+    assert upstream is not client and upstream.target == b"/64?q=1"
+    assert out.rewritten_target is None and out.upstream_request() is upstream
+    # A rule after it (mirror-target's $request_uri) reads the rewritten target.
+    mirrored = rt(path="/api", filters=rewrite, url_mirror=UrlMirror("http://m.test$request_uri"))
+    out = decide(view([mirrored], [ep()]), req("/api/64"), Facts(), 0.0)
+    assert isinstance(out, Forward) and out.mirrors
+    assert out.mirrors[0][1].startswith(b"GET /64 HTTP/1.1\r\n")
+    assert out.upstream_head.startswith(b"GET /64 HTTP/1.1\r\n")
+
+
+def test_the_access_gate_keeps_a_keep_alive_peers_verdict_and_decides_a_new_peer():
+    """The access rule bound to the entry's check: the same connection's next request
+    (the peer's very bytes) gets the kept verdict inline; another peer is decided."""
+    table = view([rt(access=RouteAccess(allow=("10.0.0.0/8",)))], [ep()])
+    outside, inside = Facts(), Facts()
+    inside.context = ForwardedContext("10.0.0.9", 8080)
+    for facts, allowed in ((outside, False), (outside, False), (inside, True), (inside, True)):
+        for _ in range(2):
+            out = decide(table, req(), facts, 0.0)  # type: ignore[arg-type]
+            if allowed:
+                assert isinstance(out, Forward)
+            else:
+                assert isinstance(out, Answer) and out.status == 403
+                assert out.kind == "access_denied" and out.route == "demo/r"
+    assert decide(table, req(), outside, 0.0).status == 403  # type: ignore[arg-type,union-attr]
