@@ -76,8 +76,8 @@ from waygate.certs.issuing import (
 )
 from waygate.certs.persistence import StateWriter
 from waygate.certs.rotation import ConsumerReport, Phase, Rotation, RotationStatus, Step
-from waygate.certs.store import CAStore
-from waygate.core.errors import FailedPrecondition
+from waygate.certs.store import CAStore, write_refusal
+from waygate.core.errors import FailedPrecondition, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -300,6 +300,11 @@ class Authority:
         RSA) is made and the store written (a round trip for a Secret) off the lock,
         held only to check the rotation (again before the write) and to swap it in.
         """
+        # A replica that does not write says so first: its state may lag the
+        # writer's (a rotation it has not yet seen finish), and only the writer's counts.
+        refusal = write_refusal(self._writer.store, "a new CA")
+        if refusal is not None:
+            raise Unavailable(refusal)
         with self._rotating:
             planned = self._plan_rotation(propagation_delay, ca_lifetime, provided)
             new = rotation.staged_ca(planned, self.config, self._now(), provided)

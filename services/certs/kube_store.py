@@ -176,6 +176,15 @@ class SecretCAStore:
         seen = self._seen
         return str((seen.get("metadata") or {}).get("resourceVersion") or "") if seen else ""
 
+    def refusal(self, what: str) -> str | None:
+        """Why this replica may not write `what` (it is not the leader); None when it may."""
+        if self._writer is None or self._writer.is_leader():
+            return None
+        return (
+            f"this certs replica ({self._writer.identity}) is not the leader, and only "
+            f"the leader writes {what}; the leader is {self._writer.leader_description()}"
+        )
+
     def save(self, files: dict[str, bytes]) -> None:
         if self._writer is None:
             self._write(files)
@@ -184,11 +193,8 @@ class SecretCAStore:
         if not self._writer.is_leader():
             if kind == "transition":
                 return  # in memory only; the leader stores the same transition
-            what = "a new CA" if kind == "new-ca" else "the leaf-expiry bound"
-            raise Unavailable(
-                f"this certs replica ({self._writer.identity}) is not the leader, and only "
-                f"the leader writes {what}; the leader is {self._writer.leader_description()}"
-            )
+            refusal = self.refusal("a new CA" if kind == "new-ca" else "the leaf-expiry bound")
+            raise Unavailable(refusal or "not the leader")
         if kind == "transition":
             # Follows from the stored state and the clock, so it need not hold up
             # the caller (GetTrustBundle on the loop, Certify or the timer under the

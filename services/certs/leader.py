@@ -197,8 +197,11 @@ class FollowingStore:
         kind = save_kind(self._stored, files)
         if kind == "transition":
             return
-        what = "a new CA" if kind == "new-ca" else "the leaf-expiry bound"
-        raise Unavailable(
+        raise Unavailable(self.refusal("a new CA" if kind == "new-ca" else "the leaf-expiry bound"))
+
+    def refusal(self, what: str) -> str:
+        """Why this worker does not write `what`: its parent does."""
+        return (
             f"this {self._writer.identity} does not write {what}; "
             f"{self._writer.leader_description()} does (retry on a new connection)"
         )

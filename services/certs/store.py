@@ -61,6 +61,13 @@ class CAStore(Protocol):
         ...
 
 
+def write_refusal(store: CAStore, what: str) -> str | None:
+    """Why `store`'s replica may not write `what` (another replica or the parent
+    process writes), or None. Stores without an election (a directory) always write."""
+    refusal = getattr(store, "refusal", None)
+    return refusal(what) if refusal is not None else None
+
+
 def _is_key_file(name: str) -> bool:
     return name.endswith(".key") or name.endswith("key.pem")
 

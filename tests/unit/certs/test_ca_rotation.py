@@ -21,7 +21,7 @@ from cryptography.x509 import verification
 from tests.unit.certs.helpers import RESOLVER_ID, Clock, make_csr, open_authority, sign
 from waygate.certs.authority import Authority, AuthorityConfig, CAState
 from waygate.certs.store import DirectoryCAStore
-from waygate.core.errors import FailedPrecondition, InvalidArgument
+from waygate.core.errors import FailedPrecondition, InvalidArgument, Unavailable
 
 HOUR = dt.timedelta(hours=1)
 STEP = dt.timedelta(minutes=30)
@@ -265,3 +265,27 @@ def test_a_leaf_whose_bound_the_store_refuses_is_not_handed_out(tmp_path: Path) 
         for entry in json.loads((tmp_path / "ca" / "state.json").read_bytes())["authorities"]
     ]
     assert bound >= leaf.not_valid_after_utc
+
+
+class FollowerStore(FlakyStore):
+    """A directory store whose replica is not the writer (as a Secret store's follower)."""
+
+    def refusal(self, what: str) -> str:
+        return f"this replica is not the leader, and only the leader writes {what}"
+
+
+def test_rotate_on_a_replica_that_does_not_write_names_the_writer_first(tmp_path: Path) -> None:
+    """A follower's state can lag the leader's (a rotation it has not yet seen finish):
+    RotateCA there answers UNAVAILABLE naming the writer, never FAILED_PRECONDITION from
+    its stale view (the soak's RotateCA loop retries UNAVAILABLE on the next replica)."""
+    clock = Clock()
+    writer = Authority.open(FlakyStore(tmp_path / "ca"), AuthorityConfig(**CONFIG), now=clock)  # type: ignore[arg-type]
+    writer.rotate(propagation_delay=HOUR)  # a rotation under way in the follower's view
+    store = FollowerStore(tmp_path / "ca")
+    follower = Authority.open(store, AuthorityConfig(**CONFIG), now=clock)  # type: ignore[arg-type]
+    stored = (tmp_path / "ca" / "state.json").read_bytes()
+    with pytest.raises(Unavailable, match="only the leader writes a new CA"):
+        follower.rotate(propagation_delay=HOUR)
+    assert (tmp_path / "ca" / "state.json").read_bytes() == stored
+    with pytest.raises(FailedPrecondition, match="still in progress"):
+        writer.rotate(propagation_delay=HOUR)  # the writer judges its own state
