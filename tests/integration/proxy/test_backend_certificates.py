@@ -31,6 +31,8 @@ from waygate.proxy.routing import Target
 from waygate.proxy.upstream import ConnectError, tcp_connect
 from waygate.proxy.upstream_tls import UpstreamTLS
 
+# The records' own times hang off this; a real handshake's certificate is judged at the
+# test's now (collection can come minutes before a test runs).
 NOW = dt.datetime.now(dt.UTC)
 DAY = dt.timedelta(days=1)
 
@@ -93,7 +95,9 @@ async def test_every_handshake_records_what_the_endpoint_served() -> None:
         assert record is not None and record.verified
         assert record.names == ("web.demo.svc",)
         assert record.issuer == ca.certificate.subject.rfc4514_string()
-        assert tls.certificates.usable("demo/secure", f"127.0.0.1:{backend.port}", NOW)
+        assert tls.certificates.usable(
+            "demo/secure", f"127.0.0.1:{backend.port}", dt.datetime.now(dt.UTC)
+        )
         assert await tls.probe(target, secure, 5.0) is True
     finally:
         await backend.stop()
@@ -118,7 +122,7 @@ async def test_an_expired_endpoint_is_recorded_unusable_and_its_failure_is_retry
         endpoint = f"127.0.0.1:{backend.port}"
         record = tls.certificates.get("demo/secure", endpoint)
         assert record is not None and not record.verified
-        assert not tls.certificates.usable("demo/secure", endpoint, NOW)
+        assert not tls.certificates.usable("demo/secure", endpoint, dt.datetime.now(dt.UTC))
         assert record.names == ("web.demo.svc",)
         # A probe (what the bounded prober runs) records it again, says it failed, and
         # takes the endpoint out of rotation (the proxy's passive health skips it).
