@@ -274,7 +274,7 @@ def _credentials(
     secret = secrets(namespace, name)
     if secret is None:
         return f"Secret {namespace}/{name} not found", ()
-    data = _secret_data(secret)
+    data = secret_data(secret)
     if data is None:
         return f"Secret {namespace}/{name}: its data is not valid base64", ()
     if values.get("auth-secret-type", "auth-file") == "auth-map":
@@ -314,7 +314,7 @@ def _client_certificate(
     secret = secrets(namespace, name)
     if secret is None:
         return f"Secret {namespace}/{name} not found", None
-    data = _secret_data(secret)
+    data = secret_data(secret)
     if data is None:
         return f"Secret {namespace}/{name}: its data is not valid base64", None
     bundle = data.get("ca.crt", "")
@@ -372,7 +372,7 @@ def _is_ca(certificate: x509.Certificate) -> bool:
         return certificate.issuer == certificate.subject  # a v1 root
 
 
-def _secret_data(secret: JSON) -> dict[str, str] | None:
+def secret_data(secret: JSON) -> dict[str, str] | None:
     out: dict[str, str] = {}
     data = secret.get("data") or {}
     try:
