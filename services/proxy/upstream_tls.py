@@ -371,6 +371,15 @@ class UpstreamTLS:
                 ) from None
         if client_certificate:
             # The route's own (proxy-ssl-secret), in place of the proxy's.
+            if not client_key:
+                # Redacted by the resolver (this proxy is not a route reader): never
+                # a handshake without the certificate the backend may require.
+                raise ConnectError(
+                    "the route's backend client key is withheld from this proxy "
+                    "(its resolver connection is not a route reader's)",
+                    "tls_key_withheld",
+                    retryable=False,
+                )
             try:
                 load_pem_chain(context, client_certificate.encode(), client_key.encode())
             except ssl.SSLError:

@@ -21,14 +21,13 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import socket
 import ssl
-import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.support.dualscheme import DualBackend
 from tests.support.h2client import H2Client
 from tests.support.h2harness import running_h2_proxy
 from tests.support.pki import LocalCA
@@ -53,73 +52,6 @@ class Pki:
 @pytest.fixture(scope="module")
 def pki() -> Pki:
     return Pki()
-
-
-class DualBackend:
-    """One port, both schemes: a connection whose first byte is a TLS handshake's
-    (0x16) is served over TLS, any other in plain HTTP. Every answer is 200 with a
-    JSON body naming the scheme that arrived and the client certificate's CN.
-    Blocking sockets on a thread (MSG_PEEK leaves the first byte to TLS)."""
-
-    def __init__(self, context: ssl.SSLContext | None) -> None:
-        self.context = context
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.listener.settimeout(0.2)
-        self.port = self.listener.getsockname()[1]
-        self.connections: list[str] = []  # the scheme of each connection, in order
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-
-    def __enter__(self) -> DualBackend:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
-        self.listener.close()
-
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.listener.accept()
-            except TimeoutError:
-                continue
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        conn.settimeout(10)
-        try:
-            first = conn.recv(1, socket.MSG_PEEK)
-            scheme, peer_cn = "http", ""
-            if first == b"\x16":
-                if self.context is None:
-                    return
-                scheme = "https"
-                conn = self.context.wrap_socket(conn, server_side=True)
-                peer = conn.getpeercert()
-                for rdn in (peer or {}).get("subject", ()):
-                    for key, value in rdn:
-                        if key == "commonName":
-                            peer_cn = value
-            self.connections.append(scheme)
-            buffered = b""
-            while True:
-                while b"\r\n\r\n" not in buffered:
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        return
-                    buffered += chunk
-                _, buffered = buffered.split(b"\r\n\r\n", 1)
-                body = json.dumps({"scheme": scheme, "client": peer_cn}).encode()
-                conn.sendall(
-                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                    b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
-                )
-        except (OSError, ssl.SSLError):
-            return
-        finally:
-            conn.close()
 
 
 @contextlib.contextmanager
@@ -186,6 +118,20 @@ async def test_a_backend_requiring_a_client_certificate_gets_the_routes_own(pki:
             response = await get(port)
         assert response.startswith(b"HTTP/1.1 502"), response
         assert b"x-waygate-error: upstream" in response.lower()
+
+
+async def test_a_withheld_key_is_a_502_that_says_so_never_a_handshake_without_it(
+    pki: Pki,
+) -> None:
+    # A proxy that is not a route reader gets the certificate without its key
+    # (convert's with_key): it must not try the backend without the certificate.
+    with backend(pki, require_client=False) as up:
+        tls = dataclasses.replace(reencrypt(pki, pki.client), backend_client_key="")
+        async with plain_proxy(up.port, tls) as (port, _):
+            response = await get(port)
+    assert response.startswith(b"HTTP/1.1 502"), response
+    assert b"backend client key is withheld from this proxy" in response
+    assert up.connections == []
 
 
 async def test_the_backend_is_verified_against_ca_crt_and_another_ca_is_a_502(pki: Pki) -> None:
