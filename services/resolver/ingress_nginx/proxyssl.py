@@ -29,7 +29,7 @@ from cryptography import x509
 from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 
-from waygate.resolver.ingress_nginx.access import secret_data
+from waygate.resolver.ingress_nginx.access import annotated_secret
 
 JSON = dict[str, Any]
 Lookup = Callable[[str, str], "JSON | None"]
@@ -47,16 +47,10 @@ class BackendTLS:
 
 def read_secret(namespace: str, reference: str, secrets: Lookup) -> tuple[str, BackendTLS | None]:
     """(problem, None) when the Secret cannot be used, else ("", its material)."""
-    secret_namespace, _, name = reference.rpartition("/")
-    if secret_namespace and secret_namespace != namespace:
-        return f"Secret {reference} is in another namespace than the Ingress", None
-    where = f"{namespace}/{name}"
-    secret = secrets(namespace, name)
-    if secret is None:
-        return f"Secret {where} not found", None
-    data = secret_data(secret)
+    problem, name, data = annotated_secret(namespace, reference, secrets)
     if data is None:
-        return f"Secret {where}: its data is not valid base64", None
+        return problem, None
+    where = f"{namespace}/{name}"
     certificate, key, ca = data.get("tls.crt", ""), data.get("tls.key", ""), data.get("ca.crt", "")
     if not (certificate or key or ca):
         return f"Secret {where} holds neither tls.crt and tls.key nor ca.crt", None
