@@ -571,10 +571,11 @@ ENTRIES: tuple[Entry, ...] = (
     _e(
         "upstream-hash-by",
         _matching(re.compile(r"\$[a-z_]{1,64}"), "an nginx variable such as $remote_addr"),
-        D,
+        H,
         "$remote_addr and $binary_remote_addr hash the client address, $request_uri, "
-        "$host, $http_*, $cookie_* and $arg_* their value (the proxy's source balancing: "
-        "consistent hashing with bounded loads); other variables are not honoured",
+        "$host, $http_*, $cookie_* and $arg_* their value (the proxy's source balancing), "
+        "exactly with upstream-hash-by-subset; alone, with bounded loads (a named "
+        "difference); other variables are not honoured",
     ),
     _e(
         "upstream-hash-by-subset",
