@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import parse_qsl
 
-from waygate.core.balancing import Picker, RoundRobinPicker, new_picker
+from waygate.core.balancing import Picker, RoundRobinPicker, SourceHashPicker, new_picker
 from waygate.core.paths import normalize_request_path
 from waygate.core.regex import LinearPattern, compile_linear
 from waygate.proxy.tls import hsts_line
@@ -465,6 +465,13 @@ class RouteEntry:
         target = first
         if exclude is None and not health.failing:
             return target, backend
+        if key is not None and isinstance(picker, SourceHashPicker):
+            # The same key again would be the same endpoint (or subset): the
+            # ring is walked past the failed and the skipped endpoints instead.
+            walked = picker.pick(key, lambda t: t == exclude or health.skipped(t))
+            if walked is not None:
+                return walked, backend
+            return (None if first == exclude else first), backend
         tries = len(picker)
         while (target == exclude or health.skipped(target)) and tries > 1:
             tries -= 1
@@ -882,6 +889,7 @@ def build_table(
                 continue
             side = sides.setdefault(secure, HostIndex())
         policy = str(_value(route.balance) or DEFAULT_POLICY)
+        subset_size = route.hash_subset_size if policy == "source" else 0
         options = _route_options(route, defaults)
         backends: list[Backend] = []
         weights: list[int] = []
@@ -904,8 +912,8 @@ def build_table(
             )
             alive.update(targets)
             picker = carried.get((route.namespace, route.name, route_backend.service))
-            if picker is None or picker.policy != policy:
-                picker = new_picker(policy, targets)
+            if picker is None or picker.policy != policy or picker.subset_size != subset_size:
+                picker = new_picker(policy, targets, subset_size=subset_size)
             else:
                 picker.update(targets)
             backends.append(

@@ -630,6 +630,9 @@ class Route:
     # ingress-nginx upstream-hash-by: the nginx variable whose value is the source
     # policy's hash key ("": the client address).
     hash_by: str = ""
+    # ingress-nginx upstream-hash-by-subset(-size): the source policy hashes to one
+    # subset of this many endpoints, then picks one of them at random (0: off).
+    hash_subset_size: int = 0
     # ingress-nginx's response-side annotations (waygate.proxy.responserewrite and
     # .errorpages): proxy-redirect-from/-to ("": none), proxy-cookie-domain and
     # -path ("FROM TO"; "": none), custom-http-errors and

@@ -23,6 +23,7 @@ import yaml
 from tests.support.gatewayapi import INFRA, Conformance
 from tests.support.poll import until
 from tests.support.processes import run_cli
+from tests.support.proxyharness import RecordingUpstream
 
 pytestmark = [pytest.mark.system, pytest.mark.asyncio(loop_scope="module")]
 
@@ -948,3 +949,80 @@ async def test_connection_header_and_access_log_off(suite: Conformance) -> None:
 
     await until(logged, "an access-log line for another route", timeout=20)
     assert not [e for e in proxy.logs if e.get("msg") == "request" and e.get("path") == "/quiet"]
+
+
+def echo_pods(pods: list[RecordingUpstream]) -> str:
+    """framework.NewEchoDeployment(WithDeploymentReplicas(len(pods))): a Service
+    `echo` whose endpoints are these RecordingUpstreams (each on its own loopback
+    address, as pods have their own), one EndpointSlice each (their ports differ)."""
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "echo", "namespace": INFRA},
+        "spec": {"ports": [{"name": "http", "port": 80, "targetPort": 8080}]},
+    }
+    slices = [
+        {
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {
+                "name": f"echo-{index}",
+                "namespace": INFRA,
+                "labels": {"kubernetes.io/service-name": "echo"},
+            },
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": pod.port, "protocol": "TCP"}],
+            "endpoints": [{"addresses": [pod.host], "conditions": {"ready": True}}],
+        }
+        for index, pod in enumerate(pods)
+    ]
+    return yaml.safe_dump_all([service, *slices])
+
+
+async def test_upstream_hash_by_connects_to_the_same_pod_or_subset_of_pods(
+    suite: Conformance,
+) -> None:
+    # upstreamhashby.go (six echo replicas, 100 requests for "/"): It("should connect
+    # to the same pod") -- one pod; It("should connect to the same subset of pods")
+    # with upstream-hash-by-subset "true" and -size "3" -- three pods.
+    host = "upstream-hash-by.foo.com"
+    pods = [await RecordingUpstream(f"echo-{i}", f"127.0.0.{10 + i}").start() for i in range(6)]
+    try:
+        objects = echo_pods(pods)
+
+        async def pods_serving(path: str, requests: int) -> set[str]:
+            seen = set()
+            for _ in range(requests):
+                response = await suite.request(path, host=host)
+                assert response.status == 200, response
+                seen.add(response.backend)
+            return seen
+
+        async def apply_hashing(annotations: dict[str, str]) -> None:
+            item = single_ingress(host, "/", host, annotations, service="echo")
+            item["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]["port"] = {
+                "number": 80
+            }
+            await suite.apply(extra=yaml.safe_dump_all([CONTROLLER, item]) + "\n---\n" + objects)
+            await suite.eventually("/", host=host, status=200)
+
+        await apply_hashing({P + "upstream-hash-by": "$request_uri"})
+        assert len(await pods_serving("/", 100)) == 1
+
+        await apply_hashing(
+            {
+                P + "upstream-hash-by": "$request_uri",
+                P + "upstream-hash-by-subset": "true",
+                P + "upstream-hash-by-subset-size": "3",
+            }
+        )
+        assert len(await pods_serving("/", 100)) == 3
+        # Beyond the e2e test: every key stays within one subset of three, and the
+        # keys together reach both subsets (six pods, two disjoint subsets).
+        subsets = {frozenset(await pods_serving(f"/{key}", 40)) for key in range(8)}
+        assert all(len(subset) <= 3 for subset in subsets)
+        assert set().union(*subsets) == {f"echo-{i}" for i in range(6)}
+        assert all(a == b or not a & b for a in subsets for b in subsets)
+    finally:
+        for pod in pods:
+            await pod.stop()

@@ -176,6 +176,7 @@ class Plan:
     next_upstream_timeout: float = 0.0
     default_backend: str = ""
     hash_by: str = ""
+    hash_subset_size: int = 0
     # The response-side annotations (waygate.proxy.responserewrite, .errorpages), with
     # the ConfigMap's defaults: `_responses`.
     redirect_from: str = ""
@@ -970,20 +971,48 @@ def _balance(
 _HASH_VARIABLE = re.compile(r"\$(request_uri|host|(http|cookie|arg)_[a-z0-9_]+)")
 
 
+def _hash_key(value: str | None) -> str | None:
+    """upstream-hash-by's value as the route's hash_by ("": the client address);
+    None when the proxy cannot compute it."""
+    if value in ("$remote_addr", "$binary_remote_addr"):
+        return ""
+    return value if value is not None and _HASH_VARIABLE.fullmatch(value) else None
+
+
+# ingress-nginx's upstream-hash-by-subset-size when unset or 0.
+_SUBSET_SIZE = 3
+
+
+def _subset_size(values: Mapping[str, str]) -> int:
+    """Endpoints per subset with upstream-hash-by-subset in force (0: no subsets)."""
+    if not _flag(values.get("upstream-hash-by-subset", "false")):
+        return 0
+    return int(values.get("upstream-hash-by-subset-size") or 0) or _SUBSET_SIZE
+
+
 @_handles("upstream-hash-by")
 def _hash(
     p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
 ) -> None:
-    if value in ("$remote_addr", "$binary_remote_addr"):
+    key = _hash_key(value)
+    subsets = _subset_size(values)
+    if key is not None:
         p.balance = BalancePolicy.SOURCE
+        p.hash_by = key
+        p.hash_subset_size = subsets
+    if key == "":
         found(
             "upstream-hash-by",
             Verdict.DIFFERENT,
             "the proxy's source balancing: a hash of the client address",
         )
-    elif _HASH_VARIABLE.fullmatch(value):
-        p.balance = BalancePolicy.SOURCE
-        p.hash_by = value
+    elif key is not None and subsets:
+        found(
+            "upstream-hash-by",
+            Verdict.HONOURED,
+            f"consistent hashing of {value} to a subset of endpoints (upstream-hash-by-subset)",
+        )
+    elif key is not None:
         found(
             "upstream-hash-by",
             Verdict.DIFFERENT,
@@ -996,6 +1025,19 @@ def _hash(
             Verdict.NOT_HONOURED,
             "only $remote_addr, $request_uri, $host, $http_*, $cookie_* and $arg_* are honoured",
         )
+
+
+@_handles("upstream-hash-by-subset", "upstream-hash-by-subset-size")
+def _hash_subset(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    """The subset itself is set with upstream-hash-by (`_hash`): here the verdicts."""
+    if not _subset_size(values):
+        found(short, Verdict.NOOP, "without upstream-hash-by-subset it does nothing")
+    elif _hash_key(values.get("upstream-hash-by")) is None:
+        found(short, Verdict.NOT_HONOURED, "its upstream-hash-by variable is not honoured")
+    else:
+        found(short)
 
 
 @_handles("backend-protocol")
@@ -1833,6 +1875,7 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             rewrite_target=captured,
             default_backend=p.default_backend,
             hash_by=p.hash_by,
+            hash_subset_size=p.hash_subset_size,
             redirect_from=p.redirect_from,
             redirect_to=p.redirect_to,
             cookie_domain=p.cookie_domain,

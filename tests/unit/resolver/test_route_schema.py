@@ -400,6 +400,7 @@ DERIVED_SAMPLES: dict[str, dict[str, Any]] = {
         "rewrite_target": "/x/$2",
         "default_backend": "fallback",
         "hash_by": "$request_uri",
+        "hash_subset_size": 3,
         "redirect_from": "http://backend.local/",
         "redirect_to": "/app/",
         "cookie_domain": "backend.local example.org",
