@@ -21,9 +21,10 @@ import pytest
 import pytest_asyncio
 import yaml
 
-from tests.support.gatewayapi import INFRA, Conformance
+from tests.support.gatewayapi import INFRA, Conformance, local_slice
 from tests.support.poll import until
 from tests.support.processes import run_cli
+from tests.support.proxyharness import read_response
 
 pytestmark = [pytest.mark.system, pytest.mark.asyncio(loop_scope="module")]
 
@@ -966,21 +967,15 @@ async def test_service_upstream_uses_the_service_cluster_ip_and_port(suite: Conf
     cluster_port = suite.backends[(INFRA, "infra-backend-v1")].port
     endpoint_port = suite.backends[(INFRA, "infra-backend-v2")].port
     host = "serviceupstream"
-    service = f"""apiVersion: v1
-kind: Service
-metadata: {{name: service-upstream, namespace: {INFRA}}}
-spec: {{clusterIP: 127.0.0.1, ports: [{{name: http, port: {cluster_port}, targetPort: 80}}]}}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: service-upstream-local
-  namespace: {INFRA}
-  labels: {{kubernetes.io/service-name: service-upstream}}
-addressType: IPv4
-ports: [{{name: http, port: {endpoint_port}}}]
-endpoints: [{{addresses: [127.0.0.1]}}]
-"""
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "service-upstream", "namespace": INFRA},
+        "spec": {
+            "clusterIP": "127.0.0.1",
+            "ports": [{"name": "http", "port": cluster_port, "targetPort": 80}],
+        },
+    }
 
     async def addresses() -> set[str]:
         """The addresses the proxy's routes of the Service balance over."""
@@ -996,7 +991,8 @@ endpoints: [{{addresses: [127.0.0.1]}}]
             "number": cluster_port
         }
         controller = {**CONTROLLER, "data": {**CONTROLLER["data"], **configmap}}
-        await suite.apply(extra=yaml.safe_dump_all([controller, item]) + "\n---\n" + service)
+        manifests = [controller, item, service, local_slice(service, endpoint_port)]
+        await suite.apply(extra=yaml.safe_dump_all(manifests))
         # "checking if the service is reached"
         response = await suite.eventually("/", host=host, backend=V1 if cluster else V2)
         assert response.status == 200
@@ -1018,8 +1014,6 @@ def _text(cell: Any) -> str:
 
 
 async def admin_get(port: int, path: str) -> tuple[int, bytes]:
-    from tests.support.proxyharness import read_response
-
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
