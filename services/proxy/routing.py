@@ -24,7 +24,8 @@ Rules:
   are checked only for entries that have them.
 - Backends: picked by weight (0..256, smooth weighted round robin, weight 0
   never), then the endpoint by the route's policy (waygate.core.balancing;
-  default leastconn) among the backend's usable endpoints.
+  default leastconn) among the backend's usable endpoints -- or its one target,
+  the Service's cluster IP and port, when the backend asks for it (`use_cluster_ip`).
 - Sticky sessions (unless the route disables cookies): the cookie value is a
   keyed BLAKE2b of the endpoint's address and port, so it reveals no address;
   a cookie naming a live endpoint of the route wins over the policy.
@@ -816,6 +817,27 @@ def _targets(
     return targets
 
 
+def _backend_targets(
+    backend: RouteBackend,
+    route: Route,
+    endpoints: Iterable[Endpoint],
+    service: Service | None,
+) -> list[Target]:
+    """A route backend's targets: its Service's usable endpoints; with `use_cluster_ip`
+    (ingress-nginx's service-upstream) one target, the Service's cluster IP at the
+    Service port (not the target port: kube-proxy or a mesh balances behind it), or
+    none when the Service has no such port. A Service without a cluster IP (headless,
+    ExternalName) keeps its endpoints, as ingress-nginx falls back to them. Built
+    with every table, so a changed Service moves the target with the next view."""
+    port = backend.port or route.target_port
+    if backend.use_cluster_ip and service is not None and service.cluster_ips:
+        found = service_port(service, port)
+        if found is None:
+            return []
+        return [Target(service.cluster_ips[0], found.port, False, "", *service.key)]
+    return _targets(endpoints, port, service)
+
+
 def _default_backend(
     route: Route,
     endpoints: Mapping[tuple[str, str], tuple[Endpoint, ...]],
@@ -906,7 +928,7 @@ def build_table(
             key = (route_backend.namespace or route.namespace, route_backend.service)
             service = services.get(key)
             targets = (
-                _targets(endpoints.get(key, ()), route_backend.port or route.target_port, service)
+                _backend_targets(route_backend, route, endpoints.get(key, ()), service)
                 if not route_backend.invalid
                 else []
             )

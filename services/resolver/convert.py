@@ -251,6 +251,7 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
                 namespace=b.namespace,
                 port=b.port,
                 invalid=b.invalid,
+                use_cluster_ip=b.use_cluster_ip,
             )
             for b in route.backends
         ],
@@ -440,7 +441,9 @@ def route_from_proto(message: pb.Route) -> model.Route:
         host=message.host,
         path=message.path,
         backends=tuple(
-            model.RouteBackend(b.service, b.weight, b.namespace, b.port, b.invalid)
+            model.RouteBackend(
+                b.service, b.weight, b.namespace, b.port, b.invalid, b.use_cluster_ip
+            )
             for b in message.backends
         ),
         target_port=message.target_port,

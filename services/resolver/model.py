@@ -163,6 +163,10 @@ class RouteBackend:
     # Why this backend cannot be used (not found, not granted, unknown kind);
     # its share of the requests is answered 500, as the Gateway API says.
     invalid: str = ""
+    # The Service's cluster IP at the Service port is this backend's one endpoint
+    # (kube-proxy or a mesh balances: ingress-nginx's service-upstream); a Service
+    # without one (headless, ExternalName) keeps its endpoints, as ingress-nginx.
+    use_cluster_ip: bool = False
 
 
 @dataclass(frozen=True)

@@ -258,6 +258,7 @@ DERIVED: Final[Mapping[str, Mapping[str, str]]] = {
         "namespace": "Gateway API backendRefs across namespaces (ReferenceGrant)",
         "port": "Gateway API backendRefs' port",
         "invalid": "why the resolver cannot use a Gateway API backendRef",
+        "use_cluster_ip": "ingress-nginx service-upstream",
     },
     "StickySessions": {
         "cookie_path": "ingress-nginx session-cookie-path",

@@ -177,6 +177,8 @@ class Plan:
     default_backend: str = ""
     hash_by: str = ""
     hash_subset_size: int = 0
+    # service-upstream: the backends' Services' cluster IPs, not their endpoints.
+    service_upstream: bool = False
     # The response-side annotations (waygate.proxy.responserewrite, .errorpages), with
     # the ConfigMap's defaults: `_responses`.
     redirect_from: str = ""
@@ -299,6 +301,7 @@ def plan(
             if config.flag("compute-full-forwarded-for", False)
             else ForwardedHeadersMode.IF_NONE
         )
+    result.service_upstream = config.flag("service-upstream", False)
     if config.text("load-balance", "round_robin") == "ewma":
         result.balance = BalancePolicy.LEAST_CONN
     if config.flag("hsts", True):
@@ -433,7 +436,6 @@ _OFF: dict[str, str] = {
     "enable-owasp-core-rules": "false",
     "enable-cors": "false",
     "enable-global-auth": "true",  # the ConfigMap's global-auth-url applies (if any)
-    "service-upstream": "false",
     "use-port-in-redirects": "false",
     "session-cookie-secure": "false",
     "session-cookie-conditional-samesite-none": "false",
@@ -1352,6 +1354,18 @@ def _body_size(
     found(short)
 
 
+@_handles("service-upstream")
+def _service_upstream(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    # "false" too: the annotation overrides the ConfigMap's service-upstream.
+    p.service_upstream = _flag(value)
+    if p.service_upstream:
+        found(short)
+    else:
+        found(short, Verdict.HONOURED, "")
+
+
 @_handles("default-backend")
 def _default_backend(
     p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
@@ -1849,8 +1863,14 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             tls = dataclasses.replace(tls, hsts=p.hsts)
         if p.backend_tls:
             tls = _backend_tls(tls, p.backend_server_name)
+        backends = route.backends
+        if p.service_upstream:
+            # The Ingress's own backends (spec.defaultBackend's too); a default-backend
+            # annotation's Service keeps its endpoints, as ingress-nginx's.
+            backends = tuple(dataclasses.replace(b, use_cluster_ip=True) for b in backends)
         shaped = dataclasses.replace(
             route,
+            backends=backends,
             matches=(match,),
             filters=filters,
             tls=tls,

@@ -616,9 +616,12 @@ ENTRIES: tuple[Entry, ...] = (
     _e(
         "service-upstream",
         boolean,
-        X,
-        "the proxy balances over endpoints, never the Service's cluster IP",
-        lacks=True,
+        H,
+        "the backend's one endpoint is its Service's cluster IP at the Service port "
+        "(kube-proxy or the mesh balances; the ConfigMap's service-upstream is the "
+        "default); a Service without a cluster IP (headless, ExternalName) keeps its "
+        "endpoints, as ingress-nginx falls back to them; decided per Ingress (ingress-nginx "
+        "lets the first Ingress naming a Service port decide for all)",
     ),
     _e("proxy-connect-timeout", seconds, H, "the connect timeout to the backend"),
     _e(

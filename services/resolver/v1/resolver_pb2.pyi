@@ -225,18 +225,20 @@ class EndpointRef(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., service: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class RouteBackend(_message.Message):
-    __slots__ = ("service", "weight", "namespace", "port", "invalid")
+    __slots__ = ("service", "weight", "namespace", "port", "invalid", "use_cluster_ip")
     SERVICE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     INVALID_FIELD_NUMBER: _ClassVar[int]
+    USE_CLUSTER_IP_FIELD_NUMBER: _ClassVar[int]
     service: str
     weight: int
     namespace: str
     port: str
     invalid: str
-    def __init__(self, service: _Optional[str] = ..., weight: _Optional[int] = ..., namespace: _Optional[str] = ..., port: _Optional[str] = ..., invalid: _Optional[str] = ...) -> None: ...
+    use_cluster_ip: bool
+    def __init__(self, service: _Optional[str] = ..., weight: _Optional[int] = ..., namespace: _Optional[str] = ..., port: _Optional[str] = ..., invalid: _Optional[str] = ..., use_cluster_ip: _Optional[bool] = ...) -> None: ...
 
 class RouteTLS(_message.Message):
     __slots__ = ("termination", "certificate", "key", "ca_certificate", "destination_ca_certificate", "insecure_edge_termination_policy", "hsts", "client_ca_certificate", "destination_server_name", "present_client_certificate", "destination_system_ca", "destination_san_hostnames", "destination_san_uris")

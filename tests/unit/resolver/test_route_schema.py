@@ -416,7 +416,12 @@ DERIVED_SAMPLES: dict[str, dict[str, Any]] = {
         "url_mirror": model.UrlMirror("https://m.example$request_uri", "m", False),
         "next_upstream_timeout": 2.5,
     },
-    "RouteBackend": {"namespace": "other", "port": "http", "invalid": "not granted"},
+    "RouteBackend": {
+        "namespace": "other",
+        "port": "http",
+        "invalid": "not granted",
+        "use_cluster_ip": True,
+    },
     "StickySessions": {
         "cookie_path": "/app",
         "cookie_domain": "example.com",
