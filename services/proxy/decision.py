@@ -304,7 +304,8 @@ def repick(view: View, forward: Forward, facts: ConnectionFacts, failed: Target)
     split = entry.policies.get("canary") if rules_of(entry) else None
     if split is not None:  # a canary's route: the same side again
         entry = split.side_of(forward.backend)
-    target, backend = entry.pick(facts.client_key, None, view.health, failed)
+    key = facts.client_key if forward.hash_key is None else forward.hash_key
+    target, backend = entry.pick(key, None, view.health, failed)
     if target is None or backend is None or backend.invalid or backend.http2 != forward.http2:
         return False
     if forward.counted:  # the old endpoint's count given back (the request goes on)

@@ -251,6 +251,7 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
                 namespace=b.namespace,
                 port=b.port,
                 invalid=b.invalid,
+                use_cluster_ip=b.use_cluster_ip,
             )
             for b in route.backends
         ],
@@ -334,6 +335,7 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
     message.rewrite_target = route.rewrite_target
     message.default_backend = route.default_backend
     message.hash_by = route.hash_by
+    message.hash_subset_size = route.hash_subset_size
     message.redirect_from = route.redirect_from
     message.redirect_to = route.redirect_to
     message.cookie_domain = route.cookie_domain
@@ -446,7 +448,9 @@ def route_from_proto(message: pb.Route) -> model.Route:
         host=message.host,
         path=message.path,
         backends=tuple(
-            model.RouteBackend(b.service, b.weight, b.namespace, b.port, b.invalid)
+            model.RouteBackend(
+                b.service, b.weight, b.namespace, b.port, b.invalid, b.use_cluster_ip
+            )
             for b in message.backends
         ),
         target_port=message.target_port,
@@ -501,6 +505,7 @@ def route_from_proto(message: pb.Route) -> model.Route:
         rewrite_target=message.rewrite_target,
         default_backend=message.default_backend,
         hash_by=message.hash_by,
+        hash_subset_size=message.hash_subset_size,
         redirect_from=message.redirect_from,
         redirect_to=message.redirect_to,
         cookie_domain=message.cookie_domain,

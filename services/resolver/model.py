@@ -163,6 +163,10 @@ class RouteBackend:
     # Why this backend cannot be used (not found, not granted, unknown kind);
     # its share of the requests is answered 500, as the Gateway API says.
     invalid: str = ""
+    # The Service's cluster IP at the Service port is this backend's one endpoint
+    # (kube-proxy or a mesh balances: ingress-nginx's service-upstream); a Service
+    # without one (headless, ExternalName) keeps its endpoints, as ingress-nginx.
+    use_cluster_ip: bool = False
 
 
 @dataclass(frozen=True)
@@ -635,6 +639,9 @@ class Route:
     # ingress-nginx upstream-hash-by: the nginx variable whose value is the source
     # policy's hash key ("": the client address).
     hash_by: str = ""
+    # ingress-nginx upstream-hash-by-subset(-size): the source policy hashes to one
+    # subset of this many endpoints, then picks one of them at random (0: off).
+    hash_subset_size: int = 0
     # ingress-nginx's response-side annotations (waygate.proxy.responserewrite and
     # .errorpages): proxy-redirect-from/-to ("": none), proxy-cookie-domain and
     # -path ("FROM TO"; "": none), custom-http-errors and

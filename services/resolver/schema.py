@@ -238,6 +238,7 @@ DERIVED: Final[Mapping[str, Mapping[str, str]]] = {
         "rewrite_target": "ingress-nginx rewrite-target with capture groups",
         "default_backend": "ingress-nginx default-backend",
         "hash_by": "ingress-nginx upstream-hash-by",
+        "hash_subset_size": "ingress-nginx upstream-hash-by-subset(-size)",
         "redirect_from": "ingress-nginx proxy-redirect-from",
         "redirect_to": "ingress-nginx proxy-redirect-to",
         "cookie_domain": "ingress-nginx proxy-cookie-domain",
@@ -258,6 +259,7 @@ DERIVED: Final[Mapping[str, Mapping[str, str]]] = {
         "namespace": "Gateway API backendRefs across namespaces (ReferenceGrant)",
         "port": "Gateway API backendRefs' port",
         "invalid": "why the resolver cannot use a Gateway API backendRef",
+        "use_cluster_ip": "ingress-nginx service-upstream",
     },
     "StickySessions": {
         "cookie_path": "ingress-nginx session-cookie-path",

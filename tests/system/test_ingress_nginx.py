@@ -12,6 +12,7 @@ an injection payload, is not served while every other Ingress is.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -20,9 +21,10 @@ import pytest
 import pytest_asyncio
 import yaml
 
-from tests.support.gatewayapi import INFRA, Conformance
+from tests.support.gatewayapi import INFRA, Conformance, local_slice
 from tests.support.poll import until
 from tests.support.processes import run_cli
+from tests.support.proxyharness import RecordingUpstream, read_response
 
 pytestmark = [pytest.mark.system, pytest.mark.asyncio(loop_scope="module")]
 
@@ -1104,3 +1106,151 @@ async def test_proxyssl_secret_and_backend_protocol_auto_http(suite: Conformance
     assert f"proxy-ssl-secret: Secret {INFRA}/missing not found" in json.dumps(json.loads(out))
     # Not a route reader, `waygate routes` gets no key either.
     assert "PRIVATE KEY" not in out
+
+
+def echo_pods(pods: list[RecordingUpstream]) -> str:
+    """framework.NewEchoDeployment(WithDeploymentReplicas(len(pods))): a Service
+    `echo` whose endpoints are these RecordingUpstreams (each on its own loopback
+    address, as pods have their own), one EndpointSlice each (their ports differ)."""
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "echo", "namespace": INFRA},
+        "spec": {"ports": [{"name": "http", "port": 80, "targetPort": 8080}]},
+    }
+    slices = [
+        {
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {
+                "name": f"echo-{index}",
+                "namespace": INFRA,
+                "labels": {"kubernetes.io/service-name": "echo"},
+            },
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": pod.port, "protocol": "TCP"}],
+            "endpoints": [{"addresses": [pod.host], "conditions": {"ready": True}}],
+        }
+        for index, pod in enumerate(pods)
+    ]
+    return yaml.safe_dump_all([service, *slices])
+
+
+async def test_upstream_hash_by_connects_to_the_same_pod_or_subset_of_pods(
+    suite: Conformance,
+) -> None:
+    # upstreamhashby.go (six echo replicas, 100 requests for "/"): It("should connect
+    # to the same pod") -- one pod; It("should connect to the same subset of pods")
+    # with upstream-hash-by-subset "true" and -size "3" -- three pods.
+    host = "upstream-hash-by.foo.com"
+    pods = [await RecordingUpstream(f"echo-{i}", f"127.0.0.{10 + i}").start() for i in range(6)]
+    try:
+        objects = echo_pods(pods)
+
+        async def pods_serving(path: str, requests: int) -> set[str]:
+            seen = set()
+            for _ in range(requests):
+                response = await suite.request(path, host=host)
+                assert response.status == 200, response
+                seen.add(response.backend)
+            return seen
+
+        async def apply_hashing(annotations: dict[str, str]) -> None:
+            item = single_ingress(host, "/", host, annotations, service="echo")
+            item["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]["port"] = {
+                "number": 80
+            }
+            await suite.apply(extra=yaml.safe_dump_all([CONTROLLER, item]) + "\n---\n" + objects)
+            await suite.eventually("/", host=host, status=200)
+
+        await apply_hashing({P + "upstream-hash-by": "$request_uri"})
+        assert len(await pods_serving("/", 100)) == 1
+
+        await apply_hashing(
+            {
+                P + "upstream-hash-by": "$request_uri",
+                P + "upstream-hash-by-subset": "true",
+                P + "upstream-hash-by-subset-size": "3",
+            }
+        )
+        assert len(await pods_serving("/", 100)) == 3
+        # Beyond the e2e test: every key stays within one subset of three, and the
+        # keys together reach both subsets (six pods, two disjoint subsets).
+        subsets = {frozenset(await pods_serving(f"/{key}", 40)) for key in range(8)}
+        assert all(len(subset) <= 3 for subset in subsets)
+        assert set().union(*subsets) == {f"echo-{i}" for i in range(6)}
+        assert all(a == b or not a & b for a in subsets for b in subsets)
+    finally:
+        for pod in pods:
+            await pod.stop()
+
+
+async def test_service_upstream_uses_the_service_cluster_ip_and_port(suite: Conformance) -> None:
+    # serviceupstream.go: It("should use the Service Cluster IP and Port ") with the
+    # annotation, then with the ConfigMap's service-upstream; It("should not use the
+    # Service Cluster IP and Port") with the ConfigMap on and the annotation "false".
+    # Each checks the backend answers and that the controller's backends (its
+    # `/dbg backends all`; here the proxy's status page, /status.json's Endpoints)
+    # hold the Service's cluster IP, or not. No kube-proxy runs here, so the STAND-IN
+    # for one is the address itself: the Service's clusterIP is 127.0.0.1 and its
+    # port the port backend v1 listens on, while its EndpointSlice names backend v2:
+    # v1 answering means the proxy dialled ClusterIP:port, not the endpoints.
+    assert suite.proxy is not None
+    proxy = suite.proxy
+    cluster_port = suite.backends[(INFRA, "infra-backend-v1")].port
+    endpoint_port = suite.backends[(INFRA, "infra-backend-v2")].port
+    host = "serviceupstream"
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "service-upstream", "namespace": INFRA},
+        "spec": {
+            "clusterIP": "127.0.0.1",
+            "ports": [{"name": "http", "port": cluster_port, "targetPort": 80}],
+        },
+    }
+
+    async def addresses() -> set[str]:
+        """The addresses the proxy's routes of the Service balance over."""
+        status, body = await admin_get(proxy.admin_port, "/status.json")
+        assert status == 200
+        sections = (s for p in json.loads(body)["services"] for s in p["sections"])
+        rows = next(s["rows"] for s in sections if s["title"] == "Endpoints")
+        return {_text(row[2]) for row in rows if _text(row[1]) == "service-upstream"}
+
+    async def check(annotations: dict[str, str], configmap: dict[str, str], cluster: bool) -> None:
+        item = single_ingress(host, "/", host, annotations, service="service-upstream")
+        item["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]["port"] = {
+            "number": cluster_port
+        }
+        controller = {**CONTROLLER, "data": {**CONTROLLER["data"], **configmap}}
+        manifests = [controller, item, service, local_slice(service, endpoint_port)]
+        await suite.apply(extra=yaml.safe_dump_all(manifests))
+        # "checking if the service is reached"
+        response = await suite.eventually("/", host=host, backend=V1 if cluster else V2)
+        assert response.status == 200
+        # "checking if the Service Cluster IP and Port are (not) used"
+        used = await addresses()
+        if cluster:
+            assert used == {f"127.0.0.1:{cluster_port}"}
+        else:
+            assert used == {f"127.0.0.1:{endpoint_port}"}
+
+    await check({P + "service-upstream": "true"}, {}, cluster=True)
+    await check({}, {"service-upstream": "true"}, cluster=True)
+    await check({P + "service-upstream": "false"}, {"service-upstream": "true"}, cluster=False)
+
+
+def _text(cell: Any) -> str:
+    """A status-page cell: a plain value or {"text": ..., "state": ...}."""
+    return str(cell["text"] if isinstance(cell, dict) else cell)
+
+
+async def admin_get(port: int, path: str) -> tuple[int, bytes]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+        head, _, body = (await read_response(reader, timeout=10)).partition(b"\r\n\r\n")
+        return int(head.split(b" ", 2)[1]), body
+    finally:
+        writer.close()

@@ -180,6 +180,9 @@ class Plan:
     next_upstream_timeout: float = 0.0
     default_backend: str = ""
     hash_by: str = ""
+    hash_subset_size: int = 0
+    # service-upstream: the backends' Services' cluster IPs, not their endpoints.
+    service_upstream: bool = False
     # The response-side annotations (waygate.proxy.responserewrite, .errorpages), with
     # the ConfigMap's defaults: `_responses`.
     redirect_from: str = ""
@@ -302,6 +305,7 @@ def plan(
             if config.flag("compute-full-forwarded-for", False)
             else ForwardedHeadersMode.IF_NONE
         )
+    result.service_upstream = config.flag("service-upstream", False)
     if config.text("load-balance", "round_robin") == "ewma":
         result.balance = BalancePolicy.LEAST_CONN
     if config.flag("hsts", True):
@@ -439,7 +443,6 @@ _OFF: dict[str, str] = {
     "enable-owasp-core-rules": "false",
     "enable-cors": "false",
     "enable-global-auth": "true",  # the ConfigMap's global-auth-url applies (if any)
-    "service-upstream": "false",
     "use-port-in-redirects": "false",
     "session-cookie-secure": "false",
     "session-cookie-conditional-samesite-none": "false",
@@ -977,20 +980,48 @@ def _balance(
 _HASH_VARIABLE = re.compile(r"\$(request_uri|host|(http|cookie|arg)_[a-z0-9_]+)")
 
 
+def _hash_key(value: str | None) -> str | None:
+    """upstream-hash-by's value as the route's hash_by ("": the client address);
+    None when the proxy cannot compute it."""
+    if value in ("$remote_addr", "$binary_remote_addr"):
+        return ""
+    return value if value is not None and _HASH_VARIABLE.fullmatch(value) else None
+
+
+# ingress-nginx's upstream-hash-by-subset-size when unset or 0.
+_SUBSET_SIZE = 3
+
+
+def _subset_size(values: Mapping[str, str]) -> int:
+    """Endpoints per subset with upstream-hash-by-subset in force (0: no subsets)."""
+    if not _flag(values.get("upstream-hash-by-subset", "false")):
+        return 0
+    return int(values.get("upstream-hash-by-subset-size") or 0) or _SUBSET_SIZE
+
+
 @_handles("upstream-hash-by")
 def _hash(
     p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
 ) -> None:
-    if value in ("$remote_addr", "$binary_remote_addr"):
+    key = _hash_key(value)
+    subsets = _subset_size(values)
+    if key is not None:
         p.balance = BalancePolicy.SOURCE
+        p.hash_by = key
+        p.hash_subset_size = subsets
+    if key == "":
         found(
             "upstream-hash-by",
             Verdict.DIFFERENT,
             "the proxy's source balancing: a hash of the client address",
         )
-    elif _HASH_VARIABLE.fullmatch(value):
-        p.balance = BalancePolicy.SOURCE
-        p.hash_by = value
+    elif key is not None and subsets:
+        found(
+            "upstream-hash-by",
+            Verdict.HONOURED,
+            f"consistent hashing of {value} to a subset of endpoints (upstream-hash-by-subset)",
+        )
+    elif key is not None:
         found(
             "upstream-hash-by",
             Verdict.DIFFERENT,
@@ -1003,6 +1034,19 @@ def _hash(
             Verdict.NOT_HONOURED,
             "only $remote_addr, $request_uri, $host, $http_*, $cookie_* and $arg_* are honoured",
         )
+
+
+@_handles("upstream-hash-by-subset", "upstream-hash-by-subset-size")
+def _hash_subset(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    """The subset itself is set with upstream-hash-by (`_hash`): here the verdicts."""
+    if not _subset_size(values):
+        found(short, Verdict.NOOP, "without upstream-hash-by-subset it does nothing")
+    elif _hash_key(values.get("upstream-hash-by")) is None:
+        found(short, Verdict.NOT_HONOURED, "its upstream-hash-by variable is not honoured")
+    else:
+        found(short)
 
 
 @_handles("backend-protocol")
@@ -1392,6 +1436,18 @@ def _body_size(
 ) -> None:
     p.max_request_body = parse_size(value) or 0
     found(short)
+
+
+@_handles("service-upstream")
+def _service_upstream(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    # "false" too: the annotation overrides the ConfigMap's service-upstream.
+    p.service_upstream = _flag(value)
+    if p.service_upstream:
+        found(short)
+    else:
+        found(short, Verdict.HONOURED, "")
 
 
 @_handles("default-backend")
@@ -1891,8 +1947,14 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             tls = dataclasses.replace(tls, hsts=p.hsts)
         if p.backend_tls:
             tls = _backend_tls(tls, p)
+        backends = route.backends
+        if p.service_upstream:
+            # The Ingress's own backends (spec.defaultBackend's too); a default-backend
+            # annotation's Service keeps its endpoints, as ingress-nginx's.
+            backends = tuple(dataclasses.replace(b, use_cluster_ip=True) for b in backends)
         shaped = dataclasses.replace(
             route,
+            backends=backends,
             matches=(match,),
             filters=filters,
             tls=tls,
@@ -1917,6 +1979,7 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             rewrite_target=captured,
             default_backend=p.default_backend,
             hash_by=p.hash_by,
+            hash_subset_size=p.hash_subset_size,
             redirect_from=p.redirect_from,
             redirect_to=p.redirect_to,
             cookie_domain=p.cookie_domain,

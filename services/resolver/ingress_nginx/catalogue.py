@@ -571,13 +571,27 @@ ENTRIES: tuple[Entry, ...] = (
     _e(
         "upstream-hash-by",
         _matching(re.compile(r"\$[a-z_]{1,64}"), "an nginx variable such as $remote_addr"),
-        D,
+        H,
         "$remote_addr and $binary_remote_addr hash the client address, $request_uri, "
-        "$host, $http_*, $cookie_* and $arg_* their value (the proxy's source balancing: "
-        "consistent hashing with bounded loads); other variables are not honoured",
+        "$host, $http_*, $cookie_* and $arg_* their value (the proxy's source balancing), "
+        "exactly with upstream-hash-by-subset; alone, with bounded loads (a named "
+        "difference); other variables are not honoured",
     ),
-    _e("upstream-hash-by-subset", boolean, X, "hashing to a subset of endpoints", lacks=True),
-    _e("upstream-hash-by-subset-size", integer, X, "hashing to a subset of endpoints", lacks=True),
+    _e(
+        "upstream-hash-by-subset",
+        boolean,
+        H,
+        "the key hashes to one subset of endpoints and the request goes to one of them "
+        "at random (ingress-nginx's chashsubset; subsets cut from the endpoints in the "
+        "order of their names); a subset whose endpoints all fail to connect gives its "
+        "keys to the next subset",
+    ),
+    _e(
+        "upstream-hash-by-subset-size",
+        _matching(re.compile(r"\d{1,9}"), "a number of endpoints (0: 3)"),
+        H,
+        "endpoints per subset (0 or unset: 3, ingress-nginx's default)",
+    ),
     _e("limit-rps", integer, H, _LIMITED, access=True),
     _e("limit-rpm", integer, H, _LIMITED, access=True),
     _e("limit-connections", integer, H, _LIMITED, access=True),
@@ -603,9 +617,12 @@ ENTRIES: tuple[Entry, ...] = (
     _e(
         "service-upstream",
         boolean,
-        X,
-        "the proxy balances over endpoints, never the Service's cluster IP",
-        lacks=True,
+        H,
+        "the backend's one endpoint is its Service's cluster IP at the Service port "
+        "(kube-proxy or the mesh balances; the ConfigMap's service-upstream is the "
+        "default); a Service without a cluster IP (headless, ExternalName) keeps its "
+        "endpoints, as ingress-nginx falls back to them; decided per Ingress (ingress-nginx "
+        "lets the first Ingress naming a Service port decide for all)",
     ),
     _e("proxy-connect-timeout", seconds, H, "the connect timeout to the backend"),
     _e(

@@ -48,6 +48,7 @@ HONOURED_KEYS = frozenset(
         "force-ssl-redirect",
         "http-redirect-code",
         "load-balance",
+        "service-upstream",
         "proxy-connect-timeout",
         "proxy-read-timeout",
         "proxy-send-timeout",

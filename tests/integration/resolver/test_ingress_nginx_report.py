@@ -67,6 +67,8 @@ def test_the_json_report_over_the_examples():
     assert by_name["mtls-partners"]["served"] is True and by_name["mtls-partners"]["exact"] is True
     # limit-rps, -burst-multiplier, -connections: honoured per replica, served exactly.
     assert by_name["rate-limited"]["served"] is True and by_name["rate-limited"]["exact"] is True
+    # service-upstream (Linkerd's set-up): the Service's cluster IP, exactly.
+    assert by_name["meshed-web"]["served"] is True and by_name["meshed-web"]["exact"] is True
     # A snippet outside the literal subset is refused, naming why; the subset is served.
     assert by_name["snippet-lua"]["served"] is False
     assert "blocks" in by_name["snippet-lua"]["refusal"]

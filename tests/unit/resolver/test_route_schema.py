@@ -400,6 +400,7 @@ DERIVED_SAMPLES: dict[str, dict[str, Any]] = {
         "rewrite_target": "/x/$2",
         "default_backend": "fallback",
         "hash_by": "$request_uri",
+        "hash_subset_size": 3,
         "redirect_from": "http://backend.local/",
         "redirect_to": "/app/",
         "cookie_domain": "backend.local example.org",
@@ -416,7 +417,12 @@ DERIVED_SAMPLES: dict[str, dict[str, Any]] = {
         "next_upstream_timeout": 2.5,
         "upstream_scheme_from_client": True,
     },
-    "RouteBackend": {"namespace": "other", "port": "http", "invalid": "not granted"},
+    "RouteBackend": {
+        "namespace": "other",
+        "port": "http",
+        "invalid": "not granted",
+        "use_cluster_ip": True,
+    },
     "StickySessions": {
         "cookie_path": "/app",
         "cookie_domain": "example.com",
