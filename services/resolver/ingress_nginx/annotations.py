@@ -1129,8 +1129,12 @@ def _proxy_ssl_secret(
                 "(ingress-nginx then presents none)",
             )
         )
+    elif material.certificate:
+        note = "its tls.crt is presented to the backend, its ca.crt verifies the backend"
+        p.note(Finding(short, value, Verdict.HONOURED, note))
     else:
-        p.note(Finding(short, value, Verdict.HONOURED, CATALOGUE[short].note))
+        note = "ca.crt alone: the backend is verified against it, no client certificate sent"
+        p.note(Finding(short, value, Verdict.HONOURED, note))
     if material.ca:
         verdict, note = _verification(values.get("backend-protocol", "").upper(), values, value)
         p.findings = [

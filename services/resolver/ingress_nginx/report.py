@@ -2,8 +2,8 @@
 
 Offline: reads what `kubectl apply -f PATH` takes (a file or a directory of YAML
 or JSON, as the resolver's --manifests does), or lists Ingresses, IngressClasses
-and ConfigMaps from a cluster (and reads the Secrets their auth-secret annotations
-name), and says per Ingress of the ingress-nginx class and per annotation what Waygate does with it (the verdicts the resolver's
+and ConfigMaps from a cluster (and reads the Secrets their auth-secret,
+auth-tls-secret and proxy-ssl-secret annotations name), and says per Ingress of the ingress-nginx class and per annotation what Waygate does with it (the verdicts the resolver's
 --ingress-nginx mode applies: the same `annotations.plan`), whether the Ingress
 would be served, and the controller ConfigMap's keys that are not honoured.
 
@@ -263,7 +263,7 @@ def read_cluster(kubeconfig: str, context: str) -> list[JSON]:
             for item in items:
                 item.setdefault("kind", kind)
             out.extend(items)
-        # Only the Secrets an auth-(tls-)secret names (never every Secret of the cluster).
+        # Only the Secrets an annotation names (never every Secret of the cluster).
         for namespace, name in sorted(_auth_secrets(out)):
             try:
                 secret = api.get(f"/api/v1/namespaces/{namespace}/secrets/{name}")
