@@ -105,7 +105,8 @@ async def _open(self: Any, reservation: Reservation) -> None:
     while True:
         attempts += 1
         upstream_tls = ctx.upstream_tls
-        reencrypt = upstream_tls is not None and upstream_tls.applies(entry.route)
+        # (decided per request: AUTO_HTTP's plain clients have no scope)
+        reencrypt = upstream_tls is not None and forward.upstream_scope is not None
         head_sent = False
         try:
             # A socket, or a tunnel endpoint's data connection (upstream.Attachable).
@@ -152,8 +153,8 @@ async def _open(self: Any, reservation: Reservation) -> None:
             return
         break
     self.connect_task = None
-    if entry.upstream_scope is not None:
-        upstream.pool_key = (target, entry.upstream_scope)  # see routing.upstream_scope
+    if forward.upstream_scope is not None:
+        upstream.pool_key = (target, forward.upstream_scope)  # see routing.upstream_scope
     ctx.view.health.succeeded(target)
     ctx.metrics.upstream_opened += 1
     if head_sent:

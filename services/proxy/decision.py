@@ -165,6 +165,7 @@ class Forward:
         "target",
         "traceparent",
         "upstream_head",
+        "upstream_scope",
     )
 
     # Whether the endpoint's in-flight count was taken (release_pick gives it back).
@@ -180,6 +181,11 @@ class Forward:
     response_modifier: HeaderModifier | filters.SetFields | None
     authority: bytes | None  # a rewritten host (None: the request's)
     upstream_head: bytes
+    # What the upstream connection must be beyond its endpoint (`routing.upstream_scope`:
+    # None plain, else the TLS it opens): the route entry's, but plain for a plain
+    # client's request on a route whose scheme follows the client's (AUTO_HTTP). The
+    # drivers open, pool and reuse connections by it.
+    upstream_scope: Any
     span: Any
     # The traceparent the tunnel's dial continues (None: not sampled here).
     traceparent: str | None
@@ -579,6 +585,17 @@ def _next_upstream(forward: Forward, req: RequestHead, facts: ConnectionFacts) -
     return None
 
 
+def _scheme_from_client(
+    forward: Forward, req: RequestHead, facts: ConnectionFacts
+) -> Answer | None:
+    """ingress-nginx backend-protocol AUTO_HTTP (nginx's `$scheme://`): the backend is
+    reached over TLS only when the client came over TLS; a plain client's request
+    goes in plain HTTP (a connection of its own in the pool: `upstream_scope`)."""
+    if not facts.secure:
+        forward.upstream_scope = None
+    return None
+
+
 def _limit_rate(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
     """ingress-nginx limit-rate/-after: the response is paced (`waygate.proxy.throttle`)."""
     route = forward.entry.route
@@ -610,6 +627,11 @@ GATES: tuple[Rule, ...] = (
     Rule("canary", canary.prepare, _canary),
 )
 SHAPERS: tuple[Rule, ...] = (
+    Rule(
+        "scheme_from_client",
+        lambda entry: entry.route.upstream_scheme_from_client,
+        _scheme_from_client,
+    ),
     Rule("request_filters", _has_filters, None, _request_filters_bound),
     Rule(
         "capture_rewrite",
@@ -779,6 +801,7 @@ def decide(
     elif view.trace_ratio and random.random() < view.trace_ratio:
         forward.span, traceparent = records.start_span(req, entry.options.name, http_version)
         forward.traceparent = traceparent.decode("ascii")
+    forward.upstream_scope = entry.upstream_scope
     if rules:
         for run in rules[1]:  # type: ignore[index]
             run(forward, req, facts)

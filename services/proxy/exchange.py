@@ -365,9 +365,9 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
         req = self.req
         # A request that must never be re-sent only takes a recently used
         # connection (see Pool.take); idempotent ones may be retried instead.
-        entry = self.entry
-        if entry is not None and entry.upstream_scope is not None:
-            key: Any = (target, entry.upstream_scope)  # see routing.upstream_scope
+        scope = forward.upstream_scope if forward is not None else None
+        if scope is not None:
+            key: Any = (target, scope)  # see routing.upstream_scope
         else:
             key = target
         if req is not None and req.method in _IDEMPOTENT:

@@ -667,10 +667,13 @@ def unavailable_reason(entry: RouteEntry) -> str:
 def upstream_scope(route: Route) -> tuple[Any, ...] | None:
     """What an upstream connection for `route` promises beyond its endpoint: None for
     a plain one; for reencrypt, the destination CA (or the system's), the server
-    name and SANs it was verified against and whether the proxy's client
-    certificate went with it. Idle upstream connections are pooled per (endpoint,
-    scope), so a plain route never takes a TLS connection and a reencrypt route only
-    one verified and presented as it asks."""
+    name and SANs it was verified against and which client certificate went with it
+    (the proxy's, or the route's own: ingress-nginx proxy-ssl-secret). Idle upstream
+    connections are pooled per (endpoint, scope), so a plain route never takes a TLS
+    connection and a reencrypt route only one verified and presented as it asks. A
+    route whose scheme follows the client's (`upstream_scheme_from_client`) has this
+    TLS scope; `decision.decide` gives a plain client's request None instead
+    (`Forward.upstream_scope`)."""
     tls = route.tls
     if tls is None or tls.termination != TLSTermination.REENCRYPT:
         return None
@@ -681,6 +684,7 @@ def upstream_scope(route: Route) -> tuple[Any, ...] | None:
         tls.destination_system_ca,
         tls.destination_san_hostnames,
         tls.destination_san_uris,
+        tls.backend_client_certificate,
     )
 
 

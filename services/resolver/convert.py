@@ -347,6 +347,7 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
     message.access_log_disabled = route.access_log_disabled
     message.limit_rate = route.limit_rate
     message.limit_rate_after = route.limit_rate_after
+    message.upstream_scheme_from_client = route.upstream_scheme_from_client
     if route.next_upstream_timeout:
         message.next_upstream_timeout.FromNanoseconds(round(route.next_upstream_timeout * 1e9))
     if (url_mirror := route.url_mirror) is not None:
@@ -378,6 +379,8 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
                 destination_system_ca=route.tls.destination_system_ca,
                 destination_san_hostnames=route.tls.destination_san_hostnames,
                 destination_san_uris=route.tls.destination_san_uris,
+                backend_client_certificate=route.tls.backend_client_certificate,
+                backend_client_key=route.tls.backend_client_key if with_key else "",
             )
         )
     return message
@@ -413,6 +416,8 @@ def route_from_proto(message: pb.Route) -> model.Route:
             destination_system_ca=message.tls.destination_system_ca,
             destination_san_hostnames=tuple(message.tls.destination_san_hostnames),
             destination_san_uris=tuple(message.tls.destination_san_uris),
+            backend_client_certificate=message.tls.backend_client_certificate,
+            backend_client_key=message.tls.backend_client_key,
         )
     elif message.HasField("tls") and (
         message.tls.certificate
@@ -421,6 +426,8 @@ def route_from_proto(message: pb.Route) -> model.Route:
         or message.tls.client_ca_certificate
         or message.tls.destination_server_name
         or message.tls.present_client_certificate
+        or message.tls.backend_client_certificate
+        or message.tls.backend_client_key
         or message.tls.HasField("hsts")
     ):
         raise InvalidArgument(
@@ -511,6 +518,7 @@ def route_from_proto(message: pb.Route) -> model.Route:
         canary=_canary_from_proto(message.canary) if message.HasField("canary") else None,
         limit_rate=message.limit_rate,
         limit_rate_after=message.limit_rate_after,
+        upstream_scheme_from_client=message.upstream_scheme_from_client,
         next_upstream_timeout=seconds(message.next_upstream_timeout)
         if message.HasField("next_upstream_timeout")
         else 0.0,

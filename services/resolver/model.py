@@ -202,6 +202,11 @@ class RouteTLS:
     destination_system_ca: bool = False
     destination_san_hostnames: tuple[str, ...] = ()
     destination_san_uris: tuple[str, ...] = ()
+    # ingress-nginx proxy-ssl-secret (reencrypt): the client certificate (PEM chain)
+    # presented to the backend instead of the proxy's own, and its key (a secret,
+    # withheld as `key` is).
+    backend_client_certificate: str = ""
+    backend_client_key: str = ""
 
 
 @dataclass(frozen=True)
@@ -661,6 +666,9 @@ class Route:
     url_mirror: UrlMirror | None = None
     # proxy-next-upstream-timeout in seconds (0: no bound on the tries' time).
     next_upstream_timeout: float = 0.0
+    # ingress-nginx backend-protocol AUTO_HTTP: TLS to the backend (as `tls`
+    # reencrypts) only for requests whose client came over TLS, plain otherwise.
+    upstream_scheme_from_client: bool = False
 
     @property
     def key(self) -> RouteKey:

@@ -253,6 +253,7 @@ DERIVED: Final[Mapping[str, Mapping[str, str]]] = {
         "limit_rate_after": "ingress-nginx limit-rate-after",
         "url_mirror": "ingress-nginx mirror-target, -host and -request-body",
         "next_upstream_timeout": "ingress-nginx proxy-next-upstream-timeout",
+        "upstream_scheme_from_client": "ingress-nginx backend-protocol AUTO_HTTP",
     },
     "RouteBackend": {
         "namespace": "Gateway API backendRefs across namespaces (ReferenceGrant)",
@@ -270,6 +271,8 @@ DERIVED: Final[Mapping[str, Mapping[str, str]]] = {
         "destination_system_ca": "BackendTLSPolicy wellKnownCACertificates",
         "destination_san_hostnames": "BackendTLSPolicy subjectAltNames",
         "destination_san_uris": "BackendTLSPolicy subjectAltNames",
+        "backend_client_certificate": "ingress-nginx proxy-ssl-secret's tls.crt",
+        "backend_client_key": "ingress-nginx proxy-ssl-secret's tls.key",
     },
 }
 

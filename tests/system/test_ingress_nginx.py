@@ -952,6 +952,162 @@ async def test_connection_header_and_access_log_off(suite: Conformance) -> None:
     assert not [e for e in proxy.logs if e.get("msg") == "request" and e.get("path") == "/quiet"]
 
 
+def _proxy_ssl_objects(backend_port: int, ca: Any, hosts: list[str]) -> str:
+    """framework.CreateIngressMASecret's Secret `proxyssl` (tls.crt, tls.key of a
+    certificate for the hosts, ca.crt of its CA), `proxyssl-ca` with ca.crt alone, and
+    a Service `nginx-dual-backend` with its EndpointSlice at `backend_port`."""
+    import base64
+
+    cert, key = ca.issue(dns=hosts)
+    secrets = [
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": name, "namespace": INFRA},
+            "data": {k: base64.b64encode(v).decode() for k, v in data.items()},
+        }
+        for name, data in (
+            ("proxyssl", {"tls.crt": cert, "tls.key": key, "ca.crt": ca.pem}),
+            ("proxyssl-ca", {"ca.crt": ca.pem}),
+        )
+    ]
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "nginx-dual-backend", "namespace": INFRA},
+        "spec": {"ports": [{"name": "https", "port": 443, "targetPort": backend_port}]},
+    }
+    endpoints = {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": "nginx-dual-backend-local",
+            "namespace": INFRA,
+            "labels": {"kubernetes.io/service-name": "nginx-dual-backend"},
+        },
+        "addressType": "IPv4",
+        "ports": [{"name": "https", "port": backend_port}],
+        "endpoints": [{"addresses": ["127.0.0.1"]}],
+    }
+    return yaml.safe_dump_all([*secrets, service, endpoints])
+
+
+def _with_tls(item: dict[str, Any], host: str, service: str = "") -> dict[str, Any]:
+    """framework.NewSingleIngressWithTLS: the host's TLS from the Secret `proxyssl`."""
+    item["spec"]["tls"] = [{"hosts": [host], "secretName": "proxyssl"}]
+    if service:
+        item["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"] = {
+            "name": service,
+            "port": {"number": 443},
+        }
+    return item
+
+
+async def test_proxyssl_secret_and_backend_protocol_auto_http(suite: Conformance) -> None:
+    # proxyssl.go: It("should set valid proxy-ssl-secret") and It("should set valid
+    # proxy-ssl-secret, proxy-ssl-verify to on, proxy-ssl-verify-depth to 2, and
+    # proxy-ssl-server-name to on"): the Secret of CreateIngressMASecret is the host's
+    # certificate and proxy-ssl-secret; the echo backend speaks HTTP, so the Ingress
+    # is served as it is: plain HTTP -> 308, HTTPS -> 200. (assertProxySSL's nginx.conf
+    # lines have no counterpart here; what they mean is asserted on the wire, and with
+    # a real client certificate in tests/integration/proxy/test_backend_client_tls.py.)
+    # backendprotocol.go: It("should set backend protocol to $scheme:// and use
+    # proxy_pass"): AUTO_HTTP reaches one Service port over TLS from an HTTPS client
+    # and in plain HTTP from a plain one (the backend says which scheme arrived),
+    # verified against a ca.crt-only proxy-ssl-secret.
+    # This suite's proxy is not a route reader (no mTLS to the resolver): the key of
+    # proxy-ssl-secret never reaches it, and an HTTPS backend that would get the
+    # client certificate is a 502 that says so, never a handshake without it.
+    from tests.support.dualscheme import DualBackend
+    from tests.support.pki import LocalCA
+    from waygate.core.tls import server_context
+
+    ca = LocalCA(name="proxyssl.foo.com CA")
+    backend_cert, backend_key = ca.issue(dns=["backend.internal"])
+    context = server_context(
+        chain_pem=backend_cert, key_pem=backend_key, client_ca_pem=ca.pem, client_auth="optional"
+    )
+    plain_host, verify_host = "proxyssl.foo.com", "proxyssl-verify.foo.com"
+    https_host, auto_host, broken_host = "https.foo.com", "auto.foo.com", "broken.foo.com"
+    secret = f"{INFRA}/proxyssl"
+    name = {P + "proxy-ssl-verify": "on", P + "proxy-ssl-name": "backend.internal"}
+    with DualBackend(context) as backend:
+        ingresses = [
+            _with_tls(
+                single_ingress("proxyssl", "/", plain_host, {P + "proxy-ssl-secret": secret}),
+                plain_host,
+            ),
+            _with_tls(
+                single_ingress(
+                    "proxyssl-verify",
+                    "/",
+                    verify_host,
+                    {
+                        P + "proxy-ssl-secret": secret,
+                        P + "proxy-ssl-verify": "on",
+                        P + "proxy-ssl-verify-depth": "2",
+                        P + "proxy-ssl-server-name": "on",
+                    },
+                ),
+                verify_host,
+            ),
+            _with_tls(
+                single_ingress(
+                    "proxyssl-https",
+                    "/",
+                    https_host,
+                    {P + "backend-protocol": "HTTPS", P + "proxy-ssl-secret": secret, **name},
+                ),
+                https_host,
+                "nginx-dual-backend",
+            ),
+            _with_tls(
+                single_ingress(
+                    "auto-http",
+                    "/",
+                    auto_host,
+                    {
+                        P + "backend-protocol": "AUTO_HTTP",
+                        P + "proxy-ssl-secret": f"{INFRA}/proxyssl-ca",
+                        P + "ssl-redirect": "false",
+                        **name,
+                    },
+                ),
+                auto_host,
+                "nginx-dual-backend",
+            ),
+            single_ingress(
+                "proxyssl-missing",
+                "/",
+                broken_host,
+                {P + "backend-protocol": "HTTPS", P + "proxy-ssl-secret": f"{INFRA}/missing"},
+            ),
+        ]
+        objects = _proxy_ssl_objects(backend.port, ca, [plain_host, verify_host, https_host])
+        await suite.apply(extra=yaml.safe_dump_all([CONTROLLER, *ingresses]) + "---\n" + objects)
+        for host in (plain_host, verify_host):
+            await suite.eventually("/", host=host, status=308)
+            response = await suite.request("/", host=host, tls=True)
+            assert (response.status, response.backend) == (200, V1), response
+        response = await suite.eventually("/", host=auto_host, tls=True)
+        assert response.echo == {"scheme": "https", "client": ""}, response.echo
+        response = await suite.eventually("/", host=auto_host)
+        assert response.echo == {"scheme": "http", "client": ""}, response.echo
+        assert sorted(backend.connections) == ["http", "https"]
+        response = await suite.request("/", host=https_host, tls=True)
+        assert response.status == 502, response
+        assert "withheld" in (response.header("X-Waygate-Error") or ""), response
+        # A proxy-ssl-secret that cannot be read: that Ingress alone is not served
+        # (ingress-nginx denies its location: 503); the others above still are.
+        assert (await suite.request("/", host=broken_host)).status == 404
+    assert suite.resolver is not None
+    code, out, err = await run_cli("routes", "--addr", suite.resolver.grpc_address, "-o", "json")
+    assert code == 0, err
+    assert f"proxy-ssl-secret: Secret {INFRA}/missing not found" in json.dumps(json.loads(out))
+    # Not a route reader, `waygate routes` gets no key either.
+    assert "PRIVATE KEY" not in out
+
+
 def echo_pods(pods: list[RecordingUpstream]) -> str:
     """framework.NewEchoDeployment(WithDeploymentReplicas(len(pods))): a Service
     `echo` whose endpoints are these RecordingUpstreams (each on its own loopback

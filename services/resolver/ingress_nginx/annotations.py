@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 from waygate.core import regex as linear_regex
 from waygate.resolver.gateway import spec as specs
 from waygate.resolver.ingress_nginx import access as nginx_access
-from waygate.resolver.ingress_nginx import catalogue
+from waygate.resolver.ingress_nginx import catalogue, proxyssl
 from waygate.resolver.ingress_nginx.catalogue import CATALOGUE, SNIPPETS, Verdict
 from waygate.resolver.ingress_nginx.config import (
     GLOBAL_AUTH,
@@ -155,6 +155,10 @@ class Plan:
     upstream_protocol: str = ""
     request_buffering: bool = True
     backend_tls: bool = False
+    # backend-protocol AUTO_HTTP: TLS to the backend only for clients that came over TLS.
+    scheme_from_client: bool = False
+    # proxy-ssl-secret's client certificate and CAs for the backend's TLS (None: none).
+    backend_secret: proxyssl.BackendTLS | None = None
     ssl_passthrough: bool = False
     forwarded: ForwardedHeadersMode = ForwardedHeadersMode.REPLACE
     backend_server_name: str = ""
@@ -356,6 +360,7 @@ def plan(
         valid[short] = value.strip() if entry.grammar is not catalogue.any_text else value
     _response_defaults(result, config, where)
     _apply(result, valid, settings, config, config_maps, timeouts)
+    _proxy_ssl_secret(result, valid, secrets, settings.prefix)
     recorded = {f.annotation for f in result.findings}
     result.access, findings, refusal = nginx_access.plan_access(
         result.namespace, valid, recorded, config, secrets, settings.prefix
@@ -422,6 +427,8 @@ def _apply(
             continue
         if short in nginx_access.ANNOTATIONS:
             continue  # decided by nginx_access.plan_access, after the others
+        if short == "proxy-ssl-secret":
+            continue  # decided by _proxy_ssl_secret, once backend-protocol is known
         handler = _HANDLERS.get(short)
         if handler is None:
             found(short)
@@ -1052,18 +1059,90 @@ def _protocol(
     elif protocol == "GRPC":
         p.upstream_protocol = "grpc"
         found("backend-protocol", Verdict.HONOURED, "")
-    elif protocol in ("HTTPS", "GRPCS"):
+    elif protocol in ("HTTPS", "GRPCS", "AUTO_HTTP"):
         p.backend_tls = True
         p.upstream_protocol = "grpc" if protocol == "GRPCS" else ""
+        p.scheme_from_client = protocol == "AUTO_HTTP"
         p.backend_server_name = values.get("proxy-ssl-name", "")
-        found(
-            "backend-protocol",
-            Verdict.DIFFERENT,
-            "the backend's certificate is verified "
-            "against the system CAs (nginx's default does not verify)",
-        )
+        found("backend-protocol", *_verification(protocol, values, ""))
     else:
         found("backend-protocol", Verdict.NOT_HONOURED, f"{protocol} backends are not honoured")
+
+
+_AUTO_HTTP = (
+    "per request: HTTPS to the backend when the client came over HTTPS, plain HTTP "
+    "otherwise (nginx's $scheme://); "
+)
+
+
+def _verification(protocol: str, values: Mapping[str, str], ca_from: str) -> tuple[Verdict, str]:
+    """backend-protocol HTTPS, GRPCS or AUTO_HTTP's verdict: how the backend's
+    certificate is verified (`ca_from`: the Secret whose ca.crt it chains to; "": the
+    system CAs), against nginx's proxy_ssl_verify (off unless proxy-ssl-verify on,
+    which ingress-nginx reads only with proxy-ssl-secret)."""
+    scheme = _AUTO_HTTP if protocol == "AUTO_HTTP" else ""
+    if not ca_from:
+        return Verdict.DIFFERENT, (
+            scheme + "the backend's certificate is verified against the system CAs "
+            "(nginx's default does not verify)"
+        )
+    against = f"the backend's certificate is verified against Secret {ca_from}'s ca.crt"
+    if values.get("proxy-ssl-verify") != "on":
+        return Verdict.DIFFERENT, f"{scheme}{against} though proxy-ssl-verify is off"
+    if not values.get("proxy-ssl-name"):
+        return Verdict.DIFFERENT, (
+            f"{scheme}{against} for SERVICE.NAMESPACE.svc (without proxy-ssl-name nginx "
+            "verifies the name upstream_balancer)"
+        )
+    return Verdict.HONOURED, scheme + against
+
+
+def _proxy_ssl_secret(
+    p: Plan, values: Mapping[str, str], secrets: Callable[[str, str], JSON | None], prefix: str
+) -> None:
+    """proxy-ssl-secret, read once backend-protocol is known (`proxyssl.read_secret`).
+    A Secret that cannot be used refuses the Ingress: ingress-nginx denies the
+    location (its 503) rather than reach the backend without the certificate."""
+    value = values.get("proxy-ssl-secret")
+    if value is None:
+        return
+    short = "proxy-ssl-secret"
+    problem, material = proxyssl.read_secret(p.namespace, value, secrets)
+    if material is None:
+        p.note(Finding(short, value, Verdict.NOT_HONOURED, problem, refuses=True))
+        p.refuse(
+            INVALID,
+            f"annotation {prefix}/{short}: {problem} (ingress-nginx denies the location: 503)",
+        )
+        return
+    if not p.backend_tls:
+        p.note(Finding(short, value, Verdict.NOOP, "without an HTTPS backend it does nothing"))
+        return
+    p.backend_secret = material
+    if material.certificate and not material.ca:
+        p.note(
+            Finding(
+                short,
+                value,
+                Verdict.DIFFERENT,
+                "its tls.crt is presented to the backend though the Secret has no ca.crt "
+                "(ingress-nginx then presents none)",
+            )
+        )
+    elif material.certificate:
+        note = "its tls.crt is presented to the backend, its ca.crt verifies the backend"
+        p.note(Finding(short, value, Verdict.HONOURED, note))
+    else:
+        note = "ca.crt alone: the backend is verified against it, no client certificate sent"
+        p.note(Finding(short, value, Verdict.HONOURED, note))
+    if material.ca:
+        verdict, note = _verification(values.get("backend-protocol", "").upper(), values, value)
+        p.findings = [
+            dataclasses.replace(f, verdict=verdict, note=note)
+            if f.annotation == "backend-protocol"
+            else f
+            for f in p.findings
+        ]
 
 
 @_handles("proxy-connect-timeout", "proxy-read-timeout", "proxy-send-timeout")
@@ -1103,14 +1182,23 @@ def _http_version(
         found("proxy-http-version", Verdict.NOT_HONOURED, "HTTP/1.0 to the backend")
 
 
-@_handles("proxy-ssl-name")
+_TLS_BACKENDS = ("HTTPS", "GRPCS", "AUTO_HTTP")
+
+
+@_handles("proxy-ssl-name", "proxy-ssl-verify", "proxy-ssl-server-name")
 def _ssl_name(
     p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
 ) -> None:
-    if values.get("backend-protocol", "").upper() in ("HTTPS", "GRPCS"):
-        found("proxy-ssl-name")
+    if values.get("backend-protocol", "").upper() not in _TLS_BACKENDS:
+        found(short, Verdict.NOOP, "without an HTTPS backend it does nothing")
+    elif value == "on":  # proxy-ssl-verify, proxy-ssl-server-name: what the proxy does
+        found(
+            short,
+            Verdict.HONOURED,
+            "the backend's certificate is verified" if short == "proxy-ssl-verify" else "",
+        )
     else:
-        found("proxy-ssl-name", Verdict.NOOP, "without an HTTPS backend it does nothing")
+        found(short)
 
 
 @_handles("enable-access-log")
@@ -1862,7 +1950,7 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
         if tls is not None and p.hsts is not None:
             tls = dataclasses.replace(tls, hsts=p.hsts)
         if p.backend_tls:
-            tls = _backend_tls(tls, p.backend_server_name)
+            tls = _backend_tls(tls, p)
         backends = route.backends
         if p.service_upstream:
             # The Ingress's own backends (spec.defaultBackend's too); a default-backend
@@ -1905,6 +1993,7 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             port_in_redirects=p.port_in_redirects,
             connection_header=p.connection_header,
             access_log_disabled=p.access_log_disabled,
+            upstream_scheme_from_client=p.scheme_from_client,
         )
         if p.ssl_passthrough and route.listener_port == 443:
             continue  # the host's TLS is passed through, never terminated here
@@ -2047,11 +2136,17 @@ def _modifier(
     return HeaderModifier(set=tuple(set_), add=tuple(add), remove=tuple(remove))
 
 
-def _backend_tls(tls: RouteTLS | None, server_name: str) -> RouteTLS:
+def _backend_tls(tls: RouteTLS | None, p: Plan) -> RouteTLS:
+    """The reencrypt TLS of an HTTPS backend: proxy-ssl-name, and proxy-ssl-secret's
+    client certificate and CAs (else the system CAs)."""
+    secret = p.backend_secret or proxyssl.BackendTLS("")
     fields: dict[str, Any] = {
         "termination": TLSTermination.REENCRYPT,
-        "destination_server_name": server_name,
-        "destination_system_ca": True,
+        "destination_server_name": p.backend_server_name,
+        "destination_system_ca": not secret.ca,
+        "destination_ca_certificate": secret.ca,
+        "backend_client_certificate": secret.certificate,
+        "backend_client_key": secret.key,
     }
     if tls is None:
         return RouteTLS(insecure_edge_termination_policy=InsecureEdgePolicy.ALLOW, **fields)

@@ -609,9 +609,10 @@ ENTRIES: tuple[Entry, ...] = (
         "backend-protocol",
         one_of("HTTP", "HTTPS", "GRPC", "GRPCS", "AUTO_HTTP", "AJP", "FCGI", case=False),
         D,
-        "HTTP, GRPC (h2c) exactly; HTTPS and GRPCS verify the "
-        "backend's certificate against the system CAs (nginx does not verify by default); "
-        "AUTO_HTTP, AJP and FCGI are not honoured",
+        "HTTP, GRPC (h2c) exactly; HTTPS, GRPCS and AUTO_HTTP (per request: HTTPS when "
+        "the client came over HTTPS, plain HTTP otherwise) verify the backend's "
+        "certificate against proxy-ssl-secret's ca.crt, else the system CAs (nginx "
+        "verifies only with proxy-ssl-verify on); AJP and FCGI are not honoured",
     ),
     _e(
         "service-upstream",
@@ -690,9 +691,10 @@ ENTRIES: tuple[Entry, ...] = (
     _e(
         "proxy-ssl-secret",
         name,
-        X,
-        "a client certificate of the Ingress's own to the backend",
-        lacks=True,
+        H,
+        "tls.crt and tls.key: the client certificate presented to the HTTPS backend; "
+        "ca.crt: the CAs its certificate is verified against; a Secret that cannot be "
+        "used makes the Ingress not served (ingress-nginx denies the location: 503)",
     ),
     _e(
         "proxy-ssl-verify",
@@ -703,7 +705,7 @@ ENTRIES: tuple[Entry, ...] = (
     ),
     _e("proxy-ssl-verify-depth", integer, N, "chain depth: the proxy verifies the whole chain"),
     _e("proxy-ssl-name", hosts, H, "the name verified and sent as SNI"),
-    _e("proxy-ssl-server-name", one_of("on", "off"), D, "SNI is always sent"),
+    _e("proxy-ssl-server-name", one_of("on", "off"), D, "SNI is always sent (`off` too)"),
     _e(
         "proxy-ssl-ciphers",
         _matching(re.compile(r"[A-Za-z0-9:_+!-]{1,2048}"), "an OpenSSL cipher list"),

@@ -65,6 +65,9 @@ def test_the_json_report_over_the_examples():
         assert verdicts[annotation] == "honoured-with-difference", (name, verdicts)
     # Client certificates, the partners' CA certificate in a Secret beside it: exactly.
     assert by_name["mtls-partners"]["served"] is True and by_name["mtls-partners"]["exact"] is True
+    # An HTTPS backend verified against proxy-ssl-secret's ca.crt (a Secret beside it),
+    # proxy-ssl-verify on, proxy-ssl-name: exactly.
+    assert by_name["https-backend"]["exact"] is True
     # limit-rps, -burst-multiplier, -connections: honoured per replica, served exactly.
     assert by_name["rate-limited"]["served"] is True and by_name["rate-limited"]["exact"] is True
     # service-upstream (Linkerd's set-up): the Service's cluster IP, exactly.
@@ -189,6 +192,7 @@ current-context: prod
     assert by_name["mtls-partners"]["served"] is True and by_name["mtls-partners"]["exact"] is True
     assert by_name["oauth2-dashboard"]["served"] is True  # (an https:// auth-url)
     assert by_name["digest-auth"]["served"] is True  # its Secret read too
+    assert by_name["https-backend"]["exact"] is True  # its proxy-ssl-secret read too
     assert by_name["web-main"]["exact"] is True
     keys = {k["key"] for k in report["configMap"]["keys"]}
     assert "allow-snippet-annotations" in keys
