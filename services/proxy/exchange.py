@@ -74,7 +74,7 @@ from typing import Any, Protocol
 from opentelemetry.trace import Status, StatusCode
 
 from waygate.core import flow
-from waygate.proxy import errorpages, filters, http1, mirror, nextupstream, throttle
+from waygate.proxy import errorpages, filters, http1, http10, mirror, nextupstream, throttle
 from waygate.proxy.authstep import AuthStep
 from waygate.proxy.bodybuffer import BodyBuffer
 from waygate.proxy.connect_h1 import start_connect
@@ -307,7 +307,11 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
         if self.body_received:
             self.body_received = 0
         if req.chunked:
-            self.body_reader = ChunkedReader(chunk_budget=self.ctx.limits.max_small_chunks)
+            # (HTTP/1.0 to the backend: the bare payload, buffered and sent with its
+            # length: waygate.proxy.http10.)
+            self.body_reader = ChunkedReader(
+                chunk_budget=self.ctx.limits.max_small_chunks, rechunk=not forward.http10
+            )
             self.body_limit = forward.body_limit  # proxy-body-size (0: none)
             self.req_complete = False
         elif req.content_length > 0:
@@ -417,9 +421,14 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
                 # The client waits for the upstream's 100 before its body: the
                 # rate is measured from the 100 on (see informational).
                 self.upstream_blocked = True
-        if self.buffer is not None:
+        buffer = self.buffer
+        if buffer is not None:
             # A buffered body: the head, then the body as the upstream takes it.
-            upstream.begin(self, reused, sent_at, self.upstream_head)
+            head = self.upstream_head
+            forward = self.forward
+            if forward is not None and forward.http10 and forward.req.chunked:
+                head = http10.with_length(head, buffer.size)  # a chunked body, whole
+            upstream.begin(self, reused, sent_at, head)
             self.upstream_blocked = False
             self._replay()
         elif self.pending_body:

@@ -332,6 +332,10 @@ class RouteEntry:
         # The Strict-Transport-Security line it adds on HTTPS, built once (b"": none).
         self.hsts = hsts_line(route)
         self.upstream_scope = upstream_scope(route)
+        if route.upstream_http10:
+            # ingress-nginx proxy-http-version 1.0 (waygate.proxy.http10): one request
+            # per connection, never an idle keep-alive connection of another route's.
+            self.upstream_scope = (self.upstream_scope, "http/1.0")
         # Per-route rule state a decision rule prepares once (decision.rules_of).
         self.policies: dict[str, Any] = {}
         self.backends = backends

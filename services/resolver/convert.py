@@ -345,6 +345,8 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
     message.access_log_disabled = route.access_log_disabled
     message.limit_rate = route.limit_rate
     message.limit_rate_after = route.limit_rate_after
+    message.upstream_http10 = route.upstream_http10
+    message.redirect_location = route.redirect_location
     if route.next_upstream_timeout:
         message.next_upstream_timeout.FromNanoseconds(round(route.next_upstream_timeout * 1e9))
     if (url_mirror := route.url_mirror) is not None:
@@ -506,6 +508,8 @@ def route_from_proto(message: pb.Route) -> model.Route:
         canary=_canary_from_proto(message.canary) if message.HasField("canary") else None,
         limit_rate=message.limit_rate,
         limit_rate_after=message.limit_rate_after,
+        upstream_http10=message.upstream_http10,
+        redirect_location=message.redirect_location,
         next_upstream_timeout=seconds(message.next_upstream_timeout)
         if message.HasField("next_upstream_timeout")
         else 0.0,

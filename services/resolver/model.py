@@ -654,6 +654,11 @@ class Route:
     url_mirror: UrlMirror | None = None
     # proxy-next-upstream-timeout in seconds (0: no bound on the tries' time).
     next_upstream_timeout: float = 0.0
+    # proxy-http-version "1.0": HTTP/1.0 to an HTTP/1.1 backend (waygate.proxy.http10).
+    upstream_http10: bool = False
+    # permanent-redirect / temporal-redirect: the Location exactly as written
+    # (nginx's `return CODE URL`; filters.redirect gives the status); "": none.
+    redirect_location: str = ""
 
     @property
     def key(self) -> RouteKey:

@@ -252,6 +252,8 @@ DERIVED: Final[Mapping[str, Mapping[str, str]]] = {
         "limit_rate_after": "ingress-nginx limit-rate-after",
         "url_mirror": "ingress-nginx mirror-target, -host and -request-body",
         "next_upstream_timeout": "ingress-nginx proxy-next-upstream-timeout",
+        "upstream_http10": 'ingress-nginx proxy-http-version "1.0"',
+        "redirect_location": "ingress-nginx permanent-redirect / temporal-redirect targets",
     },
     "RouteBackend": {
         "namespace": "Gateway API backendRefs across namespaces (ReferenceGrant)",

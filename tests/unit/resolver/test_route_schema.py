@@ -414,6 +414,8 @@ DERIVED_SAMPLES: dict[str, dict[str, Any]] = {
         "limit_rate_after": 1024,
         "url_mirror": model.UrlMirror("https://m.example$request_uri", "m", False),
         "next_upstream_timeout": 2.5,
+        "upstream_http10": True,
+        "redirect_location": "https://x.example.com/a?b=c",
     },
     "RouteBackend": {"namespace": "other", "port": "http", "invalid": "not granted"},
     "StickySessions": {
