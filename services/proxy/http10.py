@@ -11,7 +11,8 @@ backend):
   whole first, whatever proxy-request-buffering says (nginx buffers a chunked body
   for HTTP/1.0 even with `proxy_request_buffering off`), and sent with its
   Content-Length (`with_length`; the Exchange's chunked reader hands the request
-  buffer the bare payload). A body past the buffers' bound is answered 413 with the
+  buffer the bare payload). A body whose client expects 100-continue is buffered
+  too: the proxy sends the 100 itself, as nginx does; an HTTP/1.0 backend never would. A body past the buffers' bound is answered 413 with the
   reason (`bodybuffer`), as nginx answers 413 past client_max_body_size;
 - the connection carries that one exchange and is closed after it
   (`upstream_h1.SingleUseConnection`), and such connections have a pool scope of
@@ -65,7 +66,9 @@ def shape(forward: Any, req: RequestHead, facts: Any) -> None:
     if forward.http2:
         return
     forward.http10 = True
-    if req.chunked:
+    if req.chunked or req.expect_continue:
+        # (100-continue: the proxy invites the body itself, as nginx; an HTTP/1.0
+        # backend sends no 100, RFC 9110 section 10.1.1.)
         forward.buffer_body = True
 
 

@@ -402,3 +402,25 @@ async def test_code_300_answers_the_target_as_the_body(client):
         assert answer.headers["content-type"] == "text/html"
         answer = await ask(client, port, "/x", method="HEAD")
         assert (answer.status, answer.body) == (300, b"")
+
+
+async def test_expect_100_continue_is_answered_by_the_proxy():
+    # An HTTP/1.0 backend sends no 100 (RFC 9110 section 10.1.1): the proxy invites the
+    # body itself, as nginx does, with request buffering off too.
+    route = _route(upstream_http10=True, request_buffering=False)
+    async with RawBackend("http10") as backend, _proxy([route], backend.port) as (_, port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(
+                b"PUT /up HTTP/1.1\r\nHost: %s\r\nContent-Length: 5\r\n"
+                b"Expect: 100-continue\r\n\r\n" % HOST.encode()
+            )
+            interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            assert interim.startswith(b"HTTP/1.1 100")
+            writer.write(b"hello")
+            data = await asyncio.wait_for(reader.read(-1), 10)
+        finally:
+            writer.close()
+        assert data.startswith(b"HTTP/1.1 200") and data.endswith(b"old server")
+        line, _, sent = _request_head(backend.connections[0])
+        assert line == b"PUT /up HTTP/1.0" and sent == b"hello"

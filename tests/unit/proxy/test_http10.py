@@ -1,0 +1,31 @@
+"""waygate.proxy.http10's head rules (the request core's side is tested on real sockets in
+tests/integration/proxy/test_ingress_http10_redirects.py)."""
+
+from __future__ import annotations
+
+from waygate.proxy import http10
+
+
+def test_request_head_says_http_1_0_and_close():
+    head = b"GET /a?b HTTP/1.1\r\nHost: x\r\nX-Forwarded-For: 1.2.3.4\r\n\r\n"
+    assert http10.request_head(head, False) == (
+        b"GET /a?b HTTP/1.0\r\nHost: x\r\nX-Forwarded-For: 1.2.3.4\r\nConnection: close\r\n\r\n"
+    )
+
+
+def test_a_head_without_fields():
+    assert http10.request_head(b"GET / HTTP/1.1\r\n\r\n", False) == (
+        b"GET / HTTP/1.0\r\nConnection: close\r\n\r\n"
+    )
+
+
+def test_the_chunked_coding_goes_and_the_length_comes_with_the_body():
+    head = b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\ntraceparent: t\r\n\r\n"
+    out = http10.request_head(head, True)
+    assert out == b"POST / HTTP/1.0\r\nHost: x\r\ntraceparent: t\r\nConnection: close\r\n\r\n"
+    assert http10.with_length(out, 11).endswith(b"Connection: close\r\nContent-Length: 11\r\n\r\n")
+
+
+def test_a_header_value_naming_the_coding_is_left_alone():
+    head = b"POST / HTTP/1.1\r\nX-Note: Transfer-Encoding: chunked\r\n\r\n"
+    assert b"X-Note: Transfer-Encoding: chunked\r\n" in http10.request_head(head, False)
