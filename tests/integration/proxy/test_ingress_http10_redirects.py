@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from tests.integration.proxy.test_ingress_responses import SERVICE  # demo/svc: http, h2c
 from tests.integration.proxy.test_request_core import HOST, ask
 from tests.support.h2client import H2Client
 from tests.support.h2harness import H2Backend
@@ -39,20 +40,10 @@ from waygate.resolver.model import (
     Route,
     RouteBackend,
     RouteFilters,
-    Service,
-    ServicePort,
     StickySessions,
 )
 
 CLIENTS = ["http/1.1", "h2c"]
-SERVICE = Service(
-    namespace="demo",
-    name="svc",
-    ports=(
-        ServicePort("http", 80, "http"),
-        ServicePort("grpc", 81, "h2", app_protocol="kubernetes.io/h2c"),
-    ),
-)
 
 
 def _route(name: str = "old-0", port: str = "http", **kw: Any) -> Route:
