@@ -396,7 +396,9 @@ def _route_redirect(forward: Forward, req: RequestHead, facts: ConnectionFacts) 
 
 def _literal_redirect(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
     """ingress-nginx's permanent-redirect / temporal-redirect, nginx's `return CODE URL`:
-    the target exactly as written (`filters.literal_answer`)."""
+    the target exactly as written, never the request's path or query (a path made
+    absolute as nginx's absolute_redirect); a status that is not a redirect answers
+    the target as its body (`filters.text_response`)."""
     entry = forward.entry
     route = entry.route
     assert route.filters is not None and route.filters.redirect is not None

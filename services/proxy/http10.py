@@ -12,12 +12,13 @@ backend):
   for HTTP/1.0 even with `proxy_request_buffering off`), and sent with its
   Content-Length (`with_length`; the Exchange's chunked reader hands the request
   buffer the bare payload). A body whose client expects 100-continue is buffered
-  too: the proxy sends the 100 itself, as nginx does; an HTTP/1.0 backend never would. A body past the buffers' bound is answered 413 with the
-  reason (`bodybuffer`), as nginx answers 413 past client_max_body_size;
+  too: the proxy sends the 100 itself, as nginx does; an HTTP/1.0 backend never
+  would. A body past the buffers' bound is answered 413 with the reason
+  (`bodybuffer`), as nginx answers 413 past client_max_body_size;
 - the connection carries that one exchange and is closed after it
   (`upstream_h1.SingleUseConnection`), and such connections have a pool scope of
-  their own (`routing.RouteEntry.upstream_scope`), so a 1.0 request never takes an idle
-  keep-alive connection either;
+  their own (`routing.RouteEntry.upstream_scope`), so a 1.0 request never takes an
+  idle keep-alive connection either;
 - the answer is read as the backend sends it: an HTTP/1.0 answer without
   Content-Length runs to the close (`http1.response_framing`);
 - an upgrade (WebSocket) is refused with 502 and the reason (`upgrade_refused`):
