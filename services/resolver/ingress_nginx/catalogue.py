@@ -682,7 +682,8 @@ ENTRIES: tuple[Entry, ...] = (
         H,
         "1.1 (or HTTP/2 where the backend speaks it); 1.0 as nginx: HTTP/1.0 requests with "
         "Connection: close, one per connection, a body of unknown length buffered and sent "
-        "with Content-Length; an upgrade is refused (502: HTTP/1.0 has none)",
+        "with Content-Length; an upgrade is refused (502: HTTP/1.0 has none); a backend "
+        "that speaks HTTP/2 (GRPC, GRPCS, an h2c Service) is unaffected",
     ),
     _e("proxy-cookie-domain", plain, H, _PROXY_COOKIE),
     _e("proxy-cookie-path", plain, H, _PROXY_COOKIE),

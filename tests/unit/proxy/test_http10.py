@@ -3,7 +3,10 @@ tests/integration/proxy/test_ingress_http10_redirects.py)."""
 
 from __future__ import annotations
 
-from waygate.proxy import http10
+from tests.unit.proxy.test_decision import Facts, ep, rt, view
+from waygate.proxy import decision, http10
+from waygate.proxy.decision import Forward, decide
+from waygate.proxy.http1 import parse_request_head
 
 
 def test_request_head_says_http_1_0_and_close():
@@ -29,3 +32,19 @@ def test_the_chunked_coding_goes_and_the_length_comes_with_the_body():
 def test_a_header_value_naming_the_coding_is_left_alone():
     head = b"POST / HTTP/1.1\r\nX-Note: Transfer-Encoding: chunked\r\n\r\n"
     assert b"X-Note: Transfer-Encoding: chunked\r\n" in http10.request_head(head, False)
+
+
+def test_only_a_route_with_it_has_the_rules_and_decide_builds_the_head():
+    entry = next(iter(view([rt(upstream_http10=True)], [ep()]).table.entries()))
+    assert decision.rule_names(entry) == (["http10_upgrade"], ["http10"])
+    assert decision.rule_names(next(iter(view([rt()], [ep()]).table.entries()))) == ([], [])
+    chunked = parse_request_head(
+        b"POST /x HTTP/1.1\r\nHost: a.test\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
+    built = view([rt(upstream_http10=True, request_buffering=False)], [ep()])
+    forward = decide(built, chunked, Facts(), 0.0)  # type: ignore[arg-type]
+    assert isinstance(forward, Forward)
+    assert forward.http10 and forward.buffer_body  # buffered whatever requestBuffering says
+    assert forward.upstream_head.startswith(b"POST /x HTTP/1.0\r\n")
+    assert forward.upstream_head.endswith(b"\r\nConnection: close\r\n\r\n")
+    assert b"chunked" not in forward.upstream_head.lower()
