@@ -307,11 +307,8 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
         if self.body_received:
             self.body_received = 0
         if req.chunked:
-            # (HTTP/1.0 to the backend: the bare payload, buffered and sent with its
-            # length: waygate.proxy.http10.)
-            self.body_reader = ChunkedReader(
-                chunk_budget=self.ctx.limits.max_small_chunks, rechunk=not forward.http10
-            )
+            limit = self.ctx.limits.max_small_chunks  # (http10: the bare payload, sent whole)
+            self.body_reader = ChunkedReader(chunk_budget=limit, rechunk=not forward.http10)
             self.body_limit = forward.body_limit  # proxy-body-size (0: none)
             self.req_complete = False
         elif req.content_length > 0:
@@ -421,13 +418,9 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
                 # The client waits for the upstream's 100 before its body: the
                 # rate is measured from the 100 on (see informational).
                 self.upstream_blocked = True
-        buffer = self.buffer
-        if buffer is not None:
+        if self.buffer is not None:
             # A buffered body: the head, then the body as the upstream takes it.
-            head = self.upstream_head
-            forward = self.forward
-            if forward is not None and forward.http10 and forward.req.chunked:
-                head = http10.with_length(head, buffer.size)  # a chunked body, whole
+            head = http10.buffered_head(self.forward, self.upstream_head, self.buffer)
             upstream.begin(self, reused, sent_at, head)
             self.upstream_blocked = False
             self._replay()

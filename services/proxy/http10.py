@@ -10,7 +10,7 @@ backend):
   from an HTTP/1.1 client, an HTTP/2 request without content-length) is taken in
   whole first, whatever proxy-request-buffering says (nginx buffers a chunked body
   for HTTP/1.0 even with `proxy_request_buffering off`), and sent with its
-  Content-Length (`with_length`; the Exchange's chunked reader hands the request
+  Content-Length (`buffered_head`; the Exchange's chunked reader hands the request
   buffer the bare payload). A body whose client expects 100-continue is buffered
   too: the proxy sends the 100 itself, as nginx does; an HTTP/1.0 backend never
   would. A body past the buffers' bound is answered 413 with the reason
@@ -75,7 +75,7 @@ def shape(forward: Any, req: RequestHead, facts: Any) -> None:
 
 def request_head(head: bytes, chunked: bool) -> bytes:
     """`http1.build_upstream_head`'s HTTP/1.1 head as HTTP/1.0: the version, no chunked
-    coding (its Content-Length comes with the buffered body: `with_length`),
+    coding (its Content-Length comes with the buffered body: `buffered_head`),
     `Connection: close`."""
     end = head.index(b"\r\n")
     line = head[:end]
@@ -87,6 +87,10 @@ def request_head(head: bytes, chunked: bool) -> bytes:
     return line + rest + _CLOSE
 
 
-def with_length(head: bytes, length: int) -> bytes:
-    """The head of a buffered body of unknown length, with the length now known."""
-    return head[:-2] + b"Content-Length: %d\r\n\r\n" % length
+def buffered_head(forward: Any, head: bytes, buffer: Any) -> bytes:
+    """The head of a request whose body was buffered whole (`buffer`, a
+    `bodybuffer.BodyBuffer`): for HTTP/1.0, a chunked one's gets the body's length
+    (the Exchange's chunked reader gave the buffer the bare payload)."""
+    if forward is not None and forward.http10 and forward.req.chunked:
+        return head[:-2] + b"Content-Length: %d\r\n\r\n" % buffer.size
+    return head

@@ -3,6 +3,8 @@ tests/integration/proxy/test_ingress_http10_redirects.py)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from tests.unit.proxy.test_decision import Facts, ep, rt, view
 from waygate.proxy import decision, http10
 from waygate.proxy.decision import Forward, decide
@@ -26,7 +28,10 @@ def test_the_chunked_coding_goes_and_the_length_comes_with_the_body():
     head = b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\ntraceparent: t\r\n\r\n"
     out = http10.request_head(head, True)
     assert out == b"POST / HTTP/1.0\r\nHost: x\r\ntraceparent: t\r\nConnection: close\r\n\r\n"
-    assert http10.with_length(out, 11).endswith(b"Connection: close\r\nContent-Length: 11\r\n\r\n")
+    forward = SimpleNamespace(http10=True, req=SimpleNamespace(chunked=True))
+    with_length = http10.buffered_head(forward, out, SimpleNamespace(size=11))
+    assert with_length.endswith(b"Connection: close\r\nContent-Length: 11\r\n\r\n")
+    assert http10.buffered_head(None, out, SimpleNamespace(size=11)) == out
 
 
 def test_a_header_value_naming_the_coding_is_left_alone():
