@@ -29,7 +29,7 @@ from waygate.proxy.decision import may_redispatch, repick
 from waygate.proxy.pool import Pool
 from waygate.proxy.routing import Target
 from waygate.proxy.upstream import Attachable, ConnectError, start
-from waygate.proxy.upstream_h1 import UpstreamConnection
+from waygate.proxy.upstream_h1 import SingleUseConnection, UpstreamConnection
 
 
 class Reservation:
@@ -124,7 +124,8 @@ async def _open(self: Any, reservation: Reservation) -> None:
                 connection = await ctx.dialer.connect(
                     target, options.connect_timeout, forward.traceparent
                 )
-            factory = functools.partial(UpstreamConnection, ctx, target)
+            kind = SingleUseConnection if entry.route.upstream_http10 else UpstreamConnection
+            factory = functools.partial(kind, ctx, target)
             if reencrypt:
                 assert upstream_tls is not None
                 # Reencrypt: a failed handshake is a 502 that says why.

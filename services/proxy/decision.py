@@ -57,6 +57,7 @@ from waygate.proxy import (
     filters,
     hashkey,
     http1,
+    http10,
     mirror,
     nextupstream,
     ratelimit,
@@ -221,6 +222,8 @@ class Forward:
     # ingress-nginx mirror-target of a request with a buffered body: (target, head),
     # sent with the body once it is all in (waygate.proxy.mirror.send_with_body).
     body_mirror: tuple[Any, bytes] | None = None
+    # ingress-nginx proxy-http-version 1.0 to an HTTP/1.1 backend (waygate.proxy.http10).
+    http10 = False
     target: Target
     backend: Backend
     entry: RouteEntry
@@ -396,6 +399,41 @@ def _route_redirect(forward: Forward, req: RequestHead, facts: ConnectionFacts) 
         entry.options.name,
         refused=False,
     )
+
+
+def _literal_redirect(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
+    """ingress-nginx's permanent-redirect / temporal-redirect, nginx's `return CODE URL`:
+    the target exactly as written, never the request's path or query (a path made
+    absolute as nginx's absolute_redirect); a status that is not a redirect answers
+    the target as its body (`filters.text_response`)."""
+    entry = forward.entry
+    route = entry.route
+    assert route.filters is not None and route.filters.redirect is not None
+    status = route.filters.redirect.status
+    location = route.redirect_location
+    if status not in filters.REDIRECT_STATUSES:
+        # nginx's `return 300 TEXT` (300, 304, 305, 306): the text is the body.
+        response = filters.text_response(status, location.encode("latin-1"), req.method == b"HEAD")
+        return Answer(
+            status, response.decode("latin-1"), ANSWER_RESPONSE, entry.options.name, refused=False
+        )
+    if location.startswith("/"):  # nginx's absolute_redirect: the request's scheme and host
+        origin = responserewrite.origin(req, bool(facts.secure), route.port_in_redirects)
+        location = origin.decode("latin-1") + location
+    return Answer(status, location, ANSWER_ROUTE_REDIRECT, entry.options.name, refused=False)
+
+
+def _route_redirect_bound(entry: RouteEntry) -> Runner:
+    return _literal_redirect if entry.route.redirect_location else _route_redirect
+
+
+def _http10_upgrade(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
+    """proxy-http-version 1.0: HTTP/1.0 has no upgrade (waygate.proxy.http10)."""
+    if req.upgrade:
+        return Answer(
+            502, http10.upgrade_refused(req.upgrade), http10.KIND, forward.entry.options.name
+        )
+    return None
 
 
 def _request_filters(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
@@ -612,7 +650,8 @@ GATES: tuple[Rule, ...] = (
     Rule(
         "route_redirect",
         lambda entry: entry.route.filters is not None and entry.route.filters.redirect is not None,
-        _route_redirect,
+        None,
+        _route_redirect_bound,
     ),
     # The CORS preflight is answered in nginx's rewrite phase (ingress-nginx's cors
     # template returns 204 there), before the limits and the access checks: a browser
@@ -622,11 +661,14 @@ GATES: tuple[Rule, ...] = (
     # After the redirects (nginx's rewrite phase comes before its access phase).
     Rule("access", access.prepare, None, _access_bound),
     Rule("external_auth", lambda entry: entry.route.external_auth is not None, _external_auth),
+    Rule("http10_upgrade", http10.applies, _http10_upgrade),
     Rule("hash_by", _has_hash_by, _hash_by),
     # Last: ingress-nginx's balancer decides the canary after every access check.
     Rule("canary", canary.prepare, _canary),
 )
 SHAPERS: tuple[Rule, ...] = (
+    # First: it decides whether the body is buffered (url_mirror reads that).
+    Rule("http10", http10.applies, http10.shape),
     Rule(
         "scheme_from_client",
         lambda entry: entry.route.upstream_scheme_from_client,
@@ -827,6 +869,8 @@ def decide(
             if mirror is not None:
                 mirrors.append((mirror, head))
         forward.mirrors = mirrors
+    if rules and forward.http10:
+        head = http10.request_head(head, upstream_req.chunked)
     if rules and forward.identity:
         # Set from the verified certificate; the client's own copies were stripped.
         head = head[:-2] + forward.identity + b"\r\n"

@@ -348,6 +348,8 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
     message.limit_rate = route.limit_rate
     message.limit_rate_after = route.limit_rate_after
     message.upstream_scheme_from_client = route.upstream_scheme_from_client
+    message.upstream_http10 = route.upstream_http10
+    message.redirect_location = route.redirect_location
     if route.next_upstream_timeout:
         message.next_upstream_timeout.FromNanoseconds(round(route.next_upstream_timeout * 1e9))
     if (url_mirror := route.url_mirror) is not None:
@@ -519,6 +521,8 @@ def route_from_proto(message: pb.Route) -> model.Route:
         limit_rate=message.limit_rate,
         limit_rate_after=message.limit_rate_after,
         upstream_scheme_from_client=message.upstream_scheme_from_client,
+        upstream_http10=message.upstream_http10,
+        redirect_location=message.redirect_location,
         next_upstream_timeout=seconds(message.next_upstream_timeout)
         if message.HasField("next_upstream_timeout")
         else 0.0,

@@ -669,6 +669,11 @@ class Route:
     # ingress-nginx backend-protocol AUTO_HTTP: TLS to the backend (as `tls`
     # reencrypts) only for requests whose client came over TLS, plain otherwise.
     upstream_scheme_from_client: bool = False
+    # proxy-http-version "1.0": HTTP/1.0 to an HTTP/1.1 backend (waygate.proxy.http10).
+    upstream_http10: bool = False
+    # permanent-redirect / temporal-redirect: the Location exactly as written
+    # (nginx's `return CODE URL`; filters.redirect gives the status); "": none.
+    redirect_location: str = ""
 
     @property
     def key(self) -> RouteKey:

@@ -254,6 +254,8 @@ DERIVED: Final[Mapping[str, Mapping[str, str]]] = {
         "url_mirror": "ingress-nginx mirror-target, -host and -request-body",
         "next_upstream_timeout": "ingress-nginx proxy-next-upstream-timeout",
         "upstream_scheme_from_client": "ingress-nginx backend-protocol AUTO_HTTP",
+        "upstream_http10": 'ingress-nginx proxy-http-version "1.0"',
+        "redirect_location": "ingress-nginx permanent-redirect / temporal-redirect targets",
     },
     "RouteBackend": {
         "namespace": "Gateway API backendRefs across namespaces (ReferenceGrant)",

@@ -21,7 +21,7 @@ import pytest
 import pytest_asyncio
 import yaml
 
-from tests.support.gatewayapi import INFRA, Conformance, local_slice
+from tests.support.gatewayapi import INFRA, Conformance, local_slice, parse_response
 from tests.support.poll import until
 from tests.support.processes import run_cli
 from tests.support.proxyharness import RecordingUpstream, read_response
@@ -123,6 +123,58 @@ async def test_redirect_standard_and_custom_code(suite: Conformance) -> None:
     assert response.header("Location") == url
     response = await suite.eventually("/something", host="redirect2.bar.com", status=302)
     assert response.header("Location") == url
+
+
+async def test_redirect_target_with_a_query_and_code_300(suite: Conformance) -> None:
+    # redirect.go's assertions (Status(code), Header("Location").Equal(redirectURL)) for a
+    # target with a query string, asked with and without one of the client's own:
+    # ingress-nginx renders `return CODE URL;`, which appends no $args. And
+    # permanent-redirect-code 300, inside redirect.go's range: nginx's `return 300 URL`
+    # answers the URL as the body, without a Location.
+    url = "https://new.example.com/landing?from=old&x=1"
+    query = single_ingress("query", "/", "redirect-query.bar.com", {P + "permanent-redirect": url})
+    choices = single_ingress(
+        "choices",
+        "/",
+        "redirect-300.bar.com",
+        {P + "permanent-redirect": url, P + "permanent-redirect-code": "300"},
+    )
+    await apply(suite, query, choices)
+    for path in ("/something", "/something?client=1"):
+        response = await suite.eventually(path, host="redirect-query.bar.com", status=301)
+        assert response.header("Location") == url
+    response = await suite.eventually("/x?y=1", host="redirect-300.bar.com", status=300)
+    assert response.header("Location") is None
+    assert response.body == url.encode()
+
+
+async def test_proxy_http_version_1_0(suite: Conformance) -> None:
+    # proxy.go: It("should change the default proxy HTTP version") (its assertion:
+    # `proxy_http_version 1.0;` in the configuration), asserted on what the echo backend
+    # receives: an HTTP/1.0 request with Connection: close; a chunked body whole, with
+    # its Content-Length (nginx sends no chunked coding to an HTTP/1.0 backend).
+    host = "proxy-version.foo.com"
+    await apply(suite, single_ingress(host, "/", host, {P + "proxy-http-version": "1.0"}))
+    response = await suite.eventually("/version-marker", host=host, backend=V1)
+    assert response.request_header("Connection") == "close"
+    received = bytes(suite.backends[(INFRA, "infra-backend-v1")].received)
+    assert b"GET /version-marker HTTP/1.0\r\n" in received
+    reader, writer = await asyncio.open_connection("127.0.0.1", suite.port)
+    try:
+        writer.write(
+            b"POST /upload-marker HTTP/1.1\r\nHost: %s\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n" % host.encode()
+        )
+        response = parse_response(await read_response(reader, timeout=10))
+    finally:
+        writer.close()
+    assert response.status == 200
+    assert response.request_header("Content-Length") == "11"
+    assert response.request_header("Transfer-Encoding") is None
+    assert response.echo["body_length"] == 11
+    assert b"POST /upload-marker HTTP/1.0\r\n" in bytes(
+        suite.backends[(INFRA, "infra-backend-v1")].received
+    )
 
 
 async def test_xforwardedprefix_sets_the_header_to_the_annotation_value(suite: Conformance) -> None:

@@ -32,7 +32,6 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 from waygate.core import regex as linear_regex
 from waygate.resolver.gateway import spec as specs
@@ -139,6 +138,9 @@ class Plan:
     aliases: tuple[str, ...] = ()
     app_root: str = ""
     redirect: Redirect | None = None
+    # permanent-redirect / temporal-redirect / a snippet's return: the target as
+    # written (nginx's `return CODE URL`), the status in `redirect`.
+    redirect_location: str = ""
     ssl_redirect: bool = True
     force_ssl_redirect: bool = False
     redirect_code: int = 308
@@ -194,6 +196,7 @@ class Plan:
     port_in_redirects: bool = False
     connection_header: str = ""
     access_log_disabled: bool = False
+    upstream_http10: bool = False  # proxy-http-version 1.0
     # The controller ConfigMap's keys not honoured: "ConfigMap NS/NAME key K: not-honoured".
     config_notes: list[str] = field(default_factory=list)
 
@@ -627,35 +630,38 @@ def _redirect(
     if short == "permanent-redirect" and values.get("temporal-redirect"):
         found(short, Verdict.NOOP, "temporal-redirect takes precedence, as in ingress-nginx")
         return
-    default = 302 if short == "temporal-redirect" else 301
-    code_text = values.get(short + "-code", str(default))
-    code = int(code_text) if code_text.isdigit() else default
-    if short == "temporal-redirect" and code > 307:
-        code = default  # ingress-nginx's range for temporal redirects ends at 307
-    if code == 300:
-        found(short, Verdict.NOT_HONOURED, "status 300 is not a redirect the proxy answers")
-        return
-    parts = urlsplit(value)
-    if parts.query or parts.fragment:
-        found(short, Verdict.NOT_HONOURED, "a target with a query string is not honoured yet")
-        return
-    p.redirect = Redirect(
-        scheme=parts.scheme,
-        hostname=parts.hostname or "",
-        port=parts.port or 0,
-        path_type=PathModifierType.FULL,
-        path=parts.path,
-        status=code,
-    )
+    # ingress-nginx renders `return CODE URL;`: the Location is the target as written,
+    # the request's own path and query not added (nginx's return appends no $args).
+    p.redirect_location = value
+    p.redirect = Redirect(status=_redirect_status(short, values.get(short + "-code", "")))
     found(short)
+
+
+def _redirect_status(short: str, code_text: str) -> int:
+    """ingress-nginx's redirect.go: the code when within 300-308 (temporal: 300-307),
+    else the default (301 permanent, 302 temporal)."""
+    default, highest = (302, 307) if short == "temporal-redirect" else (301, 308)
+    code = int(code_text) if code_text.isdigit() else default
+    return code if 300 <= code <= highest else default
 
 
 @_handles("permanent-redirect-code", "temporal-redirect-code")
 def _redirect_code(
     p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
 ) -> None:
-    if not values.get(short[: -len("-code")]):
+    redirect = short[: -len("-code")]
+    if not values.get(redirect):
         found(short, Verdict.NOOP, "without its redirect annotation it does nothing")
+    elif redirect == "permanent-redirect" and values.get("temporal-redirect"):
+        found(short, Verdict.NOOP, "temporal-redirect takes precedence, as in ingress-nginx")
+    elif _redirect_status(redirect, value) != int(value):
+        found(
+            short,
+            Verdict.NOOP,
+            "outside 300-"
+            + ("307" if redirect == "temporal-redirect" else "308")
+            + ": the default code applies, as in ingress-nginx",
+        )
     else:
         found(short)
 
@@ -1176,10 +1182,11 @@ def _request_buffering(
 def _http_version(
     p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
 ) -> None:
-    if value == "1.1":
-        found("proxy-http-version", Verdict.HONOURED, "")
+    p.upstream_http10 = value == "1.0"
+    if p.upstream_http10 and values.get("backend-protocol", "").upper() in ("GRPC", "GRPCS"):
+        found(short, Verdict.NOOP, "a gRPC backend speaks HTTP/2, which HTTP/1.0 does not change")
     else:
-        found("proxy-http-version", Verdict.NOT_HONOURED, "HTTP/1.0 to the backend")
+        found(short)
 
 
 _TLS_BACKENDS = ("HTTPS", "GRPCS", "AUTO_HTTP")
@@ -1307,6 +1314,13 @@ def _connection_header(
             Verdict.DIFFERENT,
             "`upgrade` only for a request that asks for an upgrade (the proxy owns that hop)",
         )
+    elif values.get("proxy-http-version", "1.0" if p.upstream_http10 else "1.1") == "1.0":
+        found(
+            short,
+            Verdict.DIFFERENT,
+            "with proxy-http-version 1.0 the backend gets Connection: close (one request "
+            "per connection)",
+        )
     else:
         found(short)
 
@@ -1340,6 +1354,8 @@ def _response_defaults(p: Plan, config: ControllerConfig, where: str) -> None:
     p.cookie_path = configured("proxy-cookie-path", "off", catalogue.plain)
     p.custom_http_errors = status_list(configured("custom-http-errors", "", _codes_or_none))
     p.port_in_redirects = _flag(configured("use-port-in-redirects", "false", catalogue.boolean))
+    version = configured("proxy-http-version", "1.1", catalogue.one_of("1.0", "1.1"))
+    p.upstream_http10 = version == "1.0"
     p.access_log_disabled = config.flag("disable-access-log", False) or config.flag(
         "disable-http-access-log", False
     )
@@ -1768,18 +1784,9 @@ def _directive(p: Plan, directive: str, args: list[str], differences: list[str])
             raise ValueError(
                 "return: only a redirect (301, 302, 303, 307, 308 and an http(s) URL) is honoured"
             )
-        parts = urlsplit(args[1])
-        if parts.query:
-            raise ValueError("return: a target with a query string is not honoured yet")
-        p.redirect = Redirect(
-            scheme=parts.scheme,
-            hostname=parts.hostname or "",
-            port=parts.port or 0,
-            path_type=PathModifierType.FULL,
-            path=parts.path,
-            status=code,
-        )
-        differences.append("return: the request's query string is appended to the target")
+        # The Location exactly as written (nginx's return appends no $args).
+        p.redirect_location = args[1]
+        p.redirect = Redirect(status=code)
     else:
         raise ValueError(f"directive {directive!r} is not honoured")
 
@@ -1918,6 +1925,7 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
                 path=path_rewrite.path if path_rewrite else "",
             )
         redirect = p.redirect
+        redirect_location = p.redirect_location
         if route.listener_port == 80 and (
             p.force_ssl_redirect or (p.ssl_redirect and route.host in secured)
         ):
@@ -1926,6 +1934,7 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
                 status=p.redirect_code,
                 strip_trailing_slash=not p.preserve_trailing_slash,
             )
+            redirect_location = ""
         request = _modifier(p.request_set, [], p.request_remove)
         response = _modifier(p.response_set, p.response_add, p.response_remove)
         filters = None
@@ -1994,6 +2003,8 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             connection_header=p.connection_header,
             access_log_disabled=p.access_log_disabled,
             upstream_scheme_from_client=p.scheme_from_client,
+            upstream_http10=p.upstream_http10,
+            redirect_location=redirect_location,
         )
         if p.ssl_passthrough and route.listener_port == 443:
             continue  # the host's TLS is passed through, never terminated here
@@ -2014,6 +2025,7 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
                         name=f"ingress:{p.name}:app-root:{port}:{name_host}",
                         host=name_host,
                         matches=(RouteMatch(PathMatchType.EXACT, "/"),),
+                        redirect_location="",
                         filters=RouteFilters(
                             redirect=Redirect(
                                 path_type=PathModifierType.FULL, path=p.app_root, status=302
@@ -2030,6 +2042,7 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
                         name=f"ingress:{p.name}:www:{port}:{other}",
                         host=other,
                         matches=(RouteMatch(PathMatchType.PREFIX, "/"),),
+                        redirect_location="",
                         filters=RouteFilters(
                             redirect=Redirect(hostname=host, status=p.redirect_code)
                         ),

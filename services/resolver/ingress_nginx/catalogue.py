@@ -379,17 +379,31 @@ ENTRIES: tuple[Entry, ...] = (
     _e(
         "permanent-redirect",
         url_or_path,
-        D,
-        "every request is redirected; the request's query string is appended to the target",
+        H,
+        "every request is answered `return CODE URL` as nginx: the Location is the target "
+        "exactly as written (its query string included, the request's not appended)",
     ),
-    _e("permanent-redirect-code", one_of("300", "301", "302", "303", "307", "308"), H),
+    _e(
+        "permanent-redirect-code",
+        integer,
+        H,
+        "300-308 as ingress-nginx (else 301); a code that is not a redirect (300, 304-306) "
+        "answers the target as a text/html body, as nginx's return",
+    ),
     _e(
         "temporal-redirect",
         url_or_path,
-        D,
-        "every request is redirected; the request's query string is appended to the target",
+        H,
+        "every request is answered `return CODE URL` as nginx: the Location is the target "
+        "exactly as written (its query string included, the request's not appended)",
     ),
-    _e("temporal-redirect-code", one_of("300", "301", "302", "303", "307", "308"), H),
+    _e(
+        "temporal-redirect-code",
+        integer,
+        H,
+        "300-307 as ingress-nginx (else 302); a code that is not a redirect (300, 304-306) "
+        "answers the target as a text/html body, as nginx's return",
+    ),
     _e(
         "ssl-redirect",
         boolean,
@@ -683,8 +697,11 @@ ENTRIES: tuple[Entry, ...] = (
     _e(
         "proxy-http-version",
         one_of("1.0", "1.1"),
-        D,
-        "1.1 (or HTTP/2 where the backend speaks it); 1.0 is not honoured",
+        H,
+        "1.1 (or HTTP/2 where the backend speaks it); 1.0 as nginx: HTTP/1.0 requests with "
+        "Connection: close, one per connection, a body of unknown length buffered and sent "
+        "with Content-Length; an upgrade is refused (502: HTTP/1.0 has none); a backend "
+        "that speaks HTTP/2 (GRPC, GRPCS, an h2c Service) is unaffected",
     ),
     _e("proxy-cookie-domain", plain, H, _PROXY_COOKIE),
     _e("proxy-cookie-path", plain, H, _PROXY_COOKIE),

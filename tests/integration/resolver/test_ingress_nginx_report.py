@@ -87,6 +87,10 @@ def test_the_json_report_over_the_examples():
     assert set(verdicts.values()) == {"no-op"}
     assert by_name["cors-api"]["served"] is True and by_name["cors-api"]["exact"] is False
     assert by_name["web-canary"]["exact"] is True  # folded into web-main by weight
+    # permanent-redirect, temporal-redirect and a server-snippet's `return 301 URL`:
+    # nginx's `return CODE URL`, exactly.
+    for name in ("moved", "maintenance", "server-snippet-redirect"):
+        assert by_name[name]["served"] is True and by_name[name]["exact"] is True, name
     summary = {(a["annotation"], a["verdict"]): a["ingresses"] for a in report["byAnnotation"]}
     assert summary[("affinity", "honoured-with-difference")] == 2
     assert summary[("auth-url", "honoured-with-difference")] == 1

@@ -416,6 +416,8 @@ DERIVED_SAMPLES: dict[str, dict[str, Any]] = {
         "url_mirror": model.UrlMirror("https://m.example$request_uri", "m", False),
         "next_upstream_timeout": 2.5,
         "upstream_scheme_from_client": True,
+        "upstream_http10": True,
+        "redirect_location": "https://x.example.com/a?b=c",
     },
     "RouteBackend": {
         "namespace": "other",
