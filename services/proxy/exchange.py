@@ -367,15 +367,9 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
         # A request that must never be re-sent only takes a recently used
         # connection (see Pool.take); idempotent ones may be retried instead.
         scope = forward.upstream_scope if forward is not None else None
-        if scope is not None:
-            key: Any = (target, scope)  # see routing.upstream_scope
-        else:
-            key = target
-        if forward is not None and forward.http10:
-            # ingress-nginx proxy-http-version 1.0 (waygate.proxy.http10): one request
-            # per connection, never an idle keep-alive one (no connection is put under
-            # this key: SingleUseConnection never returns to the pool).
-            key = (key, "http/1.0")
+        key: Any = target if scope is None else (target, scope)  # see routing.upstream_scope
+        if forward is not None and forward.http10:  # waygate.proxy.http10: never an idle
+            key = (key, "http/1.0")  # connection (nothing is put under this key)
         if req is not None and req.method in _IDEMPOTENT:
             upstream = ctx.pool.take(key)
         else:
