@@ -232,6 +232,24 @@ def test_a_canary_on_the_main_ingress_service_keeps_its_side_in_the_proxy():
         assert split.side_of(split.canary.backends[0]) is split.canary
 
 
+def test_with_upstream_hash_by_subset_every_key_gets_the_one_cluster_ip():
+    # A subset of one (ingress-nginx's chashsubset over the one cluster endpoint): every
+    # key hashes to it; a failed connect leaves nothing to walk to (502), never a pod.
+    from waygate.proxy.routing import PassiveHealth
+
+    annotations = {
+        P + "service-upstream": "true",
+        P + "upstream-hash-by": "$request_uri",
+        P + "upstream-hash-by-subset": "true",
+    }
+    [entry] = [e for e in table(routes_of(ingress("sub", annotations))).entries() if e.route.host]
+    assert entry.route.hash_subset_size == 3
+    cluster = Target(CLUSTER_IP, 80, False, "", "shop", "web")
+    health = PassiveHealth()
+    assert {entry.pick(key, None, health, None)[0] for key in (b"/a", b"/b", b"/c")} == {cluster}
+    assert entry.pick(b"/a", None, health, cluster)[0] is None
+
+
 def test_the_choice_survives_the_proto():
     [route, *_] = routes_of(ingress("up", {P + "service-upstream": "true"}))
     again = convert.route_from_proto(convert.route_to_proto(route))
