@@ -890,9 +890,9 @@ def build_table(
     carried: dict[tuple[str, str, int, str], Picker[Target]] = {}
     if previous is not None:
         for entry in previous.entries():
+            route_key = (entry.route.namespace, entry.route.name)
             for place, backend in enumerate(entry.backends):
-                key = (entry.route.namespace, entry.route.name, place, backend.service)
-                carried[key] = backend.picker
+                carried[(*route_key, place, backend.service)] = backend.picker
     legacy = HostIndex()
     sides: dict[Any, HostIndex] = {}
     ports = {80: False, 443: True} if listener_ports is None else listener_ports
