@@ -60,6 +60,9 @@ from prometheus_client import Counter, Gauge
 from waygate.core.rotation import CertificateRotator
 from waygate.core.tls import (
     ask_client_certificate,
+    minimum_version,
+    negotiated_version,
+    policy_problem,
     server_context,
     set_session_cache_size,
     set_session_timeout,
@@ -133,13 +136,22 @@ class ServedCertificate:
     context holds their CA bundle and revocation lists and a session id context of
     its own (`session_id`: a session made for another context is never taken for
     one of this host's), and the SNI callback asks the client for a certificate
-    with their depth (`ask_depth`; 0: it asks nothing)."""
+    with their depth (`ask_depth`; 0: it asks nothing).
+
+    With ingress-nginx's ssl-protocols and ssl-ciphers (`RouteTLS.protocols`,
+    `.ciphers`) the context holds the host's cipher list (OpenSSL takes it from the
+    switched-to context) and its minimum version, which the SNI callback enforces
+    (`minimum`: the version was chosen before the callback; 0: TLS 1.2, the
+    listener's own floor). Such a context has a session id context of its own too:
+    a session made for another host (another cipher, another version) is never
+    resumed on it."""
 
     __slots__ = (
         "ask_depth",
         "client_cas",
         "context",
         "leaf",
+        "minimum",
         "not_after",
         "not_before",
         "revocation",
@@ -153,7 +165,12 @@ class ServedCertificate:
         key_pem: bytes,
         client_ca_pem: bytes | None,
         client_rules: ClientCertificate | None = None,
+        protocols: tuple[str, ...] = (),
+        ciphers: str = "",
     ) -> None:
+        problem = policy_problem(protocols, ciphers)
+        if problem:
+            raise RefusedCertificate(f"the route's TLS policy: {problem}", "invalid")
         try:
             self.leaf = x509.load_pem_x509_certificate(chain_pem)
         except ValueError:
@@ -175,6 +192,12 @@ class ServedCertificate:
             self.revocation = crl_pem is not None
             self.ask_depth = client_rules.depth
             self.session_id = session_id_context(client_rules)
+        # The certificate request names ca.crt's CAs (auth-tls rules), as nginx's does.
+        advertise = bool(self.session_id)
+        narrowed = minimum_version(protocols)
+        self.minimum = 0 if narrowed == ssl.TLSVersion.TLSv1_2 else int(narrowed)
+        if (self.minimum or ciphers) and not self.session_id:
+            self.session_id = _digest("tls-policy", *protocols, ciphers)[:32]
         try:
             # Kept to re-verify a resumed session's client certificate (client_identity);
             # a context with CAs of its own is never given other routes' (install).
@@ -193,8 +216,9 @@ class ServedCertificate:
                 alpn_protocols=ALPN,
                 client_crl_pem=crl_pem,
                 session_id_context=self.session_id,
-                # The certificate request names ca.crt's CAs, as nginx's does.
-                advertise_client_cas=bool(self.session_id),
+                advertise_client_cas=advertise,
+                minimum_version=narrowed,
+                ciphers=ciphers,
             )
         except (ssl.SSLError, ValueError) as exc:
             # The message names the OpenSSL failure only, never key material.
@@ -414,7 +438,7 @@ class EdgeCertificates:
 
     # ------------------------------------------------------------ per handshake
 
-    def _on_client_hello(self, ssl_object: Any, server_name: str | None, _ctx: Any) -> None:
+    def _on_client_hello(self, ssl_object: Any, server_name: str | None, _ctx: Any) -> int | None:
         served = None
         if server_name:
             sni = self.sni
@@ -426,8 +450,15 @@ class EdgeCertificates:
                     served = sni.wildcard.get(parent)
         if served is None:
             ssl_object.context = self.default.context
-            return
+            return None
         ssl_object.context = served.context
+        if served.minimum:
+            # ssl-protocols: OpenSSL chose the version before this callback, from the
+            # listener's range; older than the host allows ends the handshake with
+            # protocol_version, as nginx's would (unreadable: refused, fail closed).
+            version = negotiated_version(ssl_object)
+            if version is None or version < served.minimum:
+                return ssl.ALERT_DESCRIPTION_PROTOCOL_VERSION
         if served.ask_depth:  # ingress-nginx auth-tls: this connection, this host's rules
             ask_client_certificate(
                 ssl_object,
@@ -435,6 +466,7 @@ class EdgeCertificates:
                 clientcert.session_mark(served.session_id, name),
                 revocation=served.revocation,
             )
+        return None
 
     def context_for(self, server_name: str | None) -> ssl.SSLContext | None:
         """The context a handshake with this SNI gets (tests and diagnostics)."""
@@ -476,7 +508,14 @@ class EdgeCertificates:
                 continue
             label = f"{route.namespace}/{route.name}"
             host = route.host.lower()
-            key = _digest(tls.certificate, tls.key, tls.client_ca_certificate, repr(rules))
+            key = _digest(
+                tls.certificate,
+                tls.key,
+                tls.client_ca_certificate,
+                repr(rules),
+                *tls.protocols,
+                tls.ciphers,
+            )
             try:
                 served = cache.get(key) or self.sni.cache.get(key)
                 if served is None:
@@ -493,6 +532,8 @@ class EdgeCertificates:
                         tls.key.encode(),
                         tls.client_ca_certificate.encode() or None,
                         rules,
+                        tls.protocols,
+                        tls.ciphers,
                     )
                 self._check(served, host, now)
             except RefusedCertificate as exc:

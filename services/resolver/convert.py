@@ -350,6 +350,7 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
     message.upstream_scheme_from_client = route.upstream_scheme_from_client
     message.upstream_http10 = route.upstream_http10
     message.redirect_location = route.redirect_location
+    message.client_address_header = route.client_address_header
     if route.next_upstream_timeout:
         message.next_upstream_timeout.FromNanoseconds(round(route.next_upstream_timeout * 1e9))
     if (url_mirror := route.url_mirror) is not None:
@@ -383,6 +384,8 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
                 destination_san_uris=route.tls.destination_san_uris,
                 backend_client_certificate=route.tls.backend_client_certificate,
                 backend_client_key=route.tls.backend_client_key if with_key else "",
+                protocols=route.tls.protocols,
+                ciphers=route.tls.ciphers,
             )
         )
     return message
@@ -420,6 +423,8 @@ def route_from_proto(message: pb.Route) -> model.Route:
             destination_san_uris=tuple(message.tls.destination_san_uris),
             backend_client_certificate=message.tls.backend_client_certificate,
             backend_client_key=message.tls.backend_client_key,
+            protocols=tuple(message.tls.protocols),
+            ciphers=message.tls.ciphers,
         )
     elif message.HasField("tls") and (
         message.tls.certificate
@@ -430,6 +435,8 @@ def route_from_proto(message: pb.Route) -> model.Route:
         or message.tls.present_client_certificate
         or message.tls.backend_client_certificate
         or message.tls.backend_client_key
+        or message.tls.protocols
+        or message.tls.ciphers
         or message.tls.HasField("hsts")
     ):
         raise InvalidArgument(
@@ -523,6 +530,7 @@ def route_from_proto(message: pb.Route) -> model.Route:
         upstream_scheme_from_client=message.upstream_scheme_from_client,
         upstream_http10=message.upstream_http10,
         redirect_location=message.redirect_location,
+        client_address_header=message.client_address_header,
         next_upstream_timeout=seconds(message.next_upstream_timeout)
         if message.HasField("next_upstream_timeout")
         else 0.0,

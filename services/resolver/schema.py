@@ -256,6 +256,7 @@ DERIVED: Final[Mapping[str, Mapping[str, str]]] = {
         "upstream_scheme_from_client": "ingress-nginx backend-protocol AUTO_HTTP",
         "upstream_http10": 'ingress-nginx proxy-http-version "1.0"',
         "redirect_location": "ingress-nginx permanent-redirect / temporal-redirect targets",
+        "client_address_header": "ingress-nginx forwarded-for-header",
     },
     "RouteBackend": {
         "namespace": "Gateway API backendRefs across namespaces (ReferenceGrant)",
@@ -275,6 +276,8 @@ DERIVED: Final[Mapping[str, Mapping[str, str]]] = {
         "destination_san_uris": "BackendTLSPolicy subjectAltNames",
         "backend_client_certificate": "ingress-nginx proxy-ssl-secret's tls.crt",
         "backend_client_key": "ingress-nginx proxy-ssl-secret's tls.key",
+        "protocols": "ingress-nginx ssl-protocols",
+        "ciphers": "ingress-nginx ssl-ciphers",
     },
 }
 

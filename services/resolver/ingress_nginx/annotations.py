@@ -197,6 +197,11 @@ class Plan:
     connection_header: str = ""
     access_log_disabled: bool = False
     upstream_http10: bool = False  # proxy-http-version 1.0
+    # The ConfigMap's ssl-protocols / ssl-ciphers (RouteTLS.protocols, .ciphers) and
+    # forwarded-for-header (Route.client_address_header).
+    tls_protocols: tuple[str, ...] = ()
+    tls_ciphers: str = ""
+    client_address_header: str = ""
     # The controller ConfigMap's keys not honoured: "ConfigMap NS/NAME key K: not-honoured".
     config_notes: list[str] = field(default_factory=list)
 
@@ -309,6 +314,13 @@ def plan(
             else ForwardedHeadersMode.IF_NONE
         )
     result.service_upstream = config.flag("service-upstream", False)
+    # server-tokens (default off: ingress-nginx's `more_clear_headers Server`), before
+    # any snippet's more_set_headers, which comes after it as in nginx.
+    server_set, server_remove, _ = config.server_header()
+    result.response_set.extend(server_set)
+    result.response_remove.extend(server_remove)
+    result.tls_protocols, result.tls_ciphers, _ = config.tls_policy()
+    result.client_address_header = config.client_address_header()[0]
     if config.text("load-balance", "round_robin") == "ewma":
         result.balance = BalancePolicy.LEAST_CONN
     if config.flag("hsts", True):
@@ -372,6 +384,15 @@ def plan(
         result.note(Finding(short, valid[short], verdict, text, refuses))
     if refusal:
         result.refuse(UNSUPPORTED, refusal)
+    if result.client_address_header:
+        # forwarded-for-header: the proxy reads the client address from it for the
+        # backend's X-Forwarded-For too, so every route carries the trusted ranges.
+        trusted = nginx_access.trusted_proxies(config)
+        result.access = (
+            RouteAccess(trusted_proxies=trusted)
+            if result.access is None
+            else dataclasses.replace(result.access, trusted_proxies=trusted)
+        )
     if result.access is not None and result.access.auth_type:
         # ingress-nginx's `proxy_set_header Authorization ""`: the backend never
         # sees the credentials (the auth-url service, asked first, still does).
@@ -1963,6 +1984,8 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
         tls = route.tls
         if tls is not None and p.hsts is not None:
             tls = dataclasses.replace(tls, hsts=p.hsts)
+        if tls is not None and (p.tls_protocols or p.tls_ciphers):
+            tls = dataclasses.replace(tls, protocols=p.tls_protocols, ciphers=p.tls_ciphers)
         if p.backend_tls:
             tls = _backend_tls(tls, p)
         backends = route.backends
@@ -1982,6 +2005,7 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             upstream_protocol=p.upstream_protocol,
             request_buffering=p.request_buffering,
             forwarded_headers=p.forwarded,
+            client_address_header=p.client_address_header,
             ingress_verdicts=verdicts,
             access=p.access,
             rate_limit=p.rate_limit,
@@ -2151,7 +2175,7 @@ def _modifier(
 ) -> HeaderModifier | None:
     if not (set_ or add or remove):
         return None
-    return HeaderModifier(set=tuple(set_), add=tuple(add), remove=tuple(remove))
+    return HeaderModifier(set=tuple(set_), add=tuple(add), remove=tuple(dict.fromkeys(remove)))
 
 
 def _backend_tls(tls: RouteTLS | None, p: Plan) -> RouteTLS:
