@@ -16,7 +16,9 @@ else: no grpc (gRPC credentials and channel rotation are in
   (never below TLS 1.2; an OpenSSL cipher list only, no configuration text).
   A context switched to by an SNI callback brings its cipher list, not its
   versions (OpenSSL has chosen the version before the callback runs), so the
-  callback checks `negotiated_version` against the context's minimum.
+  callback checks `negotiated_version` against the context's minimum. A host
+  served with another context (its certificate refused or its key withheld)
+  keeps its policy all the same: `set_connection_ciphers` on the connection.
 - `ServerSSLContexts`: an `ssl.SSLContext` for asyncio HTTPS listeners whose
   SNI callback (run for every ClientHello, with or without SNI) switches the
   connection to the context built from the current certificate.
@@ -467,6 +469,31 @@ def negotiated_version(ssl_object: Any) -> int | None:
     if function is None or pointer is None:
         return None
     return int(function(pointer))
+
+
+@functools.cache
+def _cipher_list_function() -> Any:
+    """SSL_set_cipher_list from the libssl `_ssl` uses, or None (as `_ssl_ctx_functions`)."""
+    if _ssl_ctx_functions() is None:
+        return None
+    try:
+        function = ctypes.CDLL(ssl._ssl.__file__).SSL_set_cipher_list  # type: ignore[attr-defined]
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = (ctypes.c_void_p, ctypes.c_char_p)
+    function.restype = ctypes.c_int
+    return function
+
+
+def set_connection_ciphers(ssl_object: Any, ciphers: str) -> bool:
+    """From an SNI callback: this connection's TLS 1.2 cipher list (checked by
+    `policy_problem`), whatever its context's (OpenSSL picks the suite after the
+    callback). False where the connection cannot be reached or OpenSSL refuses it."""
+    function = _cipher_list_function()
+    pointer = _ssl_pointer(ssl_object) if function is not None else None
+    if function is None or pointer is None:
+        return False
+    return bool(function(pointer, ciphers.encode("ascii")) == 1)
 
 
 def client_verify_result(ssl_object: Any) -> tuple[int, bytes] | None:

@@ -51,6 +51,7 @@ import ssl
 from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from cryptography import x509
@@ -64,6 +65,7 @@ from waygate.core.tls import (
     negotiated_version,
     policy_problem,
     server_context,
+    set_connection_ciphers,
     set_session_cache_size,
     set_session_timeout,
 )
@@ -367,6 +369,9 @@ class SniCertificates(NamedTuple):
     client_cas: frozenset[bytes]
     # Refused route certificates: (route, host, reason).
     refusals: tuple[tuple[str, str, str], ...]
+    # ssl-protocols / ssl-ciphers of hosts served with the default certificate (their
+    # own refused or withheld): host ("*.domain" for wildcards) -> (minimum, ciphers).
+    policies: Mapping[str, tuple[int, str]] = MappingProxyType({})
 
 
 class EdgeCertificates:
@@ -440,8 +445,9 @@ class EdgeCertificates:
 
     def _on_client_hello(self, ssl_object: Any, server_name: str | None, _ctx: Any) -> int | None:
         served = None
+        name = ""
+        sni = self.sni
         if server_name:
-            sni = self.sni
             name = server_name.lower()
             served = sni.exact.get(name)
             if served is None:
@@ -450,15 +456,17 @@ class EdgeCertificates:
                     served = sni.wildcard.get(parent)
         if served is None:
             ssl_object.context = self.default.context
+            if name and sni.policies:
+                # ssl-protocols / ssl-ciphers of a host whose own certificate is not served.
+                policy = sni.policies.get(name) or sni.policies.get("*." + name.partition(".")[2])
+                if policy is not None:
+                    return _held_to(ssl_object, *policy)
             return None
         ssl_object.context = served.context
-        if served.minimum:
-            # ssl-protocols: OpenSSL chose the version before this callback, from the
-            # listener's range; older than the host allows ends the handshake with
-            # protocol_version, as nginx's would (unreadable: refused, fail closed).
-            version = negotiated_version(ssl_object)
-            if version is None or version < served.minimum:
-                return ssl.ALERT_DESCRIPTION_PROTOCOL_VERSION
+        if served.minimum:  # ssl-protocols (its cipher list is the context's own)
+            refused = _held_to(ssl_object, served.minimum, "")
+            if refused is not None:
+                return refused
         if served.ask_depth:  # ingress-nginx auth-tls: this connection, this host's rules
             ask_client_certificate(
                 ssl_object,
@@ -498,6 +506,7 @@ class EdgeCertificates:
         client_auth: dict[tuple[str, str], ServedCertificate] = {}
         client_rules: dict[tuple[str, str], ServedCertificate] = {}
         refusals: list[tuple[str, str, str]] = []
+        policies: dict[str, tuple[int, str]] = {}
         now = self._now()
         for route in routes:
             tls = route.tls
@@ -539,6 +548,14 @@ class EdgeCertificates:
             except RefusedCertificate as exc:
                 self._refuse(label, host, key, exc)
                 refusals.append((label, host, exc.reason))
+                if (tls.protocols or tls.ciphers) and not policy_problem(
+                    tls.protocols, tls.ciphers
+                ):
+                    # The default certificate serves the host: its policy still holds.
+                    minimum = int(minimum_version(tls.protocols))
+                    policies.setdefault(
+                        host, (0 if minimum == ssl.TLSVersion.TLSv1_2 else minimum, tls.ciphers)
+                    )
                 continue
             cache[key] = served
             if tls.client_ca_certificate:
@@ -572,7 +589,14 @@ class EdgeCertificates:
             if route.tls is not None and route.tls.client_ca_certificate
         )
         return SniCertificates(
-            exact, wildcard, cache, client_auth, client_rules, cas, tuple(refusals)
+            exact,
+            wildcard,
+            cache,
+            client_auth,
+            client_rules,
+            cas,
+            tuple(refusals),
+            MappingProxyType(policies),
         )
 
     def install(self, sni: SniCertificates) -> None:
@@ -663,6 +687,22 @@ class EdgeCertificates:
                 "TLS session's certificate is not; connect without resuming"
             )
         return identity_headers(leaf, self.extra_fields)
+
+
+def _held_to(ssl_object: Any, minimum: int, ciphers: str) -> int | None:
+    """From the SNI callback: hold this connection to a host's ssl-protocols and
+    ssl-ciphers (None), or the alert that ends its handshake. OpenSSL chose the
+    version before the callback, from the listener's range: older than the host
+    allows is refused with protocol_version, as nginx's would refuse it. Fail
+    closed: a version that cannot be read, or a cipher list that cannot be set on
+    the connection, refuses the handshake."""
+    if minimum:
+        version = negotiated_version(ssl_object)
+        if version is None or version < minimum:
+            return ssl.ALERT_DESCRIPTION_PROTOCOL_VERSION
+    if ciphers and not set_connection_ciphers(ssl_object, ciphers):
+        return ssl.ALERT_DESCRIPTION_HANDSHAKE_FAILURE
+    return None
 
 
 def _issued_by(leaf: x509.Certificate, cas: list[x509.Certificate]) -> bool:

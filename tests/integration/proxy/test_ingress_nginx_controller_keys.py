@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import socket
 import ssl
@@ -66,6 +67,10 @@ def _tls_route(ca: LocalCA, host: str, name: str, **tls: Any) -> Any:
     )
 
 
+def _withheld(item: Any) -> Any:
+    return dataclasses.replace(item, tls=dataclasses.replace(item.tls, key=""))
+
+
 @contextlib.asynccontextmanager
 async def https_front(
     ca: LocalCA, tmp_path: Path, upstream: RecordingUpstream
@@ -74,11 +79,18 @@ async def https_front(
         _tls_route(ca, "v13.test", "v13", protocols=("TLSv1.3",)),
         _tls_route(ca, "ciphers.test", "ciphers", ciphers=ONLY_AES256),
         _tls_route(ca, "plain.test", "plain"),
+        # Keys the resolver withholds (no mTLS): the default certificate serves these
+        # hosts, and their policy still holds (fail closed).
+        _withheld(_tls_route(ca, "v13-nokey.test", "v13-nokey", protocols=("TLSv1.3",))),
+        _withheld(_tls_route(ca, "ciphers-nokey.test", "ciphers-nokey", ciphers=ONLY_AES256)),
     ]
     files = ca.write_files(tmp_path / "default", dns=["default.test"], prefix="d-")
     certificates = EdgeCertificates(DefaultCertificate.from_files(files.cert, files.key))
     certificates.update(routes)
-    assert certificates.refusals == ()
+    assert {label for label, _, _ in certificates.refusals} == {
+        "demo/v13-nokey",
+        "demo/ciphers-nokey",
+    }
     async with running_h2_proxy(table(routes, [endpoint("web", upstream.port)])) as (server, _):
         front = TlsFront(server, certificates, "127.0.0.1", 0)
         await front.start()
@@ -119,15 +131,18 @@ async def test_a_tls_1_3_only_host_refuses_a_tls_1_2_client(
     ca = LocalCA()
     async with https_front(ca, tmp_path, upstream) as port:
         tls12 = _client(ca, ssl.TLSVersion.TLSv1_2)
-        # (asyncio's TLS closes on the protocol_version alert: the client may see EOF)
-        with pytest.raises(ssl.SSLError, match="PROTOCOL_VERSION|EOF"):
-            await asyncio.to_thread(_handshake, port, tls12, "v13.test")
+        for host in ("v13.test", "v13-nokey.test"):
+            # (asyncio's TLS closes on the protocol_version alert: the client may see EOF)
+            with pytest.raises(ssl.SSLError, match="PROTOCOL_VERSION|EOF"):
+                await asyncio.to_thread(_handshake, port, tls12, host)
         version, _, status = await asyncio.to_thread(_handshake, port, _client(ca), "v13.test")
         assert (version, status) == ("TLSv1.3", b"HTTP/1.1 200 OK")
         # Another host of the same listener keeps TLS 1.2.
         version, _, status = await asyncio.to_thread(_handshake, port, tls12, "plain.test")
         assert (version, status) == ("TLSv1.2", b"HTTP/1.1 200 OK")
     assert upstream.received.count(b"GET ") == 2
+    # (the default certificate's host name is not v13-nokey.test: a TLS 1.3 client
+    # that checks it stops there; the handshake itself is what is tested above)
 
 
 async def test_a_cipher_outside_the_hosts_list_is_refused(
@@ -138,8 +153,9 @@ async def test_a_cipher_outside_the_hosts_list_is_refused(
     ca = LocalCA()
     async with https_front(ca, tmp_path, upstream) as port:
         only128 = _client(ca, ssl.TLSVersion.TLSv1_2, AES128)
-        with pytest.raises(ssl.SSLError, match="HANDSHAKE_FAILURE|EOF"):
-            await asyncio.to_thread(_handshake, port, only128, "ciphers.test")
+        for host in ("ciphers.test", "ciphers-nokey.test"):
+            with pytest.raises(ssl.SSLError, match="HANDSHAKE_FAILURE|EOF"):
+                await asyncio.to_thread(_handshake, port, only128, host)
         both = _client(ca, ssl.TLSVersion.TLSv1_2, f"{AES128}:{ONLY_AES256}")
         version, cipher, status = await asyncio.to_thread(_handshake, port, both, "ciphers.test")
         assert (version, cipher, status) == ("TLSv1.2", ONLY_AES256, b"HTTP/1.1 200 OK")
@@ -168,6 +184,7 @@ async def test_sslyze_sees_only_the_hosts_tls_1_2_suite(
             "--json_out=-",
             f"ciphers.test:{port}{{127.0.0.1}}",
             f"v13.test:{port}{{127.0.0.1}}",
+            f"ciphers-nokey.test:{port}{{127.0.0.1}}",
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
         )
@@ -183,6 +200,7 @@ async def test_sslyze_sees_only_the_hosts_tls_1_2_suite(
         return [suite["cipher_suite"]["openssl_name"] for suite in found]
 
     assert accepted("ciphers.test", "tls_1_2_cipher_suites") == [ONLY_AES256]
+    assert accepted("ciphers-nokey.test", "tls_1_2_cipher_suites") == [ONLY_AES256]
     assert accepted("ciphers.test", "tls_1_3_cipher_suites")  # OpenSSL's own
     assert accepted("v13.test", "tls_1_2_cipher_suites") == []
     assert accepted("v13.test", "tls_1_3_cipher_suites")
