@@ -326,6 +326,9 @@ def _validate_tls(tls: RouteTLS, what: str, path: str) -> RouteTLS:
                 )
         if tls.hsts is not None:
             raise _fail(what, "tls.hsts", "passthrough routes cannot add response headers")
+        if tls.protocols or tls.ciphers:
+            field = "protocols" if tls.protocols else "ciphers"
+            raise _fail(what, f"tls.{field}", "a passthrough route's TLS is the backend's")
         if tls.destination_server_name or tls.present_client_certificate:
             field = (
                 "destination_server_name"
@@ -357,8 +360,6 @@ def _validate_tls(tls: RouteTLS, what: str, path: str) -> RouteTLS:
     if tls.hsts is not None:
         _check_hsts(tls.hsts, what)
     if tls.protocols or tls.ciphers:
-        if tls.termination == TLSTermination.PASSTHROUGH:
-            raise _fail(what, "tls.protocols", "a passthrough route's TLS is the backend's")
         for field, problem in (
             ("tls.protocols", policy_problem(tls.protocols, "")),
             ("tls.ciphers", policy_problem((), tls.ciphers)),

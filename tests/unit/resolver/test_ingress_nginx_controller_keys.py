@@ -5,16 +5,20 @@ tests/integration/proxy/test_ingress_nginx_controller_keys.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import yaml
 
 from tests.support.gatewayapi import tls_secret
 from tests.unit.resolver.test_ingress_nginx import P, ingress, objects
 from tests.unit.resolver.test_ingress_nginx_access import CONFIG, SETTINGS, configmap
+from waygate.core.errors import InvalidArgument
 from waygate.resolver.gateway.translate import translate
 from waygate.resolver.ingress_nginx.catalogue import Verdict
 from waygate.resolver.ingress_nginx.config import config_from
-from waygate.resolver.model import Route
+from waygate.resolver.model import Route, TLSTermination
+from waygate.resolver.validation import validate_route
 
 
 def tls_routes(data: dict[str, str], annotations: dict[str, str] | None = None) -> list[Route]:
@@ -119,3 +123,40 @@ def test_forwarded_for_header_verdicts():
     found, note = verdict(bad, "forwarded-for-header")
     assert found is Verdict.NOT_HONOURED and "not a header name" in note
     assert CONFIG  # (the ConfigMap the resolver reads: --ingress-nginx-configmap)
+
+
+def test_route_validation_keeps_the_tls_policy_at_tls_1_2_and_above():
+    # ApplyRoute and every source go through validate_route: the same checks as
+    # the proxy's context builder (waygate.core.tls.policy_problem).
+    [secure] = [r for r in tls_routes({}) if r.listener_port == 443]
+    assert secure.tls is not None
+
+    def with_tls(**fields: object) -> Route:
+        assert secure.tls is not None
+        tls = dataclasses.replace(secure.tls, **fields)
+        return dataclasses.replace(secure, name="app", tls=tls, filters=None)
+
+    assert validate_route(with_tls(protocols=("TLSv1.3",), ciphers=AES)).tls.protocols == (  # type: ignore[union-attr]
+        "TLSv1.3",
+    )
+    for fields, where in (
+        ({"protocols": ("TLSv1.1", "TLSv1.3")}, "tls.protocols"),
+        ({"protocols": ("TLSv1.2",)}, "tls.protocols"),
+        ({"ciphers": "HIGH;ssl_protocols SSLv3"}, "tls.ciphers"),
+        ({"ciphers": "ALL:@SECLEVEL=0"}, "tls.ciphers"),
+        (
+            {
+                "termination": TLSTermination.PASSTHROUGH,
+                "ciphers": AES,
+                "certificate": "",
+                "key": "",
+                "hsts": None,
+            },
+            "tls.ciphers",
+        ),
+    ):
+        with pytest.raises(InvalidArgument, match=where):
+            validate_route(with_tls(**fields))
+
+
+AES = "ECDHE-ECDSA-AES256-GCM-SHA384"
