@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from waygate.core import regex as linear_regex
+from waygate.core.tls import policy_problem
 from waygate.resolver.gateway import spec as specs
 from waygate.resolver.ingress_nginx import access as nginx_access
 from waygate.resolver.ingress_nginx import catalogue, proxyssl
@@ -591,6 +592,18 @@ def _use_regex(
 ) -> None:
     p.use_regex = _flag(value)
     found("use-regex", None if p.use_regex else Verdict.HONOURED, None if p.use_regex else "")
+
+
+@_handles("ssl-ciphers")
+def _ssl_ciphers(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    problem = policy_problem((), value)
+    if problem:
+        found(short, Verdict.NOT_HONOURED, f"{problem}: the ConfigMap's (or the proxy's) apply")
+        return
+    p.tls_ciphers = value
+    found(short)
 
 
 @_handles("rewrite-target")

@@ -160,3 +160,17 @@ def test_route_validation_keeps_the_tls_policy_at_tls_1_2_and_above():
 
 
 AES = "ECDHE-ECDSA-AES256-GCM-SHA384"
+
+
+def test_the_ssl_ciphers_annotation_is_the_hosts_list_over_the_configmaps():
+    # nginx.tmpl's server-level `ssl_ciphers {{ $server.SSLCiphers }}`.
+    data = {"ssl-ciphers": "ECDHE-ECDSA-AES128-GCM-SHA256"}
+    secure = [r for r in tls_routes(data, {P + "ssl-ciphers": AES}) if r.listener_port == 443]
+    assert secure[0].tls is not None and secure[0].tls.ciphers == AES
+    [finding] = [f for f in secure[0].ingress_verdicts if f.startswith("ssl-ciphers")]
+    assert "honoured-with-difference" in finding and "host-wide" in finding
+    refused = [
+        r for r in tls_routes(data, {P + "ssl-ciphers": "NOT-A-CIPHER"}) if r.listener_port == 443
+    ]
+    assert refused[0].tls is not None and refused[0].tls.ciphers == data["ssl-ciphers"]
+    assert refused[0].ingress_refusal is None
