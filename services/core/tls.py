@@ -315,17 +315,22 @@ def set_session_cache_size(context: ssl.SSLContext, size: int) -> bool:
 
 
 @functools.cache
-def _set_timeout_function() -> Any:
-    """SSL_CTX_set_timeout from the libssl `_ssl` uses, or None (see `_ssl_ctx_functions`)."""
+def _libssl_function(name: str, argtypes: tuple[Any, ...], restype: Any) -> Any:
+    """One function of the libssl `_ssl` uses, typed, or None (as `_ssl_ctx_functions`)."""
     if _ssl_ctx_functions() is None:
         return None
     try:
-        function = ctypes.CDLL(ssl._ssl.__file__).SSL_CTX_set_timeout  # type: ignore[attr-defined]
+        function = getattr(ctypes.CDLL(ssl._ssl.__file__), name)  # type: ignore[attr-defined]
     except (OSError, AttributeError):
         return None
-    function.argtypes = (ctypes.c_void_p, ctypes.c_long)
-    function.restype = ctypes.c_long
+    function.argtypes = argtypes
+    function.restype = restype
     return function
+
+
+def _set_timeout_function() -> Any:
+    """SSL_CTX_set_timeout, or None (see `_libssl_function`)."""
+    return _libssl_function("SSL_CTX_set_timeout", (ctypes.c_void_p, ctypes.c_long), ctypes.c_long)
 
 
 def set_session_timeout(context: ssl.SSLContext, seconds: int) -> bool:
@@ -445,51 +450,25 @@ def ask_client_certificate(
     return True
 
 
-@functools.cache
-def _version_function() -> Any:
-    """SSL_version from the libssl `_ssl` uses, or None (as `_ssl_ctx_functions`)."""
-    if _ssl_ctx_functions() is None:
-        return None
-    try:
-        function = ctypes.CDLL(ssl._ssl.__file__).SSL_version  # type: ignore[attr-defined]
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = (ctypes.c_void_p,)
-    function.restype = ctypes.c_int
-    return function
-
-
 def negotiated_version(ssl_object: Any) -> int | None:
     """The protocol version OpenSSL chose for this connection (0x0303 TLS 1.2, 0x0304
     TLS 1.3: `ssl.TLSVersion` values), readable from an SNI callback (Python's
     `version()` says None until the handshake is done); None where the connection
     cannot be reached (see `_ssl_pointer`)."""
-    function = _version_function()
+    function = _libssl_function("SSL_version", (ctypes.c_void_p,), ctypes.c_int)
     pointer = _ssl_pointer(ssl_object) if function is not None else None
     if function is None or pointer is None:
         return None
     return int(function(pointer))
 
 
-@functools.cache
-def _cipher_list_function() -> Any:
-    """SSL_set_cipher_list from the libssl `_ssl` uses, or None (as `_ssl_ctx_functions`)."""
-    if _ssl_ctx_functions() is None:
-        return None
-    try:
-        function = ctypes.CDLL(ssl._ssl.__file__).SSL_set_cipher_list  # type: ignore[attr-defined]
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = (ctypes.c_void_p, ctypes.c_char_p)
-    function.restype = ctypes.c_int
-    return function
-
-
 def set_connection_ciphers(ssl_object: Any, ciphers: str) -> bool:
     """From an SNI callback: this connection's TLS 1.2 cipher list (checked by
     `policy_problem`), whatever its context's (OpenSSL picks the suite after the
     callback). False where the connection cannot be reached or OpenSSL refuses it."""
-    function = _cipher_list_function()
+    function = _libssl_function(
+        "SSL_set_cipher_list", (ctypes.c_void_p, ctypes.c_char_p), ctypes.c_int
+    )
     pointer = _ssl_pointer(ssl_object) if function is not None else None
     if function is None or pointer is None:
         return False

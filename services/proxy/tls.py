@@ -33,6 +33,14 @@
   soak. That cache is shared by every SNI context, so a resumed session
   may have been verified for another host: `client_identity` re-verifies its
   client certificate against the route's CA.
+- ingress-nginx's ssl-protocols and ssl-ciphers (`RouteTLS.protocols`,
+  `.ciphers`): the host's context is built with its minimum version and cipher
+  list (`waygate.core.tls.server_context`); OpenSSL has chosen the version
+  before the SNI callback runs, so the callback refuses an older one with a
+  protocol_version alert (`_held_to`). A host whose own certificate is not
+  served (refused, key withheld) keeps its policy on the default certificate:
+  the cipher list is set on the connection. Fail closed: what cannot be read
+  or set refuses the handshake.
 - `edge_rule`: what a TLS route answers on the plain HTTP port (its insecure
   edge policy: Allow, Redirect with 302, or None) and the HSTS header line
   it adds on HTTPS.
@@ -413,9 +421,10 @@ class EdgeCertificates:
         return self.sni.refusals
 
     def _listener_context(self) -> ssl.SSLContext:
-        """The context the server holds: protocol versions, ciphers, ALPN and the
-        session cache apply from it to every connection; the certificate is
-        always the one the SNI callback switches to."""
+        """The context the server holds: protocol versions (a host's narrower
+        minimum is checked by the SNI callback), ALPN and the session cache apply
+        from it to every connection; the certificate and the TLS 1.2 cipher list
+        are the ones of the context the SNI callback switches to."""
         chain_pem, key_pem = self.default.pem
         context = server_context(chain_pem=chain_pem, key_pem=key_pem, alpn_protocols=ALPN)
         context.sni_callback = self._on_client_hello
