@@ -151,19 +151,18 @@ class ServedCertificate:
     With ingress-nginx's ssl-protocols and ssl-ciphers (`RouteTLS.protocols`,
     `.ciphers`) the context holds the host's cipher list (OpenSSL takes it from the
     switched-to context) and its minimum version, which the SNI callback enforces
-    (`minimum`: the version was chosen before the callback; 0: TLS 1.2, the
-    listener's own floor). Such a context has a session id context of its own too:
-    a session made for another host (another cipher, another version) is never
-    resumed on it."""
+    (`policy`, `_held_to`: the version was chosen before the callback). Such a
+    context has a session id context of its own too: a session made under it is
+    never resumed on another host."""
 
     __slots__ = (
         "ask_depth",
         "client_cas",
         "context",
         "leaf",
-        "minimum",
         "not_after",
         "not_before",
+        "policy",
         "revocation",
         "session_id",
         "trusts",
@@ -205,8 +204,8 @@ class ServedCertificate:
         # The certificate request names ca.crt's CAs (auth-tls rules), as nginx's does.
         advertise = bool(self.session_id)
         narrowed = minimum_version(protocols)
-        self.minimum = 0 if narrowed == ssl.TLSVersion.TLSv1_2 else int(narrowed)
-        if (self.minimum or ciphers) and not self.session_id:
+        self.policy = host_policy(protocols, ciphers)
+        if self.policy is not None and not self.session_id:
             self.session_id = _digest("tls-policy", *protocols, ciphers)[:32]
         try:
             # Kept to re-verify a resumed session's client certificate (client_identity);
@@ -378,8 +377,8 @@ class SniCertificates(NamedTuple):
     # Refused route certificates: (route, host, reason).
     refusals: tuple[tuple[str, str, str], ...]
     # ssl-protocols / ssl-ciphers of hosts served with the default certificate (their
-    # own refused or withheld): host ("*.domain" for wildcards) -> (minimum, ciphers).
-    policies: Mapping[str, tuple[int, str]] = MappingProxyType({})
+    # own refused or withheld): host ("*.domain" for wildcards) -> its policy.
+    policies: Mapping[str, HostPolicy] = MappingProxyType({})
 
 
 class EdgeCertificates:
@@ -469,11 +468,11 @@ class EdgeCertificates:
                 # ssl-protocols / ssl-ciphers of a host whose own certificate is not served.
                 policy = sni.policies.get(name) or sni.policies.get("*." + name.partition(".")[2])
                 if policy is not None:
-                    return _held_to(ssl_object, *policy)
+                    return _held_to(ssl_object, policy, set_ciphers=True)
             return None
         ssl_object.context = served.context
-        if served.minimum:  # ssl-protocols (its cipher list is the context's own)
-            refused = _held_to(ssl_object, served.minimum, "")
+        if served.policy is not None:  # (its cipher list is the context's own)
+            refused = _held_to(ssl_object, served.policy, set_ciphers=False)
             if refused is not None:
                 return refused
         if served.ask_depth:  # ingress-nginx auth-tls: this connection, this host's rules
@@ -515,7 +514,7 @@ class EdgeCertificates:
         client_auth: dict[tuple[str, str], ServedCertificate] = {}
         client_rules: dict[tuple[str, str], ServedCertificate] = {}
         refusals: list[tuple[str, str, str]] = []
-        policies: dict[str, tuple[int, str]] = {}
+        policies: dict[str, HostPolicy] = {}
         now = self._now()
         for route in routes:
             tls = route.tls
@@ -557,14 +556,10 @@ class EdgeCertificates:
             except RefusedCertificate as exc:
                 self._refuse(label, host, key, exc)
                 refusals.append((label, host, exc.reason))
-                if (tls.protocols or tls.ciphers) and not policy_problem(
-                    tls.protocols, tls.ciphers
-                ):
+                policy = host_policy(tls.protocols, tls.ciphers)
+                if policy is not None:
                     # The default certificate serves the host: its policy still holds.
-                    minimum = int(minimum_version(tls.protocols))
-                    policies.setdefault(
-                        host, (0 if minimum == ssl.TLSVersion.TLSv1_2 else minimum, tls.ciphers)
-                    )
+                    policies.setdefault(host, policy)
                 continue
             cache[key] = served
             if tls.client_ca_certificate:
@@ -698,18 +693,41 @@ class EdgeCertificates:
         return identity_headers(leaf, self.extra_fields)
 
 
-def _held_to(ssl_object: Any, minimum: int, ciphers: str) -> int | None:
+class HostPolicy(NamedTuple):
+    """A host's ssl-protocols and ssl-ciphers, as the SNI callback holds a connection
+    to them (`_held_to`)."""
+
+    # The oldest version allowed (an `ssl.TLSVersion` value); 0: the listener's TLS 1.2.
+    minimum: int
+    # The TLS 1.2 cipher list ("": the proxy's).
+    ciphers: str
+
+
+def host_policy(protocols: tuple[str, ...], ciphers: str) -> HostPolicy | None:
+    """The policy of a route's `RouteTLS.protocols` and `.ciphers`: None when they
+    narrow nothing, or do not pass `policy_problem` (the resolver checked them)."""
+    if not (protocols or ciphers) or policy_problem(protocols, ciphers):
+        return None
+    narrowed = minimum_version(protocols)
+    return HostPolicy(0 if narrowed == ssl.TLSVersion.TLSv1_2 else int(narrowed), ciphers)
+
+
+def _held_to(ssl_object: Any, policy: HostPolicy, *, set_ciphers: bool) -> int | None:
     """From the SNI callback: hold this connection to a host's ssl-protocols and
     ssl-ciphers (None), or the alert that ends its handshake. OpenSSL chose the
     version before the callback, from the listener's range: older than the host
-    allows is refused with protocol_version, as nginx's would refuse it. Fail
-    closed: a version that cannot be read, or a cipher list that cannot be set on
-    the connection, refuses the handshake."""
-    if minimum:
+    allows is refused with protocol_version, as nginx's would refuse it.
+    `set_ciphers`: the list goes onto the connection (a host served with the
+    default context; a host's own context holds it). Fail closed: what cannot be
+    read or set refuses the handshake. (A TLS 1.2 session resumed by id names the
+    server name it was made for, and OpenSSL gives this callback that name: such a
+    connection is that host's, with its policy, as a connection whose Host is not
+    its server name is, in nginx too.)"""
+    if policy.minimum:
         version = negotiated_version(ssl_object)
-        if version is None or version < minimum:
+        if version is None or version < policy.minimum:
             return ssl.ALERT_DESCRIPTION_PROTOCOL_VERSION
-    if ciphers and not set_connection_ciphers(ssl_object, ciphers):
+    if set_ciphers and policy.ciphers and not set_connection_ciphers(ssl_object, policy.ciphers):
         return ssl.ALERT_DESCRIPTION_HANDSHAKE_FAILURE
     return None
 
