@@ -408,8 +408,8 @@ def _request_filters_bound(entry: RouteEntry) -> Runner:
 def _access_bound(entry: RouteEntry) -> Runner:
     """ingress-nginx's access annotations (waygate.proxy.access: 403, 401, 503), bound
     to the entry's compiled check: a keep-alive connection's next request on an
-    address-only check reads its verdict without a call (AccessCheck.decide's own
-    first step, inline)."""
+    address-only check reads the verdict its connection keeps (ForwardedContext
+    .access_check: the client address is the connection's), without a call."""
     check = entry.access
     assert check is not None  # (compiled by access.prepare)
     name = entry.options.name
@@ -419,11 +419,13 @@ def _access_bound(entry: RouteEntry) -> Runner:
     def gate(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
         context = facts.context
         assert context is not None
-        peer = context.client_ip
-        if address_only and peer is check.last_peer:
-            refused = check.last_verdict
+        if context.access_check is check:
+            refused = context.access_verdict
         else:
-            refused = decide_access(req, peer)
+            refused = decide_access(req, context.client_ip)
+            if address_only:
+                context.access_check = check
+                context.access_verdict = refused
         if refused is None:
             return None
         if refused[2] is access.KIND_UNAUTHORIZED:  # the 401's header lines (CORS's too)

@@ -79,6 +79,7 @@ from waygate.proxy.authstep import AuthStep
 from waygate.proxy.bodybuffer import BodyBuffer
 from waygate.proxy.connect_h1 import start_connect
 from waygate.proxy.context import ExchangeContext
+from waygate.proxy.filters import SetFields
 from waygate.proxy.decision import (
     ANSWER_HEALTHZ,
     ANSWER_OPTIONS,
@@ -538,14 +539,18 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
         self.keep_alive = keep_alive
         self.response_started = True
         self.status = status
-        if forward.response_modifier is not None:
-            # (Error pages ride only on a modifier with `errors`: the others make no call.)
-            errors = getattr(forward.response_modifier, "errors", None)
-            if errors is not None and errorpages.intercept(self, forward.response_modifier, status):
-                return None  # ingress-nginx custom-http-errors: the error backend answers
-            response.fields = filters.modify_response_fields(
-                response.fields, forward.response_modifier, status
-            )
+        modifier = forward.response_modifier
+        if modifier is not None:
+            if type(modifier) is SetFields and response.fields is modifier.last_fields:
+                # A CORS answer's lines on the block it last set them on (a remembered
+                # response parse's copies share it): its result, without a call.
+                response.fields = modifier.last_out  # type: ignore[assignment]
+            else:
+                # (Error pages ride only on a modifier with `errors`: the others make no call.)
+                errors = getattr(modifier, "errors", None)
+                if errors is not None and errorpages.intercept(self, modifier, status):
+                    return None  # ingress-nginx custom-http-errors: the error backend answers
+                response.fields = filters.modify_response_fields(response.fields, modifier, status)
         extra = forward.extra  # Set-Cookie, HSTS: decided with the pick
         down = self.down
         if framing == FRAMING_LENGTH and len(rest) == length < 65536 and self.throttle is None:

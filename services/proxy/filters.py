@@ -236,6 +236,7 @@ class PathRewrite:
         "prefix",
         "replacement",
         "response_headers",
+        "slash_prefix",
         "target_only",
     )
 
@@ -260,6 +261,15 @@ class PathRewrite:
         # Only the target changes (no Host, no header modifier): the caller may keep the
         # request head and send `target(req, path)` instead of a copy of the head.
         self.target_only = not self.host_line and modifier is None
+        # The commonest rewrite alone (ingress-nginx's `rewrite-target: /$2` of
+        # `path: /api(/|$)(.*)`): a prefix replaced by one ending in "/", which `shape`
+        # makes inline.
+        self.slash_prefix = (
+            self.target_only
+            and not self.full
+            and self.replacement is not None
+            and self.replacement[-1:] == b"/"
+        )
         self.response_headers = response_headers  # the route's ResponseHeaderModifier
 
     def shape(self, forward: Any, req: Any, facts: Any) -> None:
@@ -267,14 +277,25 @@ class PathRewrite:
         route entry's rewrite: one call per request): the request as the backend gets
         it (a target alone held apart: forward.rewritten_target, no head copy), the
         rewritten Host, and the route's ResponseHeaderModifier kept for its answer."""
-        if self.target_only:
+        if self.slash_prefix:
+            path = forward.path
+            if path[:1] == b"/":
+                # `target`'s prefix case, inline: the replacement, then the rest of the
+                # path without its leading slashes, then the query (none when the
+                # request core's path is the target itself).
+                new = self.replacement + path[self.cut :].lstrip(b"/")  # type: ignore[operator]
+                target = req.target
+                forward.rewritten_target = new if path is target else new + target[len(path) :]
+            else:
+                forward.rewritten_target = self.target(req, path)
+        elif self.target_only:
             forward.rewritten_target = self.target(req, forward.path)
         else:
             forward.req = self.applied(req, forward.path)
-        if self.hostname:
-            forward.authority = self.hostname
-        if forward.response_modifier is None:  # (a CORS answer holds the route's own)
-            forward.response_modifier = self.response_headers
+            if self.hostname:
+                forward.authority = self.hostname
+        if self.response_headers is not None and forward.response_modifier is None:
+            forward.response_modifier = self.response_headers  # (a CORS answer holds it)
 
     def target(self, req: Any, path: bytes) -> bytes:
         """The request's target after the rewrite (`path`: its path, without the query)."""

@@ -644,10 +644,24 @@ def _explain_request_grammar(head: bytes) -> str:
 class ForwardedContext:
     """Per client connection: the bytes the forwarded headers add (built once)."""
 
-    __slots__ = ("client_ip", "forwarded_for", "last_added", "last_host", "port", "proto")
+    __slots__ = (
+        "access_check",
+        "access_verdict",
+        "client_ip",
+        "forwarded_for",
+        "last_added",
+        "last_host",
+        "port",
+        "proto",
+    )
 
     def __init__(self, client_ip: str, port: int, proto: bytes = b"http") -> None:
         self.client_ip = client_ip.encode()
+        # The verdict of the address-only access check this connection met last
+        # (decision._access_bound): the client address is the connection's, so its
+        # keep-alive requests to that route read it instead of deciding again.
+        self.access_check: object = None
+        self.access_verdict: tuple[int, str, str] | None = None
         self.proto = proto
         self.port = str(port).encode()
         node = self.client_ip
