@@ -16,6 +16,19 @@ Policies (`new_picker(policy, ...)`, or the classes directly):
   ceil(load_factor * (total + 1) * weight / total_weight), so no target ever
   carries more than about `load_factor` times its share while keys still
   mostly stay where they were.
+  With `subset_size` (ingress-nginx's upstream-hash-by-subset, its
+  chashsubset balancer) the ring holds subsets instead of targets: the targets
+  in the order of their names, cut into subsets of that size (the last one
+  filled up from the first targets, so every subset has the size; one subset
+  of all when there are no more targets than that), the subsets named by their
+  place ("set1", "set2", ...). A key goes to one subset, the request to one of
+  its targets at random; weights only tell which targets are pickable, and no
+  load bound applies (the subset spreads its keys' load). Naming subsets by
+  place keeps a key on its subset while the number of subsets stays; a target
+  added or removed changes the members of the subsets from its place on.
+- `pick(key, avoid)` (source only): targets for which `avoid` is true are
+  passed over, walking the ring on (a subset whose targets are all avoided
+  gives the key to the next subset); None when every target is avoided.
 
 Invariants:
 - Weights are integers 0..256 (as in OpenShift routes and HAProxy); a target
@@ -63,6 +76,8 @@ class Picker(Generic[T]):
     """Shared state: the targets, their weights and in-flight counts."""
 
     policy = ""
+    #: Targets per subset of a source-hash picker (0: none; the others have none).
+    subset_size = 0
 
     def __init__(
         self,
@@ -259,7 +274,7 @@ class LeastConnPicker(Picker[T]):
 
 
 class SourceHashPicker(Picker[T]):
-    """Consistent hashing of a key with bounded loads."""
+    """Consistent hashing of a key with bounded loads, to a target or to a subset."""
 
     policy = "source"
 
@@ -271,35 +286,55 @@ class SourceHashPicker(Picker[T]):
         rng: random.Random | None = None,
         load_factor: float = DEFAULT_LOAD_FACTOR,
         name: Callable[[T], str] = str,
+        subset_size: int = 0,
     ) -> None:
         if load_factor < 1:
             raise ValueError("load_factor must be >= 1")
+        if isinstance(subset_size, bool) or not isinstance(subset_size, int) or subset_size < 0:
+            raise ValueError(f"subset_size {subset_size!r} is not a count (0: no subsets)")
         self._load_factor = load_factor
         self._name = name
+        self.subset_size = subset_size
         super().__init__(targets, weights, rng=rng)
 
     def _rebuild(self) -> None:
         pickable = self._pickable()
-        heaviest = max((self._weights[t] for t in pickable), default=0)
-        ring: list[tuple[int, int]] = []
-        for index, target in enumerate(pickable):
-            points = max(1, round(RING_POINTS * self._weights[target] / heaviest))
-            label = self._name(target)
-            ring.extend((_hash(f"{label}#{point}"), index) for point in range(points))
-        ring.sort()
+        # Ring nodes: (label, points). Targets get points by weight; subsets,
+        # named by their place, equal points.
+        nodes: list[tuple[str, int]]
+        if self.subset_size:
+            self._subsets = _subsets(sorted(pickable, key=self._name), self.subset_size)
+            nodes = [(f"set{index + 1}", RING_POINTS) for index in range(len(self._subsets))]
+        else:
+            self._subsets = []
+            heaviest = max((self._weights[t] for t in pickable), default=0)
+            nodes = [
+                (self._name(t), max(1, round(RING_POINTS * self._weights[t] / heaviest)))
+                for t in pickable
+            ]
+        ring = sorted(
+            (_hash(f"{label}#{point}"), index)
+            for index, (label, points) in enumerate(nodes)
+            for point in range(points)
+        )
         self._ring_hashes = [h for h, _ in ring]
-        self._ring_targets = [pickable[i] for _, i in ring]
+        self._ring_nodes = [i for _, i in ring]
+        self._ring_targets = [] if self._subsets else [pickable[i] for _, i in ring]
         self._total_weight = sum(self._weights[t] for t in pickable)
         self._members = pickable
-        self._distinct = len(pickable)
+        self._distinct = len(nodes)
 
-    def pick(self, key: str | bytes | None = None) -> T | None:
+    def pick(
+        self, key: str | bytes | None = None, avoid: Callable[[T], bool] | None = None
+    ) -> T | None:
         if key is None:
             raise ValueError("source hashing needs a key (the client address)")
-        if not self._ring_targets:
+        if not self._ring_nodes:
             return None
-        total_load = sum(self._inflight[t] for t in self._members)
         start = bisect.bisect(self._ring_hashes, _hash(key))
+        if self._subsets:
+            return self._pick_in_subset(start, avoid)
+        total_load = sum(self._inflight[t] for t in self._members)
         size = len(self._ring_targets)
         seen: set[T] = set()
         first: T | None = None
@@ -308,17 +343,63 @@ class SourceHashPicker(Picker[T]):
             if target in seen:
                 continue
             seen.add(target)
-            first = first if first is not None else target
-            capacity = math.ceil(
-                self._load_factor * (total_load + 1) * self._weights[target] / self._total_weight
-            )
-            if self._inflight[target] < capacity:
-                return target
+            if avoid is None or not avoid(target):
+                first = first if first is not None else target
+                capacity = math.ceil(
+                    self._load_factor
+                    * (total_load + 1)
+                    * self._weights[target]
+                    / self._total_weight
+                )
+                if self._inflight[target] < capacity:
+                    return target
             if len(seen) == self._distinct:
                 break
         # Unreachable while load_factor >= 1 (the capacities sum to more than
         # the load), kept so a rounding surprise degrades to plain hashing.
         return first
+
+    def _pick_in_subset(self, start: int, avoid: Callable[[T], bool] | None) -> T | None:
+        """One target at random of the key's subset (the ring's node at `start`),
+        or of the next subset clockwise whose targets are not all avoided."""
+        size = len(self._ring_nodes)
+        if avoid is None:
+            subset = self._subsets[self._ring_nodes[start % size]]
+            return subset[self._rng.randrange(len(subset))]
+        seen: set[int] = set()
+        for step in range(size):
+            node = self._ring_nodes[(start + step) % size]
+            if node in seen:
+                continue
+            seen.add(node)
+            subset = self._subsets[node]
+            count = len(subset)
+            offset = self._rng.randrange(count)
+            for place in range(count):
+                target = subset[(offset + place) % count]
+                if not avoid(target):
+                    return target
+            if len(seen) == self._distinct:
+                break
+        return None
+
+    def subset_of(self, key: str | bytes) -> tuple[T, ...]:
+        """The subset `key` hashes to (() without subsets or targets)."""
+        if not self._subsets:
+            return ()
+        start = bisect.bisect(self._ring_hashes, _hash(key))
+        return self._subsets[self._ring_nodes[start % len(self._ring_nodes)]]
+
+
+def _subsets(ordered: list[T], size: int) -> list[tuple[T, ...]]:
+    """`ordered` cut into subsets of `size`, the last filled up from the first
+    targets (ingress-nginx's build_subset_map); one subset of all when there are
+    no more targets than `size` (so a huge size costs nothing)."""
+    if len(ordered) <= size:
+        return [tuple(ordered)] if ordered else []
+    count = math.ceil(len(ordered) / size)
+    padded = ordered + ordered[: count * size - len(ordered)]
+    return [tuple(padded[index * size : (index + 1) * size]) for index in range(count)]
 
 
 def _hash(value: str | bytes) -> int:
@@ -341,11 +422,13 @@ def new_picker(
     *,
     rng: random.Random | None = None,
     name: Callable[[T], str] | None = None,
+    subset_size: int = 0,
 ) -> Picker[T]:
     """A picker for one of POLICIES ("random", "roundrobin", "leastconn", "source").
 
     `name` labels targets on the source-hash ring (default `str`), so processes
-    that name targets alike agree on where a key goes.
+    that name targets alike agree on where a key goes; `subset_size` (source
+    only) hashes keys to subsets of that many targets.
     """
     try:
         cls = _CLASSES[policy]
@@ -353,6 +436,10 @@ def new_picker(
         raise ValueError(
             f"unknown balancing policy {policy!r} (one of: {', '.join(POLICIES)})"
         ) from None
-    if cls is SourceHashPicker and name is not None:
-        return SourceHashPicker(targets, weights, rng=rng, name=name)
+    if cls is SourceHashPicker:
+        return SourceHashPicker(
+            targets, weights, rng=rng, name=name or str, subset_size=subset_size
+        )
+    if subset_size:
+        raise ValueError(f"subsets are for source hashing, not {policy!r}")
     return cls(targets, weights, rng=rng)

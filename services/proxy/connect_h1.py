@@ -29,7 +29,7 @@ from waygate.proxy.decision import may_redispatch, repick
 from waygate.proxy.pool import Pool
 from waygate.proxy.routing import Target
 from waygate.proxy.upstream import Attachable, ConnectError, start
-from waygate.proxy.upstream_h1 import UpstreamConnection
+from waygate.proxy.upstream_h1 import SingleUseConnection, UpstreamConnection
 
 
 class Reservation:
@@ -105,7 +105,8 @@ async def _open(self: Any, reservation: Reservation) -> None:
     while True:
         attempts += 1
         upstream_tls = ctx.upstream_tls
-        reencrypt = upstream_tls is not None and upstream_tls.applies(entry.route)
+        # (decided per request: AUTO_HTTP's plain clients have no scope)
+        reencrypt = upstream_tls is not None and forward.upstream_scope is not None
         head_sent = False
         try:
             # A socket, or a tunnel endpoint's data connection (upstream.Attachable).
@@ -123,7 +124,8 @@ async def _open(self: Any, reservation: Reservation) -> None:
                 connection = await ctx.dialer.connect(
                     target, options.connect_timeout, forward.traceparent
                 )
-            factory = functools.partial(UpstreamConnection, ctx, target)
+            kind = SingleUseConnection if entry.route.upstream_http10 else UpstreamConnection
+            factory = functools.partial(kind, ctx, target)
             if reencrypt:
                 assert upstream_tls is not None
                 # Reencrypt: a failed handshake is a 502 that says why.
@@ -152,8 +154,8 @@ async def _open(self: Any, reservation: Reservation) -> None:
             return
         break
     self.connect_task = None
-    if entry.upstream_scope is not None:
-        upstream.pool_key = (target, entry.upstream_scope)  # see routing.upstream_scope
+    if forward.upstream_scope is not None:
+        upstream.pool_key = (target, forward.upstream_scope)  # see routing.upstream_scope
     ctx.view.health.succeeded(target)
     ctx.metrics.upstream_opened += 1
     if head_sent:

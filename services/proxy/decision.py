@@ -57,6 +57,7 @@ from waygate.proxy import (
     filters,
     hashkey,
     http1,
+    http10,
     mirror,
     nextupstream,
     ratelimit,
@@ -165,6 +166,7 @@ class Forward:
         "target",
         "traceparent",
         "upstream_head",
+        "upstream_scope",
     )
 
     # Whether the endpoint's in-flight count was taken (release_pick gives it back).
@@ -180,6 +182,11 @@ class Forward:
     response_modifier: HeaderModifier | filters.SetFields | None
     authority: bytes | None  # a rewritten host (None: the request's)
     upstream_head: bytes
+    # What the upstream connection must be beyond its endpoint (`routing.upstream_scope`:
+    # None plain, else the TLS it opens): the route entry's, but plain for a plain
+    # client's request on a route whose scheme follows the client's (AUTO_HTTP). The
+    # drivers open, pool and reuse connections by it.
+    upstream_scope: Any
     span: Any
     # The traceparent the tunnel's dial continues (None: not sampled here).
     traceparent: str | None
@@ -215,6 +222,8 @@ class Forward:
     # ingress-nginx mirror-target of a request with a buffered body: (target, head),
     # sent with the body once it is all in (waygate.proxy.mirror.send_with_body).
     body_mirror: tuple[Any, bytes] | None = None
+    # ingress-nginx proxy-http-version 1.0 to an HTTP/1.1 backend (waygate.proxy.http10).
+    http10 = False
     target: Target
     backend: Backend
     entry: RouteEntry
@@ -298,7 +307,8 @@ def repick(view: View, forward: Forward, facts: ConnectionFacts, failed: Target)
     split = entry.policies.get("canary") if rules_of(entry) else None
     if split is not None:  # a canary's route: the same side again
         entry = split.side_of(forward.backend)
-    target, backend = entry.pick(facts.client_key, None, view.health, failed)
+    key = facts.client_key if forward.hash_key is None else forward.hash_key
+    target, backend = entry.pick(key, None, view.health, failed)
     if target is None or backend is None or backend.invalid or backend.http2 != forward.http2:
         return False
     if forward.counted:  # the old endpoint's count given back (the request goes on)
@@ -389,6 +399,41 @@ def _route_redirect(forward: Forward, req: RequestHead, facts: ConnectionFacts) 
         entry.options.name,
         refused=False,
     )
+
+
+def _literal_redirect(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
+    """ingress-nginx's permanent-redirect / temporal-redirect, nginx's `return CODE URL`:
+    the target exactly as written, never the request's path or query (a path made
+    absolute as nginx's absolute_redirect); a status that is not a redirect answers
+    the target as its body (`filters.text_response`)."""
+    entry = forward.entry
+    route = entry.route
+    assert route.filters is not None and route.filters.redirect is not None
+    status = route.filters.redirect.status
+    location = route.redirect_location
+    if status not in filters.REDIRECT_STATUSES:
+        # nginx's `return 300 TEXT` (300, 304, 305, 306): the text is the body.
+        response = filters.text_response(status, location.encode("latin-1"), req.method == b"HEAD")
+        return Answer(
+            status, response.decode("latin-1"), ANSWER_RESPONSE, entry.options.name, refused=False
+        )
+    if location.startswith("/"):  # nginx's absolute_redirect: the request's scheme and host
+        origin = responserewrite.origin(req, bool(facts.secure), route.port_in_redirects)
+        location = origin.decode("latin-1") + location
+    return Answer(status, location, ANSWER_ROUTE_REDIRECT, entry.options.name, refused=False)
+
+
+def _route_redirect_bound(entry: RouteEntry) -> Runner:
+    return _literal_redirect if entry.route.redirect_location else _route_redirect
+
+
+def _http10_upgrade(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
+    """proxy-http-version 1.0: HTTP/1.0 has no upgrade (waygate.proxy.http10)."""
+    if req.upgrade:
+        return Answer(
+            502, http10.upgrade_refused(req.upgrade), http10.KIND, forward.entry.options.name
+        )
+    return None
 
 
 def _request_filters(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
@@ -580,6 +625,17 @@ def _next_upstream(forward: Forward, req: RequestHead, facts: ConnectionFacts) -
     return None
 
 
+def _scheme_from_client(
+    forward: Forward, req: RequestHead, facts: ConnectionFacts
+) -> Answer | None:
+    """ingress-nginx backend-protocol AUTO_HTTP (nginx's `$scheme://`): the backend is
+    reached over TLS only when the client came over TLS; a plain client's request
+    goes in plain HTTP (a connection of its own in the pool: `upstream_scope`)."""
+    if not facts.secure:
+        forward.upstream_scope = None
+    return None
+
+
 def _limit_rate(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
     """ingress-nginx limit-rate/-after: the response is paced (`waygate.proxy.throttle`)."""
     route = forward.entry.route
@@ -596,7 +652,8 @@ GATES: tuple[Rule, ...] = (
     Rule(
         "route_redirect",
         lambda entry: entry.route.filters is not None and entry.route.filters.redirect is not None,
-        _route_redirect,
+        None,
+        _route_redirect_bound,
     ),
     # The CORS preflight is answered in nginx's rewrite phase (ingress-nginx's cors
     # template returns 204 there), before the limits and the access checks: a browser
@@ -606,11 +663,19 @@ GATES: tuple[Rule, ...] = (
     # After the redirects (nginx's rewrite phase comes before its access phase).
     Rule("access", access.prepare, None, _access_bound),
     Rule("external_auth", lambda entry: entry.route.external_auth is not None, _external_auth),
+    Rule("http10_upgrade", http10.applies, _http10_upgrade),
     Rule("hash_by", _has_hash_by, _hash_by),
     # Last: ingress-nginx's balancer decides the canary after every access check.
     Rule("canary", canary.prepare, _canary),
 )
 SHAPERS: tuple[Rule, ...] = (
+    # First: it decides whether the body is buffered (url_mirror reads that).
+    Rule("http10", http10.applies, http10.shape),
+    Rule(
+        "scheme_from_client",
+        lambda entry: entry.route.upstream_scheme_from_client,
+        _scheme_from_client,
+    ),
     Rule("request_filters", _has_filters, None, _request_filters_bound),
     Rule(
         "capture_rewrite",
@@ -780,6 +845,7 @@ def decide(
     elif view.trace_ratio and random.random() < view.trace_ratio:
         forward.span, traceparent = records.start_span(req, entry.options.name, http_version)
         forward.traceparent = traceparent.decode("ascii")
+    forward.upstream_scope = entry.upstream_scope
     if rules:
         for run in rules[1]:  # type: ignore[index]
             run(forward, req, facts)
@@ -805,6 +871,8 @@ def decide(
             if mirror is not None:
                 mirrors.append((mirror, head))
         forward.mirrors = mirrors
+    if rules and forward.http10:
+        head = http10.request_head(head, upstream_req.chunked)
     if rules and forward.identity:
         # Set from the verified certificate; the client's own copies were stripped.
         head = head[:-2] + forward.identity + b"\r\n"

@@ -74,7 +74,7 @@ from typing import Any, Protocol
 from opentelemetry.trace import Status, StatusCode
 
 from waygate.core import flow
-from waygate.proxy import errorpages, filters, http1, mirror, nextupstream, throttle
+from waygate.proxy import errorpages, filters, http1, http10, mirror, nextupstream, throttle
 from waygate.proxy.authstep import AuthStep
 from waygate.proxy.bodybuffer import BodyBuffer
 from waygate.proxy.connect_h1 import start_connect
@@ -308,7 +308,8 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
         if self.body_received:
             self.body_received = 0
         if req.chunked:
-            self.body_reader = ChunkedReader(chunk_budget=self.ctx.limits.max_small_chunks)
+            limit = self.ctx.limits.max_small_chunks  # (http10: the bare payload, sent whole)
+            self.body_reader = ChunkedReader(chunk_budget=limit, rechunk=not forward.http10)
             self.body_limit = forward.body_limit  # proxy-body-size (0: none)
             self.req_complete = False
         elif req.content_length > 0:
@@ -366,11 +367,10 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
         req = self.req
         # A request that must never be re-sent only takes a recently used
         # connection (see Pool.take); idempotent ones may be retried instead.
-        entry = self.entry
-        if entry is not None and entry.upstream_scope is not None:
-            key: Any = (target, entry.upstream_scope)  # see routing.upstream_scope
-        else:
-            key = target
+        scope = forward.upstream_scope if forward is not None else None
+        key: Any = target if scope is None else (target, scope)  # see routing.upstream_scope
+        if forward is not None and forward.http10:  # waygate.proxy.http10: never an idle
+            key = (key, "http/1.0")  # connection (nothing is put under this key)
         if req is not None and req.method in _IDEMPOTENT:
             upstream = ctx.pool.take(key)
         else:
@@ -420,7 +420,8 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
                 self.upstream_blocked = True
         if self.buffer is not None:
             # A buffered body: the head, then the body as the upstream takes it.
-            upstream.begin(self, reused, sent_at, self.upstream_head)
+            head = http10.buffered_head(self.forward, self.upstream_head, self.buffer)
+            upstream.begin(self, reused, sent_at, head)
             self.upstream_blocked = False
             self._replay()
         elif self.pending_body:

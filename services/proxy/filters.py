@@ -372,6 +372,23 @@ def redirect_location(
     return scheme + b"://" + authority + uri
 
 
+REDIRECT_STATUSES = frozenset(_REASONS)
+# nginx's `return CODE TEXT` for a code that is not a redirect: the text, as
+# ingress-nginx's default_type (text/html).
+_TEXT_REASONS = {300: b"Multiple Choices", 304: b"Not Modified", 305: b"Use Proxy", 306: b"Unused"}
+
+
+def text_response(status: int, text: bytes, head_only: bool) -> bytes:
+    """nginx's `return CODE TEXT` (a status that is not a redirect): the text as the
+    body (none for HEAD or a 304, its length still given, as nginx), no Location."""
+    head = b"HTTP/1.1 %d %s\r\nContent-Type: text/html\r\nContent-Length: %d\r\n\r\n" % (
+        status,
+        _TEXT_REASONS.get(status, b""),
+        len(text),
+    )
+    return head if head_only or status == 304 else head + text
+
+
 def redirect_head(status: int, location: bytes, *, close: bool) -> bytes:
     """The whole redirect answer (no body)."""
     return b"HTTP/1.1 %d %s\r\nLocation: %s\r\nContent-Length: 0\r\n%s\r\n" % (

@@ -145,7 +145,7 @@ class H2Bridge(UpstreamStream):
             head,
             forward.authority or forward.req.host,
             b"https"
-            if upstream_tls is not None and upstream_tls.applies(self.entry.route)
+            if upstream_tls is not None and forward.upstream_scope is not None
             else b"http",
             False,
         )

@@ -190,7 +190,7 @@ class H2Pool:
                 return H2UpstreamConnection(self, key, self.upstreams.limits)
 
             upstream_tls = ctx.upstream_tls
-            if upstream_tls is not None and upstream_tls.applies(route):
+            if upstream_tls is not None and key[1] is not None:  # (the TLS scope)
                 connection = await upstream_tls.open(
                     factory, upstream, route, target, connect_timeout, first.span, http2=True
                 )
@@ -498,7 +498,7 @@ class UpstreamStream:
         """The stream's window shut (True) with request DATA held, or opened (False)."""
 
     def dispatch(self) -> None:
-        key = (self.target, self.entry.upstream_scope, "h2")
+        key = (self.target, self.forward.upstream_scope, "h2")
         upstreams = self.upstreams
         connection = upstreams.pool.take(key)
         if connection is not None:
@@ -658,9 +658,7 @@ class H2Exchange(UpstreamStream):
         upstream_tls = self.ctx.upstream_tls
         self.fields_authority = forward.authority or self.request.authority
         self.fields_scheme = (
-            b"https"
-            if upstream_tls is not None and upstream_tls.applies(forward.entry.route)
-            else b"http"
+            b"https" if upstream_tls is not None and forward.upstream_scope is not None else b"http"
         )
         self.fields = h2_request_fields(
             forward.upstream_head, self.fields_authority, self.fields_scheme, self.request.grpc

@@ -182,17 +182,17 @@ def shape(forward: Any, req: RequestHead, facts: Any) -> None:
         if errors is not rules.errors:
             changes["errors"] = errors
         if rules.redirect_to.startswith(b"/"):
-            changes["origin"] = _origin(req, bool(facts.secure), route.port_in_redirects)
+            changes["origin"] = origin(req, bool(facts.secure), route.port_in_redirects)
         forward.response_modifier = dataclasses.replace(rules, **changes) if changes else rules
     line = _CONNECTION.get(route.connection_header)
-    if line is not None and not forward.req.upgrade and not forward.http2:
+    if line is not None and not forward.req.upgrade and not forward.http2 and not forward.http10:
         current = forward.upstream_request()
         out = current if current is not req else req.copy()
         out.fields = out.fields + line
         forward.req = out
 
 
-def _origin(req: RequestHead, secure: bool, with_port: bool) -> bytes:
+def origin(req: RequestHead, secure: bool, with_port: bool) -> bytes:
     """nginx's absolute redirect prefix: scheme://host, with the port the client
     addressed only under port_in_redirect and when it is not the scheme's."""
     scheme = b"https" if secure else b"http"

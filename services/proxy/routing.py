@@ -24,7 +24,8 @@ Rules:
   are checked only for entries that have them.
 - Backends: picked by weight (0..256, smooth weighted round robin, weight 0
   never), then the endpoint by the route's policy (waygate.core.balancing;
-  default leastconn) among the backend's usable endpoints.
+  default leastconn) among the backend's usable endpoints -- or its one target,
+  the Service's cluster IP and port, when the backend asks for it (`use_cluster_ip`).
 - Sticky sessions (unless the route disables cookies): the cookie value is a
   keyed BLAKE2b of the endpoint's address and port, so it reveals no address;
   a cookie naming a live endpoint of the route wins over the policy.
@@ -46,7 +47,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import parse_qsl
 
-from waygate.core.balancing import Picker, RoundRobinPicker, new_picker
+from waygate.core.balancing import Picker, RoundRobinPicker, SourceHashPicker, new_picker
 from waygate.core.paths import normalize_request_path
 from waygate.core.regex import LinearPattern, compile_linear
 from waygate.proxy.tls import hsts_line
@@ -465,6 +466,13 @@ class RouteEntry:
         target = first
         if exclude is None and not health.failing:
             return target, backend
+        if key is not None and isinstance(picker, SourceHashPicker):
+            # The same key again would be the same endpoint (or subset): the
+            # ring is walked past the failed and the skipped endpoints instead.
+            walked = picker.pick(key, lambda t: t == exclude or health.skipped(t))
+            if walked is not None:
+                return walked, backend
+            return (None if first == exclude else first), backend
         tries = len(picker)
         while (target == exclude or health.skipped(target)) and tries > 1:
             tries -= 1
@@ -659,10 +667,13 @@ def unavailable_reason(entry: RouteEntry) -> str:
 def upstream_scope(route: Route) -> tuple[Any, ...] | None:
     """What an upstream connection for `route` promises beyond its endpoint: None for
     a plain one; for reencrypt, the destination CA (or the system's), the server
-    name and SANs it was verified against and whether the proxy's client
-    certificate went with it. Idle upstream connections are pooled per (endpoint,
-    scope), so a plain route never takes a TLS connection and a reencrypt route only
-    one verified and presented as it asks."""
+    name and SANs it was verified against and which client certificate went with it
+    (the proxy's, or the route's own: ingress-nginx proxy-ssl-secret). Idle upstream
+    connections are pooled per (endpoint, scope), so a plain route never takes a TLS
+    connection and a reencrypt route only one verified and presented as it asks. A
+    route whose scheme follows the client's (`upstream_scheme_from_client`) has this
+    TLS scope; `decision.decide` gives a plain client's request None instead
+    (`Forward.upstream_scope`)."""
     tls = route.tls
     if tls is None or tls.termination != TLSTermination.REENCRYPT:
         return None
@@ -673,6 +684,7 @@ def upstream_scope(route: Route) -> tuple[Any, ...] | None:
         tls.destination_system_ca,
         tls.destination_san_hostnames,
         tls.destination_san_uris,
+        tls.backend_client_certificate,
     )
 
 
@@ -809,6 +821,27 @@ def _targets(
     return targets
 
 
+def _backend_targets(
+    backend: RouteBackend,
+    route: Route,
+    endpoints: Iterable[Endpoint],
+    service: Service | None,
+) -> list[Target]:
+    """A route backend's targets: its Service's usable endpoints; with `use_cluster_ip`
+    (ingress-nginx's service-upstream) one target, the Service's cluster IP at the
+    Service port (not the target port: kube-proxy or a mesh balances behind it), or
+    none when the Service has no such port. A Service without a cluster IP (headless,
+    ExternalName) keeps its endpoints, as ingress-nginx falls back to them. Built
+    with every table, so a changed Service moves the target with the next view."""
+    port = backend.port or route.target_port
+    if backend.use_cluster_ip and service is not None and service.cluster_ips:
+        found = service_port(service, port)
+        if found is None:
+            return []
+        return [Target(service.cluster_ips[0], found.port, False, "", *service.key)]
+    return _targets(endpoints, port, service)
+
+
 def _default_backend(
     route: Route,
     endpoints: Mapping[tuple[str, str], tuple[Endpoint, ...]],
@@ -882,6 +915,7 @@ def build_table(
                 continue
             side = sides.setdefault(secure, HostIndex())
         policy = str(_value(route.balance) or DEFAULT_POLICY)
+        subset_size = route.hash_subset_size if policy == "source" else 0
         options = _route_options(route, defaults)
         backends: list[Backend] = []
         weights: list[int] = []
@@ -898,14 +932,14 @@ def build_table(
             key = (route_backend.namespace or route.namespace, route_backend.service)
             service = services.get(key)
             targets = (
-                _targets(endpoints.get(key, ()), route_backend.port or route.target_port, service)
+                _backend_targets(route_backend, route, endpoints.get(key, ()), service)
                 if not route_backend.invalid
                 else []
             )
             alive.update(targets)
             picker = carried.get((route.namespace, route.name, route_backend.service))
-            if picker is None or picker.policy != policy:
-                picker = new_picker(policy, targets)
+            if picker is None or picker.policy != policy or picker.subset_size != subset_size:
+                picker = new_picker(policy, targets, subset_size=subset_size)
             else:
                 picker.update(targets)
             backends.append(

@@ -11,7 +11,7 @@ The two talk through methods only:
   for the rest of it,
   `pause_reading`/`resume_reading` for flow control, and at the end
   `release(reusable, now)` (pooled when reusable and the upstream did not ask
-  to close, otherwise closed) or `abort()`;
+  to close, otherwise closed; a `SingleUseConnection` always closes) or `abort()`;
 - the connection calls the Exchange back: `response_head`, `informational`,
   `switching` (a 101), `response_data`, `relay_data`, `relay_eof`,
   `upstream_closed`, `upstream_paused`.
@@ -272,3 +272,13 @@ class UpstreamConnection(asyncio.Protocol):
     def resume_writing(self) -> None:
         if self.exchange is not None:
             self.exchange.upstream_paused(False)
+
+
+class SingleUseConnection(UpstreamConnection):
+    """A connection that carries one exchange and is closed after it, never pooled:
+    HTTP/1.0 to the backend (ingress-nginx proxy-http-version 1.0, `http10`)."""
+
+    __slots__ = ()
+
+    def release(self, reusable: bool, now: float = 0.0) -> None:
+        super().release(False, now)

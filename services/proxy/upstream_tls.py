@@ -8,8 +8,17 @@ against the route's
 destination CA, or Waygate's trust bundle when the route names none, for the
 name `SERVICE.NAMESPACE.svc` of the backend unless the route sets
 `destinationServerName`; with `presentClientCertificate` the proxy's own
-client certificate goes with it. The resulting connection is an ordinary
-`UpstreamConnection`, pooled per endpoint like a plain one.
+client certificate goes with it, with `backend_client_certificate` the route's
+own (ingress-nginx proxy-ssl-secret; its key handed to OpenSSL through
+`core.tls.load_pem_chain`, an anonymous memfd, never a named file). The
+resulting connection is an ordinary `UpstreamConnection`, pooled per
+(endpoint, `routing.upstream_scope`) like a plain one per endpoint.
+
+Client contexts are built once per (destination CA, client certificate and key,
+ALPN, system CAs, SAN mode) and reused by every connection and route that asks
+the same (the server name is the connection's, not the context's); a new
+resolver view drops those no route asks for any more (`keep_only`), so a
+rotated Secret's old key is not held.
 
 When the handshake fails the client must learn why (seed 000: a bare 503 and
 `x509: certificate has expired or is not yet valid` in someone else's log).
@@ -264,7 +273,7 @@ class UpstreamTLS:
         self._on_untrusted = on_untrusted
         self._client_pem = client_pem
         self._connect = connect  # the dialer's connect, for the facts handshake
-        self._contexts: dict[tuple[str, bool, bool, bool, bool], ssl.SSLContext] = {}
+        self._contexts: dict[tuple[Any, ...], ssl.SSLContext] = {}
         # (address, port, server name) -> (valid until, the backend's leaf): a backend
         # that keeps failing verification is probed once per FACTS_TTL, not per request.
         self._facts: dict[tuple[str, int, str], tuple[float, x509.Certificate | None]] = {}
@@ -296,18 +305,33 @@ class UpstreamTLS:
                 context.keep_only(names)
         now = time.monotonic()
         self._facts = {key: fact for key, fact in self._facts.items() if fact[0] > now}
+        # Contexts no route asks for (a replaced CA or client certificate) go.
+        asked = {self._route_key(r) for r in routes if self.applies(r)}
+        self._contexts = {k: c for k, c in self._contexts.items() if k[:-1] in asked}
         # Backend certificates of routes (and endpoints) the view no longer has go too.
         wanted = {f"{r.namespace}/{r.name}" for r in routes if self.applies(r)}
         self._probe_targets = {k: v for k, v in self._probe_targets.items() if k[0] in wanted}
         self.certificates.keep_only(self._probe_targets)
 
-    def context(self, route: Route, http2: bool = False) -> ssl.SSLContext:
+    @staticmethod
+    def _route_key(route: Route) -> tuple[Any, ...]:
+        """What a route's client context depends on (with ALPN last: `context`)."""
         tls = route.tls
         assert tls is not None
         # An auth-proxy route (client CA) presents the proxy's front-proxy certificate.
         present = tls.present_client_certificate or bool(tls.client_ca_certificate)
         by_san = bool(tls.destination_san_hostnames or tls.destination_san_uris)
-        key = (tls.destination_ca_certificate, present, http2, tls.destination_system_ca, by_san)
+        return (
+            tls.destination_ca_certificate,
+            present,
+            tls.destination_system_ca,
+            by_san,
+            tls.backend_client_certificate,
+            tls.backend_client_key,
+        )
+
+    def context(self, route: Route, http2: bool = False) -> ssl.SSLContext:
+        key = (*self._route_key(route), http2)
         context = self._contexts.get(key)
         if context is None:
             context = self._build(*key)
@@ -318,9 +342,11 @@ class UpstreamTLS:
         self,
         destination_ca: str,
         present_client: bool,
+        system_ca: bool,
+        by_san: bool,
+        client_certificate: str,
+        client_key: str,
         http2: bool,
-        system_ca: bool = False,
-        by_san: bool = False,
     ) -> ssl.SSLContext:
         context = _ResumingContext(ssl.PROTOCOL_TLS_CLIENT)
         context.last = {}
@@ -343,7 +369,26 @@ class UpstreamTLS:
                 raise ConnectError(
                     "the route's destination CA does not parse", "tls_config", retryable=False
                 ) from None
-        if present_client:
+        if client_certificate:
+            # The route's own (proxy-ssl-secret), in place of the proxy's.
+            if not client_key:
+                # Redacted by the resolver (this proxy is not a route reader): never
+                # a handshake without the certificate the backend may require.
+                raise ConnectError(
+                    "the route's backend client key is withheld from this proxy "
+                    "(its resolver connection is not a route reader's)",
+                    "tls_key_withheld",
+                    retryable=False,
+                )
+            try:
+                load_pem_chain(context, client_certificate.encode(), client_key.encode())
+            except ssl.SSLError:
+                raise ConnectError(
+                    "the route's backend client certificate does not load",
+                    "tls_config",
+                    retryable=False,
+                ) from None
+        elif present_client:
             pem = self._client_pem()
             if pem is not None:
                 load_pem_chain(context, *pem)

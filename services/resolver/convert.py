@@ -251,6 +251,7 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
                 namespace=b.namespace,
                 port=b.port,
                 invalid=b.invalid,
+                use_cluster_ip=b.use_cluster_ip,
             )
             for b in route.backends
         ],
@@ -334,6 +335,7 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
     message.rewrite_target = route.rewrite_target
     message.default_backend = route.default_backend
     message.hash_by = route.hash_by
+    message.hash_subset_size = route.hash_subset_size
     message.redirect_from = route.redirect_from
     message.redirect_to = route.redirect_to
     message.cookie_domain = route.cookie_domain
@@ -345,6 +347,9 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
     message.access_log_disabled = route.access_log_disabled
     message.limit_rate = route.limit_rate
     message.limit_rate_after = route.limit_rate_after
+    message.upstream_scheme_from_client = route.upstream_scheme_from_client
+    message.upstream_http10 = route.upstream_http10
+    message.redirect_location = route.redirect_location
     if route.next_upstream_timeout:
         message.next_upstream_timeout.FromNanoseconds(round(route.next_upstream_timeout * 1e9))
     if (url_mirror := route.url_mirror) is not None:
@@ -376,6 +381,8 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
                 destination_system_ca=route.tls.destination_system_ca,
                 destination_san_hostnames=route.tls.destination_san_hostnames,
                 destination_san_uris=route.tls.destination_san_uris,
+                backend_client_certificate=route.tls.backend_client_certificate,
+                backend_client_key=route.tls.backend_client_key if with_key else "",
             )
         )
     return message
@@ -411,6 +418,8 @@ def route_from_proto(message: pb.Route) -> model.Route:
             destination_system_ca=message.tls.destination_system_ca,
             destination_san_hostnames=tuple(message.tls.destination_san_hostnames),
             destination_san_uris=tuple(message.tls.destination_san_uris),
+            backend_client_certificate=message.tls.backend_client_certificate,
+            backend_client_key=message.tls.backend_client_key,
         )
     elif message.HasField("tls") and (
         message.tls.certificate
@@ -419,6 +428,8 @@ def route_from_proto(message: pb.Route) -> model.Route:
         or message.tls.client_ca_certificate
         or message.tls.destination_server_name
         or message.tls.present_client_certificate
+        or message.tls.backend_client_certificate
+        or message.tls.backend_client_key
         or message.tls.HasField("hsts")
     ):
         raise InvalidArgument(
@@ -439,7 +450,9 @@ def route_from_proto(message: pb.Route) -> model.Route:
         host=message.host,
         path=message.path,
         backends=tuple(
-            model.RouteBackend(b.service, b.weight, b.namespace, b.port, b.invalid)
+            model.RouteBackend(
+                b.service, b.weight, b.namespace, b.port, b.invalid, b.use_cluster_ip
+            )
             for b in message.backends
         ),
         target_port=message.target_port,
@@ -494,6 +507,7 @@ def route_from_proto(message: pb.Route) -> model.Route:
         rewrite_target=message.rewrite_target,
         default_backend=message.default_backend,
         hash_by=message.hash_by,
+        hash_subset_size=message.hash_subset_size,
         redirect_from=message.redirect_from,
         redirect_to=message.redirect_to,
         cookie_domain=message.cookie_domain,
@@ -506,6 +520,9 @@ def route_from_proto(message: pb.Route) -> model.Route:
         canary=_canary_from_proto(message.canary) if message.HasField("canary") else None,
         limit_rate=message.limit_rate,
         limit_rate_after=message.limit_rate_after,
+        upstream_scheme_from_client=message.upstream_scheme_from_client,
+        upstream_http10=message.upstream_http10,
+        redirect_location=message.redirect_location,
         next_upstream_timeout=seconds(message.next_upstream_timeout)
         if message.HasField("next_upstream_timeout")
         else 0.0,

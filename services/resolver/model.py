@@ -163,6 +163,10 @@ class RouteBackend:
     # Why this backend cannot be used (not found, not granted, unknown kind);
     # its share of the requests is answered 500, as the Gateway API says.
     invalid: str = ""
+    # The Service's cluster IP at the Service port is this backend's one endpoint
+    # (kube-proxy or a mesh balances: ingress-nginx's service-upstream); a Service
+    # without one (headless, ExternalName) keeps its endpoints, as ingress-nginx.
+    use_cluster_ip: bool = False
 
 
 @dataclass(frozen=True)
@@ -198,6 +202,11 @@ class RouteTLS:
     destination_system_ca: bool = False
     destination_san_hostnames: tuple[str, ...] = ()
     destination_san_uris: tuple[str, ...] = ()
+    # ingress-nginx proxy-ssl-secret (reencrypt): the client certificate (PEM chain)
+    # presented to the backend instead of the proxy's own, and its key (a secret,
+    # withheld as `key` is).
+    backend_client_certificate: str = ""
+    backend_client_key: str = ""
 
 
 @dataclass(frozen=True)
@@ -630,6 +639,9 @@ class Route:
     # ingress-nginx upstream-hash-by: the nginx variable whose value is the source
     # policy's hash key ("": the client address).
     hash_by: str = ""
+    # ingress-nginx upstream-hash-by-subset(-size): the source policy hashes to one
+    # subset of this many endpoints, then picks one of them at random (0: off).
+    hash_subset_size: int = 0
     # ingress-nginx's response-side annotations (waygate.proxy.responserewrite and
     # .errorpages): proxy-redirect-from/-to ("": none), proxy-cookie-domain and
     # -path ("FROM TO"; "": none), custom-http-errors and
@@ -654,6 +666,14 @@ class Route:
     url_mirror: UrlMirror | None = None
     # proxy-next-upstream-timeout in seconds (0: no bound on the tries' time).
     next_upstream_timeout: float = 0.0
+    # ingress-nginx backend-protocol AUTO_HTTP: TLS to the backend (as `tls`
+    # reencrypts) only for requests whose client came over TLS, plain otherwise.
+    upstream_scheme_from_client: bool = False
+    # proxy-http-version "1.0": HTTP/1.0 to an HTTP/1.1 backend (waygate.proxy.http10).
+    upstream_http10: bool = False
+    # permanent-redirect / temporal-redirect: the Location exactly as written
+    # (nginx's `return CODE URL`; filters.redirect gives the status); "": none.
+    redirect_location: str = ""
 
     @property
     def key(self) -> RouteKey:

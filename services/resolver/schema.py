@@ -238,6 +238,7 @@ DERIVED: Final[Mapping[str, Mapping[str, str]]] = {
         "rewrite_target": "ingress-nginx rewrite-target with capture groups",
         "default_backend": "ingress-nginx default-backend",
         "hash_by": "ingress-nginx upstream-hash-by",
+        "hash_subset_size": "ingress-nginx upstream-hash-by-subset(-size)",
         "redirect_from": "ingress-nginx proxy-redirect-from",
         "redirect_to": "ingress-nginx proxy-redirect-to",
         "cookie_domain": "ingress-nginx proxy-cookie-domain",
@@ -252,11 +253,15 @@ DERIVED: Final[Mapping[str, Mapping[str, str]]] = {
         "limit_rate_after": "ingress-nginx limit-rate-after",
         "url_mirror": "ingress-nginx mirror-target, -host and -request-body",
         "next_upstream_timeout": "ingress-nginx proxy-next-upstream-timeout",
+        "upstream_scheme_from_client": "ingress-nginx backend-protocol AUTO_HTTP",
+        "upstream_http10": 'ingress-nginx proxy-http-version "1.0"',
+        "redirect_location": "ingress-nginx permanent-redirect / temporal-redirect targets",
     },
     "RouteBackend": {
         "namespace": "Gateway API backendRefs across namespaces (ReferenceGrant)",
         "port": "Gateway API backendRefs' port",
         "invalid": "why the resolver cannot use a Gateway API backendRef",
+        "use_cluster_ip": "ingress-nginx service-upstream",
     },
     "StickySessions": {
         "cookie_path": "ingress-nginx session-cookie-path",
@@ -268,6 +273,8 @@ DERIVED: Final[Mapping[str, Mapping[str, str]]] = {
         "destination_system_ca": "BackendTLSPolicy wellKnownCACertificates",
         "destination_san_hostnames": "BackendTLSPolicy subjectAltNames",
         "destination_san_uris": "BackendTLSPolicy subjectAltNames",
+        "backend_client_certificate": "ingress-nginx proxy-ssl-secret's tls.crt",
+        "backend_client_key": "ingress-nginx proxy-ssl-secret's tls.key",
     },
 }
 

@@ -349,6 +349,7 @@ def _validate_tls(tls: RouteTLS, what: str, path: str) -> RouteTLS:
             "destination_system_ca",
             "destination_san_hostnames",
             "destination_san_uris",
+            "backend_client_certificate",
         ):
             if getattr(tls, field):
                 raise _fail(what, f"tls.{field}", "only reencrypt routes open TLS to the backend")
@@ -363,22 +364,14 @@ def _validate_tls(tls: RouteTLS, what: str, path: str) -> RouteTLS:
             )
     if tls.client_ca_certificate:
         _parse_certificates(tls.client_ca_certificate, what, "tls.client_ca_certificate")
-    if bool(tls.certificate) != bool(tls.key):
-        missing = "key" if tls.certificate else "certificate"
-        raise _fail(
-            what,
-            f"tls.{missing}",
-            "give the certificate and its key together, or neither (the proxy's default)",
-        )
-    if tls.certificate:
-        certificates = _parse_certificates(tls.certificate, what, "tls.certificate")
-        key = _parse_private_key(tls.key, what)
-        if _public_bytes(key.public_key()) != _public_bytes(certificates[0].public_key()):
-            raise _fail(
-                what,
-                "tls.key",
-                "does not match the public key of tls.certificate's first certificate",
-            )
+    _check_pair(tls.certificate, tls.key, what, "certificate", "key")
+    _check_pair(
+        tls.backend_client_certificate,
+        tls.backend_client_key,
+        what,
+        "backend_client_certificate",
+        "backend_client_key",
+    )
     if tls.ca_certificate:
         _parse_certificates(tls.ca_certificate, what, "tls.ca_certificate")
     if tls.destination_ca_certificate:
@@ -392,7 +385,29 @@ _PEM_FIELDS = (
     "ca_certificate",
     "destination_ca_certificate",
     "client_ca_certificate",
+    "backend_client_certificate",
+    "backend_client_key",
 )
+
+
+def _check_pair(certificate: str, key: str, what: str, cert_field: str, key_field: str) -> None:
+    """A certificate and its key: both or neither, PEM, the key the certificate's."""
+    if bool(certificate) != bool(key):
+        missing = key_field if certificate else cert_field
+        raise _fail(
+            what,
+            f"tls.{missing}",
+            "give the certificate and its key together, or neither (the proxy's default)",
+        )
+    if certificate:
+        certificates = _parse_certificates(certificate, what, f"tls.{cert_field}")
+        parsed = _parse_private_key(key, what, f"tls.{key_field}")
+        if _public_bytes(parsed.public_key()) != _public_bytes(certificates[0].public_key()):
+            raise _fail(
+                what,
+                f"tls.{key_field}",
+                f"does not match the public key of tls.{cert_field}'s first certificate",
+            )
 
 
 def _check_hsts(hsts: HSTS, what: str) -> None:
@@ -430,13 +445,13 @@ def _parse_certificates(pem: str, what: str, field: str) -> list[x509.Certificat
     return certificates
 
 
-def _parse_private_key(pem: str, what: str) -> PrivateKeyTypes:
+def _parse_private_key(pem: str, what: str, field: str = "tls.key") -> PrivateKeyTypes:
     try:
         return serialization.load_pem_private_key(pem.encode(), password=None)
     except TypeError:
-        raise _fail(what, "tls.key", "is encrypted; give an unencrypted PEM key") from None
+        raise _fail(what, field, "is encrypted; give an unencrypted PEM key") from None
     except (ValueError, UnsupportedAlgorithm) as exc:
-        raise _fail(what, "tls.key", f"is not a PEM private key ({exc})") from None
+        raise _fail(what, field, f"is not a PEM private key ({exc})") from None
 
 
 def _public_bytes(public_key: object) -> bytes:

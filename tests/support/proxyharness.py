@@ -27,8 +27,9 @@ from waygate.resolver.model import Endpoint, EndpointPort, Route, RouteBackend
 
 
 class RecordingUpstream:
-    def __init__(self, name: str = "up") -> None:
+    def __init__(self, name: str = "up", host: str = "127.0.0.1") -> None:
         self.name = name
+        self.host = host  # another loopback address: another "pod" of one Service
         self.received = bytearray()
         self.requests: list[dict[str, object]] = []
         self.connections = 0
@@ -37,7 +38,7 @@ class RecordingUpstream:
         self._writers: set[asyncio.StreamWriter] = set()
 
     async def start(self) -> RecordingUpstream:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self._server = await asyncio.start_server(self._serve, self.host, 0)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 

@@ -12,6 +12,7 @@ an injection payload, is not served while every other Ingress is.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -20,9 +21,10 @@ import pytest
 import pytest_asyncio
 import yaml
 
-from tests.support.gatewayapi import INFRA, Conformance
+from tests.support.gatewayapi import INFRA, Conformance, local_slice, parse_response
 from tests.support.poll import until
 from tests.support.processes import run_cli
+from tests.support.proxyharness import RecordingUpstream, read_response
 
 pytestmark = [pytest.mark.system, pytest.mark.asyncio(loop_scope="module")]
 
@@ -121,6 +123,58 @@ async def test_redirect_standard_and_custom_code(suite: Conformance) -> None:
     assert response.header("Location") == url
     response = await suite.eventually("/something", host="redirect2.bar.com", status=302)
     assert response.header("Location") == url
+
+
+async def test_redirect_target_with_a_query_and_code_300(suite: Conformance) -> None:
+    # redirect.go's assertions (Status(code), Header("Location").Equal(redirectURL)) for a
+    # target with a query string, asked with and without one of the client's own:
+    # ingress-nginx renders `return CODE URL;`, which appends no $args. And
+    # permanent-redirect-code 300, inside redirect.go's range: nginx's `return 300 URL`
+    # answers the URL as the body, without a Location.
+    url = "https://new.example.com/landing?from=old&x=1"
+    query = single_ingress("query", "/", "redirect-query.bar.com", {P + "permanent-redirect": url})
+    choices = single_ingress(
+        "choices",
+        "/",
+        "redirect-300.bar.com",
+        {P + "permanent-redirect": url, P + "permanent-redirect-code": "300"},
+    )
+    await apply(suite, query, choices)
+    for path in ("/something", "/something?client=1"):
+        response = await suite.eventually(path, host="redirect-query.bar.com", status=301)
+        assert response.header("Location") == url
+    response = await suite.eventually("/x?y=1", host="redirect-300.bar.com", status=300)
+    assert response.header("Location") is None
+    assert response.body == url.encode()
+
+
+async def test_proxy_http_version_1_0(suite: Conformance) -> None:
+    # proxy.go: It("should change the default proxy HTTP version") (its assertion:
+    # `proxy_http_version 1.0;` in the configuration), asserted on what the echo backend
+    # receives: an HTTP/1.0 request with Connection: close; a chunked body whole, with
+    # its Content-Length (nginx sends no chunked coding to an HTTP/1.0 backend).
+    host = "proxy-version.foo.com"
+    await apply(suite, single_ingress(host, "/", host, {P + "proxy-http-version": "1.0"}))
+    response = await suite.eventually("/version-marker", host=host, backend=V1)
+    assert response.request_header("Connection") == "close"
+    received = bytes(suite.backends[(INFRA, "infra-backend-v1")].received)
+    assert b"GET /version-marker HTTP/1.0\r\n" in received
+    reader, writer = await asyncio.open_connection("127.0.0.1", suite.port)
+    try:
+        writer.write(
+            b"POST /upload-marker HTTP/1.1\r\nHost: %s\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n" % host.encode()
+        )
+        response = parse_response(await read_response(reader, timeout=10))
+    finally:
+        writer.close()
+    assert response.status == 200
+    assert response.request_header("Content-Length") == "11"
+    assert response.request_header("Transfer-Encoding") is None
+    assert response.echo["body_length"] == 11
+    assert b"POST /upload-marker HTTP/1.0\r\n" in bytes(
+        suite.backends[(INFRA, "infra-backend-v1")].received
+    )
 
 
 async def test_xforwardedprefix_sets_the_header_to_the_annotation_value(suite: Conformance) -> None:
@@ -948,3 +1002,307 @@ async def test_connection_header_and_access_log_off(suite: Conformance) -> None:
 
     await until(logged, "an access-log line for another route", timeout=20)
     assert not [e for e in proxy.logs if e.get("msg") == "request" and e.get("path") == "/quiet"]
+
+
+def _proxy_ssl_objects(backend_port: int, ca: Any, hosts: list[str]) -> str:
+    """framework.CreateIngressMASecret's Secret `proxyssl` (tls.crt, tls.key of a
+    certificate for the hosts, ca.crt of its CA), `proxyssl-ca` with ca.crt alone, and
+    a Service `nginx-dual-backend` with its EndpointSlice at `backend_port`."""
+    import base64
+
+    cert, key = ca.issue(dns=hosts)
+    secrets = [
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": name, "namespace": INFRA},
+            "data": {k: base64.b64encode(v).decode() for k, v in data.items()},
+        }
+        for name, data in (
+            ("proxyssl", {"tls.crt": cert, "tls.key": key, "ca.crt": ca.pem}),
+            ("proxyssl-ca", {"ca.crt": ca.pem}),
+        )
+    ]
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "nginx-dual-backend", "namespace": INFRA},
+        "spec": {"ports": [{"name": "https", "port": 443, "targetPort": backend_port}]},
+    }
+    endpoints = {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": "nginx-dual-backend-local",
+            "namespace": INFRA,
+            "labels": {"kubernetes.io/service-name": "nginx-dual-backend"},
+        },
+        "addressType": "IPv4",
+        "ports": [{"name": "https", "port": backend_port}],
+        "endpoints": [{"addresses": ["127.0.0.1"]}],
+    }
+    return yaml.safe_dump_all([*secrets, service, endpoints])
+
+
+def _with_tls(item: dict[str, Any], host: str, service: str = "") -> dict[str, Any]:
+    """framework.NewSingleIngressWithTLS: the host's TLS from the Secret `proxyssl`."""
+    item["spec"]["tls"] = [{"hosts": [host], "secretName": "proxyssl"}]
+    if service:
+        item["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"] = {
+            "name": service,
+            "port": {"number": 443},
+        }
+    return item
+
+
+async def test_proxyssl_secret_and_backend_protocol_auto_http(suite: Conformance) -> None:
+    # proxyssl.go: It("should set valid proxy-ssl-secret") and It("should set valid
+    # proxy-ssl-secret, proxy-ssl-verify to on, proxy-ssl-verify-depth to 2, and
+    # proxy-ssl-server-name to on"): the Secret of CreateIngressMASecret is the host's
+    # certificate and proxy-ssl-secret; the echo backend speaks HTTP, so the Ingress
+    # is served as it is: plain HTTP -> 308, HTTPS -> 200. (assertProxySSL's nginx.conf
+    # lines have no counterpart here; what they mean is asserted on the wire, and with
+    # a real client certificate in tests/integration/proxy/test_backend_client_tls.py.)
+    # backendprotocol.go: It("should set backend protocol to $scheme:// and use
+    # proxy_pass"): AUTO_HTTP reaches one Service port over TLS from an HTTPS client
+    # and in plain HTTP from a plain one (the backend says which scheme arrived),
+    # verified against a ca.crt-only proxy-ssl-secret.
+    # This suite's proxy is not a route reader (no mTLS to the resolver): the key of
+    # proxy-ssl-secret never reaches it, and an HTTPS backend that would get the
+    # client certificate is a 502 that says so, never a handshake without it.
+    from tests.support.dualscheme import DualBackend
+    from tests.support.pki import LocalCA
+    from waygate.core.tls import server_context
+
+    ca = LocalCA(name="proxyssl.foo.com CA")
+    backend_cert, backend_key = ca.issue(dns=["backend.internal"])
+    context = server_context(
+        chain_pem=backend_cert, key_pem=backend_key, client_ca_pem=ca.pem, client_auth="optional"
+    )
+    plain_host, verify_host = "proxyssl.foo.com", "proxyssl-verify.foo.com"
+    https_host, auto_host, broken_host = "https.foo.com", "auto.foo.com", "broken.foo.com"
+    secret = f"{INFRA}/proxyssl"
+    name = {P + "proxy-ssl-verify": "on", P + "proxy-ssl-name": "backend.internal"}
+    with DualBackend(context) as backend:
+        ingresses = [
+            _with_tls(
+                single_ingress("proxyssl", "/", plain_host, {P + "proxy-ssl-secret": secret}),
+                plain_host,
+            ),
+            _with_tls(
+                single_ingress(
+                    "proxyssl-verify",
+                    "/",
+                    verify_host,
+                    {
+                        P + "proxy-ssl-secret": secret,
+                        P + "proxy-ssl-verify": "on",
+                        P + "proxy-ssl-verify-depth": "2",
+                        P + "proxy-ssl-server-name": "on",
+                    },
+                ),
+                verify_host,
+            ),
+            _with_tls(
+                single_ingress(
+                    "proxyssl-https",
+                    "/",
+                    https_host,
+                    {P + "backend-protocol": "HTTPS", P + "proxy-ssl-secret": secret, **name},
+                ),
+                https_host,
+                "nginx-dual-backend",
+            ),
+            _with_tls(
+                single_ingress(
+                    "auto-http",
+                    "/",
+                    auto_host,
+                    {
+                        P + "backend-protocol": "AUTO_HTTP",
+                        P + "proxy-ssl-secret": f"{INFRA}/proxyssl-ca",
+                        P + "ssl-redirect": "false",
+                        **name,
+                    },
+                ),
+                auto_host,
+                "nginx-dual-backend",
+            ),
+            single_ingress(
+                "proxyssl-missing",
+                "/",
+                broken_host,
+                {P + "backend-protocol": "HTTPS", P + "proxy-ssl-secret": f"{INFRA}/missing"},
+            ),
+        ]
+        objects = _proxy_ssl_objects(backend.port, ca, [plain_host, verify_host, https_host])
+        await suite.apply(extra=yaml.safe_dump_all([CONTROLLER, *ingresses]) + "---\n" + objects)
+        for host in (plain_host, verify_host):
+            await suite.eventually("/", host=host, status=308)
+            response = await suite.request("/", host=host, tls=True)
+            assert (response.status, response.backend) == (200, V1), response
+        response = await suite.eventually("/", host=auto_host, tls=True)
+        assert response.echo == {"scheme": "https", "client": ""}, response.echo
+        response = await suite.eventually("/", host=auto_host)
+        assert response.echo == {"scheme": "http", "client": ""}, response.echo
+        assert sorted(backend.connections) == ["http", "https"]
+        response = await suite.request("/", host=https_host, tls=True)
+        assert response.status == 502, response
+        assert "withheld" in (response.header("X-Waygate-Error") or ""), response
+        # A proxy-ssl-secret that cannot be read: that Ingress alone is not served
+        # (ingress-nginx denies its location: 503); the others above still are.
+        assert (await suite.request("/", host=broken_host)).status == 404
+    assert suite.resolver is not None
+    code, out, err = await run_cli("routes", "--addr", suite.resolver.grpc_address, "-o", "json")
+    assert code == 0, err
+    assert f"proxy-ssl-secret: Secret {INFRA}/missing not found" in json.dumps(json.loads(out))
+    # Not a route reader, `waygate routes` gets no key either.
+    assert "PRIVATE KEY" not in out
+
+
+def echo_pods(pods: list[RecordingUpstream]) -> str:
+    """framework.NewEchoDeployment(WithDeploymentReplicas(len(pods))): a Service
+    `echo` whose endpoints are these RecordingUpstreams (each on its own loopback
+    address, as pods have their own), one EndpointSlice each (their ports differ)."""
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "echo", "namespace": INFRA},
+        "spec": {"ports": [{"name": "http", "port": 80, "targetPort": 8080}]},
+    }
+    slices = [
+        {
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {
+                "name": f"echo-{index}",
+                "namespace": INFRA,
+                "labels": {"kubernetes.io/service-name": "echo"},
+            },
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": pod.port, "protocol": "TCP"}],
+            "endpoints": [{"addresses": [pod.host], "conditions": {"ready": True}}],
+        }
+        for index, pod in enumerate(pods)
+    ]
+    return yaml.safe_dump_all([service, *slices])
+
+
+async def test_upstream_hash_by_connects_to_the_same_pod_or_subset_of_pods(
+    suite: Conformance,
+) -> None:
+    # upstreamhashby.go (six echo replicas, 100 requests for "/"): It("should connect
+    # to the same pod") -- one pod; It("should connect to the same subset of pods")
+    # with upstream-hash-by-subset "true" and -size "3" -- three pods.
+    host = "upstream-hash-by.foo.com"
+    pods = [await RecordingUpstream(f"echo-{i}", f"127.0.0.{10 + i}").start() for i in range(6)]
+    try:
+        objects = echo_pods(pods)
+
+        async def pods_serving(path: str, requests: int) -> set[str]:
+            seen = set()
+            for _ in range(requests):
+                response = await suite.request(path, host=host)
+                assert response.status == 200, response
+                seen.add(response.backend)
+            return seen
+
+        async def apply_hashing(annotations: dict[str, str]) -> None:
+            item = single_ingress(host, "/", host, annotations, service="echo")
+            item["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]["port"] = {
+                "number": 80
+            }
+            await suite.apply(extra=yaml.safe_dump_all([CONTROLLER, item]) + "\n---\n" + objects)
+            await suite.eventually("/", host=host, status=200)
+
+        await apply_hashing({P + "upstream-hash-by": "$request_uri"})
+        assert len(await pods_serving("/", 100)) == 1
+
+        await apply_hashing(
+            {
+                P + "upstream-hash-by": "$request_uri",
+                P + "upstream-hash-by-subset": "true",
+                P + "upstream-hash-by-subset-size": "3",
+            }
+        )
+        assert len(await pods_serving("/", 100)) == 3
+        # Beyond the e2e test: every key stays within one subset of three, and the
+        # keys together reach both subsets (six pods, two disjoint subsets).
+        subsets = {frozenset(await pods_serving(f"/{key}", 40)) for key in range(8)}
+        assert all(len(subset) <= 3 for subset in subsets)
+        assert set().union(*subsets) == {f"echo-{i}" for i in range(6)}
+        assert all(a == b or not a & b for a in subsets for b in subsets)
+    finally:
+        for pod in pods:
+            await pod.stop()
+
+
+async def test_service_upstream_uses_the_service_cluster_ip_and_port(suite: Conformance) -> None:
+    # serviceupstream.go: It("should use the Service Cluster IP and Port ") with the
+    # annotation, then with the ConfigMap's service-upstream; It("should not use the
+    # Service Cluster IP and Port") with the ConfigMap on and the annotation "false".
+    # Each checks the backend answers and that the controller's backends (its
+    # `/dbg backends all`; here the proxy's status page, /status.json's Endpoints)
+    # hold the Service's cluster IP, or not. No kube-proxy runs here, so the STAND-IN
+    # for one is the address itself: the Service's clusterIP is 127.0.0.1 and its
+    # port the port backend v1 listens on, while its EndpointSlice names backend v2:
+    # v1 answering means the proxy dialled ClusterIP:port, not the endpoints.
+    assert suite.proxy is not None
+    proxy = suite.proxy
+    cluster_port = suite.backends[(INFRA, "infra-backend-v1")].port
+    endpoint_port = suite.backends[(INFRA, "infra-backend-v2")].port
+    host = "serviceupstream"
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "service-upstream", "namespace": INFRA},
+        "spec": {
+            "clusterIP": "127.0.0.1",
+            "ports": [{"name": "http", "port": cluster_port, "targetPort": 80}],
+        },
+    }
+
+    async def addresses() -> set[str]:
+        """The addresses the proxy's routes of the Service balance over."""
+        status, body = await admin_get(proxy.admin_port, "/status.json")
+        assert status == 200
+        sections = (s for p in json.loads(body)["services"] for s in p["sections"])
+        rows = next(s["rows"] for s in sections if s["title"] == "Endpoints")
+        return {_text(row[2]) for row in rows if _text(row[1]) == "service-upstream"}
+
+    async def check(annotations: dict[str, str], configmap: dict[str, str], cluster: bool) -> None:
+        item = single_ingress(host, "/", host, annotations, service="service-upstream")
+        item["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]["port"] = {
+            "number": cluster_port
+        }
+        controller = {**CONTROLLER, "data": {**CONTROLLER["data"], **configmap}}
+        manifests = [controller, item, service, local_slice(service, endpoint_port)]
+        await suite.apply(extra=yaml.safe_dump_all(manifests))
+        # "checking if the service is reached"
+        response = await suite.eventually("/", host=host, backend=V1 if cluster else V2)
+        assert response.status == 200
+        # "checking if the Service Cluster IP and Port are (not) used"
+        used = await addresses()
+        if cluster:
+            assert used == {f"127.0.0.1:{cluster_port}"}
+        else:
+            assert used == {f"127.0.0.1:{endpoint_port}"}
+
+    await check({P + "service-upstream": "true"}, {}, cluster=True)
+    await check({}, {"service-upstream": "true"}, cluster=True)
+    await check({P + "service-upstream": "false"}, {"service-upstream": "true"}, cluster=False)
+
+
+def _text(cell: Any) -> str:
+    """A status-page cell: a plain value or {"text": ..., "state": ...}."""
+    return str(cell["text"] if isinstance(cell, dict) else cell)
+
+
+async def admin_get(port: int, path: str) -> tuple[int, bytes]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+        head, _, body = (await read_response(reader, timeout=10)).partition(b"\r\n\r\n")
+        return int(head.split(b" ", 2)[1]), body
+    finally:
+        writer.close()

@@ -268,15 +268,9 @@ def _credentials(
             "credentials at all, and the Ingress would be open",
             (),
         )
-    secret_namespace, _, name = reference.rpartition("/")
-    if secret_namespace and secret_namespace != namespace:
-        return f"Secret {reference} is in another namespace than the Ingress", ()
-    secret = secrets(namespace, name)
-    if secret is None:
-        return f"Secret {namespace}/{name} not found", ()
-    data = _secret_data(secret)
+    problem, name, data = annotated_secret(namespace, reference, secrets)
     if data is None:
-        return f"Secret {namespace}/{name}: its data is not valid base64", ()
+        return problem, ()
     if values.get("auth-secret-type", "auth-file") == "auth-map":
         lines = [f"{user}:{hashed.strip()}" for user, hashed in sorted(data.items())]
     else:
@@ -307,16 +301,9 @@ def _client_certificate(
 ) -> tuple[str, ClientCertificate | None]:
     """(problem, the client-certificate rules) of auth-tls-secret and its options, with
     ingress-nginx's defaults (verify "on", depth 1; a depth of 0 is 1)."""
-    reference = values["auth-tls-secret"]
-    secret_namespace, _, name = reference.rpartition("/")
-    if secret_namespace and secret_namespace != namespace:
-        return f"Secret {reference} is in another namespace than the Ingress", None
-    secret = secrets(namespace, name)
-    if secret is None:
-        return f"Secret {namespace}/{name} not found", None
-    data = _secret_data(secret)
+    problem, name, data = annotated_secret(namespace, values["auth-tls-secret"], secrets)
     if data is None:
-        return f"Secret {namespace}/{name}: its data is not valid base64", None
+        return problem, None
     bundle = data.get("ca.crt", "")
     try:
         cas = x509.load_pem_x509_certificates(bundle.encode())
@@ -372,7 +359,25 @@ def _is_ca(certificate: x509.Certificate) -> bool:
         return certificate.issuer == certificate.subject  # a v1 root
 
 
-def _secret_data(secret: JSON) -> dict[str, str] | None:
+def annotated_secret(
+    namespace: str, reference: str, secrets: Lookup
+) -> tuple[str, str, dict[str, str] | None]:
+    """The Secret an annotation names (NAME or NAMESPACE/NAME, of the Ingress's own
+    namespace, as ingress-nginx's): ("", its name, its data decoded), or (why not,
+    its name, None)."""
+    secret_namespace, _, name = reference.rpartition("/")
+    if secret_namespace and secret_namespace != namespace:
+        return f"Secret {reference} is in another namespace than the Ingress", name, None
+    secret = secrets(namespace, name)
+    if secret is None:
+        return f"Secret {namespace}/{name} not found", name, None
+    data = secret_data(secret)
+    if data is None:
+        return f"Secret {namespace}/{name}: its data is not valid base64", name, None
+    return "", name, data
+
+
+def secret_data(secret: JSON) -> dict[str, str] | None:
     out: dict[str, str] = {}
     data = secret.get("data") or {}
     try:

@@ -32,12 +32,11 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 from waygate.core import regex as linear_regex
 from waygate.resolver.gateway import spec as specs
 from waygate.resolver.ingress_nginx import access as nginx_access
-from waygate.resolver.ingress_nginx import catalogue
+from waygate.resolver.ingress_nginx import catalogue, proxyssl
 from waygate.resolver.ingress_nginx.catalogue import CATALOGUE, SNIPPETS, Verdict
 from waygate.resolver.ingress_nginx.config import (
     GLOBAL_AUTH,
@@ -139,6 +138,9 @@ class Plan:
     aliases: tuple[str, ...] = ()
     app_root: str = ""
     redirect: Redirect | None = None
+    # permanent-redirect / temporal-redirect / a snippet's return: the target as
+    # written (nginx's `return CODE URL`), the status in `redirect`.
+    redirect_location: str = ""
     ssl_redirect: bool = True
     force_ssl_redirect: bool = False
     redirect_code: int = 308
@@ -155,6 +157,10 @@ class Plan:
     upstream_protocol: str = ""
     request_buffering: bool = True
     backend_tls: bool = False
+    # backend-protocol AUTO_HTTP: TLS to the backend only for clients that came over TLS.
+    scheme_from_client: bool = False
+    # proxy-ssl-secret's client certificate and CAs for the backend's TLS (None: none).
+    backend_secret: proxyssl.BackendTLS | None = None
     ssl_passthrough: bool = False
     forwarded: ForwardedHeadersMode = ForwardedHeadersMode.REPLACE
     backend_server_name: str = ""
@@ -176,6 +182,9 @@ class Plan:
     next_upstream_timeout: float = 0.0
     default_backend: str = ""
     hash_by: str = ""
+    hash_subset_size: int = 0
+    # service-upstream: the backends' Services' cluster IPs, not their endpoints.
+    service_upstream: bool = False
     # The response-side annotations (waygate.proxy.responserewrite, .errorpages), with
     # the ConfigMap's defaults: `_responses`.
     redirect_from: str = ""
@@ -187,6 +196,7 @@ class Plan:
     port_in_redirects: bool = False
     connection_header: str = ""
     access_log_disabled: bool = False
+    upstream_http10: bool = False  # proxy-http-version 1.0
     # The controller ConfigMap's keys not honoured: "ConfigMap NS/NAME key K: not-honoured".
     config_notes: list[str] = field(default_factory=list)
 
@@ -298,6 +308,7 @@ def plan(
             if config.flag("compute-full-forwarded-for", False)
             else ForwardedHeadersMode.IF_NONE
         )
+    result.service_upstream = config.flag("service-upstream", False)
     if config.text("load-balance", "round_robin") == "ewma":
         result.balance = BalancePolicy.LEAST_CONN
     if config.flag("hsts", True):
@@ -352,6 +363,7 @@ def plan(
         valid[short] = value.strip() if entry.grammar is not catalogue.any_text else value
     _response_defaults(result, config, where)
     _apply(result, valid, settings, config, config_maps, timeouts)
+    _proxy_ssl_secret(result, valid, secrets, settings.prefix)
     recorded = {f.annotation for f in result.findings}
     result.access, findings, refusal = nginx_access.plan_access(
         result.namespace, valid, recorded, config, secrets, settings.prefix
@@ -418,6 +430,8 @@ def _apply(
             continue
         if short in nginx_access.ANNOTATIONS:
             continue  # decided by nginx_access.plan_access, after the others
+        if short == "proxy-ssl-secret":
+            continue  # decided by _proxy_ssl_secret, once backend-protocol is known
         handler = _HANDLERS.get(short)
         if handler is None:
             found(short)
@@ -432,7 +446,6 @@ _OFF: dict[str, str] = {
     "enable-owasp-core-rules": "false",
     "enable-cors": "false",
     "enable-global-auth": "true",  # the ConfigMap's global-auth-url applies (if any)
-    "service-upstream": "false",
     "use-port-in-redirects": "false",
     "session-cookie-secure": "false",
     "session-cookie-conditional-samesite-none": "false",
@@ -617,35 +630,38 @@ def _redirect(
     if short == "permanent-redirect" and values.get("temporal-redirect"):
         found(short, Verdict.NOOP, "temporal-redirect takes precedence, as in ingress-nginx")
         return
-    default = 302 if short == "temporal-redirect" else 301
-    code_text = values.get(short + "-code", str(default))
-    code = int(code_text) if code_text.isdigit() else default
-    if short == "temporal-redirect" and code > 307:
-        code = default  # ingress-nginx's range for temporal redirects ends at 307
-    if code == 300:
-        found(short, Verdict.NOT_HONOURED, "status 300 is not a redirect the proxy answers")
-        return
-    parts = urlsplit(value)
-    if parts.query or parts.fragment:
-        found(short, Verdict.NOT_HONOURED, "a target with a query string is not honoured yet")
-        return
-    p.redirect = Redirect(
-        scheme=parts.scheme,
-        hostname=parts.hostname or "",
-        port=parts.port or 0,
-        path_type=PathModifierType.FULL,
-        path=parts.path,
-        status=code,
-    )
+    # ingress-nginx renders `return CODE URL;`: the Location is the target as written,
+    # the request's own path and query not added (nginx's return appends no $args).
+    p.redirect_location = value
+    p.redirect = Redirect(status=_redirect_status(short, values.get(short + "-code", "")))
     found(short)
+
+
+def _redirect_status(short: str, code_text: str) -> int:
+    """ingress-nginx's redirect.go: the code when within 300-308 (temporal: 300-307),
+    else the default (301 permanent, 302 temporal)."""
+    default, highest = (302, 307) if short == "temporal-redirect" else (301, 308)
+    code = int(code_text) if code_text.isdigit() else default
+    return code if 300 <= code <= highest else default
 
 
 @_handles("permanent-redirect-code", "temporal-redirect-code")
 def _redirect_code(
     p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
 ) -> None:
-    if not values.get(short[: -len("-code")]):
+    redirect = short[: -len("-code")]
+    if not values.get(redirect):
         found(short, Verdict.NOOP, "without its redirect annotation it does nothing")
+    elif redirect == "permanent-redirect" and values.get("temporal-redirect"):
+        found(short, Verdict.NOOP, "temporal-redirect takes precedence, as in ingress-nginx")
+    elif _redirect_status(redirect, value) != int(value):
+        found(
+            short,
+            Verdict.NOOP,
+            "outside 300-"
+            + ("307" if redirect == "temporal-redirect" else "308")
+            + ": the default code applies, as in ingress-nginx",
+        )
     else:
         found(short)
 
@@ -970,20 +986,48 @@ def _balance(
 _HASH_VARIABLE = re.compile(r"\$(request_uri|host|(http|cookie|arg)_[a-z0-9_]+)")
 
 
+def _hash_key(value: str | None) -> str | None:
+    """upstream-hash-by's value as the route's hash_by ("": the client address);
+    None when the proxy cannot compute it."""
+    if value in ("$remote_addr", "$binary_remote_addr"):
+        return ""
+    return value if value is not None and _HASH_VARIABLE.fullmatch(value) else None
+
+
+# ingress-nginx's upstream-hash-by-subset-size when unset or 0.
+_SUBSET_SIZE = 3
+
+
+def _subset_size(values: Mapping[str, str]) -> int:
+    """Endpoints per subset with upstream-hash-by-subset in force (0: no subsets)."""
+    if not _flag(values.get("upstream-hash-by-subset", "false")):
+        return 0
+    return int(values.get("upstream-hash-by-subset-size") or 0) or _SUBSET_SIZE
+
+
 @_handles("upstream-hash-by")
 def _hash(
     p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
 ) -> None:
-    if value in ("$remote_addr", "$binary_remote_addr"):
+    key = _hash_key(value)
+    subsets = _subset_size(values)
+    if key is not None:
         p.balance = BalancePolicy.SOURCE
+        p.hash_by = key
+        p.hash_subset_size = subsets
+    if key == "":
         found(
             "upstream-hash-by",
             Verdict.DIFFERENT,
             "the proxy's source balancing: a hash of the client address",
         )
-    elif _HASH_VARIABLE.fullmatch(value):
-        p.balance = BalancePolicy.SOURCE
-        p.hash_by = value
+    elif key is not None and subsets:
+        found(
+            "upstream-hash-by",
+            Verdict.HONOURED,
+            f"consistent hashing of {value} to a subset of endpoints (upstream-hash-by-subset)",
+        )
+    elif key is not None:
         found(
             "upstream-hash-by",
             Verdict.DIFFERENT,
@@ -998,6 +1042,19 @@ def _hash(
         )
 
 
+@_handles("upstream-hash-by-subset", "upstream-hash-by-subset-size")
+def _hash_subset(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    """The subset itself is set with upstream-hash-by (`_hash`): here the verdicts."""
+    if not _subset_size(values):
+        found(short, Verdict.NOOP, "without upstream-hash-by-subset it does nothing")
+    elif _hash_key(values.get("upstream-hash-by")) is None:
+        found(short, Verdict.NOT_HONOURED, "its upstream-hash-by variable is not honoured")
+    else:
+        found(short)
+
+
 @_handles("backend-protocol")
 def _protocol(
     p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
@@ -1008,18 +1065,90 @@ def _protocol(
     elif protocol == "GRPC":
         p.upstream_protocol = "grpc"
         found("backend-protocol", Verdict.HONOURED, "")
-    elif protocol in ("HTTPS", "GRPCS"):
+    elif protocol in ("HTTPS", "GRPCS", "AUTO_HTTP"):
         p.backend_tls = True
         p.upstream_protocol = "grpc" if protocol == "GRPCS" else ""
+        p.scheme_from_client = protocol == "AUTO_HTTP"
         p.backend_server_name = values.get("proxy-ssl-name", "")
-        found(
-            "backend-protocol",
-            Verdict.DIFFERENT,
-            "the backend's certificate is verified "
-            "against the system CAs (nginx's default does not verify)",
-        )
+        found("backend-protocol", *_verification(protocol, values, ""))
     else:
         found("backend-protocol", Verdict.NOT_HONOURED, f"{protocol} backends are not honoured")
+
+
+_AUTO_HTTP = (
+    "per request: HTTPS to the backend when the client came over HTTPS, plain HTTP "
+    "otherwise (nginx's $scheme://); "
+)
+
+
+def _verification(protocol: str, values: Mapping[str, str], ca_from: str) -> tuple[Verdict, str]:
+    """backend-protocol HTTPS, GRPCS or AUTO_HTTP's verdict: how the backend's
+    certificate is verified (`ca_from`: the Secret whose ca.crt it chains to; "": the
+    system CAs), against nginx's proxy_ssl_verify (off unless proxy-ssl-verify on,
+    which ingress-nginx reads only with proxy-ssl-secret)."""
+    scheme = _AUTO_HTTP if protocol == "AUTO_HTTP" else ""
+    if not ca_from:
+        return Verdict.DIFFERENT, (
+            scheme + "the backend's certificate is verified against the system CAs "
+            "(nginx's default does not verify)"
+        )
+    against = f"the backend's certificate is verified against Secret {ca_from}'s ca.crt"
+    if values.get("proxy-ssl-verify") != "on":
+        return Verdict.DIFFERENT, f"{scheme}{against} though proxy-ssl-verify is off"
+    if not values.get("proxy-ssl-name"):
+        return Verdict.DIFFERENT, (
+            f"{scheme}{against} for SERVICE.NAMESPACE.svc (without proxy-ssl-name nginx "
+            "verifies the name upstream_balancer)"
+        )
+    return Verdict.HONOURED, scheme + against
+
+
+def _proxy_ssl_secret(
+    p: Plan, values: Mapping[str, str], secrets: Callable[[str, str], JSON | None], prefix: str
+) -> None:
+    """proxy-ssl-secret, read once backend-protocol is known (`proxyssl.read_secret`).
+    A Secret that cannot be used refuses the Ingress: ingress-nginx denies the
+    location (its 503) rather than reach the backend without the certificate."""
+    value = values.get("proxy-ssl-secret")
+    if value is None:
+        return
+    short = "proxy-ssl-secret"
+    problem, material = proxyssl.read_secret(p.namespace, value, secrets)
+    if material is None:
+        p.note(Finding(short, value, Verdict.NOT_HONOURED, problem, refuses=True))
+        p.refuse(
+            INVALID,
+            f"annotation {prefix}/{short}: {problem} (ingress-nginx denies the location: 503)",
+        )
+        return
+    if not p.backend_tls:
+        p.note(Finding(short, value, Verdict.NOOP, "without an HTTPS backend it does nothing"))
+        return
+    p.backend_secret = material
+    if material.certificate and not material.ca:
+        p.note(
+            Finding(
+                short,
+                value,
+                Verdict.DIFFERENT,
+                "its tls.crt is presented to the backend though the Secret has no ca.crt "
+                "(ingress-nginx then presents none)",
+            )
+        )
+    elif material.certificate:
+        note = "its tls.crt is presented to the backend, its ca.crt verifies the backend"
+        p.note(Finding(short, value, Verdict.HONOURED, note))
+    else:
+        note = "ca.crt alone: the backend is verified against it, no client certificate sent"
+        p.note(Finding(short, value, Verdict.HONOURED, note))
+    if material.ca:
+        verdict, note = _verification(values.get("backend-protocol", "").upper(), values, value)
+        p.findings = [
+            dataclasses.replace(f, verdict=verdict, note=note)
+            if f.annotation == "backend-protocol"
+            else f
+            for f in p.findings
+        ]
 
 
 @_handles("proxy-connect-timeout", "proxy-read-timeout", "proxy-send-timeout")
@@ -1053,20 +1182,30 @@ def _request_buffering(
 def _http_version(
     p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
 ) -> None:
-    if value == "1.1":
-        found("proxy-http-version", Verdict.HONOURED, "")
+    p.upstream_http10 = value == "1.0"
+    if p.upstream_http10 and values.get("backend-protocol", "").upper() in ("GRPC", "GRPCS"):
+        found(short, Verdict.NOOP, "a gRPC backend speaks HTTP/2, which HTTP/1.0 does not change")
     else:
-        found("proxy-http-version", Verdict.NOT_HONOURED, "HTTP/1.0 to the backend")
+        found(short)
 
 
-@_handles("proxy-ssl-name")
+_TLS_BACKENDS = ("HTTPS", "GRPCS", "AUTO_HTTP")
+
+
+@_handles("proxy-ssl-name", "proxy-ssl-verify", "proxy-ssl-server-name")
 def _ssl_name(
     p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
 ) -> None:
-    if values.get("backend-protocol", "").upper() in ("HTTPS", "GRPCS"):
-        found("proxy-ssl-name")
+    if values.get("backend-protocol", "").upper() not in _TLS_BACKENDS:
+        found(short, Verdict.NOOP, "without an HTTPS backend it does nothing")
+    elif value == "on":  # proxy-ssl-verify, proxy-ssl-server-name: what the proxy does
+        found(
+            short,
+            Verdict.HONOURED,
+            "the backend's certificate is verified" if short == "proxy-ssl-verify" else "",
+        )
     else:
-        found("proxy-ssl-name", Verdict.NOOP, "without an HTTPS backend it does nothing")
+        found(short)
 
 
 @_handles("enable-access-log")
@@ -1175,6 +1314,13 @@ def _connection_header(
             Verdict.DIFFERENT,
             "`upgrade` only for a request that asks for an upgrade (the proxy owns that hop)",
         )
+    elif values.get("proxy-http-version", "1.0" if p.upstream_http10 else "1.1") == "1.0":
+        found(
+            short,
+            Verdict.DIFFERENT,
+            "with proxy-http-version 1.0 the backend gets Connection: close (one request "
+            "per connection)",
+        )
     else:
         found(short)
 
@@ -1208,6 +1354,8 @@ def _response_defaults(p: Plan, config: ControllerConfig, where: str) -> None:
     p.cookie_path = configured("proxy-cookie-path", "off", catalogue.plain)
     p.custom_http_errors = status_list(configured("custom-http-errors", "", _codes_or_none))
     p.port_in_redirects = _flag(configured("use-port-in-redirects", "false", catalogue.boolean))
+    version = configured("proxy-http-version", "1.1", catalogue.one_of("1.0", "1.1"))
+    p.upstream_http10 = version == "1.0"
     p.access_log_disabled = config.flag("disable-access-log", False) or config.flag(
         "disable-http-access-log", False
     )
@@ -1308,6 +1456,18 @@ def _body_size(
 ) -> None:
     p.max_request_body = parse_size(value) or 0
     found(short)
+
+
+@_handles("service-upstream")
+def _service_upstream(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    # "false" too: the annotation overrides the ConfigMap's service-upstream.
+    p.service_upstream = _flag(value)
+    if p.service_upstream:
+        found(short)
+    else:
+        found(short, Verdict.HONOURED, "")
 
 
 @_handles("default-backend")
@@ -1624,18 +1784,9 @@ def _directive(p: Plan, directive: str, args: list[str], differences: list[str])
             raise ValueError(
                 "return: only a redirect (301, 302, 303, 307, 308 and an http(s) URL) is honoured"
             )
-        parts = urlsplit(args[1])
-        if parts.query:
-            raise ValueError("return: a target with a query string is not honoured yet")
-        p.redirect = Redirect(
-            scheme=parts.scheme,
-            hostname=parts.hostname or "",
-            port=parts.port or 0,
-            path_type=PathModifierType.FULL,
-            path=parts.path,
-            status=code,
-        )
-        differences.append("return: the request's query string is appended to the target")
+        # The Location exactly as written (nginx's return appends no $args).
+        p.redirect_location = args[1]
+        p.redirect = Redirect(status=code)
     else:
         raise ValueError(f"directive {directive!r} is not honoured")
 
@@ -1774,6 +1925,7 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
                 path=path_rewrite.path if path_rewrite else "",
             )
         redirect = p.redirect
+        redirect_location = p.redirect_location
         if route.listener_port == 80 and (
             p.force_ssl_redirect or (p.ssl_redirect and route.host in secured)
         ):
@@ -1782,6 +1934,7 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
                 status=p.redirect_code,
                 strip_trailing_slash=not p.preserve_trailing_slash,
             )
+            redirect_location = ""
         request = _modifier(p.request_set, [], p.request_remove)
         response = _modifier(p.response_set, p.response_add, p.response_remove)
         filters = None
@@ -1806,9 +1959,15 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
         if tls is not None and p.hsts is not None:
             tls = dataclasses.replace(tls, hsts=p.hsts)
         if p.backend_tls:
-            tls = _backend_tls(tls, p.backend_server_name)
+            tls = _backend_tls(tls, p)
+        backends = route.backends
+        if p.service_upstream:
+            # The Ingress's own backends (spec.defaultBackend's too); a default-backend
+            # annotation's Service keeps its endpoints, as ingress-nginx's.
+            backends = tuple(dataclasses.replace(b, use_cluster_ip=True) for b in backends)
         shaped = dataclasses.replace(
             route,
+            backends=backends,
             matches=(match,),
             filters=filters,
             tls=tls,
@@ -1833,6 +1992,7 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             rewrite_target=captured,
             default_backend=p.default_backend,
             hash_by=p.hash_by,
+            hash_subset_size=p.hash_subset_size,
             redirect_from=p.redirect_from,
             redirect_to=p.redirect_to,
             cookie_domain=p.cookie_domain,
@@ -1842,6 +2002,9 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             port_in_redirects=p.port_in_redirects,
             connection_header=p.connection_header,
             access_log_disabled=p.access_log_disabled,
+            upstream_scheme_from_client=p.scheme_from_client,
+            upstream_http10=p.upstream_http10,
+            redirect_location=redirect_location,
         )
         if p.ssl_passthrough and route.listener_port == 443:
             continue  # the host's TLS is passed through, never terminated here
@@ -1862,6 +2025,7 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
                         name=f"ingress:{p.name}:app-root:{port}:{name_host}",
                         host=name_host,
                         matches=(RouteMatch(PathMatchType.EXACT, "/"),),
+                        redirect_location="",
                         filters=RouteFilters(
                             redirect=Redirect(
                                 path_type=PathModifierType.FULL, path=p.app_root, status=302
@@ -1878,6 +2042,7 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
                         name=f"ingress:{p.name}:www:{port}:{other}",
                         host=other,
                         matches=(RouteMatch(PathMatchType.PREFIX, "/"),),
+                        redirect_location="",
                         filters=RouteFilters(
                             redirect=Redirect(hostname=host, status=p.redirect_code)
                         ),
@@ -1984,11 +2149,17 @@ def _modifier(
     return HeaderModifier(set=tuple(set_), add=tuple(add), remove=tuple(remove))
 
 
-def _backend_tls(tls: RouteTLS | None, server_name: str) -> RouteTLS:
+def _backend_tls(tls: RouteTLS | None, p: Plan) -> RouteTLS:
+    """The reencrypt TLS of an HTTPS backend: proxy-ssl-name, and proxy-ssl-secret's
+    client certificate and CAs (else the system CAs)."""
+    secret = p.backend_secret or proxyssl.BackendTLS("")
     fields: dict[str, Any] = {
         "termination": TLSTermination.REENCRYPT,
-        "destination_server_name": server_name,
-        "destination_system_ca": True,
+        "destination_server_name": p.backend_server_name,
+        "destination_system_ca": not secret.ca,
+        "destination_ca_certificate": secret.ca,
+        "backend_client_certificate": secret.certificate,
+        "backend_client_key": secret.key,
     }
     if tls is None:
         return RouteTLS(insecure_edge_termination_policy=InsecureEdgePolicy.ALLOW, **fields)

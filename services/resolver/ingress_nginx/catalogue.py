@@ -379,17 +379,31 @@ ENTRIES: tuple[Entry, ...] = (
     _e(
         "permanent-redirect",
         url_or_path,
-        D,
-        "every request is redirected; the request's query string is appended to the target",
+        H,
+        "every request is answered `return CODE URL` as nginx: the Location is the target "
+        "exactly as written (its query string included, the request's not appended)",
     ),
-    _e("permanent-redirect-code", one_of("300", "301", "302", "303", "307", "308"), H),
+    _e(
+        "permanent-redirect-code",
+        integer,
+        H,
+        "300-308 as ingress-nginx (else 301); a code that is not a redirect (300, 304-306) "
+        "answers the target as a text/html body, as nginx's return",
+    ),
     _e(
         "temporal-redirect",
         url_or_path,
-        D,
-        "every request is redirected; the request's query string is appended to the target",
+        H,
+        "every request is answered `return CODE URL` as nginx: the Location is the target "
+        "exactly as written (its query string included, the request's not appended)",
     ),
-    _e("temporal-redirect-code", one_of("300", "301", "302", "303", "307", "308"), H),
+    _e(
+        "temporal-redirect-code",
+        integer,
+        H,
+        "300-307 as ingress-nginx (else 302); a code that is not a redirect (300, 304-306) "
+        "answers the target as a text/html body, as nginx's return",
+    ),
     _e(
         "ssl-redirect",
         boolean,
@@ -571,13 +585,27 @@ ENTRIES: tuple[Entry, ...] = (
     _e(
         "upstream-hash-by",
         _matching(re.compile(r"\$[a-z_]{1,64}"), "an nginx variable such as $remote_addr"),
-        D,
+        H,
         "$remote_addr and $binary_remote_addr hash the client address, $request_uri, "
-        "$host, $http_*, $cookie_* and $arg_* their value (the proxy's source balancing: "
-        "consistent hashing with bounded loads); other variables are not honoured",
+        "$host, $http_*, $cookie_* and $arg_* their value (the proxy's source balancing), "
+        "exactly with upstream-hash-by-subset; alone, with bounded loads (a named "
+        "difference); other variables are not honoured",
     ),
-    _e("upstream-hash-by-subset", boolean, X, "hashing to a subset of endpoints", lacks=True),
-    _e("upstream-hash-by-subset-size", integer, X, "hashing to a subset of endpoints", lacks=True),
+    _e(
+        "upstream-hash-by-subset",
+        boolean,
+        H,
+        "the key hashes to one subset of endpoints and the request goes to one of them "
+        "at random (ingress-nginx's chashsubset; subsets cut from the endpoints in the "
+        "order of their names); a subset whose endpoints all fail to connect gives its "
+        "keys to the next subset",
+    ),
+    _e(
+        "upstream-hash-by-subset-size",
+        _matching(re.compile(r"\d{1,9}"), "a number of endpoints (0: 3)"),
+        H,
+        "endpoints per subset (0 or unset: 3, ingress-nginx's default)",
+    ),
     _e("limit-rps", integer, H, _LIMITED, access=True),
     _e("limit-rpm", integer, H, _LIMITED, access=True),
     _e("limit-connections", integer, H, _LIMITED, access=True),
@@ -595,16 +623,20 @@ ENTRIES: tuple[Entry, ...] = (
         "backend-protocol",
         one_of("HTTP", "HTTPS", "GRPC", "GRPCS", "AUTO_HTTP", "AJP", "FCGI", case=False),
         D,
-        "HTTP, GRPC (h2c) exactly; HTTPS and GRPCS verify the "
-        "backend's certificate against the system CAs (nginx does not verify by default); "
-        "AUTO_HTTP, AJP and FCGI are not honoured",
+        "HTTP, GRPC (h2c) exactly; HTTPS, GRPCS and AUTO_HTTP (per request: HTTPS when "
+        "the client came over HTTPS, plain HTTP otherwise) verify the backend's "
+        "certificate against proxy-ssl-secret's ca.crt, else the system CAs (nginx "
+        "verifies only with proxy-ssl-verify on); AJP and FCGI are not honoured",
     ),
     _e(
         "service-upstream",
         boolean,
-        X,
-        "the proxy balances over endpoints, never the Service's cluster IP",
-        lacks=True,
+        H,
+        "the backend's one endpoint is its Service's cluster IP at the Service port "
+        "(kube-proxy or the mesh balances; the ConfigMap's service-upstream is the "
+        "default); a Service without a cluster IP (headless, ExternalName) keeps its "
+        "endpoints, as ingress-nginx falls back to them; decided per Ingress (ingress-nginx "
+        "lets the first Ingress naming a Service port decide for all)",
     ),
     _e("proxy-connect-timeout", seconds, H, "the connect timeout to the backend"),
     _e(
@@ -665,17 +697,21 @@ ENTRIES: tuple[Entry, ...] = (
     _e(
         "proxy-http-version",
         one_of("1.0", "1.1"),
-        D,
-        "1.1 (or HTTP/2 where the backend speaks it); 1.0 is not honoured",
+        H,
+        "1.1 (or HTTP/2 where the backend speaks it); 1.0 as nginx: HTTP/1.0 requests with "
+        "Connection: close, one per connection, a body of unknown length buffered and sent "
+        "with Content-Length; an upgrade is refused (502: HTTP/1.0 has none); a backend "
+        "that speaks HTTP/2 (GRPC, GRPCS, an h2c Service) is unaffected",
     ),
     _e("proxy-cookie-domain", plain, H, _PROXY_COOKIE),
     _e("proxy-cookie-path", plain, H, _PROXY_COOKIE),
     _e(
         "proxy-ssl-secret",
         name,
-        X,
-        "a client certificate of the Ingress's own to the backend",
-        lacks=True,
+        H,
+        "tls.crt and tls.key: the client certificate presented to the HTTPS backend; "
+        "ca.crt: the CAs its certificate is verified against; a Secret that cannot be "
+        "used makes the Ingress not served (ingress-nginx denies the location: 503)",
     ),
     _e(
         "proxy-ssl-verify",
@@ -686,7 +722,7 @@ ENTRIES: tuple[Entry, ...] = (
     ),
     _e("proxy-ssl-verify-depth", integer, N, "chain depth: the proxy verifies the whole chain"),
     _e("proxy-ssl-name", hosts, H, "the name verified and sent as SNI"),
-    _e("proxy-ssl-server-name", one_of("on", "off"), D, "SNI is always sent"),
+    _e("proxy-ssl-server-name", one_of("on", "off"), D, "SNI is always sent (`off` too)"),
     _e(
         "proxy-ssl-ciphers",
         _matching(re.compile(r"[A-Za-z0-9:_+!-]{1,2048}"), "an OpenSSL cipher list"),

@@ -48,6 +48,7 @@ HONOURED_KEYS = frozenset(
         "force-ssl-redirect",
         "http-redirect-code",
         "load-balance",
+        "service-upstream",
         "proxy-connect-timeout",
         "proxy-read-timeout",
         "proxy-send-timeout",
@@ -76,6 +77,7 @@ HONOURED_KEYS = frozenset(
         "proxy-cookie-domain",
         "proxy-cookie-path",
         "use-port-in-redirects",
+        "proxy-http-version",
         # nginx's http-level `access_log off` (an Ingress cannot turn it back on).
         "disable-access-log",
         "disable-http-access-log",

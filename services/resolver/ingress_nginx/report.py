@@ -2,8 +2,8 @@
 
 Offline: reads what `kubectl apply -f PATH` takes (a file or a directory of YAML
 or JSON, as the resolver's --manifests does), or lists Ingresses, IngressClasses
-and ConfigMaps from a cluster (and reads the Secrets their auth-secret annotations
-name), and says per Ingress of the ingress-nginx class and per annotation what Waygate does with it (the verdicts the resolver's
+and ConfigMaps from a cluster (and reads the Secrets their auth-secret,
+auth-tls-secret and proxy-ssl-secret annotations name), and says per Ingress of the ingress-nginx class and per annotation what Waygate does with it (the verdicts the resolver's
 --ingress-nginx mode applies: the same `annotations.plan`), whether the Ingress
 would be served, and the controller ConfigMap's keys that are not honoured.
 
@@ -263,7 +263,7 @@ def read_cluster(kubeconfig: str, context: str) -> list[JSON]:
             for item in items:
                 item.setdefault("kind", kind)
             out.extend(items)
-        # Only the Secrets an auth-(tls-)secret names (never every Secret of the cluster).
+        # Only the Secrets an annotation names (never every Secret of the cluster).
         for namespace, name in sorted(_auth_secrets(out)):
             try:
                 secret = api.get(f"/api/v1/namespaces/{namespace}/secrets/{name}")
@@ -279,19 +279,20 @@ def read_cluster(kubeconfig: str, context: str) -> list[JSON]:
         api.close()
 
 
+_SECRET_ANNOTATIONS = ("/auth-secret", "/auth-tls-secret", "/proxy-ssl-secret")
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 
 
 def _auth_secrets(objects: list[JSON]) -> set[tuple[str, str]]:
-    """(namespace, name) of every Secret an Ingress's auth-secret or auth-tls-secret names
-    (any prefix)."""
+    """(namespace, name) of every Secret an Ingress's auth-secret, auth-tls-secret or
+    proxy-ssl-secret names (any prefix)."""
     found = set()
     for obj in objects:
         meta = obj.get("metadata") or {}
         if obj.get("kind") != "Ingress" or not isinstance(meta.get("annotations"), dict):
             continue
         for key, value in meta["annotations"].items():
-            if str(key).endswith(("/auth-secret", "/auth-tls-secret")) and isinstance(value, str):
+            if str(key).endswith(_SECRET_ANNOTATIONS) and isinstance(value, str):
                 namespace, _, name = value.rpartition("/")
                 if DNS_LABEL.fullmatch(name) and DNS_LABEL.fullmatch(namespace or "x"):
                     found.add((namespace or str(meta.get("namespace") or "default"), name))

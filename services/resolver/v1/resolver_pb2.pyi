@@ -225,21 +225,23 @@ class EndpointRef(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., service: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class RouteBackend(_message.Message):
-    __slots__ = ("service", "weight", "namespace", "port", "invalid")
+    __slots__ = ("service", "weight", "namespace", "port", "invalid", "use_cluster_ip")
     SERVICE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     INVALID_FIELD_NUMBER: _ClassVar[int]
+    USE_CLUSTER_IP_FIELD_NUMBER: _ClassVar[int]
     service: str
     weight: int
     namespace: str
     port: str
     invalid: str
-    def __init__(self, service: _Optional[str] = ..., weight: _Optional[int] = ..., namespace: _Optional[str] = ..., port: _Optional[str] = ..., invalid: _Optional[str] = ...) -> None: ...
+    use_cluster_ip: bool
+    def __init__(self, service: _Optional[str] = ..., weight: _Optional[int] = ..., namespace: _Optional[str] = ..., port: _Optional[str] = ..., invalid: _Optional[str] = ..., use_cluster_ip: _Optional[bool] = ...) -> None: ...
 
 class RouteTLS(_message.Message):
-    __slots__ = ("termination", "certificate", "key", "ca_certificate", "destination_ca_certificate", "insecure_edge_termination_policy", "hsts", "client_ca_certificate", "destination_server_name", "present_client_certificate", "destination_system_ca", "destination_san_hostnames", "destination_san_uris")
+    __slots__ = ("termination", "certificate", "key", "ca_certificate", "destination_ca_certificate", "insecure_edge_termination_policy", "hsts", "client_ca_certificate", "destination_server_name", "present_client_certificate", "destination_system_ca", "destination_san_hostnames", "destination_san_uris", "backend_client_certificate", "backend_client_key")
     TERMINATION_FIELD_NUMBER: _ClassVar[int]
     CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +255,8 @@ class RouteTLS(_message.Message):
     DESTINATION_SYSTEM_CA_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_SAN_HOSTNAMES_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_SAN_URIS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_CLIENT_CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_CLIENT_KEY_FIELD_NUMBER: _ClassVar[int]
     termination: TLSTermination
     certificate: str
     key: str
@@ -266,7 +270,9 @@ class RouteTLS(_message.Message):
     destination_system_ca: bool
     destination_san_hostnames: _containers.RepeatedScalarFieldContainer[str]
     destination_san_uris: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, termination: _Optional[_Union[TLSTermination, str]] = ..., certificate: _Optional[str] = ..., key: _Optional[str] = ..., ca_certificate: _Optional[str] = ..., destination_ca_certificate: _Optional[str] = ..., insecure_edge_termination_policy: _Optional[_Union[InsecureEdgePolicy, str]] = ..., hsts: _Optional[_Union[HSTS, _Mapping]] = ..., client_ca_certificate: _Optional[str] = ..., destination_server_name: _Optional[str] = ..., present_client_certificate: _Optional[bool] = ..., destination_system_ca: _Optional[bool] = ..., destination_san_hostnames: _Optional[_Iterable[str]] = ..., destination_san_uris: _Optional[_Iterable[str]] = ...) -> None: ...
+    backend_client_certificate: str
+    backend_client_key: str
+    def __init__(self, termination: _Optional[_Union[TLSTermination, str]] = ..., certificate: _Optional[str] = ..., key: _Optional[str] = ..., ca_certificate: _Optional[str] = ..., destination_ca_certificate: _Optional[str] = ..., insecure_edge_termination_policy: _Optional[_Union[InsecureEdgePolicy, str]] = ..., hsts: _Optional[_Union[HSTS, _Mapping]] = ..., client_ca_certificate: _Optional[str] = ..., destination_server_name: _Optional[str] = ..., present_client_certificate: _Optional[bool] = ..., destination_system_ca: _Optional[bool] = ..., destination_san_hostnames: _Optional[_Iterable[str]] = ..., destination_san_uris: _Optional[_Iterable[str]] = ..., backend_client_certificate: _Optional[str] = ..., backend_client_key: _Optional[str] = ...) -> None: ...
 
 class HSTS(_message.Message):
     __slots__ = ("max_age", "include_subdomains", "preload")
@@ -313,7 +319,7 @@ class RouteTimeouts(_message.Message):
     def __init__(self, connect: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., client: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., server: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., http_request: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tunnel: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., keep_alive: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class Route(_message.Message):
-    __slots__ = ("namespace", "name", "host", "path", "backends", "target_port", "tls", "balance", "sticky", "timeouts", "auth_proxy_headers", "forwarded_headers", "upstream_protocol", "request_buffering", "status", "creation_timestamp", "matches", "filters", "request_timeout", "backend_request_timeout", "listener_port", "gateway", "origin", "rule_index", "listener_protocol", "access", "proxy_protocol_from_client", "proxy_protocol_to_backend", "rate_limit", "external_auth", "cors", "max_request_body", "next_upstream", "next_upstream_tries", "rewrite_target", "default_backend", "hash_by", "redirect_from", "redirect_to", "cookie_domain", "cookie_path", "custom_http_errors", "intercept_errors_disabled", "port_in_redirects", "connection_header", "access_log_disabled", "canary", "limit_rate", "limit_rate_after", "url_mirror", "next_upstream_timeout")
+    __slots__ = ("namespace", "name", "host", "path", "backends", "target_port", "tls", "balance", "sticky", "timeouts", "auth_proxy_headers", "forwarded_headers", "upstream_protocol", "request_buffering", "status", "creation_timestamp", "matches", "filters", "request_timeout", "backend_request_timeout", "listener_port", "gateway", "origin", "rule_index", "listener_protocol", "access", "proxy_protocol_from_client", "proxy_protocol_to_backend", "rate_limit", "external_auth", "cors", "max_request_body", "next_upstream", "next_upstream_tries", "rewrite_target", "default_backend", "hash_by", "redirect_from", "redirect_to", "cookie_domain", "cookie_path", "custom_http_errors", "intercept_errors_disabled", "port_in_redirects", "connection_header", "access_log_disabled", "canary", "limit_rate", "limit_rate_after", "url_mirror", "next_upstream_timeout", "hash_subset_size", "upstream_scheme_from_client", "upstream_http10", "redirect_location")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -365,6 +371,10 @@ class Route(_message.Message):
     LIMIT_RATE_AFTER_FIELD_NUMBER: _ClassVar[int]
     URL_MIRROR_FIELD_NUMBER: _ClassVar[int]
     NEXT_UPSTREAM_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    HASH_SUBSET_SIZE_FIELD_NUMBER: _ClassVar[int]
+    UPSTREAM_SCHEME_FROM_CLIENT_FIELD_NUMBER: _ClassVar[int]
+    UPSTREAM_HTTP10_FIELD_NUMBER: _ClassVar[int]
+    REDIRECT_LOCATION_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     name: str
     host: str
@@ -416,7 +426,11 @@ class Route(_message.Message):
     limit_rate_after: int
     url_mirror: UrlMirror
     next_upstream_timeout: _duration_pb2.Duration
-    def __init__(self, namespace: _Optional[str] = ..., name: _Optional[str] = ..., host: _Optional[str] = ..., path: _Optional[str] = ..., backends: _Optional[_Iterable[_Union[RouteBackend, _Mapping]]] = ..., target_port: _Optional[str] = ..., tls: _Optional[_Union[RouteTLS, _Mapping]] = ..., balance: _Optional[_Union[BalancePolicy, str]] = ..., sticky: _Optional[_Union[StickySessions, _Mapping]] = ..., timeouts: _Optional[_Union[RouteTimeouts, _Mapping]] = ..., auth_proxy_headers: _Optional[bool] = ..., forwarded_headers: _Optional[_Union[ForwardedHeadersMode, str]] = ..., upstream_protocol: _Optional[str] = ..., request_buffering: _Optional[bool] = ..., status: _Optional[_Union[RouteStatus, _Mapping]] = ..., creation_timestamp: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., matches: _Optional[_Iterable[_Union[RouteMatch, _Mapping]]] = ..., filters: _Optional[_Union[RouteFilters, _Mapping]] = ..., request_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., backend_request_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., listener_port: _Optional[int] = ..., gateway: _Optional[str] = ..., origin: _Optional[str] = ..., rule_index: _Optional[int] = ..., listener_protocol: _Optional[str] = ..., access: _Optional[_Union[RouteAccess, _Mapping]] = ..., proxy_protocol_from_client: _Optional[bool] = ..., proxy_protocol_to_backend: _Optional[bool] = ..., rate_limit: _Optional[_Union[RateLimit, _Mapping]] = ..., external_auth: _Optional[_Union[ExternalAuth, _Mapping]] = ..., cors: _Optional[_Union[RouteCors, _Mapping]] = ..., max_request_body: _Optional[int] = ..., next_upstream: _Optional[str] = ..., next_upstream_tries: _Optional[int] = ..., rewrite_target: _Optional[str] = ..., default_backend: _Optional[str] = ..., hash_by: _Optional[str] = ..., redirect_from: _Optional[str] = ..., redirect_to: _Optional[str] = ..., cookie_domain: _Optional[str] = ..., cookie_path: _Optional[str] = ..., custom_http_errors: _Optional[_Iterable[int]] = ..., intercept_errors_disabled: _Optional[bool] = ..., port_in_redirects: _Optional[bool] = ..., connection_header: _Optional[str] = ..., access_log_disabled: _Optional[bool] = ..., canary: _Optional[_Union[RouteCanary, _Mapping]] = ..., limit_rate: _Optional[int] = ..., limit_rate_after: _Optional[int] = ..., url_mirror: _Optional[_Union[UrlMirror, _Mapping]] = ..., next_upstream_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    hash_subset_size: int
+    upstream_scheme_from_client: bool
+    upstream_http10: bool
+    redirect_location: str
+    def __init__(self, namespace: _Optional[str] = ..., name: _Optional[str] = ..., host: _Optional[str] = ..., path: _Optional[str] = ..., backends: _Optional[_Iterable[_Union[RouteBackend, _Mapping]]] = ..., target_port: _Optional[str] = ..., tls: _Optional[_Union[RouteTLS, _Mapping]] = ..., balance: _Optional[_Union[BalancePolicy, str]] = ..., sticky: _Optional[_Union[StickySessions, _Mapping]] = ..., timeouts: _Optional[_Union[RouteTimeouts, _Mapping]] = ..., auth_proxy_headers: _Optional[bool] = ..., forwarded_headers: _Optional[_Union[ForwardedHeadersMode, str]] = ..., upstream_protocol: _Optional[str] = ..., request_buffering: _Optional[bool] = ..., status: _Optional[_Union[RouteStatus, _Mapping]] = ..., creation_timestamp: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., matches: _Optional[_Iterable[_Union[RouteMatch, _Mapping]]] = ..., filters: _Optional[_Union[RouteFilters, _Mapping]] = ..., request_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., backend_request_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., listener_port: _Optional[int] = ..., gateway: _Optional[str] = ..., origin: _Optional[str] = ..., rule_index: _Optional[int] = ..., listener_protocol: _Optional[str] = ..., access: _Optional[_Union[RouteAccess, _Mapping]] = ..., proxy_protocol_from_client: _Optional[bool] = ..., proxy_protocol_to_backend: _Optional[bool] = ..., rate_limit: _Optional[_Union[RateLimit, _Mapping]] = ..., external_auth: _Optional[_Union[ExternalAuth, _Mapping]] = ..., cors: _Optional[_Union[RouteCors, _Mapping]] = ..., max_request_body: _Optional[int] = ..., next_upstream: _Optional[str] = ..., next_upstream_tries: _Optional[int] = ..., rewrite_target: _Optional[str] = ..., default_backend: _Optional[str] = ..., hash_by: _Optional[str] = ..., redirect_from: _Optional[str] = ..., redirect_to: _Optional[str] = ..., cookie_domain: _Optional[str] = ..., cookie_path: _Optional[str] = ..., custom_http_errors: _Optional[_Iterable[int]] = ..., intercept_errors_disabled: _Optional[bool] = ..., port_in_redirects: _Optional[bool] = ..., connection_header: _Optional[str] = ..., access_log_disabled: _Optional[bool] = ..., canary: _Optional[_Union[RouteCanary, _Mapping]] = ..., limit_rate: _Optional[int] = ..., limit_rate_after: _Optional[int] = ..., url_mirror: _Optional[_Union[UrlMirror, _Mapping]] = ..., next_upstream_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., hash_subset_size: _Optional[int] = ..., upstream_scheme_from_client: _Optional[bool] = ..., upstream_http10: _Optional[bool] = ..., redirect_location: _Optional[str] = ...) -> None: ...
 
 class UrlMirror(_message.Message):
     __slots__ = ("target", "host", "request_body")

@@ -186,3 +186,66 @@ async def test_an_auth_secret_is_read_through_the_watch_and_follows_changes(
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_service_upstream_follows_the_service_through_the_watch(kubeapi: StandIn) -> None:
+    """service-upstream in Kubernetes mode: the route's backend asks for the cluster IP,
+    and the proxy's table, built from what the resolver holds, dials the Service's
+    clusterIP at its port; a renumbered port and a Service recreated with another
+    clusterIP move it (ingress-nginx's createUpstreams runs on every sync)."""
+    from waygate.proxy.routing import Defaults, build_table
+
+    def service(cluster_ip: str, port: int) -> dict[str, Any]:
+        return {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "web", "namespace": "shop"},
+            "spec": {
+                "clusterIP": cluster_ip,
+                "ports": [{"name": "http", "port": port, "targetPort": 8080}],
+            },
+        }
+
+    kubeapi.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "shop"}})
+    kubeapi.create(service("10.96.0.10", 80))
+    item = ingress("up", {P + "service-upstream": "true"})
+    item["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]["port"] = {"name": "http"}
+    kubeapi.create(item)
+    store = Store()
+    gateway = GatewayObjects(store, StatusBoard(), ingress_nginx=IngressNginx())
+    source = KubernetesSource(
+        store,
+        kubeapi.configuration(),
+        gateway=gateway,
+        timeouts=Timeouts(watch=60, connect=2, request=5),
+        backoff_initial=0.02,
+        backoff_maximum=0.1,
+        rng=random.Random(1),
+    )
+    task = asyncio.create_task(source.run())
+
+    def dialled() -> set[tuple[str, int]]:
+        routes = {r.key: r for r in store.routes() if r.origin == "Ingress shop/up"}
+        found = store.get_service("shop", "web")
+        table = build_table(
+            routes,
+            {("shop", "web"): store.endpoints_of("shop", "web")},
+            {("shop", "web"): found} if found is not None else {},
+            defaults=Defaults(),
+            cookie_key=b"k" * 32,
+        )
+        return {(t.address, t.port) for t in table.targets}
+
+    try:
+        await until(lambda: dialled() == {("10.96.0.10", 80)}, timeout=10)
+        assert all(b.use_cluster_ip for r in store.routes() for b in r.backends)
+        kubeapi.replace(service("10.96.0.10", 8081))
+        await until(lambda: dialled() == {("10.96.0.10", 8081)}, timeout=10)
+        # A clusterIP is immutable in Kubernetes: a new one comes with a new Service.
+        kubeapi.delete("v1", "Service", "web", "shop")
+        await until(lambda: dialled() == set(), timeout=10)
+        kubeapi.create(service("10.96.0.99", 8081))
+        await until(lambda: dialled() == {("10.96.0.99", 8081)}, timeout=10)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

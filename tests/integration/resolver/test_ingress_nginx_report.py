@@ -65,8 +65,13 @@ def test_the_json_report_over_the_examples():
         assert verdicts[annotation] == "honoured-with-difference", (name, verdicts)
     # Client certificates, the partners' CA certificate in a Secret beside it: exactly.
     assert by_name["mtls-partners"]["served"] is True and by_name["mtls-partners"]["exact"] is True
+    # An HTTPS backend verified against proxy-ssl-secret's ca.crt (a Secret beside it),
+    # proxy-ssl-verify on, proxy-ssl-name: exactly.
+    assert by_name["https-backend"]["exact"] is True
     # limit-rps, -burst-multiplier, -connections: honoured per replica, served exactly.
     assert by_name["rate-limited"]["served"] is True and by_name["rate-limited"]["exact"] is True
+    # service-upstream (Linkerd's set-up): the Service's cluster IP, exactly.
+    assert by_name["meshed-web"]["served"] is True and by_name["meshed-web"]["exact"] is True
     # A snippet outside the literal subset is refused, naming why; the subset is served.
     assert by_name["snippet-lua"]["served"] is False
     assert "blocks" in by_name["snippet-lua"]["refusal"]
@@ -82,6 +87,10 @@ def test_the_json_report_over_the_examples():
     assert set(verdicts.values()) == {"no-op"}
     assert by_name["cors-api"]["served"] is True and by_name["cors-api"]["exact"] is False
     assert by_name["web-canary"]["exact"] is True  # folded into web-main by weight
+    # permanent-redirect, temporal-redirect and a server-snippet's `return 301 URL`:
+    # nginx's `return CODE URL`, exactly.
+    for name in ("moved", "maintenance", "server-snippet-redirect"):
+        assert by_name[name]["served"] is True and by_name[name]["exact"] is True, name
     summary = {(a["annotation"], a["verdict"]): a["ingresses"] for a in report["byAnnotation"]}
     assert summary[("affinity", "honoured-with-difference")] == 2
     assert summary[("auth-url", "honoured-with-difference")] == 1
@@ -187,6 +196,7 @@ current-context: prod
     assert by_name["mtls-partners"]["served"] is True and by_name["mtls-partners"]["exact"] is True
     assert by_name["oauth2-dashboard"]["served"] is True  # (an https:// auth-url)
     assert by_name["digest-auth"]["served"] is True  # its Secret read too
+    assert by_name["https-backend"]["exact"] is True  # its proxy-ssl-secret read too
     assert by_name["web-main"]["exact"] is True
     keys = {k["key"] for k in report["configMap"]["keys"]}
     assert "allow-snippet-annotations" in keys

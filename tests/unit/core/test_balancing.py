@@ -162,3 +162,102 @@ def test_source_hash_weights_shift_share():
 def test_source_hash_needs_a_key():
     with pytest.raises(ValueError, match="needs a key"):
         SourceHashPicker(["a"]).pick()
+
+
+# ---------------------------------------------------------------- subsets
+# ingress-nginx's upstream-hash-by-subset (rootfs/etc/nginx/lua/balancer/chashsubset.lua):
+# a key always goes to the same subset, the request to one of its endpoints at random.
+
+NINE = [f"10.0.0.{i:02}" for i in range(9)]
+
+
+def chunks(targets, size):
+    return [tuple(targets[i : i + size]) for i in range(0, len(targets), size)]
+
+
+def test_subset_hash_keeps_a_key_within_one_subset_of_the_size():
+    picker = SourceHashPicker(
+        [*NINE, "10.0.0.09"][::-1], subset_size=3, rng=random.Random(5)
+    )  # given in any order: subsets follow the names
+    ordered = sorted([*NINE, "10.0.0.09"])
+    # The last subset is filled up from the first endpoints, as ingress-nginx's.
+    assert picker._subsets == [*chunks(ordered[:9], 3), (ordered[9], ordered[0], ordered[1])]
+    for key in [f"client-{i}" for i in range(50)]:
+        subset = picker.subset_of(key)
+        assert len(subset) == 3
+        seen = {picker.pick(key) for _ in range(60)}
+        assert seen == set(subset)  # every member, never another endpoint
+
+
+def test_subset_hash_spreads_keys_over_the_subsets():
+    picker = SourceHashPicker([*NINE, "10.0.0.09", "10.0.0.10", "10.0.0.11"], subset_size=3)
+    counts = Counter(picker.subset_of(f"client-{i}") for i in range(4000))
+    assert len(counts) == 4
+    assert max(counts.values()) < 2 * 4000 / 4  # no subset takes double its share
+    hits = picks_by_keys(picker, [f"client-{i}" for i in range(4000)])
+    assert len(hits) == 12
+
+
+def test_subset_membership_and_keys_stay_when_an_endpoint_is_added():
+    keys = [f"client-{i}" for i in range(3000)]
+
+    def places(picker):  # each key's subset, by its place ("set1", ...)
+        return {k: picker._subsets.index(picker.subset_of(k)) for k in keys}
+
+    picker = SourceHashPicker(NINE, subset_size=3)
+    before = places(picker)
+    # One more endpoint (named last): a fourth subset, the first three unchanged.
+    picker.update([*NINE, "10.0.0.09"])
+    assert picker._subsets[:3] == chunks(NINE, 3)
+    after = places(picker)
+    moved = [k for k in keys if after[k] != before[k]]
+    assert all(after[k] == 3 for k in moved)  # only to the new subset
+    assert 0.1 < len(moved) / len(keys) < 0.4  # about a quarter, as a ring of 4 gives
+    # Another one while the number of subsets stays: no key changes place, and only
+    # the last subset's members change (filled up before, now holding the newcomer).
+    filled = picker._subsets[3]
+    picker.update([*NINE, "10.0.0.09", "10.0.0.10"])
+    assert places(picker) == after
+    assert picker._subsets[:3] == chunks(NINE, 3)
+    assert (filled, picker._subsets[3]) == (
+        ("10.0.0.09", "10.0.0.00", "10.0.0.01"),
+        ("10.0.0.09", "10.0.0.10", "10.0.0.00"),
+    )
+
+
+def test_subset_hash_passes_over_avoided_endpoints_then_subsets():
+    picker = SourceHashPicker(NINE, subset_size=3, rng=random.Random(2))
+    key = "client-7"
+    subset = picker.subset_of(key)
+    # One member avoided: the others of the subset take the key.
+    assert {picker.pick(key, lambda t: t == subset[0]) for _ in range(40)} == set(subset[1:])
+    # The whole subset avoided: the next subset clockwise, the same one every time.
+    spilled = {picker.pick(key, lambda t: t in subset) for _ in range(40)}
+    assert spilled and not spilled & set(subset)
+    assert len({next(s for s in picker._subsets if t in s) for t in spilled}) == 1
+    assert picker.pick(key, lambda t: True) is None
+
+
+def test_source_hash_passes_over_avoided_targets():
+    picker = SourceHashPicker(NINE)
+    first = picker.pick("client-1")
+    other = picker.pick("client-1", lambda t: t == first)
+    assert other not in (None, first)
+    assert picker.pick("client-1", lambda t: t == first) == other  # still consistent
+    assert picker.pick("client-1", lambda t: True) is None
+
+
+def test_subset_size_edges():
+    # No more endpoints than the size: one subset of them all (no padding).
+    picker = SourceHashPicker(["a", "b"], subset_size=1000)
+    assert picker._subsets == [("a", "b")]
+    assert {picker.pick("k") for _ in range(50)} == {"a", "b"}
+    # Weight 0: never in a subset.
+    assert SourceHashPicker(["a", "b", "c"], [1, 0, 1], subset_size=2)._subsets == [("a", "c")]
+    assert SourceHashPicker([], subset_size=3).pick("k") is None
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="subset_size"):
+            SourceHashPicker(["a"], subset_size=bad)
+    with pytest.raises(ValueError, match="subsets are for source hashing"):
+        new_picker("roundrobin", ["a"], subset_size=3)
+    assert new_picker("source", ["a"], subset_size=3).subset_size == 3

@@ -354,3 +354,21 @@ def test_the_access_gate_keeps_a_keep_alive_peers_verdict_and_decides_a_new_peer
                 assert isinstance(out, Answer) and out.status == 403
                 assert out.kind == "access_denied" and out.route == "demo/r"
     assert decide(table, req(), outside, 0.0).status == 403  # type: ignore[arg-type,union-attr]
+
+
+def test_the_upstream_scope_follows_the_clients_scheme_only_where_the_route_says():
+    """ingress-nginx AUTO_HTTP (upstream_scheme_from_client): TLS to the backend for a
+    client over TLS, plain for a plain one; a reencrypt route's scope otherwise."""
+    tls = RouteTLS(
+        TLSTermination.REENCRYPT, insecure_edge_termination_policy=InsecureEdgePolicy.ALLOW
+    )
+    for auto in (False, True):
+        the_view = view([rt(tls=tls, upstream_scheme_from_client=auto)], [ep()])
+        secure = decide(the_view, req(), Facts(secure=True), 0.0)
+        plain = decide(the_view, req(), Facts(secure=False), 0.0)
+        assert isinstance(secure, Forward) and isinstance(plain, Forward)
+        assert secure.upstream_scope is not None
+        assert secure.upstream_scope == secure.entry.upstream_scope
+        assert (plain.upstream_scope is None) is auto
+    plain_route = decide(view([rt()], [ep()]), req(), Facts(secure=True), 0.0)
+    assert isinstance(plain_route, Forward) and plain_route.upstream_scope is None

@@ -3,6 +3,8 @@ protocols: tests/integration/proxy/test_request_core.py)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from tests.unit.proxy.test_decision import Facts, ep, req, rt, view
 from waygate.proxy import decision
 from waygate.proxy.decision import Forward, decide
@@ -39,3 +41,48 @@ def test_the_same_key_picks_the_same_endpoint():
             decision.release_pick(forward)
     assert all(len(addresses) == 1 for addresses in chosen.values())
     assert len({next(iter(a)) for a in chosen.values()}) > 1  # keys spread
+
+
+def subsets_view() -> Any:
+    route = rt(balance=BalancePolicy.SOURCE, hash_by="$request_uri", hash_subset_size=3)
+    return view([route], [ep(f"10.0.0.{i}") for i in range(6)])
+
+
+def addresses(built: Any, path: str, n: int = 60) -> set[str]:
+    seen = set()
+    for _ in range(n):
+        forward = decide(built, req(path), Facts(), 0.0)
+        assert isinstance(forward, Forward)
+        seen.add(forward.target.address)
+        decision.release_pick(forward)
+    return seen
+
+
+def test_subsets_a_key_reaches_its_subset_and_an_ejected_subset_its_next():
+    # upstream-hash-by-subset: the key's subset of three, one of them at random.
+    built = subsets_view()
+    subset = addresses(built, "/a")
+    assert len(subset) == 3
+    # Endpoints that failed to connect (passive health) are passed over within the
+    # subset; when the whole subset failed, the key goes to the next subset.
+    failed = sorted(subset)
+    built.health.failed(next(t for t in built.table.targets if t.address == failed[0]))
+    assert addresses(built, "/a") == set(failed[1:])
+    for target in built.table.targets:
+        if target.address in subset:
+            built.health.failed(target)
+    spilled = addresses(built, "/a")
+    assert len(spilled) == 3 and not spilled & subset
+
+
+def test_a_redispatch_keeps_the_hash_key():
+    # After a connect failure the request is picked again by its upstream-hash-by
+    # value (not the client address): it stays within the key's subset.
+    built = subsets_view()
+    subset = addresses(built, "/a")
+    forward = decide(built, req("/a"), Facts(), 0.0)
+    assert isinstance(forward, Forward)
+    failed = forward.target
+    assert decision.repick(built, forward, Facts(), failed)
+    assert forward.target != failed and forward.target.address in subset
+    decision.release_pick(forward)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from waygate.proxy import filters
 from waygate.proxy.http1 import RequestHead
-from waygate.proxy.responserewrite import ResponseRules, _host_port, _origin
+from waygate.proxy.responserewrite import ResponseRules, _host_port, origin
 
 
 def _rules(**kw: object) -> ResponseRules:
@@ -73,9 +73,9 @@ def test_origin_port_only_when_asked_and_not_the_schemes():
     req = RequestHead()
     req.host = b"shop.test"
     req.fields = b"Host: shop.test:8443\r\nAccept: */*\r\n"
-    assert _origin(req, True, False) == b"https://shop.test"
-    assert _origin(req, True, True) == b"https://shop.test:8443"
+    assert origin(req, True, False) == b"https://shop.test"
+    assert origin(req, True, True) == b"https://shop.test:8443"
     req.fields = b"Host: shop.test:443\r\n"
-    assert _origin(req, True, True) == b"https://shop.test"
+    assert origin(req, True, True) == b"https://shop.test"
     assert _host_port(b"Host: [::1]:8080\r\n") == b"8080"
     assert _host_port(b"Host: [::1]\r\n") == b""

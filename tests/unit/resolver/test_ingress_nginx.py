@@ -233,12 +233,8 @@ def test_permanent_redirect_app_root_www_alias_vhost_and_headers():
     [route] = routes_of(item)
     redirect = route.filters.redirect if route.filters else None
     assert redirect is not None
-    assert (redirect.scheme, redirect.hostname, redirect.path, redirect.status) == (
-        "https",
-        "new.example.com",
-        "/landing",
-        308,
-    )
+    # nginx's `return 308 URL`: the Location is the target as written.
+    assert (route.redirect_location, redirect.status) == ("https://new.example.com/landing", 308)
     item = ingress(
         "more",
         {
@@ -1366,3 +1362,70 @@ def test_upstream_hash_by_a_request_variable():
     assert other.hash_by == "" and other.ingress_verdicts[0].startswith(
         "upstream-hash-by: not-honoured"
     )
+
+
+def _hash_verdicts(annotations: dict[str, str]) -> dict[str, tuple[Verdict, str]]:
+    item = ingress("h", {P + k: v for k, v in annotations.items()})
+    return {f.annotation: (f.verdict, f.note) for f in judge(item, SETTINGS, {})[0].findings}
+
+
+@pytest.mark.parametrize(
+    ("size", "expected"), [(None, 3), ("0", 3), ("2", 2), (" 5 ", 5), ("1000", 1000)]
+)
+def test_upstream_hash_by_subset_becomes_the_routes_subset_size(size, expected):
+    # ingress-nginx: upstreamhashby/main.go (0 or unset: 3), balancer/chashsubset.lua.
+    annotations = {"upstream-hash-by": "$request_uri", "upstream-hash-by-subset": "true"}
+    if size is not None:
+        annotations["upstream-hash-by-subset-size"] = size
+    [route] = routes_of(ingress("h", {P + k: v for k, v in annotations.items()}))
+    assert (route.balance.value, route.hash_by) == ("source", "$request_uri")
+    assert route.hash_subset_size == expected and route.ingress_refusal is None
+    verdicts = _hash_verdicts(annotations)
+    assert {k: v[0] for k, v in verdicts.items()} == dict.fromkeys(annotations, Verdict.HONOURED)
+    assert "at random" in verdicts["upstream-hash-by-subset"][1]
+    assert "next subset" in verdicts["upstream-hash-by-subset"][1]  # its failure rule, named
+
+
+def test_upstream_hash_by_subset_with_the_client_address():
+    [route] = routes_of(
+        ingress("h", {P + "upstream-hash-by": "$remote_addr", P + "upstream-hash-by-subset": "1"})
+    )
+    assert (route.balance.value, route.hash_by, route.hash_subset_size) == ("source", "", 3)
+
+
+@pytest.mark.parametrize(
+    ("annotations", "verdict"),
+    [
+        # Without upstream-hash-by, or without the subset flag: nothing to do.
+        ({"upstream-hash-by-subset": "true"}, Verdict.NOOP),
+        ({"upstream-hash-by": "$host", "upstream-hash-by-subset-size": "4"}, Verdict.NOOP),
+        ({"upstream-hash-by": "$host", "upstream-hash-by-subset": "false"}, Verdict.HONOURED),
+        # A variable the proxy cannot compute: the subset is not honoured either.
+        ({"upstream-hash-by": "$request_time", "upstream-hash-by-subset": "true"}, None),
+    ],
+)
+def test_upstream_hash_by_subset_without_its_hashing(annotations, verdict):
+    [route] = routes_of(ingress("h", {P + k: v for k, v in annotations.items()}))
+    assert route.hash_subset_size == 0 and route.ingress_refusal is None
+    found = _hash_verdicts(annotations)
+    subset = [k for k in annotations if k.startswith("upstream-hash-by-subset")]
+    expected = Verdict.NOT_HONOURED if verdict is None else verdict
+    assert {found[k][0] for k in subset} == {expected}
+
+
+@pytest.mark.parametrize("size", ["-1", "three", "3.5", "1234567890"])
+def test_an_invalid_subset_size_refuses_the_ingress_alone(size):
+    routes = routes_of(
+        ingress(
+            "bad",
+            {
+                P + "upstream-hash-by": "$request_uri",
+                P + "upstream-hash-by-subset": "true",
+                P + "upstream-hash-by-subset-size": size,
+            },
+        ),
+        ingress("good", {P + "upstream-hash-by": "$request_uri"}, host="other.example.com"),
+    )
+    reason, message = refusal(routes, "bad")
+    assert reason == "InvalidAnnotation" and "upstream-hash-by-subset-size" in message
+    assert served(routes, "good")

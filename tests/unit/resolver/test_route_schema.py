@@ -400,6 +400,7 @@ DERIVED_SAMPLES: dict[str, dict[str, Any]] = {
         "rewrite_target": "/x/$2",
         "default_backend": "fallback",
         "hash_by": "$request_uri",
+        "hash_subset_size": 3,
         "redirect_from": "http://backend.local/",
         "redirect_to": "/app/",
         "cookie_domain": "backend.local example.org",
@@ -414,8 +415,16 @@ DERIVED_SAMPLES: dict[str, dict[str, Any]] = {
         "limit_rate_after": 1024,
         "url_mirror": model.UrlMirror("https://m.example$request_uri", "m", False),
         "next_upstream_timeout": 2.5,
+        "upstream_scheme_from_client": True,
+        "upstream_http10": True,
+        "redirect_location": "https://x.example.com/a?b=c",
     },
-    "RouteBackend": {"namespace": "other", "port": "http", "invalid": "not granted"},
+    "RouteBackend": {
+        "namespace": "other",
+        "port": "http",
+        "invalid": "not granted",
+        "use_cluster_ip": True,
+    },
     "StickySessions": {
         "cookie_path": "/app",
         "cookie_domain": "example.com",
@@ -426,6 +435,8 @@ DERIVED_SAMPLES: dict[str, dict[str, Any]] = {
         "destination_system_ca": True,
         "destination_san_hostnames": ("a.example.com",),
         "destination_san_uris": ("spiffe://x/y",),
+        "backend_client_certificate": "-----BEGIN CERTIFICATE-----\nclient\n",
+        "backend_client_key": "-----BEGIN PRIVATE KEY-----\nclient\n",
     },
 }
 
@@ -454,6 +465,22 @@ def test_route_credentials_are_withheld_as_private_keys_are():
     shown = convert.route_from_proto(convert.route_to_proto(route, with_key=False))
     assert shown.access == dataclasses.replace(access, credentials=())
     assert shown.tls is not None and not shown.tls.key
+
+
+def test_the_backend_client_key_is_withheld_as_the_serving_key_is():
+    """proxy-ssl-secret's tls.key: the same one redaction (convert's with_key) as tls.key."""
+    route = full_route()
+    assert route.tls is not None
+    tls = dataclasses.replace(
+        route.tls, **DERIVED_SAMPLES["RouteTLS"], termination=model.TLSTermination.REENCRYPT
+    )
+    route = dataclasses.replace(route, tls=tls)
+    shown = convert.route_from_proto(convert.route_to_proto(route, with_key=False))
+    assert shown.tls is not None
+    assert shown.tls.backend_client_certificate == tls.backend_client_certificate
+    assert (shown.tls.key, shown.tls.backend_client_key) == ("", "")
+    kept = convert.route_from_proto(convert.route_to_proto(route))
+    assert kept.tls is not None and kept.tls.backend_client_key == tls.backend_client_key
 
 
 _json = st.recursive(

@@ -114,6 +114,30 @@ def test_certificate_without_key_is_rejected() -> None:
     rejects(route(tls=RouteTLS(TLSTermination.EDGE, "", KEY)), "tls.certificate")
 
 
+def test_a_backend_client_certificate_is_a_reencrypt_routes_with_its_key() -> None:
+    """ingress-nginx proxy-ssl-secret's tls.crt/tls.key: checked as tls.certificate/key."""
+    reencrypt = RouteTLS(TLSTermination.REENCRYPT)
+    with_pair = dataclasses.replace(
+        reencrypt, backend_client_certificate=CERT, backend_client_key=KEY
+    )
+    assert validate_route(route(tls=with_pair)).tls == with_pair
+    rejects(
+        route(tls=dataclasses.replace(with_pair, backend_client_key=OTHER_KEY)),
+        "tls.backend_client_key",
+    )
+    rejects(
+        route(tls=dataclasses.replace(with_pair, backend_client_key="")), "tls.backend_client_key"
+    )
+    rejects(
+        route(tls=dataclasses.replace(with_pair, backend_client_certificate="garbage")),
+        "tls.backend_client_certificate",
+    )
+    edge = RouteTLS(
+        TLSTermination.EDGE, CERT, KEY, backend_client_certificate=CERT, backend_client_key=KEY
+    )
+    rejects(route(tls=edge), "tls.backend_client_certificate")
+
+
 def test_termination_specific_rules() -> None:
     rejects(
         route(tls=RouteTLS(TLSTermination.PASSTHROUGH, CERT, KEY)),
