@@ -447,7 +447,11 @@ def _request_filters(forward: Forward, req: RequestHead, facts: ConnectionFacts)
 
 def _request_filters_bound(entry: RouteEntry) -> Runner:
     rewrite = entry.policies["rewrite"]  # (prepared by _has_filters)
-    return _request_filters if rewrite is None else rewrite.shape  # type: ignore[no-any-return]
+    if rewrite is None:
+        return _request_filters
+    if rewrite.slash_prefix and rewrite.response_headers is None:
+        return rewrite.shape_slash_prefix  # type: ignore[no-any-return]
+    return rewrite.shape  # type: ignore[no-any-return]
 
 
 def _access_bound(entry: RouteEntry) -> Runner:
@@ -820,7 +824,8 @@ def decide(
     forward.backend = backend
     # The answer's extra lines (response_extra, inline: no call per request).
     set_cookie = backend.set_cookie
-    if set_cookie and cookie != backend.by_target.get(picked):
+    if set_cookie and (cookie is None or cookie != backend.by_target.get(picked)):
+        # (No cookie: a first visit's Set-Cookie without the endpoint's cookie looked up.)
         forward.extra = set_cookie.get(picked, b"") + forward.hsts
     else:
         forward.extra = forward.hsts

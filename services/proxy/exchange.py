@@ -79,7 +79,6 @@ from waygate.proxy.authstep import AuthStep
 from waygate.proxy.bodybuffer import BodyBuffer
 from waygate.proxy.connect_h1 import start_connect
 from waygate.proxy.context import ExchangeContext
-from waygate.proxy.filters import SetFields
 from waygate.proxy.decision import (
     ANSWER_HEALTHZ,
     ANSWER_OPTIONS,
@@ -91,6 +90,7 @@ from waygate.proxy.decision import (
     Forward,
     release_pick,
 )
+from waygate.proxy.filters import SetFields
 from waygate.proxy.h2bridge import H2Bridge
 from waygate.proxy.http1 import (
     FRAMING_CHUNKED,
@@ -543,11 +543,8 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
         modifier = forward.response_modifier
         if modifier is not None:
             if type(modifier) is SetFields and response.fields is modifier.last_fields:
-                # A CORS answer's lines on the block it last set them on (a remembered
-                # response parse's copies share it): its result, without a call.
-                response.fields = modifier.last_out  # type: ignore[assignment]
-            else:
-                # (Error pages ride only on a modifier with `errors`: the others make no call.)
+                response.fields = modifier.last_out  # type: ignore[assignment]  # (no call)
+            else:  # (error pages ride only on a modifier with `errors`: no call for others)
                 errors = getattr(modifier, "errors", None)
                 if errors is not None and errorpages.intercept(self, modifier, status):
                     return None  # ingress-nginx custom-http-errors: the error backend answers

@@ -262,8 +262,8 @@ class PathRewrite:
         # request head and send `target(req, path)` instead of a copy of the head.
         self.target_only = not self.host_line and modifier is None
         # The commonest rewrite alone (ingress-nginx's `rewrite-target: /$2` of
-        # `path: /api(/|$)(.*)`): a prefix replaced by one ending in "/", which `shape`
-        # makes inline.
+        # `path: /api(/|$)(.*)`): a prefix replaced by one ending in "/"
+        # (`shape_slash_prefix`).
         self.slash_prefix = (
             self.target_only
             and not self.full
@@ -277,18 +277,7 @@ class PathRewrite:
         route entry's rewrite: one call per request): the request as the backend gets
         it (a target alone held apart: forward.rewritten_target, no head copy), the
         rewritten Host, and the route's ResponseHeaderModifier kept for its answer."""
-        if self.slash_prefix:
-            path = forward.path
-            if path[:1] == b"/":
-                # `target`'s prefix case, inline: the replacement, then the rest of the
-                # path without its leading slashes, then the query (none when the
-                # request core's path is the target itself).
-                new = self.replacement + path[self.cut :].lstrip(b"/")  # type: ignore[operator]
-                target = req.target
-                forward.rewritten_target = new if path is target else new + target[len(path) :]
-            else:
-                forward.rewritten_target = self.target(req, path)
-        elif self.target_only:
+        if self.target_only:
             forward.rewritten_target = self.target(req, forward.path)
         else:
             forward.req = self.applied(req, forward.path)
@@ -296,6 +285,19 @@ class PathRewrite:
                 forward.authority = self.hostname
         if self.response_headers is not None and forward.response_modifier is None:
             forward.response_modifier = self.response_headers  # (a CORS answer holds it)
+
+    def shape_slash_prefix(self, forward: Any, req: Any, facts: Any) -> None:
+        """`shape` for the commonest rewrite alone (`slash_prefix`, no response header
+        modifier): `target`'s prefix case inline, the replacement, then the rest of the
+        path without its leading slashes, then the query (none when the request core's
+        path is the target itself)."""
+        path = forward.path
+        if path[:1] != b"/":
+            forward.rewritten_target = self.target(req, path)
+            return
+        new = self.replacement + path[self.cut :].lstrip(b"/")  # type: ignore[operator]
+        target = req.target
+        forward.rewritten_target = new if path is target else new + target[len(path) :]
 
     def target(self, req: Any, path: bytes) -> bytes:
         """The request's target after the rewrite (`path`: its path, without the query)."""

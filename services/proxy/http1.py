@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 from urllib.parse import unquote_to_bytes
 
 import httptools
@@ -648,6 +648,9 @@ class ForwardedContext:
         "access_check",
         "access_verdict",
         "client_ip",
+        "cors_answer",
+        "cors_fields",
+        "cors_policy",
         "forwarded_for",
         "last_added",
         "last_host",
@@ -662,6 +665,11 @@ class ForwardedContext:
         # keep-alive requests to that route read it instead of deciding again.
         self.access_check: object = None
         self.access_verdict: tuple[int, str, str] | None = None
+        # The CORS answer (cors.CorsPolicy.gate) of the route's policy this connection
+        # last asked, for the request fields it asked with.
+        self.cors_policy: object = None
+        self.cors_fields = b""
+        self.cors_answer: Any = None
         self.proto = proto
         self.port = str(port).encode()
         node = self.client_ip
