@@ -125,8 +125,13 @@ class CanarySplit:
         return self.canary if self.to_canary(req, sticky) else self.main
 
     def side_of(self, backend: Backend) -> RouteEntry:
-        """The side a request picked on (its backend's service, from this table or
-        an earlier one): a redispatch stays on it."""
+        """The side a request picked on (the side's own backend; one of an earlier
+        table by its service): a redispatch stays on it. (Main and canary may name
+        one Service: service-upstream on one side only, another port.)"""
+        if any(b is backend for b in self.canary.backends):
+            return self.canary
+        if any(b is backend for b in self.main.backends):
+            return self.main
         services = {b.service for b in self.canary.backends}
         return self.canary if backend.service in services else self.main
 

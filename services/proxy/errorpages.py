@@ -24,6 +24,8 @@ customhttperrors.go, default_backend.go, disableproxyintercepterrors.go):
   own errors with or without proxy_intercept_errors. Not those its timers decide
   (`_TIMERS`), nor the refusals `decision.decide` answers before a backend is
   asked: the proxy's own pages (a named difference).
+- The error backend is asked in plain HTTP (the named location's `proxy_pass
+  http://`), whatever the route's backend-protocol says (HTTPS, AUTO_HTTP).
 - disable-proxy-intercept-errors: the backend's answers pass unchanged.
 - default-backend without an endpoint of the route's own (`decision.decide`
   sends the request there): the request as it is, with X-Code 503 and the
@@ -196,6 +198,9 @@ def _retarget(forward: Any, modifier: Any, errors: ErrorPages, target: Any) -> N
     never intercepted again. The original pick was given back by the caller."""
     forward.response_modifier = passed_on(modifier)
     forward.error_request = True
+    # The template's `proxy_pass http://upstream_balancer`: plain HTTP whatever the
+    # route's backend-protocol (never the route's TLS or proxy-ssl-secret certificate).
+    forward.upstream_scope = None
     if target is None:
         return
     backend = errors.backend

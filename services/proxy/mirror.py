@@ -230,4 +230,9 @@ def send_with_body(mirrors: Mirrors, forward: Any, buffer: Any) -> None:
         mirrors.dropped += 1
         return
     body = b"".join(buffer.chunks)
+    if forward.req.chunked and not forward.http10:
+        # The buffer holds the body as it goes upstream: chunk-framed (re-chunked by
+        # the Exchange's reader; proxy-http-version 1.0's is the bare payload).
+        mirrors.send(target, head[:-2] + b"Transfer-Encoding: chunked\r\n\r\n" + body)
+        return
     mirrors.send(target, head[:-2] + b"Content-Length: %d\r\n\r\n" % len(body) + body)

@@ -34,8 +34,10 @@ Rules:
   30 s); a success resets it. When every endpoint is being skipped, the
   policy's pick is tried anyway (a failing attempt beats a certain 503).
 
-Pickers are carried from one table to the next per (route, backend), so
-leastconn in-flight counts and round-robin positions survive updates.
+Pickers are carried from one table to the next per (route, backend: its place
+and Service name), so leastconn in-flight counts and round-robin positions survive
+updates; two backends of one Service name (other namespaces, other ports, a
+canary's cluster IP beside the main's endpoints) keep a picker each.
 """
 
 from __future__ import annotations
@@ -885,11 +887,12 @@ def build_table(
     (True: TLS); routes on other listener ports are not served. `gateway`
     ("NS/NAME"): serve only that Gateway's routes (and no Ingress).
     """
-    carried: dict[tuple[str, str, str], Picker[Target]] = {}
+    carried: dict[tuple[str, str, int, str], Picker[Target]] = {}
     if previous is not None:
         for entry in previous.entries():
-            for backend in entry.backends:
-                carried[(entry.route.namespace, entry.route.name, backend.service)] = backend.picker
+            route_key = (entry.route.namespace, entry.route.name)
+            for place, backend in enumerate(entry.backends):
+                carried[(*route_key, place, backend.service)] = backend.picker
     legacy = HostIndex()
     sides: dict[Any, HostIndex] = {}
     ports = {80: False, 443: True} if listener_ports is None else listener_ports
@@ -928,7 +931,7 @@ def build_table(
         ):
             # The spec: a rule without backends (and no redirect) answers 500.
             route_backends = (RouteBackend("", 1, invalid="the rule has no backendRefs"),)
-        for route_backend in route_backends:
+        for place, route_backend in enumerate(route_backends):
             key = (route_backend.namespace or route.namespace, route_backend.service)
             service = services.get(key)
             targets = (
@@ -937,7 +940,7 @@ def build_table(
                 else []
             )
             alive.update(targets)
-            picker = carried.get((route.namespace, route.name, route_backend.service))
+            picker = carried.get((route.namespace, route.name, place, route_backend.service))
             if picker is None or picker.policy != policy or picker.subset_size != subset_size:
                 picker = new_picker(policy, targets, subset_size=subset_size)
             else:

@@ -29,6 +29,7 @@ class DualBackend:
         self.listener.settimeout(0.2)
         self.port = self.listener.getsockname()[1]
         self.connections: list[str] = []  # the scheme of each connection, in order
+        self.heads: list[bytes] = []  # each request's head as it arrived, in order
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._accept, daemon=True)
         self._serving: list[threading.Thread] = []
@@ -84,7 +85,8 @@ class DualBackend:
                     if not chunk:
                         return
                     buffered += chunk
-                _, buffered = buffered.split(b"\r\n\r\n", 1)
+                head, buffered = buffered.split(b"\r\n\r\n", 1)
+                self.heads.append(head)
                 if not counted:  # (a connection that sends no request is not one)
                     self.connections.append(scheme)
                     counted = True

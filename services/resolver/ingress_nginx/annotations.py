@@ -1926,8 +1926,13 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             )
         redirect = p.redirect
         redirect_location = p.redirect_location
-        if route.listener_port == 80 and (
-            p.force_ssl_redirect or (p.ssl_redirect and route.host in secured)
+        # A literal redirect (`return CODE URL` in the location or server block) runs
+        # in nginx's rewrite phase, before ingress-nginx's HTTPS redirect (Lua's
+        # rewrite_by_lua, postponed to the phase's end): it answers plain HTTP too.
+        if (
+            route.listener_port == 80
+            and not redirect_location
+            and (p.force_ssl_redirect or (p.ssl_redirect and route.host in secured))
         ):
             redirect = Redirect(
                 scheme="https",

@@ -173,15 +173,24 @@ async def test_one_context_per_certificate_key_and_ca_reused_then_dropped(pki: P
 
 
 @contextlib.asynccontextmanager
-async def auto_front(pki: Pki, tmp_path: Path, backend_port: int) -> AsyncIterator[tuple[int, int]]:
+async def auto_front(
+    pki: Pki, tmp_path: Path, backend_port: int, **route_fields: object
+) -> AsyncIterator[tuple[int, int]]:
     """The proxy's plain port and an HTTPS listener, one AUTO_HTTP route to the
-    backend (its certificate for auto.test served at the edge)."""
+    backend (its certificate for auto.test served at the edge; `route_fields` more)."""
     edge_cert, edge_key = pki.edge.issue(dns=["auto.test"])
     tls = dataclasses.replace(
         reencrypt(pki, pki.client), certificate=edge_cert.decode(), key=edge_key.decode()
     )
     routes = [
-        route("auto.test", [("web", 100)], name="auto", tls=tls, upstream_scheme_from_client=True)
+        route(
+            "auto.test",
+            [("web", 100)],
+            name="auto",
+            tls=tls,
+            upstream_scheme_from_client=True,
+            **route_fields,  # type: ignore[arg-type]
+        )
     ]
     files = pki.edge.write_files(tmp_path / "default", dns=["default.test"], prefix="d-")
     certificates = EdgeCertificates(DefaultCertificate.from_files(files.cert, files.key))
@@ -250,3 +259,34 @@ async def test_auto_http_for_http2_clients(pki: Pki, tmp_path: Path) -> None:
                 await h2c.close()
             assert response.status == 200
             assert json.loads(response.body) == {"scheme": "http", "client": ""}
+
+
+async def test_auto_http_with_proxy_http_version_1_0_for_every_client(
+    pki: Pki, tmp_path: Path
+) -> None:
+    # AUTO_HTTP and proxy-http-version 1.0 on one route: the scheme still follows the
+    # client's (the route's client certificate only over TLS), the request is
+    # HTTP/1.0 with Connection: close, and no connection carries a second request
+    # (the backend would keep each open).
+    with backend(pki) as up:
+        async with auto_front(pki, tmp_path, up.port, upstream_http10=True) as (plain, secure):
+            schemes = []
+            for _ in range(2):
+                schemes.append(answer(await https_get(secure, client_tls(pki, "http/1.1"))))
+                schemes.append(answer(await get(plain, "auto.test")))
+                for port, tls in ((secure, client_tls(pki, "h2")), (plain, None)):
+                    h2 = await H2Client.connect(port, tls=tls, server_hostname="auto.test")
+                    try:
+                        response = await h2.request("GET", "/", "auto.test")
+                    finally:
+                        await h2.close()
+                    assert response.status == 200
+                    schemes.append(json.loads(response.body))
+            tls_answer = {"scheme": "https", "client": "ingress-client"}
+            plain_answer = {"scheme": "http", "client": ""}
+            assert schemes == [tls_answer, plain_answer] * 4
+            assert up.connections == ["https", "http"] * 4  # one per request
+            for head in up.heads:
+                line, *fields = head.split(b"\r\n")
+                assert line == b"GET / HTTP/1.0", line
+                assert b"Connection: close" in fields, fields

@@ -33,17 +33,27 @@ from tests.support.proxyharness import RecordingUpstream, running_proxy
 from waygate.proxy.bodybuffer import BufferLimits
 from waygate.proxy.routing import Defaults, build_table
 from waygate.proxy.server import Limits
+from waygate.proxy.upstream_tls import UpstreamTLS
 from waygate.resolver.model import (
     Endpoint,
     EndpointPort,
+    InsecureEdgePolicy,
     Redirect,
     Route,
     RouteBackend,
     RouteFilters,
+    RouteTLS,
     StickySessions,
+    TLSTermination,
 )
 
 CLIENTS = ["http/1.1", "h2c"]
+# A reencrypt route (never asked here): the proxy has the reencrypt step.
+_REENCRYPT = RouteTLS(
+    termination=TLSTermination.REENCRYPT,
+    insecure_edge_termination_policy=InsecureEdgePolicy.ALLOW,
+    destination_system_ca=True,
+)
 
 
 def _route(name: str = "old-0", port: str = "http", **kw: Any) -> Route:
@@ -295,6 +305,36 @@ async def test_the_connection_is_never_reused_nor_taken_from_the_pool():
         ]
         await _until(lambda: backend.closed_by_peer == 2, "the proxy closed both 1.0 connections")
         assert server.pool.idle_count() == 1  # the plain one, still there
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+async def test_beside_a_reencrypt_route_it_dials_plain_and_never_reuses(client):
+    # Regression (merge a8edc24, kept by c9965f2): the 1.0 pool scope once rode on
+    # RouteEntry.upstream_scope, whose non-None value now means TLS to the backend
+    # (Forward.upstream_scope), so with the reencrypt step present (a route
+    # reencrypts; the real proxy always has it) a 1.0 route sent a TLS handshake
+    # to its plain backend.
+    plain = _route("plain-0", path="/plain")
+    old = _route("old-0", upstream_http10=True)
+    secure = _route("secure-0", path="/secure", tls=_REENCRYPT)
+    async with (
+        RawBackend("keep") as backend,
+        _proxy([plain, old, secure], backend.port) as (server, port),
+    ):
+        server.upstream_tls = UpstreamTLS(lambda: None, lambda: None, server.dialer.connect)
+        answer = await ask("http/1.1", port, "/plain")  # leaves an idle plain connection
+        assert (answer.status, answer.body) == (200, b"kept")
+        await _until(lambda: server.pool.idle_count() == 1, "the plain connection pooled")
+        for _ in range(2):
+            answer = await ask(client, port, "/old")
+            assert (answer.status, answer.body) == (200, b"kept")
+        assert [bytes(c).split(b"\r\n", 1)[0] for c in backend.connections] == [
+            b"GET /plain HTTP/1.1",
+            b"GET /old HTTP/1.0",  # in plain HTTP, on a connection of its own
+            b"GET /old HTTP/1.0",
+        ]
+        await _until(lambda: backend.closed_by_peer == 2, "the proxy closed both 1.0 connections")
+        assert server.pool.idle_count() == 1  # the plain one, untaken
 
 
 @pytest.mark.parametrize("client", CLIENTS)

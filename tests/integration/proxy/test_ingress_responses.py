@@ -26,14 +26,18 @@ from tests.integration.proxy.test_request_core import HOST, PAIRS, _dead_port, _
 from tests.support.h2harness import H2Backend
 from tests.support.proxyharness import RecordingUpstream, running_proxy
 from waygate.proxy.routing import Defaults, build_table
+from waygate.proxy.upstream_tls import UpstreamTLS
 from waygate.resolver.model import (
     Endpoint,
     EndpointPort,
+    InsecureEdgePolicy,
     Route,
     RouteBackend,
+    RouteTLS,
     Service,
     ServicePort,
     StickySessions,
+    TLSTermination,
 )
 
 
@@ -232,6 +236,29 @@ async def test_custom_http_errors_go_to_the_default_backend(backend_pair, client
     # Counted once, under the route, with the status the client got.
     assert server.metrics.requests[("demo/shop-0", b"GET", 2)] == 1
     assert server.metrics.requests[("demo/shop-0", b"GET", 5)] == 1
+
+
+@pytest.mark.parametrize("client", ["http/1.1", "h2c"])
+async def test_the_error_backend_of_an_https_backend_is_asked_in_plain_http(backend_pair, client):
+    # backend-protocol HTTPS (or AUTO_HTTP for an HTTPS client, or proxy-ssl-secret):
+    # the route reencrypts, but the template's @custom_ location proxies to
+    # `http://upstream_balancer`; the error backend, plain as ingress-nginx's default
+    # backend is, answers. (It was dialled with the route's TLS: a failed handshake,
+    # and the proxy's own 502 page.) The route's backend refuses: the proxy's own 502.
+    _, errors = backend_pair
+    tls = RouteTLS(
+        termination=TLSTermination.REENCRYPT,
+        insecure_edge_termination_policy=InsecureEdgePolicy.ALLOW,
+        destination_system_ca=True,
+    )
+    route = _route(custom_http_errors=(502,), default_backend="errors", tls=tls)
+    dead = await _dead_port()
+    async with running_proxy(_table(route, dead, errors_port=errors.port)) as (server, port):
+        server.upstream_tls = UpstreamTLS(lambda: None, lambda: None, server.dialer.connect)
+        answer = await ask(client, port, "/page")
+    assert answer.status == 200, answer.body
+    assert _sent(answer)["x-code"] == "502"
+    assert len(errors.requests) == 1
 
 
 async def test_the_error_request_gets_a_request_id_and_no_body(backend_pair):

@@ -324,13 +324,14 @@ async def test_a_client_gone_while_paced_leaves_nothing_behind(client, backend):
 # ---------------------------------------------------------------- mirror-target
 
 
-def mirrored_table(upstreams: Upstreams, mirror: UrlMirror) -> RouteTable:
+def mirrored_table(upstreams: Upstreams, mirror: UrlMirror, **route_fields: Any) -> RouteTable:
     route = Route(
         namespace="web",
         name="mirrored",
         host=HOST,
         backends=(RouteBackend("main", 1),),
         url_mirror=mirror,
+        **route_fields,
     )
     return build_table(
         {route.key: route}, upstreams.endpoints(), {}, defaults=Defaults(), cookie_key=b"k" * 32
@@ -377,6 +378,24 @@ async def test_mirror_request_body(upstreams, client, request_body):
         assert ("content-length" in names) == (copy["method"] == "POST" and request_body)
         assert "transfer-encoding" not in names
     assert [r["body_length"] for r in upstreams.main.requests] == [5, 0]
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+@pytest.mark.parametrize("http10", [False, True], ids=["http11", "http10"])
+async def test_a_body_of_unknown_length_is_copied_as_the_payload(upstreams, client, http10):
+    # Chunked from an HTTP/1.1 client, without a content-length from an HTTP/2 one: the
+    # buffered body is chunk-framed on its way upstream (bare for proxy-http-version
+    # 1.0): the copy carries its framing with it, never the chunks as its content.
+    copies = upstreams.canary
+    mirror = UrlMirror(f"http://127.0.0.1:{copies.port}", request_body=True)
+    async with running_proxy(mirrored_table(upstreams, mirror, upstream_http10=http10)) as (
+        server,
+        port,
+    ):
+        assert (await post(client, port, b"hello", length=False)).status == 200
+        await until(lambda: server.mirrors.sent == 1, "the copy")
+    assert [(c["method"], c["body_length"]) for c in copies.requests] == [("POST", 5)]
+    assert [r["body_length"] for r in upstreams.main.requests] == [5]
 
 
 async def test_a_body_past_the_copys_bound_is_not_copied(upstreams):

@@ -1,7 +1,7 @@
 """`waygate ingress-nginx check` over the example Ingresses (real-world annotation mixes).
 
 Runs the real command (a subprocess) on services/resolver/examples/ingress-nginx:
-42 Ingresses of the annotations users rely on most, the controller ConfigMap and
+44 Ingresses of the annotations users rely on most, the controller ConfigMap and
 an IngressClass. The report must give every Ingress its verdicts, refuse the
 ones an access annotation or an unparseable snippet guards, and exit 1 (not
 everything is honoured exactly); a directory honoured exactly exits 0.
@@ -107,6 +107,21 @@ def test_the_table_report_and_snippets_refused_without_the_configmap():
     assert "Ingress apps/snippet-headers: NOT SERVED" in result.stdout
     assert "snippets are not allowed by the ConfigMap" in result.stdout
     assert "Ingresses of the class:" in result.stdout.splitlines()[-1]
+
+
+def test_the_readme_quotes_the_reports_counts():
+    # README "Coming from ingress-nginx" quotes the examples' count and the summary
+    # line of their report, with and without the ConfigMap: the figures people read
+    # are the ones the command gives.
+    readme = " ".join((Path(__file__).parents[3] / "README.md").read_text().split())
+    with_configmap = check(str(EXAMPLES), "--ingress-nginx-configmap", CONFIGMAP)
+    summary = with_configmap.stdout.splitlines()[-1]
+    count = summary.split(" ", 1)[0]
+    assert f"holds {count} real-world Ingresses" in readme
+    assert f"the report ends `{summary}`" in readme
+    alone = check(str(EXAMPLES)).stdout.splitlines()[-1]
+    exact, differing, refused = [int(word) for word in alone.split() if word.isdigit()][1:]
+    assert f"(without it: {exact}, {differing} and {refused})" in readme
 
 
 def test_exit_0_only_when_everything_is_honoured_exactly(tmp_path: Path):

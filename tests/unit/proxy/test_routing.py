@@ -132,6 +132,34 @@ def test_removed_endpoint_is_never_picked_and_pickers_carry_over() -> None:
     assert Target("10.0.0.2", 8080) not in second.targets
 
 
+def test_two_backends_of_one_service_name_keep_a_picker_each_across_tables() -> None:
+    # One Service name in two namespaces (Gateway API backendRefs), or at two ports,
+    # or a canary's cluster IP beside the main's endpoints: pickers were carried by
+    # Service name, so the next table gave both backends the last one's picker and
+    # sent every request to its endpoints.
+    other = Endpoint(
+        namespace="other", service="a", address="10.9.0.1", ports=(EndpointPort("http", 8080),)
+    )
+    route = Route(
+        namespace="ns",
+        name="split",
+        host="a.test",
+        backends=(RouteBackend("a", 1), RouteBackend("a", 1, namespace="other")),
+        balance=BalancePolicy.LEAST_CONN,
+    )
+    first = build([route], [ep("a", "10.0.0.1"), other])
+    second = build([route], [ep("a", "10.0.0.1"), other], previous=first)
+    for table in (first, second):
+        entry = table.lookup(b"a.test", b"/")
+        assert [[t.address for t in b.picker.targets] for b in entry.backends] == [
+            ["10.0.0.1"],
+            ["10.9.0.1"],
+        ]
+    # (still carried, each its own)
+    old, new = first.lookup(b"a.test", b"/"), second.lookup(b"a.test", b"/")
+    assert [b.picker for b in new.backends] == [b.picker for b in old.backends]
+
+
 def test_sticky_cookie_is_opaque_and_wins_over_policy() -> None:
     table = build([r("root", "a.test")], [ep("a", "10.0.0.1"), ep("a", "10.0.0.2")])
     entry = table.lookup(b"a.test", b"/")

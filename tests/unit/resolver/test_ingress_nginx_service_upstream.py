@@ -207,6 +207,49 @@ def test_a_canary_keeps_its_own_choice_in_the_main_route():
     assert [b.use_cluster_ip for b in route.backends] == [False, True]
 
 
+def test_a_canary_on_the_main_ingress_service_keeps_its_side_in_the_proxy():
+    # service-upstream on the canary only, one Service for both (the same unit test's
+    # routes) through two routing tables: the main side keeps the pods and the canary
+    # the cluster IP (a picker each), and a redispatch stays on its side.
+    from waygate.proxy import canary as canary_rules
+
+    main = ingress("main")
+    canary = ingress("canary", {P + "canary": "true", P + "canary-weight": "10"})
+    canary["metadata"]["annotations"][P + "service-upstream"] = "true"
+    canary["spec"]["rules"][0]["host"] = "main.example.com"
+    routes = routes_of(main, canary)
+    first = table(routes)
+    second = table(routes, previous=first)
+    for built in (first, second):
+        [entry] = [e for e in built.entries() if e.route.host]
+        assert [sorted((t.address, t.port) for t in b.picker.targets) for b in entry.backends] == [
+            [("10.1.0.1", 8080), ("10.1.0.2", 8080)],
+            [(CLUSTER_IP, 80)],
+        ]
+        assert canary_rules.prepare(entry)
+        split = entry.policies["canary"]
+        assert split.side_of(split.main.backends[0]) is split.main
+        assert split.side_of(split.canary.backends[0]) is split.canary
+
+
+def test_with_upstream_hash_by_subset_every_key_gets_the_one_cluster_ip():
+    # A subset of one (ingress-nginx's chashsubset over the one cluster endpoint): every
+    # key hashes to it; a failed connect leaves nothing to walk to (502), never a pod.
+    from waygate.proxy.routing import PassiveHealth
+
+    annotations = {
+        P + "service-upstream": "true",
+        P + "upstream-hash-by": "$request_uri",
+        P + "upstream-hash-by-subset": "true",
+    }
+    [entry] = [e for e in table(routes_of(ingress("sub", annotations))).entries() if e.route.host]
+    assert entry.route.hash_subset_size == 3
+    cluster = Target(CLUSTER_IP, 80, False, "", "shop", "web")
+    health = PassiveHealth()
+    assert {entry.pick(key, None, health, None)[0] for key in (b"/a", b"/b", b"/c")} == {cluster}
+    assert entry.pick(b"/a", None, health, cluster)[0] is None
+
+
 def test_the_choice_survives_the_proto():
     [route, *_] = routes_of(ingress("up", {P + "service-upstream": "true"}))
     again = convert.route_from_proto(convert.route_to_proto(route))

@@ -137,15 +137,24 @@ def test_temporal_redirect_wins_and_the_permanent_code_is_a_no_op():
     assert _finding(item, "permanent-redirect-code") == "no-op"
 
 
-def test_the_https_redirect_replaces_the_literal_one_on_a_tls_host():
+@pytest.mark.parametrize("force", [False, True])
+def test_the_literal_redirect_answers_plain_http_before_the_https_redirect(force):
+    # nginx.tmpl: `return CODE URL;` in the location runs in the rewrite phase, and
+    # ingress-nginx's ssl-redirect / force-ssl-redirect is lua_ingress.rewrite in
+    # rewrite_by_lua, which lua-nginx-module runs at the end of that phase: the client
+    # on http:// gets the literal redirect at once, not a 308 to https:// first.
     secret = yaml.safe_load(tls_secret("default", "cert", "app.example.com"))
-    item = ingress("tls", {P + "permanent-redirect": "https://x.example.com/?q=1"}, tls=True)
+    annotations = {P + "permanent-redirect": "https://x.example.com/?q=1"}
+    if force:
+        annotations[P + "force-ssl-redirect"] = "true"
+    item = ingress("tls", annotations, tls=True)
     found = objects(item, secrets={("default", "cert"): secret})
     routes = translate(found, ingress_nginx=SETTINGS).routes
-    plain = [r for r in routes if r.listener_port == 80]
-    assert plain and plain[0].filters and plain[0].filters.redirect
-    assert plain[0].filters.redirect.scheme == "https"
-    assert plain[0].redirect_location == ""  # the HTTPS redirect, not the literal one
+    for port in (80, 443):
+        [route] = [r for r in routes if r.listener_port == port and r.host]
+        assert route.filters and route.filters.redirect
+        assert route.filters.redirect.status == 301 and route.filters.redirect.scheme == ""
+        assert route.redirect_location == "https://x.example.com/?q=1"
 
 
 def test_www_and_app_root_routes_do_not_inherit_the_literal_location():
