@@ -20,11 +20,15 @@ view of the same loop (calls per request and where the time goes).
 annotations users rely on most (issue 27 item 10: CORS, a rewrite, a source
 allow-list and cookie affinity, decided by the request core) with a plain one, for the
 same request (a GET of /api/64 with an `Origin` header, both routes on the path
-prefix /api): the ratio of the two is what those rules cost per request. The rewrite
-is ingress-nginx's commonest, `path: /api(/|$)(.*)` with `rewrite-target: /$2`, which
-the resolver turns into a prefix URLRewrite of /api to / (the backend gets /64). The client sends no affinity cookie, so each answer
-carries a Set-Cookie (a first visit's cost: the dearer case). `--route cors` (or
-`rewrite`, `allow-list`, `affinity`): that one rule alone, to see which costs what.
+prefix /api): the ratio of the two is what those rules cost per request. Both routes
+are the ones the resolver makes of the end-to-end benchmark's two Ingresses
+(`bench.proxy.annotations`: `ingress_routes`), so each carries what an Ingress route
+carries (proxy-body-size's default 1m check among it). The rewrite is ingress-nginx's
+commonest, `path: /api(/|$)(.*)` with `rewrite-target: /$2`, which the resolver turns
+into a prefix URLRewrite of /api to / (the backend gets /64). The client sends no
+affinity cookie, so each answer carries a Set-Cookie (a first visit's cost: the
+dearer case). `--route cors` (or `rewrite`, `allow-list`, `affinity`): the plain
+Ingress's route with that one rule added, to see which costs what.
 
 `--connections N`: the requests go to N client connections in turn (as wrk's `-cN`
 spreads them), so what a rule keeps per connection or for the last client is measured
@@ -142,6 +146,10 @@ class MemoryTransport:
         self._closing = True
 
 
+# Every client connection `build` made, in the order made (the last is the one returned).
+clients: list[ClientConnection] = []
+
+
 def ingress_routes(upstream_port: int) -> tuple[dict[str, Route], list[Endpoint], list[Any]]:
     """The routes the resolver makes of `bench.proxy.annotations`' two Ingresses (the
     plain one's /api path, and the annotated one), on this benchmark's host, with the
@@ -229,10 +237,6 @@ async def build(
     upstream.connection_made(MemoryTransport())
     server.pool.put(upstream)
     return client, upstream
-
-
-# Every client connection `build` made, in the order made (the last is the one returned).
-clients: list[ClientConnection] = []
 
 
 def one_request(
