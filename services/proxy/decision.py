@@ -447,14 +447,18 @@ def _request_filters(forward: Forward, req: RequestHead, facts: ConnectionFacts)
 
 def _request_filters_bound(entry: RouteEntry) -> Runner:
     rewrite = entry.policies["rewrite"]  # (prepared by _has_filters)
-    return _request_filters if rewrite is None else rewrite.shape  # type: ignore[no-any-return]
+    if rewrite is None:
+        return _request_filters
+    if rewrite.slash_prefix and rewrite.response_headers is None:
+        return rewrite.shape_slash_prefix  # type: ignore[no-any-return]
+    return rewrite.shape  # type: ignore[no-any-return]
 
 
 def _access_bound(entry: RouteEntry) -> Runner:
     """ingress-nginx's access annotations (waygate.proxy.access: 403, 401, 503), bound
     to the entry's compiled check: a keep-alive connection's next request on an
-    address-only check reads its verdict without a call (AccessCheck.decide's own
-    first step, inline)."""
+    address-only check reads the verdict its connection keeps (ForwardedContext
+    .access_check: the client address is the connection's), without a call."""
     check = entry.access
     assert check is not None  # (compiled by access.prepare)
     name = entry.options.name
@@ -464,11 +468,13 @@ def _access_bound(entry: RouteEntry) -> Runner:
     def gate(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
         context = facts.context
         assert context is not None
-        peer = context.client_ip
-        if address_only and peer is check.last_peer:
-            refused = check.last_verdict
+        if context.access_check is check:
+            refused = context.access_verdict
         else:
-            refused = decide_access(req, peer)
+            refused = decide_access(req, context.client_ip)
+            if address_only:
+                context.access_check = check
+                context.access_verdict = refused
         if refused is None:
             return None
         if refused[2] is access.KIND_UNAUTHORIZED:  # the 401's header lines (CORS's too)
@@ -818,7 +824,8 @@ def decide(
     forward.backend = backend
     # The answer's extra lines (response_extra, inline: no call per request).
     set_cookie = backend.set_cookie
-    if set_cookie and cookie != backend.by_target.get(picked):
+    if set_cookie and (cookie is None or cookie != backend.by_target.get(picked)):
+        # (No cookie: a first visit's Set-Cookie without the endpoint's cookie looked up.)
         forward.extra = set_cookie.get(picked, b"") + forward.hsts
     else:
         forward.extra = forward.hsts
