@@ -242,3 +242,18 @@ class ProxyHeaderFirst(asyncio.Protocol):
         """Drain and close: a connection still waiting for its header has no request."""
         self._done()
         self.transport.abort()
+
+
+def plain_protocol(
+    server: Any, make: Callable[[proxyproto.Addresses | None], asyncio.Protocol]
+) -> Callable[[], asyncio.Protocol]:
+    """The protocol factory of a plain listener: `make(None)`, or with --proxy-protocol
+    (the server's `proxy_protocol_timeout`) the PROXY header first, then
+    `make(its addresses)`."""
+
+    def accepted() -> asyncio.Protocol:
+        if server.proxy_protocol_timeout:
+            return ProxyHeaderFirst(server, make)
+        return make(None)
+
+    return accepted

@@ -38,7 +38,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any
 
 from waygate.core.backoff import Backoff
-from waygate.proxy.accept import ClientProtocol
+from waygate.proxy.accept import ClientProtocol, plain_protocol
 from waygate.proxy.http1 import client_context
 from waygate.proxy.passthrough import TlsFront, bind_listener
 from waygate.proxy.routing import ListenerSide
@@ -211,7 +211,7 @@ class GatewayListeners:
             # either `bound.server` is set or `_unbind` cancelled this before it ran
             # (and closed the socket itself): never a server nobody closes.
             bound.server = await asyncio.get_running_loop().create_server(
-                server.plain_protocol(lambda proxied: _ListenerProtocol(server, side, proxied)),
+                plain_protocol(server, lambda proxied: _ListenerProtocol(server, side, proxied)),
                 sock=sock,
                 backlog=1024,
                 start_serving=False,

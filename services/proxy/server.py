@@ -18,10 +18,9 @@ import heapq
 import logging
 import operator
 import socket
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from waygate.proxy.accept import ClientProtocol, ProxyHeaderFirst
+from waygate.proxy.accept import ClientProtocol, ProxyHeaderFirst, plain_protocol
 from waygate.proxy.bodybuffer import BufferLimits
 from waygate.proxy.context import ExchangeContext
 from waygate.proxy.downstream_h1 import DRAINING, T_NONE, ClientConnection
@@ -241,7 +240,7 @@ class ProxyServer:
             raise ValueError("a PROXY header comes before TLS: serve TLS with passthrough.TlsFront")
         server = await self.loop.create_server(
             # HTTP/1.1 or, by its first bytes, h2c with prior knowledge (waygate.proxy.http2).
-            self.plain_protocol(lambda proxied: ClientProtocol(self, proxied=proxied)),
+            plain_protocol(self, lambda proxied: ClientProtocol(self, proxied=proxied)),
             host,
             port,
             reuse_port=reuse_port or None,
@@ -255,15 +254,6 @@ class ProxyServer:
             self.listen_port = bound
         self._schedule_sweep()
         return int(bound)
-
-    def plain_protocol(
-        self, make: Callable[[Any], asyncio.Protocol]
-    ) -> Callable[[], asyncio.Protocol]:
-        """The protocol factory of a plain listener: `make(None)`, or with
-        --proxy-protocol the PROXY header first, then `make(its addresses)`."""
-        if not self.proxy_protocol_timeout:
-            return lambda: make(None)
-        return lambda: ProxyHeaderFirst(self, make)
 
     def _schedule_sweep(self) -> None:
         self._sweeper = self.loop.call_later(TICK, self._sweep)
