@@ -27,7 +27,6 @@ from tests.support.h2client import H2Client
 from tests.support.pki import LocalCA
 from tests.support.proxyharness import (
     RecordingUpstream,
-    body_json,
     endpoint,
     read_response,
     route,
