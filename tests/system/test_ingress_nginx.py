@@ -1418,3 +1418,24 @@ async def test_use_proxy_protocol_the_client_is_the_headers(proxied: Conformance
 
     # No header: a client that went around the load balancer gets no answer.
     assert await proxied_request(proxied.port, b"", PROXY_HOST) is None
+
+
+async def test_use_proxy_protocol_on_a_proxy_without_the_setting_is_reported(
+    suite: Conformance,
+) -> None:
+    # The mismatch ingress-nginx cannot have (its ConfigMap sets the listener itself):
+    # the ConfigMap says the load balancer sends the PROXY protocol, this proxy was
+    # started without --proxy-protocol. It serves (the peer's address is the
+    # client's) and its status page names each route (`waygate check` lists them).
+    controller = {**CONTROLLER, "data": {**CONTROLLER["data"], "use-proxy-protocol": "true"}}
+    item = single_ingress("unproxied", "/", "unproxied.foo.com")
+    await suite.apply(extra=yaml.safe_dump_all([controller, item]))
+    await suite.eventually("/", host="unproxied.foo.com", backend=V1)
+    assert suite.proxy is not None
+    status, body = await admin_get(suite.proxy.admin_port, "/status.json")
+    assert status == 200
+    sections = [s for p in json.loads(body)["services"] for s in p["sections"]]
+    [section] = [s for s in sections if s["title"] == "PROXY protocol not read"]
+    assert section["state"] == "bad"
+    assert any("unproxied" in _text(row[0]) for row in section["rows"])
+    assert all("--proxy-protocol" in _text(row[1]) for row in section["rows"])

@@ -349,3 +349,28 @@ async def test_drain_closes_connections_still_waiting_for_a_header(tmp_path: Pat
             assert await reader.read() == b""
         writer.close()
         assert not server.awaiting_header
+
+
+async def test_a_route_expecting_the_header_on_a_proxy_without_the_setting_is_reported() -> None:
+    """use-proxy-protocol on a route (Route.client_proxy_protocol) and a proxy without
+    --proxy-protocol: the status page names the mismatch (`waygate check` reads it);
+    with the setting, or without such a route, nothing is said."""
+    from waygate.proxy.status import PROXY_PROTOCOL_SECTION, proxy_protocol_sections
+
+    upstream = await RecordingUpstream().start()
+    expecting = table(
+        [route(HOST, [("web", 100)], name="pp", client_proxy_protocol=True)],
+        [endpoint("web", upstream.port)],
+    )
+    plain = table([route(HOST, [("web", 100)], name="pp")], [endpoint("web", upstream.port)])
+    try:
+        async with running_proxy(expecting) as (server, _):
+            [section] = proxy_protocol_sections(server)
+            assert section.title == PROXY_PROTOCOL_SECTION and section.state == "bad"
+            assert [row[0] for row in section.rows] == ["demo/pp"]
+            server.set_table(plain)
+            assert proxy_protocol_sections(server) == []
+        async with running_proxy(expecting, proxy_protocol_timeout=5.0) as (server, _):
+            assert proxy_protocol_sections(server) == []
+    finally:
+        await upstream.stop()

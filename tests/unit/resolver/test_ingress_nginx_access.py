@@ -289,6 +289,10 @@ def test_use_proxy_protocol_serves_source_ranges_and_block_lists(data, trusted):
     )
     [route] = by_ingress(found, "ranges")
     assert not any("source-range" in line for line in route.ingress_verdicts)
+    # The route says so, for a proxy without --proxy-protocol to report the mismatch.
+    assert route.client_proxy_protocol
+    [plain] = by_ingress(routes(configmap(), ingress("ranges")), "ranges")
+    assert not plain.client_proxy_protocol
 
 
 def test_use_proxy_protocol_verdicts():
