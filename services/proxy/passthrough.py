@@ -16,6 +16,15 @@ across records and reads. Then:
 
 Each outcome is counted in `waygate_proxy_tls_connections_total{outcome}`.
 
+With --proxy-protocol (`server.proxy_protocol_timeout`), the same peeks read the
+PROXY header before the ClientHello first (`proxyproto.read`, whole within that
+timeout and `proxyproto.MAX_V2` bytes, else the connection is closed and counted
+in `waygate_proxy_proxy_protocol_headers_total`); once the route is known exactly
+the header's bytes are taken off the socket, so the backend of a passthrough
+route gets the ClientHello first as before, and the terminated connection's
+client address is the header's (`accept.ClientProtocol`'s `proxied`, a
+passthrough's source-hash key too).
+
 A relay pauses reading on one side while the other's write buffer is past
 its high-water mark, closes both sides when either closes, and closes after
 the route's tunnel timeout of inactivity; SIGTERM closes relays after the
