@@ -379,7 +379,7 @@ class TlsFront:
                 data = None
             if data is not None:
                 if not data:
-                    if header is _HEADER_PENDING:
+                    if header is not None and header.status == proxyproto.NEED_MORE:
                         return sni.NOT_TLS, "", _HEADER_CLOSED
                     return sni.NOT_TLS, "", header  # closed before a ClientHello
                 start = 0
@@ -412,7 +412,8 @@ class TlsFront:
                 # POLLRDHUP; otherwise wait, backing off (only split ClientHellos
                 # get here, and their next bytes usually follow within a few ms).
                 if _peer_closed(conn):
-                    gone = _HEADER_CLOSED if header is _HEADER_PENDING else header
+                    pending = header is not None and header.status == proxyproto.NEED_MORE
+                    gone = _HEADER_CLOSED if pending else header
                     return sni.NOT_TLS, "", gone
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _PEEK_RETRY_MAX)

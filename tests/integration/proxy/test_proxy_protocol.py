@@ -374,3 +374,21 @@ async def test_a_route_expecting_the_header_on_a_proxy_without_the_setting_is_re
             assert proxy_protocol_sections(server) == []
     finally:
         await upstream.stop()
+
+
+async def test_a_client_gone_during_its_header_is_counted_closed(tmp_path: Path) -> None:
+    async with proxied(tmp_path) as (server, port, front, _, _):
+        before = (outcome("http", "closed"), outcome("https", "closed"))
+        for target in (port, front.bound_port):
+            _, writer = await asyncio.open_connection("127.0.0.1", target)
+            writer.write(V1[:10])  # a header begun, then the client leaves
+            await writer.drain()
+            writer.close()
+        async with asyncio.timeout(10):
+            while (outcome("http", "closed"), outcome("https", "closed")) != (
+                before[0] + 1,
+                before[1] + 1,
+            ):
+                await asyncio.sleep(0.02)
+            while server.awaiting_header or front.pending:
+                await asyncio.sleep(0.02)
