@@ -699,6 +699,24 @@ class ForwardedContext:
         return self.last_added
 
 
+def client_context(transport: Any, proxied: Any, port: int, secure: bool) -> ForwardedContext:
+    """A client connection's forwarded context, built once when it is accepted: the
+    peer's address, this listener's port and scheme; or, when the connection began
+    with a PROXY protocol header (`proxied`: its `proxyproto.Addresses`), the
+    header's source address and destination port, and https when the connection is
+    TLS or the header's destination port is 443 (a load balancer that terminated
+    TLS: ingress-nginx's `$proxy_protocol_server_port` and lua_ingress rule)."""
+    if proxied is None:
+        peer = transport.get_extra_info("peername")
+        return ForwardedContext(
+            peer[0] if peer else "unknown", port, b"https" if secure else b"http"
+        )
+    https = secure or proxied.destination_port == 443
+    return ForwardedContext(
+        proxied.source, proxied.destination_port, b"https" if https else b"http"
+    )
+
+
 def build_upstream_head(
     request: RequestHead,
     context: ForwardedContext,

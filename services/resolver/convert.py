@@ -345,6 +345,7 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
     message.port_in_redirects = route.port_in_redirects
     message.connection_header = route.connection_header
     message.access_log_disabled = route.access_log_disabled
+    message.client_proxy_protocol = route.client_proxy_protocol
     message.limit_rate = route.limit_rate
     message.limit_rate_after = route.limit_rate_after
     message.upstream_scheme_from_client = route.upstream_scheme_from_client
@@ -517,6 +518,7 @@ def route_from_proto(message: pb.Route) -> model.Route:
         port_in_redirects=message.port_in_redirects,
         connection_header=message.connection_header,
         access_log_disabled=message.access_log_disabled,
+        client_proxy_protocol=message.client_proxy_protocol,
         canary=_canary_from_proto(message.canary) if message.HasField("canary") else None,
         limit_rate=message.limit_rate,
         limit_rate_after=message.limit_rate_after,

@@ -656,6 +656,9 @@ class Route:
     port_in_redirects: bool = False
     connection_header: str = ""
     access_log_disabled: bool = False
+    # ingress-nginx use-proxy-protocol: clients arrive behind a PROXY protocol header
+    # (read by a proxy with --proxy-protocol; one without it reports the mismatch).
+    client_proxy_protocol: bool = False
     # ingress-nginx canary annotations: a canary folded into this route (None: none).
     canary: Canary | None = None
     # ingress-nginx limit-rate / limit-rate-after: a response's body paced to this

@@ -248,6 +248,7 @@ DERIVED: Final[Mapping[str, Mapping[str, str]]] = {
         "port_in_redirects": "ingress-nginx use-port-in-redirects",
         "connection_header": "ingress-nginx connection-proxy-header",
         "access_log_disabled": 'ingress-nginx enable-access-log "false"',
+        "client_proxy_protocol": 'ingress-nginx use-proxy-protocol "true"',
         "canary": "ingress-nginx canary annotations (a canary Ingress folded in)",
         "limit_rate": "ingress-nginx limit-rate",
         "limit_rate_after": "ingress-nginx limit-rate-after",

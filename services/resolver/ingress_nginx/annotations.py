@@ -196,6 +196,7 @@ class Plan:
     port_in_redirects: bool = False
     connection_header: str = ""
     access_log_disabled: bool = False
+    client_proxy_protocol: bool = False  # the ConfigMap's use-proxy-protocol
     upstream_http10: bool = False  # proxy-http-version 1.0
     # The controller ConfigMap's keys not honoured: "ConfigMap NS/NAME key K: not-honoured".
     config_notes: list[str] = field(default_factory=list)
@@ -1359,6 +1360,7 @@ def _response_defaults(p: Plan, config: ControllerConfig, where: str) -> None:
     p.access_log_disabled = config.flag("disable-access-log", False) or config.flag(
         "disable-http-access-log", False
     )
+    p.client_proxy_protocol = config.flag("use-proxy-protocol", False)
 
 
 def _responses(p: Plan, values: Mapping[str, str]) -> None:
@@ -2007,6 +2009,7 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             port_in_redirects=p.port_in_redirects,
             connection_header=p.connection_header,
             access_log_disabled=p.access_log_disabled,
+            client_proxy_protocol=p.client_proxy_protocol,
             upstream_scheme_from_client=p.scheme_from_client,
             upstream_http10=p.upstream_http10,
             redirect_location=redirect_location,

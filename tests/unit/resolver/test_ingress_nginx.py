@@ -1107,7 +1107,8 @@ def test_external_auth_annotations_become_the_routes_external_auth():
 def test_external_auth_is_told_the_client_address_the_configmap_defines():
     """nginx.tmpl's auth location: X-Real-IP $remote_addr (real_ip with
     use-forwarded-headers through proxy-real-ip-cidr), $full_x_forwarded_for with
-    compute-full-forwarded-for; use-proxy-protocol: named as a difference."""
+    compute-full-forwarded-for; use-proxy-protocol: the header's address is the peer's
+    (the proxy's --proxy-protocol), so the auth service is told it as is."""
     item = ingress("guarded", {P + "auth-url": "http://auth/check"})
     data = {"use-forwarded-headers": "true", "proxy-real-ip-cidr": "10.0.0.0/8"}
     [route] = _global(data, item)
@@ -1119,7 +1120,7 @@ def test_external_auth_is_told_the_client_address_the_configmap_defines():
     [route] = _global({"use-proxy-protocol": "true"}, item)
     assert route.ingress_refusal is None and route.external_auth is not None
     assert route.external_auth.trusted_proxies == ()
-    assert any("X-Real-IP" in line for line in route.ingress_verdicts)
+    assert not any("X-Real-IP" in line for line in route.ingress_verdicts)
 
 
 def test_the_documented_auth_cache_key_example_is_honoured():

@@ -410,6 +410,7 @@ DERIVED_SAMPLES: dict[str, dict[str, Any]] = {
         "port_in_redirects": True,
         "connection_header": "close",
         "access_log_disabled": True,
+        "client_proxy_protocol": True,
         "canary": model.Canary(1, 10, 200, "X-Canary", "yes", "", "canary", True),
         "limit_rate": 10240,
         "limit_rate_after": 1024,
