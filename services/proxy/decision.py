@@ -67,9 +67,11 @@ from waygate.proxy import (
 )
 from waygate.proxy.http1 import ForwardedContext, RequestHead
 from waygate.proxy.routing import (
+    TRACE_OFF,
     Backend,
     PassiveHealth,
     RouteEntry,
+    RouteOptions,
     RouteTable,
     Side,
     Target,
@@ -739,6 +741,45 @@ def _sticky_cookie(req: RequestHead, entry: RouteEntry) -> bytes | None:
 # ---------------------------------------------------------------- decide
 
 
+def _span(
+    forward: Forward,
+    options: RouteOptions,
+    req: RequestHead,
+    facts: ConnectionFacts,
+    http_version: str,
+    trusted: bool,
+) -> bytes:
+    """The request's SERVER span (records.start_span), kept on `forward`; returns the
+    traceparent the backend gets."""
+    scheme = b"https" if facts.secure else b"http"
+    forward.span, traceparent = records.start_span(
+        req, options.name, http_version, options.span_name, scheme, trusted
+    )
+    forward.traceparent = traceparent.decode("ascii")
+    return traceparent
+
+
+def _traced_apart(
+    forward: Forward,
+    options: RouteOptions,
+    view: View,
+    req: RequestHead,
+    facts: ConnectionFacts,
+    traceparent: bytes,
+    http_version: str,
+) -> bytes:
+    """A client's trace context on a route with ingress-nginx's OpenTelemetry
+    annotations: enable-opentelemetry "false" starts no span and passes it on as
+    it came; opentelemetry-trust-incoming-span "false" neither continues nor passes
+    it on (sampled as a request without one). Returns the traceparent the backend
+    gets (b"": none)."""
+    if options.trace == TRACE_OFF:
+        return traceparent
+    if view.trace_ratio and random.random() < view.trace_ratio:
+        return _span(forward, options, req, facts, http_version, False)
+    return b""
+
+
 def decide(
     view: View,
     req: RequestHead,
@@ -844,12 +885,17 @@ def decide(
     # proxy starts a trace for its configured share of requests.
     traceparent = req.traceparent
     if traceparent:
-        if traceparent[-3:] == b"-01" and _TRACEPARENT.fullmatch(traceparent):
-            forward.span, traceparent = records.start_span(req, entry.options.name, http_version)
-            forward.traceparent = traceparent.decode("ascii")
-    elif view.trace_ratio and random.random() < view.trace_ratio:
-        forward.span, traceparent = records.start_span(req, entry.options.name, http_version)
-        forward.traceparent = traceparent.decode("ascii")
+        options = entry.options
+        if options.trace:  # (ingress-nginx's OpenTelemetry annotations)
+            traceparent = _traced_apart(
+                forward, options, view, req, facts, traceparent, http_version
+            )
+        elif traceparent[-3:] == b"-01" and _TRACEPARENT.fullmatch(traceparent):
+            traceparent = _span(forward, options, req, facts, http_version, True)
+    elif (
+        view.trace_ratio and random.random() < view.trace_ratio and entry.options.trace != TRACE_OFF
+    ):
+        traceparent = _span(forward, entry.options, req, facts, http_version, True)
     forward.upstream_scope = entry.upstream_scope
     if rules:
         for run in rules[1]:  # type: ignore[index]

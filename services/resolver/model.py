@@ -677,6 +677,11 @@ class Route:
     # permanent-redirect / temporal-redirect: the Location exactly as written
     # (nginx's `return CODE URL`; filters.redirect gives the status); "": none.
     redirect_location: str = ""
+    # ingress-nginx's OpenTelemetry annotations (waygate.proxy.records): the span's
+    # name ("": the proxy's), no span at all, a client's trace context not trusted.
+    span_name: str = ""
+    tracing_off: bool = False
+    untrusted_trace_context: bool = False
 
     @property
     def key(self) -> RouteKey:

@@ -58,6 +58,9 @@ HONOURED_KEYS = frozenset(
         "hsts-preload",
         "use-forwarded-headers",
         "compute-full-forwarded-for",
+        "enable-opentelemetry",
+        "opentelemetry-trust-incoming-span",
+        "opentelemetry-operation-name",
         # The client address (waygate.resolver.ingress_nginx.access) and the block lists.
         "proxy-real-ip-cidr",
         "block-cidrs",

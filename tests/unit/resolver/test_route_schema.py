@@ -419,6 +419,9 @@ DERIVED_SAMPLES: dict[str, dict[str, Any]] = {
         "upstream_scheme_from_client": True,
         "upstream_http10": True,
         "redirect_location": "https://x.example.com/a?b=c",
+        "span_name": "HTTP $request_method web",
+        "tracing_off": True,
+        "untrusted_trace_context": True,
     },
     "RouteBackend": {
         "namespace": "other",
