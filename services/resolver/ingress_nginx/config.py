@@ -72,6 +72,7 @@ HONOURED_KEYS = frozenset(
         "proxy-body-size",
         # The response-side defaults (waygate.proxy.errorpages, .responserewrite).
         "custom-http-errors",
+        "disable-proxy-intercept-errors",
         "proxy-redirect-from",
         "proxy-redirect-to",
         "proxy-cookie-domain",
@@ -82,6 +83,36 @@ HONOURED_KEYS = frozenset(
         "disable-access-log",
         "disable-http-access-log",
     )
+)
+#: Keys that are the defaults of the annotations of the same name (ingress-nginx's
+#: defaults.Backend, read by the annotation's parser when the Ingress has none): the
+#: value passes the annotation's grammar and handler, so its verdict is the
+#: annotation's for that value (`annotations.config_verdicts`); an annotation wins.
+ANNOTATION_DEFAULT_KEYS = frozenset(
+    (
+        "proxy-next-upstream",
+        "proxy-next-upstream-tries",
+        "proxy-next-upstream-timeout",
+        "proxy-request-buffering",
+        "preserve-trailing-slash",
+        "enable-opentelemetry",
+        "opentelemetry-trust-incoming-span",
+        "relative-redirects",
+    )
+)
+#: Keys naming another ConfigMap "NS/NAME" whose entries are headers: added to every
+#: response (add-headers: nginx's http-level more_set_headers) or set on every
+#: request to the backend (proxy-set-headers: proxy_set_header in every location);
+#: an Ingress's custom-headers / snippet headers win (`annotations.config_headers`).
+HEADER_KEYS = ("add-headers", "proxy-set-headers")
+#: Keys ingress-nginx parses into its defaults but gives no Ingress (the annotation's
+#: parser has no ConfigMap default, nor does the template read the key): no-ops there too.
+UNUSED_DEFAULT_KEYS = frozenset(
+    ("upstream-hash-by", "upstream-hash-by-subset", "upstream-hash-by-subset-size", "app-root")
+)
+_UNUSED_DEFAULT = (
+    "ingress-nginx reads it but no Ingress gets it (the annotation's parser has no "
+    "ConfigMap default)"
 )
 #: nginx tuning with no meaning for a streaming proxy.
 NOOP_KEYS = frozenset(
@@ -248,6 +279,8 @@ class ControllerConfig:
         )
 
     def verdicts(self) -> list[KeyVerdict]:
+        """Each key's verdict from its own value (`annotations.config_verdicts` judges
+        the annotation defaults and the header keys further)."""
         out = []
         for key in sorted(self.data):
             value = str(self.data[key])
@@ -257,12 +290,17 @@ class ControllerConfig:
                 out.append(KeyVerdict(key, value, Verdict.DIFFERENT, _BLOCK_RE2))
             elif (
                 key in HONOURED_KEYS
+                or key in ANNOTATION_DEFAULT_KEYS
+                or key in HEADER_KEYS
+                or key == "retry-non-idempotent"
                 or (key == "forwarded-for-header" and value.lower() == "x-forwarded-for")
                 or (key == "use-proxy-protocol" and value not in _TRUE)
             ):
                 out.append(KeyVerdict(key, value, Verdict.HONOURED))
             elif key in NOOP_KEYS:
                 out.append(KeyVerdict(key, value, Verdict.NOOP, "nginx tuning"))
+            elif key in UNUSED_DEFAULT_KEYS:
+                out.append(KeyVerdict(key, value, Verdict.NOOP, _UNUSED_DEFAULT))
             elif key in ACCESS_KEYS:
                 out.append(
                     KeyVerdict(
