@@ -249,3 +249,63 @@ async def test_service_upstream_follows_the_service_through_the_watch(kubeapi: S
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_add_headers_configmap_is_read_through_the_watch_and_applies_live(
+    kubeapi: StandIn,
+) -> None:
+    """The controller ConfigMap's add-headers names another ConfigMap: until it exists
+    no header is set (ingress-nginx logs a warning and sets none), then its entries are
+    on every route's response headers, and an edit of it reaches the routes."""
+
+    def header_configmap(value: str) -> dict[str, Any]:
+        return {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "response-headers", "namespace": "ingress-nginx"},
+            "data": {"X-Frame-Options": value},
+        }
+
+    kubeapi.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "shop"}})
+    kubeapi.create(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "controller", "namespace": "ingress-nginx"},
+            "data": {"add-headers": "ingress-nginx/response-headers"},
+        }
+    )
+    kubeapi.create(ingress("shop", {}))
+    store = Store()
+    settings = IngressNginx(configmap=("ingress-nginx", "controller"))
+    gateway = GatewayObjects(store, StatusBoard(), ingress_nginx=settings)
+    source = KubernetesSource(
+        store,
+        kubeapi.configuration(),
+        gateway=gateway,
+        timeouts=Timeouts(watch=60, connect=2, request=5),
+        backoff_initial=0.02,
+        backoff_maximum=0.1,
+        rng=random.Random(1),
+    )
+    task = asyncio.create_task(source.run())
+
+    def headers() -> tuple[tuple[str, str], ...] | None:
+        mine = [r for r in store.routes() if r.origin == "Ingress shop/shop"]
+        if not mine:
+            return None
+        found = mine[0].filters.response_headers if mine[0].filters else None
+        return found.set if found is not None else ()
+
+    try:
+        await until(lambda: headers() == (), timeout=10)
+        assert refused(store, "shop") is False
+        kubeapi.create(header_configmap("DENY"))
+        await until(lambda: headers() == (("X-Frame-Options", "DENY"),), timeout=10)
+        kubeapi.replace(header_configmap("SAMEORIGIN"))
+        await until(lambda: headers() == (("X-Frame-Options", "SAMEORIGIN"),), timeout=10)
+        kubeapi.delete("v1", "ConfigMap", "response-headers", "ingress-nginx")
+        await until(lambda: headers() == (), timeout=10)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
