@@ -7,8 +7,8 @@ verdict as annotations are: honoured (it gives annotations their defaults or
 maps onto a route field), no-op (nginx tuning with no meaning for a streaming
 proxy) or not honoured. The block lists (block-cidrs, -user-agents, -referers)
 reach every route of the class (waygate.resolver.ingress_nginx.access). A
-not-honoured key that bears on access (global authentication, a WAF,
-allow-lists, a block list that cannot be honoured) makes every Ingress of the
+not-honoured key that bears on access (global authentication, a WAF, a
+block list or default source range that cannot be honoured) makes every Ingress of the
 class not served: the controller-wide protection cannot be given, so nothing
 is served unprotected.
 """
@@ -61,6 +61,9 @@ HONOURED_KEYS = frozenset(
         # The client address (waygate.resolver.ingress_nginx.access) and the block lists.
         "proxy-real-ip-cidr",
         "block-cidrs",
+        # The source-range annotations' defaults (an Ingress's own annotation wins).
+        "whitelist-source-range",
+        "denylist-source-range",
         "block-user-agents",
         "block-referers",
         "limit-req-status-code",
@@ -158,9 +161,7 @@ NOOP_KEYS = frozenset(
 ACCESS_KEYS = frozenset(
     (
         "global-auth-snippet",
-        "whitelist-source-range",
-        "allowlist-source-range",
-        "denylist-source-range",
+        "allowlist-source-range",  # (not an ingress-nginx key: whitelist- is)
         "enable-modsecurity",
         "enable-owasp-modsecurity-crs",
         "modsecurity-snippet",

@@ -301,3 +301,46 @@ def test_config_verdicts_of_keys_outside_the_defaults_are_unchanged():
     config = config_from(_config_map("c", {"worker-processes": "4", "something-new": "x"}))
     verdicts = {k.key: k.verdict.value for k in config.verdicts()}
     assert verdicts == {"worker-processes": "no-op", "something-new": "not-honoured"}
+
+
+# ---------------------------------------------------------------- source ranges
+
+
+def test_source_range_keys_are_the_annotations_defaults():
+    # ipallowlist/main.go, ipdenylist/main.go: the ConfigMap's list unless the Ingress
+    # has the annotation (which replaces it, not adds to it).
+    data = {
+        "whitelist-source-range": "10.0.0.0/8, 192.168.0.1",
+        "denylist-source-range": "10.1.0.0/16",
+    }
+    route = _one(data)
+    assert route.access is not None
+    assert route.access.allow == ("10.0.0.0/8", "192.168.0.1")
+    assert route.access.deny == ("10.1.0.0/16",)
+    own = _one(
+        data,
+        {P + "allowlist-source-range": "172.16.0.0/12", P + "denylist-source-range": "172.16.1.1"},
+    )
+    assert own.access is not None
+    assert (own.access.allow, own.access.deny) == (("172.16.0.0/12",), ("172.16.1.1",))
+    legacy = _one(data, {P + "whitelist-source-range": "127.0.0.1"})
+    assert legacy.access is not None and legacy.access.allow == ("127.0.0.1",)
+    assert _key(data, "whitelist-source-range")[0] == "honoured"
+    assert _key(data, "denylist-source-range")[0] == "honoured"
+
+
+@pytest.mark.parametrize(
+    ("data", "why"),
+    [
+        ({"whitelist-source-range": "10.0.0.0/8, nonsense"}, "'nonsense' is not an address"),
+        ({"denylist-source-range": "10.0.0.0/8", "use-proxy-protocol": "true"}, "PROXY protocol"),
+    ],
+)
+def test_a_default_source_range_that_cannot_be_honoured_refuses_every_ingress(data, why):
+    # Fail closed: served without the controller-wide allow-list would be served open.
+    routes = _with_config(data, ingress("a"), ingress("b", host="b.example.com"))
+    for name in ("a", "b"):
+        [route] = by_ingress(routes, name)
+        assert route.ingress_refusal is not None
+        reason, message = route.ingress_refusal
+        assert reason == "UnsupportedConfiguration" and why in message
