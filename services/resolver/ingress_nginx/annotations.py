@@ -455,9 +455,10 @@ def config_verdicts(
 
 _HEADER_KEY_NOTES = {
     "add-headers": (
-        "its ConfigMap's entries set on every response of every Ingress of the class "
-        "(nginx's http-level more_set_headers), an Ingress's custom-headers and snippet "
-        "headers winning"
+        "its ConfigMap's entries set on the backends' responses of every Ingress of the "
+        "class, an Ingress's custom-headers and snippet headers winning; the proxy's own "
+        "answers (its redirects, 404 for no route, 5xx failures) do not carry them "
+        "(nginx's http-level more_set_headers is on every response)"
     ),
     "proxy-set-headers": (
         "its ConfigMap's entries set on every request to the backends of every Ingress of "
@@ -493,7 +494,8 @@ def _header_key_verdict(
     if problem:
         note = f"{problem}; the ConfigMap's other headers are set"
         return dataclasses.replace(item, verdict=Verdict.NOT_HONOURED, note=note)
-    return dataclasses.replace(item, verdict=Verdict.HONOURED, note=_HEADER_KEY_NOTES[item.key])
+    verdict = Verdict.DIFFERENT if item.key == "add-headers" else Verdict.HONOURED
+    return dataclasses.replace(item, verdict=verdict, note=_HEADER_KEY_NOTES[item.key])
 
 
 def _config_headers(

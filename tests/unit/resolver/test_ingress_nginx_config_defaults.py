@@ -223,9 +223,8 @@ def test_add_headers_sets_every_response_and_custom_headers_win():
         ("X-Frame-Options", "DENY"),
         ("X-Team", "shop"),
     }
-    assert _key({"add-headers": "ingress-nginx/response-headers"}, "add-headers", headers)[0] == (
-        "honoured"
-    )
+    verdict, note = _key({"add-headers": "ingress-nginx/response-headers"}, "add-headers", headers)
+    assert verdict == "honoured-with-difference" and "the proxy's own answers" in note
 
 
 def test_proxy_set_headers_sets_every_request_and_a_snippets_header_wins():
@@ -251,6 +250,7 @@ def test_proxy_set_headers_sets_every_request_and_a_snippets_header_wins():
         ("X-Using-Waygate", "true"),
         ("X-Env", "prod"),
     }
+    assert _key(data, "proxy-set-headers", headers)[0] == "honoured"
     [own] = by_ingress(routes, "own")
     assert own.filters and own.filters.request_headers
     assert set(own.filters.request_headers.set) == {
