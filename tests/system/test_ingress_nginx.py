@@ -35,7 +35,12 @@ CONTROLLER = {
     "apiVersion": "v1",
     "kind": "ConfigMap",
     "metadata": {"name": "ingress-nginx-controller", "namespace": "ingress-nginx"},
-    "data": {"allow-snippet-annotations": "true", "annotations-risk-level": "Critical"},
+    "data": {
+        "allow-snippet-annotations": "true",
+        "annotations-risk-level": "Critical",
+        # customheaders.go lists its headers (customheaders/main.go denies others).
+        "global-allowed-response-headers": "My-Custom-Header,X-Second",
+    },
 }
 
 

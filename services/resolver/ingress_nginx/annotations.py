@@ -100,6 +100,8 @@ _PROTECTED = frozenset(
 _REGEX_PATH = re.compile(r"/[A-Za-z0-9\-._~/^$\[\](){}*+?|&=\\]*")
 _HEADER_NAME = re.compile(r"[A-Za-z0-9_.-]{1,256}")
 _HEADER_VALUE = re.compile(r"[\x20-\x7e]{0,4096}")
+# ingress-nginx's customheaders.ValidHeader, which global-allowed-response-headers' names pass.
+_ALLOWED_HEADER = re.compile(r"[A-Za-z0-9_-]+")
 # `P(/|$)(.*)` -> `X$2`, `P/(.*)` -> `X$1`, `P(.*)` -> `X$1`: a prefix replacement.
 _PREFIX_IDIOM = re.compile(r"(?P<prefix>/[A-Za-z0-9\-._~/]*?)(?P<sep>\(/\|\$\)|/)?\(\.[*+]\)")
 _REDIRECT_CODES = frozenset((301, 302, 303, 307, 308))
@@ -200,6 +202,8 @@ class Plan:
     connection_header: str = ""
     access_log_disabled: bool = False
     upstream_http10: bool = False  # proxy-http-version 1.0
+    # The ConfigMap's global-allowed-response-headers: the only custom-headers allowed.
+    allowed_response_headers: tuple[str, ...] = ()
     # The controller ConfigMap's keys not honoured: "ConfigMap NS/NAME key K: not-honoured".
     config_notes: list[str] = field(default_factory=list)
 
@@ -312,6 +316,14 @@ def plan(
             else ForwardedHeadersMode.IF_NONE
         )
     result.service_upstream = config.flag("service-upstream", False)
+    # configmap.go: the valid names of the list (others dropped with a warning).
+    result.allowed_response_headers = tuple(
+        name
+        for name in (
+            n.strip() for n in config.text("global-allowed-response-headers", "").split(",")
+        )
+        if _ALLOWED_HEADER.fullmatch(name)
+    )
     if config.text("load-balance", "round_robin") == "ewma":
         result.balance = BalancePolicy.LEAST_CONN
     if config.flag("hsts", True):
@@ -1787,6 +1799,12 @@ def _custom_headers(
     # ingress-nginx answers 503 where its headers cannot be set (a missing ConfigMap,
     # a bad header): the Ingress is not served rather than served without them.
     headers, problem = _configmap_headers(p.namespace, value, config_maps)
+    unlisted = [name for name, _ in headers if name not in p.allowed_response_headers]
+    if unlisted and not problem:
+        # customheaders/main.go: every header must be listed (exactly as written).
+        problem = (
+            f"header {unlisted[0]!r} is not in the ConfigMap's global-allowed-response-headers"
+        )
     p.response_set += headers
     if problem:
         p.note(Finding(short, value, Verdict.NOT_HONOURED, problem, True))

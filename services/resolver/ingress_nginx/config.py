@@ -76,6 +76,7 @@ HONOURED_KEYS = frozenset(
         # The response-side defaults (waygate.proxy.errorpages, .responserewrite).
         "custom-http-errors",
         "disable-proxy-intercept-errors",
+        "global-allowed-response-headers",
         "proxy-redirect-from",
         "proxy-redirect-to",
         "proxy-cookie-domain",

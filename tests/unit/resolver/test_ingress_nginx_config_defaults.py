@@ -205,7 +205,10 @@ def test_add_headers_sets_every_response_and_custom_headers_win():
     headers = _config_map("response-headers", {"X-Frame-Options": "DENY", "X-Team": "edge"})
     mine = _config_map("mine", {"X-Team": "shop"}, namespace="default")
     routes = _with_config(
-        {"add-headers": "ingress-nginx/response-headers"},
+        {
+            "add-headers": "ingress-nginx/response-headers",
+            "global-allowed-response-headers": "X-Team",
+        },
         headers,
         mine,
         ingress("plain"),
