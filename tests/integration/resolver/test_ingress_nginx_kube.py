@@ -60,6 +60,19 @@ def ingress(name: str, annotations: dict[str, str]) -> dict[str, Any]:
     }
 
 
+def watching(kubeapi: StandIn, store: Store, gateway: GatewayObjects) -> KubernetesSource:
+    """The resolver's Kubernetes source on the stand-in, with short back-offs."""
+    return KubernetesSource(
+        store,
+        kubeapi.configuration(),
+        gateway=gateway,
+        timeouts=Timeouts(watch=60, connect=2, request=5),
+        backoff_initial=0.02,
+        backoff_maximum=0.1,
+        rng=random.Random(1),
+    )
+
+
 def refused(store: Store, name: str) -> bool | None:
     """None: no route of the Ingress yet; else whether its routes are refused."""
     mine = [r for r in store.routes() if r.origin == f"Ingress shop/{name}"]
@@ -83,15 +96,7 @@ async def test_kubernetes_mode_serves_refuses_and_follows_the_configmap(kubeapi:
     store, board = Store(), StatusBoard()
     settings = IngressNginx(configmap=("ingress-nginx", "controller"))
     gateway = GatewayObjects(store, board, addresses=("192.0.2.7",), ingress_nginx=settings)
-    source = KubernetesSource(
-        store,
-        kubeapi.configuration(),
-        gateway=gateway,
-        timeouts=Timeouts(watch=60, connect=2, request=5),
-        backoff_initial=0.02,
-        backoff_maximum=0.1,
-        rng=random.Random(1),
-    )
+    source = watching(kubeapi, store, gateway)
     client = KubeAPI(k8s.ApiClient(kubeapi.configuration()), timeout=5)
     status = StatusWriter(client, board, is_leader=lambda: True, interval=0.05)
     events = IngressEventWriter(store, client, is_leader=lambda: True, interval=0.05)
@@ -159,15 +164,7 @@ async def test_an_auth_secret_is_read_through_the_watch_and_follows_changes(
     kubeapi.create(ingress("staff", {P + "auth-type": "basic", P + "auth-secret": "htpasswd"}))
     store = Store()
     gateway = GatewayObjects(store, StatusBoard(), ingress_nginx=IngressNginx())
-    source = KubernetesSource(
-        store,
-        kubeapi.configuration(),
-        gateway=gateway,
-        timeouts=Timeouts(watch=60, connect=2, request=5),
-        backoff_initial=0.02,
-        backoff_maximum=0.1,
-        rng=random.Random(1),
-    )
+    source = watching(kubeapi, store, gateway)
     task = asyncio.create_task(source.run())
 
     def credentials() -> tuple[str, ...] | None:
@@ -213,15 +210,7 @@ async def test_service_upstream_follows_the_service_through_the_watch(kubeapi: S
     kubeapi.create(item)
     store = Store()
     gateway = GatewayObjects(store, StatusBoard(), ingress_nginx=IngressNginx())
-    source = KubernetesSource(
-        store,
-        kubeapi.configuration(),
-        gateway=gateway,
-        timeouts=Timeouts(watch=60, connect=2, request=5),
-        backoff_initial=0.02,
-        backoff_maximum=0.1,
-        rng=random.Random(1),
-    )
+    source = watching(kubeapi, store, gateway)
     task = asyncio.create_task(source.run())
 
     def dialled() -> set[tuple[str, int]]:
@@ -279,15 +268,7 @@ async def test_add_headers_configmap_is_read_through_the_watch_and_applies_live(
     store = Store()
     settings = IngressNginx(configmap=("ingress-nginx", "controller"))
     gateway = GatewayObjects(store, StatusBoard(), ingress_nginx=settings)
-    source = KubernetesSource(
-        store,
-        kubeapi.configuration(),
-        gateway=gateway,
-        timeouts=Timeouts(watch=60, connect=2, request=5),
-        backoff_initial=0.02,
-        backoff_maximum=0.1,
-        rng=random.Random(1),
-    )
+    source = watching(kubeapi, store, gateway)
     task = asyncio.create_task(source.run())
 
     def headers() -> tuple[tuple[str, str], ...] | None:
