@@ -202,6 +202,8 @@ class Plan:
     connection_header: str = ""
     access_log_disabled: bool = False
     upstream_http10: bool = False  # proxy-http-version 1.0
+    # The ConfigMap's no-tls-redirect-locations: paths never redirected to HTTPS.
+    no_tls_redirect: tuple[str, ...] = ("/.well-known/acme-challenge",)
     # The ConfigMap's global-allowed-response-headers: the only custom-headers allowed.
     allowed_response_headers: tuple[str, ...] = ()
     # The controller ConfigMap's keys not honoured: "ConfigMap NS/NAME key K: not-honoured".
@@ -307,6 +309,14 @@ def plan(
     except ValueError:
         code = 308
     result.redirect_code = code if code in _REDIRECT_CODES else 308
+    # (an ACME HTTP-01 challenge is answered over plain HTTP: cert-manager's solver)
+    result.no_tls_redirect = tuple(
+        item.strip()
+        for item in config.text("no-tls-redirect-locations", "/.well-known/acme-challenge").split(
+            ","
+        )
+        if item.strip()
+    )
     # ingress-nginx's X-Forwarded-*: its own values (the client's replaced) unless
     # use-forwarded-headers trusts the client's, compute-full-forwarded-for appends.
     if config.flag("use-forwarded-headers", False):
@@ -2090,6 +2100,8 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             route.listener_port == 80
             and not redirect_location
             and (p.force_ssl_redirect or (p.ssl_redirect and route.host in secured))
+            # template.go isLocationInLocationList: the path, as written, under one.
+            and not any(value.startswith(prefix) for prefix in p.no_tls_redirect)
         ):
             redirect = Redirect(
                 scheme="https",

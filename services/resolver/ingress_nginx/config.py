@@ -47,6 +47,7 @@ HONOURED_KEYS = frozenset(
         "ssl-redirect",
         "force-ssl-redirect",
         "http-redirect-code",
+        "no-tls-redirect-locations",
         "load-balance",
         "service-upstream",
         "proxy-connect-timeout",

@@ -347,3 +347,25 @@ def test_a_default_source_range_that_cannot_be_honoured_refuses_every_ingress(da
         assert route.ingress_refusal is not None
         reason, message = route.ingress_refusal
         assert reason == "UnsupportedConfiguration" and why in message
+
+
+def test_no_tls_redirect_locations_keep_their_paths_on_plain_http():
+    # template.go buildRedirectVars: force_no_ssl_redirect for a location whose path
+    # starts with one of no-tls-redirect-locations (default /.well-known/acme-challenge,
+    # so cert-manager's HTTP-01 solver Ingress answers over plain HTTP).
+    def redirected(path: str, data: dict[str, str]) -> bool:
+        secret = yaml.safe_load(tls_secret("default", "cert", "app.example.com"))
+        found = objects(
+            _config_map("c", data),
+            ingress("a", {P + "force-ssl-redirect": "true"}, path=path, tls=True),
+            secrets={("default", "cert"): secret},
+        )
+        routes = translate(found, ingress_nginx=SETTINGS).routes
+        [plain] = [r for r in routes if r.listener_port == 80]
+        return bool(plain.filters and plain.filters.redirect)
+
+    assert not redirected("/.well-known/acme-challenge/token", {})
+    assert redirected("/app", {})
+    assert not redirected("/app/open", {"no-tls-redirect-locations": "/other, /app"})
+    assert redirected("/.well-known/acme-challenge/token", {"no-tls-redirect-locations": "/x"})
+    assert _key({"no-tls-redirect-locations": "/x"}, "no-tls-redirect-locations")[0] == "honoured"
