@@ -204,6 +204,8 @@ class Plan:
     upstream_http10: bool = False  # proxy-http-version 1.0
     # The ConfigMap's no-tls-redirect-locations: paths never redirected to HTTPS.
     no_tls_redirect: tuple[str, ...] = ("/.well-known/acme-challenge",)
+    # The ConfigMap's no-auth-locations: paths never asked of an external auth service.
+    no_auth: tuple[str, ...] = ("/.well-known/acme-challenge",)
     # The ConfigMap's global-allowed-response-headers: the only custom-headers allowed.
     allowed_response_headers: tuple[str, ...] = ()
     # The controller ConfigMap's keys not honoured: "ConfigMap NS/NAME key K: not-honoured".
@@ -309,13 +311,15 @@ def plan(
     except ValueError:
         code = 308
     result.redirect_code = code if code in _REDIRECT_CODES else 308
-    # (an ACME HTTP-01 challenge is answered over plain HTTP: cert-manager's solver)
-    result.no_tls_redirect = tuple(
-        item.strip()
-        for item in config.text("no-tls-redirect-locations", "/.well-known/acme-challenge").split(
-            ","
+    # (an ACME HTTP-01 challenge is answered over plain HTTP, without external
+    # authentication: cert-manager's solver Ingress)
+    result.no_tls_redirect, result.no_auth = (
+        tuple(
+            item.strip()
+            for item in config.text(key, "/.well-known/acme-challenge").split(",")
+            if item.strip()
         )
-        if item.strip()
+        for key in ("no-tls-redirect-locations", "no-auth-locations")
     )
     # ingress-nginx's X-Forwarded-*: its own values (the client's replaced) unless
     # use-forwarded-headers trusts the client's, compute-full-forwarded-for appends.
@@ -2157,7 +2161,10 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             limit_rate=p.limit_rate,
             limit_rate_after=p.limit_rate_after,
             url_mirror=p.url_mirror,
-            external_auth=p.external_auth,
+            # nginx.tmpl: no auth_request in a location under no-auth-locations.
+            external_auth=None
+            if any(value.startswith(prefix) for prefix in p.no_auth)
+            else p.external_auth,
             cors=p.cors,
             max_request_body=p.max_request_body,
             next_upstream=p.next_upstream,

@@ -48,6 +48,7 @@ HONOURED_KEYS = frozenset(
         "force-ssl-redirect",
         "http-redirect-code",
         "no-tls-redirect-locations",
+        "no-auth-locations",
         "load-balance",
         "service-upstream",
         "proxy-connect-timeout",

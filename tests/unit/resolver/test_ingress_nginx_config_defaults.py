@@ -369,3 +369,25 @@ def test_no_tls_redirect_locations_keep_their_paths_on_plain_http():
     assert not redirected("/app/open", {"no-tls-redirect-locations": "/other, /app"})
     assert redirected("/.well-known/acme-challenge/token", {"no-tls-redirect-locations": "/x"})
     assert _key({"no-tls-redirect-locations": "/x"}, "no-tls-redirect-locations")[0] == "honoured"
+
+
+def test_no_auth_locations_skip_external_authentication():
+    # nginx.tmpl: no auth_request (auth-url, global-auth-url) in a location whose path
+    # starts with one of no-auth-locations (default /.well-known/acme-challenge).
+    data = {"global-auth-url": "http://auth.infra.svc/check"}
+    routes = _with_config(
+        data,
+        ingress("solver", path="/.well-known/acme-challenge/token"),
+        ingress("app", host="b.example.com"),
+        ingress("own", {P + "auth-url": "http://mine/check"}, path="/x", host="c.example.com"),
+    )
+    [solver] = by_ingress(routes, "solver")
+    [app] = by_ingress(routes, "app")
+    [own] = by_ingress(routes, "own")
+    assert solver.external_auth is None
+    assert app.external_auth is not None and own.external_auth is not None
+    [moved] = _with_config(
+        {**data, "no-auth-locations": "/x"},
+        ingress("own", {P + "auth-url": "http://mine/check"}, path="/x/y"),
+    )
+    assert moved.external_auth is None
