@@ -11,7 +11,10 @@ says where each process serves) or for the addresses given:
   certificate and your own client certificate too;
 - every admin port (under `up`) answers /readyz 200, and the proxy refuses no
   route certificate (its status document's "Route certificates refused": a
-  private key the resolver withheld, an expired or mismatched certificate);
+  private key the resolver withheld, an expired or mismatched certificate) and
+  reads the PROXY protocol where routes say their clients send it ("PROXY
+  protocol not read": ingress-nginx's use-proxy-protocol on a proxy without
+  --proxy-protocol);
 - the trust bundle certs serves is the one clients trust (the state
   directory's ca.pem, or --ca-file);
 - every route source (the routes file, each manifests path, Kubernetes) is
@@ -382,6 +385,15 @@ class Checker:
             return  # /readyz answered: a status page that does not is not this check's
         for service in document["services"]:
             for section in service.get("sections", []):
+                if section.get("title") == "PROXY protocol not read":
+                    for route, reason in section.get("rows", []):
+                        why = reason.get("text") if isinstance(reason, dict) else reason
+                        self.add(
+                            FAILED,
+                            f"route {route}: {why}",
+                            "start the proxy behind the load balancer with --proxy-protocol "
+                            "(or set use-proxy-protocol to false when it sends no header)",
+                        )
                 if section.get("title") != "Route certificates refused":
                     continue
                 for route, host_name, reason in section.get("rows", []):

@@ -2,6 +2,7 @@
 
     python -m bench.proxy.hotpath [--requests N] [--profile | --bare]
                                   [--route bench|plain|ingress|cors|rewrite|allow-list|affinity]
+                                  [--connections N]
 
 One `ProxyServer` with the benchmark's route, one client connection and one
 pooled upstream connection, both over in-memory transports that only keep
@@ -19,11 +20,19 @@ view of the same loop (calls per request and where the time goes).
 annotations users rely on most (issue 27 item 10: CORS, a rewrite, a source
 allow-list and cookie affinity, decided by the request core) with a plain one, for the
 same request (a GET of /api/64 with an `Origin` header, both routes on the path
-prefix /api): the ratio of the two is what those rules cost per request. The rewrite
-is ingress-nginx's commonest, `path: /api(/|$)(.*)` with `rewrite-target: /$2`, which
-the resolver turns into a prefix URLRewrite of /api to / (the backend gets /64). The client sends no affinity cookie, so each answer
-carries a Set-Cookie (a first visit's cost: the dearer case). `--route cors` (or
-`rewrite`, `allow-list`, `affinity`): that one rule alone, to see which costs what.
+prefix /api): the ratio of the two is what those rules cost per request. Both routes
+are the ones the resolver makes of the end-to-end benchmark's two Ingresses
+(`bench.proxy.annotations`: `ingress_routes`), so each carries what an Ingress route
+carries (proxy-body-size's default 1m check among it). The rewrite is ingress-nginx's
+commonest, `path: /api(/|$)(.*)` with `rewrite-target: /$2`, which the resolver turns
+into a prefix URLRewrite of /api to / (the backend gets /64). The client sends no
+affinity cookie, so each answer carries a Set-Cookie (a first visit's cost: the
+dearer case). `--route cors` (or `rewrite`, `allow-list`, `affinity`): the plain
+Ingress's route with that one rule added, to see which costs what.
+
+`--connections N`: the requests go to N client connections in turn (as wrk's `-cN`
+spreads them), so what a rule keeps per connection or for the last client is measured
+as a loaded proxy meets it; the default, 1, is the figure recorded since round 1.
 
 `--bare`: just the N requests (after 200 of warm-up), nothing measured or printed: for
 an instruction count, which a shared machine's load does not move, e.g.
@@ -36,8 +45,11 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import pstats
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import uvloop
@@ -134,25 +146,70 @@ class MemoryTransport:
         self._closing = True
 
 
+# Every client connection `build` made, in the order made (the last is the one returned).
+clients: list[ClientConnection] = []
+
+
+def ingress_routes(upstream_port: int) -> tuple[dict[str, Route], list[Endpoint], list[Any]]:
+    """The routes the resolver makes of `bench.proxy.annotations`' two Ingresses (the
+    plain one's /api path, and the annotated one), on this benchmark's host, with the
+    Service and endpoints they name: what the end-to-end benchmark's proxy serves."""
+    from bench.proxy.annotations import manifests
+    from waygate.resolver.ingress_nginx.config import IngressNginx
+    from waygate.resolver.manifests import parse_manifests
+
+    with tempfile.TemporaryDirectory() as tmp:
+        manifests(Path(tmp) / "m", upstream_port)
+        file = Path(tmp) / "m" / "bench.yaml"
+        content = parse_manifests([(file, file.read_text())], ingress_nginx=IngressNginx())
+    routes = {
+        "plain" if route.origin.endswith("/plain") else "ingress": dataclasses.replace(
+            route, host=HOST
+        )
+        for route in content.routes
+        if route.matches and route.matches[0].path == API_PREFIX
+    }
+    return routes, content.endpoints, content.services
+
+
 async def build(
-    upstream_port: int = 8091, rules: dict[str, Any] | None = None, path: str = "/"
+    upstream_port: int = 8091,
+    rules: dict[str, Any] | None = None,
+    path: str = "/",
+    connections: int = 1,
+    route_name: str = "bench",
 ) -> tuple[ClientConnection, UpstreamConnection]:
     """A server with the benchmark's route (on `path`; with `rules`: those route fields
-    too), a client connection and its pooled upstream."""
-    route = Route(
-        namespace="bench",
-        name="upstream",
-        host=HOST,
-        path=path,
-        backends=(RouteBackend(service="upstream", weight=100),),
-        **(rules or {}),
-    )
-    endpoint = Endpoint(
-        namespace="bench",
-        service="upstream",
-        address="127.0.0.1",
-        ports=(EndpointPort(name="http", port=upstream_port),),
-    )
+    too), a client connection and its pooled upstream (`connections` > 1: that many
+    client connections, the others in `clients`)."""
+    if route_name == "bench":
+        route = Route(
+            namespace="bench",
+            name="upstream",
+            host=HOST,
+            path=path,
+            backends=(RouteBackend(service="upstream", weight=100),),
+            **(rules or {}),
+        )
+        endpoints = [
+            Endpoint(
+                namespace="bench",
+                service="upstream",
+                address="127.0.0.1",
+                ports=(EndpointPort(name="http", port=upstream_port),),
+            )
+        ]
+        services: list[Any] = []
+    else:
+        # The plain Ingress's route (with one rule of the annotated one: the rule alone)
+        # or the annotated Ingress's.
+        made, endpoints, services = ingress_routes(upstream_port)
+        route = made["ingress" if route_name == "ingress" else "plain"]
+        if rules and route_name != "ingress":
+            route = dataclasses.replace(route, **rules)
+    by_service: dict[Any, tuple[Endpoint, ...]] = {}
+    for endpoint in endpoints:
+        by_service[endpoint.service_key] = (*by_service.get(endpoint.service_key, ()), endpoint)
     server = ProxyServer(
         defaults=Defaults(),
         dialer=Dialer(),
@@ -164,14 +221,16 @@ async def build(
     server.set_table(
         build_table(
             {route.key: route},
-            {endpoint.service_key: (endpoint,)},
-            {},
+            by_service,
+            {service.key: service for service in services},
             defaults=Defaults(),
             cookie_key=b"k" * 32,
         )
     )
-    client = ClientConnection(server)
-    client.connection_made(MemoryTransport())
+    for _ in range(connections):
+        client = ClientConnection(server)
+        client.connection_made(MemoryTransport())
+        clients.append(client)
     target = next(iter(server.table.targets))
     assert isinstance(target, Target)
     upstream = UpstreamConnection(server, target)
@@ -187,9 +246,23 @@ def one_request(
     upstream.data_received(RESPONSE)
 
 
-async def measure(requests: int, profile: bool, route: str = "bench", bare: bool = False) -> None:
+def turns(requests: int) -> Any:
+    """The client connection of each of `requests` requests: every connection in turn."""
+    count = len(clients)
+    for index in range(requests):
+        yield clients[index % count]
+
+
+async def measure(
+    requests: int, profile: bool, route: str = "bench", bare: bool = False, connections: int = 1
+) -> None:
     rules = INGRESS_RULES if route == "ingress" else RULES_BY_NAME.get(route)
-    client, upstream = await build(rules=rules, path="/" if route == "bench" else API_PREFIX)
+    client, upstream = await build(
+        rules=rules,
+        path="/" if route == "bench" else API_PREFIX,
+        connections=connections,
+        route_name=route,
+    )
     request = REQUEST if route == "bench" else ORIGIN_REQUEST
     one_request(client, upstream, request)
     assert client.transport.last.startswith(b"HTTP/1.1 200 OK"), client.transport.last  # type: ignore[union-attr]
@@ -203,15 +276,15 @@ async def measure(requests: int, profile: bool, route: str = "bench", bare: bool
         sent = upstream.transport.last  # type: ignore[union-attr]
         assert sent.startswith(b"GET /64 HTTP/1.1\r\n"), sent
     if bare:
-        for _ in range(200 + requests):
+        for client in turns(200 + requests):
             one_request(client, upstream, request)
         return
-    for _ in range(2000):
+    for client in turns(2000):
         one_request(client, upstream, request)
     if profile:
         profiler = cProfile.Profile()
         profiler.enable()
-        for _ in range(requests):
+        for client in turns(requests):
             one_request(client, upstream, request)
         profiler.disable()
         stats = pstats.Stats(profiler)
@@ -221,7 +294,7 @@ async def measure(requests: int, profile: bool, route: str = "bench", bare: bool
     best = float("inf")
     for _ in range(5):
         started = time.process_time()
-        for _ in range(requests):
+        for client in turns(requests):
             one_request(client, upstream, request)
         best = min(best, (time.process_time() - started) / requests)
     print(f"{best * 1e6:.2f} µs of CPU per request (best of 5 x {requests})")
@@ -235,8 +308,9 @@ def main() -> None:
     parser.add_argument(
         "--route", choices=("bench", "plain", "ingress", *RULES_BY_NAME), default="bench"
     )
+    parser.add_argument("--connections", type=int, default=1)
     args = parser.parse_args()
-    uvloop.run(measure(args.requests, args.profile, args.route, args.bare))
+    uvloop.run(measure(args.requests, args.profile, args.route, args.bare, args.connections))
 
 
 if __name__ == "__main__":

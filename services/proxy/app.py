@@ -192,6 +192,20 @@ class Settings(ProcessSettings):
         "(1, as nginx sends, or 2); from clients both are read",
         check=lambda v: None if v in (1, 2) else f"must be 1 or 2, not {v}",
     )
+    proxy_protocol: bool = setting(
+        False,
+        help="every connection to the HTTP and HTTPS ports (and Gateway listener ports) "
+        "starts with a PROXY protocol header (v1 or v2) from the load balancer in front, "
+        "and the client address is the header's (ingress-nginx's use-proxy-protocol); "
+        "a connection without one is closed",
+    )
+    proxy_protocol_timeout: float = setting(
+        5.0,
+        help="with --proxy-protocol, a connection whose header is not whole after this "
+        "is closed (ingress-nginx's proxy-protocol-header-timeout)",
+        parse=parse_duration,
+        check=positive,
+    )
     upstream_max_idle: int = setting(
         64, help="idle keep-alive connections kept per endpoint", check=positive
     )
@@ -727,6 +741,7 @@ async def setup(process: ServiceProcess, settings: Settings) -> None:
         # HTTP/2: the listeners' limits, and the connections to HTTP/2 backends.
         h2_limits=settings.h2_limits(),
         trace_ratio=settings.trace_sample_ratio,
+        proxy_protocol_timeout=settings.proxy_protocol_timeout if settings.proxy_protocol else 0.0,
     )
     process.on_stop(_closer(server.h2_upstreams.close))
     view_settings = ViewSettings(

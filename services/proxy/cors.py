@@ -19,7 +19,10 @@ Invariants: the policy (regex, header lines, the `*` answers) is built once per
 route entry (`policy`), and each origin's answer once per entry (`CorsAnswer`: the
 response's lines as bytes, the preflight as a whole answer), remembered by the
 Origin's bytes (bounded: `MAX_REMEMBERED`, then forgotten at once). Per request
-the Origin is found (one search) and looked up (one dictionary read); the answer's
+the Origin is found (one search) and looked up (one dictionary read), or, when the
+client's connection sent these very fields to this route last time, the answer it got
+then is taken (`http1.ForwardedContext.cors_*`: a keep-alive client repeating its
+head costs one comparison); the answer's
 lines are appended to the response head, and the backend's own fields are
 rewritten only when it sent one of those names (`filters.SetFields`, which keeps
 its last block's result: a remembered response parse's copies share the block).
@@ -143,13 +146,23 @@ class CorsPolicy:
         modifier). `answer`, inline."""
         answer = self.any_answer
         if answer is None:
-            found = _ORIGIN_FIELD.search(req.fields)
-            if found is None:
-                return None
-            origin = found[1]
-            answer = self.known.get(origin, False)  # type: ignore[arg-type]
-            if answer is False:
-                answer = self._learn(origin)
+            fields = req.fields
+            context = facts.context
+            if context.cors_policy is self and fields == context.cors_fields:
+                # The connection's last request here had these very fields (a
+                # keep-alive client repeating its head): its answer, no search.
+                answer = context.cors_answer
+            else:
+                found = _ORIGIN_FIELD.search(fields)
+                if found is None:
+                    answer = None
+                else:
+                    answer = self.known.get(found[1], False)  # type: ignore[arg-type]
+                    if answer is False:
+                        answer = self._learn(found[1])
+                context.cors_policy = self
+                context.cors_fields = fields
+                context.cors_answer = answer
             if answer is None:
                 return None
         if req.method == b"OPTIONS":

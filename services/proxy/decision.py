@@ -67,9 +67,11 @@ from waygate.proxy import (
 )
 from waygate.proxy.http1 import ForwardedContext, RequestHead
 from waygate.proxy.routing import (
+    TRACE_OFF,
     Backend,
     PassiveHealth,
     RouteEntry,
+    RouteOptions,
     RouteTable,
     Side,
     Target,
@@ -447,14 +449,18 @@ def _request_filters(forward: Forward, req: RequestHead, facts: ConnectionFacts)
 
 def _request_filters_bound(entry: RouteEntry) -> Runner:
     rewrite = entry.policies["rewrite"]  # (prepared by _has_filters)
-    return _request_filters if rewrite is None else rewrite.shape  # type: ignore[no-any-return]
+    if rewrite is None:
+        return _request_filters
+    if rewrite.slash_prefix and rewrite.response_headers is None:
+        return rewrite.shape_slash_prefix  # type: ignore[no-any-return]
+    return rewrite.shape  # type: ignore[no-any-return]
 
 
 def _access_bound(entry: RouteEntry) -> Runner:
     """ingress-nginx's access annotations (waygate.proxy.access: 403, 401, 503), bound
     to the entry's compiled check: a keep-alive connection's next request on an
-    address-only check reads its verdict without a call (AccessCheck.decide's own
-    first step, inline)."""
+    address-only check reads the verdict its connection keeps (ForwardedContext
+    .access_check: the client address is the connection's), without a call."""
     check = entry.access
     assert check is not None  # (compiled by access.prepare)
     name = entry.options.name
@@ -464,11 +470,13 @@ def _access_bound(entry: RouteEntry) -> Runner:
     def gate(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
         context = facts.context
         assert context is not None
-        peer = context.client_ip
-        if address_only and peer is check.last_peer:
-            refused = check.last_verdict
+        if context.access_check is check:
+            refused = context.access_verdict
         else:
-            refused = decide_access(req, peer)
+            refused = decide_access(req, context.client_ip)
+            if address_only:
+                context.access_check = check
+                context.access_verdict = refused
         if refused is None:
             return None
         if refused[2] is access.KIND_UNAUTHORIZED:  # the 401's header lines (CORS's too)
@@ -733,6 +741,45 @@ def _sticky_cookie(req: RequestHead, entry: RouteEntry) -> bytes | None:
 # ---------------------------------------------------------------- decide
 
 
+def _span(
+    forward: Forward,
+    options: RouteOptions,
+    req: RequestHead,
+    facts: ConnectionFacts,
+    http_version: str,
+    trusted: bool,
+) -> bytes:
+    """The request's SERVER span (records.start_span), kept on `forward`; returns the
+    traceparent the backend gets."""
+    scheme = b"https" if facts.secure else b"http"
+    forward.span, traceparent = records.start_span(
+        req, options.name, http_version, options.span_name, scheme, trusted
+    )
+    forward.traceparent = traceparent.decode("ascii")
+    return traceparent
+
+
+def _traced_apart(
+    forward: Forward,
+    options: RouteOptions,
+    view: View,
+    req: RequestHead,
+    facts: ConnectionFacts,
+    traceparent: bytes,
+    http_version: str,
+) -> bytes:
+    """A client's trace context on a route with ingress-nginx's OpenTelemetry
+    annotations: enable-opentelemetry "false" starts no span and passes it on as
+    it came; opentelemetry-trust-incoming-span "false" neither continues nor passes
+    it on (sampled as a request without one). Returns the traceparent the backend
+    gets (b"": none)."""
+    if options.trace == TRACE_OFF:
+        return traceparent
+    if view.trace_ratio and random.random() < view.trace_ratio:
+        return _span(forward, options, req, facts, http_version, False)
+    return b""
+
+
 def decide(
     view: View,
     req: RequestHead,
@@ -818,7 +865,8 @@ def decide(
     forward.backend = backend
     # The answer's extra lines (response_extra, inline: no call per request).
     set_cookie = backend.set_cookie
-    if set_cookie and cookie != backend.by_target.get(picked):
+    if set_cookie and (cookie is None or cookie != backend.by_target.get(picked)):
+        # (No cookie: a first visit's Set-Cookie without the endpoint's cookie looked up.)
         forward.extra = set_cookie.get(picked, b"") + forward.hsts
     else:
         forward.extra = forward.hsts
@@ -837,12 +885,17 @@ def decide(
     # proxy starts a trace for its configured share of requests.
     traceparent = req.traceparent
     if traceparent:
-        if traceparent[-3:] == b"-01" and _TRACEPARENT.fullmatch(traceparent):
-            forward.span, traceparent = records.start_span(req, entry.options.name, http_version)
-            forward.traceparent = traceparent.decode("ascii")
-    elif view.trace_ratio and random.random() < view.trace_ratio:
-        forward.span, traceparent = records.start_span(req, entry.options.name, http_version)
-        forward.traceparent = traceparent.decode("ascii")
+        options = entry.options
+        if options.trace:  # (ingress-nginx's OpenTelemetry annotations)
+            traceparent = _traced_apart(
+                forward, options, view, req, facts, traceparent, http_version
+            )
+        elif traceparent[-3:] == b"-01" and _TRACEPARENT.fullmatch(traceparent):
+            traceparent = _span(forward, options, req, facts, http_version, True)
+    elif (
+        view.trace_ratio and random.random() < view.trace_ratio and entry.options.trace != TRACE_OFF
+    ):
+        traceparent = _span(forward, entry.options, req, facts, http_version, True)
     forward.upstream_scope = entry.upstream_scope
     if rules:
         for run in rules[1]:  # type: ignore[index]

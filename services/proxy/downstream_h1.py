@@ -36,7 +36,7 @@ from waygate.proxy.exchange import (
     ANSWER_ROUTE_REDIRECT,
     Exchange,
 )
-from waygate.proxy.http1 import BadMessage, ForwardedContext, RequestHead, ResponseHead
+from waygate.proxy.http1 import BadMessage, RequestHead, ResponseHead, client_context
 from waygate.proxy.routing import Side
 
 HIGH_WATER = flow.HIGH_WATER
@@ -80,6 +80,7 @@ class ClientConnection(asyncio.Protocol):
         "idle_since",
         "loop",
         "pending_head",
+        "proxied",
         "scanned",
         "secure",
         "server",
@@ -104,6 +105,9 @@ class ClientConnection(asyncio.Protocol):
         self.write_paused = False
         self.secure: Side = False
         self.client_key = b""
+        # The PROXY protocol header's addresses (waygate.proxy.accept), set before
+        # connection_made: the client address is the header's. None: the peer's.
+        self.proxied: Any = None
         # When the connection last became idle (accepted, or its exchange ended):
         # the oldest idle connection is closed first when room is needed.
         self.idle_since = 0.0
@@ -123,9 +127,10 @@ class ClientConnection(asyncio.Protocol):
     def connection_made(self, transport: Any) -> None:
         server = self.server
         self.transport = transport
-        peer = transport.get_extra_info("peername")
-        address = peer[0] if peer else "unknown"
-        self.client_key = address.encode()
+        self.secure = transport.get_extra_info("ssl_object") is not None
+        port = server.https_port if self.secure else server.listen_port
+        context = self.context = client_context(transport, self.proxied, port, self.secure)
+        self.client_key = context.client_ip
         refusal = server.admit(self)
         if refusal:
             self.closed = True
@@ -137,11 +142,6 @@ class ClientConnection(asyncio.Protocol):
             return
         self.idle_since = self.loop.time()
         self.flow = flow.FlowControl(transport)
-        self.secure = transport.get_extra_info("ssl_object") is not None
-        if self.secure:
-            self.context = ForwardedContext(address, server.https_port, b"https")
-        else:
-            self.context = ForwardedContext(address, server.listen_port)
         transport.set_write_buffer_limits(high=HIGH_WATER, low=LOW_WATER)
         self._arm(server.defaults.http_request_timeout, _T_HEAD)
 

@@ -90,6 +90,7 @@ from waygate.proxy.decision import (
     Forward,
     release_pick,
 )
+from waygate.proxy.filters import SetFields
 from waygate.proxy.h2bridge import H2Bridge
 from waygate.proxy.http1 import (
     FRAMING_CHUNKED,
@@ -539,14 +540,15 @@ class Exchange(AuthStep, RequestBody, UpgradeRelay):
         self.keep_alive = keep_alive
         self.response_started = True
         self.status = status
-        if forward.response_modifier is not None:
-            # (Error pages ride only on a modifier with `errors`: the others make no call.)
-            errors = getattr(forward.response_modifier, "errors", None)
-            if errors is not None and errorpages.intercept(self, forward.response_modifier, status):
-                return None  # ingress-nginx custom-http-errors: the error backend answers
-            response.fields = filters.modify_response_fields(
-                response.fields, forward.response_modifier, status
-            )
+        modifier = forward.response_modifier
+        if modifier is not None:
+            if type(modifier) is SetFields and response.fields is modifier.last_fields:
+                response.fields = modifier.last_out  # type: ignore[assignment]  # (no call)
+            else:  # (error pages ride only on a modifier with `errors`: no call for others)
+                errors = getattr(modifier, "errors", None)
+                if errors is not None and errorpages.intercept(self, modifier, status):
+                    return None  # ingress-nginx custom-http-errors: the error backend answers
+                response.fields = filters.modify_response_fields(response.fields, modifier, status)
         extra = forward.extra  # Set-Cookie, HSTS: decided with the pick
         down = self.down
         if framing == FRAMING_LENGTH and len(rest) == length < 65536 and self.throttle is None:

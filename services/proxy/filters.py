@@ -236,6 +236,7 @@ class PathRewrite:
         "prefix",
         "replacement",
         "response_headers",
+        "slash_prefix",
         "target_only",
     )
 
@@ -260,6 +261,15 @@ class PathRewrite:
         # Only the target changes (no Host, no header modifier): the caller may keep the
         # request head and send `target(req, path)` instead of a copy of the head.
         self.target_only = not self.host_line and modifier is None
+        # The commonest rewrite alone (ingress-nginx's `rewrite-target: /$2` of
+        # `path: /api(/|$)(.*)`): a prefix replaced by one ending in "/"
+        # (`shape_slash_prefix`).
+        self.slash_prefix = (
+            self.target_only
+            and not self.full
+            and self.replacement is not None
+            and self.replacement[-1:] == b"/"
+        )
         self.response_headers = response_headers  # the route's ResponseHeaderModifier
 
     def shape(self, forward: Any, req: Any, facts: Any) -> None:
@@ -271,10 +281,23 @@ class PathRewrite:
             forward.rewritten_target = self.target(req, forward.path)
         else:
             forward.req = self.applied(req, forward.path)
-        if self.hostname:
-            forward.authority = self.hostname
-        if forward.response_modifier is None:  # (a CORS answer holds the route's own)
-            forward.response_modifier = self.response_headers
+            if self.hostname:
+                forward.authority = self.hostname
+        if self.response_headers is not None and forward.response_modifier is None:
+            forward.response_modifier = self.response_headers  # (a CORS answer holds it)
+
+    def shape_slash_prefix(self, forward: Any, req: Any, facts: Any) -> None:
+        """`shape` for the commonest rewrite alone (`slash_prefix`, no response header
+        modifier): `target`'s prefix case inline, the replacement, then the rest of the
+        path without its leading slashes, then the query (none when the request core's
+        path is the target itself)."""
+        path = forward.path
+        if path[:1] != b"/":
+            forward.rewritten_target = self.target(req, path)
+            return
+        new = self.replacement + path[self.cut :].lstrip(b"/")  # type: ignore[operator]
+        target = req.target
+        forward.rewritten_target = new if path is target else new + target[len(path) :]
 
     def target(self, req: Any, path: bytes) -> bytes:
         """The request's target after the rewrite (`path`: its path, without the query)."""

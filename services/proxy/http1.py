@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 from urllib.parse import unquote_to_bytes
 
 import httptools
@@ -644,10 +644,32 @@ def _explain_request_grammar(head: bytes) -> str:
 class ForwardedContext:
     """Per client connection: the bytes the forwarded headers add (built once)."""
 
-    __slots__ = ("client_ip", "forwarded_for", "last_added", "last_host", "port", "proto")
+    __slots__ = (
+        "access_check",
+        "access_verdict",
+        "client_ip",
+        "cors_answer",
+        "cors_fields",
+        "cors_policy",
+        "forwarded_for",
+        "last_added",
+        "last_host",
+        "port",
+        "proto",
+    )
 
     def __init__(self, client_ip: str, port: int, proto: bytes = b"http") -> None:
         self.client_ip = client_ip.encode()
+        # The verdict of the address-only access check this connection met last
+        # (decision._access_bound): the client address is the connection's, so its
+        # keep-alive requests to that route read it instead of deciding again.
+        self.access_check: object = None
+        self.access_verdict: tuple[int, str, str] | None = None
+        # The CORS answer (cors.CorsPolicy.gate) of the route's policy this connection
+        # last asked, for the request fields it asked with.
+        self.cors_policy: object = None
+        self.cors_fields = b""
+        self.cors_answer: Any = None
         self.proto = proto
         self.port = str(port).encode()
         node = self.client_ip
@@ -675,6 +697,24 @@ class ForwardedContext:
                 )
             )
         return self.last_added
+
+
+def client_context(transport: Any, proxied: Any, port: int, secure: bool) -> ForwardedContext:
+    """A client connection's forwarded context, built once when it is accepted: the
+    peer's address, this listener's port and scheme; or, when the connection began
+    with a PROXY protocol header (`proxied`: its `proxyproto.Addresses`), the
+    header's source address and destination port, and https when the connection is
+    TLS or the header's destination port is 443 (a load balancer that terminated
+    TLS: ingress-nginx's `$proxy_protocol_server_port` and lua_ingress rule)."""
+    if proxied is None:
+        peer = transport.get_extra_info("peername")
+        return ForwardedContext(
+            peer[0] if peer else "unknown", port, b"https" if secure else b"http"
+        )
+    https = secure or proxied.destination_port == 443
+    return ForwardedContext(
+        proxied.source, proxied.destination_port, b"https" if https else b"http"
+    )
 
 
 def build_upstream_head(

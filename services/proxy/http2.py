@@ -698,6 +698,9 @@ class H2ClientConnection(asyncio.Protocol):
         self.peer = "unknown"
         self.client_key = b"unknown"
         self.context: http1.ForwardedContext | None = None
+        # The PROXY protocol header's addresses (waygate.proxy.accept), set before
+        # connection_made: the client address is the header's. None: the peer's.
+        self.proxied: Any = None
         self._identity_route: Any = None
         self._identity: tuple[int, str] | bytes = b""
         self._flush_soon = False
@@ -713,9 +716,10 @@ class H2ClientConnection(asyncio.Protocol):
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
         server = self.server
-        peer = transport.get_extra_info("peername")
-        self.peer = peer[0] if peer else "unknown"
-        self.client_key = self.peer.encode()
+        port = server.https_port if self.secure else server.listen_port
+        context = http1.client_context(transport, self.proxied, port, bool(self.secure))
+        self.peer = context.client_ip.decode("ascii", "replace")
+        self.client_key = context.client_ip
         # Counted like an HTTP/1.1 connection (total and per-source caps; at a cap
         # idle HTTP/1.1 keep-alive connections make room first); its streams are
         # exchanges, not connections.
@@ -724,10 +728,7 @@ class H2ClientConnection(asyncio.Protocol):
             transport.abort()
             return
         STATS.connections["h2" if self.secure else "h2c"] += 1
-        if self.secure:
-            self.context = http1.ForwardedContext(self.peer, server.https_port, b"https")
-        else:
-            self.context = http1.ForwardedContext(self.peer, server.listen_port)
+        self.context = context
         transport.set_write_buffer_limits(high=HIGH_WATER, low=LOW_WATER)
         self.h2.initiate_connection()
         increment = self.limits.connection_window - 65535

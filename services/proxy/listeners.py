@@ -38,8 +38,8 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any
 
 from waygate.core.backoff import Backoff
-from waygate.proxy.accept import ClientProtocol
-from waygate.proxy.http1 import ForwardedContext
+from waygate.proxy.accept import ClientProtocol, plain_protocol
+from waygate.proxy.http1 import client_context
 from waygate.proxy.passthrough import TlsFront, bind_listener
 from waygate.proxy.routing import ListenerSide
 from waygate.resolver.client import ListenerState, Route, keep_reporting, report_listeners
@@ -55,8 +55,8 @@ class _ListenerProtocol(ClientProtocol):
     """An accepted connection on a Gateway listener's own port: HTTP/1.1 or h2c whose
     routes are that listener's (its `side`), its X-Forwarded-Port that port."""
 
-    def __init__(self, server: Any, side: ListenerSide) -> None:
-        super().__init__(server)
+    def __init__(self, server: Any, side: ListenerSide, proxied: Any = None) -> None:
+        super().__init__(server, proxied=proxied)
         self.side = side
 
     def connection_made(self, transport: Any) -> None:
@@ -67,11 +67,8 @@ class _ListenerProtocol(ClientProtocol):
         if connection is None or connection is self or getattr(connection, "closed", False):
             return
         connection.secure = self.side
-        peer = transport.get_extra_info("peername")
-        connection.context = ForwardedContext(
-            peer[0] if peer else "unknown",
-            self.side.port,
-            b"https" if self.side.secure else b"http",
+        connection.context = client_context(
+            transport, self.proxied, self.side.port, self.side.secure
         )
 
 
@@ -204,7 +201,7 @@ class GatewayListeners:
                 self.certificates,
                 self.host,
                 port,
-                protocol=lambda: _ListenerProtocol(server, side),
+                protocol=lambda proxied: _ListenerProtocol(server, side, proxied),
             )
             bound.front.serve(sock)
             return True
@@ -214,7 +211,7 @@ class GatewayListeners:
             # either `bound.server` is set or `_unbind` cancelled this before it ran
             # (and closed the socket itself): never a server nobody closes.
             bound.server = await asyncio.get_running_loop().create_server(
-                lambda: _ListenerProtocol(server, side),
+                plain_protocol(server, lambda proxied: _ListenerProtocol(server, side, proxied)),
                 sock=sock,
                 backlog=1024,
                 start_serving=False,

@@ -16,6 +16,15 @@ across records and reads. Then:
 
 Each outcome is counted in `waygate_proxy_tls_connections_total{outcome}`.
 
+With --proxy-protocol (`server.proxy_protocol_timeout`), the same peeks read the
+PROXY header before the ClientHello first (`proxyproto.read`, whole within that
+timeout and `proxyproto.MAX_V2` bytes, else the connection is closed and counted
+in `waygate_proxy_proxy_protocol_headers_total`); once the route is known exactly
+the header's bytes are taken off the socket, so the backend of a passthrough
+route gets the ClientHello first as before, and the terminated connection's
+client address is the header's (`accept.ClientProtocol`'s `proxied`, a
+passthrough's source-hash key too).
+
 A relay pauses reading on one side while the other's write buffer is past
 its high-water mark, closes both sides when either closes, and closes after
 the route's tunnel timeout of inactivity; SIGTERM closes relays after the
@@ -35,8 +44,8 @@ from typing import Any, Protocol
 from prometheus_client import Counter
 
 from waygate.core import flow
-from waygate.proxy import sni
-from waygate.proxy.accept import ClientProtocol
+from waygate.proxy import proxyproto, sni
+from waygate.proxy.accept import HEADER_OUTCOMES, ClientProtocol
 from waygate.proxy.routing import RouteTable
 from waygate.proxy.upstream import ConnectError, start
 from waygate.proxy.view import HTTPS_FRONT
@@ -72,6 +81,21 @@ def bind_listener(host: str, port: int, *, reuse_port: bool = False) -> socket.s
         listener.close()
         raise
     return listener
+
+
+_HEADER_PENDING = proxyproto.Header(proxyproto.NEED_MORE)
+_HEADER_INVALID = proxyproto.Header(proxyproto.INVALID, reason="invalid")
+_HEADER_TIMEOUT = proxyproto.Header(proxyproto.INVALID, reason="timeout")
+_HEADER_CLOSED = proxyproto.Header(proxyproto.INVALID, reason="closed")
+
+
+def _consume(conn: socket.socket, length: int) -> None:
+    """Take `length` bytes the socket holds (peeked: they are there) off it."""
+    while length:
+        taken = len(conn.recv(length))
+        if not taken:
+            raise ConnectionError("closed")
+        length -= taken
 
 
 def _peer_closed(conn: socket.socket) -> bool:
@@ -211,7 +235,7 @@ class TlsFront:
         port: int,
         *,
         reuse_port: bool = False,
-        protocol: Callable[[], asyncio.Protocol] | None = None,
+        protocol: Callable[[proxyproto.Addresses | None], asyncio.Protocol] | None = None,
     ) -> None:
         self.server = server  # the ProxyServer that serves terminated connections
         # Terminated connections' protocol; set: a Gateway listener's own port
@@ -292,23 +316,34 @@ class TlsFront:
 
     async def _route(self, conn: socket.socket) -> None:
         try:
-            outcome, name = await self._peek(conn)
+            outcome, name, header = await self._peek(conn)
+            proxied = None
+            if header is not None:
+                if header.status != proxyproto.OK:
+                    HEADER_OUTCOMES["https", header.reason].inc()
+                    conn.close()
+                    return
+                HEADER_OUTCOMES["https", "read"].inc()
+                proxied = header.addresses
             if outcome != sni.FOUND:
                 label = {sni.NOT_TLS: "not_tls", sni.TOO_LARGE: "too_large"}.get(outcome, "timeout")
                 TLS_CONNECTIONS.labels(label).inc()
                 conn.close()
                 return
+            if header is not None:
+                # Peeked, so whole in the socket: consumed exactly, the ClientHello stays.
+                _consume(conn, header.length)
             entry = self.table.lookup(name.encode(), b"/") if name else None
             if entry is None:
                 TLS_CONNECTIONS.labels("terminated").inc()
                 await self.loop.connect_accepted_socket(
-                    self._client_protocol,
+                    lambda: self._client_protocol(proxied),
                     conn,
                     ssl=self.certificates.context,
                     ssl_handshake_timeout=HELLO_TIMEOUT,
                 )
                 return
-            await self._relay(conn, entry)
+            await self._relay(conn, entry, proxied)
         except (OSError, EOFError, TimeoutError, ConnectionError):
             # A client gone or a failed handshake: asyncio closed its transport.
             conn.close()
@@ -316,41 +351,70 @@ class TlsFront:
             conn.close()
             raise
 
-    def _client_protocol(self) -> asyncio.Protocol:
+    def _client_protocol(self, proxied: proxyproto.Addresses | None) -> asyncio.Protocol:
         # HTTP/1.1 or HTTP/2, as ALPN chose (waygate.proxy.accept).
         if self._protocol is not None:
-            return self._protocol()
-        return ClientProtocol(self.server)
+            return self._protocol(proxied)
+        return ClientProtocol(self.server, proxied=proxied)
 
-    async def _peek(self, conn: socket.socket) -> tuple[int, str]:
-        """Peek until the ClientHello's server name is known (bounded in time and size)."""
-        deadline = self.loop.time() + HELLO_TIMEOUT
+    async def _peek(self, conn: socket.socket) -> tuple[int, str, proxyproto.Header | None]:
+        """Peek until the ClientHello's server name is known (bounded in time and size);
+        with --proxy-protocol, the PROXY header before it first (its own timeout).
+        The header: None without the setting; else OK, or not OK with its reason
+        ("invalid", "timeout", "closed") and the connection is to be closed."""
+        now = self.loop.time()
+        deadline = now + HELLO_TIMEOUT
+        header_timeout = self.server.proxy_protocol_timeout
+        header: proxyproto.Header | None = None
+        if header_timeout:
+            header = _HEADER_PENDING
+            header_deadline = now + header_timeout
+        limit = sni.MAX_HELLO + 64 + (proxyproto.MAX_V2 if header_timeout else 0)
         seen = -1
         delay = _PEEK_RETRY
         while True:
             try:
-                data = conn.recv(sni.MAX_HELLO + 64, socket.MSG_PEEK)
+                data = conn.recv(limit, socket.MSG_PEEK)
             except BlockingIOError:
                 data = None
             if data is not None:
                 if not data:
-                    return sni.NOT_TLS, ""  # closed before a ClientHello
-                status, name = sni.read_server_name(data)
-                if status != sni.NEED_MORE:
-                    return status, name
-                if len(data) >= sni.MAX_HELLO + 64:
-                    return sni.TOO_LARGE, ""
-            if self.loop.time() >= deadline:
-                return sni.NEED_MORE, ""
+                    if header is not None and header.status == proxyproto.NEED_MORE:
+                        return sni.NOT_TLS, "", _HEADER_CLOSED
+                    return sni.NOT_TLS, "", header  # closed before a ClientHello
+                start = 0
+                if header is not None:
+                    if header.status == proxyproto.NEED_MORE:
+                        header = proxyproto.read(data)
+                        if header.status == proxyproto.INVALID:
+                            return sni.NOT_TLS, "", _HEADER_INVALID
+                    start = header.length
+                if header is None or header.status == proxyproto.OK:
+                    status, name = sni.read_server_name(data[start:] if start else data)
+                    if status != sni.NEED_MORE:
+                        return status, name, header
+                if len(data) >= limit:
+                    return sni.TOO_LARGE, "", header
+            now = self.loop.time()
+            if header is not None and header.status == proxyproto.NEED_MORE:
+                if now >= header_deadline:
+                    return sni.NEED_MORE, "", _HEADER_TIMEOUT
+                wait_until = min(deadline, header_deadline)
+            elif now >= deadline:
+                return sni.NEED_MORE, "", header
+            else:
+                wait_until = deadline
             if data is None:
-                await self._readable(conn, deadline)
+                await self._readable(conn, wait_until)
             elif len(data) == seen:
                 # Nothing new: a peeked socket stays readable, so readiness says
                 # nothing. A client gone behind its partial ClientHello is seen by
                 # POLLRDHUP; otherwise wait, backing off (only split ClientHellos
                 # get here, and their next bytes usually follow within a few ms).
                 if _peer_closed(conn):
-                    return sni.NOT_TLS, ""
+                    pending = header is not None and header.status == proxyproto.NEED_MORE
+                    gone = _HEADER_CLOSED if pending else header
+                    return sni.NOT_TLS, "", gone
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _PEEK_RETRY_MAX)
             seen = len(data) if data is not None else seen
@@ -371,9 +435,14 @@ class TlsFront:
         finally:
             self.loop.remove_reader(fd)
 
-    async def _relay(self, conn: socket.socket, entry: Any) -> None:
-        peer = conn.getpeername()
-        client_key = (peer[0] if peer else "").encode()
+    async def _relay(
+        self, conn: socket.socket, entry: Any, proxied: proxyproto.Addresses | None
+    ) -> None:
+        if proxied is not None:
+            client_key = proxied.source.encode()
+        else:
+            peer = conn.getpeername()
+            client_key = (peer[0] if peer else "").encode()
         target, _ = entry.pick(client_key, None, self.server.health, None)
         if target is None:
             TLS_CONNECTIONS.labels("no_endpoint").inc()

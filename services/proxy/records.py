@@ -42,13 +42,24 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 UNROUTED = ""
 
 
-def start_span(req: RequestHead, route: str, http_version: str) -> tuple[Any, bytes]:
+def start_span(
+    req: RequestHead,
+    route: str,
+    http_version: str,
+    name: tuple[bytes, ...] = (),
+    scheme: bytes = b"http",
+    trusted: bool = True,
+) -> tuple[Any, bytes]:
     """A SERVER span for a sampled request (a child of the client's trace context when
-    it sent one); returns it and the traceparent to send on (backend, tunnel dial)."""
+    it sent one and it is `trusted`); returns it and the traceparent to send on
+    (backend, tunnel dial). `name`: the route's span name (routing.span_name_parts); none:
+    "proxy " + route."""
     # Extracted even when empty: a trace this proxy starts has no parent at all.
-    parent = _PROPAGATOR.extract({"traceparent": req.traceparent.decode("ascii", "replace")})
+    parent = _PROPAGATOR.extract(
+        {"traceparent": req.traceparent.decode("ascii", "replace") if trusted else ""}
+    )
     span = tracer().start_span(
-        "proxy " + route,
+        span_name(name, req, scheme) if name else "proxy " + route,
         context=parent,
         kind=SpanKind.SERVER,
         attributes={
@@ -61,6 +72,24 @@ def start_span(req: RequestHead, route: str, http_version: str) -> tuple[Any, by
     )
     context = span.get_span_context()
     return span, b"00-%032x-%016x-01" % (context.trace_id, context.span_id)
+
+
+def span_name(parts: tuple[bytes, ...], req: RequestHead, scheme: bytes) -> str:
+    """The span's name for this request (ingress-nginx's variables filled in)."""
+    out = []
+    for part in parts:
+        if part == b"$request_method":
+            part = req.method
+        elif part == b"$request_uri":
+            part = req.target
+        elif part == b"$uri":
+            part = req.target.partition(b"?")[0]
+        elif part == b"$host":
+            part = req.host
+        elif part == b"$scheme":
+            part = scheme
+        out.append(part)
+    return b"".join(out).decode("utf-8", "replace")[:256]
 
 
 def end_span(span: Any, status: int, reason: str = "") -> None:

@@ -46,7 +46,7 @@ import enum
 import hashlib
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 from urllib.parse import parse_qsl
 
 from waygate.core.balancing import Picker, RoundRobinPicker, SourceHashPicker, new_picker
@@ -137,6 +137,15 @@ class RouteOptions(NamedTuple):
     cookie_attributes: bytes
     # Take a request's body in before an upstream is used (Route requestBuffering).
     request_buffering: bool = True
+    # ingress-nginx's OpenTelemetry annotations: TRACE_* (0: the proxy's own sampling,
+    # a client's sampled trace continued), and the span's name (records.span_name_parts;
+    # (): "proxy " + name).
+    trace: int = 0
+    span_name: tuple[bytes, ...] = ()
+
+
+TRACE_OFF: Final = 1  # enable-opentelemetry "false": no span, the traceparent passed on
+TRACE_UNTRUSTED: Final = 2  # opentelemetry-trust-incoming-span "false"
 
 
 class Defaults(NamedTuple):
@@ -791,7 +800,37 @@ def _route_options(route: Route, defaults: Defaults) -> RouteOptions:
         cookie_name=cookie_name,
         cookie_attributes=attributes,
         request_buffering=getattr(route, "request_buffering", True),
+        trace=TRACE_OFF
+        if getattr(route, "tracing_off", False)
+        else TRACE_UNTRUSTED
+        if getattr(route, "untrusted_trace_context", False)
+        else 0,
+        span_name=span_name_parts(route.span_name) if getattr(route, "span_name", "") else (),
     )
+
+
+# ingress-nginx opentelemetry-operation-name's per-request variables (the resolver
+# fills in the route's own: $service_name, $namespace, $ingress_name, $location_path).
+SPAN_VARIABLES = (b"$request_method", b"$request_uri", b"$uri", b"$host", b"$scheme")
+
+
+def span_name_parts(template: str) -> tuple[bytes, ...]:
+    """A route's span name as literal text and SPAN_VARIABLES, in order (built once
+    per route)."""
+    parts: list[bytes] = []
+    rest = template.encode("utf-8")
+    while rest:
+        at = rest.find(b"$")
+        if at < 0:
+            parts.append(rest)
+            break
+        if at:
+            parts.append(rest[:at])
+        rest = rest[at:]
+        variable = next((v for v in SPAN_VARIABLES if rest.startswith(v)), b"$")
+        parts.append(variable)
+        rest = rest[len(variable) :]
+    return tuple(parts)
 
 
 def _default_cookie_name(route: Route) -> str:

@@ -20,7 +20,7 @@ import operator
 import socket
 from typing import Any, NamedTuple
 
-from waygate.proxy.accept import ClientProtocol
+from waygate.proxy.accept import ClientProtocol, ProxyHeaderFirst, plain_protocol
 from waygate.proxy.bodybuffer import BufferLimits
 from waygate.proxy.context import ExchangeContext
 from waygate.proxy.downstream_h1 import DRAINING, T_NONE, ClientConnection
@@ -103,8 +103,14 @@ class ProxyServer:
         h2_limits: H2Limits | None = None,
         trace_ratio: float = 0.0,
         upstream_tls: Any = None,
+        proxy_protocol_timeout: float = 0.0,
     ) -> None:
         self.loop = asyncio.get_running_loop()
+        # --proxy-protocol: every connection to the HTTP and HTTPS ports (and Gateway
+        # listener ports) starts with a PROXY header, due within this (0: off).
+        self.proxy_protocol_timeout = proxy_protocol_timeout
+        # Plain connections still waiting for their header (waygate.proxy.accept).
+        self.awaiting_header: set[ProxyHeaderFirst] = set()
         self.limits = limits
         self.defaults = defaults
         self.dialer = dialer
@@ -230,9 +236,11 @@ class ProxyServer:
     async def start(
         self, host: str, port: int, *, reuse_port: bool = False, ssl: Any = None
     ) -> int:
+        if ssl is not None and self.proxy_protocol_timeout:
+            raise ValueError("a PROXY header comes before TLS: serve TLS with passthrough.TlsFront")
         server = await self.loop.create_server(
             # HTTP/1.1 or, by its first bytes, h2c with prior knowledge (waygate.proxy.http2).
-            lambda: ClientProtocol(self),
+            plain_protocol(self, lambda proxied: ClientProtocol(self, proxied=proxied)),
             host,
             port,
             reuse_port=reuse_port or None,
@@ -275,6 +283,9 @@ class ProxyServer:
     def stop_accepting(self) -> None:
         for server in self._servers:
             server.close()
+        # Connections that have not even said who they are carry no request.
+        for waiting in list(self.awaiting_header):
+            waiting.abort()
 
     async def drain(self, grace: float) -> None:
         """Stop accepting, let exchanges finish within `grace`, close idle keep-alives."""

@@ -190,5 +190,41 @@ def certificate_sections(front: Any) -> list[Section]:
     return found
 
 
+PROXY_PROTOCOL_SECTION = "PROXY protocol not read"
+
+
+def proxy_protocol_sections(server: ProxyServer) -> list[Section]:
+    """Routes whose clients come behind a PROXY protocol header (ingress-nginx's
+    use-proxy-protocol) on a proxy started without --proxy-protocol: the two settings
+    disagree (`waygate check` lists these rows; title and columns are its contract)."""
+    if server.proxy_protocol_timeout:
+        return []
+    names = sorted(
+        {
+            entry.options.name
+            for entry in server.table.entries()
+            if entry.route.client_proxy_protocol
+        }
+    )
+    if not names:
+        return []
+    why = cell("use-proxy-protocol is on; this proxy runs without --proxy-protocol", "bad")
+    return [
+        Section(
+            PROXY_PROTOCOL_SECTION,
+            ["route", "reason"],
+            [[name, why] for name in names],
+            note="served with the peer's address as the client's; a load balancer's "
+            "PROXY header is answered 400",
+            state="bad",
+        )
+    ]
+
+
 def provider(server: ProxyServer, watch: Any, front: Any) -> Callable[[], list[Section]]:
-    return lambda: route_sections(server) + certificate_sections(front) + view_sections(watch)
+    return lambda: (
+        route_sections(server)
+        + proxy_protocol_sections(server)
+        + certificate_sections(front)
+        + view_sections(watch)
+    )

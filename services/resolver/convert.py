@@ -345,11 +345,15 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
     message.port_in_redirects = route.port_in_redirects
     message.connection_header = route.connection_header
     message.access_log_disabled = route.access_log_disabled
+    message.client_proxy_protocol = route.client_proxy_protocol
     message.limit_rate = route.limit_rate
     message.limit_rate_after = route.limit_rate_after
     message.upstream_scheme_from_client = route.upstream_scheme_from_client
     message.upstream_http10 = route.upstream_http10
     message.redirect_location = route.redirect_location
+    message.span_name = route.span_name
+    message.tracing_off = route.tracing_off
+    message.untrusted_trace_context = route.untrusted_trace_context
     if route.next_upstream_timeout:
         message.next_upstream_timeout.FromNanoseconds(round(route.next_upstream_timeout * 1e9))
     if (url_mirror := route.url_mirror) is not None:
@@ -517,12 +521,16 @@ def route_from_proto(message: pb.Route) -> model.Route:
         port_in_redirects=message.port_in_redirects,
         connection_header=message.connection_header,
         access_log_disabled=message.access_log_disabled,
+        client_proxy_protocol=message.client_proxy_protocol,
         canary=_canary_from_proto(message.canary) if message.HasField("canary") else None,
         limit_rate=message.limit_rate,
         limit_rate_after=message.limit_rate_after,
         upstream_scheme_from_client=message.upstream_scheme_from_client,
         upstream_http10=message.upstream_http10,
         redirect_location=message.redirect_location,
+        span_name=message.span_name,
+        tracing_off=message.tracing_off,
+        untrusted_trace_context=message.untrusted_trace_context,
         next_upstream_timeout=seconds(message.next_upstream_timeout)
         if message.HasField("next_upstream_timeout")
         else 0.0,

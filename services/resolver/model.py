@@ -656,6 +656,9 @@ class Route:
     port_in_redirects: bool = False
     connection_header: str = ""
     access_log_disabled: bool = False
+    # ingress-nginx use-proxy-protocol: clients arrive behind a PROXY protocol header
+    # (read by a proxy with --proxy-protocol; one without it reports the mismatch).
+    client_proxy_protocol: bool = False
     # ingress-nginx canary annotations: a canary folded into this route (None: none).
     canary: Canary | None = None
     # ingress-nginx limit-rate / limit-rate-after: a response's body paced to this
@@ -674,6 +677,11 @@ class Route:
     # permanent-redirect / temporal-redirect: the Location exactly as written
     # (nginx's `return CODE URL`; filters.redirect gives the status); "": none.
     redirect_location: str = ""
+    # ingress-nginx's OpenTelemetry annotations (waygate.proxy.records): the span's
+    # name ("": the proxy's), no span at all, a client's trace context not trusted.
+    span_name: str = ""
+    tracing_off: bool = False
+    untrusted_trace_context: bool = False
 
     @property
     def key(self) -> RouteKey:

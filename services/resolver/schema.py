@@ -248,6 +248,7 @@ DERIVED: Final[Mapping[str, Mapping[str, str]]] = {
         "port_in_redirects": "ingress-nginx use-port-in-redirects",
         "connection_header": "ingress-nginx connection-proxy-header",
         "access_log_disabled": 'ingress-nginx enable-access-log "false"',
+        "client_proxy_protocol": 'ingress-nginx use-proxy-protocol "true"',
         "canary": "ingress-nginx canary annotations (a canary Ingress folded in)",
         "limit_rate": "ingress-nginx limit-rate",
         "limit_rate_after": "ingress-nginx limit-rate-after",
@@ -256,6 +257,9 @@ DERIVED: Final[Mapping[str, Mapping[str, str]]] = {
         "upstream_scheme_from_client": "ingress-nginx backend-protocol AUTO_HTTP",
         "upstream_http10": 'ingress-nginx proxy-http-version "1.0"',
         "redirect_location": "ingress-nginx permanent-redirect / temporal-redirect targets",
+        "span_name": "ingress-nginx opentelemetry-operation-name",
+        "tracing_off": "ingress-nginx enable-opentelemetry",
+        "untrusted_trace_context": "ingress-nginx opentelemetry-trust-incoming-span",
     },
     "RouteBackend": {
         "namespace": "Gateway API backendRefs across namespaces (ReferenceGrant)",

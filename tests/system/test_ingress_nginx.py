@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,7 +22,15 @@ import pytest
 import pytest_asyncio
 import yaml
 
-from tests.support.gatewayapi import INFRA, Conformance, local_slice, parse_response
+from tests.support.gatewayapi import (
+    INFRA,
+    TLS_SECRET,
+    Conformance,
+    Response,
+    local_slice,
+    parse_response,
+    tls_client_context,
+)
 from tests.support.poll import until
 from tests.support.processes import run_cli
 from tests.support.proxyharness import RecordingUpstream, read_response
@@ -1368,3 +1377,127 @@ async def admin_get(port: int, path: str) -> tuple[int, bytes]:
         return int(head.split(b" ", 2)[1]), body
     finally:
         writer.close()
+
+
+# ---------------------------------------------------------------- use-proxy-protocol
+
+PROXY_HOST = "proxy-protocol"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def proxied(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Conformance]:
+    """A resolver and a proxy started with --proxy-protocol (every connection to its
+    HTTP and HTTPS ports begins with a PROXY header), the ConfigMap's
+    use-proxy-protocol "true", and an Ingress as framework.NewSingleIngressWithTLS
+    plus one with an allow-list."""
+    conformance = Conformance(
+        tmp_path_factory.mktemp("proxied"),
+        resolver_args=(
+            "--ingress-nginx",
+            "--ingress-nginx-configmap",
+            "ingress-nginx/ingress-nginx-controller",
+        ),
+    )
+    await conformance.start("--proxy-protocol")
+    try:
+        served = single_ingress(PROXY_HOST, "/", PROXY_HOST)
+        served["spec"]["tls"] = [{"hosts": [PROXY_HOST], "secretName": TLS_SECRET}]
+        allowed = single_ingress(
+            "allowed", "/", "allowed.foo.com", {P + "whitelist-source-range": "192.168.0.0/24"}
+        )
+        config = {**CONTROLLER, "data": {"use-proxy-protocol": "true", "ssl-redirect": "false"}}
+        await conformance.apply(extra=yaml.safe_dump_all([config, served, allowed]), wait=False)
+
+        async def ready() -> bool:
+            response = await proxied_request(conformance.port, V1_HEADER, PROXY_HOST)
+            return response is not None and response.status == 200
+
+        await until(ready, "the proxy to serve the Ingress behind a PROXY header", timeout=20)
+        yield conformance
+    finally:
+        await conformance.stop()
+
+
+V1_HEADER = b"PROXY TCP4 192.168.0.1 192.168.0.11 56324 1234\r\n"
+
+
+async def proxied_request(
+    port: int, header: bytes, host: str, *, tls: bool = False
+) -> Response | None:
+    """GET / on a connection that starts with `header` (then TLS, with `tls`); None
+    when the proxy closes it without an answer."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(header)
+    sock.setblocking(False)
+    context = tls_client_context() if tls else None
+    reader, writer = await asyncio.wait_for(
+        asyncio.open_connection(sock=sock, ssl=context, server_hostname=host if tls else None),
+        10,
+    )
+    try:
+        writer.write(f"GET / HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        return parse_response(await read_response(reader, timeout=10))
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return None
+    finally:
+        writer.close()
+
+
+async def test_use_proxy_protocol_the_client_is_the_headers(proxied: Conformance) -> None:
+    # settings/proxy_protocol.go (kubernetes/ingress-nginx): It("should respect port
+    # passed by the PROXY Protocol"), It("should respect proto passed by the PROXY
+    # Protocol server port"), It("should enable PROXY Protocol for HTTPS"): the
+    # backend is told the header's source address, destination port, and https for
+    # TLS or a destination port of 443. ingress-nginx checks `listen 80 proxy_protocol`
+    # in nginx.conf; Waygate's proxy takes it from --proxy-protocol (the key's
+    # verdict names the setting). Beyond the Go test: an allow-list judges the
+    # header's address, and a connection without a header is closed.
+    response = await proxied_request(proxied.port, V1_HEADER, PROXY_HOST)
+    assert response is not None and response.status == 200
+    assert response.request_header("Host") == PROXY_HOST
+    assert response.request_header("X-Forwarded-Port") == "1234"
+    assert response.request_header("X-Forwarded-Proto") == "http"
+    assert response.request_header("X-Forwarded-For") == "192.168.0.1"
+
+    offloaded = b"PROXY TCP4 192.168.0.1 192.168.0.11 56324 443\r\n"
+    response = await proxied_request(proxied.port, offloaded, PROXY_HOST)
+    assert response is not None and response.status == 200
+    assert response.request_header("X-Forwarded-Port") == "443"
+    assert response.request_header("X-Forwarded-Proto") == "https"
+    assert response.request_header("X-Forwarded-For") == "192.168.0.1"
+
+    response = await proxied_request(proxied.https_port, V1_HEADER, PROXY_HOST, tls=True)
+    assert response is not None and response.status == 200
+    assert response.request_header("X-Forwarded-Port") == "1234"
+    assert response.request_header("X-Forwarded-Proto") == "https"
+    assert response.request_header("X-Forwarded-For") == "192.168.0.1"
+
+    response = await proxied_request(proxied.port, V1_HEADER, "allowed.foo.com")
+    assert response is not None and response.status == 200
+    outside = b"PROXY TCP4 10.9.9.9 192.168.0.11 56324 80\r\n"
+    response = await proxied_request(proxied.port, outside, "allowed.foo.com")
+    assert response is not None and response.status == 403
+
+    # No header: a client that went around the load balancer gets no answer.
+    assert await proxied_request(proxied.port, b"", PROXY_HOST) is None
+
+
+async def test_use_proxy_protocol_on_a_proxy_without_the_setting_is_reported(
+    suite: Conformance,
+) -> None:
+    # The mismatch ingress-nginx cannot have (its ConfigMap sets the listener itself):
+    # the ConfigMap says the load balancer sends the PROXY protocol, this proxy was
+    # started without --proxy-protocol. It serves (the peer's address is the
+    # client's) and its status page names each route (`waygate check` lists them).
+    controller = {**CONTROLLER, "data": {**CONTROLLER["data"], "use-proxy-protocol": "true"}}
+    item = single_ingress("unproxied", "/", "unproxied.foo.com")
+    await suite.apply(extra=yaml.safe_dump_all([controller, item]))
+    await suite.eventually("/", host="unproxied.foo.com", backend=V1)
+    assert suite.proxy is not None
+    status, body = await admin_get(suite.proxy.admin_port, "/status.json")
+    assert status == 200
+    sections = [s for p in json.loads(body)["services"] for s in p["sections"]]
+    [section] = [s for s in sections if s["title"] == "PROXY protocol not read"]
+    assert section["state"] == "bad"
+    assert any("unproxied" in _text(row[0]) for row in section["rows"])
+    assert all("--proxy-protocol" in _text(row[1]) for row in section["rows"])

@@ -16,14 +16,17 @@ Invariants (fail closed):
   its `auth` key; a password hash of a format Waygate cannot verify; digest
   authentication without a realm (nginx's digest module then asks for nothing:
   the Ingress would be open) or without a usable `user:realm:HA1` line; source
-  ranges while the client address would be taken from
-  a PROXY protocol header (the proxy does not read one) or a header other than
+  ranges while the client address would be taken from a header other than
   X-Forwarded-For; an auth-tls-secret without a ca.crt of PEM certificates (or
   with a ca.crl that does not parse), in another namespace or missing; an
   auth-tls-error-page that is a path (nginx's internal redirect) rather than a URL.
 - The client address is the peer's, or with use-forwarded-headers the one
   X-Forwarded-For names through proxies in proxy-real-ip-cidr (default
-  0.0.0.0/0, as ingress-nginx).
+  0.0.0.0/0, as ingress-nginx). With use-proxy-protocol the peer's address is the
+  PROXY header's (the proxy's --proxy-protocol), so the same rules give
+  ingress-nginx's real_ip_header proxy_protocol, and with use-forwarded-headers
+  its X-Forwarded-For-Proxy-Protocol rule (the header's address trusted through
+  proxy-real-ip-cidr, then X-Forwarded-For).
 """
 
 from __future__ import annotations
@@ -128,11 +131,8 @@ def config_problem(config: ControllerConfig) -> str:
 
 def address_problem(config: ControllerConfig) -> str:
     """Why the client address cannot be found as ingress-nginx would ("" : it can)."""
-    if config.flag("use-proxy-protocol", False):
-        return (
-            "the client address would come from the PROXY protocol (use-proxy-protocol), "
-            "which the proxy does not read"
-        )
+    # use-proxy-protocol: the proxy started with --proxy-protocol makes the header's
+    # address the peer's, so the rules below hold as they are (config.PROXY_PROTOCOL).
     if config.flag("use-forwarded-headers", False):
         header = config.text("forwarded-for-header", "X-Forwarded-For")
         if header.lower() != "x-forwarded-for":

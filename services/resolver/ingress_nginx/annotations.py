@@ -31,7 +31,7 @@ import dataclasses
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from waygate.core import regex as linear_regex
 from waygate.resolver.gateway import spec as specs
@@ -201,6 +201,12 @@ class Plan:
     port_in_redirects: bool = False
     connection_header: str = ""
     access_log_disabled: bool = False
+    client_proxy_protocol: bool = False  # the ConfigMap's use-proxy-protocol
+    # enable-opentelemetry, opentelemetry-trust-incoming-span, -operation-name (each
+    # the annotation, else the ConfigMap's key): `_tracing`.
+    tracing: bool = False
+    trust_incoming_span: bool = True
+    span_name: str = ""
     upstream_http10: bool = False  # proxy-http-version 1.0
     # The ConfigMap's no-tls-redirect-locations: paths never redirected to HTTPS.
     no_tls_redirect: tuple[str, ...] = ("/.well-known/acme-challenge",)
@@ -1357,6 +1363,37 @@ def _ssl_name(
         found(short)
 
 
+@_handles("enable-opentelemetry", "opentelemetry-trust-incoming-span")
+def _tracing(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    on = _flag(values.get("enable-opentelemetry", "true" if p.tracing else "false"))
+    if short == "opentelemetry-trust-incoming-span" and not on:
+        found(short, Verdict.NOOP, "without OpenTelemetry on for the Ingress it does nothing")
+    elif short == "enable-opentelemetry" and _flag(value):
+        found(
+            short,
+            Verdict.DIFFERENT,
+            "spans at the proxy's own sampling (its --trace-ratio, and a client's sampled "
+            "trace continued), not the ConfigMap's otel-sampler* keys",
+        )
+    else:
+        found(short)
+
+
+@_handles("opentelemetry-operation-name")
+def _operation_name(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    unknown = span_variables_unknown(value)
+    if unknown:
+        found(short, Verdict.NOT_HONOURED, f"{unknown[0]}: not a variable Waygate fills in")
+    elif not _flag(values.get("enable-opentelemetry", "true" if p.tracing else "false")):
+        found(short, Verdict.NOOP, "without OpenTelemetry on for the Ingress it does nothing")
+    else:
+        found(short)
+
+
 @_handles("enable-access-log")
 def _access_log(
     p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
@@ -1520,6 +1557,12 @@ def _response_defaults(p: Plan, config: ControllerConfig, where: str) -> None:
     p.access_log_disabled = config.flag("disable-access-log", False) or config.flag(
         "disable-http-access-log", False
     )
+    p.client_proxy_protocol = config.flag("use-proxy-protocol", False)
+    p.tracing = _flag(configured("enable-opentelemetry", "false", catalogue.boolean))
+    p.trust_incoming_span = _flag(
+        configured("opentelemetry-trust-incoming-span", "true", catalogue.boolean)
+    )
+    p.span_name = configured("opentelemetry-operation-name", "", catalogue.span_template)
 
 
 def _responses(p: Plan, values: Mapping[str, str]) -> None:
@@ -1548,6 +1591,44 @@ def _responses(p: Plan, values: Mapping[str, str]) -> None:
     p.connection_header = header if header in ("keep-alive", "close") else ""
     if not _flag(values.get("enable-access-log", "true")):
         p.access_log_disabled = True  # (`true` cannot undo the ConfigMap's http-level off)
+    if "enable-opentelemetry" in values:
+        p.tracing = _flag(values["enable-opentelemetry"])
+    if "opentelemetry-trust-incoming-span" in values:
+        p.trust_incoming_span = _flag(values["opentelemetry-trust-incoming-span"])
+    if "opentelemetry-operation-name" in values:
+        p.span_name = values["opentelemetry-operation-name"]
+    if span_variables_unknown(p.span_name):
+        p.span_name = ""  # (reported by its handler; the ConfigMap's by the key's note)
+
+
+#: ingress-nginx's variables an opentelemetry-operation-name may hold: per request
+#: (the proxy fills them in: waygate.proxy.routing.SPAN_VARIABLES), or the route's
+#: own, filled in here (`span_name`).
+SPAN_REQUEST_VARIABLES: Final = ("$request_method", "$request_uri", "$uri", "$host", "$scheme")
+SPAN_ROUTE_VARIABLES: Final = ("$service_name", "$namespace", "$ingress_name", "$location_path")
+
+
+def span_variables_unknown(template: str) -> list[str]:
+    """The variables in `template` that neither the proxy nor the resolver fills in."""
+    known = (*SPAN_REQUEST_VARIABLES, *SPAN_ROUTE_VARIABLES)
+    return [v for v in re.findall(r"\$[a-z_]+", template) if v not in known]
+
+
+def span_name(p: Plan, route: Route, location: str) -> str:
+    """The route's span name: opentelemetry-operation-name with the route's own
+    variables filled in (ingress-nginx's $service_name is the backend Service's)."""
+    if not p.span_name:
+        return ""
+    service = route.backends[0].service if route.backends else ""
+    name = p.span_name
+    for variable, value in (
+        ("$service_name", service),
+        ("$namespace", p.namespace),
+        ("$ingress_name", p.name),
+        ("$location_path", location),
+    ):
+        name = name.replace(variable, value)
+    return name[:256]
 
 
 def _codes_or_none(value: str) -> str | None:
@@ -2183,6 +2264,10 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             port_in_redirects=p.port_in_redirects,
             connection_header=p.connection_header,
             access_log_disabled=p.access_log_disabled,
+            client_proxy_protocol=p.client_proxy_protocol,
+            tracing_off=not p.tracing,
+            untrusted_trace_context=p.tracing and not p.trust_incoming_span,
+            span_name=span_name(p, route, value) if p.tracing else "",
             upstream_scheme_from_client=p.scheme_from_client,
             upstream_http10=p.upstream_http10,
             redirect_location=redirect_location,

@@ -188,6 +188,19 @@ def header_value(value: str) -> str | None:
     return None if _VALUE.fullmatch(value) else "must be plain printable text"
 
 
+_SPAN_TEMPLATE = re.compile(r"[A-Za-z0-9 ._~!*+,=:@%/&?()\[\]<>|^$-]{1,256}")
+
+
+def span_template(value: str) -> str | None:
+    """opentelemetry-operation-name: printable text and `$name` variables (which
+    ones are filled in is the annotation's handler's to say); never configuration."""
+    if value == "":
+        return None
+    if not _SPAN_TEMPLATE.fullmatch(value) or re.search(r"\$(?![a-z_])", value):
+        return "must be printable text with $variables, at most 256 characters"
+    return None
+
+
 def size(value: str) -> str | None:
     return None if _SIZE.fullmatch(value) else "must be a size such as 8k or 1m"
 
@@ -820,16 +833,27 @@ ENTRIES: tuple[Entry, ...] = (
     _e(
         "enable-opentelemetry",
         boolean,
-        D,
-        "tracing is the proxy's own setting (its sample rate), not per Ingress",
+        H,
+        "off (ingress-nginx's default, the ConfigMap's key else): no span, a client's "
+        "traceparent passed on as it came; on: spans at the proxy's own sampling (its "
+        "--trace-ratio, a client's sampled trace continued), not the ConfigMap's "
+        "otel-sampler* keys",
     ),
     _e(
         "opentelemetry-trust-incoming-span",
         boolean,
-        D,
-        "the proxy continues a sampled incoming trace",
+        H,
+        "`false`: a client's trace context is neither continued nor passed on (the "
+        "request is sampled as one without it)",
     ),
-    _e("opentelemetry-operation-name", plain, X, "span names are the proxy's", lacks=True),
+    _e(
+        "opentelemetry-operation-name",
+        span_template,
+        H,
+        "the SERVER span's name; $request_method, $uri, $request_uri, $host, $scheme "
+        "filled in per request, $service_name, $namespace, $ingress_name, "
+        "$location_path per route; other variables are not honoured",
+    ),
     _e("enable-opentracing", boolean, N, "removed from ingress-nginx (OpenTelemetry instead)"),
     _e("opentracing-trust-incoming-span", boolean, N, "removed from ingress-nginx"),
     _e("http2-push-preload", boolean, N, "HTTP/2 server push is gone from browsers"),

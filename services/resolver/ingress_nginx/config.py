@@ -60,6 +60,9 @@ HONOURED_KEYS = frozenset(
         "hsts-preload",
         "use-forwarded-headers",
         "compute-full-forwarded-for",
+        "enable-opentelemetry",
+        "opentelemetry-trust-incoming-span",
+        "opentelemetry-operation-name",
         # The client address (waygate.resolver.ingress_nginx.access) and the block lists.
         "proxy-real-ip-cidr",
         "block-cidrs",
@@ -101,8 +104,6 @@ ANNOTATION_DEFAULT_KEYS = frozenset(
         "proxy-next-upstream-timeout",
         "proxy-request-buffering",
         "preserve-trailing-slash",
-        "enable-opentelemetry",
-        "opentelemetry-trust-incoming-span",
         "relative-redirects",
     )
 )
@@ -177,6 +178,15 @@ _BLOCK_CIDRS = (
     "also applied where an Ingress has source ranges of its own (nginx's http-level "
     "deny is not inherited by a location with allow/deny rules)"
 )
+#: use-proxy-protocol: "true" -- what a listener reads is the proxy's own setting.
+PROXY_PROTOCOL = (
+    "the proxy reads the PROXY header (v1 or v2) on its HTTP and HTTPS ports only when "
+    "started with --proxy-protocol: set it on the proxies behind the load balancer that "
+    "sends it (the client address, X-Forwarded-For, source ranges and block-cidrs are "
+    "then the header's); a header's destination port 443 makes X-Forwarded-Proto https, "
+    "but ssl-redirect still answers requests that reached the HTTP port"
+)
+_PROXY_PROTOCOL_TIMEOUT = "the proxy's --proxy-protocol-timeout (default 5s), not this key"
 #: A class name or an annotation prefix (a DNS subdomain).
 DNS_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 
@@ -292,6 +302,10 @@ class ControllerConfig:
                 out.append(KeyVerdict(key, value, Verdict.DIFFERENT, _BLOCK_CIDRS))
             elif key in ("block-user-agents", "block-referers") and "~" in value:
                 out.append(KeyVerdict(key, value, Verdict.DIFFERENT, _BLOCK_RE2))
+            elif key == "use-proxy-protocol" and value in _TRUE:
+                out.append(KeyVerdict(key, value, Verdict.DIFFERENT, PROXY_PROTOCOL))
+            elif key == "proxy-protocol-header-timeout":
+                out.append(KeyVerdict(key, value, Verdict.DIFFERENT, _PROXY_PROTOCOL_TIMEOUT))
             elif (
                 key in HONOURED_KEYS
                 or key in ANNOTATION_DEFAULT_KEYS

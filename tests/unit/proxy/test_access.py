@@ -264,3 +264,26 @@ def test_an_empty_hash_matches_nothing_and_the_file_reads_as_nginx_does():
         ["# comment", "", "ann:{PLAIN}a", "ann:{PLAIN}b", "nocolon", "bob:"]
     )
     assert users == {b"ann": "{PLAIN}a", b"bob": ""}
+
+
+def test_an_address_only_verdict_is_kept_per_connection_and_per_route():
+    # decision._access_bound keeps an address-only check's verdict on the connection
+    # (ForwardedContext.access_check): connections taking turns (as a loaded proxy's
+    # do) each keep their own, and another route's check decides afresh.
+    from tests.unit.proxy.test_decision import Facts, ep, req, rt, view
+    from waygate.proxy.decision import Answer, Forward, decide
+    from waygate.proxy.http1 import ForwardedContext
+
+    built = view([rt(access=RouteAccess(allow=("10.0.0.0/8",)))], [ep()])
+    outside, inside = Facts(), Facts()
+    inside.context = ForwardedContext("10.1.2.3", 8080)
+    for _ in range(3):
+        refused = decide(built, req(), outside, 0.0)
+        assert isinstance(refused, Answer) and refused.status == 403
+        assert isinstance(decide(built, req(), inside, 0.0), Forward)
+    assert inside.context.access_verdict is None and outside.context.access_verdict is not None
+    # The same connections on a route that allows the other network.
+    other = view([rt(access=RouteAccess(allow=("192.0.2.0/24",)))], [ep()])
+    assert isinstance(decide(other, req(), outside, 0.0), Forward)
+    refused = decide(other, req(), inside, 0.0)
+    assert isinstance(refused, Answer) and refused.status == 403

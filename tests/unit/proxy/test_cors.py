@@ -191,3 +191,26 @@ def test_a_prepared_answer_composes_with_added_lines():
         out = filters.modify_response_fields(b"\r\nAccess-Control-Max-Age: 5", modifier, 200)
         assert b"Set-Cookie: s=1" in out and b"Access-Control-Allow-Origin: https://a.test" in out
         assert b"Max-Age: 5" not in out
+
+
+def test_a_connection_repeating_its_fields_gets_its_answer_and_new_fields_are_read_anew():
+    # The per-connection memo (ForwardedContext.cors_*) answers a keep-alive client's
+    # repeated head without a search; different fields, another route's policy or a new
+    # table are decided afresh, never with the remembered answer.
+    built = view([rt(cors=Cors(allow_origins=("https://a.test",)))], [ep()])
+    facts = Facts()
+    allowed, other = origin("https://a.test"), origin("https://evil.test")
+    first = decide(built, allowed, facts, 0.0)
+    assert isinstance(first, Forward) and first.cors is not None
+    assert facts.context.cors_fields == allowed.fields
+    again = decide(built, origin("https://a.test"), facts, 0.0)  # equal bytes, new object
+    assert isinstance(again, Forward) and again.cors is first.cors
+    refused = decide(built, other, facts, 0.0)
+    assert isinstance(refused, Forward) and refused.cors is None
+    assert decide(built, other, facts, 0.0).cors is None  # type: ignore[union-attr]
+    assert decide(built, allowed, facts, 0.0).cors is first.cors  # type: ignore[union-attr]
+    # A new table's policy (the route's origins changed) does not take the old answer.
+    narrowed = view([rt(cors=Cors(allow_origins=("https://b.test",)))], [ep()])
+    assert decide(narrowed, allowed, facts, 0.0).cors is None  # type: ignore[union-attr]
+    # Another connection decides for itself.
+    assert decide(built, allowed, Facts(), 0.0).cors is not None  # type: ignore[union-attr]

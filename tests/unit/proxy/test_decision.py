@@ -372,3 +372,42 @@ def test_the_upstream_scope_follows_the_clients_scheme_only_where_the_route_says
         assert (plain.upstream_scope is None) is auto
     plain_route = decide(view([rt()], [ep()]), req(), Facts(secure=True), 0.0)
     assert isinstance(plain_route, Forward) and plain_route.upstream_scope is None
+
+
+def test_ingress_nginx_opentelemetry_annotations_decide_the_span_and_the_context_sent():
+    # enable-opentelemetry "false" (tracing_off): no span, the client's traceparent
+    # goes on as it came; opentelemetry-trust-incoming-span "false"
+    # (untrusted_trace_context): the client's context is neither continued nor passed
+    # on; opentelemetry-operation-name (span_name): the span's name per request.
+    from waygate.core.tracing import configure_tracing
+
+    configure_tracing("decision-test", None)
+    client = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    traced = req("/a/b?c=1", extra=f"traceparent: {client}\r\n")
+
+    off = view([rt(tracing_off=True)], [ep()])
+    off.trace_ratio = 1.0
+    for request in (traced, req()):
+        forward = decide(off, request, Facts(), 0.0)
+        assert isinstance(forward, Forward) and forward.span is None
+    assert b"traceparent: " + client.encode() in decide(off, traced, Facts(), 0.0).upstream_head  # type: ignore[union-attr]
+
+    untrusted = view(
+        [rt(untrusted_trace_context=True, span_name="HTTP $request_method $uri")], [ep()]
+    )
+    forward = decide(untrusted, traced, Facts(), 0.0)  # ratio 0: not sampled, nothing sent
+    assert isinstance(forward, Forward) and forward.span is None
+    assert b"traceparent" not in forward.upstream_head
+    untrusted.trace_ratio = 1.0
+    forward = decide(untrusted, traced, Facts(secure=True), 0.0)
+    assert isinstance(forward, Forward) and forward.span is not None
+    sent = forward.traceparent
+    assert sent is not None and client.split("-")[1] not in sent  # a trace of its own
+    assert b"traceparent: " + sent.encode() in forward.upstream_head
+    assert forward.span.name == "HTTP GET /a/b"  # type: ignore[attr-defined]
+
+    named = view([rt(span_name="$scheme://$host$request_uri $request_method")], [ep()])
+    forward = decide(named, traced, Facts(secure=True), 0.0)  # trusted: continued
+    assert isinstance(forward, Forward) and forward.traceparent is not None
+    assert client.split("-")[1] in forward.traceparent
+    assert forward.span.name == "https://a.test/a/b?c=1 GET"  # type: ignore[attr-defined]

@@ -103,3 +103,21 @@ def test_redirect_location(
     req = SimpleNamespace(host=b"example.com", target=b"/orig?q")
     location = redirect_location(req, redirect, b"/", secure=secure, listener_port=listener)
     assert location == expected
+
+
+@pytest.mark.parametrize("replacement", ["/", "/v2/", "/a/b/"])
+@pytest.mark.parametrize(
+    "target", ["/api", "/api/", "/api//x", "/api/64", "/api/x/y?q=1&r", "/api?q", "/apix/y"]
+)
+def test_the_inline_slash_prefix_rewrite_is_the_general_ones(replacement: str, target: str):
+    # shape_slash_prefix (the request core's runner for the commonest rewrite alone)
+    # gives what `target` gives, with and without a query.
+    rewrite = PathRewrite(Rewrite(path_type=PREFIX, path=replacement), None, b"/api")
+    assert rewrite.slash_prefix
+    head = parse_request_head(f"GET {target} HTTP/1.1\r\nHost: a.test\r\n\r\n".encode())
+    query = head.target.find(b"?")
+    path = head.target if query < 0 else head.target[:query]
+    forward = SimpleNamespace(path=path, rewritten_target=None)
+    rewrite.shape_slash_prefix(forward, head, None)
+    assert forward.rewritten_target == rewrite.target(head, path)
+    assert not PathRewrite(Rewrite(path_type=PREFIX, path="/x"), None, b"/api").slash_prefix

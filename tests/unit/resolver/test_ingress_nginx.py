@@ -369,14 +369,22 @@ def test_a_refused_route_is_not_admitted_by_the_status_book():
 
 def test_non_access_annotation_not_honoured_is_served_and_reported():
     [route] = routes_of(
-        ingress("otel", {P + "fastcgi-index": "index.php", P + "opentelemetry-operation-name": "x"})
+        ingress(
+            "otel",
+            {
+                P + "fastcgi-index": "index.php",
+                P + "enable-opentelemetry": "true",
+                P + "opentelemetry-operation-name": "HTTP $request_id",
+            },
+        )
     )
     assert route.ingress_refusal is None
     assert any(line.startswith("fastcgi-index: not-honoured") for line in route.ingress_verdicts)
     assert any(
-        line.startswith("opentelemetry-operation-name: not-honoured")
+        line.startswith("opentelemetry-operation-name: not-honoured ($request_id")
         for line in route.ingress_verdicts
     )
+    assert route.span_name == "" and not route.tracing_off
 
 
 def canary_ingress(name: str, annotations: dict[str, str], path: str = "/") -> dict[str, Any]:
@@ -686,7 +694,11 @@ def test_every_grammar_refuses_configuration_syntax(entry):
     for payload in ("x;\nload_module /tmp/evil.so;", "a}\n#", "'quoted'", '"q"', "$host"):
         if entry.grammar is catalogue.any_text:
             continue
-        if payload == "$host" and entry.name in ("upstream-hash-by", "auth-cache-key"):
+        if payload == "$host" and entry.name in (
+            "upstream-hash-by",
+            "auth-cache-key",
+            "opentelemetry-operation-name",
+        ):
             continue  # its grammar names variables (filled in by the proxy, never rendered)
         assert entry.grammar(payload) is not None, (entry.name, payload)
     if entry.access:  # what bears on access is honoured (its differences named), or refused
@@ -695,7 +707,7 @@ def test_every_grammar_refuses_configuration_syntax(entry):
 
 def test_the_proxy_lacks_list_is_what_the_catalogue_says():
     lacks = catalogue.proxy_lacks()
-    assert "auth-tls-secret" not in lacks and "opentelemetry-operation-name" in lacks
+    assert "auth-tls-secret" not in lacks and "global-rate-limit" in lacks
     assert "whitelist-source-range" not in lacks and "enable-cors" not in lacks
     assert "use-regex" not in lacks
 
@@ -1114,7 +1126,8 @@ def test_external_auth_annotations_become_the_routes_external_auth():
 def test_external_auth_is_told_the_client_address_the_configmap_defines():
     """nginx.tmpl's auth location: X-Real-IP $remote_addr (real_ip with
     use-forwarded-headers through proxy-real-ip-cidr), $full_x_forwarded_for with
-    compute-full-forwarded-for; use-proxy-protocol: named as a difference."""
+    compute-full-forwarded-for; use-proxy-protocol: the header's address is the peer's
+    (the proxy's --proxy-protocol), so the auth service is told it as is."""
     item = ingress("guarded", {P + "auth-url": "http://auth/check"})
     data = {"use-forwarded-headers": "true", "proxy-real-ip-cidr": "10.0.0.0/8"}
     [route] = _global(data, item)
@@ -1126,7 +1139,7 @@ def test_external_auth_is_told_the_client_address_the_configmap_defines():
     [route] = _global({"use-proxy-protocol": "true"}, item)
     assert route.ingress_refusal is None and route.external_auth is not None
     assert route.external_auth.trusted_proxies == ()
-    assert any("X-Real-IP" in line for line in route.ingress_verdicts)
+    assert not any("X-Real-IP" in line for line in route.ingress_verdicts)
 
 
 def test_the_documented_auth_cache_key_example_is_honoured():
@@ -1436,3 +1449,57 @@ def test_an_invalid_subset_size_refuses_the_ingress_alone(size):
     reason, message = refusal(routes, "bad")
     assert reason == "InvalidAnnotation" and "upstream-hash-by-subset-size" in message
     assert served(routes, "good")
+
+
+def _with_config(data: dict[str, str], *items: dict[str, Any]) -> list[Route]:
+    config = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "c", "namespace": "ingress-nginx"},
+        "data": data,
+    }
+    return routes_of(config, *items, settings=IngressNginx(configmap=("ingress-nginx", "c")))
+
+
+def verdict_of(route: Route, short: str) -> str:
+    return next(line for line in route.ingress_verdicts if line.startswith(short + ": "))
+
+
+def test_opentelemetry_annotations_and_their_configmap_defaults():
+    # ingress-nginx: OpenTelemetry is off unless the ConfigMap's enable-opentelemetry
+    # or the Ingress's annotation turns it on; trust-incoming-span defaults to true;
+    # the operation name's route variables are filled in here, the request's by the proxy.
+    [plain] = routes_of(ingress("plain"))
+    assert plain.tracing_off and not plain.untrusted_trace_context and plain.span_name == ""
+    named = {
+        P + "enable-opentelemetry": "true",
+        P + "opentelemetry-trust-incoming-span": "false",
+        P + "opentelemetry-operation-name": "$ingress_name $service_name $request_method $uri",
+    }
+    [on] = routes_of(ingress("on", named))
+    assert not on.tracing_off and on.untrusted_trace_context
+    assert on.span_name == "on web $request_method $uri"
+    # (A route's verdict lines name what is not honoured exactly.)
+    assert not any("trust-incoming-span" in line for line in on.ingress_verdicts)
+    assert "honoured-with-difference" in verdict_of(on, "enable-opentelemetry")
+    # The ConfigMap turns it on for every Ingress; an annotation turns it off again.
+    data = {"enable-opentelemetry": "true", "opentelemetry-operation-name": "HTTP $host"}
+    global_on, off = _with_config(
+        data, ingress("g"), ingress("off", {P + "enable-opentelemetry": "false"}, host="o.test")
+    )
+    assert not global_on.tracing_off and global_on.span_name == "HTTP $host"
+    assert off.tracing_off and off.span_name == ""
+    # trust-incoming-span without OpenTelemetry on does nothing.
+    [noop] = routes_of(ingress("n", {P + "opentelemetry-trust-incoming-span": "false"}))
+    assert noop.tracing_off and not noop.untrusted_trace_context
+    # A ConfigMap name with a variable nothing fills in is reported and not used.
+    [unknown] = _with_config(
+        {"enable-opentelemetry": "true", "opentelemetry-operation-name": "HTTP $request_id"},
+        ingress("u"),
+    )
+    assert unknown.span_name == "" and not unknown.tracing_off
+    # Configuration text never passes the grammar.
+    [refused_route] = routes_of(
+        ingress("x", {P + "opentelemetry-operation-name": "a;\nload_module /x.so;"})
+    )
+    assert refused_route.ingress_refusal is not None

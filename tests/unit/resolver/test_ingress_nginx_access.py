@@ -13,7 +13,8 @@ import pytest
 from tests.unit.resolver.test_ingress_nginx import P, by_ingress, ingress, objects, refusal, served
 from waygate.core import digest
 from waygate.resolver.gateway.translate import translate
-from waygate.resolver.ingress_nginx.config import IngressNginx, keeps_secret
+from waygate.resolver.ingress_nginx.catalogue import Verdict
+from waygate.resolver.ingress_nginx.config import ControllerConfig, IngressNginx, keeps_secret
 from waygate.resolver.model import Route, RouteAccess
 
 CONFIG = ("ingress-nginx", "controller")
@@ -89,7 +90,6 @@ def test_use_forwarded_headers_trusts_proxy_real_ip_cidr():
 @pytest.mark.parametrize(
     ("data", "why"),
     [
-        ({"use-proxy-protocol": "true"}, "PROXY protocol"),
         (
             {"use-forwarded-headers": "true", "forwarded-for-header": "CF-Connecting-IP"},
             "CF-Connecting-IP",
@@ -251,12 +251,63 @@ def test_configmap_block_lists_reach_every_ingress_of_the_class():
         {"block-user-agents": "~*(unclosed"},
         {"block-referers": "~(?<=spam)\\.example"},  # lookbehind: RE2 cannot, refused
         {"block-cidrs": "not-a-cidr"},
-        {"block-cidrs": "198.51.100.0/24", "use-proxy-protocol": "true"},
     ],
 )
 def test_a_block_list_that_cannot_be_honoured_refuses_the_class(data):
     found = routes(configmap(**data), ingress("a"))
     assert refusal(found, "a")[0] == "UnsupportedConfiguration"
+
+
+@pytest.mark.parametrize(
+    ("data", "trusted"),
+    [
+        ({"use-proxy-protocol": "true"}, ()),
+        # ingress-nginx's X-Forwarded-For-Proxy-Protocol rule: the header's address,
+        # when within proxy-real-ip-cidr, lets X-Forwarded-For name the client.
+        (
+            {
+                "use-proxy-protocol": "true",
+                "use-forwarded-headers": "true",
+                "proxy-real-ip-cidr": "10.0.0.0/8,192.168.0.1/32",
+            },
+            ("10.0.0.0/8", "192.168.0.1/32"),
+        ),
+    ],
+)
+def test_use_proxy_protocol_serves_source_ranges_and_block_lists(data, trusted):
+    """The proxy started with --proxy-protocol makes the header's address the peer's:
+    source ranges and block-cidrs are judged on it, so they are served (the key's own
+    verdict, in the migration report, names the proxy setting)."""
+    found = routes(
+        configmap(**{**data, "block-cidrs": "198.51.100.0/24"}),
+        ingress("ranges", {P + "whitelist-source-range": "192.168.0.0/16"}),
+    )
+    assert served(found, "ranges")
+    access = access_of(found, "ranges")
+    assert access == RouteAccess(
+        block=("198.51.100.0/24",), allow=("192.168.0.0/16",), trusted_proxies=trusted
+    )
+    [route] = by_ingress(found, "ranges")
+    assert not any("source-range" in line for line in route.ingress_verdicts)
+    # The route says so, for a proxy without --proxy-protocol to report the mismatch.
+    assert route.client_proxy_protocol
+    [plain] = by_ingress(routes(configmap(), ingress("ranges")), "ranges")
+    assert not plain.client_proxy_protocol
+
+
+def test_use_proxy_protocol_verdicts():
+    verdicts = {
+        v.key: v
+        for v in ControllerConfig(
+            {"use-proxy-protocol": "true", "proxy-protocol-header-timeout": "10s"}
+        ).verdicts()
+    }
+    assert verdicts["use-proxy-protocol"].verdict is Verdict.DIFFERENT
+    assert "--proxy-protocol" in verdicts["use-proxy-protocol"].note
+    assert verdicts["proxy-protocol-header-timeout"].verdict is Verdict.DIFFERENT
+    assert "--proxy-protocol-timeout" in verdicts["proxy-protocol-header-timeout"].note
+    [off] = ControllerConfig({"use-proxy-protocol": "false"}).verdicts()
+    assert off.verdict is Verdict.HONOURED
 
 
 def test_opaque_secrets_are_kept_only_with_ingress_nginx():

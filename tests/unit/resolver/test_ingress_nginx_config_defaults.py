@@ -3,8 +3,8 @@ add-headers / proxy-set-headers, as kubernetes/ingress-nginx reads them.
 
 Learned from ingress-nginx v1.15: internal/ingress/annotations/proxy/main.go (the
 proxy-next-upstream*, proxy-request-buffering defaults from defaults.Backend),
-rewrite/main.go (preserve-trailing-slash), opentelemetry/main.go with the template's
-buildOpentelemetryForLocation, template.go buildNextUpstream (retry-non-idempotent),
+rewrite/main.go (preserve-trailing-slash), template.go buildNextUpstream
+(retry-non-idempotent),
 nginx.tmpl (add-headers: http-level more_set_headers; proxy-set-headers:
 proxy_set_header in every location; the location's own headers after them) and
 upstreamhashby/main.go, which reads no ConfigMap default. Each key: its value onto
@@ -170,15 +170,6 @@ def test_preserve_trailing_slash_key_reaches_the_https_redirect():
     assert redirect({P + "preserve-trailing-slash": "false"}).strip_trailing_slash is True
 
 
-def test_opentelemetry_keys_take_the_annotations_verdicts():
-    for key in ("enable-opentelemetry", "opentelemetry-trust-incoming-span"):
-        verdict, note = _key({key: "true"}, key)
-        assert verdict == "honoured-with-difference" and note
-    assert _key({"enable-opentelemetry": "sometimes"}, "enable-opentelemetry")[0] == (
-        "not-honoured"
-    )
-
-
 def test_keys_ingress_nginx_reads_but_gives_no_ingress_are_no_ops():
     # upstreamhashby/main.go has no ConfigMap default, nor does rewrite's app-root.
     for key, value in (("upstream-hash-by", "$request_uri"), ("app-root", "/app")):
@@ -336,7 +327,14 @@ def test_source_range_keys_are_the_annotations_defaults():
     ("data", "why"),
     [
         ({"whitelist-source-range": "10.0.0.0/8, nonsense"}, "'nonsense' is not an address"),
-        ({"denylist-source-range": "10.0.0.0/8", "use-proxy-protocol": "true"}, "PROXY protocol"),
+        (
+            {
+                "denylist-source-range": "10.0.0.0/8",
+                "use-forwarded-headers": "true",
+                "forwarded-for-header": "CF-Connecting-IP",
+            },
+            "CF-Connecting-IP",
+        ),
     ],
 )
 def test_a_default_source_range_that_cannot_be_honoured_refuses_every_ingress(data, why):

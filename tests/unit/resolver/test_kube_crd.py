@@ -42,10 +42,11 @@ def camel(descriptor) -> set[str]:
     return {
         field.json_name
         for field in descriptor.fields
-        # (120-169: ingress-nginx's route fields, derived from annotations; 180-199:
-        # its TCP services ConfigMap)
+        # (120-169 and 171-179: ingress-nginx's route fields, derived from annotations;
+        # 180-199: its TCP services ConfigMap)
         if not (50 <= field.number <= 79 or 90 <= field.number <= 109)
         and not 120 <= field.number <= 169
+        and not 171 <= field.number <= 179
         and not 180 <= field.number <= 199
     }
 

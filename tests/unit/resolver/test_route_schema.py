@@ -410,6 +410,7 @@ DERIVED_SAMPLES: dict[str, dict[str, Any]] = {
         "port_in_redirects": True,
         "connection_header": "close",
         "access_log_disabled": True,
+        "client_proxy_protocol": True,
         "canary": model.Canary(1, 10, 200, "X-Canary", "yes", "", "canary", True),
         "limit_rate": 10240,
         "limit_rate_after": 1024,
@@ -418,6 +419,9 @@ DERIVED_SAMPLES: dict[str, dict[str, Any]] = {
         "upstream_scheme_from_client": True,
         "upstream_http10": True,
         "redirect_location": "https://x.example.com/a?b=c",
+        "span_name": "HTTP $request_method web",
+        "tracing_off": True,
+        "untrusted_trace_context": True,
     },
     "RouteBackend": {
         "namespace": "other",
