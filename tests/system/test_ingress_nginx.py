@@ -46,7 +46,12 @@ CONTROLLER = {
     "apiVersion": "v1",
     "kind": "ConfigMap",
     "metadata": {"name": "ingress-nginx-controller", "namespace": "ingress-nginx"},
-    "data": {"allow-snippet-annotations": "true", "annotations-risk-level": "Critical"},
+    "data": {
+        "allow-snippet-annotations": "true",
+        "annotations-risk-level": "Critical",
+        # customheaders.go lists its headers (customheaders/main.go denies others).
+        "global-allowed-response-headers": "My-Custom-Header,X-Second",
+    },
 }
 
 
@@ -597,6 +602,63 @@ async def test_custom_headers_from_a_configmap(suite: Conformance) -> None:
     response = await suite.eventually("/", host="custom-headers", backend=V1)
     assert response.response_header("My-Custom-Header") == "42"
     assert (await suite.request("/", host="missing-headers")).status == 404
+
+
+async def test_configmap_add_headers_and_proxy_set_headers(suite: Conformance) -> None:
+    # test/e2e/settings/custom_header.go (DescribeSetting "add-headers"): It("Add
+    # multiple custom headers") -- the ConfigMap's add-headers names a ConfigMap whose
+    # entries every response carries; and the proxy-set-headers key of
+    # docs/examples/customization/custom-headers (no e2e test of its own): its
+    # ConfigMap's entries reach the backend on every request. An Ingress's own
+    # custom-headers header of the same name wins (nginx runs the http-level
+    # more_set_headers first).
+    def config_map(name: str, data: dict[str, str]) -> dict[str, Any]:
+        return {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": name, "namespace": INFRA},
+            "data": data,
+        }
+
+    controller = {
+        **CONTROLLER,
+        "data": {
+            **CONTROLLER["data"],
+            "add-headers": f"{INFRA}/add-headers-configmap-two",
+            "proxy-set-headers": f"{INFRA}/custom-headers-request",
+        },
+    }
+    add = {"X-First": "Prepare for trouble!", "X-Second": "And make it double!"}
+    own = single_ingress(
+        "own-headers", "/", "own-headers", {P + "custom-headers": f"{INFRA}/own-headers"}
+    )
+    await suite.apply(
+        extra=yaml.safe_dump_all(
+            [
+                controller,
+                config_map("add-headers-configmap-two", add),
+                config_map("custom-headers-request", {"X-Using-Nginx-Controller": "true"}),
+                config_map("own-headers", {"X-Second": "mine"}),
+                single_ingress("custom-header", "/", "custom-header"),
+                own,
+            ]
+        )
+    )
+    last: list[Any] = []
+
+    async def headed() -> bool:
+        response = await suite.request("/", host="custom-header")
+        last[:] = [response]
+        return response.status == 200 and response.response_header("X-First") is not None
+
+    await until(headed, f"add-headers on custom-header (last: {last})", timeout=20)
+    response = last[0]
+    assert response.response_header("X-First") == "Prepare for trouble!"
+    assert response.response_header("X-Second") == "And make it double!"
+    assert response.request_header("X-Using-Nginx-Controller") == "true"
+    mine = await suite.eventually("/", host="own-headers", backend=V1)
+    assert mine.response_header("X-First") == "Prepare for trouble!"
+    assert mine.response_header("X-Second") == "mine"
 
 
 async def test_preserve_trailing_slash_on_the_https_redirect(suite: Conformance) -> None:

@@ -4,7 +4,8 @@ Sans-IO: `plan_access(...)` reads an Ingress's valid annotation values
 (`whitelist-source-range`/`allowlist-source-range`, `denylist-source-range`,
 `auth-type: basic|digest` with `auth-secret`, `auth-secret-type`,
 `auth-realm`, `satisfy`, client certificates: `auth-tls-*`), the controller ConfigMap (`block-cidrs`, `block-user-agents`,
-`block-referers`, `use-forwarded-headers`, `forwarded-for-header`,
+`block-referers`, the source ranges' defaults `whitelist-source-range` and
+`denylist-source-range`, `use-forwarded-headers`, `forwarded-for-header`,
 `proxy-real-ip-cidr`, `use-proxy-protocol`) and the Secrets it names, and
 gives the Ingress's plan its `access` (the proxy decides it per request:
 waygate.proxy.access) and a finding per annotation, or a refusal.
@@ -97,10 +98,21 @@ def block_lists(config: ControllerConfig) -> tuple[tuple[str, ...], ...]:
 
 
 BLOCK_VALUE_KEYS = ("block-user-agents", "block-referers")
+#: The ConfigMap's defaults of the source-range annotations.
+RANGE_KEYS = ("whitelist-source-range", "denylist-source-range")
 
 
 def config_problem(config: ControllerConfig) -> str:
-    """Why the ConfigMap's block lists cannot be honoured ("" : they can)."""
+    """Why the ConfigMap's block lists or default source ranges cannot be honoured
+    ("" : they can)."""
+    for key in RANGE_KEYS:
+        ranges = _split(config.text(key, ""))
+        problem = address_problem(config) if ranges else ""
+        if problem:
+            return f"ConfigMap key {key}: {problem}"
+        for item in ranges:
+            if not _cidr(item):
+                return f"ConfigMap key {key}: {item!r} is not an address or CIDR"
     cidrs, agents, referers = block_lists(config)
     if cidrs:
         problem = address_problem(config)
@@ -190,9 +202,13 @@ def plan_access(
         if refuses and not refusal:
             refusal = f"annotation {prefix}/{short}: not honoured ({text}), and it bears on access"
 
-    # allowlist- is the current name, whitelist- the old one (ingress-nginx reads both).
+    # allowlist- is the current name, whitelist- the old one (ingress-nginx reads both);
+    # without either the ConfigMap's whitelist-source-range is the default, as its
+    # denylist-source-range is the denylist's (ipallowlist, ipdenylist: defBackend).
     allow = _split(values.get("allowlist-source-range") or values.get("whitelist-source-range", ""))
-    deny = _split(values.get("denylist-source-range", ""))
+    if "allowlist-source-range" not in values and "whitelist-source-range" not in values:
+        allow = _split(config.text("whitelist-source-range", ""))
+    deny = _split(values.get("denylist-source-range", config.text("denylist-source-range", "")))
     address = address_problem(config) if allow or deny else ""
     for short in ("whitelist-source-range", "allowlist-source-range", "denylist-source-range"):
         if short in values and short not in recorded:

@@ -40,9 +40,12 @@ from waygate.resolver.ingress_nginx import access as nginx_access
 from waygate.resolver.ingress_nginx import catalogue, proxyssl
 from waygate.resolver.ingress_nginx.catalogue import CATALOGUE, SNIPPETS, Verdict
 from waygate.resolver.ingress_nginx.config import (
+    ANNOTATION_DEFAULT_KEYS,
     GLOBAL_AUTH,
+    HEADER_KEYS,
     ControllerConfig,
     IngressNginx,
+    KeyVerdict,
     config_from,
     with_plain_paths,
 )
@@ -98,6 +101,8 @@ _PROTECTED = frozenset(
 _REGEX_PATH = re.compile(r"/[A-Za-z0-9\-._~/^$\[\](){}*+?|&=\\]*")
 _HEADER_NAME = re.compile(r"[A-Za-z0-9_.-]{1,256}")
 _HEADER_VALUE = re.compile(r"[\x20-\x7e]{0,4096}")
+# ingress-nginx's customheaders.ValidHeader, which global-allowed-response-headers' names pass.
+_ALLOWED_HEADER = re.compile(r"[A-Za-z0-9_-]+")
 # `P(/|$)(.*)` -> `X$2`, `P/(.*)` -> `X$1`, `P(.*)` -> `X$1`: a prefix replacement.
 _PREFIX_IDIOM = re.compile(r"(?P<prefix>/[A-Za-z0-9\-._~/]*?)(?P<sep>\(/\|\$\)|/)?\(\.[*+]\)")
 _REDIRECT_CODES = frozenset((301, 302, 303, 307, 308))
@@ -209,6 +214,12 @@ class Plan:
     tls_protocols: tuple[str, ...] = ()
     tls_ciphers: str = ""
     client_address_header: str = ""
+    # The ConfigMap's no-tls-redirect-locations: paths never redirected to HTTPS.
+    no_tls_redirect: tuple[str, ...] = ("/.well-known/acme-challenge",)
+    # The ConfigMap's no-auth-locations: paths never asked of an external auth service.
+    no_auth: tuple[str, ...] = ("/.well-known/acme-challenge",)
+    # The ConfigMap's global-allowed-response-headers: the only custom-headers allowed.
+    allowed_response_headers: tuple[str, ...] = ()
     # The controller ConfigMap's keys not honoured: "ConfigMap NS/NAME key K: not-honoured".
     config_notes: list[str] = field(default_factory=list)
 
@@ -294,7 +305,7 @@ def plan(
     where = "/".join(settings.configmap or ())
     result.config_notes = [
         f"ConfigMap {where} key {key.key}: {key.verdict.value}"
-        for key in config.verdicts()
+        for key in config_verdicts(config, config_maps)
         if key.verdict is Verdict.NOT_HONOURED
     ]
     raw = metadata.get("annotations") or {}
@@ -312,6 +323,16 @@ def plan(
     except ValueError:
         code = 308
     result.redirect_code = code if code in _REDIRECT_CODES else 308
+    # (an ACME HTTP-01 challenge is answered over plain HTTP, without external
+    # authentication: cert-manager's solver Ingress)
+    result.no_tls_redirect, result.no_auth = (
+        tuple(
+            item.strip()
+            for item in config.text(key, "/.well-known/acme-challenge").split(",")
+            if item.strip()
+        )
+        for key in ("no-tls-redirect-locations", "no-auth-locations")
+    )
     # ingress-nginx's X-Forwarded-*: its own values (the client's replaced) unless
     # use-forwarded-headers trusts the client's, compute-full-forwarded-for appends.
     if config.flag("use-forwarded-headers", False):
@@ -328,6 +349,14 @@ def plan(
     result.response_remove.extend(server_remove)
     result.tls_protocols, result.tls_ciphers, _ = config.tls_policy()
     result.client_address_header = config.client_address_header()[0]
+    # configmap.go: the valid names of the list (others dropped with a warning).
+    result.allowed_response_headers = tuple(
+        name
+        for name in (
+            n.strip() for n in config.text("global-allowed-response-headers", "").split(",")
+        )
+        if _ALLOWED_HEADER.fullmatch(name)
+    )
     if config.text("load-balance", "round_robin") == "ewma":
         result.balance = BalancePolicy.LEAST_CONN
     if config.flag("hsts", True):
@@ -381,7 +410,12 @@ def plan(
             continue
         valid[short] = value.strip() if entry.grammar is not catalogue.any_text else value
     _response_defaults(result, config, where)
-    _apply(result, valid, settings, config, config_maps, timeouts)
+    # The ConfigMap's annotation defaults go through the annotations' own handlers
+    # (an annotation of the Ingress wins); their verdicts are the ConfigMap's, not
+    # the Ingress's (`config_verdicts`).
+    defaults = {k: v for k, v in config_defaults(config)[0].items() if k not in annotations}
+    _apply(result, {**defaults, **valid}, settings, config, config_maps, timeouts)
+    result.findings = [f for f in result.findings if f.annotation not in defaults]
     _proxy_ssl_secret(result, valid, secrets, settings.prefix)
     recorded = {f.annotation for f in result.findings}
     result.access, findings, refusal = nginx_access.plan_access(
@@ -411,12 +445,127 @@ def plan(
         if note:
             result.config_notes.append(note)
     _responses(result, valid)
+    if config.flag("retry-non-idempotent", False) and result.next_upstream != "off":
+        # ingress-nginx's buildNextUpstream: non_idempotent added to every location's.
+        words = (result.next_upstream or "error timeout").split()
+        result.next_upstream = " ".join(dict.fromkeys((*words, "non_idempotent")))
+    _config_headers(result, config, config_maps)
     # nginx's read/send timeouts also bound an upgraded (WebSocket) connection's silence.
     result.timeouts = RouteTimeouts(
         connect=timeouts["connect"], server=timeouts["server"], tunnel=timeouts["server"]
     )
     _paths(result, obj)
     return result
+
+
+# ---------------------------------------------------------------- the ConfigMap's defaults
+
+
+def config_defaults(config: ControllerConfig) -> tuple[dict[str, str], dict[str, str]]:
+    """The ConfigMap's keys that are annotations' defaults (ANNOTATION_DEFAULT_KEYS):
+    those whose value passes the annotation's grammar, and why each other does not."""
+    valid: dict[str, str] = {}
+    invalid: dict[str, str] = {}
+    for key in sorted(ANNOTATION_DEFAULT_KEYS & config.data.keys()):
+        value = str(config.data[key]).strip()
+        if value == "":
+            continue  # ingress-nginx's default, as an empty annotation
+        problem = CATALOGUE[key].grammar(value)
+        if problem is None:
+            valid[key] = value
+        else:
+            invalid[key] = problem
+    return valid, invalid
+
+
+def config_verdicts(
+    config: ControllerConfig, config_maps: Callable[[str, str], JSON | None]
+) -> list[KeyVerdict]:
+    """Every ConfigMap key's verdict: an annotation default's is the annotation's for
+    that value (judged by its handler), a header key's follows the ConfigMap it names."""
+    defaults, invalid = config_defaults(config)
+    scratch = Plan("", "")
+    _apply(scratch, defaults, IngressNginx(), config, config_maps, {"connect": 5, "server": 60})
+    judged = {f.annotation: f for f in scratch.findings}
+    out = []
+    for item in config.verdicts():
+        if item.key in invalid:
+            note = f"invalid: {invalid[item.key]}; ingress-nginx's default applies"
+            item = dataclasses.replace(item, verdict=Verdict.NOT_HONOURED, note=note)
+        elif item.key in judged:
+            found = judged[item.key]
+            item = dataclasses.replace(item, verdict=found.verdict, note=found.note)
+        elif item.key in HEADER_KEYS:
+            item = _header_key_verdict(item, config_maps)
+        elif item.key == "retry-non-idempotent" and catalogue.boolean(item.value.strip()):
+            note = "invalid: must be true or false; ingress-nginx's default (false) applies"
+            item = dataclasses.replace(item, verdict=Verdict.NOT_HONOURED, note=note)
+        elif item.key == "retry-non-idempotent" and _flag(item.value.strip()):
+            note = _NEXT_ANSWERS_NOTE.format("non_idempotent (added to every proxy-next-upstream)")
+            item = dataclasses.replace(item, verdict=Verdict.DIFFERENT, note=note)
+        out.append(item)
+    return out
+
+
+_HEADER_KEY_NOTES = {
+    "add-headers": (
+        "its ConfigMap's entries set on the backends' responses of every Ingress of the "
+        "class, an Ingress's custom-headers and snippet headers winning; the proxy's own "
+        "answers (its redirects, 404 for no route, 5xx failures) do not carry them "
+        "(nginx's http-level more_set_headers is on every response)"
+    ),
+    "proxy-set-headers": (
+        "its ConfigMap's entries set on every request to the backends of every Ingress of "
+        "the class (proxy_set_header), an Ingress's own request headers winning"
+    ),
+}
+
+
+def _header_key_headers(
+    key: str, config: ControllerConfig, config_maps: Callable[[str, str], JSON | None]
+) -> tuple[list[tuple[str, str]], str]:
+    """add-headers / proxy-set-headers: the headers of the ConfigMap the key names
+    ("NS/NAME", as ingress-nginx's store takes it), and why some are not honoured."""
+    value = config.text(key, "").strip()
+    if not value:
+        return [], ""
+    namespace = value.rpartition("/")[0]
+    if not namespace or catalogue.name(value):
+        return [], f"ConfigMap {value!r} not found (the value must be NAMESPACE/NAME)"
+    return _configmap_headers(namespace, value, config_maps)
+
+
+def _header_key_verdict(
+    item: KeyVerdict, config_maps: Callable[[str, str], JSON | None]
+) -> KeyVerdict:
+    _, problem = _header_key_headers(
+        item.key, ControllerConfig({item.key: item.value}), config_maps
+    )
+    if " not found" in problem:
+        # ingress-nginx logs a warning and sets nothing: so does Waygate.
+        note = f"{problem}: no headers, as ingress-nginx"
+        return dataclasses.replace(item, verdict=Verdict.NOOP, note=note)
+    if problem:
+        note = f"{problem}; the ConfigMap's other headers are set"
+        return dataclasses.replace(item, verdict=Verdict.NOT_HONOURED, note=note)
+    verdict = Verdict.DIFFERENT if item.key == "add-headers" else Verdict.HONOURED
+    return dataclasses.replace(item, verdict=verdict, note=_HEADER_KEY_NOTES[item.key])
+
+
+def _config_headers(
+    p: Plan, config: ControllerConfig, config_maps: Callable[[str, str], JSON | None]
+) -> None:
+    """add-headers and proxy-set-headers onto the route's header filters, once the
+    Ingress's own are known: nginx runs the http-level more_set_headers before a
+    location's (headers-more merges the parent's first), so a custom-headers or
+    snippet header of the same name wins, and a cleared one stays cleared; a
+    location's proxy_set_header of a name replaces the ConfigMap's."""
+    response, _ = _header_key_headers("add-headers", config, config_maps)
+    taken = {n.lower() for n, _ in p.response_set} | {n.lower() for n in p.response_remove}
+    p.response_set = [(n, v) for n, v in response if n.lower() not in taken] + p.response_set
+    request, _ = _header_key_headers("proxy-set-headers", config, config_maps)
+    taken = {n.lower() for n, _ in p.request_set} | {n.lower() for n in p.request_remove}
+    p.request_set = [(n, v) for n, v in request if n.lower() not in taken] + p.request_set
 
 
 def _apply(
@@ -840,7 +989,7 @@ def _external_auth(
     set_headers: list[tuple[str, str]] = []
     source = values.get("auth-proxy-set-headers", "")
     if source:
-        set_headers, problem = _configmap_headers(p, source, config_maps)
+        set_headers, problem = _configmap_headers(p.namespace, source, config_maps)
         if problem:
             found(short, Verdict.NOT_HONOURED, f"auth-proxy-set-headers: {problem}")
             return
@@ -1369,7 +1518,15 @@ def _proxy_cookie(
 def _intercept_errors(
     p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
 ) -> None:
-    if not (values.get("custom-http-errors") or p.custom_http_errors):
+    if not values.get("custom-http-errors") and p.custom_http_errors:
+        found(
+            short,
+            Verdict.NOOP,
+            "without a custom-http-errors annotation it does nothing (the ConfigMap's "
+            "codes follow the ConfigMap's disable-proxy-intercept-errors, as nginx's "
+            "http-level proxy_intercept_errors)",
+        )
+    elif not values.get("custom-http-errors"):
         found(short, Verdict.NOOP, "without custom-http-errors it does nothing")
     else:
         found(short)
@@ -1425,6 +1582,10 @@ def _response_defaults(p: Plan, config: ControllerConfig, where: str) -> None:
     p.cookie_path = configured("proxy-cookie-path", "off", catalogue.plain)
     p.custom_http_errors = status_list(configured("custom-http-errors", "", _codes_or_none))
     p.port_in_redirects = _flag(configured("use-port-in-redirects", "false", catalogue.boolean))
+    # nginx's http-level proxy_intercept_errors, with the ConfigMap's custom-http-errors.
+    p.intercept_errors_disabled = _flag(
+        configured("disable-proxy-intercept-errors", "false", catalogue.boolean)
+    )
     version = configured("proxy-http-version", "1.1", catalogue.one_of("1.0", "1.1"))
     p.upstream_http10 = version == "1.0"
     p.access_log_disabled = config.flag("disable-access-log", False) or config.flag(
@@ -1454,7 +1615,10 @@ def _responses(p: Plan, values: Mapping[str, str]) -> None:
         p.custom_http_errors = status_list(values["custom-http-errors"])
     if values.get("backend-protocol", "").upper() in ("GRPC", "GRPCS"):
         p.custom_http_errors = ()  # grpc_pass: nothing intercepted, as ingress-nginx
-    p.intercept_errors_disabled = _flag(values.get("disable-proxy-intercept-errors", "false"))
+    if "custom-http-errors" in values:
+        # The location's own error_page lines and proxy_intercept_errors: the
+        # annotation's; else the ConfigMap's codes follow its http-level setting.
+        p.intercept_errors_disabled = _flag(values.get("disable-proxy-intercept-errors", "false"))
     if "use-port-in-redirects" in values:
         p.port_in_redirects = _flag(values["use-port-in-redirects"])
     header = values.get("connection-proxy-header", "").lower()
@@ -1729,15 +1893,15 @@ def _passthrough(
 
 
 def _configmap_headers(
-    p: Plan, value: str, config_maps: Callable[[str, str], JSON | None]
+    namespace: str, value: str, config_maps: Callable[[str, str], JSON | None]
 ) -> tuple[list[tuple[str, str]], str]:
-    """A ConfigMap's entries as header lines ("NS/NAME", or NAME in the Ingress's
-    namespace), and why not ("" when every entry is a plain header and value)."""
-    namespace, _, name = value.rpartition("/")
-    obj = config_maps(namespace or p.namespace, name)
+    """A ConfigMap's entries as header lines ("NS/NAME", or NAME in `namespace`): the
+    plain headers and values, and why the first other is not ("": every entry is)."""
+    given, _, name = value.rpartition("/")
+    obj = config_maps(given or namespace, name)
     if obj is None:
-        return [], f"ConfigMap {namespace or p.namespace}/{name} not found"
-    headers = []
+        return [], f"ConfigMap {given or namespace}/{name} not found"
+    headers, problem = [], ""
     for header, text in sorted((obj.get("data") or {}).items()):
         header, text = str(header), str(text)
         if (
@@ -1745,9 +1909,10 @@ def _configmap_headers(
             or header.lower() in _PROTECTED
             or catalogue.header_value(text)
         ):
-            return [], f"header {header!r} is not a plain header and value"
+            problem = problem or f"header {header!r} is not a plain header and value"
+            continue
         headers.append((header, text))
-    return headers, ""
+    return headers, problem
 
 
 @_handles("custom-headers")
@@ -1762,7 +1927,13 @@ def _custom_headers(
 ) -> None:
     # ingress-nginx answers 503 where its headers cannot be set (a missing ConfigMap,
     # a bad header): the Ingress is not served rather than served without them.
-    headers, problem = _configmap_headers(p, value, config_maps)
+    headers, problem = _configmap_headers(p.namespace, value, config_maps)
+    unlisted = [name for name, _ in headers if name not in p.allowed_response_headers]
+    if unlisted and not problem:
+        # customheaders/main.go: every header must be listed (exactly as written).
+        problem = (
+            f"header {unlisted[0]!r} is not in the ConfigMap's global-allowed-response-headers"
+        )
     p.response_set += headers
     if problem:
         p.note(Finding(short, value, Verdict.NOT_HONOURED, problem, True))
@@ -2048,6 +2219,8 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             route.listener_port == 80
             and not redirect_location
             and (p.force_ssl_redirect or (p.ssl_redirect and route.host in secured))
+            # template.go isLocationInLocationList: the path, as written, under one.
+            and not any(value.startswith(prefix) for prefix in p.no_tls_redirect)
         ):
             redirect = Redirect(
                 scheme="https",
@@ -2106,7 +2279,10 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             limit_rate=p.limit_rate,
             limit_rate_after=p.limit_rate_after,
             url_mirror=p.url_mirror,
-            external_auth=p.external_auth,
+            # nginx.tmpl: no auth_request in a location under no-auth-locations.
+            external_auth=None
+            if any(value.startswith(prefix) for prefix in p.no_auth)
+            else p.external_auth,
             cors=p.cors,
             max_request_body=p.max_request_body,
             next_upstream=p.next_upstream,

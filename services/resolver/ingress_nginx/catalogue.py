@@ -791,8 +791,9 @@ ENTRIES: tuple[Entry, ...] = (
         "custom-headers",
         name,
         H,
-        "the ConfigMap's entries set on every response; a "
-        "missing ConfigMap or a bad header: not served (ingress-nginx answers 503)",
+        "the ConfigMap's entries set on every response; a missing ConfigMap, a bad header "
+        "or one the controller ConfigMap's global-allowed-response-headers does not list: "
+        "not served (ingress-nginx answers 503)",
     ),
     _e(
         "custom-http-errors",

@@ -10,8 +10,8 @@ reach every route of the class (waygate.resolver.ingress_nginx.access), as do
 server-tokens (a response filter on Server), ssl-protocols and ssl-ciphers
 (RouteTLS.protocols, .ciphers of the class's TLS hosts) and forwarded-for-header
 (Route.client_address_header). A
-not-honoured key that bears on access (global authentication, a WAF,
-allow-lists, a block list that cannot be honoured) makes every Ingress of the
+not-honoured key that bears on access (global authentication, a WAF, a
+block list or default source range that cannot be honoured) makes every Ingress of the
 class not served: the controller-wide protection cannot be given, so nothing
 is served unprotected.
 """
@@ -51,6 +51,8 @@ HONOURED_KEYS = frozenset(
         "ssl-redirect",
         "force-ssl-redirect",
         "http-redirect-code",
+        "no-tls-redirect-locations",
+        "no-auth-locations",
         "load-balance",
         "service-upstream",
         "proxy-connect-timeout",
@@ -68,6 +70,9 @@ HONOURED_KEYS = frozenset(
         # The client address (waygate.resolver.ingress_nginx.access) and the block lists.
         "proxy-real-ip-cidr",
         "block-cidrs",
+        # The source-range annotations' defaults (an Ingress's own annotation wins).
+        "whitelist-source-range",
+        "denylist-source-range",
         "block-user-agents",
         "block-referers",
         "limit-req-status-code",
@@ -79,6 +84,8 @@ HONOURED_KEYS = frozenset(
         "proxy-body-size",
         # The response-side defaults (waygate.proxy.errorpages, .responserewrite).
         "custom-http-errors",
+        "disable-proxy-intercept-errors",
+        "global-allowed-response-headers",
         "proxy-redirect-from",
         "proxy-redirect-to",
         "proxy-cookie-domain",
@@ -97,6 +104,34 @@ HONOURED_KEYS = frozenset(
         "disable-access-log",
         "disable-http-access-log",
     )
+)
+#: Keys that are the defaults of the annotations of the same name (ingress-nginx's
+#: defaults.Backend, read by the annotation's parser when the Ingress has none): the
+#: value passes the annotation's grammar and handler, so its verdict is the
+#: annotation's for that value (`annotations.config_verdicts`); an annotation wins.
+ANNOTATION_DEFAULT_KEYS = frozenset(
+    (
+        "proxy-next-upstream",
+        "proxy-next-upstream-tries",
+        "proxy-next-upstream-timeout",
+        "proxy-request-buffering",
+        "preserve-trailing-slash",
+        "relative-redirects",
+    )
+)
+#: Keys naming another ConfigMap "NS/NAME" whose entries are headers: added to every
+#: response (add-headers: nginx's http-level more_set_headers) or set on every
+#: request to the backend (proxy-set-headers: proxy_set_header in every location);
+#: an Ingress's custom-headers / snippet headers win (`annotations.config_headers`).
+HEADER_KEYS = ("add-headers", "proxy-set-headers")
+#: Keys ingress-nginx parses into its defaults but gives no Ingress (the annotation's
+#: parser has no ConfigMap default, nor does the template read the key): no-ops there too.
+UNUSED_DEFAULT_KEYS = frozenset(
+    ("upstream-hash-by", "upstream-hash-by-subset", "upstream-hash-by-subset-size", "app-root")
+)
+_UNUSED_DEFAULT = (
+    "ingress-nginx reads it but no Ingress gets it (the annotation's parser has no "
+    "ConfigMap default)"
 )
 #: nginx tuning with no meaning for a streaming proxy.
 NOOP_KEYS = frozenset(
@@ -142,9 +177,7 @@ NOOP_KEYS = frozenset(
 ACCESS_KEYS = frozenset(
     (
         "global-auth-snippet",
-        "whitelist-source-range",
-        "allowlist-source-range",
-        "denylist-source-range",
+        "allowlist-source-range",  # (not an ingress-nginx key: whitelist- is)
         "enable-modsecurity",
         "enable-owasp-modsecurity-crs",
         "modsecurity-snippet",
@@ -357,6 +390,8 @@ class ControllerConfig:
         return header.lower(), ""
 
     def verdicts(self) -> list[KeyVerdict]:
+        """Each key's verdict from its own value (`annotations.config_verdicts` judges
+        the annotation defaults and the header keys further)."""
         out = []
         tls_notes = self.tls_policy()[2]
         for key in sorted(self.data):
@@ -378,10 +413,18 @@ class ControllerConfig:
                 out.append(KeyVerdict(key, value, Verdict.DIFFERENT, PROXY_PROTOCOL))
             elif key == "proxy-protocol-header-timeout":
                 out.append(KeyVerdict(key, value, Verdict.DIFFERENT, _PROXY_PROTOCOL_TIMEOUT))
-            elif key in HONOURED_KEYS or (key == "use-proxy-protocol" and value not in _TRUE):
+            elif (
+                key in HONOURED_KEYS
+                or key in ANNOTATION_DEFAULT_KEYS
+                or key in HEADER_KEYS
+                or key == "retry-non-idempotent"
+                or (key == "use-proxy-protocol" and value not in _TRUE)
+            ):
                 out.append(KeyVerdict(key, value, Verdict.HONOURED))
             elif key in NOOP_KEYS:
                 out.append(KeyVerdict(key, value, Verdict.NOOP, "nginx tuning"))
+            elif key in UNUSED_DEFAULT_KEYS:
+                out.append(KeyVerdict(key, value, Verdict.NOOP, _UNUSED_DEFAULT))
             elif key in ACCESS_KEYS:
                 out.append(
                     KeyVerdict(

@@ -179,7 +179,7 @@ def check(
     ours = classes(by_kind.get("IngressClass", {}), settings)
     default = default_class(ours)
     report = Report(
-        config=config.verdicts(),
+        config=planner.config_verdicts(config, lambda ns, name: config_maps.get((ns, name))),
         configmap="/".join(settings.configmap) if settings.configmap else "",
         streams=stream_verdicts(config_maps, settings.tcp_services, udp_services),
     )

@@ -67,7 +67,7 @@ async def test_events_say_why_an_ingress_is_not_served_and_follow_changes(kubeap
     load(
         store,
         ingress("guarded", {P + "enable-modsecurity": "true"}),
-        ingress("errors", {P + "opentelemetry-operation-name": "op"}),
+        ingress("errors", {P + "fastcgi-index": "index.php"}),
         ingress("plain", {P + "load-balance": "ewma"}),
     )
     client = Client(k8s.ApiClient(kubeapi.configuration()), timeout=5)
@@ -90,14 +90,14 @@ async def test_events_say_why_an_ingress_is_not_served_and_follow_changes(kubeap
     load(
         store,
         ingress("guarded", {}),
-        ingress("errors", {P + "opentelemetry-operation-name": "op"}),
+        ingress("errors", {P + "fastcgi-index": "index.php"}),
         ingress("plain", {P + "load-balance": "ewma"}),
     )
     assert await writer.write_pass() == 0  # "guarded" has no verdict left to report
     load(
         store,
         ingress("guarded", {P + "auth-url": "http://example.com/#;\ninjection_point"}),
-        ingress("errors", {P + "opentelemetry-operation-name": "op"}),
+        ingress("errors", {P + "fastcgi-index": "index.php"}),
         ingress("plain", {P + "load-balance": "ewma"}),
     )
     assert await writer.write_pass() == 1

@@ -60,6 +60,19 @@ def ingress(name: str, annotations: dict[str, str]) -> dict[str, Any]:
     }
 
 
+def watching(kubeapi: StandIn, store: Store, gateway: GatewayObjects) -> KubernetesSource:
+    """The resolver's Kubernetes source on the stand-in, with short back-offs."""
+    return KubernetesSource(
+        store,
+        kubeapi.configuration(),
+        gateway=gateway,
+        timeouts=Timeouts(watch=60, connect=2, request=5),
+        backoff_initial=0.02,
+        backoff_maximum=0.1,
+        rng=random.Random(1),
+    )
+
+
 def refused(store: Store, name: str) -> bool | None:
     """None: no route of the Ingress yet; else whether its routes are refused."""
     mine = [r for r in store.routes() if r.origin == f"Ingress shop/{name}"]
@@ -83,15 +96,7 @@ async def test_kubernetes_mode_serves_refuses_and_follows_the_configmap(kubeapi:
     store, board = Store(), StatusBoard()
     settings = IngressNginx(configmap=("ingress-nginx", "controller"))
     gateway = GatewayObjects(store, board, addresses=("192.0.2.7",), ingress_nginx=settings)
-    source = KubernetesSource(
-        store,
-        kubeapi.configuration(),
-        gateway=gateway,
-        timeouts=Timeouts(watch=60, connect=2, request=5),
-        backoff_initial=0.02,
-        backoff_maximum=0.1,
-        rng=random.Random(1),
-    )
+    source = watching(kubeapi, store, gateway)
     client = KubeAPI(k8s.ApiClient(kubeapi.configuration()), timeout=5)
     status = StatusWriter(client, board, is_leader=lambda: True, interval=0.05)
     events = IngressEventWriter(store, client, is_leader=lambda: True, interval=0.05)
@@ -159,15 +164,7 @@ async def test_an_auth_secret_is_read_through_the_watch_and_follows_changes(
     kubeapi.create(ingress("staff", {P + "auth-type": "basic", P + "auth-secret": "htpasswd"}))
     store = Store()
     gateway = GatewayObjects(store, StatusBoard(), ingress_nginx=IngressNginx())
-    source = KubernetesSource(
-        store,
-        kubeapi.configuration(),
-        gateway=gateway,
-        timeouts=Timeouts(watch=60, connect=2, request=5),
-        backoff_initial=0.02,
-        backoff_maximum=0.1,
-        rng=random.Random(1),
-    )
+    source = watching(kubeapi, store, gateway)
     task = asyncio.create_task(source.run())
 
     def credentials() -> tuple[str, ...] | None:
@@ -213,15 +210,7 @@ async def test_service_upstream_follows_the_service_through_the_watch(kubeapi: S
     kubeapi.create(item)
     store = Store()
     gateway = GatewayObjects(store, StatusBoard(), ingress_nginx=IngressNginx())
-    source = KubernetesSource(
-        store,
-        kubeapi.configuration(),
-        gateway=gateway,
-        timeouts=Timeouts(watch=60, connect=2, request=5),
-        backoff_initial=0.02,
-        backoff_maximum=0.1,
-        rng=random.Random(1),
-    )
+    source = watching(kubeapi, store, gateway)
     task = asyncio.create_task(source.run())
 
     def dialled() -> set[tuple[str, int]]:
@@ -246,6 +235,58 @@ async def test_service_upstream_follows_the_service_through_the_watch(kubeapi: S
         await until(lambda: dialled() == set(), timeout=10)
         kubeapi.create(service("10.96.0.99", 8081))
         await until(lambda: dialled() == {("10.96.0.99", 8081)}, timeout=10)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_add_headers_configmap_is_read_through_the_watch_and_applies_live(
+    kubeapi: StandIn,
+) -> None:
+    """The controller ConfigMap's add-headers names another ConfigMap: until it exists
+    no header is set (ingress-nginx logs a warning and sets none), then its entries are
+    on every route's response headers, and an edit of it reaches the routes."""
+
+    def header_configmap(value: str) -> dict[str, Any]:
+        return {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "response-headers", "namespace": "ingress-nginx"},
+            "data": {"X-Frame-Options": value},
+        }
+
+    kubeapi.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "shop"}})
+    kubeapi.create(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "controller", "namespace": "ingress-nginx"},
+            "data": {"add-headers": "ingress-nginx/response-headers"},
+        }
+    )
+    kubeapi.create(ingress("shop", {}))
+    store = Store()
+    settings = IngressNginx(configmap=("ingress-nginx", "controller"))
+    gateway = GatewayObjects(store, StatusBoard(), ingress_nginx=settings)
+    source = watching(kubeapi, store, gateway)
+    task = asyncio.create_task(source.run())
+
+    def headers() -> tuple[tuple[str, str], ...] | None:
+        mine = [r for r in store.routes() if r.origin == "Ingress shop/shop"]
+        if not mine:
+            return None
+        found = mine[0].filters.response_headers if mine[0].filters else None
+        return found.set if found is not None else ()
+
+    try:
+        await until(lambda: headers() == (), timeout=10)
+        assert refused(store, "shop") is False
+        kubeapi.create(header_configmap("DENY"))
+        await until(lambda: headers() == (("X-Frame-Options", "DENY"),), timeout=10)
+        kubeapi.replace(header_configmap("SAMEORIGIN"))
+        await until(lambda: headers() == (("X-Frame-Options", "SAMEORIGIN"),), timeout=10)
+        kubeapi.delete("v1", "ConfigMap", "response-headers", "ingress-nginx")
+        await until(lambda: headers() == (), timeout=10)
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

@@ -311,9 +311,16 @@ def test_custom_headers_from_a_configmap():
         "metadata": {"name": "hdrs", "namespace": "default"},
         "data": {"X-Frame-Options": "DENY"},
     }
-    [route] = routes_of(headers, ingress("ch", {P + "custom-headers": "hdrs"}))
+    listed = {"global-allowed-response-headers": "X-Frame-Options"}
+    [route] = _global(listed, headers, ingress("ch", {P + "custom-headers": "hdrs"}))
     assert route.filters and route.filters.response_headers
     assert ("X-Frame-Options", "DENY") in route.filters.response_headers.set
+    # customheaders/main.go: a header the ConfigMap's list does not name (exactly)
+    # denies the location (503): here the Ingress is not served.
+    for data in ({}, {"global-allowed-response-headers": "x-frame-options,X-Other"}):
+        [unlisted] = _global(data, headers, ingress("ch", {P + "custom-headers": "hdrs"}))
+        assert unlisted.ingress_refusal is not None
+        assert "global-allowed-response-headers" in unlisted.ingress_refusal[1]
 
 
 # ---------------------------------------------------------------- fail closed
