@@ -11,6 +11,14 @@ else: no grpc (gRPC credentials and channel rotation are in
   Python's ssl does not expose). It refuses client authentication without a CA
   to check clients against: a service that requires client certificates never
   silently serves without them.
+- A narrower policy per context (ingress-nginx's ssl-protocols and ssl-ciphers):
+  `server_context(minimum_version=, ciphers=)`, checked by `policy_problem`
+  (never below TLS 1.2; an OpenSSL cipher list only, no configuration text).
+  A context switched to by an SNI callback brings its cipher list, not its
+  versions (OpenSSL has chosen the version before the callback runs), so the
+  callback checks `negotiated_version` against the context's minimum. A host
+  served with another context (its certificate refused or its key withheld)
+  keeps its policy all the same: `set_connection_ciphers` on the connection.
 - `ServerSSLContexts`: an `ssl.SSLContext` for asyncio HTTPS listeners whose
   SNI callback (run for every ClientHello, with or without SNI) switches the
   connection to the context built from the current certificate.
@@ -35,6 +43,7 @@ import ctypes
 import functools
 import logging
 import os
+import re
 import ssl
 import sys
 import sysconfig
@@ -68,6 +77,47 @@ INTERMEDIATE_GROUPS = b"X25519:P-256:P-384"
 _SSL_CTRL_SET_GROUPS_LIST = 92
 
 ClientAuth = Literal["none", "optional", "required"]
+
+#: The TLS versions Waygate serves, by the names nginx's ssl_protocols uses.
+VERSIONS: dict[str, ssl.TLSVersion] = {
+    "TLSv1.2": ssl.TLSVersion.TLSv1_2,
+    "TLSv1.3": ssl.TLSVersion.TLSv1_3,
+}
+# An OpenSSL cipher list: names, `!`/`-`/`+` prefixes, `:`/`,` separators and
+# @STRENGTH (never @SECLEVEL: the security level is OpenSSL's own).
+_CIPHER_LIST = re.compile(
+    r"(?:[A-Za-z0-9_.+!-]+|@STRENGTH)(?:[:, ](?:[A-Za-z0-9_.+!-]+|@STRENGTH))*"
+)
+MAX_CIPHER_LIST = 2048
+
+
+def policy_problem(protocols: tuple[str, ...] | list[str], ciphers: str) -> str:
+    """Why a context cannot be built with these versions and TLS 1.2 ciphers ("" : it
+    can). Versions are TLSv1.2 and TLSv1.3 only and must include TLSv1.3 (the version
+    is chosen before an SNI callback picks the host's context, so a host cannot be
+    held to TLS 1.2: it can only refuse what is older than its minimum). The cipher
+    list must parse and leave at least one TLS 1.2 suite."""
+    for name in protocols:
+        if name not in VERSIONS:
+            return f"protocol {name!r} is not served (only TLSv1.2 and TLSv1.3)"
+    if protocols and "TLSv1.3" not in protocols:
+        return "TLSv1.3 must be served (the version is chosen before the host is known)"
+    if ciphers:
+        if len(ciphers) > MAX_CIPHER_LIST or not _CIPHER_LIST.fullmatch(ciphers):
+            return "not an OpenSSL cipher list (names, !, -, +, : separators)"
+        probe = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            probe.set_ciphers(ciphers)
+        except ssl.SSLError:
+            return "OpenSSL selects no cipher from this list"
+        if not any(c["protocol"] == "TLSv1.2" for c in probe.get_ciphers()):
+            return "the list selects no TLS 1.2 cipher suite"
+    return ""
+
+
+def minimum_version(protocols: tuple[str, ...] | list[str]) -> ssl.TLSVersion:
+    """The oldest of `protocols` (checked by `policy_problem`); TLS 1.2 when empty."""
+    return min((VERSIONS[name] for name in protocols), default=ssl.TLSVersion.TLSv1_2)
 
 
 def load_pem_chain(context: ssl.SSLContext, chain_pem: bytes, key_pem: bytes) -> None:
@@ -265,17 +315,22 @@ def set_session_cache_size(context: ssl.SSLContext, size: int) -> bool:
 
 
 @functools.cache
-def _set_timeout_function() -> Any:
-    """SSL_CTX_set_timeout from the libssl `_ssl` uses, or None (see `_ssl_ctx_functions`)."""
+def _libssl_function(name: str, argtypes: tuple[Any, ...], restype: Any) -> Any:
+    """One function of the libssl `_ssl` uses, typed, or None (as `_ssl_ctx_functions`)."""
     if _ssl_ctx_functions() is None:
         return None
     try:
-        function = ctypes.CDLL(ssl._ssl.__file__).SSL_CTX_set_timeout  # type: ignore[attr-defined]
+        function = getattr(ctypes.CDLL(ssl._ssl.__file__), name)  # type: ignore[attr-defined]
     except (OSError, AttributeError):
         return None
-    function.argtypes = (ctypes.c_void_p, ctypes.c_long)
-    function.restype = ctypes.c_long
+    function.argtypes = argtypes
+    function.restype = restype
     return function
+
+
+def _set_timeout_function() -> Any:
+    """SSL_CTX_set_timeout, or None (see `_libssl_function`)."""
+    return _libssl_function("SSL_CTX_set_timeout", (ctypes.c_void_p, ctypes.c_long), ctypes.c_long)
 
 
 def set_session_timeout(context: ssl.SSLContext, seconds: int) -> bool:
@@ -395,6 +450,31 @@ def ask_client_certificate(
     return True
 
 
+def negotiated_version(ssl_object: Any) -> int | None:
+    """The protocol version OpenSSL chose for this connection (0x0303 TLS 1.2, 0x0304
+    TLS 1.3: `ssl.TLSVersion` values), readable from an SNI callback (Python's
+    `version()` says None until the handshake is done); None where the connection
+    cannot be reached (see `_ssl_pointer`)."""
+    function = _libssl_function("SSL_version", (ctypes.c_void_p,), ctypes.c_int)
+    pointer = _ssl_pointer(ssl_object) if function is not None else None
+    if function is None or pointer is None:
+        return None
+    return int(function(pointer))
+
+
+def set_connection_ciphers(ssl_object: Any, ciphers: str) -> bool:
+    """From an SNI callback: this connection's TLS 1.2 cipher list (checked by
+    `policy_problem`), whatever its context's (OpenSSL picks the suite after the
+    callback). False where the connection cannot be reached or OpenSSL refuses it."""
+    function = _libssl_function(
+        "SSL_set_cipher_list", (ctypes.c_void_p, ctypes.c_char_p), ctypes.c_int
+    )
+    pointer = _ssl_pointer(ssl_object) if function is not None else None
+    if function is None or pointer is None:
+        return False
+    return bool(function(pointer, ciphers.encode("ascii")) == 1)
+
+
 def client_verify_result(ssl_object: Any) -> tuple[int, bytes] | None:
     """(OpenSSL's verify result, X509_V_OK being 0; the session id context the
     connection's session was made under) after the handshake, or None where it
@@ -433,6 +513,8 @@ def server_context(
     client_crl_pem: bytes | None = None,
     session_id_context: bytes = b"",
     advertise_client_cas: bool = False,
+    minimum_version: ssl.TLSVersion = ssl.TLSVersion.TLSv1_2,
+    ciphers: str = "",
 ) -> ssl.SSLContext:
     """A server context for one certificate (the only builder of server contexts).
 
@@ -445,15 +527,22 @@ def server_context(
     resuming; CPython gives every context the same one); ValueError when it cannot
     be set. `advertise_client_cas`: the certificate request names `client_ca_pem`'s
     CAs (best effort: without, clients send what they have all the same).
+    `minimum_version` (TLS 1.2 or newer) and `ciphers` (TLS 1.2 suites, an OpenSSL
+    list; empty: Mozilla intermediate's) narrow the policy; ValueError for a wider one.
     """
     mode: ClientAuth = (
         ("required" if client_auth else "none") if isinstance(client_auth, bool) else client_auth
     )
     if mode != "none" and not client_ca_pem:
         raise ValueError("client authentication needs a client CA to verify clients against")
+    if minimum_version < ssl.TLSVersion.TLSv1_2:
+        raise ValueError("Waygate serves TLS 1.2 and newer only")
+    problem = policy_problem((), ciphers)
+    if problem:
+        raise ValueError(f"ciphers: {problem}")
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.set_ciphers(INTERMEDIATE_CIPHERS)
+    context.minimum_version = minimum_version
+    context.set_ciphers(ciphers or INTERMEDIATE_CIPHERS)
     # The server picks the suite (Mozilla intermediate: client preference is fine too,
     # but the server order puts AES-GCM and ECDSA first).
     context.options |= ssl.OP_CIPHER_SERVER_PREFERENCE | ssl.OP_NO_COMPRESSION

@@ -11,7 +11,10 @@ The client address is the peer's, or, when the peer is within
 `trusted_proxies` (ingress-nginx's use-forwarded-headers with
 proxy-real-ip-cidr), the one X-Forwarded-For names as nginx's real_ip module
 finds it with real_ip_recursive on: from the right, the first address not
-itself trusted (the leftmost when all are).
+itself trusted (the leftmost when all are). A route's `client_address_header`
+(ingress-nginx's forwarded-for-header, nginx's real_ip_header) names another
+header to read so: its first line, as nginx's realip reads a header other
+than X-Forwarded-For.
 
 Order, as ingress-nginx's nginx: the block lists (403 whatever else holds);
 then the location's `deny` ranges, its `allow` ranges (anything else denied
@@ -131,14 +134,40 @@ def _within(address: tuple[int, int], ranges: Sequence[Network]) -> bool:
     return False
 
 
+def header_pattern(name: str) -> re.Pattern[bytes] | None:
+    """The first line of a request header (a lower-case name, as
+    `Route.client_address_header`) in a field block; None for X-Forwarded-For or
+    "" (the proxy reads that one itself, every line of it)."""
+    if not name or name == "x-forwarded-for":
+        return None
+    found = _HEADERS.get(name)
+    if found is None:
+        if len(_HEADERS) >= 64:
+            _HEADERS.clear()
+        found = _HEADERS[name] = re.compile(
+            rb"(?:^|\n)" + re.escape(name.encode()) + rb"[ \t]*:[ \t]*([^\r\n]*)", re.IGNORECASE
+        )
+    return found
+
+
+_HEADERS: dict[str, re.Pattern[bytes]] = {}
+
+
 def _real_ip(
-    peer: bytes, forwarded: Sequence[tuple[bytes, bytes, bytes]], trusted: Sequence[Network]
+    peer: bytes,
+    req: RequestHead,
+    trusted: Sequence[Network],
+    header: re.Pattern[bytes] | None = None,
 ) -> tuple[bytes, tuple[int, int] | None]:
     """(text, value) of the client's address as nginx's real_ip (recursive) finds it."""
     address = _address(peer)
     if address is None or not trusted or not _within(address, trusted):
         return peer, address
-    values = [value for lname, _, value in forwarded if lname == _XFF]
+    if header is None:
+        values = [value for lname, _, value in req.forwarded if lname == _XFF]
+    else:
+        line = header.search(req.fields)
+        values = [line.group(1).rstrip(b" \t")] if line is not None else []
     text = peer
     for item in reversed(b",".join(values).split(b",")) if values else ():
         item = item.strip()
@@ -152,18 +181,25 @@ def _real_ip(
 
 
 def client_address(
-    peer: bytes, forwarded: Sequence[tuple[bytes, bytes, bytes]], trusted: Sequence[Network]
+    peer: bytes,
+    req: RequestHead,
+    trusted: Sequence[Network],
+    header: re.Pattern[bytes] | None = None,
 ) -> tuple[int, int] | None:
     """The client's address as nginx's real_ip (recursive) finds it: the peer's,
-    unless the peer is trusted and X-Forwarded-For names others."""
-    return _real_ip(peer, forwarded, trusted)[1]
+    unless the peer is trusted and X-Forwarded-For (or `header`: `header_pattern`)
+    names others."""
+    return _real_ip(peer, req, trusted, header)[1]
 
 
 def real_ip(
-    peer: bytes, forwarded: Sequence[tuple[bytes, bytes, bytes]], trusted: Sequence[Network]
+    peer: bytes,
+    req: RequestHead,
+    trusted: Sequence[Network],
+    header: re.Pattern[bytes] | None = None,
 ) -> bytes:
     """`client_address` as text (nginx's $remote_addr after real_ip)."""
-    return _real_ip(peer, forwarded, trusted)[0]
+    return _real_ip(peer, req, trusted, header)[0]
 
 
 Matcher = tuple["LinearPattern | None", str]
@@ -202,7 +238,7 @@ def prepare(entry: _Entry) -> bool:
     rules = entry.route.access
     if rules is None:
         return False
-    entry.access = AccessCheck(rules)
+    entry.access = AccessCheck(rules, entry.route.client_address_header)
     return True
 
 
@@ -220,6 +256,7 @@ class AccessCheck:
         "deny",
         "digest_realm",
         "digest_users",
+        "header",
         "info",
         "is_digest",
         "last_address",
@@ -232,7 +269,9 @@ class AccessCheck:
         "users",
     )
 
-    def __init__(self, access: RouteAccess) -> None:
+    def __init__(self, access: RouteAccess, client_address_header: str = "") -> None:
+        # Where a trusted peer names the client (None: X-Forwarded-For).
+        self.header = header_pattern(client_address_header)
         # The resolver validated the rules; should they still not compile, nothing
         # passes (fail closed) rather than the table build failing.
         try:
@@ -290,7 +329,7 @@ class AccessCheck:
         address = None
         if self.block or self.deny or self.allow:
             if self.trusted:
-                address = client_address(peer, req.forwarded, self.trusted)
+                address = client_address(peer, req, self.trusted, self.header)
             elif peer is self.last_peer:  # a keep-alive connection's next request
                 address = self.last_address
             else:
@@ -331,7 +370,7 @@ class AccessCheck:
         client address as `client_address` finds it."""
         state = DIGEST
         now = time.monotonic()
-        client = client_address(peer, req.forwarded, self.trusted) if self.trusted else peer
+        client = client_address(peer, req, self.trusted, self.header) if self.trusted else peer
         if state.evasion.evading(client, now):
             return ""
         header = _field(req, b"authorization")
@@ -372,6 +411,38 @@ class AccessCheck:
             self.remembered.clear()
         self.remembered[token] = ok
         return ok
+
+
+def reads_header(entry: _Entry) -> bool:
+    """The request core's `applies` for `forwarded_client` (after `prepare`): the
+    route reads the client address from a header other than X-Forwarded-For."""
+    return entry.access is not None and entry.access.header is not None
+
+
+_ORIGINAL: Final = re.compile(rb"(?im)^x-original-forwarded-for[ \t]*:[^\r\n]*\r\n")
+
+
+def forwarded_client(forward: Any, req: RequestHead, facts: Any) -> None:
+    """A shaper (forwarded-for-header, a trusted peer that sent the header): the
+    backend gets ingress-nginx's `X-Forwarded-For: $remote_addr` (unless the route
+    appends, compute-full-forwarded-for's `$http_x_forwarded_for, $realip_remote_addr`)
+    and `X-Original-Forwarded-For: $http_<header>` (the client's own copy dropped)."""
+    check = forward.entry.access
+    line = check.header.search(req.fields)
+    peer = facts.context.client_ip
+    address = _address(peer)
+    if line is None or address is None or not _within(address, check.trusted):
+        return
+    head = forward.req.copy()
+    fields = head.fields
+    if b"original-forwarded-for" in fields.lower():
+        fields = _ORIGINAL.sub(b"", fields)
+    head.fields = fields + b"X-Original-Forwarded-For: " + line.group(1).rstrip(b" \t") + b"\r\n"
+    if forward.entry.options.forwarded_mode != "append":
+        client = _real_ip(peer, req, check.trusted, check.header)[0]
+        kept = [h for h in head.forwarded if h[0] != _XFF]
+        head.forwarded = [*kept, (_XFF, b"X-Forwarded-For", client)]
+    forward.req = head
 
 
 def has_digest(entry: _Entry) -> bool:

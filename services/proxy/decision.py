@@ -501,9 +501,10 @@ def _rate_limit(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> A
 def _external_auth(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
     """ingress-nginx auth-url: every request of the route, whatever its path, is
     marked "authorize first"; the driver sends the subrequest (`authcheck`)."""
-    spec = forward.entry.route.external_auth
+    route = forward.entry.route
+    spec = route.external_auth
     assert spec is not None
-    forward.auth = extauth.plan_for(spec)
+    forward.auth = extauth.plan_for(spec, route.client_address_header)
     return None
 
 
@@ -689,6 +690,8 @@ SHAPERS: tuple[Rule, ...] = (
         _capture_rewrite,
     ),
     Rule("digest_info", access.has_digest, access.authentication_info),
+    # After the filters and the rewrite (their copy is the one changed).
+    Rule("forwarded_client", access.reads_header, access.forwarded_client),
     Rule("limit_rate", lambda entry: entry.route.limit_rate > 0, _limit_rate),
     Rule("next_upstream", _has_next_upstream, _next_upstream),
     # After the request filters and the rewrite: the copy is the request as sent.

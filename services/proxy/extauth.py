@@ -89,8 +89,11 @@ MAX_PLANS = 4_096
 class AuthPlan:
     """One ExternalAuth, compiled once: where to ask and what to copy back."""
 
-    def __init__(self, spec: ExternalAuth) -> None:
+    def __init__(self, spec: ExternalAuth, client_address_header: str = "") -> None:
         self.spec = spec
+        self.client_address_header = client_address_header
+        # forwarded-for-header: where a trusted peer names the client (None: XFF).
+        self.header = access.header_pattern(client_address_header)
         url = urlsplit(spec.url)
         host = url.hostname or ""
         self.tls = url.scheme == "https"
@@ -131,14 +134,19 @@ _VARIABLE = re.compile(r"(\$(?:http_[a-z0-9_]+|cookie_[A-Za-z0-9_]+|remote_addr|
 _plans: dict[int, AuthPlan] = {}
 
 
-def plan_for(spec: ExternalAuth) -> AuthPlan:
-    """The compiled plan of a route's ExternalAuth (kept while the spec lives)."""
+def plan_for(spec: ExternalAuth, client_address_header: str = "") -> AuthPlan:
+    """The compiled plan of a route's ExternalAuth (kept while the spec lives) with
+    the route's `client_address_header`."""
     found = _plans.get(id(spec))
-    if found is not None and found.spec is spec:
+    if (
+        found is not None
+        and found.spec is spec
+        and found.client_address_header == client_address_header
+    ):
         return found
     if len(_plans) >= MAX_PLANS:
         _plans.clear()
-    found = _plans[id(spec)] = AuthPlan(spec)
+    found = _plans[id(spec)] = AuthPlan(spec, client_address_header)
     return found
 
 
@@ -156,8 +164,9 @@ def _without(fields: bytes, names: tuple[bytes, ...]) -> bytes:
 
 def remote_addr(plan: AuthPlan, req: RequestHead, peer: bytes) -> bytes:
     """nginx's $remote_addr: the peer's address, or with use-forwarded-headers the
-    client X-Forwarded-For names through the trusted proxies."""
-    return access.real_ip(peer, req.forwarded, plan.trusted) if plan.trusted else peer
+    client X-Forwarded-For (or forwarded-for-header's header) names through the
+    trusted proxies."""
+    return access.real_ip(peer, req, plan.trusted, plan.header) if plan.trusted else peer
 
 
 def subrequest_head(plan: AuthPlan, req: RequestHead, secure: bool, peer: bytes) -> bytes:

@@ -33,6 +33,14 @@
   soak. That cache is shared by every SNI context, so a resumed session
   may have been verified for another host: `client_identity` re-verifies its
   client certificate against the route's CA.
+- ingress-nginx's ssl-protocols and ssl-ciphers (`RouteTLS.protocols`,
+  `.ciphers`): the host's context is built with its minimum version and cipher
+  list (`waygate.core.tls.server_context`); OpenSSL has chosen the version
+  before the SNI callback runs, so the callback refuses an older one with a
+  protocol_version alert (`_held_to`). A host whose own certificate is not
+  served (refused, key withheld) keeps its policy on the default certificate:
+  the cipher list is set on the connection. Fail closed: what cannot be read
+  or set refuses the handshake.
 - `edge_rule`: what a TLS route answers on the plain HTTP port (its insecure
   edge policy: Allow, Redirect with 302, or None) and the HSTS header line
   it adds on HTTPS.
@@ -51,6 +59,7 @@ import ssl
 from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from cryptography import x509
@@ -60,7 +69,11 @@ from prometheus_client import Counter, Gauge
 from waygate.core.rotation import CertificateRotator
 from waygate.core.tls import (
     ask_client_certificate,
+    minimum_version,
+    negotiated_version,
+    policy_problem,
     server_context,
+    set_connection_ciphers,
     set_session_cache_size,
     set_session_timeout,
 )
@@ -133,7 +146,14 @@ class ServedCertificate:
     context holds their CA bundle and revocation lists and a session id context of
     its own (`session_id`: a session made for another context is never taken for
     one of this host's), and the SNI callback asks the client for a certificate
-    with their depth (`ask_depth`; 0: it asks nothing)."""
+    with their depth (`ask_depth`; 0: it asks nothing).
+
+    With ingress-nginx's ssl-protocols and ssl-ciphers (`RouteTLS.protocols`,
+    `.ciphers`) the context holds the host's cipher list (OpenSSL takes it from the
+    switched-to context) and its minimum version, which the SNI callback enforces
+    (`policy`, `_held_to`: the version was chosen before the callback). Such a
+    context has a session id context of its own too: a session made under it is
+    never resumed on another host."""
 
     __slots__ = (
         "ask_depth",
@@ -142,6 +162,7 @@ class ServedCertificate:
         "leaf",
         "not_after",
         "not_before",
+        "policy",
         "revocation",
         "session_id",
         "trusts",
@@ -153,7 +174,12 @@ class ServedCertificate:
         key_pem: bytes,
         client_ca_pem: bytes | None,
         client_rules: ClientCertificate | None = None,
+        protocols: tuple[str, ...] = (),
+        ciphers: str = "",
     ) -> None:
+        problem = policy_problem(protocols, ciphers)
+        if problem:
+            raise RefusedCertificate(f"the route's TLS policy: {problem}", "invalid")
         try:
             self.leaf = x509.load_pem_x509_certificate(chain_pem)
         except ValueError:
@@ -175,6 +201,12 @@ class ServedCertificate:
             self.revocation = crl_pem is not None
             self.ask_depth = client_rules.depth
             self.session_id = session_id_context(client_rules)
+        # The certificate request names ca.crt's CAs (auth-tls rules), as nginx's does.
+        advertise = bool(self.session_id)
+        narrowed = minimum_version(protocols)
+        self.policy = host_policy(protocols, ciphers)
+        if self.policy is not None and not self.session_id:
+            self.session_id = _digest("tls-policy", *protocols, ciphers)[:32]
         try:
             # Kept to re-verify a resumed session's client certificate (client_identity);
             # a context with CAs of its own is never given other routes' (install).
@@ -193,8 +225,9 @@ class ServedCertificate:
                 alpn_protocols=ALPN,
                 client_crl_pem=crl_pem,
                 session_id_context=self.session_id,
-                # The certificate request names ca.crt's CAs, as nginx's does.
-                advertise_client_cas=bool(self.session_id),
+                advertise_client_cas=advertise,
+                minimum_version=narrowed,
+                ciphers=ciphers,
             )
         except (ssl.SSLError, ValueError) as exc:
             # The message names the OpenSSL failure only, never key material.
@@ -343,6 +376,9 @@ class SniCertificates(NamedTuple):
     client_cas: frozenset[bytes]
     # Refused route certificates: (route, host, reason).
     refusals: tuple[tuple[str, str, str], ...]
+    # ssl-protocols / ssl-ciphers of hosts served with the default certificate (their
+    # own refused or withheld): host ("*.domain" for wildcards) -> its policy.
+    policies: Mapping[str, HostPolicy] = MappingProxyType({})
 
 
 class EdgeCertificates:
@@ -384,9 +420,10 @@ class EdgeCertificates:
         return self.sni.refusals
 
     def _listener_context(self) -> ssl.SSLContext:
-        """The context the server holds: protocol versions, ciphers, ALPN and the
-        session cache apply from it to every connection; the certificate is
-        always the one the SNI callback switches to."""
+        """The context the server holds: protocol versions (a host's narrower
+        minimum is checked by the SNI callback), ALPN and the session cache apply
+        from it to every connection; the certificate and the TLS 1.2 cipher list
+        are the ones of the context the SNI callback switches to."""
         chain_pem, key_pem = self.default.pem
         context = server_context(chain_pem=chain_pem, key_pem=key_pem, alpn_protocols=ALPN)
         context.sni_callback = self._on_client_hello
@@ -414,10 +451,11 @@ class EdgeCertificates:
 
     # ------------------------------------------------------------ per handshake
 
-    def _on_client_hello(self, ssl_object: Any, server_name: str | None, _ctx: Any) -> None:
+    def _on_client_hello(self, ssl_object: Any, server_name: str | None, _ctx: Any) -> int | None:
         served = None
+        name = ""
+        sni = self.sni
         if server_name:
-            sni = self.sni
             name = server_name.lower()
             served = sni.exact.get(name)
             if served is None:
@@ -426,8 +464,17 @@ class EdgeCertificates:
                     served = sni.wildcard.get(parent)
         if served is None:
             ssl_object.context = self.default.context
-            return
+            if name and sni.policies:
+                # ssl-protocols / ssl-ciphers of a host whose own certificate is not served.
+                policy = sni.policies.get(name) or sni.policies.get("*." + name.partition(".")[2])
+                if policy is not None:
+                    return _held_to(ssl_object, policy, set_ciphers=True)
+            return None
         ssl_object.context = served.context
+        if served.policy is not None:  # (its cipher list is the context's own)
+            refused = _held_to(ssl_object, served.policy, set_ciphers=False)
+            if refused is not None:
+                return refused
         if served.ask_depth:  # ingress-nginx auth-tls: this connection, this host's rules
             ask_client_certificate(
                 ssl_object,
@@ -435,6 +482,7 @@ class EdgeCertificates:
                 clientcert.session_mark(served.session_id, name),
                 revocation=served.revocation,
             )
+        return None
 
     def context_for(self, server_name: str | None) -> ssl.SSLContext | None:
         """The context a handshake with this SNI gets (tests and diagnostics)."""
@@ -466,6 +514,7 @@ class EdgeCertificates:
         client_auth: dict[tuple[str, str], ServedCertificate] = {}
         client_rules: dict[tuple[str, str], ServedCertificate] = {}
         refusals: list[tuple[str, str, str]] = []
+        policies: dict[str, HostPolicy] = {}
         now = self._now()
         for route in routes:
             tls = route.tls
@@ -476,7 +525,14 @@ class EdgeCertificates:
                 continue
             label = f"{route.namespace}/{route.name}"
             host = route.host.lower()
-            key = _digest(tls.certificate, tls.key, tls.client_ca_certificate, repr(rules))
+            key = _digest(
+                tls.certificate,
+                tls.key,
+                tls.client_ca_certificate,
+                repr(rules),
+                *tls.protocols,
+                tls.ciphers,
+            )
             try:
                 served = cache.get(key) or self.sni.cache.get(key)
                 if served is None:
@@ -493,11 +549,17 @@ class EdgeCertificates:
                         tls.key.encode(),
                         tls.client_ca_certificate.encode() or None,
                         rules,
+                        tls.protocols,
+                        tls.ciphers,
                     )
                 self._check(served, host, now)
             except RefusedCertificate as exc:
                 self._refuse(label, host, key, exc)
                 refusals.append((label, host, exc.reason))
+                policy = host_policy(tls.protocols, tls.ciphers)
+                if policy is not None:
+                    # The default certificate serves the host: its policy still holds.
+                    policies.setdefault(host, policy)
                 continue
             cache[key] = served
             if tls.client_ca_certificate:
@@ -531,7 +593,14 @@ class EdgeCertificates:
             if route.tls is not None and route.tls.client_ca_certificate
         )
         return SniCertificates(
-            exact, wildcard, cache, client_auth, client_rules, cas, tuple(refusals)
+            exact,
+            wildcard,
+            cache,
+            client_auth,
+            client_rules,
+            cas,
+            tuple(refusals),
+            MappingProxyType(policies),
         )
 
     def install(self, sni: SniCertificates) -> None:
@@ -622,6 +691,45 @@ class EdgeCertificates:
                 "TLS session's certificate is not; connect without resuming"
             )
         return identity_headers(leaf, self.extra_fields)
+
+
+class HostPolicy(NamedTuple):
+    """A host's ssl-protocols and ssl-ciphers, as the SNI callback holds a connection
+    to them (`_held_to`)."""
+
+    # The oldest version allowed (an `ssl.TLSVersion` value); 0: the listener's TLS 1.2.
+    minimum: int
+    # The TLS 1.2 cipher list ("": the proxy's).
+    ciphers: str
+
+
+def host_policy(protocols: tuple[str, ...], ciphers: str) -> HostPolicy | None:
+    """The policy of a route's `RouteTLS.protocols` and `.ciphers`: None when they
+    narrow nothing, or do not pass `policy_problem` (the resolver checked them)."""
+    if not (protocols or ciphers) or policy_problem(protocols, ciphers):
+        return None
+    narrowed = minimum_version(protocols)
+    return HostPolicy(0 if narrowed == ssl.TLSVersion.TLSv1_2 else int(narrowed), ciphers)
+
+
+def _held_to(ssl_object: Any, policy: HostPolicy, *, set_ciphers: bool) -> int | None:
+    """From the SNI callback: hold this connection to a host's ssl-protocols and
+    ssl-ciphers (None), or the alert that ends its handshake. OpenSSL chose the
+    version before the callback, from the listener's range: older than the host
+    allows is refused with protocol_version, as nginx's would refuse it.
+    `set_ciphers`: the list goes onto the connection (a host served with the
+    default context; a host's own context holds it). Fail closed: what cannot be
+    read or set refuses the handshake. (A TLS 1.2 session resumed by id names the
+    server name it was made for, and OpenSSL gives this callback that name: such a
+    connection is that host's, with its policy, as a connection whose Host is not
+    its server name is, in nginx too.)"""
+    if policy.minimum:
+        version = negotiated_version(ssl_object)
+        if version is None or version < policy.minimum:
+            return ssl.ALERT_DESCRIPTION_PROTOCOL_VERSION
+    if set_ciphers and policy.ciphers and not set_connection_ciphers(ssl_object, policy.ciphers):
+        return ssl.ALERT_DESCRIPTION_HANDSHAKE_FAILURE
+    return None
 
 
 def _issued_by(leaf: x509.Certificate, cas: list[x509.Certificate]) -> bool:

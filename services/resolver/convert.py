@@ -351,6 +351,7 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
     message.upstream_scheme_from_client = route.upstream_scheme_from_client
     message.upstream_http10 = route.upstream_http10
     message.redirect_location = route.redirect_location
+    message.client_address_header = route.client_address_header
     message.span_name = route.span_name
     message.tracing_off = route.tracing_off
     message.untrusted_trace_context = route.untrusted_trace_context
@@ -387,6 +388,8 @@ def route_to_proto(route: model.Route, *, with_key: bool = True) -> pb.Route:
                 destination_san_uris=route.tls.destination_san_uris,
                 backend_client_certificate=route.tls.backend_client_certificate,
                 backend_client_key=route.tls.backend_client_key if with_key else "",
+                protocols=route.tls.protocols,
+                ciphers=route.tls.ciphers,
             )
         )
     return message
@@ -424,6 +427,8 @@ def route_from_proto(message: pb.Route) -> model.Route:
             destination_san_uris=tuple(message.tls.destination_san_uris),
             backend_client_certificate=message.tls.backend_client_certificate,
             backend_client_key=message.tls.backend_client_key,
+            protocols=tuple(message.tls.protocols),
+            ciphers=message.tls.ciphers,
         )
     elif message.HasField("tls") and (
         message.tls.certificate
@@ -434,6 +439,8 @@ def route_from_proto(message: pb.Route) -> model.Route:
         or message.tls.present_client_certificate
         or message.tls.backend_client_certificate
         or message.tls.backend_client_key
+        or message.tls.protocols
+        or message.tls.ciphers
         or message.tls.HasField("hsts")
     ):
         raise InvalidArgument(
@@ -528,6 +535,7 @@ def route_from_proto(message: pb.Route) -> model.Route:
         upstream_scheme_from_client=message.upstream_scheme_from_client,
         upstream_http10=message.upstream_http10,
         redirect_location=message.redirect_location,
+        client_address_header=message.client_address_header,
         span_name=message.span_name,
         tracing_off=message.tracing_off,
         untrusted_trace_context=message.untrusted_trace_context,

@@ -207,6 +207,11 @@ class RouteTLS:
     # withheld as `key` is).
     backend_client_certificate: str = ""
     backend_client_key: str = ""
+    # ingress-nginx ssl-protocols and ssl-ciphers: the versions ("TLSv1.2",
+    # "TLSv1.3"; empty: both) and TLS 1.2 cipher list (empty: the proxy's) of
+    # the route's host.
+    protocols: tuple[str, ...] = ()
+    ciphers: str = ""
 
 
 @dataclass(frozen=True)
@@ -677,6 +682,9 @@ class Route:
     # permanent-redirect / temporal-redirect: the Location exactly as written
     # (nginx's `return CODE URL`; filters.redirect gives the status); "": none.
     redirect_location: str = ""
+    # ingress-nginx forwarded-for-header: the header (lower-case) a trusted peer's
+    # client address is read from; "": X-Forwarded-For.
+    client_address_header: str = ""
     # ingress-nginx's OpenTelemetry annotations (waygate.proxy.records): the span's
     # name ("": the proxy's), no span at all, a client's trace context not trusted.
     span_name: str = ""

@@ -257,6 +257,7 @@ DERIVED: Final[Mapping[str, Mapping[str, str]]] = {
         "upstream_scheme_from_client": "ingress-nginx backend-protocol AUTO_HTTP",
         "upstream_http10": 'ingress-nginx proxy-http-version "1.0"',
         "redirect_location": "ingress-nginx permanent-redirect / temporal-redirect targets",
+        "client_address_header": "ingress-nginx forwarded-for-header",
         "span_name": "ingress-nginx opentelemetry-operation-name",
         "tracing_off": "ingress-nginx enable-opentelemetry",
         "untrusted_trace_context": "ingress-nginx opentelemetry-trust-incoming-span",
@@ -279,6 +280,8 @@ DERIVED: Final[Mapping[str, Mapping[str, str]]] = {
         "destination_san_uris": "BackendTLSPolicy subjectAltNames",
         "backend_client_certificate": "ingress-nginx proxy-ssl-secret's tls.crt",
         "backend_client_key": "ingress-nginx proxy-ssl-secret's tls.key",
+        "protocols": "ingress-nginx ssl-protocols",
+        "ciphers": "ingress-nginx ssl-ciphers",
     },
 }
 

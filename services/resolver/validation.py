@@ -41,6 +41,7 @@ from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
 from waygate.core import regex as linear_regex
 from waygate.core.errors import EXCERPT_LIMIT, InvalidArgument, excerpt
 from waygate.core.paths import normalize_escapes
+from waygate.core.tls import policy_problem
 from waygate.resolver.model import (
     HSTS,
     PROTOCOLS,
@@ -325,6 +326,9 @@ def _validate_tls(tls: RouteTLS, what: str, path: str) -> RouteTLS:
                 )
         if tls.hsts is not None:
             raise _fail(what, "tls.hsts", "passthrough routes cannot add response headers")
+        if tls.protocols or tls.ciphers:
+            field = "protocols" if tls.protocols else "ciphers"
+            raise _fail(what, f"tls.{field}", "a passthrough route's TLS is the backend's")
         if tls.destination_server_name or tls.present_client_certificate:
             field = (
                 "destination_server_name"
@@ -355,6 +359,13 @@ def _validate_tls(tls: RouteTLS, what: str, path: str) -> RouteTLS:
                 raise _fail(what, f"tls.{field}", "only reencrypt routes open TLS to the backend")
     if tls.hsts is not None:
         _check_hsts(tls.hsts, what)
+    if tls.protocols or tls.ciphers:
+        for field, problem in (
+            ("tls.protocols", policy_problem(tls.protocols, "")),
+            ("tls.ciphers", policy_problem((), tls.ciphers)),
+        ):
+            if problem:
+                raise _fail(what, field, problem)
     server_name = tls.destination_server_name
     if server_name:
         server_name = normalize_host(server_name, what, "tls.destination_server_name")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import ssl
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -30,6 +31,7 @@ from tests.support.gatewayapi import (
     local_slice,
     parse_response,
     tls_client_context,
+    tls_secret,
 )
 from tests.support.poll import until
 from tests.support.processes import run_cli
@@ -1377,6 +1379,55 @@ async def admin_get(port: int, path: str) -> tuple[int, bytes]:
         return int(head.split(b" ", 2)[1]), body
     finally:
         writer.close()
+
+
+async def test_server_tokens_and_ssl_protocols_from_the_configmap(suite: Conformance) -> None:
+    # test/e2e/settings/server_tokens.go: It("should not exists Server header in the
+    # response") with server-tokens "false" and It("should exists Server header in the
+    # response when is enabled") -- there the rendered config is checked (`server_tokens
+    # off` + `more_clear_headers Server;`, `server_tokens on`); here the answers, with the
+    # backend sending a Server of its own. Then test/e2e/settings/tls.go's protocol
+    # setting, narrowed to TLSv1.3 (Waygate's floor is TLS 1.2 either way): a TLS 1.2
+    # client is refused on the host, a TLS 1.3 one served. Each ConfigMap change applies
+    # live, without a restart.
+    host = "server-tokens"
+    item = single_ingress(host, "/", host)
+    item["spec"]["tls"] = [{"hosts": [host], "secretName": "server-tokens-tls"}]
+    secret = yaml.safe_load(tls_secret(INFRA, "server-tokens-tls", host))
+    backend_server = {"X-Echo-Set-Header": "Server:backend/1.2.3"}
+
+    async def configure(**data: str) -> None:
+        controller = {**CONTROLLER, "data": {**CONTROLLER["data"], **data}}
+        await suite.apply(extra=yaml.safe_dump_all([controller, secret, item]))
+
+    await configure(**{"server-tokens": "false"})
+    secure = await suite.eventually("/", host=host, backend=V1, headers=backend_server, tls=True)
+    assert secure.response_header("Server") is None
+    # The proxy's own answer (ssl-redirect's 308 on plain HTTP) advertises nothing.
+    redirect = await suite.request("/", host=host, headers=backend_server)
+    assert redirect.status == 308 and redirect.response_header("Server") is None
+
+    await configure(**{"server-tokens": "true", "ssl-protocols": "TLSv1.3"})
+
+    async def advertised() -> bool:
+        answer = await suite.request("/", host=host, headers=backend_server, tls=True)
+        return answer.response_header("Server") == "waygate"
+
+    await until(advertised, "Server: waygate with server-tokens true", timeout=20)
+    tls12 = tls_client_context()
+    tls12.maximum_version = ssl.TLSVersion.TLSv1_2
+
+    async def refused() -> bool:
+        try:
+            await suite.request("/", host=host, tls=tls12)
+        except (ssl.SSLError, ConnectionError):
+            return True
+        return False
+
+    await until(refused, "a TLS 1.2 client refused on a TLSv1.3-only host", timeout=20)
+    secure = await suite.request("/", host=host, tls=True)
+    assert secure.status == 200
+    # (other tests apply CONTROLLER again: the ConfigMap's defaults come back live)
 
 
 # ---------------------------------------------------------------- use-proxy-protocol

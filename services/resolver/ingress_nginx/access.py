@@ -16,13 +16,14 @@ Invariants (fail closed):
   its `auth` key; a password hash of a format Waygate cannot verify; digest
   authentication without a realm (nginx's digest module then asks for nothing:
   the Ingress would be open) or without a usable `user:realm:HA1` line; source
-  ranges while the client address would be taken from a header other than
-  X-Forwarded-For; an auth-tls-secret without a ca.crt of PEM certificates (or
+  ranges while the client address would be taken from a forwarded-for-header
+  that is not a header name; an auth-tls-secret without a ca.crt of PEM certificates (or
   with a ca.crl that does not parse), in another namespace or missing; an
   auth-tls-error-page that is a path (nginx's internal redirect) rather than a URL.
 - The client address is the peer's, or with use-forwarded-headers the one
-  X-Forwarded-For names through proxies in proxy-real-ip-cidr (default
-  0.0.0.0/0, as ingress-nginx). With use-proxy-protocol the peer's address is the
+  X-Forwarded-For (forwarded-for-header: Route.client_address_header) names
+  through proxies in proxy-real-ip-cidr (default 0.0.0.0/0, as ingress-nginx).
+  With use-proxy-protocol the peer's address is the
   PROXY header's (the proxy's --proxy-protocol), so the same rules give
   ingress-nginx's real_ip_header proxy_protocol, and with use-forwarded-headers
   its X-Forwarded-For-Proxy-Protocol rule (the header's address trusted through
@@ -134,9 +135,9 @@ def address_problem(config: ControllerConfig) -> str:
     # use-proxy-protocol: the proxy started with --proxy-protocol makes the header's
     # address the peer's, so the rules below hold as they are (config.PROXY_PROTOCOL).
     if config.flag("use-forwarded-headers", False):
-        header = config.text("forwarded-for-header", "X-Forwarded-For")
-        if header.lower() != "x-forwarded-for":
-            return f"the client address from {header} (forwarded-for-header) is not honoured"
+        problem = config.client_address_header()[1]
+        if problem:
+            return problem
         for item in _split(config.text("proxy-real-ip-cidr", _DEFAULT_TRUSTED)):
             if not _cidr(item):
                 return f"proxy-real-ip-cidr: {item!r} is not an address or CIDR"
@@ -149,6 +150,11 @@ def _cidr(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def trusted_proxies(config: ControllerConfig) -> tuple[str, ...]:
+    """proxy-real-ip-cidr with use-forwarded-headers (else none)."""
+    return _trusted(config)
 
 
 def _trusted(config: ControllerConfig) -> tuple[str, ...]:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from waygate.core import regex as linear_regex
+from waygate.core.tls import policy_problem
 from waygate.resolver.gateway import spec as specs
 from waygate.resolver.ingress_nginx import access as nginx_access
 from waygate.resolver.ingress_nginx import catalogue, proxyssl
@@ -208,6 +209,11 @@ class Plan:
     trust_incoming_span: bool = True
     span_name: str = ""
     upstream_http10: bool = False  # proxy-http-version 1.0
+    # The ConfigMap's ssl-protocols / ssl-ciphers (RouteTLS.protocols, .ciphers) and
+    # forwarded-for-header (Route.client_address_header).
+    tls_protocols: tuple[str, ...] = ()
+    tls_ciphers: str = ""
+    client_address_header: str = ""
     # The ConfigMap's no-tls-redirect-locations: paths never redirected to HTTPS.
     no_tls_redirect: tuple[str, ...] = ("/.well-known/acme-challenge",)
     # The ConfigMap's no-auth-locations: paths never asked of an external auth service.
@@ -336,6 +342,13 @@ def plan(
             else ForwardedHeadersMode.IF_NONE
         )
     result.service_upstream = config.flag("service-upstream", False)
+    # server-tokens (default off: ingress-nginx's `more_clear_headers Server`), before
+    # any snippet's more_set_headers, which comes after it as in nginx.
+    server_set, server_remove, _ = config.server_header()
+    result.response_set.extend(server_set)
+    result.response_remove.extend(server_remove)
+    result.tls_protocols, result.tls_ciphers, _ = config.tls_policy()
+    result.client_address_header = config.client_address_header()[0]
     # configmap.go: the valid names of the list (others dropped with a warning).
     result.allowed_response_headers = tuple(
         name
@@ -412,6 +425,15 @@ def plan(
         result.note(Finding(short, valid[short], verdict, text, refuses))
     if refusal:
         result.refuse(UNSUPPORTED, refusal)
+    if result.client_address_header:
+        # forwarded-for-header: the proxy reads the client address from it for the
+        # backend's X-Forwarded-For too, so every route carries the trusted ranges.
+        trusted = nginx_access.trusted_proxies(config)
+        result.access = (
+            RouteAccess(trusted_proxies=trusted)
+            if result.access is None
+            else dataclasses.replace(result.access, trusted_proxies=trusted)
+        )
     if result.access is not None and result.access.auth_type:
         # ingress-nginx's `proxy_set_header Authorization ""`: the backend never
         # sees the credentials (the auth-url service, asked first, still does).
@@ -725,6 +747,18 @@ def _use_regex(
 ) -> None:
     p.use_regex = _flag(value)
     found("use-regex", None if p.use_regex else Verdict.HONOURED, None if p.use_regex else "")
+
+
+@_handles("ssl-ciphers")
+def _ssl_ciphers(
+    p: Plan, short: str, value: str, values: Mapping[str, str], found: Found, *_: Any
+) -> None:
+    problem = policy_problem((), value)
+    if problem:
+        found(short, Verdict.NOT_HONOURED, f"{problem}: the ConfigMap's (or the proxy's) apply")
+        return
+    p.tls_ciphers = value
+    found(short)
 
 
 @_handles("rewrite-target")
@@ -2217,6 +2251,8 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
         tls = route.tls
         if tls is not None and p.hsts is not None:
             tls = dataclasses.replace(tls, hsts=p.hsts)
+        if tls is not None and (p.tls_protocols or p.tls_ciphers):
+            tls = dataclasses.replace(tls, protocols=p.tls_protocols, ciphers=p.tls_ciphers)
         if p.backend_tls:
             tls = _backend_tls(tls, p)
         backends = route.backends
@@ -2236,6 +2272,7 @@ def shape(p: Plan, routes: list[Route], tls_hosts: Iterable[str]) -> list[Route]
             upstream_protocol=p.upstream_protocol,
             request_buffering=p.request_buffering,
             forwarded_headers=p.forwarded,
+            client_address_header=p.client_address_header,
             ingress_verdicts=verdicts,
             access=p.access,
             rate_limit=p.rate_limit,
@@ -2412,7 +2449,7 @@ def _modifier(
 ) -> HeaderModifier | None:
     if not (set_ or add or remove):
         return None
-    return HeaderModifier(set=tuple(set_), add=tuple(add), remove=tuple(remove))
+    return HeaderModifier(set=tuple(set_), add=tuple(add), remove=tuple(dict.fromkeys(remove)))
 
 
 def _backend_tls(tls: RouteTLS | None, p: Plan) -> RouteTLS:

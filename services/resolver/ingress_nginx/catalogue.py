@@ -860,8 +860,10 @@ ENTRIES: tuple[Entry, ...] = (
     _e(
         "ssl-ciphers",
         _matching(re.compile(r"[A-Za-z0-9:_+!-]{1,2048}"), "an OpenSSL cipher list"),
-        X,
-        "per-host cipher lists: the proxy's TLS 1.2+ policy applies",
+        D,
+        "the host's TLS 1.2 suites (nginx's server-level ssl_ciphers; TLS 1.3's are "
+        "OpenSSL's), over the ConfigMap's; host-wide, and with several Ingresses of the "
+        "host giving lists, one of them serves it",
     ),
     _e("ssl-prefer-server-ciphers", boolean, N, "the proxy's TLS stack orders its ciphers"),
     # ------------------------------------------------------------ snippets and WAF

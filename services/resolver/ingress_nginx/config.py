@@ -6,7 +6,10 @@ translation (so a change to the ConfigMap applies live). Every key is given a
 verdict as annotations are: honoured (it gives annotations their defaults or
 maps onto a route field), no-op (nginx tuning with no meaning for a streaming
 proxy) or not honoured. The block lists (block-cidrs, -user-agents, -referers)
-reach every route of the class (waygate.resolver.ingress_nginx.access). A
+reach every route of the class (waygate.resolver.ingress_nginx.access), as do
+server-tokens (a response filter on Server), ssl-protocols and ssl-ciphers
+(RouteTLS.protocols, .ciphers of the class's TLS hosts) and forwarded-for-header
+(Route.client_address_header). A
 not-honoured key that bears on access (global authentication, a WAF, a
 block list or default source range that cannot be honoured) makes every Ingress of the
 class not served: the controller-wide protection cannot be given, so nothing
@@ -20,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from waygate.core.tls import VERSIONS, policy_problem
 from waygate.resolver.ingress_nginx.catalogue import DEFAULT_PREFIX, Verdict
 
 #: ingress-nginx's controller name (IngressClass spec.controller).
@@ -88,6 +92,14 @@ HONOURED_KEYS = frozenset(
         "proxy-cookie-path",
         "use-port-in-redirects",
         "proxy-http-version",
+        # The Server header (more_clear_headers Server) and the HTTPS listener's
+        # versions and ciphers for the class's hosts: `server_header`, `tls_policy`.
+        "server-tokens",
+        "allow-backend-server-header",
+        "ssl-protocols",
+        "ssl-ciphers",
+        # The client address's header (real_ip_header): `client_address_header`.
+        "forwarded-for-header",
         # nginx's http-level `access_log off` (an Ingress cannot turn it back on).
         "disable-access-log",
         "disable-http-access-log",
@@ -178,6 +190,13 @@ _BLOCK_CIDRS = (
     "also applied where an Ingress has source ranges of its own (nginx's http-level "
     "deny is not inherited by a location with allow/deny rules)"
 )
+#: ssl-protocols names nginx knows that Waygate does not serve (its floor is TLS 1.2).
+OLD_PROTOCOLS = ("SSLv2", "SSLv3", "TLSv1", "TLSv1.1")
+#: ingress-nginx's defaults (internal/ingress/controller/config/config.go).
+DEFAULT_PROTOCOLS = "TLSv1.2 TLSv1.3"
+DEFAULT_FORWARDED_FOR = "X-Forwarded-For"
+#: An HTTP field name (RFC 9110 token).
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}")
 #: use-proxy-protocol: "true" -- what a listener reads is the proxy's own setting.
 PROXY_PROTOCOL = (
     "the proxy reads the PROXY header (v1 or v2) on its HTTP and HTTPS ports only when "
@@ -292,13 +311,101 @@ class ControllerConfig:
             and self.text("annotations-risk-level", "High") == "Critical"
         )
 
+    def tls_policy(self) -> tuple[tuple[str, ...], str, dict[str, tuple[Verdict, str]]]:
+        """ssl-protocols and ssl-ciphers as the class's routes carry them
+        (RouteTLS.protocols, .ciphers) and each key's (verdict, note) when given."""
+        notes: dict[str, tuple[Verdict, str]] = {}
+        names = self.text("ssl-protocols", DEFAULT_PROTOCOLS).split()
+        unknown = [n for n in names if n not in OLD_PROTOCOLS and n not in VERSIONS]
+        served = tuple(n for n in VERSIONS if n in names)
+        protocols: tuple[str, ...] = ()
+        if unknown:
+            notes["ssl-protocols"] = (
+                Verdict.NOT_HONOURED,
+                f"{unknown[0]!r} is not a protocol nginx knows: TLSv1.2 and TLSv1.3 are served",
+            )
+        elif not served:
+            notes["ssl-protocols"] = (
+                Verdict.NOT_HONOURED,
+                "only protocols older than TLS 1.2, which Waygate never serves: the "
+                "class's hosts keep TLSv1.2 and TLSv1.3",
+            )
+        else:
+            differences = []
+            if any(n in OLD_PROTOCOLS for n in names):
+                older = " ".join(n for n in names if n in OLD_PROTOCOLS)
+                differences.append(f"{older} not served (Waygate's floor is TLS 1.2)")
+            if "TLSv1.3" not in served:
+                differences.append(
+                    "a client offering TLS 1.3 gets it (the version is chosen before "
+                    "the host is known; only older versions are refused per host)"
+                )
+            elif "TLSv1.2" not in served:
+                protocols = ("TLSv1.3",)
+            notes["ssl-protocols"] = (
+                (Verdict.DIFFERENT, "; ".join(differences))
+                if differences
+                else (Verdict.HONOURED, "")
+            )
+        ciphers = self.text("ssl-ciphers", "")
+        if ciphers:
+            problem = policy_problem((), ciphers)
+            notes["ssl-ciphers"] = (
+                (Verdict.NOT_HONOURED, f"{problem}: the proxy's ciphers apply")
+                if problem
+                else (Verdict.HONOURED, "the TLS 1.2 suites (TLS 1.3's are OpenSSL's, as nginx's)")
+            )
+            if problem:
+                ciphers = ""
+        return protocols, ciphers, notes
+
+    def server_header(self) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...], str]:
+        """server-tokens (and allow-backend-server-header) as response filters: (lines
+        set, names removed, the difference to report or "").
+
+        ingress-nginx renders `server_tokens off; more_clear_headers Server;` by
+        default: no Server header on any answer. With "true", nginx's proxy module
+        hides the backend's Server (unless allow-backend-server-header) and sends its
+        own, "nginx/VERSION"."""
+        if not self.flag("server-tokens", False):
+            return (), ("Server",), ""
+        if self.flag("allow-backend-server-header", False):
+            return (), (), ""
+        return (
+            (("Server", "waygate"),),
+            (),
+            "the backends' answers carry Server: waygate, without a version; the "
+            "proxy's own answers carry no Server header",
+        )
+
+    def client_address_header(self) -> tuple[str, str]:
+        """forwarded-for-header as Route.client_address_header (a lower-case name; ""
+        for X-Forwarded-For or without use-forwarded-headers) and why it cannot be
+        honoured ("" : it can)."""
+        header = self.text("forwarded-for-header", DEFAULT_FORWARDED_FOR)
+        if not _HEADER_NAME.fullmatch(header):
+            return "", f"forwarded-for-header {header!r} is not a header name"
+        if not self.flag("use-forwarded-headers", False) or header.lower() == "x-forwarded-for":
+            return "", ""
+        return header.lower(), ""
+
     def verdicts(self) -> list[KeyVerdict]:
         """Each key's verdict from its own value (`annotations.config_verdicts` judges
         the annotation defaults and the header keys further)."""
         out = []
+        tls_notes = self.tls_policy()[2]
         for key in sorted(self.data):
             value = str(self.data[key])
-            if key == "block-cidrs":
+            if key in tls_notes:
+                verdict, note = tls_notes[key]
+                out.append(KeyVerdict(key, value, verdict, note))
+            elif key == "server-tokens" and self.server_header()[2]:
+                out.append(KeyVerdict(key, value, Verdict.DIFFERENT, self.server_header()[2]))
+            elif key == "forwarded-for-header" and self.client_address_header()[1]:
+                out.append(
+                    KeyVerdict(key, value, Verdict.NOT_HONOURED, self.client_address_header()[1])
+                )
+            elif key == "block-cidrs":
                 out.append(KeyVerdict(key, value, Verdict.DIFFERENT, _BLOCK_CIDRS))
             elif key in ("block-user-agents", "block-referers") and "~" in value:
                 out.append(KeyVerdict(key, value, Verdict.DIFFERENT, _BLOCK_RE2))
@@ -311,7 +418,6 @@ class ControllerConfig:
                 or key in ANNOTATION_DEFAULT_KEYS
                 or key in HEADER_KEYS
                 or key == "retry-non-idempotent"
-                or (key == "forwarded-for-header" and value.lower() == "x-forwarded-for")
                 or (key == "use-proxy-protocol" and value not in _TRUE)
             ):
                 out.append(KeyVerdict(key, value, Verdict.HONOURED))

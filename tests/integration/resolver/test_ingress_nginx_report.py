@@ -99,6 +99,8 @@ def test_the_json_report_over_the_examples():
     assert keys["worker-processes"] == "no-op"
     assert keys["use-forwarded-headers"] == "honoured"
     assert keys["proxy-body-size"] == "honoured"
+    for key in ("server-tokens", "ssl-protocols", "ssl-ciphers"):
+        assert keys[key] == "honoured", key
 
 
 def test_the_table_report_and_snippets_refused_without_the_configmap():

@@ -103,9 +103,7 @@ def test_access_annotation_denied_differences_warned_others_admitted():
     assert response["allowed"] is False and "UnsupportedAnnotation" in response["status"]["message"]
     response = answer(admission_review({P + "fastcgi-index": "index.php"}))
     assert response["allowed"] is True
-    assert any(
-        w.startswith("fastcgi-index: not-honoured") for w in response["warnings"]
-    )
+    assert any(w.startswith("fastcgi-index: not-honoured") for w in response["warnings"])
     response = answer(admission_review({P + "custom-http-errors": "404,503"}))
     assert response["allowed"] is True
     assert any(

@@ -219,7 +219,7 @@ def test_ssl_redirect_false_and_force_ssl_redirect():
     [route] = routes_of(ingress("f", {P + "force-ssl-redirect": "true"}))
     assert route.filters and route.filters.redirect and route.filters.redirect.status == 308
     [route] = routes_of(ingress("n", {P + "ssl-redirect": "false"}))
-    assert route.filters is None
+    assert route.filters is not None and route.filters.redirect is None
 
 
 def test_permanent_redirect_app_root_www_alias_vhost_and_headers():

@@ -91,8 +91,8 @@ def test_use_forwarded_headers_trusts_proxy_real_ip_cidr():
     ("data", "why"),
     [
         (
-            {"use-forwarded-headers": "true", "forwarded-for-header": "CF-Connecting-IP"},
-            "CF-Connecting-IP",
+            {"use-forwarded-headers": "true", "forwarded-for-header": "X Client"},
+            "is not a header name",
         ),
     ],
 )
@@ -106,6 +106,29 @@ def test_a_client_address_the_proxy_cannot_find_refuses_source_ranges(data, why)
     assert reason == "UnsupportedAnnotation" and why in message
     assert "denylist-source-range" in message
     assert served(found, "plain")
+
+
+def test_forwarded_for_header_names_where_trusted_peers_give_the_client_address():
+    # ingress-nginx's real_ip_header {{ $cfg.ForwardedForHeader }} (nginx.tmpl).
+    data = {"use-forwarded-headers": "true", "forwarded-for-header": "CF-Connecting-IP"}
+    found = routes(
+        configmap(**data, **{"proxy-real-ip-cidr": "10.0.0.0/8"}),
+        ingress("ranges", {P + "denylist-source-range": "192.0.2.0/24"}),
+        ingress("plain", host="plain.example.com"),
+    )
+    for name in ("ranges", "plain"):
+        [route] = by_ingress(found, name)
+        assert route.ingress_refusal is None
+        assert route.client_address_header == "cf-connecting-ip"
+        assert route.access is not None and route.access.trusted_proxies == ("10.0.0.0/8",)
+    assert access_of(found, "ranges").deny == ("192.0.2.0/24",)  # type: ignore[union-attr]
+    # Without use-forwarded-headers the key changes nothing (nginx's real_ip is off).
+    found = routes(
+        configmap(**{"forwarded-for-header": "CF-Connecting-IP"}),
+        ingress("plain", host="plain.example.com"),
+    )
+    [route] = by_ingress(found, "plain")
+    assert route.client_address_header == "" and route.access is None
 
 
 def _auth(**extra: str) -> dict[str, str]:

@@ -419,6 +419,7 @@ DERIVED_SAMPLES: dict[str, dict[str, Any]] = {
         "upstream_scheme_from_client": True,
         "upstream_http10": True,
         "redirect_location": "https://x.example.com/a?b=c",
+        "client_address_header": "cf-connecting-ip",
         "span_name": "HTTP $request_method web",
         "tracing_off": True,
         "untrusted_trace_context": True,
@@ -441,6 +442,8 @@ DERIVED_SAMPLES: dict[str, dict[str, Any]] = {
         "destination_san_uris": ("spiffe://x/y",),
         "backend_client_certificate": "-----BEGIN CERTIFICATE-----\nclient\n",
         "backend_client_key": "-----BEGIN PRIVATE KEY-----\nclient\n",
+        "protocols": ("TLSv1.3",),
+        "ciphers": "ECDHE-ECDSA-AES256-GCM-SHA384",
     },
 }
 
