@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import dataclasses
 import ipaddress
 import re
 import socket
@@ -56,7 +55,7 @@ from waygate.core import digest
 from waygate.core.htpasswd import parse_credentials, verify
 from waygate.core.regex import LinearPattern, compile_linear
 from waygate.proxy.http1 import RequestHead
-from waygate.resolver.client import HeaderModifier, Route, RouteAccess
+from waygate.resolver.client import Route, RouteAccess
 
 #: Answer kinds (the refusal metric's labels).
 KIND_DENIED: Final = "access_denied"
@@ -446,25 +445,8 @@ def forwarded_client(forward: Any, req: RequestHead, facts: Any) -> None:
 
 
 def has_digest(entry: _Entry) -> bool:
-    """The request core's `applies` for `authentication_info` (after `prepare`)."""
+    """The request core's `applies` for its digest_info shaper (after `prepare`)."""
     return entry.access is not None and entry.access.is_digest
-
-
-def authentication_info(forward: Any, req: RequestHead, facts: Any) -> None:
-    """A shaper: the good digest answer's Authentication-Info on the response (set by
-    `decide` in this same synchronous pass of the request core)."""
-    check = forward.entry.access
-    if check.info:
-        # (The route's filters and CORS made the modifier; the auth cookie comes
-        # after decide. dataclasses.replace keeps a ResponseRules one whole.)
-        line = (("Authentication-Info", check.info),)
-        modifier = forward.response_modifier
-        forward.response_modifier = (
-            HeaderModifier(add=line)
-            if modifier is None
-            else dataclasses.replace(modifier, add=(*modifier.add, *line))
-        )
-        check.info = ""
 
 
 def _blocked(matchers: Sequence[Matcher], value: bytes | None) -> bool:

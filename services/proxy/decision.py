@@ -438,19 +438,22 @@ def _http10_upgrade(forward: Forward, req: RequestHead, facts: ConnectionFacts) 
     return None
 
 
-def _request_filters(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
-    """HTTPRoute filters without a URLRewrite or RequestHeaderModifier (those are the
-    entry's filters.PathRewrite, its `shape` bound): the ResponseHeaderModifier is
-    kept for the answer."""
-    if forward.response_modifier is None:  # (a CORS answer holds the route's own)
-        forward.response_modifier = forward.entry.route.filters.response_headers  # type: ignore[union-attr]
-    return None
-
-
 def _request_filters_bound(entry: RouteEntry) -> Runner:
+    """HTTPRoute filters: a URLRewrite or RequestHeaderModifier is the entry's
+    filters.PathRewrite (its `shape` bound); without them, the ResponseHeaderModifier
+    (filters.remembered, once per entry) is kept for the answer."""
     rewrite = entry.policies["rewrite"]  # (prepared by _has_filters)
     if rewrite is None:
-        return _request_filters
+        modifier = entry.policies["response_headers"]
+
+        def keep_response_headers(
+            forward: Forward, req: RequestHead, facts: ConnectionFacts
+        ) -> Answer | None:
+            if forward.response_modifier is None:  # (a CORS answer holds the route's own)
+                forward.response_modifier = modifier
+            return None
+
+        return keep_response_headers
     if rewrite.slash_prefix and rewrite.response_headers is None:
         return rewrite.shape_slash_prefix  # type: ignore[no-any-return]
     return rewrite.shape  # type: ignore[no-any-return]
@@ -512,12 +515,15 @@ def _has_filters(entry: RouteEntry) -> bool:
     route_filters = entry.route.filters
     if route_filters is None:
         return False
+    response_headers = entry.policies["response_headers"] = filters.remembered(
+        route_filters.response_headers
+    )
     entry.policies["rewrite"] = (
         filters.PathRewrite(
             route_filters.rewrite,
             route_filters.request_headers,
             entry.path,
-            route_filters.response_headers,
+            response_headers,
         )
         if route_filters.rewrite is not None or route_filters.request_headers is not None
         else None
@@ -643,6 +649,19 @@ def _scheme_from_client(
     return None
 
 
+def _digest_info(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
+    """The good digest answer's Authentication-Info on the response (the route's
+    AccessCheck set it in this same synchronous pass; the route's filters and CORS
+    made the modifier it is added to)."""
+    check = forward.entry.access
+    assert check is not None  # (access.has_digest)
+    if check.info:
+        line = (("Authentication-Info", check.info),)
+        forward.response_modifier = filters.with_added(forward.response_modifier, line)
+        check.info = ""
+    return None
+
+
 def _limit_rate(forward: Forward, req: RequestHead, facts: ConnectionFacts) -> Answer | None:
     """ingress-nginx limit-rate/-after: the response is paced (`waygate.proxy.throttle`)."""
     route = forward.entry.route
@@ -689,7 +708,7 @@ SHAPERS: tuple[Rule, ...] = (
         lambda entry: bool(entry.route.rewrite_target) and entry.regex is not None,
         _capture_rewrite,
     ),
-    Rule("digest_info", access.has_digest, access.authentication_info),
+    Rule("digest_info", access.has_digest, _digest_info),
     # After the filters and the rewrite (their copy is the one changed).
     Rule("forwarded_client", access.reads_header, access.forwarded_client),
     Rule("limit_rate", lambda entry: entry.route.limit_rate > 0, _limit_rate),

@@ -140,6 +140,16 @@ def with_added(
     return dataclasses.replace(modifier, add=(*modifier.add, *lines))
 
 
+def remembered(modifier: Any) -> Any:
+    """A route's own ResponseHeaderModifier as the request core keeps it, prepared once
+    per route entry: a SetFields of no lines of its own over it, which remembers its
+    last block's result, so a response head seen again (a remembered parse's copies
+    share the block) costs no rewrite. Other modifiers as they are."""
+    if type(modifier) is HeaderModifier:
+        return SetFields((), modifier)
+    return modifier
+
+
 def modify_response_fields(
     fields: bytes, modifier: HeaderModifier | SetFields, status: int = 200
 ) -> bytes:

@@ -170,3 +170,27 @@ def test_the_qop_the_client_names_is_hashed_as_the_module_does():
         f'qop=auth-int, nc=00000002, cnonce="c", response="{good}"'
     )
     assert check.decide(req("/", header), b"192.0.2.1") is None
+
+
+def test_the_authentication_info_joins_a_cors_answer_and_the_routes_own_lines():
+    # The request core's digest_info shaper adds Authentication-Info to whatever
+    # response modifier the route's filters and CORS made (filters.SetFields ones
+    # included: a route's own lines are kept as filters.remembered).
+    from tests.unit.proxy.test_decision import Facts, ep, rt, view
+    from waygate.proxy import filters
+    from waygate.proxy.decision import Answer, Forward, decide
+    from waygate.resolver.model import Cors, HeaderModifier, RouteFilters
+
+    route = rt(
+        access=RULES,
+        cors=Cors(),
+        filters=RouteFilters(response_headers=HeaderModifier(set=(("X-Route", "r"),))),
+    )
+    built = view([route], [ep()])
+    refused = decide(built, req(), Facts(), 0.0)
+    assert isinstance(refused, Answer) and refused.status == 401
+    forward = decide(built, req("/", answer(refused.reason.split("\r\n")[0])), Facts(), 0.0)
+    assert isinstance(forward, Forward) and forward.response_modifier is not None
+    out = filters.modify_response_fields(b"\r\nServer: x", forward.response_modifier)
+    assert b"Authentication-Info: qop=" in out
+    assert b"X-Route: r" in out and b"Access-Control-Allow-Origin: *" in out

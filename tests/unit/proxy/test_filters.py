@@ -121,3 +121,23 @@ def test_the_inline_slash_prefix_rewrite_is_the_general_ones(replacement: str, t
     rewrite.shape_slash_prefix(forward, head, None)
     assert forward.rewritten_target == rewrite.target(head, path)
     assert not PathRewrite(Rewrite(path_type=PREFIX, path="/x"), None, b"/api").slash_prefix
+
+
+def test_a_remembered_route_modifier_rewrites_as_the_general_one_and_keeps_its_last_block():
+    # filters.remembered: the route's ResponseHeaderModifier prepared once per entry
+    # gives what the general rewrite gives, and a block seen again its remembered result.
+    from waygate.proxy.filters import SetFields, modify_response_fields, remembered
+
+    modifier = HeaderModifier(
+        set=(("X-Set", "v"),), add=(("X-Add", "a"),), remove=("Server", "X-Gone")
+    )
+    kept = remembered(modifier)
+    assert isinstance(kept, SetFields) and remembered(None) is None
+    block = b"\r\nServer: nginx/1.22.1\r\nX-Set: old\r\nX-Gone: g\r\nContent-Type: text/plain"
+    expected = modify_response_fields(block, modifier)
+    assert b"Server" not in expected and b"X-Set: v" in expected and b"X-Add: a" in expected
+    first = modify_response_fields(block, kept)
+    assert first == expected
+    assert modify_response_fields(block, kept) is first  # the same block: remembered
+    other = block.replace(b"text/plain", b"text/html")
+    assert modify_response_fields(other, kept) == modify_response_fields(other, modifier)
