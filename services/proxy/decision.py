@@ -454,7 +454,7 @@ def _request_filters_bound(entry: RouteEntry) -> Runner:
             return None
 
         return keep_response_headers
-    if rewrite.slash_prefix and rewrite.response_headers is None:
+    if rewrite.slash_prefix:
         return rewrite.shape_slash_prefix  # type: ignore[no-any-return]
     return rewrite.shape  # type: ignore[no-any-return]
 

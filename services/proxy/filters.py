@@ -297,17 +297,19 @@ class PathRewrite:
             forward.response_modifier = self.response_headers  # (a CORS answer holds it)
 
     def shape_slash_prefix(self, forward: Any, req: Any, facts: Any) -> None:
-        """`shape` for the commonest rewrite alone (`slash_prefix`, no response header
-        modifier): `target`'s prefix case inline, the replacement, then the rest of the
-        path without its leading slashes, then the query (none when the request core's
-        path is the target itself)."""
+        """`shape` for the commonest rewrite alone (`slash_prefix`): `target`'s prefix
+        case inline, the replacement, then the rest of the path without its leading
+        slashes, then the query (none when the request core's path is the target
+        itself); the route's response modifier kept as `shape` keeps it."""
         path = forward.path
-        if path[:1] != b"/":
+        if path[:1] == b"/":
+            new = self.replacement + path[self.cut :].lstrip(b"/")  # type: ignore[operator]
+            target = req.target
+            forward.rewritten_target = new if path is target else new + target[len(path) :]
+        else:
             forward.rewritten_target = self.target(req, path)
-            return
-        new = self.replacement + path[self.cut :].lstrip(b"/")  # type: ignore[operator]
-        target = req.target
-        forward.rewritten_target = new if path is target else new + target[len(path) :]
+        if self.response_headers is not None and forward.response_modifier is None:
+            forward.response_modifier = self.response_headers  # (a CORS answer holds it)
 
     def target(self, req: Any, path: bytes) -> bytes:
         """The request's target after the rewrite (`path`: its path, without the query)."""

@@ -117,7 +117,7 @@ def test_the_inline_slash_prefix_rewrite_is_the_general_ones(replacement: str, t
     head = parse_request_head(f"GET {target} HTTP/1.1\r\nHost: a.test\r\n\r\n".encode())
     query = head.target.find(b"?")
     path = head.target if query < 0 else head.target[:query]
-    forward = SimpleNamespace(path=path, rewritten_target=None)
+    forward = SimpleNamespace(path=path, rewritten_target=None, response_modifier=None)
     rewrite.shape_slash_prefix(forward, head, None)
     assert forward.rewritten_target == rewrite.target(head, path)
     assert not PathRewrite(Rewrite(path_type=PREFIX, path="/x"), None, b"/api").slash_prefix
@@ -141,3 +141,17 @@ def test_a_remembered_route_modifier_rewrites_as_the_general_one_and_keeps_its_l
     assert modify_response_fields(block, kept) is first  # the same block: remembered
     other = block.replace(b"text/plain", b"text/html")
     assert modify_response_fields(other, kept) == modify_response_fields(other, modifier)
+
+
+def test_the_inline_slash_prefix_rewrite_keeps_the_routes_response_modifier():
+    modifier = HeaderModifier(remove=("Server",))
+    rewrite = PathRewrite(Rewrite(path_type=PREFIX, path="/"), None, b"/api", modifier)
+    assert rewrite.slash_prefix
+    head = parse_request_head(b"GET /api/64 HTTP/1.1\r\nHost: a.test\r\n\r\n")
+    forward = SimpleNamespace(path=head.target, rewritten_target=None, response_modifier=None)
+    rewrite.shape_slash_prefix(forward, head, None)
+    assert forward.rewritten_target == b"/64" and forward.response_modifier is modifier
+    held = object()  # a CORS answer's modifier already holds the route's own lines
+    forward = SimpleNamespace(path=head.target, rewritten_target=None, response_modifier=held)
+    rewrite.shape_slash_prefix(forward, head, None)
+    assert forward.response_modifier is held
