@@ -1451,16 +1451,6 @@ def test_an_invalid_subset_size_refuses_the_ingress_alone(size):
     assert served(routes, "good")
 
 
-def _with_config(data: dict[str, str], *items: dict[str, Any]) -> list[Route]:
-    config = {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": {"name": "c", "namespace": "ingress-nginx"},
-        "data": data,
-    }
-    return routes_of(config, *items, settings=IngressNginx(configmap=("ingress-nginx", "c")))
-
-
 def verdict_of(route: Route, short: str) -> str:
     return next(line for line in route.ingress_verdicts if line.startswith(short + ": "))
 
@@ -1484,7 +1474,7 @@ def test_opentelemetry_annotations_and_their_configmap_defaults():
     assert "honoured-with-difference" in verdict_of(on, "enable-opentelemetry")
     # The ConfigMap turns it on for every Ingress; an annotation turns it off again.
     data = {"enable-opentelemetry": "true", "opentelemetry-operation-name": "HTTP $host"}
-    global_on, off = _with_config(
+    global_on, off = _global(
         data, ingress("g"), ingress("off", {P + "enable-opentelemetry": "false"}, host="o.test")
     )
     assert not global_on.tracing_off and global_on.span_name == "HTTP $host"
@@ -1493,7 +1483,7 @@ def test_opentelemetry_annotations_and_their_configmap_defaults():
     [noop] = routes_of(ingress("n", {P + "opentelemetry-trust-incoming-span": "false"}))
     assert noop.tracing_off and not noop.untrusted_trace_context
     # A ConfigMap name with a variable nothing fills in is reported and not used.
-    [unknown] = _with_config(
+    [unknown] = _global(
         {"enable-opentelemetry": "true", "opentelemetry-operation-name": "HTTP $request_id"},
         ingress("u"),
     )
